@@ -1,0 +1,37 @@
+"""fpdoctor: why a PyTorch workload crashes with SIGFPE, produces NaN/Inf or silently loses
+accuracy after a change of precision, device, GPU model or library version - and what to do.
+
+Importing fpdoctor never imports torch and never initialises CUDA (SPEC 3.4): the public
+functions import what they need when they are called.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fpdoctor._version import __version__
+
+if TYPE_CHECKING:
+    from fpdoctor.env.doctor import diagnose_env
+    from fpdoctor.report.model import Finding, Report, Severity
+
+# Public name -> module that defines it; imported on first use, so `import fpdoctor` stays cheap.
+_LAZY = {
+    "Finding": "fpdoctor.report.model",
+    "Report": "fpdoctor.report.model",
+    "Severity": "fpdoctor.report.model",
+    "diagnose_env": "fpdoctor.env.doctor",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fpdoctor' has no attribute {name!r}")
+
+
+__all__ = ["Finding", "Report", "Severity", "__version__", "diagnose_env"]

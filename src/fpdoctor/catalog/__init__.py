@@ -1,0 +1,85 @@
+"""Every finding code as data: code, name, severity, title, documentation, fix, references.
+
+Codes are stable and never reused (like ruff's rule codes). A capability creates findings with
+`make(name, ...)`, so the code, title and default severity always come from here.
+`fpdoctor explain CODE|NAME` and `fpdoctor rules` read this catalogue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fpdoctor.report.model import Finding, Severity
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rule:
+    code: str
+    name: str
+    severity: Severity
+    title: str
+    what: str  # what it detects
+    why: str  # why it matters
+    fix: str  # the general fix; findings carry the exact one for the user's versions
+    references: tuple[str, ...] = ()
+    since: str = "0.1.0"
+
+    def __post_init__(self) -> None:
+        if not (self.code[:3].isalpha() and self.code[3:].isdigit() and len(self.code) == 6):
+            raise ValueError(f"rule code must look like ENV001, got {self.code!r}")
+        if self.name != self.name.lower() or " " in self.name:
+            raise ValueError(f"rule name must be a lower-case slug, got {self.name!r}")
+
+
+def _all_rules() -> tuple[Rule, ...]:
+    from fpdoctor.catalog.env import ENV_RULES
+
+    return ENV_RULES
+
+
+class UnknownRuleError(LookupError):
+    pass
+
+
+def rules() -> tuple[Rule, ...]:
+    return _all_rules()
+
+
+def get(code_or_name: str) -> Rule:
+    key = code_or_name.strip()
+    for rule in _all_rules():
+        if key.upper() == rule.code or key.lower() == rule.name:
+            return rule
+    raise UnknownRuleError(code_or_name)
+
+
+def make(
+    name: str,
+    *,
+    message: str,
+    fix: str | None = None,
+    severity: Severity | None = None,
+    where: Mapping[str, Any] | None = None,
+    evidence: Mapping[str, Any] | None = None,
+    references: tuple[str, ...] | list[str] = (),
+    title: str | None = None,
+) -> Finding:
+    """Build a finding for catalogue rule `name`; unspecified fields come from the catalogue."""
+    rule = get(name)
+    refs = tuple(dict.fromkeys([*references, *rule.references]))  # keep order, drop repeats
+    return Finding(
+        code=rule.code,
+        name=rule.name,
+        severity=severity or rule.severity,
+        title=title or rule.title,
+        message=message,
+        fix=rule.fix if fix is None else fix,
+        where=dict(where or {}),
+        evidence=dict(evidence or {}),
+        references=refs,
+    )
+
+
+__all__ = ["Rule", "UnknownRuleError", "get", "make", "rules"]

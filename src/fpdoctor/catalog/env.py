@@ -1,0 +1,136 @@
+"""Environment-doctor finding codes (ENV0xx: the build; ENV1xx: CUDA libraries; ENV2xx: probes)."""
+
+from __future__ import annotations
+
+from fpdoctor.catalog import Rule
+from fpdoctor.report.model import Severity
+
+E, W, I = Severity.ERROR, Severity.WARNING, Severity.INFO
+
+ENV_RULES: tuple[Rule, ...] = (
+    Rule(
+        code="ENV001", name="torch-import-failed", severity=E,
+        title="`import torch` fails",
+        what="Runs `import torch` in a child process and reports the error it raised or the "
+        "signal it died of, matched against known causes (a missing or mismatched shared "
+        "library, a NumPy ABI break, a half-installed wheel).",
+        why="Nothing else in PyTorch can run; the error text usually names a symptom, not a cause.",
+        fix="Follow the cause-specific fix in the finding; otherwise reinstall torch in a clean "
+        "virtual environment: python -m pip install --force-reinstall torch",
+    ),
+    Rule(
+        code="ENV002", name="cpu-only-build", severity=E,
+        title="PyTorch was built without CUDA, but this machine has NVIDIA GPUs",
+        what="The installed torch has no CUDA support (`torch.version.cuda` is None, or a "
+        "`+cpu` wheel) while NVML, nvidia-smi or the pasted report shows NVIDIA GPUs.",
+        why="Every tensor stays on the CPU; `torch.cuda.is_available()` is False and .cuda() raises.",
+        fix="Install a CUDA build: python -m pip install --force-reinstall torch "
+        "--index-url https://download.pytorch.org/whl/cu126",
+        references=("https://pytorch.org/get-started/locally/",),
+    ),
+    Rule(
+        code="ENV003", name="driver-too-old", severity=E,
+        title="The NVIDIA driver is older than the CUDA runtime this torch build needs",
+        what="Compares the driver version with the minimum for the build's CUDA major version "
+        "(NVIDIA's minor-version-compatibility floor) and for the exact toolkit.",
+        why="CUDA initialisation fails ('driver on your system is too old', error 803/804), or "
+        "newer features and PTX JIT fail later.",
+        fix="Upgrade the NVIDIA driver, or install the torch variant built for an older CUDA.",
+        references=("https://docs.nvidia.com/cuda/cuda-toolkit-release-notes/",),
+    ),
+    Rule(
+        code="ENV004", name="arch-not-in-build", severity=E,
+        title="The GPU's compute capability is not compiled into this torch build",
+        what="Checks each GPU's compute capability against the build's SASS targets (same major "
+        "version, equal or lower minor) and PTX target, and against the CUDA version that first "
+        "supported the architecture.",
+        why="Kernels fail with 'no kernel image is available for execution on the device', or run "
+        "only through slow PTX JIT with libraries that have no kernels for the GPU.",
+        fix="Install a torch build whose arch list covers the GPU (the finding gives the index URL).",
+        references=("https://github.com/pytorch/pytorch/blob/main/RELEASE.md",),
+    ),
+    Rule(
+        code="ENV005", name="duplicate-torch-install", severity=W,
+        title="More than one PyTorch installation is visible",
+        what="Finds several torch distributions on sys.path (user site and a virtual environment, "
+        "a stale dist-info left by an interrupted upgrade) or both pip and conda copies.",
+        why="The copy that is imported may not be the one that was upgraded; version checks lie.",
+        fix="Uninstall until one remains: python -m pip uninstall -y torch (repeat), "
+        "conda remove pytorch; then reinstall once.",
+    ),
+    Rule(
+        code="ENV006", name="numpy-abi-mismatch", severity=E,
+        title="NumPy is incompatible with a compiled module (NumPy 1.x vs 2.x ABI)",
+        what="Matches the NumPy ABI error texts and checks that torch can exchange arrays with numpy.",
+        why="`import torch` warns or fails ('_ARRAY_API not found'), and torch.from_numpy breaks.",
+        fix="python -m pip install 'numpy<2'  # or upgrade the module built against NumPy 1.x",
+        references=("https://github.com/pytorch/pytorch/issues/135013",),
+    ),
+    Rule(
+        code="ENV101", name="cublas-h20-sigfpe", severity=E,
+        title="cuBLAS older than 12.4.5.8 on an NVIDIA H20 dies with SIGFPE",
+        what="An H20 GPU with a loaded (or, failing that, installed) cuBLAS below 12.4.5.8, as "
+        "shipped by CUDA 12.1-era torch wheels; or the crash signature in a log.",
+        why="cuBLASLt's heuristics divide by zero on H20: the process dies with 'Floating point "
+        "exception' in the first nn.Linear, on one GPU or many.",
+        fix="python -m pip install 'nvidia-cublas-cu12==12.4.5.8'  and make sure that copy is "
+        "the one loaded (fpdoctor env shows the loaded path)",
+        references=(
+            "https://github.com/pytorch/pytorch/issues/133548",
+            "https://github.com/pytorch/pytorch/issues/152017",
+        ),
+    ),
+    Rule(
+        code="ENV102", name="duplicate-cuda-library", severity=W,
+        title="Several different copies of one CUDA library are reachable",
+        what="Lists cuBLAS, cuBLASLt, cuDNN, NCCL, cudart and nvJitLink copies in pip wheels, "
+        "torch/lib, LD_LIBRARY_PATH, CUDA_HOME and the ldconfig cache, and reports libraries "
+        "with copies of different versions.",
+        why="Which copy the loader picks depends on RPATH, LD_LIBRARY_PATH and load order; an "
+        "upgrade of one copy may change nothing.",
+        fix="Remove stray directories from LD_LIBRARY_PATH and uninstall duplicate nvidia-* wheels.",
+        references=("https://github.com/pytorch/pytorch/issues/78489",),
+    ),
+    Rule(
+        code="ENV103", name="library-shadowed", severity=E,
+        title="The loaded copy of a CUDA library is not the installed wheel's copy",
+        what="Forces torch to load its CUDA libraries in a child process, reads /proc/self/maps "
+        "and compares each mapped library with the pip wheel that should provide it.",
+        why="An upgraded wheel (say nvidia-cublas-cu12) has no effect while an older copy on "
+        "LD_LIBRARY_PATH or inside torch/lib is the one in the process.",
+        fix="Remove the directory of the loaded copy from LD_LIBRARY_PATH, or prepend the wheel's "
+        "lib directory to it.",
+    ),
+    Rule(
+        code="ENV104", name="known-issue", severity=W,
+        title="Matches a known problem in the PyTorch/CUDA stack",
+        what="Matches error text (a pasted log, the import error, warnings) and versions against "
+        "the known-issues table shipped with fpdoctor.",
+        why="Known problems have known fixes; the finding says how sure the source is.",
+        fix="See the finding.",
+    ),
+    Rule(
+        code="ENV201", name="probe-crashed", severity=E,
+        title="An isolated GEMM probe died by a signal",
+        what="Runs small matrix multiplications per dtype in child processes with a timeout; a "
+        "child killed by SIGFPE, SIGSEGV, SIGABRT or SIGBUS is reported here.",
+        why="The same call crashes your job; the probe names the dtype and shape that crash.",
+        fix="See the related finding that explains the crash; otherwise report the probe's "
+        "dtype, shape and library versions upstream.",
+    ),
+    Rule(
+        code="ENV202", name="probe-wrong-result", severity=E,
+        title="A GEMM probe returned a wrong result",
+        what="Compares each probe's result with a float64 CPU reference, with a tolerance derived "
+        "from the dtype's precision and the reduction length.",
+        why="A library or GPU that computes wrong matrix products corrupts training silently.",
+        fix="Re-run the probe; if it repeats, test the GPU (fpdoctor health) and the library version.",
+    ),
+    Rule(
+        code="ENV203", name="probe-timed-out", severity=W,
+        title="A GEMM probe did not finish in time",
+        what="A probe child that is still running after its timeout is killed and reported.",
+        why="A hang in a basic GEMM points at the driver, a wedged GPU or a library deadlock.",
+        fix="Check nvidia-smi for a wedged GPU and the kernel log for Xid errors.",
+    ),
+)

@@ -1,0 +1,50 @@
+"""What every subcommand shares: --format/-o, atomic writes, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fpdoctor.cli.errors import ExitCode, UsageError
+from fpdoctor.report.render import FORMATS, render
+
+__all__ = ["ExitCode", "UsageError", "add_output_args", "emit", "write_atomic"]
+
+
+def add_output_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
+    parser.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead of stdout")
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write via a temporary file in the same directory and rename, so a reader never sees half a file."""
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"{path} is a directory; give a file name for -o/--save-facts")
+    if target.exists() and not target.is_file():
+        # /dev/null, /dev/stdout, a named pipe: write through; renaming over them would replace them.
+        with target.open("w", encoding="utf-8") as fh:
+            fh.write(text)
+        return
+    if not target.parent.exists():
+        raise UsageError(f"{target.parent} does not exist; create it or choose another output path")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def emit(report_dict: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.output:
+        write_atomic(args.output, render(report_dict, args.format, color=False))
+        return
+    color = args.format == "text" and sys.stdout.isatty() and "NO_COLOR" not in os.environ
+    sys.stdout.write(render(report_dict, args.format, color=color))

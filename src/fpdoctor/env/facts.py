@@ -1,0 +1,150 @@
+"""The facts model: one JSON-able dict that live collection and offline parsing both produce.
+
+Rules read facts only through `Facts`, so a rule works the same on this machine, on a saved
+facts file and on a pasted `collect_env` report; a fact that a source could not provide is
+None, and `missing` says so in the report.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from packaging.version import Version
+
+from fpdoctor.env.refdata import cuda_variant, refdata, version
+
+SCHEMA = "fpdoctor.facts/1"
+
+
+def empty_facts(origin: str) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "origin": {"kind": origin},
+        "os": {}, "python": {}, "env": {},
+        "torch": {"import": None},
+        "torch_installs": {"installs": [], "debris": []},
+        "gpus": [], "driver": None,
+        "libraries": {"wheels": [], "copies": [], "loaded": None},
+        "texts": [],  # error text to match against known symptoms (logs, import errors, warnings)
+        "probes": [],
+        "not_checked": {},
+        "missing": [],
+    }
+
+
+class Facts:
+    """Read-only typed view over a facts dict."""
+
+    def __init__(self, raw: dict[str, Any]) -> None:
+        self.raw = raw
+
+    @property
+    def origin(self) -> str:
+        return str(self.raw.get("origin", {}).get("kind", "live"))
+
+    @property
+    def offline(self) -> bool:
+        return self.origin != "live"
+
+    @property
+    def torch(self) -> dict[str, Any]:
+        return self.raw.get("torch") or {}
+
+    @property
+    def torch_version(self) -> Version | None:
+        return version(self.torch.get("version"))
+
+    @property
+    def torch_local(self) -> str | None:
+        """The local version label: 'cu121', 'cpu', 'rocm6.0' or None ('2.3.1' from PyPI)."""
+        text = self.torch.get("version") or ""
+        return text.split("+", 1)[1] if "+" in text else None
+
+    @property
+    def build_cuda(self) -> Version | None:
+        """The CUDA version torch was built with; None for CPU builds or unknown."""
+        cuda = version(self.torch.get("cuda"))
+        if cuda is None and self.torch_local and re.fullmatch(r"cu\d{3}", self.torch_local):
+            digits = self.torch_local[2:]
+            cuda = Version(f"{digits[:-1]}.{digits[-1]}")
+        return cuda
+
+    @property
+    def variant(self) -> str | None:
+        cuda = self.build_cuda
+        return cuda_variant(cuda) if cuda else None
+
+    @property
+    def cpu_only_build(self) -> bool | None:
+        """True for a torch without CUDA/ROCm; None when the report does not say."""
+        if self.torch.get("import") != "ok" and not self.torch.get("version"):
+            return None
+        if self.torch_local == "cpu":
+            return True
+        if self.build_cuda or self.torch.get("hip") or (self.torch_local or "").startswith("rocm"):
+            return False
+        if self.torch.get("cuda_known_none"):
+            return True  # a report that says "CUDA used to build PyTorch: None / Could not collect"
+        return True if not self.offline and self.torch.get("import") == "ok" else None
+
+    @property
+    def gpus(self) -> list[dict[str, Any]]:
+        """NVIDIA GPUs with a compute capability filled in from the best available source."""
+        out = []
+        for gpu in self.raw.get("gpus") or []:
+            gpu = dict(gpu)
+            if not gpu.get("compute_capability"):
+                found = refdata().gpu_capability(gpu.get("name", ""))
+                if found:
+                    gpu["compute_capability"] = found[0]
+                    gpu["capability_source"] = f"table ({found[1]['confidence']})"
+            out.append(gpu)
+        return out
+
+    @property
+    def driver(self) -> Version | None:
+        return version((self.raw.get("driver") or {}).get("version"))
+
+    @property
+    def driver_max_cuda(self) -> Version | None:
+        """The newest CUDA the driver supports, as reported by NVML or an error message."""
+        return version((self.raw.get("driver") or {}).get("cuda"))
+
+    @property
+    def windows(self) -> bool:
+        return (self.raw.get("os") or {}).get("system") == "Windows"
+
+    @property
+    def cuda_available(self) -> bool | None:
+        value = self.torch.get("cuda_available")
+        return None if value is None else bool(value)
+
+    @property
+    def arch_list(self) -> list[str] | None:
+        return self.torch.get("arch_list")
+
+    @property
+    def copies(self) -> list[dict[str, Any]]:
+        return (self.raw.get("libraries") or {}).get("copies") or []
+
+    @property
+    def loaded(self) -> list[dict[str, Any]] | None:
+        return (self.raw.get("libraries") or {}).get("loaded")
+
+    @property
+    def wheels(self) -> list[dict[str, Any]]:
+        return (self.raw.get("libraries") or {}).get("wheels") or []
+
+    @property
+    def texts(self) -> list[str]:
+        texts = list(self.raw.get("texts") or [])
+        for key in ("error", "traceback"):
+            if self.torch.get(key):
+                texts.append(self.torch[key])
+        texts += self.torch.get("warnings") or []
+        return texts
+
+    @property
+    def probes(self) -> list[dict[str, Any]]:
+        return self.raw.get("probes") or []

@@ -1,0 +1,60 @@
+"""The environment rule base: one module per concern, registered in one explicit list.
+
+A rule is `check(ctx) -> Iterable[Finding]`. Rules read facts through `Facts`, reference data
+through `RefData`, and may read the findings of rules that ran before them (probes explain
+their crashes with the cuBLAS rule's finding). Order matters only for that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from fpdoctor.env.facts import Facts
+from fpdoctor.env.refdata import RefData, refdata
+from fpdoctor.report.model import Finding, Severity
+
+
+@dataclass
+class Context:
+    facts: Facts
+    ref: RefData
+    symptoms: dict[str, list[str]]  # known-issue id -> the lines of text that matched
+    findings: list[Finding] = field(default_factory=list)
+
+
+Rule = Callable[[Context], Iterable[Finding]]
+
+
+def cap_severity(severity: Severity, confidence: str) -> Severity:
+    """`unconfirmed` facts may suggest but never make an error (SPEC 4)."""
+    if confidence == "unconfirmed" and severity is Severity.ERROR:
+        return Severity.WARNING
+    return severity
+
+
+def all_rules() -> list[Rule]:
+    from fpdoctor.env.rules import arch, builds, cublas, driver, known, libraries, probes
+
+    return [
+        builds.torch_import_failed,
+        builds.cpu_only_build,
+        builds.duplicate_torch_install,
+        builds.numpy_abi_mismatch,
+        driver.driver_too_old,
+        arch.arch_not_in_build,
+        cublas.cublas_h20_sigfpe,
+        libraries.duplicate_cuda_library,
+        libraries.library_shadowed,
+        probes.probe_results,
+        known.known_issues,
+    ]
+
+
+def evaluate(facts: Facts, ref: RefData | None = None) -> list[Finding]:
+    from fpdoctor.env.rules.known import matched_issues
+
+    ctx = Context(facts=facts, ref=ref or refdata(), symptoms=matched_issues(facts.texts))
+    for rule in all_rules():
+        ctx.findings.extend(rule(ctx))
+    return ctx.findings

@@ -1,0 +1,82 @@
+"""driver-too-old: the driver against the CUDA the torch build needs (NVIDIA's tables)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from fpdoctor import catalog
+from fpdoctor.env.refdata import sm_number
+from fpdoctor.env.rules import Context
+from fpdoctor.env.suggest import suggest_build
+from fpdoctor.report.model import Finding, Severity
+
+
+def driver_too_old(ctx: Context) -> Iterable[Finding]:
+    facts = ctx.facts
+    build = facts.build_cuda
+    driver = facts.driver
+    max_cuda = facts.driver_max_cuda
+    matched = ctx.symptoms.get("DRIVER_TOO_OLD_FOR_CUDA")
+    ccs = [sm_number(g["compute_capability"]) for g in facts.gpus if g.get("compute_capability")]
+    evidence: dict[str, Any] = {"driver": str(driver) if driver else None, "torch_cuda": str(build) if build else None}
+    if matched:
+        evidence["matched"] = matched
+
+    floor = ctx.ref.family_floor(build.major, facts.windows) if build else None
+    too_old = False
+    if driver and floor and driver < floor[0]:
+        too_old = True
+        evidence.update(required=str(floor[0]), source=floor[1]["source"], confidence=floor[1]["confidence"])
+    elif not driver and max_cuda and build and max_cuda.major < build.major:
+        # Only the driver's CUDA version is known ("found version 11040" means CUDA 11.4).
+        too_old = True
+        evidence["driver_max_cuda"] = str(max_cuda)
+    elif matched and not (driver and floor):
+        too_old = True
+        if max_cuda:
+            evidence["driver_max_cuda"] = str(max_cuda)
+
+    if not too_old:
+        # Above the family floor but below the exact toolkit's driver: runs under minor-version
+        # compatibility, where PTX JIT of newer code and some APIs are unavailable.
+        exact = ctx.ref.toolkit_floor(build, facts.windows) if build else None
+        if driver and exact and driver < exact[0]:
+            yield catalog.make(
+                "driver-too-old", severity=Severity.INFO,
+                title="The driver runs this CUDA build only under minor-version compatibility",
+                message=(f"Driver {driver} is below {exact[0]}, the driver CUDA {build} shipped with, but above the "
+                         f"CUDA {build.major}.x floor: ordinary kernels run; PTX JIT of newer code does not."),
+                fix=f"Upgrade the NVIDIA driver to >= {exact[0]} if kernels fail to JIT.",
+                evidence={**evidence, "required": str(exact[0]), "source": exact[1]["source"],
+                          "confidence": exact[1]["confidence"]},
+            )
+        return
+
+    newest = ctx.ref.newest_cuda_for_driver(driver, facts.windows) if driver else max_cuda
+    suggestion = suggest_build(ctx.ref, torch_version=facts.torch_version, capabilities=ccs,
+                               driver=driver, windows=facts.windows, max_cuda=newest if not driver else None)
+    fix_lines = []
+    if floor:
+        fix_lines.append(f"Upgrade the NVIDIA driver to >= {floor[0]} (minimum for CUDA {build.major}.x builds"  # type: ignore[union-attr]
+                         f"{' on Windows' if facts.windows else ' on Linux'})")
+    else:
+        fix_lines.append("Upgrade the NVIDIA driver (see the CUDA release notes for the minimum)")
+    if suggestion and (build is None or suggestion.row.cuda < build):
+        fix_lines.append(f"or keep the driver and install a torch built for CUDA {suggestion.row.cuda}:")
+        fix_lines.append(suggestion.command)
+    severity = Severity.ERROR
+    msg_tail = ""
+    if facts.cuda_available and driver:
+        # CUDA still initialised: a forward-compatibility package (cuda-compat) is bridging the gap,
+        # which NVIDIA supports only on data-centre GPUs.
+        severity = Severity.WARNING
+        msg_tail = (" CUDA still initialised, so a forward-compatibility package (cuda-compat) is probably in use; "
+                    "that works only on data-centre GPUs and breaks when the container or host changes.")
+    what = f"driver {driver}" if driver else f"a driver that supports at most CUDA {max_cuda}" if max_cuda else "the driver"
+    needs = f"CUDA {build}" if build else "a newer CUDA"
+    yield catalog.make(
+        "driver-too-old", severity=severity,
+        message=f"torch {facts.torch.get('version') or ''} needs {needs}, but this machine has {what}.{msg_tail}".replace("  ", " "),
+        fix="\n".join(fix_lines), evidence=evidence,
+    )

@@ -1,0 +1,154 @@
+"""Runs in a child interpreter: import torch, make it load its CUDA libraries, report as JSON.
+
+Isolated because `import torch` can fail (missing shared library, NumPy ABI) or kill the
+process (SIGILL, or SIGFPE inside cuBLAS once a GEMM runs), and because the caller's process
+must never initialise CUDA (SPEC 3.4). Facts are printed after each stage, so a crash in a
+later stage still leaves what was learnt before it. Standard library and torch only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import traceback
+import warnings
+from typing import Any
+
+MARKER = "FPDOCTOR-TORCH-FACTS:"
+
+
+def spawn(force_load: bool = True) -> Any:
+    """Start this file as a child interpreter (parent side). Run as a script, not with -m, so the
+    child never imports the fpdoctor package and starts importing torch as early as possible."""
+    import subprocess
+
+    argv = [sys.executable, os.path.abspath(__file__)]  # noqa: PTH100
+    if not force_load:
+        argv.append("--no-force-load")
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def emit(facts: dict[str, Any]) -> None:
+    sys.stdout.write(MARKER + json.dumps(facts, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def mapped_libraries() -> list[str]:
+    """Every shared object mapped into this process, from /proc/self/maps (Linux only)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:  # noqa: PTH123
+            lines = fh.read().splitlines()
+    except OSError:
+        return []
+    paths: dict[str, None] = {}
+    for line in lines:
+        parts = line.split(None, 5)
+        if len(parts) == 6 and ".so" in parts[5]:
+            paths[parts[5].strip()] = None
+    return list(paths)
+
+
+def _try(facts: dict[str, Any], key: str, fn: Any) -> None:
+    try:
+        facts[key] = fn()
+    except Exception as exc:
+        facts.setdefault("errors", {})[key] = f"{type(exc).__name__}: {exc}"
+
+
+def collect(force_load: bool) -> None:
+    facts: dict[str, Any] = {"import": "failed", "stage": "import"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            import torch
+        except ModuleNotFoundError as exc:
+            if exc.name == "torch":
+                facts["import"] = "absent"
+            facts["error"] = f"{type(exc).__name__}: {exc}"
+            facts["traceback"] = traceback.format_exc()[-6000:]
+            emit(facts)
+            return
+        except BaseException as exc:
+            facts["error"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            facts["traceback"] = traceback.format_exc()[-6000:]
+            facts["warnings"] = [str(w.message) for w in caught]
+            emit(facts)
+            return
+        facts.update(
+            {
+                "import": "ok",
+                "stage": "build",
+                "version": torch.__version__,
+                "cuda": torch.version.cuda,
+                "hip": getattr(torch.version, "hip", None),
+                "debug": bool(torch.version.debug),
+                "location": os.path.dirname(torch.__file__),  # noqa: PTH120
+                "python": platform.python_version(),
+            }
+        )
+        _try(facts, "arch_list", lambda: list(torch.cuda.get_arch_list()))
+        _try(facts, "cudnn", lambda: torch.backends.cudnn.version())
+        _try(facts, "nccl", lambda: ".".join(map(str, torch.cuda.nccl.version())) if torch.version.cuda else None)
+        _try(facts, "precision", lambda: {
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+            "fp16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+            "bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "cudnn_deterministic": torch.backends.cudnn.deterministic,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        })
+        _try(facts, "numpy", _numpy_interop)
+        facts["warnings"] = [str(w.message) for w in caught]
+        emit(facts)
+
+        facts["stage"] = "cuda-init"
+        _try(facts, "cuda_available", torch.cuda.is_available)
+        if facts.get("cuda_available"):
+            _try(facts, "devices", lambda: [
+                {
+                    "index": i,
+                    "name": torch.cuda.get_device_name(i),
+                    "compute_capability": "{}.{}".format(*torch.cuda.get_device_capability(i)),
+                }
+                for i in range(torch.cuda.device_count())
+            ])
+        facts["warnings"] = [str(w.message) for w in caught]
+        emit(facts)
+
+        if force_load and facts.get("cuda_available"):
+            # One tiny GEMM and one convolution make torch dlopen cuBLAS/cuBLASLt and cuDNN,
+            # which it otherwise loads lazily; only then does /proc/self/maps show them.
+            facts["stage"] = "force-load"
+            emit(facts)
+            _try(facts, "forced_gemm", lambda: float((torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")).sum()))
+            if torch.backends.cudnn.is_available():
+                _try(facts, "forced_conv", lambda: float(torch.nn.functional.conv2d(
+                    torch.ones(1, 1, 8, 8, device="cuda"), torch.ones(1, 1, 3, 3, device="cuda")).sum()))
+            torch.cuda.synchronize()
+        facts["stage"] = "done"
+        facts["mapped"] = mapped_libraries()
+        facts["warnings"] = [str(w.message) for w in caught]
+        emit(facts)
+
+
+def _numpy_interop() -> dict[str, Any]:
+    import torch
+
+    try:
+        import numpy
+    except ImportError:
+        return {"version": None, "interop": "numpy not installed"}
+    try:
+        torch.from_numpy(numpy.zeros(2)).sum()
+        interop = "ok"
+    except Exception as exc:
+        interop = f"{type(exc).__name__}: {exc}"
+    return {"version": numpy.__version__, "interop": interop}
+
+
+if __name__ == "__main__":
+    collect(force_load="--no-force-load" not in sys.argv)

@@ -1,0 +1,112 @@
+"""The report model every capability returns: a `Report` holding `Finding`s (SPEC 3.1).
+
+Findings are plain data. They are built from the catalogue (`fpdoctor.catalog.make`), so a code,
+its name, title and references always travel together; a capability only adds what it saw.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fpdoctor._version import __version__
+
+SCHEMA = "fpdoctor.report/1"
+
+
+class Severity(str, enum.Enum):
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+    @property
+    def rank(self) -> int:
+        return _RANK[self]
+
+
+_RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.ERROR: 2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finding:
+    """One problem, with the evidence that shows it and the fix that removes it."""
+
+    code: str
+    name: str
+    severity: Severity
+    title: str
+    message: str
+    fix: str = ""
+    where: Mapping[str, Any] = field(default_factory=dict)
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+    references: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.severity, Severity):
+            raise ValueError(f"severity must be a Severity, got {self.severity!r}")
+        if not self.code or not self.name:
+            raise ValueError("a finding needs both a code and a name")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "code": self.code,
+            "name": self.name,
+            "severity": self.severity.value,
+            "title": self.title,
+            "message": self.message,
+            "where": dict(self.where),
+            "evidence": dict(self.evidence),
+            "fix": self.fix,
+            "references": list(self.references),
+        }
+
+
+@dataclass(kw_only=True)
+class Report:
+    """What one command found; `data` holds the capability's facts and tables."""
+
+    command: str
+    findings: list[Finding] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+    version: str = __version__
+
+    def extend(self, findings: Iterable[Finding]) -> None:
+        self.findings.extend(findings)
+
+    @property
+    def verdict(self) -> str:
+        worst = max((f.severity.rank for f in self.findings), default=0)
+        return {0: "ok", 1: "warning", 2: "error"}[worst]
+
+    @property
+    def exit_code(self) -> int:
+        """0 without error-level findings, 1 with them (SPEC 3.3)."""
+        return 1 if self.verdict == "error" else 0
+
+    def sorted_findings(self) -> list[Finding]:
+        """Errors first, then warnings, then notes; stable within a severity."""
+        return sorted(self.findings, key=lambda f: -f.severity.rank)
+
+    def by_name(self, name: str) -> list[Finding]:
+        return [f for f in self.findings if f.name == name]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The public JSON shape, secrets redacted (SPEC 4: nothing secret leaves the machine)."""
+        from fpdoctor.report.redact import redact
+
+        raw = {
+            "schema": SCHEMA,
+            "command": self.command,
+            "version": self.version,
+            "verdict": self.verdict,
+            "findings": [f.to_dict() for f in self.sorted_findings()],
+            "data": self.data,
+        }
+        redacted: dict[str, Any] = redact(raw)
+        return redacted
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False, default=str)

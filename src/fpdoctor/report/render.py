@@ -1,0 +1,177 @@
+"""Renderers: a report dict in, text out. They format; they never compute or collect.
+
+All formats render the *redacted* dict from `Report.to_dict()`, so a secret cannot reach any
+of them. Capabilities that want a facts table put rows in ``data["summary"]`` (label, value)
+and unchecked sources in ``data["not_checked"]``; renderers show both when present.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+from typing import Any
+
+FORMATS = ("text", "json", "markdown", "html")
+
+_SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": "bold cyan"}
+_VERDICT_STYLE = {"error": "bold white on red", "warning": "bold black on yellow", "ok": "bold white on green"}
+
+
+def render(report: dict[str, Any], fmt: str, *, color: bool = False, width: int = 100) -> str:
+    if fmt == "json":
+        return json.dumps(report, indent=2, default=str) + "\n"
+    if fmt == "markdown":
+        return render_markdown(report)
+    if fmt == "html":
+        return render_html(report)
+    if fmt == "text":
+        return render_text(report, color=color, width=width)
+    raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+
+
+def _evidence_lines(evidence: dict[str, Any]) -> list[str]:
+    lines = []
+    for key, value in evidence.items():
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value, default=str)
+        lines.append(f"{key}: {value}")
+    return lines
+
+
+def render_text(report: dict[str, Any], *, color: bool = False, width: int = 100) -> str:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+    from rich.text import Text
+
+    buf = io.StringIO()
+    console = Console(
+        file=buf, width=width, color_system="standard" if color else None,
+        force_terminal=color, highlight=False, soft_wrap=False,
+    )
+    verdict = report["verdict"]
+    head = Text()
+    head.append(f" {verdict.upper()} ", style=_VERDICT_STYLE[verdict])
+    head.append(f"  fpdoctor {report['command']}  ", style="bold")
+    counts = _counts(report["findings"])
+    head.append(", ".join(f"{n} {sev}" for sev, n in counts.items() if n) or "no findings")
+    console.print(head)
+
+    summary = report["data"].get("summary")
+    if summary:
+        table = Table(show_header=False, box=None, pad_edge=False, padding=(0, 2, 0, 0))
+        table.add_column(style="dim", no_wrap=True)
+        table.add_column(overflow="fold")
+        for label, value in summary:
+            table.add_row(escape(str(label)), escape(str(value)))
+        console.print()
+        console.print(table)
+
+    for finding in report["findings"]:
+        console.print()
+        line = Text()
+        line.append(f"{finding['severity'].upper():7} ", style=_SEVERITY_STYLE[finding["severity"]])
+        line.append(f"{finding['code']} {finding['name']}", style="bold")
+        line.append(f"  {finding['title']}")
+        console.print(line)
+        if finding["message"]:
+            console.print(Text(finding["message"]), style=None)
+        for ev in _evidence_lines(finding["evidence"]):
+            console.print(Text("  evidence  ", style="dim") + Text(ev))
+        if finding["fix"]:
+            console.print(Text("  fix", style="bold green"))
+            for fix_line in finding["fix"].splitlines():
+                # Never wrap a command: it must survive copy and paste.
+                console.print(Text("    " + fix_line), soft_wrap=True)
+        if finding["references"]:
+            console.print(Text("  see  ", style="dim") + Text(", ".join(finding["references"][:3])))
+
+    not_checked = report["data"].get("not_checked")
+    if not_checked:
+        console.print()
+        console.print(Text("Not checked", style="bold"))
+        for source, why in not_checked.items():
+            console.print(Text(f"  {source}: ", style="dim") + Text(str(why)))
+    # rich pads table cells to the console width; trailing blanks only get in the way of diffs.
+    return "\n".join(line.rstrip() for line in buf.getvalue().split("\n"))
+
+
+def _counts(findings: list[dict[str, Any]]) -> dict[str, int]:
+    counts = {"error": 0, "warning": 0, "info": 0}
+    for f in findings:
+        counts[f["severity"]] += 1
+    return counts
+
+
+def _md_cell(value: Any) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """GitHub-flavoured markdown, meant to be pasted into an issue as is."""
+    out = [f"### fpdoctor {report['command']}: **{report['verdict']}**", ""]
+    out.append(f"<sub>fpdoctor {report['version']}, report schema `{report['schema']}`</sub>")
+    out.append("")
+    summary = report["data"].get("summary")
+    if summary:
+        out += ["| fact | value |", "|---|---|"]
+        out += [f"| {_md_cell(k)} | {_md_cell(v)} |" for k, v in summary]
+        out.append("")
+    if report["findings"]:
+        out += ["| severity | code | name | title |", "|---|---|---|---|"]
+        for f in report["findings"]:
+            out.append(
+                f"| {f['severity']} | `{f['code']}` | `{f['name']}` | {_md_cell(f['title'])} |"
+            )
+        out.append("")
+        for f in report["findings"]:
+            out.append(f"<details><summary><code>{f['code']}</code> {html.escape(f['name'])}</summary>")
+            out.append("")
+            out.append(f["message"])
+            out.append("")
+            for ev in _evidence_lines(f["evidence"]):
+                out.append(f"- {ev}")
+            if f["fix"]:
+                out += ["", "**Fix**", "", "```sh", f["fix"], "```"]
+            if f["references"]:
+                out += ["", "References: " + ", ".join(f["references"])]
+            out += ["", "</details>", ""]
+    else:
+        out += ["No findings.", ""]
+    not_checked = report["data"].get("not_checked")
+    if not_checked:
+        out += ["Not checked:", ""]
+        out += [f"- {k}: {_md_cell(v)}" for k, v in not_checked.items()]
+        out.append("")
+    return "\n".join(out)
+
+
+def render_html(report: dict[str, Any]) -> str:
+    esc = html.escape
+    rows = []
+    for f in report["findings"]:
+        evidence = "<br>".join(esc(e) for e in _evidence_lines(f["evidence"]))
+        refs = " ".join(f'<a href="{esc(r)}">{esc(r)}</a>' for r in f["references"])
+        rows.append(
+            f'<tr class="{esc(f["severity"])}"><td>{esc(f["severity"])}</td><td><code>{esc(f["code"])}'
+            f"</code><br>{esc(f['name'])}</td><td><b>{esc(f['title'])}</b><p>{esc(f['message'])}</p>"
+            f"<small>{evidence}</small></td><td><pre>{esc(f['fix'])}</pre>{refs}</td></tr>"
+        )
+    summary = "".join(
+        f"<tr><th>{esc(str(k))}</th><td>{esc(str(v))}</td></tr>"
+        for k, v in report["data"].get("summary", [])
+    )
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'>"
+        f"<title>fpdoctor {esc(report['command'])}</title><style>"
+        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:4px 8px;vertical-align:top;text-align:left}"
+        "tr.error td:first-child{color:#b00}tr.warning td:first-child{color:#a60}"
+        "pre{white-space:pre-wrap;margin:0}</style></head><body>"
+        f"<h1>fpdoctor {esc(report['command'])}: {esc(report['verdict'])}</h1>"
+        f"<table>{summary}</table><h2>Findings</h2>"
+        "<table><tr><th>severity</th><th>code</th><th>what</th><th>fix</th></tr>"
+        + "".join(rows)
+        + "</table></body></html>\n"
+    )
