@@ -33,6 +33,10 @@ def wall(cmd: list[str]) -> float:
     return time.perf_counter() - start
 
 
+def _runs(times: list[float]) -> str:
+    return ", ".join(f"{t:.2f}" for t in times)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -46,20 +50,26 @@ def main() -> int:
         ours.append(wall(env_cmd))
         theirs.append(wall(ref_cmd))
     ratio = statistics.median(ours) / statistics.median(theirs)
-    print(f"fpdoctor env --no-probe     median {statistics.median(ours):.3f} s  (runs: {', '.join(f'{t:.2f}' for t in ours)})")
-    print(f"torch.utils.collect_env     median {statistics.median(theirs):.3f} s  (runs: {', '.join(f'{t:.2f}' for t in theirs)})")
+    print(f"fpdoctor env --no-probe     median {statistics.median(ours):.3f} s  (runs: {_runs(ours)})")
+    print(f"torch.utils.collect_env     median {statistics.median(theirs):.3f} s  (runs: {_runs(theirs)})")
     ok_env = ratio <= 0.8
     print(f"ratio env / collect_env = {ratio:.2f}  (budget <= 0.80)  {'PASS' if ok_env else 'FAIL'}")
 
     from_cmd = [*fpdoctor_cmd(), "env", "--from", str(REPORT), "--format", "json"]
     from_times = [wall(from_cmd) for _ in range(args.rounds)]
     from_median = statistics.median(from_times)
-    imports = subprocess.run([sys.executable, "-X", "importtime", "-m", "fpdoctor", "env", "--from", str(REPORT)],
-                             capture_output=True, text=True, check=False).stderr
+    imports = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "fpdoctor", "env", "--from", str(REPORT)],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stderr
     torch_imported = any(line.rstrip().endswith("| torch") for line in imports.splitlines())
     ok_from = from_median <= 0.5 and not torch_imported
-    print(f"fpdoctor env --from FILE    median {from_median:.3f} s  (budget <= 0.50 s), "
-          f"imports torch: {'yes' if torch_imported else 'no'}  {'PASS' if ok_from else 'FAIL'}")
+    print(
+        f"fpdoctor env --from FILE    median {from_median:.3f} s  (budget <= 0.50 s), "
+        f"imports torch: {'yes' if torch_imported else 'no'}  {'PASS' if ok_from else 'FAIL'}"
+    )
     if shutil.which("nvidia-smi") is None:
         print("note: no NVIDIA driver here; on a GPU machine the live run also forces cuBLAS/cuDNN to load")
     return 0 if ok_env and ok_from else 1

@@ -5,11 +5,13 @@ from __future__ import annotations
 from fpdoctor.catalog import Rule
 from fpdoctor.report.model import Severity
 
-E, W, I = Severity.ERROR, Severity.WARNING, Severity.INFO
+E, W = Severity.ERROR, Severity.WARNING
 
 ENV_RULES: tuple[Rule, ...] = (
     Rule(
-        code="ENV001", name="torch-import-failed", severity=E,
+        code="ENV001",
+        name="torch-import-failed",
+        severity=E,
         title="`import torch` fails",
         what="Runs `import torch` in a child process and reports the error it raised or the "
         "signal it died of, matched against known causes (a missing or mismatched shared "
@@ -19,7 +21,9 @@ ENV_RULES: tuple[Rule, ...] = (
         "virtual environment: python -m pip install --force-reinstall torch",
     ),
     Rule(
-        code="ENV002", name="cpu-only-build", severity=E,
+        code="ENV002",
+        name="cpu-only-build",
+        severity=E,
         title="PyTorch was built without CUDA, but this machine has NVIDIA GPUs",
         what="The installed torch has no CUDA support (`torch.version.cuda` is None, or a "
         "`+cpu` wheel) while NVML, nvidia-smi or the pasted report shows NVIDIA GPUs.",
@@ -29,7 +33,9 @@ ENV_RULES: tuple[Rule, ...] = (
         references=("https://pytorch.org/get-started/locally/",),
     ),
     Rule(
-        code="ENV003", name="driver-too-old", severity=E,
+        code="ENV003",
+        name="driver-too-old",
+        severity=E,
         title="The NVIDIA driver is older than the CUDA runtime this torch build needs",
         what="Compares the driver version with the minimum for the build's CUDA major version "
         "(NVIDIA's minor-version-compatibility floor) and for the exact toolkit.",
@@ -39,7 +45,9 @@ ENV_RULES: tuple[Rule, ...] = (
         references=("https://docs.nvidia.com/cuda/cuda-toolkit-release-notes/",),
     ),
     Rule(
-        code="ENV004", name="arch-not-in-build", severity=E,
+        code="ENV004",
+        name="arch-not-in-build",
+        severity=E,
         title="The GPU's compute capability is not compiled into this torch build",
         what="Checks each GPU's compute capability against the build's SASS targets (same major "
         "version, equal or lower minor) and PTX target, and against the CUDA version that first "
@@ -50,7 +58,9 @@ ENV_RULES: tuple[Rule, ...] = (
         references=("https://github.com/pytorch/pytorch/blob/main/RELEASE.md",),
     ),
     Rule(
-        code="ENV005", name="duplicate-torch-install", severity=W,
+        code="ENV005",
+        name="duplicate-torch-install",
+        severity=W,
         title="More than one PyTorch installation is visible",
         what="Finds several torch distributions on sys.path (user site and a virtual environment, "
         "a stale dist-info left by an interrupted upgrade) or both pip and conda copies.",
@@ -59,7 +69,9 @@ ENV_RULES: tuple[Rule, ...] = (
         "conda remove pytorch; then reinstall once.",
     ),
     Rule(
-        code="ENV006", name="numpy-abi-mismatch", severity=E,
+        code="ENV006",
+        name="numpy-abi-mismatch",
+        severity=E,
         title="NumPy is incompatible with a compiled module (NumPy 1.x vs 2.x ABI)",
         what="Matches the NumPy ABI error texts and checks that torch can exchange arrays with numpy.",
         why="`import torch` warns or fails ('_ARRAY_API not found'), and torch.from_numpy breaks.",
@@ -67,7 +79,9 @@ ENV_RULES: tuple[Rule, ...] = (
         references=("https://github.com/pytorch/pytorch/issues/135013",),
     ),
     Rule(
-        code="ENV101", name="cublas-h20-sigfpe", severity=E,
+        code="ENV101",
+        name="cublas-h20-sigfpe",
+        severity=E,
         title="cuBLAS older than 12.4.5.8 on an NVIDIA H20 dies with SIGFPE",
         what="An H20 GPU with a loaded (or, failing that, installed) cuBLAS below 12.4.5.8, as "
         "shipped by CUDA 12.1-era torch wheels; or the crash signature in a log.",
@@ -81,7 +95,9 @@ ENV_RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
-        code="ENV102", name="duplicate-cuda-library", severity=W,
+        code="ENV102",
+        name="duplicate-cuda-library",
+        severity=W,
         title="Several different copies of one CUDA library are reachable",
         what="Lists cuBLAS, cuBLASLt, cuDNN, NCCL, cudart and nvJitLink copies in pip wheels, "
         "torch/lib, LD_LIBRARY_PATH, CUDA_HOME and the ldconfig cache, and reports libraries "
@@ -92,17 +108,20 @@ ENV_RULES: tuple[Rule, ...] = (
         references=("https://github.com/pytorch/pytorch/issues/78489",),
     ),
     Rule(
-        code="ENV103", name="library-shadowed", severity=E,
+        code="ENV103",
+        name="library-shadowed",
+        severity=E,
         title="The loaded copy of a CUDA library is not the installed wheel's copy",
         what="Forces torch to load its CUDA libraries in a child process, reads /proc/self/maps "
         "and compares each mapped library with the pip wheel that should provide it.",
         why="An upgraded wheel (say nvidia-cublas-cu12) has no effect while an older copy on "
         "LD_LIBRARY_PATH or inside torch/lib is the one in the process.",
-        fix="Remove the directory of the loaded copy from LD_LIBRARY_PATH, or prepend the wheel's "
-        "lib directory to it.",
+        fix="Remove the directory of the loaded copy from LD_LIBRARY_PATH, or prepend the wheel's lib directory to it.",
     ),
     Rule(
-        code="ENV104", name="known-issue", severity=W,
+        code="ENV104",
+        name="known-issue",
+        severity=W,
         title="Matches a known problem in the PyTorch/CUDA stack",
         what="Matches error text (a pasted log, the import error, warnings) and versions against "
         "the known-issues table shipped with fpdoctor.",
@@ -110,7 +129,9 @@ ENV_RULES: tuple[Rule, ...] = (
         fix="See the finding.",
     ),
     Rule(
-        code="ENV201", name="probe-crashed", severity=E,
+        code="ENV201",
+        name="probe-crashed",
+        severity=E,
         title="An isolated GEMM probe died by a signal",
         what="Runs small matrix multiplications per dtype in child processes with a timeout; a "
         "child killed by SIGFPE, SIGSEGV, SIGABRT or SIGBUS is reported here.",
@@ -119,7 +140,9 @@ ENV_RULES: tuple[Rule, ...] = (
         "dtype, shape and library versions upstream.",
     ),
     Rule(
-        code="ENV202", name="probe-wrong-result", severity=E,
+        code="ENV202",
+        name="probe-wrong-result",
+        severity=E,
         title="A GEMM probe returned a wrong result",
         what="Compares each probe's result with a float64 CPU reference, with a tolerance derived "
         "from the dtype's precision and the reduction length.",
@@ -127,7 +150,9 @@ ENV_RULES: tuple[Rule, ...] = (
         fix="Re-run the probe; if it repeats, test the GPU (fpdoctor health) and the library version.",
     ),
     Rule(
-        code="ENV203", name="probe-timed-out", severity=W,
+        code="ENV203",
+        name="probe-timed-out",
+        severity=W,
         title="A GEMM probe did not finish in time",
         what="A probe child that is still running after its timeout is killed and reported.",
         why="A hang in a basic GEMM points at the driver, a wedged GPU or a library deadlock.",

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 import sys
 
 from fpdoctor.cli.output import UsageError, add_output_args, write_atomic
 from fpdoctor.report.render import render
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(sub: Any) -> None:
     p = sub.add_parser("demo", help="reproduce and diagnose the built-in incidents (the casebook)")
     p.add_argument("cases", nargs="*", metavar="CASE", help="case names (default: all); --list shows them")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
@@ -33,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     parts, failed = [], []
     for case in chosen:
         outcome = run_case(case)
-        if not outcome.reproduced:
+        if not outcome.reproduces(case):
             failed.append(f"{case.name}: expected {sorted(case.expect)}, got {sorted(outcome.found)}")
         if args.format == "text":
             parts.append(f"\n=== {case.name} — incident {case.incident}: {case.title}\n{case.story}\n\n")

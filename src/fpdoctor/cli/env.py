@@ -3,18 +3,30 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 import json
 
 from fpdoctor.cli.output import UsageError, add_output_args, emit, write_atomic
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("env", help="diagnose the PyTorch/CUDA environment (or a pasted report with --from)",
-                       description="Facts about GPUs, driver, torch build and CUDA libraries, judged by fpdoctor's rule base.")
-    p.add_argument("--from", dest="from_file", metavar="FILE",
-                   help="diagnose a collect_env report, a saved facts JSON or an error log instead of this machine")
-    p.add_argument("--probe", action=argparse.BooleanOptionalAction, default=None,
-                   help="run isolated GEMM probes per dtype (default: on where a GPU is present)")
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "env",
+        help="diagnose the PyTorch/CUDA environment (or a pasted report with --from)",
+        description="Facts about GPUs, driver, torch build and CUDA libraries, judged by fpdoctor's rule base.",
+    )
+    p.add_argument(
+        "--from",
+        dest="from_file",
+        metavar="FILE",
+        help="diagnose a collect_env report, a saved facts JSON or an error log instead of this machine",
+    )
+    p.add_argument(
+        "--probe",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run isolated GEMM probes per dtype (default: on where a GPU is present)",
+    )
     p.add_argument("--probe-timeout", type=float, default=60.0, metavar="SECONDS", help="per-probe timeout")
     p.add_argument("--save-facts", metavar="FILE", help="also write the collected facts as JSON (secrets redacted)")
     add_output_args(p)
@@ -35,8 +47,9 @@ def run(args: argparse.Namespace) -> int:
     from fpdoctor.env.parse import InputError
 
     try:
-        report = diagnose_env(from_file=args.from_file, probe=args.probe,
-                              probe_timeout_s=args.probe_timeout, child=child)
+        report = diagnose_env(
+            from_file=args.from_file, probe=args.probe, probe_timeout_s=args.probe_timeout, child=child
+        )
     except InputError as exc:
         raise UsageError(str(exc)) from exc
     data = report.to_dict()

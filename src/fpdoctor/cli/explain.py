@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 import json
 import sys
 
@@ -10,7 +11,7 @@ from fpdoctor import catalog
 from fpdoctor.cli.output import UsageError
 
 
-def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parsers(sub: Any) -> None:
     p = sub.add_parser("explain", help="explain a finding code or name")
     p.add_argument("code", metavar="CODE|NAME")
     p.add_argument("--format", choices=("text", "markdown", "json"), default="text")
@@ -21,9 +22,17 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def _as_dict(rule: catalog.Rule) -> dict[str, object]:
-    return {"code": rule.code, "name": rule.name, "severity": rule.severity.value, "title": rule.title,
-            "what": rule.what, "why": rule.why, "fix": rule.fix, "references": list(rule.references),
-            "since": rule.since}
+    return {
+        "code": rule.code,
+        "name": rule.name,
+        "severity": rule.severity.value,
+        "title": rule.title,
+        "what": rule.what,
+        "why": rule.why,
+        "fix": rule.fix,
+        "references": list(rule.references),
+        "since": rule.since,
+    }
 
 
 def run_explain(args: argparse.Namespace) -> int:

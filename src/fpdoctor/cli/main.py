@@ -19,8 +19,11 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from fpdoctor.cli import demo, env, explain
 
-    parser = _Parser(prog="fpdoctor", description="Why PyTorch crashes with SIGFPE, produces NaN/Inf or "
-                     "loses accuracy after a change of precision, GPU or library - and what to do about it.")
+    parser = _Parser(
+        prog="fpdoctor",
+        description="Why PyTorch crashes with SIGFPE, produces NaN/Inf or "
+        "loses accuracy after a change of precision, GPU or library - and what to do about it.",
+    )
     parser.add_argument("--version", action="version", version=f"fpdoctor {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     env.add_parser(sub)

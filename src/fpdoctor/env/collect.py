@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from fpdoctor.env.facts import empty_facts
@@ -36,15 +35,17 @@ def finish_torch_child(proc: subprocess.Popen[str], timeout: float = TORCH_TIMEO
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
-        facts = _last_facts(out) or {"import": "failed"}
-        facts["error"] = f"the torch child did not finish within {timeout:.0f} s (stage {facts.get('stage')})"
-        return facts
-    facts = _last_facts(out)
+        partial = _last_facts(out) or {"import": "failed"}
+        partial["error"] = f"the torch child did not finish within {timeout:.0f} s (stage {partial.get('stage')})"
+        return partial
+    last = _last_facts(out)
     sig = signal_name(proc.returncode)
-    if facts is None:
-        facts = {"import": "failed", "stage": "start"}
-        facts["error"] = (f"the torch child died by {sig}" if sig else f"the torch child exited {proc.returncode}")
+    if last is None:
+        facts: dict[str, Any] = {"import": "failed", "stage": "start"}
+        facts["error"] = f"the torch child died by {sig}" if sig else f"the torch child exited {proc.returncode}"
         facts["traceback"] = err[-6000:]
+    else:
+        facts = last
     if sig:
         facts["signal"] = sig
         facts["stderr"] = err[-6000:]
@@ -55,7 +56,7 @@ def _last_facts(stdout: str) -> dict[str, Any] | None:
     for line in reversed(stdout.splitlines()):
         if line.startswith(MARKER):
             try:
-                parsed: dict[str, Any] = json.loads(line[len(MARKER):])
+                parsed: dict[str, Any] = json.loads(line[len(MARKER) :])
                 return parsed
             except json.JSONDecodeError:
                 continue
@@ -86,7 +87,7 @@ def collect_live(*, force_load: bool = True, child: subprocess.Popen[str] | None
     if child is None:
         child = torch_child.spawn(force_load)
     with ThreadPoolExecutor(max_workers=1) as pool:  # one core stays free for the torch child
-        jobs = {
+        jobs: dict[str, Future[Any]] = {
             "system": pool.submit(system.collect),
             "gpus": pool.submit(gpus.collect),
             "libraries": pool.submit(_wheels_and_copies),
@@ -123,7 +124,8 @@ def collect_live(*, force_load: bool = True, child: subprocess.Popen[str] | None
         facts["libraries"]["loaded"] = libraries.loaded_copies(mapped, facts["libraries"]["copies"])
     elif torch_facts.get("import") == "ok":
         facts["not_checked"]["loaded libraries"] = (
-            f"the torch child stopped at stage {torch_facts.get('stage')!r} before reading /proc/self/maps")
+            f"the torch child stopped at stage {torch_facts.get('stage')!r} before reading /proc/self/maps"
+        )
     if torch_facts.get("import") == "ok" and not torch_facts.get("cuda_available"):
         facts["not_checked"]["loaded CUDA libraries"] = "CUDA is not available to torch, so none load"
     _merge_torch_devices(facts)

@@ -43,9 +43,9 @@ def diagnose_env(
 
         if probe_specs is None:
             device = "cuda" if view.cuda_available else "cpu"
-            caps = [g.get("compute_capability") for g in view.gpus if g.get("compute_capability")]
-            cap = tuple(int(x) for x in caps[0].split(".")) if caps else None
-            probe_specs = default_specs(device, cap)  # type: ignore[arg-type]
+            caps = [str(g["compute_capability"]) for g in view.gpus if g.get("compute_capability")]
+            major, _, minor = caps[0].partition(".") if caps else ("", "", "")
+            probe_specs = default_specs(device, (int(major), int(minor or 0)) if caps else None)
         facts["probes"] = run_probes(probe_specs, timeout_s=probe_timeout_s)
     elif probe and not live:
         facts.setdefault("not_checked", {})["probes"] = "probes run only on a live machine, not on a file"
@@ -55,7 +55,8 @@ def diagnose_env(
     for item in facts.get("missing") or []:
         not_checked[item] = "not shown in the input"
     return Report(
-        command="env", findings=findings,
+        command="env",
+        findings=findings,
         data={"facts": redact(facts), "summary": summary(view), "not_checked": not_checked},
     )
 
@@ -87,18 +88,27 @@ def summary(facts: Facts) -> list[tuple[str, str]]:
     if facts.arch_list:
         rows.append(("torch arch list", " ".join(facts.arch_list)))
     if facts.gpus:
-        groups = Counter(
-            (g["name"], g.get("compute_capability"), g.get("memory_mib")) for g in facts.gpus
+        groups = Counter((g["name"], g.get("compute_capability"), g.get("memory_mib")) for g in facts.gpus)
+        rows.append(
+            (
+                "GPUs",
+                "; ".join(
+                    f"{n} × {name}" + (f" (sm {cc}" + (f", {mem} MiB" if mem else "") + ")" if cc else "")
+                    for (name, cc, mem), n in groups.items()
+                ),
+            )
         )
-        rows.append(("GPUs", "; ".join(
-            f"{n} × {name}" + (f" (sm {cc}" + (f", {mem} MiB" if mem else "") + ")" if cc else "")
-            for (name, cc, mem), n in groups.items())))
     else:
         rows.append(("GPUs", "none found"))
     driver = raw.get("driver") or {}
     if driver.get("version") or driver.get("cuda"):
-        rows.append(("NVIDIA driver", f"{driver.get('version') or '?'}"
-                     + (f" (supports CUDA <= {driver['cuda']})" if driver.get("cuda") else "")))
+        rows.append(
+            (
+                "NVIDIA driver",
+                f"{driver.get('version') or '?'}"
+                + (f" (supports CUDA <= {driver['cuda']})" if driver.get("cuda") else ""),
+            )
+        )
     loaded = {c["library"]: c for c in facts.loaded or []}
     by_lib: dict[str, list[dict[str, Any]]] = {}
     for copy in facts.copies:
@@ -119,20 +129,36 @@ def summary(facts: Facts) -> list[tuple[str, str]]:
             rows.append((label, str(torch[key])))
     numpy = torch.get("numpy") or raw.get("numpy")
     if numpy and numpy.get("version"):
-        rows.append(("numpy", f"{numpy['version']}" + (f" (torch interop: {numpy['interop']})" if numpy.get("interop") else "")))
+        rows.append(
+            ("numpy", f"{numpy['version']}" + (f" (torch interop: {numpy['interop']})" if numpy.get("interop") else ""))
+        )
     prec = torch.get("precision")
     if prec:
-        rows.append(("precision defaults", (
-            f"fp32 matmul precision {prec['float32_matmul_precision']}, TF32 matmul {_onoff(prec['matmul_allow_tf32'])}, "
-            f"cuDNN TF32 {_onoff(prec['cudnn_allow_tf32'])}, fp16/bf16 reduced-precision reductions "
-            f"{_onoff(prec['fp16_reduced_precision_reduction'])}/{_onoff(prec['bf16_reduced_precision_reduction'])}, "
-            f"deterministic algorithms {_onoff(prec['deterministic_algorithms'])}")))
+        rows.append(
+            (
+                "precision defaults",
+                (
+                    f"fp32 matmul precision {prec['float32_matmul_precision']}, "
+                    f"TF32 matmul {_onoff(prec['matmul_allow_tf32'])}, cuDNN TF32 {_onoff(prec['cudnn_allow_tf32'])}, "
+                    "fp16/bf16 reduced-precision reductions "
+                    f"{_onoff(prec['fp16_reduced_precision_reduction'])}/"
+                    f"{_onoff(prec['bf16_reduced_precision_reduction'])}, "
+                    f"deterministic algorithms {_onoff(prec['deterministic_algorithms'])}"
+                ),
+            )
+        )
     env = raw.get("env") or {}
     if env:
         rows.append(("environment", ", ".join(f"{k}={v}" for k, v in env.items())))
     for p in facts.probes:
-        rows.append((f"probe {p.get('name')}", f"{p.get('status')}" + (f" ({p.get('signal')})" if p.get("signal") else "")
-                     + (f", err {p['max_abs_err']:.2g} <= {p['tolerance']:.2g}" if p.get("status") == "ok" else "")))
+        rows.append(
+            (
+                f"probe {p.get('name')}",
+                f"{p.get('status')}"
+                + (f" ({p.get('signal')})" if p.get("signal") else "")
+                + (f", err {p['max_abs_err']:.2g} <= {p['tolerance']:.2g}" if p.get("status") == "ok" else ""),
+            )
+        )
     return rows
 
 

@@ -21,10 +21,13 @@ def empty_facts(origin: str) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
         "origin": {"kind": origin},
-        "os": {}, "python": {}, "env": {},
+        "os": {},
+        "python": {},
+        "env": {},
         "torch": {"import": None},
         "torch_installs": {"installs": [], "debris": []},
-        "gpus": [], "driver": None,
+        "gpus": [],
+        "driver": None,
         "libraries": {"wheels": [], "copies": [], "loaded": None},
         "texts": [],  # error text to match against known symptoms (logs, import errors, warnings)
         "probes": [],
@@ -92,8 +95,8 @@ class Facts:
     def gpus(self) -> list[dict[str, Any]]:
         """NVIDIA GPUs with a compute capability filled in from the best available source."""
         out = []
-        for gpu in self.raw.get("gpus") or []:
-            gpu = dict(gpu)
+        for seen in self.raw.get("gpus") or []:
+            gpu = dict(seen)
             if not gpu.get("compute_capability"):
                 found = refdata().gpu_capability(gpu.get("name", ""))
                 if found:

@@ -75,7 +75,7 @@ def _parse_json(text: str, name: str) -> dict[str, Any]:
         doc = (doc.get("data") or {}).get("facts")
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise InputError(
-            f"{name}: JSON but not fpdoctor facts (expected \"schema\": \"{SCHEMA}\"); "
+            f'{name}: JSON but not fpdoctor facts (expected "schema": "{SCHEMA}"); '
             "create one with `fpdoctor env --save-facts FILE`"
         )
     facts = empty_facts("facts")
@@ -83,7 +83,11 @@ def _parse_json(text: str, name: str) -> dict[str, Any]:
         if key in facts and not isinstance(value, type(facts[key])) and facts[key] is not None and value is not None:
             raise InputError(f"{name}: field {key!r} has the wrong type; regenerate the file with --save-facts")
         facts[key] = value
-    facts["origin"] = {**(doc.get("origin") or {}), "kind": "facts", "collected_as": (doc.get("origin") or {}).get("kind")}
+    facts["origin"] = {
+        **(doc.get("origin") or {}),
+        "kind": "facts",
+        "collected_as": (doc.get("origin") or {}).get("kind"),
+    }
     return facts
 
 
@@ -104,8 +108,7 @@ def _unquote(text: str) -> str:
     """Undo e-mail/issue quoting ("> ") and indentation of a pasted block."""
     lines = []
     for line in text.replace("\r\n", "\n").split("\n"):
-        line = re.sub(r"^\s*(?:>\s?)+", "", line)
-        lines.append(line.strip())
+        lines.append(re.sub(r"^\s*(?:>\s?)+", "", line).strip())
     return "\n".join(lines)
 
 
@@ -145,10 +148,16 @@ def parse_collect_env(text: str) -> dict[str, Any]:
         if cudnn_block and line.startswith("/"):
             kind = classify(Path(line).name)
             if kind:
-                facts["libraries"]["copies"].append({
-                    "library": kind[0], "path": line, "origins": ["report"], "version": kind[1] or None,
-                    "version_source": "filename", "package": None,
-                })
+                facts["libraries"]["copies"].append(
+                    {
+                        "library": kind[0],
+                        "path": line,
+                        "origins": ["report"],
+                        "version": kind[1] or None,
+                        "version_source": "filename",
+                        "package": None,
+                    }
+                )
             continue
         m = _KV.match(line) or re.match(r"^(?P<key>PyTorch version)\s+(?P<value>\S+)$", line)
         if not m:
@@ -181,20 +190,36 @@ def parse_collect_env(text: str) -> dict[str, Any]:
         facts["driver"] = {"version": driver, "cuda": None, "source": "report"}
     osname = _value(kv.get("os", "")) or ""
     platform_text = _value(kv.get("python platform", "")) or ""
-    system = ("Windows" if "windows" in (osname + platform_text).lower()
-              else "Darwin" if "macos" in osname.lower() else "Linux" if osname or platform_text else None)
-    facts["os"] = {"system": system, "distro": osname or None, "platform": platform_text or None,
-                   "libc": _value(kv.get("libc version", ""))}
+    system = (
+        "Windows"
+        if "windows" in (osname + platform_text).lower()
+        else "Darwin"
+        if "macos" in osname.lower()
+        else "Linux"
+        if osname or platform_text
+        else None
+    )
+    facts["os"] = {
+        "system": system,
+        "distro": osname or None,
+        "platform": platform_text or None,
+        "libc": _value(kv.get("libc version", "")),
+    }
     pyver = _value(kv.get("python version", ""))
     facts["python"] = {"version": pyver.split()[0] if pyver else None}
     runtime = _value(kv.get("cuda runtime version", ""))
     if runtime:
-        facts["cuda_toolkit"] = {"version": runtime, "source": "report (nvcc on PATH, not necessarily the one torch uses)"}
+        facts["cuda_toolkit"] = {
+            "version": runtime,
+            "source": "report (nvcc on PATH, not necessarily the one torch uses)",
+        }
     _apply_packages(facts, pip)
     _merge_log_facts(facts, parse_log(text))
     facts["origin"]["format"] = (
-        "vllm" if "vllm version" in kv or "PyTorch Info" in body
-        else "pytorch-long" if "cuda_module_loading set to" in kv or "libc version" in kv
+        "vllm"
+        if "vllm version" in kv or "PyTorch Info" in body
+        else "pytorch-long"
+        if "cuda_module_loading set to" in kv or "libc version" in kv
         else "pytorch-short"
     )
     facts["texts"] = [text]
@@ -216,9 +241,14 @@ def _merge_log_facts(facts: dict[str, Any], log: dict[str, Any]) -> None:
 
 
 def _add_gpu(facts: dict[str, Any], match: re.Match[str]) -> None:
-    facts["gpus"].append({
-        "index": int(match["index"]), "name": match["name"].strip(), "uuid": match["uuid"], "source": "report",
-    })
+    facts["gpus"].append(
+        {
+            "index": int(match["index"]),
+            "name": match["name"].strip(),
+            "uuid": match["uuid"],
+            "source": "report",
+        }
+    )
 
 
 def _pip_entry(tool: str, rest: str) -> tuple[str, str, str]:
@@ -280,13 +310,21 @@ _SMI_DRIVER = re.compile(r"Driver Version:\s*(?P<driver>\d+\.\d+(?:\.\d+)?)(?:\s
 _FOUND_VERSION = re.compile(r"driver on your system is too old \(found version (?P<v>\d+)\)")
 _SM_WARNING = re.compile(r"(?P<name>NVIDIA [^\n]*?|[A-Z][^\n]*?) with CUDA capability sm_(?P<sm>\d+) is not compatible")
 _SUPPORTS = re.compile(r"supports CUDA capabilities (?P<list>(?:(?:sm|compute)_\d+\s*)+)")
-_WHEEL_VERSION = re.compile(r"\b(?P<pkg>nvidia-(?:cublas|cudnn|nccl|cuda-runtime|nvjitlink)(?:-cu\d+)?)(?:==|\s+)(?P<v>\d+(?:\.\d+)+)")
+_WHEEL_VERSION = re.compile(
+    r"\b(?P<pkg>nvidia-(?:cublas|cudnn|nccl|cuda-runtime|nvjitlink)(?:-cu\d+)?)(?:==|\s+)(?P<v>\d+(?:\.\d+)+)"
+)
 _SIGNAL = re.compile(
-    r"Signal (?P<num>\d+) \((?P<name>SIG[A-Z]+)\)|Fatal Python error: (?P<fatal>Floating point exception|Segmentation fault|Aborted|Bus error)"
+    r"Signal (?P<num>\d+) \((?P<name>SIG[A-Z]+)\)"
+    r"|Fatal Python error: (?P<fatal>Floating point exception|Segmentation fault|Aborted|Bus error)"
     r"|exitcode\s*:\s*-(?P<code>\d+)|(?P<shell>Floating point exception|Segmentation fault|Bus error) \(core dumped\)"
 )
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<func>\w+)')
-_FATAL_NAMES = {"Floating point exception": "SIGFPE", "Segmentation fault": "SIGSEGV", "Aborted": "SIGABRT", "Bus error": "SIGBUS"}
+_FATAL_NAMES = {
+    "Floating point exception": "SIGFPE",
+    "Segmentation fault": "SIGSEGV",
+    "Aborted": "SIGABRT",
+    "Bus error": "SIGBUS",
+}
 _SIGNUMS = {8: "SIGFPE", 11: "SIGSEGV", 6: "SIGABRT", 7: "SIGBUS", 4: "SIGILL"}
 
 
@@ -332,9 +370,12 @@ def parse_log(text: str) -> dict[str, Any]:
     if found:
         # torch prints the driver's CUDA version as an integer: 11040 means CUDA 11.4.
         v = int(found["v"])
-        facts["driver"] = {**(facts["driver"] or {"version": None, "source": "log"}), "cuda": f"{v // 1000}.{v % 1000 // 10}"}
+        facts["driver"] = {
+            **(facts["driver"] or {"version": None, "source": "log"}),
+            "cuda": f"{v // 1000}.{v % 1000 // 10}",
+        }
     for found_wheel in _WHEEL_VERSION.finditer(text):
-        if (wheel := wheel_entry(found_wheel["pkg"], found_wheel["v"])):
+        if wheel := wheel_entry(found_wheel["pkg"], found_wheel["v"]):
             facts["libraries"]["wheels"].append(wheel)
     signals = []
     for sm_ in _SIGNAL.finditer(text):
@@ -357,6 +398,10 @@ def _recognised(facts: dict[str, Any]) -> bool:
     from fpdoctor.env.rules.known import matched_issues
 
     return bool(
-        facts["torch"].get("version") or facts["gpus"] or facts["driver"] or facts["log"]["signals"]
-        or facts["libraries"]["wheels"] or matched_issues(facts["texts"])
+        facts["torch"].get("version")
+        or facts["gpus"]
+        or facts["driver"]
+        or facts["log"]["signals"]
+        or facts["libraries"]["wheels"]
+        or matched_issues(facts["texts"])
     )

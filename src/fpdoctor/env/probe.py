@@ -15,8 +15,8 @@ import threading
 import time
 from typing import Any
 
-from fpdoctor.env.collect import signal_name
 from fpdoctor.env import probe_child
+from fpdoctor.env.collect import signal_name
 from fpdoctor.env.probe_child import RESULT, START
 
 IMPORT_ALLOWANCE_S = 120.0  # import torch + CUDA init before the first probe starts
@@ -53,7 +53,9 @@ def run_probes(specs: list[dict[str, Any]], *, timeout_s: float = 60.0) -> list[
         before = len(results)
         proc = subprocess.Popen(
             [sys.executable, probe_child.__file__, json.dumps(remaining)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
@@ -71,26 +73,36 @@ def run_probes(specs: list[dict[str, Any]], *, timeout_s: float = 60.0) -> list[
             if line is None:
                 break
             if line.startswith(START):
-                current, started = line[len(START):], time.monotonic()
+                current, started = line[len(START) :], time.monotonic()
                 deadline = started + timeout_s
             elif line.startswith(RESULT):
-                result = json.loads(line[len(RESULT):])
+                result = json.loads(line[len(RESULT) :])
                 results[result.pop("name")] = result
                 current = None
         proc.wait()
         stderr = proc.stderr.read() if proc.stderr else ""
         sig = signal_name(proc.returncode)
         if sig and current is not None and current not in results:
-            results[current] = {"status": "crashed", "signal": sig, "returncode": proc.returncode,
-                                "stderr_tail": stderr[-500:]}
+            results[current] = {
+                "status": "crashed",
+                "signal": sig,
+                "returncode": proc.returncode,
+                "stderr_tail": stderr[-500:],
+            }
         elif current is None and proc.returncode != 0 and not any(s["name"] in results for s in remaining):
             # The child never reached a probe: torch itself would not import or start.
             for spec in remaining:
-                results[spec["name"]] = {"status": "error", "error": (stderr.strip().splitlines() or ["?"])[-1][:300],
-                                         "signal": sig}
+                results[spec["name"]] = {
+                    "status": "error",
+                    "error": (stderr.strip().splitlines() or ["?"])[-1][:300],
+                    "signal": sig,
+                }
         if len(results) == before:  # the child made no progress: do not start it again
             for spec in remaining:
-                results[spec["name"]] = {"status": "error", "signal": sig,
-                                         "error": f"probe child exited {proc.returncode}: {stderr.strip()[-300:]}"}
+                results[spec["name"]] = {
+                    "status": "error",
+                    "signal": sig,
+                    "error": f"probe child exited {proc.returncode}: {stderr.strip()[-300:]}",
+                }
         remaining = [s for s in remaining if s["name"] not in results]
     return [{**spec, **results[spec["name"]]} for spec in specs]

@@ -40,7 +40,9 @@ def run_probe(spec: dict[str, Any]) -> dict[str, Any]:
         one = torch.ones((), device=device)
         out = torch._scaled_mm(a8.to(device), b8.to(device), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     else:
-        dtype = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
+        dtype = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[
+            dtype_name
+        ]
         a, b = a64.to(dtype), b64.to(dtype)
         if device == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = dtype_name == "tf32"
@@ -57,8 +59,13 @@ def run_probe(spec: dict[str, Any]) -> dict[str, Any]:
     u = UNIT_ROUNDOFF[dtype_name]
     scale = float((a.abs() @ b.abs()).max())
     tol = 8.0 * math.sqrt(k) * u * scale + u * float(ref.abs().max())
-    return {"status": "ok" if finite and err <= tol else "wrong", "max_abs_err": err, "tolerance": tol,
-            "seconds": round(seconds, 4), "finite": finite}
+    return {
+        "status": "ok" if finite and err <= tol else "wrong",
+        "max_abs_err": err,
+        "tolerance": tol,
+        "seconds": round(seconds, 4),
+        "finite": finite,
+    }
 
 
 def main() -> None:

@@ -79,15 +79,17 @@ class RefData:
             if not r["sass_targets"] or "removed" in r["torch_cuda_arch_list"]:
                 continue  # proposals for future releases carry no arch list
             ptx = r["ptx_target"].strip()
-            rows.append(ArchRow(
-                torch_minor=Version(r["torch_version"]),
-                variant=r["cuda_variant"],
-                platform=r["platform"],
-                sass=tuple(sm_number(s) for s in r["sass_targets"].split()),
-                ptx=sm_number(ptx) if ptx else None,
-                source=r["source"],
-                confidence=r["confidence"],
-            ))
+            rows.append(
+                ArchRow(
+                    torch_minor=Version(r["torch_version"]),
+                    variant=r["cuda_variant"],
+                    platform=r["platform"],
+                    sass=tuple(sm_number(s) for s in r["sass_targets"].split()),
+                    ptx=sm_number(ptx) if ptx else None,
+                    source=r["source"],
+                    confidence=r["confidence"],
+                )
+            )
         return rows
 
     def arch_row(self, torch_version: Version, variant: str, platform: str = "linux-x86_64") -> ArchRow | None:
@@ -172,9 +174,9 @@ class RefData:
                 if norm == cand_norm:
                     return row["compute_capability"], row
                 # "H100 80GB HBM3" matches model "H100"; prefer the longest model name that fits.
-                if re.search(rf"(?<![\w-]){re.escape(cand_norm)}(?![\w])", norm):
-                    if best is None or len(cand_norm) > best[0]:
-                        best = (len(cand_norm), row["compute_capability"], row)
+                fits = re.search(rf"(?<![\w-]){re.escape(cand_norm)}(?![\w])", norm)
+                if fits and (best is None or len(cand_norm) > best[0]):
+                    best = (len(cand_norm), row["compute_capability"], row)
         return (best[1], best[2]) if best else None
 
     @functools.cached_property
@@ -187,7 +189,7 @@ class RefData:
 
         loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
         with resources.files("fpdoctor.data").joinpath("known_issues.yaml").open(encoding="utf-8") as fh:
-            issues: list[dict[str, Any]] = yaml.load(fh, Loader=loader)  # noqa: S506 - a safe loader
+            issues: list[dict[str, Any]] = yaml.load(fh, Loader=loader)
         return issues
 
     def known_issue(self, issue_id: str) -> dict[str, Any]:

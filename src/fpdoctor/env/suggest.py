@@ -25,7 +25,7 @@ class Suggestion:
 
     @property
     def command(self) -> str:
-        return f'python -m pip install --force-reinstall "{self.pin}" --index-url {INDEX_URL.format(variant=self.row.variant)}'
+        return f'python -m pip install --force-reinstall "{self.pin}" --index-url {self.index_url}'
 
     @property
     def index_url(self) -> str:

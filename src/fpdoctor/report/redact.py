@@ -25,9 +25,7 @@ _QUERY_SECRET = re.compile(
     r"(?P<key>[?&](?:access_token|token|api_key|apikey|key|sig|signature|password|secret)=)[^&#\s]+",
     re.IGNORECASE,
 )
-_ASSIGNMENT = re.compile(
-    r"\b(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P<sep>\s*[=:]\s*)(?P<q>[\"']?)(?P<value>[^\s\"',;]+)"
-)
+_ASSIGNMENT = re.compile(r"\b(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P<sep>\s*[=:]\s*)(?P<q>[\"']?)(?P<value>[^\s\"',;]+)")
 # Token shapes that are secret wherever they appear (prefixes documented by their issuers).
 _TOKEN_SHAPES = re.compile(
     r"\b(?:hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|"

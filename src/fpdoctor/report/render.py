@@ -33,9 +33,8 @@ def render(report: dict[str, Any], fmt: str, *, color: bool = False, width: int 
 def _evidence_lines(evidence: dict[str, Any]) -> list[str]:
     lines = []
     for key, value in evidence.items():
-        if isinstance(value, (dict, list)):
-            value = json.dumps(value, default=str)
-        lines.append(f"{key}: {value}")
+        shown = json.dumps(value, default=str) if isinstance(value, (dict, list)) else value
+        lines.append(f"{key}: {shown}")
     return lines
 
 
@@ -47,8 +46,12 @@ def render_text(report: dict[str, Any], *, color: bool = False, width: int = 100
 
     buf = io.StringIO()
     console = Console(
-        file=buf, width=width, color_system="standard" if color else None,
-        force_terminal=color, highlight=False, soft_wrap=False,
+        file=buf,
+        width=width,
+        color_system="standard" if color else None,
+        force_terminal=color,
+        highlight=False,
+        soft_wrap=False,
     )
     verdict = report["verdict"]
     head = Text()
@@ -121,9 +124,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report["findings"]:
         out += ["| severity | code | name | title |", "|---|---|---|---|"]
         for f in report["findings"]:
-            out.append(
-                f"| {f['severity']} | `{f['code']}` | `{f['name']}` | {_md_cell(f['title'])} |"
-            )
+            out.append(f"| {f['severity']} | `{f['code']}` | `{f['name']}` | {_md_cell(f['title'])} |")
         out.append("")
         for f in report["findings"]:
             out.append(f"<details><summary><code>{f['code']}</code> {html.escape(f['name'])}</summary>")
@@ -159,8 +160,7 @@ def render_html(report: dict[str, Any]) -> str:
             f"<small>{evidence}</small></td><td><pre>{esc(f['fix'])}</pre>{refs}</td></tr>"
         )
     summary = "".join(
-        f"<tr><th>{esc(str(k))}</th><td>{esc(str(v))}</td></tr>"
-        for k, v in report["data"].get("summary", [])
+        f"<tr><th>{esc(str(k))}</th><td>{esc(str(v))}</td></tr>" for k, v in report["data"].get("summary", [])
     )
     return (
         "<!doctype html><html><head><meta charset='utf-8'>"

@@ -48,8 +48,10 @@ def arch_not_in_build(ctx: Context) -> Iterable[Finding]:
                 continue
             if any(p <= cc for p in ptx) and not toolkit_too_old:
                 severity = Severity.WARNING
-                detail = (f" It can run only through PTX JIT of compute_{max(p for p in ptx if p <= cc)}: a slow first "
-                          "start, and bundled libraries may have no kernels for it.")
+                detail = (
+                    f" It can run only through PTX JIT of compute_{max(p for p in ptx if p <= cc)}: a slow first "
+                    "start, and bundled libraries may have no kernels for it."
+                )
             else:
                 severity = Severity.ERROR
         elif toolkit_too_old:
@@ -58,24 +60,36 @@ def arch_not_in_build(ctx: Context) -> Iterable[Finding]:
             continue
         if toolkit_too_old:
             detail += f" CUDA {build} predates sm_{cc} (first supported in CUDA {first[0]})."  # type: ignore[index]
-        suggestion = suggest_build(ctx.ref, torch_version=facts.torch_version, capabilities=ccs,
-                                   driver=facts.driver, windows=facts.windows)
-        fix = (suggestion.command if suggestion else catalog.get("arch-not-in-build").fix)
-        fix += "\n# then rebuild or reinstall CUDA extensions (flash-attn, xformers, apex, custom ops) for the new build"
+        suggestion = suggest_build(
+            ctx.ref, torch_version=facts.torch_version, capabilities=ccs, driver=facts.driver, windows=facts.windows
+        )
+        fix = suggestion.command if suggestion else catalog.get("arch-not-in-build").fix
+        fix += (
+            "\n# then rebuild or reinstall CUDA extensions (flash-attn, xformers, apex, custom ops) for the new build"
+        )
         names = sorted({g["name"] for g in gpus})
         evidence: dict[str, Any] = {
-            "gpus": names, "compute_capability": f"{cc // 10}.{cc % 10}", "arch_list": arch,
-            "arch_list_source": origin, "confidence": confidence, "torch": facts.torch.get("version"),
+            "gpus": names,
+            "compute_capability": f"{cc // 10}.{cc % 10}",
+            "arch_list": arch,
+            "arch_list_source": origin,
+            "confidence": confidence,
+            "torch": facts.torch.get("version"),
         }
         if ctx.symptoms.get("ARCH_NOT_IN_TORCH_BUILD"):
             evidence["matched"] = ctx.symptoms["ARCH_NOT_IN_TORCH_BUILD"]
         reported = True
         yield catalog.make(
-            "arch-not-in-build", severity=cap_severity(severity, confidence),
-            message=(f"{', '.join(names)} (sm_{cc}) is not covered by torch {facts.torch.get('version')}"
-                     + (f" whose targets are {' '.join(arch)}" if arch else "") + f".{detail}"
-                     + (f" {suggestion.pin} from {suggestion.index_url} covers it." if suggestion else "")),
-            fix=fix, evidence=evidence,
+            "arch-not-in-build",
+            severity=cap_severity(severity, confidence),
+            message=(
+                f"{', '.join(names)} (sm_{cc}) is not covered by torch {facts.torch.get('version')}"
+                + (f" whose targets are {' '.join(arch)}" if arch else "")
+                + f".{detail}"
+                + (f" {suggestion.pin} from {suggestion.index_url} covers it." if suggestion else "")
+            ),
+            fix=fix,
+            evidence=evidence,
         )
     if not reported and ctx.symptoms.get("ARCH_NOT_IN_TORCH_BUILD"):
         yield catalog.make(

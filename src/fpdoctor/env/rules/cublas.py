@@ -47,11 +47,17 @@ def cublas_h20_sigfpe(ctx: Context) -> Iterable[Finding]:
         if matched and not facts.gpus:
             # The crash signature without GPU facts: a strong hint, not a verdict.
             yield catalog.make(
-                "cublas-h20-sigfpe", severity=Severity.WARNING,
-                message=("The log shows a SIGFPE crash with the signature of the H20 cuBLAS bug, but not which GPU "
-                         "ran it. Run `fpdoctor env` on that machine to confirm."),
-                evidence={"matched": matched, "signals": (facts.raw.get("log") or {}).get("signals"),
-                          "confidence": issue["confidence"]},
+                "cublas-h20-sigfpe",
+                severity=Severity.WARNING,
+                message=(
+                    "The log shows a SIGFPE crash with the signature of the H20 cuBLAS bug, but not which GPU "
+                    "ran it. Run `fpdoctor env` on that machine to confirm."
+                ),
+                evidence={
+                    "matched": matched,
+                    "signals": (facts.raw.get("log") or {}).get("signals"),
+                    "confidence": issue["confidence"],
+                },
                 fix="\n".join(issue["fix"]),
             )
         return
@@ -69,26 +75,42 @@ def cublas_h20_sigfpe(ctx: Context) -> Iterable[Finding]:
     upgraded = [w for w in facts.wheels if "cublas" in w["libraries"] and (version(w["version"]) or FIXED) >= FIXED]
     story = ""
     if upgraded and source.startswith("loaded"):
-        story = (f" {upgraded[0]['package']} {upgraded[0]['version']} is installed, but the process loaded the "
-                 "older copy above, so the upgrade has no effect (see library-shadowed).")
+        story = (
+            f" {upgraded[0]['package']} {upgraded[0]['version']} is installed, but the process loaded the "
+            "older copy above, so the upgrade has no effect (see library-shadowed)."
+        )
     ver = str(cublas) if cublas else "< 12.4"
     names = sorted({g["name"] for g in h20})
     fix = [
-        f'python -m pip install "nvidia-cublas-cu12=={FIXED}"   # pip warns about torch\'s pin: expected, it is ABI compatible',
+        f'python -m pip install "nvidia-cublas-cu12=={FIXED}"   # pip warns about torch\'s pin: expected',
         "# make the wheel's copy the one that loads (it must come before any system CUDA directory):",
-        "export LD_LIBRARY_PATH=\"$(python -c 'import nvidia.cublas as m; print(m.__path__[0])')/lib:$LD_LIBRARY_PATH\"",
+        "export LD_LIBRARY_PATH=\"$(python -c 'import nvidia.cublas as m; print(m.__path__[0])')/lib"
+        ':$LD_LIBRARY_PATH"',
         "# or move to a torch whose wheels pin cuBLAS 12.4.5.8 or newer:",
         f'python -m pip install "torch==2.5.1" --index-url {INDEX_URL.format(variant="cu124")}',
     ]
     yield catalog.make(
-        "cublas-h20-sigfpe", severity=severity,
-        message=(f"{len(h20)} × {', '.join(names)} with cuBLAS {ver} ({source}). cuBLAS before {FIXED} dies with "
-                 f"SIGFPE (integer divide by zero in cuBLASLt's heuristics) on H20, typically in the first "
-                 f"nn.Linear.{story}"
-                 + (" cuBLAS 12.3 is reported both working and crashing: treat with care." if severity is Severity.WARNING else "")),
+        "cublas-h20-sigfpe",
+        severity=severity,
+        message=(
+            f"{len(h20)} × {', '.join(names)} with cuBLAS {ver} ({source}). cuBLAS before {FIXED} dies with "
+            f"SIGFPE (integer divide by zero in cuBLASLt's heuristics) on H20, typically in the first "
+            f"nn.Linear.{story}"
+            + (
+                " cuBLAS 12.3 is reported both working and crashing: treat with care."
+                if severity is Severity.WARNING
+                else ""
+            )
+        ),
         where={"gpus": [g.get("index") for g in h20]},
-        evidence={"cublas": ver, "cublas_source": source, "gpus": names, "matched": matched,
-                  "fixed_in": str(FIXED), "confidence": issue["confidence"]},
+        evidence={
+            "cublas": ver,
+            "cublas_source": source,
+            "gpus": names,
+            "matched": matched,
+            "fixed_in": str(FIXED),
+            "confidence": issue["confidence"],
+        },
         fix="\n".join(fix),
         references=[s for s in issue["sources"] if isinstance(s, str) and s.startswith("http")][:6],
     )

@@ -41,25 +41,40 @@ def driver_too_old(ctx: Context) -> Iterable[Finding]:
         # Above the family floor but below the exact toolkit's driver: runs under minor-version
         # compatibility, where PTX JIT of newer code and some APIs are unavailable.
         exact = ctx.ref.toolkit_floor(build, facts.windows) if build else None
-        if driver and exact and driver < exact[0]:
+        if build and driver and exact and driver < exact[0]:
             yield catalog.make(
-                "driver-too-old", severity=Severity.INFO,
+                "driver-too-old",
+                severity=Severity.INFO,
                 title="The driver runs this CUDA build only under minor-version compatibility",
-                message=(f"Driver {driver} is below {exact[0]}, the driver CUDA {build} shipped with, but above the "
-                         f"CUDA {build.major}.x floor: ordinary kernels run; PTX JIT of newer code does not."),
+                message=(
+                    f"Driver {driver} is below {exact[0]}, the driver CUDA {build} shipped with, but above the "
+                    f"CUDA {build.major}.x floor: ordinary kernels run; PTX JIT of newer code does not."
+                ),
                 fix=f"Upgrade the NVIDIA driver to >= {exact[0]} if kernels fail to JIT.",
-                evidence={**evidence, "required": str(exact[0]), "source": exact[1]["source"],
-                          "confidence": exact[1]["confidence"]},
+                evidence={
+                    **evidence,
+                    "required": str(exact[0]),
+                    "source": exact[1]["source"],
+                    "confidence": exact[1]["confidence"],
+                },
             )
         return
 
     newest = ctx.ref.newest_cuda_for_driver(driver, facts.windows) if driver else max_cuda
-    suggestion = suggest_build(ctx.ref, torch_version=facts.torch_version, capabilities=ccs,
-                               driver=driver, windows=facts.windows, max_cuda=newest if not driver else None)
+    suggestion = suggest_build(
+        ctx.ref,
+        torch_version=facts.torch_version,
+        capabilities=ccs,
+        driver=driver,
+        windows=facts.windows,
+        max_cuda=newest if not driver else None,
+    )
     fix_lines = []
     if floor:
-        fix_lines.append(f"Upgrade the NVIDIA driver to >= {floor[0]} (minimum for CUDA {build.major}.x builds"  # type: ignore[union-attr]
-                         f"{' on Windows' if facts.windows else ' on Linux'})")
+        fix_lines.append(
+            f"Upgrade the NVIDIA driver to >= {floor[0]} (minimum for CUDA {build.major}.x builds"  # type: ignore[union-attr]
+            f"{' on Windows' if facts.windows else ' on Linux'})"
+        )
     else:
         fix_lines.append("Upgrade the NVIDIA driver (see the CUDA release notes for the minimum)")
     if suggestion and (build is None or suggestion.row.cuda < build):
@@ -71,12 +86,23 @@ def driver_too_old(ctx: Context) -> Iterable[Finding]:
         # CUDA still initialised: a forward-compatibility package (cuda-compat) is bridging the gap,
         # which NVIDIA supports only on data-centre GPUs.
         severity = Severity.WARNING
-        msg_tail = (" CUDA still initialised, so a forward-compatibility package (cuda-compat) is probably in use; "
-                    "that works only on data-centre GPUs and breaks when the container or host changes.")
-    what = f"driver {driver}" if driver else f"a driver that supports at most CUDA {max_cuda}" if max_cuda else "the driver"
+        msg_tail = (
+            " CUDA still initialised, so a forward-compatibility package (cuda-compat) is probably in use; "
+            "that works only on data-centre GPUs and breaks when the container or host changes."
+        )
+    what = (
+        f"driver {driver}"
+        if driver
+        else f"a driver that supports at most CUDA {max_cuda}"
+        if max_cuda
+        else "the driver"
+    )
     needs = f"CUDA {build}" if build else "a newer CUDA"
     yield catalog.make(
-        "driver-too-old", severity=severity,
-        message=f"torch {facts.torch.get('version') or ''} needs {needs}, but this machine has {what}.{msg_tail}".replace("  ", " "),
-        fix="\n".join(fix_lines), evidence=evidence,
+        "driver-too-old",
+        severity=severity,
+        message=f"torch {facts.torch.get('version') or '(version unknown)'} needs {needs}, but this machine has {what}."
+        + msg_tail,
+        fix="\n".join(fix_lines),
+        evidence=evidence,
     )

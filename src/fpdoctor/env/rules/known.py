@@ -18,17 +18,17 @@ from fpdoctor.env.refdata import refdata, version
 from fpdoctor.report.model import Finding, Severity
 
 HANDLED_ELSEWHERE = {
-    "H20_CUBLAS_SIGFPE", "ARCH_NOT_IN_TORCH_BUILD", "DRIVER_TOO_OLD_FOR_CUDA", "NUMPY2_ABI",
+    "H20_CUBLAS_SIGFPE",
+    "ARCH_NOT_IN_TORCH_BUILD",
+    "DRIVER_TOO_OLD_FOR_CUDA",
+    "NUMPY2_ABI",
     "DUPLICATE_CUDA_RUNTIME_LIBS",
 }
 
 
 @functools.lru_cache(maxsize=1)
 def _compiled() -> list[tuple[str, list[re.Pattern[str]]]]:
-    return [
-        (issue["id"], [re.compile(s) for s in issue.get("symptoms") or []])
-        for issue in refdata().known_issues
-    ]
+    return [(issue["id"], [re.compile(s) for s in issue.get("symptoms") or []]) for issue in refdata().known_issues]
 
 
 def matched_issues(texts: Iterable[str]) -> dict[str, list[str]]:
@@ -41,7 +41,7 @@ def matched_issues(texts: Iterable[str]) -> dict[str, list[str]]:
                 for m in pattern.finditer(text):
                     start = text.rfind("\n", 0, m.start()) + 1
                     end = text.find("\n", m.end())
-                    line = text[start:end if end != -1 else None].strip()[:240]
+                    line = text[start : end if end != -1 else None].strip()[:240]
                     lines = found.setdefault(issue_id, [])
                     if line not in lines and len(lines) < 5:
                         lines.append(line)
@@ -87,7 +87,8 @@ def _nccl_condition(issue: dict[str, Any], nccl: str | None) -> str | None:
 
 def known_issues(ctx: Any) -> Iterable[Finding]:
     nccl = ctx.facts.torch.get("nccl") or next(
-        (w["version"] for w in ctx.facts.wheels if "nccl" in w["libraries"]), None)
+        (w["version"] for w in ctx.facts.wheels if "nccl" in w["libraries"]), None
+    )
     for issue in ctx.ref.known_issues:
         if issue["id"] in HANDLED_ELSEWHERE:
             continue
@@ -103,9 +104,15 @@ def known_issues(ctx: Any) -> Iterable[Finding]:
         yield catalog.make(
             "known-issue",
             title=issue["title"],
-            severity=severity_for(issue) if lines else Severity.WARNING if issue.get("confidence") != "unconfirmed" else Severity.INFO,
-            message=(f"Matched the known issue {issue['id']} "
-                     f"({'error text' if lines else 'installed version'}; source confidence: {issue.get('confidence')})."),
+            severity=severity_for(issue)
+            if lines
+            else Severity.WARNING
+            if issue.get("confidence") != "unconfirmed"
+            else Severity.INFO,
+            message=(
+                f"Matched the known issue {issue['id']} "
+                f"({'error text' if lines else 'installed version'}; source confidence: {issue.get('confidence')})."
+            ),
             evidence=evidence,
             fix="\n".join(issue.get("fix") or []),
             references=_urls(issue.get("sources") or []),

@@ -25,8 +25,15 @@ def _copies_with_wheels(ctx: Context) -> list[dict[str, Any]]:
         if wheel["package"] in with_files:
             continue
         for lib in wheel["libraries"]:
-            copies.append({"library": lib, "path": f"<wheel {wheel['package']}>", "origins": ["wheel"],
-                           "version": wheel["version"], "package": wheel["package"]})
+            copies.append(
+                {
+                    "library": lib,
+                    "path": f"<wheel {wheel['package']}>",
+                    "origins": ["wheel"],
+                    "version": wheel["version"],
+                    "package": wheel["package"],
+                }
+            )
     return copies
 
 
@@ -53,7 +60,8 @@ def duplicate_cuda_library(ctx: Context) -> Iterable[Finding]:
             mark = " [loaded]" if c["path"] in loaded_paths else ""
             lines.append(f"{c['path']} ({c.get('version') or '?'}; {', '.join(c['origins'])}){mark}")
             if "ld_library_path" in c["origins"]:
-                fixes.append(f"remove {os.path.dirname(c['path'])} from LD_LIBRARY_PATH")
+                for directory in (c.get("dirs") or {}).get("ld_library_path") or [os.path.dirname(c["path"])]:
+                    fixes.append(f"remove {directory} from LD_LIBRARY_PATH")
         packages = sorted({c["package"] for c in copies if c.get("package")})
         if len(packages) > 1:
             keep = packages[-1]
@@ -81,22 +89,37 @@ def library_shadowed(ctx: Context) -> Iterable[Finding]:
         wheel = wheel_copies[0]
         lv, wv = version(lib.get("version")), version(wheel.get("version"))
         older = lv is None or wv is None or lv < wv
-        origins = next((c["origins"] for c in ctx.facts.copies if c["path"] == lib["path"]), [])
-        directory = os.path.dirname(lib["path"])
+        copy = next((c for c in ctx.facts.copies if c["path"] == lib["path"]), {})
+        origins: list[str] = copy.get("origins", [])
         if "ld_library_path" in origins:
-            kept = [d for d in str(env.get("LD_LIBRARY_PATH", "")).split(":") if d and os.path.realpath(d) != directory]
-            fix = f"export LD_LIBRARY_PATH=\"{':'.join(kept)}\"   # drops {directory}"
+            # Drop the LD_LIBRARY_PATH entries that reach the loaded file (as written, and resolved).
+            reach = set((copy.get("dirs") or {}).get("ld_library_path", [])) | {os.path.dirname(lib["path"])}
+            entries = [d for d in str(env.get("LD_LIBRARY_PATH", "")).split(":") if d]
+            kept = [d for d in entries if d not in reach and os.path.realpath(d) not in reach]
+            dropped = [d for d in entries if d not in kept] or sorted(reach)
+            fix = f'export LD_LIBRARY_PATH="{":".join(kept)}"   # drops {", ".join(dropped)}'
         else:
-            fix = (f"export LD_LIBRARY_PATH=\"{os.path.dirname(wheel['path'])}:$LD_LIBRARY_PATH\"   "
-                   f"# puts {wheel['package']}'s copy first")
+            fix = (
+                f'export LD_LIBRARY_PATH="{os.path.dirname(wheel["path"])}:$LD_LIBRARY_PATH"   '
+                f"# puts {wheel['package']}'s copy first"
+            )
         yield catalog.make(
-            "library-shadowed", severity=Severity.ERROR if older else Severity.WARNING,
-            message=(f"The process loaded lib{lib['library']} {lib.get('version') or '?'} from {lib['path']}"
-                     f"{' (' + ', '.join(origins) + ')' if origins else ''}, not {wheel['package']} "
-                     f"{wheel.get('version')} at {wheel['path']}."
-                     + (" The installed wheel is newer, so its fixes are not in effect." if older else "")),
+            "library-shadowed",
+            severity=Severity.ERROR if older else Severity.WARNING,
+            message=(
+                f"The process loaded lib{lib['library']} {lib.get('version') or '?'} from {lib['path']}"
+                f"{' (' + ', '.join(origins) + ')' if origins else ''}, not {wheel['package']} "
+                f"{wheel.get('version')} at {wheel['path']}."
+                + (" The installed wheel is newer, so its fixes are not in effect." if older else "")
+            ),
             fix=fix,
             where={"library": lib["library"]},
-            evidence={"loaded": lib["path"], "loaded_version": lib.get("version"), "wheel": wheel["package"],
-                      "wheel_version": wheel.get("version"), "wheel_path": wheel["path"], "origins": origins},
+            evidence={
+                "loaded": lib["path"],
+                "loaded_version": lib.get("version"),
+                "wheel": wheel["package"],
+                "wheel_version": wheel.get("version"),
+                "wheel_path": wheel["path"],
+                "origins": origins,
+            },
         )

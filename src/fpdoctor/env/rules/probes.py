@@ -15,7 +15,7 @@ def _explained_by(ctx: Context, signal: str | None) -> str:
     if signal == "SIGFPE":
         for f in ctx.findings:
             if f.name == "cublas-h20-sigfpe":
-                return f" This is explained by {f.code} {f.name}: {f.message.split('.')[0]}."
+                return f" {f.code} {f.name} explains it: {f.title[0].lower()}{f.title[1:]}."
     related = [f for f in ctx.findings if f.name in ("library-shadowed", "arch-not-in-build", "driver-too-old")]
     if related:
         return f" See also {related[0].code} {related[0].name}."
@@ -26,38 +26,51 @@ def probe_results(ctx: Context) -> Iterable[Finding]:
     torch = ctx.facts.torch
     signal = torch.get("signal")
     if signal and torch.get("stage") in ("force-load", "cuda-init"):
-        what = "the 64×64 fp32 GEMM that makes torch load cuBLAS" if torch["stage"] == "force-load" else "CUDA initialisation"
+        what = (
+            "the 64×64 fp32 GEMM that makes torch load cuBLAS"
+            if torch["stage"] == "force-load"
+            else "CUDA initialisation"
+        )
         yield catalog.make(
             "probe-crashed",
-            message=f"The environment check's child process died of {signal} during {what}.{_explained_by(ctx, signal)}",
+            message=f"The environment check's child died of {signal} during {what}.{_explained_by(ctx, signal)}",
             evidence={"signal": signal, "stage": torch["stage"], "stderr_tail": (torch.get("stderr") or "")[-500:]},
             fix=_fix(ctx, signal),
         )
     for probe in ctx.facts.probes:
         status = probe.get("status")
         label = f"{probe.get('dtype')} GEMM {probe.get('shape')}"
-        evidence = {k: probe.get(k) for k in ("dtype", "shape", "device", "signal", "returncode", "seconds",
-                                              "max_abs_err", "tolerance") if probe.get(k) is not None}
+        evidence = {
+            k: probe.get(k)
+            for k in ("dtype", "shape", "device", "signal", "returncode", "seconds", "max_abs_err", "tolerance")
+            if probe.get(k) is not None
+        }
         where = {"probe": probe.get("name"), "dtype": probe.get("dtype")}
         if status == "crashed":
             sig = probe.get("signal")
             yield catalog.make(
                 "probe-crashed",
                 message=f"The {label} probe died of {sig or 'a crash'} in its child process.{_explained_by(ctx, sig)}",
-                where=where, evidence=evidence, fix=_fix(ctx, sig),
+                where=where,
+                evidence=evidence,
+                fix=_fix(ctx, sig),
             )
         elif status == "wrong":
             yield catalog.make(
                 "probe-wrong-result",
-                message=(f"The {label} probe differs from the float64 reference by {probe.get('max_abs_err'):.3g} "
-                         f"(tolerance {probe.get('tolerance'):.3g})."),
-                where=where, evidence=evidence,
+                message=(
+                    f"The {label} probe differs from the float64 reference by {probe.get('max_abs_err'):.3g} "
+                    f"(tolerance {probe.get('tolerance'):.3g})."
+                ),
+                where=where,
+                evidence=evidence,
             )
         elif status == "timeout":
             yield catalog.make(
                 "probe-timed-out",
                 message=f"The {label} probe did not finish within {probe.get('seconds')} s and was killed.",
-                where=where, evidence=evidence,
+                where=where,
+                evidence=evidence,
             )
 
 

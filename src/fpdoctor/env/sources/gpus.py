@@ -6,6 +6,7 @@ caller's process (SPEC 3.4); nvidia-smi is the same library behind a command lin
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 from typing import Any
@@ -51,10 +52,8 @@ def from_nvml() -> dict[str, Any]:
             gpus.append(gpu)
         return {"driver": {"version": driver, "cuda": cuda, "source": "nvml"}, "gpus": gpus}
     finally:
-        try:
+        with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
-        except pynvml.NVMLError:
-            pass
 
 
 _QUERY = "index,name,compute_cap,memory.total,uuid,pci.bus_id,driver_version"
@@ -65,13 +64,23 @@ def from_nvidia_smi() -> dict[str, Any]:
     if exe is None:
         raise NotChecked("nvidia-smi not found on PATH")
     fields = _QUERY.split(",")
-    proc = subprocess.run([exe, f"--query-gpu={_QUERY}", "--format=csv,noheader,nounits"],
-                          capture_output=True, text=True, timeout=30, check=False)
+    proc = subprocess.run(
+        [exe, f"--query-gpu={_QUERY}", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     if proc.returncode != 0:
         # Drivers before ~510 do not know compute_cap; ask again without it.
         fields = [f for f in fields if f != "compute_cap"]
-        proc = subprocess.run([exe, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, timeout=30, check=False)
+        proc = subprocess.run(
+            [exe, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
     if proc.returncode != 0:
         raise NotChecked(f"nvidia-smi failed: {(proc.stderr or proc.stdout).strip()[:200]}")
     return parse_nvidia_smi_csv(proc.stdout, fields)
@@ -83,12 +92,17 @@ def parse_nvidia_smi_csv(text: str, fields: list[str]) -> dict[str, Any]:
         values = dict(zip(fields, (v.strip() for v in line.split(",")), strict=False))
         driver = values.get("driver_version") or driver
         memory = values.get("memory.total", "")
-        gpus.append({
-            "index": int(values["index"]), "name": values["name"],
-            "compute_capability": values.get("compute_cap") or None,
-            "memory_mib": int(memory) if memory.isdigit() else None,
-            "uuid": values.get("uuid"), "pci_bus_id": values.get("pci.bus_id"), "source": "nvidia-smi",
-        })
+        gpus.append(
+            {
+                "index": int(values["index"]),
+                "name": values["name"],
+                "compute_capability": values.get("compute_cap") or None,
+                "memory_mib": int(memory) if memory.isdigit() else None,
+                "uuid": values.get("uuid"),
+                "pci_bus_id": values.get("pci.bus_id"),
+                "source": "nvidia-smi",
+            }
+        )
     return {"driver": {"version": driver, "cuda": None, "source": "nvidia-smi"}, "gpus": gpus}
 
 

@@ -24,8 +24,11 @@ _LIB_NAME = re.compile(
 # Which pip distributions ship which libraries (CUDA 13 wheels drop the -cuXX suffix).
 _PACKAGE = re.compile(r"^nvidia-(cublas|cudnn|nccl|cuda-runtime|nvjitlink)(?:-cu\d+)?$")
 _PACKAGE_LIBS = {
-    "cublas": ("cublas", "cublasLt"), "cudnn": ("cudnn",), "nccl": ("nccl",),
-    "cuda-runtime": ("cudart",), "nvjitlink": ("nvJitLink",),
+    "cublas": ("cublas", "cublasLt"),
+    "cudnn": ("cudnn",),
+    "nccl": ("nccl",),
+    "cuda-runtime": ("cudart",),
+    "nvjitlink": ("nvJitLink",),
 }
 
 
@@ -44,8 +47,12 @@ def wheel_entry(package: str, version: str, files: list[str] | None = None) -> d
     match = _PACKAGE.match(_norm(package))
     if not match:
         return None
-    return {"package": _norm(package), "version": version,
-            "libraries": list(_PACKAGE_LIBS[match.group(1)]), "files": files or []}
+    return {
+        "package": _norm(package),
+        "version": version,
+        "libraries": list(_PACKAGE_LIBS[match.group(1)]),
+        "files": files or [],
+    }
 
 
 def _norm(name: str) -> str:
@@ -73,15 +80,17 @@ def torch_installs() -> dict[str, Any]:
     installs = []
     for dist in metadata.distributions():
         if _norm(dist.metadata["Name"] or "") == "torch":
-            installs.append({
-                "version": dist.version,
-                "location": str(dist.locate_file("")),
-                "installer": (dist.read_text("INSTALLER") or "").strip() or None,
-            })
+            installs.append(
+                {
+                    "version": dist.version,
+                    "location": str(dist.locate_file("")),
+                    "installer": (dist.read_text("INSTALLER") or "").strip() or None,
+                }
+            )
     debris = []
     for entry in sys.path:
         try:
-            names = os.listdir(entry) if entry and os.path.isdir(entry) else []  # noqa: PTH112
+            names = os.listdir(entry) if entry and os.path.isdir(entry) else []
         except OSError:
             continue
         # pip renames a package to "~orch" while replacing it; a leftover means an interrupted
@@ -99,7 +108,7 @@ def _scan_dir(directory: str, origin: str) -> list[dict[str, Any]]:
     for name in names:
         kind = classify(name)
         if kind:
-            path = os.path.join(directory, name)  # noqa: PTH118
+            path = os.path.join(directory, name)
             found.append({"library": kind[0], "path": path, "origin": origin, "soname_version": kind[1]})
     return found
 
@@ -116,7 +125,7 @@ def _ldconfig_entries() -> list[dict[str, Any]]:
         if "=>" not in line:
             continue
         path = line.split("=>", 1)[1].strip()
-        kind = classify(os.path.basename(path))  # noqa: PTH119
+        kind = classify(os.path.basename(path))
         if kind:
             found.append({"library": kind[0], "path": path, "origin": "ldconfig", "soname_version": kind[1]})
     return found
@@ -140,12 +149,18 @@ def library_copies(wheels: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
     entries: list[dict[str, Any]] = []
     for wheel in wheels:
         for path in wheel["files"]:
-            kind = classify(os.path.basename(path))  # noqa: PTH119
+            kind = classify(os.path.basename(path))
             if kind:
-                entries.append({
-                    "library": kind[0], "path": path, "origin": "pip", "soname_version": kind[1],
-                    "package": wheel["package"], "package_version": wheel["version"],
-                })
+                entries.append(
+                    {
+                        "library": kind[0],
+                        "path": path,
+                        "origin": "pip",
+                        "soname_version": kind[1],
+                        "package": wheel["package"],
+                        "package_version": wheel["version"],
+                    }
+                )
     torch_lib = _torch_lib_dir()
     if torch_lib:
         entries += _scan_dir(torch_lib, "torch_lib")
@@ -153,7 +168,7 @@ def library_copies(wheels: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
         entries += _scan_dir(directory, "ld_library_path")
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
     for sub in ("lib64", "lib", "targets/x86_64-linux/lib"):
-        entries += _scan_dir(os.path.join(cuda_home, sub), "cuda_home")  # noqa: PTH118
+        entries += _scan_dir(os.path.join(cuda_home, sub), "cuda_home")
     try:
         entries += _ldconfig_entries()
     except (NotChecked, OSError, subprocess.SubprocessError) as exc:
@@ -170,18 +185,29 @@ def merge_copies(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         copy = copies.get(key)
         if copy is None:
             copy = copies[key] = {
-                "library": entry["library"], "path": real, "origins": [],
-                "version": None, "version_source": None, "package": None,
+                "library": entry["library"],
+                "path": real,
+                "origins": [],
+                "version": None,
+                "version_source": None,
+                "package": None,
+                "dirs": {},  # origin -> the directories (as configured, unresolved) that reach this file
             }
         if entry["origin"] not in copy["origins"]:
             copy["origins"].append(entry["origin"])
+        reached_from = copy["dirs"].setdefault(entry["origin"], [])
+        if os.path.dirname(entry["path"]) not in reached_from:
+            reached_from.append(os.path.dirname(entry["path"]))
         if entry.get("package"):
             copy["package"], copy["version"], copy["version_source"] = (
-                entry["package"], entry["package_version"], "wheel")
+                entry["package"],
+                entry["package_version"],
+                "wheel",
+            )
         elif copy["version_source"] != "wheel":
             # The real file's name carries the full version for toolkit copies
             # (libcudart.so.13.0.88); a bare soname only gives the major.
-            full = classify(os.path.basename(real))  # noqa: PTH119
+            full = classify(os.path.basename(real))
             ver = full[1] if full and full[1].count(".") >= 1 else entry["soname_version"]
             if ver and (copy["version"] is None or len(ver) > len(copy["version"])):
                 copy["version"] = ver
@@ -194,14 +220,17 @@ def loaded_copies(mapped: list[str], copies: list[dict[str, Any]]) -> list[dict[
     by_real = {c["path"]: c for c in copies}
     loaded = []
     for path in mapped:
-        kind = classify(os.path.basename(path))  # noqa: PTH119
+        kind = classify(os.path.basename(path))
         if not kind:
             continue
         real = os.path.realpath(path)
         known = by_real.get(real)
-        loaded.append({
-            "library": kind[0], "path": real,
-            "version": known["version"] if known else (kind[1] or None),
-            "package": known["package"] if known else None,
-        })
+        loaded.append(
+            {
+                "library": kind[0],
+                "path": real,
+                "version": known["version"] if known else (kind[1] or None),
+                "package": known["package"] if known else None,
+            }
+        )
     return loaded

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import sys
@@ -9,8 +10,15 @@ from typing import Any
 
 # Variables that change which libraries load, which GPUs are visible or how numerics behave.
 _PREFIXES = ("CUDA_", "NCCL_", "TORCH_", "PYTORCH_", "CUBLAS", "CUDNN_", "NVIDIA_", "LD_", "OMP_")
-_NAMES = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "UV_INDEX_URL", "UV_EXTRA_INDEX_URL",
-          "CONDA_PREFIX", "VIRTUAL_ENV", "PYTHONPATH")
+_NAMES = (
+    "PIP_INDEX_URL",
+    "PIP_EXTRA_INDEX_URL",
+    "UV_INDEX_URL",
+    "UV_EXTRA_INDEX_URL",
+    "CONDA_PREFIX",
+    "VIRTUAL_ENV",
+    "PYTHONPATH",
+)
 
 
 def relevant_env(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -21,16 +29,20 @@ def relevant_env(environ: dict[str, str] | None = None) -> dict[str, str]:
 def collect() -> dict[str, Any]:
     libc = " ".join(platform.libc_ver()).strip() or None
     distro = None
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         distro = platform.freedesktop_os_release().get("PRETTY_NAME")
-    except (OSError, AttributeError):
-        pass
     return {
         "os": {
-            "system": platform.system(), "release": platform.release(), "machine": platform.machine(),
-            "distro": distro, "libc": libc,
+            "system": platform.system(),
+            "release": platform.release(),
+            "machine": platform.machine(),
+            "distro": distro,
+            "libc": libc,
         },
-        "python": {"version": platform.python_version(), "executable": sys.executable,
-                   "implementation": platform.python_implementation()},
+        "python": {
+            "version": platform.python_version(),
+            "executable": sys.executable,
+            "implementation": platform.python_implementation(),
+        },
         "env": relevant_env(),
     }

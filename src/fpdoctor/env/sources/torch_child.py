@@ -24,7 +24,7 @@ def spawn(force_load: bool = True) -> Any:
     child never imports the fpdoctor package and starts importing torch as early as possible."""
     import subprocess
 
-    argv = [sys.executable, os.path.abspath(__file__)]  # noqa: PTH100
+    argv = [sys.executable, os.path.abspath(__file__)]
     if not force_load:
         argv.append("--no-force-load")
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -38,7 +38,7 @@ def emit(facts: dict[str, Any]) -> None:
 def mapped_libraries() -> list[str]:
     """Every shared object mapped into this process, from /proc/self/maps (Linux only)."""
     try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:  # noqa: PTH123
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
             lines = fh.read().splitlines()
     except OSError:
         return []
@@ -84,23 +84,27 @@ def collect(force_load: bool) -> None:
                 "cuda": torch.version.cuda,
                 "hip": getattr(torch.version, "hip", None),
                 "debug": bool(torch.version.debug),
-                "location": os.path.dirname(torch.__file__),  # noqa: PTH120
+                "location": os.path.dirname(torch.__file__),
                 "python": platform.python_version(),
             }
         )
         _try(facts, "arch_list", lambda: list(torch.cuda.get_arch_list()))
-        _try(facts, "cudnn", lambda: torch.backends.cudnn.version())
+        _try(facts, "cudnn", torch.backends.cudnn.version)
         _try(facts, "nccl", lambda: ".".join(map(str, torch.cuda.nccl.version())) if torch.version.cuda else None)
-        _try(facts, "precision", lambda: {
-            "float32_matmul_precision": torch.get_float32_matmul_precision(),
-            "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
-            "fp16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
-            "bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
-            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "cudnn_deterministic": torch.backends.cudnn.deterministic,
-            "cudnn_benchmark": torch.backends.cudnn.benchmark,
-        })
+        _try(
+            facts,
+            "precision",
+            lambda: {
+                "float32_matmul_precision": torch.get_float32_matmul_precision(),
+                "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+                "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+                "fp16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+                "bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+                "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+                "cudnn_deterministic": torch.backends.cudnn.deterministic,
+                "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            },
+        )
         _try(facts, "numpy", _numpy_interop)
         facts["warnings"] = [str(w.message) for w in caught]
         emit(facts)
@@ -108,14 +112,18 @@ def collect(force_load: bool) -> None:
         facts["stage"] = "cuda-init"
         _try(facts, "cuda_available", torch.cuda.is_available)
         if facts.get("cuda_available"):
-            _try(facts, "devices", lambda: [
-                {
-                    "index": i,
-                    "name": torch.cuda.get_device_name(i),
-                    "compute_capability": "{}.{}".format(*torch.cuda.get_device_capability(i)),
-                }
-                for i in range(torch.cuda.device_count())
-            ])
+            _try(
+                facts,
+                "devices",
+                lambda: [
+                    {
+                        "index": i,
+                        "name": torch.cuda.get_device_name(i),
+                        "compute_capability": "{}.{}".format(*torch.cuda.get_device_capability(i)),
+                    }
+                    for i in range(torch.cuda.device_count())
+                ],
+            )
         facts["warnings"] = [str(w.message) for w in caught]
         emit(facts)
 
@@ -124,10 +132,21 @@ def collect(force_load: bool) -> None:
             # which it otherwise loads lazily; only then does /proc/self/maps show them.
             facts["stage"] = "force-load"
             emit(facts)
-            _try(facts, "forced_gemm", lambda: float((torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")).sum()))
+            _try(
+                facts,
+                "forced_gemm",
+                lambda: float((torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")).sum()),
+            )
             if torch.backends.cudnn.is_available():
-                _try(facts, "forced_conv", lambda: float(torch.nn.functional.conv2d(
-                    torch.ones(1, 1, 8, 8, device="cuda"), torch.ones(1, 1, 3, 3, device="cuda")).sum()))
+                _try(
+                    facts,
+                    "forced_conv",
+                    lambda: float(
+                        torch.nn.functional.conv2d(
+                            torch.ones(1, 1, 8, 8, device="cuda"), torch.ones(1, 1, 3, 3, device="cuda")
+                        ).sum()
+                    ),
+                )
             torch.cuda.synchronize()
         facts["stage"] = "done"
         facts["mapped"] = mapped_libraries()

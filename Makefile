@@ -1,0 +1,32 @@
+# Two commands do everything on a fresh machine:
+#   make demo   set up .venv, run the casebook (`fpdoctor demo`), then diagnose this machine (`fpdoctor env`)
+#   make test   set up .venv, then lint, type-check and run the whole test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint bench clean
+
+$(BIN)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade "pip>=23.2"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $@
+
+demo: $(BIN)/.installed
+	$(BIN)/fpdoctor demo
+	# exit code 1 means the doctor found an error-level problem on this machine; that is a result
+	$(BIN)/fpdoctor env || test $$? -eq 1
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest
+
+bench: $(BIN)/.installed
+	$(BIN)/python benchmarks/bench_env.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
