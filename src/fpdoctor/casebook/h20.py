@@ -25,7 +25,7 @@ _CRASHING_PROBE = {
 
 
 def _facts(name: str) -> dict[str, Any]:
-    text = resources.files("fpdoctor.casebook").joinpath("data", name).read_text(encoding="utf-8")
+    text = resources.files("fpdoctor.casebook").joinpath(f"data/{name}").read_text(encoding="utf-8")
     facts: dict[str, Any] = json.loads(text)
     return facts
 

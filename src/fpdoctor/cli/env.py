@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 import json
+from typing import Any
 
 from fpdoctor.cli.output import UsageError, add_output_args, emit, write_atomic
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 import json
 import sys
+from typing import Any
 
 from fpdoctor import catalog
 from fpdoctor.cli.output import UsageError
