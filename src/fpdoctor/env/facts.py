@@ -110,6 +110,11 @@ class Facts:
         return version((self.raw.get("driver") or {}).get("version"))
 
     @property
+    def driver_text(self) -> str | None:
+        """The driver version as reported (keeps NVIDIA's leading zeros)."""
+        return (self.raw.get("driver") or {}).get("version")
+
+    @property
     def driver_max_cuda(self) -> Version | None:
         """The newest CUDA the driver supports, as reported by NVML or an error message."""
         return version((self.raw.get("driver") or {}).get("cuda"))

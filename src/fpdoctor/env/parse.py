@@ -306,6 +306,8 @@ def _missing(facts: dict[str, Any]) -> list[str]:
 _TORCH_VERSION = re.compile(
     r"(?:\btorch(?:==|-|\s+|\s*version[:=]?\s*|\s*:\s*)|PyTorch\s+version[:=]?\s*)v?(?P<v>\d+\.\d+(?:\.\d+)?(?:\+[A-Za-z0-9.]+)?)"
 )
+# A line holding only a version with a CUDA/ROCm/CPU label is what print(torch.__version__) shows.
+_BARE_TORCH_VERSION = re.compile(r"^\s*(?P<v>\d+\.\d+\.\d+\+(?:cu\d{3}|cpu|rocm[\d.]+))\s*$", re.MULTILINE)
 _SMI_DRIVER = re.compile(r"Driver Version:\s*(?P<driver>\d+\.\d+(?:\.\d+)?)(?:\s+CUDA Version:\s*(?P<cuda>\d+\.\d+))?")
 _FOUND_VERSION = re.compile(r"driver on your system is too old \(found version (?P<v>\d+)\)")
 _SM_WARNING = re.compile(r"(?P<name>NVIDIA [^\n]*?|[A-Z][^\n]*?) with CUDA capability sm_(?P<sm>\d+) is not compatible")
@@ -345,7 +347,7 @@ def _gpu_names_in(text: str) -> list[str]:
 def parse_log(text: str) -> dict[str, Any]:
     facts = empty_facts("log")
     torch: dict[str, Any] = {}
-    m = _TORCH_VERSION.search(text)
+    m = _TORCH_VERSION.search(text) or _BARE_TORCH_VERSION.search(text)
     if m:
         torch["version"] = m["v"]
     facts["torch"] = torch

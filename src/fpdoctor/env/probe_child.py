@@ -29,6 +29,8 @@ def run_probe(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("fault") == "sigfpe":
         # Fault injection for the casebook and tests: die exactly as cuBLAS does on H20.
         signal.raise_signal(signal.SIGFPE)
+    if spec.get("fault") == "hang":
+        time.sleep(3600)  # fault injection: a wedged GPU or a deadlocked library
     gen = torch.Generator().manual_seed(1234)
     a64 = torch.randn(m, k, generator=gen, dtype=torch.float64)
     b64 = torch.randn(k, n, generator=gen, dtype=torch.float64)

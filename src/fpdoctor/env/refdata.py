@@ -103,6 +103,11 @@ class RefData:
     def driver_rows(self) -> list[dict[str, str]]:
         return _rows("cuda_driver_min.csv")
 
+    @staticmethod
+    def driver_text(row: dict[str, str], windows: bool = False) -> str:
+        """The minimum driver as NVIDIA writes it (Version() would print 450.80.02 as 450.80.2)."""
+        return row["windows_x86_64_min_driver" if windows else "linux_x86_64_min_driver"]
+
     def family_floor(self, cuda_major: int, windows: bool = False) -> tuple[Version, dict[str, str]] | None:
         """Minimum driver for any CUDA `cuda_major`.x build (minor version compatibility)."""
         column = "windows_x86_64_min_driver" if windows else "linux_x86_64_min_driver"

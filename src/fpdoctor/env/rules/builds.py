@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterable
 
 from fpdoctor import catalog
-from fpdoctor.env.refdata import sm_number
+from fpdoctor.env.refdata import INDEX_URL, sm_number
 from fpdoctor.env.rules import Context
 from fpdoctor.env.suggest import suggest_build
 from fpdoctor.report.model import Finding
@@ -15,13 +15,21 @@ _MISSING_LIB = re.compile(r"(?P<lib>lib[\w.+-]+\.so[\w.]*): cannot open shared o
 _UNDEFINED = re.compile(r"undefined symbol: (?P<sym>\S+)")
 
 
+def reinstall_command(version: str | None) -> str:
+    """Reinstall exactly this torch, from the index of its CUDA variant when it has one."""
+    if not version:
+        return "python -m pip install --force-reinstall torch"
+    public, _, local = version.partition("+")
+    if local.startswith(("cu", "rocm", "cpu")):
+        return (
+            f'python -m pip install --force-reinstall "torch=={public}" --index-url {INDEX_URL.format(variant=local)}'
+        )
+    return f'python -m pip install --force-reinstall "torch=={public}"'
+
+
 def _import_cause(error: str, signal: str | None, version: str | None) -> tuple[str, str]:
     """A one-line cause and a fix for an import failure the known-issues table does not name."""
-    reinstall = (
-        f'python -m pip install --force-reinstall "torch=={version}"'
-        if version
-        else "python -m pip install --force-reinstall torch"
-    )
+    reinstall = reinstall_command(version)
     if signal == "SIGILL":
         return (
             "`import torch` died of SIGILL: the CPU lacks an instruction set the wheel was built for "
@@ -111,13 +119,13 @@ def cpu_only_build(ctx: Context) -> Iterable[Finding]:
             f"torch {facts.torch.get('version')} has no CUDA support, but the machine has "
             f"{len(gpus)} NVIDIA GPU(s): {', '.join(names)}. {where}"
             f"The suggested build covers compute capability {capabilities}"
-            + (f" and runs on driver {facts.driver}." if facts.driver else ".")
+            + (f" and runs on driver {facts.driver_text}." if facts.driver else ".")
         ),
         fix=fix,
         evidence={
             "torch": facts.torch.get("version"),
             "gpus": names,
-            "driver": str(facts.driver) if facts.driver else None,
+            "driver": facts.driver_text,
             "suggested_index": suggestion.index_url if suggestion else None,
         },
     )

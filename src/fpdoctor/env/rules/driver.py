@@ -19,7 +19,8 @@ def driver_too_old(ctx: Context) -> Iterable[Finding]:
     max_cuda = facts.driver_max_cuda
     matched = ctx.symptoms.get("DRIVER_TOO_OLD_FOR_CUDA")
     ccs = [sm_number(g["compute_capability"]) for g in facts.gpus if g.get("compute_capability")]
-    evidence: dict[str, Any] = {"driver": str(driver) if driver else None, "torch_cuda": str(build) if build else None}
+    driver_text = facts.driver_text
+    evidence: dict[str, Any] = {"driver": driver_text, "torch_cuda": str(build) if build else None}
     if matched:
         evidence["matched"] = matched
 
@@ -27,7 +28,11 @@ def driver_too_old(ctx: Context) -> Iterable[Finding]:
     too_old = False
     if driver and floor and driver < floor[0]:
         too_old = True
-        evidence.update(required=str(floor[0]), source=floor[1]["source"], confidence=floor[1]["confidence"])
+        evidence.update(
+            required=ctx.ref.driver_text(floor[1], facts.windows),
+            source=floor[1]["source"],
+            confidence=floor[1]["confidence"],
+        )
     elif not driver and max_cuda and build and max_cuda.major < build.major:
         # Only the driver's CUDA version is known ("found version 11040" means CUDA 11.4).
         too_old = True
@@ -42,18 +47,19 @@ def driver_too_old(ctx: Context) -> Iterable[Finding]:
         # compatibility, where PTX JIT of newer code and some APIs are unavailable.
         exact = ctx.ref.toolkit_floor(build, facts.windows) if build else None
         if build and driver and exact and driver < exact[0]:
+            needed = ctx.ref.driver_text(exact[1], facts.windows)
             yield catalog.make(
                 "driver-too-old",
                 severity=Severity.INFO,
                 title="The driver runs this CUDA build only under minor-version compatibility",
                 message=(
-                    f"Driver {driver} is below {exact[0]}, the driver CUDA {build} shipped with, but above the "
+                    f"Driver {driver_text} is below {needed}, the driver CUDA {build} shipped with, but above the "
                     f"CUDA {build.major}.x floor: ordinary kernels run; PTX JIT of newer code does not."
                 ),
-                fix=f"Upgrade the NVIDIA driver to >= {exact[0]} if kernels fail to JIT.",
+                fix=f"Upgrade the NVIDIA driver to >= {needed} if kernels fail to JIT.",
                 evidence={
                     **evidence,
-                    "required": str(exact[0]),
+                    "required": needed,
                     "source": exact[1]["source"],
                     "confidence": exact[1]["confidence"],
                 },
@@ -70,9 +76,10 @@ def driver_too_old(ctx: Context) -> Iterable[Finding]:
         max_cuda=newest if not driver else None,
     )
     fix_lines = []
-    if floor:
+    if floor and build:
         fix_lines.append(
-            f"Upgrade the NVIDIA driver to >= {floor[0]} (minimum for CUDA {build.major}.x builds"  # type: ignore[union-attr]
+            f"Upgrade the NVIDIA driver to >= {ctx.ref.driver_text(floor[1], facts.windows)} "
+            f"(minimum for CUDA {build.major}.x builds"
             f"{' on Windows' if facts.windows else ' on Linux'})"
         )
     else:
@@ -91,7 +98,7 @@ def driver_too_old(ctx: Context) -> Iterable[Finding]:
             "that works only on data-centre GPUs and breaks when the container or host changes."
         )
     what = (
-        f"driver {driver}"
+        f"driver {driver_text}"
         if driver
         else f"a driver that supports at most CUDA {max_cuda}"
         if max_cuda

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from fpdoctor import catalog
+from fpdoctor.report.model import Severity
+
+# SPEC 3.2: environment finding names that must exist.
+REQUIRED_ENV = {
+    "driver-too-old",
+    "arch-not-in-build",
+    "cpu-only-build",
+    "duplicate-torch-install",
+    "cublas-h20-sigfpe",
+    "duplicate-cuda-library",
+    "library-shadowed",
+    "numpy-abi-mismatch",
+    "torch-import-failed",
+    "probe-crashed",
+}
+
+
+def test_required_names_exist():
+    names = {r.name for r in catalog.rules()}
+    assert names >= REQUIRED_ENV
+
+
+def test_codes_and_names_are_unique_and_well_formed():
+    rules = catalog.rules()
+    assert len({r.code for r in rules}) == len(rules)
+    assert len({r.name for r in rules}) == len(rules)
+    for r in rules:
+        assert re.fullmatch(r"[A-Z]{3}\d{3}", r.code)
+        assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", r.name)
+        assert r.title and r.what and r.why and r.fix, r.code
+        assert isinstance(r.severity, Severity)
+
+
+def test_lookup_by_code_or_name():
+    assert catalog.get("ENV101").name == "cublas-h20-sigfpe"
+    assert catalog.get("env101").code == "ENV101"
+    assert catalog.get("cublas-h20-sigfpe").code == "ENV101"
+    with pytest.raises(catalog.UnknownRuleError):
+        catalog.get("ENV999")
+
+
+def test_make_fills_from_the_catalogue():
+    f = catalog.make("driver-too-old", message="m", references=["https://x"])
+    assert (f.code, f.severity, f.title) == ("ENV003", Severity.ERROR, catalog.get("ENV003").title)
+    assert f.references[0] == "https://x" and len(f.references) == len(set(f.references))
+
+
+def test_rule_validation():
+    with pytest.raises(ValueError):
+        catalog.Rule(code="E1", name="x", severity=Severity.ERROR, title="t", what="w", why="y", fix="f")
+    with pytest.raises(ValueError):
+        catalog.Rule(code="ENV900", name="Bad Name", severity=Severity.ERROR, title="t", what="w", why="y", fix="f")

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import json
+
+from fpdoctor import catalog
+from tests.conftest import ENV_FIXTURES, run_fpdoctor
+
+
+def test_version_and_help(cli):
+    assert run_fpdoctor("--version").out.startswith("fpdoctor ")
+    result = cli()
+    assert result.code == 2 and "env" in result.out
+
+
+def test_explain_by_code_and_name(cli):
+    by_code = cli("explain", "ENV101")
+    by_name = cli("explain", "cublas-h20-sigfpe")
+    assert by_code.code == 0 and by_code.out == by_name.out
+    assert by_code.out.startswith("ENV101 cublas-h20-sigfpe (error)")
+    assert "What it does" in by_code.out and "How to fix" in by_code.out
+    doc = json.loads(cli("explain", "ENV003", "--format", "json").out)
+    assert doc["name"] == "driver-too-old"
+
+
+def test_rules_lists_every_code(cli):
+    out = cli("rules").out
+    for rule in catalog.rules():
+        assert rule.code in out and rule.name in out
+    assert len(json.loads(cli("rules", "--format", "json").out)) == len(catalog.rules())
+
+
+def test_every_format_renders(cli):
+    report = ENV_FIXTURES / "collect_env" / "h20_cu121_pytorch133548.txt"
+    for fmt in ("text", "json", "markdown", "html"):
+        result = cli("env", "--from", str(report), "--format", fmt)
+        assert result.code == 1 and "cublas-h20-sigfpe" in result.out
+
+
+def test_output_file_atomic(tmp_path, cli):
+    report = ENV_FIXTURES / "collect_env" / "healthy_h100_cu124_vllm11959.txt"
+    out = tmp_path / "report.json"
+    out.write_text("previous")
+    result = cli("env", "--from", str(report), "--format", "json", "-o", str(out))
+    assert result.code == 0 and result.out == ""
+    assert json.loads(out.read_text())["verdict"] == "ok"
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]  # no temporary file left behind
+
+
+def test_python_dash_m_entry_point():
+    result = run_fpdoctor("explain", "arch-not-in-build")
+    assert result.code == 0 and "ENV004" in result.out

@@ -1,0 +1,52 @@
+"""GEMM probes in child processes: results, crashes and hangs never take fpdoctor down."""
+
+from __future__ import annotations
+
+from fpdoctor.env.probe import default_specs, run_probes
+
+
+def _spec(name, dtype="fp32", **extra):
+    return {"name": name, "dtype": dtype, "shape": [64, 128, 32], "device": "cpu", **extra}
+
+
+def test_cpu_probes_pass_against_the_float64_reference():
+    results = run_probes([_spec("a"), _spec("b", "bf16"), _spec("c", "fp16")])
+    for r in results:
+        assert r["status"] == "ok", r
+        assert 0 <= r["max_abs_err"] <= r["tolerance"]
+
+
+def test_a_probe_killed_by_sigfpe_is_reported_and_the_rest_still_run():
+    results = run_probes([_spec("before"), _spec("crash", "bf16", fault="sigfpe"), _spec("after", "fp16")])
+    assert [r["status"] for r in results] == ["ok", "crashed", "ok"]
+    assert results[1]["signal"] == "SIGFPE" and results[1]["returncode"] == -8
+
+
+def test_a_hanging_probe_is_killed_after_its_timeout():
+    results = run_probes([_spec("hang", fault="hang"), _spec("after")], timeout_s=2)
+    assert results[0]["status"] == "timeout"
+    assert results[1]["status"] == "ok"
+
+
+def test_default_plan():
+    cpu = [s["dtype"] for s in default_specs("cpu", None)]
+    assert cpu == ["fp32", "bf16", "fp16"]
+    hopper = default_specs("cuda", (9, 0))
+    assert [s["dtype"] for s in hopper][:5] == ["fp32", "tf32", "bf16", "fp16", "fp8_e4m3"]
+    assert {"h20-linear-bf16", "h20-gemm-fp16"} <= {s["name"] for s in hopper}
+    assert "fp8_e4m3" not in [s["dtype"] for s in default_specs("cuda", (8, 0))]
+
+
+def test_probe_crash_becomes_a_finding_end_to_end(cli, tmp_path):
+    import json
+
+    # The recorded H20 facts plus a live probe that really dies of SIGFPE.
+    from fpdoctor.env.doctor import diagnose_env
+    from tests.conftest import ENV_FIXTURES
+
+    facts = json.loads((ENV_FIXTURES / "rules" / "ENV101-cublas-h20-sigfpe.json").read_text())
+    report = diagnose_env(facts=facts, probe=True, probe_specs=[_spec("h20-linear-bf16", "bf16", fault="sigfpe")])
+    crashed = report.by_name("probe-crashed")
+    assert len(crashed) == 1 and crashed[0].evidence["signal"] == "SIGFPE"
+    assert "ENV101 cublas-h20-sigfpe explains it" in crashed[0].message
+    assert report.exit_code == 1

@@ -1,0 +1,52 @@
+"""One fixture and one expected outcome per rule code (like ruff's per-rule fixtures)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fpdoctor import catalog
+from fpdoctor.env.doctor import diagnose_env
+from fpdoctor.env.parse import load
+from tests.conftest import ENV_FIXTURES
+
+RULE_FIXTURES = ENV_FIXTURES / "rules"
+ENV_RULES = [r for r in catalog.rules() if r.code.startswith("ENV")]
+
+
+def _fixture(rule: catalog.Rule):
+    stem = f"{rule.code}-{rule.name}"
+    inputs = [p for p in RULE_FIXTURES.glob(f"{stem}.*") if not p.name.endswith(".expected.json")]
+    expected = RULE_FIXTURES / f"{stem}.expected.json"
+    return inputs, expected
+
+
+@pytest.mark.parametrize("rule", ENV_RULES, ids=lambda r: r.code)
+def test_every_rule_has_a_fixture_and_an_expectation(rule):
+    inputs, expected = _fixture(rule)
+    assert len(inputs) == 1, f"{rule.code} needs exactly one fixture named {rule.code}-{rule.name}.<json|txt|log>"
+    assert expected.exists(), f"{rule.code} needs {expected.name}"
+    names = [n for n, _ in json.loads(expected.read_text())["findings"]]
+    assert rule.name in names, f"{expected.name} must expect {rule.name}"
+
+
+@pytest.mark.parametrize("rule", ENV_RULES, ids=lambda r: r.code)
+def test_rule_fixture_gives_exactly_the_expected_findings(rule):
+    inputs, expected = _fixture(rule)
+    report = diagnose_env(facts=load(str(inputs[0])))
+    got = sorted([f.name, f.severity.value] for f in report.findings)
+    assert got == json.loads(expected.read_text())["findings"]
+    for f in report.findings:
+        assert f.fix, f"{f.code} finding has no fix"
+        assert f.message, f"{f.code} finding has no message"
+
+
+def test_unconfirmed_facts_never_make_an_error():
+    from fpdoctor.env.rules import cap_severity
+    from fpdoctor.env.rules.known import severity_for
+    from fpdoctor.report.model import Severity
+
+    assert cap_severity(Severity.ERROR, "unconfirmed") is Severity.WARNING
+    assert cap_severity(Severity.ERROR, "confirmed") is Severity.ERROR
+    assert severity_for({"confidence": "unconfirmed", "kind": "crash"}) is Severity.INFO

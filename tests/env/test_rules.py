@@ -1,0 +1,82 @@
+"""Rule behaviour at the edges that the per-rule fixtures do not cover."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from fpdoctor.env.doctor import diagnose_env
+from tests.conftest import ENV_FIXTURES
+
+
+@pytest.fixture
+def h20_facts():
+    return json.loads((ENV_FIXTURES / "rules" / "ENV101-cublas-h20-sigfpe.json").read_text())
+
+
+def _names(facts):
+    return {f.name: f for f in diagnose_env(facts=copy.deepcopy(facts)).findings}
+
+
+def test_h200_is_not_h20(h20_facts):
+    for gpu in h20_facts["gpus"]:
+        gpu["name"] = "NVIDIA H200"
+    assert "cublas-h20-sigfpe" not in _names(h20_facts)
+
+
+def test_h20_with_fixed_cublas_is_fine(h20_facts):
+    for item in h20_facts["libraries"]["loaded"] + h20_facts["libraries"]["copies"] + h20_facts["libraries"]["wheels"]:
+        item["version"] = "12.4.5.8"
+    assert "cublas-h20-sigfpe" not in _names(h20_facts)
+
+
+def test_h20_with_conflicting_cublas_12_3_only_warns(h20_facts):
+    for item in h20_facts["libraries"]["loaded"]:
+        item["version"] = "12.3.4.1"
+    assert _names(h20_facts)["cublas-h20-sigfpe"].severity.value == "warning"
+
+
+def test_h20_on_a_cuda_11_build_is_the_reported_workaround(h20_facts):
+    h20_facts["torch"].update(version="2.3.1+cu118", cuda="11.8")
+    h20_facts["libraries"] = {"wheels": [], "copies": [], "loaded": []}
+    assert "cublas-h20-sigfpe" not in _names(h20_facts)
+
+
+def test_h20_without_library_facts_infers_from_the_build(h20_facts):
+    h20_facts["torch"].update(version="2.2.0+cu121")  # not in the pinned-cuBLAS table
+    h20_facts["libraries"] = {"wheels": [], "copies": [], "loaded": None}
+    finding = _names(h20_facts)["cublas-h20-sigfpe"]
+    assert "inferred from the CUDA 12.1 build" in finding.evidence["cublas_source"]
+
+
+def test_ptx_only_coverage_is_a_warning():
+    facts = json.loads((ENV_FIXTURES / "rules" / "ENV004-arch-not-in-build.json").read_text())
+    facts["torch"].update(
+        version="2.7.0+cu128", cuda="12.8", arch_list=["sm_75", "sm_80", "sm_86", "sm_90", "compute_90"]
+    )
+    facts["torch"]["warnings"] = []
+    finding = _names(facts)["arch-not-in-build"]
+    assert finding.severity.value == "warning" and "PTX JIT" in finding.message
+
+
+def test_sass_of_the_same_major_covers_newer_minors():
+    facts = json.loads((ENV_FIXTURES / "rules" / "ENV004-arch-not-in-build.json").read_text())
+    facts["gpus"][0].update(name="NVIDIA GeForce RTX 4090", compute_capability="8.9")
+    facts["torch"]["warnings"] = []
+    assert "arch-not-in-build" not in _names(facts)  # sm_86 SASS runs on sm_89
+
+
+def test_driver_below_the_exact_toolkit_but_above_the_family_floor_is_a_note():
+    facts = json.loads((ENV_FIXTURES / "rules" / "ENV002-cpu-only-build.json").read_text())
+    facts["torch"].update(version="2.5.1+cu124", cuda="12.4", cuda_available=True)
+    facts["driver"]["version"] = "535.104.05"  # CUDA 12.4 shipped with 550.54.14
+    finding = _names(facts)["driver-too-old"]
+    assert finding.severity.value == "info"
+
+
+def test_healthy_live_facts_give_no_findings():
+    facts = json.loads((ENV_FIXTURES / "rules" / "ENV201-probe-crashed.json").read_text())
+    facts["probes"] = []
+    assert _names(facts) == {}

@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fpdoctor import catalog
+from fpdoctor.report.model import SCHEMA, Finding, Report, Severity
+
+
+def _finding(name: str = "driver-too-old", severity: Severity | None = None) -> Finding:
+    return catalog.make(name, message="m", severity=severity)
+
+
+def test_verdict_follows_the_worst_finding():
+    report = Report(command="env")
+    assert report.verdict == "ok" and report.exit_code == 0
+    report.extend([_finding("known-issue", Severity.INFO)])
+    assert report.verdict == "ok"
+    report.extend([_finding("duplicate-cuda-library")])
+    assert report.verdict == "warning" and report.exit_code == 0
+    report.extend([_finding("driver-too-old")])
+    assert report.verdict == "error" and report.exit_code == 1
+
+
+def test_json_shape_matches_the_contract():
+    report = Report(
+        command="env", findings=[_finding("duplicate-cuda-library"), _finding("cublas-h20-sigfpe")], data={"x": 1}
+    )
+    doc = json.loads(report.to_json())
+    assert list(doc) == ["schema", "command", "version", "verdict", "findings", "data"]
+    assert doc["schema"] == SCHEMA == "fpdoctor.report/1"
+    assert doc["verdict"] == "error"
+    first = doc["findings"][0]
+    assert list(first) == ["code", "name", "severity", "title", "message", "where", "evidence", "fix", "references"]
+    assert first["name"] == "cublas-h20-sigfpe"  # errors sort first
+    assert first["code"] == "ENV101"
+
+
+def test_finding_validation():
+    with pytest.raises(ValueError, match="Severity"):
+        Finding(code="ENV001", name="x", severity="error", title="t", message="m")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="code"):
+        Finding(code="", name="x", severity=Severity.ERROR, title="t", message="m")

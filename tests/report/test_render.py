@@ -1,0 +1,74 @@
+"""Renderer goldens: fixed width, colours off, exact comparison.
+
+Regenerate after an intended change with:  FPDOCTOR_REGEN_GOLDENS=1 python -m pytest tests/report
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from fpdoctor.env.doctor import diagnose_env
+from fpdoctor.env.parse import parse_text
+from fpdoctor.report.render import render
+from tests.conftest import ENV_FIXTURES
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+@pytest.fixture(scope="module")
+def h20_report() -> dict:
+    text = (ENV_FIXTURES / "collect_env" / "h20_cu121_pytorch133548.txt").read_text()
+    return diagnose_env(facts=parse_text(text)).to_dict()
+
+
+@pytest.mark.parametrize("fmt", ["text", "markdown", "html", "json"])
+def test_golden(h20_report, fmt):
+    got = render(h20_report, fmt, color=False, width=100)
+    path = GOLDEN / f"h20_env.{ {'text': 'txt', 'markdown': 'md', 'html': 'html', 'json': 'json'}[fmt] }"
+    if os.environ.get("FPDOCTOR_REGEN_GOLDENS"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(got)
+    assert got == path.read_text()
+
+
+def test_json_round_trips(h20_report):
+    assert json.loads(render(h20_report, "json")) == json.loads(json.dumps(h20_report, default=str))
+
+
+def test_html_escapes_user_text():
+    report = {
+        "schema": "s",
+        "command": "env",
+        "version": "0",
+        "verdict": "error",
+        "data": {},
+        "findings": [
+            {
+                "code": "ENV104",
+                "name": "known-issue",
+                "severity": "error",
+                "title": "<script>x</script>",
+                "message": "a & b",
+                "where": {},
+                "evidence": {},
+                "fix": "",
+                "references": [],
+            }
+        ],
+    }
+    out = render(report, "html")
+    assert "<script>x" not in out and "&lt;script&gt;" in out
+
+
+def test_color_only_when_asked(h20_report):
+    assert "\x1b[" not in render(h20_report, "text", color=False)
+    assert "\x1b[" in render(h20_report, "text", color=True)
+
+
+def test_unknown_format():
+    with pytest.raises(ValueError, match="unknown format"):
+        render({}, "yaml")
