@@ -72,6 +72,7 @@ def run_probe(spec: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     specs = json.loads(sys.argv[1])
+    import torch  # noqa: F401 - imported before the first START, so the probe timeout excludes it
     for spec in specs:
         print(START + spec["name"], flush=True)
         try:
