@@ -89,12 +89,28 @@ def test_loaded_copies_from_maps(tmp_path):
     ]
 
 
-def test_torch_installs_sees_this_torch_and_leftovers(tmp_path, monkeypatch):
+def test_distributions_see_this_torch_a_second_one_and_leftovers(tmp_path, monkeypatch):
     (tmp_path / "~orch-2.1.0.dist-info").mkdir()
+    second = tmp_path / "torch-2.1.0.dist-info"
+    second.mkdir()
+    (second / "INSTALLER").write_text("pip\n")
+    wheel = tmp_path / "nvidia_cublas_cu12-12.4.5.8.dist-info"
+    wheel.mkdir()
+    (wheel / "RECORD").write_text("nvidia/cublas/lib/libcublas.so.12,,\nnvidia/cublas/__init__.py,,\n")
     monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path)])
-    found = libraries.torch_installs()
-    assert any(i["version"].startswith("2.13.0") for i in found["installs"])
-    assert found["debris"] == [str(tmp_path / "~orch-2.1.0.dist-info")]
+    found = libraries.scan_distributions()
+    torch_installs = found["torch_installs"]
+    assert any(i["version"].startswith("2.13.0") for i in torch_installs["installs"])
+    assert {"version": "2.1.0", "location": str(tmp_path), "installer": "pip"} in torch_installs["installs"]
+    assert torch_installs["debris"] == [str(tmp_path / "~orch-2.1.0.dist-info")]
+    assert found["wheels"] == [
+        {
+            "package": "nvidia-cublas-cu12",
+            "version": "12.4.5.8",
+            "libraries": ["cublas", "cublasLt"],
+            "files": [str(tmp_path / "nvidia" / "cublas" / "lib" / "libcublas.so.12")],
+        }
+    ]
 
 
 def test_relevant_env_keeps_what_matters():

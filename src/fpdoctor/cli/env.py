@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
         child = spawn()
     from fpdoctor.env.doctor import diagnose_env
-    from fpdoctor.env.parse import InputError
+    from fpdoctor.env.errors import InputError
 
     try:
         report = diagnose_env(

@@ -63,17 +63,21 @@ def _last_facts(stdout: str) -> dict[str, Any] | None:
     return None
 
 
-def _wheels_and_copies() -> dict[str, Any]:
-    wheels = libraries.pip_wheels()
-    copies, not_checked = libraries.library_copies(wheels)
-    return {"wheels": wheels, "copies": copies, "not_checked": not_checked}
+def _distributions_and_copies() -> dict[str, Any]:
+    found = libraries.scan_distributions()
+    copies, not_checked = libraries.library_copies(found["wheels"])
+    return {**found, "copies": copies, "not_checked": not_checked}
 
 
 def _warm_up() -> None:
-    """Load what judging and rendering need while the torch child is still importing."""
+    """Import and load what judging and rendering need while the torch child is still importing."""
+    import fpdoctor.report.redact
+    import fpdoctor.report.render  # noqa: F401
     from fpdoctor.env.refdata import refdata
+    from fpdoctor.env.rules import all_rules
     from fpdoctor.env.rules.known import _compiled
 
+    all_rules()
     ref = refdata()
     _ = (ref.arch_rows, ref.driver_rows, ref.gpu_rows, ref.bundled_rows, ref.first_cuda_for_sm)
     _compiled()
@@ -90,8 +94,7 @@ def collect_live(*, force_load: bool = True, child: subprocess.Popen[str] | None
         jobs: dict[str, Future[Any]] = {
             "system": pool.submit(system.collect),
             "gpus": pool.submit(gpus.collect),
-            "libraries": pool.submit(_wheels_and_copies),
-            "torch_installs": pool.submit(libraries.torch_installs),
+            "libraries": pool.submit(_distributions_and_copies),
             "warm": pool.submit(_warm_up),
         }
         results: dict[str, Any] = {}
@@ -114,9 +117,8 @@ def collect_live(*, force_load: bool = True, child: subprocess.Popen[str] | None
     if "libraries" in results:
         libs = results["libraries"]
         facts["libraries"].update(wheels=libs["wheels"], copies=libs["copies"])
+        facts["torch_installs"] = libs["torch_installs"]
         facts["not_checked"].update(libs["not_checked"])
-    if "torch_installs" in results:
-        facts["torch_installs"] = results["torch_installs"]
 
     mapped = torch_facts.pop("mapped", None)
     facts["torch"] = torch_facts

@@ -14,15 +14,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+from fpdoctor.env.errors import InputError
 from fpdoctor.env.facts import SCHEMA, empty_facts
 from fpdoctor.env.refdata import refdata
 from fpdoctor.env.sources.libraries import classify, wheel_entry
 
 MAX_BYTES = 32 * 2**20
-
-
-class InputError(ValueError):
-    """A --from file that cannot be diagnosed; the message is the one line the user sees."""
+__all__ = ["InputError", "load", "parse_collect_env", "parse_log", "parse_text"]
 
 
 def load(path: str) -> dict[str, Any]:

@@ -59,44 +59,51 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def pip_wheels() -> list[dict[str, Any]]:
-    """Installed nvidia-* wheels that provide a tracked library, with their shared objects."""
-    wheels = []
-    for dist in metadata.distributions():
-        name = dist.metadata["Name"] or ""
-        if not _PACKAGE.match(_norm(name)):
-            continue
-        files = [str(dist.locate_file(f)) for f in (dist.files or []) if ".so" in f.name]
-        wheel = wheel_entry(name, dist.version, files)
-        if wheel:
-            wheels.append(wheel)
-    return wheels
+# "<name>-<version>.dist-info": matching directory names avoids parsing the METADATA of every
+# installed distribution (torch's alone is large), which matters for `fpdoctor env`'s budget.
+_DIST_INFO = re.compile(r"^(?P<name>torch|nvidia[-_][\w.]+?)-(?P<version>[^-]+)\.dist-info$", re.IGNORECASE)
 
 
-def torch_installs() -> dict[str, Any]:
-    """Every torch distribution on sys.path, plus debris of interrupted pip operations."""
+def _site_dirs() -> list[str]:
     import sys
 
-    installs = []
-    for dist in metadata.distributions():
-        if _norm(dist.metadata["Name"] or "") == "torch":
-            installs.append(
-                {
-                    "version": dist.version,
-                    "location": str(dist.locate_file("")),
-                    "installer": (dist.read_text("INSTALLER") or "").strip() or None,
-                }
-            )
-    debris = []
-    for entry in sys.path:
+    return list(dict.fromkeys(p for p in sys.path if p and os.path.isdir(p)))
+
+
+def scan_distributions() -> dict[str, Any]:
+    """nvidia-* wheels that ship a tracked library, every torch on sys.path, and pip debris."""
+    wheels: list[dict[str, Any]] = []
+    installs: list[dict[str, Any]] = []
+    debris: list[str] = []
+    for entry in _site_dirs():
         try:
-            names = os.listdir(entry) if entry and os.path.isdir(entry) else []
+            names = os.listdir(entry)
         except OSError:
             continue
-        # pip renames a package to "~orch" while replacing it; a leftover means an interrupted
-        # install ("WARNING: Ignoring invalid distribution ~orch").
-        debris += [str(Path(entry) / n) for n in names if n.startswith("~") and "orch" in n]
-    return {"installs": installs, "debris": debris}
+        for name in names:
+            if name.startswith("~") and "orch" in name:
+                # pip renames a package to "~orch" while replacing it; a leftover means an
+                # interrupted install ("WARNING: Ignoring invalid distribution ~orch").
+                debris.append(str(Path(entry) / name))
+                continue
+            m = _DIST_INFO.match(name)
+            if not m:
+                continue
+            dist = metadata.PathDistribution(Path(entry) / name)
+            if _norm(m["name"]) == "torch":
+                installs.append(
+                    {
+                        "version": m["version"],
+                        "location": entry,
+                        "installer": (dist.read_text("INSTALLER") or "").strip() or None,
+                    }
+                )
+            elif _PACKAGE.match(_norm(m["name"])):
+                files = [str(dist.locate_file(f)) for f in (dist.files or []) if ".so" in f.name]
+                wheel = wheel_entry(m["name"], m["version"], files)
+                if wheel:
+                    wheels.append(wheel)
+    return {"wheels": wheels, "torch_installs": {"installs": installs, "debris": debris}}
 
 
 def _scan_dir(directory: str, origin: str) -> list[dict[str, Any]]:
