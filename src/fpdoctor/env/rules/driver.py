@@ -24,7 +24,9 @@ def driver_too_old(ctx: Context) -> Iterable[Finding]:
     if matched:
         evidence["matched"] = matched
 
-    floor = ctx.ref.family_floor(build.major, facts.windows) if build else None
+    family = ctx.ref.family_floor(build.major, facts.windows) if build else None
+    # CUDA 10 and older have no minor-version compatibility: the exact toolkit's driver is the floor.
+    floor = family or (ctx.ref.toolkit_floor(build, facts.windows) if build else None)
     too_old = False
     if driver and floor and driver < floor[0]:
         too_old = True
@@ -45,7 +47,7 @@ def driver_too_old(ctx: Context) -> Iterable[Finding]:
     if not too_old:
         # Above the family floor but below the exact toolkit's driver: runs under minor-version
         # compatibility, where PTX JIT of newer code and some APIs are unavailable.
-        exact = ctx.ref.toolkit_floor(build, facts.windows) if build else None
+        exact = ctx.ref.toolkit_floor(build, facts.windows) if build and family else None
         if build and driver and exact and driver < exact[0]:
             needed = ctx.ref.driver_text(exact[1], facts.windows)
             yield catalog.make(
@@ -77,10 +79,10 @@ def driver_too_old(ctx: Context) -> Iterable[Finding]:
     )
     fix_lines = []
     if floor and build:
+        scope = f"CUDA {build.major}.x builds" if family else f"CUDA {build} builds"
+        system = "Windows" if facts.windows else "Linux"
         fix_lines.append(
-            f"Upgrade the NVIDIA driver to >= {ctx.ref.driver_text(floor[1], facts.windows)} "
-            f"(minimum for CUDA {build.major}.x builds"
-            f"{' on Windows' if facts.windows else ' on Linux'})"
+            f"Upgrade the NVIDIA driver to >= {ctx.ref.driver_text(floor[1], facts.windows)} (minimum for {scope} on {system})"
         )
     else:
         fix_lines.append("Upgrade the NVIDIA driver (see the CUDA release notes for the minimum)")
