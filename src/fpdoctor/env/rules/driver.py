@@ -81,9 +81,8 @@ def driver_too_old(ctx: Context) -> Iterable[Finding]:
     if floor and build:
         scope = f"CUDA {build.major}.x builds" if family else f"CUDA {build} builds"
         system = "Windows" if facts.windows else "Linux"
-        fix_lines.append(
-            f"Upgrade the NVIDIA driver to >= {ctx.ref.driver_text(floor[1], facts.windows)} (minimum for {scope} on {system})"
-        )
+        minimum = ctx.ref.driver_text(floor[1], facts.windows)
+        fix_lines.append(f"Upgrade the NVIDIA driver to >= {minimum} (minimum for {scope} on {system})")
     else:
         fix_lines.append("Upgrade the NVIDIA driver (see the CUDA release notes for the minimum)")
     if suggestion and (build is None or suggestion.row.cuda < build):
