@@ -63,24 +63,17 @@ def from_nvidia_smi() -> dict[str, Any]:
     exe = shutil.which("nvidia-smi")
     if exe is None:
         raise NotChecked("nvidia-smi not found on PATH")
+
+    def query(fields: list[str]) -> subprocess.CompletedProcess[str]:
+        argv = [exe, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+
     fields = _QUERY.split(",")
-    proc = subprocess.run(
-        [exe, f"--query-gpu={_QUERY}", "--format=csv,noheader,nounits"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    proc = query(fields)
     if proc.returncode != 0:
         # Drivers before ~510 do not know compute_cap; ask again without it.
         fields = [f for f in fields if f != "compute_cap"]
-        proc = subprocess.run(
-            [exe, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
+        proc = query(fields)
     if proc.returncode != 0:
         raise NotChecked(f"nvidia-smi failed: {(proc.stderr or proc.stdout).strip()[:200]}")
     return parse_nvidia_smi_csv(proc.stdout, fields)
