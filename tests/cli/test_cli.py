@@ -49,3 +49,11 @@ def test_output_file_atomic(tmp_path, cli):
 def test_python_dash_m_entry_point():
     result = run_fpdoctor("explain", "arch-not-in-build")
     assert result.code == 0 and "ENV004" in result.out
+
+
+def test_a_saved_report_is_accepted_as_input(tmp_path, cli):
+    report = ENV_FIXTURES / "collect_env" / "h20_cu121_pytorch133548.txt"
+    saved = tmp_path / "report.json"
+    cli("env", "--from", str(report), "--format", "json", "-o", str(saved))
+    again = json.loads(cli("env", "--from", str(saved), "--format", "json").out)
+    assert [f["name"] for f in again["findings"]] == ["cublas-h20-sigfpe"]

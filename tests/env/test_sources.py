@@ -198,3 +198,17 @@ def test_no_driver_at_all_is_reported_not_raised(monkeypatch, tmp_path):
     assert set(not_checked) == {"nvml", "nvidia-smi"}
     with pytest.raises(NotChecked):
         gpus.from_nvidia_smi()
+
+
+def test_old_nvidia_smi_without_compute_cap(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(init_error="Driver Not Loaded"))
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in *compute_cap*) echo \'Field "compute_cap" is not a valid field to query.\'; exit 2;; esac\n'
+        "echo '0, Tesla V100-SXM2-16GB, 16160, GPU-bbbb, 00000000:3B:00.0, 470.82.01'\n"
+    )
+    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    facts = gpus.from_nvidia_smi()
+    assert facts["gpus"][0]["compute_capability"] is None and facts["driver"]["version"] == "470.82.01"
