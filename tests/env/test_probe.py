@@ -50,3 +50,17 @@ def test_probe_crash_becomes_a_finding_end_to_end(cli, tmp_path):
     assert len(crashed) == 1 and crashed[0].evidence["signal"] == "SIGFPE"
     assert "ENV101 cublas-h20-sigfpe explains it" in crashed[0].message
     assert report.exit_code == 1
+
+
+def test_a_probe_that_raises_is_noted_and_its_text_is_evidence():
+    import json
+
+    from fpdoctor.env.doctor import diagnose_env
+    from tests.conftest import ENV_FIXTURES
+
+    facts = json.loads((ENV_FIXTURES / "rules" / "ENV201-probe-crashed.json").read_text())
+    spec = {"name": "gemm-fp32", "dtype": "fp32", "shape": [16, 16, 16], "device": "cuda"}  # no CUDA here
+    report = diagnose_env(facts=facts, probe=True, probe_specs=[spec])
+    assert report.data["facts"]["probes"][0]["status"] == "error"
+    assert "probe gemm-fp32" in report.data["not_checked"]
+    assert report.findings == []

@@ -80,3 +80,26 @@ def test_healthy_live_facts_give_no_findings():
     facts = json.loads((ENV_FIXTURES / "rules" / "ENV201-probe-crashed.json").read_text())
     facts["probes"] = []
     assert _names(facts) == {}
+
+
+def test_an_import_failure_names_its_known_cause_once():
+    facts = json.loads((ENV_FIXTURES / "rules" / "ENV001-torch-import-failed.json").read_text())
+    facts["torch"]["error"] = (
+        "ImportError: /x/libcusparse.so.12: undefined symbol: __nvJitLink_12_4, version libnvJitLink.so.12"
+    )
+    findings = diagnose_env(facts=facts).findings
+    assert [f.name for f in findings] == ["torch-import-failed"]
+    assert findings[0].evidence["known_issue"] == "NVJITLINK_SYMBOL_MISMATCH"
+
+
+def test_a_failing_rule_is_reported_not_raised(monkeypatch):
+    from fpdoctor.env import rules
+
+    def broken(ctx):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(rules, "all_rules", lambda: [broken])
+    facts = json.loads((ENV_FIXTURES / "rules" / "ENV201-probe-crashed.json").read_text())
+    report = diagnose_env(facts=facts)
+    assert report.findings == []
+    assert "boom" in report.data["not_checked"]["rule broken"]

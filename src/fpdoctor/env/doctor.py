@@ -22,9 +22,11 @@ def diagnose_env(
 ) -> Report:
     """Diagnose this machine, a saved facts dict, or a file (collect_env text, facts JSON, log).
 
-    `probe=None` runs the GEMM probes only on a live machine where torch sees a GPU.
-    Raises `fpdoctor.env.parse.InputError` for a file that cannot be diagnosed.
+    `probe=None` runs the GEMM probes only when collecting on this machine and torch sees a GPU;
+    with `facts` or `from_file`, probes run only for explicit `probe_specs` (the casebook's).
+    Raises `fpdoctor.env.errors.InputError` for a file that cannot be diagnosed.
     """
+    here = facts is None and from_file is None  # the facts describe this machine, now
     if facts is None:
         if from_file is not None:
             from fpdoctor.env.parse import load
@@ -35,10 +37,9 @@ def diagnose_env(
 
             facts = collect_live(child=child)
     view = Facts(facts)
-    live = not view.offline
     if probe is None:
-        probe = live and bool(view.cuda_available)
-    if probe and (live or probe_specs):
+        probe = here and bool(view.cuda_available)
+    if probe and (here or probe_specs):
         from fpdoctor.env.probe import default_specs, run_probes
 
         if probe_specs is None:
@@ -47,7 +48,12 @@ def diagnose_env(
             major, _, minor = caps[0].partition(".") if caps else ("", "", "")
             probe_specs = default_specs(device, (int(major), int(minor or 0)) if caps else None)
         facts["probes"] = run_probes(probe_specs, timeout_s=probe_timeout_s)
-    elif probe and not live:
+        for result in facts["probes"]:
+            if result.get("status") == "error":
+                # An exception is not a crash, but its text ("no kernel image ...") is evidence.
+                facts.setdefault("texts", []).append(str(result.get("error")))
+                facts.setdefault("not_checked", {})[f"probe {result['name']}"] = f"raised {result.get('error')}"
+    elif probe:
         facts.setdefault("not_checked", {})["probes"] = "probes run only on a live machine, not on a file"
 
     findings = evaluate(view)

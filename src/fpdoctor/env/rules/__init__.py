@@ -56,5 +56,10 @@ def evaluate(facts: Facts, ref: RefData | None = None) -> list[Finding]:
 
     ctx = Context(facts=facts, ref=ref or refdata(), symptoms=matched_issues(facts.texts))
     for rule in all_rules():
-        ctx.findings.extend(rule(ctx))
+        try:
+            ctx.findings.extend(rule(ctx))
+        except Exception as exc:  # a broken rule must not hide what the other rules found
+            facts.raw.setdefault("not_checked", {})[f"rule {rule.__name__}"] = (
+                f"failed with {type(exc).__name__}: {exc}; please report this to fpdoctor"
+            )
     return ctx.findings

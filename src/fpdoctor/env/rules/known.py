@@ -89,8 +89,9 @@ def known_issues(ctx: Any) -> Iterable[Finding]:
     nccl = ctx.facts.torch.get("nccl") or next(
         (w["version"] for w in ctx.facts.wheels if "nccl" in w["libraries"]), None
     )
+    cited = {f.evidence.get("known_issue") for f in ctx.findings}  # e.g. the cause of an import failure
     for issue in ctx.ref.known_issues:
-        if issue["id"] in HANDLED_ELSEWHERE:
+        if issue["id"] in HANDLED_ELSEWHERE or issue["id"] in cited:
             continue
         lines = ctx.symptoms.get(issue["id"])
         condition = _nccl_condition(issue, nccl)
