@@ -212,3 +212,11 @@ def test_old_nvidia_smi_without_compute_cap(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     facts = gpus.from_nvidia_smi()
     assert facts["gpus"][0]["compute_capability"] is None and facts["driver"]["version"] == "470.82.01"
+
+
+def test_conda_env_libraries_are_found(tmp_path, monkeypatch):
+    lib = _lib(tmp_path / "env" / "lib", "libcublas.so.11.11.3.6")
+    monkeypatch.setenv("CONDA_PREFIX", str(tmp_path / "env"))
+    copies, _ = libraries.library_copies([])
+    mine = next(c for c in copies if c["path"] == os.path.realpath(lib))
+    assert mine["origins"] == ["conda"] and mine["version"] == "11.11.3.6"

@@ -100,7 +100,7 @@ ENV_RULES: tuple[Rule, ...] = (
         severity=W,
         title="Several different copies of one CUDA library are reachable",
         what="Lists cuBLAS, cuBLASLt, cuDNN, NCCL, cudart and nvJitLink copies in pip wheels, "
-        "torch/lib, LD_LIBRARY_PATH, CUDA_HOME and the ldconfig cache, and reports libraries "
+        "torch/lib, LD_LIBRARY_PATH, the conda env, CUDA_HOME and the ldconfig cache, and reports libraries "
         "with copies of different versions.",
         why="Which copy the loader picks depends on RPATH, LD_LIBRARY_PATH and load order; an "
         "upgrade of one copy may change nothing.",

@@ -14,7 +14,7 @@ from fpdoctor.report.model import Finding, Severity
 
 # Origins the dynamic loader can reach when torch loads; a toolkit copy under CUDA_HOME alone
 # is used for building extensions, not by torch at run time.
-REACHABLE = {"pip", "torch_lib", "ld_library_path", "ldconfig", "report", "wheel"}
+REACHABLE = {"pip", "torch_lib", "ld_library_path", "ldconfig", "conda", "report", "wheel"}
 
 
 def _copies_with_wheels(ctx: Context) -> list[dict[str, Any]]:

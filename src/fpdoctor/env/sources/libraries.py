@@ -173,6 +173,9 @@ def library_copies(wheels: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
         entries += _scan_dir(torch_lib, "torch_lib")
     for directory in filter(None, os.environ.get("LD_LIBRARY_PATH", "").split(":")):
         entries += _scan_dir(directory, "ld_library_path")
+    if os.environ.get("CONDA_PREFIX"):
+        # conda's cudatoolkit / pytorch-cuda packages put the libraries in the env's lib/.
+        entries += _scan_dir(os.path.join(os.environ["CONDA_PREFIX"], "lib"), "conda")
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
     for sub in ("lib64", "lib", "targets/x86_64-linux/lib"):
         entries += _scan_dir(os.path.join(cuda_home, sub), "cuda_home")
