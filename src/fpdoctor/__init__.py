@@ -13,6 +13,8 @@ from fpdoctor._version import __version__
 
 if TYPE_CHECKING:
     from fpdoctor.env.doctor import diagnose_env
+    from fpdoctor.numerics.api import Trace, trace
+    from fpdoctor.numerics.trace import NonFiniteError
     from fpdoctor.report.model import Finding, Report, Severity
 
 # Public name -> module that defines it; imported on first use, so `import fpdoctor` stays cheap.
@@ -20,7 +22,10 @@ _LAZY = {
     "Finding": "fpdoctor.report.model",
     "Report": "fpdoctor.report.model",
     "Severity": "fpdoctor.report.model",
+    "NonFiniteError": "fpdoctor.numerics.trace",
+    "Trace": "fpdoctor.numerics.api",
     "diagnose_env": "fpdoctor.env.doctor",
+    "trace": "fpdoctor.numerics.api",
 }
 
 
@@ -34,4 +39,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'fpdoctor' has no attribute {name!r}")
 
 
-__all__ = ["Finding", "Report", "Severity", "__version__", "diagnose_env"]
+__all__ = ["Finding", "NonFiniteError", "Report", "Severity", "Trace", "__version__", "diagnose_env", "trace"]

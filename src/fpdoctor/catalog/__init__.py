@@ -35,8 +35,9 @@ class Rule:
 
 def _all_rules() -> tuple[Rule, ...]:
     from fpdoctor.catalog.env import ENV_RULES
+    from fpdoctor.catalog.numerics import NUM_RULES, TRN_RULES
 
-    return ENV_RULES
+    return ENV_RULES + NUM_RULES + TRN_RULES
 
 
 class UnknownRuleError(LookupError):

@@ -1,0 +1,114 @@
+"""Numerics (NUM) and training (TRN) finding codes."""
+
+from __future__ import annotations
+
+from fpdoctor.catalog import Rule
+from fpdoctor.report.model import Severity
+
+E, W, I = Severity.ERROR, Severity.WARNING, Severity.INFO  # noqa: E741
+
+NUM_RULES: tuple[Rule, ...] = (
+    Rule(
+        code="NUM001",
+        name="nonfinite-produced",
+        severity=E,
+        title="An op produced NaN or Inf from finite inputs, and it reaches what you see",
+        what="Traces every aten op (forward, backward, optimizer) and reports the first op whose inputs were "
+        "finite but whose output was not, among those whose non-finite values reach a module output, a value "
+        "returned to your code, a gradient or a parameter. First Inf and first NaN are reported separately.",
+        why="The op that produced the first non-finite value is where the fix goes; every later NaN is a "
+        "consequence. A NaN that is masked away before anything sees it is not reported as an error.",
+        fix="Look at the op's input statistics: overflow (values near the dtype's max) wants a rescale or fp32 "
+        "for that op; 0/0, log(0), sqrt(<0) want an epsilon or a clamp at the shown source line.",
+    ),
+    Rule(
+        code="NUM002",
+        name="nonfinite-input",
+        severity=E,
+        title="NaN or Inf was already in an input, parameter or constant",
+        what="A tensor that entered the traced code (a batch, a parameter, a buffer, a constant) already held "
+        "NaN or Inf, and it reaches what you see.",
+        why="No op in the model is at fault: the data, a checkpoint or an earlier step is.",
+        fix="Check the data pipeline (torch.isfinite(batch).all()) or the checkpoint the parameters came from.",
+    ),
+    Rule(
+        code="NUM003",
+        name="overflow-risk",
+        severity=W,
+        title="Values come close to the largest finite value of a dtype",
+        what="Per op and per module, the largest magnitude (reduced in float64) against the max of the dtype in "
+        "use and of fp16 / bf16 / fp8 as what-ifs; reported from 90% of the max.",
+        why="Near the max, the next larger batch, longer sequence or learning-rate step overflows to Inf.",
+        fix="Keep that op in fp32, rescale (e.g. divide scores by sqrt(d) earlier), or use bf16 instead of fp16.",
+    ),
+    Rule(
+        code="NUM004",
+        name="underflow-risk",
+        severity=W,
+        title="Many non-zero values would flush to zero in a narrower dtype",
+        what="Per module, the share of non-zero values below the smallest subnormal of fp16 / bf16, or below "
+        "what fp8 e4m3 / e5m2 can hold after tensorwise scaling.",
+        why="Values that flush to zero fail silently: no NaN, just zeros (a vanishing variance, dead gradients).",
+        fix="Keep that module in fp32, or scale it (loss scaling for gradients, per-row scaling for fp8).",
+    ),
+    Rule(
+        code="NUM005",
+        name="nonfinite-masked",
+        severity=I,
+        title="NaN or Inf was produced but masked before anything saw it",
+        what="An op produced non-finite values that no module output, returned value, gradient or parameter "
+        "received (for example masked attention rows, or a torch.where that discards them).",
+        why="Harmless today, but a change in masking turns it into a real NaN; it also breaks NaN checks that "
+        "look at every op.",
+        fix="Usually nothing; prefer masking before the op (e.g. a large negative instead of -inf) to silence it.",
+    ),
+)
+
+TRN_RULES: tuple[Rule, ...] = (
+    Rule(
+        code="TRN001",
+        name="nonfinite-loss",
+        severity=E,
+        title="The loss was NaN or Inf",
+        what="The training sentinel checks the loss on the device every step.",
+        why="A non-finite loss means a non-finite gradient; stepping would corrupt the weights.",
+        fix="See the replay verdict (deterministic-nonfinite or transient-fault-suspected) for the cause.",
+    ),
+    Rule(
+        code="TRN002",
+        name="nonfinite-gradient",
+        severity=E,
+        title="A gradient was NaN or Inf",
+        what="The sentinel reduces all gradients to one finite flag per step, read once per step.",
+        why="One non-finite gradient poisons every parameter it reaches through the optimizer.",
+        fix="See the replay verdict for the op that produced it; the step was skipped.",
+    ),
+    Rule(
+        code="TRN003",
+        name="loss-spike",
+        severity=W,
+        title="The loss jumped far above its recent level",
+        what="Compares each finite loss with a running mean and deviation of recent steps.",
+        why="Spikes often precede divergence to NaN (fp16 overflow, a bad batch, too high a learning rate).",
+        fix="Inspect the batch of that step; consider gradient clipping or a lower learning rate.",
+    ),
+    Rule(
+        code="TRN004",
+        name="transient-fault-suspected",
+        severity=E,
+        title="A non-finite step did not reproduce when replayed: suspect the hardware",
+        what="The sentinel replays the failing step with the same batch, RNG state and weights under trace; "
+        "a replay that stays finite means the first run did not compute what the code asks for.",
+        why="Bit flips from a faulty GPU (Xid errors, ECC) produce NaN that no code change fixes.",
+        fix="Check the named device: fpdoctor health, nvidia-smi -q -d ECC, dmesg for Xid; drain it if it repeats.",
+    ),
+    Rule(
+        code="TRN005",
+        name="deterministic-nonfinite",
+        severity=E,
+        title="A non-finite step reproduced on replay: a numerical bug at the named op",
+        what="The replay under trace produced the same non-finite values and found the op that produced them.",
+        why="The same inputs give the same NaN: it is the model or its precision, not the hardware.",
+        fix="Fix the producing op named in the finding (see nonfinite-produced).",
+    ),
+)

@@ -1,0 +1,76 @@
+"""Floating-point formats and their limits, and how close a value range comes to them.
+
+The numbers are properties of the formats (IEEE 754 binary16/32, bfloat16, and the OCP 8-bit
+formats E4M3 (no infinities, max 448) and E5M2), so they are written here rather than read from
+torch, which keeps `fpdoctor explain` and offline reports free of a torch import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    max: float  # largest finite value
+    smallest_normal: float
+    smallest_subnormal: float  # values below half of this round to zero
+    mantissa_bits: int
+
+    @property
+    def flush_threshold(self) -> float:
+        """Magnitudes below this round to zero (round-to-nearest at half the smallest subnormal)."""
+        return self.smallest_subnormal / 2
+
+
+FORMATS: dict[str, Format] = {
+    "fp32": Format("fp32", 3.4028234663852886e38, 1.1754943508222875e-38, 1.401298464324817e-45, 23),
+    "fp16": Format("fp16", 65504.0, 6.103515625e-05, 5.960464477539063e-08, 10),
+    "bf16": Format("bf16", 3.3895313892515355e38, 1.1754943508222875e-38, 9.183549615799121e-41, 7),
+    "fp8_e4m3": Format("fp8_e4m3", 448.0, 0.015625, 0.001953125, 3),
+    "fp8_e5m2": Format("fp8_e5m2", 57344.0, 6.103515625e-05, 1.52587890625e-05, 2),
+}
+
+# torch dtype names -> our format names (kept as strings: no torch import here).
+DTYPE_FORMAT = {
+    "torch.float32": "fp32",
+    "torch.float16": "fp16",
+    "torch.bfloat16": "bf16",
+    "torch.float8_e4m3fn": "fp8_e4m3",
+    "torch.float8_e5m2": "fp8_e5m2",
+}
+
+ALIASES = {
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp8": "fp8_e4m3",
+    "e4m3": "fp8_e4m3",
+    "fp8_e4m3": "fp8_e4m3",
+    "fp8-e4m3": "fp8_e4m3",
+    "e5m2": "fp8_e5m2",
+    "fp8_e5m2": "fp8_e5m2",
+    "fp8-e5m2": "fp8_e5m2",
+}
+
+
+def format_named(name: str) -> Format:
+    """Look up a format by any common spelling; ValueError names the accepted ones."""
+    key = ALIASES.get(name.strip().lower())
+    if key is None:
+        raise ValueError(f"unknown dtype {name!r}; use one of fp32, fp16, bf16, fp8-e4m3, fp8-e5m2")
+    return FORMATS[key]
+
+
+# A value range that reaches this share of a format's max is one rescaling, one longer sequence
+# or one larger learning rate away from overflow (the torchao float8 recipes keep amax margins
+# of the same order); 90% is the default of `overflow-risk`.
+OVERFLOW_SHARE = 0.90
+# Underflow is judged on the share of non-zero values that would flush to zero.
+UNDERFLOW_SHARE = 0.01

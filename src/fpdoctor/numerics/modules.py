@@ -1,0 +1,117 @@
+"""Which module is running: dotted paths as in `named_modules()`, call counts, phase.
+
+Forward uses the global module hooks, so no model needs to be registered and every module is
+seen; backward attribution comes from the autograd node that is executing, which the trace tags
+in forward (`Node.metadata`), so a backward op is blamed on the module whose forward created it.
+Phase: backward while autograd runs a graph task, optimizer between the global optimizer step
+hooks, forward otherwise. A module forward that runs during backward is an activation-checkpoint
+recompute, not forward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+ModuleOutputHook = Callable[[str, int, Any, bool], None]
+
+
+def in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class ModuleTracker:
+    """Tracks the module stack in forward and the optimizer phase; installs global hooks on enter."""
+
+    def __init__(self, roots: list[nn.Module] | None = None, on_output: ModuleOutputHook | None = None) -> None:
+        self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+        self.param_names: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter/buffer -> dotted name
+        for root in roots or []:
+            self._name_tree(root, "")
+        self._have_root = bool(roots)
+        self.stack: list[tuple[str, int, bool]] = []  # (path, call index, recompute)
+        self.calls: Counter[str] = Counter()
+        self.in_optimizer = 0
+        self.on_output = on_output
+        self._handles: list[Any] = []
+
+    def _name_tree(self, root: nn.Module, prefix: str) -> None:
+        for name, module in root.named_modules(prefix=prefix, remove_duplicate=False):
+            self._names.setdefault(module, name)
+        for name, tensor in [*root.named_parameters(prefix=prefix), *root.named_buffers(prefix=prefix)]:
+            if tensor not in self.param_names:
+                self.param_names[tensor] = name
+
+    def name_of(self, module: nn.Module) -> str:
+        name = self._names.get(module)
+        if name is not None:
+            return name
+        if self.stack:
+            # A module built or called ad hoc inside another module's forward.
+            name = f"{self.stack[-1][0]}.<{type(module).__name__}>".lstrip(".")
+            self._names[module] = name
+        else:
+            # A new top-level module: the first one is the root (""), later ones go by class name.
+            prefix = "" if not self._have_root else type(module).__name__
+            self._have_root = True
+            self._name_tree(module, prefix)
+            name = self._names[module]
+        return name
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        name = self.name_of(module)
+        index = self.calls[name]
+        self.calls[name] += 1
+        self.stack.append((name, index, in_backward()))
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        name = self.name_of(module)
+        while self.stack:  # pop to the matching entry even if an inner forward raised
+            top = self.stack.pop()
+            if top[0] == name:
+                if self.on_output is not None:
+                    self.on_output(name, top[1], output, top[2])
+                return
+
+    def _opt_pre(self, *args: Any) -> None:
+        self.in_optimizer += 1
+
+    def _opt_post(self, *args: Any) -> None:
+        self.in_optimizer = max(0, self.in_optimizer - 1)
+
+    @property
+    def current(self) -> tuple[str | None, int | None, bool]:
+        if not self.stack:
+            return None, None, False
+        return self.stack[-1]
+
+    @property
+    def phase(self) -> str:
+        if in_backward():
+            return "backward"
+        if self.in_optimizer:
+            return "optimizer"
+        return "forward"
+
+    def __enter__(self) -> ModuleTracker:
+        from torch.nn.modules import module as module_mod
+        from torch.optim import optimizer as optimizer_mod
+
+        self._handles = [
+            module_mod.register_module_forward_pre_hook(self._pre),
+            module_mod.register_module_forward_hook(self._post, always_call=True),
+            optimizer_mod.register_optimizer_step_pre_hook(self._opt_pre),
+            optimizer_mod.register_optimizer_step_post_hook(self._opt_post),
+        ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
