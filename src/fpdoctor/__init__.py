@@ -14,6 +14,7 @@ from fpdoctor._version import __version__
 if TYPE_CHECKING:
     from fpdoctor.env.doctor import diagnose_env
     from fpdoctor.numerics.api import Trace, trace
+    from fpdoctor.numerics.sentinel import Sentinel
     from fpdoctor.numerics.trace import NonFiniteError
     from fpdoctor.report.model import Finding, Report, Severity
 
@@ -23,6 +24,7 @@ _LAZY = {
     "Report": "fpdoctor.report.model",
     "Severity": "fpdoctor.report.model",
     "NonFiniteError": "fpdoctor.numerics.trace",
+    "Sentinel": "fpdoctor.numerics.sentinel",
     "Trace": "fpdoctor.numerics.api",
     "diagnose_env": "fpdoctor.env.doctor",
     "trace": "fpdoctor.numerics.api",
@@ -39,4 +41,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'fpdoctor' has no attribute {name!r}")
 
 
-__all__ = ["Finding", "NonFiniteError", "Report", "Severity", "Trace", "__version__", "diagnose_env", "trace"]
+__all__ = [
+    "Finding",
+    "NonFiniteError",
+    "Report",
+    "Sentinel",
+    "Severity",
+    "Trace",
+    "__version__",
+    "diagnose_env",
+    "trace",
+]

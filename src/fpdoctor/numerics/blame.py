@@ -28,9 +28,10 @@ def _where_text(path: tuple[str, int, str] | None) -> str | None:
 
 
 def _module_text(module: str | None) -> str:
+    """'in module `enc.0`', 'in the root module' or 'outside any module'."""
     if module is None:
         return "outside any module"
-    return f"module `{module}`" if module else "the root module"
+    return f"in module `{module}`" if module else "in the root module"
 
 
 class Analysis:
@@ -129,7 +130,7 @@ class Analysis:
         location = _where_text(r.location)
         phase = r.phase + (" (activation-checkpoint recompute)" if r.recompute else "")
         message = (
-            f"{r.op} in {_module_text(r.module)} ({phase}"
+            f"{r.op} {_module_text(r.module)} ({phase}"
             + (f", call {r.call}" if r.call else "")
             + f") produced {count if count is not None else 'some'} {'/'.join(kinds)} of {numel} values"
             f"{from_text}; they reach {', '.join(reaches[:3]) or 'a sink'}."
@@ -148,7 +149,7 @@ class Analysis:
             "first": label,
         }
         if others:
-            evidence["other_producers"] = [f"{o.op} ({_module_text(o.module)}, {o.phase})" for o in others[:5]]
+            evidence["other_producers"] = [f"{o.op} {_module_text(o.module)} ({o.phase})" for o in others[:5]]
         return catalog.make(
             "nonfinite-produced",
             title=f"{label}: {r.op} produced {kinds[0]} from finite inputs"
@@ -192,7 +193,7 @@ class Analysis:
                 catalog.make(
                     "nonfinite-masked",
                     message=(
-                        f"{r.op} in {_module_text(r.module)} ({r.phase}) produced {r.kind}, but nothing downstream "
+                        f"{r.op} {_module_text(r.module)} ({r.phase}) produced {r.kind}, but nothing downstream "
                         f"received it ({len(masked)} such op(s) in total)."
                         + (f" Source: {_where_text(r.location)}." if r.location else "")
                     ),
@@ -222,7 +223,7 @@ class Analysis:
             message=(
                 f"{what} {list(leaf.shape)} {leaf.dtype} already held {count} {leaf.kind} value(s) when it was "
                 f"first used"
-                + (f" by {first.op} in {_module_text(first.module)}" if first else "")
+                + (f" by {first.op} {_module_text(first.module)}" if first else "")
                 + f"; it reaches {', '.join(reaches[:3])}."
             ),
             where={
@@ -248,7 +249,7 @@ class Analysis:
         return catalog.make(
             "nonfinite-input",
             message=(
-                f"A constant created by {r.op} in {_module_text(r.module)} holds {r.kind}; it reaches "
+                f"A constant created by {r.op} {_module_text(r.module)} holds {r.kind}; it reaches "
                 f"{', '.join(reaches[:3])}." + (f" Source: {_where_text(r.location)}." if r.location else "")
             ),
             where=self.where(r),

@@ -29,6 +29,23 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fpdoctor.numerics.modules import ModuleTracker
 
 SYNC_EVERY = 256
+# Ops that take a tensor only for its shape, dtype and device.
+_SHAPE_ONLY = frozenset(
+    {
+        "ones_like",
+        "zeros_like",
+        "empty_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "new_ones",
+        "new_zeros",
+        "new_empty",
+        "new_full",
+        "new_empty_strided",
+    }
+)
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FPDOCTOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STDLIB_DIR = os.path.dirname(os.__file__)
@@ -245,8 +262,13 @@ class Tracer(TorchDispatchMode):
                 if forward is not None:
                     fwd = self.records[forward]
                     module, call, forward_op = fwd.module, fwd.call, fwd.op
-        inputs = [self._source(t, index) for t in _tensors(args) if isinstance(t, torch.Tensor) and _checkable(t)]
-        inputs += [self._source(t, index) for t in _tensors(kwargs) if isinstance(t, torch.Tensor) and _checkable(t)]
+        if func.overloadpacket.__name__ in _SHAPE_ONLY:
+            inputs: list[tuple[str, int]] = []  # reads the shape, not the values (backward()'s ones_like(loss))
+        else:
+            inputs = [self._source(t, index) for t in _tensors(args) if isinstance(t, torch.Tensor) and _checkable(t)]
+            inputs += [
+                self._source(t, index) for t in _tensors(kwargs) if isinstance(t, torch.Tensor) and _checkable(t)
+            ]
         record = Record(
             index,
             str(func),
