@@ -210,7 +210,7 @@ def test_custom_function_backward():  # PyTorch: anomaly mode with a custom Func
         def backward(ctx, g):
             return g * float("inf") - g * float("inf")  # inf - inf = nan
 
-    report = run(lambda h: BadGrad.apply(h))
+    report = run(BadGrad.apply)
     f = only_producer(report)
     assert f.where["phase"] == "backward" and "BadGradBackward" in f.where["autograd_node"]
 

@@ -83,6 +83,11 @@ class Analysis:
         return f"{r.op} ({_module_text(r.module)})"
 
     def input_stats(self, record: Record) -> list[dict[str, Any]]:
+        if record.input_stats is not None:  # measured on the live inputs when the op ran
+            return [
+                {"from": self.source_text(src), **st, "nonfinite": self.kind_of(src)}
+                for src, st in zip(record.inputs, record.input_stats, strict=False)
+            ]
         stats = []
         for src in record.inputs[:6]:
             item: Leaf | Record = self.leaves[src[1]] if src[0] == "leaf" else self.records[src[1]]

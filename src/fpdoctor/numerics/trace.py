@@ -1,22 +1,24 @@
 """`fpdoctor.trace()`: which op *produced* the NaN/Inf that reaches what the user sees.
 
 A TorchDispatchMode sees every aten op, in forward, backward (the mode travels with autograd's
-thread-local state) and the optimizer step. For each floating output it takes one reduction,
-`aminmax`, which is NaN when the tensor holds a NaN and +-inf when it holds an infinity, and
-doubles as the value range for dtype headroom. Views alias their input and are not reduced.
-Every output remembers which op produced it, so a non-finite value is traced back to the ops
-that *produced* it (finite inputs, non-finite output) rather than those that passed it on, and
-forward to the *sinks* it reaches: module outputs, values nobody consumed (a loss), parameter
-gradients and optimizer updates. A NaN that never reaches a sink was masked away and is not an
-error. On CPU every result is read at once (CPU ops are synchronous, so it costs no sync); on
-an accelerator results are read in batches, one host sync per `SYNC_EVERY` ops.
+thread-local state) and the optimizer step. Each floating output gets one reduction: a sum,
+which is non-finite whenever the tensor is, or for fp16/bf16/fp8 an `aminmax`, whose exact range
+dtype headroom needs. Views alias their input and ops that only move or select finite values
+are not reduced. Every output remembers which op produced it, so a non-finite value is traced
+back to the ops that *produced* it (finite inputs, non-finite output) rather than those that
+passed it on, and forward to the *sinks* it reaches: module outputs, values nobody consumed (a
+loss), parameter gradients and optimizer updates. A NaN that never reaches a sink was masked
+away and is not an error. On CPU every result is read at once (CPU ops are synchronous, so it
+costs no sync); on an accelerator results are read in batches, one host sync per `SYNC_EVERY`.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import sys
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import FrameType
@@ -24,28 +26,28 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from fpdoctor.numerics.modules import ModuleTracker
 
 SYNC_EVERY = 256
+_TAG = "_fpdoctor_source"  # attribute on traced tensors: (session, "op", record) or (session, "leaf", leaf, version)
+_SESSIONS = itertools.count(1)
+
+# Ops that cannot turn finite inputs into NaN/Inf: they move, select, compare or zero values.
+_VALUE_PRESERVING = frozenset({
+    "_unsafe_view", "clone", "copy", "copy_", "relu", "threshold_backward", "select_backward",
+    "slice_backward", "embedding", "index_select", "gather", "cat", "stack", "where", "bernoulli", "bernoulli_",
+    "repeat", "max", "min", "amax", "amin", "max_pool2d_with_indices", "index", "masked_select", "sort", "topk",
+    "flip", "roll", "tril", "triu", "zero_", "zeros_like",
+})  # fmt: skip
+# Fresh memory holds garbage until it is written: not a value to check.
+_UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 # Ops that take a tensor only for its shape, dtype and device.
-_SHAPE_ONLY = frozenset(
-    {
-        "ones_like",
-        "zeros_like",
-        "empty_like",
-        "full_like",
-        "rand_like",
-        "randn_like",
-        "randint_like",
-        "new_ones",
-        "new_zeros",
-        "new_empty",
-        "new_full",
-        "new_empty_strided",
-    }
-)
+_SHAPE_ONLY = frozenset({
+    "ones_like", "zeros_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
+    "new_ones", "new_zeros", "new_empty", "new_full", "new_empty_strided",
+})  # fmt: skip
+_LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FPDOCTOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STDLIB_DIR = os.path.dirname(os.__file__)
@@ -80,22 +82,23 @@ def kind_of(lo: float, hi: float) -> str | None:
     return None
 
 
-@dataclass
+@dataclass(slots=True)
 class Output:
     shape: tuple[int, ...]
     dtype: str
-    pending: Any = None  # (min, max) 0-dim tensors not read yet
-    lo: float = 0.0
-    hi: float = 0.0
+    pending: Any = None  # the reduction's 0-dim results, not read yet (deferred mode)
+    lo: float | None = None  # exact min and max, when known
+    hi: float | None = None
     kind: str | None = None
     counts: dict[str, int] | None = None  # nan / inf counts, taken while the tensor was alive
+    derived: bool = False  # not reduced: a value-preserving op of finite inputs, or uninitialised memory
 
     @property
-    def absmax(self) -> float:
-        return max(abs(self.lo), abs(self.hi))
+    def absmax(self) -> float | None:
+        return None if self.lo is None or self.hi is None else max(abs(self.lo), abs(self.hi))
 
 
-@dataclass
+@dataclass(slots=True)
 class Leaf:
     """A tensor the trace did not see being produced: a parameter, buffer, input or constant."""
 
@@ -110,7 +113,7 @@ class Leaf:
     first_use: int | None = None  # the record that first consumed it
 
 
-@dataclass
+@dataclass(slots=True)
 class Record:
     index: int
     op: str
@@ -121,8 +124,9 @@ class Record:
     node: str | None  # the autograd node running, in backward
     forward_op: str | None  # in backward: the forward op whose backward this is
     location: tuple[str, int, str] | None
-    inputs: list[tuple[str, int]]  # ("op", record index) or ("leaf", leaf index), with kind looked up later
+    inputs: list[tuple[str, int]]  # ("op", record index) or ("leaf", leaf index)
     outputs: list[Output] = field(default_factory=list)
+    input_stats: list[dict[str, Any]] | None = None  # taken while the inputs were alive (non-finite records)
     consumed: bool = False
     mutates: str | None = None  # the parameter an in-place optimizer op writes
 
@@ -144,26 +148,71 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 def _checkable(t: torch.Tensor) -> bool:
-    return (t.is_floating_point() or t.is_complex()) and t.numel() > 0 and t.layout == torch.strided
+    return (t.is_floating_point() or t.is_complex()) and t.layout == torch.strided and t.numel() > 0
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        t = t.float()
+    return t
 
 
 def _minmax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    t = t.detach()
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or getattr(t, "is_quantized", False):
-        t = t.float()
-    return torch.aminmax(t)
+    return torch.aminmax(_plain(t))
+
+
+def _reduce(t: torch.Tensor) -> tuple[Any, ...]:
+    """One reduction per output. Low-precision dtypes get aminmax: their exact range is what
+    overflow headroom needs. Others get a sum, about 3x cheaper on a CPU, which is non-finite
+    whenever the tensor is; the rare finite tensor whose sum overflows is re-checked exactly."""
+    if t.dtype in _LOW_PRECISION:
+        return _minmax(t)
+    return (_plain(t).sum(),)
 
 
 def _counts(t: torch.Tensor) -> dict[str, int]:
-    t = t.detach()
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    nan = int(torch.isnan(t).sum())
-    pos = int(torch.isposinf(t).sum())
-    neg = int(torch.isneginf(t).sum())
-    return {"nan": nan, "+inf": pos, "-inf": neg}
+    t = _plain(t)
+    return {"nan": int(torch.isnan(t).sum()), "+inf": int(torch.isposinf(t).sum()), "-inf": int(torch.isneginf(t).sum())}
+
+
+def _resolve(output: Output, values: list[float], alive: torch.Tensor | None) -> None:
+    """Set kind (and the exact range when known) from the reduction's values."""
+    if len(values) == 2:
+        output.lo, output.hi = values
+        output.kind = kind_of(values[0], values[1])
+    elif not math.isfinite(values[0]):
+        if alive is None:  # gone before it could be re-checked (deferred mode)
+            output.kind = "nan" if math.isnan(values[0]) else ("+inf" if values[0] > 0 else "-inf")
+            return
+        lo, hi = _minmax(alive)
+        output.lo, output.hi = float(lo), float(hi)
+        output.kind = kind_of(output.lo, output.hi)
+    if output.kind and alive is not None:
+        output.counts = _counts(alive)
+
+
+def _stats(t: torch.Tensor) -> dict[str, Any]:
+    lo, hi = _minmax(t)
+    return {"dtype": str(t.dtype), "shape": list(t.shape), "min": float(lo), "max": float(hi)}
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
+
+
+def _tag(t: torch.Tensor, value: tuple[Any, ...]) -> None:
+    # An attribute on the tensor object is the cheapest map from tensor to producer, and it dies
+    # with the tensor. Python keeps one object per tensor, so the user sees the same object.
+    setattr(t, _TAG, value)
 
 
 class Tracer(TorchDispatchMode):
@@ -183,14 +232,14 @@ class Tracer(TorchDispatchMode):
         self.leaves: list[Leaf] = []
         self.errors: list[str] = []
         self.sinks: list[tuple[str, int, str]] = []  # (kind "op"/"leaf", index, description)
-        self._producer: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> record index
-        self._leaf_of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> (leaf index, version)
         self._leaf_refs: list[Any] = []  # weak references to leaves that require grad
         self._pending: list[int] = []
         self._alive: dict[int, list[Any]] = {}  # record -> weakrefs to outputs, until read (deferred mode)
+        self._func_info: dict[Any, tuple[str, str]] = {}
         self.immediate = immediate
         self.raise_on = raise_on
         self.on_nonfinite = on_nonfinite
+        self.session = next(_SESSIONS)
         self._by_seq: dict[int, int] = {}  # autograd node sequence number -> forward record
         self.ops_seen = 0
 
@@ -211,13 +260,13 @@ class Tracer(TorchDispatchMode):
         return out
 
     def _source(self, t: torch.Tensor, consumer: int) -> tuple[str, int]:
-        index = self._producer.get(t)
-        if index is not None:
-            self.records[index].consumed = True
-            return ("op", index)
-        seen = self._leaf_of.get(t)
-        if seen is not None and seen[1] == t._version:
-            return ("leaf", seen[0])
+        tag = getattr(t, _TAG, None)
+        if tag is not None and tag[0] == self.session:
+            if tag[1] == "op":
+                self.records[tag[2]].consumed = True
+                return ("op", tag[2])
+            if tag[3] == t._version:
+                return ("leaf", tag[2])
         name = self.tracker.param_names.get(t)
         leaf = Leaf(len(self.leaves), name or "input", tuple(t.shape), str(t.dtype), first_use=consumer)
         lo, hi = _minmax(t)
@@ -226,33 +275,54 @@ class Tracer(TorchDispatchMode):
         if leaf.kind:
             leaf.counts = _counts(t)
         self.leaves.append(leaf)
-        self._leaf_of[t] = (leaf.index, t._version)
+        _tag(t, (self.session, "leaf", leaf.index, t._version))
         if t.requires_grad and t.is_leaf:
-            import weakref
-
             self._leaf_refs.append((leaf.index, weakref.ref(t)))
         return ("leaf", leaf.index)
 
+    def _inputs(self, values: Any, consumer: int, into: list[tuple[str, int]]) -> None:
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                if _checkable(value):
+                    into.append(self._source(value, consumer))
+            elif isinstance(value, (list, tuple)):
+                self._inputs(value, consumer, into)
+
+    def _input_stats(self, args: Any, kwargs: Any) -> list[dict[str, Any]]:
+        tensors = [t for t in _tensors((args, kwargs)) if isinstance(t, torch.Tensor) and _checkable(t)]
+        return [_stats(t) for t in tensors[:6]]
+
+    def _finite(self, src: tuple[str, int]) -> bool:
+        """Known finite right now (immediate mode); pending results count as unknown."""
+        if src[0] == "leaf":
+            return self.leaves[src[1]].kind is None
+        return all(o.kind is None and o.pending is None for o in self.records[src[1]].outputs)
+
     def _record(self, func: Any, args: Any, kwargs: Any, out: Any, seq: int) -> None:
         self.ops_seen += 1
-        outs = [t for t in _tensors(out) if _checkable(t)]
+        if type(out) is torch.Tensor:  # the common case, without the generic walk
+            outs = [out] if _checkable(out) else []
+        else:
+            outs = [t for t in _tensors(out) if _checkable(t)]
         if not outs:
             return
+        session = self.session
         if func.is_view:
             # A view aliases its base: same values, same producer (or the same leaf).
             base = next((t for t in _tensors(args) if isinstance(t, torch.Tensor)), None)
             if base is not None and _checkable(base):
                 kind, ref = self._source(base, len(self.records))
                 for t in outs:
-                    if kind == "op":
-                        self._producer[t] = ref
-                    else:
-                        self._leaf_of[t] = (ref, t._version)
+                    _tag(t, (session, "op", ref) if kind == "op" else (session, "leaf", ref, t._version))
             return
+        info = self._func_info.get(func)
+        if info is None:
+            info = self._func_info[func] = (str(func), func.overloadpacket.__name__)
+        op, name = info
         index = len(self.records)
         tracker = self.tracker
         phase = tracker.phase
-        node_name = forward_op = None
+        node_name = forward_op = location = None
         module, call, recompute = tracker.current
         if phase == "backward":
             node = torch._C._current_autograd_node()
@@ -261,49 +331,42 @@ class Tracer(TorchDispatchMode):
                 forward = self._by_seq.get(node._sequence_nr())
                 if forward is not None:
                     fwd = self.records[forward]
-                    module, call, forward_op = fwd.module, fwd.call, fwd.op
-        if func.overloadpacket.__name__ in _SHAPE_ONLY:
-            inputs: list[tuple[str, int]] = []  # reads the shape, not the values (backward()'s ones_like(loss))
+                    module, call, forward_op, location = fwd.module, fwd.call, fwd.op, fwd.location
         else:
-            inputs = [self._source(t, index) for t in _tensors(args) if isinstance(t, torch.Tensor) and _checkable(t)]
-            inputs += [
-                self._source(t, index) for t in _tensors(kwargs) if isinstance(t, torch.Tensor) and _checkable(t)
-            ]
-        record = Record(
-            index,
-            str(func),
-            phase,
-            module,
-            call,
-            recompute,
-            node_name,
-            forward_op,
-            user_location(sys._getframe(2)),
-            inputs,
-        )
-        if phase == "optimizer" and func._schema.name.endswith("_") and args and isinstance(args[0], torch.Tensor):
+            location = user_location(sys._getframe(3))
+        inputs: list[tuple[str, int]] = []
+        if name not in _SHAPE_ONLY and name not in _UNINITIALISED:
+            self._inputs(args, index, inputs)
+            if kwargs:
+                self._inputs(kwargs.values(), index, inputs)
+        record = Record(index, op, phase, module, call, recompute, node_name, forward_op, location, inputs)
+        if phase == "optimizer" and name.endswith("_") and args and isinstance(args[0], torch.Tensor):
             record.mutates = tracker.param_names.get(args[0])
         self.records.append(record)
         self._by_seq.setdefault(seq, index)
         immediate = self.immediate if self.immediate is not None else outs[0].device.type == "cpu"
+        # Ops that cannot make NaN/Inf out of finite values need no reduction when their inputs
+        # are known finite.
+        skip = name in _UNINITIALISED or (
+            immediate and name in _VALUE_PRESERVING and all(self._finite(s) for s in inputs)
+        )
         for t in outs:
-            output = Output(tuple(t.shape), str(t.dtype))
-            lo, hi = _minmax(t)
-            if immediate:
-                output.lo, output.hi = float(lo), float(hi)
-                output.kind = kind_of(output.lo, output.hi)
-                if output.kind:
-                    output.counts = _counts(t)
+            output = Output(tuple(t.shape), _dtype_name(t.dtype))
+            if skip:
+                output.derived = True
             else:
-                output.pending = (lo, hi)
+                reduced = _reduce(t)
+                if immediate:
+                    _resolve(output, [float(v) for v in reduced], t)
+                else:
+                    output.pending = reduced
             record.outputs.append(output)
-            self._producer[t] = index
+            _tag(t, (session, "op", index))
         if immediate:
             if record.kind:
+                record.input_stats = self._input_stats(args, kwargs)
                 self._on_nonfinite(record)
         else:
-            import weakref
-
             self._alive[index] = [weakref.ref(t) for t in outs]
             self._pending.append(index)
             if len(self._pending) >= SYNC_EVERY:
@@ -314,7 +377,7 @@ class Tracer(TorchDispatchMode):
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        flat = [v.float() for i in pending for o in self.records[i].outputs for v in o.pending]
+        flat = [v.float() for i in pending for o in self.records[i].outputs if o.pending for v in o.pending]
         devices = {v.device for v in flat}
         # One host transfer when everything is on one device.
         values = torch.stack(flat).tolist() if len(devices) == 1 else [float(v) for v in flat]
@@ -323,14 +386,13 @@ class Tracer(TorchDispatchMode):
             record = self.records[i]
             refs = self._alive.pop(i, [])
             for n, output in enumerate(record.outputs):
-                output.lo, output.hi = values[position], values[position + 1]
-                position += 2
+                if output.pending is None:
+                    continue
+                width = len(output.pending)
                 output.pending = None
-                output.kind = kind_of(output.lo, output.hi)
-                if output.kind and n < len(refs):
-                    alive = refs[n]()
-                    if alive is not None:
-                        output.counts = _counts(alive)
+                alive = refs[n]() if n < len(refs) else None
+                _resolve(output, values[position : position + width], alive)
+                position += width
             if record.kind:
                 self._on_nonfinite(record)
 
@@ -339,12 +401,24 @@ class Tracer(TorchDispatchMode):
             self.on_nonfinite(self, record)
 
     # -- sinks -------------------------------------------------------------------------------
+    def producer_of(self, t: torch.Tensor) -> int | None:
+        tag = getattr(t, _TAG, None)
+        return tag[2] if tag is not None and tag[0] == self.session and tag[1] == "op" else None
+
+    def absmax_of(self, t: torch.Tensor) -> float | None:
+        """The largest magnitude the producing op's aminmax saw, when it took and read one."""
+        index = self.producer_of(t)
+        if index is None:
+            return None
+        out = self.records[index].outputs[0]
+        return None if out.pending is not None else out.absmax
+
     def module_output(self, name: str, call: int, output: Any, recompute: bool) -> None:
         if recompute:
             return
         for t in _tensors(output):
             if isinstance(t, torch.Tensor):
-                index = self._producer.get(t)
+                index = self.producer_of(t)
                 if index is not None:
                     self.sinks.append(("op", index, f"output of module {name or '<root>'} (call {call})"))
 
@@ -356,7 +430,7 @@ class Tracer(TorchDispatchMode):
             if t is None or t.grad is None:
                 continue
             name = self.leaves[leaf_index].name
-            index = self._producer.get(t.grad)
+            index = self.producer_of(t.grad)
             if index is not None:
                 self.sinks.append(("op", index, f"gradient of {name}"))
         for record in self.records:
