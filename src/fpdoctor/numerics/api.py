@@ -60,10 +60,10 @@ class Trace:
         return self
 
     def _module_output(self, name: str, call: int, output: Any, recompute: bool) -> None:
-        from torch.utils._python_dispatch import _disable_current_modes
+        import torch
 
         try:
-            with _disable_current_modes():  # our own statistics must not be traced
+            with torch._C._DisableTorchDispatch():  # our own statistics must not be traced
                 self._tracer.module_output(name, call, output, recompute)
                 if self._headroom is not None and not recompute and self._tracker.phase == "forward":
                     self._headroom.observe_module(name, output, self._tracer.absmax_of)

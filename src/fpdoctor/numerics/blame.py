@@ -90,6 +90,8 @@ class Analysis:
             ]
         stats = []
         for src in record.inputs[:6]:
+            lo: float | None
+            hi: float | None
             item: Leaf | Record = self.leaves[src[1]] if src[0] == "leaf" else self.records[src[1]]
             if isinstance(item, Leaf):
                 lo, hi, dtype, shape, kind = item.lo, item.hi, item.dtype, item.shape, item.kind

@@ -42,8 +42,11 @@ class ModuleStats:
         index = torch.where(a > 0, exponent + _OFFSET, 0).clamp_(0, _BINS - 1)
         counts = torch.bincount(index, minlength=_BINS)
         self.hist = counts if self.hist is None else self.hist + counts
-        # Exact: from the producing op's aminmax when it took one, else one amax here.
-        top = absmax if absmax is not None else float(t.detach().abs().amax())
+        # Exact: from the producing op's aminmax when it took one, else one aminmax here.
+        if absmax is None:
+            lo, hi = torch.aminmax(t.detach().float() if t.dtype not in (torch.float32, torch.float64) else t.detach())
+            absmax = max(-float(lo), float(hi))
+        top = absmax
         self.absmax = max(float(self.absmax), top)
         self.calls += 1
 
@@ -114,15 +117,26 @@ class Headroom:
         for row in rows:
             in_use = DTYPE_FORMAT.get(row["dtype"])
             if in_use == "fp32" and "fp16" in self.targets and row["fp16_max_share"] >= OVERFLOW_SHARE:
-                found.append(catalog.make(
-                    "overflow-risk",
-                    message=(f"Module `{row['module']}`'s output reaches {row['fp16_max_share']:.0%} of the fp16 max "
-                             f"(absmax {row['absmax']:.4g}): it would overflow if it ran in fp16."),
-                    where={"module": row["module"], "op": None, "phase": "forward"},
-                    evidence={"kind": "overflow", "target": "fp16", "share": row["fp16_max_share"],
-                              "absmax": row["absmax"], "dtype": row["dtype"], "what_if": True,
-                              "count": None, "numel": None},
-                ))
+                found.append(
+                    catalog.make(
+                        "overflow-risk",
+                        message=(
+                            f"Module `{row['module']}`'s output reaches {row['fp16_max_share']:.0%} of the fp16 max "
+                            f"(absmax {row['absmax']:.4g}): it would overflow if it ran in fp16."
+                        ),
+                        where={"module": row["module"], "op": None, "phase": "forward"},
+                        evidence={
+                            "kind": "overflow",
+                            "target": "fp16",
+                            "share": row["fp16_max_share"],
+                            "absmax": row["absmax"],
+                            "dtype": row["dtype"],
+                            "what_if": True,
+                            "count": None,
+                            "numel": None,
+                        },
+                    )
+                )
             for target in self.targets:
                 if target == in_use:
                     continue

@@ -175,7 +175,11 @@ def _reduce(t: torch.Tensor) -> tuple[Any, ...]:
 
 def _counts(t: torch.Tensor) -> dict[str, int]:
     t = _plain(t)
-    return {"nan": int(torch.isnan(t).sum()), "+inf": int(torch.isposinf(t).sum()), "-inf": int(torch.isneginf(t).sum())}
+    return {
+        "nan": int(torch.isnan(t).sum()),
+        "+inf": int(torch.isposinf(t).sum()),
+        "-inf": int(torch.isneginf(t).sum()),
+    }
 
 
 def _resolve(output: Output, values: list[float], alive: torch.Tensor | None) -> None:
@@ -240,7 +244,8 @@ class Tracer(TorchDispatchMode):
         self.raise_on = raise_on
         self.on_nonfinite = on_nonfinite
         self.session = next(_SESSIONS)
-        self._by_seq: dict[int, int] = {}  # autograd node sequence number -> forward record
+        # autograd node sequence number -> (module, call, op, location) of the forward op that made it
+        self._by_seq: dict[int, tuple[Any, ...]] = {}
         self.ops_seen = 0
 
     # -- recording ---------------------------------------------------------------------------
@@ -319,6 +324,19 @@ class Tracer(TorchDispatchMode):
         if info is None:
             info = self._func_info[func] = (str(func), func.overloadpacket.__name__)
         op, name = info
+        immediate = self.immediate if self.immediate is not None else outs[0].device.type == "cpu"
+        if immediate and name in _VALUE_PRESERVING and len(outs) == 1:
+            # One finite input moved or selected into one output (clone, reshape copies, relu):
+            # alias it like a view. With a non-finite input it is recorded: relu(-inf) masks.
+            sources = [t for t in _tensors(args) if isinstance(t, torch.Tensor) and _checkable(t)]
+            if len(sources) == 1:
+                src = self._source(sources[0], len(self.records))
+                if self._finite(src):
+                    t = outs[0]
+                    _tag(t, (session, "op", src[1]) if src[0] == "op" else (session, "leaf", src[1], t._version))
+                    module, call, _ = self.tracker.current
+                    self._by_seq.setdefault(seq, (module, call, op, None))
+                    return
         index = len(self.records)
         tracker = self.tracker
         phase = tracker.phase
@@ -330,8 +348,7 @@ class Tracer(TorchDispatchMode):
                 node_name = node.name()
                 forward = self._by_seq.get(node._sequence_nr())
                 if forward is not None:
-                    fwd = self.records[forward]
-                    module, call, forward_op, location = fwd.module, fwd.call, fwd.op, fwd.location
+                    module, call, forward_op, location = forward
         else:
             location = user_location(sys._getframe(3))
         inputs: list[tuple[str, int]] = []
@@ -343,8 +360,7 @@ class Tracer(TorchDispatchMode):
         if phase == "optimizer" and name.endswith("_") and args and isinstance(args[0], torch.Tensor):
             record.mutates = tracker.param_names.get(args[0])
         self.records.append(record)
-        self._by_seq.setdefault(seq, index)
-        immediate = self.immediate if self.immediate is not None else outs[0].device.type == "cpu"
+        self._by_seq.setdefault(seq, (module, call, op, location))
         # Ops that cannot make NaN/Inf out of finite values need no reduction when their inputs
         # are known finite.
         skip = name in _UNINITIALISED or (
