@@ -349,7 +349,8 @@ class Tracer(TorchDispatchMode):
                 forward = self._by_seq.get(node._sequence_nr())
                 if forward is not None:
                     module, call, forward_op, location = forward
-        else:
+        elif not immediate:
+            # Deferred mode learns about a NaN later, when this stack is gone: take it now.
             location = user_location(sys._getframe(3))
         inputs: list[tuple[str, int]] = []
         if name not in _SHAPE_ONLY and name not in _UNINITIALISED:
@@ -381,6 +382,8 @@ class Tracer(TorchDispatchMode):
         if immediate:
             if record.kind:
                 record.input_stats = self._input_stats(args, kwargs)
+                if record.location is None:
+                    record.location = user_location(sys._getframe(3))
                 self._on_nonfinite(record)
         else:
             self._alive[index] = [weakref.ref(t) for t in outs]

@@ -1,0 +1,77 @@
+"""Dtype headroom catches failures that never make a NaN."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import fpdoctor
+from fpdoctor.numerics.headroom import share_below, smallest_nonzero
+from fpdoctor.numerics.limits import FORMATS, format_named
+
+
+class Variance(nn.Module):
+    def forward(self, x):
+        return x.pow(2).mean(-1, keepdim=True)
+
+
+class Norm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.var = Variance()
+
+    def forward(self, x):
+        return x * torch.rsqrt(self.var(x) + 1e-12)
+
+
+def test_fp16_variance_that_would_underflow():
+    x = torch.randn(4, 64) * 1e-4  # x**2 ~ 1e-8: below fp16's smallest subnormal (6e-8)
+    norm = Norm()
+    with fpdoctor.trace(norm) as t:
+        norm(x)
+    risks = [f for f in t.report.findings if f.name == "underflow-risk"]
+    assert [(f.where["module"], f.evidence["target"]) for f in risks] == [("var", "fp16")]
+    assert risks[0].evidence["share"] > 0.5
+    # and it is real: in fp16 the variance is zero and the "norm" divides by sqrt(eps)
+    assert (x.half().float().pow(2).half() == 0).float().mean() > 0.5
+
+
+def test_e4m3_cast_that_clamps_at_448():
+    class Cast(nn.Module):
+        def forward(self, x):
+            return x.clamp(-448, 448).to(torch.float8_e4m3fn)
+
+    x = torch.randn(64, 64) * 300
+    with fpdoctor.trace(Cast()) as t:
+        Cast()(x)
+    risks = [f for f in t.report.findings if f.name == "overflow-risk"]
+    assert risks and risks[0].evidence["target"] == "fp8_e4m3" and risks[0].evidence["share"] >= 0.99
+    assert not risks[0].evidence["what_if"]
+
+
+def test_fp32_activation_that_would_overflow_fp16():
+    lin = nn.Linear(16, 16)
+    with torch.no_grad():
+        lin.weight.fill_(5000.0)
+    with fpdoctor.trace(lin) as t:
+        lin(torch.ones(2, 16))
+    risk = [f for f in t.report.findings if f.name == "overflow-risk"]
+    assert risk and risk[0].evidence["target"] == "fp16" and risk[0].evidence["what_if"]
+    row = t.report.data["headroom"][0]
+    assert row["module"] == "<root>" and row["absmax"] >= 80000
+
+
+def test_histogram_shares():
+    hist = [0] * 300
+    hist[160 - 30] = 10  # frexp exponent -30: values in [2**-31, 2**-30)
+    hist[160] = 90  # exponent 0: values in [0.5, 1)
+    assert share_below(hist, FORMATS["fp16"].flush_threshold) == 0.1
+    assert smallest_nonzero(hist) == 2.0**-31
+
+
+def test_format_names():
+    assert format_named("half").name == "fp16" and format_named("fp8-e4m3").max == 448
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown dtype"):
+        format_named("fp12")
