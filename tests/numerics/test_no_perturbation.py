@@ -10,7 +10,7 @@ import torch
 import fpdoctor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from models import batch, make_step, small_transformer  # noqa: E402
+from models import batch, make_step, small_transformer
 
 
 def _train(traced: bool):
