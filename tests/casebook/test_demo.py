@@ -27,7 +27,7 @@ def test_demo_end_to_end_within_budget():
     result = run_fpdoctor("demo")
     elapsed = time.perf_counter() - start
     assert result.code == 0, result.err
-    assert "All 2 case(s) reproduced" in result.out
+    assert f"All {len(CASES)} case(s) reproduced" in result.out
     assert elapsed < 60
 
 

@@ -32,9 +32,9 @@ class Outcome:
 
 
 def _cases() -> tuple[Case, ...]:
-    from fpdoctor.casebook import h20
+    from fpdoctor.casebook import attention, h20
 
-    return (h20.SIGFPE, h20.SHADOWED)
+    return (h20.SIGFPE, h20.SHADOWED, attention.NAN_FRAMES)
 
 
 CASES: tuple[Case, ...] = _cases()

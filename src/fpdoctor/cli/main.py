@@ -17,7 +17,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fpdoctor.cli import demo, env, explain
+    from fpdoctor.cli import demo, env, explain, trace
 
     parser = _Parser(
         prog="fpdoctor",
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fpdoctor {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     env.add_parser(sub)
+    trace.add_parser(sub)
     demo.add_parser(sub)
     explain.add_parsers(sub)
     return parser

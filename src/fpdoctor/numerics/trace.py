@@ -50,6 +50,10 @@ _SHAPE_ONLY = frozenset({
 _LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FPDOCTOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# fpdoctor's own frames are not the user's, except the casebook's models, which stand in for them.
+_INTERNAL = tuple(
+    os.path.join(_FPDOCTOR_DIR, d) + os.sep for d in ("numerics", "env", "report", "cli", "catalog", "precision")
+) + (os.path.join(_FPDOCTOR_DIR, "__init__.py"), os.path.join(_FPDOCTOR_DIR, "__main__.py"))
 _STDLIB_DIR = os.path.dirname(os.__file__)
 
 
@@ -65,7 +69,7 @@ def user_location(frame: FrameType | None) -> tuple[str, int, str] | None:
     """The innermost frame outside torch, fpdoctor and the standard library: the user's line."""
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not (filename.startswith((_TORCH_DIR, _FPDOCTOR_DIR, _STDLIB_DIR)) or filename.startswith("<frozen")):
+        if not (filename.startswith((_TORCH_DIR, *_INTERNAL, _STDLIB_DIR)) or filename.startswith("<frozen")):
             return filename, frame.f_lineno, frame.f_code.co_name
         frame = frame.f_back
     return None
