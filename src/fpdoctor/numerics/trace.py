@@ -51,9 +51,11 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.floa
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FPDOCTOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fpdoctor's own frames are not the user's, except the casebook's models, which stand in for them.
-_INTERNAL = tuple(
-    os.path.join(_FPDOCTOR_DIR, d) + os.sep for d in ("numerics", "env", "report", "cli", "catalog", "precision")
-) + (os.path.join(_FPDOCTOR_DIR, "__init__.py"), os.path.join(_FPDOCTOR_DIR, "__main__.py"))
+_INTERNAL = (
+    *(os.path.join(_FPDOCTOR_DIR, d) + os.sep for d in ("numerics", "env", "report", "cli", "catalog", "precision")),
+    os.path.join(_FPDOCTOR_DIR, "__init__.py"),
+    os.path.join(_FPDOCTOR_DIR, "__main__.py"),
+)
 _STDLIB_DIR = os.path.dirname(os.__file__)
 
 
