@@ -34,7 +34,7 @@ class _NopMode(TorchDispatchMode):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10, help="training steps per timed block")
+    parser.add_argument("--steps", type=int, default=6, help="steps per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--length", type=int, default=64)
@@ -59,6 +59,11 @@ def main() -> int:
             step_fn(tokens, targets)
         optimizer.step()
 
+    def traced_headroom() -> None:
+        with fpdoctor.trace(model, headroom=True):
+            step_fn(tokens, targets)
+        optimizer.step()
+
     def nop() -> None:
         with _NopMode():
             step_fn(tokens, targets)
@@ -74,20 +79,22 @@ def main() -> int:
         "empty dispatch mode": nop,
         "sentinel": sentinel,
         "trace (fwd+bwd)": traced,
+        "trace + headroom": traced_headroom,
         "detect_anomaly": anomaly,
     }
     for fn in variants.values():  # warm-up: allocator, first-call overheads
         fn()
+    # Interleave single steps (A B C D E, A B C D E, ...) so that the shared machine's load drifts
+    # hit every variant alike; compare medians.
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.rounds):
+    for _ in range(args.rounds * args.steps):
         for name, fn in variants.items():
             start = time.perf_counter()
-            for _ in range(args.steps):
-                fn()
-            times[name].append((time.perf_counter() - start) / args.steps)
+            fn()
+            times[name].append(time.perf_counter() - start)
     base = statistics.median(times["plain step"])
     print(f"4-layer transformer (dim {args.dim}, 8 x {args.length} tokens) training step on CPU, "
-          f"{args.rounds} interleaved rounds of {args.steps} steps")
+          f"{args.rounds * args.steps} interleaved steps per variant, medians")
     for name, values in times.items():
         print(f"  {name:<18} {statistics.median(values) * 1e3:8.2f} ms/step   x{statistics.median(values) / base:5.2f}")
     sentinel_overhead = statistics.median(times["sentinel"]) / base - 1

@@ -27,7 +27,7 @@ class Norm(nn.Module):
 def test_fp16_variance_that_would_underflow():
     x = torch.randn(4, 64) * 1e-4  # x**2 ~ 1e-8: below fp16's smallest subnormal (6e-8)
     norm = Norm()
-    with fpdoctor.trace(norm) as t:
+    with fpdoctor.trace(norm, headroom=True) as t:
         norm(x)
     risks = [f for f in t.report.findings if f.name == "underflow-risk"]
     assert [(f.where["module"], f.evidence["target"]) for f in risks] == [("var", "fp16")]
@@ -42,7 +42,7 @@ def test_e4m3_cast_that_clamps_at_448():
             return x.clamp(-448, 448).to(torch.float8_e4m3fn)
 
     x = torch.randn(64, 64) * 300
-    with fpdoctor.trace(Cast()) as t:
+    with fpdoctor.trace(Cast(), headroom=True) as t:
         Cast()(x)
     risks = [f for f in t.report.findings if f.name == "overflow-risk"]
     assert risks and risks[0].evidence["target"] == "fp8_e4m3" and risks[0].evidence["share"] >= 0.99
@@ -53,7 +53,7 @@ def test_fp32_activation_that_would_overflow_fp16():
     lin = nn.Linear(16, 16)
     with torch.no_grad():
         lin.weight.fill_(5000.0)
-    with fpdoctor.trace(lin) as t:
+    with fpdoctor.trace(lin, headroom=True) as t:
         lin(torch.ones(2, 16))
     risk = [f for f in t.report.findings if f.name == "overflow-risk"]
     assert risk and risk[0].evidence["target"] == "fp16" and risk[0].evidence["what_if"]

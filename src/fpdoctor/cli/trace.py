@@ -21,6 +21,8 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--dtype", help="run the script under autocast to fp16 or bf16 (a what-if)")
     p.add_argument("--raise-on-nonfinite", action="store_true", help="stop the script at the producing op")
+    p.add_argument("--headroom", action=argparse.BooleanOptionalAction, default=True,
+                   help="per-module value histograms for under/overflow what-ifs (default: on)")
     add_output_args(p)
     p.add_argument("script", metavar="SCRIPT.py")
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
@@ -52,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     failure: str | None = None
     try:
-        with fpdoctor.trace(raise_on="nonfinite" if args.raise_on_nonfinite else None) as session, autocast:
+        raise_on = "nonfinite" if args.raise_on_nonfinite else None
+        with fpdoctor.trace(raise_on=raise_on, headroom=args.headroom) as session, autocast:
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         if exc.code not in (0, None):

@@ -33,10 +33,17 @@ class ModuleStats:
     absmax: float = 0.0
     hist: Any = None  # int64 counts per exponent; bin 0 holds exact zeros
 
+    @torch.no_grad()
     def add(self, t: torch.Tensor, absmax: float | None = None) -> None:
-        flat = t.detach().reshape(-1)
-        if flat.numel() > SAMPLE:
-            flat = flat[:: flat.numel() // SAMPLE]
+        n = t.numel()
+        if n > SAMPLE:
+            if t.is_contiguous():
+                flat = t.view(-1)[:: n // SAMPLE]
+            else:  # stride the first dimension, then flatten the (small) rest: no full copy
+                rows = max(1, SAMPLE * t.shape[0] // n)
+                flat = t[:: max(1, t.shape[0] // rows)].reshape(-1)[:SAMPLE]
+        else:
+            flat = t.reshape(-1)
         a = flat.abs().float()
         _, exponent = torch.frexp(a)
         index = torch.where(a > 0, exponent + _OFFSET, 0).clamp_(0, _BINS - 1)

@@ -176,7 +176,10 @@ def _reduce(t: torch.Tensor) -> tuple[Any, ...]:
     whenever the tensor is; the rare finite tensor whose sum overflows is re-checked exactly."""
     if t.dtype in _LOW_PRECISION:
         return _minmax(t)
-    return (_plain(t).sum(),)
+    if t.is_complex():
+        return (torch.view_as_real(t).sum(),)
+    # Inside __torch_dispatch__ we run below autograd: no graph is recorded, no detach needed.
+    return (t.sum(),)
 
 
 def _counts(t: torch.Tensor) -> dict[str, int]:
@@ -272,6 +275,8 @@ class Tracer(TorchDispatchMode):
 
     def _source(self, t: torch.Tensor, consumer: int) -> tuple[str, int]:
         tag = getattr(t, _TAG, None)
+        if tag is None and t._base is not None:
+            return self._source(t._base, consumer)  # a view: its values (and its name) are its base's
         if tag is not None and tag[0] == self.session:
             if tag[1] == "op":
                 self.records[tag[2]].consumed = True
@@ -311,6 +316,14 @@ class Tracer(TorchDispatchMode):
 
     def _record(self, func: Any, args: Any, kwargs: Any, out: Any, seq: int) -> None:
         self.ops_seen += 1
+        if func.is_view:
+            # A view aliases its base: copy the base's tag (cheap). Views this misses (several
+            # outputs) are found through `_base` when they are consumed.
+            if type(out) is torch.Tensor and args and isinstance(args[0], torch.Tensor):
+                tag = getattr(args[0], _TAG, None)
+                if tag is not None:
+                    setattr(out, _TAG, tag)
+            return
         if type(out) is torch.Tensor:  # the common case, without the generic walk
             outs = [out] if _checkable(out) else []
         else:
@@ -318,14 +331,6 @@ class Tracer(TorchDispatchMode):
         if not outs:
             return
         session = self.session
-        if func.is_view:
-            # A view aliases its base: same values, same producer (or the same leaf).
-            base = next((t for t in _tensors(args) if isinstance(t, torch.Tensor)), None)
-            if base is not None and _checkable(base):
-                kind, ref = self._source(base, len(self.records))
-                for t in outs:
-                    _tag(t, (session, "op", ref) if kind == "op" else (session, "leaf", ref, t._version))
-            return
         info = self._func_info.get(func)
         if info is None:
             info = self._func_info[func] = (str(func), func.overloadpacket.__name__)
@@ -345,10 +350,12 @@ class Tracer(TorchDispatchMode):
                     return
         index = len(self.records)
         tracker = self.tracker
-        phase = tracker.phase
+        # tracker.phase and tracker.current, inlined: this runs for every op
+        in_bw = torch._C._current_graph_task_id() != -1
+        phase = "backward" if in_bw else "optimizer" if tracker.in_optimizer else "forward"
         node_name = forward_op = location = None
-        module, call, recompute = tracker.current
-        if phase == "backward":
+        module, call, recompute = tracker.stack[-1] if tracker.stack else (None, None, False)
+        if in_bw:
             node = torch._C._current_autograd_node()
             if node is not None:
                 node_name = node.name()
@@ -428,6 +435,8 @@ class Tracer(TorchDispatchMode):
     # -- sinks -------------------------------------------------------------------------------
     def producer_of(self, t: torch.Tensor) -> int | None:
         tag = getattr(t, _TAG, None)
+        if tag is None and t._base is not None:
+            tag = getattr(t._base, _TAG, None)
         return tag[2] if tag is not None and tag[0] == self.session and tag[1] == "op" else None
 
     def absmax_of(self, t: torch.Tensor) -> float | None:
