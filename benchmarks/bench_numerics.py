@@ -93,8 +93,10 @@ def main() -> int:
             fn()
             times[name].append(time.perf_counter() - start)
     base = statistics.median(times["plain step"])
-    print(f"4-layer transformer (dim {args.dim}, 8 x {args.length} tokens) training step on CPU, "
-          f"{args.rounds * args.steps} interleaved steps per variant, medians")
+    print(
+        f"4-layer transformer (dim {args.dim}, 8 x {args.length} tokens) training step on CPU, "
+        f"{args.rounds * args.steps} interleaved steps per variant, medians"
+    )
     for name, values in times.items():
         print(f"  {name:<18} {statistics.median(values) * 1e3:8.2f} ms/step   x{statistics.median(values) / base:5.2f}")
     sentinel_overhead = statistics.median(times["sentinel"]) / base - 1

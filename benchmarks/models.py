@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 
-def small_transformer(layers: int = 4, dim: int = 128, heads: int = 4, vocab: int = 1000, dropout: float = 0.1) -> nn.Module:
+def small_transformer(
+    layers: int = 4, dim: int = 128, heads: int = 4, vocab: int = 1000, dropout: float = 0.1
+) -> nn.Module:
     class LM(nn.Module):
         def __init__(self) -> None:
             super().__init__()

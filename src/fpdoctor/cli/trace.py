@@ -21,8 +21,12 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--dtype", help="run the script under autocast to fp16 or bf16 (a what-if)")
     p.add_argument("--raise-on-nonfinite", action="store_true", help="stop the script at the producing op")
-    p.add_argument("--headroom", action=argparse.BooleanOptionalAction, default=True,
-                   help="per-module value histograms for under/overflow what-ifs (default: on)")
+    p.add_argument(
+        "--headroom",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="per-module value histograms for under/overflow what-ifs (default: on)",
+    )
     add_output_args(p)
     p.add_argument("script", metavar="SCRIPT.py")
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")

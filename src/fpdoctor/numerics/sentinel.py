@@ -92,7 +92,10 @@ class Sentinel:
         grads = [p.grad for p in self._params if p.grad is not None]
         if grads:
             norms = torch._foreach_norm(grads)  # one fused kernel: a NaN or Inf anywhere makes its norm non-finite
-            total = torch.stack([n.float().to(loss_value.device) for n in norms]).sum()
+            if len({(n.dtype, n.device) for n in norms}) == 1:
+                total = torch.stack(norms).sum().float().to(loss_value.device)
+            else:  # mixed dtypes or devices (pipeline stages, fp32 master weights)
+                total = torch.stack([n.float().to(loss_value.device) for n in norms]).sum()
         else:
             total = torch.zeros((), device=loss_value.device)
         lv, gv = torch.stack([loss_value, total]).tolist()

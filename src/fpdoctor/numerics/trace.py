@@ -112,8 +112,8 @@ class Leaf:
     name: str
     shape: tuple[int, ...]
     dtype: str
-    lo: float = 0.0
-    hi: float = 0.0
+    lo: float | None = None
+    hi: float | None = None
     kind: str | None = None
     counts: dict[str, int] | None = None
     first_use: int | None = None  # the record that first consumed it
@@ -285,11 +285,9 @@ class Tracer(TorchDispatchMode):
                 return ("leaf", tag[2])
         name = self.tracker.param_names.get(t)
         leaf = Leaf(len(self.leaves), name or "input", tuple(t.shape), str(t.dtype), first_use=consumer)
-        lo, hi = _minmax(t)
-        leaf.lo, leaf.hi = float(lo), float(hi)
-        leaf.kind = kind_of(leaf.lo, leaf.hi)
-        if leaf.kind:
-            leaf.counts = _counts(t)
+        probe = Output(leaf.shape, leaf.dtype)
+        _resolve(probe, [float(v) for v in _reduce(t)], t)  # same one-reduction check as op outputs
+        leaf.lo, leaf.hi, leaf.kind, leaf.counts = probe.lo, probe.hi, probe.kind, probe.counts
         self.leaves.append(leaf)
         _tag(t, (self.session, "leaf", leaf.index, t._version))
         if t.requires_grad and t.is_leaf:
