@@ -20,9 +20,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import batch, make_step, small_transformer  # noqa: E402
-
-import fpdoctor  # noqa: E402
+import fpdoctor
+from models import batch, make_step, small_transformer
 
 
 class _NopMode(TorchDispatchMode):
