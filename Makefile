@@ -29,6 +29,7 @@ test: lint
 
 bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/bench_env.py
+	$(BIN)/python benchmarks/bench_numerics.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
