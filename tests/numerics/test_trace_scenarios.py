@@ -343,3 +343,14 @@ def test_raise_on_validates():
 def test_a_clean_run_is_clean():
     report = run(torch.tanh)
     assert report.verdict == "ok" and report.findings == []
+
+
+def test_torch_compiled_model_runs_eagerly_under_trace():
+    net = Net(lambda h: h / (h - h))
+    compiled = torch.compile(net, backend="eager")
+    x = torch.randn(2, 4)
+    with fpdoctor.trace(compiled) as t:
+        compiled(x)
+    f = only_producer(t.report, "first Inf")
+    assert f.where["module"] == "block" and f.where["op"] == "aten.div.Tensor"
+    assert "ran eagerly" in t.report.data["not_checked"]["torch.compile"]

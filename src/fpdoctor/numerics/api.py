@@ -57,6 +57,18 @@ class Trace:
             raise_on=self.raise_on,
             on_nonfinite=self._raise_at_producer if self.raise_on else None,
         )
+        import contextlib
+        import warnings
+
+        import torch
+
+        self._stack = contextlib.ExitStack()
+        # torch.compile'd code runs eagerly while traced, so every op is seen; the report says so.
+        set_stance = getattr(torch.compiler, "set_stance", None)
+        if set_stance is not None:
+            self._stack.enter_context(set_stance("force_eager"))
+        self._warnings = self._stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
         self._tracker.__enter__()
         self._tracer.__enter__()
         return self
@@ -92,6 +104,7 @@ class Trace:
     ) -> None:
         self._tracer.__exit__(exc_type, exc, tb)
         self._tracker.__exit__()
+        self._stack.close()
         try:
             self.report = self._build_report()
         except Exception as error:  # never let the report hide the user's own exception
@@ -118,6 +131,11 @@ class Trace:
             ("modules with headroom stats", str(len(rows))),
         ]
         not_checked = {f"hook error {i}": e for i, e in enumerate(tracer.errors)}
+        if self._tracker.saw_compiled:
+            not_checked["torch.compile"] = (
+                "compiled code ran eagerly while traced (set_stance force_eager): the ops "
+                "are the model's own, not the fused kernels; compare with an untraced run"
+            )
         return Report(
             command="trace",
             findings=findings,

@@ -32,6 +32,7 @@ class ModuleTracker:
     def __init__(self, roots: list[nn.Module] | None = None, on_output: ModuleOutputHook | None = None) -> None:
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self.param_names: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter/buffer -> dotted name
+        self.saw_compiled = False
         for root in roots or []:
             self._name_tree(root, "")
         self._have_root = bool(roots)
@@ -42,6 +43,10 @@ class ModuleTracker:
         self._handles: list[Any] = []
 
     def _name_tree(self, root: nn.Module, prefix: str) -> None:
+        if hasattr(root, "_orig_mod"):  # torch.compile's OptimizedModule: name the model inside it
+            self.saw_compiled = True
+            self._names.setdefault(root, prefix)
+            root = root._orig_mod
         for name, module in root.named_modules(prefix=prefix, remove_duplicate=False):
             self._names.setdefault(module, name)
         for name, tensor in [*root.named_parameters(prefix=prefix), *root.named_buffers(prefix=prefix)]:
