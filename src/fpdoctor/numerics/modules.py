@@ -46,7 +46,7 @@ class ModuleTracker:
         if hasattr(root, "_orig_mod"):  # torch.compile's OptimizedModule: name the model inside it
             self.saw_compiled = True
             self._names.setdefault(root, prefix)
-            root = root._orig_mod
+            root = root._orig_mod  # type: ignore[assignment]
         for name, module in root.named_modules(prefix=prefix, remove_duplicate=False):
             self._names.setdefault(module, name)
         for name, tensor in [*root.named_parameters(prefix=prefix), *root.named_buffers(prefix=prefix)]:
