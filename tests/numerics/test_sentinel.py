@@ -140,3 +140,26 @@ def test_validation():
     model, opt = make()
     with pytest.raises(ValueError, match="checkpoint_path"):
         fpdoctor.Sentinel(model, opt, checkpoint_every=5)
+
+
+def test_transient_fault_names_the_rank(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model, opt = make()
+        guard = fpdoctor.Sentinel(model, opt)
+        plain = step_fn(model, opt)
+
+        def once(x, y):
+            loss = plain(x, y)
+            if not hasattr(once, "done"):
+                once.done = True
+                model[0].bias.grad[0] = float("inf")
+            return loss
+
+        guard.step(once, *data()[0])
+        finding = guard.report.by_name("transient-fault-suspected")[0]
+        assert finding.where["rank"] == 0 and "rank 0" in finding.message
+    finally:
+        dist.destroy_process_group()

@@ -263,12 +263,21 @@ def test_dict_tuple_dataclass_and_non_tensor_outputs():
         def forward(self, h):
             return {"ok": h, "bad": (h / 0, Out(h, 1.0)), "n": 3, "none": None}
 
+    class Wrap(nn.Module):
+        def forward(self, h):
+            return Out(h / 0, 2.0)  # the only place the Inf goes is a dataclass field
+
     net = nn.Sequential(nn.Linear(4, 4))
     multi = Multi()
     with fpdoctor.trace() as t:
         out = multi(net(torch.randn(2, 4)))
+        Wrap()(torch.ones(2))
     assert torch.isinf(out["bad"][0]).any()
-    assert only_producer(t.report, "first Inf").where["op"].startswith("aten.div")
+    f = only_producer(t.report, "first Inf")
+    assert f.where["op"].startswith("aten.div")
+    assert f.evidence["reaches"] == ["output of module Multi (call 0)"]
+    # the Inf that leaves only through a dataclass field reaches a sink too
+    assert f.evidence["other_producers"] == ["aten.div.Tensor in module `Wrap` (forward)"]
 
 
 def test_integer_and_bool_tensors_are_skipped():

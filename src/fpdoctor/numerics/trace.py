@@ -14,6 +14,7 @@ costs no sync); on an accelerator results are read in batches, one host sync per
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -151,6 +152,9 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, dict):
         for item in value.values():
             yield from _tensors(item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from _tensors(getattr(value, f.name))
 
 
 def _checkable(t: torch.Tensor) -> bool:
@@ -394,6 +398,7 @@ class Tracer(TorchDispatchMode):
             if record.kind:
                 record.input_stats = self._input_stats(args, kwargs)
                 if record.location is None:
+                    # forward: the line that ran this op; backward: the line that called backward()
                     record.location = user_location(sys._getframe(3))
                 self._on_nonfinite(record)
         else:
