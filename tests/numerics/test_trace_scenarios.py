@@ -290,6 +290,7 @@ def test_integer_and_bool_tensors_are_skipped():
     assert all(o.dtype.startswith("torch.float") for r in t.records for o in r.outputs)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 def test_torchscript_module_at_op_level():
     @torch.jit.script
     def scripted(h: torch.Tensor) -> torch.Tensor:
