@@ -13,12 +13,13 @@ is entirely masked) is evidence for that producer, not an error of its own.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
 from fpdoctor import catalog
 from fpdoctor.numerics.trace import Leaf, Record, Tracer
-from fpdoctor.report.model import Finding, Severity
+from fpdoctor.report.model import Finding
 
 Origin = tuple[str, int]  # ("op", record index) or ("leaf", leaf index)
 
@@ -124,9 +125,7 @@ class Analysis:
         out = next(o for o in r.outputs if o.kind)
         kinds = [k for k in ("nan", "+inf", "-inf") if out.counts and out.counts.get(k)] or [str(out.kind)]
         count = sum(out.counts.values()) if out.counts else None
-        numel = 1
-        for d in out.shape:
-            numel *= d
+        numel = math.prod(out.shape)
         reaches = self.reached.get(("op", r.index), [])
         fed = [s for s in r.inputs if self.kind_of(s)]
         from_text = ""
@@ -222,9 +221,7 @@ class Analysis:
         )
         what = f"parameter {leaf.name}" if leaf.name != "input" else "an input tensor"
         count = sum(leaf.counts.values()) if leaf.counts else None
-        numel = 1
-        for d in leaf.shape:
-            numel *= d
+        numel = math.prod(leaf.shape)
         return catalog.make(
             "nonfinite-input",
             message=(
@@ -263,20 +260,13 @@ class Analysis:
             evidence={
                 "kind": r.kind,
                 "count": sum(out.counts.values()) if out.counts else None,
-                "numel": math_prod(out.shape),
+                "numel": math.prod(out.shape),
                 "dtype": out.dtype,
                 "origin": "constant",
                 "reaches": reaches,
                 "location": _where_text(r.location),
             },
         )
-
-
-def math_prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 _OP_ADVICE = {
@@ -307,7 +297,3 @@ def _fix_for(r: Record, analysis: Analysis) -> str:
     if dtypes & {"torch.float16", "torch.bfloat16"}:
         text += f"; this op ran in {', '.join(sorted(dtypes))}: keeping it (or its module) in fp32 is the quickest test"
     return text
-
-
-def severity_note(findings: list[Finding]) -> Severity:
-    return max((f.severity for f in findings), key=lambda s: s.rank, default=Severity.INFO)
