@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from fpdoctor.numerics.api import Trace, trace
     from fpdoctor.numerics.sentinel import Sentinel
     from fpdoctor.numerics.trace import NonFiniteError
+    from fpdoctor.precision.audit import audit
+    from fpdoctor.precision.harmonize import harmonize
     from fpdoctor.report.model import Finding, Report, Severity
 
 # Public name -> module that defines it; imported on first use, so `import fpdoctor` stays cheap.
@@ -26,7 +28,9 @@ _LAZY = {
     "NonFiniteError": "fpdoctor.numerics.trace",
     "Sentinel": "fpdoctor.numerics.sentinel",
     "Trace": "fpdoctor.numerics.api",
+    "audit": "fpdoctor.precision.audit",
     "diagnose_env": "fpdoctor.env.doctor",
+    "harmonize": "fpdoctor.precision.harmonize",
     "trace": "fpdoctor.numerics.api",
 }
 

@@ -32,9 +32,9 @@ class Outcome:
 
 
 def _cases() -> tuple[Case, ...]:
-    from fpdoctor.casebook import attention, h20
+    from fpdoctor.casebook import attention, h20, unet
 
-    return (h20.SIGFPE, h20.SHADOWED, attention.NAN_FRAMES)
+    return (h20.SIGFPE, h20.SHADOWED, attention.NAN_FRAMES, unet.TIME_EMBED)
 
 
 CASES: tuple[Case, ...] = _cases()

@@ -34,10 +34,11 @@ class Rule:
 
 
 def _all_rules() -> tuple[Rule, ...]:
+    from fpdoctor.catalog.dtype import DTY_RULES
     from fpdoctor.catalog.env import ENV_RULES
     from fpdoctor.catalog.numerics import NUM_RULES, TRN_RULES
 
-    return ENV_RULES + NUM_RULES + TRN_RULES
+    return ENV_RULES + NUM_RULES + DTY_RULES + TRN_RULES
 
 
 class UnknownRuleError(LookupError):

@@ -1,0 +1,43 @@
+"""Dtype (DTY) finding codes."""
+
+from __future__ import annotations
+
+from fpdoctor.catalog import Rule
+from fpdoctor.report.model import Severity
+
+DTY_RULES: tuple[Rule, ...] = (
+    Rule(
+        code="DTY001",
+        name="mixed-dtype-parameters",
+        severity=Severity.WARNING,
+        title="Parameters and buffers of one model have different floating dtypes",
+        what="Groups every floating parameter and buffer by dtype and reports the modules in the minority dtype. "
+        "Normalisation layers kept in fp32 inside a half-precision model are a deliberate recipe and are not "
+        "reported.",
+        why="Without autocast, an op that meets fp32 and fp16 operands fails ('mat1 and mat2 must have the same "
+        "dtype'); CUDA autocast hides it, CPU and Apple MPS do not.",
+        fix="fpdoctor.harmonize(model, device) casts consistently (keeping deliberate fp32 exceptions), or cast the "
+        "named module: model.<module>.to(<dtype>).",
+    ),
+    Rule(
+        code="DTY002",
+        name="dtype-mismatch",
+        severity=Severity.ERROR,
+        title="An op received operands of different dtypes",
+        what="Runs the forward under a dispatch mode that knows where every tensor came from (parameter, buffer, "
+        "input, or a state tensor an op created) and explains the dtype error at the op that raised it.",
+        why="The error message names two dtypes, not which module, operand or line made them differ.",
+        fix="Cast the odd operand where it is created (the finding names it), or harmonize the model.",
+    ),
+    Rule(
+        code="DTY003",
+        name="device-mismatch",
+        severity=Severity.ERROR,
+        title="Parameters, buffers or inputs live on different devices",
+        what="Reports modules whose parameters or buffers are on another device than the rest, and explains a "
+        "runtime 'Expected all tensors to be on the same device' error with each operand's origin.",
+        why="The forward fails at the first op that mixes devices, often far from the module that was not moved.",
+        fix="model.to(device) after every module is attached (modules created later are not moved), or move the "
+        "named tensor.",
+    ),
+)

@@ -1,0 +1,1 @@
+"""Precision: dtype audit, harmonize, boundary casts (and, later, compare and plan)."""

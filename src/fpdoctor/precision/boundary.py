@@ -1,0 +1,64 @@
+"""Boundary casts for a module kept in fp32 inside a lower-precision model.
+
+A pre-hook casts floating inputs to fp32 and a post-hook casts floating outputs back, so the
+module computes in fp32 while its neighbours keep their dtype. Idempotent: a module gets its
+hooks once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+_MARK = "_fpdoctor_fp32_boundary"  # the dtype outputs are cast back to
+_HANDLES = "_fpdoctor_fp32_handles"
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, tuple):
+        return tuple(_cast(v, dtype) for v in value)
+    if isinstance(value, list):
+        return [_cast(v, dtype) for v in value]
+    if isinstance(value, dict):
+        return {k: _cast(v, dtype) for k, v in value.items()}
+    return value
+
+
+def keep_in_fp32(module: nn.Module, back_to: torch.dtype) -> nn.Module:
+    """Run `module` in fp32: its parameters become fp32, inputs in and outputs back to `back_to`."""
+    module.to(torch.float32)
+    if getattr(module, _MARK, None) is not None:
+        setattr(module, _MARK, back_to)
+        return module
+    setattr(module, _MARK, back_to)
+
+    def pre(mod: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        return _cast(args, torch.float32), _cast(kwargs, torch.float32)
+
+    def post(mod: nn.Module, args: Any, output: Any) -> Any:
+        return _cast(output, getattr(mod, _MARK))
+
+    handles = (module.register_forward_pre_hook(pre, with_kwargs=True), module.register_forward_hook(post))
+    setattr(module, _HANDLES, handles)
+    return module
+
+
+def release(module: nn.Module) -> bool:
+    """Remove the boundary casts `keep_in_fp32` added; True if there were any."""
+    handles = getattr(module, _HANDLES, None)
+    if handles is None:
+        return False
+    for handle in handles:
+        handle.remove()
+    delattr(module, _HANDLES)
+    delattr(module, _MARK)
+    return True
+
+
+def boundaries(model: nn.Module) -> list[str]:
+    """Paths of the modules that run in fp32 behind boundary casts."""
+    return [name for name, m in model.named_modules() if getattr(m, _MARK, None) is not None]
