@@ -53,6 +53,8 @@ __all__ = [
     "Severity",
     "Trace",
     "__version__",
+    "audit",
     "diagnose_env",
+    "harmonize",
     "trace",
 ]

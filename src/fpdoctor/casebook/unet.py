@@ -27,7 +27,8 @@ class TimestepEmbedding(nn.Module):
         half = self.dim // 2
         freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device) / half)
         args = t[:, None].float() * freqs[None]  # float32, whatever the model's dtype
-        return self.mlp(torch.cat([torch.cos(args), torch.sin(args)], dim=-1).to(self.mlp[0].weight.dtype))
+        first: nn.Linear = self.mlp[0]  # type: ignore[assignment]
+        return self.mlp(torch.cat([torch.cos(args), torch.sin(args)], dim=-1).to(first.weight.dtype))
 
 
 class TinyUNet(nn.Module):

@@ -90,8 +90,8 @@ def static_findings(model: nn.Module) -> tuple[list[Finding], Counter[str], Coun
                 catalog.make(
                     "mixed-dtype-parameters",
                     message=(
-                        f"Most of the model is {main} ({dtypes[main]:,} elements) but {len(odd)} parameter(s)/buffer(s) "
-                        f"in {len(by_module)} module(s) are not: {listing}."
+                        f"Most of the model is {main} ({dtypes[main]:,} elements) but {len(odd)} parameter(s) or "
+                        f"buffer(s) in {len(by_module)} module(s) are not: {listing}."
                     ),
                     where={"module": next(iter(by_module)) or None, "op": None, "phase": None},
                     evidence={
@@ -103,7 +103,7 @@ def static_findings(model: nn.Module) -> tuple[list[Finding], Counter[str], Coun
                         "modules": {m: sorted(d) for m, d in by_module.items()},
                     },
                     fix=(
-                        f"fpdoctor.harmonize(model, device)   # one dtype per device\n"
+                        "fpdoctor.harmonize(model, device)   # one dtype per device\n"
                         + "\n".join(f"model.{m}.to({main})" for m in top[:4])
                     ),
                 )
@@ -262,11 +262,11 @@ def _mismatch_finding(failure: dict[str, Any], main_dtype: str | None, model: nn
             fix=f"move {_describe(odd[0])} to {operands[0]['device']}, or model.to(device) after building it",
         )
     dtypes = Counter(o["dtype"] for o in operands)
-    expected = main_dtype if main_dtype in dtypes else dtypes.most_common(1)[0][0]
+    expected: str = main_dtype if main_dtype is not None and main_dtype in dtypes else dtypes.most_common(1)[0][0]
     odd = [o for o in operands if o["dtype"] != expected] or operands[-1:]
     culprit = odd[0]
     root = _root(culprit, culprit["dtype"]) if culprit.get("kind") == "state" else culprit
-    torch_dtype = expected.replace("torch.", "torch.")
+    torch_dtype = expected
     if root.get("kind") in ("parameter", "buffer"):
         module_path = root["name"].rsplit(".", 1)[0] if "." in root["name"] else ""
         module_path = widest_module(model, module_path, root["dtype"])
