@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from fpdoctor.numerics.sentinel import Sentinel
     from fpdoctor.numerics.trace import NonFiniteError
     from fpdoctor.precision.audit import audit
+    from fpdoctor.precision.compare import compare
     from fpdoctor.precision.harmonize import harmonize
     from fpdoctor.report.model import Finding, Report, Severity
 
@@ -29,6 +30,7 @@ _LAZY = {
     "Sentinel": "fpdoctor.numerics.sentinel",
     "Trace": "fpdoctor.numerics.api",
     "audit": "fpdoctor.precision.audit",
+    "compare": "fpdoctor.precision.compare",
     "diagnose_env": "fpdoctor.env.doctor",
     "harmonize": "fpdoctor.precision.harmonize",
     "trace": "fpdoctor.numerics.api",
@@ -54,6 +56,7 @@ __all__ = [
     "Trace",
     "__version__",
     "audit",
+    "compare",
     "diagnose_env",
     "harmonize",
     "trace",

@@ -62,6 +62,19 @@ NUM_RULES: tuple[Rule, ...] = (
         "look at every op.",
         fix="Usually nothing; prefer masking before the op (e.g. a large negative instead of -inf) to silence it.",
     ),
+    Rule(
+        code="NUM006",
+        name="precision-divergence",
+        severity=E,
+        title="A module adds far more error in the candidate precision than rounding explains",
+        what="Runs fp64, the reference and the candidate side by side, module by module, and compares each "
+        "module's isolated error (the candidate module fed fp64 inputs) with the noise floor: the error rounding "
+        "the fp64 output to the candidate's format causes, or the reference's own error against fp64.",
+        why="Accumulation loss, overflow and cancellation land orders of magnitude above rounding; the first "
+        "module that does is where precision breaks the model.",
+        fix="Keep the named module in fp32 (fpdoctor plan), or change the recipe (bf16 for range, fp32 "
+        "accumulation for long reductions).",
+    ),
 )
 
 TRN_RULES: tuple[Rule, ...] = (

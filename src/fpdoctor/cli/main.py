@@ -17,7 +17,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fpdoctor.cli import audit, demo, env, explain, trace
+    from fpdoctor.cli import audit, compare, demo, env, explain, trace
 
     parser = _Parser(
         prog="fpdoctor",
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     env.add_parser(sub)
     trace.add_parser(sub)
+    compare.add_parser(sub)
     audit.add_parser(sub)
     demo.add_parser(sub)
     explain.add_parsers(sub)

@@ -1,0 +1,42 @@
+"""`fpdoctor compare MODEL --candidate fp16|bf16|fp8-e4m3|fp8-e4m3-rowwise|fp16-accumulate [--reference fp32|fp64]`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from fpdoctor.cli.errors import UsageError
+from fpdoctor.cli.output import add_output_args, emit
+from fpdoctor.precision.candidates import CANDIDATES, REFERENCES
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "compare",
+        help="layerwise error of a precision against fp64, module by module",
+        description="MODEL is path/to/file.py:factory or package.module:factory.",
+    )
+    p.add_argument("model", metavar="MODEL")
+    p.add_argument("--candidate", required=True, metavar="|".join(CANDIDATES))
+    p.add_argument("--reference", default="fp32", metavar="|".join(REFERENCES))
+    add_output_args(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fpdoctor.cli import model_spec
+    from fpdoctor.precision.candidates import check_name
+    from fpdoctor.precision.compare import ReferenceFailed, compare
+
+    try:
+        candidate = check_name(args.candidate, CANDIDATES, "candidate")
+        reference = check_name(args.reference, REFERENCES, "reference")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    model, inputs = model_spec.load(args.model)
+    try:
+        result = compare(model, inputs, candidate=candidate, reference=reference)
+    except ReferenceFailed as exc:
+        raise UsageError(f"{exc}; fix the model or its example inputs first") from None
+    emit(result.report.to_dict(), args)
+    return result.report.exit_code

