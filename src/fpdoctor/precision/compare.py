@@ -57,19 +57,21 @@ class _Abort(Exception):
 
 def _flat(value: Any) -> torch.Tensor | None:
     parts = [
-        t.detach().reshape(-1).double()
+        t.detach().reshape(-1)
         for t in _tensors(value)
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0
     ]
-    return torch.cat(parts) if parts else None
+    if not parts:
+        return None
+    return parts[0].double() if len(parts) == 1 else torch.cat([p.double() for p in parts])
 
 
-def _rel(a: torch.Tensor, truth: torch.Tensor) -> float:
-    """Relative L2 error; inf when a holds NaN/Inf."""
-    if not bool(torch.isfinite(a).all()):
-        return math.inf
-    norm = float(torch.linalg.vector_norm(truth))
+def _rel(a: torch.Tensor, truth: torch.Tensor, truth_norm: float | None = None) -> float:
+    """Relative L2 error; inf when a holds NaN/Inf (its difference norm is then not finite)."""
+    norm = float(torch.linalg.vector_norm(truth)) if truth_norm is None else truth_norm
     diff = float(torch.linalg.vector_norm(a - truth))
+    if not math.isfinite(diff):
+        return math.inf
     return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
 
 
@@ -225,8 +227,9 @@ def compare(model: nn.Module, inputs: Any, *, candidate: str = "fp16", reference
         if t is None or r is None or c is None or not (t.numel() == r.numel() == c.numel()):
             return
         peak["bytes"] = max(peak["bytes"], 3 * t.numel() * 8)
-        reference_rel = _rel(r, t)
-        rounding = _rel(_round_to(t, candidate), t)
+        norm = float(torch.linalg.vector_norm(t))
+        reference_rel = _rel(r, t, norm)
+        rounding = _rel(_round_to(t, candidate), t, norm)
         out_of_range = math.isinf(rounding)  # the fp64 values themselves do not fit the format
         floor = max(0.0 if out_of_range else rounding, reference_rel, 1e-300)
         isolated = None
@@ -241,18 +244,20 @@ def compare(model: nn.Module, inputs: Any, *, candidate: str = "fp16", reference
             finally:
                 local.busy = False
             iso = _flat(out)
-            isolated = _rel(iso, t) if iso is not None and iso.numel() == t.numel() else None
+            isolated = _rel(iso, t, norm) if iso is not None and iso.numel() == t.numel() else None
+        propagated = _rel(c, t, norm)
+        nonfinite = int((~torch.isfinite(c)).sum()) if math.isinf(propagated) else 0
         rows.append(
             ModuleRow(
                 name,
                 call,
                 name in leaves,
                 t.numel(),
-                _rel(c, t),
+                propagated,
                 isolated,
                 floor,
                 reference_rel,
-                int((~torch.isfinite(c)).sum()),
+                nonfinite,
                 out_of_range,
             )
         )
