@@ -7,7 +7,7 @@ from typing import Any
 
 from fpdoctor.cli.errors import UsageError
 from fpdoctor.cli.output import add_output_args, emit
-from fpdoctor.precision.candidates import CANDIDATES, REFERENCES
+from fpdoctor.precision.names import CANDIDATES, REFERENCES
 
 
 def add_parser(sub: Any) -> None:
@@ -25,8 +25,8 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fpdoctor.cli import model_spec
-    from fpdoctor.precision.candidates import check_name
     from fpdoctor.precision.compare import ReferenceFailed, compare
+    from fpdoctor.precision.names import check_name
 
     try:
         candidate = check_name(args.candidate, CANDIDATES, "candidate")

@@ -16,16 +16,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-CANDIDATES = ("fp16", "bf16", "fp8-e4m3", "fp8-e4m3-rowwise", "fp8-e5m2", "fp16-accumulate")
-REFERENCES = ("fp32", "fp64")
+from fpdoctor.precision.names import CANDIDATES, REFERENCES, check_name
+
+__all__ = ["CANDIDATES", "REFERENCES", "cast_inputs", "check_name", "compute_dtype", "fp8_quantize", "make_run"]
 ACCUMULATE_CHUNK = 64  # K elements per fp16-rounded partial sum
-
-
-def check_name(name: str, allowed: tuple[str, ...], what: str) -> str:
-    key = name.strip().lower()
-    if key not in allowed:
-        raise ValueError(f"unknown {what} {name!r}; choose one of {', '.join(allowed)}")
-    return key
 
 
 def compute_dtype(name: str) -> torch.dtype:
