@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from fpdoctor.precision.audit import audit
     from fpdoctor.precision.compare import compare
     from fpdoctor.precision.harmonize import harmonize
+    from fpdoctor.precision.plan import apply_plan, plan
     from fpdoctor.report.model import Finding, Report, Severity
 
 # Public name -> module that defines it; imported on first use, so `import fpdoctor` stays cheap.
@@ -29,10 +30,12 @@ _LAZY = {
     "NonFiniteError": "fpdoctor.numerics.trace",
     "Sentinel": "fpdoctor.numerics.sentinel",
     "Trace": "fpdoctor.numerics.api",
+    "apply_plan": "fpdoctor.precision.plan",
     "audit": "fpdoctor.precision.audit",
     "compare": "fpdoctor.precision.compare",
     "diagnose_env": "fpdoctor.env.doctor",
     "harmonize": "fpdoctor.precision.harmonize",
+    "plan": "fpdoctor.precision.plan",
     "trace": "fpdoctor.numerics.api",
 }
 
@@ -55,9 +58,11 @@ __all__ = [
     "Severity",
     "Trace",
     "__version__",
+    "apply_plan",
     "audit",
     "compare",
     "diagnose_env",
     "harmonize",
+    "plan",
     "trace",
 ]

@@ -17,7 +17,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fpdoctor.cli import audit, compare, demo, env, explain, trace
+    from fpdoctor.cli import audit, compare, demo, env, explain, plan, trace
 
     parser = _Parser(
         prog="fpdoctor",
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_parser(sub)
     trace.add_parser(sub)
     compare.add_parser(sub)
+    plan.add_parser(sub)
     audit.add_parser(sub)
     demo.add_parser(sub)
     explain.add_parsers(sub)

@@ -28,10 +28,13 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def keep_in_fp32(module: nn.Module, back_to: torch.dtype) -> nn.Module:
-    """Run `module` in fp32: its parameters become fp32, inputs in and outputs back to `back_to`."""
+def keep_in_fp32(module: nn.Module, back_to: torch.dtype | None) -> nn.Module:
+    """Run `module` in fp32: its parameters become fp32, inputs in and outputs back to `back_to`.
+
+    `back_to=None` leaves the outputs in fp32: for a module whose output range does not fit the
+    model's dtype, so the next module must take fp32 too (a plan keeps it as well)."""
     module.to(torch.float32)
-    if getattr(module, _MARK, None) is not None:
+    if getattr(module, _HANDLES, None) is not None:
         setattr(module, _MARK, back_to)
         return module
     setattr(module, _MARK, back_to)
@@ -40,7 +43,8 @@ def keep_in_fp32(module: nn.Module, back_to: torch.dtype) -> nn.Module:
         return _cast(args, torch.float32), _cast(kwargs, torch.float32)
 
     def post(mod: nn.Module, args: Any, output: Any) -> Any:
-        return _cast(output, getattr(mod, _MARK))
+        back = getattr(mod, _MARK)
+        return output if back is None else _cast(output, back)
 
     handles = (module.register_forward_pre_hook(pre, with_kwargs=True), module.register_forward_hook(post))
     setattr(module, _HANDLES, handles)
@@ -61,4 +65,4 @@ def release(module: nn.Module) -> bool:
 
 def boundaries(model: nn.Module) -> list[str]:
     """Paths of the modules that run in fp32 behind boundary casts."""
-    return [name for name, m in model.named_modules() if getattr(m, _MARK, None) is not None]
+    return [name for name, m in model.named_modules() if getattr(m, _HANDLES, None) is not None]

@@ -1,0 +1,49 @@
+"""`fpdoctor plan MODEL --candidate ... [--reference fp32|fp64]`: a verified keep-in-fp32 plan."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from fpdoctor.cli.errors import UsageError
+from fpdoctor.cli.output import add_output_args, emit
+from fpdoctor.precision.names import CANDIDATES, REFERENCES
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="the smallest set of modules to keep in fp32, verified by re-running",
+        description="MODEL is path/to/file.py:factory or package.module:factory.",
+    )
+    p.add_argument("model", metavar="MODEL")
+    p.add_argument("--candidate", required=True, metavar="|".join(CANDIDATES))
+    p.add_argument("--reference", default="fp32", metavar="|".join(REFERENCES))
+    p.add_argument("--tolerance", type=float, help="end-to-end relative error to reach (default: 16x the noise floor)")
+    add_output_args(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fpdoctor.cli import model_spec
+    from fpdoctor.precision.compare import ReferenceFailed
+    from fpdoctor.precision.names import check_name
+    from fpdoctor.precision.plan import plan
+
+    try:
+        candidate = check_name(args.candidate, CANDIDATES, "candidate")
+        reference = check_name(args.reference, REFERENCES, "reference")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.tolerance is not None and not args.tolerance > 0:
+        raise UsageError("--tolerance must be a positive relative error, e.g. 1e-3")
+    model, inputs = model_spec.load(args.model)
+    try:
+        result = plan(model, inputs, candidate=candidate, reference=reference, tolerance=args.tolerance)
+    except ReferenceFailed as exc:
+        raise UsageError(f"{exc}; fix the model or its example inputs first") from None
+    report = result.report
+    if args.format == "text":
+        report.data["summary"].append(("code", "\n" + result.plan.to_code()))
+    emit(report.to_dict(), args)
+    return 0 if result.plan.verified else 1

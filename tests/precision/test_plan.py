@@ -1,0 +1,97 @@
+"""plan(): planted problems are found at the right module and fixed by a verified plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fpdoctor
+from tests.conftest import run_fpdoctor
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int = 64, scaled: bool = True) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.scale = dim**-0.5 if scaled else 1.0
+
+    def forward(self, x):
+        scores = (self.q(x) * self.scale) @ self.k(x).transpose(-1, -2)  # scaled before the product
+        return torch.softmax(scores, dim=-1) @ self.v(x)
+
+
+class Block(nn.Module):
+    def __init__(self, scaled: bool = True) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(64)
+        self.attn = Attention(scaled=scaled)
+        self.mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm(x))
+        return x + self.mlp(x)
+
+
+def model_with(scaled: bool = True, hot_layer: bool = False):
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block(scaled=scaled), nn.LayerNorm(64), nn.Linear(64, 16))
+    with torch.no_grad():
+        model[1].attn.q.weight.mul_(150)  # large logits: harmless scaled, an fp16 overflow unscaled
+        model[1].attn.k.weight.mul_(150)
+        if hot_layer:
+            model[0].mlp[2].weight.mul_(1e6)
+    return model, torch.randn(4, 32, 64)
+
+
+def test_a_healthy_model_needs_no_exception():
+    model, x = model_with()
+    result = fpdoctor.plan(model, x, candidate="fp16")
+    assert result.plan.keep_fp32 == [] and result.plan.verified
+
+
+def test_unscaled_attention_is_found_and_fixed():
+    model, x = model_with(scaled=False)
+    compared = fpdoctor.compare(model, x, candidate="fp16")
+    assert compared.first_divergent == "1.attn"
+    result = fpdoctor.plan(model, x, candidate="fp16")
+    assert result.plan.verified and "1.attn" in result.plan.keep_fp32
+    assert result.plan.baseline_error == float("inf") and result.plan.final_error <= result.plan.tolerance
+    fpdoctor.apply_plan(model, result.plan)
+    out = model(x.half())
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+
+
+def test_a_hot_layer_is_found_and_fixed():
+    model, x = model_with(hot_layer=True)
+    assert fpdoctor.compare(model, x, candidate="fp16").first_divergent == "0.mlp.2"
+    result = fpdoctor.plan(model, x, candidate="fp16")
+    assert result.plan.verified and "0.mlp.2" in result.plan.keep_fp32
+    code = result.plan.to_code()
+    namespace = {"model": model_with(hot_layer=True)[0]}
+    exec(code, namespace)  # the pasteable code does what apply_plan does
+    assert torch.isfinite(namespace["model"](x.half())).all()
+
+
+def test_simulated_candidates_cannot_be_applied():
+    model, x = model_with()
+    result = fpdoctor.plan(model, x, candidate="fp8-e4m3")
+    with pytest.raises(ValueError, match="simulated"):
+        fpdoctor.apply_plan(model, result.plan)
+    assert "module_filter_fn" in result.plan.to_code()
+
+
+def test_plan_cli(tmp_path):
+    path = tmp_path / "hot.py"
+    path.write_text(
+        "from tests.precision.test_plan import model_with\ndef make():\n    return model_with(scaled=False)\n"
+    )
+    result = run_fpdoctor(
+        "plan",
+        f"{path}:make",
+        "--candidate",
+        "fp16",
+        env={"PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[2])},
+    )
+    assert result.code == 0, result.err
+    assert "keep_in_fp32(model.get_submodule('1.attn')" in result.out
