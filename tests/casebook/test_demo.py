@@ -12,7 +12,7 @@ from tests.conftest import run_fpdoctor
 def test_case_reproduces(case):
     outcome = run_case(case)
     assert outcome.reproduces(case), sorted(outcome.found)
-    assert outcome.report.verdict == "error"
+    assert outcome.report.verdict != "ok"
 
 
 def test_h20_case_gives_the_exact_fix():

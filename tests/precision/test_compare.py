@@ -75,3 +75,17 @@ def test_minilm_fp16_and_bf16_show_no_false_divergence():
         assert len(ratios) > 50 and max(ratios) < 4  # smooth: every layer within a few noise floors
         final = result.rows[-1]
         assert -20 * __import__("math").log10(final.propagated) > min_db
+
+
+def test_fp8_outlier_channels_tensorwise_vs_rowwise():
+    from fpdoctor.casebook import fp8
+
+    model, x = fp8.build()
+    result = fpdoctor.compare(model, x, candidate="fp8-e4m3")
+    saturation = result.report.by_name("fp8-saturation")
+    assert [f.where["module"] for f in saturation] == ["0"]
+    evidence = saturation[0].evidence
+    assert evidence["weight_tensorwise_underflow"] > 0.15 and evidence["weight_rowwise_underflow"] == 0.0
+    assert evidence["rowwise_ok"] and "rowwise" in saturation[0].fix
+    rows = {r["module"]: r for r in result.report.data["fp8"]}
+    assert rows["3"]["weight_tensorwise_underflow"] < 0.01  # the healthy layer is fp8-safe

@@ -75,6 +75,17 @@ NUM_RULES: tuple[Rule, ...] = (
         fix="Keep the named module in fp32 (fpdoctor plan), or change the recipe (bf16 for range, fp32 "
         "accumulation for long reductions).",
     ),
+    Rule(
+        code="NUM007",
+        name="fp8-saturation",
+        severity=W,
+        title="A Linear layer's input or weight does not survive fp8 with tensorwise scaling",
+        what="For every Linear, quantizes its input and weight to fp8 with tensorwise and rowwise amax scaling "
+        "and measures SQNR, the share of values flushed to zero, and what an unscaled cast would clip.",
+        why="A few outlier channels set a tensorwise scale for everyone; the rest drop below fp8's smallest value "
+        "and training degrades or diverges while bf16 is fine.",
+        fix="Use rowwise scaling where it keeps the SQNR, keep the layer in bf16 where it does not.",
+    ),
 )
 
 TRN_RULES: tuple[Rule, ...] = (

@@ -30,6 +30,7 @@ from torch import nn
 
 from fpdoctor import catalog
 from fpdoctor.numerics.trace import _tensors
+from fpdoctor.precision import fp8
 from fpdoctor.precision.candidates import (
     CANDIDATES,
     REFERENCES,
@@ -215,6 +216,11 @@ def compare(model: nn.Module, inputs: Any, *, candidate: str = "fp16", reference
     leaves = {name for name, m in runs["truth"].named_modules() if not list(m.children())}
     cand_modules = dict(runs["candidate"].named_modules())
     rows: list[ModuleRow] = []
+    fp8_rows: list[dict[str, Any]] = []
+    fp8_dtype = (
+        (torch.float8_e5m2 if "e5m2" in candidate else torch.float8_e4m3fn) if candidate.startswith("fp8") else None
+    )
+    linears = {n: m for n, m in runs["truth"].named_modules() if isinstance(m, nn.Linear)}
     local = threading.local()  # set while the isolated re-run of a module is in progress
     peak = {"bytes": 0}
 
@@ -258,6 +264,8 @@ def compare(model: nn.Module, inputs: Any, *, candidate: str = "fp16", reference
             iso = _flat(out)
             isolated = _rel(iso, t, norm) if iso is not None and iso.numel() == t.numel() else None
         nonfinite = int((~torch.isfinite(c)).sum()) if math.isinf(propagated) else 0
+        if fp8_dtype is not None and name in linears and truth_in is not None and truth_in[0]:
+            fp8_rows.append(fp8.linear_stats(name, truth_in[0][0], linears[name].weight, fp8_dtype))
         rows.append(
             ModuleRow(
                 name,
@@ -321,7 +329,7 @@ def compare(model: nn.Module, inputs: Any, *, candidate: str = "fp16", reference
         raise ReferenceFailed(f"the model fails in the {reference} reference run: {type(exc).__name__}: {exc}") from exc
     if lock.error is not None:
         raise lock.error
-    return _report(
+    result = _report(
         rows,
         candidate=candidate,
         reference=reference,
@@ -329,6 +337,10 @@ def compare(model: nn.Module, inputs: Any, *, candidate: str = "fp16", reference
         candidate_error=errors.get("candidate"),
         peak=peak["bytes"],
     )
+    if fp8_dtype is not None:
+        result.report.findings.extend(fp8.findings(fp8_rows))
+        result.report.data["fp8"] = fp8_rows
+    return result
 
 
 def _children(rows: list[ModuleRow], name: str, call: int) -> list[ModuleRow]:

@@ -1,0 +1,95 @@
+"""fp8 statistics per Linear: what tensorwise and rowwise scaling do to its input and weight.
+
+With dynamic amax scaling the largest value maps to the format's max, so nothing clips; the
+damage is at the other end: when a few outlier channels set the scale, the other values fall
+below the smallest subnormal and flush to zero. Rowwise scaling (per token for the input, per
+output channel for the weight) confines an outlier to its own row. An unscaled cast, the naive
+recipe, clips everything beyond the max instead.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from fpdoctor import catalog
+from fpdoctor.precision.candidates import fp8_quantize
+from fpdoctor.report.model import Finding
+
+# Below 20 dB SQNR, more than 1% of the signal's energy is quantisation noise: we call that unsafe.
+MIN_SQNR_DB = 20.0
+MAX_UNDERFLOW = 0.01
+
+
+def _quality(x: torch.Tensor, fp8: torch.dtype, rowwise: bool) -> dict[str, float]:
+    x = x.detach().double().reshape(-1, x.shape[-1])
+    q = fp8_quantize(x, fp8, rowwise).double()
+    nonzero = x != 0
+    flushed = float(((q == 0) & nonzero).sum()) / max(1, int(nonzero.sum()))
+    noise = float(torch.linalg.vector_norm(q - x))
+    signal = float(torch.linalg.vector_norm(x))
+    sqnr = math.inf if noise == 0 else 20 * math.log10(signal / noise) if signal > 0 else 0.0
+    return {"sqnr_db": sqnr, "underflow": flushed}
+
+
+def linear_stats(name: str, x: torch.Tensor, weight: torch.Tensor, fp8: torch.dtype) -> dict[str, Any]:
+    fmax = torch.finfo(fp8).max
+    row: dict[str, Any] = {"module": name, "format": str(fp8).replace("torch.", "")}
+    for operand, tensor in (("input", x), ("weight", weight)):
+        for recipe, rowwise in (("tensorwise", False), ("rowwise", True)):
+            quality = _quality(tensor, fp8, rowwise)
+            row[f"{operand}_{recipe}_sqnr_db"] = quality["sqnr_db"]
+            row[f"{operand}_{recipe}_underflow"] = quality["underflow"]
+        row[f"{operand}_unscaled_saturation"] = float((tensor.detach().abs() > fmax).double().mean())
+    return row
+
+
+def _bad(row: dict[str, Any], op: str, recipe: str) -> bool:
+    return row[f"{op}_{recipe}_sqnr_db"] < MIN_SQNR_DB or row[f"{op}_{recipe}_underflow"] > MAX_UNDERFLOW
+
+
+def _unsafe(row: dict[str, Any], recipe: str) -> bool:
+    return any(_bad(row, op, recipe) for op in ("input", "weight"))
+
+
+def findings(rows: list[dict[str, Any]]) -> list[Finding]:
+    found = []
+    for row in rows:
+        if not _unsafe(row, "tensorwise"):
+            continue
+        worst = next(op for op in ("weight", "input") if _bad(row, op, "tensorwise"))
+        rowwise_ok = not _bad(row, worst, "rowwise")
+        found.append(
+            catalog.make(
+                "fp8-saturation",
+                message=(
+                    f"`{row['module']}` in {row['format']} with tensorwise scaling: its {worst} keeps "
+                    f"{row[f'{worst}_tensorwise_sqnr_db']:.1f} dB SQNR and loses "
+                    f"{row[f'{worst}_tensorwise_underflow']:.1%} of its values to zero (outliers set the scale); "
+                    f"an unscaled cast would clip {row[f'{worst}_unscaled_saturation']:.1%}. "
+                    + (
+                        f"Rowwise scaling keeps {row[f'{worst}_rowwise_sqnr_db']:.1f} dB and flushes "
+                        f"{row[f'{worst}_rowwise_underflow']:.1%}: use the rowwise recipe."
+                        if rowwise_ok
+                        else "Rowwise scaling does not fix it either: keep this layer in bf16."
+                    )
+                ),
+                where={"module": row["module"], "op": "aten.linear", "phase": "forward"},
+                evidence={
+                    "kind": "fp8",
+                    **row,
+                    "count": None,
+                    "numel": None,
+                    "dtype": row["format"],
+                    "rowwise_ok": rowwise_ok,
+                },
+                fix=(
+                    "use rowwise scaling for this layer (torchao Float8LinearConfig.from_recipe_name('rowwise'))"
+                    if rowwise_ok
+                    else f"exclude `{row['module']}` from fp8 (module_filter_fn) and keep it in bf16"
+                ),
+            )
+        )
+    return found
