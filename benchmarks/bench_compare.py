@@ -26,7 +26,7 @@ sys.path.insert(0, {here!r})
 import torch
 from models import small_transformer, batch
 torch.manual_seed(0)
-model = small_transformer(layers=12, dim=256).eval()
+model = small_transformer(layers=int(sys.argv[2]), dim=256).eval()
 tokens, _ = batch(length=128)
 embed = model.embed(tokens).detach()
 encoder = model.encoder
@@ -41,6 +41,7 @@ if mode == "plain":
 else:
     import fpdoctor
     fpdoctor.compare(encoder, embed, candidate="fp16")  # warm-up
+    import gc; gc.collect()
     start = time.perf_counter(); result = fpdoctor.compare(encoder, embed, candidate="fp16")
     elapsed = time.perf_counter() - start
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -48,10 +49,9 @@ print(json.dumps({{"seconds": elapsed, "peak": peak, "largest": largest, "params
 """
 
 
-def run(mode: str) -> dict[str, float]:
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD.format(here=str(HERE)), mode], capture_output=True, text=True, check=True
-    ).stdout
+def run(mode: str, layers: int = 12) -> dict[str, float]:
+    argv = [sys.executable, "-c", CHILD.format(here=str(HERE)), mode, str(layers)]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -77,9 +77,17 @@ def main() -> int:
         f"  = {extra / largest:.1f}x the largest activation ({largest / 2**20:.1f} MiB); "
         f"fp64 weights {fp64_weights / 2**20:.1f} MiB"
     )
-    ok = ratio <= 3.0
-    print(f"time {'PASS' if ok else 'FAIL'}")
-    return 0 if ok else 1
+    # O(largest activation), not O(all activations): the extra memory must not grow with depth.
+    deep_plain, deep_comp = run("plain", 24), run("compare", 24)
+    extra_deep = deep_comp["peak"] - deep_plain["peak"] - deep_plain["params"] * 8
+    growth = extra_deep / extra if extra > 0 else float("inf")
+    print(
+        f"  24 layers: extra {extra_deep / 2**20:.1f} MiB, {growth:.2f}x the 12-layer extra (constant = O(activation))"
+    )
+    ok_time = ratio <= 3.0
+    ok_memory = growth <= 1.25
+    print(f"time {'PASS' if ok_time else 'FAIL'}, memory {'PASS' if ok_memory else 'FAIL'}")
+    return 0 if ok_time and ok_memory else 1
 
 
 if __name__ == "__main__":

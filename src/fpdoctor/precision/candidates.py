@@ -79,11 +79,24 @@ def _replace_linears(model: nn.Module, make: Any) -> None:
             _replace_linears(child, make)
 
 
+def _copy_as(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """deepcopy with floating parameters and buffers converted on the way, so a full-size copy in
+    the original dtype never exists next to the converted one (memory is O(one copy))."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            memo[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        if b.is_floating_point():
+            memo[id(b)] = b.detach().to(dtype)
+    return copy.deepcopy(model, memo)
+
+
 def make_run(model: nn.Module, name: str) -> nn.Module:
     """A copy of `model` in precision `name` (a reference or a candidate)."""
-    run = copy.deepcopy(model)
     if name in ("fp64", "fp32", "fp16", "bf16"):
-        return run.to(compute_dtype(name))
+        return _copy_as(model, compute_dtype(name))
+    run = copy.deepcopy(model)
     if name.startswith("fp8"):
         fp8 = torch.float8_e5m2 if "e5m2" in name else torch.float8_e4m3fn
         rowwise = name.endswith("rowwise")

@@ -369,6 +369,10 @@ def compare(model: nn.Module, inputs: Any, *, candidate: str = "fp16", reference
         th.start()
     for th in threads:
         th.join()
+    # The hooks' closures reference the copies: drop them now rather than at the next cyclic GC.
+    runs.clear()
+    cand_modules.clear()
+    linears.clear()
     if "reference" in errors or "truth" in errors:
         exc = errors.get("reference") or errors["truth"]
         raise ReferenceFailed(f"the model fails in the {reference} reference run: {type(exc).__name__}: {exc}") from exc
