@@ -1,9 +1,10 @@
 """`fpdoctor.compare(model, inputs, reference="fp32", candidate="fp16")`: layerwise A/B against fp64.
 
-Three copies of the model run at once, one per thread: fp64 (the truth), the reference and the
-candidate. Every module's forward hook waits at a barrier until the three copies have produced
-that module's output; then the outputs are compared and released. Memory is therefore what one
-forward needs plus one module's outputs three times - never all activations.
+Three passes over copies of the model: fp64 (the truth), the reference and the candidate. The
+fp64 pass keeps an evenly strided sample of every module's output and runs the candidate's copy
+of each leaf module on the same fp64 inputs; the other passes reduce their outputs to error
+numbers against those samples as they go. Memory is one forward at a time plus SAMPLE values
+per module call - never all activations.
 
 Per module:
   propagated  the candidate run's output against the fp64 output (errors accumulated so far)
@@ -19,8 +20,6 @@ overflow and cancellation land orders of magnitude above it.
 from __future__ import annotations
 
 import math
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,22 +44,17 @@ from fpdoctor.report.model import Report
 # 16x the floor is 12 dB: input and output rounding plus fp32 accumulation stay below it on every
 # healthy layer we measured (MiniLM in fp16 and bf16), accumulation loss and overflow do not.
 DIVERGENCE_RATIO = 16.0
-BARRIER_TIMEOUT_S = 600.0
 
 
 class ReferenceFailed(RuntimeError):
     """The model fails in the reference run: nothing to compare against."""
 
 
-class _Abort(Exception):
-    pass
-
-
 # Errors are measured on an evenly strided sample of at most SAMPLE values per module output:
-# the relative L2 error of 65536 values is within ~1% of the full tensor's, far finer than the
-# 16x divergence threshold, and it keeps the cost per module independent of activation size.
-# Non-finite values are detected exactly, on every element.
-SAMPLE = 65536
+# the relative L2 error of 8192 values is within a few percent of the full tensor's, far finer
+# than the 16x divergence threshold, and the cost and memory per module stay independent of the
+# activation size. Non-finite values are detected exactly, on every element.
+SAMPLE = 8192
 
 
 def _flat(value: Any, dtype: torch.dtype = torch.float64) -> torch.Tensor | None:
@@ -71,9 +65,12 @@ def _flat(value: Any, dtype: torch.dtype = torch.float64) -> torch.Tensor | None
     ]
     if not parts:
         return None
-    flat = parts[0] if len(parts) == 1 else torch.cat([p.to(dtype) for p in parts])
-    step = max(1, flat.numel() // SAMPLE)
-    return flat[::step].to(dtype)
+    step = max(1, sum(p.numel() for p in parts) // SAMPLE)
+    # Each part is sampled before it is converted (never a full-size copy), and the result is always
+    # a copy: a strided view would keep the whole activation alive for the entire run.
+    if len(parts) == 1:
+        return parts[0][::step].to(dtype, copy=True)
+    return torch.cat([p[::step].to(dtype) for p in parts])
 
 
 def _all_finite(value: Any) -> bool:
@@ -163,228 +160,197 @@ class CompareResult:
     peak_extra_bytes: int = 0
 
 
-class _Lockstep:
-    """A barrier per module call across the runs; the last to arrive runs the comparison."""
+@dataclass
+class _Seen:
+    """What the fp64 pass keeps of one module call: samples and a few numbers, never the tensors."""
 
-    def __init__(self, runs: list[str], compare: Callable[[tuple[str, int], dict[str, Any]], None]) -> None:
-        self.runs = runs
-        self.compare = compare
-        self.cond = threading.Condition()
-        self.pending: dict[str, tuple[tuple[str, int], Any]] = {}
-        self.generation = 0
-        self.failure: str | None = None
-        self.error: BaseException | None = None
-        self.done: set[str] = set()
+    truth: torch.Tensor  # float64 sample of the output
+    truth32: torch.Tensor
+    norm: float
+    rounding: float  # relative error of rounding the sample to the candidate's format
+    leaf: bool
+    numel: int
+    isolated: float | None = None
+    inputs: torch.Tensor | None = None  # float64 sample of the inputs, for the jump test of containers
+    reference: float = 0.0
+    propagated: float | None = None
+    candidate_inputs: float = 0.0  # the candidate's input error at this module
+    nonfinite: int = 0
 
-    def arrive(self, run: str, key: tuple[str, int], payload: Any) -> None:
-        with self.cond:
-            if self.failure:
-                raise _Abort
-            self.pending[run] = (key, payload)
-            if len(self.pending) == len(self.runs):
-                keys = {k for k, _ in self.pending.values()}
-                if len(keys) != 1:
-                    self._abort(
-                        f"the runs called different modules ({', '.join(sorted(f'{k[0]}#{k[1]}' for k in keys))}): "
-                        "data-dependent control flow cannot be compared module by module"
-                    )
-                else:
-                    try:
-                        self.compare(key, {r: p for r, (_, p) in self.pending.items()})
-                    except Exception as exc:
-                        self.error = exc
-                        self._abort(f"comparing {key[0]} failed: {type(exc).__name__}: {exc}")
-                self.pending = {}
-                self.generation += 1
-                self.cond.notify_all()
-            else:
-                generation = self.generation
-                deadline = time.monotonic() + BARRIER_TIMEOUT_S
-                while self.generation == generation and not self.failure:
-                    if len(self.done) + len(self.pending) == len(self.runs):  # a run finished early
-                        self._abort(f"run(s) {', '.join(sorted(self.done))} finished while others were at {key[0]}")
-                        break
-                    woke = self.cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
-                    if not woke and time.monotonic() > deadline:
-                        self._abort(f"timed out waiting at module {key[0]}")
-            if self.failure:
-                raise _Abort
 
-    def _abort(self, why: str) -> None:
-        if self.failure is None:
-            self.failure = why
-        self.cond.notify_all()
+def _hooked(
+    run: nn.Module, inputs: Any, dtype: torch.dtype, *, pre: Callable[..., None] | None, post: Callable[..., None]
+) -> None:
+    """Run `run` on `inputs` (cast to `dtype`) with hooks that get (name, call index, ...)."""
+    calls: dict[str, int] = {}
+    handles = []
+    for name, module in run.named_modules():
+        if pre is not None:
 
-    def abort(self, why: str) -> None:
-        with self.cond:  # an RLock: safe from inside arrive() too
-            self._abort(why)
+            def on_pre(mod: nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
+                pre(name, calls.get(name, 0), mod, args, kwargs)
 
-    def finished(self, run: str) -> None:
-        with self.cond:
-            self.done.add(run)
-            self.cond.notify_all()
+            handles.append(module.register_forward_pre_hook(on_pre, with_kwargs=True))
+
+        def on_post(mod: nn.Module, args: Any, output: Any, name: str = name) -> None:
+            index = calls.get(name, 0)
+            calls[name] = index + 1
+            post(name, index, args, output)
+
+        handles.append(module.register_forward_hook(on_post))
+    args, kwargs = _split(cast_inputs(inputs, dtype))
+    try:
+        with torch.no_grad():
+            run(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def compare(model: nn.Module, inputs: Any, *, candidate: str = "fp16", reference: str = "fp32") -> CompareResult:
-    """Layerwise error of `candidate` against fp64, judged against the fp64 noise floor."""
+    """Layerwise error of `candidate` against fp64, judged against the fp64 noise floor.
+
+    Three passes, each at full speed with every core: fp64 (keeping a strided sample of every
+    module output and the candidate module's output on the same fp64 inputs), the reference and
+    the candidate (each reduced to error numbers against those samples at once). Memory: one
+    forward at a time plus SAMPLE values per module call - never all activations."""
     candidate = check_name(candidate, CANDIDATES, "candidate")
     reference = check_name(reference, REFERENCES, "reference")
     was_training = model.training
     model.eval()
-    runs = {
-        "truth": make_run(model, "fp64"),
-        "reference": make_run(model, reference),
-        "candidate": make_run(model, candidate),
-    }
-    model.train(was_training)
-    dtypes = {"truth": torch.float64, "reference": compute_dtype(reference), "candidate": compute_dtype(candidate)}
-    leaves = {name for name, m in runs["truth"].named_modules() if not list(m.children())}
-    cand_modules = dict(runs["candidate"].named_modules())
-    rows: list[ModuleRow] = []
-    fp8_rows: list[dict[str, Any]] = []
+    try:
+        truth_run = make_run(model, "fp64")
+        cand_run = make_run(model, candidate)
+    finally:
+        model.train(was_training)
+    cand_dtype = compute_dtype(candidate)
+    leaves = {name for name, m in truth_run.named_modules() if not list(m.children())}
+    cand_modules = dict(cand_run.named_modules())
+    linears = {n: m for n, m in truth_run.named_modules() if isinstance(m, nn.Linear)}
     fp8_dtype = (
         (torch.float8_e5m2 if "e5m2" in candidate else torch.float8_e4m3fn) if candidate.startswith("fp8") else None
     )
-    linears = {n: m for n, m in runs["truth"].named_modules() if isinstance(m, nn.Linear)}
-    local = threading.local()  # set while the isolated re-run of a module is in progress
-    peak = {"bytes": 0}
+    seen: dict[tuple[str, int], _Seen] = {}
+    fp8_rows: list[dict[str, Any]] = []
 
-    def judge(key: tuple[str, int], payloads: dict[str, Any]) -> None:
-        name, call = key
-        truth_out, truth_in = payloads["truth"]
-        ref_out, _ = payloads["reference"]
-        cand_out, cand_in = payloads["candidate"]
-        if isinstance(truth_out, torch.Tensor) and truth_in is not None and any(a is truth_out for a in truth_in[0]):
+    def isolated_error(name: str, args: Any, kwargs: Any, entry: _Seen) -> float | None:
+        out = cand_modules[name](*cast_inputs(args, cand_dtype), **cast_inputs(kwargs, cand_dtype))
+        sample = _flat(out, torch.float32)
+        if sample is None or sample.numel() != entry.truth.numel():
+            return None
+        return _rel(sample, entry.truth32, entry.norm) if _all_finite(out) else math.inf
+
+    pending_inputs: dict[tuple[str, int], tuple[Any, Any]] = {}
+
+    def truth_pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
+        pending_inputs[(name, index)] = (args, kwargs)
+
+    def truth_post(name: str, index: int, args: Any, output: Any) -> None:
+        key = (name, index)
+        call_args, call_kwargs = pending_inputs.pop(key, (args, {}))
+        if isinstance(output, torch.Tensor) and any(a is output for a in call_args):
             return  # an identity in this mode (Dropout in eval, Identity): nothing new to judge
-        t, r = _flat(truth_out), _flat(ref_out)
-        c = _flat(cand_out, torch.float32)
-        if t is None or r is None or c is None or not (t.numel() == r.numel() == c.numel()):
+        t = _flat(output)
+        if t is None:
             return
         t32 = t.float()
-        peak["bytes"] = max(peak["bytes"], t.numel() * (8 + 8 + 4 + 4))
-        norm = _norm(t)
-        reference_rel = _rel(r, t, norm)
-        rounding = _rel(_round_to(t32, candidate), t32, norm)
-        out_of_range = math.isinf(rounding)  # the fp64 values themselves do not fit the format
-        floor = max(0.0 if out_of_range else rounding, reference_rel, 1e-300)
-        finite = _all_finite(cand_out)
-        propagated = _rel(c, t32, norm) if finite else math.inf
-        isolated = None
-        if name not in leaves and truth_in is not None and cand_in is not None:
-            # A container's own ops (attention scores, a residual add) are judged only when the
-            # error jumps inside it and no child diverged: then it is re-run on the fp64 inputs.
-            t_in, c_in = _flat(truth_in), _flat(cand_in)
-            in_rel = _rel(c_in, t_in) if t_in is not None and c_in is not None and t_in.numel() == c_in.numel() else 0.0
-            in_rel = in_rel if _all_finite(cand_in) else math.inf
-            jumped = (math.isinf(propagated) and not math.isinf(in_rel)) or (
-                propagated > DIVERGENCE_RATIO * max(in_rel, floor)
-            )
-            child_diverged = any(r.diverged for r in _children(rows, name, call))
-            if not (jumped and not child_diverged):
-                truth_in = None
-        if truth_in is not None:
-            local.busy = True
-            try:
-                with torch.no_grad():
-                    args, kwargs = truth_in
-                    out = cand_modules[name](
-                        *cast_inputs(args, dtypes["candidate"]), **cast_inputs(kwargs, dtypes["candidate"])
-                    )
-            finally:
-                local.busy = False
-            iso = _flat(out, torch.float32)
-            isolated = (
-                None
-                if iso is None or iso.numel() != t.numel()
-                else (_rel(iso, t32, norm) if _all_finite(out) else math.inf)
-            )
-        nonfinite = (
-            0
-            if finite
-            else sum(
+        entry = _Seen(
+            t,
+            t32,
+            _norm(t),
+            0.0,
+            name in leaves,
+            sum(x.numel() for x in _tensors(output) if isinstance(x, torch.Tensor)),
+        )
+        entry.rounding = _rel(_round_to(t32, candidate), t32, entry.norm)
+        if entry.leaf:
+            entry.isolated = isolated_error(name, call_args, call_kwargs, entry)
+            if fp8_dtype is not None and name in linears and call_args:
+                fp8_rows.append(fp8.linear_stats(name, call_args[0], linears[name].weight, fp8_dtype))
+        else:
+            entry.inputs = _flat((call_args, call_kwargs))
+        seen[key] = entry
+
+    try:
+        _hooked(truth_run, inputs, torch.float64, pre=truth_pre, post=truth_post)
+    except Exception as exc:
+        raise ReferenceFailed(
+            f"the model fails in the reference run (its fp64 copy): {type(exc).__name__}: {exc}"
+        ) from exc
+
+    if reference != "fp64":
+        ref_run = make_run(model, reference)
+
+        def ref_post(name: str, index: int, args: Any, output: Any) -> None:
+            entry = seen.get((name, index))
+            r = _flat(output) if entry is not None else None
+            if entry is not None and r is not None and r.numel() == entry.truth.numel():
+                entry.reference = _rel(r, entry.truth, entry.norm)
+
+        try:
+            _hooked(ref_run, inputs, compute_dtype(reference), pre=None, post=ref_post)
+        except Exception as exc:
+            raise ReferenceFailed(
+                f"the model fails in the {reference} reference run: {type(exc).__name__}: {exc}"
+            ) from exc
+        del ref_run
+
+    cand_inputs: dict[tuple[str, int], Any] = {}
+
+    def cand_pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
+        if name not in leaves:
+            cand_inputs[(name, index)] = (args, kwargs)
+
+    def cand_post(name: str, index: int, args: Any, output: Any) -> None:
+        key = (name, index)
+        entry = seen.get(key)
+        call = cand_inputs.pop(key, None)
+        c = _flat(output, torch.float32) if entry is not None else None
+        if entry is None or c is None or c.numel() != entry.truth.numel():
+            return
+        finite = _all_finite(output)
+        entry.propagated = _rel(c, entry.truth32, entry.norm) if finite else math.inf
+        if not finite:
+            entry.nonfinite = sum(
                 int((~torch.isfinite(x)).sum())
-                for x in _tensors(cand_out)
+                for x in _tensors(output)
                 if isinstance(x, torch.Tensor) and x.is_floating_point()
             )
-        )
-        if fp8_dtype is not None and name in linears and truth_in is not None and truth_in[0]:
-            fp8_rows.append(fp8.linear_stats(name, truth_in[0][0], linears[name].weight, fp8_dtype))
-        rows.append(
-            ModuleRow(
-                name,
-                call,
-                name in leaves,
-                t.numel(),
-                propagated,
-                isolated,
-                floor,
-                reference_rel,
-                nonfinite,
-                out_of_range,
-            )
-        )
+        if call is not None and entry.inputs is not None:
+            c_in = _flat(call)
+            if c_in is not None and c_in.numel() == entry.inputs.numel():
+                entry.candidate_inputs = _rel(c_in, entry.inputs) if _all_finite(call) else math.inf
 
-    lock = _Lockstep(list(runs), judge)
-    errors: dict[str, BaseException] = {}
+    notes: dict[str, str] = {}
+    try:
+        _hooked(cand_run, inputs, cand_dtype, pre=cand_pre, post=cand_post)
+    except Exception as exc:  # the candidate failing is a finding, not a usage error
+        notes["candidate run"] = f"the {candidate} run raised {type(exc).__name__}: {exc}"
 
-    def worker(run_name: str, run: nn.Module) -> None:
-        calls: dict[str, int] = {}
-        captured: dict[str, Any] = {}
-        handles = []
-        for name, module in run.named_modules():
+    rows = _rows(seen)
+    # A container's own ops (attention scores, a residual add) are judged when the error jumps
+    # inside it and no child diverged: one more fp64 pass re-runs just those in the candidate.
+    suspects = {
+        (r.module, r.call)
+        for r in rows
+        if not r.leaf
+        and _jumped(r, seen[(r.module, r.call)])
+        and not any(c.diverged for c in _children(rows, r.module, r.call))
+    }
+    if suspects:
 
-            def pre(mod: nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
-                # fp64 inputs for isolated re-runs; candidate inputs to see whether error jumps
-                keep = run_name == "truth" or (
-                    run_name == "candidate" and name not in leaves
-                )  # inputs are alive anyway
-                if keep and not getattr(local, "busy", False):
-                    captured[name] = (args, kwargs)
+        def suspect_pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
+            if (name, index) in suspects:
+                seen[(name, index)].isolated = isolated_error(name, args, kwargs, seen[(name, index)])
 
-            def post(mod: nn.Module, args: Any, output: Any, name: str = name) -> None:
-                if getattr(local, "busy", False):
-                    return
-                index = calls.get(name, 0)
-                calls[name] = index + 1
-                lock.arrive(run_name, (name, index), (output, captured.pop(name, None)))
-
-            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-            handles.append(module.register_forward_hook(post))
-        args, kwargs = _split(cast_inputs(inputs, dtypes[run_name]))
-        try:
-            with torch.no_grad():
-                run(*args, **kwargs)
-        except _Abort:
-            pass
-        except BaseException as exc:
-            errors[run_name] = exc
-            lock.abort(f"the {run_name} run raised {type(exc).__name__}: {exc}")
-        finally:
-            lock.finished(run_name)
-            for h in handles:
-                h.remove()
-
-    threads = [threading.Thread(target=worker, args=(n, m), name=f"fpdoctor-{n}") for n, m in runs.items()]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    # The hooks' closures reference the copies: drop them now rather than at the next cyclic GC.
-    runs.clear()
-    cand_modules.clear()
-    linears.clear()
-    if "reference" in errors or "truth" in errors:
-        exc = errors.get("reference") or errors["truth"]
-        raise ReferenceFailed(f"the model fails in the {reference} reference run: {type(exc).__name__}: {exc}") from exc
-    if lock.error is not None:
-        raise lock.error
+        _hooked(truth_run, inputs, torch.float64, pre=suspect_pre, post=lambda *a: None)
+        rows = _rows(seen)
     result = _report(
         rows,
         candidate=candidate,
         reference=reference,
-        failure=lock.failure if "candidate" not in errors else None,
-        candidate_error=errors.get("candidate"),
-        peak=peak["bytes"],
+        notes=notes,
+        peak=max((e.truth.numel() for e in seen.values()), default=0) * 24 * max(1, len(seen)),
     )
     if fp8_dtype is not None:
         result.report.findings.extend(fp8.findings(fp8_rows))
@@ -392,11 +358,35 @@ def compare(model: nn.Module, inputs: Any, *, candidate: str = "fp16", reference
     return result
 
 
+def _jumped(row: ModuleRow, entry: _Seen) -> bool:
+    if row.propagated is None:
+        return False
+    if math.isinf(row.propagated):
+        return not math.isinf(entry.candidate_inputs)
+    return row.propagated > DIVERGENCE_RATIO * max(entry.candidate_inputs, row.floor)
+
+
+def _rows(seen: dict[tuple[str, int], _Seen]) -> list[ModuleRow]:
+    rows = []
+    for (name, call), e in seen.items():  # insertion order: the fp64 pass's post-order
+        if e.propagated is None:
+            continue  # the candidate never produced this output
+        out_of_range = math.isinf(e.rounding)
+        floor = max(0.0 if out_of_range else e.rounding, e.reference, 1e-300)
+        rows.append(
+            ModuleRow(
+                name, call, e.leaf, e.numel, e.propagated, e.isolated, floor, e.reference, e.nonfinite, out_of_range
+            )
+        )
+    return rows
+
+
 def _children(rows: list[ModuleRow], name: str, call: int) -> list[ModuleRow]:
-    """Rows of `name`'s descendants from this call: they were judged just before it (post-order)."""
+    """Rows of `name`'s descendants from this call: in post-order they come right before it."""
+    position = next((k for k, r in enumerate(rows) if r.module == name and r.call == call), len(rows))
     prefix = f"{name}." if name else ""
     found = []
-    for row in reversed(rows):
+    for row in reversed(rows[:position]):
         if not row.module.startswith(prefix) or row.module == name:
             break
         found.append(row)
@@ -412,13 +402,7 @@ def _split(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 
 def _report(
-    rows: list[ModuleRow],
-    *,
-    candidate: str,
-    reference: str,
-    failure: str | None,
-    candidate_error: BaseException | None,
-    peak: int,
+    rows: list[ModuleRow], *, candidate: str, reference: str, notes: dict[str, str], peak: int
 ) -> CompareResult:
     findings = []
     first = next((r for r in rows if r.diverged), None)
@@ -459,11 +443,6 @@ def _report(
                 ),
             )
         )
-    notes = {}
-    if failure:
-        notes["candidate run"] = failure
-    if candidate_error is not None:
-        notes["candidate run"] = f"the {candidate} run raised {type(candidate_error).__name__}: {candidate_error}"
     final = rows[-1] if rows else None
     summary = [
         ("candidate / reference", f"{candidate} / {reference}, judged against fp64"),
