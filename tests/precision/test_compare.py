@@ -23,6 +23,21 @@ def test_healthy_model_has_no_divergence(candidate):
     assert result.first_divergent is None and result.report.verdict == "ok"
     leaves = [r for r in result.rows if r.leaf]
     assert len(leaves) == 5 and all(r.ratio is not None and r.ratio < DIVERGENCE_RATIO / 2 for r in leaves)
+    assert all(r.cosine is not None and 0.99 < r.cosine <= 1 + 1e-12 for r in result.rows)
+
+
+def test_cosine_and_summary_name_the_worst_modules():
+    model = mlp()
+    with torch.no_grad():
+        model[2].weight.mul_(1e5)
+    result = fpdoctor.compare(model, torch.randn(16, 64), candidate="fp16")
+    by_name = {r.module: r for r in result.rows}
+    assert by_name["2"].cosine is None  # its fp16 output overflowed: no angle to speak of
+    assert by_name["0"].cosine is not None and by_name["0"].cosine > 0.9999
+    summary = dict(result.report.data["summary"])
+    assert summary["largest isolated error / floor"].startswith("`2` non-finite")
+    row = next(m for m in result.report.data["modules"] if m["module"] == "0")
+    assert row["propagated_cosine"] == by_name["0"].cosine and row["isolated_cosine"] > 0.9999
 
 
 def test_planted_overflow_is_found_at_its_layer():

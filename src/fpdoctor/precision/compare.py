@@ -98,6 +98,15 @@ def _rel(a: torch.Tensor, truth: torch.Tensor, truth_norm: float | None = None) 
     return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
 
 
+def _cosine(a: torch.Tensor, truth: torch.Tensor, truth_norm: float) -> float | None:
+    """Cosine similarity in float64; None when a is non-finite or either side is all zeros."""
+    a64 = a.double()
+    a_norm = _norm(a64)
+    if not math.isfinite(a_norm) or a_norm == 0 or truth_norm == 0:
+        return None
+    return float(torch.dot(a64, truth)) / (a_norm * truth_norm)
+
+
 def _sqnr_db(rel: float) -> float:
     return math.inf if rel == 0 else (-math.inf if math.isinf(rel) else -20.0 * math.log10(rel))
 
@@ -122,6 +131,8 @@ class ModuleRow:
     reference: float
     nonfinite: int
     out_of_range: bool = False
+    cosine: float | None = None  # of the propagated output, against fp64
+    isolated_cosine: float | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -141,8 +152,10 @@ class ModuleRow:
             "numel": self.numel,
             "propagated_rel": self.propagated,
             "propagated_sqnr_db": _sqnr_db(self.propagated),
+            "propagated_cosine": self.cosine,
             "isolated_rel": self.isolated,
             "isolated_sqnr_db": None if self.isolated is None else _sqnr_db(self.isolated),
+            "isolated_cosine": self.isolated_cosine,
             "floor_rel": self.floor,
             "reference_rel": self.reference,
             "ratio": self.ratio,
@@ -171,6 +184,8 @@ class _Seen:
     leaf: bool
     numel: int
     isolated: float | None = None
+    isolated_cosine: float | None = None
+    cosine: float | None = None
     inputs: torch.Tensor | None = None  # float64 sample of the inputs, for the jump test of containers
     reference: float = 0.0
     propagated: float | None = None
@@ -238,6 +253,7 @@ def compare(model: nn.Module, inputs: Any, *, candidate: str = "fp16", reference
         sample = _flat(out, torch.float32)
         if sample is None or sample.numel() != entry.truth.numel():
             return None
+        entry.isolated_cosine = _cosine(sample, entry.truth, entry.norm)
         return _rel(sample, entry.truth32, entry.norm) if _all_finite(out) else math.inf
 
     pending_inputs: dict[tuple[str, int], tuple[Any, Any]] = {}
@@ -310,6 +326,7 @@ def compare(model: nn.Module, inputs: Any, *, candidate: str = "fp16", reference
             return
         finite = _all_finite(output)
         entry.propagated = _rel(c, entry.truth32, entry.norm) if finite else math.inf
+        entry.cosine = _cosine(c, entry.truth, entry.norm) if finite else None
         if not finite:
             entry.nonfinite = sum(
                 int((~torch.isfinite(x)).sum())
@@ -375,7 +392,18 @@ def _rows(seen: dict[tuple[str, int], _Seen]) -> list[ModuleRow]:
         floor = max(0.0 if out_of_range else e.rounding, e.reference, 1e-300)
         rows.append(
             ModuleRow(
-                name, call, e.leaf, e.numel, e.propagated, e.isolated, floor, e.reference, e.nonfinite, out_of_range
+                name,
+                call,
+                e.leaf,
+                e.numel,
+                e.propagated,
+                e.isolated,
+                floor,
+                e.reference,
+                e.nonfinite,
+                out_of_range,
+                e.cosine,
+                e.isolated_cosine,
             )
         )
     return rows
@@ -448,8 +476,15 @@ def _report(
         ("candidate / reference", f"{candidate} / {reference}, judged against fp64"),
         ("modules compared", str(len(rows))),
         ("first divergent module", f"`{first.module or '<root>'}`" if first else "none"),
-        ("end-to-end error", f"{_fmt(final.propagated)} ({_sqnr_db(final.propagated):.1f} dB SQNR)" if final else "-"),
+        ("end-to-end error", _fmt_error(final.propagated, final.cosine) if final else "-"),
     ]
+    ranked = sorted((r for r in rows if r.ratio is not None), key=lambda r: r.ratio or 0.0, reverse=True)
+    if ranked:
+        worst = ", ".join(
+            f"`{r.module or '<root>'}` " + ("non-finite" if math.isinf(r.ratio or 0.0) else f"{r.ratio:.2g}x")
+            for r in ranked[:3]
+        )
+        summary.append(("largest isolated error / floor", worst))
     report = Report(
         command="compare",
         findings=findings,
@@ -462,6 +497,14 @@ def _report(
         },
     )
     return CompareResult(report, rows, first.module if first else None, peak)
+
+
+def _fmt_error(rel: float, cosine: float | None) -> str:
+    if math.isinf(rel):
+        return "non-finite"
+    # Near 1 the digits that matter are in the distance from 1.
+    cos = "" if cosine is None else f", cosine {cosine:.4f}" if cosine < 0.999 else f", cosine 1 - {1 - cosine:.1e}"
+    return f"{_fmt(rel)} ({_sqnr_db(rel):.1f} dB SQNR{cos})"
 
 
 def _fmt(value: float | None) -> str:
