@@ -61,11 +61,30 @@ def test_long_fp16_accumulation_loses_accuracy():
     assert fpdoctor.compare(model, x, candidate="fp16-accumulate").first_divergent == "0"
 
 
+def test_fp32_on_the_same_device_matches_the_reference():
+    result = fpdoctor.compare(mlp(), torch.randn(16, 64), candidate="fp32", device="cpu")
+    assert result.first_divergent is None
+    assert all(r.ratio is not None and r.ratio <= 2 for r in result.rows if r.leaf)
+    # the candidate is the reference here: its end-to-end error is the reference's own (the candidate's
+    # differences are taken in float32, the reference's in float64, hence not exactly equal)
+    assert result.rows[-1].propagated == pytest.approx(result.rows[-1].reference, rel=0.05)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fp32_on_cuda_against_cpu():
+    result = fpdoctor.compare(mlp(), torch.randn(16, 64), candidate="fp32", device="cuda")
+    assert len(result.rows) == 6 and all(r.cosine is not None and r.cosine > 0.999 for r in result.rows)
+
+
 def test_reference_failure_and_bad_names():
     with pytest.raises(ReferenceFailed, match="fails in the reference run"):
         fpdoctor.compare(mlp(), torch.randn(16, 3), candidate="fp16")
     with pytest.raises(ValueError, match="unknown candidate"):
         fpdoctor.compare(mlp(), torch.randn(16, 64), candidate="fp12")
+    with pytest.raises(ValueError, match="unknown device"):
+        fpdoctor.compare(mlp(), torch.randn(16, 64), candidate="fp32", device="gpu0")
+    with pytest.raises(ValueError, match="unknown candidate 'fp32'"):
+        fpdoctor.plan(mlp(), torch.randn(16, 64), candidate="fp32")
 
 
 def test_minilm_fp16_and_bf16_show_no_false_divergence():

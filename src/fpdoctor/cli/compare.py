@@ -1,4 +1,4 @@
-"""`fpdoctor compare MODEL --candidate fp16|bf16|fp8-e4m3|fp8-e4m3-rowwise|fp16-accumulate [--reference fp32|fp64]`."""
+"""`fpdoctor compare MODEL --candidate fp16|bf16|fp32|fp8-...|fp16-accumulate [--reference R] [--device DEV]`."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("model", metavar="MODEL")
     p.add_argument("--candidate", required=True, metavar="|".join(CANDIDATES))
     p.add_argument("--reference", default="fp32", metavar="|".join(REFERENCES))
+    p.add_argument(
+        "--device",
+        metavar="DEVICE",
+        help="run the candidate on this device (cuda, cuda:1, mps, xpu) against the reference where the model is",
+    )
     add_output_args(p)
     p.set_defaults(run=run)
 
@@ -31,11 +36,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         candidate = check_name(args.candidate, CANDIDATES, "candidate")
         reference = check_name(args.reference, REFERENCES, "reference")
+        if args.device is not None:
+            from fpdoctor.precision.candidates import check_device
+
+            check_device(args.device)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     model, inputs = model_spec.load(args.model)
     try:
-        result = compare(model, inputs, candidate=candidate, reference=reference)
+        result = compare(model, inputs, candidate=candidate, reference=reference, device=args.device)
     except ReferenceFailed as exc:
         raise UsageError(f"{exc}; fix the model or its example inputs first") from None
     emit(result.report.to_dict(), args)

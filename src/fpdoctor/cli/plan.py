@@ -7,7 +7,7 @@ from typing import Any
 
 from fpdoctor.cli.errors import UsageError
 from fpdoctor.cli.output import add_output_args, emit
-from fpdoctor.precision.names import CANDIDATES, REFERENCES
+from fpdoctor.precision.names import PLAN_CANDIDATES, REFERENCES
 
 
 def add_parser(sub: Any) -> None:
@@ -17,7 +17,7 @@ def add_parser(sub: Any) -> None:
         description="MODEL is path/to/file.py:factory or package.module:factory.",
     )
     p.add_argument("model", metavar="MODEL")
-    p.add_argument("--candidate", required=True, metavar="|".join(CANDIDATES))
+    p.add_argument("--candidate", required=True, metavar="|".join(PLAN_CANDIDATES))
     p.add_argument("--reference", default="fp32", metavar="|".join(REFERENCES))
     p.add_argument("--tolerance", type=float, help="end-to-end relative error to reach (default: 16x the noise floor)")
     add_output_args(p)
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from fpdoctor.precision.plan import plan
 
     try:
-        candidate = check_name(args.candidate, CANDIDATES, "candidate")
+        candidate = check_name(args.candidate, PLAN_CANDIDATES, "candidate")
         reference = check_name(args.reference, REFERENCES, "reference")
     except ValueError as exc:
         raise UsageError(str(exc)) from None

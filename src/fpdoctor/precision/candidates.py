@@ -18,7 +18,16 @@ from torch.nn import functional as F
 
 from fpdoctor.precision.names import CANDIDATES, REFERENCES, check_name
 
-__all__ = ["CANDIDATES", "REFERENCES", "cast_inputs", "check_name", "compute_dtype", "fp8_quantize", "make_run"]
+__all__ = [
+    "CANDIDATES",
+    "REFERENCES",
+    "cast_inputs",
+    "check_device",
+    "check_name",
+    "compute_dtype",
+    "fp8_quantize",
+    "make_run",
+]
 ACCUMULATE_CHUNK = 64  # K elements per fp16-rounded partial sum
 
 
@@ -110,13 +119,31 @@ def make_run(model: nn.Module, name: str) -> nn.Module:
     raise ValueError(f"unknown precision {name!r}")
 
 
-def cast_inputs(inputs: Any, dtype: torch.dtype) -> Any:
+def cast_inputs(inputs: Any, dtype: torch.dtype, device: torch.device | None = None) -> Any:
     if isinstance(inputs, torch.Tensor):
-        return inputs.to(dtype) if inputs.is_floating_point() else inputs
+        if inputs.is_floating_point():
+            return inputs.to(device=device, dtype=dtype)
+        return inputs if device is None else inputs.to(device)
     if isinstance(inputs, tuple):
-        return tuple(cast_inputs(v, dtype) for v in inputs)
+        return tuple(cast_inputs(v, dtype, device) for v in inputs)
     if isinstance(inputs, list):
-        return [cast_inputs(v, dtype) for v in inputs]
+        return [cast_inputs(v, dtype, device) for v in inputs]
     if isinstance(inputs, dict):
-        return {k: cast_inputs(v, dtype) for k, v in inputs.items()}
+        return {k: cast_inputs(v, dtype, device) for k, v in inputs.items()}
     return inputs
+
+
+def check_device(name: str) -> torch.device:
+    """A device the candidate can run on here, or ValueError saying why not."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"unknown device {name!r}; use e.g. cpu, cuda, cuda:1, mps, xpu") from None
+    backend = {"cuda": torch.cuda, "mps": getattr(torch.backends, "mps", None), "xpu": getattr(torch, "xpu", None)}
+    if device.type != "cpu":
+        module = backend.get(device.type)
+        if module is None or not module.is_available():
+            raise ValueError(f"device {name!r} is not available to this torch; run where it is, or pick another")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r} does not exist: torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return device

@@ -14,7 +14,12 @@ Per module:
               reference's own error against fp64 if that is larger
 A module diverges when its isolated error is non-finite or more than DIVERGENCE_RATIO times the
 floor: rounding of inputs and outputs stays within a few floors, while accumulation loss,
-overflow and cancellation land orders of magnitude above it.
+overflow and cancellation land orders of magnitude above it. Relative L2 error, SQNR and cosine
+similarity are reported for both.
+
+With `device=`, the candidate runs on another device (device A vs device B): `candidate="fp32",
+device="cuda"` judges the GPU's fp32 kernels (TF32, another summation order) against the same
+floor, so only what goes beyond the reference's own rounding is called a divergence.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from fpdoctor.precision.candidates import (
     CANDIDATES,
     REFERENCES,
     cast_inputs,
+    check_device,
     check_name,
     compute_dtype,
     fp8_quantize,
@@ -69,8 +75,8 @@ def _flat(value: Any, dtype: torch.dtype = torch.float64) -> torch.Tensor | None
     # Each part is sampled before it is converted (never a full-size copy), and the result is always
     # a copy: a strided view would keep the whole activation alive for the entire run.
     if len(parts) == 1:
-        return parts[0][::step].to(dtype, copy=True)
-    return torch.cat([p[::step].to(dtype) for p in parts])
+        return parts[0][::step].to(device="cpu", dtype=dtype, copy=True)
+    return torch.cat([p[::step].to(device="cpu", dtype=dtype) for p in parts])
 
 
 def _all_finite(value: Any) -> bool:
@@ -89,8 +95,7 @@ def _norm(x: torch.Tensor) -> float:
 def _rel(a: torch.Tensor, truth: torch.Tensor, truth_norm: float | None = None) -> float:
     """Relative L2 error; inf when a holds NaN/Inf (its difference norm is then not finite).
 
-    Differences are taken in the dtype of the operands: float64 for the reference (whose error
-    is ~1e-7), float32 for the candidate (errors >= ~1e-4, far above float32's resolution)."""
+    Operands are float64 samples, so an fp32 candidate's ~1e-7 errors are resolved too."""
     norm = _norm(truth) if truth_norm is None else truth_norm
     diff = _norm(a - truth)
     if not math.isfinite(diff):
@@ -178,7 +183,6 @@ class _Seen:
     """What the fp64 pass keeps of one module call: samples and a few numbers, never the tensors."""
 
     truth: torch.Tensor  # float64 sample of the output
-    truth32: torch.Tensor
     norm: float
     rounding: float  # relative error of rounding the sample to the candidate's format
     leaf: bool
@@ -194,7 +198,13 @@ class _Seen:
 
 
 def _hooked(
-    run: nn.Module, inputs: Any, dtype: torch.dtype, *, pre: Callable[..., None] | None, post: Callable[..., None]
+    run: nn.Module,
+    inputs: Any,
+    dtype: torch.dtype,
+    *,
+    pre: Callable[..., None] | None,
+    post: Callable[..., None],
+    device: torch.device | None = None,
 ) -> None:
     """Run `run` on `inputs` (cast to `dtype`) with hooks that get (name, call index, ...)."""
     calls: dict[str, int] = {}
@@ -213,7 +223,7 @@ def _hooked(
             post(name, index, args, output)
 
         handles.append(module.register_forward_hook(on_post))
-    args, kwargs = _split(cast_inputs(inputs, dtype))
+    args, kwargs = _split(cast_inputs(inputs, dtype, device))
     try:
         with torch.no_grad():
             run(*args, **kwargs)
@@ -222,23 +232,33 @@ def _hooked(
             h.remove()
 
 
-def compare(model: nn.Module, inputs: Any, *, candidate: str = "fp16", reference: str = "fp32") -> CompareResult:
+def compare(
+    model: nn.Module, inputs: Any, *, candidate: str = "fp16", reference: str = "fp32", device: str | None = None
+) -> CompareResult:
     """Layerwise error of `candidate` against fp64, judged against the fp64 noise floor.
 
     Three passes, each at full speed with every core: fp64 (keeping a strided sample of every
     module output and the candidate module's output on the same fp64 inputs), the reference and
     the candidate (each reduced to error numbers against those samples at once). Memory: one
-    forward at a time plus SAMPLE values per module call - never all activations."""
+    forward at a time plus SAMPLE values per module call - never all activations.
+
+    `device` runs the candidate on another device (device A vs device B): e.g. the model on CPU,
+    `candidate="fp32", device="cuda"` shows which modules a GPU's kernels (TF32, reduced-precision
+    reductions, another summation order) change beyond the reference's own error."""
     candidate = check_name(candidate, CANDIDATES, "candidate")
     reference = check_name(reference, REFERENCES, "reference")
+    cand_device = check_device(device) if device is not None else None
     was_training = model.training
     model.eval()
     try:
         truth_run = make_run(model, "fp64")
         cand_run = make_run(model, candidate)
+        if cand_device is not None:
+            cand_run = cand_run.to(cand_device)
     finally:
         model.train(was_training)
     cand_dtype = compute_dtype(candidate)
+    label = candidate if cand_device is None else f"{candidate} on {cand_device}"
     leaves = {name for name, m in truth_run.named_modules() if not list(m.children())}
     cand_modules = dict(cand_run.named_modules())
     linears = {n: m for n, m in truth_run.named_modules() if isinstance(m, nn.Linear)}
@@ -249,12 +269,14 @@ def compare(model: nn.Module, inputs: Any, *, candidate: str = "fp16", reference
     fp8_rows: list[dict[str, Any]] = []
 
     def isolated_error(name: str, args: Any, kwargs: Any, entry: _Seen) -> float | None:
-        out = cand_modules[name](*cast_inputs(args, cand_dtype), **cast_inputs(kwargs, cand_dtype))
-        sample = _flat(out, torch.float32)
+        out = cand_modules[name](
+            *cast_inputs(args, cand_dtype, cand_device), **cast_inputs(kwargs, cand_dtype, cand_device)
+        )
+        sample = _flat(out)
         if sample is None or sample.numel() != entry.truth.numel():
             return None
         entry.isolated_cosine = _cosine(sample, entry.truth, entry.norm)
-        return _rel(sample, entry.truth32, entry.norm) if _all_finite(out) else math.inf
+        return _rel(sample, entry.truth, entry.norm) if _all_finite(out) else math.inf
 
     pending_inputs: dict[tuple[str, int], tuple[Any, Any]] = {}
 
@@ -269,16 +291,14 @@ def compare(model: nn.Module, inputs: Any, *, candidate: str = "fp16", reference
         t = _flat(output)
         if t is None:
             return
-        t32 = t.float()
         entry = _Seen(
             t,
-            t32,
             _norm(t),
             0.0,
             name in leaves,
             sum(x.numel() for x in _tensors(output) if isinstance(x, torch.Tensor)),
         )
-        entry.rounding = _rel(_round_to(t32, candidate), t32, entry.norm)
+        entry.rounding = _rel(_round_to(t, candidate), t, entry.norm)
         if entry.leaf:
             entry.isolated = isolated_error(name, call_args, call_kwargs, entry)
             if fp8_dtype is not None and name in linears and call_args:
@@ -321,11 +341,11 @@ def compare(model: nn.Module, inputs: Any, *, candidate: str = "fp16", reference
         key = (name, index)
         entry = seen.get(key)
         call = cand_inputs.pop(key, None)
-        c = _flat(output, torch.float32) if entry is not None else None
+        c = _flat(output) if entry is not None else None
         if entry is None or c is None or c.numel() != entry.truth.numel():
             return
         finite = _all_finite(output)
-        entry.propagated = _rel(c, entry.truth32, entry.norm) if finite else math.inf
+        entry.propagated = _rel(c, entry.truth, entry.norm) if finite else math.inf
         entry.cosine = _cosine(c, entry.truth, entry.norm) if finite else None
         if not finite:
             entry.nonfinite = sum(
@@ -340,9 +360,9 @@ def compare(model: nn.Module, inputs: Any, *, candidate: str = "fp16", reference
 
     notes: dict[str, str] = {}
     try:
-        _hooked(cand_run, inputs, cand_dtype, pre=cand_pre, post=cand_post)
+        _hooked(cand_run, inputs, cand_dtype, pre=cand_pre, post=cand_post, device=cand_device)
     except Exception as exc:  # the candidate failing is a finding, not a usage error
-        notes["candidate run"] = f"the {candidate} run raised {type(exc).__name__}: {exc}"
+        notes["candidate run"] = f"the {label} run raised {type(exc).__name__}: {exc}"
 
     rows = _rows(seen)
     # A container's own ops (attention scores, a residual add) are judged when the error jumps
@@ -365,6 +385,7 @@ def compare(model: nn.Module, inputs: Any, *, candidate: str = "fp16", reference
     result = _report(
         rows,
         candidate=candidate,
+        device=cand_device,
         reference=reference,
         notes=notes,
         peak=max((e.truth.numel() for e in seen.values()), default=0) * 24 * max(1, len(seen)),
@@ -430,8 +451,15 @@ def _split(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 
 def _report(
-    rows: list[ModuleRow], *, candidate: str, reference: str, notes: dict[str, str], peak: int
+    rows: list[ModuleRow],
+    *,
+    candidate: str,
+    device: torch.device | None,
+    reference: str,
+    notes: dict[str, str],
+    peak: int,
 ) -> CompareResult:
+    label = candidate if device is None else f"{candidate} on {device}"
     findings = []
     first = next((r for r in rows if r.diverged), None)
     if first is not None:
@@ -445,7 +473,7 @@ def _report(
             catalog.make(
                 "precision-divergence",
                 message=(
-                    f"In {candidate}, module `{first.module or '<root>'}` adds an error of "
+                    f"In {label}, module `{first.module or '<root>'}` adds an error of "
                     f"{_fmt(first.isolated)} by itself ({why}); {len(diverged)} module(s) diverge in all. "
                     f"The end-to-end error there is {_fmt(first.propagated)} "
                     f"({_sqnr_db(first.propagated):.1f} dB SQNR)."
@@ -454,6 +482,7 @@ def _report(
                 evidence={
                     "kind": "divergence",
                     "candidate": candidate,
+                    "device": None if device is None else str(device),
                     "reference": reference,
                     "out_of_range": first.out_of_range,
                     "isolated_rel": first.isolated,
@@ -468,12 +497,16 @@ def _report(
                 fix=(
                     f"keep `{first.module}` in fp32 (fpdoctor plan finds the smallest such set), or use bf16 "
                     "if the cause is range, fp32 accumulation if it is a long reduction"
+                    if candidate != "fp32"
+                    else f"the device's fp32 kernels differ at `{first.module}`: turn off TF32 "
+                    "(torch.backends.cuda.matmul.allow_tf32 = False, torch.backends.cudnn.allow_tf32 = False, "
+                    "torch.set_float32_matmul_precision('highest')); `fpdoctor env` shows the flags in effect"
                 ),
             )
         )
     final = rows[-1] if rows else None
     summary = [
-        ("candidate / reference", f"{candidate} / {reference}, judged against fp64"),
+        ("candidate / reference", f"{label} / {reference}, judged against fp64"),
         ("modules compared", str(len(rows))),
         ("first divergent module", f"`{first.module or '<root>'}`" if first else "none"),
         ("end-to-end error", _fmt_error(final.propagated, final.cosine) if final else "-"),

@@ -22,7 +22,7 @@ from fpdoctor import catalog
 from fpdoctor.precision.boundary import keep_in_fp32
 from fpdoctor.precision.candidates import cast_inputs, check_name, compute_dtype, make_run
 from fpdoctor.precision.compare import DIVERGENCE_RATIO, _flat, _rel, _split, compare
-from fpdoctor.precision.names import CANDIDATES
+from fpdoctor.precision.names import PLAN_CANDIDATES
 from fpdoctor.report.model import Report
 
 _APPLICABLE = ("fp16", "bf16")  # real dtypes; the fp8 and accumulation candidates are simulations
@@ -106,7 +106,7 @@ def plan(
     model: nn.Module, inputs: Any, *, candidate: str = "fp16", reference: str = "fp32", tolerance: float | None = None
 ) -> PlanResult:
     """Find and verify the smallest set of modules to keep in fp32 for `candidate`."""
-    candidate = check_name(candidate, CANDIDATES, "candidate")
+    candidate = check_name(candidate, PLAN_CANDIDATES, "candidate")
     result = compare(model, inputs, candidate=candidate, reference=reference)
     truth_run = make_run(model, "fp64").eval()
     args, kwargs = _split(cast_inputs(inputs, torch.float64))
