@@ -57,20 +57,10 @@ def load(spec: str) -> tuple[Any, Any]:
 
 
 def to_device(model: Any, inputs: Any, device: str) -> tuple[Any, Any]:
-    import torch
+    from fpdoctor.precision.candidates import cast_inputs, check_device
 
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available here; use --device cpu")
-    if device == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
-        raise UsageError("--device mps: Apple MPS is not available here; use --device cpu")
-
-    def move(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value.to(device)
-        if isinstance(value, tuple):
-            return tuple(move(v) for v in value)
-        if isinstance(value, dict):
-            return {k: move(v) for k, v in value.items()}
-        return value
-
-    return model.to(device), move(inputs)
+    try:
+        target = check_device(device)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return model.to(target), cast_inputs(inputs, None, target)

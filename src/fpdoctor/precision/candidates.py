@@ -119,7 +119,8 @@ def make_run(model: nn.Module, name: str) -> nn.Module:
     raise ValueError(f"unknown precision {name!r}")
 
 
-def cast_inputs(inputs: Any, dtype: torch.dtype, device: torch.device | None = None) -> Any:
+def cast_inputs(inputs: Any, dtype: torch.dtype | None, device: torch.device | None = None) -> Any:
+    """Floating tensors in `inputs` (nested tuples, lists, dicts) to dtype and device; None keeps it."""
     if isinstance(inputs, torch.Tensor):
         if inputs.is_floating_point():
             return inputs.to(device=device, dtype=dtype)
@@ -143,7 +144,10 @@ def check_device(name: str) -> torch.device:
     if device.type != "cpu":
         module = backend.get(device.type)
         if module is None or not module.is_available():
-            raise ValueError(f"device {name!r} is not available to this torch; run where it is, or pick another")
+            what = {"cuda": "CUDA", "mps": "Apple MPS"}.get(device.type, device.type.upper())
+            raise ValueError(
+                f"device {name!r} is not available: torch here sees no {what} device; run where one is, or use cpu"
+            )
         if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"device {name!r} does not exist: torch sees {torch.cuda.device_count()} CUDA device(s)")
     return device
