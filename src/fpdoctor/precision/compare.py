@@ -175,7 +175,7 @@ class CompareResult:
     report: Report
     rows: list[ModuleRow] = field(default_factory=list)
     first_divergent: str | None = None
-    peak_extra_bytes: int = 0
+    peak_extra_bytes: int = 0  # the fp64 samples kept (one forward's working set and the weight copies aside)
 
 
 @dataclass
@@ -388,7 +388,8 @@ def compare(
         device=cand_device,
         reference=reference,
         notes=notes,
-        peak=max((e.truth.numel() for e in seen.values()), default=0) * 24 * max(1, len(seen)),
+        # the samples stay until the end, so their total is the peak of what compare itself keeps
+        peak=sum(e.truth.nbytes + (0 if e.inputs is None else e.inputs.nbytes) for e in seen.values()),
     )
     if fp8_dtype is not None:
         result.report.findings.extend(fp8.findings(fp8_rows))
