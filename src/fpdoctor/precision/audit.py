@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fpdoctor import catalog
 from fpdoctor.numerics.modules import ModuleTracker
 from fpdoctor.numerics.trace import _tensors, user_location
+from fpdoctor.precision.candidates import split_inputs
 from fpdoctor.report.model import Finding, Report, Severity
 
 _DTYPE_ERROR = re.compile(
@@ -312,10 +313,10 @@ def _mismatch_finding(failure: dict[str, Any], main_dtype: str | None, model: nn
 
 
 def _name_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any], dict[int, str]]:
-    if isinstance(inputs, dict):
-        return (), inputs, {id(v): f"inputs[{k!r}]" for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
-    return args, {}, {id(v): f"inputs[{i}]" for i, v in enumerate(args) if isinstance(v, torch.Tensor)}
+    args, kwargs = split_inputs(inputs)
+    names = {id(v): f"inputs[{k!r}]" for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    names.update({id(v): f"inputs[{i}]" for i, v in enumerate(args) if isinstance(v, torch.Tensor)})
+    return args, kwargs, names
 
 
 def audit(model: nn.Module, inputs: Any = None) -> AuditResult:

@@ -12,20 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from fpdoctor.precision.candidates import cast_inputs
+
 _MARK = "_fpdoctor_fp32_boundary"  # the dtype outputs are cast back to
 _HANDLES = "_fpdoctor_fp32_handles"
-
-
-def _cast(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
-    if isinstance(value, tuple):
-        return tuple(_cast(v, dtype) for v in value)
-    if isinstance(value, list):
-        return [_cast(v, dtype) for v in value]
-    if isinstance(value, dict):
-        return {k: _cast(v, dtype) for k, v in value.items()}
-    return value
 
 
 def keep_in_fp32(module: nn.Module, back_to: torch.dtype | None) -> nn.Module:
@@ -40,11 +30,11 @@ def keep_in_fp32(module: nn.Module, back_to: torch.dtype | None) -> nn.Module:
     setattr(module, _MARK, back_to)
 
     def pre(mod: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        return _cast(args, torch.float32), _cast(kwargs, torch.float32)
+        return cast_inputs(args, torch.float32), cast_inputs(kwargs, torch.float32)
 
     def post(mod: nn.Module, args: Any, output: Any) -> Any:
         back = getattr(mod, _MARK)
-        return output if back is None else _cast(output, back)
+        return output if back is None else cast_inputs(output, back)
 
     handles = (module.register_forward_pre_hook(pre, with_kwargs=True), module.register_forward_hook(post))
     setattr(module, _HANDLES, handles)

@@ -27,6 +27,7 @@ __all__ = [
     "compute_dtype",
     "fp8_quantize",
     "make_run",
+    "split_inputs",
 ]
 ACCUMULATE_CHUNK = 64  # K elements per fp16-rounded partial sum
 
@@ -132,6 +133,15 @@ def cast_inputs(inputs: Any, dtype: torch.dtype | None, device: torch.device | N
     if isinstance(inputs, dict):
         return {k: cast_inputs(v, dtype, device) for k, v in inputs.items()}
     return inputs
+
+
+def split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Example inputs as (args, kwargs): a dict is keyword arguments, a tuple positional ones."""
+    if isinstance(inputs, dict):
+        return (), inputs
+    if isinstance(inputs, tuple):
+        return inputs, {}
+    return (inputs,), {}
 
 
 def check_device(name: str) -> torch.device:

@@ -44,6 +44,7 @@ from fpdoctor.precision.candidates import (
     compute_dtype,
     fp8_quantize,
     make_run,
+    split_inputs,
 )
 from fpdoctor.report.model import Report
 
@@ -223,7 +224,7 @@ def _hooked(
             post(name, index, args, output)
 
         handles.append(module.register_forward_hook(on_post))
-    args, kwargs = _split(cast_inputs(inputs, dtype, device))
+    args, kwargs = split_inputs(cast_inputs(inputs, dtype, device))
     try:
         with torch.no_grad():
             run(*args, **kwargs)
@@ -441,14 +442,6 @@ def _children(rows: list[ModuleRow], name: str, call: int) -> list[ModuleRow]:
             break
         found.append(row)
     return found
-
-
-def _split(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if isinstance(inputs, dict):
-        return (), inputs
-    if isinstance(inputs, tuple):
-        return inputs, {}
-    return (inputs,), {}
 
 
 def _report(

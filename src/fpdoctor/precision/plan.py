@@ -20,8 +20,8 @@ from torch import nn
 
 from fpdoctor import catalog
 from fpdoctor.precision.boundary import keep_in_fp32
-from fpdoctor.precision.candidates import cast_inputs, check_name, compute_dtype, make_run
-from fpdoctor.precision.compare import DIVERGENCE_RATIO, _flat, _rel, _split, compare
+from fpdoctor.precision.candidates import cast_inputs, check_name, compute_dtype, make_run, split_inputs
+from fpdoctor.precision.compare import DIVERGENCE_RATIO, _flat, _rel, compare
 from fpdoctor.precision.names import PLAN_CANDIDATES
 from fpdoctor.report.model import Report
 
@@ -93,7 +93,7 @@ def _final_error(
     model: nn.Module, inputs: Any, candidate: str, keep: list[str], *, fp32_outputs: set[str], truth: torch.Tensor
 ) -> float:
     run = _candidate_with(model, candidate, keep, fp32_outputs).eval()
-    args, kwargs = _split(cast_inputs(inputs, compute_dtype(candidate)))
+    args, kwargs = split_inputs(cast_inputs(inputs, compute_dtype(candidate)))
     try:
         with torch.no_grad():
             out = _flat(run(*args, **kwargs))
@@ -109,7 +109,7 @@ def plan(
     candidate = check_name(candidate, PLAN_CANDIDATES, "candidate")
     result = compare(model, inputs, candidate=candidate, reference=reference)
     truth_run = make_run(model, "fp64").eval()
-    args, kwargs = _split(cast_inputs(inputs, torch.float64))
+    args, kwargs = split_inputs(cast_inputs(inputs, torch.float64))
     with torch.no_grad():
         truth = _flat(truth_run(*args, **kwargs))
     if truth is None:
