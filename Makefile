@@ -30,6 +30,8 @@ test: lint
 bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/bench_env.py
 	$(BIN)/python benchmarks/bench_numerics.py
+	$(BIN)/python benchmarks/bench_compare.py
+	$(BIN)/python benchmarks/bench_demo.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
