@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -117,3 +119,29 @@ def test_fp8_outlier_channels_tensorwise_vs_rowwise():
     assert evidence["rowwise_ok"] and "rowwise" in saturation[0].fix
     rows = {r["module"]: r for r in result.report.data["fp8"]}
     assert rows["3"]["weight_tensorwise_underflow"] < 0.01  # the healthy layer is fp8-safe
+
+
+def test_isolated_error_on_a_row_subset_matches_the_full_rerun(monkeypatch):
+    from fpdoctor.precision import compare as compare_module
+
+    model, x = mlp(), torch.randn(8, 128, 64)  # 1024 rows: isolated re-runs compute 64 of them
+    subset = {r.module: r for r in fpdoctor.compare(model, x, candidate="fp16").rows if r.leaf}
+    assert {name: r.isolated_rows for name, r in subset.items()} == dict.fromkeys(["0", "1", "2", "3", "4"], 64)
+    monkeypatch.setattr(compare_module, "ROWS", 10**9)
+    full = {r.module: r for r in fpdoctor.compare(model, x, candidate="fp16").rows if r.leaf}
+    for name, row in full.items():
+        assert row.isolated_rows is None
+        assert row.isolated == pytest.approx(subset[name].isolated, rel=0.25), name
+
+
+def test_an_overflow_in_a_row_left_out_of_the_subset_is_still_found():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.LayerNorm(256))
+    x = torch.randn(1024, 64)
+    with torch.no_grad():
+        model[0].weight[5].fill_(2.0)  # output column 5: off the strided sample (every 32nd value)
+        x[5] = 1000.0  # row 5: not among the 64 rows of the isolated re-run; 1000 * 2 * 64 > 65504
+    result = fpdoctor.compare(model, x, candidate="fp16")
+    row = next(r for r in result.rows if r.module == "0")
+    assert row.nonfinite == 1 and not row.out_of_range
+    assert result.first_divergent == "0" and row.isolated_rows is None and math.isinf(row.isolated)

@@ -9,7 +9,8 @@ per module call - never all activations.
 Per module:
   propagated  the candidate run's output against the fp64 output (errors accumulated so far)
   isolated    the candidate's module fed the fp64 run's inputs, against the fp64 output (leaf
-              modules): what this module adds by itself
+              modules; ROWS evenly spread rows of those whose rows are independent): what this
+              module adds by itself
   floor       the error that rounding the fp64 output to the candidate's format causes, or the
               reference's own error against fp64 if that is larger
 A module diverges when its isolated error is non-finite or more than DIVERGENCE_RATIO times the
@@ -38,6 +39,8 @@ from fpdoctor.precision import fp8
 from fpdoctor.precision.candidates import (
     CANDIDATES,
     REFERENCES,
+    Fp8Linear,
+    Fp16AccumulateLinear,
     cast_inputs,
     check_device,
     check_name,
@@ -62,6 +65,44 @@ class ReferenceFailed(RuntimeError):
 # than the 16x divergence threshold, and the cost and memory per module stay independent of the
 # activation size. Non-finite values are detected exactly, on every element.
 SAMPLE = 8192
+
+# The isolated re-run of a leaf whose rows are computed independently of each other (Linear, norms,
+# activations) computes ROWS of them, evenly spread, instead of all: at 1024 rows that is 1/16 of
+# the GEMM work, and 64 rows of a layer give a relative error as steady as the whole output's.
+# A non-finite value in a row left out is still caught: the candidate pass sees every element,
+# and such a leaf is re-run in full.
+ROWS = 64
+_ELEMENTWISE = (
+    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU,
+    nn.Hardswish, nn.Hardtanh, nn.Softplus, nn.Dropout, nn.Identity,
+)  # fmt: skip
+_NORMS = tuple(t for t in (nn.LayerNorm, getattr(nn, "RMSNorm", None)) if t is not None)
+
+
+def _row_width(module: nn.Module) -> int | None:
+    """How many trailing dims make one independent row of `module`; None when rows interact."""
+    if isinstance(module, (nn.Linear, Fp16AccumulateLinear, *_ELEMENTWISE)):
+        return 1
+    if isinstance(module, Fp8Linear):
+        return 1 if module.rowwise else None  # a tensorwise scale is the amax of all rows
+    if isinstance(module, _NORMS):
+        return len(module.normalized_shape)
+    return None
+
+
+def _row_subset(module: nn.Module, args: Any, kwargs: Any, output: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(ROWS input rows, the fp64 output's same rows) for a row-local leaf called on one tensor."""
+    width = _row_width(module)
+    if width is None or kwargs or len(args) != 1 or not isinstance(output, torch.Tensor):
+        return None
+    (x,) = args
+    if not isinstance(x, torch.Tensor) or x.dim() <= width or x.shape[:-width] != output.shape[:-width]:
+        return None
+    n = math.prod(x.shape[:-width])
+    if n <= ROWS:
+        return None
+    index = torch.linspace(0, n - 1, ROWS, dtype=torch.float64).round().long().to(x.device)
+    return x.reshape(n, *x.shape[-width:])[index], output.reshape(n, *output.shape[-width:])[index]
 
 
 def _flat(value: Any, dtype: torch.dtype = torch.float64) -> torch.Tensor | None:
@@ -139,6 +180,7 @@ class ModuleRow:
     out_of_range: bool = False
     cosine: float | None = None  # of the propagated output, against fp64
     isolated_cosine: float | None = None
+    isolated_rows: int | None = None  # rows of the output the isolated error was measured on; None: all
 
     @property
     def ratio(self) -> float | None:
@@ -162,6 +204,7 @@ class ModuleRow:
             "isolated_rel": self.isolated,
             "isolated_sqnr_db": None if self.isolated is None else _sqnr_db(self.isolated),
             "isolated_cosine": self.isolated_cosine,
+            "isolated_rows": self.isolated_rows,
             "floor_rel": self.floor,
             "reference_rel": self.reference,
             "ratio": self.ratio,
@@ -192,6 +235,7 @@ class _Seen:
     isolated_cosine: float | None = None
     cosine: float | None = None
     inputs: torch.Tensor | None = None  # float64 sample of the inputs, for the jump test of containers
+    isolated_rows: int | None = None  # rows the isolated re-run computed, None for all
     reference: float = 0.0
     propagated: float | None = None
     candidate_inputs: float = 0.0  # the candidate's input error at this module
@@ -269,15 +313,26 @@ def compare(
     seen: dict[tuple[str, int], _Seen] = {}
     fp8_rows: list[dict[str, Any]] = []
 
-    def isolated_error(name: str, args: Any, kwargs: Any, entry: _Seen) -> float | None:
-        out = cand_modules[name](
-            *cast_inputs(args, cand_dtype, cand_device), **cast_inputs(kwargs, cand_dtype, cand_device)
-        )
-        sample = _flat(out)
-        if sample is None or sample.numel() != entry.truth.numel():
+    # On another device the kernels are picked by shape, so a few rows would not run the same ones.
+    subsets = cand_device is None or cand_device.type == "cpu"
+
+    def isolated_error(name: str, args: Any, kwargs: Any, entry: _Seen, output: Any = None) -> float | None:
+        module = cand_modules[name]
+        rows = _row_subset(module, args, kwargs, output) if subsets and output is not None else None
+        entry.isolated_rows = None
+        if rows is not None:
+            x, truth_rows = rows
+            out = module(cast_inputs(x, cand_dtype, cand_device))
+            sample, truth, norm = out.detach().reshape(-1).double(), truth_rows.reshape(-1), None
+            entry.isolated_rows = ROWS
+        else:
+            out = module(*cast_inputs(args, cand_dtype, cand_device), **cast_inputs(kwargs, cand_dtype, cand_device))
+            sample, truth, norm = _flat(out), entry.truth, entry.norm
+        if sample is None or sample.numel() != truth.numel():
             return None
-        entry.isolated_cosine = _cosine(sample, entry.truth, entry.norm)
-        return _rel(sample, entry.truth, entry.norm) if _all_finite(out) else math.inf
+        norm = _norm(truth) if norm is None else norm
+        entry.isolated_cosine = _cosine(sample, truth, norm)
+        return _rel(sample, truth, norm) if _all_finite(out) else math.inf
 
     pending_inputs: dict[tuple[str, int], tuple[Any, Any]] = {}
 
@@ -301,7 +356,7 @@ def compare(
         )
         entry.rounding = _rel(_round_to(t, candidate), t, entry.norm)
         if entry.leaf:
-            entry.isolated = isolated_error(name, call_args, call_kwargs, entry)
+            entry.isolated = isolated_error(name, call_args, call_kwargs, entry, output)
             if fp8_dtype is not None and name in linears and call_args:
                 fp8_rows.append(fp8.linear_stats(name, call_args[0], linears[name].weight, fp8_dtype))
         else:
@@ -354,6 +409,8 @@ def compare(
                 for x in _tensors(output)
                 if isinstance(x, torch.Tensor) and x.is_floating_point()
             )
+            if entry.leaf:  # for the jump test: did the non-finite values come in, or start here?
+                entry.candidate_inputs = 0.0 if _all_finite(args) else math.inf
         if call is not None and entry.inputs is not None:
             c_in = _flat(call)
             if c_in is not None and c_in.numel() == entry.inputs.numel():
@@ -368,12 +425,16 @@ def compare(
     rows = _rows(seen)
     # A container's own ops (attention scores, a residual add) are judged when the error jumps
     # inside it and no child diverged: one more fp64 pass re-runs just those in the candidate.
+    # So is a leaf that turned finite inputs non-finite when its isolated re-run saw only some rows.
     suspects = {
         (r.module, r.call)
         for r in rows
-        if not r.leaf
-        and _jumped(r, seen[(r.module, r.call)])
-        and not any(c.diverged for c in _children(rows, r.module, r.call))
+        if _jumped(r, seen[(r.module, r.call)])
+        and (
+            not any(c.diverged for c in _children(rows, r.module, r.call))
+            if not r.leaf
+            else seen[(r.module, r.call)].isolated_rows is not None and math.isinf(r.propagated) and not r.diverged
+        )
     }
     if suspects:
 
@@ -427,6 +488,7 @@ def _rows(seen: dict[tuple[str, int], _Seen]) -> list[ModuleRow]:
                 out_of_range,
                 e.cosine,
                 e.isolated_cosine,
+                e.isolated_rows,
             )
         )
     return rows
