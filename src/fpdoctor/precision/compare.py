@@ -1,10 +1,10 @@
 """`fpdoctor.compare(model, inputs, reference="fp32", candidate="fp16")`: layerwise A/B against fp64.
 
-Three passes over copies of the model: fp64 (the truth), the reference and the candidate. The
-fp64 pass keeps an evenly strided sample of every module's output and runs the candidate's copy
-of each leaf module on the same fp64 inputs; the other passes reduce their outputs to error
-numbers against those samples as they go. Memory is one forward at a time plus SAMPLE values
-per module call - never all activations.
+Two passes over copies of the model. The fp64 pass (the truth) keeps an evenly strided sample of
+every module's output and re-runs the candidate's and the reference's copy of each leaf module on
+the same fp64 inputs; the candidate pass then reduces its outputs to error numbers against those
+samples as it goes. Memory is one forward at a time plus SAMPLE values per module call - never
+all activations.
 
 Per module:
   propagated  the candidate run's output against the fp64 output (errors accumulated so far)
@@ -12,11 +12,12 @@ Per module:
               modules; ROWS evenly spread rows of those whose rows are independent): what this
               module adds by itself
   floor       the error that rounding the fp64 output to the candidate's format causes, or the
-              reference's own error against fp64 if that is larger
+              reference's own error (its module fed the same fp64 inputs) if that is larger
 A module diverges when its isolated error is non-finite or more than DIVERGENCE_RATIO times the
 floor: rounding of inputs and outputs stays within a few floors, while accumulation loss,
 overflow and cancellation land orders of magnitude above it. Relative L2 error, SQNR and cosine
-similarity are reported for both.
+similarity are reported for both. A container's own ops (attention scores, a residual add) are
+re-run in one more fp64 pass, only where the candidate's error jumps inside it.
 
 With `device=`, the candidate runs on another device (device A vs device B): `candidate="fp32",
 device="cuda"` judges the GPU's fp32 kernels (TF32, another summation order) against the same
@@ -175,7 +176,7 @@ class ModuleRow:
     propagated: float
     isolated: float | None
     floor: float
-    reference: float
+    reference: float | None
     nonfinite: int
     out_of_range: bool = False
     cosine: float | None = None  # of the propagated output, against fp64
@@ -236,7 +237,7 @@ class _Seen:
     cosine: float | None = None
     inputs: torch.Tensor | None = None  # float64 sample of the inputs, for the jump test of containers
     isolated_rows: int | None = None  # rows the isolated re-run computed, None for all
-    reference: float = 0.0
+    reference: float | None = None  # the reference's isolated error; None: not measured
     propagated: float | None = None
     candidate_inputs: float = 0.0  # the candidate's input error at this module
     nonfinite: int = 0
@@ -282,10 +283,10 @@ def compare(
 ) -> CompareResult:
     """Layerwise error of `candidate` against fp64, judged against the fp64 noise floor.
 
-    Three passes, each at full speed with every core: fp64 (keeping a strided sample of every
-    module output and the candidate module's output on the same fp64 inputs), the reference and
-    the candidate (each reduced to error numbers against those samples at once). Memory: one
-    forward at a time plus SAMPLE values per module call - never all activations.
+    Two passes at full speed with every core: fp64 (keeping a strided sample of every module
+    output, with the candidate's and the reference's leaf modules re-run on the same fp64
+    inputs) and the candidate (reduced to error numbers against those samples at once).
+    Memory: one forward at a time plus SAMPLE values per module call - never all activations.
 
     `device` runs the candidate on another device (device A vs device B): e.g. the model on CPU,
     `candidate="fp32", device="cuda"` shows which modules a GPU's kernels (TF32, reduced-precision
@@ -298,6 +299,7 @@ def compare(
     try:
         truth_run = make_run(model, "fp64")
         cand_run = make_run(model, candidate)
+        ref_run = make_run(model, reference) if reference != "fp64" else None
         if cand_device is not None:
             cand_run = cand_run.to(cand_device)
     finally:
@@ -313,26 +315,38 @@ def compare(
     seen: dict[tuple[str, int], _Seen] = {}
     fp8_rows: list[dict[str, Any]] = []
 
+    ref_modules = dict(ref_run.named_modules()) if ref_run is not None else {}
+    ref_dtype = compute_dtype(reference)
+    notes: dict[str, str] = {}
     # On another device the kernels are picked by shape, so a few rows would not run the same ones.
     subsets = cand_device is None or cand_device.type == "cpu"
 
-    def isolated_error(name: str, args: Any, kwargs: Any, entry: _Seen, output: Any = None) -> float | None:
-        module = cand_modules[name]
-        rows = _row_subset(module, args, kwargs, output) if subsets and output is not None else None
-        entry.isolated_rows = None
+    def isolated(name: str, args: Any, kwargs: Any, entry: _Seen, output: Any = None) -> None:
+        """Re-run the candidate's and the reference's `name` on the fp64 inputs (all rows, or ROWS)."""
+        rows = _row_subset(cand_modules[name], args, kwargs, output) if subsets and output is not None else None
         if rows is not None:
-            x, truth_rows = rows
-            out = module(cast_inputs(x, cand_dtype, cand_device))
-            sample, truth, norm = out.detach().reshape(-1).double(), truth_rows.reshape(-1), None
+            x, truth = rows[0], rows[1].reshape(-1)
+            norm = _norm(truth)
             entry.isolated_rows = ROWS
         else:
-            out = module(*cast_inputs(args, cand_dtype, cand_device), **cast_inputs(kwargs, cand_dtype, cand_device))
-            sample, truth, norm = _flat(out), entry.truth, entry.norm
-        if sample is None or sample.numel() != truth.numel():
-            return None
-        norm = _norm(truth) if norm is None else norm
-        entry.isolated_cosine = _cosine(sample, truth, norm)
-        return _rel(sample, truth, norm) if _all_finite(out) else math.inf
+            x, truth, norm = None, entry.truth, entry.norm
+            entry.isolated_rows = None
+        try:
+            entry.isolated, entry.isolated_cosine = _rerun(
+                cand_modules[name], x, args, kwargs, dtype=cand_dtype, device=cand_device, truth=truth, norm=norm
+            )
+        except Exception as exc:  # e.g. an op without a kernel for the candidate's dtype here
+            notes.setdefault("isolated re-run", f"`{name}` raised {type(exc).__name__} in {label}: {exc}")
+            entry.isolated = entry.isolated_cosine = None
+        if name in ref_modules:
+            try:
+                entry.reference = _rerun(
+                    ref_modules[name], x, args, kwargs, dtype=ref_dtype, device=None, truth=truth, norm=norm
+                )[0]
+            except Exception as exc:
+                raise ReferenceFailed(
+                    f"the model fails in the {reference} reference run, at `{name}`: {type(exc).__name__}: {exc}"
+                ) from exc
 
     pending_inputs: dict[tuple[str, int], tuple[Any, Any]] = {}
 
@@ -356,7 +370,7 @@ def compare(
         )
         entry.rounding = _rel(_round_to(t, candidate), t, entry.norm)
         if entry.leaf:
-            entry.isolated = isolated_error(name, call_args, call_kwargs, entry, output)
+            isolated(name, call_args, call_kwargs, entry, output)
             if fp8_dtype is not None and name in linears and call_args:
                 fp8_rows.append(fp8.linear_stats(name, call_args[0], linears[name].weight, fp8_dtype))
         else:
@@ -365,27 +379,12 @@ def compare(
 
     try:
         _hooked(truth_run, inputs, torch.float64, pre=truth_pre, post=truth_post)
+    except ReferenceFailed:
+        raise
     except Exception as exc:
         raise ReferenceFailed(
             f"the model fails in the reference run (its fp64 copy): {type(exc).__name__}: {exc}"
         ) from exc
-
-    if reference != "fp64":
-        ref_run = make_run(model, reference)
-
-        def ref_post(name: str, index: int, args: Any, output: Any) -> None:
-            entry = seen.get((name, index))
-            r = _flat(output) if entry is not None else None
-            if entry is not None and r is not None and r.numel() == entry.truth.numel():
-                entry.reference = _rel(r, entry.truth, entry.norm)
-
-        try:
-            _hooked(ref_run, inputs, compute_dtype(reference), pre=None, post=ref_post)
-        except Exception as exc:
-            raise ReferenceFailed(
-                f"the model fails in the {reference} reference run: {type(exc).__name__}: {exc}"
-            ) from exc
-        del ref_run
 
     cand_inputs: dict[tuple[str, int], Any] = {}
 
@@ -416,7 +415,6 @@ def compare(
             if c_in is not None and c_in.numel() == entry.inputs.numel():
                 entry.candidate_inputs = _rel(c_in, entry.inputs) if _all_finite(call) else math.inf
 
-    notes: dict[str, str] = {}
     try:
         _hooked(cand_run, inputs, cand_dtype, pre=cand_pre, post=cand_post, device=cand_device)
     except Exception as exc:  # the candidate failing is a finding, not a usage error
@@ -440,7 +438,7 @@ def compare(
 
         def suspect_pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
             if (name, index) in suspects:
-                seen[(name, index)].isolated = isolated_error(name, args, kwargs, seen[(name, index)])
+                isolated(name, args, kwargs, seen[(name, index)])
 
         _hooked(truth_run, inputs, torch.float64, pre=suspect_pre, post=lambda *a: None)
         rows = _rows(seen)
@@ -459,6 +457,31 @@ def compare(
     return result
 
 
+def _rerun(
+    module: nn.Module,
+    rows: torch.Tensor | None,
+    args: Any,
+    kwargs: Any,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | None,
+    truth: torch.Tensor,
+    norm: float,
+) -> tuple[float | None, float | None]:
+    """`module` in `dtype` on the fp64 inputs (or just their `rows`): (relative error, cosine)."""
+    if rows is not None:
+        out = module(cast_inputs(rows, dtype, device))
+        sample: torch.Tensor | None = out.detach().reshape(-1).double()
+    else:
+        out = module(*cast_inputs(args, dtype, device), **cast_inputs(kwargs, dtype, device))
+        sample = _flat(out)
+    if sample is None or sample.numel() != truth.numel():
+        return None, None
+    if not _all_finite(out):
+        return math.inf, None
+    return _rel(sample, truth, norm), _cosine(sample, truth, norm)
+
+
 def _jumped(row: ModuleRow, entry: _Seen) -> bool:
     if row.propagated is None:
         return False
@@ -473,7 +496,7 @@ def _rows(seen: dict[tuple[str, int], _Seen]) -> list[ModuleRow]:
         if e.propagated is None:
             continue  # the candidate never produced this output
         out_of_range = math.isinf(e.rounding)
-        floor = max(0.0 if out_of_range else e.rounding, e.reference, 1e-300)
+        floor = max(0.0 if out_of_range else e.rounding, e.reference or 0.0, 1e-300)
         rows.append(
             ModuleRow(
                 name,

@@ -114,11 +114,16 @@ def plan(
         truth = _flat(truth_run(*args, **kwargs))
     if truth is None:
         raise ValueError("the model's output has no floating tensor to judge")
-    final_floor = next((r.floor for r in reversed(result.rows) if r.module == ""), result.rows[-1].floor)
-    tolerance = DIVERGENCE_RATIO * final_floor if tolerance is None else tolerance
-    tried: list[tuple[list[str], float]] = []
     # Modules whose fp64 output does not fit the candidate's range keep fp32 outputs when kept.
     fp32_outputs = {r.module for r in result.rows if r.out_of_range and r.module}
+    if tolerance is None:
+        # The output's noise floor: rounding it to the candidate, or the reference's end-to-end error.
+        final_floor = next((r.floor for r in reversed(result.rows) if r.module == ""), result.rows[-1].floor)
+        if reference != "fp64":
+            reference_error = _final_error(model, inputs, reference, [], fp32_outputs=set(), truth=truth)
+            final_floor = max(final_floor, reference_error if math.isfinite(reference_error) else 0.0)
+        tolerance = DIVERGENCE_RATIO * final_floor
+    tried: list[tuple[list[str], float]] = []
 
     def error(keep: list[str]) -> float:
         value = _final_error(model, inputs, candidate, keep, fp32_outputs=fp32_outputs, truth=truth)
