@@ -121,17 +121,19 @@ def test_fp8_outlier_channels_tensorwise_vs_rowwise():
     assert rows["3"]["weight_tensorwise_underflow"] < 0.01  # the healthy layer is fp8-safe
 
 
-def test_isolated_error_on_a_row_subset_matches_the_full_rerun(monkeypatch):
+@pytest.mark.parametrize("candidate", ["fp16", "bf16", "fp8-e4m3", "fp8-e5m2-rowwise", "fp16-accumulate"])
+def test_isolated_error_on_a_row_subset_matches_the_full_rerun(monkeypatch, candidate):
     from fpdoctor.precision import compare as compare_module
 
     model, x = mlp(), torch.randn(8, 128, 64)  # 1024 rows: isolated re-runs compute 64 of them
-    subset = {r.module: r for r in fpdoctor.compare(model, x, candidate="fp16").rows if r.leaf}
+    subset = {r.module: r for r in fpdoctor.compare(model, x, candidate=candidate).rows if r.leaf}
     assert {name: r.isolated_rows for name, r in subset.items()} == dict.fromkeys(["0", "1", "2", "3", "4"], 64)
     monkeypatch.setattr(compare_module, "ROWS", 10**9)
-    full = {r.module: r for r in fpdoctor.compare(model, x, candidate="fp16").rows if r.leaf}
+    full = {r.module: r for r in fpdoctor.compare(model, x, candidate=candidate).rows if r.leaf}
     for name, row in full.items():
         assert row.isolated_rows is None
         assert row.isolated == pytest.approx(subset[name].isolated, rel=0.25), name
+        assert row.reference == pytest.approx(subset[name].reference, rel=0.25), name
 
 
 def test_an_overflow_in_a_row_left_out_of_the_subset_is_still_found():

@@ -43,11 +43,15 @@ def compute_dtype(name: str) -> torch.dtype:
     }.get(name, torch.float32)
 
 
-def fp8_quantize(x: torch.Tensor, fp8: torch.dtype, rowwise: bool) -> torch.Tensor:
-    """Scale so the amax (per tensor or per row) maps to the format's max, cast, dequantize."""
+def fp8_quantize(x: torch.Tensor, fp8: torch.dtype, rowwise: bool, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """Scale so the amax (per tensor or per row) maps to the format's max, cast, dequantize.
+
+    `amax` overrides the tensorwise amax: rows of a tensor quantized with the whole tensor's scale."""
     fmax = torch.finfo(fp8).max
     x32 = x.float()
-    amax = x32.abs().amax(dim=-1, keepdim=True) if rowwise else x32.abs().amax()
+    if amax is None:
+        amax = x32.abs().amax(dim=-1, keepdim=True) if rowwise else x32.abs().amax()
+    amax = amax.float()
     scale = fmax / amax.clamp_min(1e-12)
     return (x32 * scale).clamp(-fmax, fmax).to(fp8).float() / scale
 
@@ -58,8 +62,9 @@ class Fp8Linear(nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
         self.fp8, self.rowwise = fp8, rowwise
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xq = fp8_quantize(x, self.fp8, self.rowwise)
+    def forward(self, x: torch.Tensor, input_amax: torch.Tensor | None = None) -> torch.Tensor:
+        """`input_amax`: the tensorwise scale's amax when `x` is some rows of a larger input."""
+        xq = fp8_quantize(x, self.fp8, self.rowwise, None if self.rowwise else input_amax)
         wq = fp8_quantize(self.weight, self.fp8, self.rowwise)  # rowwise: per output channel
         return F.linear(xq, wq, None if self.bias is None else self.bias.float()).to(x.dtype)
 

@@ -82,17 +82,18 @@ _NORMS = tuple(t for t in (nn.LayerNorm, getattr(nn, "RMSNorm", None)) if t is n
 
 def _row_width(module: nn.Module) -> int | None:
     """How many trailing dims make one independent row of `module`; None when rows interact."""
-    if isinstance(module, (nn.Linear, Fp16AccumulateLinear, *_ELEMENTWISE)):
+    if isinstance(module, (nn.Linear, Fp8Linear, Fp16AccumulateLinear, *_ELEMENTWISE)):
         return 1
-    if isinstance(module, Fp8Linear):
-        return 1 if module.rowwise else None  # a tensorwise scale is the amax of all rows
     if isinstance(module, _NORMS):
         return len(module.normalized_shape)
     return None
 
 
-def _row_subset(module: nn.Module, args: Any, kwargs: Any, output: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(ROWS input rows, the fp64 output's same rows) for a row-local leaf called on one tensor."""
+def _row_subset(
+    module: nn.Module, args: Any, kwargs: Any, output: Any
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]] | None:
+    """(ROWS input rows, the fp64 output's same rows, keyword arguments for the re-run) for a
+    row-local leaf called on one tensor."""
     width = _row_width(module)
     if width is None or kwargs or len(args) != 1 or not isinstance(output, torch.Tensor):
         return None
@@ -103,7 +104,9 @@ def _row_subset(module: nn.Module, args: Any, kwargs: Any, output: Any) -> tuple
     if n <= ROWS:
         return None
     index = torch.linspace(0, n - 1, ROWS, dtype=torch.float64).round().long().to(x.device)
-    return x.reshape(n, *x.shape[-width:])[index], output.reshape(n, *output.shape[-width:])[index]
+    # a tensorwise fp8 scale comes from all rows, so the re-run gets the whole input's amax
+    extra = {"input_amax": x.abs().amax()} if isinstance(module, Fp8Linear) and not module.rowwise else {}
+    return x.reshape(n, *x.shape[-width:])[index], output.reshape(n, *output.shape[-width:])[index], extra
 
 
 def _flat(value: Any, dtype: torch.dtype = torch.float64) -> torch.Tensor | None:
@@ -308,7 +311,8 @@ def compare(
     label = candidate if cand_device is None else f"{candidate} on {cand_device}"
     leaves = {name for name, m in truth_run.named_modules() if not list(m.children())}
     cand_modules = dict(cand_run.named_modules())
-    linears = {n: m for n, m in truth_run.named_modules() if isinstance(m, nn.Linear)}
+    # the user's own weights (not the fp64 copies): the fp8 statistics convert them to float32 anyway
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     fp8_dtype = (
         (torch.float8_e5m2 if "e5m2" in candidate else torch.float8_e4m3fn) if candidate.startswith("fp8") else None
     )
@@ -325,15 +329,22 @@ def compare(
         """Re-run the candidate's and the reference's `name` on the fp64 inputs (all rows, or ROWS)."""
         rows = _row_subset(cand_modules[name], args, kwargs, output) if subsets and output is not None else None
         if rows is not None:
-            x, truth = rows[0], rows[1].reshape(-1)
+            x, truth, extra = rows[0], rows[1].reshape(-1), rows[2]
             norm = _norm(truth)
             entry.isolated_rows = ROWS
         else:
-            x, truth, norm = None, entry.truth, entry.norm
+            x, truth, norm, extra = None, entry.truth, entry.norm, {}
             entry.isolated_rows = None
         try:
             entry.isolated, entry.isolated_cosine = _rerun(
-                cand_modules[name], x, args, kwargs, dtype=cand_dtype, device=cand_device, truth=truth, norm=norm
+                cand_modules[name],
+                x,
+                args,
+                kwargs | extra,
+                dtype=cand_dtype,
+                device=cand_device,
+                truth=truth,
+                norm=norm,
             )
         except Exception as exc:  # e.g. an op without a kernel for the candidate's dtype here
             notes.setdefault("isolated re-run", f"`{name}` raised {type(exc).__name__} in {label}: {exc}")
@@ -470,7 +481,7 @@ def _rerun(
 ) -> tuple[float | None, float | None]:
     """`module` in `dtype` on the fp64 inputs (or just their `rows`): (relative error, cosine)."""
     if rows is not None:
-        out = module(cast_inputs(rows, dtype, device))
+        out = module(cast_inputs(rows, dtype, device), **cast_inputs(kwargs, dtype, device))
         sample: torch.Tensor | None = out.detach().reshape(-1).double()
     else:
         out = module(*cast_inputs(args, dtype, device), **cast_inputs(kwargs, dtype, device))

@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 # fp32 as a candidate is for device A vs device B (compare --device), or to measure fp32 against fp64.
-CANDIDATES = ("fp16", "bf16", "fp32", "fp8-e4m3", "fp8-e4m3-rowwise", "fp8-e5m2", "fp16-accumulate")
+CANDIDATES = (
+    "fp16",
+    "bf16",
+    "fp32",
+    "fp8-e4m3",
+    "fp8-e4m3-rowwise",
+    "fp8-e5m2",
+    "fp8-e5m2-rowwise",
+    "fp16-accumulate",
+)
 # plan keeps modules in fp32, so it needs a candidate below fp32.
 PLAN_CANDIDATES = tuple(c for c in CANDIDATES if c != "fp32")
 REFERENCES = ("fp32", "fp64")
