@@ -46,3 +46,14 @@ def test_unknown_device_and_fp32_plan_are_usage_errors(spec, cli):
     assert result.code == 2 and "unknown device 'gpu0'" in result.err
     result = cli("plan", spec, "--candidate", "fp32")
     assert result.code == 2 and "unknown candidate 'fp32'" in result.err
+
+
+def test_fp8_kernel_option(spec, cli):
+    result = run_fpdoctor("compare", spec, "--candidate", "fp8-e4m3", "--fp8-kernel", "scaled_mm", "--format", "json")
+    assert result.code == 0, result.err
+    doc = json.loads(result.out)
+    assert doc["data"]["fp8_kernel"]["scaled_mm"] == 2
+    result = cli("compare", spec, "--candidate", "fp8-e4m3", "--fp8-kernel", "cublas")
+    assert result.code == 2 and "unknown fp8 kernel 'cublas'" in result.err
+    result = cli("plan", spec, "--candidate", "fp8-e4m3", "--fp8-kernel", "cublas")
+    assert result.code == 2 and "unknown fp8 kernel 'cublas'" in result.err

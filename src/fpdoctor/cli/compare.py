@@ -7,7 +7,7 @@ from typing import Any
 
 from fpdoctor.cli.errors import UsageError
 from fpdoctor.cli.output import add_output_args, emit
-from fpdoctor.precision.names import CANDIDATES, REFERENCES
+from fpdoctor.precision.names import CANDIDATES, FP8_KERNELS, REFERENCES
 
 
 def add_parser(sub: Any) -> None:
@@ -24,6 +24,13 @@ def add_parser(sub: Any) -> None:
         metavar="DEVICE",
         help="run the candidate on this device (cuda, cuda:1, mps, xpu) against the reference where the model is",
     )
+    p.add_argument(
+        "--fp8-kernel",
+        default="auto",
+        metavar="|".join(FP8_KERNELS),
+        help="fp8 candidates: the real fp8 GEMM (torch._scaled_mm), fake-quant, or auto: the real one on GPUs "
+        "with fp8 tensor cores (default)",
+    )
     add_output_args(p)
     p.set_defaults(run=run)
 
@@ -36,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         candidate = check_name(args.candidate, CANDIDATES, "candidate")
         reference = check_name(args.reference, REFERENCES, "reference")
+        fp8_kernel = check_name(args.fp8_kernel, FP8_KERNELS, "fp8 kernel")
         if args.device is not None:
             from fpdoctor.precision.candidates import check_device
 
@@ -44,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     model, inputs = model_spec.load(args.model)
     try:
-        result = compare(model, inputs, candidate=candidate, reference=reference, device=args.device)
+        result = compare(
+            model, inputs, candidate=candidate, reference=reference, device=args.device, fp8_kernel=fp8_kernel
+        )
     except ReferenceFailed as exc:
         raise UsageError(f"{exc}; fix the model or its example inputs first") from None
     emit(result.report.to_dict(), args)

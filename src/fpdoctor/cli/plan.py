@@ -7,7 +7,7 @@ from typing import Any
 
 from fpdoctor.cli.errors import UsageError
 from fpdoctor.cli.output import add_output_args, emit
-from fpdoctor.precision.names import PLAN_CANDIDATES, REFERENCES
+from fpdoctor.precision.names import FP8_KERNELS, PLAN_CANDIDATES, REFERENCES
 
 
 def add_parser(sub: Any) -> None:
@@ -20,6 +20,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--candidate", required=True, metavar="|".join(PLAN_CANDIDATES))
     p.add_argument("--reference", default="fp32", metavar="|".join(REFERENCES))
     p.add_argument("--tolerance", type=float, help="end-to-end relative error to reach (default: 16x the noise floor)")
+    p.add_argument(
+        "--fp8-kernel",
+        default="auto",
+        metavar="|".join(FP8_KERNELS),
+        help="fp8 candidates: the real fp8 GEMM (torch._scaled_mm), fake-quant, or auto: the real one on GPUs "
+        "with fp8 tensor cores (default)",
+    )
     add_output_args(p)
     p.set_defaults(run=run)
 
@@ -33,13 +40,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         candidate = check_name(args.candidate, PLAN_CANDIDATES, "candidate")
         reference = check_name(args.reference, REFERENCES, "reference")
+        fp8_kernel = check_name(args.fp8_kernel, FP8_KERNELS, "fp8 kernel")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.tolerance is not None and not args.tolerance > 0:
         raise UsageError("--tolerance must be a positive relative error, e.g. 1e-3")
     model, inputs = model_spec.load(args.model)
     try:
-        result = plan(model, inputs, candidate=candidate, reference=reference, tolerance=args.tolerance)
+        result = plan(
+            model, inputs, candidate=candidate, reference=reference, tolerance=args.tolerance, fp8_kernel=fp8_kernel
+        )
     except ReferenceFailed as exc:
         raise UsageError(f"{exc}; fix the model or its example inputs first") from None
     report = result.report

@@ -1,8 +1,10 @@
 """The precisions `compare` can put a model in, as transformed copies of it.
 
 fp16 / bf16: the copy is cast. fp8 (e4m3 / e5m2, tensorwise or rowwise scaling): every Linear
-quantizes its input and weight to fp8 with dynamic amax scaling and dequantizes them before an
-fp32 matmul - the numerics of fp8 training recipes (torchao float8) without fp8 hardware.
+quantizes its input and weight to fp8 with dynamic amax scaling, as fp8 training recipes
+(torchao float8) do, and multiplies them with the real fp8 GEMM (torch._scaled_mm) where it
+runs, else dequantizes them before an fp32 matmul (fake-quant: the same rounding, without fp8
+hardware).
 fp16-accumulate: an fp16 copy whose Linear layers sum their K dimension in chunks whose partial
 sums are rounded to fp16, as GEMMs that accumulate in fp16 (reduced-precision reductions) do.
 """
@@ -16,10 +18,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fpdoctor.precision.names import CANDIDATES, REFERENCES, check_name
+from fpdoctor.precision.names import CANDIDATES, FP8_KERNELS, REFERENCES, check_name
 
 __all__ = [
     "CANDIDATES",
+    "FP8_KERNELS",
     "REFERENCES",
     "cast_inputs",
     "check_device",
@@ -27,6 +30,7 @@ __all__ = [
     "compute_dtype",
     "fp8_quantize",
     "make_run",
+    "resolve_fp8_kernel",
     "split_inputs",
 ]
 ACCUMULATE_CHUNK = 64  # K elements per fp16-rounded partial sum
@@ -43,30 +47,69 @@ def compute_dtype(name: str) -> torch.dtype:
     }.get(name, torch.float32)
 
 
-def fp8_quantize(x: torch.Tensor, fp8: torch.dtype, rowwise: bool, amax: torch.Tensor | None = None) -> torch.Tensor:
-    """Scale so the amax (per tensor or per row) maps to the format's max, cast, dequantize.
+def _to_fp8(
+    x: torch.Tensor, fp8: torch.dtype, rowwise: bool, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in fp8, scale): the amax (per tensor, or per row) maps to the format's max.
 
     `amax` overrides the tensorwise amax: rows of a tensor quantized with the whole tensor's scale."""
     fmax = torch.finfo(fp8).max
     x32 = x.float()
     if amax is None:
         amax = x32.abs().amax(dim=-1, keepdim=True) if rowwise else x32.abs().amax()
-    amax = amax.float()
-    scale = fmax / amax.clamp_min(1e-12)
-    return (x32 * scale).clamp(-fmax, fmax).to(fp8).float() / scale
+    scale = fmax / amax.float().clamp_min(1e-12)
+    return (x32 * scale).clamp(-fmax, fmax).to(fp8), scale
+
+
+def fp8_quantize(x: torch.Tensor, fp8: torch.dtype, rowwise: bool, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """x quantized to fp8 with dynamic amax scaling and dequantized to float32."""
+    q, scale = _to_fp8(x, fp8, rowwise, amax)
+    return q.float() / scale
 
 
 class Fp8Linear(nn.Module):
-    def __init__(self, linear: nn.Linear, fp8: torch.dtype, rowwise: bool) -> None:
+    """nn.Linear with its input and weight in fp8 (amax scaling, tensorwise or rowwise).
+
+    kernel="scaled_mm" runs the real fp8 GEMM (torch._scaled_mm: its products, its accumulation);
+    where that kernel does not run here (no fp8 support on the device, shapes it rejects), the
+    layer falls back for good to kernel="fake": the same quantization, dequantized before an fp32
+    matmul, and `fallback` says why."""
+
+    def __init__(self, linear: nn.Linear, fp8: torch.dtype, rowwise: bool, kernel: str = "fake") -> None:
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
-        self.fp8, self.rowwise = fp8, rowwise
+        self.fp8, self.rowwise, self.kernel = fp8, rowwise, kernel
+        self.fallback: str | None = None
 
     def forward(self, x: torch.Tensor, input_amax: torch.Tensor | None = None) -> torch.Tensor:
         """`input_amax`: the tensorwise scale's amax when `x` is some rows of a larger input."""
-        xq = fp8_quantize(x, self.fp8, self.rowwise, None if self.rowwise else input_amax)
+        input_amax = None if self.rowwise else input_amax
+        if self.kernel == "scaled_mm" and self.fallback is None:
+            try:
+                return self._scaled_mm(x, input_amax)
+            except (RuntimeError, NotImplementedError, AttributeError) as exc:
+                self.fallback = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+        xq = fp8_quantize(x, self.fp8, self.rowwise, input_amax)
         wq = fp8_quantize(self.weight, self.fp8, self.rowwise)  # rowwise: per output channel
         return F.linear(xq, wq, None if self.bias is None else self.bias.float()).to(x.dtype)
+
+    def _scaled_mm(self, x: torch.Tensor, input_amax: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        xq, x_scale = _to_fp8(rows, self.fp8, self.rowwise, input_amax)  # (M, 1) or a scalar
+        wq, w_scale = _to_fp8(self.weight, self.fp8, self.rowwise)  # (N, 1) or a scalar
+        # the kernel multiplies by these: the inverse scales, rowwise as (M, 1) and (1, N); the
+        # weight is passed transposed, i.e. column-major, as the fp8 GEMMs require
+        scale_a, scale_b = x_scale.reciprocal().contiguous(), w_scale.reciprocal().t().contiguous()
+        try:
+            out = torch._scaled_mm(xq.contiguous(), wq.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+        except RuntimeError:
+            if not self.rowwise:
+                raise
+            # rowwise fp8 GEMMs on CUDA write only bf16, as the rowwise training recipe does
+            out = torch._scaled_mm(xq.contiguous(), wq.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+        if self.bias is not None:
+            out = out.float() + self.bias.float()
+        return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
 
 class Fp16AccumulateLinear(nn.Module):
@@ -107,17 +150,33 @@ def _copy_as(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def make_run(model: nn.Module, name: str) -> nn.Module:
-    """A copy of `model` in precision `name` (a reference or a candidate)."""
+def resolve_fp8_kernel(kernel: str, device: torch.device) -> str:
+    """ "scaled_mm" (the real fp8 GEMM, falling back per layer where it does not run), "fake"
+    (quantize, dequantize, fp32 GEMM), or for "auto" the first where the device has fp8 tensor
+    cores (CUDA compute capability 8.9 or newer) and the second elsewhere: on CPU _scaled_mm is
+    a reference loop with fake-quant's numerics (exact products, fp32 sums), hundreds of times slower."""
+    kernel = check_name(kernel, FP8_KERNELS, "fp8 kernel")
+    if kernel != "auto":
+        return kernel
+    if device.type == "cuda" and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device) >= (8, 9):
+        return "scaled_mm"
+    return "fake"
+
+
+def make_run(model: nn.Module, name: str, fp8_kernel: str = "auto") -> nn.Module:
+    """A copy of `model` in precision `name` (a reference or a candidate).
+
+    fp8_kernel: see resolve_fp8_kernel."""
     if name in ("fp64", "fp32", "fp16", "bf16"):
         return _copy_as(model, compute_dtype(name))
-    run = copy.deepcopy(model)
     if name.startswith("fp8"):
         fp8 = torch.float8_e5m2 if "e5m2" in name else torch.float8_e4m3fn
         rowwise = name.endswith("rowwise")
-        run = run.float()
-        _replace_linears(run, lambda lin: Fp8Linear(lin, fp8, rowwise))
+        kernel = resolve_fp8_kernel(fp8_kernel, next((p.device for p in model.parameters()), torch.device("cpu")))
+        run = _copy_as(model, torch.float32)
+        _replace_linears(run, lambda lin: Fp8Linear(lin, fp8, rowwise, kernel))
         return run
+    run = copy.deepcopy(model)
     if name == "fp16-accumulate":
         run = run.half()
         _replace_linears(run, Fp16AccumulateLinear)

@@ -48,6 +48,7 @@ from fpdoctor.precision.candidates import (
     compute_dtype,
     fp8_quantize,
     make_run,
+    resolve_fp8_kernel,
     split_inputs,
 )
 from fpdoctor.report.model import Report
@@ -282,7 +283,13 @@ def _hooked(
 
 
 def compare(
-    model: nn.Module, inputs: Any, *, candidate: str = "fp16", reference: str = "fp32", device: str | None = None
+    model: nn.Module,
+    inputs: Any,
+    *,
+    candidate: str = "fp16",
+    reference: str = "fp32",
+    device: str | None = None,
+    fp8_kernel: str = "auto",
 ) -> CompareResult:
     """Layerwise error of `candidate` against fp64, judged against the fp64 noise floor.
 
@@ -293,7 +300,11 @@ def compare(
 
     `device` runs the candidate on another device (device A vs device B): e.g. the model on CPU,
     `candidate="fp32", device="cuda"` shows which modules a GPU's kernels (TF32, reduced-precision
-    reductions, another summation order) change beyond the reference's own error."""
+    reductions, another summation order) change beyond the reference's own error.
+
+    `fp8_kernel` (fp8 candidates): "scaled_mm" multiplies with the real fp8 GEMM where it runs,
+    "fake" dequantizes before an fp32 matmul, "auto" (default) is scaled_mm on GPUs with fp8
+    tensor cores; the report says which ran, and why a layer fell back."""
     candidate = check_name(candidate, CANDIDATES, "candidate")
     reference = check_name(reference, REFERENCES, "reference")
     cand_device = check_device(device) if device is not None else None
@@ -301,7 +312,9 @@ def compare(
     model.eval()
     try:
         truth_run = make_run(model, "fp64")
-        cand_run = make_run(model, candidate)
+        # fp8: the kernel is chosen for the device the candidate runs on
+        on = cand_device or next((p.device for p in model.parameters()), torch.device("cpu"))
+        cand_run = make_run(model, candidate, resolve_fp8_kernel(fp8_kernel, on))
         ref_run = make_run(model, reference) if reference != "fp64" else None
         if cand_device is not None:
             cand_run = cand_run.to(cand_device)
@@ -465,7 +478,27 @@ def compare(
     if fp8_dtype is not None:
         result.report.findings.extend(fp8.findings(fp8_rows))
         result.report.data["fp8"] = fp8_rows
+        kernels = _fp8_kernels(cand_run)
+        result.report.data["fp8_kernel"] = kernels
+        result.report.data["summary"].append(("fp8 GEMM", kernels["text"]))
     return result
+
+
+def _fp8_kernels(run: nn.Module) -> dict[str, Any]:
+    """Which fp8 GEMM the candidate's Linear layers ran: the real kernel or the simulation, and why."""
+    layers = [m for m in run.modules() if isinstance(m, Fp8Linear)]
+    real = sum(1 for m in layers if m.kernel == "scaled_mm" and m.fallback is None)
+    reasons = sorted({m.fallback for m in layers if m.fallback})
+    if real == len(layers):
+        text = f"torch._scaled_mm (the real fp8 kernel) in all {real} Linear layer(s)"
+    elif not reasons:
+        text = f"simulated (fake-quant: quantized, dequantized, fp32 GEMM) in all {len(layers)} Linear layer(s)"
+    else:
+        text = (
+            f"torch._scaled_mm in {real} of {len(layers)} Linear layer(s), simulated (fake-quant) in the rest; "
+            f"the kernel did not run: {reasons[0]}"
+        )
+    return {"layers": len(layers), "scaled_mm": real, "fake": len(layers) - real, "fallback": reasons, "text": text}
 
 
 def _rerun(

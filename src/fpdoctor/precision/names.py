@@ -16,6 +16,8 @@ CANDIDATES = (
 # plan keeps modules in fp32, so it needs a candidate below fp32.
 PLAN_CANDIDATES = tuple(c for c in CANDIDATES if c != "fp32")
 REFERENCES = ("fp32", "fp64")
+# how fp8 candidates multiply: the real fp8 GEMM (torch._scaled_mm), fake-quant, or the first where it is fast
+FP8_KERNELS = ("auto", "scaled_mm", "fake")
 
 
 def check_name(name: str, allowed: tuple[str, ...], what: str) -> str:

@@ -77,8 +77,10 @@ class PlanResult:
     tried: list[tuple[list[str], float]] = field(default_factory=list)
 
 
-def _candidate_with(model: nn.Module, candidate: str, keep: list[str], fp32_outputs: set[str]) -> nn.Module:
-    run = make_run(model, candidate)
+def _candidate_with(
+    model: nn.Module, candidate: str, keep: list[str], fp32_outputs: set[str], fp8_kernel: str = "auto"
+) -> nn.Module:
+    run = make_run(model, candidate, fp8_kernel)
     dtype = compute_dtype(candidate)
     modules = dict(model.named_modules())
     for name in keep:
@@ -90,9 +92,16 @@ def _candidate_with(model: nn.Module, candidate: str, keep: list[str], fp32_outp
 
 
 def _final_error(
-    model: nn.Module, inputs: Any, candidate: str, keep: list[str], *, fp32_outputs: set[str], truth: torch.Tensor
+    model: nn.Module,
+    inputs: Any,
+    candidate: str,
+    keep: list[str],
+    *,
+    fp32_outputs: set[str],
+    truth: torch.Tensor,
+    fp8_kernel: str = "auto",
 ) -> float:
-    run = _candidate_with(model, candidate, keep, fp32_outputs).eval()
+    run = _candidate_with(model, candidate, keep, fp32_outputs, fp8_kernel).eval()
     args, kwargs = split_inputs(cast_inputs(inputs, compute_dtype(candidate)))
     try:
         with torch.no_grad():
@@ -103,11 +112,19 @@ def _final_error(
 
 
 def plan(
-    model: nn.Module, inputs: Any, *, candidate: str = "fp16", reference: str = "fp32", tolerance: float | None = None
+    model: nn.Module,
+    inputs: Any,
+    *,
+    candidate: str = "fp16",
+    reference: str = "fp32",
+    tolerance: float | None = None,
+    fp8_kernel: str = "auto",
 ) -> PlanResult:
-    """Find and verify the smallest set of modules to keep in fp32 for `candidate`."""
+    """Find and verify the smallest set of modules to keep in fp32 for `candidate`.
+
+    `fp8_kernel`: how fp8 candidates multiply, as in compare()."""
     candidate = check_name(candidate, PLAN_CANDIDATES, "candidate")
-    result = compare(model, inputs, candidate=candidate, reference=reference)
+    result = compare(model, inputs, candidate=candidate, reference=reference, fp8_kernel=fp8_kernel)
     truth_run = make_run(model, "fp64").eval()
     args, kwargs = split_inputs(cast_inputs(inputs, torch.float64))
     with torch.no_grad():
@@ -126,7 +143,9 @@ def plan(
     tried: list[tuple[list[str], float]] = []
 
     def error(keep: list[str]) -> float:
-        value = _final_error(model, inputs, candidate, keep, fp32_outputs=fp32_outputs, truth=truth)
+        value = _final_error(
+            model, inputs, candidate, keep, fp32_outputs=fp32_outputs, truth=truth, fp8_kernel=fp8_kernel
+        )
         tried.append((list(keep), value))
         return value
 
