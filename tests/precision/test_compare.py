@@ -77,6 +77,17 @@ def test_fp32_on_cuda_against_cpu():
     assert len(result.rows) == 6 and all(r.cosine is not None and r.cosine > 0.999 for r in result.rows)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fp16_accumulate_and_fp8_on_cuda_use_the_real_flag_and_kernel():
+    model, x = mlp(), torch.randn(64, 64)
+    result = fpdoctor.compare(model, x, candidate="fp16-accumulate", device="cuda")
+    assert result.report.data["flags"]["allow_fp16_reduced_precision_reduction"] is True
+    assert fpdoctor.compare(model, x, candidate="fp16", device="cuda").first_divergent is None
+    if torch.cuda.get_device_capability() >= (8, 9):
+        kernels = fpdoctor.compare(model, x, candidate="fp8-e4m3", device="cuda").report.data["fp8_kernel"]
+        assert kernels["scaled_mm"] == kernels["layers"] == 3, kernels
+
+
 def test_reference_failure_and_bad_names():
     with pytest.raises(ReferenceFailed, match="fails in the reference run"):
         fpdoctor.compare(mlp(), torch.randn(16, 3), candidate="fp16")

@@ -70,3 +70,29 @@ def test_auto_is_fake_quant_off_fp8_tensor_cores():
     assert kinds == {"fake"}
     with pytest.raises(ValueError, match="unknown fp8 kernel 'cublas'"):
         resolve_fp8_kernel("cublas", cpu)
+
+
+def test_fp16_reductions_flag_on_cuda_is_set_and_restored():
+    """CPU twin of the CUDA path: the flag lives in torch's global context on every build."""
+    from fpdoctor.precision.candidates import Fp16AccumulateLinear, run_flags
+
+    matmul = torch.backends.cuda.matmul
+    cuda, before = torch.device("cuda"), matmul.allow_fp16_reduced_precision_reduction
+    try:
+        for user in (True, False):
+            matmul.allow_fp16_reduced_precision_reduction = user
+            with run_flags("fp16-accumulate", cuda) as flags:
+                assert matmul.allow_fp16_reduced_precision_reduction is True
+            assert flags == {"allow_fp16_reduced_precision_reduction": True, "yours": user}
+            with run_flags("fp16", cuda) as flags:
+                assert matmul.allow_fp16_reduced_precision_reduction is False
+            assert matmul.allow_fp16_reduced_precision_reduction is user
+            with run_flags("fp16-accumulate", torch.device("cpu")) as flags, run_flags("bf16", cuda) as other:
+                assert flags == {} and other == {} and matmul.allow_fp16_reduced_precision_reduction is user
+    finally:
+        matmul.allow_fp16_reduced_precision_reduction = before
+    # on CUDA the flag does the accumulation: plain fp16 Linear layers; elsewhere the simulation
+    on_cuda = make_run(small(), "fp16-accumulate", device=cuda)
+    assert not any(isinstance(m, Fp16AccumulateLinear) for m in on_cuda.modules())
+    assert on_cuda[0].weight.dtype == torch.float16
+    assert sum(isinstance(m, Fp16AccumulateLinear) for m in make_run(small(), "fp16-accumulate").modules()) == 2

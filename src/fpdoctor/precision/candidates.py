@@ -5,13 +5,16 @@ quantizes its input and weight to fp8 with dynamic amax scaling, as fp8 training
 (torchao float8) do, and multiplies them with the real fp8 GEMM (torch._scaled_mm) where it
 runs, else dequantizes them before an fp32 matmul (fake-quant: the same rounding, without fp8
 hardware).
-fp16-accumulate: an fp16 copy whose Linear layers sum their K dimension in chunks whose partial
-sums are rounded to fp16, as GEMMs that accumulate in fp16 (reduced-precision reductions) do.
+fp16-accumulate: on CUDA, an fp16 copy run with the real flag that lets cuBLAS reduce partial
+sums in fp16 (run_flags); elsewhere, an fp16 copy whose Linear layers sum their K dimension in
+chunks whose partial sums are rounded to fp16, as GEMMs that accumulate in fp16 do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -30,7 +33,9 @@ __all__ = [
     "compute_dtype",
     "fp8_quantize",
     "make_run",
+    "model_device",
     "resolve_fp8_kernel",
+    "run_flags",
     "split_inputs",
 ]
 ACCUMULATE_CHUNK = 64  # K elements per fp16-rounded partial sum
@@ -163,25 +168,48 @@ def resolve_fp8_kernel(kernel: str, device: torch.device) -> str:
     return "fake"
 
 
-def make_run(model: nn.Module, name: str, fp8_kernel: str = "auto") -> nn.Module:
-    """A copy of `model` in precision `name` (a reference or a candidate).
+def model_device(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
-    fp8_kernel: see resolve_fp8_kernel."""
+
+def make_run(model: nn.Module, name: str, fp8_kernel: str = "auto", device: torch.device | None = None) -> nn.Module:
+    """A copy of `model` in precision `name` (a reference or a candidate), to run on `device`
+    (default: where the model is); fp8_kernel: see resolve_fp8_kernel."""
+    device = model_device(model) if device is None else device
     if name in ("fp64", "fp32", "fp16", "bf16"):
         return _copy_as(model, compute_dtype(name))
     if name.startswith("fp8"):
         fp8 = torch.float8_e5m2 if "e5m2" in name else torch.float8_e4m3fn
         rowwise = name.endswith("rowwise")
-        kernel = resolve_fp8_kernel(fp8_kernel, next((p.device for p in model.parameters()), torch.device("cpu")))
+        kernel = resolve_fp8_kernel(fp8_kernel, device)
         run = _copy_as(model, torch.float32)
         _replace_linears(run, lambda lin: Fp8Linear(lin, fp8, rowwise, kernel))
         return run
-    run = copy.deepcopy(model)
     if name == "fp16-accumulate":
-        run = run.half()
-        _replace_linears(run, Fp16AccumulateLinear)
+        run = _copy_as(model, torch.float16)
+        if device.type != "cuda":  # on CUDA the real flag does it (run_flags)
+            _replace_linears(run, Fp16AccumulateLinear)
         return run
     raise ValueError(f"unknown precision {name!r}")
+
+
+@contextlib.contextmanager
+def run_flags(name: str, device: torch.device) -> Iterator[dict[str, Any]]:
+    """The backend flags a precision runs under, set for the duration and restored after.
+
+    On CUDA, fp16 means fp32 accumulation throughout (allow_fp16_reduced_precision_reduction
+    off) and fp16-accumulate is the real flag on: cuBLAS may then reduce split-K partial sums
+    in fp16. Yields what it set and what the flag was before (the user's setting)."""
+    if device.type != "cuda" or name not in ("fp16", "fp16-accumulate"):
+        yield {}
+        return
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_fp16_reduced_precision_reduction
+    matmul.allow_fp16_reduced_precision_reduction = name == "fp16-accumulate"
+    try:
+        yield {"allow_fp16_reduced_precision_reduction": name == "fp16-accumulate", "yours": before}
+    finally:
+        matmul.allow_fp16_reduced_precision_reduction = before
 
 
 def cast_inputs(inputs: Any, dtype: torch.dtype | None, device: torch.device | None = None) -> Any:

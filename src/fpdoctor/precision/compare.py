@@ -39,6 +39,7 @@ from fpdoctor.numerics.trace import _tensors
 from fpdoctor.precision import fp8
 from fpdoctor.precision.candidates import (
     CANDIDATES,
+    FP8_KERNELS,
     REFERENCES,
     Fp8Linear,
     Fp16AccumulateLinear,
@@ -48,7 +49,8 @@ from fpdoctor.precision.candidates import (
     compute_dtype,
     fp8_quantize,
     make_run,
-    resolve_fp8_kernel,
+    model_device,
+    run_flags,
     split_inputs,
 )
 from fpdoctor.report.model import Report
@@ -307,14 +309,47 @@ def compare(
     tensor cores; the report says which ran, and why a layer fell back."""
     candidate = check_name(candidate, CANDIDATES, "candidate")
     reference = check_name(reference, REFERENCES, "reference")
+    check_name(fp8_kernel, FP8_KERNELS, "fp8 kernel")
     cand_device = check_device(device) if device is not None else None
+    on = cand_device or model_device(model)  # where the candidate runs: its kernels and flags are chosen for it
+    with run_flags(candidate, on) as flags:
+        result = _compare(
+            model,
+            inputs,
+            candidate=candidate,
+            reference=reference,
+            cand_device=cand_device,
+            on=on,
+            fp8_kernel=fp8_kernel,
+        )
+    if flags:
+        allowed = flags["allow_fp16_reduced_precision_reduction"]
+        result.report.data["flags"] = flags
+        result.report.data["summary"].append(
+            (
+                "fp16 GEMM reductions (CUDA)",
+                f"{'fp16 allowed' if allowed else 'fp32'} (allow_fp16_reduced_precision_reduction={allowed}; "
+                f"yours is {flags['yours']})",
+            )
+        )
+    return result
+
+
+def _compare(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    candidate: str,
+    reference: str,
+    cand_device: torch.device | None,
+    on: torch.device,
+    fp8_kernel: str,
+) -> CompareResult:
     was_training = model.training
     model.eval()
     try:
         truth_run = make_run(model, "fp64")
-        # fp8: the kernel is chosen for the device the candidate runs on
-        on = cand_device or next((p.device for p in model.parameters()), torch.device("cpu"))
-        cand_run = make_run(model, candidate, resolve_fp8_kernel(fp8_kernel, on))
+        cand_run = make_run(model, candidate, fp8_kernel, on)
         ref_run = make_run(model, reference) if reference != "fp64" else None
         if cand_device is not None:
             cand_run = cand_run.to(cand_device)
@@ -617,14 +652,7 @@ def _report(
                     "dtype": str(compute_dtype(candidate)),
                     "diverged": [r.module for r in diverged[:10]],
                 },
-                fix=(
-                    f"keep `{first.module}` in fp32 (fpdoctor plan finds the smallest such set), or use bf16 "
-                    "if the cause is range, fp32 accumulation if it is a long reduction"
-                    if candidate != "fp32"
-                    else f"the device's fp32 kernels differ at `{first.module}`: turn off TF32 "
-                    "(torch.backends.cuda.matmul.allow_tf32 = False, torch.backends.cudnn.allow_tf32 = False, "
-                    "torch.set_float32_matmul_precision('highest')); `fpdoctor env` shows the flags in effect"
-                ),
+                fix=_fix(first.module, candidate),
             )
         )
     final = rows[-1] if rows else None
@@ -653,6 +681,25 @@ def _report(
         },
     )
     return CompareResult(report, rows, first.module if first else None, peak)
+
+
+def _fix(module: str, candidate: str) -> str:
+    if candidate == "fp32":
+        return (
+            f"the device's fp32 kernels differ at `{module}`: turn off TF32 "
+            "(torch.backends.cuda.matmul.allow_tf32 = False, torch.backends.cudnn.allow_tf32 = False, "
+            "torch.set_float32_matmul_precision('highest')); `fpdoctor env` shows the flags in effect"
+        )
+    if candidate == "fp16-accumulate":
+        return (
+            f"accumulate `{module}` in fp32: on CUDA, torch.backends.cuda.matmul."
+            "allow_fp16_reduced_precision_reduction = False (compare --candidate fp16 shows the result); "
+            "for a custom fp16-accumulating kernel, keep this module in fp32 (fpdoctor plan)"
+        )
+    return (
+        f"keep `{module}` in fp32 (fpdoctor plan finds the smallest such set), or use bf16 "
+        "if the cause is range, fp32 accumulation if it is a long reduction"
+    )
 
 
 def _fmt_error(rel: float, cosine: float | None) -> str:

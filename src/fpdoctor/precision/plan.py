@@ -20,7 +20,15 @@ from torch import nn
 
 from fpdoctor import catalog
 from fpdoctor.precision.boundary import keep_in_fp32
-from fpdoctor.precision.candidates import cast_inputs, check_name, compute_dtype, make_run, split_inputs
+from fpdoctor.precision.candidates import (
+    cast_inputs,
+    check_name,
+    compute_dtype,
+    make_run,
+    model_device,
+    run_flags,
+    split_inputs,
+)
 from fpdoctor.precision.compare import DIVERGENCE_RATIO, _flat, _rel, compare
 from fpdoctor.precision.names import PLAN_CANDIDATES
 from fpdoctor.report.model import Report
@@ -143,9 +151,10 @@ def plan(
     tried: list[tuple[list[str], float]] = []
 
     def error(keep: list[str]) -> float:
-        value = _final_error(
-            model, inputs, candidate, keep, fp32_outputs=fp32_outputs, truth=truth, fp8_kernel=fp8_kernel
-        )
+        with run_flags(candidate, model_device(model)):  # the backend flags compare ran the candidate under
+            value = _final_error(
+                model, inputs, candidate, keep, fp32_outputs=fp32_outputs, truth=truth, fp8_kernel=fp8_kernel
+            )
         tried.append((list(keep), value))
         return value
 
