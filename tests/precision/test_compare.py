@@ -85,7 +85,9 @@ def test_fp16_accumulate_and_fp8_on_cuda_use_the_real_flag_and_kernel():
     assert fpdoctor.compare(model, x, candidate="fp16", device="cuda").first_divergent is None
     if torch.cuda.get_device_capability() >= (8, 9):
         kernels = fpdoctor.compare(model, x, candidate="fp8-e4m3", device="cuda").report.data["fp8_kernel"]
-        assert kernels["scaled_mm"] == kernels["layers"] == 3, kernels
+        # the 8-wide last layer may be refused (fp8 GEMMs want multiples of 16): then it says why
+        assert kernels["layers"] == 3 and kernels["scaled_mm"] >= 2, kernels
+        assert kernels["scaled_mm"] == 3 or kernels["fallback"], kernels
 
 
 def test_reference_failure_and_bad_names():
