@@ -85,6 +85,20 @@ class Fp8Linear(nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
         self.fp8, self.rowwise, self.kernel = fp8, rowwise, kernel
         self.fallback: str | None = None
+        self._cached: tuple[Any, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+
+    def _weight_fp8(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weight in fp8, scale, dequantized float32 weight), kept while the weight is unchanged and
+        no gradient is wanted: compare runs each layer twice (isolated, then in the candidate run),
+        and a static-weight fp8 recipe keeps its cast weights too."""
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            q, scale = _to_fp8(self.weight, self.fp8, self.rowwise)
+            return q, scale, q.float() / scale
+        key = (self.weight.data_ptr(), self.weight._version, self.weight.device)
+        if self._cached is None or self._cached[0] != key:
+            q, scale = _to_fp8(self.weight.detach(), self.fp8, self.rowwise)
+            self._cached = (key, (q, scale, q.float() / scale))
+        return self._cached[1]
 
     def forward(self, x: torch.Tensor, input_amax: torch.Tensor | None = None) -> torch.Tensor:
         """`input_amax`: the tensorwise scale's amax when `x` is some rows of a larger input."""
@@ -95,13 +109,13 @@ class Fp8Linear(nn.Module):
             except (RuntimeError, NotImplementedError, AttributeError) as exc:
                 self.fallback = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
         xq = fp8_quantize(x, self.fp8, self.rowwise, input_amax)
-        wq = fp8_quantize(self.weight, self.fp8, self.rowwise)  # rowwise: per output channel
+        wq = self._weight_fp8()[2]  # rowwise: scaled per output channel
         return F.linear(xq, wq, None if self.bias is None else self.bias.float()).to(x.dtype)
 
     def _scaled_mm(self, x: torch.Tensor, input_amax: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         xq, x_scale = _to_fp8(rows, self.fp8, self.rowwise, input_amax)  # (M, 1) or a scalar
-        wq, w_scale = _to_fp8(self.weight, self.fp8, self.rowwise)  # (N, 1) or a scalar
+        wq, w_scale, _ = self._weight_fp8()  # (N, 1) or a scalar
         # the kernel multiplies by these: the inverse scales, rowwise as (M, 1) and (1, N); the
         # weight is passed transposed, i.e. column-major, as the fp8 GEMMs require
         scale_a, scale_b = x_scale.reciprocal().contiguous(), w_scale.reciprocal().t().contiguous()
