@@ -95,3 +95,17 @@ def test_plan_cli(tmp_path):
     )
     assert result.code == 0, result.err
     assert "keep_in_fp32(model.get_submodule('1.attn')" in result.out
+
+
+@pytest.mark.parametrize("candidate", ["fp16-accumulate", "fp8-e4m3"])
+def test_plan_runs_simulated_layers_inside_fused_transformer_layers(candidate):
+    """nn.TransformerEncoderLayer's fused fast path reads linear1/linear2 weights itself, past the
+    simulated layers: plan must run it module by module, as compare does, or it verifies fp16."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=256, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 16, 64)
+    compared = fpdoctor.compare(model, x, candidate=candidate).rows[-1].propagated
+    planned = fpdoctor.plan(model, x, candidate=candidate, tolerance=1.0).plan.baseline_error
+    assert planned == pytest.approx(compared, rel=1e-6)
+    assert torch.backends.mha.get_fastpath_enabled()  # the user's setting is back

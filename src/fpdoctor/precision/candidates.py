@@ -211,19 +211,30 @@ def make_run(model: nn.Module, name: str, fp8_kernel: str = "auto", device: torc
 def run_flags(name: str, device: torch.device) -> Iterator[dict[str, Any]]:
     """The backend flags a precision runs under, set for the duration and restored after.
 
+    Everywhere: the fused fast path of nn.TransformerEncoderLayer and nn.MultiheadAttention is
+    off. It reads the Linear weights itself, past the simulated fp8 / fp16-accumulate layers and
+    the modules a plan keeps in fp32, and runs as one kernel, not module by module.
     On CUDA, fp16 means fp32 accumulation throughout (allow_fp16_reduced_precision_reduction
     off) and fp16-accumulate is the real flag on: cuBLAS may then reduce split-K partial sums
-    in fp16. Yields what it set and what the flag was before (the user's setting)."""
-    if device.type != "cuda" or name not in ("fp16", "fp16-accumulate"):
-        yield {}
-        return
+    in fp16. Yields the CUDA flag it set and what it was before (the user's setting), if any."""
+    mha = getattr(torch.backends, "mha", None)  # torch >= 2.2
+    get_fastpath, set_fastpath = getattr(mha, "get_fastpath_enabled", None), getattr(mha, "set_fastpath_enabled", None)
+    fastpath = get_fastpath() if get_fastpath is not None and set_fastpath is not None else None
     matmul = torch.backends.cuda.matmul
     before = matmul.allow_fp16_reduced_precision_reduction
-    matmul.allow_fp16_reduced_precision_reduction = name == "fp16-accumulate"
+    flags: dict[str, Any] = {}
+    if device.type == "cuda" and name in ("fp16", "fp16-accumulate"):
+        flags = {"allow_fp16_reduced_precision_reduction": name == "fp16-accumulate", "yours": before}
     try:
-        yield {"allow_fp16_reduced_precision_reduction": name == "fp16-accumulate", "yours": before}
+        if set_fastpath is not None and fastpath is not None:
+            set_fastpath(False)
+        if flags:
+            matmul.allow_fp16_reduced_precision_reduction = flags["allow_fp16_reduced_precision_reduction"]
+        yield flags
     finally:
         matmul.allow_fp16_reduced_precision_reduction = before
+        if set_fastpath is not None and fastpath is not None:
+            set_fastpath(fastpath)
 
 
 def cast_inputs(inputs: Any, dtype: torch.dtype | None, device: torch.device | None = None) -> Any:

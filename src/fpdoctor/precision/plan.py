@@ -135,7 +135,8 @@ def plan(
     result = compare(model, inputs, candidate=candidate, reference=reference, fp8_kernel=fp8_kernel)
     truth_run = make_run(model, "fp64").eval()
     args, kwargs = split_inputs(cast_inputs(inputs, torch.float64))
-    with torch.no_grad():
+    flags = run_flags(candidate, model_device(model))  # module by module, as compare ran them
+    with torch.no_grad(), flags:
         truth = _flat(truth_run(*args, **kwargs))
     if truth is None:
         raise ValueError("the model's output has no floating tensor to judge")
@@ -145,7 +146,8 @@ def plan(
         # The output's noise floor: rounding it to the candidate, or the reference's end-to-end error.
         final_floor = next((r.floor for r in reversed(result.rows) if r.module == ""), result.rows[-1].floor)
         if reference != "fp64":
-            reference_error = _final_error(model, inputs, reference, [], fp32_outputs=set(), truth=truth)
+            with run_flags(reference, model_device(model)):
+                reference_error = _final_error(model, inputs, reference, [], fp32_outputs=set(), truth=truth)
             final_floor = max(final_floor, reference_error if math.isfinite(reference_error) else 0.0)
         tolerance = DIVERGENCE_RATIO * final_floor
     tried: list[tuple[list[str], float]] = []
