@@ -1,10 +1,13 @@
 """SPEC 5 budget for `compare`: extra memory O(largest activation), time <= 3x two plain forwards.
 
-A transformer encoder (benchmarks/models.py), eval mode, fp16 candidate against fp32. Every
+A transformer encoder (benchmarks/models.py), eval mode, candidates against fp32. Every
 measurement runs in its own subprocess.
 
-Time: two plain forward passes (fp32 reference and fp16 candidate copies) against one `compare`,
-each after a warm-up, alternating, medians.
+Time: two plain forward passes (the fp32 reference and the candidate's copy, e.g. fp16) against
+one `compare`, each after a warm-up, alternating, medians. The plain forwards take PyTorch's fused
+fast path where it applies (fp32, fp16, bf16); `compare` runs module by module. The budget is
+checked on fp16; bf16, simulated fp8 (every Linear input quantized in the forward itself) and
+simulated fp16-accumulate are printed beside it.
 
 Memory: the working memory of `compare` = its peak resident memory - the resident memory just
 before the call - the weight copies it makes (fp64 and fp16: O(parameters), reported apart).
@@ -31,26 +34,36 @@ import json, resource, sys, time, copy
 sys.path.insert(0, {here!r})
 import torch
 from models import small_transformer, batch
+from fpdoctor.precision.candidates import compute_dtype, make_run
 torch.manual_seed(0)
 model = small_transformer(layers=int(sys.argv[2]), dim=256).eval()
 tokens, _ = batch(length=128)
 embed = model.embed(tokens).detach()
 encoder = model.encoder
 params = sum(p.numel() for p in encoder.parameters())
-mode = sys.argv[1]
+mode, candidate = sys.argv[1], sys.argv[3]
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
 out = {{"params": params}}
 if mode == "plain":
-    ref = copy.deepcopy(encoder); cand = copy.deepcopy(encoder).half()
+    ref = copy.deepcopy(encoder); cand = make_run(encoder, candidate).eval()
+    dtype = compute_dtype(candidate)
+    # a simulated candidate runs its layers only off the fused fast path, which reads their weights itself
+    simulated = candidate not in ("fp16", "bf16")
+    def forward(run, x, fastpath):
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+        run(x)
+        torch.backends.mha.set_fastpath_enabled(True)
     with torch.no_grad():
-        ref(embed); cand(embed.half())  # warm-up
-        start = time.perf_counter(); ref(embed); cand(embed.half()); out["seconds"] = time.perf_counter() - start
+        ref(embed); forward(cand, embed.to(dtype), not simulated)  # warm-up
+        start = time.perf_counter()
+        ref(embed); forward(cand, embed.to(dtype), not simulated)
+        out["seconds"] = time.perf_counter() - start
 elif mode == "compare":
     import fpdoctor
-    fpdoctor.compare(encoder, embed, candidate="fp16")  # warm-up
-    start = time.perf_counter(); fpdoctor.compare(encoder, embed, candidate="fp16")
+    fpdoctor.compare(encoder, embed, candidate=candidate)  # warm-up
+    start = time.perf_counter(); fpdoctor.compare(encoder, embed, candidate=candidate)
     out["seconds"] = time.perf_counter() - start
 else:  # memory: no warm-up, so the peak belongs to this call
     import fpdoctor
@@ -61,8 +74,11 @@ print(json.dumps(out))
 """
 
 
-def run(mode: str, layers: int = 12) -> dict[str, float]:
-    argv = [sys.executable, "-c", CHILD.format(here=str(HERE)), mode, str(layers)]
+CANDIDATES = ("fp16", "bf16", "fp8-e4m3", "fp16-accumulate")  # the budget is checked on the first
+
+
+def run(mode: str, layers: int = 12, candidate: str = "fp16") -> dict[str, float]:
+    argv = [sys.executable, "-c", CHILD.format(here=str(HERE)), mode, str(layers), candidate]
     # A fixed mmap threshold makes glibc hand every large freed tensor back at once; its default
     # dynamic threshold keeps freed activations in the heap, so peak RSS would measure allocator
     # history rather than what the code holds.
@@ -75,19 +91,26 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    plain, comp, shallow, deep = [], [], [], []
+    plain: dict[str, list[float]] = {c: [] for c in CANDIDATES}
+    comp: dict[str, list[float]] = {c: [] for c in CANDIDATES}
+    shallow, deep = [], []
     for _ in range(args.rounds):
-        plain.append(run("plain")["seconds"])
-        comp.append(run("compare")["seconds"])
+        for candidate in CANDIDATES:
+            plain[candidate].append(run("plain", candidate=candidate)["seconds"])
+            comp[candidate].append(run("compare", candidate=candidate)["seconds"])
         shallow.append(run("memory", 12)["working"])
         deep.append(run("memory", 24)["working"])
-    t_plain, t_comp = statistics.median(plain), statistics.median(comp)
     m12, m24 = statistics.median(shallow), statistics.median(deep)
     largest = 8 * 128 * 1024 * 8  # the feed-forward activation of the fp64 pass, bytes
-    ratio = t_comp / t_plain
-    print(f"12-layer encoder, dim 256, 8 x 128 tokens, fp16 vs fp32, {args.rounds} rounds (medians)")
-    print(f"  two plain forwards {t_plain * 1e3:8.1f} ms   compare {t_comp * 1e3:8.1f} ms")
-    print(f"  ratio {ratio:.2f}x (budget 3x)")
+    print(f"12-layer encoder, dim 256, 8 x 128 tokens, against fp32, {args.rounds} rounds (medians)")
+    for candidate in CANDIDATES:
+        t_plain, t_comp = statistics.median(plain[candidate]), statistics.median(comp[candidate])
+        budget = " (budget 3x)" if candidate == CANDIDATES[0] else ""
+        print(
+            f"  {candidate:16s} two plain forwards {t_plain * 1e3:7.1f} ms   compare {t_comp * 1e3:7.1f} ms"
+            f"   {t_comp / t_plain:.2f}x{budget}"
+        )
+    ratio = statistics.median(comp[CANDIDATES[0]]) / statistics.median(plain[CANDIDATES[0]])
     print(f"  working memory beyond the weight copies: {m12 / 2**20:.1f} MiB (12 layers), {m24 / 2**20:.1f} MiB (24)")
     print(f"  = {m12 / largest:.1f}x / {m24 / largest:.1f}x the largest activation ({largest / 2**20:.0f} MiB fp64)")
     ok_time = ratio <= 3.0
