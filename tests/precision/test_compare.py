@@ -160,3 +160,16 @@ def test_an_overflow_in_a_row_left_out_of_the_subset_is_still_found():
     row = next(r for r in result.rows if r.module == "0")
     assert row.nonfinite == 1 and not row.out_of_range
     assert result.first_divergent == "0" and row.isolated_rows is None and math.isinf(row.isolated)
+
+
+def test_fp8_underflow_counts_only_values_that_matter_in_their_row():
+    from fpdoctor.precision import fp8
+    from fpdoctor.precision.candidates import fp8_quantize
+
+    torch.manual_seed(0)
+    x = nn.functional.gelu(torch.randn(256, 512) * 3)  # many tiny negative outputs, harmless to lose
+    naive = float(((fp8_quantize(x, torch.float8_e4m3fn, False) == 0) & (x != 0)).float().mean())
+    assert naive > 0.03  # a plain flushed-share count would call this layer unsafe
+    row = fp8.linear_stats("ffn", x, torch.randn(64, 512), torch.float8_e4m3fn)
+    assert row["input_tensorwise_underflow"] < 0.001 and row["input_tensorwise_sqnr_db"] > 25
+    assert fp8.findings([row]) == []

@@ -2,7 +2,9 @@
 
 With dynamic amax scaling the largest value maps to the format's max, so nothing clips; the
 damage is at the other end: when a few outlier channels set the scale, the other values fall
-below the smallest subnormal and flush to zero. Rowwise scaling (per token for the input, per
+below the smallest subnormal and flush to zero. Only values that matter in their own row count
+(at least SIGNIFICANT of the row's RMS): the many near-zero outputs of an activation such as
+GELU flush harmlessly under any recipe. Rowwise scaling (per token for the input, per
 output channel for the weight) confines an outlier to its own row. An unscaled cast, the naive
 recipe, clips everything beyond the max instead.
 """
@@ -20,6 +22,7 @@ from fpdoctor.report.model import Finding
 # Below 20 dB SQNR, more than 1% of the signal's energy is quantisation noise: we call that unsafe.
 MIN_SQNR_DB = 20.0
 MAX_UNDERFLOW = 0.01
+SIGNIFICANT = 0.01  # a value below 1% of its row's RMS carries under 1e-4 of an average value's energy
 
 
 # Shares and SQNR are measured on STATS_ROWS evenly spread rows (65536 values at width 1024): the
@@ -39,8 +42,9 @@ def _quality(sample: torch.Tensor, amax: torch.Tensor, fp8: torch.dtype) -> dict
     fmax = torch.finfo(fp8).max
     scale = fmax / amax.clamp_min(1e-12)
     q = (sample * scale).clamp(-fmax, fmax).to(fp8).float() / scale
-    nonzero = sample != 0
-    flushed = float(((q == 0) & nonzero).sum()) / max(1, int(nonzero.sum()))
+    rms = sample.square().mean(dim=-1, keepdim=True).sqrt()
+    significant = (sample.abs() >= SIGNIFICANT * rms) & (sample != 0)
+    flushed = float(((q == 0) & significant).sum()) / max(1, int(significant.sum()))
     noise = float(torch.linalg.vector_norm(q - sample, dtype=torch.float64))
     signal = float(torch.linalg.vector_norm(sample, dtype=torch.float64))
     sqnr = math.inf if noise == 0 else 20 * math.log10(signal / noise) if signal > 0 else 0.0
@@ -86,7 +90,8 @@ def findings(rows: list[dict[str, Any]]) -> list[Finding]:
                 message=(
                     f"`{row['module']}` in {row['format']} with tensorwise scaling: its {worst} keeps "
                     f"{row[f'{worst}_tensorwise_sqnr_db']:.1f} dB SQNR and loses "
-                    f"{row[f'{worst}_tensorwise_underflow']:.1%} of its values to zero (outliers set the scale); "
+                    f"{row[f'{worst}_tensorwise_underflow']:.1%} of its significant values to zero "
+                    "(outliers set the scale); "
                     f"an unscaled cast would clip {row[f'{worst}_unscaled_saturation']:.1%}. "
                     + (
                         f"Rowwise scaling keeps {row[f'{worst}_rowwise_sqnr_db']:.1f} dB and flushes "
