@@ -7,7 +7,7 @@ from typing import Any
 
 from fpdoctor.cli.errors import UsageError
 from fpdoctor.cli.output import add_output_args, emit
-from fpdoctor.precision.names import CANDIDATES, FP8_KERNELS, REFERENCES
+from fpdoctor.precision.names import CANDIDATES, FP8_KERNELS, REFERENCES, check_name
 
 
 def add_parser(sub: Any) -> None:
@@ -16,14 +16,21 @@ def add_parser(sub: Any) -> None:
         help="layerwise error of a precision against fp64, module by module",
         description="MODEL is path/to/file.py:factory or package.module:factory.",
     )
-    p.add_argument("model", metavar="MODEL")
-    p.add_argument("--candidate", required=True, metavar="|".join(CANDIDATES))
-    p.add_argument("--reference", default="fp32", metavar="|".join(REFERENCES))
+    add_precision_args(p, CANDIDATES)
     p.add_argument(
         "--device",
         metavar="DEVICE",
         help="run the candidate on this device (cuda, cuda:1, mps, xpu) against the reference where the model is",
     )
+    add_output_args(p)
+    p.set_defaults(run=run)
+
+
+def add_precision_args(p: argparse.ArgumentParser, candidates: tuple[str, ...]) -> None:
+    """MODEL, --candidate, --reference and --fp8-kernel: what compare and plan both take."""
+    p.add_argument("model", metavar="MODEL")
+    p.add_argument("--candidate", required=True, metavar="|".join(candidates))
+    p.add_argument("--reference", default="fp32", metavar="|".join(REFERENCES))
     p.add_argument(
         "--fp8-kernel",
         default="auto",
@@ -31,25 +38,32 @@ def add_parser(sub: Any) -> None:
         help="fp8 candidates: the real fp8 GEMM (torch._scaled_mm), fake-quant, or auto: the real one on GPUs "
         "with fp8 tensor cores (default)",
     )
-    add_output_args(p)
-    p.set_defaults(run=run)
+
+
+def check_precision_args(args: argparse.Namespace, candidates: tuple[str, ...]) -> tuple[str, str, str]:
+    """(candidate, reference, fp8 kernel), or a UsageError naming the bad one and the choices."""
+    try:
+        return (
+            check_name(args.candidate, candidates, "candidate"),
+            check_name(args.reference, REFERENCES, "reference"),
+            check_name(args.fp8_kernel, FP8_KERNELS, "fp8 kernel"),
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
     from fpdoctor.cli import model_spec
     from fpdoctor.precision.compare import ReferenceFailed, compare
-    from fpdoctor.precision.names import check_name
 
-    try:
-        candidate = check_name(args.candidate, CANDIDATES, "candidate")
-        reference = check_name(args.reference, REFERENCES, "reference")
-        fp8_kernel = check_name(args.fp8_kernel, FP8_KERNELS, "fp8 kernel")
-        if args.device is not None:
-            from fpdoctor.precision.candidates import check_device
+    candidate, reference, fp8_kernel = check_precision_args(args, CANDIDATES)
+    if args.device is not None:
+        from fpdoctor.precision.candidates import check_device
 
+        try:
             check_device(args.device)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     model, inputs = model_spec.load(args.model)
     try:
         result = compare(

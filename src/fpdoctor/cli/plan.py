@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from fpdoctor.cli.compare import add_precision_args, check_precision_args
 from fpdoctor.cli.errors import UsageError
 from fpdoctor.cli.output import add_output_args, emit
-from fpdoctor.precision.names import FP8_KERNELS, PLAN_CANDIDATES, REFERENCES
+from fpdoctor.precision.names import PLAN_CANDIDATES
 
 
 def add_parser(sub: Any) -> None:
@@ -16,17 +17,8 @@ def add_parser(sub: Any) -> None:
         help="the smallest set of modules to keep in fp32, verified by re-running",
         description="MODEL is path/to/file.py:factory or package.module:factory.",
     )
-    p.add_argument("model", metavar="MODEL")
-    p.add_argument("--candidate", required=True, metavar="|".join(PLAN_CANDIDATES))
-    p.add_argument("--reference", default="fp32", metavar="|".join(REFERENCES))
+    add_precision_args(p, PLAN_CANDIDATES)
     p.add_argument("--tolerance", type=float, help="end-to-end relative error to reach (default: 16x the noise floor)")
-    p.add_argument(
-        "--fp8-kernel",
-        default="auto",
-        metavar="|".join(FP8_KERNELS),
-        help="fp8 candidates: the real fp8 GEMM (torch._scaled_mm), fake-quant, or auto: the real one on GPUs "
-        "with fp8 tensor cores (default)",
-    )
     add_output_args(p)
     p.set_defaults(run=run)
 
@@ -34,15 +26,9 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from fpdoctor.cli import model_spec
     from fpdoctor.precision.compare import ReferenceFailed
-    from fpdoctor.precision.names import check_name
     from fpdoctor.precision.plan import plan
 
-    try:
-        candidate = check_name(args.candidate, PLAN_CANDIDATES, "candidate")
-        reference = check_name(args.reference, REFERENCES, "reference")
-        fp8_kernel = check_name(args.fp8_kernel, FP8_KERNELS, "fp8 kernel")
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    candidate, reference, fp8_kernel = check_precision_args(args, PLAN_CANDIDATES)
     if args.tolerance is not None and not args.tolerance > 0:
         raise UsageError("--tolerance must be a positive relative error, e.g. 1e-3")
     model, inputs = model_spec.load(args.model)
