@@ -76,19 +76,22 @@ SAMPLE = 8192
 # A non-finite value in a row left out is still caught: the candidate pass sees every element,
 # and such a leaf is re-run in full.
 ROWS = 64
-_ELEMENTWISE = (
+# Exact types: a subclass may override forward with something that mixes rows (it is re-run in full).
+_ROW_LOCAL = {
+    nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear, Fp8Linear, Fp16AccumulateLinear,
     nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU,
     nn.Hardswish, nn.Hardtanh, nn.Softplus, nn.Dropout, nn.Identity,
-)  # fmt: skip
-_NORMS = tuple(t for t in (nn.LayerNorm, getattr(nn, "RMSNorm", None)) if t is not None)
+}  # fmt: skip
+_NORMS = {t for t in (nn.LayerNorm, getattr(nn, "RMSNorm", None)) if t is not None}
 
 
 def _row_width(module: nn.Module) -> int | None:
     """How many trailing dims make one independent row of `module`; None when rows interact."""
-    if isinstance(module, (nn.Linear, Fp8Linear, Fp16AccumulateLinear, *_ELEMENTWISE)):
+    if type(module) in _ROW_LOCAL:
         return 1
-    if isinstance(module, _NORMS):
-        return len(module.normalized_shape)
+    if type(module) in _NORMS:
+        shape: tuple[int, ...] = module.normalized_shape  # type: ignore[assignment]
+        return len(shape)
     return None
 
 
