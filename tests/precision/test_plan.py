@@ -73,12 +73,33 @@ def test_a_hot_layer_is_found_and_fixed():
     assert torch.isfinite(namespace["model"](x.half())).all()
 
 
-def test_simulated_candidates_cannot_be_applied():
+def test_fp8_plans_go_to_the_users_recipe():
     model, x = model_with()
     result = fpdoctor.plan(model, x, candidate="fp8-e4m3")
-    with pytest.raises(ValueError, match="simulated"):
+    with pytest.raises(ValueError, match="apply the plan in your fp8 recipe"):
         fpdoctor.apply_plan(model, result.plan)
     assert "module_filter_fn" in result.plan.to_code()
+
+
+def test_fp16_accumulation_plan_keeps_the_long_reduction_in_fp32():
+    def long_sum():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16384, 8), nn.Linear(8, 4))
+        with torch.no_grad():
+            model[0].weight.fill_(0.01).add_(torch.randn_like(model[0].weight) * 1e-3)
+        return model
+
+    x = torch.rand(2, 16384) + 1
+    result = fpdoctor.plan(long_sum(), x, candidate="fp16-accumulate")
+    assert result.plan.verified and result.plan.keep_fp32 == ["0"]
+    code = result.plan.to_code()
+    assert "allow_fp16_reduced_precision_reduction = False" in code
+    namespace = {"model": long_sum()}
+    exec(code, namespace)
+    applied = fpdoctor.apply_plan(long_sum(), result.plan)
+    for model in (namespace["model"], applied):
+        assert model[0].weight.dtype == torch.float32 and model[1].weight.dtype == torch.float16
+        assert model(x.half()).dtype == torch.float16
 
 
 def test_plan_cli(tmp_path):

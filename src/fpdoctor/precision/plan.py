@@ -33,7 +33,8 @@ from fpdoctor.precision.compare import DIVERGENCE_RATIO, _flat, _rel, compare
 from fpdoctor.precision.names import PLAN_CANDIDATES
 from fpdoctor.report.model import Report
 
-_APPLICABLE = ("fp16", "bf16")  # real dtypes; the fp8 and accumulation candidates are simulations
+# real dtypes (fp16-accumulate's fix is fp16 with the kept modules in fp32); fp8 belongs to the user's recipe
+_APPLICABLE = ("fp16", "bf16", "fp16-accumulate")
 
 
 @dataclass
@@ -47,15 +48,20 @@ class Plan:
     baseline_error: float  # the same without any exception
 
     def to_code(self) -> str:
-        dtype = {"fp16": "torch.float16", "bf16": "torch.bfloat16"}.get(self.candidate)
         names = ", ".join(repr(n) for n in self.keep_fp32)
-        if dtype is None:
+        if self.candidate.startswith("fp8"):
             return (
-                f"# {self.candidate} is simulated here; keep these modules in high precision in your fp8 recipe,\n"
-                f"# e.g. torchao's module_filter_fn:\nKEEP_HIGH_PRECISION = {{{names}}}\n"
+                f"# {self.candidate} ran in fpdoctor's own fp8 Linear layers; keep these modules in high\n"
+                f"# precision in your fp8 recipe, e.g. torchao's module_filter_fn:\nKEEP_HIGH_PRECISION = {{{names}}}\n"
                 "def module_filter_fn(module, fqn):\n    return fqn not in KEEP_HIGH_PRECISION\n"
             )
+        dtype = "torch.bfloat16" if self.candidate == "bf16" else "torch.float16"
         lines = ["import torch", "from fpdoctor.precision.boundary import keep_in_fp32", "", f"model.to({dtype})"]
+        if self.candidate == "fp16-accumulate":
+            lines[3:3] = [
+                "# cuBLAS: no fp16 reductions in fp16 GEMMs; the modules kept below accumulate in fp32 with any kernel",
+                "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False",
+            ]
         for name in self.keep_fp32:
             if name in self.fp32_outputs:
                 lines.append(
@@ -201,7 +207,7 @@ def apply_plan(model: nn.Module, the_plan: Plan) -> nn.Module:
     """Put `model` in the plan's dtype, with its modules kept in fp32 behind boundary casts (in place)."""
     if the_plan.candidate not in _APPLICABLE:
         raise ValueError(
-            f"{the_plan.candidate} is simulated by fpdoctor; apply the plan in your fp8 recipe "
+            f"{the_plan.candidate} ran in fpdoctor's own fp8 layers; apply the plan in your fp8 recipe "
             "instead (Plan.to_code() shows a module filter)"
         )
     dtype = compute_dtype(the_plan.candidate)
