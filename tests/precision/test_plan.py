@@ -54,6 +54,12 @@ def test_unscaled_attention_is_found_and_fixed():
     model, x = model_with(scaled=False)
     compared = fpdoctor.compare(model, x, candidate="fp16")
     assert compared.first_divergent == "1.attn"
+    # the block and the model around it are non-finite too, but only because of 1.attn
+    by_name = {r.module: r for r in compared.rows}
+    assert by_name["1"].inherited and by_name[""].inherited and not by_name["1"].diverged
+    assert compared.report.by_name("precision-divergence")[0].evidence["count"] == 1
+    table = {row[0]: row for row in compared.report.data["table"]["rows"]}
+    assert table["1.attn"][4] == "non-finite diverges" and table["1"][4] == "non-finite (from inside)"
     result = fpdoctor.plan(model, x, candidate="fp16")
     assert result.plan.verified and "1.attn" in result.plan.keep_fp32
     assert result.plan.baseline_error == float("inf") and result.plan.final_error <= result.plan.tolerance

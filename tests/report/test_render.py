@@ -72,3 +72,16 @@ def test_color_only_when_asked(h20_report):
 def test_unknown_format():
     with pytest.raises(ValueError, match="unknown format"):
         render({}, "yaml")
+
+
+@pytest.mark.parametrize("fmt", ["text", "markdown", "html"])
+def test_a_results_table_is_rendered_in_every_format(h20_report, fmt):
+    report = dict(h20_report, data={"table": {"title": "Per module", "columns": ["module", "x | y"], "rows": [
+        ["encoder.layer.0", "57.4"], ["<root>", "non-finite"]
+    ]}})  # fmt: skip
+    got = render(report, fmt, color=False, width=100)
+    assert "Per module" in got and "encoder.layer.0" in got and "non-finite" in got
+    if fmt == "markdown":
+        assert "| module | x \\| y |" in got and "| &lt;root&gt;" not in got
+    if fmt == "html":
+        assert "<td>&lt;root&gt;</td>" in got and "<th>x | y</th>" in got

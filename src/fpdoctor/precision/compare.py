@@ -198,9 +198,15 @@ class ModuleRow:
             return None
         return math.inf if math.isinf(self.isolated) else self.isolated / max(self.floor, 1e-300)
 
+    inherited: bool = False  # a container above the floor only because a module inside it diverges
+
+    @property
+    def exceeds(self) -> bool:
+        return self.ratio is not None and (math.isinf(self.ratio) or self.ratio > DIVERGENCE_RATIO)
+
     @property
     def diverged(self) -> bool:
-        return self.ratio is not None and (math.isinf(self.ratio) or self.ratio > DIVERGENCE_RATIO)
+        return self.exceeds and not self.inherited
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -219,6 +225,7 @@ class ModuleRow:
             "reference_rel": self.reference,
             "ratio": self.ratio,
             "diverged": self.diverged,
+            "inherited": self.inherited,
             "nonfinite": self.nonfinite,
             "out_of_range": self.out_of_range,
         }
@@ -504,6 +511,9 @@ def _compare(
 
         _hooked(truth_run, inputs, torch.float64, pre=suspect_pre, post=lambda *a: None)
         rows = _rows(seen)
+        for row in rows:  # post-order: a container comes after everything inside it
+            if not row.leaf and row.exceeds:
+                row.inherited = any(c.exceeds for c in _children(rows, row.module, row.call))
     result = _report(
         rows,
         candidate=candidate,
@@ -665,7 +675,9 @@ def _report(
         ("first divergent module", f"`{first.module or '<root>'}`" if first else "none"),
         ("end-to-end error", _fmt_error(final.propagated, final.cosine) if final else "-"),
     ]
-    ranked = sorted((r for r in rows if r.ratio is not None), key=lambda r: r.ratio or 0.0, reverse=True)
+    ranked = sorted(
+        (r for r in rows if r.ratio is not None and not r.inherited), key=lambda r: r.ratio or 0.0, reverse=True
+    )
     if ranked:
         worst = ", ".join(
             f"`{r.module or '<root>'}` " + ("non-finite" if math.isinf(r.ratio or 0.0) else f"{r.ratio:.2g}x")
@@ -679,11 +691,50 @@ def _report(
             "summary": summary,
             "modules": [r.as_dict() for r in rows],
             "not_checked": notes,
+            "table": _table(rows),
             "divergence_ratio": DIVERGENCE_RATIO,
             "peak_compare_bytes": peak,
         },
     )
     return CompareResult(report, rows, first.module if first else None, peak)
+
+
+TABLE_ROWS = 24  # text, markdown and html show at most this many modules; JSON has them all
+
+
+def _table(rows: list[ModuleRow]) -> dict[str, Any]:
+    """The per-module error profile, in model order; for large models the rows that matter most."""
+    shown = rows
+    title = "Per module, in model order: SQNR against fp64 in dB (higher is better)"
+    if len(rows) > TABLE_ROWS:
+        worst = sorted(range(len(rows)), key=lambda k: -(rows[k].ratio or 0.0))[: TABLE_ROWS - 1]
+        shown = [rows[k] for k in sorted({*worst, len(rows) - 1})]  # and the output, last in post-order
+        title += f"; the {len(shown)} of {len(rows)} with the largest isolated error / floor (JSON has all)"
+
+    def db(value: float | None) -> str:
+        return "-" if value is None else "non-finite" if math.isinf(value) else f"{_sqnr_db(value):.1f}"
+
+    def ratio(r: ModuleRow) -> str:
+        if r.ratio is None:
+            return "-"
+        verdict = " diverges" if r.diverged else " (from inside)" if r.inherited else ""
+        return ("non-finite" if math.isinf(r.ratio) else f"{r.ratio:.2g}x") + verdict
+
+    return {
+        "title": title,
+        "columns": ["module", "propagated", "isolated", "floor", "isolated / floor", "non-finite"],
+        "rows": [
+            [
+                (r.module or "<root>") + (f" #{r.call}" if r.call else ""),
+                db(r.propagated),
+                db(r.isolated),
+                db(r.floor),
+                ratio(r),
+                str(r.nonfinite) if r.nonfinite else "",
+            ]
+            for r in shown
+        ],
+    }
 
 
 def _fix(module: str, candidate: str) -> str:

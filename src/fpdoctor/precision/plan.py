@@ -171,7 +171,7 @@ def plan(
 
     baseline = error([])
     ranked = sorted(
-        (r for r in result.rows if r.ratio is not None and r.module),
+        (r for r in result.rows if r.ratio is not None and r.module and not r.inherited),
         key=lambda r: -(r.ratio if r.ratio is not None else 0.0),
     )
     keep: list[str] = []

@@ -1,8 +1,9 @@
 """Renderers: a report dict in, text out. They format; they never compute or collect.
 
 All formats render the *redacted* dict from `Report.to_dict()`, so a secret cannot reach any
-of them. Capabilities that want a facts table put rows in ``data["summary"]`` (label, value)
-and unchecked sources in ``data["not_checked"]``; renderers show both when present.
+of them. Capabilities that want a facts table put rows in ``data["summary"]`` (label, value),
+a results table in ``data["table"]`` ({"title", "columns", "rows"} of strings) and unchecked
+sources in ``data["not_checked"]``; renderers show each when present.
 """
 
 from __future__ import annotations
@@ -71,6 +72,16 @@ def render_text(report: dict[str, Any], *, color: bool = False, width: int = 100
         console.print()
         console.print(table)
 
+    results = report["data"].get("table")
+    if results:
+        table = Table(title=escape(results["title"]), title_justify="left", box=None, pad_edge=False)
+        for k, column in enumerate(results["columns"]):
+            table.add_column(escape(column), justify="left" if k == 0 else "right", style="bold" if k == 0 else None)
+        for row in results["rows"]:
+            table.add_row(*(escape(str(cell)) for cell in row))
+        console.print()
+        console.print(table)
+
     for finding in report["findings"]:
         console.print()
         line = Text()
@@ -121,6 +132,13 @@ def render_markdown(report: dict[str, Any]) -> str:
         out += ["| fact | value |", "|---|---|"]
         out += [f"| {_md_cell(k)} | {_md_cell(v)} |" for k, v in summary]
         out.append("")
+    results = report["data"].get("table")
+    if results:
+        out += [f"**{_md_cell(results['title'])}**", ""]
+        out.append("| " + " | ".join(_md_cell(c) for c in results["columns"]) + " |")
+        out.append("|" + "---|" * len(results["columns"]))
+        out += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in results["rows"]]
+        out.append("")
     if report["findings"]:
         out += ["| severity | code | name | title |", "|---|---|---|---|"]
         for f in report["findings"]:
@@ -162,6 +180,11 @@ def render_html(report: dict[str, Any]) -> str:
     summary = "".join(
         f"<tr><th>{esc(str(k))}</th><td>{esc(str(v))}</td></tr>" for k, v in report["data"].get("summary", [])
     )
+    results, results_html = report["data"].get("table"), ""
+    if results:
+        cells = ["<tr>" + "".join(f"<th>{esc(c)}</th>" for c in results["columns"]) + "</tr>"]
+        cells += ["<tr>" + "".join(f"<td>{esc(str(c))}</td>" for c in row) + "</tr>" for row in results["rows"]]
+        results_html = f"<h2>{esc(results['title'])}</h2><table>{''.join(cells)}</table>"
     return (
         "<!doctype html><html><head><meta charset='utf-8'>"
         f"<title>fpdoctor {esc(report['command'])}</title><style>"
@@ -170,7 +193,7 @@ def render_html(report: dict[str, Any]) -> str:
         "tr.error td:first-child{color:#b00}tr.warning td:first-child{color:#a60}"
         "pre{white-space:pre-wrap;margin:0}</style></head><body>"
         f"<h1>fpdoctor {esc(report['command'])}: {esc(report['verdict'])}</h1>"
-        f"<table>{summary}</table><h2>Findings</h2>"
+        f"<table>{summary}</table>{results_html}<h2>Findings</h2>"
         "<table><tr><th>severity</th><th>code</th><th>what</th><th>fix</th></tr>"
         + "".join(rows)
         + "</table></body></html>\n"
