@@ -36,7 +36,7 @@ def diagnose() -> Report:
         *report.data["summary"],
         (
             "rowwise recipe",
-            f"end-to-end {rowwise.report.data['summary'][-1][1]}; "
+            f"end-to-end error {dict(rowwise.report.data['summary'])['end-to-end error']}; "
             f"first divergent module: {rowwise.first_divergent or 'none'}",
         ),
     ]

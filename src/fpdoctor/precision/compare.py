@@ -722,7 +722,7 @@ def _table(rows: list[ModuleRow]) -> dict[str, Any]:
 
     return {
         "title": title,
-        "columns": ["module", "propagated", "isolated", "floor", "isolated / floor", "non-finite"],
+        "columns": ["module", "propagated", "isolated", "floor", "isolated/floor", "NaN/Inf"],
         "rows": [
             [
                 (r.module or "<root>") + (f" #{r.call}" if r.call else ""),

@@ -75,8 +75,17 @@ def render_text(report: dict[str, Any], *, color: bool = False, width: int = 100
     results = report["data"].get("table")
     if results:
         table = Table(title=escape(results["title"]), title_justify="left", box=None, pad_edge=False)
+        widths = [max(len(str(c)) for c in [column, *(row[k] for row in results["rows"])]) for k, column in
+                  enumerate(results["columns"])]  # fmt: skip
         for k, column in enumerate(results["columns"]):
-            table.add_column(escape(column), justify="left" if k == 0 else "right", style="bold" if k == 0 else None)
+            # the first column names things (module paths): as wide as the others leave, then folded
+            table.add_column(
+                escape(column),
+                justify="left" if k == 0 else "right",
+                overflow="fold" if k == 0 else "ellipsis",
+                no_wrap=k > 0,
+                min_width=min(widths[0], width - sum(widths[1:]) - 2 * len(widths)) if k == 0 else None,
+            )
         for row in results["rows"]:
             table.add_row(*(escape(str(cell)) for cell in row))
         console.print()
