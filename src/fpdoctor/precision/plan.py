@@ -245,5 +245,10 @@ def _report(the_plan: Plan, compared: Report) -> Report:
     return Report(
         command="plan",
         findings=findings,
-        data={"summary": summary, "plan": the_plan.as_dict(), "modules": compared.data.get("modules", [])},
+        data={
+            "summary": summary,
+            "plan": the_plan.as_dict(),
+            "table": compared.data.get("table"),  # compare's profile: why these modules
+            "modules": compared.data.get("modules", []),
+        },
     )
