@@ -170,10 +170,11 @@ def _copy_as(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 def resolve_fp8_kernel(kernel: str, device: torch.device) -> str:
-    """ "scaled_mm" (the real fp8 GEMM, falling back per layer where it does not run), "fake"
-    (quantize, dequantize, fp32 GEMM), or for "auto" the first where the device has fp8 tensor
-    cores (CUDA compute capability 8.9 or newer) and the second elsewhere: on CPU _scaled_mm is
-    a reference loop with fake-quant's numerics (exact products, fp32 sums), hundreds of times slower."""
+    """Which fp8 GEMM the fp8 candidates run: "scaled_mm" (the real one, falling back per layer
+    where it does not run), "fake" (quantize, dequantize, fp32 GEMM), or for "auto" the first
+    where the device has fp8 tensor cores (CUDA compute capability 8.9 or newer) and the second
+    elsewhere: on CPU _scaled_mm is a reference loop with fake-quant's numerics (exact products,
+    fp32 sums), hundreds of times slower."""
     kernel = check_name(kernel, FP8_KERNELS, "fp8 kernel")
     if kernel != "auto":
         return kernel
