@@ -12,7 +12,7 @@ simulated fp16-accumulate are printed beside it.
 Memory: the working memory of `compare` = its peak resident memory - the resident memory just
 before the call - the weight copies it makes (fp64 and fp16: O(parameters), reported apart).
 Measured at 12 and 24 layers: O(largest activation) means it must not grow with depth beyond the
-few kilobytes of samples kept per module call.
+64 KiB sample kept per module call.
 
 Run: python benchmarks/bench_compare.py [--rounds N]
 """
