@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import fpdoctor
-from fpdoctor.precision.compare import DIVERGENCE_RATIO, ReferenceFailed
+from fpdoctor.precision.compare import ReferenceFailed
+from fpdoctor.precision.profile import DIVERGENCE_RATIO
 from tests.conftest import load_minilm
 
 
@@ -136,12 +137,12 @@ def test_fp8_outlier_channels_tensorwise_vs_rowwise():
 
 @pytest.mark.parametrize("candidate", ["fp16", "bf16", "fp8-e4m3", "fp8-e5m2-rowwise", "fp16-accumulate"])
 def test_isolated_error_on_a_row_subset_matches_the_full_rerun(monkeypatch, candidate):
-    from fpdoctor.precision import compare as compare_module
+    from fpdoctor.precision import metrics
 
     model, x = mlp(), torch.randn(8, 128, 64)  # 1024 rows: isolated re-runs compute 64 of them
     subset = {r.module: r for r in fpdoctor.compare(model, x, candidate=candidate).rows if r.leaf}
     assert {name: r.isolated_rows for name, r in subset.items()} == dict.fromkeys(["0", "1", "2", "3", "4"], 64)
-    monkeypatch.setattr(compare_module, "ROWS", 10**9)
+    monkeypatch.setattr(metrics, "ROWS", 10**9)
     full = {r.module: r for r in fpdoctor.compare(model, x, candidate=candidate).rows if r.leaf}
     for name, row in full.items():
         assert row.isolated_rows is None

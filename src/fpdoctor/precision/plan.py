@@ -29,8 +29,10 @@ from fpdoctor.precision.candidates import (
     run_flags,
     split_inputs,
 )
-from fpdoctor.precision.compare import DIVERGENCE_RATIO, _flat, _rel, compare
+from fpdoctor.precision.compare import compare
+from fpdoctor.precision.metrics import flat_sample, rel_error
 from fpdoctor.precision.names import PLAN_CANDIDATES
+from fpdoctor.precision.profile import DIVERGENCE_RATIO
 from fpdoctor.report.model import Report
 
 # real dtypes (fp16-accumulate's fix is fp16 with the kept modules in fp32); fp8 belongs to the user's recipe
@@ -119,10 +121,10 @@ def _final_error(
     args, kwargs = split_inputs(cast_inputs(inputs, compute_dtype(candidate)))
     try:
         with torch.no_grad():
-            out = _flat(run(*args, **kwargs))
+            out = flat_sample(run(*args, **kwargs))
     except RuntimeError:  # an fp32 output reached a module still in the candidate dtype
         return math.inf
-    return math.inf if out is None or out.numel() != truth.numel() else _rel(out, truth)
+    return math.inf if out is None or out.numel() != truth.numel() else rel_error(out, truth)
 
 
 def plan(
@@ -143,7 +145,7 @@ def plan(
     args, kwargs = split_inputs(cast_inputs(inputs, torch.float64))
     flags = run_flags(candidate, model_device(model))  # module by module, as compare ran them
     with torch.no_grad(), flags:
-        truth = _flat(truth_run(*args, **kwargs))
+        truth = flat_sample(truth_run(*args, **kwargs))
     if truth is None:
         raise ValueError("the model's output has no floating tensor to judge")
     # Modules whose fp64 output does not fit the candidate's range keep fp32 outputs when kept.

@@ -1,0 +1,124 @@
+"""How compare measures: evenly strided samples, row subsets of row-local modules, and error
+metrics taken in float64 on those samples."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from fpdoctor.numerics.trace import _tensors
+from fpdoctor.precision.candidates import Fp8Linear, Fp16AccumulateLinear, compute_dtype, fp8_quantize
+
+# Errors are measured on an evenly strided sample of at most SAMPLE values per module output:
+# the relative L2 error of 8192 values is within a few percent of the full tensor's, far finer
+# than the 16x divergence threshold, and the cost and memory per module stay independent of the
+# activation size. Non-finite values are detected exactly, on every element.
+SAMPLE = 8192
+
+# The isolated re-run of a leaf whose rows are computed independently of each other (Linear, norms,
+# activations) computes ROWS of them, evenly spread, instead of all: at 1024 rows that is 1/16 of
+# the GEMM work, and 64 rows of a layer give a relative error as steady as the whole output's.
+# A non-finite value in a row left out is still caught: the candidate pass sees every element,
+# and such a leaf is re-run in full.
+ROWS = 64
+# Exact types: a subclass may override forward with something that mixes rows (it is re-run in full).
+_ROW_LOCAL = {
+    nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear, Fp8Linear, Fp16AccumulateLinear,
+    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU,
+    nn.Hardswish, nn.Hardtanh, nn.Softplus, nn.Dropout, nn.Identity,
+}  # fmt: skip
+_NORMS = {t for t in (nn.LayerNorm, getattr(nn, "RMSNorm", None)) if t is not None}
+
+
+def row_width(module: nn.Module) -> int | None:
+    """How many trailing dims make one independent row of `module`; None when rows interact."""
+    if type(module) in _ROW_LOCAL:
+        return 1
+    if type(module) in _NORMS:
+        shape: tuple[int, ...] = module.normalized_shape  # type: ignore[assignment]
+        return len(shape)
+    return None
+
+
+def row_subset(
+    module: nn.Module, args: Any, kwargs: Any, output: Any
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]] | None:
+    """(ROWS input rows, the fp64 output's same rows, keyword arguments for the re-run) for a
+    row-local leaf called on one tensor."""
+    width = row_width(module)
+    if width is None or kwargs or len(args) != 1 or not isinstance(output, torch.Tensor):
+        return None
+    (x,) = args
+    if not isinstance(x, torch.Tensor) or x.dim() <= width or x.shape[:-width] != output.shape[:-width]:
+        return None
+    n = math.prod(x.shape[:-width])
+    if n <= ROWS:
+        return None
+    index = torch.linspace(0, n - 1, ROWS, dtype=torch.float64).round().long().to(x.device)
+    # a tensorwise fp8 scale comes from all rows, so the re-run gets the whole input's amax
+    extra = {"input_amax": x.abs().amax()} if isinstance(module, Fp8Linear) and not module.rowwise else {}
+    return x.reshape(n, *x.shape[-width:])[index], output.reshape(n, *output.shape[-width:])[index], extra
+
+
+def flat_sample(value: Any, dtype: torch.dtype = torch.float64) -> torch.Tensor | None:
+    parts = [
+        t.detach().reshape(-1)
+        for t in _tensors(value)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0
+    ]
+    if not parts:
+        return None
+    step = max(1, sum(p.numel() for p in parts) // SAMPLE)
+    # Each part is sampled before it is converted (never a full-size copy), and the result is always
+    # a copy: a strided view would keep the whole activation alive for the entire run.
+    if len(parts) == 1:
+        return parts[0][::step].to(device="cpu", dtype=dtype, copy=True)
+    return torch.cat([p[::step].to(device="cpu", dtype=dtype) for p in parts])
+
+
+def all_finite(value: Any) -> bool:
+    """Exact and cheap: a float32-accumulated sum is non-finite iff some element is."""
+    return all(
+        math.isfinite(float(t.detach().sum(dtype=torch.float32)))
+        for t in _tensors(value)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0
+    )
+
+
+def l2_norm(x: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(x, dtype=torch.float64))  # accumulated in float64
+
+
+def rel_error(a: torch.Tensor, truth: torch.Tensor, truth_norm: float | None = None) -> float:
+    """Relative L2 error; inf when a holds NaN/Inf (its difference norm is then not finite).
+
+    Operands are float64 samples, so an fp32 candidate's ~1e-7 errors are resolved too."""
+    norm = l2_norm(truth) if truth_norm is None else truth_norm
+    diff = l2_norm(a - truth)
+    if not math.isfinite(diff):
+        return math.inf
+    return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
+
+
+def cosine(a: torch.Tensor, truth: torch.Tensor, truth_norm: float) -> float | None:
+    """Cosine similarity in float64; None when a is non-finite or either side is all zeros."""
+    a64 = a.double()
+    a_norm = l2_norm(a64)
+    if not math.isfinite(a_norm) or a_norm == 0 or truth_norm == 0:
+        return None
+    return float(torch.dot(a64, truth)) / (a_norm * truth_norm)
+
+
+def sqnr_db(rel: float) -> float:
+    return math.inf if rel == 0 else (-math.inf if math.isinf(rel) else -20.0 * math.log10(rel))
+
+
+def round_to(t: torch.Tensor, candidate: str) -> torch.Tensor:
+    """The output rounded to the candidate's format: the floor that rounding alone causes."""
+    if candidate.startswith("fp8"):
+        fp8 = torch.float8_e5m2 if "e5m2" in candidate else torch.float8_e4m3fn
+        return fp8_quantize(t, fp8, rowwise=False).to(t.dtype)
+    return t.to(compute_dtype(candidate)).to(t.dtype)
