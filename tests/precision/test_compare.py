@@ -174,3 +174,22 @@ def test_fp8_underflow_counts_only_values_that_matter_in_their_row():
     row = fp8.linear_stats("ffn", x, torch.randn(64, 512), torch.float8_e4m3fn)
     assert row["input_tensorwise_underflow"] < 0.001 and row["input_tensorwise_sqnr_db"] > 25
     assert fp8.findings([row]) == []
+
+
+def test_compare_leaves_a_module_that_updates_its_buffers_untouched():
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+            self.register_buffer("seen", torch.zeros(8))
+
+        def forward(self, x):
+            self.seen.add_(x.detach().abs().sum(0))  # a running statistic, updated in place
+            return self.linear(x)
+
+    model = Counting()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for candidate in ("fp32", "fp8-e4m3", "fp16"):
+        fpdoctor.compare(model, torch.randn(4, 8), candidate=candidate)
+    fpdoctor.plan(model, torch.randn(4, 8), candidate="bf16")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -158,14 +158,17 @@ def _replace_linears(model: nn.Module, make: Any) -> None:
 
 def _copy_as(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """deepcopy with floating parameters and buffers converted on the way, so a full-size copy in
-    the original dtype never exists next to the converted one (memory is O(one copy))."""
+    the original dtype never exists next to the converted one (memory is O(one copy)).
+
+    A parameter already in `dtype` is shared, not copied (our runs only read weights); buffers
+    are always copied, as some modules update theirs in place during the forward."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
         if p.is_floating_point():
             memo[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
     for b in model.buffers():
         if b.is_floating_point():
-            memo[id(b)] = b.detach().to(dtype)
+            memo[id(b)] = b.detach().to(dtype, copy=True)
     return copy.deepcopy(model, memo)
 
 
