@@ -112,3 +112,13 @@ def test_real_minilm_with_one_submodule_cast():
     mismatch = report.by_name("dtype-mismatch")[0]
     assert mismatch.where["module"].startswith("encoder.layer.2.attention")
     assert "model.encoder.layer.2.attention.to(torch.float32)" in mismatch.fix
+
+
+def test_audit_forward_leaves_running_statistics_and_rng_untouched():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5)).train()
+    x, before = torch.randn(16, 8), {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    fpdoctor.audit(model, x)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # BatchNorm ran in training mode
+    assert torch.equal(torch.get_rng_state(), rng) and model.training

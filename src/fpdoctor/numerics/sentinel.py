@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from fpdoctor import catalog
+from fpdoctor.preserve import RngState, preserved
 from fpdoctor.report.model import Finding, Report
 
 SPIKE_WINDOW = 32
@@ -39,22 +40,6 @@ class StepOutcome:
     finite: bool
     skipped: bool
     verdict: str | None = None  # "deterministic-nonfinite" / "transient-fault-suspected"
-
-
-@dataclass
-class _RngState:
-    cpu: torch.Tensor
-    cuda: list[torch.Tensor] | None = None
-
-    @classmethod
-    def capture(cls) -> _RngState:
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        return cls(torch.get_rng_state(), cuda)
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
 
 
 @dataclass
@@ -102,7 +87,7 @@ class Sentinel:
         return math.isfinite(lv) and math.isfinite(gv), lv, gv
 
     def step(self, step_fn: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
-        rng = _RngState.capture()
+        rng = RngState.capture()
         loss = step_fn(*args, **kwargs)
         self.steps += 1
         step = self.steps
@@ -199,18 +184,17 @@ class Sentinel:
                 )
         history.append(loss_value)
 
-    def _replay(self, step: int, rng: _RngState, step_fn: Callable[..., torch.Tensor], args: Any, kwargs: Any) -> str:
+    def _replay(self, step: int, rng: RngState, step_fn: Callable[..., torch.Tensor], args: Any, kwargs: Any) -> str:
         from fpdoctor.numerics.api import trace
 
-        after = _RngState.capture()
-        buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
         for p in self._params:
             p.grad = None
-        rng.restore()
         try:
-            with trace(self.model, headroom=False) as t:
-                replay_loss = step_fn(*args, **kwargs)
-            finite, loss_value, _ = self.check(replay_loss)
+            with preserved(self.model):  # the replay's RNG draws and buffer updates stay in the replay
+                rng.restore()
+                with trace(self.model, headroom=False) as t:
+                    replay_loss = step_fn(*args, **kwargs)
+                finite, loss_value, _ = self.check(replay_loss)
         except Exception as exc:
             self.findings.append(
                 catalog.make(
@@ -221,12 +205,6 @@ class Sentinel:
                 )
             )
             return "replay-failed"
-        finally:
-            with torch.no_grad():
-                for name, b in self.model.named_buffers():
-                    if name in buffers:
-                        b.copy_(buffers[name])
-            after.restore()
         assert t.report is not None
         culprits = [f for f in t.report.findings if f.name in ("nonfinite-produced", "nonfinite-input")]
         if not finite or culprits:

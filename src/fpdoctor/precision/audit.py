@@ -24,6 +24,7 @@ from fpdoctor import catalog
 from fpdoctor.numerics.modules import ModuleTracker
 from fpdoctor.numerics.trace import _tensors, user_location
 from fpdoctor.precision.candidates import split_inputs
+from fpdoctor.preserve import preserved
 from fpdoctor.report.model import Finding, Report, Severity
 
 _DTYPE_ERROR = re.compile(
@@ -334,7 +335,7 @@ def audit(model: nn.Module, inputs: Any = None) -> AuditResult:
         tracker = ModuleTracker([model])
         mode = _Origins(tracker, names)
         error: BaseException | None = None
-        with torch.no_grad(), tracker:
+        with torch.no_grad(), tracker, preserved(model):  # its dropout draws and running statistics stay here
             try:
                 with mode:
                     model(*args, **kwargs)
