@@ -26,6 +26,12 @@ class RngState:
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         return cls(torch.get_rng_state(), cuda)
 
+    def same(self, other: RngState) -> bool:
+        cuda_same = (self.cuda is None) == (other.cuda is None) and all(
+            torch.equal(a, b) for a, b in zip(self.cuda or [], other.cuda or [], strict=True)
+        )
+        return torch.equal(self.cpu, other.cpu) and cuda_same
+
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         if self.cuda is not None:

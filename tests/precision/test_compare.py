@@ -193,3 +193,54 @@ def test_compare_leaves_a_module_that_updates_its_buffers_untouched():
         fpdoctor.compare(model, torch.randn(4, 8), candidate=candidate)
     fpdoctor.plan(model, torch.randn(4, 8), candidate="bf16")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class NoiseLeaf(nn.Module):
+    def forward(self, x):
+        return x + 0.1 * torch.randn_like(x)
+
+
+class Noisy(nn.Module):
+    """Samples noise in its own forward, as diffusion and video models do; one leaf does too."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = nn.Sequential(nn.Linear(32, 64), NoiseLeaf(), nn.Linear(64, 32))
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = self.inner(x + torch.randn_like(x))
+        return self.head(h + 0.5 * torch.randn_like(h))
+
+
+@pytest.mark.parametrize("candidate", ["fp32", "fp16", "bf16"])
+def test_passes_draw_the_same_noise_and_the_users_rng_is_left_alone(candidate):
+    model, x = Noisy(), torch.randn(16, 32)
+    rng = torch.get_rng_state()
+    result = fpdoctor.compare(model, x, candidate=candidate, device="cpu" if candidate == "fp32" else None)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert result.first_divergent is None, [(r.module, r.ratio) for r in result.rows]
+    assert all(r.ratio is not None and r.ratio < 4 for r in result.rows if r.leaf)  # incl. the noise leaf
+    assert result.rows[-1].propagated < (1e-5 if candidate == "fp32" else 2e-2)
+    assert len(result.noise) == 3 and dict(result.report.data["summary"])["random draws"].startswith("3 made by")
+    if candidate != "fp32":
+        planned = fpdoctor.plan(model, x, candidate=candidate)
+        assert torch.equal(torch.get_rng_state(), rng)
+        assert planned.plan.keep_fp32 == [] and planned.plan.baseline_error == pytest.approx(
+            result.rows[-1].propagated, rel=1e-6
+        )
+
+
+def test_draws_that_differ_between_precisions_are_said_to():
+    class ShapeByDtype(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x):
+            n = 8 if x.dtype == torch.float64 else 4
+            return self.linear(x) + torch.randn(n).sum()
+
+    result = fpdoctor.compare(ShapeByDtype(), torch.randn(4, 8), candidate="fp16")
+    assert "those errors include different noise" in result.report.data["not_checked"]["random draws"]

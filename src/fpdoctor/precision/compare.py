@@ -26,6 +26,7 @@ floor, so only what goes beyond the reference's own rounding is called a diverge
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,7 +60,9 @@ from fpdoctor.precision.metrics import (
     round_to,
     row_subset,
 )
+from fpdoctor.precision.noise import RecordNoise, ReplayNoise
 from fpdoctor.precision.profile import DIVERGENCE_RATIO, CompareResult, ModuleRow, build_report, children
+from fpdoctor.preserve import RngState
 
 
 class ReferenceFailed(RuntimeError):
@@ -93,9 +96,12 @@ def _hooked(
     *,
     pre: Callable[..., None] | None,
     post: Callable[..., None],
+    rng: RngState,
     device: torch.device | None = None,
+    noise: ReplayNoise | None = None,
 ) -> None:
-    """Run `run` on `inputs` (cast to `dtype`) with hooks that get (name, call index, ...)."""
+    """Run `run` on `inputs` (cast to `dtype`) with hooks that get (name, call index, ...), from
+    RNG state `rng`, and with `noise` replaying the draws the fp64 run made (see noise.py)."""
     calls: dict[str, int] = {}
     handles = []
     for name, module in run.named_modules():
@@ -113,8 +119,11 @@ def _hooked(
 
         handles.append(module.register_forward_hook(on_post))
     args, kwargs = split_inputs(cast_inputs(inputs, dtype, device))
+    rng.restore()
+    if noise is not None:
+        noise.position = 0
     try:
-        with torch.no_grad():
+        with torch.no_grad(), noise if noise is not None else contextlib.nullcontext():
             run(*args, **kwargs)
     finally:
         for h in handles:
@@ -149,16 +158,21 @@ def compare(
     check_name(fp8_kernel, FP8_KERNELS, "fp8 kernel")
     cand_device = check_device(device) if device is not None else None
     on = cand_device or model_device(model)  # where the candidate runs: its kernels and flags are chosen for it
-    with run_flags(candidate, on) as flags:
-        result = _compare(
-            model,
-            inputs,
-            candidate=candidate,
-            reference=reference,
-            cand_device=cand_device,
-            on=on,
-            fp8_kernel=fp8_kernel,
-        )
+    rng = RngState.capture()  # every pass starts from it; the user's RNG is left as it was
+    try:
+        with run_flags(candidate, on) as flags:
+            result = _compare(
+                model,
+                inputs,
+                candidate=candidate,
+                reference=reference,
+                cand_device=cand_device,
+                on=on,
+                fp8_kernel=fp8_kernel,
+                rng=rng,
+            )
+    finally:
+        rng.restore()
     if flags:
         allowed = flags["allow_fp16_reduced_precision_reduction"]
         result.report.data["flags"] = flags
@@ -181,6 +195,7 @@ def _compare(
     cand_device: torch.device | None,
     on: torch.device,
     fp8_kernel: str,
+    rng: RngState,
 ) -> CompareResult:
     was_training = model.training
     model.eval()
@@ -210,8 +225,23 @@ def _compare(
     # On another device the kernels are picked by shape, so a few rows would not run the same ones.
     subsets = cand_device is None or cand_device.type == "cpu"
 
-    def isolated(name: str, args: Any, kwargs: Any, entry: _Seen, output: Any = None) -> None:
-        """Re-run the candidate's and the reference's `name` on the fp64 inputs (all rows, or ROWS)."""
+    noise: ReplayNoise | None = None  # set when the forward draws random numbers itself
+
+    def mark() -> tuple[RngState, int]:
+        return RngState.capture(), 0 if noise is None else noise.position
+
+    def goto(where: tuple[RngState, int]) -> None:
+        where[0].restore()
+        if noise is not None:
+            noise.position = where[1]
+
+    def isolated(
+        name: str, args: Any, kwargs: Any, entry: _Seen, *, start: tuple[RngState, int], output: Any = None
+    ) -> None:
+        """Re-run the candidate's and the reference's `name` on the fp64 inputs (all rows, or ROWS),
+        each from where the fp64 module started (`start`: RNG state, next recorded draw), so they
+        get the same random numbers; the fp64 pass then goes on from where it was."""
+        after = mark()
         rows = row_subset(cand_modules[name], args, kwargs, output) if subsets and output is not None else None
         if rows is not None:
             x, truth, extra = rows[0], rows[1].reshape(-1), rows[2]
@@ -221,6 +251,7 @@ def _compare(
             x, truth, norm, extra = None, entry.truth, entry.norm, {}
             entry.isolated_rows = None
         try:
+            goto(start)
             entry.isolated, entry.isolated_cosine = _rerun(
                 cand_modules[name],
                 x,
@@ -236,6 +267,7 @@ def _compare(
             entry.isolated = entry.isolated_cosine = None
         if name in ref_modules:
             try:
+                goto(start)
                 entry.reference = _rerun(
                     ref_modules[name], x, args, kwargs, dtype=ref_dtype, device=None, truth=truth, norm=norm
                 )[0]
@@ -243,15 +275,16 @@ def _compare(
                 raise ReferenceFailed(
                     f"the model fails in the {reference} reference run, at `{name}`: {type(exc).__name__}: {exc}"
                 ) from exc
+        goto(after)
 
-    pending_inputs: dict[tuple[str, int], tuple[Any, Any]] = {}
+    pending_inputs: dict[tuple[str, int], tuple[Any, Any, tuple[RngState, int]]] = {}
 
     def truth_pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
-        pending_inputs[(name, index)] = (args, kwargs)
+        pending_inputs[(name, index)] = (args, kwargs, mark())
 
     def truth_post(name: str, index: int, args: Any, output: Any) -> None:
         key = (name, index)
-        call_args, call_kwargs = pending_inputs.pop(key, (args, {}))
+        call_args, call_kwargs, start = pending_inputs.pop(key, (args, {}, mark()))
         if isinstance(output, torch.Tensor) and any(a is output for a in call_args):
             return  # an identity in this mode (Dropout in eval, Identity): nothing new to judge
         t = flat_sample(output)
@@ -266,21 +299,32 @@ def _compare(
         )
         entry.rounding = rel_error(round_to(t, candidate), t, entry.norm)
         if entry.leaf:
-            isolated(name, call_args, call_kwargs, entry, output)
+            isolated(name, call_args, call_kwargs, entry, start=start, output=output)
             if fp8_dtype is not None and name in linears and call_args:
                 fp8_rows.append(fp8.linear_stats(name, call_args[0], linears[name].weight, fp8_dtype))
         else:
             entry.inputs = flat_sample((call_args, call_kwargs))
         seen[key] = entry
 
-    try:
-        _hooked(truth_run, inputs, torch.float64, pre=truth_pre, post=truth_post)
-    except ReferenceFailed:
-        raise
-    except Exception as exc:
-        raise ReferenceFailed(
-            f"the model fails in the reference run (its fp64 copy): {type(exc).__name__}: {exc}"
-        ) from exc
+    def truth_pass() -> None:
+        seen.clear()
+        fp8_rows.clear()
+        try:
+            _hooked(truth_run, inputs, torch.float64, pre=truth_pre, post=truth_post, rng=rng, noise=noise)
+        except ReferenceFailed:
+            raise
+        except Exception as exc:
+            raise ReferenceFailed(
+                f"the model fails in the reference run (its fp64 copy): {type(exc).__name__}: {exc}"
+            ) from exc
+
+    truth_pass()
+    if not rng.same(RngState.capture()):
+        # The forward draws random numbers itself: record them in a plain fp64 run, then run the
+        # fp64 pass again, now with every re-run and every other pass getting the same draws.
+        noise = ReplayNoise(_record_noise(truth_run, inputs, rng))
+        subsets = False  # a leaf's draws on fewer rows would not match the recorded ones
+        truth_pass()
 
     cand_inputs: dict[tuple[str, int], Any] = {}
 
@@ -312,7 +356,7 @@ def _compare(
                 entry.candidate_inputs = rel_error(c_in, entry.inputs) if all_finite(call) else math.inf
 
     try:
-        _hooked(cand_run, inputs, cand_dtype, pre=cand_pre, post=cand_post, device=cand_device)
+        _hooked(cand_run, inputs, cand_dtype, pre=cand_pre, post=cand_post, rng=rng, device=cand_device, noise=noise)
     except Exception as exc:  # the candidate failing is a finding, not a usage error
         notes["candidate run"] = f"the {label} run raised {type(exc).__name__}: {exc}"
 
@@ -334,13 +378,15 @@ def _compare(
 
         def suspect_pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
             if (name, index) in suspects:
-                isolated(name, args, kwargs, seen[(name, index)])
+                isolated(name, args, kwargs, seen[(name, index)], start=mark())
 
-        _hooked(truth_run, inputs, torch.float64, pre=suspect_pre, post=lambda *a: None)
+        _hooked(truth_run, inputs, torch.float64, pre=suspect_pre, post=lambda *a: None, rng=rng, noise=noise)
         rows = _rows(seen)
         for row in rows:  # post-order: a container comes after everything inside it
             if not row.leaf and row.exceeds:
                 row.inherited = any(c.exceeds for c in children(rows, row.module, row.call))
+    if noise is not None and noise.misaligned:
+        notes["random draws"] = "the runs drew random tensors of other shapes: those errors include different noise"
     result = build_report(
         rows,
         candidate=candidate,
@@ -356,7 +402,22 @@ def _compare(
         kernels = _fp8_kernels(cand_run)
         result.report.data["fp8_kernel"] = kernels
         result.report.data["summary"].append(("fp8 GEMM", kernels["text"]))
+    if noise is not None:
+        result.noise = noise.draws
+        result.report.data["summary"].append(
+            ("random draws", f"{len(noise.draws)} made by the forward itself, the fp64 run's replayed in every run")
+        )
     return result
+
+
+def _record_noise(run: nn.Module, inputs: Any, rng: RngState) -> list[torch.Tensor]:
+    """The random draws a plain fp64 forward makes from RNG state `rng`, in order."""
+    recorder = RecordNoise()
+    args, kwargs = split_inputs(cast_inputs(inputs, torch.float64))
+    rng.restore()
+    with torch.no_grad(), recorder:
+        run(*args, **kwargs)
+    return recorder.draws
 
 
 def _fp8_kernels(run: nn.Module) -> dict[str, Any]:

@@ -10,6 +10,7 @@ The plan is data (`Plan`) that `apply_plan(model, plan)` applies in place, plus 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass, field
@@ -32,7 +33,9 @@ from fpdoctor.precision.candidates import (
 from fpdoctor.precision.compare import compare
 from fpdoctor.precision.metrics import flat_sample, rel_error
 from fpdoctor.precision.names import PLAN_CANDIDATES
+from fpdoctor.precision.noise import ReplayNoise
 from fpdoctor.precision.profile import DIVERGENCE_RATIO
+from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Report
 
 # real dtypes (fp16-accumulate's fix is fp16 with the kept modules in fp32); fp8 belongs to the user's recipe
@@ -107,6 +110,11 @@ def _candidate_with(
     return run
 
 
+def _replaying(noise: list[torch.Tensor] | None) -> contextlib.AbstractContextManager[Any]:
+    """The random draws compare recorded, replayed from the first (see noise.py); nothing without."""
+    return ReplayNoise(noise) if noise is not None else contextlib.nullcontext()
+
+
 def _final_error(
     model: nn.Module,
     inputs: Any,
@@ -116,11 +124,12 @@ def _final_error(
     fp32_outputs: set[str],
     truth: torch.Tensor,
     fp8_kernel: str = "auto",
+    noise: list[torch.Tensor] | None = None,
 ) -> float:
     run = _candidate_with(model, candidate, keep, fp32_outputs, fp8_kernel).eval()
     args, kwargs = split_inputs(cast_inputs(inputs, compute_dtype(candidate)))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _replaying(noise):
             out = flat_sample(run(*args, **kwargs))
     except RuntimeError:  # an fp32 output reached a module still in the candidate dtype
         return math.inf
@@ -140,11 +149,31 @@ def plan(
 
     `fp8_kernel`: how fp8 candidates multiply, as in compare()."""
     candidate = check_name(candidate, PLAN_CANDIDATES, "candidate")
+    rng = RngState.capture()  # every run starts from it, as compare's passes do; the user's is left as it was
+    try:
+        return _plan(
+            model, inputs, candidate=candidate, reference=reference, tolerance=tolerance, fp8_kernel=fp8_kernel, rng=rng
+        )
+    finally:
+        rng.restore()
+
+
+def _plan(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    candidate: str,
+    reference: str,
+    tolerance: float | None,
+    fp8_kernel: str,
+    rng: RngState,
+) -> PlanResult:
     result = compare(model, inputs, candidate=candidate, reference=reference, fp8_kernel=fp8_kernel)
     truth_run = make_run(model, "fp64").eval()
     args, kwargs = split_inputs(cast_inputs(inputs, torch.float64))
     flags = run_flags(candidate, model_device(model))  # module by module, as compare ran them
-    with torch.no_grad(), flags:
+    rng.restore()
+    with torch.no_grad(), flags, _replaying(result.noise):
         truth = flat_sample(truth_run(*args, **kwargs))
     if truth is None:
         raise ValueError("the model's output has no floating tensor to judge")
@@ -154,16 +183,27 @@ def plan(
         # The output's noise floor: rounding it to the candidate, or the reference's end-to-end error.
         final_floor = next((r.floor for r in reversed(result.rows) if r.module == ""), result.rows[-1].floor)
         if reference != "fp64":
+            rng.restore()
             with run_flags(reference, model_device(model)):
-                reference_error = _final_error(model, inputs, reference, [], fp32_outputs=set(), truth=truth)
+                reference_error = _final_error(
+                    model, inputs, reference, [], fp32_outputs=set(), truth=truth, noise=result.noise
+                )
             final_floor = max(final_floor, reference_error if math.isfinite(reference_error) else 0.0)
         tolerance = DIVERGENCE_RATIO * final_floor
     tried: list[tuple[list[str], float]] = []
 
     def error(keep: list[str]) -> float:
+        rng.restore()
         with run_flags(candidate, model_device(model)):  # the backend flags compare ran the candidate under
             value = _final_error(
-                model, inputs, candidate, keep, fp32_outputs=fp32_outputs, truth=truth, fp8_kernel=fp8_kernel
+                model,
+                inputs,
+                candidate,
+                keep,
+                fp32_outputs=fp32_outputs,
+                truth=truth,
+                fp8_kernel=fp8_kernel,
+                noise=result.noise,
             )
         tried.append((list(keep), value))
         return value

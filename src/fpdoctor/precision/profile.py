@@ -79,6 +79,7 @@ class CompareResult:
     rows: list[ModuleRow] = field(default_factory=list)
     first_divergent: str | None = None
     peak_extra_bytes: int = 0  # the fp64 samples kept (one forward's working set and the weight copies aside)
+    noise: list[torch.Tensor] | None = None  # random draws the forward made itself, in fp64 (see noise.py)
 
 
 def children(rows: list[ModuleRow], name: str, call: int) -> list[ModuleRow]:
