@@ -277,14 +277,15 @@ def _compare(
                 ) from exc
         goto(after)
 
-    pending_inputs: dict[tuple[str, int], tuple[Any, Any, tuple[RngState, int]]] = {}
+    pending_inputs: dict[tuple[str, int], tuple[Any, Any, tuple[RngState, int] | None]] = {}
 
     def truth_pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
-        pending_inputs[(name, index)] = (args, kwargs, mark())
+        # where a leaf starts, for its re-runs (containers are re-run from the suspect pass)
+        pending_inputs[(name, index)] = (args, kwargs, mark() if name in leaves else None)
 
     def truth_post(name: str, index: int, args: Any, output: Any) -> None:
         key = (name, index)
-        call_args, call_kwargs, start = pending_inputs.pop(key, (args, {}, mark()))
+        call_args, call_kwargs, start = pending_inputs.pop(key, (args, {}, None))
         if isinstance(output, torch.Tensor) and any(a is output for a in call_args):
             return  # an identity in this mode (Dropout in eval, Identity): nothing new to judge
         t = flat_sample(output)
@@ -299,7 +300,7 @@ def _compare(
         )
         entry.rounding = rel_error(round_to(t, candidate), t, entry.norm)
         if entry.leaf:
-            isolated(name, call_args, call_kwargs, entry, start=start, output=output)
+            isolated(name, call_args, call_kwargs, entry, start=start or mark(), output=output)
             if fp8_dtype is not None and name in linears and call_args:
                 fp8_rows.append(fp8.linear_stats(name, call_args[0], linears[name].weight, fp8_dtype))
         else:
