@@ -136,3 +136,16 @@ def test_plan_runs_simulated_layers_inside_fused_transformer_layers(candidate):
     planned = fpdoctor.plan(model, x, candidate=candidate, tolerance=1.0).plan.baseline_error
     assert planned == pytest.approx(compared, rel=1e-6)
     assert torch.backends.mha.get_fastpath_enabled()  # the user's setting is back
+
+
+def test_a_compiled_model_is_compared_planned_and_audited_by_its_own_names():
+    model, x = model_with(scaled=False)
+    compiled = torch.compile(model)
+    compared = fpdoctor.compare(compiled, x, candidate="fp16")
+    assert compared.first_divergent == "1.attn" and not any("_orig_mod" in r.module for r in compared.rows)
+    assert "every run went eagerly" in compared.report.data["not_checked"]["torch.compile"]
+    planned = fpdoctor.plan(compiled, x, candidate="fp16")
+    assert planned.plan.verified and "1.attn" in planned.plan.keep_fp32
+    assert fpdoctor.apply_plan(compiled, planned.plan) is compiled and model[0].norm.weight.dtype == torch.float16
+    audited = fpdoctor.audit(compiled, x.half())
+    assert all("_orig_mod" not in str(f.where) for f in audited.report.findings)

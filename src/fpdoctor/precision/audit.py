@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fpdoctor import catalog
 from fpdoctor.numerics.modules import ModuleTracker
 from fpdoctor.numerics.trace import _tensors, user_location
-from fpdoctor.precision.candidates import split_inputs
+from fpdoctor.precision.candidates import split_inputs, uncompiled
 from fpdoctor.preserve import preserved
 from fpdoctor.report.model import Finding, Report, Severity
 
@@ -322,6 +322,7 @@ def _name_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any], dict[int
 
 def audit(model: nn.Module, inputs: Any = None) -> AuditResult:
     """Audit dtypes and devices; with `inputs`, run the forward and explain a dtype/device error."""
+    model = uncompiled(model)  # names as the model's own; its forward runs eagerly under the dispatch mode
     findings, dtypes, devices = static_findings(model)
     summary = [
         ("parameter/buffer dtypes", ", ".join(f"{d} ({n:,})" for d, n in dtypes.most_common()) or "-"),

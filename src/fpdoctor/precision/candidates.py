@@ -37,6 +37,7 @@ __all__ = [
     "resolve_fp8_kernel",
     "run_flags",
     "split_inputs",
+    "uncompiled",
 ]
 ACCUMULATE_CHUNK = 64  # K elements per fp16-rounded partial sum
 
@@ -186,6 +187,13 @@ def resolve_fp8_kernel(kernel: str, device: torch.device) -> str:
     return "fake"
 
 
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module inside a torch.compile wrapper (OptimizedModule), so names are the model's own;
+    compiled code inside it runs eagerly under run_flags."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
 def model_device(model: nn.Module) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
@@ -215,9 +223,10 @@ def make_run(model: nn.Module, name: str, fp8_kernel: str = "auto", device: torc
 def run_flags(name: str, device: torch.device) -> Iterator[dict[str, Any]]:
     """The backend flags a precision runs under, set for the duration and restored after.
 
-    Everywhere: the fused fast path of nn.TransformerEncoderLayer and nn.MultiheadAttention is
-    off. It reads the Linear weights itself, past the simulated fp8 / fp16-accumulate layers and
-    the modules a plan keeps in fp32, and runs as one kernel, not module by module.
+    Everywhere, so that every run goes module by module as the hooks and the simulated layers
+    need: torch.compile'd code runs eagerly, and the fused fast path of nn.TransformerEncoderLayer
+    and nn.MultiheadAttention is off (it reads the Linear weights itself, past the simulated fp8 /
+    fp16-accumulate layers and the modules a plan keeps in fp32).
     On CUDA, fp16 means fp32 accumulation throughout (allow_fp16_reduced_precision_reduction
     off) and fp16-accumulate is the real flag on: cuBLAS may then reduce split-K partial sums
     in fp16. Yields the CUDA flag it set and what it was before (the user's setting), if any."""
@@ -227,9 +236,13 @@ def run_flags(name: str, device: torch.device) -> Iterator[dict[str, Any]]:
     matmul = torch.backends.cuda.matmul
     before = matmul.allow_fp16_reduced_precision_reduction
     flags: dict[str, Any] = {}
+    exits = contextlib.ExitStack()
     if device.type == "cuda" and name in ("fp16", "fp16-accumulate"):
         flags = {"allow_fp16_reduced_precision_reduction": name == "fp16-accumulate", "yours": before}
+    stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
     try:
+        if stance is not None:  # compiled code runs eagerly, module by module, where hooks see it
+            exits.enter_context(stance("force_eager"))
         if set_fastpath is not None and fastpath is not None:
             set_fastpath(False)
         if flags:
@@ -239,6 +252,7 @@ def run_flags(name: str, device: torch.device) -> Iterator[dict[str, Any]]:
         matmul.allow_fp16_reduced_precision_reduction = before
         if set_fastpath is not None and fastpath is not None:
             set_fastpath(fastpath)
+        exits.close()
 
 
 def cast_inputs(inputs: Any, dtype: torch.dtype | None, device: torch.device | None = None) -> Any:

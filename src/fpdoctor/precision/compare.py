@@ -50,6 +50,7 @@ from fpdoctor.precision.candidates import (
     model_device,
     run_flags,
     split_inputs,
+    uncompiled,
 )
 from fpdoctor.precision.metrics import (
     all_finite,
@@ -156,6 +157,7 @@ def compare(
     candidate = check_name(candidate, CANDIDATES, "candidate")
     reference = check_name(reference, REFERENCES, "reference")
     check_name(fp8_kernel, FP8_KERNELS, "fp8 kernel")
+    compiled, model = model is not uncompiled(model), uncompiled(model)
     cand_device = check_device(device) if device is not None else None
     on = cand_device or model_device(model)  # where the candidate runs: its kernels and flags are chosen for it
     rng = RngState.capture()  # every pass starts from it; the user's RNG is left as it was
@@ -173,6 +175,11 @@ def compare(
             )
     finally:
         rng.restore()
+    if compiled:
+        result.report.data["not_checked"]["torch.compile"] = (
+            "the model is compiled; every run went eagerly, module by module (compiled kernels fuse ops and may "
+            "round differently)"
+        )
     if flags:
         allowed = flags["allow_fp16_reduced_precision_reduction"]
         result.report.data["flags"] = flags

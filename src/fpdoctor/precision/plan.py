@@ -29,6 +29,7 @@ from fpdoctor.precision.candidates import (
     model_device,
     run_flags,
     split_inputs,
+    uncompiled,
 )
 from fpdoctor.precision.compare import compare
 from fpdoctor.precision.metrics import flat_sample, rel_error
@@ -149,6 +150,7 @@ def plan(
 
     `fp8_kernel`: how fp8 candidates multiply, as in compare()."""
     candidate = check_name(candidate, PLAN_CANDIDATES, "candidate")
+    model = uncompiled(model)  # module names as compare reports them
     rng = RngState.capture()  # every run starts from it, as compare's passes do; the user's is left as it was
     try:
         return _plan(
@@ -253,9 +255,10 @@ def apply_plan(model: nn.Module, the_plan: Plan) -> nn.Module:
             "instead (Plan.to_code() shows a module filter)"
         )
     dtype = compute_dtype(the_plan.candidate)
-    model.to(dtype)
+    inner = uncompiled(model)  # the plan names modules inside a torch.compile wrapper
+    inner.to(dtype)
     for name in the_plan.keep_fp32:
-        keep_in_fp32(model.get_submodule(name), back_to=None if name in the_plan.fp32_outputs else dtype)
+        keep_in_fp32(inner.get_submodule(name), back_to=None if name in the_plan.fp32_outputs else dtype)
     return model
 
 
