@@ -149,3 +149,29 @@ def test_a_compiled_model_is_compared_planned_and_audited_by_its_own_names():
     assert fpdoctor.apply_plan(compiled, planned.plan) is compiled and model[0].norm.weight.dtype == torch.float16
     audited = fpdoctor.audit(compiled, x.half())
     assert all("_orig_mod" not in str(f.where) for f in audited.report.findings)
+
+
+def test_one_module_is_compared_alone_with_the_inputs_the_model_gives_it():
+    model, x = model_with(scaled=False)
+    whole = fpdoctor.compare(model, x, candidate="fp16")
+    scoped = fpdoctor.compare(model, x, candidate="fp16", module="1")
+    assert scoped.first_divergent == "1.attn" == whole.first_divergent
+    assert [r.module for r in scoped.rows] == [r.module for r in whole.rows if r.module.startswith("1")]
+    assert dict(scoped.report.data["summary"])["module"].startswith("`1` alone")
+    # fed the model's fp32 activations instead of the fp64 run's: the same isolated errors, statistically
+    iso = {r.module: r.isolated for r in whole.rows if r.leaf}
+    assert all(r.isolated == pytest.approx(iso[r.module], rel=0.3) for r in scoped.rows if r.leaf and r.isolated)
+    with pytest.raises(ValueError, match=r"no module 'layers\.9'; its top-level modules: 0, 1, 2, 3"):
+        fpdoctor.compare(model, x, candidate="fp16", module="layers.9")
+
+
+def test_compare_module_cli(tmp_path, cli):
+    path = tmp_path / "hot.py"
+    path.write_text(
+        "from tests.precision.test_plan import model_with\ndef make():\n    return model_with(scaled=False)\n"
+    )
+    env = {"PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[2])}
+    result = run_fpdoctor("compare", f"{path}:make", "--candidate", "fp16", "--module", "1.attn", env=env)
+    assert result.code == 1 and "`1.attn` alone" in result.out
+    result = run_fpdoctor("compare", f"{path}:make", "--candidate", "fp16", "--module", "nope", env=env)
+    assert result.code == 2 and "the model has no module 'nope'" in result.err and "Traceback" not in result.err

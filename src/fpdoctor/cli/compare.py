@@ -1,4 +1,5 @@
-"""`fpdoctor compare MODEL --candidate fp16|bf16|fp32|fp8-...|fp16-accumulate [--reference R] [--device DEV]`."""
+"""`fpdoctor compare MODEL --candidate fp16|bf16|fp32|fp8-...|fp16-accumulate [--reference R] [--device DEV]
+[--module NAME]`."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ def add_parser(sub: Any) -> None:
         "--device",
         metavar="DEVICE",
         help="run the candidate on this device (cuda, cuda:1, mps, xpu) against the reference where the model is",
+    )
+    p.add_argument(
+        "--module",
+        metavar="NAME",
+        help="compare only this submodule (e.g. encoder.layer.3), fed its inputs from a forward of the whole model",
     )
     add_output_args(p)
     p.set_defaults(run=run)
@@ -67,9 +73,17 @@ def run(args: argparse.Namespace) -> int:
     model, inputs = model_spec.load(args.model)
     try:
         result = compare(
-            model, inputs, candidate=candidate, reference=reference, device=args.device, fp8_kernel=fp8_kernel
+            model,
+            inputs,
+            candidate=candidate,
+            reference=reference,
+            device=args.device,
+            fp8_kernel=fp8_kernel,
+            module=args.module,
         )
     except ReferenceFailed as exc:
         raise UsageError(f"{exc}; fix the model or its example inputs first") from None
+    except ValueError as exc:  # e.g. --module names no module of this model
+        raise UsageError(str(exc)) from None
     emit(result.report.to_dict(), args)
     return result.report.exit_code

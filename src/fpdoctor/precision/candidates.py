@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     "CANDIDATES",
     "FP8_KERNELS",
     "REFERENCES",
+    "Call",
     "cast_inputs",
     "check_device",
     "check_name",
@@ -255,8 +257,18 @@ def run_flags(name: str, device: torch.device) -> Iterator[dict[str, Any]]:
         exits.close()
 
 
+@dataclass(frozen=True)
+class Call:
+    """Positional and keyword arguments of one call, for inputs that need both."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
 def cast_inputs(inputs: Any, dtype: torch.dtype | None, device: torch.device | None = None) -> Any:
     """Floating tensors in `inputs` (nested tuples, lists, dicts) to dtype and device; None keeps it."""
+    if isinstance(inputs, Call):
+        return Call(cast_inputs(inputs.args, dtype, device), cast_inputs(inputs.kwargs, dtype, device))
     if isinstance(inputs, torch.Tensor):
         if inputs.is_floating_point():
             return inputs.to(device=device, dtype=dtype)
@@ -272,6 +284,8 @@ def cast_inputs(inputs: Any, dtype: torch.dtype | None, device: torch.device | N
 
 def split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Example inputs as (args, kwargs): a dict is keyword arguments, a tuple positional ones."""
+    if isinstance(inputs, Call):
+        return inputs.args, inputs.kwargs
     if isinstance(inputs, dict):
         return (), inputs
     if isinstance(inputs, tuple):

@@ -63,6 +63,7 @@ from fpdoctor.precision.metrics import (
 )
 from fpdoctor.precision.noise import RecordNoise, ReplayNoise
 from fpdoctor.precision.profile import DIVERGENCE_RATIO, CompareResult, ModuleRow, build_report, children
+from fpdoctor.precision.scope import find_module, module_inputs
 from fpdoctor.preserve import RngState
 
 
@@ -139,6 +140,7 @@ def compare(
     reference: str = "fp32",
     device: str | None = None,
     fp8_kernel: str = "auto",
+    module: str | None = None,
 ) -> CompareResult:
     """Layerwise error of `candidate` against fp64, judged against the fp64 noise floor.
 
@@ -153,11 +155,23 @@ def compare(
 
     `fp8_kernel` (fp8 candidates): "scaled_mm" multiplies with the real fp8 GEMM where it runs,
     "fake" dequantizes before an fp32 matmul, "auto" (default) is scaled_mm on GPUs with fp8
-    tensor cores; the report says which ran, and why a layer fell back."""
+    tensor cores; the report says which ran, and why a layer fell back.
+
+    `module` compares just that submodule (e.g. "encoder.layer.3"): it is fed what it receives
+    when the whole model runs on `inputs`, and only it is copied (see scope.py)."""
     candidate = check_name(candidate, CANDIDATES, "candidate")
     reference = check_name(reference, REFERENCES, "reference")
     check_name(fp8_kernel, FP8_KERNELS, "fp8 kernel")
     compiled, model = model is not uncompiled(model), uncompiled(model)
+    if module is not None:
+        target = find_module(model, module)
+        try:
+            inputs = module_inputs(model, inputs, target)
+        except ValueError:
+            raise
+        except Exception as exc:
+            raise ReferenceFailed(f"the model fails before it reaches `{module}`: {type(exc).__name__}: {exc}") from exc
+        model = target
     cand_device = check_device(device) if device is not None else None
     on = cand_device or model_device(model)  # where the candidate runs: its kernels and flags are chosen for it
     rng = RngState.capture()  # every pass starts from it; the user's RNG is left as it was
@@ -172,9 +186,14 @@ def compare(
                 on=on,
                 fp8_kernel=fp8_kernel,
                 rng=rng,
+                prefix=module,
             )
     finally:
         rng.restore()
+    if module is not None:
+        result.report.data["summary"].insert(
+            1, ("module", f"`{module}` alone, fed its inputs from a forward of the whole model in its own dtype")
+        )
     if compiled:
         result.report.data["not_checked"]["torch.compile"] = (
             "the model is compiled; every run went eagerly, module by module (compiled kernels fuse ops and may "
@@ -203,6 +222,7 @@ def _compare(
     on: torch.device,
     fp8_kernel: str,
     rng: RngState,
+    prefix: str | None,
 ) -> CompareResult:
     was_training = model.training
     model.eval()
@@ -393,6 +413,11 @@ def _compare(
         for row in rows:  # post-order: a container comes after everything inside it
             if not row.leaf and row.exceeds:
                 row.inherited = any(c.exceeds for c in children(rows, row.module, row.call))
+    if prefix:  # a submodule compared on its own: names as in the whole model
+        for row in rows:
+            row.module = f"{prefix}.{row.module}" if row.module else prefix
+        for fp8_row in fp8_rows:
+            fp8_row["module"] = f"{prefix}.{fp8_row['module']}"
     if noise is not None and noise.misaligned:
         notes["random draws"] = "the runs drew random tensors of other shapes: those errors include different noise"
     result = build_report(

@@ -1,0 +1,67 @@
+"""Comparing one module of a large model: its inputs as the whole model computes them.
+
+compare's weight copies (fp64 and the candidate's) are O(parameters); for a model that does not
+fit twice more, `compare(model, inputs, module="layers.17")` copies only that module and feeds it
+what it receives when the whole model runs on `inputs`, in the model's own dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fpdoctor.precision.candidates import Call, split_inputs
+from fpdoctor.preserve import preserved
+
+
+class _Captured(Exception):
+    """Stops the model's forward once the module's inputs are in hand."""
+
+
+def find_module(model: nn.Module, name: str) -> nn.Module:
+    """`model`'s submodule `name`, or ValueError naming what there is."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        top = ", ".join(n for n, _ in model.named_children()) or "none"
+        raise ValueError(f"the model has no module {name!r}; its top-level modules: {top}") from None
+
+
+def module_inputs(model: nn.Module, inputs: Any, target: nn.Module) -> Call:
+    """The arguments of `target`'s first call while `model` runs on `inputs` (eval mode, no
+    gradients; the model's buffers and the RNG are left as they were)."""
+    captured: list[Call] = []
+
+    def grab(module: nn.Module, args: Any, kwargs: Any) -> None:
+        captured.append(Call(_detached(args), _detached(kwargs)))
+        raise _Captured
+
+    args, kwargs = split_inputs(inputs)
+    handle = target.register_forward_pre_hook(grab, with_kwargs=True)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), preserved(model):
+            model(*args, **kwargs)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+        model.train(was_training)
+    if not captured:
+        raise ValueError("the module is never called when the model runs on these inputs")
+    return captured[0]
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple):
+        return tuple(_detached(v) for v in value)
+    if isinstance(value, list):
+        return [_detached(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
