@@ -175,3 +175,15 @@ def test_compare_module_cli(tmp_path, cli):
     assert result.code == 1 and "`1.attn` alone" in result.out
     result = run_fpdoctor("compare", f"{path}:make", "--candidate", "fp16", "--module", "nope", env=env)
     assert result.code == 2 and "the model has no module 'nope'" in result.err and "Traceback" not in result.err
+
+
+def test_harmonize_takes_the_plans_exceptions():
+    model, x = model_with(hot_layer=True)
+    the_plan = fpdoctor.plan(model, x, candidate="fp16").plan
+    assert the_plan.verified and "0.mlp.2" in the_plan.keep_fp32
+    result = fpdoctor.harmonize(model, "cpu", dtype=torch.float16, plan=the_plan)
+    assert result.kept_fp32 == the_plan.keep_fp32 and model[0].mlp[2].weight.dtype == torch.float32
+    out = model(x.half())
+    assert torch.isfinite(out).all()
+    if the_plan.fp32_outputs:  # an output beyond fp16's range leaves the module in fp32
+        assert model[0].mlp[2](torch.randn(2, 32, 256, dtype=torch.float16)).dtype == torch.float32

@@ -2,20 +2,25 @@
 
 The dtype follows the device: CUDA with bf16 support -> bf16 (fp16's range without loss
 scaling); older CUDA -> fp16; CPU and MPS -> fp32, unless a dtype is asked for. Modules in
-`keep_fp32` (a plan's exceptions, or fp32 norms by choice) stay fp32 and get boundary casts, so
-their inputs arrive in fp32 and their outputs leave in the model's dtype.
+`keep_fp32` (fp32 norms by choice) and a plan's exceptions (`plan=`) stay fp32 and get boundary
+casts, so their inputs arrive in fp32 and their outputs leave in the model's dtype - except the
+plan's modules whose outputs do not fit half precision's range: those stay fp32.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from fpdoctor.precision.boundary import boundaries, keep_in_fp32, release
+from fpdoctor.precision.candidates import uncompiled
+
+if TYPE_CHECKING:
+    from fpdoctor.precision.plan import Plan
 
 
 @dataclass
@@ -41,8 +46,11 @@ def harmonize(
     *,
     dtype: torch.dtype | None = None,
     keep_fp32: Iterable[str] = (),
+    plan: Plan | None = None,
 ) -> HarmonizeResult:
-    """Cast `model` in place to one dtype on `device`; `keep_fp32` module paths stay fp32."""
+    """Cast `model` in place to one dtype on `device`; `keep_fp32` module paths and the plan's
+    exceptions stay fp32."""
+    model = uncompiled(model)
     target_device = torch.device(device)
     if dtype is None:
         dtype, reason = choose_dtype(target_device)
@@ -50,7 +58,8 @@ def harmonize(
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating dtype, got {dtype}")
         reason = f"{dtype} as asked"
-    keep = list(dict.fromkeys(keep_fp32))
+    keep = list(dict.fromkeys([*keep_fp32, *(plan.keep_fp32 if plan is not None else [])]))
+    fp32_outputs = set(plan.fp32_outputs) if plan is not None else set()
     modules = dict(model.named_modules())
     unknown = [k for k in keep if k not in modules]
     if unknown:
@@ -63,7 +72,7 @@ def harmonize(
     model.to(dtype=dtype)  # floating tensors only; integer buffers keep their dtype
     for path in keep:
         modules[path].to(dtype=torch.float32)
-        keep_in_fp32(modules[path], back_to=dtype)
+        keep_in_fp32(modules[path], back_to=None if path in fp32_outputs else dtype)
     result = HarmonizeResult(dtype=dtype, device=target_device, reason=reason, kept_fp32=keep)
     for name, t in _tensors(model):
         old_dtype, old_device = before[name]
