@@ -162,6 +162,7 @@ def compare(
     candidate = check_name(candidate, CANDIDATES, "candidate")
     reference = check_name(reference, REFERENCES, "reference")
     check_name(fp8_kernel, FP8_KERNELS, "fp8 kernel")
+    cand_device = check_device(device) if device is not None else None
     compiled, model = model is not uncompiled(model), uncompiled(model)
     if module is not None:
         target = find_module(model, module)
@@ -172,7 +173,6 @@ def compare(
         except Exception as exc:
             raise ReferenceFailed(f"the model fails before it reaches `{module}`: {type(exc).__name__}: {exc}") from exc
         model = target
-    cand_device = check_device(device) if device is not None else None
     on = cand_device or model_device(model)  # where the candidate runs: its kernels and flags are chosen for it
     rng = RngState.capture()  # every pass starts from it; the user's RNG is left as it was
     try:
