@@ -244,3 +244,16 @@ def test_draws_that_differ_between_precisions_are_said_to():
 
     result = fpdoctor.compare(ShapeByDtype(), torch.randn(4, 8), candidate="fp16")
     assert "those errors include different noise" in result.report.data["not_checked"]["random draws"]
+
+
+def test_all_finite_is_exact_for_every_dtype():
+    from fpdoctor.precision.metrics import all_finite
+
+    assert all_finite(torch.full((4,), 3e38))  # finite values whose sum overflows float32
+    for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn):
+        x = torch.randn(8, 128, 1024).to(dtype)
+        assert all_finite({"out": x, "ids": torch.arange(3)})
+        for bad in (float("nan"), float("inf")) if dtype != torch.float8_e4m3fn else (float("nan"),):  # no Inf there
+            y = x.clone()
+            y.view(-1)[123_457] = bad
+            assert not all_finite((x, y)), (dtype, bad)
