@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -241,9 +242,11 @@ def run_flags(name: str, device: torch.device) -> Iterator[dict[str, Any]]:
     exits = contextlib.ExitStack()
     if device.type == "cuda" and name in ("fp16", "fp16-accumulate"):
         flags = {"allow_fp16_reduced_precision_reduction": name == "fp16-accumulate", "yours": before}
-    stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    # Compiled code runs eagerly, module by module, where hooks see it. Only if something was
+    # compiled: torch._dynamo is then imported already, and importing it costs ~70 MB otherwise.
+    stance = getattr(torch.compiler, "set_stance", None) if "torch._dynamo" in sys.modules else None  # torch >= 2.6
     try:
-        if stance is not None:  # compiled code runs eagerly, module by module, where hooks see it
+        if stance is not None:
             exits.enter_context(stance("force_eager"))
         if set_fastpath is not None and fastpath is not None:
             set_fastpath(False)
