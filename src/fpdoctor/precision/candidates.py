@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +34,10 @@ __all__ = [
     "check_device",
     "check_name",
     "compute_dtype",
+    "fp8_format",
     "fp8_quantize",
     "make_run",
+    "map_tensors",
     "model_device",
     "resolve_fp8_kernel",
     "run_flags",
@@ -43,6 +45,13 @@ __all__ = [
     "uncompiled",
 ]
 ACCUMULATE_CHUNK = 64  # K elements per fp16-rounded partial sum
+
+
+def fp8_format(name: str) -> torch.dtype | None:
+    """The fp8 dtype of an fp8 candidate (fp8-e4m3..., fp8-e5m2...), None for the others."""
+    if not name.startswith("fp8"):
+        return None
+    return torch.float8_e5m2 if "e5m2" in name else torch.float8_e4m3fn
 
 
 def compute_dtype(name: str) -> torch.dtype:
@@ -207,8 +216,8 @@ def make_run(model: nn.Module, name: str, fp8_kernel: str = "auto", device: torc
     device = model_device(model) if device is None else device
     if name in ("fp64", "fp32", "fp16", "bf16"):
         return _copy_as(model, compute_dtype(name))
-    if name.startswith("fp8"):
-        fp8 = torch.float8_e5m2 if "e5m2" in name else torch.float8_e4m3fn
+    fp8 = fp8_format(name)
+    if fp8 is not None:
         rowwise = name.endswith("rowwise")
         kernel = resolve_fp8_kernel(fp8_kernel, device)
         run = _copy_as(model, torch.float32)
@@ -268,21 +277,30 @@ class Call:
     kwargs: dict[str, Any]
 
 
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """`value` with every tensor in it (nested tuples, lists, dicts, a Call) replaced by fn(tensor)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, Call):
+        return Call(map_tensors(value.args, fn), map_tensors(value.kwargs, fn))
+    if isinstance(value, tuple):
+        return tuple(map_tensors(v, fn) for v in value)
+    if isinstance(value, list):
+        return [map_tensors(v, fn) for v in value]
+    if isinstance(value, dict):
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
 def cast_inputs(inputs: Any, dtype: torch.dtype | None, device: torch.device | None = None) -> Any:
-    """Floating tensors in `inputs` (nested tuples, lists, dicts) to dtype and device; None keeps it."""
-    if isinstance(inputs, Call):
-        return Call(cast_inputs(inputs.args, dtype, device), cast_inputs(inputs.kwargs, dtype, device))
-    if isinstance(inputs, torch.Tensor):
-        if inputs.is_floating_point():
-            return inputs.to(device=device, dtype=dtype)
-        return inputs if device is None else inputs.to(device)
-    if isinstance(inputs, tuple):
-        return tuple(cast_inputs(v, dtype, device) for v in inputs)
-    if isinstance(inputs, list):
-        return [cast_inputs(v, dtype, device) for v in inputs]
-    if isinstance(inputs, dict):
-        return {k: cast_inputs(v, dtype, device) for k, v in inputs.items()}
-    return inputs
+    """Floating tensors in `inputs` to dtype and device, other tensors to device; None keeps it."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            return t.to(device=device, dtype=dtype)
+        return t if device is None else t.to(device)
+
+    return map_tensors(inputs, cast)
 
 
 def split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

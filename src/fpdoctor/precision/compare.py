@@ -46,6 +46,7 @@ from fpdoctor.precision.candidates import (
     check_device,
     check_name,
     compute_dtype,
+    fp8_format,
     make_run,
     model_device,
     run_flags,
@@ -56,6 +57,7 @@ from fpdoctor.precision.metrics import (
     all_finite,
     cosine,
     flat_sample,
+    floating,
     l2_norm,
     rel_error,
     round_to,
@@ -240,9 +242,7 @@ def _compare(
     cand_modules = dict(cand_run.named_modules())
     # the user's own weights (not the fp64 copies): the fp8 statistics convert them to float32 anyway
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    fp8_dtype = (
-        (torch.float8_e5m2 if "e5m2" in candidate else torch.float8_e4m3fn) if candidate.startswith("fp8") else None
-    )
+    fp8_dtype = fp8_format(candidate)
     seen: dict[tuple[str, int], _Seen] = {}
     fp8_rows: list[dict[str, Any]] = []
 
@@ -371,11 +371,7 @@ def _compare(
         entry.propagated = rel_error(c, entry.truth, entry.norm) if finite else math.inf
         entry.cosine = cosine(c, entry.truth, entry.norm) if finite else None
         if not finite:
-            entry.nonfinite = sum(
-                int((~torch.isfinite(x)).sum())
-                for x in _tensors(output)
-                if isinstance(x, torch.Tensor) and x.is_floating_point()
-            )
+            entry.nonfinite = sum(int((~torch.isfinite(x)).sum()) for x in floating(output))
             if entry.leaf:  # for the jump test: did the non-finite values come in, or start here?
                 entry.candidate_inputs = 0.0 if all_finite(args) else math.inf
         if call is not None and entry.inputs is not None:

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from fpdoctor import catalog
+from fpdoctor.precision.candidates import fp8_quantize
+from fpdoctor.precision.metrics import spread_index
 from fpdoctor.report.model import Finding
 
 # Below 20 dB SQNR, more than 1% of the signal's energy is quantisation noise: we call that unsafe.
@@ -34,14 +36,12 @@ STATS_ROWS = 64
 def _spread_rows(rows: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] <= STATS_ROWS:
         return rows
-    return rows[torch.linspace(0, rows.shape[0] - 1, STATS_ROWS).round().long().to(rows.device)]
+    return rows[spread_index(rows.shape[0], STATS_ROWS, rows.device)]
 
 
 def _quality(sample: torch.Tensor, amax: torch.Tensor, fp8: torch.dtype) -> dict[str, float]:
     """SQNR and flushed share of `sample` (float32 rows) scaled so that `amax` maps to the max."""
-    fmax = torch.finfo(fp8).max
-    scale = fmax / amax.clamp_min(1e-12)
-    q = (sample * scale).clamp(-fmax, fmax).to(fp8).float() / scale
+    q = fp8_quantize(sample, fp8, rowwise=False, amax=amax)  # `amax` per row or per tensor, as given
     rms = sample.square().mean(dim=-1, keepdim=True).sqrt()
     significant = (sample.abs() >= SIGNIFICANT * rms) & (sample != 0)
     flushed = float(((q == 0) & significant).sum()) / max(1, int(significant.sum()))

@@ -4,13 +4,14 @@ metrics taken in float64 on those samples."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from fpdoctor.numerics.trace import _tensors
-from fpdoctor.precision.candidates import Fp8Linear, Fp16AccumulateLinear, compute_dtype, fp8_quantize
+from fpdoctor.precision.candidates import Fp8Linear, Fp16AccumulateLinear, compute_dtype, fp8_format, fp8_quantize
 
 # Errors are measured on an evenly strided sample of at most SAMPLE values per module output:
 # the relative L2 error of 8192 values is within a few percent of the full tensor's, far finer
@@ -43,6 +44,11 @@ def row_width(module: nn.Module) -> int | None:
     return None
 
 
+def spread_index(n: int, k: int, device: torch.device) -> torch.Tensor:
+    """k indices evenly spread over range(n), first and last included (k <= n)."""
+    return torch.linspace(0, n - 1, k, dtype=torch.float64).round().long().to(device)
+
+
 def row_subset(
     module: nn.Module, args: Any, kwargs: Any, output: Any
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]] | None:
@@ -57,18 +63,21 @@ def row_subset(
     n = math.prod(x.shape[:-width])
     if n <= ROWS:
         return None
-    index = torch.linspace(0, n - 1, ROWS, dtype=torch.float64).round().long().to(x.device)
+    index = spread_index(n, ROWS, x.device)
     # a tensorwise fp8 scale comes from all rows, so the re-run gets the whole input's amax
     extra = {"input_amax": x.abs().amax()} if isinstance(module, Fp8Linear) and not module.rowwise else {}
     return x.reshape(n, *x.shape[-width:])[index], output.reshape(n, *output.shape[-width:])[index], extra
 
 
+def floating(value: Any) -> Iterator[torch.Tensor]:
+    """The non-empty floating tensors in `value` (a tensor, nested containers, a dataclass), detached."""
+    for t in _tensors(value):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0:
+            yield t.detach()
+
+
 def flat_sample(value: Any, dtype: torch.dtype = torch.float64) -> torch.Tensor | None:
-    parts = [
-        t.detach().reshape(-1)
-        for t in _tensors(value)
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0
-    ]
+    parts = [t.reshape(-1) for t in floating(value)]
     if not parts:
         return None
     step = max(1, sum(p.numel() for p in parts) // SAMPLE)
@@ -82,15 +91,14 @@ def flat_sample(value: Any, dtype: torch.dtype = torch.float64) -> torch.Tensor 
 def all_finite(value: Any) -> bool:
     """Exact: NaN and Inf reach the min or the max (aminmax propagates NaN); one pass, no copy, and
     unlike a sum it cannot overflow on finite values."""
-    for t in _tensors(value):
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0:
-            try:
-                low, high = torch.aminmax(t.detach())
-                finite = bool(torch.isfinite(low) & torch.isfinite(high))  # one device sync
-            except (RuntimeError, NotImplementedError):  # a dtype without aminmax here (fp8)
-                finite = bool(torch.isfinite(t.detach().float()).all())
-            if not finite:
-                return False
+    for t in floating(value):
+        try:
+            low, high = torch.aminmax(t)
+            finite = bool(torch.isfinite(low) & torch.isfinite(high))  # one device sync
+        except (RuntimeError, NotImplementedError):  # a dtype without aminmax here (fp8)
+            finite = bool(torch.isfinite(t.float()).all())
+        if not finite:
+            return False
     return True
 
 
@@ -124,7 +132,7 @@ def sqnr_db(rel: float) -> float:
 
 def round_to(t: torch.Tensor, candidate: str) -> torch.Tensor:
     """The output rounded to the candidate's format: the floor that rounding alone causes."""
-    if candidate.startswith("fp8"):
-        fp8 = torch.float8_e5m2 if "e5m2" in candidate else torch.float8_e4m3fn
+    fp8 = fp8_format(candidate)
+    if fp8 is not None:
         return fp8_quantize(t, fp8, rowwise=False).to(t.dtype)
     return t.to(compute_dtype(candidate)).to(t.dtype)

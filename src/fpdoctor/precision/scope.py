@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.precision.candidates import Call, split_inputs
+from fpdoctor.precision.candidates import Call, map_tensors, split_inputs
 from fpdoctor.preserve import preserved
 
 
@@ -35,7 +35,7 @@ def module_inputs(model: nn.Module, inputs: Any, target: nn.Module) -> Call:
     captured: list[Call] = []
 
     def grab(module: nn.Module, args: Any, kwargs: Any) -> None:
-        captured.append(Call(_detached(args), _detached(kwargs)))
+        captured.append(map_tensors(Call(args, kwargs), lambda t: t.detach().clone()))
         raise _Captured
 
     args, kwargs = split_inputs(inputs)
@@ -53,15 +53,3 @@ def module_inputs(model: nn.Module, inputs: Any, target: nn.Module) -> Call:
     if not captured:
         raise ValueError("the module is never called when the model runs on these inputs")
     return captured[0]
-
-
-def _detached(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, tuple):
-        return tuple(_detached(v) for v in value)
-    if isinstance(value, list):
-        return [_detached(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
-    return value
