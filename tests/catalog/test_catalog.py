@@ -22,9 +22,28 @@ REQUIRED_ENV = {
 }
 
 
+# SPEC 3.2: the numerics, dtype and training names (hardware and crash findings are not built yet).
+REQUIRED_NUMERICS = {
+    "nonfinite-produced",
+    "nonfinite-input",
+    "overflow-risk",
+    "underflow-risk",
+    "precision-divergence",
+    "fp8-saturation",
+    "mixed-dtype-parameters",
+    "dtype-mismatch",
+    "device-mismatch",
+    "nonfinite-loss",
+    "nonfinite-gradient",
+    "loss-spike",
+    "transient-fault-suspected",
+    "deterministic-nonfinite",
+}
+
+
 def test_required_names_exist():
     names = {r.name for r in catalog.rules()}
-    assert names >= REQUIRED_ENV
+    assert names >= REQUIRED_ENV | REQUIRED_NUMERICS
 
 
 def test_codes_and_names_are_unique_and_well_formed():

@@ -257,3 +257,20 @@ def test_all_finite_is_exact_for_every_dtype():
             y = x.clone()
             y.view(-1)[123_457] = bad
             assert not all_finite((x, y)), (dtype, bad)
+
+
+def test_precision_findings_carry_the_contracts_where_and_evidence():
+    from fpdoctor.casebook import fp8 as fp8_case
+
+    model = mlp()
+    with torch.no_grad():
+        model[2].weight.mul_(1e5)
+    findings = [
+        *fpdoctor.compare(model, torch.randn(16, 64), candidate="fp16").report.findings,
+        *fpdoctor.compare(*fp8_case.build(), candidate="fp8-e4m3").report.findings,
+    ]
+    assert {f.name for f in findings} == {"precision-divergence", "fp8-saturation"}
+    for f in findings:  # SPEC 3.2: where has module, op (an aten overload or null) and phase; evidence the basics
+        assert {"module", "op", "phase"} <= f.where.keys() and f.where["phase"] == "forward"
+        assert f.where["op"] is None or f.where["op"].count(".") == 2
+        assert {"kind", "count", "numel", "dtype"} <= f.evidence.keys()

@@ -42,4 +42,5 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "text":
         report.data["summary"].append(("code", "\n" + result.plan.to_code()))
     emit(report.to_dict(), args)
-    return 0 if result.plan.verified else 1
+    # SPEC 3.3: 1 when the report holds an error, as a divergence that needed the plan does
+    return report.exit_code

@@ -100,7 +100,7 @@ def findings(rows: list[dict[str, Any]]) -> list[Finding]:
                         else "Rowwise scaling does not fix it either: keep this layer in bf16."
                     )
                 ),
-                where={"module": row["module"], "op": "aten.linear", "phase": "forward"},
+                where={"module": row["module"], "op": "aten.linear.default", "phase": "forward"},
                 evidence={
                     "kind": "fp8",
                     **row,
