@@ -35,7 +35,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics.trace import _tensors
 from fpdoctor.precision import fp8
 from fpdoctor.precision.candidates import (
     CANDIDATES,
@@ -67,6 +66,7 @@ from fpdoctor.precision.noise import RecordNoise, ReplayNoise
 from fpdoctor.precision.profile import DIVERGENCE_RATIO, CompareResult, ModuleRow, build_report, children
 from fpdoctor.precision.scope import find_module, module_inputs
 from fpdoctor.preserve import RngState
+from fpdoctor.pytrees import tensors_in
 
 
 class ReferenceFailed(RuntimeError):
@@ -226,16 +226,13 @@ def _compare(
     rng: RngState,
     prefix: str | None,
 ) -> CompareResult:
-    was_training = model.training
-    model.eval()
-    try:
-        truth_run = make_run(model, "fp64")
-        cand_run = make_run(model, candidate, fp8_kernel, on)
-        ref_run = make_run(model, reference) if reference != "fp64" else None
-        if cand_device is not None:
-            cand_run = cand_run.to(cand_device)
-    finally:
-        model.train(was_training)
+    # The copies go into eval mode, never the user's model: model.train(flag) on the way back would
+    # overwrite every submodule's own flag (a frozen BatchNorm inside a training model).
+    truth_run = make_run(model, "fp64").eval()
+    cand_run = make_run(model, candidate, fp8_kernel, on).eval()
+    ref_run = make_run(model, reference).eval() if reference != "fp64" else None
+    if cand_device is not None:
+        cand_run = cand_run.to(cand_device)
     cand_dtype = compute_dtype(candidate)
     label = candidate if cand_device is None else f"{candidate} on {cand_device}"
     leaves = {name for name, m in truth_run.named_modules() if not list(m.children())}
@@ -323,7 +320,7 @@ def _compare(
             l2_norm(t),
             0.0,
             name in leaves,
-            sum(x.numel() for x in _tensors(output) if isinstance(x, torch.Tensor)),
+            sum(x.numel() for x in tensors_in(output)),
         )
         entry.rounding = rel_error(round_to(t, candidate), t, entry.norm)
         if entry.leaf:

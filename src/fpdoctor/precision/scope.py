@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from fpdoctor.precision.candidates import Call, map_tensors, split_inputs
+from fpdoctor.precision.modes import eval_mode
 from fpdoctor.preserve import preserved
 
 
@@ -40,16 +41,13 @@ def module_inputs(model: nn.Module, inputs: Any, target: nn.Module) -> Call:
 
     args, kwargs = split_inputs(inputs)
     handle = target.register_forward_pre_hook(grab, with_kwargs=True)
-    was_training = model.training
-    model.eval()
     try:
-        with torch.no_grad(), preserved(model):
+        with torch.no_grad(), eval_mode(model), preserved(model):
             model(*args, **kwargs)
     except _Captured:
         pass
     finally:
         handle.remove()
-        model.train(was_training)
     if not captured:
         raise ValueError("the module is never called when the model runs on these inputs")
     return captured[0]
