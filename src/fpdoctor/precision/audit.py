@@ -22,9 +22,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fpdoctor import catalog
 from fpdoctor.numerics.modules import ModuleTracker
-from fpdoctor.numerics.trace import _tensors, user_location
+from fpdoctor.numerics.trace import user_location
 from fpdoctor.precision.candidates import split_inputs, uncompiled
 from fpdoctor.preserve import preserved
+from fpdoctor.provenance import Provenance
+from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding, Report, Severity
 
 _DTYPE_ERROR = re.compile(
@@ -33,7 +35,6 @@ _DTYPE_ERROR = re.compile(
     r"|should be the same|mixed dtype|expect(?:ed)? parameter to have scalar type"
 )
 _DEVICE_ERROR = re.compile(r"Expected all tensors to be on the same device|on different devices|device mismatch")
-_ORIGIN = "_fpdoctor_origin"
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -132,20 +133,23 @@ def static_findings(model: nn.Module) -> tuple[list[Finding], Counter[str], Coun
 
 
 class _Origins(TorchDispatchMode):
-    """Tags every op output with where it came from, and explains dtype/device errors."""
+    """Records where every op output came from, and explains dtype/device errors.
+
+    The record is this run's own side table (`Provenance`), never an attribute: op outputs
+    include the user's tensors (a buffer updated in place, a tensor a module keeps), and a tag
+    on them would travel into `torch.save` and mislead a later audit."""
 
     def __init__(self, tracker: ModuleTracker, inputs: dict[int, str]) -> None:
         super().__init__()
         self.tracker = tracker
         self.inputs = inputs
         self.failure: dict[str, Any] | None = None
+        self.origins = Provenance()
 
     def origin(self, t: torch.Tensor) -> dict[str, Any]:
-        tagged = getattr(t, _ORIGIN, None)
+        tagged: dict[str, Any] | None = self.origins.get(t)  # a view falls back to its base's entry
         if tagged is not None:
             return tagged
-        if t._base is not None and getattr(t._base, _ORIGIN, None) is not None:
-            return getattr(t._base, _ORIGIN)
         name = self.tracker.param_names.get(t) if t._base is None else self.tracker.param_names.get(t._base)
         if name is not None:
             kind = (
@@ -169,8 +173,7 @@ class _Origins(TorchDispatchMode):
                 module, call, _ = self.tracker.current
                 operands = [
                     {**self.origin(t), "dtype": str(t.dtype), "device": str(t.device), "shape": list(t.shape)}
-                    for t in _tensors((args, kwargs))
-                    if isinstance(t, torch.Tensor)
+                    for t in tensors_in((args, kwargs))
                 ]
                 self.failure = {
                     "error": text.splitlines()[0],
@@ -182,16 +185,15 @@ class _Origins(TorchDispatchMode):
                     "location": user_location(sys._getframe(1)),
                 }
             raise
-        float_inputs = [t for t in _tensors((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        float_inputs = [t for t in tensors_in((args, kwargs)) if t.is_floating_point()]
         if not func.is_view:
             module, _, _ = self.tracker.current
             location = user_location(sys._getframe(1))
             sources = [self.origin(t) for t in float_inputs[:3]]
-            for t in _tensors(out):
-                if isinstance(t, torch.Tensor) and t.is_floating_point():
-                    setattr(
+            for t in tensors_in(out):
+                if t.is_floating_point():
+                    self.origins.set(
                         t,
-                        _ORIGIN,
                         {
                             "kind": "state",
                             "op": str(func),

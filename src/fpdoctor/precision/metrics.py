@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics.trace import _tensors
 from fpdoctor.precision.candidates import Fp8Linear, Fp16AccumulateLinear, compute_dtype, fp8_format, fp8_quantize
+from fpdoctor.pytrees import tensors_in
 
 # Errors are measured on an evenly strided sample of at most SAMPLE values per module output:
 # the relative L2 error of 8192 values is within a few percent of the full tensor's, far finer
@@ -71,8 +71,8 @@ def row_subset(
 
 def floating(value: Any) -> Iterator[torch.Tensor]:
     """The non-empty floating tensors in `value` (a tensor, nested containers, a dataclass), detached."""
-    for t in _tensors(value):
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0:
+    for t in tensors_in(value):
+        if t.is_floating_point() and t.numel() > 0:
             yield t.detach()
 
 
