@@ -64,3 +64,31 @@ def test_a_probe_that_raises_is_noted_and_its_text_is_evidence():
     assert report.data["facts"]["probes"][0]["status"] == "error"
     assert "probe gemm-fp32" in report.data["not_checked"]
     assert report.findings == []
+
+
+def test_a_child_that_writes_a_lot_to_stderr_is_not_taken_for_a_hang(tmp_path, monkeypatch):
+    """More than a pipe holds on stderr (debug logging of a CUDA library) while the probe runs:
+    the child must not block on its write, and the end of what it wrote is kept as evidence."""
+    import types
+
+    from fpdoctor.env import probe
+    from fpdoctor.env.probe_child import RESULT, START
+
+    script = tmp_path / "noisy_child.py"
+    script.write_text(
+        "import json, os, signal, sys\n"
+        "for spec in json.loads(sys.argv[1]):\n"
+        f"    print({START!r} + spec['name'], flush=True)\n"
+        "    sys.stderr.write('cublas debug line\\n' * 120_000)  # ~2 MiB\n"
+        "    sys.stderr.flush()\n"
+        "    if spec['name'] == 'dies':\n"
+        "        sys.stderr.write('last words\\n')\n"
+        "        sys.stderr.flush()\n"
+        "        os.kill(os.getpid(), signal.SIGABRT)\n"
+        f"    print({RESULT!r} + json.dumps({{'name': spec['name'], 'status': 'ok'}}), flush=True)\n"
+    )
+    monkeypatch.setattr(probe, "probe_child", types.SimpleNamespace(__file__=str(script)))
+    monkeypatch.setattr(probe, "IMPORT_ALLOWANCE_S", 5.0)
+    results = run_probes([_spec("a"), _spec("dies"), _spec("b")], timeout_s=5)
+    assert [r["status"] for r in results] == ["ok", "crashed", "ok"]
+    assert results[1]["signal"] == "SIGABRT" and results[1]["stderr_tail"].endswith("cublas debug line\nlast words\n")

@@ -39,10 +39,23 @@ def default_specs(device: str, capability: tuple[int, int] | None) -> list[dict[
     return specs
 
 
+STDERR_TAIL = 16384  # characters of the child's stderr kept as evidence: the last lines say why it died
+
+
 def _reader(stream: Any, out: queue.Queue[str | None]) -> None:
     for line in stream:
         out.put(line.rstrip("\n"))
     out.put(None)
+
+
+def _drain(stream: Any, tail: list[str]) -> None:
+    """Read `stream` to its end, keeping only its last STDERR_TAIL characters in `tail[0]`.
+
+    The child's stderr must be read while it runs: a child that writes more than the pipe holds
+    (64 KiB on Linux: torch warnings, cuBLAS/NCCL debug logging) blocks in write() until someone
+    reads, and would look like a hung probe."""
+    for chunk in iter(lambda: stream.read(8192), ""):
+        tail[0] = (tail[0] + chunk)[-STDERR_TAIL:]
 
 
 def run_probes(specs: list[dict[str, Any]], *, timeout_s: float = 60.0) -> list[dict[str, Any]]:
@@ -59,6 +72,9 @@ def run_probes(specs: list[dict[str, Any]], *, timeout_s: float = 60.0) -> list[
         )
         lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
+        tail = [""]
+        drainer = threading.Thread(target=_drain, args=(proc.stderr, tail), daemon=True)
+        drainer.start()
         current: str | None = None
         deadline = time.monotonic() + IMPORT_ALLOWANCE_S + timeout_s
         started = time.monotonic()
@@ -80,7 +96,8 @@ def run_probes(specs: list[dict[str, Any]], *, timeout_s: float = 60.0) -> list[
                 results[result.pop("name")] = result
                 current = None
         proc.wait()
-        stderr = proc.stderr.read() if proc.stderr else ""
+        drainer.join(timeout=5.0)  # the pipe closes with the child (a grandchild holding it open is not waited for)
+        stderr = tail[0]
         sig = signal_name(proc.returncode)
         if sig and current is not None and current not in results:
             results[current] = {
