@@ -75,3 +75,52 @@ def test_format_names():
 
     with pytest.raises(ValueError, match="unknown dtype"):
         format_named("fp12")
+
+
+def _no_unknowns(value):
+    """SPEC 3.2: keys whose value is unknown are omitted, never null."""
+    if isinstance(value, dict):
+        return all(v is not None and _no_unknowns(v) for k, v in value.items() if k != "module")
+    return True
+
+
+def test_every_call_counted_although_python_reuses_ids():
+    # Each output is freed before the next call, so CPython hands the next output the same id().
+    lin = nn.Linear(8, 8)
+    counts = []
+    for _ in range(2):
+        with fpdoctor.trace(lin, headroom=True) as t:
+            for _ in range(200):
+                lin(torch.randn(4, 8))
+        counts.append(t.report.data["headroom"][0]["calls"])
+    assert counts == [200, 200]
+
+
+def test_container_returning_its_childs_output_counts_it_once():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    with fpdoctor.trace(model, headroom=True) as t:
+        model(torch.randn(2, 4))
+        model(torch.randn(2, 4))
+    calls = {row["module"]: row["calls"] for row in t.report.data["headroom"]}
+    assert calls == {"0": 2, "1": 2}  # the Sequential hands on 1's output: not a second row
+
+
+def test_headroom_findings_name_the_op_and_omit_unknowns():
+    x = torch.randn(4, 64) * 1e-4
+    norm = Norm()
+    with fpdoctor.trace(norm, headroom=True) as t:
+        norm(x)
+    lin = nn.Linear(16, 16)
+    with torch.no_grad():
+        lin.weight.fill_(5000.0)
+    with fpdoctor.trace(lin, headroom=True) as t2:
+        lin(torch.ones(2, 16))
+    found = [f for f in t.report.findings + t2.report.findings if f.name in ("underflow-risk", "overflow-risk")]
+    assert {f.name for f in found} == {"underflow-risk", "overflow-risk"}
+    for f in found:
+        assert {"module", "op", "phase"} <= f.where.keys() and _no_unknowns(f.where), f.where
+        assert {"kind", "numel", "dtype"} <= f.evidence.keys() and _no_unknowns(f.evidence), f.evidence
+    under = next(f for f in found if f.name == "underflow-risk")
+    assert under.where["op"] == "aten.mean.dim" and under.evidence["numel"] == 4
+    over = next(f for f in found if f.name == "overflow-risk")
+    assert over.where == {"module": "", "op": "aten.addmm.default", "phase": "forward"}

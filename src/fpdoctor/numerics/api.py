@@ -80,7 +80,7 @@ class Trace:
             with torch._C._DisableTorchDispatch():  # our own statistics must not be traced
                 self._tracer.module_output(name, call, output, recompute)
                 if self._headroom is not None and not recompute and self._tracker.phase == "forward":
-                    self._headroom.observe_module(name, output, self._tracer.absmax_of)
+                    self._headroom.observe_module(name, output, self._tracer.absmax_of, self._tracer)
         except Exception as exc:  # the observer never kills the job
             self._tracer.errors.append(f"module hook {name}: {type(exc).__name__}: {exc}")
 

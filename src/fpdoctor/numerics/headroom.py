@@ -4,19 +4,26 @@ Per op, the trace's `aminmax` already gives the largest magnitude (overflow). Pe
 a histogram of binary exponents (`frexp`) says what share of non-zero values sits below any
 power-of-two threshold, which is what underflow needs: every flush threshold of these formats
 is a power of two. Histograms stay on the device and are read once at the end.
+
+A container that returns its last child's output hands the same tensor object to two module
+hooks; it is counted once, for the child. Sameness is object identity in a weak table (an entry
+dies with its tensor), never `id()`, which Python reuses as soon as a tensor is freed.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fpdoctor import catalog
 from fpdoctor.numerics.limits import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE, UNDERFLOW_SHARE
-from fpdoctor.numerics.trace import Record, _tensors
+from fpdoctor.numerics.trace import Record, Tracer
+from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding
 
 _OFFSET = 160  # frexp exponents of float32 values lie in [-148, 128]
@@ -30,7 +37,9 @@ SAMPLE = 8192
 class ModuleStats:
     dtype: str
     calls: int = 0
+    numel: int = 0  # values observed over all calls (the histogram holds a sample of them)
     absmax: float = 0.0
+    op: str | None = None  # the op that produced the output (its last call)
     hist: Any = None  # int64 counts per exponent; bin 0 holds exact zeros
 
     @torch.no_grad()
@@ -55,6 +64,7 @@ class ModuleStats:
             absmax = max(-float(lo), float(hi))
         top = absmax
         self.absmax = max(float(self.absmax), top)
+        self.numel += n
         self.calls += 1
 
 
@@ -79,19 +89,29 @@ class Headroom:
     def __init__(self, targets: tuple[str, ...] = ("fp16", "bf16")) -> None:
         self.targets = targets
         self.modules: dict[str, ModuleStats] = {}
-        self._seen: set[tuple[int, int]] = set()
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> its _version when observed
 
-    def observe_module(self, name: str, output: Any, absmax_of: Any = None) -> None:
-        for t in _tensors(output):
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0:
-                key = (id(t), t._version)
-                if key in self._seen:  # a container returning its last child's output: counted once
-                    continue
-                self._seen.add(key)
-                stats = self.modules.get(name)
-                if stats is None:
-                    stats = self.modules[name] = ModuleStats(str(t.dtype))
-                stats.add(t, absmax_of(t) if absmax_of is not None else None)
+    def observe_module(
+        self,
+        name: str,
+        output: Any,
+        absmax_of: Callable[[torch.Tensor], float | None] | None = None,
+        tracer: Tracer | None = None,
+    ) -> None:
+        """Add one module call's floating outputs; `tracer` names the op that produced each."""
+        for t in tensors_in(output):
+            if not (t.is_floating_point() and t.numel() > 0):
+                continue
+            if self._seen.get(t) == t._version:  # a container returning its child's output: counted once
+                continue
+            self._seen[t] = t._version
+            stats = self.modules.get(name)
+            if stats is None:
+                stats = self.modules[name] = ModuleStats(str(t.dtype))
+            stats.add(t, absmax_of(t) if absmax_of is not None else None)
+            index = tracer.producer_of(t) if tracer is not None else None
+            if index is not None:
+                stats.op = tracer.records[index].op
 
     def table(self) -> list[dict[str, Any]]:
         rows = []
@@ -104,10 +124,14 @@ class Headroom:
                 "module": name or "<root>",
                 "dtype": s.dtype,
                 "calls": s.calls,
+                "numel": s.numel,
+                "sampled": sum(hist),
                 "absmax": absmax,
                 "smallest_nonzero": smallest_nonzero(hist),
                 "zeros": hist[0] / max(1, sum(hist)),
             }
+            if s.op is not None:
+                row["op"] = s.op
             row["fp16_max_share"] = absmax / FORMATS["fp16"].max
             row["fp16_flush"] = share_below(hist, FORMATS["fp16"].flush_threshold)
             row["fp16_subnormal"] = share_below(hist, FORMATS["fp16"].smallest_normal)
@@ -123,6 +147,7 @@ class Headroom:
         found = []
         for row in rows:
             in_use = DTYPE_FORMAT.get(row["dtype"])
+            where = _module_where(row)
             if in_use == "fp32" and "fp16" in self.targets and row["fp16_max_share"] >= OVERFLOW_SHARE:
                 found.append(
                     catalog.make(
@@ -131,7 +156,7 @@ class Headroom:
                             f"Module `{row['module']}`'s output reaches {row['fp16_max_share']:.0%} of the fp16 max "
                             f"(absmax {row['absmax']:.4g}): it would overflow if it ran in fp16."
                         ),
-                        where={"module": row["module"], "op": None, "phase": "forward"},
+                        where=where,
                         evidence={
                             "kind": "overflow",
                             "target": "fp16",
@@ -139,11 +164,11 @@ class Headroom:
                             "absmax": row["absmax"],
                             "dtype": row["dtype"],
                             "what_if": True,
-                            "count": None,
-                            "numel": None,
+                            "numel": row["numel"],
                         },
                     )
                 )
+            nonzero = row["sampled"] * (1 - row["zeros"])
             for target in self.targets:
                 if target == in_use:
                     continue
@@ -156,15 +181,17 @@ class Headroom:
                                 f"{share:.1%} of the non-zero values of module `{row['module']}`'s output would flush "
                                 f"to zero in {target} (smallest non-zero magnitude {row['smallest_nonzero']:.3g})."
                             ),
-                            where={"module": row["module"], "op": None, "phase": "forward"},
+                            where=where,
                             evidence={
                                 "kind": "underflow",
                                 "target": target,
                                 "share": share,
                                 "dtype": row["dtype"],
                                 "smallest_nonzero": row["smallest_nonzero"],
-                                "count": None,
-                                "numel": None,
+                                # counted on an evenly strided sample of `sampled` of the `numel` values
+                                "count": round(share * nonzero),
+                                "sampled": row["sampled"],
+                                "numel": row["numel"],
                             },
                         )
                     )
@@ -180,33 +207,49 @@ class Headroom:
                 in_use = DTYPE_FORMAT.get(out.dtype)
                 if out.absmax is None or in_use not in ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2"):
                     continue  # fp32 what-ifs are judged per module, where the exact absmax is taken
-                for target in [in_use]:
-                    share = out.absmax / FORMATS[target].max
-                    key = (r.module, r.op, target)
-                    if share >= OVERFLOW_SHARE and share > worst.get(key, (0.0,))[0]:
-                        worst[key] = (share, r, target)
+                share = out.absmax / FORMATS[in_use].max
+                key = (r.module, r.op, in_use)
+                if share >= OVERFLOW_SHARE and share > worst.get(key, (0.0,))[0]:
+                    worst[key] = (share, r, in_use)
         found = []
         for (module, op, target), (share, r, _) in list(worst.items())[:10]:
-            what_if = DTYPE_FORMAT.get(r.outputs[0].dtype) != target
+            out = r.outputs[0]
+            where: dict[str, Any] = {"module": module, "op": op, "phase": r.phase}
+            if r.call is not None:
+                where["iteration"] = r.call
             found.append(
                 catalog.make(
                     "overflow-risk",
                     message=(
-                        f"{op} in module `{module}` reaches {share:.0%} of the {target} max ({FORMATS[target].max:g})"
-                        + (" if it ran in that dtype" if what_if else "")
-                        + f" ({r.phase})."
+                        f"{op} {_module_text(module)} reaches {share:.0%} of the {target} max "
+                        f"({FORMATS[target].max:g}) ({r.phase})."
                     ),
-                    where={"module": module, "op": op, "phase": r.phase, "iteration": r.call},
+                    where=where,
+                    # the op's aminmax gives the largest magnitude, not how many values come close: no count
                     evidence={
                         "kind": "overflow",
                         "target": target,
                         "share": share,
-                        "absmax": r.outputs[0].absmax,
-                        "dtype": r.outputs[0].dtype,
-                        "what_if": what_if,
-                        "count": None,
-                        "numel": None,
+                        "absmax": out.absmax,
+                        "dtype": out.dtype,
+                        "what_if": False,
+                        "numel": math.prod(out.shape),
                     },
                 )
             )
         return found
+
+
+def _module_text(module: str | None) -> str:
+    if module is None:
+        return "outside any module"
+    return f"in module `{module}`" if module else "in the root module"
+
+
+def _module_where(row: dict[str, Any]) -> dict[str, Any]:
+    """A per-module row's where: the module, the op that produced its output, forward."""
+    # the table shows the root as "<root>"; `where` speaks named_modules(), where it is ""
+    where: dict[str, Any] = {"module": "" if row["module"] == "<root>" else row["module"], "phase": "forward"}
+    if "op" in row:
+        where["op"] = row["op"]
+    return where
