@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.conftest import run_fpdoctor
 
@@ -47,6 +48,29 @@ def test_factory_that_raises(tmp_path, cli):
     assert result.code == 2 and "raised ValueError: no weights here" in result.err
 
 
-def test_unavailable_device(cli):
-    result = cli("audit", "fpdoctor.casebook.unet:build", "--device", "cuda")
-    assert result.code == 2 and "no CUDA device" in result.err
+@pytest.mark.parametrize(
+    ("device", "words"),
+    [
+        pytest.param(
+            "cuda",
+            "no CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device"),
+        ),
+        pytest.param(
+            "mps",
+            "no Apple MPS device",
+            marks=pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has an Apple MPS device"),
+        ),
+    ],
+)
+def test_unavailable_device(cli, device, words):
+    result = cli("audit", "fpdoctor.casebook.unet:build", "--device", device)
+    assert result.code == 2 and words in result.err and len(result.err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_audit_on_cuda(cli):
+    result = cli("audit", "fpdoctor.casebook.unet:build", "--device", "cuda", "--format", "json")
+    doc = json.loads(result.out)
+    assert result.code == (1 if doc["verdict"] == "error" else 0)
+    assert list(doc["data"]["devices"]) == ["cuda:0"]

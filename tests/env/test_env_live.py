@@ -24,6 +24,12 @@ SECRET_VALUES = [
 ]
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @pytest.fixture(scope="module")
 def live_json():
     result = run_fpdoctor("env", "--format", "json", env=SECRETS)
@@ -34,14 +40,31 @@ def test_live_run_on_this_machine(live_json):
     import torch
 
     result, doc = live_json
-    assert result.code == 0 and doc["verdict"] == "ok", doc["findings"]
+    # The exit status follows the verdict: a GPU machine may well have error-level findings (an old
+    # driver, a probe that fails on a faulty GPU), which is the doctor working, not failing.
+    assert result.code == (1 if doc["verdict"] == "error" else 0), doc["findings"]
     facts = doc["data"]["facts"]
     assert facts["torch"]["version"] == torch.__version__
     assert facts["torch"]["import"] == "ok"
-    # No driver here: each GPU source says why it was not checked instead of failing.
+    if facts["torch"]["stage"] == "done":  # the check's own child got through CUDA start-up, as this process did
+        assert facts["torch"]["cuda_available"] == torch.cuda.is_available()
     not_checked = doc["data"]["not_checked"]
-    assert "gpus (nvml)" in not_checked and "gpus (nvidia-smi)" in not_checked
+    if facts["gpus"]:  # found by the first source that works, each named
+        assert all(g["name"] and g["source"] in ("nvml", "nvidia-smi") for g in facts["gpus"]), facts["gpus"]
+    else:  # no driver: each GPU source says why it was not checked instead of failing
+        assert "gpus (nvml)" in not_checked and "gpus (nvidia-smi)" in not_checked
+    # probes run by default where torch (in the check's child) sees a GPU, and only there
+    assert bool(facts["probes"]) == bool(facts["torch"].get("cuda_available"))
     assert facts["env"]["NCCL_SOCKET_IFNAME"] == "eth0"
+
+
+def test_live_run_on_a_machine_without_gpus_is_clean(live_json):
+    """This environment on a CPU machine: nothing to warn about, nothing probed."""
+    result, doc = live_json
+    if doc["data"]["facts"]["gpus"]:
+        pytest.skip("this machine has NVIDIA GPUs: their findings depend on the machine")
+    assert result.code == 0 and doc["verdict"] == "ok", doc["findings"]
+    assert doc["data"]["facts"]["probes"] == []
 
 
 def test_secrets_never_leave_in_any_format(tmp_path, live_json):
@@ -75,12 +98,25 @@ def test_saved_facts_diagnose_the_same(tmp_path):
     assert b["data"]["facts"]["origin"]["collected_as"] == "live"
 
 
+@pytest.mark.skipif(_cuda(), reason="with a GPU the probes run on it (test_gpu_probes_when_asked)")
 def test_cpu_probes_when_asked(cli):
     result = cli("env", "--probe", "--format", "json")
     doc = json.loads(result.out)
     probes = doc["data"]["facts"]["probes"]
     assert [p["dtype"] for p in probes] == ["fp32", "bf16", "fp16"]
     assert all(p["status"] == "ok" for p in probes) and result.code == 0
+
+
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA device")
+def test_gpu_probes_when_asked(cli):
+    result = cli("env", "--probe", "--format", "json")
+    doc = json.loads(result.out)
+    probes = doc["data"]["facts"]["probes"]
+    assert [p["dtype"] for p in probes][:4] == ["fp32", "tf32", "bf16", "fp16"]
+    assert {"h20-linear-bf16", "h20-gemm-fp16"} <= {p["name"] for p in probes}
+    # each probe has an outcome; a failing one is a finding (a faulty GPU is what they are for)
+    assert all(p["device"] == "cuda" and p["status"] in ("ok", "wrong", "crashed", "timeout", "error") for p in probes)
+    assert result.code == (1 if doc["verdict"] == "error" else 0)
 
 
 def test_output_file_is_written(tmp_path, cli):

@@ -55,11 +55,16 @@ def test_probe_crash_becomes_a_finding_end_to_end(cli, tmp_path):
 def test_a_probe_that_raises_is_noted_and_its_text_is_evidence():
     import json
 
+    import torch
+
     from fpdoctor.env.doctor import diagnose_env
     from tests.conftest import ENV_FIXTURES
 
     facts = json.loads((ENV_FIXTURES / "rules" / "ENV201-probe-crashed.json").read_text())
-    spec = {"name": "gemm-fp32", "dtype": "fp32", "shape": [16, 16, 16], "device": "cuda"}  # no CUDA here
+    # One past the last CUDA device, on any machine: "invalid device ordinal" where there are GPUs,
+    # "not compiled with CUDA" or "no NVIDIA driver" where there are none. Each one raises.
+    missing = f"cuda:{torch.cuda.device_count()}"
+    spec = {"name": "gemm-fp32", "dtype": "fp32", "shape": [16, 16, 16], "device": missing}
     report = diagnose_env(facts=facts, probe=True, probe_specs=[spec])
     assert report.data["facts"]["probes"][0]["status"] == "error"
     assert "probe gemm-fp32" in report.data["not_checked"]

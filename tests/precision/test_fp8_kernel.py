@@ -26,8 +26,14 @@ def test_scaled_mm_layer_matches_fake_quant(fp8, rowwise):
         got, want = real(x), fake(x)
         # rows of a larger input with the whole input's tensorwise scale, as the isolated re-run passes them
         rows, rows_fake = real(x[:, :2], input_amax=x.abs().amax()), fake(x[:, :2], input_amax=x.abs().amax())
-    assert real.fallback is None, real.fallback
     assert got.shape == (4, 6, 48) and got.dtype == torch.float32
+    if real.fallback is not None:
+        # The kernel refused, which is allowed only for rowwise scales: torch 2.11's CPU _scaled_mm
+        # scales tensorwise only. The layer then says why and computes exactly what fake-quant does.
+        assert rowwise, real.fallback
+        assert real.fallback.startswith(("RuntimeError: ", "NotImplementedError: ")) and len(real.fallback) > 20
+        assert torch.equal(got, want) and torch.equal(rows, rows_fake)
+        return
     # the same fp8 values and scales; only the order of the fp32 sums and of the scaling differs
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rows, rows_fake, rtol=1e-5, atol=1e-5)
