@@ -86,6 +86,44 @@ NUM_RULES: tuple[Rule, ...] = (
         "and training degrades or diverges while bf16 is fine.",
         fix="Use rowwise scaling where it keeps the SQNR, keep the layer in bf16 where it does not.",
     ),
+    Rule(
+        code="NUM008",
+        name="nonfinite-zeroed",
+        severity=E,
+        title="An overflow's Inf was turned into zeros or finite garbage that reaches what you see",
+        what="An op overflowed to Inf from finite inputs, and a later op (rsqrt, reciprocal, exp of -Inf, division "
+        "by Inf, a negative power, sigmoid/tanh) turned the Inf into 0 or a saturated finite value that reaches a "
+        "module output, a returned value, a gradient or a parameter. Masking by where, masked_fill or a softmax "
+        "over an -inf mask is deliberate and stays nonfinite-masked.",
+        why="No NaN appears, so NaN checks pass, but the values are destroyed: an fp16 RMSNorm whose x.pow(2) "
+        "overflows computes rsqrt(Inf) = 0 and outputs zeros for those rows.",
+        fix="Fix the overflowing op named in the finding: compute it in fp32 (e.g. the variance of a norm), rescale "
+        "its input, or use bf16 when the cause is fp16's range.",
+    ),
+    Rule(
+        code="NUM009",
+        name="fp16-adam-eps",
+        severity=E,
+        title="Adam's eps rounds to zero in fp16",
+        what="An Adam-family optimizer stepped fp16 parameters (so its state is fp16) with an eps below 1e-4; "
+        "the default 1e-8 is below fp16's smallest subnormal (6e-8) and rounds to 0.",
+        why="The update is m / (sqrt(v) + eps); with eps = 0 and a small v it divides by ~0, and the parameters "
+        "jump to Inf or huge values a few steps in.",
+        fix="eps=1e-4 (or larger) for pure fp16 parameters; better, keep fp32 master weights and run the forward "
+        "under torch.autocast(dtype=torch.float16) with a GradScaler.",
+    ),
+    Rule(
+        code="NUM010",
+        name="fp16-without-grad-scaler",
+        severity=W,
+        title="fp16 autocast training without a GradScaler: small gradients flush to zero",
+        what="The forward ran under fp16 autocast, backward ran and an optimizer stepped, but not through "
+        "GradScaler.step; the finding gives the measured share of gradient values that are 0 or fp16 subnormals.",
+        why="fp16 cannot hold gradients below 6e-8 and keeps few bits below 6.1e-5; without loss scaling they "
+        "vanish in the fp16 backward and the weights stop learning, with no NaN to warn you.",
+        fix="scaler = torch.amp.GradScaler(device); scaler.scale(loss).backward(); scaler.step(opt); "
+        "scaler.update() - or autocast to bf16, which needs no scaler.",
+    ),
 )
 
 TRN_RULES: tuple[Rule, ...] = (

@@ -9,6 +9,12 @@ Roles of a record with a non-finite output:
 A producer is blamed when a sink it reaches is non-finite; the first NaN producer and the first
 Inf producer are reported separately. An -inf constant feeding a NaN producer (a mask row that
 is entirely masked) is evidence for that producer, not an error of its own.
+
+An Inf need not reach a sink as Inf to do harm: rsqrt(Inf) = 0, exp(-Inf) = 0, x / Inf = 0. When
+an op of that kind turns an *overflow's* Inf into finite values and those reach a sink, the
+overflow is reported as `nonfinite-zeroed`. Infinities written on purpose (masked_fill, where,
+full: attention masks) are masking, and a producer nobody downstream sees stays
+`nonfinite-masked`.
 """
 
 from __future__ import annotations
@@ -18,10 +24,35 @@ from collections import defaultdict
 from typing import Any
 
 from fpdoctor import catalog
+from fpdoctor.numerics.recipes import range_cause
 from fpdoctor.numerics.trace import Leaf, Record, Tracer
 from fpdoctor.report.model import Finding
 
 Origin = tuple[str, int]  # ("op", record index) or ("leaf", leaf index)
+
+# Ops that turn an Inf input into a finite output without any masking intent: zeros (rsqrt,
+# reciprocal, exp(-inf), x / inf, inf ** negative) or saturated values (sigmoid, tanh, erf, atan).
+_ZEROING = frozenset({
+    "rsqrt", "reciprocal", "exp", "exp2", "div", "pow", "sigmoid", "tanh", "erf", "erfc", "atan",
+})  # fmt: skip
+# Ops that write an infinity on purpose (attention masks): their Inf is a mask, not an overflow.
+_DELIBERATE = frozenset({
+    "masked_fill", "masked_fill_", "where", "full", "full_like", "fill", "fill_", "new_full", "scalar_tensor",
+    "index_put", "index_put_", "scatter", "scatter_", "masked_scatter", "masked_scatter_", "index_fill",
+    "index_fill_",
+})  # fmt: skip
+_SATURATING = frozenset({"sigmoid", "tanh", "erf", "erfc", "atan"})
+
+
+def _packet(op: str) -> str:
+    """'aten.div.Tensor' -> 'div': the overload packet's name."""
+    parts = op.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else op
+
+
+def _known(values: dict[str, Any]) -> dict[str, Any]:
+    """SPEC 3.2: keys whose value is unknown are omitted (`module` may be null: outside any module)."""
+    return {k: v for k, v in values.items() if v is not None or k == "module"}
 
 
 def _where_text(path: tuple[str, int, str] | None) -> str | None:
@@ -112,7 +143,7 @@ class Analysis:
         return stats
 
     def where(self, r: Record) -> dict[str, Any]:
-        where: dict[str, Any] = {"module": r.module, "op": r.op, "phase": r.phase, "iteration": r.call}
+        where: dict[str, Any] = _known({"module": r.module, "op": r.op, "phase": r.phase, "iteration": r.call})
         if r.node:
             where["autograd_node"] = r.node
         if r.forward_op:
@@ -163,8 +194,8 @@ class Analysis:
             else f"{label}: {r.op} turned {self.kind_of(fed[0])} into {kinds[0]}",
             message=message,
             where=self.where(r),
-            evidence=evidence,
-            fix=_fix_for(r, self),
+            evidence=_known(evidence),
+            fix=_fix_for(r),
         )
 
     def findings(self) -> list[Finding]:
@@ -188,13 +219,20 @@ class Analysis:
                 r = self.records[origin[1]]
                 if r.kind == "nan" or not producers_reached:
                     found.append(self._constant_finding(r, reaches))
+        zeroed = self.zeroed()
+        if zeroed:
+            found.append(self._zeroed_finding(*zeroed[0], others=len(zeroed) - 1))
+        hidden = {p.index for p, _, _ in zeroed}
         masked = [
             r
             for r in self.records
-            if self.roles.get(r.index) in ("nan-producer", "inf-producer") and ("op", r.index) not in self.reached
+            if self.roles.get(r.index) in ("nan-producer", "inf-producer")
+            and ("op", r.index) not in self.reached
+            and r.index not in hidden
         ]
         if masked:
             r = masked[0]
+            out = next(o for o in r.outputs if o.kind)
             found.append(
                 catalog.make(
                     "nonfinite-masked",
@@ -204,16 +242,105 @@ class Analysis:
                         + (f" Source: {_where_text(r.location)}." if r.location else "")
                     ),
                     where=self.where(r),
-                    evidence={
-                        "kind": r.kind,
-                        "count": len(masked),
-                        "location": _where_text(r.location),
-                        "numel": None,
-                        "dtype": r.outputs[0].dtype,
-                    },
+                    evidence=_known(
+                        {
+                            "kind": r.kind,
+                            "count": sum(out.counts.values()) if out.counts else None,
+                            "numel": math.prod(out.shape),
+                            "dtype": out.dtype,
+                            "ops": len(masked),
+                            "location": _where_text(r.location),
+                        }
+                    ),
                 )
             )
         return found
+
+    # -- Inf turned into zeros -----------------------------------------------------------------
+    def _overflows(self, src: Origin) -> list[Record]:
+        """The overflow producers behind a non-finite input (not masks written on purpose)."""
+        origins = self.origins.get(src[1], frozenset()) if src[0] == "op" else frozenset()
+        return [
+            self.records[i]
+            for kind, i in sorted(origins)
+            if kind == "op" and self.roles.get(i) == "inf-producer" and _packet(self.records[i].op) not in _DELIBERATE
+        ]
+
+    def zeroed(self) -> list[tuple[Record, Record, list[str]]]:
+        """(overflow producer, op that made its Inf finite, sinks reached), first first."""
+        zeroing: dict[int, Record] = {}  # zeroing record -> the overflow behind it
+        for r in self.records:
+            if r.kind or _packet(r.op) not in _ZEROING:
+                continue
+            for src in r.inputs:
+                if self.kind_of(src) in ("+inf", "-inf"):
+                    overflows = self._overflows(src)
+                    if overflows:
+                        zeroing[r.index] = overflows[0]
+                        break
+        if not zeroing:
+            return []
+        # Which zeroing ops each record's values derive from, forward through the inputs.
+        derived: dict[int, frozenset[int]] = {}
+        for r in self.records:
+            behind: frozenset[int] = frozenset({r.index}) if r.index in zeroing else frozenset()
+            for kind, i in r.inputs:
+                if kind == "op" and i in derived:
+                    behind |= derived[i]
+            if behind:
+                derived[r.index] = behind
+        reached: dict[int, list[str]] = defaultdict(list)
+        for kind, index, description in self.tracer.sinks:
+            for z in sorted(derived.get(index, ())) if kind == "op" else ():
+                if description not in reached[z] and len(reached[z]) < 8:
+                    reached[z].append(description)
+        return [(zeroing[z], self.records[z], reached[z]) for z in sorted(reached)]
+
+    def _zeroed_finding(self, producer: Record, zeroer: Record, reaches: list[str], others: int) -> Finding:
+        out = next(o for o in producer.outputs if o.kind)
+        count = sum(out.counts.values()) if out.counts else None
+        numel = math.prod(out.shape)
+        into = "saturated finite values" if _packet(zeroer.op) in _SATURATING else "0"
+        location = _where_text(producer.location)
+        rows = f"{count} of {numel}" if count is not None else f"some of {numel}"
+        message = (
+            f"{producer.op} {_module_text(producer.module)} ({producer.phase}) overflowed {out.dtype}: {rows} values "
+            f"became {out.kind} from finite inputs. {zeroer.op} {_module_text(zeroer.module)} then turned the Inf "
+            f"into {into}, so no NaN shows, but those values are destroyed and they reach {', '.join(reaches[:3])}."
+            + (f" Source: {location}." if location else "")
+            + (f" ({others} more op(s) zeroed an overflow.)" if others else "")
+        )
+        where = self.where(producer)
+        where["zeroed_by"] = zeroer.op
+        evidence = _known(
+            {
+                "kind": out.kind,
+                "count": count,
+                "numel": numel,
+                "dtype": out.dtype,
+                "shape": list(out.shape),
+                "inputs": self.input_stats(producer),
+                "zeroed_by": _known(
+                    {
+                        "op": zeroer.op,
+                        "module": zeroer.module,
+                        "phase": zeroer.phase,
+                        "into": into,
+                        "location": _where_text(zeroer.location),
+                    }
+                ),
+                "reaches": reaches,
+                "location": location,
+            }
+        )
+        return catalog.make(
+            "nonfinite-zeroed",
+            title=f"{producer.op} overflowed to {out.kind} and {zeroer.op} turned it into {into}",
+            message=message,
+            where=where,
+            evidence=evidence,
+            fix=_fix_for(producer),
+        )
 
     def _input_finding(self, leaf: Leaf, reaches: list[str]) -> Finding:
         first = (
@@ -230,22 +357,26 @@ class Analysis:
                 + (f" by {first.op} {_module_text(first.module)}" if first else "")
                 + f"; it reaches {', '.join(reaches[:3])}."
             ),
-            where={
-                "module": first.module if first else None,
-                "op": first.op if first else None,
-                "phase": first.phase if first else None,
-                "input": leaf.name,
-            },
-            evidence={
-                "kind": leaf.kind,
-                "count": count,
-                "numel": numel,
-                "dtype": leaf.dtype,
-                "shape": list(leaf.shape),
-                "counts": leaf.counts,
-                "origin": "parameter" if leaf.name != "input" else "input",
-                "reaches": reaches,
-            },
+            where=_known(
+                {
+                    "module": first.module if first else None,
+                    "op": first.op if first else None,
+                    "phase": first.phase if first else None,
+                    "input": leaf.name,
+                }
+            ),
+            evidence=_known(
+                {
+                    "kind": leaf.kind,
+                    "count": count,
+                    "numel": numel,
+                    "dtype": leaf.dtype,
+                    "shape": list(leaf.shape),
+                    "counts": leaf.counts,
+                    "origin": "parameter" if leaf.name != "input" else "input",
+                    "reaches": reaches,
+                }
+            ),
         )
 
     def _constant_finding(self, r: Record, reaches: list[str]) -> Finding:
@@ -257,42 +388,57 @@ class Analysis:
                 f"{', '.join(reaches[:3])}." + (f" Source: {_where_text(r.location)}." if r.location else "")
             ),
             where=self.where(r),
-            evidence={
-                "kind": r.kind,
-                "count": sum(out.counts.values()) if out.counts else None,
-                "numel": math.prod(out.shape),
-                "dtype": out.dtype,
-                "origin": "constant",
-                "reaches": reaches,
-                "location": _where_text(r.location),
-            },
+            evidence=_known(
+                {
+                    "kind": r.kind,
+                    "count": sum(out.counts.values()) if out.counts else None,
+                    "numel": math.prod(out.shape),
+                    "dtype": out.dtype,
+                    "origin": "constant",
+                    "reaches": reaches,
+                    "location": _where_text(r.location),
+                }
+            ),
         )
 
 
-_OP_ADVICE = {
-    "div": "guard the denominator (x / (d + eps), or torch.where(d != 0, x / d, 0) with the division masked too)",
-    "log": "clamp the argument (torch.log(x.clamp_min(eps)))",
+_DIV = "guard the denominator (x / (d + eps), or torch.where(d != 0, x / d, 0) with the division masked too)"
+_LOG = "clamp the argument (torch.log(x.clamp_min(eps)))"
+_MATMUL = "the matmul overflowed: scale its inputs down or keep it in fp32"
+# Keyed by the exact overload packet name (`aten.<name>.<overload>`): `_log_softmax` is not `log`.
+OP_ADVICE: dict[str, str] = {
+    "div": _DIV,
+    "div_": _DIV,
+    "reciprocal": "guard against zero before the reciprocal (x.clamp_min(eps).reciprocal())",
+    "log": _LOG,
+    "log_": _LOG,
+    "log2": _LOG,
+    "log10": _LOG,
+    "log1p": "clamp the argument above -1 (torch.log1p(x.clamp_min(-1 + eps)))",
     "sqrt": "clamp the argument at zero and add eps (torch.sqrt(x.clamp_min(0) + eps))",
-    "rsqrt": "add eps before rsqrt",
+    "rsqrt": "add eps before rsqrt, and compute the sum of squares under it in fp32",
     "exp": "subtract the max before exp (use softmax/logsumexp), or compute it in fp32",
+    "exp2": "subtract the max before exp2, or compute it in fp32",
     "pow": "check the exponent and the base range, or compute it in fp32",
-    "softmax": "check for rows that are entirely masked (-inf) and for overflowing scores; compute softmax in fp32",
-    "mm": "the matmul overflowed: scale inputs down, keep it in fp32, or use bf16",
-    "matmul": "the matmul overflowed: scale inputs down, keep it in fp32, or use bf16",
-    "bmm": "the matmul overflowed: scale the scores (1/sqrt(d) before the product), or keep it in fp32",
+    "_softmax": "check for rows that are entirely masked (-inf) and for overflowing scores; compute softmax in fp32",
+    "_log_softmax": "check for rows that are entirely masked (-inf) and for overflowing logits; compute "
+    "log_softmax in fp32 (F.cross_entropy on fp32 logits)",
+    "mm": _MATMUL,
+    "bmm": "the batched matmul overflowed: scale the scores (1/sqrt(d) before the product), or keep it in fp32",
+    "baddbmm": "the batched matmul overflowed: scale the scores (1/sqrt(d) before the product), or keep it in fp32",
     "addmm": "the linear layer overflowed: keep it in fp32 or rescale its input",
+    "_scaled_dot_product_flash_attention_for_cpu": "the attention overflowed: keep it in fp32 or rescale q and k",
+    "_to_copy": "a cast to a narrower dtype overflowed: rescale before the cast or keep the tensor in fp32",
+    "sum": "the sum overflowed: accumulate in fp32 (x.sum(dtype=torch.float32)) or take a mean",
+    "mul": "the product overflowed: rescale a factor or keep it in fp32",
 }
 
 
-def _fix_for(r: Record, analysis: Analysis) -> str:
-    base = r.op.split(".")[1] if r.op.startswith("aten.") else r.op
-    base = base.rstrip("_").lstrip("_")
-    for key, advice in _OP_ADVICE.items():
-        if base == key or base.startswith(key):
-            text = advice
-            break
-    else:
-        text = catalog.get("nonfinite-produced").fix
+def _fix_for(r: Record) -> str:
+    text = OP_ADVICE.get(_packet(r.op), catalog.get("nonfinite-produced").fix)
+    rng = range_cause(r)
+    if rng is not None:
+        return f"{text}; {rng}"
     dtypes = {o.dtype for o in r.outputs}
     if dtypes & {"torch.float16", "torch.bfloat16"}:
         text += f"; this op ran in {', '.join(sorted(dtypes))}: keeping it (or its module) in fp32 is the quickest test"

@@ -109,8 +109,7 @@ class Headroom:
             if stats is None:
                 stats = self.modules[name] = ModuleStats(str(t.dtype))
             stats.add(t, absmax_of(t) if absmax_of is not None else None)
-            index = tracer.producer_of(t) if tracer is not None else None
-            if index is not None:
+            if tracer is not None and (index := tracer.producer_of(t)) is not None:
                 stats.op = tracer.records[index].op
 
     def table(self) -> list[dict[str, Any]]:

@@ -1,0 +1,265 @@
+"""Training-recipe diagnoses: what the precision recipe around the ops gets wrong.
+
+The trace blames an op; some failures are the recipe's, and the op is only where it shows:
+  range        an Inf produced from finite fp16 inputs is fp16's range; bf16 has fp32's range
+               with the same 16 bits. Said only when the evidence shows range, never as a reflex
+               (0/0, log(0) and sqrt(<0) are not fixed by bf16).
+  adam-eps     Adam/AdamW with fp16 parameters and eps below what fp16 can hold: eps rounds to 0
+               (1e-8 is under fp16's smallest subnormal, 6e-8), so the update divides by ~0.
+  no-scaler    fp16 autocast training without a GradScaler: small gradients flush to zero in
+               fp16 before they reach the fp32 master weights.
+`RecipeWatch` sees the optimizers stepped inside the traced block (a global optimizer hook,
+removed on exit: nothing stays on the user's optimizer). Each diagnosis is a function of data
+(records, optimizer settings, gradient counts), so the training sentinel can call it too.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fpdoctor import catalog
+from fpdoctor.numerics.limits import FORMATS
+from fpdoctor.numerics.trace import Record
+from fpdoctor.report.model import Finding
+
+FP16_MAX = FORMATS["fp16"].max
+# fp16's smallest subnormal is 2**-24 ~ 6e-8: anything below half of it rounds to 0. The fix
+# asks for an eps whose square root term stays a normal number in fp16 (1e-4 > 6.1e-5 = 2**-14),
+# the value fp16 recipes without master weights use.
+FP16_SAFE_EPS = 1e-4
+
+# Ops whose Inf from finite inputs can be a pole (x/0, log(0), rsqrt(0), 0**-1) rather than range,
+# with the operand that would hold the zero: a pole is ruled out when that operand's range
+# excludes zero, or when an input is already near the fp16 max (one doubling from Inf).
+_POLES = {"div": 1, "div_": 1, "reciprocal": 0, "log": 0, "log2": 0, "log10": 0, "log1p": 0, "rsqrt": 0}
+_POLES |= {"sqrt": 0, "pow": 0, "xlogy": 1}
+_NEAR_MAX = 0.5
+
+
+def range_cause(record: Record) -> str | None:
+    """Why bf16 would help this Inf, when the evidence says the cause is fp16's range; else None.
+
+    Evidence: an Inf produced from finite inputs in an fp16 output, by an op that overflows
+    (matmul, exp, sum, a cast), or by a pole op whose input already reached half the fp16 max."""
+    out = next((o for o in record.outputs if o.kind in ("+inf", "-inf")), None)
+    if out is None or out.dtype != "torch.float16" or record.kind == "nan":
+        return None
+    stats = record.input_stats or []
+    if any(s.get("nonfinite") for s in stats):
+        return None  # an Inf passed on, not produced here
+    magnitudes = [max(abs(s["min"]), abs(s["max"])) for s in stats if s.get("min") is not None]
+    largest = max((m for m in magnitudes if math.isfinite(m)), default=None)
+    name = record.op.split(".")[1] if record.op.startswith("aten.") else record.op
+    if name in _POLES and (largest is None or largest < _NEAR_MAX * FP16_MAX):
+        operand = stats[_POLES[name]] if len(stats) > _POLES[name] else None
+        if operand is None or operand.get("min") is None or operand["min"] <= 0 <= operand["max"]:
+            return None  # a zero may be in there: a pole, which bf16 does not fix
+    seen = f" (largest input magnitude {largest:.4g})" if largest is not None else ""
+    return (
+        f"this is fp16's range: {record.op} made Inf from finite fp16 inputs{seen}, past fp16's max of "
+        f"{FP16_MAX:g}. bf16 has fp32's range (max 3.4e38) in the same 16 bits: "
+        "torch.autocast(device, dtype=torch.bfloat16) instead of float16 (or model.to(torch.bfloat16)) removes "
+        "the overflow; keeping this op in fp32 does too"
+    )
+
+
+@dataclass
+class OptimizerSeen:
+    """What a step pre-hook saw of one optimizer: its class, eps per group, parameter dtypes."""
+
+    name: str
+    eps: list[float]
+    param_dtypes: dict[str, int]  # dtype -> parameter count
+    with_scaler: bool  # stepped through GradScaler.step
+    grads: dict[str, int] = field(default_factory=dict)  # counts over fp32 grads of fp16-run parameters
+
+
+def _stepped_by_scaler() -> bool:
+    """GradScaler.step calls optimizer.step from `_maybe_opt_step`; the pre-hook runs under it."""
+    frame = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_maybe_opt_step" and "grad_scaler" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def grad_zero_counts(grads: list[torch.Tensor]) -> dict[str, int]:
+    """How many gradient values are exactly 0, and how many are below fp16's smallest normal."""
+    zeros = subnormal = numel = 0
+    tiny = FORMATS["fp16"].smallest_normal
+    with torch.no_grad():
+        for g in grads:
+            a = g.detach().abs()
+            zeros += int((a == 0).sum())
+            subnormal += int(((a > 0) & (a < tiny)).sum())
+            numel += a.numel()
+    return {"zero": zeros, "subnormal": subnormal, "numel": numel}
+
+
+class RecipeWatch:
+    """Sees every optimizer step inside the block (context manager), keeps facts, not objects."""
+
+    def __init__(self, max_steps: int = 4) -> None:
+        self.optimizers: dict[int, OptimizerSeen] = {}
+        self.steps = 0
+        self.errors: list[str] = []
+        self._max_steps = max_steps  # gradient counts of the first steps are evidence enough
+        self._refs: list[weakref.ref[Any]] = []
+        self._handle: Any = None
+
+    def __enter__(self) -> RecipeWatch:
+        from torch.optim import optimizer as optimizer_mod
+
+        self._handle = optimizer_mod.register_optimizer_step_pre_hook(self._pre)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        try:
+            self._observe(optimizer)
+        except Exception as exc:  # the observer never kills the job
+            if len(self.errors) < 5:
+                self.errors.append(f"optimizer hook: {type(exc).__name__}: {exc}")
+
+    def _observe(self, optimizer: Any) -> None:
+        self.steps += 1
+        key = next((i for i, r in enumerate(self._refs) if r() is optimizer), None)
+        if key is None:
+            key = len(self._refs)
+            self._refs.append(weakref.ref(optimizer))
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        dtypes: dict[str, int] = {}
+        for p in params:
+            dtypes[str(p.dtype)] = dtypes.get(str(p.dtype), 0) + 1
+        seen = self.optimizers.get(key)
+        if seen is None:
+            eps = [float(g["eps"]) for g in optimizer.param_groups if isinstance(g.get("eps"), (int, float))]
+            seen = self.optimizers[key] = OptimizerSeen(type(optimizer).__name__, eps, dtypes, _stepped_by_scaler())
+        if self.steps <= self._max_steps:
+            grads = [p.grad for p in params if p.grad is not None and p.grad.dtype == torch.float32]
+            counts = grad_zero_counts(grads)
+            for k, v in counts.items():
+                seen.grads[k] = seen.grads.get(k, 0) + v
+
+    def findings(self, records: list[Record]) -> list[Finding]:
+        found: list[Finding] = []
+        for seen in self.optimizers.values():
+            f = adam_eps_finding(seen)
+            if f is not None:
+                found.append(f)
+        scaler = no_scaler_finding(records, list(self.optimizers.values()))
+        if scaler is not None:
+            found.append(scaler)
+        return found
+
+
+def adam_eps_finding(seen: OptimizerSeen) -> Finding | None:
+    """Adam-family eps that fp16 parameters (and so fp16 optimizer state) cannot hold."""
+    half = seen.param_dtypes.get("torch.float16", 0)
+    if not half or "Adam" not in seen.name or not seen.eps:
+        return None
+    eps = min(seen.eps)
+    flush = FORMATS["fp16"].flush_threshold
+    if eps >= FP16_SAFE_EPS:
+        return None
+    as_fp16 = float(torch.tensor(eps, dtype=torch.float16))
+    return catalog.make(
+        "fp16-adam-eps",
+        message=(
+            f"{seen.name}(eps={eps:g}) steps {half} fp16 parameter(s): its state is fp16 too, and eps "
+            + (
+                f"rounds to {as_fp16:g} in fp16 (below half its smallest subnormal, {flush:.3g})"
+                if as_fp16 == 0
+                else f"is {as_fp16:.3g} in fp16, a subnormal with almost no precision"
+            )
+            + ". Where the second moment is small, the update divides by ~0 and jumps to Inf or huge values."
+        ),
+        where={"module": None, "op": f"torch.optim.{seen.name}.step", "phase": "optimizer"},
+        evidence={
+            "kind": "underflow",
+            "count": half,
+            "numel": sum(seen.param_dtypes.values()),
+            "dtype": "torch.float16",
+            "eps": eps,
+            "eps_in_fp16": as_fp16,
+        },
+        fix=(
+            f"torch.optim.{seen.name}(params, eps={FP16_SAFE_EPS:g})   # pure fp16 parameters\n"
+            "# better: keep the parameters fp32 and run the forward under "
+            "torch.autocast(device, dtype=torch.float16) with a GradScaler"
+        ),
+    )
+
+
+def _autocast_fp16_params(records: list[Record]) -> int:
+    """Forward casts of fp32 leaves to fp16: autocast's copies of the weights it runs in fp16."""
+    return sum(
+        1
+        for r in records
+        if r.phase == "forward"
+        and r.op == "aten._to_copy.default"
+        and r.outputs
+        and r.outputs[0].dtype == "torch.float16"
+        and r.inputs[:1]
+        and r.inputs[0][0] == "leaf"
+    )
+
+
+def no_scaler_finding(records: list[Record], optimizers: list[OptimizerSeen]) -> Finding | None:
+    """fp16 autocast forward, backward ran, an optimizer stepped, and no GradScaler stepped it."""
+    if not optimizers or any(o.with_scaler for o in optimizers):
+        return None
+    if not any(r.phase == "backward" for r in records):
+        return None
+    casts = _autocast_fp16_params(records)
+    if not casts or any(o.param_dtypes.get("torch.float16") for o in optimizers):
+        return None  # pure fp16 parameters are the adam-eps / master-weights story
+    grads: dict[str, int] = {}
+    for o in optimizers:
+        for k, v in o.grads.items():
+            grads[k] = grads.get(k, 0) + v
+    numel = grads.get("numel", 0)
+    lost = grads.get("zero", 0) + grads.get("subnormal", 0)
+    share = lost / numel if numel else 0.0
+    measured = (
+        f" In the steps seen, {share:.1%} of the gradient values were 0 or below fp16's smallest normal "
+        f"({FORMATS['fp16'].smallest_normal:.3g}), where fp16 keeps few or no bits."
+        if numel
+        else ""
+    )
+    return catalog.make(
+        "fp16-without-grad-scaler",
+        message=(
+            f"The forward ran under fp16 autocast ({casts} fp32 weight cast(s) to fp16), backward ran and the "
+            "optimizer stepped without a GradScaler: gradients smaller than 6e-8 flush to zero in fp16, and "
+            "those below 6.1e-5 keep only a few bits." + measured
+        ),
+        where={"module": None, "op": "torch.optim.Optimizer.step", "phase": "backward"},
+        evidence={
+            "kind": "underflow",
+            "count": lost,
+            "numel": numel,
+            "dtype": "torch.float16",
+            "share": share,
+            "zero": grads.get("zero", 0),
+            "subnormal": grads.get("subnormal", 0),
+        },
+        fix=(
+            "scaler = torch.amp.GradScaler(device)\n"
+            "scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()\n"
+            "# or autocast to torch.bfloat16, which has fp32's range and needs no scaler"
+        ),
+    )

@@ -1,0 +1,55 @@
+"""The fix a producer finding offers is chosen by the exact op, and bf16 only for range."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fpdoctor
+from fpdoctor.numerics.blame import OP_ADVICE, _fix_for
+from fpdoctor.numerics.trace import Output, Record
+
+
+def record(op: str, dtype: str = "torch.float32", kind: str = "+inf", stats=None) -> Record:
+    r = Record(0, op, "forward", "m", 0, False, None, None, None, [])
+    r.outputs.append(Output((4,), dtype, kind=kind))
+    r.input_stats = stats
+    return r
+
+
+@pytest.mark.parametrize("name", sorted(OP_ADVICE))
+def test_every_entry_is_an_aten_op_and_is_what_that_op_gets(name):
+    packet = getattr(torch.ops.aten, name)  # a misspelt key would never match any op
+    overload = packet.overloads()[0]
+    op = str(getattr(packet, overload))
+    assert op == f"aten.{name}.{overload}"
+    assert _fix_for(record(op)).startswith(OP_ADVICE[name])
+
+
+def test_log_softmax_is_not_log():
+    fix = _fix_for(record("aten._log_softmax.default", kind="nan"))
+    assert "clamp" not in fix and "entirely masked" in fix
+    assert _fix_for(record("aten.logit.default")) == fpdoctor.catalog.get("nonfinite-produced").fix
+    assert _fix_for(record("aten.logsumexp.default")) == fpdoctor.catalog.get("nonfinite-produced").fix
+
+
+def test_bf16_only_when_the_cause_is_range():
+    big = [{"dtype": "torch.float16", "shape": [4], "min": -300.0, "max": 300.0}] * 2
+    assert "bfloat16" in _fix_for(record("aten.mm.default", "torch.float16", stats=big))
+    # 1 / 0 in fp16 is a pole, not range: bf16 would make the same Inf
+    pole = [big[0], {"dtype": "torch.float16", "shape": [4], "min": 0.0, "max": 1.0}]
+    assert "bfloat16" not in _fix_for(record("aten.div.Tensor", "torch.float16", stats=pole))
+    # a NaN (0/0) and an fp32 overflow are not fp16's range either
+    assert "bfloat16" not in _fix_for(record("aten.mm.default", "torch.float16", kind="nan", stats=big))
+    assert "bfloat16" not in _fix_for(record("aten.mm.default", "torch.float32", stats=big))
+
+
+def test_fp16_matmul_overflow_says_bf16_plainly():
+    lin = nn.Linear(64, 64).half()
+    with torch.no_grad():
+        lin.weight.fill_(40.0)
+    with fpdoctor.trace(lin) as t:
+        lin(torch.full((2, 64), 40.0, dtype=torch.float16))
+    (f,) = [f for f in t.report.findings if f.name == "nonfinite-produced"]
+    assert "fp16's range" in f.fix and "torch.bfloat16" in f.fix
