@@ -69,6 +69,9 @@ class Trace:
             self._stack.enter_context(set_stance("force_eager"))
         self._warnings = self._stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+        from fpdoctor.numerics.recipes import RecipeWatch
+
+        self._recipes = self._stack.enter_context(RecipeWatch())  # the optimizers stepped in the block
         self._tracker.__enter__()
         self._tracer.__enter__()
         return self
@@ -122,6 +125,8 @@ class Trace:
         if self._headroom is not None:
             rows = self._headroom.table()
             findings += self._headroom.findings(rows, tracer.records)
+        findings += self._recipes.findings(tracer.records)
+        tracer.errors.extend(self._recipes.errors)
         nonfinite = sum(1 for r in tracer.records if r.kind)
         phases = sorted({r.phase for r in tracer.records})
         summary = [

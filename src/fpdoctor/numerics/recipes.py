@@ -96,7 +96,8 @@ def grad_zero_counts(grads: list[torch.Tensor]) -> dict[str, int]:
     """How many gradient values are exactly 0, and how many are below fp16's smallest normal."""
     zeros = subnormal = numel = 0
     tiny = FORMATS["fp16"].smallest_normal
-    with torch.no_grad():
+    # inside a trace these reductions are ours, not the user's: keep them out of its records
+    with torch.no_grad(), torch._C._DisableTorchDispatch():
         for g in grads:
             a = g.detach().abs()
             zeros += int((a == 0).sum())
@@ -243,9 +244,8 @@ def no_scaler_finding(records: list[Record], optimizers: list[OptimizerSeen]) ->
     return catalog.make(
         "fp16-without-grad-scaler",
         message=(
-            f"The forward ran under fp16 autocast ({casts} fp32 weight cast(s) to fp16), backward ran and the "
-            "optimizer stepped without a GradScaler: gradients smaller than 6e-8 flush to zero in fp16, and "
-            "those below 6.1e-5 keep only a few bits." + measured
+            f"The forward ran under fp16 autocast ({casts} cast(s) of fp32 parameters to fp16), backward ran and "
+            "the optimizer stepped without a GradScaler: gradients smaller than 6e-8 flush to zero in fp16." + measured
         ),
         where={"module": None, "op": "torch.optim.Optimizer.step", "phase": "backward"},
         evidence={

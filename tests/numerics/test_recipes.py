@@ -1,0 +1,91 @@
+"""Recipe diagnoses: Adam's eps in fp16, fp16 autocast without a GradScaler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fpdoctor
+
+
+def train(model, opt, *, steps=2, autocast=None, scaler=None, dtype=torch.float32):
+    torch.manual_seed(0)
+    with fpdoctor.trace(model) as t:
+        for _ in range(steps):
+            x = torch.randn(8, 16, dtype=dtype)
+            ctx = torch.autocast("cpu", dtype=autocast) if autocast else torch.autocast("cpu", enabled=False)
+            with ctx:
+                loss = model(x).float().pow(2).mean() * 1e-6  # a small loss: small gradients
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+            opt.zero_grad()
+    return t.report
+
+
+def names(report):
+    return [f.name for f in report.findings]
+
+
+def net(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)).to(dtype)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_adam_default_eps_with_fp16_parameters(cls):
+    model = net(torch.float16)
+    report = train(model, cls(model.parameters(), lr=1e-3), dtype=torch.float16)
+    (f,) = [f for f in report.findings if f.name == "fp16-adam-eps"]
+    assert f.code == "NUM009" and f.evidence["eps"] == 1e-8 and f.evidence["eps_in_fp16"] == 0.0
+    assert f.evidence["count"] == 4 and f.evidence["dtype"] == "torch.float16"
+    assert f.where["phase"] == "optimizer" and f.where["op"] == f"torch.optim.{cls.__name__}.step"
+    assert "eps=0.0001" in f.fix and "rounds to 0" in f.message
+
+
+def test_adam_eps_that_fp16_holds_or_fp32_parameters_are_fine():
+    model = net(torch.float16)
+    assert "fp16-adam-eps" not in names(
+        train(model, torch.optim.Adam(model.parameters(), eps=1e-4), dtype=torch.float16)
+    )
+    model = net()
+    assert "fp16-adam-eps" not in names(train(model, torch.optim.Adam(model.parameters())))
+    model = net(torch.float16)
+    assert "fp16-adam-eps" not in names(train(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype=torch.float16))
+
+
+def test_fp16_autocast_without_a_grad_scaler():
+    model = net()
+    report = train(model, torch.optim.SGD(model.parameters(), lr=0.1), autocast=torch.float16)
+    (f,) = [f for f in report.findings if f.name == "fp16-without-grad-scaler"]
+    assert f.code == "NUM010" and f.severity.value == "warning"
+    # measured over both steps: gradients of ~1e-7, under fp16's smallest normal
+    assert f.evidence["numel"] == 2 * (16 * 16 + 16 + 16 + 1) and f.evidence["share"] > 0.5
+    assert f.evidence["count"] == f.evidence["zero"] + f.evidence["subnormal"]
+    assert "GradScaler" in f.fix and "%" in f.message
+
+
+def test_with_a_grad_scaler_or_without_autocast_nothing_is_said():
+    model = net()
+    scaler = torch.amp.GradScaler("cpu")
+    report = train(model, torch.optim.SGD(model.parameters(), lr=0.1), autocast=torch.float16, scaler=scaler)
+    assert "fp16-without-grad-scaler" not in names(report)
+    model = net()
+    assert "fp16-without-grad-scaler" not in names(train(model, torch.optim.SGD(model.parameters(), lr=0.1)))
+    model = net()
+    report = train(model, torch.optim.SGD(model.parameters(), lr=0.1), autocast=torch.bfloat16)
+    assert "fp16-without-grad-scaler" not in names(report)
+
+
+def test_the_watch_leaves_no_hook_behind():
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    before = len(_global_optimizer_pre_hooks)
+    model = net()
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert len(_global_optimizer_pre_hooks) == before
