@@ -99,3 +99,41 @@ def test_harmonize_changes_only_dtype_and_device():
     assert _flags(model) == flags and torch.equal(torch.get_rng_state(), rng)
     assert [(name, sorted(vars(m))) for name, m in model.named_modules()] == names
     assert model[0].weight.dtype == torch.bfloat16
+
+
+class _ScalesItsInput(nn.Module):
+    """Writes into its input, as image models do with `x.div_(255)`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(0.5)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize(
+    ("run", "dtype"),
+    [
+        pytest.param(lambda m, x: fpdoctor.compare(m, x, candidate="fp32"), torch.float32, id="compare-fp32"),
+        pytest.param(lambda m, x: fpdoctor.compare(m, x, candidate="fp16", module="lin"), torch.float32, id="module"),
+        pytest.param(lambda m, x: fpdoctor.plan(m, x, candidate="fp16"), torch.float16, id="plan-fp16-inputs"),
+        pytest.param(fpdoctor.audit, torch.float32, id="audit"),
+    ],
+)
+def test_a_forward_that_writes_into_its_input_leaves_the_users_tensor_alone(run, dtype):
+    torch.manual_seed(0)
+    model, x = _ScalesItsInput(), torch.randn(16, 8).to(dtype)
+    before = x.clone()
+    run(model, x)
+    assert torch.equal(x, before)
+
+
+def test_every_pass_of_compare_sees_the_same_input_when_the_forward_writes_into_it():
+    torch.manual_seed(0)
+    model, x = _ScalesItsInput(), torch.randn(16, 8)
+    first = fpdoctor.compare(model, x, candidate="fp32")
+    again = fpdoctor.compare(model, x, candidate="fp32")
+    assert [r.propagated for r in first.rows] == [r.propagated for r in again.rows]
+    assert first.first_divergent is None

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fpdoctor import catalog
 from fpdoctor.numerics.modules import ModuleTracker
 from fpdoctor.numerics.trace import user_location
-from fpdoctor.precision.candidates import split_inputs, uncompiled
+from fpdoctor.precision.candidates import cast_inputs, split_inputs, uncompiled
 from fpdoctor.preserve import preserved
 from fpdoctor.provenance import Provenance
 from fpdoctor.pytrees import tensors_in
@@ -316,7 +316,8 @@ def _mismatch_finding(failure: dict[str, Any], main_dtype: str | None, model: nn
 
 
 def _name_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any], dict[int, str]]:
-    args, kwargs = split_inputs(inputs)
+    # copies: the forward may write into its inputs, and the user's tensors stay as they were
+    args, kwargs = split_inputs(cast_inputs(inputs, None, copy=True))
     names = {id(v): f"inputs[{k!r}]" for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
     names.update({id(v): f"inputs[{i}]" for i, v in enumerate(args) if isinstance(v, torch.Tensor)})
     return args, kwargs, names

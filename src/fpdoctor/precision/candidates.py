@@ -292,13 +292,21 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return value
 
 
-def cast_inputs(inputs: Any, dtype: torch.dtype | None, device: torch.device | None = None) -> Any:
-    """Floating tensors in `inputs` to dtype and device, other tensors to device; None keeps it."""
+def cast_inputs(
+    inputs: Any, dtype: torch.dtype | None, device: torch.device | None = None, *, copy: bool = False
+) -> Any:
+    """Floating tensors in `inputs` to dtype and device, other tensors to device; None keeps it.
+
+    `copy=True` gives new tensors even where nothing changes: for the user's inputs handed to a
+    forward of ours, as a forward may write into its input (`x.div_(255)`), and neither the
+    user's tensor nor the next pass may see that."""
 
     def cast(t: torch.Tensor) -> torch.Tensor:
         if t.is_floating_point():
-            return t.to(device=device, dtype=dtype)
-        return t if device is None else t.to(device)
+            return t.to(device=device, dtype=dtype, copy=copy)
+        if device is None:
+            return t.clone() if copy else t
+        return t.to(device, copy=copy)
 
     return map_tensors(inputs, cast)
 

@@ -122,7 +122,7 @@ def _hooked(
             post(name, index, args, output)
 
         handles.append(module.register_forward_hook(on_post))
-    args, kwargs = split_inputs(cast_inputs(inputs, dtype, device))
+    args, kwargs = split_inputs(cast_inputs(inputs, dtype, device, copy=True))
     rng.restore()
     if noise is not None:
         noise.position = 0
@@ -439,7 +439,7 @@ def _compare(
 def _record_noise(run: nn.Module, inputs: Any, rng: RngState) -> list[torch.Tensor]:
     """The random draws a plain fp64 forward makes from RNG state `rng`, in order."""
     recorder = RecordNoise()
-    args, kwargs = split_inputs(cast_inputs(inputs, torch.float64))
+    args, kwargs = split_inputs(cast_inputs(inputs, torch.float64, copy=True))
     rng.restore()
     with torch.no_grad(), recorder:
         run(*args, **kwargs)

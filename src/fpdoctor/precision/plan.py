@@ -128,7 +128,7 @@ def _final_error(
     noise: list[torch.Tensor] | None = None,
 ) -> float:
     run = _candidate_with(model, candidate, keep, fp32_outputs, fp8_kernel).eval()
-    args, kwargs = split_inputs(cast_inputs(inputs, compute_dtype(candidate)))
+    args, kwargs = split_inputs(cast_inputs(inputs, compute_dtype(candidate), copy=True))
     try:
         with torch.no_grad(), _replaying(noise):
             out = flat_sample(run(*args, **kwargs))
@@ -172,7 +172,7 @@ def _plan(
 ) -> PlanResult:
     result = compare(model, inputs, candidate=candidate, reference=reference, fp8_kernel=fp8_kernel)
     truth_run = make_run(model, "fp64").eval()
-    args, kwargs = split_inputs(cast_inputs(inputs, torch.float64))
+    args, kwargs = split_inputs(cast_inputs(inputs, torch.float64, copy=True))
     flags = run_flags(candidate, model_device(model))  # module by module, as compare ran them
     rng.restore()
     with torch.no_grad(), flags, _replaying(result.noise):

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.precision.candidates import Call, map_tensors, split_inputs
+from fpdoctor.precision.candidates import Call, cast_inputs, map_tensors, split_inputs
 from fpdoctor.precision.modes import eval_mode
 from fpdoctor.preserve import preserved
 
@@ -39,7 +39,7 @@ def module_inputs(model: nn.Module, inputs: Any, target: nn.Module) -> Call:
         captured.append(map_tensors(Call(args, kwargs), lambda t: t.detach().clone()))
         raise _Captured
 
-    args, kwargs = split_inputs(inputs)
+    args, kwargs = split_inputs(cast_inputs(inputs, None, copy=True))  # a forward may write into its inputs
     handle = target.register_forward_pre_hook(grab, with_kwargs=True)
     try:
         with torch.no_grad(), eval_mode(model), preserved(model):
