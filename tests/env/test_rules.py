@@ -103,3 +103,27 @@ def test_a_failing_rule_is_reported_not_raised(monkeypatch):
     report = diagnose_env(facts=facts)
     assert report.findings == []
     assert "boom" in report.data["not_checked"]["rule broken"]
+
+
+def test_the_callers_facts_are_read_not_changed():
+    """diagnose_env(facts=...) works on its own copy: probe results, texts and the reasons a rule
+    was not checked do not land in the caller's dict, so the same facts diagnose the same twice."""
+    from fpdoctor.env import rules
+
+    def broken(ctx):
+        raise RuntimeError("boom")
+
+    facts = json.loads((ENV_FIXTURES / "rules" / "ENV201-probe-crashed.json").read_text())
+    facts.pop("probes", None)
+    before = copy.deepcopy(facts)
+    spec = {"name": "raises", "dtype": "fp32", "shape": [-1, 4, 4], "device": "cpu"}  # a negative dimension
+    first = diagnose_env(facts=facts, probe=True, probe_specs=[spec])
+    assert facts == before
+    assert "probe raises" in first.data["not_checked"]
+    with pytest.MonkeyPatch.context() as mp:
+        every = rules.all_rules()
+        mp.setattr(rules, "all_rules", lambda: [*every, broken])
+        diagnose_env(facts=facts)
+    assert facts == before
+    again = diagnose_env(facts=facts, probe=True, probe_specs=[spec])
+    assert again.to_dict() == first.to_dict()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from copy import deepcopy
 from typing import Any
 
 from fpdoctor.env.facts import Facts
@@ -27,15 +28,18 @@ def diagnose_env(
     Raises `fpdoctor.env.errors.InputError` for a file that cannot be diagnosed.
     """
     here = facts is None and from_file is None  # the facts describe this machine, now
-    if facts is None:
-        if from_file is not None:
-            from fpdoctor.env.parse import load
+    if facts is not None:
+        # The caller's dict stays as it was: probe results, texts and not-checked reasons are
+        # added to a copy, so the same facts diagnose the same a second time.
+        facts = deepcopy(facts)
+    elif from_file is not None:
+        from fpdoctor.env.parse import load
 
-            facts = load(from_file)
-        else:
-            from fpdoctor.env.collect import collect_live
+        facts = load(from_file)
+    else:
+        from fpdoctor.env.collect import collect_live
 
-            facts = collect_live(child=child)
+        facts = collect_live(child=child)
     view = Facts(facts)
     if probe is None:
         probe = here and bool(view.cuda_available)
