@@ -57,3 +57,86 @@ def preserved(model: nn.Module) -> Iterator[None]:
                 buffer.copy_(value)
                 module._buffers[name] = buffer
         rng.restore()
+
+
+class BufferSnapshot:
+    """The buffers a forward changes, copied on the device before each step, put back on demand.
+
+    A skipped training step must leave no trace, but its forward already ran: BatchNorm wrote the
+    bad batch's statistics into `running_mean`/`running_var`. Which buffers a forward changes is
+    learnt from their version counters (bumped by every in-place write, read without a device
+    sync, and once after the first step by value): the first capture copies every buffer, later
+    ones only those seen changing, so a model whose forward changes no buffer pays nothing. The copies are one `_foreach_copy_` per device
+    and dtype into storage allocated once, asynchronous on a GPU.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        # None until the first step has shown which buffers change; then the (module, name) pairs
+        self._changing: list[tuple[nn.Module, str]] | None = None
+        self._entries: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor, int]] = []
+
+    def capture(self) -> None:
+        """Copy the watched buffers (before the step that may have to be undone)."""
+        self._learn()
+        if self._changing is None:
+            watched = [(m, n) for m in self._model.modules() for n, b in m._buffers.items() if b is not None]
+        else:
+            watched = self._changing
+        old = {(id(m), n): copy for m, n, _, copy, _ in self._entries}
+        entries = []
+        for module, name in watched:
+            buffer = module._buffers.get(name)
+            if buffer is None:
+                continue
+            copy = old.get((id(module), name))
+            if copy is None or copy.shape != buffer.shape or copy.dtype != buffer.dtype or copy.device != buffer.device:
+                copy = torch.empty_like(buffer)
+            entries.append((module, name, buffer, copy, buffer._version))
+        if entries:
+            with torch.no_grad():
+                _copy_grouped([e[3] for e in entries], [e[2] for e in entries])
+        self._entries = entries
+
+    def _learn(self) -> None:
+        """After the first step: keep the buffers whose version moved or whose name was rebound."""
+        if self._changing is not None and not self._entries:
+            return
+        first = self._changing is None
+        changed = [
+            (module, name)
+            for module, name, buffer, copy, version in self._entries
+            if module._buffers.get(name) is not buffer
+            or buffer._version != version
+            # native batch_norm writes its running statistics without bumping their version: after
+            # the first step (once, a host read) the values are compared too
+            or (first and not torch.equal(copy, buffer))
+        ]
+        if first:
+            if self._entries or not any(True for _ in self._model.buffers()):
+                self._changing = changed
+            return
+        known = {(id(m), n) for m, n in self._changing}
+        self._changing += [(m, n) for m, n in changed if (id(m), n) not in known]
+
+    def restore(self) -> None:
+        """Put back the values (and the tensor objects) captured last."""
+        if not self._entries:
+            return
+        for module, name, buffer, _, _ in self._entries:
+            module._buffers[name] = buffer
+        with torch.no_grad():
+            _copy_grouped([e[2] for e in self._entries], [e[3] for e in self._entries])
+        # the restoring write is ours, not a forward's: it must not count as a change
+        self._entries = [(m, n, b, c, b._version) for m, n, b, c, _ in self._entries]
+
+
+def _copy_grouped(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """`dst[i].copy_(src[i])` for all i, one fused call per device and dtype."""
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for d, s in zip(dst, src, strict=True):
+        group = groups.setdefault((d.device, d.dtype), ([], []))
+        group[0].append(d)
+        group[1].append(s)
+    for ds, ss in groups.values():
+        torch._foreach_copy_(ds, ss)

@@ -173,4 +173,39 @@ TRN_RULES: tuple[Rule, ...] = (
         why="The same inputs give the same NaN: it is the model or its precision, not the hardware.",
         fix="Fix the producing op named in the finding (see nonfinite-produced).",
     ),
+    Rule(
+        code="TRN006",
+        name="amp-scale-collapse",
+        severity=E,
+        title="The GradScaler's loss scale keeps falling: fp16 gradients overflow step after step",
+        what="Under torch.amp.GradScaler an overflowing step is expected now and then (the scaler skips it "
+        "and halves the scale); the sentinel counts those skips and reports when the scale falls below 1 or "
+        "24 steps in a row are skipped.",
+        why="A scale below 1 means the gradients overflow fp16 even unscaled; every skipped step is a step "
+        "the model does not learn from, and the loss curve flattens while nothing reports a NaN.",
+        fix="Find the op that overflows (the finding's replay names it when it can): keep it in fp32, rescale "
+        "it, or train in bf16, which has fp32's range.",
+    ),
+    Rule(
+        code="TRN007",
+        name="sentinel-error",
+        severity=W,
+        title="The sentinel could not check a step; training went on unguarded",
+        what="A failure inside the sentinel itself (reading the loss, the gradient check, the replay, a DDP "
+        "hook). It is reported once per distinct error, never raised into the training step.",
+        why="The steps it names were not checked for NaN/Inf, so a bad step there could have reached the "
+        "weights unnoticed.",
+        fix="Read the message: usually step_fn returned something that is not the loss tensor. Otherwise "
+        "report it to fpdoctor with the message.",
+    ),
+    Rule(
+        code="TRN008",
+        name="checkpoint-failed",
+        severity=W,
+        title="The sentinel could not write its last-good checkpoint",
+        what="Writing checkpoint_path failed (missing directory, full disk, permissions); training went on and "
+        "the previous checkpoint, if any, was left as it was.",
+        why="Without it there is no last-good state to go back to after a bad step.",
+        fix="Create the directory or free space at the path named in the finding.",
+    ),
 )

@@ -1,17 +1,28 @@
 """The training sentinel: an always-on finite check of loss and gradients that replays bad steps.
 
-Cost per step: one fused device-side reduction over the gradients (`_foreach_norm`, the same
-kernel gradient clipping uses) and one host read of two numbers. When a step is not finite it
-is replayed before anything is updated - same batch, RNG state restored, same weights, buffers
-restored afterwards - under `trace`. Reproduced: a numerical bug at the op the trace names.
-Not reproduced: the first run did not compute what the code asks for; suspect the hardware.
+Cost per optimizer step: one fused device pass over the gradients that sets a found_inf flag
+(`gradcheck`, what GradScaler uses), a device copy of the buffers a forward changes (BatchNorm's
+running statistics; none for most models), and one read of a few numbers. With a fused optimizer
+on a GPU the read is not waited for: the optimizer is given the flag as `found_inf` and skips a
+bad step on the device by itself, the numbers come back asynchronously and are looked at when the
+next step starts; a bad step is replayed then, on its own batch and weights (nothing was updated,
+its buffers are put back). Elsewhere the numbers are read before `optimizer.step()`.
+
+When a step is not finite it is skipped and replayed under `trace` (`replay`): reproduced means a
+numerical bug at the op the trace names; not reproduced means the first run did not compute what
+the code asks for: suspect the hardware.
+
+Under `torch.amp.GradScaler` (`scaler=`, or found when step_fn scales the loss itself) the
+scaler checks and skips overflowing steps; those are counted, not replayed (`amp`). Under DDP a
+communication hook notes each rank's local gradient before the all-reduce and one all-gather on
+a bad step names the rank that held it (`distributed`; FSDP: no pre-reduce attribution).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-import socket
 import statistics
 import tempfile
 from collections import deque
@@ -22,7 +33,10 @@ from typing import Any
 import torch
 
 from fpdoctor import catalog
-from fpdoctor.preserve import RngState, preserved
+from fpdoctor.numerics import amp, distributed
+from fpdoctor.numerics.gradcheck import FlagRead, grads_of, kind_of, loss_flag, nonfinite_flag, tensor_kind
+from fpdoctor.numerics.replay import MicroBatch, ReplayResult, replay
+from fpdoctor.preserve import BufferSnapshot, RngState, preserved
 from fpdoctor.report.model import Finding, Report
 
 SPIKE_WINDOW = 32
@@ -32,6 +46,9 @@ SPIKE_MIN_HISTORY = 8
 SPIKE_SIGMAS = 6.0
 SPIKE_RATIO = 1.5
 
+# the numbers read back per optimizer step, in this order
+_LOSS, _GRAD, _LOCAL_LOSS, _LOSS_VALUE, _SCALE, _NEXT_SCALE = range(6)
+
 
 @dataclass
 class StepOutcome:
@@ -39,7 +56,20 @@ class StepOutcome:
     loss: float
     finite: bool
     skipped: bool
-    verdict: str | None = None  # "deterministic-nonfinite" / "transient-fault-suspected"
+    verdict: str | None = None  # "deterministic-nonfinite" / "transient-fault-suspected" / "amp-skip"
+
+
+@dataclass
+class _Pending:
+    """One optimizer step between its check on the device and its decision on the host."""
+
+    step: int
+    window: list[MicroBatch]
+    step_fn: Callable[..., Any]
+    flags: FlagRead
+    micro_loss_flags: list[torch.Tensor]
+    stepped: bool  # the optimizer (or the scaler) has already been given this step
+    scale: torch.Tensor | None  # the loss scale this step used, for its replay
 
 
 @dataclass
@@ -47,8 +77,19 @@ class Sentinel:
     """Guard a training step: `loss = guard.step(step_fn, *args)`; `guard.report` for the story.
 
     `step_fn` runs forward and backward and returns the loss; the sentinel calls
-    `optimizer.step()` only when loss and gradients are finite. Gradients are assumed to be
-    zeroed by `step_fn` (or before it), as in a plain training loop.
+    `optimizer.step()` only when loss and gradients are finite. With `accumulate=1` (default)
+    gradients are zeroed by `step_fn` as in a plain loop. With `accumulate=N` each call is one
+    micro-batch: `step_fn` must only run forward and backward; after every N-th call the sentinel
+    checks, steps the optimizer (or skips) and zeroes the gradients (`set_to_none`).
+
+    `scaler=` a `torch.amp.GradScaler`: step_fn calls `scaler.scale(loss).backward()` and returns
+    the unscaled loss; the sentinel calls `scaler.step(optimizer)` and `scaler.update()`. A live
+    scaler that step_fn uses is found by itself on the first step when `scaler=` is not given.
+
+    Under torch.distributed every rank calls `step` (the decision is agreed across ranks with a
+    tiny all-reduce per step). With device-side skipping (fused optimizer on a GPU) the last
+    step is decided when the next one starts, by `flush()` (call it on every rank), or, outside
+    torch.distributed, when `report` is read.
     """
 
     model: torch.nn.Module
@@ -56,107 +97,391 @@ class Sentinel:
     replay: bool = True
     checkpoint_path: str | None = None
     checkpoint_every: int = 0
-    steps: int = 0
-    skipped: int = 0
-    findings: list[Finding] = field(default_factory=list)
-    history: list[StepOutcome] = field(default_factory=list)
-    last_good_step: int | None = None
-    _losses: deque[float] = field(default_factory=lambda: deque(maxlen=SPIKE_WINDOW))
+    scaler: Any = field(default=None, kw_only=True)
+    accumulate: int = field(default=1, kw_only=True)
+    steps: int = field(default=0, init=False)
+    micro_batches: int = field(default=0, init=False)
+    skipped: int = field(default=0, init=False)
+    findings: list[Finding] = field(default_factory=list, init=False)
+    history: list[StepOutcome] = field(default_factory=list, init=False)
+    last_good_step: int | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 0:
             raise ValueError("checkpoint_every must be >= 0")
         if self.checkpoint_every and not self.checkpoint_path:
             raise ValueError("checkpoint_every needs checkpoint_path")
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        if not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise ValueError(
+                f"accumulate must be an int >= 1 (micro-batches per optimizer step), got {self.accumulate!r}"
+            )
+        if self.scaler is not None:
+            if not hasattr(self.scaler, "scale") or not hasattr(self.scaler, "update"):
+                raise ValueError("scaler must be a torch.amp.GradScaler")
+            if self.optimizer is None:
+                raise ValueError("scaler= needs the optimizer: the sentinel calls scaler.step(optimizer)")
+        self._params: list[torch.Tensor] = [p for p in self.model.parameters() if p.requires_grad]
+        self._device = self._params[0].device if self._params else torch.device("cpu")
+        self._losses: deque[float] = deque(maxlen=SPIKE_WINDOW)
+        self._buffers = BufferSnapshot(self.model)
+        self._window: list[MicroBatch] = []
+        self._micro_flags: list[torch.Tensor] = []
+        self._micro_losses: list[torch.Tensor] = []
+        self._pending: _Pending | None = None
+        self._errors: set[tuple[str, str]] = set()
+        self._in_window = 0  # micro-batches of the current window seen so far
+        self._stepped = False
+        self._amp = amp.ScaleWatch()
+        self._scaler_searched = self.scaler is not None
+        self._watch: distributed.BucketWatch | None = None
+        self._distributed = False
+        try:
+            self._distributed = distributed.active()
+            self._watch = distributed.BucketWatch.install(self.model)
+        except Exception as exc:
+            self._error("installing the DDP gradient hook", exc)
+        # A fused optimizer takes the check's flag as found_inf and skips on the device; on a GPU
+        # the host then need not wait for the flag before optimizer.step().
+        self._device_skip = self._device.type == "cuda" and _skips_on_device(self.optimizer)
 
     # -- the always-on part --------------------------------------------------------------------
-    def check(self, loss: torch.Tensor) -> tuple[bool, float, float]:
-        """(finite, loss, gradient norm) with one host read; no per-op synchronisation."""
-        loss_value = loss.detach().float().reshape(())
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if grads:
-            norms = torch._foreach_norm(grads)  # one fused kernel: a NaN or Inf anywhere makes its norm non-finite
-            if len({(n.dtype, n.device) for n in norms}) == 1:
-                total = torch.stack(norms).sum().float().to(loss_value.device)
-            else:  # mixed dtypes or devices (pipeline stages, fp32 master weights)
-                total = torch.stack([n.float().to(loss_value.device) for n in norms]).sum()
-        else:
-            total = torch.zeros((), device=loss_value.device)
-        lv, gv = torch.stack([loss_value, total]).tolist()
-        return math.isfinite(lv) and math.isfinite(gv), lv, gv
-
-    def step(self, step_fn: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
-        rng = RngState.capture()
-        loss = step_fn(*args, **kwargs)
-        self.steps += 1
-        step = self.steps
+    def step(self, step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one micro-batch (one step when accumulate=1) of `step_fn` under the guard."""
+        rng = None
         try:
-            finite, loss_value, grad_norm = self.check(loss)
-        except Exception as exc:  # the observer never kills the job: fall back to an unguarded step
-            self.findings.append(catalog.make("known-issue", message=f"sentinel check failed: {exc}"))
-            finite, loss_value, grad_norm = True, float("nan"), float("nan")
-        outcome = StepOutcome(step, loss_value, finite, skipped=not finite)
-        if finite:
-            self._spike(step, loss_value)
-            if self.optimizer is not None:
-                self.optimizer.step()
-            self.last_good_step = step
-            if self.checkpoint_every and step % self.checkpoint_every == 0:
-                self._save_checkpoint(step)
-        else:
-            self.skipped += 1
-            self._record_nonfinite(step, loss_value, grad_norm)
-            if self.replay:
-                outcome.verdict = self._replay(step, rng, step_fn, args, kwargs)
-            for p in self._params:  # nothing of this step may reach the weights
-                p.grad = None
-        self.history.append(outcome)
+            if self._pending is not None:
+                self._resolve(self._pending)
+            if self._in_window == 0:
+                self._buffers.capture()
+                if self._watch is not None:
+                    self._watch.begin()
+            rng = RngState.capture()
+        except Exception as exc:
+            self._error("preparing the step", exc)
+        self._in_window += 1
+        ends = self._in_window >= self.accumulate
+        if ends:
+            self.steps += 1  # counted whether or not the check below works
+        scalers: list[Any] = []
+        looking = not self._scaler_searched and self.optimizer is not None
+        with amp.spy(scalers) if looking else contextlib.nullcontext():
+            loss = step_fn(*args, **kwargs)  # the user's own errors are the user's
+        if looking:
+            self._scaler_searched = True
+            if len(scalers) == 1:
+                self.scaler = scalers[0]
+        self.micro_batches += 1
+        self._stepped = False
+        try:
+            self._after(step_fn, rng, args, kwargs, loss, ends=ends)
+        except Exception as exc:  # the observer never kills the job: the step goes on unguarded
+            self._error("checking the step", exc)
+            if ends:
+                self._window, self._micro_flags, self._micro_losses, self._in_window = [], [], [], 0
+                if not self._stepped:
+                    self._unguarded_step()
+                if self.accumulate > 1:
+                    self._zero_grads()
         return loss
 
-    # -- findings ------------------------------------------------------------------------------
-    def _record_nonfinite(self, step: int, loss_value: float, grad_norm: float) -> None:
-        where = {
-            "module": None,
-            "op": None,
-            "phase": "backward" if math.isfinite(loss_value) else "forward",
-            "step": step,
-        }
-        if not math.isfinite(loss_value):
-            self.findings.append(
-                catalog.make(
-                    "nonfinite-loss",
-                    message=f"Step {step}: the loss was {loss_value}; the step was skipped.",
-                    where=where,
-                    evidence={"kind": _kind(loss_value), "count": 1, "numel": 1, "dtype": None, "step": step},
-                )
+    def flush(self) -> None:
+        """Decide the step whose flag is still on its way (device-side skipping). Under
+        torch.distributed every rank must call it, as every rank calls `step`."""
+        try:
+            if self._pending is not None:
+                self._resolve(self._pending)
+        except Exception as exc:
+            self._error("deciding the last step", exc)
+
+    def _after(
+        self, step_fn: Callable[..., Any], rng: RngState | None, args: Any, kwargs: Any, loss: Any, *, ends: bool
+    ) -> None:
+        """Check a micro-batch; at the end of a window, check and step (or skip)."""
+        if rng is None:
+            raise RuntimeError("the RNG state could not be captured before the step")
+        loss_t = torch.as_tensor(loss) if not isinstance(loss, torch.Tensor) else loss
+        if not loss_t.is_floating_point() and not loss_t.is_complex():
+            raise TypeError(
+                f"step_fn must return the loss (a floating-point tensor or number), got {type(loss).__name__}"
             )
+        self._window.append(MicroBatch(rng, args, dict(kwargs)))
+        self._micro_flags.append(loss_flag(loss_t, self._device))
+        self._micro_losses.append(loss_t.detach().float().mean().to(self._device))
+        if not ends:
+            return
+        window, micro_flags, micro_losses = self._window, self._micro_flags, self._micro_losses
+        self._window, self._micro_flags, self._micro_losses, self._in_window = [], [], [], 0
+        local_loss = torch.stack(micro_flags).amax()
+        loss_value = torch.stack(micro_losses).mean()
+        scaler = self.scaler if amp.enabled(self.scaler) else None
+        stepped = False
+        scale = next_scale = torch.full((), float("nan"), device=self._device)
+        if scaler is not None:
+            assert self.optimizer is not None
+            scale = amp.scale_tensor(scaler, self._device)
+            if not amp.stepped(scaler, self.optimizer):
+                scaler.step(self.optimizer)  # the scaler checks the gradients and skips on overflow
+                self._stepped = True
+                grad = amp.found_inf(scaler, self.optimizer, self._device)
+                scaler.update()
+            else:  # step_fn stepped the scaler itself
+                grad = amp.found_inf(scaler, self.optimizer, self._device)
+            if grad is None:
+                grad = nonfinite_flag(grads_of(self._params), self._device)
+            next_scale = amp.scale_tensor(scaler, self._device)
+            stepped = True
         else:
-            bad = [
-                name
-                for name, p in self.model.named_parameters()
-                if p.grad is not None and not bool(torch.isfinite(p.grad).all())
-            ]
+            grad = nonfinite_flag(grads_of(self._params), self._device)
+        agreed = torch.stack([local_loss, grad])
+        if self._distributed:
+            agreed = distributed.all_max(agreed)  # every rank skips, or none: replicas stay equal
+        if scaler is None and self._device_skip and self.optimizer is not None:
+            found = agreed.amax()
+            opt: Any = self.optimizer
+            opt.found_inf = found  # the GradScaler protocol of fused optimizers: skip on the device
+            try:
+                opt.step()
+            finally:
+                del opt.found_inf
+            stepped = self._stepped = True
+        flags = torch.cat([agreed, torch.stack([local_loss, loss_value, scale, next_scale])])
+        pending = _Pending(
+            self.steps, window, step_fn, FlagRead(flags), micro_flags, stepped, scale if scaler is not None else None
+        )
+        if stepped and self._device_skip:
+            self._pending = pending  # decided when the next step starts (or at flush)
+        else:
+            self._resolve(pending)
+
+    def _resolve(self, pending: _Pending) -> None:
+        self._pending = None
+        values = pending.flags.values()
+        step = pending.step
+        bad_loss, bad_grad, local_loss = values[_LOSS] > 0, values[_GRAD] > 0, values[_LOCAL_LOSS] > 0
+        loss_value, scale, next_scale = values[_LOSS_VALUE], values[_SCALE], values[_NEXT_SCALE]
+        outcome = StepOutcome(step, loss_value, finite=not (bad_loss or bad_grad), skipped=False)
+        self.history.append(outcome)
+        scaled = pending.scale is not None
+        if scaled and bad_grad and not bad_loss:  # an overflow the scaler skipped: AMP's business
+            outcome.skipped, outcome.verdict = True, "amp-skip"
+            if self._amp.observe(True, next_scale):
+                self._collapse(pending, scale, next_scale)
+            self._spike(step, loss_value)
+            if self.accumulate > 1:
+                self._zero_grads()
+            return
+        if scaled:
+            self._amp.observe(bad_grad, next_scale)
+        if outcome.finite:
+            if not pending.stepped and self.optimizer is not None:
+                self.optimizer.step()
+                self._stepped = True
+            if self.accumulate > 1:
+                self._zero_grads()
+            self.last_good_step = step
+            self._spike(step, loss_value)
+            if self.checkpoint_every and step % self.checkpoint_every == 0:
+                self._save_checkpoint(step)
+            return
+        outcome.skipped = bad_grad or not scaled  # a scaler steps when only the loss was bad
+        if outcome.skipped:
+            self.skipped += 1
+        self._buffers.restore()  # the bad forward's buffer writes (BatchNorm statistics) undone
+        faulty = self._attribute(pending, bad_loss, local_loss, loss_value)
+        if self.replay and faulty:
+            outcome.verdict = self._replay(pending)
+        elif self._distributed and self.replay:
+            outcome.verdict = self._replay(pending, replaying=False)
+        self._zero_grads()
+
+    # -- findings ------------------------------------------------------------------------------
+    def _attribute(self, pending: _Pending, bad_loss: bool, local_loss: bool, loss_value: float) -> bool:
+        """Report the bad step; True when this rank holds (or may hold) the fault and replays."""
+        step = pending.step
+        me = distributed.describe(self._device)
+        micro = None
+        if local_loss:
+            micro_values = torch.stack(pending.micro_loss_flags).tolist()
+            micro = next((i for i, v in enumerate(micro_values) if v > 0), None)
+        local = {
+            **me,
+            "loss_bad": local_loss,
+            "loss_kind": kind_of(loss_value) if local_loss and not math.isfinite(loss_value) else None,
+            "micro_batch": micro,
+            "faults": self._watch.local_faults() if self._watch is not None else None,
+            "parameters": [] if self._watch is not None else self._bad_parameters(),
+        }
+        ranks = distributed.agree(local) if self._distributed else [local]
+        attributed = [r for r in ranks if r.get("loss_bad") or r.get("faults")]
+        for r in attributed or ([] if self._distributed else ranks):
+            self._report_rank(step, r, pending)
+        if self._distributed and not attributed:
             self.findings.append(
                 catalog.make(
                     "nonfinite-gradient",
                     message=(
-                        f"Step {step}: the loss was finite ({loss_value:.4g}) but gradients were not "
-                        f"({len(bad)} parameter(s): {', '.join(bad[:4])}); the step was skipped."
+                        f"Step {step}: the gradients after the reduction across ranks were not finite; which rank "
+                        "produced them is unknown (no pre-reduce view: FSDP or a communication hook of your own). "
+                        "Every rank replays its step; the step was skipped on every rank."
                     ),
-                    where=where,
-                    evidence={
-                        "kind": _kind(grad_norm),
-                        "count": len(bad),
-                        "numel": len(self._params),
-                        "dtype": None,
-                        "parameters": bad[:20],
-                        "step": step,
-                    },
+                    where={"module": None, "op": None, "phase": "backward", "step": step},
+                    evidence={"kind": "nan", "count": 1, "numel": 1, "step": step},
                 )
             )
+            return True
+        return any(r.get("rank") == me.get("rank") for r in attributed) if self._distributed else True
+
+    def _report_rank(self, step: int, r: dict[str, Any], pending: _Pending) -> None:
+        place: dict[str, Any] = {k: r[k] for k in ("rank", "host", "device", "uuid") if k in r}
+        text = distributed.where_text(r)
+        micro = r.get("micro_batch")
+        micro_text = f" (micro-batch {micro})" if micro is not None and self.accumulate > 1 else ""
+        micro_ev = {"micro_batch": micro} if micro is not None else {}
+        if r.get("loss_bad"):
+            self.findings.append(
+                catalog.make(
+                    "nonfinite-loss",
+                    message=f"Step {step}{micro_text}: the loss was {r.get('loss_kind') or 'not finite'} on {text}; "
+                    + (
+                        "the step was skipped."
+                        if pending.scale is None
+                        else "the scaler skipped it if its gradients overflowed."
+                    ),
+                    where={"module": None, "op": None, "phase": "forward", "step": step, **place},
+                    evidence={"kind": r.get("loss_kind") or "nan", "count": 1, "numel": 1, "step": step, **micro_ev},
+                )
+            )
+            return
+        faults = r.get("faults") or []
+        names = [n for f in faults for n in f["parameters"]] or [n for n, _ in r.get("parameters") or []]
+        kinds = [f["kind"] for f in faults] or [k for _, k in r.get("parameters") or []]
+        kind = "nan" if "nan" in kinds else kinds[0] if kinds else "nan"
+        buckets = [f["bucket"] for f in faults]
+        where_buckets = f" in DDP bucket(s) {buckets} before the all-reduce" if buckets else ""
+        self.findings.append(
+            catalog.make(
+                "nonfinite-gradient",
+                message=(
+                    f"Step {step}: the loss was finite but gradients were not ({kind}) on {text}{where_buckets} "
+                    f"({len(names)} parameter(s): {', '.join(names[:4])}); the step was skipped."
+                ),
+                where={"module": None, "op": None, "phase": "backward", "step": step, **place},
+                evidence={
+                    "kind": kind,
+                    "count": len(names),
+                    "numel": len(self._params),
+                    "parameters": names[:20],
+                    "step": step,
+                    **({"buckets": buckets} if buckets else {}),
+                },
+            )
+        )
+
+    def _bad_parameters(self) -> list[tuple[str, str]]:
+        """(name, kind) of every parameter whose gradient is not finite (bad steps only)."""
+        bad = []
+        for name, p in self.model.named_parameters():
+            if p.grad is not None:
+                kind = tensor_kind(p.grad._values() if p.grad.is_sparse else p.grad)
+                if kind:
+                    bad.append((name, kind))
+        return bad
+
+    def _replay(self, pending: _Pending, *, replaying: bool = True) -> str:
+        """Replay on this rank (when it holds the fault); under torch.distributed every rank then
+        receives every replaying rank's verdict, so all reports say the same."""
+        result = ReplayResult("not-replayed")
+        if replaying:
+            contexts: list[contextlib.AbstractContextManager[Any]] = [distributed.local_replay(self.model)]
+            if pending.scale is not None:
+                contexts.append(_scale_as(self.scaler, pending.scale))
+            result = replay(self.model, self._params, pending.step_fn, pending.window, contexts)
+        mine = self._verdict_findings(pending.step, result) if replaying else []
+        if not self._distributed:
+            self.findings.extend(mine)
+            return result.verdict
+        everyone = distributed.agree({"verdict": result.verdict, "findings": mine})
+        for entry in everyone:
+            self.findings.extend(entry.get("findings") or [])
+        verdicts = [e.get("verdict") for e in everyone if e.get("verdict") not in (None, "not-replayed")]
+        return result.verdict if replaying else str(verdicts[0]) if verdicts else "not-replayed"
+
+    def _verdict_findings(self, step: int, result: ReplayResult) -> list[Finding]:
+        me = distributed.describe(self._device)
+        place: dict[str, Any] = {k: me[k] for k in ("rank", "host", "device", "uuid") if k in me}
+        micro = {"micro_batch": result.micro_batch} if result.micro_batch is not None and self.accumulate > 1 else {}
+        if result.verdict == "replay-failed":
+            self._error("replaying the step", RuntimeError(result.error or "unknown"), step=step)
+            return []
+        if result.verdict == "deterministic-nonfinite":
+            first = result.culprit
+            rank_text = f" on rank {me['rank']}" if "rank" in me else ""
+            finding = catalog.make(
+                "deterministic-nonfinite",
+                message=(
+                    f"Step {step}{rank_text} replayed with the same batch, RNG state and weights and was non-finite "
+                    "again" + (f": {first.message}" if first else ".")
+                ),
+                where={
+                    **(dict(first.where) if first else {"module": None, "op": None, "phase": None}),
+                    "step": step,
+                    **place,
+                },
+                evidence={**(dict(first.evidence) if first else {}), "step": step, "replay_loss": result.loss, **micro},
+                fix=first.fix if first else catalog.get("deterministic-nonfinite").fix,
+            )
+            return [finding, *result.others]
+        return [
+            catalog.make(
+                "transient-fault-suspected",
+                message=(
+                    f"Step {step} was non-finite, but replaying it with the same batch, RNG state and weights gave a "
+                    f"finite loss ({result.loss:.4g}) and finite gradients. Suspect {distributed.where_text(me)}."
+                ),
+                where={"module": None, "op": None, "phase": None, "step": step, **place},
+                evidence={
+                    "kind": "transient",
+                    "step": step,
+                    "replay_loss": result.loss,
+                    "count": 1,
+                    "numel": 1,
+                    **{k: v for k, v in me.items() if k in ("gpu", "uuid")},
+                },
+            )
+        ]
+
+    def _collapse(self, pending: _Pending, scale: float, next_scale: float) -> None:
+        watch = self._amp
+        self.findings.append(
+            catalog.make(
+                "amp-scale-collapse",
+                message=(
+                    f"Step {pending.step}: the GradScaler's scale is {next_scale:g} after {watch.consecutive} skipped "
+                    f"step(s) in a row ({watch.skipped} of {self.steps} steps skipped for overflow so far)."
+                ),
+                where={"module": None, "op": None, "phase": "backward", "step": pending.step},
+                evidence={
+                    "kind": "+inf",
+                    "count": watch.consecutive,
+                    "numel": self.steps,
+                    "scale": next_scale,
+                    "step_scale": scale,
+                    "consecutive_skips": watch.consecutive,
+                    "step": pending.step,
+                },
+            )
+        )
+        if self.replay and not self._distributed:  # name the op that overflows, once per collapse
+            with preserved(self.model):  # from the step's own buffers; the run keeps its own after
+                self._buffers.restore()
+                result = replay(
+                    self.model, self._params, pending.step_fn, pending.window, [_scale_as(self.scaler, pending.scale)]
+                )
+            self.findings.extend(self._verdict_findings(pending.step, result))
 
     def _spike(self, step: int, loss_value: float) -> None:
+        if not math.isfinite(loss_value):  # a NaN in the history would switch spike detection off
+            return
         history = self._losses
         if len(history) >= SPIKE_MIN_HISTORY:
             mean = statistics.fmean(history)
@@ -178,139 +503,135 @@ class Sentinel:
                             "step": step,
                             "count": 1,
                             "numel": 1,
-                            "dtype": None,
                         },
                     )
                 )
         history.append(loss_value)
 
-    def _replay(self, step: int, rng: RngState, step_fn: Callable[..., torch.Tensor], args: Any, kwargs: Any) -> str:
-        from fpdoctor.numerics.api import trace
-
-        for p in self._params:
-            p.grad = None
-        try:
-            with preserved(self.model):  # the replay's RNG draws and buffer updates stay in the replay
-                rng.restore()
-                with trace(self.model, headroom=False) as t:
-                    replay_loss = step_fn(*args, **kwargs)
-                finite, loss_value, _ = self.check(replay_loss)
-        except Exception as exc:
-            self.findings.append(
-                catalog.make(
-                    "known-issue",
-                    title="The sentinel's replay failed",
-                    message=f"Step {step}: replaying the step raised {type(exc).__name__}: {exc}",
-                    where={"step": step},
-                )
-            )
-            return "replay-failed"
-        assert t.report is not None
-        culprits = [f for f in t.report.findings if f.name in ("nonfinite-produced", "nonfinite-input")]
-        if not finite or culprits:
-            first = culprits[0] if culprits else None
-            self.findings.append(
-                catalog.make(
-                    "deterministic-nonfinite",
-                    message=(
-                        f"Step {step} replayed with the same batch, RNG state and weights and was non-finite again"
-                        + (f": {first.message}" if first else ".")
-                    ),
-                    where={
-                        **(dict(first.where) if first else {"module": None, "op": None, "phase": None}),
-                        "step": step,
-                    },
-                    evidence={**(dict(first.evidence) if first else {}), "step": step, "replay_loss": loss_value},
-                    fix=first.fix if first else catalog.get("deterministic-nonfinite").fix,
-                )
-            )
-            self.findings.extend(f for f in t.report.findings if f is not first and f.name != "nonfinite-masked")
-            return "deterministic-nonfinite"
-        device = _device_description(self._params[0].device if self._params else torch.device("cpu"))
+    def _error(self, doing: str, exc: BaseException, step: int | None = None) -> None:
+        """A failure of the sentinel's own: a finding once per distinct error, never raised."""
+        text = f"{type(exc).__name__}: {exc}"
+        if (doing, text) in self._errors:
+            return
+        self._errors.add((doing, text))
+        at = step if step is not None else self.steps
         self.findings.append(
             catalog.make(
-                "transient-fault-suspected",
-                message=(
-                    f"Step {step} was non-finite, but replaying it with the same batch, RNG state and weights gave "
-                    f"a finite loss ({loss_value:.4g}) and finite gradients. Suspect {device['description']}."
-                ),
-                where={
-                    "module": None,
-                    "op": None,
-                    "phase": None,
-                    "step": step,
-                    **{k: v for k, v in device.items() if k != "description"},
-                },
-                evidence={
-                    "kind": "transient",
-                    "step": step,
-                    "replay_loss": loss_value,
-                    "count": 1,
-                    "numel": 1,
-                    "dtype": None,
-                    **device,
-                },
+                "sentinel-error",
+                message=f"Step {at}: {doing} failed with {text}; the step went on unguarded.",
+                where={"module": None, "op": None, "phase": None, "step": at},
+                evidence={"error": text, "step": at},
             )
         )
-        return "transient-fault-suspected"
+
+    # -- stepping without a verdict ------------------------------------------------------------
+    def _unguarded_step(self) -> None:
+        if self.optimizer is None:
+            return
+        if amp.enabled(self.scaler):
+            if not amp.stepped(self.scaler, self.optimizer):
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+        else:
+            self.optimizer.step()
+
+    def _zero_grads(self) -> None:
+        for p in self._params:
+            p.grad = None
 
     def _save_checkpoint(self, step: int) -> None:
         assert self.checkpoint_path is not None
-        state = {"step": step, "model": self.model.state_dict()}
-        if self.optimizer is not None:
-            state["optimizer"] = self.optimizer.state_dict()
-        directory = os.path.dirname(os.path.abspath(self.checkpoint_path))
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".fpdoctor-ckpt-", suffix=".tmp")
-        os.close(fd)
         try:
-            torch.save(state, tmp)
-            os.replace(tmp, self.checkpoint_path)  # atomic: a reader never sees half a checkpoint
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+            _atomic_save(self.checkpoint_path, self.model, self.optimizer, step)
+        except Exception as exc:  # a checkpoint we cannot write never stops the training
+            text = f"{type(exc).__name__}: {exc}"
+            key = ("checkpoint", f"{type(exc).__name__} {getattr(exc, 'errno', '')}")  # not the temp file's name
+            if key in self._errors:
+                return
+            self._errors.add(key)
+            self.findings.append(
+                catalog.make(
+                    "checkpoint-failed",
+                    message=f"Step {step}: writing {self.checkpoint_path} failed with {text}; training went on.",
+                    where={"module": None, "op": None, "phase": None, "step": step},
+                    evidence={"path": self.checkpoint_path, "error": text, "step": step},
+                )
+            )
 
     @property
     def report(self) -> Report:
-        nonfinite = sum(1 for h in self.history if not h.finite)
+        if self._pending is not None and not self._distributed:
+            self.flush()
+        nonfinite = sum(1 for h in self.history if not h.finite and h.verdict != "amp-skip")
         summary = [
             ("steps", str(self.steps)),
             ("non-finite steps", str(nonfinite)),
             ("skipped optimizer steps", str(self.skipped)),
             ("last good step", str(self.last_good_step)),
         ]
+        data: dict[str, Any] = {
+            "steps": self.steps,
+            "micro_batches": self.micro_batches,
+            "nonfinite_steps": nonfinite,
+            "skipped_steps": self.skipped,
+            "last_good_step": self.last_good_step,
+            "verdicts": {h.step: h.verdict for h in self.history if h.verdict and h.verdict != "amp-skip"},
+        }
+        if self._pending is not None:
+            data["undecided_step"] = self._pending.step
+        if self.scaler is not None:
+            watch = self._amp
+            rate = watch.skipped / self.steps if self.steps else 0.0
+            data["amp"] = {
+                "skipped_steps": watch.skipped,
+                "skip_rate": rate,
+                "scale": watch.scale,
+                "min_scale": watch.min_scale,
+            }
+            summary.append(("AMP overflow skips", f"{watch.skipped} ({rate:.1%}), scale {watch.scale}"))
         if self.checkpoint_path:
             summary.append(("last-good checkpoint", self.checkpoint_path))
-        return Report(
-            command="sentinel",
-            findings=list(self.findings),
-            data={
-                "summary": summary,
-                "steps": self.steps,
-                "nonfinite_steps": nonfinite,
-                "skipped_steps": self.skipped,
-                "last_good_step": self.last_good_step,
-                "verdicts": {h.step: h.verdict for h in self.history if h.verdict},
-            },
-        )
+        data["summary"] = summary
+        return Report(command="sentinel", findings=list(self.findings), data=data)
 
 
-def _kind(value: float) -> str:
-    return "nan" if math.isnan(value) else "+inf" if value > 0 else "-inf"
+def _skips_on_device(optimizer: torch.optim.Optimizer | None) -> bool:
+    """True for optimizers that take `found_inf` and skip on the device (fused Adam, AdamW, SGD)."""
+    if optimizer is None or not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    import inspect
+
+    if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+        return False  # the older protocol: the optimizer expects the scaler itself
+    return all(group.get("fused") for group in optimizer.param_groups)
 
 
-def _device_description(device: torch.device) -> dict[str, Any]:
-    info: dict[str, Any] = {"host": socket.gethostname(), "device": str(device)}
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        info["rank"] = torch.distributed.get_rank()
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info["gpu"] = props.name
-        info["uuid"] = str(getattr(props, "uuid", "")) or None
-    where = f"{info['device']} on host {info['host']}"
-    if "rank" in info:
-        where = f"rank {info['rank']} ({where})"
-    if info.get("gpu"):
-        where += f", {info['gpu']} {info.get('uuid') or ''}".rstrip()
-    info["description"] = where
-    return info
+@contextlib.contextmanager
+def _scale_as(scaler: Any, scale: torch.Tensor | None) -> Any:
+    """The scaler's scale as it was for the step being replayed, put back afterwards."""
+    current = getattr(scaler, "_scale", None)
+    if scale is None or current is None:
+        yield
+        return
+    saved = current.detach().clone()
+    current.copy_(scale)
+    try:
+        yield
+    finally:
+        current.copy_(saved)
+
+
+def _atomic_save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int) -> None:
+    state: dict[str, Any] = {"step": step, "model": model.state_dict()}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".fpdoctor-ckpt-", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)  # atomic: a reader never sees half a checkpoint
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

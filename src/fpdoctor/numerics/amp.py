@@ -1,0 +1,100 @@
+"""The sentinel under `torch.amp.GradScaler`: overflow is the scaler's business, collapse is ours.
+
+With fp16 loss scaling an Inf gradient is expected now and then: the scaler finds it, skips the
+step and halves its scale. That step is counted as an AMP skip, not reported as a NaN and not
+replayed. What is a finding is a scale that keeps falling: below `MIN_SCALE` (torch's own
+GradScaler documentation: a scale under 1 means something is wrong), or `MAX_CONSECUTIVE_SKIPS`
+skipped steps in a row (from the default 2**16, 16 halvings take it to 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+MIN_SCALE = 1.0
+MAX_CONSECUTIVE_SKIPS = 24
+
+
+def enabled(scaler: Any) -> bool:
+    return scaler is not None and bool(scaler.is_enabled())
+
+
+@contextlib.contextmanager
+def spy(found: list[Any]) -> Iterator[None]:
+    """Note every enabled GradScaler whose `scale()` is called inside the block.
+
+    For a step_fn that calls `scaler.scale(loss).backward()` without the scaler being passed to
+    the sentinel: the first step runs inside this block, so the scaler that step_fn really uses
+    is found (not merely one that exists). Only the class attribute is swapped, for that one
+    call, and put back; the user's scaler object is never touched."""
+    from torch.amp import GradScaler
+
+    original = GradScaler.scale
+
+    def scale(self: Any, outputs: Any) -> Any:
+        if self.is_enabled() and not any(s is self for s in found):
+            found.append(self)
+        return original(self, outputs)
+
+    GradScaler.scale = scale  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        GradScaler.scale = original  # type: ignore[method-assign]
+
+
+def stepped(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """True when `scaler.step(optimizer)` already ran since the scaler's last update()."""
+    from torch.amp.grad_scaler import OptState
+
+    states = getattr(scaler, "_per_optimizer_states", {})
+    state = states.get(id(optimizer)) if isinstance(states, dict) else None
+    return state is not None and state.get("stage") is OptState.STEPPED
+
+
+def found_inf(scaler: Any, optimizer: torch.optim.Optimizer, device: torch.device) -> torch.Tensor | None:
+    """The scaler's own found_inf for `optimizer` after its step() (before update() clears it)."""
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    if not state or not state["found_inf_per_device"]:
+        return None
+    flags = [f.to(device, non_blocking=True).float() for f in state["found_inf_per_device"].values()]
+    return torch.stack(flags).amax()
+
+
+def scale_tensor(scaler: Any, device: torch.device) -> torch.Tensor:
+    scale = scaler._scale
+    if scale is None:
+        return torch.full((), float("nan"), device=device)
+    return scale.detach().reshape(()).to(device, dtype=torch.float32, non_blocking=True).clone()
+
+
+class ScaleWatch:
+    """Counts AMP skips and decides when the scale has collapsed (once per collapse)."""
+
+    def __init__(self) -> None:
+        self.skipped = 0
+        self.consecutive = 0
+        self.scale: float | None = None
+        self.min_scale: float | None = None
+        self._reported = False
+
+    def observe(self, skipped: bool, scale: float) -> bool:
+        """Record one optimizer step; True when the scale has just collapsed."""
+        self.scale = scale
+        self.min_scale = scale if self.min_scale is None else min(self.min_scale, scale)
+        if skipped:
+            self.skipped += 1
+            self.consecutive += 1
+        else:
+            self.consecutive = 0
+        collapsed = scale < MIN_SCALE or self.consecutive >= MAX_CONSECUTIVE_SKIPS
+        if not collapsed:
+            self._reported = False  # a later collapse is a new episode
+        elif not self._reported:
+            self._reported = True
+            return True
+        return False

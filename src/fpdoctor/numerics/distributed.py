@@ -1,0 +1,154 @@
+"""Which rank held the bad gradient: the sentinel under torch.distributed.
+
+Once DDP has all-reduced the gradients every rank holds the same NaN, so a check after the
+backward cannot say whose it was. `BucketWatch` is a DDP communication hook that wraps the
+default all-reduce (or the hook it is given): before each bucket is reduced it takes the bucket's
+local `aminmax` on the device (NaN propagates into both, +Inf shows as the max, -Inf as the
+min) and keeps the two numbers; nothing is read back while the step is healthy. On a bad step
+every rank sends what it saw in one `all_gather_object`, so all ranks agree on who held the
+non-finite local gradient, which buckets and parameters, NaN or Inf.
+
+FSDP (and a DDP model whose communication hook was registered before the sentinel's) gets the
+per-rank loss check and the gradient check after the reduction, agreed across ranks the same
+way, but no attribution of a gradient to the rank that produced it before the reduction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def active() -> bool:
+    """True under an initialised process group with more than one rank."""
+    dist = torch.distributed
+    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def describe(device: torch.device) -> dict[str, Any]:
+    """rank (under torch.distributed), host, device, GPU name and UUID; unknown keys left out."""
+    info: dict[str, Any] = {"host": socket.gethostname(), "device": str(device)}
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        info["rank"] = dist.get_rank()
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info["gpu"] = props.name
+        uuid = str(getattr(props, "uuid", "") or "")
+        if uuid:
+            info["uuid"] = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+    return info
+
+
+def where_text(info: dict[str, Any]) -> str:
+    text = f"{info.get('device', '?')} on host {info.get('host', '?')}"
+    if "rank" in info:
+        text = f"rank {info['rank']} ({text})"
+    if info.get("gpu"):
+        text += f", {info['gpu']} {info.get('uuid', '')}".rstrip()
+    return text
+
+
+def all_max(flags: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum over ranks (one tiny all-reduce, asynchronous on NCCL)."""
+    out = flags.detach().clone()
+    torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX)
+    return out
+
+
+def agree(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's payload, in rank order, on every rank (only called on bad steps)."""
+    dist = torch.distributed
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, payload)
+    return [g if isinstance(g, dict) else {} for g in gathered]
+
+
+def is_ddp(model: nn.Module) -> bool:
+    return isinstance(model, nn.parallel.DistributedDataParallel)
+
+
+@contextlib.contextmanager
+def local_replay(model: nn.Module) -> Iterator[None]:
+    """Run a DDP model's forward and backward without any collective, on this rank alone.
+
+    `no_sync()` keeps the backward from all-reducing; the forward still broadcasts buffers from
+    rank 0 while `require_forward_param_sync` is set, so it is cleared for the replay and put back.
+    """
+    if not is_ddp(model):
+        yield
+        return
+    ddp: Any = model
+    saved = ddp.require_forward_param_sync
+    ddp.require_forward_param_sync = False
+    try:
+        with ddp.no_sync():
+            yield
+    finally:
+        ddp.require_forward_param_sync = saved
+
+
+class BucketWatch:
+    """A DDP communication hook that notes each bucket's local extremes before the all-reduce."""
+
+    def __init__(self, model: nn.Module, hook: Callable[..., Any] | None = None, state: Any = None) -> None:
+        self._ddp: Any = model
+        self._hook = hook
+        self._state = state
+        self._records: list[tuple[int, list[torch.Tensor], torch.Tensor, torch.Tensor]] = []
+        self._names = {id(p): name for name, p in model.named_parameters()}
+        self.errors: list[str] = []
+
+    @classmethod
+    def install(cls, model: nn.Module) -> BucketWatch | None:
+        """Register on a DDP model that has no communication hook yet; None when it cannot."""
+        if not is_ddp(model):
+            return None
+        ddp: Any = model
+        if getattr(ddp, "_comm_hooks", None) or getattr(ddp, "_use_python_reducer", False):
+            return None  # a hook of the user's (or the python reducer): theirs stays, no attribution
+        watch = cls(model)
+        ddp.register_comm_hook(ddp.process_group, watch)
+        return watch
+
+    def begin(self) -> None:
+        """Forget the last step's buckets (called before each step's backward)."""
+        self._records = []
+
+    def __call__(self, state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        try:
+            buffer = bucket.buffer()
+            low, high = torch.aminmax(buffer.detach())
+            self._records.append((bucket.index(), list(bucket.parameters()), low, high))
+        except Exception as exc:  # the observer never breaks the all-reduce
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+        if self._hook is not None:
+            return self._hook(self._state, bucket)
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        return allreduce_hook(state, bucket)
+
+    def local_faults(self) -> list[dict[str, Any]]:
+        """The buckets whose local gradient held NaN or Inf before the reduction (reads back)."""
+        if not self._records:
+            return []
+        values = torch.stack([torch.stack([lo.float(), hi.float()]) for _, _, lo, hi in self._records]).tolist()
+        faults = []
+        for (index, params, _, _), (lo, hi) in zip(self._records, values, strict=True):
+            if math.isnan(lo) or math.isnan(hi):
+                kind = "nan"
+            elif math.isinf(hi):
+                kind = "+inf"
+            elif math.isinf(lo):
+                kind = "-inf"
+            else:
+                continue
+            names = [self._names.get(id(p), "?") for p in params]
+            faults.append({"bucket": index, "kind": kind, "parameters": names})
+        return faults

@@ -1,0 +1,105 @@
+"""The sentinel's always-on check: is anything in the loss or the gradients NaN or Inf?
+
+Finiteness is checked the way `torch.amp.GradScaler` does it, with
+`torch._amp_foreach_non_finite_check_and_unscale_` at scale 1.0: one fused pass per device and
+dtype that sets a float32 `found_inf` flag on the device. It is exact for every dtype - a norm in
+the gradient's own dtype is not: finite fp16 gradients whose norm passes 65504 have an Inf norm.
+Multiplying by 1.0 leaves every finite value, and every infinity, bit for bit as it was.
+The flag is the `found_inf` that fused optimizers take to skip a step on the device.
+
+Reading a flag back to the host is the only synchronisation; `FlagRead` makes it asynchronous
+on a GPU (a non-blocking copy into pinned memory and an event, looked at one step later).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def grads_of(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The dense gradient values to check (sparse gradients: their stored values)."""
+    grads = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        grads.append(g._values() if g.is_sparse else g)
+    return grads
+
+
+def nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """float32 0-d tensor on `device`: 1.0 when any value of `grads` is NaN or Inf, else 0.0."""
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    with torch.no_grad():
+        for (dev, _), group in groups.items():
+            if dev not in per_device:
+                flag = found if dev == device else torch.zeros((), dtype=torch.float32, device=dev)
+                per_device[dev] = (flag, torch.ones((), dtype=torch.float32, device=dev))
+            flag, one = per_device[dev]
+            torch._amp_foreach_non_finite_check_and_unscale_(group, flag, one)
+        for dev, (flag, _) in per_device.items():
+            if dev != device:
+                found = torch.maximum(found, flag.to(device, non_blocking=True))
+    return found
+
+
+def loss_flag(loss: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """float32 0-d tensor on `device`: 1.0 when the loss holds a NaN or Inf."""
+    with torch.no_grad():
+        return torch.isfinite(loss.detach()).all().logical_not().to(device=device, dtype=torch.float32)
+
+
+def kind_of(value: float) -> str:
+    return "nan" if math.isnan(value) else "+inf" if value > 0 else "-inf"
+
+
+def tensor_kind(t: torch.Tensor) -> str | None:
+    """'nan', '+inf', '-inf' for a tensor holding one (NaN first), None when all finite.
+
+    `aminmax` propagates NaN, and gives +Inf / -Inf as its max / min: one read-only pass."""
+    if t.numel() == 0:
+        return None
+    with torch.no_grad():
+        low, high = torch.aminmax(t.detach())
+    lo, hi = torch.stack([low.float(), high.float()]).tolist()
+    if math.isnan(lo) or math.isnan(hi):
+        return "nan"
+    if math.isinf(hi):
+        return "+inf"
+    if math.isinf(lo):
+        return "-inf"
+    return None
+
+
+class FlagRead:
+    """A small device tensor on its way to the host.
+
+    On a GPU the copy goes into pinned memory without blocking and an event marks its end;
+    `ready()` asks without waiting, `values()` waits only for the rest of that copy. On the CPU
+    the values are there at once.
+    """
+
+    def __init__(self, flags: torch.Tensor) -> None:
+        flags = flags.detach().float().reshape(-1)
+        self._event: torch.cuda.Event | None = None
+        if flags.device.type == "cuda":
+            self._host = torch.empty(flags.shape, dtype=torch.float32, pin_memory=True)
+            self._host.copy_(flags, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = flags.cpu()
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def values(self) -> list[float]:
+        if self._event is not None:
+            self._event.synchronize()
+        return [float(v) for v in self._host.tolist()]

@@ -1,0 +1,93 @@
+"""Replaying a bad training step under `trace` and classifying it.
+
+The step is run again from the state it started from: the same batch (each micro-batch of an
+accumulation window, in order), the RNG state each micro-batch began with, the same weights
+(nothing was updated) and buffers (put back by the caller before, and by `preserved` after).
+Non-finite again, or the trace saw an op produce NaN/Inf: a numerical bug at that op.
+Finite and clean: the first run did not compute what the code asks for; suspect the hardware.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fpdoctor.numerics.gradcheck import grads_of, loss_flag, nonfinite_flag
+from fpdoctor.preserve import RngState, preserved
+from fpdoctor.report.model import Finding
+
+
+@dataclass
+class MicroBatch:
+    """What one `guard.step` call needs to be run again: references, not copies, of its arguments."""
+
+    rng: RngState
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class ReplayResult:
+    verdict: str  # "deterministic-nonfinite", "transient-fault-suspected" or "replay-failed"
+    micro_batch: int | None = None  # the first micro-batch that was non-finite again
+    loss: float = float("nan")
+    culprit: Finding | None = None  # the trace's nonfinite-produced / nonfinite-input, when it found one
+    others: list[Finding] = field(default_factory=list)
+    error: str | None = None
+
+
+def replay(
+    model: nn.Module,
+    params: list[torch.Tensor],
+    step_fn: Callable[..., Any],
+    window: list[MicroBatch],
+    contexts: list[contextlib.AbstractContextManager[Any]],
+) -> ReplayResult:
+    """Run `window` again under trace, one micro-batch at a time, gradients zeroed before each
+    (so that a micro-batch is judged on its own gradients, not on an earlier one's NaN)."""
+    from fpdoctor.numerics.api import trace
+
+    loss_value = float("nan")
+    try:
+        with contextlib.ExitStack() as stack:
+            for context in contexts:
+                stack.enter_context(context)
+            stack.enter_context(preserved(model))  # the replay's RNG draws and buffer writes stay here
+            for index, micro in enumerate(window):
+                for p in params:
+                    p.grad = None
+                micro.rng.restore()
+                with trace(model, headroom=False) as t:
+                    loss = step_fn(*micro.args, **micro.kwargs)
+                device = params[0].device if params else torch.device("cpu")
+                flags = torch.stack(
+                    [loss_flag(torch.as_tensor(loss), device), nonfinite_flag(grads_of(params), device)]
+                )
+                loss_bad, grad_bad = flags.tolist()
+                loss_value = float(torch.as_tensor(loss).detach().float().mean())
+                report = t.report
+                culprits = (
+                    [f for f in report.findings if f.name in ("nonfinite-produced", "nonfinite-input")]
+                    if report
+                    else []
+                )
+                if loss_bad or grad_bad or culprits:
+                    first = culprits[0] if culprits else None
+                    others = [
+                        f
+                        for f in (report.findings if report else [])
+                        if f is not first and f.name != "nonfinite-masked"
+                    ]
+                    return ReplayResult("deterministic-nonfinite", index, loss_value, first, others)
+    except Exception as exc:
+        return ReplayResult("replay-failed", error=f"{type(exc).__name__}: {exc}")
+    finally:
+        for p in params:  # nothing of the replay may reach the weights
+            p.grad = None
+    return ReplayResult("transient-fault-suspected", None, loss_value if math.isfinite(loss_value) else float("nan"))
