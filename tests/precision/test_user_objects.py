@@ -137,3 +137,44 @@ def test_every_pass_of_compare_sees_the_same_input_when_the_forward_writes_into_
     again = fpdoctor.compare(model, x, candidate="fp32")
     assert [r.propagated for r in first.rows] == [r.propagated for r in again.rows]
     assert first.first_divergent is None
+
+
+_CUDA_DRAWS = """
+import sys
+import torch
+from torch import nn
+import fpdoctor
+
+class Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) + 0.01 * torch.randn_like(x)
+
+torch.manual_seed(0)  # CUDA is not started yet: torch applies the seed when it starts
+model, x = Noisy(), torch.randn(4, 8)
+if sys.argv[1] == "compare":
+    fpdoctor.compare(model, x, candidate="fp32", device="cuda")
+print(torch.randn(4, device="cuda").tolist())
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compare_on_cuda_leaves_the_cuda_rng_where_the_users_seed_put_it(tmp_path):
+    """In a fresh process, so that CUDA starts inside compare: the user's next CUDA draws are the
+    ones they would have been without it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "draws.py"
+    script.write_text(_CUDA_DRAWS)
+
+    def draws(mode: str) -> str:
+        argv = [sys.executable, str(script), mode]
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+        assert run.returncode == 0, run.stderr
+        return run.stdout.strip().splitlines()[-1]
+
+    assert draws("compare") == draws("plain")

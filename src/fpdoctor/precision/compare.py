@@ -176,6 +176,10 @@ def compare(
             raise ReferenceFailed(f"the model fails before it reaches `{module}`: {type(exc).__name__}: {exc}") from exc
         model = target
     on = cand_device or model_device(model)  # where the candidate runs: its kernels and flags are chosen for it
+    if on.type == "cuda":
+        # CUDA starts in this call anyway. Started first, its RNG (with a seed the user set before,
+        # which torch applies at start-up) is saved and put back too, not left advanced by our runs.
+        torch.cuda.init()
     rng = RngState.capture()  # every pass starts from it; the user's RNG is left as it was
     try:
         with run_flags(candidate, on) as flags:
