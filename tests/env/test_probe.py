@@ -97,3 +97,12 @@ def test_a_child_that_writes_a_lot_to_stderr_is_not_taken_for_a_hang(tmp_path, m
     results = run_probes([_spec("a"), _spec("dies"), _spec("b")], timeout_s=5)
     assert [r["status"] for r in results] == ["ok", "crashed", "ok"]
     assert results[1]["signal"] == "SIGABRT" and results[1]["stderr_tail"].endswith("cublas debug line\nlast words\n")
+
+
+def test_a_child_that_cannot_start_is_a_result_not_an_exception(monkeypatch, tmp_path):
+    import sys
+
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python-here"))
+    results = run_probes([_spec("a"), _spec("b")])
+    assert [r["status"] for r in results] == ["error", "error"]
+    assert results[0]["error"].startswith("probe child did not start: [Errno 2]")

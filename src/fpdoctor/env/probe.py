@@ -64,12 +64,17 @@ def run_probes(specs: list[dict[str, Any]], *, timeout_s: float = 60.0) -> list[
     remaining = list(specs)
     while remaining:
         before = len(results)
-        proc = subprocess.Popen(
-            [sys.executable, probe_child.__file__, json.dumps(remaining)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, probe_child.__file__, json.dumps(remaining)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        except OSError as exc:  # no interpreter to start, no processes left: each probe says so
+            for spec in remaining:
+                results[spec["name"]] = {"status": "error", "error": f"probe child did not start: {exc}"}
+            break
         lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
         tail = [""]
