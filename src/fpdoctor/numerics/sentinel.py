@@ -270,8 +270,10 @@ class Sentinel:
             if self.accumulate > 1:
                 self._zero_grads()
             return
-        if scaled:
-            self._amp.observe(bad_grad, next_scale)
+        if scaled and not bad_grad:
+            self._amp.observe(False, next_scale)
+        elif scaled:  # a NaN loss the scaler skipped: counted as non-finite, not as an AMP overflow
+            self._amp.scale = next_scale
         if outcome.finite:
             if not pending.stepped and self.optimizer is not None:
                 self.optimizer.step()
