@@ -26,9 +26,12 @@ class Trace:
         headroom: bool = False,
         targets: tuple[str, ...] = ("fp16", "bf16"),
         sync_every: int | None = None,
+        immediate: bool | None = None,
     ) -> None:
         if raise_on not in (None, "nonfinite"):
             raise ValueError(f"raise_on must be None or 'nonfinite', got {raise_on!r}")
+        if sync_every is not None and (not isinstance(sync_every, int) or sync_every < 1):
+            raise ValueError(f"sync_every must be a positive number of ops, got {sync_every!r}")
         from fpdoctor.numerics.limits import format_named
 
         for target in targets:
@@ -38,33 +41,40 @@ class Trace:
         self.headroom_enabled = headroom
         self.targets = targets
         self.sync_every = sync_every
+        # None: read results at once on CPU, in batches on accelerators; False forces batches
+        # (how accelerators run) on CPU too.
+        self.immediate = True if raise_on else immediate
         self.report: Report | None = None
-        self.records: list[Any] = []
+        self.records: Any = []  # the tracer's records (a Store) once the block exits
 
     def __enter__(self) -> Trace:
         from fpdoctor.numerics import trace as trace_mod
         from fpdoctor.numerics.headroom import Headroom
         from fpdoctor.numerics.modules import ModuleTracker
 
-        if self.sync_every:
-            trace_mod.SYNC_EVERY = self.sync_every
         roots = [self.model] if self.model is not None else None
         self._headroom = Headroom(self.targets) if self.headroom_enabled else None
         self._tracker = ModuleTracker(roots, on_output=self._module_output)
         self._tracer = trace_mod.Tracer(
             self._tracker,
-            immediate=True if self.raise_on else None,
+            immediate=self.immediate,
             raise_on=self.raise_on,
             on_nonfinite=self._raise_at_producer if self.raise_on else None,
+            sync_every=self.sync_every,
         )
         import contextlib
+        import sys
+        import threading
         import warnings
 
         import torch
 
+        self._thread = threading.get_ident()
         self._stack = contextlib.ExitStack()
         # torch.compile'd code runs eagerly while traced, so every op is seen; the report says so.
-        set_stance = getattr(torch.compiler, "set_stance", None)
+        # Only where something was compiled: torch._dynamo is then imported already, and
+        # importing it for a plain model costs ~2.6 s and ~77 MiB (set_stance imports it).
+        set_stance = getattr(torch.compiler, "set_stance", None) if "torch._dynamo" in sys.modules else None
         if set_stance is not None:
             self._stack.enter_context(set_stance("force_eager"))
         self._warnings = self._stack.enter_context(warnings.catch_warnings())
@@ -77,8 +87,12 @@ class Trace:
         return self
 
     def _module_output(self, name: str, call: int, output: Any, recompute: bool) -> None:
+        import threading
+
         import torch
 
+        if threading.get_ident() != self._thread:
+            return  # a model running in another thread: its ops are not traced
         try:
             with torch._C._DisableTorchDispatch():  # our own statistics must not be traced
                 self._tracer.module_output(name, call, output, recompute)
@@ -88,19 +102,28 @@ class Trace:
             self._tracer.errors.append(f"module hook {name}: {type(exc).__name__}: {exc}")
 
     def _raise_at_producer(self, tracer: Any, record: Any) -> None:
+        """Called for every non-finite record: classify this one alone (cheap: most are values
+        passed on), and build the whole analysis only to word the error we raise."""
         from fpdoctor.numerics.blame import Analysis
         from fpdoctor.numerics.trace import NonFiniteError
 
+        kinds = [tracer.kind_of(src) for src in record.inputs]
+        if not record.inputs:
+            produced = record.kind == "nan"  # a NaN constant; an -inf mask is not an error yet
+        elif record.kind == "nan":
+            produced = "nan" not in kinds
+        else:
+            produced = not any(kinds)
+        bad_leaf = next((s for s in record.inputs if s[0] == "leaf" and tracer.leaves[s[1]].kind == "nan"), None)
+        if not produced and bad_leaf is None:
+            return
         analysis = Analysis(tracer)
-        role = analysis.roles.get(record.index)
-        if role in ("nan-producer", "inf-producer") or (role == "constant" and record.kind == "nan"):
+        if produced:
             finding = analysis.producer_finding(record, "first NaN" if record.kind == "nan" else "first Inf", [])
-            raise NonFiniteError(finding.message, finding)
-        bad_leaves = [s for s in record.inputs if s[0] == "leaf" and analysis.leaves[s[1]].kind == "nan"]
-        if bad_leaves:
-            leaf = analysis.leaves[bad_leaves[0][1]]
-            finding = analysis._input_finding(leaf, [f"{record.op}"])
-            raise NonFiniteError(finding.message, finding)
+        else:
+            assert bad_leaf is not None
+            finding = analysis._input_finding(tracer.leaves[bad_leaf[1]], [f"{record.op}"])
+        raise NonFiniteError(finding.message, finding)
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -124,13 +147,13 @@ class Trace:
         rows: list[dict[str, Any]] = []
         if self._headroom is not None:
             rows = self._headroom.table()
-            findings += self._headroom.findings(rows, tracer.records)
-        findings += self._recipes.findings(tracer.records)
+            findings += self._headroom.findings(rows, list(tracer.records))
+        findings += self._recipes.findings(list(tracer.records))
         tracer.errors.extend(self._recipes.errors)
         nonfinite = sum(1 for r in tracer.records if r.kind)
         phases = sorted({r.phase for r in tracer.records})
         summary = [
-            ("ops traced", f"{len(tracer.records)} value-producing ops of {tracer.ops_seen} dispatched"),
+            ("ops traced", f"{tracer.records.count} value-producing ops of {tracer.ops_seen} dispatched"),
             ("phases", ", ".join(phases) or "-"),
             ("non-finite ops", str(nonfinite)),
             ("modules with headroom stats", str(len(rows))),
@@ -148,7 +171,7 @@ class Trace:
                 "summary": summary,
                 "headroom": rows,
                 "not_checked": not_checked,
-                "ops": len(tracer.records),
+                "ops": tracer.records.count,
                 "nonfinite_ops": nonfinite,
             },
         )
@@ -160,6 +183,7 @@ def trace(
     raise_on: str | None = None,
     headroom: bool = False,
     targets: tuple[str, ...] = ("fp16", "bf16"),
+    sync_every: int | None = None,
 ) -> Trace:
     """Trace the block for the op that produces NaN/Inf; see `Trace`."""
-    return Trace(model, raise_on=raise_on, headroom=headroom, targets=targets)
+    return Trace(model, raise_on=raise_on, headroom=headroom, targets=targets, sync_every=sync_every)

@@ -1,15 +1,20 @@
 """Which module is running: dotted paths as in `named_modules()`, call counts, phase.
 
 Forward uses the global module hooks, so no model needs to be registered and every module is
-seen; backward attribution comes from the autograd node that is executing, which the trace tags
-in forward (`Node.metadata`), so a backward op is blamed on the module whose forward created it.
+seen; backward attribution comes from the autograd node that is executing, whose sequence number
+the trace maps to the forward op that created it, so a backward op is blamed on that op's module.
 Phase: backward while autograd runs a graph task, optimizer between the global optimizer step
 hooks, forward otherwise. A module forward that runs during backward is an activation-checkpoint
 recompute, not forward.
+
+The hooks are global (every thread calls them) but a dispatch mode is per thread, so the module
+stack and the optimizer phase are kept per thread: a model running in another thread never
+lends its module to the traced thread's ops.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -17,7 +22,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
+
+from fpdoctor.provenance import Provenance
 
 ModuleOutputHook = Callable[[str, int, Any, bool], None]
 
@@ -31,14 +37,14 @@ class ModuleTracker:
 
     def __init__(self, roots: list[nn.Module] | None = None, on_output: ModuleOutputHook | None = None) -> None:
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-        self.param_names: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter/buffer -> dotted name
+        self.param_names = Provenance()  # parameter/buffer -> dotted name (looked up on every in-place op)
         self.saw_compiled = False
         for root in roots or []:
             self._name_tree(root, "")
         self._have_root = bool(roots)
-        self.stack: list[tuple[str, int, bool]] = []  # (path, call index, recompute)
+        self._local = threading.local()  # .stack, .in_optimizer: this thread's
         self.calls: Counter[str] = Counter()
-        self.in_optimizer = 0
+        self.optimizer_steps = 0
         self.on_output = on_output
         self._handles: list[Any] = []
 
@@ -51,15 +57,31 @@ class ModuleTracker:
             self._names.setdefault(module, name)
         for name, tensor in [*root.named_parameters(prefix=prefix), *root.named_buffers(prefix=prefix)]:
             if tensor not in self.param_names:
-                self.param_names[tensor] = name
+                self.param_names.set(tensor, name)
+
+    @property
+    def stack(self) -> list[tuple[str, int, bool]]:
+        """This thread's module stack: (path, call index, recompute)."""
+        try:
+            stack: list[tuple[str, int, bool]] = self._local.stack
+            return stack
+        except AttributeError:
+            stack = []
+            self._local.stack = stack
+            return stack
+
+    @property
+    def in_optimizer(self) -> int:
+        return getattr(self._local, "in_optimizer", 0)
 
     def name_of(self, module: nn.Module) -> str:
         name = self._names.get(module)
         if name is not None:
             return name
-        if self.stack:
+        stack = self.stack
+        if stack:
             # A module built or called ad hoc inside another module's forward.
-            name = f"{self.stack[-1][0]}.<{type(module).__name__}>".lstrip(".")
+            name = f"{stack[-1][0]}.<{type(module).__name__}>".lstrip(".")
             self._names[module] = name
         else:
             # A new top-level module: the first one is the root (""), later ones go by class name.
@@ -77,24 +99,27 @@ class ModuleTracker:
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         name = self.name_of(module)
-        while self.stack:  # pop to the matching entry even if an inner forward raised
-            top = self.stack.pop()
+        stack = self.stack
+        while stack:  # pop to the matching entry even if an inner forward raised
+            top = stack.pop()
             if top[0] == name:
                 if self.on_output is not None:
                     self.on_output(name, top[1], output, top[2])
                 return
 
     def _opt_pre(self, *args: Any) -> None:
-        self.in_optimizer += 1
+        self._local.in_optimizer = self.in_optimizer + 1
+        self.optimizer_steps += 1
 
     def _opt_post(self, *args: Any) -> None:
-        self.in_optimizer = max(0, self.in_optimizer - 1)
+        self._local.in_optimizer = max(0, self.in_optimizer - 1)
 
     @property
     def current(self) -> tuple[str | None, int | None, bool]:
-        if not self.stack:
+        stack = self.stack
+        if not stack:
             return None, None, False
-        return self.stack[-1]
+        return stack[-1]
 
     @property
     def phase(self) -> str:
