@@ -64,10 +64,11 @@ class BufferSnapshot:
 
     A skipped training step must leave no trace, but its forward already ran: BatchNorm wrote the
     bad batch's statistics into `running_mean`/`running_var`. Which buffers a forward changes is
-    learnt from their version counters (bumped by every in-place write, read without a device
-    sync, and once after the first step by value): the first capture copies every buffer, later
-    ones only those seen changing, so a model whose forward changes no buffer pays nothing. The copies are one `_foreach_copy_` per device
-    and dtype into storage allocated once, asynchronous on a GPU.
+    learnt from their version counters (bumped by in-place writes, read without a device sync)
+    and, once after the first step, from their values (native batch_norm writes its statistics
+    without bumping their version). The first capture copies every buffer, later ones only those
+    seen changing: a model whose forward changes no buffer pays nothing. The copies are one
+    `_foreach_copy_` per device and dtype into storage allocated once, asynchronous on a GPU.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -108,9 +109,7 @@ class BufferSnapshot:
             for module, name, buffer, copy, version in self._entries
             if module._buffers.get(name) is not buffer
             or buffer._version != version
-            # native batch_norm writes its running statistics without bumping their version: after
-            # the first step (once, a host read) the values are compared too
-            or (first and not torch.equal(copy, buffer))
+            or (first and not torch.equal(copy, buffer))  # once: a host read
         ]
         if first:
             if self._entries or not any(True for _ in self._model.buffers()):

@@ -114,7 +114,13 @@ class BucketWatch:
         if getattr(ddp, "_comm_hooks", None) or getattr(ddp, "_use_python_reducer", False):
             return None  # a hook of the user's (or the python reducer): theirs stays, no attribution
         watch = cls(model)
-        ddp.register_comm_hook(ddp.process_group, watch)
+
+        def fpdoctor_bucket_watch(state: Any, bucket: Any) -> Any:
+            return watch(state, bucket)
+
+        # DDP accepts a bucket annotated dist.GradBucket or not at all (postponed annotations are strings)
+        fpdoctor_bucket_watch.__annotations__ = {}
+        ddp.register_comm_hook(ddp.process_group, fpdoctor_bucket_watch)
         return watch
 
     def begin(self) -> None:
@@ -130,9 +136,7 @@ class BucketWatch:
             self.errors.append(f"{type(exc).__name__}: {exc}")
         if self._hook is not None:
             return self._hook(self._state, bucket)
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        return allreduce_hook(state, bucket)
+        return _allreduce_as_ddp_does(state, bucket.buffer())
 
     def local_faults(self) -> list[dict[str, Any]]:
         """The buckets whose local gradient held NaN or Inf before the reduction (reads back)."""
@@ -152,3 +156,15 @@ class BucketWatch:
             names = [self._names.get(id(p), "?") for p in params]
             faults.append({"bucket": index, "kind": kind, "parameters": names})
         return faults
+
+
+def _allreduce_as_ddp_does(group: Any, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """The average DDP computes when no hook is registered, bit for bit: each gradient times
+    1/world_size (DDP's reducer multiplies while copying into the bucket; torch's python
+    `allreduce_hook` divides instead, which differs in the last bit for 3 ranks), then a sum."""
+    dist = torch.distributed
+    group = group if group is not None else dist.group.WORLD
+    buffer.mul_(1.0 / dist.get_world_size(group))
+    work = dist.all_reduce(buffer, group=group, async_op=True)
+    assert work is not None
+    return work.get_future().then(lambda fut: fut.value()[0])

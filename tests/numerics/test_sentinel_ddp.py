@@ -1,0 +1,145 @@
+"""The sentinel under DDP (gloo on loopback, CPU): every rank names the rank that held the fault."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import fpdoctor
+
+TIMEOUT_S = 60
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def _batches(rank: int, n: int = 4):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(n)]
+
+
+def _run(ddp, opt, guard, batches, fault=None):
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        return loss
+
+    for i, (clean, y) in enumerate(batches):
+        x = clean if fault is None else fault(i, clean)
+        if guard is None:
+            step(x, y)
+            opt.step()
+        else:
+            guard.step(step, x, y)
+
+
+def _summary(guard) -> list:
+    return [
+        [f.name, {k: v for k, v in f.where.items() if k in ("rank", "step", "op")}, f.evidence]
+        for f in guard.report.findings
+    ]
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    results: dict = {}
+    try:
+        # a one-off fault on rank 1: a NaN written into one local gradient, once
+        model = _model()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        guard = fpdoctor.Sentinel(ddp, opt)
+        fired = {"n": 0}
+
+        def flip(grad):
+            fired["n"] += 1
+            if rank == 1 and fired["n"] == 2:
+                grad = grad.clone()
+                grad[0, 0] = float("nan")
+            return grad
+
+        model[0].weight.register_hook(flip)
+        _run(ddp, opt, guard, _batches(rank))
+        results["transient"] = _summary(guard)
+        results["transient_verdicts"] = guard.report.data["verdicts"]
+
+        # a NaN in rank 1's batch at step 2: deterministic, named by the replay on rank 1
+        model = _model()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        guard = fpdoctor.Sentinel(ddp, opt)
+
+        def poison(i, x):
+            if rank == 1 and i == 1:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            return x
+
+        _run(ddp, opt, guard, _batches(rank), poison)
+        results["deterministic"] = _summary(guard)
+
+        # finite steps: bitwise the unguarded DDP run
+        params = []
+        for guarded in (False, True):
+            model = _model(seed=5)
+            ddp = nn.parallel.DistributedDataParallel(model)
+            opt = torch.optim.AdamW(ddp.parameters(), lr=0.01)
+            _run(ddp, opt, fpdoctor.Sentinel(ddp, opt) if guarded else None, _batches(rank, 3))
+            params.append([p.detach().clone() for p in model.parameters()])
+        results["bitwise"] = all(torch.equal(a, b) for a, b in zip(*params, strict=True))
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results, default=str))
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_names_the_rank_that_held_the_fault(tmp_path, world):
+    ctx = mp.start_processes(
+        _worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=False, start_method="spawn"
+    )
+    for _ in range(4 * TIMEOUT_S):
+        if ctx.join(timeout=0.5):
+            break
+    else:
+        for p in ctx.processes:
+            p.kill()
+        pytest.fail("the DDP ranks did not finish in time")
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    for r, res in enumerate(results):
+        transient = res["transient"]
+        assert [name for name, _, _ in transient] == ["nonfinite-gradient", "transient-fault-suspected"], r
+        grad_finding, verdict = transient
+        for where in (grad_finding[1], verdict[1]):
+            assert (where["rank"], where["step"]) == (1, 2)
+        assert grad_finding[2]["kind"] == "nan" and "module.0.weight" in grad_finding[2]["parameters"]
+        assert "buckets" in grad_finding[2]
+        assert res["transient_verdicts"] == {"2": "transient-fault-suspected"}
+
+        deterministic = res["deterministic"]
+        names = [name for name, _, _ in deterministic]
+        assert names[:2] == ["nonfinite-loss", "deterministic-nonfinite"], (r, names)
+        assert all(where.get("rank") == 1 for _, where, _ in deterministic), (r, deterministic)
+        assert deterministic[1][1]["op"] and deterministic[1][1]["step"] == 2
+        assert res["bitwise"], r
+    assert all(res["deterministic"] == results[0]["deterministic"] for res in results)  # one story on every rank
+    assert all(res["transient"] == results[0]["transient"] for res in results)
