@@ -235,18 +235,20 @@ class Sentinel:
         agreed = torch.stack([local_loss, grad])
         if self._distributed:
             agreed = distributed.all_max(agreed)  # every rank skips, or none: replicas stay equal
+        flags = torch.cat([agreed, torch.stack([local_loss, loss_value, scale, next_scale])])
+        # on its way to the host before the optimizer's kernels are queued: the next step waits
+        # (if at all) for this check to finish, not for the optimizer
+        read = FlagRead(flags)
         if scaler is None and self._device_skip and self.optimizer is not None:
-            found = agreed.amax()
             opt: Any = self.optimizer
-            opt.found_inf = found  # the GradScaler protocol of fused optimizers: skip on the device
+            opt.found_inf = agreed.amax()  # the GradScaler protocol of fused optimizers: skip on the device
             try:
                 opt.step()
             finally:
                 del opt.found_inf
             stepped = self._stepped = True
-        flags = torch.cat([agreed, torch.stack([local_loss, loss_value, scale, next_scale])])
         pending = _Pending(
-            self.steps, window, step_fn, FlagRead(flags), micro_flags, stepped, scale if scaler is not None else None
+            self.steps, window, step_fn, read, micro_flags, stepped, scale if scaler is not None else None
         )
         if stepped and self._device_skip:
             self._pending = pending  # decided when the next step starts (or at flush)
