@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 import textwrap
 
 from tests.conftest import run_fpdoctor
@@ -72,3 +77,106 @@ def test_autocast_what_if(tmp_path):
     doc = json.loads(result.out[result.out.index("{") :])
     assert ["autocast", "cpu bfloat16"] in doc["data"]["summary"]
     assert result.code == 0
+
+
+MISMATCH = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(8, 8)
+            self.time_embed = nn.Sequential(nn.Linear(8, 8), nn.SiLU(), nn.Linear(8, 8))
+
+        def forward(self, x):
+            return self.time_embed(self.body(x))
+
+    model = Net().half()
+    model.time_embed[2].float()  # one layer stayed fp32
+    model(torch.randn(2, 8, dtype=torch.float16))
+""")
+
+
+def test_a_dtype_error_is_explained_and_the_traceback_is_the_users(tmp_path):
+    path = tmp_path / "mismatch.py"
+    path.write_text(MISMATCH)
+    result = run_fpdoctor("trace", "--format", "json", "--", str(path))
+    assert result.code == 1
+    doc = json.loads(result.out)
+    assert doc["verdict"] == "error"
+    (f,) = [f for f in doc["findings"] if f["name"] == "dtype-mismatch"]
+    assert f["where"] == {"module": "time_embed.2", "op": "aten.addmm.default", "phase": "forward"}
+    origins = {o["origin"] for o in f["evidence"]["operands"]}
+    assert "parameter time_embed.2.weight" in origins
+    assert "a tensor made by aten.silu.default in module `time_embed.1`" in origins
+    assert f["evidence"]["expected"] == "torch.float16" and f["evidence"]["dtype"] == "torch.float32"
+    assert f["fix"].startswith("model.time_embed.2.to(torch.float16)")
+    # the traceback a plain run prints: the script's lines, torch's modules, nothing of ours
+    assert "Traceback (most recent call last)" in result.err
+    assert f'File "{path}", line 12, in forward' in result.err
+    assert "mat1 and mat2 must have the same dtype" in result.err
+    assert "fpdoctor" not in result.err and "runpy" not in result.err and "_dynamo" not in result.err
+
+
+def test_headroom_is_opt_in(tmp_path):
+    plain = run_fpdoctor("trace", "--format", "json", "--", _script(tmp_path), "good")
+    doc = json.loads(plain.out[plain.out.index("{") :])
+    assert doc["data"]["headroom"] == []
+    with_headroom = run_fpdoctor("trace", "--headroom", "--format", "json", "--", _script(tmp_path), "good")
+    doc = json.loads(with_headroom.out[with_headroom.out.index("{") :])
+    # "0" and the root hand on their last child's output: counted once, for the child
+    assert {row["module"] for row in doc["data"]["headroom"]} == {"0.lin", "1"}
+
+
+DDP_SCRIPT = textwrap.dedent("""
+    import datetime
+    import os
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(3, 4)
+    scale = 0.0 if rank == 1 else 1.0  # rank 1's batch: a zero scale
+    y = model(x)
+    loss = (y / (y * scale)).sum()  # y / 0: Inf on rank 1 only
+    loss.backward()
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def test_torchrun_one_report_per_rank_and_a_merged_one(tmp_path):
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    out = tmp_path / "report.json"
+    # --standalone: a free port and a fresh run id; a session of its own so a hang is killed whole
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "fpdoctor", "trace", "--format", "json", "-o", str(out), "--", str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        _, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode != 0, err[-2000:]  # rank 1 found an error
+    ranks = [json.loads((tmp_path / f"report.rank{r}.json").read_text()) for r in (0, 1)]
+    host = socket.gethostname()
+    for r, doc in enumerate(ranks):
+        assert doc["data"]["distributed"] == {"rank": r, "world_size": 2, "local_rank": r, "host": host}
+        assert all(f["where"]["rank"] == r and f["where"]["host"] == host for f in doc["findings"])
+    assert ranks[0]["verdict"] == "ok"
+    first = next(f for f in ranks[1]["findings"] if f["name"] == "nonfinite-produced")
+    assert first["where"]["rank"] == 1
+    merged = json.loads(out.read_text())
+    assert merged["verdict"] == "error" and merged["data"]["distributed"]["merged"]
+    assert {f["where"]["rank"] for f in merged["findings"]} == {1}
+    assert [row["rank"] for row in merged["data"]["ranks"]] == [0, 1]
+    assert not list(tmp_path.glob(".report.json.rank*"))  # the merge's own files are gone

@@ -249,7 +249,24 @@ def widest_module(model: nn.Module, path: str, dtype: str) -> str:
     return path
 
 
-def _mismatch_finding(failure: dict[str, Any], main_dtype: str | None, model: nn.Module) -> Finding:
+def mismatch_error(text: str) -> str | None:
+    """'dtype' or 'device' when an op's error message is a dtype or device mismatch, else None."""
+    if _DEVICE_ERROR.search(text):
+        return "device"
+    return "dtype" if _DTYPE_ERROR.search(text) else None
+
+
+def explain_mismatch(failure: dict[str, Any], main_dtype: str | None = None, model: nn.Module | None = None) -> Finding:
+    """The dtype-mismatch / device-mismatch finding for an op that raised, as `audit` explains it.
+
+    `failure`: error (first line), op, module, call, device (bool), location, and operands, each an
+    origin (kind parameter|buffer|input|state|tensor, name, op, module, from, location) with its
+    dtype, device and shape. Without `model` the fix casts the parameter's own module rather than
+    its widest ancestor that is all one dtype (`fpdoctor trace` knows no model object)."""
+    return _mismatch_finding(failure, main_dtype, model)
+
+
+def _mismatch_finding(failure: dict[str, Any], main_dtype: str | None, model: nn.Module | None) -> Finding:
     operands = failure["operands"]
     if failure["device"]:
         devices = Counter(o["device"] for o in operands)
@@ -273,7 +290,7 @@ def _mismatch_finding(failure: dict[str, Any], main_dtype: str | None, model: nn
     torch_dtype = expected
     if root.get("kind") in ("parameter", "buffer"):
         module_path = root["name"].rsplit(".", 1)[0] if "." in root["name"] else ""
-        module_path = widest_module(model, module_path, root["dtype"])
+        module_path = widest_module(model, module_path, root["dtype"]) if model is not None else module_path
         fix = (
             f"model.{module_path}.to({torch_dtype})   # all of it is {root['dtype']}, like {root['name']}"
             if module_path
