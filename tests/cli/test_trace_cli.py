@@ -154,19 +154,8 @@ def test_torchrun_one_report_per_rank_and_a_merged_one(tmp_path):
     script = tmp_path / "ddp.py"
     script.write_text(DDP_SCRIPT)
     out = tmp_path / "report.json"
-    # --standalone: a free port and a fresh run id; a session of its own so a hang is killed whole
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "fpdoctor", "trace", "--format", "json", "-o", str(out), "--", str(script)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    try:
-        _, err = proc.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    assert proc.returncode != 0, err[-2000:]  # rank 1 found an error
+    code, err = _torchrun(["-m", "fpdoctor", "trace", "--format", "json", "-o", str(out), "--", str(script)])
+    assert code != 0, err[-2000:]  # rank 1 found an error
     ranks = [json.loads((tmp_path / f"report.rank{r}.json").read_text()) for r in (0, 1)]
     host = socket.gethostname()
     for r, doc in enumerate(ranks):
@@ -180,3 +169,43 @@ def test_torchrun_one_report_per_rank_and_a_merged_one(tmp_path):
     assert {f["where"]["rank"] for f in merged["findings"]} == {1}
     assert [row["rank"] for row in merged["data"]["ranks"]] == [0, 1]
     assert not list(tmp_path.glob(".report.json.rank*"))  # the merge's own files are gone
+
+
+def _torchrun(args, timeout=90):
+    # --standalone: a free port and a fresh run id; a session of its own so a hang is killed whole
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc.returncode, err
+
+
+SURVIVOR_SCRIPT = textwrap.dedent("""
+    import os
+    import time
+    import torch
+
+    rank = int(os.environ["RANK"])
+    y = torch.ones(3) / torch.zeros(3) if rank == 0 else torch.ones(3)  # rank 0 holds the bad batch
+    if rank == 1:
+        raise SystemExit(5)  # rank 1 fails at once: torchrun terminates rank 0
+    time.sleep(60)
+""")
+
+
+def test_a_rank_terminated_by_torchrun_still_writes_its_report(tmp_path):
+    script = tmp_path / "survivor.py"
+    script.write_text(SURVIVOR_SCRIPT)
+    out = tmp_path / "report.json"
+    code, err = _torchrun(["-m", "fpdoctor", "trace", "--format", "json", "-o", str(out), "--", str(script)])
+    assert code != 0
+    rank0 = json.loads((tmp_path / "report.rank0.json").read_text())
+    assert "SIGTERM" in rank0["data"]["not_checked"]["script"], err[-2000:]
+    assert [f["name"] for f in rank0["findings"]] == ["nonfinite-produced"]
+    assert json.loads(out.read_text())["verdict"] == "error"  # both ranks wrote: the merged view exists
