@@ -39,6 +39,8 @@ class ModuleTracker:
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self.param_names = Provenance()  # parameter/buffer -> dotted name (looked up on every in-place op)
         self.saw_compiled = False
+        # told of parameters named late (a model first called after its weights were loaded)
+        self.on_names: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None
         for root in roots or []:
             self._name_tree(root, "")
         self._have_root = bool(roots)
@@ -55,9 +57,13 @@ class ModuleTracker:
             root = root._orig_mod  # type: ignore[assignment]
         for name, module in root.named_modules(prefix=prefix, remove_duplicate=False):
             self._names.setdefault(module, name)
+        named = []
         for name, tensor in [*root.named_parameters(prefix=prefix), *root.named_buffers(prefix=prefix)]:
             if tensor not in self.param_names:
                 self.param_names.set(tensor, name)
+                named.append((name, tensor))
+        if self.on_names is not None and named:
+            self.on_names(named)
 
     @property
     def stack(self) -> list[tuple[str, int, bool]]:

@@ -23,7 +23,7 @@ import os
 import sys
 import weakref
 from collections import Counter
-from types import CodeType, FrameType
+from types import FrameType
 from typing import Any
 
 import torch
@@ -68,7 +68,7 @@ _CASEBOOK_DIR = os.path.join(_OWN_DIR, "casebook") + os.sep
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
 _SITE = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
-_USER_CODE: dict[CodeType, bool] = {}
+_USER_FILES: dict[str, bool] = {}
 
 
 class NonFiniteError(FloatingPointError):
@@ -92,11 +92,12 @@ def user_location(frame: FrameType | None) -> tuple[str, int, str] | None:
     """The innermost frame outside torch, fpdoctor and the standard library: the user's line."""
     while frame is not None:
         code = frame.f_code
-        user = _USER_CODE.get(code)
+        # by file name: code objects compare equal across files when their bodies do
+        user = _USER_FILES.get(code.co_filename)
         if user is None:
-            if len(_USER_CODE) > 50_000:  # code made at run time (exec) must not grow it forever
-                _USER_CODE.clear()
-            user = _USER_CODE[code] = _is_user_file(code.co_filename)
+            if len(_USER_FILES) > 50_000:  # files made up at run time must not grow it forever
+                _USER_FILES.clear()
+            user = _USER_FILES[code.co_filename] = _is_user_file(code.co_filename)
         if user:
             return code.co_filename, frame.f_lineno, code.co_name
         frame = frame.f_back
@@ -276,6 +277,14 @@ class Tracer(TorchDispatchMode):
         self._exemplars: dict[tuple[Any, ...], int] = {}  # kept: the latest record of each kind of op
         self._next_compact = COMPACT_EVERY
         self._nested = False
+        tracker.on_names = self._named
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Otherwise torch wraps __torch_dispatch__ in dynamo's disable(): the first op imports
+        # torch._dynamo (~2.6 s, ~77 MiB) and every op pays two more Python frames. Compiled
+        # code runs eagerly while traced (set_stance), so dynamo has nothing to skip here.
+        return False
 
     def __enter__(self) -> Tracer:
         # Inside an outer trace, our own statistics must not be recorded by it as the user's ops.
@@ -523,15 +532,25 @@ class Tracer(TorchDispatchMode):
         if not isinstance(src_t, torch.Tensor) or not _checkable(src_t) or torch._C._current_graph_task_id() != -1:
             return False
         name = self.tracker.param_names.get(dst)
-        if name is None:
+        if name is None and not isinstance(dst, torch.nn.Parameter):
             return False
         src = self._source(src_t, index)
         if src[0] == "op":
             record = self._items.get(src[1])
             if record is None or record.inputs:
                 return False
-        self._new_leaf(dst, None, name)
+        self._new_leaf(dst, None, name or "input")  # named when its model is (`_named`)
         return True
+
+    def _named(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Parameters the trace met before their model was named (loaded, then called) take
+        their names now."""
+        for name, t in named:
+            entry = self.provenance.own(t)
+            if entry is not None and entry[0][0] == "leaf":
+                leaf = self.leaves._items.get(entry[0][1])
+                if leaf is not None and leaf.name == "input":
+                    leaf.name = name
 
     def _settle(self, record: Record) -> None:
         """Keep what blame will read about a record whose values are known: a non-finite one, or
@@ -604,7 +623,8 @@ class Tracer(TorchDispatchMode):
             if record.index in keep or record.kind:
                 continue
             first = record.outputs[0].dtype if record.outputs else None
-            self._exemplars[(record.phase, record.op, record.module, first, record.inputs[:1])] = record.index
+            source = record.inputs[0][0] if record.inputs else None
+            self._exemplars[(record.phase, record.op, record.module, first, source)] = record.index
             if record.phase == "optimizer":
                 continue
             for out in record.outputs:
