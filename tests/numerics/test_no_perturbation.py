@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import fpdoctor
@@ -39,3 +40,43 @@ def test_trace_is_bitwise_invisible():
     for a, b in zip(plain, traced, strict=True):
         assert len(a) == len(b)
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _recipe(traced: bool, impl: str, dtype: torch.dtype) -> list[torch.Tensor]:
+    """AdamW (foreach or fused), autocast with a GradScaler, BatchNorm, two micro-batches a step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **{impl: True})
+    scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
+    data = torch.randn(3, 2, 6, 8)  # steps x micro-batches x batch x features
+    seen: list[torch.Tensor] = []
+
+    def step(batches: torch.Tensor) -> None:
+        opt.zero_grad(set_to_none=True)
+        for x in batches:
+            with torch.autocast("cpu", dtype=dtype):
+                loss = model(x).float().square().mean() / len(batches)
+            scaler.scale(loss).backward()
+            seen.append(loss.detach())
+        seen.extend(p.grad.detach().clone() for p in model.parameters())
+        scaler.step(opt)
+        scaler.update()
+
+    for batches in data:
+        if traced:
+            with fpdoctor.trace(model) as t:
+                step(batches)
+            assert t.report is not None and t.report.verdict != "error", [f.title for f in t.report.findings]
+        else:
+            step(batches)
+    return [*seen, *model.parameters(), *model.buffers(), *(v for s in opt.state.values() for v in s.values())]
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_trace_is_bitwise_invisible_on_an_amp_recipe(impl, dtype):
+    plain, traced = _recipe(False, impl, dtype), _recipe(True, impl, dtype)
+    assert len(plain) == len(traced)
+    assert all(torch.equal(a, b) for a, b in zip(plain, traced, strict=True))
