@@ -103,20 +103,20 @@ class BufferSnapshot:
         """After the first step: keep the buffers whose version moved or whose name was rebound."""
         if self._changing is not None and not self._entries:
             return
-        first = self._changing is None
+        changing = self._changing
         changed = [
             (module, name)
             for module, name, buffer, copy, version in self._entries
             if module._buffers.get(name) is not buffer
             or buffer._version != version
-            or (first and not torch.equal(copy, buffer))  # once: a host read
+            or (changing is None and not torch.equal(copy, buffer))  # once: a host read
         ]
-        if first:
+        if changing is None:
             if self._entries or not any(True for _ in self._model.buffers()):
                 self._changing = changed
             return
-        known = {(id(m), n) for m, n in self._changing}
-        self._changing += [(m, n) for m, n in changed if (id(m), n) not in known]
+        known = {(id(m), n) for m, n in changing}
+        changing += [(m, n) for m, n in changed if (id(m), n) not in known]
 
     def restore(self) -> None:
         """Put back the values (and the tensor objects) captured last."""

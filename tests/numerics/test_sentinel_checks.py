@@ -179,3 +179,30 @@ def test_deferred_device_skip_replays_the_bad_step_on_its_own_batch_and_weights(
     assert verdict.where["step"] == 2
     assert report.data["skipped_steps"] == 1 and report.data["last_good_step"] == 3
     assert int(opt.state[model[0].weight]["step"]) == 2
+
+
+def test_a_step_fn_that_raises_does_not_count_as_a_micro_batch():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = fpdoctor.Sentinel(model, opt, accumulate=2)
+    calls = {"n": 0}
+
+    def step(x):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyError("the user's own bug")
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    x = torch.ones(2, 4)
+    guard.step(step, x)
+    try:
+        guard.step(step, x)
+    except KeyError:
+        pass
+    before = model.weight.detach().clone()
+    guard.step(step, x)  # the window's second micro-batch: now the optimizer steps
+    assert not torch.equal(before, model.weight)
+    assert guard.report.data["steps"] == 1 and guard.report.findings == []

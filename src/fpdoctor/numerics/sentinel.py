@@ -164,8 +164,13 @@ class Sentinel:
             self.steps += 1  # counted whether or not the check below works
         scalers: list[Any] = []
         looking = not self._scaler_searched and self.optimizer is not None
-        with amp.spy(scalers) if looking else contextlib.nullcontext():
-            loss = step_fn(*args, **kwargs)  # the user's own errors are the user's
+        try:
+            with amp.spy(scalers) if looking else contextlib.nullcontext():
+                loss = step_fn(*args, **kwargs)  # the user's own errors are the user's
+        except BaseException:
+            self._in_window -= 1  # the call did not happen, as far as the window is concerned
+            self.steps -= ends
+            raise
         if looking:
             self._scaler_searched = True
             if len(scalers) == 1:
