@@ -23,19 +23,26 @@ def small_transformer(
     return LM()
 
 
-def batch(vocab: int = 1000, size: int = 8, length: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    vocab: int = 1000, size: int = 8, length: int = 64, seed: int = 0, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (size, length), generator=g)
+    tokens = torch.randint(0, vocab, (size, length), generator=g).to(device)
     return tokens, torch.roll(tokens, -1, dims=1)
 
 
-def make_step(model: nn.Module, optimizer: torch.optim.Optimizer):
+def make_step(model: nn.Module, optimizer: torch.optim.Optimizer, autocast: torch.dtype | None = None):
+    """Forward and backward (not the optimizer step), optionally under autocast to `autocast`."""
+    import contextlib
+
     loss_fn = nn.CrossEntropyLoss()
 
     def step_fn(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
-        logits = model(tokens)
-        loss = loss_fn(logits.flatten(0, 1), targets.flatten())
+        context = torch.autocast(tokens.device.type, dtype=autocast) if autocast else contextlib.nullcontext()
+        with context:
+            logits = model(tokens)
+            loss = loss_fn(logits.flatten(0, 1).float(), targets.flatten())
         loss.backward()
         return loss
 

@@ -104,8 +104,15 @@ def user_location(frame: FrameType | None) -> tuple[str, int, str] | None:
     return None
 
 
+_CHECKABLE = frozenset({
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.complex64, torch.complex128,
+})  # fmt: skip
+_STRIDED = torch.strided
+
+
 def _checkable(t: torch.Tensor) -> bool:
-    return (t.is_floating_point() or t.is_complex()) and t.layout == torch.strided and t.numel() > 0
+    return t.dtype in _CHECKABLE and t.layout is _STRIDED and t.numel() > 0
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -385,10 +392,28 @@ class Tracer(TorchDispatchMode):
 
     def _inputs(self, tensors: list[torch.Tensor], consumer: int, before: dict[int, Any] | None) -> list[Any]:
         inputs = []
+        table = self.provenance._table
+        items = self._items
         for t in tensors:
-            if _checkable(t):
-                src = before.get(id(t)) if before else None
-                inputs.append(src if src is not None else self._source(t, consumer))
+            if t.dtype not in _CHECKABLE or t.layout is not _STRIDED or not t.numel():
+                continue
+            src = before.get(id(t)) if before else None
+            if src is None:
+                # the common case inlined: an op's output, not a view, not a leaf (see _source)
+                entry = table.get(id(t))
+                if (
+                    entry is not None
+                    and entry[0]() is t
+                    and entry[1][1] is None
+                    and not (t.requires_grad and (t.is_leaf or t._base is not None))
+                ):
+                    src = entry[1][0]
+                    record = items.get(src[1])
+                    if record is not None:
+                        record.consumed = True
+                else:
+                    src = self._source(t, consumer)
+            inputs.append(src)
         return inputs
 
     def _input_stats(self, tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
@@ -467,21 +492,23 @@ class Tracer(TorchDispatchMode):
                 forward = self._by_seq.get(node._sequence_nr())
                 if forward is not None:
                     module, call, forward_op, location = forward
-        elif module is None:
+        elif module is None and phase == "forward":
             # Outside modules the iteration is how often this op ran at this line before.
             location = user_location(sys._getframe(2))
-            if phase == "optimizer":
-                call = tracker.optimizer_steps - 1
-            else:
-                key = (info.op, location)
-                call = self._site_calls[key]
-                self._site_calls[key] = call + 1
+            key = (info.op, location)
+            call = self._site_calls[key]
+            self._site_calls[key] = call + 1
+        elif module is None:
+            call = tracker.optimizer_steps - 1  # the optimizer's step
+            if not immediate:
+                location = user_location(sys._getframe(2))
         elif not immediate:
             # Deferred mode learns about a NaN later, when this stack is gone: take it now.
             location = user_location(sys._getframe(2))
         inputs = self._inputs(arg_tensors, index, before) if info.reads_inputs else []
         record = Record(index, info.op, phase, module, call, recompute, node_name, forward_op, location, inputs)
-        self.records.append(record)
+        self._items[index] = record  # Store.append, inlined
+        self.records.count = index + 1
         self._by_seq.setdefault(seq, (module, call, info.op, location))
         # Ops that cannot make NaN/Inf out of finite values need no reduction when their inputs
         # are known finite and they do not narrow the dtype.
@@ -491,6 +518,9 @@ class Tracer(TorchDispatchMode):
             and all(self._finite(s) for s in inputs)
             and not any(_narrows(a.dtype, outs[0].dtype) for a in arg_tensors if _checkable(a))
         )
+        entry = (("op", index), None)
+        provenance = self.provenance
+        nonfinite = False
         for t in outs:
             output = Output(tuple(t.shape), _dtype_name(t.dtype))
             if written and phase != "backward" and any(t is w for w in written):
@@ -499,16 +529,21 @@ class Tracer(TorchDispatchMode):
                     record.mutates = output.param
             if skip:
                 output.derived = True
-            elif immediate:
-                _resolve(output, [float(v) for v in _reduce(t)], t)
-            else:
+            elif not immediate:
                 output.pending = _minmax(t)
+            elif t.dtype is torch.float32 or t.dtype is torch.float64:
+                value = float(t.sum())  # Inside __torch_dispatch__: below autograd, no graph recorded
+                if value - value:  # NaN for NaN and for +-inf: look closer
+                    _resolve(output, [value], t)
+            else:
+                _resolve(output, [float(v) for v in _reduce(t)], t)
+            nonfinite = nonfinite or output.kind is not None
             record.outputs.append(output)
-            self._alias(t, ("op", index))
+            provenance.set(t, entry)
             if written and t._base is not None:
-                self._alias(t._base, ("op", index))
+                provenance.set(t._base, entry)
         if immediate:
-            if record.kind:
+            if nonfinite:
                 record.input_stats = self._input_stats(arg_tensors)
                 if record.location is None:
                     # forward: the line that ran this op; backward: the line that called backward()
