@@ -98,3 +98,18 @@ class ScaleWatch:
             self._reported = True
             return True
         return False
+
+
+@contextlib.contextmanager
+def scale_as(scaler: Any, scale: torch.Tensor | None) -> Iterator[None]:
+    """The scaler's scale as it was for the step being replayed, put back afterwards."""
+    current = getattr(scaler, "_scale", None)
+    if scale is None or current is None:
+        yield
+        return
+    saved = current.detach().clone()
+    current.copy_(scale)
+    try:
+        yield
+    finally:
+        current.copy_(saved)

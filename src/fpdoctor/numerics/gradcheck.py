@@ -13,6 +13,7 @@ on a GPU (a non-blocking copy into pinned memory and an event, looked at one ste
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -103,3 +104,12 @@ class FlagRead:
         if self._event is not None:
             self._event.synchronize()
         return [float(v) for v in self._host.tolist()]
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer | None) -> bool:
+    """True for optimizers that take `found_inf` and skip on the device (fused Adam, AdamW, SGD)."""
+    if optimizer is None or not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+        return False  # the older protocol: the optimizer expects the scaler itself
+    return all(group.get("fused") for group in optimizer.param_groups)

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import statistics
-import tempfile
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,8 +31,17 @@ from typing import Any
 import torch
 
 from fpdoctor import catalog
-from fpdoctor.numerics import amp, distributed
-from fpdoctor.numerics.gradcheck import FlagRead, grads_of, kind_of, loss_flag, nonfinite_flag, tensor_kind
+from fpdoctor.numerics import amp, checkpoint, distributed
+from fpdoctor.numerics import sentinel_findings as findings
+from fpdoctor.numerics.gradcheck import (
+    FlagRead,
+    grads_of,
+    kind_of,
+    loss_flag,
+    nonfinite_flag,
+    skips_on_device,
+    tensor_kind,
+)
 from fpdoctor.numerics.replay import MicroBatch, ReplayResult, replay
 from fpdoctor.preserve import BufferSnapshot, RngState, preserved
 from fpdoctor.report.model import Finding, Report
@@ -142,7 +149,7 @@ class Sentinel:
             self._error("installing the DDP gradient hook", exc)
         # A fused optimizer takes the check's flag as found_inf and skips on the device; on a GPU
         # the host then need not wait for the flag before optimizer.step().
-        self._device_skip = self._device.type == "cuda" and _skips_on_device(self.optimizer)
+        self._device_skip = self._device.type == "cuda" and skips_on_device(self.optimizer)
 
     # -- the always-on part --------------------------------------------------------------------
     def step(self, step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -341,48 +348,9 @@ class Sentinel:
         return any(r.get("rank") == me.get("rank") for r in attributed) if self._distributed else True
 
     def _report_rank(self, step: int, r: dict[str, Any], pending: _Pending) -> None:
-        place: dict[str, Any] = {k: r[k] for k in ("rank", "host", "device", "uuid") if k in r}
-        text = distributed.where_text(r)
-        micro = r.get("micro_batch")
-        micro_text = f" (micro-batch {micro})" if micro is not None and self.accumulate > 1 else ""
-        micro_ev = {"micro_batch": micro} if micro is not None else {}
-        if r.get("loss_bad"):
-            self.findings.append(
-                catalog.make(
-                    "nonfinite-loss",
-                    message=f"Step {step}{micro_text}: the loss was {r.get('loss_kind') or 'not finite'} on {text}; "
-                    + (
-                        "the step was skipped."
-                        if pending.scale is None
-                        else "the scaler skipped it if its gradients overflowed."
-                    ),
-                    where={"module": None, "op": None, "phase": "forward", "step": step, **place},
-                    evidence={"kind": r.get("loss_kind") or "nan", "count": 1, "numel": 1, "step": step, **micro_ev},
-                )
-            )
-            return
-        faults = r.get("faults") or []
-        names = [n for f in faults for n in f["parameters"]] or [n for n, _ in r.get("parameters") or []]
-        kinds = [f["kind"] for f in faults] or [k for _, k in r.get("parameters") or []]
-        kind = "nan" if "nan" in kinds else kinds[0] if kinds else "nan"
-        buckets = [f["bucket"] for f in faults]
-        where_buckets = f" in DDP bucket(s) {buckets} before the all-reduce" if buckets else ""
         self.findings.append(
-            catalog.make(
-                "nonfinite-gradient",
-                message=(
-                    f"Step {step}: the loss was finite but gradients were not ({kind}) on {text}{where_buckets} "
-                    f"({len(names)} parameter(s): {', '.join(names[:4])}); the step was skipped."
-                ),
-                where={"module": None, "op": None, "phase": "backward", "step": step, **place},
-                evidence={
-                    "kind": kind,
-                    "count": len(names),
-                    "numel": len(self._params),
-                    "parameters": names[:20],
-                    "step": step,
-                    **({"buckets": buckets} if buckets else {}),
-                },
+            findings.rank_finding(
+                step, r, micro_batches=self.accumulate > 1, scaled=pending.scale is not None, numel=len(self._params)
             )
         )
 
@@ -403,7 +371,7 @@ class Sentinel:
         if replaying:
             contexts: list[contextlib.AbstractContextManager[Any]] = [distributed.local_replay(self.model)]
             if pending.scale is not None:
-                contexts.append(_scale_as(self.scaler, pending.scale))
+                contexts.append(amp.scale_as(self.scaler, pending.scale))
             result = replay(self.model, self._params, pending.step_fn, pending.window, contexts)
         mine = self._verdict_findings(pending.step, result) if replaying else []
         if not self._distributed:
@@ -416,75 +384,23 @@ class Sentinel:
         return result.verdict if replaying else str(verdicts[0]) if verdicts else "not-replayed"
 
     def _verdict_findings(self, step: int, result: ReplayResult) -> list[Finding]:
-        me = distributed.describe(self._device)
-        place: dict[str, Any] = {k: me[k] for k in ("rank", "host", "device", "uuid") if k in me}
-        micro = {"micro_batch": result.micro_batch} if result.micro_batch is not None and self.accumulate > 1 else {}
         if result.verdict == "replay-failed":
             self._error("replaying the step", RuntimeError(result.error or "unknown"), step=step)
             return []
-        if result.verdict == "deterministic-nonfinite":
-            first = result.culprit
-            rank_text = f" on rank {me['rank']}" if "rank" in me else ""
-            finding = catalog.make(
-                "deterministic-nonfinite",
-                message=(
-                    f"Step {step}{rank_text} replayed with the same batch, RNG state and weights and was non-finite "
-                    "again" + (f": {first.message}" if first else ".")
-                ),
-                where={
-                    **(dict(first.where) if first else {"module": None, "op": None, "phase": None}),
-                    "step": step,
-                    **place,
-                },
-                evidence={**(dict(first.evidence) if first else {}), "step": step, "replay_loss": result.loss, **micro},
-                fix=first.fix if first else catalog.get("deterministic-nonfinite").fix,
-            )
-            return [finding, *result.others]
-        return [
-            catalog.make(
-                "transient-fault-suspected",
-                message=(
-                    f"Step {step} was non-finite, but replaying it with the same batch, RNG state and weights gave a "
-                    f"finite loss ({result.loss:.4g}) and finite gradients. Suspect {distributed.where_text(me)}."
-                ),
-                where={"module": None, "op": None, "phase": None, "step": step, **place},
-                evidence={
-                    "kind": "transient",
-                    "step": step,
-                    "replay_loss": result.loss,
-                    "count": 1,
-                    "numel": 1,
-                    **{k: v for k, v in me.items() if k in ("gpu", "uuid")},
-                },
-            )
-        ]
+        me = distributed.describe(self._device)
+        return findings.verdict_findings(step, result, me, micro_batches=self.accumulate > 1)
 
     def _collapse(self, pending: _Pending, scale: float, next_scale: float) -> None:
-        watch = self._amp
-        self.findings.append(
-            catalog.make(
-                "amp-scale-collapse",
-                message=(
-                    f"Step {pending.step}: the GradScaler's scale is {next_scale:g} after {watch.consecutive} skipped "
-                    f"step(s) in a row ({watch.skipped} of {self.steps} steps skipped for overflow so far)."
-                ),
-                where={"module": None, "op": None, "phase": "backward", "step": pending.step},
-                evidence={
-                    "kind": "+inf",
-                    "count": watch.consecutive,
-                    "numel": self.steps,
-                    "scale": next_scale,
-                    "step_scale": scale,
-                    "consecutive_skips": watch.consecutive,
-                    "step": pending.step,
-                },
-            )
-        )
+        self.findings.append(findings.collapse_finding(pending.step, self._amp, self.steps, scale, next_scale))
         if self.replay and not self._distributed:  # name the op that overflows, once per collapse
             with preserved(self.model):  # from the step's own buffers; the run keeps its own after
                 self._buffers.restore()
                 result = replay(
-                    self.model, self._params, pending.step_fn, pending.window, [_scale_as(self.scaler, pending.scale)]
+                    self.model,
+                    self._params,
+                    pending.step_fn,
+                    pending.window,
+                    [amp.scale_as(self.scaler, pending.scale)],
                 )
             self.findings.extend(self._verdict_findings(pending.step, result))
 
@@ -496,25 +412,7 @@ class Sentinel:
             mean = statistics.fmean(history)
             spread = statistics.pstdev(history)
             if loss_value > mean + SPIKE_SIGMAS * spread and loss_value > SPIKE_RATIO * abs(mean):
-                self.findings.append(
-                    catalog.make(
-                        "loss-spike",
-                        message=(
-                            f"Step {step}: loss {loss_value:.4g} against a recent mean of {mean:.4g} "
-                            f"(std {spread:.2g} over {len(history)} steps)."
-                        ),
-                        where={"module": None, "op": None, "phase": "forward", "step": step},
-                        evidence={
-                            "kind": "spike",
-                            "loss": loss_value,
-                            "mean": mean,
-                            "std": spread,
-                            "step": step,
-                            "count": 1,
-                            "numel": 1,
-                        },
-                    )
-                )
+                self.findings.append(findings.spike_finding(step, loss_value, mean, spread, len(history)))
         history.append(loss_value)
 
     def _error(self, doing: str, exc: BaseException, step: int | None = None) -> None:
@@ -524,14 +422,7 @@ class Sentinel:
             return
         self._errors.add((doing, text))
         at = step if step is not None else self.steps
-        self.findings.append(
-            catalog.make(
-                "sentinel-error",
-                message=f"Step {at}: {doing} failed with {text}; the step went on unguarded.",
-                where={"module": None, "op": None, "phase": None, "step": at},
-                evidence={"error": text, "step": at},
-            )
-        )
+        self.findings.append(findings.error_finding(doing, text, at))
 
     # -- stepping without a verdict ------------------------------------------------------------
     def _unguarded_step(self) -> None:
@@ -551,21 +442,14 @@ class Sentinel:
     def _save_checkpoint(self, step: int) -> None:
         assert self.checkpoint_path is not None
         try:
-            _atomic_save(self.checkpoint_path, self.model, self.optimizer, step)
+            checkpoint.atomic_save(self.checkpoint_path, self.model, self.optimizer, step)
         except Exception as exc:  # a checkpoint we cannot write never stops the training
             text = f"{type(exc).__name__}: {exc}"
             key = ("checkpoint", f"{type(exc).__name__} {getattr(exc, 'errno', '')}")  # not the temp file's name
             if key in self._errors:
                 return
             self._errors.add(key)
-            self.findings.append(
-                catalog.make(
-                    "checkpoint-failed",
-                    message=f"Step {step}: writing {self.checkpoint_path} failed with {text}; training went on.",
-                    where={"module": None, "op": None, "phase": None, "step": step},
-                    evidence={"path": self.checkpoint_path, "error": text, "step": step},
-                )
-            )
+            self.findings.append(findings.checkpoint_finding(step, self.checkpoint_path, text))
 
     @property
     def report(self) -> Report:
@@ -602,45 +486,3 @@ class Sentinel:
             summary.append(("last-good checkpoint", self.checkpoint_path))
         data["summary"] = summary
         return Report(command="sentinel", findings=list(self.findings), data=data)
-
-
-def _skips_on_device(optimizer: torch.optim.Optimizer | None) -> bool:
-    """True for optimizers that take `found_inf` and skip on the device (fused Adam, AdamW, SGD)."""
-    if optimizer is None or not getattr(optimizer, "_step_supports_amp_scaling", False):
-        return False
-    import inspect
-
-    if "grad_scaler" in inspect.signature(optimizer.step).parameters:
-        return False  # the older protocol: the optimizer expects the scaler itself
-    return all(group.get("fused") for group in optimizer.param_groups)
-
-
-@contextlib.contextmanager
-def _scale_as(scaler: Any, scale: torch.Tensor | None) -> Any:
-    """The scaler's scale as it was for the step being replayed, put back afterwards."""
-    current = getattr(scaler, "_scale", None)
-    if scale is None or current is None:
-        yield
-        return
-    saved = current.detach().clone()
-    current.copy_(scale)
-    try:
-        yield
-    finally:
-        current.copy_(saved)
-
-
-def _atomic_save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int) -> None:
-    state: dict[str, Any] = {"step": step, "model": model.state_dict()}
-    if optimizer is not None:
-        state["optimizer"] = optimizer.state_dict()
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".fpdoctor-ckpt-", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)  # atomic: a reader never sees half a checkpoint
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

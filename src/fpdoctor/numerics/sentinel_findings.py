@@ -1,0 +1,150 @@
+"""The sentinel's findings, built from what it observed (no tensors, no state: data in, Finding out).
+
+Every training finding carries `evidence.step`; under torch.distributed `where` carries the rank,
+host and device (and GPU UUID) of the rank the finding is about, which every rank reports alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fpdoctor import catalog
+from fpdoctor.numerics import distributed
+from fpdoctor.numerics.amp import ScaleWatch
+from fpdoctor.numerics.replay import ReplayResult
+from fpdoctor.report.model import Finding
+
+_PLACE_KEYS = ("rank", "host", "device", "uuid")
+
+
+def _place(info: dict[str, Any]) -> dict[str, Any]:
+    return {k: info[k] for k in _PLACE_KEYS if k in info}
+
+
+def rank_finding(step: int, r: dict[str, Any], *, micro_batches: bool, scaled: bool, numel: int) -> Finding:
+    """nonfinite-loss or nonfinite-gradient for one rank's agreed view of a bad step."""
+    place = _place(r)
+    text = distributed.where_text(r)
+    micro = r.get("micro_batch")
+    micro_text = f" (micro-batch {micro})" if micro is not None and micro_batches else ""
+    micro_ev = {"micro_batch": micro} if micro is not None else {}
+    if r.get("loss_bad"):
+        then = "the scaler skipped it if its gradients overflowed." if scaled else "the step was skipped."
+        return catalog.make(
+            "nonfinite-loss",
+            message=f"Step {step}{micro_text}: the loss was {r.get('loss_kind') or 'not finite'} on {text}; {then}",
+            where={"module": None, "op": None, "phase": "forward", "step": step, **place},
+            evidence={"kind": r.get("loss_kind") or "nan", "count": 1, "numel": 1, "step": step, **micro_ev},
+        )
+    faults = r.get("faults") or []
+    names = [n for f in faults for n in f["parameters"]] or [n for n, _ in r.get("parameters") or []]
+    kinds = [f["kind"] for f in faults] or [k for _, k in r.get("parameters") or []]
+    kind = "nan" if "nan" in kinds else kinds[0] if kinds else "nan"
+    buckets = [f["bucket"] for f in faults]
+    where_buckets = f" in DDP bucket(s) {buckets} before the all-reduce" if buckets else ""
+    return catalog.make(
+        "nonfinite-gradient",
+        message=(
+            f"Step {step}: the loss was finite but gradients were not ({kind}) on {text}{where_buckets} "
+            f"({len(names)} parameter(s): {', '.join(names[:4])}); the step was skipped."
+        ),
+        where={"module": None, "op": None, "phase": "backward", "step": step, **place},
+        evidence={
+            "kind": kind,
+            "count": len(names),
+            "numel": numel,
+            "parameters": names[:20],
+            "step": step,
+            **({"buckets": buckets} if buckets else {}),
+        },
+    )
+
+
+def verdict_findings(step: int, result: ReplayResult, me: dict[str, Any], *, micro_batches: bool) -> list[Finding]:
+    """deterministic-nonfinite (with the trace's other findings) or transient-fault-suspected."""
+    place = _place(me)
+    micro = {"micro_batch": result.micro_batch} if result.micro_batch is not None and micro_batches else {}
+    if result.verdict == "deterministic-nonfinite":
+        first = result.culprit
+        rank_text = f" on rank {me['rank']}" if "rank" in me else ""
+        finding = catalog.make(
+            "deterministic-nonfinite",
+            message=(
+                f"Step {step}{rank_text} replayed with the same batch, RNG state and weights and was non-finite "
+                "again" + (f": {first.message}" if first else ".")
+            ),
+            where={
+                **(dict(first.where) if first else {"module": None, "op": None, "phase": None}),
+                "step": step,
+                **place,
+            },
+            evidence={**(dict(first.evidence) if first else {}), "step": step, "replay_loss": result.loss, **micro},
+            fix=first.fix if first else catalog.get("deterministic-nonfinite").fix,
+        )
+        return [finding, *result.others]
+    return [
+        catalog.make(
+            "transient-fault-suspected",
+            message=(
+                f"Step {step} was non-finite, but replaying it with the same batch, RNG state and weights gave a "
+                f"finite loss ({result.loss:.4g}) and finite gradients. Suspect {distributed.where_text(me)}."
+            ),
+            where={"module": None, "op": None, "phase": None, "step": step, **place},
+            evidence={
+                "kind": "transient",
+                "step": step,
+                "replay_loss": result.loss,
+                "count": 1,
+                "numel": 1,
+                **{k: v for k, v in me.items() if k in ("gpu", "uuid")},
+            },
+        )
+    ]
+
+
+def collapse_finding(step: int, watch: ScaleWatch, steps: int, scale: float, next_scale: float) -> Finding:
+    return catalog.make(
+        "amp-scale-collapse",
+        message=(
+            f"Step {step}: the GradScaler's scale is {next_scale:g} after {watch.consecutive} skipped "
+            f"step(s) in a row ({watch.skipped} of {steps} steps skipped for overflow so far)."
+        ),
+        where={"module": None, "op": None, "phase": "backward", "step": step},
+        evidence={
+            "kind": "+inf",
+            "count": watch.consecutive,
+            "numel": steps,
+            "scale": next_scale,
+            "step_scale": scale,
+            "consecutive_skips": watch.consecutive,
+            "step": step,
+        },
+    )
+
+
+def spike_finding(step: int, loss: float, mean: float, spread: float, window: int) -> Finding:
+    return catalog.make(
+        "loss-spike",
+        message=f"Step {step}: loss {loss:.4g} against a recent mean of {mean:.4g} "
+        f"(std {spread:.2g} over {window} steps).",
+        where={"module": None, "op": None, "phase": "forward", "step": step},
+        evidence={"kind": "spike", "loss": loss, "mean": mean, "std": spread, "step": step, "count": 1, "numel": 1},
+    )
+
+
+def error_finding(doing: str, text: str, step: int) -> Finding:
+    return catalog.make(
+        "sentinel-error",
+        message=f"Step {step}: {doing} failed with {text}; the step went on unguarded.",
+        where={"module": None, "op": None, "phase": None, "step": step},
+        evidence={"error": text, "step": step},
+    )
+
+
+def checkpoint_finding(step: int, path: str, text: str) -> Finding:
+    return catalog.make(
+        "checkpoint-failed",
+        message=f"Step {step}: writing {path} failed with {text}; training went on.",
+        where={"module": None, "op": None, "phase": None, "step": step},
+        evidence={"path": path, "error": text, "step": step},
+    )
