@@ -302,7 +302,7 @@ class Sentinel:
         outcome.skipped = bad_grad or not scaled  # a scaler steps when only the loss was bad
         if outcome.skipped:
             self.skipped += 1
-        self._buffers.restore()  # the bad forward's buffer writes (BatchNorm statistics) undone
+            self._buffers.restore()  # the bad forward's buffer writes (BatchNorm statistics) undone
         faulty = self._attribute(pending, bad_loss, local_loss, loss_value)
         if self.replay and faulty:
             outcome.verdict = self._replay(pending)
