@@ -240,7 +240,7 @@ class _Func:
             value = args[position] if position < len(args) else kwargs.get(name)
             if value is not None:
                 _tensor_args((value,), found)
-        return [t for t in found if _checkable(t)]
+        return found
 
 
 class Tracer(TorchDispatchMode):
@@ -308,19 +308,27 @@ class Tracer(TorchDispatchMode):
         info = self._func_info.get(func)
         if info is None:
             info = self._func_info[func] = _Func(func)
+        written: list[torch.Tensor] = []
         before: dict[int, tuple[str, int]] | None = None
-        if info.writes and not info.overwrites and not info.is_view:
-            try:  # what the written tensors held before the op overwrites it
-                before = {id(t): self._source(t, self.records.count) for t in info.written(args, kwargs)}
+        if info.writes and not info.is_view:
+            try:
+                written = info.written(args, kwargs)
+                if not info.overwrites:
+                    # A tensor the trace has not met yet is probed before the op changes it; the
+                    # entries of the others stay valid until the op is recorded (autograd bumps
+                    # the version counter after the mode returns).
+                    unseen = [t for t in written if _checkable(t) and self._lookup(t) is None]
+                    if unseen:
+                        before = {id(t): self._source(t, self.records.count) for t in unseen}
             except Exception as exc:  # the observer never kills the job (SPEC 4)
                 self._error(func, exc)
         out = func(*args, **kwargs)
         try:
             if self._nested:
                 with torch._C._DisableTorchDispatch():
-                    self._record(info, args, kwargs, out, seq=seq, before=before)
+                    self._record(info, args, kwargs, out, seq=seq, written=written, before=before)
             else:
-                self._record(info, args, kwargs, out, seq=seq, before=before)
+                self._record(info, args, kwargs, out, seq=seq, written=written, before=before)
         except NonFiniteError:
             raise
         except Exception as exc:  # the observer never kills the job (SPEC 4)
@@ -433,7 +441,15 @@ class Tracer(TorchDispatchMode):
         self.provenance.set(t, (src, _version(t) if src[0] == "leaf" else None))
 
     def _record(
-        self, info: _Func, args: Any, kwargs: Any, out: Any, *, seq: int, before: dict[int, Any] | None
+        self,
+        info: _Func,
+        args: Any,
+        kwargs: Any,
+        out: Any,
+        *,
+        seq: int,
+        written: list[torch.Tensor],
+        before: dict[int, Any] | None,
     ) -> None:
         self.ops_seen += 1
         if info.is_view:
@@ -448,7 +464,8 @@ class Tracer(TorchDispatchMode):
             outs = [out] if _checkable(out) else []
         else:
             outs = [t for t in tensors_in(out) if _checkable(t)]
-        written = info.written(args, kwargs) if info.writes else ()
+        if written:  # checkable now: set_ and resize_ give an empty tensor its values
+            written = [t for t in written if _checkable(t)]
         for t in written:  # foreach/fused ops return nothing: what they write is their output
             if not any(t is o for o in outs):
                 outs.append(t)
