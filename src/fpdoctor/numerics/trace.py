@@ -31,7 +31,21 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from fpdoctor.numerics import records as _records
 from fpdoctor.numerics.modules import ModuleTracker
+from fpdoctor.numerics.ops import OpInfo, tensor_args
 from fpdoctor.numerics.records import Leaf, Output, Record, Store, kind_of
+from fpdoctor.numerics.values import (
+    CHECKABLE,
+    STRIDED,
+    checkable,
+    dtype_name,
+    minmax,
+    narrows,
+    read_scalars,
+    reduce,
+    resolve,
+    stats,
+    version,
+)
 from fpdoctor.provenance import Provenance
 from fpdoctor.pytrees import tensors_in
 
@@ -41,26 +55,6 @@ SYNC_EVERY = 256  # deferred mode: pending results read per host sync, unless th
 COMPACT_EVERY = 4096  # records made between two passes that forget what nothing refers to
 _PIN_LIMIT = 100_000  # records kept for being non-finite or made from non-finite values
 
-# Ops that cannot turn finite inputs into NaN/Inf: they move, select, compare or zero values.
-# A copy into a narrower dtype is not among them: fp32 -> fp16 overflows (see `_narrows`).
-_VALUE_PRESERVING = frozenset({
-    "_unsafe_view", "clone", "copy", "copy_", "_to_copy", "relu", "threshold_backward", "select_backward",
-    "slice_backward", "embedding", "index_select", "gather", "cat", "stack", "where", "bernoulli", "bernoulli_",
-    "repeat", "max", "min", "amax", "amin", "max_pool2d_with_indices", "index", "masked_select", "sort", "topk",
-    "flip", "roll", "tril", "triu", "zero_", "zeros_like",
-})  # fmt: skip
-# Fresh memory holds garbage until it is written: not a value to check.
-_UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
-# Ops that take a tensor only for its shape, dtype and device.
-_SHAPE_ONLY = frozenset({
-    "ones_like", "zeros_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
-    "new_ones", "new_zeros", "new_empty", "new_full", "new_empty_strided",
-})  # fmt: skip
-# In-place ops whose result does not depend on what the written tensor held.
-_OVERWRITES = frozenset({
-    "copy_", "zero_", "fill_", "uniform_", "normal_", "random_", "exponential_", "bernoulli_", "set_", "resize_",
-})  # fmt: skip
-_LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 # fpdoctor's own frames are not the user's, except the casebook's models, which stand in for them.
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -104,145 +98,6 @@ def user_location(frame: FrameType | None) -> tuple[str, int, str] | None:
     return None
 
 
-_CHECKABLE = frozenset({
-    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.complex64, torch.complex128,
-})  # fmt: skip
-_STRIDED = torch.strided
-
-
-def _checkable(t: torch.Tensor) -> bool:
-    return t.dtype in _CHECKABLE and t.layout is _STRIDED and t.numel() > 0
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        t = t.float()
-    return t
-
-
-def _minmax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.aminmax(_plain(t))
-
-
-def _reduce(t: torch.Tensor) -> tuple[Any, ...]:
-    """Immediate mode: low-precision dtypes get aminmax, whose exact range overflow headroom
-    needs; others a sum (about 1.7x cheaper on a CPU for 1M fp32 values), non-finite whenever
-    the tensor is; a finite tensor whose sum overflows is re-checked exactly while alive."""
-    if t.dtype in _LOW_PRECISION:
-        return _minmax(t)
-    if t.is_complex():
-        return (torch.view_as_real(t).sum(),)
-    # Inside __torch_dispatch__ we run below autograd: no graph is recorded, no detach needed.
-    return (t.sum(),)
-
-
-def _counts(t: torch.Tensor) -> dict[str, int]:
-    t = _plain(t)
-    return {
-        "nan": int(torch.isnan(t).sum()),
-        "+inf": int(torch.isposinf(t).sum()),
-        "-inf": int(torch.isneginf(t).sum()),
-    }
-
-
-def _resolve(output: Output, values: list[float], alive: torch.Tensor | None) -> None:
-    """Set kind (and the exact range when known) from the reduction's values."""
-    if len(values) == 2:
-        output.lo, output.hi = values
-        output.kind = kind_of(values[0], values[1])
-    elif values[0] != values[0] or values[0] in (float("inf"), float("-inf")):
-        if alive is None:  # a sum is only taken where the tensor is alive (immediate mode)
-            output.kind = "nan"
-            return
-        lo, hi = _minmax(alive)
-        output.lo, output.hi = float(lo), float(hi)
-        output.kind = kind_of(output.lo, output.hi)
-    if output.kind and alive is not None:
-        output.counts = _counts(alive)
-
-
-def _stats(t: torch.Tensor) -> dict[str, Any]:
-    lo, hi = _minmax(t)
-    return {"dtype": str(t.dtype), "shape": list(t.shape), "min": float(lo), "max": float(hi)}
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors keep no version counter
-        return -1
-
-
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-_NARROWS: dict[tuple[torch.dtype, torch.dtype], bool] = {}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype)
-    return name
-
-
-def _narrows(source: torch.dtype, target: torch.dtype) -> bool:
-    """Whether a finite `source` value can overflow when converted to `target` (fp32 -> fp16)."""
-    key = (source, target)
-    narrows = _NARROWS.get(key)
-    if narrows is None:
-        if source == target:
-            narrows = False
-        else:
-            try:
-                narrows = torch.finfo(target).max < torch.finfo(source).max
-            except TypeError:  # complex or integer: judge by size
-                narrows = target.itemsize < source.itemsize
-        _NARROWS[key] = narrows
-    return narrows
-
-
-def _tensor_args(values: Any, into: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors among an aten op's arguments (tensors and lists of tensors: no deeper)."""
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            into.append(value)
-        elif isinstance(value, (list, tuple)):
-            _tensor_args(value, into)
-    return into
-
-
-class _Func:
-    """What the tracer needs to know about an aten overload, worked out once."""
-
-    __slots__ = ("is_view", "name", "op", "overwrites", "preserving", "reads_inputs", "uninitialised", "writes")
-
-    def __init__(self, func: Any) -> None:
-        self.op = str(func)
-        self.name = func.overloadpacket.__name__
-        self.is_view = bool(func.is_view)
-        # (position, name) of every argument the op writes: in-place, out=, foreach and fused ops
-        self.writes = tuple(
-            (i, arg.name)
-            for i, arg in enumerate(func._schema.arguments)
-            if arg.alias_info is not None and arg.alias_info.is_write
-        )
-        self.preserving = self.name in _VALUE_PRESERVING
-        self.uninitialised = self.name in _UNINITIALISED
-        self.reads_inputs = self.name not in _SHAPE_ONLY and not self.uninitialised
-        self.overwrites = self.name in _OVERWRITES
-
-    def written(self, args: Any, kwargs: Any) -> list[torch.Tensor]:
-        found: list[torch.Tensor] = []
-        for position, name in self.writes:
-            value = args[position] if position < len(args) else kwargs.get(name)
-            if value is not None:
-                _tensor_args((value,), found)
-        return found
-
-
 class Tracer(TorchDispatchMode):
     """The recording half of `trace()`; `fpdoctor.numerics.blame` turns records into findings."""
 
@@ -273,7 +128,7 @@ class Tracer(TorchDispatchMode):
         self._graph_task = -1  # the last backward that was asked to report gradient sinks at its end
         self._pending: list[int] = []
         self._alive: dict[int, list[Any]] = {}  # record -> weakrefs to outputs, until read (deferred mode)
-        self._func_info: dict[Any, _Func] = {}
+        self._func_info: dict[Any, OpInfo] = {}
         self._site_calls: Counter[tuple[str, Any]] = Counter()  # (op, user line) -> calls outside modules
         # autograd node sequence number -> (module, call, op, location) of the forward op that made it
         self._by_seq: dict[int, tuple[Any, ...]] = {}
@@ -307,7 +162,7 @@ class Tracer(TorchDispatchMode):
         seq = torch._C._autograd._get_sequence_nr() - 1
         info = self._func_info.get(func)
         if info is None:
-            info = self._func_info[func] = _Func(func)
+            info = self._func_info[func] = OpInfo(func)
         written: list[torch.Tensor] = []
         before: dict[int, tuple[str, int]] | None = None
         if info.writes and not info.is_view:
@@ -317,7 +172,7 @@ class Tracer(TorchDispatchMode):
                     # A tensor the trace has not met yet is probed before the op changes it; the
                     # entries of the others stay valid until the op is recorded (autograd bumps
                     # the version counter after the mode returns).
-                    unseen = [t for t in written if _checkable(t) and self._lookup(t) is None]
+                    unseen = [t for t in written if checkable(t) and self._lookup(t) is None]
                     if unseen:
                         before = {id(t): self._source(t, self.records.count) for t in unseen}
             except Exception as exc:  # the observer never kills the job (SPEC 4)
@@ -349,7 +204,7 @@ class Tracer(TorchDispatchMode):
             if entry is None:
                 return None
             t = base
-        if entry[1] is not None and entry[1] != _version(t):
+        if entry[1] is not None and entry[1] != version(t):
             return None  # a leaf changed since it was probed
         return entry[0]
 
@@ -384,13 +239,13 @@ class Tracer(TorchDispatchMode):
         return name
 
     def _new_leaf(self, t: torch.Tensor, consumer: int | None, name: str) -> tuple[str, int]:
-        leaf = Leaf(self.leaves.count, name, tuple(t.shape), _dtype_name(t.dtype), first_use=consumer)
+        leaf = Leaf(self.leaves.count, name, tuple(t.shape), dtype_name(t.dtype), first_use=consumer)
         probe = Output(leaf.shape, leaf.dtype)
-        _resolve(probe, [float(v) for v in _reduce(t)], t)  # same one-reduction check as op outputs
+        resolve(probe, [float(v) for v in reduce(t)], t)  # same one-reduction check as op outputs
         leaf.lo, leaf.hi, leaf.kind, leaf.counts = probe.lo, probe.hi, probe.kind, probe.counts
         self.leaves.append(leaf)
         src = ("leaf", leaf.index)
-        self.provenance.set(t, (src, _version(t)))
+        self.provenance.set(t, (src, version(t)))
         if leaf.kind:
             self._tainted.add(src)
             self._pinned_leaves.add(leaf.index)
@@ -403,7 +258,7 @@ class Tracer(TorchDispatchMode):
         table = self.provenance._table
         items = self._items
         for t in tensors:
-            if t.dtype not in _CHECKABLE or t.layout is not _STRIDED or not t.numel():
+            if t.dtype not in CHECKABLE or t.layout is not STRIDED or not t.numel():
                 continue
             src = before.get(id(t)) if before else None
             if src is None:
@@ -425,7 +280,7 @@ class Tracer(TorchDispatchMode):
         return inputs
 
     def _input_stats(self, tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
-        return [_stats(t) for t in tensors if _checkable(t)][:6]
+        return [stats(t) for t in tensors if checkable(t)][:6]
 
     def kind_of(self, src: tuple[str, int]) -> str | None:
         return self.records[src[1]].kind if src[0] == "op" else self.leaves[src[1]].kind
@@ -438,11 +293,11 @@ class Tracer(TorchDispatchMode):
         return record is None or all(o.kind is None and o.pending is None for o in record.outputs)
 
     def _alias(self, t: torch.Tensor, src: tuple[str, int]) -> None:
-        self.provenance.set(t, (src, _version(t) if src[0] == "leaf" else None))
+        self.provenance.set(t, (src, version(t) if src[0] == "leaf" else None))
 
     def _record(
         self,
-        info: _Func,
+        info: OpInfo,
         args: Any,
         kwargs: Any,
         out: Any,
@@ -461,11 +316,11 @@ class Tracer(TorchDispatchMode):
                     self.provenance.set(out, entry)
             return
         if type(out) is torch.Tensor:  # the common case, without the generic walk
-            outs = [out] if _checkable(out) else []
+            outs = [out] if checkable(out) else []
         else:
-            outs = [t for t in tensors_in(out) if _checkable(t)]
+            outs = [t for t in tensors_in(out) if checkable(t)]
         if written:  # checkable now: set_ and resize_ give an empty tensor its values
-            written = [t for t in written if _checkable(t)]
+            written = [t for t in written if checkable(t)]
         for t in written:  # foreach/fused ops return nothing: what they write is their output
             if not any(t is o for o in outs):
                 outs.append(t)
@@ -476,17 +331,17 @@ class Tracer(TorchDispatchMode):
         index = self.records.count
         if info.name == "copy_" and written and self._copy_into_parameter(args, index):
             return
-        arg_tensors = _tensor_args(args, [])
+        arg_tensors = tensor_args(args, [])
         if kwargs:
-            _tensor_args(kwargs.values(), arg_tensors)
+            tensor_args(kwargs.values(), arg_tensors)
         if info.overwrites:
             arg_tensors = [t for t in arg_tensors if not any(t is w for w in written)]
         if immediate and info.preserving and len(outs) == 1:
             # One finite input moved or selected into one output (clone, reshape copies, relu):
             # alias it like a view. With a non-finite input it is recorded: relu(-inf) masks.
-            sources = [t for t in arg_tensors if _checkable(t)]
+            sources = [t for t in arg_tensors if checkable(t)]
             t = outs[0]
-            if len(sources) == 1 and not _narrows(sources[0].dtype, t.dtype):
+            if len(sources) == 1 and not narrows(sources[0].dtype, t.dtype):
                 src = self._source(sources[0], index)
                 if self._finite(src):
                     self._alias(t, src)
@@ -533,13 +388,13 @@ class Tracer(TorchDispatchMode):
             immediate
             and info.preserving
             and all(self._finite(s) for s in inputs)
-            and not any(_narrows(a.dtype, outs[0].dtype) for a in arg_tensors if _checkable(a))
+            and not any(narrows(a.dtype, outs[0].dtype) for a in arg_tensors if checkable(a))
         )
         entry = (("op", index), None)
         provenance = self.provenance
         nonfinite = False
         for t in outs:
-            output = Output(tuple(t.shape), _dtype_name(t.dtype))
+            output = Output(tuple(t.shape), dtype_name(t.dtype))
             if written and phase != "backward" and any(t is w for w in written):
                 output.param = tracker.param_names.get(t)
                 if output.param is not None and record.mutates is None:
@@ -547,13 +402,13 @@ class Tracer(TorchDispatchMode):
             if skip:
                 output.derived = True
             elif not immediate:
-                output.pending = _minmax(t)
+                output.pending = minmax(t)
             elif t.dtype is torch.float32 or t.dtype is torch.float64:
                 value = float(t.sum())  # Inside __torch_dispatch__: below autograd, no graph recorded
                 if value - value:  # NaN for NaN and for +-inf: look closer
-                    _resolve(output, [value], t)
+                    resolve(output, [value], t)
             else:
-                _resolve(output, [float(v) for v in _reduce(t)], t)
+                resolve(output, [float(v) for v in reduce(t)], t)
             nonfinite = nonfinite or output.kind is not None
             record.outputs.append(output)
             provenance.set(t, entry)
@@ -581,7 +436,7 @@ class Tracer(TorchDispatchMode):
         own name when what it received came from outside the trace (an input, or a tensor built
         from storage with no tensor inputs), so a NaN in a checkpoint is the parameter's."""
         dst, src_t = args[0], args[1]
-        if not isinstance(src_t, torch.Tensor) or not _checkable(src_t) or torch._C._current_graph_task_id() != -1:
+        if not isinstance(src_t, torch.Tensor) or not checkable(src_t) or torch._C._current_graph_task_id() != -1:
             return False
         name = self.tracker.param_names.get(dst)
         if name is None and not isinstance(dst, torch.nn.Parameter):
@@ -629,7 +484,7 @@ class Tracer(TorchDispatchMode):
             return
         pending, self._pending = self._pending, []
         flat = [v for i in pending for o in self._items[i].outputs if o.pending for v in o.pending]
-        values = _read(flat)
+        values = read_scalars(flat)
         position = 0
         for i in pending:
             record = self._items[i]
@@ -640,7 +495,7 @@ class Tracer(TorchDispatchMode):
                 width = len(output.pending)
                 output.pending = None
                 alive = refs[n]() if n < len(refs) else None
-                _resolve(output, values[position : position + width], alive)
+                resolve(output, values[position : position + width], alive)
                 position += width
             self._settle(record)
 
@@ -649,7 +504,7 @@ class Tracer(TorchDispatchMode):
         """Forget finite records and leaves that nothing alive refers to any more."""
         self.flush()
         keep, keep_leaves = set(self._pinned), set(self._pinned_leaves)
-        for _, (src, _version) in self.provenance.items():
+        for _, (src, _) in self.provenance.items():
             (keep if src[0] == "op" else keep_leaves).add(src[1])
         self.provenance.sweep()
         self._keep_representatives(keep)
@@ -757,18 +612,3 @@ class Tracer(TorchDispatchMode):
                         self._sink(record.index, f"parameter {out.param} ({when})")
             elif record.module is None and record.phase == "forward" and not record.consumed:
                 self._sink(record.index, "a value returned to your code")
-
-
-def _read(values: list[torch.Tensor]) -> list[float]:
-    """0-dim results as floats, in one host transfer per device and dtype group."""
-    if not values:
-        return []
-    groups: dict[tuple[Any, Any], list[int]] = {}
-    for n, v in enumerate(values):
-        groups.setdefault((v.device, v.dtype), []).append(n)
-    out = [0.0] * len(values)
-    for positions in groups.values():
-        read = torch.stack([values[n] for n in positions]).double().tolist()
-        for n, value in zip(positions, read, strict=True):
-            out[n] = value
-    return out

@@ -1,0 +1,68 @@
+"""What the trace needs to know about an aten op: which values it can make non-finite, which
+arguments it writes, which it reads only for their shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Ops that cannot turn finite inputs into NaN/Inf: they move, select, compare or zero values.
+# A copy into a narrower dtype is not among them: fp32 -> fp16 overflows (`values.narrows`).
+_VALUE_PRESERVING = frozenset({
+    "_unsafe_view", "clone", "copy", "copy_", "_to_copy", "relu", "threshold_backward", "select_backward",
+    "slice_backward", "embedding", "index_select", "gather", "cat", "stack", "where", "bernoulli", "bernoulli_",
+    "repeat", "max", "min", "amax", "amin", "max_pool2d_with_indices", "index", "masked_select", "sort", "topk",
+    "flip", "roll", "tril", "triu", "zero_", "zeros_like",
+})  # fmt: skip
+# Fresh memory holds garbage until it is written: not a value to check.
+_UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+# Ops that take a tensor only for its shape, dtype and device.
+_SHAPE_ONLY = frozenset({
+    "ones_like", "zeros_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
+    "new_ones", "new_zeros", "new_empty", "new_full", "new_empty_strided",
+})  # fmt: skip
+# In-place ops whose result does not depend on what the written tensor held.
+_OVERWRITES = frozenset({
+    "copy_", "zero_", "fill_", "uniform_", "normal_", "random_", "exponential_", "bernoulli_", "set_", "resize_",
+})  # fmt: skip
+
+
+def tensor_args(values: Any, into: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors among an aten op's arguments (tensors and lists of tensors: no deeper)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            into.append(value)
+        elif isinstance(value, (list, tuple)):
+            tensor_args(value, into)
+    return into
+
+
+class OpInfo:
+    """What the tracer needs to know about an aten overload, worked out once."""
+
+    __slots__ = ("is_view", "name", "op", "overwrites", "preserving", "reads_inputs", "uninitialised", "writes")
+
+    def __init__(self, func: Any) -> None:
+        self.op = str(func)
+        self.name = func.overloadpacket.__name__
+        self.is_view = bool(func.is_view)
+        # (position, name) of every argument the op writes: in-place, out=, foreach and fused ops
+        self.writes = tuple(
+            (i, arg.name)
+            for i, arg in enumerate(func._schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write
+        )
+        self.preserving = self.name in _VALUE_PRESERVING
+        self.uninitialised = self.name in _UNINITIALISED
+        self.reads_inputs = self.name not in _SHAPE_ONLY and not self.uninitialised
+        self.overwrites = self.name in _OVERWRITES
+
+    def written(self, args: Any, kwargs: Any) -> list[torch.Tensor]:
+        found: list[torch.Tensor] = []
+        for position, name in self.writes:
+            value = args[position] if position < len(args) else kwargs.get(name)
+            if value is not None:
+                tensor_args((value,), found)
+        return found
