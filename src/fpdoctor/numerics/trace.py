@@ -63,6 +63,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
 _SITE = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 _USER_FILES: dict[str, bool] = {}
+_OP_INFO: dict[Any, OpInfo] = {}  # per aten overload, shared by every trace (a replay traces a few steps)
 
 
 class NonFiniteError(FloatingPointError):
@@ -128,7 +129,6 @@ class Tracer(TorchDispatchMode):
         self._graph_task = -1  # the last backward that was asked to report gradient sinks at its end
         self._pending: list[int] = []
         self._alive: dict[int, list[Any]] = {}  # record -> weakrefs to outputs, until read (deferred mode)
-        self._func_info: dict[Any, OpInfo] = {}
         self._site_calls: Counter[tuple[str, Any]] = Counter()  # (op, user line) -> calls outside modules
         # autograd node sequence number -> (module, call, op, location) of the forward op that made it
         self._by_seq: dict[int, tuple[Any, ...]] = {}
@@ -160,9 +160,9 @@ class Tracer(TorchDispatchMode):
         # Autograd numbers the node it creates for this op just before dispatching below itself:
         # the counter read here is that node's number + 1 (the first op to see a number owns it).
         seq = torch._C._autograd._get_sequence_nr() - 1
-        info = self._func_info.get(func)
+        info = _OP_INFO.get(func)
         if info is None:
-            info = self._func_info[func] = OpInfo(func)
+            info = _OP_INFO[func] = OpInfo(func)
         written: list[torch.Tensor] = []
         before: dict[int, tuple[str, int]] | None = None
         if info.writes and not info.is_view:
@@ -327,7 +327,7 @@ class Tracer(TorchDispatchMode):
         if not outs:
             return
         tracker = self.tracker
-        immediate = self.immediate if self.immediate is not None else outs[0].device.type == "cpu"
+        immediate = self.immediate if self.immediate is not None else outs[0].is_cpu
         index = self.records.count
         if info.name == "copy_" and written and self._copy_into_parameter(args, index):
             return
@@ -381,7 +381,8 @@ class Tracer(TorchDispatchMode):
         record = Record(index, info.op, phase, module, call, recompute, node_name, forward_op, location, inputs)
         self._items[index] = record  # Store.append, inlined
         self.records.count = index + 1
-        self._by_seq.setdefault(seq, (module, call, info.op, location))
+        if seq not in self._by_seq:  # the first op to see a node number is the one that made it
+            self._by_seq[seq] = (module, call, info.op, location)
         # Ops that cannot make NaN/Inf out of finite values need no reduction when their inputs
         # are known finite and they do not narrow the dtype.
         skip = info.uninitialised or (
