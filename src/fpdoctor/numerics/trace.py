@@ -397,7 +397,7 @@ class Tracer(TorchDispatchMode):
         for t in outs:
             output = Output(tuple(t.shape), dtype_name(t.dtype))
             if written and phase != "backward" and any(t is w for w in written):
-                output.param = tracker.param_names.get(t)
+                output.param = tracker.param_names.own(t)
                 if output.param is not None and record.mutates is None:
                     record.mutates = output.param
             if skip:
