@@ -16,6 +16,8 @@ class Trace:
     end and the report blames the producer whose values reached what the code sees.
     Overflow of fp16/bf16/fp8 values is always judged per op; `headroom=True` adds per-module
     value histograms (underflow shares, fp16 what-ifs of fp32 modules) at about 10% more cost.
+    On accelerators results are read back once per `sync_every` ops (default 256), not per op;
+    `immediate=False` reads CPU results that way too.
     """
 
     def __init__(
