@@ -322,3 +322,10 @@ def test_own_code_is_recognised_by_the_package_root(package, user):
     location = trace_mod.user_location(namespace["frame"])
     assert location is not None
     assert (location[0] == path) is user
+
+
+def test_inner_trace_probing_an_in_place_write_is_not_the_outer_traces_op():
+    buffer = torch.ones(4)  # met first by the inner trace, as the target of an in-place op
+    with fpdoctor.trace() as outer, fpdoctor.trace():
+        buffer.mul_(2)
+    assert [r.op for r in outer.records] == ["aten.mul_.Tensor"]

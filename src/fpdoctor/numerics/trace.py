@@ -169,12 +169,11 @@ class Tracer(TorchDispatchMode):
             try:
                 written = info.written(args, kwargs)
                 if not info.overwrites:
-                    # A tensor the trace has not met yet is probed before the op changes it; the
-                    # entries of the others stay valid until the op is recorded (autograd bumps
-                    # the version counter after the mode returns).
-                    unseen = [t for t in written if checkable(t) and self._lookup(t) is None]
-                    if unseen:
-                        before = {id(t): self._source(t, self.records.count) for t in unseen}
+                    if self._nested:
+                        with torch._C._DisableTorchDispatch():
+                            before = self._before_write(written)
+                    else:
+                        before = self._before_write(written)
             except Exception as exc:  # the observer never kills the job (SPEC 4)
                 self._error(func, exc)
         out = func(*args, **kwargs)
@@ -189,6 +188,15 @@ class Tracer(TorchDispatchMode):
         except Exception as exc:  # the observer never kills the job (SPEC 4)
             self._error(func, exc)
         return out
+
+    def _before_write(self, written: list[torch.Tensor]) -> dict[int, tuple[str, int]] | None:
+        """A tensor the trace has not met yet is probed before an in-place op changes it; the
+        entries of the others stay valid until the op is recorded (autograd bumps the version
+        counter after the mode returns)."""
+        unseen = [t for t in written if checkable(t) and self._lookup(t) is None]
+        if not unseen:
+            return None
+        return {id(t): self._source(t, self.records.count) for t in unseen}
 
     def _error(self, func: Any, exc: Exception) -> None:
         if len(self.errors) < 20:
