@@ -75,6 +75,11 @@ def test_with_a_grad_scaler_or_without_autocast_nothing_is_said():
     scaler = torch.amp.GradScaler("cpu")
     report = train(model, torch.optim.SGD(model.parameters(), lr=0.1), autocast=torch.float16, scaler=scaler)
     assert "fp16-without-grad-scaler" not in names(report)
+    # a fused optimizer is stepped by GradScaler.step itself (it takes found_inf), not by _maybe_opt_step
+    model = net()
+    fused = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    report = train(model, fused, autocast=torch.float16, scaler=torch.amp.GradScaler("cpu"))
+    assert "fp16-without-grad-scaler" not in names(report)
     model = net()
     assert "fp16-without-grad-scaler" not in names(train(model, torch.optim.SGD(model.parameters(), lr=0.1)))
     model = net()

@@ -81,12 +81,14 @@ class OptimizerSeen:
 
 
 def _stepped_by_scaler() -> bool:
-    """GradScaler.step calls optimizer.step from `_maybe_opt_step`; the pre-hook runs under it."""
+    """The pre-hook runs under GradScaler.step: it calls optimizer.step from `_maybe_opt_step`, or
+    itself for optimizers that skip on the device (fused Adam/AdamW/SGD get `found_inf`)."""
     frame = sys._getframe(2)
     for _ in range(12):
         if frame is None:
             return False
-        if frame.f_code.co_name == "_maybe_opt_step" and "grad_scaler" in frame.f_code.co_filename:
+        code = frame.f_code
+        if code.co_name in ("_maybe_opt_step", "step") and code.co_filename.endswith("grad_scaler.py"):
             return True
         frame = frame.f_back  # type: ignore[assignment]
     return False
