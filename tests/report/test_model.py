@@ -42,3 +42,16 @@ def test_finding_validation():
         Finding(code="ENV001", name="x", severity="error", title="t", message="m")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="code"):
         Finding(code="", name="x", severity=Severity.ERROR, title="t", message="m")
+
+
+def test_unknown_where_and_evidence_keys_are_omitted_not_null():
+    finding = catalog.make(
+        "device-mismatch",
+        message="m",
+        where={"module": None, "op": None, "phase": None},
+        evidence={"kind": "device", "count": 2, "numel": None, "dtype": None},
+    )
+    doc = json.loads(Report(command="audit", findings=[finding]).to_json())["findings"][0]
+    # null module is a fact (outside any module); the rest was unknown
+    assert doc["where"] == {"module": None}
+    assert doc["evidence"] == {"kind": "device", "count": 2}

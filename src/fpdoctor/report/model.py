@@ -57,11 +57,17 @@ class Finding:
             "severity": self.severity.value,
             "title": self.title,
             "message": self.message,
-            "where": dict(self.where),
-            "evidence": dict(self.evidence),
+            "where": _known(self.where, keep=("module",)),
+            "evidence": _known(self.evidence),
             "fix": self.fix,
             "references": list(self.references),
         }
+
+
+def _known(values: Mapping[str, Any], keep: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Keys whose value is unknown are omitted, not null (SPEC 3.2); `where.module` is the
+    exception: null there is a fact (an op outside any module), not a gap."""
+    return {k: v for k, v in values.items() if v is not None or k in keep}
 
 
 @dataclass(kw_only=True)
