@@ -111,7 +111,11 @@ def test_real_minilm_with_one_submodule_cast():
     assert all(m.startswith("encoder.layer.2.attention") for m in static.evidence["modules"])
     mismatch = report.by_name("dtype-mismatch")[0]
     assert mismatch.where["module"].startswith("encoder.layer.2.attention")
-    assert "model.encoder.layer.2.attention.to(torch.float32)" in mismatch.fix
+    line = "model.get_submodule('encoder.layer.2.attention').to(torch.float32)"
+    assert line in mismatch.fix
+    # the fix is Python the user can paste: a numeric path part needs get_submodule
+    model = model.float()
+    eval(line, {"model": model, "torch": torch})
 
 
 def test_audit_forward_leaves_running_statistics_and_rng_untouched():

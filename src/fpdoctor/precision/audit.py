@@ -107,7 +107,7 @@ def static_findings(model: nn.Module) -> tuple[list[Finding], Counter[str], Coun
                     },
                     fix=(
                         "fpdoctor.harmonize(model, device)   # one dtype per device\n"
-                        + "\n".join(f"model.{m}.to({main})" for m in top[:4])
+                        + "\n".join(f"{_module_expr(m)}.to({main})" for m in top[:4])
                     ),
                 )
             )
@@ -206,6 +206,14 @@ class _Origins(TorchDispatchMode):
         return out
 
 
+def _module_expr(path: str) -> str:
+    """Python that names the submodule: `model.time_embed`, or `model.get_submodule("time_embed.2")`
+    where a part is an index (`model.time_embed.2` is a syntax error)."""
+    if all(part.isidentifier() for part in path.split(".")):
+        return f"model.{path}"
+    return f"model.get_submodule({path!r})"
+
+
 def _describe(origin: dict[str, Any]) -> str:
     kind = origin.get("kind")
     if kind in ("parameter", "buffer", "input"):
@@ -292,7 +300,7 @@ def _mismatch_finding(failure: dict[str, Any], main_dtype: str | None, model: nn
         module_path = root["name"].rsplit(".", 1)[0] if "." in root["name"] else ""
         module_path = widest_module(model, module_path, root["dtype"]) if model is not None else module_path
         fix = (
-            f"model.{module_path}.to({torch_dtype})   # all of it is {root['dtype']}, like {root['name']}"
+            f"{_module_expr(module_path)}.to({torch_dtype})   # all of it is {root['dtype']}, like {root['name']}"
             if module_path
             else f"model.to({torch_dtype})"
         )
