@@ -67,9 +67,11 @@ class Provenance:
             del self._table[id(t)]
 
     def sweep(self) -> None:
-        """Forget the entries of tensors that died."""
-        self._table = {key: entry for key, entry in self._table.items() if entry[0]() is not None}
-        self._sweep_at = max(_MIN_SWEEP, 2 * len(self._table))
+        """Forget the entries of tensors that died (in place: the trace holds the dict)."""
+        table = self._table
+        for key in [key for key, entry in table.items() if entry[0]() is None]:
+            del table[key]
+        self._sweep_at = max(_MIN_SWEEP, 2 * len(table))
 
     def items(self) -> Iterator[tuple[torch.Tensor, Any]]:
         """(tensor, value) for every tensor still alive."""

@@ -111,7 +111,7 @@ def test_a_dtype_error_is_explained_and_the_traceback_is_the_users(tmp_path):
     assert "parameter time_embed.2.weight" in origins
     assert "a tensor made by aten.silu.default in module `time_embed.1`" in origins
     assert f["evidence"]["expected"] == "torch.float16" and f["evidence"]["dtype"] == "torch.float32"
-    assert f["fix"].startswith("model.time_embed.2.to(torch.float16)")
+    assert f["fix"].startswith("model.get_submodule('time_embed.2').to(torch.float16)")
     # the traceback a plain run prints: the script's lines, torch's modules, nothing of ours
     assert "Traceback (most recent call last)" in result.err
     assert f'File "{path}", line 12, in forward' in result.err

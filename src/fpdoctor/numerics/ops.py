@@ -39,10 +39,16 @@ def tensor_args(values: Any, into: list[torch.Tensor]) -> list[torch.Tensor]:
     return into
 
 
+GENERAL, VIEW, FUNCTIONAL, IN_PLACE = range(4)
+
+
 class OpInfo:
     """What the tracer needs to know about an aten overload, worked out once."""
 
-    __slots__ = ("is_view", "name", "op", "overwrites", "preserving", "reads_inputs", "uninitialised", "writes")
+    __slots__ = (
+        "is_view", "lists", "name", "op", "overwrites", "path", "preserving", "reads_inputs", "scales",
+        "uninitialised", "writes",
+    )  # fmt: skip
 
     def __init__(self, func: Any) -> None:
         self.op = str(func)
@@ -58,6 +64,25 @@ class OpInfo:
         self.uninitialised = self.name in _UNINITIALISED
         self.reads_inputs = self.name not in _SHAPE_ONLY and not self.uninitialised
         self.overwrites = self.name in _OVERWRITES
+        # Tensors can only hide in list arguments (cat, stack, index, foreach): the others are
+        # found among the top-level arguments without a recursive walk.
+        self.lists = any("List[" in str(arg.type) and "Tensor" in str(arg.type) for arg in func._schema.arguments)
+        # mul by a scalar of magnitude <= 1 or div by one >= 1: never larger than a finite input
+        self.scales = 1 if self.name in ("mul", "mul_") else -1 if self.name in ("div", "div_") else 0
+        self.path = self._path(func)
+
+    def _path(self, func: Any) -> int:
+        """Which of the tracer's paths records this op: VIEW, the plain FUNCTIONAL one (values
+        out, nothing written), IN_PLACE on its first argument only, or GENERAL for the rest."""
+        if self.is_view:
+            return VIEW
+        if self.preserving or self.uninitialised or not self.reads_inputs:
+            return GENERAL
+        if not self.writes:
+            return FUNCTIONAL
+        if self.writes == ((0, "self"),) and not self.overwrites and str(func._schema.arguments[0].type) == "Tensor":
+            return IN_PLACE
+        return GENERAL
 
     def written(self, args: Any, kwargs: Any) -> list[torch.Tensor]:
         found: list[torch.Tensor] = []

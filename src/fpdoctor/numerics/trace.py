@@ -31,10 +31,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from fpdoctor.numerics import records as _records
 from fpdoctor.numerics.modules import ModuleTracker
-from fpdoctor.numerics.ops import OpInfo, tensor_args
+from fpdoctor.numerics.ops import FUNCTIONAL, IN_PLACE, VIEW, OpInfo, tensor_args
 from fpdoctor.numerics.records import Leaf, Output, Record, Store, kind_of
 from fpdoctor.numerics.values import (
     CHECKABLE,
+    REAL,
     STRIDED,
     checkable,
     dtype_name,
@@ -64,6 +65,11 @@ _STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
 _SITE = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 _USER_FILES: dict[str, bool] = {}
 _OP_INFO: dict[Any, OpInfo] = {}  # per aten overload, shared by every trace (a replay traces a few steps)
+# looked up once: the hot path runs for every op
+Tensor = torch.Tensor
+_ref = weakref.ref
+_sequence_nr = torch._C._autograd._get_sequence_nr
+_graph_task_id = torch._C._current_graph_task_id
 
 
 class NonFiniteError(FloatingPointError):
@@ -124,6 +130,7 @@ class Tracer(TorchDispatchMode):
         self.sync_every = sync_every or SYNC_EVERY
         self.ops_seen = 0
         self._items = self.records._items  # the hot path reads records without the Store's checks
+        self._table = self.provenance._table  # and the side table without Provenance's methods
         self._sink_keys: set[tuple[int, str]] = set()
         self._grad_leaves: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}  # leaves that require grad
         self._graph_task = -1  # the last backward that was asked to report gradient sinks at its end
@@ -151,18 +158,48 @@ class Tracer(TorchDispatchMode):
     def __enter__(self) -> Tracer:
         # Inside an outer trace, our own statistics must not be recorded by it as the user's ops.
         self._nested = any(isinstance(m, Tracer) for m in _get_current_dispatch_mode_stack())
+        self.tracker.stack  # noqa: B018 - this thread's module stack exists: the hot path reads it directly
         super().__enter__()
         return self
 
     # -- recording ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        # Autograd numbers the node it creates for this op just before dispatching below itself:
-        # the counter read here is that node's number + 1 (the first op to see a number owns it).
-        seq = torch._C._autograd._get_sequence_nr() - 1
         info = _OP_INFO.get(func)
         if info is None:
             info = _OP_INFO[func] = OpInfo(func)
+        path = info.path
+        if path == VIEW and not self._nested:
+            out = func(*args, **kwargs) if kwargs else func(*args)
+            self.ops_seen += 1
+            try:
+                # A view aliases its base: share its entry (views autograd links to a base are
+                # also found through `_base`; `detach` and inference-mode views are not).
+                if type(out) is Tensor and args:
+                    entry = self._table.get(id(args[0]))
+                    if entry is not None and entry[0]() is args[0]:
+                        self._set(out, entry[1])
+            except Exception as exc:  # the observer never kills the job (SPEC 4)
+                self._error(func, exc)
+            return out
+        # Autograd numbers the node it creates for this op just before dispatching below itself:
+        # the counter read here is that node's number + 1 (the first op to see a number owns it).
+        seq = _sequence_nr() - 1
+        if not self._nested and (path == FUNCTIONAL or (path == IN_PLACE and self._met(args[0]))):
+            # The common cases, without the general bookkeeping: a value out of values, or an
+            # in-place op on one tensor this trace made (nothing to probe before it changes).
+            out = func(*args, **kwargs) if kwargs else func(*args)
+            try:
+                if type(out) is Tensor if path == FUNCTIONAL else out is args[0]:
+                    self._one(info, args, kwargs, out, seq=seq, written=path == IN_PLACE)
+                else:
+                    written = info.written(args, kwargs or {}) if path == IN_PLACE else []
+                    self._record(info, args, kwargs or {}, out, seq=seq, written=written, before=None)
+            except NonFiniteError:
+                raise
+            except Exception as exc:  # the observer never kills the job (SPEC 4)
+                self._error(func, exc)
+            return out
+        kwargs = kwargs or {}
         written: list[torch.Tensor] = []
         before: dict[int, tuple[str, int]] | None = None
         if info.writes and not info.is_view:
@@ -188,6 +225,123 @@ class Tracer(TorchDispatchMode):
         except Exception as exc:  # the observer never kills the job (SPEC 4)
             self._error(func, exc)
         return out
+
+    def _met(self, t: Any) -> bool:
+        """`t` holds an output of this trace's ops: writing it needs no probe beforehand."""
+        entry = self._table.get(id(t))
+        return entry is not None and entry[0]() is t and entry[1][1] is None
+
+    def _set(self, t: torch.Tensor, value: Any) -> None:
+        """Provenance.set, inlined for the hot path."""
+        table = self._table
+        table[id(t)] = (_ref(t), value)
+        if len(table) >= self.provenance._sweep_at:
+            self.provenance.sweep()
+
+    def _one(self, info: OpInfo, args: Any, kwargs: Any, t: torch.Tensor, *, seq: int, written: bool) -> None:
+        """Record an op with one tensor output (or one tensor written in place, `written`) whose
+        inputs were all known before it ran: `_record` without the generic cases."""
+        self.ops_seen += 1
+        dtype = t.dtype
+        if dtype not in CHECKABLE or t.layout is not STRIDED or not t.numel():
+            return
+        immediate = self.immediate
+        if immediate is None:
+            immediate = t.is_cpu
+        index = self.records.count
+        arg_tensors = tensor_args(args, []) if info.lists else [a for a in args if isinstance(a, Tensor)]
+        if kwargs:
+            tensor_args(kwargs.values(), arg_tensors)
+        # tracker.phase and tracker.current, inlined: this runs for every op
+        tracker = self.tracker
+        local = tracker._local
+        try:
+            stack = local.stack
+        except AttributeError:
+            stack = tracker.stack
+        module, call, recompute = stack[-1] if stack else (None, None, False)
+        node_name = forward_op = location = None
+        in_bw = _graph_task_id() != -1
+        if in_bw:
+            phase = "backward"
+            self._at_backward_end()
+            node = torch._C._current_autograd_node()
+            if node is not None:
+                node_name = node.name()
+                forward = self._by_seq.get(node._sequence_nr())
+                if forward is not None:
+                    module, call, forward_op, location = forward
+        elif getattr(local, "in_optimizer", 0):
+            phase = "optimizer"
+            if module is None:
+                call = tracker.optimizer_steps - 1  # the optimizer's step
+            if not immediate:
+                location = user_location(sys._getframe(2))
+        else:
+            phase = "forward"
+            if module is None:
+                # Outside modules the iteration is how often this op ran at this line before.
+                location = user_location(sys._getframe(2))
+                key = (info.op, location)
+                call = self._site_calls[key]
+                self._site_calls[key] = call + 1
+            elif not immediate:
+                # Deferred mode learns about a NaN later, when this stack is gone: take it now.
+                location = user_location(sys._getframe(2))
+        inputs = self._inputs(arg_tensors, index, None)
+        output = Output(t.shape, dtype_name(dtype))
+        record = Record(
+            index, info.op, phase, module, call, recompute, node_name, forward_op, location, inputs, [output]
+        )
+        self._items[index] = record  # Store.append, inlined
+        self.records.count = index + 1
+        if seq not in self._by_seq:  # the first op to see a node number is the one that made it
+            self._by_seq[seq] = (module, call, info.op, location)
+        if written and not in_bw:
+            output.param = tracker.param_names.own(t)
+            record.mutates = output.param
+        if info.scales and immediate and self._scaled_down(info.scales, args, kwargs, dtype, inputs):
+            output.derived = True
+        elif not immediate:
+            output.pending = minmax(t)
+        elif dtype is torch.float32 or dtype is torch.float64:
+            value = float(t.sum())  # Inside __torch_dispatch__: below autograd, no graph recorded
+            if value - value:  # NaN for NaN and for +-inf: look closer
+                resolve(output, [value], t)
+        else:
+            resolve(output, [float(v) for v in reduce(t)], t)
+        entry = (("op", index), None)
+        self._set(t, entry)
+        if written and t._base is not None:  # written through a view: the base holds it too
+            self._set(t._base, entry)
+        if immediate:
+            if output.kind is not None:
+                record.input_stats = self._input_stats(arg_tensors)
+                if record.location is None:
+                    # forward: the line that ran this op; backward: the line that called backward()
+                    record.location = user_location(sys._getframe(2))
+                self._settle(record)
+            elif self._tainted:
+                self._settle(record)
+        else:
+            self._alive[index] = [weakref.ref(t)]
+            self._pending.append(index)
+            if len(self._pending) >= self.sync_every:
+                self.flush()
+        if self.records.count >= self._next_compact:
+            self.compact()
+
+    def _scaled_down(self, scales: int, args: Any, kwargs: Any, dtype: torch.dtype, inputs: list[Any]) -> bool:
+        """`x * s` with |s| <= 1 or `x / s` with |s| >= 1, x real and known finite, same dtype:
+        never larger in magnitude than x (rounding is monotonic), so finite without a reduction."""
+        if kwargs or len(args) != 2 or not inputs:
+            return False
+        x, s = args
+        if type(s) is not float and type(s) is not int:
+            return False
+        if not (abs(s) <= 1 if scales > 0 else abs(s) >= 1):  # False for a NaN scalar
+            return False
+        return isinstance(x, Tensor) and x.dtype is dtype and dtype in REAL and self._finite(inputs[0])
 
     def _before_write(self, written: list[torch.Tensor]) -> dict[int, tuple[str, int]] | None:
         """A tensor the trace has not met yet is probed before an in-place op changes it; the

@@ -21,6 +21,7 @@ CHECKABLE = frozenset({
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
     torch.complex64, torch.complex128,
 })  # fmt: skip
+REAL = CHECKABLE - {torch.complex64, torch.complex128}
 STRIDED = torch.strided
 
 
