@@ -57,3 +57,22 @@ def test_a_saved_report_is_accepted_as_input(tmp_path, cli):
     cli("env", "--from", str(report), "--format", "json", "-o", str(saved))
     again = json.loads(cli("env", "--from", str(saved), "--format", "json").out)
     assert [f["name"] for f in again["findings"]] == ["cublas-h20-sigfpe"]
+
+
+def test_output_format_follows_the_extension_and_a_missing_directory_stops_before_the_work(cli, tmp_path):
+    facts = next(ENV_FIXTURES.glob("collect_env/*.txt"))
+    out = tmp_path / "report.json"
+    cli("env", "--from", str(facts), "-o", str(out))
+    assert json.loads(out.read_text())["command"] == "env"
+    md = tmp_path / "report.md"
+    cli("env", "--from", str(facts), "-o", str(md))
+    assert md.read_text().lstrip().startswith("#")
+    explicit = tmp_path / "report2.json"
+    cli("env", "--from", str(facts), "-o", str(explicit), "--format", "text")
+    assert not explicit.read_text().lstrip().startswith("{")
+    # the script must not run when its report could not be written afterwards
+    marker = tmp_path / "ran"
+    script = tmp_path / "s.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    result = cli("trace", "-o", str(tmp_path / "missing" / "x.json"), "--", str(script))
+    assert result.code == 2 and "missing" in result.err and not marker.exists()

@@ -55,3 +55,17 @@ def test_unknown_where_and_evidence_keys_are_omitted_not_null():
     # null module is a fact (outside any module); the rest was unknown
     assert doc["where"] == {"module": None}
     assert doc["evidence"] == {"kind": "device", "count": 2}
+
+
+def test_json_is_standard_and_str_is_the_text_report():
+    from fpdoctor.report.render import render
+
+    finding = catalog.make(
+        "nonfinite-produced", message="m", evidence={"inputs": [{"min": float("-inf"), "max": float("nan")}]}
+    )
+    report = Report(command="trace", findings=[finding], data={"absmax": float("inf")})
+    for text in (report.to_json(), render(report.to_dict(), "json")):
+        doc = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+        assert doc["findings"][0]["evidence"]["inputs"] == [{"min": "-inf", "max": "nan"}]
+        assert doc["data"]["absmax"] == "inf"
+    assert str(report).startswith(render(report.to_dict(), "text")[:40]) and "NUM001" in str(report)

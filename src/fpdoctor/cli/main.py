@@ -52,6 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.torch_child = child
+        from fpdoctor.cli.output import resolve_output
+
+        resolve_output(args)
         if not getattr(args, "run", None):
             build_parser().print_help()
             return int(ExitCode.USAGE)

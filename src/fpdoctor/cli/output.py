@@ -12,12 +12,32 @@ from typing import Any
 from fpdoctor.cli.errors import ExitCode, UsageError
 from fpdoctor.report.render import FORMATS, render
 
-__all__ = ["ExitCode", "UsageError", "add_output_args", "emit", "write_atomic"]
+__all__ = ["ExitCode", "UsageError", "add_output_args", "emit", "resolve_output", "write_atomic"]
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
+    parser.add_argument(
+        "--format", choices=FORMATS, default=None, help="output format (default: from -o's extension, else text)"
+    )
     parser.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead of stdout")
+
+
+_BY_EXTENSION = {".json": "json", ".md": "markdown", ".markdown": "markdown", ".html": "html", ".htm": "html"}
+
+
+def resolve_output(args: argparse.Namespace) -> None:
+    """Before any work: the format follows -o's extension unless --format says otherwise
+    (`-o report.json` writes JSON), and a directory that -o needs must exist - found out
+    now, not after a long run whose report would then be lost."""
+    if not hasattr(args, "format"):
+        return
+    output = getattr(args, "output", None)
+    if args.format is None:
+        args.format = _BY_EXTENSION.get(Path(output).suffix.lower(), "text") if output else "text"
+    if output:
+        parent = Path(output).parent
+        if not parent.exists():
+            raise UsageError(f"{parent} does not exist; create it or choose another path for -o")
 
 
 def write_atomic(path: str, text: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,4 +116,26 @@ class Report:
         return redacted
 
     def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent, sort_keys=False, default=str)
+        return json_text(self.to_dict(), indent=indent)
+
+    def __str__(self) -> str:
+        """The text rendering, as `fpdoctor` prints it (no colour)."""
+        from fpdoctor.report.render import render
+
+        return render(self.to_dict(), "text", color=False)
+
+
+def _standard(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, Mapping):
+        return {k: _standard(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_standard(v) for v in value]
+    return value
+
+
+def json_text(value: Any, indent: int | None = 2) -> str:
+    """Standard JSON (RFC 8259 has no NaN or Infinity): a non-finite number is written as the
+    string "nan", "inf" or "-inf", so every strict parser reads the report."""
+    return json.dumps(_standard(value), indent=indent, sort_keys=False, default=str, allow_nan=False)

@@ -13,6 +13,8 @@ import io
 import json
 from typing import Any
 
+from fpdoctor.report.model import json_text
+
 FORMATS = ("text", "json", "markdown", "html")
 
 _SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": "bold cyan"}
@@ -21,7 +23,7 @@ _VERDICT_STYLE = {"error": "bold white on red", "warning": "bold black on yellow
 
 def render(report: dict[str, Any], fmt: str, *, color: bool = False, width: int = 100) -> str:
     if fmt == "json":
-        return json.dumps(report, indent=2, default=str) + "\n"
+        return json_text(report) + "\n"
     if fmt == "markdown":
         return render_markdown(report)
     if fmt == "html":
