@@ -57,6 +57,22 @@ SPIKE_RATIO = 1.5
 _LOSS, _GRAD, _LOCAL_LOSS, _LOSS_VALUE, _SCALE, _NEXT_SCALE = range(6)
 
 
+class _UserRaised(Exception):
+    """The user's own optimizer or scaler raised inside the sentinel's bookkeeping: re-raised as is."""
+
+    def __init__(self, original: Exception) -> None:
+        super().__init__(str(original))
+        self.original = original
+
+
+def _user(call: Callable[..., Any], *args: Any) -> Any:
+    """Call the user's optimizer / scaler; what it raises is the user's and reaches the user once."""
+    try:
+        return call(*args)
+    except Exception as exc:
+        raise _UserRaised(exc) from exc
+
+
 @dataclass
 class StepOutcome:
     step: int
@@ -138,6 +154,7 @@ class Sentinel:
         self._errors: set[tuple[str, str]] = set()
         self._in_window = 0  # micro-batches of the current window seen so far
         self._stepped = False
+        self._decided = False  # this step's verdict (step or skip) is taken: never step it blindly after
         self._amp = amp.ScaleWatch()
         self._scaler_searched = self.scaler is not None
         self._watch: distributed.BucketWatch | None = None
@@ -158,6 +175,11 @@ class Sentinel:
         try:
             if self._pending is not None:
                 self._resolve(self._pending)
+        except _UserRaised as raised:
+            raise raised.original from None
+        except Exception as exc:
+            self._error("deciding the last step", exc)
+        try:
             if self._in_window == 0:
                 self._buffers.capture()
                 if self._watch is not None:
@@ -183,16 +205,20 @@ class Sentinel:
             if len(scalers) == 1:
                 self.scaler = scalers[0]
         self.micro_batches += 1
-        self._stepped = False
+        self._stepped = self._decided = False
         try:
             self._after(step_fn, rng, args, kwargs, loss, ends=ends)
-        except Exception as exc:  # the observer never kills the job: the step goes on unguarded
+        except _UserRaised as raised:  # the user's optimizer raised: theirs, once, as it was
+            if ends:
+                self._window, self._micro_flags, self._micro_losses, self._in_window = [], [], [], 0
+            raise raised.original from None
+        except Exception as exc:  # the observer never kills the job
             self._error("checking the step", exc)
             if ends:
                 self._window, self._micro_flags, self._micro_losses, self._in_window = [], [], [], 0
-                if not self._stepped:
+                if not self._stepped and not self._decided:  # no verdict yet: the step goes on unguarded
                     self._unguarded_step()
-                if self.accumulate > 1:
+                if self.accumulate > 1 or (self._decided and not self._stepped):  # a skipped step leaves no gradient
                     self._zero_grads()
         return loss
 
@@ -202,6 +228,8 @@ class Sentinel:
         try:
             if self._pending is not None:
                 self._resolve(self._pending)
+        except _UserRaised as raised:
+            raise raised.original from None
         except Exception as exc:
             self._error("deciding the last step", exc)
 
@@ -232,10 +260,10 @@ class Sentinel:
             assert self.optimizer is not None
             scale = amp.scale_tensor(scaler, self._device)
             if not amp.stepped(scaler, self.optimizer):
-                scaler.step(self.optimizer)  # the scaler checks the gradients and skips on overflow
-                self._stepped = True
+                self._stepped = True  # given to the scaler: whatever happens next, never stepped twice
+                _user(scaler.step, self.optimizer)  # the scaler checks the gradients and skips on overflow
                 grad = amp.found_inf(scaler, self.optimizer, self._device)
-                scaler.update()
+                _user(scaler.update)
             else:  # step_fn stepped the scaler itself
                 grad = amp.found_inf(scaler, self.optimizer, self._device)
             if grad is None:
@@ -254,11 +282,11 @@ class Sentinel:
         if scaler is None and self._device_skip and self.optimizer is not None:
             opt: Any = self.optimizer
             opt.found_inf = agreed.amax()  # the GradScaler protocol of fused optimizers: skip on the device
+            stepped = self._stepped = True
             try:
-                opt.step()
+                _user(opt.step)
             finally:
                 del opt.found_inf
-            stepped = self._stepped = True
         pending = _Pending(
             self.steps, window, step_fn, read, micro_flags, stepped, scale if scaler is not None else None
         )
@@ -288,10 +316,11 @@ class Sentinel:
             self._amp.observe(False, next_scale)
         elif scaled:  # a NaN loss the scaler skipped: counted as non-finite, not as an AMP overflow
             self._amp.scale = next_scale
+        self._decided = True  # from here on a failure of ours never applies this step
         if outcome.finite:
             if not pending.stepped and self.optimizer is not None:
-                self.optimizer.step()
                 self._stepped = True
+                _user(self.optimizer.step)
             if self.accumulate > 1:
                 self._zero_grads()
             self.last_good_step = step

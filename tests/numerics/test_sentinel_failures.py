@@ -1,0 +1,67 @@
+"""The sentinel's own failures and the user's: a skipped step stays skipped whatever fails after the
+decision, and what the user's optimizer raises reaches the user once, unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fpdoctor
+from fpdoctor.numerics import sentinel_findings
+
+
+def _step(model, opt):
+    def step(x):
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    return step
+
+
+def test_a_failure_while_reporting_a_skipped_step_never_applies_it(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = fpdoctor.Sentinel(model, opt, replay=False)
+
+    def broken(*args, **kwargs):
+        raise KeyError("reporting failed")
+
+    monkeypatch.setattr(sentinel_findings, "rank_finding", broken)
+    before = [p.detach().clone() for p in model.parameters()]
+    guard.step(_step(model, opt), torch.full((8, 4), float("nan")))
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    assert guard.skipped == 1
+    assert [f.name for f in guard.report.findings] == ["sentinel-error"]
+
+
+class _FailsOnce(torch.optim.SGD):
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        self.calls = 0
+
+    def step(self, closure=None):
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("out of memory in the optimizer")
+        return super().step(closure)
+
+
+def test_the_users_optimizer_error_reaches_the_user_once_and_is_not_retried():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = _FailsOnce(model.parameters(), lr=0.1)
+    guard = fpdoctor.Sentinel(model, opt, replay=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="out of memory in the optimizer") as raised:
+        guard.step(_step(model, opt), torch.randn(8, 4))
+    assert type(raised.value) is RuntimeError
+    assert opt.calls == 1
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert guard.report.findings == []
+    guard.step(_step(model, opt), torch.randn(8, 4))  # the next step goes on as usual
+    assert opt.calls == 2 and guard.steps == 2
