@@ -200,7 +200,25 @@ class Analysis:
 
     def findings(self) -> list[Finding]:
         found: list[Finding] = []
-        blamed = [r for r in self.records if r.index in self.roles and ("op", r.index) in self.reached]
+        # Inputs and parameters that hold NaN or +Inf are always reported: bad data or a bad
+        # checkpoint. An -inf one (an additive attention mask passed in) only when no op is to
+        # blame: a row that is entirely masked is the producer's story.
+        leaves: dict[str, tuple[Leaf, list[str]]] = {}
+        for origin, reaches in self.reached.items():
+            if origin[0] == "leaf":
+                leaf = self.leaves[origin[1]]
+                # the same parameter met twice (before and after an in-place write): one finding
+                key = leaf.name if leaf.name != "input" else f"input {origin[1]}"
+                if key in leaves:
+                    leaves[key][1].extend(r for r in reaches if r not in leaves[key][1])
+                else:
+                    leaves[key] = (leaf, list(reaches))
+        bad_data = {("leaf", leaf.index) for leaf, _ in leaves.values() if leaf.kind in ("nan", "+inf")}
+        blamed = [
+            r
+            for r in self.records
+            if r.index in self.roles and ("op", r.index) in self.reached and not self._only_from(r, bad_data)
+        ]
         nan_producers = [r for r in blamed if self.roles[r.index] == "nan-producer"]
         inf_producers = [r for r in blamed if self.roles[r.index] == "inf-producer"]
         if inf_producers:
@@ -208,14 +226,11 @@ class Analysis:
         if nan_producers:
             found.append(self.producer_finding(nan_producers[0], "first NaN", nan_producers[1:]))
         producers_reached = bool(nan_producers or inf_producers)
-        # Inputs, parameters and constants: always when they hold NaN, otherwise only when no op
-        # is to blame (an -inf attention mask that feeds an all-masked row is the producer's story).
+        for leaf, reaches in leaves.values():
+            if ("leaf", leaf.index) in bad_data or not producers_reached:
+                found.append(self._input_finding(leaf, reaches))
         for origin, reaches in self.reached.items():
-            if origin[0] == "leaf":
-                leaf = self.leaves[origin[1]]
-                if leaf.kind == "nan" or not producers_reached:
-                    found.append(self._input_finding(leaf, reaches))
-            elif self.roles.get(origin[1]) == "constant":
+            if origin[0] == "op" and self.roles.get(origin[1]) == "constant":
                 r = self.records[origin[1]]
                 if r.kind == "nan" or not producers_reached:
                     found.append(self._constant_finding(r, reaches))
@@ -341,6 +356,17 @@ class Analysis:
             evidence=evidence,
             fix=_fix_for(producer),
         )
+
+    def _only_from(self, r: Record, bad_data: set[Origin]) -> bool:
+        """A NaN producer whose non-finite inputs all come from bad data (inf - inf of an Inf in
+        the batch) is that data's consequence, not a numerical bug of its own."""
+        if self.roles.get(r.index) != "nan-producer" or not bad_data:
+            return False
+        upstream: set[Origin] = set()
+        for src in r.inputs:
+            if self.kind_of(src):
+                upstream |= self.origins.get(src[1], frozenset()) if src[0] == "op" else {src}
+        return bool(upstream) and upstream <= bad_data
 
     def _input_finding(self, leaf: Leaf, reaches: list[str]) -> Finding:
         first = (

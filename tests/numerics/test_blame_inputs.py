@@ -1,0 +1,63 @@
+"""Bad data is the data's fault: an Inf or NaN that arrives in the inputs or a parameter is
+`nonfinite-input`, and the ops it turns into NaN on its way are not blamed as numerical bugs."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+import fpdoctor
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+
+
+def _names(report) -> list[str]:
+    return [f.name for f in report.findings]
+
+
+def _train(model: nn.Module, x: torch.Tensor):
+    y = torch.randn(x.shape[0], 1)
+    with fpdoctor.trace(model) as t:
+        nn.functional.mse_loss(model(x), y).backward()
+    assert t.report is not None
+    return t.report
+
+
+def test_an_inf_in_the_batch_is_the_inputs_not_the_linear_layers():
+    x = torch.randn(8, 16)
+    x[1, 1] = float("inf")
+    report = _train(_mlp(), x)
+    assert _names(report) == ["nonfinite-input"], [f.title for f in report.findings]
+    (f,) = report.findings
+    assert f.evidence["kind"] == "+inf" and f.evidence["origin"] == "input" and f.evidence["count"] == 1
+
+
+def test_a_batch_made_non_finite_in_a_loader_thread_is_an_input():
+    out: dict = {}
+
+    def load() -> None:
+        x = torch.randn(8, 16)
+        out["x"] = x / (x - x)  # not traced: another thread
+
+    worker = threading.Thread(target=load)
+    worker.start()
+    worker.join()
+    report = _train(_mlp(), out["x"])
+    assert "nonfinite-produced" not in _names(report)
+    assert report.by_name("nonfinite-input")[0].evidence["origin"] == "input"
+
+
+def test_an_inf_made_by_an_op_is_still_that_ops():
+    model = _mlp()
+    x = torch.randn(8, 16)
+    with fpdoctor.trace(model) as t:
+        h = model(x) / torch.zeros(())  # the division makes the Inf: the op's fault
+        h.sum().backward()
+    assert t.report is not None
+    assert t.report.findings[0].name == "nonfinite-produced" and t.report.findings[0].where["op"] == "aten.div.Tensor"
+    assert "nonfinite-input" not in _names(t.report)
