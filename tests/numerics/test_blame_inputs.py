@@ -61,3 +61,31 @@ def test_an_inf_made_by_an_op_is_still_that_ops():
     assert t.report is not None
     assert t.report.findings[0].name == "nonfinite-produced" and t.report.findings[0].where["op"] == "aten.div.Tensor"
     assert "nonfinite-input" not in _names(t.report)
+
+
+def test_raise_on_stops_at_an_inf_in_the_batch_as_an_input():
+    import pytest
+
+    x = torch.randn(8, 16)
+    x[1, 1] = float("inf")
+    with pytest.raises(fpdoctor.NonFiniteError) as caught, fpdoctor.trace(_mlp(), raise_on="nonfinite"):
+        _mlp()(x)
+    assert caught.value.finding.name == "nonfinite-input"
+
+
+def test_a_trace_that_fails_to_start_leaves_no_global_hook(monkeypatch):
+    import pytest
+    from torch.nn.modules import module as module_mod
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    from fpdoctor.numerics import trace as trace_mod
+
+    before = (len(module_mod._global_forward_pre_hooks), len(_global_optimizer_pre_hooks))
+
+    def broken(self):
+        raise RuntimeError("cannot enter")
+
+    monkeypatch.setattr(trace_mod.Tracer, "__enter__", broken)
+    with pytest.raises(RuntimeError, match="cannot enter"), fpdoctor.trace(_mlp()):
+        pass
+    assert (len(module_mod._global_forward_pre_hooks), len(_global_optimizer_pre_hooks)) == before

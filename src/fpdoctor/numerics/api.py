@@ -65,14 +65,23 @@ class Trace:
             sync_every=self.sync_every,
         )
         import contextlib
-        import sys
         import threading
+
+        self._thread = threading.get_ident()
+        self._stack = contextlib.ExitStack()
+        try:
+            self._enter_all()
+        except BaseException:
+            self._stack.close()  # nothing of ours stays installed: global hooks, stance, watch
+            raise
+        return self
+
+    def _enter_all(self) -> None:
+        import sys
         import warnings
 
         import torch
 
-        self._thread = threading.get_ident()
-        self._stack = contextlib.ExitStack()
         # torch.compile'd code runs eagerly while traced, so every op is seen; the report says so.
         # Only where something was compiled: torch._dynamo is then imported already, and
         # importing it for a plain model costs ~2.6 s and ~77 MiB (set_stance imports it).
@@ -84,9 +93,8 @@ class Trace:
         from fpdoctor.numerics.recipes import RecipeWatch
 
         self._recipes = self._stack.enter_context(RecipeWatch())  # the optimizers stepped in the block
-        self._tracker.__enter__()
-        self._tracer.__enter__()
-        return self
+        self._stack.enter_context(self._tracker)
+        self._stack.enter_context(self._tracer)
 
     def _module_output(self, name: str, call: int, output: Any, recompute: bool) -> None:
         import threading
@@ -116,23 +124,23 @@ class Trace:
             produced = "nan" not in kinds
         else:
             produced = not any(kinds)
-        bad_leaf = next((s for s in record.inputs if s[0] == "leaf" and tracer.leaves[s[1]].kind == "nan"), None)
+        # NaN or +Inf arriving in the data is the data's fault, before any op that passes it on
+        bad_leaf = next(
+            (s for s in record.inputs if s[0] == "leaf" and tracer.leaves[s[1]].kind in ("nan", "+inf")), None
+        )
         if not produced and bad_leaf is None:
             return
         analysis = Analysis(tracer)
-        if produced:
-            finding = analysis.producer_finding(record, "first NaN" if record.kind == "nan" else "first Inf", [])
-        else:
-            assert bad_leaf is not None
+        if bad_leaf is not None:
             finding = analysis._input_finding(tracer.leaves[bad_leaf[1]], [f"{record.op}"])
+        else:
+            finding = analysis.producer_finding(record, "first NaN" if record.kind == "nan" else "first Inf", [])
         raise NonFiniteError(finding.message, finding)
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._tracer.__exit__(exc_type, exc, tb)
-        self._tracker.__exit__()
-        self._stack.close()
+        self._stack.close()  # the tracer, the tracker's global hooks, the watch, the stance: all, always
         try:
             self.report = self._build_report()
         except Exception as error:  # never let the report hide the user's own exception
