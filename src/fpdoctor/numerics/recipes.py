@@ -190,8 +190,10 @@ def adam_eps_finding(seen: OptimizerSeen) -> Finding | None:
             )
             + ". Where the second moment is small, the update divides by ~0 and jumps to Inf or huge values."
         ),
-        where={"module": None, "op": f"torch.optim.{seen.name}.step", "phase": "optimizer"},
+        # no single aten op is at fault (where.op names aten overloads): the optimizer is evidence
+        where={"module": None, "phase": "optimizer"},
         evidence={
+            "optimizer": f"torch.optim.{seen.name}",
             "kind": "underflow",
             "count": half,
             "numel": sum(seen.param_dtypes.values()),
@@ -249,7 +251,8 @@ def no_scaler_finding(records: list[Record], optimizers: list[OptimizerSeen]) ->
             f"The forward ran under fp16 autocast ({casts} cast(s) of fp32 parameters to fp16), backward ran and "
             "the optimizer stepped without a GradScaler: gradients smaller than 6e-8 flush to zero in fp16." + measured
         ),
-        where={"module": None, "op": "torch.optim.Optimizer.step", "phase": "backward"},
+        # the gradients flush in backward; no single aten op is at fault
+        where={"module": None, "phase": "backward"},
         evidence={
             "kind": "underflow",
             "count": lost,
