@@ -143,3 +143,61 @@ def test_every_rank_names_the_rank_that_held_the_fault(tmp_path, world):
         assert res["bitwise"], r
     assert all(res["deterministic"] == results[0]["deterministic"] for res in results)  # one story on every rank
     assert all(res["transient"] == results[0]["transient"] for res in results)
+
+
+def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
+    # a short timeout: a collective issued on one rank only would hang both, and fail here in time
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=15))
+    results: dict = {}
+    try:
+        model = _model()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        guard = fpdoctor.Sentinel(ddp, opt)
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            logged = loss.detach().clone()
+            dist.all_reduce(logged)  # a logging collective inside the step, replayed on every rank
+            return loss
+
+        for i, (x, y) in enumerate(_batches(rank, 3)):
+            if rank == 1 and i == 0:  # the very first iteration: DDP still rebuilds its buckets
+                x = x.clone()
+                x[0, 0] = float("nan")
+            guard.step(step, x, y)
+        results["findings"] = _summary(guard)
+        results["verdicts"] = guard.report.data["verdicts"]
+        results["finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    except Exception as exc:
+        results["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results, default=str))
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
+def test_every_rank_replays_so_collectives_inside_the_step_match(tmp_path):
+    world = 2
+    ctx = mp.start_processes(
+        _collective_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=False, start_method="spawn"
+    )
+    for _ in range(120):
+        if ctx.join(timeout=0.5):
+            break
+    else:
+        for p in ctx.processes:
+            p.kill()
+        pytest.fail("the DDP ranks did not finish in time")
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    for r, res in enumerate(results):
+        assert "error" not in res, (r, res)
+        names = [name for name, _, _ in res["findings"]]
+        assert names[:2] == ["nonfinite-loss", "deterministic-nonfinite"], (r, names)
+        assert all(where.get("rank") == 1 and where.get("step") == 1 for _, where, _ in res["findings"]), r
+        assert res["verdicts"] == {"1": "deterministic-nonfinite"}
+        assert res["finite"], r
+    assert results[0]["findings"] == results[1]["findings"]

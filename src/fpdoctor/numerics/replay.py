@@ -48,12 +48,19 @@ def replay(
     step_fn: Callable[..., Any],
     window: list[MicroBatch],
     contexts: list[contextlib.AbstractContextManager[Any]],
+    *,
+    whole: bool = False,
 ) -> ReplayResult:
     """Run `window` again under trace, one micro-batch at a time, gradients zeroed before each
-    (so that a micro-batch is judged on its own gradients, not on an earlier one's NaN)."""
+    (so that a micro-batch is judged on its own gradients, not on an earlier one's NaN).
+
+    `whole`: run every micro-batch even after a bad one (the verdict is still the first bad one's):
+    under torch.distributed every rank replays, and each must issue the collectives of the whole
+    window (a step_fn's own, DDP's, SyncBatchNorm's) in the same order as the others."""
     from fpdoctor.numerics.api import trace
 
     loss_value = float("nan")
+    first_bad: ReplayResult | None = None
     try:
         with contextlib.ExitStack() as stack:
             for context in contexts:
@@ -77,17 +84,21 @@ def replay(
                     if report
                     else []
                 )
-                if loss_bad or grad_bad or culprits:
+                if (loss_bad or grad_bad or culprits) and first_bad is None:
                     first = culprits[0] if culprits else None
                     others = [
                         f
                         for f in (report.findings if report else [])
                         if f is not first and f.name != "nonfinite-masked"
                     ]
-                    return ReplayResult("deterministic-nonfinite", index, loss_value, first, others)
+                    first_bad = ReplayResult("deterministic-nonfinite", index, loss_value, first, others)
+                    if not whole:
+                        break
     except Exception as exc:
         return ReplayResult("replay-failed", error=f"{type(exc).__name__}: {exc}")
     finally:
         for p in params:  # nothing of the replay may reach the weights
             p.grad = None
+    if first_bad is not None:
+        return first_bad
     return ReplayResult("transient-fault-suspected", None, loss_value if math.isfinite(loss_value) else float("nan"))

@@ -333,10 +333,8 @@ class Sentinel:
             self.skipped += 1
             self._buffers.restore()  # the bad forward's buffer writes (BatchNorm statistics) undone
         faulty = self._attribute(pending, bad_loss, local_loss, loss_value)
-        if self.replay and faulty:
-            outcome.verdict = self._replay(pending)
-        elif self._distributed and self.replay:
-            outcome.verdict = self._replay(pending, replaying=False)
+        if self.replay:
+            outcome.verdict = self._replay(pending, faulty=faulty)
         self._zero_grads()
 
     # -- findings ------------------------------------------------------------------------------
@@ -393,24 +391,28 @@ class Sentinel:
                     bad.append((name, kind))
         return bad
 
-    def _replay(self, pending: _Pending, *, replaying: bool = True) -> str:
-        """Replay on this rank (when it holds the fault); under torch.distributed every rank then
-        receives every replaying rank's verdict, so all reports say the same."""
-        result = ReplayResult("not-replayed")
-        if replaying:
-            contexts: list[contextlib.AbstractContextManager[Any]] = [distributed.local_replay(self.model)]
-            if pending.scale is not None:
-                contexts.append(amp.scale_as(self.scaler, pending.scale))
-            result = replay(self.model, self._params, pending.step_fn, pending.window, contexts)
-        mine = self._verdict_findings(pending.step, result) if replaying else []
+    def _replay(self, pending: _Pending, *, faulty: bool = True) -> str:
+        """Replay the step; the verdict is this rank's when it holds (or may hold) the fault.
+
+        Under torch.distributed every rank replays its whole window, so that every collective in
+        it (a step_fn's own, DDP's first-iteration bucket rebuild, SyncBatchNorm's) is issued on
+        every rank in the same order; gradients stay local (`local_replay`). Then every rank
+        receives every faulty rank's verdict, so all reports say the same."""
+        contexts: list[contextlib.AbstractContextManager[Any]] = [distributed.local_replay(self.model)]
+        if pending.scale is not None:
+            contexts.append(amp.scale_as(self.scaler, pending.scale))
+        result = replay(
+            self.model, self._params, pending.step_fn, pending.window, contexts, whole=self._distributed
+        )
+        mine = self._verdict_findings(pending.step, result) if faulty else []
         if not self._distributed:
             self.findings.extend(mine)
             return result.verdict
-        everyone = distributed.agree({"verdict": result.verdict, "findings": mine})
+        everyone = distributed.agree({"verdict": result.verdict if faulty else None, "findings": mine})
         for entry in everyone:
             self.findings.extend(entry.get("findings") or [])
-        verdicts = [e.get("verdict") for e in everyone if e.get("verdict") not in (None, "not-replayed")]
-        return result.verdict if replaying else str(verdicts[0]) if verdicts else "not-replayed"
+        verdicts = [e.get("verdict") for e in everyone if e.get("verdict") is not None]
+        return result.verdict if faulty else str(verdicts[0]) if verdicts else "not-replayed"
 
     def _verdict_findings(self, step: int, result: ReplayResult) -> list[Finding]:
         if result.verdict == "replay-failed":
