@@ -164,9 +164,9 @@ def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
             dist.all_reduce(logged)  # a logging collective inside the step, replayed on every rank
             return loss
 
-        for i, (x, y) in enumerate(_batches(rank, 3)):
+        for i, (clean, y) in enumerate(_batches(rank, 3)):
+            x = clean.clone()
             if rank == 1 and i == 0:  # the very first iteration: DDP still rebuilds its buckets
-                x = x.clone()
                 x[0, 0] = float("nan")
             guard.step(step, x, y)
         results["findings"] = _summary(guard)
