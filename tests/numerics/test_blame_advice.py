@@ -53,3 +53,21 @@ def test_fp16_matmul_overflow_says_bf16_plainly():
         lin(torch.full((2, 64), 40.0, dtype=torch.float16))
     (f,) = [f for f in t.report.findings if f.name == "nonfinite-produced"]
     assert "fp16's range" in f.fix and "torch.bfloat16" in f.fix
+
+
+def test_an_optimizer_update_that_divides_by_zero_is_not_told_to_use_bf16():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).half()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8)  # eps is 0 in fp16
+    with fpdoctor.trace(model) as t:
+        for _ in range(3):
+            opt.zero_grad()
+            x = torch.randn(8, 16).half()
+            x[:, 0] = 0  # the first layer's column 0 gets no gradient: v = 0, update 0/0 and m/0
+            model(x).float().square().mean().backward()
+            opt.step()
+    assert t.report is not None
+    produced = t.report.by_name("nonfinite-produced")
+    assert produced and all(f.where["phase"] == "optimizer" for f in produced)
+    assert all("bf16" not in f.fix and "eps" in f.fix for f in produced)
+    assert t.report.by_name("fp16-adam-eps")

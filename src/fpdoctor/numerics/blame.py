@@ -460,7 +460,16 @@ OP_ADVICE: dict[str, str] = {
 }
 
 
+_OPTIMIZER = (
+    "the optimizer update made it: a learning rate too large for these gradients, a gradient that should have "
+    "been clipped (torch.nn.utils.clip_grad_norm_), or an update dividing by ~0 (Adam's eps rounds to 0 in fp16: "
+    "eps=1e-4, or fp32 parameters under autocast)"
+)
+
+
 def _fix_for(r: Record) -> str:
+    if r.phase == "optimizer":
+        return _OPTIMIZER
     text = OP_ADVICE.get(_packet(r.op), catalog.get("nonfinite-produced").fix)
     rng = range_cause(r)
     if rng is not None:

@@ -50,6 +50,8 @@ def range_cause(record: Record) -> str | None:
     out = next((o for o in record.outputs if o.kind in ("+inf", "-inf")), None)
     if out is None or out.dtype != "torch.float16" or record.kind == "nan":
         return None
+    if record.phase == "optimizer":
+        return None  # an update that blows up is the step size or a zero denominator (eps), not range
     stats = record.input_stats or []
     if any(s.get("nonfinite") for s in stats):
         return None  # an Inf passed on, not produced here
