@@ -122,6 +122,8 @@ class BufferSnapshot:
         """Put back the values (and the tensor objects) captured last."""
         if not self._entries:
             return
+        # learn first: once put back, a first step that changed buffers would look like one that did not
+        self._learn()
         for module, name, buffer, _, _ in self._entries:
             module._buffers[name] = buffer
         with torch.no_grad():

@@ -205,3 +205,19 @@ def test_a_step_fn_that_raises_does_not_count_as_a_micro_batch():
     guard.step(step, x)  # the window's second micro-batch: now the optimizer steps
     assert not torch.equal(before, model.weight)
     assert guard.report.data["steps"] == 1 and guard.report.findings == []
+
+
+def test_batchnorm_statistics_stay_finite_when_the_very_first_step_is_skipped():
+    # the first step is the one that shows which buffers a forward changes; skipped, it still must
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = fpdoctor.Sentinel(model, opt, replay=False)
+    step = _plain_step(model, opt)
+    bad, y = torch.full((8, 4), float("nan")), torch.zeros(8, 1)
+    for x in (bad, torch.randn(8, 4), torch.randn(8, 4)):
+        guard.step(step, x, y)
+    before = model[1].running_mean.clone(), model[1].running_var.clone()
+    guard.step(step, bad, y)
+    assert guard.skipped == 2
+    assert torch.equal(model[1].running_mean, before[0]) and torch.equal(model[1].running_var, before[1])
