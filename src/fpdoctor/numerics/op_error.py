@@ -6,9 +6,8 @@ must have the same dtype" the trace already knows where each operand came from -
 the traced ops. This module gathers the failing op's operands and hands them to `audit`'s
 explanation, so both commands say the same thing and give the same smallest fix.
 
-The operands are read from the failing dispatch frame in the exception's traceback (the mode's
-`__torch_dispatch__` is on the stack when the op raises) unless the tracer recorded the failure
-itself as `tracer.failure`.
+The operands are read from the failing dispatch frame in the exception's traceback: the mode's
+`__torch_dispatch__` is on the stack when the op raises, so the hot path records nothing for it.
 """
 
 from __future__ import annotations
@@ -48,8 +47,7 @@ def _dispatch_call(tracer: Tracer, frames: list[types.FrameType]) -> tuple[Any, 
 
 
 def _dispatch_frame(tracer: Tracer, frames: list[types.FrameType]) -> types.FrameType | None:
-    # by name and owner: torch wraps a mode's __torch_dispatch__ (dynamo's disable), so the
-    # class attribute's code object is the wrapper's, not the frame's
+    # by name and owner: the frame of this tracer's own __torch_dispatch__, not a nested trace's
     for frame in reversed(frames):
         if frame.f_code.co_name == "__torch_dispatch__" and frame.f_locals.get("self") is tracer:
             return frame
@@ -87,7 +85,7 @@ class _Origins:
                     sources.append({"kind": "parameter", "name": leaf.name, "dtype": leaf.dtype})
                 else:
                     sources.append(
-                        {"kind": "tensor", "name": "a tensor from outside the traced ops", "dtype": leaf.dtype}
+                        {"kind": "tensor", "name": _OUTSIDE, "dtype": leaf.dtype}
                     )
         origin: dict[str, Any] = {"kind": "state", "op": r.op, "module": r.module, "dtype": dtype, "from": sources}
         if r.location is not None:
@@ -133,12 +131,10 @@ def explain_op_error(tracer: Tracer, error: BaseException) -> Finding | None:
         return None
     frames = _frames(error.__traceback__)
     func, args, kwargs = _dispatch_call(tracer, frames)
-    recorded = getattr(tracer, "failure", None)
-    recorded = recorded if isinstance(recorded, dict) else {}
-    if func is None and not recorded.get("operands"):
+    if func is None:
         return None
     origins = _Origins(tracer)
-    operands = recorded.get("operands") or [
+    operands = [
         {**origins.of_tensor(t), "dtype": str(t.dtype), "device": str(t.device), "shape": list(t.shape)}
         for t in tensors_in((args, kwargs))
     ]
@@ -146,17 +142,17 @@ def explain_op_error(tracer: Tracer, error: BaseException) -> Finding | None:
     dispatch = _dispatch_frame(tracer, frames)
     failure = {
         "error": text.splitlines()[0] if text else type(error).__name__,
-        "op": recorded.get("op") or str(func),
-        "module": recorded.get("module", module),
-        "call": recorded.get("call"),
+        "op": str(func),
+        "module": module,
+        "call": None,
         "operands": operands,
         "device": what == "device",
-        "location": recorded.get("location") or (user_location(dispatch) if dispatch is not None else None),
+        "location": user_location(dispatch) if dispatch is not None else None,
     }
     finding = explain_mismatch(failure, _main_dtype(tracer, root), root)
-    # SPEC 3.2: unknown keys are omitted (module may be null: outside any module)
+    # unknown keys are omitted (module may be null: outside any module)
     where = {k: v for k, v in finding.where.items() if v is not None or k == "module"}
-    where["phase"] = recorded.get("phase") or where.get("phase") or "forward"
+    where["phase"] = where.get("phase") or "forward"
     evidence = {k: v for k, v in finding.evidence.items() if v is not None}
     evidence["operands"] = [_plain(o) for o in evidence.get("operands", [])]
     return dataclasses.replace(finding, where=where, evidence=evidence)
