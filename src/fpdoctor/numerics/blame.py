@@ -252,8 +252,9 @@ class Analysis:
                 catalog.make(
                     "nonfinite-masked",
                     message=(
-                        f"{r.op} {_module_text(r.module)} ({r.phase}) produced {r.kind}, but nothing downstream "
-                        f"received it ({len(masked)} such op(s) in total)."
+                        f"{r.op} {_module_text(r.module)} ({r.phase}) produced {r.kind}, but later ops "
+                        "masked or dropped it before it reached a module output, the loss, a gradient or a parameter "
+                        f"({len(masked)} such op(s) in total)."
                         + (f" Source: {_where_text(r.location)}." if r.location else "")
                     ),
                     where=self.where(r),
