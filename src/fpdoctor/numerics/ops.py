@@ -46,11 +46,12 @@ class OpInfo:
     """What the tracer needs to know about an aten overload, worked out once."""
 
     __slots__ = (
-        "is_view", "lists", "name", "op", "overwrites", "path", "preserving", "reads_inputs", "scales",
+        "func", "is_view", "lists", "name", "op", "overwrites", "path", "preserving", "reads_inputs", "scales",
         "uninitialised", "writes",
     )  # fmt: skip
 
     def __init__(self, func: Any) -> None:
+        self.func = func  # held: the tracer keys these by id(func)
         self.op = str(func)
         self.name = func.overloadpacket.__name__
         self.is_view = bool(func.is_view)

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from fpdoctor.numerics import records as _records
 from fpdoctor.numerics.modules import ModuleTracker
-from fpdoctor.numerics.ops import FUNCTIONAL, IN_PLACE, VIEW, OpInfo, tensor_args
+from fpdoctor.numerics.ops import FUNCTIONAL, GENERAL, IN_PLACE, VIEW, OpInfo, tensor_args
 from fpdoctor.numerics.records import Leaf, Output, Record, Store, kind_of
 from fpdoctor.numerics.values import (
     CHECKABLE,
@@ -64,7 +64,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
 _SITE = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 _USER_FILES: dict[str, bool] = {}
-_OP_INFO: dict[Any, OpInfo] = {}  # per aten overload, shared by every trace (a replay traces a few steps)
+_OP_INFO: dict[int, OpInfo] = {}  # per aten overload, shared by every trace (a replay traces a few steps)
 # looked up once: the hot path runs for every op
 Tensor = torch.Tensor
 _ref = weakref.ref
@@ -164,9 +164,9 @@ class Tracer(TorchDispatchMode):
 
     # -- recording ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        info = _OP_INFO.get(func)
+        info = _OP_INFO.get(id(func))  # by id: an OpOverload's __hash__ is Python code
         if info is None:
-            info = _OP_INFO[func] = OpInfo(func)
+            info = _OP_INFO[id(func)] = OpInfo(func)
         path = info.path
         if path == VIEW and not self._nested:
             out = func(*args, **kwargs) if kwargs else func(*args)
@@ -184,16 +184,24 @@ class Tracer(TorchDispatchMode):
         # Autograd numbers the node it creates for this op just before dispatching below itself:
         # the counter read here is that node's number + 1 (the first op to see a number owns it).
         seq = _sequence_nr() - 1
-        if not self._nested and (path == FUNCTIONAL or (path == IN_PLACE and self._met(args[0]))):
-            # The common cases, without the general bookkeeping: a value out of values, or an
-            # in-place op on one tensor this trace made (nothing to probe before it changes).
+        if path != GENERAL and not self._nested:
+            # The common cases without the general bookkeeping: a value out of values, or an
+            # in-place op on its first argument (probed first when the trace has not met it).
+            probed = None
+            if path == IN_PLACE and not self._met(args[0]):
+                try:
+                    probed = self._before_write([args[0]])
+                except Exception as exc:  # the observer never kills the job (SPEC 4)
+                    self._error(func, exc)
             out = func(*args, **kwargs) if kwargs else func(*args)
             try:
                 if type(out) is Tensor if path == FUNCTIONAL else out is args[0]:
-                    self._one(info, args, kwargs, out, seq=seq, written=path == IN_PLACE)
+                    self._one(info, args, kwargs, out, seq=seq, before=probed, written=path == IN_PLACE)
+                elif not isinstance(out, (Tensor, tuple, list)):  # a number (`.item()`) or None
+                    self.ops_seen += 1
                 else:
-                    written = info.written(args, kwargs or {}) if path == IN_PLACE else []
-                    self._record(info, args, kwargs or {}, out, seq=seq, written=written, before=None)
+                    wrote = info.written(args, kwargs or {}) if path == IN_PLACE else []
+                    self._record(info, args, kwargs or {}, out, seq=seq, written=wrote, before=probed)
             except NonFiniteError:
                 raise
             except Exception as exc:  # the observer never kills the job (SPEC 4)
@@ -238,9 +246,11 @@ class Tracer(TorchDispatchMode):
         if len(table) >= self.provenance._sweep_at:
             self.provenance.sweep()
 
-    def _one(self, info: OpInfo, args: Any, kwargs: Any, t: torch.Tensor, *, seq: int, written: bool) -> None:
-        """Record an op with one tensor output (or one tensor written in place, `written`) whose
-        inputs were all known before it ran: `_record` without the generic cases."""
+    def _one(
+        self, info: OpInfo, args: Any, kwargs: Any, t: torch.Tensor, *, seq: int, before: Any, written: bool
+    ) -> None:
+        """Record an op with one tensor output, or one tensor written in place (`written`):
+        `_record` without the generic cases."""
         self.ops_seen += 1
         dtype = t.dtype
         if dtype not in CHECKABLE or t.layout is not STRIDED or not t.numel():
@@ -288,7 +298,7 @@ class Tracer(TorchDispatchMode):
             elif not immediate:
                 # Deferred mode learns about a NaN later, when this stack is gone: take it now.
                 location = user_location(sys._getframe(2))
-        inputs = self._inputs(arg_tensors, index, None)
+        inputs = self._inputs(arg_tensors, index, before)
         output = Output(t.shape, dtype_name(dtype))
         record = Record(
             index, info.op, phase, module, call, recompute, node_name, forward_op, location, inputs, [output]
@@ -357,15 +367,16 @@ class Tracer(TorchDispatchMode):
             self.errors.append(f"{func}: {type(exc).__name__}: {exc}")
 
     def _lookup(self, t: torch.Tensor) -> tuple[str, int] | None:
-        entry = self.provenance.own(t)
-        if entry is None:
+        found = self._table.get(id(t))  # Provenance.own, inlined
+        if found is None or found[0]() is not t:
             base = t._base  # a view: its values (and its name) are its base's
             if base is None:
                 return None
-            entry = self.provenance.own(base)
-            if entry is None:
+            found = self._table.get(id(base))
+            if found is None or found[0]() is not base:
                 return None
             t = base
+        entry = found[1]
         if entry[1] is not None and entry[1] != version(t):
             return None  # a leaf changed since it was probed
         return entry[0]
@@ -401,13 +412,18 @@ class Tracer(TorchDispatchMode):
         return name
 
     def _new_leaf(self, t: torch.Tensor, consumer: int | None, name: str) -> tuple[str, int]:
-        leaf = Leaf(self.leaves.count, name, tuple(t.shape), dtype_name(t.dtype), first_use=consumer)
-        probe = Output(leaf.shape, leaf.dtype)
-        resolve(probe, [float(v) for v in reduce(t)], t)  # same one-reduction check as op outputs
-        leaf.lo, leaf.hi, leaf.kind, leaf.counts = probe.lo, probe.hi, probe.kind, probe.counts
+        dtype = t.dtype
+        leaf = Leaf(self.leaves.count, name, t.shape, dtype_name(dtype), first_use=consumer)
+        # the same one-reduction check as op outputs
+        if dtype is torch.float32 or dtype is torch.float64:
+            value = float(t.sum())
+            if value - value:  # NaN for NaN and for +-inf: look closer
+                resolve(leaf, [value], t)
+        else:
+            resolve(leaf, [float(v) for v in reduce(t)], t)
         self.leaves.append(leaf)
         src = ("leaf", leaf.index)
-        self.provenance.set(t, (src, version(t)))
+        self._set(t, (src, version(t)))
         if leaf.kind:
             self._tainted.add(src)
             self._pinned_leaves.add(leaf.index)

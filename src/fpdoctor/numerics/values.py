@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fpdoctor.numerics.records import Output, kind_of
+from fpdoctor.numerics.records import Leaf, Output, kind_of
 
 LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -63,7 +63,7 @@ def counts(t: torch.Tensor) -> dict[str, int]:
     }
 
 
-def resolve(output: Output, values: list[float], alive: torch.Tensor | None) -> None:
+def resolve(output: Output | Leaf, values: list[float], alive: torch.Tensor | None) -> None:
     """Set kind (and the exact range when known) from the reduction's values."""
     if len(values) == 2:
         output.lo, output.hi = values
