@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import socket
+import weakref
 from pathlib import Path
 
 import pytest
@@ -201,3 +203,59 @@ def test_every_rank_replays_so_collectives_inside_the_step_match(tmp_path):
         assert res["verdicts"] == {"1": "deterministic-nonfinite"}
         assert res["finite"], r
     assert results[0]["findings"] == results[1]["findings"]
+
+
+def _leak_worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=15))
+    results: dict = {}
+    try:
+        model = _model()
+        # small buckets: several per backward, so that the records of one backward are several
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0001)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        guard = fpdoctor.Sentinel(ddp, opt)
+        watch = guard._watch
+        x, y = _batches(rank, 1)[0]
+        for _ in range(20):  # the model trains on without the sentinel's step
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        results["records_while_held"] = len(watch._records)
+        results["buckets"] = len({r[0] for r in watch._records})
+        ref = weakref.ref(watch)
+        del guard, watch
+        gc.collect()
+        results["watch_collected"] = ref() is None
+        for _ in range(3):  # the hook left on the model still all-reduces, as DDP does
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        results["params"] = [p.detach().sum().item() for p in model.parameters()]
+    except Exception as exc:
+        results["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results, default=str))
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
+def test_the_bucket_hook_keeps_one_backward_and_lets_the_sentinel_go(tmp_path):
+    world = 2
+    ctx = mp.start_processes(
+        _leak_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=False, start_method="spawn"
+    )
+    for _ in range(120):
+        if ctx.join(timeout=0.5):
+            break
+    else:
+        for p in ctx.processes:
+            p.kill()
+        pytest.fail("the DDP ranks did not finish in time")
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    for r, res in enumerate(results):
+        assert "error" not in res, (r, res)
+        assert res["buckets"] > 1, r
+        assert res["records_while_held"] == res["buckets"], r  # one backward's, not 20
+        assert res["watch_collected"], r
+    assert results[0]["params"] == results[1]["params"]  # the replicas still average their gradients

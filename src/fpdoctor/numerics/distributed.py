@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import math
 import socket
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -95,13 +96,17 @@ def local_replay(model: nn.Module) -> Iterator[None]:
 
 
 class BucketWatch:
-    """A DDP communication hook that notes each bucket's local extremes before the all-reduce."""
+    """A DDP communication hook that notes each bucket's local extremes before the all-reduce.
 
-    def __init__(self, model: nn.Module, hook: Callable[..., Any] | None = None, state: Any = None) -> None:
-        self._ddp: Any = model
-        self._hook = hook
-        self._state = state
+    The hook registered on the model holds the watch only weakly: once the sentinel (which holds
+    the watch) is gone, the hook just does DDP's plain all-reduce and keeps nothing. The records
+    of one backward are dropped by the hook itself at the first bucket after a last bucket, so a
+    model trained on without its sentinel never accumulates them.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
         self._records: list[tuple[int, list[torch.Tensor], torch.Tensor, torch.Tensor]] = []
+        self._after_last = False  # the previous bucket was a backward's last: the next one starts anew
         self._names = {id(p): name for name, p in model.named_parameters()}
         self.errors: list[str] = []
 
@@ -114,9 +119,13 @@ class BucketWatch:
         if getattr(ddp, "_comm_hooks", None) or getattr(ddp, "_use_python_reducer", False):
             return None  # a hook of the user's (or the python reducer): theirs stays, no attribution
         watch = cls(model)
+        ref = weakref.ref(watch)
 
         def fpdoctor_bucket_watch(state: Any, bucket: Any) -> Any:
-            return watch(state, bucket)
+            live = ref()
+            if live is None:  # the sentinel is gone: DDP's own all-reduce, nothing kept
+                return _allreduce_as_ddp_does(state, bucket.buffer())
+            return live(state, bucket)
 
         # DDP accepts a bucket annotated dist.GradBucket or not at all (postponed annotations are strings)
         fpdoctor_bucket_watch.__annotations__ = {}
@@ -126,16 +135,20 @@ class BucketWatch:
     def begin(self) -> None:
         """Forget the last step's buckets (called before each step's backward)."""
         self._records = []
+        self._after_last = False
 
     def __call__(self, state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         try:
+            if self._after_last:
+                self._records = []
+            self._after_last = bool(bucket.is_last())
             buffer = bucket.buffer()
             low, high = torch.aminmax(buffer.detach())
             self._records.append((bucket.index(), list(bucket.parameters()), low, high))
         except Exception as exc:  # the observer never breaks the all-reduce
-            self.errors.append(f"{type(exc).__name__}: {exc}")
-        if self._hook is not None:
-            return self._hook(self._state, bucket)
+            text = f"{type(exc).__name__}: {exc}"
+            if len(self.errors) < 5 and text not in self.errors:
+                self.errors.append(text)
         return _allreduce_as_ddp_does(state, bucket.buffer())
 
     def local_faults(self) -> list[dict[str, Any]]:
