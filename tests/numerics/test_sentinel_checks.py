@@ -221,3 +221,19 @@ def test_batchnorm_statistics_stay_finite_when_the_very_first_step_is_skipped():
     guard.step(step, bad, y)
     assert guard.skipped == 2
     assert torch.equal(model[1].running_mean, before[0]) and torch.equal(model[1].running_var, before[1])
+
+
+def test_an_all_negative_infinity_gradient_is_minus_inf():
+    from fpdoctor.numerics.distributed import BucketWatch
+    from fpdoctor.numerics.gradcheck import tensor_kind
+
+    minus = torch.full((3,), float("-inf"))
+    assert tensor_kind(minus) == "-inf"
+    assert tensor_kind(torch.tensor([float("-inf"), float("inf")])) == "+inf"
+    assert tensor_kind(torch.tensor([1.0, float("nan"), float("-inf")])) == "nan"
+    assert tensor_kind(torch.ones(3)) is None
+    model = nn.Linear(3, 1)
+    watch = BucketWatch(model)
+    low, high = torch.aminmax(minus)
+    watch._records = [(0, [model.weight], low, high)]
+    assert watch.local_faults() == [{"bucket": 0, "kind": "-inf", "parameters": ["weight"]}]

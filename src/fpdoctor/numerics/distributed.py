@@ -16,7 +16,6 @@ way, but no attribution of a gradient to the rank that produced it before the re
 from __future__ import annotations
 
 import contextlib
-import math
 import socket
 import weakref
 from collections.abc import Iterator
@@ -24,6 +23,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from fpdoctor.numerics import records
 
 
 def active() -> bool:
@@ -158,13 +159,8 @@ class BucketWatch:
         values = torch.stack([torch.stack([lo.float(), hi.float()]) for _, _, lo, hi in self._records]).tolist()
         faults = []
         for (index, params, _, _), (lo, hi) in zip(self._records, values, strict=True):
-            if math.isnan(lo) or math.isnan(hi):
-                kind = "nan"
-            elif math.isinf(hi):
-                kind = "+inf"
-            elif math.isinf(lo):
-                kind = "-inf"
-            else:
+            kind = records.kind_of(lo, hi)
+            if kind is None:
                 continue
             names = [self._names.get(id(p), "?") for p in params]
             faults.append({"bucket": index, "kind": kind, "parameters": names})

@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from fpdoctor.numerics import records
+
 
 def grads_of(params: list[torch.Tensor]) -> list[torch.Tensor]:
     """The dense gradient values to check (sparse gradients: their stored values)."""
@@ -69,13 +71,7 @@ def tensor_kind(t: torch.Tensor) -> str | None:
     with torch.no_grad():
         low, high = torch.aminmax(t.detach())
     lo, hi = torch.stack([low.float(), high.float()]).tolist()
-    if math.isnan(lo) or math.isnan(hi):
-        return "nan"
-    if math.isinf(hi):
-        return "+inf"
-    if math.isinf(lo):
-        return "-inf"
-    return None
+    return records.kind_of(lo, hi)
 
 
 class FlagRead:
