@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import fpdoctor
+from fpdoctor.numerics import amp
 
 
 def _setup(seed: int = 0, init_scale: float = 2.0**12):
@@ -109,3 +110,52 @@ def test_scaler_needs_the_optimizer():
         fpdoctor.Sentinel(model, scaler=scaler)
     with pytest.raises(ValueError, match="GradScaler"):
         fpdoctor.Sentinel(model, torch.optim.SGD(model.parameters()), scaler=object())
+
+
+def test_the_finite_check_is_exact_without_the_fused_amp_kernel(monkeypatch):
+    from fpdoctor.numerics.gradcheck import nonfinite_flag
+
+    def missing(*args, **kwargs):
+        raise NotImplementedError("no kernel for this backend")
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", missing)
+    cpu = torch.device("cpu")
+    finite = [torch.full((4,), 60000.0, dtype=torch.float16), torch.ones(3, dtype=torch.bfloat16), torch.ones(2)]
+    assert nonfinite_flag(finite, cpu).item() == 0.0
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        grads = [*finite, torch.tensor([1.0, bad], dtype=torch.float16)]
+        assert nonfinite_flag(grads, cpu).item() == 1.0
+    assert nonfinite_flag([], cpu).item() == 0.0
+
+
+def test_the_scaler_spy_falls_back_to_the_cuda_grad_scaler_and_leaves_it_as_it_was(monkeypatch):
+    import torch.amp
+    import torch.cuda.amp
+
+    monkeypatch.delattr(torch.amp, "GradScaler")  # as before torch 2.3
+    cls = torch.cuda.amp.GradScaler
+    found: list = []
+    with amp.spy(found):
+        assert "scale" in vars(cls)
+    assert "scale" not in vars(cls)  # inherited again, as it was
+
+
+def test_a_spy_that_cannot_start_never_reaches_the_users_step(monkeypatch):
+    def unavailable():
+        raise ImportError("cannot import name 'GradScaler'")
+
+    monkeypatch.setattr(amp, "_grad_scaler_class", unavailable)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = fpdoctor.Sentinel(model, opt)
+
+    def step(x):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    guard.step(step, torch.randn(8, 4))
+    assert guard.steps == 1 and guard.last_good_step == 1
+    assert [f.name for f in guard.report.findings] == ["sentinel-error"]

@@ -23,6 +23,23 @@ def enabled(scaler: Any) -> bool:
     return scaler is not None and bool(scaler.is_enabled())
 
 
+def _grad_scaler_class() -> Any:
+    """torch.amp.GradScaler (torch >= 2.3); before it, torch.cuda.amp.GradScaler."""
+    try:
+        from torch.amp import GradScaler
+    except ImportError:
+        from torch.cuda.amp import GradScaler  # type: ignore[assignment]
+    return GradScaler
+
+
+def _opt_state() -> Any:
+    try:
+        from torch.amp.grad_scaler import OptState
+    except ImportError:
+        from torch.cuda.amp.grad_scaler import OptState
+    return OptState
+
+
 @contextlib.contextmanager
 def spy(found: list[Any]) -> Iterator[None]:
     """Note every enabled GradScaler whose `scale()` is called inside the block.
@@ -31,8 +48,7 @@ def spy(found: list[Any]) -> Iterator[None]:
     the sentinel: the first step runs inside this block, so the scaler that step_fn really uses
     is found (not merely one that exists). Only the class attribute is swapped, for that one
     call, and put back; the user's scaler object is never touched."""
-    from torch.amp import GradScaler
-
+    GradScaler = _grad_scaler_class()
     original = GradScaler.scale
 
     def scale(self: Any, outputs: Any) -> Any:
@@ -40,17 +56,20 @@ def spy(found: list[Any]) -> Iterator[None]:
             found.append(self)
         return original(self, outputs)
 
-    GradScaler.scale = scale  # type: ignore[method-assign]
+    own = "scale" in vars(GradScaler)  # torch.cuda.amp's subclass inherits it: nothing to leave behind
+    GradScaler.scale = scale
     try:
         yield
     finally:
-        GradScaler.scale = original  # type: ignore[method-assign]
+        if own:
+            GradScaler.scale = original
+        else:
+            del GradScaler.scale
 
 
 def stepped(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
     """True when `scaler.step(optimizer)` already ran since the scaler's last update()."""
-    from torch.amp.grad_scaler import OptState
-
+    OptState = _opt_state()
     states = getattr(scaler, "_per_optimizer_states", {})
     state = states.get(id(optimizer)) if isinstance(states, dict) else None
     return state is not None and state.get("stage") is OptState.STEPPED

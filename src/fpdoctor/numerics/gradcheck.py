@@ -45,7 +45,11 @@ def nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Ten
                 flag = found if dev == device else torch.zeros((), dtype=torch.float32, device=dev)
                 per_device[dev] = (flag, torch.ones((), dtype=torch.float32, device=dev))
             flag, one = per_device[dev]
-            torch._amp_foreach_non_finite_check_and_unscale_(group, flag, one)
+            try:
+                torch._amp_foreach_non_finite_check_and_unscale_(group, flag, one)
+            except (NotImplementedError, RuntimeError):  # no kernel for this device or dtype here
+                bad = torch.stack([g.isfinite().all() for g in group]).logical_not().any()
+                torch.maximum(flag, bad.to(torch.float32), out=flag)
         for dev, (flag, _) in per_device.items():
             if dev != device:
                 found = torch.maximum(found, flag.to(device, non_blocking=True))

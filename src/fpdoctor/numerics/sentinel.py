@@ -193,8 +193,14 @@ class Sentinel:
             self.steps += 1  # counted whether or not the check below works
         scalers: list[Any] = []
         looking = not self._scaler_searched and self.optimizer is not None
+        spying = contextlib.ExitStack()
+        if looking:
+            try:
+                spying.enter_context(amp.spy(scalers))
+            except Exception as exc:  # no GradScaler to look for in this torch: the step goes on
+                self._error("looking for a GradScaler", exc)
         try:
-            with amp.spy(scalers) if looking else contextlib.nullcontext():
+            with spying:
                 loss = step_fn(*args, **kwargs)  # the user's own errors are the user's
         except BaseException:
             self._in_window -= 1  # the call did not happen, as far as the window is concerned
