@@ -55,7 +55,7 @@ def _run(ddp, opt, guard, batches, fault=None):
 
 def _summary(guard) -> list:
     return [
-        [f.name, {k: v for k, v in f.where.items() if k in ("rank", "step", "op")}, f.evidence]
+        [f.name, {k: v for k, v in f.where.items() if k in ("rank", "step", "op", "host", "device")}, f.evidence]
         for f in guard.report.findings
     ]
 
@@ -136,6 +136,9 @@ def test_every_rank_names_the_rank_that_held_the_fault(tmp_path, world):
         assert grad_finding[2]["kind"] == "nan" and "module.0.weight" in grad_finding[2]["parameters"]
         assert "buckets" in grad_finding[2]
         assert res["transient_verdicts"] == {"2": "transient-fault-suspected"}
+        assert verdict[2]["kind"] == "nan"  # the bad step's own kind
+        for _, where, evidence in transient + res["deterministic"]:  # every training finding says where
+            assert where["host"] and where["device"] == "cpu" and evidence["step"] == where["step"], where
 
         deterministic = res["deterministic"]
         names = [name for name, _, _ in deterministic]

@@ -82,7 +82,7 @@ class FlagRead:
     """A small device tensor on its way to the host.
 
     On a GPU the copy goes into pinned memory without blocking and an event marks its end;
-    `ready()` asks without waiting, `values()` waits only for the rest of that copy. On the CPU
+    `values()` waits only for the rest of that copy. On the CPU
     the values are there at once.
     """
 
@@ -96,9 +96,6 @@ class FlagRead:
             self._event.record()
         else:
             self._host = flags.cpu()
-
-    def ready(self) -> bool:
-        return self._event is None or self._event.query()
 
     def values(self) -> list[float]:
         if self._event is not None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics.gradcheck import grads_of, loss_flag, nonfinite_flag
+from fpdoctor.numerics.gradcheck import grads_of, loss_flag, nonfinite_flag, tensor_kind
 from fpdoctor.preserve import RngState, preserved
 from fpdoctor.report.model import Finding
 
@@ -40,6 +40,8 @@ class ReplayResult:
     culprit: Finding | None = None  # the trace's nonfinite-produced / nonfinite-input, when it found one
     others: list[Finding] = field(default_factory=list)
     error: str | None = None
+    # what the replay saw when no op was named: the bad loss's or gradients' kind, count, numel, dtype
+    evidence: dict[str, Any] = field(default_factory=dict)
 
 
 def replay(
@@ -91,7 +93,8 @@ def replay(
                         for f in (report.findings if report else [])
                         if f is not first and f.name != "nonfinite-masked"
                     ]
-                    first_bad = ReplayResult("deterministic-nonfinite", index, loss_value, first, others)
+                    seen = {} if first else _nonfinite_evidence(torch.as_tensor(loss) if loss_bad else None, params)
+                    first_bad = ReplayResult("deterministic-nonfinite", index, loss_value, first, others, evidence=seen)
                     if not whole:
                         break
     except Exception as exc:
@@ -102,3 +105,19 @@ def replay(
     if first_bad is not None:
         return first_bad
     return ReplayResult("transient-fault-suspected", None, loss_value if math.isfinite(loss_value) else float("nan"))
+
+
+def _nonfinite_evidence(loss: torch.Tensor | None, params: list[torch.Tensor]) -> dict[str, Any]:
+    """kind, count, numel, dtype of the non-finite loss (else of the non-finite gradients); host
+    reads, on a bad replayed micro-batch only."""
+    tensors = [loss.detach()] if loss is not None else grads_of(params)
+    bad = [t for t in tensors if tensor_kind(t)]
+    if not bad:
+        return {}
+    kinds = [tensor_kind(t) for t in bad]
+    return {
+        "kind": "nan" if "nan" in kinds else kinds[0],
+        "count": sum(int((~torch.isfinite(t)).sum()) for t in bad),
+        "numel": sum(t.numel() for t in tensors),
+        "dtype": str(bad[0].dtype).removeprefix("torch."),
+    }

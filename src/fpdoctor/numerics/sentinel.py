@@ -167,6 +167,13 @@ class Sentinel:
         # A fused optimizer takes the check's flag as found_inf and skips on the device; on a GPU
         # the host then need not wait for the flag before optimizer.step().
         self._device_skip = self._device.type == "cuda" and skips_on_device(self.optimizer)
+        # where every finding of this rank happened, under torch.distributed (rank, host, device)
+        self._here: dict[str, Any] = {}
+        if self._distributed:
+            try:
+                self._here = findings.place(distributed.describe(self._device))
+            except Exception as exc:
+                self._error("describing this rank", exc)
 
     # -- the always-on part --------------------------------------------------------------------
     def step(self, step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -338,14 +345,17 @@ class Sentinel:
         if outcome.skipped:
             self.skipped += 1
             self._buffers.restore()  # the bad forward's buffer writes (BatchNorm statistics) undone
-        faulty = self._attribute(pending, bad_loss, local_loss, loss_value)
+        faulty, kind = self._attribute(pending, bad_loss, local_loss, loss_value)
         if self.replay:
-            outcome.verdict = self._replay(pending, faulty=faulty)
+            outcome.verdict = self._replay(pending, kind, faulty=faulty)
         self._zero_grads()
 
     # -- findings ------------------------------------------------------------------------------
-    def _attribute(self, pending: _Pending, bad_loss: bool, local_loss: bool, loss_value: float) -> bool:
-        """Report the bad step; True when this rank holds (or may hold) the fault and replays."""
+    def _attribute(
+        self, pending: _Pending, bad_loss: bool, local_loss: bool, loss_value: float
+    ) -> tuple[bool, str | None]:
+        """Report the bad step; whether this rank holds (or may hold) the fault, and its kind
+        (nan / +inf / -inf) as this rank saw it."""
         step = pending.step
         me = distributed.describe(self._device)
         micro = None
@@ -360,11 +370,14 @@ class Sentinel:
             "faults": self._watch.local_faults() if self._watch is not None else None,
             "parameters": [] if self._watch is not None else self._bad_parameters(),
         }
+        kind = findings.step_kind(local)
         ranks = distributed.agree(local) if self._distributed else [local]
         attributed = [r for r in ranks if r.get("loss_bad") or r.get("faults")]
         for r in attributed or ([] if self._distributed else ranks):
             self._report_rank(step, r, pending)
         if self._distributed and not attributed:
+            if kind is None:  # no pre-reduce view: the reduced gradients' kind (host reads, bad steps only)
+                kind = findings.step_kind({"parameters": self._bad_parameters()})
             self.findings.append(
                 catalog.make(
                     "nonfinite-gradient",
@@ -373,12 +386,14 @@ class Sentinel:
                         "produced them is unknown (no pre-reduce view: FSDP or a communication hook of your own). "
                         "Every rank replays its step; the step was skipped on every rank."
                     ),
-                    where={"module": None, "op": None, "phase": "backward", "step": step},
-                    evidence={"kind": "nan", "count": 1, "numel": 1, "step": step},
+                    where={"module": None, "op": None, "phase": "backward", "step": step, **self._here},
+                    evidence={"kind": kind or "nan", "numel": len(self._params), "step": step},
                 )
             )
-            return True
-        return any(r.get("rank") == me.get("rank") for r in attributed) if self._distributed else True
+            return True, kind
+        if not self._distributed:
+            return True, kind
+        return any(r.get("rank") == me.get("rank") for r in attributed), kind
 
     def _report_rank(self, step: int, r: dict[str, Any], pending: _Pending) -> None:
         self.findings.append(
@@ -397,7 +412,7 @@ class Sentinel:
                     bad.append((name, kind))
         return bad
 
-    def _replay(self, pending: _Pending, *, faulty: bool = True) -> str:
+    def _replay(self, pending: _Pending, kind: str | None, *, faulty: bool = True) -> str:
         """Replay the step; the verdict is this rank's when it holds (or may hold) the fault.
 
         Under torch.distributed every rank replays its whole window, so that every collective in
@@ -410,7 +425,7 @@ class Sentinel:
         result = replay(
             self.model, self._params, pending.step_fn, pending.window, contexts, whole=self._distributed
         )
-        mine = self._verdict_findings(pending.step, result) if faulty else []
+        mine = self._verdict_findings(pending.step, result, kind) if faulty else []
         if not self._distributed:
             self.findings.extend(mine)
             return result.verdict
@@ -420,15 +435,17 @@ class Sentinel:
         verdicts = [e.get("verdict") for e in everyone if e.get("verdict") is not None]
         return result.verdict if faulty else str(verdicts[0]) if verdicts else "not-replayed"
 
-    def _verdict_findings(self, step: int, result: ReplayResult) -> list[Finding]:
+    def _verdict_findings(self, step: int, result: ReplayResult, kind: str | None) -> list[Finding]:
         if result.verdict == "replay-failed":
             self._error("replaying the step", RuntimeError(result.error or "unknown"), step=step)
             return []
         me = distributed.describe(self._device)
-        return findings.verdict_findings(step, result, me, micro_batches=self.accumulate > 1)
+        return findings.verdict_findings(step, result, me, micro_batches=self.accumulate > 1, kind=kind)
 
     def _collapse(self, pending: _Pending, scale: float, next_scale: float) -> None:
-        self.findings.append(findings.collapse_finding(pending.step, self._amp, self.steps, scale, next_scale))
+        self.findings.append(
+            findings.collapse_finding(pending.step, self._amp, self.steps, scale, next_scale, here=self._here)
+        )
         if self.replay and not self._distributed:  # name the op that overflows, once per collapse
             with preserved(self.model):  # from the step's own buffers; the run keeps its own after
                 self._buffers.restore()
@@ -439,7 +456,7 @@ class Sentinel:
                     pending.window,
                     [amp.scale_as(self.scaler, pending.scale)],
                 )
-            self.findings.extend(self._verdict_findings(pending.step, result))
+            self.findings.extend(self._verdict_findings(pending.step, result, "+inf"))
 
     def _spike(self, step: int, loss_value: float) -> None:
         if not math.isfinite(loss_value):  # a NaN in the history would switch spike detection off
@@ -449,7 +466,8 @@ class Sentinel:
             mean = statistics.fmean(history)
             spread = statistics.pstdev(history)
             if loss_value > mean + SPIKE_SIGMAS * spread and loss_value > SPIKE_RATIO * abs(mean):
-                self.findings.append(findings.spike_finding(step, loss_value, mean, spread, len(history)))
+                spike = findings.spike_finding(step, loss_value, mean, spread, len(history), here=self._here)
+                self.findings.append(spike)
         history.append(loss_value)
 
     def _error(self, doing: str, exc: BaseException, step: int | None = None) -> None:
@@ -459,7 +477,7 @@ class Sentinel:
             return
         self._errors.add((doing, text))
         at = step if step is not None else self.steps
-        self.findings.append(findings.error_finding(doing, text, at))
+        self.findings.append(findings.error_finding(doing, text, at, here=getattr(self, "_here", {})))
 
     # -- stepping without a verdict ------------------------------------------------------------
     def _unguarded_step(self) -> None:
@@ -486,7 +504,7 @@ class Sentinel:
             if key in self._errors:
                 return
             self._errors.add(key)
-            self.findings.append(findings.checkpoint_finding(step, self.checkpoint_path, text))
+            self.findings.append(findings.checkpoint_finding(step, self.checkpoint_path, text, here=self._here))
 
     @property
     def report(self) -> Report:

@@ -17,13 +17,22 @@ from fpdoctor.report.model import Finding
 _PLACE_KEYS = ("rank", "host", "device", "uuid")
 
 
-def _place(info: dict[str, Any]) -> dict[str, Any]:
+def place(info: dict[str, Any]) -> dict[str, Any]:
+    """The `where` keys naming a rank's place (rank, host, device, GPU UUID) from `describe`."""
     return {k: info[k] for k in _PLACE_KEYS if k in info}
+
+
+def step_kind(r: dict[str, Any]) -> str | None:
+    """nan / +inf / -inf of a rank's bad step (its loss first, then its gradients), None unknown."""
+    if r.get("loss_bad"):
+        return r.get("loss_kind") or "nan"
+    kinds = [f["kind"] for f in r.get("faults") or []] or [k for _, k in r.get("parameters") or []]
+    return "nan" if "nan" in kinds else kinds[0] if kinds else None
 
 
 def rank_finding(step: int, r: dict[str, Any], *, micro_batches: bool, scaled: bool, numel: int) -> Finding:
     """nonfinite-loss or nonfinite-gradient for one rank's agreed view of a bad step."""
-    place = _place(r)
+    where_rank = place(r)
     text = distributed.where_text(r)
     micro = r.get("micro_batch")
     micro_text = f" (micro-batch {micro})" if micro is not None and micro_batches else ""
@@ -33,13 +42,12 @@ def rank_finding(step: int, r: dict[str, Any], *, micro_batches: bool, scaled: b
         return catalog.make(
             "nonfinite-loss",
             message=f"Step {step}{micro_text}: the loss was {r.get('loss_kind') or 'not finite'} on {text}; {then}",
-            where={"module": None, "op": None, "phase": "forward", "step": step, **place},
+            where={"module": None, "op": None, "phase": "forward", "step": step, **where_rank},
             evidence={"kind": r.get("loss_kind") or "nan", "count": 1, "numel": 1, "step": step, **micro_ev},
         )
     faults = r.get("faults") or []
     names = [n for f in faults for n in f["parameters"]] or [n for n, _ in r.get("parameters") or []]
-    kinds = [f["kind"] for f in faults] or [k for _, k in r.get("parameters") or []]
-    kind = "nan" if "nan" in kinds else kinds[0] if kinds else "nan"
+    kind = step_kind(r) or "nan"
     buckets = [f["bucket"] for f in faults]
     where_buckets = f" in DDP bucket(s) {buckets} before the all-reduce" if buckets else ""
     return catalog.make(
@@ -48,7 +56,7 @@ def rank_finding(step: int, r: dict[str, Any], *, micro_batches: bool, scaled: b
             f"Step {step}: the loss was finite but gradients were not ({kind}) on {text}{where_buckets} "
             f"({len(names)} parameter(s): {', '.join(names[:4])}); the step was skipped."
         ),
-        where={"module": None, "op": None, "phase": "backward", "step": step, **place},
+        where={"module": None, "op": None, "phase": "backward", "step": step, **where_rank},
         evidence={
             "kind": kind,
             "count": len(names),
@@ -60,9 +68,12 @@ def rank_finding(step: int, r: dict[str, Any], *, micro_batches: bool, scaled: b
     )
 
 
-def verdict_findings(step: int, result: ReplayResult, me: dict[str, Any], *, micro_batches: bool) -> list[Finding]:
-    """deterministic-nonfinite (with the trace's other findings) or transient-fault-suspected."""
-    place = _place(me)
+def verdict_findings(
+    step: int, result: ReplayResult, me: dict[str, Any], *, micro_batches: bool, kind: str | None
+) -> list[Finding]:
+    """deterministic-nonfinite (with the trace's other findings) or transient-fault-suspected;
+    `kind`: the bad step's own nan / +inf / -inf."""
+    where_rank = place(me)
     micro = {"micro_batch": result.micro_batch} if result.micro_batch is not None and micro_batches else {}
     if result.verdict == "deterministic-nonfinite":
         first = result.culprit
@@ -76,9 +87,14 @@ def verdict_findings(step: int, result: ReplayResult, me: dict[str, Any], *, mic
             where={
                 **(dict(first.where) if first else {"module": None, "op": None, "phase": None}),
                 "step": step,
-                **place,
+                **where_rank,
             },
-            evidence={**(dict(first.evidence) if first else {}), "step": step, "replay_loss": result.loss, **micro},
+            evidence={
+                **(dict(first.evidence) if first else {"kind": kind, **result.evidence}),
+                "step": step,
+                "replay_loss": result.loss,
+                **micro,
+            },
             fix=first.fix if first else catalog.get("deterministic-nonfinite").fix,
         )
         return [finding, *result.others]
@@ -89,9 +105,9 @@ def verdict_findings(step: int, result: ReplayResult, me: dict[str, Any], *, mic
                 f"Step {step} was non-finite, but replaying it with the same batch, RNG state and weights gave a "
                 f"finite loss ({result.loss:.4g}) and finite gradients. Suspect {distributed.where_text(me)}."
             ),
-            where={"module": None, "op": None, "phase": None, "step": step, **place},
+            where={"module": None, "op": None, "phase": None, "step": step, **where_rank},
             evidence={
-                "kind": "transient",
+                "kind": kind,
                 "step": step,
                 "replay_loss": result.loss,
                 "count": 1,
@@ -102,14 +118,16 @@ def verdict_findings(step: int, result: ReplayResult, me: dict[str, Any], *, mic
     ]
 
 
-def collapse_finding(step: int, watch: ScaleWatch, steps: int, scale: float, next_scale: float) -> Finding:
+def collapse_finding(
+    step: int, watch: ScaleWatch, steps: int, scale: float, next_scale: float, *, here: dict[str, Any]
+) -> Finding:
     return catalog.make(
         "amp-scale-collapse",
         message=(
             f"Step {step}: the GradScaler's scale is {next_scale:g} after {watch.consecutive} skipped "
             f"step(s) in a row ({watch.skipped} of {steps} steps skipped for overflow so far)."
         ),
-        where={"module": None, "op": None, "phase": "backward", "step": step},
+        where={"module": None, "op": None, "phase": "backward", "step": step, **here},
         evidence={
             "kind": "+inf",
             "count": watch.consecutive,
@@ -122,29 +140,31 @@ def collapse_finding(step: int, watch: ScaleWatch, steps: int, scale: float, nex
     )
 
 
-def spike_finding(step: int, loss: float, mean: float, spread: float, window: int) -> Finding:
+def spike_finding(
+    step: int, loss: float, mean: float, spread: float, window: int, *, here: dict[str, Any]
+) -> Finding:
     return catalog.make(
         "loss-spike",
         message=f"Step {step}: loss {loss:.4g} against a recent mean of {mean:.4g} "
         f"(std {spread:.2g} over {window} steps).",
-        where={"module": None, "op": None, "phase": "forward", "step": step},
+        where={"module": None, "op": None, "phase": "forward", "step": step, **here},
         evidence={"kind": "spike", "loss": loss, "mean": mean, "std": spread, "step": step, "count": 1, "numel": 1},
     )
 
 
-def error_finding(doing: str, text: str, step: int) -> Finding:
+def error_finding(doing: str, text: str, step: int, *, here: dict[str, Any]) -> Finding:
     return catalog.make(
         "sentinel-error",
         message=f"Step {step}: {doing} failed with {text}; the step went on unguarded.",
-        where={"module": None, "op": None, "phase": None, "step": step},
+        where={"module": None, "op": None, "phase": None, "step": step, **here},
         evidence={"error": text, "step": step},
     )
 
 
-def checkpoint_finding(step: int, path: str, text: str) -> Finding:
+def checkpoint_finding(step: int, path: str, text: str, *, here: dict[str, Any]) -> Finding:
     return catalog.make(
         "checkpoint-failed",
         message=f"Step {step}: writing {path} failed with {text}; training went on.",
-        where={"module": None, "op": None, "phase": None, "step": step},
+        where={"module": None, "op": None, "phase": None, "step": step, **here},
         evidence={"path": path, "error": text, "step": step},
     )
