@@ -77,8 +77,11 @@ class Record:
 
     @property
     def kind(self) -> str | None:
+        outputs = self.outputs
+        if len(outputs) == 1:  # most ops: read on every op while a NaN is around, and at the end
+            return outputs[0].kind
         kind = None
-        for o in self.outputs:
+        for o in outputs:
             if o.kind == "nan":
                 return "nan"
             kind = kind or o.kind

@@ -250,7 +250,7 @@ class Tracer(TorchDispatchMode):
         self, info: OpInfo, args: Any, kwargs: Any, t: torch.Tensor, *, seq: int, before: Any, written: bool
     ) -> None:
         """Record an op with one tensor output, or one tensor written in place (`written`):
-        `_record` without the generic cases."""
+        `_record` without the generic cases, with `_inputs`, `_set` and the tracker inlined."""
         self.ops_seen += 1
         dtype = t.dtype
         if dtype not in CHECKABLE or t.layout is not STRIDED or not t.numel():
@@ -258,11 +258,8 @@ class Tracer(TorchDispatchMode):
         immediate = self.immediate
         if immediate is None:
             immediate = t.is_cpu
-        index = self.records.count
-        arg_tensors = tensor_args(args, []) if info.lists else [a for a in args if isinstance(a, Tensor)]
-        if kwargs:
-            tensor_args(kwargs.values(), arg_tensors)
-        # tracker.phase and tracker.current, inlined: this runs for every op
+        records = self.records
+        index = records.count
         tracker = self.tracker
         local = tracker._local
         try:
@@ -271,10 +268,12 @@ class Tracer(TorchDispatchMode):
             stack = tracker.stack
         module, call, recompute = stack[-1] if stack else (None, None, False)
         node_name = forward_op = location = None
-        in_bw = _graph_task_id() != -1
+        task = _graph_task_id()
+        in_bw = task != -1
         if in_bw:
             phase = "backward"
-            self._at_backward_end()
+            if task != self._graph_task:
+                self._at_backward_end()
             node = torch._C._current_autograd_node()
             if node is not None:
                 node_name = node.name()
@@ -298,15 +297,40 @@ class Tracer(TorchDispatchMode):
             elif not immediate:
                 # Deferred mode learns about a NaN later, when this stack is gone: take it now.
                 location = user_location(sys._getframe(2))
-        inputs = self._inputs(arg_tensors, index, before)
+        # the inputs (`_inputs`): the common case is an op's output, not a view, not a leaf
+        table = self._table
+        items = self._items
+        inputs = []
+        for a in tensor_args(args, []) if info.lists else args:
+            if not isinstance(a, Tensor) or a.dtype not in CHECKABLE or a.layout is not STRIDED or not a.numel():
+                continue
+            found = table.get(id(a))
+            if before is not None and id(a) in before:
+                src = before[id(a)]
+            elif (
+                found is not None
+                and found[0]() is a
+                and found[1][1] is None
+                and not (a.requires_grad and (a.is_leaf or a._base is not None))
+            ):
+                src = found[1][0]
+                producer = items.get(src[1])
+                if producer is not None:
+                    producer.consumed = True
+            else:
+                src = self._source(a, index)
+            inputs.append(src)
+        if kwargs:
+            inputs.extend(self._inputs(tensor_args(kwargs.values(), []), index, before))
         output = Output(t.shape, dtype_name(dtype))
         record = Record(
             index, info.op, phase, module, call, recompute, node_name, forward_op, location, inputs, [output]
         )
-        self._items[index] = record  # Store.append, inlined
-        self.records.count = index + 1
-        if seq not in self._by_seq:  # the first op to see a node number is the one that made it
-            self._by_seq[seq] = (module, call, info.op, location)
+        items[index] = record  # Store.append, inlined
+        records.count = index + 1
+        by_seq = self._by_seq
+        if seq not in by_seq:  # the first op to see a node number is the one that made it
+            by_seq[seq] = (module, call, info.op, location)
         if written and not in_bw:
             output.param = tracker.param_names.own(t)
             record.mutates = output.param
@@ -321,12 +345,14 @@ class Tracer(TorchDispatchMode):
         else:
             resolve(output, [float(v) for v in reduce(t)], t)
         entry = (("op", index), None)
-        self._set(t, entry)
+        table[id(t)] = (_ref(t), entry)  # Provenance.set, inlined
         if written and t._base is not None:  # written through a view: the base holds it too
-            self._set(t._base, entry)
+            table[id(t._base)] = (_ref(t._base), entry)
+        if len(table) >= self.provenance._sweep_at:
+            self.provenance.sweep()
         if immediate:
             if output.kind is not None:
-                record.input_stats = self._input_stats(arg_tensors)
+                record.input_stats = self._input_stats(self._arg_tensors(info, args, kwargs))
                 if record.location is None:
                     # forward: the line that ran this op; backward: the line that called backward()
                     record.location = user_location(sys._getframe(2))
@@ -334,12 +360,17 @@ class Tracer(TorchDispatchMode):
             elif self._tainted:
                 self._settle(record)
         else:
-            self._alive[index] = [weakref.ref(t)]
+            self._alive[index] = [_ref(t)]
             self._pending.append(index)
             if len(self._pending) >= self.sync_every:
                 self.flush()
-        if self.records.count >= self._next_compact:
+        if index + 1 >= self._next_compact:
             self.compact()
+
+    @staticmethod
+    def _arg_tensors(info: OpInfo, args: Any, kwargs: Any) -> list[torch.Tensor]:
+        found = tensor_args(args, []) if info.lists else [a for a in args if isinstance(a, Tensor)]
+        return tensor_args(kwargs.values(), found) if kwargs else found
 
     def _scaled_down(self, scales: int, args: Any, kwargs: Any, dtype: torch.dtype, inputs: list[Any]) -> bool:
         """`x * s` with |s| <= 1 or `x / s` with |s| >= 1, x real and known finite, same dtype:
