@@ -65,3 +65,46 @@ def test_the_users_optimizer_error_reaches_the_user_once_and_is_not_retried():
     assert guard.report.findings == []
     guard.step(_step(model, opt), torch.randn(8, 4))  # the next step goes on as usual
     assert opt.calls == 2 and guard.steps == 2
+
+
+def _inner_run(guarded: bool, with_scaler: bool):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16) if with_scaler else None
+    guard = fpdoctor.Sentinel(model, opt) if guarded else None
+
+    def step(x, big):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        if scaler is None:
+            loss.backward()
+            opt.step()  # step_fn steps the optimizer itself
+        else:
+            scaler.scale(loss * big).backward()
+            scaler.step(opt)
+            scaler.update()
+        return loss
+
+    g = torch.Generator().manual_seed(1)
+    for i in range(6):
+        x = torch.randn(8, 4, generator=g)
+        big = 1e38 if i == 3 else 1.0  # an overflow step_fn's own scaler skips
+        if guard is None:
+            step(x, big)
+        else:
+            guard.step(step, x, big)
+    params = [p.detach().clone() for p in model.parameters()]
+    return params, guard, scaler
+
+
+@pytest.mark.parametrize("with_scaler", [False, True])
+def test_a_step_fn_that_steps_itself_is_not_stepped_again(with_scaler):
+    plain, _, plain_scaler = _inner_run(False, with_scaler)
+    guarded, guard, scaler = _inner_run(True, with_scaler)
+    assert all(torch.equal(a, b) for a, b in zip(plain, guarded, strict=True))
+    if with_scaler:
+        assert scaler.get_scale() == plain_scaler.get_scale()
+        assert guard.report.data["amp"]["skipped_steps"] == 1
+    names = [f.name for f in guard.report.findings]
+    assert names == ["sentinel-error"] and "step_fn stepped the optimizer itself" in guard.report.findings[0].message

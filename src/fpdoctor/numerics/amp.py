@@ -75,6 +75,22 @@ def stepped(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
     return state is not None and state.get("stage") is OptState.STEPPED
 
 
+def scale_version(scaler: Any) -> tuple[Any, int]:
+    """The scaler's scale tensor and its version counter (no device read), before step_fn runs."""
+    scale = getattr(scaler, "_scale", None) if scaler is not None else None
+    return scale, scale._version if isinstance(scale, torch.Tensor) else 0
+
+
+def updated_since(scaler: Any, before: tuple[Any, int]) -> bool:
+    """True when `scaler.update()` ran since `before` (it writes the scale in place, which bumps
+    its version; a scale created since then - the first scale() - starts at version 0)."""
+    scale = getattr(scaler, "_scale", None) if scaler is not None else None
+    if not isinstance(scale, torch.Tensor):
+        return False
+    tensor, version = before
+    return scale._version != version if scale is tensor else scale._version > 0
+
+
 def found_inf(scaler: Any, optimizer: torch.optim.Optimizer, device: torch.device) -> torch.Tensor | None:
     """The scaler's own found_inf for `optimizer` after its step() (before update() clears it)."""
     state = scaler._per_optimizer_states.get(id(optimizer))

@@ -24,11 +24,12 @@ import contextlib
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fpdoctor import catalog
 from fpdoctor.numerics import amp, checkpoint, distributed
@@ -73,6 +74,22 @@ def _user(call: Callable[..., Any], *args: Any) -> Any:
         raise _UserRaised(exc) from exc
 
 
+@contextlib.contextmanager
+def _steps_of(optimizer: torch.optim.Optimizer, seen: list[torch.optim.Optimizer]) -> Iterator[None]:
+    """Note every `optimizer.step()` inside the block (torch's global optimizer hook, removed after:
+    nothing is left on the user's optimizer)."""
+
+    def note(opt: Any, args: Any, kwargs: Any) -> None:
+        if opt is optimizer:
+            seen.append(opt)
+
+    handle = register_optimizer_step_post_hook(note)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 @dataclass
 class StepOutcome:
     step: int
@@ -92,6 +109,7 @@ class _Pending:
     flags: FlagRead
     micro_loss_flags: list[torch.Tensor]
     stepped: bool  # the optimizer (or the scaler) has already been given this step
+    observed: bool  # step_fn stepped the optimizer itself: the step was applied, the sentinel only looks
     scale: torch.Tensor | None  # the loss scale this step used, for its replay
 
 
@@ -154,6 +172,8 @@ class Sentinel:
         self._errors: set[tuple[str, str]] = set()
         self._in_window = 0  # micro-batches of the current window seen so far
         self._stepped = False
+        self._stepped_inside = False  # step_fn called optimizer.step() itself in the current window
+        self._told_observing = False
         self._decided = False  # this step's verdict (step or skip) is taken: never step it blindly after
         self._amp = amp.ScaleWatch()
         self._scaler_searched = self.scaler is not None
@@ -206,6 +226,13 @@ class Sentinel:
                 spying.enter_context(amp.spy(scalers))
             except Exception as exc:  # no GradScaler to look for in this torch: the step goes on
                 self._error("looking for a GradScaler", exc)
+        inner: list[torch.optim.Optimizer] = []
+        if self.optimizer is not None:
+            try:
+                spying.enter_context(_steps_of(self.optimizer, inner))
+            except Exception as exc:
+                self._error("watching for optimizer steps inside step_fn", exc)
+        scale_before = amp.scale_version(self.scaler)
         try:
             with spying:
                 loss = step_fn(*args, **kwargs)  # the user's own errors are the user's
@@ -219,6 +246,13 @@ class Sentinel:
                 self.scaler = scalers[0]
         self.micro_batches += 1
         self._stepped = self._decided = False
+        # step_fn stepped the optimizer, or updated the scaler (whose step may have skipped the optimizer)
+        try:
+            updated = amp.updated_since(self.scaler, scale_before)
+        except Exception as exc:
+            updated = False
+            self._error("watching for scaler updates inside step_fn", exc)
+        self._stepped_inside = self._stepped_inside or bool(inner) or updated
         try:
             self._after(step_fn, rng, args, kwargs, loss, ends=ends)
         except _UserRaised as raised:  # the user's optimizer raised: theirs, once, as it was
@@ -264,9 +298,15 @@ class Sentinel:
             return
         window, micro_flags, micro_losses = self._window, self._micro_flags, self._micro_losses
         self._window, self._micro_flags, self._micro_losses, self._in_window = [], [], [], 0
+        observed, self._stepped_inside = self._stepped_inside, False
+        if observed:  # stepping again would apply the update twice: from here on the sentinel only looks
+            self._stepped = True
+            if not self._told_observing:
+                self._told_observing = True
+                self.findings.append(findings.observing_finding(self.steps, here=self._here))
         local_loss = torch.stack(micro_flags).amax()
         loss_value = torch.stack(micro_losses).mean()
-        scaler = self.scaler if amp.enabled(self.scaler) else None
+        scaler = self.scaler if amp.enabled(self.scaler) and not observed else None
         stepped = False
         scale = next_scale = torch.full((), float("nan"), device=self._device)
         if scaler is not None:
@@ -292,7 +332,7 @@ class Sentinel:
         # on its way to the host before the optimizer's kernels are queued: the next step waits
         # (if at all) for this check to finish, not for the optimizer
         read = FlagRead(flags)
-        if scaler is None and self._device_skip and self.optimizer is not None:
+        if scaler is None and self._device_skip and self.optimizer is not None and not observed:
             opt: Any = self.optimizer
             opt.found_inf = agreed.amax()  # the GradScaler protocol of fused optimizers: skip on the device
             stepped = self._stepped = True
@@ -301,7 +341,14 @@ class Sentinel:
             finally:
                 del opt.found_inf
         pending = _Pending(
-            self.steps, window, step_fn, read, micro_flags, stepped, scale if scaler is not None else None
+            self.steps,
+            window,
+            step_fn,
+            read,
+            micro_flags,
+            stepped or observed,
+            observed,
+            scale if scaler is not None else None,
         )
         if stepped and self._device_skip:
             self._pending = pending  # decided when the next step starts (or at flush)
@@ -341,7 +388,18 @@ class Sentinel:
             if self.checkpoint_every and step % self.checkpoint_every == 0:
                 self._save_checkpoint(step)
             return
-        outcome.skipped = bad_grad or not scaled  # a scaler steps when only the loss was bad
+        outcome.skipped = (bad_grad or not scaled) and not pending.observed  # a scaler steps on a bad loss
+        if pending.observed:  # applied already by step_fn: reported, not replayed (its weights are gone)
+            if bad_grad and not bad_loss and amp.enabled(self.scaler):  # step_fn's scaler skipped it
+                outcome.skipped, outcome.verdict = True, "amp-skip"
+                scale_now = float(self.scaler.get_scale())  # a host read, on a skipped step only
+                if self._amp.observe(True, scale_now):
+                    self.findings.append(
+                        findings.collapse_finding(step, self._amp, self.steps, scale_now, scale_now, here=self._here)
+                    )
+                return
+            self._attribute(pending, bad_loss, local_loss, loss_value)
+            return
         if outcome.skipped:
             self.skipped += 1
             self._buffers.restore()  # the bad forward's buffer writes (BatchNorm statistics) undone
@@ -398,7 +456,12 @@ class Sentinel:
     def _report_rank(self, step: int, r: dict[str, Any], pending: _Pending) -> None:
         self.findings.append(
             findings.rank_finding(
-                step, r, micro_batches=self.accumulate > 1, scaled=pending.scale is not None, numel=len(self._params)
+                step,
+                r,
+                micro_batches=self.accumulate > 1,
+                scaled=pending.scale is not None,
+                numel=len(self._params),
+                applied=pending.observed,
             )
         )
 

@@ -30,15 +30,19 @@ def step_kind(r: dict[str, Any]) -> str | None:
     return "nan" if "nan" in kinds else kinds[0] if kinds else None
 
 
-def rank_finding(step: int, r: dict[str, Any], *, micro_batches: bool, scaled: bool, numel: int) -> Finding:
-    """nonfinite-loss or nonfinite-gradient for one rank's agreed view of a bad step."""
+def rank_finding(
+    step: int, r: dict[str, Any], *, micro_batches: bool, scaled: bool, numel: int, applied: bool = False
+) -> Finding:
+    """nonfinite-loss or nonfinite-gradient for one rank's agreed view of a bad step; `applied`:
+    step_fn stepped the optimizer itself, so the step was not skipped."""
+    skipped = "step_fn applied the step itself." if applied else "the step was skipped."
     where_rank = place(r)
     text = distributed.where_text(r)
     micro = r.get("micro_batch")
     micro_text = f" (micro-batch {micro})" if micro is not None and micro_batches else ""
     micro_ev = {"micro_batch": micro} if micro is not None else {}
     if r.get("loss_bad"):
-        then = "the scaler skipped it if its gradients overflowed." if scaled else "the step was skipped."
+        then = "the scaler skipped it if its gradients overflowed." if scaled else skipped
         return catalog.make(
             "nonfinite-loss",
             message=f"Step {step}{micro_text}: the loss was {r.get('loss_kind') or 'not finite'} on {text}; {then}",
@@ -54,7 +58,7 @@ def rank_finding(step: int, r: dict[str, Any], *, micro_batches: bool, scaled: b
         "nonfinite-gradient",
         message=(
             f"Step {step}: the loss was finite but gradients were not ({kind}) on {text}{where_buckets} "
-            f"({len(names)} parameter(s): {', '.join(names[:4])}); the step was skipped."
+            f"({len(names)} parameter(s): {', '.join(names[:4])}); {skipped}"
         ),
         where={"module": None, "op": None, "phase": "backward", "step": step, **where_rank},
         evidence={
@@ -167,4 +171,19 @@ def checkpoint_finding(step: int, path: str, text: str, *, here: dict[str, Any])
         message=f"Step {step}: writing {path} failed with {text}; training went on.",
         where={"module": None, "op": None, "phase": None, "step": step, **here},
         evidence={"path": path, "error": text, "step": step},
+    )
+
+
+def observing_finding(step: int, *, here: dict[str, Any]) -> Finding:
+    return catalog.make(
+        "sentinel-error",
+        message=(
+            f"Step {step}: step_fn stepped the optimizer itself (optimizer.step() or scaler.step()) although the "
+            "optimizer was given to the sentinel; the sentinel did not step again, and from now on it only "
+            "observes: a non-finite step is reported but has already been applied, and it is not replayed."
+        ),
+        where={"module": None, "op": None, "phase": None, "step": step, **here},
+        evidence={"step": step},
+        fix="Leave optimizer.step() (and scaler.step / scaler.update) to the sentinel, or do not pass the "
+        "optimizer to it.",
     )
