@@ -81,6 +81,10 @@ def test_an_unwritable_checkpoint_is_a_finding_not_an_exception(tmp_path):
     failed = report.by_name("checkpoint-failed")
     assert len(failed) == 1 and "FileNotFoundError" in failed[0].message  # once, not once per step
     assert failed[0].evidence["path"] == str(path)
+    assert f"the directory {path.parent} does not exist" in failed[0].message  # not a temporary file's name
+    assert ".fpdoctor-ckpt" not in failed[0].message
+    assert dict(report.data["summary"])["last-good checkpoint"] == "none written"  # never claims a missing file
+    assert report.data["checkpoint_step"] is None
 
 
 def test_own_errors_are_reported_once_and_keep_nan_out_of_the_spike_history():

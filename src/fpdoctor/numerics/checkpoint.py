@@ -14,6 +14,8 @@ def atomic_save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
     directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):  # named here: the temporary file's name would say nothing
+        raise FileNotFoundError(f"the directory {directory} does not exist")
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".fpdoctor-ckpt-", suffix=".tmp")
     os.close(fd)
     try:

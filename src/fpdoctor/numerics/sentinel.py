@@ -146,6 +146,7 @@ class Sentinel:
     findings: list[Finding] = field(default_factory=list, init=False)
     history: list[StepOutcome] = field(default_factory=list, init=False)
     last_good_step: int | None = field(default=None, init=False)
+    checkpoint_step: int | None = field(default=None, init=False)  # the step of the checkpoint last written
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 0:
@@ -561,6 +562,7 @@ class Sentinel:
         assert self.checkpoint_path is not None
         try:
             checkpoint.atomic_save(self.checkpoint_path, self.model, self.optimizer, step)
+            self.checkpoint_step = step
         except Exception as exc:  # a checkpoint we cannot write never stops the training
             text = f"{type(exc).__name__}: {exc}"
             key = ("checkpoint", f"{type(exc).__name__} {getattr(exc, 'errno', '')}")  # not the temp file's name
@@ -601,6 +603,9 @@ class Sentinel:
             }
             summary.append(("AMP overflow skips", f"{watch.skipped} ({rate:.1%}), scale {watch.scale}"))
         if self.checkpoint_path:
-            summary.append(("last-good checkpoint", self.checkpoint_path))
+            written = self.checkpoint_step is not None
+            text = f"{self.checkpoint_path} (step {self.checkpoint_step})" if written else "none written"
+            summary.append(("last-good checkpoint", text))
+            data["checkpoint_step"] = self.checkpoint_step
         data["summary"] = summary
         return Report(command="sentinel", findings=list(self.findings), data=data)
