@@ -155,8 +155,10 @@ def test_gradient_accumulation_steps_every_n_and_replays_the_bad_micro_batch():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     report = guard.report
     verdict = report.by_name("deterministic-nonfinite")[0]
-    assert verdict.where["step"] == 3 and verdict.evidence["micro_batch"] == 2
-    assert report.by_name("nonfinite-loss")[0].evidence["micro_batch"] == 2
+    # counted from 1, as steps are: the third micro-batch is 3
+    assert verdict.where["step"] == 3 and verdict.evidence["micro_batch"] == 3
+    assert report.by_name("nonfinite-loss")[0].evidence["micro_batch"] == 3
+    assert "(micro-batch 3)" in report.by_name("nonfinite-loss")[0].message
     assert all(p.grad is None for p in model.parameters())  # the next window starts from zero
 
 

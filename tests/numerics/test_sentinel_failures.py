@@ -108,3 +108,16 @@ def test_a_step_fn_that_steps_itself_is_not_stepped_again(with_scaler):
         assert guard.report.data["amp"]["skipped_steps"] == 1
     names = [f.name for f in guard.report.findings]
     assert names == ["sentinel-error"] and "step_fn stepped the optimizer itself" in guard.report.findings[0].message
+
+
+def test_a_batch_that_holds_nan_is_called_bad_data_not_a_bug_at_an_op():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = fpdoctor.Sentinel(model, opt)
+    x = torch.randn(8, 4)
+    x[1, 2] = float("nan")
+    guard.step(_step(model, opt), x)
+    verdict = guard.report.by_name("deterministic-nonfinite")[0]
+    assert "bad data" in verdict.title and "numerical bug" not in verdict.title
+    assert verdict.evidence["step"] == 1 and verdict.evidence["kind"] == "nan"

@@ -420,7 +420,7 @@ class Sentinel:
         micro = None
         if local_loss:
             micro_values = torch.stack(pending.micro_loss_flags).tolist()
-            micro = next((i for i, v in enumerate(micro_values) if v > 0), None)
+            micro = next((i for i, v in enumerate(micro_values, start=1) if v > 0), None)  # from 1, as steps
         local = {
             **me,
             "loss_bad": local_loss,

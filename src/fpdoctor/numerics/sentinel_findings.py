@@ -72,13 +72,22 @@ def rank_finding(
     )
 
 
+_BAD_DATA_TITLE = "A non-finite step reproduced on replay: the batch itself held NaN/Inf (bad data, not an op)"
+
+
+def _batch_held_it(culprit: Finding | None) -> bool:
+    """The replay's culprit is the step's own input data, not an op or a parameter."""
+    return culprit is not None and culprit.name == "nonfinite-input" and culprit.evidence.get("origin") == "input"
+
+
 def verdict_findings(
     step: int, result: ReplayResult, me: dict[str, Any], *, micro_batches: bool, kind: str | None
 ) -> list[Finding]:
     """deterministic-nonfinite (with the trace's other findings) or transient-fault-suspected;
     `kind`: the bad step's own nan / +inf / -inf."""
     where_rank = place(me)
-    micro = {"micro_batch": result.micro_batch} if result.micro_batch is not None and micro_batches else {}
+    # micro-batches count from 1 within their window, as steps do
+    micro = {"micro_batch": result.micro_batch + 1} if result.micro_batch is not None and micro_batches else {}
     if result.verdict == "deterministic-nonfinite":
         first = result.culprit
         rank_text = f" on rank {me['rank']}" if "rank" in me else ""
@@ -100,6 +109,7 @@ def verdict_findings(
                 **micro,
             },
             fix=first.fix if first else catalog.get("deterministic-nonfinite").fix,
+            title=_BAD_DATA_TITLE if _batch_held_it(first) else None,
         )
         return [finding, *result.others]
     return [
