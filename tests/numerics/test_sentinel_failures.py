@@ -121,3 +121,32 @@ def test_a_batch_that_holds_nan_is_called_bad_data_not_a_bug_at_an_op():
     verdict = guard.report.by_name("deterministic-nonfinite")[0]
     assert "bad data" in verdict.title and "numerical bug" not in verdict.title
     assert verdict.evidence["step"] == 1 and verdict.evidence["kind"] == "nan"
+
+
+def test_fp16_adam_eps_is_named_and_dead_weights_are_said_once(monkeypatch):
+    from fpdoctor.numerics import sentinel as sentinel_module
+
+    replays = []
+    real_replay = sentinel_module.replay
+    monkeypatch.setattr(sentinel_module, "replay", lambda *a, **k: replays.append(1) or real_replay(*a, **k))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).half()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8)  # eps is 0 in fp16
+    guard = fpdoctor.Sentinel(model, opt)
+    assert [f.name for f in guard.findings] == ["fp16-adam-eps"]  # said before the first step
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        guard.step(step, torch.randn(8, 16, generator=g).half(), torch.randn(8, 1, generator=g).half())
+    report = guard.report
+    assert [f.name for f in report.findings] == ["fp16-adam-eps", "deterministic-nonfinite"]
+    dead = report.findings[1]
+    assert "cannot continue" in dead.title and dead.evidence["applied_step"] == guard.last_good_step
+    assert dead.where["phase"] == "optimizer" and dead.evidence["step"] == guard.last_good_step + 1
+    assert guard.skipped == 6 - guard.last_good_step and replays == []

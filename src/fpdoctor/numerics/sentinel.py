@@ -195,6 +195,13 @@ class Sentinel:
                 self._here = findings.place(distributed.describe(self._device))
             except Exception as exc:
                 self._error("describing this rank", exc)
+        self._weights_bad = False  # the parameters themselves are non-finite: steps cannot recover
+        try:
+            eps = findings.optimizer_eps_finding(self.optimizer, with_scaler=self.scaler is not None, here=self._here)
+            if eps is not None:
+                self.findings.append(eps)
+        except Exception as exc:
+            self._error("looking at the optimizer's settings", exc)
 
     # -- the always-on part --------------------------------------------------------------------
     def step(self, step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -404,6 +411,9 @@ class Sentinel:
         if outcome.skipped:
             self.skipped += 1
             self._buffers.restore()  # the bad forward's buffer writes (BatchNorm statistics) undone
+        if self._weights_bad or self._weights_went_bad(step):  # said once; no replay can change it
+            self._zero_grads()
+            return
         faulty, kind = self._attribute(pending, bad_loss, local_loss, loss_value)
         if self.replay:
             outcome.verdict = self._replay(pending, kind, faulty=faulty)
@@ -465,6 +475,28 @@ class Sentinel:
                 applied=pending.observed,
             )
         )
+
+    def _weights_went_bad(self, step: int) -> bool:
+        """On a bad step: are the parameters themselves non-finite (an earlier update put NaN/Inf
+        in them)? Then one finding names the last applied step, and no step is replayed after."""
+        bad = [
+            (name, kind, p)
+            for name, p in self.model.named_parameters()
+            if (kind := tensor_kind(p.detach())) is not None
+        ]
+        anywhere = bool(bad)
+        if self._distributed:  # sharded weights (FSDP) differ by rank: every rank takes the same path
+            flag = torch.tensor([float(anywhere)], device=self._device)
+            anywhere = bool(distributed.all_max(flag).item())
+        if not anywhere:
+            return False
+        self._weights_bad = True
+        if not bad:  # another rank's shard holds them
+            return True
+        self.findings.append(
+            findings.weights_finding(step, self.last_good_step, bad, len(self._params), here=self._here)
+        )
+        return True
 
     def _bad_parameters(self) -> list[tuple[str, str]]:
         """(name, kind) of every parameter whose gradient is not finite (bad steps only)."""

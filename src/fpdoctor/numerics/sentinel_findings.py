@@ -6,7 +6,10 @@ host and device (and GPU UUID) of the rank the finding is about, which every ran
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+import torch
 
 from fpdoctor import catalog
 from fpdoctor.numerics import distributed
@@ -196,4 +199,57 @@ def observing_finding(step: int, *, here: dict[str, Any]) -> Finding:
         evidence={"step": step},
         fix="Leave optimizer.step() (and scaler.step / scaler.update) to the sentinel, or do not pass the "
         "optimizer to it.",
+    )
+
+
+def optimizer_eps_finding(optimizer: Any, *, with_scaler: bool, here: dict[str, Any]) -> Finding | None:
+    """fp16-adam-eps (from the trace's recipe) for the optimizer the sentinel was given, before step 1."""
+    if optimizer is None:
+        return None
+    from fpdoctor.numerics.recipes import OptimizerSeen, adam_eps_finding
+
+    dtypes: dict[str, int] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            dtypes[str(p.dtype)] = dtypes.get(str(p.dtype), 0) + 1
+    eps = [float(g["eps"]) for g in optimizer.param_groups if isinstance(g.get("eps"), (int, float))]
+    seen = OptimizerSeen(name=type(optimizer).__name__, eps=eps, param_dtypes=dtypes, with_scaler=with_scaler)
+    finding = adam_eps_finding(seen)
+    if finding is None:
+        return None
+    return dataclasses.replace(
+        finding, where={**finding.where, "step": 1, **here}, evidence={**finding.evidence, "step": 1}
+    )
+
+
+def weights_finding(
+    step: int, last_applied: int | None, bad: list[tuple[str, str, Any]], numel: int, *, here: dict[str, Any]
+) -> Finding:
+    """The parameters themselves are NaN/Inf: the update of the last applied step put them there."""
+    names = [name for name, _, _ in bad]
+    kinds = [kind for _, kind, _ in bad]
+    then = (
+        f"the optimizer update of step {last_applied} (the last one applied) made them so"
+        if last_applied is not None
+        else "they were already so before the first step (the checkpoint or the initialisation)"
+    )
+    return catalog.make(
+        "deterministic-nonfinite",
+        title="The weights themselves are NaN/Inf: training cannot continue from them",
+        message=(
+            f"Step {step}: {len(names)} parameter(s) hold NaN/Inf ({', '.join(names[:4])}); {then}. Every "
+            "later step is skipped without a replay: no step can recover from these weights."
+        ),
+        where={"module": None, "op": None, "phase": "optimizer", "step": step, **here},
+        evidence={
+            "kind": "nan" if "nan" in kinds else kinds[0],
+            "count": sum(int((~torch.isfinite(p)).sum()) for _, _, p in bad),
+            "numel": sum(p.numel() for _, _, p in bad),
+            "dtype": str(bad[0][2].dtype).removeprefix("torch."),
+            "parameters": names[:20],
+            "step": step,
+            **({"applied_step": last_applied} if last_applied is not None else {}),
+        },
+        fix="Go back to the last good checkpoint and fix what made the update non-finite (see the other "
+        "findings, e.g. an Adam eps that fp16 cannot hold).",
     )
