@@ -209,3 +209,43 @@ def test_a_rank_terminated_by_torchrun_still_writes_its_report(tmp_path):
     assert "SIGTERM" in rank0["data"]["not_checked"]["script"], err[-2000:]
     assert [f["name"] for f in rank0["findings"]] == ["nonfinite-produced"]
     assert json.loads(out.read_text())["verdict"] == "error"  # both ranks wrote: the merged view exists
+
+
+DDP_TRAIN_SCRIPT = textwrap.dedent("""
+    import datetime
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(3):
+        x = torch.randn(6, 4)
+        if rank == 1 and step == 2:
+            x[3] = torch.log(x[3] - 10)  # rank 1's batch: log of negatives, NaN
+        opt.zero_grad()
+        model(x).square().mean().backward()  # the all-reduce carries rank 1's NaN to rank 0
+        opt.step()
+    dist.destroy_process_group()
+""")
+
+
+def test_torchrun_ddp_nan_from_another_rank_is_received_not_made(tmp_path):
+    script = tmp_path / "ddp_train.py"
+    script.write_text(DDP_TRAIN_SCRIPT)
+    out = tmp_path / "report.json"
+    code, err = _torchrun(["-m", "fpdoctor", "trace", "-o", str(out), "--", str(script)])
+    assert code != 0, err[-2000:]
+    rank0, rank1 = (json.loads((tmp_path / f"report.rank{r}.json").read_text()) for r in (0, 1))
+    # rank 0 made nothing non-finite: what it got came through the all-reduce
+    assert not [f for f in rank0["findings"] if f["name"] == "nonfinite-produced"], rank0["findings"]
+    received = [f for f in rank0["findings"] if f["name"] == "nonfinite-input"]
+    assert received and received[0]["evidence"]["origin"] == "collective", rank0["findings"]
+    assert "allreduce" in received[0]["message"]
+    made = next(f for f in rank1["findings"] if f["name"] == "nonfinite-produced")
+    assert made["where"]["op"] == "aten.log.default"
+    merged = json.loads(out.read_text())
+    assert merged["findings"][0]["name"] == "nonfinite-produced" and merged["findings"][0]["where"]["rank"] == 1

@@ -246,16 +246,18 @@ def merge_ranks(path: str, dist: RankInfo) -> dict[str, Any] | None:
             code=f["code"],
             name=f["name"],
             severity=Severity(f["severity"]),
-            title=f["title"],
+            title=f"rank {f.get('where', {}).get('rank', r)}: {f['title']}",
             message=f["message"],
             fix=f.get("fix", ""),
             where=f.get("where", {}),
             evidence=f.get("evidence", {}),
             references=tuple(f.get("references", ())),
         )
-        for doc in docs
+        for r, doc in enumerate(docs)
         for f in doc.get("findings", [])
     ]
+    # where the values went bad first: a rank that made them before ranks that received them
+    findings.sort(key=lambda f: f.evidence.get("origin") == "collective")
     ranks = [
         {
             "rank": doc["data"].get("distributed", {}).get("rank", r),

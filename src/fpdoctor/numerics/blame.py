@@ -59,6 +59,16 @@ def _where_text(path: tuple[str, int, str] | None) -> str | None:
     return f"{path[0]}:{path[1]} in {path[2]}" if path else None
 
 
+def _leaf_origin(leaf: Leaf) -> str:
+    """parameter (a named parameter or buffer), input, or collective (received from other ranks)."""
+    return leaf.origin or ("parameter" if leaf.name != "input" else "input")
+
+
+def _leaf_text(leaf: Leaf) -> str:
+    origin = _leaf_origin(leaf)
+    return f"parameter {leaf.name}" if origin == "parameter" else "an input tensor" if origin == "input" else leaf.name
+
+
 def _module_text(module: str | None) -> str:
     """'in module `enc.0`', 'in the root module' or 'outside any module'."""
     if module is None:
@@ -110,7 +120,7 @@ class Analysis:
     def source_text(self, src: tuple[str, int]) -> str:
         if src[0] == "leaf":
             leaf = self.leaves[src[1]]
-            return f"parameter {leaf.name}" if leaf.name != "input" else "an input tensor"
+            return _leaf_text(leaf)
         r = self.records[src[1]]
         return f"{r.op} ({_module_text(r.module)})"
 
@@ -373,7 +383,7 @@ class Analysis:
         first = (
             self.records[leaf.first_use] if leaf.first_use is not None and leaf.first_use < len(self.records) else None
         )
-        what = f"parameter {leaf.name}" if leaf.name != "input" else "an input tensor"
+        what = _leaf_text(leaf)
         count = sum(leaf.counts.values()) if leaf.counts else None
         numel = math.prod(leaf.shape)
         return catalog.make(
@@ -383,6 +393,11 @@ class Analysis:
                 f"first used"
                 + (f" by {first.op} {_module_text(first.module)}" if first else "")
                 + f"; it reaches {', '.join(reaches[:3])}."
+                + (
+                    " Another rank sent it: that rank's report names the op that made it."
+                    if leaf.origin == "collective"
+                    else ""
+                )
             ),
             where=_known(
                 {
@@ -400,7 +415,7 @@ class Analysis:
                     "dtype": leaf.dtype,
                     "shape": list(leaf.shape),
                     "counts": leaf.counts,
-                    "origin": "parameter" if leaf.name != "input" else "input",
+                    "origin": _leaf_origin(leaf),
                     "reaches": reaches,
                 }
             ),

@@ -84,9 +84,7 @@ class _Origins:
                 if leaf.name != "input":
                     sources.append({"kind": "parameter", "name": leaf.name, "dtype": leaf.dtype})
                 else:
-                    sources.append(
-                        {"kind": "tensor", "name": _OUTSIDE, "dtype": leaf.dtype}
-                    )
+                    sources.append({"kind": "tensor", "name": _OUTSIDE, "dtype": leaf.dtype})
         origin: dict[str, Any] = {"kind": "state", "op": r.op, "module": r.module, "dtype": dtype, "from": sources}
         if r.location is not None:
             origin["location"] = r.location

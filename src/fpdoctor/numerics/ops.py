@@ -46,8 +46,8 @@ class OpInfo:
     """What the tracer needs to know about an aten overload, worked out once."""
 
     __slots__ = (
-        "func", "is_view", "lists", "name", "op", "overwrites", "path", "preserving", "reads_inputs", "scales",
-        "uninitialised", "writes",
+        "collective", "func", "is_view", "lists", "name", "op", "overwrites", "path", "preserving", "reads_inputs",
+        "scales", "uninitialised", "writes",
     )  # fmt: skip
 
     def __init__(self, func: Any) -> None:
@@ -70,14 +70,17 @@ class OpInfo:
         self.lists = any("List[" in str(arg.type) and "Tensor" in str(arg.type) for arg in func._schema.arguments)
         # mul by a scalar of magnitude <= 1 or div by one >= 1: never larger than a finite input
         self.scales = 1 if self.name in ("mul", "mul_") else -1 if self.name in ("div", "div_") else 0
+        # torch.distributed's ops: what they write or return holds other ranks' values, ready
+        # only when the work completes (after the op returns)
+        self.collective = getattr(func, "namespace", "") in ("c10d", "_c10d_functional", "c10d_functional")
         self.path = self._path(func)
 
     def _path(self, func: Any) -> int:
         """Which of the tracer's paths records this op: VIEW, the plain FUNCTIONAL one (values
         out, nothing written), IN_PLACE on its first argument only, or GENERAL for the rest."""
-        if self.is_view:
+        if self.is_view and not self.collective:
             return VIEW
-        if self.preserving or self.uninitialised or not self.reads_inputs:
+        if self.collective or self.preserving or self.uninitialised or not self.reads_inputs:
             return GENERAL
         if not self.writes:
             return FUNCTIONAL

@@ -56,6 +56,7 @@ class Leaf:
     kind: str | None = None
     counts: dict[str, int] | None = None
     first_use: int | None = None  # the record that first consumed it
+    origin: str | None = None  # "collective": received from other ranks; else parameter/input by name
 
 
 @dataclass(slots=True)

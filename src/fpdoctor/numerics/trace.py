@@ -133,6 +133,7 @@ class Tracer(TorchDispatchMode):
         self._table = self.provenance._table  # and the side table without Provenance's methods
         self._sink_keys: set[tuple[int, str]] = set()
         self._grad_leaves: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}  # leaves that require grad
+        self._received: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}  # written by a collective
         self._graph_task = -1  # the last backward that was asked to report gradient sinks at its end
         self._pending: list[int] = []
         self._alive: dict[int, list[Any]] = {}  # record -> weakrefs to outputs, until read (deferred mode)
@@ -208,6 +209,8 @@ class Tracer(TorchDispatchMode):
                 self._error(func, exc)
             return out
         kwargs = kwargs or {}
+        if info.collective:
+            return self._collective(info, func, args, kwargs)
         written: list[torch.Tensor] = []
         before: dict[int, tuple[str, int]] | None = None
         if info.writes and not info.is_view:
@@ -230,6 +233,27 @@ class Tracer(TorchDispatchMode):
                 self._record(info, args, kwargs, out, seq=seq, written=written, before=before)
         except NonFiniteError:
             raise
+        except Exception as exc:  # the observer never kills the job (SPEC 4)
+            self._error(func, exc)
+        return out
+
+    def _collective(self, info: OpInfo, func: Any, args: Any, kwargs: Any) -> Any:
+        """An all-reduce (DDP's gradient buckets), broadcast or all-gather: what it writes or
+        returns holds other ranks' values once the work completes, after this op returns. Those
+        tensors start over as leaves "received through" the op, checked when first used, so a
+        NaN another rank sent is an input here, not a fault of the next op (the optimizer's
+        add_). A tensor already non-finite here before it was sent keeps its local story."""
+        out = func(*args, **kwargs)
+        self.ops_seen += 1
+        try:
+            for t in [*info.written(args, kwargs), *tensors_in(out)]:
+                src = self._lookup(t)
+                if src is not None and self.kind_of(src):
+                    continue
+                base = t._base if t._base is not None else t
+                self._table.pop(id(base), None)
+                self._table.pop(id(t), None)
+                self._received[id(base)] = (weakref.ref(base), info.op)
         except Exception as exc:  # the observer never kills the job (SPEC 4)
             self._error(func, exc)
         return out
@@ -417,7 +441,12 @@ class Tracer(TorchDispatchMode):
         if src is None:
             # A view of a tensor not seen yet (weight.t()): the base is the leaf, under its name.
             base = t._base if t._base is not None else t
-            src = self._new_leaf(base, consumer, self.tracker.param_names.get(base) or "input")
+            received = self._received.get(id(base))
+            if received is not None and received[0]() is base:
+                src = self._new_leaf(base, consumer, f"a tensor received through {received[1]}")
+                self.leaves[src[1]].origin = "collective"
+            else:
+                src = self._new_leaf(base, consumer, self.tracker.param_names.get(base) or "input")
         elif src[0] == "op":
             record = self._items.get(src[1])
             if record is not None:
@@ -725,6 +754,7 @@ class Tracer(TorchDispatchMode):
         self.sinks = [s for s in self.sinks if s[0] != "op" or s[1] in keep]
         self._sink_keys = {(s[1], s[2]) for s in self.sinks}
         self._grad_leaves = {k: v for k, v in self._grad_leaves.items() if v[0]() is not None}
+        self._received = {k: v for k, v in self._received.items() if v[0]() is not None}
         if len(self._by_seq) > 1 << 17:  # nodes that old have run their backward (or never will)
             self._by_seq = dict(list(self._by_seq.items())[len(self._by_seq) // 2 :])
         self._next_compact = self.records.count + max(COMPACT_EVERY, 2 * self.records.kept)
