@@ -21,6 +21,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fpdoctor import catalog
+from fpdoctor.numerics.blame import _module_text
 from fpdoctor.numerics.limits import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE, UNDERFLOW_SHARE
 from fpdoctor.numerics.trace import Record, Tracer
 from fpdoctor.pytrees import tensors_in
@@ -237,12 +238,6 @@ class Headroom:
                 )
             )
         return found
-
-
-def _module_text(module: str | None) -> str:
-    if module is None:
-        return "outside any module"
-    return f"in module `{module}`" if module else "in the root module"
 
 
 def _module_where(row: dict[str, Any]) -> dict[str, Any]:
