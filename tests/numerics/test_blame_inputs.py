@@ -89,3 +89,15 @@ def test_a_trace_that_fails_to_start_leaves_no_global_hook(monkeypatch):
     with pytest.raises(RuntimeError, match="cannot enter"), fpdoctor.trace(_mlp()):
         pass
     assert (len(module_mod._global_forward_pre_hooks), len(_global_optimizer_pre_hooks)) == before
+
+
+def test_batchnorm_statistics_written_from_a_nan_batch_are_not_inputs_that_held_nan():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(6, 4)
+    x[2, 1] = float("nan")
+    with fpdoctor.trace(model) as t:
+        model(x).sum().backward()
+    assert t.report is not None
+    (f,) = t.report.findings  # the batch's NaN, not 1.running_mean / 1.running_var
+    assert f.name == "nonfinite-input" and f.evidence["origin"] == "input"

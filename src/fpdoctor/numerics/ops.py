@@ -29,6 +29,9 @@ _OVERWRITES = frozenset({
 })  # fmt: skip
 
 
+_UNDECLARED_STATS_WRITERS = frozenset({"native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"})
+
+
 def tensor_args(values: Any, into: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors among an aten op's arguments (tensors and lists of tensors: no deeper)."""
     for value in values:
@@ -61,6 +64,11 @@ class OpInfo:
             for i, arg in enumerate(func._schema.arguments)
             if arg.alias_info is not None and arg.alias_info.is_write
         )
+        # Batch norm writes its running statistics (arguments 3 and 4) without saying so in its
+        # schema: without this they would be read after the write and taken for inputs that
+        # already held the batch's NaN.
+        if not self.writes and self.name in _UNDECLARED_STATS_WRITERS:
+            self.writes = ((3, "running_mean"), (4, "running_var"))
         self.preserving = self.name in _VALUE_PRESERVING
         self.uninitialised = self.name in _UNINITIALISED
         self.reads_inputs = self.name not in _SHAPE_ONLY and not self.uninitialised
