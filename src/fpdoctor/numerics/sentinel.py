@@ -207,13 +207,7 @@ class Sentinel:
     def step(self, step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run one micro-batch (one step when accumulate=1) of `step_fn` under the guard."""
         rng = None
-        try:
-            if self._pending is not None:
-                self._resolve(self._pending)
-        except _UserRaised as raised:
-            raise raised.original from None
-        except Exception as exc:
-            self._error("deciding the last step", exc)
+        self.flush()  # a step decided on the device is looked at before the next one runs
         try:
             if self._in_window == 0:
                 self._buffers.capture()
@@ -518,9 +512,7 @@ class Sentinel:
         contexts: list[contextlib.AbstractContextManager[Any]] = [distributed.local_replay(self.model)]
         if pending.scale is not None:
             contexts.append(amp.scale_as(self.scaler, pending.scale))
-        result = replay(
-            self.model, self._params, pending.step_fn, pending.window, contexts, whole=self._distributed
-        )
+        result = replay(self.model, self._params, pending.step_fn, pending.window, contexts, whole=self._distributed)
         mine = self._verdict_findings(pending.step, result, kind) if faulty else []
         if not self._distributed:
             self.findings.extend(mine)

@@ -157,9 +157,7 @@ def collapse_finding(
     )
 
 
-def spike_finding(
-    step: int, loss: float, mean: float, spread: float, window: int, *, here: dict[str, Any]
-) -> Finding:
+def spike_finding(step: int, loss: float, mean: float, spread: float, window: int, *, here: dict[str, Any]) -> Finding:
     return catalog.make(
         "loss-spike",
         message=f"Step {step}: loss {loss:.4g} against a recent mean of {mean:.4g} "
