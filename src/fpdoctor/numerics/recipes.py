@@ -102,11 +102,13 @@ def grad_zero_counts(grads: list[torch.Tensor]) -> dict[str, int]:
     tiny = FORMATS["fp16"].smallest_normal
     # inside a trace these reductions are ours, not the user's: keep them out of its records
     with torch.no_grad(), torch._C._DisableTorchDispatch():
-        for g in grads:
-            a = g.detach().abs()
-            zeros += int((a == 0).sum())
-            subnormal += int(((a > 0) & (a < tiny)).sum())
-            numel += a.numel()
+        for grad in grads:
+            g = grad.detach()
+            # three kernels: non-zeros, then everything below the smallest normal (zeros too)
+            zero = g.numel() - int(torch.count_nonzero(g))
+            zeros += zero
+            subnormal += int((g.abs() < tiny).sum()) - zero
+            numel += g.numel()
     return {"zero": zeros, "subnormal": subnormal, "numel": numel}
 
 
@@ -153,7 +155,7 @@ class RecipeWatch:
         if seen is None:
             eps = [float(g["eps"]) for g in optimizer.param_groups if isinstance(g.get("eps"), (int, float))]
             seen = self.optimizers[key] = OptimizerSeen(type(optimizer).__name__, eps, dtypes, _stepped_by_scaler())
-        if self.steps <= self._max_steps:
+        if self.steps <= self._max_steps and not seen.with_scaler:  # the counts only matter without one
             grads = [p.grad for p in params if p.grad is not None and p.grad.dtype == torch.float32]
             counts = grad_zero_counts(grads)
             for k, v in counts.items():
