@@ -29,6 +29,21 @@ def _exit_now() -> None:
     os._exit(0)
 
 
+def _spawn(worker, world: int, tmp_path: Path, limit_s: float = 2 * TIMEOUT_S) -> list[dict]:
+    """Run `worker` on `world` gloo ranks (spawned, bounded in time); each rank's results."""
+    ctx = mp.start_processes(
+        worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=False, start_method="spawn"
+    )
+    for _ in range(int(2 * limit_s)):
+        if ctx.join(timeout=0.5):
+            break
+    else:
+        for p in ctx.processes:
+            p.kill()
+        pytest.fail("the DDP ranks did not finish in time")
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -125,17 +140,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_rank_names_the_rank_that_held_the_fault(tmp_path, world):
-    ctx = mp.start_processes(
-        _worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=False, start_method="spawn"
-    )
-    for _ in range(4 * TIMEOUT_S):
-        if ctx.join(timeout=0.5):
-            break
-    else:
-        for p in ctx.processes:
-            p.kill()
-        pytest.fail("the DDP ranks did not finish in time")
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    results = _spawn(_worker, world, tmp_path)
     for r, res in enumerate(results):
         transient = res["transient"]
         assert [name for name, _, _ in transient] == ["nonfinite-gradient", "transient-fault-suspected"], r
@@ -197,17 +202,7 @@ def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
 def test_every_rank_replays_so_collectives_inside_the_step_match(tmp_path):
     world = 2
-    ctx = mp.start_processes(
-        _collective_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=False, start_method="spawn"
-    )
-    for _ in range(120):
-        if ctx.join(timeout=0.5):
-            break
-    else:
-        for p in ctx.processes:
-            p.kill()
-        pytest.fail("the DDP ranks did not finish in time")
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    results = _spawn(_collective_worker, world, tmp_path, limit_s=60)
     for r, res in enumerate(results):
         assert "error" not in res, (r, res)
         names = [name for name, _, _ in res["findings"]]
@@ -256,17 +251,7 @@ def _leak_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
 def test_the_bucket_hook_keeps_one_backward_and_lets_the_sentinel_go(tmp_path):
     world = 2
-    ctx = mp.start_processes(
-        _leak_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=False, start_method="spawn"
-    )
-    for _ in range(120):
-        if ctx.join(timeout=0.5):
-            break
-    else:
-        for p in ctx.processes:
-            p.kill()
-        pytest.fail("the DDP ranks did not finish in time")
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    results = _spawn(_leak_worker, world, tmp_path, limit_s=60)
     for r, res in enumerate(results):
         assert "error" not in res, (r, res)
         assert res["buckets"] > 1, r
