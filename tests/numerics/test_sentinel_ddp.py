@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import json
 import os
 import socket
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,23 @@ from torch import nn
 import fpdoctor
 
 TIMEOUT_S = 60
+
+
+@contextlib.contextmanager
+def _rank_results(rank: int, world: int, port: int, out: str, *, timeout_s: float) -> Iterator[dict]:
+    """One gloo rank of a spawned test: yields the results dict, which is written to
+    out/rank{rank}.json whatever happens (an exception becomes results["error"])."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    results: dict = {}
+    try:
+        yield results
+    except Exception as exc:
+        results["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results, default=str))
+        dist.destroy_process_group()
+        _exit_now()
 
 
 def _exit_now() -> None:
@@ -84,10 +103,7 @@ def _summary(guard) -> list:
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    results: dict = {}
-    try:
+    with _rank_results(rank, world, port, out, timeout_s=TIMEOUT_S) as results:
         # a one-off fault on rank 1: a NaN written into one local gradient, once
         model = _model()
         ddp = nn.parallel.DistributedDataParallel(model)
@@ -131,10 +147,6 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             _run(ddp, opt, fpdoctor.Sentinel(ddp, opt) if guarded else None, _batches(rank, 3))
             params.append([p.detach().clone() for p in model.parameters()])
         results["bitwise"] = all(torch.equal(a, b) for a, b in zip(*params, strict=True))
-    finally:
-        Path(out, f"rank{rank}.json").write_text(json.dumps(results, default=str))
-        dist.destroy_process_group()
-        _exit_now()
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
@@ -142,6 +154,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 def test_every_rank_names_the_rank_that_held_the_fault(tmp_path, world):
     results = _spawn(_worker, world, tmp_path)
     for r, res in enumerate(results):
+        assert "error" not in res, (r, res)
         transient = res["transient"]
         assert [name for name, _, _ in transient] == ["nonfinite-gradient", "transient-fault-suspected"], r
         grad_finding, verdict = transient
@@ -166,10 +179,7 @@ def test_every_rank_names_the_rank_that_held_the_fault(tmp_path, world):
 
 def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
     # a short timeout: a collective issued on one rank only would hang both, and fail here in time
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=15))
-    results: dict = {}
-    try:
+    with _rank_results(rank, world, port, out, timeout_s=15) as results:
         model = _model()
         ddp = nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
@@ -191,12 +201,6 @@ def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
         results["findings"] = _summary(guard)
         results["verdicts"] = guard.report.data["verdicts"]
         results["finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
-    except Exception as exc:
-        results["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        Path(out, f"rank{rank}.json").write_text(json.dumps(results, default=str))
-        dist.destroy_process_group()
-        _exit_now()
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
@@ -214,10 +218,7 @@ def test_every_rank_replays_so_collectives_inside_the_step_match(tmp_path):
 
 
 def _leak_worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=15))
-    results: dict = {}
-    try:
+    with _rank_results(rank, world, port, out, timeout_s=15) as results:
         model = _model()
         # small buckets: several per backward, so that the records of one backward are several
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0001)
@@ -240,12 +241,6 @@ def _leak_worker(rank: int, world: int, port: int, out: str) -> None:
             nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()
         results["params"] = [p.detach().sum().item() for p in model.parameters()]
-    except Exception as exc:
-        results["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        Path(out, f"rank{rank}.json").write_text(json.dumps(results, default=str))
-        dist.destroy_process_group()
-        _exit_now()
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
