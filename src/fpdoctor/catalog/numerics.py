@@ -169,8 +169,12 @@ TRN_RULES: tuple[Rule, ...] = (
         name="deterministic-nonfinite",
         severity=E,
         title="A non-finite step reproduced on replay: a numerical bug at the named op",
-        what="The replay under trace produced the same non-finite values and found the op that produced them.",
-        why="The same inputs give the same NaN: it is the model or its precision, not the hardware.",
+        what="The replay under trace produced the same non-finite values and found the op that produced them. "
+        "When the step computed in fp16/bf16, a control replay follows with every fp16/bf16 parameter, buffer "
+        "and input in fp32 and autocast off (evidence.control_fp32): finite there means the precision is the "
+        "cause; non-finite there too means the data or the model's math.",
+        why="The same inputs give the same NaN: it is the model or its precision, not the hardware; the control "
+        "replay tells which of the two.",
         fix="Fix the producing op named in the finding (see nonfinite-produced).",
     ),
     Rule(

@@ -34,6 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from fpdoctor import catalog
 from fpdoctor.numerics import amp, checkpoint, distributed
 from fpdoctor.numerics import sentinel_findings as findings
+from fpdoctor.numerics.control import ControlResult, run_control, wants_control
 from fpdoctor.numerics.gradcheck import (
     FlagRead,
     grads_of,
@@ -509,11 +510,17 @@ class Sentinel:
         it (a step_fn's own, DDP's first-iteration bucket rebuild, SyncBatchNorm's) is issued on
         every rank in the same order; gradients stay local (`local_replay`). Then every rank
         receives every faulty rank's verdict, so all reports say the same."""
-        contexts: list[contextlib.AbstractContextManager[Any]] = [distributed.local_replay(self.model)]
-        if pending.scale is not None:
-            contexts.append(amp.scale_as(self.scaler, pending.scale))
-        result = replay(self.model, self._params, pending.step_fn, pending.window, contexts, whole=self._distributed)
-        mine = self._verdict_findings(pending.step, result, kind) if faulty else []
+        result = replay(
+            self.model, self._params, pending.step_fn, pending.window, self._contexts(pending), whole=self._distributed
+        )
+        control = None
+        if faulty and not self._distributed and result.verdict == "deterministic-nonfinite":
+            dtype = (result.culprit.evidence.get("dtype") if result.culprit else None) or result.evidence.get("dtype")
+            if wants_control(dtype, self.model):
+                control = run_control(
+                    self.model, self._params, pending.step_fn, pending.window, self._contexts(pending)
+                )
+        mine = self._verdict_findings(pending.step, result, kind, control) if faulty else []
         if not self._distributed:
             self.findings.extend(mine)
             return result.verdict
@@ -523,12 +530,23 @@ class Sentinel:
         verdicts = [e.get("verdict") for e in everyone if e.get("verdict") is not None]
         return result.verdict if faulty else str(verdicts[0]) if verdicts else "not-replayed"
 
-    def _verdict_findings(self, step: int, result: ReplayResult, kind: str | None) -> list[Finding]:
+    def _contexts(self, pending: _Pending) -> list[contextlib.AbstractContextManager[Any]]:
+        """What a replay of `pending` runs under; made anew for each replay (each is entered once)."""
+        contexts: list[contextlib.AbstractContextManager[Any]] = [distributed.local_replay(self.model)]
+        if pending.scale is not None:
+            contexts.append(amp.scale_as(self.scaler, pending.scale))
+        return contexts
+
+    def _verdict_findings(
+        self, step: int, result: ReplayResult, kind: str | None, control: ControlResult | None = None
+    ) -> list[Finding]:
         if result.verdict == "replay-failed":
             self._error("replaying the step", RuntimeError(result.error or "unknown"), step=step)
             return []
         me = distributed.describe(self._device)
-        return findings.verdict_findings(step, result, me, micro_batches=self.accumulate > 1, kind=kind)
+        return findings.verdict_findings(
+            step, result, me, micro_batches=self.accumulate > 1, kind=kind, control=control
+        )
 
     def _collapse(self, pending: _Pending, scale: float, next_scale: float) -> None:
         self.findings.append(

@@ -14,6 +14,7 @@ import torch
 from fpdoctor import catalog
 from fpdoctor.numerics import distributed
 from fpdoctor.numerics.amp import ScaleWatch
+from fpdoctor.numerics.control import ControlResult
 from fpdoctor.numerics.replay import ReplayResult
 from fpdoctor.report.model import Finding
 
@@ -83,22 +84,52 @@ def _batch_held_it(culprit: Finding | None) -> bool:
     return culprit is not None and culprit.name == "nonfinite-input" and culprit.evidence.get("origin") == "input"
 
 
+def _control_text(control: ControlResult | None) -> tuple[str, str | None, dict[str, Any]]:
+    """The fp32 control's sentence, the fix it implies (None: keep the op's own) and its evidence."""
+    if control is None:
+        return "", None, {}
+    evidence: dict[str, Any] = {"control_fp32": control.outcome}
+    if control.outcome == "finite":
+        return (
+            f" Replayed again with every fp16/bf16 parameter, buffer and input in fp32 and autocast off, it was "
+            f"finite (loss {control.loss:.4g}): the precision is the cause, not the data or the model's math.",
+            "Keep this op (or its module) in fp32, or use bf16 where the cause is range: `fpdoctor compare MODEL "
+            "--candidate fp16` names the module and `fpdoctor plan` verifies a keep-in-fp32 plan.",
+            evidence,
+        )
+    if control.outcome == "nonfinite":
+        return (
+            " Replayed again in fp32 with autocast off, it was non-finite too: the data or the model's math at this "
+            "op is the cause, not the precision.",
+            None,
+            evidence,
+        )
+    return f" The fp32 control replay could not run ({control.error}).", None, evidence
+
+
 def verdict_findings(
-    step: int, result: ReplayResult, me: dict[str, Any], *, micro_batches: bool, kind: str | None
+    step: int,
+    result: ReplayResult,
+    me: dict[str, Any],
+    *,
+    micro_batches: bool,
+    kind: str | None,
+    control: ControlResult | None = None,
 ) -> list[Finding]:
     """deterministic-nonfinite (with the trace's other findings) or transient-fault-suspected;
-    `kind`: the bad step's own nan / +inf / -inf."""
+    `kind`: the bad step's own nan / +inf / -inf; `control`: the same replay in fp32, when run."""
     where_rank = place(me)
     # micro-batches count from 1 within their window, as steps do
     micro = {"micro_batch": result.micro_batch + 1} if result.micro_batch is not None and micro_batches else {}
     if result.verdict == "deterministic-nonfinite":
         first = result.culprit
         rank_text = f" on rank {me['rank']}" if "rank" in me else ""
+        control_text, control_fix, control_evidence = _control_text(control)
         finding = catalog.make(
             "deterministic-nonfinite",
             message=(
                 f"Step {step}{rank_text} replayed with the same batch, RNG state and weights and was non-finite "
-                "again" + (f": {first.message}" if first else ".")
+                "again" + (f": {first.message}" if first else ".") + control_text
             ),
             where={
                 **(dict(first.where) if first else {"module": None, "op": None, "phase": None}),
@@ -110,8 +141,9 @@ def verdict_findings(
                 "step": step,
                 "replay_loss": result.loss,
                 **micro,
+                **control_evidence,
             },
-            fix=first.fix if first else catalog.get("deterministic-nonfinite").fix,
+            fix=control_fix or (first.fix if first else catalog.get("deterministic-nonfinite").fix),
             title=_BAD_DATA_TITLE if _batch_held_it(first) else None,
         )
         return [finding, *result.others]
