@@ -24,6 +24,7 @@ from collections import defaultdict
 from typing import Any
 
 from fpdoctor import catalog
+from fpdoctor.numerics.bounds import impossible
 from fpdoctor.numerics.recipes import range_cause
 from fpdoctor.numerics.trace import Leaf, Record, Tracer
 from fpdoctor.report.model import Finding
@@ -197,15 +198,23 @@ class Analysis:
         }
         if others:
             evidence["other_producers"] = [f"{o.op} {_module_text(o.module)} ({o.phase})" for o in others[:5]]
-        return catalog.make(
-            "nonfinite-produced",
-            title=f"{label}: {r.op} produced {kinds[0]} from finite inputs"
+        title = (
+            f"{label}: {r.op} produced {kinds[0]} from finite inputs"
             if not fed
-            else f"{label}: {r.op} turned {self.kind_of(fed[0])} into {kinds[0]}",
-            message=message,
-            where=self.where(r),
-            evidence=_known(evidence),
-            fix=_fix_for(r),
+            else f"{label}: {r.op} turned {self.kind_of(fed[0])} into {kinds[0]}"
+        )
+        fix = _fix_for(r)
+        if not fed and impossible(r.bound, out.dtype):
+            evidence["arithmetic_bound"] = r.bound
+            title = f"{label}: {r.op} produced {kinds[0]} that arithmetic cannot produce from its inputs"
+            message += (
+                f" Arithmetic cannot explain it: from these finite inputs no output of {r.op} can exceed "
+                f"{r.bound:.4g} in magnitude (|inputs| multiplied and summed in float64), well inside "
+                f"{out.dtype.removeprefix('torch.')}'s range."
+            )
+            fix = _IMPOSSIBLE
+        return catalog.make(
+            "nonfinite-produced", title=title, message=message, where=self.where(r), evidence=_known(evidence), fix=fix
         )
 
     def findings(self) -> list[Finding]:
@@ -480,6 +489,14 @@ _OPTIMIZER = (
     "the optimizer update made it: a learning rate too large for these gradients, a gradient that should have "
     "been clipped (torch.nn.utils.clip_grad_norm_), or an update dividing by ~0 (Adam's eps rounds to 0 in fp16: "
     "eps=1e-4, or fp32 parameters under autocast)"
+)
+
+
+_IMPOSSIBLE = (
+    "Suspect the device or the library, not this code (silent data corruption): the output is outside what its "
+    "inputs allow, so no epsilon, clamp or precision change is the fix. Next: replay the step (fpdoctor.Sentinel "
+    "replays bad steps for you), run the same step on another GPU, and check this GPU with `fpdoctor health` "
+    "(Xid errors, ECC, GEMM fingerprints)."
 )
 
 

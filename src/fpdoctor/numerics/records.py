@@ -75,6 +75,7 @@ class Record:
     input_stats: list[dict[str, Any]] | None = None  # taken while the inputs were alive (non-finite records)
     consumed: bool = False
     mutates: str | None = None  # the (first) parameter an in-place op wrote
+    bound: float | None = None  # the largest |output| arithmetic allows from its finite inputs (bounds.py)
 
     @property
     def kind(self) -> str | None:

@@ -30,6 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from fpdoctor.numerics import records as _records
+from fpdoctor.numerics.bounds import output_bound
 from fpdoctor.numerics.modules import ModuleTracker
 from fpdoctor.numerics.ops import FUNCTIONAL, GENERAL, IN_PLACE, VIEW, OpInfo, tensor_args
 from fpdoctor.numerics.records import Leaf, Output, Record, Store, kind_of
@@ -377,6 +378,8 @@ class Tracer(TorchDispatchMode):
         if immediate:
             if output.kind is not None:
                 record.input_stats = self._input_stats(self._arg_tensors(info, args, kwargs))
+                if not any(self.kind_of(s) for s in inputs):  # from finite inputs: could arithmetic do it?
+                    record.bound = output_bound(info.op, args, kwargs or {})
                 if record.location is None:
                     # forward: the line that ran this op; backward: the line that called backward()
                     record.location = user_location(sys._getframe(2))
@@ -656,6 +659,8 @@ class Tracer(TorchDispatchMode):
         if immediate:
             if nonfinite:
                 record.input_stats = self._input_stats(arg_tensors)
+                if not any(self.kind_of(s) for s in inputs):  # from finite inputs: could arithmetic do it?
+                    record.bound = output_bound(info.op, args, kwargs or {})
                 if record.location is None:
                     # forward: the line that ran this op; backward: the line that called backward()
                     record.location = user_location(sys._getframe(2))
