@@ -279,7 +279,8 @@ def test_long_loop_keeps_bounded_records_and_blames_step_1500():
     assert t._tracer.records.count > 30_000  # every op of every step was traced...
     assert len(list(t.records)) < 6_000  # ...and only what can still matter is kept
     (f,) = producers(t.report, "first Inf")
-    assert f.where["module"] == "" and f.where["op"] == "aten.div.Tensor" and f.where["iteration"] == 1500
+    # loop index 1500 is the 1501st call: counted from 1, as users count steps
+    assert f.where["module"] == "" and f.where["op"] == "aten.div.Tensor" and f.where["iteration"] == 1501
 
 
 def test_iteration_outside_modules_counts_calls_at_the_line():
@@ -290,8 +291,9 @@ def test_iteration_outside_modules_counts_calls_at_the_line():
     assert torch.isnan(y).all()
     inf = producers(t.report, "first Inf")[0]
     nan = producers(t.report, "first NaN")[0]
-    assert (inf.where["op"], inf.where["iteration"]) == ("aten.log.default", 3)
-    assert (nan.where["op"], nan.where["iteration"]) == ("aten.log.default", 4)
+    # counted from 1, as users count: i == 3 is the 4th call
+    assert (inf.where["op"], inf.where["iteration"]) == ("aten.log.default", 4)
+    assert (nan.where["op"], nan.where["iteration"]) == ("aten.log.default", 5)
 
 
 def test_nan_loaded_from_a_checkpoint_is_the_parameters(tmp_path):

@@ -192,7 +192,7 @@ def test_nan_inside_a_loop_names_the_iteration():  # JAX: NaN inside lax.scan / 
     with fpdoctor.trace(rnn) as t:
         rnn(torch.randn(2, 4))
     f = only_producer(t.report, "first Inf")
-    assert f.where["module"] == "cell" and f.where["iteration"] == 3
+    assert f.where["module"] == "cell" and f.where["iteration"] == 4  # step 3 of range(5): the 4th call
 
 
 def test_in_place_op():
@@ -275,7 +275,7 @@ def test_dict_tuple_dataclass_and_non_tensor_outputs():
     assert torch.isinf(out["bad"][0]).any()
     f = only_producer(t.report, "first Inf")
     assert f.where["op"].startswith("aten.div")
-    assert f.evidence["reaches"] == ["output of module Multi (call 0)"]
+    assert f.evidence["reaches"] == ["output of module Multi (call 1)"]
     # the Inf that leaves only through a dataclass field reaches a sink too
     assert f.evidence["other_producers"] == ["aten.div.Tensor in module `Wrap` (forward)"]
 

@@ -56,6 +56,11 @@ def _known(values: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None or k == "module"}
 
 
+def _count(call: int | None) -> int | None:
+    """Calls are kept from 0 and shown from 1, as users count steps (the 80th call is 80)."""
+    return None if call is None else call + 1
+
+
 def _where_text(path: tuple[str, int, str] | None) -> str | None:
     return f"{path[0]}:{path[1]} in {path[2]}" if path else None
 
@@ -154,7 +159,7 @@ class Analysis:
         return stats
 
     def where(self, r: Record) -> dict[str, Any]:
-        where: dict[str, Any] = _known({"module": r.module, "op": r.op, "phase": r.phase, "iteration": r.call})
+        where: dict[str, Any] = _known({"module": r.module, "op": r.op, "phase": r.phase, "iteration": _count(r.call)})
         if r.node:
             where["autograd_node"] = r.node
         if r.forward_op:
@@ -179,7 +184,7 @@ class Analysis:
         phase = r.phase + (" (activation-checkpoint recompute)" if r.recompute else "")
         message = (
             f"{r.op} {_module_text(r.module)} ({phase}"
-            + (f", call {r.call}" if r.call else "")
+            + (f", call {r.call + 1}" if r.call else "")
             + f") produced {count if count is not None else 'some'} {'/'.join(kinds)} of {numel} values"
             f"{from_text}; they reach {', '.join(reaches[:3]) or 'a sink'}."
             + (f" Source: {location}." if location else "")

@@ -216,7 +216,7 @@ class Headroom:
             out = r.outputs[0]
             where: dict[str, Any] = {"module": module, "op": op, "phase": r.phase}
             if r.call is not None:
-                where["iteration"] = r.call
+                where["iteration"] = r.call + 1  # counted from 1, as users count steps
             found.append(
                 catalog.make(
                     "overflow-risk",

@@ -840,7 +840,7 @@ class Tracer(TorchDispatchMode):
         for t in tensors_in(output):
             index = self.producer_of(t)
             if index is not None:
-                self._sink(index, f"output of module {name or '<root>'} (call {call})")
+                self._sink(index, f"output of module {name or '<root>'} (call {call + 1})")
 
     def finish(self) -> None:
         """Read what is pending and collect the end-of-block sinks: gradients and loose values."""
