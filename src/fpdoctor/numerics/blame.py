@@ -61,6 +61,11 @@ def _count(call: int | None) -> int | None:
     return None if call is None else call + 1
 
 
+def _written_scalar(leaf: Leaf, first: Record) -> bool:
+    """A 0-dim value seen first by an in-place write: a Python scalar the code assigned."""
+    return leaf.origin is None and leaf.name == "input" and not leaf.shape and _packet(first.op).endswith("_")
+
+
 def _where_text(path: tuple[str, int, str] | None) -> str | None:
     return f"{path[0]}:{path[1]} in {path[2]}" if path else None
 
@@ -400,6 +405,8 @@ class Analysis:
         what = _leaf_text(leaf)
         count = sum(leaf.counts.values()) if leaf.counts else None
         numel = math.prod(leaf.shape)
+        if first is not None and _written_scalar(leaf, first):
+            return self._written_finding(leaf, first, reaches)
         return catalog.make(
             "nonfinite-input",
             message=(
@@ -433,6 +440,34 @@ class Analysis:
                     "reaches": reaches,
                 }
             ),
+        )
+
+    def _written_finding(self, leaf: Leaf, first: Record, reaches: list[str]) -> Finding:
+        """`t[i] = float("inf")`, `t[mask] = v`, `t.fill_(nan)`: the code itself wrote the value."""
+        location = _where_text(first.location)
+        return catalog.make(
+            "nonfinite-input",
+            title=f"Your code wrote {leaf.kind} into a tensor",
+            message=(
+                f"A scalar {leaf.kind} was written into a tensor by {first.op} {_module_text(first.module)} (an "
+                f"assignment such as t[i] = float('inf') or t.fill_/masked_fill_); it reaches {', '.join(reaches[:3])}."
+                + (f" Source: {location}." if location else "")
+            ),
+            where=_known({"module": first.module, "op": first.op, "phase": first.phase, "input": leaf.name}),
+            evidence=_known(
+                {
+                    "kind": leaf.kind,
+                    "count": 1,
+                    "numel": 1,
+                    "dtype": leaf.dtype,
+                    "origin": "constant",
+                    "reaches": reaches,
+                    "location": location,
+                }
+            ),
+            fix="The value is your code's own: if it marks masked positions, use a finite value "
+            "(torch.finfo(dtype).min / .max) or mask after the reduction; otherwise fix the assignment at the source "
+            "line.",
         )
 
     def _constant_finding(self, r: Record, reaches: list[str]) -> Finding:
