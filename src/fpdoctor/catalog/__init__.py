@@ -34,11 +34,12 @@ class Rule:
 
 
 def _all_rules() -> tuple[Rule, ...]:
+    from fpdoctor.catalog.crash import CRS_RULES
     from fpdoctor.catalog.dtype import DTY_RULES
     from fpdoctor.catalog.env import ENV_RULES
     from fpdoctor.catalog.numerics import NUM_RULES, TRN_RULES
 
-    return ENV_RULES + NUM_RULES + DTY_RULES + TRN_RULES
+    return ENV_RULES + NUM_RULES + DTY_RULES + TRN_RULES + CRS_RULES
 
 
 class UnknownRuleError(LookupError):
