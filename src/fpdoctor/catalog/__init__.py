@@ -37,9 +37,10 @@ def _all_rules() -> tuple[Rule, ...]:
     from fpdoctor.catalog.crash import CRS_RULES
     from fpdoctor.catalog.dtype import DTY_RULES
     from fpdoctor.catalog.env import ENV_RULES
+    from fpdoctor.catalog.hardware import HWR_RULES
     from fpdoctor.catalog.numerics import NUM_RULES, TRN_RULES
 
-    return ENV_RULES + NUM_RULES + DTY_RULES + TRN_RULES + CRS_RULES
+    return ENV_RULES + NUM_RULES + DTY_RULES + TRN_RULES + CRS_RULES + HWR_RULES
 
 
 class UnknownRuleError(LookupError):
