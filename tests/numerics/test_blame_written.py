@@ -45,3 +45,14 @@ def test_an_inf_in_the_batch_stays_an_input():
         (batch * 2).sum()
     (finding,) = t.report.by_name("nonfinite-input")
     assert finding.evidence["origin"] == "input" and "wrote" not in finding.title
+
+
+def test_an_in_place_op_shows_what_it_read_not_what_it_wrote():
+    with fpdoctor.trace() as t:
+        x = torch.full((4,), 3e38)
+        x.mul_(10.0)  # overflows float32 in place
+        x.sum()
+    finding = t.report.by_name("nonfinite-produced")[0]
+    assert finding.where["op"] == "aten.mul_.Tensor" and "from finite inputs" in finding.message
+    (read,) = finding.evidence["inputs"]
+    assert read["max"] == pytest.approx(3e38, rel=1e-6) and read["nonfinite"] is None  # not the +inf it wrote

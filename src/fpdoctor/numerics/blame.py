@@ -139,29 +139,24 @@ class Analysis:
         if record.input_stats is not None:  # measured on the live inputs when the op ran
             return [
                 {"from": self.source_text(src), **st, "nonfinite": self.kind_of(src)}
+                if st is not None
+                else self._recorded_stats(src)  # written in place by this op: its values before the write
                 for src, st in zip(record.inputs, record.input_stats, strict=False)
             ]
-        stats = []
-        for src in record.inputs[:6]:
-            lo: float | None
-            hi: float | None
-            item: Leaf | Record = self.leaves[src[1]] if src[0] == "leaf" else self.records[src[1]]
-            if isinstance(item, Leaf):
-                lo, hi, dtype, shape, kind = item.lo, item.hi, item.dtype, item.shape, item.kind
-            else:
-                out = item.outputs[0]
-                lo, hi, dtype, shape, kind = out.lo, out.hi, out.dtype, out.shape, item.kind
-            stats.append(
-                {
-                    "from": self.source_text(src),
-                    "dtype": dtype,
-                    "shape": list(shape),
-                    "min": lo,
-                    "max": hi,
-                    "nonfinite": kind,
-                }
-            )
-        return stats
+        return [self._recorded_stats(src) for src in record.inputs[:6]]
+
+    def _recorded_stats(self, src: tuple[str, int]) -> dict[str, Any]:
+        """What the trace knew of an input from the op or leaf that made it."""
+        lo: float | None
+        hi: float | None
+        item: Leaf | Record = self.leaves[src[1]] if src[0] == "leaf" else self.records[src[1]]
+        if isinstance(item, Leaf):
+            lo, hi, dtype, shape, kind = item.lo, item.hi, item.dtype, item.shape, item.kind
+        else:
+            out = item.outputs[0]
+            lo, hi, dtype, shape, kind = out.lo, out.hi, out.dtype, out.shape, item.kind
+        return {"from": self.source_text(src), "dtype": dtype, "shape": list(shape), "min": lo, "max": hi,
+                "nonfinite": kind}  # fmt: skip
 
     def where(self, r: Record) -> dict[str, Any]:
         where: dict[str, Any] = _known({"module": r.module, "op": r.op, "phase": r.phase, "iteration": _count(r.call)})

@@ -52,7 +52,7 @@ def range_cause(record: Record) -> str | None:
         return None
     if record.phase == "optimizer":
         return None  # an update that blows up is the step size or a zero denominator (eps), not range
-    stats = record.input_stats or []
+    stats = [s or {} for s in record.input_stats or []]  # {}: written in place, values before unknown here
     if any(s.get("nonfinite") for s in stats):
         return None  # an Inf passed on, not produced here
     magnitudes = [max(abs(s["min"]), abs(s["max"])) for s in stats if s.get("min") is not None]

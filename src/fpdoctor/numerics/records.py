@@ -72,7 +72,7 @@ class Record:
     location: tuple[str, int, str] | None
     inputs: list[tuple[str, int]]  # ("op", record index) or ("leaf", leaf index)
     outputs: list[Output] = field(default_factory=list)
-    input_stats: list[dict[str, Any]] | None = None  # taken while the inputs were alive (non-finite records)
+    input_stats: list[dict[str, Any] | None] | None = None  # taken while the inputs were alive (non-finite records)
     consumed: bool = False
     mutates: str | None = None  # the (first) parameter an in-place op wrote
     bound: float | None = None  # the largest |output| arithmetic allows from its finite inputs (bounds.py)

@@ -377,7 +377,7 @@ class Tracer(TorchDispatchMode):
             self.provenance.sweep()
         if immediate:
             if output.kind is not None:
-                record.input_stats = self._input_stats(self._arg_tensors(info, args, kwargs))
+                record.input_stats = self._input_stats(self._arg_tensors(info, args, kwargs), (t,) if written else ())
                 if not any(self.kind_of(s) for s in inputs):  # from finite inputs: could arithmetic do it?
                     record.bound = output_bound(info.op, args, kwargs or {})
                 if record.location is None:
@@ -520,8 +520,10 @@ class Tracer(TorchDispatchMode):
             inputs.append(src)
         return inputs
 
-    def _input_stats(self, tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
-        return [stats(t) for t in tensors if checkable(t)][:6]
+    def _input_stats(self, tensors: list[torch.Tensor], written: Any = ()) -> list[dict[str, Any] | None]:
+        """Live statistics of an op's inputs; None for one it wrote in place (its values now are
+        the op's result, not what it read: blame shows what the trace knew of it before)."""
+        return [None if any(t is w for w in written) else stats(t) for t in tensors if checkable(t)][:6]
 
     def kind_of(self, src: tuple[str, int]) -> str | None:
         return self.records[src[1]].kind if src[0] == "op" else self.leaves[src[1]].kind
@@ -658,7 +660,7 @@ class Tracer(TorchDispatchMode):
                 provenance.set(t._base, entry)
         if immediate:
             if nonfinite:
-                record.input_stats = self._input_stats(arg_tensors)
+                record.input_stats = self._input_stats(arg_tensors, written)
                 if not any(self.kind_of(s) for s in inputs):  # from finite inputs: could arithmetic do it?
                     record.bound = output_bound(info.op, args, kwargs or {})
                 if record.location is None:
