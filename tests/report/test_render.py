@@ -82,6 +82,37 @@ def test_a_results_table_is_rendered_in_every_format(h20_report, fmt):
     got = render(report, fmt, color=False, width=100)
     assert "Per module" in got and "encoder.layer.0" in got and "non-finite" in got
     if fmt == "markdown":
-        assert "| module | x \\| y |" in got and "| &lt;root&gt;" not in got
+        # escaped: GitHub shows <root> instead of dropping it as an unknown tag
+        assert "| module | x \\| y |" in got and "| &lt;root&gt; |" in got
     if fmt == "html":
         assert "<td>&lt;root&gt;</td>" in got and "<th>x | y</th>" in got
+
+
+def _finding_report(h20_report, **finding):
+    base = dict(h20_report["findings"][0])
+    return dict(h20_report, findings=[dict(base, **finding)], data={})
+
+
+def test_markdown_escapes_pasted_text_and_keeps_prose_out_of_code_blocks(h20_report):
+    from markdown_it import MarkdownIt
+
+    report = _finding_report(
+        h20_report,
+        message="the loaded copy is <wheel nvidia-cublas-cu12> & not the system one",
+        fix="Keep the named module in fp32; the finding says which one.",
+        evidence={"inputs": [{"dtype": "torch.float16", "max": 70000.123456}], "shape": [64, 32], "ok": False},
+    )
+    md = render(report, "markdown")
+    page = MarkdownIt("commonmark").enable("table").render(md)
+    assert "&lt;wheel nvidia-cublas-cu12&gt; &amp; not" in page  # shown, not eaten as a tag
+    assert "```sh" not in md and "<code>Keep the named" not in page  # prose stays prose
+    assert "- inputs: (dtype torch.float16, max 7e+04)" in md and "- shape: [64, 32]" in md
+    assert "- ok: false" in md and "{" not in md.split("**Fix**")[0].split("<details>")[1]  # no JSON blobs
+
+
+def test_a_command_fix_is_a_code_block_in_markdown_and_pre_in_html(h20_report):
+    md = render(h20_report, "markdown")
+    assert "```sh\npython -m pip install" in md
+    prose = _finding_report(h20_report, fix="Use bf16 where the cause is range.")
+    assert "<p>Use bf16 where the cause is range.</p>" in render(prose, "html")
+    assert "<pre>python -m pip install" in render(h20_report, "html")

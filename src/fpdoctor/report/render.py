@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import html
 import io
-import json
+import re
 from typing import Any
 
 from fpdoctor.report.model import json_text
@@ -33,12 +33,44 @@ def render(report: dict[str, Any], fmt: str, *, color: bool = False, width: int 
     raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
+def _value(value: Any) -> str:
+    """A value as a person reads it: numbers to 4 significant digits, lists joined, records as
+    `key value` pairs - never a JSON blob (the JSON format is there for machines)."""
+    if isinstance(value, bool) or value is None:
+        return str(value).lower() if value is not None else "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_value(v)}" for k, v in value.items() if v is not None)
+    if isinstance(value, (list, tuple)):
+        if value and all(isinstance(v, dict) for v in value):
+            return "; ".join(f"({_value(v)})" for v in value)
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            return "[" + ", ".join(_value(v) for v in value) + "]"  # a shape or a list of numbers
+        return ", ".join(_value(v) for v in value)
+    return str(value)
+
+
 def _evidence_lines(evidence: dict[str, Any]) -> list[str]:
-    lines = []
-    for key, value in evidence.items():
-        shown = json.dumps(value, default=str) if isinstance(value, (dict, list)) else value
-        lines.append(f"{key}: {shown}")
-    return lines
+    return [f"{key}: {_value(value)}" for key, value in evidence.items()]
+
+
+# A fix whose every line is a command or a shell comment is shown as code; prose is shown as prose.
+_COMMAND = re.compile(
+    r"^\s*(#|\$ |[A-Z_][A-Z0-9_]*=|(python3?|pip3?|uv|conda|mamba|export|unset|fpdoctor|torchrun|accelerate|"
+    r"nvidia-smi|dmesg|journalctl|sudo|apt(-get)?|yum|dnf|ldconfig|cd|ls|git|docker|module|source|nsys|"
+    r"compute-sanitizer|ulimit|echo|cat|env)\b|[./~]\S*/)"
+)
+
+
+def is_command(fix: str) -> bool:
+    lines = [line for line in fix.splitlines() if line.strip()]
+    return bool(lines) and all(_COMMAND.match(line) for line in lines)
+
+
+def _md_text(value: Any) -> str:
+    """Text pasted into GitHub markdown: `<wheel nvidia-cublas-cu12>` must not be eaten as a tag."""
+    return html.escape(str(value), quote=False)
 
 
 def render_text(report: dict[str, Any], *, color: bool = False, width: int = 100) -> str:
@@ -130,7 +162,7 @@ def _counts(findings: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def _md_cell(value: Any) -> str:
-    return str(value).replace("|", "\\|").replace("\n", " ")
+    return _md_text(value).replace("|", "\\|").replace("\n", " ")
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -158,21 +190,22 @@ def render_markdown(report: dict[str, Any]) -> str:
         for f in report["findings"]:
             out.append(f"<details><summary><code>{f['code']}</code> {html.escape(f['name'])}</summary>")
             out.append("")
-            out.append(f["message"])
+            out.append(_md_text(f["message"]))
             out.append("")
             for ev in _evidence_lines(f["evidence"]):
-                out.append(f"- {ev}")
+                out.append(f"- {_md_text(ev)}")
             if f["fix"]:
-                out += ["", "**Fix**", "", "```sh", f["fix"], "```"]
+                fix = ["```sh", f["fix"], "```"] if is_command(f["fix"]) else [_md_text(f["fix"])]
+                out += ["", "**Fix**", "", *fix]
             if f["references"]:
-                out += ["", "References: " + ", ".join(f["references"])]
+                out += ["", "References: " + ", ".join(_md_text(r) for r in f["references"])]
             out += ["", "</details>", ""]
     else:
         out += ["No findings.", ""]
     not_checked = report["data"].get("not_checked")
     if not_checked:
         out += ["Not checked:", ""]
-        out += [f"- {k}: {_md_cell(v)}" for k, v in not_checked.items()]
+        out += [f"- {_md_text(k)}: {_md_cell(v)}" for k, v in not_checked.items()]
         out.append("")
     return "\n".join(out)
 
@@ -183,10 +216,11 @@ def render_html(report: dict[str, Any]) -> str:
     for f in report["findings"]:
         evidence = "<br>".join(esc(e) for e in _evidence_lines(f["evidence"]))
         refs = " ".join(f'<a href="{esc(r)}">{esc(r)}</a>' for r in f["references"])
+        fix = f"<pre>{esc(f['fix'])}</pre>" if is_command(f["fix"] or "") else f"<p>{esc(f['fix'] or '')}</p>"
         rows.append(
             f'<tr class="{esc(f["severity"])}"><td>{esc(f["severity"])}</td><td><code>{esc(f["code"])}'
             f"</code><br>{esc(f['name'])}</td><td><b>{esc(f['title'])}</b><p>{esc(f['message'])}</p>"
-            f"<small>{evidence}</small></td><td><pre>{esc(f['fix'])}</pre>{refs}</td></tr>"
+            f"<small>{evidence}</small></td><td>{fix}{refs}</td></tr>"
         )
     summary = "".join(
         f"<tr><th>{esc(str(k))}</th><td>{esc(str(v))}</td></tr>" for k, v in report["data"].get("summary", [])
