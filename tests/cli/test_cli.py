@@ -76,3 +76,30 @@ def test_output_format_follows_the_extension_and_a_missing_directory_stops_befor
     script.write_text(f"open({str(marker)!r}, 'w').close()\n")
     result = cli("trace", "-o", str(tmp_path / "missing" / "x.json"), "--", str(script))
     assert result.code == 2 and "missing" in result.err and not marker.exists()
+
+
+def test_explain_and_rules_take_format_and_output_like_every_command(tmp_path, cli):
+    page = tmp_path / "rules.html"
+    assert cli("rules", "-o", str(page)).code == 0
+    assert page.read_text().startswith("<!doctype html>") and "nonfinite-produced" in page.read_text()
+    saved = tmp_path / "explain.json"
+    assert cli("explain", "NUM001", "-o", str(saved)).out == ""
+    assert json.loads(saved.read_text())["code"] == "NUM001"
+    assert "<h2>How to fix</h2>" in cli("explain", "NUM001", "--format", "html").out
+
+
+def test_written_files_follow_the_umask_and_keep_an_existing_mode(tmp_path, cli):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        new = tmp_path / "new.md"
+        cli("explain", "NUM001", "-o", str(new))
+        assert new.stat().st_mode & 0o777 == 0o644  # not mkstemp's 0600
+        kept = tmp_path / "kept.md"
+        kept.write_text("x")
+        kept.chmod(0o640)
+        cli("explain", "NUM001", "-o", str(kept))
+        assert kept.stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(old)

@@ -54,12 +54,21 @@ def write_atomic(path: str, text: str) -> None:
         raise UsageError(f"{target.parent} does not exist; create it or choose another output path")
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
+        # mkstemp makes the file 0600; a report is the user's file like any other: an existing
+        # file keeps its mode, a new one gets what the user's umask gives (0644 under umask 022).
+        os.fchmod(fd, target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only portable way to read it is to set it; put it back at once
+    os.umask(mask)
+    return mask
 
 
 def emit(report_dict: dict[str, Any], args: argparse.Namespace) -> None:
