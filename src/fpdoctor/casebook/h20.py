@@ -42,8 +42,10 @@ SIGFPE = Case(
     title="SIGFPE in cuBLAS on a new GPU",
     story=(
         "A text-to-video model dies at start-up with 'Fatal Python error: Floating point exception' inside "
-        "nn.Linear.forward on 4 x NVIDIA H20 (torch 2.3.1+cu121). fpdoctor reads the host's recorded facts and "
-        "runs the published reproducer GEMM in an isolated child, which dies of SIGFPE."
+        "nn.Linear.forward on 4 x NVIDIA H20 (torch 2.3.1+cu121). Here: fpdoctor reads that host's recorded "
+        "facts; its probe runs the published reproducer's shape (bf16 Linear 1024 -> 18432, batch 2) on this CPU "
+        "in an isolated child, and the child's death by SIGFPE is injected (this CPU has no cuBLAS to crash), so "
+        "what is shown is how a crashing probe is caught and reported."
     ),
     expect=frozenset({"cublas-h20-sigfpe", "probe-crashed"}),
     run=lambda: _diagnose("h20_sigfpe.facts.json"),
