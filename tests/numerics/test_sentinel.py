@@ -163,3 +163,29 @@ def test_transient_fault_names_the_rank(tmp_path):
         assert finding.where["rank"] == 0 and "rank 0" in finding.message
     finally:
         dist.destroy_process_group()
+
+
+def test_the_report_keeps_a_bounded_timeline_with_every_event():
+    from fpdoctor.numerics import sentinel as sentinel_module
+
+    model, opt = make()
+    guard = fpdoctor.Sentinel(model, opt)
+    plain = step_fn(model, opt)
+    calls = {"n": 0}
+
+    def faulty(x, y):
+        loss = plain(x, y)
+        calls["n"] += 1
+        if calls["n"] == 7:
+            model[0].weight.grad[0, 0] = float("nan")
+        return loss
+
+    g = torch.Generator().manual_seed(3)
+    for _ in range(40):
+        guard.step(faulty, torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g))
+    full = guard.report.data["timeline"]
+    assert full["step"] == list(range(1, 41)) and len(full["loss"]) == 40
+    assert full["nonfinite"] == [7] and full["amp_skipped"] == [] and full["spikes"] == []
+    thin = guard._timeline(points=10)
+    assert len(thin["step"]) <= 11 and 7 in thin["step"]  # thinned, but the bad step is kept
+    assert sentinel_module.TIMELINE_POINTS >= 1000

@@ -49,6 +49,7 @@ from fpdoctor.preserve import BufferSnapshot, RngState, preserved
 from fpdoctor.report.model import Finding, Report
 
 SPIKE_WINDOW = 32
+TIMELINE_POINTS = 2000  # loss points a report keeps for its plot (events are always kept)
 SPIKE_MIN_HISTORY = 8
 # A loss more than SPIKE_SIGMAS standard deviations above the recent mean, and at least
 # SPIKE_RATIO times it, is a spike: both, so that a flat loss curve's tiny noise does not count.
@@ -649,5 +650,21 @@ class Sentinel:
             text = f"{self.checkpoint_path} (step {self.checkpoint_step})" if written else "none written"
             summary.append(("last-good checkpoint", text))
             data["checkpoint_step"] = self.checkpoint_step
+        data["timeline"] = self._timeline()
         data["summary"] = summary
         return Report(command="sentinel", findings=list(self.findings), data=data)
+
+    def _timeline(self, points: int = TIMELINE_POINTS) -> dict[str, list[Any]]:
+        """Loss per step for plots, at most `points` of them (evenly thinned) plus every step that
+        was non-finite, skipped by AMP or a spike, so that no event is thinned away."""
+        spikes = {f.evidence.get("step") for f in self.findings if f.name == "loss-spike"}
+        history = self.history
+        stride = max(1, math.ceil(len(history) / points))
+        kept = [h for i, h in enumerate(history) if i % stride == 0 or not h.finite or h.step in spikes]
+        return {
+            "step": [h.step for h in kept],
+            "loss": [h.loss for h in kept],
+            "nonfinite": [h.step for h in history if not h.finite and h.verdict != "amp-skip"],
+            "amp_skipped": [h.step for h in history if h.verdict == "amp-skip"],
+            "spikes": sorted(s for s in spikes if isinstance(s, int)),
+        }
