@@ -1,0 +1,266 @@
+"""GEMM fingerprints per GPU and across GPUs and ranks (`fpdoctor health --duration S`).
+
+Each device runs in its own child process (`python -m fpdoctor.health.fingerprint SPEC`), all in
+parallel, with a timeout: a child killed by a signal or stuck in a kernel becomes a finding, and
+this process never touches CUDA itself. A child runs known-answer GEMMs, seeded GEMMs repeated for
+about `duration` seconds and digested on the device, and times them (`fpdoctor.health.gemm`).
+Under torchrun every rank fingerprints its own GPU, one `all_gather_object` brings the rows to
+rank 0, and `fpdoctor.health.ranks` judges them by fingerprint group.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from fpdoctor.report.model import Finding
+
+READY, START, RESULT = "FPDOCTOR-FINGERPRINT-READY", "FPDOCTOR-FINGERPRINT-START:", "FPDOCTOR-FINGERPRINT-RESULT:"
+STARTUP_ALLOWANCE_S = 120.0  # import torch and create a CUDA context, before the work's own clock starts
+WORK_SLACK_S = 30.0  # known answers, input generation and the last repeat beyond `duration`
+STDERR_TAIL = 4000
+# cuBLAS is bitwise reproducible run to run only with a fixed per-stream workspace (cuBLAS docs,
+# "Results reproducibility"); torch.use_deterministic_algorithms refuses cuBLAS without it. Forced,
+# not defaulted, in the child: the workspace size takes part in cuBLAS's choice of kernel.
+CUBLAS_WORKSPACE = ":4096:8"
+_SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass
+class FingerprintResult:
+    findings: list[Finding] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)  # one per GPU (or per CPU rank)
+    notes: list[str] = field(default_factory=list)  # what was not run or not compared, and why
+    reporting: bool = True  # False on the ranks other than 0 under torchrun: they print nothing
+
+
+def check_duration(duration: float) -> float:
+    """`duration` in seconds as a float; ValueError (one line, says the fix) when it is not usable."""
+    try:
+        value = float(duration)
+    except (TypeError, ValueError):
+        raise ValueError(f"--duration must be a number of seconds, got {duration!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"--duration must be zero or more seconds, got {duration!r}; e.g. --duration 5")
+    return value
+
+
+def run_fingerprints(duration: float, *, device: str | None = None) -> FingerprintResult:
+    """Fingerprint every visible GPU of this node (`device=None`), one device ("cuda:1", "cpu"),
+    or under torchrun this rank's device; rank 0 returns every rank's rows and the findings."""
+    from fpdoctor.health import ranks
+
+    duration = check_duration(duration)
+    dist = ranks.dist_env()
+    devices, notes = _devices(device, dist)
+    limit_s = STARTUP_ALLOWANCE_S + WORK_SLACK_S + 2 * duration
+    with ThreadPoolExecutor(max_workers=max(1, len(devices))) as pool:
+        jobs = [pool.submit(run_child, {"device": d, "duration": duration}, duration) for d in devices]
+        # The rendezvous overlaps the children's work; its timeout outlasts the slowest child.
+        with ranks.process_group(dist, timeout_s=limit_s + 60.0) as group:
+            rows = [_row(job.result(), dist) for job in jobs]
+            if dist is not None:
+                gathered = ranks.gather(group, {"rows": rows, "notes": notes})
+                if dist.rank != 0:
+                    return FingerprintResult(rows=rows, notes=notes, reporting=False)
+                rows = [row for part in gathered for row in part.get("rows", [])]
+                notes = ranks.merge_notes([(r, part.get("notes", [])) for r, part in enumerate(gathered)])
+    findings, judged_notes = ranks.judge(rows)
+    return FingerprintResult(findings=findings, rows=rows, notes=notes + judged_notes)
+
+
+def _devices(device: str | None, dist: Any) -> tuple[list[str], list[str]]:
+    """Which devices this process fingerprints, and notes for what it leaves out."""
+    if device is not None:
+        text = device.strip().lower()
+        if text == "cpu":
+            return ["cpu"], []
+        if text == "cuda" and dist is not None:
+            return [f"cuda:{dist.local_rank}"], []
+        if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
+            return [text if ":" in text else "cuda:0"], []
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    import torch
+
+    count = torch.cuda.device_count()  # NVML or the driver's count; no CUDA context is created
+    if count == 0:
+        return [], ["no GPU: fingerprints not run; --device cpu runs them on the CPU"]
+    if dist is not None:
+        return [f"cuda:{dist.local_rank % count}"], []
+    return [f"cuda:{i}" for i in range(count)], []
+
+
+def _child_command(spec: dict[str, Any]) -> list[str]:
+    return [sys.executable, "-m", "fpdoctor.health.fingerprint", json.dumps(spec)]
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_SRC, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _reader(stream: Any, out: queue.Queue[str | None]) -> None:
+    for line in stream:
+        out.put(line.rstrip("\n"))
+    out.put(None)
+
+
+def _drain(stream: Any, tail: list[str]) -> None:
+    """Keep reading stderr: a child that fills the pipe (warnings, library logs) would block and look hung."""
+    for chunk in iter(lambda: stream.read(8192), ""):
+        tail[0] = (tail[0] + chunk)[-STDERR_TAIL:]
+
+
+def run_child(spec: dict[str, Any], duration: float) -> dict[str, Any]:
+    """Run one device's fingerprint in a child; its result, or {"device", "failure": {...}}."""
+    started = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            _child_command(spec),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_child_env(),
+        )
+    except OSError as exc:
+        return {"device": spec["device"], "failure": {"kind": "error", "error": f"child did not start: {exc}"}}
+    lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
+    tail = [""]
+    drainer = threading.Thread(target=_drain, args=(proc.stderr, tail), daemon=True)
+    drainer.start()
+    deadline = started + STARTUP_ALLOWANCE_S
+    step, result = "start-up (import torch, create the device context)", None
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            proc.kill()
+            proc.wait()
+            seconds = round(time.monotonic() - started, 1)
+            return {"device": spec["device"], "failure": {"kind": "timeout", "step": step, "seconds": seconds}}
+        if line is None:
+            break
+        if line == READY:
+            deadline = time.monotonic() + WORK_SLACK_S + 2 * duration
+        elif line.startswith(START):
+            step = line[len(START) :]
+        elif line.startswith(RESULT):
+            result = json.loads(line[len(RESULT) :])
+    proc.wait()
+    drainer.join(timeout=5.0)
+    if result is not None and proc.returncode == 0:
+        return dict(result)
+    from fpdoctor.env.collect import signal_name
+
+    failure: dict[str, Any] = {"step": step, "returncode": proc.returncode, "stderr_tail": tail[0][-1500:]}
+    sig = signal_name(proc.returncode)
+    if sig:
+        failure.update(kind="crashed", signal=sig)
+    else:
+        last = (tail[0].strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        failure.update(kind="error", error=last[:300])
+    return {"device": spec["device"], "failure": failure}
+
+
+def _row(result: dict[str, Any], dist: Any) -> dict[str, Any]:
+    """The table row of one device: identity, then what its fingerprint says."""
+    import socket
+
+    ident = result.get("identity", {})
+    known = result.get("known_answer", {})
+    seeded = result.get("seeded", {})
+    ok_known = {d: r["ok"] for d, r in known.items() if "ok" in r}
+    digests = {d: r["digest"] for d, r in seeded.items() if "digest" in r}
+    row: dict[str, Any] = {
+        "rank": dist.rank if dist is not None else None,
+        "host": ident.get("host") or socket.gethostname(),
+        "device": result.get("device"),
+        "index": ident.get("index"),
+        "pci": ident.get("pci"),
+        "uuid": ident.get("uuid"),
+        "name": ident.get("name"),
+        "sm_count": ident.get("sm_count"),
+        "threads": ident.get("threads"),
+        "isa": ident.get("isa"),
+        "mig": ident.get("mig"),
+        "cublas": ident.get("cublas"),
+        "driver": ident.get("driver"),
+        "torch": ident.get("torch"),
+        "kind": ident.get("kind"),
+        "group": None,  # set by ranks.judge
+        "known_answer_ok": all(ok_known.values()) if ok_known else None,
+        "known_answer": ok_known,
+        "digests": digests,
+        "self_consistent": all(r["distinct"] == 1 for r in seeded.values() if "distinct" in r) if digests else None,
+        "tflops": {d: round(r["tflops"], 3) for d, r in seeded.items() if "tflops" in r},
+        "verdict": None,  # set by ranks.judge
+        "detail": {k: result[k] for k in ("known_answer", "seeded", "not_run", "errors") if result.get(k)},
+    }
+    if "failure" in result:
+        row["failure"] = result["failure"]
+    return row
+
+
+# --- the child -------------------------------------------------------------------------------
+
+
+def child_main(argv: list[str]) -> int:
+    """`python -m fpdoctor.health.fingerprint SPEC`: fingerprint one device, print one result line."""
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE  # before torch creates a cuBLAS handle
+    spec = json.loads(argv[0])
+    import torch
+
+    from fpdoctor.health import device_id, gemm
+
+    device = torch.device(spec["device"])
+    gemm.deterministic(device)
+    identity = device_id.describe(device)
+    print(READY, flush=True)
+    started = time.perf_counter()
+    shapes = gemm.GPU_SHAPES if device.type == "cuda" else gemm.CPU_SHAPES
+    out: dict[str, Any] = {"device": spec["device"], "known_answer": {}, "seeded": {}, "not_run": {}, "errors": {}}
+    dtypes = []
+    for name in spec.get("dtypes") or gemm.DTYPES:
+        reason = gemm.supported(name, device)
+        if reason:
+            out["not_run"][name] = reason
+        else:
+            dtypes.append(name)
+    for name in dtypes:
+        print(f"{START}known answer {name}", flush=True)
+        try:
+            out["known_answer"][name] = gemm.known_answer(name, device, shapes.known_mn)
+        except Exception as exc:  # an exception (out of memory, an unsupported kernel) is a result
+            out["errors"][f"known answer {name}"] = f"{type(exc).__name__}: {exc}"[:300]
+    for i, name in enumerate(dtypes):
+        budget = max(0.0, float(spec["duration"]) - (time.perf_counter() - started)) / (len(dtypes) - i)
+        print(f"{START}seeded {name}", flush=True)
+        try:
+            out["seeded"][name] = gemm.seeded(name, device, shapes.mn, shapes.k[name], budget)
+        except Exception as exc:
+            out["errors"][f"seeded {name}"] = f"{type(exc).__name__}: {exc}"[:300]
+    if device.type == "cuda":
+        identity["cublas"] = device_id.cublas_version() or f"cuda {torch.version.cuda} (cuBLAS not read)"
+    out["identity"] = identity
+    out["seconds"] = round(time.perf_counter() - started, 3)
+    print(RESULT + json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    code = child_main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip the slow teardown of an interpreter that holds a CUDA context
