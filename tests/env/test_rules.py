@@ -48,7 +48,7 @@ def test_h20_without_library_facts_infers_from_the_build(h20_facts):
     h20_facts["torch"].update(version="2.2.0+cu121")  # not in the pinned-cuBLAS table
     h20_facts["libraries"] = {"wheels": [], "copies": [], "loaded": None}
     finding = _names(h20_facts)["cublas-h20-sigfpe"]
-    assert "inferred from the CUDA 12.1 build" in finding.evidence["cublas_source"]
+    assert "inferred from the CUDA 12.1 build" in finding.evidence["cublas"]
 
 
 def test_ptx_only_coverage_is_a_warning():

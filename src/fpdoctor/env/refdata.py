@@ -147,8 +147,7 @@ class RefData:
     def bundled_rows(self) -> list[dict[str, str]]:
         return _rows("torch_bundled_cuda_libs.csv")
 
-    def bundled_cublas(self, torch_version: Version, variant: str) -> tuple[Version, dict[str, str]] | None:
-        """The nvidia-cublas version a torch wheel pins, where the table proves it."""
+    def _bundled(self, torch_version: Version, variant: str, column: str) -> tuple[Version, dict[str, str]] | None:
         for row in self.bundled_rows:
             if not row["cuda_variant"].startswith(variant):
                 continue
@@ -158,10 +157,19 @@ class RefData:
                     match = parts[:2] == [str(torch_version.major), str(torch_version.minor)]
                 else:
                     match = version(spec) == Version(torch_version.base_version)
-                cublas = version(row["cublas_version"])
-                if match and cublas:
-                    return cublas, row
+                pinned = version(row[column])
+                if match and pinned:
+                    return pinned, row
         return None
+
+    def bundled_cublas(self, torch_version: Version, variant: str) -> tuple[Version, dict[str, str]] | None:
+        """The nvidia-cublas version a torch wheel pins, where the table proves it."""
+        return self._bundled(torch_version, variant, "cublas_version")
+
+    def bundled_nccl(self, torch_version: Version, variant: str) -> Version | None:
+        """The nvidia-nccl version a torch wheel pins, where the table proves it."""
+        found = self._bundled(torch_version, variant, "nccl_version")
+        return found[0] if found else None
 
     @functools.cached_property
     def gpu_rows(self) -> list[dict[str, str]]:
