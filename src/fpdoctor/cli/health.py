@@ -1,0 +1,75 @@
+"""`fpdoctor health [--duration S] [--from FILE ...] [--device cpu|cuda]`: one-shot GPU health.
+
+Without --from it checks this machine: NVML facts per GPU and this boot's kernel log (no torch, no
+CUDA in this process), then --duration seconds of GEMM fingerprints per GPU in child processes
+(default 3; 0 skips them). Under torchrun every rank fingerprints its GPU and rank 0 prints one
+table for all; the other ranks print nothing. With --from it judges saved files instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from typing import Any
+
+from fpdoctor.cli.output import UsageError, add_output_args, emit
+
+DEFAULT_DURATION_S = 3.0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "health",
+        help="GPU health: NVML facts, kernel-log Xids explained, GEMM fingerprints across GPUs",
+        description="One-shot GPU health check: ECC, row remapping, throttling, recovery action and the kernel "
+        "log's Xids per GPU, then deterministic GEMM fingerprints compared across repeats and GPUs. "
+        "What could not be read is listed, never reported as healthy.",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help=f"seconds of GEMM fingerprints per GPU (default {DEFAULT_DURATION_S:g}; 0: facts only, under a second)",
+    )
+    p.add_argument(
+        "--from",
+        dest="from_files",
+        action="append",
+        metavar="FILE",
+        help="judge a saved kernel log (dmesg, journalctl -k), `nvidia-smi -q` output or health JSON instead "
+        "of this machine; repeat for several files, - reads standard input",
+    )
+    p.add_argument("--device", metavar="cpu|cuda", help="where fingerprints run (default: every GPU)")
+    add_output_args(p)
+    p.set_defaults(run=run)
+
+
+def _duration(args: argparse.Namespace) -> float:
+    if args.duration is None:
+        return 0.0 if args.from_files else DEFAULT_DURATION_S
+    if not math.isfinite(args.duration) or args.duration < 0:
+        raise UsageError(f"--duration must be zero or more seconds, got {args.duration:g}; e.g. --duration 5")
+    if args.from_files and args.duration > 0:
+        raise UsageError("--duration runs fingerprints on this machine; it cannot be combined with --from")
+    return float(args.duration)
+
+
+def run(args: argparse.Namespace) -> int:
+    duration = _duration(args)
+    if args.device is not None:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device.strip().lower()):
+            raise UsageError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+        if args.from_files or duration == 0:
+            raise UsageError("--device picks where fingerprints run; it needs --duration > 0 and no --from")
+    from fpdoctor.health import InputError, health
+
+    try:
+        result = health(duration=duration, from_files=args.from_files, device=args.device)
+    except InputError as exc:
+        raise UsageError(str(exc)) from exc
+    if not result.reporting:
+        return 0  # a torchrun rank other than 0: rank 0 reports for every rank
+    emit(result.report.to_dict(), args)
+    return result.report.exit_code

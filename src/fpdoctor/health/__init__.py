@@ -1,0 +1,106 @@
+"""`fpdoctor health` / `fpdoctor.health()`: one-shot GPU health, no daemon, no CUDA in the caller.
+
+Per GPU the NVML facts (ECC mode and counts, retired pages, remapped rows, clock-event reasons,
+temperature, power, PCIe replays, recovery action), the kernel log's NVIDIA lines (Xids explained
+with NVIDIA's catalogue, GPUs fallen off the bus), and, when asked for, GEMM fingerprints compared
+across repeats, references and GPUs (`fpdoctor.health.fingerprint`, run in child processes).
+What could not be read says why and is never reported as healthy (`report.data["status"]`).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fpdoctor.health.inputs import InputError
+from fpdoctor.health.model import GpuFacts, HealthFacts
+from fpdoctor.report.model import Report
+
+
+@dataclass
+class HealthResult:
+    """What `health()` returns: the report, the facts it was judged from, the fingerprints if run."""
+
+    report: Report
+    facts: HealthFacts
+    fingerprints: Any = None  # fpdoctor.health.fingerprint.FingerprintResult when fingerprints ran
+    reporting: bool = True  # False on torchrun ranks other than 0: rank 0 reports for all
+
+    @property
+    def gpus(self) -> list[GpuFacts]:
+        return self.facts.gpus
+
+
+def health(
+    *,
+    duration: float = 0.0,
+    from_files: str | Sequence[str] | None = None,
+    device: str | None = None,
+    nvml: Any = None,
+) -> HealthResult:
+    """Check this machine's GPUs (or saved files with `from_files`: kernel logs, `nvidia-smi -q`
+    output, health JSON).
+
+    duration: seconds of GEMM fingerprints per GPU; 0 (the default here, 3 on the command line)
+    reads facts only, in well under a second, without importing torch. Fingerprints run first, in
+    child processes, so Xids or ECC errors they provoke are in the facts read after them.
+    device: where fingerprints run ('cuda', 'cuda:N', 'cpu'); all GPUs when None.
+    nvml: a replacement for the pynvml module (tests).
+    Raises InputError for unusable files and ValueError for a bad duration or device.
+    """
+    if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not math.isfinite(duration):
+        raise ValueError(f"duration must be a number of seconds, got {duration!r}")
+    if duration < 0:
+        raise ValueError(f"duration must be zero or more seconds, got {duration!r}; e.g. duration=5")
+    from fpdoctor.health.collect import collect_files, collect_live
+    from fpdoctor.health.findings import findings
+    from fpdoctor.health.report import build
+
+    paths = [from_files] if isinstance(from_files, str) else list(from_files or [])
+    if paths and duration > 0:
+        raise ValueError("fingerprints run on this machine; they cannot be combined with saved files (from_files)")
+    fingerprints = None
+    if duration > 0:
+        from fpdoctor.health.fingerprint import FingerprintResult, run_fingerprints
+        from fpdoctor.health.ranks import dist_env
+
+        no_gpu = _no_gpu(nvml) if device is None and dist_env() is None else None
+        if no_gpu:  # nothing to fingerprint: spare the import of torch (most of a second or more)
+            fingerprints = FingerprintResult(
+                notes=[f"{no_gpu}: fingerprints not run; --device cpu runs them on the CPU"]
+            )
+        else:
+            fingerprints = run_fingerprints(duration, device=device)
+    # after the fingerprints, so the Xids and ECC errors their load provoked are in the facts
+    facts = collect_files(paths) if paths else collect_live(nvml_module=nvml)
+    report = build(facts, findings(facts), fingerprints=fingerprints)
+    reporting = fingerprints.reporting if fingerprints is not None else True
+    return HealthResult(report=report, facts=facts, fingerprints=fingerprints, reporting=reporting)
+
+
+def _no_gpu(nvml_module: Any) -> str | None:
+    """Why there is no GPU on this machine (no NVIDIA driver, NVML sees none), or None."""
+    from fpdoctor.health import nvml
+
+    try:
+        gpus, _ = nvml.collect(nvml=nvml_module)
+    except nvml.NvmlUnavailable as exc:
+        return "no NVIDIA driver on this machine" if exc.no_driver else None
+    return None if gpus else "NVML sees no NVIDIA GPU"
+
+
+class _CallableModule(types.ModuleType):
+    """`fpdoctor.health` names both this package and the function: once any submodule is imported,
+    Python binds the package to `fpdoctor.health`, so calling that must still run the check."""
+
+    def __call__(self, **kwargs: Any) -> HealthResult:
+        return health(**kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+__all__ = ["GpuFacts", "HealthFacts", "HealthResult", "InputError", "health"]

@@ -1,0 +1,158 @@
+"""Assemble the health facts of this machine (NVML + kernel log) or of saved files (`--from`)."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from fpdoctor.health import inputs, kernel_log, kernel_sources, nvml, smi
+from fpdoctor.health.model import GpuFacts, HealthFacts, LostGpu
+
+
+def _fold_lost(events: list[kernel_log.LostEvent]) -> list[LostGpu]:
+    by_pci: dict[str, LostGpu] = {}
+    for e in events:
+        lost = by_pci.get(e.pci)
+        via = "Xid 79" if e.xid == 79 else "kernel log message"
+        if lost is None:
+            by_pci[e.pci] = LostGpu(pci=e.pci, via=via, first_seen=e.stamp.text(), line=e.message[:400])
+        else:
+            lost.count += 1
+            if via == "Xid 79":
+                lost.via = via
+    return list(by_pci.values())
+
+
+def _merge_identity(facts: HealthFacts, gpu_map: dict[str, dict[str, str]], host: str | None) -> None:
+    """Bus id -> UUID/serial from the driver's 'GPU at PCI:' lines: fills known GPUs, adds the others."""
+    for pci, ident in gpu_map.items():
+        gpu = facts.gpu_for(pci) or next((g for g in facts.gpus if g.uuid and g.uuid == ident.get("uuid")), None)
+        if gpu is None:
+            facts.gpus.append(
+                GpuFacts(pci=pci, uuid=ident.get("uuid"), serial=ident.get("serial"), source="kernel log", host=host)
+            )
+            continue
+        gpu.pci = gpu.pci or pci
+        gpu.uuid = gpu.uuid or ident.get("uuid")
+        gpu.serial = gpu.serial or ident.get("serial")
+
+
+def add_kernel_log(
+    facts: HealthFacts, lines: list[str], source: str, *, strict: bool, host: str | None = None
+) -> dict[str, Any]:
+    """Parse one kernel log into `facts`; `strict` (a --from file) refuses an unreadable Xid line or
+    a log cut inside an NVIDIA message, a live log only notes them."""
+    parsed = kernel_log.parse(lines)
+    if parsed.unreadable:
+        line_no, text = parsed.unreadable[0]
+        if strict:
+            raise inputs.InputError(
+                f"{source} line {line_no}: an Xid line without a readable Xid code ({text[:80]!r}); "
+                "give the whole line as the kernel logged it"
+            )
+        facts.notes.append(f"{source}: {len(parsed.unreadable)} Xid line(s) could not be read, e.g. line {line_no}")
+    if parsed.truncated:
+        if strict:
+            raise inputs.InputError(f"{source} looks cut off: {parsed.truncated}; save the whole log again")
+        facts.notes.append(f"{source} looks cut off: {parsed.truncated}")
+    offset = max((b for g in facts.xids for b in g.boots), default=-1) + 1  # boots of different logs differ
+    facts.xids += kernel_log.group(parsed.xids, driver=facts.driver, boot_offset=offset)
+    facts.lost += _fold_lost(parsed.lost)
+    _merge_identity(facts, parsed.gpu_map, host)
+    summary: dict[str, Any] = {
+        "source": source,
+        "lines": parsed.lines,
+        "nvidia_lines": parsed.nvidia_lines,
+        "xid_lines": len(parsed.xids),
+        "boots": parsed.boots,
+        "since": parsed.first.text() if parsed.first else None,
+        "until": parsed.last.text() if parsed.last else None,
+        "drivers": parsed.drivers,
+        "gpu_map": parsed.gpu_map,
+        "starts_at_boot": parsed.starts_at_boot,
+    }
+    facts.kernel_logs.append({k: v for k, v in summary.items() if v not in (None, [], {}, False)})
+    if parsed.drivers and not facts.driver:
+        facts.driver = parsed.drivers[-1]
+    return summary
+
+
+def _log_text(summary: dict[str, Any]) -> str:
+    if not summary["nvidia_lines"]:
+        return f"{summary['lines']} lines, no NVIDIA (NVRM) lines"
+    return f"{summary['lines']} lines, {summary['nvidia_lines']} NVIDIA lines, {summary['xid_lines']} Xid lines"
+
+
+def collect_live(*, nvml_module: Any = None, readers: Any = None, host: str | None = None) -> HealthFacts:
+    """This machine: NVML facts for every GPU, then this boot's kernel log."""
+    facts = HealthFacts(host=host or socket.gethostname())
+    try:
+        facts.gpus, facts.driver = nvml.collect(host=facts.host, nvml=nvml_module)
+        if facts.gpus:
+            facts.sources["NVML"] = f"{len(facts.gpus)} GPU(s), driver {facts.driver}"
+        else:
+            facts.not_checked["NVML"] = "NVML runs but sees no NVIDIA GPU"
+    except nvml.NvmlUnavailable as exc:
+        facts.not_checked["NVML"] = str(exc)
+    text = kernel_sources.read_live(readers)
+    if text.source is None:
+        facts.not_checked["kernel log"] = "; ".join(f"{name}: {why}" for name, why in text.tried.items())
+        return facts
+    summary = add_kernel_log(facts, text.lines, text.source, strict=False, host=facts.host)
+    facts.sources["kernel log"] = f"{text.source}: {_log_text(summary)}"
+    if text.tried:
+        facts.kernel_logs[-1]["not_read"] = text.tried
+    if text.note:
+        facts.notes.append(f"{text.source}: {text.note}")
+    if text.source == "dmesg" and not summary["starts_at_boot"]:
+        facts.notes.append(
+            "the kernel ring buffer no longer holds the start of this boot: older Xids are not seen "
+            "(journalctl -k -b keeps them)"
+        )
+    return facts
+
+
+def collect_files(paths: list[str]) -> HealthFacts:
+    """Saved inputs: JSON facts and `nvidia-smi -q` first, kernel logs last, so NVLink5 lines are
+    decoded with the driver version the other files name."""
+    facts = HealthFacts()
+    texts = [(p, inputs.read_text(p)) for p in paths]
+    logs = []
+    for path, text in texts:
+        name = "standard input" if path == "-" else path
+        what = inputs.kind(text)
+        if what == "json":
+            _merge(facts, inputs.load_json(text, name), name)
+            continue
+        if what.startswith("smi"):
+            gpus, driver = smi.parse(text)
+            if not gpus:
+                raise inputs.InputError(
+                    f"{name} looks like nvidia-smi -q output but holds no GPU section; {inputs.WHAT}"
+                )
+            facts.gpus += gpus
+            facts.driver = facts.driver or driver
+            facts.sources[name] = f"nvidia-smi -q: {len(gpus)} GPU(s)" + (f", driver {driver}" if driver else "")
+        if what != "smi":
+            logs.append((name, text))
+    for name, text in logs:
+        summary = add_kernel_log(facts, text.splitlines(), name, strict=True)
+        label = "kernel log" if name not in facts.sources else facts.sources[name] + "; kernel log"
+        facts.sources[name] = f"{label}: {_log_text(summary)}"
+    hosts = {h for g in facts.xids for h in g.hosts}
+    if not facts.host and len(hosts) == 1:
+        facts.host = hosts.pop()
+    return facts
+
+
+def _merge(facts: HealthFacts, other: HealthFacts, name: str) -> None:
+    facts.host = facts.host or other.host
+    facts.driver = facts.driver or other.driver
+    facts.gpus += other.gpus
+    facts.xids += other.xids
+    facts.lost += other.lost
+    facts.kernel_logs += other.kernel_logs
+    facts.sources[name] = f"health facts JSON: {len(other.gpus)} GPU(s), {len(other.xids)} Xid group(s)"
+    facts.sources.update({f"{name}: {k}": v for k, v in other.sources.items()})
+    facts.not_checked.update({f"{k} (in {name})": v for k, v in other.not_checked.items()})
+    facts.notes += other.notes

@@ -1,0 +1,328 @@
+"""Health facts -> findings (data in, `Finding`s out; nothing here reads a device or a file).
+
+Severity rules, each from a named source:
+- Xid: the catalogue's category (health/xid.py); application-class Xids (13, 31, 43, 45, ...) are
+  warnings unless several programs hit them on the GPU or a memory/bus Xid (48/63/64/79/94/95)
+  came in the same boot; NVLink5 Xids 144-150 take the decoded severity (else the line's own
+  Fatal/Nonfatal); Xid 154 is a note when the new recovery action is None.
+- ECC: uncorrectable errors since the driver loaded are errors; only in the lifetime count, warnings.
+- Row remapping: a pending remap is an error after uncorrectable errors, a warning after
+  correctable ones (the reset is due either way); a remap failure is an error (the RMA criterion
+  of NVIDIA, DCGM and gpud).
+- Throttling: hardware slowdown, hardware thermal, power brake and software thermal slowdown; a
+  software power cap under load is normal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fpdoctor import catalog
+from fpdoctor.health import xid as xids
+from fpdoctor.health.kernel_log import XidGroup
+from fpdoctor.health.model import SLOWDOWN_REASONS, GpuFacts, HealthFacts
+from fpdoctor.report.model import Finding, Severity
+
+_RECOVERY_TEXT = {
+    "gpu_reset": "a GPU reset",
+    "node_reboot": "a node reboot",
+    "drain_p2p": "draining peer-to-peer traffic",
+    "drain_and_reset": "draining the GPU and resetting it",
+    "recover_imex_domain": "recovering the IMEX domain",
+    "bus_reset": "a PCIe bus reset",
+    "system_reboot": "a system reboot",
+}
+
+
+def _gpu_text(facts: HealthFacts, pci: str | None, gpu: GpuFacts | None) -> str:
+    if gpu is not None:
+        return gpu.label()
+    return f"the GPU at {pci}" if pci else "a GPU"
+
+
+def _where(facts: HealthFacts, pci: str | None, gpu: GpuFacts | None, host: str | None = None) -> dict[str, Any]:
+    where = gpu.where() if gpu is not None else {}
+    where.setdefault("pci", pci)
+    where.setdefault("host", host or facts.host)
+    return {k: v for k, v in where.items() if v is not None}
+
+
+def _times(count: int, first: str | None, last: str | None) -> str:
+    head = "once" if count == 1 else f"{count} times"
+    if first and last and first != last:
+        return f"{head}, first at {first}, last at {last}"
+    return f"{head}, at {first}" if first else head
+
+
+def _process_text(g: XidGroup) -> str:
+    if g.processes:
+        pids = f" (pid {', '.join(map(str, g.pids))})" if g.pids else ""
+        return f"; process {', '.join(g.processes)}{pids}"
+    return f"; pid {', '.join(map(str, g.pids))}" if g.pids else ""
+
+
+def _nvlink_severity(g: XidGroup) -> Severity | None:
+    worst: Severity | None = None
+    for line in g.nvlink:
+        decoded = line.get("decode") or {}
+        if "severity" in decoded:
+            fatal = not str(decoded["severity"]).lower().startswith("non")
+            quiet = decoded.get("action") == "IGNORE" and decoded.get("investigate") == "IGNORE"
+            sev = Severity.ERROR if fatal else Severity.INFO if quiet else Severity.WARNING
+        else:  # no decode: the line says Fatal or Nonfatal itself
+            sev = Severity.ERROR if line.get("line_severity") == "Fatal" else Severity.WARNING
+        worst = sev if worst is None or sev.rank > worst.rank else worst
+    return worst
+
+
+def _nvlink_text(g: XidGroup) -> str:
+    parts = []
+    for line in g.nvlink[:4]:
+        d = line.get("decode") or {}
+        what = (
+            f"{d['unit']} {d['severity']}, action {d['action']} (cause {d['cause']})"
+            if "unit" in d
+            else (f"{line['unit']} {line['line_severity']} (not decoded)")
+        )
+        parts.append(f"link {line['link']}: {what}; {d.get('note', '')}".rstrip("; "))
+    return " NVLink5 decode: " + " | ".join(parts) + "." if parts else ""
+
+
+def xid_severity(g: XidGroup, groups: list[XidGroup]) -> tuple[Severity, str]:
+    """The severity of one Xid group and the reason, in words, when it differs from the catalogue's."""
+    info = xids.lookup(g.xid)
+    if 144 <= g.xid <= 150 and (sev := _nvlink_severity(g)) is not None:
+        return sev, ""
+    if g.xid == 154 and g.recovery_to:
+        changed_to_none = "none" in g.recovery_to.lower() or g.recovery_to.startswith("0x0 ")
+        return (Severity.INFO, "") if changed_to_none else (Severity.WARNING, "")
+    if not info.application_class:
+        return xids.base_severity(info), ""
+    companions = sorted(
+        {o.xid for o in groups if o.pci == g.pci and o.xid in xids.HARDWARE_COMPANIONS and set(o.boots) & set(g.boots)}
+    )
+    if companions:
+        return Severity.ERROR, (
+            f" An error here: Xid {', '.join(map(str, companions))} came on the same GPU in the same boot, "
+            "so the GPU rather than the program is suspect."
+        )
+    if len(g.processes) >= 2:
+        return Severity.ERROR, (
+            f" An error here: several programs ({', '.join(g.processes)}) hit it on this GPU, "
+            "so the GPU rather than one program is suspect."
+        )
+    return Severity.WARNING, (
+        " Usually the program's own fault, not the GPU's: a warning unless other programs hit it on this "
+        f"GPU or Xid {'/'.join(map(str, sorted(xids.HARDWARE_COMPANIONS)))} comes with it."
+    )
+
+
+def xid_findings(facts: HealthFacts) -> list[Finding]:
+    out = []
+    for g in facts.xids:
+        if g.xid == 79:
+            continue  # fallen off the bus: one gpu-lost finding says it
+        info = xids.lookup(g.xid)
+        gpu = facts.gpu_for(g.pci)
+        severity, why = xid_severity(g, facts.xids)
+        name = info.name or "unknown Xid"
+        meaning = info.explain()
+        message = (
+            f"Xid {g.xid} ({name}) on {_gpu_text(facts, g.pci, gpu)}: {_times(g.count, g.first_seen, g.last_seen)}"
+            f"{_process_text(g)}. {meaning[:1].upper() + meaning[1:]}.{why}{_nvlink_text(g)}"
+        )
+        if g.xid == 154 and g.recovery_to:
+            message += f" The driver's recovery action is now {g.recovery_to}."
+        index = str(gpu.index) if gpu is not None and gpu.index is not None else "INDEX"
+        where = _where(facts, g.pci, gpu, g.hosts[0] if g.hosts else None)
+        if g.gpu_instances:
+            where["gpu_instance"] = g.gpu_instances[0] if len(g.gpu_instances) == 1 else g.gpu_instances
+        evidence: dict[str, Any] = {
+            "xid": g.xid,
+            "meaning": meaning,
+            "action": info.immediate_action or None,
+            "category": info.category,
+            "count": g.count,
+            "first_seen": g.first_seen,
+            "last_seen": g.last_seen,
+            "processes": g.processes or None,
+            "pids": g.pids or None,
+            "line": g.line,
+            "nvlink": g.nvlink or None,
+        }
+        out.append(
+            catalog.make(
+                "xid-error",
+                title=f"Xid {g.xid}: {name}",
+                message=message,
+                severity=severity,
+                fix=info.action_text(bus=g.pci, index=index),
+                where=where,
+                evidence=evidence,
+            )
+        )
+    return out
+
+
+def lost_findings(facts: HealthFacts) -> list[Finding]:
+    out = []
+    by_pci = {x.pci: x for x in facts.lost}
+    nvml_lost = {g.pci or f"index {g.index}": g for g in facts.gpus if g.lost}
+    for pci in dict.fromkeys([*by_pci, *nvml_lost]):
+        log, gpu = by_pci.get(pci), nvml_lost.get(pci) or facts.gpu_for(pci)
+        said = []
+        evidence: dict[str, Any] = {}
+        if log is not None:
+            said.append(f"the kernel log says so ({log.via}, {_times(log.count, log.first_seen, None)})")
+            evidence.update(count=log.count, first_seen=log.first_seen, line=log.line)
+            if log.via == "Xid 79":
+                evidence["xid"] = 79
+        if gpu is not None and gpu.lost:
+            said.append(gpu.lost)
+            evidence["nvml"] = gpu.lost
+        out.append(
+            catalog.make(
+                "gpu-lost",
+                message=f"{_gpu_text(facts, log.pci if log else gpu.pci if gpu else None, gpu)} has fallen off the "
+                f"bus: {'; '.join(said)}. Nothing can use it until it is reset or the node rebooted.",
+                where=_where(facts, log.pci if log else None, gpu),
+                evidence=evidence,
+            )
+        )
+    return out
+
+
+def _ecc_finding(facts: HealthFacts, gpu: GpuFacts) -> Finding | None:
+    ecc = gpu.facts.get("ecc") or {}
+    vol = (ecc.get("volatile") or {}).get("uncorrected") or 0
+    agg = (ecc.get("aggregate") or {}).get("uncorrected") or 0
+    if not vol and not agg:
+        return None
+    split = []
+    for counter in ("volatile", "aggregate"):
+        c = ecc.get(counter) or {}
+        if "sram_uncorrected" in c or "dram_uncorrected" in c:
+            split.append(f"{counter}: SRAM {c.get('sram_uncorrected', '?')}, DRAM {c.get('dram_uncorrected', '?')}")
+    threshold = (ecc.get("aggregate") or {}).get("sram_threshold_exceeded")
+    text = (
+        f"{gpu.label()} has {vol} uncorrectable ECC error(s) since the driver loaded and {agg} in its lifetime"
+        + (f" ({'; '.join(split)})" if split else "")
+        + "."
+        + (" nvidia-smi reports 'SRAM Threshold Exceeded: Yes': the replacement criterion." if threshold else "")
+        + ("" if vol else " None since the driver loaded: a past event, kept as a warning.")
+    )
+    return catalog.make(
+        "ecc-uncorrectable",
+        message=text,
+        severity=Severity.ERROR if vol or threshold else Severity.WARNING,
+        fix=catalog.get("ecc-uncorrectable").fix.replace("BUS_ID", gpu.pci or "BUS_ID"),
+        where=_where(facts, gpu.pci, gpu),
+        evidence={
+            "volatile_uncorrected": vol,
+            "aggregate_uncorrected": agg,
+            "sram_threshold_exceeded": threshold,
+            "ecc": ecc,
+        },
+    )
+
+
+def _repair_findings(facts: HealthFacts, gpu: GpuFacts) -> list[Finding]:
+    out = []
+    rows = gpu.facts.get("remapped_rows") or {}
+    pages = gpu.facts.get("retired_pages") or {}
+    repair = gpu.facts.get("memory_repair") or {}
+    fix_pending = catalog.get("row-remap-pending").fix.replace("BUS_ID", gpu.pci or "BUS_ID")
+    where = _where(facts, gpu.pci, gpu)
+    if (
+        rows.get("pending")
+        or pages.get("pending")
+        or repair.get("channel_repair_pending")
+        or repair.get("tpc_repair_pending")
+    ):
+        unc = rows.get("uncorrectable") or 0
+        what = []
+        if rows.get("pending"):
+            what.append(
+                f"a row remap is pending ({rows.get('uncorrectable', '?')} row(s) remapped for uncorrectable, "
+                f"{rows.get('correctable', '?')} for correctable errors)"
+            )
+        if pages.get("pending"):
+            what.append(f"page retirement is pending ({pages.get('double_bit', '?')} double-bit pages retired)")
+        what += [f"{k.replace('_', ' ')}" for k in ("channel_repair_pending", "tpc_repair_pending") if repair.get(k)]
+        severe = bool(unc or pages.get("double_bit"))
+        out.append(
+            catalog.make(
+                "row-remap-pending",
+                message=f"{gpu.label()}: {'; '.join(what)}. The repair takes effect at the next GPU reset"
+                + (", and it follows uncorrectable errors." if severe else "."),
+                severity=Severity.ERROR if severe else Severity.WARNING,
+                fix=fix_pending,
+                where=where,
+                evidence={
+                    "remapped_rows": rows or None,
+                    "retired_pages": pages or None,
+                    "memory_repair": repair or None,
+                },
+            )
+        )
+    if rows.get("failure") or repair.get("unrepairable_memory"):
+        why = "row remapping failed" if rows.get("failure") else "nvidia-smi reports unrepairable memory"
+        out.append(
+            catalog.make(
+                "row-remap-failure",
+                message=f"{gpu.label()}: {why}; faulty memory stays in use and uncorrectable errors will recur.",
+                where=where,
+                evidence={"remapped_rows": rows or None, "memory_repair": repair or None},
+            )
+        )
+    return out
+
+
+def _throttle_finding(facts: HealthFacts, gpu: GpuFacts) -> Finding | None:
+    reasons = [r for r in gpu.facts.get("clock_event_reasons") or [] if r in SLOWDOWN_REASONS]
+    if not reasons:
+        return None
+    temp, power, limit = (gpu.facts.get(k) for k in ("temperature_c", "power_w", "power_limit_w"))
+    context = ", ".join(
+        x
+        for x in (
+            f"{temp} C" if temp is not None else "",
+            f"{power} W of {limit} W" if power is not None and limit else "",
+        )
+        if x
+    )
+    return catalog.make(
+        "gpu-throttled",
+        message=f"{gpu.label()} is slowed down now: {', '.join(r.replace('_', ' ') for r in reasons)}"
+        + (f" ({context})." if context else "."),
+        where=_where(facts, gpu.pci, gpu),
+        evidence={"reasons": reasons, "temperature_c": temp, "power_w": power, "power_limit_w": limit},
+    )
+
+
+def _recovery_finding(facts: HealthFacts, gpu: GpuFacts) -> Finding | None:
+    action = gpu.facts.get("recovery_action")
+    if not action or action == "none":
+        return None
+    return catalog.make(
+        "gpu-recovery-required",
+        message=f"The driver's recovery action for {gpu.label()} is {_RECOVERY_TEXT.get(action, action)} "
+        f"({action}); the GPU is not to be trusted until it is done.",
+        fix=catalog.get("gpu-recovery-required").fix.replace("BUS_ID", gpu.pci or "BUS_ID"),
+        where=_where(facts, gpu.pci, gpu),
+        evidence={"recovery_action": action},
+    )
+
+
+def findings(facts: HealthFacts) -> list[Finding]:
+    out = lost_findings(facts) + xid_findings(facts)
+    for gpu in facts.gpus:
+        for f in (
+            _ecc_finding(facts, gpu),
+            *_repair_findings(facts, gpu),
+            _throttle_finding(facts, gpu),
+            _recovery_finding(facts, gpu),
+        ):
+            if f is not None:
+                out.append(f)
+    return out

@@ -1,0 +1,259 @@
+"""Per-GPU health facts from NVML (nvidia-ml-py), read once; NVML never creates a CUDA context.
+
+Each fact is one NVML call (research notes A.1: 2-230 us each, ~20 ms for an 8-GPU node). A call
+that raises NotSupported records "not supported" (trusted: retired pages are NotSupported on
+H100, which uses row remapping instead); any other NVML error records "not read: <error>". An
+NVML *success* is not trusted alone where products are known to answer for hardware they lack:
+consumer GPUs return zeros for remapped rows (gpud PR #351), so a row-remapper answer counts only
+on products that have one, unless it reports a problem.
+
+The collection runs in a daemon thread with a time limit: a GPU that has fallen off the bus can
+make NVML calls hang, and a one-shot health check must still report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+from typing import Any
+
+from fpdoctor.health.kernel_log import normalize_pci
+from fpdoctor.health.model import NOT_SUPPORTED, RECOVERY_ACTIONS, GpuFacts, reason_names
+
+# Products with a row remapper: gpud pkg/nvidia/product/capabilities.go lists A100, A10, B100, B200,
+# GB200, H100 and H200; A10G, A30, A800, H800, H20, GH200, B300 and GB300 share their memory
+# subsystem (inferred).
+ROW_REMAP_PRODUCTS = re.compile(r"\b(A100|A10G?|A30|A800|H100|H200|H800|H20|GH200|B100|B200|B300|GB200|GB300)\b", re.I)
+
+_FIELD_RECOVERY_ACTION = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, driver r570+
+_VALUE_MEMBER = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
+
+
+class _Lost(Exception):
+    pass
+
+
+class NvmlUnavailable(Exception):
+    """NVML could not be used at all; the message says why. `no_driver`: there is no NVIDIA driver
+    (library absent or kernel module not loaded), so there is no GPU to check either."""
+
+    def __init__(self, message: str, *, no_driver: bool = False) -> None:
+        super().__init__(message)
+        self.no_driver = no_driver
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+class _Reader:
+    """Reads one GPU's facts, classifying each NVML error the same way."""
+
+    def __init__(self, nvml: Any, gpu: GpuFacts) -> None:
+        self.nvml, self.gpu = nvml, gpu
+
+    def call(self, key: str, fn: Any, *args: Any) -> Any:
+        """fn(*args), or None with the reason recorded under `key` (raises _Lost for a lost GPU)."""
+        nvml = self.nvml
+        try:
+            return fn(*args)
+        except nvml.NVMLError as exc:
+            code = getattr(exc, "value", None)
+            if code == nvml.NVML_ERROR_GPU_IS_LOST:
+                raise _Lost(str(exc)) from exc
+            self.gpu.unavailable[key] = NOT_SUPPORTED if code == nvml.NVML_ERROR_NOT_SUPPORTED else f"not read: {exc}"
+            return None
+
+    def fact(self, key: str, fn: Any, *args: Any, convert: Any = None) -> None:
+        value = self.call(key, fn, *args)
+        if value is not None:
+            self.gpu.facts[key] = convert(value) if convert else value
+
+
+def _ecc(r: _Reader, handle: Any) -> None:
+    n = r.nvml
+    mode = r.call("ecc_mode", n.nvmlDeviceGetEccMode, handle)
+    if mode is not None:
+        state = {n.NVML_FEATURE_ENABLED: "enabled", n.NVML_FEATURE_DISABLED: "disabled"}
+        current, pending = (state.get(m, str(m)) for m in mode[:2])
+        r.gpu.facts["ecc_mode"] = {"current": current, "pending": pending}
+    counts: dict[str, dict[str, int]] = {}
+    for counter, counter_name in ((n.NVML_VOLATILE_ECC, "volatile"), (n.NVML_AGGREGATE_ECC, "aggregate")):
+        for etype, etype_name in (
+            (n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, "uncorrected"),
+            (n.NVML_MEMORY_ERROR_TYPE_CORRECTED, "corrected"),
+        ):
+            key = f"ecc.{counter_name}.{etype_name}"
+            value = r.call(key, n.nvmlDeviceGetTotalEccErrors, handle, etype, counter)
+            if value is not None:
+                counts.setdefault(counter_name, {})[etype_name] = int(value)
+    if counts:
+        r.gpu.facts["ecc"] = counts
+    _collapse(
+        r.gpu,
+        "ecc",
+        ("ecc.volatile.uncorrected", "ecc.volatile.corrected", "ecc.aggregate.uncorrected", "ecc.aggregate.corrected"),
+    )
+
+
+def _collapse(gpu: GpuFacts, key: str, parts: tuple[str, ...]) -> None:
+    """Parts that all failed the same way are one entry ('ecc: not supported'), not four."""
+    reasons = {gpu.unavailable.get(p) for p in parts}
+    if len(reasons) == 1 and None not in reasons:
+        for p in parts:
+            del gpu.unavailable[p]
+        gpu.unavailable[key] = reasons.pop()  # type: ignore[assignment]
+
+
+def _memory_repair(r: _Reader, handle: Any) -> None:
+    n, gpu = r.nvml, r.gpu
+    dbe = r.call(
+        "retired_pages.double_bit",
+        n.nvmlDeviceGetRetiredPages,
+        handle,
+        n.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,
+    )
+    sbe = r.call(
+        "retired_pages.single_bit",
+        n.nvmlDeviceGetRetiredPages,
+        handle,
+        n.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+    )
+    pending = r.call("retired_pages.pending", n.nvmlDeviceGetRetiredPagesPendingStatus, handle)
+    pages = {
+        k: v
+        for k, v in (
+            ("double_bit", None if dbe is None else len(dbe)),
+            ("single_bit", None if sbe is None else len(sbe)),
+            ("pending", None if pending is None else bool(pending)),
+        )
+        if v is not None
+    }
+    if pages:
+        gpu.facts["retired_pages"] = pages
+    _collapse(gpu, "retired_pages", ("retired_pages.double_bit", "retired_pages.single_bit", "retired_pages.pending"))
+
+    rows = r.call("remapped_rows", n.nvmlDeviceGetRemappedRows, handle)
+    if rows is None:
+        return
+    corr, unc, is_pending, failure = (int(v) for v in rows)
+    facts = {"correctable": corr, "uncorrectable": unc, "pending": bool(is_pending), "failure": bool(failure)}
+    if ROW_REMAP_PRODUCTS.search(gpu.name or "") or is_pending or failure or unc:
+        gpu.facts["remapped_rows"] = facts
+    else:
+        gpu.unavailable["remapped_rows"] = (
+            f"not trusted: NVML answered, but {gpu.name or 'this GPU'} is not known to have a row remapper "
+            "(consumer GPUs answer with zeros)"
+        )
+
+
+def _clock_reasons(r: _Reader, handle: Any) -> None:
+    n = r.nvml
+    new_name = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None)
+    mask = r.call("clock_event_reasons", new_name or n.nvmlDeviceGetCurrentClocksThrottleReasons, handle)
+    if mask is None and new_name and "Function Not Found" in r.gpu.unavailable.get("clock_event_reasons", ""):
+        del r.gpu.unavailable["clock_event_reasons"]  # a driver from before the rename
+        mask = r.call("clock_event_reasons", n.nvmlDeviceGetCurrentClocksThrottleReasons, handle)
+    if mask is not None:
+        r.gpu.facts["clock_event_reasons"] = reason_names(int(mask))
+
+
+def _recovery_action(r: _Reader, handle: Any) -> None:
+    n = r.nvml
+    values = r.call("recovery_action", n.nvmlDeviceGetFieldValues, handle, [_FIELD_RECOVERY_ACTION])
+    if values is None:
+        return
+    v = values[0]
+    if v.nvmlReturn != n.NVML_SUCCESS:
+        r.gpu.unavailable["recovery_action"] = (
+            NOT_SUPPORTED
+            if v.nvmlReturn == n.NVML_ERROR_NOT_SUPPORTED
+            else f"not read: {n.NVMLError(v.nvmlReturn)} (the field needs driver r570 or later)"
+        )
+        return
+    raw = int(getattr(v.value, _VALUE_MEMBER.get(int(v.valueType), "uiVal")))
+    r.gpu.facts["recovery_action"] = RECOVERY_ACTIONS.get(raw, f"unknown ({raw})")
+
+
+def read_gpu(nvml: Any, index: int, host: str | None, driver: str | None) -> GpuFacts:
+    gpu = GpuFacts(index=index, host=host, driver=driver, source="nvml")
+    r = _Reader(nvml, gpu)
+    try:
+        handle = r.call("handle", nvml.nvmlDeviceGetHandleByIndex, index)
+        if handle is None:
+            return gpu
+        gpu.unavailable.pop("handle", None)
+        for key, fn in (
+            ("name", nvml.nvmlDeviceGetName),
+            ("uuid", nvml.nvmlDeviceGetUUID),
+            ("serial", nvml.nvmlDeviceGetSerial),
+            ("pci", nvml.nvmlDeviceGetPciInfo),
+        ):
+            value = r.call(key, fn, handle)
+            gpu.unavailable.pop(key, None)  # identity is optional, not a health fact
+            if value is not None:
+                setattr(gpu, key, normalize_pci(_text(value.busId)) if key == "pci" else _text(value))
+        _ecc(r, handle)
+        _memory_repair(r, handle)
+        _clock_reasons(r, handle)
+        r.fact("temperature_c", nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU, convert=int)
+        r.fact("power_w", nvml.nvmlDeviceGetPowerUsage, handle, convert=lambda mw: round(mw / 1000, 1))
+        r.fact("power_limit_w", nvml.nvmlDeviceGetEnforcedPowerLimit, handle, convert=lambda mw: round(mw / 1000, 1))
+        r.fact("pcie_replays", nvml.nvmlDeviceGetPcieReplayCounter, handle, convert=int)
+        _recovery_action(r, handle)
+    except _Lost as exc:
+        gpu.lost = f"NVML: {exc}"
+    return gpu
+
+
+def _collect(nvml: Any, host: str | None) -> tuple[list[GpuFacts], str | None]:
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as exc:
+        code = getattr(exc, "value", None)
+        if code == nvml.NVML_ERROR_LIBRARY_NOT_FOUND:
+            raise NvmlUnavailable(
+                "NVML not available: libnvidia-ml.so.1 not found (no NVIDIA driver here)", no_driver=True
+            ) from exc
+        if code == nvml.NVML_ERROR_DRIVER_NOT_LOADED:
+            raise NvmlUnavailable("NVML not available: the NVIDIA kernel driver is not loaded", no_driver=True) from exc
+        raise NvmlUnavailable(f"NVML not available: {exc}") from exc
+    try:
+        try:
+            driver = _text(nvml.nvmlSystemGetDriverVersion())
+        except nvml.NVMLError:
+            driver = None
+        count = int(nvml.nvmlDeviceGetCount())
+        return [read_gpu(nvml, i, host, driver) for i in range(count)], driver
+    finally:
+        with contextlib.suppress(Exception):
+            nvml.nvmlShutdown()
+
+
+def collect(*, host: str | None = None, nvml: Any = None, timeout_s: float = 20.0) -> tuple[list[GpuFacts], str | None]:
+    """(GPUs, driver version) from NVML; raises NvmlUnavailable with the reason when it cannot run.
+    `nvml` replaces the pynvml module (tests pass a fake one)."""
+    if nvml is None:
+        try:
+            import pynvml
+        except ImportError as exc:
+            raise NvmlUnavailable(f"NVML not available: nvidia-ml-py is not installed ({exc})") from exc
+        nvml = pynvml
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = _collect(nvml, host)
+        except BaseException as exc:  # handed to the caller's thread
+            result["error"] = exc
+
+    worker = threading.Thread(target=run, name="fpdoctor-nvml", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise NvmlUnavailable(f"NVML did not answer within {timeout_s:g} s (a GPU that hangs the driver?)")
+    if "error" in result:
+        raise result["error"]
+    gpus, driver = result["value"]
+    return gpus, driver

@@ -1,0 +1,251 @@
+"""The `fpdoctor health` report: the status line, one compact row per GPU, what was not checked.
+
+The report's verdict comes from the findings (SPEC 3.1); `data.status` says how much was seen,
+so a machine where nothing could be read is "not checked", never "healthy".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from fpdoctor.health.kernel_log import normalize_pci
+from fpdoctor.health.model import SLOWDOWN_REASONS, GpuFacts, HealthFacts
+from fpdoctor.report.model import Finding, Report
+
+KEY_FACTS = ("ecc", "remapped_rows", "retired_pages", "clock_event_reasons")
+_CLOCK_SHORT = {
+    "hw_power_brake_slowdown": "pwr brake",
+    "hw_thermal_slowdown": "hw thermal",
+    "hw_slowdown": "hw slow",
+    "sw_thermal_slowdown": "sw thermal",
+    "sw_power_cap": "pwr cap",
+    "gpu_idle": "idle",
+}
+
+
+def _status(facts: HealthFacts, findings: list[Finding], fingerprints: Any) -> tuple[str, str]:
+    gpu_facts = [g for g in facts.gpus if g.facts]
+    nvidia_lines = sum(k.get("nvidia_lines", 0) for k in facts.kernel_logs)
+    fp_note = "" if fingerprints is not None else "; GEMM fingerprints not run"
+    if findings:
+        gpus = {f.where.get("pci") or f.where.get("uuid") or f.where.get("index") for f in findings}
+        return "problems", f"problems found on {len(gpus)} GPU(s): see the findings"
+    if not gpu_facts and not nvidia_lines:
+        why = facts.not_checked.get("NVML") or "no NVML facts or nvidia-smi -q output given"
+        log = "no kernel log read" if not facts.kernel_logs else "the kernel log has no NVIDIA lines"
+        return "not checked", f"NOT CHECKED: no NVIDIA GPU seen. {why}; {log}"
+    if not gpu_facts:
+        why = facts.not_checked.get("NVML") or "no NVML facts or nvidia-smi -q output given"
+        return "incomplete", f"incomplete: no GPU facts read ({why}); the kernel log shows no NVIDIA problem{fp_note}"
+    if not facts.kernel_logs:
+        why = facts.not_checked.get("kernel log") or "no kernel log given"
+        return "incomplete", f"incomplete: GPU facts show no problem, the kernel log was not read ({why}){fp_note}"
+    unread = sorted(
+        {
+            k
+            for g in gpu_facts
+            for k, why in g.unavailable.items()
+            if k.split(".")[0] in KEY_FACTS and not why.startswith("not supported")
+        }
+    )
+    if unread:
+        return "incomplete", f"incomplete: no problem in what was read, but {', '.join(unread)} could not be read"
+    return "healthy", f"healthy: {len(gpu_facts)} GPU(s), NVML facts and kernel log show no problem{fp_note}"
+
+
+def _short_pci(pci: str | None) -> str:
+    return pci[5:] if pci and pci.startswith("0000:") else pci or "-"
+
+
+def _cell(gpu: GpuFacts | None, key: str) -> tuple[Any, str | None]:
+    """(value, None) or (None, short reason) for one fact of a row."""
+    if gpu is None:
+        return None, "-"
+    if key in gpu.facts:
+        return gpu.facts[key], None
+    why = next((w for k, w in gpu.unavailable.items() if k.split(".")[0] == key), None)
+    if why is None:
+        return None, "-"
+    return None, "n/s" if why.startswith("not supported") else "?"
+
+
+def _ecc_cell(gpu: GpuFacts | None) -> str:
+    ecc, miss = _cell(gpu, "ecc")
+    if miss:
+        return miss
+    vol, agg = ((ecc.get(c) or {}).get("uncorrected") for c in ("volatile", "aggregate"))
+    return f"{'?' if vol is None else vol}/{'?' if agg is None else agg}"
+
+
+def _repair_cell(gpu: GpuFacts | None) -> str:
+    rows, miss = _cell(gpu, "remapped_rows")
+    pages = (gpu.facts.get("retired_pages") if gpu else None) or {}
+    if miss and not pages:
+        return miss if miss != "n/s" or _cell(gpu, "retired_pages")[1] == "n/s" else "-"
+    rows = rows or {}
+    state = [
+        w for w, on in (("FAILED", rows.get("failure")), ("pending", rows.get("pending") or pages.get("pending"))) if on
+    ]
+    return "+".join(state) or "ok"
+
+
+def _clock_cell(gpu: GpuFacts | None) -> str:
+    reasons, miss = _cell(gpu, "clock_event_reasons")
+    if miss:
+        return miss
+    for name in (*SLOWDOWN_REASONS, "sw_power_cap", "gpu_idle"):
+        if name in reasons:
+            return _CLOCK_SHORT[name]
+    return "ok"
+
+
+def _xid_cell(facts: HealthFacts, pci: str | None) -> str:
+    parts = [f"{g.xid}x{g.count}" if g.count > 1 else str(g.xid) for g in facts.xids if pci and g.pci == pci]
+    if pci and any(x.pci == pci for x in facts.lost) and "79" not in {p.split("x")[0] for p in parts}:
+        parts.append("off bus")
+    return ",".join(parts) or "-"
+
+
+def _matches(where: dict[str, Any], pci: str | None, uuid: str | None, index: Any, host: str | None) -> bool:
+    if where.get("host") and host and where["host"] != host:
+        return False
+    if pci and where.get("pci") and _norm(where["pci"]) == pci:
+        return True
+    if uuid and where.get("uuid") == uuid:
+        return True
+    return index is not None and where.get("index") == index and not where.get("pci")
+
+
+def _norm(pci: str) -> str:
+    try:
+        return normalize_pci(pci)
+    except (ValueError, IndexError):
+        return pci
+
+
+def _state(findings: Iterable[Finding], pci: str | None, uuid: str | None, index: Any, host: str | None) -> str:
+    ranks = [f.severity.rank for f in findings if _matches(dict(f.where), pci, uuid, index, host)]
+    return {2: "ERROR", 1: "warning", 0: "note"}[max(ranks)] if ranks else ""
+
+
+def _rows(facts: HealthFacts, findings: list[Finding], fp_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per GPU: facts GPUs, GPUs only the kernel log names, fingerprint rows joined in."""
+    entries: list[dict[str, Any]] = [
+        {"gpu": g, "pci": g.pci, "uuid": g.uuid, "index": g.index, "name": g.name, "host": g.host or facts.host}
+        for g in facts.gpus
+    ]
+    for pci in dict.fromkeys([*(x.pci for x in facts.xids), *(x.pci for x in facts.lost)]):
+        if not any(e["pci"] == pci for e in entries):
+            entries.append({"gpu": None, "pci": pci, "uuid": None, "index": None, "name": None, "host": facts.host})
+    for row in fp_rows:
+        row_pci = _norm(row["pci"]) if row.get("pci") else None
+        match = next(
+            (
+                e
+                for e in entries
+                if "fp" not in e
+                and _matches(
+                    {"pci": row_pci, "uuid": row.get("uuid"), "index": row.get("index"), "host": row.get("host")},
+                    e["pci"],
+                    e["uuid"],
+                    e["index"],
+                    e["host"],
+                )
+            ),
+            None,
+        )
+        if match is None:
+            match = {
+                "gpu": None,
+                "pci": row_pci,
+                "uuid": row.get("uuid"),
+                "index": row.get("index"),
+                "name": row.get("name") or row.get("device"),
+                "host": row.get("host"),
+            }
+            entries.append(match)
+        match["fp"] = row
+    return entries
+
+
+def table(facts: HealthFacts, findings: list[Finding], fp_rows: list[dict[str, Any]] | None) -> dict[str, Any]:
+    entries = _rows(facts, findings, fp_rows or [])
+    columns = ["GPU", "bus id", "ECC unc v/a", "repair", "clocks", "temp", "Xid"]
+    if fp_rows is not None:
+        columns.append("GEMM")
+    columns.append("state")
+    hosts = {e["host"] for e in entries if e["host"]}
+    rows = []
+    for e in entries:
+        gpu, fp = e["gpu"], e.get("fp")
+        label = " ".join(str(x) for x in (e["index"], (e["name"] or "").removeprefix("NVIDIA ")) if x not in (None, ""))
+        if fp is not None and fp.get("rank") is not None:
+            label = f"rank {fp['rank']}: {label}"
+        if len(hosts) > 1 and e["host"]:
+            label = f"{e['host']} {label}"
+        temp, _ = _cell(gpu, "temperature_c")
+        row = [
+            label or "-",
+            _short_pci(e["pci"]),
+            _ecc_cell(gpu),
+            _repair_cell(gpu),
+            _clock_cell(gpu),
+            f"{temp}C" if temp is not None else "-",
+            _xid_cell(facts, e["pci"]),
+        ]
+        if fp_rows is not None:
+            row.append(str((fp or {}).get("verdict") or ("failed" if (fp or {}).get("failure") else "-")))
+        state = _state(findings, e["pci"], e["uuid"], e["index"], e["host"])
+        row.append(state or ("ok" if (gpu is not None and gpu.facts) or fp is not None else "n/a"))
+        rows.append(row)
+    return {"title": "GPUs", "columns": columns, "rows": rows}
+
+
+def _not_checked(facts: HealthFacts) -> dict[str, str]:
+    """Sources that could not be read, then per-fact reasons other than 'not supported', merged over GPUs."""
+    out = dict(facts.not_checked)
+    by_reason: dict[tuple[str, str], list[str]] = {}
+    for g in facts.gpus:
+        for key, why in g.unavailable.items():
+            if not why.startswith("not supported"):
+                by_reason.setdefault((key, why), []).append(str(g.index) if g.index is not None else g.pci or "?")
+    for (key, why), gpus in by_reason.items():
+        out[f"{key.replace('_', ' ')} (GPU {', '.join(gpus)})"] = why
+    return out
+
+
+def build(
+    facts: HealthFacts,
+    findings: list[Finding],
+    *,
+    fingerprints: Any = None,
+) -> Report:
+    """The Report of `fpdoctor health`: findings, then `data` with status, summary, table, not_checked,
+    notes and the facts (which `--from` reads back)."""
+    fp_findings = list(fingerprints.findings) if fingerprints is not None else []
+    all_findings = findings + fp_findings
+    status, status_text = _status(facts, all_findings, fingerprints)
+    summary: list[list[str]] = [["status", status_text]]
+    if facts.host:
+        summary.append(["host", facts.host])
+    if facts.driver:
+        summary.append(["driver", facts.driver])
+    summary += [[k, v] for k, v in facts.sources.items()]
+    notes = list(facts.notes)
+    if fingerprints is not None:
+        count = len(fingerprints.rows)
+        summary.append(["GEMM fingerprints", f"{count} device(s)" if count else "not run"])
+        notes += list(fingerprints.notes)
+    summary += [["note", n] for n in notes]
+    data: dict[str, Any] = {"status": status, "summary": summary}
+    if facts.gpus or facts.xids or facts.lost or (fingerprints is not None and fingerprints.rows):
+        data["table"] = table(facts, all_findings, fingerprints.rows if fingerprints is not None else None)
+    not_checked = _not_checked(facts)
+    if not_checked:
+        data["not_checked"] = not_checked
+    data["notes"] = notes
+    data["facts"] = facts.to_dict()
+    if fingerprints is not None:
+        data["fingerprints"] = {"rows": fingerprints.rows, "notes": list(fingerprints.notes)}
+    return Report(command="health", findings=all_findings, data=data)
