@@ -204,7 +204,7 @@ def _row(result: dict[str, Any], dist: Any) -> dict[str, Any]:
         "known_answer": ok_known,
         "digests": digests,
         "self_consistent": all(r["distinct"] == 1 for r in seeded.values() if "distinct" in r) if digests else None,
-        "tflops": {d: round(r["tflops"], 3) for d, r in seeded.items() if "tflops" in r},
+        "tflops": {d: float(f"{r['tflops']:.4g}") for d, r in seeded.items() if "tflops" in r},  # CPUs: 0.0005
         "verdict": None,  # set by ranks.judge
         "detail": {k: result[k] for k in ("known_answer", "seeded", "not_run", "errors") if result.get(k)},
     }

@@ -192,12 +192,17 @@ def known_answer(name: str, device: torch.device, mn: int) -> dict[str, Any]:
     torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
     try:
         for _ in range(KNOWN_ANSWER_REPEATS):
-            exact = mm(a, b).to(torch.int64)  # every value is an integer the output dtype holds
-            projections.append(torch.cat([(exact * g_dev).sum(dim=1), (exact * h_dev[:, None]).sum(dim=0)]))
+            product = mm(a, b).to(torch.float64)  # [mn, mn], every value an integer the output holds
+            exact = product.to(torch.int64)
+            # int64 truncates: a flipped low mantissa bit (12 -> 12.0625) must count as wrong too
+            not_integer = (product != exact.to(torch.float64)).sum().reshape(1)  # NaN and Inf included
+            projections.append(
+                torch.cat([(exact * g_dev).sum(dim=1), (exact * h_dev[:, None]).sum(dim=0), not_integer])
+            )
     finally:
         torch.backends.cuda.matmul.allow_tf32 = False
-    got = torch.stack(projections).cpu()  # [repeats, 2 * mn]: the one copy to the host
-    want = torch.cat([want_rows, want_cols])
+    got = torch.stack(projections).cpu()  # [repeats, 2 * mn + 1]: the one copy to the host
+    want = torch.cat([want_rows, want_cols, torch.zeros(1, dtype=torch.int64)])
     bad_repeats = [i for i in range(len(got)) if not torch.equal(got[i], want)]
     result: dict[str, Any] = {
         "ok": not bad_repeats,
@@ -207,10 +212,11 @@ def known_answer(name: str, device: torch.device, mn: int) -> dict[str, Any]:
     if bad_repeats:
         first = got[bad_repeats[0]]
         rows = (first[:mn] != want_rows).nonzero().flatten().tolist()
-        cols = (first[mn:] != want_cols).nonzero().flatten().tolist()
+        cols = (first[mn : 2 * mn] != want_cols).nonzero().flatten().tolist()
         result.update(
             wrong_repeats=len(bad_repeats),
             repeats=len(got),
+            not_integer=int(first[-1]),
             wrong_rows=len(rows),
             wrong_cols=len(cols),
             first_wrong_rows=rows[:8],

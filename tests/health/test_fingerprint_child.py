@@ -1,0 +1,129 @@
+"""run_fingerprints: the child per device, its timeout, crashes, and what it returns."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from fpdoctor.health import fingerprint
+
+
+def test_cpu_fingerprint_runs_in_a_child_and_is_ok():
+    started = time.monotonic()
+    result = fingerprint.run_fingerprints(0.3, device="cpu")
+    assert time.monotonic() - started < 60
+    assert result.reporting and result.findings == []
+    (row,) = result.rows
+    assert row["device"] == "cpu" and row["kind"] == "cpu" and row["rank"] is None
+    assert row["verdict"] == "ok" and row["known_answer_ok"] is True and row["self_consistent"] is True
+    assert set(row["known_answer"]) == set(row["digests"]) == {"bf16", "fp16", "fp32", "fp8"}
+    assert all(len(d) == 16 for d in row["digests"].values())
+    assert all(v > 0 for v in row["tflops"].values())
+    assert row["threads"] >= 1 and row["name"]
+    assert any("tf32" in n for n in result.notes)  # what was not run is said
+
+
+def test_two_runs_give_the_same_digests():
+    first = fingerprint.run_fingerprints(0.0, device="cpu").rows[0]
+    again = fingerprint.run_fingerprints(0.0, device="cpu").rows[0]
+    assert first["digests"] == again["digests"]
+
+
+@pytest.mark.parametrize("bad", [-1, -0.5, float("nan"), float("inf"), "abc", None])
+def test_a_duration_that_is_not_zero_or_more_seconds_is_refused(bad):
+    with pytest.raises(ValueError, match="--duration"):
+        fingerprint.run_fingerprints(bad, device="cpu")
+
+
+@pytest.mark.parametrize("bad", ["gpu", "cuda:x", "mps", ""])
+def test_an_unknown_device_is_refused(bad):
+    with pytest.raises(ValueError, match="device must be"):
+        fingerprint.run_fingerprints(1.0, device=bad)
+
+
+def test_without_a_gpu_nothing_runs_and_a_note_says_so():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count():
+        pytest.skip("this machine has a GPU; the no-GPU path needs none")
+    result = fingerprint.run_fingerprints(1.0)
+    assert result.rows == [] and result.findings == []
+    assert result.notes == ["no GPU: fingerprints not run; --device cpu runs them on the CPU"]
+
+
+def _fake_child(monkeypatch, body: str) -> None:
+    code = textwrap.dedent(body)
+    monkeypatch.setattr(fingerprint, "_child_command", lambda spec: [sys.executable, "-c", code])
+
+
+def test_a_child_killed_by_a_signal_is_a_finding(monkeypatch):
+    _fake_child(
+        monkeypatch,
+        f"""
+        import os, signal
+        print({fingerprint.READY!r}, flush=True)
+        print({fingerprint.START!r} + "seeded bf16", flush=True)
+        os.kill(os.getpid(), signal.SIGSEGV)
+        """,
+    )
+    result = fingerprint.run_fingerprints(0.1, device="cpu")
+    (finding,) = result.findings
+    assert finding.name == "probe-crashed"
+    assert "died by SIGSEGV during seeded bf16" in finding.message
+    assert result.rows[0]["verdict"] == "failed"
+
+
+def test_a_hung_child_is_killed_and_reported(monkeypatch):
+    monkeypatch.setattr(fingerprint, "WORK_SLACK_S", 1.0)
+    _fake_child(
+        monkeypatch,
+        f"""
+        import time
+        print({fingerprint.READY!r}, flush=True)
+        print({fingerprint.START!r} + "known answer fp32", flush=True)
+        time.sleep(120)
+        """,
+    )
+    started = time.monotonic()
+    result = fingerprint.run_fingerprints(0.5, device="cpu")
+    assert time.monotonic() - started < 20
+    (finding,) = result.findings
+    assert finding.name == "probe-timed-out"
+    assert "still in known answer fp32" in finding.message
+
+
+def test_a_child_that_fails_to_start_is_a_note(monkeypatch):
+    _fake_child(monkeypatch, "import sys; sys.exit('RuntimeError: no kernel image is available for execution')")
+    result = fingerprint.run_fingerprints(0.1, device="cpu")
+    assert result.findings == []
+    assert result.rows[0]["verdict"] == "failed"
+    assert result.notes == ["host " + result.rows[0]["host"] + ", cpu: fingerprint not run: "
+                            "RuntimeError: no kernel image is available for execution"]  # fmt: skip
+
+
+def test_the_parent_imports_no_torch_for_its_own_modules():
+    code = "import sys, fpdoctor.health.fingerprint, fpdoctor.health.ranks; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.gpu
+def test_every_visible_gpu_is_fingerprinted_without_cuda_in_this_process():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    started = time.monotonic()
+    result = fingerprint.run_fingerprints(3.0)
+    elapsed = time.monotonic() - started
+    assert not torch.cuda.is_initialized()  # the GPUs were used by the children only
+    assert len(result.rows) == torch.cuda.device_count()
+    for row in result.rows:
+        assert row["kind"] == "cuda" and row["uuid"] and row["pci"] and row["cublas"] and row["sm_count"]
+        assert row["known_answer_ok"] is True and row["self_consistent"] is True, row
+        assert row["verdict"] in ("ok", "not comparable")
+        assert {"bf16", "fp16", "tf32", "fp32"} <= set(row["digests"])
+    assert result.findings == []
+    assert elapsed <= 10.0, f"fingerprints took {elapsed:.1f} s; the budget is 10 s per node"

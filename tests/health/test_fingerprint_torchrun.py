@@ -1,0 +1,82 @@
+"""Four torchrun ranks on the CPU (gloo): one with a silent, intermittent matmul error is named.
+
+The fault lives in a test-only fingerprint child (tests/fixtures/health/fp_faulty_child.py) that
+one rank starts instead of the product's: a flipped low bit in one element of every third
+torch.mm result. The product itself has no fault switch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+RANK_SCRIPT = Path(__file__).resolve().parents[1] / "fixtures" / "health" / "fp_rank.py"
+WORLD = 4
+LIMIT_S = 60.0  # the whole job, four ranks, on a 2-core machine
+
+
+def _torchrun(out: Path, *fault: str) -> tuple[float, list[dict]]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"]
+    argv += [str(RANK_SCRIPT), str(out), "0.3", *fault]
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    try:
+        _, err = proc.communicate(timeout=LIMIT_S + 30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"torchrun did not finish in {LIMIT_S + 30:.0f} s")
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, err[-3000:]
+    docs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return elapsed, docs
+
+
+def test_the_rank_with_an_intermittent_matmul_error_is_named(tmp_path):
+    elapsed, docs = _torchrun(tmp_path, "2", "3")
+    assert elapsed < LIMIT_S
+    assert [d["reporting"] for d in docs] == [True, False, False, False]
+    assert all(d["findings"] == [] for d in docs[1:])  # other ranks print nothing
+    root = docs[0]
+    assert [row["rank"] for row in root["rows"]] == [0, 1, 2, 3]
+    named = {(f["name"], f["where"].get("rank")) for f in root["findings"]}
+    assert named, root
+    assert {rank for _, rank in named} == {2}
+    assert {name for name, _ in named} <= {"gemm-mismatch", "rank-outlier"}
+    verdicts = [row["verdict"] for row in root["rows"]]
+    assert verdicts[2] in ("mismatch", "outlier") and verdicts[:2] + verdicts[3:] == ["ok"] * 3
+    (finding,) = [f for f in root["findings"] if f["name"] == "gemm-mismatch"]
+    assert finding["where"]["host"] and finding["where"]["device"] == "cpu"
+    assert finding["message"].startswith("rank 2 on host ")
+
+
+def test_the_same_job_without_the_fault_reports_nothing(tmp_path):
+    elapsed, docs = _torchrun(tmp_path)
+    assert elapsed < LIMIT_S
+    root = docs[0]
+    assert root["findings"] == []
+    assert [row["verdict"] for row in root["rows"]] == ["ok"] * WORLD
+    assert len({row["group"] for row in root["rows"]}) == 1
+    assert len({json.dumps(row["digests"], sort_keys=True) for row in root["rows"]}) == 1
+
+
+def test_a_rank_that_is_wrong_every_time_is_the_outlier_of_its_group(tmp_path):
+    # every result flipped: its repeats agree with each other, so only the other ranks show it
+    _, docs = _torchrun(tmp_path, "1", "1")
+    root = docs[0]
+    named = sorted((f["name"], f["where"].get("rank")) for f in root["findings"])
+    assert named == [("gemm-mismatch", 1), ("rank-outlier", 1)]
+    (outlier,) = [f for f in root["findings"] if f["name"] == "rank-outlier"]
+    assert "from 3 members of its group" in outlier["message"]
+    assert set(outlier["evidence"]["digests"]) == {"bf16", "fp16", "fp32"}  # fp8 does not call torch.mm
