@@ -1,0 +1,85 @@
+"""`fpdoctor run [--breadcrumbs] [--env-from FILE] [--wait S] -- COMMAND [ARGS...]`: crash capture.
+
+The command's output passes through unchanged and fpdoctor exits with the command's status
+(128+N for a death by signal N). The report goes to stderr after the command's output, and to
+-o FILE in any format; a command that ends cleanly with nothing to report adds nothing at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from fpdoctor.cli.output import UsageError, add_output_args, write_atomic
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run a command (python, torchrun, accelerate, a script); when a process dies, report why",
+        description="Runs COMMAND with every Python process it starts instrumented (faulthandler, process "
+        "records, uncaught exceptions; the op ring with --breadcrumbs). When a process dies by a signal or "
+        "an error, the report names it, its rank, stack, ops in flight and the environment verdicts. "
+        "Exit status: the command's (128+N for a death by signal N).",
+    )
+    p.add_argument(
+        "--breadcrumbs",
+        action="store_true",
+        help="record the aten ops in flight (module, shapes, dtypes, device) and the cuBLASLt log; "
+        "costs time per op (see benchmarks/README.md), so use it to re-run a crash",
+    )
+    p.add_argument(
+        "--env-from",
+        metavar="FILE",
+        help="join the environment verdicts of a saved facts JSON or collect_env report (another node) "
+        "instead of this machine's",
+    )
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=3.0,
+        metavar="SECONDS",
+        help="after a rank of a distributed job fails, how long the command may take to end before "
+        "fpdoctor terminates it and reports (default 3)",
+    )
+    add_output_args(p)
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND [ARGS...]")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    argv = list(args.command)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        raise UsageError("no command given; usage: fpdoctor run [--breadcrumbs] -- COMMAND [ARGS...]")
+    if args.wait < 0:
+        raise UsageError(f"--wait must be 0 or more seconds, got {args.wait:g}")
+    from fpdoctor.crash import CommandError, run_command
+    from fpdoctor.env.errors import InputError
+
+    try:
+        result = run_command(argv, breadcrumbs=args.breadcrumbs, env_from=args.env_from, wait_s=args.wait)
+    except CommandError as exc:
+        raise UsageError(str(exc)) from exc
+    except InputError as exc:
+        raise UsageError(f"--env-from: {exc}") from exc
+    _emit(result.report.to_dict(), args, bool(result.report.findings))
+    return result.exit_code
+
+
+def _emit(doc: dict[str, Any], args: argparse.Namespace, findings: bool) -> None:
+    """-o FILE always gets the report; stderr gets it only when there is something to say."""
+    from fpdoctor.report.render import render
+
+    if args.output:
+        write_atomic(args.output, render(doc, args.format, color=False))
+    if not findings:
+        return
+    fmt = "text" if args.output else args.format
+    color = fmt == "text" and sys.stderr.isatty() and "NO_COLOR" not in os.environ
+    sys.stderr.flush()
+    sys.stderr.write(render(doc, fmt, color=color))
+    sys.stderr.flush()

@@ -1,0 +1,433 @@
+"""Read a run directory after the command ended: one `Process` per Python process it started.
+
+The files are the ones `crash/site/sitecustomize.py` writes (proc, fault, term, exc, exit per
+pid). What a process left is joined with what others saw of it: the wait status of the direct
+child, torchrun's failure summary, dumps and native frames printed on the shared stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fpdoctor.crash import parse
+from fpdoctor.crash.launcher import running
+from fpdoctor.crash.parse import Dump, Frame, LauncherFailure, NativeTrace, ThreadStack
+
+# torch.distributed collectives: a stack whose frames pass through one of these in
+# distributed_c10d.py was waiting for the other ranks.
+COLLECTIVES = frozenset(
+    {
+        "all_reduce",
+        "all_reduce_coalesced",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "all_to_all",
+        "all_to_all_single",
+        "barrier",
+        "monitored_barrier",
+        "broadcast",
+        "broadcast_object_list",
+        "gather",
+        "gather_object",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "scatter",
+        "scatter_object_list",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "batch_isend_irecv",
+        "_all_gather_base",
+        "_reduce_scatter_base",
+    }
+)
+_C10D_FILES = ("distributed_c10d.py", "c10d_logger.py")
+_FPDOCTOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_LIBRARY_PATH = re.compile(r"([/\\](site|dist)-packages[/\\])|([/\\]lib[/\\]python\d+\.\d+[/\\])|^<frozen ")
+
+
+@dataclass
+class Outcome:
+    """How a process ended, as far as anything recorded it."""
+
+    kind: str  # signal | terminated | killed | exception | exited | running | vanished
+    time: float | None = None
+    signal: str | None = None
+    exit_code: int | None = None  # the process's own status when known (-N for signal N)
+
+    @property
+    def failed(self) -> bool:
+        return self.kind in ("signal", "terminated", "killed", "exception") or bool(self.exit_code)
+
+
+@dataclass
+class Process:
+    pid: int
+    record: dict[str, Any] = field(default_factory=dict)
+    fault: Dump | None = None
+    fault_time: float | None = None
+    term: Dump | None = None
+    term_time: float | None = None
+    exceptions: list[dict[str, Any]] = field(default_factory=list)
+    exit_time: float | None = None
+    returncode: int | None = None  # the direct child's wait status, or the launcher's exitcode
+    launcher: LauncherFailure | None = None
+    direct: bool = False
+    alive: bool = False
+    native: list[NativeTrace] = field(default_factory=list)
+    ops: list[dict[str, Any]] = field(default_factory=list)
+    library_log: list[str] = field(default_factory=list)
+    fault_from_stream: bool = False
+
+    # -- who ------------------------------------------------------------------------------
+    def _int(self, key: str) -> int | None:
+        value = self.record.get(key)
+        try:
+            return int(value) if value is not None else None
+        except (TypeError, ValueError):
+            return None
+
+    @property
+    def rank(self) -> int | None:
+        rank = self._int("rank")
+        if rank is None and self.launcher is not None:
+            rank = self.launcher.rank
+        return rank
+
+    @property
+    def local_rank(self) -> int | None:
+        local = self._int("local_rank")
+        if local is None and self.launcher is not None:
+            local = self.launcher.local_rank
+        return local
+
+    @property
+    def world_size(self) -> int | None:
+        return self._int("world_size")
+
+    @property
+    def ppid(self) -> int | None:
+        return self._int("ppid")
+
+    @property
+    def host(self) -> str | None:
+        return self.record.get("host") or (self.launcher.host if self.launcher else None)
+
+    @property
+    def start(self) -> float | None:
+        value = self.record.get("start")
+        return float(value) if isinstance(value, (int, float)) else None
+
+    @property
+    def argv(self) -> list[str]:
+        argv = self.record.get("argv")
+        return [str(a) for a in argv] if isinstance(argv, list) else []
+
+    @property
+    def is_rank(self) -> bool:
+        return self.rank is not None and (self.world_size or 2) > 1
+
+    def label(self) -> str:
+        return f"rank {self.rank} (pid {self.pid})" if self.is_rank else f"pid {self.pid}"
+
+    # -- how it ended ---------------------------------------------------------------------
+    def main_exception(self) -> dict[str, Any] | None:
+        return next((e for e in reversed(self.exceptions) if e.get("thread") is None), None)
+
+    def outcome(self) -> Outcome:
+        code = self.returncode
+        if self.fault is not None and self.fault.signal:
+            return Outcome("signal", self.fault_time, self.fault.signal, code if code is not None else None)
+        exc = self.main_exception()
+        if exc is not None and not _interrupt(exc):
+            return Outcome("exception", _float(exc.get("time")), None, code)
+        if code is not None and code < 0:
+            name = parse.signal_name(-code)
+            kind = {"SIGTERM": "terminated", "SIGKILL": "killed"}.get(name, "signal")
+            when = self.term_time if kind == "terminated" else None
+            return Outcome(kind, when or self.exit_time, name, code)
+        if self.term is not None:
+            return Outcome("terminated", self.term_time, "SIGTERM", code)
+        if exc is not None:
+            return Outcome("exception", _float(exc.get("time")), None, code)
+        if self.exit_time is not None or code is not None:
+            return Outcome("exited", self.exit_time, None, code)
+        if self.alive:
+            return Outcome("running")
+        return Outcome("vanished")
+
+    def stack(self) -> ThreadStack | None:
+        """The stack that tells where this process was when it failed: the thread that received
+        the fatal signal, else the traceback of its uncaught exception (a SIGTERM that came after
+        it caught the interpreter shutting down), else the thread SIGTERM interrupted."""
+        if self.fault is not None and _frames(self.fault.current()):
+            return self.fault.current()
+        exc = self.main_exception()
+        if exc is not None and exc.get("frames"):
+            frames = [Frame(f["file"], f.get("line"), f["function"]) for f in reversed(exc["frames"])]
+            return ThreadStack(thread="main (traceback)", current=True, frames=frames)
+        if self.term is not None and _frames(self.term.current()):
+            return self.term.current()
+        return None
+
+    def threads(self) -> list[ThreadStack]:
+        """Every thread's stack from the dump that tells most (see stack())."""
+        for dump in (self.fault, self.term):
+            if dump is not None and dump.threads and dump.current() is self.stack():
+                return dump.threads
+        stack = self.stack()
+        return [stack] if stack is not None else []
+
+
+def _frames(stack: ThreadStack | None) -> bool:
+    return stack is not None and bool(stack.frames)
+
+
+def _interrupt(exc: dict[str, Any]) -> bool:
+    return str(exc.get("type", "")).endswith("KeyboardInterrupt")
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def innermost(stack: ThreadStack | None) -> Frame | None:
+    return stack.frames[0] if stack is not None and stack.frames else None
+
+
+def is_library(frame: Frame) -> bool:
+    """A frame of installed packages, the standard library or fpdoctor itself, not the user's code."""
+    return bool(_LIBRARY_PATH.search(frame.file)) or frame.file.startswith(_FPDOCTOR_DIR)
+
+
+def user_frame(stack: ThreadStack | None) -> Frame | None:
+    """The innermost frame of the user's own code (not site-packages, not the standard library)."""
+    if stack is None:
+        return None
+    return next((f for f in stack.frames if not is_library(f)), None)
+
+
+def collective(stack: ThreadStack | None) -> str | None:
+    """The torch.distributed collective this stack is waiting in, if any."""
+    if stack is None:
+        return None
+    for frame in stack.frames:
+        if frame.file.endswith(_C10D_FILES) and frame.function in COLLECTIVES:
+            return frame.function
+    return None
+
+
+# -- the run directory ------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _read_dump(path: Path) -> tuple[Dump | None, float | None]:
+    try:
+        stat = path.stat()
+        if stat.st_size == 0:
+            return None, None
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None, None
+    dumps = parse.faulthandler_dumps(text)
+    return (dumps[-1] if dumps else None), stat.st_mtime
+
+
+def _pid_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else None
+
+
+_KINDS = ("proc", "fault", "term", "exc", "exit")  # the files sitecustomize.py writes
+
+
+def read_processes(run_dir: str) -> dict[int, Process]:
+    """Every process that left a file in run_dir, by pid."""
+    procs: dict[int, Process] = {}
+    try:
+        names = sorted(os.listdir(run_dir))
+    except OSError:
+        return procs
+    root = Path(run_dir)
+    for name in names:
+        pid = _pid_of(name)
+        kind = name.split(".")[0]
+        if pid is None or name.endswith(".tmp") or kind not in _KINDS:
+            continue
+        proc = procs.setdefault(pid, Process(pid=pid))
+        path = root / name
+        if kind == "proc":
+            proc.record = _read_json(path) or {}
+        elif kind == "fault":
+            proc.fault, proc.fault_time = _read_dump(path)
+        elif kind == "term":
+            proc.term, proc.term_time = _read_dump(path)
+        elif kind == "exc":
+            doc = _read_json(path) or {}
+            proc.exceptions = [e for e in doc.get("exceptions") or [] if isinstance(e, dict)]
+        elif kind == "exit":
+            proc.exit_time = _float((_read_json(path) or {}).get("time"))
+    for pid, proc in procs.items():
+        proc.alive = proc.exit_time is None and proc.fault is None and running(pid)
+    return procs
+
+
+class Watch:
+    """Cheap polling of a run directory for the first failure of a rank (see launcher.launch)."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self._ranks: dict[int, bool] = {}  # pid -> restarts remain (torchelastic will relaunch)
+
+    def __call__(self) -> float | None:
+        try:
+            entries = list(os.scandir(self.run_dir))
+        except OSError:
+            return None
+        for entry in entries:
+            name = entry.name
+            if name.startswith("proc.") and name.endswith(".json"):
+                pid = _pid_of(name)
+                if pid is not None and pid not in self._ranks:
+                    record = _read_json(Path(entry.path)) or {}
+                    if _is_rank(record):
+                        self._ranks[pid] = _restarts_remain(record)
+        for entry in entries:
+            name = entry.name
+            pid = _pid_of(name)
+            if pid is None or pid not in self._ranks or self._ranks[pid]:
+                continue
+            with contextlib.suppress(OSError):
+                if name.startswith("fault.") and entry.stat().st_size > 0:
+                    return entry.stat().st_mtime
+                if name.startswith("exc.") and name.endswith(".json"):
+                    doc = _read_json(Path(entry.path)) or {}
+                    for exc in doc.get("exceptions") or []:
+                        if exc.get("thread") is None and not _interrupt(exc):
+                            return _float(exc.get("time")) or entry.stat().st_mtime
+        return None
+
+    def pids(self) -> list[int]:
+        return list(self._ranks)
+
+
+def _is_rank(record: dict[str, Any]) -> bool:
+    try:
+        return record.get("rank") is not None and int(record.get("world_size") or 0) > 1
+    except ValueError:
+        return False
+
+
+def _restarts_remain(record: dict[str, Any]) -> bool:
+    try:
+        return int(record.get("torchelastic_max_restarts") or 0) > int(record.get("torchelastic_restart_count") or 0)
+    except ValueError:
+        return False
+
+
+# -- joining what others saw ------------------------------------------------------------------
+
+
+@dataclass
+class Collected:
+    processes: list[Process]  # by start time
+    direct: Process
+    launcher_failures: list[LauncherFailure]
+    stream_dumps: list[Dump]  # faulthandler dumps on stderr that no process file holds
+    native: list[NativeTrace]  # native traces on stderr not tied to a process
+    stderr_text: str
+
+
+def collect(run_dir: str, *, child_pid: int, returncode: int, stderr_tail: bytes) -> Collected:
+    procs = read_processes(run_dir)
+    direct = procs.setdefault(child_pid, Process(pid=child_pid))
+    direct.direct = True
+    direct.returncode = returncode
+    direct.alive = False
+    text = stderr_tail.decode("utf-8", errors="replace")
+    failures = parse.launcher_failures(text)
+    for failure in failures:
+        if failure.pid is not None and failure.pid in procs:
+            proc = procs[failure.pid]
+            proc.launcher = proc.launcher or failure
+            if proc.returncode is None:
+                proc.returncode = failure.exitcode
+    native = parse.native_traces(text)
+    loose = []
+    for trace in native:
+        if trace.pid is not None and trace.pid in procs:
+            procs[trace.pid].native.append(trace)
+        else:
+            loose.append(trace)
+    dumps = _attribute_stream_dumps(parse.faulthandler_dumps(text), procs)
+    ordered = sorted(procs.values(), key=lambda p: (p.start is None, p.start or 0.0, p.pid))
+    return Collected(
+        processes=ordered,
+        direct=direct,
+        launcher_failures=failures,
+        stream_dumps=dumps,
+        native=_attribute_loose_native(loose, ordered),
+        stderr_text=text,
+    )
+
+
+def _attribute_stream_dumps(dumps: list[Dump], procs: dict[int, Process]) -> list[Dump]:
+    """A fatal dump printed on stderr (faulthandler enabled by the program itself: torchelastic's
+    @record does this) belongs to the one process that died of that signal without a dump file."""
+    left = []
+    for dump in dumps:
+        if dump.signal is None:
+            left.append(dump)
+            continue
+        candidates = [
+            p
+            for p in procs.values()
+            if p.fault is None
+            and (p.returncode == -_signum(dump.signal) or (p.launcher and p.launcher.signal == dump.signal))
+        ]
+        if dump.origin is not None:
+            candidates = [p for p in candidates if str(p.rank) == dump.origin] or candidates
+        if len(candidates) == 1:
+            candidates[0].fault = dump
+            candidates[0].fault_from_stream = True
+        else:
+            left.append(dump)
+    return left
+
+
+def _attribute_loose_native(traces: list[NativeTrace], procs: list[Process]) -> list[NativeTrace]:
+    """Native frames without a pid (a C++ abort message) go to the one process that died of
+    SIGABRT; kept loose otherwise."""
+    left = []
+    for trace in traces:
+        dead = [p for p in procs if p.outcome().signal == trace.signal and trace.signal]
+        if len(dead) == 1:
+            dead[0].native.append(trace)
+        else:
+            left.append(trace)
+    return left
+
+
+def _signum(name: str) -> int:
+    import signal
+
+    try:
+        return int(signal.Signals[name])
+    except KeyError:
+        return 0

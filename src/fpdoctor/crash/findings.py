@@ -1,0 +1,547 @@
+"""Collected processes -> findings and the `fpdoctor run` report.
+
+Which failure came first decides the story: under torchrun one rank dies and the others fail
+after it (a collective loses its peer, the launcher stops them), so the first failure gets the
+error-level finding and every other rank of the job gets `rank-stopped` with what it was doing.
+A process whose failure only reports a child's (torchrun's ChildFailedError, a shell's exit
+status) is the launcher, not a cause.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+from fpdoctor import catalog
+from fpdoctor.crash.collect import Collected, Outcome, Process, collective, innermost, is_library, user_frame
+from fpdoctor.crash.explain import ErrorText, explain_text, signal_meaning
+from fpdoctor.crash.launcher import Launched
+from fpdoctor.crash.machine import Environment, KernelLog, gpu_for
+from fpdoctor.crash.parse import Frame, ThreadStack, signal_name
+from fpdoctor.report.model import Finding, Report, Severity
+
+STACK_LINES = 12  # frames of the failing thread shown in a finding's text; all of them are in data
+FATAL = ("signal", "killed", "terminated")
+
+
+@dataclass
+class Context:
+    launched: Launched
+    collected: Collected
+    breadcrumbs: bool
+    environment: Environment | None = None
+    kernel: KernelLog | None = None
+    rerun: str | None = None  # the command that runs it again with breadcrumbs
+    wait_s: float = 3.0
+    not_checked: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def interrupted(self) -> bool:
+        return bool({"SIGINT", "SIGTERM", "SIGHUP"} & set(self.launched.signals))
+
+
+@dataclass
+class Event:
+    process: Process
+    outcome: Outcome
+    time: float
+
+
+def failures(ctx: Context) -> list[Event]:
+    """Failures by time, launchers of failed processes left out (their failure is a report)."""
+    procs = ctx.collected.processes
+    events = []
+    for p in procs:
+        o = p.outcome()
+        if o.kind not in (*FATAL, "exception"):
+            continue
+        if ctx.interrupted and o.signal in ("SIGINT", "SIGTERM", "SIGHUP"):
+            continue  # the user stopped the command through fpdoctor
+        events.append(Event(p, o, o.time if o.time is not None else ctx.launched.ended))
+    failed = {e.process.pid for e in events}
+    parents = {p.pid: p.ppid for p in procs}
+    launchers = set()
+    for pid in failed:
+        seen, up = set(), parents.get(pid)
+        while up is not None and up not in seen:
+            seen.add(up)
+            if up in failed:
+                launchers.add(up)
+            up = parents.get(up)
+    if ctx.collected.direct.pid in failed and any(p.ppid == ctx.collected.direct.pid for p in procs if p.pid in failed):
+        launchers.add(ctx.collected.direct.pid)
+    return sorted((e for e in events if e.process.pid not in launchers), key=lambda e: e.time)
+
+
+def build(ctx: Context) -> Report:
+    events = failures(ctx)
+    first = events[0] if events else None
+    findings: list[Finding] = []
+    job = [p for p in ctx.collected.processes if p.is_rank]
+    stopped: set[int] = set()
+    for event in events:
+        p, o = event.process, event.outcome
+        after_first = first is not None and event is not first and event.time >= first.time
+        if first is not None and first.process.is_rank and p.is_rank and after_first and o.kind != "signal":
+            findings.append(_rank_stopped(ctx, p, first))
+            stopped.add(p.pid)
+        elif ctx.launched.stopped and after_first and o.kind in ("terminated", "killed"):
+            findings.append(_rank_stopped(ctx, p, first))  # type: ignore[arg-type]
+            stopped.add(p.pid)
+        elif o.kind in FATAL:
+            findings.append(_fatal_signal(ctx, p, o, first=event is first and len(events) > 1))
+        else:
+            findings.append(_exception(ctx, p, first=event is first and len(events) > 1))
+    if first is not None and first.process.is_rank:
+        failed = {e.process.pid for e in events}
+        findings += [_rank_stopped(ctx, p, first) for p in job if p.pid not in failed]
+    if ctx.launched.exit_status == 0:
+        # the command went on and succeeded: what failed inside it was handled
+        findings = [_soften(f) for f in findings]
+    if ctx.environment is not None and events:
+        findings += ctx.environment.findings
+    if ctx.kernel is not None and events:
+        findings += ctx.kernel.findings
+    return Report(command="run", findings=findings, data=_data(ctx, events))
+
+
+def _soften(f: Finding) -> Finding:
+    if f.severity is not Severity.ERROR:
+        return f
+    from dataclasses import replace
+
+    return replace(
+        f, severity=Severity.WARNING, message=f.message + "\nThe command went on and exited 0, so this was handled."
+    )
+
+
+# -- one finding per failed process ------------------------------------------------------------
+
+
+def _who(p: Process, ctx: Context) -> str:
+    if p.is_rank:
+        extra = [f"pid {p.pid}"]
+        if p.local_rank is not None:
+            extra.append(f"local rank {p.local_rank}")
+        if p.host:
+            extra.append(f"host {p.host}")
+        device = _device(p, ctx)
+        if device.get("device"):
+            extra.append(str(device["device"]) + (f" {device['uuid']}" if device.get("uuid") else ""))
+        return f"rank {p.rank} ({', '.join(extra)})"
+    command = shlex.join(p.argv) if p.argv else shlex.join(ctx.launched.argv) if p.direct else ""
+    if len(command) > 100:
+        command = command[:97] + "..."
+    return f"pid {p.pid}" + (f" ({command})" if command else "")
+
+
+def _device(p: Process, ctx: Context) -> dict[str, Any]:
+    """where.device: the op in flight's device, else the usual one GPU per local rank."""
+    gpus = ctx.environment.gpus if ctx.environment is not None else []
+    visible = p.record.get("cuda_visible_devices")
+    current = _in_flight(p)
+    index: int | None = None
+    basis = None
+    if current and str(current[-1].get("device") or "").startswith("cuda"):
+        _, _, number = str(current[-1]["device"]).partition(":")
+        index, basis = (int(number) if number.isdigit() else 0), "op in flight"
+    elif gpus and p.local_rank is not None:
+        index, basis = p.local_rank, "LOCAL_RANK (one GPU per rank)"
+    if index is None:
+        return {}
+    gpu = gpu_for(gpus, visible, index)
+    out: dict[str, Any] = {"device": f"cuda:{index}", "device_basis": basis}
+    if "index" in gpu:
+        out["gpu"] = gpu["index"]
+    if gpu.get("uuid"):
+        out["uuid"] = gpu["uuid"]
+    if gpu.get("name"):
+        out["gpu_name"] = gpu["name"]
+    return out
+
+
+def _where(p: Process, ctx: Context) -> dict[str, Any]:
+    device = _device(p, ctx)
+    where: dict[str, Any] = {
+        "rank": p.rank,
+        "local_rank": p.local_rank,
+        "host": p.host,
+        "pid": p.pid,
+        **{k: device.get(k) for k in ("device", "gpu", "uuid")},
+    }
+    current = _in_flight(p)
+    if current:
+        where["module"] = current[-1].get("module")
+        where["op"] = current[-1].get("op")
+    return where
+
+
+def _in_flight(p: Process) -> list[dict[str, Any]]:
+    return [op for op in p.ops if not op.get("done")]
+
+
+def op_text(op: dict[str, Any]) -> str:
+    args = ", ".join(
+        f"{dtype}{list(shape)}" for dtype, shape in zip(op.get("dtypes") or [], op.get("shapes") or [], strict=False)
+    )
+    text = f"{op.get('op')}({args})"
+    if op.get("module") is not None:
+        text += f" in {op['module'] or '<root module>'}"
+    if op.get("device"):
+        text += f" on {op['device']}"
+    if op.get("phase") and op["phase"] != "forward":
+        text += f" ({op['phase']})"
+    return text
+
+
+def _stack_lines(stack: ThreadStack | None) -> list[str]:
+    """The stack, innermost first, with runs of library frames (torch, the standard library)
+    folded after their first frame so that the user's own frames stand out."""
+    if stack is None or not stack.frames:
+        return []
+    lines: list[str] = []
+    run: list[Frame] = []
+
+    def fold() -> None:
+        if run:
+            lines.append(f"    {run[0].text()}")
+        if len(run) == 2:
+            lines.append(f"    {run[1].text()}")
+        elif len(run) > 2:
+            lines.append(f"      ... {len(run) - 1} more library frames")
+        run.clear()
+
+    consumed = 0
+    for frame in stack.frames:
+        if len(lines) >= STACK_LINES:
+            break
+        consumed += 1
+        if is_library(frame):
+            run.append(frame)
+            continue
+        fold()
+        lines.append(f"    {frame.text()}")
+    fold()
+    if consumed < len(stack.frames) or stack.truncated:
+        lines.append("    ... (the whole stack is in data.processes)")
+    return lines
+
+
+def _frame_evidence(stack: ThreadStack | None) -> dict[str, Any]:
+    inner: Frame | None = innermost(stack)
+    user = user_frame(stack)
+    out: dict[str, Any] = {}
+    if inner is not None:
+        out["frame"] = inner.text()
+        out["function"] = inner.function
+    if user is not None and user is not inner:
+        out["user_frame"] = user.text()
+    return out
+
+
+def _fix_text(text: str, ctx: Context) -> str:
+    command = shlex.join(ctx.launched.argv)
+    script = _script(ctx.launched.argv)
+    return text.replace("SCRIPT.py ARGS", script or "SCRIPT.py ARGS").replace("COMMAND", command)
+
+
+def _script(argv: list[str]) -> str | None:
+    """`python train.py --lr 1` -> 'train.py --lr 1' (what `fpdoctor trace` takes)."""
+    if len(argv) >= 2 and "python" in argv[0].rsplit("/", 1)[-1] and argv[1].endswith(".py"):
+        return shlex.join(argv[1:])
+    return None
+
+
+def _fatal_signal(ctx: Context, p: Process, o: Outcome, *, first: bool) -> Finding:
+    sig = o.signal or "signal"
+    meaning = signal_meaning(sig)
+    stack = p.stack()
+    inner, user = innermost(stack), user_frame(stack)
+    place = f" in {inner.function} ({inner.file}:{inner.line})" if inner else ""
+    lead = f"{_who(p, ctx)} died of {sig}{place}"
+    if first:
+        lead += ", the first process to fail"
+    if sig == "SIGKILL":
+        lead = f"{_who(p, ctx)} was killed from outside (SIGKILL)" + (", the first process to fail" if first else "")
+    lines = [f"{lead}."]
+    evidence: dict[str, Any] = {"signal": sig, "returncode": o.exit_code if o.exit_code is not None else None}
+    evidence.update(_frame_evidence(stack))
+    if user is not None and user is not inner:
+        lines.append(f"Innermost frame of your code: {user.text()}")
+    if stack is not None and stack.frames:
+        threads = len(p.threads())
+        lines.append(
+            f"Python stack of the thread that received it (most recent call first; {threads} thread(s) in data):"
+        )
+        lines += _stack_lines(stack)
+    elif sig != "SIGKILL":
+        lines.append(_no_stack_reason(p))
+    current = _in_flight(p)
+    if current:
+        lines.append("Op in flight (breadcrumbs): " + op_text(current[-1]))
+        if len(current) > 1:
+            lines.append("  inside: " + " <- ".join(op_text(op) for op in reversed(current[:-1]))[:400])
+        evidence["op_in_flight"] = op_text(current[-1])
+    elif p.ops:
+        lines.append("Last op recorded (breadcrumbs; it had returned): " + op_text(p.ops[-1]))
+        evidence["last_op"] = op_text(p.ops[-1])
+    for trace in p.native[:2]:
+        lines.append(f"Native frames ({trace.kind}): {trace.title}")
+        lines += [f"    {f}" for f in trace.frames[:10]]
+        evidence.setdefault("native", trace.title)
+        if trace.kind == "terminate":
+            error = explain_text(trace.title)
+            if error is not None:
+                lines.append(error.meaning.text)
+                evidence["error_kind"] = error.key
+    if p.library_log:
+        lines.append("cuBLAS/cuBLASLt log, last lines:")
+        lines += [f"    {line[:300]}" for line in p.library_log[-5:]]
+        evidence["cublaslt_last"] = p.library_log[-1][:300]
+    evidence["explanation"] = meaning.text
+    fixes = []
+    if sig in ("SIGFPE", "SIGSEGV", "SIGABRT", "SIGBUS", "SIGILL") and not ctx.breadcrumbs and ctx.rerun:
+        fixes.append(f"{ctx.rerun}   # again, with the op ring and the cuBLASLt log: names the op in flight")
+    if meaning.fix:
+        fixes.append(_fix_text(meaning.fix, ctx))
+    if sig in ("SIGFPE", "SIGSEGV", "SIGABRT", "SIGBUS", "SIGILL"):
+        fixes.append("fpdoctor env   # the environment verdicts (joined below when found)")
+    if sig == "SIGKILL" and p.launcher is None and not p.direct:
+        lines.append("It left no exit record and no dump: SIGKILL (or os._exit) ended it.")
+    return catalog.make(
+        "fatal-signal",
+        message="\n".join(lines),
+        title=f"{_short(p)} died of {sig}" if sig != "SIGKILL" else f"{_short(p)} was killed (SIGKILL)",
+        where=_where(p, ctx),
+        evidence=evidence,
+        fix="\n".join(fixes) or None,
+    )
+
+
+def _short(p: Process) -> str:
+    return f"rank {p.rank}" if p.is_rank else f"pid {p.pid}"
+
+
+def _no_stack_reason(p: Process) -> str:
+    if not p.record:
+        return (
+            "No Python stack: this process is not Python, or it ran with -I/-E/-S (which skip the "
+            "sitecustomize fpdoctor uses)."
+        )
+    if p.record.get("faulthandler") == "stderr":
+        return "No Python stack: faulthandler wrote to stderr (PYTHONFAULTHANDLER) and it was not found in the output."
+    return "No Python stack: faulthandler was replaced in this process, or the signal came before it started."
+
+
+def _exception(ctx: Context, p: Process, *, first: bool) -> Finding:
+    exc = p.main_exception() or {}
+    kind = str(exc.get("type", "Exception"))
+    short_type = kind.rsplit(".", 1)[-1]
+    text = str(exc.get("message", ""))
+    error: ErrorText | None = explain_text(f"{kind}: {text}")
+    name = "cuda-error" if error is not None and error.finding == "cuda-error" else "uncaught-exception"
+    stack = p.stack()
+    first_line = text.strip().splitlines()[0] if text.strip() else ""
+    lead = f"{_who(p, ctx)} ended with an uncaught {short_type}" + (f": {first_line[:300]}" if first_line else "")
+    if first:
+        lead += " (the first process to fail)"
+    lines = [lead]
+    if error is not None:
+        lines.append(error.meaning.text)
+    tb = str(exc.get("traceback", "")).rstrip().splitlines()
+    if tb:
+        lines.append("Traceback (last lines):")
+        lines += [f"  {line}" for line in tb[-14:]]
+    evidence: dict[str, Any] = {"exception": kind, "error": text[:1000]}
+    evidence.update(_frame_evidence(stack))
+    if error is not None:
+        evidence["error_kind"] = error.key
+        evidence["explanation"] = error.meaning.text
+    if _in_flight(p):
+        evidence["op_in_flight"] = op_text(_in_flight(p)[-1])
+    fix = _fix_text(error.meaning.fix, ctx) if error is not None and error.meaning.fix else None
+    return catalog.make(
+        name,
+        message="\n".join(lines),
+        title=f"{_short(p)}: {short_type}" + (f" ({error.key})" if error is not None else ""),
+        where=_where(p, ctx),
+        evidence=evidence,
+        fix=fix,
+    )
+
+
+def _rank_stopped(ctx: Context, p: Process, first: Event) -> Finding:
+    o = p.outcome()
+    stack = p.stack()
+    waiting = collective(stack)
+    cause = first.outcome.signal or _exception_name(first.process)
+    what = f"{_short(first.process)} died of {cause}" if first.outcome.signal else f"{_short(first.process)} failed"
+    ended_before = o.kind == "exited" and o.time is not None and o.time < first.time
+    if ended_before:
+        doing, state = "had already finished", "finished"
+    elif waiting:
+        doing, state = f"was waiting in {waiting} (a collective) for the other ranks", "in-collective"
+    elif stack is not None and stack.frames:
+        frame = user_frame(stack) or innermost(stack)
+        doing, state = f"was running at {frame.text() if frame else '?'}", "running"
+    else:
+        doing, state = "left no stack", "unknown"
+    endings = {
+        "terminated": "then it was stopped with SIGTERM (torchrun stops the other ranks once one fails)",
+        "killed": "then it was killed (SIGKILL)",
+        "running": "it was still running when the report was written",
+        "vanished": "it ended without an exit record (killed, or os._exit)",
+        "exited": "it exited",
+    }
+    if o.kind == "exception":
+        exc = p.main_exception() or {}
+        message = str(exc.get("message", "")).strip().splitlines()
+        ending = f"then {'its collective' if waiting else 'it'} failed: {str(exc.get('type', '')).rsplit('.', 1)[-1]}"
+        ending += f": {_clip(message[0], 200)}" if message else ""
+    else:
+        ending = endings.get(o.kind, o.kind)
+    if ctx.launched.stopped and o.kind in ("terminated", "killed"):
+        ending = f"fpdoctor stopped it {ctx.wait_s:g} s after the first failure (--wait)"
+    lines = [f"{_who(p, ctx)} {doing} when {what}; {ending}."]
+    if stack is not None and stack.frames:
+        lines.append("Its Python stack (most recent call first):")
+        lines += _stack_lines(stack)
+    evidence: dict[str, Any] = {"state": state, "ended": o.kind, "first_failure": _short(first.process)}
+    if waiting:
+        evidence["collective"] = waiting
+    if o.signal:
+        evidence["signal"] = o.signal
+    evidence.update(_frame_evidence(stack))
+    return catalog.make(
+        "rank-stopped",
+        message="\n".join(lines),
+        title=f"{_short(p)} stopped after {_short(first.process)} failed"
+        + (f" (it was in {waiting})" if waiting else ""),
+        where=_where(p, ctx),
+        evidence=evidence,
+    )
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: text.rfind(" ", 0, limit) if " " in text[:limit] else limit] + " ..."
+
+
+def _exception_name(p: Process) -> str:
+    exc = p.main_exception() or {}
+    return str(exc.get("type", "an exception")).rsplit(".", 1)[-1]
+
+
+# -- the report's data ------------------------------------------------------------------------
+
+
+def _clock(t: float | None) -> str:
+    return datetime.datetime.fromtimestamp(t).strftime("%H:%M:%S.%f")[:-3] if t else "?"
+
+
+def _short_frame(frame: Frame | None) -> str:
+    return f"{os.path.basename(frame.file)}:{frame.line} in {frame.function}" if frame else ""
+
+
+def _ended_text(p: Process) -> str:
+    o = p.outcome()
+    if o.kind in FATAL or (o.kind == "signal"):
+        return f"{o.kind} {o.signal}"
+    if o.kind == "exception":
+        return f"exception {_exception_name(p)}"
+    if o.kind == "exited" and o.exit_code:
+        return f"exited {o.exit_code}"
+    return o.kind
+
+
+def _process_data(p: Process) -> dict[str, Any]:
+    o = p.outcome()
+    out: dict[str, Any] = {
+        "pid": p.pid,
+        "ppid": p.ppid,
+        "argv": p.argv,
+        "rank": p.rank,
+        "local_rank": p.local_rank,
+        "world_size": p.world_size,
+        "host": p.host,
+        "cuda_visible_devices": p.record.get("cuda_visible_devices"),
+        "start": p.start,
+        "ended": o.kind,
+        "signal": o.signal,
+        "exit_code": o.exit_code,
+        "end": o.time,
+        "threads": [t.to_dict() for t in p.threads()],
+    }
+    if p.exceptions:
+        out["exceptions"] = [
+            {k: e.get(k) for k in ("type", "message", "thread", "time", "traceback")} for e in p.exceptions
+        ]
+    if p.native:
+        out["native"] = [t.to_dict() for t in p.native]
+    if p.ops:
+        out["ops"] = [op_text(op) + ("" if op.get("done") else "  <- in flight") for op in p.ops[-20:]]
+    if p.library_log:
+        out["library_log"] = p.library_log
+    if p.launcher is not None:
+        out["launcher"] = {"exitcode": p.launcher.exitcode, "traceback": p.launcher.traceback}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _data(ctx: Context, events: list[Event]) -> dict[str, Any]:
+    launched, col = ctx.launched, ctx.collected
+    status = str(launched.exit_status)
+    if launched.returncode < 0:
+        status += f" (the command died of {signal_name(-launched.returncode)})"
+    summary: list[tuple[str, str]] = [("command", shlex.join(launched.argv)), ("exit status", status)]
+    python = [p for p in col.processes if p.record]
+    ranks = [p for p in python if p.is_rank]
+    summary.append(("processes", f"{len(python)} Python process(es)" + (f", {len(ranks)} rank(s)" if ranks else "")))
+    if events:
+        e = events[0]
+        what = e.outcome.signal or _exception_name(e.process)
+        summary.append(("first failure", f"{_short(e.process)} {what} at {_clock(e.time)}"))
+    if launched.stopped:
+        summary.append(("stopped", "fpdoctor terminated the command: it was still running after the first failure"))
+    if ctx.interrupted:
+        summary.append(("interrupted", ", ".join(launched.signals)))
+    summary.append(("breadcrumbs", "on" if ctx.breadcrumbs else "off"))
+    if events and ctx.environment is not None:
+        summary.append(("environment", ctx.environment.source))
+    if events and ctx.kernel is not None and ctx.kernel.note is None:
+        summary.append(("kernel log", f"{len(ctx.kernel.lines)} new NVIDIA line(s)"))
+    not_checked = dict(ctx.not_checked)
+    if events and ctx.environment is not None and ctx.environment.note:
+        not_checked["environment"] = ctx.environment.note
+    if events and ctx.kernel is not None and ctx.kernel.note:
+        not_checked["kernel log"] = ctx.kernel.note
+    data: dict[str, Any] = {
+        "summary": summary,
+        "exit_status": launched.exit_status,
+        "processes": [_process_data(p) for p in col.processes],
+        "not_checked": not_checked,
+    }
+    if python and (events or len(python) > 1):
+        data["table"] = {
+            "title": "processes",
+            "columns": ["process", "ended", "where"],
+            "rows": [
+                [
+                    _short(p) + (f" (pid {p.pid})" if p.is_rank else ""),
+                    _ended_text(p),
+                    _short_frame(user_frame(p.stack()) or innermost(p.stack())),
+                ]
+                for p in python
+            ],
+        }
+    if ctx.rerun and events and not ctx.breadcrumbs:
+        data["rerun"] = ctx.rerun
+    if col.stream_dumps or col.native:
+        data["unattributed"] = {
+            "dumps": [[t.to_dict() for t in d.threads] for d in col.stream_dumps],
+            "native": [t.to_dict() for t in col.native],
+        }
+    if events and ctx.kernel is not None and ctx.kernel.lines:
+        data["kernel_log"] = ctx.kernel.lines[-50:]
+    return data

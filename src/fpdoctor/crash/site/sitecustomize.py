@@ -1,0 +1,278 @@
+"""Loaded by every Python process that `fpdoctor run` starts: its directory is first on PYTHONPATH.
+
+Cheap and silent. It never raises, never writes to the process's own streams, never imports
+torch, and chains to the sitecustomize the environment already had. Per process it leaves in
+$FPDOCTOR_RUN_DIR (file names shared with fpdoctor.crash.collect):
+
+- proc.<pid>.json  who it is (pid, ppid, argv, rank, host, visible GPUs), written at start
+- fault.<pid>      faulthandler's dump when it dies of SIGSEGV, SIGFPE, SIGABRT, SIGBUS or SIGILL
+- term.<pid>       every thread's stack when it is terminated (SIGTERM: torchrun stopping the
+                   ranks that survived another's death), dumped before the default action kills it
+- exc.<pid>.json   uncaught exceptions with their tracebacks (main thread and other threads)
+- exit.<pid>.json  written when the interpreter shuts down normally (absent after a signal or os._exit)
+
+Every interpreter a command starts runs this file, so it imports only what Python has loaded
+already or what costs well under a millisecond (json would pull in `re`: ~7 ms per process),
+and keeps to syntax that Python 3.7 parses.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from types import TracebackType
+    from typing import Any, TextIO
+
+_state: dict[str, Any] = {}
+# JSON string escapes (RFC 8259): quote, backslash and control characters
+_ESCAPES = {**{i: f"\\u{i:04x}" for i in range(32)}, ord('"'): '\\"', ord("\\"): "\\\\"}
+
+
+def _json(value: Any) -> str:
+    """Standard JSON for the plain values a record holds, without importing json."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, (int, float)):
+        finite = value - value == 0  # False for NaN and the infinities, which JSON cannot hold
+        return repr(value) if finite else "null"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_json(str(k))}: {_json(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_json(v) for v in value) + "]"
+    return '"' + str(value).translate(_ESCAPES) + '"'
+
+
+def _write_json(path: str, record: dict[str, Any]) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8", errors="backslashreplace") as fh:
+        fh.write(_json(record))
+    os.replace(tmp, path)  # a reader sees the old record or the new one, never half of one
+
+
+def _argv() -> list[str]:
+    argv = getattr(sys, "orig_argv", None) or getattr(sys, "argv", None) or []
+    return [str(a)[:500] for a in argv[:64]]
+
+
+def _start_process(run_dir: str, forked: bool) -> None:
+    """Per-process files and the process record; run at start and again in a forked child."""
+    import faulthandler
+    import time
+
+    pid = os.getpid()
+    mode = _state.get("faulthandler")
+    if mode is None:
+        # A user who set PYTHONFAULTHANDLER or -X faulthandler keeps the dump on stderr, where
+        # fpdoctor reads it back from the captured stream.
+        mode = _state["faulthandler"] = "stderr" if faulthandler.is_enabled() else "file"
+    if mode == "file":
+        # faulthandler writes through the descriptor from its signal handler: it stays open for
+        # the life of the process (a forked child gets a file of its own).
+        fault = open(os.path.join(run_dir, f"fault.{pid}"), "w")  # noqa: SIM115
+        faulthandler.enable(file=fault, all_threads=True)
+        _swap("fault", fault)
+    _register_term_dump(run_dir, pid, forked)
+    env = os.environ
+    record: dict[str, Any] = {
+        "pid": pid,
+        "ppid": os.getppid(),
+        "argv": _argv(),
+        "executable": sys.executable,
+        "python": ".".join(str(v) for v in sys.version_info[:3]),
+        "start": time.time(),
+        "host": os.uname()[1] if hasattr(os, "uname") else env.get("COMPUTERNAME", ""),
+        "forked": forked,
+        "faulthandler": mode,
+        "term_dump": bool(_state.get("term")),
+    }
+    for key in (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "CUDA_VISIBLE_DEVICES",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
+        if key in env:
+            record[key.lower()] = env[key]
+    _write_json(os.path.join(run_dir, f"proc.{pid}.json"), record)
+
+
+def _swap(key: str, new: TextIO) -> None:
+    old = _state.get(key)
+    _state[key] = new
+    if old is not None:
+        old.close()  # a forked child's copy of its parent's descriptor
+
+
+def _register_term_dump(run_dir: str, pid: int, forked: bool) -> None:
+    """Dump every thread's stack when SIGTERM arrives, then let it kill the process as before.
+
+    Only where SIGTERM still has its default action: a program that handles SIGTERM itself
+    (or ignores it) keeps exactly its own behaviour, and a handler it installs later replaces
+    this one. chain=True re-raises the signal under the default action, so the exit status
+    stays 'killed by SIGTERM'.
+    """
+    import faulthandler
+    import signal
+
+    if not hasattr(faulthandler, "register") or not hasattr(signal, "SIGTERM"):
+        return
+    if forked:
+        if _state.get("term") is None:
+            return
+        faulthandler.unregister(signal.SIGTERM)
+    elif signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        return
+    term = open(os.path.join(run_dir, f"term.{pid}"), "w")  # noqa: SIM115
+    faulthandler.register(signal.SIGTERM, file=term, all_threads=True, chain=True)
+    _swap("term", term)
+
+
+def _exception_record(
+    exc_type: type[BaseException], exc: BaseException | None, tb: TracebackType | None, thread: str | None
+) -> dict[str, Any]:
+    import time
+    import traceback
+
+    frames = [{"file": f.filename, "line": f.lineno, "function": f.name} for f in traceback.extract_tb(tb)]
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    return {
+        "time": time.time(),
+        "type": f"{getattr(exc_type, '__module__', 'builtins')}.{getattr(exc_type, '__qualname__', '?')}",
+        "message": str(exc)[:4000],
+        "traceback": text[-20000:],
+        "frames": frames[-200:],
+        "thread": thread,
+    }
+
+
+def _save_exception(
+    exc_type: type[BaseException], exc: BaseException | None, tb: TracebackType | None, thread: str | None
+) -> None:
+    run_dir = _state.get("run_dir")
+    if not run_dir:
+        return
+    try:
+        records = _state.setdefault("exceptions", [])
+        if len(records) < 20:
+            records.append(_exception_record(exc_type, exc, tb, thread))
+            pid = os.getpid()
+            _write_json(os.path.join(run_dir, f"exc.{pid}.json"), {"pid": pid, "exceptions": records})
+    except Exception:  # the program's own hook runs next, whatever happens here
+        pass
+
+
+def _install_hooks() -> None:
+    previous = sys.excepthook
+
+    def excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        _save_exception(exc_type, exc, tb, None)
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = excepthook
+    import threading
+
+    previous_thread_hook = threading.excepthook
+
+    def thread_excepthook(args: Any) -> None:
+        if args.exc_type is not SystemExit:
+            name = getattr(args.thread, "name", None) if args.thread is not None else None
+            _save_exception(args.exc_type, args.exc_value, args.exc_traceback, name or "?")
+        previous_thread_hook(args)
+
+    threading.excepthook = thread_excepthook
+
+
+def _at_exit() -> None:
+    run_dir = _state.get("run_dir")
+    if not run_dir:
+        return
+    try:
+        import time
+
+        pid = os.getpid()
+        _write_json(os.path.join(run_dir, f"exit.{pid}.json"), {"pid": pid, "time": time.time()})
+    except Exception:  # a full disk at exit must not change how the program exits
+        pass
+
+
+def _after_fork() -> None:
+    try:
+        _start_process(_state["run_dir"], forked=True)
+        _state["exceptions"] = []
+    except Exception:  # the forked child runs on, uninstrumented
+        pass
+
+
+def _arm_breadcrumbs(run_dir: str) -> None:
+    """Load the op recorder from the fpdoctor that started this run (not whichever copy the
+    command's environment may have installed), then leave sys.path as it was."""
+    package_root = os.environ.get("FPDOCTOR_RUN_PKG") or ""
+    added = bool(package_root) and package_root not in sys.path
+    if added:
+        sys.path.insert(0, package_root)
+    try:
+        from fpdoctor.crash import breadcrumbs
+
+        breadcrumbs.arm(run_dir)
+    finally:
+        if added and package_root in sys.path:
+            sys.path.remove(package_root)
+
+
+def _setup() -> None:
+    run_dir = os.environ.get("FPDOCTOR_RUN_DIR")
+    if not run_dir or not os.path.isdir(run_dir):
+        return
+    _state["run_dir"] = run_dir
+    _start_process(run_dir, forked=False)
+    _install_hooks()
+    import atexit
+
+    atexit.register(_at_exit)
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_after_fork)
+    if os.environ.get("FPDOCTOR_RUN_BREADCRUMBS") == "1":
+        _arm_breadcrumbs(run_dir)
+
+
+def _chain() -> None:
+    """Run the sitecustomize this one shadows (a distribution's, a virtual environment's,
+    another tool's), as Python would have without fpdoctor, errors reported as site.py does."""
+    try:
+        import importlib.machinery
+        import importlib.util
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+        spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    except Exception:
+        return
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        if sys.flags.verbose:
+            sys.excepthook(*sys.exc_info())
+        else:
+            sys.stderr.write(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(exc).__name__}: {exc}\n")
+
+
+try:  # noqa: SIM105 - contextlib is not loaded this early and costs an import in every process
+    _setup()
+except Exception:  # the command runs as without fpdoctor; the report says it left no record
+    pass
+_chain()
