@@ -265,12 +265,16 @@ def seeded(name: str, device: torch.device, mn: int, k: int, budget_s: float) ->
         start = time.perf_counter()
         digests.append(_digest(mm(a, b), h, g))
         _sync(device)
-        per_call = max(time.perf_counter() - start, 1e-9)
-        repeats = max(MIN_REPEATS, min(MAX_REPEATS, int(budget_s / per_call)))
-        for _ in range(repeats - 2):
-            digests.append(_digest(mm(a, b), h, g))
-        _sync(device)
         seconds = time.perf_counter() - start
+        # Chunks that at most double, each sized from the time so far and closed by one sync: a
+        # device that slows down (or a loaded CPU) overshoots the budget by one chunk at most.
+        while len(digests) < MAX_REPEATS and (len(digests) < MIN_REPEATS or seconds < budget_s):
+            per_call = max(seconds / (len(digests) - 1), 1e-9)
+            chunk = max(1, min(len(digests), MAX_REPEATS - len(digests), int((budget_s - seconds) / per_call)))
+            for _ in range(chunk):
+                digests.append(_digest(mm(a, b), h, g))
+            _sync(device)
+            seconds = time.perf_counter() - start
     finally:
         torch.backends.cuda.matmul.allow_tf32 = False
     host = torch.stack(digests).cpu().tolist()  # [repeats, 3]: the one copy to the host
