@@ -13,10 +13,12 @@ from fpdoctor._version import __version__
 
 if TYPE_CHECKING:
     from fpdoctor.env.doctor import diagnose_env
+    from fpdoctor.health import HealthResult, health
     from fpdoctor.numerics.api import Trace, trace
     from fpdoctor.numerics.sentinel import Sentinel
     from fpdoctor.numerics.trace import NonFiniteError
     from fpdoctor.precision.audit import audit
+    from fpdoctor.precision.boundary import keep_in_fp32
     from fpdoctor.precision.compare import compare
     from fpdoctor.precision.harmonize import harmonize
     from fpdoctor.precision.plan import apply_plan, plan
@@ -35,6 +37,9 @@ _LAZY = {
     "compare": "fpdoctor.precision.compare",
     "diagnose_env": "fpdoctor.env.doctor",
     "harmonize": "fpdoctor.precision.harmonize",
+    "health": "fpdoctor.health",
+    "HealthResult": "fpdoctor.health",
+    "keep_in_fp32": "fpdoctor.precision.boundary",
     "plan": "fpdoctor.precision.plan",
     "trace": "fpdoctor.numerics.api",
 }
@@ -52,6 +57,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Finding",
+    "HealthResult",
     "NonFiniteError",
     "Report",
     "Sentinel",
@@ -63,6 +69,8 @@ __all__ = [
     "compare",
     "diagnose_env",
     "harmonize",
+    "health",
+    "keep_in_fp32",
     "plan",
     "trace",
 ]

@@ -33,7 +33,7 @@ def test_audit_file_spec(tmp_path):
         ("/no/such/file.py:make", "no such file"),
         ("no.such.module:make", "No module named"),
         ("fpdoctor.casebook.unet:missing", "has no factory"),
-        ("fpdoctor.casebook.unet:TinyUNet", "must return (model, example_inputs)"),
+        ("fpdoctor.casebook.unet:TinyUNet", "returned a model without inputs; it must return (model, inputs)"),
     ],
 )
 def test_bad_model_specs(spec, words, cli):

@@ -120,7 +120,7 @@ def test_plan_cli(tmp_path):
         "fp16",
         env={"PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[2])},
     )
-    assert result.code == 1, result.err  # the fp16 model diverges (an error), the verified plan fixes it
+    assert result.code == 0, result.err  # the fp16 model diverges, and the verified plan fixes it: a warning
     assert "keep_in_fp32(model.get_submodule('1.attn')" in result.out and "yes: end-to-end error" in result.out
 
 

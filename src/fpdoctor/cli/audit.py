@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from fpdoctor.cli.model_spec import FACTORY_HELP
 from fpdoctor.cli.output import add_output_args, emit
 
 
@@ -12,8 +13,9 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "audit",
         help="mixed dtypes/devices in a model, and dtype errors explained",
-        description="MODEL is path/to/file.py:factory or package.module:factory; the factory "
-        "returns (model, example_inputs).",
+        description="Mixed dtypes and devices in a model; with its inputs, the forward runs and a dtype or\n"
+        "device error is explained with each operand's origin.\n\n" + FACTORY_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL")
     p.add_argument("--device", choices=("cpu", "cuda", "mps"), help="move model and inputs there first")

@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from fpdoctor.cli.errors import UsageError
+from fpdoctor.cli.model_spec import FACTORY_HELP
 from fpdoctor.cli.output import add_output_args, emit
 from fpdoctor.precision.names import CANDIDATES, FP8_KERNELS, REFERENCES, check_name
 
@@ -15,7 +16,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "compare",
         help="layerwise error of a precision against fp64, module by module",
-        description="MODEL is path/to/file.py:factory or package.module:factory.",
+        description="Layerwise error of a precision against fp64, module by module.\n\n" + FACTORY_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_precision_args(p, CANDIDATES)
     p.add_argument(
@@ -35,8 +37,13 @@ def add_parser(sub: Any) -> None:
 def add_precision_args(p: argparse.ArgumentParser, candidates: tuple[str, ...]) -> None:
     """MODEL, --candidate, --reference and --fp8-kernel: what compare and plan both take."""
     p.add_argument("model", metavar="MODEL")
-    p.add_argument("--candidate", required=True, metavar="|".join(candidates))
-    p.add_argument("--reference", default="fp32", metavar="|".join(REFERENCES))
+    p.add_argument(
+        "--candidate",
+        required=True,
+        metavar="|".join(candidates),
+        help="the precision to judge; torch's names work too (float16, half, bfloat16, float8_e4m3fn)",
+    )
+    p.add_argument("--reference", default="fp32", metavar="|".join(REFERENCES), help="default: fp32")
     p.add_argument(
         "--fp8-kernel",
         default="auto",

@@ -1,7 +1,9 @@
 """MODEL arguments: `path/to/file.py:factory` or `package.module:factory` -> (model, inputs).
 
-The factory returns `(model, example_inputs)`; inputs are one tensor, a tuple of positional
-arguments, or a dict of keyword arguments. Every way this can fail is a one-line usage error.
+The factory takes no arguments and returns `(model, example_inputs)` (FACTORY_HELP says what
+inputs may be). A module name is looked up from the current directory first, as `python -m`
+does, so `fpdoctor compare my_factory:make` finds ./my_factory.py. Every way this can fail is a
+one-line usage error.
 """
 
 from __future__ import annotations
@@ -16,6 +18,29 @@ from fpdoctor.cli.errors import UsageError
 
 USAGE = "MODEL must be path/to/file.py:factory or package.module:factory, the factory returning (model, inputs)"
 
+FACTORY_HELP = """\
+MODEL is path/to/file.py:factory or package.module:factory (a module in the current directory is
+found, as `python -m` finds it). The factory takes no arguments and returns (model, inputs):
+
+  def make():
+      model = MyModel().eval()
+      return model, torch.randn(8, 3, 224, 224)             # one tensor: model(x)
+      # or (ids, mask)                                      # a tuple: model(ids, mask)
+      # or {"input_ids": ids, "attention_mask": mask}       # a dict: model(**inputs)
+      # or [(x, torch.tensor([10])), (x, torch.tensor([999]))]   # a list: several input sets,
+      #    each judged (a sampler at several timesteps, several batch shapes); a generator works too
+
+A model whose one argument is itself a list takes a tuple around it: ([img1, img2],).
+The report names the inputs it used (shapes, dtypes and a digest of their values)."""
+
+
+def _import_module(target: str) -> Any:
+    # `python -m` puts the current directory first on sys.path; the console script does not
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    return importlib.import_module(target)
+
 
 def load(spec: str) -> tuple[Any, Any]:
     target, sep, factory_name = spec.rpartition(":")
@@ -29,17 +54,19 @@ def load(spec: str) -> tuple[Any, Any]:
         if module_spec is None or module_spec.loader is None:
             raise UsageError(f"{target}: cannot be imported as Python ({USAGE})")
         module = importlib.util.module_from_spec(module_spec)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+        # its directory stays on sys.path, as for `python file.py`: the factory and the model's
+        # forward may import their neighbours later
+        folder = os.path.dirname(os.path.abspath(target))
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
         try:
             sys.modules[name] = module
             module_spec.loader.exec_module(module)
         except Exception as exc:
             raise UsageError(f"importing {target} failed: {type(exc).__name__}: {exc}") from exc
-        finally:
-            sys.path.pop(0)
     else:
         try:
-            module = importlib.import_module(target)
+            module = _import_module(target)
         except Exception as exc:
             raise UsageError(f"importing {target} failed: {type(exc).__name__}: {exc}") from exc
     factory = getattr(module, factory_name, None)
@@ -52,7 +79,13 @@ def load(spec: str) -> tuple[Any, Any]:
     import torch
 
     if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
-        raise UsageError(f"the factory {spec} returned {type(made).__name__}; it must return (model, example_inputs)")
+        what = type(made).__name__
+        if isinstance(made, torch.nn.Module):
+            what = "a model without inputs"
+        raise UsageError(
+            f"the factory {spec} returned {what}; it must return (model, inputs), e.g. (model, torch.randn(8, 64)) "
+            "(see `fpdoctor compare --help`)"
+        )
     return made
 
 

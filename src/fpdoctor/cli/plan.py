@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from fpdoctor.cli.compare import add_precision_args, check_precision_args
 from fpdoctor.cli.errors import UsageError
-from fpdoctor.cli.output import add_output_args, emit
+from fpdoctor.cli.model_spec import FACTORY_HELP
+from fpdoctor.cli.output import add_output_args, emit, write_atomic
 from fpdoctor.precision.names import PLAN_CANDIDATES
 
 
@@ -15,10 +17,19 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "plan",
         help="the smallest set of modules to keep in fp32, verified by re-running",
-        description="MODEL is path/to/file.py:factory or package.module:factory.",
+        description=(
+            "The smallest set of modules to keep in fp32 for a lower precision, verified end to end on every\n"
+            "input set, with the code that applies it (plain torch).\n\n" + FACTORY_HELP
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_precision_args(p, PLAN_CANDIDATES)
-    p.add_argument("--tolerance", type=float, help="end-to-end relative error to reach (default: 16x the noise floor)")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        help="end-to-end relative error to reach (default: 16x the output's noise floor); one below what rounding "
+        "the inputs alone costs is out of reach, and the plan is judged against 2x that floor",
+    )
     add_output_args(p)
     p.set_defaults(run=run)
 
@@ -27,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from fpdoctor.cli import model_spec
     from fpdoctor.precision.compare import ReferenceFailed
     from fpdoctor.precision.plan import plan
+    from fpdoctor.report.render import render
 
     candidate, reference, fp8_kernel = check_precision_args(args, PLAN_CANDIDATES)
     if args.tolerance is not None and not args.tolerance > 0:
@@ -38,9 +50,24 @@ def run(args: argparse.Namespace) -> int:
         )
     except ReferenceFailed as exc:
         raise UsageError(f"{exc}; fix the model or its example inputs first") from None
+    except ValueError as exc:  # e.g. an empty list of input sets
+        raise UsageError(str(exc)) from None
     report = result.report
-    if args.format == "text":
-        report.data["summary"].append(("code", "\n" + result.plan.to_code()))
-    emit(report.to_dict(), args)
-    # SPEC 3.3: 1 when the report holds an error, as a divergence that needed the plan does
+    code = _code_section(result.plan.to_code(), args.format)
+    if args.output:
+        write_atomic(args.output, render(report.to_dict(), args.format, color=False) + code)
+    else:
+        emit(report.to_dict(), args)
+        sys.stdout.write(code)
+    # SPEC 3.3: 1 when the report holds an error: a plan that cannot be verified, or a model that
+    # does not run as given; a verified plan turns the divergences it fixes into warnings
     return report.exit_code
+
+
+def _code_section(code: str, fmt: str) -> str:
+    """The plan as code, after the report: text and markdown; JSON and HTML carry it in data.plan.code."""
+    if fmt == "text":
+        return "\nThe plan as code (plain torch; fpdoctor.apply_plan(model, plan) does the same):\n\n" + code
+    if fmt == "markdown":
+        return f"\n**The plan as code** (plain torch):\n\n```python\n{code}```\n"
+    return ""

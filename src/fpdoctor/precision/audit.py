@@ -385,3 +385,22 @@ def audit(model: nn.Module, inputs: Any = None) -> AuditResult:
         data={"summary": summary, "not_checked": not_checked, "dtypes": dict(dtypes), "devices": dict(devices)},
     )
     return AuditResult(report, dict(dtypes), dict(devices))
+
+
+def as_given(model: nn.Module, inputs: Any) -> tuple[list[Finding], str | None]:
+    """The model as the user gave it, before compare or plan convert it: when its parameters mix
+    dtypes, whether it runs at all (audit's findings, and a line for the summary); nothing when
+    its dtypes are uniform (one forward saved)."""
+    findings, _, _ = static_findings(model)
+    if not any(f.name == "mixed-dtype-parameters" for f in findings):
+        return [], None
+    report = audit(model, inputs).report
+    errors = [f for f in report.findings if f.severity is Severity.ERROR]
+    if errors:
+        where = errors[0].where.get("module")
+        at = f" at `{where}`" if where else ""
+        return report.sorted_findings(), (
+            f"does not run: {errors[0].name}{at} (audit's finding below); what follows is for the model "
+            "converted to one precision"
+        )
+    return report.sorted_findings(), "runs, with mixed parameter dtypes (audit's finding below)"

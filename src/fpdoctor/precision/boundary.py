@@ -1,8 +1,9 @@
-"""Boundary casts for a module kept in fp32 inside a lower-precision model.
+"""Boundary casts for a module kept in fp32 inside a lower-precision model, and for the model itself.
 
 A pre-hook casts floating inputs to fp32 and a post-hook casts floating outputs back, so the
-module computes in fp32 while its neighbours keep their dtype. Idempotent: a module gets its
-hooks once.
+module computes in fp32 while its neighbours keep their dtype. The model gets a pre-hook that
+casts its floating inputs to its own dtype, so it takes the inputs the user already has (fp32
+ones). Idempotent: a module gets its hooks once.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fpdoctor.precision.candidates import cast_inputs
 
 _MARK = "_fpdoctor_fp32_boundary"  # the dtype outputs are cast back to
 _HANDLES = "_fpdoctor_fp32_handles"
+_INPUTS = "_fpdoctor_input_cast"  # (dtype, handle) of the model's input cast
 
 
 def keep_in_fp32(module: nn.Module, back_to: torch.dtype | None) -> nn.Module:
@@ -56,3 +58,16 @@ def release(module: nn.Module) -> bool:
 def boundaries(model: nn.Module) -> list[str]:
     """Paths of the modules that run in fp32 behind boundary casts."""
     return [name for name, m in model.named_modules() if getattr(m, _HANDLES, None) is not None]
+
+
+def cast_inputs_to(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model` casts its floating inputs to `dtype` on the way in (a second call changes the dtype)."""
+    held = getattr(model, _INPUTS, None)
+    if held is not None:
+        held[1].remove()
+
+    def pre(mod: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        return cast_inputs(args, dtype), cast_inputs(kwargs, dtype)
+
+    setattr(model, _INPUTS, (dtype, model.register_forward_pre_hook(pre, with_kwargs=True)))
+    return model

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -283,12 +283,21 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         return fn(value)
     if isinstance(value, Call):
         return Call(map_tensors(value.args, fn), map_tensors(value.kwargs, fn))
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple keeps its type
+        return type(value)(*(map_tensors(v, fn) for v in value))
     if isinstance(value, tuple):
         return tuple(map_tensors(v, fn) for v in value)
     if isinstance(value, list):
         return [map_tensors(v, fn) for v in value]
-    if isinstance(value, dict):
-        return {k: map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, Mapping):
+        # a copy of the same type (OrderedDict, a tokenizer's BatchEncoding, a model-output class)
+        try:
+            mapped = value.copy()  # type: ignore[attr-defined]
+        except Exception:  # a mapping whose copy() needs more than itself, or has none
+            mapped = {}
+        for k, v in value.items():
+            mapped[k] = map_tensors(v, fn)
+        return mapped
     return value
 
 
@@ -315,8 +324,8 @@ def split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Example inputs as (args, kwargs): a dict is keyword arguments, a tuple positional ones."""
     if isinstance(inputs, Call):
         return inputs.args, inputs.kwargs
-    if isinstance(inputs, dict):
-        return (), inputs
+    if isinstance(inputs, Mapping):  # a dict, or a tokenizer's BatchEncoding
+        return (), dict(inputs)
     if isinstance(inputs, tuple):
         return inputs, {}
     return (inputs,), {}

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from fpdoctor.precision import fp8
+from fpdoctor.precision.audit import as_given
 from fpdoctor.precision.candidates import (
     CANDIDATES,
     FP8_KERNELS,
@@ -52,6 +53,7 @@ from fpdoctor.precision.candidates import (
     split_inputs,
     uncompiled,
 )
+from fpdoctor.precision.inputs import describe, input_sets
 from fpdoctor.precision.metrics import (
     all_finite,
     cosine,
@@ -63,7 +65,14 @@ from fpdoctor.precision.metrics import (
     row_subset,
 )
 from fpdoctor.precision.noise import RecordNoise, ReplayNoise
-from fpdoctor.precision.profile import DIVERGENCE_RATIO, CompareResult, ModuleRow, build_report, children
+from fpdoctor.precision.profile import (
+    DIVERGENCE_RATIO,
+    CompareResult,
+    ModuleRow,
+    build_report,
+    children,
+    merge_sets,
+)
 from fpdoctor.precision.scope import find_module, module_inputs
 from fpdoctor.preserve import RngState
 from fpdoctor.pytrees import tensors_in
@@ -163,7 +172,30 @@ def compare(
     when the whole model runs on `inputs`, and only it is copied (see scope.py)."""
     candidate = check_name(candidate, CANDIDATES, "candidate")
     reference = check_name(reference, REFERENCES, "reference")
-    check_name(fp8_kernel, FP8_KERNELS, "fp8 kernel")
+    fp8_kernel = check_name(fp8_kernel, FP8_KERNELS, "fp8 kernel")
+    if device is not None:
+        check_device(device)
+    sets = input_sets(inputs)
+    given = as_given(uncompiled(model), sets[0])
+    results = [
+        compare_set(model, one, candidate=candidate, reference=reference, device=device, fp8_kernel=fp8_kernel,
+                    module=module)
+        for one in sets
+    ]  # fmt: skip
+    return merge_sets(results, [describe(one) for one in sets], given)
+
+
+def compare_set(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    candidate: str,
+    reference: str = "fp32",
+    device: str | None = None,
+    fp8_kernel: str = "auto",
+    module: str | None = None,
+) -> CompareResult:
+    """compare() on one input set, the names already checked."""
     cand_device = check_device(device) if device is not None else None
     compiled, model = model is not uncompiled(model), uncompiled(model)
     if module is not None:
@@ -410,6 +442,19 @@ def _compare(
         for row in rows:  # post-order: a container comes after everything inside it
             if not row.leaf and row.exceeds:
                 row.inherited = any(c.exceeds for c in children(rows, row.module, row.call))
+    input_floor: float | None = None
+    if not prefix and any(r.module == "" and r.diverged for r in rows):
+        # The whole model diverges and no submodule does: how much of it rounding the inputs explains.
+        root = next(e for (name, _), e in seen.items() if name == "")
+        input_floor = _input_floor(
+            ref_run if ref_run is not None else truth_run,
+            inputs,
+            cand_dtype=cand_dtype,
+            dtype=ref_dtype,
+            root=root,
+            rng=rng,
+            noise=noise,
+        )
     if prefix:  # a submodule compared on its own: names as in the whole model
         for row in rows:
             row.module = f"{prefix}.{row.module}" if row.module else prefix
@@ -423,6 +468,7 @@ def _compare(
         device=cand_device,
         reference=reference,
         notes=notes,
+        input_floor=input_floor,
         # the samples stay until the end, so their total is the peak of what compare itself keeps
         peak=sum(e.truth.nbytes + (0 if e.inputs is None else e.inputs.nbytes) for e in seen.values()),
     )
@@ -438,6 +484,32 @@ def _compare(
             ("random draws", f"{len(noise.draws)} made by the forward itself, the fp64 run's replayed in every run")
         )
     return result
+
+
+def _input_floor(
+    run: nn.Module,
+    inputs: Any,
+    *,
+    cand_dtype: torch.dtype,
+    dtype: torch.dtype,
+    root: _Seen,
+    rng: RngState,
+    noise: ReplayNoise | None,
+) -> float | None:
+    """The end-to-end error of `run` (the reference, in `dtype`) fed the inputs rounded to the
+    candidate's dtype: what rounding the inputs alone costs, which no part kept in fp32 undoes."""
+    args, kwargs = split_inputs(cast_inputs(cast_inputs(inputs, cand_dtype), dtype, copy=True))
+    rng.restore()
+    if noise is not None:
+        noise.position = 0
+    try:
+        with torch.no_grad(), noise if noise is not None else contextlib.nullcontext():
+            out = flat_sample(run(*args, **kwargs))
+    except Exception:  # the rounded inputs take another path that fails: no floor to speak of
+        return None
+    if out is None or out.numel() != root.truth.numel():
+        return None
+    return rel_error(out, root.truth, root.norm)
 
 
 def _record_noise(run: nn.Module, inputs: Any, rng: RngState) -> list[torch.Tensor]:

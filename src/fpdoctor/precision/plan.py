@@ -1,11 +1,16 @@
 """`fpdoctor.plan(model, inputs, candidate=...)`: the smallest keep-in-fp32 set, verified.
 
-1. compare() ranks modules by isolated error against the noise floor.
-2. Greedy: keep the divergent modules in fp32 (worst first), adding the next worst leaves until
-   the candidate's final output is finite and within tolerance of the fp64 output.
-3. Bisection: drop kept modules again, halves first, while the result stays within tolerance.
-4. Verify: run the candidate with the final set, report its end-to-end error.
-The plan is data (`Plan`) that `apply_plan(model, plan)` applies in place, plus pasteable code.
+1. compare() ranks modules by isolated error against the noise floor, on every input set.
+2. The floor: the reference model fed inputs rounded to the candidate's format. No plan goes
+   below it (the kept modules get rounded inputs too), so the plan is judged against the
+   tolerance or, where that is out of reach, against FLOOR_MARGIN times the floor - and says so.
+3. Greedy: keep the divergent modules in fp32 (worst first), adding the next worst leaves until
+   the candidate's final output is finite and within target of the fp64 output on every set.
+4. Bisection: drop kept modules again, halves first, while the result stays within target.
+5. Verify: run the candidate with the final set; each kept module is checked to be needed.
+The plan is data (`Plan`) that `apply_plan(model, plan)` applies in place, plus pasteable code
+(plain torch, see codegen.py). A plan that cannot be verified keeps nothing and says what was
+reached, what was not, and where to look next (plan_report.py).
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor import catalog
-from fpdoctor.precision.boundary import keep_in_fp32
+from fpdoctor.precision.audit import as_given
+from fpdoctor.precision.boundary import cast_inputs_to, keep_in_fp32
 from fpdoctor.precision.candidates import (
     cast_inputs,
     check_name,
@@ -31,16 +36,25 @@ from fpdoctor.precision.candidates import (
     split_inputs,
     uncompiled,
 )
-from fpdoctor.precision.compare import compare
+from fpdoctor.precision.codegen import fp8_code, plan_code
+from fpdoctor.precision.compare import compare_set
+from fpdoctor.precision.inputs import describe, input_sets
 from fpdoctor.precision.metrics import flat_sample, rel_error
-from fpdoctor.precision.names import PLAN_CANDIDATES
+from fpdoctor.precision.names import PLAN_CANDIDATES, REFERENCES
 from fpdoctor.precision.noise import ReplayNoise
-from fpdoctor.precision.profile import DIVERGENCE_RATIO
+from fpdoctor.precision.profile import DIVERGENCE_RATIO, CompareResult
 from fpdoctor.preserve import RngState
-from fpdoctor.report.model import Report
+from fpdoctor.report.model import Finding, Report
 
 # real dtypes (fp16-accumulate's fix is fp16 with the kept modules in fp32); fp8 belongs to the user's recipe
 _APPLICABLE = ("fp16", "bf16", "fp16-accumulate")
+
+# Within 2x (6 dB) of what rounding the inputs alone costs is as close as this precision gets:
+# the kept modules' outputs are rounded once more on the way back, which adds about as much again.
+FLOOR_MARGIN = 2.0
+# Leave-one-out checks (is each kept module needed?) for plans up to this size; larger ones are
+# bisected already, and each check is a forward per input set.
+NEEDED_CHECKS = 8
 
 
 @dataclass
@@ -49,33 +63,27 @@ class Plan:
     keep_fp32: list[str]
     fp32_outputs: list[str]  # kept modules whose outputs stay fp32: their range does not fit the candidate
     verified: bool
-    final_error: float  # relative L2 error of the final output against fp64, with the plan applied
-    tolerance: float
+    final_error: float  # relative L2 error of the final output against fp64, with the plan applied (worst set)
+    tolerance: float  # what was asked for (or 16x the output's noise floor)
     baseline_error: float  # the same without any exception
+    input_floor: float = 0.0  # the reference fed candidate-rounded inputs: no plan goes below it
+    target: float | None = None  # what the plan was judged against: the tolerance, or FLOOR_MARGIN x the floor
+    closest: list[str] = field(default_factory=list)  # unverified: the set that came closest
+
+    @property
+    def reachable(self) -> bool:
+        """Whether the tolerance asked for is above what rounding the inputs alone costs."""
+        return self.input_floor <= self.tolerance
 
     def to_code(self) -> str:
-        names = ", ".join(repr(n) for n in self.keep_fp32)
-        if self.candidate.startswith("fp8"):
+        if not self.verified:
             return (
-                f"# {self.candidate} ran in fpdoctor's own fp8 Linear layers; keep these modules in high\n"
-                f"# precision in your fp8 recipe, e.g. torchao's module_filter_fn:\nKEEP_HIGH_PRECISION = {{{names}}}\n"
-                "def module_filter_fn(module, fqn):\n    return fqn not in KEEP_HIGH_PRECISION\n"
+                f"# no verified plan: nothing kept in fp32 brings {self.candidate} within "
+                f"{self.target if self.target is not None else self.tolerance:.3g} of fp64 (the report says why)\n"
             )
-        dtype = "torch.bfloat16" if self.candidate == "bf16" else "torch.float16"
-        lines = ["import torch", "from fpdoctor.precision.boundary import keep_in_fp32", "", f"model.to({dtype})"]
-        if self.candidate == "fp16-accumulate":
-            lines[3:3] = [
-                "# cuBLAS: no fp16 reductions in fp16 GEMMs; the modules kept below accumulate in fp32 with any kernel",
-                "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False",
-            ]
-        for name in self.keep_fp32:
-            if name in self.fp32_outputs:
-                lines.append(
-                    f"keep_in_fp32(model.get_submodule({name!r}), back_to=None)  # its outputs need fp32's range"
-                )
-            else:
-                lines.append(f"keep_in_fp32(model.get_submodule({name!r}), back_to={dtype})")
-        return "\n".join(lines) + "\n"
+        if self.candidate not in _APPLICABLE:
+            return fp8_code(self.candidate, self.keep_fp32)
+        return plan_code(self.candidate, self.keep_fp32, self.fp32_outputs)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -85,7 +93,10 @@ class Plan:
             "verified": self.verified,
             "final_error": self.final_error,
             "tolerance": self.tolerance,
+            "target": self.target if self.target is not None else self.tolerance,
+            "input_floor": self.input_floor,
             "baseline_error": self.baseline_error,
+            "closest": self.closest,
             "code": self.to_code(),
         }
 
@@ -95,6 +106,19 @@ class PlanResult:
     plan: Plan
     report: Report
     tried: list[tuple[list[str], float]] = field(default_factory=list)
+
+
+@dataclass
+class _Set:
+    """One input set as plan judges it."""
+
+    inputs: Any
+    compared: CompareResult
+    truth: torch.Tensor
+    tolerance: float = 0.0
+    floor: float = 0.0  # the reference fed candidate-rounded inputs
+    input_rounding: float = 0.0  # relative error of rounding the inputs themselves
+    target: float = 0.0
 
 
 def _candidate_with(
@@ -148,13 +172,21 @@ def plan(
 ) -> PlanResult:
     """Find and verify the smallest set of modules to keep in fp32 for `candidate`.
 
+    `inputs`: one input set (a tensor, a tuple of positional arguments, a dict of keyword
+    arguments) or a list of them (or any iterable): the plan must hold on every set.
+    `tolerance`: the end-to-end relative error to reach (default: 16x the output's noise floor);
+    one below what rounding the inputs alone costs is out of reach, and the report says so.
     `fp8_kernel`: how fp8 candidates multiply, as in compare()."""
     candidate = check_name(candidate, PLAN_CANDIDATES, "candidate")
+    reference = check_name(reference, REFERENCES, "reference")
+    if tolerance is not None and not tolerance > 0:
+        raise ValueError(f"tolerance must be a positive relative error, e.g. 1e-3, got {tolerance!r}")
     model = uncompiled(model)  # module names as compare reports them
+    sets = input_sets(inputs)
     rng = RngState.capture()  # every run starts from it, as compare's passes do; the user's is left as it was
     try:
         return _plan(
-            model, inputs, candidate=candidate, reference=reference, tolerance=tolerance, fp8_kernel=fp8_kernel, rng=rng
+            model, sets, candidate=candidate, reference=reference, tolerance=tolerance, fp8_kernel=fp8_kernel, rng=rng
         )
     finally:
         rng.restore()
@@ -162,7 +194,7 @@ def plan(
 
 def _plan(
     model: nn.Module,
-    inputs: Any,
+    sets: list[Any],
     *,
     candidate: str,
     reference: str,
@@ -170,62 +202,67 @@ def _plan(
     fp8_kernel: str,
     rng: RngState,
 ) -> PlanResult:
-    result = compare(model, inputs, candidate=candidate, reference=reference, fp8_kernel=fp8_kernel)
-    truth_run = make_run(model, "fp64").eval()
-    args, kwargs = split_inputs(cast_inputs(inputs, torch.float64, copy=True))
-    flags = run_flags(candidate, model_device(model))  # module by module, as compare ran them
-    rng.restore()
-    with torch.no_grad(), flags, _replaying(result.noise):
-        truth = flat_sample(truth_run(*args, **kwargs))
-    if truth is None:
-        raise ValueError("the model's output has no floating tensor to judge")
+    from fpdoctor.precision.plan_report import Search, build
+
+    given: tuple[list[Finding], str | None] = as_given(model, sets[0])
+    device = model_device(model)
+    judged = [
+        _judge_set(
+            model,
+            one,
+            candidate=candidate,
+            reference=reference,
+            tolerance=tolerance,
+            fp8_kernel=fp8_kernel,
+            rng=rng,
+            device=device,
+        )
+        for one in sets
+    ]
     # Modules whose fp64 output does not fit the candidate's range keep fp32 outputs when kept.
-    fp32_outputs = {r.module for r in result.rows if r.out_of_range and r.module}
-    if tolerance is None:
-        # The output's noise floor: rounding it to the candidate, or the reference's end-to-end error.
-        final_floor = next((r.floor for r in reversed(result.rows) if r.module == ""), result.rows[-1].floor)
-        if reference != "fp64":
-            rng.restore()
-            with run_flags(reference, model_device(model)):
-                reference_error = _final_error(
-                    model, inputs, reference, [], fp32_outputs=set(), truth=truth, noise=result.noise
-                )
-            final_floor = max(final_floor, reference_error if math.isfinite(reference_error) else 0.0)
-        tolerance = DIVERGENCE_RATIO * final_floor
+    fp32_outputs = {r.module for s in judged for r in s.compared.rows if r.out_of_range and r.module}
     tried: list[tuple[list[str], float]] = []
 
-    def error(keep: list[str]) -> float:
-        rng.restore()
-        with run_flags(candidate, model_device(model)):  # the backend flags compare ran the candidate under
-            value = _final_error(
-                model,
-                inputs,
-                candidate,
-                keep,
-                fp32_outputs=fp32_outputs,
-                truth=truth,
-                fp8_kernel=fp8_kernel,
-                noise=result.noise,
-            )
-        tried.append((list(keep), value))
-        return value
+    def errors(keep: list[str]) -> list[float]:
+        values = []
+        for s in judged:
+            rng.restore()
+            with run_flags(candidate, device):  # the backend flags compare ran the candidate under
+                values.append(
+                    _final_error(
+                        model,
+                        s.inputs,
+                        candidate,
+                        keep,
+                        fp32_outputs=fp32_outputs,
+                        truth=s.truth,
+                        fp8_kernel=fp8_kernel,
+                        noise=s.compared.noise,
+                    )
+                )
+        tried.append((list(keep), max(values)))
+        return values
 
-    def ok(value: float) -> bool:
-        return math.isfinite(value) and value <= tolerance
+    def ok(values: list[float]) -> bool:
+        return all(math.isfinite(v) and v <= s.target for v, s in zip(values, judged, strict=True))
 
-    baseline = error([])
-    ranked = sorted(
-        (r for r in result.rows if r.ratio is not None and r.module and not r.inherited),
-        key=lambda r: -(r.ratio if r.ratio is not None else 0.0),
-    )
+    def excess(values: list[float]) -> float:
+        """How far the worst set is above its target (<= 1 within it)."""
+        return max(v / s.target if s.target > 0 else math.inf for v, s in zip(values, judged, strict=True))
+
+    baseline = errors([])
+    ranked = _ranked(judged)
     keep: list[str] = []
     current = baseline
+    best: tuple[float, list[str], list[float]] = (excess(baseline), [], baseline)
     if not ok(current):
-        for row in ranked:  # greedy: worst first, divergent ones and then the next worst leaves
-            if row.module in keep or any(row.module.startswith(k + ".") for k in keep):
+        for module in ranked:  # greedy: worst first, divergent ones and then the next worst leaves
+            if module in keep or any(module.startswith(k + ".") for k in keep):
                 continue
-            keep.append(row.module)
-            current = error(keep)
+            keep.append(module)
+            current = errors(keep)
+            if excess(current) < best[0]:
+                best = (excess(current), list(keep), current)
             if ok(current):
                 break
     if ok(current) and len(keep) > 1:  # bisection: drop what is not needed, halves first
@@ -234,66 +271,120 @@ def _plan(
             i = 0
             while i < len(keep):
                 trial = keep[:i] + keep[i + chunk :]
-                value = error(trial)
-                if ok(value):
-                    keep, current = trial, value
+                values = errors(trial)
+                if ok(values):
+                    keep, current = trial, values
                 else:
                     i += chunk
             chunk //= 2
-    verified_error = error(keep)
+    verified_errors = errors(keep) if ok(current) else best[2]
+    verified = ok(verified_errors)
+    needed: dict[str, float] = {}
+    if verified and len(keep) <= NEEDED_CHECKS:
+        for name in keep:  # why each kept module is there: the error without it
+            needed[name] = max(errors([k for k in keep if k != name]))
+    worst = max(range(len(judged)), key=lambda k: verified_errors[k] / max(judged[k].target, 1e-300))
     the_plan = Plan(
-        candidate, keep, [k for k in keep if k in fp32_outputs], ok(verified_error), verified_error, tolerance, baseline
+        candidate,
+        keep if verified else [],
+        [k for k in keep if k in fp32_outputs] if verified else [],
+        verified,
+        verified_errors[worst],
+        judged[worst].tolerance,
+        max(baseline),
+        input_floor=judged[worst].floor,
+        target=judged[worst].target,
+        closest=[] if verified else best[1],
     )
-    return PlanResult(the_plan, _report(the_plan, result.report), tried)
+    search = Search(
+        sets=[(describe(s.inputs), s.compared, s.floor, s.input_rounding, s.target, s.tolerance) for s in judged],
+        baseline=baseline,
+        final=verified_errors,
+        worst=worst,
+        needed=needed,
+        given=given,
+        reference=reference,
+        tolerance_asked=tolerance,
+    )
+    return PlanResult(the_plan, build(the_plan, search), tried)
+
+
+def _judge_set(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    candidate: str,
+    reference: str,
+    tolerance: float | None,
+    fp8_kernel: str,
+    rng: RngState,
+    device: torch.device,
+) -> _Set:
+    """compare on one input set, its fp64 output, its floor and the target the plan must reach there."""
+    compared = compare_set(model, inputs, candidate=candidate, reference=reference, fp8_kernel=fp8_kernel)
+    truth_run = make_run(model, "fp64").eval()
+    args, kwargs = split_inputs(cast_inputs(inputs, torch.float64, copy=True))
+    rng.restore()
+    with torch.no_grad(), run_flags(candidate, device), _replaying(compared.noise):  # module by module, as compare
+        truth = flat_sample(truth_run(*args, **kwargs))
+    del truth_run
+    if truth is None:
+        raise ValueError("the model's output has no floating tensor to judge")
+    one = _Set(inputs, compared, truth)
+    # The output's noise floor: rounding it to the candidate, or the reference's end-to-end error.
+    final_floor = next((r.floor for r in reversed(compared.rows) if r.module == ""), compared.rows[-1].floor)
+    if reference != "fp64":
+        rng.restore()
+        with run_flags(reference, device):
+            reference_error = _final_error(
+                model, inputs, reference, [], fp32_outputs=set(), truth=truth, noise=compared.noise
+            )
+        final_floor = max(final_floor, reference_error if math.isfinite(reference_error) else 0.0)
+    one.tolerance = tolerance if tolerance is not None else DIVERGENCE_RATIO * final_floor
+    cand_dtype = compute_dtype(candidate)
+    rounded = cast_inputs(inputs, cand_dtype)
+    before, after = flat_sample(inputs), flat_sample(rounded)
+    if before is not None and after is not None:
+        one.input_rounding = rel_error(after, before)
+    if one.input_rounding > 0:
+        # the reference model fed the inputs the candidate gets: what no keep-in-fp32 set can undo
+        rng.restore()
+        with run_flags(reference, device):
+            one.floor = _final_error(
+                model, rounded, reference, [], fp32_outputs=set(), truth=truth, noise=compared.noise
+            )
+    one.target = max(one.tolerance, FLOOR_MARGIN * one.floor) if math.isfinite(one.floor) else one.tolerance
+    return one
+
+
+def _ranked(judged: list[_Set]) -> list[str]:
+    """Modules by their worst isolated error / floor over the input sets, worst first (never the root)."""
+    worst: dict[str, float] = {}
+    for s in judged:
+        for r in s.compared.rows:
+            if r.ratio is not None and r.module and not r.inherited:
+                worst[r.module] = max(worst.get(r.module, 0.0), r.ratio)
+    return sorted(worst, key=lambda m: -worst[m])
 
 
 def apply_plan(model: nn.Module, the_plan: Plan) -> nn.Module:
-    """Put `model` in the plan's dtype, with its modules kept in fp32 behind boundary casts (in place)."""
+    """Put `model` in the plan's dtype, with its modules kept in fp32 behind boundary casts, and
+    its floating inputs cast to that dtype on the way in, so it takes the inputs you have (in place)."""
     if the_plan.candidate not in _APPLICABLE:
         raise ValueError(
             f"{the_plan.candidate} ran in fpdoctor's own fp8 layers; apply the plan in your fp8 recipe "
             "instead (Plan.to_code() shows a module filter)"
         )
+    if not the_plan.verified:
+        raise ValueError(
+            f"this plan is not verified: no keep-in-fp32 set brought {the_plan.candidate} within "
+            f"{the_plan.target if the_plan.target is not None else the_plan.tolerance:.3g} of fp64; "
+            "its report says what was reached and where to look next"
+        )
     dtype = compute_dtype(the_plan.candidate)
     inner = uncompiled(model)  # the plan names modules inside a torch.compile wrapper
     inner.to(dtype)
+    cast_inputs_to(inner, dtype)
     for name in the_plan.keep_fp32:
         keep_in_fp32(inner.get_submodule(name), back_to=None if name in the_plan.fp32_outputs else dtype)
     return model
-
-
-def _report(the_plan: Plan, compared: Report) -> Report:
-    findings = list(compared.findings)
-    if not the_plan.verified:
-        findings.append(
-            catalog.make(
-                "precision-divergence",
-                title="No keep-in-fp32 set brought the candidate within tolerance",
-                message=(
-                    f"Even with {len(the_plan.keep_fp32)} module(s) in fp32 the end-to-end error is "
-                    f"{the_plan.final_error:.3g} (tolerance {the_plan.tolerance:.3g})."
-                ),
-                where={"module": None, "op": None, "phase": "forward"},
-                evidence={"kind": "divergence", "count": len(the_plan.keep_fp32), "numel": None, "dtype": None},
-            )
-        )
-    summary = [
-        ("candidate", the_plan.candidate),
-        ("without exceptions", f"end-to-end error {the_plan.baseline_error:.3g}"),
-        ("keep in fp32", ", ".join(f"`{n}`" for n in the_plan.keep_fp32) or "nothing"),
-        (
-            "verified",
-            f"{'yes' if the_plan.verified else 'NO'}: end-to-end error {the_plan.final_error:.3g} "
-            f"(tolerance {the_plan.tolerance:.3g})",
-        ),
-    ]
-    return Report(
-        command="plan",
-        findings=findings,
-        data={
-            "summary": summary,
-            "plan": the_plan.as_dict(),
-            "table": compared.data.get("table"),  # compare's profile: why these modules
-            "modules": compared.data.get("modules", []),
-        },
-    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,8 +11,9 @@ import torch
 
 from fpdoctor import catalog
 from fpdoctor.precision.candidates import compute_dtype
+from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.metrics import sqnr_db
-from fpdoctor.report.model import Report
+from fpdoctor.report.model import Finding, Report
 
 # 16x the floor is 12 dB: input and output rounding plus fp32 accumulation stay below it on every
 # healthy layer we measured (MiniLM in fp16 and bf16), accumulation loss and overflow do not.
@@ -80,6 +82,9 @@ class CompareResult:
     first_divergent: str | None = None
     peak_extra_bytes: int = 0  # the fp64 samples kept (one forward's working set and the weight copies aside)
     noise: list[torch.Tensor] | None = None  # random draws the forward made itself, in fp64 (see noise.py)
+    input_floor: float | None = None  # the reference fed candidate-rounded inputs; measured when the root diverges
+    input_sets: int = 1  # how many input sets were judged; report and rows are the worst one's
+    worst_set: int = 0
 
 
 def children(rows: list[ModuleRow], name: str, call: int) -> list[ModuleRow]:
@@ -102,50 +107,32 @@ def build_report(
     reference: str,
     notes: dict[str, str],
     peak: int,
+    input_floor: float | None = None,
+    causes: dict[str, dict[str, Any]] | None = None,
 ) -> CompareResult:
+    """`input_floor`: the reference's end-to-end error fed candidate-rounded inputs, measured when
+    the whole model diverges and no submodule does; `causes`: per module, what compare found
+    behind its divergence (an op inside it that overflows, parameters that do not fit the format)."""
     label = candidate if device is None else f"{candidate} on {device}"
     findings = []
     first = next((r for r in rows if r.diverged), None)
-    if first is not None:
-        diverged = [r for r in rows if r.diverged]
-        why = (
-            f"its fp64 output does not even fit {candidate}'s range"
-            if first.out_of_range
-            else f"{_fmt_ratio(first.ratio)} the noise floor of {first.floor:.2g}"
-        )
+    diverged = [r for r in rows if r.diverged]
+    first_text = f"`{first.module}`" if first is not None else "none"
+    if first is not None and first.module == "":
+        finding, first_text = _root_finding(first, label, candidate, reference, input_floor)
+        findings.append(finding)
+    elif first is not None:
+        cause = (causes or {}).get(first.module)
         findings.append(
-            catalog.make(
-                "precision-divergence",
-                message=(
-                    f"In {label}, module `{first.module or '<root>'}` adds an error of "
-                    f"{_fmt(first.isolated)} by itself ({why}); {len(diverged)} module(s) diverge in all. "
-                    f"The end-to-end error there is {_fmt(first.propagated)} "
-                    f"({sqnr_db(first.propagated):.1f} dB SQNR)."
-                ),
-                where={"module": first.module, "op": None, "phase": "forward", "iteration": first.call},
-                evidence={
-                    "kind": "divergence",
-                    "candidate": candidate,
-                    "device": None if device is None else str(device),
-                    "reference": reference,
-                    "out_of_range": first.out_of_range,
-                    "isolated_rel": first.isolated,
-                    "floor_rel": first.floor,
-                    "ratio": first.ratio,
-                    "propagated_rel": first.propagated,
-                    "count": len(diverged),
-                    "numel": first.numel,
-                    "dtype": str(compute_dtype(candidate)),
-                    "diverged": [r.module for r in diverged[:10]],
-                },
-                fix=_fix(first.module, candidate),
+            _divergence(
+                first, diverged, label=label, candidate=candidate, device=device, reference=reference, cause=cause
             )
         )
     final = rows[-1] if rows else None
     summary = [
         ("candidate / reference", f"{label} / {reference}, judged against fp64"),
         ("modules compared", str(len(rows))),
-        ("first divergent module", f"`{first.module or '<root>'}`" if first else "none"),
+        ("first divergent module", first_text),
         ("end-to-end error", _fmt_error(final.propagated, final.cosine) if final else "-"),
     ]
     ranked = sorted(
@@ -169,7 +156,178 @@ def build_report(
             "peak_compare_bytes": peak,
         },
     )
-    return CompareResult(report, rows, first.module if first else None, peak)
+    if input_floor is not None:
+        report.data["input_floor"] = input_floor
+    first_module = first.module if first is not None and first.module else None
+    return CompareResult(report, rows, first_module, peak, input_floor=input_floor)
+
+
+# The whole model's error is put down to rounding its inputs when the reference, fed the rounded
+# inputs, is already within 2x (6 dB) of it.
+INPUT_EXPLAINS = 2.0
+
+
+def _root_finding(
+    root: ModuleRow, label: str, candidate: str, reference: str, input_floor: float | None
+) -> tuple[Finding, str]:
+    """The whole model diverges and no submodule does: it is not a keep-in-fp32 candidate. Either
+    rounding the inputs explains it, or the model's own ops (its forward, outside any submodule) do."""
+    rounding = (
+        f"rounding the inputs to {candidate} alone costs {_fmt(input_floor)} at the output (the {reference} model "
+        f"fed {candidate}-rounded inputs)"
+        if input_floor is not None
+        else ""
+    )
+    explained = (
+        input_floor is not None
+        and root.isolated is not None
+        and math.isfinite(root.isolated)
+        and root.isolated <= INPUT_EXPLAINS * input_floor
+    )
+    evidence = {
+        "candidate": candidate,
+        "reference": reference,
+        "isolated_rel": root.isolated,
+        "floor_rel": root.floor,
+        "ratio": root.ratio,
+        "propagated_rel": root.propagated,
+        "input_floor_rel": input_floor,
+        "count": 1,
+        "numel": root.numel,
+        "dtype": str(compute_dtype(candidate)),
+    }
+    if explained:
+        finding = catalog.make(
+            "precision-divergence",
+            title=f"Rounding the inputs to {candidate} already costs more than the noise floor",
+            message=(
+                f"In {label}, no module diverges by itself: the end-to-end error {_fmt(root.propagated)} "
+                f"({_fmt_ratio(root.ratio)} the noise floor of {root.floor:.2g}) comes from the inputs, as "
+                f"{rounding}. The model is ill-conditioned at {candidate}: keeping parts of it in fp32 does not "
+                "undo rounded inputs."
+            ),
+            where={"module": None, "op": None, "phase": "forward"},
+            evidence={"kind": "input-rounding", **evidence},
+            fix=(
+                "give the ops that read the inputs fp32 inputs (compute them in fp32), or make the model less "
+                "sensitive to its inputs (a smaller scale on attention scores, a normalisation before them); "
+                "`fpdoctor plan` measures this floor and judges a plan against it"
+            ),
+        )
+        return finding, f"none: rounding the inputs explains the error ({_fmt(input_floor)})"
+    finding = catalog.make(
+        "precision-divergence",
+        title=f"The whole model's own ops lose precision in {candidate}",
+        message=(
+            f"In {label}, the whole model's own ops (its forward, outside any submodule) add an error of "
+            f"{_fmt(root.isolated)} ({_fmt_ratio(root.ratio)} the noise floor of {root.floor:.2g}); no submodule "
+            "diverges by itself." + (f" For comparison, {rounding}." if rounding else "")
+        ),
+        where={"module": "", "op": None, "phase": "forward", "iteration": root.call},
+        evidence={"kind": "divergence", **evidence, "diverged": ["<root>"]},
+        fix=(
+            "the whole model is not a keep-in-fp32 candidate: move the ops of its forward that lose precision into a "
+            "submodule (then `fpdoctor plan` can keep that in fp32), or compute them in fp32 explicitly (their "
+            "operands .float(), the result cast back)"
+        ),
+    )
+    return finding, "none: the whole model's own ops (outside any submodule)"
+
+
+def _divergence(
+    first: ModuleRow,
+    diverged: list[ModuleRow],
+    *,
+    label: str,
+    candidate: str,
+    device: torch.device | None,
+    reference: str,
+    cause: dict[str, Any] | None,
+) -> Finding:
+    why = (
+        f"its fp64 output does not even fit {candidate}'s range"
+        if first.out_of_range
+        else f"{_fmt_ratio(first.ratio)} the noise floor of {first.floor:.2g}"
+    )
+    evidence: dict[str, Any] = {
+        "kind": "divergence",
+        "candidate": candidate,
+        "device": None if device is None else str(device),
+        "reference": reference,
+        "out_of_range": first.out_of_range,
+        "isolated_rel": first.isolated,
+        "floor_rel": first.floor,
+        "ratio": first.ratio,
+        "propagated_rel": first.propagated,
+        "count": len(diverged),
+        "numel": first.numel,
+        "dtype": str(compute_dtype(candidate)),
+        "diverged": [r.module or "<root>" for r in diverged[:10]],
+    }
+    message = (
+        f"In {label}, module `{first.module}` adds an error of {_fmt(first.isolated)} by itself ({why}); "
+        f"{len(diverged)} module(s) diverge in all. The end-to-end error there is {_fmt(first.propagated)} "
+        f"({sqnr_db(first.propagated):.1f} dB SQNR)."
+    )
+    where: dict[str, Any] = {"module": first.module, "op": None, "phase": "forward", "iteration": first.call}
+    fix = _fix(first.module, candidate)
+    if cause:
+        evidence.update(cause.get("evidence", {}))
+        message += cause.get("message", "")
+        where["op"] = cause.get("op")
+        fix = cause.get("fix") or fix
+    return catalog.make("precision-divergence", message=message, where=where, evidence=evidence, fix=fix)
+
+
+def merge_sets(
+    results: list[CompareResult], described: list[dict[str, Any]], given: tuple[list[Finding], str | None]
+) -> CompareResult:
+    """Several input sets: the worst set's result (the worst verdict, then the largest end-to-end
+    error), with each other set's findings for modules the worst set does not name, and a line
+    per set. One set: its result, with its inputs named. `given`: the model as given (audit)."""
+
+    def badness(k: int) -> tuple[int, float]:
+        r = results[k]
+        rank = max((f.severity.rank for f in r.report.findings), default=0)
+        return rank, r.rows[-1].propagated if r.rows else 0.0
+
+    worst = max(range(len(results)), key=badness)
+    main = results[worst]
+    findings = list(given[0]) + list(main.report.findings)
+    seen = {(f.name, f.where.get("module")) for f in main.report.findings}
+    for k, r in enumerate(results):
+        for f in r.report.findings if k != worst else []:
+            if (f.name, f.where.get("module")) not in seen:
+                seen.add((f.name, f.where.get("module")))
+                findings.append(dataclasses.replace(f, evidence={**f.evidence, "input_set": k}))
+    if len(results) > 1:
+        for f in main.report.findings:
+            findings[findings.index(f)] = dataclasses.replace(f, evidence={**f.evidence, "input_set": worst})
+    main.report.findings = findings
+    data = main.report.data
+    data["inputs"] = [
+        {
+            **d,
+            "end_to_end_rel": r.rows[-1].propagated if r.rows else None,
+            "first_divergent": r.first_divergent,
+            "verdict": r.report.verdict,
+        }
+        for d, r in zip(described, results, strict=True)
+    ]
+    data["worst_input_set"] = worst
+    lines: list[tuple[str, str]] = []
+    if given[1]:
+        lines.append(("model as given", given[1]))
+    if len(results) == 1:
+        lines.append(("inputs", inputs_text(described[0])))
+    else:
+        lines.append(("input sets judged", f"{len(results)}; worst: #{worst}, {inputs_text(described[worst])}"))
+        for k, r in enumerate(results):
+            end = _fmt_error(r.rows[-1].propagated, r.rows[-1].cosine) if r.rows else "-"
+            lines.append((f"  set #{k}", f"end-to-end error {end}; first divergent: {r.first_divergent or 'none'}"))
+    data["summary"][1:1] = lines
+    main.input_sets, main.worst_set = len(results), worst
+    return main
 
 
 TABLE_ROWS = 24  # text, markdown and html show at most this many modules; JSON has them all

@@ -1,0 +1,308 @@
+"""A plan's report: what it achieved, what it could not, why each module is (or is not) kept, and
+the next step.
+
+A verified plan turns compare's divergence findings into warnings that say how the plan handles
+each module (the problem is solved once the plan is applied: exit code 0); an unverified one
+keeps them as errors and adds one finding with the closest set it reached and where to look
+next: bf16 where the cause is range, the module with the largest error, or the model's own ops.
+A tolerance below what rounding the inputs alone costs is said to be out of reach, with what
+that means for the user.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fpdoctor import catalog
+from fpdoctor.precision.inputs import text as inputs_text
+from fpdoctor.precision.profile import CompareResult, ModuleRow
+from fpdoctor.report.model import Finding, Report, Severity
+
+if TYPE_CHECKING:
+    from fpdoctor.precision.plan import Plan
+
+_APPLY = "apply the plan: fpdoctor.apply_plan(model, result.plan), or paste its code (result.plan.to_code())"
+_RANGE_LIMITED = ("fp16", "fp16-accumulate")
+
+
+@dataclass
+class Search:
+    """What the search measured, per input set: (inputs described, compare result, floor, input
+    rounding, target, tolerance); errors per set without exceptions and with the plan (or the
+    closest set); the worst set; the error without each kept module; the model as given."""
+
+    sets: list[tuple[dict[str, Any], CompareResult, float, float, float, float]]
+    baseline: list[float]
+    final: list[float]
+    worst: int
+    needed: dict[str, float] = field(default_factory=dict)
+    given: tuple[list[Finding], str | None] = ([], None)
+    reference: str = "fp32"
+    tolerance_asked: float | None = None
+
+
+def _fmt(value: float) -> str:
+    return "non-finite" if math.isinf(value) else f"{value:.3g}"
+
+
+def _names(modules: list[str]) -> str:
+    return ", ".join(f"`{m}`" for m in modules) or "nothing"
+
+
+def _kept_by(module: str, keep: list[str]) -> str | None:
+    return next((k for k in keep if module == k or module.startswith(k + ".")), None)
+
+
+def build(the_plan: Plan, search: Search) -> Report:
+    described, compared, floor, rounding, _, tolerance = search.sets[search.worst]
+    findings: list[Finding] = list(search.given[0])
+    findings += _compare_findings(the_plan, search)
+    if floor > tolerance:
+        findings.append(_floor_finding(the_plan, search))
+    if not the_plan.verified:
+        findings.append(_unverified_finding(the_plan, search))
+    summary: list[tuple[str, str]] = [("candidate", f"{the_plan.candidate}, judged against fp64")]
+    if len(search.sets) == 1:
+        summary.append(("inputs", inputs_text(described)))
+    else:
+        summary.append(("input sets judged", f"{len(search.sets)}; worst: #{search.worst} {inputs_text(described)}"))
+    if search.given[1]:
+        summary.append(("model as given", search.given[1]))
+    summary.append(("without exceptions", f"end-to-end error {_fmt(max(search.baseline))}"))
+    if rounding > 0:
+        amplified = f", {floor / rounding:.0f}x the inputs' own rounding of {rounding:.2g}" if rounding else ""
+        summary.append(
+            (
+                "input rounding floor",
+                f"{_fmt(floor)}: the {search.reference} model fed {the_plan.candidate}-rounded inputs{amplified}; "
+                "no plan goes below it",
+            )
+        )
+    summary.append(("target", _target_text(the_plan, search)))
+    if the_plan.verified:
+        summary.append(("keep in fp32", _names(the_plan.keep_fp32)))
+        summary.append(
+            ("verified", f"yes: end-to-end error {_fmt(the_plan.final_error)} (target {the_plan.target:.3g})")
+        )
+    else:
+        summary.append(("keep in fp32", "no verified plan"))
+        summary.append(
+            (
+                "verified",
+                f"NO: the closest set ({len(the_plan.closest)} module(s) in fp32: {_names(the_plan.closest[:6])}"
+                f"{' ...' if len(the_plan.closest) > 6 else ''}) reaches {_fmt(the_plan.final_error)} "
+                f"(target {the_plan.target:.3g})",
+            )
+        )
+    summary += _why(the_plan, search)
+    step = _next_step(the_plan, search)
+    if step:
+        summary.append(("next step", step))
+    return Report(
+        command="plan",
+        findings=findings,
+        data={
+            "summary": summary,
+            "plan": the_plan.as_dict(),
+            "inputs": [
+                {**d, "baseline_error": b, "final_error": f, "floor": fl, "target": t}
+                for (d, _, fl, _, t, _), b, f in zip(search.sets, search.baseline, search.final, strict=True)
+            ],
+            "worst_input_set": search.worst,
+            "needed": search.needed,
+            "table": compared.report.data.get("table"),  # compare's profile: why these modules
+            "modules": compared.report.data.get("modules", []),
+        },
+    )
+
+
+def _target_text(the_plan: Plan, search: Search) -> str:
+    what = "the tolerance asked for" if search.tolerance_asked is not None else "16x the output's noise floor"
+    target = the_plan.target if the_plan.target is not None else the_plan.tolerance
+    if target > the_plan.tolerance:
+        return (
+            f"{target:.3g}: the tolerance {the_plan.tolerance:.3g} ({what}) is below the input rounding floor, out "
+            f"of reach; the plan is judged against {target / max(the_plan.input_floor, 1e-300):.0f}x the floor instead"
+        )
+    return f"{target:.3g}: {what}"
+
+
+def _divergent(search: Search) -> list[ModuleRow]:
+    """Modules compare calls divergent on any input set, worst ratio first, once each."""
+    rows: dict[str, ModuleRow] = {}
+    for _, compared, *_ in search.sets:
+        for r in compared.rows:
+            if r.diverged and r.module and (r.module not in rows or (r.ratio or 0) > (rows[r.module].ratio or 0)):
+                rows[r.module] = r
+    return sorted(rows.values(), key=lambda r: -(r.ratio or 0.0))
+
+
+def _why(the_plan: Plan, search: Search) -> list[tuple[str, str]]:
+    """Why each kept module is needed, and why a module compare names is not kept."""
+    lines = []
+    target = the_plan.target if the_plan.target is not None else the_plan.tolerance
+    divergent = {r.module for r in _divergent(search)}
+    for name in the_plan.keep_fp32:
+        if name in search.needed:
+            text = f"without it the end-to-end error is {_fmt(search.needed[name])}"
+            if name not in divergent:  # compare does not name it: its error is amplified further on
+                text += "; compare does not call it divergent by itself, but what follows amplifies its error"
+            lines.append((f"why `{name}`", text))
+    if not the_plan.verified:
+        return lines
+    for row in _divergent(search)[:6]:
+        holder = _kept_by(row.module, the_plan.keep_fp32)
+        if holder == row.module:
+            continue
+        ratio = "non-finite" if math.isinf(row.ratio or 0.0) else f"{row.ratio:.0f}x its noise floor"
+        if holder is not None:
+            text = f"compare names it ({ratio}); it runs in fp32 as part of `{holder}`"
+        else:
+            text = (
+                f"compare names it ({ratio} by itself), but the end-to-end error stays within the target "
+                f"{target:.3g} without keeping it"
+            )
+        lines.append((f"why not `{row.module}`", text))
+    return lines
+
+
+def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
+    """compare's findings, the worst set's first, each set's divergences once per module; under a
+    verified plan its divergences are warnings saying what the plan does about them."""
+    order = [search.worst] + [k for k in range(len(search.sets)) if k != search.worst]
+    seen: set[tuple[str, Any]] = set()
+    out: list[Finding] = []
+    target = the_plan.target if the_plan.target is not None else the_plan.tolerance
+    for k in order:
+        for f in search.sets[k][1].report.findings:
+            key = (f.name, f.where.get("module"))
+            if key in seen:
+                continue
+            seen.add(key)
+            evidence = dict(f.evidence) | ({"input_set": k} if len(search.sets) > 1 else {})
+            if f.name != "precision-divergence":
+                out.append(dataclasses.replace(f, evidence=evidence))
+                continue
+            module = f.where.get("module")
+            if not the_plan.verified:
+                out.append(dataclasses.replace(f, evidence=evidence, fix=_next_step(the_plan, search) or f.fix))
+                continue
+            holder = _kept_by(module, the_plan.keep_fp32) if module else None
+            if holder is not None:
+                done = f" The plan keeps `{holder}` in fp32: end-to-end error {_fmt(the_plan.final_error)}, verified."
+            else:
+                done = (
+                    f" The plan does not need to keep it: the end-to-end error stays within the target {target:.3g} "
+                    "without it."
+                )
+            out.append(
+                dataclasses.replace(
+                    f, severity=Severity.WARNING, message=f.message + done, evidence=evidence, fix=_APPLY
+                )
+            )
+    return out
+
+
+def _floor_finding(the_plan: Plan, search: Search) -> Finding:
+    _, _, floor, rounding, target, tolerance = search.sets[search.worst]
+    cand = the_plan.candidate
+    amplified = f", {floor / rounding:.0f}x the rounding of the inputs themselves ({rounding:.2g})" if rounding else ""
+    return catalog.make(
+        "precision-divergence",
+        severity=Severity.WARNING,
+        title=f"Rounding the inputs to {cand} already costs more than the tolerance",
+        message=(
+            f"Rounding the inputs to {cand} alone moves the output by {_fmt(floor)} (the {search.reference} model "
+            f"fed {cand}-rounded inputs, against fp64){amplified}: the model is ill-conditioned at {cand}. No "
+            f"keep-in-fp32 plan goes below that floor with {cand} inputs, so the tolerance {tolerance:.3g} is out of "
+            f"reach and the plan is judged against {target:.3g} instead. For you: run in {cand}, this model's output "
+            f"is off by about {floor:.1%} whatever stays in fp32."
+        ),
+        where={"module": None, "op": None, "phase": "forward"},
+        evidence={
+            "kind": "input-rounding",
+            "count": None,
+            "numel": None,
+            "dtype": cand,
+            "floor_rel": floor,
+            "input_rounding_rel": rounding,
+            "tolerance": tolerance,
+            "target": target,
+        },
+        fix=(
+            "if that error matters, give the modules that read the inputs fp32 inputs (keep them in fp32 and do not "
+            "cast the inputs), or make the model less sensitive to its inputs (a smaller scale on attention scores, "
+            f"a normalisation before them); otherwise accept the plan judged against {target:.3g}"
+        ),
+    )
+
+
+def _range_cause(search: Search) -> ModuleRow | None:
+    for _, compared, *_ in search.sets:
+        for r in compared.rows:
+            if r.module and (r.out_of_range or r.nonfinite):
+                return r
+    return None
+
+
+def _root_ops(search: Search) -> bool:
+    """Whether the model's own ops (outside any submodule) diverge on some set."""
+    return any(r.module == "" and r.diverged for _, compared, *_ in search.sets for r in compared.rows)
+
+
+def _next_step(the_plan: Plan, search: Search) -> str | None:
+    steps = []
+    cand = the_plan.candidate
+    if not the_plan.verified:
+        ranged = _range_cause(search) if cand in _RANGE_LIMITED else None
+        if cand in _RANGE_LIMITED and any(math.isinf(floor) for _, _, floor, *_ in search.sets):
+            steps.append(
+                f"the inputs themselves do not fit {cand} (values above 65504 become Inf before the first module): "
+                "bf16 has fp32's range, try `fpdoctor plan MODEL --candidate bf16`, or scale the inputs"
+            )
+        elif ranged is not None:
+            steps.append(
+                f"the cause is range (`{ranged.module}`'s values do not fit {cand}, max 65504): bf16 has fp32's "
+                "range, try `fpdoctor plan MODEL --candidate bf16`"
+            )
+        if _root_ops(search):
+            steps.append(
+                "the error is in the model's own forward (ops outside any submodule), which no module can keep in "
+                "fp32: move those ops into a submodule (then a plan can keep it), or compute them in fp32 explicitly"
+            )
+        divergent = _divergent(search)
+        if divergent:
+            top = divergent[0]
+            steps.append(
+                f"look at `{top.module}` first (the largest isolated error: "
+                + ("non-finite" if math.isinf(top.ratio or 0.0) else f"{top.ratio:.0f}x its noise floor")
+                + f"); `fpdoctor compare MODEL --candidate {cand} --module {top.module}` shows it alone"
+            )
+    return "; ".join(steps) or None
+
+
+def _unverified_finding(the_plan: Plan, search: Search) -> Finding:
+    target = the_plan.target if the_plan.target is not None else the_plan.tolerance
+    return catalog.make(
+        "precision-divergence",
+        title=f"No keep-in-fp32 set brings {the_plan.candidate} within the target",
+        message=(
+            f"Without exceptions the end-to-end error is {_fmt(max(search.baseline))}; the closest set, "
+            f"{len(the_plan.closest)} module(s) in fp32 ({_names(the_plan.closest[:6])}), reaches "
+            f"{_fmt(the_plan.final_error)}, above the target {target:.3g}. The plan keeps nothing and gives no code."
+        ),
+        where={"module": None, "op": None, "phase": "forward"},
+        evidence={
+            "kind": "divergence",
+            "count": len(the_plan.closest),
+            "numel": None,
+            "dtype": the_plan.candidate,
+            "closest": the_plan.closest,
+            "closest_error": the_plan.final_error,
+            "target": target,
+        },
+        fix=_next_step(the_plan, search) or "run the model in fp32, or in bf16 if fp16's range is the cause",
+    )
