@@ -354,7 +354,7 @@ def test_library_log_tail(tmp_path):
     (tmp_path / "cublaslt.4242.log").write_text("\n".join(lt) + "\n")
     (tmp_path / "cublas.4242.log").write_text("I! cuBLAS (v12.1) function cublasGemmEx() called:\n\n")
     tail = breadcrumbs.library_log_tail(str(tmp_path), 4242, lines=3)
-    assert tail == [*lt[-3:], "I! cuBLAS (v12.1) function cublasGemmEx() called:"]
+    assert tail == ["I! cuBLAS (v12.1) function cublasGemmEx() called:", *lt[-3:]]
     assert breadcrumbs.library_log_tail(str(tmp_path), 4243) == []
     assert breadcrumbs.library_log_tail(str(tmp_path), 4242, lines=0) == []
     big = tmp_path / "cublaslt.7.log"

@@ -32,9 +32,9 @@ class Outcome:
 
 
 def _cases() -> tuple[Case, ...]:
-    from fpdoctor.casebook import attention, fp8, h20, unet
+    from fpdoctor.casebook import attention, crash, fp8, h20, unet
 
-    return (h20.SIGFPE, h20.SHADOWED, attention.NAN_FRAMES, unet.TIME_EMBED, fp8.FP8_OUTLIERS)
+    return (h20.SIGFPE, h20.SHADOWED, crash.SIGFPE_RUN, attention.NAN_FRAMES, unet.TIME_EMBED, fp8.FP8_OUTLIERS)
 
 
 CASES: tuple[Case, ...] = _cases()

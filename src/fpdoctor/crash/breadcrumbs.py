@@ -104,9 +104,12 @@ def library_log_env(run_dir: str) -> dict[str, str]:
 
 
 def library_log_tail(run_dir: str, pid: int, lines: int = 20) -> list[str]:
-    """The last lines of that process's cuBLASLt log, then of its cuBLAS log ([] when neither exists)."""
+    """The last lines of that process's cuBLAS log, then of its cuBLASLt log ([] when neither exists).
+
+    cuBLASLt's last: the last line is then the deepest call logged before the death.
+    """
     tail: list[str] = []
-    for name in (f"cublaslt.{pid}.log", f"cublas.{pid}.log"):
+    for name in (f"cublas.{pid}.log", f"cublaslt.{pid}.log"):
         tail += _tail_lines(os.path.join(run_dir, name), lines)
     return tail
 
