@@ -43,6 +43,10 @@ def add_kernel_log(
     """Parse one kernel log into `facts`; `strict` (a --from file) refuses an unreadable Xid line or
     a log cut inside an NVIDIA message, a live log only notes them."""
     parsed = kernel_log.parse(lines)
+    if parsed.truncated:
+        if strict:
+            raise inputs.InputError(f"{source} looks cut off: {parsed.truncated}; save the whole log again")
+        facts.notes.append(f"{source} looks cut off: {parsed.truncated}")
     if parsed.unreadable:
         line_no, text = parsed.unreadable[0]
         if strict:
@@ -51,10 +55,6 @@ def add_kernel_log(
                 "give the whole line as the kernel logged it"
             )
         facts.notes.append(f"{source}: {len(parsed.unreadable)} Xid line(s) could not be read, e.g. line {line_no}")
-    if parsed.truncated:
-        if strict:
-            raise inputs.InputError(f"{source} looks cut off: {parsed.truncated}; save the whole log again")
-        facts.notes.append(f"{source} looks cut off: {parsed.truncated}")
     offset = max((b for g in facts.xids for b in g.boots), default=-1) + 1  # boots of different logs differ
     facts.xids += kernel_log.group(parsed.xids, driver=facts.driver, boot_offset=offset)
     facts.lost += _fold_lost(parsed.lost)
@@ -77,10 +77,15 @@ def add_kernel_log(
     return summary
 
 
+def _n(count: int, what: str) -> str:
+    return f"{count} {what}" + ("" if count == 1 else "s")
+
+
 def _log_text(summary: dict[str, Any]) -> str:
+    lines = _n(summary["lines"], "line")
     if not summary["nvidia_lines"]:
-        return f"{summary['lines']} lines, no NVIDIA (NVRM) lines"
-    return f"{summary['lines']} lines, {summary['nvidia_lines']} NVIDIA lines, {summary['xid_lines']} Xid lines"
+        return f"{lines}, no NVIDIA (NVRM) lines"
+    return f"{lines}, {_n(summary['nvidia_lines'], 'NVIDIA line')}, {_n(summary['xid_lines'], 'Xid line')}"
 
 
 def collect_live(*, nvml_module: Any = None, readers: Any = None, host: str | None = None) -> HealthFacts:

@@ -40,6 +40,10 @@ def _gpu_text(facts: HealthFacts, pci: str | None, gpu: GpuFacts | None) -> str:
     return f"the GPU at {pci}" if pci else "a GPU"
 
 
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
 def _where(facts: HealthFacts, pci: str | None, gpu: GpuFacts | None, host: str | None = None) -> dict[str, Any]:
     where = gpu.where() if gpu is not None else {}
     where.setdefault("pci", pci)
@@ -125,7 +129,7 @@ def xid_findings(facts: HealthFacts) -> list[Finding]:
         info = xids.lookup(g.xid)
         gpu = facts.gpu_for(g.pci)
         severity, why = xid_severity(g, facts.xids)
-        name = info.name or "unknown Xid"
+        name = info.short_name or "unknown Xid"
         meaning = info.explain()
         message = (
             f"Xid {g.xid} ({name}) on {_gpu_text(facts, g.pci, gpu)}: {_times(g.count, g.first_seen, g.last_seen)}"
@@ -180,12 +184,14 @@ def lost_findings(facts: HealthFacts) -> list[Finding]:
         if gpu is not None and gpu.lost:
             said.append(gpu.lost)
             evidence["nvml"] = gpu.lost
+        bus = log.pci if log else gpu.pci if gpu else None
+        who = _sentence(_gpu_text(facts, bus, gpu))
         out.append(
             catalog.make(
                 "gpu-lost",
-                message=f"{_gpu_text(facts, log.pci if log else gpu.pci if gpu else None, gpu)} has fallen off the "
-                f"bus: {'; '.join(said)}. Nothing can use it until it is reset or the node rebooted.",
-                where=_where(facts, log.pci if log else None, gpu),
+                message=f"{who} has fallen off the bus: {'; '.join(said)}. Nothing can use it until it is reset "
+                "or the node rebooted.",
+                where=_where(facts, bus, gpu),
                 evidence=evidence,
             )
         )

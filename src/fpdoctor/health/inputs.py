@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import sys
 import zlib
 from pathlib import Path
@@ -50,7 +51,9 @@ def read_text(path: str) -> str:
 
 def kind(text: str) -> str:
     """'json', 'smi' (nvidia-smi -q), 'smi+kernel' (a bug report holding both) or 'kernel'."""
-    if text.lstrip()[:1] in ("{", "["):
+    head = text.lstrip()
+    # "[" also opens a dmesg line ("[ 1843.308145] NVRM: ..."); JSON's "[" is followed by a value
+    if head[:1] == "{" or re.match(r"\[\s*[\[{\]\"]", head):
         return "json"
     if smi.looks_like_smi(text):
         return "smi+kernel" if "NVRM:" in text else "smi"

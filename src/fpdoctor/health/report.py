@@ -6,6 +6,7 @@ so a machine where nothing could be read is "not checked", never "healthy".
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -231,7 +232,7 @@ def build(
         summary.append(["host", facts.host])
     if facts.driver:
         summary.append(["driver", facts.driver])
-    summary += [[k, v] for k, v in facts.sources.items()]
+    summary += [[os.path.basename(k) or k, v] for k, v in facts.sources.items()]  # a file's full path is in facts
     notes = list(facts.notes)
     if fingerprints is not None:
         count = len(fingerprints.rows)

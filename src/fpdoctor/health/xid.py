@@ -89,6 +89,11 @@ class XidInfo:
     def known(self) -> bool:
         return bool(self.mnemonic)
 
+    @property
+    def short_name(self) -> str:
+        """NVIDIA's short name without its commentary ('Preemptive cleanup, due to previous errors')."""
+        return self.name.split(" -- ")[0].strip()
+
     def explain(self) -> str:
         return self.meaning or self.name or "not in NVIDIA's Xid catalogue as shipped with fpdoctor"
 

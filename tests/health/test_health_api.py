@@ -1,0 +1,138 @@
+"""`fpdoctor.health()`: the public function, its result, and what a machine without GPUs gets."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import fpdoctor
+from fpdoctor.health import HealthResult, InputError, health
+from fpdoctor.health.collect import collect_live
+from fpdoctor.health.findings import findings
+from fpdoctor.health.report import build
+from tests.conftest import FIXTURES
+from tests.health.fake_nvml import FakeNVML, device
+
+RULES = FIXTURES / "health" / "rules"
+CLEAN_DMESG = [
+    "[    0.000000] Linux version 6.8.0-45-generic (buildd@lcy02-amd64-115) #45-Ubuntu SMP",
+    "[    5.301122] NVRM: loading NVIDIA UNIX x86_64 Kernel Module  580.159.04  Release Build",
+]
+
+
+def test_public_names():
+    assert fpdoctor.health is health or callable(fpdoctor.health)
+    assert fpdoctor.HealthResult is HealthResult
+    result = fpdoctor.health(from_files=str(RULES / "HWR003-ecc-uncorrectable.txt"))
+    assert isinstance(result, HealthResult) and result.reporting
+    assert [f.name for f in result.report.findings] == ["ecc-uncorrectable"]
+    assert result.gpus[0].facts["ecc"]["volatile"]["uncorrected"] == 1
+
+
+def test_fpdoctor_health_stays_callable_after_a_submodule_import():
+    # importing fpdoctor.health.<x> first binds the package to `fpdoctor.health`
+    code = (
+        "import fpdoctor.health.kernel_log, fpdoctor\n"
+        f"r = fpdoctor.health(from_files={str(RULES / 'HWR002-gpu-lost.log')!r})\n"
+        "print(sorted(f.name for f in r.report.findings))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.strip() == "['gpu-lost', 'gpu-lost']"
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "3", True])
+def test_bad_duration(bad):
+    with pytest.raises(ValueError, match="duration"):
+        health(duration=bad)
+
+
+def test_unusable_file_raises_input_error(tmp_path):
+    empty = tmp_path / "x.log"
+    empty.write_text("")
+    with pytest.raises(InputError, match="is empty"):
+        health(from_files=[str(empty)])
+    with pytest.raises(ValueError, match="cannot be combined"):
+        health(duration=1, from_files=[str(RULES / "HWR002-gpu-lost.log")])
+
+
+def _live(nvml, readers):
+    facts = collect_live(nvml_module=nvml, readers=readers, host="node-1")
+    return build(facts, findings(facts))
+
+
+def test_healthy_only_when_everything_was_read():
+    report = _live(FakeNVML([device(), device(bus_id="00000000:53:00.0")]), (("dmesg", lambda: CLEAN_DMESG),))
+    assert report.verdict == "ok" and report.data["status"] == "healthy"
+    assert report.data["summary"][0][1].startswith("healthy: 2 GPU(s)")
+    assert "not_checked" not in report.data
+    rows = report.data["table"]["rows"]
+    assert [r[-1] for r in rows] == ["ok", "ok"] and rows[0][:2] == ["0 H100 80GB HBM3", "52:00.0"]
+
+
+def test_unreadable_kernel_log_is_incomplete_not_healthy():
+    from fpdoctor.health.kernel_sources import NotReadable
+
+    def denied():
+        raise NotReadable("not readable: kernel.dmesg_restrict=1 and this process lacks CAP_SYSLOG")
+
+    def absent():
+        raise NotReadable("absent")
+
+    report = _live(FakeNVML([device()]), (("dmesg", denied), ("/var/log/kern.log", absent)))
+    assert report.verdict == "ok" and report.data["status"] == "incomplete"
+    assert report.data["not_checked"]["kernel log"] == (
+        "dmesg: not readable: kernel.dmesg_restrict=1 and this process lacks CAP_SYSLOG; /var/log/kern.log: absent"
+    )
+    assert "Not checked" in str(report) and "dmesg_restrict" in str(report)
+
+
+def test_no_driver_and_no_log_is_not_checked():
+    import pynvml
+
+    from fpdoctor.health.kernel_sources import NotReadable
+
+    def none():
+        raise NotReadable("dmesg not found on PATH")
+
+    report = _live(FakeNVML([], init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND), (("dmesg", none),))
+    assert report.findings == [] and report.exit_code == 0
+    assert report.data["status"] == "not checked" and "NOT CHECKED" in report.data["summary"][0][1]
+    assert report.data["not_checked"]["NVML"].startswith("NVML not available")
+
+
+def test_a_fact_not_read_makes_it_incomplete_and_is_listed_once_for_all_gpus():
+    import pynvml
+
+    err = pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
+    report = _live(
+        FakeNVML([device(remapped_rows=err), device(bus_id="00000000:53:00.0", remapped_rows=err)]),
+        (("dmesg", lambda: CLEAN_DMESG),),
+    )
+    assert report.data["status"] == "incomplete"
+    assert report.data["not_checked"] == {"remapped rows (GPU 0, 1)": "not read: Insufficient Permissions"}
+    assert [r[3] for r in report.data["table"]["rows"]] == ["?", "?"]
+
+
+def test_fingerprint_rows_join_the_gpu_table():
+    from fpdoctor.health.fingerprint import FingerprintResult
+
+    facts = collect_live(nvml_module=FakeNVML([device()]), readers=(("dmesg", lambda: CLEAN_DMESG),), host="n1")
+    row = {
+        "rank": None,
+        "host": "n1",
+        "device": "cuda:0",
+        "index": 0,
+        "pci": "00000000:52:00.0",
+        "uuid": "GPU-509665ad-0000-4000-8000-000000000001",
+        "name": "NVIDIA H100 80GB HBM3",
+        "verdict": "ok",
+    }
+    other = {**row, "host": "n2", "pci": "00000000:1b:00.0", "uuid": "GPU-other", "rank": 1, "verdict": "outlier"}
+    report = build(facts, findings(facts), fingerprints=FingerprintResult(rows=[row, other], notes=["compared 2"]))
+    table = report.data["table"]
+    assert table["columns"][-2:] == ["GEMM", "state"]
+    assert [r[-2] for r in table["rows"]] == ["ok", "outlier"]
+    assert table["rows"][1][0].startswith("n2 rank 1:") and table["rows"][1][2] == "-"
+    assert ["note", "compared 2"] in report.data["summary"]
