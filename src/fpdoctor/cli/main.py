@@ -18,6 +18,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from fpdoctor.cli import audit, compare, demo, env, explain, plan, trace
+    from fpdoctor.cli import health
     from fpdoctor.cli import run
 
     parser = _Parser(
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_parser(sub)
     audit.add_parser(sub)
     demo.add_parser(sub)
+    health.add_parser(sub)
     run.add_parser(sub)
     explain.add_parsers(sub)
     return parser
