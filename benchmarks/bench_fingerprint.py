@@ -33,9 +33,7 @@ def _sync(device: torch.device) -> None:
 def plain_tflops(device: torch.device, mn: int, k: int, repeats: int) -> float:
     """bf16 torch.mm of the fingerprint's operands, torch's default settings, no digest."""
     torch.use_deterministic_algorithms(False)
-    a, b = gemm.operands(
-        "bf16", gemm.uniform((mn, k), 101, torch.float32, device), gemm.uniform((k, mn), 102, torch.float32, device)
-    )
+    a, b = gemm.seeded_operands("bf16", device, mn, k)
     torch.mm(a, b)
     _sync(device)
     start = time.perf_counter()

@@ -127,3 +127,22 @@ def test_every_visible_gpu_is_fingerprinted_without_cuda_in_this_process():
         assert {"bf16", "fp16", "tf32", "fp32"} <= set(row["digests"])
     assert result.findings == []
     assert elapsed <= 10.0, f"fingerprints took {elapsed:.1f} s; the budget is 10 s per node"
+
+
+def test_a_rank_that_cannot_reach_the_others_reports_alone(monkeypatch):
+    from fpdoctor.health import ranks
+
+    def unreachable(*args, **kwargs):
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:29500\nmore lines")
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(ranks, "exchange", unreachable)
+    result = fingerprint.run_fingerprints(0.0, device="cpu")
+    assert result.reporting  # nobody else will report this rank's fingerprint
+    assert [row["rank"] for row in result.rows] == [1] and result.rows[0]["verdict"] == "ok"
+    assert (
+        "rank 1: fingerprints not compared across ranks (RuntimeError: Connection closed by peer [127.0.0.1]:29500)"
+        in result.notes
+    )

@@ -65,6 +65,9 @@ def test_inputs_are_exact_and_in_range():
     u = gemm.uniform((64, 128), 3, torch.float32, CPU)
     assert float(u.min()) >= -1.0 and float(u.max()) < 1.0
     assert torch.equal(u, u.double().float())  # 24-bit integers scaled by a power of two: exact
+    for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):  # generated straight into the dtype,
+        direct = gemm.uniform((64, 128), 3, dtype, CPU).view(torch.uint8)  # yet rounded once from float32
+        assert torch.equal(direct, u.to(dtype).view(torch.uint8))
     ints = gemm.integers((64, 224), 4, 3, CPU)
     assert ints.dtype == torch.int64 and int(ints.min()) == -3 and int(ints.max()) == 3
 

@@ -24,10 +24,10 @@ WORLD = 4
 LIMIT_S = 60.0  # the whole job, four ranks, on a 2-core machine
 
 
-def _torchrun(out: Path, *fault: str) -> tuple[float, list[dict]]:
+def _torchrun(out: Path, *options: str, world: int = WORLD) -> tuple[float, list[dict]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"]
-    argv += [str(RANK_SCRIPT), str(out), "0.3", *fault]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+    argv += [str(RANK_SCRIPT), str(out), "0.3", *options]
     started = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)  # fmt: skip
@@ -39,12 +39,12 @@ def _torchrun(out: Path, *fault: str) -> tuple[float, list[dict]]:
         pytest.fail(f"torchrun did not finish in {LIMIT_S + 30:.0f} s")
     elapsed = time.monotonic() - started
     assert proc.returncode == 0, err[-3000:]
-    docs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    docs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     return elapsed, docs
 
 
 def test_the_rank_with_an_intermittent_matmul_error_is_named(tmp_path):
-    elapsed, docs = _torchrun(tmp_path, "2", "3")
+    elapsed, docs = _torchrun(tmp_path, "--fault-rank", "2", "--every", "3")
     assert elapsed < LIMIT_S
     assert [d["reporting"] for d in docs] == [True, False, False, False]
     assert all(d["findings"] == [] for d in docs[1:])  # other ranks print nothing
@@ -73,10 +73,17 @@ def test_the_same_job_without_the_fault_reports_nothing(tmp_path):
 
 def test_a_rank_that_is_wrong_every_time_is_the_outlier_of_its_group(tmp_path):
     # every result flipped: its repeats agree with each other, so only the other ranks show it
-    _, docs = _torchrun(tmp_path, "1", "1")
+    _, docs = _torchrun(tmp_path, "--fault-rank", "1", "--every", "1")
     root = docs[0]
     named = sorted((f["name"], f["where"].get("rank")) for f in root["findings"])
     assert named == [("gemm-mismatch", 1), ("rank-outlier", 1)]
     (outlier,) = [f for f in root["findings"] if f["name"] == "rank-outlier"]
     assert "from 3 members of its group" in outlier["message"]
     assert set(outlier["evidence"]["digests"]) == {"bf16", "fp16", "fp32"}  # fp8 does not call torch.mm
+
+
+def test_a_job_with_its_own_process_group_keeps_it(tmp_path):
+    _, docs = _torchrun(tmp_path, "--init-first", world=2)
+    assert [d["group_after"] for d in docs] == [True, True]
+    assert [d["reporting"] for d in docs] == [True, False]
+    assert [row["rank"] for row in docs[0]["rows"]] == [0, 1] and docs[0]["findings"] == []

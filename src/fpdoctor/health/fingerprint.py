@@ -65,15 +65,19 @@ def run_fingerprints(duration: float, *, device: str | None = None) -> Fingerpri
     limit_s = STARTUP_ALLOWANCE_S + WORK_SLACK_S + 2 * duration
     with ThreadPoolExecutor(max_workers=max(1, len(devices))) as pool:
         jobs = [pool.submit(run_child, {"device": d, "duration": duration}, duration) for d in devices]
-        # The rendezvous overlaps the children's work; its timeout outlasts the slowest child.
-        with ranks.process_group(dist, timeout_s=limit_s + 60.0) as group:
-            rows = [_row(job.result(), dist) for job in jobs]
-            if dist is not None:
-                gathered = ranks.gather(group, {"rows": rows, "notes": notes})
-                if dist.rank != 0:
-                    return FingerprintResult(rows=rows, notes=notes, reporting=False)
-                rows = [row for part in gathered for row in part.get("rows", [])]
-                notes = ranks.merge_notes([(r, part.get("notes", [])) for r, part in enumerate(gathered)])
+        rows = [_row(job.result(), dist) for job in jobs]
+    if dist is not None:
+        try:
+            # ranks whose children finish later arrive later: the timeout outlasts the slowest child
+            gathered = ranks.exchange(dist, {"rows": rows, "notes": notes}, timeout_s=limit_s + 60.0)
+        except Exception as exc:  # a rank that died, a store out of reach: this rank reports alone
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            notes.append(f"rank {dist.rank}: fingerprints not compared across ranks ({type(exc).__name__}: {first})")
+        else:
+            if dist.rank != 0:
+                return FingerprintResult(rows=rows, notes=notes, reporting=False)
+            rows = [row for part in gathered for row in part.get("rows", [])]
+            notes = ranks.merge_notes([(r, part.get("notes", [])) for r, part in enumerate(gathered)])
     findings, judged_notes = ranks.judge(rows)
     return FingerprintResult(findings=findings, rows=rows, notes=notes + judged_notes)
 

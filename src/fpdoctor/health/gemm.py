@@ -83,9 +83,11 @@ def deterministic(device: torch.device) -> None:
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE  # see fingerprint.CUBLAS_WORKSPACE
     torch.use_deterministic_algorithms(True)
     torch.backends.cuda.matmul.allow_tf32 = False
-    # Split-K reductions in fp32, not in the output's precision: fixed, so every member does the same.
-    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    # torch's defaults, set explicitly so a caller's environment cannot change them: the same
+    # kernels as a plain torch.mm. The known answers stay exact under reduced-precision split-K,
+    # since every partial sum is bounded by what the output dtype holds (KNOWN_ANSWER).
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = True
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
@@ -117,7 +119,7 @@ def _fill(
 
 
 def uniform(shape: tuple[int, int], seed: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Values in [-1, 1) with a full 24-bit mantissa (exact in float32), rounded to `dtype`."""
+    """Values in [-1, 1) with a full 24-bit mantissa (exact in float32), rounded to `dtype` once."""
     return _fill(shape, seed, dtype, device, lambda u: (u.to(torch.float32) - 2.0**23) * 2.0**-23)
 
 
@@ -154,6 +156,17 @@ def operands(name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor,
     if name == "fp8":
         return a.to(dtype), b.t().contiguous().to(dtype).t()
     return a.to(dtype), b.to(dtype)
+
+
+def seeded_operands(name: str, device: torch.device, mn: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The seeded inputs [mn, k] and [k, mn], generated straight into the dtype's storage (no
+    float32 copy of the whole matrix); fp8's B is the transpose of a generated [mn, k] matrix,
+    column-major as _scaled_mm wants it."""
+    dtype, index = _storage_dtype(name), DTYPES.index(name)
+    a = uniform((mn, k), 101 + 2 * index, dtype, device)
+    if name == "fp8":
+        return a, uniform((mn, k), 102 + 2 * index, dtype, device).t()
+    return a, uniform((k, mn), 102 + 2 * index, dtype, device)
 
 
 def supported(name: str, device: torch.device) -> str | None:
@@ -248,12 +261,7 @@ def _sync(device: torch.device) -> None:
 
 def seeded(name: str, device: torch.device, mn: int, k: int, budget_s: float) -> dict[str, Any]:
     """Repeat one seeded GEMM for about `budget_s`; digests of every repeat and the throughput."""
-    index = DTYPES.index(name)
-    a, b = operands(
-        name,
-        uniform((mn, k), 101 + 2 * index, torch.float32, device),
-        uniform((k, mn), 102 + 2 * index, torch.float32, device),
-    )
+    a, b = seeded_operands(name, device, mn, k)
     words = 2 if _storage_dtype(name) == torch.float32 else 1  # fp8's product is bf16
     h = _weights(mn, 15, _WEIGHT_LIMIT, device)
     g = _weights(mn * words, 16, _WEIGHT_LIMIT, device)

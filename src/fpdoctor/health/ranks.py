@@ -92,6 +92,12 @@ def gather(group: Any, payload: dict[str, Any]) -> list[dict[str, Any]]:
     return [p if isinstance(p, dict) else {} for p in out]
 
 
+def exchange(dist: DistEnv, payload: dict[str, Any], *, timeout_s: float) -> list[dict[str, Any]]:
+    """`payload` of every rank, in rank order: one all_gather_object in a group made for it."""
+    with process_group(dist, timeout_s=timeout_s) as group:
+        return gather(group, payload)
+
+
 def merge_notes(parts: list[tuple[int, list[str]]]) -> list[str]:
     """'rank 1: X', 'rank 2: X' -> 'ranks 1, 2: X'; the order of first appearance is kept."""
     by_text: dict[str, list[int]] = {}
