@@ -204,7 +204,7 @@ def parse(lines: Iterable[str]) -> ParsedLog:
     for line_no, raw in enumerate(lines, 1):
         line = raw.rstrip("\r\n")
         log.lines += 1
-        if _BOOT.search(line):
+        if "Linux version" in line and _BOOT.search(line):  # the substring test first: most lines are neither
             if log.lines > 1:
                 boot += 1
             else:
