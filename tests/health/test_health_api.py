@@ -136,3 +136,15 @@ def test_fingerprint_rows_join_the_gpu_table():
     assert [r[-2] for r in table["rows"]] == ["ok", "outlier"]
     assert table["rows"][1][0].startswith("n2 rank 1:") and table["rows"][1][2] == "-"
     assert ["note", "compared 2"] in report.data["summary"]
+    assert ["note", "NVML facts and the kernel log are n1's; for n2 run `fpdoctor health --duration 0` there"] in (
+        report.data["summary"]
+    )
+
+
+@pytest.mark.parametrize(("local_rank", "reporting"), [("0", True), ("1", False)])
+def test_under_torchrun_without_fingerprints_local_rank_0_reports_its_node(monkeypatch, local_rank, reporting):
+    monkeypatch.setenv("RANK", local_rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    result = health(duration=0, nvml=FakeNVML([device()]))
+    assert result.reporting is reporting and result.gpus[0].name == "NVIDIA H100 80GB HBM3"

@@ -63,12 +63,14 @@ def health(
     paths = [from_files] if isinstance(from_files, str) else list(from_files or [])
     if paths and duration > 0:
         raise ValueError("fingerprints run on this machine; they cannot be combined with saved files (from_files)")
+    from fpdoctor.health.ranks import dist_env
+
+    dist = dist_env()
     fingerprints = None
     if duration > 0:
         from fpdoctor.health.fingerprint import FingerprintResult, run_fingerprints
-        from fpdoctor.health.ranks import dist_env
 
-        no_gpu = _no_gpu(nvml) if device is None and dist_env() is None else None
+        no_gpu = _no_gpu(nvml) if device is None and dist is None else None
         if no_gpu:  # nothing to fingerprint: spare the import of torch (most of a second or more)
             fingerprints = FingerprintResult(
                 notes=[f"{no_gpu}: fingerprints not run; --device cpu runs them on the CPU"]
@@ -78,7 +80,8 @@ def health(
     # after the fingerprints, so the Xids and ECC errors their load provoked are in the facts
     facts = collect_files(paths) if paths else collect_live(nvml_module=nvml)
     report = build(facts, findings(facts), fingerprints=fingerprints)
-    reporting = fingerprints.reporting if fingerprints is not None else True
+    # without fingerprints nothing is gathered across ranks: one report per node, from local rank 0
+    reporting = fingerprints.reporting if fingerprints is not None else dist is None or dist.local_rank == 0
     return HealthResult(report=report, facts=facts, fingerprints=fingerprints, reporting=reporting)
 
 

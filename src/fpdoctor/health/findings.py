@@ -34,7 +34,7 @@ _RECOVERY_TEXT = {
 }
 
 
-def _gpu_text(facts: HealthFacts, pci: str | None, gpu: GpuFacts | None) -> str:
+def _gpu_text(pci: str | None, gpu: GpuFacts | None) -> str:
     if gpu is not None:
         return gpu.label()
     return f"the GPU at {pci}" if pci else "a GPU"
@@ -132,7 +132,7 @@ def xid_findings(facts: HealthFacts) -> list[Finding]:
         name = info.short_name or "unknown Xid"
         meaning = info.explain()
         message = (
-            f"Xid {g.xid} ({name}) on {_gpu_text(facts, g.pci, gpu)}: {_times(g.count, g.first_seen, g.last_seen)}"
+            f"Xid {g.xid} ({name}) on {_gpu_text(g.pci, gpu)}: {_times(g.count, g.first_seen, g.last_seen)}"
             f"{_process_text(g)}. {meaning[:1].upper() + meaning[1:]}.{why}{_nvlink_text(g)}"
         )
         if g.xid == 154 and g.recovery_to:
@@ -185,7 +185,7 @@ def lost_findings(facts: HealthFacts) -> list[Finding]:
             said.append(gpu.lost)
             evidence["nvml"] = gpu.lost
         bus = log.pci if log else gpu.pci if gpu else None
-        who = _sentence(_gpu_text(facts, bus, gpu))
+        who = _sentence(_gpu_text(bus, gpu))
         out.append(
             catalog.make(
                 "gpu-lost",
@@ -299,8 +299,8 @@ def _throttle_finding(facts: HealthFacts, gpu: GpuFacts) -> Finding | None:
     )
     return catalog.make(
         "gpu-throttled",
-        message=f"{gpu.label()} is slowed down now: {', '.join(r.replace('_', ' ') for r in reasons)}"
-        + (f" ({context})." if context else "."),
+        message=f"{gpu.label()} was throttled when its facts were read: "
+        f"{', '.join(r.replace('_', ' ') for r in reasons)}" + (f" ({context})." if context else "."),
         where=_where(facts, gpu.pci, gpu),
         evidence={"reasons": reasons, "temperature_c": temp, "power_w": power, "power_limit_w": limit},
     )

@@ -310,6 +310,9 @@ class XidGroup:
         return group
 
 
+_LISTED = 20  # pids and process names kept per group: enough to see who, bounded for a flood of Xids
+
+
 def _unique(values: Iterable[Any]) -> list[Any]:
     return list(dict.fromkeys(v for v in values if v is not None))
 
@@ -347,8 +350,8 @@ def group(events: list[XidEvent], *, driver: str | None = None, boot_offset: int
                 first_seen=evs[0].stamp.text(),
                 last_seen=evs[-1].stamp.text(),
                 boots=_unique(e.stamp.boot + boot_offset for e in evs),
-                pids=_unique(e.pid for e in evs),
-                processes=_unique(e.process for e in evs),
+                pids=_unique(e.pid for e in evs)[:_LISTED],
+                processes=_unique(e.process for e in evs)[:_LISTED],
                 gpu_instances=_unique(e.gpu_instance for e in evs),
                 hosts=_unique(e.host for e in evs),
                 line=evs[0].message[:400],

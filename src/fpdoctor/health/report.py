@@ -111,6 +111,8 @@ def _xid_cell(facts: HealthFacts, pci: str | None) -> str:
 def _matches(where: dict[str, Any], pci: str | None, uuid: str | None, index: Any, host: str | None) -> bool:
     if where.get("host") and host and where["host"] != host:
         return False
+    if pci is uuid is index is None and not any(where.get(k) is not None for k in ("pci", "uuid", "index")):
+        return True  # an excerpt without a GPU header: its findings are its GPU's
     if pci and where.get("pci") and _norm(where["pci"]) == pci:
         return True
     if uuid and where.get("uuid") == uuid:
@@ -238,6 +240,12 @@ def build(
         count = len(fingerprints.rows)
         summary.append(["GEMM fingerprints", f"{count} device(s)" if count else "not run"])
         notes += list(fingerprints.notes)
+        others = sorted({r["host"] for r in fingerprints.rows if r.get("host") and r["host"] != facts.host})
+        if others and facts.host:
+            notes.append(
+                f"NVML facts and the kernel log are {facts.host}'s; for {', '.join(others)} run "
+                "`fpdoctor health --duration 0` there"
+            )
     summary += [["note", n] for n in notes]
     data: dict[str, Any] = {"status": status, "summary": summary}
     if facts.gpus or facts.xids or facts.lost or (fingerprints is not None and fingerprints.rows):
