@@ -10,7 +10,7 @@ Two parts:
   load drifts hit both alike; medians compared. On a CPU the shape is the CPU fingerprint's
   (tiny: CPU ranks share cores), where the digest weighs far more than on a GPU.
 
-Run: python benchmarks/bench_fingerprint.py [--durations 0 1 3] [--rounds 5] [--device cpu|cuda]
+Run: python benchmarks/bench_fingerprint.py [--durations 0 1 3] [--rounds 5] [--device cpu|cuda] [--shape MN K]
 """
 
 from __future__ import annotations
@@ -54,6 +54,14 @@ def main() -> int:
     parser.add_argument("--durations", type=float, nargs="+", default=[0.0, 1.0, 3.0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--shape",
+        type=int,
+        nargs=2,
+        metavar=("MN", "K"),
+        help="bf16 shape of the throughput comparison (default: the fingerprint's own for the device); "
+        "the digest's share falls as K grows",
+    )
     args = parser.parse_args()
     device = torch.device(args.device if args.device == "cpu" else "cuda:0")
     nodes = "every GPU of this node" if device.type == "cuda" else "the CPU"
@@ -68,7 +76,7 @@ def main() -> int:
             f"{len(result.rows)} device(s), verdicts {verdicts}, {len(result.findings)} finding(s)"
         )
     shapes = gemm.GPU_SHAPES if device.type == "cuda" else gemm.CPU_SHAPES
-    mn, k = shapes.mn, shapes.k["bf16"]
+    mn, k = args.shape or (shapes.mn, shapes.k["bf16"])
     budget = 1.0 if device.type == "cuda" else 0.3
     plain, fp = [], []
     for _ in range(args.rounds):

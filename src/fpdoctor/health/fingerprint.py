@@ -2,10 +2,14 @@
 
 Each device runs in its own child process (`python -m fpdoctor.health.fingerprint SPEC`), all in
 parallel, with a timeout: a child killed by a signal or stuck in a kernel becomes a finding, and
-this process never touches CUDA itself. A child runs known-answer GEMMs, seeded GEMMs repeated for
-about `duration` seconds and digested on the device, and times them (`fpdoctor.health.gemm`).
-Under torchrun every rank fingerprints its own GPU, one `all_gather_object` brings the rows to
-rank 0, and `fpdoctor.health.ranks` judges them by fingerprint group.
+this process creates no CUDA context (it only counts the GPUs). A child runs known-answer GEMMs,
+seeded GEMMs repeated for about `duration` seconds and digested on the device, and times them
+(`fpdoctor.health.gemm`). Under torchrun every rank fingerprints its own GPU, one
+`all_gather_object` brings the rows to rank 0, and `fpdoctor.health.ranks` judges them by
+fingerprint group.
+
+Faults are injected in tests by pointing `_child_command` at a test script that patches torch.mm
+inside the child (tests/fixtures/health/): the product has no switch that could corrupt results.
 """
 
 from __future__ import annotations

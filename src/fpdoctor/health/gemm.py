@@ -8,13 +8,15 @@ deterministic settings (see `deterministic`). Three things per dtype:
   and on the CPU. It is checked against an exact int64 reference on the CPU without a host copy
   of the product: two Freivalds projections (C @ g and h @ C) computed exactly in int64 on the
   device are compared with A @ (B @ g) and (h @ A) @ B computed in int64 on the CPU. A single
-  wrong element (|error| < 2**19 by the bounds below) always changes a projection.
+  wrong integer (|error| < 2**19 by the bounds below) always changes a projection; a value that
+  is no longer an integer (a flipped low mantissa bit, NaN, Inf) is counted on the device.
 - seeded digests: mantissa-heavy inputs from a counter-based integer hash (the same integers on
   every device, unlike torch's RNG, whose CUDA launch grid depends on the SM count), multiplied
   repeatedly; each product's bits are reduced on the device to three int64 sums, and all repeats'
   sums are read back in one copy. Bitwise equality is only promised within one fingerprint group
   (same GPU model, SM count, MIG profile, cuBLAS, driver): cuBLAS picks kernels by SM count.
-- throughput: the repeated GEMMs with their digests, timed after two warm-up calls.
+- throughput: the repeated GEMMs with their digests, timed from the second call on (the first
+  pays for handles, heuristics and lazy loading).
 """
 
 from __future__ import annotations
