@@ -156,6 +156,7 @@ def test_mig_form_names_the_gpu_instance():
         "NVRM: Xid (PCI:0000:3f:00): 46\n",
         "[  219.470994] NVRM: Xid (PCI:0000:3f:00): 46",
         "NVRM: Xid (0000:3f:00): 46, Channel 00000001",  # older drivers: no "PCI:"
+        "NVRM: Xid (PCI:0000:3f:00.0): 46, pid=12345, GPU stopped processing",  # with the function (NVSentinel)
     ],
 )
 def test_no_comma_and_no_pci_prefix(line):
