@@ -198,6 +198,9 @@ def _run(
         texts += [f"Fatal Python error: {e.process.fault.header}" for e in events if e.process.fault is not None]
         texts += [f"{x.get('type')}: {x.get('message')}" for e in events for x in e.process.exceptions]
         ctx.kernel = kernel_log_since(launched.started)
+        for p in collected.processes:
+            if p.pid in ctx.kernel.oom_killed and p.outcome().kind == "vanished":
+                p.returncode = -9  # the kernel log names it: the out-of-memory killer's SIGKILL
         if join is not None:
             # SPEC 5: the report within 5 s of the death; the verdicts get what is left of it
             death = min(e.time for e in events)

@@ -59,7 +59,7 @@ _LIBRARY_PATH = re.compile(r"([/\\](site|dist)-packages[/\\])|([/\\]lib[/\\]pyth
 class Outcome:
     """How a process ended, as far as anything recorded it."""
 
-    kind: str  # signal | terminated | killed | exception | exited | running | vanished
+    kind: str  # signal | terminated | killed | exception | interrupted | exited | running | vanished
     time: float | None = None
     signal: str | None = None
     exit_code: int | None = None  # the process's own status when known (-N for signal N)
@@ -158,7 +158,7 @@ class Process:
         if self.term is not None:
             return Outcome("terminated", self.term_time, "SIGTERM", code)
         if exc is not None:
-            return Outcome("exception", _float(exc.get("time")), None, code)
+            return Outcome("interrupted", _float(exc.get("time")), None, code)  # KeyboardInterrupt
         if self.exit_time is not None or code is not None:
             return Outcome("exited", self.exit_time, None, code)
         if self.alive:

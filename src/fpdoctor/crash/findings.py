@@ -25,6 +25,7 @@ from fpdoctor.report.model import Finding, Report, Severity
 
 STACK_LINES = 12  # frames of the failing thread shown in a finding's text; all of them are in data
 FATAL = ("signal", "killed", "terminated")
+TABLE_ROWS = 32
 
 
 @dataclass
@@ -237,8 +238,8 @@ def _frame_evidence(stack: ThreadStack | None) -> dict[str, Any]:
     if inner is not None:
         out["frame"] = inner.text()
         out["function"] = inner.function
-    if user is not None and user is not inner:
-        out["user_frame"] = user.text()
+    if user is not None:
+        out["user_frame"] = user.text()  # the innermost frame of the user's own code
     return out
 
 
@@ -309,8 +310,10 @@ def _fatal_signal(ctx: Context, p: Process, o: Outcome, *, first: bool) -> Findi
         fixes.append(_fix_text(meaning.fix, ctx))
     if sig in ("SIGFPE", "SIGSEGV", "SIGABRT", "SIGBUS", "SIGILL"):
         fixes.append("fpdoctor env   # the environment verdicts (joined below when found)")
-    if sig == "SIGKILL" and p.launcher is None and not p.direct:
-        lines.append("It left no exit record and no dump: SIGKILL (or os._exit) ended it.")
+    oom = ctx.kernel.oom_killed.get(p.pid) if ctx.kernel is not None else None
+    if sig == "SIGKILL" and oom:
+        lines.append(f"The kernel's out-of-memory killer killed it: {oom}")
+        evidence["oom_killer"] = oom
     return catalog.make(
         "fatal-signal",
         message="\n".join(lines),
@@ -401,6 +404,8 @@ def _rank_stopped(ctx: Context, p: Process, first: Event) -> Finding:
         message = str(exc.get("message", "")).strip().splitlines()
         ending = f"then {'its collective' if waiting else 'it'} failed: {str(exc.get('type', '')).rsplit('.', 1)[-1]}"
         ending += f": {_clip(message[0], 200)}" if message else ""
+        if p.returncode == -15:
+            ending += "; the launcher then stopped it (SIGTERM)"
     else:
         ending = endings.get(o.kind, o.kind)
     if ctx.launched.stopped and o.kind in ("terminated", "killed"):
@@ -522,19 +527,22 @@ def _data(ctx: Context, events: list[Event]) -> dict[str, Any]:
         "processes": [_process_data(p) for p in col.processes],
         "not_checked": not_checked,
     }
-    if python and (events or len(python) > 1):
-        data["table"] = {
-            "title": "processes",
-            "columns": ["process", "ended", "where"],
-            "rows": [
-                [
-                    _short(p) + (f" (pid {p.pid})" if p.is_rank else ""),
-                    _ended_text(p),
-                    _short_frame(user_frame(p.stack()) or innermost(p.stack())),
-                ]
-                for p in python
-            ],
-        }
+    # the processes that tell the story: the command, the ranks, whatever failed (not every
+    # DataLoader worker or compile subprocess that came and went)
+    failed = {e.process.pid for e in events}
+    shown = [p for p in python if p.direct or p.is_rank or p.pid in failed or p.outcome().failed]
+    if shown and (events or len(shown) > 1):
+        rows = [
+            [
+                _short(p) + (f" (pid {p.pid})" if p.is_rank else ""),
+                _ended_text(p),
+                _short_frame(user_frame(p.stack()) or innermost(p.stack())),
+            ]
+            for p in shown[:TABLE_ROWS]
+        ]
+        if len(python) > len(shown[:TABLE_ROWS]):
+            rows.append([f"{len(python) - len(rows)} more", "", "in data.processes"])
+        data["table"] = {"title": "processes", "columns": ["process", "ended", "where"], "rows": rows}
     if ctx.rerun and events and not ctx.breadcrumbs:
         data["rerun"] = ctx.rerun
     if col.stream_dumps or col.native:

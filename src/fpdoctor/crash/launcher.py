@@ -26,6 +26,7 @@ from typing import IO, Any
 
 TAIL_BYTES = 256 * 1024  # what the report reads from each stream: backtraces and launcher summaries
 POLL_S = 0.05
+SETTLE_S = 10.0  # for a launcher to exit once every rank has ended (a loaded machine: seconds)
 GRACE_S = 1.0  # after SIGTERM, before SIGKILL, once the bounded wait is over
 FORWARDED = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGINT")
 
@@ -278,7 +279,7 @@ def launch(
     is terminated, so a job whose other ranks hang in a collective still gets its report.
     `on_failure()` is called once, when that failure is first seen. `alive()` names the
     processes of the job (the ranks; they left a record of themselves): once none of them runs,
-    the command gets another `wait_s` to end, since nothing can hang in a collective any more.
+    the command gets up to SETTLE_S more to end, since nothing can hang in a collective any more.
     """
     executable = resolve(argv, env)
     out_sink, err_sink = _Sink(stdout), _Sink(stderr)
@@ -326,7 +327,7 @@ def launch(
                 # every rank has ended: no collective can hang any more, and the launcher's own
                 # shutdown (torchrun printing its summary) gets its time, so its exit status stays
                 settled = True
-                deadline = max(deadline, time.monotonic() + wait_s)
+                deadline = max(deadline, time.monotonic() + max(wait_s, SETTLE_S))
             elif time.monotonic() >= deadline:
                 stopped = True
                 _stop(proc, alive)

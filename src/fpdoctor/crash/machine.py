@@ -8,6 +8,10 @@ slow, and the report is due within seconds of the death.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import os
+import re
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,6 +52,9 @@ class EnvironmentJoin:
 
             with contextlib.suppress(OSError):
                 self._child = torch_child.spawn(False)  # no GEMM: it would crash again on the same bug
+            with contextlib.suppress(OSError, AttributeError):
+                # below the job's priority: a launcher still printing its summary comes first
+                os.setpriority(os.PRIO_PROCESS, self._child.pid, 10)
         self._thread = threading.Thread(target=self._run, name="fpdoctor-env", daemon=True)
         self._thread.start()
 
@@ -118,26 +125,111 @@ def gpu_for(gpus: list[dict[str, Any]], visible: str | None, device: int | None)
 
 @dataclass
 class KernelLog:
-    lines: list[str] = field(default_factory=list)
-    findings: list[Finding] = field(default_factory=list)
-    note: str | None = None
+    lines: list[str] = field(default_factory=list)  # new NVIDIA lines, with their time
+    findings: list[Finding] = field(default_factory=list)  # xid-error / gpu-lost for them
+    oom_killed: dict[int, str] = field(default_factory=dict)  # pid -> the OOM killer's line
+    note: str | None = None  # why the log was not read, or what is uncertain
 
 
-def kernel_log_since(start: float) -> KernelLog:
-    """New NVIDIA lines in the kernel log since `start`, through the hardware-health reader."""
+KERNEL_TIMEOUT_S = 2.0
+SLACK_S = 1.0  # kernel and wall clocks drift; a line a second before the start still counts as new
+_OOM = re.compile(r"(?:Killed process|oom-kill:.*?\bpid=|Out of memory: Kill(?:ed)? process) ?(?P<pid>\d+)")
+
+
+def kernel_log_since(start: float, timeout: float = KERNEL_TIMEOUT_S) -> KernelLog:
+    """New NVIDIA lines in this machine's kernel log since `start` (time.time()), through the
+    hardware-health reader, and the pids the out-of-memory killer named; bounded in time."""
     try:
-        from fpdoctor.health import kernel_log
+        from fpdoctor.health import kernel_sources
     except ImportError:
-        return KernelLog(note="kernel log not read: this fpdoctor has no kernel-log reader (fpdoctor.health)")
-    reader = getattr(kernel_log, "read_since", None)
-    if reader is None:
-        return KernelLog(note="kernel log not read: fpdoctor.health.kernel_log has no read_since()")
+        return KernelLog(note="not read: this fpdoctor has no kernel-log reader (fpdoctor.health)")
+    box: list[Any] = []
+    reader = threading.Thread(target=lambda: box.append(kernel_sources.read_live()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not box:
+        return KernelLog(note=f"not read: reading it took longer than {timeout:g} s")
+    text = box[0]
+    if text.source is None:
+        return KernelLog(note="not read: " + "; ".join(f"{name}: {why}" for name, why in text.tried.items()))
+    return new_lines(text.lines, start, boot_time())
+
+
+def boot_time() -> float | None:
+    """When this machine booted, in time.time() terms (Linux /proc/uptime)."""
     try:
-        result = reader(start)
-    except Exception as exc:
-        return KernelLog(note=f"kernel log not read: {type(exc).__name__}: {exc}")
-    return KernelLog(
-        lines=[str(x) for x in getattr(result, "lines", []) or []],
-        findings=list(getattr(result, "findings", []) or []),
-        note=getattr(result, "note", None),
+        with open("/proc/uptime", encoding="ascii") as fh:
+            return time.time() - float(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _epoch(stamp: Any, boot: float | None, last_boot: int) -> float | None:
+    if stamp.wall:
+        with contextlib.suppress(ValueError):
+            return datetime.datetime.fromisoformat(stamp.wall).timestamp()
+    if stamp.uptime is not None and boot is not None and stamp.boot == last_boot:
+        return boot + stamp.uptime
+    return None
+
+
+_UPTIME = re.compile(r"^\s*\[\s*(?P<s>\d+\.\d+)\]")
+_ISO_START = re.compile(r"^\s*(?:kern\s*:\s*\w+\s*:\s*)?(?P<t>\d{4}-\d{2}-\d{2}[T ][\d:.,]+(?:Z|[+-]\d{2}:?\d{2})?)")
+
+
+def _line_time(line: str, boot: float | None) -> float | None:
+    """A kernel-log line's time from its own prefix (dmesg's uptime or an ISO time), if it has one."""
+    m = _ISO_START.match(line)
+    if m:
+        with contextlib.suppress(ValueError):
+            return datetime.datetime.fromisoformat(m["t"].replace(",", ".").replace("Z", "+00:00")).timestamp()
+    m = _UPTIME.match(line)
+    return boot + float(m["s"]) if m and boot is not None else None
+
+
+def new_lines(lines: list[str], start: float, boot: float | None) -> KernelLog:
+    """The part of a kernel log that is newer than `start`: Xid and fallen-off-the-bus events
+    as the health module parses and judges them, and the OOM killer's victims."""
+    from fpdoctor.health import kernel_log
+    from fpdoctor.health.findings import lost_findings, xid_findings
+    from fpdoctor.health.model import HealthFacts, LostGpu
+
+    parsed = kernel_log.parse(lines)
+    last_boot = parsed.boots - 1
+    undated = 0
+
+    def new(stamp: Any) -> bool:
+        nonlocal undated
+        when = _epoch(stamp, boot, last_boot)
+        if when is None:
+            undated += 1
+            return False
+        return when >= start - SLACK_S
+
+    xids = [e for e in parsed.xids if new(e.stamp)]
+    lost = [e for e in parsed.lost if new(e.stamp)]
+    out = KernelLog()
+    events: list[Any] = sorted([*xids, *lost], key=lambda e: e.line_no)
+    out.lines = [f"{e.stamp.text() or ''} {e.message}".strip() for e in events]
+    facts = HealthFacts(
+        host=socket.gethostname(),
+        driver=parsed.drivers[-1] if parsed.drivers else None,
+        xids=kernel_log.group(xids, driver=parsed.drivers[-1] if parsed.drivers else None),
+        lost=[
+            LostGpu(
+                pci=e.pci,
+                via="Xid 79" if e.xid == 79 else "kernel log message",
+                first_seen=e.stamp.text(),
+                line=e.message[:400],
+            )
+            for e in lost
+        ],
     )
+    out.findings = xid_findings(facts) + lost_findings(facts)
+    for line in lines:
+        m = _OOM.search(line)
+        if m and (when := _line_time(line, boot)) is not None and when >= start - SLACK_S:
+            out.oom_killed[int(m["pid"])] = line.strip()[:300]
+    if undated:
+        out.note = f"{undated} NVIDIA line(s) without a usable time were left out (not provably new)"
+    return out
