@@ -10,7 +10,6 @@ module, got this operand from there, and here is the smallest fix.
 
 from __future__ import annotations
 
-import re
 import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -24,17 +23,20 @@ from fpdoctor import catalog
 from fpdoctor.numerics.modules import ModuleTracker
 from fpdoctor.numerics.trace import user_location
 from fpdoctor.precision.candidates import cast_inputs, split_inputs, uncompiled
+from fpdoctor.precision.inputs import describe
+from fpdoctor.precision.inputs import text as inputs_text
+from fpdoctor.precision.mismatch import (
+    dtype_hint,
+    explain_mismatch,
+    failure_from_traceback,
+    mismatch_error,
+    module_expr,
+    operand,
+)
 from fpdoctor.preserve import preserved
 from fpdoctor.provenance import Provenance
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding, Report, Severity
-
-_DTYPE_ERROR = re.compile(
-    r"must have the same dtype|expected scalar type \w+ but found \w+|Input type \(\S+\) and (?:weight|bias) type"
-    r"|expected (?:m1|mat1) and (?:m2|mat2) to have the same dtype|dtype mismatch|found dtype \w+ but expected \w+"
-    r"|should be the same|mixed dtype|expect(?:ed)? parameter to have scalar type"
-)
-_DEVICE_ERROR = re.compile(r"Expected all tensors to be on the same device|on different devices|device mismatch")
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -107,7 +109,7 @@ def static_findings(model: nn.Module) -> tuple[list[Finding], Counter[str], Coun
                     },
                     fix=(
                         "fpdoctor.harmonize(model, device)   # one dtype per device\n"
-                        + "\n".join(f"{_module_expr(m)}.to({main})" for m in top[:4])
+                        + "\n".join(f"{module_expr(m)}.to({main})" for m in top[:4])
                     ),
                 )
             )
@@ -169,19 +171,19 @@ class _Origins(TorchDispatchMode):
             out = func(*args, **kwargs)
         except RuntimeError as exc:
             text = str(exc)
-            if self.failure is None and (_DTYPE_ERROR.search(text) or _DEVICE_ERROR.search(text)):
+            what = mismatch_error(text)
+            if self.failure is None and what is not None:
                 module, call, _ = self.tracker.current
-                operands = [
-                    {**self.origin(t), "dtype": str(t.dtype), "device": str(t.device), "shape": list(t.shape)}
-                    for t in tensors_in((args, kwargs))
-                ]
+                tensors = tensors_in((args, kwargs))
+                if what == "dtype":  # an index tensor's int64 is no side of a dtype mismatch
+                    tensors = [t for t in tensors if t.is_floating_point() or t.is_complex()] or tensors
                 self.failure = {
                     "error": text.splitlines()[0],
                     "op": str(func),
                     "module": module,
                     "call": call,
-                    "operands": operands,
-                    "device": bool(_DEVICE_ERROR.search(text)),
+                    "operands": [operand(t, self.origin) for t in tensors],
+                    "device": what == "device",
                     "location": user_location(sys._getframe(1)),
                 }
             raise
@@ -206,140 +208,6 @@ class _Origins(TorchDispatchMode):
         return out
 
 
-def _module_expr(path: str) -> str:
-    """Python that names the submodule: `model.time_embed`, or `model.get_submodule("time_embed.2")`
-    where a part is an index (`model.time_embed.2` is a syntax error)."""
-    if all(part.isidentifier() for part in path.split(".")):
-        return f"model.{path}"
-    return f"model.get_submodule({path!r})"
-
-
-def _describe(origin: dict[str, Any]) -> str:
-    kind = origin.get("kind")
-    if kind in ("parameter", "buffer", "input"):
-        return f"{kind} {origin['name']}"
-    if kind == "state":
-        where = f" in module `{origin['module']}`" if origin.get("module") else ""
-        return f"a tensor made by {origin['op']}{where}"
-    return str(origin.get("name", "?"))
-
-
-def _entry(origin: dict[str, Any]) -> str:
-    """Where an operand's dtype entered: the origin, and for op-made tensors the line."""
-    text = _describe(origin)
-    location = origin.get("location")
-    if origin.get("kind") == "state":
-        text += f" ({location[0]}:{location[1]})" if location else ""
-        if not origin.get("from"):
-            text += ", from a new tensor (factories make float32 unless told otherwise)"
-    return text
-
-
-def _root(origin: dict[str, Any], dtype: str) -> dict[str, Any]:
-    """The first origin upstream that already had `dtype`: where the odd dtype entered."""
-    for source in origin.get("from") or []:
-        if source.get("dtype") == dtype:
-            return _root(source, dtype)
-    return origin
-
-
-def widest_module(model: nn.Module, path: str, dtype: str) -> str:
-    """The outermost ancestor of `path` whose floating parameters are all `dtype`: cast that whole."""
-    parts = path.split(".") if path else []
-    modules = dict(model.named_modules())
-    for depth in range(1, len(parts) + 1):
-        candidate = ".".join(parts[:depth])
-        tensors = [
-            t for t in [*modules[candidate].parameters(), *modules[candidate].buffers()] if t.is_floating_point()
-        ]
-        if tensors and all(str(t.dtype) == dtype for t in tensors):
-            return candidate
-    return path
-
-
-def mismatch_error(text: str) -> str | None:
-    """'dtype' or 'device' when an op's error message is a dtype or device mismatch, else None."""
-    if _DEVICE_ERROR.search(text):
-        return "device"
-    return "dtype" if _DTYPE_ERROR.search(text) else None
-
-
-def explain_mismatch(failure: dict[str, Any], main_dtype: str | None = None, model: nn.Module | None = None) -> Finding:
-    """The dtype-mismatch / device-mismatch finding for an op that raised, as `audit` explains it.
-
-    `failure`: error (first line), op, module, call, device (bool), location, and operands, each an
-    origin (kind parameter|buffer|input|state|tensor, name, op, module, from, location) with its
-    dtype, device and shape. Without `model` the fix casts the parameter's own module rather than
-    its widest ancestor that is all one dtype (`fpdoctor trace` knows no model object)."""
-    return _mismatch_finding(failure, main_dtype, model)
-
-
-def _mismatch_finding(failure: dict[str, Any], main_dtype: str | None, model: nn.Module | None) -> Finding:
-    operands = failure["operands"]
-    if failure["device"]:
-        devices = Counter(o["device"] for o in operands)
-        odd = [o for o in operands if devices[o["device"]] == min(devices.values())] or operands
-        return catalog.make(
-            "device-mismatch",
-            message=(
-                f"{failure['op']} in module `{failure['module']}` failed ({failure['error']}). Operands: "
-                + "; ".join(f"{_describe(o)} on {o['device']}" for o in operands[:4])
-                + "."
-            ),
-            where={"module": failure["module"], "op": failure["op"], "phase": "forward"},
-            evidence={"kind": "device", "operands": operands, "count": len(odd), "numel": None, "dtype": None},
-            fix=f"move {_describe(odd[0])} to {operands[0]['device']}, or model.to(device) after building it",
-        )
-    dtypes = Counter(o["dtype"] for o in operands)
-    expected: str = main_dtype if main_dtype is not None and main_dtype in dtypes else dtypes.most_common(1)[0][0]
-    odd = [o for o in operands if o["dtype"] != expected] or operands[-1:]
-    culprit = odd[0]
-    root = _root(culprit, culprit["dtype"]) if culprit.get("kind") == "state" else culprit
-    torch_dtype = expected
-    if root.get("kind") in ("parameter", "buffer"):
-        module_path = root["name"].rsplit(".", 1)[0] if "." in root["name"] else ""
-        module_path = widest_module(model, module_path, root["dtype"]) if model is not None else module_path
-        fix = (
-            f"{_module_expr(module_path)}.to({torch_dtype})   # all of it is {root['dtype']}, like {root['name']}"
-            if module_path
-            else f"model.to({torch_dtype})"
-        )
-    elif root.get("kind") == "input":
-        fix = f"cast the input: {root['name']}.to({torch_dtype})"
-    elif root.get("kind") == "state":
-        where = root.get("location")
-        at = f" at {where[0]}:{where[1]}" if where else ""
-        fix = (
-            f"create that tensor in the model's dtype{at}: `.to({torch_dtype})`, or pass dtype= to the factory "
-            f"({root['op']} in module `{root.get('module')}` makes {root['dtype']})"
-        )
-    else:
-        fix = f"cast it to {torch_dtype} before the call"
-    fix += "\n# or: fpdoctor.harmonize(model, device)"
-    location = failure.get("location")
-    entered = _entry(root)
-    return catalog.make(
-        "dtype-mismatch",
-        message=(
-            f"{failure['op']} in module `{failure['module']}` got "
-            + " and ".join(f"{o['dtype']} ({_describe(o)})" for o in operands[:3])
-            + f" ({failure['error']}). The {culprit['dtype']} operand's dtype entered at {entered}."
-            + (f" Source: {location[0]}:{location[1]}." if location else "")
-        ),
-        where={"module": failure["module"], "op": failure["op"], "phase": "forward", "iteration": failure["call"]},
-        evidence={
-            "kind": "dtype",
-            "dtype": culprit["dtype"],
-            "expected": expected,
-            "count": len(odd),
-            "numel": None,
-            "operands": [{k: v for k, v in o.items() if k != "from"} | {"origin": _describe(o)} for o in operands],
-            "entered_at": entered,
-        },
-        fix=fix,
-    )
-
-
 def _name_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any], dict[int, str]]:
     # copies: the forward may write into its inputs, and the user's tensors stay as they were
     args, kwargs = split_inputs(cast_inputs(inputs, None, copy=True))
@@ -348,8 +216,28 @@ def _name_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any], dict[int
     return args, kwargs, names
 
 
+def _forward(model: nn.Module, inputs: Any) -> tuple[dict[str, Any] | None, BaseException | None, ModuleTracker]:
+    """Run the forward under the origin-tracking mode: (the dtype/device failure explained, the
+    error it raised, the tracker), the model's buffers and the RNG left as they were."""
+    args, kwargs, names = _name_inputs(inputs)
+    tracker = ModuleTracker([model])
+    mode = _Origins(tracker, names)
+    error: BaseException | None = None
+    with torch.no_grad(), tracker, preserved(model):  # its dropout draws and running statistics stay here
+        try:
+            with mode:
+                model(*args, **kwargs)
+        except Exception as exc:  # the model's own error is the subject here
+            error = exc
+    failure = mode.failure
+    if failure is None and error is not None:  # raised in Python or above the dispatcher
+        failure = failure_from_traceback(error, name_of=tracker.name_of, origin=mode.origin, location=user_location)
+    return failure, error, tracker
+
+
 def audit(model: nn.Module, inputs: Any = None) -> AuditResult:
-    """Audit dtypes and devices; with `inputs`, run the forward and explain a dtype/device error."""
+    """Audit dtypes and devices; with `inputs`, run the forward and explain a dtype/device error
+    (any other error the forward raises is a finding too: an error is never OK)."""
     model = uncompiled(model)  # names as the model's own; its forward runs eagerly under the dispatch mode
     findings, dtypes, devices = static_findings(model)
     summary = [
@@ -360,23 +248,15 @@ def audit(model: nn.Module, inputs: Any = None) -> AuditResult:
     if inputs is None:
         not_checked["forward"] = "no inputs given: only parameters and buffers were audited"
     else:
-        args, kwargs, names = _name_inputs(inputs)
-        tracker = ModuleTracker([model])
-        mode = _Origins(tracker, names)
-        error: BaseException | None = None
-        with torch.no_grad(), tracker, preserved(model):  # its dropout draws and running statistics stay here
-            try:
-                with mode:
-                    model(*args, **kwargs)
-            except Exception as exc:  # the model's own error is the subject here
-                error = exc
-        if mode.failure is not None:
+        summary.append(("inputs", inputs_text(describe(inputs))))
+        failure, error, tracker = _forward(model, inputs)
+        if failure is not None:
             main = dtypes.most_common(1)[0][0] if dtypes else None
-            findings.append(_mismatch_finding(mode.failure, main, model))
-            summary.append(("forward", f"failed at {mode.failure['op']} in `{mode.failure['module']}`"))
+            findings.append(explain_mismatch(failure, main, model))
+            summary.append(("forward", f"failed at {failure['op']} in `{failure['module']}`"))
         elif error is not None:
-            not_checked["forward"] = f"the forward raised {type(error).__name__}: {str(error).splitlines()[0][:300]}"
-            summary.append(("forward", "raised an error that is not a dtype or device mismatch"))
+            findings.append(forward_failed(error, tracker))
+            summary.append(("forward", f"raised {type(error).__name__}, not a dtype or device mismatch"))
         else:
             summary.append(("forward", "ran without a dtype or device error"))
     report = Report(
@@ -385,6 +265,39 @@ def audit(model: nn.Module, inputs: Any = None) -> AuditResult:
         data={"summary": summary, "not_checked": not_checked, "dtypes": dict(dtypes), "devices": dict(devices)},
     )
     return AuditResult(report, dict(dtypes), dict(devices))
+
+
+def forward_failed(error: BaseException, tracker: ModuleTracker) -> Finding:
+    """The forward-failed finding: the error as raised, the innermost module and the user's line."""
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    owner = next((f.f_locals["self"] for f in reversed(frames) if isinstance(f.f_locals.get("self"), nn.Module)), None)
+    module = tracker.name_of(owner) if owner is not None else None
+    location = user_location(frames[-1]) if frames else None
+    text = str(error).splitlines()[0] if str(error) else ""
+    hint = dtype_hint(str(error))
+    at = f" at {location[0]}:{location[1]}" if location else ""
+    return catalog.make(
+        "forward-failed",
+        message=(
+            f"The forward raised {type(error).__name__}: {text[:300]}"
+            + (f" (in module `{module}`{at})." if module is not None else f"{at}.")
+        ),
+        where={"module": module, "op": None, "phase": "forward"},
+        evidence={
+            "kind": "error",
+            "error": type(error).__name__,
+            "text": text[:1000],
+            "location": f"{location[0]}:{location[1]}" if location else None,
+            "count": 1,
+            "numel": None,
+            "dtype": None,
+        },
+        fix=hint or f"fix the error{at or ' the traceback ends in'}; check the inputs' shapes and dtypes",
+    )
 
 
 def as_given(model: nn.Module, inputs: Any) -> tuple[list[Finding], str | None]:
