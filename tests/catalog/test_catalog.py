@@ -22,7 +22,7 @@ REQUIRED_ENV = {
 }
 
 
-# SPEC 3.2: the numerics, dtype and training names (hardware and crash findings are not built yet).
+# SPEC 3.2: the numerics, dtype and training names.
 REQUIRED_NUMERICS = {
     "nonfinite-produced",
     "nonfinite-input",
@@ -41,9 +41,23 @@ REQUIRED_NUMERICS = {
 }
 
 
+# SPEC 3.2: the hardware and crash names.
+REQUIRED_HARDWARE_AND_CRASH = {
+    "xid-error",
+    "gpu-lost",
+    "ecc-uncorrectable",
+    "row-remap-pending",
+    "row-remap-failure",
+    "gpu-throttled",
+    "gemm-mismatch",
+    "rank-outlier",
+    "fatal-signal",
+}
+
+
 def test_required_names_exist():
     names = {r.name for r in catalog.rules()}
-    assert names >= REQUIRED_ENV | REQUIRED_NUMERICS
+    assert names >= REQUIRED_ENV | REQUIRED_NUMERICS | REQUIRED_HARDWARE_AND_CRASH
 
 
 def test_codes_and_names_are_unique_and_well_formed():
