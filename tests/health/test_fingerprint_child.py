@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -60,11 +61,12 @@ def _fake_child(monkeypatch, body: str) -> None:
 
 
 def test_a_child_killed_by_a_signal_is_a_finding(monkeypatch):
+    identity = json.dumps({"kind": "cuda", "uuid": "GPU-1234", "pci": "00000000:1B:00.0", "index": 3})
     _fake_child(
         monkeypatch,
         f"""
         import os, signal
-        print({fingerprint.READY!r}, flush=True)
+        print({fingerprint.READY + identity!r}, flush=True)
         print({fingerprint.START!r} + "seeded bf16", flush=True)
         os.kill(os.getpid(), signal.SIGSEGV)
         """,
@@ -72,7 +74,8 @@ def test_a_child_killed_by_a_signal_is_a_finding(monkeypatch):
     result = fingerprint.run_fingerprints(0.1, device="cpu")
     (finding,) = result.findings
     assert finding.name == "probe-crashed"
-    assert "died by SIGSEGV during seeded bf16" in finding.message
+    assert "GPU 3 (bus 00000000:1B:00.0, GPU-1234) died by SIGSEGV during seeded bf16" in finding.message
+    assert finding.where["uuid"] == "GPU-1234" and finding.where["pci"] == "00000000:1B:00.0"
     assert result.rows[0]["verdict"] == "failed"
 
 
@@ -82,7 +85,7 @@ def test_a_hung_child_is_killed_and_reported(monkeypatch):
         monkeypatch,
         f"""
         import time
-        print({fingerprint.READY!r}, flush=True)
+        print({fingerprint.READY!r} + "{{}}", flush=True)
         print({fingerprint.START!r} + "known answer fp32", flush=True)
         time.sleep(120)
         """,

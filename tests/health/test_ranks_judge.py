@@ -160,6 +160,7 @@ def test_a_crashed_or_hung_child_is_a_finding_and_an_error_a_note():
     assert findings[0].evidence["signal"] == "SIGSEGV"
     assert any("rank 3" in n and "out of memory" in n for n in notes)
     assert [r["verdict"] for r in rows] == ["ok", "failed", "failed", "failed"]
+    assert rows[0]["group"] and [r["group"] for r in rows[1:]] == [None, None, None]
 
 
 def test_a_lone_device_is_judged_on_its_own_not_as_not_comparable():

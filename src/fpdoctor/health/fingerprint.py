@@ -28,7 +28,9 @@ from typing import Any
 
 from fpdoctor.report.model import Finding
 
-READY, START, RESULT = "FPDOCTOR-FINGERPRINT-READY", "FPDOCTOR-FINGERPRINT-START:", "FPDOCTOR-FINGERPRINT-RESULT:"
+# The child's lines: READY + its identity (so a child that dies later is still named by UUID and
+# bus id), START + the step it enters (so a hang or a crash names the step), RESULT + everything.
+READY, START, RESULT = "FPDOCTOR-FINGERPRINT-READY:", "FPDOCTOR-FINGERPRINT-START:", "FPDOCTOR-FINGERPRINT-RESULT:"
 STARTUP_ALLOWANCE_S = 120.0  # import torch and create a CUDA context, before the work's own clock starts
 WORK_SLACK_S = 30.0  # known answers, input generation and the last repeat beyond `duration`
 STDERR_TAIL = 4000
@@ -131,7 +133,7 @@ def _drain(stream: Any, tail: list[str]) -> None:
 
 
 def run_child(spec: dict[str, Any], duration: float) -> dict[str, Any]:
-    """Run one device's fingerprint in a child; its result, or {"device", "failure": {...}}."""
+    """Run one device's fingerprint in a child; its result, or {"device", "identity", "failure": {...}}."""
     started = time.monotonic()
     try:
         proc = subprocess.Popen(
@@ -149,7 +151,7 @@ def run_child(spec: dict[str, Any], duration: float) -> dict[str, Any]:
     drainer = threading.Thread(target=_drain, args=(proc.stderr, tail), daemon=True)
     drainer.start()
     deadline = started + STARTUP_ALLOWANCE_S
-    step, result = "start-up (import torch, create the device context)", None
+    step, result, identity = "start-up (import torch, create the device context)", None, {}
     while True:
         try:
             line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -157,10 +159,12 @@ def run_child(spec: dict[str, Any], duration: float) -> dict[str, Any]:
             proc.kill()
             proc.wait()
             seconds = round(time.monotonic() - started, 1)
-            return {"device": spec["device"], "failure": {"kind": "timeout", "step": step, "seconds": seconds}}
+            failure = {"kind": "timeout", "step": step, "seconds": seconds}
+            return {"device": spec["device"], "identity": identity, "failure": failure}
         if line is None:
             break
-        if line == READY:
+        if line.startswith(READY):
+            identity = json.loads(line[len(READY) :])
             deadline = time.monotonic() + WORK_SLACK_S + 2 * duration
         elif line.startswith(START):
             step = line[len(START) :]
@@ -179,7 +183,7 @@ def run_child(spec: dict[str, Any], duration: float) -> dict[str, Any]:
     else:
         last = (tail[0].strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
         failure.update(kind="error", error=last[:300])
-    return {"device": spec["device"], "failure": failure}
+    return {"device": spec["device"], "identity": identity, "failure": failure}
 
 
 def _row(result: dict[str, Any], dist: Any) -> dict[str, Any]:
@@ -235,7 +239,7 @@ def child_main(argv: list[str]) -> int:
     device = torch.device(spec["device"])
     gemm.deterministic(device)
     identity = device_id.describe(device)
-    print(READY, flush=True)
+    print(READY + json.dumps(identity), flush=True)
     started = time.perf_counter()
     shapes = gemm.GPU_SHAPES if device.type == "cuda" else gemm.CPU_SHAPES
     out: dict[str, Any] = {"device": spec["device"], "known_answer": {}, "seeded": {}, "not_run": {}, "errors": {}}

@@ -97,10 +97,11 @@ def deterministic(device: torch.device) -> None:
 def hash_ints(count: int, seed: int, device: torch.device, offset: int = 0) -> torch.Tensor:
     """`count` pseudo-random integers in [0, 2**24) from a counter hash: identical on any device.
 
-    The hash is `lowbias32`-style (xorshift-multiply) on int64 with multipliers below 2**31, so no
-    product leaves int64 and every step is exact integer arithmetic."""
-    x = torch.arange(offset, offset + count, dtype=torch.int64, device=device)
-    x = (x * 0x9E3779B1 + seed * 0x7FEB352D + 0x165667B1) & 0xFFFFFFFF
+    The hash is `lowbias32`-style (xorshift-multiply) on 32-bit values held in int64, with
+    multipliers below 2**31: no product or sum leaves int64 (signed overflow is undefined in C++,
+    so it must not happen) and every step is exact integer arithmetic."""
+    x = torch.arange(offset, offset + count, dtype=torch.int64, device=device) & 0xFFFFFFFF
+    x = (((x * 0x6C8E9CF5) & 0xFFFFFFFF) + ((seed & 0xFFFFFFFF) * 0x7FEB352D & 0xFFFFFFFF) + 0x165667B1) & 0xFFFFFFFF
     x ^= x >> 16
     x = (x * 0x45D9F3B) & 0xFFFFFFFF
     x ^= x >> 16

@@ -159,7 +159,7 @@ def judge(rows: list[dict[str, Any]]) -> tuple[list[Finding], list[str]]:
     findings: list[Finding] = []
     notes: list[str] = []
     for row in rows:
-        row["group"] = group_label(row)
+        row["group"] = None if "failure" in row else group_label(row)  # a failed child told nothing
         row["verdict"] = OK
     measured = []
     for row in rows:
