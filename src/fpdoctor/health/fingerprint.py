@@ -151,7 +151,8 @@ def run_child(spec: dict[str, Any], duration: float) -> dict[str, Any]:
     drainer = threading.Thread(target=_drain, args=(proc.stderr, tail), daemon=True)
     drainer.start()
     deadline = started + STARTUP_ALLOWANCE_S
-    step, result, identity = "start-up (import torch, create the device context)", None, {}
+    step, result = "start-up (import torch, create the device context)", None
+    identity: dict[str, Any] = {}
     while True:
         try:
             line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -159,8 +160,8 @@ def run_child(spec: dict[str, Any], duration: float) -> dict[str, Any]:
             proc.kill()
             proc.wait()
             seconds = round(time.monotonic() - started, 1)
-            failure = {"kind": "timeout", "step": step, "seconds": seconds}
-            return {"device": spec["device"], "identity": identity, "failure": failure}
+            timeout = {"kind": "timeout", "step": step, "seconds": seconds}
+            return {"device": spec["device"], "identity": identity, "failure": timeout}
         if line is None:
             break
         if line.startswith(READY):
