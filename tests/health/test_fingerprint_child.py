@@ -149,3 +149,23 @@ def test_a_rank_that_cannot_reach_the_others_reports_alone(monkeypatch):
         "rank 1: fingerprints not compared across ranks (RuntimeError: Connection closed by peer [127.0.0.1]:29500)"
         in result.notes
     )
+
+
+def test_the_command_line_refuses_a_negative_duration_with_exit_2():
+    from tests.conftest import run_fpdoctor
+
+    result = run_fpdoctor("health", "--duration", "-1", timeout=60)
+    assert result.code == 2
+    assert result.err.strip().count("\n") == 0 and "--duration" in result.err
+    assert "Traceback" not in result.err
+
+
+def test_the_command_line_runs_cpu_fingerprints_end_to_end():
+    from tests.conftest import run_fpdoctor
+
+    result = run_fpdoctor("health", "--device", "cpu", "--duration", "0.2", "--format", "json", timeout=120)
+    assert result.code == 0, result.err
+    doc = json.loads(result.out)
+    (row,) = doc["data"]["fingerprints"]["rows"]
+    assert row["verdict"] == "ok" and row["known_answer_ok"] is True
+    assert not [f for f in doc["findings"] if f["name"] in ("gemm-mismatch", "rank-outlier")]
