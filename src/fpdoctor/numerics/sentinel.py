@@ -142,6 +142,9 @@ class Sentinel:
     checkpoint_every: int = 0
     scaler: Any = field(default=None, kw_only=True)
     accumulate: int = field(default=1, kw_only=True)
+    # On a GPU: read its health (NVML, kernel log) at the start and on a fault that does not
+    # reproduce, to say what changed on it (new Xids, ECC errors) - two reads per job, none per step.
+    gpu_health: bool = field(default=True, kw_only=True)
     steps: int = field(default=0, init=False)
     micro_batches: int = field(default=0, init=False)
     skipped: int = field(default=0, init=False)
@@ -197,6 +200,16 @@ class Sentinel:
                 self._here = findings.place(distributed.describe(self._device))
             except Exception as exc:
                 self._error("describing this rank", exc)
+        # The GPU's health now, to say on a transient fault what changed on it since (Xid, ECC).
+        self._health: Any = None
+        if self.gpu_health and self._device.type == "cuda":
+            try:
+                from fpdoctor.health import watch
+
+                uuid = distributed.describe(self._device).get("uuid")
+                self._health = watch.start(uuid) if uuid else None
+            except Exception as exc:
+                self._error("reading the GPU's health", exc)
         self._weights_bad = False  # the parameters themselves are non-finite: steps cannot recover
         try:
             eps = findings.optimizer_eps_finding(self.optimizer, with_scaler=self.scaler is not None, here=self._here)
@@ -545,8 +558,13 @@ class Sentinel:
             self._error("replaying the step", RuntimeError(result.error or "unknown"), step=step)
             return []
         me = distributed.describe(self._device)
+        health = None
+        if result.verdict == "transient-fault-suspected" and self._health is not None:
+            from fpdoctor.health import watch
+
+            health = watch.since(self._health)
         return findings.verdict_findings(
-            step, result, me, micro_batches=self.accumulate > 1, kind=kind, control=control
+            step, result, me, micro_batches=self.accumulate > 1, kind=kind, control=control, health=health
         )
 
     def _collapse(self, pending: _Pending, scale: float, next_scale: float) -> None:

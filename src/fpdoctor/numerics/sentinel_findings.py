@@ -115,9 +115,11 @@ def verdict_findings(
     micro_batches: bool,
     kind: str | None,
     control: ControlResult | None = None,
+    health: Any = None,
 ) -> list[Finding]:
     """deterministic-nonfinite (with the trace's other findings) or transient-fault-suspected;
-    `kind`: the bad step's own nan / +inf / -inf; `control`: the same replay in fp32, when run."""
+    `kind`: the bad step's own nan / +inf / -inf; `control`: the same replay in fp32, when run;
+    `health`: what changed on this GPU since the job started (fpdoctor.health.watch.Changes)."""
     where_rank = place(me)
     # micro-batches count from 1 within their window, as steps do
     micro = {"micro_batch": result.micro_batch + 1} if result.micro_batch is not None and micro_batches else {}
@@ -157,6 +159,7 @@ def verdict_findings(
                 f"kernel ran), not the step. Suspect {distributed.where_text(me)} or a library, not the model; a "
                 "fault that recurs at the same step of every run points the same way (a library's or kernel's "
                 "call count), one at random steps to the GPU."
+                + (f" GPU health: {health.text()}." if health is not None else "")
             ),
             where={"module": None, "op": None, "phase": None, "step": step, **where_rank},
             evidence={
@@ -166,7 +169,13 @@ def verdict_findings(
                 "count": 1,
                 "numel": 1,
                 **{k: v for k, v in me.items() if k in ("gpu", "uuid")},
+                **({"gpu_health": health.to_dict()} if health is not None else {}),
             },
+            **(
+                {"fix": f"Drain {health.gpu or 'this GPU'} and run `fpdoctor health` on it: {health.text()}."}
+                if health is not None and health.any
+                else {}
+            ),
         )
     ]
 

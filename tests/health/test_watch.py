@@ -1,0 +1,66 @@
+"""The sentinel's join with GPU health: what changed on its GPU between the job's start and a fault."""
+
+from __future__ import annotations
+
+from fpdoctor.health import watch
+from fpdoctor.health.kernel_log import XidGroup
+from fpdoctor.health.model import GpuFacts, HealthFacts
+from fpdoctor.numerics.replay import ReplayResult
+from fpdoctor.numerics.sentinel_findings import verdict_findings
+
+UUID, PCI = "GPU-5c0f0e3a-0000-4000-8000-000000000001", "0000:52:00.0"
+
+
+def _facts(*, xids: int = 0, uncorrected: int = 0, pending: bool = False) -> HealthFacts:
+    gpu = GpuFacts(
+        index=3,
+        pci=PCI,
+        uuid=UUID,
+        name="NVIDIA H100 80GB HBM3",
+        facts={
+            "ecc": {"volatile": {"uncorrected": uncorrected, "corrected": 0}},
+            "remapped_rows": {"pending": pending, "failure": False},
+        },
+    )
+    groups = [XidGroup(pci=PCI, xid=48, count=xids, first_seen=None, last_seen="2026-11-23T09:10:00", boots=[0])]
+    return HealthFacts(gpus=[gpu], xids=groups if xids else [])
+
+
+def test_new_xids_and_ecc_errors_since_the_start_are_named():
+    w = watch.start(UUID, read=lambda: _facts(xids=1))
+    changes = watch.since(w, read=lambda: _facts(xids=3, uncorrected=2, pending=True))
+    assert changes.any and changes.gpu == "GPU 3 (0000:52:00.0, NVIDIA H100 80GB HBM3)"
+    assert [(x["xid"], x["count"]) for x in changes.xids] == [(48, 2)]  # only the new ones
+    assert changes.ecc == {"volatile.uncorrected": 2} and changes.remap_pending
+    assert "Xid 48 x2" in changes.text() and "ECC volatile.uncorrected +2" in changes.text()
+
+
+def test_nothing_new_is_said_as_such_and_unreadable_is_not_healthy():
+    w = watch.start(UUID, read=lambda: _facts(xids=1))
+    same = watch.since(w, read=lambda: _facts(xids=1))
+    assert not same.any and "no new Xid error" in same.text()
+
+    def broken() -> HealthFacts:
+        raise RuntimeError("NVML did not answer")
+
+    blind = watch.since(watch.start(UUID, read=broken), read=_facts)
+    assert not blind.any and blind.not_checked and "not checked" in blind.text()
+    gone = watch.since(w, read=lambda: HealthFacts(not_checked={"NVML": "NVML not available: driver not loaded"}))
+    assert gone.not_checked == ["NVML not available: driver not loaded"]
+
+
+def test_a_transient_fault_carries_the_gpus_health_and_a_drain_fix():
+    changes = watch.since(watch.start(UUID, read=_facts), read=lambda: _facts(xids=2))
+    me = {"host": "node7", "device": "cuda:3", "gpu": "NVIDIA H100 80GB HBM3", "uuid": UUID}
+    (finding,) = verdict_findings(
+        80, ReplayResult("transient-fault-suspected", loss=2.5), me, micro_batches=False, kind="nan", health=changes
+    )
+    assert finding.name == "transient-fault-suspected"
+    assert "GPU health: since the job started, GPU 3" in finding.message and "Xid 48 x2" in finding.message
+    assert finding.evidence["gpu_health"]["xids"][0]["xid"] == 48
+    assert finding.fix.startswith("Drain GPU 3 (0000:52:00.0")
+    quiet = watch.since(watch.start(UUID, read=_facts), read=_facts)
+    (plain,) = verdict_findings(
+        80, ReplayResult("transient-fault-suspected", loss=2.5), me, micro_batches=False, kind="nan", health=quiet
+    )
+    assert "no new Xid error" in plain.message and not plain.fix.startswith("Drain")
