@@ -77,8 +77,7 @@ def run_fingerprints(duration: float, *, device: str | None = None) -> Fingerpri
             # ranks whose children finish later arrive later: the timeout outlasts the slowest child
             gathered = ranks.exchange(dist, {"rows": rows, "notes": notes}, timeout_s=limit_s + 60.0)
         except Exception as exc:  # a rank that died, a store out of reach: this rank reports alone
-            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-            notes.append(f"rank {dist.rank}: fingerprints not compared across ranks ({type(exc).__name__}: {first})")
+            notes.append(f"rank {dist.rank}: fingerprints not compared across ranks ({_one_line(exc)})")
         else:
             if dist.rank != 0:
                 return FingerprintResult(rows=rows, notes=notes, reporting=False)
@@ -229,6 +228,11 @@ def _row(result: dict[str, Any], dist: Any) -> dict[str, Any]:
 # --- the child -------------------------------------------------------------------------------
 
 
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()  # CUDA's messages run to several lines of advice
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+
+
 def child_main(argv: list[str]) -> int:
     """`python -m fpdoctor.health.fingerprint SPEC`: fingerprint one device, print one result line."""
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE  # before torch creates a cuBLAS handle
@@ -256,14 +260,14 @@ def child_main(argv: list[str]) -> int:
         try:
             out["known_answer"][name] = gemm.known_answer(name, device, shapes.known_mn)
         except Exception as exc:  # an exception (out of memory, an unsupported kernel) is a result
-            out["errors"][f"known answer {name}"] = f"{type(exc).__name__}: {exc}"[:300]
+            out["errors"][f"known answer {name}"] = _one_line(exc)
     for i, name in enumerate(dtypes):
         budget = max(0.0, float(spec["duration"]) - (time.perf_counter() - started)) / (len(dtypes) - i)
         print(f"{START}seeded {name}", flush=True)
         try:
             out["seeded"][name] = gemm.seeded(name, device, shapes.mn, shapes.k[name], budget)
         except Exception as exc:
-            out["errors"][f"seeded {name}"] = f"{type(exc).__name__}: {exc}"[:300]
+            out["errors"][f"seeded {name}"] = _one_line(exc)
     if device.type == "cuda":
         identity["cublas"] = device_id.cublas_version() or f"cuda {torch.version.cuda} (cuBLAS not read)"
     out["identity"] = identity
