@@ -4,6 +4,8 @@ too: an error is never OK."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -119,7 +121,8 @@ def test_every_dtype_mismatch_is_explained_with_its_operands_origin(case):
 def test_a_target_made_by_float_in_the_forward_names_that_line():
     model, inputs = with_loss()
     mismatch = fpdoctor.audit(model, inputs).report.by_name("dtype-mismatch")[0]
-    line = next(i for i, text in enumerate(open(__file__), 1) if "target = (labels > 0).float()" in text)
+    source = Path(__file__).read_text().splitlines()
+    line = next(i for i, text in enumerate(source, 1) if "target = (labels > 0).float()" in text)
     assert f"test_audit_errors.py:{line})" in mismatch.evidence["entered_at"]
     assert "instead of torch.float32" in mismatch.fix and "torch.float16" in mismatch.fix
 
@@ -168,3 +171,32 @@ def test_audit_cli_exits_1_for_any_forward_error(tmp_path):
 
 def wrong_width():
     return nn.Sequential(nn.Linear(8, 8)), torch.randn(2, 5)
+
+
+def test_a_fix_that_only_moves_the_crash_is_followed_to_the_end():
+    """Mostly fp16 with an fp32 tail: casting the input alone moves the failure to the tail."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8))
+    model[0].half()
+    x = torch.randn(4, 64)  # the fp32 inputs the user has
+    mismatch = fpdoctor.audit(model, x).report.by_name("dtype-mismatch")[0]
+    assert mismatch.where["module"] == "0" and mismatch.evidence["entered_at"] == "input inputs[0]"
+    # before: "cast the input" alone, which only moved the crash to module 2
+    steps = mismatch.evidence["fix_checked"]
+    assert [s["fix"] for s in steps] == [
+        "inputs[0].to(torch.float16)   # the input",
+        "model.get_submodule('2').to(torch.float16)",
+    ]
+    assert steps[0]["then"].startswith("aten.addmm.default in `2` fails") and steps[1]["then"] == "the forward runs"
+    assert "One fix alone only moves the failure" in mismatch.message
+    assert mismatch.fix.startswith("# all of:\ninputs[0].to(torch.float16)")
+    assert model[2].weight.dtype == torch.float32  # the model is left as it was
+
+
+def test_a_fix_that_works_alone_is_said_to():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)).half()
+    mismatch = fpdoctor.audit(model, torch.randn(2, 8)).report.by_name("dtype-mismatch")[0]
+    assert mismatch.evidence["fix_checked"] == [
+        {"fix": "inputs[0].to(torch.float16)   # the input", "then": "the forward runs"}
+    ]
+    assert mismatch.message.endswith("With the fix below, the forward runs (checked).")

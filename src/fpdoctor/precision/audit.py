@@ -10,8 +10,11 @@ module, got this operand from there, and here is the smallest fix.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,13 +25,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fpdoctor import catalog
 from fpdoctor.numerics.modules import ModuleTracker
 from fpdoctor.numerics.trace import user_location
-from fpdoctor.precision.candidates import cast_inputs, split_inputs, uncompiled
+from fpdoctor.precision.candidates import Call, cast_inputs, split_inputs, uncompiled
 from fpdoctor.precision.inputs import describe
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.mismatch import (
     dtype_hint,
     explain_mismatch,
     failure_from_traceback,
+    fix_action,
     mismatch_error,
     module_expr,
     operand,
@@ -252,7 +256,8 @@ def audit(model: nn.Module, inputs: Any = None) -> AuditResult:
         failure, error, tracker = _forward(model, inputs)
         if failure is not None:
             main = dtypes.most_common(1)[0][0] if dtypes else None
-            findings.append(explain_mismatch(failure, main, model))
+            finding = explain_mismatch(failure, main, model)
+            findings.append(_checked(finding, _follow_fixes(model, inputs, failure, main)))
             summary.append(("forward", f"failed at {failure['op']} in `{failure['module']}`"))
         elif error is not None:
             findings.append(forward_failed(error, tracker))
@@ -265,6 +270,109 @@ def audit(model: nn.Module, inputs: Any = None) -> AuditResult:
         data={"summary": summary, "not_checked": not_checked, "dtypes": dict(dtypes), "devices": dict(devices)},
     )
     return AuditResult(report, dict(dtypes), dict(devices))
+
+
+FIX_STEPS = 4  # fixes applied in a row to see whether the forward then runs (each is one forward)
+
+
+def _follow_fixes(
+    model: nn.Module, inputs: Any, failure: dict[str, Any], main: str | None
+) -> list[tuple[dict[str, str], dict[str, Any] | None, BaseException | None]]:
+    """Apply the fix for `failure` (a module cast, undone afterwards; an input cast, on a copy)
+    and run the forward again, then the fix for what fails next, and so on: (the fix, what
+    failed after it, the error) per step, until the forward runs or a fix is not one audit can
+    apply (a tensor the forward makes itself)."""
+    steps: list[tuple[dict[str, str], dict[str, Any] | None, BaseException | None]] = []
+    actions: list[dict[str, str]] = []
+    current = failure
+    for _ in range(FIX_STEPS):
+        action = fix_action(current, main, model)
+        if action is None or action in actions:
+            break
+        actions.append(action)
+        with contextlib.ExitStack() as undo:
+            fixed = inputs
+            for done in actions:
+                if "module" in done:
+                    undo.enter_context(_cast_for_now(model, done["module"], done["dtype"]))
+                else:
+                    fixed = _cast_input(fixed, done["input"], done["dtype"])
+            after, error, _ = _forward(model, fixed)
+        steps.append((action, after, error))
+        if after is None:
+            break
+        current = after
+    return steps
+
+
+@contextlib.contextmanager
+def _cast_for_now(model: nn.Module, path: str, dtype: str) -> Iterator[None]:
+    """`model`'s submodule `path` in `dtype` for the block; its own tensors are put back after."""
+    module = model.get_submodule(path) if path else model
+    params = [(p, p.data) for p in module.parameters()]
+    buffers = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
+    module.to(getattr(torch, dtype.removeprefix("torch.")))
+    try:
+        yield
+    finally:
+        for p, data in params:
+            p.data = data
+        for m, name, b in buffers:
+            m._buffers[name] = b
+
+
+def _cast_input(inputs: Any, name: str, dtype: str) -> Any:
+    """`inputs` with the input `name` (`inputs[0]`, `inputs['x']`) cast to `dtype`."""
+    args, kwargs = split_inputs(inputs)
+    key = name.removeprefix("inputs[").removesuffix("]")
+    target = getattr(torch, dtype.removeprefix("torch."))
+    if key.isdigit():
+        args = tuple(a.to(target) if i == int(key) else a for i, a in enumerate(args))
+    else:
+        kwargs = {k: v.to(target) if repr(k) == key else v for k, v in kwargs.items()}
+    return Call(args, kwargs)
+
+
+def _action_code(action: dict[str, str]) -> str:
+    if "input" in action:
+        return f"{action['input']}.to({action['dtype']})   # the input"
+    target = module_expr(action["module"]) if action["module"] else "model"
+    return f"{target}.to({action['dtype']})"
+
+
+def _then(after: dict[str, Any] | None, error: BaseException | None) -> str:
+    """What happened once a fix was applied."""
+    if after is not None:
+        return f"{after['op']} in `{after['module']}` fails: {after['error']}"
+    if error is not None:
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+    return "the forward runs"
+
+
+def _checked(
+    finding: Finding, steps: list[tuple[dict[str, str], dict[str, Any] | None, BaseException | None]]
+) -> Finding:
+    """The finding with its fix checked: one fix that lets the forward run says so; one that only
+    moves the failure to the next op becomes the list of every fix it takes, with where each
+    failure moved to."""
+    if not steps:
+        return finding
+    chain = [{"fix": _action_code(action), "then": _then(after, error)} for action, after, error in steps]
+    runs = chain[-1]["then"] == "the forward runs"
+    evidence = {**finding.evidence, "fix_checked": chain}
+    if len(steps) == 1 and runs:
+        return dataclasses.replace(
+            finding, message=finding.message + " With the fix below, the forward runs (checked).", evidence=evidence
+        )
+    if not runs:
+        message = f" After the fix below the forward still fails: {chain[-1]['then']}."
+        return dataclasses.replace(finding, message=finding.message + message, evidence=evidence)
+    moved = "; then ".join(step["then"] for step in chain[:-1])
+    message = (
+        f" One fix alone only moves the failure ({moved}); with all {len(steps)} below, the forward runs (checked)."
+    )
+    fix = "\n".join(["# all of:", *(step["fix"] for step in chain), "# or: fpdoctor.harmonize(model, device)"])
+    return dataclasses.replace(finding, message=finding.message + message, evidence=evidence, fix=fix)
 
 
 def forward_failed(error: BaseException, tracker: ModuleTracker) -> Finding:

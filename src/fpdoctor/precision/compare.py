@@ -26,9 +26,7 @@ floor, so only what goes beyond the reference's own rounding is called a diverge
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +40,6 @@ from fpdoctor.precision.candidates import (
     FP8_KERNELS,
     REFERENCES,
     Fp8Linear,
-    cast_inputs,
     check_device,
     check_name,
     compute_dtype,
@@ -50,7 +47,6 @@ from fpdoctor.precision.candidates import (
     make_run,
     model_device,
     run_flags,
-    split_inputs,
     uncompiled,
 )
 from fpdoctor.precision.inputs import describe, input_sets
@@ -64,7 +60,8 @@ from fpdoctor.precision.metrics import (
     round_to,
     row_subset,
 )
-from fpdoctor.precision.noise import RecordNoise, ReplayNoise
+from fpdoctor.precision.noise import ReplayNoise
+from fpdoctor.precision.passes import hooked, input_rounding_error, record_noise, rerun
 from fpdoctor.precision.profile import (
     DIVERGENCE_RATIO,
     CompareResult,
@@ -100,47 +97,6 @@ class _Seen:
     propagated: float | None = None
     candidate_inputs: float = 0.0  # the candidate's input error at this module
     nonfinite: int = 0
-
-
-def _hooked(
-    run: nn.Module,
-    inputs: Any,
-    dtype: torch.dtype,
-    *,
-    pre: Callable[..., None] | None,
-    post: Callable[..., None],
-    rng: RngState,
-    device: torch.device | None = None,
-    noise: ReplayNoise | None = None,
-) -> None:
-    """Run `run` on `inputs` (cast to `dtype`) with hooks that get (name, call index, ...), from
-    RNG state `rng`, and with `noise` replaying the draws the fp64 run made (see noise.py)."""
-    calls: dict[str, int] = {}
-    handles = []
-    for name, module in run.named_modules():
-        if pre is not None:
-
-            def on_pre(mod: nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
-                pre(name, calls.get(name, 0), mod, args, kwargs)
-
-            handles.append(module.register_forward_pre_hook(on_pre, with_kwargs=True))
-
-        def on_post(mod: nn.Module, args: Any, output: Any, name: str = name) -> None:
-            index = calls.get(name, 0)
-            calls[name] = index + 1
-            post(name, index, args, output)
-
-        handles.append(module.register_forward_hook(on_post))
-    args, kwargs = split_inputs(cast_inputs(inputs, dtype, device, copy=True))
-    rng.restore()
-    if noise is not None:
-        noise.position = 0
-    try:
-        with torch.no_grad(), noise if noise is not None else contextlib.nullcontext():
-            run(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def compare(
@@ -312,7 +268,7 @@ def _compare(
             entry.isolated_rows = None
         try:
             goto(start)
-            entry.isolated, entry.isolated_cosine = _rerun(
+            entry.isolated, entry.isolated_cosine = rerun(
                 cand_modules[name],
                 x,
                 args,
@@ -328,7 +284,7 @@ def _compare(
         if name in ref_modules:
             try:
                 goto(start)
-                entry.reference = _rerun(
+                entry.reference = rerun(
                     ref_modules[name], x, args, kwargs, dtype=ref_dtype, device=None, truth=truth, norm=norm
                 )[0]
             except Exception as exc:
@@ -371,7 +327,7 @@ def _compare(
         seen.clear()
         fp8_rows.clear()
         try:
-            _hooked(truth_run, inputs, torch.float64, pre=truth_pre, post=truth_post, rng=rng, noise=noise)
+            hooked(truth_run, inputs, torch.float64, pre=truth_pre, post=truth_post, rng=rng, noise=noise)
         except ReferenceFailed:
             raise
         except Exception as exc:
@@ -383,7 +339,7 @@ def _compare(
     if not rng.same(RngState.capture()):
         # The forward draws random numbers itself: record them in a plain fp64 run, then run the
         # fp64 pass again, now with every re-run and every other pass getting the same draws.
-        noise = ReplayNoise(_record_noise(truth_run, inputs, rng))
+        noise = ReplayNoise(record_noise(truth_run, inputs, rng))
         subsets = False  # a leaf's draws on fewer rows would not match the recorded ones
         truth_pass()
 
@@ -413,7 +369,7 @@ def _compare(
                 entry.candidate_inputs = rel_error(c_in, entry.inputs) if all_finite(call) else math.inf
 
     try:
-        _hooked(cand_run, inputs, cand_dtype, pre=cand_pre, post=cand_post, rng=rng, device=cand_device, noise=noise)
+        hooked(cand_run, inputs, cand_dtype, pre=cand_pre, post=cand_post, rng=rng, device=cand_device, noise=noise)
     except Exception as exc:  # the candidate failing is a finding, not a usage error
         notes["candidate run"] = f"the {label} run raised {type(exc).__name__}: {exc}"
 
@@ -437,7 +393,7 @@ def _compare(
             if (name, index) in suspects:
                 isolated(name, args, kwargs, seen[(name, index)], start=mark())
 
-        _hooked(truth_run, inputs, torch.float64, pre=suspect_pre, post=lambda *a: None, rng=rng, noise=noise)
+        hooked(truth_run, inputs, torch.float64, pre=suspect_pre, post=lambda *a: None, rng=rng, noise=noise)
         rows = _rows(seen)
         for row in rows:  # post-order: a container comes after everything inside it
             if not row.leaf and row.exceeds:
@@ -446,12 +402,13 @@ def _compare(
     if not prefix and any(r.module == "" and r.diverged for r in rows):
         # The whole model diverges and no submodule does: how much of it rounding the inputs explains.
         root = next(e for (name, _), e in seen.items() if name == "")
-        input_floor = _input_floor(
+        input_floor = input_rounding_error(
             ref_run if ref_run is not None else truth_run,
             inputs,
             cand_dtype=cand_dtype,
             dtype=ref_dtype,
-            root=root,
+            truth=root.truth,
+            norm=root.norm,
             rng=rng,
             noise=noise,
         )
@@ -486,42 +443,6 @@ def _compare(
     return result
 
 
-def _input_floor(
-    run: nn.Module,
-    inputs: Any,
-    *,
-    cand_dtype: torch.dtype,
-    dtype: torch.dtype,
-    root: _Seen,
-    rng: RngState,
-    noise: ReplayNoise | None,
-) -> float | None:
-    """The end-to-end error of `run` (the reference, in `dtype`) fed the inputs rounded to the
-    candidate's dtype: what rounding the inputs alone costs, which no part kept in fp32 undoes."""
-    args, kwargs = split_inputs(cast_inputs(cast_inputs(inputs, cand_dtype), dtype, copy=True))
-    rng.restore()
-    if noise is not None:
-        noise.position = 0
-    try:
-        with torch.no_grad(), noise if noise is not None else contextlib.nullcontext():
-            out = flat_sample(run(*args, **kwargs))
-    except Exception:  # the rounded inputs take another path that fails: no floor to speak of
-        return None
-    if out is None or out.numel() != root.truth.numel():
-        return None
-    return rel_error(out, root.truth, root.norm)
-
-
-def _record_noise(run: nn.Module, inputs: Any, rng: RngState) -> list[torch.Tensor]:
-    """The random draws a plain fp64 forward makes from RNG state `rng`, in order."""
-    recorder = RecordNoise()
-    args, kwargs = split_inputs(cast_inputs(inputs, torch.float64, copy=True))
-    rng.restore()
-    with torch.no_grad(), recorder:
-        run(*args, **kwargs)
-    return recorder.draws
-
-
 def _fp8_kernels(run: nn.Module) -> dict[str, Any]:
     """Which fp8 GEMM the candidate's Linear layers ran: the real kernel or the simulation, and why."""
     layers = [m for m in run.modules() if isinstance(m, Fp8Linear)]
@@ -537,31 +458,6 @@ def _fp8_kernels(run: nn.Module) -> dict[str, Any]:
             f"the kernel did not run: {reasons[0]}"
         )
     return {"layers": len(layers), "scaled_mm": real, "fake": len(layers) - real, "fallback": reasons, "text": text}
-
-
-def _rerun(
-    module: nn.Module,
-    rows: torch.Tensor | None,
-    args: Any,
-    kwargs: Any,
-    *,
-    dtype: torch.dtype,
-    device: torch.device | None,
-    truth: torch.Tensor,
-    norm: float,
-) -> tuple[float | None, float | None]:
-    """`module` in `dtype` on the fp64 inputs (or just their `rows`): (relative error, cosine)."""
-    if rows is not None:
-        out = module(cast_inputs(rows, dtype, device), **cast_inputs(kwargs, dtype, device))
-        sample: torch.Tensor | None = out.detach().reshape(-1).double()
-    else:
-        out = module(*cast_inputs(args, dtype, device), **cast_inputs(kwargs, dtype, device))
-        sample = flat_sample(out)
-    if sample is None or sample.numel() != truth.numel():
-        return None, None
-    if not all_finite(out):
-        return math.inf, None
-    return rel_error(sample, truth, norm), cosine(sample, truth, norm)
 
 
 def _jumped(row: ModuleRow, entry: _Seen) -> bool:

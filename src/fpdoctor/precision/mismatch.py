@@ -139,6 +139,38 @@ def explain_mismatch(failure: dict[str, Any], main_dtype: str | None = None, mod
     return _mismatch_finding(failure, main_dtype, model)
 
 
+def _culprit(
+    failure: dict[str, Any], main_dtype: str | None
+) -> tuple[str, list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """(the dtype expected, the operands that differ, the first of them, where its dtype entered)."""
+    operands = failure["operands"]
+    dtypes = Counter(o["dtype"] for o in operands)
+    expected: str = main_dtype if main_dtype is not None and main_dtype in dtypes else dtypes.most_common(1)[0][0]
+    odd = [o for o in operands if o["dtype"] != expected] or operands[-1:]
+    culprit = odd[0]
+    root = _root(culprit, culprit["dtype"]) if culprit.get("kind") == "state" else culprit
+    return expected, odd, culprit, root
+
+
+def _module_to_cast(root: dict[str, Any], model: nn.Module | None) -> str:
+    module_path: str = root["name"].rsplit(".", 1)[0] if "." in root["name"] else ""
+    return widest_module(model, module_path, root["dtype"]) if model is not None else module_path
+
+
+def fix_action(failure: dict[str, Any], main_dtype: str | None, model: nn.Module) -> dict[str, str] | None:
+    """What the dtype-mismatch fix does, as data audit can apply to check it: cast a module
+    (`{"module": path, "dtype": ...}`) or an input (`{"input": name, "dtype": ...}`); None for a
+    tensor the forward makes itself (only its source line can change)."""
+    if failure["device"]:
+        return None
+    expected, _, _, root = _culprit(failure, main_dtype)
+    if root.get("kind") in ("parameter", "buffer"):
+        return {"module": _module_to_cast(root, model), "dtype": expected}
+    if root.get("kind") == "input":
+        return {"input": root["name"], "dtype": expected}
+    return None
+
+
 def _mismatch_finding(failure: dict[str, Any], main_dtype: str | None, model: nn.Module | None) -> Finding:
     operands = failure["operands"]
     if failure["device"]:
@@ -155,15 +187,10 @@ def _mismatch_finding(failure: dict[str, Any], main_dtype: str | None, model: nn
             evidence={"kind": "device", "operands": operands, "count": len(odd), "numel": None, "dtype": None},
             fix=f"move {_describe(odd[0])} to {operands[0]['device']}, or model.to(device) after building it",
         )
-    dtypes = Counter(o["dtype"] for o in operands)
-    expected: str = main_dtype if main_dtype is not None and main_dtype in dtypes else dtypes.most_common(1)[0][0]
-    odd = [o for o in operands if o["dtype"] != expected] or operands[-1:]
-    culprit = odd[0]
-    root = _root(culprit, culprit["dtype"]) if culprit.get("kind") == "state" else culprit
+    expected, odd, culprit, root = _culprit(failure, main_dtype)
     torch_dtype = expected
     if root.get("kind") in ("parameter", "buffer"):
-        module_path = root["name"].rsplit(".", 1)[0] if "." in root["name"] else ""
-        module_path = widest_module(model, module_path, root["dtype"]) if model is not None else module_path
+        module_path = _module_to_cast(root, model)
         fix = (
             f"{module_expr(module_path)}.to({torch_dtype})   # all of it is {root['dtype']}, like {root['name']}"
             if module_path
