@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from fpdoctor.cli.output import UsageError, add_output_args, write_atomic
+from fpdoctor.report import html as html_page
 from fpdoctor.report.render import render
 
 
@@ -31,15 +32,19 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown case {unknown[0]!r}; choose from {', '.join(sorted(names))}")
     chosen = [c for c in CASES if not args.cases or c.name in args.cases]
     color = args.format == "text" and not args.output and sys.stdout.isatty()
-    parts, failed = [], []
+    parts, failed, sections = [], [], []
     for case in chosen:
         outcome = run_case(case)
         if not outcome.reproduces(case):
             failed.append(f"{case.name}: expected {sorted(case.expect)}, got {sorted(outcome.found)}")
         if args.format == "text":
             parts.append(f"\n=== {case.name} — incident {case.incident}: {case.title}\n{case.story}\n\n")
+        if args.format == "html":  # one page with a section per case, not several documents end to end
+            heading = f"{case.name} — incident {case.incident}: {case.title}"
+            sections.append(html_page.Section(heading, case.story, outcome.report.to_dict(), f"{case.name}-"))
+            continue
         parts.append(render(outcome.report.to_dict(), args.format, color=color))
-    text = "".join(parts)
+    text = html_page.book("fpdoctor demo: the casebook", sections) if args.format == "html" else "".join(parts)
     if args.output:
         write_atomic(args.output, text)
     else:

@@ -211,35 +211,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def render_html(report: dict[str, Any]) -> str:
-    esc = html.escape
-    rows = []
-    for f in report["findings"]:
-        evidence = "<br>".join(esc(e) for e in _evidence_lines(f["evidence"]))
-        refs = " ".join(f'<a href="{esc(r)}">{esc(r)}</a>' for r in f["references"])
-        fix = f"<pre>{esc(f['fix'])}</pre>" if is_command(f["fix"] or "") else f"<p>{esc(f['fix'] or '')}</p>"
-        rows.append(
-            f'<tr class="{esc(f["severity"])}"><td>{esc(f["severity"])}</td><td><code>{esc(f["code"])}'
-            f"</code><br>{esc(f['name'])}</td><td><b>{esc(f['title'])}</b><p>{esc(f['message'])}</p>"
-            f"<small>{evidence}</small></td><td>{fix}{refs}</td></tr>"
-        )
-    summary = "".join(
-        f"<tr><th>{esc(str(k))}</th><td>{esc(str(v))}</td></tr>" for k, v in report["data"].get("summary", [])
-    )
-    results, results_html = report["data"].get("table"), ""
-    if results:
-        cells = ["<tr>" + "".join(f"<th>{esc(c)}</th>" for c in results["columns"]) + "</tr>"]
-        cells += ["<tr>" + "".join(f"<td>{esc(str(c))}</td>" for c in row) + "</tr>" for row in results["rows"]]
-        results_html = f"<h2>{esc(results['title'])}</h2><table>{''.join(cells)}</table>"
-    return (
-        "<!doctype html><html><head><meta charset='utf-8'>"
-        f"<title>fpdoctor {esc(report['command'])}</title><style>"
-        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-        "td,th{border:1px solid #ccc;padding:4px 8px;vertical-align:top;text-align:left}"
-        "tr.error td:first-child{color:#b00}tr.warning td:first-child{color:#a60}"
-        "pre{white-space:pre-wrap;margin:0}</style></head><body>"
-        f"<h1>fpdoctor {esc(report['command'])}: {esc(report['verdict'])}</h1>"
-        f"<table>{summary}</table>{results_html}<h2>Findings</h2>"
-        "<table><tr><th>severity</th><th>code</th><th>what</th><th>fix</th></tr>"
-        + "".join(rows)
-        + "</table></body></html>\n"
-    )
+    """One self-contained page: inline styles and SVG plots, nothing loaded from the network."""
+    from fpdoctor.report import html as html_page
+
+    return html_page.page(report)
