@@ -32,9 +32,17 @@ class Outcome:
 
 
 def _cases() -> tuple[Case, ...]:
-    from fpdoctor.casebook import attention, crash, fp8, h20, unet
+    from fpdoctor.casebook import attention, crash, faulty_gpu, fp8, h20, unet
 
-    return (h20.SIGFPE, h20.SHADOWED, crash.SIGFPE_RUN, attention.NAN_FRAMES, unet.TIME_EMBED, fp8.FP8_OUTLIERS)
+    return (
+        h20.SIGFPE,
+        h20.SHADOWED,
+        crash.SIGFPE_RUN,
+        attention.NAN_FRAMES,
+        unet.TIME_EMBED,
+        fp8.FP8_OUTLIERS,
+        faulty_gpu.FAULTY_GPU,
+    )
 
 
 CASES: tuple[Case, ...] = _cases()

@@ -64,6 +64,21 @@ class Finding:
             "references": list(self.references),
         }
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Finding:
+        """Read back `to_dict` (a finding another process or rank sent as JSON)."""
+        return cls(
+            code=d["code"],
+            name=d["name"],
+            severity=Severity(d["severity"]),
+            title=d["title"],
+            message=d["message"],
+            fix=d.get("fix") or "",
+            where=dict(d.get("where") or {}),
+            evidence=dict(d.get("evidence") or {}),
+            references=tuple(d.get("references") or ()),
+        )
+
 
 def _known(values: Mapping[str, Any], keep: tuple[str, ...] = ()) -> dict[str, Any]:
     """Keys whose value is unknown are omitted, not null (SPEC 3.2); `where.module` is the

@@ -41,7 +41,7 @@ def _value(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, dict):
-        return ", ".join(f"{k} {_value(v)}" for k, v in value.items() if v is not None)
+        return ", ".join(f"{k} {_nested(v)}" for k, v in value.items() if v is not None)
     if isinstance(value, (list, tuple)):
         if value and all(isinstance(v, dict) for v in value):
             return "; ".join(f"({_value(v)})" for v in value)
@@ -49,6 +49,11 @@ def _value(value: Any) -> str:
             return "[" + ", ".join(_value(v) for v in value) + "]"  # a shape or a list of numbers
         return ", ".join(_value(v) for v in value)
     return str(value)
+
+
+def _nested(value: Any) -> str:
+    """A record inside a record is bracketed, so its keys do not run into its parent's."""
+    return f"({_value(value)})" if isinstance(value, dict) else _value(value)
 
 
 def _evidence_lines(evidence: dict[str, Any]) -> list[str]:
