@@ -19,6 +19,7 @@ import sys
 import tempfile
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from fpdoctor.casebook import Case
 from fpdoctor.report.model import Finding, Report
@@ -53,7 +54,8 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     results: dict[str, object] = {}
     try:
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        first = nn.Linear(8, 16)
+        model = nn.Sequential(first, nn.ReLU(), nn.Linear(16, 1))
         ddp = nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
         guard = fpdoctor.Sentinel(ddp, opt)
@@ -66,7 +68,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
                 grad[0, 0] = float("nan")
             return grad
 
-        model[0].weight.register_hook(silent_fault)
+        first.weight.register_hook(silent_fault)
 
         def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             opt.zero_grad(set_to_none=True)
@@ -92,7 +94,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         os._exit(0)  # gloo with a DDP comm hook may abort at interpreter exit: results are written
 
 
-def _run_job(out: str) -> dict[str, object]:
+def _run_job(out: str) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     ctx = mp.start_processes(_rank, args=(_WORLD, _free_port(), out), nprocs=_WORLD, join=False, start_method="spawn")
@@ -103,7 +105,7 @@ def _run_job(out: str) -> dict[str, object]:
         for p in ctx.processes:
             p.kill()
         raise RuntimeError(f"the {_WORLD}-rank job did not finish in {_LIMIT_S} s")
-    rank0: dict[str, object] = json.loads(Path(out, "rank0.json").read_text())
+    rank0: dict[str, Any] = json.loads(Path(out, "rank0.json").read_text())
     if "error" in rank0:
         raise RuntimeError(f"rank 0: {rank0['error']}")
     return rank0
@@ -117,14 +119,14 @@ def _run() -> Report:
         log = Path(tmp, "faulty_gpu.kern.log")
         log.write_bytes(resources.files("fpdoctor.casebook").joinpath("data/faulty_gpu.kern.log").read_bytes())
         kernel = health(from_files=[str(log)]).report
-    sentinel: dict[str, object] = rank0["sentinel"]  # type: ignore[assignment]
-    found = [Finding.from_dict(f) for f in sentinel["findings"]]  # type: ignore[index]
-    found += [Finding.from_dict(f) for f in rank0["fingerprints"]]  # type: ignore[union-attr]
+    sentinel = rank0["sentinel"]
+    found = [Finding.from_dict(f) for f in sentinel["findings"]]
+    found += [Finding.from_dict(f) for f in rank0["fingerprints"]]
     found += kernel.findings
     summary = [
         ("job", f"{_WORLD} ranks, DDP on gloo, {_STEPS} guarded steps; rank {_FAULTY_RANK} injected faulty"),
-        ("sentinel verdicts", json.dumps(sentinel["data"]["verdicts"])),  # type: ignore[index]
-        ("fingerprints", f"every rank, 0.5 s; {len(rank0['fingerprints'])} finding(s)"),  # type: ignore[arg-type]
+        ("sentinel verdicts", json.dumps(sentinel["data"]["verdicts"])),
+        ("fingerprints", f"every rank, 0.5 s; {len(rank0['fingerprints'])} finding(s)"),
         ("kernel log", "one recorded NVRM line of a GPU with a failing memory row"),
     ]
     return Report(command="demo faulty-gpu", findings=found, data={"summary": summary})

@@ -29,7 +29,7 @@ def _faulty_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 if __name__ == "__main__":
     EVERY = int(sys.argv[1])
-    torch.mm = _faulty_mm
+    torch.mm = _faulty_mm  # type: ignore[assignment]
     code = fingerprint.child_main(sys.argv[2:])
     sys.stdout.flush()
     raise SystemExit(code)
