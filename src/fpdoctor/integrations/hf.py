@@ -1,0 +1,279 @@
+"""The training sentinel inside the Hugging Face `Trainer` (transformers >= 4.40, through accelerate).
+
+    from fpdoctor.integrations.hf import FpDoctorCallback
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[FpDoctorCallback("fpdoctor.json")])
+    trainer.train()               # then: callback.report
+
+The Trainer gives its callbacks no loss, so the callback looks at the model itself (hooks put on
+it at `on_train_begin`, removed at `on_train_end`):
+- a forward pre-hook: a micro-batch's inputs (references) and the RNG state, for the replay;
+- a forward hook: the loss the model returns (`outputs.loss`, unscaled), checked on the device;
+- the end of the last micro-batch's backward (an autograd callback queued from the loss): the
+  gradients, read with the step's one host read before the Trainer computes the gradient norm -
+  which multiplies every gradient by a non-finite norm, so that afterwards every parameter shows
+  NaN. Under DDP the read waits for `on_pre_optimizer_step` (the all-reduce must have finished);
+  the DDP hook has each rank's own gradients from before it;
+- `on_pre_optimizer_step`: the step is decided - a non-finite one is reported, replayed and
+  skipped (gradients set to None, so `optimizer.step()` changes nothing); an overflow under fp16's
+  GradScaler is the scaler's to skip (the Trainer's `optimizer_step_was_skipped`), counted as an
+  AMP skip;
+- `on_log`: `logging_nan_inf_filter` (on by default) logs the running mean instead of a NaN/Inf
+  loss, so the logs look healthy; the callback adds `nonfinite_steps` (how many since the last
+  log) to that log entry and to `state.log_history`, and names each such step in a warning.
+
+What it cannot do: see a loss computed outside the model's forward (`compute_loss` overridden,
+`compute_loss_func`, label smoothing): the gradients are still checked and bad steps skipped,
+but they are not replayed ("not replayed: ..."); replay a micro-batch that ran the model more
+than once; stop the learning-rate scheduler from advancing on a step it skipped (the Trainer
+only holds it back for the GradScaler's own skips).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from fpdoctor.integrations import _output
+from fpdoctor.integrations._watch import StepWatch
+from fpdoctor.numerics import distributed
+from fpdoctor.report.model import Report
+
+NO_LOSS = "the loss is computed outside the model's forward (compute_loss, compute_loss_func or label smoothing)"
+TWICE = "the model ran more than once in one micro-batch"
+
+
+def _transformers() -> Any:
+    try:
+        return importlib.import_module("transformers")
+    except ImportError:
+        raise ImportError("fpdoctor.integrations.hf needs transformers >= 4.40: pip install 'fpdoctor[hf]'") from None
+
+
+_BASE = _transformers()
+_Callback: Any = _BASE.TrainerCallback
+
+
+class FpDoctorCallback(_Callback):
+    """The training sentinel for the Hugging Face Trainer: checks every optimizer step's loss and
+    gradients on the device, skips a non-finite step, replays it under `trace` and says why; the
+    NaN/Inf losses that `logging_nan_inf_filter` keeps out of the logs are named (see the module's doc).
+
+    `report_path`: where the report is written when training ends (.json, .md, .html, else text;
+    under DDP every rank writes its own, `name.rankN.ext`). `replay=False`: report and skip only.
+    `callback.report` holds the report at any time.
+    """
+
+    def __init__(self, report_path: str | None = None, *, replay: bool = True) -> None:
+        if not isinstance(replay, bool):
+            raise ValueError(f"replay must be True or False, got {replay!r}")
+        self.report_path = _output.check_path(report_path)
+        self.replay = replay
+        self._watch: StepWatch | None = None
+        self._model: nn.Module | None = None
+        self._state: Any = None
+        self._gradient_state: Any = None
+        self._handles: list[Any] = []
+        self._open = False  # a micro-batch has started (its first training forward ran)
+        self._replaying = False
+        self._backward_queued = False
+        self._unlogged = 0  # non-finite steps since the last log
+        self._filtering = True
+        self._zero = True
+
+    @property
+    def report(self) -> Report:
+        """What the callback found so far (counts, verdicts, findings); written at the end of training."""
+        if self._watch is None:
+            return Report(command="sentinel", data={"framework": "transformers", "steps": 0})
+        return self._watch.report("transformers")
+
+    # -- the Trainer's events ----------------------------------------------------------------------
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any
+    ) -> None:
+        self._close()
+        self._watch = None
+        if model is None:
+            return
+        self._model, self._state = model, state
+        self._filtering = bool(getattr(args, "logging_nan_inf_filter", False))
+        self._zero = bool(getattr(state, "is_world_process_zero", True))
+        self._unlogged = 0
+        scaler = getattr(optimizer, "scaler", None)  # accelerate's AcceleratedOptimizer holds fp16's GradScaler
+        self._gradient_state = getattr(optimizer, "gradient_state", None)
+        self._watch = StepWatch(
+            model,
+            self._step_fn,
+            replay=self.replay,
+            scaler=scaler,
+            ddp=_ddp_wrapper(model),
+            optimizer=getattr(optimizer, "optimizer", optimizer),
+            replay_context=self._replay_context,
+        )
+        self._handles = [
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            model.register_forward_hook(self._after_forward, with_kwargs=True),
+        ]
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._open = False  # the next training forward starts the next micro-batch
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._open = False
+        watch = self._watch
+        if watch is None:
+            return
+        step = state.global_step + 1  # the step being taken, as the Trainer's logs will number it
+        checked = watch.decide(step)
+        if checked is None or checked.finite:
+            return
+        if watch.scaler is not None and checked.bad_grad and not checked.bad_loss:
+            return  # an AMP overflow: the scaler skips it, and that is not news
+        self._unlogged += 1
+        if self._zero:
+            line = _output.step_line(watch.findings, step)
+            if line and checked.bad_loss and self._filtering:
+                line += (
+                    " The Trainer's logged loss hides it: logging_nan_inf_filter=True logs the running mean instead."
+                )
+            if line:
+                _logger().warning(line)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if not self._unlogged or logs is None:
+            return
+        logs["nonfinite_steps"] = self._unlogged
+        history = getattr(state, "log_history", None)
+        if history and history[-1].get("step") == state.global_step and "loss" in history[-1]:
+            history[-1]["nonfinite_steps"] = self._unlogged
+        self._unlogged = 0
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        watch = self._watch
+        self._close()
+        if watch is None:
+            return
+        report = watch.report("transformers")
+        world = int(getattr(args, "world_size", 1) or 1)
+        rank = int(getattr(args, "process_index", 0)) if world > 1 else None
+        if self.report_path:
+            path = _output.path_for_rank(self.report_path, rank, world)
+            try:
+                _output.write(report, path)
+            except Exception as exc:  # a report we cannot write never fails the training
+                _logger().error(f"fpdoctor: could not write the report to {path}: {exc}")
+        if self._zero:
+            (_logger().warning if report.findings else _logger().info)(
+                "\n".join(_output.summary_lines(report, "transformers"))
+            )
+
+    # -- the model's hooks -------------------------------------------------------------------------
+    def _training(self, module: nn.Module) -> bool:
+        return self._watch is not None and not self._replaying and module.training and torch.is_grad_enabled()
+
+    def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        watch = self._watch
+        if watch is None or not self._training(module):
+            return
+        try:
+            if not self._open:
+                self._open = True
+                self._backward_queued = False
+                watch.start_micro()
+            elif watch.has_inputs():
+                watch.cannot_replay(TWICE)
+                return
+            watch.inputs(args, kwargs)
+            # the model normalised its loss by the window's token count: the step's loss is the sum
+            watch.sum_losses = kwargs.get("num_items_in_batch") is not None
+        except Exception as exc:
+            watch.error("looking at the model's inputs", exc)
+
+    def _after_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        watch = self._watch
+        if watch is None or not self._training(module):
+            return
+        try:
+            loss = _loss_of(output)
+            if loss is None:
+                watch.cannot_replay(NO_LOSS)
+                return
+            watch.loss(loss)
+            last = getattr(self._gradient_state, "sync_gradients", False)
+            # under DDP the gradients are read after the all-reduce, at on_pre_optimizer_step
+            if last and not self._backward_queued and loss.requires_grad and not distributed.active():
+                self._backward_queued = True
+                loss.register_hook(self._backward_started)
+        except Exception as exc:
+            watch.error("looking at the model's loss", exc)
+
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        except Exception as exc:
+            if self._watch is not None:
+                self._watch.error("waiting for the end of the backward", exc)
+
+    def _backward_done(self) -> None:
+        """The last micro-batch's backward has finished: every gradient is complete, none clipped."""
+        if self._watch is not None and self._state is not None:
+            self._watch.check(self._state.global_step + 1)
+
+    # -- the replay ----------------------------------------------------------------------------------
+    def _step_fn(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One micro-batch as the Trainer runs it: the model (accelerate's autocast is part of its
+        forward), its own loss, scaled like accelerate's backward under fp16."""
+        assert self._model is not None and self._watch is not None
+        with torch.enable_grad():
+            loss = _loss_of(self._model(*args, **kwargs))
+            if loss is None:
+                raise RuntimeError("the model returned no loss when the step was replayed")
+            scaler = self._watch.scaler
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        return loss.detach()
+
+    @contextlib.contextmanager
+    def _replay_context(self) -> Iterator[None]:
+        """The replay's forwards are not micro-batches of the run."""
+        self._replaying = True
+        try:
+            yield
+        finally:
+            self._replaying = False
+
+    def _close(self) -> None:
+        """Take the hooks off the model (the watch stays, for `report`)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._open = [], False
+
+
+def _loss_of(output: Any) -> torch.Tensor | None:
+    """The loss a model's output carries, as the Trainer reads it (`outputs["loss"]`)."""
+    loss = output.get("loss") if isinstance(output, Mapping) else None
+    if not isinstance(loss, torch.Tensor) or not (loss.is_floating_point() or loss.is_complex()):
+        return None
+    return loss
+
+
+def _ddp_wrapper(model: nn.Module) -> nn.Module | None:
+    """The DistributedDataParallel that wraps `model`: the Trainer gives its callbacks the bare
+    model only. One pass over the interpreter's objects, once per training, under DDP only."""
+    if not distributed.active():
+        return None
+    import gc
+
+    for obj in gc.get_objects():
+        if isinstance(obj, nn.parallel.DistributedDataParallel) and obj.module is model:
+            return obj
+    return None
+
+
+def _logger() -> Any:
+    # under transformers' own logger: its handler, and the verbosity the user set for it
+    return _BASE.utils.logging.get_logger("transformers.fpdoctor")

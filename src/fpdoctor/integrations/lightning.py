@@ -1,0 +1,300 @@
+"""The training sentinel inside Lightning's `Trainer.fit` (Lightning >= 2.0, `lightning` or `pytorch_lightning`).
+
+    from fpdoctor.integrations.lightning import FpDoctorCallback
+    trainer = Trainer(callbacks=[FpDoctorCallback(report_path="fpdoctor.json")])
+    trainer.fit(model)            # then: callback.report
+
+Or with no change to the code: `FPDOCTOR_LIGHTNING=1` (and `FPDOCTOR_REPORT=fpdoctor.json`) in the
+environment; the package's entry point adds the callback to every Trainer then, and to none
+otherwise.
+
+Where the callback looks, and why there:
+- `on_train_batch_start`: a micro-batch starts; its batch (a reference) and the RNG state, for the replay;
+- `on_before_backward`: its loss, on the device. Lightning passes the loss divided by
+  `accumulate_grad_batches` and, under "16-mixed", multiplied by the GradScaler's scale: both are
+  undone for the loss curve (a non-finite loss stays non-finite either way);
+- `on_before_optimizer_step`: the gradients are complete and not yet clipped (Lightning clips after
+  this hook), unscaled under "16-mixed" except for optimizers that unscale inside their step (fused
+  Adam: Lightning leaves it to them) - finiteness is the same either way. The step is decided here,
+  with one host read: a non-finite step is reported, replayed and skipped (gradients set to None,
+  so the optimizer step that follows changes nothing); an overflow under a GradScaler is the
+  scaler's to skip and is counted as an AMP skip.
+- `on_train_end` (or `on_exception`): the report is written and summed up through Lightning's logger.
+
+What it cannot do: replay under manual optimization (`training_step` steps the optimizer itself;
+such steps are still checked and skipped, and their report says "not replayed"); undo what a
+`training_step` changes besides buffers, `self.log` calls and torchmetrics states (the replay drops
+the first and puts the others back); stop the learning-rate scheduler from advancing on a skipped
+step (Lightning steps it after every optimizer step, as it does after an AMP skip).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from fpdoctor.integrations import _output
+from fpdoctor.integrations._watch import StepWatch
+from fpdoctor.report.model import Report
+
+ENV_REPORT = "FPDOCTOR_REPORT"
+_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
+
+
+def _lightning(package: str | None = None) -> Any:
+    """The Lightning package to build on: `package`, else `lightning.pytorch`, else `pytorch_lightning`."""
+    for name in (package,) if package else _PACKAGES:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError(
+        "fpdoctor.integrations.lightning needs Lightning >= 2.0: pip install 'fpdoctor[lightning]'"
+    ) from None
+
+
+class _Hooks:
+    """The callback's behaviour, on whichever Lightning package's `Callback` it is mixed into."""
+
+    def __init__(self, report_path: str | None = None, *, replay: bool = True) -> None:
+        super().__init__()
+        if not isinstance(replay, bool):
+            raise ValueError(f"replay must be True or False, got {replay!r}")
+        self.report_path = _output.check_path(report_path)
+        self.replay = replay
+        self._from_entry_point = False
+        self._active = True
+        self._watch: StepWatch | None = None
+        self._trainer: Any = None
+        self._takes_index = True
+        self._logger_name = "lightning.pytorch.fpdoctor"
+        self._written: Report | None = None
+
+    @property
+    def report(self) -> Report:
+        """What the callback found so far (counts, verdicts, findings); written at the end of training."""
+        if self._watch is None:
+            return Report(command="sentinel", data={"framework": "lightning", "steps": 0})
+        return self._watch.report("lightning")
+
+    # -- Lightning's hooks -------------------------------------------------------------------------
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        # one sentinel per Trainer: a callback the user gave wins over the environment's
+        others = [cb for cb in trainer.callbacks if isinstance(cb, _Hooks) and cb is not self]
+        self._active = not (self._from_entry_point and any(not cb._from_entry_point for cb in others))
+        package = "lightning.pytorch" if type(trainer).__module__.startswith("lightning.") else "pytorch_lightning"
+        self._logger_name = f"{package}.fpdoctor"  # under Lightning's own logger: its handler and level
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._watch = None
+        self._written = None
+        if not self._active:
+            return
+        self._trainer = trainer
+        precision = trainer.precision_plugin
+        scaler = getattr(precision, "scaler", None)
+        model = trainer.strategy.model
+        ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+        optimizers = list(trainer.optimizers)
+        self._takes_index = _takes_batch_index(pl_module.training_step)
+        self._watch = StepWatch(
+            pl_module,
+            self._step_fn,
+            replay=self.replay,
+            scaler=scaler,
+            ddp=ddp,
+            optimizer=optimizers[0] if len(optimizers) == 1 else None,
+            replay_context=lambda: _replaying(pl_module),
+        )
+        if not pl_module.automatic_optimization:
+            self._watch.cannot_replay_any = "manual optimization: training_step steps the optimizer itself"
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        watch = self._watch
+        if watch is None:
+            return
+        watch.start_micro()
+        watch.inputs((batch, batch_idx) if self._takes_index else (batch,), {})
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        watch = self._watch
+        if watch is None:
+            return
+        scale = watch.scaler._scale if watch.scaler is not None else None
+        # automatic optimization divides the loss by accumulate_grad_batches; manual does not
+        times = float(trainer.accumulate_grad_batches) if pl_module.automatic_optimization else 1.0
+        watch.loss(loss, scale=scale, times=times)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        watch = self._watch
+        if watch is None:
+            return
+        step = trainer.global_step + 1  # the step being taken, counted from 1
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        checked = watch.decide(step, params)
+        if (
+            checked is not None
+            and not checked.finite
+            and not (watch.scaler is not None and checked.bad_grad and not checked.bad_loss)
+        ):
+            self._log_step(trainer, step)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._finish(trainer)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._finish(trainer)
+
+    # -- the replay's step and the end ------------------------------------------------------------
+    def _step_fn(self, *args: Any) -> torch.Tensor:
+        """One micro-batch as Lightning's automatic optimization runs it: training_step under the
+        precision plugin's autocast, the loss scaled like Lightning's, the module's own backward."""
+        trainer = self._trainer
+        pl_module = trainer.lightning_module
+        with torch.enable_grad():
+            with trainer.precision_plugin.train_step_context():
+                output = pl_module.training_step(*args)
+            loss = output.get("loss") if isinstance(output, Mapping) else output
+            if not isinstance(loss, torch.Tensor):
+                raise RuntimeError("training_step returned no loss when the step was replayed")
+            scaler = self._watch.scaler if self._watch is not None else None
+            pl_module.backward(scaler.scale(loss) if scaler is not None else loss)
+        return loss.detach()
+
+    def _finish(self, trainer: Any) -> None:
+        watch = self._watch
+        if watch is None or self._written is not None:
+            return
+        report = watch.report("lightning")
+        self._written = report
+        rank, world = _rank(trainer)
+        if self.report_path:
+            path = _output.path_for_rank(self.report_path, rank, world)
+            try:
+                _output.write(report, path)
+            except Exception as exc:  # a report we cannot write never fails the training
+                self._logger().error(f"fpdoctor: could not write the report to {path}: {exc}")
+        if rank in (None, 0):
+            lines = _output.summary_lines(report, "lightning")
+            log = self._logger()
+            (log.warning if report.findings else log.info)("\n".join(lines))
+
+    def _log_step(self, trainer: Any, step: int) -> None:
+        rank, _ = _rank(trainer)
+        if rank not in (None, 0) or self._watch is None:
+            return
+        line = _output.step_line(self._watch.findings, step)
+        if line:
+            self._logger().warning(line)
+
+    def _logger(self) -> Any:
+        import logging
+
+        return logging.getLogger(self._logger_name)
+
+
+def _rank(trainer: Any) -> tuple[int | None, int]:
+    world = int(getattr(trainer, "world_size", 1) or 1)
+    return (int(trainer.global_rank) if world > 1 else None), world
+
+
+def _takes_batch_index(training_step: Any) -> bool:
+    """Lightning passes batch_idx when training_step takes a second argument (its own rule)."""
+    try:
+        parameters = inspect.signature(training_step).parameters
+    except (TypeError, ValueError):
+        return True
+    if "batch_idx" in parameters:
+        return True
+    positional = [p for p in parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in parameters.values())
+
+
+@contextlib.contextmanager
+def _replaying(pl_module: nn.Module) -> Iterator[None]:
+    """A replay leaves no trace in the logs or the metrics: `self.log`/`self.log_dict` do nothing
+    for its length, and torchmetrics states it updates are put back after."""
+    instance = vars(pl_module)
+    shadowed = {name: instance[name] for name in ("log", "log_dict") if name in instance}
+    metrics = [(m, _metric_state(m)) for m in pl_module.modules() if _is_metric(m)]
+    instance["log"] = instance["log_dict"] = _no_log
+    try:
+        yield
+    finally:
+        for name in ("log", "log_dict"):
+            if name in shadowed:
+                instance[name] = shadowed[name]
+            else:
+                instance.pop(name, None)
+        for metric, state in metrics:
+            for name, value in state.items():
+                setattr(metric, name, value)
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _is_metric(module: nn.Module) -> bool:
+    """A torchmetrics Metric (duck-typed: its states are attributes, not buffers)."""
+    return isinstance(getattr(module, "_defaults", None), dict) and hasattr(module, "_update_count")
+
+
+def _metric_state(metric: Any) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    for name in [*metric._defaults, "_update_count", "_computed", "_forward_cache"]:
+        value = getattr(metric, name, None)
+        if isinstance(value, torch.Tensor):
+            value = value.detach().clone()
+        elif isinstance(value, list):
+            value = [v.detach().clone() if isinstance(v, torch.Tensor) else v for v in value]
+        state[name] = value
+    return state
+
+
+def callback_class(package: str | None = None) -> type:
+    """FpDoctorCallback built on `package`'s Callback ("lightning.pytorch" or "pytorch_lightning")."""
+    pl = _lightning(package)
+    if pl is _BASE_PACKAGE:
+        return FpDoctorCallback
+    cached = _CLASSES.get(pl.__name__)
+    if cached is None:
+        cached = type("FpDoctorCallback", (_Hooks, pl.Callback), {"__doc__": FpDoctorCallback.__doc__})
+        _CLASSES[pl.__name__] = cached
+    return cached
+
+
+def from_environment(package: str) -> list[Any]:
+    """The entry point's callbacks: one FpDoctorCallback when FPDOCTOR_LIGHTNING is on."""
+    path = os.environ.get(ENV_REPORT) or None
+    try:
+        callback = callback_class(package)(report_path=path)
+    except ValueError as exc:  # a bad FPDOCTOR_REPORT: the run goes on, without the file
+        import logging
+
+        logging.getLogger(f"{package}.fpdoctor").error(f"fpdoctor: {ENV_REPORT}: {exc}")
+        callback = callback_class(package)()
+    callback._from_entry_point = True
+    return [callback]
+
+
+_BASE_PACKAGE = _lightning()
+_Callback: Any = _BASE_PACKAGE.Callback
+_CLASSES: dict[str, type] = {}
+
+
+class FpDoctorCallback(_Hooks, _Callback):
+    """The training sentinel for Lightning: checks every optimizer step's loss and gradients on the
+    device, skips a non-finite step, replays it under `trace` and says why (see the module's doc).
+
+    `report_path`: where the report is written when training ends (.json, .md, .html, else text;
+    under DDP every rank writes its own, `name.rankN.ext`). `replay=False`: report and skip only.
+    `callback.report` holds the report at any time.
+    """
