@@ -411,6 +411,8 @@ def test_a_deep_model_with_headroom_stays_under_2_mb():
     text = render(report, "html")
     page = outline(text)
     assert "range-heatmap" in views(page) and len(text.encode()) < MB2
+    rows = len(report["data"]["headroom"])
+    assert f"the {plots.MAX_ROWS} of {rows} modules closest to a limit" in text
 
 
 # ---- a real browser ------------------------------------------------------------------------------------------

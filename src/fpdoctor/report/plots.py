@@ -182,7 +182,7 @@ def range_heatmap(rows: Sequence[Mapping[str, Any]], key: str = "range-heatmap")
         left, right = fig.subplots(1, 2, width_ratios=[len(_OVERFLOW), max(1, len(under))], sharey=True)
         # log10(absmax / max): 0 is the format's limit; below a thousandth of it the cell stays pale
         grid = [[math.log10(v) if v > 0 else -3.0 for v in over[k]] for k in picked]
-        mesh = left.pcolormesh(grid, cmap="YlOrRd", norm=Normalize(-3, 0), edgecolors="white", linewidth=0.5)
+        mesh = left.pcolormesh(grid, cmap=_steps("YlOrRd"), norm=Normalize(-3, 0), edgecolors="white", linewidth=0.5)
         for i, k in enumerate(picked):
             for j, v in enumerate(over[k]):
                 left.text(j + 0.5, i + 0.5, _share_text(v, over_limit=True), ha="center", va="center", fontsize=7,
@@ -194,7 +194,9 @@ def range_heatmap(rows: Sequence[Mapping[str, Any]], key: str = "range-heatmap")
         if under:
             # share of non-zero values below the flush threshold: a thousandth of them to all of them
             cells = [[math.log10(v) if v > 0 else -3.0 for v in flush[k]] for k in picked]
-            mesh = right.pcolormesh(cells, cmap="Blues", norm=Normalize(-3, 0), edgecolors="white", linewidth=0.5)
+            mesh = right.pcolormesh(
+                cells, cmap=_steps("Blues"), norm=Normalize(-3, 0), edgecolors="white", linewidth=0.5
+            )
             for i, k in enumerate(picked):
                 for j, v in enumerate(flush[k]):
                     if v > 0:
@@ -206,6 +208,9 @@ def range_heatmap(rows: Sequence[Mapping[str, Any]], key: str = "range-heatmap")
         else:
             right.set_axis_off()
         left.invert_yaxis()  # model order, top to bottom (the axes share y: once for both)
+        if len(picked) < len(rows):
+            fig.suptitle(f"the {len(picked)} of {len(rows)} modules closest to a limit, in model order (JSON has all)",
+                         x=0.0, ha="left", fontsize=9, color=GREY)  # fmt: skip
         for ax in (left, right):
             ax.tick_params(axis="x", labelrotation=30, length=0)
             ax.tick_params(axis="y", length=0)
@@ -214,9 +219,17 @@ def range_heatmap(rows: Sequence[Mapping[str, Any]], key: str = "range-heatmap")
         return to_svg(fig, key)
 
 
+def _steps(name: str) -> Any:
+    """A colour map of 24 steps: plenty for a heatmap read with its numbers, and a colour bar that
+    stays a few vector rectangles (matplotlib embeds one of 50 steps or more as a PNG)."""
+    import matplotlib
+
+    return matplotlib.colormaps[name].resampled(24)
+
+
 def _colorbar(fig: Any, mesh: Any, ax: Any, label: str) -> None:
     bar = fig.colorbar(mesh, ax=ax, location="bottom", shrink=0.8, label=label)
-    bar.solids.set_rasterized(False)  # matplotlib embeds a colour bar of 50+ steps as a PNG; keep it vector
+    bar.solids.set_edgecolor("face")  # no hairline seams between its steps
 
 
 def _short_dtype(dtype: Any) -> str:
