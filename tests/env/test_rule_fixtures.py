@@ -44,9 +44,11 @@ def test_rule_fixture_gives_exactly_the_expected_findings(rule):
 
 def test_unconfirmed_facts_never_make_an_error():
     from fpdoctor.env.rules import cap_severity
-    from fpdoctor.env.rules.known import severity_for
+    from fpdoctor.env.rules.known import finding_name
     from fpdoctor.report.model import Severity
 
     assert cap_severity(Severity.ERROR, "unconfirmed") is Severity.WARNING
     assert cap_severity(Severity.ERROR, "confirmed") is Severity.ERROR
-    assert severity_for({"confidence": "unconfirmed", "kind": "crash"}) is Severity.INFO
+    unconfirmed_crash = {"confidence": "unconfirmed", "kind": "crash"}
+    assert finding_name(unconfirmed_crash, text=True, unknown=[]) == "known-issue-possible"
+    assert catalog.get("known-issue-possible").severity is Severity.INFO

@@ -5,7 +5,15 @@ from __future__ import annotations
 from fpdoctor.catalog import Rule
 from fpdoctor.report.model import Severity
 
-E, W = Severity.ERROR, Severity.WARNING
+E, W, N = Severity.ERROR, Severity.WARNING, Severity.INFO  # N: a note
+
+# What the confidence words in a finding's evidence mean (the reference data's own scale).
+_CONFIDENCE_WORDS = (
+    "Each fact carries its source's confidence: confirmed (vendor documentation, a maintainer's "
+    "statement or the build script), likely (strong indirect evidence), reported (several independent "
+    "user reports agree, no vendor root cause), inferred (deduced, verify on the device), unconfirmed "
+    "(single or conflicting evidence: fpdoctor only suggests)."
+)
 
 ENV_RULES: tuple[Rule, ...] = (
     Rule(
@@ -17,8 +25,8 @@ ENV_RULES: tuple[Rule, ...] = (
         "signal it died of, matched against known causes (a missing or mismatched shared "
         "library, a NumPy ABI break, a half-installed wheel).",
         why="Nothing else in PyTorch can run; the error text usually names a symptom, not a cause.",
-        fix="Follow the cause-specific fix in the finding; otherwise reinstall torch in a clean "
-        "virtual environment: python -m pip install --force-reinstall torch",
+        fix="The finding gives the command for the cause it matched; for an unknown cause it reinstalls the "
+        "same torch from its own index (python -m pip install --force-reinstall ...).",
     ),
     Rule(
         code="ENV002",
@@ -28,8 +36,8 @@ ENV_RULES: tuple[Rule, ...] = (
         what="The installed torch has no CUDA support (`torch.version.cuda` is None, or a "
         "`+cpu` wheel) while NVML, nvidia-smi or the pasted report shows NVIDIA GPUs.",
         why="Every tensor stays on the CPU; `torch.cuda.is_available()` is False and .cuda() raises.",
-        fix="Install a CUDA build: python -m pip install --force-reinstall torch "
-        "--index-url https://download.pytorch.org/whl/cu126",
+        fix="The finding gives the install command for the CUDA build that covers the GPUs and runs on the "
+        "driver, with the interpreter the input shows; a torch change means rebuilding compiled extensions.",
         references=("https://pytorch.org/get-started/locally/",),
     ),
     Rule(
@@ -41,7 +49,8 @@ ENV_RULES: tuple[Rule, ...] = (
         "(NVIDIA's minor-version-compatibility floor) and for the exact toolkit.",
         why="CUDA initialisation fails ('driver on your system is too old', error 803/804), or "
         "newer features and PTX JIT fail later.",
-        fix="Upgrade the NVIDIA driver, or install the torch variant built for an older CUDA.",
+        fix="Upgrade the NVIDIA driver to the minimum the finding names (no single command: it comes from the OS "
+        "or NVIDIA's installer), or run the finding's command that installs a torch built for an older CUDA.",
         references=("https://docs.nvidia.com/cuda/cuda-toolkit-release-notes/",),
     ),
     Rule(
@@ -54,7 +63,8 @@ ENV_RULES: tuple[Rule, ...] = (
         "supported the architecture.",
         why="Kernels fail with 'no kernel image is available for execution on the device', or run "
         "only through slow PTX JIT with libraries that have no kernels for the GPU.",
-        fix="Install a torch build whose arch list covers the GPU (the finding gives the index URL).",
+        fix="The finding gives the install command for a build that covers the GPU and runs on the driver, or "
+        "says why there is none (no such build, or the driver must be upgraded first).",
         references=("https://github.com/pytorch/pytorch/blob/main/RELEASE.md",),
     ),
     Rule(
@@ -123,10 +133,34 @@ ENV_RULES: tuple[Rule, ...] = (
         name="known-issue",
         severity=W,
         title="Matches a known problem in the PyTorch/CUDA stack",
-        what="Matches error text (a pasted log, the import error, warnings) and versions against "
-        "the known-issues table shipped with fpdoctor.",
-        why="Known problems have known fixes; the finding says how sure the source is.",
-        fix="See the finding.",
+        what="Matches error text (a pasted log, the import error, warnings) and versions against the "
+        "known-issues table shipped with fpdoctor, and reports a problem whose error text appears or whose "
+        "version condition holds together with every other condition it states. A generic symptom (a NaN "
+        "loss, 'Bus error', a watchdog timeout) never makes a finding on its own. " + _CONFIDENCE_WORDS,
+        why="Known problems have known fixes; the finding says how sure its source is.",
+        fix="The finding gives the known fix for the matched problem, command first.",
+    ),
+    Rule(
+        code="ENV105",
+        name="known-issue-crash",
+        severity=E,
+        title="The input shows a crash whose cause is a known, confirmed problem",
+        what="The error text of a crash that the known-issues table lists with a confirmed cause "
+        "(a vendor or maintainer statement, or the build configuration itself) appears in the input. "
+        + _CONFIDENCE_WORDS,
+        why="The crash has happened; its cause and fix are known.",
+        fix="The finding gives the known fix for the matched crash, command first.",
+    ),
+    Rule(
+        code="ENV106",
+        name="known-issue-possible",
+        severity=N,
+        title="A known problem may apply; what it needs is not shown",
+        what="A version condition of a known problem holds (say NCCL 2.28.9), but other conditions it "
+        "states (multi-node, CUDA graphs, an environment variable, hardware evidence) are not shown by the "
+        "input; or the problem's only source is unconfirmed. A note, never a warning or an error. " + _CONFIDENCE_WORDS,
+        why="Worth knowing if the job does what the condition says; not a verdict on this machine.",
+        fix="The finding names the conditions to check, and the fix if they hold.",
     ),
     Rule(
         code="ENV201",
@@ -136,8 +170,8 @@ ENV_RULES: tuple[Rule, ...] = (
         what="Runs small matrix multiplications per dtype in child processes with a timeout; a "
         "child killed by SIGFPE, SIGSEGV, SIGABRT or SIGBUS is reported here.",
         why="The same call crashes your job; the probe names the dtype and shape that crash.",
-        fix="See the related finding that explains the crash; otherwise report the probe's "
-        "dtype, shape and library versions upstream.",
+        fix="The finding gives the fix of the finding that explains the crash; otherwise the command that "
+        "writes a report to attach upstream.",
     ),
     Rule(
         code="ENV202",
@@ -147,7 +181,7 @@ ENV_RULES: tuple[Rule, ...] = (
         what="Compares each probe's result with a float64 CPU reference, with a tolerance derived "
         "from the dtype's precision and the reduction length.",
         why="A library or GPU that computes wrong matrix products corrupts training silently.",
-        fix="Re-run the probe; if it repeats, test the GPU (fpdoctor health) and the library version.",
+        fix="fpdoctor env --probe (again); if the wrong result repeats, fpdoctor health --duration 10.",
     ),
     Rule(
         code="ENV203",
@@ -156,6 +190,6 @@ ENV_RULES: tuple[Rule, ...] = (
         title="A GEMM probe did not finish in time",
         what="A probe child that is still running after its timeout is killed and reported.",
         why="A hang in a basic GEMM points at the driver, a wedged GPU or a library deadlock.",
-        fix="Check nvidia-smi for a wedged GPU and the kernel log for Xid errors.",
+        fix="nvidia-smi (a wedged GPU), then sudo dmesg | grep -i xid (Xid errors in the kernel log).",
     ),
 )

@@ -1,12 +1,13 @@
-"""`fpdoctor env [--from FILE] [--probe/--no-probe] [--save-facts FILE]`."""
+"""`fpdoctor env [--from FILE ...] [--probe/--no-probe] [--save-facts FILE]`."""
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 from typing import Any
 
 from fpdoctor.cli.output import UsageError, add_output_args, emit, write_atomic
+from fpdoctor.report.model import json_text
 
 
 def add_parser(sub: Any) -> None:
@@ -17,9 +18,11 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--from",
-        dest="from_file",
+        dest="from_files",
+        action="append",
         metavar="FILE",
-        help="diagnose a collect_env report, a saved facts JSON or an error log instead of this machine",
+        help="diagnose a collect_env report, a saved facts JSON, an error log or nvidia-smi output instead of "
+        "this machine; repeat for several files about one machine (they are joined); - reads standard input",
     )
     p.add_argument(
         "--probe",
@@ -34,10 +37,10 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.probe_timeout <= 0:
-        raise UsageError("--probe-timeout must be a positive number of seconds")
+    if not math.isfinite(args.probe_timeout) or args.probe_timeout <= 0:
+        raise UsageError("--probe-timeout must be a positive number of seconds, e.g. --probe-timeout 60")
     child = getattr(args, "torch_child", None)
-    if args.from_file is None and child is None:
+    if args.from_files is None and child is None:
         # Start `import torch` in its child first: it is most of the wall time, and the other
         # sources are collected while it runs.
         from fpdoctor.env.sources.torch_child import spawn
@@ -48,12 +51,13 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         report = diagnose_env(
-            from_file=args.from_file, probe=args.probe, probe_timeout_s=args.probe_timeout, child=child
+            from_file=args.from_files, probe=args.probe, probe_timeout_s=args.probe_timeout, child=child
         )
     except InputError as exc:
         raise UsageError(str(exc)) from exc
     data = report.to_dict()
     if args.save_facts:
-        write_atomic(args.save_facts, json.dumps(data["data"]["facts"], indent=2, default=str) + "\n")
+        # Standard JSON (a probe's infinite error is written "inf"), so any strict parser reads it back.
+        write_atomic(args.save_facts, json_text(data["data"]["facts"]) + "\n")
     emit(data, args)
     return report.exit_code

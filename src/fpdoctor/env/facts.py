@@ -36,6 +36,94 @@ def empty_facts(origin: str) -> dict[str, Any]:
     }
 
 
+# The shape of each field a rule or the summary reads, for facts that come from a file: a
+# hand-edited or foreign file is refused with the field named, instead of failing somewhere inside.
+_TEXT, _NUMBER, _FLAG = (str,), (int, float), (bool,)
+_OPTIONAL_TEXT = (str, type(None))
+_TORCH_FIELDS: dict[str, tuple[type, ...]] = {
+    "version": _OPTIONAL_TEXT,
+    "cuda": _OPTIONAL_TEXT,
+    "hip": _OPTIONAL_TEXT,
+    "import": _OPTIONAL_TEXT,
+    "stage": _OPTIONAL_TEXT,
+    "signal": _OPTIONAL_TEXT,
+    "error": _OPTIONAL_TEXT,
+    "traceback": _OPTIONAL_TEXT,
+    "stderr": _OPTIONAL_TEXT,
+    "nccl": _OPTIONAL_TEXT,
+    "cudnn": (str, int, type(None)),
+    "cuda_available": (bool, type(None)),
+    "debug": (bool, type(None)),
+    "arch_list": (list, type(None)),
+    "warnings": (list,),
+    "devices": (list,),
+    "numpy": (dict, type(None)),
+    "precision": (dict, type(None)),
+}
+_ITEMS: dict[str, dict[str, tuple[type, ...]]] = {
+    "gpus": {"name": _TEXT, "compute_capability": (str, int, float, type(None)), "index": (int, type(None))},
+    "libraries.wheels": {"package": _TEXT, "version": _TEXT, "libraries": (list,)},
+    "libraries.copies": {"library": _TEXT, "path": _TEXT, "version": _OPTIONAL_TEXT, "origins": (list,)},
+    "libraries.loaded": {"library": _TEXT, "path": _TEXT, "version": _OPTIONAL_TEXT},
+    "torch_installs.installs": {"version": _OPTIONAL_TEXT, "location": _OPTIONAL_TEXT},
+    "probes": {
+        "name": _OPTIONAL_TEXT,
+        "status": _OPTIONAL_TEXT,
+        "dtype": _OPTIONAL_TEXT,
+        "max_abs_err": (int, float, str, type(None)),
+        "tolerance": (int, float, type(None)),
+        "scale": (int, float, type(None)),
+        "seconds": (int, float, type(None)),
+    },
+}
+
+
+def _wrong(field: str, value: Any, allowed: tuple[type, ...]) -> str | None:
+    if isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed):
+        return None
+    names = " or ".join(sorted({"null" if a is type(None) else a.__name__ for a in allowed}))
+    return f"field {field} must be {names}, not {type(value).__name__}"
+
+
+def shape_problem(raw: dict[str, Any]) -> str | None:
+    """The first field of a facts dict whose shape the rules cannot read, or None."""
+    for key in ("origin", "os", "python", "env", "torch", "torch_installs", "libraries", "not_checked"):
+        if problem := _wrong(key, raw.get(key, {}), (dict,)):
+            return problem
+    if problem := _wrong("driver", raw.get("driver"), (dict, type(None))):
+        return problem
+    for key in ("gpus", "texts", "probes", "missing"):
+        if problem := _wrong(key, raw.get(key, []), (list,)):
+            return problem
+    for key, value in (raw.get("env") or {}).items():
+        if problem := _wrong(f"env.{key}", value, _TEXT):
+            return problem
+    for i, text in enumerate(raw.get("texts") or []):
+        if problem := _wrong(f"texts[{i}]", text, _TEXT):
+            return problem
+    for key, allowed in _TORCH_FIELDS.items():
+        if key in raw["torch"] and (problem := _wrong(f"torch.{key}", raw["torch"][key], allowed)):
+            return problem
+    for key in ("version", "cuda"):
+        if problem := _wrong(f"driver.{key}", (raw.get("driver") or {}).get(key), _OPTIONAL_TEXT):
+            return problem
+    for path, fields in _ITEMS.items():
+        holder: Any = raw
+        for part in path.split("."):
+            holder = holder.get(part) if isinstance(holder, dict) else None
+        if holder is None and path == "libraries.loaded":
+            continue
+        if problem := _wrong(path, holder if holder is not None else [], (list,)):
+            return problem
+        for i, item in enumerate(holder or []):
+            if problem := _wrong(f"{path}[{i}]", item, (dict,)):
+                return problem
+            for key, allowed in fields.items():
+                if key in item and (problem := _wrong(f"{path}[{i}].{key}", item[key], allowed)):
+                    return problem
+    return None
+
+
 class Facts:
     """Read-only typed view over a facts dict."""
 

@@ -66,6 +66,9 @@ def run_probe(spec: dict[str, Any]) -> dict[str, Any]:
         "status": "ok" if finite and err <= tol else "wrong",
         "max_abs_err": err,
         "tolerance": tol,
+        "scale": scale,  # max(|A| @ |B|): the bound grows with it; reports show error and tolerance relative to it
+        "k": k,
+        "u": u,
         "seconds": round(seconds, 4),
         "finite": finite,
     }

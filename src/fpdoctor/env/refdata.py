@@ -26,12 +26,13 @@ def version(text: str | None) -> Version | None:
     """Parse a version leniently ('12.1', '535.104.05', '2.3.0+cu121'); None when unparseable."""
     if not text:
         return None
-    match = re.match(r"\s*v?(\d+(?:\.\d+)*)", str(text))
+    # Each part at most 12 digits: a pasted 5-million-digit "version" is not one (and int() of it raises).
+    match = re.match(r"\s*v?(\d{1,12}(?:\.\d{1,12}){0,5})(?!\d)", str(text)[:200])
     if not match:
         return None
     try:
         return Version(match.group(1))
-    except InvalidVersion:
+    except (InvalidVersion, ValueError):
         return None
 
 

@@ -23,9 +23,8 @@ class Suggestion:
     row: ArchRow
     pin: str  # "torch==2.0.1" or "torch==2.7.*"
 
-    @property
-    def command(self) -> str:
-        return f'python -m pip install --force-reinstall "{self.pin}" --index-url {self.index_url}'
+    def command(self, python: str = "python") -> str:
+        return f'{python} -m pip install --force-reinstall "{self.pin}" --index-url {self.index_url}'
 
     @property
     def index_url(self) -> str:

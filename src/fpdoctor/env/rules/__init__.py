@@ -19,7 +19,8 @@ from fpdoctor.report.model import Finding, Severity
 class Context:
     facts: Facts
     ref: RefData
-    symptoms: dict[str, list[str]]  # known-issue id -> the lines of text that matched
+    symptoms: dict[str, list[str]]  # known-issue id -> the lines of text that matched a specific symptom
+    weak_symptoms: dict[str, list[str]] = field(default_factory=dict)  # ... that matched a generic one
     findings: list[Finding] = field(default_factory=list)
 
 
@@ -34,7 +35,7 @@ def cap_severity(severity: Severity, confidence: str) -> Severity:
 
 
 def all_rules() -> list[Rule]:
-    from fpdoctor.env.rules import arch, builds, cublas, driver, known, libraries, probes
+    from fpdoctor.env.rules import arch, builds, cublas, cuda_errors, driver, known, libraries, probes
 
     return [
         builds.torch_import_failed,
@@ -48,13 +49,20 @@ def all_rules() -> list[Rule]:
         libraries.library_shadowed,
         probes.probe_results,
         known.known_issues,
+        cuda_errors.cuda_errors,
     ]
 
 
 def evaluate(facts: Facts, ref: RefData | None = None) -> list[Finding]:
     from fpdoctor.env.rules.known import matched_issues
 
-    ctx = Context(facts=facts, ref=ref or refdata(), symptoms=matched_issues(facts.texts))
+    texts = facts.texts
+    ctx = Context(
+        facts=facts,
+        ref=ref or refdata(),
+        symptoms=matched_issues(texts),
+        weak_symptoms=matched_issues(texts, weak=True),
+    )
     for rule in all_rules():
         try:
             ctx.findings.extend(rule(ctx))

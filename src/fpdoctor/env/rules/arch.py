@@ -6,10 +6,31 @@ from collections.abc import Iterable
 from typing import Any
 
 from fpdoctor import catalog
+from fpdoctor.env.citations import cite, confidence_text
+from fpdoctor.env.fixes import TORCH_CHANGE_COST, interpreter
 from fpdoctor.env.refdata import sm_number
 from fpdoctor.env.rules import Context, cap_severity
-from fpdoctor.env.suggest import sass_covers, suggest_build
+from fpdoctor.env.suggest import covers, sass_covers, suggest_build
 from fpdoctor.report.model import Finding, Severity
+
+
+def _no_build_fix(ctx: Context, cc: int) -> str:
+    """Why no command can be given, and what would make one possible."""
+    rows = [r for r in ctx.ref.arch_rows if r.platform == "linux-x86_64" and covers(r, cc)]
+    if not rows:
+        return (
+            f"# no official torch build in fpdoctor's table covers sm_{cc} yet, so there is no install command;\n"
+            f"# build torch from source with TORCH_CUDA_ARCH_LIST={cc // 10}.{cc % 10}, or try a nightly build"
+        )
+    oldest_cuda = min(r.cuda for r in rows)
+    floor = ctx.ref.family_floor(oldest_cuda.major, ctx.facts.windows)
+    need = f" >= {ctx.ref.driver_text(floor[1], ctx.facts.windows)}" if floor else ""
+    return (
+        f"# the builds that cover sm_{cc} need CUDA {oldest_cuda}+ and a driver{need}; this machine has driver "
+        f"{ctx.facts.driver_text or '(unknown)'}, so no build that runs here covers it: upgrade the driver first\n"
+        "# (it comes from the OS packages or NVIDIA's installer, so fpdoctor gives no command for it),\n"
+        "# then run fpdoctor env again for the torch build to install"
+    )
 
 
 def _arch_list(ctx: Context) -> tuple[list[str] | None, str, str]:
@@ -23,7 +44,11 @@ def _arch_list(ctx: Context) -> tuple[list[str] | None, str, str]:
         row = ctx.ref.arch_row(tv, variant)
         if row:
             arch = [f"sm_{s}" for s in row.sass] + ([f"compute_{row.ptx}"] if row.ptx else [])
-            return arch, f"fpdoctor table for torch {row.torch_minor} {row.variant} ({row.source})", row.confidence
+            origin = (
+                f"inferred from fpdoctor's table of official torch {row.torch_minor} {row.variant} wheels "
+                f"({cite(row.source)}), not read from this install"
+            )
+            return arch, origin, row.confidence
     return None, "", ""
 
 
@@ -63,17 +88,14 @@ def arch_not_in_build(ctx: Context) -> Iterable[Finding]:
         suggestion = suggest_build(
             ctx.ref, torch_version=facts.torch_version, capabilities=ccs, driver=facts.driver, windows=facts.windows
         )
-        fix = suggestion.command if suggestion else catalog.get("arch-not-in-build").fix
-        fix += (
-            "\n# then rebuild or reinstall CUDA extensions (flash-attn, xformers, apex, custom ops) for the new build"
-        )
+        fix = f"{suggestion.command(interpreter(facts))}\n{TORCH_CHANGE_COST}" if suggestion else _no_build_fix(ctx, cc)
         names = sorted({g["name"] for g in gpus})
         evidence: dict[str, Any] = {
             "gpus": names,
             "compute_capability": f"{cc // 10}.{cc % 10}",
             "arch_list": arch,
             "arch_list_source": origin,
-            "confidence": confidence,
+            "confidence": confidence_text(confidence),
             "torch": facts.torch.get("version"),
         }
         if ctx.symptoms.get("ARCH_NOT_IN_TORCH_BUILD"):
@@ -85,6 +107,7 @@ def arch_not_in_build(ctx: Context) -> Iterable[Finding]:
             message=(
                 f"{', '.join(names)} (sm_{cc}) is not covered by torch {facts.torch.get('version')}"
                 + (f" whose targets are {' '.join(arch)}" if arch else "")
+                + (" (inferred from fpdoctor's table of official wheels)" if arch and not facts.arch_list else "")
                 + f".{detail}"
                 + (f" {suggestion.pin} from {suggestion.index_url} covers it." if suggestion else "")
             ),
@@ -95,6 +118,10 @@ def arch_not_in_build(ctx: Context) -> Iterable[Finding]:
         yield catalog.make(
             "arch-not-in-build",
             message="The text shows PyTorch refusing this GPU: no kernel image for its compute capability.",
-            fix=catalog.get("arch-not-in-build").fix,
+            fix=(
+                "# the input does not show which GPU and which torch build, so no install command can be given;\n"
+                "# on that machine, in that environment, this names the build to install:\n"
+                "fpdoctor env"
+            ),
             evidence={"matched": ctx.symptoms["ARCH_NOT_IN_TORCH_BUILD"]},
         )

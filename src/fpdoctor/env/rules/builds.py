@@ -6,35 +6,36 @@ import re
 from collections.abc import Iterable
 
 from fpdoctor import catalog
-from fpdoctor.env.refdata import INDEX_URL, sm_number
+from fpdoctor.env.citations import confidence_text
+from fpdoctor.env.fixes import TORCH_CHANGE_COST, data_fix, interpreter, pip
+from fpdoctor.env.refdata import INDEX_URL, cuda_variant, refdata, sm_number, version
 from fpdoctor.env.rules import Context
 from fpdoctor.env.suggest import suggest_build
-from fpdoctor.report.model import Finding
+from fpdoctor.report.model import Finding, Severity
 
 _MISSING_LIB = re.compile(r"(?P<lib>lib[\w.+-]+\.so[\w.]*): cannot open shared object file")
 _UNDEFINED = re.compile(r"undefined symbol: (?P<sym>\S+)")
 
 
-def reinstall_command(version: str | None) -> str:
+def reinstall_command(torch_version: str | None, python: str = "python") -> str:
     """Reinstall exactly this torch, from the index of its CUDA variant when it has one."""
-    if not version:
-        return "python -m pip install --force-reinstall torch"
-    public, _, local = version.partition("+")
+    if not torch_version:
+        return pip(python, "install --force-reinstall torch")
+    public, _, local = torch_version.partition("+")
     if local.startswith(("cu", "rocm", "cpu")):
-        return (
-            f'python -m pip install --force-reinstall "torch=={public}" --index-url {INDEX_URL.format(variant=local)}'
-        )
-    return f'python -m pip install --force-reinstall "torch=={public}"'
+        return pip(python, f'install --force-reinstall "torch=={public}" --index-url {INDEX_URL.format(variant=local)}')
+    return pip(python, f'install --force-reinstall "torch=={public}"')
 
 
-def _import_cause(error: str, signal: str | None, version: str | None) -> tuple[str, str]:
+def _import_cause(error: str, signal: str | None, torch_version: str | None, python: str) -> tuple[str, str]:
     """A one-line cause and a fix for an import failure the known-issues table does not name."""
-    reinstall = reinstall_command(version)
+    reinstall = reinstall_command(torch_version, python)
     if signal == "SIGILL":
         return (
             "`import torch` died of SIGILL: the CPU lacks an instruction set the wheel was built for "
             "(AVX2 on old or emulated CPUs).",
-            "Run on a CPU with AVX2, or install a build for this CPU.",
+            "# no command fixes the CPU: run on one with AVX2 (grep -c avx2 /proc/cpuinfo counts them),\n"
+            "# or build torch from source on this machine",
         )
     if signal:
         return (f"`import torch` died of {signal}.", reinstall)
@@ -46,8 +47,8 @@ def _import_cause(error: str, signal: str | None, version: str | None) -> tuple[
             hint = " A CUDA library that the torch wheel expects from an nvidia-* wheel is missing."
         return (
             f"The shared library {lib} cannot be found.{hint}",
-            f"{reinstall}  # reinstalls the nvidia-* wheels torch depends on\n"
-            "# or add the directory holding it to LD_LIBRARY_PATH",
+            f"{reinstall}   # reinstalls the nvidia-* wheels torch depends on\n"
+            f"# or, if {lib} is on this machine, add its directory to LD_LIBRARY_PATH",
         )
     m = _UNDEFINED.search(error)
     if m:
@@ -60,7 +61,7 @@ def _import_cause(error: str, signal: str | None, version: str | None) -> tuple[
         return (
             "torch's compiled extension is missing: the current directory may be a PyTorch source tree, "
             "or the wheel is half installed.",
-            f"cd elsewhere and retry; otherwise {reinstall}",
+            f"cd ~   # then retry; a PyTorch source tree in the current directory shadows the wheel\n{reinstall}",
         )
     return ("The import error does not match a known cause.", reinstall)
 
@@ -80,17 +81,20 @@ def torch_import_failed(ctx: Context) -> Iterable[Finding]:
         "signal": torch.get("signal"),
         "stage": torch.get("stage"),
     }
+    python = interpreter(ctx.facts)
     if known:
         issue = ctx.ref.known_issue(known[0])
-        cause, fix = issue["title"], "\n".join(issue.get("fix") or [])
+        cause, fix = issue["title"] + ".", data_fix(issue.get("fix"), python)
         evidence["matched"] = ctx.symptoms[known[0]]
         evidence["known_issue"] = known[0]
+        evidence["confidence"] = confidence_text(issue.get("confidence"))
     else:
         installs = ctx.facts.raw.get("torch_installs", {}).get("installs") or []
         cause, fix = _import_cause(
             error + "\n" + (torch.get("traceback") or ""),
             torch.get("signal"),
             installs[0]["version"] if installs else None,
+            python,
         )
     yield catalog.make(
         "torch-import-failed",
@@ -103,7 +107,10 @@ def torch_import_failed(ctx: Context) -> Iterable[Finding]:
 def cpu_only_build(ctx: Context) -> Iterable[Finding]:
     facts = ctx.facts
     gpus = facts.gpus
-    if not gpus or facts.cpu_only_build is not True:
+    if facts.cpu_only_build is not True:
+        return
+    if not gpus:
+        yield from _cpu_only_beside_cuda(ctx)
         return
     ccs = [sm_number(g["compute_capability"]) for g in gpus if g.get("compute_capability")]
     suggestion = suggest_build(
@@ -112,14 +119,25 @@ def cpu_only_build(ctx: Context) -> Iterable[Finding]:
     names = sorted({g["name"] for g in gpus})
     capabilities = ", ".join(sorted({str(g.get("compute_capability")) for g in gpus}))
     where = "PyPI's default torch for Windows is CPU-only; " if facts.windows else ""
-    fix = suggestion.command if suggestion else catalog.get("cpu-only-build").fix
+    python = interpreter(facts)
+    if suggestion:
+        fix = f"{suggestion.command(python)}\n{TORCH_CHANGE_COST}"
+    else:
+        fix = (
+            f"# no official torch build in fpdoctor's table covers compute capability {capabilities} and runs on "
+            f"driver {facts.driver_text}: upgrade the driver first (it comes from the OS or NVIDIA's installer)"
+        )
     yield catalog.make(
         "cpu-only-build",
         message=(
             f"torch {facts.torch.get('version')} has no CUDA support, but the machine has "
             f"{len(gpus)} NVIDIA GPU(s): {', '.join(names)}. {where}"
-            f"The suggested build covers compute capability {capabilities}"
-            + (f" and runs on driver {facts.driver_text}." if facts.driver else ".")
+            + (
+                f"The suggested build covers compute capability {capabilities}"
+                + (f" and runs on driver {facts.driver_text}." if facts.driver else ".")
+                if suggestion
+                else ""
+            )
         ),
         fix=fix,
         evidence={
@@ -128,6 +146,54 @@ def cpu_only_build(ctx: Context) -> Iterable[Finding]:
             "driver": facts.driver_text,
             "suggested_index": suggestion.index_url if suggestion else None,
         },
+    )
+
+
+def _cpu_only_beside_cuda(ctx: Context) -> Iterable[Finding]:
+    """A CPU-only torch in a report that shows CUDA on the machine (a CUDA runtime, an NVIDIA
+    driver) but whose GPU lines are missing: likely the wrong build, but the report cannot show it."""
+    facts = ctx.facts
+    runtime = (facts.raw.get("cuda_toolkit") or {}).get("version")
+    if not facts.offline or not (runtime or facts.driver_text):
+        return
+    shown = ", ".join(
+        ([f"CUDA runtime {runtime}"] if runtime else [])
+        + ([f"NVIDIA driver {facts.driver_text}"] if facts.driver_text else [])
+    )
+    cuda = version(runtime)
+    variant = cuda_variant(cuda) if cuda and cuda.major >= 11 else None
+    python = interpreter(facts)
+    tv = facts.torch_version
+    rows = [r for r in refdata().arch_rows if r.variant == variant and r.platform == "linux-x86_64"] if variant else []
+    same = [r for r in rows if tv and (r.torch_minor.major, r.torch_minor.minor) == (tv.major, tv.minor)]
+    fix = ["nvidia-smi   # first: does this machine have an NVIDIA GPU the report did not list?"]
+    index = INDEX_URL.format(variant=variant) if variant else ""
+    if same and tv:
+        fix += [
+            pip(python, f'install --force-reinstall "torch=={tv.base_version}" --index-url {index}'),
+            TORCH_CHANGE_COST,
+        ]
+    elif rows:
+        newest = max(rows, key=lambda r: r.torch_minor)
+        fix += [
+            pip(python, f'install --force-reinstall "torch=={newest.torch_minor}.*" --index-url {index}'),
+            TORCH_CHANGE_COST,
+        ]
+    else:
+        fix.append(
+            "# then install the CUDA build of torch that the driver runs: https://pytorch.org/get-started/locally/"
+        )
+    yield catalog.make(
+        "cpu-only-build",
+        severity=Severity.WARNING,
+        title="PyTorch was built without CUDA, on a machine that shows CUDA",
+        message=(
+            f"torch {facts.torch.get('version')} has no CUDA support, while the report shows {shown}. "
+            "The report has no GPU lines (cut short, or collect_env could not list them), so whether this machine "
+            "has an NVIDIA GPU is not shown: if it has one, this torch cannot use it."
+        ),
+        fix="\n".join(fix),
+        evidence={"torch": facts.torch.get("version"), "cuda_runtime": runtime, "driver": facts.driver_text},
     )
 
 
@@ -144,11 +210,13 @@ def duplicate_torch_install(ctx: Context) -> Iterable[Finding]:
         for i in installs
     ]
     lines += [f"leftover of an interrupted pip run: {d}" for d in debris]
-    fix = "python -m pip uninstall -y torch   # repeat until pip says it is not installed\n"
+    python = interpreter(ctx.facts)
+    fix = pip(python, "uninstall -y torch") + "   # repeat until pip says it is not installed\n"
     if any(i.get("installer") == "conda" for i in installs):
         fix += "conda remove --force pytorch\n"
     fix += "\n".join(f"rm -rf '{d}'" for d in debris)
-    fix += "\npython -m pip install torch   # once, with the index URL of the CUDA variant you need"
+    fix += "\n" + reinstall_command(next((i.get("version") for i in installs if i.get("version")), None), python)
+    fix += "   # once"
     yield catalog.make(
         "duplicate-torch-install",
         message="More than one PyTorch is visible: " + "; ".join(lines) + ".",
@@ -165,13 +233,18 @@ def numpy_abi_mismatch(ctx: Context) -> Iterable[Finding]:
     if not matched and not broken:
         return
     issue = ctx.ref.known_issue("NUMPY2_ABI")
-    version = numpy.get("version") or (ctx.facts.raw.get("numpy") or {}).get("version")
+    numpy_version = numpy.get("version") or (ctx.facts.raw.get("numpy") or {}).get("version")
     yield catalog.make(
         "numpy-abi-mismatch",
         message=(
             "A compiled module was built against NumPy 1.x and runs under NumPy "
-            f"{version or '2.x'}" + (f"; torch.from_numpy fails: {interop}" if broken else "") + "."
+            f"{numpy_version or '2.x'}" + (f"; torch.from_numpy fails: {interop}" if broken else "") + "."
         ),
-        evidence={"numpy": version, "interop": interop, "matched": matched, "confidence": issue.get("confidence")},
-        fix="\n".join(issue["fix"]),
+        evidence={
+            "numpy": numpy_version,
+            "interop": interop,
+            "matched": matched,
+            "confidence": confidence_text(issue.get("confidence")),
+        },
+        fix=data_fix(issue["fix"], interpreter(ctx.facts)),
     )

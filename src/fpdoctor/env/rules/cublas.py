@@ -125,7 +125,9 @@ def cublas_h20_sigfpe(ctx: Context) -> Iterable[Finding]:
         ),
         where={"gpus": [g.get("index") for g in h20]},
         evidence={
-            "cublas": f"{ver} ({source})",
+            # An observed (loaded) version stands alone; any other says how it was found.
+            "cublas": ver if source.startswith("loaded") else f"{ver} ({source})",
+            "cublas_source": source if source.startswith("loaded") else None,
             "gpus": names,
             "matched": matched,
             "fixed_in": f"{FIXED} (user reports)",

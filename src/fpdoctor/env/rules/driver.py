@@ -6,10 +6,19 @@ from collections.abc import Iterable
 from typing import Any
 
 from fpdoctor import catalog
+from fpdoctor.env.citations import cite, confidence_text, references
+from fpdoctor.env.fixes import TORCH_CHANGE_COST, interpreter
 from fpdoctor.env.refdata import sm_number
 from fpdoctor.env.rules import Context
 from fpdoctor.env.suggest import suggest_build
 from fpdoctor.report.model import Finding, Severity
+
+# A driver comes from the OS packages, NVIDIA's installer or the cloud image: no one command fits.
+_DRIVER_HOW = "it comes from the OS packages or NVIDIA's installer, so fpdoctor gives no command for it"
+
+
+def _source(row: dict[str, str]) -> dict[str, str | None]:
+    return {"source": cite(row["source"]), "confidence": confidence_text(row["confidence"])}
 
 
 def driver_too_old(ctx: Context) -> Iterable[Finding]:
@@ -27,14 +36,16 @@ def driver_too_old(ctx: Context) -> Iterable[Finding]:
     family = ctx.ref.family_floor(build.major, facts.windows) if build else None
     # CUDA 10 and older have no minor-version compatibility: the exact toolkit's driver is the floor.
     floor = family or (ctx.ref.toolkit_floor(build, facts.windows) if build else None)
+    if build and facts.windows and floor is None and ctx.ref.family_floor(build.major) is not None:
+        # NVIDIA's table prints N/A for Windows from CUDA 13 (drivers no longer bundled): no floor to judge by.
+        facts.raw.setdefault("not_checked", {})[f"driver floor for CUDA {build.major}.x on Windows"] = (
+            f"NVIDIA's table gives no Windows minimum driver for CUDA {build.major}.x builds, so driver "
+            f"{driver_text or '(unknown)'} was not checked against one"
+        )
     too_old = False
     if driver and floor and driver < floor[0]:
         too_old = True
-        evidence.update(
-            required=ctx.ref.driver_text(floor[1], facts.windows),
-            source=floor[1]["source"],
-            confidence=floor[1]["confidence"],
-        )
+        evidence.update(required=ctx.ref.driver_text(floor[1], facts.windows), **_source(floor[1]))
     elif not driver and max_cuda and build and max_cuda.major < build.major:
         # Only the driver's CUDA version is known ("found version 11040" means CUDA 11.4).
         too_old = True
@@ -58,13 +69,9 @@ def driver_too_old(ctx: Context) -> Iterable[Finding]:
                     f"Driver {driver_text} is below {needed}, the driver CUDA {build} shipped with, but above the "
                     f"CUDA {build.major}.x floor: ordinary kernels run; PTX JIT of newer code does not."
                 ),
-                fix=f"Upgrade the NVIDIA driver to >= {needed} if kernels fail to JIT.",
-                evidence={
-                    **evidence,
-                    "required": needed,
-                    "source": exact[1]["source"],
-                    "confidence": exact[1]["confidence"],
-                },
+                fix=f"# only if kernels fail to JIT: upgrade the NVIDIA driver to >= {needed}; {_DRIVER_HOW}",
+                evidence={**evidence, "required": needed, **_source(exact[1])},
+                references=references([exact[1]["source"]]),
             )
         return
 
@@ -82,12 +89,18 @@ def driver_too_old(ctx: Context) -> Iterable[Finding]:
         scope = f"CUDA {build.major}.x builds" if family else f"CUDA {build} builds"
         system = "Windows" if facts.windows else "Linux"
         minimum = ctx.ref.driver_text(floor[1], facts.windows)
-        fix_lines.append(f"Upgrade the NVIDIA driver to >= {minimum} (minimum for {scope} on {system})")
+        fix_lines.append(
+            f"# upgrade the NVIDIA driver to >= {minimum} (minimum for {scope} on {system}); {_DRIVER_HOW}"
+        )
     else:
-        fix_lines.append("Upgrade the NVIDIA driver (see the CUDA release notes for the minimum)")
+        fix_lines.append(
+            "# upgrade the NVIDIA driver; the input does not show which CUDA this torch needs, so no minimum is "
+            f"given; {_DRIVER_HOW}"
+        )
     if suggestion and (build is None or suggestion.row.cuda < build):
-        fix_lines.append(f"or keep the driver and install a torch built for CUDA {suggestion.row.cuda}:")
-        fix_lines.append(suggestion.command)
+        fix_lines.append(f"# or keep the driver and install a torch built for CUDA {suggestion.row.cuda}:")
+        fix_lines.append(suggestion.command(interpreter(facts)))
+        fix_lines.append(TORCH_CHANGE_COST)
     severity = Severity.ERROR
     msg_tail = ""
     if facts.cuda_available and driver:
@@ -113,4 +126,5 @@ def driver_too_old(ctx: Context) -> Iterable[Finding]:
         + msg_tail,
         fix="\n".join(fix_lines),
         evidence=evidence,
+        references=references([floor[1]["source"]]) if floor else (),
     )

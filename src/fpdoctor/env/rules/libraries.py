@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
 from fpdoctor import catalog
+from fpdoctor.env.fixes import interpreter, pip
 from fpdoctor.env.refdata import version
 from fpdoctor.env.rules import Context
 from fpdoctor.report.model import Finding, Severity
@@ -55,19 +57,27 @@ def duplicate_cuda_library(ctx: Context) -> Iterable[Finding]:
         versions = [c.get("version") for c in copies]
         if len(copies) < 2 or all(_same_release(versions[0], v) for v in versions[1:]):
             continue
-        lines, fixes = [], []
+        lines: list[str] = []
+        fixes: list[str] = []
+        drop: list[str] = []
         for c in copies:
             mark = " [loaded]" if c["path"] in loaded_paths else ""
             lines.append(f"{c['path']} ({c.get('version') or '?'}; {', '.join(c['origins'])}){mark}")
             if "ld_library_path" in c["origins"]:
-                for directory in (c.get("dirs") or {}).get("ld_library_path") or [os.path.dirname(c["path"])]:
-                    fixes.append(f"remove {directory} from LD_LIBRARY_PATH")
+                drop += (c.get("dirs") or {}).get("ld_library_path") or [os.path.dirname(c["path"])]
+        if drop:
+            fixes.append(_without_dirs(ctx, list(dict.fromkeys(drop))))
         packages = sorted({c["package"] for c in copies if c.get("package")})
+        python = interpreter(ctx.facts)
         if len(packages) > 1:
             keep = packages[-1]
-            fixes += [f"python -m pip uninstall -y {p}   # keep {keep}" for p in packages[:-1]]
+            fixes += [pip(python, f"uninstall -y {p}") + f"   # keep {keep}" for p in packages[:-1]]
         if not fixes:
-            fixes.append("keep one copy on the loader's path: the one torch pins (python -m pip show torch lists it)")
+            fixes.append(
+                "# the copies come from places fpdoctor does not manage (system CUDA, the conda env, torch/lib):\n"
+                "# keep the one torch pins on the loader's path; this lists what torch requires:\n"
+                + pip(python, "show torch")
+            )
         yield catalog.make(
             "duplicate-cuda-library",
             message=f"{len(copies)} different copies of lib{library} are reachable: " + "; ".join(lines) + ".",
@@ -75,6 +85,20 @@ def duplicate_cuda_library(ctx: Context) -> Iterable[Finding]:
             where={"library": library},
             evidence={"library": library, "copies": lines},
         )
+
+
+def _without_dirs(ctx: Context, dirs: list[str]) -> str:
+    """An export that drops `dirs` from LD_LIBRARY_PATH: written out when the value is known."""
+    env = ctx.facts.raw.get("env") or {}
+    if "LD_LIBRARY_PATH" in env:
+        entries = [d for d in str(env["LD_LIBRARY_PATH"]).split(":") if d]
+        kept = [d for d in entries if d not in dirs and os.path.realpath(d) not in dirs]
+        return f'export LD_LIBRARY_PATH="{":".join(kept)}"   # drops {", ".join(dirs)}'
+    pattern = "|".join(re.escape(d) for d in dirs)
+    return (
+        f"export LD_LIBRARY_PATH=\"$(printf %s \"$LD_LIBRARY_PATH\" | tr : '\\n' | grep -Ev '^({pattern})/?$' "
+        f'| paste -sd:)"   # drops {", ".join(dirs)}'
+    )
 
 
 def library_shadowed(ctx: Context) -> Iterable[Finding]:

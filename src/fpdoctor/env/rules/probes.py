@@ -64,6 +64,7 @@ def probe_results(ctx: Context) -> Iterable[Finding]:
                 ),
                 where=where,
                 evidence=evidence,
+                fix=_WRONG_FIX,
             )
         elif status == "timeout":
             yield catalog.make(
@@ -71,6 +72,7 @@ def probe_results(ctx: Context) -> Iterable[Finding]:
                 message=f"The {label} probe did not finish within {probe.get('seconds')} s and was killed.",
                 where=where,
                 evidence=evidence,
+                fix=_TIMEOUT_FIX,
             )
 
 
@@ -78,4 +80,17 @@ def _fix(ctx: Context, signal: str | None) -> str:
     for f in ctx.findings:
         if (signal == "SIGFPE" and f.name == "cublas-h20-sigfpe") or f.name == "library-shadowed":
             return f.fix
-    return catalog.get("probe-crashed").fix
+    return (
+        "# no known cause matches this crash, so there is no fix to run; report it upstream with this report:\n"
+        "fpdoctor env --probe --format markdown -o fpdoctor-env.md   # attach fpdoctor-env.md to the issue"
+    )
+
+
+_WRONG_FIX = (
+    "fpdoctor env --probe   # run the probes again: a result that is wrong once and right now points at the GPU\n"
+    "fpdoctor health --duration 10   # GEMM fingerprints repeated and compared across GPUs"
+)
+_TIMEOUT_FIX = (
+    "nvidia-smi   # a wedged GPU shows high utilisation with no process, or ERR!\n"
+    "sudo dmesg | grep -i xid   # Xid errors in the kernel log explain most wedged GPUs"
+)
