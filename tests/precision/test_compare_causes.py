@@ -11,6 +11,7 @@ from tests.conftest import ROOT, run_fpdoctor
 from tests.precision import factories
 
 ENV = {"PYTHONPATH": str(ROOT)}
+FACTORIES = ROOT / "tests" / "precision" / "factories.py"
 
 
 def test_the_whole_model_is_never_a_module_to_keep():
@@ -62,3 +63,81 @@ def test_compare_cli_takes_torch_dtype_names_and_names_the_root_plainly():
     doc = factories.loads_strict(result.out)
     finding = doc["findings"][0]
     assert "``" not in finding["fix"] and finding["evidence"]["diverged"] == ["<root>"]
+
+
+def test_an_op_that_overflows_inside_a_module_is_named():
+    model, x = factories.overflow_attention()
+    finding = fpdoctor.compare(model, x, candidate="fp16").report.by_name("precision-divergence")[0]
+    assert finding.where["module"] == "attn"
+    # before: out_of_range False and nothing else: the attention's output fits, its scores do not
+    assert finding.evidence["out_of_range"] is False and finding.evidence["overflow_inside"] is True
+    assert finding.where["op"] == finding.evidence["overflow_op"] == "aten.bmm.default"
+    assert 65504 < finding.evidence["overflow_absmax"] < 1e6 and finding.evidence["overflow_limit"] == 65504
+    line = next(i for i, text in enumerate(FACTORIES.read_text().splitlines(), 1) if "scores = self.q(x)" in text)
+    assert finding.evidence["overflow_location"].endswith(f"factories.py:{line}")
+    assert "inside it aten.bmm.default overflows: its values reach" in finding.message
+    assert "compute aten.bmm.default inside `attn` in fp32" in finding.fix and "bf16" in finding.fix
+
+
+def running_var_beyond_fp16():
+    """BatchNorm fed raw values (std ~400): its running_var exceeds 65504 and becomes Inf in fp16."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(16), nn.Linear(16, 4)).eval()
+    x = torch.randn(32, 16) * 400 + 100
+    with torch.no_grad():
+        model[0].running_var.copy_(x.var(0))
+        model[0].running_mean.copy_(x.mean(0))
+    return model, x
+
+
+def test_a_buffer_beyond_the_format_is_named_as_the_cause():
+    model, x = running_var_beyond_fp16()
+    result = fpdoctor.compare(model, x, candidate="fp16")
+    finding = result.report.by_name("precision-divergence")[0]
+    assert finding.where["module"] == "0"
+    assert "buffer 0.running_var holds values up to" in finding.message and "above fp16's max 65504" in finding.message
+    misfit = finding.evidence["misfits"][0]
+    assert misfit["tensor"] == "0.running_var" and misfit["overflow"] == 16 and misfit["limit"] == 65504
+    assert misfit["max"] > 65504
+    assert "keep `0` in fp32" in finding.fix
+    assert "parameters/buffers that do not fit fp16" in dict(result.report.data["summary"])
+    assert fpdoctor.compare(model, x, candidate="bf16").report.data.get("misfits") is None  # bf16 holds it
+
+
+def test_a_weight_below_the_smallest_subnormal_is_named_as_the_cause():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        model[0].weight.mul_(1e-7)  # all of it below fp16's smallest subnormal (6e-8)
+    finding = fpdoctor.compare(model, torch.randn(8, 16) * 1e4, candidate="fp16").report.by_name(
+        "precision-divergence"
+    )[0]
+    assert finding.where["module"] == "0"
+    misfit = finding.evidence["misfits"][0]
+    assert misfit["tensor"] == "0.weight" and misfit["flush_share"] == 1.0
+    assert "below fp16's smallest subnormal" in finding.message and "they become 0" in finding.message
+
+
+class Rescale(nn.Module):
+    """Divides by a gain measured on the raw data; the gain exceeds fp16's range."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("gain", torch.full((64,), 1.2e5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / self.gain
+
+
+def test_audit_names_a_tensor_that_would_break_when_cast_and_one_already_broken():
+    model = nn.Sequential(Rescale(), nn.Linear(64, 256).half(), nn.GELU(), nn.Linear(256, 8).half())
+    static = fpdoctor.audit(model).report.by_name("mixed-dtype-parameters")[0]
+    assert "Casting them to torch.float16 would break the model" in static.message
+    assert "buffer 0.gain holds values up to 1.2e+05, above fp16's max 65504" in static.message
+    assert "keep_fp32=['0']" in static.fix and "model[0]" not in static.fix
+    broken, _ = running_var_beyond_fp16()
+    broken.half()  # its running_var is Inf now
+    finding = fpdoctor.audit(broken).report.by_name("nonfinite-input")[0]
+    assert finding.where["module"] == "0" and finding.severity.value == "error"
+    assert "buffer 0.running_var (torch.float16) holds 16 Inf of 16" in finding.message
+    assert "fp16's max is 65504" in finding.message

@@ -10,11 +10,8 @@ module, got this operand from there, and here is the smallest fix.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,16 +20,19 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fpdoctor import catalog
+from fpdoctor.numerics.limits import DTYPE_FORMAT, FORMATS
 from fpdoctor.numerics.modules import ModuleTracker
 from fpdoctor.numerics.trace import user_location
-from fpdoctor.precision.candidates import Call, cast_inputs, split_inputs, uncompiled
+from fpdoctor.precision.candidates import cast_inputs, split_inputs, uncompiled
+from fpdoctor.precision.fit import describe as describe_misfit
+from fpdoctor.precision.fit import misfits
+from fpdoctor.precision.fixcheck import checked, follow_fixes
 from fpdoctor.precision.inputs import describe
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.mismatch import (
     dtype_hint,
     explain_mismatch,
     failure_from_traceback,
-    fix_action,
     mismatch_error,
     module_expr,
     operand,
@@ -94,13 +94,32 @@ def static_findings(model: nn.Module) -> tuple[list[Finding], Counter[str], Coun
             by_module[r["module"]].add(r["dtype"])
         if odd:
             listing = "; ".join(f"`{m or '<root>'}` ({', '.join(sorted(d))})" for m, d in list(by_module.items())[:8])
-            top = sorted({r["module"].split(".")[0] for r in odd if r["module"]})
+            breaking = _would_break(model, main, {r["name"] for r in odd})
+            kept = sorted({e["module"] for e in breaking})
+            top = sorted(
+                {r["module"].split(".")[0] for r in odd if r["module"]}
+                - {k.split(".")[0] for k in kept}  # a module holding such a tensor is not cast whole
+            )
+            harmonize = (
+                f"fpdoctor.harmonize(model, device, keep_fp32={kept!r})   # one dtype per device, these in fp32"
+                if kept
+                else "fpdoctor.harmonize(model, device)   # one dtype per device"
+            )
+            warning = (
+                f" Casting them to {main} would break the model: "
+                + "; ".join(describe_misfit(e) for e in breaking[:3])
+                + ". Keep "
+                + ", ".join(f"`{k}`" for k in kept)
+                + " in fp32."
+                if breaking
+                else ""
+            )
             findings.append(
                 catalog.make(
                     "mixed-dtype-parameters",
                     message=(
                         f"Most of the model is {main} ({dtypes[main]:,} elements) but {len(odd)} parameter(s) or "
-                        f"buffer(s) in {len(by_module)} module(s) are not: {listing}."
+                        f"buffer(s) in {len(by_module)} module(s) are not: {listing}.{warning}"
                     ),
                     where={"module": next(iter(by_module)) or None, "op": None, "phase": None},
                     evidence={
@@ -111,12 +130,12 @@ def static_findings(model: nn.Module) -> tuple[list[Finding], Counter[str], Coun
                         "dtypes": dict(dtypes),
                         "modules": {m: sorted(d) for m, d in by_module.items()},
                     },
-                    fix=(
-                        "fpdoctor.harmonize(model, device)   # one dtype per device\n"
-                        + "\n".join(f"{module_expr(m)}.to({main})" for m in top[:4])
-                    ),
+                    fix="\n".join([harmonize, *(f"{module_expr(m)}.to({main})" for m in top[:4])]),
                 )
             )
+    nonfinite = _nonfinite(model)
+    if nonfinite:
+        findings.append(_nonfinite_finding(nonfinite))
     if len(devices) > 1:
         main_dev = devices.most_common(1)[0][0]
         odd = [r for r in rows if r["device"] != main_dev]
@@ -136,6 +155,60 @@ def static_findings(model: nn.Module) -> tuple[list[Finding], Counter[str], Coun
             )
         )
     return findings, dtypes, devices
+
+
+def _would_break(model: nn.Module, main: str, names: set[str]) -> list[dict[str, Any]]:
+    """Of the tensors `names`, those whose values do not fit `main`'s format (fp16, bf16)."""
+    fmt = FORMATS.get(DTYPE_FORMAT.get(main, ""))
+    if fmt is None or main not in ("torch.float16", "torch.bfloat16"):
+        return []
+    return [e for e in misfits(model, fmt, skip=(main,)) if e["tensor"] in names]
+
+
+def _nonfinite(model: nn.Module) -> list[dict[str, Any]]:
+    """Parameters and buffers that hold NaN or Inf."""
+    found = []
+    for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in items:
+            if t is None or not t.is_floating_point() or t.numel() == 0 or t.is_meta:
+                continue
+            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            if nan or inf:
+                found.append(
+                    {"kind": kind, "tensor": name, "dtype": str(t.dtype), "nan": nan, "inf": inf, "numel": t.numel()}
+                )
+    return found
+
+
+def _nonfinite_finding(found: list[dict[str, Any]]) -> Finding:
+    first = found[0]
+    module = first["tensor"].rpartition(".")[0]
+    limits = {"torch.float16": " (fp16's max is 65504: a larger value cast to fp16 becomes Inf)"}
+    listing = "; ".join(
+        f"{e['kind']} {e['tensor']} ({e['dtype']}) holds "
+        + " and ".join(f"{n} {what}" for n, what in ((e["nan"], "NaN"), (e["inf"], "Inf")) if n)
+        + f" of {e['numel']}"
+        for e in found[:4]
+    )
+    return catalog.make(
+        "nonfinite-input",
+        message=(
+            f"{listing}{limits.get(first['dtype'], '')}: every op that reads it returns NaN/Inf. It came from the "
+            "checkpoint, a cast, or an earlier step that diverged."
+        ),
+        where={"module": module, "op": None, "phase": None},
+        evidence={
+            "kind": "nan" if first["nan"] else "+inf",
+            "count": sum(e["nan"] + e["inf"] for e in found),
+            "numel": sum(e["numel"] for e in found),
+            "dtype": first["dtype"],
+            "tensors": found[:10],
+        },
+        fix=(
+            f"reload {first['tensor']} from an fp32 checkpoint and keep `{module or '<root>'}` in fp32 "
+            f"(fpdoctor.harmonize(model, device, keep_fp32=[{module!r}])), or use bf16, which has fp32's range"
+        ),
+    )
 
 
 class _Origins(TorchDispatchMode):
@@ -257,7 +330,7 @@ def audit(model: nn.Module, inputs: Any = None) -> AuditResult:
         if failure is not None:
             main = dtypes.most_common(1)[0][0] if dtypes else None
             finding = explain_mismatch(failure, main, model)
-            findings.append(_checked(finding, _follow_fixes(model, inputs, failure, main)))
+            findings.append(checked(finding, follow_fixes(model, inputs, failure, main, forward=_forward)))
             summary.append(("forward", f"failed at {failure['op']} in `{failure['module']}`"))
         elif error is not None:
             findings.append(forward_failed(error, tracker))
@@ -270,109 +343,6 @@ def audit(model: nn.Module, inputs: Any = None) -> AuditResult:
         data={"summary": summary, "not_checked": not_checked, "dtypes": dict(dtypes), "devices": dict(devices)},
     )
     return AuditResult(report, dict(dtypes), dict(devices))
-
-
-FIX_STEPS = 4  # fixes applied in a row to see whether the forward then runs (each is one forward)
-
-
-def _follow_fixes(
-    model: nn.Module, inputs: Any, failure: dict[str, Any], main: str | None
-) -> list[tuple[dict[str, str], dict[str, Any] | None, BaseException | None]]:
-    """Apply the fix for `failure` (a module cast, undone afterwards; an input cast, on a copy)
-    and run the forward again, then the fix for what fails next, and so on: (the fix, what
-    failed after it, the error) per step, until the forward runs or a fix is not one audit can
-    apply (a tensor the forward makes itself)."""
-    steps: list[tuple[dict[str, str], dict[str, Any] | None, BaseException | None]] = []
-    actions: list[dict[str, str]] = []
-    current = failure
-    for _ in range(FIX_STEPS):
-        action = fix_action(current, main, model)
-        if action is None or action in actions:
-            break
-        actions.append(action)
-        with contextlib.ExitStack() as undo:
-            fixed = inputs
-            for done in actions:
-                if "module" in done:
-                    undo.enter_context(_cast_for_now(model, done["module"], done["dtype"]))
-                else:
-                    fixed = _cast_input(fixed, done["input"], done["dtype"])
-            after, error, _ = _forward(model, fixed)
-        steps.append((action, after, error))
-        if after is None:
-            break
-        current = after
-    return steps
-
-
-@contextlib.contextmanager
-def _cast_for_now(model: nn.Module, path: str, dtype: str) -> Iterator[None]:
-    """`model`'s submodule `path` in `dtype` for the block; its own tensors are put back after."""
-    module = model.get_submodule(path) if path else model
-    params = [(p, p.data) for p in module.parameters()]
-    buffers = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
-    module.to(getattr(torch, dtype.removeprefix("torch.")))
-    try:
-        yield
-    finally:
-        for p, data in params:
-            p.data = data
-        for m, name, b in buffers:
-            m._buffers[name] = b
-
-
-def _cast_input(inputs: Any, name: str, dtype: str) -> Any:
-    """`inputs` with the input `name` (`inputs[0]`, `inputs['x']`) cast to `dtype`."""
-    args, kwargs = split_inputs(inputs)
-    key = name.removeprefix("inputs[").removesuffix("]")
-    target = getattr(torch, dtype.removeprefix("torch."))
-    if key.isdigit():
-        args = tuple(a.to(target) if i == int(key) else a for i, a in enumerate(args))
-    else:
-        kwargs = {k: v.to(target) if repr(k) == key else v for k, v in kwargs.items()}
-    return Call(args, kwargs)
-
-
-def _action_code(action: dict[str, str]) -> str:
-    if "input" in action:
-        return f"{action['input']}.to({action['dtype']})   # the input"
-    target = module_expr(action["module"]) if action["module"] else "model"
-    return f"{target}.to({action['dtype']})"
-
-
-def _then(after: dict[str, Any] | None, error: BaseException | None) -> str:
-    """What happened once a fix was applied."""
-    if after is not None:
-        return f"{after['op']} in `{after['module']}` fails: {after['error']}"
-    if error is not None:
-        return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
-    return "the forward runs"
-
-
-def _checked(
-    finding: Finding, steps: list[tuple[dict[str, str], dict[str, Any] | None, BaseException | None]]
-) -> Finding:
-    """The finding with its fix checked: one fix that lets the forward run says so; one that only
-    moves the failure to the next op becomes the list of every fix it takes, with where each
-    failure moved to."""
-    if not steps:
-        return finding
-    chain = [{"fix": _action_code(action), "then": _then(after, error)} for action, after, error in steps]
-    runs = chain[-1]["then"] == "the forward runs"
-    evidence = {**finding.evidence, "fix_checked": chain}
-    if len(steps) == 1 and runs:
-        return dataclasses.replace(
-            finding, message=finding.message + " With the fix below, the forward runs (checked).", evidence=evidence
-        )
-    if not runs:
-        message = f" After the fix below the forward still fails: {chain[-1]['then']}."
-        return dataclasses.replace(finding, message=finding.message + message, evidence=evidence)
-    moved = "; then ".join(step["then"] for step in chain[:-1])
-    message = (
-        f" One fix alone only moves the failure ({moved}); with all {len(steps)} below, the forward runs (checked)."
-    )
-    fix = "\n".join(["# all of:", *(step["fix"] for step in chain), "# or: fpdoctor.harmonize(model, device)"])
-    return dataclasses.replace(finding, message=finding.message + message, evidence=evidence, fix=fix)
 
 
 def forward_failed(error: BaseException, tracker: ModuleTracker) -> Finding:

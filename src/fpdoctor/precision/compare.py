@@ -49,6 +49,8 @@ from fpdoctor.precision.candidates import (
     run_flags,
     uncompiled,
 )
+from fpdoctor.precision.fit import candidate_format, misfits
+from fpdoctor.precision.fit import describe as describe_misfit
 from fpdoctor.precision.inputs import describe, input_sets
 from fpdoctor.precision.metrics import (
     all_finite,
@@ -61,12 +63,14 @@ from fpdoctor.precision.metrics import (
     row_subset,
 )
 from fpdoctor.precision.noise import ReplayNoise
+from fpdoctor.precision.ops import first_overflow
 from fpdoctor.precision.passes import hooked, input_rounding_error, record_noise, rerun
 from fpdoctor.precision.profile import (
     DIVERGENCE_RATIO,
     CompareResult,
     ModuleRow,
     build_report,
+    causes,
     children,
     merge_sets,
 )
@@ -97,6 +101,7 @@ class _Seen:
     propagated: float | None = None
     candidate_inputs: float = 0.0  # the candidate's input error at this module
     nonfinite: int = 0
+    overflow: dict[str, Any] | None = None  # the op inside that overflows (ops.first_overflow)
 
 
 def compare(
@@ -281,6 +286,18 @@ def _compare(
         except Exception as exc:  # e.g. an op without a kernel for the candidate's dtype here
             notes.setdefault("isolated re-run", f"`{name}` raised {type(exc).__name__} in {label}: {exc}")
             entry.isolated = entry.isolated_cosine = None
+        if entry.isolated is not None and math.isinf(entry.isolated) and math.isfinite(entry.rounding):
+            # its output fits the format, yet it is non-finite: which op inside it overflows
+            goto(start)
+            entry.overflow = first_overflow(
+                cand_modules[name],
+                ref_modules.get(name),
+                args,
+                kwargs,
+                dtype=cand_dtype,
+                reference_dtype=ref_dtype,
+                device=cand_device,
+            )
         if name in ref_modules:
             try:
                 goto(start)
@@ -412,7 +429,14 @@ def _compare(
             rng=rng,
             noise=noise,
         )
+    fmt = candidate_format(candidate)
+    misfit = misfits(model, fmt, skip=(str(cand_dtype),)) if fmt is not None else []
+    overflows = {key: e.overflow for key, e in seen.items() if e.overflow is not None}
     if prefix:  # a submodule compared on its own: names as in the whole model
+        overflows = {(f"{prefix}.{n}" if n else prefix, c): v for (n, c), v in overflows.items()}
+        for entry in misfit:
+            entry["module"] = f"{prefix}.{entry['module']}" if entry["module"] else prefix
+            entry["tensor"] = f"{prefix}.{entry['tensor']}"
         for row in rows:
             row.module = f"{prefix}.{row.module}" if row.module else prefix
         for fp8_row in fp8_rows:
@@ -426,9 +450,15 @@ def _compare(
         reference=reference,
         notes=notes,
         input_floor=input_floor,
+        causes=causes(rows, overflows, misfit, candidate),
         # the samples stay until the end, so their total is the peak of what compare itself keeps
         peak=sum(e.truth.nbytes + (0 if e.inputs is None else e.inputs.nbytes) for e in seen.values()),
     )
+    if misfit:
+        result.report.data["misfits"] = misfit
+        listed = "; ".join(describe_misfit(e) for e in misfit[:3])
+        more = f"; and {len(misfit) - 3} more (JSON has all)" if len(misfit) > 3 else ""
+        result.report.data["summary"].append((f"parameters/buffers that do not fit {candidate}", listed + more))
     if fp8_dtype is not None:
         result.report.findings.extend(fp8.findings(fp8_rows))
         result.report.data["fp8"] = fp8_rows

@@ -10,7 +10,10 @@ from typing import Any
 import torch
 
 from fpdoctor import catalog
+from fpdoctor.numerics.limits import DTYPE_FORMAT, FORMATS
 from fpdoctor.precision.candidates import compute_dtype
+from fpdoctor.precision.fit import describe as describe_misfit
+from fpdoctor.precision.fit import within
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.metrics import sqnr_db
 from fpdoctor.report.model import Finding, Report
@@ -277,6 +280,50 @@ def _divergence(
         where["op"] = cause.get("op")
         fix = cause.get("fix") or fix
     return catalog.make("precision-divergence", message=message, where=where, evidence=evidence, fix=fix)
+
+
+def causes(
+    rows: list[ModuleRow],
+    overflows: dict[tuple[str, int], dict[str, Any]],
+    misfit: list[dict[str, Any]],
+    candidate: str,
+) -> dict[str, dict[str, Any]]:
+    """Per divergent module, what compare found behind it, for its finding: an op inside it that
+    overflows although the module's output fits the format, and its parameters or buffers that
+    do not fit the format themselves (message, evidence, the op for `where`, a fix)."""
+    found: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        if not row.diverged or not row.module or row.module in found:
+            continue
+        message, fixes = "", []
+        evidence: dict[str, Any] = {}
+        op = None
+        overflow = overflows.get((row.module, row.call))
+        if overflow is not None:
+            op = overflow["op"]
+            fmt = FORMATS.get(DTYPE_FORMAT.get(overflow["dtype"], ""))
+            limit = fmt.max if fmt is not None else None
+            size = overflow.get("reference_absmax")
+            at = f" ({overflow['location']})" if overflow.get("location") else ""
+            reach = f": its values reach {size:.3g}, beyond {candidate}'s max {limit:.6g}" if size and limit else ""
+            message += f" Its output fits {candidate}, but inside it {op} overflows{reach}{at}."
+            evidence |= {"overflow_inside": True, "overflow_op": op, "overflow_absmax": size, "overflow_limit": limit}
+            evidence |= {"overflow_location": overflow.get("location")}
+            fixes.append(
+                f"compute {op} inside `{row.module}` in fp32{at}: its operands .float(), the result cast back after "
+                "the ops that consume it (e.g. the softmax); or scale its operands down before it"
+            )
+        tensors = within(misfit, row.module)
+        if tensors:
+            listed = "; ".join(describe_misfit(e) for e in tensors[:3])
+            message += f" Its {listed}: that alone breaks it in {candidate}."
+            evidence["misfits"] = tensors[:10]
+            fixes.append(f"keep `{row.module}` in fp32, where its tensors fit (`fpdoctor plan` keeps it)")
+        if message:
+            if candidate in ("fp16", "fp16-accumulate"):
+                fixes.append("or use bf16, which has fp32's range")
+            found[row.module] = {"message": message, "evidence": evidence, "op": op, "fix": "; ".join(fixes)}
+    return found
 
 
 def merge_sets(

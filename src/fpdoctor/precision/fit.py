@@ -1,0 +1,92 @@
+"""Parameters and buffers that do not fit a format: a cause of divergence in themselves.
+
+`.half()` turns a BatchNorm `running_var` above 65504 into Inf (and the normalised output into
+zeros), and a weight below fp16's smallest subnormal into 0. Any value above the format's max
+counts (one Inf is enough to poison a layer); flushing counts when at least FLUSH_SHARE of the
+tensor's non-zero values flush, since any large weight has a few values near zero by chance.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fpdoctor.numerics.limits import FORMATS, Format
+
+# 1% of a tensor's non-zero values flushed to zero is a visible change of what it computes (a
+# N(0, 0.02) weight has ~1e-6 of its values below fp16's flush threshold by chance).
+FLUSH_SHARE = 0.01
+
+_CANDIDATE_FORMAT = {"fp16": "fp16", "fp16-accumulate": "fp16", "bf16": "bf16"}
+
+
+def candidate_format(candidate: str) -> Format | None:
+    """The storage format of a candidate's parameters (fp8 recipes scale theirs, fp32 holds all)."""
+    name = _CANDIDATE_FORMAT.get(candidate)
+    return FORMATS[name] if name is not None else None
+
+
+def misfits(model: nn.Module, fmt: Format, *, skip: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Every floating parameter and buffer of `model` with values beyond `fmt`'s range (they
+    become Inf) or with at least FLUSH_SHARE of its non-zero values below its flush threshold
+    (they become 0); tensors whose dtype is in `skip` (e.g. already in that format) are left out."""
+    found = []
+    for module_name, module in model.named_modules():
+        own = [("parameter", n, t) for n, t in module.named_parameters(recurse=False)]
+        own += [("buffer", n, t) for n, t in module.named_buffers(recurse=False)]
+        for kind, name, t in own:
+            if t is None or not t.is_floating_point() or t.numel() == 0 or t.is_meta or str(t.dtype) in skip:
+                continue
+            entry = _check(t.detach(), fmt)
+            if entry:
+                found.append(
+                    {"tensor": f"{module_name}.{name}" if module_name else name, "module": module_name, "kind": kind}
+                    | entry
+                )
+    return found
+
+
+def _check(t: torch.Tensor, fmt: Format) -> dict[str, Any] | None:
+    magnitude = t.abs()
+    finite = torch.isfinite(magnitude)
+    over = int(((magnitude > fmt.max) & finite).sum())
+    nonzero = (magnitude > 0) & finite
+    flushed = int((nonzero & (magnitude < fmt.flush_threshold)).sum())
+    count = int(nonzero.sum())
+    share = flushed / count if count else 0.0
+    if not over and share < FLUSH_SHARE:
+        return None
+    entry: dict[str, Any] = {"numel": t.numel(), "format": fmt.name}
+    if over:
+        entry |= {"overflow": over, "max": float(magnitude[finite].max()), "limit": fmt.max}
+    if share >= FLUSH_SHARE:
+        entry |= {
+            "flush": flushed,
+            "flush_share": share,
+            "smallest": float(magnitude[nonzero].min()),
+            "flush_threshold": fmt.flush_threshold,
+        }
+    return entry
+
+
+def describe(entry: dict[str, Any]) -> str:
+    """`buffer bn.running_var holds values up to 1.2e+05, above fp16's max 65504 (3 value(s) become Inf)`."""
+    parts = []
+    if "overflow" in entry:
+        parts.append(
+            f"holds values up to {entry['max']:.3g}, above {entry['format']}'s max {entry['limit']:.6g} "
+            f"({entry['overflow']} value(s) become Inf)"
+        )
+    if "flush" in entry:
+        parts.append(
+            f"has {entry['flush_share']:.0%} of its non-zero values below {entry['format']}'s smallest subnormal "
+            f"(down to {entry['smallest']:.2g}; they become 0)"
+        )
+    return f"{entry['kind']} {entry['tensor']} " + " and ".join(parts)
+
+
+def within(entries: list[dict[str, Any]], module: str) -> list[dict[str, Any]]:
+    """The entries of `module` and the modules inside it."""
+    return [e for e in entries if module == "" or e["module"] == module or e["module"].startswith(module + ".")]
