@@ -91,7 +91,8 @@ def outline(text: str) -> Outline:
 
 
 def views(page: Outline, prefix: str = "") -> set[str]:
-    names = ("first-bad-op", "range-heatmap", "precision-profile", "timeline", "crash", "results", "not-checked")
+    names = ("first-bad-op", "range-heatmap", "precision-profile", "timeline", "fingerprints", "crash", "results",
+             "not-checked")  # fmt: skip
     return {n for n in names if prefix + n in page.ids}
 
 
@@ -209,7 +210,7 @@ def run_report() -> dict:
         "fix": "fpdoctor env",
         "references": [],
     }
-    exited = {"pid": 4243, "ended": "exit", "exit_code": 0, "threads": []}
+    exited = {"pid": 4243, "ended": "exited", "exit_code": 0, "threads": []}
     table = {"title": "processes", "columns": ["process", "ended", "where"], "rows": [["rank 3", "error", "x"]]}
     return {
         "schema": "fpdoctor.report/1",
@@ -278,6 +279,26 @@ def test_run_page_shows_the_crashed_process():
     assert "pid 4243" not in crash  # exited cleanly: not a crash
     assert '<td class="error">error</td>' in text  # a state cell reads at a glance
     assert '<p class="message">' in text  # the stack in the message keeps its lines (pre-wrap)
+
+
+def test_health_page_shows_which_gpu_computes_differently():
+    def row(rank: int, digest: str, verdict: str) -> dict:
+        group = "NVIDIA H200 · 132 SMs · cuBLAS 12.8 · driver 570.1 · torch 2.11"
+        digests = {"bf16": digest, "fp32": "aa"}
+        return {"rank": rank, "host": "node1", "device": f"cuda:{rank}", "index": rank, "name": "NVIDIA H200",
+                "group": group, "digests": digests, "self_consistent": True, "verdict": verdict}  # fmt: skip
+
+    rows = [row(0, "x", "ok"), row(1, "x", "ok"), row(2, "y", "outlier"), row(3, "x", "ok")]
+    report = dict(run_report(), command="health", findings=[], verdict="ok", data={"fingerprints": {"rows": rows}})
+    text = render(report, "html")
+    page = outline(text)
+    assert "fingerprints" in page.ids and page.tags["svg"] == 1
+    matrix = text[text.index('id="fingerprints"') : text.index('id="findings"')]
+    # 16 cells: the outlier's row and column differ (6 red), the rest agree (10 green)
+    assert matrix.count("fill: #e57373") == 6 and matrix.count("fill: #81c784") == 10
+    assert "rank 2: 2 NVIDIA H200" in matrix
+    alone = dict(report, data={"fingerprints": {"rows": rows[:1]}})  # nothing to compare it with
+    assert "fingerprints" not in outline(render(alone, "html")).ids
 
 
 def test_demo_is_one_page_with_a_section_per_case(cli, tmp_path):

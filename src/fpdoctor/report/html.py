@@ -2,9 +2,10 @@
 
 Styles are inline, plots are inline SVG (report/plots.py), there is no script to run and no
 font or image to fetch; the report's JSON rides along in a data block for machines. The page
-leads with the verdict and its fix, then the views each capability has data for (the first bad
-op, the per-module range heatmap, the precision profile, the sentinel's timeline), the facts,
-the results table, every finding with its evidence, and what was not checked.
+leads with the verdict and its fix, then the facts, the views each capability has data for (the
+first bad op, the per-module range heatmap, the precision profile, the sentinel's timeline, GEMM
+fingerprints across GPUs, the crashed processes), the results table, every finding with its
+evidence, and what was not checked.
 
 `page()` renders one report; `book()` renders several (one per `fpdoctor demo` case) into one
 document, each in its own section with its own id prefix so that ids stay unique.
@@ -22,6 +23,7 @@ from fpdoctor.report.render import _value, is_command
 
 FULL_FINDINGS = 10  # per finding name; further ones are listed one line each
 LISTED_FINDINGS = 200  # per finding name; the JSON report has the rest
+FIRST_BAD_CARDS = 3  # distinct ops (op, module, source line) in the first-bad-op view
 CRASH_PANELS = 8  # processes shown with their stacks; a large torchrun job lists the rest in its table
 JSON_TWIN_BYTES = 1_000_000  # the embedded JSON is dropped past this, to keep the page under 2 MB
 _FIRST_BAD = ("nonfinite-produced", "nonfinite-input", "deterministic-nonfinite")
@@ -133,11 +135,15 @@ def _report(report: Mapping[str, Any], *, prefix: str, heading: str | None, stor
     return "".join(parts)
 
 
+_RANK = {"info": 0, "warning": 1, "error": 2}
+
+
 def _lead(findings: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The finding the banner leads with: the first of the worst severity, a replay verdict first."""
     if not findings:
         return None
-    worst = findings[0]["severity"]  # findings come sorted, errors first
-    top = [f for f in findings if f["severity"] == worst]
+    worst = max(_RANK.get(f["severity"], 0) for f in findings)
+    top = [f for f in findings if _RANK.get(f["severity"], 0) == worst]
     return next((f for f in top if f["name"] in _LEADS), top[0])
 
 
@@ -311,7 +317,7 @@ def _first_bad_op(report: Mapping[str, Any], p: str) -> tuple[str, str, str] | N
             + (f"<p><b>Reaches</b></p><ul>{reaches}</ul>" if reaches else "")
             + "</div>"
         )
-        if len(cards) == 3:
+        if len(cards) == FIRST_BAD_CARDS:
             break
     if not cards:
         return None
@@ -388,14 +394,34 @@ def _timeline_view(report: Mapping[str, Any], p: str) -> tuple[str, str, str] | 
     )
 
 
+def _fingerprint_view(report: Mapping[str, Any], p: str) -> tuple[str, str, str] | None:
+    from fpdoctor.report import plots
+
+    fingerprints = (report.get("data") or {}).get("fingerprints")
+    rows = fingerprints.get("rows") if isinstance(fingerprints, Mapping) else None
+    svg = plots.fingerprint_matrix(rows, key=f"{p}fingerprints") if isinstance(rows, list) else None
+    if svg is None:
+        return None
+    return (
+        "GEMM fingerprints across devices",
+        svg,
+        "The same seeded matrix products on every device, digested bit for bit. Devices of one fingerprint "
+        "group (same GPU model, SM count, cuBLAS, driver and torch) must agree exactly; a red row or column is "
+        "the device that does not. A red label is a device the findings name.",
+    )
+
+
+_FAILED = ("signal", "terminated", "killed", "exception")
+
+
 def _crash_view(report: Mapping[str, Any], p: str) -> tuple[str, str, str] | None:
     """`fpdoctor run`: each process that failed, with its Python stack, the ops it had in
-    flight, its native stack and the tail of the cuBLASLt log, as far as the report holds them."""
+    flight, its native stack and the tail of the cuBLAS log, as far as the report holds them."""
     processes = (report.get("data") or {}).get("processes")
     if not isinstance(processes, list):
         return None
-    failed = [q for q in processes if isinstance(q, Mapping) and q.get("ended") not in (None, "exit", "running")]
-    failed += [q for q in processes if isinstance(q, Mapping) and q.get("ended") == "exit" and q.get("exit_code")]
+    # as `fpdoctor run` counts failures: killed by a signal, an uncaught exception, or a non-zero exit
+    failed = [q for q in processes if isinstance(q, Mapping) and (q.get("ended") in _FAILED or q.get("exit_code"))]
     panels = []
     for q in failed[:CRASH_PANELS]:
         who = f"pid {q.get('pid')}" + (f", rank {q['rank']}" if q.get("rank") is not None else "")
@@ -415,7 +441,7 @@ def _crash_view(report: Mapping[str, Any], p: str) -> tuple[str, str, str] | Non
         for thread in (q.get("native") or [])[:1]:
             if isinstance(thread, Mapping):
                 parts.append(_lines("Native stack", _frames(thread.get("frames"))))
-        parts.append(_lines("cuBLASLt log, last lines", [str(x) for x in (q.get("library_log") or [])[-10:]]))
+        parts.append(_lines("cuBLAS log, last lines", [str(x) for x in (q.get("library_log") or [])[-10:]]))
         panels.append("".join(parts) + "</div>")
     if not panels:
         return None
@@ -443,6 +469,7 @@ _VIEWS: tuple[tuple[str, Callable[[Mapping[str, Any], str], tuple[str, str, str]
     ("range-heatmap", _range_view),
     ("precision-profile", _profile_view),
     ("timeline", _timeline_view),
+    ("fingerprints", _fingerprint_view),
     ("crash", _crash_view),
 )
 
@@ -452,8 +479,8 @@ def _view(view: tuple[str, Callable[..., tuple[str, str, str] | None]], report: 
     try:
         drawn = draw(report, p)
     except Exception as error:  # a plot that cannot be drawn must not cost the user the report
-        return f'<p class="note" id="{p}{name}">The {name} view could not be drawn: {_e(type(error).__name__)}: ' \
-               f"{_e(error)}</p>"  # fmt: skip
+        why = f"{type(error).__name__}: {error}"
+        return f'<p class="note" id="{p}{name}">The {name} view could not be drawn: {_e(why)}</p>'
     if drawn is None:
         return ""
     title, body, caption = drawn

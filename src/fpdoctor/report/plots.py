@@ -382,6 +382,59 @@ def precision_profile(
         return to_svg(fig, key)
 
 
+_EQUAL, _DIFFER, _UNKNOWN = 2, 1, 0
+
+
+def fingerprint_matrix(rows: Sequence[Mapping[str, Any]], key: str = "fingerprints") -> str | None:
+    """Device x device: green where two devices' GEMM digests are bit-equal, red where they differ,
+    grey where they cannot be compared (another fingerprint group, or no digest); on the diagonal,
+    whether a device's own repeats agreed."""
+    rows = [r for r in rows if isinstance(r, Mapping)]
+    if sum(1 for r in rows if r.get("digests")) < 2:
+        return None
+    rows = rows[:MAX_ROWS]
+    hosts = {r.get("host") for r in rows}
+
+    def label(r: Mapping[str, Any]) -> str:
+        text = " ".join(str(x) for x in (r.get("index"), r.get("name") or r.get("device")) if x not in (None, ""))
+        if r.get("rank") is not None:
+            text = f"rank {r['rank']}: {text}"
+        return f"{r.get('host')} {text}" if len(hosts) > 1 else text
+
+    def cell(a: Mapping[str, Any], b: Mapping[str, Any]) -> int:
+        if a is b:
+            consistent = a.get("self_consistent")
+            return _UNKNOWN if consistent is None else _EQUAL if consistent else _DIFFER
+        da, db = a.get("digests") or {}, b.get("digests") or {}
+        common = set(da) & set(db)
+        if not common or a.get("group") != b.get("group"):
+            return _UNKNOWN
+        return _EQUAL if all(da[d] == db[d] for d in common) else _DIFFER
+
+    from matplotlib.colors import ListedColormap
+
+    grid = [[cell(a, b) for b in rows] for a in rows]
+    n = len(rows)
+    with _rc():
+        fig = _figure(min(10, 2.5 + 0.35 * n), 1.6 + 0.3 * n)
+        ax = fig.subplots()
+        ax.pcolormesh(grid, cmap=ListedColormap(["#d9d9d9", "#e57373", "#81c784"]), vmin=0, vmax=2,
+                      edgecolors="white", linewidth=1)  # fmt: skip
+        names = [label(r) for r in rows]
+        ax.set_xticks([i + 0.5 for i in range(n)], names, rotation=45, ha="right")
+        ax.set_yticks([i + 0.5 for i in range(n)], names)
+        for tick, r in zip(ax.get_yticklabels(), rows, strict=True):
+            if r.get("verdict") not in (None, "ok", "not comparable"):
+                tick.set_color(RED)
+        ax.invert_yaxis()
+        ax.set_title("GEMM fingerprints: green bit-equal, red different, grey not comparable; diagonal: own repeats")
+        ax.tick_params(length=0)
+        for side in ("left", "bottom"):
+            ax.spines[side].set_visible(False)
+        ax.set_aspect("equal")
+        return to_svg(fig, key)
+
+
 def input_ranges(evidence: Mapping[str, Any], key: str = "input-ranges") -> str | None:
     """The first bad op's inputs: the magnitude range each held, against its dtype's max."""
     inputs = [i for i in evidence.get("inputs") or [] if isinstance(i, Mapping)]
