@@ -124,3 +124,17 @@ def test_headroom_findings_name_the_op_and_omit_unknowns():
     assert under.where["op"] == "aten.mean.dim" and under.evidence["numel"] == 4
     over = next(f for f in found if f.name == "overflow-risk")
     assert over.where == {"module": "", "op": "aten.addmm.default", "phase": "forward"}
+
+
+def test_a_nan_output_is_not_shown_as_zero_headroom():
+    from fpdoctor.numerics.headroom import ModuleStats
+
+    stats = ModuleStats("torch.float32")
+    stats.add(torch.tensor([1.0, float("nan")]))
+    stats.add(torch.tensor([3.0]))  # a later finite call does not hide the NaN
+    assert stats.absmax != stats.absmax  # NaN, not max(0.0, nan) == 0.0
+    norm = Norm()
+    with fpdoctor.trace(norm, headroom=True) as t:
+        norm(torch.tensor([[1.0, float("nan")]]))
+    rows = t.report.data["headroom"]
+    assert not [row for row in rows if row["absmax"] == 0.0]  # a NaN module is left out, not shown as 0

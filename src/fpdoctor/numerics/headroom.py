@@ -63,8 +63,9 @@ class ModuleStats:
         if absmax is None:
             lo, hi = torch.aminmax(t.detach().float() if t.dtype not in (torch.float32, torch.float64) else t.detach())
             absmax = max(-float(lo), float(hi))
-        top = absmax
-        self.absmax = max(float(self.absmax), top)
+        top = float(absmax)
+        # NaN must stick: Python's max(0.0, nan) is 0.0, which would show a NaN output as all zeros
+        self.absmax = math.nan if math.isnan(top) or math.isnan(self.absmax) else max(float(self.absmax), top)
         self.numel += n
         self.calls += 1
 

@@ -171,10 +171,10 @@ def verdict_findings(
                 **{k: v for k, v in me.items() if k in ("gpu", "uuid")},
                 **({"gpu_health": health.to_dict()} if health is not None else {}),
             },
-            **(
-                {"fix": f"Drain {health.gpu or 'this GPU'} and run `fpdoctor health` on it: {health.text()}."}
+            fix=(
+                f"Drain {health.gpu or 'this GPU'} and run `fpdoctor health` on it: {health.text()}."
                 if health is not None and health.any
-                else {}
+                else None
             ),
         )
     ]
