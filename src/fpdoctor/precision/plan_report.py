@@ -57,10 +57,10 @@ def _kept_by(module: str, keep: list[str]) -> str | None:
 
 
 def build(the_plan: Plan, search: Search) -> Report:
-    described, compared, floor, rounding, _, tolerance = search.sets[search.worst]
+    described, compared, floor, rounding, _, _ = search.sets[search.worst]
     findings: list[Finding] = list(search.given[0])
     findings += _compare_findings(the_plan, search)
-    if floor > tolerance:
+    if any(fl > tol for _, _, fl, _, _, tol in search.sets):
         findings.append(_floor_finding(the_plan, search))
     if not the_plan.verified:
         findings.append(_unverified_finding(the_plan, search))
@@ -68,15 +68,29 @@ def build(the_plan: Plan, search: Search) -> Report:
     if len(search.sets) == 1:
         summary.append(("inputs", inputs_text(described)))
     else:
-        summary.append(("input sets judged", f"{len(search.sets)}; worst: #{search.worst} {inputs_text(described)}"))
+        summary.append(
+            (
+                "input sets judged",
+                f"{len(search.sets)}; worst without exceptions: #{search.worst}, {inputs_text(described)}",
+            )
+        )
+        with_plan = "with the plan" if the_plan.verified else "closest"
+        for k, (_, _, _, _, target, _) in enumerate(search.sets):
+            summary.append(
+                (
+                    f"  set #{k}",
+                    f"without exceptions {_fmt(search.baseline[k])}; {with_plan} {_fmt(search.final[k])} "
+                    f"(target {target:.3g})",
+                )
+            )
     if search.given[1]:
         summary.append(("model as given", search.given[1]))
     summary.append(("without exceptions", f"end-to-end error {_fmt(max(search.baseline))}"))
     if rounding > 0:
-        amplified = f", {floor / rounding:.0f}x the inputs' own rounding of {rounding:.2g}" if rounding else ""
+        amplified = f", {floor / rounding:.2g}x the inputs' own rounding of {rounding:.2g}" if rounding else ""
         summary.append(
             (
-                "input rounding floor",
+                "input rounding floor" + (f" (set #{search.worst})" if len(search.sets) > 1 else ""),
                 f"{_fmt(floor)}: the {search.reference} model fed {the_plan.candidate}-rounded inputs{amplified}; "
                 "no plan goes below it",
             )
@@ -207,9 +221,9 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
 
 
 def _floor_finding(the_plan: Plan, search: Search) -> Finding:
-    _, _, floor, rounding, target, tolerance = search.sets[search.worst]
+    _, _, floor, rounding, target, tolerance = max(search.sets, key=lambda s: s[2] / max(s[5], 1e-300))
     cand = the_plan.candidate
-    amplified = f", {floor / rounding:.0f}x the rounding of the inputs themselves ({rounding:.2g})" if rounding else ""
+    amplified = f", {floor / rounding:.2g}x the rounding of the inputs themselves ({rounding:.2g})" if rounding else ""
     return catalog.make(
         "precision-divergence",
         severity=Severity.WARNING,
