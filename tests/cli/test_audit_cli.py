@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from tests.conftest import run_fpdoctor
+from tests.precision.factories import loads_strict
 
 
 def test_audit_module_spec():
     result = run_fpdoctor("audit", "fpdoctor.casebook.unet:build", "--format", "json")
     assert result.code == 1
-    doc = json.loads(result.out)
+    doc = loads_strict(result.out)
     assert {f["name"] for f in doc["findings"]} == {"dtype-mismatch", "mixed-dtype-parameters"}
 
 
@@ -71,6 +70,6 @@ def test_unavailable_device(cli, device, words):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_audit_on_cuda(cli):
     result = cli("audit", "fpdoctor.casebook.unet:build", "--device", "cuda", "--format", "json")
-    doc = json.loads(result.out)
+    doc = loads_strict(result.out)
     assert result.code == (1 if doc["verdict"] == "error" else 0)
     assert list(doc["data"]["devices"]) == ["cuda:0"]

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from tests.conftest import run_fpdoctor
+from tests.precision.factories import loads_strict
 
 MODEL = (
     "import torch\n"
@@ -28,7 +27,7 @@ def spec(tmp_path):
 def test_device_candidate_end_to_end(spec):
     result = run_fpdoctor("compare", spec, "--candidate", "fp32", "--device", "cpu", "--format", "json")
     assert result.code == 0, result.err
-    doc = json.loads(result.out)
+    doc = loads_strict(result.out)
     summary = dict(doc["data"]["summary"])
     assert summary["candidate / reference"].startswith("fp32 on cpu / fp32")
     leaves = [m for m in doc["data"]["modules"] if m["leaf"]]
@@ -51,7 +50,7 @@ def test_unknown_device_and_fp32_plan_are_usage_errors(spec, cli):
 def test_fp8_kernel_option(spec, cli):
     result = run_fpdoctor("compare", spec, "--candidate", "fp8-e4m3", "--fp8-kernel", "scaled_mm", "--format", "json")
     assert result.code == 0, result.err
-    doc = json.loads(result.out)
+    doc = loads_strict(result.out)
     assert doc["data"]["fp8_kernel"]["scaled_mm"] == 2
     result = cli("compare", spec, "--candidate", "fp8-e4m3", "--fp8-kernel", "cublas")
     assert result.code == 2 and "unknown fp8 kernel 'cublas'" in result.err
