@@ -52,6 +52,10 @@ def test_a_nan_loss_beside_an_xid_is_a_note(tmp_path, cli):
     doc = strict_json(cli("env", "--from", str(log), "--format", "json").out)
     silent = [f for f in doc["findings"] if f["evidence"].get("issue") == "SILENT_BAD_GPU_NAN_AT_SCALE"]
     assert [(f["name"], f["severity"]) for f in silent] == [("known-issue-possible", "info")]
+    # its references are links, without the research notes the data keeps beside them
+    assert "https://github.com/pytorch/torchtitan/issues/865" in silent[0]["references"]
+    assert all(re.fullmatch(r"https://\S+", r) for r in silent[0]["references"])
+    assert "fpdoctor health" in silent[0]["fix"]
 
 
 @pytest.mark.parametrize("symptom", ["Bus error", "Watchdog caught collective operation timeout"])
@@ -252,3 +256,30 @@ def test_windows_cuda_13_driver_is_reported_as_not_checked():
     report = diagnose_env(facts=facts)
     (key,) = [k for k in report.data["not_checked"] if k.startswith("driver floor")]
     assert "Windows" in report.data["not_checked"][key]
+
+
+# -- what the rule base cannot judge is said, never passed over ------------------------------------
+
+
+def test_a_build_missing_from_the_arch_table_is_reported_as_not_checked():
+    facts = _facts(H100)
+    facts["torch"].update(version="2.15.0+cu130", arch_list=None)
+    report = diagnose_env(facts=facts)
+    assert "2.15.0" in report.data["not_checked"]["GPU architecture coverage"]
+
+
+def test_a_cuda_without_a_driver_floor_is_reported_as_not_checked():
+    facts = _facts(H100)
+    facts["torch"].update(version="2.15.0+cu140", cuda="14.0")
+    report = diagnose_env(facts=facts)
+    assert "driver floor for CUDA 14.0" in report.data["not_checked"]
+
+
+def test_a_loaders_duplicate_complaint_in_a_log_is_a_finding(tmp_path, cli):
+    log = tmp_path / "bnb.log"
+    log.write_text(
+        "UserWarning: Found duplicate ['libcudart.so', 'libcudart.so.11.0', 'libcudart.so.12.0'] files in: "
+        "{PosixPath('/usr/local/cuda/lib64/libcudart.so'), PosixPath('/opt/conda/lib/libcudart.so')}\n"
+    )
+    doc = strict_json(cli("env", "--from", str(log), "--format", "json").out)
+    assert [(f["name"], f["severity"]) for f in doc["findings"]] == [("duplicate-cuda-library", "warning")]

@@ -59,6 +59,11 @@ def arch_not_in_build(ctx: Context) -> Iterable[Finding]:
     arch, origin, confidence = _arch_list(ctx)
     build = facts.build_cuda
     ccs = sorted({sm_number(g["compute_capability"]) for g in facts.gpus if g.get("compute_capability")})
+    if ccs and arch is None and facts.torch_version and facts.variant:
+        facts.raw.setdefault("not_checked", {})["GPU architecture coverage"] = (
+            f"fpdoctor's table has no arch list for torch {facts.torch_version} {facts.variant}; "
+            "`fpdoctor env` on that machine reads the build's own list"
+        )
     reported = False
     for cc in ccs:
         gpus = [g for g in facts.gpus if g.get("compute_capability") and sm_number(g["compute_capability"]) == cc]

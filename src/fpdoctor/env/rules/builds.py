@@ -11,6 +11,7 @@ from fpdoctor.env.fixes import TORCH_CHANGE_COST, data_fix, interpreter, pip
 from fpdoctor.env.refdata import INDEX_URL, cuda_variant, refdata, sm_number, version
 from fpdoctor.env.rules import Context
 from fpdoctor.env.suggest import suggest_build
+from fpdoctor.env.understand import SHOWN, shorten
 from fpdoctor.report.model import Finding, Severity
 
 _MISSING_LIB = re.compile(r"(?P<lib>lib[\w.+-]+\.so[\w.]*): cannot open shared object file")
@@ -204,8 +205,8 @@ def duplicate_torch_install(ctx: Context) -> Iterable[Finding]:
     if len(distinct) < 2 and not debris:
         return
     lines = [
-        f"torch {i.get('version')} ({i.get('installer') or 'unknown installer'}"
-        + (f", {i['location']}" if i.get("location") else "")
+        f"torch {shorten(i.get('version'))} ({i.get('installer') or 'unknown installer'}"
+        + (f", {shorten(i['location'], 2 * SHOWN)}" if i.get("location") else "")
         + ")"
         for i in installs
     ]

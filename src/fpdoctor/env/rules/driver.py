@@ -42,6 +42,11 @@ def driver_too_old(ctx: Context) -> Iterable[Finding]:
             f"NVIDIA's table gives no Windows minimum driver for CUDA {build.major}.x builds, so driver "
             f"{driver_text or '(unknown)'} was not checked against one"
         )
+    if build and driver and floor is None and not facts.windows:
+        facts.raw.setdefault("not_checked", {})[f"driver floor for CUDA {build}"] = (
+            f"fpdoctor's table of NVIDIA's minimum drivers has no row for CUDA {build}; driver {driver_text} "
+            "was not checked against one"
+        )
     too_old = False
     if driver and floor and driver < floor[0]:
         too_old = True

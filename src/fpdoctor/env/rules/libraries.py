@@ -48,6 +48,24 @@ def _same_release(a: str | None, b: str | None) -> bool:
 
 
 def duplicate_cuda_library(ctx: Context) -> Iterable[Finding]:
+    found = list(_duplicates(ctx))
+    yield from found
+    matched = ctx.symptoms.get("DUPLICATE_CUDA_RUNTIME_LIBS")
+    if matched and not found:
+        # A loader's complaint in a log: the copies exist, but the log does not say which loads.
+        yield catalog.make(
+            "duplicate-cuda-library",
+            message="The log shows several copies of a CUDA library found on the loader's path: " + matched[0],
+            fix=(
+                "# the log lists the copies but not which one loads; on that machine, in that environment,\n"
+                "# this lists every copy, the one that loaded and the command that removes the others:\n"
+                "fpdoctor env"
+            ),
+            evidence={"matched": matched},
+        )
+
+
+def _duplicates(ctx: Context) -> Iterable[Finding]:
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for copy in _copies_with_wheels(ctx):
         if REACHABLE & set(copy.get("origins") or []):
