@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import yaml
 
 from tests.conftest import ENV_FIXTURES
+from tests.env.strict import strict_json
 
 REPORTS = ENV_FIXTURES / "collect_env"
 EXPECTED = yaml.safe_load((REPORTS / "expected.yaml").read_text())
@@ -25,7 +24,7 @@ def test_every_report_has_an_expectation_and_a_source():
 def test_report_is_diagnosed(name, cli):
     case = EXPECTED[name]
     result = cli("env", "--from", str(REPORTS / name), "--format", "json")
-    doc = json.loads(result.out)
+    doc = strict_json(result.out)
     assert doc["verdict"] == case["verdict"], case["cause"]
     assert result.code == (1 if case["verdict"] == "error" else 0)
     got = {}
@@ -99,5 +98,5 @@ def test_torch_warning_around_the_report_supplies_the_arch_list():
 )
 def test_error_logs(log, finding, severity, cli):
     result = cli("env", "--from", str(ENV_FIXTURES / "logs" / log), "--format", "json")
-    doc = json.loads(result.out)
+    doc = strict_json(result.out)
     assert [(f["name"], f["severity"]) for f in doc["findings"]] == [(finding, severity)]

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tests.conftest import run_fpdoctor
+from tests.env.strict import strict_json
 
 SECRETS = {
     "HF_TOKEN": "hf_plantedSecretValue0123456789",
@@ -33,7 +32,7 @@ def _cuda() -> bool:
 @pytest.fixture(scope="module")
 def live_json():
     result = run_fpdoctor("env", "--format", "json", env=SECRETS)
-    return result, json.loads(result.out)
+    return result, strict_json(result.out)
 
 
 def test_live_run_on_this_machine(live_json):
@@ -92,7 +91,7 @@ def test_saved_facts_diagnose_the_same(tmp_path):
     facts_file = tmp_path / "facts.json"
     first = run_fpdoctor("env", "--save-facts", str(facts_file), "--format", "json")
     again = run_fpdoctor("env", "--from", str(facts_file), "--format", "json")
-    a, b = json.loads(first.out), json.loads(again.out)
+    a, b = strict_json(first.out), strict_json(again.out)
     assert again.code == first.code
     assert [f["code"] for f in a["findings"]] == [f["code"] for f in b["findings"]]
     assert b["data"]["facts"]["origin"]["collected_as"] == "live"
@@ -101,7 +100,7 @@ def test_saved_facts_diagnose_the_same(tmp_path):
 @pytest.mark.skipif(_cuda(), reason="with a GPU the probes run on it (test_gpu_probes_when_asked)")
 def test_cpu_probes_when_asked(cli):
     result = cli("env", "--probe", "--format", "json")
-    doc = json.loads(result.out)
+    doc = strict_json(result.out)
     probes = doc["data"]["facts"]["probes"]
     assert [p["dtype"] for p in probes] == ["fp32", "bf16", "fp16"]
     assert all(p["status"] == "ok" for p in probes) and result.code == 0
@@ -110,7 +109,7 @@ def test_cpu_probes_when_asked(cli):
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA device")
 def test_gpu_probes_when_asked(cli):
     result = cli("env", "--probe", "--format", "json")
-    doc = json.loads(result.out)
+    doc = strict_json(result.out)
     probes = doc["data"]["facts"]["probes"]
     assert [p["dtype"] for p in probes][:4] == ["fp32", "tf32", "bf16", "fp16"]
     assert {"h20-linear-bf16", "h20-gemm-fp16"} <= {p["name"] for p in probes}

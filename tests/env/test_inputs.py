@@ -138,7 +138,7 @@ def test_deeply_nested_facts_end_to_end(tmp_path):
 
 def _mutations():
     """Facts with a field of the wrong shape, as a hand-edited or foreign file has them."""
-    base = json.loads((ENV_FIXTURES / "rules" / "ENV101-cublas-h20-sigfpe.json").read_text())
+    base = strict_json((ENV_FIXTURES / "rules" / "ENV101-cublas-h20-sigfpe.json").read_text())
     cases = {
         "gpus-not-a-list": {"gpus": "8 x H20"},
         "gpu-not-a-dict": {"gpus": [1, 2]},

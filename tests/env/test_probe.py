@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fpdoctor.env.probe import default_specs, run_probes
+from tests.env.strict import strict_json
 
 
 def _spec(name, dtype="fp32", **extra):
@@ -38,13 +39,12 @@ def test_default_plan():
 
 
 def test_probe_crash_becomes_a_finding_end_to_end(cli, tmp_path):
-    import json
 
     # The recorded H20 facts plus a live probe that really dies of SIGFPE.
     from fpdoctor.env.doctor import diagnose_env
     from tests.conftest import ENV_FIXTURES
 
-    facts = json.loads((ENV_FIXTURES / "rules" / "ENV101-cublas-h20-sigfpe.json").read_text())
+    facts = strict_json((ENV_FIXTURES / "rules" / "ENV101-cublas-h20-sigfpe.json").read_text())
     report = diagnose_env(facts=facts, probe=True, probe_specs=[_spec("h20-linear-bf16", "bf16", fault="sigfpe")])
     crashed = report.by_name("probe-crashed")
     assert len(crashed) == 1 and crashed[0].evidence["signal"] == "SIGFPE"
@@ -53,14 +53,13 @@ def test_probe_crash_becomes_a_finding_end_to_end(cli, tmp_path):
 
 
 def test_a_probe_that_raises_is_noted_and_its_text_is_evidence():
-    import json
 
     import torch
 
     from fpdoctor.env.doctor import diagnose_env
     from tests.conftest import ENV_FIXTURES
 
-    facts = json.loads((ENV_FIXTURES / "rules" / "ENV201-probe-crashed.json").read_text())
+    facts = strict_json((ENV_FIXTURES / "rules" / "ENV201-probe-crashed.json").read_text())
     # One past the last CUDA device, on any machine: "invalid device ordinal" where there are GPUs,
     # "not compiled with CUDA" or "no NVIDIA driver" where there are none. Each one raises.
     missing = f"cuda:{torch.cuda.device_count()}"

@@ -44,7 +44,7 @@ def test_torch_2_10_cu128_wheels_include_volta():
 
 
 def test_volta_on_torch_2_10_cu128_is_covered():
-    facts = json.loads((ENV_FIXTURES / "rules" / "ENV004-arch-not-in-build.json").read_text())
+    facts = strict_json((ENV_FIXTURES / "rules" / "ENV004-arch-not-in-build.json").read_text())
     facts["gpus"] = [{"index": 0, "name": "Tesla V100-SXM2-32GB", "compute_capability": "7.0"}]
     facts["torch"].update(version="2.10.0+cu128", cuda="12.8", arch_list=None, warnings=[])
     assert "arch-not-in-build" not in {f.name for f in diagnose_env(facts=facts).findings}
@@ -95,7 +95,7 @@ def test_torch_2_4_0_cu124_pins_a_cublas_below_the_h20_fix():
 
 def test_h20_on_torch_2_4_0_cu124_is_still_exposed():
     """torch 2.4.0+cu124 is not a fix: its pin (12.4.2.65) is below the first reported fix."""
-    facts = json.loads((ENV_FIXTURES / "rules" / "ENV101-cublas-h20-sigfpe.json").read_text())
+    facts = strict_json((ENV_FIXTURES / "rules" / "ENV101-cublas-h20-sigfpe.json").read_text())
     facts["torch"].update(version="2.4.0+cu124", cuda="12.4")
     facts["libraries"] = {"wheels": [], "copies": [], "loaded": None}
     finding = {f.name: f for f in diagnose_env(facts=facts).findings}["cublas-h20-sigfpe"]

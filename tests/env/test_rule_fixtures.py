@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from fpdoctor import catalog
 from fpdoctor.env.doctor import diagnose_env
 from fpdoctor.env.parse import load
 from tests.conftest import ENV_FIXTURES
+from tests.env.strict import strict_json
 
 RULE_FIXTURES = ENV_FIXTURES / "rules"
 ENV_RULES = [r for r in catalog.rules() if r.code.startswith("ENV")]
@@ -27,7 +26,7 @@ def test_every_rule_has_a_fixture_and_an_expectation(rule):
     inputs, expected = _fixture(rule)
     assert len(inputs) == 1, f"{rule.code} needs exactly one fixture named {rule.code}-{rule.name}.<json|txt|log>"
     assert expected.exists(), f"{rule.code} needs {expected.name}"
-    names = [n for n, _ in json.loads(expected.read_text())["findings"]]
+    names = [n for n, _ in strict_json(expected.read_text())["findings"]]
     assert rule.name in names, f"{expected.name} must expect {rule.name}"
 
 
@@ -36,7 +35,7 @@ def test_rule_fixture_gives_exactly_the_expected_findings(rule):
     inputs, expected = _fixture(rule)
     report = diagnose_env(facts=load(str(inputs[0])))
     got = sorted([f.name, f.severity.value] for f in report.findings)
-    assert got == json.loads(expected.read_text())["findings"]
+    assert got == strict_json(expected.read_text())["findings"]
     for f in report.findings:
         assert f.fix, f"{f.code} finding has no fix"
         assert f.message, f"{f.code} finding has no message"

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 
 from fpdoctor.env.doctor import diagnose_env
 from tests.conftest import ENV_FIXTURES
+from tests.env.strict import strict_json
 
 
 @pytest.fixture
 def h20_facts():
-    return json.loads((ENV_FIXTURES / "rules" / "ENV101-cublas-h20-sigfpe.json").read_text())
+    return strict_json((ENV_FIXTURES / "rules" / "ENV101-cublas-h20-sigfpe.json").read_text())
 
 
 def _names(facts):
@@ -52,7 +52,7 @@ def test_h20_without_library_facts_infers_from_the_build(h20_facts):
 
 
 def test_ptx_only_coverage_is_a_warning():
-    facts = json.loads((ENV_FIXTURES / "rules" / "ENV004-arch-not-in-build.json").read_text())
+    facts = strict_json((ENV_FIXTURES / "rules" / "ENV004-arch-not-in-build.json").read_text())
     facts["torch"].update(
         version="2.7.0+cu128", cuda="12.8", arch_list=["sm_75", "sm_80", "sm_86", "sm_90", "compute_90"]
     )
@@ -62,14 +62,14 @@ def test_ptx_only_coverage_is_a_warning():
 
 
 def test_sass_of_the_same_major_covers_newer_minors():
-    facts = json.loads((ENV_FIXTURES / "rules" / "ENV004-arch-not-in-build.json").read_text())
+    facts = strict_json((ENV_FIXTURES / "rules" / "ENV004-arch-not-in-build.json").read_text())
     facts["gpus"][0].update(name="NVIDIA GeForce RTX 4090", compute_capability="8.9")
     facts["torch"]["warnings"] = []
     assert "arch-not-in-build" not in _names(facts)  # sm_86 SASS runs on sm_89
 
 
 def test_driver_below_the_exact_toolkit_but_above_the_family_floor_is_a_note():
-    facts = json.loads((ENV_FIXTURES / "rules" / "ENV002-cpu-only-build.json").read_text())
+    facts = strict_json((ENV_FIXTURES / "rules" / "ENV002-cpu-only-build.json").read_text())
     facts["torch"].update(version="2.5.1+cu124", cuda="12.4", cuda_available=True)
     facts["driver"]["version"] = "535.104.05"  # CUDA 12.4 shipped with 550.54.14
     finding = _names(facts)["driver-too-old"]
@@ -77,13 +77,13 @@ def test_driver_below_the_exact_toolkit_but_above_the_family_floor_is_a_note():
 
 
 def test_healthy_live_facts_give_no_findings():
-    facts = json.loads((ENV_FIXTURES / "rules" / "ENV201-probe-crashed.json").read_text())
+    facts = strict_json((ENV_FIXTURES / "rules" / "ENV201-probe-crashed.json").read_text())
     facts["probes"] = []
     assert _names(facts) == {}
 
 
 def test_an_import_failure_names_its_known_cause_once():
-    facts = json.loads((ENV_FIXTURES / "rules" / "ENV001-torch-import-failed.json").read_text())
+    facts = strict_json((ENV_FIXTURES / "rules" / "ENV001-torch-import-failed.json").read_text())
     facts["torch"]["error"] = (
         "ImportError: /x/libcusparse.so.12: undefined symbol: __nvJitLink_12_4, version libnvJitLink.so.12"
     )
@@ -99,7 +99,7 @@ def test_a_failing_rule_is_reported_not_raised(monkeypatch):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(rules, "all_rules", lambda: [broken])
-    facts = json.loads((ENV_FIXTURES / "rules" / "ENV201-probe-crashed.json").read_text())
+    facts = strict_json((ENV_FIXTURES / "rules" / "ENV201-probe-crashed.json").read_text())
     report = diagnose_env(facts=facts)
     assert report.findings == []
     assert "boom" in report.data["not_checked"]["rule broken"]
@@ -113,7 +113,7 @@ def test_the_callers_facts_are_read_not_changed():
     def broken(ctx):
         raise RuntimeError("boom")
 
-    facts = json.loads((ENV_FIXTURES / "rules" / "ENV201-probe-crashed.json").read_text())
+    facts = strict_json((ENV_FIXTURES / "rules" / "ENV201-probe-crashed.json").read_text())
     facts.pop("probes", None)
     before = copy.deepcopy(facts)
     spec = {"name": "raises", "dtype": "fp32", "shape": [-1, 4, 4], "device": "cpu"}  # a negative dimension

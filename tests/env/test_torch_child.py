@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import textwrap
 
 import torch
@@ -10,6 +9,7 @@ import torch
 from fpdoctor.env.collect import finish_torch_child
 from fpdoctor.env.sources import torch_child
 from tests.conftest import run_fpdoctor
+from tests.env.strict import strict_json
 
 
 def test_child_reports_this_torch():
@@ -57,7 +57,7 @@ def test_env_diagnoses_a_broken_torch_and_still_collects_the_rest(tmp_path):
     """,
     )
     result = run_fpdoctor("env", "--format", "json", env=env)
-    doc = json.loads(result.out)
+    doc = strict_json(result.out)
     assert result.code == 1
     names = {f["name"] for f in doc["findings"]}
     assert {"torch-import-failed", "numpy-abi-mismatch"} <= names

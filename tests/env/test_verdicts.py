@@ -4,7 +4,6 @@ said so, fixes that paste, and reports that say what they could not see."""
 from __future__ import annotations
 
 import copy
-import json
 import re
 
 import pytest
@@ -18,7 +17,7 @@ H100 = ENV_FIXTURES / "facts" / "h100_cu130_single_gpu_live.json"
 
 
 def _facts(path):
-    return json.loads(path.read_text())
+    return strict_json(path.read_text())
 
 
 def _by_name(report):
