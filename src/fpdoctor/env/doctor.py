@@ -70,6 +70,11 @@ def diagnose_env(
         facts.setdefault("not_checked", {})["probes"] = "probes run only on a live machine, not on a file"
 
     findings = evaluate(view)
+    rows = summary(view)
+    if here and view.gpus:
+        row, hardware = health_join()
+        rows.append(row)
+        findings += hardware
     not_checked = dict(facts.get("not_checked") or {})
     if facts.get("probes"):
         not_checked["intermittent GPU faults"] = PROBE_LIMITS
@@ -78,5 +83,19 @@ def diagnose_env(
     return Report(
         command="env",
         findings=findings,
-        data={"facts": redact(facts), "summary": summary(view), "not_checked": not_checked},
+        data={"facts": redact(facts), "summary": rows, "not_checked": not_checked},
     )
+
+
+def health_join() -> tuple[tuple[str, str], list[Any]]:
+    """On a machine with NVIDIA GPUs: the GPU-health summary line and its warning/error findings
+    (`fpdoctor health` without fingerprints: NVML and the kernel log, no torch, under a second)."""
+    try:
+        from fpdoctor.health import health
+
+        report = health().report
+    except Exception as exc:  # the environment verdict stands on its own
+        return ("GPU health", f"not checked: {type(exc).__name__}: {exc}"), []
+    status = next((str(v) for k, v in report.data.get("summary", []) if k == "status"), report.verdict)
+    found = [f for f in report.findings if f.severity.value in ("error", "warning")]
+    return ("GPU health", f"{status} (`fpdoctor health --duration 10` adds GEMM fingerprints)"), found
