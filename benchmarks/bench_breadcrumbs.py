@@ -9,6 +9,13 @@ composite ops dispatch). Variants are interleaved step by step (A B C D, A B C D
 a shared machine's load drifts hit every variant alike; medians are compared. Per-op cost =
 (variant - plain) / aten ops per step, the ops counted once by a counting dispatch mode.
 
+On CPU the steps run on one torch thread and are timed by the thread's CPU clock
+(time.thread_time), not the wall clock: on a shared 2-core machine a second intra-op thread that
+loses its core to another process turns a 2 ms step into a 100 ms one, and a busy machine
+stretches wall time by its load, either of which drowns a cost of a few microseconds per op;
+what is measured (Python work per op) runs on the calling thread. CUDA steps are timed by the
+wall clock around a synchronize.
+
 Steps: on CPU the tiny transformer (per-op overhead dominates: the budget's worst case) and the
 4-layer one of bench_numerics.py (compute-bound); with CUDA also a launch-bound small step and the
 bf16 autocast step (dim 1024, 8 layers, 16 x 512 tokens).
@@ -100,7 +107,9 @@ def _scenario(
     return variants, sync, counter.ops
 
 
-def _measure(variants: dict[str, Callable[[], None]], sync: Callable[[], None], n: int) -> dict[str, float]:
+def _measure(
+    variants: dict[str, Callable[[], None]], sync: Callable[[], None], n: int, clock: Callable[[], float]
+) -> dict[str, float]:
     for fn in variants.values():  # warm-up: allocator, first-call overheads, the ring's first names
         fn()
         sync()
@@ -108,10 +117,10 @@ def _measure(variants: dict[str, Callable[[], None]], sync: Callable[[], None], 
     for _ in range(n):
         for name, fn in variants.items():
             sync()
-            start = time.perf_counter()
+            start = clock()
             fn()
             sync()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return {name: statistics.median(values) for name, values in times.items()}
 
 
@@ -120,7 +129,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10, help="steps per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", choices=("cpu", "cuda"), help="run one device's scenarios")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, see above)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     cpu = [
         ("CPU, tiny (per-op bound): 2 layers dim 32, 2 x 8 tokens", dict(layers=2, dim=32, heads=2, size=2, length=8)),
         ("CPU, 4-layer transformer dim 256, 8 x 64 tokens", dict(layers=4, dim=256, heads=4, size=8, length=64)),
@@ -142,9 +153,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="fpdoctor-bench-") as run_dir:
         for label, device, shape in plan:
             variants, sync, ops = _scenario(device=device, run_dir=run_dir, **shape)
-            medians = _measure(variants, sync, n)
+            clock = time.perf_counter if device == "cuda" else time.thread_time
+            medians = _measure(variants, sync, n, clock)
             base = medians["plain step"]
-            print(f"{label}: {ops} aten ops per step, {n} interleaved steps per variant, medians")
+            what = "wall" if device == "cuda" else f"thread CPU time, {torch.get_num_threads()} torch thread(s)"
+            print(f"{label}: {ops} aten ops per step, {n} interleaved steps per variant, medians of {what}")
             for name, value in medians.items():
                 per_op = (value - base) / ops * 1e6
                 print(
