@@ -130,3 +130,28 @@ def huge_inputs() -> tuple[nn.Module, torch.Tensor]:
     """Inputs beyond fp16's range: they are Inf before the first module runs."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)), torch.randn(8, 64) * 1e5
+
+
+class TemperedAttention(nn.Module):
+    """Attention whose small temperature is applied after the product: q·kᵀ overflows fp16 while
+    the scaled scores, and the softmax, are moderate."""
+
+    def __init__(self, dim: int = 64, temperature: float = 1e-4) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.temperature = temperature
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, tokens, dim)
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)  # (batch, tokens, tokens), up to ~1e5
+        return torch.softmax(scores * self.temperature, dim=-1) @ self.v(x)
+
+
+def tempered_attention() -> tuple[nn.Module, torch.Tensor]:
+    """compare finds the q·kᵀ overflow inside `attn`; computing that product and the softmax in fp32
+    is enough, the projections stay fp16."""
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(embed=nn.Linear(64, 64), attn=TemperedAttention(), head=nn.Linear(64, 16)))
+    with torch.no_grad():
+        model.attn.q.weight.mul_(150)
+        model.attn.k.weight.mul_(150)
+    return model, torch.randn(4, 32, 64)

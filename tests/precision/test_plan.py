@@ -61,7 +61,9 @@ def test_unscaled_attention_is_found_and_fixed():
     table = {row[0]: row for row in compared.report.data["table"]["rows"]}
     assert table["1.attn"][4] == "non-finite diverges" and table["1"][4] == "non-finite (from inside)"
     result = fpdoctor.plan(model, x, candidate="fp16")
-    assert result.plan.verified and "1.attn" in result.plan.keep_fp32
+    # the overflowing q·kᵀ and its softmax in fp32 (the projections stay fp16), or all of 1.attn
+    fixed = result.plan.keep_fp32 + [f.module for f in result.plan.fp32_ops]
+    assert result.plan.verified and "1.attn" in fixed
     assert result.plan.baseline_error == float("inf") and result.plan.final_error <= result.plan.tolerance
     fpdoctor.apply_plan(model, result.plan)
     out = model(x.half())
@@ -121,7 +123,8 @@ def test_plan_cli(tmp_path):
         env={"PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[2])},
     )
     assert result.code == 0, result.err  # the fp16 model diverges, and the verified plan fixes it: a warning
-    assert "keep_in_fp32(model.get_submodule('1.attn')" in result.out and "yes: end-to-end error" in result.out
+    assert "# 1.attn: aten.bmm.default and what consumes it, up to the softmax, in fp32" in result.out
+    assert "yes: end-to-end error" in result.out
 
 
 @pytest.mark.parametrize("candidate", ["fp16-accumulate", "fp8-e4m3"])
@@ -145,7 +148,8 @@ def test_a_compiled_model_is_compared_planned_and_audited_by_its_own_names():
     assert compared.first_divergent == "1.attn" and not any("_orig_mod" in r.module for r in compared.rows)
     assert "every run went eagerly" in compared.report.data["not_checked"]["torch.compile"]
     planned = fpdoctor.plan(compiled, x, candidate="fp16")
-    assert planned.plan.verified and "1.attn" in planned.plan.keep_fp32
+    fixed = planned.plan.keep_fp32 + [f.module for f in planned.plan.fp32_ops]
+    assert planned.plan.verified and "1.attn" in fixed
     assert fpdoctor.apply_plan(compiled, planned.plan) is compiled and model[0].norm.weight.dtype == torch.float16
     audited = fpdoctor.audit(compiled, x.half())
     assert all("_orig_mod" not in str(f.where) for f in audited.report.findings)

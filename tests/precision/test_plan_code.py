@@ -28,20 +28,26 @@ def overflow_plan():
     return fpdoctor.plan(model, x, candidate="fp16").plan
 
 
-def test_the_code_needs_only_torch_and_does_what_apply_plan_does(overflow_plan):
-    assert overflow_plan.verified and "attn" in overflow_plan.keep_fp32
-    code = overflow_plan.to_code()
+@pytest.fixture(scope="module")
+def kept_plan():
+    model, x = factories.ill_conditioned()
+    return fpdoctor.plan(model, x, candidate="fp16").plan
+
+
+def test_the_code_needs_only_torch_and_does_what_apply_plan_does(kept_plan):
+    assert kept_plan.verified and kept_plan.keep_fp32 == ["attn"] and not kept_plan.fp32_ops
+    code = kept_plan.to_code()
     assert imports(code) == {"torch"} and "fpdoctor" not in code
-    model, x = factories.overflow_attention()
+    model, x = factories.ill_conditioned()
     namespace = {"model": model}
     exec(code, namespace)
-    applied, _ = factories.overflow_attention()
-    fpdoctor.apply_plan(applied, overflow_plan)
+    applied, _ = factories.ill_conditioned()
+    fpdoctor.apply_plan(applied, kept_plan)
     with torch.no_grad():
         pasted, planned = model(x), applied(x)  # the fp32 inputs the user has
     assert pasted.dtype == planned.dtype == torch.float16 and torch.isfinite(pasted).all()
     assert torch.equal(pasted, planned)
-    assert model.attn.q.weight.dtype == torch.float32 and model.head.weight.dtype == torch.float16
+    assert model.attn.value.weight.dtype == torch.float32 and model.head.weight.dtype == torch.float16
 
 
 def test_nothing_kept_means_no_helpers_and_no_import():

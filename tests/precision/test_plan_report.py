@@ -82,10 +82,10 @@ def test_a_verified_plan_exits_0_and_says_what_it_did_about_each_divergence():
     doc = factories.loads_strict(result.out)
     assert doc["verdict"] == "warning" and doc["data"]["plan"]["verified"] is True
     divergence = next(f for f in doc["findings"] if f["where"].get("module") == "attn")
-    assert divergence["severity"] == "warning" and "The plan keeps `attn` in fp32" in divergence["message"]
+    assert divergence["severity"] == "warning" and "The plan computes aten.bmm.default" in divergence["message"]
     assert "fpdoctor plan" not in divergence["fix"] and "apply_plan" in divergence["fix"]
     summary = dict(doc["data"]["summary"])
-    assert "non-finite" in summary["why `attn`"]
+    assert "compute in fp32 in `attn`" in summary and "why the op, not all of `attn`" in summary
     # a module compare does not name is kept because the attention amplifies its error: said so
     for name in doc["data"]["plan"]["keep_fp32"]:
         assert f"why `{name}`" in summary

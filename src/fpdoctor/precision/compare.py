@@ -454,6 +454,7 @@ def _compare(
         # the samples stay until the end, so their total is the peak of what compare itself keeps
         peak=sum(e.truth.nbytes + (0 if e.inputs is None else e.inputs.nbytes) for e in seen.values()),
     )
+    result.overflows = {name: found for (name, _), found in overflows.items()}
     if misfit:
         result.report.data["misfits"] = misfit
         listed = "; ".join(describe_misfit(e) for e in misfit[:3])

@@ -79,9 +79,11 @@ def first_overflow(
     `reference_dtype`, whose range holds it); None when no op turns finite inputs non-finite
     (the inputs already were, or a NaN came from elsewhere)."""
     finder = _FirstOverflow()
+    # cast before the mode starts: op positions count from the module's first op, as in a forward
+    cand_args, cand_kwargs = cast_inputs(args, dtype, device), cast_inputs(kwargs, dtype, device)
     try:
         with torch.no_grad(), finder:
-            candidate(*cast_inputs(args, dtype, device), **cast_inputs(kwargs, dtype, device))
+            candidate(*cand_args, **cand_kwargs)
     except Exception:  # the module fails on these inputs in this dtype: nothing to localise
         return None
     found = finder.found
@@ -90,9 +92,10 @@ def first_overflow(
     found["reference_absmax"] = None
     if reference is not None:
         magnitude = _Magnitude(found["index"], found["op"])
+        ref_args, ref_kwargs = cast_inputs(args, reference_dtype), cast_inputs(kwargs, reference_dtype)
         try:
             with torch.no_grad(), magnitude:
-                reference(*cast_inputs(args, reference_dtype), **cast_inputs(kwargs, reference_dtype))
+                reference(*ref_args, **ref_kwargs)
             found["reference_absmax"] = magnitude.absmax
         except Exception:  # the reference copy fails here: the op is still named, its size is not
             pass

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,7 @@ from fpdoctor.precision.inputs import describe, input_sets
 from fpdoctor.precision.metrics import flat_sample, rel_error
 from fpdoctor.precision.names import PLAN_CANDIDATES, REFERENCES
 from fpdoctor.precision.noise import ReplayNoise
+from fpdoctor.precision.oplevel import OpFix, edit, install
 from fpdoctor.precision.profile import DIVERGENCE_RATIO, CompareResult
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Finding, Report
@@ -69,6 +71,7 @@ class Plan:
     input_floor: float = 0.0  # the reference fed candidate-rounded inputs: no plan goes below it
     target: float | None = None  # what the plan was judged against: the tolerance, or FLOOR_MARGIN x the floor
     closest: list[str] = field(default_factory=list)  # unverified: the set that came closest
+    fp32_ops: list[OpFix] = field(default_factory=list)  # ops (and what consumes them) computed in fp32
 
     @property
     def reachable(self) -> bool:
@@ -83,7 +86,9 @@ class Plan:
             )
         if self.candidate not in _APPLICABLE:
             return fp8_code(self.candidate, self.keep_fp32)
-        return plan_code(self.candidate, self.keep_fp32, self.fp32_outputs)
+        code = plan_code(self.candidate, self.keep_fp32, self.fp32_outputs)
+        dtype = str(compute_dtype(self.candidate))
+        return code + "".join("\n" + edit(fix, fix.end, dtype) for fix in self.fp32_ops)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -97,6 +102,7 @@ class Plan:
             "input_floor": self.input_floor,
             "baseline_error": self.baseline_error,
             "closest": self.closest,
+            "fp32_ops": [fix.as_dict() for fix in self.fp32_ops],
             "code": self.to_code(),
         }
 
@@ -150,14 +156,21 @@ def _final_error(
     truth: torch.Tensor,
     fp8_kernel: str = "auto",
     noise: list[torch.Tensor] | None = None,
+    ops: list[OpFix] | None = None,
+    ends: dict[str, str] | None = None,
 ) -> float:
+    """The end-to-end error with `keep` in fp32 and the `ops` fixes in place; `ends` receives where
+    each op fix's fp32 region ended (file:line)."""
     run = _candidate_with(model, candidate, keep, fp32_outputs, fp8_kernel).eval()
+    mode = install(run, ops, compute_dtype(candidate)) if ops else None
     args, kwargs = split_inputs(cast_inputs(inputs, compute_dtype(candidate), copy=True))
     try:
         with torch.no_grad(), _replaying(noise):
             out = flat_sample(run(*args, **kwargs))
     except RuntimeError:  # an fp32 output reached a module still in the candidate dtype
         return math.inf
+    if mode is not None and ends is not None:
+        ends.update({k: v for k, v in mode.ends.items() if v is not None})
     return math.inf if out is None or out.numel() != truth.numel() else rel_error(out, truth)
 
 
@@ -223,7 +236,7 @@ def _plan(
     fp32_outputs = {r.module for s in judged for r in s.compared.rows if r.out_of_range and r.module}
     tried: list[tuple[list[str], float]] = []
 
-    def errors(keep: list[str]) -> list[float]:
+    def errors(keep: list[str], ops: list[OpFix] | None = None, ends: dict[str, str] | None = None) -> list[float]:
         values = []
         for s in judged:
             rng.restore()
@@ -238,9 +251,11 @@ def _plan(
                         truth=s.truth,
                         fp8_kernel=fp8_kernel,
                         noise=s.compared.noise,
+                        ops=ops,
+                        ends=ends,
                     )
                 )
-        tried.append((list(keep), max(values)))
+        tried.append((list(keep) + [f"{f.module}:{f.op}" for f in ops or []], max(values)))
         return values
 
     def ok(values: list[float]) -> bool:
@@ -279,10 +294,23 @@ def _plan(
             chunk //= 2
     verified_errors = errors(keep) if ok(current) else best[2]
     verified = ok(verified_errors)
+    ops: list[OpFix] = []
+    by_op: dict[str, tuple[float, float]] = {}  # module -> (error keeping it whole, with only its op in fp32)
+    if verified and candidate in _APPLICABLE:
+        # a kept module where compare found the one op that overflows: that op alone, and what
+        # consumes it up to the softmax, in fp32 instead of the whole module
+        for fix in _op_fixes(judged, keep):
+            ends: dict[str, str] = {}
+            trial_keep = [k for k in keep if k != fix.module]
+            values = errors(trial_keep, [*ops, fix], ends)
+            if ok(values):
+                by_op[fix.module] = (max(verified_errors), max(values))
+                keep, verified_errors = trial_keep, values
+                ops.append(dataclasses.replace(fix, end=ends.get(fix.module)))
     needed: dict[str, float] = {}
     if verified and len(keep) <= NEEDED_CHECKS:
         for name in keep:  # why each kept module is there: the error without it
-            needed[name] = max(errors([k for k in keep if k != name]))
+            needed[name] = max(errors([k for k in keep if k != name], ops))
     # the set the problem shows most on (its table and findings lead the report), and the set the
     # plan comes closest to its target on (its numbers are the plan's)
     worst = max(range(len(judged)), key=lambda k: (baseline[k] / max(judged[k].target, 1e-300), baseline[k]))
@@ -298,6 +326,7 @@ def _plan(
         input_floor=judged[tightest].floor,
         target=judged[tightest].target,
         closest=[] if verified else best[1],
+        fp32_ops=ops,
     )
     search = Search(
         sets=[(describe(s.inputs), s.compared, s.floor, s.input_rounding, s.target, s.tolerance) for s in judged],
@@ -308,6 +337,7 @@ def _plan(
         given=given,
         reference=reference,
         tolerance_asked=tolerance,
+        by_op=by_op,
     )
     return PlanResult(the_plan, build(the_plan, search), tried)
 
@@ -360,6 +390,16 @@ def _judge_set(
     return one
 
 
+def _op_fixes(judged: list[_Set], keep: list[str]) -> list[OpFix]:
+    """For each kept module, the op inside it compare found overflowing (on any input set)."""
+    fixes = []
+    for name in keep:
+        found = next((s.compared.overflows[name] for s in judged if name in s.compared.overflows), None)
+        if found is not None and "index" in found:
+            fixes.append(OpFix(name, found["op"], found["index"], found.get("location")))
+    return fixes
+
+
 def _ranked(judged: list[_Set]) -> list[str]:
     """Modules by their worst isolated error / floor over the input sets, worst first (never the root)."""
     worst: dict[str, float] = {}
@@ -390,4 +430,6 @@ def apply_plan(model: nn.Module, the_plan: Plan) -> nn.Module:
     cast_inputs_to(inner, dtype)
     for name in the_plan.keep_fp32:
         keep_in_fp32(inner.get_submodule(name), back_to=None if name in the_plan.fp32_outputs else dtype)
+    if the_plan.fp32_ops:
+        install(inner, the_plan.fp32_ops, dtype)
     return model

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from fpdoctor import catalog
 from fpdoctor.precision.inputs import text as inputs_text
+from fpdoctor.precision.oplevel import OpFix
 from fpdoctor.precision.profile import CompareResult, ModuleRow
 from fpdoctor.report.model import Finding, Report, Severity
 
@@ -42,6 +43,7 @@ class Search:
     given: tuple[list[Finding], str | None] = ([], None)
     reference: str = "fp32"
     tolerance_asked: float | None = None
+    by_op: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def _fmt(value: float) -> str:
@@ -98,6 +100,8 @@ def build(the_plan: Plan, search: Search) -> Report:
     summary.append(("target", _target_text(the_plan, search)))
     if the_plan.verified:
         summary.append(("keep in fp32", _names(the_plan.keep_fp32)))
+        for fix in the_plan.fp32_ops:
+            summary.append((f"compute in fp32 in `{fix.module}`", _op_text(fix)))
         summary.append(
             ("verified", f"yes: end-to-end error {_fmt(the_plan.final_error)} (target {the_plan.target:.3g})")
         )
@@ -144,6 +148,12 @@ def _target_text(the_plan: Plan, search: Search) -> str:
     return f"{target:.3g}: {what}"
 
 
+def _op_text(fix: OpFix) -> str:
+    at = f" ({fix.location})" if fix.location else ""
+    end = f" up to {fix.end}" if fix.end else ", up to the softmax"
+    return f"{fix.op}{at} and the ops that consume its result{end}"
+
+
 def _divergent(search: Search) -> list[ModuleRow]:
     """Modules compare calls divergent on any input set, worst ratio first, once each."""
     rows: dict[str, ModuleRow] = {}
@@ -167,9 +177,19 @@ def _why(the_plan: Plan, search: Search) -> list[tuple[str, str]]:
             lines.append((f"why `{name}`", text))
     if not the_plan.verified:
         return lines
+    for fix in the_plan.fp32_ops:
+        whole, op = search.by_op.get(fix.module, (math.nan, math.nan))
+        lines.append(
+            (
+                f"why the op, not all of `{fix.module}`",
+                f"its overflowing {fix.op} and what consumes it in fp32 reach {_fmt(op)}, within the target; keeping "
+                f"the whole module in fp32 reaches {_fmt(whole)} but computes all of it in fp32",
+            )
+        )
+    fixed = {fix.module for fix in the_plan.fp32_ops}
     for row in _divergent(search)[:6]:
         holder = _kept_by(row.module, the_plan.keep_fp32)
-        if holder == row.module:
+        if holder == row.module or row.module in fixed:
             continue
         ratio = "non-finite" if math.isinf(row.ratio or 0.0) else f"{row.ratio:.0f}x its noise floor"
         if holder is not None:
@@ -205,8 +225,14 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
                 out.append(dataclasses.replace(f, evidence=evidence, fix=_next_step(the_plan, search) or f.fix))
                 continue
             holder = _kept_by(module, the_plan.keep_fp32) if module else None
+            fix = next((x for x in the_plan.fp32_ops if x.module == module), None)
             if holder is not None:
                 done = f" The plan keeps `{holder}` in fp32: end-to-end error {_fmt(the_plan.final_error)}, verified."
+            elif fix is not None:
+                done = (
+                    f" The plan computes {_op_text(fix)} in fp32: end-to-end error {_fmt(the_plan.final_error)}, "
+                    "verified."
+                )
             else:
                 done = (
                     f" The plan does not need to keep it: the end-to-end error stays within the target {target:.3g} "

@@ -86,6 +86,7 @@ class CompareResult:
     peak_extra_bytes: int = 0  # the fp64 samples kept (one forward's working set and the weight copies aside)
     noise: list[torch.Tensor] | None = None  # random draws the forward made itself, in fp64 (see noise.py)
     input_floor: float | None = None  # the reference fed candidate-rounded inputs; measured when the root diverges
+    overflows: dict[str, dict[str, Any]] = field(default_factory=dict)  # module -> the op inside it that overflows
     input_sets: int = 1  # how many input sets were judged; report and rows are the worst one's
     worst_set: int = 0
 

@@ -1,0 +1,245 @@
+"""Fixes at the op, not the module: one op inside a module - an attention's q·kᵀ that overflows
+fp16 - computed in fp32 together with the ops that consume its result, up to the next op that
+brings values back into range (the softmax), whose result goes back to the model's dtype.
+
+That keeps far less in fp32 than the whole module (its projections stay in fp16). `Fp32Ops`
+does it at run time, a dispatch mode on only while the fixed module runs (plan verifies with it,
+`apply_plan` installs it); `edit` writes the same change as an edit of the user's own lines, the
+code to apply it without fpdoctor and without a dispatch mode.
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fpdoctor.numerics.trace import user_location
+from fpdoctor.precision.candidates import map_tensors
+from fpdoctor.provenance import Provenance
+from fpdoctor.pytrees import tensors_in
+
+# Ops after which values are back in a small range: the region ends, their result is cast back.
+_ENDS = ("aten._softmax.", "aten.softmax.", "aten._safe_softmax.", "aten._log_softmax.", "aten.log_softmax.")
+_CASTS = ("aten._to_copy.", "aten.to.", "aten._to_dtype")
+
+
+@dataclass(frozen=True)
+class OpFix:
+    """`op` (an aten overload), the `index`-th op dispatched in a call of `module` (the ones
+    inside its submodules counted too), computed in fp32 with what consumes it."""
+
+    module: str
+    op: str
+    index: int
+    location: str | None = None  # file:line of the op in the user's code
+    end: str | None = None  # file:line of the op that ended its fp32 region (the softmax)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"module": self.module, "op": self.op, "index": self.index, "location": self.location, "end": self.end}
+
+
+class Fp32Ops(TorchDispatchMode):
+    """Runs the fixes' ops, and every op that reads a result of theirs, in fp32; an op in _ENDS
+    (or a cast) ends that: its result goes back to `back_to`. Which module is running comes from
+    hooks (`install`); `ends` collects where each region ended (file:line), for the edit."""
+
+    def __init__(self, fixes: list[OpFix], back_to: torch.dtype) -> None:
+        super().__init__()
+        self.fixes = {(f.module, f.index): f for f in fixes}
+        self.back_to = back_to
+        self.stack: list[tuple[str, int]] = []  # (module, ops dispatched in its call so far)
+        self.marked = Provenance()
+        self.ends: dict[str, str | None] = {}  # fix module -> file:line where its region ended
+
+    def enter(self, name: str) -> None:
+        self.stack.append((name, 0))
+
+    def leave(self, name: str) -> None:
+        while self.stack:
+            if self.stack.pop()[0] == name:
+                return
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        started = None
+        for depth, (name, count) in enumerate(self.stack):
+            self.stack[depth] = (name, count + 1)
+            started = started or self.fixes.get((name, count))
+        region = [self.marked.get(t) for t in tensors_in((args, kwargs))]
+        owner = started.module if started is not None else next((r for r in region if r is not None), None)
+        if owner is None:
+            return func(*args, **kwargs)
+        name = str(func)
+        if name.startswith(_CASTS):  # the user's own cast ends the region where they put it
+            self.ends.setdefault(owner, _where())
+            return func(*args, **kwargs)
+        out = func(*_fp32(args), **_fp32(kwargs))
+        if name.startswith(_ENDS):
+            self.ends.setdefault(owner, _where())
+            return map_tensors(out, lambda t: t.to(self.back_to) if t.is_floating_point() else t)
+        for t in tensors_in(out):
+            if t.is_floating_point():
+                self.marked.set(t, owner)
+        return out
+
+
+def _fp32(value: Any) -> Any:
+    return map_tensors(value, lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t)
+
+
+def _where() -> str | None:
+    location = user_location(sys._getframe(2))
+    return f"{location[0]}:{location[1]}" if location else None
+
+
+def install(model: nn.Module, fixes: list[OpFix], back_to: torch.dtype) -> Fp32Ops:
+    """Hooks on `model` that run `fixes` in fp32 (and cast what their modules return back to
+    `back_to`). The dispatch mode is on only while a fixed module runs, so the rest of the model
+    pays nothing; a second call replaces the first."""
+    uninstall(model)
+    mode = Fp32Ops(fixes, back_to)
+    handles = []
+    fixed = {f.module for f in fixes}
+    for root in sorted(fixed):
+        for name, module in model.get_submodule(root).named_modules(prefix=root):
+            if name != root and name in fixed:
+                continue  # a fixed module inside another: its own pass below
+
+            def pre(mod: nn.Module, args: Any, name: str = name, outer: bool = name == root) -> None:
+                if outer and not mode.stack:
+                    mode.__enter__()
+                mode.enter(name)
+
+            def post(mod: nn.Module, args: Any, output: Any, name: str = name, outer: bool = name == root) -> Any:
+                mode.leave(name)
+                if not outer:
+                    return None
+                if not mode.stack:
+                    mode.__exit__(None, None, None)
+                # nothing in fp32 leaves a fixed module
+                return map_tensors(output, lambda t: t.to(back_to) if t.is_floating_point() else t)
+
+            handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True)]
+    model._fpdoctor_fp32_ops = (mode, handles)  # type: ignore[assignment]
+    return mode
+
+
+def uninstall(model: nn.Module) -> None:
+    held = getattr(model, "_fpdoctor_fp32_ops", None)
+    if held is not None:
+        for handle in held[1]:
+            handle.remove()
+        del model._fpdoctor_fp32_ops
+
+
+def edit(fix: OpFix, end: str | None, dtype: str) -> str:
+    """The change to the user's source that does what `Fp32Ops` does for `fix`: the op's operands
+    `.float()` on its line, the region's last result `.to(dtype)` on its line; as comments to
+    paste from, or a plain instruction where the lines do not read as expected."""
+    instruction = (
+        f"# in `{fix.module}`: compute {fix.op}{_at(fix.location)} in fp32 (its operands .float()), and cast the "
+        f"result of what consumes it{_at(end)} back with .to({dtype})"
+    )
+    start = _rewrite(fix.location, _float_operands)
+    stop = _rewrite(end, lambda node: _cast_result(node, dtype)) if end else None
+    if start is None:
+        return instruction + "\n"
+    lines = [f"# {fix.module}: {fix.op} and what consumes it, up to the softmax, in fp32; edit your source:"]
+    changes = [(fix.location, start)] + ([(end, stop)] if end != fix.location or stop is None else [])
+    if end == fix.location and stop is not None:  # one statement: both changes at once
+        both = _rewrite(end, lambda node: _float_operands(node) and _cast_result(node, dtype))
+        changes = [(end, both or start)]
+    for where, change in changes:
+        if change is not None:
+            lines += [f"#   {where}", f"#     was: {change[0]}", f"#     now: {change[1]}"]
+        elif where is not None:
+            lines.append(f"#   {where}: cast the result back with .to({dtype})")
+    return "\n".join(lines) + "\n"
+
+
+def _at(location: str | None) -> str:
+    return f" ({location})" if location else ""
+
+
+def _rewrite(location: str | None, change: Any) -> tuple[str, str] | None:
+    """(the statement at `location` as written, as `change` rewrites it), None where it cannot."""
+    if location is None:
+        return None
+    path, _, line_text = location.rpartition(":")
+    if not line_text.isdigit():
+        return None
+    line = int(line_text)
+    source = linecache.getline(path, line)
+    if not source.strip():
+        return None
+    text = source.strip()
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+    changed = change(tree)
+    if not changed:
+        return None
+    return text, ast.unparse(tree)
+
+
+class _FloatOperands(ast.NodeTransformer):
+    def __init__(self) -> None:
+        self.changed = False
+
+    def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
+        self.generic_visit(node)
+        if isinstance(node.op, ast.MatMult):
+            node.left, node.right = _float(node.left), _float(node.right)
+            self.changed = True
+        return node
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        self.generic_visit(node)
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        if name in ("matmul", "bmm", "mm", "einsum", "baddbmm"):
+            node.args = [a if isinstance(a, ast.Constant) else _float(a) for a in node.args]
+            self.changed = True
+        return node
+
+
+def _float(node: ast.expr) -> ast.expr:
+    return ast.Call(func=ast.Attribute(value=node, attr="float", ctx=ast.Load()), args=[], keywords=[])
+
+
+def _float_operands(tree: ast.AST) -> bool:
+    transformer = _FloatOperands()
+    transformer.visit(tree)
+    return transformer.changed
+
+
+def _cast_result(tree: ast.AST, dtype: str) -> bool:
+    """Wrap the first softmax call in the statement as `(...).to(dtype)`."""
+    for node in ast.walk(tree):
+        for field, value in ast.iter_fields(node):
+            items = value if isinstance(value, list) else [value]
+            for k, item in enumerate(items):
+                if isinstance(item, ast.Call) and _is_softmax(item):
+                    cast = ast.Call(
+                        func=ast.Attribute(value=item, attr="to", ctx=ast.Load()),
+                        args=[ast.parse(dtype, mode="eval").body],
+                        keywords=[],
+                    )
+                    if isinstance(value, list):
+                        value[k] = cast
+                    else:
+                        setattr(node, field, cast)
+                    return True
+    return False
+
+
+def _is_softmax(call: ast.Call) -> bool:
+    name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+    return name in ("softmax", "log_softmax")

@@ -1,0 +1,90 @@
+"""A fix at the op, not the module: when compare finds the one op inside a module that overflows,
+plan tries that op and what consumes it (up to the softmax) in fp32, verifies it like a module
+plan, and gives the edit that does it in the user's own source."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import textwrap
+
+import torch
+
+import fpdoctor
+from fpdoctor.precision.metrics import flat_sample, rel_error
+from tests.precision import factories
+
+
+def test_the_overflowing_op_alone_is_computed_in_fp32():
+    model, x = factories.tempered_attention()
+    result = fpdoctor.plan(model, x, candidate="fp16")
+    the_plan = result.plan
+    # before: all of `attn` (its three projections included) in fp32
+    assert the_plan.verified and the_plan.keep_fp32 == []
+    (fix,) = the_plan.fp32_ops
+    assert (fix.module, fix.op) == ("attn", "aten.bmm.default")
+    lines = {n: text for n, text in enumerate(inspect.getsource(factories).splitlines(), 1)}
+    assert "scores = self.q(x) @ self.k(x)" in lines[int(fix.location.rpartition(":")[2])]
+    assert "torch.softmax(scores" in lines[int(fix.end.rpartition(":")[2])]
+    assert the_plan.final_error <= the_plan.target
+    summary = dict(result.report.data["summary"])
+    assert summary["compute in fp32 in `attn`"].startswith("aten.bmm.default (")
+    assert "keeping the whole module in fp32 reaches" in summary["why the op, not all of `attn`"]
+    divergence = result.report.by_name("precision-divergence")[0]
+    assert divergence.severity.value == "warning" and "The plan computes aten.bmm.default" in divergence.message
+
+
+def test_apply_plan_runs_the_op_in_fp32_and_the_rest_in_fp16():
+    model, x = factories.tempered_attention()
+    the_plan = fpdoctor.plan(model, x, candidate="fp16").plan
+    truth = model.double()(x.double())
+    applied, _ = factories.tempered_attention()
+    fpdoctor.apply_plan(applied, the_plan)
+    assert applied.attn.q.weight.dtype == torch.float16  # the projections stay in fp16
+    with torch.no_grad():
+        out = applied(x)
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    assert rel_error(flat_sample(out), flat_sample(truth)) <= the_plan.target
+    plain, _ = factories.tempered_attention()
+    plain.half()
+    with torch.no_grad():
+        assert not torch.isfinite(plain(x.half())).all()  # without it, fp16 overflows
+
+
+def test_the_edit_in_the_code_is_the_fix():
+    """Apply the code's edit to the attention's own source: the pasted plan then runs fp16 finite."""
+    model, x = factories.tempered_attention()
+    code = fpdoctor.plan(model, x, candidate="fp16").plan.to_code()
+    edits = re.findall(r"#     was: (.*)\n#     now: (.*)", code)
+    assert len(edits) == 2, code
+    source = textwrap.dedent(inspect.getsource(factories.TemperedAttention))
+    for was, now in edits:
+        line = next(text for text in source.splitlines() if text.strip().startswith(was.split("  #")[0].strip()))
+        source = source.replace(line, line[: len(line) - len(line.lstrip())] + now)
+    namespace: dict = {"torch": torch, "nn": torch.nn}
+    exec(source, namespace)
+    edited = namespace["TemperedAttention"]()
+    edited.load_state_dict(model.attn.state_dict())
+    model.attn = edited
+    pasted = {"model": model}
+    exec(code, pasted)
+    with torch.no_grad():
+        out = model(x)
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+
+
+class TwoOverflows(factories.TemperedAttention):
+    """Overflows a second time after the softmax: a gain applied and taken back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 1e5 / 1e5
+
+
+def test_an_op_fix_that_does_not_reach_the_target_is_not_offered():
+    model, x = factories.tempered_attention()
+    two = TwoOverflows()
+    two.load_state_dict(model.attn.state_dict())
+    model.attn = two
+    the_plan = fpdoctor.plan(model, x, candidate="fp16").plan
+    # the product's fix alone leaves the second overflow: verified, only the whole module will do
+    assert the_plan.verified and "attn" in the_plan.keep_fp32 and the_plan.fp32_ops == []
