@@ -15,8 +15,10 @@ decompositions, i.e. the calls that reach the kernels. Module paths come from th
 forward hooks (dotted as in `named_modules()` of the first module called); a backward op is
 given the module of the forward op that created its autograd node; the phase is backward while
 autograd runs a graph, optimizer between the global optimizer step hooks, forward otherwise.
-torch.compile'd code keeps compiling (the mode asks to be off while dynamo traces) and its
-compiled artifact's aten calls are recorded. What an op costs is measured by
+torch.compile'd code keeps compiling (the mode asks to be off while dynamo traces, through
+TorchDispatchMode.ignore_compile_internals; a torch without it runs compiled functions eagerly
+while the mode is on) and the compiled artifact's aten calls are recorded. Threads that were
+already running when torch was imported are not recorded. What an op costs is measured by
 benchmarks/bench_breadcrumbs.py (benchmarks/README.md): off by default for that reason.
 
 File layout, little-endian (one writer: the process; any number of readers):
@@ -141,8 +143,10 @@ def read(run_dir: str, pid: int) -> list[dict[str, Any]]:
     Each: {"op": "aten::addmm", "module": "encoder.0.fc" or None, "shapes": [[8, 64], ...],
     "dtypes": ["float16", ...], "device": "cuda:0" or None, "thread": <threading ident, as
     faulthandler prints it>, "seq": n, "phase": "forward", "done": False while in flight,
-    "raised": True when the op ended by raising}. Shapes and dtypes list up to four tensor
-    arguments in argument order.
+    "raised": True when the op ended by raising, "tensors": how many tensor arguments it had}.
+    Shapes and dtypes list the first four tensor arguments in argument order; a dimension that
+    was not recorded (symbolic while tracing, or past the first 24 of the op) reads -1. Every
+    thread's ops are in one list: a process has one op in flight per thread that was in one.
     """
     try:
         with open(ring_path(run_dir, pid), "rb") as fh:
