@@ -118,3 +118,17 @@ def test_the_code_casts_nested_and_named_outputs():
     assert isinstance(pair, Pair) and pair.a.dtype == torch.float16
     assert pair.b["rest"][0].dtype == torch.float16 and pair.b["rest"][1].dtype == torch.int64
     assert model(x).dtype == torch.float16
+
+
+def test_harmonize_after_apply_plan_moves_the_input_cast_along():
+    from fpdoctor.precision.plan import Plan
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+    the_plan = Plan(
+        candidate="fp16", keep_fp32=[], fp32_outputs=[], verified=True, final_error=0.0, tolerance=1.0,
+        baseline_error=0.0,
+    )  # fmt: skip
+    fpdoctor.apply_plan(model, the_plan)
+    fpdoctor.harmonize(model, "cpu", dtype=torch.bfloat16)
+    out = model(torch.randn(2, 8))  # the fp32 inputs, cast to bf16 now, not to the plan's fp16
+    assert out.dtype == torch.bfloat16

@@ -71,3 +71,9 @@ def cast_inputs_to(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
     setattr(model, _INPUTS, (dtype, model.register_forward_pre_hook(pre, with_kwargs=True)))
     return model
+
+
+def input_cast(model: nn.Module) -> torch.dtype | None:
+    """The dtype `model` casts its floating inputs to (`cast_inputs_to`), None when it does not."""
+    held = getattr(model, _INPUTS, None)
+    return held[0] if held is not None else None

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fpdoctor.precision.boundary import boundaries, keep_in_fp32, release
+from fpdoctor.precision.boundary import boundaries, cast_inputs_to, input_cast, keep_in_fp32, release
 from fpdoctor.precision.candidates import uncompiled
 
 if TYPE_CHECKING:
@@ -73,6 +73,8 @@ def harmonize(
     for path in keep:
         modules[path].to(dtype=torch.float32)
         keep_in_fp32(modules[path], back_to=None if path in fp32_outputs else dtype)
+    if input_cast(model) is not None:  # an applied plan's input cast follows the new dtype
+        cast_inputs_to(model, dtype)
     result = HarmonizeResult(dtype=dtype, device=target_device, reason=reason, kept_fp32=keep)
     for name, t in _tensors(model):
         old_dtype, old_device = before[name]

@@ -7,7 +7,10 @@
 3. Greedy: keep the divergent modules in fp32 (worst first), adding the next worst leaves until
    the candidate's final output is finite and within target of the fp64 output on every set.
 4. Bisection: drop kept modules again, halves first, while the result stays within target.
-5. Verify: run the candidate with the final set; each kept module is checked to be needed.
+5. At the op: a kept module inside which compare found the one op that overflows is replaced by
+   that op, and what consumes its result up to the softmax, in fp32 - where that stays within
+   target (see oplevel.py).
+6. Verify: run the candidate with the final set; each kept module is checked to be needed.
 The plan is data (`Plan`) that `apply_plan(model, plan)` applies in place, plus pasteable code
 (plain torch, see codegen.py). A plan that cannot be verified keeps nothing and says what was
 reached, what was not, and where to look next (plan_report.py).
