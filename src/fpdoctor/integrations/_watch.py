@@ -39,16 +39,9 @@ from fpdoctor.numerics import sentinel_findings as findings
 from fpdoctor.numerics.control import ControlResult, run_control, wants_control
 from fpdoctor.numerics.gradcheck import FlagRead, grads_of, kind_of, loss_flag, nonfinite_flag, tensor_kind
 from fpdoctor.numerics.replay import MicroBatch, ReplayResult, replay
-from fpdoctor.numerics.sentinel import (
-    SPIKE_MIN_HISTORY,
-    SPIKE_RATIO,
-    SPIKE_SIGMAS,
-    SPIKE_WINDOW,
-    TIMELINE_POINTS,
-    StepOutcome,
-)
+from fpdoctor.numerics.sentinel import SPIKE_MIN_HISTORY, SPIKE_RATIO, SPIKE_SIGMAS, SPIKE_WINDOW, StepOutcome
 from fpdoctor.preserve import BufferSnapshot, RngState, preserved
-from fpdoctor.report.model import Finding, Report
+from fpdoctor.report.model import Finding
 
 # the numbers read back per optimizer step, in this order (then one loss flag per micro-batch)
 _LOSS, _GRAD, _LOCAL_LOSS, _LOSS_VALUE, _SCALE = range(5)
@@ -109,6 +102,7 @@ class StepWatch:
         ddp: nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         replay_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+        gpu_health: bool = True,
     ) -> None:
         self.model = model
         self.replay = replay
@@ -146,6 +140,16 @@ class StepWatch:
                 self._here = findings.place(distributed.describe(self._device))
         except Exception as exc:
             self._error("setting up under torch.distributed", exc)
+        # on a GPU, its health now: a fault that does not reproduce says what changed on it since (Xid, ECC)
+        self._health: Any = None
+        if gpu_health and self._device.type == "cuda":
+            try:
+                from fpdoctor.health import watch
+
+                uuid = distributed.describe(self._device).get("uuid")
+                self._health = watch.start(uuid) if uuid else None
+            except Exception as exc:
+                self._error("reading the GPU's health", exc)
         try:
             eps = findings.optimizer_eps_finding(optimizer, with_scaler=self.scaler is not None, here=self._here)
             if eps is not None:
@@ -157,6 +161,11 @@ class StepWatch:
     def attributes_ranks(self) -> bool:
         """True when a DDP hook sees each rank's gradients before the all-reduce."""
         return self._watch is not None
+
+    @property
+    def amp_watch(self) -> amp.ScaleWatch:
+        """The GradScaler's skips and scale, as seen by the checks."""
+        return self._amp
 
     @property
     def checked(self) -> bool:
@@ -421,7 +430,14 @@ class StepWatch:
             self._error("replaying the step", RuntimeError(result.error or "unknown"), step=step)
             return []
         me = distributed.describe(self._device)
-        return findings.verdict_findings(step, result, me, micro_batches=window > 1, kind=kind, control=control)
+        health = None
+        if result.verdict == "transient-fault-suspected" and self._health is not None:
+            from fpdoctor.health import watch
+
+            health = watch.since(self._health)
+        return findings.verdict_findings(
+            step, result, me, micro_batches=window > 1, kind=kind, control=control, health=health
+        )
 
     def _collapse(self, c: Check, window: list[_Micro], next_scale: float) -> None:
         self.findings.append(
@@ -500,52 +516,3 @@ class StepWatch:
     def error(self, doing: str, exc: BaseException) -> None:
         """A failure in the callback around this watch: reported like the watch's own."""
         self._error(doing, exc)
-
-    # -- the report --------------------------------------------------------------------------------
-    def report(self, framework: str) -> Report:
-        nonfinite = sum(1 for h in self.history if not h.finite and h.verdict != "amp-skip")
-        summary = [
-            ("framework", framework),
-            ("steps", str(self.steps)),
-            ("non-finite steps", str(nonfinite)),
-            ("skipped optimizer steps", str(self.skipped)),
-            ("last good step", str(self.last_good_step)),
-        ]
-        data: dict[str, Any] = {
-            "framework": framework,
-            "steps": self.steps,
-            "micro_batches": self.micro_batches,
-            "nonfinite_steps": nonfinite,
-            "skipped_steps": self.skipped,
-            "last_good_step": self.last_good_step,
-            "verdicts": {h.step: h.verdict for h in self.history if h.verdict and h.verdict != "amp-skip"},
-        }
-        if self.not_replayed:
-            data["not_replayed"] = dict(self.not_replayed)
-        if self.scaler is not None:
-            watch = self._amp
-            rate = watch.skipped / self.steps if self.steps else 0.0
-            data["amp"] = {
-                "skipped_steps": watch.skipped,
-                "skip_rate": rate,
-                "scale": watch.scale,
-                "min_scale": watch.min_scale,
-            }
-            summary.append(("AMP overflow skips", f"{watch.skipped} ({rate:.1%}), scale {watch.scale}"))
-        data["timeline"] = self._timeline()
-        data["summary"] = summary
-        return Report(command="sentinel", findings=list(self.findings), data=data)
-
-    def _timeline(self, points: int = TIMELINE_POINTS) -> dict[str, list[Any]]:
-        """Loss per step for plots, at most `points` of them plus every event step."""
-        spikes = {f.evidence.get("step") for f in self.findings if f.name == "loss-spike"}
-        history = self.history
-        stride = max(1, math.ceil(len(history) / points))
-        kept = [h for i, h in enumerate(history) if i % stride == 0 or not h.finite or h.step in spikes]
-        return {
-            "step": [h.step for h in kept],
-            "loss": [h.loss for h in kept],
-            "nonfinite": [h.step for h in history if not h.finite and h.verdict != "amp-skip"],
-            "amp_skipped": [h.step for h in history if h.verdict == "amp-skip"],
-            "spikes": sorted(s for s in spikes if isinstance(s, int)),
-        }

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.integrations import _output
+from fpdoctor.integrations import _report
 from fpdoctor.integrations._watch import StepWatch
 from fpdoctor.numerics import distributed
 from fpdoctor.report.model import Report
@@ -71,7 +71,7 @@ class FpDoctorCallback(_Callback):
     def __init__(self, report_path: str | None = None, *, replay: bool = True) -> None:
         if not isinstance(replay, bool):
             raise ValueError(f"replay must be True or False, got {replay!r}")
-        self.report_path = _output.check_path(report_path)
+        self.report_path = _report.check_path(report_path)
         self.replay = replay
         self._watch: StepWatch | None = None
         self._model: nn.Module | None = None
@@ -88,9 +88,7 @@ class FpDoctorCallback(_Callback):
     @property
     def report(self) -> Report:
         """What the callback found so far (counts, verdicts, findings); written at the end of training."""
-        if self._watch is None:
-            return Report(command="sentinel", data={"framework": "transformers", "steps": 0})
-        return self._watch.report("transformers")
+        return _report.build(self._watch, "transformers")
 
     # -- the Trainer's events ----------------------------------------------------------------------
     def on_train_begin(
@@ -136,7 +134,7 @@ class FpDoctorCallback(_Callback):
             return  # an AMP overflow: the scaler skips it, and that is not news
         self._unlogged += 1
         if self._zero:
-            line = _output.step_line(watch.findings, step)
+            line = _report.step_line(watch.findings, step)
             if line and checked.bad_loss and self._filtering:
                 line += (
                     " The Trainer's logged loss hides it: logging_nan_inf_filter=True logs the running mean instead."
@@ -158,18 +156,18 @@ class FpDoctorCallback(_Callback):
         self._close()
         if watch is None:
             return
-        report = watch.report("transformers")
+        report = _report.build(watch, "transformers")
         world = int(getattr(args, "world_size", 1) or 1)
         rank = int(getattr(args, "process_index", 0)) if world > 1 else None
         if self.report_path:
-            path = _output.path_for_rank(self.report_path, rank, world)
+            path = _report.path_for_rank(self.report_path, rank, world)
             try:
-                _output.write(report, path)
+                _report.write(report, path)
             except Exception as exc:  # a report we cannot write never fails the training
                 _logger().error(f"fpdoctor: could not write the report to {path}: {exc}")
         if self._zero:
             (_logger().warning if report.findings else _logger().info)(
-                "\n".join(_output.summary_lines(report, "transformers"))
+                "\n".join(_report.summary_lines(report, "transformers"))
             )
 
     # -- the model's hooks -------------------------------------------------------------------------

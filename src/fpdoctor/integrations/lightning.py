@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.integrations import _output
+from fpdoctor.integrations import _report
 from fpdoctor.integrations._watch import StepWatch
 from fpdoctor.report.model import Report
 
@@ -67,7 +67,7 @@ class _Hooks:
         super().__init__()
         if not isinstance(replay, bool):
             raise ValueError(f"replay must be True or False, got {replay!r}")
-        self.report_path = _output.check_path(report_path)
+        self.report_path = _report.check_path(report_path)
         self.replay = replay
         self._from_entry_point = False
         self._active = True
@@ -80,9 +80,7 @@ class _Hooks:
     @property
     def report(self) -> Report:
         """What the callback found so far (counts, verdicts, findings); written at the end of training."""
-        if self._watch is None:
-            return Report(command="sentinel", data={"framework": "lightning", "steps": 0})
-        return self._watch.report("lightning")
+        return _report.build(self._watch, "lightning")
 
     # -- Lightning's hooks -------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -172,17 +170,17 @@ class _Hooks:
         watch = self._watch
         if watch is None or self._written is not None:
             return
-        report = watch.report("lightning")
+        report = _report.build(watch, "lightning")
         self._written = report
         rank, world = _rank(trainer)
         if self.report_path:
-            path = _output.path_for_rank(self.report_path, rank, world)
+            path = _report.path_for_rank(self.report_path, rank, world)
             try:
-                _output.write(report, path)
+                _report.write(report, path)
             except Exception as exc:  # a report we cannot write never fails the training
                 self._logger().error(f"fpdoctor: could not write the report to {path}: {exc}")
         if rank in (None, 0):
-            lines = _output.summary_lines(report, "lightning")
+            lines = _report.summary_lines(report, "lightning")
             log = self._logger()
             (log.warning if report.findings else log.info)("\n".join(lines))
 
@@ -190,7 +188,7 @@ class _Hooks:
         rank, _ = _rank(trainer)
         if rank not in (None, 0) or self._watch is None:
             return
-        line = _output.step_line(self._watch.findings, step)
+        line = _report.step_line(self._watch.findings, step)
         if line:
             self._logger().warning(line)
 

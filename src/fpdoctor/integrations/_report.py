@@ -1,0 +1,123 @@
+"""What a callback leaves behind: the report (the sentinel's shape), its file, and a few lines for
+the framework's logger."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any
+
+from fpdoctor.integrations._watch import StepWatch
+from fpdoctor.numerics.sentinel import TIMELINE_POINTS, StepOutcome
+from fpdoctor.report.model import Finding, Report
+
+# a line per finding in the log is enough; the report file holds the rest
+_MESSAGE_CHARS = 240
+
+
+def build(watch: StepWatch | None, framework: str) -> Report:
+    """The report of a training run so far: the sentinel's counts, verdicts and timeline."""
+    if watch is None:
+        return Report(command="sentinel", data={"framework": framework, "steps": 0})
+    history = watch.history
+    nonfinite = sum(1 for h in history if not h.finite and h.verdict != "amp-skip")
+    summary = [
+        ("framework", framework),
+        ("steps", str(watch.steps)),
+        ("non-finite steps", str(nonfinite)),
+        ("skipped optimizer steps", str(watch.skipped)),
+        ("last good step", str(watch.last_good_step)),
+    ]
+    data: dict[str, Any] = {
+        "framework": framework,
+        "steps": watch.steps,
+        "micro_batches": watch.micro_batches,
+        "nonfinite_steps": nonfinite,
+        "skipped_steps": watch.skipped,
+        "last_good_step": watch.last_good_step,
+        "verdicts": {h.step: h.verdict for h in history if h.verdict and h.verdict != "amp-skip"},
+    }
+    if watch.not_replayed:
+        data["not_replayed"] = dict(watch.not_replayed)
+    if watch.scaler is not None:
+        amp = watch.amp_watch
+        rate = amp.skipped / watch.steps if watch.steps else 0.0
+        data["amp"] = {"skipped_steps": amp.skipped, "skip_rate": rate, "scale": amp.scale, "min_scale": amp.min_scale}
+        summary.append(("AMP overflow skips", f"{amp.skipped} ({rate:.1%}), scale {amp.scale}"))
+    data["timeline"] = _timeline(history, watch.findings)
+    data["summary"] = summary
+    return Report(command="sentinel", findings=list(watch.findings), data=data)
+
+
+def _timeline(
+    history: list[StepOutcome], findings: list[Finding], points: int = TIMELINE_POINTS
+) -> dict[str, list[Any]]:
+    """Loss per step for plots, at most `points` of them plus every event step (as the sentinel's)."""
+    spikes = {f.evidence.get("step") for f in findings if f.name == "loss-spike"}
+    stride = max(1, math.ceil(len(history) / points))
+    kept = [h for i, h in enumerate(history) if i % stride == 0 or not h.finite or h.step in spikes]
+    return {
+        "step": [h.step for h in kept],
+        "loss": [h.loss for h in kept],
+        "nonfinite": [h.step for h in history if not h.finite and h.verdict != "amp-skip"],
+        "amp_skipped": [h.step for h in history if h.verdict == "amp-skip"],
+        "spikes": sorted(s for s in spikes if isinstance(s, int)),
+    }
+
+
+def check_path(path: str | None) -> str | None:
+    """A report path the callback can write at the end of training: checked now, not after the run."""
+    if path is None:
+        return None
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"report_path {path} is a directory; give a file name such as {target / 'fpdoctor.json'}")
+    if not target.parent.exists():
+        raise ValueError(f"report_path {path}: {target.parent} does not exist; create it or choose another path")
+    return path
+
+
+def path_for_rank(path: str, rank: int | None, world: int) -> str:
+    """report.json on one process; report.rank1.json on rank 1 of several (each rank writes its own)."""
+    if rank is None or world <= 1:
+        return path
+    from fpdoctor.cli.trace import rank_path
+
+    return rank_path(path, rank)
+
+
+def write(report: Report, path: str) -> None:
+    """Atomically, in the format the extension names (.json, .md, .html; text otherwise)."""
+    from fpdoctor.cli.output import resolve_output, write_atomic
+    from fpdoctor.report.render import render
+
+    args = argparse.Namespace(format=None, output=path)
+    resolve_output(args)
+    write_atomic(path, render(report.to_dict(), args.format, color=False))
+
+
+def summary_lines(report: Report, framework: str) -> list[str]:
+    """One line for a clean run; then one per finding, worst first."""
+    data = report.data
+    head = (
+        f"fpdoctor: {data.get('steps', 0)} optimizer steps checked, {data.get('nonfinite_steps', 0)} non-finite, "
+        f"{data.get('skipped_steps', 0)} skipped"
+    )
+    amp = data.get("amp")
+    if isinstance(amp, dict):
+        head += f", {amp['skipped_steps']} AMP overflow skips ({amp['skip_rate']:.1%})"
+    head += f" ({framework})"
+    lines = [head]
+    for f in report.sorted_findings():
+        message = f.message if len(f.message) <= _MESSAGE_CHARS else f.message[: _MESSAGE_CHARS - 3] + "..."
+        lines.append(f"  {f.code} {f.name} [{f.severity.value}]: {message}")
+    return lines
+
+
+def step_line(findings: list[Finding], step: int) -> str | None:
+    """The findings of one bad step, as one log line (None when it had none)."""
+    parts = [f"{f.name}: {f.message}" for f in findings if f.evidence.get("step") == step]
+    if not parts:
+        return None
+    return f"fpdoctor: step {step}: " + " | ".join(parts)
