@@ -187,7 +187,9 @@ def test_a_fix_that_only_moves_the_crash_is_followed_to_the_end():
         "inputs[0].to(torch.float16)   # the input",
         "model.get_submodule('2').to(torch.float16)",
     ]
-    assert steps[0]["then"].startswith("aten.addmm.default in `2` fails") and steps[1]["then"] == "the forward runs"
+    assert (
+        steps[0]["then"].startswith("aten.addmm.default in module `2` fails") and steps[1]["then"] == "the forward runs"
+    )
     assert "One fix alone only moves the failure" in mismatch.message
     assert mismatch.fix.startswith("# all of:\ninputs[0].to(torch.float16)")
     assert model[2].weight.dtype == torch.float32  # the model is left as it was
@@ -200,3 +202,10 @@ def test_a_fix_that_works_alone_is_said_to():
         {"fix": "inputs[0].to(torch.float16)   # the input", "then": "the forward runs"}
     ]
     assert mismatch.message.endswith("With the fix below, the forward runs (checked).")
+
+
+def test_an_error_no_aten_op_saw_names_the_call_not_an_op():
+    model, x = CASES["sdpa"][0]()
+    mismatch = fpdoctor.audit(model, x).report.by_name("dtype-mismatch")[0]
+    assert mismatch.where.get("op") is None  # SPEC: where.op is an aten overload, unknown here
+    assert mismatch.message.startswith("F.scaled_dot_product_attention in module `<root>` got")

@@ -50,7 +50,7 @@ def test_the_code_needs_only_torch_and_does_what_apply_plan_does(kept_plan):
     assert model.attn.value.weight.dtype == torch.float32 and model.head.weight.dtype == torch.float16
 
 
-def test_nothing_kept_means_no_helpers_and_no_import():
+def test_nothing_kept_means_no_keep_function_and_no_fpdoctor_import():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
     x = torch.randn(8, 16)

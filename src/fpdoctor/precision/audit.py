@@ -36,6 +36,7 @@ from fpdoctor.precision.mismatch import (
     mismatch_error,
     module_expr,
     operand,
+    what_failed,
 )
 from fpdoctor.preserve import preserved
 from fpdoctor.provenance import Provenance
@@ -331,7 +332,7 @@ def audit(model: nn.Module, inputs: Any = None) -> AuditResult:
             main = dtypes.most_common(1)[0][0] if dtypes else None
             finding = explain_mismatch(failure, main, model)
             findings.append(checked(finding, follow_fixes(model, inputs, failure, main, forward=_forward)))
-            summary.append(("forward", f"failed at {failure['op']} in `{failure['module']}`"))
+            summary.append(("forward", f"failed at {what_failed(failure)}"))
         elif error is not None:
             findings.append(forward_failed(error, tracker))
             summary.append(("forward", f"raised {type(error).__name__}, not a dtype or device mismatch"))

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fpdoctor.precision.candidates import Call, split_inputs
-from fpdoctor.precision.mismatch import fix_action, module_expr
+from fpdoctor.precision.mismatch import fix_action, module_expr, what_failed
 from fpdoctor.report.model import Finding
 
 # the forward under audit's origin-tracking mode: (failure explained, error raised, tracker)
@@ -95,7 +95,7 @@ def _action_code(action: dict[str, str]) -> str:
 def _then(after: dict[str, Any] | None, error: BaseException | None) -> str:
     """What happened once a fix was applied."""
     if after is not None:
-        return f"{after['op']} in `{after['module']}` fails: {after['error']}"
+        return f"{what_failed(after)} fails: {after['error']}"
     if error is not None:
         return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
     return "the forward runs"

@@ -139,6 +139,13 @@ def explain_mismatch(failure: dict[str, Any], main_dtype: str | None = None, mod
     return _mismatch_finding(failure, main_dtype, model)
 
 
+def what_failed(failure: dict[str, Any]) -> str:
+    """`aten.addmm.default in module `head`` (the root is `<root>`)."""
+    op = failure.get("op") or failure.get("callee") or "an op"
+    module = failure.get("module")
+    return f"{op} in module `{module or '<root>'}`" if module is not None else f"{op} outside any module"
+
+
 def _culprit(
     failure: dict[str, Any], main_dtype: str | None
 ) -> tuple[str, list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
@@ -179,7 +186,7 @@ def _mismatch_finding(failure: dict[str, Any], main_dtype: str | None, model: nn
         return catalog.make(
             "device-mismatch",
             message=(
-                f"{failure['op']} in module `{failure['module']}` failed ({failure['error']}). Operands: "
+                f"{what_failed(failure)} failed ({failure['error']}). Operands: "
                 + "; ".join(f"{_describe(o)} on {o['device']}" for o in operands[:4])
                 + "."
             ),
@@ -219,7 +226,7 @@ def _mismatch_finding(failure: dict[str, Any], main_dtype: str | None, model: nn
     return catalog.make(
         "dtype-mismatch",
         message=(
-            f"{failure['op']} in module `{failure['module']}` got "
+            f"{what_failed(failure)} got "
             + " and ".join(f"{o['dtype']} ({_describe(o)})" for o in operands[:3])
             + f" ({failure['error']}). The {culprit['dtype']} operand's dtype entered at {entered}."
             + (f" Source: {location[0]}:{location[1]}." if location else "")
@@ -241,10 +248,11 @@ def _mismatch_finding(failure: dict[str, Any], main_dtype: str | None, model: nn
 Origin = Callable[[torch.Tensor], dict[str, Any]]
 
 
-def _call_arguments(frame: FrameType, lasti: int) -> list[Any] | None:
-    """The values of the arguments of the call that raised in `frame` (at instruction `lasti`):
-    names and attribute chains (`self.weight`) resolved in the frame; None where the instruction
-    is not a call that reads as one (Python < 3.11 has no column positions)."""
+def _call_arguments(frame: FrameType, lasti: int) -> tuple[str, list[Any]] | None:
+    """(the callee as written, the values of its arguments) for the call that raised in `frame`
+    (at instruction `lasti`): names and attribute chains (`self.weight`) resolved in the frame;
+    None where the instruction is not a call that reads as one (Python < 3.11 has no column
+    positions)."""
     positions = getattr(frame.f_code, "co_positions", None)
     if positions is None or lasti < 0:
         return None
@@ -271,7 +279,7 @@ def _call_arguments(frame: FrameType, lasti: int) -> list[Any] | None:
         value = _resolve(arg, frame)
         if value is not None:
             values.append(value)
-    return values
+    return ast.unparse(node.func), values
 
 
 def _resolve(node: ast.expr, frame: FrameType) -> Any:
@@ -309,8 +317,8 @@ def failure_from_traceback(
     frame, lasti = entries[-1]
     module_frame = next((f for f, _ in reversed(entries) if isinstance(f.f_locals.get("self"), nn.Module)), None)
     owner = module_frame.f_locals["self"] if module_frame is not None else None
-    arguments = _call_arguments(frame, lasti)
-    operands = _tensors(arguments) if arguments else []
+    call = _call_arguments(frame, lasti)
+    operands = _tensors(call[1]) if call else []
     if not operands:
         operands = _tensors([v for k, v in frame.f_locals.items() if k != "self"])
     if owner is not None and len({(t.dtype, t.device) for t in operands}) < 2:
@@ -321,24 +329,14 @@ def failure_from_traceback(
         return None
     return {
         "error": text.splitlines()[0] if text else type(exc).__name__,
-        "op": _op_name(frame, arguments),
+        "op": None,  # no aten op saw the operands: the callee as written says what raised
+        "callee": call[0] if call else f"{frame.f_code.co_name}()",
         "module": name_of(owner) if owner is not None else None,
         "call": None,
         "operands": [operand(t, origin) for t in operands[:6]],
         "device": what == "device",
         "location": location(frame),
     }
-
-
-def _op_name(frame: FrameType, arguments: list[Any] | None) -> str:
-    """What raised: the callee's source text where the call reads as one, else the function."""
-    positions = getattr(frame.f_code, "co_positions", None)
-    if arguments is not None and positions is not None:
-        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-        match = re.search(r"([\w.]+)\(", line)
-        if match:
-            return match.group(1)
-    return f"{frame.f_code.co_name}()"
 
 
 def operand(t: torch.Tensor, origin: Origin) -> dict[str, Any]:
