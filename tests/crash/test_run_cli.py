@@ -222,3 +222,32 @@ def _slack() -> float:
     """This 2-core CI machine runs other suites beside this one; the budget is measured by
     benchmarks/bench_run.py on an idle machine."""
     return 5.0 if os.cpu_count() and os.cpu_count() <= 2 else 0.0
+
+
+# Each crash code and the end-to-end case above that makes it: a new code without a case fails here.
+CASES = {
+    "CRS001": "test_death_by_signal",
+    "CRS002": "test_uncaught_exception_keeps_its_exit_code",
+    "CRS003": "test_cuda_error_text_is_explained",
+    "CRS004": "test_torchrun_rank_dies_while_the_other_waits_in_a_collective",
+}
+
+
+def test_every_crash_code_has_an_end_to_end_case():
+    from fpdoctor import catalog
+
+    assert {r.code for r in catalog.rules() if r.code.startswith("CRS")} == set(CASES)
+    assert all(callable(globals()[name]) for name in CASES.values())
+
+
+def test_a_shell_in_between(tmp_path):
+    """`sh -c 'python ...'`: the shell reports 128+N itself; the report is about the Python process."""
+    out = tmp_path / "r.json"
+    result = run("run", "-o", str(out), "--", "sh", "-c", f"{sys.executable} {DIE} sigsegv; exit $?")
+    assert result.returncode == 128 + signal.SIGSEGV
+    doc = json.loads(out.read_text())
+    crash = only(doc, "fatal-signal")
+    assert crash["evidence"]["function"] == "string_at"
+    python, shell = sorted(doc["data"]["processes"], key=lambda p: not p.get("argv"))
+    assert python["pid"] == crash["where"]["pid"] and python["ppid"] == shell["pid"] and not shell.get("argv")
+    assert len(doc["findings"]) == 1  # the shell's exit status is not a second failure

@@ -175,3 +175,25 @@ def test_a_dump_the_user_sent_to_stderr_is_still_read(tmp_path):
     assert result.exit_code == 128 + signal.SIGSEGV and b"Fatal Python error: Segmentation fault" in err
     (finding,) = result.report.findings
     assert finding.evidence["signal"] == "SIGSEGV" and finding.evidence["user_frame"] == f"{prog}:4 in decode"
+
+
+def test_a_parent_that_fails_its_own_way_after_its_child_died(tmp_path):
+    """A DataLoader-like parent: its worker is killed, then it raises its own error. Both are
+    reported, the worker first; a parent that only reports its child (torchrun) would not be."""
+    prog = script(
+        tmp_path,
+        """
+        import os, signal
+        pid = os.fork()
+        if pid == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise RuntimeError(f"DataLoader worker (pid {pid}) is killed by signal: Killed.")
+        """,
+    )
+    result, _, _ = quiet_run([sys.executable, prog])
+    assert result.exit_code == 1
+    assert names(result) == ["fatal-signal", "uncaught-exception"]
+    worker, parent = result.report.findings
+    assert worker.evidence["signal"] == "SIGKILL" and worker.severity.value == "error"
+    assert parent.evidence["error_kind"] == "dataloader-worker" and "dmesg" in parent.fix

@@ -12,7 +12,8 @@ import os
 import sys
 from typing import Any
 
-from fpdoctor.cli.output import UsageError, add_output_args, write_atomic
+from fpdoctor.cli.output import UsageError, write_atomic
+from fpdoctor.report.render import FORMATS
 
 
 def add_parser(sub: Any) -> None:
@@ -44,7 +45,20 @@ def add_parser(sub: Any) -> None:
         help="after a rank of a distributed job fails, how long the command may take to end before "
         "fpdoctor terminates it and reports (default 3)",
     )
-    add_output_args(p)
+    # --format and -o as every command has them (cli/output.py), said for where this report goes
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=None,
+        help="report format (default: from -o's extension, else text); on stderr without -o",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        help="also write the report to FILE, even after a clean run (stderr then gets the text report "
+        "only when something failed)",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND [ARGS...]")
     p.set_defaults(run=run)
 

@@ -85,6 +85,7 @@ def run_command(
             breadcrumbs=breadcrumbs,
             facts=facts,
             source=source,
+            rerun=rerun_command(argv, env_from if isinstance(env_from, str) else None),
             environment=environment,
             wait_s=wait_s,
             stdout=sys.stdout if stdout is _PASS else stdout,
@@ -146,15 +147,15 @@ def _run(
     breadcrumbs: bool,
     facts: dict[str, Any] | None,
     source: str | None,
+    rerun: str,
     environment: bool,
     wait_s: float,
     stdout: Any,
     stderr: Any,
     cwd: str | None,
 ) -> RunResult:
-    from fpdoctor.crash.collect import Watch, collect
-    from fpdoctor.crash.findings import Context, build, failures
-    from fpdoctor.crash.machine import EnvironmentJoin, kernel_log_since
+    from fpdoctor.crash.collect import Watch
+    from fpdoctor.crash.machine import EnvironmentJoin
 
     join = EnvironmentJoin(facts, source) if environment else None
     watch = Watch(run_dir)
@@ -169,6 +170,11 @@ def _run(
         on_failure=join.start if join is not None else lambda: None,
         alive=watch.pids,
     )
+    # what only the report needs is imported once the command has ended
+    from fpdoctor.crash.collect import collect
+    from fpdoctor.crash.findings import Context, build, failures
+    from fpdoctor.crash.machine import kernel_log_since
+
     collected = collect(
         run_dir, child_pid=launched.pid, returncode=launched.returncode, stderr_tail=launched.stderr_tail
     )
@@ -180,27 +186,26 @@ def _run(
         launched=launched,
         collected=collected,
         breadcrumbs=breadcrumbs,
-        rerun=rerun_command(argv, env_from=source[5:] if source and source.startswith("file ") else None),
+        rerun=rerun,
         wait_s=wait_s,
         not_checked=not_checked,
     )
-    events = failures(ctx)
-    if events:
+    if failures(ctx):
         if join is not None:
             join.start()
-        if crumbs is not None:
-            for event in events:
-                _read_breadcrumbs(crumbs, run_dir, event.process)
-            for p in collected.processes:
-                if p.is_rank and not p.ops:
-                    _read_breadcrumbs(crumbs, run_dir, p)
-        texts = [collected.stderr_text[-20000:]]
-        texts += [f"Fatal Python error: {e.process.fault.header}" for e in events if e.process.fault is not None]
-        texts += [f"{x.get('type')}: {x.get('message')}" for e in events for x in e.process.exceptions]
         ctx.kernel = kernel_log_since(launched.started)
         for p in collected.processes:
             if p.pid in ctx.kernel.oom_killed and p.outcome().kind == "vanished":
                 p.returncode = -9  # the kernel log names it: the out-of-memory killer's SIGKILL
+        events = failures(ctx)
+        if crumbs is not None:
+            failed = {e.process.pid for e in events}
+            for p in collected.processes:
+                if p.pid in failed or p.is_rank:
+                    _read_breadcrumbs(crumbs, run_dir, p, not_checked)
+        texts = [collected.stderr_text[-20000:]]
+        texts += [f"Fatal Python error: {e.process.fault.header}" for e in events if e.process.fault is not None]
+        texts += [f"{x.get('type')}: {x.get('message')}" for e in events for x in e.process.exceptions]
         if join is not None:
             # SPEC 5: the report within 5 s of the death; the verdicts get what is left of it
             death = min(e.time for e in events)
@@ -208,12 +213,12 @@ def _run(
     return RunResult(report=build(ctx), exit_code=launched.exit_status)
 
 
-def _read_breadcrumbs(crumbs: Any, run_dir: str, process: Any) -> None:
+def _read_breadcrumbs(crumbs: Any, run_dir: str, process: Any, not_checked: dict[str, str]) -> None:
     try:
         process.ops = list(crumbs.read(run_dir, process.pid))
         process.library_log = list(crumbs.library_log_tail(run_dir, process.pid))
     except Exception as exc:  # a torn or foreign file: the report goes on without it
-        process.ops, process.library_log = [], [f"breadcrumbs not read: {type(exc).__name__}: {exc}"]
+        not_checked[f"breadcrumbs of pid {process.pid}"] = f"{type(exc).__name__}: {exc}"
 
 
 __all__ = ["CommandError", "RunResult", "run_command"]

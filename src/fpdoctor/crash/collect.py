@@ -87,6 +87,7 @@ class Process:
     ops: list[dict[str, Any]] = field(default_factory=list)
     library_log: list[str] = field(default_factory=list)
     fault_from_stream: bool = False
+    end_hint: float | None = None  # when another process reported its death (no trace of its own)
 
     # -- who ------------------------------------------------------------------------------
     def _int(self, key: str) -> int | None:
@@ -154,7 +155,7 @@ class Process:
             name = parse.signal_name(-code)
             kind = {"SIGTERM": "terminated", "SIGKILL": "killed"}.get(name, "signal")
             when = self.term_time if kind == "terminated" else None
-            return Outcome(kind, when or self.exit_time, name, code)
+            return Outcome(kind, when or self.exit_time or self.end_hint, name, code)
         if self.term is not None:
             return Outcome("terminated", self.term_time, "SIGTERM", code)
         if exc is not None:
@@ -375,6 +376,7 @@ def collect(run_dir: str, *, child_pid: int, returncode: int, stderr_tail: bytes
             procs[trace.pid].native.append(trace)
         else:
             loose.append(trace)
+    _children_reported_dead(procs)
     dumps = _attribute_stream_dumps(parse.faulthandler_dumps(text), procs)
     ordered = sorted(procs.values(), key=lambda p: (p.start is None, p.start or 0.0, p.pid))
     return Collected(
@@ -385,6 +387,34 @@ def collect(run_dir: str, *, child_pid: int, returncode: int, stderr_tail: bytes
         native=_attribute_loose_native(loose, ordered),
         stderr_text=text,
     )
+
+
+# torch.utils.data's message when a worker dies: the one place a worker killed by SIGKILL (the
+# out-of-memory killer) is named with its pid and signal
+_WORKER_KILLED = re.compile(r"DataLoader worker \(pid (?P<pid>\d+)\) is killed by signal: (?P<what>[^.\n]+)")
+
+
+def _children_reported_dead(procs: dict[int, Process]) -> None:
+    for parent in list(procs.values()):
+        for exc in parent.exceptions:
+            for m in _WORKER_KILLED.finditer(str(exc.get("message", ""))):
+                child = procs.get(int(m["pid"]))
+                signame = _STRSIGNAL.get(m["what"].strip())
+                if child is not None and signame and child.returncode is None and child.fault is None:
+                    child.returncode = -_signum(signame)
+                    child.end_hint = (_float(exc.get("time")) or 0.0) - 1e-3  # before its report
+
+
+# strsignal() texts, as Python's signal.strsignal gives them on Linux
+_STRSIGNAL = {
+    "Killed": "SIGKILL",
+    "Segmentation fault": "SIGSEGV",
+    "Bus error": "SIGBUS",
+    "Aborted": "SIGABRT",
+    "Floating point exception": "SIGFPE",
+    "Illegal instruction": "SIGILL",
+    "Terminated": "SIGTERM",
+}
 
 
 def _attribute_stream_dumps(dumps: list[Dump], procs: dict[int, Process]) -> list[Dump]:

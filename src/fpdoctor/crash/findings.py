@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fpdoctor import catalog
@@ -51,8 +51,23 @@ class Event:
     time: float
 
 
+# Exceptions by which a parent reports that a child failed: the child's failure is the story.
+_REPORTS_A_CHILD = ("ChildFailedError", "ProcessRaisedException", "ProcessExitedException", "CalledProcessError")
+
+
+def _reports_a_child(p: Process, o: Outcome) -> bool:
+    if o.kind in ("terminated", "killed"):
+        return True  # stopped along with the job (by fpdoctor, a scheduler), not a failure of its own
+    if o.kind != "exception":
+        return not p.record  # a shell or another launcher that is not Python: its status is the child's
+    exc = p.main_exception() or {}
+    return str(exc.get("type", "")).endswith(_REPORTS_A_CHILD)
+
+
 def failures(ctx: Context) -> list[Event]:
-    """Failures by time, launchers of failed processes left out (their failure is a report)."""
+    """Failures by time. A parent whose failure only reports its failed child's (torchrun's
+    ChildFailedError, a shell's status) is left out; a parent that failed in its own way after a
+    child died (the RuntimeError of a DataLoader whose worker was killed) stays, after the child."""
     procs = ctx.collected.processes
     events = []
     for p in procs:
@@ -62,18 +77,16 @@ def failures(ctx: Context) -> list[Event]:
         if ctx.interrupted and o.signal in ("SIGINT", "SIGTERM", "SIGHUP"):
             continue  # the user stopped the command through fpdoctor
         events.append(Event(p, o, o.time if o.time is not None else ctx.launched.ended))
-    failed = {e.process.pid for e in events}
+    failed = {e.process.pid: e for e in events}
     parents = {p.pid: p.ppid for p in procs}
     launchers = set()
     for pid in failed:
         seen, up = set(), parents.get(pid)
         while up is not None and up not in seen:
             seen.add(up)
-            if up in failed:
+            if up in failed and _reports_a_child(failed[up].process, failed[up].outcome):
                 launchers.add(up)
             up = parents.get(up)
-    if ctx.collected.direct.pid in failed and any(p.ppid == ctx.collected.direct.pid for p in procs if p.pid in failed):
-        launchers.add(ctx.collected.direct.pid)
     return sorted((e for e in events if e.process.pid not in launchers), key=lambda e: e.time)
 
 
@@ -82,16 +95,15 @@ def build(ctx: Context) -> Report:
     first = events[0] if events else None
     findings: list[Finding] = []
     job = [p for p in ctx.collected.processes if p.is_rank]
-    stopped: set[int] = set()
     for event in events:
         p, o = event.process, event.outcome
-        after_first = first is not None and event is not first and event.time >= first.time
-        if first is not None and first.process.is_rank and p.is_rank and after_first and o.kind != "signal":
+        after = first is not None and event is not first and event.time >= first.time
+        # after the first failure, a rank that did not crash by itself, or a process fpdoctor
+        # stopped, is a consequence
+        peer = first is not None and first.process.is_rank and p.is_rank and o.kind != "signal"
+        stopped = ctx.launched.stopped and o.kind in ("terminated", "killed")
+        if first is not None and after and (peer or stopped):
             findings.append(_rank_stopped(ctx, p, first))
-            stopped.add(p.pid)
-        elif ctx.launched.stopped and after_first and o.kind in ("terminated", "killed"):
-            findings.append(_rank_stopped(ctx, p, first))  # type: ignore[arg-type]
-            stopped.add(p.pid)
         elif o.kind in FATAL:
             findings.append(_fatal_signal(ctx, p, o, first=event is first and len(events) > 1))
         else:
@@ -112,8 +124,6 @@ def build(ctx: Context) -> Report:
 def _soften(f: Finding) -> Finding:
     if f.severity is not Severity.ERROR:
         return f
-    from dataclasses import replace
-
     return replace(
         f, severity=Severity.WARNING, message=f.message + "\nThe command went on and exited 0, so this was handled."
     )
@@ -151,6 +161,8 @@ def _device(p: Process, ctx: Context) -> dict[str, Any]:
         index, basis = (int(number) if number.isdigit() else 0), "op in flight"
     elif gpus and p.local_rank is not None:
         index, basis = p.local_rank, "LOCAL_RANK (one GPU per rank)"
+    elif gpus and len([v for v in str(visible).split(",") if v.strip()] if visible is not None else gpus) == 1:
+        index, basis = 0, "the only GPU it could see"
     if index is None:
         return {}
     gpu = gpu_for(gpus, visible, index)
@@ -181,7 +193,15 @@ def _where(p: Process, ctx: Context) -> dict[str, Any]:
 
 
 def _in_flight(p: Process) -> list[dict[str, Any]]:
-    return [op for op in p.ops if not op.get("done")]
+    """Ops started and not finished, oldest first; those of the thread that received the signal
+    when the ring and the dump agree on it (faulthandler prints the same thread ident)."""
+    started = [op for op in p.ops if not op.get("done")]
+    stack = p.stack()
+    thread = stack.thread.split()[0] if stack is not None else ""
+    if thread.startswith("0x"):
+        mine = [op for op in started if isinstance(op.get("thread"), int) and op["thread"] == int(thread, 16)]
+        return mine or started
+    return started
 
 
 def op_text(op: dict[str, Any]) -> str:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 TAIL_BYTES = 256 * 1024  # what the report reads from each stream: backtraces and launcher summaries
-POLL_S = 0.05
+POLL_S = 0.2  # how often the run directory is looked at for a rank's death (well inside the 5 s budget)
 SETTLE_S = 10.0  # for a launcher to exit once every rank has ended (a loaded machine: seconds)
 GRACE_S = 1.0  # after SIGTERM, before SIGKILL, once the bounded wait is over
 FORWARDED = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGINT")
@@ -249,15 +249,14 @@ def _signal_all(pids: list[int], signum: int) -> None:
             os.kill(pid, signum)
 
 
-def _stop(proc: subprocess.Popen[bytes], extra: Callable[[], list[int]]) -> None:
+def _stop(proc: subprocess.Popen[bytes], extra: Callable[[], list[int]], ended: threading.Event) -> None:
     """Terminate the command and everything below it: SIGTERM (each Python process dumps its
     stacks on the way out), then SIGKILL what is left after a grace period."""
     tree = [proc.pid, *descendants(proc.pid), *extra()]
     _signal_all(tree, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=GRACE_S)
-    _signal_all([proc.pid, *descendants(proc.pid), *extra()], signal.SIGKILL)
-    proc.wait()
+    if not ended.wait(GRACE_S):
+        _signal_all([pid for pid in [proc.pid, *descendants(proc.pid), *extra()] if running(pid)], signal.SIGKILL)
+    ended.wait()
 
 
 def launch(
@@ -312,11 +311,19 @@ def launch(
     first: float | None = None
     deadline = float("inf")
     stopped = settled = False
+    # A thread blocks in waitpid, so the command's end is seen at once and costs no polling;
+    # this thread looks at the run directory a few times a second for a rank's death.
+    ended_event = threading.Event()
+
+    def wait_for_the_command() -> None:
+        proc.wait()
+        ended_event.set()
+
+    waiter = threading.Thread(target=wait_for_the_command, name="fpdoctor-wait", daemon=True)
+    waiter.start()
     with _forwarding(proc, seen):
         while True:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=POLL_S)
-            if proc.returncode is not None:
+            if ended_event.wait(POLL_S):
                 break
             if first is None:
                 first = watch()
@@ -330,7 +337,7 @@ def launch(
                 deadline = max(deadline, time.monotonic() + max(wait_s, SETTLE_S))
             elif time.monotonic() >= deadline:
                 stopped = True
-                _stop(proc, alive)
+                _stop(proc, alive, ended_event)
                 break
         ended = time.time()
         # Output still in the pipes comes first; a process that outlived the command and keeps

@@ -122,19 +122,19 @@ def _register_term_dump(run_dir: str, pid: int, forked: bool) -> None:
     this one. chain=True re-raises the signal under the default action, so the exit status
     stays 'killed by SIGTERM'.
     """
+    import _signal  # type: ignore[import-not-found]  # C module; `signal` imports enum (~5 ms a process)
     import faulthandler
-    import signal
 
-    if not hasattr(faulthandler, "register") or not hasattr(signal, "SIGTERM"):
+    if not hasattr(faulthandler, "register") or not hasattr(_signal, "SIGTERM"):
         return
     if forked:
         if _state.get("term") is None:
             return
-        faulthandler.unregister(signal.SIGTERM)
-    elif signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        faulthandler.unregister(_signal.SIGTERM)
+    elif _signal.getsignal(_signal.SIGTERM) != _signal.SIG_DFL:
         return
     term = open(os.path.join(run_dir, f"term.{pid}"), "w")  # noqa: SIM115
-    faulthandler.register(signal.SIGTERM, file=term, all_threads=True, chain=True)
+    faulthandler.register(_signal.SIGTERM, file=term, all_threads=True, chain=True)
     _swap("term", term)
 
 
@@ -250,17 +250,17 @@ def _chain() -> None:
     """Run the sitecustomize this one shadows (a distribution's, a virtual environment's,
     another tool's), as Python would have without fpdoctor, errors reported as site.py does."""
     try:
-        import importlib.machinery
-        import importlib.util
-
+        # the import system's own modules, always loaded: importlib.util would cost an import
+        bootstrap = sys.modules["_frozen_importlib"]
+        external = sys.modules["_frozen_importlib_external"]
         here = os.path.dirname(os.path.abspath(__file__))
         rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
-        spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+        spec = external.PathFinder.find_spec("sitecustomize", rest)
     except Exception:
         return
     if spec is None or spec.loader is None:
         return
-    module = importlib.util.module_from_spec(spec)
+    module = bootstrap.module_from_spec(spec)
     sys.modules["sitecustomize"] = module
     try:
         spec.loader.exec_module(module)
