@@ -64,3 +64,30 @@ def test_a_transient_fault_carries_the_gpus_health_and_a_drain_fix():
         80, ReplayResult("transient-fault-suspected", loss=2.5), me, micro_batches=False, kind="nan", health=quiet
     )
     assert "no new Xid error" in plain.message and not plain.fix.startswith("Drain")
+
+
+def test_only_what_was_read_at_both_moments_is_compared():
+    blind_start = HealthFacts(
+        gpus=[GpuFacts(index=0, pci=PCI, uuid=UUID, unavailable={"ecc": "not read: Unknown Error"})]
+    )
+    lifetime = _facts(uncorrected=3, pending=True)
+    changes = watch.since(watch.start(UUID, read=lambda: blind_start), read=lambda: lifetime)
+    assert changes.ecc == {} and not changes.remap_pending  # lifetime counts are not "new"
+    already = watch.since(watch.start(UUID, read=lambda: _facts(pending=True)), read=lambda: _facts(pending=True))
+    assert not already.remap_pending  # pending before the job started
+
+
+def test_new_xids_are_seen_when_the_ring_buffer_rotated_old_ones_out():
+    def at(first: str, last: str, until: str) -> HealthFacts:
+        facts = _facts()
+        facts.xids = [XidGroup(pci=PCI, xid=79, count=2, first_seen=first, last_seen=last, boots=[0])]
+        facts.kernel_logs = [{"source": "dmesg", "until": until}]
+        return facts
+
+    start = at("2026-11-23T08:00:00", "2026-11-23T08:01:00", "2026-11-23T09:00:00")
+    rotated = at("2026-11-23T10:00:00", "2026-11-23T10:05:00", "2026-11-23T10:06:00")  # same count, later lines
+    changes = watch.since(watch.start(UUID, read=lambda: start), read=lambda: rotated)
+    assert [x["xid"] for x in changes.xids] == [79] and "count" not in changes.xids[0]
+    assert "Xid 79 x?" in changes.text()
+    same = watch.since(watch.start(UUID, read=lambda: start), read=lambda: start)
+    assert not same.xids

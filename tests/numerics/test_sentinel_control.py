@@ -112,3 +112,128 @@ def test_an_fp32_model_gets_no_control():
     report = _run(model, [torch.ones(2, 4)], step=step)
     verdict = report.by_name("deterministic-nonfinite")[0]
     assert "control_fp32" not in verdict.evidence
+
+
+def test_the_control_never_touches_the_users_parameters_or_their_hooks(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = Amplifier().half()
+        ddp = nn.parallel.DistributedDataParallel(model)  # world size 1: the control runs
+        calls: list[int] = []
+
+        def hook(state, bucket):
+            calls.append(1)
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        ddp.register_comm_hook(None, hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-6)
+        guard = fpdoctor.Sentinel(ddp, opt)
+
+        def step(x):
+            opt.zero_grad(set_to_none=True)
+            loss = ddp(x).float().pow(2).mean()
+            loss.backward()
+            return loss
+
+        guard.step(step, torch.full((4, 8), 200.0, dtype=torch.float16))
+        assert guard.report.by_name("deterministic-nonfinite")[0].evidence["control_fp32"] == "finite"
+        assert all(p.dtype == torch.float16 for p in model.parameters())
+        calls.clear()
+        guard.step(step, torch.full((4, 8), 0.01, dtype=torch.float16))
+        assert calls  # DDP's communication still runs through the user's hook after the control
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_autocast_open_around_the_step_is_off_in_the_control_and_on_after():
+    torch.manual_seed(0)
+    model = Amplifier()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    guard = fpdoctor.Sentinel(model, opt)
+    seen: list[bool] = []
+
+    def step(x):
+        opt.zero_grad(set_to_none=True)
+        seen.append(torch.is_autocast_enabled("cpu"))
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        return loss
+
+    enter = torch.autocast.__enter__
+    with torch.autocast("cpu", dtype=torch.float16):
+        guard.step(step, torch.full((4, 8), 200.0))
+        assert torch.is_autocast_enabled("cpu")
+    assert seen == [True, True, False]
+    assert guard.report.by_name("deterministic-nonfinite")[0].evidence["control_fp32"] == "finite"
+    assert torch.autocast.__enter__ is enter  # nothing left patched
+
+
+def test_tied_weights_and_a_scaler_that_unscales_for_clipping():
+    torch.manual_seed(0)
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 8, bias=False)
+            self.b = nn.Linear(8, 8, bias=False)
+            self.b.weight = self.a.weight  # tied
+            with torch.no_grad():
+                self.a.weight.fill_(0.5)
+
+        def forward(self, x):
+            return self.b(self.a(x) * 100.0)
+
+    model = Tied()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    scaler = torch.amp.GradScaler("cpu")
+    guard = fpdoctor.Sentinel(model, opt, scaler=scaler)
+
+    def step(x):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)  # the standard recipe for clipping under AMP
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        return loss
+
+    guard.step(step, torch.full((4, 8), 0.01))
+    guard.step(step, torch.full((4, 8), 300.0))  # overflows fp16: replayed, then the control
+    guard.step(step, torch.full((4, 8), 0.01))  # the scaler's state was put back: no "unscale_ already called"
+    assert model.b.weight is model.a.weight and model.a.weight.dtype == torch.float32
+    assert not guard.report.by_name("sentinel-error")
+
+
+def test_an_optimizer_stepped_in_backward_is_not_replayed():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opts = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+
+    def in_backward(p):
+        opts[p].step()
+        opts[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(in_backward)
+    guard = fpdoctor.Sentinel(model)
+    calls = {"n": 0}
+
+    def step(x):
+        calls["n"] += 1
+        loss = model(x).mean()
+        loss.backward()
+        return loss + (float("nan") if calls["n"] == 1 else 0.0)
+
+    before = model.weight.detach().clone()
+    guard.step(step, torch.ones(2, 8))
+    once = torch.optim.SGD([before.requires_grad_()], lr=0.1)
+    before.grad = torch.ones(1, 8)  # d mean(xW^T + b) / dW for x = ones(2, 8)
+    once.step()
+    assert torch.allclose(model.weight, before)  # one update, as in a plain run: no replay's second one
+    assert calls["n"] == 1
+    assert "post-accumulate-grad hooks" in guard.report.by_name("sentinel-error")[0].message

@@ -78,3 +78,18 @@ def test_bounds_of_matrix_products_and_convolutions():
     # below fp16's max with room for rounding: impossible; at or above it, or unknown: not
     assert impossible(100.0, "torch.float16") and not impossible(70000.0, "torch.float16")
     assert not impossible(None, "torch.float32") and not impossible(math.inf, "torch.float32")
+
+
+def test_a_saturating_op_fed_a_nan_the_trace_did_not_see_is_not_called_corruption():
+    class Extension(nn.Module):
+        def forward(self, x):
+            h = torch.zeros(2, 4)  # an output buffer a custom kernel fills, outside the dispatcher
+            h.numpy()[0, 0] = math.nan
+            return x * torch.sigmoid(h).sum()
+
+    model = Extension()
+    with fpdoctor.trace(model) as t:
+        model(torch.randn(2, 4)).sum()
+    for finding in t.report.findings:
+        assert "arithmetic_bound" not in finding.evidence and "arithmetic cannot" not in finding.title
+    assert output_bound("aten.sigmoid.default", (torch.tensor([math.nan]),), {}) is None

@@ -8,6 +8,7 @@ Two reads per job at most, none per step. Never raises: what cannot be read is s
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +44,7 @@ class Changes:
         if not self.any:
             seen = f"{name} shows no new Xid error, ECC error or pending row remap since the job started"
             return seen + (f" (not checked: {'; '.join(self.not_checked)})" if self.not_checked else "")
-        parts = [f"Xid {x['xid']} x{x['count']} ({x['meaning']})" for x in self.xids]
+        parts = [f"Xid {x['xid']} x{x.get('count', '?')} ({x['meaning']})" for x in self.xids]
         parts += [f"ECC {counter} +{delta}" for counter, delta in self.ecc.items()]
         if self.remap_pending:
             parts.append("a memory row is waiting to be remapped (reset the GPU)")
@@ -101,22 +102,44 @@ def since(watch: Watch, *, read: Any = None) -> Changes:
         return changes
     changes.gpu, changes.pci, changes.lost = gpu.label(), gpu.pci, gpu.lost
     if gpu.pci:
-        old = _counts(watch.before, gpu.pci)
-        for xid, count in sorted(_counts(after, gpu.pci).items()):
-            if count > old.get(xid, 0):  # a rotated ring buffer can only lose old lines: never negative
-                last = max((g.last_seen or "" for g in after.xids if g.pci == gpu.pci and g.xid == xid), default="")
-                changes.xids.append(
-                    {"xid": xid, "count": count - old.get(xid, 0), "meaning": lookup(xid).explain(), "last_seen": last}
-                )
+        _new_xids(changes, watch.before, after, gpu.pci, lookup)
     if "kernel log" in after.not_checked:
         changes.not_checked.append(f"kernel log: {after.not_checked['kernel log']}")
-    now, then = gpu.facts.get("ecc", {}), (was.facts.get("ecc", {}) if was else {})
+    if was is None:
+        changes.not_checked.append("ECC and row remapping: the GPU was not read at the start")
+        return changes
+    now, then = gpu.facts.get("ecc", {}), was.facts.get("ecc", {})
     for counter in ("volatile", "aggregate"):
         for kind in ("uncorrected", "corrected"):
-            delta = now.get(counter, {}).get(kind, 0) - then.get(counter, {}).get(kind, 0)
+            if kind not in now.get(counter, {}) or kind not in then.get(counter, {}):
+                continue  # only a counter read both times has a change to tell
+            delta = now[counter][kind] - then[counter][kind]
             if delta > 0:
                 changes.ecc[f"{counter}.{kind}"] = delta
     if "ecc" in gpu.unavailable:
         changes.not_checked.append(f"ECC: {gpu.unavailable['ecc']}")
-    changes.remap_pending = bool(gpu.facts.get("remapped_rows", {}).get("pending"))
+    if "remapped_rows" in was.facts:  # new only if read at the start and not pending then
+        pending_then = bool(was.facts["remapped_rows"].get("pending"))
+        changes.remap_pending = bool(gpu.facts.get("remapped_rows", {}).get("pending")) and not pending_then
     return changes
+
+
+_ISO = re.compile(r"^\d{4}-\d{2}-\d{2}T")
+
+
+def _new_xids(changes: Changes, before: HealthFacts, after: HealthFacts, pci: str, lookup: Any) -> None:
+    """Xids on `pci` logged since the start: more of them than then, or - when the kernel ring
+    buffer rotated old lines out, so counts cannot be compared - a last occurrence later than the
+    start reading's last line (ISO timestamps, as `dmesg --time-format iso` and journalctl give)."""
+    start_last = max((str(k.get("until") or "") for k in before.kernel_logs), default="")
+    old = _counts(before, pci)
+    for xid, count in sorted(_counts(after, pci).items()):
+        groups = [g for g in after.xids if g.pci == pci and g.xid == xid]
+        last = max((g.last_seen or "" for g in groups), default="")
+        new: int | None = count - old.get(xid, 0)
+        if new is not None and new <= 0:
+            later = bool(_ISO.match(last) and _ISO.match(start_last) and last > start_last)
+            new = None if later else 0  # None: new, how many unknown
+        if new != 0:
+            entry = {"xid": xid, "meaning": lookup(xid).explain(), "last_seen": last}
+            changes.xids.append({**entry, "count": new} if new is not None else entry)

@@ -137,14 +137,20 @@ class ScaleWatch:
 
 @contextlib.contextmanager
 def scale_as(scaler: Any, scale: torch.Tensor | None) -> Iterator[None]:
-    """The scaler's scale as it was for the step being replayed, put back afterwards."""
+    """The scaler's scale as it was for the step being replayed, and its per-optimizer state
+    (a replayed `scaler.unscale_(opt)` marks the optimizer unscaled), put back afterwards."""
     current = getattr(scaler, "_scale", None)
     if scale is None or current is None:
         yield
         return
     saved = current.detach().clone()
+    states = getattr(scaler, "_per_optimizer_states", None)
+    saved_states = None if states is None else {k: dict(v) for k, v in states.items()}
     current.copy_(scale)
     try:
         yield
     finally:
         current.copy_(saved)
+        if states is not None and saved_states is not None:
+            states.clear()  # the same defaultdict object: the scaler keeps its factory
+            states.update(saved_states)

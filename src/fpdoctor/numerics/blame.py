@@ -214,8 +214,8 @@ class Analysis:
             title = f"{label}: {r.op} produced {kinds[0]} that arithmetic cannot produce from its inputs"
             message += (
                 f" Arithmetic cannot explain it: from these finite inputs no output of {r.op} can exceed "
-                f"{r.bound:.4g} in magnitude (|inputs| multiplied and summed in float64), well inside "
-                f"{out.dtype.removeprefix('torch.')}'s range."
+                f"{r.bound:.4g} in magnitude (|inputs| multiplied and summed in float64), below "
+                f"{out.dtype.removeprefix('torch.')}'s largest value."
             )
             fix = _IMPOSSIBLE
         return catalog.make(

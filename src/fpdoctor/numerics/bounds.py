@@ -61,13 +61,17 @@ def output_bound(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> floa
     """The largest |y| a correct computation of `op` on these inputs can give (float64), or None
     for an op without a known bound. Called with the op's live, finite inputs; never raises."""
     if op in _RANGE_ONE:
-        return 1.0
+        # bounded by the function's range only if the input is really finite: a NaN written by
+        # a kernel the trace cannot see (an extension, .numpy(), DLPack) must not read as corruption
+        x = args[0] if args else None
+        return 1.0 if isinstance(x, torch.Tensor) and bool(torch.isfinite(x).all()) else None
     bound = _BOUNDS.get(op)
     if bound is None:
         return None
     try:
         with torch.no_grad():
-            return float(bound(args, kwargs).max())
+            value = float(bound(args, kwargs).max())
+            return value if math.isfinite(value) else None  # an input the trace took as finite was not
     except Exception:  # an unusual overload or layout: no bound, never a failure
         return None
 

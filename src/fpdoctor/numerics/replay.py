@@ -61,6 +61,14 @@ def replay(
     window (a step_fn's own, DDP's, SyncBatchNorm's) in the same order as the others."""
     from fpdoctor.numerics.api import trace
 
+    if any(getattr(p, "_post_accumulate_grad_hooks", None) for p in params):
+        # an optimizer run in backward (register_post_accumulate_grad_hook) would step the real
+        # weights again during the replay
+        return ReplayResult(
+            "replay-failed",
+            error="not replayed: parameters carry post-accumulate-grad hooks (an optimizer stepped in backward), "
+            "so a replay would update the weights a second time",
+        )
     loss_value = float("nan")
     first_bad: ReplayResult | None = None
     try:
