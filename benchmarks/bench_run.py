@@ -2,10 +2,10 @@
 within 5 s of the death.
 
 1. Step time: the same small training loop (benchmarks/models.py's transformer, AdamW) as
-   `python loop.py` and as `fpdoctor run -- python loop.py`, in separate processes, interleaved
-   (plain, run, plain, run, ...) so that the machine's load drifts hit both alike. Each process
-   reports the median of its own steps after a warm-up; the ratio of the medians across rounds
-   is the overhead. Default mode only: what `--breadcrumbs` costs per op is
+   `python loop.py` and as `fpdoctor run -- python loop.py`, in separate processes started side
+   by side in each round (one thread each), so that the machine's load hits both alike. Each
+   process reports the median of its own steps (wall and CPU time) after a warm-up; the median
+   of the per-round ratios is the overhead. Default mode only: what `--breadcrumbs` costs per op is
    benchmarks/bench_breadcrumbs.py's.
 2. fpdoctor's own CPU while the command runs: `run_command` in this process around a command
    that sleeps 2 s and 12 s; the difference per second is what the launcher takes from the
@@ -45,6 +45,8 @@ def loop(steps: int, warmup: int, device: str) -> None:
     """The training loop both variants run (this file with --loop): prints its step times."""
     import torch
 
+    if device == "cpu":
+        torch.set_num_threads(1)  # the two variants of a round run side by side, one core each
     sys.path.insert(0, str(HERE))
     from models import batch, make_step, small_transformer
 
@@ -74,23 +76,30 @@ def loop(steps: int, warmup: int, device: str) -> None:
 
 
 def step_overhead(rounds: int, steps: int, device: str) -> dict[str, float]:
+    """Each round starts both variants at the same moment (one thread each): on a machine shared
+    with other work, a pair run side by side sees the same load, which runs taken one after the
+    other do not (their ratios spread from 0.2 to 4 here). Which one starts first alternates."""
     worker = [sys.executable, __file__, "--loop", "--steps", str(steps), "--device", device]
+    variants = {"plain": worker, "run": [*FPDOCTOR, "run", "--", *worker]}
     wall: dict[str, list[float]] = {"plain": [], "run": []}
     cpu: dict[str, list[float]] = {"plain": [], "run": []}
-    for _ in range(rounds):
-        for name, argv in (("plain", worker), ("run", [*FPDOCTOR, "run", "--", *worker])):
-            done = subprocess.run(argv, capture_output=True, text=True, check=True)
-            result = json.loads(done.stdout.strip().splitlines()[-1])
+    for r in range(rounds):
+        order = list(variants) if r % 2 == 0 else list(reversed(variants))
+        procs = {name: subprocess.Popen(variants[name], stdout=subprocess.PIPE, text=True) for name in order}
+        for name, proc in procs.items():
+            out, _ = proc.communicate()
+            result = json.loads(out.strip().splitlines()[-1])
             wall[name].append(result["median_s"])
             cpu[name].append(result["cpu_s"])
     ratios = [r / p for p, r in zip(wall["plain"], wall["run"], strict=True)]
+    cpu_ratios = [r / p for p, r in zip(cpu["plain"], cpu["run"], strict=True)]
     return {
         "plain_ms": statistics.median(wall["plain"]) * 1e3,
         "run_ms": statistics.median(wall["run"]) * 1e3,
         "ratio": statistics.median(ratios),
         "min": min(ratios),
         "max": max(ratios),
-        "cpu_ratio": statistics.median(cpu["run"]) / statistics.median(cpu["plain"]),
+        "cpu_ratio": statistics.median(cpu_ratios),
     }
 
 

@@ -197,3 +197,27 @@ def test_a_parent_that_fails_its_own_way_after_its_child_died(tmp_path):
     worker, parent = result.report.findings
     assert worker.evidence["signal"] == "SIGKILL" and worker.severity.value == "error"
     assert parent.evidence["error_kind"] == "dataloader-worker" and "dmesg" in parent.fix
+
+
+def test_a_ranks_own_workers_are_not_ranks(tmp_path):
+    """DataLoader workers (forked or spawned) inherit RANK: they are the rank's helpers, not
+    more ranks of the job."""
+    prog = script(
+        tmp_path,
+        """
+        import os, subprocess, sys
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        subprocess.run([sys.executable, "-c", "pass"], check=True)  # a spawned helper
+        raise RuntimeError("rank failed")
+        """,
+    )
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+    result, _, _ = quiet_run([sys.executable, prog], env=env)
+    assert names(result) == ["uncaught-exception"] and result.report.findings[0].where["rank"] == 0
+    assert len(result.report.data["processes"]) == 3
+    assert [row[0] for row in result.report.data["table"]["rows"]][:1] == [
+        f"rank 0 (pid {result.report.findings[0].where['pid']})"
+    ]

@@ -88,6 +88,7 @@ class Process:
     library_log: list[str] = field(default_factory=list)
     fault_from_stream: bool = False
     end_hint: float | None = None  # when another process reported its death (no trace of its own)
+    helper: bool = False  # a rank's own child (a DataLoader worker, a fork): its RANK is inherited
 
     # -- who ------------------------------------------------------------------------------
     def _int(self, key: str) -> int | None:
@@ -135,7 +136,7 @@ class Process:
 
     @property
     def is_rank(self) -> bool:
-        return self.rank is not None and (self.world_size or 2) > 1
+        return not self.helper and self.rank is not None and (self.world_size or 2) > 1
 
     def label(self) -> str:
         return f"rank {self.rank} (pid {self.pid})" if self.is_rank else f"pid {self.pid}"
@@ -295,6 +296,7 @@ class Watch:
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
         self._ranks: dict[int, bool] = {}  # pid -> restarts remain (torchelastic will relaunch)
+        self._seen: dict[int, dict[str, Any]] = {}  # records, read once
 
     def __call__(self) -> float | None:
         try:
@@ -305,9 +307,9 @@ class Watch:
             name = entry.name
             if name.startswith("proc.") and name.endswith(".json"):
                 pid = _pid_of(name)
-                if pid is not None and pid not in self._ranks:
-                    record = _read_json(Path(entry.path)) or {}
-                    if _is_rank(record):
+                if pid is not None and pid not in self._seen:
+                    record = self._seen[pid] = _read_json(Path(entry.path)) or {}
+                    if _is_rank(record) and not _inherits_rank(record, self._seen.get(_ppid(record))):
                         self._ranks[pid] = _restarts_remain(record)
         for entry in entries:
             name = entry.name
@@ -326,6 +328,18 @@ class Watch:
 
     def pids(self) -> list[int]:
         return list(self._ranks)
+
+
+def _ppid(record: dict[str, Any]) -> int:
+    return int(record.get("ppid") or 0)
+
+
+def _inherits_rank(record: dict[str, Any], parent: dict[str, Any] | None) -> bool:
+    """A fork of a rank, or a process a rank started (a spawned DataLoader worker), inherits its
+    RANK: it is the rank's helper, not a rank of the job."""
+    if record.get("forked"):
+        return True
+    return parent is not None and all(parent.get(k) == record.get(k) for k in ("rank", "world_size", "master_port"))
 
 
 def _is_rank(record: dict[str, Any]) -> bool:
@@ -357,6 +371,9 @@ class Collected:
 
 def collect(run_dir: str, *, child_pid: int, returncode: int, stderr_tail: bytes) -> Collected:
     procs = read_processes(run_dir)
+    for proc in procs.values():
+        parent = procs.get(proc.ppid or 0)
+        proc.helper = bool(proc.record) and _inherits_rank(proc.record, parent.record if parent else None)
     direct = procs.setdefault(child_pid, Process(pid=child_pid))
     direct.direct = True
     direct.returncode = returncode
