@@ -214,6 +214,11 @@ def test_bus_ids_normalise(text, want):
     assert kernel_log.normalize_pci(text) == want
 
 
+@pytest.mark.parametrize("text", ["", "  ", "unknown", "0000:3b", "0000:zz:00.0", "1:2:3:4:5", "N/A"])
+def test_text_that_is_no_bus_id_is_kept_as_given(text):
+    assert kernel_log.normalize_pci(text) == text.strip()
+
+
 # leptonai/gpud components/accelerator/nvidia/xid/kmsg_extended_test.go (GB200 NVLink5 lines) and
 # NVIDIA/NVSentinel csv_test.go (the same line decoded per driver branch)
 NVL5 = [

@@ -159,6 +159,45 @@ def test_a_hanging_nvml_is_reported_not_waited_for():
     assert time.monotonic() - start < 5
 
 
+def test_an_nvml_error_after_init_is_unavailable_with_the_reason():
+    class CountFails(FakeNVML):
+        def nvmlDeviceGetCount(self):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    fake = CountFails([device()])
+    with pytest.raises(nvml.NvmlUnavailable, match="could not count the GPUs: Unknown Error") as info:
+        nvml.collect(nvml=fake)
+    assert info.value.no_driver is False and fake.initialised is False
+
+
+def test_any_other_exception_while_reading_is_unavailable_with_the_reason():
+    class OddAnswer(FakeNVML):
+        def nvmlDeviceGetRemappedRows(self, h):
+            return (0, 0)  # a short tuple from a mismatched pynvml
+
+    with pytest.raises(nvml.NvmlUnavailable, match=r"NVML not read: .*\(ValueError\)"):
+        nvml.collect(nvml=OddAnswer([device()]))
+
+
+@pytest.mark.parametrize(("bus_id", "pci"), [("", None), ("N/A", "N/A"), ("0000:zz:00.0", "0000:zz:00.0")])
+def test_an_odd_bus_id_is_kept_as_text(bus_id, pci):
+    (gpu,), _ = collect(device(bus_id=bus_id))
+    assert gpu.pci == pci and gpu.facts["ecc"]["volatile"]["uncorrected"] == 0
+
+
+def test_nvml_failing_after_init_makes_the_report_not_checked():
+    """`fpdoctor health` on such a machine: a report that says NVML was not read, never a traceback."""
+    import fpdoctor
+
+    class CountFails(FakeNVML):
+        def nvmlDeviceGetCount(self):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    report = fpdoctor.health(nvml=CountFails([device()])).report
+    assert report.data["status"] in ("not checked", "incomplete")
+    assert "Unknown Error" in report.data["not_checked"]["NVML"]
+
+
 def test_nvml_is_shut_down_after_reading():
     fake = FakeNVML([device()])
     nvml.collect(nvml=fake)

@@ -16,9 +16,7 @@ from typing import Any
 
 import torch
 
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+from fpdoctor.health.nvml import as_text
 
 
 def describe(device: torch.device) -> dict[str, Any]:
@@ -64,7 +62,7 @@ def _nvml(uuid: str | None) -> dict[str, Any]:
     facts: dict[str, Any] = {}
     try:
         with contextlib.suppress(pynvml.NVMLError):
-            facts["driver"] = _text(pynvml.nvmlSystemGetDriverVersion())
+            facts["driver"] = as_text(pynvml.nvmlSystemGetDriverVersion())
         if not uuid:
             return facts
         handle = None
@@ -77,12 +75,12 @@ def _nvml(uuid: str | None) -> dict[str, Any]:
             return facts
         with contextlib.suppress(pynvml.NVMLError):
             if pynvml.nvmlDeviceIsMigDeviceHandle(handle):
-                facts["mig"] = _text(pynvml.nvmlDeviceGetName(handle))  # e.g. "... MIG 1g.10gb"
+                facts["mig"] = as_text(pynvml.nvmlDeviceGetName(handle))  # e.g. "... MIG 1g.10gb"
                 handle = pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
         with contextlib.suppress(pynvml.NVMLError):
             facts["index"] = int(pynvml.nvmlDeviceGetIndex(handle))  # the index nvidia-smi shows
         with contextlib.suppress(pynvml.NVMLError):
-            facts["pci"] = _text(pynvml.nvmlDeviceGetPciInfo(handle).busId)
+            facts["pci"] = as_text(pynvml.nvmlDeviceGetPciInfo(handle).busId)
         return facts
     finally:
         with contextlib.suppress(Exception):

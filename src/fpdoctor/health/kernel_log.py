@@ -53,15 +53,21 @@ _SYSLOG = re.compile(r"^\s*(?P<t>[A-Z][a-z]{2}\s+\d{1,2} \d{2}:\d{2}:\d{2})\s+(?
 _HOST = re.compile(r"^\s*(?:\S+|\[\s*\d+\.\d+\])\s+(?P<host>[^\s\[]+)\s+kernel:")
 
 
+_BUS_ID = re.compile(
+    r"(?:(?P<domain>[0-9a-fA-F]{1,8}):)?(?P<bus>[0-9a-fA-F]{1,2}):(?P<device>[0-9a-fA-F]{1,2})(?:\.(?P<fn>[0-7]))?"
+)
+
+
 def normalize_pci(text: str) -> str:
-    """Any bus id spelling ('PCI:0000:3b:00', '00000000:3B:00.0', '3b:00.0') -> '0000:3b:00.0'."""
-    raw = text.strip().removeprefix("PCI:")
-    parts = raw.split(":")
-    if len(parts) == 2:
-        parts.insert(0, "0")
-    domain, bus, rest = parts[-3], parts[-2], parts[-1]
-    device, _, function = rest.partition(".")
-    return f"{int(domain, 16):04x}:{int(bus, 16):02x}:{int(device, 16):02x}.{int(function or '0', 16)}"
+    """Any bus id spelling ('PCI:0000:3b:00', '00000000:3B:00.0', '3b:00.0') -> '0000:3b:00.0'.
+    Text that is no bus id comes back as given (stripped): a driver or a saved file with an odd
+    spelling still names its GPU, and never stops the report."""
+    raw = text.strip()
+    m = _BUS_ID.fullmatch(raw.removeprefix("PCI:"))
+    if m is None:
+        return raw
+    domain, bus, device = (int(m[k] or "0", 16) for k in ("domain", "bus", "device"))
+    return f"{domain:04x}:{bus:02x}:{device:02x}.{int(m['fn'] or '0')}"
 
 
 @dataclass(frozen=True)

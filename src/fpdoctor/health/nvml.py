@@ -43,7 +43,8 @@ class NvmlUnavailable(Exception):
         self.no_driver = no_driver
 
 
-def _text(value: Any) -> str:
+def as_text(value: Any) -> str:
+    """An NVML string: pynvml returns bytes or str depending on its version."""
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
@@ -193,7 +194,7 @@ def read_gpu(nvml: Any, index: int, host: str | None, driver: str | None) -> Gpu
             value = r.call(key, fn, handle)
             gpu.unavailable.pop(key, None)  # identity is optional, not a health fact
             if value is not None:
-                setattr(gpu, key, normalize_pci(_text(value.busId)) if key == "pci" else _text(value))
+                setattr(gpu, key, (normalize_pci(as_text(value.busId)) if key == "pci" else as_text(value)) or None)
         _ecc(r, handle)
         _memory_repair(r, handle)
         _clock_reasons(r, handle)
@@ -221,10 +222,13 @@ def _collect(nvml: Any, host: str | None) -> tuple[list[GpuFacts], str | None]:
         raise NvmlUnavailable(f"NVML not available: {exc}") from exc
     try:
         try:
-            driver = _text(nvml.nvmlSystemGetDriverVersion())
+            driver = as_text(nvml.nvmlSystemGetDriverVersion())
         except nvml.NVMLError:
             driver = None
-        count = int(nvml.nvmlDeviceGetCount())
+        try:
+            count = int(nvml.nvmlDeviceGetCount())
+        except nvml.NVMLError as exc:
+            raise NvmlUnavailable(f"NVML started but could not count the GPUs: {exc}") from exc
         return [read_gpu(nvml, i, host, driver) for i in range(count)], driver
     finally:
         with contextlib.suppress(Exception):
@@ -253,7 +257,10 @@ def collect(*, host: str | None = None, nvml: Any = None, timeout_s: float = 20.
     worker.join(timeout_s)
     if worker.is_alive():
         raise NvmlUnavailable(f"NVML did not answer within {timeout_s:g} s (a GPU that hangs the driver?)")
-    if "error" in result:
-        raise result["error"]
+    error = result.get("error")
+    if isinstance(error, NvmlUnavailable) or (error is not None and not isinstance(error, Exception)):
+        raise error
+    if error is not None:  # whatever else NVML or an odd answer of it raised: a report, not a traceback
+        raise NvmlUnavailable(f"NVML not read: {error} ({type(error).__name__})") from error
     gpus, driver = result["value"]
     return gpus, driver

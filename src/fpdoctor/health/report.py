@@ -113,18 +113,11 @@ def _matches(where: dict[str, Any], pci: str | None, uuid: str | None, index: An
         return False
     if pci is uuid is index is None and not any(where.get(k) is not None for k in ("pci", "uuid", "index")):
         return True  # an excerpt without a GPU header: its findings are its GPU's
-    if pci and where.get("pci") and _norm(where["pci"]) == pci:
+    if pci and where.get("pci") and normalize_pci(where["pci"]) == pci:
         return True
     if uuid and where.get("uuid") == uuid:
         return True
     return index is not None and where.get("index") == index and not where.get("pci")
-
-
-def _norm(pci: str) -> str:
-    try:
-        return normalize_pci(pci)
-    except (ValueError, IndexError):
-        return pci
 
 
 def _state(findings: Iterable[Finding], pci: str | None, uuid: str | None, index: Any, host: str | None) -> str:
@@ -142,7 +135,7 @@ def _rows(facts: HealthFacts, findings: list[Finding], fp_rows: list[dict[str, A
         if not any(e["pci"] == pci for e in entries):
             entries.append({"gpu": None, "pci": pci, "uuid": None, "index": None, "name": None, "host": facts.host})
     for row in fp_rows:
-        row_pci = _norm(row["pci"]) if row.get("pci") else None
+        row_pci = normalize_pci(row["pci"]) if row.get("pci") else None
         match = next(
             (
                 e
