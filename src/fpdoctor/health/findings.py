@@ -84,7 +84,7 @@ def _nvlink_text(g: XidGroup) -> str:
     for line in g.nvlink[:4]:
         d = line.get("decode") or {}
         what = (
-            f"{d['unit']} {d['severity']}, action {d['action']} (cause {d['cause']})"
+            f"{d['unit']} {d.get('severity', '?')}, action {d.get('action', '?')} (cause {d.get('cause', '?')})"
             if "unit" in d
             else (f"{line['unit']} {line['line_severity']} (not decoded)")
         )

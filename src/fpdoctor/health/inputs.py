@@ -78,4 +78,6 @@ def load_json(text: str, name: str) -> HealthFacts:
     try:
         return HealthFacts.from_dict(obj)
     except (TypeError, ValueError, AttributeError) as exc:
-        raise InputError(f"{name} has malformed health facts ({exc}); {WHAT}") from None
+        raise InputError(
+            f"{name} has malformed health facts ({exc}); give the JSON as `fpdoctor health -o FILE` wrote it"
+        ) from None

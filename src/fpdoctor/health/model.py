@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fpdoctor.health import schema
 from fpdoctor.health.kernel_log import XidGroup
 
 NOT_SUPPORTED = "not supported"
@@ -83,12 +84,7 @@ class GpuFacts:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GpuFacts:
         known = set(cls.__dataclass_fields__)
-        gpu = cls(**{k: v for k, v in d.items() if k in known})
-        if not isinstance(gpu.facts, dict) or not isinstance(gpu.unavailable, dict):
-            raise ValueError("a GPU entry's 'facts' and 'unavailable' must be objects")
-        if gpu.index is not None and not isinstance(gpu.index, int):
-            raise ValueError("a GPU entry's 'index' must be an integer")
-        return gpu
+        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 @dataclass
@@ -135,9 +131,8 @@ class HealthFacts:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HealthFacts:
-        """Read back `to_dict` (raises ValueError/TypeError on a malformed object)."""
-        if not isinstance(d.get("gpus", []), list) or not isinstance(d.get("xids", []), list):
-            raise ValueError("'gpus' and 'xids' must be lists")
+        """Read back `to_dict`; ValueError naming the field when a value has the wrong kind (health/schema.py)."""
+        schema.check(d)
         lost_fields = set(LostGpu.__dataclass_fields__)
         return cls(
             host=d.get("host"),
