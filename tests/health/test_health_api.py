@@ -102,6 +102,63 @@ def test_no_driver_and_no_log_is_not_checked():
     assert report.data["not_checked"]["NVML"].startswith("NVML not available")
 
 
+def _lead(report) -> tuple[str, str]:
+    """The banner and the line the text report prints right under it."""
+    banner, *rest = [line for line in str(report).splitlines() if line.strip()]
+    return banner, rest[0]
+
+
+def test_the_text_leads_with_not_checked_right_under_the_banner():
+    import pynvml
+
+    from fpdoctor.health.kernel_sources import NotReadable
+
+    def none():
+        raise NotReadable("dmesg not found on PATH")
+
+    report = _live(FakeNVML([], init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND), (("dmesg", none),))
+    banner, lead = _lead(report)
+    assert "no findings" in banner
+    assert lead.startswith("status") and "NOT CHECKED: no NVIDIA GPU seen" in lead
+
+
+def test_the_text_leads_with_incomplete_in_capitals():
+    from fpdoctor.health.kernel_sources import NotReadable
+
+    def denied():
+        raise NotReadable("not readable")
+
+    report = _live(FakeNVML([device()]), (("dmesg", denied),))
+    assert report.data["status"] == "incomplete"
+    lead = _lead(report)[1]
+    assert lead.startswith("status") and "INCOMPLETE: GPU facts show no problem" in lead
+
+
+def test_problems_found_still_say_what_was_not_checked():
+    report = build(*_with_findings(["[ 100.0] NVRM: Xid (PCI:0000:52:00): 48, pid=1, name=x, DBE"], nvml=None))
+    assert report.data["status"] == "problems"
+    assert report.data["summary"][0][1] == "problems found on 1 GPU(s): see the findings; NOT CHECKED: NVML"
+
+
+def test_info_findings_alone_are_notes_not_problems():
+    recovered = (
+        "[ 100.0] NVRM: Xid (PCI:0000:52:00): 154, GPU recovery action changed from 0x1 (GPU Reset Required) "
+        "to 0x0 (None)"
+    )
+    report = build(*_with_findings([*CLEAN_DMESG, recovered], nvml=FakeNVML([device()])))
+    assert [f.severity.value for f in report.findings] == ["info"]
+    assert report.data["status"] == "healthy"
+    assert "problems" not in report.data["summary"][0][1] and report.data["summary"][0][1].endswith("; 1 note below")
+
+
+def _with_findings(dmesg: list[str], *, nvml: FakeNVML | None):
+    import pynvml
+
+    fake = nvml or FakeNVML([], init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+    facts = collect_live(nvml_module=fake, readers=(("dmesg", lambda: dmesg),), host="node-1")
+    return facts, findings(facts)
+
+
 def test_a_fact_not_read_makes_it_incomplete_and_is_listed_once_for_all_gpus():
     import pynvml
 

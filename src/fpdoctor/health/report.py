@@ -12,7 +12,7 @@ from typing import Any
 
 from fpdoctor.health.kernel_log import normalize_pci
 from fpdoctor.health.model import SLOWDOWN_REASONS, GpuFacts, HealthFacts
-from fpdoctor.report.model import Finding, Report
+from fpdoctor.report.model import Finding, Report, Severity
 
 KEY_FACTS = ("ecc", "remapped_rows", "retired_pages", "clock_event_reasons")
 _CLOCK_SHORT = {
@@ -25,23 +25,38 @@ _CLOCK_SHORT = {
 }
 
 
+def _n(count: int, what: str) -> str:
+    return f"{count} {what}" + ("" if count == 1 else "s")
+
+
 def _status(facts: HealthFacts, findings: list[Finding], fingerprints: Any) -> tuple[str, str]:
+    """(status, the text that leads the report). The report's banner comes from the findings alone
+    (OK without any), so a check that read nothing says NOT CHECKED / INCOMPLETE here, in capitals,
+    in the first summary row the text report prints right under the banner."""
     gpu_facts = [g for g in facts.gpus if g.facts]
     nvidia_lines = sum(k.get("nvidia_lines", 0) for k in facts.kernel_logs)
     fp_note = "" if fingerprints is not None else "; GEMM fingerprints not run"
-    if findings:
-        gpus = {f.where.get("pci") or f.where.get("uuid") or f.where.get("index") for f in findings}
-        return "problems", f"problems found on {len(gpus)} GPU(s): see the findings"
+    problems = [f for f in findings if f.severity.rank > Severity.INFO.rank]
+    notes = len(findings) - len(problems)
+    note_text = f"; {_n(notes, 'note')} below" if notes else ""
+    if problems:
+        gpus = {f.where.get("pci") or f.where.get("uuid") or f.where.get("index") for f in problems}
+        unread = f"; NOT CHECKED: {', '.join(facts.not_checked)}" if facts.not_checked else ""
+        return "problems", f"problems found on {len(gpus)} GPU(s): see the findings{unread}{note_text}"
     if not gpu_facts and not nvidia_lines:
         why = facts.not_checked.get("NVML") or "no NVML facts or nvidia-smi -q output given"
         log = "no kernel log read" if not facts.kernel_logs else "the kernel log has no NVIDIA lines"
-        return "not checked", f"NOT CHECKED: no NVIDIA GPU seen. {why}; {log}"
+        return "not checked", f"NOT CHECKED: no NVIDIA GPU seen. {why}; {log}{note_text}"
     if not gpu_facts:
         why = facts.not_checked.get("NVML") or "no NVML facts or nvidia-smi -q output given"
-        return "incomplete", f"incomplete: no GPU facts read ({why}); the kernel log shows no NVIDIA problem{fp_note}"
+        return "incomplete", (
+            f"INCOMPLETE: no GPU facts read ({why}); the kernel log shows no NVIDIA problem{fp_note}{note_text}"
+        )
     if not facts.kernel_logs:
         why = facts.not_checked.get("kernel log") or "no kernel log given"
-        return "incomplete", f"incomplete: GPU facts show no problem, the kernel log was not read ({why}){fp_note}"
+        return "incomplete", (
+            f"INCOMPLETE: GPU facts show no problem, the kernel log was not read ({why}){fp_note}{note_text}"
+        )
     unread = sorted(
         {
             k
@@ -51,8 +66,12 @@ def _status(facts: HealthFacts, findings: list[Finding], fingerprints: Any) -> t
         }
     )
     if unread:
-        return "incomplete", f"incomplete: no problem in what was read, but {', '.join(unread)} could not be read"
-    return "healthy", f"healthy: {len(gpu_facts)} GPU(s), NVML facts and kernel log show no problem{fp_note}"
+        return "incomplete", (
+            f"INCOMPLETE: no problem in what was read, but {', '.join(unread)} could not be read{note_text}"
+        )
+    return "healthy", (
+        f"healthy: {len(gpu_facts)} GPU(s), NVML facts and kernel log show no problem{fp_note}{note_text}"
+    )
 
 
 def _short_pci(pci: str | None) -> str:
