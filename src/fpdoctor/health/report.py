@@ -41,8 +41,8 @@ def _status(facts: HealthFacts, findings: list[Finding], fingerprints: Any) -> t
     note_text = f"; {_n(notes, 'note')} below" if notes else ""
     if problems:
         gpus = {f.where.get("pci") or f.where.get("uuid") or f.where.get("index") for f in problems}
-        unread = f"; NOT CHECKED: {', '.join(facts.not_checked)}" if facts.not_checked else ""
-        return "problems", f"problems found on {len(gpus)} GPU(s): see the findings{unread}{note_text}"
+        skipped = f"; NOT CHECKED: {', '.join(facts.not_checked)}" if facts.not_checked else ""
+        return "problems", f"problems found on {len(gpus)} GPU(s): see the findings{skipped}{note_text}"
     if not gpu_facts and not nvidia_lines:
         why = facts.not_checked.get("NVML") or "no NVML facts or nvidia-smi -q output given"
         log = "no kernel log read" if not facts.kernel_logs else "the kernel log has no NVIDIA lines"
