@@ -66,6 +66,54 @@ def test_the_same_program_again_does_not_escalate():
     assert f.severity is Severity.WARNING and f.evidence["pids"] == [11, 99]
 
 
+def _xid13(at: float, pid: str = "11", name: str = "pt_main_thread") -> str:
+    return f"[ {at:.6f}] NVRM: Xid (PCI:0000:38:00): 13, pid={pid}, name={name}, Graphics SM Warp Exception"
+
+
+def test_one_fault_logging_a_hundred_lines_is_one_occurrence_and_a_warning():
+    (f,) = findings(from_log(*(_xid13(100 + i / 1000) for i in range(100))))
+    assert f.severity is Severity.WARNING and f.evidence["count"] == 100
+
+
+def test_the_same_process_at_three_separate_times_is_repeated():
+    burst = [_xid13(t + i / 100) for t in (100.0, 400.0, 3700.0) for i in range(30)]
+    (f,) = findings(from_log(*burst))
+    assert f.severity is Severity.ERROR and f.evidence["pids"] == [11]
+    assert "it came 3 separate times on this GPU (more than a minute apart)" in f.message
+    (f,) = findings(from_log(*burst[:60]))  # twice: a rerun, still a warning
+    assert f.severity is Severity.WARNING
+
+
+def test_lines_without_pid_or_name_escalate_by_time():
+    unknown = [_xid13(t, pid="'<unknown>'", name="<unknown>") for t in (100.0, 200.0, 300.0)]
+    (f,) = findings(from_log(*unknown))
+    assert f.evidence["pids"] is None and f.evidence["processes"] is None
+    assert f.severity is Severity.ERROR and "3 separate times" in f.message
+    (f,) = findings(from_log(*unknown[:2]))
+    assert f.severity is Severity.WARNING
+
+
+def test_three_processes_of_one_program_are_repeated():
+    (f,) = findings(from_log(*(_xid13(100 + i, pid=str(pid)) for i, pid in enumerate((11, 12, 13)))))
+    assert f.severity is Severity.ERROR and "3 processes hit it on this GPU (pid 11, 12, 13)" in f.message
+
+
+def test_other_gpus_do_not_count_toward_repetition():
+    lines = [_xid13(100.0), _xid13(200.0, pid="12"), _xid13(300.0, pid="13").replace("0000:38:00", "0000:39:00")]
+    assert {f.where["pci"]: f.severity.value for f in findings(from_log(*lines))} == {
+        "0000:38:00.0": "warning",
+        "0000:39:00.0": "warning",
+    }
+
+
+def test_a_facts_file_from_before_episodes_counts_boots():
+    group = {"pci": "0000:38:00.0", "xid": 13, "count": 3, "pids": [11]}
+    facts = HealthFacts.from_dict({"gpus": [], "xids": [{**group, "boots": [0, 1, 2]}]})
+    assert findings(facts)[0].severity is Severity.ERROR
+    facts = HealthFacts.from_dict({"gpus": [], "xids": [{**group, "boots": [0]}]})
+    assert findings(facts)[0].severity is Severity.WARNING
+
+
 @pytest.mark.parametrize(
     ("code", "severity"),
     [

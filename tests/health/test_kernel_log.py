@@ -413,11 +413,39 @@ def test_boots_from_markers_and_from_uptime_going_back():
     assert (g.first_seen, g.last_seen) == ("500.000000 s after boot", "20.000000 s after boot")
 
 
+@pytest.mark.parametrize(
+    ("stamps", "want"),
+    [
+        (["[  100.0] ", "[  100.4] ", "[  100.9] "], 1),  # one fault's burst
+        (["[  100.0] ", "[  130.0] ", "[  170.0] ", "[  400.0] "], 3),  # measured from each occurrence's start
+        (["[Sun Feb 23 16:24:18 2025] ", "[Sun Feb 23 16:29:18 2025] ", "[Sun Feb 23 16:29:19 2025] "], 2),
+        (["2025-01-21T04:41:44,283302+00:00 ", "2025-01-21T05:41:44,000001+00:00 "], 2),  # dmesg --time-format iso
+        (["Feb 29 11:38:47 n1 kernel: ", "Feb 29 11:40:47 n1 kernel: ", "Mar  1 00:00:00 n1 kernel: "], 3),  # syslog
+        (["", "", ""], 1),  # no timestamps: never more than the boots show
+        (["[  100.0] ", "", "[  100.5] ", "[  500.0] "], 2),  # a line without a time joins the one before
+    ],
+)
+def test_episodes_count_separate_occurrences(stamps, want):
+    lines = [f"{stamp}NVRM: Xid (PCI:0000:3b:00): 13, pid=7, name=a, x" for stamp in stamps]
+    (g,) = kernel_log.group(kernel_log.parse(lines).xids)
+    assert g.episodes == want and g.count == len(stamps)
+
+
+def test_every_boot_is_another_occurrence():
+    lines = [
+        "[  500.0] NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=a, x",
+        "[    0.000000] Linux version 6.8.0-45-generic (buildd@lcy02-amd64-115) #45-Ubuntu SMP",
+        "[  500.1] NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=a, x",
+    ]
+    (g,) = kernel_log.group(kernel_log.parse(lines).xids)
+    assert (g.boots, g.episodes) == ([0, 1], 2)
+
+
 def test_group_per_gpu_and_xid_keeps_first_and_last():
     log = kernel_log.parse((HEALTH / "a6_kernel_lines.log").read_text().splitlines())
     groups = kernel_log.group(log.xids)
     g13 = next(g for g in groups if g.xid == 13)
-    assert (g13.pci, g13.count, g13.pids, g13.processes) == ("0000:38:00.0", 3, [], [])
+    assert (g13.pci, g13.count, g13.pids, g13.processes, g13.episodes) == ("0000:38:00.0", 3, [], [], 1)
     assert (g13.first_seen, g13.last_seen) == ("2025-01-21T04:41:44.283302+00:00", "2025-01-21T04:41:44.283575+00:00")
     assert len(g13.details) == 3
     assert kernel_log.XidGroup.from_dict(g13.to_dict()) == g13

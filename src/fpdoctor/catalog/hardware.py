@@ -20,8 +20,9 @@ HWR_RULES: tuple[Rule, ...] = (
         "lines in every known shape (dmesg, dmesg -T, --time-format iso, syslog/journal, MIG `GPU-I:`, no comma "
         "after the code, the NVLink5 extended form decoded with NVIDIA's table for the driver branch), groups "
         "them by GPU and Xid, and explains each with NVIDIA's Xid catalogue. Application-class Xids (13, 31, 43, "
-        "45 and alike) are warnings unless several programs hit them on the GPU or Xid 48/63/64/79/94/95 came "
-        "on it in the same boot; hardware Xids are errors.",
+        "45 and alike) are warnings unless they repeat on the GPU - two programs by name, three processes by "
+        "pid, or three occurrences more than a minute apart or in different boots (one fault's burst of lines "
+        "is one occurrence) - or Xid 48/63/64/79/94/95 came on it in the same boot; hardware Xids are errors.",
         why="An Xid is the driver's record that a GPU, its memory, its links or its firmware failed, or that a "
         "program faulted on it. A hardware Xid explains crashes, hangs and NaN that no code change fixes.",
         fix="Follow the Xid's action in the finding: restart the job for application-class Xids (and fix the "

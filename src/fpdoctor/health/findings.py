@@ -2,8 +2,9 @@
 
 Severity rules, each from a named source:
 - Xid: the catalogue's category (health/xid.py); application-class Xids (13, 31, 43, 45, ...) are
-  warnings unless several programs hit them on the GPU or a memory/bus Xid (48/63/64/79/94/95)
-  came in the same boot; NVLink5 Xids 144-150 take the decoded severity (else the line's own
+  warnings unless repeated on the GPU (two programs by name, three processes by pid, or three
+  occurrences more than a minute apart or in different boots) or a memory/bus Xid
+  (48/63/64/79/94/95) came in the same boot; NVLink5 Xids 144-150 take the decoded severity (else the line's own
   Fatal/Nonfatal); Xid 154 is a note when the new recovery action is None.
 - ECC: uncorrectable errors since the driver loaded are errors; only in the lifetime count, warnings.
 - Row remapping: a pending remap is an error after uncorrectable errors, a warning after
@@ -22,6 +23,10 @@ from fpdoctor.health import xid as xids
 from fpdoctor.health.kernel_log import XidGroup
 from fpdoctor.health.model import SLOWDOWN_REASONS, GpuFacts, HealthFacts
 from fpdoctor.report.model import Finding, Severity
+
+# An application-class Xid on one GPU from this many processes, or at this many separate times, is
+# "repeated" (see _repeated).
+REPEAT_RUNS = 3
 
 _RECOVERY_TEXT = {
     "gpu_reset": "a GPU reset",
@@ -115,10 +120,32 @@ def xid_severity(g: XidGroup, groups: list[XidGroup]) -> tuple[Severity, str]:
             f" An error here: several programs ({', '.join(g.processes)}) hit it on this GPU, "
             "so the GPU rather than one program is suspect."
         )
+    repeated = _repeated(g)
+    if repeated:
+        return Severity.ERROR, (
+            f" An error here: {repeated}. A program's bug repeats too: if the same job runs clean on "
+            "another GPU, this GPU is suspect."
+        )
     return Severity.WARNING, (
-        " Usually the program's own fault, not the GPU's: a warning unless other programs hit it on this "
-        f"GPU or Xid {'/'.join(map(str, sorted(xids.HARDWARE_COMPANIONS)))} comes with it."
+        " Usually the program's own fault, not the GPU's: a warning unless it repeats on this GPU (another "
+        f"program, {REPEAT_RUNS} processes, or {REPEAT_RUNS} times more than a minute apart) or Xid "
+        f"{'/'.join(map(str, sorted(xids.HARDWARE_COMPANIONS)))} comes with it."
     )
+
+
+def _repeated(g: XidGroup) -> str:
+    """Why an application-class Xid counts as repeated on its GPU, in words; '' when it does not.
+    Process names alone cannot tell programs apart (every PyTorch process is pt_main_thread) and
+    many lines name none (pid='<unknown>'), so separate processes and separate times count too.
+    Twice is the usual rerun of a failing job; a third time is a pattern."""
+    if len(g.pids) >= REPEAT_RUNS:
+        shown = ", ".join(map(str, g.pids[:6])) + (", ..." if len(g.pids) > 6 else "")
+        return f"{len(g.pids)} processes hit it on this GPU (pid {shown})"
+    times = g.episodes or len(g.boots)  # files written before episodes were counted: boots
+    if times >= REPEAT_RUNS:
+        boots = f", in {len(g.boots)} boots" if len(g.boots) > 1 else ""
+        return f"it came {times} separate times on this GPU (more than a minute apart{boots})"
+    return ""
 
 
 def xid_findings(facts: HealthFacts) -> list[Finding]:

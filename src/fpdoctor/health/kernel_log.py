@@ -83,6 +83,21 @@ class Stamp:
             return self.wall
         return f"{self.uptime:.6f} s after boot" if self.uptime is not None else None
 
+    def clock(self) -> tuple[str, float] | None:
+        """('uptime' | 'wall', seconds) to measure the time between two lines of one log, or None."""
+        if self.uptime is not None:
+            return "uptime", self.uptime
+        if not self.wall:
+            return None
+        try:
+            return "wall", datetime.fromisoformat(self.wall).timestamp()
+        except ValueError:
+            pass
+        try:  # syslog's "Nov 23 09:58:01" has no year: a leap year lets Feb 29 parse
+            return "wall", datetime.strptime(f"2000 {self.wall}", "%Y %b %d %H:%M:%S").timestamp()
+        except ValueError:
+            return None
+
 
 def _iso(text: str) -> str:
     text = text.replace(",", ".", 1).replace(" ", "T", 1)
@@ -296,6 +311,7 @@ class XidGroup:
     details: list[str] = field(default_factory=list)  # up to 3 distinct details
     nvlink: list[dict[str, Any]] = field(default_factory=list)  # decoded extended lines, distinct
     recovery_to: str | None = None
+    episodes: int | None = None  # separate occurrences (see `episodes`); None in files written before it
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v not in (None, [], "")}
@@ -317,6 +333,28 @@ class XidGroup:
 
 
 _LISTED = 20  # pids and process names kept per group: enough to see who, bounded for a flood of Xids
+# One fault logs all its lines within about a second (an Xid 13 names every SM it hit); the same Xid
+# more than a minute later is another occurrence.
+EPISODE_GAP_S = 60.0
+
+
+def episodes(events: list[XidEvent]) -> int:
+    """How many separate times the events happened: a new boot, or a line more than EPISODE_GAP_S
+    after the first line of the current occurrence, starts another. Lines without a usable
+    timestamp join the occurrence before them (uncertainty never inflates the count)."""
+    count, boot = 0, None
+    start: tuple[str, float] | None = None
+    for e in events:
+        now = e.stamp.clock()
+        if boot != e.stamp.boot:
+            count, boot, start = count + 1, e.stamp.boot, now
+        elif now is None:
+            continue
+        elif start is None:
+            start = now
+        elif start[0] == now[0] and abs(now[1] - start[1]) > EPISODE_GAP_S:
+            count, start = count + 1, now
+    return count
 
 
 def _unique(values: Iterable[Any]) -> list[Any]:
@@ -364,6 +402,7 @@ def group(events: list[XidEvent], *, driver: str | None = None, boot_offset: int
                 details=_unique(e.detail for e in evs if e.detail)[:3],
                 nvlink=list(decoded.values()),
                 recovery_to=next((e.recovery_to for e in reversed(evs) if e.recovery_to), None),
+                episodes=episodes(evs),
             )
         )
     return groups
