@@ -172,8 +172,9 @@ def _run(
     )
     # what only the report needs is imported once the command has ended
     from fpdoctor.crash.collect import collect
-    from fpdoctor.crash.findings import Context, build, failures
+    from fpdoctor.crash.findings import Context, failures
     from fpdoctor.crash.machine import kernel_log_since
+    from fpdoctor.crash.report import build
 
     collected = collect(
         run_dir, child_pid=launched.pid, returncode=launched.returncode, stderr_tail=launched.stderr_tail

@@ -1,4 +1,4 @@
-"""Collected processes -> findings and the `fpdoctor run` report.
+"""Collected processes -> one finding per failed process (crash/report.py assembles the report).
 
 Which failure came first decides the story: under torchrun one rank dies and the others fail
 after it (a collective loses its peer, the launcher stops them), so the first failure gets the
@@ -9,10 +9,8 @@ status) is the launcher, not a cause.
 
 from __future__ import annotations
 
-import datetime
-import os
 import shlex
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from fpdoctor import catalog
@@ -20,12 +18,11 @@ from fpdoctor.crash.collect import Collected, Outcome, Process, collective, inne
 from fpdoctor.crash.explain import ErrorText, explain_text, signal_meaning
 from fpdoctor.crash.launcher import Launched
 from fpdoctor.crash.machine import Environment, KernelLog, gpu_for
-from fpdoctor.crash.parse import Frame, ThreadStack, signal_name
-from fpdoctor.report.model import Finding, Report, Severity
+from fpdoctor.crash.parse import Frame, ThreadStack
+from fpdoctor.report.model import Finding
 
 STACK_LINES = 12  # frames of the failing thread shown in a finding's text; all of them are in data
 FATAL = ("signal", "killed", "terminated")
-TABLE_ROWS = 32
 
 
 @dataclass
@@ -88,45 +85,6 @@ def failures(ctx: Context) -> list[Event]:
                 launchers.add(up)
             up = parents.get(up)
     return sorted((e for e in events if e.process.pid not in launchers), key=lambda e: e.time)
-
-
-def build(ctx: Context) -> Report:
-    events = failures(ctx)
-    first = events[0] if events else None
-    findings: list[Finding] = []
-    job = [p for p in ctx.collected.processes if p.is_rank]
-    for event in events:
-        p, o = event.process, event.outcome
-        after = first is not None and event is not first and event.time >= first.time
-        # after the first failure, a rank that did not crash by itself, or a process fpdoctor
-        # stopped, is a consequence
-        peer = first is not None and first.process.is_rank and p.is_rank and o.kind != "signal"
-        stopped = ctx.launched.stopped and o.kind in ("terminated", "killed")
-        if first is not None and after and (peer or stopped):
-            findings.append(_rank_stopped(ctx, p, first))
-        elif o.kind in FATAL:
-            findings.append(_fatal_signal(ctx, p, o, first=event is first and len(events) > 1))
-        else:
-            findings.append(_exception(ctx, p, first=event is first and len(events) > 1))
-    if first is not None and first.process.is_rank:
-        failed = {e.process.pid for e in events}
-        findings += [_rank_stopped(ctx, p, first) for p in job if p.pid not in failed]
-    if ctx.launched.exit_status == 0:
-        # the command went on and succeeded: what failed inside it was handled
-        findings = [_soften(f) for f in findings]
-    if ctx.environment is not None and events:
-        findings += ctx.environment.findings
-    if ctx.kernel is not None and events:
-        findings += ctx.kernel.findings
-    return Report(command="run", findings=findings, data=_data(ctx, events))
-
-
-def _soften(f: Finding) -> Finding:
-    if f.severity is not Severity.ERROR:
-        return f
-    return replace(
-        f, severity=Severity.WARNING, message=f.message + "\nThe command went on and exited 0, so this was handled."
-    )
 
 
 # -- one finding per failed process ------------------------------------------------------------
@@ -276,7 +234,7 @@ def _script(argv: list[str]) -> str | None:
     return None
 
 
-def _fatal_signal(ctx: Context, p: Process, o: Outcome, *, first: bool) -> Finding:
+def fatal_signal(ctx: Context, p: Process, o: Outcome, *, first: bool) -> Finding:
     sig = o.signal or "signal"
     meaning = signal_meaning(sig)
     stack = p.stack()
@@ -337,14 +295,14 @@ def _fatal_signal(ctx: Context, p: Process, o: Outcome, *, first: bool) -> Findi
     return catalog.make(
         "fatal-signal",
         message="\n".join(lines),
-        title=f"{_short(p)} died of {sig}" if sig != "SIGKILL" else f"{_short(p)} was killed (SIGKILL)",
+        title=f"{short(p)} died of {sig}" if sig != "SIGKILL" else f"{short(p)} was killed (SIGKILL)",
         where=_where(p, ctx),
         evidence=evidence,
         fix="\n".join(fixes) or None,
     )
 
 
-def _short(p: Process) -> str:
+def short(p: Process) -> str:
     return f"rank {p.rank}" if p.is_rank else f"pid {p.pid}"
 
 
@@ -359,7 +317,7 @@ def _no_stack_reason(p: Process) -> str:
     return "No Python stack: faulthandler was replaced in this process, or the signal came before it started."
 
 
-def _exception(ctx: Context, p: Process, *, first: bool) -> Finding:
+def exception_finding(ctx: Context, p: Process, *, first: bool) -> Finding:
     exc = p.main_exception() or {}
     kind = str(exc.get("type", "Exception"))
     short_type = kind.rsplit(".", 1)[-1]
@@ -389,19 +347,19 @@ def _exception(ctx: Context, p: Process, *, first: bool) -> Finding:
     return catalog.make(
         name,
         message="\n".join(lines),
-        title=f"{_short(p)}: {short_type}" + (f" ({error.key})" if error is not None else ""),
+        title=f"{short(p)}: {short_type}" + (f" ({error.key})" if error is not None else ""),
         where=_where(p, ctx),
         evidence=evidence,
         fix=fix,
     )
 
 
-def _rank_stopped(ctx: Context, p: Process, first: Event) -> Finding:
+def rank_stopped(ctx: Context, p: Process, first: Event) -> Finding:
     o = p.outcome()
     stack = p.stack()
     waiting = collective(stack)
-    cause = first.outcome.signal or _exception_name(first.process)
-    what = f"{_short(first.process)} died of {cause}" if first.outcome.signal else f"{_short(first.process)} failed"
+    cause = first.outcome.signal or exception_name(first.process)
+    what = f"{short(first.process)} died of {cause}" if first.outcome.signal else f"{short(first.process)} failed"
     ended_before = o.kind == "exited" and o.time is not None and o.time < first.time
     if ended_before:
         doing, state = "had already finished", "finished"
@@ -434,7 +392,7 @@ def _rank_stopped(ctx: Context, p: Process, first: Event) -> Finding:
     if stack is not None and stack.frames:
         lines.append("Its Python stack (most recent call first):")
         lines += _stack_lines(stack)
-    evidence: dict[str, Any] = {"state": state, "ended": o.kind, "first_failure": _short(first.process)}
+    evidence: dict[str, Any] = {"state": state, "ended": o.kind, "first_failure": short(first.process)}
     if waiting:
         evidence["collective"] = waiting
     if o.signal:
@@ -443,7 +401,7 @@ def _rank_stopped(ctx: Context, p: Process, first: Event) -> Finding:
     return catalog.make(
         "rank-stopped",
         message="\n".join(lines),
-        title=f"{_short(p)} stopped after {_short(first.process)} failed"
+        title=f"{short(p)} stopped after {short(first.process)} failed"
         + (f" (it was in {waiting})" if waiting else ""),
         where=_where(p, ctx),
         evidence=evidence,
@@ -454,122 +412,6 @@ def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: text.rfind(" ", 0, limit) if " " in text[:limit] else limit] + " ..."
 
 
-def _exception_name(p: Process) -> str:
+def exception_name(p: Process) -> str:
     exc = p.main_exception() or {}
     return str(exc.get("type", "an exception")).rsplit(".", 1)[-1]
-
-
-# -- the report's data ------------------------------------------------------------------------
-
-
-def _clock(t: float | None) -> str:
-    return datetime.datetime.fromtimestamp(t).strftime("%H:%M:%S.%f")[:-3] if t else "?"
-
-
-def _short_frame(frame: Frame | None) -> str:
-    return f"{os.path.basename(frame.file)}:{frame.line} in {frame.function}" if frame else ""
-
-
-def _ended_text(p: Process) -> str:
-    o = p.outcome()
-    if o.kind in FATAL or (o.kind == "signal"):
-        return f"{o.kind} {o.signal}"
-    if o.kind == "exception":
-        return f"exception {_exception_name(p)}"
-    if o.kind == "exited" and o.exit_code:
-        return f"exited {o.exit_code}"
-    return o.kind
-
-
-def _process_data(p: Process) -> dict[str, Any]:
-    o = p.outcome()
-    out: dict[str, Any] = {
-        "pid": p.pid,
-        "ppid": p.ppid,
-        "argv": p.argv,
-        "rank": p.rank,
-        "local_rank": p.local_rank,
-        "world_size": p.world_size,
-        "host": p.host,
-        "cuda_visible_devices": p.record.get("cuda_visible_devices"),
-        "start": p.start,
-        "ended": o.kind,
-        "signal": o.signal,
-        "exit_code": o.exit_code,
-        "end": o.time,
-        "threads": [t.to_dict() for t in p.threads()],
-    }
-    if p.exceptions:
-        out["exceptions"] = [
-            {k: e.get(k) for k in ("type", "message", "thread", "time", "traceback")} for e in p.exceptions
-        ]
-    if p.native:
-        out["native"] = [t.to_dict() for t in p.native]
-    if p.ops:
-        out["ops"] = [op_text(op) + ("" if op.get("done") else "  <- in flight") for op in p.ops[-20:]]
-    if p.library_log:
-        out["library_log"] = p.library_log
-    if p.launcher is not None:
-        out["launcher"] = {"exitcode": p.launcher.exitcode, "traceback": p.launcher.traceback}
-    return {k: v for k, v in out.items() if v is not None}
-
-
-def _data(ctx: Context, events: list[Event]) -> dict[str, Any]:
-    launched, col = ctx.launched, ctx.collected
-    status = str(launched.exit_status)
-    if launched.returncode < 0:
-        status += f" (the command died of {signal_name(-launched.returncode)})"
-    summary: list[tuple[str, str]] = [("command", shlex.join(launched.argv)), ("exit status", status)]
-    python = [p for p in col.processes if p.record]
-    ranks = [p for p in python if p.is_rank]
-    summary.append(("processes", f"{len(python)} Python process(es)" + (f", {len(ranks)} rank(s)" if ranks else "")))
-    if events:
-        e = events[0]
-        what = e.outcome.signal or _exception_name(e.process)
-        summary.append(("first failure", f"{_short(e.process)} {what} at {_clock(e.time)}"))
-    if launched.stopped:
-        summary.append(("stopped", "fpdoctor terminated the command: it was still running after the first failure"))
-    if ctx.interrupted:
-        summary.append(("interrupted", ", ".join(launched.signals)))
-    summary.append(("breadcrumbs", "on" if ctx.breadcrumbs else "off"))
-    if events and ctx.environment is not None:
-        summary.append(("environment", ctx.environment.source))
-    if events and ctx.kernel is not None and ctx.kernel.note is None:
-        summary.append(("kernel log", f"{len(ctx.kernel.lines)} new NVIDIA line(s)"))
-    not_checked = dict(ctx.not_checked)
-    if events and ctx.environment is not None and ctx.environment.note:
-        not_checked["environment"] = ctx.environment.note
-    if events and ctx.kernel is not None and ctx.kernel.note:
-        not_checked["kernel log"] = ctx.kernel.note
-    data: dict[str, Any] = {
-        "summary": summary,
-        "exit_status": launched.exit_status,
-        "processes": [_process_data(p) for p in col.processes],
-        "not_checked": not_checked,
-    }
-    # the processes that tell the story: the command, the ranks, whatever failed (not every
-    # DataLoader worker or compile subprocess that came and went)
-    failed = {e.process.pid for e in events}
-    shown = [p for p in python if p.direct or p.is_rank or p.pid in failed or p.outcome().failed]
-    if shown and (events or len(shown) > 1):
-        rows = [
-            [
-                _short(p) + (f" (pid {p.pid})" if p.is_rank else ""),
-                _ended_text(p),
-                _short_frame(user_frame(p.stack()) or innermost(p.stack())),
-            ]
-            for p in shown[:TABLE_ROWS]
-        ]
-        if len(python) > len(shown[:TABLE_ROWS]):
-            rows.append([f"{len(python) - len(rows)} more", "", "in data.processes"])
-        data["table"] = {"title": "processes", "columns": ["process", "ended", "where"], "rows": rows}
-    if ctx.rerun and events and not ctx.breadcrumbs:
-        data["rerun"] = ctx.rerun
-    if col.stream_dumps or col.native:
-        data["unattributed"] = {
-            "dumps": [[t.to_dict() for t in d.threads] for d in col.stream_dumps],
-            "native": [t.to_dict() for t in col.native],
-        }
-    if events and ctx.kernel is not None and ctx.kernel.lines:
-        data["kernel_log"] = ctx.kernel.lines[-50:]
-    return data
