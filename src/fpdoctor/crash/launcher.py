@@ -10,6 +10,7 @@ line-buffers and colours exactly as without fpdoctor), and otherwise piped the s
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import errno
 import io
@@ -80,7 +81,9 @@ class _Sink:
         self.fd: int | None = None
         self.obj: Any = None
         self.text = False
-        self.broken = False
+        self.broken = False  # the reader went away: stop reading, the command gets EPIPE/SIGPIPE
+        self.failed = False  # any other write error: keep draining (the command must never block)
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")  # chunks split characters
         if target is None:
             return
         if isinstance(target, int):
@@ -99,20 +102,23 @@ class _Sink:
         return self.fd is not None and os.isatty(self.fd)
 
     def write(self, data: bytes) -> None:
-        if self.broken:
+        if self.broken or self.failed:
             return
         try:
             if self.fd is not None:
                 _write_all(self.fd, data)
             elif self.obj is not None:
-                self.obj.write(data.decode("utf-8", "replace") if self.text else data)
+                self.obj.write(self._decoder.decode(data) if self.text else data)
                 self.obj.flush()
         except BrokenPipeError:
-            self.broken = True  # the reader went away (`| head`); the command learns it below
+            self.broken = True  # `| head` has exited; the command learns it below
         except OSError as exc:
-            if exc.errno != errno.EPIPE:
-                raise
-            self.broken = True
+            if exc.errno == errno.EPIPE:
+                self.broken = True
+            else:
+                self.failed = True  # a terminal that went away (EIO), a full disk
+        except Exception:  # a caller's writer object that raises
+            self.failed = True
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -173,20 +179,32 @@ def _in_terminal_foreground() -> bool:
 
 
 @contextlib.contextmanager
-def _forwarding(proc: subprocess.Popen[bytes], seen: list[str]) -> Iterator[None]:
-    """Pass the signals fpdoctor receives on to the command; only the main thread can do this."""
+def _forwarding(seen: list[str]) -> Iterator[Callable[[subprocess.Popen[bytes]], None]]:
+    """Pass the signals fpdoctor receives on to the command (only the main thread can install
+    handlers). Installed before the command starts: a signal that comes before it exists is
+    delivered as soon as it does, through the function this yields."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield lambda proc: None
         return
+    target: list[subprocess.Popen[bytes]] = []
+    pending: list[int] = []
     previous: dict[int, Any] = {}
 
     def forward(signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        seen.append(name)
+        seen.append(signal.Signals(signum).name)
         if signum == signal.SIGINT and _in_terminal_foreground():
             return  # the terminal sent it to the command as well
+        if not target:
+            pending.append(signum)
+            return
         with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signum)
+            target[0].send_signal(signum)
+
+    def bind(proc: subprocess.Popen[bytes]) -> None:
+        target.append(proc)
+        for signum in pending:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signum)
 
     for name in FORWARDED:
         signum = getattr(signal, name, None)
@@ -195,7 +213,7 @@ def _forwarding(proc: subprocess.Popen[bytes], seen: list[str]) -> Iterator[None
         with contextlib.suppress(OSError, ValueError):
             previous[signum] = signal.signal(signum, forward)
     try:
-        yield
+        yield bind
     finally:
         for signum, handler in previous.items():
             with contextlib.suppress(OSError, ValueError, TypeError):
@@ -289,39 +307,40 @@ def launch(
         stdout_arg = out_sink.fd
     else:
         stdout_arg = subprocess.PIPE
-    started = time.time()
-    try:
-        proc = subprocess.Popen(
-            argv, executable=executable, env=env, cwd=cwd, stdout=stdout_arg, stderr=subprocess.PIPE, bufsize=0
-        )
-    except OSError as exc:
-        raise CommandError(f"{argv[0]} cannot be executed ({exc.strerror or exc})") from exc
-    pumps = []
-    out_pump = None
-    if stdout_arg is subprocess.PIPE:
-        assert proc.stdout is not None
-        out_pump = _Pump(_take_fd(proc.stdout), out_sink, "stdout")
-        pumps.append(out_pump)
-    assert proc.stderr is not None
-    err_pump = _Pump(_take_fd(proc.stderr), err_sink, "stderr")
-    pumps.append(err_pump)
-    for pump in pumps:
-        pump.start()
     seen: list[str] = []
-    first: float | None = None
-    deadline = float("inf")
-    stopped = settled = False
-    # A thread blocks in waitpid, so the command's end is seen at once and costs no polling;
-    # this thread looks at the run directory a few times a second for a rank's death.
-    ended_event = threading.Event()
+    with _forwarding(seen) as bind:
+        started = time.time()
+        try:
+            proc = subprocess.Popen(
+                argv, executable=executable, env=env, cwd=cwd, stdout=stdout_arg, stderr=subprocess.PIPE, bufsize=0
+            )
+        except OSError as exc:
+            raise CommandError(f"{argv[0]} cannot be executed ({exc.strerror or exc})") from exc
+        bind(proc)
+        pumps = []
+        out_pump = None
+        if stdout_arg is subprocess.PIPE:
+            assert proc.stdout is not None
+            out_pump = _Pump(_take_fd(proc.stdout), out_sink, "stdout")
+            pumps.append(out_pump)
+        assert proc.stderr is not None
+        err_pump = _Pump(_take_fd(proc.stderr), err_sink, "stderr")
+        pumps.append(err_pump)
+        for pump in pumps:
+            pump.start()
+        first: float | None = None
+        deadline = float("inf")
+        stopped = settled = False
+        # A thread blocks in waitpid, so the command's end is seen at once and costs no polling;
+        # this thread looks at the run directory a few times a second for a rank's death.
+        ended_event = threading.Event()
 
-    def wait_for_the_command() -> None:
-        proc.wait()
-        ended_event.set()
+        def wait_for_the_command() -> None:
+            proc.wait()
+            ended_event.set()
 
-    waiter = threading.Thread(target=wait_for_the_command, name="fpdoctor-wait", daemon=True)
-    waiter.start()
-    with _forwarding(proc, seen):
+        waiter = threading.Thread(target=wait_for_the_command, name="fpdoctor-wait", daemon=True)
+        waiter.start()
         while True:
             if ended_event.wait(POLL_S):
                 break
