@@ -278,3 +278,17 @@ def test_the_callback_report_is_empty_before_fit():
 
 def test_it_is_a_lightning_callback():
     assert isinstance(FpDoctorCallback(), pl.Callback)
+
+
+def test_a_failure_of_the_callbacks_own_never_stops_training(monkeypatch):
+    from fpdoctor.integrations import _watch
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the check broke")
+
+    monkeypatch.setattr(_watch, "nonfinite_flag", broken)
+    _, weights, report = _fit(Net(), max_steps=4)
+    (error,) = report.by_name("sentinel-error")
+    assert "the check broke" in error.message
+    assert report.data["steps"] == 4
+    assert not same(weights.before[3], weights.before[4])  # the steps went on, unguarded

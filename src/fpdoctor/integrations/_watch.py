@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -50,6 +51,31 @@ SPREAD_NOTE = (
     " The gradients were read after a gradient-norm computation that multiplies every gradient by the "
     "non-finite norm, so every parameter shows NaN here: the replay names the op that produced it."
 )
+
+
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])
+
+
+def guarded(doing: str) -> Callable[[_Hook], _Hook]:
+    """A callback method that never raises into the framework's loop: a failure becomes the watch's
+    `sentinel-error` finding, or before there is a watch, a line through the callback's logger."""
+
+    def wrap(method: _Hook) -> _Hook:
+        @functools.wraps(method)
+        def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as exc:
+                watch = getattr(self, "_watch", None)
+                if isinstance(watch, StepWatch):
+                    watch.error(doing, exc)
+                else:
+                    self._logger().error(f"fpdoctor: {doing} failed ({type(exc).__name__}: {exc}); training goes on")
+                return None
+
+        return hook  # type: ignore[return-value]
+
+    return wrap
 
 
 @dataclass

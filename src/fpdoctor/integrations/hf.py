@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from fpdoctor.integrations import _report
-from fpdoctor.integrations._watch import StepWatch
+from fpdoctor.integrations._watch import StepWatch, guarded
 from fpdoctor.numerics import distributed
 from fpdoctor.report.model import Report
 
@@ -91,6 +91,7 @@ class FpDoctorCallback(_Callback):
         return _report.build(self._watch, "transformers")
 
     # -- the Trainer's events ----------------------------------------------------------------------
+    @guarded("setting up")
     def on_train_begin(
         self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any
     ) -> None:
@@ -118,9 +119,11 @@ class FpDoctorCallback(_Callback):
             model.register_forward_hook(self._after_forward, with_kwargs=True),
         ]
 
+    @guarded("ending a micro-batch")
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._open = False  # the next training forward starts the next micro-batch
 
+    @guarded("deciding the step")
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._open = False
         watch = self._watch
@@ -142,6 +145,7 @@ class FpDoctorCallback(_Callback):
             if line:
                 _logger().warning(line)
 
+    @guarded("adding to the log")
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if not self._unlogged or logs is None:
             return
@@ -151,6 +155,7 @@ class FpDoctorCallback(_Callback):
             history[-1]["nonfinite_steps"] = self._unlogged
         self._unlogged = 0
 
+    @guarded("writing the report")
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         watch = self._watch
         self._close()
@@ -174,49 +179,43 @@ class FpDoctorCallback(_Callback):
     def _training(self, module: nn.Module) -> bool:
         return self._watch is not None and not self._replaying and module.training and torch.is_grad_enabled()
 
+    @guarded("looking at the model's inputs")
     def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         watch = self._watch
         if watch is None or not self._training(module):
             return
-        try:
-            if not self._open:
-                self._open = True
-                self._backward_queued = False
-                watch.start_micro()
-            elif watch.has_inputs():
-                watch.cannot_replay(TWICE)
-                return
-            watch.inputs(args, kwargs)
-            # the model normalised its loss by the window's token count: the step's loss is the sum
-            watch.sum_losses = kwargs.get("num_items_in_batch") is not None
-        except Exception as exc:
-            watch.error("looking at the model's inputs", exc)
+        if not self._open:
+            self._open = True
+            self._backward_queued = False
+            watch.start_micro()
+        elif watch.has_inputs():
+            watch.cannot_replay(TWICE)
+            return
+        watch.inputs(args, kwargs)
+        # the model normalised its loss by the window's token count: the step's loss is the sum
+        watch.sum_losses = kwargs.get("num_items_in_batch") is not None
 
+    @guarded("looking at the model's loss")
     def _after_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         watch = self._watch
         if watch is None or not self._training(module):
             return
-        try:
-            loss = _loss_of(output)
-            if loss is None:
-                watch.cannot_replay(NO_LOSS)
-                return
-            watch.loss(loss)
-            last = getattr(self._gradient_state, "sync_gradients", False)
-            # under DDP the gradients are read after the all-reduce, at on_pre_optimizer_step
-            if last and not self._backward_queued and loss.requires_grad and not distributed.active():
-                self._backward_queued = True
-                loss.register_hook(self._backward_started)
-        except Exception as exc:
-            watch.error("looking at the model's loss", exc)
+        loss = _loss_of(output)
+        if loss is None:
+            watch.cannot_replay(NO_LOSS)
+            return
+        watch.loss(loss)
+        last = getattr(self._gradient_state, "sync_gradients", False)
+        # under DDP the gradients are read after the all-reduce, at on_pre_optimizer_step
+        if last and not self._backward_queued and loss.requires_grad and not distributed.active():
+            self._backward_queued = True
+            loss.register_hook(self._backward_started)
 
+    @guarded("waiting for the end of the backward")
     def _backward_started(self, grad: torch.Tensor) -> None:
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-        except Exception as exc:
-            if self._watch is not None:
-                self._watch.error("waiting for the end of the backward", exc)
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
+    @guarded("checking the gradients")
     def _backward_done(self) -> None:
         """The last micro-batch's backward has finished: every gradient is complete, none clipped."""
         if self._watch is not None and self._state is not None:
@@ -243,6 +242,9 @@ class FpDoctorCallback(_Callback):
             yield
         finally:
             self._replaying = False
+
+    def _logger(self) -> Any:
+        return _logger()
 
     def _close(self) -> None:
         """Take the hooks off the model (the watch stays, for `report`)."""

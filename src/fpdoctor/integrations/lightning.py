@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from fpdoctor.integrations import _report
-from fpdoctor.integrations._watch import StepWatch
+from fpdoctor.integrations._watch import StepWatch, guarded
 from fpdoctor.report.model import Report
 
 ENV_REPORT = "FPDOCTOR_REPORT"
@@ -83,6 +83,7 @@ class _Hooks:
         return _report.build(self._watch, "lightning")
 
     # -- Lightning's hooks -------------------------------------------------------------------------
+    @guarded("setting up")
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         # one sentinel per Trainer: a callback the user gave wins over the environment's
         others = [cb for cb in trainer.callbacks if isinstance(cb, _Hooks) and cb is not self]
@@ -90,6 +91,7 @@ class _Hooks:
         package = "lightning.pytorch" if type(trainer).__module__.startswith("lightning.") else "pytorch_lightning"
         self._logger_name = f"{package}.fpdoctor"  # under Lightning's own logger: its handler and level
 
+    @guarded("setting up")
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._watch = None
         self._written = None
@@ -114,6 +116,7 @@ class _Hooks:
         if not pl_module.automatic_optimization:
             self._watch.cannot_replay_any = "manual optimization: training_step steps the optimizer itself"
 
+    @guarded("preparing the step")
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         watch = self._watch
         if watch is None:
@@ -121,6 +124,7 @@ class _Hooks:
         watch.start_micro()
         watch.inputs((batch, batch_idx) if self._takes_index else (batch,), {})
 
+    @guarded("reading the loss")
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         watch = self._watch
         if watch is None:
@@ -130,6 +134,7 @@ class _Hooks:
         times = float(trainer.accumulate_grad_batches) if pl_module.automatic_optimization else 1.0
         watch.loss(loss, scale=scale, times=times)
 
+    @guarded("deciding the step")
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         watch = self._watch
         if watch is None:
@@ -144,9 +149,11 @@ class _Hooks:
         ):
             self._log_step(trainer, step)
 
+    @guarded("writing the report")
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._finish(trainer)
 
+    @guarded("writing the report")
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._finish(trainer)
 
