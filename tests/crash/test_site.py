@@ -221,3 +221,23 @@ def test_a_ranks_own_workers_are_not_ranks(tmp_path):
     assert [row[0] for row in result.report.data["table"]["rows"]][:1] == [
         f"rank 0 (pid {result.report.findings[0].where['pid']})"
     ]
+
+
+def test_an_exception_then_a_crash_at_shutdown_is_the_exception(tmp_path):
+    """A CUDA error, then an abort while the interpreter shuts down (libraries' destructors):
+    the exception is the story; the later dump stays in the data."""
+    prog = script(
+        tmp_path,
+        """
+        import atexit, os
+        atexit.register(os.abort)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        """,
+    )
+    result, _, _ = quiet_run([sys.executable, prog])
+    assert result.exit_code == 128 + signal.SIGABRT
+    (finding,) = result.report.findings
+    assert finding.name == "cuda-error" and finding.evidence["error_kind"] == "illegal-address"
+    (proc,) = result.report.data["processes"]
+    assert proc["ended"] == "exception" and proc["later_fault"]["signal"] == "SIGABRT"
+    assert proc["later_fault"]["threads"]  # atexit's call has no Python frame, the thread is there

@@ -138,18 +138,18 @@ class Process:
     def is_rank(self) -> bool:
         return not self.helper and self.rank is not None and (self.world_size or 2) > 1
 
-    def label(self) -> str:
-        return f"rank {self.rank} (pid {self.pid})" if self.is_rank else f"pid {self.pid}"
-
     # -- how it ended ---------------------------------------------------------------------
     def main_exception(self) -> dict[str, Any] | None:
         return next((e for e in reversed(self.exceptions) if e.get("thread") is None), None)
 
     def outcome(self) -> Outcome:
         code = self.returncode
-        if self.fault is not None and self.fault.signal:
-            return Outcome("signal", self.fault_time, self.fault.signal, code if code is not None else None)
         exc = self.main_exception()
+        raised = _float(exc.get("time")) if exc is not None and not _interrupt(exc) else None
+        if self.fault is not None and self.fault.signal and not (raised and raised < (self.fault_time or 0.0)):
+            return Outcome("signal", self.fault_time, self.fault.signal, code)
+        # an exception first, then a fatal signal while the interpreter shut down (a CUDA error's
+        # abort at exit): the exception is the story, the dump stays in the data
         if exc is not None and not _interrupt(exc):
             return Outcome("exception", _float(exc.get("time")), None, code)
         if code is not None and code < 0:
@@ -171,7 +171,7 @@ class Process:
         """The stack that tells where this process was when it failed: the thread that received
         the fatal signal, else the traceback of its uncaught exception (a SIGTERM that came after
         it caught the interpreter shutting down), else the thread SIGTERM interrupted."""
-        if self.fault is not None and _frames(self.fault.current()):
+        if self.fault is not None and _frames(self.fault.current()) and self.outcome().kind == "signal":
             return self.fault.current()
         exc = self.main_exception()
         if exc is not None and exc.get("frames"):

@@ -108,6 +108,9 @@ def _process_data(p: Process) -> dict[str, Any]:
         out["exceptions"] = [
             {k: e.get(k) for k in ("type", "message", "thread", "time", "traceback")} for e in p.exceptions
         ]
+    if p.fault is not None and o.kind != "signal":
+        # a fatal signal after the story's failure (an abort while shutting down after an exception)
+        out["later_fault"] = {"signal": p.fault.signal, "threads": [t.to_dict() for t in p.fault.threads]}
     if p.native:
         out["native"] = [t.to_dict() for t in p.native]
     if p.ops:
