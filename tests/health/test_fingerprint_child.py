@@ -34,10 +34,53 @@ def test_two_runs_give_the_same_digests():
     assert first["digests"] == again["digests"]
 
 
-@pytest.mark.parametrize("bad", [-1, -0.5, float("nan"), float("inf"), "abc", None])
+@pytest.mark.parametrize("bad", [-1, -0.5, float("nan"), float("inf"), "abc", "3", None, True])
 def test_a_duration_that_is_not_zero_or_more_seconds_is_refused(bad):
-    with pytest.raises(ValueError, match="--duration"):
+    with pytest.raises(ValueError, match=r"^duration must be"):
         fingerprint.run_fingerprints(bad, device="cpu")
+
+
+def test_duration_and_device_checks_name_the_option_as_the_caller_spells_it():
+    with pytest.raises(ValueError, match=r"^--duration must be zero or more seconds, got -1; e\.g\. --duration 5$"):
+        fingerprint.check_duration(-1, name="--duration")
+    with pytest.raises(ValueError, match=r"^duration must be zero or more seconds, got -1; e\.g\. duration=5$"):
+        fingerprint.check_duration(-1)
+    with pytest.raises(ValueError, match=r"^--device must be cpu, cuda or cuda:N, got 'tpu'$"):
+        fingerprint.check_device("tpu", name="--device")
+    assert fingerprint.check_device(" CUDA:1 ") == "cuda:1" and fingerprint.check_duration(2) == 2.0
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend torch sees `n` GPUs (device_count never creates a CUDA context)."""
+    torch = pytest.importorskip("torch")
+
+    def set_count(n: int) -> None:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+    return set_count
+
+
+def test_plain_cuda_means_every_gpu_of_the_node(gpus):
+    gpus(4)
+    assert fingerprint._devices("cuda", None) == (["cuda:0", "cuda:1", "cuda:2", "cuda:3"], [])
+    assert fingerprint._devices(None, None) == fingerprint._devices("cuda", None)
+    assert fingerprint._devices("cuda:2", None) == (["cuda:2"], [])
+    rank = type("Dist", (), {"local_rank": 5})()
+    assert fingerprint._devices("cuda", rank) == (["cuda:1"], [])  # under torchrun: this rank's GPU
+
+
+def test_plain_cuda_without_a_gpu_is_a_note_like_the_default(gpus):
+    gpus(0)
+    note = "no GPU: fingerprints not run; --device cpu runs them on the CPU"
+    assert fingerprint._devices("cuda", None) == ([], [note])
+
+
+@pytest.mark.parametrize(("count", "have"), [(0, "none; use --device cpu"), (1, "cuda:0"), (2, "cuda:0 to cuda:1")])
+def test_a_cuda_index_the_machine_lacks_is_refused(gpus, count, have):
+    gpus(count)
+    with pytest.raises(fingerprint.DeviceNotFound, match=f"^cuda:7 is not a GPU of this machine .*{have}"):
+        fingerprint._devices("cuda:7", None)
 
 
 @pytest.mark.parametrize("bad", ["gpu", "cuda:x", "mps", ""])

@@ -205,3 +205,21 @@ def test_under_torchrun_without_fingerprints_local_rank_0_reports_its_node(monke
     monkeypatch.setenv("LOCAL_RANK", local_rank)
     result = health(duration=0, nvml=FakeNVML([device()]))
     assert result.reporting is reporting and result.gpus[0].name == "NVIDIA H100 80GB HBM3"
+
+
+@pytest.mark.parametrize("device", [None, "cuda", " CUDA "])
+def test_plain_cuda_on_a_machine_without_a_driver_runs_nothing(device):
+    import pynvml
+
+    fake = FakeNVML([], init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+    result = health(duration=1, device=device, nvml=fake)
+    assert result.fingerprints.rows == []
+    assert result.fingerprints.notes == [
+        "no NVIDIA driver on this machine: fingerprints not run; --device cpu runs them on the CPU"
+    ]
+
+
+@pytest.mark.parametrize("bad", ["tpu", "cuda:x", "", 0])
+def test_bad_device(bad):
+    with pytest.raises(ValueError, match=r"^device must be cpu, cuda or cuda:N"):
+        health(duration=1, device=bad)

@@ -120,6 +120,7 @@ def _bad(tmp_path, name: str, data: bytes):
         (["--duration", "nan"], "--duration must be zero or more seconds"),
         (["--duration", "soon"], "invalid float value"),
         (["--device", "tpu"], "--device must be cpu, cuda or cuda:N"),
+        (["--device", "cuda:99", "--duration", "1"], "cuda:99 is not a GPU of this machine"),
         (["--duration", "0", "--device", "cuda"], "needs --duration > 0"),
         (["--from", "/nonexistent/dmesg.txt"], "does not exist"),
         (["--from", "/"], "is a directory"),
@@ -169,6 +170,13 @@ def test_bad_input_files_are_one_line_and_exit_2(cli, tmp_path, name, data, word
     r = cli("health", "--from", _bad(tmp_path, name, data))
     assert r.code == 2 and r.out == "", r.out
     assert len(r.err.strip().splitlines()) == 1 and words in r.err and "Traceback" not in r.err
+
+
+def test_help_says_what_each_device_runs(cli, capsys):
+    with pytest.raises(SystemExit):
+        cli("health", "--help")
+    text = " ".join(capsys.readouterr().out.split())
+    assert "cuda (the default) every GPU of this node" in text and "cuda:N that one GPU" in text
 
 
 def test_from_cannot_be_combined_with_fingerprints(cli):

@@ -102,9 +102,12 @@ HWR_RULES: tuple[Rule, ...] = (
         code="HWR007",
         name="gemm-mismatch",
         severity=E,
-        title="A GPU computed a deterministic GEMM differently from the reference",
-        what="Runs deterministic GEMM fingerprints per GPU and compares them across repeats, against a float64 "
-        "(or exact-integer) reference and across GPUs of the same model and software.",
+        title="A GPU computed a known-answer GEMM wrongly, or repeats of one GEMM disagreed",
+        what="Runs deterministic GEMM fingerprints per GPU (bf16, fp16, tf32, fp32, fp8 where supported), in a "
+        "child process per GPU, and checks two things on each GPU by itself: known answers - integer matrices "
+        "whose product every kernel computes exactly, checked against an exact int64 product on the CPU - and "
+        "repeat-to-repeat digests - one seeded GEMM repeated for the duration must give the same bits every "
+        "time. Results that differ between GPUs are rank-outlier.",
         why="A GPU that computes a known answer wrongly corrupts training silently: NaN, loss spikes or a "
         "model that quietly diverges, with no Xid or ECC error to show for it.",
         fix="Take the GPU out of service, rerun `fpdoctor health` to confirm, then run `dcgmi diag -r 3` and "

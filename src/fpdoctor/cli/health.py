@@ -1,4 +1,4 @@
-"""`fpdoctor health [--duration S] [--from FILE ...] [--device cpu|cuda]`: one-shot GPU health.
+"""`fpdoctor health [--duration S] [--from FILE ...] [--device cpu|cuda|cuda:N]`: one-shot GPU health.
 
 Without --from it checks this machine: NVML facts per GPU and this boot's kernel log (no torch, no
 CUDA in this process), then --duration seconds of GEMM fingerprints per GPU in child processes
@@ -9,8 +9,7 @@ table for all; the other ranks print nothing. With --from it judges saved files 
 from __future__ import annotations
 
 import argparse
-import math
-import re
+from collections.abc import Callable
 from typing import Any
 
 from fpdoctor.cli.output import UsageError, add_output_args, emit
@@ -41,33 +40,46 @@ def add_parser(sub: Any) -> None:
         help="judge a saved kernel log (dmesg, journalctl -k), `nvidia-smi -q` output or health JSON instead "
         "of this machine; repeat for several files, - reads standard input",
     )
-    p.add_argument("--device", metavar="cpu|cuda", help="where fingerprints run (default: every GPU)")
+    p.add_argument(
+        "--device",
+        metavar="cpu|cuda|cuda:N",
+        help="where fingerprints run: cuda (the default) every GPU of this node, or under torchrun each rank's "
+        "GPU; cuda:N that one GPU; cpu the CPU",
+    )
     add_output_args(p)
     p.set_defaults(run=run)
 
 
+def _checked(check: Callable[..., Any], value: Any, name: str) -> Any:
+    try:
+        return check(value, name=name)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _duration(args: argparse.Namespace) -> float:
+    from fpdoctor.health.fingerprint import check_duration
+
     if args.duration is None:
         return 0.0 if args.from_files else DEFAULT_DURATION_S
-    if not math.isfinite(args.duration) or args.duration < 0:
-        raise UsageError(f"--duration must be zero or more seconds, got {args.duration:g}; e.g. --duration 5")
-    if args.from_files and args.duration > 0:
+    duration = float(_checked(check_duration, args.duration, "--duration"))
+    if args.from_files and duration > 0:
         raise UsageError("--duration runs fingerprints on this machine; it cannot be combined with --from")
-    return float(args.duration)
+    return duration
 
 
 def run(args: argparse.Namespace) -> int:
+    from fpdoctor.health.fingerprint import DeviceNotFound, check_device
+
     duration = _duration(args)
-    if args.device is not None:
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device.strip().lower()):
-            raise UsageError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
-        if args.from_files or duration == 0:
-            raise UsageError("--device picks where fingerprints run; it needs --duration > 0 and no --from")
+    device = None if args.device is None else str(_checked(check_device, args.device, "--device"))
+    if device is not None and (args.from_files or duration == 0):
+        raise UsageError("--device picks where fingerprints run; it needs --duration > 0 and no --from")
     from fpdoctor.health import InputError, health
 
     try:
-        result = health(duration=duration, from_files=args.from_files, device=args.device)
-    except InputError as exc:
+        result = health(duration=duration, from_files=args.from_files, device=device)
+    except (InputError, DeviceNotFound) as exc:
         raise UsageError(str(exc)) from exc
     if not result.reporting:
         return 0  # a torchrun rank other than 0: rank 0 reports for every rank

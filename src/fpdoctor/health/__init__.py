@@ -9,7 +9,6 @@ What could not be read says why and is never reported as healthy (`report.data["
 
 from __future__ import annotations
 
-import math
 import sys
 import types
 from collections.abc import Sequence
@@ -48,14 +47,16 @@ def health(
     duration: seconds of GEMM fingerprints per GPU; 0 (the default here, 3 on the command line)
     reads facts only, in well under a second, without importing torch. Fingerprints run first, in
     child processes, so Xids or ECC errors they provoke are in the facts read after them.
-    device: where fingerprints run ('cuda', 'cuda:N', 'cpu'); all GPUs when None.
+    device: where fingerprints run: 'cuda' or None every GPU of this node (under torchrun, this
+    rank's GPU), 'cuda:N' that GPU, 'cpu' the CPU.
     nvml: a replacement for the pynvml module (tests).
-    Raises InputError for unusable files and ValueError for a bad duration or device.
+    Raises InputError for unusable files and ValueError for a bad duration or device
+    (fingerprint.DeviceNotFound for a cuda:N this machine lacks).
     """
-    if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not math.isfinite(duration):
-        raise ValueError(f"duration must be a number of seconds, got {duration!r}")
-    if duration < 0:
-        raise ValueError(f"duration must be zero or more seconds, got {duration!r}; e.g. duration=5")
+    from fpdoctor.health.fingerprint import check_device, check_duration
+
+    duration = check_duration(duration)
+    device = None if device is None else check_device(device)
     from fpdoctor.health.collect import collect_files, collect_live
     from fpdoctor.health.findings import findings
     from fpdoctor.health.report import build
@@ -70,7 +71,7 @@ def health(
     if duration > 0:
         from fpdoctor.health.fingerprint import FingerprintResult, run_fingerprints
 
-        no_gpu = _no_gpu(nvml) if device is None and dist is None else None
+        no_gpu = _no_gpu(nvml) if device in (None, "cuda") and dist is None else None
         if no_gpu:  # nothing to fingerprint: spare the import of torch (most of a second or more)
             fingerprints = FingerprintResult(
                 notes=[f"{no_gpu}: fingerprints not run; --device cpu runs them on the CPU"]

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -49,15 +50,28 @@ class FingerprintResult:
     reporting: bool = True  # False on the ranks other than 0 under torchrun: they print nothing
 
 
-def check_duration(duration: float) -> float:
-    """`duration` in seconds as a float; ValueError (one line, says the fix) when it is not usable."""
-    try:
-        value = float(duration)
-    except (TypeError, ValueError):
-        raise ValueError(f"--duration must be a number of seconds, got {duration!r}") from None
+def check_duration(duration: Any, *, name: str = "duration") -> float:
+    """`duration` in seconds as a float; ValueError (one line, says the fix) when it is not usable.
+    `name` is how the caller spells the option ("--duration" on the command line)."""
+    if isinstance(duration, bool) or not isinstance(duration, (int, float)):
+        raise ValueError(f"{name} must be a number of seconds, got {duration!r}")
+    value = float(duration)
     if not math.isfinite(value) or value < 0:
-        raise ValueError(f"--duration must be zero or more seconds, got {duration!r}; e.g. --duration 5")
+        example = f"{name} 5" if name.startswith("--") else f"{name}=5"
+        raise ValueError(f"{name} must be zero or more seconds, got {duration!r}; e.g. {example}")
     return value
+
+
+def check_device(device: Any, *, name: str = "device") -> str:
+    """'cpu', 'cuda' or 'cuda:N', lower case; ValueError (one line) for anything else."""
+    text = device.strip().lower() if isinstance(device, str) else ""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise ValueError(f"{name} must be cpu, cuda or cuda:N, got {device!r}")
+    return text
+
+
+class DeviceNotFound(ValueError):
+    """`cuda:N` names a GPU this machine does not have (one line, says which exist)."""
 
 
 def run_fingerprints(duration: float, *, device: str | None = None) -> FingerprintResult:
@@ -88,19 +102,19 @@ def run_fingerprints(duration: float, *, device: str | None = None) -> Fingerpri
 
 
 def _devices(device: str | None, dist: Any) -> tuple[list[str], list[str]]:
-    """Which devices this process fingerprints, and notes for what it leaves out."""
-    if device is not None:
-        text = device.strip().lower()
-        if text == "cpu":
-            return ["cpu"], []
-        if text == "cuda" and dist is not None:
-            return [f"cuda:{dist.local_rank}"], []
-        if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
-            return [text if ":" in text else "cuda:0"], []
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    """Which devices this process fingerprints, and notes for what it leaves out: "cuda:N" that
+    GPU; "cuda" or None every GPU of the node, or under torchrun this rank's GPU."""
+    text = None if device is None else check_device(device)
+    if text == "cpu":
+        return ["cpu"], []
     import torch
 
     count = torch.cuda.device_count()  # NVML or the driver's count; no CUDA context is created
+    if text is not None and text.startswith("cuda:"):
+        if int(text[5:]) >= count:
+            have = f"cuda:0 to cuda:{count - 1}" if count > 1 else "cuda:0" if count else "none; use --device cpu"
+            raise DeviceNotFound(f"{text} is not a GPU of this machine (GPUs visible to CUDA: {have})")
+        return [text], []
     if count == 0:
         return [], ["no GPU: fingerprints not run; --device cpu runs them on the CPU"]
     if dist is not None:
