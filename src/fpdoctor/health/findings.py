@@ -4,8 +4,8 @@ Severity rules, each from a named source:
 - Xid: the catalogue's category (health/xid.py); application-class Xids (13, 31, 43, 45, ...) are
   warnings unless repeated on the GPU (two programs by name, three processes by pid, or three
   occurrences more than a minute apart or in different boots) or a memory/bus Xid
-  (48/63/64/79/94/95) came in the same boot; NVLink5 Xids 144-150 take the decoded severity (else the line's own
-  Fatal/Nonfatal); Xid 154 is a note when the new recovery action is None.
+  (48/63/64/79/94/95) came in the same boot; NVLink5 Xids 144-150 take the decoded severity
+  (else the line's own Fatal/Nonfatal); Xid 154 is a note when the new recovery action is None.
 - ECC: uncorrectable errors since the driver loaded are errors; only in the lifetime count, warnings.
 - Row remapping: a pending remap is an error after uncorrectable errors, a warning after
   correctable ones (the reset is due either way); a remap failure is an error (the RMA criterion
