@@ -116,3 +116,10 @@ def test_a_command_fix_is_a_code_block_in_markdown_and_pre_in_html(h20_report):
     prose = _finding_report(h20_report, fix="Use bf16 where the cause is range.")
     assert "<p>Use bf16 where the cause is range.</p>" in render(prose, "html")
     assert "<pre>python -m pip install" in render(h20_report, "html")
+
+
+def test_a_report_that_could_not_look_never_reads_ok(h20_report):
+    blind = dict(h20_report, findings=[], verdict="ok", data={"status": "not checked"})
+    assert render(blind, "text").startswith(" NOT CHECKED ")
+    seen = dict(h20_report, findings=[], verdict="ok", data={"status": "healthy"})
+    assert render(seen, "text").startswith(" OK ")

@@ -95,7 +95,12 @@ def render_text(report: dict[str, Any], *, color: bool = False, width: int = 100
     )
     verdict = report["verdict"]
     head = Text()
-    head.append(f" {verdict.upper()} ", style=_VERDICT_STYLE[verdict])
+    # a report that saw nothing wrong because it could not look says so, never a bare OK
+    unseen = report["data"].get("status") if verdict == "ok" else None
+    if unseen in ("not checked", "incomplete"):
+        head.append(f" {unseen.upper()} ", style=_VERDICT_STYLE["warning"])
+    else:
+        head.append(f" {verdict.upper()} ", style=_VERDICT_STYLE[verdict])
     head.append(f"  fpdoctor {report['command']}  ", style="bold")
     counts = _counts(report["findings"])
     head.append(", ".join(f"{n} {sev}" for sev, n in counts.items() if n) or "no findings")
