@@ -123,3 +123,15 @@ def test_a_report_that_could_not_look_never_reads_ok(h20_report):
     assert render(blind, "text").startswith(" NOT CHECKED ")
     seen = dict(h20_report, findings=[], verdict="ok", data={"status": "healthy"})
     assert render(seen, "text").startswith(" OK ")
+
+
+def test_a_clean_text_report_leads_with_the_verdict_and_a_few_facts(h20_report):
+    from fpdoctor.report.render import CLEAN_ROWS
+
+    rows = [[f"fact {i}", str(i)] for i in range(24)]
+    clean = dict(h20_report, findings=[], verdict="ok", data={"summary": rows})
+    short = render(clean, "text")
+    assert "fact 7" in short and "fact 8" not in short and "16 more facts: -v shows them" in short
+    assert "fact 23" in render(clean, "text", verbose=True) and CLEAN_ROWS == 8
+    problem = dict(h20_report, data={"summary": rows})  # with findings, every fact is shown
+    assert "fact 23" in render(problem, "text")

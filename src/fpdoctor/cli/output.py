@@ -20,6 +20,9 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
         "--format", choices=FORMATS, default=None, help="output format (default: from -o's extension, else text)"
     )
     parser.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead of stdout")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="text: every fact, even when nothing is wrong (default: the lead)"
+    )
 
 
 _BY_EXTENSION = {".json": "json", ".md": "markdown", ".markdown": "markdown", ".html": "html", ".htm": "html"}
@@ -73,7 +76,7 @@ def _umask() -> int:
 
 def emit(report_dict: dict[str, Any], args: argparse.Namespace) -> None:
     if args.output:
-        write_atomic(args.output, render(report_dict, args.format, color=False))
+        write_atomic(args.output, render(report_dict, args.format, color=False, verbose=True))
         return
     color = args.format == "text" and sys.stdout.isatty() and "NO_COLOR" not in os.environ
-    sys.stdout.write(render(report_dict, args.format, color=color))
+    sys.stdout.write(render(report_dict, args.format, color=color, verbose=getattr(args, "verbose", False)))

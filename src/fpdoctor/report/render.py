@@ -21,7 +21,11 @@ _SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": "bold 
 _VERDICT_STYLE = {"error": "bold white on red", "warning": "bold black on yellow", "ok": "bold white on green"}
 
 
-def render(report: dict[str, Any], fmt: str, *, color: bool = False, width: int = 100) -> str:
+# A clean text report leads with its verdict and a few facts; the whole table when asked (-v).
+CLEAN_ROWS = 8
+
+
+def render(report: dict[str, Any], fmt: str, *, color: bool = False, width: int = 100, verbose: bool = False) -> str:
     if fmt == "json":
         return json_text(report) + "\n"
     if fmt == "markdown":
@@ -29,7 +33,7 @@ def render(report: dict[str, Any], fmt: str, *, color: bool = False, width: int 
     if fmt == "html":
         return render_html(report)
     if fmt == "text":
-        return render_text(report, color=color, width=width)
+        return render_text(report, color=color, width=width, verbose=verbose)
     raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
@@ -78,7 +82,7 @@ def _md_text(value: Any) -> str:
     return html.escape(str(value), quote=False)
 
 
-def render_text(report: dict[str, Any], *, color: bool = False, width: int = 100) -> str:
+def render_text(report: dict[str, Any], *, color: bool = False, width: int = 100, verbose: bool = False) -> str:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -107,6 +111,9 @@ def render_text(report: dict[str, Any], *, color: bool = False, width: int = 100
     console.print(head)
 
     summary = report["data"].get("summary")
+    hidden = 0
+    if summary and not report["findings"] and not verbose and len(summary) > CLEAN_ROWS:
+        summary, hidden = summary[:CLEAN_ROWS], len(summary) - CLEAN_ROWS
     if summary:
         table = Table(show_header=False, box=None, pad_edge=False, padding=(0, 2, 0, 0))
         table.add_column(style="dim", no_wrap=True)
@@ -115,6 +122,8 @@ def render_text(report: dict[str, Any], *, color: bool = False, width: int = 100
             table.add_row(escape(str(label)), escape(str(value)))
         console.print()
         console.print(table)
+        if hidden:
+            console.print(Text(f"({hidden} more facts: -v shows them, --format json keeps them all)", style="dim"))
 
     results = report["data"].get("table")
     if results:
