@@ -45,9 +45,10 @@ DTY_RULES: tuple[Rule, ...] = (
         name="forward-failed",
         severity=Severity.ERROR,
         title="The model's forward raised an error on the example inputs",
-        what="audit, compare and plan run the forward on the inputs the factory gives; an error that is not a dtype "
-        "or device mismatch is reported as raised, with the module and the source line it came from, and a hint "
-        "where its text names a dtype (an op without a Half kernel here, a float tensor where indices belong).",
+        what="audit runs the forward on the example inputs (compare and plan do too, first, for a model whose "
+        "parameters mix dtypes); an error that is not a dtype or device mismatch is reported as raised, with the "
+        "module and the source line it came from, and a hint where its text names a dtype (an op without a Half "
+        "kernel here, a float tensor where indices belong).",
         why="An error is never a clean bill of health: a report that tucked it away would send you looking elsewhere.",
         fix="Fix the error at the line the finding names; check the example inputs' shapes and dtypes against "
         "what the model expects.",
