@@ -130,7 +130,11 @@ def compare(
     tensor cores; the report says which ran, and why a layer fell back.
 
     `module` compares just that submodule (e.g. "encoder.layer.3"): it is fed what it receives
-    when the whole model runs on `inputs`, and only it is copied (see scope.py)."""
+    when the whole model runs on `inputs`, and only it is copied (see scope.py).
+
+    `inputs`: one input set (a tensor, a tuple of positional arguments, a dict of keyword
+    arguments) or a list of them (or any iterable): each set is compared, and the result is the
+    worst set's, with every set's line in the summary (`result.input_sets`, `result.worst_set`)."""
     candidate = check_name(candidate, CANDIDATES, "candidate")
     reference = check_name(reference, REFERENCES, "reference")
     fp8_kernel = check_name(fp8_kernel, FP8_KERNELS, "fp8 kernel")
