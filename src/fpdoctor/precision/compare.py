@@ -39,7 +39,6 @@ from fpdoctor.precision.candidates import (
     CANDIDATES,
     FP8_KERNELS,
     REFERENCES,
-    Fp8Linear,
     check_device,
     check_name,
     compute_dtype,
@@ -467,7 +466,7 @@ def _compare(
     if fp8_dtype is not None:
         result.report.findings.extend(fp8.findings(fp8_rows))
         result.report.data["fp8"] = fp8_rows
-        kernels = _fp8_kernels(cand_run)
+        kernels = fp8.kernels_used(cand_run)
         result.report.data["fp8_kernel"] = kernels
         result.report.data["summary"].append(("fp8 GEMM", kernels["text"]))
     if noise is not None:
@@ -476,23 +475,6 @@ def _compare(
             ("random draws", f"{len(noise.draws)} made by the forward itself, the fp64 run's replayed in every run")
         )
     return result
-
-
-def _fp8_kernels(run: nn.Module) -> dict[str, Any]:
-    """Which fp8 GEMM the candidate's Linear layers ran: the real kernel or the simulation, and why."""
-    layers = [m for m in run.modules() if isinstance(m, Fp8Linear)]
-    real = sum(1 for m in layers if m.kernel == "scaled_mm" and m.fallback is None)
-    reasons = sorted({m.fallback for m in layers if m.fallback})
-    if real == len(layers):
-        text = f"torch._scaled_mm (the real fp8 kernel) in all {real} Linear layer(s)"
-    elif not reasons:
-        text = f"simulated (fake-quant: quantized, dequantized, fp32 GEMM) in all {len(layers)} Linear layer(s)"
-    else:
-        text = (
-            f"torch._scaled_mm in {real} of {len(layers)} Linear layer(s), simulated (fake-quant) in the rest; "
-            f"the kernel did not run: {reasons[0]}"
-        )
-    return {"layers": len(layers), "scaled_mm": real, "fake": len(layers) - real, "fallback": reasons, "text": text}
 
 
 def _jumped(row: ModuleRow, entry: _Seen) -> bool:

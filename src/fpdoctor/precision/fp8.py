@@ -15,9 +15,10 @@ import math
 from typing import Any
 
 import torch
+from torch import nn
 
 from fpdoctor import catalog
-from fpdoctor.precision.candidates import fp8_quantize
+from fpdoctor.precision.candidates import Fp8Linear, fp8_quantize
 from fpdoctor.precision.metrics import spread_index
 from fpdoctor.report.model import Finding
 
@@ -117,3 +118,20 @@ def findings(rows: list[dict[str, Any]]) -> list[Finding]:
             )
         )
     return found
+
+
+def kernels_used(run: nn.Module) -> dict[str, Any]:
+    """Which fp8 GEMM the candidate's Linear layers ran: the real kernel or the simulation, and why."""
+    layers = [m for m in run.modules() if isinstance(m, Fp8Linear)]
+    real = sum(1 for m in layers if m.kernel == "scaled_mm" and m.fallback is None)
+    reasons = sorted({m.fallback for m in layers if m.fallback})
+    if real == len(layers):
+        text = f"torch._scaled_mm (the real fp8 kernel) in all {real} Linear layer(s)"
+    elif not reasons:
+        text = f"simulated (fake-quant: quantized, dequantized, fp32 GEMM) in all {len(layers)} Linear layer(s)"
+    else:
+        text = (
+            f"torch._scaled_mm in {real} of {len(layers)} Linear layer(s), simulated (fake-quant) in the rest; "
+            f"the kernel did not run: {reasons[0]}"
+        )
+    return {"layers": len(layers), "scaled_mm": real, "fake": len(layers) - real, "fallback": reasons, "text": text}
