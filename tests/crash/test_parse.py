@@ -156,3 +156,22 @@ def test_error_texts_are_explained_root_cause_first():
     assert explain_text("ValueError: the batch had no rows") is None
     assert len({e.key for e in ERRORS}) == len(ERRORS)
     assert {e.finding for e in ERRORS} == {"cuda-error", "uncaught-exception"}
+
+
+def test_torchrun_log_lines_anywhere_in_the_stream():
+    """Without the summary (torchrun stopped, or restarting its workers) every 'failed' line
+    counts, not only one that ends the stream."""
+    stream = "\n".join(
+        [
+            "E1123 09:04:41.081000 25693 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+            "(exitcode: -8) local_rank: 1 (pid: 4243) of binary: /usr/bin/python3",
+            "E1123 09:04:41.090000 25693 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+            "(exitcode: -15) local_rank: 0 (pid: 4242) of binary: /usr/bin/python3",
+            "Traceback (most recent call last):",
+            '  File "/usr/bin/torchrun", line 8, in <module>',
+        ]
+    )
+    assert [(f.pid, f.exitcode, f.local_rank) for f in parse.launcher_failures(stream)] == [
+        (4243, -8, 1),
+        (4242, -15, 0),
+    ]

@@ -60,7 +60,8 @@ _GLIBC = re.compile(
     r"free\(\): invalid [^\n]*|malloc\(\): [^\n]*|corrupted size vs\. prev_size[^\n]*|munmap_chunk\(\): [^\n]*)"
 )
 _TORCHRUN_FAILED = re.compile(
-    r"failed \(exitcode: (?P<code>-?\d+)\) local_rank: (?P<local>\d+) \(pid: (?P<pid>\d+)\) of binary: (?P<binary>.+)$"
+    r"failed \(exitcode: (?P<code>-?\d+)\) local_rank: (?P<local>\d+) \(pid: (?P<pid>\d+)\) of binary: (?P<binary>.+)$",
+    re.MULTILINE,  # one per failed worker, wherever it is in the stream
 )
 _TR_FIELD = re.compile(r"^\s+(?P<key>time|host|rank|exitcode|error_file|traceback)\s*:\s*(?P<value>.*)$")
 _TR_RANK = re.compile(r"(?P<rank>-?\d+) \(local_rank: (?P<local>-?\d+)\)")
