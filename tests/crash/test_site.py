@@ -241,3 +241,49 @@ def test_an_exception_then_a_crash_at_shutdown_is_the_exception(tmp_path):
     (proc,) = result.report.data["processes"]
     assert proc["ended"] == "exception" and proc["later_fault"]["signal"] == "SIGABRT"
     assert proc["later_fault"]["threads"]  # atexit's call has no Python frame, the thread is there
+
+
+def test_the_programs_excepthook_questions_get_the_same_answers(tmp_path):
+    """`sys.excepthook is sys.__excepthook__` decides what the exceptiongroup backport (Python
+    3.10), PyQt and code.InteractiveConsole do: it stays true. A hook the program installs
+    later that never passes the exception on still leaves it recorded."""
+    prog = script(
+        tmp_path,
+        """
+        import sys
+        print(sys.excepthook is sys.__excepthook__, flush=True)
+        def own(exc_type, exc, tb):
+            sys.stderr.write(f"own hook: {exc}\\n")
+        sys.excepthook = own
+        def load():
+            raise ValueError("shard 7 is empty")
+        load()
+        """,
+    )
+    plain = subprocess.run([sys.executable, prog], capture_output=True, check=False)
+    result, out, err = quiet_run([sys.executable, prog])
+    assert (result.exit_code, out, err) == (plain.returncode, plain.stdout, plain.stderr) == (
+        1, b"True\n", b"own hook: shard 7 is empty\n"
+    )  # fmt: skip
+    (finding,) = result.report.findings
+    assert finding.name == "uncaught-exception" and finding.evidence["exception"] == "builtins.ValueError"
+    assert finding.evidence["function"] == "load"
+
+
+def test_a_hook_that_passes_on_to_the_original_records_once(tmp_path):
+    """apport's hook (Ubuntu's system Python) and most custom ones end in sys.__excepthook__."""
+    prog = script(
+        tmp_path,
+        """
+        import sys
+        def own(exc_type, exc, tb):
+            sys.stderr.write("own hook\\n")
+            sys.__excepthook__(exc_type, exc, tb)
+        sys.excepthook = own
+        raise KeyError("k")
+        """,
+    )
+    result, _, err = quiet_run([sys.executable, prog])
+    assert err.startswith(b"own hook\nTraceback") and err.endswith(b"KeyError: 'k'\n")
+    (proc,) = result.report.data["processes"]
+    assert [e["type"] for e in proc["exceptions"]] == ["builtins.KeyError"]

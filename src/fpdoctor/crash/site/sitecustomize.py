@@ -162,6 +162,8 @@ def _save_exception(
     run_dir = _state.get("run_dir")
     if not run_dir:
         return
+    if thread is None:
+        _state["shown"] = exc  # the interpreter's own: _at_exit need not record it again
     try:
         records = _state.setdefault("exceptions", [])
         if len(records) < 20:
@@ -179,6 +181,12 @@ def _install_hooks() -> None:
         _save_exception(exc_type, exc, tb, None)
         previous(exc_type, exc, tb)
 
+    if previous is sys.__excepthook__:
+        # `sys.excepthook is sys.__excepthook__` stays true: code that asks whether a hook is
+        # installed (the exceptiongroup backport on Python 3.10, PyQt, code.InteractiveConsole)
+        # behaves as without fpdoctor, and a hook installed later that ends by calling
+        # sys.__excepthook__ (apport's, most custom ones) still passes through this one.
+        sys.__excepthook__ = excepthook
     sys.excepthook = excepthook
     import threading
 
@@ -201,6 +209,11 @@ def _at_exit() -> None:
         import time
 
         pid = os.getpid()
+        # An uncaught exception shown by a hook installed later that did not pass it on: the
+        # interpreter left it in sys.last_value (recorded now, at exit, rather than never).
+        last = getattr(sys, "last_value", None)
+        if isinstance(last, BaseException) and last is not _state.get("shown"):
+            _save_exception(type(last), last, last.__traceback__, None)
         _write_json(os.path.join(run_dir, f"exit.{pid}.json"), {"pid": pid, "time": time.time()})
     except Exception:  # a full disk at exit must not change how the program exits
         pass
