@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from fpdoctor.cli.run import program
 from tests.conftest import FIXTURES
 
 DIE = str(FIXTURES / "crash" / "die.py")
@@ -73,7 +75,8 @@ def test_death_by_signal(tmp_path, mode, signame, function):
     assert crash["evidence"]["function"] == function
     assert crash["evidence"]["explanation"]
     assert crash["where"]["pid"] > 0 and "rank" not in crash["where"]
-    assert f"fpdoctor run --breadcrumbs -- {sys.executable} {DIE} {mode}" in crash["fix"]
+    rerun = crash["fix"].splitlines()[0].split("   #")[0]  # the command, then a comment
+    assert shlex.split(rerun) == [*program(), "run", "--breadcrumbs", "--", sys.executable, DIE, mode]
     assert doc["data"]["exit_status"] == 128 + signum
     # the text report follows the command's own stderr
     assert b"CRS001 fatal-signal" in result.stderr.split(b"err 39\n", 1)[1]
@@ -91,9 +94,14 @@ def test_sigfpe_inside_an_op_during_forward(tmp_path):
     # an H20 with cuBLAS 12.1 (the recorded facts): the environment's verdict stands beside the crash
     h20 = only(doc, "cublas-h20-sigfpe")
     assert h20["severity"] == "error" and "nvidia-cublas-cu12" in h20["fix"]
-    assert (
-        doc["data"]["rerun"] == f"fpdoctor run --breadcrumbs --env-from {H20_FACTS} -- {sys.executable} {DIE} sigfpe-op"
-    )
+    rerun = doc["data"]["rerun"]
+    assert shlex.split(rerun) == [
+        *program(), "run", "--breadcrumbs", "--env-from", H20_FACTS, "--", sys.executable, DIE, "sigfpe-op"
+    ]  # fmt: skip
+    # pasted into a shell as printed, it runs again and names the op in flight
+    again = subprocess.run(rerun, shell=True, capture_output=True, timeout=120, check=False)
+    assert again.returncode == 128 + signal.SIGFPE
+    assert b"Op in flight (breadcrumbs): fpdoctor_fixture.gemm.default(float32[8, 16]" in again.stderr
 
 
 def test_sigfpe_with_breadcrumbs_names_the_op_in_flight(tmp_path):
@@ -102,8 +110,10 @@ def test_sigfpe_with_breadcrumbs_names_the_op_in_flight(tmp_path):
     assert result.returncode == 128 + signal.SIGFPE
     assert_streams_pass_through(result, "sigfpe-op")
     crash = only(doc, "fatal-signal")
-    assert crash["where"]["op"] == "fpdoctor_fixture::gemm" and crash["where"]["module"] == "1.fc"
-    assert crash["evidence"]["op_in_flight"].startswith("fpdoctor_fixture::gemm(float32[8, 16], float32[48, 16])")
+    # SPEC 3.2: where.op is the overload's name, str() of the OpOverload
+    assert crash["where"]["op"] == "fpdoctor_fixture.gemm.default" and crash["where"]["module"] == "1.fc"
+    in_flight = crash["evidence"]["op_in_flight"]
+    assert in_flight.startswith("fpdoctor_fixture.gemm.default(float32[8, 16], float32[48, 16])")
     assert "--breadcrumbs" not in crash["fix"] and "rerun" not in doc["data"]
 
 

@@ -8,7 +8,9 @@ The command's output passes through unchanged and fpdoctor exits with the comman
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import sys
 from typing import Any
 
@@ -75,13 +77,25 @@ def run(args: argparse.Namespace) -> int:
     from fpdoctor.env.errors import InputError
 
     try:
-        result = run_command(argv, breadcrumbs=args.breadcrumbs, env_from=args.env_from, wait_s=args.wait)
+        result = run_command(
+            argv, breadcrumbs=args.breadcrumbs, env_from=args.env_from, wait_s=args.wait, program=program()
+        )
     except CommandError as exc:
         raise UsageError(str(exc)) from exc
     except InputError as exc:
         raise UsageError(f"--env-from: {exc}") from exc
     _emit(result.report.to_dict(), args, bool(result.report.findings))
     return result.exit_code
+
+
+def program() -> list[str]:
+    """How to start this fpdoctor from a shell, for the re-run command the report prints:
+    `fpdoctor` when that name on PATH is this installation's, else this interpreter's -m."""
+    found = shutil.which("fpdoctor")
+    with contextlib.suppress(OSError):
+        if found and os.path.samefile(os.path.dirname(found), os.path.dirname(sys.executable)):
+            return ["fpdoctor"]
+    return [sys.executable, "-m", "fpdoctor"]
 
 
 def _emit(doc: dict[str, Any], args: argparse.Namespace, findings: bool) -> None:

@@ -17,6 +17,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,12 +55,14 @@ def run_command(
     cwd: str | None = None,
     run_dir: str | None = None,
     environment: bool = True,
+    program: Sequence[str] = ("fpdoctor",),
 ) -> RunResult:
     """Run argv under crash capture and return its report and exit status.
 
     stdout/stderr: where the command's streams go: the caller's sys.stdout/sys.stderr by
     default, None to discard, a file descriptor, or any object with write() (bytes for binary
-    files and buffers, text for text streams). env_from: a facts JSON / collect_env report path
+    files and buffers, text for text streams). program: how the re-run command the report
+    prints starts (the CLI passes how fpdoctor itself was started). env_from: a facts JSON / collect_env report path
     (or a facts dict) whose environment verdicts are joined instead of this machine's;
     environment=False joins none. wait_s: after a rank of a distributed job fails, how long the
     command may take to end by itself before it is terminated. run_dir: keep the per-process
@@ -85,7 +88,7 @@ def run_command(
             breadcrumbs=breadcrumbs,
             facts=facts,
             source=source,
-            rerun=rerun_command(argv, env_from if isinstance(env_from, str) else None),
+            rerun=rerun_command(argv, env_from, wait_s=wait_s, program=program),
             environment=environment,
             wait_s=wait_s,
             stdout=sys.stdout if stdout is _PASS else stdout,
@@ -131,11 +134,20 @@ def _breadcrumbs() -> Any:
     return breadcrumbs
 
 
-def rerun_command(argv: list[str], env_from: str | dict[str, Any] | None) -> str:
-    """The exact command that runs argv again with breadcrumbs on (crash twice, learn once)."""
-    words = ["fpdoctor", "run", "--breadcrumbs"]
+def rerun_command(
+    argv: list[str],
+    env_from: str | dict[str, Any] | None,
+    *,
+    wait_s: float = DEFAULT_WAIT_S,
+    program: Sequence[str] = ("fpdoctor",),
+) -> str:
+    """The exact command that runs argv again with breadcrumbs on (crash twice, learn once),
+    with the options that change what runs (--env-from, --wait), quoted for a POSIX shell."""
+    words = [*program, "run", "--breadcrumbs"]
     if isinstance(env_from, str):
         words += ["--env-from", env_from]
+    if wait_s != DEFAULT_WAIT_S:
+        words += ["--wait", f"{wait_s:g}"]
     return shlex.join([*words, "--", *argv])
 
 

@@ -108,19 +108,26 @@ def _who(p: Process, ctx: Context) -> str:
 
 
 def _device(p: Process, ctx: Context) -> dict[str, Any]:
-    """where.device: the op in flight's device, else the usual one GPU per local rank."""
+    """where.device: the op in flight's device, else the one GPU the process could see, else the
+    usual one GPU per local rank. The GPU behind it comes from the environment's GPU list or,
+    without one (no NVML, --env-from another node, the list not read in time), from the
+    CUDA_VISIBLE_DEVICES the process record holds."""
     gpus = ctx.environment.gpus if ctx.environment is not None else []
     visible = p.record.get("cuda_visible_devices")
+    listed = [v.strip() for v in str(visible).split(",") if v.strip()] if visible is not None else None
+    if listed and listed[0].startswith("-"):
+        listed = []  # CUDA_VISIBLE_DEVICES=-1 hides every GPU
+    count = len(listed) if listed is not None else len(gpus)
     current = _in_flight(p)
     index: int | None = None
     basis = None
     if current and str(current[-1].get("device") or "").startswith("cuda"):
         _, _, number = str(current[-1]["device"]).partition(":")
         index, basis = (int(number) if number.isdigit() else 0), "op in flight"
-    elif gpus and p.local_rank is not None:
-        index, basis = p.local_rank, "LOCAL_RANK (one GPU per rank)"
-    elif gpus and len([v for v in str(visible).split(",") if v.strip()] if visible is not None else gpus) == 1:
+    elif count == 1:
         index, basis = 0, "the only GPU it could see"
+    elif count and p.local_rank is not None and 0 <= p.local_rank < count:
+        index, basis = p.local_rank, "LOCAL_RANK (one GPU per rank)"
     if index is None:
         return {}
     gpu = gpu_for(gpus, visible, index)
@@ -146,8 +153,20 @@ def _where(p: Process, ctx: Context) -> dict[str, Any]:
     current = _in_flight(p)
     if current:
         where["module"] = current[-1].get("module")
-        where["op"] = current[-1].get("op")
+        where["op"] = overload_name(current[-1].get("op"))
     return where
+
+
+def overload_name(op: Any) -> str | None:
+    """An op as SPEC 3.2 spells where.op, str() of the OpOverload as numerics findings give it:
+    the ring's schema name 'aten::addmm' is 'aten.addmm.default', 'aten::add.Tensor' is
+    'aten.add.Tensor'; a name already in that form is kept, an unreadable one is unknown."""
+    if not isinstance(op, str) or not op or op == "?":
+        return None
+    namespace, sep, rest = op.partition("::")
+    if not sep:
+        return op
+    return f"{namespace}.{rest}" if "." in rest else f"{namespace}.{rest}.default"
 
 
 def _in_flight(p: Process) -> list[dict[str, Any]]:
@@ -166,7 +185,7 @@ def op_text(op: dict[str, Any]) -> str:
     args = ", ".join(
         f"{dtype}{list(shape)}" for dtype, shape in zip(op.get("dtypes") or [], op.get("shapes") or [], strict=False)
     )
-    text = f"{op.get('op')}({args})"
+    text = f"{overload_name(op.get('op')) or '?'}({args})"
     if op.get("module") is not None:
         text += f" in {op['module'] or '<root module>'}"
     if op.get("device"):

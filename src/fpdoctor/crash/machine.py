@@ -103,6 +103,10 @@ class EnvironmentJoin:
         return Environment(findings=kept, gpus=list(facts.get("gpus") or []), source=source)
 
 
+# a GPU or MIG instance's UUID as nvidia-smi -L prints it (CUDA_VISIBLE_DEVICES may hold a prefix)
+_FULL_UUID = re.compile(r"(GPU|MIG)-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+
+
 def gpu_for(gpus: list[dict[str, Any]], visible: str | None, device: int | None) -> dict[str, Any]:
     """The physical GPU behind `cuda:<device>` under CUDA_VISIBLE_DEVICES, as far as known."""
     if device is None:
@@ -115,6 +119,8 @@ def gpu_for(gpus: list[dict[str, Any]], visible: str | None, device: int | None)
     match = None
     if isinstance(physical, str) and not physical.isdigit():
         match = next((g for g in gpus if str(g.get("uuid", "")).startswith(physical)), None)
+        if match is None and _FULL_UUID.fullmatch(physical):
+            entry["uuid"] = physical  # named in full: known without the GPU list
     elif physical is not None:
         match = next((g for g in gpus if g.get("index") == int(physical)), None)
         entry["index"] = int(physical)
