@@ -198,3 +198,55 @@ def test_commands_that_cannot_start(tmp_path):
         launch([str(text_file)], env=dict(os.environ))
     with pytest.raises(CommandError, match="no such file"):
         launch([str(tmp_path / "absent.sh")], env=dict(os.environ))
+
+
+@pytest.mark.timeout(120)
+def test_a_command_that_outlives_sigkill_does_not_hold_the_report(tmp_path, monkeypatch):
+    """A process stuck in a kernel call (a hung GPU driver) ignores even SIGKILL until the call
+    returns: after the bounded wait the report comes all the same."""
+    from fpdoctor.crash import launcher as launcher_module
+
+    real_signal_all = launcher_module._signal_all
+
+    def sigkill_lost(pids: list[int], signum: int) -> None:
+        if signum != signal.SIGKILL:  # as if every process were stuck where SIGKILL cannot reach it
+            real_signal_all(pids, signum)
+
+    monkeypatch.setattr(launcher_module, "_signal_all", sigkill_lost)
+    rank = script(
+        tmp_path,
+        """
+        import os, signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if os.environ["RANK"] == "1":
+            os.abort()
+        time.sleep(600)
+        """,
+        "rank.py",
+    )
+    pid_file = tmp_path / "launcher.pid"
+    launcher = script(
+        tmp_path,
+        f"""
+        import os, signal, subprocess, sys
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        open({str(pid_file)!r}, "w").write(str(os.getpid()))
+        procs = [subprocess.Popen([sys.executable, {rank!r}], env={{**os.environ, "RANK": str(r), "WORLD_SIZE": "2"}})
+                 for r in range(2)]
+        for p in procs:
+            p.wait()
+        """,
+        "launcher.py",
+    )
+    started = time.monotonic()
+    try:
+        result = run_command([sys.executable, launcher], stdout=None, stderr=None, environment=False, wait_s=1.0)
+        assert time.monotonic() - started < 30
+        assert result.exit_code == 128 + signal.SIGKILL  # what the shell will see once SIGKILL lands
+        (crash,) = result.report.by_name("fatal-signal")
+        assert crash.where["rank"] == 1 and crash.evidence["signal"] == "SIGABRT"
+        summary = dict(result.report.data["summary"])
+        assert "still there after SIGKILL" in summary["not ended"]
+    finally:
+        pid = int(pid_file.read_text())
+        real_signal_all([pid, *descendants(pid)], signal.SIGKILL)

@@ -29,6 +29,7 @@ TAIL_BYTES = 256 * 1024  # what the report reads from each stream: backtraces an
 POLL_S = 0.2  # how often the run directory is looked at for a rank's death (well inside the 5 s budget)
 SETTLE_S = 10.0  # for a launcher to exit once every rank has ended (a loaded machine: seconds)
 GRACE_S = 1.0  # after SIGTERM, before SIGKILL, once the bounded wait is over
+KILL_WAIT_S = 2.0  # after SIGKILL: a process in an uninterruptible call (a hung GPU driver) stays
 FORWARDED = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGINT")
 
 
@@ -49,6 +50,7 @@ class Launched:
     stderr_tail: bytes
     first_failure: float | None = None  # when a failure inside the command was first seen
     stopped: bool = False  # fpdoctor terminated the command after the bounded wait
+    unended: bool = False  # it had not ended even after SIGKILL when the report was written
     signals: list[str] = field(default_factory=list)  # signals fpdoctor received and passed on
 
     @property
@@ -269,12 +271,14 @@ def _signal_all(pids: list[int], signum: int) -> None:
 
 def _stop(proc: subprocess.Popen[bytes], extra: Callable[[], list[int]], ended: threading.Event) -> None:
     """Terminate the command and everything below it: SIGTERM (each Python process dumps its
-    stacks on the way out), then SIGKILL what is left after a grace period."""
+    stacks on the way out), then SIGKILL what is left after a grace period. Bounded: a process
+    stuck in the kernel (D state) ignores even SIGKILL until the call returns, and the report
+    is not held back for it."""
     tree = [proc.pid, *descendants(proc.pid), *extra()]
     _signal_all(tree, signal.SIGTERM)
     if not ended.wait(GRACE_S):
         _signal_all([pid for pid in [proc.pid, *descendants(proc.pid), *extra()] if running(pid)], signal.SIGKILL)
-    ended.wait()
+        ended.wait(KILL_WAIT_S)
 
 
 def launch(
@@ -364,17 +368,18 @@ def launch(
         drain_until = time.monotonic() + max(1.0, min(wait_s, 5.0))
         for pump in pumps:
             pump.join(timeout=max(0.0, drain_until - time.monotonic()))
-    assert proc.returncode is not None
+    code = proc.returncode  # None: SIGKILL is on its way, its status is the one the shell will see
     return Launched(
         argv=list(argv),
         pid=proc.pid,
-        returncode=proc.returncode,
+        returncode=-signal.SIGKILL if code is None else code,
         started=started,
         ended=ended,
         stdout_tail=out_pump.tail() if out_pump is not None else None,
         stderr_tail=err_pump.tail(),
         first_failure=first,
         stopped=stopped,
+        unended=code is None,
         signals=seen,
     )
 

@@ -137,6 +137,10 @@ def _data(ctx: Context, events: list[Event]) -> dict[str, Any]:
         summary.append(("first failure", f"{short(e.process)} {what} at {_clock(e.time)}"))
     if launched.stopped:
         summary.append(("stopped", "fpdoctor terminated the command: it was still running after the first failure"))
+    if launched.unended:
+        summary.append(
+            ("not ended", f"pid {launched.pid} was still there after SIGKILL: stuck in a kernel call (a hung driver?)")
+        )
     if ctx.interrupted:
         summary.append(("interrupted", ", ".join(launched.signals)))
     summary.append(("breadcrumbs", "on" if ctx.breadcrumbs else "off"))
