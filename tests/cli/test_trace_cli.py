@@ -40,10 +40,17 @@ def _script(tmp_path):
     return str(path)
 
 
+def _split(err: str) -> tuple[str, dict]:
+    """The script's own stderr, and the JSON report fpdoctor wrote after it (stdout is the script's)."""
+    at = err.index('{\n  "schema"')
+    return err[:at], json.loads(err[at:])
+
+
 def test_trace_a_script_that_makes_nan(tmp_path):
     result = run_fpdoctor("trace", "--format", "json", "--", _script(tmp_path), "bad")
     assert result.code == 1
-    doc = json.loads(result.out[result.out.index("{") :])
+    _, doc = _split(result.err)
+    assert "{" not in result.out  # the script's stdout is its own
     first = next(f for f in doc["findings"] if f["name"] == "nonfinite-produced")
     assert first["where"]["module"] == "0" and first["where"]["op"] == "aten.div.Tensor"
     assert first["evidence"]["location"].startswith(str(tmp_path / "train.py"))
@@ -52,7 +59,7 @@ def test_trace_a_script_that_makes_nan(tmp_path):
 
 def test_trace_a_healthy_script(tmp_path):
     result = run_fpdoctor("trace", "--", _script(tmp_path), "good")
-    assert result.code == 0 and "loss" in result.out and "OK" in result.out
+    assert result.code == 0 and "loss" in result.out and "OK" in result.err and "OK" not in result.out
 
 
 def test_script_errors_are_reported_with_exit_1(tmp_path):
@@ -60,7 +67,7 @@ def test_script_errors_are_reported_with_exit_1(tmp_path):
     path.write_text("import torch\nx = torch.ones(2) / 0\nraise RuntimeError('boom')\n")
     result = run_fpdoctor("trace", "--format", "json", "--", str(path))
     assert result.code == 1 and "RuntimeError: boom" in result.err
-    doc = json.loads(result.out)
+    _, doc = _split(result.err)
     assert "boom" in doc["data"]["not_checked"]["script"]
     assert [f["name"] for f in doc["findings"]] == ["nonfinite-produced"]
 
@@ -70,11 +77,13 @@ def test_bad_usage(tmp_path, cli):
     assert missing.code == 2 and "no such script" in missing.err
     bad_dtype = cli("trace", "--dtype", "fp12", "--", _script(tmp_path), "good")
     assert bad_dtype.code == 2 and "--dtype" in bad_dtype.err
+    typo = cli("trace", "--dtype", "bf61", "--", _script(tmp_path), "good")  # one set of names with compare/plan
+    assert typo.code == 2 and "did you mean bf16?" in typo.err
 
 
 def test_autocast_what_if(tmp_path):
     result = run_fpdoctor("trace", "--dtype", "bf16", "--format", "json", "--", _script(tmp_path), "good")
-    doc = json.loads(result.out[result.out.index("{") :])
+    _, doc = _split(result.err)
     assert ["autocast", "cpu bfloat16"] in doc["data"]["summary"]
     assert result.code == 0
 
@@ -103,7 +112,7 @@ def test_a_dtype_error_is_explained_and_the_traceback_is_the_users(tmp_path):
     path.write_text(MISMATCH)
     result = run_fpdoctor("trace", "--format", "json", "--", str(path))
     assert result.code == 1
-    doc = json.loads(result.out)
+    traceback, doc = _split(result.err)
     assert doc["verdict"] == "error"
     (f,) = [f for f in doc["findings"] if f["name"] == "dtype-mismatch"]
     assert f["where"] == {"module": "time_embed.2", "op": "aten.addmm.default", "phase": "forward"}
@@ -113,18 +122,18 @@ def test_a_dtype_error_is_explained_and_the_traceback_is_the_users(tmp_path):
     assert f["evidence"]["expected"] == "torch.float16" and f["evidence"]["dtype"] == "torch.float32"
     assert f["fix"].startswith("model.get_submodule('time_embed.2').to(torch.float16)")
     # the traceback a plain run prints: the script's lines, torch's modules, nothing of ours
-    assert "Traceback (most recent call last)" in result.err
-    assert f'File "{path}", line 12, in forward' in result.err
-    assert "mat1 and mat2 must have the same dtype" in result.err
-    assert "fpdoctor" not in result.err and "runpy" not in result.err and "_dynamo" not in result.err
+    assert "Traceback (most recent call last)" in traceback
+    assert f'File "{path}", line 12, in forward' in traceback
+    assert "mat1 and mat2 must have the same dtype" in traceback
+    assert "fpdoctor" not in traceback and "runpy" not in traceback and "_dynamo" not in traceback
 
 
 def test_headroom_is_opt_in(tmp_path):
     plain = run_fpdoctor("trace", "--format", "json", "--", _script(tmp_path), "good")
-    doc = json.loads(plain.out[plain.out.index("{") :])
+    _, doc = _split(plain.err)
     assert doc["data"]["headroom"] == []
     with_headroom = run_fpdoctor("trace", "--headroom", "--format", "json", "--", _script(tmp_path), "good")
-    doc = json.loads(with_headroom.out[with_headroom.out.index("{") :])
+    _, doc = _split(with_headroom.err)
     # "0" and the root hand on their last child's output: counted once, for the child
     assert {row["module"] for row in doc["data"]["headroom"]} == {"0.lin", "1"}
 

@@ -17,9 +17,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fpdoctor.cli import audit, compare, demo, env, explain, plan, trace
-    from fpdoctor.cli import health
-    from fpdoctor.cli import run
+    from fpdoctor.cli import audit, compare, demo, env, explain, health, plan, run, trace
 
     parser = _Parser(
         prog="fpdoctor",

@@ -74,9 +74,12 @@ def _umask() -> int:
     return mask
 
 
-def emit(report_dict: dict[str, Any], args: argparse.Namespace) -> None:
+def emit(report_dict: dict[str, Any], args: argparse.Namespace, *, stream: Any = None) -> None:
+    """The report to -o, else to `stream` (stdout; stderr for commands that run the user's
+    program, whose stdout is the program's own)."""
     if args.output:
         write_atomic(args.output, render(report_dict, args.format, color=False, verbose=True))
         return
-    color = args.format == "text" and sys.stdout.isatty() and "NO_COLOR" not in os.environ
-    sys.stdout.write(render(report_dict, args.format, color=color, verbose=getattr(args, "verbose", False)))
+    out = stream or sys.stdout
+    color = args.format == "text" and out.isatty() and "NO_COLOR" not in os.environ
+    out.write(render(report_dict, args.format, color=color, verbose=getattr(args, "verbose", False)))

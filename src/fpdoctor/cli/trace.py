@@ -25,7 +25,6 @@ from typing import Any
 
 from fpdoctor.cli.output import UsageError, add_output_args, emit, write_atomic
 
-_AUTOCAST = {"fp16": "float16", "float16": "float16", "half": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 _FPDOCTOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # torch's plumbing between a Python call and a dispatch mode (dynamo's disable wrapper around
 # __torch_dispatch__, the op overload's __call__): absent from a plain run's traceback
@@ -118,9 +117,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{script}: no such script; usage: fpdoctor trace [--dtype fp16|bf16] -- SCRIPT.py [ARGS...]")
     dtype_name = None
     if args.dtype:
-        dtype_name = _AUTOCAST.get(args.dtype.lower())
-        if dtype_name is None:
-            raise UsageError(f"--dtype {args.dtype!r} is not supported here; use fp16 or bf16")
+        from fpdoctor.precision.names import autocast_dtype
+
+        try:  # the same names, aliases and "did you mean" as compare and plan
+            dtype_name = autocast_dtype(args.dtype)
+        except ValueError as exc:
+            raise UsageError(f"--dtype: {exc}") from None
     script_args = args.args[1:] if args.args[:1] == ["--"] else args.args
     dist = rank_info()
     if args.output and dist is not None:
@@ -192,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     if dist is not None and args.output:
         _write_rank(report.to_dict(), args, dist)
     else:
-        emit(report.to_dict(), args)
+        emit(report.to_dict(), args, stream=sys.stderr)  # stdout belongs to the script
     return status
 
 
