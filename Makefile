@@ -33,6 +33,12 @@ bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/bench_sentinel.py
 	$(BIN)/python benchmarks/bench_compare.py
 	$(BIN)/python benchmarks/bench_demo.py
+	$(BIN)/python benchmarks/bench_health.py
+	$(BIN)/python benchmarks/bench_fingerprint.py
+	$(BIN)/python benchmarks/bench_run.py
+	$(BIN)/python benchmarks/bench_breadcrumbs.py
+	$(BIN)/python benchmarks/bench_html.py
+	$(BIN)/python benchmarks/bench_integrations.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
