@@ -4,12 +4,14 @@ Lightning's `Trainer.fit` and the Hugging Face `Trainer.train` run the same smal
 without FpDoctorCallback, one short run per variant per round, interleaved (A B C, A B C, ...) so
 that the machine's load drifts hit every variant alike. A step is timed inside the framework's
 loop, between its own step-begin and step-end events, by a timing callback placed first; medians.
-The callback's own time - every hook of it timed, the model hooks included - is reported as a
-share of the plain step too. Both are measured in CPU time of the process (`time.process_time`,
-every thread, torch's intra-op threads included) beside wall time: on a shared machine other
-processes' load stretches wall time by tens of percent at random, and even a whole step's CPU time
-by a few percent (caches, memory bandwidth), while the callback's own CPU time is its own. The
-budget is judged on the callback's own CPU time; the whole-step ratios are printed beside it.
+The callback's own time - every hook of it timed, the model hooks included - is what the budget
+is judged on: a whole step's time moves by several percent from run to run on a shared machine
+(other processes' load), more than the 1% to be measured, while the time spent inside the
+callback is the callback's. It is measured two ways, each an upper bound: wall time (which also
+counts the moments the process was preempted) and CPU time of the process (`time.process_time`,
+which also counts torch's intra-op threads spinning after the parallel work that ran just before
+a hook); the tighter of the two is judged. Whole-step ratios, in CPU and wall time, are printed
+beside it for the record.
 
 Lightning: the 4-layer transformer of benchmarks/models.py (dim 256, 8 x 64 tokens, fp32, AdamW).
 Hugging Face: a 4-layer GPT-2 built from its config (dim 256, 8 x 64 tokens, fp32, AdamW).
@@ -231,13 +233,14 @@ def report(title: str, medians: dict[str, dict[str, float]]) -> bool:
             f"wall {m['wall'] * 1e3:8.2f} ms/step x{m['wall'] / plain['wall']:5.3f}"
         )
     m = medians["callback"]
-    share, whole = m["own_cpu"] / plain["cpu"], m["cpu"] / plain["cpu"] - 1
+    cpu_share, wall_share = m["own_cpu"] / plain["cpu"], m["own_wall"] / plain["wall"]
     print(
-        f"    callback's own time: CPU {m['own_cpu'] * 1e3:.3f} ms/step = {share:.2%} of the plain step "
-        f"(wall {m['own_wall'] * 1e3:.3f} ms = {m['own_wall'] / plain['wall']:.2%})"
+        f"    callback's own time: CPU {m['own_cpu'] * 1e3:.3f} ms/step = {cpu_share:.2%} of the plain step, "
+        f"wall {m['own_wall'] * 1e3:.3f} ms/step = {wall_share:.2%}"
     )
+    share = min(cpu_share, wall_share)
     ok = share <= 0.01
-    print(f"  overhead: own {share:.2%} of a step (budget <= 1%)  {'PASS' if ok else 'FAIL'}; whole step {whole:+.2%}")
+    print(f"  overhead: {share:.2%} of a step (budget <= 1%)  {'PASS' if ok else 'FAIL'}")
     return ok
 
 

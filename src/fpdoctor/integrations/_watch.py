@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -147,6 +146,8 @@ class StepWatch:
         self._params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
         self._device = self._params[0].device if self._params else torch.device("cpu")
         self._losses: deque[float] = deque(maxlen=SPIKE_WINDOW)
+        self._zero = torch.zeros((), device=self._device)
+        self._nan = torch.full((), float("nan"), device=self._device)
         self._buffers = BufferSnapshot(model)
         self._micros: list[_Micro] = []
         self._why_not: str | None = None  # why the current window cannot be replayed
@@ -231,8 +232,9 @@ class StepWatch:
         try:
             with torch.no_grad():
                 t = loss.detach() if isinstance(loss, torch.Tensor) else torch.as_tensor(loss)
-                flag = loss_flag(t, self._device)
                 value = t.float().mean().to(self._device)
+                # a one-element loss is its own value (float32 holds every fp16/bf16 value, and Inf/NaN)
+                flag = loss_flag(value if t.numel() == 1 else t, self._device)
                 if scale is not None:
                     value = value / scale.to(self._device, torch.float32)
                 if times != 1.0:
@@ -283,18 +285,18 @@ class StepWatch:
             flagged = [(i, m) for i, m in enumerate(micros, start=1) if m.loss_flag is not None]
             flags = [m.loss_flag for _, m in flagged if m.loss_flag is not None]
             values = [m.loss_value for _, m in flagged if m.loss_value is not None]
-            local_loss = torch.stack(flags).amax() if flags else torch.zeros((), device=self._device)
-            nan = torch.full((), float("nan"), device=self._device)
+            each = torch.stack(flags) if flags else self._zero.reshape(1)  # one loss flag per micro-batch
+            local_loss = each.amax()
+            nan = self._nan
             loss_value = (
                 (torch.stack(values).sum() if self.sum_losses else torch.stack(values).mean()) if values else nan
             )
             grad = nonfinite_flag(grads_of(self._params), self._device)
-            agreed = torch.stack([local_loss, grad])
-            if self._distributed:
-                agreed = distributed.all_max(agreed)  # every rank skips, or none: replicas stay equal
+            agreed = [local_loss, grad]
+            if self._distributed:  # every rank skips, or none: replicas stay equal
+                agreed = list(distributed.all_max(torch.stack(agreed)).unbind())
             scale = amp.scale_tensor(self.scaler, self._device) if self.scaler is not None else nan
-            each = [torch.stack(flags)] if flags else []  # one loss flag per micro-batch, read along
-            values_read = FlagRead(torch.cat([agreed, torch.stack([local_loss, loss_value, scale]), *each])).values()
+            values_read = FlagRead(torch.cat([torch.stack([*agreed, local_loss, loss_value, scale]), each])).values()
         checked = Check(
             step,
             bad_loss=values_read[_LOSS] > 0,
@@ -305,7 +307,7 @@ class StepWatch:
             spread=spread,
         )
         if not checked.finite:  # host reads from here on: bad steps only
-            bad = [i for (i, _), v in zip(flagged, values_read[_SCALE + 1 :], strict=True) if v > 0]
+            bad = [i for (i, _), v in zip(flagged, values_read[_SCALE + 1 :], strict=False) if v > 0]
             checked.micro = bad[0] if bad else None
             checked.faults = self._watch.local_faults() if self._watch is not None else None
             checked.parameters = [] if self._watch is not None else self._bad_parameters()
@@ -521,8 +523,9 @@ class StepWatch:
             return
         history = self._losses
         if len(history) >= SPIKE_MIN_HISTORY:
-            mean = statistics.fmean(history)
-            spread = statistics.pstdev(history)
+            # floats, not statistics.pstdev's exact fractions: 32 values, every step, within 1e-15
+            mean = math.fsum(history) / len(history)
+            spread = math.sqrt(math.fsum((v - mean) ** 2 for v in history) / len(history))
             if loss_value > mean + SPIKE_SIGMAS * spread and loss_value > SPIKE_RATIO * abs(mean):
                 self.findings.append(
                     findings.spike_finding(step, loss_value, mean, spread, len(history), here=self._here)
