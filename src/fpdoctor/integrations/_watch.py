@@ -37,14 +37,14 @@ from fpdoctor import catalog
 from fpdoctor.numerics import amp, distributed
 from fpdoctor.numerics import sentinel_findings as findings
 from fpdoctor.numerics.control import ControlResult, run_control, wants_control
-from fpdoctor.numerics.gradcheck import FlagRead, grads_of, kind_of, loss_flag, nonfinite_flag, tensor_kind
+from fpdoctor.numerics.gradcheck import FlagRead, grads_of, kind_of, nonfinite_flag, tensor_kind
 from fpdoctor.numerics.replay import MicroBatch, ReplayResult, replay
 from fpdoctor.numerics.sentinel import SPIKE_MIN_HISTORY, SPIKE_RATIO, SPIKE_SIGMAS, SPIKE_WINDOW, StepOutcome
 from fpdoctor.preserve import BufferSnapshot, RngState, preserved
 from fpdoctor.report.model import Finding
 
-# the numbers read back per optimizer step, in this order (then one loss flag per micro-batch)
-_LOSS, _GRAD, _LOCAL_LOSS, _LOSS_VALUE, _SCALE = range(5)
+# the numbers read back per optimizer step, in this order, then each micro-batch's loss
+_LOSS, _GRAD, _SCALE, _DIVISOR, _LOSSES = range(5)
 
 SPREAD_NOTE = (
     " The gradients were read after a gradient-norm computation that multiplies every gradient by the "
@@ -84,8 +84,7 @@ class _Micro:
     rng: RngState
     args: tuple[Any, ...] | None = None
     kwargs: dict[str, Any] | None = None
-    loss_flag: torch.Tensor | None = None
-    loss_value: torch.Tensor | None = None
+    loss: torch.Tensor | None = None  # float32, 0-d, on the device: as the framework computed it
 
 
 @dataclass
@@ -147,7 +146,10 @@ class StepWatch:
         self._device = self._params[0].device if self._params else torch.device("cpu")
         self._losses: deque[float] = deque(maxlen=SPIKE_WINDOW)
         self._zero = torch.zeros((), device=self._device)
+        self._one = torch.ones((), device=self._device)
         self._nan = torch.full((), float("nan"), device=self._device)
+        self._loss_scale: torch.Tensor | None = None  # what the window's losses were multiplied by
+        self._loss_times = 1.0  # and divided by
         self._buffers = BufferSnapshot(model)
         self._micros: list[_Micro] = []
         self._why_not: str | None = None  # why the current window cannot be replayed
@@ -225,23 +227,25 @@ class StepWatch:
 
     def loss(self, loss: Any, *, scale: torch.Tensor | None = None, times: float = 1.0) -> None:
         """The current micro-batch's loss, as the framework computed it: divided by `scale` (a loss
-        scaled for backward) and multiplied by `times` (a loss divided for accumulation)."""
+        scaled for backward) and multiplied by `times` (a loss divided for accumulation) for the
+        loss curve. Kept by reference: the few ops that judge it run once per step, in `check`."""
         if not self._micros:
             return
         micro = self._micros[-1]
         try:
-            with torch.no_grad():
-                t = loss.detach() if isinstance(loss, torch.Tensor) else torch.as_tensor(loss)
-                value = t.float().mean().to(self._device)
-                # a one-element loss is its own value (float32 holds every fp16/bf16 value, and Inf/NaN)
-                flag = loss_flag(value if t.numel() == 1 else t, self._device)
-                if scale is not None:
-                    value = value / scale.to(self._device, torch.float32)
-                if times != 1.0:
-                    value = value * times
-                if micro.loss_flag is not None:  # a second loss in one micro-batch: either bad makes it bad
-                    flag = torch.maximum(micro.loss_flag, flag)
-            micro.loss_flag, micro.loss_value = flag, value
+            t = loss.detach() if isinstance(loss, torch.Tensor) else torch.as_tensor(loss)
+            if t.numel() != 1:  # its mean, or NaN when an element is NaN/Inf but the mean is not
+                with torch.no_grad():
+                    mean = t.float().mean()
+                    t = torch.where(torch.isfinite(t).all() | ~torch.isfinite(mean), mean, self._nan)
+            if t.dim() != 0:
+                t = t.reshape(())
+            if t.dtype != torch.float32 or t.device != self._device:
+                t = t.to(self._device, torch.float32)  # float32 holds every fp16/bf16 value, and NaN/Inf
+            if micro.loss is not None:  # a second loss in one micro-batch: either bad makes it bad
+                t = micro.loss + t
+            micro.loss = t
+            self._loss_scale, self._loss_times = scale, times
         except Exception as exc:
             self._error("reading the loss", exc)
 
@@ -281,34 +285,33 @@ class StepWatch:
     # -- the decision ----------------------------------------------------------------------------
     def _read(self, step: int, spread: bool) -> Check:
         micros = self._micros
+        seen = [(i, m.loss) for i, m in enumerate(micros, start=1) if m.loss is not None]
         with torch.no_grad():
-            flagged = [(i, m) for i, m in enumerate(micros, start=1) if m.loss_flag is not None]
-            flags = [m.loss_flag for _, m in flagged if m.loss_flag is not None]
-            values = [m.loss_value for _, m in flagged if m.loss_value is not None]
-            each = torch.stack(flags) if flags else self._zero.reshape(1)  # one loss flag per micro-batch
-            local_loss = each.amax()
-            nan = self._nan
-            loss_value = (
-                (torch.stack(values).sum() if self.sum_losses else torch.stack(values).mean()) if values else nan
-            )
             grad = nonfinite_flag(grads_of(self._params), self._device)
-            agreed = [local_loss, grad]
+            # the losses themselves come back and are judged on the host: NaN/Inf survive the trip
+            raw = torch.stack([loss for _, loss in seen]) if seen else self._zero.new_empty(0)
+            scale = amp.scale_tensor(self.scaler, self._device) if self.scaler is not None else self._nan
+            divisor = self._loss_scale.reshape(()).float() if self._loss_scale is not None else self._one
+            head = [grad, grad, scale, divisor]
             if self._distributed:  # every rank skips, or none: replicas stay equal
-                agreed = list(distributed.all_max(torch.stack(agreed)).unbind())
-            scale = amp.scale_tensor(self.scaler, self._device) if self.scaler is not None else nan
-            values_read = FlagRead(torch.cat([torch.stack([*agreed, local_loss, loss_value, scale]), each])).values()
+                local = torch.isfinite(raw).all().logical_not().float()
+                head[:2] = distributed.all_max(torch.stack([local, grad])).unbind()
+            values = FlagRead(torch.cat([torch.stack(head), raw])).values()
+        losses = values[_LOSSES:]
+        curve = [v / values[_DIVISOR] * self._loss_times for v in losses]
+        local_bad = [i for (i, _), v in zip(seen, losses, strict=True) if not math.isfinite(v)]
+        loss_value = (sum(curve) if self.sum_losses else sum(curve) / len(curve)) if curve else math.nan
         checked = Check(
             step,
-            bad_loss=values_read[_LOSS] > 0,
-            bad_grad=values_read[_GRAD] > 0,
-            local_loss=values_read[_LOCAL_LOSS] > 0,
-            loss_value=values_read[_LOSS_VALUE],
-            scale=values_read[_SCALE],
+            bad_loss=values[_LOSS] > 0 if self._distributed else bool(local_bad),
+            bad_grad=values[_GRAD] > 0,
+            local_loss=bool(local_bad),
+            loss_value=loss_value,
+            scale=values[_SCALE],
             spread=spread,
         )
         if not checked.finite:  # host reads from here on: bad steps only
-            bad = [i for (i, _), v in zip(flagged, values_read[_SCALE + 1 :], strict=False) if v > 0]
-            checked.micro = bad[0] if bad else None
+            checked.micro = local_bad[0] if local_bad else None
             checked.faults = self._watch.local_faults() if self._watch is not None else None
             checked.parameters = [] if self._watch is not None else self._bad_parameters()
         return checked
