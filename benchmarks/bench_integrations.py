@@ -11,7 +11,8 @@ callback is the callback's. It is measured two ways, each an upper bound: wall t
 counts the moments the process was preempted) and CPU time of the process (`time.process_time`,
 which also counts torch's intra-op threads spinning after the parallel work that ran just before
 a hook); the tighter of the two is judged. Whole-step ratios, in CPU and wall time, are printed
-beside it for the record.
+beside it for the record, with a second plain run ("plain again") whose ratio to the first is
+the noise any whole-step difference must beat.
 
 Lightning: the 4-layer transformer of benchmarks/models.py (dim 256, 8 x 64 tokens, fp32, AdamW).
 Hugging Face: a 4-layer GPT-2 built from its config (dim 256, 8 x 64 tokens, fp32, AdamW).
@@ -154,7 +155,7 @@ def lightning_variants(steps: int) -> dict[str, Callable[[], dict[str, float]]]:
             trainer.fit(LM(), data)
         return clock.medians()
 
-    return {name: functools.partial(run, name) for name in ("plain", "callback", "detect_anomaly")}
+    return {name: functools.partial(run, name) for name in ("plain", "callback", "plain again", "detect_anomaly")}
 
 
 # -- Hugging Face ------------------------------------------------------------------------------------
@@ -213,7 +214,7 @@ def hf_variants(steps: int) -> dict[str, Callable[[], dict[str, float]]]:
         transformers.Trainer(model=model, args=args, train_dataset=Same(), callbacks=callbacks).train()
         return clock.medians()
 
-    return {name: functools.partial(run, name) for name in ("plain", "callback")}
+    return {name: functools.partial(run, name) for name in ("plain", "callback", "plain again")}
 
 
 def measure(variants: dict[str, Callable[[], dict[str, float]]], rounds: int) -> dict[str, dict[str, float]]:
