@@ -4,15 +4,14 @@ Lightning's `Trainer.fit` and the Hugging Face `Trainer.train` run the same smal
 without FpDoctorCallback, one short run per variant per round, interleaved (A B C, A B C, ...) so
 that the machine's load drifts hit every variant alike. A step is timed inside the framework's
 loop, between its own step-begin and step-end events, by a timing callback placed first; medians.
-The callback's own time - every hook of it timed, the model hooks included - is what the budget
-is judged on: a whole step's time moves by several percent from run to run on a shared machine
-(other processes' load), more than the 1% to be measured, while the time spent inside the
-callback is the callback's. It is measured two ways, each an upper bound: wall time (which also
-counts the moments the process was preempted) and CPU time of the process (`time.process_time`,
-which also counts torch's intra-op threads spinning after the parallel work that ran just before
-a hook); the tighter of the two is judged. Whole-step ratios, in CPU and wall time, are printed
-beside it for the record, with a second plain run ("plain again") whose ratio to the first is
-the noise any whole-step difference must beat.
+The callback's own time - every hook of it timed, the model hooks included, as wall time - is
+what the budget is judged on, as a share of the plain step's wall time: a whole step's time moves
+by several percent from run to run on a shared machine, more than the 1% to be measured (a second
+plain run, "plain again", shows by how much), while the time spent inside the callback is the
+callback's. It is an upper bound of the cost (it also counts moments the process was preempted:
+run it on a quiet machine). Whole-step ratios are printed beside it, and CPU time (all threads,
+`time.process_time`) for the record: the callback's work is mostly single-threaded small ops and
+one pass over the gradients, the step's is spread over torch's intra-op threads.
 
 Lightning: the 4-layer transformer of benchmarks/models.py (dim 256, 8 x 64 tokens, fp32, AdamW).
 Hugging Face: a 4-layer GPT-2 built from its config (dim 256, 8 x 64 tokens, fp32, AdamW).
@@ -239,9 +238,8 @@ def report(title: str, medians: dict[str, dict[str, float]]) -> bool:
         f"    callback's own time: CPU {m['own_cpu'] * 1e3:.3f} ms/step = {cpu_share:.2%} of the plain step, "
         f"wall {m['own_wall'] * 1e3:.3f} ms/step = {wall_share:.2%}"
     )
-    share = min(cpu_share, wall_share)
-    ok = share <= 0.01
-    print(f"  overhead: {share:.2%} of a step (budget <= 1%)  {'PASS' if ok else 'FAIL'}")
+    ok = wall_share <= 0.01
+    print(f"  overhead: {wall_share:.2%} of a step (budget <= 1%)  {'PASS' if ok else 'FAIL'}")
     return ok
 
 

@@ -17,8 +17,9 @@ it at `on_train_begin`, removed at `on_train_end`):
   skipped (gradients set to None, so `optimizer.step()` changes nothing); an overflow under fp16's
   GradScaler is the scaler's to skip (the Trainer's `optimizer_step_was_skipped`), counted as an
   AMP skip;
-- `on_log`: `logging_nan_inf_filter` (on by default) logs the running mean instead of a NaN/Inf
-  loss, so the logs look healthy; the callback adds `nonfinite_steps` (how many since the last
+- `on_log`: with `logging_nan_inf_filter` (on by default) the Trainer counts the mean of the
+  logging interval's other losses in place of a NaN/Inf one (0 when it is logged alone), so the
+  logs look healthy; the callback adds `nonfinite_steps` (how many since the last
   log) to that log entry and to `state.log_history`, and names each such step in a warning.
 
 What it cannot do: see a loss computed outside the model's forward (`compute_loss` overridden,
@@ -140,7 +141,8 @@ class FpDoctorCallback(_Callback):
             line = _report.step_line(watch.findings, step)
             if line and checked.bad_loss and self._filtering:
                 line += (
-                    " The Trainer's logged loss hides it: logging_nan_inf_filter=True logs the running mean instead."
+                    " The Trainer's logs hide it: with logging_nan_inf_filter=True they count the mean of the "
+                    "interval's other losses in its place (0 when it is logged alone)."
                 )
             if line:
                 _logger().warning(line)
