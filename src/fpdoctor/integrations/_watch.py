@@ -5,8 +5,8 @@ at the points its callbacks see - a micro-batch starts (its inputs, the RNG stat
 computed, the gradients are complete - and decides each optimizer step before the framework takes
 it, as `fpdoctor.Sentinel` does for a loop of the user's own:
 
-- one fused finite check of the gradients, and one of each micro-batch's loss, on the device; a
-  few numbers read back once per optimizer step;
+- one fused finite check of the gradients on the device; a few numbers read back once per
+  optimizer step (that flag, each micro-batch's loss, the loss scale), the losses judged on the host;
 - a non-finite step is skipped: every gradient is set to None before `optimizer.step()`, which
   torch's optimizers (foreach and fused alike) then leave untouched, state and weights. Under a
   GradScaler an overflowing step is the scaler's to skip (it found the Inf itself): counted as an
@@ -259,14 +259,15 @@ class StepWatch:
         except Exception as exc:
             self._error("checking the step", exc, step)
 
-    def decide(self, step: int, params: list[torch.Tensor] | None = None) -> Check | None:
+    def decide(self, step: int, params: list[torch.Tensor] | None = None, *, spread: bool = False) -> Check | None:
         """Decide the optimizer step about to be taken. Finite: nothing. Non-finite: reported,
         replayed and skipped (the gradients of `params`, default every trainable parameter, set
-        to None) - unless a GradScaler skips it itself. The check's result, None if it failed."""
+        to None) - unless a GradScaler skips it itself. `spread`: the gradients, if not read yet,
+        are read after a gradient-norm computation. The check's result, None if it failed."""
         skip = False
         checked: Check | None = None
         try:
-            self.check(step, spread=True)
+            self.check(step, spread=spread)
             checked = self._checked
             if checked is not None:
                 skip = self._decide(checked)

@@ -131,7 +131,7 @@ class FpDoctorCallback(_Callback):
         if watch is None:
             return
         step = state.global_step + 1  # the step being taken, as the Trainer's logs will number it
-        checked = watch.decide(step)
+        checked = watch.decide(step, spread=True)  # unless read at the end of the backward
         if checked is None or checked.finite:
             return
         if watch.scaler is not None and checked.bad_grad and not checked.bad_loss:
