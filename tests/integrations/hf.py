@@ -12,6 +12,21 @@ transformers = pytest.importorskip("transformers", reason="the Hugging Face call
 pytest.importorskip("accelerate", reason="the Hugging Face Trainer needs accelerate (`make test`)")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from fpdoctor.integrations.hf import FpDoctorCallback  # noqa: E402  (only with transformers there)
+
+__all__ = [
+    "NAN",
+    "FpDoctorCallback",
+    "Tokens",
+    "Weights",
+    "arguments",
+    "poison_activation",
+    "poison_gradient",
+    "tiny_gpt2",
+    "transformers",
+]
+
+
 NAN = float("nan")
 
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -13,6 +10,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 pl = pytest.importorskip("lightning.pytorch", reason="the Lightning callback's tests need lightning (`make test`)")
+
+from fpdoctor.integrations.lightning import FpDoctorCallback, _Hooks  # noqa: E402  (only with Lightning there)
+from tests.integrations.common import logged, same  # noqa: E402
+
+__all__ = ["NAN", "FpDoctorCallback", "Net", "Weights", "_Hooks", "data", "logged", "pl", "same", "trainer"]
 
 NAN = float("nan")
 
@@ -105,31 +107,3 @@ def trainer(callbacks: list[Any], max_steps: int = 8, **kwargs: Any) -> Any:
         callbacks=callbacks,
         **kwargs,
     )
-
-
-def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
-
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.extend(record.getMessage().splitlines())
-
-
-@contextmanager
-def logged(name: str) -> Iterator[list[str]]:
-    """What fpdoctor says through a framework's logger (those loggers do not propagate to pytest's)."""
-    handler = Lines()
-    logger = logging.getLogger(name)
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
-        yield handler.lines
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)

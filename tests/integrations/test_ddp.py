@@ -119,6 +119,7 @@ def _lightning_worker(rank: int, out: str, results: dict) -> None:
 
 @pytest.mark.timeout(300)
 def test_lightning_ddp_names_the_rank_that_held_the_fault(tmp_path):
+    pytest.importorskip("lightning.pytorch", reason="the Lightning callback's tests need lightning (`make test`)")
     ranks = _launch(_lightning_worker, tmp_path)
     for r in ranks:
         assert "error" not in r, r["error"]
@@ -181,6 +182,8 @@ def _hf_worker(rank: int, out: str, results: dict) -> None:
 
 @pytest.mark.timeout(300)
 def test_hf_ddp_names_the_rank_that_held_the_fault(tmp_path):
+    pytest.importorskip("transformers", reason="the Hugging Face callback's tests need transformers")
+    pytest.importorskip("accelerate", reason="the Hugging Face Trainer needs accelerate (`make test`)")
     ranks = _launch(_hf_worker, tmp_path)
     for r in ranks:
         assert "error" not in r, r["error"]

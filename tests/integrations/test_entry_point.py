@@ -11,8 +11,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from fpdoctor.integrations.lightning import FpDoctorCallback, _Hooks
-from tests.integrations.lit import Net, data, logged, trainer
+from tests.integrations.lit import FpDoctorCallback, Net, _Hooks, data, logged, trainer
 
 
 def _ours(run) -> list:

@@ -11,8 +11,9 @@ import math
 import pytest
 import torch
 
-from fpdoctor.integrations.hf import FpDoctorCallback
+from tests.integrations.common import logged, same
 from tests.integrations.hf import (
+    FpDoctorCallback,
     Tokens,
     Weights,
     arguments,
@@ -21,7 +22,6 @@ from tests.integrations.hf import (
     tiny_gpt2,
     transformers,
 )
-from tests.integrations.lit import logged, same
 
 LOGGER = "transformers.fpdoctor"
 C_FC = "transformer.h.0.mlp.c_fc.weight"

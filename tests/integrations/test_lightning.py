@@ -9,8 +9,7 @@ import math
 import pytest
 import torch
 
-from fpdoctor.integrations.lightning import FpDoctorCallback
-from tests.integrations.lit import NAN, Net, Weights, data, logged, pl, same, trainer
+from tests.integrations.lit import NAN, FpDoctorCallback, Net, Weights, data, logged, pl, same, trainer
 
 LOGGER = "lightning.pytorch.fpdoctor"
 

@@ -84,7 +84,7 @@ class FpDoctorCallback(_Callback):
         self._backward_queued = False
         self._unlogged = 0  # non-finite steps since the last log
         self._filtering = True
-        self._zero = True
+        self._main = True  # the world's process 0: the one that logs
 
     @property
     def report(self) -> Report:
@@ -102,7 +102,7 @@ class FpDoctorCallback(_Callback):
             return
         self._model, self._state = model, state
         self._filtering = bool(getattr(args, "logging_nan_inf_filter", False))
-        self._zero = bool(getattr(state, "is_world_process_zero", True))
+        self._main = bool(getattr(state, "is_world_process_zero", True))
         self._unlogged = 0
         scaler = getattr(optimizer, "scaler", None)  # accelerate's AcceleratedOptimizer holds fp16's GradScaler
         self._gradient_state = getattr(optimizer, "gradient_state", None)
@@ -137,7 +137,7 @@ class FpDoctorCallback(_Callback):
         if watch.scaler is not None and checked.bad_grad and not checked.bad_loss:
             return  # an AMP overflow: the scaler skips it, and that is not news
         self._unlogged += 1
-        if self._zero:
+        if self._main:
             line = _report.step_line(watch.findings, step)
             if line and checked.bad_loss and self._filtering:
                 line += (
@@ -172,7 +172,7 @@ class FpDoctorCallback(_Callback):
                 _report.write(report, path)
             except Exception as exc:  # a report we cannot write never fails the training
                 _logger().error(f"fpdoctor: could not write the report to {path}: {exc}")
-        if self._zero:
+        if self._main:
             (_logger().warning if report.findings else _logger().info)(
                 "\n".join(_report.summary_lines(report, "transformers"))
             )
