@@ -37,7 +37,7 @@ from fpdoctor import catalog
 from fpdoctor.numerics import amp, distributed
 from fpdoctor.numerics import sentinel_findings as findings
 from fpdoctor.numerics.control import ControlResult, run_control, wants_control
-from fpdoctor.numerics.gradcheck import FlagRead, grads_of, kind_of, nonfinite_flag, tensor_kind
+from fpdoctor.numerics.gradcheck import FlagRead, bad_parameters, grads_of, kind_of, nonfinite_flag, tensor_kind
 from fpdoctor.numerics.replay import MicroBatch, ReplayResult, replay
 from fpdoctor.numerics.sentinel import SPIKE_MIN_HISTORY, SPIKE_RATIO, SPIKE_SIGMAS, SPIKE_WINDOW, StepOutcome
 from fpdoctor.preserve import BufferSnapshot, RngState, preserved
@@ -513,14 +513,7 @@ class StepWatch:
         return True
 
     def _bad_parameters(self) -> list[tuple[str, str]]:
-        """(name, kind) of every parameter whose gradient is not finite (bad steps only)."""
-        bad = []
-        for name, p in self.model.named_parameters():
-            if p.grad is not None:
-                kind = tensor_kind(p.grad._values() if p.grad.is_sparse else p.grad)
-                if kind:
-                    bad.append((name, kind))
-        return bad
+        return bad_parameters(self.model)
 
     def _spike(self, step: int, loss_value: float) -> None:
         if not math.isfinite(loss_value):  # a NaN in the history would switch spike detection off

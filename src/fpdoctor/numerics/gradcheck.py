@@ -110,3 +110,14 @@ def skips_on_device(optimizer: torch.optim.Optimizer | None) -> bool:
     if "grad_scaler" in inspect.signature(optimizer.step).parameters:
         return False  # the older protocol: the optimizer expects the scaler itself
     return all(group.get("fused") for group in optimizer.param_groups)
+
+
+def bad_parameters(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """(name, kind) of every parameter whose gradient is not finite (host reads: bad steps only)."""
+    bad = []
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            kind = tensor_kind(p.grad._values() if p.grad.is_sparse else p.grad)
+            if kind:
+                bad.append((name, kind))
+    return bad

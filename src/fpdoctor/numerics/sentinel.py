@@ -37,6 +37,7 @@ from fpdoctor.numerics import sentinel_findings as findings
 from fpdoctor.numerics.control import ControlResult, run_control, wants_control
 from fpdoctor.numerics.gradcheck import (
     FlagRead,
+    bad_parameters,
     grads_of,
     kind_of,
     loss_flag,
@@ -508,14 +509,7 @@ class Sentinel:
         return True
 
     def _bad_parameters(self) -> list[tuple[str, str]]:
-        """(name, kind) of every parameter whose gradient is not finite (bad steps only)."""
-        bad = []
-        for name, p in self.model.named_parameters():
-            if p.grad is not None:
-                kind = tensor_kind(p.grad._values() if p.grad.is_sparse else p.grad)
-                if kind:
-                    bad.append((name, kind))
-        return bad
+        return bad_parameters(self.model)
 
     def _replay(self, pending: _Pending, kind: str | None, *, faulty: bool = True) -> str:
         """Replay the step; the verdict is this rank's when it holds (or may hold) the fault.
