@@ -226,47 +226,125 @@ def _compare(
     rng: RngState,
     prefix: str | None,
 ) -> CompareResult:
-    # The copies go into eval mode, never the user's model: model.train(flag) on the way back would
-    # overwrite every submodule's own flag (a frozen BatchNorm inside a training model).
-    truth_run = make_run(model, "fp64").eval()
-    cand_run = make_run(model, candidate, fp8_kernel, on).eval()
-    ref_run = make_run(model, reference).eval() if reference != "fp64" else None
-    if cand_device is not None:
-        cand_run = cand_run.to(cand_device)
-    cand_dtype = compute_dtype(candidate)
-    label = candidate if cand_device is None else f"{candidate} on {cand_device}"
-    leaves = {name for name, m in truth_run.named_modules() if not list(m.children())}
-    cand_modules = dict(cand_run.named_modules())
-    # the user's own weights (not the fp64 copies): the fp8 statistics convert them to float32 anyway
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    fp8_dtype = fp8_format(candidate)
-    seen: dict[tuple[str, int], _Seen] = {}
-    fp8_rows: list[dict[str, Any]] = []
+    """The steps of one comparison, in order (see the module's docstring)."""
+    run = _Comparison(
+        model, inputs, candidate=candidate, reference=reference, cand_device=cand_device, on=on,
+        fp8_kernel=fp8_kernel, rng=rng,
+    )  # fmt: skip
+    run.truth_pass()
+    run.candidate_pass()
+    rows = run.judge_containers(_rows(run.seen))
+    input_floor = run.input_floor(rows) if not prefix else None
+    return run.result(rows, input_floor, prefix)
 
-    ref_modules = dict(ref_run.named_modules()) if ref_run is not None else {}
-    ref_dtype = compute_dtype(reference)
-    notes: dict[str, str] = {}
-    # On another device the kernels are picked by shape, so a few rows would not run the same ones.
-    subsets = cand_device is None or cand_device.type == "cpu"
 
-    noise: ReplayNoise | None = None  # set when the forward draws random numbers itself
+class _Comparison:
+    """One comparison's copies of the model and what its passes keep. The copies go into eval
+    mode, never the user's model: model.train(flag) on the way back would overwrite every
+    submodule's own flag (a frozen BatchNorm inside a training model)."""
 
-    def mark() -> tuple[RngState, int]:
-        return RngState.capture(), 0 if noise is None else noise.position
+    def __init__(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        *,
+        candidate: str,
+        reference: str,
+        cand_device: torch.device | None,
+        on: torch.device,
+        fp8_kernel: str,
+        rng: RngState,
+    ) -> None:
+        self.model, self.inputs, self.rng = model, inputs, rng
+        self.candidate, self.reference, self.cand_device = candidate, reference, cand_device
+        self.truth_run = make_run(model, "fp64").eval()
+        self.cand_run = make_run(model, candidate, fp8_kernel, on).eval()
+        self.ref_run = make_run(model, reference).eval() if reference != "fp64" else None
+        if cand_device is not None:
+            self.cand_run = self.cand_run.to(cand_device)
+        self.cand_dtype = compute_dtype(candidate)
+        self.ref_dtype = compute_dtype(reference)
+        self.label = candidate if cand_device is None else f"{candidate} on {cand_device}"
+        self.leaves = {name for name, m in self.truth_run.named_modules() if not list(m.children())}
+        self.cand_modules = dict(self.cand_run.named_modules())
+        self.ref_modules = dict(self.ref_run.named_modules()) if self.ref_run is not None else {}
+        # the user's own weights (not the fp64 copies): the fp8 statistics convert them to float32 anyway
+        self.linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        self.fp8_dtype = fp8_format(candidate)
+        self.seen: dict[tuple[str, int], _Seen] = {}
+        self.fp8_rows: list[dict[str, Any]] = []
+        self.notes: dict[str, str] = {}
+        # On another device the kernels are picked by shape, so a few rows would not run the same ones.
+        self.subsets = cand_device is None or cand_device.type == "cpu"
+        self.noise: ReplayNoise | None = None  # set when the forward draws random numbers itself
+        self._pending: dict[tuple[str, int], tuple[Any, Any, tuple[RngState, int] | None]] = {}
+        self._cand_inputs: dict[tuple[str, int], Any] = {}
 
-    def goto(where: tuple[RngState, int]) -> None:
+    # -- where the random numbers stand ------------------------------------------------------
+    def mark(self) -> tuple[RngState, int]:
+        return RngState.capture(), 0 if self.noise is None else self.noise.position
+
+    def goto(self, where: tuple[RngState, int]) -> None:
         where[0].restore()
-        if noise is not None:
-            noise.position = where[1]
+        if self.noise is not None:
+            self.noise.position = where[1]
+
+    # -- step 1: the fp64 pass (the truth), with each leaf's isolated re-runs ------------------
+    def truth_pass(self) -> None:
+        self._truth_once()
+        if not self.rng.same(RngState.capture()):
+            # The forward draws random numbers itself: record them in a plain fp64 run, then run the
+            # fp64 pass again, now with every re-run and every other pass getting the same draws.
+            self.noise = ReplayNoise(record_noise(self.truth_run, self.inputs, self.rng))
+            self.subsets = False  # a leaf's draws on fewer rows would not match the recorded ones
+            self._truth_once()
+
+    def _truth_once(self) -> None:
+        self.seen.clear()
+        self.fp8_rows.clear()
+        try:
+            hooked(
+                self.truth_run, self.inputs, torch.float64, pre=self._truth_pre, post=self._truth_post,
+                rng=self.rng, noise=self.noise,
+            )  # fmt: skip
+        except ReferenceFailed:
+            raise
+        except Exception as exc:
+            raise ReferenceFailed(
+                f"the model fails in the reference run (its fp64 copy): {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _truth_pre(self, name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
+        # where a leaf starts, for its re-runs (containers are re-run from the suspect pass)
+        self._pending[(name, index)] = (args, kwargs, self.mark() if name in self.leaves else None)
+
+    def _truth_post(self, name: str, index: int, args: Any, output: Any) -> None:
+        key = (name, index)
+        call_args, call_kwargs, start = self._pending.pop(key, (args, {}, None))
+        if isinstance(output, torch.Tensor) and any(a is output for a in call_args):
+            return  # an identity in this mode (Dropout in eval, Identity): nothing new to judge
+        t = flat_sample(output)
+        if t is None:
+            return
+        entry = _Seen(t, l2_norm(t), 0.0, name in self.leaves, sum(x.numel() for x in tensors_in(output)))
+        entry.rounding = rel_error(round_to(t, self.candidate), t, entry.norm)
+        if entry.leaf:
+            self.isolated(name, call_args, call_kwargs, entry, start=start or self.mark(), output=output)
+            if self.fp8_dtype is not None and name in self.linears and call_args:
+                self.fp8_rows.append(fp8.linear_stats(name, call_args[0], self.linears[name].weight, self.fp8_dtype))
+        else:
+            entry.inputs = flat_sample((call_args, call_kwargs))
+        self.seen[key] = entry
 
     def isolated(
-        name: str, args: Any, kwargs: Any, entry: _Seen, *, start: tuple[RngState, int], output: Any = None
+        self, name: str, args: Any, kwargs: Any, entry: _Seen, *, start: tuple[RngState, int], output: Any = None
     ) -> None:
         """Re-run the candidate's and the reference's `name` on the fp64 inputs (all rows, or ROWS),
         each from where the fp64 module started (`start`: RNG state, next recorded draw), so they
         get the same random numbers; the fp64 pass then goes on from where it was."""
-        after = mark()
-        rows = row_subset(cand_modules[name], args, kwargs, output) if subsets and output is not None else None
+        after = self.mark()
+        module = self.cand_modules[name]
+        rows = row_subset(module, args, kwargs, output) if self.subsets and output is not None else None
         if rows is not None:
             x, truth, extra = rows[0], rows[1].reshape(-1), rows[2]
             norm = l2_norm(truth)
@@ -275,104 +353,55 @@ def _compare(
             x, truth, norm, extra = None, entry.truth, entry.norm, {}
             entry.isolated_rows = None
         try:
-            goto(start)
+            self.goto(start)
             entry.isolated, entry.isolated_cosine = rerun(
-                cand_modules[name],
-                x,
-                args,
-                kwargs | extra,
-                dtype=cand_dtype,
-                device=cand_device,
-                truth=truth,
-                norm=norm,
+                module, x, args, kwargs | extra, dtype=self.cand_dtype, device=self.cand_device, truth=truth, norm=norm
             )
         except Exception as exc:  # e.g. an op without a kernel for the candidate's dtype here
-            notes.setdefault("isolated re-run", f"`{name}` raised {type(exc).__name__} in {label}: {exc}")
+            self.notes.setdefault("isolated re-run", f"`{name}` raised {type(exc).__name__} in {self.label}: {exc}")
             entry.isolated = entry.isolated_cosine = None
         if entry.isolated is not None and math.isinf(entry.isolated) and math.isfinite(entry.rounding):
             # its output fits the format, yet it is non-finite: which op inside it overflows
-            goto(start)
+            self.goto(start)
             entry.overflow = first_overflow(
-                cand_modules[name],
-                ref_modules.get(name),
+                module,
+                self.ref_modules.get(name),
                 args,
                 kwargs,
-                dtype=cand_dtype,
-                reference_dtype=ref_dtype,
-                device=cand_device,
+                dtype=self.cand_dtype,
+                reference_dtype=self.ref_dtype,
+                device=self.cand_device,
             )
-        if name in ref_modules:
+        if name in self.ref_modules:
             try:
-                goto(start)
+                self.goto(start)
                 entry.reference = rerun(
-                    ref_modules[name], x, args, kwargs, dtype=ref_dtype, device=None, truth=truth, norm=norm
+                    self.ref_modules[name], x, args, kwargs, dtype=self.ref_dtype, device=None, truth=truth, norm=norm
                 )[0]
             except Exception as exc:
                 raise ReferenceFailed(
-                    f"the model fails in the {reference} reference run, at `{name}`: {type(exc).__name__}: {exc}"
+                    f"the model fails in the {self.reference} reference run, at `{name}`: {type(exc).__name__}: {exc}"
                 ) from exc
-        goto(after)
+        self.goto(after)
 
-    pending_inputs: dict[tuple[str, int], tuple[Any, Any, tuple[RngState, int] | None]] = {}
-
-    def truth_pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
-        # where a leaf starts, for its re-runs (containers are re-run from the suspect pass)
-        pending_inputs[(name, index)] = (args, kwargs, mark() if name in leaves else None)
-
-    def truth_post(name: str, index: int, args: Any, output: Any) -> None:
-        key = (name, index)
-        call_args, call_kwargs, start = pending_inputs.pop(key, (args, {}, None))
-        if isinstance(output, torch.Tensor) and any(a is output for a in call_args):
-            return  # an identity in this mode (Dropout in eval, Identity): nothing new to judge
-        t = flat_sample(output)
-        if t is None:
-            return
-        entry = _Seen(
-            t,
-            l2_norm(t),
-            0.0,
-            name in leaves,
-            sum(x.numel() for x in tensors_in(output)),
-        )
-        entry.rounding = rel_error(round_to(t, candidate), t, entry.norm)
-        if entry.leaf:
-            isolated(name, call_args, call_kwargs, entry, start=start or mark(), output=output)
-            if fp8_dtype is not None and name in linears and call_args:
-                fp8_rows.append(fp8.linear_stats(name, call_args[0], linears[name].weight, fp8_dtype))
-        else:
-            entry.inputs = flat_sample((call_args, call_kwargs))
-        seen[key] = entry
-
-    def truth_pass() -> None:
-        seen.clear()
-        fp8_rows.clear()
+    # -- step 2: the candidate pass, reduced to error numbers as it goes ------------------------
+    def candidate_pass(self) -> None:
         try:
-            hooked(truth_run, inputs, torch.float64, pre=truth_pre, post=truth_post, rng=rng, noise=noise)
-        except ReferenceFailed:
-            raise
-        except Exception as exc:
-            raise ReferenceFailed(
-                f"the model fails in the reference run (its fp64 copy): {type(exc).__name__}: {exc}"
-            ) from exc
+            hooked(
+                self.cand_run, self.inputs, self.cand_dtype, pre=self._cand_pre, post=self._cand_post,
+                rng=self.rng, device=self.cand_device, noise=self.noise,
+            )  # fmt: skip
+        except Exception as exc:  # the candidate failing is a finding, not a usage error
+            self.notes["candidate run"] = f"the {self.label} run raised {type(exc).__name__}: {exc}"
 
-    truth_pass()
-    if not rng.same(RngState.capture()):
-        # The forward draws random numbers itself: record them in a plain fp64 run, then run the
-        # fp64 pass again, now with every re-run and every other pass getting the same draws.
-        noise = ReplayNoise(record_noise(truth_run, inputs, rng))
-        subsets = False  # a leaf's draws on fewer rows would not match the recorded ones
-        truth_pass()
+    def _cand_pre(self, name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
+        if name not in self.leaves:
+            self._cand_inputs[(name, index)] = (args, kwargs)
 
-    cand_inputs: dict[tuple[str, int], Any] = {}
-
-    def cand_pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
-        if name not in leaves:
-            cand_inputs[(name, index)] = (args, kwargs)
-
-    def cand_post(name: str, index: int, args: Any, output: Any) -> None:
+    def _cand_post(self, name: str, index: int, args: Any, output: Any) -> None:
         key = (name, index)
-        entry = seen.get(key)
-        call = cand_inputs.pop(key, None)
+        entry = self.seen.get(key)
+        call = self._cand_inputs.pop(key, None)
         c = flat_sample(output) if entry is not None else None
         if entry is None or c is None or c.numel() != entry.truth.numel():
             return
@@ -388,93 +417,107 @@ def _compare(
             if c_in is not None and c_in.numel() == entry.inputs.numel():
                 entry.candidate_inputs = rel_error(c_in, entry.inputs) if all_finite(call) else math.inf
 
-    try:
-        hooked(cand_run, inputs, cand_dtype, pre=cand_pre, post=cand_post, rng=rng, device=cand_device, noise=noise)
-    except Exception as exc:  # the candidate failing is a finding, not a usage error
-        notes["candidate run"] = f"the {label} run raised {type(exc).__name__}: {exc}"
-
-    rows = _rows(seen)
-    # A container's own ops (attention scores, a residual add) are judged when the error jumps
-    # inside it and no child diverged: one more fp64 pass re-runs just those in the candidate.
-    # So is a leaf that turned finite inputs non-finite when its isolated re-run saw only some rows.
-    suspects = {
-        (r.module, r.call)
-        for r in rows
-        if _jumped(r, seen[(r.module, r.call)])
-        and (
-            not any(c.diverged for c in children(rows, r.module, r.call))
-            if not r.leaf
-            else seen[(r.module, r.call)].isolated_rows is not None and math.isinf(r.propagated) and not r.diverged
-        )
-    }
-    if suspects:
+    # -- step 3: a container's own ops, where the error jumps inside it --------------------------
+    def judge_containers(self, rows: list[ModuleRow]) -> list[ModuleRow]:
+        """A container's own ops (attention scores, a residual add) are judged when the error jumps
+        inside it and no child diverged: one more fp64 pass re-runs just those in the candidate.
+        So is a leaf that turned finite inputs non-finite when its isolated re-run saw only some rows."""
+        seen = self.seen
+        suspects = {
+            (r.module, r.call)
+            for r in rows
+            if _jumped(r, seen[(r.module, r.call)])
+            and (
+                not any(c.diverged for c in children(rows, r.module, r.call))
+                if not r.leaf
+                else seen[(r.module, r.call)].isolated_rows is not None and math.isinf(r.propagated) and not r.diverged
+            )
+        }
+        if not suspects:
+            return rows
 
         def suspect_pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
             if (name, index) in suspects:
-                isolated(name, args, kwargs, seen[(name, index)], start=mark())
+                self.isolated(name, args, kwargs, seen[(name, index)], start=self.mark())
 
-        hooked(truth_run, inputs, torch.float64, pre=suspect_pre, post=lambda *a: None, rng=rng, noise=noise)
+        hooked(
+            self.truth_run, self.inputs, torch.float64, pre=suspect_pre, post=lambda *a: None, rng=self.rng,
+            noise=self.noise,
+        )  # fmt: skip
         rows = _rows(seen)
         for row in rows:  # post-order: a container comes after everything inside it
             if not row.leaf and row.exceeds:
                 row.inherited = any(c.exceeds for c in children(rows, row.module, row.call))
-    input_floor: float | None = None
-    if not prefix and any(r.module == "" and r.diverged for r in rows):
-        # The whole model diverges and no submodule does: how much of it rounding the inputs explains.
-        root = next(e for (name, _), e in seen.items() if name == "")
-        input_floor = input_rounding_error(
-            ref_run if ref_run is not None else truth_run,
-            inputs,
-            cand_dtype=cand_dtype,
-            dtype=ref_dtype,
+        return rows
+
+    # -- step 4: how much of a whole-model divergence rounding the inputs explains -------------------
+    def input_floor(self, rows: list[ModuleRow]) -> float | None:
+        if not any(r.module == "" and r.diverged for r in rows):
+            return None  # only when the whole model diverges and no submodule does
+        root = next(e for (name, _), e in self.seen.items() if name == "")
+        return input_rounding_error(
+            self.ref_run if self.ref_run is not None else self.truth_run,
+            self.inputs,
+            cand_dtype=self.cand_dtype,
+            dtype=self.ref_dtype,
             truth=root.truth,
             norm=root.norm,
-            rng=rng,
-            noise=noise,
+            rng=self.rng,
+            noise=self.noise,
         )
-    fmt = candidate_format(candidate)
-    misfit = misfits(model, fmt, skip=(str(cand_dtype),)) if fmt is not None else []
-    overflows = {key: e.overflow for key, e in seen.items() if e.overflow is not None}
-    if prefix:  # a submodule compared on its own: names as in the whole model
-        overflows = {(f"{prefix}.{n}" if n else prefix, c): v for (n, c), v in overflows.items()}
-        for entry in misfit:
-            entry["module"] = f"{prefix}.{entry['module']}" if entry["module"] else prefix
-            entry["tensor"] = f"{prefix}.{entry['tensor']}"
-        for row in rows:
-            row.module = f"{prefix}.{row.module}" if row.module else prefix
-        for fp8_row in fp8_rows:
-            fp8_row["module"] = f"{prefix}.{fp8_row['module']}"
-    if noise is not None and noise.misaligned:
-        notes["random draws"] = "the runs drew random tensors of other shapes: those errors include different noise"
-    result = build_report(
-        rows,
-        candidate=candidate,
-        device=cand_device,
-        reference=reference,
-        notes=notes,
-        input_floor=input_floor,
-        causes=causes(rows, overflows, misfit, candidate),
-        # the samples stay until the end, so their total is the peak of what compare itself keeps
-        peak=sum(e.truth.nbytes + (0 if e.inputs is None else e.inputs.nbytes) for e in seen.values()),
-    )
-    result.overflows = {name: found for (name, _), found in overflows.items()}
-    if misfit:
-        result.report.data["misfits"] = misfit
-        listed = "; ".join(describe_misfit(e) for e in misfit[:3])
-        more = f"; and {len(misfit) - 3} more (JSON has all)" if len(misfit) > 3 else ""
-        result.report.data["summary"].append((f"parameters/buffers that do not fit {candidate}", listed + more))
-    if fp8_dtype is not None:
-        result.report.findings.extend(fp8.findings(fp8_rows))
-        result.report.data["fp8"] = fp8_rows
-        kernels = fp8.kernels_used(cand_run)
-        result.report.data["fp8_kernel"] = kernels
-        result.report.data["summary"].append(("fp8 GEMM", kernels["text"]))
-    if noise is not None:
-        result.noise = noise.draws
-        result.report.data["summary"].append(
-            ("random draws", f"{len(noise.draws)} made by the forward itself, the fp64 run's replayed in every run")
+
+    # -- step 5: the result and its report ----------------------------------------------------------
+    def result(self, rows: list[ModuleRow], input_floor: float | None, prefix: str | None) -> CompareResult:
+        candidate = self.candidate
+        fmt = candidate_format(candidate)
+        misfit = misfits(self.model, fmt, skip=(str(self.cand_dtype),)) if fmt is not None else []
+        overflows = {key: e.overflow for key, e in self.seen.items() if e.overflow is not None}
+        if prefix:  # a submodule compared on its own: names as in the whole model
+            overflows = {(f"{prefix}.{n}" if n else prefix, c): v for (n, c), v in overflows.items()}
+            for entry in misfit:
+                entry["module"] = f"{prefix}.{entry['module']}" if entry["module"] else prefix
+                entry["tensor"] = f"{prefix}.{entry['tensor']}"
+            for row in rows:
+                row.module = f"{prefix}.{row.module}" if row.module else prefix
+            for fp8_row in self.fp8_rows:
+                fp8_row["module"] = f"{prefix}.{fp8_row['module']}"
+        if self.noise is not None and self.noise.misaligned:
+            self.notes["random draws"] = (
+                "the runs drew random tensors of other shapes: those errors include different noise"
+            )
+        result = build_report(
+            rows,
+            candidate=candidate,
+            device=self.cand_device,
+            reference=self.reference,
+            notes=self.notes,
+            input_floor=input_floor,
+            causes=causes(rows, overflows, misfit, candidate),
+            # the samples stay until the end, so their total is the peak of what compare itself keeps
+            peak=sum(e.truth.nbytes + (0 if e.inputs is None else e.inputs.nbytes) for e in self.seen.values()),
         )
-    return result
+        result.overflows = {name: found for (name, _), found in overflows.items()}
+        summary = result.report.data["summary"]
+        if misfit:
+            result.report.data["misfits"] = misfit
+            listed = "; ".join(describe_misfit(e) for e in misfit[:3])
+            more = f"; and {len(misfit) - 3} more (JSON has all)" if len(misfit) > 3 else ""
+            summary.append((f"parameters/buffers that do not fit {candidate}", listed + more))
+        if self.fp8_dtype is not None:
+            result.report.findings.extend(fp8.findings(self.fp8_rows))
+            result.report.data["fp8"] = self.fp8_rows
+            kernels = fp8.kernels_used(self.cand_run)
+            result.report.data["fp8_kernel"] = kernels
+            summary.append(("fp8 GEMM", kernels["text"]))
+        if self.noise is not None:
+            result.noise = self.noise.draws
+            summary.append(
+                (
+                    "random draws",
+                    f"{len(self.noise.draws)} made by the forward itself, the fp64 run's replayed in every run",
+                )
+            )
+        return result
 
 
 def _jumped(row: ModuleRow, entry: _Seen) -> bool:
