@@ -457,6 +457,11 @@ class _Comparison:
         no submodule does (its whole error, to weigh against rounding the inputs). So is a leaf that
         turned finite inputs non-finite when its isolated re-run saw only some rows."""
         seen = self.seen
+        failed = [f"`{r.module or '<root>'}`: {r.own['failed'][0]}" for r in rows if r.own and r.own["failed"]]
+        if failed:  # as a leaf's failed re-run is: the figure is missing or partial, and why
+            self.notes["own ops not judged"] = "; ".join(failed[:3]) + (
+                f"; and {len(failed) - 3} more" if len(failed) > 3 else ""
+            )
         suspects = set()
         for r in rows:
             entry = seen[(r.module, r.call)]

@@ -163,6 +163,8 @@ def annotate(rows: list[ModuleRow]) -> None:
         if own is not None and own.get("op"):
             at = f" ({own['location']})" if own.get("location") else ""
             notes.append((f"op {_short_op(own['op'])}", f"isolated: its worst own op, {own['op']}{at}"))
+            if own.get("failed"):
+                notes.append(("ops not run", "isolated: these own ops were not judged: " + "; ".join(own["failed"])))
         elif own is not None:
             notes.append(_own_missing(own))
         elif row.isolated is None:
