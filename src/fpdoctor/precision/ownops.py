@@ -159,6 +159,12 @@ class OwnOps(TorchDispatchMode):
         self.calls: dict[tuple[str, int], Own] = {}
         self.pause = 0
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Otherwise torch wraps __torch_dispatch__ in dynamo's disable(): the first op imports
+        # torch._dynamo (~2.6 s, ~70 MiB) and every op pays two more Python frames (see Tracer).
+        return False
+
     def enter(self, name: str, index: int) -> None:
         self.stack.append((name, index))
         if name in self.containers:
@@ -201,7 +207,7 @@ class OwnOps(TorchDispatchMode):
         name = str(func)
         (cand_args, cand_kwargs), saturated = _cast((rerun.args, rerun.kwargs), self.dtype, self.device)
         try:
-            cand = next(floating(func(*cand_args, **cand_kwargs)), None)
+            cand = next(floating(_on(func, self.device)(*cand_args, **cand_kwargs)), None)
         except Exception as exc:  # no kernel for this dtype here: the figure is missing, with why
             if len(own.failed) < 3:
                 own.failed.append(f"{name} raised {type(exc).__name__} in {_dtype(self.dtype)}: {_first_line(exc)}")
@@ -245,6 +251,20 @@ class OwnOps(TorchDispatchMode):
                 judged.absmax = float(part.abs().max())
             judged.location = _where(sys._getframe(), torch_made)
             own.worst = judged
+
+
+def _on(func: Any, device: torch.device | None) -> Callable[..., Any]:
+    """The op as the candidate's device runs it: CPU attention is the CPU's own kernel, elsewhere
+    the same attention picks that device's."""
+    if device is None or device.type == "cpu" or _packet(func) != _ATTENTION:
+        return func
+
+    def attention(q: Any, k: Any, v: Any, dropout_p: float = 0.0, is_causal: bool = False, **kwargs: Any) -> Any:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=kwargs.get("attn_mask"), is_causal=is_causal, scale=kwargs.get("scale")
+        )
+
+    return attention
 
 
 def _packet(func: Any) -> str:
@@ -302,16 +322,15 @@ def _elementwise(args: Any, kwargs: Any) -> _Rerun | None:
     """An elementwise op on the evenly strided sample of its output's elements: each input
     (broadcast to the output's shape) gathered at the same positions."""
     tensors = tensors_in((args, kwargs))
-    try:
-        shape = torch.broadcast_shapes(*(t.shape for t in tensors))
-    except RuntimeError:
+    shape = _broadcast([t.shape for t in tensors])
+    if shape is None:
         return None
     total = math.prod(shape)
     if not total:
         return None
     step = sample_step(total)
     device = next((t.device for t in tensors if t.dim()), tensors[0].device)
-    at = torch.unravel_index(torch.arange(0, total, step, device=device), shape)
+    at = _unravel(torch.arange(0, total, step, device=device), shape)
 
     def take(t: torch.Tensor) -> torch.Tensor:
         return t.clone() if t.dim() == 0 else t.expand(shape)[at]
@@ -321,6 +340,27 @@ def _elementwise(args: Any, kwargs: Any) -> _Rerun | None:
 
     args, kwargs = map_tensors((args, kwargs), take)
     return _Rerun(args, kwargs, pick, values=(len(at[0]), total, step))
+
+
+def _broadcast(shapes: list[torch.Size]) -> tuple[int, ...] | None:
+    """torch.broadcast_shapes without its first call's import of sympy (~40 MiB); None if they do not."""
+    ndim = max((len(s) for s in shapes), default=0)
+    out = [1] * ndim
+    for shape in shapes:
+        for k, size in enumerate(shape, ndim - len(shape)):
+            if size != 1 and out[k] not in (1, size):
+                return None
+            out[k] = size if size != 1 else out[k]
+    return tuple(out)
+
+
+def _unravel(flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """torch.unravel_index without its first call's import of sympy (~40 MiB)."""
+    coords = []
+    for size in reversed(shape):
+        coords.append(flat % size)
+        flat = flat // size
+    return tuple(reversed(coords))
 
 
 def _rowwise(func: Any, args: Any, kwargs: Any) -> _Rerun | None:
