@@ -122,6 +122,27 @@ def test_a_residual_add_that_dilutes_a_branch_says_so_with_the_measured_ratio():
     assert summary["why errors move"].startswith("`block`: its output error")
 
 
+def test_an_error_amplified_from_the_inputs_says_so_with_the_measured_gain():
+    torch.manual_seed(0)
+    center = nn.Linear(64, 64, bias=False)
+    with torch.no_grad():
+        center.weight.sub_(center.weight.mean(dim=1, keepdim=True))  # rows that cancel a common offset
+    model = nn.Sequential(OrderedDict(embed=nn.Linear(64, 64), center=center, head=nn.Linear(64, 8)))
+    with torch.no_grad():
+        model.embed.bias.fill_(6.0)  # the offset center cancels: its inputs' error is amplified
+    result = fpdoctor.compare(model, torch.randn(16, 64), candidate="fp16")
+    row = next(r for r in result.rows if r.module == "center")
+    gain = row.propagated / row.input_error
+    assert gain > MOVES and not row.diverged
+    record = modules(result)["center"]
+    assert record["note"] == f"amplified x{gain:.2g}"
+    assert record["why"] == [
+        f"amplified from its inputs: input error {row.input_error:.3g}, output error {row.propagated:.3g} "
+        f"(gain {gain:.3g}); alone on the fp64 inputs it stays within {row.ratio:.2g}x its floor"
+    ]
+    assert record["input_error_rel"] == pytest.approx(modules(result)["embed"]["propagated_rel"], rel=0.2)
+
+
 def test_a_container_without_ops_of_its_own_says_so():
     torch.manual_seed(1)
     result = fpdoctor.compare(attention_model(), torch.randn(4, 32, 64), candidate="fp16")

@@ -10,14 +10,17 @@ Per module:
   propagated  the candidate run's output against the fp64 output (errors accumulated so far)
   isolated    the candidate's module fed the fp64 run's inputs, against the fp64 output (leaf
               modules; ROWS evenly spread rows of those whose rows are independent): what this
-              module adds by itself
-  floor       the error that rounding the fp64 output to the candidate's format causes, or the
-              reference's own error (its module fed the same fp64 inputs) if that is larger
+              module adds by itself. A container's: its worst own op (an op of its forward
+              outside its submodules: attention scores, a residual add), each re-run on its fp64
+              inputs as the fp64 pass runs it (ownops.py)
+  floor       the error that rounding the fp64 output (a container's: that op's) to the
+              candidate's format causes, or the reference's own error (fed the same fp64 inputs)
+              if that is larger
 A module diverges when its isolated error is non-finite or more than DIVERGENCE_RATIO times the
 floor: rounding of inputs and outputs stays within a few floors, while accumulation loss,
 overflow and cancellation land orders of magnitude above it. Relative L2 error, SQNR and cosine
-similarity are reported for both. A container's own ops (attention scores, a residual add) are
-re-run in one more fp64 pass, only where the candidate's error jumps inside it.
+similarity are reported for both. Each row says what its figures were computed on and, where its
+error moves against its inputs' or its submodules', why (profile.annotate).
 
 With `device=`, the candidate runs on another device (device A vs device B): `candidate="fp32",
 device="cuda"` judges the GPU's fp32 kernels (TF32, another summation order) against the same

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 
 from fpdoctor.numerics.trace import user_location
 from fpdoctor.precision.candidates import map_tensors
@@ -63,7 +63,10 @@ _NOT_JUDGED = {
 _GEMMS = {"aten.mm": 0, "aten.bmm": 0, "aten.addmm": 1, "aten.baddbmm": 1}
 _ATTENTION = "aten._scaled_dot_product_flash_attention_for_cpu"
 _LAST_DIM = {"aten._softmax", "aten._log_softmax", "aten._safe_softmax"}  # along dim, the last one
-MIN_ROWS = 8  # per batch at the least: one row of each batch would be the same position everywhere
+# A batched GEMM or attention is re-run on ROWS rows spread over BATCHES of its batches (heads),
+# MIN_ROWS of each at the least: a few positions of each, rather than one row everywhere.
+BATCHES = 8
+MIN_ROWS = 8
 
 _TORCH_ROOT = os.path.dirname(os.path.dirname(torch.__file__)) + os.sep
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -179,7 +182,13 @@ class OwnOps(TorchDispatchMode):
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """compare's own work in its hooks (samples, a leaf's re-runs) is no op of the model's."""
+        """compare's own work in its hooks (samples, a leaf's re-runs) is no op of the model's: off
+        the dispatch stack while it runs, so its ops skip this mode's Python call; below another
+        mode (the replayed noise, which the re-runs need), just ignored."""
+        if _get_current_dispatch_mode() is self:
+            with _pop_mode_temporarily():
+                yield
+            return
         self.pause += 1
         try:
             yield
@@ -205,7 +214,8 @@ class OwnOps(TorchDispatchMode):
         if part is None:
             return
         name = str(func)
-        (cand_args, cand_kwargs), saturated = _cast((rerun.args, rerun.kwargs), self.dtype, self.device)
+        big = _largest((rerun.args, rerun.kwargs))
+        (cand_args, cand_kwargs), saturated = _cast((rerun.args, rerun.kwargs), self.dtype, self.device, big)
         try:
             cand = next(floating(_on(func, self.device)(*cand_args, **cand_kwargs)), None)
         except Exception as exc:  # no kernel for this dtype here: the figure is missing, with why
@@ -216,9 +226,9 @@ class OwnOps(TorchDispatchMode):
         if cand is None or truth is None or cand.shape != part.shape:
             return
         limit = torch.finfo(cand.dtype).max
-        keep = torch.isfinite(truth)
-        if saturated:
-            keep &= truth.abs() <= limit
+        keep: torch.Tensor | slice = slice(None)  # every sampled value, unless some are not to be judged
+        if saturated or not all_finite(truth):
+            keep = torch.isfinite(truth) & (truth.abs() <= limit) if saturated else torch.isfinite(truth)
         kept = truth[keep]
         norm = l2_norm(kept)
         made = not all_finite(cand) and _made_nonfinite(cand, part, limit if saturated else None)
@@ -230,7 +240,7 @@ class OwnOps(TorchDispatchMode):
         rounding = rel_error(kept.to(cand.dtype).double(), kept, norm)
         reference = None
         if self.reference is not None:
-            ref_args, ref_kwargs = _cast((rerun.args, rerun.kwargs), self.reference, None)[0]
+            ref_args, ref_kwargs = _cast((rerun.args, rerun.kwargs), self.reference, None, big)[0]
             try:
                 ref_sample = flat_sample(next(floating(func(*ref_args, **ref_kwargs)), None))
             except Exception:  # the reference cannot run it: the floor is the rounding alone
@@ -238,10 +248,11 @@ class OwnOps(TorchDispatchMode):
             if ref_sample is not None and ref_sample.numel() == truth.numel():
                 reference = rel_error(ref_sample[keep], kept, norm)
         floor = max(0.0 if math.isinf(rounding) else rounding, reference or 0.0, 1e-300)
-        values = rerun.values or (int(keep.sum()), part.numel(), sample_step(part.numel()))
+        values = rerun.values or (kept.numel(), part.numel(), sample_step(part.numel()))
+        left_out = truth.numel() - kept.numel() if saturated else 0
         judged = OpError(
             name, error, floor, rounding, reference, None if made else cosine(sample[keep], kept, norm),
-            values, rerun.rows, int((~keep).sum()) if saturated else 0, made,
+            values, rerun.rows, left_out, made,
         )  # fmt: skip
         own.judged += 1
         if name not in own.ops:
@@ -330,16 +341,27 @@ def _elementwise(args: Any, kwargs: Any) -> _Rerun | None:
         return None
     step = sample_step(total)
     device = next((t.device for t in tensors if t.dim()), tensors[0].device)
-    at = _unravel(torch.arange(0, total, step, device=device), shape)
+    positions: list[tuple[torch.Tensor, ...]] = []
+
+    def at() -> tuple[torch.Tensor, ...]:  # the sampled positions, for a broadcast or strided tensor
+        if not positions:
+            positions.append(_unravel(torch.arange(0, total, step, device=device), shape))
+        return positions[0]
 
     def take(t: torch.Tensor) -> torch.Tensor:
-        return t.clone() if t.dim() == 0 else t.expand(shape)[at]
+        if t.dim() == 0:
+            return t.clone()
+        if t.shape == shape and t.is_contiguous():  # the same positions, read as flat_sample reads them
+            return t.reshape(-1)[::step].clone()
+        return t.expand(shape)[at()]
 
     def pick(out: torch.Tensor) -> torch.Tensor | None:
-        return out[at] if out.shape == shape else None
+        if out.shape != shape:
+            return None
+        return out.reshape(-1)[::step] if out.is_contiguous() else out[at()]
 
     args, kwargs = map_tensors((args, kwargs), take)
-    return _Rerun(args, kwargs, pick, values=(len(at[0]), total, step))
+    return _Rerun(args, kwargs, pick, values=(-(-total // step), total, step))
 
 
 def _broadcast(shapes: list[torch.Size]) -> tuple[int, ...] | None:
@@ -364,8 +386,8 @@ def _unravel(flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, 
 
 
 def _rowwise(func: Any, args: Any, kwargs: Any) -> _Rerun | None:
-    """A GEMM, CPU attention, softmax or layer norm on a few of its output's rows, spread over
-    each batch; None when it has few rows or is no such op."""
+    """A GEMM, CPU attention, softmax or layer norm on a few of its output's rows: of a batched
+    one, a few rows of a few batches (heads), spread; None when it is small or no such op."""
     packet = _packet(func)
     if packet in _LAST_DIM or packet == "aten.native_layer_norm":
         return _last_dim_rows(packet, args, kwargs)
@@ -375,28 +397,46 @@ def _rowwise(func: Any, args: Any, kwargs: Any) -> _Rerun | None:
     if len(args) <= first or not isinstance(args[first], torch.Tensor) or args[first].dim() < 2:
         return None
     x = args[first]
-    rows, batch = x.shape[-2], math.prod(x.shape[:-2])
-    keep = min(rows, max(MIN_ROWS, math.ceil(ROWS / max(batch, 1))))
-    if keep >= rows:
-        return None
+    batch_shape, rows = tuple(x.shape[:-2]), x.shape[-2]
+    batch = math.prod(batch_shape)
+    batches = min(batch, BATCHES)
+    keep = min(rows, max(MIN_ROWS, math.ceil(ROWS / batches)))
+    if batches * keep * 2 > batch * rows:
+        return None  # at least half of it: as cheap whole
     index = spread_index(rows, keep, x.device)
-    new, kwargs = list(args), dict(kwargs)
-    new[first] = x.index_select(-2, index)
-    if packet == _ATTENTION:
-        if (len(args) > 4 and args[4]) or kwargs.get("is_causal"):
-            return None  # the causal mask is aligned to the first query row: it needs them all
-        mask = kwargs.get("attn_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() >= 2 and mask.shape[-2] == rows:
-            kwargs["attn_mask"] = mask.index_select(-2, index)
-    elif first == 1:  # the added input, as broadcast over the output
-        added = args[0]
-        if isinstance(added, torch.Tensor) and added.dim() >= 2 and added.shape[-2] == rows:
-            new[0] = added.index_select(-2, index)
+    at = _unravel(spread_index(batch, batches, x.device), batch_shape) if batch_shape else ()
+    attention = packet == _ATTENTION
+    if attention and ((len(args) > 4 and args[4]) or kwargs.get("is_causal")):
+        return None  # the causal mask is aligned to the first query row: it needs them all
+
+    def part(t: Any, *, rows_too: bool) -> Any:
+        """`t` (broadcast against x's batch dims) at the chosen batches, and rows where it has x's."""
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
+            return t
+        if t.dim() - 2 < len(batch_shape):  # broadcast over the leading batch dims
+            t = t.reshape((1,) * (len(batch_shape) + 2 - t.dim()) + tuple(t.shape))
+        sizes = t.shape[: len(batch_shape)]
+        if t.dim() - 2 != len(batch_shape) or any(n not in (1, m) for n, m in zip(sizes, batch_shape, strict=True)):
+            return None
+        picked = t[tuple(i if n > 1 else torch.zeros_like(i) for i, n in zip(at, sizes, strict=True))]
+        if attention:  # the kernel takes (batch, heads, rows, width): the chosen pairs as heads of one batch
+            picked = picked.unsqueeze(0)
+        if rows_too and t.shape[-2] == rows and rows > 1:
+            picked = picked.index_select(-2, index)
+        return picked
+
+    new = [part(a, rows_too=k == first or (k == 0 and first == 1)) for k, a in enumerate(args)]
+    kwargs = {k: part(v, rows_too=k == "attn_mask") for k, v in kwargs.items()}
+    if any(n is None for n in new) or any(v is None for v in kwargs.values()):
+        return None  # an operand with other batch dims (grouped-query attention): whole
 
     def pick(out: torch.Tensor) -> torch.Tensor | None:
-        return out.index_select(-2, index) if out.dim() >= 2 and out.shape[-2] == rows else None
+        if tuple(out.shape[:-2]) != batch_shape or out.shape[-2] != rows:
+            return None
+        picked = out[at] if batch_shape else out
+        return (picked.unsqueeze(0) if attention else picked).index_select(-2, index)
 
-    return _Rerun(tuple(new), kwargs, pick, rows=(batch * keep, batch * rows))
+    return _Rerun(tuple(new), kwargs, pick, rows=(batches * keep, batch * rows))
 
 
 def _last_dim_rows(packet: str, args: Any, kwargs: Any) -> _Rerun | None:
@@ -426,9 +466,20 @@ def _last_dim_rows(packet: str, args: Any, kwargs: Any) -> _Rerun | None:
     return _Rerun(tuple(new), kwargs, pick, rows=(ROWS, rows))
 
 
-def _cast(call: Any, dtype: torch.dtype, device: torch.device | None) -> tuple[Any, bool]:
+def _largest(call: Any) -> dict[int, float]:
+    """The largest magnitude of each float64 tensor in `call` (NaN where it holds NaN), by id."""
+    found = {}
+    for t in tensors_in(call):
+        if t.dtype == torch.float64 and t.numel():
+            low, high = torch.aminmax(t.detach())
+            found[id(t)] = float(torch.maximum(-low, high))
+    return found
+
+
+def _cast(call: Any, dtype: torch.dtype, device: torch.device | None, big: dict[int, float]) -> tuple[Any, bool]:
     """((args, kwargs) with float64 tensors in `dtype`, the others in their own dtype (the user's
-    casts), all on `device`; whether a finite value beyond `dtype`'s range was saturated)."""
+    casts), all on `device`; whether a finite value beyond `dtype`'s range was saturated). `big`:
+    _largest() of the same call."""
     limit = torch.finfo(dtype).max
     saturated = False
 
@@ -436,11 +487,12 @@ def _cast(call: Any, dtype: torch.dtype, device: torch.device | None) -> tuple[A
         nonlocal saturated
         if t.dtype != torch.float64:
             return t.to(device=device)
-        out = t.to(device=device, dtype=dtype)
-        if out.numel() and not all_finite(out) and bool((torch.isfinite(t) & (t.abs() > limit)).any()):
+        if big.get(id(t), 0.0) <= limit:  # NaN compares False: then it is looked at closely
+            return t.to(device=device, dtype=dtype)
+        if bool((torch.isfinite(t) & (t.abs() > limit)).any()):
             saturated = True
-            out = torch.where(torch.isfinite(t), t.clamp(-limit, limit), t).to(device=device, dtype=dtype)
-        return out
+            return torch.where(torch.isfinite(t), t.clamp(-limit, limit), t).to(device=device, dtype=dtype)
+        return t.to(device=device, dtype=dtype)
 
     def number(value: Any) -> Any:
         nonlocal saturated

@@ -54,7 +54,9 @@ class ModuleRow:
         """The floor the isolated error is judged against: a container's worst own op's, else the output's."""
         return self.floor if self.isolated_floor is None else self.isolated_floor
 
-    inherited: bool = False  # a container above the floor only because a module inside it diverges
+    # Containers are judged on their own ops, never on what their submodules add, so compare no
+    # longer sets this; plan and older reports read it.
+    inherited: bool = False
     isolated_of: int | None = None  # the rows isolated_rows were taken from
     isolated_floor: float | None = None  # a container's: the floor of its worst own op
     own: dict[str, Any] | None = None  # a container's own ops (ownops.Own.as_dict): worst op, where, how many
@@ -198,7 +200,7 @@ def _moves(rows: list[ModuleRow], k: int) -> list[tuple[str, str]]:
                     "Inf/NaN, not alone",
                     f"non-finite in the candidate's run from finite inputs (their error {_fmt(inputs)}), yet finite "
                     f"when re-run alone on the fp64 inputs (isolated {_fmt(row.isolated)}, "
-                    f"{_fmt_ratio(row.ratio)} its floor)",
+                    f"{row.ratio:.2g}x its floor)",
                 )
             ]
         return []
@@ -222,8 +224,8 @@ def _moves(rows: list[ModuleRow], k: int) -> list[tuple[str, str]]:
         return []
     gain = error / base
     judged = (
-        f"alone on the fp64 inputs {'its worst own op' if not row.leaf else 'it'} stays at the floor "
-        f"({_fmt_ratio(row.ratio)})"
+        f"alone on the fp64 inputs {'its worst own op' if not row.leaf else 'it'} stays within "
+        f"{row.ratio:.2g}x its floor"
         if row.ratio is not None
         else f"its isolated error was not measured ({row.elements()['isolated']})"
     )
