@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from fpdoctor import catalog
 from fpdoctor.numerics import amp, checkpoint, distributed
 from fpdoctor.numerics import sentinel_findings as findings
 from fpdoctor.numerics.control import ControlResult, run_control, wants_control
@@ -457,17 +456,9 @@ class Sentinel:
         if self._distributed and not attributed:
             if kind is None:  # no pre-reduce view: the reduced gradients' kind (host reads, bad steps only)
                 kind = findings.step_kind({"parameters": self._bad_parameters()})
+            views = "FSDP or a communication hook of your own"
             self.findings.append(
-                catalog.make(
-                    "nonfinite-gradient",
-                    message=(
-                        f"Step {step}: the gradients after the reduction across ranks were not finite; which rank "
-                        "produced them is unknown (no pre-reduce view: FSDP or a communication hook of your own). "
-                        "Every rank replays its step; the step was skipped on every rank."
-                    ),
-                    where={"module": None, "op": None, "phase": "backward", "step": step, **self._here},
-                    evidence={"kind": kind or "nan", "numel": len(self._params), "step": step},
-                )
+                findings.unattributed_finding(step, kind, len(self._params), views=views, here=self._here)
             )
             return True, kind
         if not self._distributed:

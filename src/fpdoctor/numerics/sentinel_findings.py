@@ -180,6 +180,20 @@ def verdict_findings(
     ]
 
 
+def unattributed_finding(step: int, kind: str | None, numel: int, *, views: str, here: dict[str, Any]) -> Finding:
+    """Non-finite gradients after the reduction across ranks that no rank's own view explains."""
+    return catalog.make(
+        "nonfinite-gradient",
+        message=(
+            f"Step {step}: the gradients after the reduction across ranks were not finite; which rank "
+            f"produced them is unknown (no pre-reduce view: {views}). Every rank replays its step; the step was "
+            "skipped on every rank."
+        ),
+        where={"module": None, "op": None, "phase": "backward", "step": step, **here},
+        evidence={"kind": kind or "nan", "numel": numel, "step": step},
+    )
+
+
 def collapse_finding(
     step: int, watch: ScaleWatch, steps: int, scale: float, next_scale: float, *, here: dict[str, Any]
 ) -> Finding:
