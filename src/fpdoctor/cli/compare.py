@@ -8,7 +8,7 @@ from typing import Any
 
 from fpdoctor.cli.errors import UsageError
 from fpdoctor.cli.model_spec import FACTORY_HELP
-from fpdoctor.cli.output import add_output_args, emit
+from fpdoctor.cli.output import add_output_args, add_progress_arg, emit
 from fpdoctor.precision.names import CANDIDATES, FP8_KERNELS, REFERENCES, check_name
 
 
@@ -31,6 +31,7 @@ def add_parser(sub: Any) -> None:
         help="compare only this submodule (e.g. encoder.layer.3), fed its inputs from a forward of the whole model",
     )
     add_output_args(p)
+    add_progress_arg(p)
     p.set_defaults(run=run)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from fpdoctor.cli.compare import add_precision_args, check_precision_args
 from fpdoctor.cli.errors import UsageError
 from fpdoctor.cli.model_spec import FACTORY_HELP
-from fpdoctor.cli.output import add_output_args, emit, write_atomic
+from fpdoctor.cli.output import add_output_args, add_progress_arg, emit, write_atomic
 from fpdoctor.precision.names import PLAN_CANDIDATES
 
 
@@ -31,6 +31,7 @@ def add_parser(sub: Any) -> None:
         "the inputs alone costs is out of reach, and the plan is judged against 2x that floor",
     )
     add_output_args(p)
+    add_progress_arg(p)
     p.set_defaults(run=run)
 
 

@@ -141,8 +141,11 @@ class Trace:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self._stack.close()  # the tracer, the tracker's global hooks, the watch, the stance: all, always
+        from fpdoctor import progress
+
         try:
-            self.report = self._build_report()
+            with progress.task(f"trace: judging the {self._tracer.ops_seen:,} ops traced"):
+                self.report = self._build_report()
         except Exception as error:  # never let the report hide the user's own exception
             self.report = Report(command="trace", data={"not_checked": {"report": f"{type(error).__name__}: {error}"}})
         self.records = self._tracer.records
