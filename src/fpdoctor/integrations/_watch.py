@@ -322,6 +322,7 @@ class StepWatch:
         self.steps += 1
         self.micro_batches += len(window)
         outcome = StepOutcome(c.step, c.loss_value, finite=c.finite, skipped=False)
+        outcome.scale = c.scale if self.scaler is not None else None  # for the timeline
         self.history.append(outcome)
         scaler = self.scaler
         if scaler is not None and c.bad_grad and not c.bad_loss:  # an overflow the scaler skips: AMP's business
