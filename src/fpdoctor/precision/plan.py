@@ -45,7 +45,7 @@ from fpdoctor.precision.codegen import fp8_code, plan_code
 from fpdoctor.precision.compare import compare_set
 from fpdoctor.precision.inputs import describe, input_sets
 from fpdoctor.precision.metrics import flat_sample, rel_error
-from fpdoctor.precision.names import PLAN_CANDIDATES, REFERENCES
+from fpdoctor.precision.names import PLAN_CANDIDATES, PRECISIONS, REFERENCES
 from fpdoctor.precision.noise import ReplayNoise
 from fpdoctor.precision.oplevel import OpFix, edit, install
 from fpdoctor.precision.profile import DIVERGENCE_RATIO, CompareResult
@@ -53,7 +53,7 @@ from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Finding, Report
 
 # real dtypes (fp16-accumulate's fix is fp16 with the kept modules in fp32); fp8 belongs to the user's recipe
-_APPLICABLE = ("fp16", "bf16", "fp16-accumulate")
+_APPLICABLE = tuple(name for name, p in PRECISIONS.items() if p.applies)
 
 # Within 2x (6 dB) of what rounding the inputs alone costs is as close as this precision gets:
 # the kept modules' outputs are rounded once more on the way back, which adds about as much again.
