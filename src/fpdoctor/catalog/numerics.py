@@ -36,9 +36,12 @@ NUM_RULES: tuple[Rule, ...] = (
         name="overflow-risk",
         severity=W,
         title="Values come close to the largest finite value of a dtype",
-        what="Per op and per module, the largest magnitude (reduced in float64) against the max of the dtype in "
-        "use and of fp16 / bf16 / fp8 as what-ifs; reported from 90% of the max.",
-        why="Near the max, the next larger batch, longer sequence or learning-rate step overflows to Inf.",
+        what="The largest magnitude of op outputs, inside modules too (attention scores), and of module outputs, "
+        "against the max of the dtype in use (fp16 / bf16 / fp8), and of fp16 as a what-if for a model in fp32; "
+        "compare checks the candidate run's ops, with the fp64 run's value beside it. Reported from 50% of the "
+        "max, with the op, its module and source line.",
+        why="From half the max, one doubling overflows to Inf: twice the sequence length under a sum, an input "
+        "scaled by 2, a weight a learning-rate step doubles. The batch traced is rarely the largest that comes.",
         fix="Keep that op in fp32, rescale (e.g. divide scores by sqrt(d) earlier), or use bf16 instead of fp16.",
     ),
     Rule(
