@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 import sys
 import threading
@@ -123,6 +124,10 @@ class _Display:
         stderr = sys.stderr
         # The file is fixed here: sys.stderr is replaced below, and the console writes to the terminal.
         self.console = Console(file=stderr)
+        self._streams: list[tuple[str, _Above]] = []
+        if not self.console.is_interactive:  # a terminal rich will not redraw on (TTY_INTERACTIVE=0)
+            self.closed = True
+            return
         self.progress = Progress(
             SpinnerColumn(),
             TextColumn("{task.fields[shown]:line}", markup=False),
@@ -135,13 +140,14 @@ class _Display:
             redirect_stdout=False,  # replaced by _Above below: rich's own proxy would re-wrap the lines
             redirect_stderr=False,
         )
-        self._streams: list[tuple[str, _Above]] = []
         self.progress.start()
         self._above("stderr", stderr)
         if _same_terminal(sys.stdout, stderr):
             self._above("stdout", sys.stdout)
 
     def _above(self, name: str, stream: Any) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()  # what it holds was written before the display: it goes out first
         proxy = _Above(self.console, stream, self.close)
         setattr(sys, name, proxy)
         self._streams.append((name, proxy))
@@ -239,6 +245,7 @@ class _Above:
         self._pending = ""
         self._lock = threading.RLock()  # step_aside detaches this proxy from inside its own write
         self._live = True
+        _after_fork_in_child(self)
 
     def write(self, text: str) -> int:
         if not isinstance(text, str):
@@ -274,6 +281,30 @@ class _Above:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.target, name)
+
+
+_FORKED: list[_Above] = []  # the proxies a forked child (a DataLoader worker) must not draw through
+
+
+def _after_fork_in_child(proxy: _Above) -> None:
+    """In a child forked while the display runs, there is no display (its thread is not copied):
+    the child's writes go straight to the stream, never a stale copy of the parent's lines."""
+    _hook_fork()
+    _FORKED.append(proxy)
+    del _FORKED[:-8]  # ended displays' proxies pass straight through already
+
+
+@functools.cache
+def _hook_fork() -> None:
+    if hasattr(os, "register_at_fork"):  # POSIX; once per process
+        os.register_at_fork(after_in_child=_forked)
+
+
+def _forked() -> None:
+    for proxy in _FORKED:
+        proxy._lock = threading.RLock()  # another thread may have held it at the fork
+        proxy._live = False
+        proxy._pending = ""  # the parent writes its own half line
 
 
 def _same_terminal(stream: Any, other: Any) -> bool:

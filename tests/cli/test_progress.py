@@ -270,6 +270,21 @@ def test_a_line_redrawn_in_place_gets_the_terminal_back(terminal):
     assert b"\r0%\r10%\r20%" in received()
 
 
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_writes_straight_through(terminal):
+    _, received = terminal()
+    with progress.display(True), progress.task("parent"):
+        pid = os.fork()  # as a DataLoader worker is started
+        if pid == 0:
+            through = not sys.stderr._live  # no display thread here: no stale copy of the parent's lines
+            sys.stderr.write("child line\n")
+            sys.stderr.flush()
+            os._exit(0 if through else 3)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert b"child line" in received()
+
+
 def test_close_ends_the_display_before_its_block_does(terminal):
     stream, received = terminal()
     with progress.display(True):

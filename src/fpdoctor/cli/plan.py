@@ -36,6 +36,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fpdoctor import progress
     from fpdoctor.cli import model_spec
     from fpdoctor.precision.compare import ReferenceFailed
     from fpdoctor.precision.plan import plan
@@ -44,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     candidate, reference, fp8_kernel = check_precision_args(args, PLAN_CANDIDATES)
     if args.tolerance is not None and not args.tolerance > 0:
         raise UsageError("--tolerance must be a positive relative error, e.g. 1e-3")
-    model, inputs = model_spec.load(args.model)
+    with progress.task(f"plan: loading {args.model} (import torch, build the model)"):
+        model, inputs = model_spec.load(args.model)
     try:
         result = plan(
             model, inputs, candidate=candidate, reference=reference, tolerance=args.tolerance, fp8_kernel=fp8_kernel

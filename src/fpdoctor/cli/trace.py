@@ -132,10 +132,12 @@ def run(args: argparse.Namespace) -> int:
     import contextlib
     import runpy
 
-    import torch
+    from fpdoctor import progress
+
+    with progress.task("trace: import torch"):
+        import torch
 
     import fpdoctor
-    from fpdoctor import progress
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     autocast = torch.autocast(device, dtype=getattr(torch, dtype_name)) if dtype_name else contextlib.nullcontext()
