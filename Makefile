@@ -38,6 +38,7 @@ bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/bench_run.py
 	$(BIN)/python benchmarks/bench_breadcrumbs.py
 	$(BIN)/python benchmarks/bench_html.py
+	$(BIN)/python benchmarks/bench_progress.py
 	$(BIN)/python benchmarks/bench_integrations.py
 
 clean:
