@@ -199,3 +199,20 @@ def test_findings_are_the_worst_call_per_module_and_op_largest_first_and_bounded
     assert all(r["call"] == 0 and r["op"] == "aten.mul.Tensor" for r in rows)  # x, not x * 0.5
     assert [r["share"] for r in rows] == sorted((r["share"] for r in rows), reverse=True)
     assert rows[0]["reference_absmax"] == pytest.approx(shares[-1] * FP16_MAX)
+
+
+def test_modules_entered_by_name_alone_keep_their_own_lines():
+    ranges, x = OpRanges(), torch.ones(4, dtype=torch.float16)
+    with ranges:
+        ranges.enter("a", 0)
+        first = inspect.currentframe().f_lineno + 1
+        x * 40000.0
+        ranges.leave("a", 0)
+        ranges.enter("b", 0)
+        second = inspect.currentframe().f_lineno + 1
+        x * 50000.0
+        ranges.leave("b", 0)
+        x * 60000.0  # outside any module: not recorded
+    rows = near_limit(ranges.read())
+    assert [(r["module"], r["location"][1]) for r in rows] == [("b", second), ("a", first)]
+    assert "reference_absmax" not in rows[0]  # no fp64 pass given

@@ -18,8 +18,9 @@ Source lines: a value is only known at the end, so the line is taken for every o
 could cross (fp16/fp8: the formats a compare candidate computes in whose max a model reaches),
 once per (module class, op, occurrence, position): a module's forward runs the same lines in
 every call, so twelve encoder layers pay for one. A re-run pass only for the ops that crossed
-would cost a forward to save a few hundred frame walks. Frames above the model (compare's
-own) are never taken for the model's line: a torch module's ops have none.
+would cost a forward to save a few hundred frame walks. The line is the innermost one of the
+user's code (a torch module's ops: the line that called it); frames above the model (compare's
+own) are never taken for it.
 """
 
 from __future__ import annotations
@@ -75,12 +76,13 @@ class OpRanges(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.errors: list[str] = []
-        self._stack: list[tuple[str, int, dict[str, int], type | None]] = []
+        self._stack: list[tuple[str, int, dict[str, int], Any]] = []  # (name, call, op counts, code key)
         self._paused = 0
         self._keys: list[tuple[str, int, str, int, int, tuple[int, ...], str, tuple[str, int, str] | None]] = []
         self._values: list[torch.Tensor] = []  # (lo, hi) per key, 0-d, on the op's device
-        self._ops: dict[Any, tuple[str, str, bool]] = {}  # overload -> (op, packet name, reduced)
-        self._lines: dict[tuple[type | None, str, int, int], tuple[str, int, str] | None] = {}
+        # id(overload) -> (op, reduced, the overload): an OpOverload's __hash__ is Python code
+        self._ops: dict[int, tuple[str, bool, Any]] = {}
+        self._lines: dict[tuple[Any, str, int, int], tuple[str, int, str] | None] = {}
         self._read: list[OpRange] | None = None
 
     @classmethod
@@ -112,8 +114,9 @@ class OpRanges(TorchDispatchMode):
         return on_post
 
     def enter(self, name: str, index: int, module: Any = None) -> None:
-        """Ops from now on belong to call `index` of module `name` (until a child enters)."""
-        self._stack.append((name, index, {}, type(module) if module is not None else None))
+        """Ops from now on belong to call `index` of module `name` (until a child enters). With
+        the `module` itself, its ops' source lines are taken once per class, else per name."""
+        self._stack.append((name, index, {}, type(module) if module is not None else name))
 
     def leave(self, name: str, index: int) -> None:
         """Call `index` of `name` returned: pop to it (a child that raised left no post hook)."""
@@ -144,14 +147,14 @@ class OpRanges(TorchDispatchMode):
         if self._paused or not self._stack:
             return out  # compare's own work, or outside the model (the inputs' cast)
         try:
-            info = self._ops.get(func)
+            info = self._ops.get(id(func))
             if info is None:
                 name = func.overloadpacket.__name__
                 # casts are compare's own (the fp8 quantization, whose scaled values sit at the
                 # max by design: fp8-saturation judges them) or no-ops in the candidate's dtype
                 reduced = not func.is_view and not name.startswith("empty") and judged(name, cast=False)
-                info = self._ops[func] = (str(func), name, reduced)
-            if info[2]:
+                info = self._ops[id(func)] = (str(func), reduced, func)
+            if info[1]:
                 self._record(info[0], out)
         except Exception as exc:  # the observer never fails compare
             if len(self.errors) < 20:
@@ -159,7 +162,7 @@ class OpRanges(TorchDispatchMode):
         return out
 
     def _record(self, op: str, out: Any) -> None:
-        module, call, counts, kind = self._stack[-1]
+        module, call, counts, code = self._stack[-1]
         k = counts.get(op, 0)
         counts[op] = k + 1
         outputs = (out,) if type(out) is torch.Tensor else out if isinstance(out, (tuple, list)) else ()
@@ -170,7 +173,7 @@ class OpRanges(TorchDispatchMode):
                 continue
             location = None
             if t.dtype in _LOCATED:
-                line_key = (kind, op, k, position)
+                line_key = (code, op, k, position)
                 if line_key not in self._lines:
                     self._lines[line_key] = _model_location(sys._getframe(2))
                 location = self._lines[line_key]
