@@ -198,4 +198,4 @@ def test_help_text(capsys):
         main(["compare", "--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    assert "--save-reference FILE" in out and "--against FILE" in out and "96 KiB per module call" in out
+    assert "--save-reference FILE" in out and "--against FILE" in out and "97 KiB per module call" in out

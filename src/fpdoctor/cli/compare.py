@@ -96,7 +96,7 @@ copy a.json.gz to machine B and run there
   fpdoctor compare model.py:make --against a.json.gz
 B runs the same compare and names the first module where it departs from A (beyond the fp64
 noise floor, or NaN/Inf on one machine only), or says that the inputs, weights or computation
-differ. The record is gzip'd JSON, at most 96 KiB per module call."""
+differ. The record is gzip'd JSON, about 97 KiB per module call at most."""
 
 
 def run(args: argparse.Namespace) -> int:
