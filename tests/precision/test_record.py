@@ -196,6 +196,7 @@ def test_damaged_files_are_refused_with_one_line(saved):
         "text": (b"hello world\n", "not a compare record"),
         "NaN literal": (nan_literal, "not valid JSON"),
         "bad JSON": (b"{not json", "not valid JSON"),
+        "deep JSON": (b'{"a":' + b"[" * 100000 + b"]" * 100000 + b"}", "nested too deep"),
     }
     for name, (data, fragment) in cases.items():
         with pytest.raises(RecordError) as err:
@@ -213,6 +214,8 @@ def test_saving_is_atomic_and_honours_the_umask(tmp_path):
         path.chmod(0o600)  # an existing file keeps its mode
         fpdoctor.compare(mlp(), torch.randn(4, 64), candidate="bf16", save_reference=path)
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        fpdoctor.compare(mlp(), torch.randn(4, 64), candidate="bf16", save_reference=os.devnull)  # written through
+        assert os.path.exists(os.devnull) and not os.path.isfile(os.devnull)
     finally:
         os.umask(old)
 

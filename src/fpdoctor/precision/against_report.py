@@ -88,19 +88,21 @@ def _departures(j: Judgement) -> list[Finding]:
         evidence: dict[str, Any] = {
             "kind": _kind(row),
             "count": len(s.departing()),
-            "numel": row.b.numel,
+            "numel": shown.b.numel,
             "dtype": str(compute_dtype(candidate)),
             "candidate": candidate,
+            # where the departure was first seen, when that is a module inside the one named
             "departing_module": row.module if through else None,
             "departure_rel": row.departure,
             "limit_rel": row.limit,
             "floor_rel": max(row.a.floor, row.b.floor),
-            "a_propagated_rel": row.a.propagated,
-            "b_propagated_rel": row.b.propagated,
-            "a_isolated_rel": row.a.isolated,
-            "b_isolated_rel": row.b.isolated,
-            "a_nonfinite": row.a.nonfinite,
-            "b_nonfinite": row.b.nonfinite,
+            # the module named, on each machine
+            "a_propagated_rel": shown.a.propagated,
+            "b_propagated_rel": shown.b.propagated,
+            "a_isolated_rel": shown.a.isolated,
+            "b_isolated_rel": shown.b.isolated,
+            "a_nonfinite": shown.a.nonfinite,
+            "b_nonfinite": shown.b.nonfinite,
             "machine_a": machine.name(j.a.machine),
             "machine_b": machine.name(j.b.machine),
             "facts_differ": j.facts_differ,
@@ -110,7 +112,7 @@ def _departures(j: Judgement) -> list[Finding]:
             catalog.make(
                 "machine-departure",
                 message=message,
-                where={"module": s.blamed, "op": None, "phase": "forward", "iteration": row.call},
+                where={"module": s.blamed, "op": None, "phase": "forward", "iteration": shown.call},
                 evidence=evidence,
                 fix=_departure_fix(j, s.blamed, row),
             )
@@ -226,9 +228,10 @@ def _weights_differ(j: Judgement) -> Finding:
     if parted:
         parts.append(f"the fp64 outputs part first at `{parted[0] or '<root>'}`, which they explain")
     first = (listed or j.weights_only_a or j.weights_only_b)[0]
+    message = "; ".join(parts) + "."
     return catalog.make(
         "reference-weights-differ",
-        message="; ".join(parts) + ".",
+        message=message[0].upper() + message[1:],
         where={"module": first, "op": None, "phase": "forward"},
         evidence={
             "kind": "weights",
@@ -338,7 +341,7 @@ def _verdict(j: Judgement) -> str:
         text = f"departs first at `{first.blamed or '<root>'}` ({how})"
     elif parted is not None and parted.parted is not None:
         why = "weights differ" if parted.parted_by_weights else "computes something else"
-        return f"the computations part at `{parted.parted.module or '<root>'}` ({why}); no departure before it"
+        text = f"the computations part at `{parted.parted.module or '<root>'}` ({why}); no departure before it"
     else:
         text = f"no module departs beyond the noise floor ({calls} module calls compared)"
     if len(judged) < len(j.sets):

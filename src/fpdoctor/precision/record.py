@@ -194,6 +194,11 @@ def write_bytes_atomic(target: Path, data: bytes) -> None:
     """Via a temporary file in the same directory and a rename (as cli.output.write_atomic does for text)."""
     if target.is_dir():
         raise ValueError(f"{target} is a directory; give a file name for the record")
+    if target.exists() and not target.is_file():
+        # /dev/null, a named pipe: write through; renaming over them would replace them
+        with target.open("wb") as fh:
+            fh.write(data)
+        return
     if not target.parent.exists():
         raise ValueError(f"{target.parent} does not exist; create it or choose another path for the record")
     mode = target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask()
@@ -248,6 +253,8 @@ def _document(data: bytes, source: str) -> dict[str, Any]:
         doc = json.loads(text.decode("utf-8"), parse_constant=refuse)
     except (UnicodeDecodeError, ValueError) as exc:
         raise RecordError(f"{source} is not valid JSON ({str(exc).splitlines()[0]}): it is not {what}") from None
+    except RecursionError:  # nesting no record has
+        raise RecordError(f"{source} is JSON nested too deep: it is not {what}") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise RecordError(f"{source} is JSON but not {what}")
     return doc
