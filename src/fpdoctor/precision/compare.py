@@ -27,6 +27,7 @@ floor, so only what goes beyond the reference's own rounding is called a diverge
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,8 @@ from fpdoctor.precision.profile import (
     children,
     merge_sets,
 )
+from fpdoctor.precision.record import CompareRecord
+from fpdoctor.precision.recording import Link, Samples
 from fpdoctor.precision.scope import find_module, module_inputs
 from fpdoctor.preserve import RngState
 from fpdoctor.pytrees import tensors_in
@@ -101,17 +104,20 @@ class _Seen:
     candidate_inputs: float = 0.0  # the candidate's input error at this module
     nonfinite: int = 0
     overflow: dict[str, Any] | None = None  # the op inside that overflows (ops.first_overflow)
+    candidate: torch.Tensor | None = None  # float32 sample of the candidate's output, kept for a compare record
 
 
 def compare(
     model: nn.Module,
     inputs: Any,
     *,
-    candidate: str = "fp16",
-    reference: str = "fp32",
+    candidate: str | None = None,
+    reference: str | None = None,
     device: str | None = None,
-    fp8_kernel: str = "auto",
+    fp8_kernel: str | None = None,
     module: str | None = None,
+    save_reference: str | os.PathLike[str] | None = None,
+    against: str | os.PathLike[str] | CompareRecord | None = None,
 ) -> CompareResult:
     """Layerwise error of `candidate` against fp64, judged against the fp64 noise floor.
 
@@ -133,20 +139,42 @@ def compare(
 
     `inputs`: one input set (a tensor, a tuple of positional arguments, a dict of keyword
     arguments) or a list of them (or any iterable): each set is compared, and the result is the
-    worst set's, with every set's line in the summary (`result.input_sets`, `result.worst_set`)."""
-    candidate = check_name(candidate, CANDIDATES, "candidate")
-    reference = check_name(reference, REFERENCES, "reference")
-    fp8_kernel = check_name(fp8_kernel, FP8_KERNELS, "fp8 kernel")
+    worst set's, with every set's line in the summary (`result.input_sets`, `result.worst_set`).
+
+    Defaults: candidate fp16, reference fp32, fp8_kernel auto.
+
+    Across machines (precision/record.py): `save_reference=PATH` writes a compare record of this
+    run (per module call the fp64 and the candidate's samples and the row's numbers, the inputs'
+    digests, per module a digest of its weights, the machine's facts; the candidate defaults to
+    fp32 then); on another machine `against=PATH` (or a CompareRecord) runs the same compare -
+    candidate, reference, fp8_kernel and module from the record, a different one given is a
+    ValueError - and names the first module where this run departs from the record's, or where
+    the inputs, weights or computation differ."""
+    link = Link.open(save_reference, against) if save_reference is not None or against is not None else None
+    if link is not None:
+        settings = link.settings(candidate=candidate, reference=reference, fp8_kernel=fp8_kernel, device=device,
+                                 module=module)  # fmt: skip
+        candidate, reference, fp8_kernel = settings.candidate, settings.reference, settings.fp8_kernel
+        device, module = settings.device, settings.module
+    candidate = check_name(candidate or "fp16", CANDIDATES, "candidate")
+    reference = check_name(reference or "fp32", REFERENCES, "reference")
+    fp8_kernel = check_name(fp8_kernel or "auto", FP8_KERNELS, "fp8 kernel")
     if device is not None:
         check_device(device)
     sets = input_sets(inputs)
     given = as_given(uncompiled(model), sets[0])
+    samples: list[Samples] = [[] for _ in sets]
     results = [
         compare_set(model, one, candidate=candidate, reference=reference, device=device, fp8_kernel=fp8_kernel,
-                    module=module)
-        for one in sets
+                    module=module, samples=samples[k] if link is not None else None)
+        for k, one in enumerate(sets)
     ]  # fmt: skip
-    return merge_sets(results, [describe(one) for one in sets], given)
+    described = [describe(one) for one in sets]
+    result = merge_sets(results, described, given)
+    if link is not None:
+        link.finish(result, model=uncompiled(model), settings=settings, described=described, results=results,
+                    samples=samples)  # fmt: skip
+    return result
 
 
 def compare_set(
@@ -158,8 +186,10 @@ def compare_set(
     device: str | None = None,
     fp8_kernel: str = "auto",
     module: str | None = None,
+    samples: Samples | None = None,
 ) -> CompareResult:
-    """compare() on one input set, the names already checked."""
+    """compare() on one input set, the names already checked. `samples`, when given, gets each
+    judged module call's row with its fp64 and candidate samples, for a compare record."""
     cand_device = check_device(device) if device is not None else None
     compiled, model = model is not uncompiled(model), uncompiled(model)
     if module is not None:
@@ -189,6 +219,7 @@ def compare_set(
                 fp8_kernel=fp8_kernel,
                 rng=rng,
                 prefix=module,
+                samples=samples,
             )
     finally:
         rng.restore()
@@ -225,17 +256,22 @@ def _compare(
     fp8_kernel: str,
     rng: RngState,
     prefix: str | None,
+    samples: Samples | None = None,
 ) -> CompareResult:
     """The steps of one comparison, in order (see the module's docstring)."""
     run = _Comparison(
         model, inputs, candidate=candidate, reference=reference, cand_device=cand_device, on=on,
-        fp8_kernel=fp8_kernel, rng=rng,
+        fp8_kernel=fp8_kernel, rng=rng, keep_candidate=samples is not None,
     )  # fmt: skip
     run.truth_pass()
     run.candidate_pass()
     rows = run.judge_containers(_rows(run.seen))
     input_floor = run.input_floor(rows) if not prefix else None
-    return run.result(rows, input_floor, prefix)
+    kept = [(r, run.seen[(r.module, r.call)]) for r in rows] if samples is not None else []
+    result = run.result(rows, input_floor, prefix)
+    if samples is not None:  # after result(): the rows carry their names in the whole model now
+        samples.extend((r, e.truth, e.candidate) for r, e in kept)
+    return result
 
 
 class _Comparison:
@@ -254,8 +290,10 @@ class _Comparison:
         on: torch.device,
         fp8_kernel: str,
         rng: RngState,
+        keep_candidate: bool = False,
     ) -> None:
         self.model, self.inputs, self.rng = model, inputs, rng
+        self.keep_candidate = keep_candidate
         self.candidate, self.reference, self.cand_device = candidate, reference, cand_device
         self.truth_run = make_run(model, "fp64").eval()
         self.cand_run = make_run(model, candidate, fp8_kernel, on).eval()
@@ -406,6 +444,8 @@ class _Comparison:
         if entry is None or c is None or c.numel() != entry.truth.numel():
             return
         finite = all_finite(output)
+        if self.keep_candidate:  # float32 holds every candidate format's values exactly
+            entry.candidate = c.to(torch.float32)
         entry.propagated = rel_error(c, entry.truth, entry.norm) if finite else math.inf
         entry.cosine = cosine(c, entry.truth, entry.norm) if finite else None
         if not finite:
