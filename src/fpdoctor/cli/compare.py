@@ -142,6 +142,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{exc}; fix the model or its example inputs first") from None
     except ValueError as exc:  # --module names no module of this model; a setting the record does not have
         raise UsageError(str(exc)) from None
+    if args.save_reference is not None:  # the command to run on machine B, with this MODEL spelled out
+        summary = result.report.data["summary"]
+        mine = f"compare {args.model} --against"
+        summary[:] = [(k, v.replace("compare MODEL --against", mine) if isinstance(v, str) else v) for k, v in summary]
     emit(result.report.to_dict(), args)
     return result.report.exit_code
 

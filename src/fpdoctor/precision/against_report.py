@@ -272,9 +272,9 @@ def _computation_differs(j: Judgement) -> list[Finding]:
                 "reference-computation-differs",
                 message=(
                     f"`{row.module or '<root>'}` computes something else than on machine A{where_set}: {how}, while "
-                    "every module before it agreed and its weights are the same. Its code or configuration changed, "
-                    f"or an op's definition changed between the two machines' libraries{libraries}. Modules after "
-                    "it were not compared for departures."
+                    "every module before it agreed and its weights are the same. Its code or configuration changed"
+                    f"{_or_parent(row.module)}, or an op's definition changed between the two machines' "
+                    f"libraries{libraries}. Modules after it were not compared for departures."
                 ),
                 where={"module": row.module, "op": None, "phase": "forward", "iteration": row.call},
                 evidence={
@@ -347,6 +347,15 @@ def _verdict(j: Judgement) -> str:
     if len(judged) < len(j.sets):
         text += f"; {len(j.sets) - len(judged)} input set(s) not compared (other inputs)"
     return text
+
+
+def _or_parent(module: str) -> str:
+    """A module's inputs come from its parent's own code too (the ops a container's forward runs
+    between its children): where the change may be besides the module itself."""
+    parent = module.rpartition(".")[0] if module else None
+    if parent is None:
+        return ""
+    return f", or the code of `{parent or '<root>'}` that runs before it and makes its inputs"
 
 
 def _shown_set(j: Judgement) -> SetJudgement | None:
