@@ -216,3 +216,24 @@ def test_modules_entered_by_name_alone_keep_their_own_lines():
     rows = near_limit(ranges.read())
     assert [(r["module"], r["location"][1]) for r in rows] == [("b", second), ("a", first)]
     assert "reference_absmax" not in rows[0]  # no fp64 pass given
+
+
+def test_the_recorder_steps_off_the_dispatch_stack_in_hooks_and_back_under_the_noise_replay():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from fpdoctor.precision.noise import ReplayNoise
+
+    model, x = model_at(0.62)
+    run = make_run(model, "fp16").eval()
+    ranges, noise, seen = OpRanges(), ReplayNoise([]), []
+
+    def post(name, index, args, output):
+        seen.append([type(m).__name__ for m in _get_current_dispatch_mode_stack()])
+        flat_sample(output)  # compare's own work: not recorded, and not through the recorder at all
+
+    with ranges:
+        hooked(run, x, torch.float16, pre=ranges.pre(None), post=ranges.post(post), rng=RngState.capture(), noise=noise)
+        assert _get_current_dispatch_mode_stack() == [ranges]  # the replay's `with` ended on top of it
+    assert _get_current_dispatch_mode_stack() == []
+    assert seen and all(stack == ["ReplayNoise"] for stack in seen)
+    assert [r.key for r in ranges.read()] == [r.key for r in passes(model, x)[1].read()]

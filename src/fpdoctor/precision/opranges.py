@@ -5,10 +5,10 @@ module's output stays small (attention's q·kᵀ scores, written in the attentio
 then squashed by the softmax). `OpRanges` is a dispatch mode that, during one `passes.hooked`
 run, keeps the largest magnitude of every floating op output per (module, call, op, k-th
 occurrence of that op in that call, output position). Module attribution comes from the
-pass's own hook callbacks, wrapped by `pre()` and `post()`: the recording pauses while they
-run, so what compare computes in them (samples, errors, isolated re-runs of module copies) is
-neither recorded nor counted, and the occurrences of the fp64 pass and the candidate's pass
-line up op for op.
+pass's own hook callbacks, wrapped by `pre()` and `post()`: the mode steps off the dispatch
+stack while they run, so what compare computes in them (samples, errors, isolated re-runs of
+module copies) is neither recorded, nor counted, nor slowed, and the occurrences of the fp64
+pass and the candidate's pass line up op for op.
 
 Cost: one `aminmax` per op output (one kernel), its two 0-d results kept on the device and read
 once at the end with one stack per device and dtype: no host sync per op. Views, ops that only
@@ -34,7 +34,7 @@ from types import FrameType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
 from fpdoctor.numerics.headroom import MAX_OP_FINDINGS, judged, near_limit_finding
 from fpdoctor.numerics.limits import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
@@ -127,12 +127,37 @@ class OpRanges(TorchDispatchMode):
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Ops run here are neither recorded nor counted (compare's own work inside its hooks)."""
+        """Ops run here are neither recorded nor counted (compare's own work inside its hooks).
+        The mode steps off the dispatch stack meanwhile, the modes above it (noise replay) kept
+        in place, so compare's many small ops and re-runs do not pay for a Python dispatch."""
         self._paused += 1
+        above = self._step_off() if self._paused == 1 else None
         try:
             yield
         finally:
+            if above is not None:
+                self._step_on(above)
             self._paused -= 1
+
+    def _step_off(self) -> list[TorchDispatchMode] | None:
+        """Pop this mode and those above it; the others go back at once. None if not on the stack."""
+        stack = _get_current_dispatch_mode_stack()
+        if not any(mode is self for mode in stack):
+            return None
+        above = []
+        while (mode := _pop_mode()) is not self:
+            above.append(mode)
+        for mode in reversed(above):
+            _push_mode(mode)
+        return above
+
+    def _step_on(self, above: list[TorchDispatchMode]) -> None:
+        """Back under the modes that were above it, as `with` put it there."""
+        for _ in above:
+            _pop_mode()
+        _push_mode(self)
+        for mode in reversed(above):
+            _push_mode(mode)
 
     def clear(self) -> None:
         """Forget what was recorded (a pass that runs again: compare's fp64 pass with noise replay)."""
