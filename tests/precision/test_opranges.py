@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fpdoctor.numerics.headroom import MAX_OP_FINDINGS
 from fpdoctor.precision.candidates import make_run
 from fpdoctor.precision.metrics import flat_sample, l2_norm
-from fpdoctor.precision.opranges import OpRanges, findings, near_limit
+from fpdoctor.precision.opranges import AT_RISK, OpRanges, findings, near_limit
 from fpdoctor.precision.ops import first_overflow
 from fpdoctor.precision.passes import hooked
 from fpdoctor.preserve import RngState
@@ -79,7 +79,9 @@ def passes(
         if busy and name == "attn":  # the candidate's copy of the module re-run on the fp64 inputs
             cand_modules[name](*(a.to(dtype) for a in args))
 
-    truth, cand = OpRanges(), OpRanges()
+    # fp16: the candidate's recorder as compare wires it, taking the outputs that are judged;
+    # bf16 (not wired): every floating output, to show that a bf16 range is no risk
+    truth, cand = OpRanges(), OpRanges(AT_RISK) if candidate == "fp16" else OpRanges()
     with truth:
         hooked(truth_run, x, torch.float64, pre=truth.pre(pre), post=truth.post(truth_post), rng=rng)
     with cand:

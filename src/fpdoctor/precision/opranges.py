@@ -42,10 +42,11 @@ from fpdoctor.numerics.trace import _CASEBOOK_DIR, _OWN_DIR, _is_user_file
 from fpdoctor.numerics.values import dtype_name, minmax, read_scalars
 from fpdoctor.report.model import Finding
 
-# Formats whose max a model's values reach: their op outputs get a source line. bf16 has fp32's
-# range: a value near its max is already a non-finite story.
-_LOCATED = frozenset({torch.float16, torch.float8_e4m3fn, torch.float8_e5m2})
-_FLOATING = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, *_LOCATED})
+# The formats whose max a model's values reach: a candidate computing in one of them (fp16,
+# fp16-accumulate) is worth recording; bf16 has fp32's range, and the fp8 candidates compute in
+# fp32 around scaled casts. Their op outputs get a source line.
+AT_RISK = frozenset({torch.float16, torch.float8_e4m3fn, torch.float8_e5m2})
+_FLOATING = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, *AT_RISK})
 
 
 @dataclass(frozen=True)
@@ -71,10 +72,13 @@ class OpRanges(TorchDispatchMode):
     """Records op output ranges inside modules during one pass; see the module docstring.
 
     Use: `with ranges: hooked(run, ..., pre=ranges.pre(pre), post=ranges.post(post))`, then
-    `ranges.read()`."""
+    `ranges.read()`. `dtypes`: the output dtypes whose ranges are taken (the reference pass: all
+    floating ones; the candidate's: AT_RISK, the only ones judged); every op is counted anyway,
+    so occurrences line up between passes."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtypes: Iterable[torch.dtype] = _FLOATING) -> None:
         super().__init__()
+        self._dtypes = frozenset(dtypes) & _FLOATING
         self.errors: list[str] = []
         self._stack: list[tuple[str, int, dict[str, int], Any]] = []  # (name, call, op counts, code key)
         self._paused = 0
@@ -192,12 +196,12 @@ class OpRanges(TorchDispatchMode):
         counts[op] = k + 1
         outputs = (out,) if type(out) is torch.Tensor else out if isinstance(out, (tuple, list)) else ()
         for position, t in enumerate(outputs):
-            if not isinstance(t, torch.Tensor) or t.dtype not in _FLOATING or t.layout is not torch.strided:
+            if not isinstance(t, torch.Tensor) or t.dtype not in self._dtypes or t.layout is not torch.strided:
                 continue
             if not t.numel():
                 continue
             location = None
-            if t.dtype in _LOCATED:
+            if t.dtype in AT_RISK:
                 line_key = (code, op, k, position)
                 if line_key not in self._lines:
                     self._lines[line_key] = _model_location(sys._getframe(2))
@@ -310,4 +314,4 @@ def findings(rows: list[dict[str, Any]], *, label: str, reference: str = "fp64")
     return found
 
 
-__all__ = ["OpRange", "OpRanges", "findings", "near_limit"]
+__all__ = ["AT_RISK", "OpRange", "OpRanges", "findings", "near_limit"]
