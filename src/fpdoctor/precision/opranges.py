@@ -224,8 +224,8 @@ class OpRanges(TorchDispatchMode):
 
 
 def _model_location(frame: FrameType | None) -> tuple[str, int, str] | None:
-    """The innermost user frame below fpdoctor's own: the model's line, never the line that
-    called compare (a torch module's ops have no line of the user's)."""
+    """The innermost user frame below fpdoctor's own: the model's line (for a torch module's
+    ops, the user's line that called it), never the line that called compare."""
     while frame is not None:
         filename = frame.f_code.co_filename
         if filename.startswith(_OWN_DIR) and not filename.startswith(_CASEBOOK_DIR):
