@@ -403,8 +403,8 @@ class Tracer(TorchDispatchMode):
                 record.location = user_location(sys._getframe(2))
         entry = (("op", index), None)
         table[id(t)] = (_ref(t), entry)  # Provenance.set, inlined
-        if written and t._base is not None:  # written through a view: the base holds it too
-            table[id(t._base)] = (_ref(t._base), entry)
+        if written and t._base is not None and not self._still_bad(t._base, immediate and output.kind is None):
+            table[id(t._base)] = (_ref(t._base), entry)  # written through a view: the base holds it too
         if len(table) >= self.provenance._sweep_at:
             self.provenance.sweep()
         if immediate:
@@ -567,6 +567,20 @@ class Tracer(TorchDispatchMode):
         record = self._items.get(src[1])
         return record is None or all(o.kind is None and o.pending is None for o in record.outputs)
 
+    def _still_bad(self, base: torch.Tensor, finite_write: bool) -> bool:
+        """A finite write through a view into a base that held NaN/Inf elsewhere leaves those
+        values there (autograd's CopySlices zeroes one slice of a NaN gradient): the base keeps
+        the entry that explains them, unless its values show the write covered them all (known
+        at once in immediate mode; deferred mode keeps the old entry)."""
+        if not finite_write:
+            return False
+        old = self._lookup(base)
+        if old is None or not self.kind_of(old):
+            return False
+        if self.immediate if self.immediate is not None else base.is_cpu:
+            return not bool(torch.isfinite(base).all())  # a NaN run only: the base held NaN/Inf
+        return True
+
     def _alias(self, t: torch.Tensor, src: tuple[str, int]) -> None:
         self.provenance.set(t, (src, version(t) if src[0] == "leaf" else None))
 
@@ -620,8 +634,8 @@ class Tracer(TorchDispatchMode):
                 src = self._source(sources[0], index)
                 if self._finite(src):
                     self._alias(t, src)
-                    if t._base is not None:  # written through a view: the base holds it too
-                        self._alias(t._base, src)
+                    if t._base is not None and not self._still_bad(t._base, True):
+                        self._alias(t._base, src)  # written through a view: the base holds it too
                     module, call, _ = tracker.current
                     self._by_seq.setdefault(seq, (module, call, info.op, None))
                     return
@@ -692,7 +706,7 @@ class Tracer(TorchDispatchMode):
             nonfinite = nonfinite or output.kind is not None
             record.outputs.append(output)
             provenance.set(t, entry)
-            if written and t._base is not None:
+            if written and t._base is not None and not self._still_bad(t._base, immediate and output.kind is None):
                 provenance.set(t._base, entry)
         if immediate:
             if nonfinite:
