@@ -88,6 +88,19 @@ def test_fp32_scores_at_62_percent_are_an_fp16_what_if_with_exact_ranges():
     assert "in fp32" in risk.message and "in fp16, values 1.6x larger would overflow" in risk.message
 
 
+def test_the_public_trace_asks_for_exact_ranges_itself_and_judges_fp16_ops_without_headroom():
+    block, x = block_at(0.62, torch.float32)
+    with fpdoctor.trace(block, headroom=True) as t:  # no private flag: headroom with an fp16 target sets it
+        block(x)
+    (risk,) = risks(t.report)
+    assert risk.where["op"] == "aten.bmm.default" and risk.evidence["what_if"]
+    block, x = block_at(0.62)
+    with fpdoctor.trace(block) as t:  # values in fp16 are judged per op with headroom off too
+        block(x)
+    (risk,) = risks(t.report)
+    assert risk.where["line"] == SCORES_LINE and not risk.evidence["what_if"]
+
+
 def test_fp32_what_ifs_on_an_accelerator_path_need_no_extra_reduction():
     # deferred mode (how accelerators run) takes every op's exact range anyway
     block, x = block_at(0.62, torch.float32)
