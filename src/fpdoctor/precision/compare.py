@@ -10,14 +10,17 @@ Per module:
   propagated  the candidate run's output against the fp64 output (errors accumulated so far)
   isolated    the candidate's module fed the fp64 run's inputs, against the fp64 output (leaf
               modules; ROWS evenly spread rows of those whose rows are independent): what this
-              module adds by itself
-  floor       the error that rounding the fp64 output to the candidate's format causes, or the
-              reference's own error (its module fed the same fp64 inputs) if that is larger
+              module adds by itself. A container's: its worst own op (an op of its forward
+              outside its submodules: attention scores, a residual add), each re-run on its fp64
+              inputs as the fp64 pass runs it (ownops.py)
+  floor       the error that rounding the fp64 output (a container's: that op's) to the
+              candidate's format causes, or the reference's own error (fed the same fp64 inputs)
+              if that is larger
 A module diverges when its isolated error is non-finite or more than DIVERGENCE_RATIO times the
 floor: rounding of inputs and outputs stays within a few floors, while accumulation loss,
 overflow and cancellation land orders of magnitude above it. Relative L2 error, SQNR and cosine
-similarity are reported for both. A container's own ops (attention scores, a residual add) are
-re-run in one more fp64 pass, only where the candidate's error jumps inside it.
+similarity are reported for both. Each row says what its figures were computed on and, where its
+error moves against its inputs' or its submodules', why (profile.annotate).
 
 With `device=`, the candidate runs on another device (device A vs device B): `candidate="fp32",
 device="cuda"` judges the GPU's fp32 kernels (TF32, another summation order) against the same
@@ -61,14 +64,17 @@ from fpdoctor.precision.metrics import (
     rel_error,
     round_to,
     row_subset,
+    sample_step,
 )
 from fpdoctor.precision.noise import ReplayNoise
 from fpdoctor.precision.ops import first_overflow
+from fpdoctor.precision.ownops import Own, OwnOps
 from fpdoctor.precision.passes import hooked, input_rounding_error, record_noise, rerun
 from fpdoctor.precision.profile import (
     DIVERGENCE_RATIO,
     CompareResult,
     ModuleRow,
+    annotate,
     build_report,
     causes,
     children,
@@ -102,9 +108,14 @@ class _Seen:
     reference: float | None = None  # the reference's isolated error; None: not measured
     propagated: float | None = None
     candidate_inputs: float = 0.0  # the candidate's input error at this module
+    input_error: float | None = None  # the same, where measured on the inputs' samples
     nonfinite: int = 0
     overflow: dict[str, Any] | None = None  # the op inside that overflows (ops.first_overflow)
     candidate: torch.Tensor | None = None  # float32 sample of the candidate's output, kept for a compare record
+    values: tuple[int, int, int] = (0, 0, 1)  # the output's sample: (values kept, floating values, every k-th)
+    isolated_of: int | None = None  # the output's rows, when the isolated re-run computed isolated_rows of them
+    isolated_failed: str | None = None  # why the isolated re-run gave no figure
+    own: Own | None = None  # a container's own ops, judged in the fp64 pass (ownops.py)
 
 
 def compare(
@@ -265,7 +276,7 @@ def _compare(
     )  # fmt: skip
     run.truth_pass()
     run.candidate_pass()
-    rows = run.judge_containers(_rows(run.seen))
+    rows = run.judge_containers(_rows(run.seen, run.own_dtype))
     input_floor = run.input_floor(rows) if not prefix else None
     kept = [(r, run.seen[(r.module, r.call)]) for r in rows] if samples is not None else []
     result = run.result(rows, input_floor, prefix)
@@ -340,11 +351,29 @@ class _Comparison:
     def _truth_once(self) -> None:
         self.seen.clear()
         self.fp8_rows.clear()
+        # a container's own ops, judged as the fp64 pass runs them (row subsets where leaves get them)
+        fp8_note = " (fp8 applies to Linear GEMMs only)" if self.fp8_dtype is not None else ""
+        self.own_dtype = str(self.cand_dtype).removeprefix("torch.") + fp8_note
+        self.own = OwnOps(
+            {name for name, _ in self.truth_run.named_modules()} - self.leaves,
+            dtype=self.cand_dtype,
+            reference=self.ref_dtype if self.ref_run is not None else None,
+            device=self.cand_device,
+            subsets=self.cand_device is None or self.cand_device.type == "cpu",
+            torch_made={name for name, m in self.truth_run.named_modules() if type(m).__module__.startswith("torch.")},
+        )
+
+        def post(name: str, index: int, args: Any, output: Any) -> None:
+            self.own.leave(name, index)
+            with self.own.paused():  # what the hook computes is no op of the model's
+                self._truth_post(name, index, args, output)
+
         try:
-            hooked(
-                self.truth_run, self.inputs, torch.float64, pre=self._truth_pre, post=self._truth_post,
-                rng=self.rng, noise=self.noise,
-            )  # fmt: skip
+            with self.own:
+                hooked(
+                    self.truth_run, self.inputs, torch.float64, pre=self._truth_pre, post=post, rng=self.rng,
+                    noise=self.noise,
+                )  # fmt: skip
         except ReferenceFailed:
             raise
         except Exception as exc:
@@ -353,12 +382,14 @@ class _Comparison:
             ) from exc
 
     def _truth_pre(self, name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
+        self.own.enter(name, index)  # the ops from here to its post hook, outside its submodules, are its own
         # where a leaf starts, for its re-runs (containers are re-run from the suspect pass)
         self._pending[(name, index)] = (args, kwargs, self.mark() if name in self.leaves else None)
 
     def _truth_post(self, name: str, index: int, args: Any, output: Any) -> None:
         key = (name, index)
         call_args, call_kwargs, start = self._pending.pop(key, (args, {}, None))
+        own = self.own.take(name, index)
         if isinstance(output, torch.Tensor) and any(a is output for a in call_args):
             return  # an identity in this mode (Dropout in eval, Identity): nothing new to judge
         t = flat_sample(output)
@@ -366,12 +397,13 @@ class _Comparison:
             return
         entry = _Seen(t, l2_norm(t), 0.0, name in self.leaves, sum(x.numel() for x in tensors_in(output)))
         entry.rounding = rel_error(round_to(t, self.candidate), t, entry.norm)
+        total = sum(x.numel() for x in floating(output))
+        entry.values, entry.own = (t.numel(), total, sample_step(total)), own
+        entry.inputs = flat_sample((call_args, call_kwargs))  # the candidate's input error, for every row
         if entry.leaf:
             self.isolated(name, call_args, call_kwargs, entry, start=start or self.mark(), output=output)
             if self.fp8_dtype is not None and name in self.linears and call_args:
                 self.fp8_rows.append(fp8.linear_stats(name, call_args[0], self.linears[name].weight, self.fp8_dtype))
-        else:
-            entry.inputs = flat_sample((call_args, call_kwargs))
         self.seen[key] = entry
 
     def isolated(
@@ -386,18 +418,21 @@ class _Comparison:
         if rows is not None:
             x, truth, extra = rows[0], rows[1].reshape(-1), rows[2]
             norm = l2_norm(truth)
-            entry.isolated_rows = x.shape[0]
+            entry.isolated_rows, entry.isolated_of = x.shape[0], output.numel() // max(rows[1][0].numel(), 1)
         else:
             x, truth, norm, extra = None, entry.truth, entry.norm, {}
-            entry.isolated_rows = None
+            entry.isolated_rows = entry.isolated_of = None
         try:
             self.goto(start)
             entry.isolated, entry.isolated_cosine = rerun(
                 module, x, args, kwargs | extra, dtype=self.cand_dtype, device=self.cand_device, truth=truth, norm=norm
             )
+            entry.isolated_failed = None if entry.isolated is not None else "its re-run's output has another size"
         except Exception as exc:  # e.g. an op without a kernel for the candidate's dtype here
             self.notes.setdefault("isolated re-run", f"`{name}` raised {type(exc).__name__} in {self.label}: {exc}")
             entry.isolated = entry.isolated_cosine = None
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            entry.isolated_failed = f"re-run raised {type(exc).__name__} in {self.label}: {first}"
         if entry.isolated is not None and math.isinf(entry.isolated) and math.isfinite(entry.rounding):
             # its output fits the format, yet it is non-finite: which op inside it overflows
             self.goto(start)
@@ -433,8 +468,7 @@ class _Comparison:
             self.notes["candidate run"] = f"the {self.label} run raised {type(exc).__name__}: {exc}"
 
     def _cand_pre(self, name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
-        if name not in self.leaves:
-            self._cand_inputs[(name, index)] = (args, kwargs)
+        self._cand_inputs[(name, index)] = (args, kwargs)
 
     def _cand_post(self, name: str, index: int, args: Any, output: Any) -> None:
         key = (name, index)
@@ -456,23 +490,33 @@ class _Comparison:
             c_in = flat_sample(call)
             if c_in is not None and c_in.numel() == entry.inputs.numel():
                 entry.candidate_inputs = rel_error(c_in, entry.inputs) if all_finite(call) else math.inf
+                entry.input_error = entry.candidate_inputs
 
-    # -- step 3: a container's own ops, where the error jumps inside it --------------------------
+    # -- step 3: containers re-run whole, where their own ops alone do not say enough --------------
     def judge_containers(self, rows: list[ModuleRow]) -> list[ModuleRow]:
-        """A container's own ops (attention scores, a residual add) are judged when the error jumps
-        inside it and no child diverged: one more fp64 pass re-runs just those in the candidate.
-        So is a leaf that turned finite inputs non-finite when its isolated re-run saw only some rows."""
+        """A container's own ops were judged op by op in the fp64 pass; one more fp64 pass re-runs a
+        container whole where that leaves something open: one whose own op overflows (where, as the
+        candidate runs it, for an op-level fix) and the whole model diverging by its own ops while
+        no submodule does (its whole error, to weigh against rounding the inputs). So is a leaf that
+        turned finite inputs non-finite when its isolated re-run saw only some rows."""
         seen = self.seen
-        suspects = {
-            (r.module, r.call)
-            for r in rows
-            if _jumped(r, seen[(r.module, r.call)])
-            and (
-                not any(c.diverged for c in children(rows, r.module, r.call))
-                if not r.leaf
-                else seen[(r.module, r.call)].isolated_rows is not None and math.isinf(r.propagated) and not r.diverged
+        failed = [f"`{r.module or '<root>'}`: {r.own['failed'][0]}" for r in rows if r.own and r.own["failed"]]
+        if failed:  # as a leaf's failed re-run is: the figure is missing or partial, and why
+            self.notes["own ops not judged"] = "; ".join(failed[:3]) + (
+                f"; and {len(failed) - 3} more" if len(failed) > 3 else ""
             )
-        }
+        suspects = set()
+        for r in rows:
+            entry = seen[(r.module, r.call)]
+            if r.leaf:
+                subset = entry.isolated_rows is not None
+                if _jumped(r, entry) and subset and math.isinf(r.propagated) and not r.diverged:
+                    suspects.add((r.module, r.call))
+                continue
+            overflows = entry.own is not None and entry.own.worst is not None and entry.own.worst.overflow
+            alone = r.module == "" and r.diverged and not any(c.diverged for c in children(rows, r.module, r.call))
+            if overflows or alone:
+                suspects.add((r.module, r.call))
         if not suspects:
             return rows
 
@@ -484,11 +528,7 @@ class _Comparison:
             self.truth_run, self.inputs, torch.float64, pre=suspect_pre, post=lambda *a: None, rng=self.rng,
             noise=self.noise,
         )  # fmt: skip
-        rows = _rows(seen)
-        for row in rows:  # post-order: a container comes after everything inside it
-            if not row.leaf and row.exceeds:
-                row.inherited = any(c.exceeds for c in children(rows, row.module, row.call))
-        return rows
+        return _rows(seen, self.own_dtype)
 
     # -- step 4: how much of a whole-model divergence rounding the inputs explains -------------------
     def input_floor(self, rows: list[ModuleRow]) -> float | None:
@@ -568,28 +608,43 @@ def _jumped(row: ModuleRow, entry: _Seen) -> bool:
     return row.propagated > DIVERGENCE_RATIO * max(entry.candidate_inputs, row.floor)
 
 
-def _rows(seen: dict[tuple[str, int], _Seen]) -> list[ModuleRow]:
+def _rows(seen: dict[tuple[str, int], _Seen], own_dtype: str) -> list[ModuleRow]:
+    """The rows, in the fp64 pass's post-order; a container's isolated figure is its worst own op's."""
     rows = []
     for (name, call), e in seen.items():  # insertion order: the fp64 pass's post-order
         if e.propagated is None:
             continue  # the candidate never produced this output
         out_of_range = math.isinf(e.rounding)
         floor = max(0.0 if out_of_range else e.rounding, e.reference or 0.0, 1e-300)
-        rows.append(
-            ModuleRow(
-                name,
-                call,
-                e.leaf,
-                e.numel,
-                e.propagated,
-                e.isolated,
-                floor,
-                e.reference,
-                e.nonfinite,
-                out_of_range,
-                e.cosine,
-                e.isolated_cosine,
-                e.isolated_rows,
-            )
+        row = ModuleRow(
+            name,
+            call,
+            e.leaf,
+            e.numel,
+            e.propagated,
+            e.isolated,
+            floor,
+            e.reference,
+            e.nonfinite,
+            out_of_range,
+            e.cosine,
+            e.isolated_cosine,
+            e.isolated_rows,
+            isolated_of=e.isolated_of,
+            input_error=e.input_error,
+            rms=e.norm / math.sqrt(e.truth.numel()) if e.truth.numel() else 0.0,
+            values=e.values,
+            missing=e.isolated_failed,
         )
+        if not e.leaf and e.own is not None:
+            # the whole re-run (where there was one) stays beside it; the output floor stays the output's
+            worst = e.own.worst
+            row.whole_isolated, row.own = e.isolated, e.own.as_dict(own_dtype)
+            row.isolated = None if worst is None else worst.error
+            row.isolated_floor = None if worst is None else worst.floor
+            row.reference = None if worst is None else worst.reference
+            row.isolated_cosine = None if worst is None else worst.cosine
+            row.isolated_rows, row.isolated_of = worst.rows if worst is not None and worst.rows else (None, None)
+        rows.append(row)
+    annotate(rows)
     return rows

@@ -136,3 +136,8 @@ def round_to(t: torch.Tensor, candidate: str) -> torch.Tensor:
     if fp8 is not None:
         return fp8_quantize(t, fp8, rowwise=False).to(t.dtype)
     return t.to(compute_dtype(candidate)).to(t.dtype)
+
+
+def sample_step(total: int) -> int:
+    """The stride flat_sample takes over `total` values: every value up to 2 * SAMPLE - 1 of them."""
+    return max(1, total // SAMPLE)

@@ -15,12 +15,16 @@ from fpdoctor.precision.candidates import compute_dtype
 from fpdoctor.precision.fit import describe as describe_misfit
 from fpdoctor.precision.fit import within
 from fpdoctor.precision.inputs import text as inputs_text
-from fpdoctor.precision.metrics import sqnr_db
+from fpdoctor.precision.metrics import SAMPLE, sqnr_db
 from fpdoctor.report.model import Finding, Report
 
 # 16x the floor is 12 dB: input and output rounding plus fp32 accumulation stay below it on every
 # healthy layer we measured (MiniLM in fp16 and bf16), accumulation loss and overflow do not.
 DIVERGENCE_RATIO = 16.0
+# A row says why when its propagated error moves 10 dB (3.2x) or more against what feeds it (its
+# inputs' error, its submodules'): on healthy layers each module stays within a few dB of its
+# inputs' error (MiniLM, the test MLPs), and a move that large is what a reader stops at.
+MOVES = 10 ** (10 / 20)
 
 
 @dataclass
@@ -43,9 +47,49 @@ class ModuleRow:
     def ratio(self) -> float | None:
         if self.isolated is None:
             return None
-        return math.inf if math.isinf(self.isolated) else self.isolated / max(self.floor, 1e-300)
+        return math.inf if math.isinf(self.isolated) else self.isolated / max(self.judged_floor, 1e-300)
 
-    inherited: bool = False  # a container above the floor only because a module inside it diverges
+    @property
+    def judged_floor(self) -> float:
+        """The floor the isolated error is judged against: a container's worst own op's, else the output's."""
+        return self.floor if self.isolated_floor is None else self.isolated_floor
+
+    # Containers are judged on their own ops, never on what their submodules add, so compare no
+    # longer sets this; plan and older reports read it.
+    inherited: bool = False
+    isolated_of: int | None = None  # the rows isolated_rows were taken from
+    isolated_floor: float | None = None  # a container's: the floor of its worst own op
+    own: dict[str, Any] | None = None  # a container's own ops (ownops.Own.as_dict): worst op, where, how many
+    whole_isolated: float | None = None  # a container re-run whole on the fp64 inputs, where compare did
+    input_error: float | None = None  # the candidate's error at this module's inputs (their samples)
+    rms: float | None = None  # of the fp64 output (its sample)
+    values: tuple[int, int, int] | None = None  # the propagated sample: (values, of the output's, every k-th)
+    missing: str | None = None  # why a leaf has no isolated figure
+    notes: list[tuple[str, str]] = field(default_factory=list)  # (for the table, in full), from annotate()
+    reasons: list[tuple[str, str]] = field(default_factory=list)  # those of the notes that say why a figure moves
+
+    def elements(self) -> dict[str, str]:
+        """What each figure was computed on, in words."""
+        out = {"propagated": _values_text(self.values) if self.values else "not sampled"}
+        own = self.own
+        if own is not None and own.get("op"):
+            rows = own.get("rows")
+            where = f", {rows[0]} of {rows[1]} rows" if rows else ""
+            left = f"; {own['left_out']} sampled values beyond its range left out" if own.get("left_out") else ""
+            out["isolated"] = (
+                f"op {own['op']}'s output{where}: {_values_text(own['values'])}{left}, the op run in {own['dtype']} "
+                f"({own['judged']} own op(s) judged, this one the worst)"
+            )
+        elif own is not None:
+            out["isolated"] = _own_missing(own)[1]
+        elif self.isolated_rows is not None:
+            of = f" of {self.isolated_of}" if self.isolated_of else ""
+            out["isolated"] = f"{self.isolated_rows}{of} rows, evenly spread, all their values"
+        elif self.isolated is not None:
+            out["isolated"] = "all rows: " + (_values_text(self.values) if self.values else "the whole output")
+        else:
+            out["isolated"] = f"not measured: {self.missing}" if self.missing else "not measured"
+        return out
 
     @property
     def exceeds(self) -> bool:
@@ -68,13 +112,21 @@ class ModuleRow:
             "isolated_sqnr_db": None if self.isolated is None else sqnr_db(self.isolated),
             "isolated_cosine": self.isolated_cosine,
             "isolated_rows": self.isolated_rows,
-            "floor_rel": self.floor,
+            "floor_rel": self.judged_floor,
             "reference_rel": self.reference,
             "ratio": self.ratio,
             "diverged": self.diverged,
             "inherited": self.inherited,
             "nonfinite": self.nonfinite,
             "out_of_range": self.out_of_range,
+            "output_floor_rel": self.floor,
+            "input_error_rel": self.input_error,
+            "isolated_of_rows": self.isolated_of,
+            "own_ops": self.own,
+            "whole_isolated_rel": self.whole_isolated,
+            "elements": self.elements(),
+            "note": "; ".join(short for short, _ in self.notes) or None,
+            "why": [full for _, full in self.notes],
         }
 
 
@@ -101,6 +153,131 @@ def children(rows: list[ModuleRow], name: str, call: int) -> list[ModuleRow]:
             break
         found.append(row)
     return found
+
+
+def annotate(rows: list[ModuleRow]) -> None:
+    """Each row's notes: what its isolated figure was computed on where that is not the whole
+    output, why a figure is missing, and why its propagated error moves by MOVES or more against
+    its inputs' error or its submodules' - each from quantities measured, never a guessed cause."""
+    for k, row in enumerate(rows):
+        notes: list[tuple[str, str]] = []
+        own = row.own
+        if own is not None and own.get("op"):
+            at = f" ({own['location']})" if own.get("location") else ""
+            notes.append((f"op {_short_op(own['op'])}", f"isolated: its worst own op, {own['op']}{at}"))
+            if own.get("failed"):
+                notes.append(("ops not run", "isolated: these own ops were not judged: " + "; ".join(own["failed"])))
+        elif own is not None:
+            notes.append(_own_missing(own))
+        elif row.isolated is None:
+            notes.append(("not measured", f"isolated: {row.missing or 'not measured'}"))
+        came_in = row.input_error is not None and math.isinf(row.input_error) and math.isinf(row.propagated)
+        if came_in:
+            notes.insert(0, ("Inf/NaN came in", "non-finite: its inputs already hold NaN/Inf in the candidate's run"))
+        row.reasons = [] if came_in else _moves(rows, k)
+        row.notes = row.reasons + notes
+
+
+def _moves(rows: list[ModuleRow], k: int) -> list[tuple[str, str]]:
+    """Why the propagated error moves against what feeds this row, if it does."""
+    row = rows[k]
+    error, inputs = row.propagated, row.input_error
+    inside = _direct(rows, k)
+    if math.isinf(error):
+        # the first module inside it, in the order they ran, to output NaN/Inf from inputs that were not
+        started = [
+            r
+            for r in children(rows, row.module, row.call)[::-1]
+            if math.isinf(r.propagated) and not (r.input_error is not None and math.isinf(r.input_error))
+        ]
+        if started:
+            name = started[0].module or "<root>"
+            fed = " from finite inputs" if started[0].input_error is not None else ""
+            return [(f"Inf/NaN: {name}", f"non-finite: first at `{name}` inside it, which outputs NaN/Inf{fed}")]
+        if not row.exceeds and row.isolated is not None and inputs is not None:
+            return [
+                (
+                    "Inf/NaN, not alone",
+                    f"non-finite in the candidate's run from finite inputs (their error {_fmt(inputs)}), yet finite "
+                    f"when re-run alone on the fp64 inputs (isolated {_fmt(row.isolated)}, "
+                    f"{row.ratio:.2g}x its floor)",
+                )
+            ]
+        return []
+    if row.exceeds or inputs is None or math.isinf(inputs):
+        return []  # a diverging row's verdict explains its figure
+    finite = [r for r in inside if math.isfinite(r.propagated)]
+    top = max(finite, key=lambda r: r.propagated, default=None)
+    if top is not None and error * MOVES < top.propagated:
+        share = top.rms / row.rms if top.rms and row.rms else None
+        ops = [op for op in (row.own or {}).get("ops", []) if op.startswith(("aten.add", "aten.sub"))]
+        drop = top.propagated / max(error, 1e-300)
+        full = (
+            f"its output error {_fmt(error)} is {drop:.3g}x below that of `{top.module}` inside it "
+            f"({_fmt(top.propagated)})"
+            + (f": `{top.module}`'s output has {share:.3g}x the RMS of this module's output" if share else "")
+            + (f"; its own ops include {', '.join(ops)}" if ops else "")
+        )
+        return [(f"diluted /{drop:.2g}", full)]
+    base = max(inputs, top.propagated if top is not None else 0.0)
+    if inputs <= 0 or error <= MOVES * max(base, row.floor):
+        return []
+    gain = error / base
+    judged = (
+        f"alone on the fp64 inputs {'its worst own op' if not row.leaf else 'it'} stays within "
+        f"{row.ratio:.2g}x its floor"
+        if row.ratio is not None
+        else f"its isolated error was not measured ({row.elements()['isolated']})"
+    )
+    fed = f"input error {_fmt(inputs)}"
+    if top is not None:
+        fed += f", its submodules' at most {_fmt(top.propagated)} (`{top.module}`)"
+    return [
+        (
+            f"amplified x{gain:.2g}" if row.ratio is not None else f"x{gain:.2g} input error",
+            f"amplified from its inputs: {fed}, output error {_fmt(error)} (gain {gain:.3g}); {judged}",
+        )
+    ]
+
+
+def _moved_by(row: ModuleRow) -> float:
+    """How far a row's error moved against what feeds it, in either direction (for ranking)."""
+    fed = max(row.input_error or 0.0, row.floor)
+    if math.isinf(row.propagated):
+        return math.inf
+    return max(row.propagated / fed, fed / max(row.propagated, 1e-300))
+
+
+def _direct(rows: list[ModuleRow], k: int) -> list[ModuleRow]:
+    """The rows of this call's direct submodules (those not inside another submodule's row)."""
+    inside = children(rows, rows[k].module, rows[k].call)
+    names = {r.module for r in inside}
+    return [r for r in inside if not any(r.module.startswith(f"{n}.") for n in names if n != r.module)]
+
+
+def _own_missing(own: dict[str, Any]) -> tuple[str, str]:
+    if own.get("failed"):
+        return "own op failed", "isolated: not measured: " + "; ".join(own["failed"])
+    return "no own ops", (
+        "no ops of its own: all it computes is in its submodules (views, copies and casts are not judged)"
+    )
+
+
+def _short_op(op: str) -> str:
+    name = op.removeprefix("aten.").split(".")[0]
+    if "scaled_dot_product" in name:
+        return "sdpa"
+    return name if len(name) <= 12 else name[:11] + "…"
+
+
+def _values_text(values: Any) -> str:
+    n, total, step = values
+    return f"all {total} values" if step == 1 and n == total else f"{n} of {total} values, every {_ordinal(step)}"
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def build_report(
@@ -142,6 +319,12 @@ def build_report(
     ranked = sorted(
         (r for r in rows if r.ratio is not None and not r.inherited), key=lambda r: r.ratio or 0.0, reverse=True
     )
+    moved = sorted((r for r in rows if r.reasons), key=lambda r: -_moved_by(r))
+    if moved:
+        shown = "; ".join(f"`{r.module or '<root>'}`: {r.reasons[0][1]}" for r in moved[:3])
+        summary.append(
+            ("why errors move", shown + (f"; and {len(moved) - 3} more (JSON has all)" if len(moved) > 3 else ""))
+        )
     if ranked:
         worst = ", ".join(
             f"`{r.module or '<root>'}` " + ("non-finite" if math.isinf(r.ratio or 0.0) else f"{r.ratio:.2g}x")
@@ -182,19 +365,22 @@ def _root_finding(
         if input_floor is not None
         else ""
     )
+    # the model's whole error on the fp64 inputs: what rounding the inputs is weighed against
+    whole = root.whole_isolated if root.whole_isolated is not None else root.isolated
     explained = (
-        input_floor is not None
-        and root.isolated is not None
-        and math.isfinite(root.isolated)
-        and root.isolated <= INPUT_EXPLAINS * input_floor
+        input_floor is not None and whole is not None and math.isfinite(whole) and whole <= INPUT_EXPLAINS * input_floor
     )
+    own, at = _own_op(root)
     evidence = {
         "candidate": candidate,
         "reference": reference,
         "isolated_rel": root.isolated,
-        "floor_rel": root.floor,
+        "floor_rel": root.judged_floor,
         "ratio": root.ratio,
         "propagated_rel": root.propagated,
+        "whole_isolated_rel": root.whole_isolated,
+        "own_op": own,
+        "own_op_location": at.strip(" ()") or None,
         "input_floor_rel": input_floor,
         "count": 1,
         "numel": root.numel,
@@ -206,7 +392,8 @@ def _root_finding(
             title=f"Rounding the inputs to {candidate} already costs more than the noise floor",
             message=(
                 f"In {label}, no module diverges by itself: the end-to-end error {_fmt(root.propagated)} "
-                f"({_fmt_ratio(root.ratio)} the noise floor of {root.floor:.2g}) comes from the inputs, as "
+                f"({_fmt_ratio(root.propagated / max(root.floor, 1e-300))} the noise floor of {root.floor:.2g}) "
+                "comes from the inputs, as "
                 f"{rounding}. The model is ill-conditioned at {candidate}: keeping parts of it in fp32 does not "
                 "undo rounded inputs."
             ),
@@ -223,11 +410,14 @@ def _root_finding(
         "precision-divergence",
         title=f"The whole model's own ops lose precision in {candidate}",
         message=(
-            f"In {label}, the whole model's own ops (its forward, outside any submodule) add an error of "
-            f"{_fmt(root.isolated)} ({_fmt_ratio(root.ratio)} the noise floor of {root.floor:.2g}); no submodule "
-            "diverges by itself." + (f" For comparison, {rounding}." if rounding else "")
+            f"In {label}, the whole model's own ops (its forward, outside any submodule) "
+            + (f"lose precision: the worst, {own}{at}, adds " if own else "add ")
+            + f"an error of {_fmt(root.isolated)} ({_fmt_ratio(root.ratio)} the noise floor of "
+            f"{root.judged_floor:.2g}); no submodule diverges by itself."
+            + (f" Re-run whole on the fp64 inputs, its error is {_fmt(whole)}." if whole != root.isolated else "")
+            + (f" For comparison, {rounding}." if rounding else "")
         ),
-        where={"module": "", "op": None, "phase": "forward", "iteration": root.call},
+        where={"module": "", "op": own, "phase": "forward", "iteration": root.call},
         evidence={"kind": "divergence", **evidence, "diverged": ["<root>"]},
         fix=(
             "the whole model is not a keep-in-fp32 candidate: move the ops of its forward that lose precision into a "
@@ -248,10 +438,11 @@ def _divergence(
     reference: str,
     cause: dict[str, Any] | None,
 ) -> Finding:
+    own, at = _own_op(first)
     why = (
         f"its fp64 output does not even fit {candidate}'s range"
-        if first.out_of_range
-        else f"{_fmt_ratio(first.ratio)} the noise floor of {first.floor:.2g}"
+        if first.out_of_range and own is None
+        else f"{_fmt_ratio(first.ratio)} the noise floor of {first.judged_floor:.2g}"
     )
     evidence: dict[str, Any] = {
         "kind": "divergence",
@@ -260,25 +451,31 @@ def _divergence(
         "reference": reference,
         "out_of_range": first.out_of_range,
         "isolated_rel": first.isolated,
-        "floor_rel": first.floor,
+        "floor_rel": first.judged_floor,
         "ratio": first.ratio,
         "propagated_rel": first.propagated,
+        "own_op": own,
+        "own_op_location": at.strip(" ()") or None,
         "count": len(diverged),
         "numel": first.numel,
         "dtype": str(compute_dtype(candidate)),
         "diverged": [r.module or "<root>" for r in diverged[:10]],
     }
+    subject = (
+        f"module `{first.module}`'s own op {own}{at} (in its forward, outside its submodules)" if own
+        else f"module `{first.module}`"
+    )  # fmt: skip
     message = (
-        f"In {label}, module `{first.module}` adds an error of {_fmt(first.isolated)} by itself ({why}); "
+        f"In {label}, {subject} adds an error of {_fmt(first.isolated)} by itself ({why}); "
         f"{len(diverged)} module(s) diverge in all. The end-to-end error there is {_fmt(first.propagated)} "
         f"({sqnr_db(first.propagated):.1f} dB SQNR)."
     )
-    where: dict[str, Any] = {"module": first.module, "op": None, "phase": "forward", "iteration": first.call}
+    where: dict[str, Any] = {"module": first.module, "op": own, "phase": "forward", "iteration": first.call}
     fix = _fix(first.module, candidate)
     if cause:
         evidence.update(cause.get("evidence", {}))
         message += cause.get("message", "")
-        where["op"] = cause.get("op")
+        where["op"] = cause.get("op") or own
         fix = cause.get("fix") or fix
     return catalog.make("precision-divergence", message=message, where=where, evidence=evidence, fix=fix)
 
@@ -384,7 +581,10 @@ TABLE_ROWS = 24  # text, markdown and html show at most this many modules; JSON 
 def _table(rows: list[ModuleRow]) -> dict[str, Any]:
     """The per-module error profile, in model order; for large models the rows that matter most."""
     shown = rows
-    title = "Per module, in model order: SQNR against fp64 in dB (higher is better)"
+    title = (
+        "Per module, in model order: SQNR against fp64 in dB (higher is better), on every k-th value of each "
+        f"output (at most {SAMPLE}); a container's isolated error is its worst own op's (JSON: what each is on, why)"
+    )
     if len(rows) > TABLE_ROWS:
         worst = sorted(range(len(rows)), key=lambda k: -(rows[k].ratio or 0.0))[: TABLE_ROWS - 1]
         shown = [rows[k] for k in sorted({*worst, len(rows) - 1})]  # and the output, last in post-order
@@ -401,19 +601,34 @@ def _table(rows: list[ModuleRow]) -> dict[str, Any]:
 
     return {
         "title": title,
-        "columns": ["module", "propagated", "isolated", "floor", "isolated/floor", "NaN/Inf"],
+        "columns": ["module", "propagated", "isolated", "floor", "isolated/floor", "NaN/Inf", "note"],
         "rows": [
             [
                 (r.module or "<root>") + (f" #{r.call}" if r.call else ""),
                 db(r.propagated),
                 db(r.isolated),
-                db(r.floor),
+                db(r.judged_floor),
                 ratio(r),
                 str(r.nonfinite) if r.nonfinite else "",
+                _note(r),
             ]
             for r in shown
         ],
     }
+
+
+def _own_op(row: ModuleRow) -> tuple[str | None, str]:
+    """A container's worst own op and " (file:line)" where it is, for a message."""
+    own = row.own or {}
+    return own.get("op"), f" ({own['location']})" if own.get("location") else ""
+
+
+NOTE_WIDTH = 20  # the table's note column: the text table must stay readable 100 columns wide
+
+
+def _note(row: ModuleRow) -> str:
+    text = "; ".join(short for short, _ in row.notes)
+    return text if len(text) <= NOTE_WIDTH else text[: NOTE_WIDTH - 1] + "…"
 
 
 def _fix(module: str, candidate: str) -> str:

@@ -373,8 +373,9 @@ def _profile_view(report: Mapping[str, Any], p: str) -> tuple[str, str, str] | N
         "Precision profile",
         svg,
         "Error against an fp64 reference per module, as SQNR in dB. Propagated: the module as the model runs, "
-        "errors from earlier modules included. Isolated: the module alone, fed the reference's inputs. Noise "
-        "floor: what rounding the module's output alone costs. A module whose isolated error falls past the "
+        "errors from earlier modules included. Isolated: the module alone, fed the reference's inputs; for a "
+        "module with submodules, its worst own op (computed in its forward, outside its submodules). Noise "
+        "floor: what rounding that output alone costs. A module whose isolated error falls past the "
         "divergence line is one to keep in higher precision"
         + ("; [fp32] marks the plan's exceptions." if kept else "."),
     )
