@@ -608,6 +608,27 @@ def _jumped(row: ModuleRow, entry: _Seen) -> bool:
     return row.propagated > DIVERGENCE_RATIO * max(entry.candidate_inputs, row.floor)
 
 
+def _unconfirmed(row: ModuleRow, entry: _Seen) -> str | None:
+    """Why the worst own op's divergence, measured on that op alone, is not the container's as
+    the candidate runs its code; None when the candidate's run confirms it."""
+    whole = entry.isolated  # the container re-run whole, as its code is written (overflow suspects)
+    op = (row.own or {}).get("op") or "its worst own op"
+    if whole is not None and math.isfinite(whole) and whole <= DIVERGENCE_RATIO * row.floor:
+        return (
+            f"{op} run alone in the candidate's dtype leaves the floor, but the module run whole as its code "
+            f"is written stays within it ({whole:.3g} against a floor of {row.floor:.3g}): its code computes "
+            "that op in another dtype or form"
+        )
+    if not _jumped(row, entry):
+        came = "NaN/Inf" if math.isinf(entry.candidate_inputs) else f"{entry.candidate_inputs:.3g}"
+        return (
+            f"{op} run alone in the candidate's dtype leaves the floor, but in the candidate's own run this "
+            f"module adds nothing beyond what came in (output error {row.propagated:.3g}, inputs' {came}): its "
+            "code computes that op in another dtype or form"
+        )
+    return None
+
+
 def _rows(seen: dict[tuple[str, int], _Seen], own_dtype: str) -> list[ModuleRow]:
     """The rows, in the fp64 pass's post-order; a container's isolated figure is its worst own op's."""
     rows = []
@@ -645,6 +666,8 @@ def _rows(seen: dict[tuple[str, int], _Seen], own_dtype: str) -> list[ModuleRow]
             row.reference = None if worst is None else worst.reference
             row.isolated_cosine = None if worst is None else worst.cosine
             row.isolated_rows, row.isolated_of = worst.rows if worst is not None and worst.rows else (None, None)
+            if row.exceeds:
+                row.unconfirmed = _unconfirmed(row, e)
         rows.append(row)
     annotate(rows)
     return rows
