@@ -239,3 +239,16 @@ def test_the_recorder_steps_off_the_dispatch_stack_in_hooks_and_back_under_the_n
     assert _get_current_dispatch_mode_stack() == []
     assert seen and all(stack == ["ReplayNoise"] for stack in seen)
     assert [r.key for r in ranges.read()] == [r.key for r in passes(model, x)[1].read()]
+
+
+def test_compare_names_the_op_near_the_max_inside_a_module_with_its_fp64_value():
+    import fpdoctor
+
+    model, x = model_at(0.62)
+    result = fpdoctor.compare(model, x, candidate="fp16")
+    (risk,) = result.report.by_name("overflow-risk")
+    assert risk.where["op"] == "aten.bmm.default" and risk.where["module"].endswith("attn")
+    assert 0.60 < risk.evidence["share"] < 0.64 and 0.60 < risk.evidence["reference_share"] < 0.64
+    assert risk.evidence["location"].startswith(f"{__file__}:")
+    assert result.report.data["near_limit_ops"][0]["op"] == "aten.bmm.default"
+    assert fpdoctor.compare(*model_at(0.62), candidate="bf16").report.by_name("overflow-risk") == []

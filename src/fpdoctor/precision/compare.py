@@ -29,6 +29,7 @@ floor, so only what goes beyond the reference's own rounding is called a diverge
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -37,7 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.precision import fp8
+from fpdoctor import progress
+from fpdoctor.precision import fp8, opranges
 from fpdoctor.precision.audit import as_given
 from fpdoctor.precision.candidates import (
     CANDIDATES,
@@ -274,10 +276,19 @@ def _compare(
         model, inputs, candidate=candidate, reference=reference, cand_device=cand_device, on=on,
         fp8_kernel=fp8_kernel, rng=rng, keep_candidate=samples is not None,
     )  # fmt: skip
-    run.truth_pass()
-    run.candidate_pass()
-    rows = run.judge_containers(_rows(run.seen, run.own_dtype))
-    input_floor = run.input_floor(rows) if not prefix else None
+    with progress.task(f"compare {candidate}", total=4, unit="steps") as step:
+        step.describe(f"compare {candidate}: the fp64 pass, each module re-run in {candidate}")
+        run.truth_pass()
+        step.advance()
+        step.describe(f"compare {candidate}: the {candidate} pass")
+        run.candidate_pass()
+        step.advance()
+        step.describe(f"compare {candidate}: containers")
+        rows = run.judge_containers(_rows(run.seen, run.own_dtype))
+        step.advance()
+        step.describe(f"compare {candidate}: the input rounding floor")
+        input_floor = run.input_floor(rows) if not prefix else None
+        step.advance()
     kept = [(r, run.seen[(r.module, r.call)]) for r in rows] if samples is not None else []
     result = run.result(rows, input_floor, prefix)
     if samples is not None:  # after result(): the rows carry their names in the whole model now
@@ -328,6 +339,9 @@ class _Comparison:
         self.noise: ReplayNoise | None = None  # set when the forward draws random numbers itself
         self._pending: dict[tuple[str, int], tuple[Any, Any, tuple[RngState, int] | None]] = {}
         self._cand_inputs: dict[tuple[str, int], Any] = {}
+        # op outputs near the candidate's max inside modules (fp16: the one format whose max models reach)
+        self.ranges = self.cand_dtype in opranges.AT_RISK
+        self.truth_ranges, self.cand_ranges = opranges.OpRanges(), opranges.OpRanges(opranges.AT_RISK)
 
     # -- where the random numbers stand ------------------------------------------------------
     def mark(self) -> tuple[RngState, int]:
@@ -368,11 +382,15 @@ class _Comparison:
             with self.own.paused():  # what the hook computes is no op of the model's
                 self._truth_post(name, index, args, output)
 
+        pre: Any = self._truth_pre
+        ranges = self.truth_ranges if self.ranges else contextlib.nullcontext()
+        if self.ranges:  # the reference (fp64) value of each op output, above the own-ops mode
+            self.truth_ranges.clear()
+            pre, post = self.truth_ranges.pre(pre), self.truth_ranges.post(post)
         try:
-            with self.own:
+            with self.own, ranges:
                 hooked(
-                    self.truth_run, self.inputs, torch.float64, pre=self._truth_pre, post=post, rng=self.rng,
-                    noise=self.noise,
+                    self.truth_run, self.inputs, torch.float64, pre=pre, post=post, rng=self.rng, noise=self.noise
                 )  # fmt: skip
         except ReferenceFailed:
             raise
@@ -459,11 +477,17 @@ class _Comparison:
 
     # -- step 2: the candidate pass, reduced to error numbers as it goes ------------------------
     def candidate_pass(self) -> None:
+        pre: Any = self._cand_pre
+        post: Any = self._cand_post
+        ranges = self.cand_ranges if self.ranges else contextlib.nullcontext()
+        if self.ranges:
+            pre, post = self.cand_ranges.pre(pre), self.cand_ranges.post(post)
         try:
-            hooked(
-                self.cand_run, self.inputs, self.cand_dtype, pre=self._cand_pre, post=self._cand_post,
-                rng=self.rng, device=self.cand_device, noise=self.noise,
-            )  # fmt: skip
+            with ranges:
+                hooked(
+                    self.cand_run, self.inputs, self.cand_dtype, pre=pre, post=post, rng=self.rng,
+                    device=self.cand_device, noise=self.noise,
+                )  # fmt: skip
         except Exception as exc:  # the candidate failing is a finding, not a usage error
             self.notes["candidate run"] = f"the {self.label} run raised {type(exc).__name__}: {exc}"
 
@@ -577,6 +601,16 @@ class _Comparison:
             peak=sum(e.truth.nbytes + (0 if e.inputs is None else e.inputs.nbytes) for e in self.seen.values()),
         )
         result.overflows = {name: found for (name, _), found in overflows.items()}
+        if self.ranges:  # op outputs near the max that did not overflow (those are named above)
+            near = opranges.near_limit(
+                self.cand_ranges.read(),
+                self.truth_ranges.read(),
+                exclude={(_unprefixed(n, prefix), f["op"]) for n, f in result.overflows.items()},
+                prefix=prefix,
+            )
+            result.report.findings.extend(opranges.findings(near, label=self.label))
+            if near:
+                result.report.data["near_limit_ops"] = near
         summary = result.report.data["summary"]
         if misfit:
             result.report.data["misfits"] = misfit
@@ -608,6 +642,13 @@ def _jumped(row: ModuleRow, entry: _Seen) -> bool:
     return row.propagated > DIVERGENCE_RATIO * max(entry.candidate_inputs, row.floor)
 
 
+def _unprefixed(name: str, prefix: str | None) -> str:
+    """A module's name inside the submodule compared alone (`prefix`), as its passes saw it."""
+    if not prefix:
+        return name
+    return "" if name == prefix else name.removeprefix(f"{prefix}.")
+
+
 def _unconfirmed(row: ModuleRow, entry: _Seen) -> str | None:
     """Why the worst own op's divergence, measured on that op alone, is not the container's as
     the candidate runs its code; None when the candidate's run confirms it."""
@@ -616,15 +657,17 @@ def _unconfirmed(row: ModuleRow, entry: _Seen) -> str | None:
     if whole is not None and math.isfinite(whole) and whole <= DIVERGENCE_RATIO * row.floor:
         return (
             f"{op} run alone in the candidate's dtype leaves the floor, but the module run whole as its code "
-            f"is written stays within it ({whole:.3g} against a floor of {row.floor:.3g}): its code computes "
-            "that op in another dtype or form"
+            f"is written stays within it ({whole:.3g} against a floor of {row.floor:.3g}): what the op loses "
+            "alone does not reach the module's output (its code may compute it in another dtype, or a later op "
+            "absorb it, as a softmax does a -inf score)"
         )
     if not _jumped(row, entry):
         came = "NaN/Inf" if math.isinf(entry.candidate_inputs) else f"{entry.candidate_inputs:.3g}"
         return (
             f"{op} run alone in the candidate's dtype leaves the floor, but in the candidate's own run this "
-            f"module adds nothing beyond what came in (output error {row.propagated:.3g}, inputs' {came}): its "
-            "code computes that op in another dtype or form"
+            f"module adds nothing beyond what came in (output error {row.propagated:.3g}, inputs' {came}): what "
+            "the op loses alone does not reach the module's output (its code may compute it in another dtype, "
+            "or a later op absorb it)"
         )
     return None
 
