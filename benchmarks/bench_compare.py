@@ -1,7 +1,9 @@
 """SPEC 5 budget for `compare`: extra memory O(largest activation), time <= 3x two plain forwards.
 
 A transformer encoder (benchmarks/models.py), eval mode, candidates against fp32. Every
-measurement runs in its own subprocess.
+measurement runs in its own subprocess. Besides its leaves, `compare` judges each container's own
+ops there: nn.MultiheadAttention's in- and out-projection GEMMs and its attention (computed in
+its forward, not in submodules), each layer's residual adds and activation.
 
 Time: two plain forward passes (the fp32 reference and the candidate's copy, e.g. fp16) against
 one `compare`, each after a warm-up, alternating, medians. The plain forwards take PyTorch's fused
