@@ -132,3 +132,5 @@ def test_a_kernel_log_finding_names_the_rank_whose_gpu_it_is():
     assert named.where["rank"] == 2 and named.where["device"] == "cuda:2" and named.where["host"] == "node7"
     assert named.message.endswith("This is rank 2's GPU (cuda:2).") and named.where["pci"] == "PCI:0000:38:00"
     assert unowned is elsewhere  # no rank on that GPU: as the kernel log said it
+    other_node = catalog.make("xid-error", message="Xid 79.", where={"pci": "0000:38:00.0", "host": "node8"})
+    assert on_ranks([other_node], ctx, ranks) == [other_node]  # the same bus id on another node's log

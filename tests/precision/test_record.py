@@ -197,6 +197,8 @@ def test_damaged_files_are_refused_with_one_line(saved):
         "NaN literal": (nan_literal, "not valid JSON"),
         "bad JSON": (b"{not json", "not valid JSON"),
         "deep JSON": (b'{"a":' + b"[" * 100000 + b"]" * 100000 + b"}", "nested too deep"),
+        # 200 KB that would unpack to 200 MB: stopped at 64 MiB, before it fills the memory
+        "gzip bomb": (gzip.compress(b"{" + b" " * (200 * 2**20) + b"}"), "unpacks to more than 64 MiB"),
     }
     for name, (data, fragment) in cases.items():
         with pytest.raises(RecordError) as err:

@@ -154,8 +154,10 @@ def on_ranks(found: list[Finding], ctx: Context, processes: list[Process]) -> li
             by_pci.setdefault(device["pci"], []).append((p, device))
     out = []
     for f in found:
-        pci = f.where.get("pci")
+        pci, host = f.where.get("pci"), f.where.get("host")
         owners = by_pci.get(normalize_pci(str(pci)), []) if pci else []
+        # bus ids repeat on every node: only the ranks of the host whose kernel log it is
+        owners = [(p, d) for p, d in owners if host is None or p.host in (None, host)]
         ranks = sorted({p.rank for p, _ in owners if p.rank is not None})
         if not ranks:
             out.append(f)

@@ -47,6 +47,9 @@ VERSION = 1
 # A record of a model with 10,000 module calls is about 1.3 GB of JSON; beyond 4 GiB it is not
 # one fpdoctor wrote (a decompression bomb stops here instead of filling the memory).
 MAX_BYTES = 4 * 2**30
+# What gzip makes of base64'd float samples is 1.3-4x smaller; a file that unpacks to far more
+# than that ratio (a gzip'd run of zeros) stops there, before it fills the memory.
+MAX_RATIO = 32
 _HEX = re.compile(r"^[0-9a-f]{8,64}$")
 
 
@@ -226,12 +229,16 @@ def _document(data: bytes, source: str) -> dict[str, Any]:
     what = "a compare record (gzip'd JSON that `fpdoctor compare --save-reference` writes)"
     if data[:2] == b"\x1f\x8b":
         inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)  # gzip framing; checks the CRC at the end
+        limit = min(MAX_BYTES, max(2**26, MAX_RATIO * len(data)))
         try:
-            text = inflate.decompress(data, MAX_BYTES + 1)
+            text = inflate.decompress(data, limit + 1)
         except zlib.error as exc:
             raise RecordError(f"{source} is corrupt: its gzip data does not decompress ({exc})") from None
-        if len(text) > MAX_BYTES:
-            raise RecordError(f"{source} unpacks to more than {MAX_BYTES // 2**30} GiB: it is not {what}")
+        if len(text) > limit:
+            raise RecordError(
+                f"{source} unpacks to more than {limit // 2**20} MiB ({MAX_RATIO}x its size at most for a "
+                f"record): it is not {what}"
+            )
         if not inflate.eof:
             raise RecordError(f"{source} is truncated (its gzip stream ends early); copy the file again")
         if inflate.unused_data.strip(b"\0"):
