@@ -27,6 +27,11 @@ def apply(report: Report, j: Judgement, *, source: str) -> None:
     if shown is not None:
         data["table"] = table(shown, several=len(j.sets) > 1)
     data["summary"][1:1] = summary(j, source)
+    # the lines after it are this machine's own compare against fp64, not a comparison with A
+    data["summary"] = [
+        (f"{key} (B against fp64)", value) if key in ("modules compared", "first divergent module") else (key, value)
+        for key, value in data["summary"]
+    ]
 
 
 # -- findings -------------------------------------------------------------------------------------
