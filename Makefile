@@ -38,7 +38,9 @@ bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/bench_run.py
 	$(BIN)/python benchmarks/bench_breadcrumbs.py
 	$(BIN)/python benchmarks/bench_html.py
+	$(BIN)/python benchmarks/bench_progress.py
 	$(BIN)/python benchmarks/bench_integrations.py
+	$(BIN)/python benchmarks/bench_record.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

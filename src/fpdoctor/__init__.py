@@ -22,10 +22,12 @@ if TYPE_CHECKING:
     from fpdoctor.precision.compare import compare
     from fpdoctor.precision.harmonize import harmonize
     from fpdoctor.precision.plan import apply_plan, plan
+    from fpdoctor.precision.record import CompareRecord
     from fpdoctor.report.model import Finding, Report, Severity
 
 # Public name -> module that defines it; imported on first use, so `import fpdoctor` stays cheap.
 _LAZY = {
+    "CompareRecord": "fpdoctor.precision.record",
     "Finding": "fpdoctor.report.model",
     "Report": "fpdoctor.report.model",
     "Severity": "fpdoctor.report.model",
@@ -56,6 +58,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CompareRecord",
     "Finding",
     "HealthResult",
     "NonFiniteError",

@@ -115,3 +115,22 @@ def test_the_rerun_starts_fpdoctor_as_this_shell_can(monkeypatch, tmp_path):
         pytest.skip("no fpdoctor script beside this interpreter")
     monkeypatch.setenv("PATH", os.pathsep.join([str(here), str(tmp_path)]))
     assert program() == ["fpdoctor"]
+
+
+def test_a_kernel_log_finding_names_the_rank_whose_gpu_it_is():
+    """Under torchrun an Xid names a bus id; the report adds the rank on that GPU (LOCAL_RANK's
+    GPU from the list NVML gave, bus ids compared in any spelling)."""
+    from fpdoctor import catalog
+    from fpdoctor.crash.findings import on_ranks
+
+    gpus = [{**g, "pci_bus_id": f"00000000:{0x18 + 0x10 * g['index']:02X}:00.0"} for g in GPUS]
+    ranks = [_rank(None, local_rank=r) for r in range(4)]
+    ctx = _context(ranks[0], gpus)
+    xid = catalog.make("xid-error", message="Xid 79 on GPU 0000:38:00.0.", where={"pci": "PCI:0000:38:00"})
+    elsewhere = catalog.make("xid-error", message="Xid 13.", where={"pci": "0000:99:00.0"})
+    named, unowned = on_ranks([xid, elsewhere], ctx, ranks)
+    assert named.where["rank"] == 2 and named.where["device"] == "cuda:2" and named.where["host"] == "node7"
+    assert named.message.endswith("This is rank 2's GPU (cuda:2).") and named.where["pci"] == "PCI:0000:38:00"
+    assert unowned is elsewhere  # no rank on that GPU: as the kernel log said it
+    other_node = catalog.make("xid-error", message="Xid 79.", where={"pci": "0000:38:00.0", "host": "node8"})
+    assert on_ranks([other_node], ctx, ranks) == [other_node]  # the same bus id on another node's log

@@ -56,3 +56,24 @@ def test_an_in_place_op_shows_what_it_read_not_what_it_wrote():
     assert finding.where["op"] == "aten.mul_.Tensor" and "from finite inputs" in finding.message
     (read,) = finding.evidence["inputs"]
     assert read["max"] == pytest.approx(3e38, rel=1e-6) and read["nonfinite"] is None  # not the +inf it wrote
+
+
+def test_a_finite_write_into_a_nan_tensor_does_not_make_it_finite():
+    """A forward hook writes a NaN into a layer's output; in the backward, autograd's CopySlices
+    zeroes that one slot of a gradient that is NaN everywhere else. The gradient stays NaN, so the
+    next matmul's NaN came from its input: no op is blamed for NaN "from finite inputs"."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+
+    def poison(module, args, output):
+        output = output.clone()
+        output[0, 0] = math.nan
+        return output
+
+    model[0].register_forward_hook(poison)
+    with fpdoctor.trace(model) as t:
+        y = model(torch.randn(4, 8))
+        ((y - y.mean()) ** 2).sum().backward()  # the mean spreads the NaN over every gradient
+    (written,) = t.report.by_name("nonfinite-input")
+    assert written.where["phase"] == "forward" and "nan" in written.message
+    assert t.report.by_name("nonfinite-produced") == []

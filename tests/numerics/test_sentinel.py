@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 import fpdoctor
+from fpdoctor.numerics import sentinel_findings
 
 
 def make(seed: int = 0):
@@ -186,6 +188,36 @@ def test_the_report_keeps_a_bounded_timeline_with_every_event():
     full = guard.report.data["timeline"]
     assert full["step"] == list(range(1, 41)) and len(full["loss"]) == 40
     assert full["nonfinite"] == [7] and full["amp_skipped"] == [] and full["spikes"] == []
-    thin = guard._timeline(points=10)
+    thin = sentinel_findings.timeline(guard.history, guard.findings, 10)
     assert len(thin["step"]) <= 11 and 7 in thin["step"]  # thinned, but the bad step is kept
     assert sentinel_module.TIMELINE_POINTS >= 1000
+    assert full["grad_norm_step"] == [1, 11, 21, 31] and "scale" not in full  # no GradScaler: no scale
+
+
+def test_the_timeline_gradient_norm_is_the_unscaled_norm_clip_grad_norm_gives():
+    """Every GRAD_NORM_EVERY-th step the timeline holds the gradients' total norm, as
+    clip_grad_norm_ would compute it: after GradScaler's unscale, not the scaled one, and the
+    scale beside it."""
+    from fpdoctor.numerics.sentinel import GRAD_NORM_EVERY
+
+    model, opt = make()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    guard = fpdoctor.Sentinel(model, opt, scaler=scaler)
+    seen = {}
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        grads = [p.grad.detach().clone() for p in model.parameters()]
+        seen[len(seen) + 1] = float(torch.nn.utils.get_total_norm(grads)) / scaler.get_scale()
+        return loss
+
+    g = torch.Generator().manual_seed(5)
+    for _ in range(GRAD_NORM_EVERY + 1):
+        guard.step(step, torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g))
+    timeline = guard.report.data["timeline"]
+    assert timeline["grad_norm_step"] == [1, GRAD_NORM_EVERY + 1]
+    for step_number, norm in zip(timeline["grad_norm_step"], timeline["grad_norm"], strict=True):
+        assert norm == pytest.approx(seen[step_number], rel=1e-5)
+    assert timeline["scale"][0] == 1024.0

@@ -100,3 +100,34 @@ def test_the_readme_documents_the_factory_contract():
     section = readme.split("Precision compare (NUM006")[1].split("## Where the facts come from")[0]
     for words in ("def make():", "several input sets", "fpdoctor plan", "input rounding floor"):
         assert words in section, words
+
+
+def test_each_precision_is_one_declared_entry_every_step_reads():
+    """A precision's copy, its dtype, its fp8 layer, its rounding and its storage format all come
+    from its PRECISIONS entry, for every candidate."""
+    import torch
+    from torch import nn
+
+    from fpdoctor.precision.candidates import Fp8Linear, Fp16AccumulateLinear, compute_dtype, make_run
+    from fpdoctor.precision.codegen import plan_code
+    from fpdoctor.precision.fit import candidate_format
+    from fpdoctor.precision.metrics import round_to
+    from fpdoctor.precision.names import PRECISIONS
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    # fp32 holds these exactly, fp16, bf16 and fp8 do not
+    x = (1 + torch.arange(1, 65, dtype=torch.float64) * 2.0**-20).reshape(8, 8)
+    for name in CANDIDATES:
+        entry = PRECISIONS[name]
+        run = make_run(model, name, "fake", torch.device("cpu"))
+        assert run[0].weight.dtype == compute_dtype(name) == getattr(torch, entry.dtype), name
+        assert isinstance(run[0], Fp8Linear) == (entry.fp8 is not None), name
+        assert isinstance(run[0], Fp16AccumulateLinear) == entry.accumulate, name
+        if entry.fp8 is not None:
+            assert run[0].rowwise == entry.rowwise, name
+        assert (candidate_format(name) is None) == (entry.storage is None), name
+        rounded = round_to(x, name)
+        assert rounded.dtype == torch.float64 and (torch.equal(rounded, x) == (name == "fp32")), name
+        if entry.applies:
+            assert f"model.to(torch.{entry.dtype})" in plan_code(name, [], [])
+    assert model[0].weight.dtype == torch.float32  # copies only

@@ -246,6 +246,7 @@ def test_sentinel_page_has_the_timeline_and_the_replayed_op(pages):
     assert views(page) == {"first-bad-op", "timeline"}
     timeline = text[text.index('id="timeline"') : text.index('id="findings"')]
     assert "non-finite (2)" in timeline and "loss spike (1)" in timeline and "AMP skipped (0)" in timeline
+    assert "gradient norm" in timeline  # the norm panel, from the steps the sentinel took it on
     panel = text[text.index('id="first-bad-op"') : text.index('id="timeline"')]
     assert "aten.div.Tensor" in panel
     banner = text[text.index('id="verdict"') : text.index('id="facts"')]

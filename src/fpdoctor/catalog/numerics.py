@@ -36,9 +36,12 @@ NUM_RULES: tuple[Rule, ...] = (
         name="overflow-risk",
         severity=W,
         title="Values come close to the largest finite value of a dtype",
-        what="Per op and per module, the largest magnitude (reduced in float64) against the max of the dtype in "
-        "use and of fp16 / bf16 / fp8 as what-ifs; reported from 90% of the max.",
-        why="Near the max, the next larger batch, longer sequence or learning-rate step overflows to Inf.",
+        what="The largest magnitude of op outputs, inside modules too (attention scores), and of module outputs, "
+        "against the max of the dtype in use (fp16 / bf16 / fp8), and of fp16 as a what-if for a model in fp32; "
+        "compare checks the candidate run's ops, with the fp64 run's value beside it. Reported from 50% of the "
+        "max, with the op, its module and source line.",
+        why="From half the max, one doubling overflows to Inf: twice the sequence length under a sum, an input "
+        "scaled by 2, a weight a learning-rate step doubles. The batch traced is rarely the largest that comes.",
         fix="Keep that op in fp32, rescale (e.g. divide scores by sqrt(d) earlier), or use bf16 instead of fp16.",
     ),
     Rule(
@@ -123,6 +126,59 @@ NUM_RULES: tuple[Rule, ...] = (
         "vanish in the fp16 backward and the weights stop learning, with no NaN to warn you.",
         fix="scaler = torch.amp.GradScaler(device); scaler.scale(loss).backward(); scaler.step(opt); "
         "scaler.update() - or autocast to bf16, which needs no scaler.",
+    ),
+    Rule(
+        code="NUM011",
+        name="machine-departure",
+        severity=E,
+        title="This machine's run departs from the recorded machine's at a module",
+        what="`compare --against FILE` runs the same compare as the record (`--save-reference` on machine A) and "
+        "compares each module's candidate output with A's, relative to the fp64 output: beyond 16x the noise "
+        "floor (and the error both runs carried in), or NaN/Inf on one machine only, is a departure. The first "
+        "module that departs while every module before it agreed is named, with both machines' errors against "
+        "fp64 and the environment facts that differ.",
+        why="The same model, weights and inputs give different results on two machines when their kernels round "
+        "differently: fp16 accumulation in attention overflows on one GPU generation and not another, TF32 or "
+        "reduced-precision reductions are on in one place only. The first departing module is where to act.",
+        fix="Keep the named module in fp32 on this machine (`fpdoctor plan` there), turn off TF32 and "
+        "reduced-precision reductions where the flags differ, and compare the environment facts that differ "
+        "(`fpdoctor env` on both machines).",
+    ),
+    Rule(
+        code="NUM012",
+        name="reference-inputs-differ",
+        severity=W,
+        title="The two runs did not see the same inputs",
+        what="The digest of an input set (every tensor's name, dtype, shape and values), the random draws the "
+        "forward makes itself, or the number of input sets differ between the compare record and this run.",
+        why="With other inputs every module's output differs for a reason that is not the machine; those input "
+        "sets are not compared module by module.",
+        fix="Give both machines the same inputs: seed the factory (torch.manual_seed) or load saved inputs, and "
+        "the same seed for a forward that draws random numbers.",
+    ),
+    Rule(
+        code="NUM013",
+        name="reference-weights-differ",
+        severity=W,
+        title="The two runs did not use the same weights",
+        what="Per module, a digest of its own parameters and buffers (name, dtype, shape, values) differs between "
+        "the compare record and this run; the modules are named.",
+        why="A module with other weights computes another output on any machine; what follows it cannot be "
+        "blamed on the machine.",
+        fix="Load the same checkpoint on both machines; a randomly initialised model needs the same seed.",
+    ),
+    Rule(
+        code="NUM014",
+        name="reference-computation-differs",
+        severity=E,
+        title="A module computes something else than on the recorded machine",
+        what="With the same inputs and weights, a module's fp64 output differs from the record's by more than "
+        "1e-9 relative, every module before it agreeing; fp64 on two machines differs by summation order only "
+        "(about 1e-12). Modules or calls that only one of the two runs has are listed too.",
+        why="The model's code or configuration is not the same on the two machines, or an op's definition "
+        "changed between their library versions: results differ before any rounding does.",
+        fix="Run the same code and configuration on both machines (the same commit, the same config files), and "
+        "compare the library versions that differ.",
     ),
 )
 

@@ -1,5 +1,5 @@
 """`fpdoctor compare MODEL --candidate fp16|bf16|fp32|fp8-...|fp16-accumulate [--reference R] [--device DEV]
-[--module NAME]`."""
+[--module NAME] [--save-reference FILE | --against FILE]`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from fpdoctor.cli.errors import UsageError
 from fpdoctor.cli.model_spec import FACTORY_HELP
-from fpdoctor.cli.output import add_output_args, emit
+from fpdoctor.cli.output import add_output_args, add_progress_arg, emit
 from fpdoctor.precision.names import CANDIDATES, FP8_KERNELS, REFERENCES, check_name
 
 
@@ -16,10 +16,13 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "compare",
         help="layerwise error of a precision against fp64, module by module",
-        description="Layerwise error of a precision against fp64, module by module.\n\n" + FACTORY_HELP,
+        description="Layerwise error of a precision against fp64, module by module.\n\n"
+        + ACROSS_HELP
+        + "\n\n"
+        + FACTORY_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_precision_args(p, CANDIDATES)
+    add_precision_args(p, CANDIDATES, record=True)
     p.add_argument(
         "--device",
         metavar="DEVICE",
@@ -30,23 +33,40 @@ def add_parser(sub: Any) -> None:
         metavar="NAME",
         help="compare only this submodule (e.g. encoder.layer.3), fed its inputs from a forward of the whole model",
     )
+    across = p.add_mutually_exclusive_group()
+    across.add_argument(
+        "--save-reference",
+        metavar="FILE",
+        help="also write a compare record of this run to FILE (gzip'd JSON), to judge another machine's run "
+        "against; --candidate defaults to fp32 then",
+    )
+    across.add_argument(
+        "--against",
+        metavar="FILE",
+        help="judge this machine's run against a record another machine wrote with --save-reference; the "
+        "candidate, reference, fp8 kernel and module come from the record",
+    )
     add_output_args(p)
+    add_progress_arg(p)
     p.set_defaults(run=run)
 
 
-def add_precision_args(p: argparse.ArgumentParser, candidates: tuple[str, ...]) -> None:
-    """MODEL, --candidate, --reference and --fp8-kernel: what compare and plan both take."""
+def add_precision_args(p: argparse.ArgumentParser, candidates: tuple[str, ...], *, record: bool = False) -> None:
+    """MODEL, --candidate, --reference and --fp8-kernel: what compare and plan both take. `record`:
+    compare's, where a record may supply them (--against), so none is required or defaulted here."""
     p.add_argument("model", metavar="MODEL")
     p.add_argument(
         "--candidate",
-        required=True,
+        required=not record,
         metavar="|".join(candidates),
-        help="the precision to judge; torch's names work too (float16, half, bfloat16, float8_e4m3fn)",
+        help="the precision to judge; torch's names work too (float16, half, bfloat16, float8_e4m3fn)"
+        + ("; required, except with --save-reference (default fp32) and --against (the record's)" if record else ""),
     )
-    p.add_argument("--reference", default="fp32", metavar="|".join(REFERENCES), help="default: fp32")
+    p.add_argument("--reference", default=None if record else "fp32", metavar="|".join(REFERENCES),
+                   help="default: fp32")  # fmt: skip
     p.add_argument(
         "--fp8-kernel",
-        default="auto",
+        default=None if record else "auto",
         metavar="|".join(FP8_KERNELS),
         help="fp8 candidates: the real fp8 GEMM (torch._scaled_mm), fake-quant, or auto: the real one on GPUs "
         "with fp8 tensor cores (default)",
@@ -55,21 +75,49 @@ def add_precision_args(p: argparse.ArgumentParser, candidates: tuple[str, ...]) 
 
 def check_precision_args(args: argparse.Namespace, candidates: tuple[str, ...]) -> tuple[str, str, str]:
     """(candidate, reference, fp8 kernel), or a UsageError naming the bad one and the choices."""
+    if args.candidate is None:
+        raise UsageError(
+            "compare needs --candidate (fp16, bf16, fp32, fp8-e4m3, ...), or --against FILE, which takes it from "
+            "the record"
+        )
     try:
         return (
             check_name(args.candidate, candidates, "candidate"),
-            check_name(args.reference, REFERENCES, "reference"),
-            check_name(args.fp8_kernel, FP8_KERNELS, "fp8 kernel"),
+            check_name(args.reference or "fp32", REFERENCES, "reference"),
+            check_name(args.fp8_kernel or "auto", FP8_KERNELS, "fp8 kernel"),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
 
+ACROSS_HELP = """\
+Across machines (when the two cannot run side by side): on machine A
+  fpdoctor compare model.py:make --candidate fp16 --save-reference a.json.gz
+copy a.json.gz to machine B and run there
+  fpdoctor compare model.py:make --against a.json.gz
+B runs the same compare and names the first module where it departs from A (beyond the fp64
+noise floor, or NaN/Inf on one machine only), or says that the inputs, weights or computation
+differ. The record is gzip'd JSON, about 97 KiB per module call at most."""
+
+
 def run(args: argparse.Namespace) -> int:
     from fpdoctor.cli import model_spec
     from fpdoctor.precision.compare import ReferenceFailed, compare
+    from fpdoctor.precision.record import CompareRecord, RecordError
 
-    candidate, reference, fp8_kernel = check_precision_args(args, CANDIDATES)
+    record = None
+    if args.against is not None:  # the record first: a bad file is known before a long run
+        try:
+            record = CompareRecord.load(args.against)
+        except RecordError as exc:
+            raise UsageError(str(exc)) from None
+        candidate, reference, fp8_kernel = args.candidate, args.reference, args.fp8_kernel
+    elif args.save_reference is not None and args.candidate is None:
+        args.candidate = "fp32"
+    if record is None:
+        candidate, reference, fp8_kernel = check_precision_args(args, CANDIDATES)
+    if args.save_reference is not None:
+        _check_record_path(args)
     if args.device is not None:
         from fpdoctor.precision.candidates import check_device
 
@@ -87,10 +135,29 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             fp8_kernel=fp8_kernel,
             module=args.module,
+            save_reference=args.save_reference,
+            against=record,
         )
     except ReferenceFailed as exc:
         raise UsageError(f"{exc}; fix the model or its example inputs first") from None
-    except ValueError as exc:  # e.g. --module names no module of this model
+    except ValueError as exc:  # --module names no module of this model; a setting the record does not have
         raise UsageError(str(exc)) from None
+    if args.save_reference is not None:  # the command to run on machine B, with this MODEL spelled out
+        summary = result.report.data["summary"]
+        mine = f"compare {args.model} --against"
+        summary[:] = [(k, v.replace("compare MODEL --against", mine) if isinstance(v, str) else v) for k, v in summary]
     emit(result.report.to_dict(), args)
     return result.report.exit_code
+
+
+def _check_record_path(args: argparse.Namespace) -> None:
+    """Before the run: a record that could not be written would lose it."""
+    from pathlib import Path
+
+    target = Path(args.save_reference)
+    if target.is_dir():
+        raise UsageError(f"{target} is a directory; give a file name for --save-reference")
+    if not target.parent.exists():
+        raise UsageError(f"{target.parent} does not exist; create it or choose another path for --save-reference")
+    if args.output and Path(args.output).resolve() == target.resolve():
+        raise UsageError("--save-reference and -o name the same file; the record and the report need one each")

@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from fpdoctor.cli.output import UsageError, add_output_args, emit
+from fpdoctor.cli.output import UsageError, add_output_args, add_progress_arg, emit
 
 DEFAULT_DURATION_S = 3.0
 
@@ -47,6 +47,7 @@ def add_parser(sub: Any) -> None:
         "GPU; cuda:N that one GPU; cpu the CPU",
     )
     add_output_args(p)
+    add_progress_arg(p)
     p.set_defaults(run=run)
 
 

@@ -60,7 +60,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not getattr(args, "run", None):
             build_parser().print_help()
             return int(ExitCode.USAGE)
-        return int(args.run(args))
+        from fpdoctor import progress
+
+        # the commands that take --quiet show progress; the display is gone before an error is written
+        with progress.display(hasattr(args, "quiet") and progress.wanted(quiet=args.quiet)):
+            return int(args.run(args))
     except UsageError as exc:
         sys.stderr.write(f"fpdoctor: error: {exc}\n")
         return int(ExitCode.USAGE)

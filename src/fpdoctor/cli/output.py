@@ -12,7 +12,7 @@ from typing import Any
 from fpdoctor.cli.errors import ExitCode, UsageError
 from fpdoctor.report.render import FORMATS, render
 
-__all__ = ["ExitCode", "UsageError", "add_output_args", "emit", "resolve_output", "write_atomic"]
+__all__ = ["ExitCode", "UsageError", "add_output_args", "add_progress_arg", "emit", "resolve_output", "write_atomic"]
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +22,16 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead of stdout")
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="text: every fact, even when nothing is wrong (default: the lead)"
+    )
+
+
+def add_progress_arg(parser: argparse.ArgumentParser) -> None:
+    """--quiet for the commands that show progress (cli/main.py switches the display on for them)."""
+    parser.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress display on stderr (shown only while stderr is a terminal; errors are always shown)",
     )
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from fpdoctor.cli.compare import add_precision_args, check_precision_args
 from fpdoctor.cli.errors import UsageError
 from fpdoctor.cli.model_spec import FACTORY_HELP
-from fpdoctor.cli.output import add_output_args, emit, write_atomic
+from fpdoctor.cli.output import add_output_args, add_progress_arg, emit, write_atomic
 from fpdoctor.precision.names import PLAN_CANDIDATES
 
 
@@ -31,10 +31,12 @@ def add_parser(sub: Any) -> None:
         "the inputs alone costs is out of reach, and the plan is judged against 2x that floor",
     )
     add_output_args(p)
+    add_progress_arg(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from fpdoctor import progress
     from fpdoctor.cli import model_spec
     from fpdoctor.precision.compare import ReferenceFailed
     from fpdoctor.precision.plan import plan
@@ -43,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     candidate, reference, fp8_kernel = check_precision_args(args, PLAN_CANDIDATES)
     if args.tolerance is not None and not args.tolerance > 0:
         raise UsageError("--tolerance must be a positive relative error, e.g. 1e-3")
-    model, inputs = model_spec.load(args.model)
+    with progress.task(f"plan: loading {args.model} (import torch, build the model)"):
+        model, inputs = model_spec.load(args.model)
     try:
         result = plan(
             model, inputs, candidate=candidate, reference=reference, tolerance=args.tolerance, fp8_kernel=fp8_kernel

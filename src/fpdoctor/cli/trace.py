@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from fpdoctor.cli.output import UsageError, add_output_args, emit, write_atomic
+from fpdoctor.cli.output import UsageError, add_output_args, add_progress_arg, emit, write_atomic
 
 _FPDOCTOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # torch's plumbing between a Python call and a dispatch mode (dynamo's disable wrapper around
@@ -47,6 +47,7 @@ def add_parser(sub: Any) -> None:
         "about 10%% more time than the trace alone (1.08-1.13x measured on small CPU training steps)",
     )
     add_output_args(p)
+    add_progress_arg(p)
     p.add_argument("script", metavar="SCRIPT.py")
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
     p.set_defaults(run=run)
@@ -131,7 +132,10 @@ def run(args: argparse.Namespace) -> int:
     import contextlib
     import runpy
 
-    import torch
+    from fpdoctor import progress
+
+    with progress.task("trace: import torch"):
+        import torch
 
     import fpdoctor
 
@@ -150,7 +154,11 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _on_term) if dist is not None else None
     try:
         raise_on = "nonfinite" if args.raise_on_nonfinite else None
-        with fpdoctor.trace(raise_on=raise_on, headroom=args.headroom) as session, autocast:
+        with (
+            fpdoctor.trace(raise_on=raise_on, headroom=args.headroom) as session,
+            progress.task(f"trace {script}", status=lambda: _so_far(session)),
+            autocast,
+        ):
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         if exc.code not in (0, None):
@@ -162,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         failure = "terminated by SIGTERM (under torchrun: another rank failed) before the script ended"
         code = 128 + signal.SIGTERM
     except Exception as exc:  # the script's own error: show it, still report what was traced
+        progress.close()  # the traceback goes to the terminal as written, not under a redraw
         sys.stderr.write(user_traceback(exc, script))
         failure = f"the script raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         error = exc
@@ -191,11 +200,20 @@ def run(args: argparse.Namespace) -> int:
     if dist is not None:
         _mark_rank(report, dist)
     status = max(report.exit_code, 1 if failure else 0, code if isinstance(code, int) else 1)
+    progress.close()  # the report goes to stderr too: the display is gone before it
     if dist is not None and args.output:
         _write_rank(report.to_dict(), args, dist)
     else:
         emit(report.to_dict(), args, stream=sys.stderr)  # stdout belongs to the script
     return status
+
+
+def _so_far(session: Any) -> str:
+    """What the trace has seen so far, read by the progress display a few times a second from the
+    tracer's own counters (never a call per op)."""
+    steps = session._tracker.optimizer_steps
+    text = f"{session._tracer.ops_seen:,} ops traced"
+    return text + (f", {steps} optimizer step{'s' if steps != 1 else ''}" if steps else "")
 
 
 def _mark_rank(report: Any, dist: RankInfo) -> None:

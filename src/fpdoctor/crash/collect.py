@@ -146,7 +146,10 @@ class Process:
         code = self.returncode
         exc = self.main_exception()
         raised = _float(exc.get("time")) if exc is not None and not _interrupt(exc) else None
-        if self.fault is not None and self.fault.signal and not (raised and raised < (self.fault_time or 0.0)):
+        # the dump's time is its file's mtime, from the kernel's coarse clock: up to a tick (1-10 ms)
+        # behind time.time(), so an exception raised just before a crash at exit can read as later
+        fault_time = (self.fault_time or 0.0) + MTIME_SLACK_S
+        if self.fault is not None and self.fault.signal and not (raised and raised < fault_time):
             return Outcome("signal", self.fault_time, self.fault.signal, code)
         # an exception first, then a fatal signal while the interpreter shut down (a CUDA error's
         # abort at exit): the exception is the story, the dump stays in the data
@@ -237,6 +240,9 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) else None
+
+
+MTIME_SLACK_S = 0.05
 
 
 def _read_dump(path: Path) -> tuple[Dump | None, float | None]:

@@ -10,7 +10,7 @@ status) is the launcher, not a cause.
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fpdoctor import catalog
@@ -19,6 +19,7 @@ from fpdoctor.crash.explain import ErrorText, explain_text, signal_meaning
 from fpdoctor.crash.launcher import Launched
 from fpdoctor.crash.machine import Environment, KernelLog, gpu_for
 from fpdoctor.crash.parse import Frame, ThreadStack
+from fpdoctor.health.kernel_log import normalize_pci
 from fpdoctor.report.model import Finding
 
 STACK_LINES = 12  # frames of the failing thread shown in a finding's text; all of them are in data
@@ -138,6 +139,38 @@ def _device(p: Process, ctx: Context) -> dict[str, Any]:
         out["uuid"] = gpu["uuid"]
     if gpu.get("name"):
         out["gpu_name"] = gpu["name"]
+    if gpu.get("pci_bus_id"):
+        out["pci"] = normalize_pci(str(gpu["pci_bus_id"]))
+    return out
+
+
+def on_ranks(found: list[Finding], ctx: Context, processes: list[Process]) -> list[Finding]:
+    """Kernel-log findings name a GPU by its bus id; under torchrun the user thinks in ranks: add
+    the rank (host, device) whose GPU that is, where the process records and the GPU list tell."""
+    by_pci: dict[str, list[tuple[Process, dict[str, Any]]]] = {}
+    for p in processes:
+        device = _device(p, ctx)
+        if device.get("pci"):
+            by_pci.setdefault(device["pci"], []).append((p, device))
+    out = []
+    for f in found:
+        pci, host = f.where.get("pci"), f.where.get("host")
+        owners = by_pci.get(normalize_pci(str(pci)), []) if pci else []
+        # bus ids repeat on every node: only the ranks of the host whose kernel log it is
+        owners = [(p, d) for p, d in owners if host is None or p.host in (None, host)]
+        ranks = sorted({p.rank for p, _ in owners if p.rank is not None})
+        if not ranks:
+            out.append(f)
+            continue
+        where = dict(f.where)
+        if len(ranks) == 1:
+            p, device = next((p, d) for p, d in owners if p.rank == ranks[0])
+            where.update({"rank": p.rank, "host": where.get("host") or p.host, "device": device["device"]})
+            said = f"rank {p.rank}'s GPU ({device['device']})"
+        else:
+            where["ranks"] = ranks
+            said = f"the GPU of ranks {', '.join(map(str, ranks))}"
+        out.append(replace(f, where=where, message=f"{f.message} This is {said}."))
     return out
 
 

@@ -18,6 +18,7 @@ from fpdoctor.crash.findings import (
     exception_name,
     failures,
     fatal_signal,
+    on_ranks,
     op_text,
     rank_stopped,
     short,
@@ -55,7 +56,7 @@ def build(ctx: Context) -> Report:
     if ctx.environment is not None and events:
         findings += ctx.environment.findings
     if ctx.kernel is not None and events:
-        findings += ctx.kernel.findings
+        findings += on_ranks(ctx.kernel.findings, ctx, job or ctx.collected.processes)
     return Report(command="run", findings=findings, data=_data(ctx, events))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+from fpdoctor import progress
 from fpdoctor.health import inputs, kernel_log, kernel_sources, nvml, smi
 from fpdoctor.health.model import GpuFacts, HealthFacts, LostGpu
 
@@ -92,14 +93,16 @@ def collect_live(*, nvml_module: Any = None, readers: Any = None, host: str | No
     """This machine: NVML facts for every GPU, then this boot's kernel log."""
     facts = HealthFacts(host=host or socket.gethostname())
     try:
-        facts.gpus, facts.driver = nvml.collect(host=facts.host, nvml=nvml_module)
+        with progress.task("health: NVML facts per GPU"):
+            facts.gpus, facts.driver = nvml.collect(host=facts.host, nvml=nvml_module)
         if facts.gpus:
             facts.sources["NVML"] = f"{len(facts.gpus)} GPU(s), driver {facts.driver}"
         else:
             facts.not_checked["NVML"] = "NVML runs but sees no NVIDIA GPU"
     except nvml.NvmlUnavailable as exc:
         facts.not_checked["NVML"] = str(exc)
-    text = kernel_sources.read_live(readers)
+    with progress.task("health: this boot's kernel log"):
+        text = kernel_sources.read_live(readers)
     if text.source is None:
         facts.not_checked["kernel log"] = "; ".join(f"{name}: {why}" for name, why in text.tried.items())
         return facts

@@ -14,6 +14,7 @@ inside the child (tests/fixtures/health/): the product has no switch that could 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -23,10 +24,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from fpdoctor import progress
 from fpdoctor.report.model import Finding
 
 # The child's lines: READY + its identity (so a child that dies later is still named by UUID and
@@ -81,15 +84,30 @@ def run_fingerprints(duration: float, *, device: str | None = None) -> Fingerpri
 
     duration = check_duration(duration)
     dist = ranks.dist_env()
-    devices, notes = _devices(device, dist)
+    with progress.task("health: the GPUs to fingerprint (import torch)"):
+        devices, notes = _devices(device, dist)
     limit_s = STARTUP_ALLOWANCE_S + WORK_SLACK_S + 2 * duration
-    with ThreadPoolExecutor(max_workers=max(1, len(devices))) as pool:
-        jobs = [pool.submit(run_child, {"device": d, "duration": duration}, duration) for d in devices]
+    with contextlib.ExitStack() as shown, ThreadPoolExecutor(max_workers=max(1, len(devices))) as pool:
+        done = shown.enter_context(
+            progress.task(f"health: GEMM fingerprints, {duration:g} s per device", total=len(devices), unit="devices")
+        )
+        jobs = []
+        for d in devices:
+            line = shown.enter_context(progress.task(f"health: {d}: start-up (import torch, create the context)"))
+            job = pool.submit(run_child, {"device": d, "duration": duration}, duration, on_step=line.describe)
+
+            def finished(_: Any, line: progress.Task = line, d: str = d) -> None:
+                line.describe(f"health: {d}: done")
+                done.advance()
+
+            job.add_done_callback(finished)
+            jobs.append(job)
         rows = [_row(job.result(), dist) for job in jobs]
     if dist is not None:
         try:
             # ranks whose children finish later arrive later: the timeout outlasts the slowest child
-            gathered = ranks.exchange(dist, {"rows": rows, "notes": notes}, timeout_s=limit_s + 60.0)
+            with progress.task(f"health: rank {dist.rank}: gathering every rank's fingerprints"):
+                gathered = ranks.exchange(dist, {"rows": rows, "notes": notes}, timeout_s=limit_s + 60.0)
         except Exception as exc:  # a rank that died, a store out of reach: this rank reports alone
             notes.append(f"rank {dist.rank}: fingerprints not compared across ranks ({_one_line(exc)})")
         else:
@@ -145,8 +163,9 @@ def _drain(stream: Any, tail: list[str]) -> None:
         tail[0] = (tail[0] + chunk)[-STDERR_TAIL:]
 
 
-def run_child(spec: dict[str, Any], duration: float) -> dict[str, Any]:
-    """Run one device's fingerprint in a child; its result, or {"device", "identity", "failure": {...}}."""
+def run_child(spec: dict[str, Any], duration: float, *, on_step: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run one device's fingerprint in a child; its result, or {"device", "identity", "failure": {...}}.
+    `on_step` hears which step the child is in (for the progress display)."""
     started = time.monotonic()
     try:
         proc = subprocess.Popen(
@@ -180,8 +199,12 @@ def run_child(spec: dict[str, Any], duration: float) -> dict[str, Any]:
         if line.startswith(READY):
             identity = json.loads(line[len(READY) :])
             deadline = time.monotonic() + WORK_SLACK_S + 2 * duration
+            if on_step is not None:
+                on_step(f"health: {spec['device']} ({identity.get('name') or 'ready'})")
         elif line.startswith(START):
             step = line[len(START) :]
+            if on_step is not None:
+                on_step(f"health: {spec['device']} ({identity.get('name') or 'ready'}): {step}")
         elif line.startswith(RESULT):
             result = json.loads(line[len(RESULT) :])
     proc.wait()

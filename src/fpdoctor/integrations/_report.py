@@ -4,12 +4,12 @@ the framework's logger."""
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 from typing import Any
 
 from fpdoctor.integrations._watch import StepWatch
-from fpdoctor.numerics.sentinel import TIMELINE_POINTS, StepOutcome
+from fpdoctor.numerics import sentinel_findings
+from fpdoctor.numerics.sentinel import TIMELINE_POINTS
 from fpdoctor.report.model import Finding, Report
 
 # a line per finding in the log is enough; the report file holds the rest
@@ -45,25 +45,9 @@ def build(watch: StepWatch | None, framework: str) -> Report:
         rate = amp.skipped / watch.steps if watch.steps else 0.0
         data["amp"] = {"skipped_steps": amp.skipped, "skip_rate": rate, "scale": amp.scale, "min_scale": amp.min_scale}
         summary.append(("AMP overflow skips", f"{amp.skipped} ({rate:.1%}), scale {amp.scale}"))
-    data["timeline"] = _timeline(history, watch.findings)
+    data["timeline"] = sentinel_findings.timeline(history, watch.findings, TIMELINE_POINTS)
     data["summary"] = summary
     return Report(command="sentinel", findings=list(watch.findings), data=data)
-
-
-def _timeline(
-    history: list[StepOutcome], findings: list[Finding], points: int = TIMELINE_POINTS
-) -> dict[str, list[Any]]:
-    """Loss per step for plots, at most `points` of them plus every event step (as the sentinel's)."""
-    spikes = {f.evidence.get("step") for f in findings if f.name == "loss-spike"}
-    stride = max(1, math.ceil(len(history) / points))
-    kept = [h for i, h in enumerate(history) if i % stride == 0 or not h.finite or h.step in spikes]
-    return {
-        "step": [h.step for h in kept],
-        "loss": [h.loss for h in kept],
-        "nonfinite": [h.step for h in history if not h.finite and h.verdict != "amp-skip"],
-        "amp_skipped": [h.step for h in history if h.verdict == "amp-skip"],
-        "spikes": sorted(s for s in spikes if isinstance(s, int)),
-    }
 
 
 def check_path(path: str | None) -> str | None:

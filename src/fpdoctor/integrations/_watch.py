@@ -33,7 +33,6 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from fpdoctor import catalog
 from fpdoctor.numerics import amp, distributed
 from fpdoctor.numerics import sentinel_findings as findings
 from fpdoctor.numerics.control import ControlResult, run_control, wants_control
@@ -323,6 +322,7 @@ class StepWatch:
         self.steps += 1
         self.micro_batches += len(window)
         outcome = StepOutcome(c.step, c.loss_value, finite=c.finite, skipped=False)
+        outcome.scale = c.scale if self.scaler is not None else None  # for the timeline
         self.history.append(outcome)
         scaler = self.scaler
         if scaler is not None and c.bad_grad and not c.bad_loss:  # an overflow the scaler skips: AMP's business
@@ -402,18 +402,9 @@ class StepWatch:
         if self._distributed and not attributed:
             if kind is None:
                 kind = findings.step_kind({"parameters": self._bad_parameters()})
+            views = "FSDP, a communication hook of your own, or a DDP wrapper the callback could not find"
             self.findings.append(
-                catalog.make(
-                    "nonfinite-gradient",
-                    message=(
-                        f"Step {step}: the gradients after the reduction across ranks were not finite; which rank "
-                        "produced them is unknown (no pre-reduce view: FSDP, a communication hook of your own, or "
-                        "a DDP wrapper the callback could not find). Every rank replays its step; the step was "
-                        "skipped on every rank."
-                    ),
-                    where={"module": None, "op": None, "phase": "backward", "step": step, **self._here},
-                    evidence={"kind": kind or "nan", "numel": len(self._params), "step": step},
-                )
+                findings.unattributed_finding(step, kind, len(self._params), views=views, here=self._here)
             )
             return True, kind
         if not self._distributed:

@@ -64,6 +64,8 @@ class Trace:
             on_nonfinite=self._raise_at_producer if self.raise_on else None,
             sync_every=self.sync_every,
         )
+        # exact ranges of fp32 ops that grow values, for headroom's per-op fp16 what-ifs
+        self._tracer.ranges = self.headroom_enabled and "fp16" in self.targets
         import contextlib
         import threading
 
@@ -141,8 +143,11 @@ class Trace:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self._stack.close()  # the tracer, the tracker's global hooks, the watch, the stance: all, always
+        from fpdoctor import progress
+
         try:
-            self.report = self._build_report()
+            with progress.task(f"trace: judging the {self._tracer.ops_seen:,} ops traced"):
+                self.report = self._build_report()
         except Exception as error:  # never let the report hide the user's own exception
             self.report = Report(command="trace", data={"not_checked": {"report": f"{type(error).__name__}: {error}"}})
         self.records = self._tracer.records
@@ -158,6 +163,10 @@ class Trace:
         if self._headroom is not None:
             rows = self._headroom.table()
             findings += self._headroom.findings(rows, list(tracer.records))
+        else:  # values in fp16/bf16/fp8 are judged per op whether or not headroom is on
+            from fpdoctor.numerics.headroom import op_findings, op_overflow
+
+            findings += op_findings(op_overflow(list(tracer.records), targets=()))
         findings += self._recipes.findings(list(tracer.records))
         tracer.errors.extend(self._recipes.errors)
         nonfinite = sum(1 for r in tracer.records if r.kind)

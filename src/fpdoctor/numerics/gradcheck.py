@@ -56,6 +56,16 @@ def nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Ten
     return found
 
 
+def grad_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """float32 0-d tensor on `device`: the L2 norm of all of `grads` (as clip_grad_norm_ gives it),
+    reduced in float32 so that finite fp16/bf16 gradients never make an Inf norm. No host read."""
+    with torch.no_grad():
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32).to(device, non_blocking=True) for g in grads]
+        return torch.linalg.vector_norm(torch.stack(norms))
+
+
 def loss_flag(loss: torch.Tensor, device: torch.device) -> torch.Tensor:
     """float32 0-d tensor on `device`: 1.0 when the loss holds a NaN or Inf."""
     with torch.no_grad():

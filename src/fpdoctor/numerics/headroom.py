@@ -21,9 +21,10 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fpdoctor import catalog
-from fpdoctor.numerics.blame import _module_text
+from fpdoctor.numerics.blame import _module_text, _where_text
 from fpdoctor.numerics.limits import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE, UNDERFLOW_SHARE
-from fpdoctor.numerics.trace import Record, Tracer
+from fpdoctor.numerics.ops import _VALUE_PRESERVING
+from fpdoctor.numerics.trace import GROWS, Record, Tracer
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding
 
@@ -146,27 +147,37 @@ class Headroom:
 
     def findings(self, rows: list[dict[str, Any]], records: list[Record]) -> list[Finding]:
         found = []
+        ops = op_overflow(records, self.targets)
+        what_if = "fp16" in self.targets and not runs_low_precision(records)
         for row in rows:
             in_use = DTYPE_FORMAT.get(row["dtype"])
             where = _module_where(row)
-            if in_use == "fp32" and "fp16" in self.targets and row["fp16_max_share"] >= OVERFLOW_SHARE:
+            if in_use == "fp32" and what_if and row["fp16_max_share"] >= OVERFLOW_SHARE:
+                evidence = {
+                    "kind": "overflow",
+                    "target": "fp16",
+                    "share": row["fp16_max_share"],
+                    "absmax": row["absmax"],
+                    "dtype": row["dtype"],
+                    "what_if": True,
+                    "numel": row["numel"],
+                }
+                # the op that made this output, near the limit itself: one finding, with its line
+                same = ops.pop((where["module"], str(where.get("op")), "fp16"), None)
+                location = same[1].location if same is not None else None
+                if location is not None:
+                    where |= {"file": location[0], "line": location[1]}
+                    evidence["location"] = _where_text(location)
                 found.append(
                     catalog.make(
                         "overflow-risk",
                         message=(
                             f"Module `{row['module']}`'s output reaches {row['fp16_max_share']:.0%} of the fp16 max "
-                            f"(absmax {row['absmax']:.4g}): it would overflow if it ran in fp16."
+                            f"(absmax {row['absmax']:.4g}): {_consequence(row['fp16_max_share'], 'fp16', True)}."
+                            + (f" Source: {_where_text(location)}." if location else "")
                         ),
                         where=where,
-                        evidence={
-                            "kind": "overflow",
-                            "target": "fp16",
-                            "share": row["fp16_max_share"],
-                            "absmax": row["absmax"],
-                            "dtype": row["dtype"],
-                            "what_if": True,
-                            "numel": row["numel"],
-                        },
+                        evidence=evidence,
                     )
                 )
             nonzero = row["sampled"] * (1 - row["zeros"])
@@ -182,7 +193,7 @@ class Headroom:
                                 f"{share:.1%} of the non-zero values of module `{row['module']}`'s output would flush "
                                 f"to zero in {target} (smallest non-zero magnitude {row['smallest_nonzero']:.3g})."
                             ),
-                            where=where,
+                            where=_module_where(row),
                             evidence={
                                 "kind": "underflow",
                                 "target": target,
@@ -196,49 +207,175 @@ class Headroom:
                             },
                         )
                     )
-        found += self._overflow(records)
+        found += op_findings(ops)
         return found
 
-    def _overflow(self, records: list[Record]) -> list[Finding]:
-        worst: dict[tuple[str | None, str, str], tuple[float, Record, str]] = {}
-        for r in records:
-            if r.kind or r.phase == "optimizer":
+
+# Op-level overflow-risk findings per trace: the worst (module, op, format) ones. A model has
+# many ops near a limit when one is (everything downstream of a large activation): the first
+# few, worst first, say where to act; the rest would bury them.
+MAX_OP_FINDINGS = 10
+
+_OpKey = tuple[str | None, str, str]  # (module, op, format judged against)
+
+
+def op_overflow(records: list[Record], targets: tuple[str, ...] = ("fp16",)) -> dict[_OpKey, tuple[float, Record, int]]:
+    """Per (module, op, format): the largest share of the format's max a forward op output
+    reached, with its record and output position. Outputs in fp16/bf16/fp8 are judged against
+    their own format; fp32 outputs of the ops in GROWS against fp16's when "fp16" is in
+    `targets` and the model runs in fp32 (a what-if: the trace has their exact range with
+    `Tracer.ranges`, or on an accelerator; module outputs get their own what-if in
+    `Headroom.findings`). Non-finite outputs are nonfinite-produced's story, not a risk.
+    Backward values are left out: a loss scaler raises fp16 gradients until they overflow and
+    then backs off, so gradients near the max are its design, and the skipped step it handles."""
+    worst: dict[_OpKey, tuple[float, Record, int]] = {}
+    what_if = "fp16" in targets and not runs_low_precision(records)
+    for r in records:
+        if r.kind or r.phase != "forward" or r.recompute:
+            continue
+        name = r.op.split(".")[1] if r.op.count(".") >= 2 else r.op
+        for position, out in enumerate(r.outputs):
+            absmax = out.absmax
+            if absmax is None:
                 continue
-            for out in r.outputs:
-                in_use = DTYPE_FORMAT.get(out.dtype)
-                if out.absmax is None or in_use not in ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2"):
-                    continue  # fp32 what-ifs are judged per module, where the exact absmax is taken
-                share = out.absmax / FORMATS[in_use].max
-                key = (r.module, r.op, in_use)
-                if share >= OVERFLOW_SHARE and share > worst.get(key, (0.0,))[0]:
-                    worst[key] = (share, r, in_use)
-        found = []
-        for (module, op, target), (share, r, _) in list(worst.items())[:10]:
-            out = r.outputs[0]
-            where: dict[str, Any] = {"module": module, "op": op, "phase": r.phase}
-            if r.call is not None:
-                where["iteration"] = r.call + 1  # counted from 1, as users count steps
-            found.append(
-                catalog.make(
-                    "overflow-risk",
-                    message=(
-                        f"{op} {_module_text(module)} reaches {share:.0%} of the {target} max "
-                        f"({FORMATS[target].max:g}) ({r.phase})."
-                    ),
-                    where=where,
-                    # the op's aminmax gives the largest magnitude, not how many values come close: no count
-                    evidence={
-                        "kind": "overflow",
-                        "target": target,
-                        "share": share,
-                        "absmax": out.absmax,
-                        "dtype": out.dtype,
-                        "what_if": False,
-                        "numel": math.prod(out.shape),
-                    },
-                )
+            fmt = DTYPE_FORMAT.get(out.dtype)
+            if fmt == "fp32" and what_if:
+                fmt = "fp16"
+                if name not in GROWS:  # as on a CPU, where the trace takes these ops' ranges alone
+                    continue
+            elif fmt in (None, "fp32") or not judged(name, cast=True):
+                continue
+            share = absmax / FORMATS[fmt].max
+            key = (r.module, r.op, fmt)
+            if share >= OVERFLOW_SHARE and share > worst.get(key, (0.0,))[0]:
+                worst[key] = (share, r, position)
+    return worst
+
+
+def runs_low_precision(records: list[Record]) -> bool:
+    """Some forward op made fp16/bf16/fp8 values: the model already runs in low precision, and
+    its fp32 ops are fp32 by choice (autocast's fp32 list: sum, exp, pow, softmax; a module kept
+    in fp32), so what they would do in fp16 is not a question to ask. The trace keeps the latest
+    record of each kind of op, so every dtype it met is among `records`."""
+    return any(
+        r.phase == "forward" and DTYPE_FORMAT.get(o.dtype) not in (None, "fp32") for r in records for o in r.outputs
+    )
+
+
+# A cast is where values enter a narrower format: judged when its output is fp16/bf16/fp8.
+_CASTS = frozenset({"_to_copy", "copy", "copy_"})
+# Ops whose large values are chosen, not computed: a mask filled with the format's lowest value
+# (attention masks use torch.finfo(dtype).min, -65504 in fp16), a constant.
+_CONSTANT = frozenset({
+    "fill", "fill_", "full", "full_like", "new_full", "masked_fill", "masked_fill_", "index_fill", "index_fill_",
+    "scalar_tensor", "lift_fresh", "lift_fresh_copy",
+})  # fmt: skip
+
+
+def judged(name: str, *, cast: bool) -> bool:
+    """Whether overflow-risk judges the outputs of the aten op `name` ("bmm", "relu"): not ops
+    that only move or select values (a reshape's copy, cat, relu: they repeat what the op that
+    made the values was judged on), except casts when `cast` (their output is in a narrower
+    format), and not constant fills."""
+    if name in _CONSTANT:
+        return False
+    return name not in _VALUE_PRESERVING or (cast and name in _CASTS)
+
+
+def op_findings(worst: dict[_OpKey, tuple[float, Record, int]], limit: int = MAX_OP_FINDINGS) -> list[Finding]:
+    """overflow-risk findings for `op_overflow`'s entries: the `limit` largest shares, largest first."""
+    ranked = sorted(worst.items(), key=lambda item: -item[1][0])[:limit]
+    found = []
+    for (module, op, target), (share, r, position) in ranked:
+        out = r.outputs[position]
+        absmax = out.absmax
+        assert absmax is not None  # op_overflow keeps only outputs with a known range
+        found.append(
+            near_limit_finding(
+                op=op,
+                module=module,
+                phase=r.phase,
+                call=r.call,
+                target=target,
+                share=share,
+                absmax=absmax,
+                dtype=out.dtype,
+                numel=math.prod(out.shape),
+                location=r.location,
+                what_if=DTYPE_FORMAT.get(out.dtype) == "fp32",
             )
-        return found
+        )
+    return found
+
+
+def near_limit_finding(
+    *,
+    op: str,
+    module: str | None,
+    phase: str,
+    call: int | None,
+    target: str,
+    share: float,
+    absmax: float,
+    dtype: str,
+    numel: int,
+    location: tuple[str, int, str] | None,
+    what_if: bool,
+    ran_in: str | None = None,
+    also: str | None = None,
+    evidence: dict[str, Any] | None = None,
+) -> Finding:
+    """One op output at or above OVERFLOW_SHARE of `target`'s max: where (with the source line
+    when known), how close, and the fix. `ran_in`: the run it was measured in, when that is not
+    the user's own (compare's candidate copy); `also`: a note after the absmax (the value in
+    another run); `evidence`: more facts for its evidence."""
+    where: dict[str, Any] = {"module": module, "op": op, "phase": phase}
+    if call is not None:
+        where["iteration"] = call + 1  # counted from 1, as users count steps
+    at = _where_text(location)
+    if location is not None:
+        where |= {"file": location[0], "line": location[1]}
+    fmt = FORMATS[target]
+    measured = f" in the {ran_in} run" if ran_in else " in fp32" if what_if else ""
+    size = f"absmax {absmax:.4g}" + (f" ({also})" if also else "")
+    message = (
+        f"{op} {_module_text(module)} ({phase}{f', call {call + 1}' if call else ''}) reaches {share:.0%} of the "
+        f"{target} max ({fmt.max:g}){measured}: {size}; {_consequence(share, target, what_if)}."
+        + (f" Source: {at}." if at else "")
+    )
+    keep = f"in {target}, keep {op} in fp32" if what_if else f"compute {op} in fp32"
+    fix = (
+        f"{keep}{f' ({at})' if at else ''}: its operands .float(), the result cast back after the ops that consume "
+        "it (e.g. the softmax); or scale its operands down before it (divide q by sqrt(d) before q·kᵀ)"
+        + ("; or use bf16, which has fp32's range" if target == "fp16" else "")
+    )
+    facts: dict[str, Any] = {
+        "kind": "overflow",
+        "target": target,
+        "share": share,
+        "absmax": absmax,
+        "dtype": dtype,
+        "what_if": what_if,
+        # the largest magnitude, not how many values come close: no count
+        "numel": numel,
+    }
+    if at:
+        facts["location"] = at
+    return catalog.make("overflow-risk", message=message, fix=fix, where=where, evidence=facts | (evidence or {}))
+
+
+def _consequence(share: float, target: str, what_if: bool) -> str:
+    """What a range at `share` of `target`'s max means: how much larger values overflow."""
+    if share > 1:
+        return f"in {target} these values would overflow to Inf"
+    if share >= 1:
+        return f"they sit at the {target} max: any larger value overflows"
+    factor = f"{1 / share:.2g}x"
+    return (
+        f"in {target}, values {factor} larger would overflow"
+        if what_if
+        else f"values {factor} larger overflow {target}"
+    )
 
 
 def _module_where(row: dict[str, Any]) -> dict[str, Any]:

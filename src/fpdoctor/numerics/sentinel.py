@@ -31,13 +31,13 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from fpdoctor import catalog
 from fpdoctor.numerics import amp, checkpoint, distributed
 from fpdoctor.numerics import sentinel_findings as findings
 from fpdoctor.numerics.control import ControlResult, run_control, wants_control
 from fpdoctor.numerics.gradcheck import (
     FlagRead,
     bad_parameters,
+    grad_norm,
     grads_of,
     kind_of,
     loss_flag,
@@ -57,8 +57,12 @@ SPIKE_MIN_HISTORY = 8
 SPIKE_SIGMAS = 6.0
 SPIKE_RATIO = 1.5
 
+# The timeline's gradient norm is one more pass over the gradients: taken on every 10th step it
+# costs a tenth of that, and a norm curve keeps its shape.
+GRAD_NORM_EVERY = 10
+
 # the numbers read back per optimizer step, in this order
-_LOSS, _GRAD, _LOCAL_LOSS, _LOSS_VALUE, _SCALE, _NEXT_SCALE = range(6)
+_LOSS, _GRAD, _LOCAL_LOSS, _LOSS_VALUE, _SCALE, _NEXT_SCALE, _GRAD_NORM = range(7)
 
 
 class _UserRaised(Exception):
@@ -100,6 +104,8 @@ class StepOutcome:
     finite: bool
     skipped: bool
     verdict: str | None = None  # "deterministic-nonfinite" / "transient-fault-suspected" / "amp-skip"
+    grad_norm: float | None = None  # of the unscaled gradients, every GRAD_NORM_EVERY-th step
+    scale: float | None = None  # GradScaler's loss scale this step used
 
 
 @dataclass
@@ -346,7 +352,13 @@ class Sentinel:
         agreed = torch.stack([local_loss, grad])
         if self._distributed:
             agreed = distributed.all_max(agreed)  # every rank skips, or none: replicas stay equal
-        flags = torch.cat([agreed, torch.stack([local_loss, loss_value, scale, next_scale])])
+        # after the scaler's step the gradients are unscaled (GradScaler unscales before it steps)
+        norm = (
+            grad_norm(grads_of(self._params), self._device)
+            if (self.steps - 1) % GRAD_NORM_EVERY == 0  # steps 1, 11, 21, ...: the first one too
+            else torch.full((), float("nan"), device=self._device)
+        )
+        flags = torch.cat([agreed, torch.stack([local_loss, loss_value, scale, next_scale, norm])])
         # on its way to the host before the optimizer's kernels are queued: the next step waits
         # (if at all) for this check to finish, not for the optimizer
         read = FlagRead(flags)
@@ -380,8 +392,10 @@ class Sentinel:
         bad_loss, bad_grad, local_loss = values[_LOSS] > 0, values[_GRAD] > 0, values[_LOCAL_LOSS] > 0
         loss_value, scale, next_scale = values[_LOSS_VALUE], values[_SCALE], values[_NEXT_SCALE]
         outcome = StepOutcome(step, loss_value, finite=not (bad_loss or bad_grad), skipped=False)
-        self.history.append(outcome)
         scaled = pending.scale is not None
+        outcome.scale = scale if scaled else None
+        outcome.grad_norm = None if math.isnan(values[_GRAD_NORM]) else values[_GRAD_NORM]
+        self.history.append(outcome)
         if scaled and bad_grad and not bad_loss:  # an overflow the scaler skipped: AMP's business
             outcome.skipped, outcome.verdict = True, "amp-skip"
             if self._amp.observe(True, next_scale):
@@ -457,17 +471,9 @@ class Sentinel:
         if self._distributed and not attributed:
             if kind is None:  # no pre-reduce view: the reduced gradients' kind (host reads, bad steps only)
                 kind = findings.step_kind({"parameters": self._bad_parameters()})
+            views = "FSDP or a communication hook of your own"
             self.findings.append(
-                catalog.make(
-                    "nonfinite-gradient",
-                    message=(
-                        f"Step {step}: the gradients after the reduction across ranks were not finite; which rank "
-                        "produced them is unknown (no pre-reduce view: FSDP or a communication hook of your own). "
-                        "Every rank replays its step; the step was skipped on every rank."
-                    ),
-                    where={"module": None, "op": None, "phase": "backward", "step": step, **self._here},
-                    evidence={"kind": kind or "nan", "numel": len(self._params), "step": step},
-                )
+                findings.unattributed_finding(step, kind, len(self._params), views=views, here=self._here)
             )
             return True, kind
         if not self._distributed:
@@ -662,21 +668,6 @@ class Sentinel:
             text = f"{self.checkpoint_path} (step {self.checkpoint_step})" if written else "none written"
             summary.append(("last-good checkpoint", text))
             data["checkpoint_step"] = self.checkpoint_step
-        data["timeline"] = self._timeline()
+        data["timeline"] = findings.timeline(self.history, self.findings, TIMELINE_POINTS)
         data["summary"] = summary
         return Report(command="sentinel", findings=list(self.findings), data=data)
-
-    def _timeline(self, points: int = TIMELINE_POINTS) -> dict[str, list[Any]]:
-        """Loss per step for plots, at most `points` of them (evenly thinned) plus every step that
-        was non-finite, skipped by AMP or a spike, so that no event is thinned away."""
-        spikes = {f.evidence.get("step") for f in self.findings if f.name == "loss-spike"}
-        history = self.history
-        stride = max(1, math.ceil(len(history) / points))
-        kept = [h for i, h in enumerate(history) if i % stride == 0 or not h.finite or h.step in spikes]
-        return {
-            "step": [h.step for h in kept],
-            "loss": [h.loss for h in kept],
-            "nonfinite": [h.step for h in history if not h.finite and h.verdict != "amp-skip"],
-            "amp_skipped": [h.step for h in history if h.verdict == "amp-skip"],
-            "spikes": sorted(s for s in spikes if isinstance(s, int)),
-        }

@@ -7,6 +7,7 @@ host and device (and GPU UUID) of the rank the finding is about, which every ran
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -180,6 +181,20 @@ def verdict_findings(
     ]
 
 
+def unattributed_finding(step: int, kind: str | None, numel: int, *, views: str, here: dict[str, Any]) -> Finding:
+    """Non-finite gradients after the reduction across ranks that no rank's own view explains."""
+    return catalog.make(
+        "nonfinite-gradient",
+        message=(
+            f"Step {step}: the gradients after the reduction across ranks were not finite; which rank "
+            f"produced them is unknown (no pre-reduce view: {views}). Every rank replays its step; the step was "
+            "skipped on every rank."
+        ),
+        where={"module": None, "op": None, "phase": "backward", "step": step, **here},
+        evidence={"kind": kind or "nan", "numel": numel, "step": step},
+    )
+
+
 def collapse_finding(
     step: int, watch: ScaleWatch, steps: int, scale: float, next_scale: float, *, here: dict[str, Any]
 ) -> Finding:
@@ -296,3 +311,27 @@ def weights_finding(
         fix="Go back to the last good checkpoint and fix what made the update non-finite (see the other "
         "findings, e.g. an Adam eps that fp16 cannot hold).",
     )
+
+
+def timeline(history: list[Any], found: list[Finding], points: int) -> dict[str, list[Any]]:
+    """Loss per step for plots, at most `points` of them (evenly thinned) plus every step that
+    was non-finite, skipped by AMP or a spike, so that no event is thinned away; beside the loss,
+    the gradient norm where it was taken and GradScaler's scale where there is one."""
+    spikes = {f.evidence.get("step") for f in found if f.name == "loss-spike"}
+    stride = max(1, math.ceil(len(history) / points))
+    kept = [h for i, h in enumerate(history) if i % stride == 0 or not h.finite or h.step in spikes]
+    out: dict[str, list[Any]] = {
+        "step": [h.step for h in kept],
+        "loss": [h.loss for h in kept],
+        "nonfinite": [h.step for h in history if not h.finite and h.verdict != "amp-skip"],
+        "amp_skipped": [h.step for h in history if h.verdict == "amp-skip"],
+        "spikes": sorted(s for s in spikes if isinstance(s, int)),
+    }
+    normed = [h for h in history if getattr(h, "grad_norm", None) is not None]
+    normed = normed[:: max(1, math.ceil(len(normed) / points))]
+    if normed:
+        out["grad_norm_step"] = [h.step for h in normed]
+        out["grad_norm"] = [h.grad_norm for h in normed]
+    if any(getattr(h, "scale", None) is not None for h in kept):
+        out["scale"] = [h.scale for h in kept]
+    return out

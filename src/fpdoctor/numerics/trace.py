@@ -19,6 +19,7 @@ one host sync per `sync_every` ops, when the tensor may be gone: there the reduc
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import weakref
@@ -31,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from fpdoctor.numerics import records as _records
 from fpdoctor.numerics.bounds import output_bound
+from fpdoctor.numerics.limits import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
 from fpdoctor.numerics.modules import ModuleTracker
 from fpdoctor.numerics.ops import FUNCTIONAL, GENERAL, IN_PLACE, VIEW, OpInfo, tensor_args
 from fpdoctor.numerics.records import Leaf, Output, Record, Store, kind_of
@@ -56,6 +58,22 @@ __all__ = ["Leaf", "NonFiniteError", "Output", "Record", "Tracer", "kind_of", "u
 SYNC_EVERY = 256  # deferred mode: pending results read per host sync, unless the tracer says otherwise
 COMPACT_EVERY = 4096  # records made between two passes that forget what nothing refers to
 _PIN_LIMIT = 100_000  # records kept for being non-finite or made from non-finite values
+# From this magnitude a forward output is near its format's max (fp32: near fp16's, the what-if):
+# its source line is taken at once, as for a non-finite value (immediate mode has no other).
+_NEAR = {
+    getattr(torch, name.removeprefix("torch.")): OVERFLOW_SHARE * FORMATS["fp16" if fmt == "fp32" else fmt].max
+    for name, fmt in DTYPE_FORMAT.items()
+}
+# Ops that can make values much larger than their inputs: products and their sums, powers,
+# exponentials, divisions. Where fp32 values come near fp16's max inside a module, one of these
+# made them; the others stay within their inputs' range (norms, softmax, activations) or at
+# most double it (add: a residual sum, which the module's output shows), so the fp16 what-ifs
+# of ops take exact ranges of these alone.
+GROWS = frozenset({
+    "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "matmul", "linear", "einsum", "convolution",
+    "_convolution", "mkldnn_convolution", "exp", "exp2", "expm1", "pow", "square", "sum", "cumsum", "prod", "mul",
+    "div", "reciprocal", "rsqrt", "var", "var_mean", "std", "linalg_vector_norm", "norm", "sinh", "cosh",
+})  # fmt: skip
 
 
 # fpdoctor's own frames are not the user's, except the casebook's models, which stand in for them.
@@ -79,6 +97,12 @@ class NonFiniteError(FloatingPointError):
     def __init__(self, message: str, finding: Any = None) -> None:
         super().__init__(message)
         self.finding = finding
+
+
+def _near_limit(output: Output, dtype: torch.dtype) -> bool:
+    """A finite output whose exact range reaches `overflow-risk`'s share of its format's max."""
+    lo, hi = output.lo, output.hi
+    return output.kind is None and lo is not None and hi is not None and max(hi, -lo) >= _NEAR.get(dtype, math.inf)
 
 
 def _is_user_file(filename: str) -> bool:
@@ -129,6 +153,10 @@ class Tracer(TorchDispatchMode):
         self.raise_on = raise_on
         self.on_nonfinite = on_nonfinite
         self.sync_every = sync_every or SYNC_EVERY
+        # Exact ranges (aminmax) of fp32 forward outputs of the ops that GROWS names in immediate
+        # mode too, for headroom's fp16 what-ifs of ops; off by default: a sum costs a third of
+        # it on a CPU.
+        self.ranges = False
         self.ops_seen = 0
         self._items = self.records._items  # the hot path reads records without the Store's checks
         self._table = self.provenance._table  # and the side table without Provenance's methods
@@ -363,16 +391,20 @@ class Tracer(TorchDispatchMode):
             output.derived = True
         elif not immediate:
             output.pending = minmax(t)
-        elif dtype is torch.float32 or dtype is torch.float64:
+        elif (dtype is torch.float32 or dtype is torch.float64) and not (
+            self.ranges and dtype is torch.float32 and phase == "forward" and info.name in GROWS
+        ):
             value = float(t.sum())  # Inside __torch_dispatch__: below autograd, no graph recorded
             if value - value:  # NaN for NaN and for +-inf: look closer
                 resolve(output, [value], t)
         else:
-            resolve(output, [float(v) for v in reduce(t)], t)
+            resolve(output, [float(v) for v in (minmax(t) if dtype is torch.float32 else reduce(t))], t)
+            if location is None and phase == "forward" and _near_limit(output, dtype):
+                record.location = user_location(sys._getframe(2))
         entry = (("op", index), None)
         table[id(t)] = (_ref(t), entry)  # Provenance.set, inlined
-        if written and t._base is not None:  # written through a view: the base holds it too
-            table[id(t._base)] = (_ref(t._base), entry)
+        if written and t._base is not None and not self._still_bad(t._base, immediate and output.kind is None):
+            table[id(t._base)] = (_ref(t._base), entry)  # written through a view: the base holds it too
         if len(table) >= self.provenance._sweep_at:
             self.provenance.sweep()
         if immediate:
@@ -535,6 +567,20 @@ class Tracer(TorchDispatchMode):
         record = self._items.get(src[1])
         return record is None or all(o.kind is None and o.pending is None for o in record.outputs)
 
+    def _still_bad(self, base: torch.Tensor, finite_write: bool) -> bool:
+        """A finite write through a view into a base that held NaN/Inf elsewhere leaves those
+        values there (autograd's CopySlices zeroes one slice of a NaN gradient): the base keeps
+        the entry that explains them, unless its values show the write covered them all (known
+        at once in immediate mode; deferred mode keeps the old entry)."""
+        if not finite_write:
+            return False
+        old = self._lookup(base)
+        if old is None or not self.kind_of(old):
+            return False
+        if self.immediate if self.immediate is not None else base.is_cpu:
+            return not bool(torch.isfinite(base).all())  # a NaN run only: the base held NaN/Inf
+        return True
+
     def _alias(self, t: torch.Tensor, src: tuple[str, int]) -> None:
         self.provenance.set(t, (src, version(t) if src[0] == "leaf" else None))
 
@@ -588,8 +634,8 @@ class Tracer(TorchDispatchMode):
                 src = self._source(sources[0], index)
                 if self._finite(src):
                     self._alias(t, src)
-                    if t._base is not None:  # written through a view: the base holds it too
-                        self._alias(t._base, src)
+                    if t._base is not None and not self._still_bad(t._base, True):
+                        self._alias(t._base, src)  # written through a view: the base holds it too
                     module, call, _ = tracker.current
                     self._by_seq.setdefault(seq, (module, call, info.op, None))
                     return
@@ -647,16 +693,20 @@ class Tracer(TorchDispatchMode):
                 output.derived = True
             elif not immediate:
                 output.pending = minmax(t)
-            elif t.dtype is torch.float32 or t.dtype is torch.float64:
+            elif (t.dtype is torch.float32 or t.dtype is torch.float64) and not (
+                self.ranges and t.dtype is torch.float32 and phase == "forward" and info.name in GROWS
+            ):
                 value = float(t.sum())  # Inside __torch_dispatch__: below autograd, no graph recorded
                 if value - value:  # NaN for NaN and for +-inf: look closer
                     resolve(output, [value], t)
             else:
-                resolve(output, [float(v) for v in reduce(t)], t)
+                resolve(output, [float(v) for v in (minmax(t) if t.dtype is torch.float32 else reduce(t))], t)
+                if record.location is None and phase == "forward" and _near_limit(output, t.dtype):
+                    record.location = user_location(sys._getframe(2))
             nonfinite = nonfinite or output.kind is not None
             record.outputs.append(output)
             provenance.set(t, entry)
-            if written and t._base is not None:
+            if written and t._base is not None and not self._still_bad(t._base, immediate and output.kind is None):
                 provenance.set(t._base, entry)
         if immediate:
             if nonfinite:
@@ -769,21 +819,22 @@ class Tracer(TorchDispatchMode):
     def _keep_representatives(self, keep: set[int]) -> None:
         """Of the finite records about to be forgotten, keep what whole-run checks read: the
         latest of each kind of op (phase, op, module, dtypes: which phases ran, which casts
-        autocast made) and, for headroom, the worst low-precision value per (module, op, dtype).
-        Both are bounded by the model's structure, not by the number of steps."""
-        from fpdoctor.numerics.limits import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
-
+        autocast made) and, for headroom, the worst forward value near its format's max per
+        (module, op, dtype), fp32 values against fp16's (the what-if). Both are bounded by the
+        model's structure, not by the number of steps."""
         for record in self.records:
             if record.index in keep or record.kind:
                 continue
             first = record.outputs[0].dtype if record.outputs else None
             source = record.inputs[0][0] if record.inputs else None
             self._exemplars[(record.phase, record.op, record.module, first, source)] = record.index
-            if record.phase == "optimizer":
+            if record.phase != "forward":
                 continue
             for out in record.outputs:
                 fmt = DTYPE_FORMAT.get(out.dtype)
                 absmax = out.absmax
+                if fmt == "fp32":
+                    fmt = "fp16"
                 if absmax is None or fmt in (None, "fp32"):
                     continue
                 share = absmax / FORMATS[fmt].max

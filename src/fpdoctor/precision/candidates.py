@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fpdoctor.precision.names import CANDIDATES, FP8_KERNELS, REFERENCES, check_name
+from fpdoctor.precision.names import CANDIDATES, FP8_KERNELS, PRECISIONS, REFERENCES, check_name
 
 __all__ = [
     "CANDIDATES",
@@ -49,20 +49,15 @@ ACCUMULATE_CHUNK = 64  # K elements per fp16-rounded partial sum
 
 def fp8_format(name: str) -> torch.dtype | None:
     """The fp8 dtype of an fp8 candidate (fp8-e4m3..., fp8-e5m2...), None for the others."""
-    if not name.startswith("fp8"):
-        return None
-    return torch.float8_e5m2 if "e5m2" in name else torch.float8_e4m3fn
+    fp8 = PRECISIONS[name].fp8
+    return None if fp8 is None else {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fp8]
 
 
 def compute_dtype(name: str) -> torch.dtype:
     """The dtype a run's inputs and parameters are in."""
-    return {
-        "fp64": torch.float64,
-        "fp32": torch.float32,
-        "fp16": torch.float16,
-        "bf16": torch.bfloat16,
-        "fp16-accumulate": torch.float16,
-    }.get(name, torch.float32)
+    dtype = getattr(torch, PRECISIONS[name].dtype)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
 
 
 def _to_fp8(
@@ -214,21 +209,15 @@ def make_run(model: nn.Module, name: str, fp8_kernel: str = "auto", device: torc
     """A copy of `model` in precision `name` (a reference or a candidate), to run on `device`
     (default: where the model is); fp8_kernel: see resolve_fp8_kernel."""
     device = model_device(model) if device is None else device
-    if name in ("fp64", "fp32", "fp16", "bf16"):
-        return _copy_as(model, compute_dtype(name))
+    precision = PRECISIONS[name]
+    run = _copy_as(model, compute_dtype(name))
     fp8 = fp8_format(name)
     if fp8 is not None:
-        rowwise = name.endswith("rowwise")
         kernel = resolve_fp8_kernel(fp8_kernel, device)
-        run = _copy_as(model, torch.float32)
-        _replace_linears(run, lambda lin: Fp8Linear(lin, fp8, rowwise, kernel))
-        return run
-    if name == "fp16-accumulate":
-        run = _copy_as(model, torch.float16)
-        if device.type != "cuda":  # on CUDA the real flag does it (run_flags)
-            _replace_linears(run, Fp16AccumulateLinear)
-        return run
-    raise ValueError(f"unknown precision {name!r}")
+        _replace_linears(run, lambda lin: Fp8Linear(lin, fp8, precision.rowwise, kernel))
+    elif precision.accumulate and device.type != "cuda":  # on CUDA the real flag does it (run_flags)
+        _replace_linears(run, Fp16AccumulateLinear)
+    return run
 
 
 @contextlib.contextmanager
@@ -249,8 +238,9 @@ def run_flags(name: str, device: torch.device) -> Iterator[dict[str, Any]]:
     before = matmul.allow_fp16_reduced_precision_reduction
     flags: dict[str, Any] = {}
     exits = contextlib.ExitStack()
-    if device.type == "cuda" and name in ("fp16", "fp16-accumulate"):
-        flags = {"allow_fp16_reduced_precision_reduction": name == "fp16-accumulate", "yours": before}
+    precision = PRECISIONS[name]
+    if device.type == "cuda" and precision.storage == "fp16":
+        flags = {"allow_fp16_reduced_precision_reduction": precision.accumulate, "yours": before}
     # Compiled code runs eagerly, module by module, where hooks see it. Only if something was
     # compiled: torch._dynamo is then imported already, and importing it costs ~70 MB otherwise.
     stance = getattr(torch.compiler, "set_stance", None) if "torch._dynamo" in sys.modules else None  # torch >= 2.6

@@ -9,7 +9,7 @@ model's dtype on the way out (or left in fp32 where their range needs it). It do
 
 from __future__ import annotations
 
-_TORCH_DTYPE = {"fp16": "torch.float16", "bf16": "torch.bfloat16", "fp16-accumulate": "torch.float16"}
+from fpdoctor.precision.names import PRECISIONS
 
 _CAST = '''
 def cast_floating(value, dtype):
@@ -47,9 +47,10 @@ def _path(name: str) -> str:
 
 def plan_code(candidate: str, keep: list[str], fp32_outputs: list[str]) -> str:
     """Pasteable code applying a keep-in-fp32 plan to `model` (fp16, bf16, fp16-accumulate)."""
-    dtype = _TORCH_DTYPE[candidate]
+    precision = PRECISIONS[candidate]
+    dtype = f"torch.{precision.dtype}"
     lines = ["import torch", ""]
-    if candidate == "fp16-accumulate":
+    if precision.accumulate:
         lines += [
             "# cuBLAS: no fp16 reductions in fp16 GEMMs; the modules kept below accumulate in fp32 with any kernel",
             "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False",

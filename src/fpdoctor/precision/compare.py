@@ -29,14 +29,17 @@ floor, so only what goes beyond the reference's own rounding is called a diverge
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from fpdoctor.precision import fp8
+from fpdoctor import progress
+from fpdoctor.precision import fp8, opranges
 from fpdoctor.precision.audit import as_given
 from fpdoctor.precision.candidates import (
     CANDIDATES,
@@ -79,6 +82,8 @@ from fpdoctor.precision.profile import (
     children,
     merge_sets,
 )
+from fpdoctor.precision.record import CompareRecord
+from fpdoctor.precision.recording import Link, Samples
 from fpdoctor.precision.scope import find_module, module_inputs
 from fpdoctor.preserve import RngState
 from fpdoctor.pytrees import tensors_in
@@ -108,6 +113,7 @@ class _Seen:
     input_error: float | None = None  # the same, where measured on the inputs' samples
     nonfinite: int = 0
     overflow: dict[str, Any] | None = None  # the op inside that overflows (ops.first_overflow)
+    candidate: torch.Tensor | None = None  # float32 sample of the candidate's output, kept for a compare record
     values: tuple[int, int, int] = (0, 0, 1)  # the output's sample: (values kept, floating values, every k-th)
     isolated_of: int | None = None  # the output's rows, when the isolated re-run computed isolated_rows of them
     isolated_failed: str | None = None  # why the isolated re-run gave no figure
@@ -118,11 +124,13 @@ def compare(
     model: nn.Module,
     inputs: Any,
     *,
-    candidate: str = "fp16",
-    reference: str = "fp32",
+    candidate: str | None = None,
+    reference: str | None = None,
     device: str | None = None,
-    fp8_kernel: str = "auto",
+    fp8_kernel: str | None = None,
     module: str | None = None,
+    save_reference: str | os.PathLike[str] | None = None,
+    against: str | os.PathLike[str] | CompareRecord | None = None,
 ) -> CompareResult:
     """Layerwise error of `candidate` against fp64, judged against the fp64 noise floor.
 
@@ -144,20 +152,42 @@ def compare(
 
     `inputs`: one input set (a tensor, a tuple of positional arguments, a dict of keyword
     arguments) or a list of them (or any iterable): each set is compared, and the result is the
-    worst set's, with every set's line in the summary (`result.input_sets`, `result.worst_set`)."""
-    candidate = check_name(candidate, CANDIDATES, "candidate")
-    reference = check_name(reference, REFERENCES, "reference")
-    fp8_kernel = check_name(fp8_kernel, FP8_KERNELS, "fp8 kernel")
+    worst set's, with every set's line in the summary (`result.input_sets`, `result.worst_set`).
+
+    Defaults: candidate fp16, reference fp32, fp8_kernel auto.
+
+    Across machines (precision/record.py): `save_reference=PATH` writes a compare record of this
+    run (per module call the fp64 and the candidate's samples and the row's numbers, the inputs'
+    digests, per module a digest of its weights, the machine's facts; the candidate defaults to
+    fp32 then); on another machine `against=PATH` (or a CompareRecord) runs the same compare -
+    candidate, reference, fp8_kernel and module from the record, a different one given is a
+    ValueError - and names the first module where this run departs from the record's, or where
+    the inputs, weights or computation differ."""
+    link = Link.open(save_reference, against) if save_reference is not None or against is not None else None
+    if link is not None:
+        settings = link.settings(candidate=candidate, reference=reference, fp8_kernel=fp8_kernel, device=device,
+                                 module=module)  # fmt: skip
+        candidate, reference, fp8_kernel = settings.candidate, settings.reference, settings.fp8_kernel
+        device, module = settings.device, settings.module
+    candidate = check_name(candidate or "fp16", CANDIDATES, "candidate")
+    reference = check_name(reference or "fp32", REFERENCES, "reference")
+    fp8_kernel = check_name(fp8_kernel or "auto", FP8_KERNELS, "fp8 kernel")
     if device is not None:
         check_device(device)
     sets = input_sets(inputs)
     given = as_given(uncompiled(model), sets[0])
+    samples: list[Samples] = [[] for _ in sets]
     results = [
         compare_set(model, one, candidate=candidate, reference=reference, device=device, fp8_kernel=fp8_kernel,
-                    module=module)
-        for one in sets
+                    module=module, samples=samples[k] if link is not None else None)
+        for k, one in enumerate(sets)
     ]  # fmt: skip
-    return merge_sets(results, [describe(one) for one in sets], given)
+    described = [describe(one) for one in sets]
+    result = merge_sets(results, described, given)
+    if link is not None:
+        link.finish(result, model=uncompiled(model), settings=settings, described=described, results=results,
+                    samples=samples)  # fmt: skip
+    return result
 
 
 def compare_set(
@@ -169,8 +199,10 @@ def compare_set(
     device: str | None = None,
     fp8_kernel: str = "auto",
     module: str | None = None,
+    samples: Samples | None = None,
 ) -> CompareResult:
-    """compare() on one input set, the names already checked."""
+    """compare() on one input set, the names already checked. `samples`, when given, gets each
+    judged module call's row with its fp64 and candidate samples, for a compare record."""
     cand_device = check_device(device) if device is not None else None
     compiled, model = model is not uncompiled(model), uncompiled(model)
     if module is not None:
@@ -200,6 +232,7 @@ def compare_set(
                 fp8_kernel=fp8_kernel,
                 rng=rng,
                 prefix=module,
+                samples=samples,
             )
     finally:
         rng.restore()
@@ -236,17 +269,31 @@ def _compare(
     fp8_kernel: str,
     rng: RngState,
     prefix: str | None,
+    samples: Samples | None = None,
 ) -> CompareResult:
     """The steps of one comparison, in order (see the module's docstring)."""
     run = _Comparison(
         model, inputs, candidate=candidate, reference=reference, cand_device=cand_device, on=on,
-        fp8_kernel=fp8_kernel, rng=rng,
+        fp8_kernel=fp8_kernel, rng=rng, keep_candidate=samples is not None,
     )  # fmt: skip
-    run.truth_pass()
-    run.candidate_pass()
-    rows = run.judge_containers(_rows(run.seen, run.own_dtype))
-    input_floor = run.input_floor(rows) if not prefix else None
-    return run.result(rows, input_floor, prefix)
+    with progress.task(f"compare {candidate}", total=4, unit="steps") as step:
+        step.describe(f"compare {candidate}: the fp64 pass, each module re-run in {candidate}")
+        run.truth_pass()
+        step.advance()
+        step.describe(f"compare {candidate}: the {candidate} pass")
+        run.candidate_pass()
+        step.advance()
+        step.describe(f"compare {candidate}: containers")
+        rows = run.judge_containers(_rows(run.seen, run.own_dtype))
+        step.advance()
+        step.describe(f"compare {candidate}: the input rounding floor")
+        input_floor = run.input_floor(rows) if not prefix else None
+        step.advance()
+    kept = [(r, run.seen[(r.module, r.call)]) for r in rows] if samples is not None else []
+    result = run.result(rows, input_floor, prefix)
+    if samples is not None:  # after result(): the rows carry their names in the whole model now
+        samples.extend((r, e.truth, e.candidate) for r, e in kept)
+    return result
 
 
 class _Comparison:
@@ -265,8 +312,10 @@ class _Comparison:
         on: torch.device,
         fp8_kernel: str,
         rng: RngState,
+        keep_candidate: bool = False,
     ) -> None:
         self.model, self.inputs, self.rng = model, inputs, rng
+        self.keep_candidate = keep_candidate
         self.candidate, self.reference, self.cand_device = candidate, reference, cand_device
         self.truth_run = make_run(model, "fp64").eval()
         self.cand_run = make_run(model, candidate, fp8_kernel, on).eval()
@@ -290,6 +339,9 @@ class _Comparison:
         self.noise: ReplayNoise | None = None  # set when the forward draws random numbers itself
         self._pending: dict[tuple[str, int], tuple[Any, Any, tuple[RngState, int] | None]] = {}
         self._cand_inputs: dict[tuple[str, int], Any] = {}
+        # op outputs near the candidate's max inside modules (fp16: the one format whose max models reach)
+        self.ranges = self.cand_dtype in opranges.AT_RISK
+        self.truth_ranges, self.cand_ranges = opranges.OpRanges(), opranges.OpRanges(opranges.AT_RISK)
 
     # -- where the random numbers stand ------------------------------------------------------
     def mark(self) -> tuple[RngState, int]:
@@ -330,11 +382,15 @@ class _Comparison:
             with self.own.paused():  # what the hook computes is no op of the model's
                 self._truth_post(name, index, args, output)
 
+        pre: Any = self._truth_pre
+        ranges = self.truth_ranges if self.ranges else contextlib.nullcontext()
+        if self.ranges:  # the reference (fp64) value of each op output, above the own-ops mode
+            self.truth_ranges.clear()
+            pre, post = self.truth_ranges.pre(pre), self.truth_ranges.post(post)
         try:
-            with self.own:
+            with self.own, ranges:
                 hooked(
-                    self.truth_run, self.inputs, torch.float64, pre=self._truth_pre, post=post, rng=self.rng,
-                    noise=self.noise,
+                    self.truth_run, self.inputs, torch.float64, pre=pre, post=post, rng=self.rng, noise=self.noise
                 )  # fmt: skip
         except ReferenceFailed:
             raise
@@ -421,11 +477,17 @@ class _Comparison:
 
     # -- step 2: the candidate pass, reduced to error numbers as it goes ------------------------
     def candidate_pass(self) -> None:
+        pre: Any = self._cand_pre
+        post: Any = self._cand_post
+        ranges = self.cand_ranges if self.ranges else contextlib.nullcontext()
+        if self.ranges:
+            pre, post = self.cand_ranges.pre(pre), self.cand_ranges.post(post)
         try:
-            hooked(
-                self.cand_run, self.inputs, self.cand_dtype, pre=self._cand_pre, post=self._cand_post,
-                rng=self.rng, device=self.cand_device, noise=self.noise,
-            )  # fmt: skip
+            with ranges:
+                hooked(
+                    self.cand_run, self.inputs, self.cand_dtype, pre=pre, post=post, rng=self.rng,
+                    device=self.cand_device, noise=self.noise,
+                )  # fmt: skip
         except Exception as exc:  # the candidate failing is a finding, not a usage error
             self.notes["candidate run"] = f"the {self.label} run raised {type(exc).__name__}: {exc}"
 
@@ -440,6 +502,8 @@ class _Comparison:
         if entry is None or c is None or c.numel() != entry.truth.numel():
             return
         finite = all_finite(output)
+        if self.keep_candidate:  # float32 holds every candidate format's values exactly
+            entry.candidate = c.to(torch.float32)
         entry.propagated = rel_error(c, entry.truth, entry.norm) if finite else math.inf
         entry.cosine = cosine(c, entry.truth, entry.norm) if finite else None
         if not finite:
@@ -537,6 +601,16 @@ class _Comparison:
             peak=sum(e.truth.nbytes + (0 if e.inputs is None else e.inputs.nbytes) for e in self.seen.values()),
         )
         result.overflows = {name: found for (name, _), found in overflows.items()}
+        if self.ranges:  # op outputs near the max that did not overflow (those are named above)
+            near = opranges.near_limit(
+                self.cand_ranges.read(),
+                self.truth_ranges.read(),
+                exclude={(_unprefixed(n, prefix), f["op"]) for n, f in result.overflows.items()},
+                prefix=prefix,
+            )
+            result.report.findings.extend(opranges.findings(near, label=self.label))
+            if near:
+                result.report.data["near_limit_ops"] = near
         summary = result.report.data["summary"]
         if misfit:
             result.report.data["misfits"] = misfit
@@ -566,6 +640,36 @@ def _jumped(row: ModuleRow, entry: _Seen) -> bool:
     if math.isinf(row.propagated):
         return not math.isinf(entry.candidate_inputs)
     return row.propagated > DIVERGENCE_RATIO * max(entry.candidate_inputs, row.floor)
+
+
+def _unprefixed(name: str, prefix: str | None) -> str:
+    """A module's name inside the submodule compared alone (`prefix`), as its passes saw it."""
+    if not prefix:
+        return name
+    return "" if name == prefix else name.removeprefix(f"{prefix}.")
+
+
+def _unconfirmed(row: ModuleRow, entry: _Seen) -> str | None:
+    """Why the worst own op's divergence, measured on that op alone, is not the container's as
+    the candidate runs its code; None when the candidate's run confirms it."""
+    whole = entry.isolated  # the container re-run whole, as its code is written (overflow suspects)
+    op = (row.own or {}).get("op") or "its worst own op"
+    if whole is not None and math.isfinite(whole) and whole <= DIVERGENCE_RATIO * row.floor:
+        return (
+            f"{op} run alone in the candidate's dtype leaves the floor, but the module run whole as its code "
+            f"is written stays within it ({whole:.3g} against a floor of {row.floor:.3g}): what the op loses "
+            "alone does not reach the module's output (its code may compute it in another dtype, or a later op "
+            "absorb it, as a softmax does a -inf score)"
+        )
+    if not _jumped(row, entry):
+        came = "NaN/Inf" if math.isinf(entry.candidate_inputs) else f"{entry.candidate_inputs:.3g}"
+        return (
+            f"{op} run alone in the candidate's dtype leaves the floor, but in the candidate's own run this "
+            f"module adds nothing beyond what came in (output error {row.propagated:.3g}, inputs' {came}): what "
+            "the op loses alone does not reach the module's output (its code may compute it in another dtype, "
+            "or a later op absorb it)"
+        )
+    return None
 
 
 def _rows(seen: dict[tuple[str, int], _Seen], own_dtype: str) -> list[ModuleRow]:
@@ -605,6 +709,8 @@ def _rows(seen: dict[tuple[str, int], _Seen], own_dtype: str) -> list[ModuleRow]
             row.reference = None if worst is None else worst.reference
             row.isolated_cosine = None if worst is None else worst.cosine
             row.isolated_rows, row.isolated_of = worst.rows if worst is not None and worst.rows else (None, None)
+            if row.exceeds:
+                row.unconfirmed = _unconfirmed(row, e)
         rows.append(row)
     annotate(rows)
     return rows

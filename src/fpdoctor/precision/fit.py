@@ -14,17 +14,16 @@ import torch
 from torch import nn
 
 from fpdoctor.numerics.limits import FORMATS, Format
+from fpdoctor.precision.names import PRECISIONS
 
 # 1% of a tensor's non-zero values flushed to zero is a visible change of what it computes (a
 # N(0, 0.02) weight has ~1e-6 of its values below fp16's flush threshold by chance).
 FLUSH_SHARE = 0.01
 
-_CANDIDATE_FORMAT = {"fp16": "fp16", "fp16-accumulate": "fp16", "bf16": "bf16"}
-
 
 def candidate_format(candidate: str) -> Format | None:
     """The storage format of a candidate's parameters (fp8 recipes scale theirs, fp32 holds all)."""
-    name = _CANDIDATE_FORMAT.get(candidate)
+    name = PRECISIONS[candidate].storage
     return FORMATS[name] if name is not None else None
 
 

@@ -9,20 +9,43 @@ gets a "did you mean".
 from __future__ import annotations
 
 import difflib
+from dataclasses import dataclass
 
-# fp32 as a candidate is for device A vs device B (compare --device), or to measure fp32 against fp64.
-CANDIDATES = (
-    "fp16",
-    "bf16",
-    "fp32",
-    "fp8-e4m3",
-    "fp8-e4m3-rowwise",
-    "fp8-e5m2",
-    "fp8-e5m2-rowwise",
-    "fp16-accumulate",
-)
+
+@dataclass(frozen=True)
+class Precision:
+    """Everything the precision lab knows about one precision, in one declared entry: adding a
+    candidate is adding a row here (and, for a new kind of arithmetic, its layer in candidates.py)."""
+
+    name: str
+    dtype: str  # torch dtype (attribute of `torch`) the run's inputs and parameters are in
+    storage: str | None = None  # numerics.limits format parameters are stored in; None: fp32/fp64, or scaled fp8
+    fp8: str | None = None  # fp8 format of every Linear's input and weight ("e4m3", "e5m2")
+    rowwise: bool = False  # fp8 scaling per row instead of per tensor
+    accumulate: bool = False  # GEMM partial sums rounded to fp16 (cuBLAS's reduced-precision reduction)
+    candidate: bool = True  # compare can judge it (fp64 is the truth, never a candidate)
+    plan: bool = True  # plan can keep modules in fp32 below it (so not fp32 or fp64)
+    applies: bool = False  # a plan for it is a dtype the user switches to (not an fp8 recipe)
+
+
+PRECISIONS: dict[str, Precision] = {
+    p.name: p
+    for p in (
+        Precision("fp16", "float16", storage="fp16", applies=True),
+        Precision("bf16", "bfloat16", storage="bf16", applies=True),
+        # fp32 as a candidate is for device A vs device B (compare --device), or fp32 against fp64
+        Precision("fp32", "float32", plan=False),
+        Precision("fp8-e4m3", "float32", fp8="e4m3"),
+        Precision("fp8-e4m3-rowwise", "float32", fp8="e4m3", rowwise=True),
+        Precision("fp8-e5m2", "float32", fp8="e5m2"),
+        Precision("fp8-e5m2-rowwise", "float32", fp8="e5m2", rowwise=True),
+        Precision("fp16-accumulate", "float16", storage="fp16", accumulate=True, applies=True),
+        Precision("fp64", "float64", candidate=False, plan=False),
+    )
+}
+CANDIDATES = tuple(name for name, p in PRECISIONS.items() if p.candidate)
 # plan keeps modules in fp32, so it needs a candidate below fp32.
-PLAN_CANDIDATES = tuple(c for c in CANDIDATES if c != "fp32")
+PLAN_CANDIDATES = tuple(name for name, p in PRECISIONS.items() if p.plan)
 REFERENCES = ("fp32", "fp64")
 # how fp8 candidates multiply: the real fp8 GEMM (torch._scaled_mm), fake-quant, or the first where it is fast
 FP8_KERNELS = ("auto", "scaled_mm", "fake")

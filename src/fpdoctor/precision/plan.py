@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fpdoctor import progress
 from fpdoctor.precision.audit import as_given
 from fpdoctor.precision.boundary import cast_inputs_to, keep_in_fp32
 from fpdoctor.precision.candidates import (
@@ -44,7 +45,7 @@ from fpdoctor.precision.codegen import fp8_code, plan_code
 from fpdoctor.precision.compare import compare_set
 from fpdoctor.precision.inputs import describe, input_sets
 from fpdoctor.precision.metrics import flat_sample, rel_error
-from fpdoctor.precision.names import PLAN_CANDIDATES, REFERENCES
+from fpdoctor.precision.names import PLAN_CANDIDATES, PRECISIONS, REFERENCES
 from fpdoctor.precision.noise import ReplayNoise
 from fpdoctor.precision.oplevel import OpFix, edit, install
 from fpdoctor.precision.profile import DIVERGENCE_RATIO, CompareResult
@@ -52,7 +53,7 @@ from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Finding, Report
 
 # real dtypes (fp16-accumulate's fix is fp16 with the kept modules in fp32); fp8 belongs to the user's recipe
-_APPLICABLE = ("fp16", "bf16", "fp16-accumulate")
+_APPLICABLE = tuple(name for name, p in PRECISIONS.items() if p.applies)
 
 # Within 2x (6 dB) of what rounding the inputs alone costs is as close as this precision gets:
 # the kept modules' outputs are rounded once more on the way back, which adds about as much again.
@@ -201,9 +202,17 @@ def plan(
     sets = input_sets(inputs)
     rng = RngState.capture()  # every run starts from it, as compare's passes do; the user's is left as it was
     try:
-        return _plan(
-            model, sets, candidate=candidate, reference=reference, tolerance=tolerance, fp8_kernel=fp8_kernel, rng=rng
-        )
+        with progress.task(f"plan {candidate}: compare against fp64", unit="runs") as runs:
+            return _plan(
+                model,
+                sets,
+                candidate=candidate,
+                reference=reference,
+                tolerance=tolerance,
+                fp8_kernel=fp8_kernel,
+                rng=rng,
+                runs=runs,
+            )
     finally:
         rng.restore()
 
@@ -217,24 +226,30 @@ def _plan(
     tolerance: float | None,
     fp8_kernel: str,
     rng: RngState,
+    runs: progress.Task,
 ) -> PlanResult:
+    """compare on every input set, then the search; `runs` says which stage runs and counts the
+    forward passes of the candidate with a set kept in fp32."""
     from fpdoctor.precision.plan_report import Search, build
 
     given: tuple[list[Finding], str | None] = as_given(model, sets[0])
     device = model_device(model)
-    judged = [
-        _judge_set(
-            model,
-            one,
-            candidate=candidate,
-            reference=reference,
-            tolerance=tolerance,
-            fp8_kernel=fp8_kernel,
-            rng=rng,
-            device=device,
+    judged: list[_Set] = []
+    for k, one in enumerate(sets):
+        if len(sets) > 1:
+            runs.describe(f"plan {candidate}: compare against fp64, input set {k + 1} of {len(sets)}")
+        judged.append(
+            _judge_set(
+                model,
+                one,
+                candidate=candidate,
+                reference=reference,
+                tolerance=tolerance,
+                fp8_kernel=fp8_kernel,
+                rng=rng,
+                device=device,
+            )
         )
-        for one in sets
-    ]
     # Modules whose fp64 output does not fit the candidate's range keep fp32 outputs when kept.
     fp32_outputs = {r.module for s in judged for r in s.compared.rows if r.out_of_range and r.module}
     tried: list[tuple[list[str], float]] = []
@@ -258,6 +273,7 @@ def _plan(
                         ends=ends,
                     )
                 )
+            runs.advance()
         tried.append((list(keep) + [f"{f.module}:{f.op}" for f in ops or []], max(values)))
         return values
 
@@ -268,6 +284,7 @@ def _plan(
         """How far the worst set is above its target (<= 1 within it)."""
         return max(v / s.target if s.target > 0 else math.inf for v, s in zip(values, judged, strict=True))
 
+    runs.describe(f"plan {candidate}: the candidate as it is")
     baseline = errors([])
     ranked = _ranked(judged)
     keep: list[str] = []
@@ -278,6 +295,7 @@ def _plan(
             if module in keep or any(module.startswith(k + ".") for k in keep):
                 continue
             keep.append(module)
+            runs.describe(f"plan {candidate}: keep in fp32, worst first: {len(keep)} module(s), the last {module}")
             current = errors(keep)
             if excess(current) < best[0]:
                 best = (excess(current), list(keep), current)
@@ -286,6 +304,7 @@ def _plan(
     if ok(current) and len(keep) > 1:  # bisection: drop what is not needed, halves first
         chunk = len(keep) // 2
         while chunk >= 1:
+            runs.describe(f"plan {candidate}: drop what is not needed, {chunk} of the {len(keep)} kept at a time")
             i = 0
             while i < len(keep):
                 trial = keep[:i] + keep[i + chunk :]
@@ -295,6 +314,7 @@ def _plan(
                 else:
                     i += chunk
             chunk //= 2
+    runs.describe(f"plan {candidate}: verify {len(keep)} module(s) in fp32")
     verified_errors = errors(keep) if ok(current) else best[2]
     verified = ok(verified_errors)
     ops: list[OpFix] = []
@@ -303,6 +323,7 @@ def _plan(
         # a kept module where compare found the one op that overflows: that op alone, and what
         # consumes it up to the softmax, in fp32 instead of the whole module
         for fix in _op_fixes(judged, keep):
+            runs.describe(f"plan {candidate}: {fix.op} alone in fp32 instead of {fix.module}")
             ends: dict[str, str] = {}
             trial_keep = [k for k in keep if k != fix.module]
             values = errors(trial_keep, [*ops, fix], ends)
@@ -313,6 +334,7 @@ def _plan(
     needed: dict[str, float] = {}
     if verified and len(keep) <= NEEDED_CHECKS:
         for name in keep:  # why each kept module is there: the error without it
+            runs.describe(f"plan {candidate}: is {name} needed?")
             needed[name] = max(errors([k for k in keep if k != name], ops))
     # the set the problem shows most on (its table and findings lead the report), and the set the
     # plan comes closest to its target on (its numbers are the plan's)

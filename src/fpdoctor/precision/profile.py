@@ -65,6 +65,10 @@ class ModuleRow:
     rms: float | None = None  # of the fp64 output (its sample)
     values: tuple[int, int, int] | None = None  # the propagated sample: (values, of the output's, every k-th)
     missing: str | None = None  # why a leaf has no isolated figure
+    # Why a container's own op, above its floor when run alone in the candidate's dtype, is not
+    # called a divergence: the candidate's run of the container as its code is written does not
+    # show it (code that upcasts the op, or computes it in another form, when the model is fp16).
+    unconfirmed: str | None = None
     notes: list[tuple[str, str]] = field(default_factory=list)  # (for the table, in full), from annotate()
     reasons: list[tuple[str, str]] = field(default_factory=list)  # those of the notes that say why a figure moves
 
@@ -97,7 +101,7 @@ class ModuleRow:
 
     @property
     def diverged(self) -> bool:
-        return self.exceeds and not self.inherited
+        return self.exceeds and not self.inherited and self.unconfirmed is None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -171,6 +175,8 @@ def annotate(rows: list[ModuleRow]) -> None:
             notes.append(_own_missing(own))
         elif row.isolated is None:
             notes.append(("not measured", f"isolated: {row.missing or 'not measured'}"))
+        if row.unconfirmed is not None:
+            notes.append(("not in its run", f"isolated: {row.unconfirmed}"))
         came_in = row.input_error is not None and math.isinf(row.input_error) and math.isinf(row.propagated)
         if came_in:
             notes.insert(0, ("Inf/NaN came in", "non-finite: its inputs already hold NaN/Inf in the candidate's run"))

@@ -351,8 +351,9 @@ def _range_view(report: Mapping[str, Any], p: str) -> tuple[str, str, str] | Non
         "Value ranges against the fp16, bf16 and fp8 limits",
         svg,
         "Per module output, in model order. Left: the largest magnitude as a share of each format's largest "
-        "finite value (90% and above risks overflow). Right: the share of non-zero values below each format's "
-        "flush-to-zero threshold (1% and above is named as underflow risk); fp8 columns assume tensorwise scaling "
+        "finite value (from 50%, one doubling from overflow, it is a risk). Right: the share of non-zero values "
+        "below each format's flush-to-zero threshold (1% and above is named as underflow risk); fp8 columns "
+        "assume tensorwise scaling "
         "that maps the largest magnitude to the format's max.",
     )
 

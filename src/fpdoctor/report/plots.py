@@ -31,7 +31,7 @@ _RC = {
     "path.simplify": True,
 }
 # One colour per quantity across every view.
-BLUE, ORANGE, RED, GREY, PURPLE = "#1f77b4", "#e07b00", "#c62828", "#7f7f7f", "#6a3d9a"
+BLUE, ORANGE, RED, GREY, PURPLE, GREEN = "#1f77b4", "#e07b00", "#c62828", "#7f7f7f", "#6a3d9a", "#2e7d32"
 MAX_ROWS = 60  # a per-module view taller than this is unreadable; the table and JSON keep every row
 _LANE_BINS = 400  # an event is at least 1/400 of the axis wide (a step when fewer): visible, and bounded in size
 
@@ -111,9 +111,18 @@ def timeline(data: Mapping[str, Any], key: str = "timeline") -> str | None:
     span = max(hi - lo, 1.0)
     finite = [v if v is not None and math.isfinite(v) else math.nan for v in losses]
     shown = [v for v in finite if not math.isnan(v)]
+    norm_steps = [number(s) for s in data.get("grad_norm_step") or []]
+    norms = [number(v) for v in data.get("grad_norm") or []]
+    scales = [number(v) for v in data.get("scale") or []]
+    has_norm = bool(norms) and len(norms) == len(norm_steps) and None not in norm_steps
+    has_scale = len(scales) == len(steps) and any(v is not None for v in scales)
+    middle_panel = has_norm or has_scale
     with _rc():
-        fig = _figure(10, 4.2)
-        top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
+        fig = _figure(10, 5.6 if middle_panel else 4.2)
+        if middle_panel:
+            top, middle, bottom = fig.subplots(3, 1, sharex=True, height_ratios=[3, 2, 1])
+        else:
+            top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
         top.plot(xs, finite, color=BLUE, linewidth=1.0, label="loss")
         if shown and min(shown) > 0:
             top.set_yscale("log")
@@ -126,6 +135,8 @@ def timeline(data: Mapping[str, Any], key: str = "timeline") -> str | None:
         if marked:
             top.legend(loc="upper right", frameon=False)
         top.grid(True, alpha=0.3)
+        if middle_panel:
+            _norm_and_scale(middle, norm_steps if has_norm else [], norms, xs if has_scale else [], scales)
         width = max(span / _LANE_BINS, 1.0)
         labels = []
         for row, (label, values, color) in enumerate(reversed(lanes)):
@@ -142,6 +153,32 @@ def timeline(data: Mapping[str, Any], key: str = "timeline") -> str | None:
         bottom.tick_params(axis="y", length=0)
         bottom.grid(True, axis="x", alpha=0.3)
         return to_svg(fig, key)
+
+
+def _norm_and_scale(
+    ax: Any, norm_steps: list[float | None], norms: list[float | None], xs: list[float], scales: list[float | None]
+) -> None:
+    """The gradient norm where the sentinel took it, and GradScaler's loss scale on its own axis;
+    a non-finite norm (a skipped overflow step) is a gap."""
+    if norm_steps:
+        values = [v if v is not None and math.isfinite(v) else math.nan for v in norms]
+        ax.plot([float(s) for s in norm_steps if s is not None], values, ".-", color=GREEN, linewidth=0.8,
+                markersize=3, label="gradient norm")  # fmt: skip
+        if any(v > 0 for v in values if not math.isnan(v)):
+            ax.set_yscale("log")
+        ax.set_ylabel("gradient norm")
+    twin = ax
+    if xs:
+        twin = ax.twinx() if norm_steps else ax
+        shown = [(x, v) for x, v in zip(xs, scales, strict=True) if v is not None and math.isfinite(v) and v > 0]
+        if shown:
+            twin.step(*zip(*shown, strict=True), where="post", color=PURPLE, linewidth=1.0, label="loss scale")
+            twin.set_yscale("log", base=2)
+            twin.set_ylabel("loss scale")
+    ax.grid(True, alpha=0.3)
+    handles = ax.get_legend_handles_labels()[0] + (twin.get_legend_handles_labels()[0] if xs and twin is not ax else [])
+    if handles:
+        ax.legend(handles=handles, loc="upper right", frameon=False)
 
 
 def _pick(rows: Sequence[Mapping[str, Any]], score: list[float], keep_last: bool = False) -> list[int]:

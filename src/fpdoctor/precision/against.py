@@ -1,0 +1,200 @@
+"""Judging machine B's compare run against machine A's record: the model of the comparison.
+
+Both runs are compare records (recording.py makes B's the same way A's was made), so this is a
+pure function of two records. Per input set, per module call present in both, in the fp64
+pass's post-order (a module comes after everything inside it, and after every module whose
+output its inputs are made of):
+
+  inputs       the input sets' digests (dtype, shape, every value) and the digests of the random
+               draws the forward made itself must match, else that set is not judged at all;
+  weights      per module, the digest of its own parameters and buffers;
+  computation  B's fp64 sample against A's. fp64 on two machines differs by summation order only:
+               about sqrt(K) x 1.1e-16 per reduction of K terms, grown by the model's condition
+               on the way to the output; 1e-12 is typical, and FP64_AGREE = 1e-9 leaves three
+               orders of magnitude for deep or ill-conditioned models while any change of code,
+               configuration or an op's definition (a GELU approximation, an epsilon, a scale)
+               lands at 1e-6 or far above. The first module call whose fp64 output differs, with
+               every one before it agreeing, is where the two computations part: explained by
+               changed weights when it, a module inside it or a module around it has them, else
+               its code or configuration changed. Nothing after it is judged further: a
+               difference there cannot be told from the changed computation;
+  departure    B's candidate sample against A's, relative to A's fp64 norm. Two machines running
+               the same candidate differ by their kernels' rounding, which stays within a few
+               noise floors (the row's floor, as compare judges a module today) plus the error
+               both runs carried in from earlier modules (the smaller of the two propagated
+               errors: the healthy side's). A departure is beyond DIVERGENCE_RATIO times that,
+               or non-finite values on one side only. The first departing module call, with
+               everything before it agreeing, is named. A leaf that departs although B's copy of
+               it, fed the fp64 inputs, stays within the floor of A's got the departure with its
+               inputs: from its parent's own ops (outside any submodule), which is what is named.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from fpdoctor.precision import machine
+from fpdoctor.precision.metrics import rel_error
+from fpdoctor.precision.profile import DIVERGENCE_RATIO
+from fpdoctor.precision.record import CallRecord, CompareRecord
+
+FP64_AGREE = 1e-9
+
+
+@dataclass
+class Row:
+    """One module call judged on both machines."""
+
+    module: str
+    call: int
+    leaf: bool
+    a: CallRecord
+    b: CallRecord
+    truth_rel: float  # B's fp64 output against A's; inf when their sizes differ
+    departure: float | None  # B's candidate output against A's, relative to A's fp64 norm; None: both non-finite
+    limit: float  # what two machines' candidate outputs may differ by here
+
+    @property
+    def same_computation(self) -> bool:
+        return self.truth_rel <= FP64_AGREE
+
+    @property
+    def departs(self) -> bool:
+        return self.departure is not None and (math.isinf(self.departure) or self.departure > self.limit)
+
+    @property
+    def ratio(self) -> float | None:
+        if self.departure is None:
+            return None
+        return math.inf if math.isinf(self.departure) else self.departure / self.limit
+
+    @property
+    def alone_agrees(self) -> bool:
+        """B's module fed the fp64 inputs stays within what A's did: its own ops do not depart."""
+        a, b = self.a.isolated, self.b.isolated
+        if a is None or b is None or math.isinf(b):
+            return False
+        return b <= DIVERGENCE_RATIO * max(self.a.floor, self.b.floor, a)
+
+
+@dataclass
+class SetJudgement:
+    index: int
+    a_inputs: dict[str, Any] | None
+    b_inputs: dict[str, Any] | None
+    inputs_match: bool = True
+    noise_match: bool = True
+    rows: list[Row] = field(default_factory=list)
+    only_a: list[tuple[str, int]] = field(default_factory=list)  # module calls B did not make
+    only_b: list[tuple[str, int]] = field(default_factory=list)
+    parted: Row | None = None  # the first module call whose fp64 outputs differ
+    parted_by_weights: list[str] = field(default_factory=list)  # the modules with changed weights that explain it
+    departure: Row | None = None  # the first departing module call before `parted`
+    blamed: str | None = None  # the module named for it (its parent when it came with its inputs)
+
+    @property
+    def judged(self) -> bool:
+        return self.inputs_match and self.noise_match and self.a_inputs is not None and self.b_inputs is not None
+
+    def departing(self) -> list[Row]:
+        """Every departing row up to where the computations part."""
+        end = self.rows.index(self.parted) if self.parted is not None else len(self.rows)
+        return [r for r in self.rows[:end] if r.departs]
+
+
+@dataclass
+class Judgement:
+    a: CompareRecord
+    b: CompareRecord
+    sets: list[SetJudgement]
+    weights_differ: list[str]
+    weights_only_a: list[str]
+    weights_only_b: list[str]
+    facts_differ: list[str]
+
+
+def judge(a: CompareRecord, b: CompareRecord) -> Judgement:
+    """B's run (`b`) against A's record (`a`); see the module docstring for each test."""
+    weights_differ = [m for m in a.weights if m in b.weights and a.weights[m] != b.weights[m]]
+    sets = []
+    for k in range(max(len(a.sets), len(b.sets))):
+        sa = a.sets[k] if k < len(a.sets) else None
+        sb = b.sets[k] if k < len(b.sets) else None
+        one = SetJudgement(k, None if sa is None else sa.inputs, None if sb is None else sb.inputs)
+        sets.append(one)
+        if sa is None or sb is None:
+            continue
+        one.inputs_match = sa.inputs["digest"] == sb.inputs["digest"]
+        one.noise_match = sa.noise == sb.noise
+        if one.judged:
+            _judge_set(one, sa.calls, sb.calls, weights_differ)
+    return Judgement(
+        a,
+        b,
+        sets,
+        weights_differ,
+        sorted(a.weights.keys() - b.weights.keys()),
+        sorted(b.weights.keys() - a.weights.keys()),
+        machine.differing(a.machine, b.machine),
+    )
+
+
+def _judge_set(one: SetJudgement, a_calls: tuple[CallRecord, ...], b_calls: tuple[CallRecord, ...],
+               weights_differ: list[str]) -> None:  # fmt: skip
+    by_key = {(c.module, c.call): c for c in a_calls}
+    b_keys = {(c.module, c.call) for c in b_calls}
+    one.only_a = [(c.module, c.call) for c in a_calls if (c.module, c.call) not in b_keys]
+    for cb in b_calls:  # B's post-order
+        ca = by_key.get((cb.module, cb.call))
+        if ca is None:
+            one.only_b.append((cb.module, cb.call))
+            continue
+        row = _row(ca, cb)
+        one.rows.append(row)
+        if one.parted is None and not row.same_computation:
+            one.parted = row
+            one.parted_by_weights = [w for w in weights_differ if _related(w, row.module)]
+        if one.parted is None and one.departure is None and row.departs:
+            one.departure = row
+    if one.departure is not None:
+        one.blamed = _blame(one.departure, one.rows)
+
+
+def _row(a: CallRecord, b: CallRecord) -> Row:
+    same_size = a.truth.numel() == b.truth.numel()
+    truth_rel = rel_error(b.truth, a.truth, a.norm) if same_size else math.inf
+    a_bad, b_bad = a.nonfinite > 0, b.nonfinite > 0
+    departure: float | None
+    if a_bad and b_bad:
+        departure = None  # both runs failed here: no departure of one from the other
+    elif a_bad or b_bad or not same_size:
+        departure = math.inf
+    else:
+        departure = rel_error(b.candidate.double(), a.candidate.double(), a.norm)
+    carried = min(a.propagated, b.propagated)
+    limit = DIVERGENCE_RATIO * max(a.floor, b.floor, carried if math.isfinite(carried) else 0.0, 1e-300)
+    return Row(a.module, a.call, a.leaf, a, b, truth_rel, departure, limit)
+
+
+def _related(weights_at: str, module: str) -> bool:
+    """Changed weights at `weights_at` explain a different output of `module`: they are its own,
+    a module's inside it, or a container's around it (whose own parameters may feed it)."""
+    inside = weights_at == module or weights_at.startswith(f"{module}.") or not module
+    around = not weights_at or module.startswith(f"{weights_at}.")
+    return inside or around
+
+
+def _blame(row: Row, rows: list[Row]) -> str:
+    """The module named for a departure: the row's, or for a leaf that departs only through its
+    inputs, the nearest container above it that both runs judged (its own ops made them)."""
+    if not row.leaf or not row.alone_agrees:
+        return row.module
+    names = {r.module for r in rows}
+    parts = row.module.split(".")
+    for k in range(len(parts) - 1, -1, -1):
+        parent = ".".join(parts[:k])
+        if parent in names:
+            return parent
+    return row.module
