@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from fpdoctor import files
 from fpdoctor.cli.errors import ExitCode, UsageError
 from fpdoctor.report.render import FORMATS, render
 
@@ -58,30 +58,9 @@ def write_atomic(path: str, text: str) -> None:
     target = Path(path)
     if target.is_dir():
         raise UsageError(f"{path} is a directory; give a file name for -o/--save-facts")
-    if target.exists() and not target.is_file():
-        # /dev/null, /dev/stdout, a named pipe: write through; renaming over them would replace them.
-        with target.open("w", encoding="utf-8") as fh:
-            fh.write(text)
-        return
     if not target.parent.exists():
         raise UsageError(f"{target.parent} does not exist; create it or choose another output path")
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        # mkstemp makes the file 0600; a report is the user's file like any other: an existing
-        # file keeps its mode, a new one gets what the user's umask gives (0644 under umask 022).
-        os.fchmod(fd, target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask())
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)  # the only portable way to read it is to set it; put it back at once
-    os.umask(mask)
-    return mask
+    files.write_atomic(target, text.encode("utf-8"))
 
 
 def emit(report_dict: dict[str, Any], args: argparse.Namespace, *, stream: Any = None) -> None:

@@ -29,7 +29,6 @@ import math
 import os
 import re
 import sys
-import tempfile
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from typing import Any
 
 import torch
 
+from fpdoctor import files
 from fpdoctor._version import __version__
 from fpdoctor.precision.metrics import SAMPLE, l2_norm
 from fpdoctor.precision.names import CANDIDATES, FP8_KERNELS, REFERENCES
@@ -194,32 +194,12 @@ def _call_doc(c: CallRecord) -> dict[str, Any]:
 
 
 def write_bytes_atomic(target: Path, data: bytes) -> None:
-    """Via a temporary file in the same directory and a rename (as cli.output.write_atomic does for text)."""
+    """Via a temporary file in the same directory and a rename (fpdoctor.files)."""
     if target.is_dir():
         raise ValueError(f"{target} is a directory; give a file name for the record")
-    if target.exists() and not target.is_file():
-        # /dev/null, a named pipe: write through; renaming over them would replace them
-        with target.open("wb") as fh:
-            fh.write(data)
-        return
     if not target.parent.exists():
         raise ValueError(f"{target.parent} does not exist; create it or choose another path for the record")
-    mode = target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask()
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)  # the only portable way to read it is to set it; put it back at once
-    os.umask(mask)
-    return mask
+    files.write_atomic(target, data)
 
 
 # -- reading: bytes -> JSON document -> record, every field checked ----------------------------
