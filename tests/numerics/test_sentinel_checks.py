@@ -167,8 +167,7 @@ def test_deferred_device_skip_replays_the_bad_step_on_its_own_batch_and_weights(
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
-    guard = fpdoctor.Sentinel(model, opt)
-    guard._device_skip = True
+    guard = fpdoctor.Sentinel(model, opt, device_skip=True)
     step = _plain_step(model, opt)
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)) for _ in range(4)]

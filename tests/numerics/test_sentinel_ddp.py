@@ -224,7 +224,7 @@ def _leak_worker(rank: int, world: int, port: int, out: str) -> None:
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0001)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
         guard = fpdoctor.Sentinel(ddp, opt)
-        watch = guard._watch
+        watch = guard._judge.bucket_watch
         x, y = _batches(rank, 1)[0]
         for _ in range(20):  # the model trains on without the sentinel's step
             opt.zero_grad()

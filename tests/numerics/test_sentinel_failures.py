@@ -124,7 +124,7 @@ def test_a_batch_that_holds_nan_is_called_bad_data_not_a_bug_at_an_op():
 
 
 def test_fp16_adam_eps_is_named_and_dead_weights_are_said_once(monkeypatch):
-    from fpdoctor.numerics import sentinel as sentinel_module
+    from fpdoctor.numerics import step_judge as sentinel_module
 
     replays = []
     real_replay = sentinel_module.replay

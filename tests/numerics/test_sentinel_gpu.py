@@ -21,7 +21,7 @@ def test_guarded_steps_with_a_fused_optimizer_do_not_synchronise(scaled):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     scaler = torch.amp.GradScaler("cuda") if scaled else None
     guard = fpdoctor.Sentinel(model, opt, scaler=scaler)
-    assert guard._device_skip
+    assert guard.device_skip
     x, y = torch.randn(32, 64, device="cuda"), torch.randn(32, 64, device="cuda")
 
     def step(x, y):

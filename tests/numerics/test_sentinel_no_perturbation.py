@@ -29,8 +29,9 @@ def _run(case: dict, guarded: bool):
     autocast = case.get("autocast")
     guard = None
     if guarded:
-        guard = fpdoctor.Sentinel(model, opt, scaler=scaler, accumulate=accumulate)
-        guard._device_skip = bool(case.get("deferred"))
+        guard = fpdoctor.Sentinel(
+            model, opt, scaler=scaler, accumulate=accumulate, device_skip=bool(case.get("deferred"))
+        )
 
     def step(x, y):
         if accumulate == 1:

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 from fpdoctor.integrations._watch import StepWatch
-from fpdoctor.numerics import sentinel_findings
-from fpdoctor.numerics.sentinel import TIMELINE_POINTS
 from fpdoctor.report.model import Finding, Report
 
 # a line per finding in the log is enough; the report file holds the rest
@@ -20,34 +17,7 @@ def build(watch: StepWatch | None, framework: str) -> Report:
     """The report of a training run so far: the sentinel's counts, verdicts and timeline."""
     if watch is None:
         return Report(command="sentinel", data={"framework": framework, "steps": 0})
-    history = watch.history
-    nonfinite = sum(1 for h in history if not h.finite and h.verdict != "amp-skip")
-    summary = [
-        ("framework", framework),
-        ("steps", str(watch.steps)),
-        ("non-finite steps", str(nonfinite)),
-        ("skipped optimizer steps", str(watch.skipped)),
-        ("last good step", str(watch.last_good_step)),
-    ]
-    data: dict[str, Any] = {
-        "framework": framework,
-        "steps": watch.steps,
-        "micro_batches": watch.micro_batches,
-        "nonfinite_steps": nonfinite,
-        "skipped_steps": watch.skipped,
-        "last_good_step": watch.last_good_step,
-        "verdicts": {h.step: h.verdict for h in history if h.verdict and h.verdict != "amp-skip"},
-    }
-    if watch.not_replayed:
-        data["not_replayed"] = dict(watch.not_replayed)
-    if watch.scaler is not None:
-        amp = watch.amp_watch
-        rate = amp.skipped / watch.steps if watch.steps else 0.0
-        data["amp"] = {"skipped_steps": amp.skipped, "skip_rate": rate, "scale": amp.scale, "min_scale": amp.min_scale}
-        summary.append(("AMP overflow skips", f"{amp.skipped} ({rate:.1%}), scale {amp.scale}"))
-    data["timeline"] = sentinel_findings.timeline(history, watch.findings, TIMELINE_POINTS)
-    data["summary"] = summary
-    return Report(command="sentinel", findings=list(watch.findings), data=data)
+    return watch.report(framework)
 
 
 def check_path(path: str | None) -> str | None:

@@ -2,8 +2,9 @@
 
 A framework runs forward, backward and the optimizer step itself. `StepWatch` is told what happens
 at the points its callbacks see - a micro-batch starts (its inputs, the RNG state), its loss was
-computed, the gradients are complete - and decides each optimizer step before the framework takes
-it, as `fpdoctor.Sentinel` does for a loop of the user's own:
+computed, the gradients are complete - reads the step's flags once, and hands them to the step
+judge (`fpdoctor.numerics.step_judge`), which decides each optimizer step before the framework
+takes it, as it does for `fpdoctor.Sentinel`:
 
 - one fused finite check of the gradients on the device; a few numbers read back once per
   optimizer step (that flag, each micro-batch's loss, the loss scale), the losses judged on the host;
@@ -11,44 +12,33 @@ it, as `fpdoctor.Sentinel` does for a loop of the user's own:
   torch's optimizers (foreach and fused alike) then leave untouched, state and weights. Under a
   GradScaler an overflowing step is the scaler's to skip (it found the Inf itself): counted as an
   AMP skip, not reported as a fault, never touched;
-- a bad step is replayed under `trace` from its own inputs, RNG states, weights and buffers, its
-  gradients put back afterwards, and classified with the sentinel's verdicts;
+- a bad step is replayed under `trace` from its own inputs, RNG states, weights and buffers, under
+  the framework's own autocast and loss scale, and classified with the sentinel's verdicts;
 - under DDP a communication hook notes each rank's local gradient before the all-reduce; the
   flags are agreed across ranks, so every rank skips the same steps and names the same rank.
-
-Findings are the sentinel's own builders (`sentinel_findings`): the same names and evidence.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from fpdoctor.numerics import amp, distributed
-from fpdoctor.numerics import sentinel_findings as findings
-from fpdoctor.numerics.control import ControlResult, run_control, wants_control
-from fpdoctor.numerics.gradcheck import FlagRead, bad_parameters, grads_of, kind_of, nonfinite_flag, tensor_kind
-from fpdoctor.numerics.replay import MicroBatch, ReplayResult, replay
-from fpdoctor.numerics.sentinel import SPIKE_MIN_HISTORY, SPIKE_RATIO, SPIKE_SIGMAS, SPIKE_WINDOW, StepOutcome
-from fpdoctor.preserve import BufferSnapshot, RngState, preserved
-from fpdoctor.report.model import Finding
+from fpdoctor.numerics.gradcheck import FlagRead, grads_of, nonfinite_flag
+from fpdoctor.numerics.replay import MicroBatch
+from fpdoctor.numerics.step_judge import StepFacts, StepJudge, StepOutcome
+from fpdoctor.preserve import RngState
+from fpdoctor.report.model import Finding, Report
 
 # the numbers read back per optimizer step, in this order, then each micro-batch's loss
 _LOSS, _GRAD, _SCALE, _DIVISOR, _LOSSES = range(5)
-
-SPREAD_NOTE = (
-    " The gradients were read after a gradient-norm computation that multiplies every gradient by the "
-    "non-finite norm, so every parameter shows NaN here: the replay names the op that produced it."
-)
 
 
 _Hook = TypeVar("_Hook", bound=Callable[..., Any])
@@ -97,8 +87,7 @@ class Check:
     loss_value: float
     scale: float  # the GradScaler's scale for this step (nan without one)
     micro: int | None = None  # the first micro-batch whose loss was bad, from 1
-    parameters: list[tuple[str, str]] = field(default_factory=list)
-    faults: list[dict[str, Any]] | None = None
+    seen: tuple[list[dict[str, Any]] | None, list[tuple[str, str]]] | None = None  # bad gradients, where
     spread: bool = False  # read after a gradient-norm computation that spread a NaN to every gradient
 
     @property
@@ -107,7 +96,7 @@ class Check:
 
 
 class StepWatch:
-    """The sentinel's state for one training run, fed by a framework's callback.
+    """What a framework's callback sees of one training run, collected for the step judge.
 
     `step_fn(*args, **kwargs)` runs one micro-batch's forward and backward as the framework does
     (autocast, loss scaling) and returns the loss: the replay calls it with each micro-batch's
@@ -128,86 +117,88 @@ class StepWatch:
         gpu_health: bool = True,
     ) -> None:
         self.model = model
-        self.replay = replay
         self.scaler = scaler if amp.enabled(scaler) else None
-        self.steps = 0
-        self.micro_batches = 0
-        self.skipped = 0
-        self.findings: list[Finding] = []
-        self.history: list[StepOutcome] = []
-        self.last_good_step: int | None = None
-        self.not_replayed: dict[int, str] = {}
         self.sum_losses = False  # a step's loss is the sum of its micro-batches' (else their mean)
         self.cannot_replay_any: str | None = None  # why no step of this run can be replayed
+        self.judge = StepJudge(
+            model,
+            hooked=ddp,
+            optimizer=optimizer,
+            replay=replay,
+            with_scaler=self.scaler is not None,
+            views="FSDP, a communication hook of your own, or a DDP wrapper the callback could not find",
+            gpu_health=gpu_health,
+        )
         self._step_fn = step_fn
         self._replay_context = replay_context
-        self._params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
-        self._device = self._params[0].device if self._params else torch.device("cpu")
-        self._losses: deque[float] = deque(maxlen=SPIKE_WINDOW)
+        self._ddp = ddp
+        self._params = self.judge.params
+        self._device = self.judge.device
         self._zero = torch.zeros((), device=self._device)
         self._one = torch.ones((), device=self._device)
         self._nan = torch.full((), float("nan"), device=self._device)
         self._loss_scale: torch.Tensor | None = None  # what the window's losses were multiplied by
         self._loss_times = 1.0  # and divided by
-        self._buffers = BufferSnapshot(model)
         self._micros: list[_Micro] = []
         self._why_not: str | None = None  # why the current window cannot be replayed
         self._checked: Check | None = None
-        self._errors: set[tuple[str, str]] = set()
-        self._amp = amp.ScaleWatch()
-        self._weights_bad = False
-        self._here: dict[str, Any] = {}
-        self._ddp = ddp
-        self._watch: distributed.BucketWatch | None = None
-        self._distributed = False
-        try:
-            self._distributed = distributed.active()
-            if ddp is not None:
-                self._watch = distributed.BucketWatch.install(ddp)
-            if self._distributed:
-                self._here = findings.place(distributed.describe(self._device))
-        except Exception as exc:
-            self._error("setting up under torch.distributed", exc)
-        # on a GPU, its health now: a fault that does not reproduce says what changed on it since (Xid, ECC)
-        self._health: Any = None
-        if gpu_health and self._device.type == "cuda":
-            try:
-                from fpdoctor.health import watch
 
-                uuid = distributed.describe(self._device).get("uuid")
-                self._health = watch.start(uuid) if uuid else None
-            except Exception as exc:
-                self._error("reading the GPU's health", exc)
-        try:
-            eps = findings.optimizer_eps_finding(optimizer, with_scaler=self.scaler is not None, here=self._here)
-            if eps is not None:
-                self.findings.append(eps)
-        except Exception as exc:
-            self._error("looking at the optimizer's settings", exc)
+    # -- what the judge counts, read through ----------------------------------------------------
+    @property
+    def steps(self) -> int:
+        return self.judge.steps
+
+    @property
+    def micro_batches(self) -> int:
+        return self.judge.micro_batches
+
+    @property
+    def skipped(self) -> int:
+        return self.judge.skipped
+
+    @property
+    def findings(self) -> list[Finding]:
+        return self.judge.findings
+
+    @property
+    def history(self) -> list[StepOutcome]:
+        return self.judge.history
+
+    @property
+    def last_good_step(self) -> int | None:
+        return self.judge.last_good_step
+
+    @property
+    def not_replayed(self) -> dict[int, str]:
+        return self.judge.not_replayed
 
     @property
     def attributes_ranks(self) -> bool:
         """True when a DDP hook sees each rank's gradients before the all-reduce."""
-        return self._watch is not None
+        return self.judge.bucket_watch is not None
 
     @property
     def amp_watch(self) -> amp.ScaleWatch:
         """The GradScaler's skips and scale, as seen by the checks."""
-        return self._amp
+        return self.judge.amp
 
     @property
     def checked(self) -> bool:
         """True when this window's flags were read already (before the optimizer hook)."""
         return self._checked is not None
 
+    def report(self, framework: str) -> Report:
+        """The run so far, in the sentinel's shape, with the framework named."""
+        return self.judge.report(
+            scaled=self.scaler is not None, lines=[("framework", framework)], data={"framework": framework}
+        )
+
     # -- what the callback reports -------------------------------------------------------------
     def start_micro(self) -> None:
         """A micro-batch starts, before its forward: its RNG state; at a window's first, its buffers."""
         try:
             if not self._micros:
-                self._buffers.capture()
-                if self._watch is not None:
-                    self._watch.begin()
+                self.judge.begin_window()
             self._micros.append(_Micro(RngState.capture()))
         except Exception as exc:
             self._error("preparing the step", exc)
@@ -263,29 +254,36 @@ class StepWatch:
         replayed and skipped (the gradients of `params`, default every trainable parameter, set
         to None) - unless a GradScaler skips it itself. `spread`: the gradients, if not read yet,
         are read after a gradient-norm computation. The check's result, None if it failed."""
-        skip = False
         checked: Check | None = None
+        judge = self.judge
         try:
             self.check(step, spread=spread)
             checked = self._checked
+            judge.steps += 1  # counted whether or not the check worked (then the step goes on unguarded)
+            judge.micro_batches += len(self._micros)
             if checked is not None:
-                skip = self._decide(checked)
+                judge.judge(self._facts(checked))
         except Exception as exc:
             self._error("deciding the step", exc, step)
         finally:
-            if checked is None:  # counted whether or not the check worked; the step goes on unguarded
-                self.steps += 1
-                self.micro_batches += len(self._micros)
+            # a bad step is not applied, whatever failed after its check; an Inf gradient under a
+            # GradScaler is the scaler's to skip (its step() finds it; ours would hide it from it)
+            skip = (
+                checked is not None
+                and not checked.finite
+                and not (self.scaler is not None and checked.bad_grad)
+            )
             self._micros, self._checked, self._why_not = [], None, None
-            if skip:  # whatever failed after the verdict, a bad step is not applied
+            if skip:
                 for p in params if params is not None else self._params:
                     p.grad = None
         return checked
 
-    # -- the decision ----------------------------------------------------------------------------
+    # -- the step's facts ------------------------------------------------------------------------
     def _read(self, step: int, spread: bool) -> Check:
         micros = self._micros
         seen = [(i, m.loss) for i, m in enumerate(micros, start=1) if m.loss is not None]
+        distributed_ = self.judge.distributed
         with torch.no_grad():
             grad = nonfinite_flag(grads_of(self._params), self._device)
             # the losses themselves come back and are judged on the host: NaN/Inf survive the trip
@@ -293,7 +291,7 @@ class StepWatch:
             scale = amp.scale_tensor(self.scaler, self._device) if self.scaler is not None else self._nan
             divisor = self._loss_scale.reshape(()).float() if self._loss_scale is not None else self._one
             head = [grad, grad, scale, divisor]
-            if self._distributed:  # every rank skips, or none: replicas stay equal
+            if distributed_:  # every rank skips, or none: replicas stay equal
                 local = torch.isfinite(raw).all().logical_not().float()
                 head[:2] = distributed.all_max(torch.stack([local, grad])).unbind()
             values = FlagRead(torch.cat([torch.stack(head), raw])).values()
@@ -303,7 +301,7 @@ class StepWatch:
         loss_value = (sum(curve) if self.sum_losses else sum(curve) / len(curve)) if curve else math.nan
         checked = Check(
             step,
-            bad_loss=values[_LOSS] > 0 if self._distributed else bool(local_bad),
+            bad_loss=values[_LOSS] > 0 if distributed_ else bool(local_bad),
             bad_grad=values[_GRAD] > 0,
             local_loss=bool(local_bad),
             loss_value=loss_value,
@@ -312,131 +310,34 @@ class StepWatch:
         )
         if not checked.finite:  # host reads from here on: bad steps only
             checked.micro = local_bad[0] if local_bad else None
-            checked.faults = self._watch.local_faults() if self._watch is not None else None
-            checked.parameters = [] if self._watch is not None else self._bad_parameters()
+            checked.seen = self.judge.gradient_view()  # while the gradients still show it
         return checked
 
-    def _decide(self, c: Check) -> bool:
-        """The sentinel's verdict for the step; True when the step must be skipped by us."""
-        window = self._micros
-        self.steps += 1
-        self.micro_batches += len(window)
-        outcome = StepOutcome(c.step, c.loss_value, finite=c.finite, skipped=False)
-        outcome.scale = c.scale if self.scaler is not None else None  # for the timeline
-        self.history.append(outcome)
-        scaler = self.scaler
-        if scaler is not None and c.bad_grad and not c.bad_loss:  # an overflow the scaler skips: AMP's business
-            outcome.skipped, outcome.verdict = True, "amp-skip"
-            next_scale = c.scale * float(scaler.get_backoff_factor())  # what its update() makes of an overflow
-            if self._amp.observe(True, next_scale):
-                self._collapse(c, window, next_scale)
-            self._spike(c.step, c.loss_value)
-            return False
-        if scaler is not None and not c.bad_grad:
-            self._amp.observe(False, c.scale)
-        elif scaler is not None:
-            self._amp.scale = c.scale
-        if c.finite:
-            self.last_good_step = c.step
-            self._spike(c.step, c.loss_value)
-            return False
-        outcome.skipped = True
-        self.skipped += 1
-        # an Inf gradient under a GradScaler: its step() finds it and skips; ours would hide it from the scaler
-        skip = not (scaler is not None and c.bad_grad)
-        try:
-            self._buffers.restore()  # the bad forward's buffer writes (BatchNorm statistics) undone
-            if self._weights_bad or self._weights_went_bad(c.step):  # said once; no replay can change it
-                return skip
-            faulty, kind = self._attribute(c, len(window))
-            if self.replay:
-                outcome.verdict = self._replay_or_say_why(c, window, kind, faulty)
-        except Exception as exc:
-            self._error("reporting the step", exc, c.step)
-        return skip
-
-    def _replay_or_say_why(self, c: Check, window: list[_Micro], kind: str | None, faulty: bool) -> str:
+    def _facts(self, c: Check) -> StepFacts:
+        window, scaler = self._micros, self.scaler
+        scaled = scaler is not None
+        overflow = scaler is not None and c.bad_grad and not c.bad_loss
         why = self.cannot_replay_any or self._why_not
         if why is None and any(m.args is None for m in window):
             why = "the inputs of a micro-batch were not seen"
-        if self._distributed:  # every rank replays, or none: a replay issues collectives
-            flag = torch.tensor([float(why is not None)], device=self._device)
-            if distributed.all_max(flag).item() and why is None:
-                why = "another rank could not replay its part of the step"
-        if why is None:
-            return self._replay(c, window, kind, faulty)
-        self.not_replayed[c.step] = why
-        self._annotate(c.step, f" Not replayed: {why}.", {"replay": f"not replayed: {why}"})
-        return "not-replayed"
-
-    def _annotate(self, step: int, text: str, evidence: dict[str, Any]) -> None:
-        """Add to this step's nonfinite-loss/-gradient findings what the callback knows besides."""
-        for i, f in enumerate(self.findings):
-            if f.name in ("nonfinite-loss", "nonfinite-gradient") and f.evidence.get("step") == step:
-                self.findings[i] = dataclasses.replace(f, message=f.message + text, evidence={**f.evidence, **evidence})
-
-    def _attribute(self, c: Check, window: int) -> tuple[bool, str | None]:
-        """Report the bad step; whether this rank holds (or may hold) the fault, and its kind."""
-        step = c.step
-        me = distributed.describe(self._device)
-        local = {
-            **me,
-            "loss_bad": c.local_loss,
-            "loss_kind": kind_of(c.loss_value) if c.local_loss and not math.isfinite(c.loss_value) else None,
-            "micro_batch": c.micro,
-            "faults": c.faults,
-            "parameters": c.parameters,
-        }
-        kind = findings.step_kind(local)
-        ranks = distributed.agree(local) if self._distributed else [local]
-        attributed = [r for r in ranks if r.get("loss_bad") or r.get("faults")]
-        for r in attributed or ([] if self._distributed else ranks):
-            finding = findings.rank_finding(
-                step, r, micro_batches=window > 1, scaled=self.scaler is not None, numel=len(self._params)
-            )
-            if c.spread and finding.name == "nonfinite-gradient" and not r.get("faults"):
-                finding = dataclasses.replace(
-                    finding, message=finding.message + SPREAD_NOTE, evidence={**finding.evidence, "spread": True}
-                )
-            self.findings.append(finding)
-        if self._distributed and not attributed:
-            if kind is None:
-                kind = findings.step_kind({"parameters": self._bad_parameters()})
-            views = "FSDP, a communication hook of your own, or a DDP wrapper the callback could not find"
-            self.findings.append(
-                findings.unattributed_finding(step, kind, len(self._params), views=views, here=self._here)
-            )
-            return True, kind
-        if not self._distributed:
-            return True, kind
-        return any(r.get("rank") == me.get("rank") for r in attributed), kind
-
-    def _replay(self, c: Check, window: list[_Micro], kind: str | None, faulty: bool) -> str:
-        """Replay the window (every rank, under torch.distributed); gradients put back after."""
-        micro_batches = [MicroBatch(m.rng, m.args or (), m.kwargs or {}) for m in window]
-        saved = [(p, p.grad) for p in self._params]
-        control: ControlResult | None = None
-        try:
-            result = replay(
-                self.model, self._params, self._step_fn, micro_batches, self._contexts(), whole=self._distributed
-            )
-            if faulty and not self._distributed and result.verdict == "deterministic-nonfinite":
-                culprit = result.culprit
-                dtype = (culprit.evidence.get("dtype") if culprit else None) or result.evidence.get("dtype")
-                if wants_control(dtype, self.model):
-                    control = run_control(self.model, self._params, self._step_fn, micro_batches, self._contexts())
-        finally:
-            for p, g in saved:
-                p.grad = g
-        mine = self._verdict_findings(c.step, result, kind, len(window), control) if faulty else []
-        if not self._distributed:
-            self.findings.extend(mine)
-            return result.verdict
-        everyone = distributed.agree({"verdict": result.verdict if faulty else None, "findings": mine})
-        for entry in everyone:
-            self.findings.extend(entry.get("findings") or [])
-        verdicts = [e.get("verdict") for e in everyone if e.get("verdict") is not None]
-        return result.verdict if faulty else str(verdicts[0]) if verdicts else "not-replayed"
+        return StepFacts(
+            c.step,
+            bad_loss=c.bad_loss,
+            bad_grad=c.bad_grad,
+            local_loss=c.local_loss,
+            loss_value=c.loss_value,
+            window=[MicroBatch(m.rng, m.args or (), m.kwargs or {}) for m in window],
+            step_fn=self._step_fn,
+            contexts=self._contexts,
+            scale=c.scale if scaled else None,
+            # what the scaler's update() makes of an overflow; judged before it runs
+            next_scale=c.scale * float(scaler.get_backoff_factor()) if overflow and scaler is not None else None,
+            micro=c.micro,
+            micro_batches=len(window),
+            why_not=why,
+            spread=c.spread,
+            seen=c.seen,
+        )
 
     def _contexts(self) -> list[contextlib.AbstractContextManager[Any]]:
         contexts: list[contextlib.AbstractContextManager[Any]] = [
@@ -446,90 +347,9 @@ class StepWatch:
             contexts.append(self._replay_context())
         return contexts
 
-    def _verdict_findings(
-        self, step: int, result: ReplayResult, kind: str | None, window: int, control: ControlResult | None = None
-    ) -> list[Finding]:
-        if result.verdict == "replay-failed":
-            self._error("replaying the step", RuntimeError(result.error or "unknown"), step=step)
-            return []
-        me = distributed.describe(self._device)
-        health = None
-        if result.verdict == "transient-fault-suspected" and self._health is not None:
-            from fpdoctor.health import watch
-
-            health = watch.since(self._health)
-        return findings.verdict_findings(
-            step, result, me, micro_batches=window > 1, kind=kind, control=control, health=health
-        )
-
-    def _collapse(self, c: Check, window: list[_Micro], next_scale: float) -> None:
-        self.findings.append(
-            findings.collapse_finding(c.step, self._amp, self.steps, c.scale, next_scale, here=self._here)
-        )
-        replayable = (
-            self.cannot_replay_any is None and self._why_not is None and all(m.args is not None for m in window)
-        )
-        if not (self.replay and replayable and not self._distributed):
-            return
-        micro_batches = [MicroBatch(m.rng, m.args or (), m.kwargs or {}) for m in window]
-        saved = [(p, p.grad) for p in self._params]
-        try:  # name the op that overflows, once per collapse, from the step's own buffers
-            with preserved(self.model):
-                self._buffers.restore()
-                result = replay(self.model, self._params, self._step_fn, micro_batches, self._contexts())
-        finally:
-            for p, g in saved:
-                p.grad = g
-        self.findings.extend(self._verdict_findings(c.step, result, "+inf", len(window)))
-
-    def _weights_went_bad(self, step: int) -> bool:
-        """Are the parameters themselves non-finite (an earlier update put NaN/Inf in them)? Then
-        one finding names the last applied step, and no step is replayed after."""
-        bad = [
-            (name, kind, p)
-            for name, p in self.model.named_parameters()
-            if (kind := tensor_kind(p.detach())) is not None
-        ]
-        anywhere = bool(bad)
-        if self._distributed:
-            flag = torch.tensor([float(anywhere)], device=self._device)
-            anywhere = bool(distributed.all_max(flag).item())
-        if not anywhere:
-            return False
-        self._weights_bad = True
-        if bad:
-            self.findings.append(
-                findings.weights_finding(step, self.last_good_step, bad, len(self._params), here=self._here)
-            )
-        return True
-
-    def _bad_parameters(self) -> list[tuple[str, str]]:
-        return bad_parameters(self.model)
-
-    def _spike(self, step: int, loss_value: float) -> None:
-        if not math.isfinite(loss_value):  # a NaN in the history would switch spike detection off
-            return
-        history = self._losses
-        if len(history) >= SPIKE_MIN_HISTORY:
-            # floats, not statistics.pstdev's exact fractions: 32 values, every step, within 1e-15
-            mean = math.fsum(history) / len(history)
-            spread = math.sqrt(math.fsum((v - mean) ** 2 for v in history) / len(history))
-            if loss_value > mean + SPIKE_SIGMAS * spread and loss_value > SPIKE_RATIO * abs(mean):
-                self.findings.append(
-                    findings.spike_finding(step, loss_value, mean, spread, len(history), here=self._here)
-                )
-        history.append(loss_value)
-
     def _error(self, doing: str, exc: BaseException, step: int | None = None) -> None:
-        """A failure of our own: a finding once per distinct error, never raised."""
-        text = f"{type(exc).__name__}: {exc}"
-        if (doing, text) in self._errors:
-            return
-        self._errors.add((doing, text))
-        self.findings.append(
-            findings.error_finding(doing, text, step if step is not None else self.steps, here=self._here)
-        )
+        self.judge.error(doing, exc, step)
 
     def error(self, doing: str, exc: BaseException) -> None:
         """A failure in the callback around this watch: reported like the watch's own."""
-        self._error(doing, exc)
+        self.judge.error(doing, exc)

@@ -1,0 +1,448 @@
+"""The decisions of a training step, made once for every front end that watches training.
+
+A front end (`Sentinel` for a loop of the user's own, the Lightning and Hugging Face callbacks'
+`StepWatch`) collects what happened in one optimizer step - the flags it read on the device, the
+loss, the loss scale, the micro-batches a replay needs - into `StepFacts`, and hands them to
+`StepJudge.judge`. The judge decides and reports, in one place:
+
+- the step's outcome (finite, skipped, an AMP overflow the GradScaler skips itself), counted;
+- the GradScaler's scale collapsing (and the op that overflows, by replaying the step);
+- which rank held a bad step (its pre-reduce gradients, agreed across ranks);
+- the step replayed as it ran (`replay`) and classified: reproduced -> a numerical bug at the op
+  the trace names, with an fp32 control where it is a low-precision step; not reproduced -> a
+  transient fault, joined with what changed in the GPU's health;
+- parameters that became non-finite (no replay can recover those), and loss spikes;
+- failures of the observer's own, as findings, never raised.
+
+What the judge leaves to the front end is how the step is taken: applying it (`apply`), dropping
+a skipped step's gradients, checkpoints, and how its facts were read. The gradient contract
+around a replay is explicit: every replay leaves each parameter's `.grad` as it found it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from fpdoctor.numerics import amp, distributed
+from fpdoctor.numerics import sentinel_findings as findings
+from fpdoctor.numerics.control import ControlResult, run_control, wants_control
+from fpdoctor.numerics.gradcheck import bad_parameters, kind_of, tensor_kind
+from fpdoctor.numerics.replay import MicroBatch, ReplayResult, replay
+from fpdoctor.preserve import BufferSnapshot, preserved
+from fpdoctor.report.model import Finding, Report
+
+SPIKE_WINDOW = 32
+TIMELINE_POINTS = 2000  # loss points a report keeps for its plot (events are always kept)
+SPIKE_MIN_HISTORY = 8
+# A loss more than SPIKE_SIGMAS standard deviations above the recent mean, and at least
+# SPIKE_RATIO times it, is a spike: both, so that a flat loss curve's tiny noise does not count.
+SPIKE_SIGMAS = 6.0
+SPIKE_RATIO = 1.5
+
+SPREAD_NOTE = (
+    " The gradients were read after a gradient-norm computation that multiplies every gradient by the "
+    "non-finite norm, so every parameter shows NaN here: the replay names the op that produced it."
+)
+
+_Contexts = Callable[[], list[contextlib.AbstractContextManager[Any]]]
+
+
+@dataclass
+class StepOutcome:
+    step: int
+    loss: float
+    finite: bool
+    skipped: bool
+    verdict: str | None = None  # "deterministic-nonfinite" / "transient-fault-suspected" / "amp-skip" / ...
+    grad_norm: float | None = None  # of the unscaled gradients, where the front end took it
+    scale: float | None = None  # GradScaler's loss scale this step used
+
+
+@dataclass
+class StepFacts:
+    """What happened in one optimizer step, as a front end saw it (host values, read once).
+
+    `bad_loss`/`bad_grad` are agreed across ranks (every rank skips, or none); `local_loss` is
+    this rank's own. `scale` is the GradScaler's scale the step used (None: no scaler judged the
+    step) and `next_scale` what its update makes of it. `skippable`: a bad step can still be kept
+    from the weights (False where the optimizer or scaler was already given it and applies a
+    finite-gradient step). `applied`: the user's code applied the step itself; it is reported,
+    never replayed (its weights are gone). `window`, `step_fn` and `contexts` are what a replay
+    runs (the local-replay context under DDP, the loss scale the step used, a framework's
+    autocast); `why_not` says why it cannot be replayed faithfully."""
+
+    step: int
+    bad_loss: bool
+    bad_grad: bool
+    local_loss: bool
+    loss_value: float
+    window: list[MicroBatch]
+    step_fn: Callable[..., Any]
+    contexts: _Contexts  # what a replay runs under, made anew for each replay (each is entered once)
+    scale: float | None = None
+    next_scale: float | None = None
+    grad_norm: float | None = None
+    micro: int | None = None  # the first micro-batch whose loss was bad, from 1
+    micro_batches: int = 1  # in this optimizer step's window
+    skippable: bool = True
+    applied: bool = False
+    why_not: str | None = None
+    spread: bool = False  # gradients read after a norm computation that spread a NaN to all of them
+    # which buckets / parameters held the bad gradients, read while they still showed it
+    # (`StepJudge.gradient_view`); None: read when the step is judged
+    seen: tuple[list[dict[str, Any]] | None, list[tuple[str, str]]] | None = None
+
+    @property
+    def finite(self) -> bool:
+        return not (self.bad_loss or self.bad_grad)
+
+    @property
+    def scaled(self) -> bool:
+        return self.scale is not None
+
+
+class StepJudge:
+    """One training run's verdicts, counts and findings, fed one `StepFacts` per optimizer step.
+
+    `model`: whose parameters, buffers and weights a step reads and a replay runs. `hooked`: the
+    module a DDP communication hook goes on to see each rank's gradients before the all-reduce
+    (the DDP wrapper; None: no pre-reduce attribution). `views`: what may hide a rank's
+    gradients, for the finding that cannot name it."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        hooked: nn.Module | None,
+        optimizer: torch.optim.Optimizer | None,
+        replay: bool,
+        with_scaler: bool,
+        views: str,
+        gpu_health: bool = True,
+    ) -> None:
+        self.model = model
+        self.replay = replay
+        self.steps = 0  # counted by the front end, when it counts a step as taken
+        self.micro_batches = 0
+        self.skipped = 0
+        self.findings: list[Finding] = []
+        self.history: list[StepOutcome] = []
+        self.last_good_step: int | None = None
+        self.not_replayed: dict[int, str] = {}
+        self.decided: int | None = None  # the step whose verdict (apply or skip) is taken
+        self.amp = amp.ScaleWatch()
+        self.params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.buffers = BufferSnapshot(model)
+        self._views = views
+        self._losses: deque[float] = deque(maxlen=SPIKE_WINDOW)
+        self._errors: set[tuple[str, str]] = set()
+        self._weights_bad = False  # the parameters themselves are non-finite: no step can recover
+        self.here: dict[str, Any] = {}  # where every finding of this rank happened (rank, host, device)
+        self.bucket_watch: distributed.BucketWatch | None = None
+        self.distributed = False
+        try:
+            self.distributed = distributed.active()
+            if hooked is not None:
+                self.bucket_watch = distributed.BucketWatch.install(hooked)
+            if self.distributed:
+                self.here = findings.place(distributed.describe(self.device))
+        except Exception as exc:
+            self.error("setting up under torch.distributed", exc)
+        # The GPU's health now, to say on a transient fault what changed on it since (Xid, ECC):
+        # two reads per job, none per step.
+        self._health: Any = None
+        if gpu_health and self.device.type == "cuda":
+            try:
+                from fpdoctor.health import watch
+
+                uuid = distributed.describe(self.device).get("uuid")
+                self._health = watch.start(uuid) if uuid else None
+            except Exception as exc:
+                self.error("reading the GPU's health", exc)
+        try:
+            eps = findings.optimizer_eps_finding(optimizer, with_scaler=with_scaler, here=self.here)
+            if eps is not None:
+                self.findings.append(eps)
+        except Exception as exc:
+            self.error("looking at the optimizer's settings", exc)
+
+    # -- a window starts -----------------------------------------------------------------------
+    def begin_window(self) -> None:
+        """Before a window's first forward: its buffers, and the DDP hook's view, start afresh."""
+        self.buffers.capture()
+        if self.bucket_watch is not None:
+            self.bucket_watch.begin()
+
+    def gradient_view(self) -> tuple[list[dict[str, Any]] | None, list[tuple[str, str]]]:
+        """Which DDP buckets (before the all-reduce) and which parameters hold non-finite
+        gradients now: host reads, for bad steps only."""
+        if self.bucket_watch is not None:
+            return self.bucket_watch.local_faults(), []
+        return None, bad_parameters(self.model)
+
+    # -- the verdict ---------------------------------------------------------------------------
+    def judge(self, f: StepFacts, apply: Callable[[], None] | None = None) -> StepOutcome:
+        """Decide one optimizer step. A finite step is applied by `apply` (the front end's own
+        way of stepping; None where the framework steps after us). A bad step is counted, its
+        buffer writes undone, attributed to its rank, replayed and classified; the front end then
+        keeps it from the weights where `outcome.skipped` and `f.skippable` say so."""
+        outcome = StepOutcome(f.step, f.loss_value, finite=f.finite, skipped=False, grad_norm=f.grad_norm)
+        outcome.scale = f.scale
+        self.history.append(outcome)
+        if f.scale is not None:
+            next_scale = f.next_scale if f.next_scale is not None else f.scale
+            if f.bad_grad and not f.bad_loss:  # an overflow the scaler skips itself: AMP's business
+                outcome.skipped, outcome.verdict = True, "amp-skip"
+                if self.amp.observe(True, next_scale):
+                    self._collapse(f, next_scale)
+                self._spike(f.step, f.loss_value)
+                return outcome
+            if not f.bad_grad:
+                self.amp.observe(False, next_scale)
+            else:  # a NaN loss the scaler skipped: counted as non-finite, not as an AMP overflow
+                self.amp.scale = next_scale
+        self.decided = f.step  # from here on a failure of ours never applies this step
+        if f.finite:
+            if apply is not None:
+                apply()
+            self.last_good_step = f.step
+            self._spike(f.step, f.loss_value)
+            return outcome
+        if f.applied:  # applied already: reported, not replayed (its weights are gone)
+            self._attribute(f)
+            return outcome
+        # skipped by us, or by the scaler that finds the Inf gradient itself
+        outcome.skipped = f.skippable or (f.scaled and f.bad_grad)
+        if outcome.skipped:
+            self.skipped += 1
+            self.buffers.restore()  # the bad forward's buffer writes (BatchNorm statistics) undone
+        if self._weights_bad or self._weights_went_bad(f.step):  # said once; no replay can change it
+            return outcome
+        faulty, kind = self._attribute(f)
+        if self.replay:
+            outcome.verdict = self._replay_or_say_why(f, kind, faulty)
+        return outcome
+
+    # -- findings ------------------------------------------------------------------------------
+    def _attribute(self, f: StepFacts) -> tuple[bool, str | None]:
+        """Report the bad step; whether this rank holds (or may hold) the fault, and its kind
+        (nan / +inf / -inf) as this rank saw it. Host reads: bad steps only."""
+        me = distributed.describe(self.device)
+        faults, parameters = f.seen if f.seen is not None else self.gradient_view()
+        local = {
+            **me,
+            "loss_bad": f.local_loss,
+            "loss_kind": kind_of(f.loss_value) if f.local_loss and not math.isfinite(f.loss_value) else None,
+            "micro_batch": f.micro if f.local_loss else None,
+            "faults": faults,
+            "parameters": parameters,
+        }
+        kind = findings.step_kind(local)
+        ranks = distributed.agree(local) if self.distributed else [local]
+        attributed = [r for r in ranks if r.get("loss_bad") or r.get("faults")]
+        for r in attributed or ([] if self.distributed else ranks):
+            finding = findings.rank_finding(
+                f.step,
+                r,
+                micro_batches=f.micro_batches > 1,
+                scaled=f.scaled,
+                numel=len(self.params),
+                applied=f.applied,
+            )
+            if f.spread and finding.name == "nonfinite-gradient" and not r.get("faults"):
+                finding = replace(
+                    finding, message=finding.message + SPREAD_NOTE, evidence={**finding.evidence, "spread": True}
+                )
+            self.findings.append(finding)
+        if self.distributed and not attributed:
+            if kind is None:  # no pre-reduce view: the reduced gradients' kind
+                kind = findings.step_kind({"parameters": bad_parameters(self.model)})
+            self.findings.append(
+                findings.unattributed_finding(f.step, kind, len(self.params), views=self._views, here=self.here)
+            )
+            return True, kind
+        if not self.distributed:
+            return True, kind
+        return any(r.get("rank") == me.get("rank") for r in attributed), kind
+
+    def _weights_went_bad(self, step: int) -> bool:
+        """On a bad step: are the parameters themselves non-finite (an earlier update put NaN/Inf
+        in them)? Then one finding names the last applied step, and no step is replayed after."""
+        bad = [
+            (name, kind, p)
+            for name, p in self.model.named_parameters()
+            if (kind := tensor_kind(p.detach())) is not None
+        ]
+        anywhere = bool(bad)
+        if self.distributed:  # sharded weights (FSDP) differ by rank: every rank takes the same path
+            flag = torch.tensor([float(anywhere)], device=self.device)
+            anywhere = bool(distributed.all_max(flag).item())
+        if not anywhere:
+            return False
+        self._weights_bad = True
+        if bad:  # else another rank's shard holds them
+            self.findings.append(
+                findings.weights_finding(step, self.last_good_step, bad, len(self.params), here=self.here)
+            )
+        return True
+
+    def _replay_or_say_why(self, f: StepFacts, kind: str | None, faulty: bool) -> str:
+        why = f.why_not
+        if self.distributed:  # every rank replays, or none: a replay issues collectives
+            flag = torch.tensor([float(why is not None)], device=self.device)
+            if distributed.all_max(flag).item() and why is None:
+                why = "another rank could not replay its part of the step"
+        if why is None:
+            return self._replay(f, kind, faulty)
+        self.not_replayed[f.step] = why
+        self._annotate(f.step, f" Not replayed: {why}.", {"replay": f"not replayed: {why}"})
+        return "not-replayed"
+
+    def _annotate(self, step: int, text: str, evidence: dict[str, Any]) -> None:
+        """Add to this step's nonfinite-loss/-gradient findings what the front end knows besides."""
+        for i, found in enumerate(self.findings):
+            if found.name in ("nonfinite-loss", "nonfinite-gradient") and found.evidence.get("step") == step:
+                self.findings[i] = replace(found, message=found.message + text, evidence={**found.evidence, **evidence})
+
+    def _run_replay(self, f: StepFacts) -> ReplayResult:
+        """The step run again as it ran; the gradients left as they were found."""
+        saved = [(p, p.grad) for p in self.params]
+        try:
+            return replay(self.model, self.params, f.step_fn, f.window, f.contexts(), whole=self.distributed)
+        finally:
+            for p, g in saved:
+                p.grad = g
+
+    def _replay(self, f: StepFacts, kind: str | None, faulty: bool) -> str:
+        """Replay the step; the verdict is this rank's when it holds (or may hold) the fault.
+
+        Under torch.distributed every rank replays its whole window, so that every collective in
+        it (a step_fn's own, DDP's first-iteration bucket rebuild, SyncBatchNorm's) is issued on
+        every rank in the same order; gradients stay local (`local_replay`). Then every rank
+        receives every faulty rank's verdict, so all reports say the same."""
+        result = self._run_replay(f)
+        control: ControlResult | None = None
+        if faulty and not self.distributed and result.verdict == "deterministic-nonfinite":
+            culprit = result.culprit
+            dtype = (culprit.evidence.get("dtype") if culprit else None) or result.evidence.get("dtype")
+            if wants_control(dtype, self.model):
+                saved = [(p, p.grad) for p in self.params]
+                try:
+                    control = run_control(self.model, self.params, f.step_fn, f.window, f.contexts())
+                finally:
+                    for p, g in saved:
+                        p.grad = g
+        mine = self._verdict_findings(f, result, kind, control) if faulty else []
+        if not self.distributed:
+            self.findings.extend(mine)
+            return result.verdict
+        everyone = distributed.agree({"verdict": result.verdict if faulty else None, "findings": mine})
+        for entry in everyone:
+            self.findings.extend(entry.get("findings") or [])
+        verdicts = [e.get("verdict") for e in everyone if e.get("verdict") is not None]
+        return result.verdict if faulty else str(verdicts[0]) if verdicts else "not-replayed"
+
+    def _verdict_findings(
+        self, f: StepFacts, result: ReplayResult, kind: str | None, control: ControlResult | None = None
+    ) -> list[Finding]:
+        if result.verdict == "replay-failed":
+            self.error("replaying the step", RuntimeError(result.error or "unknown"), step=f.step)
+            return []
+        me = distributed.describe(self.device)
+        health = None
+        if result.verdict == "transient-fault-suspected" and self._health is not None:
+            from fpdoctor.health import watch
+
+            health = watch.since(self._health)
+        return findings.verdict_findings(
+            f.step, result, me, micro_batches=f.micro_batches > 1, kind=kind, control=control, health=health
+        )
+
+    def _collapse(self, f: StepFacts, next_scale: float) -> None:
+        self.findings.append(
+            findings.collapse_finding(f.step, self.amp, self.steps, f.scale or math.nan, next_scale, here=self.here)
+        )
+        if not (self.replay and f.why_not is None and not f.applied and not self.distributed):
+            return
+        with preserved(self.model):  # name the op that overflows, once per collapse, from the step's own buffers
+            self.buffers.restore()
+            result = self._run_replay(f)
+        self.findings.extend(self._verdict_findings(f, result, "+inf"))
+
+    def _spike(self, step: int, loss_value: float) -> None:
+        if not math.isfinite(loss_value):  # a NaN in the history would switch spike detection off
+            return
+        history = self._losses
+        if len(history) >= SPIKE_MIN_HISTORY:
+            # floats, not statistics.pstdev's exact fractions: 32 values, every step, within 1e-15
+            mean = math.fsum(history) / len(history)
+            spread = math.sqrt(math.fsum((v - mean) ** 2 for v in history) / len(history))
+            if loss_value > mean + SPIKE_SIGMAS * spread and loss_value > SPIKE_RATIO * abs(mean):
+                self.findings.append(
+                    findings.spike_finding(step, loss_value, mean, spread, len(history), here=self.here)
+                )
+        history.append(loss_value)
+
+    def error(self, doing: str, exc: BaseException, step: int | None = None) -> None:
+        """A failure of the observer's own: a finding once per distinct error, never raised."""
+        text = f"{type(exc).__name__}: {exc}"
+        if (doing, text) in self._errors:
+            return
+        self._errors.add((doing, text))
+        at = step if step is not None else self.steps
+        self.findings.append(findings.error_finding(doing, text, at, here=getattr(self, "here", {})))
+
+    def note_once(self, key: tuple[str, str], finding: Finding) -> None:
+        """A finding said once per key (a checkpoint that cannot be written, say)."""
+        if key in self._errors:
+            return
+        self._errors.add(key)
+        self.findings.append(finding)
+
+    # -- the report ----------------------------------------------------------------------------
+    def report(
+        self, *, scaled: bool, lines: Sequence[tuple[str, str]] = (), data: dict[str, Any] | None = None
+    ) -> Report:
+        """The run so far: counts, verdicts, AMP's skips, the timeline; `lines` and `data` are the
+        front end's own (its framework, its checkpoint), put first."""
+        nonfinite = sum(1 for h in self.history if not h.finite and h.verdict != "amp-skip")
+        summary = [
+            *lines,
+            ("steps", str(self.steps)),
+            ("non-finite steps", str(nonfinite)),
+            ("skipped optimizer steps", str(self.skipped)),
+            ("last good step", str(self.last_good_step)),
+        ]
+        out: dict[str, Any] = {
+            **(data or {}),
+            "steps": self.steps,
+            "micro_batches": self.micro_batches,
+            "nonfinite_steps": nonfinite,
+            "skipped_steps": self.skipped,
+            "last_good_step": self.last_good_step,
+            "verdicts": {h.step: h.verdict for h in self.history if h.verdict and h.verdict != "amp-skip"},
+        }
+        if self.not_replayed:
+            out["not_replayed"] = dict(self.not_replayed)
+        if scaled:
+            watch = self.amp
+            rate = watch.skipped / self.steps if self.steps else 0.0
+            out["amp"] = {
+                "skipped_steps": watch.skipped,
+                "skip_rate": rate,
+                "scale": watch.scale,
+                "min_scale": watch.min_scale,
+            }
+            summary.append(("AMP overflow skips", f"{watch.skipped} ({rate:.1%}), scale {watch.scale}"))
+        out["timeline"] = findings.timeline(self.history, self.findings, TIMELINE_POINTS)
+        out["summary"] = summary
+        return Report(command="sentinel", findings=list(self.findings), data=out)
