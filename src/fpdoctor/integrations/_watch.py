@@ -33,9 +33,9 @@ from torch import nn
 from fpdoctor.numerics import amp, distributed
 from fpdoctor.numerics.gradcheck import FlagRead, grads_of, nonfinite_flag
 from fpdoctor.numerics.replay import MicroBatch
-from fpdoctor.numerics.step_judge import StepFacts, StepJudge, StepOutcome
+from fpdoctor.numerics.step_judge import JudgedSteps, StepFacts, StepJudge
 from fpdoctor.preserve import RngState
-from fpdoctor.report.model import Finding, Report
+from fpdoctor.report.model import Report
 
 # the numbers read back per optimizer step, in this order, then each micro-batch's loss
 _LOSS, _GRAD, _SCALE, _DIVISOR, _LOSSES = range(5)
@@ -95,7 +95,7 @@ class Check:
         return not (self.bad_loss or self.bad_grad)
 
 
-class StepWatch:
+class StepWatch(JudgedSteps):
     """What a framework's callback sees of one training run, collected for the step judge.
 
     `step_fn(*args, **kwargs)` runs one micro-batch's forward and backward as the framework does
@@ -120,7 +120,7 @@ class StepWatch:
         self.scaler = scaler if amp.enabled(scaler) else None
         self.sum_losses = False  # a step's loss is the sum of its micro-batches' (else their mean)
         self.cannot_replay_any: str | None = None  # why no step of this run can be replayed
-        self.judge = StepJudge(
+        self._judge = StepJudge(
             model,
             hooked=ddp,
             optimizer=optimizer,
@@ -132,8 +132,8 @@ class StepWatch:
         self._step_fn = step_fn
         self._replay_context = replay_context
         self._ddp = ddp
-        self._params = self.judge.params
-        self._device = self.judge.device
+        self._params = self._judge.params
+        self._device = self._judge.device
         self._zero = torch.zeros((), device=self._device)
         self._one = torch.ones((), device=self._device)
         self._nan = torch.full((), float("nan"), device=self._device)
@@ -143,44 +143,19 @@ class StepWatch:
         self._why_not: str | None = None  # why the current window cannot be replayed
         self._checked: Check | None = None
 
-    # -- what the judge counts, read through ----------------------------------------------------
-    @property
-    def steps(self) -> int:
-        return self.judge.steps
-
-    @property
-    def micro_batches(self) -> int:
-        return self.judge.micro_batches
-
-    @property
-    def skipped(self) -> int:
-        return self.judge.skipped
-
-    @property
-    def findings(self) -> list[Finding]:
-        return self.judge.findings
-
-    @property
-    def history(self) -> list[StepOutcome]:
-        return self.judge.history
-
-    @property
-    def last_good_step(self) -> int | None:
-        return self.judge.last_good_step
-
     @property
     def not_replayed(self) -> dict[int, str]:
-        return self.judge.not_replayed
+        return self._judge.not_replayed
 
     @property
     def attributes_ranks(self) -> bool:
         """True when a DDP hook sees each rank's gradients before the all-reduce."""
-        return self.judge.bucket_watch is not None
+        return self._judge.bucket_watch is not None
 
     @property
     def amp_watch(self) -> amp.ScaleWatch:
         """The GradScaler's skips and scale, as seen by the checks."""
-        return self.judge.amp
+        return self._judge.amp
 
     @property
     def checked(self) -> bool:
@@ -189,7 +164,7 @@ class StepWatch:
 
     def report(self, framework: str) -> Report:
         """The run so far, in the sentinel's shape, with the framework named."""
-        return self.judge.report(
+        return self._judge.report(
             scaled=self.scaler is not None, lines=[("framework", framework)], data={"framework": framework}
         )
 
@@ -198,7 +173,7 @@ class StepWatch:
         """A micro-batch starts, before its forward: its RNG state; at a window's first, its buffers."""
         try:
             if not self._micros:
-                self.judge.begin_window()
+                self._judge.begin_window()
             self._micros.append(_Micro(RngState.capture()))
         except Exception as exc:
             self._error("preparing the step", exc)
@@ -255,7 +230,7 @@ class StepWatch:
         to None) - unless a GradScaler skips it itself. `spread`: the gradients, if not read yet,
         are read after a gradient-norm computation. The check's result, None if it failed."""
         checked: Check | None = None
-        judge = self.judge
+        judge = self._judge
         try:
             self.check(step, spread=spread)
             checked = self._checked
@@ -283,7 +258,7 @@ class StepWatch:
     def _read(self, step: int, spread: bool) -> Check:
         micros = self._micros
         seen = [(i, m.loss) for i, m in enumerate(micros, start=1) if m.loss is not None]
-        distributed_ = self.judge.distributed
+        distributed_ = self._judge.distributed
         with torch.no_grad():
             grad = nonfinite_flag(grads_of(self._params), self._device)
             # the losses themselves come back and are judged on the host: NaN/Inf survive the trip
@@ -310,7 +285,7 @@ class StepWatch:
         )
         if not checked.finite:  # host reads from here on: bad steps only
             checked.micro = local_bad[0] if local_bad else None
-            checked.seen = self.judge.gradient_view()  # while the gradients still show it
+            checked.seen = self._judge.gradient_view()  # while the gradients still show it
         return checked
 
     def _facts(self, c: Check) -> StepFacts:
@@ -348,8 +323,8 @@ class StepWatch:
         return contexts
 
     def _error(self, doing: str, exc: BaseException, step: int | None = None) -> None:
-        self.judge.error(doing, exc, step)
+        self._judge.error(doing, exc, step)
 
     def error(self, doing: str, exc: BaseException) -> None:
         """A failure in the callback around this watch: reported like the watch's own."""
-        self.judge.error(doing, exc)
+        self._judge.error(doing, exc)

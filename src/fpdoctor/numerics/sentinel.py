@@ -46,12 +46,13 @@ from fpdoctor.numerics.step_judge import (  # re-exported: the sentinel's public
     SPIKE_SIGMAS,
     SPIKE_WINDOW,
     TIMELINE_POINTS,
+    JudgedSteps,
     StepFacts,
     StepJudge,
     StepOutcome,
 )
 from fpdoctor.preserve import RngState
-from fpdoctor.report.model import Finding, Report
+from fpdoctor.report.model import Report
 
 __all__ = [
     "GRAD_NORM_EVERY",
@@ -119,7 +120,7 @@ class _Pending:
 
 
 @dataclass
-class Sentinel:
+class Sentinel(JudgedSteps):
     """Guard a training step: `loss = guard.step(step_fn, *args)`; `guard.report` for the story.
 
     `step_fn` runs forward and backward and returns the loss; the sentinel calls
@@ -194,31 +195,6 @@ class Sentinel:
         # the host then need not wait for the flag before optimizer.step().
         if self.device_skip is None:
             self.device_skip = self._device.type == "cuda" and skips_on_device(self.optimizer)
-
-    # -- what the judge counts, read through ----------------------------------------------------
-    @property
-    def steps(self) -> int:
-        return self._judge.steps
-
-    @property
-    def micro_batches(self) -> int:
-        return self._judge.micro_batches
-
-    @property
-    def skipped(self) -> int:
-        return self._judge.skipped
-
-    @property
-    def findings(self) -> list[Finding]:
-        return self._judge.findings
-
-    @property
-    def history(self) -> list[StepOutcome]:
-        return self._judge.history
-
-    @property
-    def last_good_step(self) -> int | None:
-        return self._judge.last_good_step
 
     # -- the always-on part --------------------------------------------------------------------
     def step(self, step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -446,3 +446,33 @@ class StepJudge:
         out["timeline"] = findings.timeline(self.history, self.findings, TIMELINE_POINTS)
         out["summary"] = summary
         return Report(command="sentinel", findings=list(self.findings), data=out)
+
+
+class JudgedSteps:
+    """What a front end shows of its judge's counts: read through, never copied."""
+
+    _judge: StepJudge
+
+    @property
+    def steps(self) -> int:
+        return self._judge.steps
+
+    @property
+    def micro_batches(self) -> int:
+        return self._judge.micro_batches
+
+    @property
+    def skipped(self) -> int:
+        return self._judge.skipped
+
+    @property
+    def findings(self) -> list[Finding]:
+        return self._judge.findings
+
+    @property
+    def history(self) -> list[StepOutcome]:
+        return self._judge.history
+
+    @property
+    def last_good_step(self) -> int | None:
+        return self._judge.last_good_step
