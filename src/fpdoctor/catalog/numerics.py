@@ -268,4 +268,18 @@ TRN_RULES: tuple[Rule, ...] = (
         why="Without it there is no last-good state to go back to after a bad step.",
         fix="Create the directory or free space at the path named in the finding.",
     ),
+    Rule(
+        code="TRN009",
+        name="training-stalled",
+        severity=E,
+        title="Training is not progressing: most optimizer steps are skipped",
+        what="The step judge counts the optimizer steps that were not applied (non-finite steps it skipped, "
+        "overflows the GradScaler skipped); when 8 of the last 10 were, or every step so far, it says so once "
+        "per episode, with the counts kept current and the cause the evidence points to.",
+        why="A skipped step is a step the model does not learn from: a run whose steps are all skipped reports "
+        "a flat loss and no crash, while its weights never move.",
+        fix="Follow the cause the finding names: a loss that climbed before the first skip points at the learning "
+        "rate; an op whose fp32 replay is finite points at its precision; a scaler that skips every step at an "
+        "op that overflows fp16 even unscaled.",
+    ),
 )

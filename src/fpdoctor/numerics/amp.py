@@ -117,6 +117,16 @@ class ScaleWatch:
         self.min_scale: float | None = None
         self._reported = False
 
+    @property
+    def collapsed(self) -> bool:
+        """The scale has collapsed (below MIN_SCALE, or MAX_CONSECUTIVE_SKIPS skips in a row) and not recovered."""
+        return self._reported
+
+    def note(self, scale: float) -> None:
+        """The scale now, on a step that is not the scaler's overflow (the lowest one kept too)."""
+        self.scale = scale
+        self.min_scale = scale if self.min_scale is None else min(self.min_scale, scale)
+
     def observe(self, skipped: bool, scale: float) -> bool:
         """Record one optimizer step; True when the scale has just collapsed."""
         self.scale = scale

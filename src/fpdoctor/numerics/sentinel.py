@@ -117,6 +117,9 @@ class _Pending:
     stepped: bool  # the optimizer (or the scaler) has already been given this step
     observed: bool  # step_fn stepped the optimizer itself: the step was applied, the sentinel only looks
     scale: torch.Tensor | None  # the loss scale this step used, for its replay
+    # the user's own GradScaler steps the user's optimizer after guard.step: the step's gradients are
+    # left for it (it skips an overflow itself; without gradients its step() would raise)
+    hands_off: bool = False
 
 
 @dataclass
@@ -213,7 +216,7 @@ class Sentinel(JudgedSteps):
         if ends:
             judge.steps += 1  # counted whether or not the check below works
         scalers: list[Any] = []
-        looking = not self._scaler_searched and self.optimizer is not None
+        looking = not self._scaler_searched
         spying = contextlib.ExitStack()
         if looking:
             try:
@@ -301,10 +304,16 @@ class Sentinel(JudgedSteps):
                 self._judge.findings.append(findings.observing_finding(self.steps, here=self._judge.here))
         local_loss = torch.stack(micro_flags).amax()
         loss_value = torch.stack(micro_losses).mean()
-        scaler = self.scaler if amp.enabled(self.scaler) and not observed else None
+        hands_off = self.optimizer is None and amp.enabled(self.scaler) and not observed
+        scaler = self.scaler if amp.enabled(self.scaler) and not observed and not hands_off else None
         stepped = False
         scale = next_scale = torch.full((), float("nan"), device=self._device)
-        if scaler is not None:
+        grad: torch.Tensor | None
+        if hands_off:  # the scale this step's backward used; what the user's update() will make of an overflow
+            scale = amp.scale_tensor(self.scaler, self._device)
+            next_scale = scale * float(self.scaler.get_backoff_factor())
+            grad = nonfinite_flag(grads_of(self._params), self._device)
+        elif scaler is not None:
             assert self.optimizer is not None
             scale = amp.scale_tensor(scaler, self._device)
             if not amp.stepped(scaler, self.optimizer):
@@ -314,11 +323,11 @@ class Sentinel(JudgedSteps):
                 _user(scaler.update)
             else:  # step_fn stepped the scaler itself
                 grad = amp.found_inf(scaler, self.optimizer, self._device)
-            if grad is None:
-                grad = nonfinite_flag(grads_of(self._params), self._device)
             next_scale = amp.scale_tensor(scaler, self._device)
             stepped = True
         else:
+            grad = None
+        if grad is None:
             grad = nonfinite_flag(grads_of(self._params), self._device)
         agreed = torch.stack([local_loss, grad])
         if self._judge.distributed:
@@ -349,7 +358,8 @@ class Sentinel(JudgedSteps):
             micro_flags,
             stepped or observed,
             observed,
-            scale if scaler is not None else None,
+            scale if scaler is not None or hands_off else None,
+            hands_off,
         )
         if stepped and self.device_skip:
             self._pending = pending  # decided when the next step starts (or at flush)
@@ -385,7 +395,7 @@ class Sentinel(JudgedSteps):
             micro=micro,
             micro_batches=self.accumulate,
             # given to the scaler already: it applies a step whose gradients are finite
-            skippable=not (pending.stepped and pending.scale is not None),
+            skippable=not (pending.stepped and pending.scale is not None) and not pending.hands_off,
             applied=pending.observed,
             why_not="step_fn applied the step itself" if pending.observed else None,
         )
@@ -396,7 +406,7 @@ class Sentinel(JudgedSteps):
                 self._zero_grads()
             if outcome.finite and self.checkpoint_every and pending.step % self.checkpoint_every == 0:
                 self._save_checkpoint(pending.step)
-        elif not pending.observed:  # a skipped step leaves no gradient
+        elif not pending.observed and not pending.hands_off:  # a skipped step leaves no gradient
             self._zero_grads()
 
     def _apply(self) -> None:

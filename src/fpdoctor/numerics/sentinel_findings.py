@@ -335,3 +335,82 @@ def timeline(history: list[Any], found: list[Finding], points: int) -> dict[str,
     if any(getattr(h, "scale", None) is not None for h in kept):
         out["scale"] = [h.scale for h in kept]
     return out
+
+
+def stall_finding(
+    *,
+    steps: int,
+    window: list[Any],
+    first_skip: int,
+    last_good: int | None,
+    found: list[Finding],
+    here: dict[str, Any],
+) -> Finding:
+    """training-stalled: most recent steps skipped, and the cause the run's other findings point to.
+    `window`: the episode's StepOutcomes; `found`: the run's findings so far."""
+    skipped = [h for h in window if h.skipped]
+    amp_skips = sum(1 for h in skipped if h.verdict == "amp-skip")
+    never = last_good is None
+    if skipped and amp_skips == len(skipped):
+        head = f"GradScaler skipped {len(skipped)} of {len(window)} optimizer steps"
+    else:
+        head = f"{len(skipped)} of the last {len(window)} optimizer steps were skipped"
+        if amp_skips:
+            head += f" ({amp_skips} by the GradScaler for overflow)"
+    head += f" (steps {window[0].step}-{window[-1].step}, first skip at step {first_skip})"
+    head += ": the optimizer never ran." if never else f": the last step applied was step {last_good}."
+    cause, fix = _stall_cause(first_skip, found)
+    return catalog.make(
+        "training-stalled",
+        message=f"{head} {cause}",
+        where={"module": None, "op": None, "phase": "optimizer", "step": first_skip, **here},
+        evidence={
+            "kind": "skipped",
+            "count": len(skipped),
+            "numel": len(window),
+            "step": first_skip,
+            "steps": steps,
+            "amp_skips": amp_skips,
+            "last_good_step": last_good,
+        },
+        fix=fix,
+    )
+
+
+def _stall_cause(first_skip: int, found: list[Finding]) -> tuple[str, str | None]:
+    """What the evidence supports, in this order: a loss that climbed before the first skip, an op whose
+    fp32 control replay was finite, an op that reproduces, a fault that did not, the scaler's collapse."""
+    spikes = [f for f in found if f.name == "loss-spike" and f.evidence.get("step", first_skip) < first_skip]
+    if spikes:
+        spike = spikes[-1]
+        ev = spike.evidence
+        top = ev.get("last_step", ev.get("step"))
+        return (
+            f"The loss climbed before the first skip (loss-spike at step {ev.get('step')}"
+            + (f" to {top}" if top != ev.get("step") else "")
+            + f", {ev.get('loss', math.nan):.4g} against a mean of {ev.get('mean', math.nan):.4g}): the updates "
+            "drove the weights out of range - a learning rate too high for this model (or a bad batch), not the "
+            "precision.",
+            "Lower the learning rate (or add warm-up), and clip gradients (torch.nn.utils.clip_grad_norm_); resume "
+            "from a checkpoint before the climb.",
+        )
+    by_name = {f.name: f for f in reversed(found)}  # the first of each name
+    det = by_name.get("deterministic-nonfinite")
+    if det is not None:
+        where = det.where
+        op = f"{where.get('op')} in `{where.get('module')}`" if where.get("op") else "the op it names"
+        if det.evidence.get("control_fp32") == "finite":
+            return (
+                f"Every replay names the same cause, {op}, and its fp32 control replay is finite: the precision of "
+                "that op stops training (see deterministic-nonfinite).",
+                det.fix or None,
+            )
+        return (f"Every replay names the same cause, {op} (see deterministic-nonfinite).", det.fix or None)
+    if "transient-fault-suspected" in by_name:
+        return ("The bad steps did not reproduce on replay: suspect the device (see transient-fault-suspected).", None)
+    if "amp-scale-collapse" in by_name:
+        return (
+            "The scale collapsed: the gradients overflow fp16 even unscaled (see amp-scale-collapse).",
+            by_name["amp-scale-collapse"].fix or None,
+        )
+    return ("", None)

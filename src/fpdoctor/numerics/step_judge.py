@@ -33,6 +33,7 @@ from torch import nn
 
 from fpdoctor.numerics import amp, distributed
 from fpdoctor.numerics import sentinel_findings as findings
+from fpdoctor.numerics.causes import Causes, cause_of
 from fpdoctor.numerics.control import ControlResult, run_control, wants_control
 from fpdoctor.numerics.gradcheck import bad_parameters, kind_of, tensor_kind
 from fpdoctor.numerics.replay import MicroBatch, ReplayResult, replay
@@ -46,6 +47,15 @@ SPIKE_MIN_HISTORY = 8
 # SPIKE_RATIO times it, is a spike: both, so that a flat loss curve's tiny noise does not count.
 SPIKE_SIGMAS = 6.0
 SPIKE_RATIO = 1.5
+
+# A cause that reproduced on replay this many times is not replayed again: the next bad steps with
+# the same symptoms are counted under it (a replay costs a traced step; forty of them say nothing new).
+REPLAYS_PER_CAUSE = 2
+# Training is not progressing when STALL_SKIPS of the last STALL_WINDOW optimizer steps were skipped
+# (by the judge or by the GradScaler), or every step so far once there are STALL_FIRST of them.
+STALL_WINDOW = 10
+STALL_SKIPS = 8
+STALL_FIRST = 3
 
 SPREAD_NOTE = (
     " The gradients were read after a gradient-norm computation that multiplies every gradient by the "
@@ -134,6 +144,10 @@ class StepJudge:
         self.micro_batches = 0
         self.skipped = 0
         self.findings: list[Finding] = []
+        self.causes = Causes(self.findings)  # findings of a bad step go through it: one per cause
+        self._reproduced: dict[tuple[Any, ...], int] = {}  # a bad step's symptoms -> replays that reproduced
+        self._stall: int | None = None  # the stalled episode's finding, by index, while it lasts
+        self._spike_at: tuple[int, tuple[Any, ...]] | None = None  # the last spike's step and its episode
         self.history: list[StepOutcome] = []
         self.last_good_step: int | None = None
         self.not_replayed: dict[int, str] = {}
@@ -191,6 +205,12 @@ class StepJudge:
 
     # -- the verdict ---------------------------------------------------------------------------
     def judge(self, f: StepFacts, apply: Callable[[], None] | None = None) -> StepOutcome:
+        """Decide one optimizer step (`_decide`), then whether training still progresses."""
+        outcome = self._decide(f, apply)
+        self._progress()
+        return outcome
+
+    def _decide(self, f: StepFacts, apply: Callable[[], None] | None) -> StepOutcome:
         """Decide one optimizer step. A finite step is applied by `apply` (the front end's own
         way of stepping; None where the framework steps after us). A bad step is counted, its
         buffer writes undone, attributed to its rank, replayed and classified; the front end then
@@ -209,7 +229,7 @@ class StepJudge:
             if not f.bad_grad:
                 self.amp.observe(False, next_scale)
             else:  # a NaN loss the scaler skipped: counted as non-finite, not as an AMP overflow
-                self.amp.scale = next_scale
+                self.amp.note(next_scale)
         self.decided = f.step  # from here on a failure of ours never applies this step
         if f.finite:
             if apply is not None:
@@ -227,15 +247,16 @@ class StepJudge:
             self.buffers.restore()  # the bad forward's buffer writes (BatchNorm statistics) undone
         if self._weights_bad or self._weights_went_bad(f.step):  # said once; no replay can change it
             return outcome
-        faulty, kind = self._attribute(f)
+        faulty, kind, symptoms = self._attribute(f)
         if self.replay:
-            outcome.verdict = self._replay_or_say_why(f, kind, faulty)
+            outcome.verdict = self._replay_or_say_why(f, kind, faulty, symptoms)
         return outcome
 
     # -- findings ------------------------------------------------------------------------------
-    def _attribute(self, f: StepFacts) -> tuple[bool, str | None]:
-        """Report the bad step; whether this rank holds (or may hold) the fault, and its kind
-        (nan / +inf / -inf) as this rank saw it. Host reads: bad steps only."""
+    def _attribute(self, f: StepFacts) -> tuple[bool, str | None, tuple[Any, ...]]:
+        """Report the bad step; whether this rank holds (or may hold) the fault, its kind
+        (nan / +inf / -inf) as this rank saw it, and its symptoms (the causes of its findings, the
+        same on every rank). Host reads: bad steps only."""
         me = distributed.describe(self.device)
         faults, parameters = f.seen if f.seen is not None else self.gradient_view()
         local = {
@@ -249,6 +270,7 @@ class StepJudge:
         kind = findings.step_kind(local)
         ranks = distributed.agree(local) if self.distributed else [local]
         attributed = [r for r in ranks if r.get("loss_bad") or r.get("faults")]
+        symptoms: list[tuple[Any, ...]] = []
         for r in attributed or ([] if self.distributed else ranks):
             finding = findings.rank_finding(
                 f.step,
@@ -262,17 +284,17 @@ class StepJudge:
                 finding = replace(
                     finding, message=finding.message + SPREAD_NOTE, evidence={**finding.evidence, "spread": True}
                 )
-            self.findings.append(finding)
+            symptoms.append(cause_of(finding))
+            self.causes.add(finding)
         if self.distributed and not attributed:
             if kind is None:  # no pre-reduce view: the reduced gradients' kind
                 kind = findings.step_kind({"parameters": bad_parameters(self.model)})
-            self.findings.append(
-                findings.unattributed_finding(f.step, kind, len(self.params), views=self._views, here=self.here)
-            )
-            return True, kind
+            finding = findings.unattributed_finding(f.step, kind, len(self.params), views=self._views, here=self.here)
+            self.causes.add(finding)
+            return True, kind, (cause_of(finding),)
         if not self.distributed:
-            return True, kind
-        return any(r.get("rank") == me.get("rank") for r in attributed), kind
+            return True, kind, tuple(symptoms)
+        return any(r.get("rank") == me.get("rank") for r in attributed), kind, tuple(symptoms)
 
     def _weights_went_bad(self, step: int) -> bool:
         """On a bad step: are the parameters themselves non-finite (an earlier update put NaN/Inf
@@ -290,28 +312,28 @@ class StepJudge:
             return False
         self._weights_bad = True
         if bad:  # else another rank's shard holds them
-            self.findings.append(
-                findings.weights_finding(step, self.last_good_step, bad, len(self.params), here=self.here)
-            )
+            self.causes.add(findings.weights_finding(step, self.last_good_step, bad, len(self.params), here=self.here))
         return True
 
-    def _replay_or_say_why(self, f: StepFacts, kind: str | None, faulty: bool) -> str:
+    def _replay_or_say_why(self, f: StepFacts, kind: str | None, faulty: bool, symptoms: tuple[Any, ...]) -> str:
         why = f.why_not
+        again = self._reproduced.get(symptoms, 0)
+        if why is None and again >= REPLAYS_PER_CAUSE:  # the same on every rank: symptoms and counts are agreed
+            why = "the same symptoms as steps that reproduced on replay; counted under their cause"
+
         if self.distributed:  # every rank replays, or none: a replay issues collectives
             flag = torch.tensor([float(why is not None)], device=self.device)
             if distributed.all_max(flag).item() and why is None:
                 why = "another rank could not replay its part of the step"
         if why is None:
-            return self._replay(f, kind, faulty)
+            verdict = self._replay(f, kind, faulty)
+            if verdict == "deterministic-nonfinite":
+                self._reproduced[symptoms] = again + 1
+            return verdict
         self.not_replayed[f.step] = why
-        self._annotate(f.step, f" Not replayed: {why}.", {"replay": f"not replayed: {why}"})
+        said = {"replay": f"not replayed: {why}"}
+        self.causes.annotate(("nonfinite-loss", "nonfinite-gradient"), f.step, f" Not replayed: {why}.", said)
         return "not-replayed"
-
-    def _annotate(self, step: int, text: str, evidence: dict[str, Any]) -> None:
-        """Add to this step's nonfinite-loss/-gradient findings what the front end knows besides."""
-        for i, found in enumerate(self.findings):
-            if found.name in ("nonfinite-loss", "nonfinite-gradient") and found.evidence.get("step") == step:
-                self.findings[i] = replace(found, message=found.message + text, evidence={**found.evidence, **evidence})
 
     def _run_replay(self, f: StepFacts) -> ReplayResult:
         """The step run again as it ran; the gradients left as they were found."""
@@ -343,13 +365,17 @@ class StepJudge:
                         p.grad = g
         mine = self._verdict_findings(f, result, kind, control) if faulty else []
         if not self.distributed:
-            self.findings.extend(mine)
+            self._add_all(mine)
             return result.verdict
         everyone = distributed.agree({"verdict": result.verdict if faulty else None, "findings": mine})
         for entry in everyone:
-            self.findings.extend(entry.get("findings") or [])
+            self._add_all(entry.get("findings") or [])
         verdicts = [e.get("verdict") for e in everyone if e.get("verdict") is not None]
         return result.verdict if faulty else str(verdicts[0]) if verdicts else "not-replayed"
+
+    def _add_all(self, found: list[Finding]) -> None:
+        for finding in found:
+            self.causes.add(finding)
 
     def _verdict_findings(
         self, f: StepFacts, result: ReplayResult, kind: str | None, control: ControlResult | None = None
@@ -363,12 +389,14 @@ class StepJudge:
             from fpdoctor.health import watch
 
             health = watch.since(self._health)
-        return findings.verdict_findings(
+        made = findings.verdict_findings(
             f.step, result, me, micro_batches=f.micro_batches > 1, kind=kind, control=control, health=health
         )
+        # the trace's own findings of the replay (the op of origin's) belong to this step too
+        return [m if "step" in m.evidence else replace(m, evidence={**m.evidence, "step": f.step}) for m in made]
 
     def _collapse(self, f: StepFacts, next_scale: float) -> None:
-        self.findings.append(
+        self.causes.add(
             findings.collapse_finding(f.step, self.amp, self.steps, f.scale or math.nan, next_scale, here=self.here)
         )
         if not (self.replay and f.why_not is None and not f.applied and not self.distributed):
@@ -376,7 +404,7 @@ class StepJudge:
         with preserved(self.model):  # name the op that overflows, once per collapse, from the step's own buffers
             self.buffers.restore()
             result = self._run_replay(f)
-        self.findings.extend(self._verdict_findings(f, result, "+inf"))
+        self._add_all(self._verdict_findings(f, result, "+inf"))
 
     def _spike(self, step: int, loss_value: float) -> None:
         if not math.isfinite(loss_value):  # a NaN in the history would switch spike detection off
@@ -387,10 +415,57 @@ class StepJudge:
             mean = math.fsum(history) / len(history)
             spread = math.sqrt(math.fsum((v - mean) ** 2 for v in history) / len(history))
             if loss_value > mean + SPIKE_SIGMAS * spread and loss_value > SPIKE_RATIO * abs(mean):
-                self.findings.append(
-                    findings.spike_finding(step, loss_value, mean, spread, len(history), here=self.here)
+                # spikes on consecutive steps are one episode (a loss that climbs step after step)
+                last = self._spike_at
+                episode = last[1] if last is not None and last[0] == step - 1 else ("loss-spike", step)
+                self._spike_at = (step, episode)
+                self.causes.add(
+                    findings.spike_finding(step, loss_value, mean, spread, len(history), here=self.here), episode
                 )
         history.append(loss_value)
+
+    def _progress(self) -> None:
+        """Is training still progressing? Most recent steps skipped -> one training-stalled finding
+        per episode, its counts kept current while the episode lasts."""
+        history = self.history
+        # the GradScaler's skips count only once its scale has collapsed: before, it is calibrating
+        # (a healthy fp16 run's first steps overflow by design, from a scale of 65536)
+        lost = self.amp.collapsed
+
+        def skipped_(h: StepOutcome) -> bool:
+            return h.skipped and (lost or h.verdict != "amp-skip")
+
+        recent = history[-STALL_WINDOW:]
+        skipped = sum(1 for h in recent if skipped_(h))
+        all_so_far = len(history) >= STALL_FIRST and all(skipped_(h) for h in history)
+        stalled = all_so_far or (len(recent) == STALL_WINDOW and skipped >= STALL_SKIPS)
+        if not stalled:
+            if skipped <= STALL_WINDOW // 2:
+                self._stall = None  # the episode is over; a later one is new
+            return
+        episode = [h for h in history[self._stall_start() :]]
+        first_skip = next((h.step for h in episode if h.skipped), history[-1].step)
+        finding = findings.stall_finding(
+            steps=len(history),
+            window=episode,
+            first_skip=first_skip,
+            last_good=self.last_good_step,
+            found=self.findings,
+            here=self.here,
+        )
+        if self._stall is None or self._stall >= len(self.findings):
+            self._stall = len(self.findings)
+            self.findings.append(finding)
+        else:
+            self.findings[self._stall] = finding
+
+    def _stall_start(self) -> int:
+        """Where the stalled episode starts in the history: after the last run of finite steps."""
+        history = self.history
+        i = len(history)
+        while i > 0 and (history[i - 1].skipped or i > len(history) - STALL_WINDOW):
+            i -= 1
+        return i
 
     def error(self, doing: str, exc: BaseException, step: int | None = None) -> None:
         """A failure of the observer's own: a finding once per distinct error, never raised."""
