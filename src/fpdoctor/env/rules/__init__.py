@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from fpdoctor.env.facts import Facts
 from fpdoctor.env.refdata import RefData, refdata
-from fpdoctor.report.model import Finding, Severity
+from fpdoctor.report.model import Finding, Judged, Severity
 
 
 @dataclass
@@ -28,14 +28,6 @@ class Context:
 
 
 Rule = Callable[[Context], Iterable[Finding]]
-
-
-@dataclass(frozen=True)
-class Judged:
-    """What the rules made of the facts: the findings, and what could not be judged and why."""
-
-    findings: list[Finding]
-    not_checked: dict[str, str]
 
 
 def cap_severity(severity: Severity, confidence: str) -> Severity:
