@@ -3,6 +3,8 @@ checks' findings still come, and a machine whose checks did not all run is never
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 import fpdoctor
@@ -58,7 +60,9 @@ def test_every_check_is_declared_once_and_checks_are_well_formed():
 
 def test_the_runner_gives_what_the_checks_gave_in_report_order():
     facts = _two_gpus()
+    before = copy.deepcopy(facts.to_dict())
     judged = health_findings.judge(facts)
+    assert facts.to_dict() == before  # checks read the facts, never write them
     assert judged.not_checked == {}
     assert _names(judged.findings) == [("xid-error", 1), ("gpu-throttled", 0), ("ecc-uncorrectable", 1)]
 
