@@ -127,3 +127,45 @@ def test_the_callers_facts_are_read_not_changed():
     assert facts == before
     again = diagnose_env(facts=facts, probe=True, probe_specs=[spec])
     assert again.to_dict() == first.to_dict()
+
+
+def _judged_inputs():
+    """Every facts file and text the env tests read, and the facts of the three rules that say
+    what they could not judge (a Windows CUDA 13 driver, a build missing from the arch table, a CUDA
+    without a driver floor)."""
+    from fpdoctor.env.parse import load
+
+    paths = sorted(p for p in ENV_FIXTURES.rglob("*") if p.suffix in (".txt", ".log", ".json"))
+    cases = {p.name: load(str(p)) for p in paths if ".expected." not in p.name}
+    h100 = strict_json((ENV_FIXTURES / "facts" / "h100_cu130_single_gpu_live.json").read_text())
+    cases["windows cuda 13"] = {**copy.deepcopy(h100), "os": {"system": "Windows", "distro": "Windows 11"}}
+    unknown_build = copy.deepcopy(h100)
+    unknown_build["torch"].update(version="2.15.0+cu130", arch_list=None)
+    cases["build missing from the arch table"] = unknown_build
+    no_floor = copy.deepcopy(h100)
+    no_floor["torch"].update(version="2.15.0+cu140", cuda="14.0")
+    cases["cuda without a driver floor"] = no_floor
+    return cases
+
+
+def test_the_rules_read_the_facts_and_never_write_them(monkeypatch):
+    """What a rule could not judge comes back beside its findings; the facts stay as they came,
+    a failing rule included."""
+    from fpdoctor.env import rules
+    from fpdoctor.env.facts import Facts
+
+    def broken(ctx):
+        raise RuntimeError("boom")
+
+    every = rules.all_rules()
+    monkeypatch.setattr(rules, "all_rules", lambda: [*every, broken])
+    said: dict[str, str] = {}
+    for name, raw in _judged_inputs().items():
+        before = copy.deepcopy(raw)
+        judged = rules.evaluate(Facts(raw))
+        assert raw == before, name
+        assert "boom" in judged.not_checked["rule broken"], name
+        said.update(judged.not_checked)
+    assert {"driver floor for CUDA 13.x on Windows", "GPU architecture coverage", "driver floor for CUDA 14.0"} <= set(
+        said
+    )

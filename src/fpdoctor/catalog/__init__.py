@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 from fpdoctor.report.model import Finding, Severity
@@ -33,6 +34,7 @@ class Rule:
             raise ValueError(f"rule name must be a lower-case slug, got {self.name!r}")
 
 
+@cache
 def _all_rules() -> tuple[Rule, ...]:
     from fpdoctor.catalog.crash import CRS_RULES
     from fpdoctor.catalog.dtype import DTY_RULES
@@ -51,12 +53,20 @@ def rules() -> tuple[Rule, ...]:
     return _all_rules()
 
 
+@cache
+def _index() -> tuple[dict[str, Rule], dict[str, Rule]]:
+    """The rules by code and by name, built once: `make` looks one up for every finding."""
+    rules = _all_rules()
+    return {r.code: r for r in rules}, {r.name: r for r in rules}
+
+
 def get(code_or_name: str) -> Rule:
     key = code_or_name.strip()
-    for rule in _all_rules():
-        if key.upper() == rule.code or key.lower() == rule.name:
-            return rule
-    raise UnknownRuleError(code_or_name)
+    by_code, by_name = _index()
+    rule = by_code.get(key.upper()) or by_name.get(key.lower())
+    if rule is None:
+        raise UnknownRuleError(code_or_name)
+    return rule
 
 
 def make(

@@ -69,13 +69,14 @@ def diagnose_env(
     elif probe:
         facts.setdefault("not_checked", {})["probes"] = "probes run only on a live machine, not on a file"
 
-    findings = evaluate(view)
+    judged = evaluate(view)
+    findings = judged.findings
     rows = summary(view)
     if here and view.gpus:
         row, hardware = health_join()
         rows.append(row)
         findings += hardware
-    not_checked = dict(facts.get("not_checked") or {})
+    not_checked = {**(facts.get("not_checked") or {}), **judged.not_checked}
     if facts.get("probes"):
         not_checked["intermittent GPU faults"] = PROBE_LIMITS
     for item in facts.get("missing") or []:

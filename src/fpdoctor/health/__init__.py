@@ -58,7 +58,7 @@ def health(
     duration = check_duration(duration)
     device = None if device is None else check_device(device)
     from fpdoctor.health.collect import collect_files, collect_live
-    from fpdoctor.health.findings import findings
+    from fpdoctor.health.findings import judge
     from fpdoctor.health.report import build
 
     paths = [from_files] if isinstance(from_files, str) else list(from_files or [])
@@ -80,7 +80,8 @@ def health(
             fingerprints = run_fingerprints(duration, device=device)
     # after the fingerprints, so the Xids and ECC errors their load provoked are in the facts
     facts = collect_files(paths) if paths else collect_live(nvml_module=nvml)
-    report = build(facts, findings(facts), fingerprints=fingerprints)
+    judged = judge(facts)
+    report = build(facts, judged.findings, fingerprints=fingerprints, failed=judged.not_checked)
     # without fingerprints nothing is gathered across ranks: one report per node, from local rank 0
     reporting = fingerprints.reporting if fingerprints is not None else dist is None or dist.local_rank == 0
     return HealthResult(report=report, facts=facts, fingerprints=fingerprints, reporting=reporting)

@@ -20,9 +20,10 @@ from typing import Any
 
 from fpdoctor import catalog
 from fpdoctor.health import xid as xids
+from fpdoctor.health.checks import Check, at_most_one, run_checks
 from fpdoctor.health.kernel_log import XidGroup
 from fpdoctor.health.model import SLOWDOWN_REASONS, GpuFacts, HealthFacts
-from fpdoctor.report.model import Finding, Severity
+from fpdoctor.report.model import Finding, Judged, Severity
 
 # An application-class Xid on one GPU from this many processes, or at this many separate times, is
 # "repeated" (see _repeated).
@@ -347,15 +348,24 @@ def _recovery_finding(facts: HealthFacts, gpu: GpuFacts) -> Finding | None:
     )
 
 
+def all_checks() -> list[Check]:
+    """Every health check, declared once: machine checks, then the checks each GPU gets, in the
+    order the report lists their findings. A new check goes here (and gets a rule fixture)."""
+    return [
+        Check("gpu-lost", machine=lost_findings),
+        Check("xid-error", machine=xid_findings),
+        Check("ecc-uncorrectable", gpu=at_most_one(_ecc_finding)),
+        Check("row-remap-pending and row-remap-failure", gpu=_repair_findings),
+        Check("gpu-throttled", gpu=at_most_one(_throttle_finding)),
+        Check("gpu-recovery-required", gpu=at_most_one(_recovery_finding)),
+    ]
+
+
+def judge(facts: HealthFacts) -> Judged:
+    """The findings of every check, and each check that failed (for the report's not_checked)."""
+    return run_checks(facts, all_checks())
+
+
 def findings(facts: HealthFacts) -> list[Finding]:
-    out = lost_findings(facts) + xid_findings(facts)
-    for gpu in facts.gpus:
-        for f in (
-            _ecc_finding(facts, gpu),
-            *_repair_findings(facts, gpu),
-            _throttle_finding(facts, gpu),
-            _recovery_finding(facts, gpu),
-        ):
-            if f is not None:
-                out.append(f)
-    return out
+    """The findings of every check; `judge` also says which checks failed."""
+    return judge(facts).findings

@@ -7,7 +7,7 @@ so a machine where nothing could be read is "not checked", never "healthy".
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from fpdoctor.health.kernel_log import normalize_pci
@@ -29,10 +29,14 @@ def _n(count: int, what: str) -> str:
     return f"{count} {what}" + ("" if count == 1 else "s")
 
 
-def _status(facts: HealthFacts, findings: list[Finding], fingerprints: Any) -> tuple[str, str]:
+def _status(
+    facts: HealthFacts, findings: list[Finding], fingerprints: Any, failed: Mapping[str, str] | None = None
+) -> tuple[str, str]:
     """(status, the text that leads the report). The report's banner comes from the findings alone
     (OK without any), so a check that read nothing says NOT CHECKED / INCOMPLETE here, in capitals,
-    in the first summary row the text report prints right under the banner."""
+    in the first summary row the text report prints right under the banner. `failed`: the checks
+    that raised (health/checks.py); with one, the machine is never called healthy."""
+    failed = failed or {}
     gpu_facts = [g for g in facts.gpus if g.facts]
     nvidia_lines = sum(k.get("nvidia_lines", 0) for k in facts.kernel_logs)
     fp_note = "" if fingerprints is not None else "; GEMM fingerprints not run"
@@ -41,7 +45,7 @@ def _status(facts: HealthFacts, findings: list[Finding], fingerprints: Any) -> t
     note_text = f"; {_n(notes, 'note')} below" if notes else ""
     if problems:
         gpus = {f.where.get("pci") or f.where.get("uuid") or f.where.get("index") for f in problems}
-        skipped = f"; NOT CHECKED: {', '.join(facts.not_checked)}" if facts.not_checked else ""
+        skipped = f"; NOT CHECKED: {', '.join([*facts.not_checked, *failed])}" if facts.not_checked or failed else ""
         return "problems", f"problems found on {len(gpus)} GPU(s): see the findings{skipped}{note_text}"
     if not gpu_facts and not nvidia_lines:
         why = facts.not_checked.get("NVML") or "no NVML facts or nvidia-smi -q output given"
@@ -65,6 +69,10 @@ def _status(facts: HealthFacts, findings: list[Finding], fingerprints: Any) -> t
             if k.split(".")[0] in KEY_FACTS and not why.startswith("not supported")
         }
     )
+    if failed:
+        return "incomplete", (
+            f"INCOMPLETE: no problem in what was checked, but {', '.join(failed)} failed (see not checked){note_text}"
+        )
     if unread:
         return "incomplete", (
             f"INCOMPLETE: no problem in what was read, but {', '.join(unread)} could not be read{note_text}"
@@ -217,9 +225,10 @@ def table(facts: HealthFacts, findings: list[Finding], fp_rows: list[dict[str, A
     return {"title": "GPUs", "columns": columns, "rows": rows}
 
 
-def _not_checked(facts: HealthFacts) -> dict[str, str]:
-    """Sources that could not be read, then per-fact reasons other than 'not supported', merged over GPUs."""
-    out = dict(facts.not_checked)
+def _not_checked(facts: HealthFacts, failed: Mapping[str, str]) -> dict[str, str]:
+    """Sources that could not be read, the checks that failed, then per-fact reasons other than
+    'not supported', merged over GPUs."""
+    out = {**facts.not_checked, **failed}
     by_reason: dict[tuple[str, str], list[str]] = {}
     for g in facts.gpus:
         for key, why in g.unavailable.items():
@@ -235,12 +244,15 @@ def build(
     findings: list[Finding],
     *,
     fingerprints: Any = None,
+    failed: Mapping[str, str] | None = None,
 ) -> Report:
     """The Report of `fpdoctor health`: findings, then `data` with status, summary, table, not_checked,
-    notes and the facts (which `--from` reads back)."""
+    notes and the facts (which `--from` reads back). `failed`: the checks that raised, and why
+    (`findings.judge(facts).not_checked`)."""
+    failed = failed or {}
     fp_findings = list(fingerprints.findings) if fingerprints is not None else []
     all_findings = findings + fp_findings
-    status, status_text = _status(facts, all_findings, fingerprints)
+    status, status_text = _status(facts, all_findings, fingerprints, failed)
     summary: list[list[str]] = [["status", status_text]]
     if facts.host:
         summary.append(["host", facts.host])
@@ -262,7 +274,7 @@ def build(
     data: dict[str, Any] = {"status": status, "summary": summary}
     if facts.gpus or facts.xids or facts.lost or (fingerprints is not None and fingerprints.rows):
         data["table"] = table(facts, all_findings, fingerprints.rows if fingerprints is not None else None)
-    not_checked = _not_checked(facts)
+    not_checked = _not_checked(facts, failed)
     if not_checked:
         data["not_checked"] = not_checked
     data["notes"] = notes

@@ -86,6 +86,15 @@ def _known(values: Mapping[str, Any], keep: tuple[str, ...] = ()) -> dict[str, A
     return {k: v for k, v in values.items() if v is not None or k in keep}
 
 
+@dataclass(frozen=True)
+class Judged:
+    """What a rule engine (env rules, health checks) made of its facts: the findings, and what it
+    could not judge and why (a rule that raised, a table without a row), for the report's not_checked."""
+
+    findings: list[Finding]
+    not_checked: dict[str, str]
+
+
 @dataclass(kw_only=True)
 class Report:
     """What one command found; `data` holds the capability's facts and tables."""

@@ -2,7 +2,9 @@
 
 A rule is `check(ctx) -> Iterable[Finding]`. Rules read facts through `Facts`, reference data
 through `RefData`, and may read the findings of rules that ran before them (probes explain
-their crashes with the cuBLAS rule's finding). Order matters only for that.
+their crashes with the cuBLAS rule's finding). Order matters only for that. A rule never
+writes into the facts: what it could not judge, and why, goes into `ctx.not_checked`, so the same
+facts judge the same a second time.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 
 from fpdoctor.env.facts import Facts
 from fpdoctor.env.refdata import RefData, refdata
-from fpdoctor.report.model import Finding, Severity
+from fpdoctor.report.model import Finding, Judged, Severity
 
 
 @dataclass
@@ -22,6 +24,7 @@ class Context:
     symptoms: dict[str, list[str]]  # known-issue id -> the lines of text that matched a specific symptom
     weak_symptoms: dict[str, list[str]] = field(default_factory=dict)  # ... that matched a generic one
     findings: list[Finding] = field(default_factory=list)
+    not_checked: dict[str, str] = field(default_factory=dict)  # what a rule could not judge -> why
 
 
 Rule = Callable[[Context], Iterable[Finding]]
@@ -53,7 +56,7 @@ def all_rules() -> list[Rule]:
     ]
 
 
-def evaluate(facts: Facts, ref: RefData | None = None) -> list[Finding]:
+def evaluate(facts: Facts, ref: RefData | None = None) -> Judged:
     from fpdoctor.env.rules.known import matched_issues
 
     texts = facts.texts
@@ -67,7 +70,7 @@ def evaluate(facts: Facts, ref: RefData | None = None) -> list[Finding]:
         try:
             ctx.findings.extend(rule(ctx))
         except Exception as exc:  # a broken rule must not hide what the other rules found
-            facts.raw.setdefault("not_checked", {})[f"rule {rule.__name__}"] = (
+            ctx.not_checked[f"rule {rule.__name__}"] = (
                 f"failed with {type(exc).__name__}: {exc}; please report this to fpdoctor"
             )
-    return ctx.findings
+    return Judged(findings=ctx.findings, not_checked=ctx.not_checked)

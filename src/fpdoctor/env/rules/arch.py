@@ -60,7 +60,7 @@ def arch_not_in_build(ctx: Context) -> Iterable[Finding]:
     build = facts.build_cuda
     ccs = sorted({sm_number(g["compute_capability"]) for g in facts.gpus if g.get("compute_capability")})
     if ccs and arch is None and facts.torch_version and facts.variant:
-        facts.raw.setdefault("not_checked", {})["GPU architecture coverage"] = (
+        ctx.not_checked["GPU architecture coverage"] = (
             f"fpdoctor's table has no arch list for torch {facts.torch_version} {facts.variant}; "
             "`fpdoctor env` on that machine reads the build's own list"
         )

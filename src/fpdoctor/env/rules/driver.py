@@ -38,12 +38,12 @@ def driver_too_old(ctx: Context) -> Iterable[Finding]:
     floor = family or (ctx.ref.toolkit_floor(build, facts.windows) if build else None)
     if build and facts.windows and floor is None and ctx.ref.family_floor(build.major) is not None:
         # NVIDIA's table prints N/A for Windows from CUDA 13 (drivers no longer bundled): no floor to judge by.
-        facts.raw.setdefault("not_checked", {})[f"driver floor for CUDA {build.major}.x on Windows"] = (
+        ctx.not_checked[f"driver floor for CUDA {build.major}.x on Windows"] = (
             f"NVIDIA's table gives no Windows minimum driver for CUDA {build.major}.x builds, so driver "
             f"{driver_text or '(unknown)'} was not checked against one"
         )
     if build and driver and floor is None and not facts.windows:
-        facts.raw.setdefault("not_checked", {})[f"driver floor for CUDA {build}"] = (
+        ctx.not_checked[f"driver floor for CUDA {build}"] = (
             f"fpdoctor's table of NVIDIA's minimum drivers has no row for CUDA {build}; driver {driver_text} "
             "was not checked against one"
         )
