@@ -1,0 +1,156 @@
+"""One finding per cause, and a run that stops learning said as such: the step judge behind every
+training front end, driven here through `fpdoctor.Sentinel`.
+
+Each case is a training failure of a class users meet: an op that overflows fp16 on every step, a
+learning rate that drives the loss up before it goes non-finite, a GradScaler calibrating from its
+first scale (healthy), a GradScaler the user steps outside the guard."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fpdoctor
+from fpdoctor.numerics import step_judge
+
+
+def _names(report) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for f in report.findings:
+        out[f.name] = out.get(f.name, 0) + 1
+    return out
+
+
+def _fp16_overflow_every_step(steps: int) -> fpdoctor.Report:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = fpdoctor.Sentinel(model, opt)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = (model(x.half() * 3000).float() - y).pow(2).mean()  # the backward's mm overflows fp16
+        loss.backward()
+        return loss
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        guard.step(step, torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g))
+    return guard.report
+
+
+def test_a_cause_repeated_on_every_step_is_one_finding_with_its_count_and_replays_stop(monkeypatch):
+    replays = []
+    real = step_judge.replay
+    monkeypatch.setattr(step_judge, "replay", lambda *a, **k: replays.append(1) or real(*a, **k))
+    report = _fp16_overflow_every_step(12)
+    names = _names(report)
+    assert names["nonfinite-gradient"] == 1 and names["deterministic-nonfinite"] == 1
+    gradient = report.by_name("nonfinite-gradient")[0]
+    assert gradient.evidence["occurrences"] == 12
+    assert gradient.evidence["first_step"] == 1 and gradient.evidence["last_step"] == 12
+    assert "The same on 12 optimizer steps" in gradient.message
+    assert len(replays) == step_judge.REPLAYS_PER_CAUSE  # the rest are counted under the cause, not replayed
+    assert report.data["skipped_steps"] == 12
+    assert set(report.data["not_replayed"]) == set(range(step_judge.REPLAYS_PER_CAUSE + 1, 13))
+
+
+def test_a_run_whose_every_step_is_skipped_is_said_to_stall_with_the_cause_replays_name():
+    report = _fp16_overflow_every_step(12)
+    stalled = report.by_name("training-stalled")
+    assert len(stalled) == 1 and stalled[0].severity.value == "error"
+    assert stalled[0].message.startswith("12 of the last 12 optimizer steps were skipped")
+    assert "the optimizer never ran" in stalled[0].message
+    assert "aten.mm" in stalled[0].message  # the op every replay named
+    assert stalled[0].evidence["count"] == 12 and stalled[0].evidence["last_good_step"] is None
+
+
+def test_a_loss_that_climbs_before_it_goes_nonfinite_points_the_stall_at_the_learning_rate():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = fpdoctor.Sentinel(model, opt)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        return loss
+
+    g = torch.Generator().manual_seed(1)
+    for i in range(36):
+        if i == 12:  # a learning rate far too high from here on
+            for group in opt.param_groups:
+                group["lr"] = 50.0
+        guard.step(step, torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g))
+    report = guard.report
+    spikes = report.by_name("loss-spike")
+    assert len(spikes) == 1  # one climbing episode, not one finding per step of it
+    assert spikes[0].evidence["occurrences"] >= 3
+    stalled = report.by_name("training-stalled")[0]
+    first_bad = report.by_name("nonfinite-loss")[0].evidence["step"]
+    assert spikes[0].evidence["step"] < first_bad
+    assert "learning rate" in stalled.message and "learning rate" in stalled.fix
+    assert stalled.evidence["last_good_step"] == first_bad - 1
+
+
+def _amp_run(steps: int, *, scale_x: float) -> fpdoctor.Report:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")  # starts at 65536: the first steps overflow by design
+    guard = fpdoctor.Sentinel(model, opt, scaler=scaler)
+
+    def step(x, y):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x * scale_x)
+        loss = (out.float() - y).pow(2).mean()
+        scaler.scale(loss).backward()
+        return loss
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        guard.step(step, torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g))
+    return guard.report
+
+
+def test_a_grad_scaler_calibrating_from_its_first_scale_is_not_a_stall():
+    report = _amp_run(12, scale_x=1000.0)
+    amp = report.data["amp"]
+    assert amp["skipped_steps"] >= 3  # calibration: the scaler's own business
+    assert report.by_name("training-stalled") == []
+    assert report.verdict == "ok"
+    assert amp["min_scale"] is not None and amp["min_scale"] <= amp["scale"]
+
+
+@pytest.mark.parametrize("bad_step", [3])
+def test_a_grad_scaler_the_user_steps_outside_the_guard_keeps_its_gradients(bad_step):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    guard = fpdoctor.Sentinel(model)  # no optimizer: the user's own scaler steps it
+
+    def step(x, y, bad):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        loss = (out.float() - y).pow(2).mean()
+        if bad:
+            loss = loss * float("nan")
+        scaler.scale(loss).backward()
+        return loss
+
+    g = torch.Generator().manual_seed(1)
+    for i in range(1, 6):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+        guard.step(step, x, y, i == bad_step)
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(opt)  # raised "No inf checks were recorded" when the sentinel dropped the gradients
+        scaler.update()
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        assert unchanged == (i == bad_step)  # the scaler skipped the bad step itself, and only it
+    report = guard.report
+    assert report.by_name("deterministic-nonfinite")[0].evidence["step"] == bad_step
