@@ -183,7 +183,11 @@ def judge(rows: list[dict[str, Any]]) -> tuple[list[Finding], list[str]]:
             if len(measured) > 1:
                 _set(members[0], NOT_COMPARABLE)
             continue
-        findings.extend(_digest_outliers(members))
+        # A member that failed its own exact checks is already named (gemm-mismatch): it has no
+        # vote, so its wrong digests neither make the others outliers nor tie a vote of two.
+        voters = [m for m in members if m.get("verdict") != MISMATCH]
+        if len(voters) > 1:
+            findings.extend(_digest_outliers(voters))
         if members[0].get("kind") == "cuda":
             findings.extend(_slow_outliers(members))
         else:
@@ -209,7 +213,18 @@ def _failure(row: dict[str, Any]) -> tuple[Finding | None, str | None]:
         return catalog.make("probe-crashed", message=message, where=where(row), evidence=evidence), None
     if failure.get("kind") == "timeout":
         message = f"The fingerprint child of {place(row)} was still in {step} after {failure.get('seconds')} s."
-        return catalog.make("probe-timed-out", message=message, where=where(row), evidence=evidence), None
+        # a GPU that cannot finish a GEMM fails every job that runs on it; start-up (importing torch,
+        # creating the context) can be slow for reasons of this machine rather than of the device
+        gemm_step = not str(step).startswith("start-up") and "cpu" not in (row.get("kind"), row.get("device"))
+        if gemm_step:
+            message += " A GPU that cannot finish a matrix multiply is not healthy."
+        return catalog.make(
+            "probe-timed-out",
+            message=message,
+            where=where(row),
+            evidence=evidence,
+            severity=Severity.ERROR if gemm_step else None,
+        ), None
     return None, f"{place(row)}: fingerprint not run: {failure.get('error', 'unknown error')}"
 
 
