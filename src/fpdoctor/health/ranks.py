@@ -215,7 +215,8 @@ def _failure(row: dict[str, Any]) -> tuple[Finding | None, str | None]:
         message = f"The fingerprint child of {place(row)} was still in {step} after {failure.get('seconds')} s."
         # a GPU that cannot finish a GEMM fails every job that runs on it; start-up (importing torch,
         # creating the context) can be slow for reasons of this machine rather than of the device
-        gemm_step = not str(step).startswith("start-up") and "cpu" not in (row.get("kind"), row.get("device"))
+        kind = row.get("kind") or ("cpu" if row.get("device") == "cpu" else "cuda")
+        gemm_step = kind != "cpu" and not str(step).startswith("start-up")
         if gemm_step:
             message += " A GPU that cannot finish a matrix multiply is not healthy."
         return catalog.make(
