@@ -43,7 +43,8 @@ def test_a_gpu_lost_before_the_last_reboot_is_history_and_the_node_passes_the_ga
     r = cli("health", "--from", MULTIBOOT, "--from", HEALTHY_SMI, "--format", "json")
     report = json.loads(r.out)
     assert r.code == 0, r.out
-    assert {(f["name"], f["severity"]) for f in report["findings"]} == {("gpu-lost", "warning"), ("xid-error", "warning")}
+    found = {(f["name"], f["severity"]) for f in report["findings"]}
+    assert found == {("gpu-lost", "warning"), ("xid-error", "warning")}
     for f in report["findings"]:
         assert "in an earlier boot (before the log's last reboot)" in f["message"] and "history" in f["message"]
         assert f["fix"].startswith("Nothing now")
@@ -87,9 +88,8 @@ def test_history_survives_the_facts_json_and_older_files_are_judged_as_before(cl
     for entry in (*facts["xids"], *facts["lost"]):  # as written before the last boot was kept
         entry.pop("current_boot")
     out.write_text(json.dumps(old))
-    assert {f["severity"] for f in json.loads(cli("health", "--from", str(out), "--format", "json").out)["findings"]} == {
-        "error"
-    }
+    older = json.loads(cli("health", "--from", str(out), "--format", "json").out)
+    assert {f["severity"] for f in older["findings"]} == {"error"}
 
 
 # --- inputs that are not what they claim ------------------------------------------------------
@@ -193,9 +193,8 @@ XID154_REBOOT = (
 def test_a_recovery_action_is_an_error_whichever_source_says_it(tmp_path):
     from_log = findings(_from_log(XID154_REBOOT))
     smi_file = tmp_path / "smi.txt"
-    smi_file.write_text(
-        (HEALTH / "smi_h100_580_healthy.txt").read_text() + "    GPU Recovery Action                            : Node Reboot Required\n"
-    )
+    action = "    GPU Recovery Action                            : Node Reboot Required\n"
+    smi_file.write_text((HEALTH / "smi_h100_580_healthy.txt").read_text() + action)
     from_smi = health(from_files=[str(smi_file)]).report.findings
     nvml = collect.collect_live(
         nvml_module=FakeNVML([device(recovery_action=(0, 2))]), readers=(("dmesg", lambda: [REBOOT]),), host="n1"
@@ -349,6 +348,7 @@ def test_the_gate_exit_status_over_what_was_read():
     assert live(FakeNVML([device(ecc=ecc)])) == 1
     no_nvml = FakeNVML([], init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
     assert live(no_nvml) == 2  # NOT CHECKED: no verdict
+
     def unreadable() -> list[str]:
         raise kernel_sources.NotReadable("not readable: kernel.dmesg_restrict=1")
 

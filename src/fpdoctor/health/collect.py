@@ -50,7 +50,7 @@ def _merge_identity(facts: HealthFacts, gpu_map: dict[str, dict[str, str]], host
 
 def _boot_offset(facts: HealthFacts) -> int:
     """The first boot number free for the next log: boots of different logs are different boots."""
-    used = [b for g in (*facts.xids, *facts.lost) for b in g.boots]
+    used = [b for g in facts.xids for b in g.boots] + [b for x in facts.lost for b in x.boots]
     used += [k["first_boot"] + k.get("boots", 1) - 1 for k in facts.kernel_logs if isinstance(k.get("first_boot"), int)]
     return max(used, default=-1) + 1
 

@@ -168,7 +168,7 @@ def _xid_cell(facts: HealthFacts, pci: str | None) -> str:
 
 
 def _matches(
-    where: dict[str, Any], pci: str | None, uuid: str | None, index: Any, host: str | None, fp: Any = None
+    where: dict[str, Any], pci: str | None, uuid: str | None, index: Any, host: str | None, *, fp: Any = None
 ) -> bool:
     """Whether a finding's `where` names the row's GPU; `fp` is the row's fingerprint row, if any."""
     if where.get("host") and host and where["host"] != host:
@@ -190,9 +190,9 @@ def _matches(
 
 
 def _state(
-    findings: Iterable[Finding], pci: str | None, uuid: str | None, index: Any, host: str | None, fp: Any = None
+    findings: Iterable[Finding], pci: str | None, uuid: str | None, index: Any, host: str | None, *, fp: Any = None
 ) -> str:
-    ranks = [f.severity.rank for f in findings if _matches(dict(f.where), pci, uuid, index, host, fp)]
+    ranks = [f.severity.rank for f in findings if _matches(dict(f.where), pci, uuid, index, host, fp=fp)]
     return {2: "ERROR", 1: "warning", 0: "note"}[max(ranks)] if ranks else ""
 
 
@@ -263,7 +263,7 @@ def table(facts: HealthFacts, findings: list[Finding], fp_rows: list[dict[str, A
         ]
         if fp_rows is not None:
             row.append(str((fp or {}).get("verdict") or ("failed" if (fp or {}).get("failure") else "-")))
-        state = _state(findings, e["pci"], e["uuid"], e["index"], e["host"], fp)
+        state = _state(findings, e["pci"], e["uuid"], e["index"], e["host"], fp=fp)
         row.append(state or ("ok" if (gpu is not None and gpu.facts) or fp is not None else "n/a"))
         rows.append(row)
     return {"title": "GPUs", "columns": columns, "rows": rows}

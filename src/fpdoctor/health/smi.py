@@ -296,6 +296,10 @@ def _shape(lines: list[str]) -> list[tuple[str, ...]]:
     return list(dict.fromkeys(p[:2] for p, _ in _tree(lines) if not (p[0] in _VARYING and len(p) > 1)))
 
 
+def _goes_on(whole: list[tuple[str, ...]], part: list[tuple[str, ...]]) -> bool:
+    return len(whole) > len(part) and whole[: len(part)] == part
+
+
 def completeness(text: str) -> Completeness:
     """Whether `nvidia-smi -q` text holds every GPU it says is attached, and each of them whole.
 
@@ -311,7 +315,7 @@ def completeness(text: str) -> Completeness:
     entries = _tree(lines)
     last = entries[-1] if entries else None
     shape = _shape(lines)
-    fuller = next((b for b in blocks[:-1] if len(_shape(b[1])) > len(shape) and _shape(b[1])[: len(shape)] == shape), None)
+    fuller = next((b for b in blocks[:-1] if _goes_on(_shape(b[1]), shape)), None)
     name = normalize_pci(pci) if pci else "?"
     if (last is not None and last[1] is None) or fuller is not None or (last is None and attached):
         where = f"after '{' / '.join(last[0])}'" if last is not None else "right after its header"
