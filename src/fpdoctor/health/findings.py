@@ -5,7 +5,10 @@ Severity rules, each from a named source:
   warnings unless repeated on the GPU (two programs by name, three processes by pid, or three
   occurrences more than a minute apart or in different boots) or a memory/bus Xid
   (48/63/64/79/94/95) came in the same boot; NVLink5 Xids 144-150 take the decoded severity
-  (else the line's own Fatal/Nonfatal); Xid 154 is a note when the new recovery action is None.
+  (else the line's own Fatal/Nonfatal); Xid 154 is a note when the new recovery action is None,
+  else an error, as the same recovery action read from NVML or nvidia-smi is.
+- Earlier boots: Xids and losses of the GPU only in boots before the kernel log's last one are
+  history, at most warnings: the reboot has reset the GPU since.
 - ECC: uncorrectable errors since the driver loaded are errors; only in the lifetime count, warnings.
 - Row remapping: a pending remap is an error after uncorrectable errors, a warning after
   correctable ones (the reset is due either way); a remap failure is an error (the RMA criterion

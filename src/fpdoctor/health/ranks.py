@@ -6,7 +6,9 @@ and here also the same torch (it chooses between cuBLAS and cuBLASLt and sizes t
 Rows are grouped by those facts; within a group, the member whose digest differs from the
 group's strict majority, or whose throughput is far below the group's median, is the outlier.
 Members of different groups are "not comparable", never an alarm. The known answer needs no
-group: it is exact everywhere, and each member is checked against it on its own.
+group: it is exact everywhere, and each member is checked against it on its own; a member that
+fails it (or disagrees with itself) is named for that and has no vote, and two members that
+disagree are no majority.
 
 Under torchrun the rows travel in one `all_gather_object` over gloo, from the torchrun
 environment when no process group exists yet.
