@@ -140,12 +140,12 @@ def test_unknown_xid_says_it_is_not_in_the_catalogue():
     assert "Not in NVIDIA's Xid catalogue" in f.message and f.evidence["category"] == "unknown"
 
 
-def test_xid154_changed_to_none_is_a_note_otherwise_a_warning():
+def test_xid154_changed_to_none_is_a_note_otherwise_an_error_as_the_recovery_action_of_nvml_is():
     # NVSentinel csv_test.go
     up = "NVRM: Xid (PCI:0008:01:00): 154, GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)"
     down = "NVRM: Xid (PCI:0008:01:00): 154, GPU recovery action changed from 0x1 (GPU Reset Required) to 0x0 (None)"
     (f,) = findings(from_log(up))
-    assert f.severity is Severity.WARNING and "0x1 (GPU Reset Required)" in f.message
+    assert f.severity is Severity.ERROR and "0x1 (GPU Reset Required)" in f.message
     (f,) = findings(from_log(down))
     assert f.severity is Severity.INFO
 

@@ -207,8 +207,9 @@ def test_the_command_line_runs_cpu_fingerprints_end_to_end():
     from tests.conftest import run_fpdoctor
 
     result = run_fpdoctor("health", "--device", "cpu", "--duration", "0.2", "--format", "json", timeout=120)
-    assert result.code == 0, result.err
     doc = json.loads(result.out)
+    # the CPU's fingerprint is fine; the exit status is the GPUs' gate (2 where they were not checked)
+    assert result.code == (0 if doc["data"]["complete"] else 2), result.err
     (row,) = doc["data"]["fingerprints"]["rows"]
     assert row["verdict"] == "ok" and row["known_answer_ok"] is True
     assert not [f for f in doc["findings"] if f["name"] in ("gemm-mismatch", "rank-outlier")]

@@ -71,15 +71,17 @@ def test_the_same_job_without_the_fault_reports_nothing(tmp_path):
     assert len({json.dumps(row["digests"], sort_keys=True) for row in root["rows"]}) == 1
 
 
-def test_a_rank_that_is_wrong_every_time_is_the_outlier_of_its_group(tmp_path):
-    # every result flipped: its repeats agree with each other, so only the other ranks show it
+def test_a_rank_that_is_wrong_every_time_is_named_by_its_known_answer_alone(tmp_path):
+    # every result flipped: its repeats agree with each other, but the exact known answer is wrong,
+    # which decides: the rank has no vote, and no other rank is marked
     _, docs = _torchrun(tmp_path, "--fault-rank", "1", "--every", "1")
     root = docs[0]
     named = sorted((f["name"], f["where"].get("rank")) for f in root["findings"])
-    assert named == [("gemm-mismatch", 1), ("rank-outlier", 1)]
-    (outlier,) = [f for f in root["findings"] if f["name"] == "rank-outlier"]
-    assert "from 3 members of its group" in outlier["message"]
-    assert set(outlier["evidence"]["digests"]) == {"bf16", "fp16", "fp32"}  # fp8 does not call torch.mm
+    assert named == [("gemm-mismatch", 1)]
+    (wrong,) = root["findings"]
+    assert "got the exact-integer known answer wrong in" in wrong["message"]
+    assert {"bf16", "fp16", "fp32"} <= set(wrong["evidence"]["dtypes"])  # fp8 does not call torch.mm
+    assert [row["verdict"] for row in root["rows"]] == ["ok", "mismatch", "ok", "ok"]
 
 
 def test_a_job_with_its_own_process_group_keeps_it(tmp_path):

@@ -29,7 +29,7 @@ def _facts(*, xids: int = 0, uncorrected: int = 0, pending: bool = False) -> Hea
 def test_new_xids_and_ecc_errors_since_the_start_are_named():
     w = watch.start(UUID, read=lambda: _facts(xids=1))
     changes = watch.since(w, read=lambda: _facts(xids=3, uncorrected=2, pending=True))
-    assert changes.any and changes.gpu == "GPU 3 (0000:52:00.0, NVIDIA H100 80GB HBM3)"
+    assert changes.any and changes.gpu == f"GPU 3 (0000:52:00.0, NVIDIA H100 80GB HBM3, {UUID})"
     assert [(x["xid"], x["count"]) for x in changes.xids] == [(48, 2)]  # only the new ones
     assert changes.ecc == {"volatile.uncorrected": 2} and changes.remap_pending
     assert "Xid 48 x2" in changes.text() and "ECC volatile.uncorrected +2" in changes.text()

@@ -85,4 +85,4 @@ def run(args: argparse.Namespace) -> int:
     if not result.reporting:
         return 0  # a torchrun rank other than 0: rank 0 reports for every rank
     emit(result.report.to_dict(), args)
-    return result.report.exit_code
+    return result.exit_code

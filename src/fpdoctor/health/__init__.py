@@ -33,6 +33,15 @@ class HealthResult:
     def gpus(self) -> list[GpuFacts]:
         return self.facts.gpus
 
+    @property
+    def exit_code(self) -> int:
+        """What `fpdoctor health` exits with, a scheduler's drain/undrain gate: 1 an error-level
+        finding, 0 every source read and no error, 2 no verdict (something NOT CHECKED or INCOMPLETE,
+        nothing read an error). `report.exit_code` is 0/1 by findings alone, as for every command."""
+        from fpdoctor.health.report import exit_code
+
+        return exit_code(self.report)
+
 
 def health(
     *,

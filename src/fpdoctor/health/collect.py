@@ -10,18 +10,28 @@ from fpdoctor.health import inputs, kernel_log, kernel_sources, nvml, smi
 from fpdoctor.health.model import GpuFacts, HealthFacts, LostGpu
 
 
-def _fold_lost(events: list[kernel_log.LostEvent]) -> list[LostGpu]:
-    by_pci: dict[str, LostGpu] = {}
+def _fold_lost(events: list[kernel_log.LostEvent], *, boot_offset: int, current_boot: int) -> list[LostGpu]:
+    """One LostGpu per bus id; its count is separate occurrences, not lines: the driver reports one
+    loss with an Xid 79 line and a 'GPU has fallen off the bus' line (or the three-line message),
+    all within a second (kernel_log.episodes)."""
+    by_pci: dict[str, list[kernel_log.LostEvent]] = {}
     for e in events:
-        lost = by_pci.get(e.pci)
-        via = "Xid 79" if e.xid == 79 else "kernel log message"
-        if lost is None:
-            by_pci[e.pci] = LostGpu(pci=e.pci, via=via, first_seen=e.stamp.text(), line=e.message[:400])
-        else:
-            lost.count += 1
-            if via == "Xid 79":
-                lost.via = via
-    return list(by_pci.values())
+        by_pci.setdefault(e.pci, []).append(e)
+    out = []
+    for pci, evs in by_pci.items():
+        first = evs[0]
+        out.append(
+            LostGpu(
+                pci=pci,
+                via="Xid 79" if any(e.xid == 79 for e in evs) else "kernel log message",
+                first_seen=first.stamp.text(),
+                line=first.message[:400],
+                count=kernel_log.episodes(evs),
+                boots=sorted({e.stamp.boot + boot_offset for e in evs}),
+                current_boot=current_boot,
+            )
+        )
+    return out
 
 
 def _merge_identity(facts: HealthFacts, gpu_map: dict[str, dict[str, str]], host: str | None) -> None:
@@ -38,12 +48,27 @@ def _merge_identity(facts: HealthFacts, gpu_map: dict[str, dict[str, str]], host
         gpu.serial = gpu.serial or ident.get("serial")
 
 
+def _boot_offset(facts: HealthFacts) -> int:
+    """The first boot number free for the next log: boots of different logs are different boots."""
+    used = [b for g in facts.xids for b in g.boots] + [b for x in facts.lost for b in x.boots]
+    used += [k["first_boot"] + k.get("boots", 1) - 1 for k in facts.kernel_logs if isinstance(k.get("first_boot"), int)]
+    return max(used, default=-1) + 1
+
+
 def add_kernel_log(
     facts: HealthFacts, lines: list[str], source: str, *, strict: bool, host: str | None = None
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
     """Parse one kernel log into `facts`; `strict` (a --from file) refuses an unreadable Xid line or
-    a log cut inside an NVIDIA message, a live log only notes them."""
+    a log cut inside an NVIDIA message, a live log only notes them. A text without a single kernel
+    message (a saved "dmesg: read kernel buffer failed") is no evidence either way: the kernel log is
+    then NOT CHECKED (facts.not_checked) and None is returned."""
     parsed = kernel_log.parse(lines)
+    if not parsed.kernel_lines:
+        first = next((line.strip() for line in lines if line.strip()), "")
+        why = f"{source} holds no kernel message ({_n(parsed.lines, 'line')}, the first {first[:100]!r})"
+        earlier = facts.not_checked.get("kernel log")
+        facts.not_checked["kernel log"] = f"{earlier}; {why}" if earlier else why
+        return None
     if parsed.truncated:
         if strict:
             raise inputs.InputError(f"{source} looks cut off: {parsed.truncated}; save the whole log again")
@@ -56,9 +81,9 @@ def add_kernel_log(
                 "give the whole line as the kernel logged it"
             )
         facts.notes.append(f"{source}: {len(parsed.unreadable)} Xid line(s) could not be read, e.g. line {line_no}")
-    offset = max((b for g in facts.xids for b in g.boots), default=-1) + 1  # boots of different logs differ
-    facts.xids += kernel_log.group(parsed.xids, driver=facts.driver, boot_offset=offset)
-    facts.lost += _fold_lost(parsed.lost)
+    offset = _boot_offset(facts)
+    facts.xids += kernel_log.group(parsed.xids, driver=facts.driver, boot_offset=offset, boots=parsed.boots)
+    facts.lost += _fold_lost(parsed.lost, boot_offset=offset, current_boot=offset + parsed.boots - 1)
     _merge_identity(facts, parsed.gpu_map, host)
     summary: dict[str, Any] = {
         "source": source,
@@ -66,6 +91,7 @@ def add_kernel_log(
         "nvidia_lines": parsed.nvidia_lines,
         "xid_lines": len(parsed.xids),
         "boots": parsed.boots,
+        "first_boot": offset,
         "since": parsed.first.text() if parsed.first else None,
         "until": parsed.last.text() if parsed.last else None,
         "drivers": parsed.drivers,
@@ -86,7 +112,10 @@ def _log_text(summary: dict[str, Any]) -> str:
     lines = _n(summary["lines"], "line")
     if not summary["nvidia_lines"]:
         return f"{lines}, no NVIDIA (NVRM) lines"
-    return f"{lines}, {_n(summary['nvidia_lines'], 'NVIDIA line')}, {_n(summary['xid_lines'], 'Xid line')}"
+    text = f"{lines}, {_n(summary['nvidia_lines'], 'NVIDIA line')}, {_n(summary['xid_lines'], 'Xid line')}"
+    if summary["boots"] > 1:  # its earlier boots' events are history (findings.earlier_boot)
+        text += f"; {summary['boots']} boots, judged as of the last"
+    return text
 
 
 def collect_live(*, nvml_module: Any = None, readers: Any = None, host: str | None = None) -> HealthFacts:
@@ -107,6 +136,8 @@ def collect_live(*, nvml_module: Any = None, readers: Any = None, host: str | No
         facts.not_checked["kernel log"] = "; ".join(f"{name}: {why}" for name, why in text.tried.items())
         return facts
     summary = add_kernel_log(facts, text.lines, text.source, strict=False, host=facts.host)
+    if summary is None:
+        return facts
     facts.sources["kernel log"] = f"{text.source}: {_log_text(summary)}"
     if text.tried:
         facts.kernel_logs[-1]["not_read"] = text.tried
@@ -138,6 +169,11 @@ def collect_files(paths: list[str]) -> HealthFacts:
                 raise inputs.InputError(
                     f"{name} looks like nvidia-smi -q output but holds no GPU section; {inputs.WHAT}"
                 )
+            whole = smi.completeness(text)
+            if whole.cut:
+                raise inputs.InputError(f"{name} is cut off: {whole.cut}; save the whole nvidia-smi -q output again")
+            if whole.missing:
+                facts.not_checked[f"GPUs missing from {name}"] = whole.missing
             facts.gpus += gpus
             facts.driver = facts.driver or driver
             facts.sources[name] = f"nvidia-smi -q: {len(gpus)} GPU(s)" + (f", driver {driver}" if driver else "")
@@ -145,6 +181,9 @@ def collect_files(paths: list[str]) -> HealthFacts:
             logs.append((name, text))
     for name, text in logs:
         summary = add_kernel_log(facts, text.splitlines(), name, strict=True)
+        if summary is None:
+            facts.sources[name] = "not a kernel log: no line of it is a kernel message"
+            continue
         label = "kernel log" if name not in facts.sources else facts.sources[name] + "; kernel log"
         facts.sources[name] = f"{label}: {_log_text(summary)}"
     hosts = {h for g in facts.xids for h in g.hosts}

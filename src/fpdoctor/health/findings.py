@@ -5,7 +5,10 @@ Severity rules, each from a named source:
   warnings unless repeated on the GPU (two programs by name, three processes by pid, or three
   occurrences more than a minute apart or in different boots) or a memory/bus Xid
   (48/63/64/79/94/95) came in the same boot; NVLink5 Xids 144-150 take the decoded severity
-  (else the line's own Fatal/Nonfatal); Xid 154 is a note when the new recovery action is None.
+  (else the line's own Fatal/Nonfatal); Xid 154 is a note when the new recovery action is None,
+  else an error, as the same recovery action read from NVML or nvidia-smi is.
+- Earlier boots: Xids and losses of the GPU only in boots before the kernel log's last one are
+  history, at most warnings: the reboot has reset the GPU since.
 - ECC: uncorrectable errors since the driver loaded are errors; only in the lifetime count, warnings.
 - Row remapping: a pending remap is an error after uncorrectable errors, a warning after
   correctable ones (the reset is due either way); a remap failure is an error (the RMA criterion
@@ -22,7 +25,7 @@ from fpdoctor import catalog
 from fpdoctor.health import xid as xids
 from fpdoctor.health.checks import Check, at_most_one, run_checks
 from fpdoctor.health.kernel_log import XidGroup
-from fpdoctor.health.model import SLOWDOWN_REASONS, GpuFacts, HealthFacts
+from fpdoctor.health.model import SLOWDOWN_REASONS, GpuFacts, HealthFacts, LostGpu
 from fpdoctor.report.model import Finding, Judged, Severity
 
 # An application-class Xid on one GPU from this many processes, or at this many separate times, is
@@ -98,14 +101,38 @@ def _nvlink_text(g: XidGroup) -> str:
     return " NVLink5 decode: " + " | ".join(parts) + "." if parts else ""
 
 
+def earlier_boot(boots: list[int], current_boot: int | None) -> str:
+    """'in an earlier boot (before the log's last reboot)': when events of earlier boots came."""
+    if current_boot is None or not boots:
+        return ""
+    ago = current_boot - max(boots)
+    when = "before the log's last reboot" if ago == 1 else f"{ago} reboots before the log's last boot"
+    return f"in {'an earlier boot' if len(boots) == 1 else f'{len(boots)} earlier boots'} ({when})"
+
+
 def xid_severity(g: XidGroup, groups: list[XidGroup]) -> tuple[Severity, str]:
-    """The severity of one Xid group and the reason, in words, when it differs from the catalogue's."""
+    """The severity of one Xid group and the reason, in words, when it differs from the catalogue's.
+    Xids only of boots before the log's last one are history: a reboot reset the GPU, so they say
+    what happened, not what the GPU is now, and are never more than a warning (like an ECC error
+    seen only in the lifetime counter)."""
+    severity, why = _xid_severity_now(g, groups)
+    if not g.history():
+        return severity, why
+    return min(severity, Severity.WARNING, key=lambda s: s.rank), (
+        f" Logged {earlier_boot(g.boots, g.current_boot)}: history, not the GPU's state now. If it comes "
+        "back in this boot, the GPU is suspect."
+    )
+
+
+def _xid_severity_now(g: XidGroup, groups: list[XidGroup]) -> tuple[Severity, str]:
     info = xids.lookup(g.xid)
     if 144 <= g.xid <= 150 and (sev := _nvlink_severity(g)) is not None:
         return sev, ""
     if g.xid == 154 and g.recovery_to:
+        # the driver's recovery action, as NVML and nvidia-smi report it (gpu-recovery-required): an
+        # action other than none is an error whichever source says it
         changed_to_none = "none" in g.recovery_to.lower() or g.recovery_to.startswith("0x0 ")
-        return (Severity.INFO, "") if changed_to_none else (Severity.WARNING, "")
+        return (Severity.INFO, "") if changed_to_none else (Severity.ERROR, "")
     if not info.application_class:
         return xids.base_severity(info), ""
     companions = sorted(
@@ -182,13 +209,16 @@ def xid_findings(facts: HealthFacts) -> list[Finding]:
             "line": g.line,
             "nvlink": g.nvlink or None,
         }
+        fix = info.action_text(bus=g.pci, index=index)
+        if g.history():
+            fix = f"Nothing now: a reboot has reset the GPU since. If the Xid comes back in this boot: {fix}"
         out.append(
             catalog.make(
                 "xid-error",
                 title=f"Xid {g.xid}: {name}",
                 message=message,
                 severity=severity,
-                fix=info.action_text(bus=g.pci, index=index),
+                fix=fix,
                 where=where,
                 evidence=evidence,
             )
@@ -209,6 +239,9 @@ def lost_findings(facts: HealthFacts) -> list[Finding]:
             evidence.update(count=log.count, first_seen=log.first_seen, line=log.line)
             if log.via == "Xid 79":
                 evidence["xid"] = 79
+        if log is not None and log.history() and not (gpu is not None and gpu.lost):
+            out.append(_lost_before_reboot(facts, log, gpu, evidence))
+            continue
         if gpu is not None and gpu.lost:
             said.append(gpu.lost)
             evidence["nvml"] = gpu.lost
@@ -224,6 +257,24 @@ def lost_findings(facts: HealthFacts) -> list[Finding]:
             )
         )
     return out
+
+
+def _lost_before_reboot(facts: HealthFacts, log: LostGpu, gpu: GpuFacts | None, evidence: dict[str, Any]) -> Finding:
+    """A GPU that fell off the bus only in boots before the log's last one: the reboot brought it
+    back, so it is history (a warning, as a lifetime-only ECC count is), said with its boot."""
+    who = _sentence(_gpu_text(log.pci, gpu))
+    when = earlier_boot(log.boots, log.current_boot)
+    return catalog.make(
+        "gpu-lost",
+        message=f"{who} fell off the bus {when}: the kernel log says so ({log.via}, "
+        f"{_times(log.count, log.first_seen, None)}). The node has rebooted since and the log does not show it "
+        "lost in the last boot: history, not the GPU's state now. If it falls off again, replace it.",
+        severity=Severity.WARNING,
+        fix="Nothing now: the GPU is back after the reboot. If it falls off the bus again, drain the node, "
+        "check power cables, cooling and the PCIe riser, and replace the GPU.",
+        where=_where(facts, log.pci, gpu),
+        evidence={**evidence, "boots": log.boots, "current_boot": log.current_boot},
+    )
 
 
 def _ecc_finding(facts: HealthFacts, gpu: GpuFacts) -> Finding | None:

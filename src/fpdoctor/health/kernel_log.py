@@ -43,6 +43,16 @@ _DRIVER = re.compile(r"NVRM: loading NVIDIA UNIX .*?Kernel Module(?: for \S+)?\s
 _BOOT = re.compile(r"\bLinux version \d")
 _HEADER_ONLY = re.compile(rf"NVRM: The NVIDIA GPU {_PCI}(?: \(PCI ID: [0-9a-fA-F:]+\))?")
 _FALLEN = "fallen off the bus"
+# What makes a line a kernel message, whatever saved it: a dmesg stamp (`[ 12.3]`, `-T`'s
+# `[Wed Jan 27 23:04:35 2021]`, `--decode`'s `kern  :warn  :`, raw `<6>`), a /dev/kmsg record, an
+# ISO stamp at the start (`--time-format iso`), or syslog's and the journal's `kernel:`. A text
+# with none of them ("dmesg: read kernel buffer failed: Operation not permitted") is no kernel log.
+_KERNEL_LINE = re.compile(
+    r"^\s*(?:<\d+>)?(?:\[\s*\d+\.\d+\]|\[[A-Z][a-z]{2} [A-Z][a-z]{2}\s+\d{1,2} \d{2}:\d{2}:\d{2} \d{4}\]"
+    r"|\d+,\d+,\d+,[^;]*;|\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}"
+    r"|(?:kern|user|mail|daemon|auth|syslog|lpr|news|uucp|cron|authpriv|ftp|local[0-7])\s*:\s*[a-z]+\s*:)"
+    r"|\skernel:"
+)
 
 # timestamp prefixes, searched in the text before "NVRM:"
 _KMSG = re.compile(r"^\s*\d+,\d+,(?P<usec>\d+),[^;]*;")
@@ -157,6 +167,7 @@ class LostEvent:
 @dataclass
 class ParsedLog:
     lines: int = 0
+    kernel_lines: int = 0  # lines that are kernel messages (see _KERNEL_LINE), NVIDIA's included
     nvidia_lines: int = 0
     boots: int = 1
     first: Stamp | None = None
@@ -233,7 +244,10 @@ def parse(lines: Iterable[str]) -> ParsedLog:
             last_uptime = None
         at = line.find("NVRM:")
         if at < 0:
+            if _KERNEL_LINE.search(line):
+                log.kernel_lines += 1
             continue
+        log.kernel_lines += 1
         log.nvidia_lines += 1
         uptime, wall, host = _prefix_stamp(line[:at])
         if uptime is not None:
@@ -312,6 +326,13 @@ class XidGroup:
     nvlink: list[dict[str, Any]] = field(default_factory=list)  # decoded extended lines, distinct
     recovery_to: str | None = None
     episodes: int | None = None  # separate occurrences (see `episodes`); None in files written before it
+    # the last boot the log shows: events only in boots before it are history, not the GPU's state
+    # now; None in files written before it was kept (every event is then taken as current)
+    current_boot: int | None = None
+
+    def history(self) -> bool:
+        """Whether every event of the group came in a boot before the log's last one."""
+        return self.current_boot is not None and bool(self.boots) and max(self.boots) < self.current_boot
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v not in (None, [], "")}
@@ -338,7 +359,7 @@ _LISTED = 20  # pids and process names kept per group: enough to see who, bounde
 EPISODE_GAP_S = 60.0
 
 
-def episodes(events: list[XidEvent]) -> int:
+def episodes(events: list[XidEvent] | list[LostEvent]) -> int:
     """How many separate times the events happened: a new boot, or a line more than EPISODE_GAP_S
     after the first line of the current occurrence, starts another. Lines without a usable
     timestamp join the occurrence before them (uncertainty never inflates the count)."""
@@ -361,9 +382,12 @@ def _unique(values: Iterable[Any]) -> list[Any]:
     return list(dict.fromkeys(v for v in values if v is not None))
 
 
-def group(events: list[XidEvent], *, driver: str | None = None, boot_offset: int = 0) -> list[XidGroup]:
+def group(
+    events: list[XidEvent], *, driver: str | None = None, boot_offset: int = 0, boots: int | None = None
+) -> list[XidGroup]:
     """Fold events per (bus id, Xid), in order of first appearance; NVLink5 lines are decoded with the
-    driver the log names before them, else `driver` (from NVML or nvidia-smi)."""
+    driver the log names before them, else `driver` (from NVML or nvidia-smi). `boots`: how many
+    boots the log shows (ParsedLog.boots), so each group knows which boot is the current one."""
     by_key: dict[tuple[str, int], list[XidEvent]] = {}
     for e in events:
         by_key.setdefault((e.pci, e.xid), []).append(e)
@@ -403,6 +427,7 @@ def group(events: list[XidEvent], *, driver: str | None = None, boot_offset: int
                 nvlink=list(decoded.values()),
                 recovery_to=next((e.recovery_to for e in reversed(evs) if e.recovery_to), None),
                 episodes=episodes(evs),
+                current_boot=None if boots is None else boot_offset + boots - 1,
             )
         )
     return groups

@@ -67,9 +67,12 @@ class GpuFacts:
     unavailable: dict[str, str] = field(default_factory=dict)
 
     def label(self) -> str:
-        """'GPU 3 (0000:52:00.0, NVIDIA H100 80GB HBM3)': what a person needs to find it."""
+        """'GPU 3 (0000:52:00.0, NVIDIA H100 80GB HBM3, GPU-509665ad-..., serial 1654922001234)': what
+        a person needs to find it. Bus ids repeat across nodes; the UUID names the GPU anywhere and
+        the board serial is what a replacement (RMA) asks for."""
         head = f"GPU {self.index}" if self.index is not None else "GPU"
-        inner = ", ".join(x for x in (self.pci, self.name) if x)
+        serial = f"serial {self.serial}" if self.serial else None
+        inner = ", ".join(x for x in (self.pci, self.name, self.uuid, serial) if x)
         return f"{head} ({inner})" if inner else head
 
     def where(self) -> dict[str, Any]:
@@ -95,10 +98,16 @@ class LostGpu:
     via: str  # "kernel log message", "Xid 79", "NVML"
     first_seen: str | None = None
     line: str = ""
-    count: int = 1
+    count: int = 1  # separate times: the driver's two or three lines of one loss are one
+    boots: list[int] = field(default_factory=list)  # the kernel log's boots it was seen in
+    current_boot: int | None = None  # the log's last boot (see XidGroup.current_boot)
+
+    def history(self) -> bool:
+        """Whether the GPU fell off the bus only in boots before the log's last one."""
+        return self.current_boot is not None and bool(self.boots) and max(self.boots) < self.current_boot
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if v not in (None, "")}
+        return {k: v for k, v in self.__dict__.items() if v not in (None, "", [])}
 
 
 @dataclass

@@ -6,7 +6,9 @@ and here also the same torch (it chooses between cuBLAS and cuBLASLt and sizes t
 Rows are grouped by those facts; within a group, the member whose digest differs from the
 group's strict majority, or whose throughput is far below the group's median, is the outlier.
 Members of different groups are "not comparable", never an alarm. The known answer needs no
-group: it is exact everywhere, and each member is checked against it on its own.
+group: it is exact everywhere, and each member is checked against it on its own; a member that
+fails it (or disagrees with itself) is named for that and has no vote, and two members that
+disagree are no majority.
 
 Under torchrun the rows travel in one `all_gather_object` over gloo, from the torchrun
 environment when no process group exists yet.
@@ -183,7 +185,11 @@ def judge(rows: list[dict[str, Any]]) -> tuple[list[Finding], list[str]]:
             if len(measured) > 1:
                 _set(members[0], NOT_COMPARABLE)
             continue
-        findings.extend(_digest_outliers(members))
+        # A member that failed its own exact checks is already named (gemm-mismatch): it has no
+        # vote, so its wrong digests neither make the others outliers nor tie a vote of two.
+        voters = [m for m in members if m.get("verdict") != MISMATCH]
+        if len(voters) > 1:
+            findings.extend(_digest_outliers(voters))
         if members[0].get("kind") == "cuda":
             findings.extend(_slow_outliers(members))
         else:
@@ -209,7 +215,19 @@ def _failure(row: dict[str, Any]) -> tuple[Finding | None, str | None]:
         return catalog.make("probe-crashed", message=message, where=where(row), evidence=evidence), None
     if failure.get("kind") == "timeout":
         message = f"The fingerprint child of {place(row)} was still in {step} after {failure.get('seconds')} s."
-        return catalog.make("probe-timed-out", message=message, where=where(row), evidence=evidence), None
+        # a GPU that cannot finish a GEMM fails every job that runs on it; start-up (importing torch,
+        # creating the context) can be slow for reasons of this machine rather than of the device
+        kind = row.get("kind") or ("cpu" if row.get("device") == "cpu" else "cuda")
+        gemm_step = kind != "cpu" and not str(step).startswith("start-up")
+        if gemm_step:
+            message += " A GPU that cannot finish a matrix multiply is not healthy."
+        return catalog.make(
+            "probe-timed-out",
+            message=message,
+            where=where(row),
+            evidence=evidence,
+            severity=Severity.ERROR if gemm_step else None,
+        ), None
     return None, f"{place(row)}: fingerprint not run: {failure.get('error', 'unknown error')}"
 
 

@@ -29,6 +29,46 @@ def _n(count: int, what: str) -> str:
     return f"{count} {what}" + ("" if count == 1 else "s")
 
 
+def _unread(facts: HealthFacts) -> list[str]:
+    """Key facts some GPU could not give (other than 'not supported')."""
+    return sorted(
+        {
+            k
+            for g in facts.gpus
+            if g.facts
+            for k, why in g.unavailable.items()
+            if k.split(".")[0] in KEY_FACTS and not why.startswith("not supported")
+        }
+    )
+
+
+def _gaps(facts: HealthFacts) -> list[str]:
+    """What was not checked, in a word each: the sources listed as not checked, GPU facts or the
+    kernel log when not given, the key facts a GPU could not give."""
+    gaps = list(facts.not_checked)
+    if not any(g.facts for g in facts.gpus) and "NVML" not in gaps:
+        gaps.append("GPU facts")
+    if not facts.kernel_logs and "kernel log" not in gaps:
+        gaps.append("kernel log")
+    return gaps + _unread(facts)
+
+
+def complete(facts: HealthFacts) -> bool:
+    """Whether every source was read: GPU facts (NVML or nvidia-smi -q) with every key fact, the
+    kernel log, and nothing listed as not checked. Only then can 'no error' mean healthy."""
+    return not _gaps(facts)
+
+
+def exit_code(report: Report) -> int:
+    """The exit status of `fpdoctor health`, a gate for a scheduler: 1 an error-level finding (drain,
+    whatever could not be read); 0 every source read and no error (healthy, warnings at most); 2 no
+    verdict: something was NOT CHECKED or INCOMPLETE and nothing read is an error (bad usage and
+    refused input files exit 2 too, before any report)."""
+    if report.exit_code:
+        return 1
+    return 0 if report.data.get("complete") else 2
+
+
 def _status(
     facts: HealthFacts, findings: list[Finding], fingerprints: Any, failed: Mapping[str, str] | None = None
 ) -> tuple[str, str]:
@@ -45,7 +85,8 @@ def _status(
     note_text = f"; {_n(notes, 'note')} below" if notes else ""
     if problems:
         gpus = {f.where.get("pci") or f.where.get("uuid") or f.where.get("index") for f in problems}
-        skipped = f"; NOT CHECKED: {', '.join([*facts.not_checked, *failed])}" if facts.not_checked or failed else ""
+        gaps = [*_gaps(facts), *failed]
+        skipped = f"; NOT CHECKED: {', '.join(gaps)}" if gaps else ""
         return "problems", f"problems found on {len(gpus)} GPU(s): see the findings{skipped}{note_text}"
     if not gpu_facts and not nvidia_lines:
         why = facts.not_checked.get("NVML") or "no NVML facts or nvidia-smi -q output given"
@@ -61,18 +102,11 @@ def _status(
         return "incomplete", (
             f"INCOMPLETE: GPU facts show no problem, the kernel log was not read ({why}){fp_note}{note_text}"
         )
-    unread = sorted(
-        {
-            k
-            for g in gpu_facts
-            for k, why in g.unavailable.items()
-            if k.split(".")[0] in KEY_FACTS and not why.startswith("not supported")
-        }
-    )
     if failed:
         return "incomplete", (
             f"INCOMPLETE: no problem in what was checked, but {', '.join(failed)} failed (see not checked){note_text}"
         )
+    unread = _unread(facts) + [f"{k} ({why})" for k, why in facts.not_checked.items()]
     if unread:
         return "incomplete", (
             f"INCOMPLETE: no problem in what was read, but {', '.join(unread)} could not be read{note_text}"
@@ -129,16 +163,32 @@ def _clock_cell(gpu: GpuFacts | None) -> str:
 
 
 def _xid_cell(facts: HealthFacts, pci: str | None) -> str:
-    parts = [f"{g.xid}x{g.count}" if g.count > 1 else str(g.xid) for g in facts.xids if pci and g.pci == pci]
-    if pci and any(x.pci == pci for x in facts.lost) and "79" not in {p.split("x")[0] for p in parts}:
-        parts.append("off bus")
-    return ",".join(parts) or "-"
+    """'48,13x3' for this boot; Xids only of earlier boots follow in brackets: '[48,79 earlier boot]'."""
+    cells: dict[bool, list[str]] = {False: [], True: []}
+    for g in facts.xids:
+        if pci and g.pci == pci:
+            cells[g.history()].append(f"{g.xid}x{g.count}" if g.count > 1 else str(g.xid))
+    for lost in facts.lost:
+        if pci and lost.pci == pci and "79" not in {p.split("x")[0] for p in cells[lost.history()]}:
+            cells[lost.history()].append("off bus")
+    now, before = ",".join(cells[False]), ",".join(cells[True])
+    return " ".join(x for x in (now, f"[{before} earlier boot]" if before else "") if x) or "-"
 
 
-def _matches(where: dict[str, Any], pci: str | None, uuid: str | None, index: Any, host: str | None) -> bool:
+def _matches(
+    where: dict[str, Any], pci: str | None, uuid: str | None, index: Any, host: str | None, *, fp: Any = None
+) -> bool:
+    """Whether a finding's `where` names the row's GPU; `fp` is the row's fingerprint row, if any."""
     if where.get("host") and host and where["host"] != host:
         return False
-    if pci is uuid is index is None and not any(where.get(k) is not None for k in ("pci", "uuid", "index")):
+    # a fingerprint finding names its rank, or its device: rows without bus id, UUID or index (CPU
+    # ranks, a GPU whose identity was not read) are told apart by them, never all matched
+    for key in ("rank", "device"):
+        if where.get(key) is not None and fp and fp.get(key) is not None:
+            return bool(where[key] == fp[key])
+    if pci is uuid is index is None and not any(
+        where.get(k) is not None for k in ("pci", "uuid", "index", "rank", "device")
+    ):
         return True  # an excerpt without a GPU header: its findings are its GPU's
     if pci and where.get("pci") and normalize_pci(where["pci"]) == pci:
         return True
@@ -147,8 +197,10 @@ def _matches(where: dict[str, Any], pci: str | None, uuid: str | None, index: An
     return index is not None and where.get("index") == index and not where.get("pci")
 
 
-def _state(findings: Iterable[Finding], pci: str | None, uuid: str | None, index: Any, host: str | None) -> str:
-    ranks = [f.severity.rank for f in findings if _matches(dict(f.where), pci, uuid, index, host)]
+def _state(
+    findings: Iterable[Finding], pci: str | None, uuid: str | None, index: Any, host: str | None, *, fp: Any = None
+) -> str:
+    ranks = [f.severity.rank for f in findings if _matches(dict(f.where), pci, uuid, index, host, fp=fp)]
     return {2: "ERROR", 1: "warning", 0: "note"}[max(ranks)] if ranks else ""
 
 
@@ -219,7 +271,7 @@ def table(facts: HealthFacts, findings: list[Finding], fp_rows: list[dict[str, A
         ]
         if fp_rows is not None:
             row.append(str((fp or {}).get("verdict") or ("failed" if (fp or {}).get("failure") else "-")))
-        state = _state(findings, e["pci"], e["uuid"], e["index"], e["host"])
+        state = _state(findings, e["pci"], e["uuid"], e["index"], e["host"], fp=fp)
         row.append(state or ("ok" if (gpu is not None and gpu.facts) or fp is not None else "n/a"))
         rows.append(row)
     return {"title": "GPUs", "columns": columns, "rows": rows}
@@ -271,7 +323,8 @@ def build(
                 "`fpdoctor health --duration 0` there"
             )
     summary += [["note", n] for n in notes]
-    data: dict[str, Any] = {"status": status, "summary": summary}
+    # `complete` with `status` decides the exit status (`exit_code`): a scheduler's gate reads either
+    data: dict[str, Any] = {"status": status, "complete": complete(facts) and not failed, "summary": summary}
     if facts.gpus or facts.xids or facts.lost or (fingerprints is not None and fingerprints.rows):
         data["table"] = table(facts, all_findings, fingerprints.rows if fingerprints is not None else None)
     not_checked = _not_checked(facts, failed)

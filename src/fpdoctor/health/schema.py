@@ -99,12 +99,22 @@ XID = Fields(
             )
         ),
         "recovery_to": OPTIONAL_TEXT,
+        "current_boot": INT,
     },
     required=("pci", "xid", "count"),
 )
 
 LOST = Fields(
-    {"pci": TEXT, "via": TEXT, "first_seen": OPTIONAL_TEXT, "line": TEXT, "count": INT}, required=("pci", "via")
+    {
+        "pci": TEXT,
+        "via": TEXT,
+        "first_seen": OPTIONAL_TEXT,
+        "line": TEXT,
+        "count": INT,
+        "boots": ListOf(INT),
+        "current_boot": INT,
+    },
+    required=("pci", "via"),
 )
 
 HEALTH_FACTS = Fields(

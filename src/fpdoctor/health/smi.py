@@ -11,6 +11,7 @@ applicable"; other non-numbers ("Unknown Error", seen after an uncorrectable err
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from fpdoctor.health.kernel_log import normalize_pci
@@ -262,9 +263,8 @@ def _gpu(pci: str | None, lines: list[str], driver: str | None) -> GpuFacts:
     return gpu
 
 
-def parse(text: str) -> tuple[list[GpuFacts], str | None]:
-    """(GPUs, driver version) from `nvidia-smi -q` text; an excerpt without a GPU header is one GPU."""
-    lines = text.splitlines()
+def _blocks(lines: list[str]) -> tuple[list[str], list[tuple[str | None, list[str]]]]:
+    """(the lines before the first GPU, [(bus id, the GPU's lines)])."""
     head: list[str] = []
     blocks: list[tuple[str | None, list[str]]] = []
     current: list[str] | None = None
@@ -278,6 +278,64 @@ def parse(text: str) -> tuple[list[GpuFacts], str | None]:
             current = None  # a non-indented line ends the GPU (e.g. the next section of a bug report)
         elif not blocks:
             head.append(line)
+    return head, blocks
+
+
+@dataclass
+class Completeness:
+    cut: str | None = None  # where the text stops inside a GPU's section, in words
+    missing: str | None = None  # GPUs the header counts that the text does not hold, in words
+
+
+# sections whose length differs from GPU to GPU (one entry per process or MIG device)
+_VARYING = ("Processes", "MIG devices")
+
+
+def _shape(lines: list[str]) -> list[tuple[str, ...]]:
+    """The keys of one GPU's section, two levels deep, leaving out the entries of _VARYING sections."""
+    return list(dict.fromkeys(p[:2] for p, _ in _tree(lines) if not (p[0] in _VARYING and len(p) > 1)))
+
+
+def _goes_on(whole: list[tuple[str, ...]], part: list[tuple[str, ...]]) -> bool:
+    return len(whole) > len(part) and whole[: len(part)] == part
+
+
+def completeness(text: str) -> Completeness:
+    """Whether `nvidia-smi -q` text holds every GPU it says is attached, and each of them whole.
+
+    Cut off: the text ends on a key without a value (a section header with nothing under it, or a
+    line cut before its colon), or the last GPU's section stops where an earlier GPU's goes on.
+    Missing: 'Attached GPUs' counts more GPUs than the text holds and none of them is cut; `-i`
+    selects GPUs this way too, so the others are said to be not checked rather than refused."""
+    head, blocks = _blocks(text.splitlines())
+    if not blocks:
+        return Completeness()
+    attached = _int(_get(_tree(head), "Attached GPUs"))
+    pci, lines = blocks[-1]
+    entries = _tree(lines)
+    last = entries[-1] if entries else None
+    shape = _shape(lines)
+    fuller = next((b for b in blocks[:-1] if _goes_on(_shape(b[1]), shape)), None)
+    name = normalize_pci(pci) if pci else "?"
+    if (last is not None and last[1] is None) or fuller is not None or (last is None and attached):
+        where = f"after '{' / '.join(last[0])}'" if last is not None else "right after its header"
+        others = f" where GPU {normalize_pci(fuller[0] or '?')} goes on" if fuller is not None else ""
+        gone = attached - len(blocks) if attached else 0
+        rest = f", and {gone} of the {attached} GPUs 'Attached GPUs' counts are not in it at all" if gone > 0 else ""
+        return Completeness(cut=f"the section of GPU {name} stops {where}{others}{rest}")
+    if attached and attached > len(blocks):
+        held = ", ".join(normalize_pci(p) if p else "?" for p, _ in blocks)
+        return Completeness(
+            missing=f"'Attached GPUs' counts {attached} but the output holds {len(blocks)} ({held}): the other "
+            f"{attached - len(blocks)} are not checked (`nvidia-smi -q -i ...` output, or cut off between GPUs?)"
+        )
+    return Completeness()
+
+
+def parse(text: str) -> tuple[list[GpuFacts], str | None]:
+    """(GPUs, driver version) from `nvidia-smi -q` text; an excerpt without a GPU header is one GPU."""
+    lines = text.splitlines()
+    head, blocks = _blocks(lines)
     top = _tree(head)
     driver = _get(top, "Driver Version")
     if not blocks:

@@ -13,6 +13,7 @@ import contextlib
 import io
 import math
 import re
+import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -452,19 +453,25 @@ def fingerprint_matrix(rows: Sequence[Mapping[str, Any]], key: str = "fingerprin
 
     grid = [[cell(a, b) for b in rows] for a in rows]
     n = len(rows)
+    names = [_clip(label(r), 48) for r in rows]
+    # The figure is sized for its labels (9 pt: about 0.075 in a character; the x labels slant at
+    # 45 degrees) and the title wrapped to its width: with few devices and long names a fixed size
+    # leaves the grid no room and matplotlib gives up on the layout (with a warning).
+    chars = max(len(x) for x in names)
+    width = min(12.0, max(4.0, 1.0 + 0.075 * chars + 0.35 * n))
+    title = "GEMM fingerprints: green bit-equal, red different, grey not comparable; diagonal: own repeats"
     with _rc():
-        fig = _figure(min(10, 2.5 + 0.35 * n), 1.6 + 0.3 * n)
+        fig = _figure(width, 1.9 + 0.3 * n + 0.055 * chars)
         ax = fig.subplots()
         ax.pcolormesh(grid, cmap=ListedColormap(["#d9d9d9", "#e57373", "#81c784"]), vmin=0, vmax=2,
                       edgecolors="white", linewidth=1)  # fmt: skip
-        names = [label(r) for r in rows]
         ax.set_xticks([i + 0.5 for i in range(n)], names, rotation=45, ha="right")
         ax.set_yticks([i + 0.5 for i in range(n)], names)
         for tick, r in zip(ax.get_yticklabels(), rows, strict=True):
             if r.get("verdict") not in (None, "ok", "not comparable"):
                 tick.set_color(RED)
         ax.invert_yaxis()
-        ax.set_title("GEMM fingerprints: green bit-equal, red different, grey not comparable; diagonal: own repeats")
+        ax.set_title(textwrap.fill(title, int(width * 9)))
         ax.tick_params(length=0)
         for side in ("left", "bottom"):
             ax.spines[side].set_visible(False)
