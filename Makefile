@@ -23,6 +23,7 @@ demo: $(BIN)/.installed
 lint: $(BIN)/.installed
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: lint
 	$(BIN)/python -m pytest
