@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine:
 #   make demo   set up .venv, run the casebook (`fpdoctor demo`), then diagnose this machine (`fpdoctor env`)
-#   make test   set up .venv, then lint, type-check and run the whole test suite
+#   make test   set up .venv, then lint, type-check, check the layers (lint-imports) and run the whole test suite
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -23,6 +23,7 @@ demo: $(BIN)/.installed
 lint: $(BIN)/.installed
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: lint
 	$(BIN)/python -m pytest

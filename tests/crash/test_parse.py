@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fpdoctor.crash import parse
-from fpdoctor.crash.explain import ERRORS, SIGNALS, explain_text, signal_meaning
+from fpdoctor.meanings import ERRORS, SIGNALS, explain_text, signal_meaning
 from tests.conftest import FIXTURES
 
 STREAMS = FIXTURES / "crash" / "streams"

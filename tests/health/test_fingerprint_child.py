@@ -98,15 +98,15 @@ def test_without_a_gpu_nothing_runs_and_a_note_says_so():
     assert result.notes == ["no GPU: fingerprints not run; --device cpu runs them on the CPU"]
 
 
-def _fake_child(monkeypatch, body: str) -> None:
+def _fake_child(body: str) -> fingerprint.ChildCommand:
+    """A child command that runs `body` instead of a fingerprint."""
     code = textwrap.dedent(body)
-    monkeypatch.setattr(fingerprint, "_child_command", lambda spec: [sys.executable, "-c", code])
+    return lambda spec: [sys.executable, "-c", code]
 
 
-def test_a_child_killed_by_a_signal_is_a_finding(monkeypatch):
+def test_a_child_killed_by_a_signal_is_a_finding():
     identity = json.dumps({"kind": "cuda", "uuid": "GPU-1234", "pci": "00000000:1B:00.0", "index": 3})
-    _fake_child(
-        monkeypatch,
+    command = _fake_child(
         f"""
         import os, signal
         print({fingerprint.READY + identity!r}, flush=True)
@@ -114,7 +114,7 @@ def test_a_child_killed_by_a_signal_is_a_finding(monkeypatch):
         os.kill(os.getpid(), signal.SIGSEGV)
         """,
     )
-    result = fingerprint.run_fingerprints(0.1, device="cpu")
+    result = fingerprint.run_fingerprints(0.1, device="cpu", child_command=command)
     (finding,) = result.findings
     assert finding.name == "probe-crashed"
     assert "GPU 3 (bus 00000000:1B:00.0, GPU-1234) died by SIGSEGV during seeded bf16" in finding.message
@@ -124,8 +124,7 @@ def test_a_child_killed_by_a_signal_is_a_finding(monkeypatch):
 
 def test_a_hung_child_is_killed_and_reported(monkeypatch):
     monkeypatch.setattr(fingerprint, "WORK_SLACK_S", 1.0)
-    _fake_child(
-        monkeypatch,
+    command = _fake_child(
         f"""
         import time
         print({fingerprint.READY!r} + "{{}}", flush=True)
@@ -134,16 +133,16 @@ def test_a_hung_child_is_killed_and_reported(monkeypatch):
         """,
     )
     started = time.monotonic()
-    result = fingerprint.run_fingerprints(0.5, device="cpu")
+    result = fingerprint.run_fingerprints(0.5, device="cpu", child_command=command)
     assert time.monotonic() - started < 20
     (finding,) = result.findings
     assert finding.name == "probe-timed-out"
     assert "still in known answer fp32" in finding.message
 
 
-def test_a_child_that_fails_to_start_is_a_note(monkeypatch):
-    _fake_child(monkeypatch, "import sys; sys.exit('RuntimeError: no kernel image is available for execution')")
-    result = fingerprint.run_fingerprints(0.1, device="cpu")
+def test_a_child_that_fails_to_start_is_a_note():
+    command = _fake_child("import sys; sys.exit('RuntimeError: no kernel image is available for execution')")
+    result = fingerprint.run_fingerprints(0.1, device="cpu", child_command=command)
     assert result.findings == []
     assert result.rows[0]["verdict"] == "failed"
     assert result.notes == ["host " + result.rows[0]["host"] + ", cpu: fingerprint not run: "

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 import fpdoctor
+from fpdoctor.formats import FORMATS, format_named
 from fpdoctor.numerics.headroom import share_below, smallest_nonzero
-from fpdoctor.numerics.limits import FORMATS, format_named
 
 
 class Variance(nn.Module):

@@ -69,3 +69,11 @@ def test_json_is_standard_and_str_is_the_text_report():
         assert doc["findings"][0]["evidence"]["inputs"] == [{"min": "-inf", "max": "nan"}]
         assert doc["data"]["absmax"] == "inf"
     assert str(report).startswith(render(report.to_dict(), "text")[:40]) and "NUM001" in str(report)
+
+
+def test_severity_rank_reads_a_report_dicts_spelling():
+    from fpdoctor.report.model import severity_rank
+
+    assert [severity_rank(s) for s in ("info", "warning", "error")] == [0, 1, 2]
+    assert severity_rank("error") == Severity.ERROR.rank
+    assert severity_rank("fatal") == 0  # a newer fpdoctor's severity ranks lowest here

@@ -80,9 +80,9 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         for _ in range(_STEPS):
             guard.step(step, torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g))
         results["sentinel"] = guard.report.to_dict()
-        if rank == _FAULTY_RANK:
-            fingerprint._child_command = _faulty_child_command  # this rank's "GPU" is the faulty one
-        prints = fingerprint.run_fingerprints(0.5, device="cpu")
+        # this rank's "GPU" is the faulty one
+        command = _faulty_child_command if rank == _FAULTY_RANK else None
+        prints = fingerprint.run_fingerprints(0.5, device="cpu", child_command=command)
         results["fingerprints"] = [f.to_dict() for f in prints.findings]
         results["fingerprint_notes"] = prints.notes
     except Exception as exc:

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
         child = spawn()
     from fpdoctor.env.doctor import diagnose_env
-    from fpdoctor.env.errors import InputError
+    from fpdoctor.errors import InputError
 
     try:
         report = diagnose_env(

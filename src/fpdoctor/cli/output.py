@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fpdoctor import files
 from fpdoctor.cli.errors import ExitCode, UsageError
+from fpdoctor.errors import InputError
+from fpdoctor.report import write
 from fpdoctor.report.render import FORMATS, render
 
 __all__ = ["ExitCode", "UsageError", "add_output_args", "add_progress_arg", "emit", "resolve_output", "write_atomic"]
@@ -35,9 +36,6 @@ def add_progress_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
-_BY_EXTENSION = {".json": "json", ".md": "markdown", ".markdown": "markdown", ".html": "html", ".htm": "html"}
-
-
 def resolve_output(args: argparse.Namespace) -> None:
     """Before any work: the format follows -o's extension unless --format says otherwise
     (`-o report.json` writes JSON), and a directory that -o needs must exist - found out
@@ -46,7 +44,7 @@ def resolve_output(args: argparse.Namespace) -> None:
         return
     output = getattr(args, "output", None)
     if args.format is None:
-        args.format = _BY_EXTENSION.get(Path(output).suffix.lower(), "text") if output else "text"
+        args.format = write.format_for(output) if output else "text"
     if output:
         parent = Path(output).parent
         if not parent.exists():
@@ -55,19 +53,20 @@ def resolve_output(args: argparse.Namespace) -> None:
 
 def write_atomic(path: str, text: str) -> None:
     """Write via a temporary file in the same directory and rename, so a reader never sees half a file."""
-    target = Path(path)
-    if target.is_dir():
-        raise UsageError(f"{path} is a directory; give a file name for -o/--save-facts")
-    if not target.parent.exists():
-        raise UsageError(f"{target.parent} does not exist; create it or choose another output path")
-    files.write_atomic(target, text.encode("utf-8"))
+    try:
+        write.write_text(path, text)
+    except InputError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def emit(report_dict: dict[str, Any], args: argparse.Namespace, *, stream: Any = None) -> None:
     """The report to -o, else to `stream` (stdout; stderr for commands that run the user's
     program, whose stdout is the program's own)."""
     if args.output:
-        write_atomic(args.output, render(report_dict, args.format, color=False, verbose=True))
+        try:
+            write.write(report_dict, args.output, args.format)
+        except InputError as exc:
+            raise UsageError(str(exc)) from None
         return
     out = stream or sys.stdout
     color = args.format == "text" and out.isatty() and "NO_COLOR" not in os.environ

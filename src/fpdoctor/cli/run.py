@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if args.wait < 0:
         raise UsageError(f"--wait must be 0 or more seconds, got {args.wait:g}")
     from fpdoctor.crash import CommandError, run_command
-    from fpdoctor.env.errors import InputError
+    from fpdoctor.errors import InputError
 
     try:
         result = run_command(

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fpdoctor.cli.output import UsageError, add_output_args, add_progress_arg, emit, write_atomic
+from fpdoctor.report.write import rank_path
 
 _FPDOCTOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # torch's plumbing between a Python call and a dispatch mode (dynamo's disable wrapper around
@@ -80,12 +81,6 @@ def rank_info() -> RankInfo | None:
         for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
     )
     return RankInfo(rank, world, int(os.environ.get("LOCAL_RANK", rank)), socket.gethostname(), run, time.time())
-
-
-def rank_path(path: str, rank: int) -> str:
-    """report.json -> report.rank1.json; report -> report.rank1."""
-    p = Path(path)
-    return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix}"))
 
 
 def _sidecar(path: str, rank: int) -> Path:

@@ -68,7 +68,7 @@ def run_command(
     command may take to end by itself before it is terminated. run_dir: keep the per-process
     files there (by default a temporary directory, removed afterwards).
 
-    Raises CommandError when argv cannot be started and fpdoctor.env.errors.InputError for an
+    Raises CommandError when argv cannot be started and fpdoctor.errors.InputError for an
     env_from file that cannot be read, both before anything runs.
     """
     if wait_s < 0:

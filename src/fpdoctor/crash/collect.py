@@ -18,6 +18,7 @@ from typing import Any
 from fpdoctor.crash import parse
 from fpdoctor.crash.launcher import running
 from fpdoctor.crash.parse import Dump, Frame, LauncherFailure, NativeTrace, ThreadStack
+from fpdoctor.signals import signal_name
 
 # torch.distributed collectives: a stack whose frames pass through one of these in
 # distributed_c10d.py was waiting for the other ranks.
@@ -156,7 +157,7 @@ class Process:
         if exc is not None and not _interrupt(exc):
             return Outcome("exception", _float(exc.get("time")), None, code)
         if code is not None and code < 0:
-            name = parse.signal_name(-code)
+            name = signal_name(-code)
             kind = {"SIGTERM": "terminated", "SIGKILL": "killed"}.get(name, "signal")
             when = self.term_time if kind == "terminated" else None
             return Outcome(kind, when or self.exit_time or self.end_hint, name, code)

@@ -15,11 +15,11 @@ from typing import Any
 
 from fpdoctor import catalog
 from fpdoctor.crash.collect import Collected, Outcome, Process, collective, innermost, is_library, user_frame
-from fpdoctor.crash.explain import ErrorText, explain_text, signal_meaning
 from fpdoctor.crash.launcher import Launched
 from fpdoctor.crash.machine import Environment, KernelLog, gpu_for
 from fpdoctor.crash.parse import Frame, ThreadStack
 from fpdoctor.health.kernel_log import normalize_pci
+from fpdoctor.meanings import ErrorText, explain_text, signal_meaning
 from fpdoctor.report.model import Finding
 
 STACK_LINES = 12  # frames of the failing thread shown in a finding's text; all of them are in data

@@ -23,9 +23,10 @@ means. The shapes are the ones these tools print today (examples in tests/fixtur
 from __future__ import annotations
 
 import re
-import signal
 from dataclasses import dataclass, field
 from typing import Any
+
+from fpdoctor.signals import signal_name
 
 # faulthandler's header names the signal with strsignal-like words (Modules/faulthandler.c).
 FAULT_HEADERS = {
@@ -147,13 +148,6 @@ class LauncherFailure:
     @property
     def signal(self) -> str | None:
         return signal_name(-self.exitcode) if self.exitcode is not None and self.exitcode < 0 else None
-
-
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 def strip_prefix(line: str) -> tuple[str, str | None]:

@@ -23,8 +23,9 @@ from fpdoctor.crash.findings import (
     rank_stopped,
     short,
 )
-from fpdoctor.crash.parse import Frame, signal_name
+from fpdoctor.crash.parse import Frame
 from fpdoctor.report.model import Finding, Report, Severity
+from fpdoctor.signals import signal_name
 
 TABLE_ROWS = 32
 

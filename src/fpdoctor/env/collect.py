@@ -8,7 +8,6 @@ entry in `not_checked` with its reason; it never stops the others.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -16,17 +15,9 @@ from typing import Any
 from fpdoctor.env.facts import empty_facts
 from fpdoctor.env.sources import gpus, libraries, system, torch_child
 from fpdoctor.env.sources.torch_child import MARKER
+from fpdoctor.signals import died_of
 
 TORCH_TIMEOUT_S = 180.0  # CUDA initialisation on 8 GPUs with a cold driver can take a minute
-
-
-def signal_name(returncode: int) -> str | None:
-    if returncode >= 0:
-        return None
-    try:
-        return signal.Signals(-returncode).name
-    except ValueError:
-        return f"signal {-returncode}"
 
 
 def finish_torch_child(proc: subprocess.Popen[str], timeout: float = TORCH_TIMEOUT_S) -> dict[str, Any]:
@@ -39,7 +30,7 @@ def finish_torch_child(proc: subprocess.Popen[str], timeout: float = TORCH_TIMEO
         partial["error"] = f"the torch child did not finish within {timeout:.0f} s (stage {partial.get('stage')})"
         return partial
     last = _last_facts(out)
-    sig = signal_name(proc.returncode)
+    sig = died_of(proc.returncode)
     if last is None:
         facts: dict[str, Any] = {"import": "failed", "stage": "start"}
         facts["error"] = f"the torch child died by {sig}" if sig else f"the torch child exited {proc.returncode}"

@@ -34,7 +34,7 @@ def diagnose_env(
 
     `probe=None` runs the GEMM probes only when collecting on this machine and torch sees a GPU;
     with `facts` or `from_file`, probes run only for explicit `probe_specs` (the casebook's).
-    Raises `fpdoctor.env.errors.InputError` for a file that cannot be diagnosed.
+    Raises `fpdoctor.errors.InputError` for a file that cannot be diagnosed.
     """
     here = facts is None and from_file is None  # the facts describe this machine, now
     if facts is not None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from copy import deepcopy
 from typing import Any
 
-from fpdoctor.env.errors import InputError
 from fpdoctor.env.understand import shorten
+from fpdoctor.errors import InputError
 
 _RANK = {"live": 0, "facts": 0, "collect_env": 1, "log": 2}
 

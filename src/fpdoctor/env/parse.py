@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fpdoctor.env.errors import InputError
 from fpdoctor.env.facts import SCHEMA, empty_facts, shape_problem
 from fpdoctor.env.refdata import refdata
 from fpdoctor.env.sources.libraries import classify, wheel_entry
 from fpdoctor.env.understand import keep_text, understand
+from fpdoctor.errors import InputError
 
 MAX_BYTES = 32 * 2**20
 MAX_DEPTH = 32  # fpdoctor's own facts nest 5 levels; deeper JSON is not facts

@@ -16,8 +16,8 @@ import time
 from typing import Any
 
 from fpdoctor.env import probe_child
-from fpdoctor.env.collect import signal_name
 from fpdoctor.env.probe_child import RESULT, START
+from fpdoctor.signals import died_of
 
 IMPORT_ALLOWANCE_S = 120.0  # import torch + CUDA init before the first probe starts
 
@@ -103,7 +103,7 @@ def run_probes(specs: list[dict[str, Any]], *, timeout_s: float = 60.0) -> list[
         proc.wait()
         drainer.join(timeout=5.0)  # the pipe closes with the child (a grandchild holding it open is not waited for)
         stderr = tail[0]
-        sig = signal_name(proc.returncode)
+        sig = died_of(proc.returncode)
         if sig and current is not None and current not in results:
             results[current] = {
                 "status": "crashed",

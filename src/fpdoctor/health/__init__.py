@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fpdoctor.health.inputs import InputError
+from fpdoctor.errors import InputError
 from fpdoctor.health.model import GpuFacts, HealthFacts
 from fpdoctor.report.model import Report
 

@@ -8,8 +8,9 @@ seeded GEMMs repeated for about `duration` seconds and digested on the device, a
 `all_gather_object` brings the rows to rank 0, and `fpdoctor.health.ranks` judges them by
 fingerprint group.
 
-Faults are injected in tests by pointing `_child_command` at a test script that patches torch.mm
-inside the child (tests/fixtures/health/): the product has no switch that could corrupt results.
+Faults are injected in tests and the casebook by passing a `child_command` that runs a script
+patching torch.mm inside the child (tests/fixtures/health/): the product has no switch that could
+corrupt results.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fpdoctor import progress
+from fpdoctor.errors import InputError
 from fpdoctor.report.model import Finding
+from fpdoctor.signals import died_of
 
 # The child's lines: READY + its identity (so a child that dies later is still named by UUID and
 # bus id), START + the step it enters (so a hang or a crash names the step), RESULT + everything.
@@ -43,6 +46,8 @@ STDERR_TAIL = 4000
 # not defaulted, in the child: the workspace size takes part in cuBLAS's choice of kernel.
 CUBLAS_WORKSPACE = ":4096:8"
 _SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# a device's spec -> the argv of the child that fingerprints it
+ChildCommand = Callable[[dict[str, Any]], list[str]]
 
 
 @dataclass
@@ -73,13 +78,16 @@ def check_device(device: Any, *, name: str = "device") -> str:
     return text
 
 
-class DeviceNotFound(ValueError):
+class DeviceNotFound(InputError):
     """`cuda:N` names a GPU this machine does not have (one line, says which exist)."""
 
 
-def run_fingerprints(duration: float, *, device: str | None = None) -> FingerprintResult:
+def run_fingerprints(
+    duration: float, *, device: str | None = None, child_command: ChildCommand | None = None
+) -> FingerprintResult:
     """Fingerprint every visible GPU of this node (`device=None`), one device ("cuda:1", "cpu"),
-    or under torchrun this rank's device; rank 0 returns every rank's rows and the findings."""
+    or under torchrun this rank's device; rank 0 returns every rank's rows and the findings.
+    `child_command` makes the argv of a device's child from its spec (default `child_command`)."""
     from fpdoctor.health import ranks
 
     duration = check_duration(duration)
@@ -94,7 +102,8 @@ def run_fingerprints(duration: float, *, device: str | None = None) -> Fingerpri
         jobs = []
         for d in devices:
             line = shown.enter_context(progress.task(f"health: {d}: start-up (import torch, create the context)"))
-            job = pool.submit(run_child, {"device": d, "duration": duration}, duration, on_step=line.describe)
+            spec = {"device": d, "duration": duration}
+            job = pool.submit(run_child, spec, duration, on_step=line.describe, command=child_command)
 
             def finished(_: Any, line: progress.Task = line, d: str = d) -> None:
                 line.describe(f"health: {d}: done")
@@ -140,7 +149,8 @@ def _devices(device: str | None, dist: Any) -> tuple[list[str], list[str]]:
     return [f"cuda:{i}" for i in range(count)], []
 
 
-def _child_command(spec: dict[str, Any]) -> list[str]:
+def child_command(spec: dict[str, Any]) -> list[str]:
+    """The argv of the child that fingerprints one device: this module run with the spec as JSON."""
     return [sys.executable, "-m", "fpdoctor.health.fingerprint", json.dumps(spec)]
 
 
@@ -163,13 +173,20 @@ def _drain(stream: Any, tail: list[str]) -> None:
         tail[0] = (tail[0] + chunk)[-STDERR_TAIL:]
 
 
-def run_child(spec: dict[str, Any], duration: float, *, on_step: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_child(
+    spec: dict[str, Any],
+    duration: float,
+    *,
+    on_step: Callable[[str], None] | None = None,
+    command: ChildCommand | None = None,
+) -> dict[str, Any]:
     """Run one device's fingerprint in a child; its result, or {"device", "identity", "failure": {...}}.
-    `on_step` hears which step the child is in (for the progress display)."""
+    `on_step` hears which step the child is in (for the progress display); `command` makes the
+    child's argv (default `child_command`)."""
     started = time.monotonic()
     try:
         proc = subprocess.Popen(
-            _child_command(spec),
+            (command or child_command)(spec),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -211,10 +228,8 @@ def run_child(spec: dict[str, Any], duration: float, *, on_step: Callable[[str],
     drainer.join(timeout=5.0)
     if result is not None and proc.returncode == 0:
         return dict(result)
-    from fpdoctor.env.collect import signal_name
-
     failure: dict[str, Any] = {"step": step, "returncode": proc.returncode, "stderr_tail": tail[0][-1500:]}
-    sig = signal_name(proc.returncode)
+    sig = died_of(proc.returncode)
     if sig:
         failure.update(kind="crashed", signal=sig)
     else:

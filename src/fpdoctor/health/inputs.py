@@ -15,14 +15,11 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from fpdoctor.errors import InputError
 from fpdoctor.health import smi
 from fpdoctor.health.model import HealthFacts
 
 WHAT = "give a saved kernel log (dmesg, journalctl -k), `nvidia-smi -q` output or the JSON of `fpdoctor health`"
-
-
-class InputError(Exception):
-    """A `--from` file that cannot be used; the message is one line with the fix."""
 
 
 def read_text(path: str) -> str:

@@ -3,7 +3,6 @@ the framework's logger."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from fpdoctor.integrations._watch import StepWatch
@@ -36,19 +35,16 @@ def path_for_rank(path: str, rank: int | None, world: int) -> str:
     """report.json on one process; report.rank1.json on rank 1 of several (each rank writes its own)."""
     if rank is None or world <= 1:
         return path
-    from fpdoctor.cli.trace import rank_path
+    from fpdoctor.report.write import rank_path
 
     return rank_path(path, rank)
 
 
 def write(report: Report, path: str) -> None:
     """Atomically, in the format the extension names (.json, .md, .html; text otherwise)."""
-    from fpdoctor.cli.output import resolve_output, write_atomic
-    from fpdoctor.report.render import render
+    from fpdoctor.report.write import write as write_report
 
-    args = argparse.Namespace(format=None, output=path)
-    resolve_output(args)
-    write_atomic(path, render(report.to_dict(), args.format, color=False))
+    write_report(report.to_dict(), path)
 
 
 def summary_lines(report: Report, framework: str) -> list[str]:

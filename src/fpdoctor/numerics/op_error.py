@@ -3,8 +3,9 @@
 `fpdoctor trace -- script.py` runs code nobody will edit for us; when it dies with "mat1 and mat2
 must have the same dtype" the trace already knows where each operand came from - a parameter
 (by name), a value an op made (which op, in which module, from what), or a tensor from outside
-the traced ops. This module gathers the failing op's operands and hands them to `audit`'s
-explanation, so both commands say the same thing and give the same smallest fix.
+the traced ops. This module gathers the failing op's operands and hands them to the explanation
+`audit` gives too (`numerics.mismatch`), so both commands say the same thing and give the same
+smallest fix.
 
 The operands are read from the failing dispatch frame in the exception's traceback: the mode's
 `__torch_dispatch__` is on the stack when the op raises, so the hot path records nothing for it.
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fpdoctor.numerics.mismatch import explain_mismatch, mismatch_error
 from fpdoctor.numerics.trace import Tracer, user_location
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding
@@ -121,8 +123,6 @@ def _main_dtype(tracer: Tracer, root: nn.Module | None) -> str | None:
 
 def explain_op_error(tracer: Tracer, error: BaseException) -> Finding | None:
     """A dtype-mismatch / device-mismatch finding for `error` raised by an op under `tracer`, else None."""
-    from fpdoctor.precision.audit import explain_mismatch, mismatch_error
-
     text = str(error)
     what = mismatch_error(text)
     if what is None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from fpdoctor import catalog
-from fpdoctor.numerics.limits import FORMATS
+from fpdoctor.formats import FORMATS
 from fpdoctor.numerics.trace import Record
 from fpdoctor.report.model import Finding
 

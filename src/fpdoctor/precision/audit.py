@@ -21,15 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fpdoctor import catalog
 from fpdoctor.numerics.limits import DTYPE_FORMAT, FORMATS
-from fpdoctor.numerics.modules import ModuleTracker
-from fpdoctor.numerics.trace import user_location
-from fpdoctor.precision.candidates import cast_inputs, split_inputs, uncompiled
-from fpdoctor.precision.fit import describe as describe_misfit
-from fpdoctor.precision.fit import misfits
-from fpdoctor.precision.fixcheck import checked, follow_fixes
-from fpdoctor.precision.inputs import describe
-from fpdoctor.precision.inputs import text as inputs_text
-from fpdoctor.precision.mismatch import (
+from fpdoctor.numerics.mismatch import (
     dtype_hint,
     explain_mismatch,
     failure_from_traceback,
@@ -38,6 +30,14 @@ from fpdoctor.precision.mismatch import (
     operand,
     what_failed,
 )
+from fpdoctor.numerics.modules import ModuleTracker
+from fpdoctor.numerics.trace import user_location
+from fpdoctor.precision.candidates import cast_inputs, split_inputs, uncompiled
+from fpdoctor.precision.fit import describe as describe_misfit
+from fpdoctor.precision.fit import misfits
+from fpdoctor.precision.fixcheck import checked, follow_fixes
+from fpdoctor.precision.inputs import describe
+from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.preserve import preserved
 from fpdoctor.provenance import Provenance
 from fpdoctor.pytrees import tensors_in

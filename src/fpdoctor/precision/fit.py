@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics.limits import FORMATS, Format
+from fpdoctor.formats import FORMATS, Format
 from fpdoctor.precision.names import PRECISIONS
 
 # 1% of a tensor's non-zero values flushed to zero is a visible change of what it computes (a

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fpdoctor.numerics.mismatch import fix_action, module_expr, what_failed
 from fpdoctor.precision.candidates import Call, split_inputs
-from fpdoctor.precision.mismatch import fix_action, module_expr, what_failed
 from fpdoctor.report.model import Finding
 
 # the forward under audit's origin-tracking mode: (failure explained, error raised, tracker)

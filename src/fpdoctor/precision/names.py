@@ -11,6 +11,8 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
+from fpdoctor.formats import NAMES, normalise
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -19,7 +21,7 @@ class Precision:
 
     name: str
     dtype: str  # torch dtype (attribute of `torch`) the run's inputs and parameters are in
-    storage: str | None = None  # numerics.limits format parameters are stored in; None: fp32/fp64, or scaled fp8
+    storage: str | None = None  # format (fpdoctor.formats) parameters are stored in; None: fp32/fp64, or scaled fp8
     fp8: str | None = None  # fp8 format of every Linear's input and weight ("e4m3", "e5m2")
     rowwise: bool = False  # fp8 scaling per row instead of per tensor
     accumulate: bool = False  # GEMM partial sums rounded to fp16 (cuBLAS's reduced-precision reduction)
@@ -50,18 +52,10 @@ REFERENCES = ("fp32", "fp64")
 # how fp8 candidates multiply: the real fp8 GEMM (torch._scaled_mm), fake-quant, or the first where it is fast
 FP8_KERNELS = ("auto", "scaled_mm", "fake")
 
-# Other spellings -> the canonical name. Keys are normalised (see _key): lower case, no "torch."
-# prefix, "_" and " " read as "-".
-_FORMATS = {
-    "fp16": ("float16", "half", "f16"),
-    "bf16": ("bfloat16", "brain-float16"),
-    "fp32": ("float32", "float", "single", "f32"),
-    "fp64": ("float64", "double", "f64"),
-    "fp8-e4m3": ("fp8", "e4m3", "float8-e4m3", "float8-e4m3fn", "fp8-e4m3fn"),
-    "fp8-e5m2": ("e5m2", "float8-e5m2"),
-}
+# Other spellings -> the canonical name: the formats' own names (one table, in fpdoctor.formats),
+# each fp8 one with rowwise scaling too, fp16 with fp16 accumulation, and the fp8 kernels.
 ALIASES: dict[str, str] = {}
-for _name, _spellings in _FORMATS.items():
+for _name, _spellings in NAMES.items():
     for _spelling in (_name, *_spellings):
         ALIASES[_spelling] = _name
         if _name.startswith("fp8"):  # each fp8 spelling with rowwise scaling too
@@ -76,14 +70,9 @@ ALIASES.update({"scaled-mm": "scaled_mm", "scaledmm": "scaled_mm", "auto": "auto
 _WHY_NOT = {("candidate", "fp32"): "plan keeps modules in fp32, so its candidate must be below fp32"}
 
 
-def _key(name: str) -> str:
-    key = name.strip().lower().replace("_", "-").replace(" ", "-")
-    return key.removeprefix("torch.")
-
-
 def canonical(name: str) -> str | None:
     """The canonical name of any accepted spelling (`half` -> `fp16`), None when there is none."""
-    return ALIASES.get(_key(name))
+    return ALIASES.get(normalise(name))
 
 
 def check_name(name: str, allowed: tuple[str, ...], what: str) -> str:
@@ -95,12 +84,12 @@ def check_name(name: str, allowed: tuple[str, ...], what: str) -> str:
     choices = ", ".join(allowed)
     if found is not None:
         why = _WHY_NOT.get((what, found), f"it is not a {what} here")
-        spelled = repr(name) if _key(name) == found else f"{name!r} ({found})"
+        spelled = repr(name) if normalise(name) == found else f"{name!r} ({found})"
         raise ValueError(f"{what} {spelled} cannot be used: {why}; choose one of {choices}")
     hint = ""
     if isinstance(name, str):
         spellings = [k for k, v in ALIASES.items() if v in allowed]
-        close = difflib.get_close_matches(_key(name), spellings, n=1, cutoff=0.6)
+        close = difflib.get_close_matches(normalise(name), spellings, n=1, cutoff=0.6)
         if close:
             hint = f"; did you mean {ALIASES[close[0]]}?"
     also = "; torch's names (float16, bfloat16, half) work too" if "fp16" in allowed or "fp32" in allowed else ""

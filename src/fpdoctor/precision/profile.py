@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from fpdoctor import catalog
-from fpdoctor.numerics.limits import DTYPE_FORMAT, FORMATS
+from fpdoctor.formats import DTYPE_FORMAT, FORMATS
 from fpdoctor.precision.candidates import compute_dtype
 from fpdoctor.precision.fit import describe as describe_misfit
 from fpdoctor.precision.fit import within

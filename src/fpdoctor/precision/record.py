@@ -39,6 +39,7 @@ import torch
 
 from fpdoctor import files
 from fpdoctor._version import __version__
+from fpdoctor.errors import InputError
 from fpdoctor.precision.metrics import SAMPLE, l2_norm
 from fpdoctor.precision.names import CANDIDATES, FP8_KERNELS, REFERENCES
 
@@ -53,7 +54,7 @@ MAX_RATIO = 32
 _HEX = re.compile(r"^[0-9a-f]{8,64}$")
 
 
-class RecordError(ValueError):
+class RecordError(InputError):
     """A file that is not a usable compare record; the message is one line saying why."""
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fpdoctor.report.model import json_text
+from fpdoctor.report.model import json_text, severity_rank
 from fpdoctor.report.render import _value, is_command
 
 FULL_FINDINGS = 10  # per finding name; further ones are listed one line each
@@ -135,15 +135,12 @@ def _report(report: Mapping[str, Any], *, prefix: str, heading: str | None, stor
     return "".join(parts)
 
 
-_RANK = {"info": 0, "warning": 1, "error": 2}
-
-
 def _lead(findings: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     """The finding the banner leads with: the first of the worst severity, a replay verdict first."""
     if not findings:
         return None
-    worst = max(_RANK.get(f["severity"], 0) for f in findings)
-    top = [f for f in findings if _RANK.get(f["severity"], 0) == worst]
+    worst = max(severity_rank(f["severity"]) for f in findings)
+    top = [f for f in findings if severity_rank(f["severity"]) == worst]
     return next((f for f in top if f["name"] in _LEADS), top[0])
 
 

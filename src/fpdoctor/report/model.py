@@ -31,6 +31,15 @@ class Severity(str, enum.Enum):
 _RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.ERROR: 2}
 
 
+def severity_rank(value: str) -> int:
+    """The rank of a severity as a report's JSON spells it ("error" -> 2); one this version does
+    not know (a newer fpdoctor's) ranks lowest."""
+    try:
+        return Severity(value).rank
+    except ValueError:
+        return 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class Finding:
     """One problem, with the evidence that shows it and the fix that removes it."""

@@ -17,7 +17,7 @@ import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
-from fpdoctor.numerics.limits import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE, UNDERFLOW_SHARE
+from fpdoctor.formats import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE, UNDERFLOW_SHARE
 
 # Text stays text (searchable, small) in a generic family: no font file is embedded or fetched.
 _RC = {

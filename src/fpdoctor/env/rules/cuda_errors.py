@@ -2,7 +2,7 @@
 
 The errors a user pastes alone ("RuntimeError: CUDA error: an illegal memory access was
 encountered", with or without torchrun's "[rank0]:" or colours), explained with the table that
-`fpdoctor run` uses (`fpdoctor.crash.explain`). Errors another env rule explains better are left
+`fpdoctor run` uses (`fpdoctor.meanings`). Errors another env rule explains better are left
 to it: no kernel image (arch-not-in-build), a too-old driver (driver-too-old), an uncorrectable
 ECC error (a known hardware issue), and any line a finding already quotes.
 """
@@ -25,7 +25,7 @@ _RUNS = re.compile(r"^(?:[A-Z][A-Z0-9_]*=\S*\s+)*(?:python3?|fpdoctor|compute-sa
 
 def explained(texts: Iterable[str]) -> tuple[Any, str] | None:
     """The first CUDA-stack error in `texts` (root causes first) and the line that shows it."""
-    from fpdoctor.crash.explain import explain_text
+    from fpdoctor.meanings import explain_text
 
     for text in texts:
         error = explain_text(text)

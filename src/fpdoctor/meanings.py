@@ -1,6 +1,8 @@
 """What a signal or an error text means for a PyTorch job, and what to do next.
 
-Data only: the findings module chooses which explanation applies to which process.
+Data only, below the capabilities that read it: `fpdoctor run`'s findings choose which explanation
+applies to which process, and `fpdoctor env`'s cuda-error rule explains an error in a pasted log
+with the same table.
 """
 
 from __future__ import annotations
