@@ -140,7 +140,11 @@ def run(args: argparse.Namespace) -> int:
     import fpdoctor
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    autocast = torch.autocast(device, dtype=getattr(torch, dtype_name)) if dtype_name else contextlib.nullcontext()
+    autocast: Any = contextlib.nullcontext()
+    if dtype_name:
+        from fpdoctor.numerics.whatif import AutocastWhatIf
+
+        autocast = AutocastWhatIf(device, getattr(torch, dtype_name))
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
