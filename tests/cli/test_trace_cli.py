@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.conftest import run_fpdoctor
 
 SCRIPT = textwrap.dedent("""
@@ -86,6 +88,57 @@ def test_autocast_what_if(tmp_path):
     _, doc = _split(result.err)
     assert ["autocast", "cpu bfloat16"] in doc["data"]["summary"]
     assert result.code == 0
+
+
+CURVE = textwrap.dedent("""
+    import contextlib, sys
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 5)
+
+        def forward(self, x):
+            h = F.gelu(self.a(x))
+            with torch.autocast("cpu", enabled=False):  # a region the code keeps in fp32, backward too
+                g = h.float() @ self.b.weight.float().t()
+            return self.head(torch.softmax(h @ g.t() / 8, -1) @ h)
+
+    real = sys.argv[1]  # a dtype: the autocast region of a real loop; "none": plain fp32 code
+    for name in ("SGD", "AdamW"):
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if name == "SGD" else \\
+            torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x, y = torch.randn(64, 16), torch.randint(0, 5, (64,))
+        losses = []
+        for step in range(5):
+            region = torch.autocast("cpu", dtype=getattr(torch, real)) if real != "none" else contextlib.nullcontext()
+            with region:  # the model called twice: one cast copy of each weight, shared
+                loss = F.cross_entropy(model(x), y) + 0.1 * (model(x) - model(x.flip(0))).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        print(name, losses)
+""")
+
+
+@pytest.mark.parametrize(("flag", "dtype"), [("fp16", "float16"), ("bf16", "bfloat16")])
+def test_the_autocast_what_if_trains_as_a_real_autocast_run(tmp_path, flag, dtype):
+    path = tmp_path / "curve.py"
+    path.write_text(CURVE)
+    real = subprocess.run([sys.executable, str(path), dtype], capture_output=True, text=True, check=True, timeout=300)
+    what_if = run_fpdoctor("trace", "--dtype", flag, "--", str(path), "none")
+    assert what_if.code == 0, what_if.err[-2000:]
+    curves = dict(line.split(" ", 1) for line in real.stdout.splitlines())
+    assert set(curves) == {"SGD", "AdamW"}
+    # loss after loss, bit for bit: the what-if trains the weights each step made, as the real run does
+    assert what_if.out == real.stdout
+    assert all(len(set(json.loads(c))) == 5 for c in curves.values())  # and the loss moves
 
 
 MISMATCH = textwrap.dedent("""
