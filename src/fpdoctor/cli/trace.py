@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
 def _so_far(session: Any) -> str:
     """What the trace has seen so far, read by the progress display a few times a second from the
     tracer's own counters (never a call per op)."""
-    steps = session._tracker.optimizer_steps
+    steps = session._steps.steps
     text = f"{session._tracer.ops_seen:,} ops traced"
     return text + (f", {steps} optimizer step{'s' if steps != 1 else ''}" if steps else "")
 
