@@ -1,8 +1,9 @@
 """`fpdoctor trace [--dtype fp16|bf16] [--headroom] -- SCRIPT.py [ARGS...]`: a script the user will not edit.
 
 The script runs as `__main__` under `fpdoctor.trace()`. When it dies, the user's own traceback is
-printed (without fpdoctor's and runpy's frames) and a dtype or device error is explained as
-`fpdoctor audit` explains it. Under torchrun (RANK/WORLD_SIZE set) every rank writes its own
+printed (without fpdoctor's and runpy's frames), the exception is a finding, the exit status is the
+one python would have given (trace_outcome.py, with `--fail-on` for a script that ended well), and
+a dtype or device error is explained as `fpdoctor audit` explains it. Under torchrun (RANK/WORLD_SIZE set) every rank writes its own
 report, `-o FILE` becoming FILE.rankN.ext, as soon as its script ends, raises, is stopped at a
 non-finite op or is terminated (torchrun sends SIGTERM to the survivors when one rank fails);
 whichever rank completes the set also writes FILE, every rank's findings merged. No collective
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from fpdoctor.cli.output import UsageError, add_output_args, add_progress_arg, emit, write_atomic
+from fpdoctor.cli.trace_outcome import FAIL_ON, default_fail_on, exception_finding, exit_code_of
+from fpdoctor.cli.trace_outcome import status as exit_status
 
 _FPDOCTOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # torch's plumbing between a Python call and a dispatch mode (dynamo's disable wrapper around
@@ -40,6 +43,13 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--dtype", help="run the script under autocast to fp16 or bf16 (a what-if)")
     p.add_argument("--raise-on-nonfinite", action="store_true", help="stop the script at the producing op")
+    p.add_argument(
+        "--fail-on",
+        choices=FAIL_ON,
+        help="when a script that ended well exits 1: on an error-level finding (default), on a warning too, or "
+        "never (the default under torchrun, so that a rank's findings never make the launcher stop the others); "
+        "a script that raised or called sys.exit(n) always exits as python would have",
+    )
     p.add_argument(
         "--headroom",
         action="store_true",
@@ -150,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     failure: str | None = None
     error: BaseException | None = None
-    code = 0
+    ended: Any = None  # the finding for how the script ended: an exception, sys.exit(n)
+    code = 0  # what `python SCRIPT.py` would have exited with
 
     def _on_term(signum: int, frame: Any) -> None:
         raise _Terminated
@@ -165,11 +176,15 @@ def run(args: argparse.Namespace) -> int:
         ):
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
-        if exc.code not in (0, None):
+        code = exit_code_of(exc.code)
+        if code:
             failure = f"the script exited with {exc.code}"
-            code = exc.code if isinstance(exc.code, int) else 1
+            if exc.code is not None and not isinstance(exc.code, int):
+                sys.stderr.write(f"{exc.code}\n")  # as python prints sys.exit("message")
+            ended = exception_finding(exc, script, code)
     except fpdoctor.NonFiniteError as exc:
         failure = f"stopped at the producing op: {exc}"
+        code = 1  # stopped before its end, as asked: the rest of the job did not run
     except _Terminated:
         failure = "terminated by SIGTERM (under torchrun: another rank failed) before the script ended"
         code = 128 + signal.SIGTERM
@@ -177,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
         progress.close()  # the traceback goes to the terminal as written, not under a redraw
         sys.stderr.write(user_traceback(exc, script))
         failure = f"the script raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        code = 1  # python's status for an uncaught exception
+        ended = exception_finding(exc, script, code)
         error = exc
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
@@ -195,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
         if explained is not None:
             report.findings.insert(0, explained)
         error = None  # drop the frames it holds (the script's tensors)
+    if ended is not None:  # after what was traced: a NaN made before it may be its cause
+        report.findings.append(ended)
     if failure:
         report.data.setdefault("not_checked", {})["script"] = failure
     summary = report.data.setdefault("summary", [])
@@ -203,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     summary.insert(0, ("script", " ".join([script, *script_args])))
     if dist is not None:
         _mark_rank(report, dist)
-    status = max(report.exit_code, 1 if failure else 0, code if isinstance(code, int) else 1)
+    status = exit_status(code, report, args.fail_on or default_fail_on(dist is not None))
     progress.close()  # the report goes to stderr too: the display is gone before it
     if dist is not None and args.output:
         _write_rank(report.to_dict(), args, dist)
