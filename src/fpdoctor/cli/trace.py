@@ -3,11 +3,11 @@
 The script runs as `__main__` under `fpdoctor.trace()`. When it dies, the user's own traceback is
 printed (without fpdoctor's and runpy's frames), the exception is a finding, the exit status is the
 one python would have given (trace_outcome.py, with `--fail-on` for a script that ended well), and
-a dtype or device error is explained as `fpdoctor audit` explains it. Under torchrun (RANK/WORLD_SIZE set) every rank writes its own
-report, `-o FILE` becoming FILE.rankN.ext, as soon as its script ends, raises, is stopped at a
-non-finite op or is terminated (torchrun sends SIGTERM to the survivors when one rank fails);
-whichever rank completes the set also writes FILE, every rank's findings merged. No collective
-is used, so a rank that hangs or dies cannot hang the others.
+a dtype or device error is explained as `fpdoctor audit` explains it. Under torchrun (RANK and
+WORLD_SIZE set) every rank writes its own report, `-o FILE` becoming FILE.rankN.ext, as soon as
+its script ends, raises, is stopped at a non-finite op or is terminated (torchrun sends SIGTERM
+to the survivors when one rank fails); whichever rank completes the set also writes FILE, every
+rank's findings merged. No collective is used, so a rank that hangs or dies cannot hang the others.
 """
 
 from __future__ import annotations

@@ -93,5 +93,5 @@ def exception_finding(error: BaseException, script: str, code: int) -> Finding:
         message=message,
         where=where,
         evidence=evidence,
-        fix=fix or f"Fix the error at {at or 'the line the traceback ends in'}; the traceback above is the script's own.",
+        fix=fix or f"Fix the error at {at or 'the line the traceback ends in'} (the traceback above is the script's).",
     )

@@ -181,11 +181,10 @@ class Analysis:
         if step is None:
             return f", call {call}" if r.call else ""
         n, evaluating = step
-        text = (
-            (f", in an evaluation after optimizer step {n}" if n else ", in an evaluation before the first optimizer step")
-            if evaluating
-            else f", optimizer step {n}"
-        )
+        if not evaluating:
+            text = f", optimizer step {n}"
+        else:
+            text = f", in an evaluation after optimizer step {n}" if n else ", in an evaluation before the first step"
         if call is not None and r.phase != "optimizer":  # in the optimizer, the call is the step
             text += f", {'module call' if r.module is not None else 'call at this line'} {call}"
         return text
@@ -379,7 +378,8 @@ class Analysis:
         location = _where_text(producer.location)
         rows = f"{count} of {numel}" if count is not None else f"some of {numel}"
         message = (
-            f"{producer.op} {_module_text(producer.module)} ({producer.phase}{self.when(producer)}) overflowed {out.dtype}: {rows} values "
+            f"{producer.op} {_module_text(producer.module)} ({producer.phase}{self.when(producer)}) overflowed "
+            f"{out.dtype}: {rows} values "
             f"became {out.kind} from finite inputs. {zeroer.op} {_module_text(zeroer.module)} then turned the Inf "
             f"into {into}, so no NaN shows, but those values are destroyed and they reach {', '.join(reaches[:3])}."
             + (f" Source: {location}." if location else "")

@@ -99,7 +99,7 @@ class StepCounter:
                 self._stepped = []
             self._stepped.append(weakref.ref(optimizer))
             self._last_end = self._position()
-        except Exception:  # noqa: S110 - the observer never raises into the user's step
+        except Exception:  # the observer never raises into the user's step
             pass
 
     def _optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
