@@ -41,7 +41,11 @@ def add_parser(sub: Any) -> None:
         description="Runs SCRIPT.py as __main__ with its arguments, tracing every aten op. Under torchrun each "
         "rank writes FILE.rankN (with -o FILE) and the last rank to finish writes FILE with all ranks' findings.",
     )
-    p.add_argument("--dtype", help="run the script under autocast to fp16 or bf16 (a what-if)")
+    p.add_argument(
+        "--dtype",
+        help="a what-if: train the script as a real fp16 or bf16 autocast run would (fresh weight casts every "
+        "step, backward and the optimizer step outside autocast)",
+    )
     p.add_argument("--raise-on-nonfinite", action="store_true", help="stop the script at the producing op")
     p.add_argument(
         "--fail-on",
