@@ -162,20 +162,21 @@ CURVE = textwrap.dedent("""
 
         def forward(self, x):
             h = F.gelu(self.a(x))
-            with torch.autocast("cpu", enabled=False):  # a region the code keeps in fp32, backward too
+            with torch.autocast(x.device.type, enabled=False):  # a region the code keeps in fp32, backward too
                 g = h.float() @ self.b.weight.float().t()
             return self.head(torch.softmax(h @ g.t() / 8, -1) @ h)
 
     real = sys.argv[1]  # a dtype: the autocast region of a real loop; "none": plain fp32 code
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where trace --dtype autocasts
     for name in ("SGD", "AdamW"):
         torch.manual_seed(0)
-        model = Net()
+        model = Net().to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if name == "SGD" else \\
             torch.optim.AdamW(model.parameters(), lr=1e-2)
-        x, y = torch.randn(64, 16), torch.randint(0, 5, (64,))
+        x, y = torch.randn(64, 16, device=device), torch.randint(0, 5, (64,), device=device)
         losses = []
         for step in range(5):
-            region = torch.autocast("cpu", dtype=getattr(torch, real)) if real != "none" else contextlib.nullcontext()
+            region = torch.autocast(device, dtype=getattr(torch, real)) if real != "none" else contextlib.nullcontext()
             with region:  # the model called twice: one cast copy of each weight, shared
                 loss = F.cross_entropy(model(x), y) + 0.1 * (model(x) - model(x.flip(0))).pow(2).mean()
             opt.zero_grad()
