@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.conftest import run_fpdoctor
 
 SCRIPT = textwrap.dedent("""
@@ -69,7 +71,66 @@ def test_script_errors_are_reported_with_exit_1(tmp_path):
     assert result.code == 1 and "RuntimeError: boom" in result.err
     _, doc = _split(result.err)
     assert "boom" in doc["data"]["not_checked"]["script"]
-    assert [f["name"] for f in doc["findings"]] == ["nonfinite-produced"]
+    # what was traced first (it may be the cause), then how the script ended
+    assert [f["name"] for f in doc["findings"]] == ["nonfinite-produced", "uncaught-exception"]
+
+
+CRASH = textwrap.dedent("""
+    import torch
+
+    def pick(values, i):
+        return values[i]
+
+    print("loaded")
+    pick(torch.ones(3), 10)
+""")
+
+
+def test_a_script_that_crashed_is_never_ok(tmp_path):
+    path = tmp_path / "crash.py"
+    path.write_text(CRASH)
+    plain = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300, check=False)
+    result = run_fpdoctor("trace", "--format", "json", "--fail-on", "never", "--", str(path))
+    assert result.code == plain.returncode == 1  # the script's fate, whatever --fail-on says of findings
+    assert result.out == plain.stdout == "loaded\n"
+    _, doc = _split(result.err)
+    assert doc["verdict"] == "error"
+    (f,) = doc["findings"]
+    assert (f["code"], f["name"], f["severity"]) == ("CRS002", "uncaught-exception", "error")
+    assert f["evidence"]["exception"] == "IndexError" and f["evidence"]["exit_code"] == 1
+    assert f["evidence"]["error"] == "index 10 is out of bounds for dimension 0 with size 3"
+    assert f["where"] == {"file": str(path), "line": 5, "function": "pick"}
+    assert "IndexError: index 10 is out of bounds" in f["message"] and f"{path}:5 in pick" in f["message"]
+
+
+def test_sys_exit_codes_are_the_scripts(tmp_path):
+    path = tmp_path / "stop.py"
+    path.write_text("import sys\nimport torch\ntorch.ones(2) / 0\nsys.exit(int(sys.argv[1]))\n")
+    stopped = run_fpdoctor("trace", "--format", "json", "--", str(path), "3")
+    assert stopped.code == 3
+    _, doc = _split(stopped.err)
+    ended = doc["findings"][-1]
+    assert ended["name"] == "uncaught-exception" and ended["evidence"]["exception"] == "SystemExit"
+    assert ended["where"]["line"] == 4 and "sys.exit(3)" in ended["message"]
+    finished = run_fpdoctor("trace", "--format", "json", "--fail-on", "never", "--", str(path), "0")
+    _, doc = _split(finished.err)  # sys.exit(0) ends well: only what was traced is reported
+    assert finished.code == 0 and [f["name"] for f in doc["findings"]] == ["nonfinite-produced"]
+
+
+WARNS = "import torch\nx = torch.full((64,), 30000.0, dtype=torch.float16)\nprint(float((x * 2.05).max()))\n"
+
+
+def test_fail_on_chooses_which_findings_fail_a_script_that_ended_well(tmp_path):
+    bad, warns = _script(tmp_path), tmp_path / "warns.py"
+    warns.write_text(WARNS)
+    assert run_fpdoctor("trace", "--", bad, "bad").code == 1  # a plain run: error-level findings fail CI
+    assert run_fpdoctor("trace", "--fail-on", "never", "--", bad, "bad").code == 0
+    assert run_fpdoctor("trace", "--", str(warns)).code == 0
+    assert run_fpdoctor("trace", "--fail-on", "warning", "--", str(warns)).code == 1
+    # under a launcher a rank's findings do not fail it, unless asked
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    assert run_fpdoctor("trace", "--", bad, "bad", env=env).code == 0
+    assert run_fpdoctor("trace", "--fail-on", "error", "--", bad, "bad", env=env).code == 1
 
 
 def test_bad_usage(tmp_path, cli):
@@ -86,6 +147,58 @@ def test_autocast_what_if(tmp_path):
     _, doc = _split(result.err)
     assert ["autocast", "cpu bfloat16"] in doc["data"]["summary"]
     assert result.code == 0
+
+
+CURVE = textwrap.dedent("""
+    import contextlib, sys
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 5)
+
+        def forward(self, x):
+            h = F.gelu(self.a(x))
+            with torch.autocast(x.device.type, enabled=False):  # a region the code keeps in fp32, backward too
+                g = h.float() @ self.b.weight.float().t()
+            return self.head(torch.softmax(h @ g.t() / 8, -1) @ h)
+
+    real = sys.argv[1]  # a dtype: the autocast region of a real loop; "none": plain fp32 code
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where trace --dtype autocasts
+    for name in ("SGD", "AdamW"):
+        torch.manual_seed(0)
+        model = Net().to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if name == "SGD" else \\
+            torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x, y = torch.randn(64, 16, device=device), torch.randint(0, 5, (64,), device=device)
+        losses = []
+        for step in range(5):
+            region = torch.autocast(device, dtype=getattr(torch, real)) if real != "none" else contextlib.nullcontext()
+            with region:  # the model called twice: one cast copy of each weight, shared
+                loss = F.cross_entropy(model(x), y) + 0.1 * (model(x) - model(x.flip(0))).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        print(name, losses)
+""")
+
+
+@pytest.mark.parametrize(("flag", "dtype"), [("fp16", "float16"), ("bf16", "bfloat16")])
+def test_the_autocast_what_if_trains_as_a_real_autocast_run(tmp_path, flag, dtype):
+    path = tmp_path / "curve.py"
+    path.write_text(CURVE)
+    real = subprocess.run([sys.executable, str(path), dtype], capture_output=True, text=True, check=True, timeout=300)
+    what_if = run_fpdoctor("trace", "--dtype", flag, "--", str(path), "none")
+    assert what_if.code == 0, what_if.err[-2000:]
+    curves = dict(line.split(" ", 1) for line in real.stdout.splitlines())
+    assert set(curves) == {"SGD", "AdamW"}
+    # loss after loss, bit for bit: the what-if trains the weights each step made, as the real run does
+    assert what_if.out == real.stdout
+    assert all(len(set(json.loads(c))) == 5 for c in curves.values())  # and the loss moves
 
 
 MISMATCH = textwrap.dedent("""
@@ -164,7 +277,7 @@ def test_torchrun_one_report_per_rank_and_a_merged_one(tmp_path):
     script.write_text(DDP_SCRIPT)
     out = tmp_path / "report.json"
     code, err = _torchrun(["-m", "fpdoctor", "trace", "--format", "json", "-o", str(out), "--", str(script)])
-    assert code != 0, err[-2000:]  # rank 1 found an error
+    assert code == 0, err[-2000:]  # rank 1 found an error, and its script ended well
     ranks = [json.loads((tmp_path / f"report.rank{r}.json").read_text()) for r in (0, 1)]
     host = socket.gethostname()
     for r, doc in enumerate(ranks):
@@ -246,8 +359,8 @@ def test_torchrun_ddp_nan_from_another_rank_is_received_not_made(tmp_path):
     script = tmp_path / "ddp_train.py"
     script.write_text(DDP_TRAIN_SCRIPT)
     out = tmp_path / "report.json"
-    code, err = _torchrun(["-m", "fpdoctor", "trace", "-o", str(out), "--", str(script)])
-    assert code != 0, err[-2000:]
+    code, err = _torchrun(["-m", "fpdoctor", "trace", "--fail-on", "error", "-o", str(out), "--", str(script)])
+    assert code != 0, err[-2000:]  # asked to: a rank with error-level findings fails
     rank0, rank1 = (json.loads((tmp_path / f"report.rank{r}.json").read_text()) for r in (0, 1))
     # rank 0 made nothing non-finite: what it got came through the all-reduce
     assert not [f for f in rank0["findings"] if f["name"] == "nonfinite-produced"], rank0["findings"]
@@ -258,3 +371,36 @@ def test_torchrun_ddp_nan_from_another_rank_is_received_not_made(tmp_path):
     assert made["where"]["op"] == "aten.log.default"
     merged = json.loads(out.read_text())
     assert merged["findings"][0]["name"] == "nonfinite-produced" and merged["findings"][0]["where"]["rank"] == 1
+
+
+EARLY_SCRIPT = textwrap.dedent("""
+    import datetime
+    import sys
+    import time
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    dist.barrier()
+    if rank == 0:
+        torch.ones(3) / torch.zeros(3)  # rank 0: a finding, and done at once
+    else:
+        time.sleep(4)  # rank 1 still works when rank 0 has finished
+        open(sys.argv[1], "w").write("rank 1 done")
+    dist.destroy_process_group()
+""")
+
+
+def test_torchrun_a_rank_with_findings_that_finishes_first_leaves_the_others_working(tmp_path):
+    script, done = tmp_path / "early.py", tmp_path / "rank1.out"
+    script.write_text(EARLY_SCRIPT)
+    out = tmp_path / "report.json"
+    code, err = _torchrun(["-m", "fpdoctor", "trace", "-o", str(out), "--", str(script), str(done)], timeout=120)
+    assert code == 0, err[-2000:]
+    assert done.read_text() == "rank 1 done"  # never terminated by the launcher
+    rank0 = json.loads((tmp_path / "report.rank0.json").read_text())
+    assert [f["name"] for f in rank0["findings"]] == ["nonfinite-produced"]
+    rank1 = json.loads((tmp_path / "report.rank1.json").read_text())
+    assert rank1["verdict"] == "ok" and "script" not in rank1["data"]["not_checked"]
+    assert json.loads(out.read_text())["verdict"] == "error"

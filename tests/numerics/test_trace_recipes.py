@@ -224,9 +224,9 @@ def test_raise_on_classifies_each_record_without_a_whole_analysis(monkeypatch):
     built = []
     original = blame.Analysis.__init__
 
-    def counting(self, tracer):
+    def counting(self, tracer, *args):
         built.append(len(tracer.records))
-        original(self, tracer)
+        original(self, tracer, *args)
 
     monkeypatch.setattr(blame.Analysis, "__init__", counting)
     mask = torch.full((8,), float("-inf"))

@@ -31,7 +31,9 @@ CRS_RULES: tuple[Rule, ...] = (
         title="A process ended with an uncaught Python exception",
         what="Records the exception and its traceback in every Python process the command starts (sys.excepthook "
         "and threading.excepthook, chained to hooks already installed), with the process's rank and host, and "
-        "explains known texts: non-finite losses, dtype and device mismatches.",
+        "explains known texts: non-finite losses, dtype and device mismatches. Under `fpdoctor trace`, the "
+        "script's own exception (or sys.exit(n) with n != 0): its type, message and line, after what was traced "
+        "before it; trace then exits with the status python would have given.",
         why="Under a launcher every rank prints its own traceback into one interleaved stream; the first failure "
         "is hard to find among the secondary ones it caused.",
         fix="Fix the error the traceback ends in; for NaN/Inf run the script under fpdoctor trace -- SCRIPT.py.",

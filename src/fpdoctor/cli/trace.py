@@ -1,12 +1,13 @@
 """`fpdoctor trace [--dtype fp16|bf16] [--headroom] -- SCRIPT.py [ARGS...]`: a script the user will not edit.
 
 The script runs as `__main__` under `fpdoctor.trace()`. When it dies, the user's own traceback is
-printed (without fpdoctor's and runpy's frames) and a dtype or device error is explained as
-`fpdoctor audit` explains it. Under torchrun (RANK/WORLD_SIZE set) every rank writes its own
-report, `-o FILE` becoming FILE.rankN.ext, as soon as its script ends, raises, is stopped at a
-non-finite op or is terminated (torchrun sends SIGTERM to the survivors when one rank fails);
-whichever rank completes the set also writes FILE, every rank's findings merged. No collective
-is used, so a rank that hangs or dies cannot hang the others.
+printed (without fpdoctor's and runpy's frames), the exception is a finding, the exit status is the
+one python would have given (trace_outcome.py, with `--fail-on` for a script that ended well), and
+a dtype or device error is explained as `fpdoctor audit` explains it. Under torchrun (RANK and
+WORLD_SIZE set) every rank writes its own report, `-o FILE` becoming FILE.rankN.ext, as soon as
+its script ends, raises, is stopped at a non-finite op or is terminated (torchrun sends SIGTERM
+to the survivors when one rank fails); whichever rank completes the set also writes FILE, every
+rank's findings merged. No collective is used, so a rank that hangs or dies cannot hang the others.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from fpdoctor.cli.output import UsageError, add_output_args, add_progress_arg, emit, write_atomic
+from fpdoctor.cli.trace_outcome import FAIL_ON, default_fail_on, exception_finding, exit_code_of
+from fpdoctor.cli.trace_outcome import status as exit_status
 from fpdoctor.report.write import rank_path
 
 _FPDOCTOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,8 +42,19 @@ def add_parser(sub: Any) -> None:
         description="Runs SCRIPT.py as __main__ with its arguments, tracing every aten op. Under torchrun each "
         "rank writes FILE.rankN (with -o FILE) and the last rank to finish writes FILE with all ranks' findings.",
     )
-    p.add_argument("--dtype", help="run the script under autocast to fp16 or bf16 (a what-if)")
+    p.add_argument(
+        "--dtype",
+        help="a what-if: train the script as a real fp16 or bf16 autocast run would (fresh weight casts every "
+        "step, backward and the optimizer step outside autocast)",
+    )
     p.add_argument("--raise-on-nonfinite", action="store_true", help="stop the script at the producing op")
+    p.add_argument(
+        "--fail-on",
+        choices=FAIL_ON,
+        help="when a script that ended well exits 1: on an error-level finding (default), on a warning too, or "
+        "never (the default under torchrun, so that a rank's findings never make the launcher stop the others); "
+        "a script that raised or called sys.exit(n) always exits as python would have",
+    )
     p.add_argument(
         "--headroom",
         action="store_true",
@@ -135,13 +149,18 @@ def run(args: argparse.Namespace) -> int:
     import fpdoctor
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    autocast = torch.autocast(device, dtype=getattr(torch, dtype_name)) if dtype_name else contextlib.nullcontext()
+    autocast: Any = contextlib.nullcontext()
+    if dtype_name:
+        from fpdoctor.numerics.whatif import AutocastWhatIf
+
+        autocast = AutocastWhatIf(device, getattr(torch, dtype_name))
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     failure: str | None = None
     error: BaseException | None = None
-    code = 0
+    ended: Any = None  # the finding for how the script ended: an exception, sys.exit(n)
+    code = 0  # what `python SCRIPT.py` would have exited with
 
     def _on_term(signum: int, frame: Any) -> None:
         raise _Terminated
@@ -156,11 +175,15 @@ def run(args: argparse.Namespace) -> int:
         ):
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
-        if exc.code not in (0, None):
+        code = exit_code_of(exc.code)
+        if code:
             failure = f"the script exited with {exc.code}"
-            code = exc.code if isinstance(exc.code, int) else 1
+            if exc.code is not None and not isinstance(exc.code, int):
+                sys.stderr.write(f"{exc.code}\n")  # as python prints sys.exit("message")
+            ended = exception_finding(exc, script, code)
     except fpdoctor.NonFiniteError as exc:
         failure = f"stopped at the producing op: {exc}"
+        code = 1  # stopped before its end, as asked: the rest of the job did not run
     except _Terminated:
         failure = "terminated by SIGTERM (under torchrun: another rank failed) before the script ended"
         code = 128 + signal.SIGTERM
@@ -168,6 +191,8 @@ def run(args: argparse.Namespace) -> int:
         progress.close()  # the traceback goes to the terminal as written, not under a redraw
         sys.stderr.write(user_traceback(exc, script))
         failure = f"the script raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        code = 1  # python's status for an uncaught exception
+        ended = exception_finding(exc, script, code)
         error = exc
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
@@ -186,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
         if explained is not None:
             report.findings.insert(0, explained)
         error = None  # drop the frames it holds (the script's tensors)
+    if ended is not None:  # after what was traced: a NaN made before it may be its cause
+        report.findings.append(ended)
     if failure:
         report.data.setdefault("not_checked", {})["script"] = failure
     summary = report.data.setdefault("summary", [])
@@ -194,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     summary.insert(0, ("script", " ".join([script, *script_args])))
     if dist is not None:
         _mark_rank(report, dist)
-    status = max(report.exit_code, 1 if failure else 0, code if isinstance(code, int) else 1)
+    status = exit_status(code, report, args.fail_on or default_fail_on(dist is not None))
     progress.close()  # the report goes to stderr too: the display is gone before it
     if dist is not None and args.output:
         _write_rank(report.to_dict(), args, dist)
@@ -206,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
 def _so_far(session: Any) -> str:
     """What the trace has seen so far, read by the progress display a few times a second from the
     tracer's own counters (never a call per op)."""
-    steps = session._tracker.optimizer_steps
+    steps = session._steps.steps
     text = f"{session._tracer.ops_seen:,} ops traced"
     return text + (f", {steps} optimizer step{'s' if steps != 1 else ''}" if steps else "")
 

@@ -95,6 +95,10 @@ class Trace:
         from fpdoctor.numerics.recipes import RecipeWatch
 
         self._recipes = self._stack.enter_context(RecipeWatch())  # the optimizers stepped in the block
+        from fpdoctor.numerics.steps import StepCounter
+
+        # the optimizer step of each record, told beside the module call count
+        self._steps = self._stack.enter_context(StepCounter(lambda: self._tracer.records.count))
         self._stack.enter_context(self._tracker)
         self._stack.enter_context(self._tracer)
 
@@ -132,7 +136,7 @@ class Trace:
         )
         if not produced and bad_leaf is None:
             return
-        analysis = Analysis(tracer)
+        analysis = Analysis(tracer, self._steps)
         if bad_leaf is not None:
             finding = analysis._input_finding(tracer.leaves[bad_leaf[1]], [f"{record.op}"])
         else:
@@ -157,7 +161,7 @@ class Trace:
 
         tracer = self._tracer
         tracer.finish()
-        analysis = Analysis(tracer)
+        analysis = Analysis(tracer, self._steps)
         findings = analysis.findings()
         rows: list[dict[str, Any]] = []
         if self._headroom is not None:
@@ -175,6 +179,7 @@ class Trace:
             ("ops traced", f"{tracer.records.count} value-producing ops of {tracer.ops_seen} dispatched"),
             ("phases", ", ".join(phases) or "-"),
             ("non-finite ops", str(nonfinite)),
+            ("optimizer steps", str(self._steps.steps)),
             ("modules with headroom stats", str(len(rows))),
         ]
         not_checked = {f"hook error {i}": e for i, e in enumerate(tracer.errors)}

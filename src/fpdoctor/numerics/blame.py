@@ -26,6 +26,7 @@ from typing import Any
 from fpdoctor import catalog
 from fpdoctor.numerics.bounds import impossible
 from fpdoctor.numerics.recipes import range_cause
+from fpdoctor.numerics.steps import StepCounter
 from fpdoctor.numerics.trace import Leaf, Record, Tracer
 from fpdoctor.report.model import Finding
 
@@ -88,8 +89,9 @@ def _module_text(module: str | None) -> str:
 
 
 class Analysis:
-    def __init__(self, tracer: Tracer) -> None:
+    def __init__(self, tracer: Tracer, steps: StepCounter | None = None) -> None:
         self.tracer = tracer
+        self.steps = steps  # optimizer steps, for "at optimizer step 2" beside the call count
         self.records = tracer.records
         self.leaves = tracer.leaves
         self.roles: dict[int, str] = {}
@@ -168,6 +170,37 @@ class Analysis:
             where["recompute"] = True
         return where
 
+    def step_of(self, r: Record) -> tuple[int, bool] | None:
+        return self.steps.step_of(r.index, r.phase) if self.steps is not None else None
+
+    def when(self, r: Record) -> str:
+        """', optimizer step 2, module call 12': when it happened, as a training log counts; the
+        call count alone (', call 12') where no optimizer stepped."""
+        step = self.step_of(r)
+        call = r.call + 1 if r.call is not None else None
+        if step is None:
+            return f", call {call}" if r.call else ""
+        n, evaluating = step
+        if not evaluating:
+            text = f", optimizer step {n}"
+        else:
+            text = f", in an evaluation after optimizer step {n}" if n else ", in an evaluation before the first step"
+        if call is not None and r.phase != "optimizer":  # in the optimizer, the call is the step
+            text += f", {'module call' if r.module is not None else 'call at this line'} {call}"
+        return text
+
+    def at_step(self, r: Record) -> str:
+        """' (forward, optimizer step 2, module call 12)' where steps were counted, else ''."""
+        return f" ({r.phase}{self.when(r)})" if self.step_of(r) is not None else ""
+
+    def step_evidence(self, r: Record) -> dict[str, Any]:
+        """evidence.step (from 1, as a training log counts), and `evaluation` for an evaluation forward."""
+        step = self.step_of(r)
+        if step is None:
+            return {}
+        n, evaluating = step
+        return {**({"step": n} if n else {}), **({"evaluation": True} if evaluating else {})}
+
     def producer_finding(self, r: Record, label: str, others: list[Record]) -> Finding:
         out = next(o for o in r.outputs if o.kind)
         kinds = [k for k in ("nan", "+inf", "-inf") if out.counts and out.counts.get(k)] or [str(out.kind)]
@@ -183,8 +216,7 @@ class Analysis:
         location = _where_text(r.location)
         phase = r.phase + (" (activation-checkpoint recompute)" if r.recompute else "")
         message = (
-            f"{r.op} {_module_text(r.module)} ({phase}"
-            + (f", call {r.call + 1}" if r.call else "")
+            f"{r.op} {_module_text(r.module)} ({phase}{self.when(r)}"
             + f") produced {count if count is not None else 'some'} {'/'.join(kinds)} of {numel} values"
             f"{from_text}; they reach {', '.join(reaches[:3]) or 'a sink'}."
             + (f" Source: {location}." if location else "")
@@ -200,6 +232,7 @@ class Analysis:
             "reaches": reaches,
             "location": location,
             "first": label,
+            **self.step_evidence(r),
         }
         if others:
             evidence["other_producers"] = [f"{o.op} {_module_text(o.module)} ({o.phase})" for o in others[:5]]
@@ -276,7 +309,7 @@ class Analysis:
                 catalog.make(
                     "nonfinite-masked",
                     message=(
-                        f"{r.op} {_module_text(r.module)} ({r.phase}) produced {r.kind}, but later ops "
+                        f"{r.op} {_module_text(r.module)} ({r.phase}{self.when(r)}) produced {r.kind}, but later ops "
                         "masked or dropped it before it reached a module output, the loss, a gradient or a parameter "
                         f"({len(masked)} such op(s) in total)."
                         + (f" Source: {_where_text(r.location)}." if r.location else "")
@@ -290,6 +323,7 @@ class Analysis:
                             "dtype": out.dtype,
                             "ops": len(masked),
                             "location": _where_text(r.location),
+                            **self.step_evidence(r),
                         }
                     ),
                 )
@@ -344,7 +378,8 @@ class Analysis:
         location = _where_text(producer.location)
         rows = f"{count} of {numel}" if count is not None else f"some of {numel}"
         message = (
-            f"{producer.op} {_module_text(producer.module)} ({producer.phase}) overflowed {out.dtype}: {rows} values "
+            f"{producer.op} {_module_text(producer.module)} ({producer.phase}{self.when(producer)}) overflowed "
+            f"{out.dtype}: {rows} values "
             f"became {out.kind} from finite inputs. {zeroer.op} {_module_text(zeroer.module)} then turned the Inf "
             f"into {into}, so no NaN shows, but those values are destroyed and they reach {', '.join(reaches[:3])}."
             + (f" Source: {location}." if location else "")
@@ -371,6 +406,7 @@ class Analysis:
                 ),
                 "reaches": reaches,
                 "location": location,
+                **self.step_evidence(producer),
             }
         )
         return catalog.make(
@@ -407,7 +443,7 @@ class Analysis:
             message=(
                 f"{what} {list(leaf.shape)} {leaf.dtype} already held {count} {leaf.kind} value(s) when it was "
                 f"first used"
-                + (f" by {first.op} {_module_text(first.module)}" if first else "")
+                + (f" by {first.op} {_module_text(first.module)}{self.at_step(first)}" if first else "")
                 + f"; it reaches {', '.join(reaches[:3])}."
                 + (
                     " Another rank sent it: that rank's report names the op that made it."
@@ -433,6 +469,7 @@ class Analysis:
                     "counts": leaf.counts,
                     "origin": _leaf_origin(leaf),
                     "reaches": reaches,
+                    **(self.step_evidence(first) if first else {}),
                 }
             ),
         )
@@ -470,7 +507,8 @@ class Analysis:
         return catalog.make(
             "nonfinite-input",
             message=(
-                f"A constant created by {r.op} {_module_text(r.module)} holds {r.kind}; it reaches "
+                f"A constant created by {r.op} {_module_text(r.module)}{self.at_step(r)} holds {r.kind}; it "
+                "reaches "
                 f"{', '.join(reaches[:3])}." + (f" Source: {_where_text(r.location)}." if r.location else "")
             ),
             where=self.where(r),
@@ -483,6 +521,7 @@ class Analysis:
                     "origin": "constant",
                     "reaches": reaches,
                     "location": _where_text(r.location),
+                    **self.step_evidence(r),
                 }
             ),
         )

@@ -1,0 +1,133 @@
+"""Optimizer steps as a training log counts them, so a finding can say "at optimizer step 2".
+
+A module's call count includes evaluation forwards, every micro-batch and every repeated call;
+the user's log counts optimizer steps. `StepCounter` marks, in the tracer's record numbering,
+where each step ended: `optimizer.step()`, or `GradScaler.step()` (which counts a step it skips
+for an Inf gradient, as the training loop does). Several optimizers stepped in one iteration (a
+GAN's discriminator and generator) make one step, which ends with the last of them: a step
+begins when an optimizer steps again that already stepped in the current one. It also notes
+where top-level forwards switch between training and evaluation (grad mode off, or the module in
+`eval()`), so a value made in an evaluation forward is said to follow a step, not to be one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def _grad_scaler_class() -> Any:
+    try:
+        from torch.amp import GradScaler
+    except ImportError:  # torch < 2.3
+        from torch.cuda.amp import GradScaler  # type: ignore[assignment]
+    return GradScaler
+
+
+class StepCounter:
+    """Context manager over a traced block; `position()` is the index the next record will get."""
+
+    def __init__(self, position: Callable[[], int]) -> None:
+        self._position = position
+        self._ends: list[int] = []  # _ends[k]: the first record after optimizer step k + 1
+        self._modes: list[tuple[int, bool]] = []  # (first record, evaluating) at each switch
+        self._stepped: list[weakref.ref[Any]] = []  # the optimizers stepped in the step under way
+        self._last_end = 0  # the first record after the latest optimizer step
+        self._thread = threading.get_ident()
+        self._depth = 0
+        self._in_scaler = 0
+        self._handles: list[Any] = []
+        self._scaler_step: Any = None
+
+    @property
+    def ends(self) -> list[int]:
+        """Where each step ended, the one under way included once an optimizer stepped in it."""
+        return [*self._ends, self._last_end] if self._stepped else list(self._ends)
+
+    @property
+    def steps(self) -> int:
+        return len(self._ends) + (1 if self._stepped else 0)
+
+    def __enter__(self) -> StepCounter:
+        from torch.nn.modules import module as module_mod
+        from torch.optim import optimizer as optimizer_mod
+
+        self._thread = threading.get_ident()
+        self._handles = [
+            optimizer_mod.register_optimizer_step_post_hook(self._optimizer_stepped),
+            module_mod.register_module_forward_pre_hook(self._forward_pre),
+            module_mod.register_module_forward_hook(self._forward_post, always_call=True),
+        ]
+        # GradScaler has no hooks: its class attribute is swapped for the block and put back, the
+        # user's scaler object is never touched
+        scaler = _grad_scaler_class()
+        self._scaler_step = vars(scaler).get("step")
+        if self._scaler_step is not None:
+            original = self._scaler_step
+
+            def step(scaler_self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+                self._in_scaler += 1
+                try:
+                    result = original(scaler_self, optimizer, *args, **kwargs)
+                finally:
+                    self._in_scaler -= 1
+                self._ended(optimizer)
+                return result
+
+            scaler.step = step
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._scaler_step is not None:
+            _grad_scaler_class().step = self._scaler_step
+            self._scaler_step = None
+
+    def _ended(self, optimizer: Any) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        try:
+            if any(ref() is optimizer for ref in self._stepped):  # stepped again: a new step began
+                self._ends.append(self._last_end)
+                self._stepped = []
+            self._stepped.append(weakref.ref(optimizer))
+            self._last_end = self._position()
+        except Exception:  # the observer never raises into the user's step
+            pass
+
+    def _optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._in_scaler:  # GradScaler.step counts its own, stepped or skipped
+            self._ended(optimizer)
+
+    def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        self._depth += 1
+        if self._depth == 1:
+            evaluating = not torch.is_grad_enabled() or not module.training
+            if (self._modes[-1][1] if self._modes else False) != evaluating:
+                self._modes.append((self._position(), evaluating))
+
+    def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if threading.get_ident() == self._thread:
+            self._depth = max(0, self._depth - 1)
+
+    def step_of(self, index: int, phase: str) -> tuple[int, bool] | None:
+        """(step, evaluating) of record `index`: the step it belongs to, counted from 1, or for an
+        evaluation forward the steps done before it (0: before the first). None without steps."""
+        ends = self.ends
+        if not ends:
+            return None
+        done = bisect.bisect_right(ends, index)
+        if phase == "forward":
+            at = bisect.bisect_right(self._modes, (index, True)) - 1
+            if at >= 0 and self._modes[at][1]:
+                return done, True
+        return done + 1, False
