@@ -33,7 +33,7 @@ ROOT_FUNCTION = "get"
 NAME_HOLDERS = {"name", "finding"}
 
 # Dataclass fields that hold a catalogue name for later: their values are uses too (module, class, field).
-NAME_FIELDS = {("fpdoctor.crash.explain", "ErrorText", "finding")}
+NAME_FIELDS = {("fpdoctor.meanings", "ErrorText", "finding")}
 
 _Function = ast.FunctionDef | ast.AsyncFunctionDef
 

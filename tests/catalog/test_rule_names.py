@@ -40,7 +40,7 @@ def test_a_misspelt_name_fails_the_walk_whichever_way_it_is_passed():
         """
         from fpdoctor import catalog
         from fpdoctor.catalog import make as build
-        from fpdoctor.crash.explain import ErrorText
+        from fpdoctor.meanings import ErrorText
 
         THROTTLED = "gpu-throttle"
 

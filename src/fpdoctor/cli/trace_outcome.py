@@ -55,7 +55,7 @@ def _user_line(error: BaseException) -> tuple[str, int, str] | None:
 
 def exception_finding(error: BaseException, script: str, code: int) -> Finding:
     """The script's uncaught exception (a non-zero `sys.exit` included) as a finding."""
-    from fpdoctor.crash.explain import explain_text
+    from fpdoctor.meanings import explain_text
 
     kind = type(error).__qualname__
     if type(error).__module__ not in ("builtins", "__main__"):
