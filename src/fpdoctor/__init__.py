@@ -14,6 +14,7 @@ from fpdoctor._version import __version__
 if TYPE_CHECKING:
     from fpdoctor.env.doctor import diagnose_env
     from fpdoctor.health import HealthResult, health
+    from fpdoctor.integrations.script import ScriptWatch, watch
     from fpdoctor.numerics.api import Trace, trace
     from fpdoctor.numerics.sentinel import Sentinel
     from fpdoctor.numerics.trace import NonFiniteError
@@ -33,6 +34,7 @@ _LAZY = {
     "Severity": "fpdoctor.report.model",
     "NonFiniteError": "fpdoctor.numerics.trace",
     "Sentinel": "fpdoctor.numerics.sentinel",
+    "ScriptWatch": "fpdoctor.integrations.script",
     "Trace": "fpdoctor.numerics.api",
     "apply_plan": "fpdoctor.precision.plan",
     "audit": "fpdoctor.precision.audit",
@@ -44,6 +46,7 @@ _LAZY = {
     "keep_in_fp32": "fpdoctor.precision.boundary",
     "plan": "fpdoctor.precision.plan",
     "trace": "fpdoctor.numerics.api",
+    "watch": "fpdoctor.integrations.script",
 }
 
 
@@ -63,6 +66,7 @@ __all__ = [
     "HealthResult",
     "NonFiniteError",
     "Report",
+    "ScriptWatch",
     "Sentinel",
     "Severity",
     "Trace",
@@ -76,4 +80,5 @@ __all__ = [
     "keep_in_fp32",
     "plan",
     "trace",
+    "watch",
 ]

@@ -17,7 +17,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fpdoctor.cli import audit, compare, demo, env, explain, health, plan, run, trace
+    from fpdoctor.cli import audit, compare, demo, env, explain, health, plan, run, trace, watch
 
     parser = _Parser(
         prog="fpdoctor",
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     health.add_parser(sub)
     run.add_parser(sub)
+    watch.add_parser(sub)
     explain.add_parsers(sub)
     return parser
 

@@ -83,11 +83,12 @@ def replay(
                 with trace(model, headroom=False) as t:
                     loss = step_fn(*micro.args, **micro.kwargs)
                 device = params[0].device if params else torch.device("cpu")
-                flags = torch.stack(
-                    [loss_flag(torch.as_tensor(loss), device), nonfinite_flag(grads_of(params), device)]
-                )
+                # a step_fn that returns None replays a forward and backward whose loss it cannot see
+                # (`fpdoctor watch`: the gradient arriving at the model's outputs stands in for it)
+                seen = torch.as_tensor(loss if loss is not None else 0.0)
+                flags = torch.stack([loss_flag(seen, device), nonfinite_flag(grads_of(params), device)])
                 loss_bad, grad_bad = flags.tolist()
-                loss_value = float(torch.as_tensor(loss).detach().float().mean())
+                loss_value = float(seen.detach().float().mean()) if loss is not None else math.nan
                 report = t.report
                 culprits = (
                     [f for f in report.findings if f.name in ("nonfinite-produced", "nonfinite-input")]
@@ -101,8 +102,10 @@ def replay(
                         for f in (report.findings if report else [])
                         if f is not first and f.name != "nonfinite-masked"
                     ]
-                    seen = {} if first else _nonfinite_evidence(torch.as_tensor(loss) if loss_bad else None, params)
-                    first_bad = ReplayResult("deterministic-nonfinite", index, loss_value, first, others, evidence=seen)
+                    found = {} if first else _nonfinite_evidence(seen if loss_bad else None, params)
+                    first_bad = ReplayResult(
+                        "deterministic-nonfinite", index, loss_value, first, others, evidence=found
+                    )
                     if not whole:
                         break
     except Exception as exc:

@@ -154,8 +154,9 @@ def verdict_findings(
         catalog.make(
             "transient-fault-suspected",
             message=(
-                f"Step {step} was non-finite, but replaying it with the same batch, RNG state and weights gave a "
-                f"finite loss ({result.loss:.4g}) and finite gradients: the step's data and the model's math give "
+                f"Step {step} was non-finite, but replaying it with the same batch, RNG state and weights gave "
+                + (f"a finite loss ({result.loss:.4g}) and " if math.isfinite(result.loss) else "")
+                + "finite gradients: the step's data and the model's math give "
                 "finite values, so the fault followed the run's history (the machine's state, a call count, where a "
                 f"kernel ran), not the step. Suspect {distributed.where_text(me)} or a library, not the model; a "
                 "fault that recurs at the same step of every run points the same way (a library's or kernel's "

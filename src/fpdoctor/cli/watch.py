@@ -1,0 +1,126 @@
+"""`fpdoctor watch [--report FILE] -- [python] train.py ARGS`: the training sentinel, no code change.
+
+The script runs as `__main__` under `fpdoctor.integrations.script.ScriptWatch`: every optimizer
+step of every optimizer it creates is checked on the device, a non-finite step is kept from the
+weights, replayed as it ran and classified, and the job goes on. A line on stderr says each bad
+step's verdict as it comes; the report follows the script's end (on stderr, or to FILE). The exit
+status is the script's. Under torchrun every rank writes FILE.rankN and whichever rank completes
+the set writes FILE, every rank's findings merged (as `fpdoctor trace` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from typing import Any
+
+from fpdoctor.cli.output import UsageError, add_output_args, emit
+from fpdoctor.cli.trace import _sidecar, _write_rank, rank_info, user_traceback
+from fpdoctor.cli.trace_outcome import exception_finding, exit_code_of
+
+USAGE = "usage: fpdoctor watch [--report FILE] -- [python] SCRIPT.py [ARGS...]"
+_PYTHONS = ("python", "python3")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "watch",
+        help="run a training script unmodified with the sentinel: bad steps skipped, replayed and classified",
+        description="Runs SCRIPT.py as __main__ with its arguments. Every optimizer step is checked; a non-finite "
+        "step is kept from the weights, replayed as it ran and classified (deterministic at an op, or a "
+        "transient fault); the job goes on and exits with the script's own status.",
+    )
+    add_output_args(p)
+    p.add_argument("--report", dest="output", metavar="FILE", help="write the report to FILE (same as -o)")
+    p.add_argument("--no-replay", action="store_true", help="skip bad steps without replaying them")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="[python] SCRIPT.py ARGS")
+    p.set_defaults(run=run)
+
+
+class _Terminated(BaseException):
+    """SIGTERM while the script ran: unwind it so that the report is still written."""
+
+
+def _script_of(command: list[str]) -> tuple[str, list[str]]:
+    words = command[1:] if command[:1] == ["--"] else list(command)
+    if words and (os.path.basename(words[0]) in _PYTHONS or words[0] == sys.executable):
+        words = words[1:]
+    if not words:
+        raise UsageError(f"no script given; {USAGE}")
+    if words[0].startswith("-"):
+        raise UsageError(f"{words[0]}: only a script is run (not python's own options); {USAGE}")
+    if not os.path.isfile(words[0]):
+        raise UsageError(f"{words[0]}: no such script; {USAGE}")
+    return words[0], words[1:]
+
+
+def run(args: argparse.Namespace) -> int:
+    script, script_args = _script_of(args.command)
+    dist = rank_info()
+    if args.output and dist is not None:
+        _sidecar(args.output, dist.rank).unlink(missing_ok=True)  # an earlier launch's, never merged
+
+    import runpy
+
+    from fpdoctor.integrations.script import ScriptWatch
+
+    def notify(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [script, *script_args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    code = 0
+
+    def _on_term(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, _on_term)
+    watcher = ScriptWatch(replay=not args.no_replay, notify=notify)
+    unwatched: str | None = None
+    try:
+        watcher.__enter__()
+    except Exception as exc:  # ours: the script still runs, unwatched, and the report says so
+        unwatched = f"{type(exc).__name__}: {exc}"
+    failure: str | None = None
+    error: BaseException | None = None
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exit_code_of(exc.code)
+        if code:
+            if not isinstance(exc.code, int):
+                print(exc.code, file=sys.stderr)  # as python prints sys.exit("message")
+            failure, error = f"the script exited with {exc.code}", exc
+    except _Terminated:
+        code = 128 + signal.SIGTERM
+        failure = "terminated by SIGTERM before the script ended"
+    except Exception as exc:  # the script's own error: printed as python would, then the report
+        sys.stderr.write(user_traceback(exc, script))
+        code = 1
+        failure = f"the script raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        error = exc
+    finally:
+        watcher.close()
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        signal.signal(signal.SIGTERM, previous)
+    report = watcher.report
+    if unwatched:
+        report.data.setdefault("not_checked", {})["watch"] = f"the watch could not start ({unwatched})"
+    if failure:
+        report.data.setdefault("not_checked", {})["script"] = failure
+    if error is not None:  # a script that raised is never OK
+        report.findings.append(exception_finding(error, script, code))
+        error = None  # drop the frames it holds (the script's tensors)
+    report.data.setdefault("summary", []).insert(0, ("script", " ".join([script, *script_args])))
+    if dist is not None:
+        from fpdoctor.cli.trace import _mark_rank
+
+        _mark_rank(report, dist)
+    if dist is not None and args.output:
+        _write_rank(report.to_dict(), args, dist)
+    else:
+        emit(report.to_dict(), args, stream=sys.stderr)  # stdout belongs to the script
+    return code

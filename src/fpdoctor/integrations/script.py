@@ -1,0 +1,451 @@
+"""The training sentinel on a script nobody edits: `fpdoctor watch -- train.py` and `fpdoctor.watch()`.
+
+`ScriptWatch` collects what happens in each optimizer step of every optimizer the script creates,
+through torch's own global hooks, and hands it to the step judge (`numerics.step_judge`), which
+decides as it does for `fpdoctor.Sentinel` and the framework callbacks. Nothing is set on the
+user's objects; the hooks and the two class attributes swapped (`GradScaler.step`, and
+`torch.autograd.backward` to see the loss) are put back when the watch ends.
+
+How a step is captured, so that it can be replayed without a `step_fn`:
+- every top-level call of a module with trainable parameters made with gradients enabled (a
+  training forward; evaluation under `no_grad` is left alone) is noted with references to its
+  arguments (not copies), the RNG state before it, the autocast state it ran under, and each
+  argument tensor's version counter;
+- a hook on each output tensor keeps the gradient that arrives there in the backward: the loss's
+  gradient with respect to the model's outputs, scaled as the GradScaler scaled it;
+- the loss is what `backward()` was called on (the scaler's scale divided out for the curve).
+A replay restores each call's RNG state and autocast, calls the module again on the same
+arguments and the pre-step weights under `trace`, and back-propagates the kept output gradients:
+the model's forward and backward as they ran, without knowing the loss function. A call whose
+argument was written in place after the forward (a data loader reusing its buffers) cannot be
+replayed faithfully: the step is then decided without a replay, and the report says why.
+
+A bad step is kept from the weights by setting its optimizer's gradients to None before the step
+(torch's optimizers, foreach and fused, then leave weights and state untouched); under a
+GradScaler an overflow is the scaler's to skip, counted as AMP's. What this holds per step: one
+reference per argument of a training forward and the gradient of each of its outputs (the size of
+the model's outputs, e.g. the logits), dropped when the step is decided.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils import _pytree as pytree
+
+from fpdoctor.numerics import amp, distributed
+from fpdoctor.numerics.gradcheck import FlagRead, grads_of, nonfinite_flag
+from fpdoctor.numerics.replay import MicroBatch
+from fpdoctor.numerics.step_judge import StepFacts, StepJudge, StepOutcome
+from fpdoctor.preserve import RngState
+from fpdoctor.report.model import Finding, Report
+
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+@dataclass
+class _Call:
+    """One top-level training forward: what its replay needs, by reference."""
+
+    module: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    rng: RngState
+    autocast: list[tuple[str, torch.dtype]]  # the device types autocast was on for, with their dtype
+    versions: list[tuple[torch.Tensor, int]]  # argument tensors and their version counters then
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # output leaf index -> its gradient
+    outputs: int = 0  # output leaves that require grad
+
+
+@dataclass
+class _Run:
+    """One optimizer's watch: its judge and the calls since its last step."""
+
+    judge: StepJudge
+    params: list[torch.Tensor]
+    modules: list[nn.Module]
+    number: int  # the optimizer's number, from 1, in the order the script first stepped them
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def _autocast_state() -> list[tuple[str, torch.dtype]]:
+    on = []
+    for device in _DEVICE_TYPES:
+        try:
+            if torch.is_autocast_enabled(device):
+                on.append((device, torch.get_autocast_dtype(device)))
+        except (RuntimeError, TypeError, AttributeError):  # an older torch, or no such device type
+            continue
+    return on
+
+
+class ScriptWatch:
+    """Watches every optimizer step of the process while it is entered.
+
+    `replay`: replay bad steps under trace (on by default). `notify`: called with one line when a
+    step is skipped or a verdict is reached (the CLI prints it on stderr). `gpu_health`: read the
+    GPU's health at the start and on a fault that does not reproduce."""
+
+    def __init__(
+        self, *, replay: bool = True, notify: Callable[[str], None] | None = None, gpu_health: bool = True
+    ) -> None:
+        self.replay = replay
+        self.notify = notify
+        self.gpu_health = gpu_health
+        self.runs: dict[int, _Run] = {}  # id(optimizer) -> its run
+        self.unwatched: dict[str, str] = {}  # what could not be watched, and why
+        self.errors: list[Finding] = []
+        self._optimizers: list[Any] = []  # held while watched, so their ids stay theirs
+        self._calls: list[_Call] = []
+        self._losses: list[torch.Tensor] = []
+        self._trainable: dict[int, bool] = {}
+        self._local = threading.local()
+        self._scaler_now: dict[int, Any] = {}  # id(optimizer) -> the GradScaler stepping it now
+        self._judged: set[int] = set()  # optimizers judged inside the scaler's step in progress
+        self._replaying = False
+        self._stack: contextlib.ExitStack | None = None
+
+    # -- entering and leaving --------------------------------------------------------------------
+    def __enter__(self) -> ScriptWatch:
+        stack = contextlib.ExitStack()
+        try:
+            module_hooks = torch.nn.modules.module
+            stack.callback(module_hooks.register_module_forward_pre_hook(self._pre).remove)
+            # with its keyword arguments (the pre-hook gets none), and even when the forward raises,
+            # so that the depth count of nested calls stays right
+            post = module_hooks.register_module_forward_hook(self._post, with_kwargs=True, always_call=True)
+            stack.callback(post.remove)
+            stack.callback(register_optimizer_step_pre_hook(self._before_step).remove)
+            stack.enter_context(self._swapped(torch.autograd, "backward", self._backward_of))
+            scaler = amp._grad_scaler_class()
+            stack.enter_context(self._swapped(scaler, "step", self._scaler_step_of))
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+        self._calls, self._losses = [], []
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _swapped(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
+        """`owner.name` replaced by `make(original)` inside the block, put back as it was after."""
+        own = name in vars(owner)
+        original = getattr(owner, name)
+        setattr(owner, name, make(original))
+        try:
+            yield
+        finally:
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+
+    # -- what the script does ----------------------------------------------------------------------
+    def _depth(self) -> int:
+        return getattr(self._local, "depth", 0)
+
+    def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        depth = self._depth()
+        self._local.depth = depth + 1
+        if depth or self._replaying or not torch.is_grad_enabled():
+            return
+        try:
+            if self._is_trainable(module):  # its RNG and autocast state before it runs
+                self._local.call = _Call(module, (), {}, RngState.capture(), _autocast_state(), [])
+        except Exception as exc:
+            self._error("noting a forward", exc)
+
+    def _post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        self._local.depth = max(self._depth() - 1, 0)
+        call: _Call | None = getattr(self._local, "call", None)
+        if self._depth() or call is None or call.module is not module:
+            return
+        self._local.call = None
+        try:
+            call.args, call.kwargs = tuple(args), dict(kwargs)
+            call.versions = [(t, t._version) for t in _tensors((args, kwargs))]
+            leaves = pytree.tree_leaves(output)
+            for index, leaf in enumerate(leaves):
+                if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                    call.outputs += 1
+                    leaf.register_hook(self._keep_grad(call, index))
+            if call.outputs:
+                self._calls.append(call)
+        except Exception as exc:
+            self._error("noting a forward's outputs", exc)
+
+    @staticmethod
+    def _keep_grad(call: _Call, index: int) -> Callable[[torch.Tensor], None]:
+        def keep(grad: torch.Tensor) -> None:
+            call.grads[index] = grad  # a reference; the hook returns None, so the gradient is unchanged
+
+        return keep
+
+    def _is_trainable(self, module: nn.Module) -> bool:
+        key = id(module)
+        known = self._trainable.get(key)
+        if known is None:
+            known = any(p.requires_grad for p in module.parameters())
+            self._trainable[key] = known
+        return known
+
+    def _backward_of(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self._replaying:
+                try:
+                    for t in [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ()):
+                        if isinstance(t, torch.Tensor) and t.numel() == 1:
+                            self._losses.append(t.detach().reshape(()).float())
+                except Exception as exc:
+                    self._error("reading the loss", exc)
+            return original(tensors, *args, **kwargs)
+
+        return backward
+
+    def _scaler_step_of(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            key = id(optimizer)
+            self._scaler_now[key] = scaler
+            self._judged.discard(key)
+            try:
+                return original(scaler, optimizer, *args, **kwargs)
+            finally:
+                self._scaler_now.pop(key, None)
+                if key not in self._judged and scaler.is_enabled():
+                    self._guarded(lambda: self._step(optimizer, scaler=scaler, skipped_by_scaler=True))
+                self._judged.discard(key)
+
+        return step
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        key = id(optimizer)
+        scaler = self._scaler_now.get(key)
+        self._judged.add(key)
+        self._guarded(lambda: self._step(optimizer, scaler=scaler, skipped_by_scaler=False))
+
+    def _guarded(self, do: Callable[[], None]) -> None:
+        try:
+            do()
+        except Exception as exc:  # the observer never kills the job
+            self._error("checking the step", exc)
+
+    # -- the step --------------------------------------------------------------------------------
+    def _run_of(self, optimizer: Any) -> _Run | None:
+        run = self.runs.get(id(optimizer))
+        if run is not None:
+            return run
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        owned = {id(p) for p in params}
+        modules: list[nn.Module] = []
+        for call in self._calls:
+            if call.module not in modules and any(id(p) in owned for p in call.module.parameters()):
+                modules.append(call.module)
+        if not modules:
+            why = "its parameters were in no training forward of a module seen before its first step"
+            self.unwatched.setdefault(f"optimizer {type(optimizer).__name__}", why)
+            return None
+        model = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
+        judge = StepJudge(
+            model,
+            hooked=model,
+            optimizer=optimizer,
+            replay=self.replay,
+            with_scaler=False,
+            views="FSDP, a communication hook of the script's own, or a DDP model built after the first step",
+            gpu_health=self.gpu_health,
+        )
+        self._optimizers.append(optimizer)
+        run = _Run(judge, params, modules, len(self.runs) + 1)
+        self.runs[id(optimizer)] = run
+        return run
+
+    def _step(self, optimizer: Any, *, scaler: Any, skipped_by_scaler: bool) -> None:
+        run = self._run_of(optimizer)
+        calls, losses = self._calls, self._losses
+        self._calls, self._losses = [], []
+        if run is None:
+            return
+        judge = run.judge
+        mine = [c for c in calls if any(c.module is m for m in run.modules)]
+        device = judge.device
+        with torch.no_grad():
+            grad = nonfinite_flag(grads_of(run.params), device)
+            loss_t = torch.stack([t.to(device) for t in losses]) if losses else torch.zeros(0, device=device)
+            local_loss = torch.isfinite(loss_t).all().logical_not().float()
+            agreed = torch.stack([local_loss, grad])
+            if judge.distributed:  # every rank skips, or none: replicas stay equal
+                agreed = distributed.all_max(agreed)
+            scale = amp.scale_tensor(scaler, device) if scaler is not None else torch.full((), math.nan, device=device)
+            values = FlagRead(torch.cat([agreed, local_loss.reshape(1), scale.reshape(1), loss_t])).values()
+        bad_loss, bad_grad, mine_bad = values[0] > 0, values[1] > 0, values[2] > 0
+        scale_value = values[3] if scaler is not None else None
+        curve = [v / scale_value if scale_value else v for v in values[4:]]
+        finite_curve = [v for v in curve if math.isfinite(v)]
+        loss_value = (sum(curve) / len(curve) if curve else math.nan) if not finite_curve or mine_bad else sum(
+            finite_curve
+        ) / len(finite_curve)
+        if skipped_by_scaler:
+            bad_grad = True  # the scaler found the Inf itself: its found_inf decided
+        judge.steps += 1
+        judge.micro_batches += len(mine)
+        facts = StepFacts(
+            judge.steps,
+            bad_loss=bad_loss,
+            bad_grad=bad_grad,
+            local_loss=mine_bad,
+            loss_value=loss_value,
+            window=[MicroBatch(c.rng, (c, *c.args), dict(c.kwargs)) for c in mine],
+            step_fn=self._replay_call,
+            contexts=lambda: [distributed.local_replay(judge.model), self._replaying_now()],
+            scale=scale_value,
+            next_scale=scale_value * float(scaler.get_backoff_factor())
+            if scaler is not None and scale_value is not None and bad_grad and not bad_loss
+            else None,
+            micro=None,
+            micro_batches=len(mine),
+            why_not=self._why_not(mine),
+        )
+        if judge.steps == 1:
+            judge.begin_window()  # the buffers as they are now: the next step's bad forward is undone to here
+        outcome = judge.judge(facts)
+        skip = not outcome.finite and not (scaler is not None and bad_grad)
+        if skip and not skipped_by_scaler:
+            for p in run.params:  # kept from the weights: torch's optimizers skip a parameter without a gradient
+                p.grad = None
+        judge.begin_window()
+        self._tell(run, outcome)
+
+    def _why_not(self, calls: list[_Call]) -> str | None:
+        if not calls:
+            return "no training forward of the model was seen in this step"
+        for call in calls:
+            if any(t._version != v for t, v in call.versions):
+                return "an input of the forward was written in place after it ran (a data loader reusing its buffers?)"
+            if len(call.grads) < call.outputs:
+                return "the gradient of an output of the forward was not seen (a backward through torch.autograd.grad?)"
+        return None
+
+    @contextlib.contextmanager
+    def _replaying_now(self) -> Iterator[None]:
+        self._replaying, saved = True, self._replaying
+        try:
+            yield
+        finally:
+            self._replaying = saved
+
+    @staticmethod
+    def _replay_call(call: _Call, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        """The forward as it ran (its autocast; `args`/`kwargs` are the call's own, or their fp32
+        copies in a control) and its backward from the kept output gradients.
+
+        The loss is not part of the model: where the gradients that arrived at the outputs are
+        finite the backward runs and None is returned (the replay judges the gradients). Where
+        they are not (the loss itself was NaN/Inf) no backward can say more, and the forward is
+        judged alone: a 0-d tensor, NaN when an output is not finite, else 0."""
+        with contextlib.ExitStack() as stack:
+            for device, dtype in call.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype))  # a control switches it off
+            output = call.module(*args, **kwargs)
+        tensors, grads = [], []
+        for index, leaf in enumerate(pytree.tree_leaves(output)):
+            grad = call.grads.get(index)
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and grad is not None:
+                tensors.append(leaf)
+                grads.append(grad)
+        with torch.no_grad():
+            arrived_finite = all(bool(torch.isfinite(g).all()) for g in grads)  # host reads: bad steps only
+        if tensors and arrived_finite:
+            torch.autograd.backward(tensors, grads)
+            return None
+        with torch.no_grad():
+            finite = all(bool(torch.isfinite(t).all()) for t in _tensors(output))
+        return torch.tensor(0.0 if finite else math.nan)
+    def _tell(self, run: _Run, outcome: StepOutcome) -> None:
+        if self.notify is None or outcome.finite or outcome.verdict == "amp-skip":
+            return
+        where = run.judge.here
+        rank = f"rank {where['rank']} " if "rank" in where else ""
+        opt = f" (optimizer {run.number})" if len(self.runs) > 1 else ""
+        verdict = outcome.verdict or "not replayed"
+        said = f"skipped{opt}" if outcome.skipped else f"applied{opt}"
+        self.notify(f"fpdoctor watch: {rank}step {outcome.step}: non-finite, {said}; {verdict}")
+
+    def _error(self, doing: str, exc: BaseException) -> None:
+        runs = list(self.runs.values())
+        if runs:
+            runs[0].judge.error(doing, exc)
+            return
+        text = f"{type(exc).__name__}: {exc}"
+        from fpdoctor.numerics import sentinel_findings
+
+        if not any(doing in f.message and text in f.message for f in self.errors):
+            self.errors.append(sentinel_findings.error_finding(doing, text, 0, here={}))
+
+    # -- the report ------------------------------------------------------------------------------
+    @property
+    def report(self) -> Report:
+        runs = list(self.runs.values())
+        if not runs:
+            report = Report(command="watch", findings=list(self.errors), data={"steps": 0, "summary": []})
+        else:
+            first = runs[0].judge
+            report = first.report(scaled=first.amp.scale is not None)
+            for run in runs[1:]:  # a second optimizer (a GAN's): its findings and counts beside
+                other = run.judge.report(scaled=run.judge.amp.scale is not None)
+                report.findings.extend(other.findings)
+                report.data.setdefault("optimizers", []).append(
+                    {k: other.data[k] for k in ("steps", "skipped_steps", "nonfinite_steps", "verdicts")}
+                )
+            report = Report(command="watch", findings=[*self.errors, *report.findings], data=report.data)
+        if self.unwatched:
+            report.data.setdefault("not_checked", {}).update(self.unwatched)
+        return report
+
+
+def watch(*, report: str | None = None, replay: bool = True) -> ScriptWatch:
+    """Watch every optimizer step of this process from here on (no code change beyond this line):
+    `fpdoctor.watch()` at the top of a script, or `with fpdoctor.watch() as w: ...` around a part
+    of it. Called bare, the report is written when the process exits: to `report` (a file; its
+    extension picks the format) or, without one, on stderr."""
+    import atexit
+
+    watcher = ScriptWatch(replay=replay, notify=lambda line: print(line, file=sys.stderr, flush=True))
+    watcher.__enter__()
+
+    def at_exit() -> None:
+        if watcher._stack is None:  # left already (a with block): its owner has the report
+            return
+        watcher.close()
+        from fpdoctor.integrations import _report
+
+        done = watcher.report
+        if report:
+            _report.write(done, report)
+        else:
+            from fpdoctor.report.render import render
+
+            sys.stderr.write(render(done.to_dict(), "text", color=False))
+
+    atexit.register(at_exit)
+    return watcher
