@@ -44,7 +44,7 @@ from torch.utils import _pytree as pytree
 
 from fpdoctor.numerics import amp, distributed
 from fpdoctor.numerics.gradcheck import FlagRead, grads_of, nonfinite_flag
-from fpdoctor.numerics.replay import MicroBatch
+from fpdoctor.numerics.replay import MicroBatch, OutputsOnly
 from fpdoctor.numerics.step_judge import StepFacts, StepJudge, StepOutcome
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Finding, Report
@@ -64,6 +64,7 @@ class _Call:
     versions: list[tuple[torch.Tensor, int]]  # argument tensors and their version counters then
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # output leaf index -> its gradient
     outputs: int = 0  # output leaves that require grad
+    arrived_finite: bool = True  # the kept gradients are finite (read on a bad step only, before its replay)
 
 
 @dataclass
@@ -309,6 +310,10 @@ class ScriptWatch:
             bad_grad = True  # the scaler found the Inf itself: its found_inf decided
         judge.steps += 1
         judge.micro_batches += len(mine)
+        if bad_loss or bad_grad:  # host reads, bad steps only, outside the replay's trace
+            with torch.no_grad():
+                for c in mine:
+                    c.arrived_finite = all(bool(torch.isfinite(g).all()) for g in c.grads.values())
         facts = StepFacts(
             judge.steps,
             bad_loss=bad_loss,
@@ -355,14 +360,14 @@ class ScriptWatch:
             self._replaying = saved
 
     @staticmethod
-    def _replay_call(call: _Call, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+    def _replay_call(call: _Call, *args: Any, **kwargs: Any) -> OutputsOnly | None:
         """The forward as it ran (its autocast; `args`/`kwargs` are the call's own, or their fp32
         copies in a control) and its backward from the kept output gradients.
 
         The loss is not part of the model: where the gradients that arrived at the outputs are
         finite the backward runs and None is returned (the replay judges the gradients). Where
         they are not (the loss itself was NaN/Inf) no backward can say more, and the forward is
-        judged alone: a 0-d tensor, NaN when an output is not finite, else 0."""
+        judged alone (`OutputsOnly`)."""
         with contextlib.ExitStack() as stack:
             for device, dtype in call.autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype))  # a control switches it off
@@ -373,14 +378,12 @@ class ScriptWatch:
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad and grad is not None:
                 tensors.append(leaf)
                 grads.append(grad)
-        with torch.no_grad():
-            arrived_finite = all(bool(torch.isfinite(g).all()) for g in grads)  # host reads: bad steps only
-        if tensors and arrived_finite:
+        if tensors and call.arrived_finite:
             torch.autograd.backward(tensors, grads)
             return None
         with torch.no_grad():
             finite = all(bool(torch.isfinite(t).all()) for t in _tensors(output))
-        return torch.tensor(0.0 if finite else math.nan)
+        return OutputsOnly(finite)
     def _tell(self, run: _Run, outcome: StepOutcome) -> None:
         if self.notify is None or outcome.finite or outcome.verdict == "amp-skip":
             return

@@ -32,6 +32,14 @@ class MicroBatch:
     kwargs: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class OutputsOnly:
+    """What a step_fn returns when no loss can be seen and it judged the forward's outputs alone
+    (`fpdoctor watch` replaying a step whose loss was already NaN/Inf)."""
+
+    finite: bool
+
+
 @dataclass
 class ReplayResult:
     verdict: str  # "deterministic-nonfinite", "transient-fault-suspected" or "replay-failed"
@@ -85,10 +93,12 @@ def replay(
                 device = params[0].device if params else torch.device("cpu")
                 # a step_fn that returns None replays a forward and backward whose loss it cannot see
                 # (`fpdoctor watch`: the gradient arriving at the model's outputs stands in for it)
-                seen = torch.as_tensor(loss if loss is not None else 0.0)
+                unseen = loss is None or isinstance(loss, OutputsOnly)
+                bad_outputs = isinstance(loss, OutputsOnly) and not loss.finite
+                seen = torch.as_tensor(math.nan if bad_outputs else 0.0) if unseen else torch.as_tensor(loss)
                 flags = torch.stack([loss_flag(seen, device), nonfinite_flag(grads_of(params), device)])
                 loss_bad, grad_bad = flags.tolist()
-                loss_value = float(seen.detach().float().mean()) if loss is not None else math.nan
+                loss_value = math.nan if unseen else float(seen.detach().float().mean())
                 report = t.report
                 culprits = (
                     [f for f in report.findings if f.name in ("nonfinite-produced", "nonfinite-input")]

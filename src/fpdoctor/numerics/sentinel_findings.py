@@ -92,8 +92,9 @@ def _control_text(control: ControlResult | None) -> tuple[str, str | None, dict[
     evidence: dict[str, Any] = {"control_fp32": control.outcome}
     if control.outcome == "finite":
         return (
-            f" Replayed again with every fp16/bf16 parameter, buffer and input in fp32 and autocast off, it was "
-            f"finite (loss {control.loss:.4g}): the precision is the cause, not the data or the model's math.",
+            " Replayed again with every fp16/bf16 parameter, buffer and input in fp32 and autocast off, it was "
+            + (f"finite (loss {control.loss:.4g})" if math.isfinite(control.loss) else "finite")
+            + ": the precision is the cause, not the data or the model's math.",
             "Keep this op (or its module) in fp32, or use bf16 where the cause is range: `fpdoctor compare MODEL "
             "--candidate fp16` names the module and `fpdoctor plan` verifies a keep-in-fp32 plan.",
             evidence,
