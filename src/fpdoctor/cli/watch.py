@@ -115,10 +115,9 @@ def run(args: argparse.Namespace) -> int:
         report.findings.append(exception_finding(error, script, code))
         error = None  # drop the frames it holds (the script's tensors)
     report.data.setdefault("summary", []).insert(0, ("script", " ".join([script, *script_args])))
-    if dist is not None:
-        from fpdoctor.cli.trace import _mark_rank
-
-        _mark_rank(report, dist)
+    if dist is not None:  # the judge's findings name the rank they are about; this rank's place beside
+        report.data["distributed"] = {"rank": dist.rank, "world_size": dist.world_size, "host": dist.host}
+        report.data["summary"].insert(0, ("rank", f"{dist.rank} of {dist.world_size} on {dist.host}"))
     if dist is not None and args.output:
         _write_rank(report.to_dict(), args, dist)
     else:

@@ -331,13 +331,13 @@ class ScriptWatch:
             micro_batches=len(mine),
             why_not=self._why_not(mine),
         )
-        if judge.steps == 1:
-            judge.begin_window()  # the buffers as they are now: the next step's bad forward is undone to here
         outcome = judge.judge(facts)
         skip = not outcome.finite and not (scaler is not None and bad_grad)
         if skip and not skipped_by_scaler:
             for p in run.params:  # kept from the weights: torch's optimizers skip a parameter without a gradient
                 p.grad = None
+        # the buffers as they are now: the next step's bad forward is undone to here (the first step
+        # has no snapshot to undo to: its forward ran before the watch knew its model)
         judge.begin_window()
         self._tell(run, outcome)
 

@@ -1,0 +1,250 @@
+"""`fpdoctor watch -- train.py`: scripts written as users write them, run unmodified.
+
+Healthy -> bitwise the same final weights as without the watch; a NaN injected once from outside
+the script -> skipped, replayed, transient; a model that overflows fp16 at a fixed line under a
+GradScaler -> deterministic-nonfinite at that line with a finite fp32 control; a 2-rank DDP job on
+gloo with the fault on rank 1 -> rank 1 named by both ranks; bad input -> one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+TRAIN = """
+import sys, torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 1))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+g = torch.Generator().manual_seed(1)
+for step in range(1, 9):
+    opt.zero_grad()
+    for micro in range(2):  # gradient accumulation
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+        loss = nn.functional.mse_loss(model(x), y) / 2
+        loss.backward()
+    opt.step()
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(4, 8, generator=g))  # an evaluation forward between steps
+    model.train()
+torch.save(model.state_dict(), sys.argv[1])
+print("trained", flush=True)
+"""
+
+# a NaN written into the first Linear's output on the 7th training forward of the process, from
+# outside the script (a global hook): the replay's forward is a later call, so it is finite
+INJECT = """
+import runpy, sys, torch
+calls = [0]
+def hook(module, args, output):
+    if isinstance(module, torch.nn.Linear) and module.in_features == 8 and torch.is_grad_enabled():
+        calls[0] += 1
+        if calls[0] == 7:
+            output = output.clone()
+            output[0, 0] = float("nan")
+            return output
+torch.nn.modules.module.register_module_forward_hook(hook)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+AMP = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 1)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h * h * 1000.0  # overflows fp16
+        return self.b(h)
+
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+scaler = torch.amp.GradScaler("cpu")
+g = torch.Generator().manual_seed(1)
+for step in range(5):
+    x, y = torch.randn(8, 16, generator=g) * 20, torch.randn(8, 1, generator=g)
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(x)
+    loss = nn.functional.mse_loss(out.float(), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+"""
+
+DDP = """
+import torch, torch.distributed as dist
+from torch import nn
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+state = {"step": 0, "done": False}
+
+def hook(grad):  # rank 1's first backward of step 3 only: a one-off fault
+    if rank == 1 and state["step"] == 3 and not state["done"]:
+        state["done"] = True
+        grad = grad.clone()
+        grad[0, 0] = float("nan")
+    return grad
+
+model.module[0].weight.register_hook(hook)
+g = torch.Generator().manual_seed(10 + rank)
+for step in range(1, 7):
+    state["step"] = step
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+dist.destroy_process_group()
+"""
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def _env() -> dict[str, str]:
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+
+
+def _watch(tmp_path: Path, *command: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fpdoctor", "watch", "-o", str(tmp_path / "report.json"), "--", *command],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tmp_path,
+        env=_env(),
+    )
+
+
+def _report(tmp_path: Path, name: str = "report.json") -> dict:
+    return json.loads((tmp_path / name).read_text())
+
+
+def test_a_healthy_script_trains_to_bitwise_the_same_weights(tmp_path):
+    script = _write(tmp_path, "train.py", TRAIN)
+    plain = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "plain.pt")], check=False,
+        capture_output=True, text=True, timeout=120
+    )
+    assert plain.returncode == 0, plain.stderr
+    watched = _watch(tmp_path, "python", str(script), str(tmp_path / "watched.pt"))
+    assert watched.returncode == 0, watched.stderr
+    assert watched.stdout == plain.stdout  # the script's stdout is its own
+    a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "watched.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    report = _report(tmp_path)
+    assert report["verdict"] == "ok" and report["data"]["steps"] == 8 and report["data"]["micro_batches"] == 16
+
+
+def test_a_nan_injected_once_is_skipped_replayed_and_called_transient(tmp_path):
+    script = _write(tmp_path, "train.py", TRAIN)
+    inject = _write(tmp_path, "inject.py", INJECT)
+    watched = _watch(tmp_path, str(inject), str(script), str(tmp_path / "w.pt"))
+    assert watched.returncode == 0, watched.stderr
+    assert "fpdoctor watch: step 4: non-finite, skipped; transient-fault-suspected" in watched.stderr
+    report = _report(tmp_path)
+    names = [f["name"] for f in report["findings"]]
+    assert names == ["nonfinite-loss", "transient-fault-suspected"]
+    assert report["data"]["skipped_steps"] == 1 and report["data"]["verdicts"] == {"4": "transient-fault-suspected"}
+
+
+def test_an_fp16_overflow_under_a_grad_scaler_is_named_at_its_line_with_a_finite_fp32_control(tmp_path):
+    script = _write(tmp_path, "amp.py", AMP)
+    watched = _watch(tmp_path, str(script))
+    assert watched.returncode == 0, watched.stderr
+    report = _report(tmp_path)
+    verdict = next(f for f in report["findings"] if f["name"] == "deterministic-nonfinite")
+    line = next(i for i, text in enumerate(script.read_text().splitlines(), start=1) if "overflows fp16" in text)
+    assert verdict["where"]["op"] == "aten.mul.Tensor"
+    assert verdict["evidence"]["location"].endswith(f"amp.py:{line} in forward")
+    assert verdict["evidence"]["control_fp32"] == "finite"
+    assert verdict["evidence"]["occurrences"] == 2  # replayed twice, the rest counted under the cause
+    stalled = next(f for f in report["findings"] if f["name"] == "training-stalled")
+    assert "the optimizer never ran" in stalled["message"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_under_torchrun_every_rank_names_the_rank_that_held_the_fault(tmp_path):
+    script = _write(tmp_path, "ddp.py", DDP)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    watch = ["-m", "fpdoctor", "watch", "-o", str(tmp_path / "report.json"), "--", str(script)]
+    run = subprocess.run(
+        [*torchrun, "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *watch],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        env=_env(),
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in (0, 1):
+        report = _report(tmp_path, f"report.rank{rank}.json")
+        gradient = next(f for f in report["findings"] if f["name"] == "nonfinite-gradient")
+        assert gradient["where"]["rank"] == 1 and gradient["evidence"]["step"] == 3
+        assert report["data"]["verdicts"] == {"3": "transient-fault-suspected"}
+    merged = _report(tmp_path)
+    assert {f["where"]["rank"] for f in merged["findings"]} == {1}
+
+
+def test_a_script_that_raises_exits_as_python_would_and_is_never_ok(tmp_path):
+    script = _write(tmp_path, "bad.py", "import torch\nraise IndexError('index 9 is out of bounds')\n")
+    watched = _watch(tmp_path, str(script))
+    assert watched.returncode == 1
+    assert "IndexError: index 9 is out of bounds" in watched.stderr
+    report = _report(tmp_path)
+    assert report["verdict"] == "error"
+    assert [f["name"] for f in report["findings"]] == ["uncaught-exception"]
+
+
+@pytest.mark.parametrize(
+    ("command", "said"),
+    [
+        ([], "no script given"),
+        (["--", "python"], "no script given"),
+        (["--", "missing.py"], "missing.py: no such script"),
+        (["--", "python", "-c", "print(1)"], "-c: only a script is run"),
+        (["--bogus"], "unrecognized arguments"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, command, said):
+    run = subprocess.run(
+        [sys.executable, "-m", "fpdoctor", "watch", *command],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=_env(),
+    )
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and said in lines[0]
