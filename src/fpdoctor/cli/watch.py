@@ -69,6 +69,11 @@ def run(args: argparse.Namespace) -> int:
     def notify(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    from fpdoctor.integrations.entry_point import ENV_SWITCH
+
+    # a Lightning Trainer gets the fpdoctor callback (its loop steps the optimizer with a closure, so
+    # the callback judges those steps); one the script passes itself wins, as always
+    os.environ.setdefault(ENV_SWITCH, "1")
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

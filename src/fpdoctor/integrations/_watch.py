@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -40,6 +41,10 @@ from fpdoctor.report.model import Report
 # the numbers read back per optimizer step, in this order, then each micro-batch's loss
 _LOSS, _GRAD, _SCALE, _DIVISOR, _LOSSES = range(5)
 
+
+# The watches of the framework callbacks alive in this process: `fpdoctor watch` leaves the
+# optimizers of their models to them (one judge per step, never two) and adds their findings.
+ACTIVE: weakref.WeakSet[StepWatch] = weakref.WeakSet()
 
 _Hook = TypeVar("_Hook", bound=Callable[..., Any])
 
@@ -142,6 +147,7 @@ class StepWatch(JudgedSteps):
         self._micros: list[_Micro] = []
         self._why_not: str | None = None  # why the current window cannot be replayed
         self._checked: Check | None = None
+        ACTIVE.add(self)
 
     @property
     def not_replayed(self) -> dict[int, str]:

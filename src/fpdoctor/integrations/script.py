@@ -42,6 +42,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
+from fpdoctor.integrations import _watch as framework
 from fpdoctor.numerics import amp, distributed
 from fpdoctor.numerics.gradcheck import FlagRead, grads_of, nonfinite_flag
 from fpdoctor.numerics.replay import MicroBatch, OutputsOnly
@@ -243,6 +244,15 @@ class ScriptWatch:
         key = id(optimizer)
         scaler = self._scaler_now.get(key)
         self._judged.add(key)
+        if any(callable(a) for a in (*args, *kwargs.values())):  # step(closure): LBFGS, Lightning's loop
+            # the forward and backward run inside step(), after this hook: there is nothing to judge yet
+            self._calls, self._losses = [], []
+            self.unwatched.setdefault(
+                f"optimizer {type(optimizer).__name__}",
+                "it steps with a closure (forward and backward run inside step()); with Lightning the "
+                "fpdoctor callback judges its steps (switched on by `fpdoctor watch`)",
+            )
+            return
         self._guarded(lambda: self._step(optimizer, scaler=scaler, skipped_by_scaler=False))
 
     def _guarded(self, do: Callable[[], None]) -> None:
@@ -257,6 +267,8 @@ class ScriptWatch:
         if run is not None:
             return run
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        if params and any(p is q for w in list(framework.ACTIVE) for q in w._params for p in params[:1]):
+            return None  # a framework callback judges this optimizer's steps: one judge per step
         owned = {id(p) for p in params}
         modules: list[nn.Module] = []
         for call in self._calls:
@@ -421,6 +433,10 @@ class ScriptWatch:
                     {k: other.data[k] for k in ("steps", "skipped_steps", "nonfinite_steps", "verdicts")}
                 )
             report = Report(command="watch", findings=[*self.errors, *report.findings], data=report.data)
+        for callback in list(framework.ACTIVE):  # a Lightning or HF callback's steps, judged by it
+            report.findings.extend(callback.findings)
+            counts = {"steps": callback.steps, "skipped_steps": callback.skipped}
+            report.data.setdefault("callbacks", []).append(counts)
         if self.unwatched:
             report.data.setdefault("not_checked", {}).update(self.unwatched)
         return report
