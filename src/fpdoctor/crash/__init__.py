@@ -26,7 +26,6 @@ from fpdoctor.report.model import Report
 
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_WAIT_S = 3.0
 REPORT_BUDGET_S = 4.5  # of the 5 s from a death to its report (SPEC 5), the rest is rendering
 
 _PASS = object()  # default stream target: the caller's own sys.stdout / sys.stderr at call time
@@ -48,7 +47,7 @@ def run_command(
     *,
     breadcrumbs: bool = False,
     env_from: str | dict[str, Any] | None = None,
-    wait_s: float = DEFAULT_WAIT_S,
+    wait_s: float | None = None,
     stdout: Any = _PASS,
     stderr: Any = _PASS,
     env: dict[str, str] | None = None,
@@ -64,14 +63,15 @@ def run_command(
     files and buffers, text for text streams). program: how the re-run command the report
     prints starts (the CLI passes how fpdoctor itself was started). env_from: a facts JSON / collect_env report path
     (or a facts dict) whose environment verdicts are joined instead of this machine's;
-    environment=False joins none. wait_s: after a rank of a distributed job fails, how long the
-    command may take to end by itself before it is terminated. run_dir: keep the per-process
-    files there (by default a temporary directory, removed afterwards).
+    environment=False joins none. wait_s: by default the command ends when its launcher ends it,
+    however long a rank's failure takes to shut the job down; a number stops a command still
+    running that many seconds after a rank failed. run_dir: keep the per-process files there
+    (by default a temporary directory, removed afterwards).
 
     Raises CommandError when argv cannot be started and fpdoctor.env.errors.InputError for an
     env_from file that cannot be read, both before anything runs.
     """
-    if wait_s < 0:
+    if wait_s is not None and wait_s < 0:
         raise ValueError(f"wait_s must be >= 0, got {wait_s}")
     argv = [str(a) for a in argv]
     base_env = dict(os.environ if env is None else env)
@@ -116,6 +116,7 @@ def child_environment(base: dict[str, str], run_dir: str, breadcrumbs: bool) -> 
     env["PYTHONPATH"] = SITE_DIR + (os.pathsep + path if path else "")
     env["FPDOCTOR_RUN_DIR"] = run_dir
     env["FPDOCTOR_RUN_PKG"] = PACKAGE_ROOT
+    env.pop("FPDOCTOR_RUN_RANK", None)  # set by the job's ranks for what they start (sitecustomize)
     if breadcrumbs:
         env["FPDOCTOR_RUN_BREADCRUMBS"] = "1"
         crumbs = _breadcrumbs()
@@ -138,7 +139,7 @@ def rerun_command(
     argv: list[str],
     env_from: str | dict[str, Any] | None,
     *,
-    wait_s: float = DEFAULT_WAIT_S,
+    wait_s: float | None = None,
     program: Sequence[str] = ("fpdoctor",),
 ) -> str:
     """The exact command that runs argv again with breadcrumbs on (crash twice, learn once),
@@ -146,7 +147,7 @@ def rerun_command(
     words = [*program, "run", "--breadcrumbs"]
     if isinstance(env_from, str):
         words += ["--env-from", env_from]
-    if wait_s != DEFAULT_WAIT_S:
+    if wait_s is not None:
         words += ["--wait", f"{wait_s:g}"]
     return shlex.join([*words, "--", *argv])
 
@@ -161,7 +162,7 @@ def _run(
     source: str | None,
     rerun: str,
     environment: bool,
-    wait_s: float,
+    wait_s: float | None,
     stdout: Any,
     stderr: Any,
     cwd: str | None,

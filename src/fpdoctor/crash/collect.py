@@ -343,8 +343,8 @@ def _ppid(record: dict[str, Any]) -> int:
 def _inherits_rank(record: dict[str, Any], parent: dict[str, Any] | None) -> bool:
     """A fork of a rank, or a process a rank started (a spawned DataLoader worker), inherits its
     RANK: it is the rank's helper, not a rank of the job."""
-    if record.get("forked"):
-        return True
+    if record.get("forked") or record.get("rank_of") is not None:
+        return True  # a fork, or started below a rank of the same job (through a shell, say)
     return parent is not None and all(parent.get(k) == record.get(k) for k in ("rank", "world_size", "master_port"))
 
 
