@@ -375,6 +375,8 @@ def exception_finding(ctx: Context, p: Process, *, first: bool) -> Finding:
     short_type = kind.rsplit(".", 1)[-1]
     text = str(exc.get("message", ""))
     error: ErrorText | None = explain_text(f"{kind}: {text}")
+    if error is not None and error.key == "peer-gone" and not p.is_rank:
+        error = None  # a lost connection is a lost peer rank only in a job with ranks (a DataLoader's is its worker's)
     name = "cuda-error" if error is not None and error.finding == "cuda-error" else "uncaught-exception"
     stack = p.stack()
     first_line = text.strip().splitlines()[0] if text.strip() else ""
