@@ -75,12 +75,18 @@ HANDLER = """
 import os, signal, sys, time
 seen = []
 signal.signal(signal.SIGTERM, lambda *a: (seen.append(1), print("shutdown handler", flush=True)))
+# Python runs a handler once for signals that arrive together; its C handler writes one byte per
+# delivery to the wakeup fd, so a second delivery counts even when the handler ran once.
+r, w = os.pipe()
+os.set_blocking(w, False)
+signal.set_wakeup_fd(w)
 print("ready", flush=True)
 deadline = time.monotonic() + 60
 while not seen and time.monotonic() < deadline:
     time.sleep(0.05)
 time.sleep(3)  # a second delivery would come in here
-print("handled", len(seen), flush=True)
+os.set_blocking(r, False)
+print("deliveries", len(os.read(r, 100)), flush=True)
 """
 
 
@@ -108,8 +114,38 @@ def test_sigterm_reaches_the_command_once(tmp_path, group):
     prog = script(tmp_path, HANDLER)
     plain = _signalled([sys.executable, prog], signal.SIGTERM, group=group)
     watched = _signalled([*FPDOCTOR, "--", sys.executable, prog], signal.SIGTERM, group=group)
-    assert plain == (0, b"ready\nshutdown handler\nhandled 1\n", b"")
+    assert plain == (0, b"ready\nshutdown handler\ndeliveries 1\n", b"")
     assert watched == plain
+
+
+def test_only_a_signal_sent_to_fpdoctor_alone_is_passed_on():
+    """Which signals fpdoctor passes on, without the timing of two deliveries (a signal that is
+    still pending when the same one comes again is delivered once): a group's signal never is,
+    one sent to fpdoctor's pid alone is, once."""
+    code = textwrap.dedent(
+        """
+        import os, signal, time
+        from fpdoctor.crash.signals import forwarding
+
+        class Command:
+            sent = []
+
+            def send_signal(self, signum):
+                self.sent.append(signum)
+
+        os.setsid()  # a process group of our own to signal
+        with forwarding([]) as bind:
+            bind(Command())
+            os.killpg(os.getpgrp(), signal.SIGUSR1)
+            time.sleep(2)
+            group = list(Command.sent)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(2)
+        print(group, Command.sent[len(group):])
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout == f"[] [{int(signal.SIGUSR1)}]\n"
 
 
 # -- what the command leaves running ----------------------------------------------------------
@@ -299,3 +335,112 @@ def test_breadcrumbs_do_not_change_what_torch_compile_compiles(tmp_path):
     assert plain.returncode == watched.returncode == 0, watched.stderr[-2000:]
     assert watched.stdout == plain.stdout
     assert watched.stderr == plain.stderr  # no Dynamo warnings about global hooks or recompiles
+
+
+# -- 2-rank torchrun jobs (gloo over loopback) ------------------------------------------------
+
+JOB = """
+import os, signal, subprocess, sys, time
+import torch
+import torch.distributed as dist
+
+mode, out = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+if mode == "probe":
+    # an optional-dependency probe through a shell: the grandchild inherits RANK and fails
+    probe = subprocess.run(f"{sys.executable} -c 'import apex_not_installed'", shell=True, capture_output=True)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    print(f"rank {rank} probe {probe.returncode} sum {total.item():g}", flush=True)
+    time.sleep(4)  # longer than any bounded wait after the probe's failure
+    dist.barrier()
+    print(f"rank {rank} done", flush=True)
+elif mode == "checkpoint":
+    if rank == 0:
+        def save(*args):
+            print("rank 0 saving", flush=True)
+            time.sleep(5)  # an emergency checkpoint takes its time
+            with open(os.path.join(out, "ckpt"), "w") as fh:
+                fh.write("saved")
+            print("rank 0 saved", flush=True)
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, save)
+    dist.barrier()
+    if rank == 1:
+        raise RuntimeError("rank 1 fails")
+    time.sleep(60)
+dist.destroy_process_group()
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun_both(tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProcess[bytes], ...]:
+    """The job under plain torchrun, then under fpdoctor run -o report.json; each in a directory
+    of its own for the files it writes."""
+    pytest.importorskip("torch")
+    job = script(tmp_path, JOB, "job.py")
+    results = []
+    for name, wrap in (("plain", []), ("watched", [*FPDOCTOR, "-o", str(tmp_path / "report.json"), "--"])):
+        out = tmp_path / name
+        out.mkdir()
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        torchrun += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port()), job, mode, str(out)]
+        results.append(
+            subprocess.run(
+                [*wrap, *torchrun],
+                capture_output=True,
+                timeout=240,
+                check=False,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+        )
+    return tuple(results)
+
+
+def lines(data: bytes) -> list[bytes]:
+    """The lines of two ranks that print in either order (gloo may add an empty one)."""
+    return sorted(line for line in data.splitlines() if line)
+
+
+@pytest.mark.timeout(600)
+def test_a_ranks_child_that_inherits_rank_is_not_a_rank(tmp_path):
+    plain, watched = torchrun_both(tmp_path, "probe")
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert watched.returncode == 0, watched.stderr[-3000:]
+    assert lines(watched.stdout) == lines(plain.stdout) == [
+        b"rank 0 done",
+        b"rank 0 probe 1 sum 2",
+        b"rank 1 done",
+        b"rank 1 probe 1 sum 2",
+    ]
+    assert watched.stderr == plain.stderr  # a clean exit adds nothing
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["verdict"] == "ok" and doc["findings"] == []
+    ranks = [p for p in doc["data"]["processes"] if p.get("rank") is not None]
+    assert len(ranks) == 4  # two ranks, and the probe each of them started
+    assert "2 rank(s)" in dict(doc["data"]["summary"])["processes"]
+
+
+@pytest.mark.timeout(600)
+def test_the_launchers_own_shutdown_is_left_to_it(tmp_path):
+    """Rank 1 fails; torchrun stops rank 0 with SIGTERM and waits for it (up to 30 s): its handler
+    writes a checkpoint in 5 s. fpdoctor neither cuts that short nor signals the ranks itself."""
+    plain, watched = torchrun_both(tmp_path, "checkpoint")
+    assert plain.returncode == watched.returncode == 1
+    for result, name in ((plain, "plain"), (watched, "watched")):
+        assert (tmp_path / name / "ckpt").read_text() == "saved", result.stderr[-3000:]
+        assert result.stdout.count(b"rank 0 saving") == 1 and b"rank 0 saved" in result.stdout
+    doc = json.loads((tmp_path / "report.json").read_text())
+    first = doc["findings"][0]
+    assert first["name"] == "uncaught-exception" and first["where"]["rank"] == 1
+    (stopped,) = [f for f in doc["findings"] if f["name"] == "rank-stopped"]
+    assert stopped["where"]["rank"] == 0 and stopped["evidence"]["ended"] == "exited", stopped
+    assert "stopped" not in dict(doc["data"]["summary"])
