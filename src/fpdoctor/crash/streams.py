@@ -23,7 +23,6 @@ import threading
 from typing import Any
 
 TAIL_BYTES = 256 * 1024  # what the report reads from each stream: backtraces and launcher summaries
-STOP_POLL_S = 0.1  # how often a blocked pump looks whether it was asked to hand over
 
 # The forwarding process: stdin is the pipe or the terminal's master side, stdout where the bytes
 # go. EIO is how a pseudo-terminal says its last writer closed it.
@@ -114,15 +113,19 @@ class Pump(threading.Thread):
         self.fd, self.sink = fd, sink
         self._tail = bytearray()
         self._lock = threading.Lock()
-        self._stop_asked = threading.Event()
+        # hand_over() writes here to wake the pump from poll(): no polling while output flows
+        self._wake_r, self._wake_w = os.pipe()
         self.closed = False  # the end was read (or the sink went away) and fd is closed
 
     def run(self) -> None:
-        while not self._stop_asked.is_set():
+        poller = select.poll()  # not select(): descriptors above 1023 in a process with many files
+        poller.register(self.fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        while True:
             try:
-                ready, _, _ = select.select([self.fd], [], [], STOP_POLL_S)
-                if not ready:
-                    continue
+                ready = [fd for fd, _ in poller.poll()]
+                if self._wake_r in ready:
+                    return  # asked to hand over: fd stays open for the forwarding process
                 chunk = os.read(self.fd, 65536)
             except InterruptedError:
                 continue
@@ -137,8 +140,6 @@ class Pump(threading.Thread):
                     del self._tail[: len(self._tail) - TAIL_BYTES]
             if self.sink.broken:
                 break  # close our end: the command gets EPIPE/SIGPIPE as it would have
-        else:
-            return  # asked to hand over: fd stays open for the forwarding process
         self.closed = True
         with contextlib.suppress(OSError):
             os.close(self.fd)
@@ -150,12 +151,14 @@ class Pump(threading.Thread):
     def hand_over(self) -> None:
         """After the command ended: whatever still writes here (a background process the command
         left) keeps its stream; a forwarding process copies the rest to the same place."""
-        if not self.is_alive():
-            return
-        if self.sink.fd is None:
+        if self.sink.fd is None and self.is_alive():
             return  # a Python object cannot be handed to another process: keep pumping (daemon)
-        self._stop_asked.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
         self.join()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
         if self.closed:
             return
         try:
