@@ -204,7 +204,10 @@ def _run(
         wait_s=wait_s,
         not_checked=not_checked,
     )
-    if failures(ctx):
+    if failures(ctx) and launched.exit_status == 0:
+        # handled inside a command that succeeded: notes, without the machine's verdicts
+        _crumbs_for(crumbs, run_dir, collected.processes, {e.process.pid for e in failures(ctx)}, not_checked)
+    elif failures(ctx):
         if join is not None:
             join.start()
         ctx.kernel = kernel_log_since(launched.started)
@@ -212,11 +215,7 @@ def _run(
             if p.pid in ctx.kernel.oom_killed and p.outcome().kind == "vanished":
                 p.returncode = -9  # the kernel log names it: the out-of-memory killer's SIGKILL
         events = failures(ctx)
-        if crumbs is not None:
-            failed = {e.process.pid for e in events}
-            for p in collected.processes:
-                if p.pid in failed or p.is_rank:
-                    _read_breadcrumbs(crumbs, run_dir, p, not_checked)
+        _crumbs_for(crumbs, run_dir, collected.processes, {e.process.pid for e in events}, not_checked)
         texts = [collected.stderr_text[-20000:]]
         texts += [f"Fatal Python error: {e.process.fault.header}" for e in events if e.process.fault is not None]
         texts += [f"{x.get('type')}: {x.get('message')}" for e in events for x in e.process.exceptions]
@@ -225,6 +224,15 @@ def _run(
             death = min(e.time for e in events)
             ctx.environment = join.result(texts, timeout=max(1.0, death + REPORT_BUDGET_S - time.time()))
     return RunResult(report=build(ctx), exit_code=launched.exit_status)
+
+
+def _crumbs_for(crumbs: Any, run_dir: str, processes: list[Any], failed: set[int], not_checked: dict[str, str]) -> None:
+    """The op rings of the processes that failed and of every rank."""
+    if crumbs is None:
+        return
+    for p in processes:
+        if p.pid in failed or p.is_rank:
+            _read_breadcrumbs(crumbs, run_dir, p, not_checked)
 
 
 def _read_breadcrumbs(crumbs: Any, run_dir: str, process: Any, not_checked: dict[str, str]) -> None:

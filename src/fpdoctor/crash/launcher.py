@@ -29,7 +29,7 @@ POLL_S = 0.2  # how often the run directory is looked at for a rank's death (wel
 SETTLE_S = 10.0  # with --wait: for a launcher to exit once every rank has ended (a loaded machine: seconds)
 GRACE_S = 1.0  # with --wait: after SIGTERM, before SIGKILL
 KILL_WAIT_S = 2.0  # after SIGKILL: a process in an uninterruptible call (a hung GPU driver) stays
-DRAIN_S = 1.0  # after the command ended: for the output still in the pipes, before the rest is handed on
+DRAIN_S = 1.0  # after the command ended: at most this for what is in the pipes, before the rest is handed on
 
 
 class CommandError(Exception):
@@ -211,7 +211,8 @@ def launch(
         # writes to them (a background upload) keeps writing through a forwarding process.
         drain_until = time.monotonic() + DRAIN_S
         for pump in pumps:
-            pump.join(timeout=max(0.0, drain_until - time.monotonic()))
+            while pump.is_alive() and pump.unread() and time.monotonic() < drain_until:
+                time.sleep(0.01)
         for pump in pumps:
             pump.hand_over()
     code = proc.returncode  # None: SIGKILL is on its way, its status is the one the shell will see

@@ -115,7 +115,7 @@ class Pump(threading.Thread):
         self._lock = threading.Lock()
         # hand_over() writes here to wake the pump from poll(): no polling while output flows
         self._wake_r, self._wake_w = os.pipe()
-        self.closed = False  # the end was read (or the sink went away) and fd is closed
+        self.ended = False  # every writer closed it, or its reader went away: nothing to hand over
 
     def run(self) -> None:
         poller = select.poll()  # not select(): descriptors above 1023 in a process with many files
@@ -123,26 +123,57 @@ class Pump(threading.Thread):
         poller.register(self._wake_r, select.POLLIN)
         while True:
             try:
-                ready = [fd for fd, _ in poller.poll()]
-                if self._wake_r in ready:
-                    return  # asked to hand over: fd stays open for the forwarding process
+                events = dict(poller.poll())
+            except InterruptedError:
+                continue
+            woken = self._wake_r in events
+            if self.fd not in events:
+                if woken:
+                    return  # handed over: what comes next goes through the forwarding process
+                continue
+            try:
                 chunk = os.read(self.fd, 65536)
             except InterruptedError:
                 continue
             except OSError:
                 chunk = b""  # EIO: the terminal's last writer closed it
             if not chunk:
-                break
+                self.ended = True
+                return
             self.sink.write(chunk)
             with self._lock:
                 self._tail += chunk
                 if len(self._tail) > 2 * TAIL_BYTES:
                     del self._tail[: len(self._tail) - TAIL_BYTES]
             if self.sink.broken:
-                break  # close our end: the command gets EPIPE/SIGPIPE as it would have
-        self.closed = True
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+                # close our end now: the command gets EPIPE/SIGPIPE as it would have
+                self.ended = True
+                fd, self.fd = self.fd, -1
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                return
+            if woken:
+                return
+
+    def unread(self) -> int:
+        """Bytes waiting in the pipe (0 once it is closed or where the platform cannot tell)."""
+        import fcntl
+        import termios
+
+        try:
+            got = fcntl.ioctl(self.fd, termios.FIONREAD, b"\0\0\0\0")
+        except OSError:
+            return 0
+        return int.from_bytes(got, sys.byteorder)
+
+    def writers_gone(self) -> bool:
+        """Every writer has closed the pipe (the terminal): the pump is about to read its end."""
+        poller = select.poll()
+        try:
+            poller.register(self.fd, select.POLLIN)
+            return any(ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in poller.poll(0))
+        except (OSError, ValueError):
+            return True
 
     def tail(self) -> bytes:
         with self._lock:
@@ -151,15 +182,21 @@ class Pump(threading.Thread):
     def hand_over(self) -> None:
         """After the command ended: whatever still writes here (a background process the command
         left) keeps its stream; a forwarding process copies the rest to the same place."""
-        if self.sink.fd is None and self.is_alive():
-            return  # a Python object cannot be handed to another process: keep pumping (daemon)
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
-        self.join()
+        if self.is_alive() and self.writers_gone():
+            self.join()  # nothing left to hand over: the pump reads to the end by itself
+        if self.is_alive():
+            if self.sink.fd is None:
+                return  # a Python object cannot be handed to another process: keep pumping (daemon)
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")
+            self.join()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
-        if self.closed:
+        if self.ended:
+            if self.fd != -1:
+                with contextlib.suppress(OSError):
+                    os.close(self.fd)
             return
         try:
             subprocess.Popen(
