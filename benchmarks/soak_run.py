@@ -49,6 +49,13 @@ JOB = textwrap.dedent(
     from torch.utils.data import DataLoader
 
     out = sys.argv[1]
+
+
+    def say(line):
+        # one write per line: torchrun's ranks write unbuffered, and print() writes the newline apart
+        os.write(1, (line + "\\n").encode())
+
+
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     got = []
@@ -61,14 +68,14 @@ JOB = textwrap.dedent(
     data = sum(int(batch.sum()) for batch in loader)
 
     background = (
-        "import sys, time; time.sleep(1.0)\\n"
+        "import os, time; time.sleep(1.0)\\n"
         "for i in range(3):\\n"
-        f"    print('rank {rank} upload', i, file=sys.stderr, flush=True)\\n"
+        f"    os.write(2, b'rank {rank} upload %d\\\\n' % i)\\n"
         f"open({os.path.join(out, f'upload.{rank}')!r}, 'w').write('uploaded')\\n"
     )
     subprocess.Popen([sys.executable, "-c", background], start_new_session=True)
 
-    ticker = threading.Thread(target=lambda: [print(f"rank {rank} tick {i}", flush=True) for i in range(5)])
+    ticker = threading.Thread(target=lambda: [say(f"rank {rank} tick {i}") for i in range(5)])
     ticker.start()
     for _ in range(5):
         os.kill(os.getpid(), signal.SIGUSR1)
@@ -87,7 +94,7 @@ JOB = textwrap.dedent(
     dist.barrier()
     with open(os.path.join(out, f"result.{rank}"), "w") as fh:
         fh.write(f"probe {probe.returncode} data {data} total {total.item():g} usr1 {len(got)}\\n")
-    print(f"rank {rank} done: usr1 {len(got)}", flush=True)
+    say(f"rank {rank} done: usr1 {len(got)}")
     dist.destroy_process_group()
     """
 )

@@ -42,7 +42,6 @@ import os
 import struct
 import sys
 import threading
-import types
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
@@ -599,37 +598,13 @@ def _out_of_dynamos_way(run_dir: str) -> None:
 
 
 def _skip_in_dynamo() -> None:
-    import warnings
+    from fpdoctor.crash import dynamo
 
-    try:  # this frame and every frame it calls run as they are (stdlib helpers included)
-        from torch._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
-
-        def skip_code(code: types.CodeType) -> None:
-            set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
-
-    except ImportError:  # an older torch: this frame only
-        from torch._dynamo.eval_frame import skip_code
-
-    todo = [
-        getattr(f, "__code__", None)
-        for value in list(globals().values())
-        if getattr(value, "__module__", None) == __name__
-        for f in ([value] if not isinstance(value, type) else list(vars(value).values()))
-    ]
+    functions = [v for v in list(globals().values()) if getattr(v, "__module__", None) == __name__]
     if _Armed.mode_class is not None:
-        todo += [getattr(f, "__code__", None) for f in vars(_Armed.mode_class).values()]
-    seen: set[Any] = set()
-    while todo:
-        code = todo.pop()
-        if not isinstance(code, types.CodeType) or code in seen:
-            continue
-        seen.add(code)
-        skip_code(code)
-        todo += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    # torch.compile(module) warns that global hooks fire once more for its wrapper; the recorder's
-    # handle that (it names the wrapped model), and the warning is not the program's
-    warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+        functions.append(_Armed.mode_class)
+    dynamo.never_compile(functions)
+    dynamo.quiet_wrapper_warning()
 
 
 def _register_hooks(recorder: _Recorder) -> list[Any]:
