@@ -50,7 +50,7 @@ class Launched:
     first_failure: float | None = None  # when a failure inside the command was first seen
     stopped: bool = False  # fpdoctor terminated the command after the wait asked for (--wait)
     unended: bool = False  # it had not ended even after SIGKILL when the report was written
-    signals: list[str] = field(default_factory=list)  # signals fpdoctor received and passed on
+    signals: list[str] = field(default_factory=list)  # signals fpdoctor received (passed on unless the group had them)
 
     @property
     def exit_status(self) -> int:
