@@ -52,3 +52,22 @@ def test_offline_commands_never_import_torch(tmp_path):
     )
     modules = _modules_after(code)
     assert "torch" not in modules
+
+
+def test_dir_and_help_show_the_public_api_without_importing_it():
+    code = (
+        "import fpdoctor, pydoc, sys\n"
+        "names = dir(fpdoctor)\n"
+        "assert 'torch' not in sys.modules, 'dir() imported torch'\n"
+        "missing = set(fpdoctor.__all__) - set(names)\n"
+        "assert not missing and 'crash' in names, missing\n"
+        "text = pydoc.render_doc(fpdoctor, renderer=pydoc.plaintext)\n"
+        "assert 'FUNCTIONS' in text and 'keep_in_fp32' in text and 'diagnose_env' in text, text[:400]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_subpackages_as_the_readme_writes_them():
+    """`fpdoctor.crash.run_command(...)` after a bare `import fpdoctor`."""
+    modules = _modules_after("import fpdoctor\nassert callable(fpdoctor.crash.run_command)")
+    assert "fpdoctor.crash" in modules and "torch" not in modules

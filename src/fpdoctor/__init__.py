@@ -50,14 +50,25 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+# Subpackages the README names by attribute (`fpdoctor.crash.run_command`): imported on first use.
+_SUBPACKAGES = ("crash", "health", "integrations")
 
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"{__name__}.{name}")  # the import binds it here too
     raise AttributeError(f"module 'fpdoctor' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The public API (tab completion, dir(), help()) without importing any of it."""
+    return sorted({*globals(), *__all__, *_SUBPACKAGES})
 
 
 __all__ = [

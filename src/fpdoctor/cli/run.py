@@ -1,8 +1,8 @@
 """`fpdoctor run [--breadcrumbs] [--env-from FILE] [--wait S] -- COMMAND [ARGS...]`: crash capture.
 
 The command's output passes through unchanged and fpdoctor exits with the command's status
-(128+N for a death by signal N). The report goes to stderr after the command's output, and to
--o FILE in any format; a command that ends cleanly with nothing to report adds nothing at all.
+(128+N for a death by signal N). When it fails, the report goes to stderr after the command's
+output; -o FILE gets it in any format, always. A command that exits 0 gets nothing added.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--wait",
         type=float,
-        default=3.0,
+        default=None,
         metavar="SECONDS",
-        help="after a rank of a distributed job fails, how long the command may take to end before "
-        "fpdoctor terminates it and reports (default 3)",
+        help="stop the command if it is still running SECONDS after a rank failed (for a launcher that "
+        "never notices a dead rank); by default fpdoctor never stops it: its launcher's own shutdown decides",
     )
     # --format and -o as every command has them (cli/output.py), said for where this report goes
     p.add_argument(
@@ -59,7 +59,7 @@ def add_parser(sub: Any) -> None:
         "--output",
         metavar="FILE",
         help="also write the report to FILE, even after a clean run (stderr then gets the text report "
-        "only when something failed)",
+        "only when the command failed)",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND [ARGS...]")
     p.set_defaults(run=run)
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         argv = argv[1:]
     if not argv:
         raise UsageError("no command given; usage: fpdoctor run [--breadcrumbs] -- COMMAND [ARGS...]")
-    if args.wait < 0:
+    if args.wait is not None and args.wait < 0:
         raise UsageError(f"--wait must be 0 or more seconds, got {args.wait:g}")
     from fpdoctor.crash import CommandError, run_command
     from fpdoctor.errors import InputError
@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from exc
     except InputError as exc:
         raise UsageError(f"--env-from: {exc}") from exc
-    _emit(result.report.to_dict(), args, bool(result.report.findings))
+    # a command that exits 0 gets nothing added to its streams, whatever was handled inside it
+    _emit(result.report.to_dict(), args, bool(result.report.findings) and result.exit_code != 0)
     return result.exit_code
 
 
@@ -99,7 +100,8 @@ def program() -> list[str]:
 
 
 def _emit(doc: dict[str, Any], args: argparse.Namespace, findings: bool) -> None:
-    """-o FILE always gets the report; stderr gets it only when there is something to say."""
+    """-o FILE always gets the report; stderr gets it only when the command failed and there is
+    something to say."""
     from fpdoctor.report.render import render
 
     if args.output:

@@ -26,7 +26,6 @@ from fpdoctor.report.model import Report
 
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_WAIT_S = 3.0
 REPORT_BUDGET_S = 4.5  # of the 5 s from a death to its report (SPEC 5), the rest is rendering
 
 _PASS = object()  # default stream target: the caller's own sys.stdout / sys.stderr at call time
@@ -48,7 +47,7 @@ def run_command(
     *,
     breadcrumbs: bool = False,
     env_from: str | dict[str, Any] | None = None,
-    wait_s: float = DEFAULT_WAIT_S,
+    wait_s: float | None = None,
     stdout: Any = _PASS,
     stderr: Any = _PASS,
     env: dict[str, str] | None = None,
@@ -64,14 +63,15 @@ def run_command(
     files and buffers, text for text streams). program: how the re-run command the report
     prints starts (the CLI passes how fpdoctor itself was started). env_from: a facts JSON / collect_env report path
     (or a facts dict) whose environment verdicts are joined instead of this machine's;
-    environment=False joins none. wait_s: after a rank of a distributed job fails, how long the
-    command may take to end by itself before it is terminated. run_dir: keep the per-process
-    files there (by default a temporary directory, removed afterwards).
+    environment=False joins none. wait_s: by default the command ends when its launcher ends it,
+    however long a rank's failure takes to shut the job down; a number stops a command still
+    running that many seconds after a rank failed. run_dir: keep the per-process files there
+    (by default a temporary directory, removed afterwards).
 
     Raises CommandError when argv cannot be started and fpdoctor.errors.InputError for an
     env_from file that cannot be read, both before anything runs.
     """
-    if wait_s < 0:
+    if wait_s is not None and wait_s < 0:
         raise ValueError(f"wait_s must be >= 0, got {wait_s}")
     argv = [str(a) for a in argv]
     base_env = dict(os.environ if env is None else env)
@@ -116,6 +116,7 @@ def child_environment(base: dict[str, str], run_dir: str, breadcrumbs: bool) -> 
     env["PYTHONPATH"] = SITE_DIR + (os.pathsep + path if path else "")
     env["FPDOCTOR_RUN_DIR"] = run_dir
     env["FPDOCTOR_RUN_PKG"] = PACKAGE_ROOT
+    env.pop("FPDOCTOR_RUN_RANK", None)  # set by the job's ranks for what they start (sitecustomize)
     if breadcrumbs:
         env["FPDOCTOR_RUN_BREADCRUMBS"] = "1"
         crumbs = _breadcrumbs()
@@ -138,7 +139,7 @@ def rerun_command(
     argv: list[str],
     env_from: str | dict[str, Any] | None,
     *,
-    wait_s: float = DEFAULT_WAIT_S,
+    wait_s: float | None = None,
     program: Sequence[str] = ("fpdoctor",),
 ) -> str:
     """The exact command that runs argv again with breadcrumbs on (crash twice, learn once),
@@ -146,7 +147,7 @@ def rerun_command(
     words = [*program, "run", "--breadcrumbs"]
     if isinstance(env_from, str):
         words += ["--env-from", env_from]
-    if wait_s != DEFAULT_WAIT_S:
+    if wait_s is not None:
         words += ["--wait", f"{wait_s:g}"]
     return shlex.join([*words, "--", *argv])
 
@@ -161,7 +162,7 @@ def _run(
     source: str | None,
     rerun: str,
     environment: bool,
-    wait_s: float,
+    wait_s: float | None,
     stdout: Any,
     stderr: Any,
     cwd: str | None,
@@ -203,7 +204,10 @@ def _run(
         wait_s=wait_s,
         not_checked=not_checked,
     )
-    if failures(ctx):
+    if failures(ctx) and launched.exit_status == 0:
+        # handled inside a command that succeeded: notes, without the machine's verdicts
+        _crumbs_for(crumbs, run_dir, collected.processes, {e.process.pid for e in failures(ctx)}, not_checked)
+    elif failures(ctx):
         if join is not None:
             join.start()
         ctx.kernel = kernel_log_since(launched.started)
@@ -211,11 +215,7 @@ def _run(
             if p.pid in ctx.kernel.oom_killed and p.outcome().kind == "vanished":
                 p.returncode = -9  # the kernel log names it: the out-of-memory killer's SIGKILL
         events = failures(ctx)
-        if crumbs is not None:
-            failed = {e.process.pid for e in events}
-            for p in collected.processes:
-                if p.pid in failed or p.is_rank:
-                    _read_breadcrumbs(crumbs, run_dir, p, not_checked)
+        _crumbs_for(crumbs, run_dir, collected.processes, {e.process.pid for e in events}, not_checked)
         texts = [collected.stderr_text[-20000:]]
         texts += [f"Fatal Python error: {e.process.fault.header}" for e in events if e.process.fault is not None]
         texts += [f"{x.get('type')}: {x.get('message')}" for e in events for x in e.process.exceptions]
@@ -224,6 +224,15 @@ def _run(
             death = min(e.time for e in events)
             ctx.environment = join.result(texts, timeout=max(1.0, death + REPORT_BUDGET_S - time.time()))
     return RunResult(report=build(ctx), exit_code=launched.exit_status)
+
+
+def _crumbs_for(crumbs: Any, run_dir: str, processes: list[Any], failed: set[int], not_checked: dict[str, str]) -> None:
+    """The op rings of the processes that failed and of every rank."""
+    if crumbs is None:
+        return
+    for p in processes:
+        if p.pid in failed or p.is_rank:
+            _read_breadcrumbs(crumbs, run_dir, p, not_checked)
 
 
 def _read_breadcrumbs(crumbs: Any, run_dir: str, process: Any, not_checked: dict[str, str]) -> None:

@@ -300,6 +300,9 @@ class _Recorder:
         self.by_node: list[tuple[int, int]] = [(-1, 0)] * (_BY_NODE_MASK + 1)
         self.module_names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self.have_root = False
+        import torch
+
+        self.compiling = torch.compiler.is_compiling
 
     def reopen_in_child(self) -> None:
         self.lock = threading.Lock()  # another thread may have held it at the fork
@@ -361,6 +364,8 @@ class _Recorder:
         return self.module_names.get(module, prefix)
 
     def forward_pre(self, module: Any, args: Any) -> None:
+        if self.compiling():
+            return
         ident = threading.get_ident()
         stack = self.stacks.get(ident)
         if stack is None:
@@ -372,6 +377,8 @@ class _Recorder:
         stack.append(name)
 
     def forward_post(self, module: Any, args: Any, output: Any) -> None:
+        if self.compiling():
+            return
         stack = self.stacks.get(threading.get_ident())
         if stack:
             stack.pop()
@@ -569,12 +576,35 @@ def _start(run_dir: str) -> None:
         _Armed.recorder = recorder
         _Armed.mode_class = _mode_class(recorder)
         _register_hooks(recorder)
+        _out_of_dynamos_way(run_dir)
         _enter_mode()
         _arm_new_threads()
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=_after_fork)
     except Exception as exc:
         _note_off(run_dir, exc)
+
+
+def _out_of_dynamos_way(run_dir: str) -> None:
+    """torch.compile must compile what it would without the recorder. While Dynamo traces, the
+    module hooks return at once (Recorder.compiling), so it inlines them as nothing; when it runs
+    the code around a graph break, it must not compile the recorder's own functions as frames of
+    their own: every code object of this module is skipped. torch._dynamo costs seconds to import,
+    so this waits for the program to import it."""
+    if "torch._dynamo" not in sys.modules:
+        sys.meta_path.insert(0, _TorchImportHook(run_dir, "torch._dynamo", then=_skip_in_dynamo))
+        return
+    _skip_in_dynamo()
+
+
+def _skip_in_dynamo() -> None:
+    from fpdoctor.crash import dynamo
+
+    functions = [v for v in list(globals().values()) if getattr(v, "__module__", None) == __name__]
+    if _Armed.mode_class is not None:
+        functions.append(_Armed.mode_class)
+    dynamo.never_compile(functions)
+    dynamo.quiet_wrapper_warning()
 
 
 def _register_hooks(recorder: _Recorder) -> list[Any]:
@@ -653,11 +683,13 @@ class _TorchImportHook:
     (importlib.util.find_spec) leaves it waiting for the real import.
     """
 
-    def __init__(self, run_dir: str) -> None:
+    def __init__(self, run_dir: str, module: str = "torch", then: Callable[[], None] | None = None) -> None:
         self.run_dir = run_dir
+        self.module = module
+        self.then = then  # instead of starting the ring (another module than torch)
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != "torch":
+        if fullname != self.module:
             return None
         try:
             spec = None
@@ -677,6 +709,10 @@ class _TorchImportHook:
     def torch_imported(self) -> None:
         with contextlib.suppress(ValueError):
             sys.meta_path.remove(self)
+        if self.then is not None:
+            with contextlib.suppress(Exception):
+                self.then()
+            return
         _Armed.waiting = None
         _start(self.run_dir)
 

@@ -344,8 +344,8 @@ def _ppid(record: dict[str, Any]) -> int:
 def _inherits_rank(record: dict[str, Any], parent: dict[str, Any] | None) -> bool:
     """A fork of a rank, or a process a rank started (a spawned DataLoader worker), inherits its
     RANK: it is the rank's helper, not a rank of the job."""
-    if record.get("forked"):
-        return True
+    if record.get("forked") or record.get("rank_of") is not None:
+        return True  # a fork, or started below a rank of the same job (through a shell, say)
     return parent is not None and all(parent.get(k) == record.get(k) for k in ("rank", "world_size", "master_port"))
 
 
@@ -400,7 +400,7 @@ def collect(run_dir: str, *, child_pid: int, returncode: int, stderr_tail: bytes
             procs[trace.pid].native.append(trace)
         else:
             loose.append(trace)
-    _children_reported_dead(procs)
+    _children_reported_dead(procs, text)
     dumps = _attribute_stream_dumps(parse.faulthandler_dumps(text), procs)
     ordered = sorted(procs.values(), key=lambda p: (p.start is None, p.start or 0.0, p.pid))
     return Collected(
@@ -413,20 +413,42 @@ def collect(run_dir: str, *, child_pid: int, returncode: int, stderr_tail: bytes
     )
 
 
-# torch.utils.data's message when a worker dies: the one place a worker killed by SIGKILL (the
-# out-of-memory killer) is named with its pid and signal
+# torch.utils.data's messages when a worker dies: the one place a worker is named with its pid
+# and signal (its own SIGSEGV/SIGBUS/SIGFPE handler replaces faulthandler's, so it leaves no dump,
+# and the out-of-memory killer's SIGKILL leaves nothing at all). The signal is often only in the
+# cause of the exception that ends the main process (a ConnectionResetError, "exited
+# unexpectedly"), or only in what the worker printed on stderr as it died.
 _WORKER_KILLED = re.compile(r"DataLoader worker \(pid (?P<pid>\d+)\) is killed by signal: (?P<what>[^.\n]+)")
+_WORKERS_EXITED = re.compile(r"DataLoader worker \(pid\(s\) (?P<pids>[\d, ]+)\) exited unexpectedly")
+_WORKER_SAID = {
+    "ERROR: Unexpected segmentation fault encountered in worker.": "SIGSEGV",
+    "ERROR: Unexpected bus error encountered in worker.": "SIGBUS",
+    "ERROR: Unexpected floating-point exception encountered in worker.": "SIGFPE",
+}
 
 
-def _children_reported_dead(procs: dict[int, Process]) -> None:
+def _children_reported_dead(procs: dict[int, Process], stderr_text: str) -> None:
+    said = {sig for line, sig in _WORKER_SAID.items() if line in stderr_text}
     for parent in list(procs.values()):
         for exc in parent.exceptions:
-            for m in _WORKER_KILLED.finditer(str(exc.get("message", ""))):
-                child = procs.get(int(m["pid"]))
-                signame = _STRSIGNAL.get(m["what"].strip())
-                if child is not None and signame and child.returncode is None and child.fault is None:
-                    child.returncode = -_signum(signame)
-                    child.end_hint = (_float(exc.get("time")) or 0.0) - 1e-3  # before its report
+            text = f"{exc.get('message', '')}\n{exc.get('traceback', '')}"  # the causes as well
+            when = (_float(exc.get("time")) or 0.0) - 1e-3  # before its report
+            for m in _WORKER_KILLED.finditer(text):
+                _died_of(procs.get(int(m["pid"])), _STRSIGNAL.get(m["what"].strip()), when)
+            if len(said) == 1:
+                for m in _WORKERS_EXITED.finditer(text):
+                    for pid in re.findall(r"\d+", m["pids"]):
+                        _died_of(procs.get(int(pid)), next(iter(said)), when)
+    if len(said) == 1 and not any(p.exceptions for p in procs.values()):
+        # the main process died without a traceback of its own: torch's line names the pid
+        for m in _WORKER_KILLED.finditer(stderr_text):
+            _died_of(procs.get(int(m["pid"])), _STRSIGNAL.get(m["what"].strip()), None)
+
+
+def _died_of(child: Process | None, signame: str | None, when: float | None) -> None:
+    if child is not None and signame and child.returncode is None and child.fault is None:
+        child.returncode = -_signum(signame)
+        child.end_hint = when
 
 
 # strsignal() texts, as Python's signal.strsignal gives them on Linux

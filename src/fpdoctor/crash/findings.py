@@ -34,7 +34,7 @@ class Context:
     environment: Environment | None = None
     kernel: KernelLog | None = None
     rerun: str | None = None  # the command that runs it again with breadcrumbs
-    wait_s: float = 3.0
+    wait_s: float | None = None
     not_checked: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -375,6 +375,8 @@ def exception_finding(ctx: Context, p: Process, *, first: bool) -> Finding:
     short_type = kind.rsplit(".", 1)[-1]
     text = str(exc.get("message", ""))
     error: ErrorText | None = explain_text(f"{kind}: {text}")
+    if error is not None and error.key == "peer-gone" and not p.is_rank:
+        error = None  # a lost connection is a lost peer rank only in a job with ranks (a DataLoader's is its worker's)
     name = "cuda-error" if error is not None and error.finding == "cuda-error" else "uncaught-exception"
     stack = p.stack()
     first_line = text.strip().splitlines()[0] if text.strip() else ""
@@ -439,7 +441,7 @@ def rank_stopped(ctx: Context, p: Process, first: Event) -> Finding:
     else:
         ending = endings.get(o.kind, o.kind)
     if ctx.launched.stopped and o.kind in ("terminated", "killed"):
-        ending = f"fpdoctor stopped it {ctx.wait_s:g} s after the first failure (--wait)"
+        ending = f"fpdoctor stopped it {ctx.wait_s or 0:g} s after the first failure (--wait)"
     lines = [f"{_who(p, ctx)} {doing} when {what}; {ending}."]
     if stack is not None and stack.frames:
         lines.append("Its Python stack (most recent call first):")

@@ -1,36 +1,35 @@
-"""Start the command, pass its output through unchanged, forward signals, and never hang.
+"""Start the command, leave it alone, and say how it ended.
 
-The command runs in fpdoctor's own process group, as it would from the shell: Ctrl-C in a
-terminal reaches it directly, it keeps the terminal for reading (pdb works), and it sees the
-same stdin. Its stderr goes through a pipe so that the report can read what it printed last
-(native backtraces, torchrun's failure summary); every byte is written on as soon as it is
-read, in order. Its stdout is handed over as is when it is a terminal (the command then
-line-buffers and colours exactly as without fpdoctor), and otherwise piped the same way.
+What fpdoctor does to the job is nothing: the command runs in fpdoctor's own process group, as
+it would from the shell, with the same stdin; its output passes through unchanged and as it
+comes (crash/streams.py); a signal fpdoctor receives reaches it once (crash/signals.py); and it
+ends when it ends. When a rank fails, the launcher in charge (torchrun, mp.spawn, the user's
+own) decides how the job shuts down and how long that takes; fpdoctor only watches. Only with
+an explicit `wait_s` (`--wait S`) does it stop a command that is still running S seconds after
+a rank's failure (a hand-written launcher that never notices a dead rank).
 """
 
 from __future__ import annotations
 
-import codecs
 import contextlib
-import errno
-import io
 import os
-import select
 import shutil
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-TAIL_BYTES = 256 * 1024  # what the report reads from each stream: backtraces and launcher summaries
+from fpdoctor.crash.signals import forwarding
+from fpdoctor.crash.streams import Pump, Sink, copy_window_size, open_terminal
+
 POLL_S = 0.2  # how often the run directory is looked at for a rank's death (well inside the 5 s budget)
-SETTLE_S = 10.0  # for a launcher to exit once every rank has ended (a loaded machine: seconds)
-GRACE_S = 1.0  # after SIGTERM, before SIGKILL, once the bounded wait is over
+SETTLE_S = 10.0  # with --wait: for a launcher to exit once every rank has ended (a loaded machine: seconds)
+GRACE_S = 1.0  # with --wait: after SIGTERM, before SIGKILL
 KILL_WAIT_S = 2.0  # after SIGKILL: a process in an uninterruptible call (a hung GPU driver) stays
-FORWARDED = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGINT")
+DRAIN_S = 1.0  # after the command ended: at most this for what is in the pipes, before the rest is handed on
 
 
 class CommandError(Exception):
@@ -49,9 +48,9 @@ class Launched:
     stdout_tail: bytes | None  # None: handed to a terminal or discarded, not read
     stderr_tail: bytes
     first_failure: float | None = None  # when a failure inside the command was first seen
-    stopped: bool = False  # fpdoctor terminated the command after the bounded wait
+    stopped: bool = False  # fpdoctor terminated the command after the wait asked for (--wait)
     unended: bool = False  # it had not ended even after SIGKILL when the report was written
-    signals: list[str] = field(default_factory=list)  # signals fpdoctor received and passed on
+    signals: list[str] = field(default_factory=list)  # signals fpdoctor received (passed on unless the group had them)
 
     @property
     def exit_status(self) -> int:
@@ -74,152 +73,6 @@ def resolve(argv: list[str], env: dict[str, str]) -> str:
     if found is None:
         raise CommandError(f"{name} not found on PATH; check the spelling or activate the environment that has it")
     return found
-
-
-class _Sink:
-    """Where one of the command's streams goes: a file descriptor, a writable object, or nowhere."""
-
-    def __init__(self, target: Any) -> None:
-        self.fd: int | None = None
-        self.obj: Any = None
-        self.text = False
-        self.broken = False  # the reader went away: stop reading, the command gets EPIPE/SIGPIPE
-        self.failed = False  # any other write error: keep draining (the command must never block)
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")  # chunks split characters
-        if target is None:
-            return
-        if isinstance(target, int):
-            self.fd = target
-            return
-        with contextlib.suppress(AttributeError, OSError, ValueError, io.UnsupportedOperation):
-            target.flush()
-            self.fd = target.fileno()
-            return
-        buffer = getattr(target, "buffer", None)
-        self.obj = buffer if buffer is not None else target
-        self.text = buffer is None and isinstance(target, io.TextIOBase)
-
-    @property
-    def terminal(self) -> bool:
-        return self.fd is not None and os.isatty(self.fd)
-
-    def write(self, data: bytes) -> None:
-        if self.broken or self.failed:
-            return
-        try:
-            if self.fd is not None:
-                _write_all(self.fd, data)
-            elif self.obj is not None:
-                self.obj.write(self._decoder.decode(data) if self.text else data)
-                self.obj.flush()
-        except BrokenPipeError:
-            self.broken = True  # `| head` has exited; the command learns it below
-        except OSError as exc:
-            if exc.errno == errno.EPIPE:
-                self.broken = True
-            else:
-                self.failed = True  # a terminal that went away (EIO), a full disk
-        except Exception:  # a caller's writer object that raises
-            self.failed = True
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        try:
-            n = os.write(fd, view)
-        except BlockingIOError:
-            select.select([], [fd], [], 1.0)  # a non-blocking terminal or pipe that is full
-            continue
-        view = view[n:]
-
-
-class _Pump(threading.Thread):
-    """Copy one pipe to its sink as bytes arrive, keeping a bounded tail for the report."""
-
-    def __init__(self, fd: int, sink: _Sink, name: str) -> None:
-        super().__init__(name=f"fpdoctor-{name}", daemon=True)
-        self.fd, self.sink = fd, sink
-        self._tail = bytearray()
-        self._lock = threading.Lock()
-
-    def run(self) -> None:
-        try:
-            while True:
-                try:
-                    chunk = os.read(self.fd, 65536)
-                except InterruptedError:
-                    continue
-                except OSError:
-                    break
-                if not chunk:
-                    break
-                self.sink.write(chunk)
-                with self._lock:
-                    self._tail += chunk
-                    if len(self._tail) > 2 * TAIL_BYTES:
-                        del self._tail[: len(self._tail) - TAIL_BYTES]
-                if self.sink.broken:
-                    break  # close our end: the command gets EPIPE/SIGPIPE as it would have
-        finally:
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
-
-    def tail(self) -> bytes:
-        with self._lock:
-            return bytes(self._tail[-TAIL_BYTES:])
-
-
-def _in_terminal_foreground() -> bool:
-    """Whether a Ctrl-C typed in the terminal reaches our whole process group (then the command
-    has it already and forwarding would deliver it twice)."""
-    for fd in (0, 1, 2):
-        with contextlib.suppress(OSError):
-            if os.isatty(fd):
-                return os.tcgetpgrp(fd) == os.getpgrp()
-    return False
-
-
-@contextlib.contextmanager
-def _forwarding(seen: list[str]) -> Iterator[Callable[[subprocess.Popen[bytes]], None]]:
-    """Pass the signals fpdoctor receives on to the command (only the main thread can install
-    handlers). Installed before the command starts: a signal that comes before it exists is
-    delivered as soon as it does, through the function this yields."""
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda proc: None
-        return
-    target: list[subprocess.Popen[bytes]] = []
-    pending: list[int] = []
-    previous: dict[int, Any] = {}
-
-    def forward(signum: int, frame: Any) -> None:
-        seen.append(signal.Signals(signum).name)
-        if signum == signal.SIGINT and _in_terminal_foreground():
-            return  # the terminal sent it to the command as well
-        if not target:
-            pending.append(signum)
-            return
-        with contextlib.suppress(ProcessLookupError):
-            target[0].send_signal(signum)
-
-    def bind(proc: subprocess.Popen[bytes]) -> None:
-        target.append(proc)
-        for signum in pending:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signum)
-
-    for name in FORWARDED:
-        signum = getattr(signal, name, None)
-        if signum is None:
-            continue
-        with contextlib.suppress(OSError, ValueError):
-            previous[signum] = signal.signal(signum, forward)
-    try:
-        yield bind
-    finally:
-        for signum, handler in previous.items():
-            with contextlib.suppress(OSError, ValueError, TypeError):
-                signal.signal(signum, handler)
 
 
 def descendants(pid: int) -> list[int]:
@@ -288,86 +141,80 @@ def launch(
     cwd: str | None = None,
     stdout: Any = None,
     stderr: Any = None,
-    wait_s: float = 3.0,
+    wait_s: float | None = None,
     watch: Callable[[], float | None] = lambda: None,
     on_failure: Callable[[], None] = lambda: None,
     alive: Callable[[], list[int]] = list,
 ) -> Launched:
     """Run argv to its end and return what happened.
 
-    `watch()` returns the time of a failure inside the command that should end it (a rank's
-    death), or None; once it has, the command gets `wait_s` seconds to end by itself before it
-    is terminated, so a job whose other ranks hang in a collective still gets its report.
-    `on_failure()` is called once, when that failure is first seen. `alive()` names the
-    processes of the job (the ranks; they left a record of themselves): once none of them runs,
-    the command gets up to SETTLE_S more to end, since nothing can hang in a collective any more.
+    `watch()` returns the time of a failure inside the command (a rank's death), or None;
+    `on_failure()` is called once, when that failure is first seen. By default nothing else
+    happens: the command ends when its launcher ends it. With `wait_s`, a command still running
+    `wait_s` seconds after that failure is stopped (SIGTERM to its tree, then SIGKILL); `alive()`
+    names the ranks: once none of them runs, the launcher gets up to SETTLE_S more to end.
     """
     executable = resolve(argv, env)
-    out_sink, err_sink = _Sink(stdout), _Sink(stderr)
-    pass_stdout = out_sink.terminal
-    if stdout is None:
-        stdout_arg: Any = subprocess.DEVNULL
-    elif pass_stdout:
-        stdout_arg = out_sink.fd
-    else:
-        stdout_arg = subprocess.PIPE
+    out_sink, err_sink = Sink(stdout), Sink(stderr)
     seen: list[str] = []
-    with _forwarding(seen) as bind:
-        started = time.time()
-        try:
-            proc = subprocess.Popen(
-                argv, executable=executable, env=env, cwd=cwd, stdout=stdout_arg, stderr=subprocess.PIPE, bufsize=0
-            )
-        except OSError as exc:
-            raise CommandError(f"{argv[0]} cannot be executed ({exc.strerror or exc})") from exc
-        bind(proc)
-        pumps = []
-        out_pump = None
-        if stdout_arg is subprocess.PIPE:
-            assert proc.stdout is not None
-            out_pump = _Pump(_take_fd(proc.stdout), out_sink, "stdout")
-            pumps.append(out_pump)
-        assert proc.stderr is not None
-        err_pump = _Pump(_take_fd(proc.stderr), err_sink, "stderr")
-        pumps.append(err_pump)
-        for pump in pumps:
-            pump.start()
-        first: float | None = None
-        deadline = float("inf")
-        stopped = settled = False
-        # A thread blocks in waitpid, so the command's end is seen at once and costs no polling;
-        # this thread looks at the run directory a few times a second for a rank's death.
-        ended_event = threading.Event()
+    terminal: int | None = None  # the real terminal the pseudo-terminal copies
+    with contextlib.ExitStack() as cleanup:
+        master = slave = None
+        if err_sink.terminal:
+            terminal = err_sink.fd
+            assert terminal is not None
+            master, slave = open_terminal(terminal)
+            cleanup.callback(_close, slave)
+        stderr_arg: Any = slave if slave is not None else subprocess.PIPE
+        if stdout is None:
+            stdout_arg: Any = subprocess.DEVNULL
+        elif slave is not None and out_sink.same_terminal(err_sink):
+            stdout_arg = slave  # one terminal, one channel: stdout and stderr lines keep their order
+        elif out_sink.terminal:
+            stdout_arg = out_sink.fd  # a terminal of its own: handed over as is
+        else:
+            stdout_arg = subprocess.PIPE
 
-        def wait_for_the_command() -> None:
-            proc.wait()
-            ended_event.set()
+        def resize() -> None:
+            if terminal is not None and slave is not None:
+                copy_window_size(terminal, slave)
 
-        waiter = threading.Thread(target=wait_for_the_command, name="fpdoctor-wait", daemon=True)
-        waiter.start()
-        while True:
-            if ended_event.wait(POLL_S):
-                break
-            if first is None:
-                first = watch()
-                if first is not None:
-                    deadline = time.monotonic() + wait_s
-                    on_failure()
-            elif not settled and not any(running(pid) for pid in alive()):
-                # every rank has ended: no collective can hang any more, and the launcher's own
-                # shutdown (torchrun printing its summary) gets its time, so its exit status stays
-                settled = True
-                deadline = max(deadline, time.monotonic() + max(wait_s, SETTLE_S))
-            elif time.monotonic() >= deadline:
-                stopped = True
-                _stop(proc, alive, ended_event)
-                break
-        ended = time.time()
-        # Output still in the pipes comes first; a process that outlived the command and keeps
-        # them open (a daemon) does not hold the report back for long.
-        drain_until = time.monotonic() + max(1.0, min(wait_s, 5.0))
+        with forwarding(seen, resize if slave is not None else None) as bind:
+            started = time.time()
+            try:
+                proc = subprocess.Popen(
+                    argv, executable=executable, env=env, cwd=cwd, stdout=stdout_arg, stderr=stderr_arg, bufsize=0
+                )
+            except OSError as exc:
+                if master is not None:
+                    _close(master)
+                raise CommandError(f"{argv[0]} cannot be executed ({exc.strerror or exc})") from exc
+            bind(proc)
+            pumps = []
+            out_pump = None
+            if stdout_arg is subprocess.PIPE:
+                assert proc.stdout is not None
+                out_pump = Pump(_take_fd(proc.stdout), out_sink, "stdout")
+                pumps.append(out_pump)
+            if master is not None:
+                err_pump = Pump(master, err_sink, "terminal")
+            else:
+                assert proc.stderr is not None
+                err_pump = Pump(_take_fd(proc.stderr), err_sink, "stderr")
+            pumps.append(err_pump)
+            cleanup.close()  # the command holds its own end of the terminal; ours would keep it open
+            for pump in pumps:
+                pump.start()
+            first, stopped = _watch(proc, wait_s, watch, on_failure, alive)
+            ended = time.time()
+        # Output still in the pipes comes first; whatever the command left running that still
+        # writes to them (a background upload) keeps writing through a forwarding process.
+        drain_until = time.monotonic() + DRAIN_S
         for pump in pumps:
-            pump.join(timeout=max(0.0, drain_until - time.monotonic()))
+            while pump.is_alive() and pump.unread() and time.monotonic() < drain_until:
+                time.sleep(0.01)
+        for pump in pumps:
+            pump.hand_over()
     code = proc.returncode  # None: SIGKILL is on its way, its status is the one the shell will see
     return Launched(
         argv=list(argv),
@@ -382,6 +229,55 @@ def launch(
         unended=code is None,
         signals=seen,
     )
+
+
+def _watch(
+    proc: subprocess.Popen[bytes],
+    wait_s: float | None,
+    watch: Callable[[], float | None],
+    on_failure: Callable[[], None],
+    alive: Callable[[], list[int]],
+) -> tuple[float | None, bool]:
+    """Until the command ends: the first failure inside it, and whether fpdoctor stopped it."""
+    first: float | None = None
+    deadline = float("inf")
+    settled = False
+    # A thread blocks in waitpid, so the command's end is seen at once and costs no polling;
+    # this thread looks at the run directory a few times a second for a rank's death.
+    ended_event = threading.Event()
+
+    def wait_for_the_command() -> None:
+        proc.wait()
+        ended_event.set()
+
+    threading.Thread(target=wait_for_the_command, name="fpdoctor-wait", daemon=True).start()
+    while not ended_event.wait(POLL_S):
+        if first is None:
+            first = watch()
+            if first is not None:
+                on_failure()
+                if wait_s is not None:
+                    deadline = time.monotonic() + wait_s
+            elif wait_s is None:
+                continue
+        elif wait_s is None:
+            # the launcher in charge decides how the job ends; nothing more to look at
+            ended_event.wait()
+            break
+        elif not settled and not any(running(pid) for pid in alive()):
+            # every rank has ended: no collective can hang any more, and the launcher's own
+            # shutdown (torchrun printing its summary) gets its time, so its exit status stays
+            settled = True
+            deadline = max(deadline, time.monotonic() + max(wait_s, SETTLE_S))
+        elif time.monotonic() >= deadline:
+            _stop(proc, alive, ended_event)
+            return first, True
+    return first, False
+
+
+def _close(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
 
 def _take_fd(stream: IO[bytes]) -> int:

@@ -62,11 +62,12 @@ def build(ctx: Context) -> Report:
 
 
 def _soften(f: Finding) -> Finding:
+    """A crash inside a command that exited 0 is still worth a warning; an exception that ended a
+    child it handled (an optional-dependency probe, `python -c 'import apex'`) is routine."""
     if f.severity is not Severity.ERROR:
         return f
-    return replace(
-        f, severity=Severity.WARNING, message=f.message + "\nThe command went on and exited 0, so this was handled."
-    )
+    severity = Severity.WARNING if f.name == "fatal-signal" else Severity.INFO
+    return replace(f, severity=severity, message=f.message + "\nThe command went on and exited 0, so this was handled.")
 
 
 def _clock(t: float | None) -> str:

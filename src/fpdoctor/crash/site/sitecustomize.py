@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from typing import Any, TextIO
 
 _state: dict[str, Any] = {}
+_RANK_KEY = "FPDOCTOR_RUN_RANK"  # pid:job of the rank whose environment a process inherited
 # JSON string escapes (RFC 8259): quote, backslash and control characters
 _ESCAPES = {**{i: f"\\u{i:04x}" for i in range(32)}, ord('"'): '\\"', ord("\\"): "\\\\"}
 
@@ -104,7 +105,22 @@ def _start_process(run_dir: str, forked: bool) -> None:
     ):
         if key in env:
             record[key.lower()] = env[key]
+    if "RANK" in env and not forked:
+        _claim_rank(record, pid)
     _write_json(os.path.join(run_dir, f"proc.{pid}.json"), record)
+
+
+def _claim_rank(record: dict[str, Any], pid: int) -> None:
+    """Only the launcher's own processes are ranks. A process started below a rank (a shell
+    running `python -c 'import apex'`, a spawned worker) inherits RANK with the rest of the
+    environment: the first process of a job with that RANK leaves its pid in the environment,
+    and one that finds it there under the same job's RANK is that rank's helper."""
+    job = "|".join(os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    owner, _, owned = os.environ.get(_RANK_KEY, "").partition(":")
+    if owner.isdigit() and owned == job and int(owner) != pid:
+        record["rank_of"] = int(owner)
+    else:
+        os.environ[_RANK_KEY] = f"{pid}:{job}"
 
 
 def _swap(key: str, new: TextIO) -> None:
@@ -141,11 +157,17 @@ def _register_term_dump(run_dir: str, pid: int, forked: bool) -> None:
 def _exception_record(
     exc_type: type[BaseException], exc: BaseException | None, tb: TracebackType | None, thread: str | None
 ) -> dict[str, Any]:
-    import time
-    import traceback
+    import time  # loaded at start (_start_process): no import runs here
 
-    frames = [{"file": f.filename, "line": f.lineno, "function": f.name} for f in traceback.extract_tb(tb)]
-    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    if issubclass(exc_type, KeyboardInterrupt) and "traceback" not in sys.modules:
+        # An import while an uncaught KeyboardInterrupt is being handled makes CPython exit 1
+        # instead of dying by SIGINT (the shell's 130): the frames are walked by hand instead.
+        frames, text = _walk(tb), f"{exc_type.__name__}\n"
+    else:
+        import traceback
+
+        frames = [{"file": f.filename, "line": f.lineno, "function": f.name} for f in traceback.extract_tb(tb)]
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
     return {
         "time": time.time(),
         "type": f"{getattr(exc_type, '__module__', 'builtins')}.{getattr(exc_type, '__qualname__', '?')}",
@@ -154,6 +176,15 @@ def _exception_record(
         "frames": frames[-200:],
         "thread": thread,
     }
+
+
+def _walk(tb: TracebackType | None) -> list[dict[str, Any]]:
+    frames = []
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        frames.append({"file": code.co_filename, "line": tb.tb_lineno, "function": code.co_name})
+        tb = tb.tb_next
+    return frames
 
 
 def _save_exception(
