@@ -144,7 +144,7 @@ def test_a_spy_that_cannot_start_never_reaches_the_users_step(monkeypatch):
     def unavailable():
         raise ImportError("cannot import name 'GradScaler'")
 
-    monkeypatch.setattr(amp, "_grad_scaler_class", unavailable)
+    monkeypatch.setattr(amp, "grad_scaler_class", unavailable)
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

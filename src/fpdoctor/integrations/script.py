@@ -131,7 +131,7 @@ class ScriptWatch:
             stack.callback(post.remove)
             stack.callback(register_optimizer_step_pre_hook(self._before_step).remove)
             stack.enter_context(self._swapped(torch.autograd, "backward", self._backward_of))
-            scaler = amp._grad_scaler_class()
+            scaler = amp.grad_scaler_class()
             stack.enter_context(self._swapped(scaler, "step", self._scaler_step_of))
         except BaseException:
             stack.close()

@@ -23,7 +23,7 @@ def enabled(scaler: Any) -> bool:
     return scaler is not None and bool(scaler.is_enabled())
 
 
-def _grad_scaler_class() -> Any:
+def grad_scaler_class() -> Any:
     """torch.amp.GradScaler (torch >= 2.3); before it, torch.cuda.amp.GradScaler."""
     try:
         from torch.amp import GradScaler
@@ -48,7 +48,7 @@ def spy(found: list[Any]) -> Iterator[None]:
     the sentinel: the first step runs inside this block, so the scaler that step_fn really uses
     is found (not merely one that exists). Only the class attribute is swapped, for that one
     call, and put back; the user's scaler object is never touched."""
-    GradScaler = _grad_scaler_class()
+    GradScaler = grad_scaler_class()
     original = GradScaler.scale
 
     def scale(self: Any, outputs: Any) -> Any:

@@ -20,13 +20,7 @@ from typing import Any
 
 import torch
 
-
-def _grad_scaler_class() -> Any:
-    try:
-        from torch.amp import GradScaler
-    except ImportError:  # torch < 2.3
-        from torch.cuda.amp import GradScaler  # type: ignore[assignment]
-    return GradScaler
+from fpdoctor.numerics.amp import grad_scaler_class
 
 
 class StepCounter:
@@ -65,7 +59,7 @@ class StepCounter:
         ]
         # GradScaler has no hooks: its class attribute is swapped for the block and put back, the
         # user's scaler object is never touched
-        scaler = _grad_scaler_class()
+        scaler = grad_scaler_class()
         self._scaler_step = vars(scaler).get("step")
         if self._scaler_step is not None:
             original = self._scaler_step
@@ -87,7 +81,7 @@ class StepCounter:
             handle.remove()
         self._handles = []
         if self._scaler_step is not None:
-            _grad_scaler_class().step = self._scaler_step
+            grad_scaler_class().step = self._scaler_step
             self._scaler_step = None
 
     def _ended(self, optimizer: Any) -> None:
