@@ -248,3 +248,31 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, command, said):
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and said in lines[0]
+
+
+def test_the_python_api_watches_a_block_and_leaves_nothing_behind():
+    from torch import nn
+
+    import fpdoctor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    backward, step = torch.autograd.backward, torch.amp.GradScaler.step
+    with fpdoctor.watch() as w:
+        for i in range(4):
+            x = torch.randn(8, 4)
+            if i == 2:
+                x[0, 0] = float("inf")
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), torch.zeros(8, 1)).backward()
+            opt.step()
+            moved = not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+            assert moved == (i != 2)  # the bad step was kept from the weights
+    assert torch.autograd.backward is backward and torch.amp.GradScaler.step is step
+    report = w.report
+    assert report.data["steps"] == 4 and report.data["skipped_steps"] == 1
+    assert report.data["verdicts"] == {3: "deterministic-nonfinite"}
+    assert "fpdoctor watch" not in "".join(m.__class__.__module__ for m in model.modules())  # nothing added
+    assert not model._forward_hooks and not model._forward_pre_hooks

@@ -82,6 +82,24 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
 
+@contextlib.contextmanager
+def _optimizer_hooks_aside() -> Iterator[None]:
+    """torch iterates its global optimizer-hook dicts while it calls this watch's pre-hook, and a
+    replay under `trace` registers and removes hooks of its own: inside the block those land in
+    copies, so the dicts being iterated are not changed under torch's feet."""
+    from torch.optim import optimizer as optimizer_mod
+
+    names = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+    saved = {n: getattr(optimizer_mod, n) for n in names if hasattr(optimizer_mod, n)}
+    for name, hooks in saved.items():
+        setattr(optimizer_mod, name, type(hooks)(hooks))
+    try:
+        yield
+    finally:
+        for name, hooks in saved.items():
+            setattr(optimizer_mod, name, hooks)
+
+
 def _autocast_state() -> list[tuple[str, torch.dtype]]:
     on = []
     for device in _DEVICE_TYPES:
@@ -121,6 +139,8 @@ class ScriptWatch:
 
     # -- entering and leaving --------------------------------------------------------------------
     def __enter__(self) -> ScriptWatch:
+        if self._stack is not None:  # `with fpdoctor.watch() as w`: watch() entered it already
+            return self
         stack = contextlib.ExitStack()
         try:
             module_hooks = torch.nn.modules.module
@@ -253,7 +273,8 @@ class ScriptWatch:
                 "fpdoctor callback judges its steps (switched on by `fpdoctor watch`)",
             )
             return
-        self._guarded(lambda: self._step(optimizer, scaler=scaler, skipped_by_scaler=False))
+        with _optimizer_hooks_aside():
+            self._guarded(lambda: self._step(optimizer, scaler=scaler, skipped_by_scaler=False))
 
     def _guarded(self, do: Callable[[], None]) -> None:
         try:
