@@ -200,8 +200,8 @@ def cuda_syncs(variants: dict[str, Callable[[], None]], steps: int) -> bool:
         ok &= passed
         raised = f"; under 'error' it raised: {error}" if error else ""
         print(
-            f"CUDA sentinel ({kind}) host syncs added per step {added:+.2f} (budget <= 0, none under "
-            f"set_sync_debug_mode('error'))  {'PASS' if passed else 'FAIL'}{raised}"
+            f"CUDA sentinel ({kind}) host syncs added per step {added:+.2f} (budget <= 0, and none under the "
+            f"'error' sync debug mode)  {'PASS' if passed else 'FAIL'}{raised}"
         )
     added = counts["sentinel (foreach AdamW)"] - counts["plain (foreach AdamW)"]
     print(f"CUDA sentinel (foreach AdamW) host syncs added per step {added:+.2f} (the flag read; no budget of its own)")
