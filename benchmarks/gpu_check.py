@@ -39,6 +39,7 @@ from gpu_tests import tally  # noqa: E402
 
 BUDGET_S = 460.0  # the whole run, under the 8 minutes a lent GPU machine's check may take
 RESERVE_S = 10.0  # kept back for the summary
+MIN_PART_S = 5.0  # a part left less than this (or than its own cap) is skipped, not started to be killed
 KEEP = 200_000  # characters of each part's output kept in parts.log
 SIGFPE_STATUS = 128 + signal.SIGFPE
 
@@ -133,7 +134,7 @@ def part_limit(cap_s: float, deadline: float, now: float) -> float:
 
 def run_part(part: Part, ctx: Context) -> Result:
     limit = part_limit(part.limit_s, ctx.deadline, time.monotonic())
-    if limit < 5:
+    if limit < min(part.limit_s, MIN_PART_S):
         return Result(part.name, part.kind, "skip", "no time left in the budget")
     try:
         command = part.command(ctx)
@@ -189,7 +190,7 @@ def budget_rows(output: str) -> list[dict[str, Any]]:
             rows.append(
                 {
                     "context": context,
-                    "row": " ".join(label.split()).strip(":=-> "),
+                    "row": re.sub(r"^->\s*|[\s:=]+$", "", " ".join(label.split())),
                     "value": numbers[-1].group().replace(" ", "") if numbers else None,
                     "budget": budget.group()[len("(budget") : -1].strip(" :"),
                     "verdict": verdict.group(1) if verdict else None,
