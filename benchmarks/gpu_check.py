@@ -168,7 +168,7 @@ def run_part(part: Part, ctx: Context) -> Result:
 # --- what a benchmark printed against its budget ---------------------------------------------
 
 _BUDGET = re.compile(r"\(budget\b[^)]*\)")
-_NUMBER = re.compile(r"(?<![\w./])[-+]?\d+(?:\.\d+)?(?:%|\s*(?:x|ms|s)\b)?")
+_NUMBER = re.compile(r"(?<![\w./])[-+]?\d+(?:\.\d+)?(?:%|\s*(?:x|ms|s|MiB|GiB)\b)?")
 
 
 def budget_rows(output: str) -> list[dict[str, Any]]:
