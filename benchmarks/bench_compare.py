@@ -16,7 +16,13 @@ before the call - the weight copies it makes (fp64 and fp16: O(parameters), repo
 Measured at 12 and 24 layers: O(largest activation) means it must not grow with depth beyond the
 64 KiB sample kept per module call.
 
-Run: python benchmarks/bench_compare.py [--rounds N]
+On a GPU (`--device cuda`) one child measures the same on CUDA, at a compute-bound size (dim
+1024, 16 heads, 16 x 512 tokens): fp16 against the budget and fp8-e4m3 with the real fp8 GEMM
+(torch._scaled_mm; the report says in how many Linear layers it ran), plain and compare
+interleaved per round; memory is the CUDA allocator's peak during one compare beyond the weight
+copies, at 12 and 24 layers: the 12 more layers may add less than half the largest activation.
+
+Run: python benchmarks/bench_compare.py [--rounds N] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -76,6 +82,65 @@ print(json.dumps(out))
 """
 
 
+GPU_CHILD = r"""
+import copy, json, statistics, sys, time
+sys.path.insert(0, {here!r})
+import torch
+import fpdoctor
+from models import small_transformer, batch
+from fpdoctor.precision.candidates import compute_dtype, make_run
+rounds = int(sys.argv[1])
+def setup(layers):
+    torch.manual_seed(0)
+    model = small_transformer(layers=layers, dim=1024, heads=16).eval().cuda()
+    tokens, _ = batch(size=16, length=512, device="cuda")
+    with torch.no_grad():
+        embed = model.embed(tokens).detach()
+    return model.encoder, embed
+def timed(fn):
+    torch.cuda.synchronize(); start = time.perf_counter(); value = fn(); torch.cuda.synchronize()
+    return time.perf_counter() - start, value
+encoder, embed = setup(12)
+out = {{}}
+for candidate in ("fp16", "fp8-e4m3"):
+    ref = copy.deepcopy(encoder)
+    cand = make_run(encoder, candidate, "scaled_mm").eval()
+    x = embed.to(compute_dtype(candidate))
+    fastpath = candidate == "fp16"  # the fp8 layers run only off the fused fast path
+    def plain():
+        with torch.no_grad():
+            ref(embed)
+            torch.backends.mha.set_fastpath_enabled(fastpath)
+            cand(x)
+            torch.backends.mha.set_fastpath_enabled(True)
+    def comp():
+        return fpdoctor.compare(encoder, embed, candidate=candidate, fp8_kernel="scaled_mm")
+    plain(); result = comp()  # warm-up
+    plains, comps = [], []
+    for _ in range(rounds):
+        plains.append(timed(plain)[0])
+        seconds, result = timed(comp)
+        comps.append(seconds)
+    row = {{"plain": statistics.median(plains), "compare": statistics.median(comps)}}
+    kernel = result.report.data.get("fp8_kernel")
+    if kernel:
+        row["fp8_kernel"] = kernel["text"]
+        row["scaled_mm_layers"] = [kernel["scaled_mm"], kernel["layers"]]
+    out[candidate] = row
+    del ref, cand
+for layers in (12, 24):
+    encoder, embed = setup(layers)
+    params = sum(p.numel() for p in encoder.parameters())
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fpdoctor.compare(encoder, embed, candidate="fp16")
+    torch.cuda.synchronize()
+    out[f"working_{{layers}}"] = torch.cuda.max_memory_allocated() - before - params * (8 + 2)
+out["gpu"] = torch.cuda.get_device_name()
+print(json.dumps(out))
+"""
+
+
 CANDIDATES = ("fp16", "bf16", "fp8-e4m3", "fp16-accumulate")  # the budget is checked on the first
 
 
@@ -89,10 +154,49 @@ def run(mode: str, layers: int = 12, candidate: str = "fp16") -> dict[str, float
     return json.loads(out.strip().splitlines()[-1])
 
 
+def cuda_rows(rounds: int) -> bool:
+    """The GPU row: fp16 against the 3x budget, fp8-e4m3 on torch._scaled_mm beside it, CUDA memory."""
+    argv = [sys.executable, "-c", GPU_CHILD.format(here=str(HERE)), str(rounds)]
+    child = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if child.returncode != 0:
+        print(f"CUDA compare child failed (exit {child.returncode}):\n{child.stderr[-3000:]}")
+        return False
+    out = json.loads(child.stdout.strip().splitlines()[-1])
+    print(f"CUDA ({out['gpu']}): 12-layer encoder, dim 1024, 16 x 512 tokens, against fp32, {rounds} rounds (medians)")
+    for candidate in ("fp16", "fp8-e4m3"):
+        row = out[candidate]
+        ratio = row["compare"] / row["plain"]
+        if candidate == "fp16":
+            judged = f"   {ratio:.2f}x (budget <= 3x)  {'PASS' if ratio <= 3.0 else 'FAIL'}"
+        else:
+            judged = f"   {ratio:.2f}x; fp8 GEMM: {row.get('fp8_kernel', 'not reported')}"
+        times = f"two plain forwards {row['plain'] * 1e3:7.1f} ms   compare {row['compare'] * 1e3:7.1f} ms"
+        print(f"  {candidate:16s} {times}{judged}")
+    fp8 = out["fp8-e4m3"].get("scaled_mm_layers", [0, 0])
+    ok_fp8 = fp8[1] > 0 and fp8[0] == fp8[1]
+    share = fp8[0] / fp8[1] if fp8[1] else 0.0
+    verdict = "PASS" if ok_fp8 else "FAIL"
+    print(f"  {fp8[1]} fp8 Linear layers, on torch._scaled_mm: {share:.0%} (budget 100%)  {verdict}")
+    m12, m24 = out["working_12"], out["working_24"]
+    # O(largest activation): twelve more layers may add samples, never another activation's worth
+    limit = 16 * 512 * 4096 * 8 / 2  # half the fp64 feed-forward activation, bytes
+    ok_memory = m24 - m12 <= limit
+    print(
+        f"  CUDA working memory beyond the weight copies: {m12 / 2**20:.1f} MiB (12 layers), {m24 / 2**20:.1f} MiB "
+        f"(24): {(m24 - m12) / 2**20:+.1f} MiB (budget <= {limit / 2**20:.0f} MiB, half the largest activation)  "
+        f"{'PASS' if ok_memory else 'FAIL'}"
+    )
+    ratio = out["fp16"]["compare"] / out["fp16"]["plain"]
+    return ratio <= 3.0 and ok_fp8 and ok_memory
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the GPU row alone")
     args = parser.parse_args()
+    if args.device == "cuda":
+        return 0 if cuda_rows(args.rounds) else 1
     plain: dict[str, list[float]] = {c: [] for c in CANDIDATES}
     comp: dict[str, list[float]] = {c: [] for c in CANDIDATES}
     shallow, deep = [], []

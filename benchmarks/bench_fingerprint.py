@@ -24,6 +24,9 @@ import torch
 from fpdoctor.health import gemm
 from fpdoctor.health.fingerprint import run_fingerprints
 
+NODE_BUDGET_S = 10.0  # the whole fingerprint run of one node
+GPU_THROUGHPUT = 0.9  # the bf16 fingerprint loop against plain torch.mm, on a GPU
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -66,13 +69,16 @@ def main() -> int:
     device = torch.device(args.device if args.device == "cpu" else "cuda:0")
     nodes = "every GPU of this node" if device.type == "cuda" else "the CPU"
     print(f"run_fingerprints on {nodes} (children in parallel), wall time:")
+    ok = True
     for duration in args.durations:
         start = time.perf_counter()
         result = run_fingerprints(duration, device=None if device.type == "cuda" else "cpu")
         wall = time.perf_counter() - start
         verdicts = ",".join(sorted({r["verdict"] for r in result.rows})) or "-"
+        ok &= wall <= NODE_BUDGET_S
         print(
-            f"  --duration {duration:4.1f}: {wall:6.2f} s wall, {wall - duration:5.2f} s beyond the duration, "
+            f"  --duration {duration:4.1f}: {wall:6.2f} s wall (budget <= {NODE_BUDGET_S:.0f} s per node)  "
+            f"{'PASS' if wall <= NODE_BUDGET_S else 'FAIL'}; {wall - duration:5.2f} s beyond the duration, "
             f"{len(result.rows)} device(s), verdicts {verdicts}, {len(result.findings)} finding(s)"
         )
     shapes = gemm.GPU_SHAPES if device.type == "cuda" else gemm.CPU_SHAPES
@@ -86,8 +92,14 @@ def main() -> int:
     p, f = statistics.median(plain), statistics.median(fp)
     print(f"bf16 {mn}x{k}x{mn} on {device} ({args.rounds} interleaved rounds, medians):")
     print(f"  plain torch.mm            {p * 1e3:12.3f} GFLOPS")
-    print(f"  fingerprint (mm + digest) {f * 1e3:12.3f} GFLOPS   {f / p:6.1%} of plain (budget on a GPU: >= 90%)")
-    return 0
+    share = f"{f / p:6.1%} of plain"
+    if device.type == "cuda":
+        ok &= f / p >= GPU_THROUGHPUT
+        verdict = f"(budget >= {GPU_THROUGHPUT:.0%})  {'PASS' if f / p >= GPU_THROUGHPUT else 'FAIL'}"
+    else:
+        verdict = f"(budget only on a GPU: >= {GPU_THROUGHPUT:.0%})"
+    print(f"  fingerprint (mm + digest) {f * 1e3:12.3f} GFLOPS   {share} {verdict}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ drifts hit every variant alike; medians. torch.autograd.detect_anomaly is the an
 CPU always (the small transformer of benchmarks/models.py, fp32); the CUDA step (dim 1024, 8 layers,
 16 x 512 tokens, bf16 autocast, AdamW) when a GPU is there.
 
+On the GPU also the host synchronisations per step of every variant, counted by torch's sync
+debug mode ("warn": one warning per synchronising call), and the guarded fused steps run under
+torch.cuda.set_sync_debug_mode("error"): with a fused optimizer the sentinel adds none.
+
 Run: python benchmarks/bench_sentinel.py [--rounds R] [--steps N] [--device cpu|cuda|all]
 """
 
@@ -17,6 +21,7 @@ import contextlib
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -124,7 +129,10 @@ def _variants(device: str, dim: int, layers: int, size: int, length: int) -> dic
 
 
 def measure(device: str, rounds: int, steps: int, **shape: int) -> dict[str, float]:
-    variants = _variants(device, **shape)
+    return measure_variants(_variants(device, **shape), device, rounds, steps)
+
+
+def measure_variants(variants: dict[str, Callable[[], None]], device: str, rounds: int, steps: int) -> dict[str, float]:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for fn in variants.values():  # warm-up: allocator, first-call overheads, the sentinel's first-step learning
         for _ in range(3):
@@ -145,6 +153,59 @@ def measure(device: str, rounds: int, steps: int, **shape: int) -> dict[str, flo
     for name, inner in _INNER.items():  # the sentinel's own time per step, as a variant of its own
         medians[f"{name}, own time"] = (sum(times[name]) * steps - inner) / (rounds * steps)
     return medians
+
+
+def host_syncs(variants: dict[str, Callable[[], None]], steps: int) -> dict[str, float]:
+    """Synchronising CUDA calls per step of each variant, as torch's sync debug mode warns of them."""
+    counts = {}
+    for name, fn in variants.items():
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(steps):
+                    fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts[name] = sum("synchroniz" in str(w.message) for w in caught) / steps
+    return counts
+
+
+def raises_on_sync(fn: Callable[[], None], steps: int) -> str | None:
+    """The error torch raises when `fn` synchronises under set_sync_debug_mode("error"), else None."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):
+            fn()
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return None
+
+
+def cuda_syncs(variants: dict[str, Callable[[], None]], steps: int) -> bool:
+    """The GPU row of host synchronisation: per-step counts of every variant, and the fused budget."""
+    counts = host_syncs(variants, steps)
+    print("CUDA host synchronisations per step (set_sync_debug_mode('warn')):")
+    for name, count in counts.items():
+        print(f"  {name:<50} {count:5.2f}")
+    ok = True
+    for kind in ("fused AdamW", "GradScaler, fused AdamW"):
+        added = counts[f"sentinel ({kind})"] - counts[f"plain ({kind})"]
+        error = raises_on_sync(variants[f"sentinel ({kind})"], steps)
+        passed = added <= 0 and error is None
+        ok &= passed
+        raised = f"; under 'error' it raised: {error}" if error else ""
+        print(
+            f"CUDA sentinel ({kind}) host syncs added per step {added:+.2f} (budget <= 0, and none under the "
+            f"'error' sync debug mode)  {'PASS' if passed else 'FAIL'}{raised}"
+        )
+    added = counts["sentinel (foreach AdamW)"] - counts["plain (foreach AdamW)"]
+    print(f"CUDA sentinel (foreach AdamW) host syncs added per step {added:+.2f} (the flag read; no budget of its own)")
+    return ok
 
 
 def report(title: str, medians: dict[str, float]) -> dict[str, float]:
@@ -188,7 +249,8 @@ def main() -> int:
         ok &= worst <= 1.03
     if args.device in ("cuda", "all") and torch.cuda.is_available():
         shape = {"dim": 1024, "layers": 8, "size": 16, "length": 512}
-        medians = measure("cuda", args.rounds, args.steps, **shape)
+        variants = _variants("cuda", **shape)
+        medians = measure_variants(variants, "cuda", args.rounds, args.steps)
         ratios = report(
             f"CUDA ({torch.cuda.get_device_name()}): 8-layer transformer (dim 1024, 16 x 512 tokens), bf16 autocast",
             medians,
@@ -198,6 +260,7 @@ def main() -> int:
         print(f"CUDA fused (device-side skip) {fused - 1:+.1%} (budget <= 1%)  {'PASS' if fused <= 1.01 else 'FAIL'}")
         print(f"CUDA foreach (host read) {foreach - 1:+.1%} (budget <= 3%)  {'PASS' if foreach <= 1.03 else 'FAIL'}")
         ok &= fused <= 1.01 and foreach <= 1.03
+        ok &= cuda_syncs(variants, args.steps)
     return 0 if ok else 1
 
 

@@ -487,3 +487,19 @@ def test_the_html_golden_is_checked_in_and_parses():
     golden = ROOT / "tests" / "report" / "golden" / "h20_env.html"
     page = outline(golden.read_text())
     assert {"report", "verdict", "facts", "findings", "json-twin"} <= set(page.ids)
+
+
+def test_at_a_phone_width_the_page_paints_at_that_width_without_console_messages(pages, tmp_path):
+    page = tmp_path / "trace.html"
+    page.write_text(pages["trace"], encoding="utf-8")
+    # a phone lays the page out at its own width (not 980 px shrunk) only when the page asks it to
+    assert '<meta name="viewport" content="width=device-width, initial-scale=1">' in pages["trace"]
+    shot = tmp_path / "phone.png"
+    done = _browser(
+        "--enable-logging=stderr", "--v=0", f"--screenshot={shot}", "--window-size=390,844", page.as_uri(), tmp=tmp_path
+    )
+    assert done.returncode == 0 and shot.exists(), done.stderr[-2000:]
+    data = shot.read_bytes()
+    assert int.from_bytes(data[16:20], "big") == 390 and len(data) > 10_000  # IHDR width: painted at 390 px
+    console = [line for line in done.stderr.splitlines() if ":CONSOLE" in line]  # the page's console, one per line
+    assert not console, console[:5]
