@@ -57,7 +57,8 @@ def load_side(what: Any, name: str) -> dict[str, Any]:
 
         return understand(_facts_from_json(what, name))
     if not isinstance(what, (str, os.PathLike)):
-        raise InputError(f"{name}: pass a file path, {LIVE!r} for this machine, or a facts dict, not {type(what).__name__}")
+        kind = type(what).__name__
+        raise InputError(f"{name}: pass a file path, {LIVE!r} for this machine, or a facts dict, not {kind}")
     if os.fspath(what) == LIVE:
         from fpdoctor.env.collect import collect_live
 
@@ -87,13 +88,16 @@ def judge(raw_a: dict[str, Any], raw_b: dict[str, Any]) -> Report:
     covered = {p for d in entries(side_a, side_b) for p in _covers(d)}
     left_out = sum(1 for p in _differing(raw_a, raw_b) if not _is_covered(p, covered))
     verdict_rows = [
-        [f"verdict {f.evidence['verdict']} ({f.evidence['verdict_code']})",
-         *(("fires", "-") if f.evidence["side"] == "A" else ("-", "fires")), f.severity.value]
-        for f in findings if f.name == "verdict-on-one-side"
-    ]  # fmt: skip
+        [
+            f"verdict {f.evidence['verdict']} ({f.evidence['verdict_code']})",
+            *(("fires", "-") if f.evidence["side"] == "A" else ("-", "fires")),
+            f.severity.value,
+        ]
+        for f in findings
+        if f.name == "verdict-on-one-side"
+    ]
     rows = verdict_rows + [
-        [d["label"], _cell(d["a"], d["a_inferred"]), _cell(d["b"], d["b_inferred"]), d["severity"]]
-        for d in differences
+        [d["label"], _cell(d["a"], d["a_inferred"]), _cell(d["b"], d["b_inferred"]), d["severity"]] for d in differences
     ]
     errors = sum(1 for d in differences if d["severity"] == "error")
     not_checked = {label: f"not shown by A's input ({_source(raw_a)})" for label in unknown["a"]}
@@ -142,7 +146,12 @@ def verdicts(a: Side, b: Side) -> list[Finding]:
                     severity=f.severity,
                     message=f"On {side} only: {f.title}. {f.message}",
                     fix=f.fix,
-                    evidence={"side": side, "verdict": f.name, "verdict_code": f.code, "verdict_severity": f.severity.value},
+                    evidence={
+                        "side": side,
+                        "verdict": f.name,
+                        "verdict_code": f.code,
+                        "verdict_severity": f.severity.value,
+                    },
                     references=f.references,
                 )
             )
@@ -180,12 +189,12 @@ def compare(a: Side, b: Side) -> tuple[list[dict[str, Any]], dict[str, list[str]
                 "a_inferred": va.inferred,
                 "b_inferred": vb.inferred,
                 "severity": severity.value,
-                "severity_reason": entry.reason + ("" if severity is entry.severity else
-                                                   "; at most a warning here: a value is inferred, not read"),
+                "severity_reason": entry.reason
+                + ("" if severity is entry.severity else "; at most a warning here: a value is inferred, not read"),
                 "effect": entry.effect,
                 "source": entry.source,
             }
-        )  # fmt: skip
+        )
     return differences, unknown
 
 
@@ -221,7 +230,8 @@ def _finding(d: dict[str, Any]) -> Finding:
     return catalog.make(
         _GROUP_NAMES[d["group"]],
         severity=Severity(d["severity"]),
-        message=f"{d['label']}: A {a} / B {b}. {_sentence(d['effect'])} {_sentence('severity: ' + d['severity_reason'])}",
+        message=f"{d['label']}: A {a} / B {b}. {_sentence(d['effect'])} "
+        + _sentence("severity: " + d["severity_reason"]),
         where={"fact": d["key"]},
         evidence={k: d[k] for k in ("key", "a", "b", "a_inferred", "b_inferred", "severity_reason", "source")},
         fix=_fix(d),
@@ -270,8 +280,11 @@ def _differing(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     facts dicts, apart from what describes the input rather than the machine."""
     fa = {p: v for p, v in flatten(a) if p.split(".", 1)[0] not in _NOT_MACHINE}
     fb = {p: v for p, v in flatten(b) if p.split(".", 1)[0] not in _NOT_MACHINE}
-    return sorted(p.split("[", 1)[0] + "".join(s.split("]", 1)[-1] for s in p.split("[")[1:])
-                  for p in fa.keys() | fb.keys() if fa.get(p) != fb.get(p))  # fmt: skip
+    return sorted(
+        p.split("[", 1)[0] + "".join(s.split("]", 1)[-1] for s in p.split("[")[1:])
+        for p in fa.keys() | fb.keys()
+        if fa.get(p) != fb.get(p)
+    )
 
 
 def flatten(value: Any, path: str = "") -> list[tuple[str, Any]]:

@@ -84,7 +84,8 @@ def _capabilities(side: Side) -> Seen | None:
     if not gpus:
         return None
     inferred = next((g["capability_source"] for g in gpus if g.get("capability_source")), None)
-    return Seen(_listed([g["compute_capability"] for g in gpus]), f"from the GPU name, {inferred}" if inferred else None)
+    how = f"from the GPU name, {inferred}" if inferred else None
+    return Seen(_listed([g["compute_capability"] for g in gpus]), how)
 
 
 def _driver(side: Side) -> Seen | None:
@@ -136,8 +137,10 @@ def _loaded(library: str) -> Callable[[Side], Seen | None]:
             return Seen(str(side.facts.torch["cudnn"]))  # torch.backends.cudnn.version(): the copy in use
         if library == "nccl" and side.facts.torch.get("nccl"):
             return Seen(str(side.facts.torch["nccl"]))
-        return Seen(_listed([c.get("version") or "version unknown" for c in loaded if c.get("library") == library])
-                    or "not loaded")  # fmt: skip
+        return Seen(
+            _listed([c.get("version") or "version unknown" for c in loaded if c.get("library") == library])
+            or "not loaded"
+        )
 
     return read
 
@@ -337,8 +340,13 @@ TABLE: tuple[Entry, ...] = (
             read=_copies(library),
             covers=("libraries.copies",),
         )
-        for library, shown in (("cublas", "cuBLAS"), ("cublasLt", "cuBLASLt"), ("cudnn", "cuDNN"),
-                               ("nccl", "NCCL"), ("cudart", "cudart"))  # fmt: skip
+        for library, shown in (
+            ("cublas", "cuBLAS"),
+            ("cublasLt", "cuBLASLt"),
+            ("cudnn", "cuDNN"),
+            ("nccl", "NCCL"),
+            ("cudart", "cudart"),
+        )
     ),
     Entry(
         key="flag.matmul_tf32",
