@@ -131,8 +131,9 @@ def _cuda_toolkit(side: Side) -> Seen | None:
 def _loaded(library: str) -> Callable[[Side], Seen | None]:
     def read(side: Side) -> Seen | None:
         loaded = side.facts.loaded
-        if loaded is None:
-            return None
+        known = (side.facts.raw.get("libraries") or {}).get("loaded_known")
+        if loaded is None or (isinstance(known, list) and library not in known):
+            return None  # a compare record reads only some libraries from its process
         if library == "cudnn" and side.facts.torch.get("cudnn"):
             return Seen(str(side.facts.torch["cudnn"]))  # torch.backends.cudnn.version(): the copy in use
         if library == "nccl" and side.facts.torch.get("nccl"):
