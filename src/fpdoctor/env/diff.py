@@ -21,6 +21,7 @@ from fpdoctor.env.rules import cap_severity, evaluate
 from fpdoctor.env.summary import _source, env_value
 from fpdoctor.errors import InputError
 from fpdoctor.report.model import Finding, Report, Severity
+from fpdoctor.report.redact import redact
 
 LIVE = "."
 CELL = 24  # characters of a value the table shows (the finding has it whole)
@@ -177,6 +178,9 @@ def compare(a: Side, b: Side) -> tuple[list[dict[str, Any]], dict[str, list[str]
             continue
         if va.value == vb.value:
             continue
+        # Redacted here, before a value is shortened for the table (a cut token no longer looks like one).
+        secret_key = entry.key[4:] if entry.key.startswith("env.") else None
+        va, vb = (Seen(redact(v.value, secret_key), v.inferred) for v in (va, vb))
         inferred = va.inferred or vb.inferred
         severity = cap_severity(entry.severity, "unconfirmed") if inferred else entry.severity
         differences.append(
@@ -289,7 +293,7 @@ def _differing(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 def flatten(value: Any, path: str = "") -> list[tuple[str, Any]]:
     """Leaf values by path: "torch.version", "libraries.wheels[nvidia-cublas-cu12].version";
-    items of a list of dicts are named by their package, path or name, else by position."""
+    items of a list of dicts are named by their package, path, index or name, else by position."""
     if isinstance(value, dict):
         out: list[tuple[str, Any]] = []
         for key, item in value.items():
@@ -298,7 +302,7 @@ def flatten(value: Any, path: str = "") -> list[tuple[str, Any]]:
     if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
         out = []
         for i, item in enumerate(value):
-            name = item.get("package") or item.get("path") or item.get("name") or i
+            name = next((item[k] for k in ("package", "path", "index", "name") if item.get(k) is not None), i)
             if "tool" in item:
                 name = f"{item['tool']}:{name}"
             out += flatten(item, f"{path}[{name}]")
