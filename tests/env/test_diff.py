@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 import fpdoctor
-from fpdoctor.env.differences import TABLE
 from fpdoctor.env.diff import diff_env
+from fpdoctor.env.differences import TABLE
 from tests.conftest import ENV_FIXTURES
 from tests.env.strict import strict_json
 
@@ -179,7 +179,7 @@ def test_the_public_function_reads_a_report_of_env():
     ("make", "says"),
     [
         (lambda tmp: str(tmp / "missing.json"), "no such file"),
-        (lambda tmp: str(tmp), "is a directory"),
+        (str, "is a directory"),
         (lambda tmp: _write(tmp / "notes.txt", "shopping list: eggs, milk\n"), "found neither collect_env fields"),
         (lambda tmp: _write(tmp / "other.json", '{"schema": "something/1"}'), "not fpdoctor facts"),
         (lambda tmp: _write(tmp / "cut.json", '{"schema": "fpdoctor.facts/1", "torch": {'), "truncated JSON"),
@@ -214,6 +214,14 @@ def test_diff_of_two_saved_files_never_imports_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert proc.stderr.rsplit("EXIT:", 1)[1] == "1 TORCH:False"
     assert strict_json(proc.stdout)["command"] == "env --diff"
+
+
+def test_diff_of_two_files_starts_no_torch_child(monkeypatch, cli):
+    def refuse(*args: object) -> None:
+        raise AssertionError("env --diff of two files started a torch child")
+
+    monkeypatch.setattr("fpdoctor.env.sources.torch_child.spawn", refuse)
+    assert cli("env", "--diff", str(BASE), str(BASE)).code == 0
 
 
 def test_this_machine_against_its_own_saved_facts(tmp_path, cli):

@@ -167,11 +167,8 @@ def _departure_fix(j: Judgement, module: str, row: Row) -> str:
              and not k.startswith(judging.ENV_PREFIX)]  # fmt: skip
     variables = [d for d in j.env_differences if d["key"].startswith("env.")]
     if variables:
-        fixes.append(
-            "set the environment variables as on machine A: "
-            + "; ".join(f"unset {d['label']}" if d["a"] == "unset" else f"export {d['label']}={d['a']}"
-                        for d in variables)  # fmt: skip
-        )
+        lines = [f"unset {d['label']}" if d["a"] == "unset" else f"export {d['label']}={d['a']}" for d in variables]
+        fixes.append("set the environment variables as on machine A: " + "; ".join(lines))
     if other:
         listed = ", ".join(f"{machine.LABELS.get(k, k)} {machine.show(a.get(k))} / {machine.show(b.get(k))}"
                            for k in other[:4])  # fmt: skip
