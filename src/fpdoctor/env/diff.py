@@ -214,25 +214,23 @@ def _shown(value: Any, inferred: str | None) -> str:
     return f"{text} (inferred: {inferred})" if inferred else text
 
 
-_GROUP_NAMES = {
-    "hardware": "hardware-differs",
-    "build": "build-differs",
-    "library": "library-differs",
-    "flag": "math-flag-differs",
-    "variable": "math-variable-differs",
-}
-
-
-def _cell(value: Any, inferred: str | None) -> str:
-    text = str(value)
-    text = text if len(text) <= CELL else text[: CELL - 1] + "…"
-    return text + ("*" if inferred else "")
+def _finding_name(group: str) -> str:
+    """The catalogue entry of a difference in a fact of `group` (differences.Entry.group)."""
+    if group == "hardware":
+        return "hardware-differs"
+    if group == "build":
+        return "build-differs"
+    if group == "library":
+        return "library-differs"
+    if group == "flag":
+        return "math-flag-differs"
+    return "math-variable-differs"
 
 
 def _finding(d: dict[str, Any]) -> Finding:
     a, b = _shown(d["a"], d["a_inferred"]), _shown(d["b"], d["b_inferred"])
     return catalog.make(
-        _GROUP_NAMES[d["group"]],
+        _finding_name(d["group"]),
         severity=Severity(d["severity"]),
         message=f"{d['label']}: A {a} / B {b}. {_sentence(d['effect'])} "
         + _sentence("severity: " + d["severity_reason"]),
