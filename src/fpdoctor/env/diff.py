@@ -214,6 +214,12 @@ def _shown(value: Any, inferred: str | None) -> str:
     return f"{text} (inferred: {inferred})" if inferred else text
 
 
+def _cell(value: Any, inferred: str | None) -> str:
+    text = str(value)
+    text = text if len(text) <= CELL else text[: CELL - 1] + "…"
+    return text + ("*" if inferred else "")
+
+
 def _finding_name(group: str) -> str:
     """The catalogue entry of a difference in a fact of `group` (differences.Entry.group)."""
     if group == "hardware":
