@@ -245,7 +245,7 @@ class Link:
         )
 
 
-def _variables() -> dict[str, str | None]:
+def _variables() -> dict[str, machine.Fact]:
     """The environment variables that change math or kernels (`fpdoctor env --diff`'s table), so
     that `--against` can say which differ between the two machines."""
     from fpdoctor.env.differences import recorded_variables
