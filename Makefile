@@ -30,6 +30,7 @@ test: lint
 
 bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/bench_env.py
+	$(BIN)/python benchmarks/bench_env_diff.py
 	$(BIN)/python benchmarks/bench_numerics.py
 	$(BIN)/python benchmarks/bench_sentinel.py
 	$(BIN)/python benchmarks/bench_compare.py

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fpdoctor._version import __version__
 
 if TYPE_CHECKING:
+    from fpdoctor.env.diff import diff_env
     from fpdoctor.env.doctor import diagnose_env
     from fpdoctor.health import HealthResult, health
     from fpdoctor.integrations.script import ScriptWatch, watch
@@ -40,6 +41,7 @@ _LAZY = {
     "audit": "fpdoctor.precision.audit",
     "compare": "fpdoctor.precision.compare",
     "diagnose_env": "fpdoctor.env.doctor",
+    "diff_env": "fpdoctor.env.diff",
     "harmonize": "fpdoctor.precision.harmonize",
     "health": "fpdoctor.health",
     "HealthResult": "fpdoctor.health",
@@ -86,6 +88,7 @@ __all__ = [
     "audit",
     "compare",
     "diagnose_env",
+    "diff_env",
     "harmonize",
     "health",
     "keep_in_fp32",

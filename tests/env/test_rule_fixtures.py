@@ -1,10 +1,12 @@
-"""One fixture and one expected outcome per rule code (like ruff's per-rule fixtures)."""
+"""One fixture and one expected outcome per rule code (like ruff's per-rule fixtures). A rule of
+`env --diff` (ENV3xx) has a pair of fixtures, NAME.a.json and NAME.b.json, one per machine."""
 
 from __future__ import annotations
 
 import pytest
 
 from fpdoctor import catalog
+from fpdoctor.env.diff import diff_env
 from fpdoctor.env.doctor import diagnose_env
 from fpdoctor.env.parse import load
 from tests.conftest import ENV_FIXTURES
@@ -21,10 +23,18 @@ def _fixture(rule: catalog.Rule):
     return inputs, expected
 
 
+def _pair(rule: catalog.Rule) -> bool:
+    return rule.code.startswith("ENV3")
+
+
 @pytest.mark.parametrize("rule", ENV_RULES, ids=lambda r: r.code)
 def test_every_rule_has_a_fixture_and_an_expectation(rule):
     inputs, expected = _fixture(rule)
-    assert len(inputs) == 1, f"{rule.code} needs exactly one fixture named {rule.code}-{rule.name}.<json|txt|log>"
+    if _pair(rule):
+        names = sorted(p.name for p in inputs)
+        assert names == [f"{rule.code}-{rule.name}.a.json", f"{rule.code}-{rule.name}.b.json"], names
+    else:
+        assert len(inputs) == 1, f"{rule.code} needs exactly one fixture named {rule.code}-{rule.name}.<json|txt|log>"
     assert expected.exists(), f"{rule.code} needs {expected.name}"
     names = [n for n, _ in strict_json(expected.read_text())["findings"]]
     assert rule.name in names, f"{expected.name} must expect {rule.name}"
@@ -33,7 +43,11 @@ def test_every_rule_has_a_fixture_and_an_expectation(rule):
 @pytest.mark.parametrize("rule", ENV_RULES, ids=lambda r: r.code)
 def test_rule_fixture_gives_exactly_the_expected_findings(rule):
     inputs, expected = _fixture(rule)
-    report = diagnose_env(facts=load(str(inputs[0])))
+    if _pair(rule):
+        a, b = sorted(inputs)
+        report = diff_env(str(a), str(b))
+    else:
+        report = diagnose_env(facts=load(str(inputs[0])))
     got = sorted([f.name, f.severity.value] for f in report.findings)
     assert got == strict_json(expected.read_text())["findings"]
     for f in report.findings:

@@ -463,3 +463,52 @@ def test_against_report_in_every_format(tmp_path):
     assert "| module | A propagated | B propagated |" in markdown and "`machine-departure`" in markdown
     page = render(report.to_dict(), "html")
     assert "machine-departure" in page and "B propagated" in page and "<script src=" not in page
+
+
+def test_environment_differences_stand_beside_the_first_departing_module():
+    """Two records whose machine facts differ in one fact: the departure names that fact, from
+    `fpdoctor env --diff`'s table, in its message and evidence, and the report's data holds it."""
+    base = [1.0, 2.0, 3.0]
+    norm = l2_norm(torch.tensor(base, dtype=torch.float64))
+    far = [1.0, 2.0, 3.0 + 4 * DIVERGENCE_RATIO * 1e-3 * norm]
+    a = _record([_call("a", base, base), _call("b", base, base), _call("c", base, base)], gpu="A")
+    b = _record([_call("a", base, base), _call("b", base, far, isolated=0.1), _call("c", base, far)], gpu="A")
+    a.machine.update({"tf32_matmul": False, "env:NVIDIA_TF32_OVERRIDE": None})
+    b.machine.update({"tf32_matmul": False, "env:NVIDIA_TF32_OVERRIDE": "0"})
+    j = against.judge(a, b)
+    assert [d["key"] for d in j.env_differences] == ["env.NVIDIA_TF32_OVERRIDE"]
+    assert j.env_differences[0]["a"] == "unset" and j.env_differences[0]["b"] == "0"
+    assert j.env_differences[0]["severity"] == "error"
+    [finding] = against_report.findings(j)
+    assert finding.name == "machine-departure" and finding.where["module"] == "b"
+    assert "NVIDIA_TF32_OVERRIDE unset / 0 (error)" in finding.message
+    assert [d["key"] for d in finding.evidence["env_differences"]] == ["env.NVIDIA_TF32_OVERRIDE"]
+    assert "export NVIDIA_TF32_OVERRIDE" not in finding.fix and "unset NVIDIA_TF32_OVERRIDE" in finding.fix
+    data = against_report.as_data(j, "a.json")
+    assert [d["key"] for d in data["environment"]["differences"]] == ["env.NVIDIA_TF32_OVERRIDE"]
+    # a flag differs instead: that one, with the line that sets it
+    b.machine.update({"tf32_matmul": True, "env:NVIDIA_TF32_OVERRIDE": None})
+    j = against.judge(a, b)
+    assert [d["key"] for d in j.env_differences] == ["flag.matmul_tf32"]
+    assert "TF32 matmul (torch.backends.cuda.matmul.allow_tf32) false / true (error)" in (
+        against_report.findings(j)[0].message
+    )
+    # records made before the variables were recorded: unknown, never a difference
+    for record in (a, b):
+        del record.machine["env:NVIDIA_TF32_OVERRIDE"]
+    b.machine.update({"tf32_matmul": False})
+    assert against.judge(a, b).env_differences == []
+
+
+def test_a_record_keeps_the_variables_that_change_math(tmp_path, monkeypatch):
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
+    monkeypatch.setenv("CUBLASLT_HEURISTICS_CACHE_CAPACITY", "0")
+    monkeypatch.setenv("CUBLASLT_LOG_LEVEL", "5")
+    monkeypatch.delenv("NCCL_ALGO", raising=False)
+    path = str(tmp_path / "a.json.gz")
+    torch.manual_seed(1)
+    fpdoctor.compare(mlp(), torch.randn(4, 64), candidate="fp16", save_reference=path)
+    recorded = CompareRecord.load(path).machine
+    assert recorded["env:NVIDIA_TF32_OVERRIDE"] == "0" and recorded["env:NCCL_ALGO"] is None
+    assert recorded["env:CUBLASLT_HEURISTICS_CACHE_CAPACITY"] == "0"
+    assert "env:CUBLASLT_LOG_LEVEL" not in recorded  # logging changes no number

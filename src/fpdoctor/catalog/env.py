@@ -1,4 +1,5 @@
-"""Environment-doctor finding codes (ENV0xx: the build; ENV1xx: CUDA libraries; ENV2xx: probes)."""
+"""Environment-doctor finding codes (ENV0xx: the build; ENV1xx: CUDA libraries; ENV2xx: probes;
+ENV3xx: what differs between two machines, `env --diff`)."""
 
 from __future__ import annotations
 
@@ -191,5 +192,75 @@ ENV_RULES: tuple[Rule, ...] = (
         what="A probe child that is still running after its timeout is killed and reported.",
         why="A hang in a basic GEMM points at the driver, a wedged GPU or a library deadlock.",
         fix="nvidia-smi (a wedged GPU), then sudo dmesg | grep -i xid (Xid errors in the kernel log).",
+    ),
+    Rule(
+        code="ENV301",
+        name="verdict-on-one-side",
+        severity=E,
+        title="A verdict of the environment rules fires on one machine only",
+        what="Runs the environment rules on both inputs of `fpdoctor env --diff A B` and reports each verdict "
+        "that fires on one side only (cublas-h20-sigfpe on B only, say), with that verdict's severity.",
+        why="It worked on A and fails on B: a verdict on B alone is the first suspect.",
+        fix="The finding gives the fix of the verdict it carries.",
+    ),
+    Rule(
+        code="ENV302",
+        name="hardware-differs",
+        severity=W,
+        title="The two machines have different GPUs or drivers",
+        what="Compares GPU models, compute capabilities and NVIDIA drivers of two inputs of `fpdoctor env --diff`, "
+        "from fpdoctor's table of environment differences (each fact with what it does to numbers and its source).",
+        why="cuBLAS and cuDNN choose kernels per GPU, so results differ at rounding level; a GPU the build has "
+        "no kernels for runs PTX compiled by the driver, or fails.",
+        fix="Compare results across GPUs with a tolerance; `fpdoctor compare MODEL --against RECORD` names the "
+        "first module that departs.",
+        references=("https://docs.nvidia.com/cuda/cublas/#results-reproducibility",),
+    ),
+    Rule(
+        code="ENV303",
+        name="build-differs",
+        severity=W,
+        title="The two machines run different torch builds",
+        what="Compares the torch version, the CUDA or ROCm it was built with, its arch list and the CUDA toolkit "
+        "on PATH between the two inputs of `fpdoctor env --diff`.",
+        why="Kernels, decompositions and default flags change between releases and builds.",
+        fix="Install the same torch build on both machines to tell the software from the machine apart.",
+    ),
+    Rule(
+        code="ENV304",
+        name="library-differs",
+        severity=W,
+        title="The two machines install or load different CUDA libraries",
+        what="Compares the installed and the loaded versions of cuBLAS, cuBLASLt, cuDNN, NCCL and cudart, and the "
+        "versions of their reachable copies, between the two inputs of `fpdoctor env --diff`.",
+        why="Another library version runs other kernels (another summation order) and has its own bugs "
+        "(SIGFPE on H20 in cuBLAS before 12.4.5.8).",
+        fix="Install the same nvidia-* wheels on both machines; `fpdoctor env` on each shows which copy loads.",
+    ),
+    Rule(
+        code="ENV305",
+        name="math-flag-differs",
+        severity=E,
+        title="A PyTorch math flag differs between the two machines",
+        what="Compares TF32 for matmul and cuDNN and their fp32_precision settings, the float32 matmul "
+        "precision, fp16/bf16 reduced-precision reductions, fp16 accumulation, deterministic algorithms and "
+        "fill_uninitialized_memory, cuDNN deterministic and benchmark, TunableOp and the preferred BLAS library.",
+        why="TF32 and reduced-precision reductions change results beyond rounding (TF32: relative errors near "
+        "1e-3 instead of 1e-7); deterministic algorithms make some ops raise. The severity of each says why.",
+        fix="The finding gives the line of Python that sets the flag as on the other machine.",
+        references=("https://pytorch.org/docs/stable/notes/cuda.html",),
+    ),
+    Rule(
+        code="ENV306",
+        name="math-variable-differs",
+        severity=E,
+        title="An environment variable that changes math or kernels differs between the two machines",
+        what="Compares NVIDIA_TF32_OVERRIDE, TORCH_ALLOW_TF32_CUBLAS_OVERRIDE, CUBLAS_WORKSPACE_CONFIG, "
+        "CUBLAS_EMULATION_STRATEGY, CUBLASLT_* (not its logging), TORCH_BLAS_PREFER_CUBLASLT, "
+        "PYTORCH_TUNABLEOP_ENABLED, NCCL_ALGO, NCCL_PROTO and NCCL_NVLS_ENABLE. A variable is compared only where "
+        "the input was collected on the machine (a pasted report does not show them).",
+        why="NVIDIA_TF32_OVERRIDE and TORCH_ALLOW_TF32_CUBLAS_OVERRIDE switch TF32 whatever the code says; the "
+        "others change which kernels or reduction orders run.",
+        fix="The finding gives the export (or unset) that makes the variable as on the other machine.",
     ),
 )

@@ -113,6 +113,10 @@ class Judgement:
     weights_only_a: list[str]
     weights_only_b: list[str]
     facts_differ: list[str]
+    # what `fpdoctor env --diff` finds between the two recorded machines: the differences of its
+    # table, then the environment verdicts that fire on one side only
+    env_differences: list[dict[str, Any]] = field(default_factory=list)
+    env_verdicts: list[dict[str, Any]] = field(default_factory=list)
 
 
 def judge(a: CompareRecord, b: CompareRecord) -> Judgement:
@@ -138,7 +142,59 @@ def judge(a: CompareRecord, b: CompareRecord) -> Judgement:
         sorted(a.weights.keys() - b.weights.keys()),
         sorted(b.weights.keys() - a.weights.keys()),
         machine.differing(a.machine, b.machine),
+        *environment(a.machine, b.machine),
     )
+
+
+# A record's machine key -> its place in the environment facts (`fpdoctor env --save-facts`).
+_FLAGS = {
+    "tf32_matmul": "matmul_allow_tf32",
+    "tf32_cudnn": "cudnn_allow_tf32",
+    "float32_matmul_precision": "float32_matmul_precision",
+    "fp16_reduction": "fp16_reduced_precision_reduction",
+    "bf16_reduction": "bf16_reduced_precision_reduction",
+    "deterministic": "deterministic_algorithms",
+}
+ENV_PREFIX = "env:"  # a recorded environment variable (recording.py); None: known to be unset
+
+
+def env_facts(recorded: dict[str, Any]) -> dict[str, Any]:
+    """A record's machine facts as environment facts, for the table of `fpdoctor env --diff`."""
+    from fpdoctor.env.facts import SCHEMA
+
+    variables = {k[len(ENV_PREFIX) :]: v for k, v in recorded.items() if k.startswith(ENV_PREFIX)}
+    cublas = recorded.get("cublas")
+    return {
+        "schema": SCHEMA,
+        # the variables a record names are every one of the table's, set or not: absent means unset
+        "origin": {"kind": "record", "env_complete": bool(variables)},
+        "torch": {
+            "import": "ok",
+            **{k: recorded.get(k) for k in ("cuda", "hip", "cudnn")},
+            "version": recorded.get("torch"),
+            "precision": {name: recorded[key] for key, name in _FLAGS.items() if recorded.get(key) is not None},
+        },
+        "gpus": [{"name": recorded["gpu"], "compute_capability": recorded.get("capability")}]
+        if recorded.get("gpu")
+        else [],
+        "driver": {"version": recorded["driver"]} if recorded.get("driver") else None,
+        "libraries": {
+            "wheels": [],
+            "copies": [],
+            "loaded": [{"library": "cublas", "path": "(the recorded process)", "version": cublas}] if cublas else None,
+            "loaded_known": ["cublas", "cudnn"],  # the only libraries a record reads from the process
+        },
+        "env": {k: str(v) for k, v in variables.items() if v is not None},
+    }
+
+
+def environment(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The environment differences between two records' machines (the table of `env --diff`),
+    and the environment verdicts that fire on one side only."""
+    from fpdoctor.env.diff import diff_env
+
+    data = diff_env(env_facts(a), env_facts(b)).data
+    return data["differences"], data["verdicts"]
 
 
 def _judge_set(one: SetJudgement, a_calls: tuple[CallRecord, ...], b_calls: tuple[CallRecord, ...],

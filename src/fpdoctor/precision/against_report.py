@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from fpdoctor import catalog
+from fpdoctor.precision import against as judging
 from fpdoctor.precision import machine
 from fpdoctor.precision.against import FP64_AGREE, Judgement, Row, SetJudgement
 from fpdoctor.precision.candidates import compute_dtype
@@ -111,6 +112,9 @@ def _departures(j: Judgement) -> list[Finding]:
             "machine_a": machine.name(j.a.machine),
             "machine_b": machine.name(j.b.machine),
             "facts_differ": j.facts_differ,
+            # beside the module: what `fpdoctor env --diff` finds between the two machines
+            "env_differences": [_env_evidence(d) for d in j.env_differences],
+            "env_verdicts": j.env_verdicts or None,
             "input_set": s.index if len(j.sets) > 1 else None,
         }
         found.append(
@@ -159,7 +163,12 @@ def _departure_fix(j: Judgement, module: str, row: Row) -> str:
             lines.append(machine.FLAG_FIXES[key])
     if lines:
         fixes.append("set the precision flags as on machine A: " + "; ".join(lines))
-    other = [k for k in j.facts_differ if k not in machine.FLAG_FIXES and k != "platform"]
+    other = [k for k in j.facts_differ if k not in machine.FLAG_FIXES and k != "platform"
+             and not k.startswith(judging.ENV_PREFIX)]  # fmt: skip
+    variables = [d for d in j.env_differences if d["key"].startswith("env.")]
+    if variables:
+        lines = [f"unset {d['label']}" if d["a"] == "unset" else f"export {d['label']}={d['a']}" for d in variables]
+        fixes.append("set the environment variables as on machine A: " + "; ".join(lines))
     if other:
         listed = ", ".join(f"{machine.LABELS.get(k, k)} {machine.show(a.get(k))} / {machine.show(b.get(k))}"
                            for k in other[:4])  # fmt: skip
@@ -169,16 +178,53 @@ def _departure_fix(j: Judgement, module: str, row: Row) -> str:
     return "; ".join(fixes)
 
 
+# Record keys the environment table (`fpdoctor env --diff`) judges; the other recorded facts
+# (SM count, CPU, threads, Python, the fp8 kernel) are listed as they are.
+_IN_TABLE = {
+    "gpu", "capability", "driver", "torch", "cuda", "hip", "cudnn", "cublas", "tf32_matmul", "tf32_cudnn",
+    "float32_matmul_precision", "fp16_reduction", "bf16_reduction", "deterministic",
+}  # fmt: skip
+ENV_SHOWN = 6  # environment differences a message lists (the evidence keeps them all)
+
+
+def _env_evidence(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: d[k] for k in ("key", "label", "a", "b", "severity", "effect", "source")}
+
+
+def _other_facts(j: Judgement) -> list[str]:
+    return [k for k in j.facts_differ if k not in _IN_TABLE and not k.startswith(judging.ENV_PREFIX)]
+
+
 def _facts_sentence(j: Judgement) -> str:
-    shown = [k for k in j.facts_differ if k not in ("gpu", "capability", "platform")][:5]
-    if not shown:
+    parts = []
+    if j.env_verdicts:
+        parts.append(
+            " On one machine only, the environment rules find: "
+            + "; ".join(f"{v['verdict']} ({v['verdict_severity']}) on {v['side']}" for v in j.env_verdicts)
+            + "."
+        )
+    if j.env_differences:
+        listed = "; ".join(
+            f"{d['label']} {machine.show(d['a'])} / {machine.show(d['b'])} ({d['severity']})"
+            for d in j.env_differences[:ENV_SHOWN]
+        )
+        more = len(j.env_differences) - ENV_SHOWN
+        parts.append(
+            f" Environment differences that can change a result (A / B): {listed}"
+            + (f"; and {more} more (evidence.env_differences)" if more > 0 else "")
+            + "."
+        )
+    shown = [k for k in _other_facts(j) if k != "platform"][:5]
+    if shown:
+        listed = "; ".join(
+            f"{machine.LABELS.get(k, k)} {machine.show(j.a.machine.get(k))} / {machine.show(j.b.machine.get(k))}"
+            for k in shown
+        )
+        parts.append(f" Other recorded facts that differ (A / B): {listed}.")
+    if not parts:
         same = "apart from the device" if j.facts_differ else "all of them"
         return f" The two machines' recorded facts are the same ({same})."
-    listed = "; ".join(
-        f"{machine.LABELS.get(k, k)} {machine.show(j.a.machine.get(k))} / {machine.show(j.b.machine.get(k))}"
-        for k in shown
-    )
-    return f" What differs (A / B): {listed}."
+    return "".join(parts)
 
 
 def _inputs_differ(j: Judgement) -> Finding | None:
@@ -426,6 +472,7 @@ def as_data(j: Judgement, source: str) -> dict[str, Any]:
             "calls": j.a.calls, "settings": vars(j.a.settings),
         },
         "machines": {"a": j.a.machine, "b": j.b.machine, "differ": j.facts_differ},
+        "environment": {"differences": j.env_differences, "verdicts": j.env_verdicts},
         "fp64_agree": FP64_AGREE,
         "divergence_ratio": DIVERGENCE_RATIO,
         "weights_differ": j.weights_differ,

@@ -237,12 +237,20 @@ class Link:
             sets.append(SetRecord(d, noise_digest(r.noise), calls))
         return CompareRecord(
             settings=settings,
-            machine=machine.facts(on, result.report.data),
+            machine=machine.facts(on, result.report.data) | _variables(),
             weights=weight_digests(target, settings.module),
             sets=tuple(sets),
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             skipped=skipped,
         )
+
+
+def _variables() -> dict[str, machine.Fact]:
+    """The environment variables that change math or kernels (`fpdoctor env --diff`'s table), so
+    that `--against` can say which differ between the two machines."""
+    from fpdoctor.env.differences import recorded_variables
+
+    return {judging.ENV_PREFIX + k: v for k, v in recorded_variables(dict(os.environ)).items()}
 
 
 def _size(n: int) -> str:

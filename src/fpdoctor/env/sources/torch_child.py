@@ -91,20 +91,7 @@ def collect(force_load: bool) -> None:
         _try(facts, "arch_list", lambda: list(torch.cuda.get_arch_list()))
         _try(facts, "cudnn", torch.backends.cudnn.version)
         _try(facts, "nccl", lambda: ".".join(map(str, torch.cuda.nccl.version())) if torch.version.cuda else None)
-        _try(
-            facts,
-            "precision",
-            lambda: {
-                "float32_matmul_precision": torch.get_float32_matmul_precision(),
-                "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-                "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
-                "fp16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
-                "bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
-                "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-                "cudnn_deterministic": torch.backends.cudnn.deterministic,
-                "cudnn_benchmark": torch.backends.cudnn.benchmark,
-            },
-        )
+        _try(facts, "precision", _precision)
         _try(facts, "numpy", _numpy_interop)
         facts["warnings"] = [str(w.message) for w in caught]
         emit(facts)
@@ -152,6 +139,52 @@ def collect(force_load: bool) -> None:
         facts["mapped"] = mapped_libraries()
         facts["warnings"] = [str(w.message) for w in caught]
         emit(facts)
+
+
+# The math flags a fresh process on this machine starts with: torch's defaults as the environment
+# variables (TORCH_ALLOW_TF32_CUBLAS_OVERRIDE, PYTORCH_TUNABLEOP_ENABLED, ...) leave them. Each is
+# read on its own, so one that this torch does not have leaves the others. None of them starts CUDA.
+_FLAGS: dict[str, Any] = {
+    "float32_matmul_precision": lambda t: t.get_float32_matmul_precision(),
+    "matmul_allow_tf32": lambda t: t.backends.cuda.matmul.allow_tf32,
+    "cudnn_allow_tf32": lambda t: t.backends.cudnn.allow_tf32,
+    "fp32_precision": lambda t: t.backends.fp32_precision,
+    "matmul_fp32_precision": lambda t: t.backends.cuda.matmul.fp32_precision,
+    "cudnn_fp32_precision": lambda t: t.backends.cudnn.fp32_precision,
+    "cudnn_conv_fp32_precision": lambda t: t.backends.cudnn.conv.fp32_precision,
+    "cudnn_rnn_fp32_precision": lambda t: t.backends.cudnn.rnn.fp32_precision,
+    "fp16_reduced_precision_reduction": lambda t: t.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+    "bf16_reduced_precision_reduction": lambda t: t.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+    "fp16_accumulation": lambda t: t.backends.cuda.matmul.allow_fp16_accumulation,
+    "deterministic_algorithms": lambda t: t.are_deterministic_algorithms_enabled(),
+    "deterministic_warn_only": lambda t: t.is_deterministic_algorithms_warn_only_enabled(),
+    "fill_uninitialized_memory": lambda t: _deterministic(t).fill_uninitialized_memory,
+    "cudnn_deterministic": lambda t: t.backends.cudnn.deterministic,
+    "cudnn_benchmark": lambda t: t.backends.cudnn.benchmark,
+    "preferred_blas_library": lambda t: str(t.backends.cuda.preferred_blas_library()),
+    # CPU builds have no TunableOp; torch.cuda.tunable reads its settings without starting CUDA
+    "tunableop": lambda t: t.cuda.tunable.is_enabled() if t.version.cuda or getattr(t.version, "hip", None) else None,
+}
+
+
+def _deterministic(torch: Any) -> Any:
+    import torch.utils.deterministic
+
+    return torch.utils.deterministic
+
+
+def _precision() -> dict[str, Any]:
+    import torch
+
+    flags: dict[str, Any] = {}
+    for key, read in _FLAGS.items():
+        try:
+            value = read(torch)
+        except Exception:  # an older torch without that flag: unknown, not a failure
+            continue
+        if value is not None:
+            flags[key] = value if isinstance(value, (bool, int, float, str)) else str(value)
+    return flags
 
 
 def _numpy_interop() -> dict[str, Any]:
