@@ -35,6 +35,19 @@ class Provenance:
         self._table: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
         self._sweep_at = _MIN_SWEEP
 
+    @property
+    def table(self) -> dict[int, tuple[weakref.ref[torch.Tensor], Any]]:
+        """The dict itself: id(tensor) -> (weak reference, value). The trace looks up and sets
+        entries for every input and output of every op, where `own` and `set` would cost a call
+        each. An entry counts only while its reference points at the tensor asked about; whoever
+        adds entries calls `sweep` once the table reaches `sweep_at`."""
+        return self._table
+
+    @property
+    def sweep_at(self) -> int:
+        """The table's size at which dead entries are swept next."""
+        return self._sweep_at
+
     def set(self, t: torch.Tensor, value: Any) -> None:
         # weakref.ref without a callback is shared by every caller: no new object per set.
         self._table[id(t)] = (weakref.ref(t), value)
