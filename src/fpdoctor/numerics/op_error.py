@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics.trace import Tracer, user_location
+from fpdoctor.numerics.trace import Tracer
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding
+from fpdoctor.userframes import user_location
 
 _OUTSIDE = "a tensor from outside the traced ops"
 _MAX_DEPTH = 64  # how far back an operand's dtype is followed through the ops that made it

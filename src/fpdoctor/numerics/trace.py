@@ -20,11 +20,9 @@ one host sync per `sync_every` ops, when the tensor may be gone: there the reduc
 from __future__ import annotations
 
 import math
-import os
 import sys
 import weakref
 from collections import Counter
-from types import FrameType
 from typing import Any
 
 import torch
@@ -52,8 +50,9 @@ from fpdoctor.numerics.values import (
 )
 from fpdoctor.provenance import Provenance
 from fpdoctor.pytrees import tensors_in
+from fpdoctor.userframes import user_location
 
-__all__ = ["Leaf", "NonFiniteError", "Output", "Record", "Tracer", "kind_of", "user_location"]
+__all__ = ["Leaf", "NonFiniteError", "Output", "Record", "Tracer", "kind_of"]
 
 SYNC_EVERY = 256  # deferred mode: pending results read per host sync, unless the tracer says otherwise
 COMPACT_EVERY = 4096  # records made between two passes that forget what nothing refers to
@@ -76,13 +75,6 @@ GROWS = frozenset({
 })  # fmt: skip
 
 
-# fpdoctor's own frames are not the user's, except the casebook's models, which stand in for them.
-_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_CASEBOOK_DIR = os.path.join(_OWN_DIR, "casebook") + os.sep
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
-_SITE = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
-_USER_FILES: dict[str, bool] = {}
 _OP_INFO: dict[int, OpInfo] = {}  # per aten overload, shared by every trace (a replay traces a few steps)
 # looked up once: the hot path runs for every op
 Tensor = torch.Tensor
@@ -103,31 +95,6 @@ def _near_limit(output: Output, dtype: torch.dtype) -> bool:
     """A finite output whose exact range reaches `overflow-risk`'s share of its format's max."""
     lo, hi = output.lo, output.hi
     return output.kind is None and lo is not None and hi is not None and max(hi, -lo) >= _NEAR.get(dtype, math.inf)
-
-
-def _is_user_file(filename: str) -> bool:
-    if filename.startswith(_OWN_DIR):
-        return filename.startswith(_CASEBOOK_DIR)
-    if filename.startswith(_TORCH_DIR) or filename.startswith("<frozen"):
-        return False
-    # the standard library, but not packages installed beside it (no virtual environment)
-    return not filename.startswith(_STDLIB_DIR) or any(s in filename for s in _SITE)
-
-
-def user_location(frame: FrameType | None) -> tuple[str, int, str] | None:
-    """The innermost frame outside torch, fpdoctor and the standard library: the user's line."""
-    while frame is not None:
-        code = frame.f_code
-        # by file name: code objects compare equal across files when their bodies do
-        user = _USER_FILES.get(code.co_filename)
-        if user is None:
-            if len(_USER_FILES) > 50_000:  # files made up at run time must not grow it forever
-                _USER_FILES.clear()
-            user = _USER_FILES[code.co_filename] = _is_user_file(code.co_filename)
-        if user:
-            return code.co_filename, frame.f_lineno, code.co_name
-        frame = frame.f_back
-    return None
 
 
 class Tracer(TorchDispatchMode):
