@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fpdoctor.numerics.modules import ModuleTracker
-from fpdoctor.numerics.trace import Tracer
+from fpdoctor.numerics.tracer import Tracer
 
 Scenario = tuple[nn.Module | None, Callable[[], object]]
 

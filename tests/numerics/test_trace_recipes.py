@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import fpdoctor
-from fpdoctor.numerics import trace as trace_mod
+from fpdoctor.numerics import tracer as tracer_mod
 from fpdoctor.userframes import user_location
 
 
@@ -214,7 +214,7 @@ def test_sync_every_is_per_trace():
     with fpdoctor.Trace(sync_every=7, immediate=False) as t:
         torch.ones(3) * 2
     assert t.tracer.sync_every == 7
-    assert trace_mod.SYNC_EVERY == 256
+    assert tracer_mod.SYNC_EVERY == 256
     with pytest.raises(ValueError, match="sync_every"):
         fpdoctor.Trace(sync_every=0)
 

@@ -55,16 +55,16 @@ class Trace:
         self.records: Any = []  # the tracer's records (a Store) once the block exits
 
     def __enter__(self) -> Trace:
-        from fpdoctor.numerics import trace as trace_mod
         from fpdoctor.numerics.headroom import Headroom
         from fpdoctor.numerics.modules import ModuleTracker
+        from fpdoctor.numerics.tracer import Tracer
 
         roots = [self.model] if self.model is not None else None
         self._headroom = Headroom(self.targets) if self.headroom_enabled else None
         self.tracker = ModuleTracker(roots, on_output=self._module_output)
         # exact ranges of fp32 ops that grow values, for headroom's per-op fp16 what-ifs
         ranges = self.headroom_enabled and "fp16" in self.targets if self.ranges is None else self.ranges
-        self.tracer = trace_mod.Tracer(
+        self.tracer = Tracer(
             self.tracker,
             immediate=self.immediate,
             raise_on=self.raise_on,
@@ -123,7 +123,7 @@ class Trace:
         """Called for every non-finite record: classify this one alone (cheap: most are values
         passed on), and build the whole analysis only to word the error we raise."""
         from fpdoctor.numerics.blame import Analysis
-        from fpdoctor.numerics.trace import NonFiniteError
+        from fpdoctor.numerics.tracer import NonFiniteError
 
         kinds = [tracer.kind_of(src) for src in record.inputs]
         if not record.inputs:

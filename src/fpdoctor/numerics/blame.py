@@ -26,7 +26,7 @@ from typing import Any
 from fpdoctor import catalog
 from fpdoctor.numerics.bounds import impossible
 from fpdoctor.numerics.recipes import range_cause
-from fpdoctor.numerics.trace import Leaf, Record, Tracer
+from fpdoctor.numerics.tracer import Leaf, Record, Tracer
 from fpdoctor.report.model import Finding
 
 Origin = tuple[str, int]  # ("op", record index) or ("leaf", leaf index)

@@ -24,7 +24,7 @@ from fpdoctor import catalog
 from fpdoctor.numerics.blame import module_text, where_text
 from fpdoctor.numerics.limits import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE, UNDERFLOW_SHARE
 from fpdoctor.numerics.ops import VALUE_PRESERVING
-from fpdoctor.numerics.trace import GROWS, Record, Tracer
+from fpdoctor.numerics.tracer import GROWS, Record, Tracer
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding
 

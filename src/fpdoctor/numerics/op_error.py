@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics.trace import Tracer
+from fpdoctor.numerics.tracer import Tracer
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding
 from fpdoctor.userframes import user_location

@@ -1,4 +1,4 @@
-"""`fpdoctor.trace()`: which op *produced* the NaN/Inf that reaches what the user sees.
+"""The tracer behind `fpdoctor.trace()`: which op *produced* the NaN/Inf that reaches what the user sees.
 
 A TorchDispatchMode sees every aten op, in forward, backward (the mode travels with autograd's
 thread-local state) and the optimizer step. Each floating output gets one reduction, and so does
