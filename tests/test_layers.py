@@ -16,13 +16,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 ROOT = SRC / "fpdoctor"
 
-# Private names still taken across packages, each to be replaced by a public seam; the code that
-# takes them is being reworked elsewhere, and an entry goes when its use does. (importer, name)
-ALLOWED = {
-    ("fpdoctor.precision.opranges", "fpdoctor.numerics.trace._CASEBOOK_DIR"),
-    ("fpdoctor.precision.opranges", "fpdoctor.numerics.trace._OWN_DIR"),
-    ("fpdoctor.precision.opranges", "fpdoctor.numerics.trace._is_user_file"),
-}
+# Private names still taken across packages, each to be replaced by a public seam: none left.
+ALLOWED: set[tuple[str, str]] = set()
 
 
 def _module(path: Path) -> str:

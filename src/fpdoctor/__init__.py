@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from fpdoctor.integrations.script import ScriptWatch, watch
     from fpdoctor.numerics.api import Trace, trace
     from fpdoctor.numerics.sentinel import Sentinel
-    from fpdoctor.numerics.trace import NonFiniteError
+    from fpdoctor.numerics.tracer import NonFiniteError
     from fpdoctor.precision.audit import audit
     from fpdoctor.precision.boundary import keep_in_fp32
     from fpdoctor.precision.compare import compare
@@ -33,7 +33,7 @@ _LAZY = {
     "Finding": "fpdoctor.report.model",
     "Report": "fpdoctor.report.model",
     "Severity": "fpdoctor.report.model",
-    "NonFiniteError": "fpdoctor.numerics.trace",
+    "NonFiniteError": "fpdoctor.numerics.tracer",
     "Sentinel": "fpdoctor.numerics.sentinel",
     "ScriptWatch": "fpdoctor.integrations.script",
     "Trace": "fpdoctor.numerics.api",

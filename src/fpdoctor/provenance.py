@@ -29,16 +29,24 @@ _MIN_SWEEP = 1024
 class Provenance:
     """tensor -> whatever the owner records about it; views fall back to their base."""
 
-    __slots__ = ("_sweep_at", "_table")
+    __slots__ = ("_table", "sweep_at")
 
     def __init__(self) -> None:
         self._table: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
-        self._sweep_at = _MIN_SWEEP
+        self.sweep_at = _MIN_SWEEP  # the table's size at which dead entries are swept next
+
+    @property
+    def table(self) -> dict[int, tuple[weakref.ref[torch.Tensor], Any]]:
+        """The dict itself: id(tensor) -> (weak reference, value). The trace looks up and sets
+        entries for every input and output of every op, where `own` and `set` would cost a call
+        each. An entry counts only while its reference points at the tensor asked about; whoever
+        adds entries calls `sweep` once the table reaches `sweep_at`."""
+        return self._table
 
     def set(self, t: torch.Tensor, value: Any) -> None:
         # weakref.ref without a callback is shared by every caller: no new object per set.
         self._table[id(t)] = (weakref.ref(t), value)
-        if len(self._table) >= self._sweep_at:
+        if len(self._table) >= self.sweep_at:
             self.sweep()
 
     def own(self, t: torch.Tensor) -> Any:
@@ -71,7 +79,7 @@ class Provenance:
         table = self._table
         for key in [key for key, entry in table.items() if entry[0]() is None]:
             del table[key]
-        self._sweep_at = max(_MIN_SWEEP, 2 * len(table))
+        self.sweep_at = max(_MIN_SWEEP, 2 * len(table))
 
     def items(self) -> Iterator[tuple[torch.Tensor, Any]]:
         """(tensor, value) for every tensor still alive."""

@@ -78,14 +78,14 @@ def test_a_trace_that_fails_to_start_leaves_no_global_hook(monkeypatch):
     from torch.nn.modules import module as module_mod
     from torch.optim.optimizer import _global_optimizer_pre_hooks
 
-    from fpdoctor.numerics import trace as trace_mod
+    from fpdoctor.numerics import tracer as tracer_mod
 
     before = (len(module_mod._global_forward_pre_hooks), len(_global_optimizer_pre_hooks))
 
     def broken(self):
         raise RuntimeError("cannot enter")
 
-    monkeypatch.setattr(trace_mod.Tracer, "__enter__", broken)
+    monkeypatch.setattr(tracer_mod.Tracer, "__enter__", broken)
     with pytest.raises(RuntimeError, match="cannot enter"), fpdoctor.trace(_mlp()):
         pass
     assert (len(module_mod._global_forward_pre_hooks), len(_global_optimizer_pre_hooks)) == before

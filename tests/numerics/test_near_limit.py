@@ -77,8 +77,7 @@ def test_fp16_scores_at_62_percent_are_named_at_their_matmul(immediate):
 
 def test_fp32_scores_at_62_percent_are_an_fp16_what_if_with_exact_ranges():
     block, x = block_at(0.62, torch.float32)
-    with Trace(block, headroom=True) as t:
-        t._tracer.ranges = True  # exact fp32 ranges on CPU: what headroom with an fp16 target asks for
+    with Trace(block, headroom=True, ranges=True) as t:  # exact fp32 ranges on CPU
         block(x)
     (risk,) = risks(t.report)
     assert (risk.where["module"], risk.where["op"], risk.where["line"]) == ("attn", "aten.bmm.default", SCORES_LINE)
@@ -86,6 +85,14 @@ def test_fp32_scores_at_62_percent_are_an_fp16_what_if_with_exact_ranges():
     assert risk.evidence["dtype"] == "torch.float32" and 0.61 < risk.evidence["share"] < 0.63
     assert abs(risk.evidence["absmax"] - 0.62 * FP16_MAX) < 0.01 * FP16_MAX
     assert "in fp32" in risk.message and "in fp16, values 1.6x larger would overflow" in risk.message
+
+
+def test_without_exact_ranges_fp32_ops_are_not_judged_against_fp16():
+    block, x = block_at(0.62, torch.float32)
+    with Trace(block, headroom=True, ranges=False) as t:  # an fp32 sum per op, as with no fp16 target
+        block(x)
+    assert not t.tracer.ranges
+    assert not [r for r in risks(t.report) if r.where.get("op") == "aten.bmm.default"]
 
 
 def test_the_public_trace_asks_for_exact_ranges_itself_and_judges_fp16_ops_without_headroom():

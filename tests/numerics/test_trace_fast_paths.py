@@ -90,7 +90,7 @@ def test_in_place_op_on_a_tensor_made_outside_is_probed_before_it_writes():
         buf.sum()
     (record,) = _records(tr, "aten.add_.Tensor")
     assert record.kind == "nan"
-    assert [tr._tracer.kind_of(s) for s in record.inputs] == ["nan"]
+    assert [tr.tracer.kind_of(s) for s in record.inputs] == ["nan"]
     assert not _produced(tr.report)
 
 
@@ -120,4 +120,4 @@ def test_a_number_returned_by_an_op_is_not_a_record():
         v = (x * 2.0).sum().item()
     assert v == 10.0
     assert not _records(tr, "aten._local_scalar_dense.default")
-    assert tr._tracer.ops_seen >= 3
+    assert tr.tracer.ops_seen >= 3

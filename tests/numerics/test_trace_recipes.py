@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 import fpdoctor
-from fpdoctor.numerics import trace as trace_mod
+from fpdoctor.numerics import tracer as tracer_mod
+from fpdoctor.userframes import user_location
 
 
 def named(report, name):
@@ -212,8 +213,8 @@ def test_nested_traces_see_each_others_ops_as_ops():
 def test_sync_every_is_per_trace():
     with fpdoctor.Trace(sync_every=7, immediate=False) as t:
         torch.ones(3) * 2
-    assert t._tracer.sync_every == 7
-    assert trace_mod.SYNC_EVERY == 256
+    assert t.tracer.sync_every == 7
+    assert tracer_mod.SYNC_EVERY == 256
     with pytest.raises(ValueError, match="sync_every"):
         fpdoctor.Trace(sync_every=0)
 
@@ -276,7 +277,7 @@ def test_long_loop_keeps_bounded_records_and_blames_step_1500():
             if torch.isfinite(loss):  # a skipped step, as AMP skips them
                 loss.backward()
                 opt.step()
-    assert t._tracer.records.count > 30_000  # every op of every step was traced...
+    assert t.tracer.records.count > 30_000  # every op of every step was traced...
     assert len(list(t.records)) < 6_000  # ...and only what can still matter is kept
     (f,) = producers(t.report, "first Inf")
     # loop index 1500 is the 1501st call: counted from 1, as users count steps
@@ -321,7 +322,7 @@ def test_own_code_is_recognised_by_the_package_root(package, user):
     path = os.path.join(root, package, "made_up.py")
     namespace: dict = {}
     exec(compile("import sys\nframe = sys._getframe()\n", path, "exec"), namespace)
-    location = trace_mod.user_location(namespace["frame"])
+    location = user_location(namespace["frame"])
     assert location is not None
     assert (location[0] == path) is user
 

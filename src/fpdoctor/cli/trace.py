@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         from fpdoctor.numerics.op_error import explain_op_error
 
         try:
-            explained = explain_op_error(session._tracer, error)
+            explained = explain_op_error(session.tracer, error)
         except Exception as exc:  # explaining is ours: its failure is reported, the user's error stays the story
             report.data.setdefault("not_checked", {})["explain"] = f"{type(exc).__name__}: {exc}"
             explained = None
@@ -234,7 +234,7 @@ def _so_far(session: Any) -> str:
     """What the trace has seen so far, read by the progress display a few times a second from the
     tracer's own counters (never a call per op)."""
     steps = session._steps.steps
-    text = f"{session._tracer.ops_seen:,} ops traced"
+    text = f"{session.tracer.ops_seen:,} ops traced"
     return text + (f", {steps} optimizer step{'s' if steps != 1 else ''}" if steps else "")
 
 

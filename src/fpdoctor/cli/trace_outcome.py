@@ -43,7 +43,7 @@ def exit_code_of(code: Any) -> int:
 
 def _user_line(error: BaseException) -> tuple[str, int, str] | None:
     """The innermost line of the user's own code in the exception's traceback."""
-    from fpdoctor.numerics.trace import user_location
+    from fpdoctor.userframes import user_location
 
     tb = error.__traceback__
     if tb is None:

@@ -17,7 +17,10 @@ class Trace:
     Overflow of fp16/bf16/fp8 values is always judged per op; `headroom=True` adds per-module
     value histograms (underflow shares, fp16 what-ifs of fp32 modules) at about 10% more cost.
     On accelerators results are read back once per `sync_every` ops (default 256), not per op;
-    `immediate=False` reads CPU results that way too.
+    `immediate=False` reads CPU results that way too. `ranges` takes exact value ranges of the
+    fp32 ops that can grow values, for per-op fp16 what-ifs; by default it is on when headroom
+    judges an fp16 target. Once the block is entered, `.tracer` is the recording `Tracer` and
+    `.tracker` its `ModuleTracker`.
     """
 
     def __init__(
@@ -29,12 +32,13 @@ class Trace:
         targets: tuple[str, ...] = ("fp16", "bf16"),
         sync_every: int | None = None,
         immediate: bool | None = None,
+        ranges: bool | None = None,
     ) -> None:
         if raise_on not in (None, "nonfinite"):
             raise ValueError(f"raise_on must be None or 'nonfinite', got {raise_on!r}")
         if sync_every is not None and (not isinstance(sync_every, int) or sync_every < 1):
             raise ValueError(f"sync_every must be a positive number of ops, got {sync_every!r}")
-        from fpdoctor.numerics.limits import format_named
+        from fpdoctor.formats import format_named
 
         for target in targets:
             format_named(target)
@@ -46,26 +50,28 @@ class Trace:
         # None: read results at once on CPU, in batches on accelerators; False forces batches
         # (how accelerators run) on CPU too.
         self.immediate = True if raise_on else immediate
+        self.ranges = ranges
         self.report: Report | None = None
         self.records: Any = []  # the tracer's records (a Store) once the block exits
 
     def __enter__(self) -> Trace:
-        from fpdoctor.numerics import trace as trace_mod
         from fpdoctor.numerics.headroom import Headroom
         from fpdoctor.numerics.modules import ModuleTracker
+        from fpdoctor.numerics.tracer import Tracer
 
         roots = [self.model] if self.model is not None else None
         self._headroom = Headroom(self.targets) if self.headroom_enabled else None
-        self._tracker = ModuleTracker(roots, on_output=self._module_output)
-        self._tracer = trace_mod.Tracer(
-            self._tracker,
+        self.tracker = ModuleTracker(roots, on_output=self._module_output)
+        # exact ranges of fp32 ops that grow values, for headroom's per-op fp16 what-ifs
+        ranges = self.headroom_enabled and "fp16" in self.targets if self.ranges is None else self.ranges
+        self.tracer = Tracer(
+            self.tracker,
             immediate=self.immediate,
             raise_on=self.raise_on,
             on_nonfinite=self._raise_at_producer if self.raise_on else None,
             sync_every=self.sync_every,
+            ranges=ranges,
         )
-        # exact ranges of fp32 ops that grow values, for headroom's per-op fp16 what-ifs
-        self._tracer.ranges = self.headroom_enabled and "fp16" in self.targets
         import contextlib
         import threading
 
@@ -98,9 +104,9 @@ class Trace:
         from fpdoctor.numerics.steps import StepCounter
 
         # the optimizer step of each record, told beside the module call count
-        self._steps = self._stack.enter_context(StepCounter(lambda: self._tracer.records.count))
-        self._stack.enter_context(self._tracker)
-        self._stack.enter_context(self._tracer)
+        self._steps = self._stack.enter_context(StepCounter(lambda: self.tracer.records.count))
+        self._stack.enter_context(self.tracker)
+        self._stack.enter_context(self.tracer)
 
     def _module_output(self, name: str, call: int, output: Any, recompute: bool) -> None:
         import threading
@@ -111,17 +117,17 @@ class Trace:
             return  # a model running in another thread: its ops are not traced
         try:
             with torch._C._DisableTorchDispatch():  # our own statistics must not be traced
-                self._tracer.module_output(name, call, output, recompute)
-                if self._headroom is not None and not recompute and self._tracker.phase == "forward":
-                    self._headroom.observe_module(name, output, self._tracer.absmax_of, self._tracer)
+                self.tracer.module_output(name, call, output, recompute)
+                if self._headroom is not None and not recompute and self.tracker.phase == "forward":
+                    self._headroom.observe_module(name, output, self.tracer.absmax_of, self.tracer)
         except Exception as exc:  # the observer never kills the job
-            self._tracer.errors.append(f"module hook {name}: {type(exc).__name__}: {exc}")
+            self.tracer.errors.append(f"module hook {name}: {type(exc).__name__}: {exc}")
 
     def _raise_at_producer(self, tracer: Any, record: Any) -> None:
         """Called for every non-finite record: classify this one alone (cheap: most are values
         passed on), and build the whole analysis only to word the error we raise."""
         from fpdoctor.numerics.blame import Analysis
-        from fpdoctor.numerics.trace import NonFiniteError
+        from fpdoctor.numerics.tracer import NonFiniteError
 
         kinds = [tracer.kind_of(src) for src in record.inputs]
         if not record.inputs:
@@ -138,7 +144,7 @@ class Trace:
             return
         analysis = Analysis(tracer, self._steps)
         if bad_leaf is not None:
-            finding = analysis._input_finding(tracer.leaves[bad_leaf[1]], [f"{record.op}"])
+            finding = analysis.input_finding(tracer.leaves[bad_leaf[1]], [f"{record.op}"])
         else:
             finding = analysis.producer_finding(record, "first NaN" if record.kind == "nan" else "first Inf", [])
         raise NonFiniteError(finding.message, finding)
@@ -150,16 +156,16 @@ class Trace:
         from fpdoctor import progress
 
         try:
-            with progress.task(f"trace: judging the {self._tracer.ops_seen:,} ops traced"):
+            with progress.task(f"trace: judging the {self.tracer.ops_seen:,} ops traced"):
                 self.report = self._build_report()
         except Exception as error:  # never let the report hide the user's own exception
             self.report = Report(command="trace", data={"not_checked": {"report": f"{type(error).__name__}: {error}"}})
-        self.records = self._tracer.records
+        self.records = self.tracer.records
 
     def _build_report(self) -> Report:
         from fpdoctor.numerics.blame import Analysis
 
-        tracer = self._tracer
+        tracer = self.tracer
         tracer.finish()
         analysis = Analysis(tracer, self._steps)
         findings = analysis.findings()
@@ -183,7 +189,7 @@ class Trace:
             ("modules with headroom stats", str(len(rows))),
         ]
         not_checked = {f"hook error {i}": e for i, e in enumerate(tracer.errors)}
-        if self._tracker.saw_compiled:
+        if self.tracker.saw_compiled:
             not_checked["torch.compile"] = (
                 "compiled code ran eagerly while traced (set_stance force_eager): the ops "
                 "are the model's own, not the fused kernels; compare with an untraced run"

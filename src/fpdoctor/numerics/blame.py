@@ -27,7 +27,7 @@ from fpdoctor import catalog
 from fpdoctor.numerics.bounds import impossible
 from fpdoctor.numerics.recipes import range_cause
 from fpdoctor.numerics.steps import StepCounter
-from fpdoctor.numerics.trace import Leaf, Record, Tracer
+from fpdoctor.numerics.tracer import Leaf, Record, Tracer
 from fpdoctor.report.model import Finding
 
 Origin = tuple[str, int]  # ("op", record index) or ("leaf", leaf index)
@@ -67,7 +67,8 @@ def _written_scalar(leaf: Leaf, first: Record) -> bool:
     return leaf.origin is None and leaf.name == "input" and not leaf.shape and _packet(first.op).endswith("_")
 
 
-def _where_text(path: tuple[str, int, str] | None) -> str | None:
+def where_text(path: tuple[str, int, str] | None) -> str | None:
+    """'file:line in function', as every finding of the trace words a source line."""
     return f"{path[0]}:{path[1]} in {path[2]}" if path else None
 
 
@@ -81,7 +82,7 @@ def _leaf_text(leaf: Leaf) -> str:
     return f"parameter {leaf.name}" if origin == "parameter" else "an input tensor" if origin == "input" else leaf.name
 
 
-def _module_text(module: str | None) -> str:
+def module_text(module: str | None) -> str:
     """'in module `enc.0`', 'in the root module' or 'outside any module'."""
     if module is None:
         return "outside any module"
@@ -135,7 +136,7 @@ class Analysis:
             leaf = self.leaves[src[1]]
             return _leaf_text(leaf)
         r = self.records[src[1]]
-        return f"{r.op} ({_module_text(r.module)})"
+        return f"{r.op} ({module_text(r.module)})"
 
     def input_stats(self, record: Record) -> list[dict[str, Any]]:
         if record.input_stats is not None:  # measured on the live inputs when the op ran
@@ -213,10 +214,10 @@ class Analysis:
             from_text = " from " + ", ".join(f"{self.kind_of(s)} in {self.source_text(s)}" for s in fed[:2])
         else:
             from_text = " from finite inputs"
-        location = _where_text(r.location)
+        location = where_text(r.location)
         phase = r.phase + (" (activation-checkpoint recompute)" if r.recompute else "")
         message = (
-            f"{r.op} {_module_text(r.module)} ({phase}{self.when(r)}"
+            f"{r.op} {module_text(r.module)} ({phase}{self.when(r)}"
             + f") produced {count if count is not None else 'some'} {'/'.join(kinds)} of {numel} values"
             f"{from_text}; they reach {', '.join(reaches[:3]) or 'a sink'}."
             + (f" Source: {location}." if location else "")
@@ -235,7 +236,7 @@ class Analysis:
             **self.step_evidence(r),
         }
         if others:
-            evidence["other_producers"] = [f"{o.op} {_module_text(o.module)} ({o.phase})" for o in others[:5]]
+            evidence["other_producers"] = [f"{o.op} {module_text(o.module)} ({o.phase})" for o in others[:5]]
         title = (
             f"{label}: {r.op} produced {kinds[0]} from finite inputs"
             if not fed
@@ -285,7 +286,7 @@ class Analysis:
         producers_reached = bool(nan_producers or inf_producers)
         for leaf, reaches in leaves.values():
             if ("leaf", leaf.index) in bad_data or not producers_reached:
-                found.append(self._input_finding(leaf, reaches))
+                found.append(self.input_finding(leaf, reaches))
         for origin, reaches in self.reached.items():
             if origin[0] == "op" and self.roles.get(origin[1]) == "constant":
                 r = self.records[origin[1]]
@@ -309,10 +310,10 @@ class Analysis:
                 catalog.make(
                     "nonfinite-masked",
                     message=(
-                        f"{r.op} {_module_text(r.module)} ({r.phase}{self.when(r)}) produced {r.kind}, but later ops "
+                        f"{r.op} {module_text(r.module)} ({r.phase}{self.when(r)}) produced {r.kind}, but later ops "
                         "masked or dropped it before it reached a module output, the loss, a gradient or a parameter "
                         f"({len(masked)} such op(s) in total)."
-                        + (f" Source: {_where_text(r.location)}." if r.location else "")
+                        + (f" Source: {where_text(r.location)}." if r.location else "")
                     ),
                     where=self.where(r),
                     evidence=_known(
@@ -322,7 +323,7 @@ class Analysis:
                             "numel": math.prod(out.shape),
                             "dtype": out.dtype,
                             "ops": len(masked),
-                            "location": _where_text(r.location),
+                            "location": where_text(r.location),
                             **self.step_evidence(r),
                         }
                     ),
@@ -375,12 +376,12 @@ class Analysis:
         count = sum(out.counts.values()) if out.counts else None
         numel = math.prod(out.shape)
         into = "saturated finite values" if _packet(zeroer.op) in _SATURATING else "0"
-        location = _where_text(producer.location)
+        location = where_text(producer.location)
         rows = f"{count} of {numel}" if count is not None else f"some of {numel}"
         message = (
-            f"{producer.op} {_module_text(producer.module)} ({producer.phase}{self.when(producer)}) overflowed "
+            f"{producer.op} {module_text(producer.module)} ({producer.phase}{self.when(producer)}) overflowed "
             f"{out.dtype}: {rows} values "
-            f"became {out.kind} from finite inputs. {zeroer.op} {_module_text(zeroer.module)} then turned the Inf "
+            f"became {out.kind} from finite inputs. {zeroer.op} {module_text(zeroer.module)} then turned the Inf "
             f"into {into}, so no NaN shows, but those values are destroyed and they reach {', '.join(reaches[:3])}."
             + (f" Source: {location}." if location else "")
             + (f" ({others} more op(s) zeroed an overflow.)" if others else "")
@@ -401,7 +402,7 @@ class Analysis:
                         "module": zeroer.module,
                         "phase": zeroer.phase,
                         "into": into,
-                        "location": _where_text(zeroer.location),
+                        "location": where_text(zeroer.location),
                     }
                 ),
                 "reaches": reaches,
@@ -429,7 +430,9 @@ class Analysis:
                 upstream |= self.origins.get(src[1], frozenset()) if src[0] == "op" else {src}
         return bool(upstream) and upstream <= bad_data
 
-    def _input_finding(self, leaf: Leaf, reaches: list[str]) -> Finding:
+    def input_finding(self, leaf: Leaf, reaches: list[str]) -> Finding:
+        """The finding for a non-finite value that came in from outside the trace (a parameter,
+        an input, a tensor received from other ranks); `reaches`: the sinks it reached."""
         first = (
             self.records[leaf.first_use] if leaf.first_use is not None and leaf.first_use < len(self.records) else None
         )
@@ -443,7 +446,7 @@ class Analysis:
             message=(
                 f"{what} {list(leaf.shape)} {leaf.dtype} already held {count} {leaf.kind} value(s) when it was "
                 f"first used"
-                + (f" by {first.op} {_module_text(first.module)}{self.at_step(first)}" if first else "")
+                + (f" by {first.op} {module_text(first.module)}{self.at_step(first)}" if first else "")
                 + f"; it reaches {', '.join(reaches[:3])}."
                 + (
                     " Another rank sent it: that rank's report names the op that made it."
@@ -476,12 +479,12 @@ class Analysis:
 
     def _written_finding(self, leaf: Leaf, first: Record, reaches: list[str]) -> Finding:
         """`t[i] = float("inf")`, `t[mask] = v`, `t.fill_(nan)`: the code itself wrote the value."""
-        location = _where_text(first.location)
+        location = where_text(first.location)
         return catalog.make(
             "nonfinite-input",
             title=f"Your code wrote {leaf.kind} into a tensor",
             message=(
-                f"A scalar {leaf.kind} was written into a tensor by {first.op} {_module_text(first.module)} (an "
+                f"A scalar {leaf.kind} was written into a tensor by {first.op} {module_text(first.module)} (an "
                 f"assignment such as t[i] = float('inf') or t.fill_/masked_fill_); it reaches {', '.join(reaches[:3])}."
                 + (f" Source: {location}." if location else "")
             ),
@@ -507,9 +510,9 @@ class Analysis:
         return catalog.make(
             "nonfinite-input",
             message=(
-                f"A constant created by {r.op} {_module_text(r.module)}{self.at_step(r)} holds {r.kind}; it "
+                f"A constant created by {r.op} {module_text(r.module)}{self.at_step(r)} holds {r.kind}; it "
                 "reaches "
-                f"{', '.join(reaches[:3])}." + (f" Source: {_where_text(r.location)}." if r.location else "")
+                f"{', '.join(reaches[:3])}." + (f" Source: {where_text(r.location)}." if r.location else "")
             ),
             where=self.where(r),
             evidence=_known(
@@ -520,7 +523,7 @@ class Analysis:
                     "dtype": out.dtype,
                     "origin": "constant",
                     "reaches": reaches,
-                    "location": _where_text(r.location),
+                    "location": where_text(r.location),
                     **self.step_evidence(r),
                 }
             ),

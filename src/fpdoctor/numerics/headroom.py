@@ -21,10 +21,10 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fpdoctor import catalog
-from fpdoctor.numerics.blame import _module_text, _where_text
-from fpdoctor.numerics.limits import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE, UNDERFLOW_SHARE
-from fpdoctor.numerics.ops import _VALUE_PRESERVING
-from fpdoctor.numerics.trace import GROWS, Record, Tracer
+from fpdoctor.formats import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE, UNDERFLOW_SHARE
+from fpdoctor.numerics.blame import module_text, where_text
+from fpdoctor.numerics.ops import VALUE_PRESERVING
+from fpdoctor.numerics.tracer import GROWS, Record, Tracer
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding
 
@@ -167,14 +167,14 @@ class Headroom:
                 location = same[1].location if same is not None else None
                 if location is not None:
                     where |= {"file": location[0], "line": location[1]}
-                    evidence["location"] = _where_text(location)
+                    evidence["location"] = where_text(location)
                 found.append(
                     catalog.make(
                         "overflow-risk",
                         message=(
                             f"Module `{row['module']}`'s output reaches {row['fp16_max_share']:.0%} of the fp16 max "
                             f"(absmax {row['absmax']:.4g}): {_consequence(row['fp16_max_share'], 'fp16', True)}."
-                            + (f" Source: {_where_text(location)}." if location else "")
+                            + (f" Source: {where_text(location)}." if location else "")
                         ),
                         where=where,
                         evidence=evidence,
@@ -279,7 +279,7 @@ def judged(name: str, *, cast: bool) -> bool:
     format), and not constant fills."""
     if name in _CONSTANT:
         return False
-    return name not in _VALUE_PRESERVING or (cast and name in _CASTS)
+    return name not in VALUE_PRESERVING or (cast and name in _CASTS)
 
 
 def op_findings(worst: dict[_OpKey, tuple[float, Record, int]], limit: int = MAX_OP_FINDINGS) -> list[Finding]:
@@ -332,14 +332,14 @@ def near_limit_finding(
     where: dict[str, Any] = {"module": module, "op": op, "phase": phase}
     if call is not None:
         where["iteration"] = call + 1  # counted from 1, as users count steps
-    at = _where_text(location)
+    at = where_text(location)
     if location is not None:
         where |= {"file": location[0], "line": location[1]}
     fmt = FORMATS[target]
     measured = f" in the {ran_in} run" if ran_in else " in fp32" if what_if else ""
     size = f"absmax {absmax:.4g}" + (f" ({also})" if also else "")
     message = (
-        f"{op} {_module_text(module)} ({phase}{f', call {call + 1}' if call else ''}) reaches {share:.0%} of the "
+        f"{op} {module_text(module)} ({phase}{f', call {call + 1}' if call else ''}) reaches {share:.0%} of the "
         f"{target} max ({fmt.max:g}){measured}: {size}; {_consequence(share, target, what_if)}."
         + (f" Source: {at}." if at else "")
     )

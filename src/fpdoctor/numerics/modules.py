@@ -32,6 +32,15 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class ThisThread(threading.local):
+    """One thread's module stack and optimizer depth: each thread that reads it gets its own,
+    made on first use (a `threading.local` subclass runs `__init__` once per thread)."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[str, int, bool]] = []  # (path, call index, recompute)
+        self.in_optimizer = 0  # optimizer steps running (a step may call another)
+
+
 class ModuleTracker:
     """Tracks the module stack in forward and the optimizer phase; installs global hooks on enter."""
 
@@ -44,7 +53,9 @@ class ModuleTracker:
         for root in roots or []:
             self._name_tree(root, "")
         self._have_root = bool(roots)
-        self._local = threading.local()  # .stack, .in_optimizer: this thread's
+        # This thread's `.stack` and `.in_optimizer`. The trace reads them for every op it
+        # records, directly: through the properties below each read would cost a call.
+        self.this_thread = ThisThread()
         self.calls: Counter[str] = Counter()
         self.optimizer_steps = 0
         self.on_output = on_output
@@ -68,17 +79,11 @@ class ModuleTracker:
     @property
     def stack(self) -> list[tuple[str, int, bool]]:
         """This thread's module stack: (path, call index, recompute)."""
-        try:
-            stack: list[tuple[str, int, bool]] = self._local.stack
-            return stack
-        except AttributeError:
-            stack = []
-            self._local.stack = stack
-            return stack
+        return self.this_thread.stack
 
     @property
     def in_optimizer(self) -> int:
-        return getattr(self._local, "in_optimizer", 0)
+        return self.this_thread.in_optimizer
 
     def name_of(self, module: nn.Module) -> str:
         name = self._names.get(module)
@@ -114,11 +119,12 @@ class ModuleTracker:
                 return
 
     def _opt_pre(self, *args: Any) -> None:
-        self._local.in_optimizer = self.in_optimizer + 1
+        self.this_thread.in_optimizer += 1
         self.optimizer_steps += 1
 
     def _opt_post(self, *args: Any) -> None:
-        self._local.in_optimizer = max(0, self.in_optimizer - 1)
+        state = self.this_thread
+        state.in_optimizer = max(0, state.in_optimizer - 1)
 
     @property
     def current(self) -> tuple[str | None, int | None, bool]:

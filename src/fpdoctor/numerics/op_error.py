@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 from fpdoctor.numerics.mismatch import explain_mismatch, mismatch_error
-from fpdoctor.numerics.trace import Tracer, user_location
+from fpdoctor.numerics.tracer import Tracer
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding
+from fpdoctor.userframes import user_location
 
 _OUTSIDE = "a tensor from outside the traced ops"
 _MAX_DEPTH = 64  # how far back an operand's dtype is followed through the ops that made it

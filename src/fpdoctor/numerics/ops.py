@@ -10,7 +10,7 @@ import torch
 
 # Ops that cannot turn finite inputs into NaN/Inf: they move, select, compare or zero values.
 # A copy into a narrower dtype is not among them: fp32 -> fp16 overflows (`values.narrows`).
-_VALUE_PRESERVING = frozenset({
+VALUE_PRESERVING = frozenset({
     "_unsafe_view", "clone", "copy", "copy_", "_to_copy", "relu", "threshold_backward", "select_backward",
     "slice_backward", "embedding", "index_select", "gather", "cat", "stack", "where", "bernoulli", "bernoulli_",
     "repeat", "max", "min", "amax", "amin", "max_pool2d_with_indices", "index", "masked_select", "sort", "topk",
@@ -69,7 +69,7 @@ class OpInfo:
         # already held the batch's NaN.
         if not self.writes and self.name in _UNDECLARED_STATS_WRITERS:
             self.writes = ((3, "running_mean"), (4, "running_var"))
-        self.preserving = self.name in _VALUE_PRESERVING
+        self.preserving = self.name in VALUE_PRESERVING
         self.uninitialised = self.name in _UNINITIALISED
         self.reads_inputs = self.name not in _SHAPE_ONLY and not self.uninitialised
         self.overwrites = self.name in _OVERWRITES

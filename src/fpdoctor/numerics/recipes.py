@@ -25,7 +25,7 @@ import torch
 
 from fpdoctor import catalog
 from fpdoctor.formats import FORMATS
-from fpdoctor.numerics.trace import Record
+from fpdoctor.numerics.tracer import Record
 from fpdoctor.report.model import Finding
 
 FP16_MAX = FORMATS["fp16"].max

@@ -128,6 +128,13 @@ class Store(Generic[T]):
         return self.count
 
     @property
+    def by_index(self) -> dict[int, T]:
+        """The kept items by index: the dict itself, not a copy. The trace reads and writes it
+        for every op it records, where `[]` would build a placeholder for a forgotten index and
+        `append` would cost a call; whoever adds to it keeps `count` past every index added."""
+        return self._items
+
+    @property
     def kept(self) -> int:
         return len(self._items)
 

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fpdoctor import catalog
-from fpdoctor.numerics.limits import DTYPE_FORMAT, FORMATS
+from fpdoctor.formats import DTYPE_FORMAT, FORMATS
 from fpdoctor.numerics.mismatch import (
     dtype_hint,
     explain_mismatch,
@@ -31,7 +31,6 @@ from fpdoctor.numerics.mismatch import (
     what_failed,
 )
 from fpdoctor.numerics.modules import ModuleTracker
-from fpdoctor.numerics.trace import user_location
 from fpdoctor.precision.candidates import cast_inputs, split_inputs, uncompiled
 from fpdoctor.precision.fit import describe as describe_misfit
 from fpdoctor.precision.fit import misfits
@@ -42,6 +41,7 @@ from fpdoctor.preserve import preserved
 from fpdoctor.provenance import Provenance
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding, Report, Severity
+from fpdoctor.userframes import user_location
 
 
 def _is_norm(module: nn.Module) -> bool:

@@ -20,10 +20,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fpdoctor.numerics.trace import user_location
 from fpdoctor.precision.candidates import map_tensors
 from fpdoctor.provenance import Provenance
 from fpdoctor.pytrees import tensors_in
+from fpdoctor.userframes import user_location
 
 # Ops after which values are back in a small range: the region ends, their result is cast back.
 _ENDS = ("aten._softmax.", "aten.softmax.", "aten._safe_softmax.", "aten._log_softmax.", "aten.log_softmax.")

@@ -36,11 +36,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
+from fpdoctor.formats import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
 from fpdoctor.numerics.headroom import MAX_OP_FINDINGS, judged, near_limit_finding
-from fpdoctor.numerics.limits import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
-from fpdoctor.numerics.trace import _CASEBOOK_DIR, _OWN_DIR, _is_user_file
 from fpdoctor.numerics.values import dtype_name, minmax, read_scalars
 from fpdoctor.report.model import Finding
+from fpdoctor.userframes import CASEBOOK_DIR, OWN_DIR, is_user_file
 
 # The formats whose max a model's values reach: a candidate computing in one of them (fp16,
 # fp16-accumulate) is worth recording; bf16 has fp32's range, and the fp8 candidates compute in
@@ -229,9 +229,9 @@ def _model_location(frame: FrameType | None) -> tuple[str, int, str] | None:
     ops, the user's line that called it), never the line that called compare."""
     while frame is not None:
         filename = frame.f_code.co_filename
-        if filename.startswith(_OWN_DIR) and not filename.startswith(_CASEBOOK_DIR):
+        if filename.startswith(OWN_DIR) and not filename.startswith(CASEBOOK_DIR):
             return None  # out of the model, into compare
-        if _is_user_file(filename):
+        if is_user_file(filename):
             return filename, frame.f_lineno, frame.f_code.co_name
         frame = frame.f_back
     return None

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fpdoctor.numerics.trace import user_location
 from fpdoctor.precision.candidates import cast_inputs
 from fpdoctor.precision.metrics import all_finite, floating
+from fpdoctor.userframes import user_location
 
 
 class _FirstOverflow(TorchDispatchMode):

@@ -37,7 +37,6 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 
-from fpdoctor.numerics.trace import user_location
 from fpdoctor.precision.candidates import map_tensors
 from fpdoctor.precision.metrics import (
     ROWS,
@@ -52,6 +51,7 @@ from fpdoctor.precision.metrics import (
 )
 from fpdoctor.precision.profile import DIVERGENCE_RATIO
 from fpdoctor.pytrees import tensors_in
+from fpdoctor.userframes import user_location
 
 # Exact ops (they move, select or fill values) and casts: a re-run says nothing about precision.
 _NOT_JUDGED = {

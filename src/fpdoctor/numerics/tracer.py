@@ -1,4 +1,4 @@
-"""`fpdoctor.trace()`: which op *produced* the NaN/Inf that reaches what the user sees.
+"""The tracer behind `fpdoctor.trace()`: which op *produced* the NaN/Inf that reaches what the user sees.
 
 A TorchDispatchMode sees every aten op, in forward, backward (the mode travels with autograd's
 thread-local state) and the optimizer step. Each floating output gets one reduction, and so does
@@ -20,19 +20,17 @@ one host sync per `sync_every` ops, when the tensor may be gone: there the reduc
 from __future__ import annotations
 
 import math
-import os
 import sys
 import weakref
 from collections import Counter
-from types import FrameType
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
+from fpdoctor.formats import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
 from fpdoctor.numerics import records as _records
 from fpdoctor.numerics.bounds import output_bound
-from fpdoctor.numerics.limits import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
 from fpdoctor.numerics.modules import ModuleTracker
 from fpdoctor.numerics.ops import FUNCTIONAL, GENERAL, IN_PLACE, VIEW, OpInfo, tensor_args
 from fpdoctor.numerics.records import Leaf, Output, Record, Store, kind_of
@@ -52,8 +50,9 @@ from fpdoctor.numerics.values import (
 )
 from fpdoctor.provenance import Provenance
 from fpdoctor.pytrees import tensors_in
+from fpdoctor.userframes import user_location
 
-__all__ = ["Leaf", "NonFiniteError", "Output", "Record", "Tracer", "kind_of", "user_location"]
+__all__ = ["Leaf", "NonFiniteError", "Output", "Record", "Tracer", "kind_of"]
 
 SYNC_EVERY = 256  # deferred mode: pending results read per host sync, unless the tracer says otherwise
 COMPACT_EVERY = 4096  # records made between two passes that forget what nothing refers to
@@ -76,13 +75,6 @@ GROWS = frozenset({
 })  # fmt: skip
 
 
-# fpdoctor's own frames are not the user's, except the casebook's models, which stand in for them.
-_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_CASEBOOK_DIR = os.path.join(_OWN_DIR, "casebook") + os.sep
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
-_SITE = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
-_USER_FILES: dict[str, bool] = {}
 _OP_INFO: dict[int, OpInfo] = {}  # per aten overload, shared by every trace (a replay traces a few steps)
 # looked up once: the hot path runs for every op
 Tensor = torch.Tensor
@@ -105,31 +97,6 @@ def _near_limit(output: Output, dtype: torch.dtype) -> bool:
     return output.kind is None and lo is not None and hi is not None and max(hi, -lo) >= _NEAR.get(dtype, math.inf)
 
 
-def _is_user_file(filename: str) -> bool:
-    if filename.startswith(_OWN_DIR):
-        return filename.startswith(_CASEBOOK_DIR)
-    if filename.startswith(_TORCH_DIR) or filename.startswith("<frozen"):
-        return False
-    # the standard library, but not packages installed beside it (no virtual environment)
-    return not filename.startswith(_STDLIB_DIR) or any(s in filename for s in _SITE)
-
-
-def user_location(frame: FrameType | None) -> tuple[str, int, str] | None:
-    """The innermost frame outside torch, fpdoctor and the standard library: the user's line."""
-    while frame is not None:
-        code = frame.f_code
-        # by file name: code objects compare equal across files when their bodies do
-        user = _USER_FILES.get(code.co_filename)
-        if user is None:
-            if len(_USER_FILES) > 50_000:  # files made up at run time must not grow it forever
-                _USER_FILES.clear()
-            user = _USER_FILES[code.co_filename] = _is_user_file(code.co_filename)
-        if user:
-            return code.co_filename, frame.f_lineno, code.co_name
-        frame = frame.f_back
-    return None
-
-
 class Tracer(TorchDispatchMode):
     """The recording half of `trace()`; `fpdoctor.numerics.blame` turns records into findings."""
 
@@ -141,7 +108,13 @@ class Tracer(TorchDispatchMode):
         raise_on: str | None = None,
         on_nonfinite: Any = None,
         sync_every: int | None = None,
+        ranges: bool = False,
+        fast_paths: bool = True,
     ) -> None:
+        """`ranges`: exact ranges (aminmax) of the fp32 forward outputs of the ops that GROWS
+        names, in immediate mode too, for headroom's fp16 what-ifs of ops; off by default, as a
+        sum costs a third of it on a CPU. `fast_paths=False` sends every op through `_record`,
+        the general path, as inside an outer trace: the fast paths must record the same."""
         super().__init__()
         self.tracker = tracker
         self.records: Store[Record] = Store(_records.forgotten_record)
@@ -153,13 +126,12 @@ class Tracer(TorchDispatchMode):
         self.raise_on = raise_on
         self.on_nonfinite = on_nonfinite
         self.sync_every = sync_every or SYNC_EVERY
-        # Exact ranges (aminmax) of fp32 forward outputs of the ops that GROWS names in immediate
-        # mode too, for headroom's fp16 what-ifs of ops; off by default: a sum costs a third of
-        # it on a CPU.
-        self.ranges = False
+        self.ranges = ranges
+        self.fast_paths = fast_paths
         self.ops_seen = 0
-        self._items = self.records._items  # the hot path reads records without the Store's checks
-        self._table = self.provenance._table  # and the side table without Provenance's methods
+        # Read and written for every op, without the Store's and Provenance's methods (a call each)
+        self._items = self.records.by_index
+        self._table = self.provenance.table
         self._sink_keys: set[tuple[int, str]] = set()
         self._grad_leaves: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}  # leaves that require grad
         self._received: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}  # written by a collective
@@ -176,6 +148,7 @@ class Tracer(TorchDispatchMode):
         self._exemplars: dict[tuple[Any, ...], int] = {}  # kept: the latest record of each kind of op
         self._next_compact = COMPACT_EVERY
         self._nested = False
+        self._general_only = not fast_paths  # every op through `_record`: nested, or asked for
         tracker.on_names = self._named
 
     @classmethod
@@ -188,7 +161,7 @@ class Tracer(TorchDispatchMode):
     def __enter__(self) -> Tracer:
         # Inside an outer trace, our own statistics must not be recorded by it as the user's ops.
         self._nested = any(isinstance(m, Tracer) for m in _get_current_dispatch_mode_stack())
-        self.tracker.stack  # noqa: B018 - this thread's module stack exists: the hot path reads it directly
+        self._general_only = self._nested or not self.fast_paths
         super().__enter__()
         return self
 
@@ -198,12 +171,11 @@ class Tracer(TorchDispatchMode):
         if info is None:
             info = _OP_INFO[id(func)] = OpInfo(func)
         path = info.path
-        if path == VIEW and not self._nested:
+        if path == VIEW and not self._general_only:
             out = func(*args, **kwargs) if kwargs else func(*args)
             self.ops_seen += 1
             try:
-                # A view aliases its base: share its entry (views autograd links to a base are
-                # also found through `_base`; `detach` and inference-mode views are not).
+                # `_view`, inlined: views are about a third of all ops
                 if type(out) is Tensor and args:
                     entry = self._table.get(id(args[0]))
                     if entry is not None and entry[0]() is args[0]:
@@ -214,7 +186,7 @@ class Tracer(TorchDispatchMode):
         # Autograd numbers the node it creates for this op just before dispatching below itself:
         # the counter read here is that node's number + 1 (the first op to see a number owns it).
         seq = _sequence_nr() - 1
-        if path != GENERAL and not self._nested:
+        if path != GENERAL and not self._general_only:
             # The common cases without the general bookkeeping: a value out of values, or an
             # in-place op on its first argument (probed first when the trace has not met it).
             probed = None
@@ -296,34 +268,62 @@ class Tracer(TorchDispatchMode):
         """Provenance.set, inlined for the hot path."""
         table = self._table
         table[id(t)] = (_ref(t), value)
-        if len(table) >= self.provenance._sweep_at:
+        if len(table) >= self.provenance.sweep_at:
             self.provenance.sweep()
+
+    def _view(self, args: Any, out: Any) -> None:
+        """A view aliases its base: it shares its entry (views autograd links to a base are also
+        found through `_base`; `detach` and inference-mode views are not)."""
+        if type(out) is Tensor and args:
+            entry = self._table.get(id(args[0]))
+            if entry is not None and entry[0]() is args[0]:
+                self._set(out, entry[1])
 
     def _one(
         self, info: OpInfo, args: Any, kwargs: Any, t: torch.Tensor, *, seq: int, before: Any, written: bool
     ) -> None:
         """Record an op with one tensor output, or one tensor written in place (`written`):
-        `_record` without the generic cases, with `_inputs`, `_set` and the tracker inlined."""
+        `_record` without its walk over outputs and written arguments, nor the cases no op on
+        this path has (views, value-preserving ops, copies into parameters)."""
         self.ops_seen += 1
-        dtype = t.dtype
-        if dtype not in CHECKABLE or t.layout is not STRIDED or not t.numel():
+        if t.dtype not in CHECKABLE or t.layout is not STRIDED or not t.numel():
             return
         immediate = self.immediate
         if immediate is None:
             immediate = t.is_cpu
-        records = self.records
-        index = records.count
+        index = self.records.count
+        inputs = self._inputs(tensor_args(args, []) if info.lists else args, index, before)
+        if kwargs:
+            inputs.extend(self._inputs(tensor_args(kwargs.values(), []), index, before))
+        self._commit(
+            info, args, kwargs, [t], inputs=inputs, seq=seq, immediate=immediate, written=(t,) if written else ()
+        )
+
+    def _commit(
+        self,
+        info: OpInfo,
+        args: Any,
+        kwargs: Any,
+        outs: list[torch.Tensor],
+        *,
+        inputs: list[tuple[str, int]],
+        seq: int,
+        immediate: bool,
+        written: Any,
+        arg_tensors: list[torch.Tensor] | None = None,
+    ) -> None:
+        """The one place an op becomes a record, whichever path it came by: where it ran (phase,
+        module, call, source line), the check of each output, the side table entries, and what a
+        non-finite output sets off. Called by `_one` and `_record`, which are called by
+        `__torch_dispatch__`: the frame three up is the code that ran the op."""
+        index = self.records.count
         tracker = self.tracker
-        local = tracker._local
-        try:
-            stack = local.stack
-        except AttributeError:
-            stack = tracker.stack
+        this_thread = tracker.this_thread
+        stack = this_thread.stack
         module, call, recompute = stack[-1] if stack else (None, None, False)
         node_name = forward_op = location = None
         task = _graph_task_id()
-        in_bw = task != -1
-        if in_bw:
+        if task != -1:
             phase = "backward"
             if task != self._graph_task:
                 self._at_backward_end()
@@ -333,98 +333,97 @@ class Tracer(TorchDispatchMode):
                 forward = self._by_seq.get(node._sequence_nr())
                 if forward is not None:
                     module, call, forward_op, location = forward
-        elif getattr(local, "in_optimizer", 0):
+        elif this_thread.in_optimizer:
             phase = "optimizer"
             if module is None:
                 call = tracker.optimizer_steps - 1  # the optimizer's step
             if not immediate:
-                location = user_location(sys._getframe(2))
+                location = user_location(sys._getframe(3))
         else:
             phase = "forward"
             if module is None:
                 # Outside modules the iteration is how often this op ran at this line before.
-                location = user_location(sys._getframe(2))
+                location = user_location(sys._getframe(3))
                 key = (info.op, location)
                 call = self._site_calls[key]
                 self._site_calls[key] = call + 1
             elif not immediate:
                 # Deferred mode learns about a NaN later, when this stack is gone: take it now.
-                location = user_location(sys._getframe(2))
-        # the inputs (`_inputs`): the common case is an op's output, not a view, not a leaf
-        table = self._table
-        items = self._items
-        inputs = []
-        for a in tensor_args(args, []) if info.lists else args:
-            if not isinstance(a, Tensor) or a.dtype not in CHECKABLE or a.layout is not STRIDED or not a.numel():
-                continue
-            found = table.get(id(a))
-            if before is not None and id(a) in before:
-                src = before[id(a)]
-            elif (
-                found is not None
-                and found[0]() is a
-                and found[1][1] is None
-                and not (a.requires_grad and (a.is_leaf or a._base is not None))
-            ):
-                src = found[1][0]
-                producer = items.get(src[1])
-                if producer is not None:
-                    producer.consumed = True
-            else:
-                src = self._source(a, index)
-            inputs.append(src)
-        if kwargs:
-            inputs.extend(self._inputs(tensor_args(kwargs.values(), []), index, before))
-        output = Output(t.shape, dtype_name(dtype))
-        record = Record(
-            index, info.op, phase, module, call, recompute, node_name, forward_op, location, inputs, [output]
-        )
-        items[index] = record  # Store.append, inlined
-        records.count = index + 1
+                location = user_location(sys._getframe(3))
+        record = Record(index, info.op, phase, module, call, recompute, node_name, forward_op, location, inputs)
+        self._items[index] = record  # Store.append without the call (Store.by_index)
+        self.records.count = index + 1
         by_seq = self._by_seq
         if seq not in by_seq:  # the first op to see a node number is the one that made it
             by_seq[seq] = (module, call, info.op, location)
-        if written and not in_bw:
-            output.param = tracker.param_names.own(t)
-            record.mutates = output.param
-        if info.scales and immediate and self._scaled_down(info.scales, args, kwargs, dtype, inputs):
-            output.derived = True
-        elif not immediate:
-            output.pending = minmax(t)
-        elif (dtype is torch.float32 or dtype is torch.float64) and not (
-            self.ranges and dtype is torch.float32 and phase == "forward" and info.name in GROWS
-        ):
-            value = float(t.sum())  # Inside __torch_dispatch__: below autograd, no graph recorded
-            if value - value:  # NaN for NaN and for +-inf: look closer
-                resolve(output, [value], t)
-        else:
-            resolve(output, [float(v) for v in (minmax(t) if dtype is torch.float32 else reduce(t))], t)
-            if location is None and phase == "forward" and _near_limit(output, dtype):
-                record.location = user_location(sys._getframe(2))
+        # Outputs that need no reduction: fresh memory (garbage until written), and, when the
+        # inputs are known finite, values a value-preserving op moved without narrowing them or
+        # a finite value scaled down.
+        first = outs[0].dtype
+        derived = info.uninitialised
+        if immediate and not derived:
+            if info.preserving:
+                derived = self._preserved(inputs, arg_tensors or self._arg_tensors(info, args, kwargs), first)
+            elif info.scales:
+                derived = self._scaled_down(info.scales, args, kwargs, first, inputs)
         entry = (("op", index), None)
-        table[id(t)] = (_ref(t), entry)  # Provenance.set, inlined
-        if written and t._base is not None and not self._still_bad(t._base, immediate and output.kind is None):
-            table[id(t._base)] = (_ref(t._base), entry)  # written through a view: the base holds it too
-        if len(table) >= self.provenance._sweep_at:
+        table = self._table
+        nonfinite = False
+        for t in outs:
+            dtype = t.dtype
+            output = Output(t.shape, dtype_name(dtype))
+            # one tensor written, the output itself: the common case, without a generator
+            if written and phase != "backward" and (written[0] is t or any(t is w for w in written)):
+                output.param = tracker.param_names.own(t)
+                if output.param is not None and record.mutates is None:
+                    record.mutates = output.param
+            if derived:
+                output.derived = True
+            elif not immediate:
+                output.pending = minmax(t)
+            elif (dtype is torch.float32 or dtype is torch.float64) and not (
+                self.ranges and dtype is torch.float32 and phase == "forward" and info.name in GROWS
+            ):
+                value = float(t.sum())  # Inside __torch_dispatch__: below autograd, no graph recorded
+                if value - value:  # NaN for NaN and for +-inf: look closer
+                    resolve(output, [value], t)
+            else:
+                resolve(output, [float(v) for v in (minmax(t) if dtype is torch.float32 else reduce(t))], t)
+                if record.location is None and phase == "forward" and _near_limit(output, dtype):
+                    record.location = user_location(sys._getframe(3))
+            nonfinite = nonfinite or output.kind is not None
+            record.outputs.append(output)
+            table[id(t)] = (_ref(t), entry)  # Provenance.set without the call (Provenance.table)
+            if written and t._base is not None and not self._still_bad(t._base, immediate and output.kind is None):
+                table[id(t._base)] = (_ref(t._base), entry)  # written through a view: the base holds it too
+        if len(table) >= self.provenance.sweep_at:
             self.provenance.sweep()
         if immediate:
-            if output.kind is not None:
-                record.input_stats = self._input_stats(self._arg_tensors(info, args, kwargs), (t,) if written else ())
+            if nonfinite:
+                if arg_tensors is None:
+                    arg_tensors = self._arg_tensors(info, args, kwargs)
+                record.input_stats = self._input_stats(arg_tensors, written)
                 if not any(self.kind_of(s) for s in inputs):  # from finite inputs: could arithmetic do it?
                     record.bound = output_bound(info.op, args, kwargs or {})
                 if record.location is None:
                     # forward: the line that ran this op; backward: the line that called backward()
-                    record.location = user_location(sys._getframe(2))
+                    record.location = user_location(sys._getframe(3))
                 self._settle(record)
             elif self._tainted:
                 self._settle(record)
         else:
-            self._alive[index] = [_ref(t)]
+            self._alive[index] = [_ref(t) for t in outs]
             self._pending.append(index)
             if len(self._pending) >= self.sync_every:
                 self.flush()
         if index + 1 >= self._next_compact:
             self.compact()
+
+    def _preserved(self, inputs: list[Any], arg_tensors: list[torch.Tensor], dtype: torch.dtype) -> bool:
+        """A value-preserving op of inputs known finite that narrows none of them: finite."""
+        return all(self._finite(s) for s in inputs) and not any(
+            narrows(a.dtype, dtype) for a in arg_tensors if checkable(a)
+        )
 
     @staticmethod
     def _arg_tensors(info: OpInfo, args: Any, kwargs: Any) -> list[torch.Tensor]:
@@ -487,7 +486,7 @@ class Tracer(TorchDispatchMode):
             if record is not None:
                 record.consumed = True
         else:
-            leaf = self.leaves._items.get(src[1])
+            leaf = self.leaves.by_index.get(src[1])
             if leaf is not None and leaf.first_use is None:  # a parameter reloaded in place
                 leaf.first_use = consumer
                 if leaf.kind:
@@ -526,12 +525,13 @@ class Tracer(TorchDispatchMode):
                 self._pinned.add(consumer)
         return src
 
-    def _inputs(self, tensors: list[torch.Tensor], consumer: int, before: dict[int, Any] | None) -> list[Any]:
+    def _inputs(self, values: Any, consumer: int, before: dict[int, Any] | None) -> list[Any]:
+        """Where each checkable tensor among `values` came from (other values are skipped)."""
         inputs = []
-        table = self.provenance._table
+        table = self._table
         items = self._items
-        for t in tensors:
-            if t.dtype not in CHECKABLE or t.layout is not STRIDED or not t.numel():
+        for t in values:
+            if not isinstance(t, Tensor) or t.dtype not in CHECKABLE or t.layout is not STRIDED or not t.numel():
                 continue
             src = before.get(id(t)) if before else None
             if src is None:
@@ -595,14 +595,11 @@ class Tracer(TorchDispatchMode):
         written: list[torch.Tensor],
         before: dict[int, Any] | None,
     ) -> None:
+        """Record any op: views, several outputs, tensors written besides the first argument,
+        value-preserving ops, copies into parameters; the record itself is `_commit`'s."""
         self.ops_seen += 1
         if info.is_view:
-            # A view aliases its base: share its entry (views autograd links to a base are also
-            # found through `_base`; `detach` and inference-mode views are not).
-            if type(out) is torch.Tensor and args and isinstance(args[0], torch.Tensor):
-                entry = self.provenance.own(args[0])
-                if entry is not None:
-                    self.provenance.set(out, entry)
+            self._view(args, out)
             return
         if type(out) is torch.Tensor:  # the common case, without the generic walk
             outs = [out] if checkable(out) else []
@@ -615,7 +612,6 @@ class Tracer(TorchDispatchMode):
                 outs.append(t)
         if not outs:
             return
-        tracker = self.tracker
         immediate = self.immediate if self.immediate is not None else outs[0].is_cpu
         index = self.records.count
         if info.name == "copy_" and written and self._copy_into_parameter(args, index):
@@ -636,96 +632,21 @@ class Tracer(TorchDispatchMode):
                     self._alias(t, src)
                     if t._base is not None and not self._still_bad(t._base, True):
                         self._alias(t._base, src)  # written through a view: the base holds it too
-                    module, call, _ = tracker.current
+                    module, call, _ = self.tracker.current
                     self._by_seq.setdefault(seq, (module, call, info.op, None))
                     return
-        # tracker.phase and tracker.current, inlined: this runs for every op
-        in_bw = torch._C._current_graph_task_id() != -1
-        phase = "backward" if in_bw else "optimizer" if tracker.in_optimizer else "forward"
-        node_name = forward_op = location = None
-        stack = tracker.stack
-        module, call, recompute = stack[-1] if stack else (None, None, False)
-        if in_bw:
-            self._at_backward_end()
-            node = torch._C._current_autograd_node()
-            if node is not None:
-                node_name = node.name()
-                forward = self._by_seq.get(node._sequence_nr())
-                if forward is not None:
-                    module, call, forward_op, location = forward
-        elif module is None and phase == "forward":
-            # Outside modules the iteration is how often this op ran at this line before.
-            location = user_location(sys._getframe(2))
-            key = (info.op, location)
-            call = self._site_calls[key]
-            self._site_calls[key] = call + 1
-        elif module is None:
-            call = tracker.optimizer_steps - 1  # the optimizer's step
-            if not immediate:
-                location = user_location(sys._getframe(2))
-        elif not immediate:
-            # Deferred mode learns about a NaN later, when this stack is gone: take it now.
-            location = user_location(sys._getframe(2))
         inputs = self._inputs(arg_tensors, index, before) if info.reads_inputs else []
-        record = Record(index, info.op, phase, module, call, recompute, node_name, forward_op, location, inputs)
-        self._items[index] = record  # Store.append, inlined
-        self.records.count = index + 1
-        if seq not in self._by_seq:  # the first op to see a node number is the one that made it
-            self._by_seq[seq] = (module, call, info.op, location)
-        # Ops that cannot make NaN/Inf out of finite values need no reduction when their inputs
-        # are known finite and they do not narrow the dtype.
-        skip = info.uninitialised or (
-            immediate
-            and info.preserving
-            and all(self._finite(s) for s in inputs)
-            and not any(narrows(a.dtype, outs[0].dtype) for a in arg_tensors if checkable(a))
+        self._commit(
+            info,
+            args,
+            kwargs,
+            outs,
+            inputs=inputs,
+            seq=seq,
+            immediate=immediate,
+            written=written,
+            arg_tensors=arg_tensors,
         )
-        entry = (("op", index), None)
-        provenance = self.provenance
-        nonfinite = False
-        for t in outs:
-            output = Output(tuple(t.shape), dtype_name(t.dtype))
-            if written and phase != "backward" and any(t is w for w in written):
-                output.param = tracker.param_names.own(t)
-                if output.param is not None and record.mutates is None:
-                    record.mutates = output.param
-            if skip:
-                output.derived = True
-            elif not immediate:
-                output.pending = minmax(t)
-            elif (t.dtype is torch.float32 or t.dtype is torch.float64) and not (
-                self.ranges and t.dtype is torch.float32 and phase == "forward" and info.name in GROWS
-            ):
-                value = float(t.sum())  # Inside __torch_dispatch__: below autograd, no graph recorded
-                if value - value:  # NaN for NaN and for +-inf: look closer
-                    resolve(output, [value], t)
-            else:
-                resolve(output, [float(v) for v in (minmax(t) if t.dtype is torch.float32 else reduce(t))], t)
-                if record.location is None and phase == "forward" and _near_limit(output, t.dtype):
-                    record.location = user_location(sys._getframe(2))
-            nonfinite = nonfinite or output.kind is not None
-            record.outputs.append(output)
-            provenance.set(t, entry)
-            if written and t._base is not None and not self._still_bad(t._base, immediate and output.kind is None):
-                provenance.set(t._base, entry)
-        if immediate:
-            if nonfinite:
-                record.input_stats = self._input_stats(arg_tensors, written)
-                if not any(self.kind_of(s) for s in inputs):  # from finite inputs: could arithmetic do it?
-                    record.bound = output_bound(info.op, args, kwargs or {})
-                if record.location is None:
-                    # forward: the line that ran this op; backward: the line that called backward()
-                    record.location = user_location(sys._getframe(2))
-                self._settle(record)
-            elif self._tainted:
-                self._settle(record)
-        else:
-            self._alive[index] = [weakref.ref(t) for t in outs]
-            self._pending.append(index)
-            if len(self._pending) >= self.sync_every:
-                self.flush()
-        if self.records.count >= self._next_compact:
-            self.compact()
 
     def _copy_into_parameter(self, args: Any, index: int) -> bool:
         """`param.copy_(loaded)` (load_state_dict): the parameter starts over as a leaf under its
@@ -751,7 +672,7 @@ class Tracer(TorchDispatchMode):
         for name, t in named:
             entry = self.provenance.own(t)
             if entry is not None and entry[0][0] == "leaf":
-                leaf = self.leaves._items.get(entry[0][1])
+                leaf = self.leaves.by_index.get(entry[0][1])
                 if leaf is not None and leaf.name == "input":
                     leaf.name = name
 

@@ -1,0 +1,59 @@
+"""Which stack frames are the user's: the line a finding names is the user's, never torch's,
+fpdoctor's or the standard library's, except the casebook's models, which stand in for the user's.
+
+Torch-free (torch's directory is found without importing it): whatever reads a user's line
+imports this, the trace, the audit, compare and the crash readers alike.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import FrameType
+
+__all__ = ["CASEBOOK_DIR", "OWN_DIR", "is_user_file", "user_location"]
+
+OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # fpdoctor's package directory
+CASEBOOK_DIR = os.path.join(OWN_DIR, "casebook") + os.sep
+
+
+def _package_dir(name: str) -> str | None:
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    return os.path.dirname(spec.origin) + os.sep
+
+
+_TORCH_DIR = _package_dir("torch")
+_STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
+_SITE = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+_USER_FILES: dict[str, bool] = {}  # file name -> is_user_file: looked up for every frame walked
+
+
+def is_user_file(filename: str) -> bool:
+    """Code the user wrote (or a casebook model): not fpdoctor's, torch's nor the standard library's."""
+    if filename.startswith(OWN_DIR):
+        return filename.startswith(CASEBOOK_DIR)
+    if (_TORCH_DIR is not None and filename.startswith(_TORCH_DIR)) or filename.startswith("<frozen"):
+        return False
+    # the standard library, but not packages installed beside it (no virtual environment)
+    return not filename.startswith(_STDLIB_DIR) or any(s in filename for s in _SITE)
+
+
+def user_location(frame: FrameType | None) -> tuple[str, int, str] | None:
+    """The innermost frame outside torch, fpdoctor and the standard library: the user's line."""
+    while frame is not None:
+        code = frame.f_code
+        # by file name: code objects compare equal across files when their bodies do
+        user = _USER_FILES.get(code.co_filename)
+        if user is None:
+            if len(_USER_FILES) > 50_000:  # files made up at run time must not grow it forever
+                _USER_FILES.clear()
+            user = _USER_FILES[code.co_filename] = is_user_file(code.co_filename)
+        if user:
+            return code.co_filename, frame.f_lineno, code.co_name
+        frame = frame.f_back
+    return None
