@@ -567,7 +567,7 @@ def grads_stalled_finding(
     stats: UpdateStats, rows: list[tuple[str, str, int, float, float]], *, here: dict[str, Any]
 ) -> Finding:
     """accumulation-stalled for gradients accumulated over micro-batches in a low-precision .grad."""
-    name, dtype, adds, error, held = rows[0]
+    name, dtype, adds, _, held = rows[0]
     listed = ", ".join(f"{n} {e:.0%} off" for n, _, _, e, _ in rows[:4])
     return catalog.make(
         "accumulation-stalled",

@@ -227,8 +227,13 @@ class UpdateProbe:
         self.params = [p for _, p in named]
         gen = torch.Generator().manual_seed(seed)  # a private generator: the user's RNG stays as it was
         self.index = [
-            (torch.randperm(p.numel(), generator=gen)[:sample] if p.numel() <= 1 << 24
-             else torch.randint(p.numel(), (sample,), generator=gen)).sort().values.to(p.device)
+            (
+                torch.randperm(p.numel(), generator=gen)[:sample]
+                if p.numel() <= 1 << 24
+                else torch.randint(p.numel(), (sample,), generator=gen)
+            )
+            .sort()
+            .values.to(p.device)
             for p in self.params
         ]
         self.why_not = shadowable(optimizer) if self.params else None
@@ -250,13 +255,17 @@ class UpdateProbe:
         if not tracked:
             return None
         with torch.no_grad():
-            shadows, groups, states = [], {}, []
+            shadows: list[tuple[int, torch.Tensor]] = []
+            groups: dict[int, tuple[dict[str, Any], list[torch.Tensor]]] = {}
+            states: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
             befores, decays, segments, gaps = [], [], [], []
             for seg, i in enumerate(tracked):
                 p, idx = self.params[i], self.index[i]
                 w = p.detach().reshape(-1)[idx].float()
                 shadow = w.clone().requires_grad_(True)
-                shadow.grad = p.grad.detach().reshape(-1)[idx].float()
+                grad = p.grad
+                assert grad is not None  # tracked: only parameters with a gradient
+                shadow.grad = grad.detach().reshape(-1)[idx].float()
                 group = group_of[id(p)]
                 groups.setdefault(id(group), (group, []))[1].append(shadow)
                 shadows.append((i, shadow))
@@ -332,8 +341,8 @@ class UpdateProbe:
     def read(self, sample: UpdateSample) -> UpdateStats:
         """The host numbers of a measured step: one read back."""
         assert sample.stats is not None
-        both = sample.stats if sample.state_stats is None else torch.cat([sample.stats.flatten(), sample.state_stats.flatten()])
-        values = both.flatten().tolist()
+        parts = [sample.stats.flatten()] + ([] if sample.state_stats is None else [sample.state_stats.flatten()])
+        values = torch.cat(parts).tolist()
         width = len(_COLUMNS)
         params = []
         for seg, i in enumerate(sample.tracked):
@@ -366,7 +375,7 @@ class UpdateProbe:
             state.flushed += int(flushed)
         self.measured += 1
         group = self.optimizer.param_groups[0]
-        hyper = {k: _plain(group[k]) for k in ("lr", "weight_decay") if k in group}
+        hyper: dict[str, Any] = {k: _plain(group[k]) for k in ("lr", "weight_decay") if k in group}
         return UpdateStats(sample.step, type(self.optimizer).__name__, params, list(states.values()), hyper)
 
     def measure(self, step: int, run_step: Callable[[], Any]) -> UpdateStats | None:
@@ -429,8 +438,10 @@ class GradAccumulation:
                 with torch.no_grad():
                     if i not in self._sums:  # what .grad already holds is where the sum starts
                         held = p.grad
-                        self._sums[i] = held.detach().reshape(-1)[idx].float() if held is not None else torch.zeros(
-                            len(idx), device=idx.device
+                        self._sums[i] = (
+                            held.detach().reshape(-1)[idx].float()
+                            if held is not None
+                            else torch.zeros(len(idx), device=idx.device)
                         )
                         self._adds[i] = 0
                     self._sums[i] += grad.detach().reshape(-1)[idx].float()
