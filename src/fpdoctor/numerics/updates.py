@@ -63,7 +63,8 @@ def spacing(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     info = torch.finfo(dtype)
     _, e = torch.frexp(w)
     gap = torch.ldexp(torch.full_like(w, info.eps), e - 1)
-    return gap.clamp(min=info.tiny * info.eps)
+    # zero (frexp's exponent 0) and subnormals: the subnormal spacing
+    return gap.where(w != 0, torch.zeros_like(gap)).clamp(min=info.tiny * info.eps)
 
 
 def shadowable(optimizer: Any) -> str | None:
@@ -135,12 +136,12 @@ class UpdateStats:
 
 
 def rounded_away(stats: UpdateStats) -> list[ParamUpdate]:
-    """The parameters that lost their updates, worst first, when they hold enough of the weights."""
+    """The parameters that lost their updates, most weights lost first, when they hold enough of the weights."""
     lost = [p for p in stats.params if p.rounded_share >= ROUNDED_SHARE]
     total = sum(p.numel for p in stats.params)
     if not lost or sum(p.numel for p in lost) < AFFECTED_SHARE * total:
         return []
-    return sorted(lost, key=lambda p: (-p.rounded_share, -p.numel))
+    return sorted(lost, key=lambda p: -p.rounded_share * p.numel)  # the most weights that stopped first
 
 
 def stalled_states(stats: UpdateStats) -> list[StateUpdate]:
