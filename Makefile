@@ -42,6 +42,7 @@ bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/bench_progress.py
 	$(BIN)/python benchmarks/bench_integrations.py
 	$(BIN)/python benchmarks/bench_record.py
+	$(BIN)/python benchmarks/bench_updates.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

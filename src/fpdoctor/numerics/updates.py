@@ -171,9 +171,10 @@ class UpdateSummary:
         self.steps += 1
         self.params = max(self.params, len(stats.params))
         self.dtypes.update(p.dtype for p in stats.params)
-        for p in stats.params:
-            if p.rounded_share > self.worst or self.worst_name is None:
-                self.worst, self.worst_name = p.rounded_share, p.name
+        total = sum(p.numel for p in stats.params)
+        share = sum(p.rounded_share * p.numel for p in stats.params) / total if total else 0.0
+        if share >= self.worst:  # weighted by size: a one-element bias does not speak for the model
+            self.worst, self.worst_name = share, f"step {stats.step}"
 
     def text(self) -> str:
         if not self.steps:
@@ -181,8 +182,8 @@ class UpdateSummary:
         dtypes = "/".join(sorted(self.dtypes))
         return (
             f"judged on {self.steps} step(s) (every {self.every}th, {SAMPLE} sampled elements per parameter): "
-            f"{self.params} {dtypes} parameter(s), at most {self.worst:.0%} of a parameter's updates rounded away "
-            f"({self.worst_name})"
+            f"{self.params} {dtypes} parameter(s), at most {self.worst:.0%} of the weights' updates rounded away "
+            f"({self.worst_name}, weighted by parameter size)"
         )
 
 
@@ -259,7 +260,7 @@ class UpdateProbe:
             shadows: list[tuple[int, torch.Tensor]] = []
             groups: dict[int, tuple[dict[str, Any], list[torch.Tensor]]] = {}
             states: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-            befores, decays, segments, gaps = [], [], [], []
+            befores, decays, segments = [], [], []
             for seg, i in enumerate(tracked):
                 p, idx = self.params[i], self.index[i]
                 w = p.detach().reshape(-1)[idx].float()
@@ -271,7 +272,6 @@ class UpdateProbe:
                 groups.setdefault(id(group), (group, []))[1].append(shadow)
                 shadows.append((i, shadow))
                 befores.append(w)
-                gaps.append(spacing(w, p.dtype))
                 decays.append(_decay(opt, group, w))
                 segments.append(torch.full_like(idx, seg))
             shadow_opt = _shadow_optimizer(opt, [(g, ps) for g, ps in groups.values()])
@@ -300,7 +300,7 @@ class UpdateProbe:
             intended,
             torch.cat(decays),
             torch.cat(segments),
-            torch.cat(gaps),
+            _spacings(befores, [self.params[i].dtype for i in tracked]),
             states,
         )
 
@@ -388,6 +388,14 @@ class UpdateProbe:
         self.after(sample)
         del result
         return self.read(sample)
+
+
+def _spacings(weights: list[torch.Tensor], dtypes: list[torch.dtype]) -> torch.Tensor:
+    """`spacing` of every sampled weight, one call per dtype (usually one in all): a few small ops
+    per parameter would cost more than the rest of the check."""
+    if len(set(dtypes)) == 1:
+        return spacing(torch.cat(weights), dtypes[0])
+    return torch.cat([spacing(w, dtype) for w, dtype in zip(weights, dtypes, strict=True)])
 
 
 def _plain(value: Any) -> Any:
