@@ -28,9 +28,9 @@ from models import batch, make_step, small_transformer
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--dim", type=int, default=128)
     args = parser.parse_args()
     torch.manual_seed(0)
     model = small_transformer(layers=args.layers, dim=args.dim, heads=max(4, args.dim // 64)).to(torch.bfloat16)
