@@ -138,6 +138,10 @@ class Sentinel(JudgedSteps):
     the unscaled loss; the sentinel calls `scaler.step(optimizer)` and `scaler.update()`. A live
     scaler that step_fn uses is found by itself on the first step when `scaler=` is not given.
 
+    With bf16/fp16 trainable weights, every `check_updates`-th step is measured on a sample for
+    updates the dtype rounds away and accumulators that stop growing (`updates`); the fix is tried
+    once by a `what_if_steps` what-if run on stand-in copies (`update_whatif`).
+
     Under torch.distributed every rank calls `step` (the decision is agreed across ranks with a
     tiny all-reduce per step). With device-side skipping (fused optimizer on a GPU) the last
     step is decided when the next one starts, by `flush()` (call it on every rank), or, outside
