@@ -282,4 +282,42 @@ TRN_RULES: tuple[Rule, ...] = (
         "rate; an op whose fp32 replay is finite points at its precision; a scaler that skips every step at an "
         "op that overflows fp16 even unscaled.",
     ),
+    Rule(
+        code="TRN010",
+        name="update-rounded-away",
+        severity=W,
+        title="Optimizer updates are rounded away: low-precision weights stop moving",
+        what="On a sample of each bf16/fp16 trainable parameter (every 10th optimizer step), the update the step "
+        "intends, computed by the same optimizer in fp32 on the sample, against what the step did to the weights: "
+        "an element bit-identical after the step although its update was non-zero was rounded away. Weight decay "
+        "is counted apart (lr*wd*|w| against half the spacing). Reported when parameters holding a quarter of the "
+        "low-precision weights lose half their updates or more, with the dtype's spacing at their magnitude "
+        "against the update size and the update-to-weight ratio; the fix is tried by a short what-if run.",
+        why="A bf16 weight near 0.05 has neighbours 2^-12 apart; an update below half that gap (AdamW at lr 1e-4, SGD "
+        "with small gradients) leaves it bit for bit as it was. Nothing goes NaN: the loss stops falling short of "
+        "what fp32 reaches, and weight decay is lost entirely. A larger learning rate is not the fix: the update "
+        "must clear the gap of the largest weights, which makes it far too large for the rest.",
+        fix="Keep fp32 master weights: the optimizer steps fp32 copies and the model computes with casts of them "
+        "(+4 bytes per parameter, and the optimizer state in fp32). Or keep the model in fp32 and compute in "
+        "bf16 under torch.autocast (the usual mixed precision); or a bf16 optimizer with stochastic rounding "
+        "(torchao's AdamW(bf16_stochastic_round=True), no extra memory) or Kahan summation (torch-optimi's "
+        "kahan_sum=True, +2 bytes per parameter).",
+        references=("https://arxiv.org/abs/2010.06192",),
+    ),
+    Rule(
+        code="TRN011",
+        name="accumulation-stalled",
+        severity=W,
+        title="A low-precision accumulator stopped growing: its additions change nothing",
+        what="Gradients accumulated over micro-batches in a bf16/fp16 .grad (every micro-batch's gradient summed "
+        "in fp32 on a sample, against the .grad the step reads) and low-precision optimizer state (Adam's "
+        "exp_avg_sq in bf16: what the same step does to an fp32 copy of it, against what it did to the state). "
+        "Reported when the low-precision sum is 5% or more off the fp32 one, or half the state elements the fp32 "
+        "step changes stay as they were (or flush to zero).",
+        why="Once a bf16 sum is 256 times its addend, each addition is below half its spacing and vanishes: a "
+        "gradient accumulated over many micro-batches is short of the true one, and exp_avg_sq (multiplied by "
+        "0.999 each step, a change below bf16's spacing) stops following the gradients.",
+        fix="Accumulate in fp32: fp32 master weights (their .grad and the optimizer state are fp32), or add each "
+        "micro-batch's gradient into an fp32 buffer (acc += p.grad.float(); p.grad = None) and step on that.",
+    ),
 )

@@ -51,6 +51,8 @@ from fpdoctor.numerics.step_judge import (  # re-exported: the sentinel's public
     StepJudge,
     StepOutcome,
 )
+from fpdoctor.numerics.update_whatif import WHAT_IF_STEPS, what_if
+from fpdoctor.numerics.updates import EVERY, GradAccumulation, UpdateProbe, UpdateStats
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Report
 
@@ -136,6 +138,10 @@ class Sentinel(JudgedSteps):
     the unscaled loss; the sentinel calls `scaler.step(optimizer)` and `scaler.update()`. A live
     scaler that step_fn uses is found by itself on the first step when `scaler=` is not given.
 
+    With bf16/fp16 trainable weights, every `check_updates`-th step is measured on a sample for
+    updates the dtype rounds away and accumulators that stop growing (`updates`); the fix is tried
+    once by a `what_if_steps` what-if run on stand-in copies (`update_whatif`).
+
     Under torch.distributed every rank calls `step` (the decision is agreed across ranks with a
     tiny all-reduce per step). With device-side skipping (fused optimizer on a GPU) the last
     step is decided when the next one starts, by `flush()` (call it on every rank), or, outside
@@ -155,6 +161,11 @@ class Sentinel(JudgedSteps):
     # Skip a bad step on the device (a fused optimizer given the check's flag as found_inf) and
     # read the flag when the next step starts. None: where the optimizer can and the model is on a GPU.
     device_skip: bool | None = field(default=None, kw_only=True)
+    # bf16/fp16 trainable weights: measure what every N-th optimizer step did to a sample of them
+    # (updates rounded away, low-precision optimizer state and .grad accumulation); 0: off
+    check_updates: int = field(default=EVERY, kw_only=True)
+    # when updates are rounded away, try fp32 master weights for this many steps on copies, once; 0: off
+    what_if_steps: int = field(default=WHAT_IF_STEPS, kw_only=True)
     checkpoint_step: int | None = field(default=None, init=False)  # the step of the checkpoint last written
 
     def __post_init__(self) -> None:
@@ -171,6 +182,10 @@ class Sentinel(JudgedSteps):
                 raise ValueError("scaler must be a torch.amp.GradScaler")
             if self.optimizer is None:
                 raise ValueError("scaler= needs the optimizer: the sentinel calls scaler.step(optimizer)")
+        if not isinstance(self.check_updates, int) or self.check_updates < 0:
+            raise ValueError(f"check_updates must be an int >= 0 (every N-th step; 0: off), got {self.check_updates!r}")
+        if not isinstance(self.what_if_steps, int) or self.what_if_steps < 0:
+            raise ValueError(f"what_if_steps must be an int >= 0, got {self.what_if_steps!r}")
         if self.device_skip and not skips_on_device(self.optimizer):
             raise ValueError("device_skip=True needs an optimizer that takes found_inf (a fused one)")
         # the decisions are the step judge's; this class collects what happened in the user's loop
@@ -198,6 +213,26 @@ class Sentinel(JudgedSteps):
         # the host then need not wait for the flag before optimizer.step().
         if self.device_skip is None:
             self.device_skip = self._device.type == "cuda" and skips_on_device(self.optimizer)
+        self._updates: UpdateProbe | None = None
+        self._grad_sums: GradAccumulation | None = None
+        self._grad_rows: list[tuple[str, str, int, float, float]] = []
+        self._measured: UpdateStats | None = None
+        if self.check_updates and self.optimizer is not None:
+            try:
+                probe = UpdateProbe(self.model, self.optimizer, every=self.check_updates)
+                if probe.low_precision:
+                    self._updates = probe
+                    why = probe.why_not or (
+                        "the optimizer is stepped on the device (device-side skipping)" if self.device_skip else None
+                    )
+                    if why is not None:
+                        self._updates = None
+                        stats = UpdateStats(0, type(self.optimizer).__name__, why_not=why)
+                        self._judge.updates(stats, every=self.check_updates)
+                    elif self.accumulate > 1:
+                        self._grad_sums = GradAccumulation(probe)
+            except Exception as exc:
+                self._judge.error("preparing the update checks", exc)
 
     # -- the always-on part --------------------------------------------------------------------
     def step(self, step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -208,6 +243,8 @@ class Sentinel(JudgedSteps):
         try:
             if self._in_window == 0:
                 judge.begin_window()
+                if self._grad_sums is not None and self._grad_sums.probe.due(judge.steps + 1):
+                    self._grad_sums.start()  # this window's micro-batch gradients, summed in fp32 on the sample
             rng = RngState.capture()
         except Exception as exc:
             judge.error("preparing the step", exc)
@@ -234,6 +271,8 @@ class Sentinel(JudgedSteps):
             with spying:
                 loss = step_fn(*args, **kwargs)  # the user's own errors are the user's
         except BaseException:
+            if self._grad_sums is not None:
+                self._grad_sums.stop()
             self._in_window -= 1  # the call did not happen, as far as the window is concerned
             judge.steps -= ends
             raise
@@ -243,6 +282,11 @@ class Sentinel(JudgedSteps):
                 self.scaler = scalers[0]
         judge.micro_batches += 1
         self._stepped = False
+        if ends and self._grad_sums is not None:
+            try:
+                self._grad_rows = self._grad_sums.finish() or []
+            except Exception as exc:
+                judge.error("measuring the gradient accumulation", exc)
         # step_fn stepped the optimizer, or updated the scaler (whose step may have skipped the optimizer)
         try:
             updated = amp.updated_since(self.scaler, scale_before)
@@ -401,6 +445,9 @@ class Sentinel(JudgedSteps):
         )
         apply = None if pending.stepped or self.optimizer is None else self._apply
         outcome = self._judge.judge(facts, apply)
+        if self._measured is not None:
+            stats, self._measured = self._measured, None
+            self._judge.updates(stats, self._what_if(pending), every=self.check_updates)
         if outcome.finite or outcome.verdict == "amp-skip":
             if self.accumulate > 1:
                 self._zero_grads()
@@ -412,7 +459,39 @@ class Sentinel(JudgedSteps):
     def _apply(self) -> None:
         assert self.optimizer is not None
         self._stepped = True
+        probe, step, sample = self._updates, self._judge.decided, None
+        if probe is not None and step is not None and probe.due(step):
+            try:
+                sample = probe.before(step)  # the sample, and the step's intended update in fp32
+            except Exception as exc:
+                self._judge.error("measuring the optimizer's updates", exc)
         _user(self.optimizer.step)
+        if probe is not None and sample is not None:
+            try:
+                probe.after(sample)
+                self._measured = probe.read(sample)
+                self._measured.grads, self._grad_rows = self._grad_rows, []
+            except Exception as exc:
+                self._judge.error("measuring the optimizer's updates", exc)
+
+    def _what_if(self, pending: _Pending) -> Callable[[], Any] | None:
+        """The fix tried from here, on stand-ins: this step's window run again, `what_if_steps` times."""
+        if not self.what_if_steps or pending.observed or self._judge.distributed or self.optimizer is None:
+            return None
+        optimizer = self.optimizer
+
+        def run_window() -> torch.Tensor:
+            losses = []
+            for micro in pending.window:
+                micro.rng.restore()
+                with contextlib.ExitStack() as stack:
+                    for context in self._contexts(pending):
+                        stack.enter_context(context)
+                    loss = pending.step_fn(*micro.args, **micro.kwargs)
+                losses.append(torch.as_tensor(loss).detach().float().mean())
+            return torch.stack(losses).mean()
+
+        return lambda: what_if(self.model, optimizer, run_window, steps=self.what_if_steps)
 
     def _contexts(self, pending: _Pending) -> list[contextlib.AbstractContextManager[Any]]:
         """What a replay of `pending` runs under; made anew for each replay (each is entered once)."""

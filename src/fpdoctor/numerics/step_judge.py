@@ -37,6 +37,7 @@ from fpdoctor.numerics.causes import Causes, cause_of
 from fpdoctor.numerics.control import ControlResult, run_control, wants_control
 from fpdoctor.numerics.gradcheck import bad_parameters, kind_of, tensor_kind
 from fpdoctor.numerics.replay import MicroBatch, ReplayResult, replay
+from fpdoctor.numerics.updates import UpdateStats, UpdateSummary, rounded_away, stalled_grads, stalled_states
 from fpdoctor.preserve import BufferSnapshot, preserved
 from fpdoctor.report.model import Finding, Report
 
@@ -139,7 +140,9 @@ class StepJudge:
         gpu_health: bool = True,
     ) -> None:
         self.model = model
+        self.optimizer = optimizer
         self.replay = replay
+        self.update_summary: UpdateSummary | None = None  # set once a front end measures updates
         self.steps = 0  # counted by the front end, when it counts a step as taken
         self.micro_batches = 0
         self.skipped = 0
@@ -467,6 +470,30 @@ class StepJudge:
             i -= 1
         return i
 
+    def updates(self, stats: UpdateStats, what_if: Callable[[], Any] | None = None, *, every: int = 10) -> None:
+        """A measured optimizer step from a front end's `UpdateProbe` (or why none can be measured:
+        `stats.why_not`): its findings, one per cause; `what_if()` (the fix tried, an
+        `update_whatif.WhatIf`) runs once, when the rounded-away finding is first made."""
+        try:
+            if self.update_summary is None:
+                self.update_summary = UpdateSummary(every=every)
+            self.update_summary.add(stats)
+            affected = rounded_away(stats)
+            if affected:
+                key = ("update-rounded-away", affected[0].dtype, self.here.get("rank"))
+                tried = what_if() if what_if is not None and not self.causes.count(key) else None
+                made = findings.rounded_away_finding(stats, affected, tried, self.optimizer, here=self.here)
+                self.causes.add(made, key)
+            for state in stalled_states(stats):
+                made = findings.state_stalled_finding(stats, state, here=self.here)
+                self.causes.add(made, ("accumulation-stalled", "state", state.key, self.here.get("rank")))
+            grads = stalled_grads(stats)
+            if grads:
+                made = findings.grads_stalled_finding(stats, grads, here=self.here)
+                self.causes.add(made, ("accumulation-stalled", "grad", self.here.get("rank")))
+        except Exception as exc:
+            self.error("judging the optimizer's updates", exc, step=stats.step)
+
     def error(self, doing: str, exc: BaseException, step: int | None = None) -> None:
         """A failure of the observer's own: a finding once per distinct error, never raised."""
         text = f"{type(exc).__name__}: {exc}"
@@ -518,6 +545,9 @@ class StepJudge:
                 "min_scale": watch.min_scale,
             }
             summary.append(("AMP overflow skips", f"{watch.skipped} ({rate:.1%}), scale {watch.scale}"))
+        if self.update_summary is not None:  # low-precision trainable weights: whether their updates were judged
+            summary.append(("training updates", self.update_summary.text()))
+            out["updates"] = {"judged_steps": self.update_summary.steps, "why_not": self.update_summary.why_not}
         out["timeline"] = findings.timeline(self.history, self.findings, TIMELINE_POINTS)
         out["summary"] = summary
         return Report(command="sentinel", findings=list(self.findings), data=out)

@@ -1,0 +1,162 @@
+"""The fix for updates lost to a low-precision dtype, tried: a short what-if run from the same state.
+
+N optimizer steps on the step's own batch, twice from the same weights and optimizer state: once
+as the run is (a copy of the optimizer over copies of the weights in their own dtype), once with
+fp32 master weights (the same optimizer class over fp32 copies, its state in fp32; each step the
+low-precision gradient is cast up, the fp32 copy stepped and cast back into the weights the model
+computes with). Each arm reports the loss after its N steps and the share of weights that moved per
+step. The user's model runs with stand-in tensors (`torch.nn.utils.stateless`, as the fp32 control
+replay does): its parameters, their gradients, its buffers, its optimizer and the RNG are as they
+were afterwards. Cost: 2 x (N + 1) forward+backward passes and 2 x N optimizer steps, once.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fpdoctor.numerics.updates import LOW_PRECISION
+from fpdoctor.preserve import preserved
+
+WHAT_IF_STEPS = 8
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    steps: int
+    loss_as_is: float
+    loss_fixed: float
+    moved_as_is: float  # share of low-precision weights that changed, per step, averaged
+    moved_fixed: float
+    seconds: float
+    error: str | None = None
+
+    @property
+    def helped(self) -> bool:
+        """The fix moved more weights and did not leave a higher loss."""
+        if self.error is not None or not math.isfinite(self.loss_fixed):
+            return False
+        return self.moved_fixed > self.moved_as_is and not self.loss_fixed > self.loss_as_is
+
+
+def copy_optimizer(optimizer: Any, stand_in: dict[int, torch.Tensor]) -> Any:
+    """The same optimizer class, hyperparameters and state over other tensors (`stand_in` by the
+    id of the original); floating state is cast to each new tensor's dtype by load_state_dict."""
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [stand_in.get(id(p), p) for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
+    new = type(optimizer)(groups)
+    new.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    return new
+
+
+def what_if(
+    model: nn.Module,
+    optimizer: Any,
+    run_step: Callable[[], Any],
+    *,
+    steps: int = WHAT_IF_STEPS,
+) -> WhatIf:
+    """Both arms from the same state; `run_step()` runs forward and backward of one optimizer step's
+    window on `model` and returns its loss. Never raises: a failure is in `error`."""
+    import time
+
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    start = time.perf_counter()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    saved_grads = [(p, p.grad) for _, p in named]
+    results: list[tuple[float, float]] = []
+    try:
+        for fixed in (False, True):
+            # fresh leaves in the weights' own dtype: what the model computes with in both arms
+            weights = {n: p.detach().clone().requires_grad_(True) for n, p in named}
+            by_id = {id(p): weights[n] for n, p in named}
+            masters = {n: w.detach().float() for n, w in weights.items() if w.dtype in LOW_PRECISION} if fixed else {}
+            stepped = {id(p): masters.get(n, weights[n]) for n, p in named}
+            opt = copy_optimizer(optimizer, stepped)
+            low = [weights[n] for n, p in named if p.dtype in LOW_PRECISION]
+            moved = 0.0
+            with preserved(model), _reparametrize_module(model, weights, tie_weights=True):
+                for _ in range(steps):
+                    for w in by_id.values():
+                        w.grad = None
+                    for m in masters.values():
+                        m.grad = None
+                    run_step()
+                    for n, m in masters.items():
+                        g = weights[n].grad
+                        m.grad = None if g is None else g.float()
+                    before = [w.detach().clone() for w in low]
+                    opt.step()
+                    with torch.no_grad():
+                        for n, m in masters.items():
+                            weights[n].copy_(m)
+                        changed = sum(int((w != b).sum()) for w, b in zip(low, before, strict=True))
+                    moved += changed / max(1, sum(w.numel() for w in low))
+                loss = run_step()
+            results.append((float(torch.as_tensor(loss).detach().float().mean()), moved / max(1, steps)))
+    except Exception as exc:
+        return WhatIf(steps, math.nan, math.nan, 0.0, 0.0, time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
+    finally:
+        for p, g in saved_grads:
+            p.grad = g
+    (loss_as_is, moved_as_is), (loss_fixed, moved_fixed) = results
+    return WhatIf(steps, loss_as_is, loss_fixed, moved_as_is, moved_fixed, time.perf_counter() - start)
+
+
+def _hyper_text(optimizer: Any) -> str:
+    """The first param group's hyperparameters as keyword arguments, as the user's optimizer has them."""
+    group = optimizer.param_groups[0]
+    defaults = getattr(optimizer, "defaults", {})
+    keys = [k for k in ("lr", "betas", "momentum", "eps", "weight_decay", "nesterov") if k in group]
+    parts = []
+    for k in keys:
+        value = group[k]
+        value = float(value) if isinstance(value, torch.Tensor) else value
+        if k != "lr" and defaults.get(k) == value and k != "weight_decay":
+            continue
+        parts.append(f"{k}={value!r}")
+    return ", ".join(parts)
+
+
+def master_weights_code(optimizer: Any) -> str:
+    """fp32 master weights for the user's own optimizer class and settings, as pasteable code."""
+    cls = type(optimizer)
+    module = "torch.optim" if cls.__module__.startswith("torch.optim") else cls.__module__
+    return (
+        "params = [p for p in model.parameters() if p.requires_grad]  # bf16/fp16, what the model computes with\n"
+        "masters = [p.detach().float().requires_grad_() for p in params]  # fp32 copies: +4 bytes per parameter\n"
+        f"optimizer = {module}.{cls.__name__}(masters, {_hyper_text(optimizer)})  # its state in fp32 too\n"
+        "# each step, after loss.backward():\n"
+        "for p, m in zip(params, masters):\n"
+        "    m.grad = p.grad.float()\n"
+        "    p.grad = None\n"
+        "optimizer.step()\n"
+        "optimizer.zero_grad(set_to_none=True)\n"
+        "with torch.no_grad():\n"
+        "    for p, m in zip(params, masters):\n"
+        "        p.copy_(m)  # the rounding happens once, here, not inside every update"
+    )
+
+
+def stochastic_rounding_hint(optimizer: Any) -> str:
+    """torchao's bf16 optimizer with stochastic rounding, where torchao is installed."""
+    import importlib.util
+
+    name = type(optimizer).__name__
+    if name not in ("AdamW", "Adam"):
+        return "a bf16 optimizer with stochastic rounding (torchao.optim's AdamW, bf16_stochastic_round=True)"
+    if importlib.util.find_spec("torchao") is None:
+        return (
+            f"torchao's {name} with bf16_stochastic_round=True (pip install torchao; "
+            f"torchao.optim.{name}(params, ..., bf16_stochastic_round=True))"
+        )
+    return f"torchao.optim.{name}(model.parameters(), ..., bf16_stochastic_round=True) (torchao is installed)"

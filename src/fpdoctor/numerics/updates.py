@@ -1,0 +1,489 @@
+"""What an optimizer step did to low-precision weights, measured on a sample of each parameter.
+
+A bf16 weight of magnitude 0.05 sits between neighbours 2^-12 apart; an update below half that gap
+is rounded away and the weight does not move at all. Nothing goes NaN: the loss just stops falling.
+To see it, each bf16/fp16 trainable parameter gets a fixed random sample of element indices (at most
+`SAMPLE`, drawn once from a private generator: the user's RNG is not touched). On a measured step:
+
+- before `optimizer.step()`, the sampled weights, gradients and optimizer state are copied to fp32
+  and the same optimizer class with the same hyperparameters steps that copy (a *shadow*): its
+  change is the update the step intends, in fp32. Only optimizers whose update is elementwise
+  (SGD, Adam, AdamW, ...) can be shadowed on a sample; others are said not to be judged.
+- after the step, the sampled weights again: an element bit-identical after the step although its
+  intended update was non-zero was *rounded away*. Weight decay is counted apart (`lr*wd*|w|`
+  against half the spacing, where the decay is a term of its own: AdamW's decoupled one, SGD's).
+- low-precision optimizer state (Adam's exp_avg_sq in bf16) is judged the same way: what the
+  shadow's fp32 state became against what the low-precision state became (unchanged although the
+  fp32 one moved: stalled; zero although the fp32 one is not: flushed).
+- gradients accumulated over micro-batches in a bf16/fp16 `.grad`: a hook on each parameter adds
+  every incoming micro-batch gradient, sampled, into an fp32 sum, against the `.grad` the
+  low-precision accumulator holds at the end of the window (`GradAccumulation`).
+
+Everything is computed on the device and read back once per measured step (`UpdateSample.read`);
+steps are measured every `every`-th optimizer step, so the cost is a fraction of that.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+SAMPLE = 256  # elements per parameter: a share measured on 256 has a standard error under 3.2%
+EVERY = 10  # measure every 10th optimizer step (the first one too)
+# optimizers whose update of an element depends on that element's weight, gradient and state only
+# (and on scalars): a shadow step on a sample computes exactly what the step does to those elements
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad")
+# a decay that is a term of its own in the update: decoupled (AdamW's), or SGD's, which adds
+# wd*w to the gradient before anything rescales it
+_DECOUPLED = ("AdamW", "SGD")
+# the numbers per parameter read back, in this order
+_COLUMNS = ("intended", "rounded", "decay_considered", "decay_lost", "sq_intended", "sq_actual", "sq_weight", "log2")
+# A parameter has lost its updates when half its sampled non-zero updates were rounded away (an
+# element moves on at most every other step: the optimizer's direction is no longer followed); the
+# finding needs such parameters to hold a quarter of the low-precision weights, so that one small
+# tensor near convergence (a bias whose gradient is ~0) does not make it.
+ROUNDED_SHARE = 0.5
+AFFECTED_SHARE = 0.25
+# A low-precision sum 5% off its fp32 twin: bf16's own rounding of a sum is ~0.4% (2^-8); 5% is
+# additions lost, not rounding noise.
+ACCUMULATED_ERROR = 0.05
+# Half the state elements the fp32 step changes left as they were (or flushed): the state no longer
+# follows the gradients.
+STALLED_SHARE = 0.5
+
+
+def spacing(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The gap between neighbouring `dtype` values at |w| (fp32 in, fp32 out): 2^(e-1) * eps for
+    |w| in [2^(e-1), 2^e), and the subnormal spacing below the smallest normal."""
+    info = torch.finfo(dtype)
+    _, e = torch.frexp(w)
+    gap = torch.ldexp(torch.full_like(w, info.eps), e - 1)
+    # zero (frexp's exponent 0) and subnormals: the subnormal spacing
+    return gap.where(w != 0, torch.zeros_like(gap)).clamp(min=info.tiny * info.eps)
+
+
+def shadowable(optimizer: Any) -> str | None:
+    """None when a shadow step on a sample computes what `optimizer` does; else why not."""
+    name = type(optimizer).__name__
+    if type(optimizer).__module__.split(".")[:2] != ["torch", "optim"] or name not in ELEMENTWISE:
+        return f"{name}'s update is not known to be elementwise, so a sample cannot be stepped on its own"
+    return None
+
+
+@dataclass
+class ParamUpdate:
+    """One parameter's measured step (host numbers)."""
+
+    name: str
+    dtype: str
+    numel: int
+    sampled: int
+    intended: int  # sampled elements whose fp32 update was non-zero
+    rounded: int  # of those, bit-identical after the step
+    decay_considered: int
+    decay_lost: int
+    update_rms: float  # the intended update's RMS over the sample
+    actual_rms: float  # what the step did to the low-precision weights
+    weight_rms: float
+    typical_ratio: float  # geometric mean of |intended update| / spacing at the weight
+
+    @property
+    def rounded_share(self) -> float:
+        return self.rounded / self.intended if self.intended else 0.0
+
+    @property
+    def decay_lost_share(self) -> float | None:
+        return self.decay_lost / self.decay_considered if self.decay_considered else None
+
+    @property
+    def update_to_weight(self) -> float:
+        return self.update_rms / self.weight_rms if self.weight_rms else math.inf
+
+
+@dataclass
+class StateUpdate:
+    """One low-precision optimizer-state tensor kind (exp_avg_sq) over the sampled parameters."""
+
+    key: str
+    dtype: str
+    parameters: list[str]
+    changed: int  # sampled elements the fp32 shadow changed
+    stalled: int  # of those, bit-identical in the low-precision state
+    flushed: int  # of those, zero in the low-precision state
+
+    @property
+    def lost_share(self) -> float:
+        return (self.stalled + self.flushed) / self.changed if self.changed else 0.0
+
+
+@dataclass
+class UpdateStats:
+    """One measured optimizer step, or why none could be measured (`why_not`)."""
+
+    step: int
+    optimizer: str
+    params: list[ParamUpdate] = field(default_factory=list)
+    states: list[StateUpdate] = field(default_factory=list)
+    hyper: dict[str, Any] = field(default_factory=dict)  # lr, weight_decay of the first group
+    # gradients accumulated over micro-batches: (parameter, dtype, additions, relative error, low/fp32 norm)
+    grads: list[tuple[str, str, int, float, float]] = field(default_factory=list)
+    why_not: str | None = None
+
+
+def rounded_away(stats: UpdateStats) -> list[ParamUpdate]:
+    """The parameters that lost their updates, most weights lost first, when they hold enough of the weights."""
+    lost = [p for p in stats.params if p.rounded_share >= ROUNDED_SHARE]
+    total = sum(p.numel for p in stats.params)
+    if not lost or sum(p.numel for p in lost) < AFFECTED_SHARE * total:
+        return []
+    return sorted(lost, key=lambda p: -p.rounded_share * p.numel)  # the most weights that stopped first
+
+
+def stalled_states(stats: UpdateStats) -> list[StateUpdate]:
+    return [s for s in stats.states if s.changed and s.lost_share >= STALLED_SHARE]
+
+
+def stalled_grads(stats: UpdateStats) -> list[tuple[str, str, int, float, float]]:
+    return sorted((g for g in stats.grads if g[3] >= ACCUMULATED_ERROR), key=lambda g: -g[3])
+
+
+@dataclass
+class UpdateSummary:
+    """What the run's measured steps judged, for the report's line (an OK says what it covered)."""
+
+    steps: int = 0
+    every: int = EVERY
+    params: int = 0
+    dtypes: set[str] = field(default_factory=set)
+    worst: float = 0.0
+    worst_name: str | None = None
+    why_not: str | None = None
+
+    def add(self, stats: UpdateStats) -> None:
+        if stats.why_not is not None:
+            self.why_not = stats.why_not
+            return
+        self.steps += 1
+        self.params = max(self.params, len(stats.params))
+        self.dtypes.update(p.dtype for p in stats.params)
+        total = sum(p.numel for p in stats.params)
+        share = sum(p.rounded_share * p.numel for p in stats.params) / total if total else 0.0
+        if share >= self.worst:  # weighted by size: a one-element bias does not speak for the model
+            self.worst, self.worst_name = share, f"step {stats.step}"
+
+    def text(self) -> str:
+        if not self.steps:
+            return f"not judged: {self.why_not}" if self.why_not else "not judged yet: no optimizer step measured"
+        dtypes = "/".join(sorted(self.dtypes))
+        return (
+            f"judged on {self.steps} step(s) (every {self.every}th, {SAMPLE} sampled elements per parameter): "
+            f"{self.params} {dtypes} parameter(s), at most {self.worst:.0%} of the weights' updates rounded away "
+            f"({self.worst_name}, weighted by parameter size)"
+        )
+
+
+@dataclass
+class UpdateSample:
+    """What `UpdateProbe.before` took, device tensors: the after-step gathers complete it."""
+
+    step: int
+    tracked: list[int]  # indices into the probe's parameters
+    before: torch.Tensor  # sampled weights, fp32, concatenated
+    intended: torch.Tensor  # the shadow's update, fp32
+    decay: torch.Tensor  # lr*wd*|w| where the decay is a term of its own, else NaN
+    segment: torch.Tensor  # which tracked parameter each element belongs to
+    gap: torch.Tensor  # the dtype's spacing at each sampled weight
+    states: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]]  # key, param, before, shadow before/after
+    stats: torch.Tensor | None = None
+    state_stats: torch.Tensor | None = None
+
+
+class UpdateProbe:
+    """Measures optimizer steps on the sampled elements of the low-precision trainable parameters."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        sample: int = SAMPLE,
+        every: int = EVERY,
+        seed: int = 0,
+    ) -> None:
+        if sample < 1 or every < 1:
+            raise ValueError("sample and every must be >= 1")
+        self.optimizer = optimizer
+        self.every = every
+        in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        named = [
+            (name, p)
+            for name, p in model.named_parameters()
+            if p.requires_grad and p.dtype in LOW_PRECISION and id(p) in in_optimizer
+        ]
+        self.names = [name for name, _ in named]
+        self.params = [p for _, p in named]
+        gen = torch.Generator().manual_seed(seed)  # a private generator: the user's RNG stays as it was
+        self.index = [
+            (
+                torch.randperm(p.numel(), generator=gen)[:sample]
+                if p.numel() <= 1 << 24
+                else torch.randint(p.numel(), (sample,), generator=gen)
+            )
+            .sort()
+            .values.to(p.device)
+            for p in self.params
+        ]
+        self.why_not = shadowable(optimizer) if self.params else None
+        self.measured = 0
+
+    @property
+    def low_precision(self) -> bool:
+        return bool(self.params)
+
+    def due(self, step: int) -> bool:
+        return self.low_precision and self.why_not is None and (step - 1) % self.every == 0
+
+    # -- before the step -------------------------------------------------------------------------
+    def before(self, step: int) -> UpdateSample | None:
+        """Gather the sample and step the fp32 shadow; None when no parameter has a gradient."""
+        opt = self.optimizer
+        group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+        tracked = [i for i, p in enumerate(self.params) if p.grad is not None and not p.grad.is_sparse]
+        if not tracked:
+            return None
+        with torch.no_grad():
+            shadows: list[tuple[int, torch.Tensor]] = []
+            groups: dict[int, tuple[dict[str, Any], list[torch.Tensor]]] = {}
+            states: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+            befores, decays, segments = [], [], []
+            for seg, i in enumerate(tracked):
+                p, idx = self.params[i], self.index[i]
+                w = p.detach().reshape(-1)[idx].float()
+                shadow = w.clone().requires_grad_(True)
+                grad = p.grad
+                assert grad is not None  # tracked: only parameters with a gradient
+                shadow.grad = grad.detach().reshape(-1)[idx].float()
+                group = group_of[id(p)]
+                groups.setdefault(id(group), (group, []))[1].append(shadow)
+                shadows.append((i, shadow))
+                befores.append(w)
+                decays.append(_decay(opt, group, w))
+                segments.append(torch.full_like(idx, seg))
+            shadow_opt = _shadow_optimizer(opt, [(g, ps) for g, ps in groups.values()])
+            for i, shadow in shadows:
+                state = opt.state.get(self.params[i], {})
+                copied = {}
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.shape == self.params[i].shape:
+                        low = value.detach().reshape(-1)[self.index[i]]
+                        copied[key] = low.float()
+                        if value.dtype in LOW_PRECISION:
+                            states.append((key, i, low.clone(), copied[key].clone(), copied[key]))
+                    elif isinstance(value, torch.Tensor):
+                        copied[key] = value.clone()
+                    else:
+                        copied[key] = value
+                if copied:
+                    shadow_opt.state[shadow] = copied
+            start = torch.cat([s.detach().clone() for _, s in shadows])
+            shadow_opt.step()
+            intended = torch.cat([s.detach() for _, s in shadows]) - start
+        return UpdateSample(
+            step,
+            tracked,
+            torch.cat(befores),
+            intended,
+            torch.cat(decays),
+            torch.cat(segments),
+            _spacings(befores, [self.params[i].dtype for i in tracked]),
+            states,
+        )
+
+    # -- after the step --------------------------------------------------------------------------
+    def after(self, sample: UpdateSample) -> None:
+        """Gather the sampled weights after the step and reduce everything on the device."""
+        with torch.no_grad():
+            after = torch.cat([self.params[i].detach().reshape(-1)[self.index[i]].float() for i in sample.tracked])
+            before, intended = sample.before, sample.intended
+            gap = sample.gap
+            nonzero = intended != 0
+            rounded = nonzero & (after == before)
+            decay_ok = ~torch.isnan(sample.decay)
+            decay_lost = decay_ok & (sample.decay < gap / 2)
+            actual = after - before
+            ratio = (intended.abs() / gap).clamp(min=1e-30).log2().where(nonzero, torch.zeros_like(gap))
+            columns = torch.stack(
+                [nonzero, rounded, decay_ok, decay_lost, intended**2, actual**2, before**2, ratio], dim=1
+            ).double()
+            stats = torch.zeros(len(sample.tracked), len(_COLUMNS), dtype=torch.float64, device=columns.device)
+            stats.index_add_(0, sample.segment, columns)
+            sample.stats = stats
+            if sample.states:
+                rows = []
+                for key, i, low_before, shadow_before, shadow_after in sample.states:
+                    low_after = self.optimizer.state[self.params[i]][key].detach().reshape(-1)[self.index[i]]
+                    changed = shadow_after != shadow_before
+                    rows.append(
+                        torch.stack(
+                            [
+                                changed.sum(),
+                                (changed & (low_after == low_before)).sum(),
+                                (changed & (low_after == 0) & (low_before != 0)).sum(),
+                            ]
+                        )
+                    )
+                sample.state_stats = torch.stack(rows).double()
+
+    def read(self, sample: UpdateSample) -> UpdateStats:
+        """The host numbers of a measured step: one read back."""
+        assert sample.stats is not None
+        parts = [sample.stats.flatten()] + ([] if sample.state_stats is None else [sample.state_stats.flatten()])
+        values = torch.cat(parts).tolist()
+        width = len(_COLUMNS)
+        params = []
+        for seg, i in enumerate(sample.tracked):
+            row = dict(zip(_COLUMNS, values[seg * width : (seg + 1) * width], strict=True))
+            n = len(self.index[i])
+            params.append(
+                ParamUpdate(
+                    name=self.names[i],
+                    dtype=str(self.params[i].dtype).removeprefix("torch."),
+                    numel=self.params[i].numel(),
+                    sampled=n,
+                    intended=int(row["intended"]),
+                    rounded=int(row["rounded"]),
+                    decay_considered=int(row["decay_considered"]),
+                    decay_lost=int(row["decay_lost"]),
+                    update_rms=math.sqrt(row["sq_intended"] / n),
+                    actual_rms=math.sqrt(row["sq_actual"] / n),
+                    weight_rms=math.sqrt(row["sq_weight"] / n),
+                    typical_ratio=2 ** (row["log2"] / row["intended"]) if row["intended"] else 0.0,
+                )
+            )
+        states: dict[str, StateUpdate] = {}
+        offset = len(sample.tracked) * width
+        for r, (key, i, low, _, _) in enumerate(sample.states):
+            changed, stalled, flushed = values[offset + 3 * r : offset + 3 * r + 3]
+            state = states.setdefault(key, StateUpdate(key, str(low.dtype).removeprefix("torch."), [], 0, 0, 0))
+            state.parameters.append(self.names[i])
+            state.changed += int(changed)
+            state.stalled += int(stalled)
+            state.flushed += int(flushed)
+        self.measured += 1
+        group = self.optimizer.param_groups[0]
+        hyper: dict[str, Any] = {k: _plain(group[k]) for k in ("lr", "weight_decay") if k in group}
+        return UpdateStats(sample.step, type(self.optimizer).__name__, params, list(states.values()), hyper)
+
+    def measure(self, step: int, run_step: Callable[[], Any]) -> UpdateStats | None:
+        """before, `run_step()` (the optimizer's step), after, read: for a front end that steps on the host."""
+        sample = self.before(step)
+        result = run_step()
+        if sample is None:
+            return None
+        self.after(sample)
+        del result
+        return self.read(sample)
+
+
+def _spacings(weights: list[torch.Tensor], dtypes: list[torch.dtype]) -> torch.Tensor:
+    """`spacing` of every sampled weight, one call per dtype (usually one in all): a few small ops
+    per parameter would cost more than the rest of the check."""
+    if len(set(dtypes)) == 1:
+        return spacing(torch.cat(weights), dtypes[0])
+    return torch.cat([spacing(w, dtype) for w, dtype in zip(weights, dtypes, strict=True)])
+
+
+def _plain(value: Any) -> Any:
+    return float(value) if isinstance(value, torch.Tensor) else value
+
+
+def _decay(opt: Any, group: dict[str, Any], w: torch.Tensor) -> torch.Tensor:
+    """lr*wd*|w| where the decay is a term of its own in the update, else NaN (not counted)."""
+    wd = float(group.get("weight_decay") or 0.0)
+    decoupled = type(opt).__name__ in _DECOUPLED or bool(group.get("decoupled_weight_decay"))
+    if not wd or not decoupled:
+        return torch.full_like(w, math.nan)
+    return float(group["lr"]) * wd * w.abs()
+
+
+def _shadow_optimizer(opt: Any, groups: Iterable[tuple[dict[str, Any], list[torch.Tensor]]]) -> Any:
+    """The same optimizer class and hyperparameters over the fp32 sample (single-tensor or foreach
+    path: a fused kernel may not take the sample's device)."""
+    param_groups = []
+    for group, params in groups:
+        settings = {k: v for k, v in group.items() if k not in ("params", "fused", "foreach", "capturable")}
+        param_groups.append({**settings, "params": params})
+    return type(opt)(param_groups)
+
+
+class GradAccumulation:
+    """Micro-batch gradients summed in fp32 on the sample, against what the low-precision `.grad` holds.
+
+    `start()` hooks every low-precision parameter (the hook only reads the incoming gradient and
+    returns None: the gradient is unchanged); `finish()` removes the hooks and reduces."""
+
+    def __init__(self, probe: UpdateProbe) -> None:
+        self.probe = probe
+        self._handles: list[Any] = []
+        self._sums: dict[int, torch.Tensor] = {}
+        self._adds: dict[int, int] = {}
+
+    def start(self) -> None:
+        self.stop()
+        self._sums, self._adds = {}, {}
+        for i, p in enumerate(self.probe.params):
+            self._handles.append(p.register_hook(self._adder(i, p)))
+
+    def _adder(self, i: int, p: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        idx = self.probe.index[i]
+
+        def add(grad: torch.Tensor) -> None:
+            try:
+                with torch.no_grad():
+                    if i not in self._sums:  # what .grad already holds is where the sum starts
+                        held = p.grad
+                        self._sums[i] = (
+                            held.detach().reshape(-1)[idx].float()
+                            if held is not None
+                            else torch.zeros(len(idx), device=idx.device)
+                        )
+                        self._adds[i] = 0
+                    self._sums[i] += grad.detach().reshape(-1)[idx].float()
+                    self._adds[i] += 1
+            except Exception:  # the observer never raises into backward; the window is not judged
+                self._sums.pop(i, None)
+
+        return add
+
+    def stop(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def finish(self) -> list[tuple[str, str, int, float, float]] | None:
+        """(parameter, dtype, additions, |fp32 sum - low-precision sum| / |fp32 sum|, |low| / |fp32|) per
+        parameter summed over more than one micro-batch; one read back. None: nothing to judge."""
+        self.stop()
+        rows, meta = [], []
+        with torch.no_grad():
+            for i, total in self._sums.items():
+                p = self.probe.params[i]
+                if p.grad is None or self._adds.get(i, 0) < 2:
+                    continue
+                held = p.grad.detach().reshape(-1)[self.probe.index[i]].double()
+                exact = total.double()
+                rows.append(torch.stack([(exact - held).norm(), exact.norm(), held.norm()]))
+                meta.append((self.probe.names[i], str(p.dtype).removeprefix("torch."), self._adds[i]))
+        self._sums = {}
+        if not rows:
+            return None
+        values = torch.stack(rows).tolist()
+        return [
+            (name, dtype, adds, err / norm if norm else 0.0, held / norm if norm else 1.0)
+            for (name, dtype, adds), (err, norm, held) in zip(meta, values, strict=True)
+        ]

@@ -1,0 +1,285 @@
+"""Silent precision loss in training: updates rounded away, accumulators that stop growing.
+
+Each class is reproduced on a small regression model: pure bf16/fp16 weights stepped by AdamW/SGD
+at a learning rate that trains the fp32 model, weight decay on its own, bf16 gradients accumulated
+over many micro-batches, bf16 Adam state; fp32 master weights and autocast over fp32 weights are
+the clean twins.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fpdoctor
+from fpdoctor import catalog
+from fpdoctor.numerics.updates import UpdateProbe, spacing
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(128, 32, generator=gen)
+    return x, torch.sin(x[:, :4] * 2).sum(dim=1, keepdim=True)
+
+
+def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 1)).to(dtype)
+
+
+def _step_fn(model: nn.Module, opt: torch.optim.Optimizer, dtype: torch.dtype):
+    x, y = _data()
+
+    def step() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = ((model(x.to(dtype)).float() - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    return step
+
+
+def _guarded(dtype, make_opt, steps, **kwargs):
+    model = _model(dtype)
+    opt = make_opt(model.parameters())
+    guard = fpdoctor.Sentinel(model, opt, **kwargs)
+    step = _step_fn(model, opt, dtype)
+    for _ in range(steps):
+        guard.step(step)
+    return guard.report, model
+
+
+def test_catalogue_names_the_training_precision_findings():
+    assert catalog.get("update-rounded-away").code == "TRN010"
+    assert catalog.get("accumulation-stalled").code == "TRN011"
+    assert "fp32 master weights" in catalog.get("TRN010").fix
+
+
+def test_spacing_is_the_gap_between_neighbours():
+    w = torch.tensor([0.05, 1.0, -3.0, 1e-30, 0.0])
+    for dtype in (torch.bfloat16, torch.float16):
+        low = w.to(dtype)
+        # the gap to the next representable value away from zero, in the dtype itself
+        away = torch.nextafter(low, torch.where(low < 0, -1.0, 1.0).to(dtype) * float("inf")).float()
+        assert torch.equal(spacing(low.float(), dtype), (away - low.float()).abs()), dtype
+
+
+@pytest.mark.parametrize(
+    "dtype, make_opt",
+    [
+        (torch.bfloat16, lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01)),
+        (torch.bfloat16, lambda ps: torch.optim.SGD(ps, lr=1e-2)),
+        (torch.float16, lambda ps: torch.optim.Adam(ps, lr=5e-6, eps=1e-4)),  # fine-tuning lr, fp16-safe eps
+        (torch.float16, lambda ps: torch.optim.SGD(ps, lr=2e-3)),  # fp16 holds 3 more bits than bf16
+    ],
+    ids=["bf16-adamw", "bf16-sgd", "fp16-adam", "fp16-sgd"],
+)
+def test_low_precision_weights_lose_their_updates(dtype, make_opt):
+    report, _ = _guarded(dtype, make_opt, 3, what_if_steps=0)
+    [found] = report.by_name("update-rounded-away")
+    names = [p["name"] for p in found.evidence["parameters"]]
+    assert "0.weight" in names  # the large first layer: small gradients, weights ~0.1
+    assert found.evidence["dtype"] == str(dtype).removeprefix("torch.")
+    assert found.where["phase"] == "optimizer" and found.where["module"] == "0"
+    first = found.evidence["parameters"][0]
+    assert first["rounded_share"] >= 0.5 and first["update_over_spacing"] < 0.5
+    assert "not tried" in found.message
+    assert "training updates" in dict(report.data["summary"])
+
+
+def test_weight_decay_alone_is_lost():
+    model = _model(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    guard = fpdoctor.Sentinel(model, opt, what_if_steps=0)
+    x, _ = _data()
+
+    def step() -> torch.Tensor:  # a loss with no gradient: the decay is the only update
+        opt.zero_grad(set_to_none=True)
+        loss = model(x.bfloat16()).float().sum() * 0.0
+        loss.backward()
+        return loss
+
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(3):
+        guard.step(step)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    [found] = guard.report.by_name("update-rounded-away")
+    assert all(p["rounded_share"] == 1.0 and p["decay_lost_share"] == 1.0 for p in found.evidence["parameters"])
+    assert "lost entirely" in found.message
+
+
+def test_the_fix_is_tried_and_the_printed_fix_closes_the_gap():
+    """The finding's own fp32-master-weights code, run as printed, gets most of the way to fp32."""
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01)  # noqa: E731
+    report, _ = _guarded(torch.bfloat16, adamw, 1, what_if_steps=8)
+    [found] = report.by_name("update-rounded-away")
+    tried = found.evidence["what_if"]
+    assert tried["steps"] == 8 and tried["moved_fp32_master"] > tried["moved_as_is"]
+    assert tried["loss_fp32_master"] <= tried["loss_as_is"]
+    assert "Tried: with fp32 master weights" in found.message and "(checked" in found.message
+    code = found.fix.split("1. ", 1)[1].split("\n2. ", 1)[0].split(":\n", 1)[1]
+    setup, each_step = code.split("# each step, after loss.backward():\n")
+    assert "torch.optim.AdamW(masters, lr=0.0001, weight_decay=0.01)" in setup
+
+    x, y = _data()
+    steps = 150
+
+    def train(dtype, fixed):
+        model = _model(dtype)
+        space = {"torch": torch, "model": model}
+        if fixed:
+            exec(setup, space)
+            opt = space["optimizer"]
+        else:
+            opt = adamw(model.parameters())
+        for _ in range(steps):
+            loss = ((model(x.to(dtype)).float() - y) ** 2).mean()
+            loss.backward()
+            if fixed:
+                exec(each_step, space)
+            else:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            return float(((model(x.to(dtype)).float() - y) ** 2).mean())
+
+    fp32, bf16, fixed = train(torch.float32, False), train(torch.bfloat16, False), train(torch.bfloat16, True)
+    assert bf16 - fp32 > 0.02  # the stall is real in this reproduction
+    assert abs(fixed - fp32) < 0.3 * (bf16 - fp32), (fp32, bf16, fixed)
+
+
+def test_bf16_gradient_accumulation_stalls():
+    micro = 512
+    model = _model(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = fpdoctor.Sentinel(model, opt, accumulate=micro, what_if_steps=0)
+    x, y = _data()
+
+    def step() -> torch.Tensor:  # forward and backward only: the sentinel steps every `micro` calls
+        loss = ((model(x[:16].bfloat16()).float() - y[:16]) ** 2).mean()
+        loss.backward()
+        return loss
+
+    for _ in range(micro):
+        guard.step(step)
+    found = [f for f in guard.report.by_name("accumulation-stalled") if f.evidence["kind"] == "gradient-accumulation"]
+    assert len(found) == 1
+    assert found[0].evidence["micro_batches"] == micro and found[0].where["phase"] == "backward"
+    assert "0.weight" in [p["name"] for p in found[0].evidence["parameters"]]
+
+    # the printed fix: add each micro-batch's gradient into an fp32 buffer
+    def summed(fp32_buffer: bool) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        acc = torch.zeros_like(model[0].weight, dtype=torch.float32)
+        for _ in range(micro):
+            step()
+            if fp32_buffer:
+                acc += model[0].weight.grad.float()
+                model[0].weight.grad = None
+        return acc if fp32_buffer else model[0].weight.grad.float()
+
+    model64 = _model(torch.float64)
+    model64.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    loss = ((model64(x[:16].double()) - y[:16].double()) ** 2).mean()
+    (exact,) = torch.autograd.grad(loss, model64[0].weight)
+    exact = exact * micro
+    low, fixed = summed(False), summed(True)
+    err_low = float((low.double() - exact).norm() / exact.norm())
+    err_fixed = float((fixed.double() - exact).norm() / exact.norm())
+    assert err_low > 0.05 and err_fixed < 0.2 * err_low, (err_low, err_fixed)
+
+
+def test_bf16_optimizer_state_stalls():
+    report, _ = _guarded(
+        torch.bfloat16,
+        lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+        301,
+        check_updates=100,
+        what_if_steps=0,
+    )
+    states = [f for f in report.by_name("accumulation-stalled") if f.evidence["kind"] == "optimizer-state"]
+    assert [f.evidence["state"] for f in states] == ["exp_avg_sq"]
+    assert states[0].evidence["count"] >= 0.5 * states[0].evidence["numel"]
+
+
+def test_fp32_master_weights_give_no_finding():
+    model = _model(torch.bfloat16)
+    params = list(model.parameters())
+    masters = [p.detach().float().requires_grad_() for p in params]
+    opt = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.01)
+    guard = fpdoctor.Sentinel(model, opt)
+    x, y = _data()
+
+    def step() -> torch.Tensor:
+        with torch.no_grad():
+            for p, m in zip(params, masters, strict=True):
+                p.copy_(m)
+        loss = ((model(x.bfloat16()).float() - y) ** 2).mean()
+        loss.backward()
+        for p, m in zip(params, masters, strict=True):
+            m.grad, p.grad = p.grad.float(), None
+        return loss
+
+    for _ in range(12):
+        guard.step(step)
+    assert guard.report.findings == []
+
+
+def test_autocast_over_fp32_weights_gives_no_finding():
+    model = _model(torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    guard = fpdoctor.Sentinel(model, opt)
+    x, y = _data()
+
+    def step() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        loss = ((out.float() - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    for _ in range(12):
+        guard.step(step)
+    assert guard.report.findings == []
+    assert "training updates" not in dict(guard.report.data["summary"])  # nothing low-precision to judge
+
+
+def test_an_ok_says_the_updates_were_judged():
+    report, _ = _guarded(torch.bfloat16, lambda ps: torch.optim.SGD(ps, lr=0.5), 11)
+    assert report.by_name("update-rounded-away") == []
+    line = dict(report.data["summary"])["training updates"]
+    assert line.startswith("judged on 2 step(s)") and "bfloat16" in line
+
+
+def test_an_optimizer_that_cannot_be_shadowed_is_said_not_judged():
+    class Mine(torch.optim.SGD):
+        pass
+
+    report, _ = _guarded(torch.bfloat16, lambda ps: Mine(ps, lr=1e-2), 2)
+    assert dict(report.data["summary"])["training updates"].startswith("not judged: Mine's update")
+
+
+def test_the_checks_do_not_change_the_training():
+    def run(check: int) -> list[torch.Tensor]:
+        torch.manual_seed(3)
+        _, model = _guarded(
+            torch.bfloat16, lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1), 5, check_updates=check
+        )
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(0), run(1), strict=True))
+
+
+def test_probe_leaves_rng_and_grads_alone():
+    model = _model(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    probe = UpdateProbe(model, opt, every=1)
+    _step_fn(model, opt, torch.bfloat16)()
+    grads = [p.grad.clone() for p in model.parameters()]
+    rng = torch.get_rng_state()
+    sample = probe.before(1)
+    assert sample is not None
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
