@@ -276,3 +276,21 @@ def test_the_python_api_watches_a_block_and_leaves_nothing_behind():
     assert report.data["verdicts"] == {3: "deterministic-nonfinite"}
     assert "fpdoctor watch" not in "".join(m.__class__.__module__ for m in model.modules())  # nothing added
     assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+def test_bf16_weights_whose_updates_round_away_are_named_under_watch():
+    import fpdoctor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).bfloat16()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01)  # a typical fp32 learning rate
+    g = torch.Generator().manual_seed(1)
+    with fpdoctor.watch() as w:
+        for _ in range(12):
+            x, y = torch.randn(16, 32, generator=g).bfloat16(), torch.randn(16, 1, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x).float(), y).backward()
+            opt.step()
+    (found,) = w.report.by_name("update-rounded-away")
+    assert found.evidence["dtype"] == "bfloat16" and found.evidence["occurrences"] == 2  # steps 1 and 11
+    assert any(p["name"] == "0.weight" and p["rounded_share"] > 0.9 for p in found.evidence["parameters"])

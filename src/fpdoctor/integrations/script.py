@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
 from fpdoctor.integrations import _watch as framework
@@ -47,6 +47,7 @@ from fpdoctor.numerics import amp, distributed
 from fpdoctor.numerics.gradcheck import FlagRead, grads_of, nonfinite_flag
 from fpdoctor.numerics.replay import MicroBatch, OutputsOnly
 from fpdoctor.numerics.step_judge import StepFacts, StepJudge, StepOutcome
+from fpdoctor.numerics.updates import UpdateProbe, UpdateStats
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Finding, Report
 
@@ -76,6 +77,10 @@ class _Run:
     params: list[torch.Tensor]
     modules: list[nn.Module]
     number: int  # the optimizer's number, from 1, in the order the script first stepped them
+    # low-precision weights: every `probe.every`-th applied step is measured on a sample for updates
+    # the dtype rounds away (numerics.updates); the sample taken before the step, read after it
+    probe: UpdateProbe | None = None
+    sample: Any = None
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -150,6 +155,7 @@ class ScriptWatch:
             post = module_hooks.register_module_forward_hook(self._post, with_kwargs=True, always_call=True)
             stack.callback(post.remove)
             stack.callback(register_optimizer_step_pre_hook(self._before_step).remove)
+            stack.callback(register_optimizer_step_post_hook(self._after_step).remove)
             stack.enter_context(self._swapped(torch.autograd, "backward", self._backward_of))
             scaler = amp.grad_scaler_class()
             stack.enter_context(self._swapped(scaler, "step", self._scaler_step_of))
@@ -311,6 +317,16 @@ class ScriptWatch:
         )
         self._optimizers.append(optimizer)
         run = _Run(judge, params, modules, len(self.runs) + 1)
+        try:
+            probe = UpdateProbe(model, optimizer)
+            if probe.low_precision:
+                run.probe = probe
+                if probe.why_not is not None:  # said once; the check stays off for this optimizer
+                    stats = UpdateStats(0, type(optimizer).__name__, why_not=probe.why_not)
+                    judge.updates(stats, every=probe.every)
+                    run.probe = None
+        except Exception as exc:
+            judge.error("preparing the update check", exc)
         self.runs[id(optimizer)] = run
         return run
 
@@ -373,6 +389,24 @@ class ScriptWatch:
         # has no snapshot to undo to: its forward ran before the watch knew its model)
         judge.begin_window()
         self._tell(run, outcome)
+        probe = run.probe
+        if probe is not None and outcome.finite and not skipped_by_scaler and probe.due(judge.steps):
+            try:  # the sample and the step's intended update in fp32, before the step applies it
+                run.sample = probe.before(judge.steps)
+            except Exception as exc:
+                run.sample = None
+                judge.error("measuring the optimizer's updates", exc)
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        run = self.runs.get(id(optimizer))
+        if run is None or run.probe is None or run.sample is None:
+            return
+        sample, run.sample = run.sample, None
+        try:
+            run.probe.after(sample)
+            run.judge.updates(run.probe.read(sample), every=run.probe.every)
+        except Exception as exc:
+            run.judge.error("measuring the optimizer's updates", exc)
 
     def _why_not(self, calls: list[_Call]) -> str | None:
         if not calls:
