@@ -43,6 +43,7 @@ bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/bench_progress.py
 	$(BIN)/python benchmarks/bench_integrations.py
 	$(BIN)/python benchmarks/bench_record.py
+	$(BIN)/python benchmarks/bench_watch.py
 	$(BIN)/python benchmarks/bench_updates.py
 
 # Every GPU path on a machine with an NVIDIA GPU, within 8 minutes; without one it says so and exits 0.
