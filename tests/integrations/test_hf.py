@@ -206,15 +206,18 @@ class OwnLoss(transformers.Trainer):
         return (loss, logits) if return_outputs else loss
 
 
-def test_a_loss_outside_the_model_is_checked_through_the_gradients_but_not_replayed(tmp_path):
+def test_a_loss_outside_the_model_is_replayed_from_the_gradients_at_its_outputs(tmp_path):
     report, weights, _ = _train(
         tmp_path, fault=lambda model, box: poison_activation(model, _at(box, 3)), trainer_class=OwnLoss
     )
     (grad,) = report.by_name("nonfinite-gradient")
     assert grad.evidence["step"] == 3
-    assert grad.evidence["replay"].startswith("not replayed: the loss is computed outside the model")
-    assert grad.evidence["spread"] is True  # read after the Trainer's gradient norm: every gradient NaN
-    assert report.data["verdicts"] == {3: "not-replayed"}
+    # it never saw the loss: it does not say the loss was finite
+    assert "the loss was finite" not in grad.message and "computed outside the model's forward" in grad.message
+    # replayed as it ran: the model's forward, and the backward from the gradients at its outputs
+    assert report.data["verdicts"] == {3: "deterministic-nonfinite"}
+    (verdict,) = report.by_name("deterministic-nonfinite")
+    assert verdict.where["module"].startswith("transformer.h.0.mlp")  # where the hook wrote the NaN
     assert same(weights.after[2], weights.after[3])
 
 

@@ -147,6 +147,7 @@ class StepWatch(JudgedSteps):
         self._micros: list[_Micro] = []
         self._why_not: str | None = None  # why the current window cannot be replayed
         self._checked: Check | None = None
+        self._loss_unseen = False  # a micro-batch of the window computed its loss where no hook sees it
         ACTIVE.add(self)
 
     @property
@@ -191,6 +192,19 @@ class StepWatch(JudgedSteps):
         """The current micro-batch's inputs, as the replay will pass them to `step_fn`."""
         if self._micros:
             self._micros[-1].args, self._micros[-1].kwargs = tuple(args), dict(kwargs)
+
+    def loss_unseen(self) -> None:
+        """The current micro-batch's loss is computed where the callback cannot see it."""
+        self._loss_unseen = True
+
+    @property
+    def last_check_finite(self) -> bool:
+        """The window's flags, read by `check`, show a finite step."""
+        return self._checked is not None and self._checked.finite
+
+    def window_args(self, kind: type) -> list[Any]:
+        """The current window's recorded arguments of type `kind` (what the callback passed in)."""
+        return [a for m in self._micros for a in (m.args or ()) if isinstance(a, kind)]
 
     def cannot_replay(self, why: str) -> None:
         """The current window cannot be replayed faithfully; a bad step says why instead of a verdict."""
@@ -254,7 +268,7 @@ class StepWatch(JudgedSteps):
                 and not checked.finite
                 and not (self.scaler is not None and checked.bad_grad)
             )
-            self._micros, self._checked, self._why_not = [], None, None
+            self._micros, self._checked, self._why_not, self._loss_unseen = [], None, None, False
             if skip:
                 for p in params if params is not None else self._params:
                     p.grad = None
@@ -317,6 +331,7 @@ class StepWatch(JudgedSteps):
             micro_batches=len(window),
             why_not=why,
             spread=c.spread,
+            loss_seen=not self._loss_unseen,
             seen=c.seen,
         )
 

@@ -22,11 +22,12 @@ it at `on_train_begin`, removed at `on_train_end`):
   logs look healthy; the callback adds `nonfinite_steps` (how many since the last
   log) to that log entry and to `state.log_history`, and names each such step in a warning.
 
-What it cannot do: see a loss computed outside the model's forward (`compute_loss` overridden,
-`compute_loss_func`, label smoothing): the gradients are still checked and bad steps skipped,
-but they are not replayed ("not replayed: ..."); replay a micro-batch that ran the model more
-than once; stop the learning-rate scheduler from advancing on a step it skipped (the Trainer
-only holds it back for the GradScaler's own skips).
+A loss computed outside the model's forward (`compute_loss` overridden, `compute_loss_func`,
+label smoothing) is not seen: the gradients are still checked and a bad step skipped, and its
+replay runs the model's forward and the backward from the gradients that arrived at the model's
+outputs (`_outputs.py`), so the op of origin inside the model is still named. What it cannot do:
+replay a micro-batch that ran the model more than once; stop the learning-rate scheduler from
+advancing on a step it skipped (the Trainer only holds it back for the GradScaler's own skips).
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ import torch
 from torch import nn
 
 from fpdoctor.integrations import _report
+from fpdoctor.integrations._outputs import KeptGradients, backward_from
 from fpdoctor.integrations._watch import StepWatch, guarded
 from fpdoctor.numerics import distributed
+from fpdoctor.numerics.replay import OutputsOnly
 from fpdoctor.report.model import Report
 
-NO_LOSS = "the loss is computed outside the model's forward (compute_loss, compute_loss_func or label smoothing)"
 TWICE = "the model ran more than once in one micro-batch"
 
 
@@ -82,6 +84,7 @@ class FpDoctorCallback(_Callback):
         self._open = False  # a micro-batch has started (its first training forward ran)
         self._replaying = False
         self._backward_queued = False
+        self._kept: KeptGradients | None = None  # the current micro-batch's output gradients
         self._unlogged = 0  # non-finite steps since the last log
         self._filtering = True
         self._main = True  # the world's process 0: the one that logs
@@ -131,7 +134,11 @@ class FpDoctorCallback(_Callback):
         if watch is None:
             return
         step = state.global_step + 1  # the step being taken, as the Trainer's logs will number it
-        checked = watch.decide(step, spread=True)  # unless read at the end of the backward
+        watch.check(step, spread=True)  # unless read at the end of the backward
+        if watch.checked and not watch.last_check_finite:
+            for kept in watch.window_args(KeptGradients):  # host reads, bad steps only, before the replay
+                kept.read_finite()
+        checked = watch.decide(step, spread=True)
         if checked is None or checked.finite:
             return
         if watch.scaler is not None and checked.bad_grad and not checked.bad_loss:
@@ -193,7 +200,8 @@ class FpDoctorCallback(_Callback):
         elif watch.has_inputs():
             watch.cannot_replay(TWICE)
             return
-        watch.inputs(args, kwargs)
+        self._kept = KeptGradients()
+        watch.inputs((self._kept, *args), kwargs)
         # the model normalised its loss by the window's token count: the step's loss is the sum
         watch.sum_losses = kwargs.get("num_items_in_batch") is not None
 
@@ -203,8 +211,10 @@ class FpDoctorCallback(_Callback):
         if watch is None or not self._training(module):
             return
         loss = _loss_of(output)
-        if loss is None:
-            watch.cannot_replay(NO_LOSS)
+        if loss is None:  # computed outside the forward: the gradients at the outputs stand in for it
+            watch.loss_unseen()
+            if self._kept is not None:
+                self._kept.watch(output)
             return
         watch.loss(loss)
         last = getattr(self._gradient_state, "sync_gradients", False)
@@ -224,14 +234,18 @@ class FpDoctorCallback(_Callback):
             self._watch.check(self._state.global_step + 1)
 
     # -- the replay ----------------------------------------------------------------------------------
-    def _step_fn(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def _step_fn(self, kept: KeptGradients, *args: Any, **kwargs: Any) -> torch.Tensor | OutputsOnly | None:
         """One micro-batch as the Trainer runs it: the model (accelerate's autocast is part of its
-        forward), its own loss, scaled like accelerate's backward under fp16."""
+        forward), its own loss, scaled like accelerate's backward under fp16. A loss the Trainer
+        computes outside the model: the backward from the gradients that arrived at the outputs."""
         assert self._model is not None and self._watch is not None
         with torch.enable_grad():
-            loss = _loss_of(self._model(*args, **kwargs))
+            output = self._model(*args, **kwargs)
+            loss = _loss_of(output)
             if loss is None:
-                raise RuntimeError("the model returned no loss when the step was replayed")
+                if not kept.complete or not kept.outputs:
+                    raise RuntimeError("neither a loss nor the gradients of the model's outputs were seen")
+                return backward_from(output, kept)
             scaler = self._watch.scaler
             (scaler.scale(loss) if scaler is not None else loss).backward()
         return loss.detach()

@@ -43,6 +43,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils import _pytree as pytree
 
 from fpdoctor.integrations import _watch as framework
+from fpdoctor.integrations._outputs import KeptGradients, backward_from
 from fpdoctor.numerics import amp, distributed
 from fpdoctor.numerics.gradcheck import FlagRead, grads_of, nonfinite_flag
 from fpdoctor.numerics.replay import MicroBatch, OutputsOnly
@@ -64,9 +65,7 @@ class _Call:
     rng: RngState
     autocast: list[tuple[str, torch.dtype]]  # the device types autocast was on for, with their dtype
     versions: list[tuple[torch.Tensor, int]]  # argument tensors and their version counters then
-    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # output leaf index -> its gradient
-    outputs: int = 0  # output leaves that require grad
-    arrived_finite: bool = True  # the kept gradients are finite (read on a bad step only, before its replay)
+    kept: KeptGradients = field(default_factory=KeptGradients)  # the gradients at its outputs
 
 
 @dataclass
@@ -213,22 +212,11 @@ class ScriptWatch:
         try:
             call.args, call.kwargs = tuple(args), dict(kwargs)
             call.versions = [(t, t._version) for t in _tensors((args, kwargs))]
-            leaves = pytree.tree_leaves(output)
-            for index, leaf in enumerate(leaves):
-                if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                    call.outputs += 1
-                    leaf.register_hook(self._keep_grad(call, index))
-            if call.outputs:
+            call.kept.watch(output)
+            if call.kept.outputs:
                 self._calls.append(call)
         except Exception as exc:
             self._error("noting a forward's outputs", exc)
-
-    @staticmethod
-    def _keep_grad(call: _Call, index: int) -> Callable[[torch.Tensor], None]:
-        def keep(grad: torch.Tensor) -> None:
-            call.grads[index] = grad  # a reference; the hook returns None, so the gradient is unchanged
-
-        return keep
 
     def _is_trainable(self, module: nn.Module) -> bool:
         key = id(module)
@@ -360,9 +348,8 @@ class ScriptWatch:
         judge.steps += 1
         judge.micro_batches += len(mine)
         if bad_loss or bad_grad:  # host reads, bad steps only, outside the replay's trace
-            with torch.no_grad():
-                for c in mine:
-                    c.arrived_finite = all(bool(torch.isfinite(g).all()) for g in c.grads.values())
+            for c in mine:
+                c.kept.read_finite()
         facts = StepFacts(
             judge.steps,
             bad_loss=bad_loss,
@@ -414,7 +401,7 @@ class ScriptWatch:
         for call in calls:
             if any(t._version != v for t, v in call.versions):
                 return "an input of the forward was written in place after it ran (a data loader reusing its buffers?)"
-            if len(call.grads) < call.outputs:
+            if not call.kept.complete:
                 return "the gradient of an output of the forward was not seen (a backward through torch.autograd.grad?)"
         return None
 
@@ -439,18 +426,7 @@ class ScriptWatch:
             for device, dtype in call.autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype))  # a control switches it off
             output = call.module(*args, **kwargs)
-        tensors, grads = [], []
-        for index, leaf in enumerate(pytree.tree_leaves(output)):
-            grad = call.grads.get(index)
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and grad is not None:
-                tensors.append(leaf)
-                grads.append(grad)
-        if tensors and call.arrived_finite:
-            torch.autograd.backward(tensors, grads)
-            return None
-        with torch.no_grad():
-            finite = all(bool(torch.isfinite(t).all()) for t in _tensors(output))
-        return OutputsOnly(finite)
+        return backward_from(output, call.kept)
     def _tell(self, run: _Run, outcome: StepOutcome) -> None:
         if self.notify is None or outcome.finite or outcome.verdict == "amp-skip":
             return

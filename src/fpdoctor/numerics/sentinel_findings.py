@@ -64,7 +64,14 @@ def rank_finding(
     return catalog.make(
         "nonfinite-gradient",
         message=(
-            f"Step {step}: the loss was finite but gradients were not ({kind}) on {text}{where_buckets} "
+            f"Step {step}: "
+            + (
+                "the loss was finite but gradients were not"
+                if r.get("loss_seen", True)
+                else "the gradients were not finite (the loss is computed outside the model's forward, where it "
+                "is not seen)"
+            )
+            + f" ({kind}) on {text}{where_buckets} "
             f"({len(names)} parameter(s): {', '.join(names[:4])}); {skipped}"
         ),
         where={"module": None, "op": None, "phase": "backward", "step": step, **where_rank},

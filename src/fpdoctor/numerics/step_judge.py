@@ -107,6 +107,7 @@ class StepFacts:
     applied: bool = False
     why_not: str | None = None
     spread: bool = False  # gradients read after a norm computation that spread a NaN to all of them
+    loss_seen: bool = True  # False: the loss is computed where the front end cannot see it
     # which buckets / parameters held the bad gradients, read while they still showed it
     # (`StepJudge.gradient_view`); None: read when the step is judged
     seen: tuple[list[dict[str, Any]] | None, list[tuple[str, str]]] | None = None
@@ -269,6 +270,7 @@ class StepJudge:
             "micro_batch": f.micro if f.local_loss else None,
             "faults": faults,
             "parameters": parameters,
+            "loss_seen": f.loss_seen,
         }
         kind = findings.step_kind(local)
         ranks = distributed.agree(local) if self.distributed else [local]

@@ -1,0 +1,73 @@
+"""Replaying a forward and backward without its loss: the gradients that arrived at its outputs.
+
+A front end that cannot call the loss (`fpdoctor watch`, which knows no loss function; the Hugging
+Face callback when the Trainer computes the loss outside the model) keeps, for each training
+forward, the gradient the backward brought to each of its output tensors (a tensor hook that
+returns None: the gradient is not changed), then replays the step as the model's forward on the
+same arguments and `torch.autograd.backward(outputs, kept gradients)`: the model's forward and
+backward as they ran. Where the kept gradients are not finite (the loss itself was NaN/Inf) no
+backward can say more, and the forward is judged alone (`OutputsOnly`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from fpdoctor.numerics.replay import OutputsOnly
+
+
+@dataclass
+class KeptGradients:
+    """The gradients that arrived at one forward's outputs (references), by output leaf index."""
+
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: int = 0  # output leaves that require grad
+    finite: bool = True  # the kept gradients are finite: read on a bad step, before its replay
+
+    def watch(self, output: Any) -> None:
+        """Hook every output tensor that requires grad."""
+        for index, leaf in enumerate(pytree.tree_leaves(output)):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                self.outputs += 1
+                leaf.register_hook(self._keep(index))
+
+    def _keep(self, index: int) -> Callable[[torch.Tensor], None]:
+        def keep(grad: torch.Tensor) -> None:
+            self.grads[index] = grad
+
+        return keep
+
+    @property
+    def complete(self) -> bool:
+        """Every hooked output got its gradient (a backward through autograd.grad gives none)."""
+        return len(self.grads) >= self.outputs
+
+    def read_finite(self) -> None:
+        """Host reads, on a bad step only, outside any trace (a trace would take the NaN it reads
+        for an input of the replay)."""
+        with torch.no_grad():
+            self.finite = all(bool(torch.isfinite(g).all()) for g in self.grads.values())
+
+
+def backward_from(output: Any, kept: KeptGradients) -> OutputsOnly | None:
+    """The replayed forward's backward from the kept gradients (None: the replay judges the
+    gradients it made); where they are not finite, the forward's outputs alone (`OutputsOnly`)."""
+    tensors, grads = [], []
+    for index, leaf in enumerate(pytree.tree_leaves(output)):
+        grad = kept.grads.get(index)
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad and grad is not None:
+            tensors.append(leaf)
+            grads.append(grad)
+    if tensors and kept.finite:
+        torch.autograd.backward(tensors, grads)
+        return None
+    with torch.no_grad():
+        finite = all(
+            bool(torch.isfinite(t).all()) for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)
+        )
+    return OutputsOnly(finite)
