@@ -22,6 +22,7 @@ pytest.importorskip("accelerate", reason="the Hugging Face Trainer needs acceler
 
 from fpdoctor.integrations.hf import FpDoctorCallback as HfCallback  # noqa: E402
 from fpdoctor.integrations.lightning import FpDoctorCallback as LightningCallback  # noqa: E402
+from tests.integrations.lit import trainer as lightning_trainer  # noqa: E402
 
 STEPS = 6
 BATCH = 8
@@ -96,9 +97,7 @@ def _sentinel(case: dict[str, Any]) -> fpdoctor.Report:
 class _Lit(pl.LightningModule):
     def __init__(self, case: dict[str, Any]) -> None:
         super().__init__()
-        self.core = Core(
-            lambda: int(self.trainer.global_step) + 1, nan_data=case.get("nan_data"), bad_grad=case.get("bad_grad")
-        )
+        self.core = _core(case, lambda: int(self.trainer.global_step) + 1)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.core.loss(*batch)
@@ -109,17 +108,7 @@ class _Lit(pl.LightningModule):
 
 def _lightning(case: dict[str, Any]) -> fpdoctor.Report:
     callback = LightningCallback()
-    trainer = pl.Trainer(
-        max_steps=STEPS,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[callback],
-    )
+    trainer = lightning_trainer([callback], max_steps=STEPS)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_data()), batch_size=BATCH)
     trainer.fit(_Lit(case), loader)
     assert callback.report is not None
@@ -140,9 +129,7 @@ class _Pairs(torch.utils.data.Dataset):
 class _HfModel(nn.Module):
     def __init__(self, case: dict[str, Any], box: list[Any]) -> None:
         super().__init__()
-        self.core = Core(
-            lambda: box[0].state.global_step + 1, nan_data=case.get("nan_data"), bad_grad=case.get("bad_grad")
-        )
+        self.core = _core(case, lambda: box[0].state.global_step + 1)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"loss": self.core.loss(x, labels)}
