@@ -294,3 +294,38 @@ def test_bf16_weights_whose_updates_round_away_are_named_under_watch():
     (found,) = w.report.by_name("update-rounded-away")
     assert found.evidence["dtype"] == "bfloat16" and found.evidence["occurrences"] == 2  # steps 1 and 11
     assert any(p["name"] == "0.weight" and p["rounded_share"] > 0.9 for p in found.evidence["parameters"])
+
+
+def test_sigterm_writes_the_report_of_the_steps_so_far_and_exits_143(tmp_path):
+    script = _write(
+        tmp_path,
+        "slow.py",
+        """
+        import time, torch
+        from torch import nn
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+        print("stepped", flush=True)
+        time.sleep(60)
+        """,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fpdoctor", "watch", "-o", str(tmp_path / "report.json"), "--", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env=_env(),
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "stepped"
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + 15, err
+    report = _report(tmp_path)
+    assert report["data"]["steps"] == 2
+    assert "terminated by SIGTERM" in report["data"]["not_checked"]["script"]
