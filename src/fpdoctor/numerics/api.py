@@ -139,7 +139,7 @@ class Trace:
         except Exception as exc:  # the observer never kills the job
             self.tracer.errors.append(f"module hook {name}: {type(exc).__name__}: {exc}")
 
-    def _capture(self, record: Any, func: Any, args: Any, kwargs: Any, outs: Any, written: Any) -> None:
+    def _capture(self, record: Any, func: Any, args: Any, kwargs: Any, *, outs: Any, written: Any) -> None:
         """The inputs of the first few ops that made NaN/Inf from finite inputs: the op of origin
         blame picks is among them unless it was masked, or came later than these."""
         if len(self._captures) >= _CAPTURES:
@@ -148,7 +148,8 @@ class Trace:
 
         try:
             out = outs[0] if len(outs) == 1 else outs
-            self._captures.append((record, Capture(func, args, kwargs, out, written, self.repro_limit)))
+            capture = Capture(func, args, kwargs, out=out, written=written, limit=self.repro_limit)
+            self._captures.append((record, capture))
         except Exception as exc:  # the observer never kills the job
             self.tracer.errors.append(f"reproducer capture {record.op}: {type(exc).__name__}: {exc}")
 

@@ -12,6 +12,7 @@ fpdoctor runs repro.py once in a fresh interpreter and reads its last line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -80,7 +81,7 @@ def scriptable(op: str) -> str | None:
     """Why a fresh interpreter with torch alone cannot call `op`, or None when it can."""
     if op.count(".") != 2:
         return f"{op} is not an aten overload name"
-    if op.split(".")[0] != "aten":
+    if op.split(".", maxsplit=1)[0] != "aten":
         return f"{op} is not an aten op (a custom op defined by your code): named, not scripted"
     return None
 
@@ -92,10 +93,8 @@ def machine_facts() -> dict[str, Any]:
     if torch is None:
         from importlib import metadata
 
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             facts["torch"] = metadata.version("torch")
-        except metadata.PackageNotFoundError:
-            pass
         return facts
     facts["torch"] = torch.__version__
     facts["cuda"] = torch.version.cuda
@@ -170,7 +169,7 @@ class Capture:
     host while they are alive (later ops may free or overwrite them). Values past `limit` bytes
     in all, and values the op wrote in place (they hold its result now), are described only."""
 
-    def __init__(self, func: Any, args: Any, kwargs: Any, out: Any, written: Any, limit: int = LIMIT) -> None:
+    def __init__(self, func: Any, args: Any, kwargs: Any, *, out: Any, written: Any, limit: int = LIMIT) -> None:
         import torch
 
         self.op = overload_of(func)
@@ -268,7 +267,9 @@ def write_crash(target: str, op: dict[str, Any], signal: str) -> tuple[Path | No
         why_not = f"{name} had {op['tensors']} tensor arguments; the breadcrumbs keep the first {len(shapes)}"
     if why_not is not None:
         return None, why_not
-    tensors = [{"shape": list(s), "stride": None, "dtype": d} for s, d in zip(shapes, op.get("dtypes") or [], strict=False)]
+    tensors = [
+        {"shape": list(s), "stride": None, "dtype": d} for s, d in zip(shapes, op.get("dtypes") or [], strict=False)
+    ]
     spec = {
         "op": name,
         "device": op.get("device") or "cpu",

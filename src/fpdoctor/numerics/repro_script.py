@@ -124,8 +124,8 @@ def _counts(out: Any) -> list[dict[str, int]]:
     for t in out if isinstance(out, (list, tuple)) else [out]:
         if not isinstance(t, torch.Tensor) or not (t.dtype.is_floating_point or t.dtype.is_complex):
             continue
-        t = t.detach().cpu()
-        real = torch.view_as_real(t) if t.dtype.is_complex else t
+        host = t.detach().cpu()
+        real = torch.view_as_real(host) if host.dtype.is_complex else host
         found.append({
             "nan": int(torch.isnan(real).sum()),
             "+inf": int((real == float("inf")).sum()),

@@ -116,7 +116,7 @@ class Tracer(TorchDispatchMode):
         names, in immediate mode too, for headroom's fp16 what-ifs of ops; off by default, as a
         sum costs a third of it on a CPU. `fast_paths=False` sends every op through `_record`,
         the general path, as inside an outer trace: the fast paths must record the same.
-        `on_produced(record, func, args, kwargs, outputs, written)` is called, in immediate mode,
+        `on_produced(record, func, args, kwargs, outs=, written=)` is called, in immediate mode,
         when an op makes non-finite values from finite inputs, while its inputs are still alive."""
         super().__init__()
         self.tracker = tracker
@@ -410,7 +410,7 @@ class Tracer(TorchDispatchMode):
                 if not any(self.kind_of(s) for s in inputs):  # from finite inputs: could arithmetic do it?
                     record.bound = output_bound(info.op, args, kwargs or {})
                     if self.on_produced is not None:
-                        self.on_produced(record, info.func, args, kwargs, outs, written)
+                        self.on_produced(record, info.func, args, kwargs, outs=outs, written=written)
                 if record.location is None:
                     # forward: the line that ran this op; backward: the line that called backward()
                     record.location = user_location(sys._getframe(3))
