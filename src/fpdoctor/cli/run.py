@@ -34,6 +34,13 @@ def add_parser(sub: Any) -> None:
         "costs time per op (see benchmarks/README.md), so use it to re-run a crash",
     )
     p.add_argument(
+        "--repro",
+        metavar="DIR",
+        help="with --breadcrumbs: after a fatal signal, write a reproducer of the op in flight into DIR "
+        "(recorded shapes, dtypes and device, seeded values), run it once, and print the commands that run it "
+        "under compute-sanitizer and with the cuBLASLt log",
+    )
+    p.add_argument(
         "--env-from",
         metavar="FILE",
         help="join the environment verdicts of a saved facts JSON or collect_env report (another node) "
@@ -76,9 +83,24 @@ def run(args: argparse.Namespace) -> int:
     from fpdoctor.crash import CommandError, run_command
     from fpdoctor.errors import InputError
 
+    if args.repro is not None:
+        if not args.breadcrumbs:
+            raise UsageError("--repro needs --breadcrumbs: the op in flight is read from them")
+        from fpdoctor.numerics.repro import check_dir
+
+        try:
+            check_dir(args.repro)
+        except InputError as exc:
+            raise UsageError(str(exc)) from None
+
     try:
         result = run_command(
-            argv, breadcrumbs=args.breadcrumbs, env_from=args.env_from, wait_s=args.wait, program=program()
+            argv,
+            breadcrumbs=args.breadcrumbs,
+            env_from=args.env_from,
+            wait_s=args.wait,
+            program=program(),
+            repro=args.repro,
         )
     except CommandError as exc:
         raise UsageError(str(exc)) from exc

@@ -61,6 +61,13 @@ def add_parser(sub: Any) -> None:
         help="add per-module value histograms (underflow shares, fp16 what-ifs of fp32 modules); "
         "about 10%% more time than the trace alone (1.08-1.13x measured on small CPU training steps)",
     )
+    p.add_argument(
+        "--repro",
+        metavar="DIR",
+        help="write a standalone reproducer of the op of origin into DIR (repro.py needing torch only, its "
+        "inputs in safetensors or raw bytes, never a pickle), run it once and say whether it reproduced; "
+        "reads every result at once (a host sync per op on a GPU)",
+    )
     add_output_args(p)
     add_progress_arg(p)
     p.add_argument("script", metavar="SCRIPT.py")
@@ -134,6 +141,14 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise UsageError(f"--dtype: {exc}") from None
     script_args = args.args[1:] if args.args[:1] == ["--"] else args.args
+    if args.repro is not None:
+        from fpdoctor.errors import InputError
+        from fpdoctor.numerics.repro import check_dir
+
+        try:
+            check_dir(args.repro)
+        except InputError as exc:
+            raise UsageError(str(exc)) from None
     dist = rank_info()
     if args.output and dist is not None:
         _sidecar(args.output, dist.rank).unlink(missing_ok=True)  # an earlier launch's, never merged
@@ -169,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         raise_on = "nonfinite" if args.raise_on_nonfinite else None
         with (
-            fpdoctor.trace(raise_on=raise_on, headroom=args.headroom) as session,
+            fpdoctor.trace(raise_on=raise_on, headroom=args.headroom, repro=args.repro) as session,
             progress.task(f"trace {script}", status=lambda: _so_far(session)),
             autocast,
         ):

@@ -55,6 +55,7 @@ def run_command(
     run_dir: str | None = None,
     environment: bool = True,
     program: Sequence[str] = ("fpdoctor",),
+    repro: str | None = None,
 ) -> RunResult:
     """Run argv under crash capture and return its report and exit status.
 
@@ -66,7 +67,8 @@ def run_command(
     environment=False joins none. wait_s: by default the command ends when its launcher ends it,
     however long a rank's failure takes to shut the job down; a number stops a command still
     running that many seconds after a rank failed. run_dir: keep the per-process files there
-    (by default a temporary directory, removed afterwards).
+    (by default a temporary directory, removed afterwards). repro: with breadcrumbs, a directory
+    that gets a reproducer of the op in flight when a process dies of a fatal signal (crash/repro.py).
 
     Raises CommandError when argv cannot be started and fpdoctor.errors.InputError for an
     env_from file that cannot be read, both before anything runs.
@@ -77,6 +79,10 @@ def run_command(
     base_env = dict(os.environ if env is None else env)
     resolve(argv, base_env)
     facts, source = _environment_source(env_from)
+    if repro is not None:
+        from fpdoctor.numerics.repro import check_dir
+
+        repro = check_dir(repro)
     own_dir = run_dir is None
     directory = tempfile.mkdtemp(prefix="fpdoctor-run-") if run_dir is None else os.path.abspath(run_dir)
     os.makedirs(directory, exist_ok=True)
@@ -94,6 +100,7 @@ def run_command(
             stdout=sys.stdout if stdout is _PASS else stdout,
             stderr=sys.stderr if stderr is _PASS else stderr,
             cwd=cwd,
+            repro=repro if breadcrumbs else None,
         )
     finally:
         if own_dir:
@@ -166,6 +173,7 @@ def _run(
     stdout: Any,
     stderr: Any,
     cwd: str | None,
+    repro: str | None = None,
 ) -> RunResult:
     from fpdoctor.crash.collect import Watch
     from fpdoctor.crash.machine import EnvironmentJoin
@@ -223,7 +231,15 @@ def _run(
             # SPEC 5: the report within 5 s of the death; the verdicts get what is left of it
             death = min(e.time for e in events)
             ctx.environment = join.result(texts, timeout=max(1.0, death + REPORT_BUDGET_S - time.time()))
-    return RunResult(report=build(ctx), exit_code=launched.exit_status)
+    report = build(ctx)
+    if repro is not None and launched.exit_status != 0:
+        from fpdoctor.crash.repro import attach
+
+        try:
+            report = attach(report, ctx, repro)
+        except Exception as exc:  # the reproducer is ours: the crash report stands without it
+            report.data.setdefault("not_checked", {})["reproducer"] = f"{type(exc).__name__}: {exc}"
+    return RunResult(report=report, exit_code=launched.exit_status)
 
 
 def _crumbs_for(crumbs: Any, run_dir: str, processes: list[Any], failed: set[int], not_checked: dict[str, str]) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from types import TracebackType
 from typing import Any
 
 from fpdoctor.report.model import Report
+
+_CAPTURES = 4  # producing ops whose inputs a reproducer keeps; blame picks one of the first
 
 
 class Trace:
@@ -20,7 +23,11 @@ class Trace:
     `immediate=False` reads CPU results that way too. `ranges` takes exact value ranges of the
     fp32 ops that can grow values, for per-op fp16 what-ifs; by default it is on when headroom
     judges an fp16 target. Once the block is entered, `.tracer` is the recording `Tracer` and
-    `.tracker` its `ModuleTracker`.
+    `.tracker` its `ModuleTracker`. `repro=DIR` writes a standalone reproducer of the op of origin
+    (numerics/repro.py) into DIR, runs it once in a fresh interpreter and says in the finding
+    whether it reproduced; it reads every result at once (a host sync per op on accelerators) so
+    that the inputs are copied while alive, and inputs above `repro_limit` bytes are described,
+    not saved. A trace that finds nothing writes nothing.
     """
 
     def __init__(
@@ -33,12 +40,19 @@ class Trace:
         sync_every: int | None = None,
         immediate: bool | None = None,
         ranges: bool | None = None,
+        repro: str | os.PathLike[str] | None = None,
+        repro_limit: int | None = None,
     ) -> None:
         if raise_on not in (None, "nonfinite"):
             raise ValueError(f"raise_on must be None or 'nonfinite', got {raise_on!r}")
         if sync_every is not None and (not isinstance(sync_every, int) or sync_every < 1):
             raise ValueError(f"sync_every must be a positive number of ops, got {sync_every!r}")
         from fpdoctor.formats import format_named
+        from fpdoctor.numerics.repro import LIMIT, check_dir
+
+        self.repro = check_dir(os.fspath(repro)) if repro is not None else None
+        self.repro_limit = LIMIT if repro_limit is None else repro_limit
+        self._captures: list[tuple[Any, Any]] = []  # (record, Capture) of the first producing ops
 
         for target in targets:
             format_named(target)
@@ -49,7 +63,8 @@ class Trace:
         self.sync_every = sync_every
         # None: read results at once on CPU, in batches on accelerators; False forces batches
         # (how accelerators run) on CPU too.
-        self.immediate = True if raise_on else immediate
+        # A reproducer copies the producing op's inputs while they are alive: results read at once.
+        self.immediate = True if raise_on or repro is not None else immediate
         self.ranges = ranges
         self.report: Report | None = None
         self.records: Any = []  # the tracer's records (a Store) once the block exits
@@ -71,6 +86,7 @@ class Trace:
             on_nonfinite=self._raise_at_producer if self.raise_on else None,
             sync_every=self.sync_every,
             ranges=ranges,
+            on_produced=self._capture if self.repro is not None else None,
         )
         import contextlib
         import threading
@@ -122,6 +138,59 @@ class Trace:
                     self._headroom.observe_module(name, output, self.tracer.absmax_of, self.tracer)
         except Exception as exc:  # the observer never kills the job
             self.tracer.errors.append(f"module hook {name}: {type(exc).__name__}: {exc}")
+
+    def _capture(self, record: Any, func: Any, args: Any, kwargs: Any, *, outs: Any, written: Any) -> None:
+        """The inputs of the first few ops that made NaN/Inf from finite inputs: the op of origin
+        blame picks is among them unless it was masked, or came later than these."""
+        if len(self._captures) >= _CAPTURES:
+            return
+        from fpdoctor.numerics.repro import Capture
+
+        try:
+            out = outs[0] if len(outs) == 1 else outs
+            capture = Capture(func, args, kwargs, out=out, written=written, limit=self.repro_limit)
+            self._captures.append((record, capture))
+        except Exception as exc:  # the observer never kills the job
+            self.tracer.errors.append(f"reproducer capture {record.op}: {type(exc).__name__}: {exc}")
+
+    def _reproduce(self, findings: list[Any], analysis: Any, not_checked: dict[str, str]) -> list[Any]:
+        """Write and run the reproducer of the first nonfinite-produced finding's op."""
+        import dataclasses
+
+        from fpdoctor.numerics import repro
+
+        at = next((i for i, f in enumerate(findings) if f.name == "nonfinite-produced"), None)
+        if at is None or self.repro is None:
+            return findings
+        finding = findings[at]
+        capture = next((c for r, c in self._captures if analysis.where(r) == dict(finding.where)), None)
+        if capture is None:
+            not_checked["reproducer"] = (
+                f"{finding.where.get('op')} was not among the first {_CAPTURES} ops that made NaN/Inf: no reproducer"
+            )
+            return findings
+        if capture.why_not is not None:
+            info: dict[str, Any] = {"scripted": False, "why": capture.why_not}
+            text = f" No reproducer: {capture.why_not}."
+        else:
+            directory = repro.write_capture(self.repro, capture, dict(finding.where))
+            ran = repro.run_once(directory)
+            info = {
+                "dir": str(directory),
+                "command": f"python {directory / 'repro.py'}",
+                "reproduced": bool(ran.get("reproduced")),
+                "values_saved": len(capture.values) == len(capture.meta),
+                "result": ran.get("message"),
+            }
+            if "values_matter" in ran:
+                info["values_matter"] = ran["values_matter"]
+            said = "reproduces it" if info["reproduced"] else "did not reproduce it"
+            text = f" Reproducer: python {directory / 'repro.py'} (run once here: {said}; {ran.get('message')})."
+        findings = list(findings)
+        findings[at] = dataclasses.replace(
+            finding, message=finding.message + text, evidence={**finding.evidence, "reproducer": info}
+        )
+        return findings
 
     def _raise_at_producer(self, tracer: Any, record: Any) -> None:
         """Called for every non-finite record: classify this one alone (cheap: most are values
@@ -179,6 +248,12 @@ class Trace:
             findings += op_findings(op_overflow(list(tracer.records), targets=()))
         findings += self._recipes.findings(list(tracer.records))
         tracer.errors.extend(self._recipes.errors)
+        repro_notes: dict[str, str] = {}
+        if self.repro is not None:
+            try:
+                findings = self._reproduce(findings, analysis, repro_notes)
+            except Exception as exc:  # the reproducer is ours: its failure is said, the findings stay
+                repro_notes["reproducer"] = f"{type(exc).__name__}: {exc}"
         nonfinite = sum(1 for r in tracer.records if r.kind)
         phases = sorted({r.phase for r in tracer.records})
         summary = [
@@ -189,6 +264,7 @@ class Trace:
             ("modules with headroom stats", str(len(rows))),
         ]
         not_checked = {f"hook error {i}": e for i, e in enumerate(tracer.errors)}
+        not_checked.update(repro_notes)
         if self.tracker.saw_compiled:
             not_checked["torch.compile"] = (
                 "compiled code ran eagerly while traced (set_stance force_eager): the ops "
@@ -214,6 +290,7 @@ def trace(
     headroom: bool = False,
     targets: tuple[str, ...] = ("fp16", "bf16"),
     sync_every: int | None = None,
+    repro: str | os.PathLike[str] | None = None,
 ) -> Trace:
     """Trace the block for the op that produces NaN/Inf; see `Trace`."""
-    return Trace(model, raise_on=raise_on, headroom=headroom, targets=targets, sync_every=sync_every)
+    return Trace(model, raise_on=raise_on, headroom=headroom, targets=targets, sync_every=sync_every, repro=repro)

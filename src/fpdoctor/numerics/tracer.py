@@ -110,11 +110,14 @@ class Tracer(TorchDispatchMode):
         sync_every: int | None = None,
         ranges: bool = False,
         fast_paths: bool = True,
+        on_produced: Any = None,
     ) -> None:
         """`ranges`: exact ranges (aminmax) of the fp32 forward outputs of the ops that GROWS
         names, in immediate mode too, for headroom's fp16 what-ifs of ops; off by default, as a
         sum costs a third of it on a CPU. `fast_paths=False` sends every op through `_record`,
-        the general path, as inside an outer trace: the fast paths must record the same."""
+        the general path, as inside an outer trace: the fast paths must record the same.
+        `on_produced(record, func, args, kwargs, outs=, written=)` is called, in immediate mode,
+        when an op makes non-finite values from finite inputs, while its inputs are still alive."""
         super().__init__()
         self.tracker = tracker
         self.records: Store[Record] = Store(_records.forgotten_record)
@@ -125,6 +128,7 @@ class Tracer(TorchDispatchMode):
         self.immediate = immediate
         self.raise_on = raise_on
         self.on_nonfinite = on_nonfinite
+        self.on_produced = on_produced
         self.sync_every = sync_every or SYNC_EVERY
         self.ranges = ranges
         self.fast_paths = fast_paths
@@ -405,6 +409,8 @@ class Tracer(TorchDispatchMode):
                 record.input_stats = self._input_stats(arg_tensors, written)
                 if not any(self.kind_of(s) for s in inputs):  # from finite inputs: could arithmetic do it?
                     record.bound = output_bound(info.op, args, kwargs or {})
+                    if self.on_produced is not None:
+                        self.on_produced(record, info.func, args, kwargs, outs=outs, written=written)
                 if record.location is None:
                     # forward: the line that ran this op; backward: the line that called backward()
                     record.location = user_location(sys._getframe(3))
