@@ -100,7 +100,8 @@ class Trace:
         warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
         from fpdoctor.numerics.recipes import RecipeWatch
 
-        self._recipes = self._stack.enter_context(RecipeWatch())  # the optimizers stepped in the block
+        # the optimizers stepped in the block, their parameters known by the records that made them
+        self._recipes = self._stack.enter_context(RecipeWatch(source_of=self.tracer.provenance.get))
         from fpdoctor.numerics.steps import StepCounter
 
         # the optimizer step of each record, told beside the module call count

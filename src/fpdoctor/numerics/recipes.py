@@ -83,15 +83,17 @@ class OptimizerSeen:
 
 
 def _stepped_by_scaler() -> bool:
-    """The pre-hook runs under GradScaler.step: it calls optimizer.step from `_maybe_opt_step`, or
-    itself for optimizers that skip on the device (fused Adam/AdamW/SGD get `found_inf`)."""
+    """The pre-hook runs under an enabled GradScaler's step: it calls optimizer.step from
+    `_maybe_opt_step`, or itself for optimizers that skip on the device (fused Adam/AdamW/SGD get
+    `found_inf`). A disabled scaler (`enabled=False`) calls optimizer.step unscaled: no scaler."""
     frame = sys._getframe(2)
     for _ in range(12):
         if frame is None:
             return False
         code = frame.f_code
         if code.co_name in ("_maybe_opt_step", "step") and code.co_filename.endswith("grad_scaler.py"):
-            return True
+            scaler = frame.f_locals.get("self")
+            return scaler is None or bool(getattr(scaler, "is_enabled", lambda: True)())
         frame = frame.f_back  # type: ignore[assignment]
     return False
 
@@ -113,10 +115,17 @@ def grad_zero_counts(grads: list[torch.Tensor]) -> dict[str, int]:
 
 
 class RecipeWatch:
-    """Sees every optimizer step inside the block (context manager), keeps facts, not objects."""
+    """Sees every optimizer step inside the block (context manager), keeps facts, not objects.
 
-    def __init__(self, max_steps: int = 4) -> None:
+    `source_of(tensor)` is the trace's record of a tensor (("op"|"leaf", index), ...) or None:
+    with it the parameters are known by the records that made them, so a model built inside the
+    traced block (its weights made by traced init ops, then written by the optimizer) is seen
+    being cast to fp16 as well as one built before the block (whose weights are leaves)."""
+
+    def __init__(self, max_steps: int = 4, source_of: Any = None) -> None:
         self.optimizers: dict[int, OptimizerSeen] = {}
+        self.params: set[tuple[str, int]] = set()  # the trace's sources of the parameters stepped
+        self._source_of = source_of
         self.steps = 0
         self.errors: list[str] = []
         self._max_steps = max_steps  # gradient counts of the first steps are evidence enough
@@ -155,6 +164,12 @@ class RecipeWatch:
         if seen is None:
             eps = [float(g["eps"]) for g in optimizer.param_groups if isinstance(g.get("eps"), (int, float))]
             seen = self.optimizers[key] = OptimizerSeen(type(optimizer).__name__, eps, dtypes, _stepped_by_scaler())
+        if self._source_of is not None and self.steps <= self._max_steps:
+            # what the forward before this step cast: the parameters are unchanged since
+            for p in params:
+                entry = self._source_of(p)
+                if entry is not None:
+                    self.params.add(entry[0])
         if self.steps <= self._max_steps and not seen.with_scaler:  # the counts only matter without one
             grads = [p.grad for p in params if p.grad is not None and p.grad.dtype == torch.float32]
             counts = grad_zero_counts(grads)
@@ -167,7 +182,7 @@ class RecipeWatch:
             f = adam_eps_finding(seen)
             if f is not None:
                 found.append(f)
-        scaler = no_scaler_finding(records, list(self.optimizers.values()))
+        scaler = no_scaler_finding(records, list(self.optimizers.values()), frozenset(self.params))
         if scaler is not None:
             found.append(scaler)
         return found
@@ -213,8 +228,10 @@ def adam_eps_finding(seen: OptimizerSeen) -> Finding | None:
     )
 
 
-def _autocast_fp16_params(records: list[Record]) -> int:
-    """Forward casts of fp32 leaves to fp16: autocast's copies of the weights it runs in fp16."""
+def _autocast_fp16_params(records: list[Record], params: frozenset[tuple[str, int]] = frozenset()) -> int:
+    """Forward casts of parameters to fp16: autocast's copies of the weights it runs in fp16. A
+    parameter is a leaf (made before the trace), or the record that made the value an optimizer
+    stepped (`params`: a model built inside the trace, its weights made by traced ops)."""
     return sum(
         1
         for r in records
@@ -223,17 +240,19 @@ def _autocast_fp16_params(records: list[Record]) -> int:
         and r.outputs
         and r.outputs[0].dtype == "torch.float16"
         and r.inputs[:1]
-        and r.inputs[0][0] == "leaf"
+        and (r.inputs[0][0] == "leaf" or r.inputs[0] in params)
     )
 
 
-def no_scaler_finding(records: list[Record], optimizers: list[OptimizerSeen]) -> Finding | None:
+def no_scaler_finding(
+    records: list[Record], optimizers: list[OptimizerSeen], params: frozenset[tuple[str, int]] = frozenset()
+) -> Finding | None:
     """fp16 autocast forward, backward ran, an optimizer stepped, and no GradScaler stepped it."""
     if not optimizers or any(o.with_scaler for o in optimizers):
         return None
     if not any(r.phase == "backward" for r in records):
         return None
-    casts = _autocast_fp16_params(records)
+    casts = _autocast_fp16_params(records, params)
     if not casts or any(o.param_dtypes.get("torch.float16") for o in optimizers):
         return None  # pure fp16 parameters are the adam-eps / master-weights story
     grads: dict[str, int] = {}
