@@ -207,6 +207,19 @@ NUM_RULES: tuple[Rule, ...] = (
         "fit: a few skipped steps at the start, and one now and then when the scale grows back, are by design.",
         fix="Nothing to do. To skip fewer steps, start lower: torch.amp.GradScaler(device, init_scale=2.0**10).",
     ),
+    Rule(
+        code="NUM017",
+        name="update-blew-up",
+        severity=E,
+        title="An optimizer update blew the weights up: the learning rate is too large",
+        what="`trace` reads the largest |weight| of each optimizer's parameters before each of its steps (one "
+        "reduction, read after the trace). An update that multiplies it by 100 or more in one step is reported, "
+        "with the learning rate, before the NaN or Inf it leads to.",
+        why="After such a step every activation and gradient is out of scale: the first op to overflow (a "
+        "gradient norm, a matmul) is only where it shows, and its own fix (an epsilon, fp32) changes nothing.",
+        fix="Lower the learning rate (warmup helps) and clip the gradients before the step "
+        "(torch.nn.utils.clip_grad_norm_).",
+    ),
 )
 
 TRN_RULES: tuple[Rule, ...] = (

@@ -178,7 +178,10 @@ class Trace:
             from fpdoctor.numerics.headroom import op_findings, op_overflow
 
             findings += op_findings(op_overflow(list(tracer.records), targets=()))
-        findings += self._recipes.findings(list(tracer.records))
+        recipes = self._recipes.findings(list(tracer.records))
+        # an update that blew the weights up comes before the NaN it led to: it is the cause
+        blown = [f for f in recipes if f.name == "update-blew-up"]
+        findings = blown + findings + [f for f in recipes if f.name != "update-blew-up"]
         tracer.errors.extend(self._recipes.errors)
         nonfinite = sum(1 for r in tracer.records if r.kind)
         phases = sorted({r.phase for r in tracer.records})

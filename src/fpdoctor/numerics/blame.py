@@ -316,6 +316,7 @@ class Analysis:
             if self.roles.get(r.index) in ("nan-producer", "inf-producer")
             and ("op", r.index) not in self.reached
             and r.index not in hidden
+            and (scaler is None or not self._skipped_with(scaler, r))
         ]
         if masked:
             r = masked[0]

@@ -8,6 +8,8 @@ The trace blames an op; some failures are the recipe's, and the op is only where
                (1e-8 is under fp16's smallest subnormal, 6e-8), so the update divides by ~0.
   no-scaler    fp16 autocast training without a GradScaler: small gradients flush to zero in
                fp16 before they reach the fp32 master weights.
+  blew-up      one optimizer update multiplied the largest weight by `BLOWUP` or more: a learning
+               rate too large for these gradients; the NaN/Inf that follows is its consequence.
 `RecipeWatch` sees the optimizers stepped inside the traced block (a global optimizer hook,
 removed on exit: nothing stays on the user's optimizer). Each diagnosis is a function of data
 (records, optimizer settings, gradient counts), so the training sentinel can call it too.
@@ -40,6 +42,9 @@ FP16_SAFE_EPS = 1e-4
 _POLES = {"div": 1, "div_": 1, "reciprocal": 0, "log": 0, "log2": 0, "log10": 0, "log1p": 0, "rsqrt": 0}
 _POLES |= {"sqrt": 0, "pow": 0, "xlogy": 1}
 _NEAR_MAX = 0.5
+# A healthy update moves a weight by a small fraction of it (lr * O(1) for Adam); one that
+# multiplies the largest weight a hundredfold in a step is not training, it is diverging.
+BLOWUP = 100.0
 
 
 def range_cause(record: Record) -> str | None:
@@ -80,6 +85,8 @@ class OptimizerSeen:
     param_dtypes: dict[str, int]  # dtype -> parameter count
     with_scaler: bool  # stepped through GradScaler.step
     grads: dict[str, int] = field(default_factory=dict)  # counts over fp32 grads of fp16-run parameters
+    lr: float | None = None  # the largest learning rate of its groups, at its first step
+    weights: list[Any] = field(default_factory=list)  # the largest |weight| before each of its steps (0-dim)
 
 
 def _stepped_by_scaler() -> bool:
@@ -164,6 +171,10 @@ class RecipeWatch:
         if seen is None:
             eps = [float(g["eps"]) for g in optimizer.param_groups if isinstance(g.get("eps"), (int, float))]
             seen = self.optimizers[key] = OptimizerSeen(type(optimizer).__name__, eps, dtypes, _stepped_by_scaler())
+            lrs = [float(g["lr"]) for g in optimizer.param_groups if isinstance(g.get("lr"), (int, float))]
+            seen.lr = max(lrs) if lrs else None
+        if len(seen.weights) < 64:
+            seen.weights.append(largest_weight(params))
         if self._source_of is not None and self.steps <= self._max_steps:
             # what the forward before this step cast: the parameters are unchanged since
             for p in params:
@@ -182,10 +193,58 @@ class RecipeWatch:
             f = adam_eps_finding(seen)
             if f is not None:
                 found.append(f)
+        for seen in self.optimizers.values():
+            f = blowup_finding(seen)
+            if f is not None:
+                found.append(f)
         scaler = no_scaler_finding(records, list(self.optimizers.values()), frozenset(self.params))
         if scaler is not None:
             found.append(scaler)
         return found
+
+
+def largest_weight(params: list[torch.Tensor]) -> Any:
+    """max |weight| over `params`, a 0-dim tensor on their device, read once after the trace (no
+    host sync per step); kept out of the trace's records."""
+    floats = [p.detach() for p in params if p.is_floating_point() and p.numel()]
+    if not floats:
+        return None
+    with torch.no_grad(), torch._C._DisableTorchDispatch():
+        return torch.stack([t.abs().amax().float().to(floats[0].device) for t in floats]).amax()
+
+
+def blowup_finding(seen: OptimizerSeen) -> Finding | None:
+    """The first update that multiplied the largest weight by BLOWUP or more (before one step and
+    the next of the same optimizer), with its learning rate."""
+    values = [None if w is None else float(w) for w in seen.weights]
+    for step, (before, after) in enumerate(zip(values, values[1:], strict=False), start=1):
+        if before is None or after is None or not before > 0:
+            continue
+        grown = after / before if math.isfinite(after) else math.inf
+        if grown < BLOWUP:
+            continue
+        lr = f" (lr={seen.lr:g})" if seen.lr is not None else ""
+        return catalog.make(
+            "update-blew-up",
+            message=(
+                f"{seen.name}'s update{lr} at its step {step} multiplied the largest weight by "
+                f"{'Inf' if math.isinf(grown) else f'{grown:.3g}'} ({before:.3g} -> {after:.3g}) in one step. The "
+                "next forward and backward run on those weights: the NaN/Inf reported after this is their "
+                "consequence, not a cause of its own."
+            ),
+            where={"module": None, "phase": "optimizer"},
+            evidence={
+                "optimizer": f"torch.optim.{seen.name}",
+                "optimizer_step": step,
+                "lr": seen.lr,
+                "largest_weight_before": before,
+                "largest_weight_after": after,
+                "growth": grown if math.isfinite(grown) else None,
+            },
+            fix="lower the learning rate (by the growth factor at least: start 10x-100x lower, with warmup), and "
+            "clip the gradients (torch.nn.utils.clip_grad_norm_(params, 1.0)) before the step",
+        )
+    return None
 
 
 def adam_eps_finding(seen: OptimizerSeen) -> Finding | None:
