@@ -400,7 +400,7 @@ class Analysis:
                     "the scaler's overflow check at work, not an error; the optimizer stepped on the others."
                     + (
                         f" The first such value: {self._op_text(first)} ({first.phase}{self.when(first)})"
-                        f"{', ' + where_text(first.location) if first.location else ''}."
+                        f"{', ' + str(where_text(first.location)) if first.location else ''}."
                         if first is not None
                         else ""
                     )
@@ -451,10 +451,7 @@ class Analysis:
             evidence["step"] = (self.step_of(r) or (skipped[0], False))[0]
             own = OP_ADVICE.get(_packet(r.forward_op)) if r.phase == "backward" and r.forward_op else None
             fix = own or _fix_for(r)
-            fix += (
-                "; the scaler cannot fix it: the value is non-finite at every scale it tried"
-                f" ({run.scale_text()})"
-            )
+            fix += f"; the scaler cannot fix it: the value is non-finite at every scale it tried ({run.scale_text()})"
         if len(absorbed) > 1:
             evidence["other_ops"] = len({(x.op, x.location) for x in absorbed}) - 1
         return catalog.make(

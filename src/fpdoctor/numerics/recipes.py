@@ -17,6 +17,7 @@ removed on exit: nothing stays on the user's optimizer). Each diagnosis is a fun
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 import weakref
@@ -217,7 +218,7 @@ def blowup_finding(seen: OptimizerSeen) -> Finding | None:
     """The first update that multiplied the largest weight by BLOWUP or more (before one step and
     the next of the same optimizer), with its learning rate."""
     values = [None if w is None else float(w) for w in seen.weights]
-    for step, (before, after) in enumerate(zip(values, values[1:], strict=False), start=1):
+    for step, (before, after) in enumerate(itertools.pairwise(values), start=1):
         if before is None or after is None or not before > 0:
             continue
         grown = after / before if math.isfinite(after) else math.inf

@@ -113,7 +113,9 @@ class StepCounter:
             flags = list(state.get("found_inf_per_device", {}).values())
             scale = getattr(scaler, "_scale", None)
             with torch.no_grad(), torch._C._DisableTorchDispatch():
-                found = torch.stack([f.reshape(()).float().to(flags[0].device) for f in flags]).amax() if flags else None
+                found = (
+                    torch.stack([f.reshape(()).float().to(flags[0].device) for f in flags]).amax() if flags else None
+                )
                 kept = scale.detach().reshape(-1)[0].clone() if isinstance(scale, torch.Tensor) else None
             self._scaled.append((self.steps, found, kept))
         except Exception:  # the observer never raises into the user's step
