@@ -180,6 +180,46 @@ NUM_RULES: tuple[Rule, ...] = (
         fix="Run the same code and configuration on both machines (the same commit, the same config files), and "
         "compare the library versions that differ.",
     ),
+    Rule(
+        code="NUM015",
+        name="grad-scaler-stalled",
+        severity=E,
+        title="GradScaler keeps skipping steps: the optimizer does not run",
+        what="`trace` reads an enabled torch.amp.GradScaler's own found-inf flag and scale on every step it "
+        "steps. Skipping that persists is reported: every step skipped (from 8 steps on: eight halvings take "
+        "the default scale from 65536 to 256), 24 in a row, or a scale below 1. The finding names the origin "
+        "of the recurring non-finite value: the producing op found on the most skipped steps, with its line "
+        "(for a backward op, the forward op on your line: the backward of sqrt, not the div autograd ran).",
+        why="A skipped step is a step the weights do not move. A NaN or an overflow that recurs at every scale "
+        "is not the scaler calibrating: the loss stays flat, nothing crashes, and the run learns nothing.",
+        fix="Fix the named op: an eps that rounds to 0 in fp16 (1e-12 does; 1e-4 does not), a product that "
+        "overflows fp16 (scale the scores by 1/sqrt(d) before the matmul), or keep that op in fp32.",
+    ),
+    Rule(
+        code="NUM016",
+        name="grad-scaler-calibrated",
+        severity=I,
+        title="GradScaler skipped steps while calibrating its scale",
+        what="An enabled GradScaler skipped some optimizer steps for non-finite gradients, and the skipping did "
+        "not persist (grad-scaler-stalled says when it does). The non-finite gradients of those steps are not "
+        "blamed on an op: the scale made them.",
+        why="fp16 loss scaling starts high (65536) and halves the scale on each overflow until the gradients "
+        "fit: a few skipped steps at the start, and one now and then when the scale grows back, are by design.",
+        fix="Nothing to do. To skip fewer steps, start lower: torch.amp.GradScaler(device, init_scale=2.0**10).",
+    ),
+    Rule(
+        code="NUM017",
+        name="update-blew-up",
+        severity=E,
+        title="An optimizer update blew the weights up: the learning rate is too large",
+        what="`trace` reads the largest |weight| of each optimizer's parameters before each of its steps (one "
+        "reduction, read after the trace). An update that multiplies it by 100 or more in one step is reported, "
+        "with the learning rate, before the NaN or Inf it leads to.",
+        why="After such a step every activation and gradient is out of scale: the first op to overflow (a "
+        "gradient norm, a matmul) is only where it shows, and its own fix (an epsilon, fp32) changes nothing.",
+        fix="Lower the learning rate (warmup helps) and clip the gradients before the step "
+        "(torch.nn.utils.clip_grad_norm_).",
+    ),
 )
 
 TRN_RULES: tuple[Rule, ...] = (

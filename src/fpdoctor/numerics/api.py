@@ -116,7 +116,8 @@ class Trace:
         warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
         from fpdoctor.numerics.recipes import RecipeWatch
 
-        self._recipes = self._stack.enter_context(RecipeWatch())  # the optimizers stepped in the block
+        # the optimizers stepped in the block, their parameters known by the records that made them
+        self._recipes = self._stack.enter_context(RecipeWatch(source_of=self.tracer.provenance.get))
         from fpdoctor.numerics.steps import StepCounter
 
         # the optimizer step of each record, told beside the module call count
@@ -246,7 +247,10 @@ class Trace:
             from fpdoctor.numerics.headroom import op_findings, op_overflow
 
             findings += op_findings(op_overflow(list(tracer.records), targets=()))
-        findings += self._recipes.findings(list(tracer.records))
+        recipes = self._recipes.findings(list(tracer.records))
+        # an update that blew the weights up comes before the NaN it led to: it is the cause
+        blown = [f for f in recipes if f.name == "update-blew-up"]
+        findings = blown + findings + [f for f in recipes if f.name != "update-blew-up"]
         tracer.errors.extend(self._recipes.errors)
         repro_notes: dict[str, str] = {}
         if self.repro is not None:

@@ -15,6 +15,10 @@ an op of that kind turns an *overflow's* Inf into finite values and those reach 
 overflow is reported as `nonfinite-zeroed`. Infinities written on purpose (masked_fill, where,
 full: attention masks) are masking, and a producer nobody downstream sees stays
 `nonfinite-masked`.
+
+Under an enabled GradScaler a step it skipped is judged with the scaler (scaler_skips.py): the
+non-finite gradients of a step skipped while the scale calibrates are a note, not a producer to
+blame; a scaler that keeps skipping is one error naming the recurring origin, before the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 from fpdoctor import catalog
 from fpdoctor.numerics.bounds import impossible
 from fpdoctor.numerics.recipes import range_cause
+from fpdoctor.numerics.scaler_skips import ScalerRun, recurring
 from fpdoctor.numerics.steps import StepCounter
 from fpdoctor.numerics.tracer import Leaf, Record, Tracer
 from fpdoctor.report.model import Finding
@@ -277,13 +282,22 @@ class Analysis:
             for r in self.records
             if r.index in self.roles and ("op", r.index) in self.reached and not self._only_from(r, bad_data)
         ]
+        scaler = self.scaler_run()
+        absorbed = self._absorbed(scaler, blamed) if scaler is not None else []
+        if absorbed:
+            assert scaler is not None
+            found.append(self._scaler_finding(scaler, absorbed))
+            gone = {r.index for r in absorbed}
+            blamed = [r for r in blamed if r.index not in gone]
+        elif scaler is not None and scaler.skipped:
+            found.append(self._scaler_finding(scaler, []))
         nan_producers = [r for r in blamed if self.roles[r.index] == "nan-producer"]
         inf_producers = [r for r in blamed if self.roles[r.index] == "inf-producer"]
         if inf_producers:
             found.append(self.producer_finding(inf_producers[0], "first Inf", inf_producers[1:]))
         if nan_producers:
             found.append(self.producer_finding(nan_producers[0], "first NaN", nan_producers[1:]))
-        producers_reached = bool(nan_producers or inf_producers)
+        producers_reached = bool(nan_producers or inf_producers or absorbed)
         for leaf, reaches in leaves.values():
             if ("leaf", leaf.index) in bad_data or not producers_reached:
                 found.append(self.input_finding(leaf, reaches))
@@ -292,7 +306,7 @@ class Analysis:
                 r = self.records[origin[1]]
                 if r.kind == "nan" or not producers_reached:
                     found.append(self._constant_finding(r, reaches))
-        zeroed = self.zeroed()
+        zeroed = [z for z in self.zeroed() if scaler is None or not self._skipped_with(scaler, z[0])]
         if zeroed:
             found.append(self._zeroed_finding(*zeroed[0], others=len(zeroed) - 1))
         hidden = {p.index for p, _, _ in zeroed}
@@ -302,6 +316,7 @@ class Analysis:
             if self.roles.get(r.index) in ("nan-producer", "inf-producer")
             and ("op", r.index) not in self.reached
             and r.index not in hidden
+            and (scaler is None or not self._skipped_with(scaler, r))
         ]
         if masked:
             r = masked[0]
@@ -330,6 +345,123 @@ class Analysis:
                 )
             )
         return found
+
+    # -- GradScaler skips ---------------------------------------------------------------------
+    def scaler_run(self) -> ScalerRun | None:
+        """What an enabled GradScaler did over the traced steps; None where none stepped."""
+        steps = self.steps.scaler_steps() if self.steps is not None else []
+        return ScalerRun(tuple(steps)) if steps else None
+
+    def _skipped_with(self, run: ScalerRun, r: Record) -> bool:
+        """A producer that is the scaler's story: on a step it skipped, in a training step (not an
+        evaluation forward); while the scale calibrates, only the gradients and their unscaling,
+        which the scale made (a forward overflow happens before any scaling)."""
+        step = self.step_of(r)
+        if step is None or step[1] or step[0] not in run.skipped:
+            return False
+        return run.collapsed or r.phase in ("backward", "optimizer")
+
+    def _absorbed(self, run: ScalerRun, blamed: list[Record]) -> list[Record]:
+        return [r for r in blamed if self._skipped_with(run, r)]
+
+    def _op_text(self, r: Record) -> str:
+        """'aten.mm.default in module `2`', or for a backward op 'the backward of aten.sqrt.default
+        (SqrtBackward0: aten.div.Tensor)': the forward op is the one on the user's line."""
+        if r.phase == "backward" and r.forward_op:
+            return f"the backward of {r.forward_op} ({r.node or 'autograd'}: {r.op}) {module_text(r.module)}"
+        return f"{r.op} {module_text(r.module)}"
+
+    def _scaler_finding(self, run: ScalerRun, absorbed: list[Record]) -> Finding:
+        """The scaler's skips: an error naming the recurring origin where they persist, else a note."""
+        skipped = sorted(run.skipped)
+        counted = f"{len(skipped)} of {run.total} steps"
+        keyed = (((self.step_of(x) or (0, False))[0], (x.op, x.forward_op, x.location), x.index) for x in absorbed)
+        origin = recurring(keyed)
+        r = self.records[origin[0]] if origin is not None else None
+        evidence: dict[str, Any] = {
+            "skipped": len(skipped),
+            "steps": run.total,
+            "skipped_steps": skipped[:32],
+            "scale_first": run.scales[0] if run.scales else None,
+            "scale_last": run.scales[-1] if run.scales else None,
+            "scale_min": min(run.scales) if run.scales else None,
+            "longest_skip_run": run.longest[0],
+            "step": skipped[0],
+        }
+        if not run.collapsed:
+            first = absorbed[0] if absorbed else None
+            return catalog.make(
+                "grad-scaler-calibrated",
+                title=f"GradScaler skipped {counted} while calibrating its scale ({run.scale_text()})",
+                message=(
+                    f"GradScaler found non-finite gradients and skipped {counted} (optimizer step"
+                    f"{'s' if len(skipped) > 1 else ''} {', '.join(map(str, skipped[:8]))}"
+                    f"{', ...' if len(skipped) > 8 else ''}) while its scale calibrated ({run.scale_text()}): "
+                    "the scaler's overflow check at work, not an error; the optimizer stepped on the others."
+                    + (
+                        f" The first such value: {self._op_text(first)} ({first.phase}{self.when(first)})"
+                        f"{', ' + str(where_text(first.location)) if first.location else ''}."
+                        if first is not None
+                        else ""
+                    )
+                ),
+                where={"module": None, "phase": "optimizer"},
+                evidence=_known({**evidence, "ops": len(absorbed)}),
+            )
+        every = run.every_step
+        title = (
+            f"GradScaler skipped {run.total} of {run.total} steps: the optimizer never ran"
+            if every
+            else f"GradScaler skipped {counted} ({run.longest[0]} in a row from step {run.longest[1]}): "
+            "the optimizer stopped running"
+        )
+        low = min(run.scales) < 1 if run.scales else False
+        message = (
+            f"GradScaler found non-finite gradients and skipped {counted} (scale {run.scale_text()}"
+            + (", below 1: the gradients are non-finite even unscaled" if low else "")
+            + f"), so the weights {'never moved' if every else 'stopped moving'}: this is not the scale calibrating, "
+            "it does not go away as the scale falls."
+        )
+        fix = catalog.get("grad-scaler-stalled").fix
+        if r is not None and origin is not None:
+            out = next(o for o in r.outputs if o.kind)
+            made = "from finite inputs" if self.roles.get(r.index) != "propagator" else "passed on"
+            message += (
+                f" The recurring non-finite value starts at {self._op_text(r)} ({r.phase}{self.when(r)}), on "
+                f"{origin[1]} of the {len(skipped)} skipped steps: it made {out.kind} {made} in {out.dtype}."
+                + (f" Source: {where_text(r.location)}." if r.location else "")
+            )
+            evidence["origin"] = _known(
+                {
+                    "op": r.op,
+                    "forward_op": r.forward_op,
+                    "autograd_node": r.node,
+                    "module": r.module,
+                    "phase": r.phase,
+                    "kind": out.kind,
+                    "dtype": out.dtype,
+                    "shape": list(out.shape),
+                    "inputs": self.input_stats(r),
+                    "location": where_text(r.location),
+                    "recurs_on_steps": origin[1],
+                    **self.step_evidence(r),
+                }
+            )
+            evidence["location"] = where_text(r.location)
+            evidence["step"] = (self.step_of(r) or (skipped[0], False))[0]
+            own = OP_ADVICE.get(_packet(r.forward_op)) if r.phase == "backward" and r.forward_op else None
+            fix = own or _fix_for(r)
+            fix += f"; the scaler cannot fix it: the value is non-finite at every scale it tried ({run.scale_text()})"
+        if len(absorbed) > 1:
+            evidence["other_ops"] = len({(x.op, x.location) for x in absorbed}) - 1
+        return catalog.make(
+            "grad-scaler-stalled",
+            title=title,
+            message=message,
+            where=self.where(r) if r is not None else {"module": None, "phase": "optimizer"},
+            evidence=_known(evidence),
+            fix=fix,
+        )
 
     # -- Inf turned into zeros -----------------------------------------------------------------
     def _overflows(self, src: Origin) -> list[Record]:

@@ -8,6 +8,8 @@ The trace blames an op; some failures are the recipe's, and the op is only where
                (1e-8 is under fp16's smallest subnormal, 6e-8), so the update divides by ~0.
   no-scaler    fp16 autocast training without a GradScaler: small gradients flush to zero in
                fp16 before they reach the fp32 master weights.
+  blew-up      one optimizer update multiplied the largest weight by `BLOWUP` or more: a learning
+               rate too large for these gradients; the NaN/Inf that follows is its consequence.
 `RecipeWatch` sees the optimizers stepped inside the traced block (a global optimizer hook,
 removed on exit: nothing stays on the user's optimizer). Each diagnosis is a function of data
 (records, optimizer settings, gradient counts), so the training sentinel can call it too.
@@ -15,6 +17,7 @@ removed on exit: nothing stays on the user's optimizer). Each diagnosis is a fun
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 import weakref
@@ -40,6 +43,9 @@ FP16_SAFE_EPS = 1e-4
 _POLES = {"div": 1, "div_": 1, "reciprocal": 0, "log": 0, "log2": 0, "log10": 0, "log1p": 0, "rsqrt": 0}
 _POLES |= {"sqrt": 0, "pow": 0, "xlogy": 1}
 _NEAR_MAX = 0.5
+# A healthy update moves a weight by a small fraction of it (lr * O(1) for Adam); one that
+# multiplies the largest weight a hundredfold in a step is not training, it is diverging.
+BLOWUP = 100.0
 
 
 def range_cause(record: Record) -> str | None:
@@ -80,18 +86,22 @@ class OptimizerSeen:
     param_dtypes: dict[str, int]  # dtype -> parameter count
     with_scaler: bool  # stepped through GradScaler.step
     grads: dict[str, int] = field(default_factory=dict)  # counts over fp32 grads of fp16-run parameters
+    lr: float | None = None  # the largest learning rate of its groups, at its first step
+    weights: list[Any] = field(default_factory=list)  # the largest |weight| before each of its steps (0-dim)
 
 
 def _stepped_by_scaler() -> bool:
-    """The pre-hook runs under GradScaler.step: it calls optimizer.step from `_maybe_opt_step`, or
-    itself for optimizers that skip on the device (fused Adam/AdamW/SGD get `found_inf`)."""
+    """The pre-hook runs under an enabled GradScaler's step: it calls optimizer.step from
+    `_maybe_opt_step`, or itself for optimizers that skip on the device (fused Adam/AdamW/SGD get
+    `found_inf`). A disabled scaler (`enabled=False`) calls optimizer.step unscaled: no scaler."""
     frame = sys._getframe(2)
     for _ in range(12):
         if frame is None:
             return False
         code = frame.f_code
         if code.co_name in ("_maybe_opt_step", "step") and code.co_filename.endswith("grad_scaler.py"):
-            return True
+            scaler = frame.f_locals.get("self")
+            return scaler is None or bool(getattr(scaler, "is_enabled", lambda: True)())
         frame = frame.f_back  # type: ignore[assignment]
     return False
 
@@ -113,10 +123,17 @@ def grad_zero_counts(grads: list[torch.Tensor]) -> dict[str, int]:
 
 
 class RecipeWatch:
-    """Sees every optimizer step inside the block (context manager), keeps facts, not objects."""
+    """Sees every optimizer step inside the block (context manager), keeps facts, not objects.
 
-    def __init__(self, max_steps: int = 4) -> None:
+    `source_of(tensor)` is the trace's record of a tensor (("op"|"leaf", index), ...) or None:
+    with it the parameters are known by the records that made them, so a model built inside the
+    traced block (its weights made by traced init ops, then written by the optimizer) is seen
+    being cast to fp16 as well as one built before the block (whose weights are leaves)."""
+
+    def __init__(self, max_steps: int = 4, source_of: Any = None) -> None:
         self.optimizers: dict[int, OptimizerSeen] = {}
+        self.params: set[tuple[str, int]] = set()  # the trace's sources of the parameters stepped
+        self._source_of = source_of
         self.steps = 0
         self.errors: list[str] = []
         self._max_steps = max_steps  # gradient counts of the first steps are evidence enough
@@ -155,6 +172,16 @@ class RecipeWatch:
         if seen is None:
             eps = [float(g["eps"]) for g in optimizer.param_groups if isinstance(g.get("eps"), (int, float))]
             seen = self.optimizers[key] = OptimizerSeen(type(optimizer).__name__, eps, dtypes, _stepped_by_scaler())
+            lrs = [float(g["lr"]) for g in optimizer.param_groups if isinstance(g.get("lr"), (int, float))]
+            seen.lr = max(lrs) if lrs else None
+        if len(seen.weights) < 64:
+            seen.weights.append(largest_weight(params))
+        if self._source_of is not None and self.steps <= self._max_steps:
+            # what the forward before this step cast: the parameters are unchanged since
+            for p in params:
+                entry = self._source_of(p)
+                if entry is not None:
+                    self.params.add(entry[0])
         if self.steps <= self._max_steps and not seen.with_scaler:  # the counts only matter without one
             grads = [p.grad for p in params if p.grad is not None and p.grad.dtype == torch.float32]
             counts = grad_zero_counts(grads)
@@ -167,10 +194,58 @@ class RecipeWatch:
             f = adam_eps_finding(seen)
             if f is not None:
                 found.append(f)
-        scaler = no_scaler_finding(records, list(self.optimizers.values()))
+        for seen in self.optimizers.values():
+            f = blowup_finding(seen)
+            if f is not None:
+                found.append(f)
+        scaler = no_scaler_finding(records, list(self.optimizers.values()), frozenset(self.params))
         if scaler is not None:
             found.append(scaler)
         return found
+
+
+def largest_weight(params: list[torch.Tensor]) -> Any:
+    """max |weight| over `params`, a 0-dim tensor on their device, read once after the trace (no
+    host sync per step); kept out of the trace's records."""
+    floats = [p.detach() for p in params if p.is_floating_point() and p.numel()]
+    if not floats:
+        return None
+    with torch.no_grad(), torch._C._DisableTorchDispatch():
+        return torch.stack([t.abs().amax().float().to(floats[0].device) for t in floats]).amax()
+
+
+def blowup_finding(seen: OptimizerSeen) -> Finding | None:
+    """The first update that multiplied the largest weight by BLOWUP or more (before one step and
+    the next of the same optimizer), with its learning rate."""
+    values = [None if w is None else float(w) for w in seen.weights]
+    for step, (before, after) in enumerate(itertools.pairwise(values), start=1):
+        if before is None or after is None or not before > 0:
+            continue
+        grown = after / before if math.isfinite(after) else math.inf
+        if grown < BLOWUP:
+            continue
+        lr = f" (lr={seen.lr:g})" if seen.lr is not None else ""
+        return catalog.make(
+            "update-blew-up",
+            message=(
+                f"{seen.name}'s update{lr} at its step {step} multiplied the largest weight by "
+                f"{'Inf' if math.isinf(grown) else f'{grown:.3g}'} ({before:.3g} -> {after:.3g}) in one step. The "
+                "next forward and backward run on those weights: the NaN/Inf reported after this is their "
+                "consequence, not a cause of its own."
+            ),
+            where={"module": None, "phase": "optimizer"},
+            evidence={
+                "optimizer": f"torch.optim.{seen.name}",
+                "optimizer_step": step,
+                "lr": seen.lr,
+                "largest_weight_before": before,
+                "largest_weight_after": after,
+                "growth": grown if math.isfinite(grown) else None,
+            },
+            fix="lower the learning rate (by the growth factor at least: start 10x-100x lower, with warmup), and "
+            "clip the gradients (torch.nn.utils.clip_grad_norm_(params, 1.0)) before the step",
+        )
+    return None
 
 
 def adam_eps_finding(seen: OptimizerSeen) -> Finding | None:
@@ -213,8 +288,10 @@ def adam_eps_finding(seen: OptimizerSeen) -> Finding | None:
     )
 
 
-def _autocast_fp16_params(records: list[Record]) -> int:
-    """Forward casts of fp32 leaves to fp16: autocast's copies of the weights it runs in fp16."""
+def _autocast_fp16_params(records: list[Record], params: frozenset[tuple[str, int]] = frozenset()) -> int:
+    """Forward casts of parameters to fp16: autocast's copies of the weights it runs in fp16. A
+    parameter is a leaf (made before the trace), or the record that made the value an optimizer
+    stepped (`params`: a model built inside the trace, its weights made by traced ops)."""
     return sum(
         1
         for r in records
@@ -223,17 +300,19 @@ def _autocast_fp16_params(records: list[Record]) -> int:
         and r.outputs
         and r.outputs[0].dtype == "torch.float16"
         and r.inputs[:1]
-        and r.inputs[0][0] == "leaf"
+        and (r.inputs[0][0] == "leaf" or r.inputs[0] in params)
     )
 
 
-def no_scaler_finding(records: list[Record], optimizers: list[OptimizerSeen]) -> Finding | None:
+def no_scaler_finding(
+    records: list[Record], optimizers: list[OptimizerSeen], params: frozenset[tuple[str, int]] = frozenset()
+) -> Finding | None:
     """fp16 autocast forward, backward ran, an optimizer stepped, and no GradScaler stepped it."""
     if not optimizers or any(o.with_scaler for o in optimizers):
         return None
     if not any(r.phase == "backward" for r in records):
         return None
-    casts = _autocast_fp16_params(records)
+    casts = _autocast_fp16_params(records, params)
     if not casts or any(o.param_dtypes.get("torch.float16") for o in optimizers):
         return None  # pure fp16 parameters are the adam-eps / master-weights story
     grads: dict[str, int] = {}

@@ -8,6 +8,9 @@ GAN's discriminator and generator) make one step, which ends with the last of th
 begins when an optimizer steps again that already stepped in the current one. It also notes
 where top-level forwards switch between training and evaluation (grad mode off, or the module in
 `eval()`), so a value made in an evaluation forward is said to follow a step, not to be one.
+For an enabled GradScaler it keeps, per step, the scale the step ran with and whether the scaler
+skipped it (its own found-inf flags, copied when its step returns and read once, after the block:
+no host sync per step). A disabled scaler steps like the optimizer it wraps.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class StepCounter:
         self._in_scaler = 0
         self._handles: list[Any] = []
         self._scaler_step: Any = None
+        self._scaled: list[tuple[int, Any, Any]] = []  # (step, found-inf flags, scale) per scaler step
 
     @property
     def ends(self) -> list[int]:
@@ -71,6 +75,7 @@ class StepCounter:
                 finally:
                     self._in_scaler -= 1
                 self._ended(optimizer)
+                self._scaler_stepped(scaler_self, optimizer)
                 return result
 
             scaler.step = step
@@ -95,6 +100,38 @@ class StepCounter:
             self._last_end = self._position()
         except Exception:  # the observer never raises into the user's step
             pass
+
+    def _scaler_stepped(self, scaler: Any, optimizer: Any) -> None:
+        """Copies of the scaler's found-inf flags for `optimizer` and of its scale (update() writes
+        the scale in place and may add into a flag), made on the device, outside the trace."""
+        if threading.get_ident() != self._thread:
+            return
+        try:
+            if not scaler.is_enabled():
+                return
+            state = scaler._per_optimizer_states.get(id(optimizer)) or {}
+            flags = list(state.get("found_inf_per_device", {}).values())
+            scale = getattr(scaler, "_scale", None)
+            with torch.no_grad(), torch._C._DisableTorchDispatch():
+                found = (
+                    torch.stack([f.reshape(()).float().to(flags[0].device) for f in flags]).amax() if flags else None
+                )
+                kept = scale.detach().reshape(-1)[0].clone() if isinstance(scale, torch.Tensor) else None
+            self._scaled.append((self.steps, found, kept))
+        except Exception:  # the observer never raises into the user's step
+            pass
+
+    def scaler_steps(self) -> list[tuple[int, bool, float]]:
+        """(optimizer step, skipped by the scaler, the scale it ran with) per step an enabled
+        GradScaler stepped, in order; several optimizers in one step: skipped when any was."""
+        merged: dict[int, tuple[bool, float]] = {}
+        for step, found, scale in self._scaled:
+            skipped = found is not None and float(found) > 0
+            value = float(scale) if scale is not None else float("nan")
+            if step in merged:
+                skipped = skipped or merged[step][0]
+            merged[step] = (skipped, value)
+        return [(step, skipped, value) for step, (skipped, value) in merged.items()]
 
     def _optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._in_scaler:  # GradScaler.step counts its own, stepped or skipped

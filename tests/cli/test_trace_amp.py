@@ -1,0 +1,145 @@
+"""`fpdoctor trace` under torch.amp.GradScaler: calibration is a note, a scaler that never steps is the error."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from tests.conftest import run_fpdoctor
+
+pytestmark = pytest.mark.timeout(120)
+
+LOOP = """
+    opt = torch.optim.{opt}
+    scaler = torch.amp.GradScaler("cpu"{enabled})
+    for step in range({steps}):
+        x, y = batch()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_of(model, x, y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+"""
+
+HEALTHY = """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+
+    def batch():
+        return torch.randn(64, 64) * 4, torch.randint(0, 64, (64,))
+
+    def loss_of(model, x, y):
+        return nn.functional.cross_entropy(model(x).float(), y, reduction="sum")
+"""
+
+SQRT = """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+
+    def batch():
+        return torch.randn(16, 16), None
+
+    def loss_of(model, x, y, eps=1e-12):
+        z = model(x)
+        d2 = (z[:, None, :] - z[None, :, :]).pow(2).sum(-1)
+        d = torch.sqrt(d2 + eps)
+        return (d / d.mean()).var()
+"""
+
+ATTENTION = """
+    import torch
+    from torch import nn
+
+    class Attention(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.qkv = nn.Linear(d, 3 * d)
+            self.out = nn.Linear(d, d)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            scores = q @ k.transpose(-2, -1)
+            return self.out(scores.softmax(-1) @ v)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), Attention(64), nn.Linear(64, 4))
+    with torch.no_grad():
+        model[1].qkv.weight.mul_(40.0)
+
+    def batch():
+        return torch.randn(4, 16, 32) * 4, torch.randint(0, 4, (4,))
+
+    def loss_of(model, x, y):
+        return nn.functional.cross_entropy(model(x).mean(1).float(), y)
+"""
+
+
+def _write(tmp_path, model: str, steps: int = 10, opt: str = "SGD(model.parameters(), lr=1e-2)", enabled: str = ""):
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent(model) + textwrap.dedent(LOOP.format(opt=opt, steps=steps, enabled=enabled)))
+    return path
+
+
+def _line(path, text: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
+
+
+def _trace(path) -> tuple[int, dict]:
+    result = run_fpdoctor("trace", "--format", "json", "--", str(path))
+    return result.code, json.loads(result.err[result.err.index('{\n  "schema"') :])
+
+
+def test_a_healthy_amp_loop_calibrating_its_scale_is_ok(tmp_path):
+    path = _write(tmp_path, HEALTHY, steps=12, opt="AdamW(model.parameters(), lr=1e-3)")
+    code, doc = _trace(path)
+    assert code == 0 and doc["verdict"] != "error"
+    assert [f["name"] for f in doc["findings"]] == ["grad-scaler-calibrated"]
+    (note,) = doc["findings"]
+    assert note["severity"] == "info" and note["evidence"]["steps"] == 12
+    assert note["evidence"]["skipped_steps"][0] == 1 and 0 < note["evidence"]["skipped"] < 12
+    assert note["evidence"]["scale_first"] == 65536.0 and note["evidence"]["scale_last"] < 65536.0
+
+
+def test_a_scaler_that_skips_every_step_names_the_sqrt_not_the_div(tmp_path):
+    path = _write(tmp_path, SQRT)
+    code, doc = _trace(path)
+    assert code == 1
+    first = doc["findings"][0]
+    assert first["name"] == "grad-scaler-stalled" and first["severity"] == "error"
+    assert first["title"] == "GradScaler skipped 10 of 10 steps: the optimizer never ran"
+    origin = first["evidence"]["origin"]
+    assert origin["forward_op"] == "aten.sqrt.default" and origin["phase"] == "backward"
+    assert origin["location"].startswith(f"{path}:{_line(path, 'torch.sqrt(')} ")
+    assert f"{path}:{_line(path, 'torch.sqrt(')} in loss_of" in first["message"]
+    # one finding per cause: the producers on the skipped steps are that error's, not errors of their own
+    assert not [f for f in doc["findings"] if f["name"] == "nonfinite-produced"]
+
+
+def test_an_unscaled_attention_that_overflows_every_step_names_the_matmul(tmp_path):
+    path = _write(tmp_path, ATTENTION)
+    code, doc = _trace(path)
+    assert code == 1
+    first = doc["findings"][0]
+    assert first["name"] == "grad-scaler-stalled" and "the optimizer never ran" in first["title"]
+    origin = first["evidence"]["origin"]
+    assert origin["op"] == "aten.bmm.default" and origin["phase"] == "forward" and origin["module"] == "1"
+    assert origin["location"].startswith(f"{path}:{_line(path, 'q @ k.transpose')} ")
+    assert "1/sqrt(d)" in first["fix"] and "every scale it tried" in first["fix"]
+
+
+def test_a_disabled_scaler_is_no_scaler_for_a_model_built_in_the_script(tmp_path):
+    path = _write(tmp_path, HEALTHY.replace("* 4", ""), steps=3, enabled=", enabled=False")
+    code, doc = _trace(path)
+    assert [f["name"] for f in doc["findings"]] == ["fp16-without-grad-scaler"]
+    enabled = _write(tmp_path, HEALTHY.replace("* 4", ""), steps=3)
+    code, doc = _trace(enabled)
+    assert code == 0 and "fp16-without-grad-scaler" not in [f["name"] for f in doc["findings"]]
