@@ -181,10 +181,12 @@ def run(args: argparse.Namespace) -> int:
         raise _Terminated
 
     previous = signal.signal(signal.SIGTERM, _on_term) if dist is not None else None
+    raise_on = "nonfinite" if args.raise_on_nonfinite else None
+    # made before the script's try: a failure of ours to make it is not the script's error
+    session = fpdoctor.trace(raise_on=raise_on, headroom=args.headroom, repro=args.repro)
     try:
-        raise_on = "nonfinite" if args.raise_on_nonfinite else None
         with (
-            fpdoctor.trace(raise_on=raise_on, headroom=args.headroom, repro=args.repro) as session,
+            session,
             progress.task(f"trace {script}", status=lambda: _so_far(session)),
             autocast,
         ):
