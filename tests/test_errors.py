@@ -27,7 +27,7 @@ def test_health_exports_the_shared_error():
 
 def test_the_input_errors_of_records_devices_and_report_paths_are_input_errors(tmp_path):
     from fpdoctor.health.fingerprint import DeviceNotFound
-    from fpdoctor.precision.record import RecordError
+    from fpdoctor.precision.record.record import RecordError
     from fpdoctor.report.write import write_text
 
     assert issubclass(RecordError, InputError) and issubclass(DeviceNotFound, InputError)

@@ -19,17 +19,17 @@ if TYPE_CHECKING:
     from fpdoctor.numerics.api import Trace, trace
     from fpdoctor.numerics.sentinel import Sentinel
     from fpdoctor.numerics.tracer import NonFiniteError
-    from fpdoctor.precision.audit import audit
-    from fpdoctor.precision.boundary import keep_in_fp32
-    from fpdoctor.precision.compare import compare
-    from fpdoctor.precision.harmonize import harmonize
-    from fpdoctor.precision.plan import apply_plan, plan
-    from fpdoctor.precision.record import CompareRecord
+    from fpdoctor.precision.audit.audit import audit
+    from fpdoctor.precision.audit.boundary import keep_in_fp32
+    from fpdoctor.precision.audit.harmonize import harmonize
+    from fpdoctor.precision.compare.compare import compare
+    from fpdoctor.precision.plan.plan import apply_plan, plan
+    from fpdoctor.precision.record.record import CompareRecord
     from fpdoctor.report.model import Finding, Report, Severity
 
 # Public name -> module that defines it; imported on first use, so `import fpdoctor` stays cheap.
 _LAZY = {
-    "CompareRecord": "fpdoctor.precision.record",
+    "CompareRecord": "fpdoctor.precision.record.record",
     "Finding": "fpdoctor.report.model",
     "Report": "fpdoctor.report.model",
     "Severity": "fpdoctor.report.model",
@@ -37,16 +37,16 @@ _LAZY = {
     "Sentinel": "fpdoctor.numerics.sentinel",
     "ScriptWatch": "fpdoctor.integrations.script",
     "Trace": "fpdoctor.numerics.api",
-    "apply_plan": "fpdoctor.precision.plan",
-    "audit": "fpdoctor.precision.audit",
-    "compare": "fpdoctor.precision.compare",
+    "apply_plan": "fpdoctor.precision.plan.plan",
+    "audit": "fpdoctor.precision.audit.audit",
+    "compare": "fpdoctor.precision.compare.compare",
     "diagnose_env": "fpdoctor.env.doctor",
     "diff_env": "fpdoctor.env.diff",
-    "harmonize": "fpdoctor.precision.harmonize",
+    "harmonize": "fpdoctor.precision.audit.harmonize",
     "health": "fpdoctor.health",
     "HealthResult": "fpdoctor.health",
-    "keep_in_fp32": "fpdoctor.precision.boundary",
-    "plan": "fpdoctor.precision.plan",
+    "keep_in_fp32": "fpdoctor.precision.audit.boundary",
+    "plan": "fpdoctor.precision.plan.plan",
     "trace": "fpdoctor.numerics.api",
     "watch": "fpdoctor.integrations.script",
 }

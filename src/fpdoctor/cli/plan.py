@@ -38,8 +38,8 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from fpdoctor import progress
     from fpdoctor.cli import model_spec
-    from fpdoctor.precision.compare import ReferenceFailed
-    from fpdoctor.precision.plan import plan
+    from fpdoctor.precision.compare.compare import ReferenceFailed
+    from fpdoctor.precision.plan.plan import plan
     from fpdoctor.report.render import render
 
     candidate, reference, fp8_kernel = check_precision_args(args, PLAN_CANDIDATES)
