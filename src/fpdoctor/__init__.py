@@ -7,6 +7,7 @@ functions import what they need when they are called.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from fpdoctor._version import __version__
@@ -14,7 +15,7 @@ from fpdoctor._version import __version__
 if TYPE_CHECKING:
     from fpdoctor.env.diff import diff_env
     from fpdoctor.env.doctor import diagnose_env
-    from fpdoctor.health import HealthResult, health
+    from fpdoctor.health.api import HealthResult, health
     from fpdoctor.integrations.script import ScriptWatch, watch
     from fpdoctor.numerics.api import Trace, trace
     from fpdoctor.numerics.sentinel import Sentinel
@@ -43,8 +44,8 @@ _LAZY = {
     "diagnose_env": "fpdoctor.env.doctor",
     "diff_env": "fpdoctor.env.diff",
     "harmonize": "fpdoctor.precision.audit.harmonize",
-    "health": "fpdoctor.health",
-    "HealthResult": "fpdoctor.health",
+    "health": "fpdoctor.health.api",
+    "HealthResult": "fpdoctor.health.api",
     "keep_in_fp32": "fpdoctor.precision.audit.boundary",
     "plan": "fpdoctor.precision.plan.plan",
     "trace": "fpdoctor.numerics.api",
@@ -53,12 +54,18 @@ _LAZY = {
 
 
 # Subpackages the README names by attribute (`fpdoctor.crash.run_command`): imported on first use.
-_SUBPACKAGES = ("crash", "health", "integrations")
+_SUBPACKAGES = ("crash", "integrations")
+
+# `fpdoctor.health` is the function health(), and fpdoctor.health is also a package. The import
+# system sets a package as its parent's attribute when it first loads it, which would replace the
+# function the first time anything imports fpdoctor.health.<module>. The package (whose __init__
+# imports nothing) is loaded here, so that happens now, and the attribute is dropped again:
+# __getattr__ below gives the function, and later imports find the package already loaded.
+importlib.import_module("fpdoctor.health")
+globals().pop("health", None)
 
 
 def __getattr__(name: str) -> Any:
-    import importlib
-
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value

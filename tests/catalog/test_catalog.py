@@ -87,6 +87,6 @@ def test_make_fills_from_the_catalogue():
 
 def test_rule_validation():
     with pytest.raises(ValueError):
-        catalog.Rule(code="E1", name="x", severity=Severity.ERROR, title="t", what="w", why="y", fix="f")
+        catalog.RuleInfo(code="E1", name="x", severity=Severity.ERROR, title="t", what="w", why="y", fix="f")
     with pytest.raises(ValueError):
-        catalog.Rule(code="ENV900", name="Bad Name", severity=Severity.ERROR, title="t", what="w", why="y", fix="f")
+        catalog.RuleInfo(code="ENV900", name="Bad Name", severity=Severity.ERROR, title="t", what="w", why="y", fix="f")
