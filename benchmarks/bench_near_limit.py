@@ -1,7 +1,7 @@
 """What the op-level range checks of overflow-risk cost: compare's op ranges and the trace's fp16
 what-ifs of fp32 ops.
 
-compare (SPEC 5: <= 3x the two plain forward passes): bench_compare.py's model (12-layer
+compare (budget: <= 3x the two plain forward passes): bench_compare.py's model (12-layer
 encoder, dim 256, 8 x 128 tokens), its passes run by `passes.hooked` as compare runs them,
 without and with `precision.near_limit.OpRanges` recording: the fp64 pass (every floating output)
 and the fp16 candidate pass (its fp16 outputs), then a whole `fpdoctor.compare(candidate="fp16")`
@@ -11,7 +11,7 @@ with the recorder wired into those two passes as compare will wire it (here by w
 for fp16 on hardware whose fp16 GEMMs run at bf16's speed (a GPU): the same recorder taking the
 bf16 outputs. Variants alternate, medians.
 
-trace (SPEC 5: <= 1.5x a plain step on CPU): bench_numerics.py's 4-layer transformer training
+trace (budget: <= 1.5x a plain step on CPU): bench_numerics.py's 4-layer transformer training
 step traced with headroom, without and with `Tracer.ranges` (exact ranges of fp32 forward
 outputs, for the fp16 what-ifs of ops). Variants alternate, medians.
 

@@ -1,7 +1,7 @@
 """fpdoctor: why a PyTorch workload crashes with SIGFPE, produces NaN/Inf or silently loses
 accuracy after a change of precision, device, GPU model or library version - and what to do.
 
-Importing fpdoctor never imports torch and never initialises CUDA (SPEC 3.4): the public
+Importing fpdoctor never imports torch and never initialises CUDA (ARCHITECTURE.md, contract 3): the public
 functions import what they need when they are called.
 """
 

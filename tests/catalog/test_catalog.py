@@ -7,7 +7,7 @@ import pytest
 from fpdoctor import catalog
 from fpdoctor.report.model import Severity
 
-# SPEC 3.2: environment finding names that must exist.
+# Environment finding names that must exist (the README and users name them).
 REQUIRED_ENV = {
     "driver-too-old",
     "arch-not-in-build",
@@ -22,7 +22,7 @@ REQUIRED_ENV = {
 }
 
 
-# SPEC 3.2: the numerics, dtype and training names.
+# The numerics, dtype and training names.
 REQUIRED_NUMERICS = {
     "nonfinite-produced",
     "nonfinite-input",
@@ -41,7 +41,7 @@ REQUIRED_NUMERICS = {
 }
 
 
-# SPEC 3.2: the hardware and crash names.
+# The hardware and crash names.
 REQUIRED_HARDWARE_AND_CRASH = {
     "xid-error",
     "gpu-lost",

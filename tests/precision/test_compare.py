@@ -270,7 +270,7 @@ def test_precision_findings_carry_the_contracts_where_and_evidence():
         *fpdoctor.compare(*fp8_case.build(), candidate="fp8-e4m3").report.findings,
     ]
     assert {f.name for f in findings} == {"precision-divergence", "fp8-saturation"}
-    for f in findings:  # SPEC 3.2: where has module, op (an aten overload or null) and phase; evidence the basics
+    for f in findings:  # ARCHITECTURE.md: where has module, op (an aten overload or null), phase; evidence the basics
         assert {"module", "op", "phase"} <= f.where.keys() and f.where["phase"] == "forward"
         assert f.where["op"] is None or f.where["op"].count(".") == 2
         assert {"kind", "count", "numel", "dtype"} <= f.evidence.keys()

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         emit(report.to_dict(), args)
         sys.stdout.write(code)
-    # SPEC 3.3: 1 when the report holds an error: a plan that cannot be verified, or a model that
+    # 1 when the report holds an error: a plan that cannot be verified, or a model that
     # does not run as given; a verified plan turns the divergences it fixes into warnings
     return report.exit_code
 

@@ -104,4 +104,5 @@ def _no_gpu(nvml_module: Any) -> str | None:
         return "no NVIDIA driver on this machine" if exc.no_driver else None
     return None if gpus else "NVML sees no NVIDIA GPU"
 
+
 __all__ = ["GpuFacts", "HealthFacts", "HealthResult", "InputError", "health"]

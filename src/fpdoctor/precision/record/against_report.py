@@ -130,7 +130,7 @@ def _departures(j: Judgement) -> list[Finding]:
 
 
 def _kind(row: Row) -> str:
-    """SPEC 3.2's kind for non-finite values (from the side that has them), else "departure"."""
+    """The finding's kind: `nan`, `+inf` or `-inf` from the side that has them, else "departure"."""
     bad = row.b if row.b.nonfinite else row.a if row.a.nonfinite else None
     if bad is None:
         return "departure"
