@@ -1,4 +1,4 @@
-"""SPEC 5 budget of `fpdoctor run --breadcrumbs`: <= 25 us per aten op.
+"""The budget of `fpdoctor run --breadcrumbs`: <= 25 us per aten op.
 
 Training steps (forward, backward, AdamW step) with and without the breadcrumb recorder (the
 dispatch mode, the global module and optimizer hooks and the ring writes of

@@ -1,4 +1,4 @@
-"""SPEC 5 budget for `compare`: extra memory O(largest activation), time <= 3x two plain forwards.
+"""The budget for `compare`: extra memory O(largest activation), time <= 3x two plain forwards.
 
 A transformer encoder (benchmarks/models.py), eval mode, candidates against fp32. Every
 measurement runs in its own subprocess. Besides its leaves, `compare` judges each container's own

@@ -1,4 +1,4 @@
-"""SPEC 5 budget for `fpdoctor demo`: all casebook cases in <= 60 s on a 2-core CPU.
+"""The budget for `fpdoctor demo`: all casebook cases in <= 60 s on a 2-core CPU.
 
 Runs `python -m fpdoctor demo` (every case) N times in fresh interpreters, as a user would, and
 prints the median wall time as a ratio of the budget (<= 1.0 passes).

@@ -1,4 +1,4 @@
-"""SPEC 5 budgets for the environment doctor, measured side by side in one run.
+"""The budgets for the environment doctor, measured side by side in one run.
 
 1. `fpdoctor env --no-probe` against `python -m torch.utils.collect_env`, alternating, on this
    machine: the ratio of median wall times must be <= 0.8.

@@ -1,4 +1,4 @@
-"""SPEC 5 budget for `fpdoctor env --diff A B` of two saved files: median wall <= 0.5 s, and
+"""The budget for `fpdoctor env --diff A B` of two saved files: median wall <= 0.5 s, and
 torch is never imported (checked with -X importtime).
 
 The two files are a saved facts JSON (an A100 machine) and the H20 collect_env report, so both

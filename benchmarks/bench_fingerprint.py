@@ -1,4 +1,4 @@
-"""SPEC 5 budget for GEMM fingerprints: <= 10 s per node; on a GPU the bf16 fingerprint GEMMs at
+"""The budget for GEMM fingerprints: <= 10 s per node; on a GPU the bf16 fingerprint GEMMs at
 >= 90% of the throughput of a plain torch.mm of the same shape, measured in the same run.
 
 Two parts:

@@ -1,4 +1,4 @@
-"""SPEC 5 budget for `fpdoctor health` without fingerprints: <= 1 s per node, measured side by side.
+"""The budget for `fpdoctor health` without fingerprints: <= 1 s per node, measured side by side.
 
 1. `fpdoctor health --duration 0` (NVML facts + this boot's kernel log) against its anchors in the
    same run, alternating: a bare interpreter that starts NVML (`python -c "import pynvml;

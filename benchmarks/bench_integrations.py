@@ -1,4 +1,4 @@
-"""SPEC 5 budget of the framework callbacks: <= 1% of a step (anchor: Lightning's detect_anomaly=True, 2.5-3x).
+"""The budget of the framework callbacks: <= 1% of a step (anchor: Lightning's detect_anomaly=True, 2.5-3x).
 
 Lightning's `Trainer.fit` and the Hugging Face `Trainer.train` run the same small model with and
 without FpDoctorCallback, one short run per variant per round, interleaved (A B C, A B C, ...) so

@@ -1,4 +1,4 @@
-"""SPEC 5 budget for the op-level trace, on transformer training steps (forward, backward, optimizer).
+"""The budget for the op-level trace, on transformer training steps (forward, backward, optimizer).
 
 - full op-level trace <= 1.5x a plain step on CPU and on compute-bound GPU steps
 - and <= 1.3x the empty-dispatch-mode floor measured in the same run, everywhere

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fpdoctor
-from fpdoctor.precision import recording
+from fpdoctor.precision.record import recording
 from models import batch, small_transformer
 
 FINISH: list[float] = []

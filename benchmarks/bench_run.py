@@ -1,4 +1,4 @@
-"""SPEC 5 budgets of `fpdoctor run`: default overhead <= 1% of a training step; the report
+"""The budgets of `fpdoctor run`: default overhead <= 1% of a training step; the report
 within 5 s of the death.
 
 1. Step time: the same small training loop (benchmarks/models.py's transformer, AdamW) as

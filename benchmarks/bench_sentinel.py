@@ -1,4 +1,4 @@
-"""SPEC 5 budget of the training sentinel, always on: <= 3% step time on CPU; on a GPU <= 1% with
+"""The budget of the training sentinel, always on: <= 3% step time on CPU; on a GPU <= 1% with
 an optimizer that skips on the device (fused: no host sync), <= 3% otherwise.
 
 Each guarded variant is timed against the same step without the sentinel (same optimizer kind,

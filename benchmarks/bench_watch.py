@@ -1,4 +1,4 @@
-"""SPEC 5 budget of `fpdoctor watch`: <= 1% of a CPU training step of a small transformer.
+"""The budget of `fpdoctor watch`: <= 1% of a CPU training step of a small transformer.
 
 The same loop (a 4-layer transformer of benchmarks/models.py, dim 256, 8 x 64 tokens, fp32, AdamW,
 zero_grad / forward / cross-entropy / backward / step) runs plain and under `ScriptWatch` - what

@@ -20,14 +20,14 @@ def test_a_missing_env_file_and_a_missing_health_file_raise_the_same_error(tmp_p
 
 
 def test_health_exports_the_shared_error():
-    import fpdoctor.health
+    from fpdoctor.health import InputError as HealthInputError
 
-    assert fpdoctor.health.InputError is InputError
+    assert HealthInputError is InputError
 
 
 def test_the_input_errors_of_records_devices_and_report_paths_are_input_errors(tmp_path):
     from fpdoctor.health.fingerprint import DeviceNotFound
-    from fpdoctor.precision.record import RecordError
+    from fpdoctor.precision.record.record import RecordError
     from fpdoctor.report.write import write_text
 
     assert issubclass(RecordError, InputError) and issubclass(DeviceNotFound, InputError)

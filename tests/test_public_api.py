@@ -1,4 +1,4 @@
-"""The public facade: explicit exports, and `import fpdoctor` stays light (SPEC 3.4)."""
+"""The public facade: explicit exports, and `import fpdoctor` stays light (ARCHITECTURE.md, contract 3)."""
 
 from __future__ import annotations
 

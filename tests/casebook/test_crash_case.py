@@ -22,7 +22,7 @@ def test_the_report_names_the_signal_op_module_shape_and_dtype(outcome):
     (death,) = outcome.report.by_name("fatal-signal")
     assert death.evidence["signal"] == "SIGFPE"
     assert death.evidence["returncode"] == -8
-    assert death.where["op"] == "aten.addmm.default"  # SPEC 3.2: str() of the OpOverload
+    assert death.where["op"] == "aten.addmm.default"  # where.op: str() of the OpOverload
     assert death.where["module"] == "blocks.0.ff.proj"
     in_flight = death.evidence["op_in_flight"]
     assert "bfloat16[2, 1024]" in in_flight and "bfloat16[1024, 18432]" in in_flight, in_flight

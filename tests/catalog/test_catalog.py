@@ -7,7 +7,7 @@ import pytest
 from fpdoctor import catalog
 from fpdoctor.report.model import Severity
 
-# SPEC 3.2: environment finding names that must exist.
+# Environment finding names that must exist (the README and users name them).
 REQUIRED_ENV = {
     "driver-too-old",
     "arch-not-in-build",
@@ -22,7 +22,7 @@ REQUIRED_ENV = {
 }
 
 
-# SPEC 3.2: the numerics, dtype and training names.
+# The numerics, dtype and training names.
 REQUIRED_NUMERICS = {
     "nonfinite-produced",
     "nonfinite-input",
@@ -41,7 +41,7 @@ REQUIRED_NUMERICS = {
 }
 
 
-# SPEC 3.2: the hardware and crash names.
+# The hardware and crash names.
 REQUIRED_HARDWARE_AND_CRASH = {
     "xid-error",
     "gpu-lost",
@@ -87,6 +87,6 @@ def test_make_fills_from_the_catalogue():
 
 def test_rule_validation():
     with pytest.raises(ValueError):
-        catalog.Rule(code="E1", name="x", severity=Severity.ERROR, title="t", what="w", why="y", fix="f")
+        catalog.RuleInfo(code="E1", name="x", severity=Severity.ERROR, title="t", what="w", why="y", fix="f")
     with pytest.raises(ValueError):
-        catalog.Rule(code="ENV900", name="Bad Name", severity=Severity.ERROR, title="t", what="w", why="y", fix="f")
+        catalog.RuleInfo(code="ENV900", name="Bad Name", severity=Severity.ERROR, title="t", what="w", why="y", fix="f")

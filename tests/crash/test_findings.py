@@ -1,4 +1,4 @@
-"""Findings from collected processes: where.op as SPEC 3.2 spells it, the GPU a rank was on, the re-run command."""
+"""Findings from collected processes: where.op as ARCHITECTURE.md says, the GPU a rank was on, the re-run command."""
 
 from __future__ import annotations
 

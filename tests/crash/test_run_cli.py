@@ -110,7 +110,7 @@ def test_sigfpe_with_breadcrumbs_names_the_op_in_flight(tmp_path):
     assert result.returncode == 128 + signal.SIGFPE
     assert_streams_pass_through(result, "sigfpe-op")
     crash = only(doc, "fatal-signal")
-    # SPEC 3.2: where.op is the overload's name, str() of the OpOverload
+    # where.op is the overload's name (ARCHITECTURE.md, contract 2), str() of the OpOverload
     assert crash["where"]["op"] == "fpdoctor_fixture.gemm.default" and crash["where"]["module"] == "1.fc"
     in_flight = crash["evidence"]["op_in_flight"]
     assert in_flight.startswith("fpdoctor_fixture.gemm.default(float32[8, 16], float32[48, 16])")
@@ -223,7 +223,7 @@ def test_torchrun_rank_dies_while_the_other_waits_in_a_collective(tmp_path):
     assert ["first failure", next(v for k, v in doc["data"]["summary"] if k == "first failure")] in doc["data"][
         "summary"
     ]
-    # the report within 5 s of the death (SPEC 5): the death's time against the report file's
+    # the report within 5 s of the death (its budget): the death's time against the report file's
     death = next(p["end"] for p in doc["data"]["processes"] if p.get("rank") == 1)
     assert out.stat().st_mtime - death < 5.0 + _slack()
 

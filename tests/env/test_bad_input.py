@@ -1,4 +1,4 @@
-"""Malformed input gives exit 2 and one line on stderr, never a traceback (SPEC 4)."""
+"""Malformed input gives exit 2 and one line on stderr, never a traceback (ARCHITECTURE.md, contract 1)."""
 
 from __future__ import annotations
 

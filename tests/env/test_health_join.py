@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 from fpdoctor.env import doctor
 from fpdoctor.health import HealthResult
 from fpdoctor.health.model import HealthFacts
@@ -17,8 +19,9 @@ def _health(findings):
 
 
 def test_the_summary_line_and_the_hardware_findings_join_the_environment_report(monkeypatch):
-    from fpdoctor import catalog, health
+    from fpdoctor import catalog
 
+    health = importlib.import_module("fpdoctor.health")  # the package; `fpdoctor.health` is the function
     xid = catalog.make("xid-error", message="Xid 79 on 0000:52:00.0", where={"pci": "0000:52:00.0"})
     note = catalog.make("gpu-throttled", message="power cap while idle", severity=Severity.INFO)
     monkeypatch.setattr(health, "health", _health([xid, note]))
@@ -28,7 +31,7 @@ def test_the_summary_line_and_the_hardware_findings_join_the_environment_report(
 
 
 def test_a_health_read_that_fails_is_said_not_raised(monkeypatch):
-    from fpdoctor import health
+    health = importlib.import_module("fpdoctor.health")
 
     def broken(**_kwargs):
         raise OSError("NVML hung")

@@ -16,14 +16,14 @@ RULE_FIXTURES = ENV_FIXTURES / "rules"
 ENV_RULES = [r for r in catalog.rules() if r.code.startswith("ENV")]
 
 
-def _fixture(rule: catalog.Rule):
+def _fixture(rule: catalog.RuleInfo):
     stem = f"{rule.code}-{rule.name}"
     inputs = [p for p in RULE_FIXTURES.glob(f"{stem}.*") if not p.name.endswith(".expected.json")]
     expected = RULE_FIXTURES / f"{stem}.expected.json"
     return inputs, expected
 
 
-def _pair(rule: catalog.Rule) -> bool:
+def _pair(rule: catalog.RuleInfo) -> bool:
     return rule.code.startswith("ENV3")
 
 

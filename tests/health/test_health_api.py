@@ -23,7 +23,7 @@ CLEAN_DMESG = [
 
 
 def test_public_names():
-    assert fpdoctor.health is health or callable(fpdoctor.health)
+    assert fpdoctor.health is health
     assert fpdoctor.HealthResult is HealthResult
     result = fpdoctor.health(from_files=str(RULES / "HWR003-ecc-uncorrectable.txt"))
     assert isinstance(result, HealthResult) and result.reporting
@@ -40,6 +40,32 @@ def test_fpdoctor_health_stays_callable_after_a_submodule_import():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
     assert out.strip() == "['gpu-lost', 'gpu-lost']"
+
+
+def test_the_package_and_the_function_both_answer_to_fpdoctor_health():
+    # `import fpdoctor.health` (the package, as the import system gives it) and the facade's
+    # function, in either order, in a fresh interpreter; the package stays a plain module
+    code = (
+        "import sys, types\n"
+        "import fpdoctor.health\n"
+        "from fpdoctor.health import HealthResult, fingerprint\n"
+        "import fpdoctor.health.kernel_log\n"
+        "assert type(sys.modules['fpdoctor.health']) is types.ModuleType\n"
+        "assert fpdoctor.health is sys.modules['fpdoctor.health.api'].health\n"
+        "assert callable(fingerprint.run_fingerprints)\n"
+        f"r = fpdoctor.health(from_files={str(RULES / 'HWR002-gpu-lost.log')!r})\n"
+        "assert isinstance(r, HealthResult)\n"
+        "print(sorted(f.name for f in r.report.findings))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.strip() == "['gpu-lost', 'gpu-lost']"
+
+
+def test_import_fpdoctor_loads_the_health_package_alone():
+    # the facade loads the package to keep `fpdoctor.health` the function: that must cost nothing
+    code = "import fpdoctor, sys\nprint(sorted(m for m in sys.modules if m.startswith('fpdoctor.health')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.strip() == "['fpdoctor.health']"
 
 
 @pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "3", True])

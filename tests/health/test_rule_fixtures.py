@@ -28,7 +28,7 @@ FROM_FINGERPRINTS = {"gemm-mismatch", "rank-outlier"}
 HWR = [r for r in catalog.rules() if r.code.startswith("HWR") and r.name not in FROM_FINGERPRINTS]
 
 
-def _fixture(rule: catalog.Rule) -> tuple[list[Path], Path]:
+def _fixture(rule: catalog.RuleInfo) -> tuple[list[Path], Path]:
     stem = f"{rule.code}-{rule.name}"
     inputs = [p for p in RULES.glob(f"{stem}.*") if not p.name.endswith(".expected.json")]
     return inputs, RULES / f"{stem}.expected.json"

@@ -78,7 +78,7 @@ def test_format_names():
 
 
 def _no_unknowns(value):
-    """SPEC 3.2: keys whose value is unknown are omitted, never null."""
+    """Keys whose value is unknown are omitted, never null (ARCHITECTURE.md, contract 2)."""
     if isinstance(value, dict):
         return all(v is not None and _no_unknowns(v) for k, v in value.items() if k != "module")
     return True

@@ -207,5 +207,5 @@ def test_a_fix_that_works_alone_is_said_to():
 def test_an_error_no_aten_op_saw_names_the_call_not_an_op():
     model, x = CASES["sdpa"][0]()
     mismatch = fpdoctor.audit(model, x).report.by_name("dtype-mismatch")[0]
-    assert mismatch.where.get("op") is None  # SPEC: where.op is an aten overload, unknown here
+    assert mismatch.where.get("op") is None  # where.op is an aten overload, unknown here
     assert mismatch.message.startswith("F.scaled_dot_product_attention in module `<root>` got")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fpdoctor
-from fpdoctor.precision.compare import ReferenceFailed
+from fpdoctor.precision.compare.compare import ReferenceFailed
 from fpdoctor.precision.profile import DIVERGENCE_RATIO
 from tests.conftest import load_minilm
 
@@ -164,8 +164,8 @@ def test_an_overflow_in_a_row_left_out_of_the_subset_is_still_found():
 
 
 def test_fp8_underflow_counts_only_values_that_matter_in_their_row():
-    from fpdoctor.precision import fp8
     from fpdoctor.precision.candidates import fp8_quantize
+    from fpdoctor.precision.compare import fp8
 
     torch.manual_seed(0)
     x = nn.functional.gelu(torch.randn(256, 512) * 3)  # many tiny negative outputs, harmless to lose
@@ -270,7 +270,7 @@ def test_precision_findings_carry_the_contracts_where_and_evidence():
         *fpdoctor.compare(*fp8_case.build(), candidate="fp8-e4m3").report.findings,
     ]
     assert {f.name for f in findings} == {"precision-divergence", "fp8-saturation"}
-    for f in findings:  # SPEC 3.2: where has module, op (an aten overload or null) and phase; evidence the basics
+    for f in findings:  # ARCHITECTURE.md: where has module, op (an aten overload or null), phase; evidence the basics
         assert {"module", "op", "phase"} <= f.where.keys() and f.where["phase"] == "forward"
         assert f.where["op"] is None or f.where["op"].count(".") == 2
         assert {"kind", "count", "numel", "dtype"} <= f.evidence.keys()

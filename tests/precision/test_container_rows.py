@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fpdoctor
-from fpdoctor.precision import ownops
+from fpdoctor.precision.compare import container_ops
 from fpdoctor.precision.metrics import ROWS, SAMPLE
 from fpdoctor.precision.profile import DIVERGENCE_RATIO, MOVES
 from fpdoctor.report.render import render
@@ -223,7 +223,7 @@ def test_judging_own_ops_leaves_the_fp64_pass_and_the_random_draws_as_they_were(
     def passthrough(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(ownops.OwnOps, "__torch_dispatch__", passthrough)
+    monkeypatch.setattr(container_ops.OwnOps, "__torch_dispatch__", passthrough)
     plain = fpdoctor.compare(model, x, candidate="bf16")
     assert [(r.module, r.propagated) for r in plain.rows] == [(r.module, r.propagated) for r in judged.rows]
 
@@ -231,14 +231,14 @@ def test_judging_own_ops_leaves_the_fp64_pass_and_the_random_draws_as_they_were(
 def test_own_ops_are_re_run_on_a_few_rows_or_a_sample_of_values(monkeypatch):
     """What keeps compare within its time budget: no own op is re-run whole when it is large."""
     rerun_sizes = []
-    judge = ownops.OwnOps._judge
+    judge = container_ops.OwnOps._judge
 
     def recording(self, own, func, rerun, out, *, torch_made):
-        full = next(ownops.floating(out))
+        full = next(container_ops.floating(out))
         rerun_sizes.append((str(func), rerun.pick(full).numel(), full.numel()))
         judge(self, own, func, rerun, out, torch_made=torch_made)
 
-    monkeypatch.setattr(ownops.OwnOps, "_judge", recording)
+    monkeypatch.setattr(container_ops.OwnOps, "_judge", recording)
     torch.manual_seed(1)
     fpdoctor.compare(attention_model(), torch.randn(2, 512, 64), candidate="fp16")
     ops = {op for op, _, _ in rerun_sizes}

@@ -109,10 +109,10 @@ def test_each_precision_is_one_declared_entry_every_step_reads():
     from torch import nn
 
     from fpdoctor.precision.candidates import Fp8Linear, Fp16AccumulateLinear, compute_dtype, make_run
-    from fpdoctor.precision.codegen import plan_code
     from fpdoctor.precision.fit import candidate_format
     from fpdoctor.precision.metrics import round_to
     from fpdoctor.precision.names import PRECISIONS
+    from fpdoctor.precision.plan.codegen import plan_code
 
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
     # fp32 holds these exactly, fp16, bf16 and fp8 do not

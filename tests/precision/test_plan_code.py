@@ -74,7 +74,7 @@ def test_the_applied_model_takes_the_original_fp32_inputs(overflow_plan):
 
 
 def test_keep_in_fp32_stays_public():
-    from fpdoctor.precision.boundary import keep_in_fp32
+    from fpdoctor.precision.audit.boundary import keep_in_fp32
 
     assert fpdoctor.keep_in_fp32 is keep_in_fp32
     assert "keep_in_fp32" in fpdoctor.__all__
@@ -105,7 +105,7 @@ def test_the_code_casts_nested_and_named_outputs():
             pair = self.split(x)
             return self.out(pair.a + pair.b["rest"][0])
 
-    from fpdoctor.precision.plan import Plan
+    from fpdoctor.precision.plan.plan import Plan
 
     the_plan = Plan(
         candidate="fp16", keep_fp32=["split"], fp32_outputs=[], verified=True, final_error=0.0, tolerance=1.0,
@@ -121,7 +121,7 @@ def test_the_code_casts_nested_and_named_outputs():
 
 
 def test_harmonize_after_apply_plan_moves_the_input_cast_along():
-    from fpdoctor.precision.plan import Plan
+    from fpdoctor.precision.plan.plan import Plan
 
     model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
     the_plan = Plan(

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fpdoctor
-from fpdoctor.precision.plan import FLOOR_MARGIN
+from fpdoctor.precision.plan.plan import FLOOR_MARGIN
 from tests.conftest import ROOT, run_fpdoctor
 from tests.precision import factories
 

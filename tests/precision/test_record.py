@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 import fpdoctor
-from fpdoctor.precision import against, against_report
 from fpdoctor.precision.metrics import SAMPLE, l2_norm
 from fpdoctor.precision.profile import DIVERGENCE_RATIO
-from fpdoctor.precision.record import CallRecord, CompareRecord, RecordError, SetRecord, Settings
+from fpdoctor.precision.record import against, against_report
+from fpdoctor.precision.record.record import CallRecord, CompareRecord, RecordError, SetRecord, Settings
 from fpdoctor.report.render import render
 from tests.conftest import load_minilm
 from tests.env.strict import strict_json

@@ -1,4 +1,4 @@
-"""The casebook behind `fpdoctor demo`: each incident of SPEC 1, reproduced on a CPU and diagnosed.
+"""The casebook behind `fpdoctor demo`: each incident fpdoctor exists for, reproduced on a CPU and diagnosed.
 
 A case declares which findings its diagnosis must contain, so the demo checks itself: a case
 whose report lacks them did not reproduce, and `fpdoctor demo` exits 1.
@@ -15,7 +15,7 @@ from fpdoctor.report.model import Report
 @dataclass(frozen=True, kw_only=True)
 class Case:
     name: str
-    incident: int  # the incident's number in SPEC section 1
+    incident: int  # the incident's number, as `fpdoctor demo` lists them
     title: str
     story: str
     expect: frozenset[str]  # finding names the diagnosis must contain

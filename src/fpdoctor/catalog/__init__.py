@@ -16,7 +16,10 @@ from fpdoctor.report.model import Finding, Severity
 
 
 @dataclass(frozen=True, kw_only=True)
-class Rule:
+class RuleInfo:
+    """One catalogue entry: what a finding code means. (A rule of the env engine, `env.rules.Rule`,
+    is the check that produces findings; this is what they say.)"""
+
     code: str
     name: str
     severity: Severity
@@ -35,7 +38,7 @@ class Rule:
 
 
 @cache
-def _all_rules() -> tuple[Rule, ...]:
+def _all_rules() -> tuple[RuleInfo, ...]:
     from fpdoctor.catalog.crash import CRS_RULES
     from fpdoctor.catalog.dtype import DTY_RULES
     from fpdoctor.catalog.env import ENV_RULES
@@ -49,18 +52,18 @@ class UnknownRuleError(LookupError):
     pass
 
 
-def rules() -> tuple[Rule, ...]:
+def rules() -> tuple[RuleInfo, ...]:
     return _all_rules()
 
 
 @cache
-def _index() -> tuple[dict[str, Rule], dict[str, Rule]]:
+def _index() -> tuple[dict[str, RuleInfo], dict[str, RuleInfo]]:
     """The rules by code and by name, built once: `make` looks one up for every finding."""
     rules = _all_rules()
     return {r.code: r for r in rules}, {r.name: r for r in rules}
 
 
-def get(code_or_name: str) -> Rule:
+def get(code_or_name: str) -> RuleInfo:
     key = code_or_name.strip()
     by_code, by_name = _index()
     rule = by_code.get(key.upper()) or by_name.get(key.lower())
@@ -96,4 +99,4 @@ def make(
     )
 
 
-__all__ = ["Rule", "UnknownRuleError", "get", "make", "rules"]
+__all__ = ["RuleInfo", "UnknownRuleError", "get", "make", "rules"]

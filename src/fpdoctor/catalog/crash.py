@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from fpdoctor.catalog import Rule
+from fpdoctor.catalog import RuleInfo
 from fpdoctor.report.model import Severity
 
-CRS_RULES: tuple[Rule, ...] = (
-    Rule(
+CRS_RULES: tuple[RuleInfo, ...] = (
+    RuleInfo(
         code="CRS001",
         name="fatal-signal",
         severity=Severity.ERROR,
@@ -24,7 +24,7 @@ CRS_RULES: tuple[Rule, ...] = (
         "environment verdicts joined in the report (fpdoctor env).",
         references=("https://docs.python.org/3/library/faulthandler.html",),
     ),
-    Rule(
+    RuleInfo(
         code="CRS002",
         name="uncaught-exception",
         severity=Severity.ERROR,
@@ -38,7 +38,7 @@ CRS_RULES: tuple[Rule, ...] = (
         "is hard to find among the secondary ones it caused.",
         fix="Fix the error the traceback ends in; for NaN/Inf run the script under fpdoctor trace -- SCRIPT.py.",
     ),
-    Rule(
+    RuleInfo(
         code="CRS003",
         name="cuda-error",
         severity=Severity.ERROR,
@@ -52,7 +52,7 @@ CRS_RULES: tuple[Rule, ...] = (
         "the error's usual causes and checks.",
         references=("https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html",),
     ),
-    Rule(
+    RuleInfo(
         code="CRS004",
         name="rank-stopped",
         severity=Severity.INFO,

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from fpdoctor.catalog import Rule
+from fpdoctor.catalog import RuleInfo
 from fpdoctor.report.model import Severity
 
-DTY_RULES: tuple[Rule, ...] = (
-    Rule(
+DTY_RULES: tuple[RuleInfo, ...] = (
+    RuleInfo(
         code="DTY001",
         name="mixed-dtype-parameters",
         severity=Severity.WARNING,
@@ -19,7 +19,7 @@ DTY_RULES: tuple[Rule, ...] = (
         fix="fpdoctor.harmonize(model, device) casts consistently (keeping deliberate fp32 exceptions), or cast the "
         "named module: model.<module>.to(<dtype>).",
     ),
-    Rule(
+    RuleInfo(
         code="DTY002",
         name="dtype-mismatch",
         severity=Severity.ERROR,
@@ -29,7 +29,7 @@ DTY_RULES: tuple[Rule, ...] = (
         why="The error message names two dtypes, not which module, operand or line made them differ.",
         fix="Cast the odd operand where it is created (the finding names it), or harmonize the model.",
     ),
-    Rule(
+    RuleInfo(
         code="DTY003",
         name="device-mismatch",
         severity=Severity.ERROR,
@@ -40,7 +40,7 @@ DTY_RULES: tuple[Rule, ...] = (
         fix="model.to(device) after every module is attached (modules created later are not moved), or move the "
         "named tensor.",
     ),
-    Rule(
+    RuleInfo(
         code="DTY004",
         name="forward-failed",
         severity=Severity.ERROR,

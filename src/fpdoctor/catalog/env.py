@@ -3,7 +3,7 @@ ENV3xx: what differs between two machines, `env --diff`)."""
 
 from __future__ import annotations
 
-from fpdoctor.catalog import Rule
+from fpdoctor.catalog import RuleInfo
 from fpdoctor.report.model import Severity
 
 E, W, N = Severity.ERROR, Severity.WARNING, Severity.INFO  # N: a note
@@ -16,8 +16,8 @@ _CONFIDENCE_WORDS = (
     "(single or conflicting evidence: fpdoctor only suggests)."
 )
 
-ENV_RULES: tuple[Rule, ...] = (
-    Rule(
+ENV_RULES: tuple[RuleInfo, ...] = (
+    RuleInfo(
         code="ENV001",
         name="torch-import-failed",
         severity=E,
@@ -29,7 +29,7 @@ ENV_RULES: tuple[Rule, ...] = (
         fix="The finding gives the command for the cause it matched; for an unknown cause it reinstalls the "
         "same torch from its own index (python -m pip install --force-reinstall ...).",
     ),
-    Rule(
+    RuleInfo(
         code="ENV002",
         name="cpu-only-build",
         severity=E,
@@ -41,7 +41,7 @@ ENV_RULES: tuple[Rule, ...] = (
         "driver, with the interpreter the input shows; a torch change means rebuilding compiled extensions.",
         references=("https://pytorch.org/get-started/locally/",),
     ),
-    Rule(
+    RuleInfo(
         code="ENV003",
         name="driver-too-old",
         severity=E,
@@ -54,7 +54,7 @@ ENV_RULES: tuple[Rule, ...] = (
         "or NVIDIA's installer), or run the finding's command that installs a torch built for an older CUDA.",
         references=("https://docs.nvidia.com/cuda/cuda-toolkit-release-notes/",),
     ),
-    Rule(
+    RuleInfo(
         code="ENV004",
         name="arch-not-in-build",
         severity=E,
@@ -68,7 +68,7 @@ ENV_RULES: tuple[Rule, ...] = (
         "says why there is none (no such build, or the driver must be upgraded first).",
         references=("https://github.com/pytorch/pytorch/blob/main/RELEASE.md",),
     ),
-    Rule(
+    RuleInfo(
         code="ENV005",
         name="duplicate-torch-install",
         severity=W,
@@ -79,7 +79,7 @@ ENV_RULES: tuple[Rule, ...] = (
         fix="Uninstall until one remains: python -m pip uninstall -y torch (repeat), "
         "conda remove pytorch; then reinstall once.",
     ),
-    Rule(
+    RuleInfo(
         code="ENV006",
         name="numpy-abi-mismatch",
         severity=E,
@@ -89,7 +89,7 @@ ENV_RULES: tuple[Rule, ...] = (
         fix="python -m pip install 'numpy<2'  # or upgrade the module built against NumPy 1.x",
         references=("https://github.com/pytorch/pytorch/issues/135013",),
     ),
-    Rule(
+    RuleInfo(
         code="ENV101",
         name="cublas-h20-sigfpe",
         severity=E,
@@ -105,7 +105,7 @@ ENV_RULES: tuple[Rule, ...] = (
             "https://github.com/pytorch/pytorch/issues/152017",
         ),
     ),
-    Rule(
+    RuleInfo(
         code="ENV102",
         name="duplicate-cuda-library",
         severity=W,
@@ -118,7 +118,7 @@ ENV_RULES: tuple[Rule, ...] = (
         fix="Remove stray directories from LD_LIBRARY_PATH and uninstall duplicate nvidia-* wheels.",
         references=("https://github.com/pytorch/pytorch/issues/78489",),
     ),
-    Rule(
+    RuleInfo(
         code="ENV103",
         name="library-shadowed",
         severity=E,
@@ -129,7 +129,7 @@ ENV_RULES: tuple[Rule, ...] = (
         "LD_LIBRARY_PATH or inside torch/lib is the one in the process.",
         fix="Remove the directory of the loaded copy from LD_LIBRARY_PATH, or prepend the wheel's lib directory to it.",
     ),
-    Rule(
+    RuleInfo(
         code="ENV104",
         name="known-issue",
         severity=W,
@@ -141,7 +141,7 @@ ENV_RULES: tuple[Rule, ...] = (
         why="Known problems have known fixes; the finding says how sure its source is.",
         fix="The finding gives the known fix for the matched problem, command first.",
     ),
-    Rule(
+    RuleInfo(
         code="ENV105",
         name="known-issue-crash",
         severity=E,
@@ -152,7 +152,7 @@ ENV_RULES: tuple[Rule, ...] = (
         why="The crash has happened; its cause and fix are known.",
         fix="The finding gives the known fix for the matched crash, command first.",
     ),
-    Rule(
+    RuleInfo(
         code="ENV106",
         name="known-issue-possible",
         severity=N,
@@ -163,7 +163,7 @@ ENV_RULES: tuple[Rule, ...] = (
         why="Worth knowing if the job does what the condition says; not a verdict on this machine.",
         fix="The finding names the conditions to check, and the fix if they hold.",
     ),
-    Rule(
+    RuleInfo(
         code="ENV201",
         name="probe-crashed",
         severity=E,
@@ -174,7 +174,7 @@ ENV_RULES: tuple[Rule, ...] = (
         fix="The finding gives the fix of the finding that explains the crash; otherwise the command that "
         "writes a report to attach upstream.",
     ),
-    Rule(
+    RuleInfo(
         code="ENV202",
         name="probe-wrong-result",
         severity=E,
@@ -184,7 +184,7 @@ ENV_RULES: tuple[Rule, ...] = (
         why="A library or GPU that computes wrong matrix products corrupts training silently.",
         fix="fpdoctor env --probe (again); if the wrong result repeats, fpdoctor health --duration 10.",
     ),
-    Rule(
+    RuleInfo(
         code="ENV203",
         name="probe-timed-out",
         severity=W,
@@ -193,7 +193,7 @@ ENV_RULES: tuple[Rule, ...] = (
         why="A hang in a basic GEMM points at the driver, a wedged GPU or a library deadlock.",
         fix="nvidia-smi (a wedged GPU), then sudo dmesg | grep -i xid (Xid errors in the kernel log).",
     ),
-    Rule(
+    RuleInfo(
         code="ENV301",
         name="verdict-on-one-side",
         severity=E,
@@ -203,7 +203,7 @@ ENV_RULES: tuple[Rule, ...] = (
         why="It worked on A and fails on B: a verdict on B alone is the first suspect.",
         fix="The finding gives the fix of the verdict it carries.",
     ),
-    Rule(
+    RuleInfo(
         code="ENV302",
         name="hardware-differs",
         severity=W,
@@ -216,7 +216,7 @@ ENV_RULES: tuple[Rule, ...] = (
         "first module that departs.",
         references=("https://docs.nvidia.com/cuda/cublas/#results-reproducibility",),
     ),
-    Rule(
+    RuleInfo(
         code="ENV303",
         name="build-differs",
         severity=W,
@@ -226,7 +226,7 @@ ENV_RULES: tuple[Rule, ...] = (
         why="Kernels, decompositions and default flags change between releases and builds.",
         fix="Install the same torch build on both machines to tell the software from the machine apart.",
     ),
-    Rule(
+    RuleInfo(
         code="ENV304",
         name="library-differs",
         severity=W,
@@ -237,7 +237,7 @@ ENV_RULES: tuple[Rule, ...] = (
         "(SIGFPE on H20 in cuBLAS before 12.4.5.8).",
         fix="Install the same nvidia-* wheels on both machines; `fpdoctor env` on each shows which copy loads.",
     ),
-    Rule(
+    RuleInfo(
         code="ENV305",
         name="math-flag-differs",
         severity=E,
@@ -250,7 +250,7 @@ ENV_RULES: tuple[Rule, ...] = (
         fix="The finding gives the line of Python that sets the flag as on the other machine.",
         references=("https://pytorch.org/docs/stable/notes/cuda.html",),
     ),
-    Rule(
+    RuleInfo(
         code="ENV306",
         name="math-variable-differs",
         severity=E,

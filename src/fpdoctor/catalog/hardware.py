@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fpdoctor.catalog import Rule
+from fpdoctor.catalog import RuleInfo
 from fpdoctor.report.model import Severity
 
 E, W = Severity.ERROR, Severity.WARNING
@@ -10,8 +10,8 @@ E, W = Severity.ERROR, Severity.WARNING
 _XID_CATALOG = "https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html"
 _ROW_REMAP = "https://docs.nvidia.com/deploy/a100-gpu-mem-error-mgmt/index.html"
 
-HWR_RULES: tuple[Rule, ...] = (
-    Rule(
+HWR_RULES: tuple[RuleInfo, ...] = (
+    RuleInfo(
         code="HWR001",
         name="xid-error",
         severity=E,
@@ -30,7 +30,7 @@ HWR_RULES: tuple[Rule, ...] = (
         "replace it when they come back.",
         references=(_XID_CATALOG,),
     ),
-    Rule(
+    RuleInfo(
         code="HWR002",
         name="gpu-lost",
         severity=E,
@@ -44,7 +44,7 @@ HWR_RULES: tuple[Rule, ...] = (
         "again, replace it.",
         references=(_XID_CATALOG,),
     ),
-    Rule(
+    RuleInfo(
         code="HWR003",
         name="ecc-uncorrectable",
         severity=E,
@@ -59,7 +59,7 @@ HWR_RULES: tuple[Rule, ...] = (
         "'SRAM Threshold Exceeded: Yes' are grounds for replacement.",
         references=(_ROW_REMAP,),
     ),
-    Rule(
+    RuleInfo(
         code="HWR004",
         name="row-remap-pending",
         severity=W,
@@ -73,7 +73,7 @@ HWR_RULES: tuple[Rule, ...] = (
         "it), or reboot the node; afterwards `nvidia-smi -q -d ROW_REMAPPER` must show Pending: No.",
         references=(_ROW_REMAP,),
     ),
-    Rule(
+    RuleInfo(
         code="HWR005",
         name="row-remap-failure",
         severity=E,
@@ -85,7 +85,7 @@ HWR_RULES: tuple[Rule, ...] = (
         fix="Take the GPU out of service and request a replacement (RMA) with `nvidia-bug-report.sh` output.",
         references=(_ROW_REMAP,),
     ),
-    Rule(
+    RuleInfo(
         code="HWR006",
         name="gpu-throttled",
         severity=W,
@@ -98,7 +98,7 @@ HWR_RULES: tuple[Rule, ...] = (
         fix="Check temperatures and fans (nvidia-smi -q -d TEMPERATURE,PERFORMANCE), the airflow and the power "
         "supply of the node; a GPU that keeps throttling alone among identical peers needs service.",
     ),
-    Rule(
+    RuleInfo(
         code="HWR007",
         name="gemm-mismatch",
         severity=E,
@@ -113,7 +113,7 @@ HWR_RULES: tuple[Rule, ...] = (
         fix="Take the GPU out of service, rerun `fpdoctor health` to confirm, then run `dcgmi diag -r 3` and "
         "request a replacement if the mismatch persists.",
     ),
-    Rule(
+    RuleInfo(
         code="HWR008",
         name="rank-outlier",
         severity=E,
@@ -125,7 +125,7 @@ HWR_RULES: tuple[Rule, ...] = (
         fix="Exclude the named host/GPU from the job (e.g. CUDA_VISIBLE_DEVICES or the scheduler's drain), "
         "rerun to confirm, and have the GPU diagnosed (dcgmi diag -r 3).",
     ),
-    Rule(
+    RuleInfo(
         code="HWR009",
         name="gpu-recovery-required",
         severity=E,

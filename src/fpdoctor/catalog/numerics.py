@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from fpdoctor.catalog import Rule
+from fpdoctor.catalog import RuleInfo
 from fpdoctor.report.model import Severity
 
 E, W, I = Severity.ERROR, Severity.WARNING, Severity.INFO  # noqa: E741
 
-NUM_RULES: tuple[Rule, ...] = (
-    Rule(
+NUM_RULES: tuple[RuleInfo, ...] = (
+    RuleInfo(
         code="NUM001",
         name="nonfinite-produced",
         severity=E,
@@ -21,7 +21,7 @@ NUM_RULES: tuple[Rule, ...] = (
         fix="Look at the op's input statistics: overflow (values near the dtype's max) wants a rescale or fp32 "
         "for that op; 0/0, log(0), sqrt(<0) want an epsilon or a clamp at the shown source line.",
     ),
-    Rule(
+    RuleInfo(
         code="NUM002",
         name="nonfinite-input",
         severity=E,
@@ -31,7 +31,7 @@ NUM_RULES: tuple[Rule, ...] = (
         why="No op in the model is at fault: the data, a checkpoint or an earlier step is.",
         fix="Check the data pipeline (torch.isfinite(batch).all()) or the checkpoint the parameters came from.",
     ),
-    Rule(
+    RuleInfo(
         code="NUM003",
         name="overflow-risk",
         severity=W,
@@ -44,7 +44,7 @@ NUM_RULES: tuple[Rule, ...] = (
         "scaled by 2, a weight a learning-rate step doubles. The batch traced is rarely the largest that comes.",
         fix="Keep that op in fp32, rescale (e.g. divide scores by sqrt(d) earlier), or use bf16 instead of fp16.",
     ),
-    Rule(
+    RuleInfo(
         code="NUM004",
         name="underflow-risk",
         severity=W,
@@ -54,7 +54,7 @@ NUM_RULES: tuple[Rule, ...] = (
         why="Values that flush to zero fail silently: no NaN, just zeros (a vanishing variance, dead gradients).",
         fix="Keep that module in fp32, or scale it (loss scaling for gradients, per-row scaling for fp8).",
     ),
-    Rule(
+    RuleInfo(
         code="NUM005",
         name="nonfinite-masked",
         severity=I,
@@ -65,7 +65,7 @@ NUM_RULES: tuple[Rule, ...] = (
         "look at every op.",
         fix="Usually nothing; prefer masking before the op (e.g. a large negative instead of -inf) to silence it.",
     ),
-    Rule(
+    RuleInfo(
         code="NUM006",
         name="precision-divergence",
         severity=E,
@@ -78,7 +78,7 @@ NUM_RULES: tuple[Rule, ...] = (
         fix="Keep the named module in fp32 (fpdoctor plan), or change the recipe (bf16 for range, fp32 "
         "accumulation for long reductions).",
     ),
-    Rule(
+    RuleInfo(
         code="NUM007",
         name="fp8-saturation",
         severity=W,
@@ -89,7 +89,7 @@ NUM_RULES: tuple[Rule, ...] = (
         "and training degrades or diverges while bf16 is fine.",
         fix="Use rowwise scaling where it keeps the SQNR, keep the layer in bf16 where it does not.",
     ),
-    Rule(
+    RuleInfo(
         code="NUM008",
         name="nonfinite-zeroed",
         severity=E,
@@ -103,7 +103,7 @@ NUM_RULES: tuple[Rule, ...] = (
         fix="Fix the overflowing op named in the finding: compute it in fp32 (e.g. the variance of a norm), rescale "
         "its input, or use bf16 when the cause is fp16's range.",
     ),
-    Rule(
+    RuleInfo(
         code="NUM009",
         name="fp16-adam-eps",
         severity=E,
@@ -115,7 +115,7 @@ NUM_RULES: tuple[Rule, ...] = (
         fix="eps=1e-4 (or larger) for pure fp16 parameters; better, keep fp32 master weights and run the forward "
         "under torch.autocast(dtype=torch.float16) with a GradScaler.",
     ),
-    Rule(
+    RuleInfo(
         code="NUM010",
         name="fp16-without-grad-scaler",
         severity=W,
@@ -127,7 +127,7 @@ NUM_RULES: tuple[Rule, ...] = (
         fix="scaler = torch.amp.GradScaler(device); scaler.scale(loss).backward(); scaler.step(opt); "
         "scaler.update() - or autocast to bf16, which needs no scaler.",
     ),
-    Rule(
+    RuleInfo(
         code="NUM011",
         name="machine-departure",
         severity=E,
@@ -144,7 +144,7 @@ NUM_RULES: tuple[Rule, ...] = (
         "reduced-precision reductions where the flags differ, and compare the environment facts that differ "
         "(`fpdoctor env` on both machines).",
     ),
-    Rule(
+    RuleInfo(
         code="NUM012",
         name="reference-inputs-differ",
         severity=W,
@@ -156,7 +156,7 @@ NUM_RULES: tuple[Rule, ...] = (
         fix="Give both machines the same inputs: seed the factory (torch.manual_seed) or load saved inputs, and "
         "the same seed for a forward that draws random numbers.",
     ),
-    Rule(
+    RuleInfo(
         code="NUM013",
         name="reference-weights-differ",
         severity=W,
@@ -167,7 +167,7 @@ NUM_RULES: tuple[Rule, ...] = (
         "blamed on the machine.",
         fix="Load the same checkpoint on both machines; a randomly initialised model needs the same seed.",
     ),
-    Rule(
+    RuleInfo(
         code="NUM014",
         name="reference-computation-differs",
         severity=E,
@@ -222,8 +222,8 @@ NUM_RULES: tuple[Rule, ...] = (
     ),
 )
 
-TRN_RULES: tuple[Rule, ...] = (
-    Rule(
+TRN_RULES: tuple[RuleInfo, ...] = (
+    RuleInfo(
         code="TRN001",
         name="nonfinite-loss",
         severity=E,
@@ -232,7 +232,7 @@ TRN_RULES: tuple[Rule, ...] = (
         why="A non-finite loss means a non-finite gradient; stepping would corrupt the weights.",
         fix="See the replay verdict (deterministic-nonfinite or transient-fault-suspected) for the cause.",
     ),
-    Rule(
+    RuleInfo(
         code="TRN002",
         name="nonfinite-gradient",
         severity=E,
@@ -241,7 +241,7 @@ TRN_RULES: tuple[Rule, ...] = (
         why="One non-finite gradient poisons every parameter it reaches through the optimizer.",
         fix="See the replay verdict for the op that produced it; the step was skipped.",
     ),
-    Rule(
+    RuleInfo(
         code="TRN003",
         name="loss-spike",
         severity=W,
@@ -250,7 +250,7 @@ TRN_RULES: tuple[Rule, ...] = (
         why="Spikes often precede divergence to NaN (fp16 overflow, a bad batch, too high a learning rate).",
         fix="Inspect the batch of that step; consider gradient clipping or a lower learning rate.",
     ),
-    Rule(
+    RuleInfo(
         code="TRN004",
         name="transient-fault-suspected",
         severity=E,
@@ -260,7 +260,7 @@ TRN_RULES: tuple[Rule, ...] = (
         why="Bit flips from a faulty GPU (Xid errors, ECC) produce NaN that no code change fixes.",
         fix="Check the named device: fpdoctor health, nvidia-smi -q -d ECC, dmesg for Xid; drain it if it repeats.",
     ),
-    Rule(
+    RuleInfo(
         code="TRN005",
         name="deterministic-nonfinite",
         severity=E,
@@ -273,7 +273,7 @@ TRN_RULES: tuple[Rule, ...] = (
         "replay tells which of the two.",
         fix="Fix the producing op named in the finding (see nonfinite-produced).",
     ),
-    Rule(
+    RuleInfo(
         code="TRN006",
         name="amp-scale-collapse",
         severity=E,
@@ -286,7 +286,7 @@ TRN_RULES: tuple[Rule, ...] = (
         fix="Find the op that overflows (the finding's replay names it when it can): keep it in fp32, rescale "
         "it, or train in bf16, which has fp32's range.",
     ),
-    Rule(
+    RuleInfo(
         code="TRN007",
         name="sentinel-error",
         severity=W,
@@ -298,7 +298,7 @@ TRN_RULES: tuple[Rule, ...] = (
         fix="Read the message: usually step_fn returned something that is not the loss tensor. Otherwise "
         "report it to fpdoctor with the message.",
     ),
-    Rule(
+    RuleInfo(
         code="TRN008",
         name="checkpoint-failed",
         severity=W,
@@ -308,7 +308,7 @@ TRN_RULES: tuple[Rule, ...] = (
         why="Without it there is no last-good state to go back to after a bad step.",
         fix="Create the directory or free space at the path named in the finding.",
     ),
-    Rule(
+    RuleInfo(
         code="TRN009",
         name="training-stalled",
         severity=E,
@@ -322,7 +322,7 @@ TRN_RULES: tuple[Rule, ...] = (
         "rate; an op whose fp32 replay is finite points at its precision; a scaler that skips every step at an "
         "op that overflows fp16 even unscaled.",
     ),
-    Rule(
+    RuleInfo(
         code="TRN010",
         name="update-rounded-away",
         severity=W,
@@ -344,7 +344,7 @@ TRN_RULES: tuple[Rule, ...] = (
         "kahan_sum=True, +2 bytes per parameter).",
         references=("https://arxiv.org/abs/2010.06192",),
     ),
-    Rule(
+    RuleInfo(
         code="TRN011",
         name="accumulation-stalled",
         severity=W,

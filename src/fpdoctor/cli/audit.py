@@ -25,7 +25,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fpdoctor.cli import model_spec
-    from fpdoctor.precision.audit import audit
+    from fpdoctor.precision.audit.audit import audit
 
     model, inputs = model_spec.load(args.model)
     if args.device:

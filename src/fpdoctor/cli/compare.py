@@ -102,8 +102,8 @@ differ. The record is gzip'd JSON, about 97 KiB per module call at most."""
 
 def run(args: argparse.Namespace) -> int:
     from fpdoctor.cli import model_spec
-    from fpdoctor.precision.compare import ReferenceFailed, compare
-    from fpdoctor.precision.record import CompareRecord, RecordError
+    from fpdoctor.precision.compare.compare import ReferenceFailed, compare
+    from fpdoctor.precision.record.record import CompareRecord, RecordError
 
     record = None
     if args.against is not None:  # the record first: a bad file is known before a long run

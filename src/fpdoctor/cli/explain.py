@@ -39,7 +39,7 @@ def _page(title: str, body: str) -> str:
     )
 
 
-def _as_dict(rule: catalog.Rule) -> dict[str, object]:
+def _as_dict(rule: catalog.RuleInfo) -> dict[str, object]:
     return {
         "code": rule.code,
         "name": rule.name,

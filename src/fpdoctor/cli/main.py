@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _early_torch_child(argv: list[str]) -> object | None:
-    """`import torch` is most of `fpdoctor env`'s wall time (SPEC 5 budget): start its child
+    """`import torch` is most of `fpdoctor env`'s wall time (its budget, benchmarks/README.md): start its child
     before argument parsing and module imports, for a live run that will need it."""
     if argv[:1] != ["env"] or any(a in ("-h", "--help") or a.startswith(("--from", "--diff")) for a in argv):
         return None

@@ -38,8 +38,8 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from fpdoctor import progress
     from fpdoctor.cli import model_spec
-    from fpdoctor.precision.compare import ReferenceFailed
-    from fpdoctor.precision.plan import plan
+    from fpdoctor.precision.compare.compare import ReferenceFailed
+    from fpdoctor.precision.plan.plan import plan
     from fpdoctor.report.render import render
 
     candidate, reference, fp8_kernel = check_precision_args(args, PLAN_CANDIDATES)
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         emit(report.to_dict(), args)
         sys.stdout.write(code)
-    # SPEC 3.3: 1 when the report holds an error: a plan that cannot be verified, or a model that
+    # 1 when the report holds an error: a plan that cannot be verified, or a model that
     # does not run as given; a verified plan turns the divergences it fixes into warnings
     return report.exit_code
 

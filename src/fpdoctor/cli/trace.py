@@ -256,7 +256,7 @@ def _so_far(session: Any) -> str:
 
 
 def _mark_rank(report: Any, dist: RankInfo) -> None:
-    """SPEC 3.2: under torch.distributed every finding says where: rank and host."""
+    """Under torch.distributed every finding says where (ARCHITECTURE.md, contract 2): rank and host."""
     report.findings[:] = [
         dataclasses.replace(f, where={**f.where, "rank": dist.rank, "host": dist.host}) for f in report.findings
     ]

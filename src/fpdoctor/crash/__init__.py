@@ -26,7 +26,7 @@ from fpdoctor.report.model import Report
 
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-REPORT_BUDGET_S = 4.5  # of the 5 s from a death to its report (SPEC 5), the rest is rendering
+REPORT_BUDGET_S = 4.5  # of the 5 s from a death to its report (its budget, benchmarks/README.md), the rest is rendering
 
 _PASS = object()  # default stream target: the caller's own sys.stdout / sys.stderr at call time
 
@@ -228,7 +228,7 @@ def _run(
         texts += [f"Fatal Python error: {e.process.fault.header}" for e in events if e.process.fault is not None]
         texts += [f"{x.get('type')}: {x.get('message')}" for e in events for x in e.process.exceptions]
         if join is not None:
-            # SPEC 5: the report within 5 s of the death; the verdicts get what is left of it
+            # the budget: the report within 5 s of the death; the verdicts get what is left of it
             death = min(e.time for e in events)
             ctx.environment = join.result(texts, timeout=max(1.0, death + REPORT_BUDGET_S - time.time()))
     report = build(ctx)

@@ -191,7 +191,7 @@ def _where(p: Process, ctx: Context) -> dict[str, Any]:
 
 
 def overload_name(op: Any) -> str | None:
-    """An op as SPEC 3.2 spells where.op, str() of the OpOverload as numerics findings give it:
+    """An op as where.op spells it (ARCHITECTURE.md, contract 2), str() of the OpOverload as numerics findings give it:
     the ring's schema name 'aten::addmm' is 'aten.addmm.default', 'aten::add.Tensor' is
     'aten.add.Tensor'; a name already in that form is kept, an unreadable one is unknown."""
     if not isinstance(op, str) or not op or op == "?":

@@ -7,7 +7,7 @@ two machines differ in (host names, unrelated packages, paths) changes no number
 
 A value is read from the input itself (live, a saved facts file, the report's own text) or
 inferred (a compute capability from fpdoctor's GPU table, a cuBLAS version from a torch wheel's
-pin); a difference in an inferred value is at most a warning, never an error (SPEC 4).
+pin); a difference in an inferred value is at most a warning, never an error (ARCHITECTURE.md, contract 6).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Isolated GEMM probes: each dtype in a child process with a timeout (SPEC 4).
+"""Isolated GEMM probes: each dtype in a child process with a timeout (ARCHITECTURE.md, contract 5).
 
 One child runs the probes in order and reports each; if it dies by a signal, the probe in
 flight is recorded as crashed and a fresh child continues with the rest, so one crashing

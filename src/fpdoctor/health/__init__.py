@@ -1,120 +1,36 @@
-"""`fpdoctor health` / `fpdoctor.health()`: one-shot GPU health, no daemon, no CUDA in the caller.
+"""GPU health: NVML facts, kernel-log Xids, `nvidia-smi -q`, GEMM fingerprints across GPUs and ranks.
 
-Per GPU the NVML facts (ECC mode and counts, retired pages, remapped rows, clock-event reasons,
-temperature, power, PCIe replays, recovery action), the kernel log's NVIDIA lines (Xids explained
-with NVIDIA's catalogue, GPUs fallen off the bus), and, when asked for, GEMM fingerprints compared
-across repeats, references and GPUs (`fpdoctor.health.fingerprint`, run in child processes).
-What could not be read says why and is never reported as healthy (`report.data["status"]`).
+`fpdoctor.health()` and `HealthResult` are in api.py; they are named here too and imported on
+first use, because this file must import nothing: `import fpdoctor` loads it so that the facade's
+`health` stays the function (fpdoctor/__init__.py says why).
 """
 
 from __future__ import annotations
 
-import sys
-import types
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fpdoctor.errors import InputError
-from fpdoctor.health.model import GpuFacts, HealthFacts
-from fpdoctor.report.model import Report
+if TYPE_CHECKING:
+    from fpdoctor.errors import InputError
+    from fpdoctor.health.api import HealthResult, health
+    from fpdoctor.health.model import GpuFacts, HealthFacts
 
-
-@dataclass
-class HealthResult:
-    """What `health()` returns: the report, the facts it was judged from, the fingerprints if run."""
-
-    report: Report
-    facts: HealthFacts
-    fingerprints: Any = None  # fpdoctor.health.fingerprint.FingerprintResult when fingerprints ran
-    reporting: bool = True  # False on torchrun ranks other than 0: rank 0 reports for all
-
-    @property
-    def gpus(self) -> list[GpuFacts]:
-        return self.facts.gpus
-
-    @property
-    def exit_code(self) -> int:
-        """What `fpdoctor health` exits with, a scheduler's drain/undrain gate: 1 an error-level
-        finding, 0 every source read and no error, 2 no verdict (something NOT CHECKED or INCOMPLETE,
-        nothing read an error). `report.exit_code` is 0/1 by findings alone, as for every command."""
-        from fpdoctor.health.report import exit_code
-
-        return exit_code(self.report)
+_API = {
+    "GpuFacts": "fpdoctor.health.model",
+    "HealthFacts": "fpdoctor.health.model",
+    "HealthResult": "fpdoctor.health.api",
+    "InputError": "fpdoctor.errors",
+    "health": "fpdoctor.health.api",
+}
 
 
-def health(
-    *,
-    duration: float = 0.0,
-    from_files: str | Sequence[str] | None = None,
-    device: str | None = None,
-    nvml: Any = None,
-) -> HealthResult:
-    """Check this machine's GPUs (or saved files with `from_files`: kernel logs, `nvidia-smi -q`
-    output, health JSON).
+def __getattr__(name: str) -> Any:
+    import importlib
 
-    duration: seconds of GEMM fingerprints per GPU; 0 (the default here, 3 on the command line)
-    reads facts only, in well under a second, without importing torch. Fingerprints run first, in
-    child processes, so Xids or ECC errors they provoke are in the facts read after them.
-    device: where fingerprints run: 'cuda' or None every GPU of this node (under torchrun, this
-    rank's GPU), 'cuda:N' that GPU, 'cpu' the CPU.
-    nvml: a replacement for the pynvml module (tests).
-    Raises InputError for unusable files and ValueError for a bad duration or device
-    (fingerprint.DeviceNotFound for a cuda:N this machine lacks).
-    """
-    from fpdoctor.health.fingerprint import check_device, check_duration
+    if name in _API:
+        value = getattr(importlib.import_module(_API[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    duration = check_duration(duration)
-    device = None if device is None else check_device(device)
-    from fpdoctor.health.collect import collect_files, collect_live
-    from fpdoctor.health.findings import judge
-    from fpdoctor.health.report import build
-
-    paths = [from_files] if isinstance(from_files, str) else list(from_files or [])
-    if paths and duration > 0:
-        raise ValueError("fingerprints run on this machine; they cannot be combined with saved files (from_files)")
-    from fpdoctor.health.ranks import dist_env
-
-    dist = dist_env()
-    fingerprints = None
-    if duration > 0:
-        from fpdoctor.health.fingerprint import FingerprintResult, run_fingerprints
-
-        no_gpu = _no_gpu(nvml) if device in (None, "cuda") and dist is None else None
-        if no_gpu:  # nothing to fingerprint: spare the import of torch (most of a second or more)
-            fingerprints = FingerprintResult(
-                notes=[f"{no_gpu}: fingerprints not run; --device cpu runs them on the CPU"]
-            )
-        else:
-            fingerprints = run_fingerprints(duration, device=device)
-    # after the fingerprints, so the Xids and ECC errors their load provoked are in the facts
-    facts = collect_files(paths) if paths else collect_live(nvml_module=nvml)
-    judged = judge(facts)
-    report = build(facts, judged.findings, fingerprints=fingerprints, failed=judged.not_checked)
-    # without fingerprints nothing is gathered across ranks: one report per node, from local rank 0
-    reporting = fingerprints.reporting if fingerprints is not None else dist is None or dist.local_rank == 0
-    return HealthResult(report=report, facts=facts, fingerprints=fingerprints, reporting=reporting)
-
-
-def _no_gpu(nvml_module: Any) -> str | None:
-    """Why there is no GPU on this machine (no NVIDIA driver, NVML sees none), or None."""
-    from fpdoctor.health import nvml
-
-    try:
-        gpus, _ = nvml.collect(nvml=nvml_module)
-    except nvml.NvmlUnavailable as exc:
-        return "no NVIDIA driver on this machine" if exc.no_driver else None
-    return None if gpus else "NVML sees no NVIDIA GPU"
-
-
-class _CallableModule(types.ModuleType):
-    """`fpdoctor.health` names both this package and the function: once any submodule is imported,
-    Python binds the package to `fpdoctor.health`, so calling that must still run the check."""
-
-    def __call__(self, **kwargs: Any) -> HealthResult:
-        return health(**kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
 
 __all__ = ["GpuFacts", "HealthFacts", "HealthResult", "InputError", "health"]

@@ -76,7 +76,7 @@ class GpuFacts:
         return f"{head} ({inner})" if inner else head
 
     def where(self) -> dict[str, Any]:
-        """SPEC 3.2 hardware `where`: pci, host, and the GPU's NVML index and UUID (the keys the
+        """The hardware `where` (ARCHITECTURE.md): pci, host, and the GPU's NVML index and UUID (the keys the
         fingerprint findings use too); unknown keys left out."""
         where = {"pci": self.pci, "host": self.host, "index": self.index, "uuid": self.uuid}
         return {k: v for k, v in where.items() if v is not None}

@@ -147,7 +147,7 @@ def place(row: dict[str, Any]) -> str:
 
 
 def where(row: dict[str, Any]) -> dict[str, Any]:
-    """SPEC 3.2: rank, host, device, GPU index, UUID and bus id; unknown keys are dropped later."""
+    """Where (ARCHITECTURE.md): rank, host, device, GPU index, UUID and bus id; unknown keys are dropped later."""
     return {k: row.get(k) for k in ("rank", "host", "device", "index", "uuid", "pci")}
 
 

@@ -1,6 +1,6 @@
 """The `fpdoctor health` report: the status line, one compact row per GPU, what was not checked.
 
-The report's verdict comes from the findings (SPEC 3.1); `data.status` says how much was seen,
+The report's verdict comes from the findings (ARCHITECTURE.md, contract 1); `data.status` says how much was seen,
 so a machine where nothing could be read is "not checked", never "healthy".
 """
 

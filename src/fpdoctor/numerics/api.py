@@ -12,7 +12,7 @@ _CAPTURES = 4  # producing ops whose inputs a reproducer keeps; blame picks one 
 
 
 class Trace:
-    """Context manager; after the block, `.report` holds the Report (SPEC 3.4).
+    """Context manager; after the block, `.report` holds the Report.
 
     `raise_on="nonfinite"` raises `NonFiniteError` (a FloatingPointError) at the op that produces
     the first NaN/Inf from finite inputs, before later ops run; without it the block runs to the

@@ -58,7 +58,7 @@ def _packet(op: str) -> str:
 
 
 def _known(values: dict[str, Any]) -> dict[str, Any]:
-    """SPEC 3.2: keys whose value is unknown are omitted (`module` may be null: outside any module)."""
+    """Keys whose value is unknown are omitted (`module` may be null: outside any module)."""
     return {k: v for k, v in values.items() if v is not None or k == "module"}
 
 

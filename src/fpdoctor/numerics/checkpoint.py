@@ -1,4 +1,4 @@
-"""The sentinel's last-good checkpoint, written atomically (SPEC 4: a reader never sees half a file)."""
+"""The sentinel's last-good checkpoint, written atomically (a reader never sees half a file)."""
 
 from __future__ import annotations
 

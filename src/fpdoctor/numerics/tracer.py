@@ -184,7 +184,7 @@ class Tracer(TorchDispatchMode):
                     entry = self._table.get(id(args[0]))
                     if entry is not None and entry[0]() is args[0]:
                         self._set(out, entry[1])
-            except Exception as exc:  # the observer never kills the job (SPEC 4)
+            except Exception as exc:  # the observer never kills the job
                 self._error(func, exc)
             return out
         # Autograd numbers the node it creates for this op just before dispatching below itself:
@@ -197,7 +197,7 @@ class Tracer(TorchDispatchMode):
             if path == IN_PLACE and not self._met(args[0]):
                 try:
                     probed = self._before_write([args[0]])
-                except Exception as exc:  # the observer never kills the job (SPEC 4)
+                except Exception as exc:  # the observer never kills the job
                     self._error(func, exc)
             out = func(*args, **kwargs) if kwargs else func(*args)
             try:
@@ -210,7 +210,7 @@ class Tracer(TorchDispatchMode):
                     self._record(info, args, kwargs or {}, out, seq=seq, written=wrote, before=probed)
             except NonFiniteError:
                 raise
-            except Exception as exc:  # the observer never kills the job (SPEC 4)
+            except Exception as exc:  # the observer never kills the job
                 self._error(func, exc)
             return out
         kwargs = kwargs or {}
@@ -227,7 +227,7 @@ class Tracer(TorchDispatchMode):
                             before = self._before_write(written)
                     else:
                         before = self._before_write(written)
-            except Exception as exc:  # the observer never kills the job (SPEC 4)
+            except Exception as exc:  # the observer never kills the job
                 self._error(func, exc)
         out = func(*args, **kwargs)
         try:
@@ -238,7 +238,7 @@ class Tracer(TorchDispatchMode):
                 self._record(info, args, kwargs, out, seq=seq, written=written, before=before)
         except NonFiniteError:
             raise
-        except Exception as exc:  # the observer never kills the job (SPEC 4)
+        except Exception as exc:  # the observer never kills the job
             self._error(func, exc)
         return out
 
@@ -259,7 +259,7 @@ class Tracer(TorchDispatchMode):
                 self._table.pop(id(base), None)
                 self._table.pop(id(t), None)
                 self._received[id(base)] = (weakref.ref(base), info.op)
-        except Exception as exc:  # the observer never kills the job (SPEC 4)
+        except Exception as exc:  # the observer never kills the job
             self._error(func, exc)
         return out
 

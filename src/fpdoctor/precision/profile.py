@@ -59,7 +59,7 @@ class ModuleRow:
     inherited: bool = False
     isolated_of: int | None = None  # the rows isolated_rows were taken from
     isolated_floor: float | None = None  # a container's: the floor of its worst own op
-    own: dict[str, Any] | None = None  # a container's own ops (ownops.Own.as_dict): worst op, where, how many
+    own: dict[str, Any] | None = None  # a container's own ops (container_ops.Own.as_dict): worst op, where, how many
     whole_isolated: float | None = None  # a container re-run whole on the fp64 inputs, where compare did
     input_error: float | None = None  # the candidate's error at this module's inputs (their samples)
     rms: float | None = None  # of the fp64 output (its sample)

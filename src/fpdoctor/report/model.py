@@ -1,4 +1,4 @@
-"""The report model every capability returns: a `Report` holding `Finding`s (SPEC 3.1).
+"""The report model every capability returns: a `Report` holding `Finding`s (ARCHITECTURE.md, contract 1).
 
 Findings are plain data. They are built from the catalogue (`fpdoctor.catalog.make`), so a code,
 its name, title and references always travel together; a capability only adds what it saw.
@@ -90,7 +90,7 @@ class Finding:
 
 
 def _known(values: Mapping[str, Any], keep: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Keys whose value is unknown are omitted, not null (SPEC 3.2); `where.module` is the
+    """Keys whose value is unknown are omitted, not null (ARCHITECTURE.md, contract 2); `where.module` is the
     exception: null there is a fact (an op outside any module), not a gap."""
     return {k: v for k, v in values.items() if v is not None or k in keep}
 
@@ -123,7 +123,7 @@ class Report:
 
     @property
     def exit_code(self) -> int:
-        """0 without error-level findings, 1 with them (SPEC 3.3)."""
+        """0 without error-level findings, 1 with them; bad input exits 2 before any report."""
         return 1 if self.verdict == "error" else 0
 
     def sorted_findings(self) -> list[Finding]:
@@ -134,7 +134,7 @@ class Report:
         return [f for f in self.findings if f.name == name]
 
     def to_dict(self) -> dict[str, Any]:
-        """The public JSON shape, secrets redacted (SPEC 4: nothing secret leaves the machine)."""
+        """The public JSON shape, secrets redacted (nothing secret leaves the machine)."""
         from fpdoctor.report.redact import redact
 
         raw = {

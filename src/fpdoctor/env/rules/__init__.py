@@ -31,7 +31,7 @@ Rule = Callable[[Context], Iterable[Finding]]
 
 
 def cap_severity(severity: Severity, confidence: str) -> Severity:
-    """`unconfirmed` facts may suggest but never make an error (SPEC 4)."""
+    """`unconfirmed` facts may suggest but never make an error (ARCHITECTURE.md, contract 6)."""
     if confidence == "unconfirmed" and severity is Severity.ERROR:
         return Severity.WARNING
     return severity

@@ -1,7 +1,7 @@
 """GPUs and the driver, through NVML (nvidia-ml-py), with nvidia-smi as the fallback.
 
 NVML talks to the kernel driver directly and never creates a CUDA context, so it is safe in the
-caller's process (SPEC 3.4); nvidia-smi is the same library behind a command line.
+caller's process (ARCHITECTURE.md, contract 3); nvidia-smi is the same library behind a command line.
 """
 
 from __future__ import annotations

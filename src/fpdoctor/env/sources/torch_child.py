@@ -2,7 +2,7 @@
 
 Isolated because `import torch` can fail (missing shared library, NumPy ABI) or kill the
 process (SIGILL, or SIGFPE inside cuBLAS once a GEMM runs), and because the caller's process
-must never initialise CUDA (SPEC 3.4). Facts are printed after each stage, so a crash in a
+must never initialise CUDA (ARCHITECTURE.md, contract 3). Facts are printed after each stage, so a crash in a
 later stage still leaves what was learnt before it. Standard library and torch only.
 """
 

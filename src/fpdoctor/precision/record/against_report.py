@@ -7,13 +7,13 @@ import math
 from typing import Any
 
 from fpdoctor import catalog
-from fpdoctor.precision import against as judging
-from fpdoctor.precision import machine
-from fpdoctor.precision.against import FP64_AGREE, Judgement, Row, SetJudgement
 from fpdoctor.precision.candidates import compute_dtype
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.metrics import sqnr_db
 from fpdoctor.precision.profile import DIVERGENCE_RATIO, TABLE_ROWS
+from fpdoctor.precision.record import against as judging
+from fpdoctor.precision.record import machine
+from fpdoctor.precision.record.against import FP64_AGREE, Judgement, Row, SetJudgement
 from fpdoctor.report.model import Finding, Report
 
 LISTED = 10  # modules a message names before "and N more" (JSON keeps them all)
@@ -130,7 +130,7 @@ def _departures(j: Judgement) -> list[Finding]:
 
 
 def _kind(row: Row) -> str:
-    """SPEC 3.2's kind for non-finite values (from the side that has them), else "departure"."""
+    """The finding's kind: `nan`, `+inf` or `-inf` from the side that has them, else "departure"."""
     bad = row.b if row.b.nonfinite else row.a if row.a.nonfinite else None
     if bad is None:
         return "departure"

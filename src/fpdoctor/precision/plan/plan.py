@@ -9,7 +9,7 @@
 4. Bisection: drop kept modules again, halves first, while the result stays within target.
 5. At the op: a kept module inside which compare found the one op that overflows is replaced by
    that op, and what consumes its result up to the softmax, in fp32 - where that stays within
-   target (see oplevel.py).
+   target (see op_fixes.py).
 6. Verify: run the candidate with the final set; each kept module is checked to be needed.
 The plan is data (`Plan`) that `apply_plan(model, plan)` applies in place, plus pasteable code
 (plain torch, see codegen.py). A plan that cannot be verified keeps nothing and says what was
@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from fpdoctor import progress
-from fpdoctor.precision.audit import as_given
-from fpdoctor.precision.boundary import cast_inputs_to, keep_in_fp32
+from fpdoctor.precision.audit.audit import as_given
+from fpdoctor.precision.audit.boundary import cast_inputs_to, keep_in_fp32
 from fpdoctor.precision.candidates import (
     cast_inputs,
     check_name,
@@ -41,13 +41,13 @@ from fpdoctor.precision.candidates import (
     split_inputs,
     uncompiled,
 )
-from fpdoctor.precision.codegen import fp8_code, plan_code
-from fpdoctor.precision.compare import compare_set
+from fpdoctor.precision.compare.compare import compare_set
+from fpdoctor.precision.compare.noise import ReplayNoise
 from fpdoctor.precision.inputs import describe, input_sets
 from fpdoctor.precision.metrics import flat_sample, rel_error
 from fpdoctor.precision.names import PLAN_CANDIDATES, PRECISIONS, REFERENCES
-from fpdoctor.precision.noise import ReplayNoise
-from fpdoctor.precision.oplevel import OpFix, edit, install
+from fpdoctor.precision.plan.codegen import fp8_code, plan_code
+from fpdoctor.precision.plan.op_fixes import OpFix, edit, install
 from fpdoctor.precision.profile import DIVERGENCE_RATIO, CompareResult
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Finding, Report
@@ -230,7 +230,7 @@ def _plan(
 ) -> PlanResult:
     """compare on every input set, then the search; `runs` says which stage runs and counts the
     forward passes of the candidate with a set kept in fp32."""
-    from fpdoctor.precision.plan_report import Search, build
+    from fpdoctor.precision.plan.plan_report import Search, build
 
     given: tuple[list[Finding], str | None] = as_given(model, sets[0])
     device = model_device(model)

@@ -31,10 +31,10 @@ from fpdoctor.numerics.mismatch import (
     what_failed,
 )
 from fpdoctor.numerics.modules import ModuleTracker
+from fpdoctor.precision.audit.fixcheck import checked, follow_fixes
 from fpdoctor.precision.candidates import cast_inputs, split_inputs, uncompiled
 from fpdoctor.precision.fit import describe as describe_misfit
 from fpdoctor.precision.fit import misfits
-from fpdoctor.precision.fixcheck import checked, follow_fixes
 from fpdoctor.precision.inputs import describe
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.preserve import preserved

@@ -1,9 +1,9 @@
 """What the op-level range checks of overflow-risk cost: compare's op ranges and the trace's fp16
 what-ifs of fp32 ops.
 
-compare (SPEC 5: <= 3x the two plain forward passes): bench_compare.py's model (12-layer
+compare (budget: <= 3x the two plain forward passes): bench_compare.py's model (12-layer
 encoder, dim 256, 8 x 128 tokens), its passes run by `passes.hooked` as compare runs them,
-without and with `precision.opranges.OpRanges` recording: the fp64 pass (every floating output)
+without and with `precision.near_limit.OpRanges` recording: the fp64 pass (every floating output)
 and the fp16 candidate pass (its fp16 outputs), then a whole `fpdoctor.compare(candidate="fp16")`
 with the recorder wired into those two passes as compare will wire it (here by wrapping the
 `hooked` compare calls), the ranges read and judged at the end. This CPU has no fast fp16 GEMM
@@ -11,14 +11,14 @@ with the recorder wired into those two passes as compare will wire it (here by w
 for fp16 on hardware whose fp16 GEMMs run at bf16's speed (a GPU): the same recorder taking the
 bf16 outputs. Variants alternate, medians.
 
-trace (SPEC 5: <= 1.5x a plain step on CPU): bench_numerics.py's 4-layer transformer training
+trace (budget: <= 1.5x a plain step on CPU): bench_numerics.py's 4-layer transformer training
 step traced with headroom, without and with `Tracer.ranges` (exact ranges of fp32 forward
 outputs, for the fp16 what-ifs of ops). Variants alternate, medians.
 
 Wall and CPU time are both printed: on a shared machine other work stretches the wall time. One
 torch thread by default, so that OpenMP's spin-waiting does not swamp the CPU time.
 
-Run: python benchmarks/bench_opranges.py [--rounds N] [--threads N]
+Run: python benchmarks/bench_near_limit.py [--rounds N] [--threads N]
 """
 
 from __future__ import annotations
@@ -36,17 +36,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fpdoctor
 from fpdoctor.numerics.api import Trace
-from fpdoctor.precision import compare as compare_mod
-from fpdoctor.precision import opranges
 from fpdoctor.precision.candidates import make_run, run_flags
-from fpdoctor.precision.passes import hooked
+from fpdoctor.precision.compare import compare as compare_mod
+from fpdoctor.precision.compare import near_limit
+from fpdoctor.precision.compare.passes import hooked
 from fpdoctor.preserve import RngState
 from models import batch, make_step, small_transformer
 
 # pass -> (dtype, the output dtypes its recorder takes): the fp64 pass all, a candidate its own
 PASSES = {
     "fp64": (torch.float64, None),
-    "fp16": (torch.float16, opranges.AT_RISK),
+    "fp16": (torch.float16, near_limit.AT_RISK),
     "bf16": (torch.bfloat16, frozenset({torch.bfloat16})),
 }
 
@@ -100,7 +100,7 @@ def _passes(rounds: int) -> tuple[dict[str, tuple[float, float]], int]:
 
         def go() -> None:
             dtypes = PASSES[name][1]
-            ranges = opranges.OpRanges() if dtypes is None else opranges.OpRanges(dtypes)
+            ranges = near_limit.OpRanges() if dtypes is None else near_limit.OpRanges(dtypes)
             with run_flags(name, cpu), ranges:
                 hooked(run, embed, dtype, pre=ranges.pre(lambda *a: None), post=ranges.post(lambda *a: None), rng=rng)
             counted.append(len(ranges.read()))
@@ -128,11 +128,11 @@ def _compare(rounds: int, candidate: str) -> dict[str, tuple[float, float]]:
         if which is None:  # the suspect pass re-runs modules: not recorded
             return original(run, inputs, dtype, pre=pre, post=post, **kw)
         dtypes = PASSES[candidate][1] if which == "cand" else None
-        ranges = recorders[which] = opranges.OpRanges() if dtypes is None else opranges.OpRanges(dtypes)
+        ranges = recorders[which] = near_limit.OpRanges() if dtypes is None else near_limit.OpRanges(dtypes)
         with ranges:
             return original(run, inputs, dtype, pre=ranges.pre(pre), post=ranges.post(post), **kw)
 
-    recorders: dict[str, opranges.OpRanges] = {}
+    recorders: dict[str, near_limit.OpRanges] = {}
 
     def with_ranges() -> None:
         compare_mod.hooked = wired
@@ -140,8 +140,8 @@ def _compare(rounds: int, candidate: str) -> dict[str, tuple[float, float]]:
             fpdoctor.compare(encoder, embed, candidate=candidate)
         finally:
             compare_mod.hooked = original
-        rows = opranges.near_limit(recorders["cand"].read(), recorders["truth"].read())
-        opranges.findings(rows, label=candidate)
+        rows = near_limit.near_limit(recorders["cand"].read(), recorders["truth"].read())
+        near_limit.findings(rows, label=candidate)
 
     variants = {"compare": lambda: fpdoctor.compare(encoder, embed, candidate=candidate), "+ op ranges": with_ranges}
     return _medians(variants, rounds)

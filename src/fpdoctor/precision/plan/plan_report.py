@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 from fpdoctor import catalog
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.names import PRECISIONS
-from fpdoctor.precision.oplevel import OpFix
+from fpdoctor.precision.plan.op_fixes import OpFix
 from fpdoctor.precision.profile import CompareResult, ModuleRow
 from fpdoctor.report.model import Finding, Report, Severity
 
 if TYPE_CHECKING:
-    from fpdoctor.precision.plan import Plan
+    from fpdoctor.precision.plan.plan import Plan
 
 _APPLY = "apply the plan: fpdoctor.apply_plan(model, result.plan), or paste its code (result.plan.to_code())"
 _RANGE_LIMITED = tuple(name for name, p in PRECISIONS.items() if p.storage == "fp16")  # fp16's max is 65504

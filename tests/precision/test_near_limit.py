@@ -13,10 +13,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fpdoctor.numerics.headroom import MAX_OP_FINDINGS
 from fpdoctor.precision.candidates import make_run
+from fpdoctor.precision.compare.first_overflow import first_overflow
+from fpdoctor.precision.compare.near_limit import AT_RISK, OpRanges, findings, near_limit
+from fpdoctor.precision.compare.passes import hooked
 from fpdoctor.precision.metrics import flat_sample, l2_norm
-from fpdoctor.precision.opranges import AT_RISK, OpRanges, findings, near_limit
-from fpdoctor.precision.ops import first_overflow
-from fpdoctor.precision.passes import hooked
 from fpdoctor.preserve import RngState
 
 FP16_MAX = 65504.0
@@ -223,7 +223,7 @@ def test_modules_entered_by_name_alone_keep_their_own_lines():
 def test_the_recorder_steps_off_the_dispatch_stack_in_hooks_and_back_under_the_noise_replay():
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    from fpdoctor.precision.noise import ReplayNoise
+    from fpdoctor.precision.compare.noise import ReplayNoise
 
     model, x = model_at(0.62)
     run = make_run(model, "fp16").eval()

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from fpdoctor.precision.candidates import cast_inputs, split_inputs
+from fpdoctor.precision.compare.noise import RecordNoise, ReplayNoise
 from fpdoctor.precision.metrics import all_finite, cosine, flat_sample, rel_error
-from fpdoctor.precision.noise import RecordNoise, ReplayNoise
 from fpdoctor.preserve import RngState
 
 

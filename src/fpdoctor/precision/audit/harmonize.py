@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fpdoctor.precision.boundary import boundaries, cast_inputs_to, input_cast, keep_in_fp32, release
+from fpdoctor.precision.audit.boundary import boundaries, cast_inputs_to, input_cast, keep_in_fp32, release
 from fpdoctor.precision.candidates import uncompiled
 
 if TYPE_CHECKING:
-    from fpdoctor.precision.plan import Plan
+    from fpdoctor.precision.plan.plan import Plan
 
 
 @dataclass

@@ -35,10 +35,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from fpdoctor.precision import machine
 from fpdoctor.precision.metrics import rel_error
 from fpdoctor.precision.profile import DIVERGENCE_RATIO
-from fpdoctor.precision.record import CallRecord, CompareRecord
+from fpdoctor.precision.record import machine
+from fpdoctor.precision.record.record import CallRecord, CompareRecord
 
 FP64_AGREE = 1e-9
 

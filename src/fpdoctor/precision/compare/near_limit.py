@@ -248,8 +248,8 @@ def near_limit(
     """The candidate pass's op outputs at or above OVERFLOW_SHARE of their format's max (fp16,
     bf16, fp8), worst per (module, op, format), largest share first, at most `limit`; each with
     the reference (fp64) pass's absmax of the same output (same module, call, op, occurrence,
-    position and shape). Outputs that are non-finite in the candidate (an overflow: `ops.
-    first_overflow` names it) are not a risk, nor are (module, op) pairs in `exclude`: ops
+    position and shape). Outputs that are non-finite in the candidate (an overflow:
+    `first_overflow` names it) are not a risk, nor are (module, op) pairs in `exclude`: ops
     already named as overflowing in another call. `prefix`: the submodule compare ran alone."""
     truth = {r.key: r for r in reference}
     skip = set(exclude)

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.precision import against as judging
-from fpdoctor.precision import against_report, machine
 from fpdoctor.precision.candidates import model_device
 from fpdoctor.precision.metrics import SAMPLE, l2_norm
 from fpdoctor.precision.names import CANDIDATES, FP8_KERNELS, REFERENCES, check_name
 from fpdoctor.precision.profile import CompareResult, ModuleRow
-from fpdoctor.precision.record import VERSION, CallRecord, CompareRecord, SetRecord, Settings
+from fpdoctor.precision.record import against as judging
+from fpdoctor.precision.record import against_report, machine
+from fpdoctor.precision.record.record import VERSION, CallRecord, CompareRecord, SetRecord, Settings
 from fpdoctor.precision.scope import find_module
 
 # (row, compare's fp64 sample, the candidate's sample) per judged module call, as compare_set gives them

@@ -12,7 +12,7 @@ Per module:
               modules; ROWS evenly spread rows of those whose rows are independent): what this
               module adds by itself. A container's: its worst own op (an op of its forward
               outside its submodules: attention scores, a residual add), each re-run on its fp64
-              inputs as the fp64 pass runs it (ownops.py)
+              inputs as the fp64 pass runs it (container_ops.py)
   floor       the error that rounding the fp64 output (a container's: that op's) to the
               candidate's format causes, or the reference's own error (fed the same fp64 inputs)
               if that is larger
@@ -39,8 +39,7 @@ import torch
 from torch import nn
 
 from fpdoctor import progress
-from fpdoctor.precision import fp8, opranges
-from fpdoctor.precision.audit import as_given
+from fpdoctor.precision.audit.audit import as_given
 from fpdoctor.precision.candidates import (
     CANDIDATES,
     FP8_KERNELS,
@@ -54,6 +53,11 @@ from fpdoctor.precision.candidates import (
     run_flags,
     uncompiled,
 )
+from fpdoctor.precision.compare import fp8, near_limit
+from fpdoctor.precision.compare.container_ops import Own, OwnOps
+from fpdoctor.precision.compare.first_overflow import first_overflow
+from fpdoctor.precision.compare.noise import ReplayNoise
+from fpdoctor.precision.compare.passes import hooked, input_rounding_error, record_noise, rerun
 from fpdoctor.precision.fit import candidate_format, misfits
 from fpdoctor.precision.fit import describe as describe_misfit
 from fpdoctor.precision.inputs import describe, input_sets
@@ -68,10 +72,6 @@ from fpdoctor.precision.metrics import (
     row_subset,
     sample_step,
 )
-from fpdoctor.precision.noise import ReplayNoise
-from fpdoctor.precision.ops import first_overflow
-from fpdoctor.precision.ownops import Own, OwnOps
-from fpdoctor.precision.passes import hooked, input_rounding_error, record_noise, rerun
 from fpdoctor.precision.profile import (
     DIVERGENCE_RATIO,
     CompareResult,
@@ -82,8 +82,8 @@ from fpdoctor.precision.profile import (
     children,
     merge_sets,
 )
-from fpdoctor.precision.record import CompareRecord
-from fpdoctor.precision.recording import Link, Samples
+from fpdoctor.precision.record.record import CompareRecord
+from fpdoctor.precision.record.recording import Link, Samples
 from fpdoctor.precision.scope import find_module, module_inputs
 from fpdoctor.preserve import RngState
 from fpdoctor.pytrees import tensors_in
@@ -112,12 +112,12 @@ class _Seen:
     candidate_inputs: float = 0.0  # the candidate's input error at this module
     input_error: float | None = None  # the same, where measured on the inputs' samples
     nonfinite: int = 0
-    overflow: dict[str, Any] | None = None  # the op inside that overflows (ops.first_overflow)
+    overflow: dict[str, Any] | None = None  # the op inside that overflows (first_overflow.py)
     candidate: torch.Tensor | None = None  # float32 sample of the candidate's output, kept for a compare record
     values: tuple[int, int, int] = (0, 0, 1)  # the output's sample: (values kept, floating values, every k-th)
     isolated_of: int | None = None  # the output's rows, when the isolated re-run computed isolated_rows of them
     isolated_failed: str | None = None  # why the isolated re-run gave no figure
-    own: Own | None = None  # a container's own ops, judged in the fp64 pass (ownops.py)
+    own: Own | None = None  # a container's own ops, judged in the fp64 pass (container_ops.py)
 
 
 def compare(
@@ -340,8 +340,8 @@ class _Comparison:
         self._pending: dict[tuple[str, int], tuple[Any, Any, tuple[RngState, int] | None]] = {}
         self._cand_inputs: dict[tuple[str, int], Any] = {}
         # op outputs near the candidate's max inside modules (fp16: the one format whose max models reach)
-        self.ranges = self.cand_dtype in opranges.AT_RISK
-        self.truth_ranges, self.cand_ranges = opranges.OpRanges(), opranges.OpRanges(opranges.AT_RISK)
+        self.ranges = self.cand_dtype in near_limit.AT_RISK
+        self.truth_ranges, self.cand_ranges = near_limit.OpRanges(), near_limit.OpRanges(near_limit.AT_RISK)
 
     # -- where the random numbers stand ------------------------------------------------------
     def mark(self) -> tuple[RngState, int]:
@@ -602,13 +602,13 @@ class _Comparison:
         )
         result.overflows = {name: found for (name, _), found in overflows.items()}
         if self.ranges:  # op outputs near the max that did not overflow (those are named above)
-            near = opranges.near_limit(
+            near = near_limit.near_limit(
                 self.cand_ranges.read(),
                 self.truth_ranges.read(),
                 exclude={(_unprefixed(n, prefix), f["op"]) for n, f in result.overflows.items()},
                 prefix=prefix,
             )
-            result.report.findings.extend(opranges.findings(near, label=self.label))
+            result.report.findings.extend(near_limit.findings(near, label=self.label))
             if near:
                 result.report.data["near_limit_ops"] = near
         summary = result.report.data["summary"]
