@@ -180,7 +180,7 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         fix="Run the same code and configuration on both machines (the same commit, the same config files), and "
         "compare the library versions that differ.",
     ),
-    Rule(
+    RuleInfo(
         code="NUM015",
         name="grad-scaler-stalled",
         severity=E,
@@ -195,7 +195,7 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         fix="Fix the named op: an eps that rounds to 0 in fp16 (1e-12 does; 1e-4 does not), a product that "
         "overflows fp16 (scale the scores by 1/sqrt(d) before the matmul), or keep that op in fp32.",
     ),
-    Rule(
+    RuleInfo(
         code="NUM016",
         name="grad-scaler-calibrated",
         severity=I,
@@ -207,7 +207,7 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         "fit: a few skipped steps at the start, and one now and then when the scale grows back, are by design.",
         fix="Nothing to do. To skip fewer steps, start lower: torch.amp.GradScaler(device, init_scale=2.0**10).",
     ),
-    Rule(
+    RuleInfo(
         code="NUM017",
         name="update-blew-up",
         severity=E,
