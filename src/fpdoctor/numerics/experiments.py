@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +40,10 @@ from fpdoctor.numerics.values import checkable, dtype_name
 
 WINDOW = 512  # ops whose arguments stay referenced, for the upstream walk
 MAX_ANCESTORS = 64  # ops of the walk, nearest first
-BUDGET_S = 5.0  # seconds the experiments of one producer may take
+BUDGET_S = 2.0  # seconds the experiments of one producer may take
+PRODUCERS = 4  # producers of each kind (NaN, Inf) experimented on: the first may be a deliberate mask
 _NARROW = (torch.float16, torch.bfloat16)
+_REDUCTIONS = frozenset({"sum", "mean", "cumsum", "prod", "norm", "linalg_vector_norm", "var", "std"})
 _CASTS = frozenset({"_to_copy", "to", "copy", "copy_", "_to_dtype"})
 
 
@@ -113,10 +116,14 @@ class Experiment:
 
     def word(self, title: str, message: str, fix: str, label: str) -> tuple[str, str, str]:
         """The finding's title, message and fix as the experiment decided them."""
-        tried = f" Re-run as it ran: {self.as_ran}; in fp64 from the same inputs: {self.fp64}."
+        parts = [f"re-run as it ran: {self.as_ran}"] + ([f"in fp64 from the same inputs: {self.fp64}"] if self.fp64 else [])
+        tried = " Experiment: " + "; ".join(parts) + "."
         if self.verdict == "device-or-library":
             return (
-                f"{label}: {self.op} produced a non-finite value its own re-run does not reproduce",
+                # a title that already says arithmetic cannot produce it (bounds.py) stays: both agree
+                title
+                if "arithmetic cannot" in title
+                else f"{label}: {self.op} produced a non-finite value its own re-run does not reproduce",
                 message + tried + " The same op on the same inputs, same dtype and device, gave a finite "
                 "result: the device or the library computed something else the first time, not this code.",
                 _DEVICE,
@@ -126,13 +133,16 @@ class Experiment:
                 f" Re-running the {self.walked} ops above it in fp64 did not remove it either." if self.walked else ""
             )
             return (
-                f"{label}: {self.op} overflows or divides by zero in exact arithmetic too",
-                message + tried + upstream + " The math itself produces it: no precision change is the fix.",
-                f"{fix}. (Checked: in fp64 this op is non-finite too, so keeping it in fp32 would not help.)",
+                f"{label}: {self.op} is non-finite in fp64 too: the math itself overflows or divides by zero",
+                message + tried + upstream + " No precision change is the fix.",
+                "Change the math at the source line, not its precision (tried: in fp64 this op is non-finite too, "
+                "so fp32 will not help): rescale the values that reach it, subtract the max before an exp, or "
+                "guard the denominator.",
             )
         if self.verdict == "origin" and self.origin is not None:
             return self._word_origin(label, message + tried)
-        return title, message + tried + (f" {self.note}" if self.note else ""), fix
+        reason = self.note or "the op could not be re-run in higher precision"
+        return title, message + tried + (f" {self.note}" if self.note else ""), f"{fix} (Not checked: {reason})"
 
     def _word_origin(self, label: str, message: str) -> tuple[str, str, str]:
         origin = self.origin
@@ -163,7 +173,11 @@ class Experiment:
                 f"higher precision removes it is the origin: {cause}. Raising the precision of {self.op} alone "
                 f"does not help ({self.fp64}); {checked}."
             )
-        fix = f"Change the origin, not the op that showed it: {cause}. Verified: {checked}."
+        if own:
+            how = " (a reduction: .sum(dtype=torch.float32))" if _packet(origin.op) in _REDUCTIONS else ""
+            fix = f"Compute {origin.op}{at} in {self.checked_in or 'fp64'}{how}. Verified: {checked}."
+        else:
+            fix = f"Change the origin, not the op that showed it: {cause}. Verified: {checked}."
         if self.literal is not None:
             fix += f" Or use a constant {self.literal[2]} can hold (at least {_tiny(self.literal[2]):g})."
         return text, message + why, fix
@@ -175,6 +189,12 @@ _DEVICE = (
     "check this GPU with `fpdoctor health` (Xid errors, ECC, GEMM fingerprints); for a custom kernel, test it on "
     "these inputs."
 )
+
+
+def _packet(op: str) -> str:
+    """'aten.sum.default' -> 'sum'."""
+    parts = op.split(".")
+    return parts[1] if len(parts) >= 2 else op
 
 
 def _where(r: Record) -> str | None:
@@ -254,9 +274,16 @@ def _substitute(original: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     raise _Skip("an argument is a view the experiment cannot rebuild")
 
 
-def _run(step: Step, dtype: torch.dtype | None, values: dict[int, list[torch.Tensor]]) -> list[torch.Tensor]:
+Lookup = Callable[[torch.Tensor], "tuple[str, int] | None"]
+
+
+def _run(
+    step: Step, dtype: torch.dtype | None, values: dict[int, list[torch.Tensor]], lookup: Lookup | None
+) -> list[torch.Tensor]:
     """Run one op: tensors from earlier ops of the chain replaced by their recomputed values,
-    floating tensors and dtype arguments raised to `dtype` (None: as it ran)."""
+    floating tensors and dtype arguments raised to `dtype` (None: as it ran). `lookup` tells the
+    op or leaf a tensor holds the values of now: one that is no longer the recorded source was
+    written in place since, and the op cannot be re-run on what it read."""
     func = step.func
     if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
         raise _Skip(f"{step.record.op} draws random numbers")
@@ -269,6 +296,8 @@ def _run(step: Step, dtype: torch.dtype | None, values: dict[int, list[torch.Ten
             if match is None:
                 match = next((o for o in outs if t._base is not None and o.shape == t._base.shape), outs[0])
             t = _substitute(t, match)
+        elif src is not None and lookup is not None and lookup(t) != src:
+            raise _Skip(f"an input of {step.record.op} was written in place since")
         elif mutable:
             t = t.clone()  # never write the user's tensors
         if dtype is not None and t.is_floating_point() and t.dtype != dtype:
@@ -280,18 +309,18 @@ def _run(step: Step, dtype: torch.dtype | None, values: dict[int, list[torch.Ten
     return _outputs(func(*args, **kwargs))
 
 
-def _replay(chain: list[Step], dtype: torch.dtype | None) -> list[torch.Tensor]:
+def _replay(chain: list[Step], dtype: torch.dtype | None, lookup: Lookup | None) -> list[torch.Tensor]:
     """Run the chain in index order; the last op's outputs."""
     values: dict[int, list[torch.Tensor]] = {}
     out: list[torch.Tensor] = []
     for step in chain:
-        out = _run(step, dtype, values)
+        out = _run(step, dtype, values, lookup)
         values[step.record.index] = out
     return out
 
 
-def _chain_kind(chain: list[Step], dtype: torch.dtype | None) -> tuple[str | None, float]:
-    outs = [o for o in _replay(chain, dtype) if o.is_floating_point()]
+def _chain_kind(chain: list[Step], dtype: torch.dtype | None, lookup: Lookup | None) -> tuple[str | None, float]:
+    outs = [o for o in _replay(chain, dtype, lookup) if o.is_floating_point()]
     kinds = [_kind(o) for o in outs]
     kind = "nan" if "nan" in kinds else next((k for k in kinds if k), None)
     return kind, max((_absmax(o) for o in outs), default=0.0)
@@ -382,7 +411,9 @@ def _cast(step: Step) -> str | None:
     )
 
 
-def decide(target_record: Record, window: Window, budget_s: float = BUDGET_S) -> Experiment | None:
+def decide(
+    target_record: Record, window: Window, lookup: Lookup | None = None, budget_s: float = BUDGET_S
+) -> Experiment | None:
     """Run the experiments at a producer (see the module docstring); None when its arguments are
     no longer in the window. Never raises for an op it cannot re-run: it says so instead."""
     steps = window.by_index()
@@ -400,7 +431,7 @@ def decide(target_record: Record, window: Window, budget_s: float = BUDGET_S) ->
             experiment.as_ran = "not re-run (the op wrote its inputs in place)"
         else:
             try:
-                kind, _ = _chain_kind([target], None)
+                kind, _ = _chain_kind([target], None, lookup)
                 experiment.as_ran = _said(kind)
                 if kind is None:
                     experiment.verdict = "device-or-library"
@@ -417,7 +448,7 @@ def decide(target_record: Record, window: Window, budget_s: float = BUDGET_S) ->
                 break
             chain = _chain(origin, target, nearest, depends)
             try:
-                kind, _ = _chain_kind(chain, torch.float64)
+                kind, _ = _chain_kind(chain, torch.float64, lookup)
             except _Skip as skip:
                 experiment.note = f"The walk upstream stopped at {origin.record.op}: {skip}."
                 break
@@ -432,7 +463,7 @@ def decide(target_record: Record, window: Window, budget_s: float = BUDGET_S) ->
                 continue
             # finite in fp64: the same chain as it ran must still fail, or an input went stale
             try:
-                control, before = _chain_kind(chain, None)
+                control, before = _chain_kind(chain, None, lookup)
             except Exception:
                 control, before = None, math.nan
             if control is None:
@@ -441,7 +472,7 @@ def decide(target_record: Record, window: Window, budget_s: float = BUDGET_S) ->
                     "changed since (an in-place write), so it decides nothing."
                 )
                 break
-            _settle_origin(experiment, origin, chain, before)
+            _settle_origin(experiment, origin, chain, before, lookup)
             return experiment
         else:
             if edge and not experiment.note:
@@ -453,7 +484,9 @@ def decide(target_record: Record, window: Window, budget_s: float = BUDGET_S) ->
     return experiment
 
 
-def _settle_origin(experiment: Experiment, origin: Step, chain: list[Step], before: float) -> None:
+def _settle_origin(
+    experiment: Experiment, origin: Step, chain: list[Step], before: float, lookup: Lookup | None
+) -> None:
     """Name the origin and check the fix in the narrowest precision that removes the symptom."""
     experiment.verdict = "origin"
     experiment.origin = origin.record
@@ -469,7 +502,7 @@ def _settle_origin(experiment: Experiment, origin: Step, chain: list[Step], befo
         if dtype == torch.float32 and ran <= {torch.float32, torch.float64}:
             continue  # the chain ran in fp32 already: the check is fp64
         try:
-            kind, after = _chain_kind(chain, dtype)
+            kind, after = _chain_kind(chain, dtype, lookup)
         except Exception:
             continue
         if kind is None:

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
 from fpdoctor.numerics import records as _records
 from fpdoctor.numerics.bounds import output_bound
-from fpdoctor.numerics.experiments import Experiment, Window, decide
+from fpdoctor.numerics.experiments import PRODUCERS, Experiment, Window, decide
 from fpdoctor.numerics.modules import ModuleTracker
 from fpdoctor.numerics.ops import FUNCTIONAL, GENERAL, IN_PLACE, VIEW, OpInfo, tensor_args
 from fpdoctor.numerics.records import Leaf, Output, Record, Store, kind_of
@@ -150,7 +150,7 @@ class Tracer(TorchDispatchMode):
         self._next_compact = COMPACT_EVERY
         # the last ops' arguments, by reference, for the experiments at the first NaN and Inf producers
         self._window = Window()
-        self._decided: set[str] = set()  # "nan" / "inf": the producers already experimented on
+        self._decided: Counter[str] = Counter()  # "nan" / "inf": producers experimented on
         self.experiments: dict[int, Experiment] = {}  # record index -> what was re-run there
         self._nested = False
         self._general_only = not fast_paths  # every op through `_record`: nested, or asked for
@@ -704,15 +704,15 @@ class Tracer(TorchDispatchMode):
             self.on_nonfinite(self, record)
 
     def _experiment(self, record: Record) -> None:
-        """At the first NaN producer and the first Inf producer (finite inputs: not `fed`), re-run
+        """At the first NaN producers and the first Inf producers (finite inputs: not `fed`), re-run
         the op and what is upstream of it (numerics/experiments.py), outside the trace."""
         kind = "nan" if record.kind == "nan" else "inf"
-        if kind in self._decided or not record.inputs:
+        if self._decided[kind] >= PRODUCERS or not record.inputs:
             return
-        self._decided.add(kind)
+        self._decided[kind] += 1
         try:
             with torch._C._DisableTorchDispatch():
-                found = decide(record, self._window)
+                found = decide(record, self._window, self._lookup)
             if found is not None:
                 self.experiments[record.index] = found
                 self._pinned.update(r.index for r in found.chain)
