@@ -76,8 +76,15 @@ def test_an_eps_that_rounds_to_zero_is_named_with_its_rounded_value(dtype, eps):
     assert finding.where["phase"] == "backward"
     assert experiment["verdict"] == "origin" and experiment["origin"]["op"] == "aten.add.Tensor"
     assert experiment["origin"]["location"].endswith(f":{_line(_pairwise_distance, 'torch.sqrt(d2 + eps)')}")
-    assert experiment["constant"] == {"value": eps, "rounded": 0.0, "dtype": str(dtype).removeprefix("torch.")}
+    constant = {k: experiment["constant"][k] for k in ("value", "rounded", "dtype")}
+    assert constant == {"value": eps, "rounded": 0.0, "dtype": str(dtype).removeprefix("torch.")}
     assert f"the constant {eps:g}" in finding.fix and experiment["fix_checked"]["finite_after"]
+    # the fix that keeps the dtype was tried too: the smallest normal value instead of eps
+    assert experiment["constant"]["replacement_checked"] == torch.finfo(dtype).tiny
+    assert "finite as it ran" in finding.fix
+    # the NaN that the Inf makes later (0 * inf) is traced to the same constant, not to its own op
+    nan = _first(t, "first NaN").evidence["experiment"]
+    assert nan["verdict"] == "origin" and nan["origin"]["op"] == "aten.add.Tensor" and nan["rerun_fp64"] == "nan again"
 
 
 # -- a reduction in fp16 -------------------------------------------------------------------------
@@ -152,7 +159,9 @@ def test_a_custom_op_that_always_returns_inf_is_not_blamed_on_the_device():
 
 
 # -- the math itself -----------------------------------------------------------------------------
-@pytest.mark.parametrize("make", [lambda: torch.exp(torch.tensor([1.0, 1000.0])), lambda: torch.ones(3) / torch.zeros(3)])
+@pytest.mark.parametrize(
+    "make", [lambda: torch.exp(torch.tensor([1.0, 1000.0])), lambda: torch.ones(3) / torch.zeros(3)]
+)
 def test_a_genuine_fp32_overflow_is_the_math_and_no_precision_fix_is_printed(make):
     with fpdoctor.trace() as t:
         make().sum()
@@ -206,3 +215,23 @@ def test_the_window_keeps_a_bounded_number_of_ops():
     for i in range(10):
         window.append((experiments.Record(i, "op", "forward", None, None, False, None, None, None, []), None, (), {}))
     assert sorted(window.by_index()) == [7, 8, 9]
+
+
+def test_the_sentinels_replay_carries_the_experiment():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = fpdoctor.Sentinel(model, opt)
+
+    def bad(x):
+        opt.zero_grad(set_to_none=True)
+        out = model(x)
+        loss = (out / (out - out)).mean()  # 0/0: in any precision
+        loss.backward()
+        return loss
+
+    guard.step(bad, torch.randn(4, 8))
+    verdict = guard.report.by_name("deterministic-nonfinite")[0]
+    experiment = verdict.evidence["experiment"]
+    assert experiment["op"] == verdict.where["op"] and experiment["verdict"] == "the-math"
+    assert experiment["rerun_as_ran"].endswith(" again") and experiment["rerun_fp64"].endswith(" again")

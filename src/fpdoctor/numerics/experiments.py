@@ -84,6 +84,7 @@ class Experiment:
     absmax_before: float | None = None
     absmax_after: float | None = None
     literal: tuple[float, float, str] | None = None  # a constant that rounds: value, rounded, dtype
+    literal_fix: tuple[float, float] | None = None  # a constant the dtype holds, tried as it ran: value, max |x|
     cast: str | None = None  # what a rounding cast did to its values
     walked: int = 0  # upstream ops tried
     note: str | None = None  # why the walk stopped short
@@ -108,6 +109,8 @@ class Experiment:
             }
         if self.literal is not None:
             found["constant"] = {"value": self.literal[0], "rounded": self.literal[1], "dtype": self.literal[2]}
+            if self.literal_fix is not None:
+                found["constant"]["replacement_checked"] = self.literal_fix[0]
         if self.cast is not None:
             found["cast"] = self.cast
         if self.note:
@@ -116,7 +119,9 @@ class Experiment:
 
     def word(self, title: str, message: str, fix: str, label: str) -> tuple[str, str, str]:
         """The finding's title, message and fix as the experiment decided them."""
-        parts = [f"re-run as it ran: {self.as_ran}"] + ([f"in fp64 from the same inputs: {self.fp64}"] if self.fp64 else [])
+        parts = [f"re-run as it ran: {self.as_ran}"] + (
+            [f"in fp64 from the same inputs: {self.fp64}"] if self.fp64 else []
+        )
         tried = " Experiment: " + "; ".join(parts) + "."
         if self.verdict == "device-or-library":
             return (
@@ -140,11 +145,12 @@ class Experiment:
                 "guard the denominator.",
             )
         if self.verdict == "origin" and self.origin is not None:
-            return self._word_origin(label, message + tried)
+            return self._word_origin(label, message + tried, fix)
         reason = self.note or "the op could not be re-run in higher precision"
         return title, message + tried + (f" {self.note}" if self.note else ""), f"{fix} (Not checked: {reason})"
 
-    def _word_origin(self, label: str, message: str) -> tuple[str, str, str]:
+    def _word_origin(self, label: str, message: str, advice: str) -> tuple[str, str, str]:
+        """The origin named; where it is the op itself, its own advice stays, with the check."""
         origin = self.origin
         assert origin is not None
         where = _where(origin)
@@ -174,12 +180,17 @@ class Experiment:
                 f"does not help ({self.fp64}); {checked}."
             )
         if own:
-            how = " (a reduction: .sum(dtype=torch.float32))" if _packet(origin.op) in _REDUCTIONS else ""
-            fix = f"Compute {origin.op}{at} in {self.checked_in or 'fp64'}{how}. Verified: {checked}."
+            reduction = _packet(origin.op) in _REDUCTIONS and "float32" not in advice
+            how = " (a reduction: .sum(dtype=torch.float32))" if reduction else ""
+            fix = f"{advice.rstrip('.')}. Computing it in {self.checked_in or 'fp64'}{how} works: {checked}."
         else:
             fix = f"Change the origin, not the op that showed it: {cause}. Verified: {checked}."
-        if self.literal is not None:
-            fix += f" Or use a constant {self.literal[2]} can hold (at least {_tiny(self.literal[2]):g})."
+        if self.literal_fix is not None:
+            fix += (
+                f" Or keep the dtype and use a constant {self.literal[2] if self.literal else 'it'} holds: with "
+                f"{self.literal_fix[0]:g} instead, {self.op}'s output is finite as it ran (checked: max |x| "
+                f"{_num(self.literal_fix[1])})."
+            )
         return text, message + why, fix
 
 
@@ -289,7 +300,8 @@ def _run(
         raise _Skip(f"{step.record.op} draws random numbers")
     flat, spec = tree_flatten((step.args, step.kwargs or {}))
     mutable = bool(getattr(getattr(func, "_schema", None), "is_mutable", False))
-    for i, t, src in _aligned(step):
+    for i, arg, src in _aligned(step):
+        t = arg
         if src is not None and src[0] == "op" and src[1] in values:
             outs = values[src[1]]
             match = next((o for o in outs if o.shape == t.shape), None)
@@ -367,7 +379,7 @@ def _chain(origin: Step, target: Step, nearest: list[Step], depends: dict[int, s
     between = [s for s in nearest if start in depends.get(s.record.index, ()) or s.record.index == start]
     if origin is target:
         between = []
-    return sorted(between, key=lambda s: s.record.index) + [target]
+    return [*sorted(between, key=lambda s: s.record.index), target]
 
 
 def _compute_dtype(step: Step) -> torch.dtype | None:
@@ -421,9 +433,7 @@ def decide(
     if target is None:
         return None
     out = target_record.outputs[0] if target_record.outputs else None
-    experiment = Experiment(
-        target_record.op, (out.dtype if out else "unknown").removeprefix("torch."), "not-decided"
-    )
+    experiment = Experiment(target_record.op, (out.dtype if out else "unknown").removeprefix("torch."), "not-decided")
     deadline = time.monotonic() + budget_s
     with torch.no_grad():
         # (a) as it ran: an op that wrote its arguments cannot be re-run on what it read
@@ -484,6 +494,20 @@ def decide(
     return experiment
 
 
+def _try_constant(
+    literal: tuple[float, float, str], origin: Step, chain: list[Step], lookup: Lookup | None
+) -> tuple[float, float] | None:
+    """The chain as it ran with the constant replaced by the dtype's smallest normal value: the
+    fix that keeps the dtype, printed only when it removes the symptom."""
+    value = _tiny(literal[2])
+    flat, spec = tree_flatten((origin.args, origin.kwargs or {}))
+    flat = [value if type(v) is float and v == literal[0] else v for v in flat]
+    args, kwargs = tree_unflatten(flat, spec)
+    changed = Step(origin.record, origin.func, args, kwargs)
+    kind, after = _chain_kind([changed if s is origin else s for s in chain], None, lookup)
+    return (value, after) if kind is None else None
+
+
 def _settle_origin(
     experiment: Experiment, origin: Step, chain: list[Step], before: float, lookup: Lookup | None
 ) -> None:
@@ -494,6 +518,8 @@ def _settle_origin(
     try:  # naming the constant or the cast is a detail: the origin stands without it
         experiment.literal = _literal(origin)
         experiment.cast = _cast(origin)
+        if experiment.literal is not None:
+            experiment.literal_fix = _try_constant(experiment.literal, origin, chain, lookup)
     except Exception:
         pass
     experiment.absmax_before = before

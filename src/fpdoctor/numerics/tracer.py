@@ -698,14 +698,15 @@ class Tracer(TorchDispatchMode):
             self._pinned.add(record.index)
             for src_kind, i in record.inputs:
                 (self._pinned if src_kind == "op" else self._pinned_leaves).add(i)
-        if kind and not fed:
+        # a producer: from finite inputs, or a NaN from inputs without NaN (inf - inf, 0 * inf)
+        if kind and (not fed or (kind == "nan" and all(self.kind_of(s) != "nan" for s in record.inputs))):
             self._experiment(record)
         if kind and self.on_nonfinite is not None:
             self.on_nonfinite(self, record)
 
     def _experiment(self, record: Record) -> None:
-        """At the first NaN producers and the first Inf producers (finite inputs: not `fed`), re-run
-        the op and what is upstream of it (numerics/experiments.py), outside the trace."""
+        """At the first NaN producers and the first Inf producers, re-run the op and what is
+        upstream of it (numerics/experiments.py), outside the trace."""
         kind = "nan" if record.kind == "nan" else "inf"
         if self._decided[kind] >= PRODUCERS or not record.inputs:
             return
