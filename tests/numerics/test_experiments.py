@@ -210,6 +210,19 @@ def test_an_input_written_in_place_after_the_op_is_not_taken_for_a_device_fault(
     assert "written in place" in experiment["rerun_as_ran"]
 
 
+def test_the_trace_holds_no_tensor_of_the_block_after_it():
+    import gc
+    import weakref
+
+    with fpdoctor.trace() as t:
+        x = torch.randn(64)
+        y = torch.exp(x)
+        kept = weakref.ref(y)
+        del x, y
+    gc.collect()
+    assert kept() is None and not t.tracer._window.steps
+
+
 def test_the_window_keeps_a_bounded_number_of_ops():
     window = Window(size=3)
     for i in range(10):
