@@ -99,6 +99,7 @@ def test_an_fp16_sum_whose_fp32_accumulation_is_finite_is_its_own_origin_and_the
     assert experiment["fix_checked"] == {
         "precision": "fp32", "absmax_before": math.inf, "absmax_after": 262144.0, "finite_after": True,
     }  # fmt: skip
+    assert experiment["rerun_bf16"] == "finite" and "In bf16" in finding.fix  # the advice names bf16: checked
     assert "dtype=torch.float32" in finding.fix and "262144" not in finding.fix  # 2.62e+05
     assert "max |x| inf -> 2.62e+05" in finding.fix
 
@@ -170,6 +171,15 @@ def test_a_genuine_fp32_overflow_is_the_math_and_no_precision_fix_is_printed(mak
     assert experiment["verdict"] == "the-math" and experiment["rerun_fp64"] == "inf again"
     assert "fp64 too" in finding.title
     assert "keep it in fp32" not in finding.fix and "fp32 will not help" in finding.fix
+
+
+@pytest.mark.parametrize("op", ["exp", "_softmax", "sum", "mul", "bmm", "_log_softmax", "div"])
+def test_advice_that_the_math_experiment_refuted_loses_its_precision_clause(op):
+    from fpdoctor.numerics.blame import OP_ADVICE
+    from fpdoctor.numerics.experiments import _without_precision
+
+    kept = _without_precision(OP_ADVICE[op] + "; this op ran in torch.float16: keeping it in fp32 is the quickest test")
+    assert kept and "fp32" not in kept
 
 
 # -- what the experiments must never do ----------------------------------------------------------

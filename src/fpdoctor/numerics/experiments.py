@@ -26,6 +26,7 @@ their arguments are run on copies) and never with seeded randomness (it would mo
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -84,6 +85,7 @@ class Experiment:
     absmax_before: float | None = None
     absmax_after: float | None = None
     literal: tuple[float, float, str] | None = None  # a constant that rounds: value, rounded, dtype
+    bf16: str | None = None  # an fp16 chain re-run in bf16 (fp32's range): "finite" or "non-finite"
     literal_fix: tuple[float, float] | None = None  # a constant the dtype holds, tried as it ran: value, max |x|
     cast: str | None = None  # what a rounding cast did to its values
     walked: int = 0  # upstream ops tried
@@ -113,6 +115,8 @@ class Experiment:
                 found["constant"]["replacement_checked"] = self.literal_fix[0]
         if self.cast is not None:
             found["cast"] = self.cast
+        if self.bf16 is not None:
+            found["rerun_bf16"] = self.bf16
         if self.note:
             found["note"] = self.note
         return found
@@ -137,12 +141,15 @@ class Experiment:
             upstream = (
                 f" Re-running the {self.walked} ops above it in fp64 did not remove it either." if self.walked else ""
             )
+            advice = _without_precision(fix)
             return (
-                f"{label}: {self.op} is non-finite in fp64 too: the math itself overflows or divides by zero",
+                # a title that says which non-finite input it turned into NaN (a masked row) stays
+                title
+                if " turned " in title
+                else f"{label}: {self.op} is non-finite in fp64 too: the math itself overflows or divides by zero",
                 message + tried + upstream + " No precision change is the fix.",
-                "Change the math at the source line, not its precision (tried: in fp64 this op is non-finite too, "
-                "so fp32 will not help): rescale the values that reach it, subtract the max before an exp, or "
-                "guard the denominator.",
+                (f"{advice}. " if advice else "Change the math at the source line: ")
+                + "Not a precision change: tried, in fp64 this op is non-finite too, so fp32 will not help.",
             )
         if self.verdict == "origin" and self.origin is not None:
             return self._word_origin(label, message + tried, fix)
@@ -156,7 +163,8 @@ class Experiment:
         where = _where(origin)
         at = f" at {where}" if where else ""
         own = origin.index == self.chain[-1].index if self.chain else False
-        cause = f"{origin.op} in {self.dtype}" if own else f"{origin.op}{at}"
+        made = origin.outputs[0].dtype.removeprefix("torch.") if origin.outputs else self.dtype
+        cause = f"{origin.op} in {self.dtype}" if own else f"{origin.op}{at} (in {made})"
         if self.literal is not None:
             value, rounded, dtype = self.literal
             cause = f"the constant {value:g} in {origin.op}{at}, which is {rounded:g} in {dtype}"
@@ -185,6 +193,12 @@ class Experiment:
             fix = f"{advice.rstrip('.')}. Computing it in {self.checked_in or 'fp64'}{how} works: {checked}."
         else:
             fix = f"Change the origin, not the op that showed it: {cause}. Verified: {checked}."
+        if self.bf16 is not None:
+            fix += (
+                " In bf16 (fp32's range) the same ops give a finite result too (checked)."
+                if self.bf16 == "finite"
+                else " In bf16 they are non-finite too (checked): bf16 is not the fix."
+            )
         if self.literal_fix is not None:
             fix += (
                 f" Or keep the dtype and use a constant {self.literal[2] if self.literal else 'it'} holds: with "
@@ -200,6 +214,16 @@ _DEVICE = (
     "check this GPU with `fpdoctor health` (Xid errors, ECC, GEMM fingerprints); for a custom kernel, test it on "
     "these inputs."
 )
+
+
+def _without_precision(advice: str) -> str:
+    """The op's advice less what a higher precision would do: tried, it does not help."""
+    kept = [part for part in advice.split("; ") if "fp32" not in part or " or " in part]
+    text = "; ".join(
+        re.sub(r",? or (compute|keep)[^;]*fp32[^;]*$", "", re.sub(r"accumulate in fp32 \(.*\) or ", "", part))
+        for part in kept
+    )
+    return text.strip().rstrip(".,;")
 
 
 def _packet(op: str) -> str:
@@ -524,6 +548,12 @@ def _settle_origin(
         pass
     experiment.absmax_before = before
     ran = {t.dtype for s in chain for t in tree_flatten(s.args)[0] if isinstance(t, torch.Tensor)}
+    if torch.float16 in ran:  # fp16 advice names bf16: say what bf16 does here
+        try:
+            kind, _ = _chain_kind(chain, torch.bfloat16, lookup)
+            experiment.bf16 = "finite" if kind is None else "non-finite"
+        except Exception:
+            experiment.bf16 = None
     for dtype in (torch.float32, torch.float64):
         if dtype == torch.float32 and ran <= {torch.float32, torch.float64}:
             continue  # the chain ran in fp32 already: the check is fp64
