@@ -258,3 +258,12 @@ def test_the_sentinels_replay_carries_the_experiment():
     experiment = verdict.evidence["experiment"]
     assert experiment["op"] == verdict.where["op"] and experiment["verdict"] == "the-math"
     assert experiment["rerun_as_ran"].endswith(" again") and experiment["rerun_fp64"].endswith(" again")
+
+
+def test_raise_on_nonfinite_raises_with_the_experiment_already_run():
+    pos = torch.arange(2040, 2064)
+    with pytest.raises(fpdoctor.NonFiniteError) as caught, fpdoctor.trace(raise_on="nonfinite"):
+        p = pos.to(torch.float16)
+        1 / (p[:, None] - p[None, :] + torch.eye(24, dtype=torch.float16))
+    experiment = caught.value.finding.evidence["experiment"]
+    assert experiment["origin"]["op"] == "aten._to_copy.default" and "rounds" in experiment["cast"]
