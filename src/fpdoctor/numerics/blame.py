@@ -257,6 +257,10 @@ class Analysis:
                 f"{out.dtype.removeprefix('torch.')}'s largest value."
             )
             fix = _IMPOSSIBLE
+        experiment = self.tracer.experiments.get(r.index)  # what re-running it decided (experiments.py)
+        if experiment is not None:
+            title, message, fix = experiment.word(title, message, fix, label)
+            evidence["experiment"] = experiment.evidence()
         return catalog.make(
             "nonfinite-produced", title=title, message=message, where=self.where(r), evidence=_known(evidence), fix=fix
         )

@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
 from fpdoctor.numerics import records as _records
 from fpdoctor.numerics.bounds import output_bound
+from fpdoctor.numerics.experiments import PRODUCERS, Experiment, Window, decide
 from fpdoctor.numerics.modules import ModuleTracker
 from fpdoctor.numerics.ops import FUNCTIONAL, GENERAL, IN_PLACE, VIEW, OpInfo, tensor_args
 from fpdoctor.numerics.records import Leaf, Output, Record, Store, kind_of
@@ -151,6 +152,10 @@ class Tracer(TorchDispatchMode):
         self._overflow_best: dict[tuple[Any, ...], tuple[float, int]] = {}  # kept for headroom's overflow
         self._exemplars: dict[tuple[Any, ...], int] = {}  # kept: the latest record of each kind of op
         self._next_compact = COMPACT_EVERY
+        # the last ops' arguments, by reference, for the experiments at the first NaN and Inf producers
+        self._window = Window()
+        self._decided: Counter[str] = Counter()  # "nan" / "inf": producers experimented on
+        self.experiments: dict[int, Experiment] = {}  # record index -> what was re-run there
         self._nested = False
         self._general_only = not fast_paths  # every op through `_record`: nested, or asked for
         tracker.on_names = self._named
@@ -357,6 +362,7 @@ class Tracer(TorchDispatchMode):
         record = Record(index, info.op, phase, module, call, recompute, node_name, forward_op, location, inputs)
         self._items[index] = record  # Store.append without the call (Store.by_index)
         self.records.count = index + 1
+        self._window.append((record, info.func, args, kwargs))
         by_seq = self._by_seq
         if seq not in by_seq:  # the first op to see a node number is the one that made it
             by_seq[seq] = (module, call, info.op, location)
@@ -698,8 +704,27 @@ class Tracer(TorchDispatchMode):
             self._pinned.add(record.index)
             for src_kind, i in record.inputs:
                 (self._pinned if src_kind == "op" else self._pinned_leaves).add(i)
+        # a producer: from finite inputs, or a NaN from inputs without NaN (inf - inf, 0 * inf)
+        if kind and (not fed or (kind == "nan" and all(self.kind_of(s) != "nan" for s in record.inputs))):
+            self._experiment(record)
         if kind and self.on_nonfinite is not None:
             self.on_nonfinite(self, record)
+
+    def _experiment(self, record: Record) -> None:
+        """At the first NaN producers and the first Inf producers, re-run the op and what is
+        upstream of it (numerics/experiments.py), outside the trace."""
+        kind = "nan" if record.kind == "nan" else "inf"
+        if self._decided[kind] >= PRODUCERS or not record.inputs:
+            return
+        self._decided[kind] += 1
+        try:
+            with torch._C._DisableTorchDispatch():
+                found = decide(record, self._window, self._lookup)
+            if found is not None:
+                self.experiments[record.index] = found
+                self._pinned.update(r.index for r in found.chain)
+        except Exception as exc:  # the observer never kills the job (SPEC 4)
+            self._error("experiment", exc)
 
     def flush(self) -> None:
         """Read pending results in one host transfer (deferred mode)."""
@@ -825,6 +850,7 @@ class Tracer(TorchDispatchMode):
     def finish(self) -> None:
         """Read what is pending and collect the end-of-block sinks: gradients and loose values."""
         self.flush()
+        self._window.steps.clear()  # experiments ran at the producers: the arguments go back to the user
         self._gradient_sinks()
         for record in self.records:
             tainted = ("op", record.index) in self._tainted

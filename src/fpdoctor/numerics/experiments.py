@@ -1,0 +1,567 @@
+"""Experiments that decide why an op produced NaN/Inf from finite inputs, and check the fix.
+
+At the first op that produced a non-finite value, the op is re-run on the inputs it read:
+  as it ran    same dtype, same device: a finite result means the device or a library computed
+               something else the first time (any op: fused and custom kernels included);
+  in fp64      from the same inputs: non-finite again means the math itself overflows or divides
+               by zero, unless the inputs were already ruined upstream, which the walk finds;
+  upstream     the dataflow above the op (the provenance of its inputs) is walked back one op at
+               a time, nearest first; at each op O the chain from O down to the failing op (O and
+               the ops between them that depend on O) is re-run in fp64, everything else as it
+               was. The first O whose chain comes out finite is the origin: the op whose precision
+               lost the information (a cast that rounds positions, a constant that rounds to zero
+               in the compute dtype, a reduction in fp16); the failing op itself when its own fp64
+               run is finite. Before an origin is named, the same chain re-run as it ran must
+               still be non-finite, so that a stale input cannot pass for a cause.
+The fix is then checked: the chain in fp32 (fp64 where the op ran in fp32), with the failing op's
+largest magnitude before and after.
+
+What is re-run comes from `Window`: references (not copies) to the arguments of the last ops,
+taken by the tracer as it records them, so a healthy run pays one append per op and the memory
+of tensors it still held a few hundred ops earlier. Experiments run only at the first NaN and the
+first Inf producer of a trace, under a time budget, never on the user's tensors (ops that write
+their arguments are run on copies) and never with seeded randomness (it would move the user's RNG).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fpdoctor.numerics.records import Record
+from fpdoctor.numerics.values import checkable, dtype_name
+
+WINDOW = 512  # ops whose arguments stay referenced, for the upstream walk
+MAX_ANCESTORS = 64  # ops of the walk, nearest first
+BUDGET_S = 2.0  # seconds the experiments of one producer may take
+PRODUCERS = 4  # producers of each kind (NaN, Inf) experimented on: the first may be a deliberate mask
+_NARROW = (torch.float16, torch.bfloat16)
+_REDUCTIONS = frozenset({"sum", "mean", "cumsum", "prod", "norm", "linalg_vector_norm", "var", "std"})
+_CASTS = frozenset({"_to_copy", "to", "copy", "copy_", "_to_dtype"})
+
+
+@dataclass(slots=True)
+class Step:
+    """One op the window remembers: its record and the arguments it was called with."""
+
+    record: Record
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] | None
+
+
+class Window:
+    """The last `WINDOW` ops' arguments, by reference (see the module docstring)."""
+
+    def __init__(self, size: int = WINDOW) -> None:
+        # (record, func, args, kwargs): a tuple, the cheapest thing to append once per op
+        self.steps: deque[tuple[Record, Any, Any, Any]] = deque(maxlen=size)
+        self.append = self.steps.append  # the tracer's hot path calls this directly
+
+    def by_index(self) -> dict[int, Step]:
+        return {s[0].index: Step(*s) for s in self.steps}
+
+
+@dataclass
+class Experiment:
+    """What was re-run at a producer, and what it decided."""
+
+    op: str
+    dtype: str
+    verdict: str  # device-or-library, the-math, origin, not-decided
+    as_ran: str | None = None  # "non-finite again", "finite", or why it was not re-run
+    fp64: str | None = None  # the op alone in fp64 from the same inputs
+    origin: Record | None = None
+    chain: list[Record] = field(default_factory=list)  # ops re-run in higher precision, in order
+    checked_in: str | None = None  # the precision the fix was checked in
+    absmax_before: float | None = None
+    absmax_after: float | None = None
+    literal: tuple[float, float, str] | None = None  # a constant that rounds: value, rounded, dtype
+    bf16: str | None = None  # an fp16 chain re-run in bf16 (fp32's range): "finite" or "non-finite"
+    literal_fix: tuple[float, float] | None = None  # a constant the dtype holds, tried as it ran: value, max |x|
+    cast: str | None = None  # what a rounding cast did to its values
+    walked: int = 0  # upstream ops tried
+    note: str | None = None  # why the walk stopped short
+
+    def evidence(self) -> dict[str, Any]:
+        """`evidence.experiment`: what was re-run, in which precision, with which result."""
+        found: dict[str, Any] = {"op": self.op, "dtype": self.dtype, "verdict": self.verdict}
+        if self.as_ran is not None:
+            found["rerun_as_ran"] = self.as_ran
+        if self.fp64 is not None:
+            found["rerun_fp64"] = self.fp64
+        found["upstream_ops_tried"] = self.walked
+        if self.origin is not None:
+            found["origin"] = {"op": self.origin.op, "location": _where(self.origin), "module": self.origin.module}
+            found["rerun_in_higher_precision"] = [f"{r.op} ({_where(r) or 'no source line'})" for r in self.chain]
+        if self.checked_in is not None:
+            found["fix_checked"] = {
+                "precision": self.checked_in,
+                "absmax_before": self.absmax_before,
+                "absmax_after": self.absmax_after,
+                "finite_after": True,
+            }
+        if self.literal is not None:
+            found["constant"] = {"value": self.literal[0], "rounded": self.literal[1], "dtype": self.literal[2]}
+            if self.literal_fix is not None:
+                found["constant"]["replacement_checked"] = self.literal_fix[0]
+        if self.cast is not None:
+            found["cast"] = self.cast
+        if self.bf16 is not None:
+            found["rerun_bf16"] = self.bf16
+        if self.note:
+            found["note"] = self.note
+        return found
+
+    def word(self, title: str, message: str, fix: str, label: str) -> tuple[str, str, str]:
+        """The finding's title, message and fix as the experiment decided them."""
+        parts = [f"re-run as it ran: {self.as_ran}"] + (
+            [f"in fp64 from the same inputs: {self.fp64}"] if self.fp64 else []
+        )
+        tried = " Experiment: " + "; ".join(parts) + "."
+        if self.verdict == "device-or-library":
+            return (
+                # a title that already says arithmetic cannot produce it (bounds.py) stays: both agree
+                title
+                if "arithmetic cannot" in title
+                else f"{label}: {self.op} produced a non-finite value its own re-run does not reproduce",
+                message + tried + " The same op on the same inputs, same dtype and device, gave a finite "
+                "result: the device or the library computed something else the first time, not this code.",
+                _DEVICE,
+            )
+        if self.verdict == "the-math":
+            upstream = (
+                f" Re-running the {self.walked} ops above it in fp64 did not remove it either." if self.walked else ""
+            )
+            advice = _without_precision(fix)
+            return (
+                # a title that says which non-finite input it turned into NaN (a masked row) stays
+                title
+                if " turned " in title
+                else f"{label}: {self.op} is non-finite in fp64 too: the math itself overflows or divides by zero",
+                message + tried + upstream + " No precision change is the fix.",
+                (f"{advice}. " if advice else "Change the math at the source line: ")
+                + "Not a precision change: tried, in fp64 this op is non-finite too, so fp32 will not help.",
+            )
+        if self.verdict == "origin" and self.origin is not None:
+            return self._word_origin(label, message + tried, fix)
+        reason = self.note or "the op could not be re-run in higher precision"
+        return title, message + tried + (f" {self.note}" if self.note else ""), f"{fix} (Not checked: {reason})"
+
+    def _word_origin(self, label: str, message: str, advice: str) -> tuple[str, str, str]:
+        """The origin named; where it is the op itself, its own advice stays, with the check."""
+        origin = self.origin
+        assert origin is not None
+        where = _where(origin)
+        at = f" at {where}" if where else ""
+        own = origin.index == self.chain[-1].index if self.chain else False
+        made = origin.outputs[0].dtype.removeprefix("torch.") if origin.outputs else self.dtype
+        cause = f"{origin.op} in {self.dtype}" if own else f"{origin.op}{at} (in {made})"
+        if self.literal is not None:
+            value, rounded, dtype = self.literal
+            cause = f"the constant {value:g} in {origin.op}{at}, which is {rounded:g} in {dtype}"
+        elif self.cast is not None:
+            cause = f"the cast {origin.op}{at}: {self.cast}"
+        lines = _lines(self.chain)
+        checked = (
+            f"with {lines} in {self.checked_in}, {self.op}'s output is finite (checked: max |x| "
+            f"{_num(self.absmax_before)} -> {_num(self.absmax_after)})"
+            if self.checked_in
+            else f"in fp64 from {origin.op} down, {self.op}'s output is finite; in fp32 it is not"
+        )
+        if own:
+            text = f"{label}: {self.op} is non-finite only in its own precision ({self.dtype})"
+            why = f" The origin is the op itself: {cause}; {checked}."
+        else:
+            text = f"{label}: {self.op} made non-finite by {origin.op} upstream{at}"
+            why = (
+                f" Walking the dataflow upstream and re-running from each op down in fp64, the nearest op whose "
+                f"higher precision removes it is the origin: {cause}. Raising the precision of {self.op} alone "
+                f"does not help ({self.fp64}); {checked}."
+            )
+        if own:
+            reduction = _packet(origin.op) in _REDUCTIONS and "float32" not in advice
+            how = " (a reduction: .sum(dtype=torch.float32))" if reduction else ""
+            fix = f"{advice.rstrip('.')}. Computing it in {self.checked_in or 'fp64'}{how} works: {checked}."
+        else:
+            fix = f"Change the origin, not the op that showed it: {cause}. Verified: {checked}."
+        if self.bf16 is not None:
+            fix += (
+                " In bf16 (fp32's range) the same ops give a finite result too (checked)."
+                if self.bf16 == "finite"
+                else " In bf16 they are non-finite too (checked): bf16 is not the fix."
+            )
+        if self.literal_fix is not None:
+            fix += (
+                f" Or keep the dtype and use a constant {self.literal[2] if self.literal else 'it'} holds: with "
+                f"{self.literal_fix[0]:g} instead, {self.op}'s output is finite as it ran (checked: max |x| "
+                f"{_num(self.literal_fix[1])})."
+            )
+        return text, message + why, fix
+
+
+_DEVICE = (
+    "Suspect the device or the library, not this code: re-run on the same inputs, the op gave a finite result. "
+    "Next: replay the step (fpdoctor.Sentinel replays bad steps for you), run the same step on another GPU, and "
+    "check this GPU with `fpdoctor health` (Xid errors, ECC, GEMM fingerprints); for a custom kernel, test it on "
+    "these inputs."
+)
+
+
+def _without_precision(advice: str) -> str:
+    """The op's advice less what a higher precision would do: tried, it does not help."""
+    kept = [part for part in advice.split("; ") if "fp32" not in part or " or " in part]
+    text = "; ".join(
+        re.sub(r",? or (compute|keep)[^;]*fp32[^;]*$", "", re.sub(r"accumulate in fp32 \(.*\) or ", "", part))
+        for part in kept
+    )
+    return text.strip().rstrip(".,;")
+
+
+def _packet(op: str) -> str:
+    """'aten.sum.default' -> 'sum'."""
+    parts = op.split(".")
+    return parts[1] if len(parts) >= 2 else op
+
+
+def _where(r: Record) -> str | None:
+    return f"{r.location[0]}:{r.location[1]}" if r.location else None
+
+
+def _lines(chain: list[Record]) -> str:
+    """'lines 17-18 of model.py' for the chain's source lines, or its ops where lines are unknown."""
+    located = [r.location for r in chain if r.location]
+    if not located:
+        return ", ".join(r.op for r in chain)
+    files = {loc[0] for loc in located}
+    numbers = sorted({loc[1] for loc in located})
+    span = f"line {numbers[0]}" if len(numbers) == 1 else f"lines {numbers[0]}-{numbers[-1]}"
+    return f"{span} of {located[0][0]}" if len(files) == 1 else ", ".join(f"{f}:{n}" for f, n, _ in located)
+
+
+def _num(value: float | None) -> str:
+    if value is None:
+        return "unknown"
+    return f"{value:.3g}" if math.isfinite(value) else "inf" if value > 0 else "nan"
+
+
+def _tiny(dtype: str) -> float:
+    return float(torch.finfo(getattr(torch, dtype)).tiny)
+
+
+class _Skip(Exception):
+    """An op the experiment cannot re-run faithfully."""
+
+
+def _kind(t: torch.Tensor) -> str | None:
+    if not t.is_floating_point():
+        return None
+    finite = torch.isfinite(t)
+    if bool(finite.all()):
+        return None
+    return "nan" if bool(torch.isnan(t).any()) else "inf"
+
+
+def _absmax(t: torch.Tensor) -> float:
+    """The largest finite magnitude, or NaN/inf when the tensor has them."""
+    if not t.numel():
+        return 0.0
+    return float(t.detach().abs().max().double())
+
+
+def _outputs(out: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+
+
+def _aligned(step: Step) -> list[tuple[int, torch.Tensor, tuple[str, int] | None]]:
+    """(position in the flattened arguments, tensor, source) for each tensor argument; the
+    sources line up with the record's inputs, which the tracer took for checkable tensors in
+    this order (none when they do not line up: the op is then re-run from its own arguments)."""
+    flat, _ = tree_flatten((step.args, step.kwargs or {}))
+    tensors = [(i, v) for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+    inputs = step.record.inputs
+    checked = [(i, v) for i, v in tensors if checkable(v)]
+    if len(checked) != len(inputs):
+        return [(i, v, None) for i, v in tensors]
+    sources = {i: src for (i, _), src in zip(checked, inputs, strict=True)}
+    return [(i, v, sources.get(i)) for i, v in tensors]
+
+
+def _substitute(original: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` (a recomputed output) in the place of `original` (the argument, maybe a view of it)."""
+    if original.shape == value.shape and original._base is None:
+        return value
+    base = original._base
+    if base is not None and base.shape == value.shape:
+        laid = torch.empty_strided(base.size(), base.stride(), dtype=value.dtype, device=value.device)
+        laid.copy_(value)
+        return laid.as_strided(original.size(), original.stride(), original.storage_offset() - base.storage_offset())
+    if original.shape == value.shape:
+        return value
+    raise _Skip("an argument is a view the experiment cannot rebuild")
+
+
+Lookup = Callable[[torch.Tensor], "tuple[str, int] | None"]
+
+
+def _run(
+    step: Step, dtype: torch.dtype | None, values: dict[int, list[torch.Tensor]], lookup: Lookup | None
+) -> list[torch.Tensor]:
+    """Run one op: tensors from earlier ops of the chain replaced by their recomputed values,
+    floating tensors and dtype arguments raised to `dtype` (None: as it ran). `lookup` tells the
+    op or leaf a tensor holds the values of now: one that is no longer the recorded source was
+    written in place since, and the op cannot be re-run on what it read."""
+    func = step.func
+    if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        raise _Skip(f"{step.record.op} draws random numbers")
+    flat, spec = tree_flatten((step.args, step.kwargs or {}))
+    mutable = bool(getattr(getattr(func, "_schema", None), "is_mutable", False))
+    for i, arg, src in _aligned(step):
+        t = arg
+        if src is not None and src[0] == "op" and src[1] in values:
+            outs = values[src[1]]
+            match = next((o for o in outs if o.shape == t.shape), None)
+            if match is None:
+                match = next((o for o in outs if t._base is not None and o.shape == t._base.shape), outs[0])
+            t = _substitute(t, match)
+        elif src is not None and lookup is not None and lookup(t) != src:
+            raise _Skip(f"an input of {step.record.op} was written in place since")
+        elif mutable:
+            t = t.clone()  # never write the user's tensors
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)
+        flat[i] = t
+    if dtype is not None:
+        flat = [dtype if isinstance(v, torch.dtype) and v.is_floating_point and v != dtype else v for v in flat]
+    args, kwargs = tree_unflatten(flat, spec)
+    return _outputs(func(*args, **kwargs))
+
+
+def _replay(chain: list[Step], dtype: torch.dtype | None, lookup: Lookup | None) -> list[torch.Tensor]:
+    """Run the chain in index order; the last op's outputs."""
+    values: dict[int, list[torch.Tensor]] = {}
+    out: list[torch.Tensor] = []
+    for step in chain:
+        out = _run(step, dtype, values, lookup)
+        values[step.record.index] = out
+    return out
+
+
+def _chain_kind(chain: list[Step], dtype: torch.dtype | None, lookup: Lookup | None) -> tuple[str | None, float]:
+    outs = [o for o in _replay(chain, dtype, lookup) if o.is_floating_point()]
+    kinds = [_kind(o) for o in outs]
+    kind = "nan" if "nan" in kinds else next((k for k in kinds if k), None)
+    return kind, max((_absmax(o) for o in outs), default=0.0)
+
+
+def _said(kind: str | None) -> str:
+    return "finite" if kind is None else f"{kind} again"
+
+
+def _ancestors(target: Step, steps: dict[int, Step]) -> tuple[list[Step], dict[int, set[int]], bool]:
+    """The window's ops upstream of `target`, nearest (latest) first, at most MAX_ANCESTORS; for
+    each op of the walk, the ancestors it depends on; whether the walk reached the window's edge."""
+    found: dict[int, Step] = {}
+    edge = False
+    frontier = [target]
+    while frontier:
+        step = frontier.pop()
+        for src in step.record.inputs:
+            if src[0] != "op" or src[1] in found:
+                continue
+            upstream = steps.get(src[1])
+            if upstream is None:
+                edge = True  # made before the window (or forgotten): the walk cannot go there
+                continue
+            found[src[1]] = upstream
+            frontier.append(upstream)
+    nearest = sorted(found.values(), key=lambda s: -s.record.index)
+    if len(nearest) > MAX_ANCESTORS:
+        nearest, edge = nearest[:MAX_ANCESTORS], True
+    kept = {s.record.index for s in nearest}
+    depends: dict[int, set[int]] = {}
+    for step in sorted([*nearest, target], key=lambda s: s.record.index):
+        deps: set[int] = set()
+        for src in step.record.inputs:
+            if src[0] == "op" and src[1] in kept:
+                deps |= {src[1], *depends.get(src[1], ())}
+        depends[step.record.index] = deps
+    return nearest, depends, edge
+
+
+def _chain(origin: Step, target: Step, nearest: list[Step], depends: dict[int, set[int]]) -> list[Step]:
+    """`origin` and the ops between it and `target` that depend on it, then `target`, in order."""
+    start = origin.record.index
+    between = [s for s in nearest if start in depends.get(s.record.index, ()) or s.record.index == start]
+    if origin is target:
+        between = []
+    return [*sorted(between, key=lambda s: s.record.index), target]
+
+
+def _compute_dtype(step: Step) -> torch.dtype | None:
+    outs = [t for t in tree_flatten((step.args, step.kwargs or {}))[0] if isinstance(t, torch.dtype)]
+    if outs and outs[0].is_floating_point:
+        return outs[0]
+    floating = [t.dtype for t in tree_flatten(step.args)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return floating[0] if floating else None
+
+
+def _literal(step: Step) -> tuple[float, float, str] | None:
+    """A Python constant among the op's arguments that rounds to 0 (or overflows) in its dtype."""
+    dtype = _compute_dtype(step)
+    if dtype not in _NARROW:
+        return None
+    for value in tree_flatten((step.args, step.kwargs or {}))[0]:
+        if type(value) is float and value != 0 and math.isfinite(value):
+            rounded = float(torch.tensor(value, dtype=torch.float64).to(dtype))
+            if rounded == 0 or not math.isfinite(rounded):
+                return value, rounded, dtype_name(dtype).removeprefix("torch.")
+    return None
+
+
+def _cast(step: Step) -> str | None:
+    """What a narrowing cast did: how many values it changed, and the largest exact integer."""
+    name = step.func.overloadpacket.__name__ if hasattr(step.func, "overloadpacket") else ""
+    dtype = _compute_dtype(step)
+    source = next((t for t in tree_flatten(step.args)[0] if isinstance(t, torch.Tensor)), None)
+    if name not in _CASTS or dtype not in _NARROW or source is None:
+        return None
+    exact = source.to(torch.float64)
+    changed = int((exact != source.to(dtype).to(torch.float64)).sum())
+    if not changed:
+        return None
+    largest = int(2 / torch.finfo(dtype).eps)  # 2 ** (mantissa bits + 1): 2048 in fp16, 256 in bf16
+    fmt = dtype_name(dtype).removeprefix("torch.")
+    ints = "integers" if not source.is_floating_point() else "values"
+    return (
+        f"it rounds {changed} of {source.numel()} {ints} (max |x| {_absmax(exact):.6g}; {fmt} holds integers "
+        f"exactly only up to {largest})"
+    )
+
+
+def decide(
+    target_record: Record, window: Window, lookup: Lookup | None = None, budget_s: float = BUDGET_S
+) -> Experiment | None:
+    """Run the experiments at a producer (see the module docstring); None when its arguments are
+    no longer in the window. Never raises for an op it cannot re-run: it says so instead."""
+    steps = window.by_index()
+    target = steps.get(target_record.index)
+    if target is None:
+        return None
+    out = target_record.outputs[0] if target_record.outputs else None
+    experiment = Experiment(target_record.op, (out.dtype if out else "unknown").removeprefix("torch."), "not-decided")
+    deadline = time.monotonic() + budget_s
+    with torch.no_grad():
+        # (a) as it ran: an op that wrote its arguments cannot be re-run on what it read
+        if target_record.mutates is not None or bool(getattr(target.func._schema, "is_mutable", False)):
+            experiment.as_ran = "not re-run (the op wrote its inputs in place)"
+        else:
+            try:
+                kind, _ = _chain_kind([target], None, lookup)
+                experiment.as_ran = _said(kind)
+                if kind is None:
+                    experiment.verdict = "device-or-library"
+                    return experiment
+            except _Skip as skip:
+                experiment.as_ran = f"not re-run ({skip})"
+            except Exception as exc:
+                experiment.as_ran = f"not re-run ({type(exc).__name__}: {exc})"
+        # (b) in fp64, and (c) the walk upstream; the op alone is the walk's first step
+        nearest, depends, edge = _ancestors(target, steps)
+        for origin in [target, *nearest]:
+            if time.monotonic() > deadline:
+                experiment.note = f"The walk upstream stopped after {experiment.walked} ops (time budget)."
+                break
+            chain = _chain(origin, target, nearest, depends)
+            try:
+                kind, _ = _chain_kind(chain, torch.float64, lookup)
+            except _Skip as skip:
+                experiment.note = f"The walk upstream stopped at {origin.record.op}: {skip}."
+                break
+            except Exception as exc:
+                experiment.note = f"The walk upstream stopped at {origin.record.op}: {type(exc).__name__}: {exc}."
+                break
+            if origin is target:
+                experiment.fp64 = _said(kind)
+            else:
+                experiment.walked += 1
+            if kind is not None:
+                continue
+            # finite in fp64: the same chain as it ran must still fail, or an input went stale
+            try:
+                control, before = _chain_kind(chain, None, lookup)
+            except Exception:
+                control, before = None, math.nan
+            if control is None:
+                experiment.note = (
+                    f"From {origin.record.op} down the chain re-run as it ran is finite too: its saved inputs "
+                    "changed since (an in-place write), so it decides nothing."
+                )
+                break
+            _settle_origin(experiment, origin, chain, before, lookup)
+            return experiment
+        else:
+            if edge and not experiment.note:
+                experiment.note = (
+                    f"The walk upstream stopped after {experiment.walked} ops: earlier ones are no longer kept."
+                )
+        if experiment.fp64 is not None and experiment.fp64 != "finite":
+            experiment.verdict = "the-math"
+    return experiment
+
+
+def _try_constant(
+    literal: tuple[float, float, str], origin: Step, chain: list[Step], lookup: Lookup | None
+) -> tuple[float, float] | None:
+    """The chain as it ran with the constant replaced by the dtype's smallest normal value: the
+    fix that keeps the dtype, printed only when it removes the symptom."""
+    value = _tiny(literal[2])
+    flat, spec = tree_flatten((origin.args, origin.kwargs or {}))
+    flat = [value if type(v) is float and v == literal[0] else v for v in flat]
+    args, kwargs = tree_unflatten(flat, spec)
+    changed = Step(origin.record, origin.func, args, kwargs)
+    kind, after = _chain_kind([changed if s is origin else s for s in chain], None, lookup)
+    return (value, after) if kind is None else None
+
+
+def _settle_origin(
+    experiment: Experiment, origin: Step, chain: list[Step], before: float, lookup: Lookup | None
+) -> None:
+    """Name the origin and check the fix in the narrowest precision that removes the symptom."""
+    experiment.verdict = "origin"
+    experiment.origin = origin.record
+    experiment.chain = [s.record for s in chain]
+    try:  # naming the constant or the cast is a detail: the origin stands without it
+        experiment.literal = _literal(origin)
+        experiment.cast = _cast(origin)
+        if experiment.literal is not None:
+            experiment.literal_fix = _try_constant(experiment.literal, origin, chain, lookup)
+    except Exception:
+        pass
+    experiment.absmax_before = before
+    ran = {t.dtype for s in chain for t in tree_flatten(s.args)[0] if isinstance(t, torch.Tensor)}
+    if torch.float16 in ran:  # fp16 advice names bf16: say what bf16 does here
+        try:
+            kind, _ = _chain_kind(chain, torch.bfloat16, lookup)
+            experiment.bf16 = "finite" if kind is None else "non-finite"
+        except Exception:
+            experiment.bf16 = None
+    for dtype in (torch.float32, torch.float64):
+        if dtype == torch.float32 and ran <= {torch.float32, torch.float64}:
+            continue  # the chain ran in fp32 already: the check is fp64
+        try:
+            kind, after = _chain_kind(chain, dtype, lookup)
+        except Exception:
+            continue
+        if kind is None:
+            experiment.checked_in = dtype_name(dtype).removeprefix("torch.").replace("float", "fp")
+            experiment.absmax_after = after
+            return
