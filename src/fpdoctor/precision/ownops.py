@@ -109,6 +109,9 @@ class Own:
     worst: OpError | None = None
     ops: list[str] = field(default_factory=list)  # the ops judged, each once, in order
     failed: list[str] = field(default_factory=list)  # ops that did not run in the candidate's dtype, and why
+    # calls of each (op, input shapes) so far: a loop repeats one op thousands of times per forward
+    repeats: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    skipped: int = 0  # repeats not re-run (see _due)
 
     def as_dict(self, dtype: str) -> dict[str, Any]:
         worst = self.worst
@@ -206,6 +209,9 @@ class OwnOps(TorchDispatchMode):
         own = self.calls.get(self.stack[-1]) if self.stack and not self.pause else None
         if own is None or func.is_view or _packet(func) in _NOT_JUDGED or _random(func, args, kwargs):
             return func(*args, **kwargs)
+        if not _due(own, func, args):  # before the walk over its arguments, which costs more
+            own.skipped += 1
+            return func(*args, **kwargs)
         if not any(True for _ in floating((args, kwargs))):
             return func(*args, **kwargs)
         # planned before the op runs: an in-place op changes its inputs
@@ -270,6 +276,21 @@ class OwnOps(TorchDispatchMode):
                 judged.absmax = float(part.abs().max())
             judged.location = _where(sys._getframe(), torch_made)
             own.worst = judged
+
+
+# The same op on inputs of the same shapes, called again in one container call (a loop over
+# tokens or steps), is re-run on its first REPEATS calls and then on every power-of-two-th: the
+# cost per op site grows with the log of the loop's length, not with it (compare's budget of 3x
+# two forwards holds for a model of thousands of tiny ops), and late calls, where a running state
+# has grown, are still judged.
+REPEATS = 4
+
+
+def _due(own: Own, func: Any, args: Any) -> bool:
+    key = (func, *(a.shape if isinstance(a, torch.Tensor) else None for a in args))
+    k = own.repeats.get(key, 0)
+    own.repeats[key] = k + 1
+    return k < REPEATS or k & (k - 1) == 0
 
 
 def _on(func: Any, device: torch.device | None) -> Callable[..., Any]:
