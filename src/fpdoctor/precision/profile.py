@@ -296,10 +296,13 @@ def build_report(
     peak: int,
     input_floor: float | None = None,
     causes: dict[str, dict[str, Any]] | None = None,
+    accumulation: dict[str, Any] | None = None,
 ) -> CompareResult:
     """`input_floor`: the reference's end-to-end error fed candidate-rounded inputs, measured when
     the whole model diverges and no submodule does; `causes`: per module, what compare found
-    behind its divergence (an op inside it that overflows, parameters that do not fit the format)."""
+    behind its divergence (an op inside it that overflows, parameters that do not fit the format);
+    `accumulation`: where no part diverges yet the end-to-end error is far above all of them, the
+    running states tried (compare's accumulation step)."""
     label = candidate if device is None else f"{candidate} on {device}"
     findings = []
     first = next((r for r in rows if r.diverged), None)
@@ -315,6 +318,9 @@ def build_report(
                 first, diverged, label=label, candidate=candidate, device=device, reference=reference, cause=cause
             )
         )
+    if first is None and accumulation is not None:
+        finding, first_text = _accumulation_finding(accumulation, label, candidate, reference)
+        findings.append(finding)
     final = rows[-1] if rows else None
     summary = [
         ("candidate / reference", f"{label} / {reference}, judged against fp64"),
@@ -432,6 +438,77 @@ def _root_finding(
         ),
     )
     return finding, "none: the whole model's own ops (outside any submodule)"
+
+
+def _accumulation_finding(
+    found: dict[str, Any], label: str, candidate: str, reference: str
+) -> tuple[Finding, str]:
+    """No module or op diverges by itself, yet the end-to-end error is far above all they add:
+    never OK. Named after the running state whose fp64 run takes the error away, where one does."""
+    error, explained, state = found["error_rel"], found["explained_rel"], found["state"]
+    dtype = found["dtype"]
+    message = (
+        f"In {label}, the end-to-end error is {_fmt(error)} ({sqnr_db(error):.1f} dB SQNR), {error / explained:.0f}x "
+        f"the most that any module or op adds by itself on fp64 inputs, the output's rounding or rounding the "
+        f"inputs explain ({_fmt(explained)}): the error is made by accumulation, over many steps that each round "
+        "once."
+    )
+    evidence = {
+        "kind": "accumulation",
+        "candidate": candidate,
+        "reference": reference,
+        "propagated_rel": error,
+        "explained_rel": explained,
+        "input_floor_rel": found["input_floor_rel"],
+        "states_tried": found["states"],
+        "dtype": dtype,
+    }
+    where: dict[str, Any] = {"module": None, "op": None, "phase": "forward"}
+    if state is not None:
+        module = f"`{state['module']}`" if state["module"] else "the model"
+        message += (
+            f" The running state that {module}'s forward updates with {state['op']} at {state['location']} "
+            f"({state['steps']} updates per forward) is held in {dtype}; with that state alone kept in fp64 the "
+            f"end-to-end error is {_fmt(state['raised_rel'])} (checked)."
+        )
+        evidence |= {"state_op": state["op"], "state_location": state["location"], "state_module": state["module"],
+                     "state_steps": state["steps"], "raised_rel": state["raised_rel"]}  # fmt: skip
+        where = {"module": state["module"], "op": state["op"], "phase": "forward"}
+        fix = (
+            f"keep the running state updated at {state['location']} in fp32 (create it with dtype=torch.float32 "
+            f"and cast what is read from it back to {dtype}): checked, that alone takes the end-to-end error from "
+            f"{_fmt(error)} to {_fmt(state['raised_rel'])}"
+        )
+        first_text = f"none by itself: accumulation in the running state at {state['location']}"
+    else:
+        tried = found["states"]
+        message += (
+            " No running state explains it: "
+            + (
+                "; ".join(
+                    f"{t['op']} at {t['location']} ({t['steps']} updates) kept in fp64 gives "
+                    + ("a run that could not be tried" if t["raised_rel"] is None else _fmt(t["raised_rel"]))
+                    for t in tried
+                )
+                if tried
+                else "no op reads its own previous output many times in one forward"
+            )
+            + "."
+        )
+        fix = (
+            f"look for a long chain of adds or a reduction computed in {dtype} (a sum over a sequence written as a "
+            "loop, a cumulative op) and compute it in fp32; `fpdoctor plan` cannot fix this by keeping modules in fp32"
+        )
+        first_text = "none by itself: the error is made by accumulation (no single state found)"
+    finding = catalog.make(
+        "precision-divergence",
+        title=f"The end-to-end error in {candidate} is made by accumulation, not by any one op",
+        message=message,
+        where=where,
+        evidence=evidence,
+        fix=fix,
+    )
+    return finding, first_text
 
 
 def _divergence(
@@ -566,6 +643,13 @@ def merge_sets(
         for d, r in zip(described, results, strict=True)
     ]
     data["worst_input_set"] = worst
+    growth = _growth(results, described)
+    if growth is not None:
+        data["error_grows_with_input_size"] = growth
+        said = " Across the input sets it grows with the input's size: " + growth["text"] + "."
+        for k, f in enumerate(findings):
+            if f.evidence.get("kind") in ("accumulation", "divergence", "input-rounding"):
+                findings[k] = dataclasses.replace(f, message=f.message + said, evidence={**f.evidence, "growth": growth})
     lines: list[tuple[str, str]] = []
     if given[1]:
         lines.append(("model as given", given[1]))
@@ -576,9 +660,32 @@ def merge_sets(
         for k, r in enumerate(results):
             end = _fmt_error(r.rows[-1].propagated, r.rows[-1].cosine) if r.rows else "-"
             lines.append((f"  set #{k}", f"end-to-end error {end}; first divergent: {r.first_divergent or 'none'}"))
+    if growth is not None:
+        lines.append(("error grows with input size", growth["text"]))
     data["summary"][1:1] = lines
     main.input_sets, main.worst_set = len(results), worst
     return main
+
+
+# The end-to-end error is said to grow with the input's size when, over input sets of at least
+# two sizes, it never falls as the size grows and the largest is GROWS times the smallest's.
+GROWS = 2.0
+
+
+def _growth(results: list[CompareResult], described: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """End-to-end error against input size (floating and integer values given), when it grows."""
+    points = sorted(
+        (sum(math.prod(t["shape"]) for t in d["tensors"]), r.rows[-1].propagated)
+        for d, r in zip(described, results, strict=True)
+        if r.rows and math.isfinite(r.rows[-1].propagated)
+    )
+    if len({size for size, _ in points}) < 2 or points[0][1] <= 0:
+        return None
+    errors = [e for _, e in points]
+    if any(b < a for a, b in zip(errors, errors[1:], strict=False)) or errors[-1] < GROWS * errors[0]:
+        return None
+    text = " → ".join(f"{_fmt(e)} ({n} input values)" for n, e in points)
+    return {"sizes": [n for n, _ in points], "errors": errors, "text": text}
 
 
 TABLE_ROWS = 24  # text, markdown and html show at most this many modules; JSON has them all
