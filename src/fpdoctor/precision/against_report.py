@@ -69,8 +69,7 @@ def _departures(j: Judgement) -> list[Finding]:
         else:
             how = (
                 f"B's output differs from A's by {_fmt(row.departure)} relative to the fp64 output, "
-                f"{row.ratio:.0f}x the limit of {row.limit:.2g} ({DIVERGENCE_RATIO:.0f}x the noise floor and the "
-                "error carried in)"
+                f"{row.ratio:.0f}x the limit of {row.limit:.2g} ({_basis(row)})"
             )
         at = f"at `{s.blamed or '<root>'}`"
         if through:
@@ -101,6 +100,7 @@ def _departures(j: Judgement) -> list[Finding]:
             "departing_module": row.module if through else None,
             "departure_rel": row.departure,
             "limit_rel": row.limit,
+            "limit_basis": row.basis,
             "floor_rel": max(row.a.floor, row.b.floor),
             # the module named, on each machine
             "a_propagated_rel": shown.a.propagated,
@@ -127,6 +127,21 @@ def _departures(j: Judgement) -> list[Finding]:
             )
         )
     return found
+
+
+def _basis(row: Row) -> str:
+    """What the departure's limit is made of, in words."""
+    if row.basis == "carried error":
+        return (
+            f"{DIVERGENCE_RATIO:.0f}x the error both runs carried in: by itself this module agrees on both machines, "
+            "and it may grow what it is fed"
+        )
+    if row.basis == "carried difference":
+        return f"{judging.MOVES:.2g}x the largest difference between A and B carried in, {row.carried:.2g}"
+    return (
+        f"{DIVERGENCE_RATIO:.0f}x the noise floor; the error both runs carried in against fp64 is the same on "
+        "both machines and is no allowance"
+    )
 
 
 def _kind(row: Row) -> str:
