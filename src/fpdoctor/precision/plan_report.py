@@ -45,10 +45,19 @@ class Search:
     reference: str = "fp32"
     tolerance_asked: float | None = None
     by_op: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # per kept module, (its effect on the end-to-end error averaged over the input sets, the
+    # run-to-run spread of that error over them); `dropped`: those whose effect was within it
+    effects: dict[str, tuple[float, float]] = field(default_factory=dict)
+    dropped: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def _fmt(value: float) -> str:
     return "non-finite" if math.isinf(value) else f"{value:.3g}"
+
+
+def _factor(log_ratio: float) -> str:
+    """A mean log ratio as the factor it is."""
+    return "a non-finite factor" if math.isinf(log_ratio) else f"{math.exp(log_ratio):.3g}"
 
 
 def _names(modules: list[str]) -> str:
@@ -173,9 +182,29 @@ def _why(the_plan: Plan, search: Search) -> list[tuple[str, str]]:
     for name in the_plan.keep_fp32:
         if name in search.needed:
             text = f"without it the end-to-end error is {_fmt(search.needed[name])}"
+            if name in search.effects:
+                effect, spread = search.effects[name]
+                text += (
+                    f"; keeping it divides the error by {_factor(effect)} on average over {len(search.sets)} input "
+                    f"sets, beyond their run-to-run spread (a factor of {_factor(spread)})"
+                )
+            elif len(search.sets) == 1:
+                text += (
+                    "; the evidence is one input set: the run-to-run spread is not measured, so noise cannot be "
+                    "told from an effect (give several input sets)"
+                )
             if name not in divergent:  # compare does not name it: its error is amplified further on
                 text += "; compare does not call it divergent by itself, but what follows amplifies its error"
             lines.append((f"why `{name}`", text))
+    for name, (effect, spread) in search.dropped.items():
+        lines.append(
+            (
+                f"why not `{name}`",
+                f"keeping it divides the end-to-end error by {_factor(effect)} on average over {len(search.sets)} "
+                f"input sets, within their run-to-run spread (a factor of {_factor(spread)}): noise, not an "
+                "effect, so the plan does not keep it",
+            )
+        )
     if not the_plan.verified:
         return lines
     for fix in the_plan.fp32_ops:

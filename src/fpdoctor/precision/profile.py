@@ -323,7 +323,11 @@ def build_report(
         findings.append(finding)
     final = rows[-1] if rows else None
     summary = [
-        ("candidate / reference", f"{label} / {reference}, judged against fp64"),
+        (
+            "candidate / floor model",
+            f"{label} / {reference}: every error is measured against fp64 (the referee); the {reference} model's "
+            "own error sets the noise floor",
+        ),
         ("modules compared", str(len(rows))),
         ("first divergent module", first_text),
         ("end-to-end error", _fmt_error(final.propagated, final.cosine) if final else "-"),
@@ -385,7 +389,8 @@ def _root_finding(
     own, at = _own_op(root)
     evidence = {
         "candidate": candidate,
-        "reference": reference,
+        "referee": "fp64",  # every error is measured against the fp64 run
+        "floor_model": reference,  # whose own error against fp64 sets the noise floor
         "isolated_rel": root.isolated,
         "floor_rel": root.judged_floor,
         "ratio": root.ratio,
@@ -456,7 +461,8 @@ def _accumulation_finding(
     evidence = {
         "kind": "accumulation",
         "candidate": candidate,
-        "reference": reference,
+        "referee": "fp64",  # every error is measured against the fp64 run
+        "floor_model": reference,  # whose own error against fp64 sets the noise floor
         "propagated_rel": error,
         "explained_rel": explained,
         "input_floor_rel": found["input_floor_rel"],
@@ -531,7 +537,8 @@ def _divergence(
         "kind": "divergence",
         "candidate": candidate,
         "device": None if device is None else str(device),
-        "reference": reference,
+        "referee": "fp64",  # every error is measured against the fp64 run
+        "floor_model": reference,  # whose own error against fp64 sets the noise floor
         "out_of_range": first.out_of_range,
         "isolated_rel": first.isolated,
         "floor_rel": first.judged_floor,
