@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -54,5 +56,5 @@ def test_own_ops_repeated_in_a_loop_are_rerun_a_logarithmic_number_of_times():
 def _line_of(text: str) -> int:
     import tests.precision.factories as f
 
-    lines = open(f.__file__).read().splitlines()
+    lines = Path(f.__file__).read_text().splitlines()
     return next(k + 1 for k, line in enumerate(lines) if text in line)

@@ -21,7 +21,7 @@ def _model_and_sets() -> tuple[nn.Module, list[torch.Tensor]]:
 
 
 def _measured(sets: list[torch.Tensor]):
-    def final_error(model, inputs, candidate, keep, **kwargs):  # noqa: ANN001, ANN202
+    def final_error(model, inputs, candidate, keep, **kwargs):
         if candidate != "fp16":
             return 1e-4  # the reference's own error, and the input rounding floor
         k = next(i for i, s in enumerate(sets) if s is inputs)

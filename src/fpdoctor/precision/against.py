@@ -30,10 +30,11 @@ output its inputs are made of):
                whichever is larger. Only a module whose isolated error agrees on both machines
                gets the old allowance, DIVERGENCE_RATIO times the smaller of the two propagated
                errors: a module that amplifies what it is fed may grow a small difference.
-               A departure is beyond that limit, or non-finite values on one side only. The first departing module call, with
-               everything before it agreeing, is named. A leaf that departs although B's copy of
-               it, fed the fp64 inputs, stays within the floor of A's got the departure with its
-               inputs: from its parent's own ops (outside any submodule), which is what is named.
+               A departure is beyond that limit, or non-finite values on one side only. The
+               first departing module call, with everything before it agreeing, is named. A
+               leaf that departs although B's copy of it, fed the fp64 inputs, stays within the
+               floor of A's got the departure with its inputs: from its parent's own ops
+               (outside any submodule), which is what is named.
 """
 
 from __future__ import annotations

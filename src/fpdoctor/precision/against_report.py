@@ -13,7 +13,7 @@ from fpdoctor.precision.against import FP64_AGREE, Judgement, Row, SetJudgement
 from fpdoctor.precision.candidates import compute_dtype
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.metrics import sqnr_db
-from fpdoctor.precision.profile import DIVERGENCE_RATIO, TABLE_ROWS
+from fpdoctor.precision.profile import DIVERGENCE_RATIO, TABLE_ROWS, known
 from fpdoctor.report.model import Finding, Report
 
 LISTED = 10  # modules a message names before "and N more" (JSON keeps them all)
@@ -66,6 +66,11 @@ def _departures(j: Judgement) -> list[Finding]:
         if row.departure is not None and math.isinf(row.departure):
             side = "machine B" if row.b.nonfinite else "machine A"
             how = f"NaN/Inf on {side} only ({row.a.nonfinite} on A, {row.b.nonfinite} on B)"
+        elif row.basis == "floor" and not known(max(row.a.floor, row.b.floor)):
+            how = (
+                f"B's output differs from A's by {_fmt(row.departure)} relative to the fp64 output, where the noise "
+                "floor is unknown (the fp64 output does not fit the format and no reference error was measured)"
+            )
         else:
             how = (
                 f"B's output differs from A's by {_fmt(row.departure)} relative to the fp64 output, "
@@ -99,9 +104,9 @@ def _departures(j: Judgement) -> list[Finding]:
             # where the departure was first seen, when that is a module inside the one named
             "departing_module": row.module if through else None,
             "departure_rel": row.departure,
-            "limit_rel": row.limit,
+            "limit_rel": row.limit if row.basis != "floor" or known(max(row.a.floor, row.b.floor)) else None,
             "limit_basis": row.basis,
-            "floor_rel": max(row.a.floor, row.b.floor),
+            "floor_rel": max(row.a.floor, row.b.floor) if known(max(row.a.floor, row.b.floor)) else None,
             # the module named, on each machine
             "a_propagated_rel": shown.a.propagated,
             "b_propagated_rel": shown.b.propagated,
@@ -458,7 +463,8 @@ def table(s: SetJudgement, *, several: bool) -> dict[str, Any]:
             return "not judged"
         if r.ratio is None:
             return "non-finite on both"
-        text = "non-finite" if math.isinf(r.ratio) else f"{r.ratio:.2g}x"
+        unknown = r.basis == "floor" and not known(max(r.a.floor, r.b.floor))
+        text = "non-finite" if math.isinf(r.ratio) else "floor unknown" if unknown else f"{r.ratio:.2g}x"
         return text + (" departs" if r.departs else "")
 
     return {

@@ -81,6 +81,7 @@ from fpdoctor.precision.passes import (
 )
 from fpdoctor.precision.profile import (
     DIVERGENCE_RATIO,
+    UNKNOWN_FLOOR,
     CompareResult,
     ModuleRow,
     annotate,
@@ -592,16 +593,17 @@ class _Comparison:
         if root.propagated <= DIVERGENCE_RATIO * explained:
             return None
         truth = next(e for (name, _), e in self.seen.items() if name == root.module)
-        where = {"rng": self.rng, "device": self.cand_device, "noise": self.noise}
         try:
-            states = carried_states(self.cand_run, self.inputs, self.cand_dtype, **where)
+            states = carried_states(
+                self.cand_run, self.inputs, self.cand_dtype, rng=self.rng, device=self.cand_device, noise=self.noise
+            )
         except Exception as exc:  # the search is ours; the finding stands without it
             self.notes["running states"] = f"not searched: {type(exc).__name__}: {exc}"
             states = []
         for state in states:
             state["raised_rel"] = raised_error(
                 self.cand_run, self.inputs, self.cand_dtype, state.pop("site"), truth=truth.truth, norm=truth.norm,
-                **where,
+                rng=self.rng, device=self.cand_device, noise=self.noise,
             )  # fmt: skip
         tried = [s for s in states if s["raised_rel"] is not None]
         best = min(tried, key=lambda s: s["raised_rel"], default=None)
@@ -748,7 +750,7 @@ def _rows(seen: dict[tuple[str, int], _Seen], own_dtype: str) -> list[ModuleRow]
         if e.propagated is None:
             continue  # the candidate never produced this output
         out_of_range = math.isinf(e.rounding)
-        floor = max(0.0 if out_of_range else e.rounding, e.reference or 0.0, 1e-300)
+        floor = max(0.0 if out_of_range else e.rounding, e.reference or 0.0, UNKNOWN_FLOOR)
         row = ModuleRow(
             name,
             call,

@@ -20,7 +20,7 @@ from fpdoctor import catalog
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.names import PRECISIONS
 from fpdoctor.precision.oplevel import OpFix
-from fpdoctor.precision.profile import CompareResult, ModuleRow
+from fpdoctor.precision.profile import METRIC, CompareResult, ModuleRow
 from fpdoctor.report.model import Finding, Report, Severity
 
 if TYPE_CHECKING:
@@ -76,7 +76,12 @@ def build(the_plan: Plan, search: Search) -> Report:
         findings.append(_floor_finding(the_plan, search))
     if not the_plan.verified:
         findings.append(_unverified_finding(the_plan, search))
-    summary: list[tuple[str, str]] = [("candidate", f"{the_plan.candidate}, judged against fp64")]
+    summary: list[tuple[str, str]] = [
+        (
+            "candidate / floor model",
+            f"{the_plan.candidate} / {search.reference}: every error is measured against fp64 (the referee)",
+        )
+    ]
     if len(search.sets) == 1:
         summary.append(("inputs", inputs_text(described)))
     else:
@@ -98,6 +103,7 @@ def build(the_plan: Plan, search: Search) -> Report:
     if search.given[1]:
         summary.append(("model as given", search.given[1]))
     summary.append(("without exceptions", f"end-to-end error {_fmt(max(search.baseline))}"))
+    summary.append(("error metric", METRIC))
     if rounding > 0:
         amplified = f", {floor / rounding:.2g}x the inputs' own rounding of {rounding:.2g}" if rounding else ""
         summary.append(
