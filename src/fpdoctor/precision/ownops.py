@@ -42,6 +42,7 @@ from fpdoctor.precision.metrics import (
     ROWS,
     all_finite,
     cosine,
+    due,
     flat_sample,
     floating,
     l2_norm,
@@ -207,10 +208,12 @@ class OwnOps(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         own = self.calls.get(self.stack[-1]) if self.stack and not self.pause else None
-        if own is None or func.is_view or _packet(func) in _NOT_JUDGED or _random(func, args, kwargs):
+        if own is None:
             return func(*args, **kwargs)
-        if not _due(own, func, args):  # before the walk over its arguments, which costs more
+        if not _due(own, func, args):  # first: every test below costs more
             own.skipped += 1
+            return func(*args, **kwargs)
+        if func.is_view or _packet(func) in _NOT_JUDGED or _random(func, args, kwargs):
             return func(*args, **kwargs)
         if not any(True for _ in floating((args, kwargs))):
             return func(*args, **kwargs)
@@ -278,19 +281,12 @@ class OwnOps(TorchDispatchMode):
             own.worst = judged
 
 
-# The same op on inputs of the same shapes, called again in one container call (a loop over
-# tokens or steps), is re-run on its first REPEATS calls and then on every power-of-two-th: the
-# cost per op site grows with the log of the loop's length, not with it (compare's budget of 3x
-# two forwards holds for a model of thousands of tiny ops), and late calls, where a running state
-# has grown, are still judged.
-REPEATS = 4
-
-
 def _due(own: Own, func: Any, args: Any) -> bool:
-    key = (func, *(a.shape if isinstance(a, torch.Tensor) else None for a in args))
+    """Whether this call of a repeated op (same op, same input shapes) is re-run (metrics.due)."""
+    key = (id(func), *[a.shape if type(a) is torch.Tensor else None for a in args])  # no hash of func: per op
     k = own.repeats.get(key, 0)
     own.repeats[key] = k + 1
-    return k < REPEATS or k & (k - 1) == 0
+    return due(k)
 
 
 def _on(func: Any, device: torch.device | None) -> Callable[..., Any]:
