@@ -58,3 +58,15 @@ def _line_of(text: str) -> int:
 
     lines = Path(f.__file__).read_text().splitlines()
     return next(k + 1 for k, line in enumerate(lines) if text in line)
+
+
+def test_plan_says_the_error_is_made_inside_the_module_it_keeps():
+    from collections import OrderedDict
+
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(enc=RunningSum(), head=nn.Linear(16, 4)))
+    result = fpdoctor.plan(model, torch.randn(2, 3000, 16) + 0.5, candidate="bf16")
+    assert "enc" in result.plan.keep_fp32
+    why = dict(result.report.data["summary"])["why `enc`"]
+    assert "made inside it, by accumulation in the running state at" in why and "factories.py" in why
+    assert "what follows amplifies" not in why

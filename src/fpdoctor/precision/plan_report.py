@@ -199,7 +199,13 @@ def _why(the_plan: Plan, search: Search) -> list[tuple[str, str]]:
                     "; the evidence is one input set: the run-to-run spread is not measured, so noise cannot be "
                     "told from an effect (give several input sets)"
                 )
-            if name not in divergent:  # compare does not name it: its error is amplified further on
+            state = _accumulated_in(search, name)
+            if state is not None:  # the error is made inside it, by a running state: say so, not amplification
+                text += (
+                    f"; the error is made inside it, by accumulation in the running state at {state} (compare's "
+                    "finding), which keeping only that state in fp32 fixes"
+                )
+            elif name not in divergent:  # compare does not name it: its error is amplified further on
                 text += "; compare does not call it divergent by itself, but what follows amplifies its error"
             lines.append((f"why `{name}`", text))
     for name, (effect, spread) in search.dropped.items():
@@ -237,6 +243,18 @@ def _why(the_plan: Plan, search: Search) -> list[tuple[str, str]]:
             )
         lines.append((f"why not `{row.module}`", text))
     return lines
+
+
+def _accumulated_in(search: Search, module: str) -> str | None:
+    """The source line of a running state compare found inside `module`, on any input set; None
+    when there is none."""
+    for _, compared, *_ in search.sets:
+        for f in compared.report.findings:
+            at = f.evidence.get("state_location") if f.evidence.get("kind") == "accumulation" else None
+            owner = f.evidence.get("state_module")
+            if at and owner is not None and (owner == module or owner.startswith(f"{module}.")):
+                return str(at)
+    return None
 
 
 def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
