@@ -70,3 +70,24 @@ def test_plan_says_the_error_is_made_inside_the_module_it_keeps():
     why = dict(result.report.data["summary"])["why `enc`"]
     assert "made inside it, by accumulation in the running state at" in why and "factories.py" in why
     assert "what follows amplifies" not in why
+
+
+class _InPlaceSum(RunningSum):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        state = torch.zeros_like(h[:, 0])
+        outs = []
+        for t in range(h.shape[1]):
+            state += h[:, t]  # in place: its dtype cannot be raised without the code changed
+            outs.append(state.clone())
+        return self.out(torch.stack(outs, 1))
+
+
+def test_an_in_place_running_state_is_named_and_said_untried():
+    torch.manual_seed(0)
+    result = fpdoctor.compare(_InPlaceSum(), torch.randn(2, 3000, 16) + 0.5, candidate="bf16")
+    (finding,) = [f for f in result.report.findings if f.evidence.get("kind") == "accumulation"]
+    (state,) = finding.evidence["states_tried"]
+    assert state["in_place"] and state["raised_rel"] is None and state["op"] == "aten.add_.Tensor"
+    assert "could not be tried in fp64: it is updated in place" in finding.message
+    assert "not checked" in finding.fix and "(checked)" not in finding.message

@@ -215,7 +215,15 @@ def carried_states(
     found = [(steps, site) for site, steps in chains.steps.items() if steps >= CARRIED_STEPS]
     found.sort(key=lambda x: -x[0])
     return [
-        {"site": site, "op": str(site[0]), "location": site[1], "module": chains.module[site], "steps": steps}
+        {
+            "site": site,
+            "op": str(site[0]),
+            "location": site[1],
+            "module": chains.module[site],
+            "steps": steps,
+            # an in-place update (state += x) writes into the state's own storage, in its dtype
+            "in_place": site[0]._schema.is_mutable,
+        }
         for steps, site in found[:CARRIED_TRIED]
     ]
 
@@ -226,6 +234,8 @@ def raised_error(
 ) -> float | None:  # fmt: skip
     """The candidate's end-to-end error against the fp64 `truth` with the running state at `site`
     kept in float64 (everything else as the candidate runs it); None when that run fails."""
+    if site[0]._schema.is_mutable:
+        return None  # an in-place update keeps its tensor's dtype: raising it needs the user's code changed
     got: list[torch.Tensor | None] = []
 
     def post(name: str, index: int, args: Any, output: Any) -> None:

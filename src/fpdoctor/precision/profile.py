@@ -507,23 +507,38 @@ def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, ref
         )
         first_text = f"none by itself: accumulation in the running state at {state['location']}"
     else:
-        tried = found["states"]
-        message += (
-            " No running state explains it: "
-            + (
-                "; ".join(
-                    f"{t['op']} at {t['location']} ({t['steps']} updates) kept in fp64 gives "
-                    + ("a run that could not be tried" if t["raised_rel"] is None else _fmt(t["raised_rel"]))
+        tried = [t for t in found["states"] if t["raised_rel"] is not None]
+        untried = [t for t in found["states"] if t["raised_rel"] is None]
+        if tried:
+            message += (
+                " No running state tried explains it: "
+                + "; ".join(
+                    f"{t['op']} at {t['location']} ({t['steps']} updates) kept in fp64 gives {_fmt(t['raised_rel'])}"
                     for t in tried
                 )
-                if tried
-                else "no op reads its own previous output many times in one forward"
+                + "."
             )
-            + "."
-        )
+        for t in untried:
+            why = (
+                "it is updated in place, which keeps its tensor's dtype"
+                if t.get("in_place")
+                else "the run with it in fp64 failed"
+            )
+            message += (
+                f" The running state updated with {t['op']} at {t['location']} ({t['steps']} updates per forward) "
+                f"could not be tried in fp64: {why}."
+            )
+        if not found["states"]:
+            message += " No op reads its own previous output many times in one forward."
+        suspect = next((t for t in untried if t.get("in_place")), None)
         fix = (
-            f"look for a long chain of adds or a reduction computed in {dtype} (a sum over a sequence written as a "
-            "loop, a cumulative op) and compute it in fp32; `fpdoctor plan` cannot fix this by keeping modules in fp32"
+            f"keep the running state updated in place at {suspect['location']} in fp32 (create it with "
+            f"dtype=torch.float32 and cast what is read from it back to {dtype}); not checked: fpdoctor cannot "
+            "raise an in-place update without your code changed"
+            if suspect is not None
+            else f"look for a long chain of adds or a reduction computed in {dtype} (a sum over a sequence written "
+            "as a loop, a cumulative op) and compute it in fp32; `fpdoctor plan` cannot fix this by keeping modules "
+            "in fp32"
         )
         first_text = "none by itself: the error is made by accumulation (no single state found)"
     finding = catalog.make(
