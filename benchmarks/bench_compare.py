@@ -16,6 +16,12 @@ before the call - the weight copies it makes (fp64 and fp16: O(parameters), repo
 Measured at 12 and 24 layers: O(largest activation) means it must not grow with depth beyond the
 64 KiB sample kept per module call.
 
+Many tiny ops: a streaming model whose forward is a loop of 4096 steps of three elementwise ops
+on a running state (12k ops per forward, each microseconds), fp16 against fp32: the same budget,
+with compare and two plain forwards interleaved in one child. Each own op is re-run on its first
+calls and every power-of-two-th after (ownops.REPEATS), so the re-runs grow with the log of the
+loop's length.
+
 On a GPU (`--device cuda`) one child measures the same on CUDA, at a compute-bound size (dim
 1024, 16 heads, 16 x 512 tokens): fp16 against the budget and fp8-e4m3 with the real fp8 GEMM
 (torch._scaled_mm; the report says in how many Linear layers it ran), plain and compare
@@ -141,6 +147,56 @@ print(json.dumps(out))
 """
 
 
+TINY_CHILD = r"""
+import json, statistics, sys, time
+import torch
+from torch import nn
+import fpdoctor
+from fpdoctor.precision.candidates import make_run
+
+class Streaming(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(16, 16)
+    def forward(self, x):
+        state = torch.zeros_like(x[:, 0])
+        for t in range(x.shape[1]):
+            state = torch.tanh(state * 0.9 + x[:, t])
+        return self.head(state)
+
+torch.manual_seed(0)
+model = Streaming().eval()
+x = torch.randn(4, 4096, 16)
+cand = make_run(model, "fp16").eval()
+def plain():
+    with torch.no_grad():
+        start = time.perf_counter(); model(x); cand(x.half())
+        return time.perf_counter() - start
+def comp():
+    start = time.perf_counter(); fpdoctor.compare(model, x, candidate="fp16")
+    return time.perf_counter() - start
+plain(); comp()  # warm-up
+rounds = int(sys.argv[1])
+p, c = [], []
+for _ in range(rounds):
+    p.append(plain()); c.append(comp())
+print(json.dumps({{"plain": statistics.median(p), "compare": statistics.median(c)}}))
+"""
+
+
+def tiny_row(rounds: int) -> bool:
+    """The many-tiny-ops row: compare against two plain forwards of a 4096-step loop."""
+    argv = [sys.executable, "-c", TINY_CHILD.format(), str(rounds)]
+    out = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    ratio = out["compare"] / out["plain"]
+    print(
+        f"many tiny ops (a 4096-step loop, 12k ops per forward), fp16, {rounds} rounds (medians): two plain forwards "
+        f"{out['plain'] * 1e3:.1f} ms   compare {out['compare'] * 1e3:.1f} ms   {ratio:.2f}x (budget <= 3x)  "
+        f"{'PASS' if ratio <= 3.0 else 'FAIL'}"
+    )
+    return ratio <= 3.0
+
+
 CANDIDATES = ("fp16", "bf16", "fp8-e4m3", "fp16-accumulate")  # the budget is checked on the first
 
 
@@ -221,8 +277,9 @@ def main() -> int:
     print(f"  = {m12 / largest:.1f}x / {m24 / largest:.1f}x the largest activation ({largest / 2**20:.0f} MiB fp64)")
     ok_time = ratio <= 3.0
     ok_memory = m24 <= 1.5 * m12
-    print(f"time {'PASS' if ok_time else 'FAIL'}, memory {'PASS' if ok_memory else 'FAIL'}")
-    return 0 if ok_time and ok_memory else 1
+    ok_tiny = tiny_row(args.rounds)
+    print(f"time {'PASS' if ok_time and ok_tiny else 'FAIL'}, memory {'PASS' if ok_memory else 'FAIL'}")
+    return 0 if ok_time and ok_memory and ok_tiny else 1
 
 
 if __name__ == "__main__":

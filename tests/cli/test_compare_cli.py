@@ -29,7 +29,7 @@ def test_device_candidate_end_to_end(spec):
     assert result.code == 0, result.err
     doc = loads_strict(result.out)
     summary = dict(doc["data"]["summary"])
-    assert summary["candidate / reference"].startswith("fp32 on cpu / fp32")
+    assert summary["candidate / floor model"].startswith("fp32 on cpu / fp32")
     leaves = [m for m in doc["data"]["modules"] if m["leaf"]]
     assert len(leaves) == 3 and all(m["ratio"] <= 2 for m in leaves)
 

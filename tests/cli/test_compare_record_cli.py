@@ -54,7 +54,7 @@ def test_unchanged_model_agrees(record):
     code, doc = against(record, "machine_a")
     assert code == 0 and doc["findings"] == []
     summary = dict(doc["data"]["summary"])
-    assert summary["candidate / reference"].startswith("fp16 / fp32")  # the record's settings
+    assert summary["candidate / floor model"].startswith("fp16 / fp32")  # the record's settings
     assert summary["B against A"] == "no module departs beyond the noise floor (12 module calls compared)"
     assert doc["data"]["against"]["record"]["source"] == record
 
@@ -188,7 +188,7 @@ def test_save_defaults_to_fp32_and_honours_the_umask(tmp_path, cli):
     assert result.code == 0, result.err
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
     doc = strict_json(result.out)
-    assert dict(doc["data"]["summary"])["candidate / reference"].startswith("fp32 / fp32")
+    assert dict(doc["data"]["summary"])["candidate / floor model"].startswith("fp32 / fp32")
     assert _valid(str(path))["settings"]["candidate"] == "fp32"
 
 

@@ -155,3 +155,27 @@ def tempered_attention() -> tuple[nn.Module, torch.Tensor]:
         model.attn.q.weight.mul_(150)
         model.attn.k.weight.mul_(150)
     return model, torch.randn(4, 32, 64)
+
+
+class RunningSum(nn.Module):
+    """A streaming model: a per-token running sum kept in the model's dtype, one add per token."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, tokens, dim)
+        h = self.inp(x)
+        state = torch.zeros_like(h[:, 0])
+        outs = []
+        for t in range(h.shape[1]):
+            state = state + h[:, t]  # the running state: rounded to the model's dtype at every token
+            outs.append(state)
+        return self.out(torch.stack(outs, 1))
+
+
+def running_sum() -> tuple[nn.Module, list[torch.Tensor]]:
+    """In bf16 the end-to-end error grows with the sequence (~0.015, 0.05, 0.5 at 200, 800, 3000
+    tokens) while every op and module alone stays within a few floors."""
+    torch.manual_seed(0)
+    return RunningSum(), [torch.randn(2, n, 16) + 0.5 for n in (200, 800, 3000)]

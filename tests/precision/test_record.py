@@ -230,7 +230,8 @@ def test_settings_come_from_the_record(saved, tmp_path):
     torch.manual_seed(1)
     x = torch.randn(16, 64)
     result = fpdoctor.compare(mlp(), x, against=path, candidate="half")  # fp16 by another name is fine
-    assert result.report.data["summary"][0] == ("candidate / reference", "fp16 / fp32, judged against fp64")
+    assert result.report.data["summary"][0][0] == "candidate / floor model"
+    assert result.report.data["summary"][0][1].startswith("fp16 / fp32: every error is measured against fp64")
     with pytest.raises(ValueError, match=r"the record was made with --candidate fp16, not bf16: omit --candidate"):
         fpdoctor.compare(mlp(), x, against=path, candidate="bf16")
     with pytest.raises(ValueError, match="made with --reference fp32, not fp64"):

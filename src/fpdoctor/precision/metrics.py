@@ -44,6 +44,19 @@ def row_width(module: nn.Module) -> int | None:
     return None
 
 
+# The same op on inputs of the same shapes, called again and again in one module call (a loop over
+# tokens or steps), is judged on its first REPEATS calls and then on every power-of-two-th: the
+# cost per op site grows with the log of the loop's length, not with it (compare's budget of 3x
+# two forwards holds for a model of thousands of tiny ops), and late calls, where a running state
+# has grown, are still judged. Every pass applies the same rule, so their k-th calls still match.
+REPEATS = 4
+
+
+def due(k: int) -> bool:
+    """Whether the k-th call (from 0) of a repeated op is judged (see REPEATS)."""
+    return k < REPEATS or k & (k - 1) == 0
+
+
 def spread_index(n: int, k: int, device: torch.device) -> torch.Tensor:
     """k indices evenly spread over range(n), first and last included (k <= n)."""
     return torch.linspace(0, n - 1, k, dtype=torch.float64).round().long().to(device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,15 @@ from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.metrics import SAMPLE, sqnr_db
 from fpdoctor.report.model import Finding, Report
 
+# The one metric behind every "error" compare and plan print, the end-to-end error included.
+METRIC = (
+    "relative L2 error against the fp64 run, ||candidate - fp64|| / ||fp64||, over an evenly strided sample of "
+    f"the output (every k-th value, at most {SAMPLE}); SQNR = -20 log10 of it; the end-to-end error is this for "
+    "the model's output"
+)
+# What compare keeps as the floor where none was measured (rounding the fp64 output overflows the
+# format, no reference error): any error is above it; renderings say "unknown", never this value.
+UNKNOWN_FLOOR = 1e-300
 # 16x the floor is 12 dB: input and output rounding plus fp32 accumulation stay below it on every
 # healthy layer we measured (MiniLM in fp16 and bf16), accumulation loss and overflow do not.
 DIVERGENCE_RATIO = 16.0
@@ -47,7 +57,7 @@ class ModuleRow:
     def ratio(self) -> float | None:
         if self.isolated is None:
             return None
-        return math.inf if math.isinf(self.isolated) else self.isolated / max(self.judged_floor, 1e-300)
+        return math.inf if math.isinf(self.isolated) else self.isolated / max(self.judged_floor, UNKNOWN_FLOOR)
 
     @property
     def judged_floor(self) -> float:
@@ -116,14 +126,14 @@ class ModuleRow:
             "isolated_sqnr_db": None if self.isolated is None else sqnr_db(self.isolated),
             "isolated_cosine": self.isolated_cosine,
             "isolated_rows": self.isolated_rows,
-            "floor_rel": self.judged_floor,
+            "floor_rel": self.judged_floor if known(self.judged_floor) else None,  # None: unknown
             "reference_rel": self.reference,
-            "ratio": self.ratio,
+            "ratio": self.ratio if known(self.judged_floor) or self.ratio is None or math.isinf(self.ratio) else None,
             "diverged": self.diverged,
             "inherited": self.inherited,
             "nonfinite": self.nonfinite,
             "out_of_range": self.out_of_range,
-            "output_floor_rel": self.floor,
+            "output_floor_rel": self.floor if known(self.floor) else None,
             "input_error_rel": self.input_error,
             "isolated_of_rows": self.isolated_of,
             "own_ops": self.own,
@@ -206,7 +216,7 @@ def _moves(rows: list[ModuleRow], k: int) -> list[tuple[str, str]]:
                     "Inf/NaN, not alone",
                     f"non-finite in the candidate's run from finite inputs (their error {_fmt(inputs)}), yet finite "
                     f"when re-run alone on the fp64 inputs (isolated {_fmt(row.isolated)}, "
-                    f"{row.ratio:.2g}x its floor)",
+                    f"{_ratio_text(row)})",
                 )
             ]
         return []
@@ -230,8 +240,7 @@ def _moves(rows: list[ModuleRow], k: int) -> list[tuple[str, str]]:
         return []
     gain = error / base
     judged = (
-        f"alone on the fp64 inputs {'its worst own op' if not row.leaf else 'it'} stays within "
-        f"{row.ratio:.2g}x its floor"
+        f"alone on the fp64 inputs {'its worst own op' if not row.leaf else 'it'} stays within {_ratio_text(row)}"
         if row.ratio is not None
         else f"its isolated error was not measured ({row.elements()['isolated']})"
     )
@@ -259,6 +268,17 @@ def _direct(rows: list[ModuleRow], k: int) -> list[ModuleRow]:
     inside = children(rows, rows[k].module, rows[k].call)
     names = {r.module for r in inside}
     return [r for r in inside if not any(r.module.startswith(f"{n}.") for n in names if n != r.module)]
+
+
+def _ratio_text(row: ModuleRow, *, short: bool = False) -> str:
+    """A row's isolated error / floor for a message or the table: never a ratio to an unknown floor."""
+    if row.ratio is None:
+        return "-" if short else "its isolated error was not measured"
+    if math.isinf(row.ratio):
+        return "non-finite" if short else "non-finite alone"
+    if not known(row.judged_floor):
+        return "floor unknown" if short else "its floor unknown"
+    return f"{row.ratio:.2g}x" if short else f"{row.ratio:.2g}x its floor"
 
 
 def _own_missing(own: dict[str, Any]) -> tuple[str, str]:
@@ -296,10 +316,13 @@ def build_report(
     peak: int,
     input_floor: float | None = None,
     causes: dict[str, dict[str, Any]] | None = None,
+    accumulation: dict[str, Any] | None = None,
 ) -> CompareResult:
     """`input_floor`: the reference's end-to-end error fed candidate-rounded inputs, measured when
     the whole model diverges and no submodule does; `causes`: per module, what compare found
-    behind its divergence (an op inside it that overflows, parameters that do not fit the format)."""
+    behind its divergence (an op inside it that overflows, parameters that do not fit the format);
+    `accumulation`: where no part diverges yet the end-to-end error is far above all of them, the
+    running states tried (compare's accumulation step)."""
     label = candidate if device is None else f"{candidate} on {device}"
     findings = []
     first = next((r for r in rows if r.diverged), None)
@@ -315,12 +338,24 @@ def build_report(
                 first, diverged, label=label, candidate=candidate, device=device, reference=reference, cause=cause
             )
         )
+    if first is None and accumulation is not None:
+        finding, first_text = _accumulation_finding(accumulation, label, candidate, reference)
+        findings.append(finding)
     final = rows[-1] if rows else None
     summary = [
-        ("candidate / reference", f"{label} / {reference}, judged against fp64"),
+        (
+            "candidate / floor model",
+            f"{label} / {reference}: every error is measured against fp64 (the referee); "
+            + (
+                f"the noise floor is rounding to {candidate}'s format alone"
+                if reference == "fp64"
+                else f"the {reference} model's own error sets the noise floor where it exceeds rounding"
+            ),
+        ),
         ("modules compared", str(len(rows))),
         ("first divergent module", first_text),
         ("end-to-end error", _fmt_error(final.propagated, final.cosine) if final else "-"),
+        ("error metric", METRIC),
     ]
     ranked = sorted(
         (r for r in rows if r.ratio is not None and not r.inherited), key=lambda r: r.ratio or 0.0, reverse=True
@@ -332,10 +367,7 @@ def build_report(
             ("why errors move", shown + (f"; and {len(moved) - 3} more (JSON has all)" if len(moved) > 3 else ""))
         )
     if ranked:
-        worst = ", ".join(
-            f"`{r.module or '<root>'}` " + ("non-finite" if math.isinf(r.ratio or 0.0) else f"{r.ratio:.2g}x")
-            for r in ranked[:3]
-        )
+        worst = ", ".join(f"`{r.module or '<root>'}` " + _ratio_text(r, short=True) for r in ranked[:3])
         summary.append(("largest isolated error / floor", worst))
     report = Report(
         command="compare",
@@ -379,9 +411,10 @@ def _root_finding(
     own, at = _own_op(root)
     evidence = {
         "candidate": candidate,
-        "reference": reference,
+        "referee": "fp64",  # every error is measured against the fp64 run
+        "floor_model": reference,  # whose own error against fp64 sets the noise floor
         "isolated_rel": root.isolated,
-        "floor_rel": root.judged_floor,
+        "floor_rel": root.judged_floor if known(root.judged_floor) else None,  # None: unknown
         "ratio": root.ratio,
         "propagated_rel": root.propagated,
         "whole_isolated_rel": root.whole_isolated,
@@ -398,7 +431,7 @@ def _root_finding(
             title=f"Rounding the inputs to {candidate} already costs more than the noise floor",
             message=(
                 f"In {label}, no module diverges by itself: the end-to-end error {_fmt(root.propagated)} "
-                f"({_fmt_ratio(root.propagated / max(root.floor, 1e-300))} the noise floor of {root.floor:.2g}) "
+                f"({against_floor(root.propagated, root.propagated / max(root.floor, UNKNOWN_FLOOR), root.floor)}) "
                 "comes from the inputs, as "
                 f"{rounding}. The model is ill-conditioned at {candidate}: keeping parts of it in fp32 does not "
                 "undo rounded inputs."
@@ -418,8 +451,8 @@ def _root_finding(
         message=(
             f"In {label}, the whole model's own ops (its forward, outside any submodule) "
             + (f"lose precision: the worst, {own}{at}, adds " if own else "add ")
-            + f"an error of {_fmt(root.isolated)} ({_fmt_ratio(root.ratio)} the noise floor of "
-            f"{root.judged_floor:.2g}); no submodule diverges by itself."
+            + f"an error of {_fmt(root.isolated)} ({against_floor(root.isolated, root.ratio, root.judged_floor)}); "
+            "no submodule diverges by itself."
             + (f" Re-run whole on the fp64 inputs, its error is {_fmt(whole)}." if whole != root.isolated else "")
             + (f" For comparison, {rounding}." if rounding else "")
         ),
@@ -432,6 +465,91 @@ def _root_finding(
         ),
     )
     return finding, "none: the whole model's own ops (outside any submodule)"
+
+
+def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, reference: str) -> tuple[Finding, str]:
+    """No module or op diverges by itself, yet the end-to-end error is far above all they add:
+    never OK. Named after the running state whose fp64 run takes the error away, where one does."""
+    error, explained, state = found["error_rel"], found["explained_rel"], found["state"]
+    dtype = found["dtype"]
+    message = (
+        f"In {label}, the end-to-end error is {_fmt(error)} ({sqnr_db(error):.1f} dB SQNR), {error / explained:.0f}x "
+        f"the most that any module or op adds by itself on fp64 inputs, the output's rounding or rounding the "
+        f"inputs explain ({_fmt(explained)}): the error is made by accumulation, over many steps that each round "
+        "once."
+    )
+    evidence = {
+        "kind": "accumulation",
+        "candidate": candidate,
+        "referee": "fp64",  # every error is measured against the fp64 run
+        "floor_model": reference,  # whose own error against fp64 sets the noise floor
+        "propagated_rel": error,
+        "explained_rel": explained,
+        "input_floor_rel": found["input_floor_rel"],
+        "states_tried": found["states"],
+        "dtype": dtype,
+    }
+    where: dict[str, Any] = {"module": None, "op": None, "phase": "forward"}
+    if state is not None:
+        module = f"`{state['module']}`" if state["module"] else "the model"
+        message += (
+            f" The running state that {module}'s forward updates with {state['op']} at {state['location']} "
+            f"({state['steps']} updates per forward) is held in {dtype}; with that state alone kept in fp64 the "
+            f"end-to-end error is {_fmt(state['raised_rel'])} (checked)."
+        )
+        evidence |= {"state_op": state["op"], "state_location": state["location"], "state_module": state["module"],
+                     "state_steps": state["steps"], "raised_rel": state["raised_rel"]}  # fmt: skip
+        where = {"module": state["module"], "op": state["op"], "phase": "forward"}
+        fix = (
+            f"keep the running state updated at {state['location']} in fp32 (create it with dtype=torch.float32 "
+            f"and cast what is read from it back to {dtype}): checked, that alone takes the end-to-end error from "
+            f"{_fmt(error)} to {_fmt(state['raised_rel'])}"
+        )
+        first_text = f"none by itself: accumulation in the running state at {state['location']}"
+    else:
+        tried = [t for t in found["states"] if t["raised_rel"] is not None]
+        untried = [t for t in found["states"] if t["raised_rel"] is None]
+        if tried:
+            message += (
+                " No running state tried explains it: "
+                + "; ".join(
+                    f"{t['op']} at {t['location']} ({t['steps']} updates) kept in fp64 gives {_fmt(t['raised_rel'])}"
+                    for t in tried
+                )
+                + "."
+            )
+        for t in untried:
+            why = (
+                "it is updated in place, which keeps its tensor's dtype"
+                if t.get("in_place")
+                else "the run with it in fp64 failed"
+            )
+            message += (
+                f" The running state updated with {t['op']} at {t['location']} ({t['steps']} updates per forward) "
+                f"could not be tried in fp64: {why}."
+            )
+        if not found["states"]:
+            message += " No op reads its own previous output many times in one forward."
+        suspect = next((t for t in untried if t.get("in_place")), None)
+        fix = (
+            f"keep the running state updated in place at {suspect['location']} in fp32 (create it with "
+            f"dtype=torch.float32 and cast what is read from it back to {dtype}); not checked: fpdoctor cannot "
+            "raise an in-place update without your code changed"
+            if suspect is not None
+            else f"look for a long chain of adds or a reduction computed in {dtype} (a sum over a sequence written "
+            "as a loop, a cumulative op) and compute it in fp32; `fpdoctor plan` cannot fix this by keeping modules "
+            "in fp32"
+        )
+        first_text = "none by itself: the error is made by accumulation (no single state found)"
+    finding = catalog.make(
+        "precision-divergence",
+        title=f"The end-to-end error in {candidate} is made by accumulation, not by any one op",
+        message=message,
+        where=where,
+        evidence=evidence,
+        fix=fix,
+    )
+    return finding, first_text
 
 
 def _divergence(
@@ -448,16 +566,17 @@ def _divergence(
     why = (
         f"its fp64 output does not even fit {candidate}'s range"
         if first.out_of_range and own is None
-        else f"{_fmt_ratio(first.ratio)} the noise floor of {first.judged_floor:.2g}"
+        else against_floor(first.isolated, first.ratio, first.judged_floor)
     )
     evidence: dict[str, Any] = {
         "kind": "divergence",
         "candidate": candidate,
         "device": None if device is None else str(device),
-        "reference": reference,
+        "referee": "fp64",  # every error is measured against the fp64 run
+        "floor_model": reference,  # whose own error against fp64 sets the noise floor
         "out_of_range": first.out_of_range,
         "isolated_rel": first.isolated,
-        "floor_rel": first.judged_floor,
+        "floor_rel": first.judged_floor if known(first.judged_floor) else None,  # None: unknown
         "ratio": first.ratio,
         "propagated_rel": first.propagated,
         "own_op": own,
@@ -471,10 +590,14 @@ def _divergence(
         f"module `{first.module}`'s own op {own}{at} (in its forward, outside its submodules)" if own
         else f"module `{first.module}`"
     )  # fmt: skip
+    adds = (
+        "outputs NaN/Inf by itself"
+        if first.isolated is not None and math.isinf(first.isolated)
+        else f"adds an error of {_fmt(first.isolated)} by itself"
+    )
     message = (
-        f"In {label}, {subject} adds an error of {_fmt(first.isolated)} by itself ({why}); "
-        f"{len(diverged)} module(s) diverge in all. The end-to-end error there is {_fmt(first.propagated)} "
-        f"({sqnr_db(first.propagated):.1f} dB SQNR)."
+        f"In {label}, {subject} {adds} ({why}); {len(diverged)} module(s) diverge in all. The end-to-end error "
+        f"there is {_fmt_error(first.propagated, None)}."
     )
     where: dict[str, Any] = {"module": first.module, "op": own, "phase": "forward", "iteration": first.call}
     fix = _fix(first.module, candidate)
@@ -566,6 +689,15 @@ def merge_sets(
         for d, r in zip(described, results, strict=True)
     ]
     data["worst_input_set"] = worst
+    growth = _growth(results, described)
+    if growth is not None:
+        data["error_grows_with_input_size"] = growth
+        said = " Across the input sets it grows with the input's size: " + growth["text"] + "."
+        for k, f in enumerate(findings):
+            if f.evidence.get("kind") in ("accumulation", "divergence", "input-rounding"):
+                findings[k] = dataclasses.replace(
+                    f, message=f.message + said, evidence={**f.evidence, "growth": growth}
+                )
     lines: list[tuple[str, str]] = []
     if given[1]:
         lines.append(("model as given", given[1]))
@@ -576,9 +708,32 @@ def merge_sets(
         for k, r in enumerate(results):
             end = _fmt_error(r.rows[-1].propagated, r.rows[-1].cosine) if r.rows else "-"
             lines.append((f"  set #{k}", f"end-to-end error {end}; first divergent: {r.first_divergent or 'none'}"))
+    if growth is not None:
+        lines.append(("error grows with input size", growth["text"]))
     data["summary"][1:1] = lines
     main.input_sets, main.worst_set = len(results), worst
     return main
+
+
+# The end-to-end error is said to grow with the input's size when, over input sets of at least
+# two sizes, it never falls as the size grows and the largest is GROWS times the smallest's.
+GROWS = 2.0
+
+
+def _growth(results: list[CompareResult], described: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """End-to-end error against input size (floating and integer values given), when it grows."""
+    points = sorted(
+        (sum(math.prod(t["shape"]) for t in d["tensors"]), r.rows[-1].propagated)
+        for d, r in zip(described, results, strict=True)
+        if r.rows and math.isfinite(r.rows[-1].propagated)
+    )
+    if len({size for size, _ in points}) < 2 or points[0][1] <= 0:
+        return None
+    errors = [e for _, e in points]
+    if any(b < a for a, b in itertools.pairwise(errors)) or errors[-1] < GROWS * errors[0]:
+        return None
+    text = " → ".join(f"{_fmt(e)} ({n} input values)" for n, e in points)
+    return {"sizes": [n for n, _ in points], "errors": errors, "text": text}
 
 
 TABLE_ROWS = 24  # text, markdown and html show at most this many modules; JSON has them all
@@ -599,11 +754,14 @@ def _table(rows: list[ModuleRow]) -> dict[str, Any]:
     def db(value: float | None) -> str:
         return "-" if value is None else "non-finite" if math.isinf(value) else f"{sqnr_db(value):.1f}"
 
+    def floor_db(value: float) -> str:
+        return db(value) if known(value) else "unknown"
+
     def ratio(r: ModuleRow) -> str:
         if r.ratio is None:
             return "-"
         verdict = " diverges" if r.diverged else " (from inside)" if r.inherited else ""
-        return ("non-finite" if math.isinf(r.ratio) else f"{r.ratio:.2g}x") + verdict
+        return _ratio_text(r, short=True) + verdict
 
     return {
         "title": title,
@@ -613,7 +771,7 @@ def _table(rows: list[ModuleRow]) -> dict[str, Any]:
                 (r.module or "<root>") + (f" #{r.call}" if r.call else ""),
                 db(r.propagated),
                 db(r.isolated),
-                db(r.judged_floor),
+                floor_db(r.judged_floor),
                 ratio(r),
                 str(r.nonfinite) if r.nonfinite else "",
                 _note(r),
@@ -666,6 +824,22 @@ def _fmt_error(rel: float, cosine: float | None) -> str:
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else ("non-finite" if math.isinf(value) else f"{value:.3g}")
+
+
+def known(floor: float | None) -> bool:
+    """Whether a floor was measured: compare keeps UNKNOWN_FLOOR where rounding overflows the format
+    and no reference error was measured, so that any error is above it; it is never shown."""
+    return floor is not None and math.isfinite(floor) and floor > UNKNOWN_FLOOR
+
+
+def against_floor(error: float | None, ratio: float | None, floor: float) -> str:
+    """An error's distance from its noise floor, in words: a measured ratio, or what is unknown."""
+    if error is not None and math.isinf(error):
+        where = f"the noise floor is {floor:.2g}" if known(floor) else "the noise floor is unknown"
+        return f"non-finite (NaN/Inf), where the fp64 result is finite; {where}"
+    if not known(floor):
+        return "the noise floor unknown (the fp64 output does not fit the format and no reference error was measured)"
+    return f"{_fmt_ratio(ratio)} the noise floor of {floor:.2g}"
 
 
 def _fmt_ratio(ratio: float | None) -> str:

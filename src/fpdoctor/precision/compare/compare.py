@@ -57,7 +57,14 @@ from fpdoctor.precision.compare import fp8, near_limit
 from fpdoctor.precision.compare.container_ops import Own, OwnOps
 from fpdoctor.precision.compare.first_overflow import first_overflow
 from fpdoctor.precision.compare.noise import ReplayNoise
-from fpdoctor.precision.compare.passes import hooked, input_rounding_error, record_noise, rerun
+from fpdoctor.precision.compare.passes import (
+    carried_states,
+    hooked,
+    input_rounding_error,
+    raised_error,
+    record_noise,
+    rerun,
+)
 from fpdoctor.precision.fit import candidate_format, misfits
 from fpdoctor.precision.fit import describe as describe_misfit
 from fpdoctor.precision.inputs import describe, input_sets
@@ -74,6 +81,7 @@ from fpdoctor.precision.metrics import (
 )
 from fpdoctor.precision.profile import (
     DIVERGENCE_RATIO,
+    UNKNOWN_FLOOR,
     CompareResult,
     ModuleRow,
     annotate,
@@ -289,8 +297,9 @@ def _compare(
         step.describe(f"compare {candidate}: the input rounding floor")
         input_floor = run.input_floor(rows) if not prefix else None
         step.advance()
+        accumulation = run.accumulation(rows, input_floor)
     kept = [(r, run.seen[(r.module, r.call)]) for r in rows] if samples is not None else []
-    result = run.result(rows, input_floor, prefix)
+    result = run.result(rows, input_floor, prefix, accumulation)
     if samples is not None:  # after result(): the rows carry their names in the whole model now
         samples.extend((r, e.truth, e.candidate) for r, e in kept)
     return result
@@ -556,8 +565,8 @@ class _Comparison:
 
     # -- step 4: how much of a whole-model divergence rounding the inputs explains -------------------
     def input_floor(self, rows: list[ModuleRow]) -> float | None:
-        if not any(r.module == "" and r.diverged for r in rows):
-            return None  # only when the whole model diverges and no submodule does
+        if not any(r.module == "" and r.diverged for r in rows) and _unexplained(rows) is None:
+            return None  # only when the whole model diverges, or its error is far above every part's
         root = next(e for (name, _), e in self.seen.items() if name == "")
         return input_rounding_error(
             self.ref_run if self.ref_run is not None else self.truth_run,
@@ -570,8 +579,53 @@ class _Comparison:
             noise=self.noise,
         )
 
-    # -- step 5: the result and its report ----------------------------------------------------------
-    def result(self, rows: list[ModuleRow], input_floor: float | None, prefix: str | None) -> CompareResult:
+    # -- step 5: an error no part makes alone: the running state that accumulates it ---------------
+    def accumulation(self, rows: list[ModuleRow], input_floor: float | None) -> dict[str, Any] | None:
+        """Where no module diverges, yet the end-to-end error is DIVERGENCE_RATIO times above all that
+        explains it by itself (each module's and own op's isolated error, the output's floor,
+        rounding the inputs): the running states of the candidate's forward, each tried by a
+        candidate run with that state alone kept in fp64. None when the error is explained."""
+        explained = _unexplained(rows)
+        root = rows[-1] if rows else None
+        if explained is None or root is None or any(r.diverged for r in rows):
+            return None
+        explained = max(explained, input_floor or 0.0)
+        if root.propagated <= DIVERGENCE_RATIO * explained:
+            return None
+        truth = next(e for (name, _), e in self.seen.items() if name == root.module)
+        try:
+            states = carried_states(
+                self.cand_run, self.inputs, self.cand_dtype, rng=self.rng, device=self.cand_device, noise=self.noise
+            )
+        except Exception as exc:  # the search is ours; the finding stands without it
+            self.notes["running states"] = f"not searched: {type(exc).__name__}: {exc}"
+            states = []
+        for state in states:
+            state["raised_rel"] = raised_error(
+                self.cand_run, self.inputs, self.cand_dtype, state.pop("site"), truth=truth.truth, norm=truth.norm,
+                rng=self.rng, device=self.cand_device, noise=self.noise,
+            )  # fmt: skip
+        tried = [s for s in states if s["raised_rel"] is not None]
+        best = min(tried, key=lambda s: s["raised_rel"], default=None)
+        # the state is the cause when raising it alone takes most of the error away
+        cause = best if best is not None and best["raised_rel"] * ACCUMULATION_FALLS <= root.propagated else None
+        return {
+            "error_rel": root.propagated,
+            "explained_rel": explained,
+            "input_floor_rel": input_floor,
+            "states": states,
+            "state": cause,
+            "dtype": str(self.cand_dtype).removeprefix("torch."),
+        }
+
+    # -- step 6: the result and its report ----------------------------------------------------------
+    def result(
+        self,
+        rows: list[ModuleRow],
+        input_floor: float | None,
+        prefix: str | None,
+        accumulation: dict[str, Any] | None = None,
+    ) -> CompareResult:
         candidate = self.candidate
         fmt = candidate_format(candidate)
         misfit = misfits(self.model, fmt, skip=(str(self.cand_dtype),)) if fmt is not None else []
@@ -597,6 +651,7 @@ class _Comparison:
             notes=self.notes,
             input_floor=input_floor,
             causes=causes(rows, overflows, misfit, candidate),
+            accumulation=accumulation,
             # the samples stay until the end, so their total is the peak of what compare itself keeps
             peak=sum(e.truth.nbytes + (0 if e.inputs is None else e.inputs.nbytes) for e in self.seen.values()),
         )
@@ -632,6 +687,22 @@ class _Comparison:
                 )
             )
         return result
+
+
+# A running state is named the cause when keeping it alone in fp64 divides the end-to-end error
+# by at least this much (12 dB): the rest of the model still runs in the candidate's dtype.
+ACCUMULATION_FALLS = 4.0
+
+
+def _unexplained(rows: list[ModuleRow]) -> float | None:
+    """The largest error any part adds by itself (a module's or an own op's isolated error, the
+    output's floor) when the end-to-end error is DIVERGENCE_RATIO times above it; else None."""
+    if not rows or not math.isfinite(rows[-1].propagated):
+        return None
+    root = rows[-1]
+    alone = [r.isolated for r in rows if r.isolated is not None and math.isfinite(r.isolated)]
+    explained = max([root.floor, *alone])
+    return explained if root.propagated > DIVERGENCE_RATIO * explained else None
 
 
 def _jumped(row: ModuleRow, entry: _Seen) -> bool:
@@ -679,7 +750,7 @@ def _rows(seen: dict[tuple[str, int], _Seen], own_dtype: str) -> list[ModuleRow]
         if e.propagated is None:
             continue  # the candidate never produced this output
         out_of_range = math.isinf(e.rounding)
-        floor = max(0.0 if out_of_range else e.rounding, e.reference or 0.0, 1e-300)
+        floor = max(0.0 if out_of_range else e.rounding, e.reference or 0.0, UNKNOWN_FLOOR)
         row = ModuleRow(
             name,
             call,

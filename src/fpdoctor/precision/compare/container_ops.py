@@ -42,6 +42,7 @@ from fpdoctor.precision.metrics import (
     ROWS,
     all_finite,
     cosine,
+    due,
     flat_sample,
     floating,
     l2_norm,
@@ -109,6 +110,9 @@ class Own:
     worst: OpError | None = None
     ops: list[str] = field(default_factory=list)  # the ops judged, each once, in order
     failed: list[str] = field(default_factory=list)  # ops that did not run in the candidate's dtype, and why
+    # calls of each (op, input shapes) so far: a loop repeats one op thousands of times per forward
+    repeats: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    skipped: int = 0  # repeats not re-run (see _due)
 
     def as_dict(self, dtype: str) -> dict[str, Any]:
         worst = self.worst
@@ -204,7 +208,12 @@ class OwnOps(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         own = self.calls.get(self.stack[-1]) if self.stack and not self.pause else None
-        if own is None or func.is_view or _packet(func) in _NOT_JUDGED or _random(func, args, kwargs):
+        if own is None:
+            return func(*args, **kwargs)
+        if not _due(own, func, args):  # first: every test below costs more
+            own.skipped += 1
+            return func(*args, **kwargs)
+        if func.is_view or _packet(func) in _NOT_JUDGED or _random(func, args, kwargs):
             return func(*args, **kwargs)
         if not any(True for _ in floating((args, kwargs))):
             return func(*args, **kwargs)
@@ -270,6 +279,14 @@ class OwnOps(TorchDispatchMode):
                 judged.absmax = float(part.abs().max())
             judged.location = _where(sys._getframe(), torch_made)
             own.worst = judged
+
+
+def _due(own: Own, func: Any, args: Any) -> bool:
+    """Whether this call of a repeated op (same op, same input shapes) is re-run (metrics.due)."""
+    key = (id(func), *[a.shape if type(a) is torch.Tensor else None for a in args])  # no hash of func: per op
+    k = own.repeats.get(key, 0)
+    own.repeats[key] = k + 1
+    return due(k)
 
 
 def _on(func: Any, device: torch.device | None) -> Callable[..., Any]:

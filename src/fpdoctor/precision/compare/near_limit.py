@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
 from fpdoctor.numerics.headroom import MAX_OP_FINDINGS, judged, near_limit_finding
 from fpdoctor.numerics.values import dtype_name, minmax, read_scalars
+from fpdoctor.precision.metrics import due
 from fpdoctor.report.model import Finding
 from fpdoctor.userframes import CASEBOOK_DIR, OWN_DIR, is_user_file
 
@@ -194,6 +195,8 @@ class OpRanges(TorchDispatchMode):
         module, call, counts, code = self._stack[-1]
         k = counts.get(op, 0)
         counts[op] = k + 1
+        if not due(k):  # an op repeated in a loop: its first calls and every power-of-two-th
+            return
         outputs = (out,) if type(out) is torch.Tensor else out if isinstance(out, (tuple, list)) else ()
         for position, t in enumerate(outputs):
             if not isinstance(t, torch.Tensor) or t.dtype not in self._dtypes or t.layout is not torch.strided:

@@ -1,20 +1,25 @@
 """Running compare's copies of the model: a whole pass with hooks on every module, one module
-re-run on the fp64 run's inputs, the input rounding floor, and the noise a forward draws itself."""
+re-run on the fp64 run's inputs, the input rounding floor, the noise a forward draws itself, and
+the running states a forward updates in a loop (found, then each tried in float64)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from fpdoctor.precision.candidates import cast_inputs, split_inputs
+from fpdoctor.precision.candidates import cast_inputs, map_tensors, split_inputs
 from fpdoctor.precision.compare.noise import RecordNoise, ReplayNoise
 from fpdoctor.precision.metrics import all_finite, cosine, flat_sample, rel_error
 from fpdoctor.preserve import RngState
+from fpdoctor.userframes import user_location
 
 
 def hooked(
@@ -118,3 +123,132 @@ def rerun(
     if not all_finite(out):
         return math.inf, None
     return rel_error(sample, truth, norm), cosine(sample, truth, norm)
+
+
+# A running state (a sum over tokens, a recurrent cell) is the output of an op that the same op,
+# at the same source line, reads again on its next call. It is searched for where the end-to-end
+# error is far above every module's and op's isolated error (compare's `accumulation`): each
+# update alone rounds once, so no isolated re-run sees what thousands of them lose together.
+CARRIED_STEPS = 16  # updates in one forward before a chain is called a running state
+CARRIED_TRIED = 3  # the longest chains, each tried by a run with that state raised
+
+
+class _Chains(TorchDispatchMode):
+    """Counts, per (op, user source line), the calls that read the output of that same op and
+    line's previous call: the updates of a loop-carried tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: dict[tuple[Any, str], Any] = {}  # site -> weak reference to its last output
+        self.steps: dict[tuple[Any, str], int] = {}
+        self.module: dict[tuple[Any, str], str] = {}
+        self.stack: list[str] = []
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # as OwnOps: no dynamo import, no extra frames per op
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.is_view or not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return out
+        user = user_location(sys._getframe())
+        if user is None:
+            return out
+        site = (func, f"{user[0]}:{user[1]}")
+        previous = self.last.get(site)
+        held = previous() if previous is not None else None
+        if held is not None and any(a is held for a in args if isinstance(a, torch.Tensor)):
+            self.steps[site] = self.steps.get(site, 0) + 1
+            self.module.setdefault(site, self.stack[-1] if self.stack else "")
+        self.last[site] = weakref.ref(out)
+        return out
+
+
+class _Raised(TorchDispatchMode):
+    """Runs the ops of one site in float64 (their inputs raised, their output kept in float64: the
+    running state lives in fp64) and gives every other op its float64 inputs back in `dtype`, so
+    the rest of the model runs as the candidate does."""
+
+    def __init__(self, site: tuple[Any, str], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.site, self.dtype = site, dtype
+        self.raised = 0
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is self.site[0]:
+            user = user_location(sys._getframe())
+            if user is not None and f"{user[0]}:{user[1]}" == self.site[1]:
+                self.raised += 1
+                up = (args, kwargs)
+                args, kwargs = map_tensors(up, lambda t: t.double() if t.dtype == self.dtype else t)
+                return func(*args, **kwargs)
+        if func.is_view:
+            return func(*args, **kwargs)
+        back = (args, kwargs)
+        args, kwargs = map_tensors(back, lambda t: t.to(self.dtype) if t.dtype == torch.float64 else t)
+        return func(*args, **kwargs)
+
+
+def carried_states(
+    run: nn.Module, inputs: Any, dtype: torch.dtype, *, rng: RngState, device: torch.device | None,
+    noise: ReplayNoise | None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The running states of the candidate's forward, longest first: op, source line, the module
+    whose forward updates it, and how many updates one forward makes."""
+    chains = _Chains()
+
+    def pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
+        chains.stack.append(name)
+
+    def post(name: str, index: int, args: Any, output: Any) -> None:
+        if chains.stack:
+            chains.stack.pop()
+
+    with chains:
+        hooked(run, inputs, dtype, pre=pre, post=post, rng=rng, device=device, noise=noise)
+    found = [(steps, site) for site, steps in chains.steps.items() if steps >= CARRIED_STEPS]
+    found.sort(key=lambda x: -x[0])
+    return [
+        {
+            "site": site,
+            "op": str(site[0]),
+            "location": site[1],
+            "module": chains.module[site],
+            "steps": steps,
+            # an in-place update (state += x) writes into the state's own storage, in its dtype
+            "in_place": site[0]._schema.is_mutable,
+        }
+        for steps, site in found[:CARRIED_TRIED]
+    ]
+
+
+def raised_error(
+    run: nn.Module, inputs: Any, dtype: torch.dtype, site: tuple[Any, str], *, truth: torch.Tensor, norm: float,
+    rng: RngState, device: torch.device | None, noise: ReplayNoise | None,
+) -> float | None:  # fmt: skip
+    """The candidate's end-to-end error against the fp64 `truth` with the running state at `site`
+    kept in float64 (everything else as the candidate runs it); None when that run fails."""
+    if site[0]._schema.is_mutable:
+        return None  # an in-place update keeps its tensor's dtype: raising it needs the user's code changed
+    got: list[torch.Tensor | None] = []
+
+    def post(name: str, index: int, args: Any, output: Any) -> None:
+        if name == "":
+            got.append(flat_sample(output))
+
+    raised = _Raised(site, dtype)
+    try:
+        with raised:
+            hooked(run, inputs, dtype, pre=None, post=post, rng=rng, device=device, noise=noise)
+    except Exception:  # e.g. an in-place update that cannot hold float64: not tried
+        return None
+    out = got[-1] if got else None
+    if not raised.raised or out is None or out.numel() != truth.numel():
+        return None
+    return rel_error(out, truth, norm) if bool(torch.isfinite(out).all()) else math.inf

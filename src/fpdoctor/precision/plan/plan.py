@@ -22,6 +22,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -332,10 +333,33 @@ def _plan(
                 keep, verified_errors = trial_keep, values
                 ops.append(dataclasses.replace(fix, end=ends.get(fix.module)))
     needed: dict[str, float] = {}
+    effects: dict[str, tuple[float, float]] = {}  # module -> (mean effect, the spread it is weighed against)
+    dropped: dict[str, tuple[float, float]] = {}
     if verified and len(keep) <= NEEDED_CHECKS:
-        for name in keep:  # why each kept module is there: the error without it
+        spread = _spread(verified_errors)
+        for name in list(keep):  # why each kept module is there: the error without it, on every set
             runs.describe(f"plan {candidate}: is {name} needed?")
-            needed[name] = max(errors([k for k in keep if k != name], ops))
+            without = errors([k for k in keep if k != name], ops)
+            needed[name] = max(without)
+            if spread is None:
+                continue  # one input set: no spread to weigh the effect against (the report says so)
+            # by factors: input sets of other sizes have errors of other sizes
+            effect = statistics.fmean(
+                math.inf if not math.isfinite(w) else math.log(max(w, 1e-300) / v)
+                for w, v in zip(without, verified_errors, strict=True)
+            )
+            effects[name] = (effect, spread)
+            if effect <= spread:  # within what the end-to-end error varies by from one input set to the next
+                dropped[name] = effects.pop(name)
+                keep = [k for k in keep if k != name]
+        if dropped:
+            runs.describe(f"plan {candidate}: verify {len(keep)} module(s) in fp32")
+            verified_errors = errors(keep, ops)
+            # a target missed by no more than the spread is missed by noise, not by what was dropped
+            verified = all(
+                math.isfinite(v) and v <= s.target * math.exp(spread or 0.0)
+                for v, s in zip(verified_errors, judged, strict=True)
+            )
     # the set the problem shows most on (its table and findings lead the report), and the set the
     # plan comes closest to its target on (its numbers are the plan's)
     worst = max(range(len(judged)), key=lambda k: (baseline[k] / max(judged[k].target, 1e-300), baseline[k]))
@@ -363,8 +387,19 @@ def _plan(
         reference=reference,
         tolerance_asked=tolerance,
         by_op=by_op,
+        effects=effects,
+        dropped=dropped,
     )
     return PlanResult(the_plan, build(the_plan, search), tried)
+
+
+def _spread(errors: list[float]) -> float | None:
+    """The run-to-run spread of the end-to-end error over the input sets: the standard deviation
+    of its logarithm (a factor, as effects are weighed); None for one set, or an error that is
+    zero or non-finite."""
+    if len(errors) < 2 or not all(math.isfinite(e) and e > 0 for e in errors):
+        return None
+    return statistics.stdev(math.log(e) for e in errors)
 
 
 def _judge_set(

@@ -20,7 +20,7 @@ from fpdoctor import catalog
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.names import PRECISIONS
 from fpdoctor.precision.plan.op_fixes import OpFix
-from fpdoctor.precision.profile import CompareResult, ModuleRow
+from fpdoctor.precision.profile import METRIC, CompareResult, ModuleRow
 from fpdoctor.report.model import Finding, Report, Severity
 
 if TYPE_CHECKING:
@@ -45,10 +45,19 @@ class Search:
     reference: str = "fp32"
     tolerance_asked: float | None = None
     by_op: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # per kept module, (its effect on the end-to-end error averaged over the input sets, the
+    # run-to-run spread of that error over them); `dropped`: those whose effect was within it
+    effects: dict[str, tuple[float, float]] = field(default_factory=dict)
+    dropped: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def _fmt(value: float) -> str:
     return "non-finite" if math.isinf(value) else f"{value:.3g}"
+
+
+def _factor(log_ratio: float) -> str:
+    """A mean log ratio as the factor it is."""
+    return "a non-finite factor" if math.isinf(log_ratio) else f"{math.exp(log_ratio):.3g}"
 
 
 def _names(modules: list[str]) -> str:
@@ -67,7 +76,12 @@ def build(the_plan: Plan, search: Search) -> Report:
         findings.append(_floor_finding(the_plan, search))
     if not the_plan.verified:
         findings.append(_unverified_finding(the_plan, search))
-    summary: list[tuple[str, str]] = [("candidate", f"{the_plan.candidate}, judged against fp64")]
+    summary: list[tuple[str, str]] = [
+        (
+            "candidate / floor model",
+            f"{the_plan.candidate} / {search.reference}: every error is measured against fp64 (the referee)",
+        )
+    ]
     if len(search.sets) == 1:
         summary.append(("inputs", inputs_text(described)))
     else:
@@ -89,6 +103,7 @@ def build(the_plan: Plan, search: Search) -> Report:
     if search.given[1]:
         summary.append(("model as given", search.given[1]))
     summary.append(("without exceptions", f"end-to-end error {_fmt(max(search.baseline))}"))
+    summary.append(("error metric", METRIC))
     if rounding > 0:
         amplified = f", {floor / rounding:.2g}x the inputs' own rounding of {rounding:.2g}" if rounding else ""
         summary.append(
@@ -173,9 +188,35 @@ def _why(the_plan: Plan, search: Search) -> list[tuple[str, str]]:
     for name in the_plan.keep_fp32:
         if name in search.needed:
             text = f"without it the end-to-end error is {_fmt(search.needed[name])}"
-            if name not in divergent:  # compare does not name it: its error is amplified further on
+            if name in search.effects:
+                effect, spread = search.effects[name]
+                text += (
+                    f"; keeping it divides the error by {_factor(effect)} on average over {len(search.sets)} input "
+                    f"sets, beyond their run-to-run spread (a factor of {_factor(spread)})"
+                )
+            elif len(search.sets) == 1:
+                text += (
+                    "; the evidence is one input set: the run-to-run spread is not measured, so noise cannot be "
+                    "told from an effect (give several input sets)"
+                )
+            state = _accumulated_in(search, name)
+            if state is not None:  # the error is made inside it, by a running state: say so, not amplification
+                text += (
+                    f"; the error is made inside it, by accumulation in the running state at {state} (compare's "
+                    "finding), which keeping only that state in fp32 fixes"
+                )
+            elif name not in divergent:  # compare does not name it: its error is amplified further on
                 text += "; compare does not call it divergent by itself, but what follows amplifies its error"
             lines.append((f"why `{name}`", text))
+    for name, (effect, spread) in search.dropped.items():
+        lines.append(
+            (
+                f"why not `{name}`",
+                f"keeping it divides the end-to-end error by {_factor(effect)} on average over {len(search.sets)} "
+                f"input sets, within their run-to-run spread (a factor of {_factor(spread)}): noise, not an "
+                "effect, so the plan does not keep it",
+            )
+        )
     if not the_plan.verified:
         return lines
     for fix in the_plan.fp32_ops:
@@ -202,6 +243,18 @@ def _why(the_plan: Plan, search: Search) -> list[tuple[str, str]]:
             )
         lines.append((f"why not `{row.module}`", text))
     return lines
+
+
+def _accumulated_in(search: Search, module: str) -> str | None:
+    """The source line of a running state compare found inside `module`, on any input set; None
+    when there is none."""
+    for _, compared, *_ in search.sets:
+        for f in compared.report.findings:
+            at = f.evidence.get("state_location") if f.evidence.get("kind") == "accumulation" else None
+            owner = f.evidence.get("state_module")
+            if at and owner is not None and (owner == module or owner.startswith(f"{module}.")):
+                return str(at)
+    return None
 
 
 def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:

@@ -20,13 +20,21 @@ output its inputs are made of):
                difference there cannot be told from the changed computation;
   departure    B's candidate sample against A's, relative to A's fp64 norm. Two machines running
                the same candidate differ by their kernels' rounding, which stays within a few
-               noise floors (the row's floor, as compare judges a module today) plus the error
-               both runs carried in from earlier modules (the smaller of the two propagated
-               errors: the healthy side's). A departure is beyond DIVERGENCE_RATIO times that,
-               or non-finite values on one side only. The first departing module call, with
-               everything before it agreeing, is named. A leaf that departs although B's copy of
-               it, fed the fp64 inputs, stays within the floor of A's got the departure with its
-               inputs: from its parent's own ops (outside any submodule), which is what is named.
+               noise floors (the row's floor, as compare judges a module today), plus what
+               already differed between them on the way in. The error both runs carry in
+               against fp64 is the same on both machines where everything before agrees, so it
+               cancels in B - A and is no allowance: a module whose own computation differs
+               (B's copy fed the fp64 inputs leaves the floor of A's, `alone_agrees` false) is
+               judged against DIVERGENCE_RATIO times the floor, or MOVES times the largest
+               difference carried in (the largest departure of the module calls before it),
+               whichever is larger. Only a module whose isolated error agrees on both machines
+               gets the old allowance, DIVERGENCE_RATIO times the smaller of the two propagated
+               errors: a module that amplifies what it is fed may grow a small difference.
+               A departure is beyond that limit, or non-finite values on one side only. The
+               first departing module call, with everything before it agreeing, is named. A
+               leaf that departs although B's copy of it, fed the fp64 inputs, stays within the
+               floor of A's got the departure with its inputs: from its parent's own ops
+               (outside any submodule), which is what is named.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fpdoctor.precision.metrics import rel_error
-from fpdoctor.precision.profile import DIVERGENCE_RATIO
+from fpdoctor.precision.profile import DIVERGENCE_RATIO, MOVES
 from fpdoctor.precision.record import machine
 from fpdoctor.precision.record.record import CallRecord, CompareRecord
 
@@ -55,6 +63,8 @@ class Row:
     truth_rel: float  # B's fp64 output against A's; inf when their sizes differ
     departure: float | None  # B's candidate output against A's, relative to A's fp64 norm; None: both non-finite
     limit: float  # what two machines' candidate outputs may differ by here
+    carried: float = 0.0  # the largest difference between B and A carried in (earlier rows' departures)
+    basis: str = "floor"  # what set the limit: "floor", "carried difference" or "carried error"
 
     @property
     def same_computation(self) -> bool:
@@ -202,13 +212,16 @@ def _judge_set(one: SetJudgement, a_calls: tuple[CallRecord, ...], b_calls: tupl
     by_key = {(c.module, c.call): c for c in a_calls}
     b_keys = {(c.module, c.call) for c in b_calls}
     one.only_a = [(c.module, c.call) for c in a_calls if (c.module, c.call) not in b_keys]
+    carried = 0.0  # the largest finite difference between B's and A's outputs so far
     for cb in b_calls:  # B's post-order
         ca = by_key.get((cb.module, cb.call))
         if ca is None:
             one.only_b.append((cb.module, cb.call))
             continue
-        row = _row(ca, cb)
+        row = _row(ca, cb, carried)
         one.rows.append(row)
+        if row.departure is not None and math.isfinite(row.departure):
+            carried = max(carried, row.departure)
         if one.parted is None and not row.same_computation:
             one.parted = row
             one.parted_by_weights = [w for w in weights_differ if _related(w, row.module)]
@@ -218,7 +231,7 @@ def _judge_set(one: SetJudgement, a_calls: tuple[CallRecord, ...], b_calls: tupl
         one.blamed = _blame(one.departure, one.rows)
 
 
-def _row(a: CallRecord, b: CallRecord) -> Row:
+def _row(a: CallRecord, b: CallRecord, carried_difference: float = 0.0) -> Row:
     same_size = a.truth.numel() == b.truth.numel()
     truth_rel = rel_error(b.truth, a.truth, a.norm) if same_size else math.inf
     a_bad, b_bad = a.nonfinite > 0, b.nonfinite > 0
@@ -229,9 +242,16 @@ def _row(a: CallRecord, b: CallRecord) -> Row:
         departure = math.inf
     else:
         departure = rel_error(b.candidate.double(), a.candidate.double(), a.norm)
-    carried = min(a.propagated, b.propagated)
-    limit = DIVERGENCE_RATIO * max(a.floor, b.floor, carried if math.isfinite(carried) else 0.0, 1e-300)
-    return Row(a.module, a.call, a.leaf, a, b, truth_rel, departure, limit)
+    floor = DIVERGENCE_RATIO * max(a.floor, b.floor, 1e-300)
+    row = Row(a.module, a.call, a.leaf, a, b, truth_rel, departure, floor, carried_difference)
+    if row.alone_agrees:  # its own computation agrees: what it was fed may have grown in it
+        carried = min(a.propagated, b.propagated)
+        grown = DIVERGENCE_RATIO * (carried if math.isfinite(carried) else 0.0)
+        if grown > row.limit:
+            row.limit, row.basis = grown, "carried error"
+    if MOVES * carried_difference > row.limit:
+        row.limit, row.basis = MOVES * carried_difference, "carried difference"
+    return row
 
 
 def _related(weights_at: str, module: str) -> bool:

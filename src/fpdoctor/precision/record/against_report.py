@@ -10,7 +10,7 @@ from fpdoctor import catalog
 from fpdoctor.precision.candidates import compute_dtype
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.metrics import sqnr_db
-from fpdoctor.precision.profile import DIVERGENCE_RATIO, TABLE_ROWS
+from fpdoctor.precision.profile import DIVERGENCE_RATIO, TABLE_ROWS, known
 from fpdoctor.precision.record import against as judging
 from fpdoctor.precision.record import machine
 from fpdoctor.precision.record.against import FP64_AGREE, Judgement, Row, SetJudgement
@@ -66,11 +66,15 @@ def _departures(j: Judgement) -> list[Finding]:
         if row.departure is not None and math.isinf(row.departure):
             side = "machine B" if row.b.nonfinite else "machine A"
             how = f"NaN/Inf on {side} only ({row.a.nonfinite} on A, {row.b.nonfinite} on B)"
+        elif row.basis == "floor" and not known(max(row.a.floor, row.b.floor)):
+            how = (
+                f"B's output differs from A's by {_fmt(row.departure)} relative to the fp64 output, where the noise "
+                "floor is unknown (the fp64 output does not fit the format and no reference error was measured)"
+            )
         else:
             how = (
                 f"B's output differs from A's by {_fmt(row.departure)} relative to the fp64 output, "
-                f"{row.ratio:.0f}x the limit of {row.limit:.2g} ({DIVERGENCE_RATIO:.0f}x the noise floor and the "
-                "error carried in)"
+                f"{row.ratio:.0f}x the limit of {row.limit:.2g} ({_basis(row)})"
             )
         at = f"at `{s.blamed or '<root>'}`"
         if through:
@@ -100,8 +104,9 @@ def _departures(j: Judgement) -> list[Finding]:
             # where the departure was first seen, when that is a module inside the one named
             "departing_module": row.module if through else None,
             "departure_rel": row.departure,
-            "limit_rel": row.limit,
-            "floor_rel": max(row.a.floor, row.b.floor),
+            "limit_rel": row.limit if row.basis != "floor" or known(max(row.a.floor, row.b.floor)) else None,
+            "limit_basis": row.basis,
+            "floor_rel": max(row.a.floor, row.b.floor) if known(max(row.a.floor, row.b.floor)) else None,
             # the module named, on each machine
             "a_propagated_rel": shown.a.propagated,
             "b_propagated_rel": shown.b.propagated,
@@ -127,6 +132,21 @@ def _departures(j: Judgement) -> list[Finding]:
             )
         )
     return found
+
+
+def _basis(row: Row) -> str:
+    """What the departure's limit is made of, in words."""
+    if row.basis == "carried error":
+        return (
+            f"{DIVERGENCE_RATIO:.0f}x the error both runs carried in: by itself this module agrees on both machines, "
+            "and it may grow what it is fed"
+        )
+    if row.basis == "carried difference":
+        return f"{judging.MOVES:.2g}x the largest difference between A and B carried in, {row.carried:.2g}"
+    return (
+        f"{DIVERGENCE_RATIO:.0f}x the noise floor; the error both runs carried in against fp64 is the same on "
+        "both machines and is no allowance"
+    )
 
 
 def _kind(row: Row) -> str:
@@ -443,7 +463,8 @@ def table(s: SetJudgement, *, several: bool) -> dict[str, Any]:
             return "not judged"
         if r.ratio is None:
             return "non-finite on both"
-        text = "non-finite" if math.isinf(r.ratio) else f"{r.ratio:.2g}x"
+        unknown = r.basis == "floor" and not known(max(r.a.floor, r.b.floor))
+        text = "non-finite" if math.isinf(r.ratio) else "floor unknown" if unknown else f"{r.ratio:.2g}x"
         return text + (" departs" if r.departs else "")
 
     return {
