@@ -329,3 +329,57 @@ def test_sigterm_writes_the_report_of_the_steps_so_far_and_exits_143(tmp_path):
     report = _report(tmp_path)
     assert report["data"]["steps"] == 2
     assert "terminated by SIGTERM" in report["data"]["not_checked"]["script"]
+
+
+GAN_AND_LOSS = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+G = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+D = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+og, od = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
+bce = nn.BCEWithLogitsLoss()
+head = nn.Linear(8, 5)
+oh = torch.optim.SGD(head.parameters(), 0.1)
+scaler = torch.amp.GradScaler("cpu", enabled=False)  # the usual idiom when the dtype is not fp16
+for step in range(1, 9):
+    real = torch.randn(16, 8)
+    if step == 3:
+        real[0, 0] = float("inf")  # one bad batch, through the discriminator's step
+    fake = G(torch.randn(16, 4))
+    od.zero_grad()
+    (bce(D(real), torch.ones(16, 1)) + bce(D(fake.detach()), torch.zeros(16, 1))).backward()
+    od.step()
+    og.zero_grad()
+    bce(D(fake), torch.ones(16, 1)).backward()
+    og.step()
+    y = torch.randint(0, 5, (16,))
+    if step == 5:
+        y[:] = -100  # every target ignored: cross_entropy is 0/0, after the model
+    try:
+        if step == 2:
+            head(torch.randn(16, 7))  # a bad-shape batch the script catches
+    except RuntimeError:
+        pass
+    oh.zero_grad()
+    scaler.scale(nn.functional.cross_entropy(head(torch.randn(16, 8)), y)).backward()
+    scaler.step(oh)
+    scaler.update()
+ok = all(bool(torch.isfinite(p).all()) for m in (G, D, head) for p in m.parameters())
+print("finite", ok)
+"""
+
+
+def test_three_optimizers_a_disabled_scaler_a_caught_error_and_a_loss_made_nan_after_the_model(tmp_path):
+    script = _write(tmp_path, "gan.py", GAN_AND_LOSS)
+    watched = _watch(tmp_path, str(script))
+    assert watched.returncode == 0, watched.stderr
+    assert watched.stdout.strip() == "finite True"  # every optimizer guarded: no NaN reached any weight
+    assert "Warning" not in watched.stderr  # a forward that raised leaves no hook warning behind
+    report = _report(tmp_path)
+    assert "not_checked" not in report["data"]  # all three optimizers watched
+    replayed = ("deterministic-nonfinite", "transient-fault-suspected")
+    verdicts = [(f["name"], f["evidence"].get("step")) for f in report["findings"] if f["name"] in replayed]
+    assert verdicts == [("deterministic-nonfinite", 3), ("deterministic-nonfinite", 5)]
+    after = next(f for f in report["findings"] if f["name"] == replayed[0] and f["evidence"]["step"] == 5)
+    assert "made after the model, in the loss computation" in after["message"]

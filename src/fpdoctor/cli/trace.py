@@ -315,6 +315,12 @@ def merge_ranks(path: str, dist: RankInfo) -> dict[str, Any] | None:
         for r, doc in enumerate(docs)
         for f in doc.get("findings", [])
     ]
+    # the same finding from several ranks (`watch`: every rank reports the faulty rank alike) once
+    unique: dict[str, Finding] = {}
+    for f in findings:
+        key = json.dumps([f.code, f.message, f.where, f.evidence], sort_keys=True, default=str)
+        unique.setdefault(key, f)
+    findings = list(unique.values())
     # where the values went bad first: a rank that made them before ranks that received them
     findings.sort(key=lambda f: f.evidence.get("origin") == "collective")
     ranks = [

@@ -20,7 +20,7 @@ from fpdoctor.cli.output import UsageError, add_output_args, emit
 from fpdoctor.cli.trace import _sidecar, _write_rank, rank_info, user_traceback
 from fpdoctor.cli.trace_outcome import exception_finding, exit_code_of
 
-USAGE = "usage: fpdoctor watch [--report FILE] -- [python] SCRIPT.py [ARGS...]"
+USAGE = "usage: fpdoctor watch [--report FILE] -- [python [-u]] SCRIPT.py | -m MODULE [ARGS...]"
 _PYTHONS = ("python", "python3")
 
 
@@ -43,21 +43,29 @@ class _Terminated(BaseException):
     """SIGTERM while the script ran: unwind it so that the report is still written."""
 
 
-def _script_of(command: list[str]) -> tuple[str, list[str]]:
+def _script_of(command: list[str]) -> tuple[str, list[str], bool]:
+    """(script or module, its arguments, whether it is a module): what `python ...` would run."""
     words = command[1:] if command[:1] == ["--"] else list(command)
     if words and (os.path.basename(words[0]) in _PYTHONS or words[0] == sys.executable):
         words = words[1:]
+        while words[:1] == ["-u"]:  # unbuffered: the watch's own output is flushed line by line anyway
+            os.environ["PYTHONUNBUFFERED"] = "1"
+            words = words[1:]
+        if words[:1] == ["-m"]:
+            if len(words) < 2:
+                raise UsageError(f"-m needs a module name; {USAGE}")
+            return words[1], words[2:], True
     if not words:
         raise UsageError(f"no script given; {USAGE}")
     if words[0].startswith("-"):
-        raise UsageError(f"{words[0]}: only a script is run (not python's own options); {USAGE}")
+        raise UsageError(f"{words[0]}: python's options other than -u and -m are not supported here; {USAGE}")
     if not os.path.isfile(words[0]):
         raise UsageError(f"{words[0]}: no such script; {USAGE}")
-    return words[0], words[1:]
+    return words[0], words[1:], False
 
 
 def run(args: argparse.Namespace) -> int:
-    script, script_args = _script_of(args.command)
+    script, script_args, as_module = _script_of(args.command)
     dist = rank_info()
     if args.output and dist is not None:
         _sidecar(args.output, dist.rank).unlink(missing_ok=True)  # an earlier launch's, never merged
@@ -76,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault(ENV_SWITCH, "1")
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [script, *script_args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    sys.path.insert(0, os.getcwd() if as_module else os.path.dirname(os.path.abspath(script)))
     code = 0
 
     def _on_term(signum: int, frame: Any) -> None:
@@ -92,7 +100,10 @@ def run(args: argparse.Namespace) -> int:
     failure: str | None = None
     error: BaseException | None = None
     try:
-        runpy.run_path(script, run_name="__main__")
+        if as_module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         code = exit_code_of(exc.code)
         if code:

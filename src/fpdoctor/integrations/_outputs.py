@@ -28,16 +28,28 @@ class KeptGradients:
     grads: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: int = 0  # output leaves that require grad
     finite: bool = True  # the kept gradients are finite: read on a bad step, before its replay
+    # a clock (the front end's count of optimizer steps) read when the first gradient arrives:
+    # which step's backward this forward belongs to
+    clock: Callable[[], int] | None = None
+    filled_at: int | None = None
+    # the original forward's outputs (references, detached; freed with the step) and, read on a bad
+    # step, whether they were finite; `loss_bad`: the front end saw the step's loss non-finite
+    originals: list[torch.Tensor] = field(default_factory=list)
+    outputs_finite: bool = True
+    loss_bad: bool = False
 
     def watch(self, output: Any) -> None:
         """Hook every output tensor that requires grad."""
         for index, leaf in enumerate(pytree.tree_leaves(output)):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 self.outputs += 1
+                self.originals.append(leaf.detach())
                 leaf.register_hook(self._keep(index))
 
     def _keep(self, index: int) -> Callable[[torch.Tensor], None]:
         def keep(grad: torch.Tensor) -> None:
+            if self.filled_at is None and self.clock is not None:
+                self.filled_at = self.clock()
             self.grads[index] = grad
 
         return keep
@@ -52,11 +64,19 @@ class KeptGradients:
         for an input of the replay)."""
         with torch.no_grad():
             self.finite = all(bool(torch.isfinite(g).all()) for g in self.grads.values())
+            self.outputs_finite = all(bool(torch.isfinite(t).all()) for t in self.originals)
 
 
 def backward_from(output: Any, kept: KeptGradients) -> OutputsOnly | None:
     """The replayed forward's backward from the kept gradients (None: the replay judges the
     gradients it made); where they are not finite, the forward's outputs alone (`OutputsOnly`)."""
+    if kept.loss_bad and kept.outputs_finite:
+        # the step's outputs were finite and its loss was not: made after the model, in the loss
+        with torch.no_grad():
+            now_finite = all(
+                bool(torch.isfinite(t).all()) for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)
+            )
+        return OutputsOnly(now_finite, after_outputs=now_finite)
     tensors, grads = [], []
     for index, leaf in enumerate(pytree.tree_leaves(output)):
         grad = kept.grads.get(index)
@@ -70,4 +90,5 @@ def backward_from(output: Any, kept: KeptGradients) -> OutputsOnly | None:
         finite = all(
             bool(torch.isfinite(t).all()) for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)
         )
-    return OutputsOnly(finite)
+    # finite outputs and a non-finite gradient arriving at them: made after the model, in the loss
+    return OutputsOnly(finite, after_outputs=finite and not kept.finite)

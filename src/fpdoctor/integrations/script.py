@@ -65,6 +65,7 @@ class _Call:
     rng: RngState
     autocast: list[tuple[str, torch.dtype]]  # the device types autocast was on for, with their dtype
     versions: list[tuple[torch.Tensor, int]]  # argument tensors and their version counters then
+    created_at: int = 0  # the watch's step count when the forward ran
     kept: KeptGradients = field(default_factory=KeptGradients)  # the gradients at its outputs
 
 
@@ -140,6 +141,8 @@ class ScriptWatch:
         self._judged: set[int] = set()  # optimizers judged inside the scaler's step in progress
         self._replaying = False
         self._stack: contextlib.ExitStack | None = None
+        self._told: dict[str, int] = {}  # bad-step lines said, by verdict
+        self._event = 0  # optimizer steps (of any optimizer) seen so far: when each forward's backward ran
 
     # -- entering and leaving --------------------------------------------------------------------
     def __enter__(self) -> ScriptWatch:
@@ -199,17 +202,24 @@ class ScriptWatch:
             return
         try:
             if self._is_trainable(module):  # its RNG and autocast state before it runs
-                self._local.call = _Call(module, (), {}, RngState.capture(), _autocast_state(), [])
+                call = _Call(module, (), {}, RngState.capture(), _autocast_state(), [], created_at=self._event)
+                call.kept.clock = self._clock
+                self._local.call = call
         except Exception as exc:
             self._error("noting a forward", exc)
 
-    def _post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+    def _post(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any = None
+    ) -> None:
+        """After a forward; called without `output` when the forward raised (always_call)."""
         self._local.depth = max(self._depth() - 1, 0)
         call: _Call | None = getattr(self._local, "call", None)
         if self._depth() or call is None or call.module is not module:
             return
         self._local.call = None
         try:
+            if output is None:  # the forward raised (the script may catch it and go on): nothing to keep
+                return
             call.args, call.kwargs = tuple(args), dict(kwargs)
             call.versions = [(t, t._version) for t in _tensors((args, kwargs))]
             call.kept.watch(output)
@@ -217,6 +227,9 @@ class ScriptWatch:
                 self._calls.append(call)
         except Exception as exc:
             self._error("noting a forward's outputs", exc)
+
+    def _clock(self) -> int:
+        return self._event
 
     def _is_trainable(self, module: nn.Module) -> bool:
         key = id(module)
@@ -242,13 +255,15 @@ class ScriptWatch:
     def _scaler_step_of(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             key = id(optimizer)
+            if not amp.enabled(scaler):  # a disabled scaler is no scaler: its step() is the optimizer's
+                return original(scaler, optimizer, *args, **kwargs)
             self._scaler_now[key] = scaler
             self._judged.discard(key)
             try:
                 return original(scaler, optimizer, *args, **kwargs)
             finally:
                 self._scaler_now.pop(key, None)
-                if key not in self._judged and scaler.is_enabled():
+                if key not in self._judged:
                     self._guarded(lambda: self._step(optimizer, scaler=scaler, skipped_by_scaler=True))
                 self._judged.discard(key)
 
@@ -320,12 +335,23 @@ class ScriptWatch:
 
     def _step(self, optimizer: Any, *, scaler: Any, skipped_by_scaler: bool) -> None:
         run = self._run_of(optimizer)
-        calls, losses = self._calls, self._losses
-        self._calls, self._losses = [], []
+        # A step's forwards are those whose backward ran since the last optimizer step (of any
+        # optimizer): a GAN's generator forward waits for its own step past the discriminator's,
+        # and a discriminator forward whose backward fed the generator's step is not the next one's.
+        now = self._event
+        current = [
+            c for c in self._calls if c.kept.filled_at == now or (c.kept.filled_at is None and c.created_at == now)
+        ]
+        losses = self._losses
+        self._losses = []
         if run is None:
+            self._calls = current
+            self._event += 1
             return
         judge = run.judge
-        mine = [c for c in calls if any(c.module is m for m in run.modules)]
+        mine = [c for c in current if c.kept.filled_at == now and any(c.module is m for m in run.modules)]
+        self._calls = [c for c in current if not any(c is m for m in mine)]
+        self._event += 1
         device = judge.device
         with torch.no_grad():
             grad = nonfinite_flag(grads_of(run.params), device)
@@ -350,6 +376,7 @@ class ScriptWatch:
         if bad_loss or bad_grad:  # host reads, bad steps only, outside the replay's trace
             for c in mine:
                 c.kept.read_finite()
+                c.kept.loss_bad = bool(mine_bad)
         facts = StepFacts(
             judge.steps,
             bad_loss=bad_loss,
@@ -428,25 +455,39 @@ class ScriptWatch:
             output = call.module(*args, **kwargs)
         return backward_from(output, call.kept)
     def _tell(self, run: _Run, outcome: StepOutcome) -> None:
+        """One line per bad step, until a cause repeats: then one line per 100 of its steps."""
         if self.notify is None or outcome.finite or outcome.verdict == "amp-skip":
             return
-        where = run.judge.here
+        judge = run.judge
+        why = judge.not_replayed.get(outcome.step)
+        verdict = outcome.verdict or "not replayed"
+        if verdict == "not-replayed" and why:
+            verdict = f"not replayed: {why}"
+        self._told[verdict] = self._told.get(verdict, 0) + 1
+        seen = self._told[verdict]
+        if seen > 3 and seen % 100:
+            return
+        where = judge.here
         rank = f"rank {where['rank']} " if "rank" in where else ""
         opt = f" (optimizer {run.number})" if len(self.runs) > 1 else ""
-        verdict = outcome.verdict or "not replayed"
         said = f"skipped{opt}" if outcome.skipped else f"applied{opt}"
-        self.notify(f"fpdoctor watch: {rank}step {outcome.step}: non-finite, {said}; {verdict}")
+        again = f" ({seen} steps so far; the next line after 100 more)" if seen >= 3 else ""
+        self.notify(f"fpdoctor watch: {rank}step {outcome.step}: non-finite, {said}; {verdict}{again}")
 
     def _error(self, doing: str, exc: BaseException) -> None:
-        runs = list(self.runs.values())
-        if runs:
-            runs[0].judge.error(doing, exc)
-            return
-        text = f"{type(exc).__name__}: {exc}"
-        from fpdoctor.numerics import sentinel_findings
+        """A failure of the watch's own, said once; this never raises (it runs in the user's step)."""
+        try:
+            runs = list(self.runs.values())
+            if runs:
+                runs[0].judge.error(doing, exc)
+                return
+            text = f"{type(exc).__name__}: {exc}"
+            from fpdoctor.numerics import sentinel_findings
 
-        if not any(doing in f.message and text in f.message for f in self.errors):
-            self.errors.append(sentinel_findings.error_finding(doing, text, 0, here={}))
+            if not any(doing in f.message and text in f.message for f in self.errors):
+                self.errors.append(sentinel_findings.error_finding(doing, text, 0, here={}))
+        except Exception:  # the last resort of the observer that never kills the job
+            pass
 
     # -- the report ------------------------------------------------------------------------------
     @property

@@ -101,7 +101,7 @@ def found_inf(scaler: Any, optimizer: torch.optim.Optimizer, device: torch.devic
 
 
 def scale_tensor(scaler: Any, device: torch.device) -> torch.Tensor:
-    scale = scaler._scale
+    scale = getattr(scaler, "_scale", None)  # a disabled scaler never makes one
     if scale is None:
         return torch.full((), float("nan"), device=device)
     return scale.detach().reshape(()).to(device, dtype=torch.float32, non_blocking=True).clone()

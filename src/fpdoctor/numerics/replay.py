@@ -38,6 +38,9 @@ class OutputsOnly:
     (`fpdoctor watch` replaying a step whose loss was already NaN/Inf)."""
 
     finite: bool
+    # the outputs were finite but the gradient that reached them from the loss was not: the
+    # non-finite value is made after the model (the loss code), and is there again on every run
+    after_outputs: bool = False
 
 
 @dataclass
@@ -94,7 +97,8 @@ def replay(
                 # a step_fn that returns None replays a forward and backward whose loss it cannot see
                 # (`fpdoctor watch`: the gradient arriving at the model's outputs stands in for it)
                 unseen = loss is None or isinstance(loss, OutputsOnly)
-                bad_outputs = isinstance(loss, OutputsOnly) and not loss.finite
+                after = isinstance(loss, OutputsOnly) and loss.after_outputs
+                bad_outputs = isinstance(loss, OutputsOnly) and (not loss.finite or after)
                 seen = torch.as_tensor(math.nan if bad_outputs else 0.0) if unseen else torch.as_tensor(loss)
                 flags = torch.stack([loss_flag(seen, device), nonfinite_flag(grads_of(params), device)])
                 loss_bad, grad_bad = flags.tolist()
@@ -113,6 +117,8 @@ def replay(
                         if f is not first and f.name != "nonfinite-masked"
                     ]
                     found = {} if first else _nonfinite_evidence(seen if loss_bad else None, params)
+                    if after and first is None:
+                        found["made_after_outputs"] = True
                     first_bad = ReplayResult(
                         "deterministic-nonfinite", index, loss_value, first, others, evidence=found
                     )

@@ -86,6 +86,16 @@ def rank_finding(
     )
 
 
+_AFTER_OUTPUTS = (
+    " The model's outputs were finite while the loss computed from them (or its gradient) was not: the NaN/Inf "
+    "is made after the model, in the loss computation (every target ignored, a mean over an empty selection, a "
+    "division by a count that is 0, a loss multiplied by NaN)."
+)
+_AFTER_OUTPUTS_FIX = (
+    "Check the loss code on this step's batch: guard the denominator (a count of valid targets that can be 0), or "
+    "skip a batch with nothing to learn from."
+)
+
 _BAD_DATA_TITLE = "A non-finite step reproduced on replay: the batch itself held NaN/Inf (bad data, not an op)"
 
 
@@ -136,13 +146,14 @@ def verdict_findings(
     micro = {"micro_batch": result.micro_batch + 1} if result.micro_batch is not None and micro_batches else {}
     if result.verdict == "deterministic-nonfinite":
         first = result.culprit
+        after = bool(result.evidence.get("made_after_outputs"))
         rank_text = f" on rank {me['rank']}" if "rank" in me else ""
         control_text, control_fix, control_evidence = _control_text(control)
         finding = catalog.make(
             "deterministic-nonfinite",
             message=(
                 f"Step {step}{rank_text} replayed with the same batch, RNG state and weights and was non-finite "
-                "again" + (f": {first.message}" if first else ".") + control_text
+                "again" + (f": {first.message}" if first else ".") + (_AFTER_OUTPUTS if after else "") + control_text
             ),
             where={
                 **(dict(first.where) if first else {"module": None, "op": None, "phase": None}),
@@ -156,7 +167,9 @@ def verdict_findings(
                 **micro,
                 **control_evidence,
             },
-            fix=control_fix or (first.fix if first else catalog.get("deterministic-nonfinite").fix),
+            fix=(_AFTER_OUTPUTS_FIX if after else None)
+            or control_fix
+            or (first.fix if first else catalog.get("deterministic-nonfinite").fix),
             title=_BAD_DATA_TITLE if _batch_held_it(first) else None,
         )
         return [finding, *result.others]
@@ -409,7 +422,8 @@ def _stall_cause(first_skip: int, found: list[Finding]) -> tuple[str, str | None
     det = by_name.get("deterministic-nonfinite")
     if det is not None:
         where = det.where
-        op = f"{where.get('op')} in `{where.get('module')}`" if where.get("op") else "the op it names"
+        module = f"`{where.get('module')}`" if where.get("module") else "the root module"
+        op = f"{where.get('op')} in {module}" if where.get("op") else "the op it names"
         if det.evidence.get("control_fp32") == "finite":
             return (
                 f"Every replay names the same cause, {op}, and its fp32 control replay is finite: the precision of "
