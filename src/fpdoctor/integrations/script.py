@@ -152,6 +152,10 @@ class ScriptWatch:
             # so that the depth count of nested calls stays right
             post = module_hooks.register_module_forward_hook(self._post, with_kwargs=True, always_call=True)
             stack.callback(post.remove)
+            # torch's handle leaves its with_kwargs mark behind: every torch.compile(module) call
+            # after the watch would then warn of global hooks that are gone
+            with_kwargs = getattr(module_hooks, "_global_forward_hooks_with_kwargs", {})
+            stack.callback(lambda: with_kwargs.pop(post.id, None))
             stack.callback(register_optimizer_step_pre_hook(self._before_step).remove)
             stack.enter_context(self._swapped(torch.autograd, "backward", self._backward_of))
             scaler = amp.grad_scaler_class()
