@@ -83,7 +83,8 @@ def _dynamo_counted() -> Iterator[dict[str, Any]]:
 
 
 def _ours(text: str) -> list[str]:
-    return [line for line in text.splitlines() if "fpdoctor" in line or "global hooks" in line]
+    """Dynamo's and torch's warnings that name fpdoctor's files or its hooks (not its own notices)."""
+    return [line for line in text.splitlines() if "/fpdoctor/" in line or "global hooks" in line]
 
 
 def _plain(whole: bool) -> dict[str, Any]:
@@ -126,6 +127,7 @@ def test_sentinel_finds_a_nan_made_in_the_compiled_region() -> None:
     assert _ours(seen["text"]) == []
     found = {f.name: f for f in guard.report.findings}
     assert found["nonfinite-loss"].evidence["seen_in"] == "compiled"
+    assert found["nonfinite-loss"].evidence["compiled_output"] == {"module": "<root>", "call": 1, "compiled_calls": 1}
     replayed = found["deterministic-nonfinite"]
     assert replayed.evidence["seen_in"] == "eager replay"
     assert replayed.where["op"] == "aten.log.default"
@@ -196,3 +198,70 @@ def test_an_eager_model_keeps_its_findings_as_they_were() -> None:
     guard = fpdoctor.Sentinel(model, opt)
     guard.step(forward_backward)
     assert all("seen_in" not in f.evidence for f in guard.report.findings)
+
+
+def test_the_first_compiled_block_with_a_nonfinite_output_is_named() -> None:
+    """Blocks compiled one by one (as large trainers compile theirs): the check names the block
+    whose compiled output first went non-finite, not the blocks that passed it on."""
+    torch.manual_seed(0)
+    blocks = [nn.Linear(8, 8) for _ in range(3)]
+    with torch.no_grad():
+        blocks[1].bias[0] = math.inf  # block 1 makes the first Inf; block 2 passes NaN/Inf on
+    model = nn.Sequential(*[torch.compile(b, backend=BACKEND) for b in blocks])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 8)
+
+    def forward_backward() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    guard = fpdoctor.Sentinel(model, opt, replay=False)
+    guard.step(forward_backward)
+    loss = guard.report.by_name("nonfinite-loss")[0]
+    assert loss.evidence["compiled_output"] == {"module": "1", "call": 1, "compiled_calls": 3}
+
+
+def test_watch_started_before_dynamo_is_imported_compiles_nothing_of_its_own(tmp_path: Any) -> None:
+    """`fpdoctor watch -- train.py` starts before the script imports torch._dynamo: fpdoctor's code
+    is kept out of Dynamo when the script compiles, and the graphs are the script's own."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        """
+import sys, torch
+from torch import nn
+watched = sys.argv[1] == "watched"
+if watched:
+    import fpdoctor
+    w = fpdoctor.watch()
+assert "torch._dynamo" not in sys.modules or not watched
+model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x = torch.randn(4, 8)
+@torch.compile(backend="aot_eager")
+def step():
+    opt.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+for _ in range(3):
+    step()
+from torch._dynamo.utils import counters
+print("COUNTS", counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+"""
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    runs = {
+        how: subprocess.run(
+            [sys.executable, str(script), how], capture_output=True, text=True, timeout=300, env=env, check=True
+        )
+        for how in ("plain", "watched")
+    }
+    counts = {how: [line for line in r.stdout.splitlines() if line.startswith("COUNTS")] for how, r in runs.items()}
+    assert counts["watched"] == counts["plain"] and counts["plain"]
+    assert _ours(runs["watched"].stderr) == []

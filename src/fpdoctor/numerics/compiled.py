@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -22,9 +23,11 @@ import torch
 from torch import nn
 
 from fpdoctor import catalog
+from fpdoctor.numerics import dynamo
 from fpdoctor.numerics.gradcheck import grads_of, loss_flag, nonfinite_flag
 from fpdoctor.numerics.replay import MicroBatch, OutputsOnly
 from fpdoctor.preserve import preserved
+from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding
 
 COMPILED = "compiled"
@@ -41,10 +44,18 @@ def seen_in(found: Sequence[Finding], where: str, names: Sequence[str] | None = 
     ]
 
 
-def label_step_findings(found: Sequence[Finding]) -> list[Finding]:
-    """A compiled model's step findings: those of the step check were seen in the compiled program."""
-    names = [f.name for f in found if "seen_in" not in f.evidence and f.name in _SEEN_BY_THE_CHECK]
-    return seen_in(found, COMPILED, names)
+def label_step_findings(found: Sequence[Finding], graphs: dict[int, dict[str, Any]]) -> list[Finding]:
+    """A compiled model's step findings: those of the step check were seen in the compiled program,
+    and name the first compiled module whose outputs were non-finite in that step (`graphs`, by step)."""
+    out = []
+    for f in found:
+        if f.name in _SEEN_BY_THE_CHECK or f.name == "compiled-only-nonfinite":
+            graph = graphs.get(f.evidence.get("step", -1))
+            extra = {"seen_in": f.evidence.get("seen_in", COMPILED), **({"compiled_output": graph} if graph else {})}
+            out.append(replace(f, evidence={**f.evidence, **extra}))
+        else:
+            out.append(f)
+    return out
 
 
 def rerun_compiled(
@@ -106,3 +117,57 @@ def compiled_only_finding(
             "compiled_rerun_loss": compiled_loss,
         },
     )
+
+
+class OutputCheck:
+    """A finite check on what each compiled module of the model returns (`torch.compile(module)`'s
+    wrappers, the model's own or its blocks'): per call, one fused reduction over its floating
+    outputs, left on the device. Nothing is read on a healthy step; on a bad one, one read names
+    the first compiled module (in call order) whose outputs were non-finite: where the compiled
+    program made the NaN/Inf, or passed it on. The hook goes on the wrapper, outside the compiled
+    code: Dynamo neither traces it nor guards on it, so nothing is recompiled."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._calls: list[tuple[str, torch.Tensor]] = []  # (module name, flag) per call in this window
+        self._handles: list[Any] = []
+        check = weakref.ref(self)
+        for name, module in model.named_modules():
+            if hasattr(module, "_orig_mod"):
+                self._handles.append(module.register_forward_hook(_output_hook(check, name or "<root>")))
+
+    def begin(self) -> None:
+        """A new window: the calls of the last one are forgotten."""
+        self._calls = []
+
+    def first_bad(self) -> dict[str, Any] | None:
+        """The first compiled module call of the window with a non-finite output (one read)."""
+        if not self._calls:
+            return None
+        flags = torch.stack([flag.to(self._calls[0][1].device) for _, flag in self._calls]).tolist()
+        counts: dict[str, int] = {}
+        for (name, _), bad in zip(self._calls, flags, strict=True):
+            counts[name] = counts.get(name, 0) + 1
+            if bad:
+                return {"module": name, "call": counts[name], "compiled_calls": len(self._calls)}
+        return None
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def note(self, name: str, output: Any) -> None:
+        tensors = [t for t in tensors_in(output) if t.is_floating_point() or t.is_complex()]
+        if tensors:
+            self._calls.append((name, nonfinite_flag([t.detach() for t in tensors], tensors[0].device)))
+
+
+def _output_hook(check: weakref.ref[OutputCheck], name: str) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        owner = check()
+        if owner is None or dynamo.compiling():
+            return
+        with contextlib.suppress(Exception):  # the observer never kills the job: this call goes unchecked
+            owner.note(name, output)
+
+    return hook

@@ -120,11 +120,10 @@ def quiet_wrapper_warning() -> Callable[[], None]:
     added = warnings.filters[0]
 
     def remove() -> None:
-        try:
-            warnings.filters.remove(added)
+        filters: list[Any] = warnings.filters  # type: ignore[assignment]  # a list at run time
+        with contextlib.suppress(ValueError, AttributeError):
+            filters.remove(added)
             warnings._filters_mutated()  # type: ignore[attr-defined]  # the module's cache of decisions
-        except (ValueError, AttributeError):
-            pass
 
     return remove
 
@@ -185,12 +184,12 @@ class _ThenLoader(importlib.abc.Loader):
         self._finder = finder
 
     def create_module(self, spec: Any) -> Any:
-        spec.loader = self._loader
         return self._loader.create_module(spec)
 
     def exec_module(self, module: types.ModuleType) -> None:
-        if getattr(module, "__spec__", None) is not None:
-            module.__spec__.loader = self._loader
+        spec = getattr(module, "__spec__", None)
+        if spec is not None:
+            spec.loader = self._loader
         module.__loader__ = self._loader
         self._loader.exec_module(module)
         self._finder.imported()

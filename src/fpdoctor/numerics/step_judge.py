@@ -162,6 +162,8 @@ class StepJudge:
         # torch.compile: fpdoctor stays out of what Dynamo compiles; findings say where they were seen
         self.is_compiled = dynamo.is_compiled(model)
         dynamo.keep_out(dynamo.fpdoctor_modules())
+        self.outputs = compiled.OutputCheck(model) if self.is_compiled else None
+        self.compiled_graphs: dict[int, dict[str, Any]] = {}  # step -> its first non-finite compiled output
         self._views = views
         self._losses: deque[float] = deque(maxlen=SPIKE_WINDOW)
         self._errors: set[tuple[str, str]] = set()
@@ -199,6 +201,8 @@ class StepJudge:
     def begin_window(self) -> None:
         """Before a window's first forward: its buffers, and the DDP hook's view, start afresh."""
         self.buffers.capture()
+        if self.outputs is not None:
+            self.outputs.begin()
         if self.bucket_watch is not None:
             self.bucket_watch.begin()
 
@@ -243,6 +247,10 @@ class StepJudge:
             self.last_good_step = f.step
             self._spike(f.step, f.loss_value)
             return outcome
+        if self.outputs is not None:  # torch.compile: the first compiled module that returned NaN/Inf
+            graph = self.outputs.first_bad()
+            if graph is not None:
+                self.compiled_graphs[f.step] = graph
         if f.applied:  # applied already: reported, not replayed (its weights are gone)
             self._attribute(f)
             return outcome
@@ -575,7 +583,9 @@ class StepJudge:
             out["updates"] = {"judged_steps": self.update_summary.steps, "why_not": self.update_summary.why_not}
         out["timeline"] = findings.timeline(self.history, self.findings, TIMELINE_POINTS)
         out["summary"] = summary
-        found = compiled.label_step_findings(self.findings) if self.is_compiled else list(self.findings)
+        found = list(self.findings)
+        if self.is_compiled:
+            found = compiled.label_step_findings(found, self.compiled_graphs)
         return Report(command="sentinel", findings=found, data=out)
 
 
