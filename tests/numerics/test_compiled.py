@@ -206,10 +206,10 @@ def test_the_first_compiled_block_with_a_nonfinite_output_is_named() -> None:
     torch.manual_seed(0)
     blocks = [nn.Linear(8, 8) for _ in range(3)]
     with torch.no_grad():
-        blocks[1].bias[0] = math.inf  # block 1 makes the first Inf; block 2 passes NaN/Inf on
+        blocks[1].weight.fill_(3e38)  # finite weights; block 1's outputs overflow, block 2 passes Inf/NaN on
     model = nn.Sequential(*[torch.compile(b, backend=BACKEND) for b in blocks])
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(4, 8)
+    x = torch.rand(4, 8) + 1.0
 
     def forward_backward() -> torch.Tensor:
         opt.zero_grad()
