@@ -332,7 +332,7 @@ TRN_RULES: tuple[Rule, ...] = (
         "lowering, or an intermediate kept in lower precision. The eager trace cannot name the op, because the "
         "eager ops are finite.",
         fix="Confirm with torch._inductor.config.emulate_precision_casts = True (Inductor then rounds as eager "
-        "does) or with backend=\"aot_eager\" (no Inductor kernels); if that makes the step finite, bisect with "
+        'does) or with backend="aot_eager" (no Inductor kernels); if that makes the step finite, bisect with '
         "torch._inductor.compiler_bisector.CompilerBisector and report the pass to PyTorch. Meanwhile compile "
         "less (torch.compiler.disable on the module that goes bad) or run it eagerly.",
     ),
