@@ -265,3 +265,28 @@ print("COUNTS", counters["stats"]["unique_graphs"], sum(counters["graph_break"].
     counts = {how: [line for line in r.stdout.splitlines() if line.startswith("COUNTS")] for how, r in runs.items()}
     assert counts["watched"] == counts["plain"] and counts["plain"]
     assert _ours(runs["watched"].stderr) == []
+
+
+def test_the_lightning_callback_on_a_compiled_model() -> None:
+    """The framework callbacks judge a compiled model's steps like the sentinel: the same graphs as
+    without fpdoctor, and a NaN in a batch found in the compiled program and named by the eager replay."""
+    pytest.importorskip("lightning.pytorch", reason="needs lightning (`make test`)")
+    from fpdoctor.integrations.lightning import FpDoctorCallback
+    from tests.integrations.lit import Net, data, trainer
+
+    def fit(callbacks: list[Any]) -> dict[str, Any]:
+        net = Net(nan_data=(3, 1))
+        net.net = torch.compile(net.net, backend=BACKEND)
+        with _dynamo_counted() as seen:
+            trainer(callbacks, max_steps=4).fit(net, data())
+        return seen
+
+    plain = fit([])
+    callback = FpDoctorCallback()
+    seen = fit([callback])
+    assert (seen["graphs"], seen["breaks"]) == (plain["graphs"], plain["breaks"])
+    assert _ours(seen["text"]) == []
+    found = {f.name: f for f in callback.report.findings}
+    assert found["nonfinite-loss"].evidence["seen_in"] == "compiled"
+    assert found["nonfinite-loss"].evidence["compiled_output"]["module"] == "net"
+    assert found["deterministic-nonfinite"].evidence["seen_in"] == "eager replay"
