@@ -143,6 +143,8 @@ def test_watch_finds_a_nan_made_in_the_compiled_region() -> None:
     assert found["deterministic-nonfinite"].evidence["seen_in"] == "eager replay"
     assert found["deterministic-nonfinite"].where["op"] == "aten.log.default"
     assert found["nonfinite-loss"].evidence["seen_in"] == "compiled"
+    model = next(iter(watch.runs.values())).judge.model
+    assert not model._forward_hooks  # nothing left on the script's compiled module once the watch ends
 
 
 def test_trace_says_its_findings_were_seen_eagerly() -> None:

@@ -173,6 +173,9 @@ class ScriptWatch:
         if self._stack is not None:
             self._stack.close()
             self._stack = None
+        for run in self.runs.values():  # the compiled-output checks on the script's compiled modules
+            if run.judge.outputs is not None:
+                run.judge.outputs.close()
         self._calls, self._losses = [], []
 
     @staticmethod
