@@ -292,3 +292,23 @@ def test_the_lightning_callback_on_a_compiled_model() -> None:
     assert found["nonfinite-loss"].evidence["seen_in"] == "compiled"
     assert found["nonfinite-loss"].evidence["compiled_output"]["module"] == "net"
     assert found["deterministic-nonfinite"].evidence["seen_in"] == "eager replay"
+
+
+def test_inductor_compiled_nan_is_found_and_replayed() -> None:
+    """The same with Inductor's C++ kernels (the rest of this file uses aot_eager to stay fast): the
+    NaN of a fused kernel is seen in the compiled program and named by the eager replay."""
+    try:
+        torch.compile(lambda x: x.exp(), backend="inductor")(torch.ones(2))
+    except Exception as exc:  # no C++ compiler, or a build that fails here
+        pytest.skip(f"Inductor cannot build kernels here: {type(exc).__name__}")
+    model, opt, forward_backward, _ = _loop(nan=True, backend="inductor")
+    guard = fpdoctor.Sentinel(model, opt)
+    with _dynamo_counted() as seen:
+        guard.step(forward_backward)
+    assert _ours(seen["text"]) == []
+    found = {f.name: f for f in guard.report.findings}
+    assert found["nonfinite-loss"].evidence["seen_in"] == "compiled"
+    assert found["nonfinite-loss"].evidence["compiled_output"]["module"] == "<root>"
+    assert found["deterministic-nonfinite"].evidence["seen_in"] == "eager replay"
+    assert found["deterministic-nonfinite"].where["op"] == "aten.log.default"
+    assert seen["graphs"] == 1  # the replay ran eagerly; nothing was compiled anew
