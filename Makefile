@@ -45,6 +45,7 @@ bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/bench_record.py
 	$(BIN)/python benchmarks/bench_watch.py
 	$(BIN)/python benchmarks/bench_updates.py
+	$(BIN)/python benchmarks/bench_compiled.py
 
 # Every GPU path on a machine with an NVIDIA GPU, within 8 minutes; without one it says so and exits 0.
 # Where no .venv can be made (a lent GPU machine): PYTHONPATH=src python3 benchmarks/gpu_check.py

@@ -360,4 +360,20 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         fix="Accumulate in fp32: fp32 master weights (their .grad and the optimizer state are fp32), or add each "
         "micro-batch's gradient into an fp32 buffer (acc += p.grad.float(); p.grad = None) and step on that.",
     ),
+    RuleInfo(
+        code="TRN012",
+        name="compiled-only-nonfinite",
+        severity=E,
+        title="The compiled program makes NaN/Inf that the same step run eagerly does not",
+        what="A step of a torch.compile'd model was non-finite; replayed eagerly under trace (same batch, RNG "
+        "state and weights) it was finite, and run compiled once more it was non-finite again. Every finding of a "
+        "compiled model says where it was seen (evidence.seen_in: compiled, or eager replay).",
+        why="The compiled kernels do not compute what the model's eager ops compute: a fusion, a decomposition or "
+        "lowering, or an intermediate kept in lower precision. The eager trace cannot name the op, because the "
+        "eager ops are finite.",
+        fix="Confirm with torch._inductor.config.emulate_precision_casts = True (Inductor then rounds as eager "
+        'does) or with backend="aot_eager" (no Inductor kernels); if that makes the step finite, bisect with '
+        "torch._inductor.compiler_bisector.CompilerBisector and report the pass to PyTorch. Meanwhile compile "
+        "less (torch.compiler.disable on the module that goes bad) or run it eagerly.",
+    ),
 )

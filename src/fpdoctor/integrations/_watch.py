@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from fpdoctor.numerics import amp, distributed
+from fpdoctor.numerics import amp, distributed, dynamo
 from fpdoctor.numerics.gradcheck import FlagRead, grads_of, nonfinite_flag
 from fpdoctor.numerics.replay import MicroBatch
 from fpdoctor.numerics.step_judge import JudgedSteps, StepFacts, StepJudge
@@ -56,6 +56,8 @@ def guarded(doing: str) -> Callable[[_Hook], _Hook]:
     def wrap(method: _Hook) -> _Hook:
         @functools.wraps(method)
         def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if dynamo.compiling():  # a model hook traced by Dynamo: inlined as nothing (numerics/dynamo.py)
+                return None
             try:
                 return method(self, *args, **kwargs)
             except Exception as exc:

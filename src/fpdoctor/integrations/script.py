@@ -44,7 +44,7 @@ from torch.utils import _pytree as pytree
 
 from fpdoctor.integrations import _watch as framework
 from fpdoctor.integrations._outputs import KeptGradients, backward_from
-from fpdoctor.numerics import amp, distributed
+from fpdoctor.numerics import amp, distributed, dynamo
 from fpdoctor.numerics.gradcheck import FlagRead, grads_of, nonfinite_flag
 from fpdoctor.numerics.replay import MicroBatch, OutputsOnly
 from fpdoctor.numerics.step_judge import StepFacts, StepJudge, StepOutcome
@@ -150,12 +150,19 @@ class ScriptWatch:
             return self
         stack = contextlib.ExitStack()
         try:
+            # torch.compile'd code compiles as it would without the watch (numerics/dynamo.py)
+            dynamo.keep_out(dynamo.fpdoctor_modules())
+            stack.callback(dynamo.quiet_wrapper_warning())
             module_hooks = torch.nn.modules.module
             stack.callback(module_hooks.register_module_forward_pre_hook(self._pre).remove)
             # with its keyword arguments (the pre-hook gets none), and even when the forward raises,
             # so that the depth count of nested calls stays right
             post = module_hooks.register_module_forward_hook(self._post, with_kwargs=True, always_call=True)
             stack.callback(post.remove)
+            # torch's handle leaves its with_kwargs mark behind: every torch.compile(module) call
+            # after the watch would then warn of global hooks that are gone
+            with_kwargs = getattr(module_hooks, "_global_forward_hooks_with_kwargs", {})
+            stack.callback(lambda: with_kwargs.pop(post.id, None))
             stack.callback(register_optimizer_step_pre_hook(self._before_step).remove)
             stack.callback(register_optimizer_step_post_hook(self._after_step).remove)
             stack.enter_context(self._swapped(torch.autograd, "backward", self._backward_of))
@@ -174,6 +181,9 @@ class ScriptWatch:
         if self._stack is not None:
             self._stack.close()
             self._stack = None
+        for run in self.runs.values():  # the compiled-output checks on the script's compiled modules
+            if run.judge.outputs is not None:
+                run.judge.outputs.close()
         self._calls, self._losses = [], []
 
     @staticmethod
@@ -196,6 +206,8 @@ class ScriptWatch:
         return getattr(self._local, "depth", 0)
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if dynamo.compiling():  # Dynamo inlines the hook as nothing; the compiled code never calls it
+            return
         depth = self._depth()
         self._local.depth = depth + 1
         if depth or self._replaying or not torch.is_grad_enabled():
@@ -212,6 +224,8 @@ class ScriptWatch:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any = None
     ) -> None:
         """After a forward; called without `output` when the forward raised (always_call)."""
+        if dynamo.compiling():
+            return
         self._local.depth = max(self._depth() - 1, 0)
         call: _Call | None = getattr(self._local, "call", None)
         if self._depth() or call is None or call.module is not module:
@@ -241,7 +255,7 @@ class ScriptWatch:
 
     def _backward_of(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            if not self._replaying:
+            if not self._replaying and not dynamo.compiling():
                 try:
                     for t in [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ()):
                         if isinstance(t, torch.Tensor) and t.numel() == 1:
@@ -270,6 +284,8 @@ class ScriptWatch:
         return step
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if dynamo.compiling():  # a step traced into a graph: judged where it runs eagerly, or not at all
+            return
         key = id(optimizer)
         scaler = self._scaler_now.get(key)
         self._judged.add(key)

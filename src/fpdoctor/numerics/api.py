@@ -106,6 +106,9 @@ class Trace:
 
         import torch
 
+        from fpdoctor.numerics import dynamo
+
+        dynamo.keep_out([*dynamo.fpdoctor_modules(), type(self.tracer)])  # never compiled by Dynamo
         # torch.compile'd code runs eagerly while traced, so every op is seen; the report says so.
         # Only where something was compiled: torch._dynamo is then imported already, and
         # importing it for a plain model costs ~2.6 s and ~77 MiB (set_stance imports it).
@@ -270,6 +273,9 @@ class Trace:
         not_checked = {f"hook error {i}": e for i, e in enumerate(tracer.errors)}
         not_checked.update(repro_notes)
         if self.tracker.saw_compiled:
+            from fpdoctor.numerics import compiled
+
+            findings = compiled.seen_in(findings, compiled.EAGER)  # evidence.seen_in: not the compiled program
             not_checked["torch.compile"] = (
                 "compiled code ran eagerly while traced (set_stance force_eager): the ops "
                 "are the model's own, not the fused kernels; compare with an untraced run"

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from fpdoctor.numerics import amp, checkpoint, distributed
+from fpdoctor.numerics import amp, checkpoint, distributed, dynamo
 from fpdoctor.numerics import sentinel_findings as findings
 from fpdoctor.numerics.gradcheck import (
     FlagRead,
@@ -97,7 +97,7 @@ def _steps_of(optimizer: torch.optim.Optimizer, seen: list[torch.optim.Optimizer
     nothing is left on the user's optimizer)."""
 
     def note(opt: Any, args: Any, kwargs: Any) -> None:
-        if opt is optimizer:
+        if opt is optimizer and not dynamo.compiling():  # traced by Dynamo: inlined as nothing
             seen.append(opt)
 
     handle = register_optimizer_step_post_hook(note)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics import amp, distributed
+from fpdoctor.numerics import amp, compiled, distributed, dynamo
 from fpdoctor.numerics import sentinel_findings as findings
 from fpdoctor.numerics.causes import Causes, cause_of
 from fpdoctor.numerics.control import ControlResult, run_control, wants_control
@@ -160,6 +160,11 @@ class StepJudge:
         self.params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self.buffers = BufferSnapshot(model)
+        # torch.compile: fpdoctor stays out of what Dynamo compiles; findings say where they were seen
+        self.is_compiled = dynamo.is_compiled(model)
+        dynamo.keep_out(dynamo.fpdoctor_modules())
+        self.outputs = compiled.OutputCheck(model) if self.is_compiled else None
+        self.compiled_graphs: dict[int, dict[str, Any]] = {}  # step -> its first non-finite compiled output
         self._views = views
         self._losses: deque[float] = deque(maxlen=SPIKE_WINDOW)
         self._errors: set[tuple[str, str]] = set()
@@ -197,6 +202,8 @@ class StepJudge:
     def begin_window(self) -> None:
         """Before a window's first forward: its buffers, and the DDP hook's view, start afresh."""
         self.buffers.capture()
+        if self.outputs is not None:
+            self.outputs.begin()
         if self.bucket_watch is not None:
             self.bucket_watch.begin()
 
@@ -241,6 +248,10 @@ class StepJudge:
             self.last_good_step = f.step
             self._spike(f.step, f.loss_value)
             return outcome
+        if self.outputs is not None:  # torch.compile: the first compiled module that returned NaN/Inf
+            graph = self.outputs.first_bad()
+            if graph is not None:
+                self.compiled_graphs[f.step] = graph
         if f.applied:  # applied already: reported, not replayed (its weights are gone)
             self._attribute(f)
             return outcome
@@ -357,6 +368,11 @@ class StepJudge:
         every rank in the same order; gradients stay local (`local_replay`). Then every rank
         receives every faulty rank's verdict, so all reports say the same."""
         result = self._run_replay(f)
+        if self.is_compiled and faulty and not self.distributed and result.verdict == "transient-fault-suspected":
+            only = self._compiled_only(f, kind, result.loss)  # torch.compile: numerics/compiled.py
+            if only is not None:
+                self._add_all([only])
+                return "compiled-only-nonfinite"
         control: ControlResult | None = None
         if faulty and not self.distributed and result.verdict == "deterministic-nonfinite":
             culprit = result.culprit
@@ -397,8 +413,25 @@ class StepJudge:
         made = findings.verdict_findings(
             f.step, result, me, micro_batches=f.micro_batches > 1, kind=kind, control=control, health=health
         )
+        if self.is_compiled and result.verdict == "deterministic-nonfinite":  # the compiled model, run eagerly
+            made = compiled.seen_in(made, compiled.EAGER_REPLAY)
         # the trace's own findings of the replay (the op of origin's) belong to this step too
         return [m if "step" in m.evidence else replace(m, evidence={**m.evidence, "step": f.step}) for m in made]
+
+    def _compiled_only(self, f: StepFacts, kind: str | None, eager_loss: float) -> Finding | None:
+        """The eager replay of a compiled model's bad step was finite: run it compiled once more."""
+        saved = [(p, p.grad) for p in self.params]
+        try:
+            bad, loss = compiled.rerun_compiled(self.model, self.params, f.step_fn, f.window, f.contexts())
+        except Exception as exc:
+            self.error("re-running the step compiled", exc, step=f.step)
+            return None
+        finally:
+            for p, g in saved:
+                p.grad = g
+        if not bad:
+            return None
+        return compiled.compiled_only_finding(f.step, kind, eager_loss, loss, self.here)
 
     def _collapse(self, f: StepFacts, next_scale: float) -> None:
         self.causes.add(
@@ -552,7 +585,10 @@ class StepJudge:
             out["updates"] = {"judged_steps": self.update_summary.steps, "why_not": self.update_summary.why_not}
         out["timeline"] = findings.timeline(self.history, self.findings, TIMELINE_POINTS)
         out["summary"] = summary
-        return Report(command="sentinel", findings=list(self.findings), data=out)
+        found = list(self.findings)
+        if self.is_compiled:
+            found = compiled.label_step_findings(found, self.compiled_graphs)
+        return Report(command="sentinel", findings=found, data=out)
 
 
 class JudgedSteps:

@@ -1,0 +1,195 @@
+"""Keeping fpdoctor's own code out of what torch.compile traces and compiles.
+
+Every observer fpdoctor installs (the trace's dispatch mode and module hooks, the sentinel's and
+`watch`'s global module and optimizer hooks, the swapped `torch.autograd.backward`, the breadcrumb
+recorder) can be called from code that Dynamo is tracing or running. Two rules keep the user's
+compiled program the one it would be without fpdoctor (no graph break, no recompile, no warning
+of ours):
+
+- while Dynamo *traces*, a hook returns at once (`compiling()`), so Dynamo inlines it as nothing;
+- when Dynamo *runs* the code around a graph break, it must not compile fpdoctor's functions as
+  frames of their own: their code objects are marked to be skipped (`keep_out`).
+
+torch._dynamo costs seconds and ~77 MiB to import, so nothing here imports it: `keep_out` marks
+the code now if the program has imported it, or as soon as it does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterable
+from typing import Any
+
+_DYNAMO = "torch._dynamo"
+_lock = threading.Lock()
+_waiting: list[Any] = []  # objects to skip once torch._dynamo is imported
+_done: set[int] = set()  # ids of the objects kept out (or waiting to be) already
+
+
+def compiling() -> bool:
+    """True while Dynamo traces (or torch.export exports) the calling code: a hook that returns at
+    once then adds nothing to the graph. Cheap: a flag read; imports nothing."""
+    import torch
+
+    return bool(torch.compiler.is_compiling())
+
+
+def keep_out(objects: Iterable[Any]) -> None:
+    """`never_compile(objects)` now if torch._dynamo is imported, else when the program imports it
+    (torch.compile imports it when it is first called). Never raises."""
+    try:
+        objects = [o for o in objects if id(o) not in _done]
+        _done.update(id(o) for o in objects)  # modules and classes live as long as the process
+        if not objects:
+            return
+        if _DYNAMO in sys.modules and hasattr(sys.modules[_DYNAMO], "eval_frame"):
+            never_compile(objects)
+            return
+        with _lock:
+            _waiting.extend(objects)
+            if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+                sys.meta_path.insert(0, _AfterImport(_DYNAMO, _skip_waiting))
+    except Exception:  # the observer never kills the job
+        pass
+
+
+def _skip_waiting() -> None:
+    with _lock:
+        objects, _waiting[:] = list(_waiting), []
+    never_compile(objects)
+
+
+def never_compile(objects: Iterable[Any]) -> None:
+    """Dynamo runs every function and method of `objects` (functions, classes and modules), and
+    whatever they call, as plain Python: when it runs the code around a graph break it would
+    otherwise compile fpdoctor's hooks and dispatch-mode functions as frames of their own."""
+    try:  # this frame and every frame it calls (the standard library's helpers included)
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        def skip(code: types.CodeType) -> None:
+            set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+    except ImportError:  # an older torch: this frame only
+        from torch._dynamo.eval_frame import skip_code as skip
+
+    todo = []
+    for obj in objects:
+        if isinstance(obj, types.ModuleType):  # its own functions and classes, not what it imported
+            members = [v for v in vars(obj).values() if getattr(v, "__module__", None) == obj.__name__]
+            todo += [getattr(m, "__code__", None) for m in members]
+            members = [m for m in members if isinstance(m, type)]
+            todo += [getattr(f, "__code__", None) for cls in members for f in _functions_of(cls)]
+            continue
+        members = _functions_of(obj) if isinstance(obj, type) else [obj]
+        todo += [getattr(m, "__code__", None) for m in members]
+    seen: set[types.CodeType] = set()
+    while todo:
+        code = todo.pop()
+        if not isinstance(code, types.CodeType) or code in seen:
+            continue
+        seen.add(code)
+        skip(code)
+        todo += [c for c in code.co_consts if isinstance(c, types.CodeType)]  # closures, comprehensions
+
+
+def _functions_of(cls: type) -> list[Any]:
+    """A class's functions, those under staticmethod, classmethod and property included."""
+    out: list[Any] = []
+    for member in vars(cls).values():
+        value = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
+        if isinstance(value, property):
+            out += [value.fget, value.fset, value.fdel]
+            continue
+        out.append(value)
+    return out
+
+
+def quiet_wrapper_warning() -> Callable[[], None]:
+    """torch.compile(module) warns, at each call, that global module hooks fire once more for its
+    wrapper; fpdoctor's hooks handle that (they name the wrapped model), and a warning the
+    program would not print without fpdoctor is not the program's. Returns what takes the filter
+    away again (and no filter the program added meanwhile)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+    added = warnings.filters[0]
+
+    def remove() -> None:
+        filters: list[Any] = warnings.filters  # type: ignore[assignment]  # a list at run time
+        with contextlib.suppress(ValueError, AttributeError):
+            filters.remove(added)
+            warnings._filters_mutated()  # type: ignore[attr-defined]  # the module's cache of decisions
+
+    return remove
+
+
+def fpdoctor_modules() -> list[types.ModuleType]:
+    """fpdoctor's modules imported so far: what its hooks call (a module imported later runs from
+    frames of these, and a skipped frame's callees are skipped too)."""
+    return [m for name, m in list(sys.modules.items()) if name.split(".")[0] == "fpdoctor" and m is not None]
+
+
+def is_compiled(model: Any) -> bool:
+    """The model, or a module in it, runs through torch.compile (`torch.compile(model)`'s wrapper
+    or `module.compile()`)."""
+    try:
+        modules = model.modules() if hasattr(model, "modules") else []
+        return any(hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None for m in modules)
+    except Exception:
+        return False
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Lets `name` import as usual, then calls `then` (once). Only its loader is wrapped, and the
+    real one is put back before the module's code runs, so its __spec__ is what it would be."""
+
+    def __init__(self, name: str, then: Callable[[], None]) -> None:
+        self.name = name
+        self.then = then
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+            if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+                return None
+            spec.loader = _ThenLoader(spec.loader, self)
+            return spec
+        except Exception:
+            return None
+
+    def imported(self) -> None:
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+        with contextlib.suppress(Exception):  # the observer never kills the job
+            self.then()
+
+
+class _ThenLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any, finder: _AfterImport) -> None:
+        self._loader = loader
+        self._finder = finder
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        spec = getattr(module, "__spec__", None)
+        if spec is not None:
+            spec.loader = self._loader
+        module.__loader__ = self._loader
+        self._loader.exec_module(module)
+        self._finder.imported()
