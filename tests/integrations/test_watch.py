@@ -231,7 +231,8 @@ def test_a_script_that_raises_exits_as_python_would_and_is_never_ok(tmp_path):
         ([], "no script given"),
         (["--", "python"], "no script given"),
         (["--", "missing.py"], "missing.py: no such script"),
-        (["--", "python", "-c", "print(1)"], "-c: only a script is run"),
+        (["--", "python", "-c", "print(1)"], "-c: python's options other than -u and -m are not supported"),
+        (["--", "python", "-m"], "-m needs a module name"),
         (["--bogus"], "unrecognized arguments"),
     ],
 )
@@ -383,3 +384,11 @@ def test_three_optimizers_a_disabled_scaler_a_caught_error_and_a_loss_made_nan_a
     assert verdicts == [("deterministic-nonfinite", 3), ("deterministic-nonfinite", 5)]
     after = next(f for f in report["findings"] if f["name"] == replayed[0] and f["evidence"]["step"] == 5)
     assert "made after the model, in the loss computation" in after["message"]
+
+
+def test_python_dash_m_runs_a_module_as_python_would(tmp_path):
+    _write(tmp_path, "trainmod.py", TRAIN)
+    watched = _watch(tmp_path, "python", "-u", "-m", "trainmod", str(tmp_path / "m.pt"))
+    assert watched.returncode == 0, watched.stderr
+    assert watched.stdout == "trained\n"
+    assert _report(tmp_path)["data"]["steps"] == 8

@@ -36,6 +36,7 @@ class KeptGradients:
     # step, whether they were finite; `loss_bad`: the front end saw the step's loss non-finite
     originals: list[torch.Tensor] = field(default_factory=list)
     outputs_finite: bool = True
+    loss: torch.Tensor | None = None  # the loss whose backward reached these outputs (0-d), where seen
     loss_bad: bool = False
 
     def watch(self, output: Any) -> None:
@@ -90,5 +91,6 @@ def backward_from(output: Any, kept: KeptGradients) -> OutputsOnly | None:
         finite = all(
             bool(torch.isfinite(t).all()) for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)
         )
-    # finite outputs and a non-finite gradient arriving at them: made after the model, in the loss
-    return OutputsOnly(finite, after_outputs=finite and not kept.finite)
+    # outputs finite in the step and now, and a non-finite gradient arriving at them: made after
+    # the model, in the loss (outputs that were not finite in the step and are now: a transient fault)
+    return OutputsOnly(finite, after_outputs=finite and not kept.finite and kept.outputs_finite)

@@ -255,14 +255,23 @@ class ScriptWatch:
 
     def _backward_of(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            if not self._replaying and not dynamo.compiling():
-                try:
-                    for t in [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ()):
-                        if isinstance(t, torch.Tensor) and t.numel() == 1:
-                            self._losses.append(t.detach().reshape(()).float())
-                except Exception as exc:
-                    self._error("reading the loss", exc)
-            return original(tensors, *args, **kwargs)
+            if self._replaying or dynamo.compiling():
+                return original(tensors, *args, **kwargs)
+            loss: torch.Tensor | None = None
+            waiting: list[_Call] = []
+            try:
+                for t in [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ()):
+                    if isinstance(t, torch.Tensor) and t.numel() == 1:
+                        loss = t.detach().reshape(()).float()
+                        self._losses.append(loss)
+                waiting = [c for c in self._calls if not c.kept.grads]
+            except Exception as exc:
+                self._error("reading the loss", exc)
+            result = original(tensors, *args, **kwargs)
+            for call in waiting:  # the forwards this backward reached: this loss is theirs
+                if call.kept.grads and call.kept.loss is None:
+                    call.kept.loss = loss
+            return result
 
         return backward
 
@@ -392,7 +401,7 @@ class ScriptWatch:
         if bad_loss or bad_grad:  # host reads, bad steps only, outside the replay's trace
             for c in mine:
                 c.kept.read_finite()
-                c.kept.loss_bad = bool(mine_bad)
+                c.kept.loss_bad = c.kept.loss is not None and not bool(torch.isfinite(c.kept.loss))
         facts = StepFacts(
             judge.steps,
             bad_loss=bad_loss,
