@@ -146,8 +146,11 @@ def _report(tmp_path: Path, name: str = "report.json") -> dict:
 def test_a_healthy_script_trains_to_bitwise_the_same_weights(tmp_path):
     script = _write(tmp_path, "train.py", TRAIN)
     plain = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "plain.pt")], check=False,
-        capture_output=True, text=True, timeout=120
+        [sys.executable, str(script), str(tmp_path / "plain.pt")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert plain.returncode == 0, plain.stderr
     watched = _watch(tmp_path, "python", str(script), str(tmp_path / "watched.pt"))

@@ -88,9 +88,7 @@ def backward_from(output: Any, kept: KeptGradients) -> OutputsOnly | None:
         torch.autograd.backward(tensors, grads)
         return None
     with torch.no_grad():
-        finite = all(
-            bool(torch.isfinite(t).all()) for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)
-        )
+        finite = all(bool(torch.isfinite(t).all()) for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor))
     # outputs finite in the step and now, and a non-finite gradient arriving at them: made after
     # the model, in the loss (outputs that were not finite in the step and are now: a transient fault)
     return OutputsOnly(finite, after_outputs=finite and not kept.finite and kept.outputs_finite)

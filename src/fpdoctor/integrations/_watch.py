@@ -265,11 +265,7 @@ class StepWatch(JudgedSteps):
         finally:
             # a bad step is not applied, whatever failed after its check; an Inf gradient under a
             # GradScaler is the scaler's to skip (its step() finds it; ours would hide it from it)
-            skip = (
-                checked is not None
-                and not checked.finite
-                and not (self.scaler is not None and checked.bad_grad)
-            )
+            skip = checked is not None and not checked.finite and not (self.scaler is not None and checked.bad_grad)
             self._micros, self._checked, self._why_not, self._loss_unseen = [], None, None, False
             if skip:
                 for p in params if params is not None else self._params:

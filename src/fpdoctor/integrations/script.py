@@ -220,9 +220,7 @@ class ScriptWatch:
         except Exception as exc:
             self._error("noting a forward", exc)
 
-    def _post(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any = None
-    ) -> None:
+    def _post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any = None) -> None:
         """After a forward; called without `output` when the forward raised (always_call)."""
         if dynamo.compiling():
             return
@@ -391,9 +389,11 @@ class ScriptWatch:
         scale_value = values[3] if scaler is not None else None
         curve = [v / scale_value if scale_value else v for v in values[4:]]
         finite_curve = [v for v in curve if math.isfinite(v)]
-        loss_value = (sum(curve) / len(curve) if curve else math.nan) if not finite_curve or mine_bad else sum(
-            finite_curve
-        ) / len(finite_curve)
+        loss_value = (
+            (sum(curve) / len(curve) if curve else math.nan)
+            if not finite_curve or mine_bad
+            else sum(finite_curve) / len(finite_curve)
+        )
         if skipped_by_scaler:
             bad_grad = True  # the scaler found the Inf itself: its found_inf decided
         judge.steps += 1
@@ -479,6 +479,7 @@ class ScriptWatch:
                 stack.enter_context(torch.autocast(device, dtype=dtype))  # a control switches it off
             output = call.module(*args, **kwargs)
         return backward_from(output, call.kept)
+
     def _tell(self, run: _Run, outcome: StepOutcome) -> None:
         """One line per bad step, until a cause repeats: then one line per 100 of its steps."""
         if self.notify is None or outcome.finite or outcome.verdict == "amp-skip":
