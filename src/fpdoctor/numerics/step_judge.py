@@ -579,7 +579,16 @@ class StepJudge:
                 "scale": watch.scale,
                 "min_scale": watch.min_scale,
             }
-            summary.append(("AMP overflow skips", f"{watch.skipped} ({rate:.1%}), scale {watch.scale}"))
+            # the scaler's skips of steps whose loss was finite and gradients overflowed; a step with a
+            # NaN/Inf loss is counted as non-finite above, whoever skipped it
+            summary.append(
+                (
+                    "AMP overflow skips",
+                    f"{watch.skipped} ({rate:.1%}) with a finite loss, scale {watch.scale:g}"
+                    if watch.scale is not None
+                    else f"{watch.skipped} ({rate:.1%}) with a finite loss",
+                )
+            )
         if self.update_summary is not None:  # low-precision trainable weights: whether their updates were judged
             summary.append(("training updates", self.update_summary.text()))
             out["updates"] = {"judged_steps": self.update_summary.steps, "why_not": self.update_summary.why_not}
