@@ -154,3 +154,25 @@ def test_a_grad_scaler_the_user_steps_outside_the_guard_keeps_its_gradients(bad_
         assert unchanged == (i == bad_step)  # the scaler skipped the bad step itself, and only it
     report = guard.report
     assert report.by_name("deterministic-nonfinite")[0].evidence["step"] == bad_step
+
+
+def test_a_run_that_diverges_from_its_first_steps_is_a_spike():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=5.0)  # far too high from the start
+    guard = fpdoctor.Sentinel(model, opt)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        return loss
+
+    g = torch.Generator().manual_seed(1)
+    losses = [
+        float(guard.step(step, torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)).detach())
+        for _ in range(6)
+    ]
+    spikes = guard.report.by_name("loss-spike")
+    assert max(losses[1:]) > 100 * losses[0]  # the reproduction diverges within 6 steps
+    assert len(spikes) == 1 and spikes[0].evidence["step"] <= 6

@@ -48,6 +48,8 @@ SPIKE_MIN_HISTORY = 8
 # SPIKE_RATIO times it, is a spike: both, so that a flat loss curve's tiny noise does not count.
 SPIKE_SIGMAS = 6.0
 SPIKE_RATIO = 1.5
+# Before SPIKE_MIN_HISTORY steps, a loss this many times the first step's is a spike (divergence).
+SPIKE_EARLY_RATIO = 100.0
 
 # A cause that reproduced on replay this many times is not replayed again: the next bad steps with
 # the same symptoms are counted under it (a replay costs a traced step; forty of them say nothing new).
@@ -448,18 +450,25 @@ class StepJudge:
         if not math.isfinite(loss_value):  # a NaN in the history would switch spike detection off
             return
         history = self._losses
+        spiked = False
         if len(history) >= SPIKE_MIN_HISTORY:
             # floats, not statistics.pstdev's exact fractions: 32 values, every step, within 1e-15
             mean = math.fsum(history) / len(history)
             spread = math.sqrt(math.fsum((v - mean) ** 2 for v in history) / len(history))
-            if loss_value > mean + SPIKE_SIGMAS * spread and loss_value > SPIKE_RATIO * abs(mean):
-                # spikes on consecutive steps are one episode (a loss that climbs step after step)
-                last = self._spike_at
-                episode = last[1] if last is not None and last[0] == step - 1 else ("loss-spike", step)
-                self._spike_at = (step, episode)
-                self.causes.add(
-                    findings.spike_finding(step, loss_value, mean, spread, len(history), here=self.here), episode
-                )
+            spiked = loss_value > mean + SPIKE_SIGMAS * spread and loss_value > SPIKE_RATIO * abs(mean)
+        elif history and history[0] > 0:
+            # too few steps for a spread: a run that diverges from its first steps (a learning rate far
+            # too high) is judged against its first loss
+            mean, spread = history[0], 0.0
+            spiked = loss_value > SPIKE_EARLY_RATIO * history[0]
+        if spiked:
+            # spikes on consecutive steps are one episode (a loss that climbs step after step)
+            last = self._spike_at
+            episode = last[1] if last is not None and last[0] == step - 1 else ("loss-spike", step)
+            self._spike_at = (step, episode)
+            self.causes.add(
+                findings.spike_finding(step, loss_value, mean, spread, len(history), here=self.here), episode
+            )
         history.append(loss_value)
 
     def _progress(self) -> None:
