@@ -253,3 +253,48 @@ def test_bad_settings_are_refused_when_the_callback_is_made(tmp_path):
 def test_it_is_a_trainer_callback():
     assert isinstance(FpDoctorCallback(), transformers.TrainerCallback)
     assert FpDoctorCallback().report.data["steps"] == 0
+
+
+FAILING_TRAIN = """
+import sys
+import transformers
+from fpdoctor.integrations.hf import FpDoctorCallback
+from tests.integrations.hf import Tokens, arguments, tiny_gpt2
+
+
+class Boom(transformers.TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 3:
+            raise RuntimeError("the job failed at step 3")
+
+
+model = tiny_gpt2()
+callback = FpDoctorCallback(report_path=sys.argv[1])
+args = arguments(__import__("pathlib").Path(sys.argv[2]))
+trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback, Boom()])
+trainer.train()
+"""
+
+
+def test_a_train_that_raises_still_writes_its_report_when_the_process_exits(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = tmp_path / "fail.py"
+    script.write_text(FAILING_TRAIN)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)]), "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "report.json"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        cwd=root,
+        env=env,
+    )
+    assert run.returncode == 1 and "the job failed at step 3" in run.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["data"]["steps"] == 3

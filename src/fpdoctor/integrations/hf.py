@@ -32,7 +32,9 @@ advancing on a step it skipped (the Trainer only holds it back for the GradScale
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import importlib
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -85,6 +87,8 @@ class FpDoctorCallback(_Callback):
         self._replaying = False
         self._backward_queued = False
         self._kept: KeptGradients | None = None  # the current micro-batch's output gradients
+        self._at_exit: Any = None  # the exit handler of a training in progress
+        self._finished: StepWatch | None = None  # the watch whose report was written
         self._unlogged = 0  # non-finite steps since the last log
         self._filtering = True
         self._main = True  # the world's process 0: the one that logs
@@ -122,6 +126,11 @@ class FpDoctorCallback(_Callback):
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
         ]
+        # a train() that raises ends without on_train_end: the report is still written at exit
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
+        self._at_exit = functools.partial(self._finish_at_exit, args)
+        atexit.register(self._at_exit)
 
     @guarded("ending a micro-batch")
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -166,10 +175,19 @@ class FpDoctorCallback(_Callback):
 
     @guarded("writing the report")
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._finish(args)
+
+    def _finish(self, args: Any) -> None:
+        """The hooks off the model, the report written and summed up: at the end of training, or -
+        the Trainer tells its callbacks nothing when `train()` raises - when the process exits."""
         watch = self._watch
         self._close()
-        if watch is None:
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
+            self._at_exit = None
+        if watch is None or watch is self._finished:
             return
+        self._finished = watch
         report = _report.build(watch, "transformers")
         world = int(getattr(args, "world_size", 1) or 1)
         rank = int(getattr(args, "process_index", 0)) if world > 1 else None
@@ -258,6 +276,12 @@ class FpDoctorCallback(_Callback):
             yield
         finally:
             self._replaying = False
+
+    def _finish_at_exit(self, args: Any) -> None:
+        try:
+            self._finish(args)
+        except Exception as exc:  # at exit: said, never raised
+            _logger().error(f"fpdoctor: writing the report at exit failed ({type(exc).__name__}: {exc})")
 
     def _logger(self) -> Any:
         return _logger()
