@@ -31,6 +31,9 @@ def in_terminal(argv: list[str], *, env: dict[str, str] | None = None, keys: byt
     exit status as os.waitstatus_to_exitcode gives it and everything the terminal showed."""
     pid, fd = pty.fork()
     if pid == 0:  # pragma: no cover - the child execs at once
+        # as from an interactive shell: SIGINT at its default (a job started in the background by a
+        # non-interactive shell, CI's or a test runner's, inherits it ignored)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.execve(argv[0], argv, {**os.environ, **(env or {})})
     shown, typed = b"", not keys
     deadline = time.monotonic() + 120

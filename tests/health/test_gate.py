@@ -221,8 +221,7 @@ def test_a_gemm_that_never_returns_is_a_failing_gpu(monkeypatch):
     )
     monkeypatch.setattr(fingerprint, "WORK_SLACK_S", 1.0)
     monkeypatch.setattr(fingerprint, "_devices", lambda device, dist: (["cuda:0"], []))
-    monkeypatch.setattr(fingerprint, "_child_command", lambda spec: [sys.executable, "-c", code])
-    result = fingerprint.run_fingerprints(0.2)
+    result = fingerprint.run_fingerprints(0.2, child_command=lambda spec: [sys.executable, "-c", code])
     (finding,) = result.findings
     assert finding.name == "probe-timed-out" and finding.severity is Severity.ERROR
     assert "still in seeded bf16" in finding.message and "not healthy" in finding.message
