@@ -298,3 +298,12 @@ def test_a_train_that_raises_still_writes_its_report_when_the_process_exits(tmp_
     assert run.returncode == 1 and "the job failed at step 3" in run.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["data"]["steps"] == 3
+
+
+def test_pure_bf16_weights_whose_updates_round_away_are_named(tmp_path):
+    model = tiny_gpt2().to(torch.bfloat16)
+    callback = FpDoctorCallback()
+    _trainer(tmp_path, model, [callback], max_steps=12, learning_rate=1e-5, max_grad_norm=0.0).train()
+    (found,) = callback.report.by_name("update-rounded-away")
+    assert found.evidence["dtype"] == "bfloat16"
+    assert any(p["rounded_share"] > 0.5 for p in found.evidence["parameters"])

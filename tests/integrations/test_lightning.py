@@ -120,7 +120,8 @@ def test_an_fp16_overflow_is_an_amp_skip_not_a_fault(kind):
     # fused: Lightning leaves the unscaling to the optimizer, so the callback sees scaled gradients
     plugin = _fp16()
     _, weights, report = _fit(Net(scale_data=(3, 1000.0), optimizer=kind), max_steps=6, plugins=[plugin])
-    assert report.findings == []  # the scaler's business: no NaN finding, no replay
+    # the scaler's business: no NaN finding, no replay; the batch scaled 1000x is a loss spike
+    assert [f.name for f in report.findings] == ["loss-spike"]
     amp = report.data["amp"]
     assert amp["skipped_steps"] == 1 and amp["skip_rate"] == pytest.approx(1 / 6)
     assert report.data["nonfinite_steps"] == 0 and report.data["timeline"]["amp_skipped"] == [3]
@@ -294,3 +295,13 @@ def test_a_failure_of_the_callbacks_own_never_stops_training(monkeypatch):
     assert "the check broke" in error.message
     assert report.data["steps"] == 4
     assert not same(weights.before[3], weights.before[4])  # the steps went on, unguarded
+
+
+def test_pure_bf16_weights_whose_updates_round_away_are_named():
+    module = Net(optimizer="adamw")
+    module.configure_optimizers = lambda: torch.optim.AdamW(module.parameters(), lr=1e-5)  # a typical fp32 lr
+    callback = FpDoctorCallback()
+    trainer(callbacks=[callback], max_steps=12, precision="bf16-true").fit(module, data())
+    (found,) = callback.report.by_name("update-rounded-away")
+    assert found.evidence["dtype"] == "bfloat16"
+    assert any(p["rounded_share"] > 0.5 for p in found.evidence["parameters"])

@@ -51,7 +51,8 @@ def test_an_overflowing_batch_is_an_amp_skip_and_training_goes_on(declared):
     for x, y in batches[3:]:
         guard.step(step, x, y)
     report = guard.report
-    assert report.findings == []  # expected under a scaler: no NaN finding, no replay
+    # expected under a scaler: no NaN finding, no replay; the batch scaled to overflow is a loss spike
+    assert [f.name for f in report.findings] == ["loss-spike"]
     assert report.data["skipped_steps"] == 0 and report.data["nonfinite_steps"] == 0
     amp = report.data["amp"]
     assert amp["skipped_steps"] == 1 and amp["skip_rate"] == pytest.approx(1 / 5)

@@ -35,6 +35,7 @@ from fpdoctor.numerics import amp, distributed, dynamo
 from fpdoctor.numerics.gradcheck import FlagRead, grads_of, nonfinite_flag
 from fpdoctor.numerics.replay import MicroBatch
 from fpdoctor.numerics.step_judge import JudgedSteps, StepFacts, StepJudge
+from fpdoctor.numerics.updates import UpdateProbe, UpdateStats
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Report
 
@@ -150,6 +151,19 @@ class StepWatch(JudgedSteps):
         self._why_not: str | None = None  # why the current window cannot be replayed
         self._checked: Check | None = None
         self._loss_unseen = False  # a micro-batch of the window computed its loss where no hook sees it
+        # low-precision weights: every probe.every-th applied step measured for updates rounded away
+        self._probe: UpdateProbe | None = None
+        self._sample: Any = None
+        if optimizer is not None:
+            try:
+                probe = UpdateProbe(model, optimizer)
+                if probe.low_precision:
+                    if probe.why_not is None:
+                        self._probe = probe
+                    else:
+                        self._judge.updates(UpdateStats(0, type(optimizer).__name__, why_not=probe.why_not))
+            except Exception as exc:
+                self._error("preparing the update check", exc)
         ACTIVE.add(self)
 
     @property
@@ -208,6 +222,26 @@ class StepWatch(JudgedSteps):
         """The current window's recorded arguments of type `kind` (what the callback passed in)."""
         return [a for m in self._micros for a in (m.args or ()) if isinstance(a, kind)]
 
+    def no_update_check(self, why: str) -> None:
+        """The framework changes the update after the callback sees the gradients: not measured."""
+        if self._probe is not None:
+            self._probe = None
+            self._judge.updates(UpdateStats(0, type(self._probe_optimizer()).__name__, why_not=why))
+
+    def _probe_optimizer(self) -> Any:
+        return self._judge.optimizer
+
+    def after_step(self) -> None:
+        """The optimizer has stepped: a step measured for its updates is read and judged."""
+        probe, sample, self._sample = self._probe, self._sample, None
+        if probe is None or sample is None:
+            return
+        try:
+            probe.after(sample)
+            self._judge.updates(probe.read(sample), every=probe.every)
+        except Exception as exc:
+            self._error("measuring the optimizer's updates", exc)
+
     def cannot_replay(self, why: str) -> None:
         """The current window cannot be replayed faithfully; a bad step says why instead of a verdict."""
         self._why_not = self._why_not or why
@@ -259,7 +293,13 @@ class StepWatch(JudgedSteps):
             judge.steps += 1  # counted whether or not the check worked (then the step goes on unguarded)
             judge.micro_batches += len(self._micros)
             if checked is not None:
-                judge.judge(self._facts(checked))
+                outcome = judge.judge(self._facts(checked))
+                probe = self._probe
+                if probe is not None and outcome.finite and probe.due(judge.steps):
+                    try:  # the sample and the intended update in fp32, before the framework steps
+                        self._sample = probe.before(judge.steps)
+                    except Exception as exc:
+                        self._error("measuring the optimizer's updates", exc, step)
         except Exception as exc:
             self._error("deciding the step", exc, step)
         finally:

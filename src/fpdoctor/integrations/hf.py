@@ -163,6 +163,11 @@ class FpDoctorCallback(_Callback):
             if line:
                 _logger().warning(line)
 
+    @guarded("measuring the optimizer's updates")
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._watch is not None:
+            self._watch.after_step()
+
     @guarded("adding to the log")
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if not self._unlogged or logs is None:

@@ -115,6 +115,9 @@ class _Hooks:
         )
         if not pl_module.automatic_optimization:
             self._watch.cannot_replay_any = "manual optimization: training_step steps the optimizer itself"
+        if getattr(trainer, "gradient_clip_val", None):
+            # Lightning clips after on_before_optimizer_step: the update the callback would infer is not the one taken
+            self._watch.no_update_check("Lightning clips the gradients after the callback sees them")
 
     @guarded("preparing the step")
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -148,6 +151,11 @@ class _Hooks:
             and not (watch.scaler is not None and checked.bad_grad and not checked.bad_loss)
         ):
             self._log_step(trainer, step)
+
+    @guarded("measuring the optimizer's updates")
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._watch is not None:
+            self._watch.after_step()  # a step measured at on_before_optimizer_step has been taken
 
     @guarded("writing the report")
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:

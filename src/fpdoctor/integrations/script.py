@@ -142,6 +142,7 @@ class ScriptWatch:
         self._replaying = False
         self._stack: contextlib.ExitStack | None = None
         self._told: dict[str, int] = {}  # bad-step lines said, by verdict
+        self._before: set[int] = set()
         self._event = 0  # optimizer steps (of any optimizer) seen so far: when each forward's backward ran
 
     # -- entering and leaving --------------------------------------------------------------------
@@ -172,6 +173,7 @@ class ScriptWatch:
             stack.close()
             raise
         self._stack = stack
+        self._before = set(map(id, framework.ACTIVE))  # callbacks of earlier trainings are not this run's
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -531,7 +533,8 @@ class ScriptWatch:
                     {k: other.data[k] for k in ("steps", "skipped_steps", "nonfinite_steps", "verdicts")}
                 )
             report = Report(command="watch", findings=[*self.errors, *report.findings], data=report.data)
-        for callback in list(framework.ACTIVE):  # a Lightning or HF callback's steps, judged by it
+        before: set[int] = getattr(self, "_before", set())
+        for callback in [c for c in framework.ACTIVE if id(c) not in before]:  # a callback's steps, judged by it
             report.findings.extend(callback.findings)
             counts = {"steps": callback.steps, "skipped_steps": callback.skipped}
             report.data.setdefault("callbacks", []).append(counts)
