@@ -307,3 +307,21 @@ def test_pure_bf16_weights_whose_updates_round_away_are_named(tmp_path):
     (found,) = callback.report.by_name("update-rounded-away")
     assert found.evidence["dtype"] == "bfloat16"
     assert any(p["rounded_share"] > 0.5 for p in found.evidence["parameters"])
+
+
+def test_a_replayed_inf_loss_names_the_users_line_not_the_trainers(tmp_path):
+    def fault(model, box):
+        def hook(module, args, output):  # the user's own code writes the +inf, at step 3
+            if module.training and torch.is_grad_enabled() and box and box[0].state.global_step + 1 == 3:
+                output = output.clone()
+                output[0, 0, 0] = float("inf")
+                return output
+            return None
+
+        model.lm_head.register_forward_hook(hook)
+
+    report, _, _ = _train(tmp_path, fault=fault)
+    (verdict,) = report.by_name("deterministic-nonfinite")
+    location = verdict.evidence["location"]
+    assert "test_hf.py" in location and "in hook" in location
+    assert "trainer_callback.py" not in verdict.message + location
