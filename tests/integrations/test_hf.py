@@ -325,3 +325,21 @@ def test_a_replayed_inf_loss_names_the_users_line_not_the_trainers(tmp_path):
     location = verdict.evidence["location"]
     assert "test_hf.py" in location and "in hook" in location
     assert "trainer_callback.py" not in verdict.message + location
+
+
+def test_after_a_train_that_raised_the_next_forward_takes_the_hooks_off_and_writes_the_report(tmp_path):
+    class Boom(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                raise RuntimeError("the job failed at step 2")
+
+    model = tiny_gpt2()
+    callback = FpDoctorCallback(report_path=str(tmp_path / "report.json"))
+    trainer = _trainer(tmp_path, model, [callback, Boom()])
+    with pytest.raises(RuntimeError, match="failed at step 2"):
+        trainer.train()
+    assert model._forward_hooks and model._forward_pre_hooks  # the Trainer said nothing: still on
+    model.train()
+    model(torch.randint(0, 64, (1, 12)))  # the user goes on with the model, outside any training
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert json.loads((tmp_path / "report.json").read_text())["data"]["steps"] == 2

@@ -36,6 +36,7 @@ import atexit
 import contextlib
 import functools
 import importlib
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -88,6 +89,7 @@ class FpDoctorCallback(_Callback):
         self._backward_queued = False
         self._kept: KeptGradients | None = None  # the current micro-batch's output gradients
         self._at_exit: Any = None  # the exit handler of a training in progress
+        self._args: Any = None  # the training's arguments (rank, world size)
         self._finished: StepWatch | None = None  # the watch whose report was written
         self._unlogged = 0  # non-finite steps since the last log
         self._filtering = True
@@ -107,7 +109,7 @@ class FpDoctorCallback(_Callback):
         self._watch = None
         if model is None:
             return
-        self._model, self._state = model, state
+        self._model, self._state, self._args = model, state, args
         self._filtering = bool(getattr(args, "logging_nan_inf_filter", False))
         self._main = bool(getattr(state, "is_world_process_zero", True))
         self._unlogged = 0
@@ -216,6 +218,11 @@ class FpDoctorCallback(_Callback):
         watch = self._watch
         if watch is None or not self._training(module):
             return
+        if not self._open and not _in_training_loop(sys._getframe(1)):
+            # train() raised earlier (the Trainer tells its callbacks nothing then) and the model is
+            # used on: the training is over - its report is written and the hooks come off the model
+            self._finish(self._args)
+            return
         if not self._open:
             self._open = True
             self._backward_queued = False
@@ -296,6 +303,18 @@ class FpDoctorCallback(_Callback):
         for handle in self._handles:
             handle.remove()
         self._handles, self._open = [], False
+
+
+def _in_training_loop(frame: Any) -> bool:
+    """Whether this forward runs inside the Trainer's training loop (a short walk up the stack,
+    once per micro-batch)."""
+    for _ in range(64):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_inner_training_loop":
+            return True
+        frame = frame.f_back
+    return True  # deeper than that: assume the loop, never drop a training's hooks by mistake
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:
