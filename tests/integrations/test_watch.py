@@ -395,3 +395,22 @@ def test_python_dash_m_runs_a_module_as_python_would(tmp_path):
     assert watched.returncode == 0, watched.stderr
     assert watched.stdout == "trained\n"
     assert _report(tmp_path)["data"]["steps"] == 8
+
+
+def test_a_gradient_penalty_loss_made_nan_is_said_to_be_made_after_the_model():
+    import fpdoctor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with fpdoctor.watch() as w:
+        for step in range(5):
+            x = torch.randn(8, 4, requires_grad=True)
+            out = model(x)
+            (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)  # a backward through the outputs first
+            penalty = ((g.norm(dim=1) - 1) ** 2).mean() * (float("nan") if step == 3 else 1.0)
+            opt.zero_grad()
+            (out.mean() + penalty).backward()
+            opt.step()
+    (verdict,) = w.report.by_name("deterministic-nonfinite")
+    assert verdict.evidence["step"] == 4 and "made after the model" in verdict.message

@@ -37,6 +37,7 @@ class KeptGradients:
     originals: list[torch.Tensor] = field(default_factory=list)
     outputs_finite: bool = True
     loss: torch.Tensor | None = None  # the loss whose backward reached these outputs (0-d), where seen
+    fills: int = 0  # gradients kept so far (a later backward through the outputs keeps its own)
     loss_bad: bool = False
 
     def watch(self, output: Any) -> None:
@@ -52,6 +53,7 @@ class KeptGradients:
             if self.filled_at is None and self.clock is not None:
                 self.filled_at = self.clock()
             self.grads[index] = grad
+            self.fills += 1
 
         return keep
 

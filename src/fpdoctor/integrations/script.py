@@ -258,18 +258,19 @@ class ScriptWatch:
             if self._replaying or dynamo.compiling():
                 return original(tensors, *args, **kwargs)
             loss: torch.Tensor | None = None
-            waiting: list[_Call] = []
+            waiting: list[tuple[_Call, int]] = []
             try:
                 for t in [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ()):
                     if isinstance(t, torch.Tensor) and t.numel() == 1:
                         loss = t.detach().reshape(()).float()
                         self._losses.append(loss)
-                waiting = [c for c in self._calls if not c.kept.grads]
+                # every forward this backward reaches (one an autograd.grad went through before included)
+                waiting = [(c, c.kept.fills) for c in self._calls]
             except Exception as exc:
                 self._error("reading the loss", exc)
             result = original(tensors, *args, **kwargs)
-            for call in waiting:  # the forwards this backward reached: this loss is theirs
-                if call.kept.grads and call.kept.loss is None:
+            for call, fills in waiting:  # the forwards this backward reached: this loss is theirs
+                if call.kept.fills != fills:
                     call.kept.loss = loss
             return result
 
