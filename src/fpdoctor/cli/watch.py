@@ -48,8 +48,12 @@ def _script_of(command: list[str]) -> tuple[str, list[str], bool]:
     words = command[1:] if command[:1] == ["--"] else list(command)
     if words and (os.path.basename(words[0]) in _PYTHONS or words[0] == sys.executable):
         words = words[1:]
-        while words[:1] == ["-u"]:  # unbuffered: the watch's own output is flushed line by line anyway
+        while words[:1] == ["-u"]:  # unbuffered, as `python -u`: this process's streams and its children's
             os.environ["PYTHONUNBUFFERED"] = "1"
+            for stream in (sys.stdout, sys.stderr):
+                reconfigure = getattr(stream, "reconfigure", None)
+                if reconfigure is not None:
+                    reconfigure(write_through=True)
             words = words[1:]
         if words[:1] == ["-m"]:
             if len(words) < 2:
