@@ -576,6 +576,9 @@ def _start(run_dir: str) -> None:
         _Armed.recorder = recorder
         _Armed.mode_class = _mode_class(recorder)
         _register_hooks(recorder)
+        from fpdoctor.crash import assigned
+
+        assigned.arm()  # where a module of another dtype or device is attached: a mismatch's cause
         _out_of_dynamos_way(run_dir)
         _enter_mode()
         _arm_new_threads()
@@ -603,6 +606,9 @@ def _skip_in_dynamo() -> None:
     functions = [v for v in list(globals().values()) if getattr(v, "__module__", None) == __name__]
     if _Armed.mode_class is not None:
         functions.append(_Armed.mode_class)
+    from fpdoctor.crash import assigned
+
+    functions += [assigned._on_module, assigned._on_tensor]
     dynamo.never_compile(functions)
     dynamo.quiet_wrapper_warning()
 

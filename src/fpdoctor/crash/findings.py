@@ -398,6 +398,9 @@ def exception_finding(ctx: Context, p: Process, *, first: bool) -> Finding:
     if _in_flight(p):
         evidence["op_in_flight"] = op_text(_in_flight(p)[-1])
     fix = _fix_text(error.meaning.fix, ctx) if error is not None and error.meaning.fix else None
+    explained = exc.get("explained")
+    if isinstance(explained, dict) and explained.get("name") in ("dtype-mismatch", "device-mismatch"):
+        return _mismatch_finding(ctx, p, explained, lines, evidence)
     return catalog.make(
         name,
         message="\n".join(lines),
@@ -405,6 +408,28 @@ def exception_finding(ctx: Context, p: Process, *, first: bool) -> Finding:
         where=_where(p, ctx),
         evidence=evidence,
         fix=fix,
+    )
+
+
+def _mismatch_finding(
+    ctx: Context, p: Process, explained: dict[str, Any], lines: list[str], evidence: dict[str, Any]
+) -> Finding:
+    """A dtype or device mismatch as the process explained it from its live model (crash/live.py):
+    which op, which operands from where, and the line that assigned the odd module when recorded."""
+    fix = str(explained.get("fix") or "")
+    found = dict(explained.get("evidence") or {})
+    if "assigned_at" not in found and not ctx.breadcrumbs and ctx.rerun:
+        fix += f"\n{ctx.rerun}   # again: names the line that attached a module of another dtype or device"
+    where = _where(p, ctx) | {k: v for k, v in (explained.get("where") or {}).items() if k != "iteration"}
+    return catalog.make(
+        str(explained["name"]),
+        message="\n".join(
+            [lines[0], str(explained.get("message", "")), *(x for x in lines[1:] if x != evidence.get("explanation"))]
+        ),
+        title=f"{short(p)}: {explained['name']}",
+        where=where,
+        evidence=evidence | found,
+        fix=fix or None,
     )
 
 

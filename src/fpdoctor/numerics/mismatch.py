@@ -38,7 +38,8 @@ _DTYPE_ERROR = re.compile(
     re.IGNORECASE,
 )
 _DEVICE_ERROR = re.compile(
-    r"Expected all tensors to be on the same device|on different devices|device mismatch|to be on the same device",
+    r"Expected all tensors to be on the same device|on different devices|device mismatch|to be on the same device"
+    r"|is not on the expected device",
     re.IGNORECASE,
 )
 # dtype errors that are not a mismatch between operands: a hint for the forward-failed finding

@@ -198,11 +198,45 @@ def _save_exception(
     try:
         records = _state.setdefault("exceptions", [])
         if len(records) < 20:
-            records.append(_exception_record(exc_type, exc, tb, thread))
+            record = _exception_record(exc_type, exc, tb, thread)
+            _explain_mismatch(record, exc)
+            records.append(record)
             pid = os.getpid()
             _write_json(os.path.join(run_dir, f"exc.{pid}.json"), {"pid": pid, "exceptions": records})
     except Exception:  # the program's own hook runs next, whatever happens here
         pass
+
+
+def _explain_mismatch(record: dict[str, Any], exc: BaseException | None) -> None:
+    """A dtype or device mismatch explained from the live model while the traceback holds it
+    (fpdoctor.crash.live): only for such a text in a process that imported torch."""
+    message = record["message"]
+    if exc is None or "torch" not in sys.modules or not any(w in message for w in ("dtype", "device", "type")):
+        return
+    try:
+        with _own_package():
+            from fpdoctor.crash import live
+
+            explained = live.explain(exc)
+        if explained:
+            record["explained"] = explained
+    except Exception:  # the exception is recorded as raised, unexplained
+        pass
+
+
+class _own_package:
+    """fpdoctor imported from the copy that started this run, then sys.path as it was."""
+
+    def __enter__(self) -> None:
+        root = os.environ.get("FPDOCTOR_RUN_PKG") or ""
+        self.added = bool(root) and root not in sys.path
+        if self.added:
+            sys.path.insert(0, root)
+        self.root = root
+
+    def __exit__(self, *exc: object) -> None:
+        if self.added and self.root in sys.path:
+            sys.path.remove(self.root)
 
 
 def _install_hooks() -> None:
@@ -261,17 +295,10 @@ def _after_fork() -> None:
 def _arm_breadcrumbs(run_dir: str) -> None:
     """Load the op recorder from the fpdoctor that started this run (not whichever copy the
     command's environment may have installed), then leave sys.path as it was."""
-    package_root = os.environ.get("FPDOCTOR_RUN_PKG") or ""
-    added = bool(package_root) and package_root not in sys.path
-    if added:
-        sys.path.insert(0, package_root)
-    try:
+    with _own_package():
         from fpdoctor.crash import breadcrumbs
 
         breadcrumbs.arm(run_dir)
-    finally:
-        if added and package_root in sys.path:
-            sys.path.remove(package_root)
 
 
 def _setup() -> None:
