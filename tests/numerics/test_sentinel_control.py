@@ -54,7 +54,9 @@ def test_an_fp16_overflow_is_finite_in_fp32_and_blamed_on_the_precision():
     verdict = report.by_name("deterministic-nonfinite")[0]
     assert verdict.evidence["control_fp32"] == "finite"
     assert "the precision is the cause" in verdict.message
-    assert "fpdoctor plan" in verdict.fix
+    # the experiment found the op itself is the origin and checked it in fp32: its fix, not the control's
+    assert verdict.evidence["experiment"]["verdict"] == "origin"
+    assert "Computing it in fp32 works" in verdict.fix and "(checked: max |x| inf -> 8e+04)" in verdict.fix
     # the control put everything back: same tensors, same dtype, same values, no gradient
     for name, value in model.state_dict().items():
         assert value.dtype == torch.float16 and torch.equal(value, before[name]), name
@@ -237,3 +239,30 @@ def test_an_optimizer_stepped_in_backward_is_not_replayed():
     assert torch.allclose(model.weight, before)  # one update, as in a plain run: no replay's second one
     assert calls["n"] == 1
     assert "post-accumulate-grad hooks" in guard.report.by_name("sentinel-error")[0].message
+
+
+class PairwiseDistance(nn.Module):
+    """sqrt(d2 + eps) with an eps that is 0 in fp16: sqrt's backward is 1/0 on the diagonal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        d2 = ((h[:, None] - h[None]) ** 2).sum(-1)
+        return torch.sqrt(d2 + 1e-12).sum()  # EPS
+
+
+def test_the_fix_printed_is_the_experiments_checked_fix_not_the_fp32_controls():
+    torch.manual_seed(0)
+    model = PairwiseDistance().half()
+    report = _run(model, [torch.randn(6, 3, dtype=torch.float16)])
+    verdict = report.by_name("deterministic-nonfinite")[0]
+    experiment = verdict.evidence["experiment"]
+    assert experiment["verdict"] == "origin" and experiment["constant"]["rounded"] == 0.0
+    assert experiment["fix_checked"]["finite_after"]
+    # the control ran, and is said, but its generic advice is not the fix: the experiment's is
+    assert verdict.evidence["control_fp32"] == "finite" and "fp32 and autocast off" in verdict.message
+    assert verdict.fix.startswith("Change the origin, not the op that showed it: the constant 1e-12")
+    assert "fpdoctor plan" not in verdict.fix

@@ -104,6 +104,15 @@ def _batch_held_it(culprit: Finding | None) -> bool:
     return culprit is not None and culprit.name == "nonfinite-input" and culprit.evidence.get("origin") == "input"
 
 
+def _experiment_decided(culprit: Finding | None) -> bool:
+    """The replay's experiments named the origin of the culprit and checked a fix there: that fix is
+    specific (this constant, this cast, these lines in fp32) where the fp32 control's is generic."""
+    if culprit is None or not culprit.fix:
+        return False
+    experiment = culprit.evidence.get("experiment")
+    return isinstance(experiment, dict) and experiment.get("verdict") == "origin"
+
+
 def _control_text(control: ControlResult | None) -> tuple[str, str | None, dict[str, Any]]:
     """The fp32 control's sentence, the fix it implies (None: keep the op's own) and its evidence."""
     if control is None:
@@ -168,6 +177,7 @@ def verdict_findings(
                 **control_evidence,
             },
             fix=(_AFTER_OUTPUTS_FIX if after else None)
+            or (first.fix if _experiment_decided(first) else None)
             or control_fix
             or (first.fix if first else catalog.get("deterministic-nonfinite").fix),
             title=_BAD_DATA_TITLE if _batch_held_it(first) else None,
