@@ -66,11 +66,11 @@ def test_a_run_whose_every_step_is_skipped_is_said_to_stall_with_the_cause_repla
     assert stalled[0].evidence["count"] == 12 and stalled[0].evidence["last_good_step"] is None
 
 
-def test_a_loss_that_climbs_before_it_goes_nonfinite_points_the_stall_at_the_learning_rate():
+def _lr_blow_up(**sentinel: object) -> fpdoctor.Report:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    guard = fpdoctor.Sentinel(model, opt)
+    guard = fpdoctor.Sentinel(model, opt, **sentinel)
 
     def step(x, y):
         opt.zero_grad()
@@ -84,7 +84,16 @@ def test_a_loss_that_climbs_before_it_goes_nonfinite_points_the_stall_at_the_lea
             for group in opt.param_groups:
                 group["lr"] = 50.0
         guard.step(step, torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert all(p.grad is None for p in model.parameters()) and opt.param_groups[0]["lr"] == 50.0
     report = guard.report
+    # the trial ran on stand-ins: the user's weights, gradients and optimizer are as they were
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    return report
+
+
+def test_a_loss_that_climbs_before_it_goes_nonfinite_points_the_stall_at_the_learning_rate():
+    report = _lr_blow_up()
     spikes = report.by_name("loss-spike")
     assert len(spikes) == 1  # one climbing episode, not one finding per step of it
     assert spikes[0].evidence["occurrences"] >= 3
@@ -93,6 +102,43 @@ def test_a_loss_that_climbs_before_it_goes_nonfinite_points_the_stall_at_the_lea
     assert spikes[0].evidence["step"] < first_bad
     assert "learning rate" in stalled.message and "learning rate" in stalled.fix
     assert stalled.evidence["last_good_step"] == first_bad - 1
+    # the advice was tried before it was printed: from the climb's first step, at lower rates
+    tried = stalled.evidence["lr_tried"]
+    assert tried["from_step"] == spikes[0].evidence["step"] and tried["lr"] == 50.0
+    assert not tried["as_is"]["losses"][-1] <= tried["as_is"]["losses"][0]  # at the run's rate the loss climbs
+    assert tried["fix_lr"] == 0.05 and tried["lowered"][-1] == {**tried["lowered"][-1], "lr": 0.05, "settles": True}
+    assert all(not arm["settles"] for arm in tried["lowered"][:-1])  # 5 and 0.5 were tried and did not help
+    assert stalled.fix.startswith("Lower the learning rate to 0.05 or below (the run's 50 / 1000)")
+    assert "Checked: from the climb's first step, 4 steps at 0.05 stayed finite" in stalled.fix
+    assert "lr 0.05 keeps them finite and the loss from climbing (checked)" in stalled.message
+
+
+def test_a_learning_rate_that_cannot_be_tried_says_why():
+    stalled = _lr_blow_up(replay=False).by_name("training-stalled")[0]
+    assert stalled.evidence["lr_tried"] == {"not_tried": "replays are off"}
+    assert "Lowering the learning rate was not tried: replays are off." in stalled.message
+    assert "(not tried: replays are off)" in stalled.fix
+
+
+def test_a_lower_learning_rate_that_was_tried_and_did_not_help_is_not_printed_as_the_fix():
+    from fpdoctor.numerics.lr_whatif import Arm, LrTrial
+    from fpdoctor.numerics.sentinel_findings import stall_finding
+
+    climbing = [1.0, 10.0, 100.0, 1e3, 1e4]
+    trial = LrTrial(3, 4, Arm(1.0, climbing), [Arm(0.1, climbing), Arm(0.01, climbing), Arm(0.001, [1.0, 2.0], 2)])
+    spike = fpdoctor.Finding(
+        code="TRN", name="loss-spike", severity=fpdoctor.Severity.WARNING, title="", message="",
+        evidence={"step": 3, "loss": 9.0, "mean": 1.0},
+    )  # fmt: skip
+    outcome = step_judge.StepOutcome(5, float("nan"), finite=False, skipped=True)
+    stalled = stall_finding(
+        steps=5, window=[outcome], first_skip=5, last_good=4, found=[spike], here={}, lr_trial=trial
+    )
+    assert not stalled.fix.startswith("Lower the learning rate")
+    assert (
+        "Tried: learning rates of 0.1, 0.01, 0.001" in stalled.fix and "lowering it alone is not the fix" in stalled.fix
+    )
+    assert "at lr 0.001 they went non-finite after 1 of them" in stalled.message
 
 
 def _amp_run(steps: int, *, scale_x: float) -> fpdoctor.Report:

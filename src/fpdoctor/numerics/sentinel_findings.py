@@ -16,6 +16,7 @@ from fpdoctor import catalog
 from fpdoctor.numerics import distributed
 from fpdoctor.numerics.amp import ScaleWatch
 from fpdoctor.numerics.control import ControlResult
+from fpdoctor.numerics.lr_whatif import LrTrial
 from fpdoctor.numerics.replay import ReplayResult
 from fpdoctor.numerics.update_whatif import WhatIf
 from fpdoctor.numerics.updates import ParamUpdate, StateUpdate, UpdateStats
@@ -177,7 +178,7 @@ def verdict_findings(
                 **control_evidence,
             },
             fix=(_AFTER_OUTPUTS_FIX if after else None)
-            or (first.fix if _experiment_decided(first) else None)
+            or (first.fix if first is not None and _experiment_decided(first) else None)
             or control_fix
             or (first.fix if first else catalog.get("deterministic-nonfinite").fix),
             title=_BAD_DATA_TITLE if _batch_held_it(first) else None,
@@ -379,9 +380,11 @@ def stall_finding(
     last_good: int | None,
     found: list[Finding],
     here: dict[str, Any],
+    lr_trial: LrTrial | None = None,
 ) -> Finding:
     """training-stalled: most recent steps skipped, and the cause the run's other findings point to.
-    `window`: the episode's StepOutcomes; `found`: the run's findings so far."""
+    `window`: the episode's StepOutcomes; `found`: the run's findings so far; `lr_trial`: a lower
+    learning rate tried from the climb's first step, where the evidence points at the rate."""
     skipped = [h for h in window if h.skipped]
     amp_skips = sum(1 for h in skipped if h.verdict == "amp-skip")
     never = last_good is None
@@ -393,7 +396,7 @@ def stall_finding(
             head += f" ({amp_skips} by the GradScaler for overflow)"
     head += f" (steps {window[0].step}-{window[-1].step}, first skip at step {first_skip})"
     head += ": the optimizer never ran." if never else f": the last step applied was step {last_good}."
-    cause, fix = _stall_cause(first_skip, found)
+    cause, fix = _stall_cause(first_skip, found, lr_trial)
     return catalog.make(
         "training-stalled",
         message=f"{head} {cause}",
@@ -406,28 +409,37 @@ def stall_finding(
             "steps": steps,
             "amp_skips": amp_skips,
             "last_good_step": last_good,
+            **({"lr_tried": lr_trial.evidence()} if lr_trial is not None else {}),
         },
         fix=fix,
     )
 
 
-def _stall_cause(first_skip: int, found: list[Finding]) -> tuple[str, str | None]:
+def _spikes_before(first_skip: int, found: list[Finding]) -> list[Finding]:
+    return [f for f in found if f.name == "loss-spike" and f.evidence.get("step", first_skip) < first_skip]
+
+
+def learning_rate_points(first_skip: int, found: list[Finding]) -> bool:
+    """The evidence points a stall at the learning rate: the loss climbed before the first skip."""
+    return bool(_spikes_before(first_skip, found))
+
+
+def _stall_cause(first_skip: int, found: list[Finding], lr_trial: LrTrial | None = None) -> tuple[str, str | None]:
     """What the evidence supports, in this order: a loss that climbed before the first skip, an op whose
     fp32 control replay was finite, an op that reproduces, a fault that did not, the scaler's collapse."""
-    spikes = [f for f in found if f.name == "loss-spike" and f.evidence.get("step", first_skip) < first_skip]
+    spikes = _spikes_before(first_skip, found)
     if spikes:
         spike = spikes[-1]
         ev = spike.evidence
         top = ev.get("last_step", ev.get("step"))
-        return (
+        cause = (
             f"The loss climbed before the first skip (loss-spike at step {ev.get('step')}"
             + (f" to {top}" if top != ev.get("step") else "")
             + f", {ev.get('loss', math.nan):.4g} against a mean of {ev.get('mean', math.nan):.4g}): the updates "
             "drove the weights out of range - a learning rate too high for this model (or a bad batch), not the "
-            "precision.",
-            "Lower the learning rate (or add warm-up), and clip gradients (torch.nn.utils.clip_grad_norm_); resume "
-            "from a checkpoint before the climb.",
+            "precision."
         )
+        return cause + (lr_trial.text() if lr_trial is not None else ""), _lr_fix(lr_trial)
     by_name = {f.name: f for f in reversed(found)}  # the first of each name
     det = by_name.get("deterministic-nonfinite")
     if det is not None:
@@ -449,6 +461,34 @@ def _stall_cause(first_skip: int, found: list[Finding]) -> tuple[str, str | None
             by_name["amp-scale-collapse"].fix or None,
         )
     return ("", None)
+
+
+def _lr_fix(trial: LrTrial | None) -> str:
+    """The learning-rate advice with what trying it gave: never a tried rate that did not help as the fix."""
+    rest = "and clip gradients (torch.nn.utils.clip_grad_norm_); resume from a checkpoint before the climb."
+    if trial is None or trial.as_is is None:
+        reason = f" (not tried: {trial.why_not})" if trial is not None and trial.why_not else ""
+        return f"Lower the learning rate (or add warm-up){reason}, {rest}"
+    as_is, best = trial.as_is, trial.best
+    if best is not None and not as_is.settles:
+        return (
+            f"Lower the learning rate to {best.lr:.4g} or below (the run's {as_is.lr:.4g} / {as_is.lr / best.lr:g}), "
+            f"{rest} Checked: from the climb's first step, {trial.steps} steps at {best.lr:.4g} {best.said()}; at "
+            f"{as_is.lr:.4g} they {as_is.said()}."
+        )
+    if best is not None:
+        return (
+            f"Lower the learning rate (or add warm-up), {rest} Tried: from the climb's first step, {trial.steps} "
+            f"steps on its batch settle at the run's {as_is.lr:.4g} as well as at {best.lr:.4g}, so the trial does "
+            "not show the rate alone is the cause."
+        )
+    tried = ", ".join(f"{a.lr:.4g}" for a in trial.lowered)
+    return (
+        "Resume from a checkpoint before the climb and look at the batches of the climb (a bad batch), with "
+        f"gradient clipping (torch.nn.utils.clip_grad_norm_) and warm-up. Tried: learning rates of {tried} from the "
+        "climb's first step did not keep the steps finite with a loss that did not climb, so lowering it alone is "
+        "not the fix."
+    )
 
 
 def _module_of(parameter: str) -> str | None:

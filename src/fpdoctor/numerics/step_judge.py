@@ -36,6 +36,7 @@ from fpdoctor.numerics import sentinel_findings as findings
 from fpdoctor.numerics.causes import Causes, cause_of
 from fpdoctor.numerics.control import ControlResult, run_control, wants_control
 from fpdoctor.numerics.gradcheck import bad_parameters, kind_of, tensor_kind
+from fpdoctor.numerics.lr_whatif import LrTrial, Snapshot, snapshot, try_lower_lr, window_runner
 from fpdoctor.numerics.replay import MicroBatch, ReplayResult, replay
 from fpdoctor.numerics.updates import UpdateStats, UpdateSummary, rounded_away, stalled_grads, stalled_states
 from fpdoctor.preserve import BufferSnapshot, preserved
@@ -154,6 +155,10 @@ class StepJudge:
         self._reproduced: dict[tuple[Any, ...], int] = {}  # a bad step's symptoms -> replays that reproduced
         self._stall: int | None = None  # the stalled episode's finding, by index, while it lasts
         self._spike_at: tuple[int, tuple[Any, ...]] | None = None  # the last spike's step and its episode
+        # the state the latest climb's first step started from (or why none is kept), and what lowering
+        # the learning rate from there gave, once per stalled episode
+        self._climb: Snapshot | str | None = None
+        self._lr_trial: LrTrial | None = None
         self.history: list[StepOutcome] = []
         self.last_good_step: int | None = None
         self.not_replayed: dict[int, str] = {}
@@ -245,10 +250,10 @@ class StepJudge:
                 self.amp.note(next_scale)
         self.decided = f.step  # from here on a failure of ours never applies this step
         if f.finite:
+            self._spike(f.step, f.loss_value, f)  # before the update: a climb's first step is kept as it started
             if apply is not None:
                 apply()
             self.last_good_step = f.step
-            self._spike(f.step, f.loss_value)
             return outcome
         if self.outputs is not None:  # torch.compile: the first compiled module that returned NaN/Inf
             graph = self.outputs.first_bad()
@@ -446,7 +451,7 @@ class StepJudge:
             result = self._run_replay(f)
         self._add_all(self._verdict_findings(f, result, "+inf"))
 
-    def _spike(self, step: int, loss_value: float) -> None:
+    def _spike(self, step: int, loss_value: float, f: StepFacts | None = None) -> None:
         if not math.isfinite(loss_value):  # a NaN in the history would switch spike detection off
             return
         history = self._losses
@@ -466,10 +471,42 @@ class StepJudge:
             last = self._spike_at
             episode = last[1] if last is not None and last[0] == step - 1 else ("loss-spike", step)
             self._spike_at = (step, episode)
+            if f is not None and episode == ("loss-spike", step):
+                self._climb = self._keep_climb(f)
             self.causes.add(
                 findings.spike_finding(step, loss_value, mean, spread, len(history), here=self.here), episode
             )
+        elif f is not None:
+            self._climb = None  # a finite step that did not climb: no climb to start from
         history.append(loss_value)
+
+    def _keep_climb(self, f: StepFacts) -> Snapshot | str:
+        """The state a climb's first step starts from, to try a lower learning rate on if training stalls."""
+        if not self.replay or f.why_not is not None or f.applied or self.distributed:
+            return f.why_not or (
+                "the step was applied by the step function itself"
+                if f.applied
+                else "replays are off"
+                if not self.replay
+                else "a trial on one rank would leave the others' collectives"
+            )
+        try:
+            return snapshot(self.model, self.optimizer, f.step, window_runner(f.window, f.step_fn, f.contexts), f.scale)
+        except Exception as exc:
+            return f"the state could not be kept ({type(exc).__name__}: {exc})"
+
+    def _try_lower_lr(self, first_skip: int) -> LrTrial | None:
+        """Lower the learning rate from the climb's first step, once per stalled episode, where the
+        evidence points at it (a loss spike before the first skip)."""
+        if self._lr_trial is not None or not findings.learning_rate_points(first_skip, self.findings):
+            return self._lr_trial
+        climb = self._climb
+        if isinstance(climb, Snapshot):
+            self._lr_trial = try_lower_lr(self.model, self.optimizer, climb)
+            self._climb = None  # tried: the copy is not held any longer
+        else:
+            self._lr_trial = LrTrial(None, why_not=climb or "no state from before the climb was kept")
+        return self._lr_trial
 
     def _progress(self) -> None:
         """Is training still progressing? Most recent steps skipped -> one training-stalled finding
@@ -489,6 +526,7 @@ class StepJudge:
         if not stalled:
             if skipped <= STALL_WINDOW // 2:
                 self._stall = None  # the episode is over; a later one is new
+                self._lr_trial = None
             return
         episode = [h for h in history[self._stall_start() :]]
         first_skip = next((h.step for h in episode if h.skipped), history[-1].step)
@@ -499,6 +537,7 @@ class StepJudge:
             last_good=self.last_good_step,
             found=self.findings,
             here=self.here,
+            lr_trial=self._try_lower_lr(first_skip),
         )
         if self._stall is None or self._stall >= len(self.findings):
             self._stall = len(self.findings)
