@@ -267,3 +267,18 @@ def test_raise_on_nonfinite_raises_with_the_experiment_already_run():
         1 / (p[:, None] - p[None, :] + torch.eye(24, dtype=torch.float16))
     experiment = caught.value.finding.evidence["experiment"]
     assert experiment["origin"]["op"] == "aten._to_copy.default" and "rounds" in experiment["cast"]
+
+
+def test_the_window_keeps_a_bounded_number_of_bytes_and_always_the_newest_op():
+    def step(i: int, *args):
+        return (experiments.Record(i, "op", "forward", None, None, False, None, None, None, []), None, args, {})
+
+    window = Window(size=100, max_bytes=3 * 4096)
+    weight = torch.zeros(1 << 20, requires_grad=True)  # a parameter: alive anyway, not counted
+    for i in range(10):
+        window.append(step(i, torch.zeros(1024), weight))  # 4096 bytes each
+    assert sorted(window.by_index()) == [7, 8, 9] and window.bytes == 3 * 4096
+    window.append(step(10, torch.zeros(1 << 16)))  # larger than the whole budget: kept alone
+    assert sorted(window.by_index()) == [10]
+    window.clear()
+    assert not window.steps and window.bytes == 0

@@ -18,9 +18,10 @@ largest magnitude before and after.
 
 What is re-run comes from `Window`: references (not copies) to the arguments of the last ops,
 taken by the tracer as it records them, so a healthy run pays one append per op and the memory
-of tensors it still held a few hundred ops earlier. Experiments run only at the first NaN and the
-first Inf producer of a trace, under a time budget, never on the user's tensors (ops that write
-their arguments are run on copies) and never with seeded randomness (it would move the user's RNG).
+of tensors it still held a few hundred ops earlier, up to WINDOW_BYTES (benchmarks/README.md).
+Experiments run only at the first NaN and the first Inf producer of a trace, under a time budget,
+never on the user's tensors (ops that write their arguments are run on copies) and never with
+seeded randomness (it would move the user's RNG).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from fpdoctor.numerics.records import Record
 from fpdoctor.numerics.values import checkable, dtype_name
 
 WINDOW = 512  # ops whose arguments stay referenced, for the upstream walk
+WINDOW_BYTES = 256 * 2**20  # and at most this many bytes of their tensor arguments (see Window)
 MAX_ANCESTORS = 64  # ops of the walk, nearest first
 BUDGET_S = 2.0  # seconds the experiments of one producer may take
 PRODUCERS = 4  # producers of each kind (NaN, Inf) experimented on: the first may be a deliberate mask
@@ -59,12 +61,38 @@ class Step:
 
 
 class Window:
-    """The last `WINDOW` ops' arguments, by reference (see the module docstring)."""
+    """The last `WINDOW` ops' arguments, by reference (see the module docstring), and no more than
+    about `WINDOW_BYTES` of tensor arguments: a reference keeps alive a temporary the program let go
+    (benchmarks/bench_experiment_window.py measures what that costs). The bytes counted are each
+    op's own tensor arguments other than parameters (leaves that want gradients, alive anyway),
+    a tensor used by several ops counted at each: an upper bound of what the window holds alone."""
 
-    def __init__(self, size: int = WINDOW) -> None:
+    def __init__(self, size: int = WINDOW, max_bytes: int | None = None) -> None:
         # (record, func, args, kwargs): a tuple, the cheapest thing to append once per op
-        self.steps: deque[tuple[Record, Any, Any, Any]] = deque(maxlen=size)
-        self.append = self.steps.append  # the tracer's hot path calls this directly
+        self.steps: deque[tuple[Record, Any, Any, Any]] = deque()
+        self.sizes: deque[int] = deque()
+        self.bytes = 0
+        self.size = size
+        self.max_bytes = WINDOW_BYTES if max_bytes is None else max_bytes
+
+    def append(self, step: tuple[Record, Any, Any, Any]) -> None:
+        """The tracer's hot path calls this once per op."""
+        size = 0
+        for a in step[2]:
+            if isinstance(a, torch.Tensor) and not (a.requires_grad and a.is_leaf):
+                size += a.nbytes
+        steps, sizes = self.steps, self.sizes
+        steps.append(step)
+        sizes.append(size)
+        self.bytes += size
+        while len(steps) > 1 and (len(steps) > self.size or self.bytes > self.max_bytes):
+            steps.popleft()
+            self.bytes -= sizes.popleft()
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.sizes.clear()
+        self.bytes = 0
 
     def by_index(self) -> dict[int, Step]:
         return {s[0].index: Step(*s) for s in self.steps}

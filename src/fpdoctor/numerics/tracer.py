@@ -850,7 +850,7 @@ class Tracer(TorchDispatchMode):
     def finish(self) -> None:
         """Read what is pending and collect the end-of-block sinks: gradients and loose values."""
         self.flush()
-        self._window.steps.clear()  # experiments ran at the producers: the arguments go back to the user
+        self._window.clear()  # experiments ran at the producers: the arguments go back to the user
         self._gradient_sinks()
         for record in self.records:
             tainted = ("op", record.index) in self._tainted
