@@ -319,8 +319,9 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         why="A skipped step is a step the model does not learn from: a run whose steps are all skipped reports "
         "a flat loss and no crash, while its weights never move.",
         fix="Follow the cause the finding names: a loss that climbed before the first skip points at the learning "
-        "rate; an op whose fp32 replay is finite points at its precision; a scaler that skips every step at an "
-        "op that overflows fp16 even unscaled.",
+        "rate (the finding names the lower rate that kept a few steps from the climb's start finite, tried on "
+        "copies of the model and optimizer, or says why none was tried); an op whose fp32 replay is finite "
+        "points at its precision; a scaler that skips every step at an op that overflows fp16 even unscaled.",
     ),
     RuleInfo(
         code="TRN010",
