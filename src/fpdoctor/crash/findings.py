@@ -421,12 +421,14 @@ def _mismatch_finding(
     if "assigned_at" not in found and not ctx.breadcrumbs and ctx.rerun:
         fix += f"\n{ctx.rerun}   # again: names the line that attached a module of another dtype or device"
     where = _where(p, ctx) | {k: v for k, v in (explained.get("where") or {}).items() if k != "iteration"}
+    # the child wrote the name into a file: read back as one of the two it can be
+    name = "device-mismatch" if explained.get("name") == "device-mismatch" else "dtype-mismatch"
     return catalog.make(
-        str(explained["name"]),
+        name,
         message="\n".join(
             [lines[0], str(explained.get("message", "")), *(x for x in lines[1:] if x != evidence.get("explanation"))]
         ),
-        title=f"{short(p)}: {explained['name']}",
+        title=f"{short(p)}: {name}",
         where=where,
         evidence=evidence | found,
         fix=fix or None,
