@@ -222,15 +222,15 @@ class OwnOps(TorchDispatchMode):
                 kind = self._kinds[id(func)] = (func.is_view or _packet(func) in _NOT_JUDGED, func)
             # first the tests that cost least: a view, cast or copy is never judged, and a repeat
             # of an op (same op, same input shapes) is re-run only when due
-            if not kind[0] and _due(own, func, args) and not _random(func, args, kwargs):
-                if any(True for _ in floating((args, kwargs))):
-                    # planned before the op runs: an in-place op changes its inputs
-                    rerun = _plan(func, args, kwargs, subsets=self.subsets)
-                    out = func(*args, **kwargs)
-                    self._judge(own, func, rerun, out, torch_made=self.stack[-1][0] in self.torch_made)
-                    if self.record is not None:
-                        self.record(func, out)
-                    return out
+            judged = not kind[0] and _due(own, func, args) and not _random(func, args, kwargs)
+            if judged and any(True for _ in floating((args, kwargs))):
+                # planned before the op runs: an in-place op changes its inputs
+                rerun = _plan(func, args, kwargs, subsets=self.subsets)
+                out = func(*args, **kwargs)
+                self._judge(own, func, rerun, out, torch_made=self.stack[-1][0] in self.torch_made)
+                if self.record is not None:
+                    self.record(func, out)
+                return out
         out = func(*args, **kwargs)
         if self.record is not None:
             self.record(func, out)
