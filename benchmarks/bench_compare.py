@@ -19,7 +19,10 @@ Measured at 12 and 24 layers: O(largest activation) means it must not grow with 
 Many tiny ops: a streaming model whose forward is a loop of 4096 steps of three elementwise ops
 and a select on a running state (16k ops per forward, each microseconds), fp16 and bf16 against
 fp32: the same budget for both, with compare and two plain forwards interleaved in one child
-(`--tiny` runs this row alone). Each own op is re-run on its first
+(`--tiny` runs this row alone). Beside each, its floor: compare's passes (the fp64 forward, the
+candidate's) each under an empty dispatch mode where compare runs one (the fp64 pass always, for
+its containers' own ops and, under fp16, the op ranges; the candidate's under fp16, for the op
+ranges): what watching every op costs before compare does anything with it. Each own op is re-run on its first
 calls and every power-of-two-th after (ownops.REPEATS), so the re-runs grow with the log of the
 loop's length.
 
@@ -149,9 +152,10 @@ print(json.dumps(out))
 
 
 TINY_CHILD = r"""
-import json, statistics, sys, time
+import contextlib, json, statistics, sys, time
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 import fpdoctor
 from fpdoctor.precision.candidates import compute_dtype, make_run
 
@@ -178,14 +182,31 @@ def plain(c):
 def comp(c):
     start = time.perf_counter(); fpdoctor.compare(model, x, candidate=c)
     return time.perf_counter() - start
+class Empty(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls):
+        return False
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {{}}))
+truth, tx = make_run(model, "fp64").eval(), x.double()
+def floor(c):  # compare's passes with an empty dispatch mode where compare runs one
+    cand, cx = runs[c]
+    with torch.no_grad():
+        start = time.perf_counter()
+        with Empty():
+            truth(tx)
+        with Empty() if c in ("fp16", "fp16-accumulate") else contextlib.nullcontext():
+            cand(cx)
+        return time.perf_counter() - start
 for c in candidates:
-    plain(c); comp(c)  # warm-up
+    plain(c); comp(c); floor(c)  # warm-up
 rounds = int(sys.argv[1])
-p, q = {{c: [] for c in candidates}}, {{c: [] for c in candidates}}
+p, q, f = ({{c: [] for c in candidates}} for _ in range(3))
 for _ in range(rounds):
     for c in candidates:  # interleaved: a change in the machine's load falls on every column alike
-        p[c].append(plain(c)); q[c].append(comp(c))
-print(json.dumps({{c: {{"plain": statistics.median(p[c]), "compare": statistics.median(q[c])}} for c in candidates}}))
+        p[c].append(plain(c)); q[c].append(comp(c)); f[c].append(floor(c))
+med = statistics.median
+print(json.dumps({{c: {{"plain": med(p[c]), "compare": med(q[c]), "floor": med(f[c])}} for c in candidates}}))
 """
 
 TINY_CANDIDATES = ("fp16", "bf16")
@@ -203,6 +224,7 @@ def tiny_row(rounds: int) -> bool:
         ok = ok and ratio <= 3.0
         times = f"two plain forwards {row['plain'] * 1e3:7.1f} ms   compare {row['compare'] * 1e3:7.1f} ms"
         print(f"  {candidate:16s} {times}   {ratio:.2f}x (budget <= 3x)  {'PASS' if ratio <= 3.0 else 'FAIL'}")
+        print(f"  {'':16s} floor: the same passes under an empty dispatch mode {row['floor'] / row['plain']:.2f}x")
     return ok
 
 
