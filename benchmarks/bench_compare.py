@@ -17,8 +17,12 @@ Measured at 12 and 24 layers: O(largest activation) means it must not grow with 
 64 KiB sample kept per module call.
 
 Many tiny ops: a streaming model whose forward is a loop of 4096 steps of three elementwise ops
-on a running state (12k ops per forward, each microseconds), fp16 against fp32: the same budget,
-with compare and two plain forwards interleaved in one child. Each own op is re-run on its first
+and a select on a running state (16k ops per forward, each microseconds), fp16 and bf16 against
+fp32: the same budget for both, with compare and two plain forwards interleaved in one child
+(`--tiny` runs this row alone). Beside each, its floor: compare's passes (the fp64 forward, the
+candidate's) each under an empty dispatch mode where compare runs one (the fp64 pass always, for
+its containers' own ops and, under fp16, the op ranges; the candidate's under fp16, for the op
+ranges): what watching every op costs before compare does anything with it. Each own op is re-run on its first
 calls and every power-of-two-th after (ownops.REPEATS), so the re-runs grow with the log of the
 loop's length.
 
@@ -28,7 +32,7 @@ On a GPU (`--device cuda`) one child measures the same on CUDA, at a compute-bou
 interleaved per round; memory is the CUDA allocator's peak during one compare beyond the weight
 copies, at 12 and 24 layers: the 12 more layers may add less than half the largest activation.
 
-Run: python benchmarks/bench_compare.py [--rounds N] [--device cpu|cuda]
+Run: python benchmarks/bench_compare.py [--rounds N] [--device cpu|cuda] [--tiny]
 """
 
 from __future__ import annotations
@@ -148,11 +152,12 @@ print(json.dumps(out))
 
 
 TINY_CHILD = r"""
-import json, statistics, sys, time
+import contextlib, json, statistics, sys, time
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 import fpdoctor
-from fpdoctor.precision.candidates import make_run
+from fpdoctor.precision.candidates import compute_dtype, make_run
 
 class Streaming(nn.Module):
     def __init__(self):
@@ -167,34 +172,60 @@ class Streaming(nn.Module):
 torch.manual_seed(0)
 model = Streaming().eval()
 x = torch.randn(4, 4096, 16)
-cand = make_run(model, "fp16").eval()
-def plain():
+candidates = sys.argv[2].split(",")
+runs = {{c: (make_run(model, c).eval(), x.to(compute_dtype(c))) for c in candidates}}
+def plain(c):
+    cand, cx = runs[c]
     with torch.no_grad():
-        start = time.perf_counter(); model(x); cand(x.half())
+        start = time.perf_counter(); model(x); cand(cx)
         return time.perf_counter() - start
-def comp():
-    start = time.perf_counter(); fpdoctor.compare(model, x, candidate="fp16")
+def comp(c):
+    start = time.perf_counter(); fpdoctor.compare(model, x, candidate=c)
     return time.perf_counter() - start
-plain(); comp()  # warm-up
+class Empty(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls):
+        return False
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {{}}))
+truth, tx = make_run(model, "fp64").eval(), x.double()
+def floor(c):  # compare's passes with an empty dispatch mode where compare runs one
+    cand, cx = runs[c]
+    with torch.no_grad():
+        start = time.perf_counter()
+        with Empty():
+            truth(tx)
+        with Empty() if c in ("fp16", "fp16-accumulate") else contextlib.nullcontext():
+            cand(cx)
+        return time.perf_counter() - start
+for c in candidates:
+    plain(c); comp(c); floor(c)  # warm-up
 rounds = int(sys.argv[1])
-p, c = [], []
+p, q, f = ({{c: [] for c in candidates}} for _ in range(3))
 for _ in range(rounds):
-    p.append(plain()); c.append(comp())
-print(json.dumps({{"plain": statistics.median(p), "compare": statistics.median(c)}}))
+    for c in candidates:  # interleaved: a change in the machine's load falls on every column alike
+        p[c].append(plain(c)); q[c].append(comp(c)); f[c].append(floor(c))
+med = statistics.median
+print(json.dumps({{c: {{"plain": med(p[c]), "compare": med(q[c]), "floor": med(f[c])}} for c in candidates}}))
 """
+
+TINY_CANDIDATES = ("fp16", "bf16")
 
 
 def tiny_row(rounds: int) -> bool:
-    """The many-tiny-ops row: compare against two plain forwards of a 4096-step loop."""
-    argv = [sys.executable, "-c", TINY_CHILD.format(), str(rounds)]
+    """The many-tiny-ops row: compare against two plain forwards of a 4096-step loop, fp16 and bf16."""
+    argv = [sys.executable, "-c", TINY_CHILD.format(), str(rounds), ",".join(TINY_CANDIDATES)]
     out = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
-    ratio = out["compare"] / out["plain"]
-    print(
-        f"many tiny ops (a 4096-step loop, 12k ops per forward), fp16, {rounds} rounds (medians): two plain forwards "
-        f"{out['plain'] * 1e3:.1f} ms   compare {out['compare'] * 1e3:.1f} ms   {ratio:.2f}x (budget <= 3x)  "
-        f"{'PASS' if ratio <= 3.0 else 'FAIL'}"
-    )
-    return ratio <= 3.0
+    print(f"many tiny ops (a 4096-step loop, 16k ops per forward), against fp32, {rounds} rounds (medians)")
+    ok = True
+    for candidate in TINY_CANDIDATES:
+        row = out[candidate]
+        ratio = row["compare"] / row["plain"]
+        ok = ok and ratio <= 3.0
+        times = f"two plain forwards {row['plain'] * 1e3:7.1f} ms   compare {row['compare'] * 1e3:7.1f} ms"
+        print(f"  {candidate:16s} {times}   {ratio:.2f}x (budget <= 3x)  {'PASS' if ratio <= 3.0 else 'FAIL'}")
+        print(f"  {'':16s} floor: the same passes under an empty dispatch mode {row['floor'] / row['plain']:.2f}x")
+    return ok
 
 
 CANDIDATES = ("fp16", "bf16", "fp8-e4m3", "fp16-accumulate")  # the budget is checked on the first
@@ -250,9 +281,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the GPU row alone")
+    parser.add_argument("--tiny", action="store_true", help="the many-tiny-ops row alone")
     args = parser.parse_args()
     if args.device == "cuda":
         return 0 if cuda_rows(args.rounds) else 1
+    if args.tiny:
+        return 0 if tiny_row(args.rounds) else 1
     plain: dict[str, list[float]] = {c: [] for c in CANDIDATES}
     comp: dict[str, list[float]] = {c: [] for c in CANDIDATES}
     shallow, deep = [], []

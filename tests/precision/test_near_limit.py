@@ -252,3 +252,32 @@ def test_compare_names_the_op_near_the_max_inside_a_module_with_its_fp64_value()
     assert risk.evidence["location"].startswith(f"{__file__}:")
     assert result.report.data["near_limit_ops"][0]["op"] == "aten.bmm.default"
     assert fpdoctor.compare(*model_at(0.62), candidate="bf16").report.by_name("overflow-risk") == []
+
+
+def test_the_fp64_pass_takes_its_ranges_in_the_own_ops_dispatch_not_a_second_mode(monkeypatch):
+    """A Python dispatch costs more than a tiny op: the fp64 pass runs one per op, the own-ops
+    mode's, which hands each op to the ranges; they come out as a recorder of their own takes them."""
+    import fpdoctor
+    from fpdoctor.precision.compare import compare as compare_module
+
+    passes_seen, comparisons = [], []
+    dispatch, truth_pass = OpRanges.__torch_dispatch__, compare_module._Comparison.truth_pass
+
+    def counting(self, func, types, args=(), kwargs=None):
+        passes_seen[-1] += 1
+        return dispatch(self, func, types, args, kwargs)
+
+    def truth(self):
+        comparisons.append(self)
+        passes_seen.append(0)
+        truth_pass(self)
+        passes_seen.append(0)  # from here: the candidate's pass
+
+    monkeypatch.setattr(OpRanges, "__torch_dispatch__", counting)
+    monkeypatch.setattr(compare_module._Comparison, "truth_pass", truth)
+    model, x = model_at(0.62)
+    fpdoctor.compare(model, x, candidate="fp16")
+    assert passes_seen[0] == 0 and passes_seen[1] > 0  # the fp64 pass: no ranges mode; the candidate's: one
+    taken = comparisons[0].truth_ranges.read()
+    alone = passes(model, x)[0].read()
+    assert taken and [(r.key, r.shape, r.absmax) for r in taken] == [(r.key, r.shape, r.absmax) for r in alone]

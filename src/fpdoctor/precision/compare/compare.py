@@ -384,6 +384,8 @@ class _Comparison:
             device=self.cand_device,
             subsets=self.cand_device is None or self.cand_device.type == "cpu",
             torch_made={name for name, m in self.truth_run.named_modules() if type(m).__module__.startswith("torch.")},
+            # the reference (fp64) value of each op output, taken in the same dispatch
+            record=self.truth_ranges.record if self.ranges else None,
         )
 
         def post(name: str, index: int, args: Any, output: Any) -> None:
@@ -392,12 +394,11 @@ class _Comparison:
                 self._truth_post(name, index, args, output)
 
         pre: Any = self._truth_pre
-        ranges = self.truth_ranges if self.ranges else contextlib.nullcontext()
-        if self.ranges:  # the reference (fp64) value of each op output, above the own-ops mode
+        if self.ranges:
             self.truth_ranges.clear()
             pre, post = self.truth_ranges.pre(pre), self.truth_ranges.post(post)
         try:
-            with self.own, ranges:
+            with self.own:
                 hooked(
                     self.truth_run, self.inputs, torch.float64, pre=pre, post=post, rng=self.rng, noise=self.noise
                 )  # fmt: skip

@@ -112,7 +112,6 @@ class Own:
     failed: list[str] = field(default_factory=list)  # ops that did not run in the candidate's dtype, and why
     # calls of each (op, input shapes) so far: a loop repeats one op thousands of times per forward
     repeats: dict[tuple[Any, ...], int] = field(default_factory=dict)
-    skipped: int = 0  # repeats not re-run (see _due)
 
     def as_dict(self, dtype: str) -> dict[str, Any]:
         worst = self.worst
@@ -149,7 +148,9 @@ class OwnOps(TorchDispatchMode):
     """Judges the ops each container call runs itself (see the module's docstring).
 
     `torch_made`: containers whose class is torch's (nn.MultiheadAttention): their ops' lines are
-    in torch, named beside the user's line that called them."""
+    in torch, named beside the user's line that called them. `record`: called with (op, output)
+    for every op this mode sees (the fp64 pass's op ranges, near_limit.OpRanges.record): one
+    Python dispatch per op for both, since each dispatch mode costs more per op than a tiny op."""
 
     def __init__(
         self,
@@ -160,17 +161,22 @@ class OwnOps(TorchDispatchMode):
         device: torch.device | None,
         subsets: bool,
         torch_made: set[str] | None = None,
+        record: Callable[[Any, Any], None] | None = None,
     ) -> None:
         super().__init__()
         self.containers, self.dtype, self.reference, self.device = containers, dtype, reference, device
-        self.subsets, self.torch_made = subsets, torch_made or set()
+        self.subsets, self.torch_made, self.record = subsets, torch_made or set(), record
         # A reference that rounds far finer than the candidate's dtype (fp32 against fp16, bf16)
         # has an error above the candidate's rounding only where the op amplifies errors so much
         # that the candidate's error is far above that rounding too: it is re-run only there.
         self.coarse = reference is not None and torch.finfo(dtype).eps > DIVERGENCE_RATIO * torch.finfo(reference).eps
         self.stack: list[tuple[str, int]] = []
         self.calls: dict[tuple[str, int], Own] = {}
+        self.current: Own | None = None  # the innermost module call's, if it is a container's
         self.pause = 0
+        # id(op overload) -> (never judged, the overload, kept so its id stays its own): an
+        # OpOverload's __hash__ is Python code, and this is asked for every op
+        self._kinds: dict[int, tuple[bool, Any]] = {}
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -180,12 +186,14 @@ class OwnOps(TorchDispatchMode):
 
     def enter(self, name: str, index: int) -> None:
         self.stack.append((name, index))
+        self.current = None
         if name in self.containers:
-            self.calls[(name, index)] = Own()
+            self.current = self.calls[(name, index)] = Own()
 
     def leave(self, name: str, index: int) -> None:
         while self.stack and self.stack.pop() != (name, index):
             pass
+        self.current = self.calls.get(self.stack[-1]) if self.stack else None
 
     def take(self, name: str, index: int) -> Own | None:
         return self.calls.pop((name, index), None)
@@ -207,20 +215,25 @@ class OwnOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        own = self.calls.get(self.stack[-1]) if self.stack and not self.pause else None
-        if own is None:
-            return func(*args, **kwargs)
-        if not _due(own, func, args):  # first: every test below costs more
-            own.skipped += 1
-            return func(*args, **kwargs)
-        if func.is_view or _packet(func) in _NOT_JUDGED or _random(func, args, kwargs):
-            return func(*args, **kwargs)
-        if not any(True for _ in floating((args, kwargs))):
-            return func(*args, **kwargs)
-        # planned before the op runs: an in-place op changes its inputs
-        rerun = _plan(func, args, kwargs, subsets=self.subsets)
+        own = None if self.pause else self.current
+        if own is not None:
+            kind = self._kinds.get(id(func))
+            if kind is None:
+                kind = self._kinds[id(func)] = (func.is_view or _packet(func) in _NOT_JUDGED, func)
+            # first the tests that cost least: a view, cast or copy is never judged, and a repeat
+            # of an op (same op, same input shapes) is re-run only when due
+            judged = not kind[0] and _due(own, func, args) and not _random(func, args, kwargs)
+            if judged and any(True for _ in floating((args, kwargs))):
+                # planned before the op runs: an in-place op changes its inputs
+                rerun = _plan(func, args, kwargs, subsets=self.subsets)
+                out = func(*args, **kwargs)
+                self._judge(own, func, rerun, out, torch_made=self.stack[-1][0] in self.torch_made)
+                if self.record is not None:
+                    self.record(func, out)
+                return out
         out = func(*args, **kwargs)
-        self._judge(own, func, rerun, out, torch_made=self.stack[-1][0] in self.torch_made)
+        if self.record is not None:
+            self.record(func, out)
         return out
 
     def _judge(self, own: Own, func: Any, rerun: _Rerun, out: Any, *, torch_made: bool) -> None:

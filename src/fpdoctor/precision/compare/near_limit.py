@@ -8,7 +8,9 @@ occurrence of that op in that call, output position). Module attribution comes f
 pass's own hook callbacks, wrapped by `pre()` and `post()`: the mode steps off the dispatch
 stack while they run, so what compare computes in them (samples, errors, isolated re-runs of
 module copies) is neither recorded, nor counted, nor slowed, and the occurrences of the fp64
-pass and the candidate's pass line up op for op.
+pass and the candidate's pass line up op for op. In the fp64 pass it is no mode of its own: the
+own-ops mode (container_ops.OwnOps) hands it every op (`record`), since a second Python dispatch
+per op costs more than a tiny op itself (bench_compare's many-tiny-ops row).
 
 Cost: one `aminmax` per op output (one kernel), its two 0-d results kept on the device and read
 once at the end with one stack per device and dtype: no host sync per op. Views, ops that only
@@ -174,8 +176,15 @@ class OpRanges(TorchDispatchMode):
     # -- recording ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **kwargs) if kwargs else func(*args)
+        self.record(func, out)
+        return out
+
+    def record(self, func: Any, out: Any) -> None:
+        """Take the range of `out`, the output of op `func`, if due. Called straight from a dispatch
+        mode's __torch_dispatch__ (this one's, or compare's own-ops mode's in the fp64 pass: one
+        Python dispatch per op for both), so the frame two up is the op's caller."""
         if self._paused or not self._stack:
-            return out  # compare's own work, or outside the model (the inputs' cast)
+            return  # compare's own work, or outside the model (the inputs' cast)
         try:
             info = self._ops.get(id(func))
             if info is None:
@@ -184,34 +193,32 @@ class OpRanges(TorchDispatchMode):
                 # max by design: fp8-saturation judges them) or no-ops in the candidate's dtype
                 reduced = not func.is_view and not name.startswith("empty") and judged(name, cast=False)
                 info = self._ops[id(func)] = (str(func), reduced, func)
-            if info[1]:
-                self._record(info[0], out)
+            if not info[1]:
+                return
+            op = info[0]
+            module, call, counts, code = self._stack[-1]
+            k = counts.get(op, 0)
+            counts[op] = k + 1
+            if not due(k):  # an op repeated in a loop: its first calls and every power-of-two-th
+                return
+            outputs = (out,) if type(out) is torch.Tensor else out if isinstance(out, (tuple, list)) else ()
+            for position, t in enumerate(outputs):
+                if not isinstance(t, torch.Tensor) or t.dtype not in self._dtypes or t.layout is not torch.strided:
+                    continue
+                if not t.numel():
+                    continue
+                location = None
+                if t.dtype in AT_RISK:
+                    line_key = (code, op, k, position)
+                    if line_key not in self._lines:
+                        self._lines[line_key] = _model_location(sys._getframe(2))
+                    location = self._lines[line_key]
+                with torch._C._DisableTorchDispatch():  # a mode below must not see the reduction
+                    self._values.extend(minmax(t))
+                self._keys.append((module, call, op, k, position, tuple(t.shape), dtype_name(t.dtype), location))
         except Exception as exc:  # the observer never fails compare
             if len(self.errors) < 20:
                 self.errors.append(f"{func}: {type(exc).__name__}: {exc}")
-        return out
-
-    def _record(self, op: str, out: Any) -> None:
-        module, call, counts, code = self._stack[-1]
-        k = counts.get(op, 0)
-        counts[op] = k + 1
-        if not due(k):  # an op repeated in a loop: its first calls and every power-of-two-th
-            return
-        outputs = (out,) if type(out) is torch.Tensor else out if isinstance(out, (tuple, list)) else ()
-        for position, t in enumerate(outputs):
-            if not isinstance(t, torch.Tensor) or t.dtype not in self._dtypes or t.layout is not torch.strided:
-                continue
-            if not t.numel():
-                continue
-            location = None
-            if t.dtype in AT_RISK:
-                line_key = (code, op, k, position)
-                if line_key not in self._lines:
-                    self._lines[line_key] = _model_location(sys._getframe(2))
-                location = self._lines[line_key]
-            with torch._C._DisableTorchDispatch():  # a mode below (compare's own-ops judge) must not see it
-                self._values.extend(minmax(t))
-            self._keys.append((module, call, op, k, position, tuple(t.shape), dtype_name(t.dtype), location))
 
     def read(self) -> list[OpRange]:
         """Every recorded op output's range, read from the device once."""
