@@ -142,10 +142,10 @@ class GraphCheck:
         device = self._calls[0][1].device
         flags = torch.stack([flag.to(device) for _, flag in self._calls]).tolist()
         counts: dict[int, int] = {}
-        for (graph, _), bad in zip(self._calls, flags, strict=True):
+        for at, ((graph, _), bad) in enumerate(zip(self._calls, flags, strict=True)):
             counts[graph.number] = counts.get(graph.number, 0) + 1
-            if bad:
-                return {**graph.covers(), "call": counts[graph.number], "graph_calls": len(self._calls)}
+            if bad:  # the graph's call count, and the place of the call among all graph calls
+                return {**graph.covers(), "call": counts[graph.number], "at_call": at + 1, "graph_calls": len(self._calls)}
         return None
 
     @contextlib.contextmanager
