@@ -19,7 +19,7 @@ class NanAfterTanh(CustomGraphPass):
             if node.target is torch.ops.aten.tanh.default:
                 with graph.inserting_after(node):
                     bad = graph.call_function(torch.ops.aten.mul.Tensor, (node, math.nan))
-                node.replace_all_uses_with(bad, delete_user_cb=lambda user: user is not bad)
+                node.replace_all_uses_with(bad, delete_user_cb=lambda user, bad=bad: user is not bad)
                 return
 
     def uuid(self) -> Any:

@@ -26,8 +26,8 @@ from torch import nn
 
 from fpdoctor import catalog
 from fpdoctor.numerics import dynamo
-from fpdoctor.numerics.graphs import GraphCheck
 from fpdoctor.numerics.gradcheck import grads_of, loss_flag, nonfinite_flag
+from fpdoctor.numerics.graphs import GraphCheck
 from fpdoctor.numerics.replay import MicroBatch, OutputsOnly
 from fpdoctor.preserve import preserved
 from fpdoctor.pytrees import tensors_in
@@ -111,6 +111,7 @@ def compiled_only_finding(
     eager_loss: float,
     compiled_loss: float,
     here: dict[str, Any],
+    *,
     graph: dict[str, Any] | None = None,
 ) -> Finding:
     """The compiled step is non-finite twice; the same step run eagerly is finite. `graph`: what
@@ -181,10 +182,12 @@ def graph_sentence(graph: dict[str, Any]) -> str:
         origin = graph.get("graph_eager_origin") or {}
         text += f", non-finite eagerly too, from {origin.get('op')} at {origin.get('line') or 'an unrecorded line'}"
     said = graph_rerun.describe(graph.get("graph_compiled") or {})
-    text += (f"; {said}." if said else ".")
+    text += f"; {said}." if said else "."
     made = graph.get("reproducer") or {}
     if made.get("command"):
-        text += f" Reproducer: {made['command']} ({'reproduces it' if made.get('reproduced') else 'did not reproduce it'})."
+        text += (
+            f" Reproducer: {made['command']} ({'reproduces it' if made.get('reproduced') else 'did not reproduce it'})."
+        )
     elif made:
         text += f" No reproducer: {made.get('why')}."
     return text

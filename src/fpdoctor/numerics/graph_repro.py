@@ -60,7 +60,7 @@ def graph_source(gm: torch.fx.GraphModule) -> str:
 def inductor_settings() -> tuple[list[str], list[dict[str, Any]], list[str]]:
     """(Inductor settings that differ from the defaults as Python lines, custom passes by import
     path, what cannot be carried)."""
-    import torch._inductor.config as config
+    from torch._inductor import config
 
     lines = [line for line in config.codegen_config().splitlines() if not any(p in line for p in _PASSES)]
     passes, missing = [], []
@@ -68,7 +68,7 @@ def inductor_settings() -> tuple[list[str], list[dict[str, Any]], list[str]]:
         value = getattr(config, name, None)
         if value is None:
             continue
-        cls = value if isinstance(value, type) or callable(value) and not hasattr(value, "uuid") else type(value)
+        cls = value if isinstance(value, type) or (callable(value) and not hasattr(value, "uuid")) else type(value)
         module, qualname = getattr(cls, "__module__", ""), getattr(cls, "__qualname__", "")
         mod = sys.modules.get(module)
         if not module or module == "__main__" or "<locals>" in qualname or mod is None:

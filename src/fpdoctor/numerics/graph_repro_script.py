@@ -28,7 +28,9 @@ def _inputs(spec: dict[str, Any]) -> list[Any]:
     if spec["format"] == "safetensors":
         from safetensors.torch import load_file
 
-        saved = {int(k.removeprefix("input")): t for k, t in load_file(os.path.join(HERE, "inputs.safetensors")).items()}
+        saved = {
+            int(k.removeprefix("input")): t for k, t in load_file(os.path.join(HERE, "inputs.safetensors")).items()
+        }
     elif sys.byteorder != "little":
         raise RuntimeError("the inputs are little-endian bytes; this machine is big-endian")
     out: list[Any] = []
@@ -48,7 +50,7 @@ def _inputs(spec: dict[str, Any]) -> list[Any]:
 
 
 def _configure(spec: dict[str, Any]) -> None:
-    import torch._inductor.config  # noqa: F401  # the settings' lines name it
+    import torch._inductor.config  # the settings' lines name it
 
     for line in spec["inductor_config"]:
         exec(line, {"torch": torch})

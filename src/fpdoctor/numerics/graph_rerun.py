@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from fpdoctor.numerics.graphs import Captured, CompiledGraph, copy_value, all_finite, floats, flat, op_name, user_line
+from fpdoctor.numerics.graphs import Captured, CompiledGraph, all_finite, copy_value, flat, floats, op_name, user_line
 
 
 def eager_origin(captured: Captured) -> dict[str, Any] | None:
@@ -186,7 +186,9 @@ def describe(evidence: dict[str, Any]) -> str:
             where += f" (application {found['bisect_number']})"
         bad = " ".join(f"{k}={v}" for k, v in found["sides"]["bad"].items())
         good = " ".join(f"{k}={v}" for k, v in found["sides"]["good"].items())
-        parts.append(f"CompilerBisector: {where}; bad with {bad or 'the defaults'}, finite with {good or 'the defaults'}")
+        parts.append(
+            f"CompilerBisector: {where}; bad with {bad or 'the defaults'}, finite with {good or 'the defaults'}"
+        )
     elif found:
         parts.append(f"CompilerBisector found no backend or pass ({found.get('why') or found.get('error')})")
     if evidence.get("recompiled") == "finite":

@@ -72,8 +72,14 @@ class CompiledGraph:
             line = user_line(node)
             if line and line not in lines:
                 lines.append(line)
-        return {"id": self.compile_id, "number": self.number, "backend": self.backend_name,
-                "lines": lines[:20], "modules": modules[:20], "ops": list(dict.fromkeys(ops))[:40]}
+        return {
+            "id": self.compile_id,
+            "number": self.number,
+            "backend": self.backend_name,
+            "lines": lines[:20],
+            "modules": modules[:20],
+            "ops": list(dict.fromkeys(ops))[:40],
+        }
 
 
 def op_name(node: torch.fx.Node) -> str:
@@ -145,7 +151,12 @@ class GraphCheck:
         for at, ((graph, _), bad) in enumerate(zip(self._calls, flags, strict=True)):
             counts[graph.number] = counts.get(graph.number, 0) + 1
             if bad:  # the graph's call count, and the place of the call among all graph calls
-                return {**graph.covers(), "call": counts[graph.number], "at_call": at + 1, "graph_calls": len(self._calls)}
+                return {
+                    **graph.covers(),
+                    "call": counts[graph.number],
+                    "at_call": at + 1,
+                    "graph_calls": len(self._calls),
+                }
         return None
 
     @contextlib.contextmanager

@@ -428,9 +428,11 @@ class StepJudge:
     def _compiled_only(self, f: StepFacts, kind: str | None, eager_loss: float) -> Finding | None:
         """The eager replay of a compiled model's bad step was finite: run it compiled once more."""
         saved = [(p, p.grad) for p in self.params]
-        captured: list[Any] = []
+        capture: contextlib.AbstractContextManager[list[Any]] = (
+            self.outputs.graphs.capturing() if self.outputs is not None else contextlib.nullcontext([])
+        )
         try:
-            with self.outputs.graphs.capturing() if self.outputs is not None else contextlib.nullcontext([]) as captured:
+            with capture as captured:
                 bad, loss = compiled.rerun_compiled(self.model, self.params, f.step_fn, f.window, f.contexts())
         except Exception as exc:
             self.error("re-running the step compiled", exc, step=f.step)
@@ -446,7 +448,7 @@ class StepJudge:
                 graph = compiled.graph_evidence(captured[0], self._repro_dir(f.step))
             except Exception as exc:
                 self.error("re-running the compiled graph", exc, step=f.step)
-        return compiled.compiled_only_finding(f.step, kind, eager_loss, loss, self.here, graph)
+        return compiled.compiled_only_finding(f.step, kind, eager_loss, loss, self.here, graph=graph)
 
     def _repro_dir(self, step: int) -> str:
         if self.repro_dir is not None:
