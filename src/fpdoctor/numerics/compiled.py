@@ -27,7 +27,7 @@ from torch import nn
 from fpdoctor import catalog
 from fpdoctor.numerics import dynamo
 from fpdoctor.numerics.gradcheck import grads_of, loss_flag, nonfinite_flag
-from fpdoctor.numerics.graphs import GraphCheck
+from fpdoctor.numerics.graphs import GraphCheck, nonfinite_of
 from fpdoctor.numerics.replay import MicroBatch, OutputsOnly
 from fpdoctor.preserve import preserved
 from fpdoctor.pytrees import tensors_in
@@ -234,9 +234,10 @@ class OutputCheck:
         self._handles = []
 
     def note(self, name: str, output: Any) -> None:
-        tensors = [t for t in tensors_in(output) if t.is_floating_point() or t.is_complex()]
+        tensors = [t for t in tensors_in(output) if (t.is_floating_point() or t.is_complex()) and t.numel()]
         if tensors:
-            self._calls.append((name, nonfinite_flag([t.detach() for t in tensors], tensors[0].device)))
+            # a flag that writes nothing: autograd may have saved these outputs for the backward
+            self._calls.append((name, nonfinite_of([t.detach() for t in tensors if t.numel()])))
 
 
 def _output_hook(check: weakref.ref[OutputCheck], name: str) -> Callable[..., None]:

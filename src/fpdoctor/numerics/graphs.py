@@ -6,8 +6,8 @@ is open, every graph Dynamo compiles gets its callable wrapped once, at compile 
 calls the wrapper in place of the callable: no guard, no recompile, nothing traced), and fpdoctor
 keeps a copy of the graph as Dynamo captured it (torch-level ops, before the backend's passes).
 Per call the wrapper adds one finite check of the graph's floating outputs, left on the device
-(`torch._foreach_norm` with ord=inf: it writes nothing, so autograd's saved outputs are left as
-they were); `first_bad` reads the window's flags once, on a bad step only. `capturing()` reads
+(each output's smallest and largest value: it writes nothing, so autograd's saved outputs are
+left as they were); `first_bad` reads the window's flags once, on a bad step only. `capturing()` reads
 them at each call instead, and keeps a copy of the inputs of the first graph whose finite inputs
 gave non-finite outputs: what the eager re-run, the recompiles and the reproducer of
 numerics/graph_rerun.py start from.
@@ -189,7 +189,7 @@ class GraphCheck:
                 self._capture.append(Captured(graph, [copy_value(a) for a in args], bad))
             return
         if outputs:
-            self._calls.append((graph, _nonfinite(outputs)))
+            self._calls.append((graph, nonfinite_of(outputs)))
 
 
 def _unique_graphs() -> int:
@@ -213,21 +213,18 @@ def floats(values: Any) -> list[torch.Tensor]:
     ]
 
 
-def _nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
+def nonfinite_of(tensors: list[torch.Tensor]) -> torch.Tensor:
     """float32 0-d flag on the first tensor's device: 1.0 when any value is NaN or Inf. The
-    largest magnitude of each (NaN propagates through it) is finite exactly when all values are;
-    nothing is written to the tensors."""
+    smallest and largest value of each (NaN propagates through both) are finite exactly when all
+    values are; nothing is written to the tensors, and no sum can overflow."""
     device = tensors[0].device
     with torch.no_grad():
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for t in tensors:
-            groups.setdefault((t.device, t.dtype), []).append(t if not t.is_complex() else torch.view_as_real(t))
-        peaks = [p.float().to(device) for group in groups.values() for p in torch._foreach_norm(group, float("inf"))]
-        return torch.stack(peaks).isfinite().all().logical_not().float()
+        ends = [torch.stack(torch.aminmax(torch.view_as_real(t) if t.is_complex() else t)) for t in tensors]
+        return torch.cat([e.float().to(device) for e in ends]).isfinite().all().logical_not().float()
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
-    return not tensors or not bool(_nonfinite(tensors).item())
+    return not tensors or not bool(nonfinite_of(tensors).item())
 
 
 def copy_value(value: Any) -> Any:
