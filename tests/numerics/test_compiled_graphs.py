@@ -219,3 +219,35 @@ def test_graph_calls_are_read_once_per_window() -> None:
         assert check.first_bad() is None
     finally:
         check.close()
+
+
+def _rounded_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    c = a * b  # rounded to bf16 by eager; Inductor keeps the fp32 product inside its fused kernel
+    d = c.float() - a.float() * b.float()  # eager: the rounding error (2**-14); Inductor: 0
+    return 1.0 / d
+
+
+def test_a_bf16_rounding_difference_is_settled_by_emulate_precision_casts(tmp_path: Any) -> None:
+    """Fused fp32 intermediates of a bf16 graph (no fault of a pass) are told apart from a pass's
+    NaN: emulate_precision_casts makes the graph finite, so nothing is bisected."""
+    from fpdoctor.numerics.compiled import graph_evidence
+
+    if CANNOT_BUILD:
+        pytest.skip(CANNOT_BUILD)
+    a = torch.full((4,), 1 + 2**-7, dtype=torch.bfloat16)
+    assert _rounded_apart(a, a).isfinite().all()
+    check = GraphCheck()
+    try:
+        torch._dynamo.reset()
+        with check.capturing() as found:
+            assert not torch.compile(_rounded_apart)(a, a).isfinite().all()
+    finally:
+        check.close()
+    assert found and found[0].bad_outputs == [0]
+    evidence = graph_evidence(found[0], str(tmp_path / "repro"))
+    assert evidence["graph_eager"] == "finite"
+    settled = evidence["graph_compiled"]
+    assert (settled["recompiled"], settled["emulate_precision_casts"]) == ("non-finite", "finite")
+    assert settled["settled_by"] == "emulate_precision_casts" and "bisect" not in settled
+    assert "operator.mul" in evidence["compiled_graph"]["ops"]
+    assert evidence["reproducer"]["reproduced"] is True

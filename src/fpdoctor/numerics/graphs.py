@@ -87,8 +87,9 @@ def op_name(node: torch.fx.Node) -> str:
     if isinstance(target, str):
         return target
     module = getattr(target, "__module__", None) or ""
+    module = {"_operator": "operator", "torch._C._nn": "torch.nn.functional"}.get(module, module)
     name = getattr(target, "__name__", None) or str(target)
-    return f"{module.replace('torch._C._nn', 'torch.nn.functional')}.{name}".lstrip(".")
+    return f"{module}.{name}".lstrip(".")
 
 
 def user_line(node: torch.fx.Node) -> str | None:
