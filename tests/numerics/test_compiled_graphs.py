@@ -251,3 +251,18 @@ def test_a_bf16_rounding_difference_is_settled_by_emulate_precision_casts(tmp_pa
     assert settled["settled_by"] == "emulate_precision_casts" and "bisect" not in settled
     assert "operator.mul" in evidence["compiled_graph"]["ops"]
     assert evidence["reproducer"]["reproduced"] is True
+
+
+def test_watch_names_the_graph_compiled_before_its_first_step() -> None:
+    """`watch` makes its judge at the first optimizer step, after the first forward compiled the
+    graph: the graph is wrapped all the same, and the bad step names it."""
+    torch.manual_seed(0)
+    model = Net(log=True)
+    with _counted() as seen, fpdoctor.watch() as watch:
+        _, opt, forward_backward = _loop(model, "aot_eager")
+        forward_backward()
+        opt.step()
+    assert seen["graphs"] == 1
+    found = {f.name: f for f in watch.report.findings}
+    graph = found["nonfinite-loss"].evidence["compiled_graph"]
+    assert "torch.log" in graph["ops"] and graph["backend"] == "aot_eager"

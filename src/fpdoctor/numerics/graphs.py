@@ -20,6 +20,7 @@ Dynamo compiled any graph that fpdoctor has not seen.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import itertools
@@ -39,6 +40,9 @@ from fpdoctor.userframes import is_user_file
 _lock = threading.Lock()
 _open: weakref.WeakSet[GraphCheck] = weakref.WeakSet()  # the checks that want each graph's calls
 _patched: list[Any] = []  # (OutputGraph, its own call_user_compiler) while any check is open
+_holders = [0]  # `watching()` blocks open: graphs compiled meanwhile are wrapped for checks opened later
+# while only `watching()` is open: the calls' flags, handed to the next check opened (its first window)
+_pending: collections.deque[tuple[CompiledGraph, torch.Tensor]] = collections.deque(maxlen=4096)
 _numbers = itertools.count()
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
@@ -129,6 +133,9 @@ class GraphCheck:
         self.errors: list[str] = []
         self._unique_at_open = _unique_graphs()
         with _lock:
+            # the calls made before this check opened, under `watching()`: its first window's
+            self._calls = list(_pending)
+            _pending.clear()
             _open.add(self)
             _install()
 
@@ -174,7 +181,7 @@ class GraphCheck:
     def close(self) -> None:
         with _lock:
             _open.discard(self)
-            if not _open:
+            if not _open and not _holders[0]:
                 _uninstall()
 
     def _compiled(self, graph: CompiledGraph) -> None:
@@ -191,6 +198,36 @@ class GraphCheck:
             return
         if outputs:
             self._calls.append((graph, nonfinite_of(outputs)))
+
+
+def watching() -> Callable[[], None]:
+    """From now on (or from when the program imports torch._dynamo) every graph compiled is
+    wrapped, so that a check opened later (a judge made at the first optimizer step, after the
+    first forward compiled its graphs) sees their calls. Nothing is recorded until a check opens.
+    Returns what ends it."""
+    with _lock:
+        _holders[0] += 1
+    dynamo.when_imported(_install_locked)
+    done = [False]
+
+    def release() -> None:
+        with _lock:
+            if done[0]:
+                return
+            done[0] = True
+            _holders[0] -= 1
+            if not _holders[0]:
+                _pending.clear()
+                if not _open:
+                    _uninstall()
+
+    return release
+
+
+def _install_locked() -> None:
+    with _lock:
+        if _holders[0] or _open:
+            _install()
 
 
 def _unique_graphs() -> int:
@@ -241,6 +278,11 @@ def _wrap(compiled_fn: Callable[..., Any], graph: CompiledGraph) -> Callable[...
             for check in list(_open):
                 with contextlib.suppress(Exception):  # the observer never kills the job
                     check._called(graph, args, out)
+        elif _holders[0]:
+            with contextlib.suppress(Exception):
+                outputs = floats(out)
+                if outputs:
+                    _pending.append((graph, nonfinite_of(outputs)))
         return out
 
     for attr in ("_boxed_call", "zero_grad"):
@@ -264,11 +306,11 @@ def _install() -> None:
 
     def call_user_compiler(self: Any, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         kept = None
-        if _open:
+        if _open or _holders[0]:
             with contextlib.suppress(Exception):  # a graph we cannot copy is run unchecked
                 kept = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
         compiled_fn = own(self, gm, example_inputs)
-        if kept is None or not _open:
+        if kept is None:
             return compiled_fn
         try:
             from torch._guards import CompileContext
