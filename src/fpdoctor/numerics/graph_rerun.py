@@ -44,7 +44,8 @@ def eager_origin(captured: Captured) -> dict[str, Any] | None:
             return result
 
     gm = fresh(captured.graph)
-    outputs = Checked(gm).run(*[copy_value(a) for a in captured.inputs])
+    with torch.no_grad():  # values only: no autograd graph kept for a backward that never runs
+        outputs = Checked(gm).run(*[copy_value(a) for a in captured.inputs])
     if all_finite(floats(outputs)):
         return None
     return found[0] if found else {"op": None, "node": None, "line": None}

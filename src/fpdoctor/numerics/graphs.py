@@ -266,6 +266,11 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
 
 
 def copy_value(value: Any) -> Any:
+    """A graph input as it was at the call. Parameters are the model's own, left as they are: a
+    forward graph does not write them and the bad step is not applied, so no copy of the
+    weights is made (a large model's would double their memory)."""
+    if isinstance(value, torch.nn.Parameter):
+        return value
     if isinstance(value, torch.Tensor):
         return value.detach().clone().requires_grad_(value.requires_grad)
     return value
