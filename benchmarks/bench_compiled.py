@@ -79,9 +79,9 @@ def output_check(compiled: nn.Module) -> Iterator[Callable[[], None]]:
         note(name, output)
         spent[0] += time.perf_counter() - start
 
-    def timed_graph(graph: object, args: object, out: object) -> None:
+    def timed_graph(graph: object, args: object, out: object, flag: object) -> None:
         start = time.perf_counter()
-        called(graph, args, out)  # type: ignore[arg-type]
+        called(graph, args, out, flag)  # type: ignore[arg-type]
         spent[0] += time.perf_counter() - start
 
     check.note = timed  # type: ignore[method-assign]

@@ -44,6 +44,7 @@ _holders = [0]  # `watching()` blocks open: graphs compiled meanwhile are wrappe
 # while only `watching()` is open: the calls' flags, handed to the next check opened (its first window)
 _pending: collections.deque[tuple[CompiledGraph, torch.Tensor]] = collections.deque(maxlen=4096)
 _numbers = itertools.count()
+_MAX_CALLS = 65536  # graph calls one check keeps per window
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
@@ -187,17 +188,20 @@ class GraphCheck:
     def _compiled(self, graph: CompiledGraph) -> None:
         self.graphs.append(graph)
 
-    def _called(self, graph: CompiledGraph, args: tuple[Any, ...], out: Any) -> None:
+    def _called(self, graph: CompiledGraph, args: tuple[Any, ...], out: Any, flag: Callable[[], Any]) -> None:
+        """One call of `graph`; `flag()` is the call's non-finite flag, computed once for all checks."""
         if threading.get_ident() != self._thread:
             return
-        outputs = floats(out)
         if self._capture is not None:
+            outputs = floats(out)
             if not self._capture and outputs and not all_finite(outputs) and all_finite(floats(args)):
                 bad = [i for i, o in enumerate(flat(out)) if isinstance(o, torch.Tensor) and not all_finite([o])]
                 self._capture.append(Captured(graph, [copy_value(a) for a in args], bad))
             return
-        if outputs:
-            self._calls.append((graph, nonfinite_of(outputs)))
+        if len(self._calls) < _MAX_CALLS:  # a check nobody reads any more must not grow without end
+            value = flag()
+            if value is not None:
+                self._calls.append((graph, value))
 
 
 def watching() -> Callable[[], None]:
@@ -279,15 +283,23 @@ def copy_value(value: Any) -> Any:
 def _wrap(compiled_fn: Callable[..., Any], graph: CompiledGraph) -> Callable[..., Any]:
     def checked(*args: Any, **kwargs: Any) -> Any:
         out = compiled_fn(*args, **kwargs)
-        if _open:
-            for check in list(_open):
-                with contextlib.suppress(Exception):  # the observer never kills the job
-                    check._called(graph, args, out)
-        elif _holders[0]:
-            with contextlib.suppress(Exception):
+        if not _open and not _holders[0]:
+            return out
+        made: list[Any] = []
+
+        def flag() -> Any:  # one reduction per call, whichever checks want it
+            if not made:
                 outputs = floats(out)
-                if outputs:
-                    _pending.append((graph, nonfinite_of(outputs)))
+                made.append(nonfinite_of(outputs) if outputs else None)
+            return made[0]
+
+        for check in list(_open):
+            with contextlib.suppress(Exception):  # the observer never kills the job
+                check._called(graph, args, out, flag)
+        if _holders[0]:  # for the check a front end opens later (its first window)
+            with contextlib.suppress(Exception):
+                if flag() is not None:
+                    _pending.append((graph, flag()))
         return out
 
     for attr in ("_boxed_call", "zero_grad"):
