@@ -266,3 +266,33 @@ def test_watch_names_the_graph_compiled_before_its_first_step() -> None:
     found = {f.name: f for f in watch.report.findings}
     graph = found["nonfinite-loss"].evidence["compiled_graph"]
     assert "torch.log" in graph["ops"] and graph["backend"] == "aot_eager"
+
+
+def test_a_graph_whose_eager_ops_make_the_nan_names_the_op_and_line() -> None:
+    """The graph re-run eagerly, node by node, on the inputs it had: the node of origin and the
+    user line Dynamo recorded for it; then it is not compiled-only, and nothing is recompiled."""
+    from fpdoctor.numerics.compiled import graph_evidence
+
+    torch.manual_seed(0)
+    model = Net(log=True)
+    check = GraphCheck()
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager")
+        with check.capturing() as found:
+            compiled(torch.randn(4, 8))
+    finally:
+        check.close()
+    assert found
+    evidence = graph_evidence(found[0], None)
+    origin = evidence["graph_eager_origin"]
+    assert evidence["graph_eager"] == "non-finite" and origin["op"] == "torch.log"
+    assert origin["line"].split(" in ")[0].endswith("test_compiled_graphs.py:" + str(_line_of("torch.log(h - 2.0)")))
+    assert "graph_compiled" not in evidence and "reproducer" not in evidence
+
+
+def _line_of(text: str) -> int:
+    import inspect
+
+    lines, start = inspect.getsourcelines(Net.forward)
+    return start + next(i for i, line in enumerate(lines) if text in line)
