@@ -323,7 +323,7 @@ def _install() -> None:
 
     def call_user_compiler(self: Any, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         kept = None
-        if _open or _holders[0]:
+        if (_open or _holders[0]) and not getattr(self, "export", False):  # torch.export wants its own graph back
             with contextlib.suppress(Exception):  # a graph we cannot copy is run unchecked
                 kept = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
         compiled_fn = own(self, gm, example_inputs)
