@@ -13,9 +13,9 @@ gave non-finite outputs: what the eager re-run, the recompiles and the reproduce
 numerics/graph_rerun.py start from.
 
 The backward graphs AOTAutograd makes run inside autograd, not through this wrapper: their
-NaN/Inf shows in the gradients the step check reads. Graphs compiled before a check was opened
-are not wrapped (their callables are Dynamo's already): `GraphCheck.unwrapped` says whether
-Dynamo compiled any graph that fpdoctor has not seen.
+NaN/Inf shows in the gradients the step check reads. Graphs compiled before a check (or
+`watching()`, which `watch` opens at its start) was opened are not wrapped: their callables are
+Dynamo's already.
 """
 
 from __future__ import annotations
@@ -131,20 +131,12 @@ class GraphCheck:
         self._calls: list[tuple[CompiledGraph, torch.Tensor]] = []
         self._capture: list[Captured] | None = None  # while capturing: the first bad call, once found
         self._thread = threading.get_ident()
-        self.errors: list[str] = []
-        self._unique_at_open = _unique_graphs()
         with _lock:
             # the calls made before this check opened, under `watching()`: its first window's
             self._calls = list(_pending)
             _pending.clear()
             _open.add(self)
             _install()
-
-    @property
-    def unwrapped(self) -> int:
-        """Graphs Dynamo compiled since the check opened that fpdoctor did not see (a backend
-        wrapper of Dynamo's own, a torch whose compile path differs)."""
-        return max(0, _unique_graphs() - self._unique_at_open - len(self.graphs))
 
     def begin(self) -> None:
         """A new window: the calls of the last one are forgotten."""
@@ -232,15 +224,6 @@ def _install_locked() -> None:
     with _lock:
         if _holders[0] or _open:
             _install()
-
-
-def _unique_graphs() -> int:
-    try:
-        from torch._dynamo.utils import counters
-
-        return int(counters["stats"]["unique_graphs"])
-    except Exception:
-        return 0
 
 
 def flat(out: Any) -> list[Any]:
