@@ -3,10 +3,13 @@
 A 2-layer transformer of benchmarks/models.py (dim 128, 8 x 64 tokens, fp32, AdamW, dropout off),
 compiled with torch.compile (Inductor's C++ backend; `aot_eager` where Inductor cannot build here),
 takes the same training step (zero_grad / compiled forward / cross-entropy / backward / step) in
-interleaved rounds: plain, with the compiled-output check (`numerics/compiled.py`'s OutputCheck,
+interleaved rounds: plain, with the compiled-output checks (`numerics/compiled.py`'s OutputCheck,
 what the sentinel, `watch` and the callbacks put on a compiled model: one fused finite check of
-the compiled module's outputs per call, left on the device) and plain again (the run-to-run
-noise). Per-step wall times, medians over rounds of per-round medians; the budget is read on the
+the compiled module's outputs per call, and one of each Dynamo graph's outputs per graph call
+(`numerics/graphs.py`), left on the device) and plain again (the run-to-run noise). The graphs
+are compiled while a check is open, as under the sentinel, so their callables carry the
+per-graph wrapper in every variant: the plain rounds pay its closed cost too. Per-step wall
+times, medians over rounds of per-round medians; the budget is read on the
 check's own time inside the step (the interleaved walls show how large the machine's noise is).
 Dynamo's count of compiled graphs is read before the measured rounds and after them: the check
 adds none (it sits on the wrapper, outside what Dynamo traces and guards).
@@ -39,15 +42,22 @@ def compile_model(backend: str) -> tuple[nn.Module, nn.Module, str]:
     torch.manual_seed(0)
     model = small_transformer(layers=2, dim=128, dropout=0.0)
     tokens, _ = batch(size=8, length=64)
+    from fpdoctor.numerics.graphs import GraphCheck
+
     for name in dict.fromkeys([backend, "aot_eager"]):
         compiled = torch.compile(model, backend=name)
+        check = GraphCheck()  # open while Dynamo compiles: each graph's callable gets its wrapper
         try:
             compiled(tokens).sum().backward()  # compiles forward and backward now, outside the timing
             model.zero_grad(set_to_none=True)
+            if not check.graphs:
+                raise SystemExit("no graph was seen compiled: the per-graph check is not measured")
             return model, compiled, name
         except Exception as exc:
             print(f"  backend {name} cannot run here ({type(exc).__name__}); trying aot_eager", file=sys.stderr)
             torch._dynamo.reset()
+        finally:
+            check.close()
     raise SystemExit("torch.compile cannot run here")
 
 
@@ -61,7 +71,7 @@ def output_check(compiled: nn.Module) -> Iterator[Callable[[], None]]:
     from fpdoctor.numerics.compiled import OutputCheck
 
     check = OutputCheck(compiled)
-    note = check.note
+    note, called = check.note, check.graphs._called
     spent = [0.0]
 
     def timed(name: str, output: object) -> None:
@@ -69,7 +79,13 @@ def output_check(compiled: nn.Module) -> Iterator[Callable[[], None]]:
         note(name, output)
         spent[0] += time.perf_counter() - start
 
+    def timed_graph(graph: object, args: object, out: object, flag: object) -> None:
+        start = time.perf_counter()
+        called(graph, args, out, flag)  # type: ignore[arg-type]
+        spent[0] += time.perf_counter() - start
+
     check.note = timed  # type: ignore[method-assign]
+    check.graphs._called = timed_graph  # type: ignore[method-assign]
 
     def begin() -> None:
         if spent[0]:
@@ -80,6 +96,8 @@ def output_check(compiled: nn.Module) -> Iterator[Callable[[], None]]:
     try:
         yield begin
     finally:
+        if not check.graphs._calls and not OWN:
+            print("  the per-graph check saw no graph call", file=sys.stderr)
         check.close()
 
 

@@ -368,13 +368,16 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         title="The compiled program makes NaN/Inf that the same step run eagerly does not",
         what="A step of a torch.compile'd model was non-finite; replayed eagerly under trace (same batch, RNG "
         "state and weights) it was finite, and run compiled once more it was non-finite again. Every finding of a "
-        "compiled model says where it was seen (evidence.seen_in: compiled, or eager replay).",
+        "compiled model says where it was seen (evidence.seen_in: compiled, or eager replay). The first Dynamo "
+        "graph whose finite inputs gave NaN/Inf is named (evidence.compiled_graph), run eagerly node by node, "
+        "recompiled alone, with emulate_precision_casts, and bisected with CompilerBisector "
+        "(evidence.graph_compiled); a reproducer of the graph is written and run once (evidence.reproducer).",
         why="The compiled kernels do not compute what the model's eager ops compute: a fusion, a decomposition or "
         "lowering, or an intermediate kept in lower precision. The eager trace cannot name the op, because the "
         "eager ops are finite.",
-        fix="Confirm with torch._inductor.config.emulate_precision_casts = True (Inductor then rounds as eager "
-        'does) or with backend="aot_eager" (no Inductor kernels); if that makes the step finite, bisect with '
-        "torch._inductor.compiler_bisector.CompilerBisector and report the pass to PyTorch. Meanwhile compile "
-        "less (torch.compiler.disable on the module that goes bad) or run it eagerly.",
+        fix="Where emulate_precision_casts made the graph finite, set torch._inductor.config.emulate_precision_casts "
+        "= True. Where the bisector named a pass, run the reproducer with each side's TORCH_BISECT_* variables "
+        "and report it to PyTorch (or to the owner of a custom pass). Meanwhile compile less "
+        "(torch.compiler.disable on the code the graph covers) or run it eagerly.",
     ),
 )

@@ -44,7 +44,7 @@ from torch.utils import _pytree as pytree
 
 from fpdoctor.integrations import _watch as framework
 from fpdoctor.integrations._outputs import KeptGradients, backward_from
-from fpdoctor.numerics import amp, distributed, dynamo
+from fpdoctor.numerics import amp, distributed, dynamo, graphs
 from fpdoctor.numerics.gradcheck import FlagRead, grads_of, nonfinite_flag
 from fpdoctor.numerics.replay import MicroBatch, OutputsOnly
 from fpdoctor.numerics.step_judge import StepFacts, StepJudge, StepOutcome
@@ -154,6 +154,7 @@ class ScriptWatch:
             # torch.compile'd code compiles as it would without the watch (numerics/dynamo.py)
             dynamo.keep_out(dynamo.fpdoctor_modules())
             stack.callback(dynamo.quiet_wrapper_warning())
+            stack.callback(graphs.watching())  # each compiled graph checked once a judge is made
             module_hooks = torch.nn.modules.module
             stack.callback(module_hooks.register_module_forward_pre_hook(self._pre).remove)
             # with its keyword arguments (the pre-hook gets none), and even when the forward raises,

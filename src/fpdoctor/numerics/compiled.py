@@ -27,6 +27,7 @@ from torch import nn
 from fpdoctor import catalog
 from fpdoctor.numerics import dynamo
 from fpdoctor.numerics.gradcheck import grads_of, loss_flag, nonfinite_flag
+from fpdoctor.numerics.graphs import GraphCheck, nonfinite_of
 from fpdoctor.numerics.replay import MicroBatch, OutputsOnly
 from fpdoctor.preserve import preserved
 from fpdoctor.pytrees import tensors_in
@@ -46,14 +47,23 @@ def seen_in(found: Sequence[Finding], where: str, names: Sequence[str] | None = 
     ]
 
 
-def label_step_findings(found: Sequence[Finding], graphs: dict[int, dict[str, Any]]) -> list[Finding]:
+def label_step_findings(
+    found: Sequence[Finding], graphs: dict[int, dict[str, Any]], first_graphs: dict[int, dict[str, Any]] | None = None
+) -> list[Finding]:
     """A compiled model's step findings: those of the step check were seen in the compiled program,
-    and name the first compiled module whose outputs were non-finite in that step (`graphs`, by step)."""
+    and name the first compiled module whose outputs were non-finite in that step (`graphs`, by
+    step) and the first Dynamo graph (`first_graphs`, by step: its id, user lines, modules, ops)."""
     out = []
     for f in found:
         if f.name in _SEEN_BY_THE_CHECK or f.name == "compiled-only-nonfinite":
-            graph = graphs.get(f.evidence.get("step", -1))
-            extra = {"seen_in": f.evidence.get("seen_in", COMPILED), **({"compiled_output": graph} if graph else {})}
+            step = f.evidence.get("step", -1)
+            graph = graphs.get(step)
+            first = (first_graphs or {}).get(step)
+            extra = {
+                "seen_in": f.evidence.get("seen_in", COMPILED),
+                **({"compiled_output": graph} if graph else {}),
+                **({"compiled_graph": first} if first and "compiled_graph" not in f.evidence else {}),
+            }
             out.append(replace(f, evidence={**f.evidence, **extra}))
         else:
             out.append(f)
@@ -96,10 +106,17 @@ def rerun_compiled(
 
 
 def compiled_only_finding(
-    step: int, kind: str | None, eager_loss: float, compiled_loss: float, here: dict[str, Any]
+    step: int,
+    kind: str | None,
+    eager_loss: float,
+    compiled_loss: float,
+    here: dict[str, Any],
+    *,
+    graph: dict[str, Any] | None = None,
 ) -> Finding:
-    """The compiled step is non-finite twice; the same step run eagerly is finite."""
-    return catalog.make(
+    """The compiled step is non-finite twice; the same step run eagerly is finite. `graph`: what
+    `graph_evidence` found of the first graph that made it."""
+    finding = catalog.make(
         "compiled-only-nonfinite",
         message=(
             f"Step {step} was non-finite in the compiled program, and again when run compiled a second time with "
@@ -119,6 +136,61 @@ def compiled_only_finding(
             "compiled_rerun_loss": compiled_loss,
         },
     )
+    if not graph:
+        return finding
+    return replace(finding, message=finding.message + graph_sentence(graph), evidence={**finding.evidence, **graph})
+
+
+def graph_evidence(captured: Any, repro_dir: str | None) -> dict[str, Any]:
+    """The first graph whose finite inputs gave NaN/Inf in the compiled re-run (`graphs.Captured`),
+    run eagerly node by node, then recompiled alone, with emulate_precision_casts and bisected
+    (numerics/graph_rerun.py), and written as a reproducer into `repro_dir` (run once)."""
+    from fpdoctor.numerics import graph_repro, graph_rerun
+
+    out: dict[str, Any] = {"compiled_graph": {**captured.graph.covers(), "bad_outputs": captured.bad_outputs}}
+    try:
+        origin = graph_rerun.eager_origin(captured)
+    except Exception as exc:
+        out["graph_eager"] = f"could not run eagerly: {type(exc).__name__}: {exc}"[:300]
+        return out
+    if origin is not None:  # the graph's own eager ops make it from these inputs
+        out["graph_eager"] = "non-finite"
+        out["graph_eager_origin"] = origin
+        return out
+    out["graph_eager"] = "finite"
+    settled = graph_rerun.settle(captured)
+    out["graph_compiled"] = settled
+    if settled.get("recompiled") == "non-finite" and repro_dir is not None:
+        try:
+            sides = settled.get("sides") or (settled.get("bisect") or {}).get("sides")
+            out["reproducer"] = graph_repro.write_and_run(repro_dir, captured, sides)
+        except Exception as exc:
+            out["reproducer"] = {"scripted": False, "why": f"{type(exc).__name__}: {exc}"[:300]}
+    return out
+
+
+def graph_sentence(graph: dict[str, Any]) -> str:
+    """What the finding's message adds of the graph."""
+    from fpdoctor.numerics import graph_rerun
+
+    covers = graph.get("compiled_graph") or {}
+    where = ", ".join(covers.get("lines") or covers.get("modules") or []) or "no user line recorded"
+    text = f" The first graph to make it: Dynamo graph {covers.get('id')} ({covers.get('backend')}; {where})"
+    if graph.get("graph_eager") == "finite":
+        text += ", finite when its ops ran eagerly on the same inputs"
+    elif graph.get("graph_eager") == "non-finite":
+        origin = graph.get("graph_eager_origin") or {}
+        text += f", non-finite eagerly too, from {origin.get('op')} at {origin.get('line') or 'an unrecorded line'}"
+    said = graph_rerun.describe(graph.get("graph_compiled") or {})
+    text += f"; {said}." if said else "."
+    made = graph.get("reproducer") or {}
+    if made.get("command"):
+        text += (
+            f" Reproducer: {made['command']} ({'reproduces it' if made.get('reproduced') else 'did not reproduce it'})."
+        )
+    elif made:
+        text += f" No reproducer: {made.get('why')}."
+    return text
 
 
 class OutputCheck:
@@ -132,6 +204,7 @@ class OutputCheck:
     def __init__(self, model: nn.Module) -> None:
         self._calls: list[tuple[str, torch.Tensor]] = []  # (module name, flag) per call in this window
         self._handles: list[Any] = []
+        self.graphs = GraphCheck()  # the same, graph by graph (numerics/graphs.py)
         check = weakref.ref(self)
         for name, module in model.named_modules():
             if hasattr(module, "_orig_mod"):
@@ -140,6 +213,7 @@ class OutputCheck:
     def begin(self) -> None:
         """A new window: the calls of the last one are forgotten."""
         self._calls = []
+        self.graphs.begin()
 
     def first_bad(self) -> dict[str, Any] | None:
         """The first compiled module call of the window with a non-finite output (one read)."""
@@ -154,14 +228,16 @@ class OutputCheck:
         return None
 
     def close(self) -> None:
+        self.graphs.close()
         for handle in self._handles:
             handle.remove()
         self._handles = []
 
     def note(self, name: str, output: Any) -> None:
-        tensors = [t for t in tensors_in(output) if t.is_floating_point() or t.is_complex()]
+        tensors = [t for t in tensors_in(output) if (t.is_floating_point() or t.is_complex()) and t.numel()]
         if tensors:
-            self._calls.append((name, nonfinite_flag([t.detach() for t in tensors], tensors[0].device)))
+            # a flag that writes nothing: autograd may have saved these outputs for the backward
+            self._calls.append((name, nonfinite_of([t.detach() for t in tensors if t.numel()])))
 
 
 def _output_hook(check: weakref.ref[OutputCheck], name: str) -> Callable[..., None]:

@@ -27,6 +27,7 @@ from typing import Any
 _DYNAMO = "torch._dynamo"
 _lock = threading.Lock()
 _waiting: list[Any] = []  # objects to skip once torch._dynamo is imported
+_then: list[Callable[[], None]] = []  # what else runs once it is imported
 _done: set[int] = set()  # ids of the objects kept out (or waiting to be) already
 
 
@@ -60,7 +61,22 @@ def keep_out(objects: Iterable[Any]) -> None:
 def _skip_waiting() -> None:
     with _lock:
         objects, _waiting[:] = list(_waiting), []
+        then, _then[:] = list(_then), []
     never_compile(objects)
+    for call in then:
+        with contextlib.suppress(Exception):  # the observer never kills the job
+            call()
+
+
+def when_imported(call: Callable[[], None]) -> None:
+    """`call()` now if torch._dynamo is imported, else as soon as the program imports it."""
+    if _DYNAMO in sys.modules and hasattr(sys.modules[_DYNAMO], "eval_frame"):
+        call()
+        return
+    with _lock:
+        _then.append(call)
+        if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _AfterImport(_DYNAMO, _skip_waiting))
 
 
 def never_compile(objects: Iterable[Any]) -> None:

@@ -172,6 +172,8 @@ class StepJudge:
         dynamo.keep_out(dynamo.fpdoctor_modules())
         self.outputs = compiled.OutputCheck(model) if self.is_compiled else None
         self.compiled_graphs: dict[int, dict[str, Any]] = {}  # step -> its first non-finite compiled output
+        self.first_graphs: dict[int, dict[str, Any]] = {}  # step -> its first Dynamo graph with a non-finite output
+        self.repro_dir: str | None = None  # where a compiled-only fault's reproducer goes (None: a new temp dir)
         self._views = views
         self._losses: deque[float] = deque(maxlen=SPIKE_WINDOW)
         self._errors: set[tuple[str, str]] = set()
@@ -259,6 +261,9 @@ class StepJudge:
             graph = self.outputs.first_bad()
             if graph is not None:
                 self.compiled_graphs[f.step] = graph
+            first = self.outputs.graphs.first_bad()
+            if first is not None:
+                self.first_graphs[f.step] = first
         if f.applied:  # applied already: reported, not replayed (its weights are gone)
             self._attribute(f)
             return outcome
@@ -428,8 +433,12 @@ class StepJudge:
     def _compiled_only(self, f: StepFacts, kind: str | None, eager_loss: float) -> Finding | None:
         """The eager replay of a compiled model's bad step was finite: run it compiled once more."""
         saved = [(p, p.grad) for p in self.params]
+        capture: contextlib.AbstractContextManager[list[Any]] = (
+            self.outputs.graphs.capturing() if self.outputs is not None else contextlib.nullcontext([])
+        )
         try:
-            bad, loss = compiled.rerun_compiled(self.model, self.params, f.step_fn, f.window, f.contexts())
+            with capture as captured:
+                bad, loss = compiled.rerun_compiled(self.model, self.params, f.step_fn, f.window, f.contexts())
         except Exception as exc:
             self.error("re-running the step compiled", exc, step=f.step)
             return None
@@ -438,7 +447,21 @@ class StepJudge:
                 p.grad = g
         if not bad:
             return None
-        return compiled.compiled_only_finding(f.step, kind, eager_loss, loss, self.here)
+        graph = None
+        if captured:  # the first graph whose finite inputs gave NaN/Inf: run apart from the step
+            try:
+                graph = compiled.graph_evidence(captured[0], self._repro_dir(f.step))
+            except Exception as exc:
+                self.error("re-running the compiled graph", exc, step=f.step)
+        return compiled.compiled_only_finding(f.step, kind, eager_loss, loss, self.here, graph=graph)
+
+    def _repro_dir(self, step: int) -> str:
+        if self.repro_dir is not None:
+            return self.repro_dir
+        import os
+        import tempfile
+
+        return os.path.join(tempfile.gettempdir(), f"fpdoctor-graph-{os.getpid()}-step{step}")
 
     def _collapse(self, f: StepFacts, next_scale: float) -> None:
         self.causes.add(
@@ -644,7 +667,7 @@ class StepJudge:
         out["summary"] = summary
         found = list(self.findings)
         if self.is_compiled:
-            found = compiled.label_step_findings(found, self.compiled_graphs)
+            found = compiled.label_step_findings(found, self.compiled_graphs, self.first_graphs)
         return Report(command="sentinel", findings=found, data=out)
 
 
