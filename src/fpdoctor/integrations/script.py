@@ -350,6 +350,7 @@ class ScriptWatch:
             probe = UpdateProbe(model, optimizer)
             if probe.low_precision:
                 run.probe = probe
+                judge.expects_updates = probe.why_not is None  # the last finite window kept for the what-if
                 if probe.why_not is not None:  # said once; the check stays off for this optimizer
                     stats = UpdateStats(0, type(optimizer).__name__, why_not=probe.why_not)
                     judge.updates(stats, every=probe.every)
