@@ -187,6 +187,7 @@ class UpdateSummary:
 
     steps: int = 0
     every: int = EVERY
+    cadence: str | None = None  # which steps are measured, where not every `every`-th from the first
     params: int = 0
     dtypes: set[str] = field(default_factory=set)
     worst: float = 0.0
@@ -210,7 +211,8 @@ class UpdateSummary:
             return f"not judged: {self.why_not}" if self.why_not else "not judged yet: no optimizer step measured"
         dtypes = "/".join(sorted(self.dtypes))
         return (
-            f"judged on {self.steps} step(s) (every {self.every}th, {SAMPLE} sampled elements per parameter): "
+            f"judged on {self.steps} step(s) ({self.cadence or f'every {self.every}th'}, {SAMPLE} sampled elements "
+            "per parameter): "
             f"{self.params} {dtypes} parameter(s), at most {self.worst:.0%} of the weights' updates rounded away "
             f"({self.worst_name}, weighted by parameter size)"
         )
