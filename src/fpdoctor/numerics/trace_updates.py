@@ -3,14 +3,15 @@ trainable weights, measured as the sentinel measures it (`updates.UpdateProbe`) 
 same `UpdateJudge` (TRN010 update-rounded-away, TRN011 accumulation-stalled, the same evidence and fix).
 
 Global optimizer hooks, removed on exit (nothing is set on the user's optimizer): before a step
-the sample and its fp32 shadow step, after it the sampled weights again and one read back. Each
-optimizer's steps are measured on its first, its second and every `EVERY`-th after (1, 2, 11,
-21, ...): a traced script often runs a few steps only. Gradients summed over micro-batches in a
-bf16/fp16 `.grad` are measured on the window of each measured step from the second on: the
-optimizer, and so which parameters it steps, is known from its first step, after that window's
-backward ran. The check's own ops are not recorded and its shadow step is not counted as a step
-(`updates.ours`, `updates.no_global_optimizer_hooks`). No what-if run: the trace does not know
-the step to run again (the sentinel, `fpdoctor watch` and the callbacks try the fix).
+the sample and its fp32 shadow step, after it the sampled weights again and one read back, on each
+optimizer's first step and every `EVERY`-th after (1, 11, 21, ...), as the sentinel measures.
+Gradients summed over micro-batches in a bf16/fp16 `.grad` are measured on the window of the
+second step (the first the trace sees whole: the optimizer, and so which parameters it steps, is
+known from its first step, after that window's backward ran) and of every measured step after:
+a traced script often runs a few steps only. The check's own ops are not recorded and its shadow
+step is not counted as a step (`updates.ours`, `updates.no_global_optimizer_hooks`). No what-if
+run: the trace does not know the step to run again (the sentinel, `fpdoctor watch` and the
+callbacks try the fix).
 """
 
 from __future__ import annotations
@@ -46,11 +47,10 @@ class _Stepped:
 class TraceUpdates:
     """Context manager over a traced block; `findings` and `line` after it."""
 
-    def __init__(self, names: Provenance, every: int = EVERY) -> None:
+    def __init__(self, names: Provenance) -> None:
         self.names = names  # parameter -> its dotted name, as the trace's module tracker knows it
-        self.every = every
         self.findings: list[Finding] = []
-        self.judge = UpdateJudge(Causes(self.findings), {}, cadence=f"steps 1, 2 and every {every}th")
+        self.judge = UpdateJudge(Causes(self.findings), {})
         self.errors: list[str] = []
         self.stepped = 0  # optimizer steps seen (of any optimizer)
         self._seen: dict[int, _Stepped] = {}
@@ -75,8 +75,10 @@ class TraceUpdates:
             if seen.grads is not None:
                 seen.grads.stop()
 
-    def due(self, step: int) -> bool:
-        return step <= 2 or (step - 1) % self.every == 0
+    @staticmethod
+    def window_due(probe: UpdateProbe, step: int) -> bool:
+        """The micro-batch gradients of `step`'s window are summed in fp32 on the sample."""
+        return step == 2 or (step > 2 and probe.due(step))
 
     # -- the hooks ---------------------------------------------------------------------------------
     def _before(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -91,11 +93,13 @@ class TraceUpdates:
                 if probe.low_precision and probe.why_not is not None:  # said once; not measured
                     self._add(UpdateStats(0, type(optimizer).__name__, why_not=probe.why_not), optimizer)
             seen.steps += 1
+            rows = None
             if seen.grads is not None:
-                seen.rows = seen.grads.finish()
-                seen.grads = None
-            if seen.probe.low_precision and seen.probe.why_not is None and self.due(seen.steps):
-                seen.sample = seen.probe.before(seen.steps)
+                rows, seen.grads = seen.grads.finish(), None
+            if seen.probe.due(seen.steps):
+                seen.sample, seen.rows = seen.probe.before(seen.steps), rows
+            elif rows:  # the gradients of a window whose step is not measured
+                self._add(UpdateStats(seen.steps, type(optimizer).__name__, grads=rows), optimizer)
         except Exception as exc:  # the observer never raises into the user's step
             self._error("measuring the optimizer's updates", exc)
 
@@ -114,14 +118,14 @@ class TraceUpdates:
                 stats.grads = rows or []
                 self._add(stats, optimizer)
             probe = seen.probe
-            if probe.low_precision and probe.why_not is None and self.due(seen.steps + 1):
+            if probe.low_precision and probe.why_not is None and self.window_due(probe, seen.steps + 1):
                 seen.grads = GradAccumulation(probe)  # the next window's micro-batch gradients, in fp32
                 seen.grads.start()
         except Exception as exc:
             self._error("measuring the optimizer's updates", exc)
 
     def _add(self, stats: UpdateStats, optimizer: Any) -> None:
-        self.judge.add(stats, optimizer, every=self.every, untried=UNTRIED)
+        self.judge.add(stats, optimizer, every=EVERY, untried=UNTRIED)
 
     def _named(self, optimizer: Any) -> list[tuple[str, torch.Tensor]]:
         """The optimizer's parameters by the names the trace knows them (its modules' own), else by

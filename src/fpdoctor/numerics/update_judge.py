@@ -24,10 +24,9 @@ from fpdoctor.numerics.updates import EVERY, UpdateStats, UpdateSummary, rounded
 class UpdateJudge:
     """The update findings of one run, added to `causes` (the run's findings, one per cause)."""
 
-    def __init__(self, causes: Causes, here: dict[str, Any], *, cadence: str | None = None) -> None:
+    def __init__(self, causes: Causes, here: dict[str, Any]) -> None:
         self.causes = causes
         self.here = here  # where every finding of this rank happened (rank, host, device)
-        self.cadence = cadence  # which steps the front end measures, where not every `every`-th
         self.summary: UpdateSummary | None = None  # set by the first measured step, or the first why-not
 
     def add(
@@ -42,7 +41,7 @@ class UpdateJudge:
         """One measured step (or why none can be: `stats.why_not`); `optimizer` is the user's, for the
         fix's code. `what_if()` runs at most once per run, when the rounded-away finding is first made."""
         if self.summary is None:
-            self.summary = UpdateSummary(every=every, cadence=self.cadence)
+            self.summary = UpdateSummary(every=every)
         self.summary.add(stats)
         rank = self.here.get("rank")
         affected = rounded_away(stats)

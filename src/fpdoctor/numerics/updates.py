@@ -187,7 +187,6 @@ class UpdateSummary:
 
     steps: int = 0
     every: int = EVERY
-    cadence: str | None = None  # which steps are measured, where not every `every`-th from the first
     params: int = 0
     dtypes: set[str] = field(default_factory=set)
     worst: float = 0.0
@@ -197,6 +196,8 @@ class UpdateSummary:
     def add(self, stats: UpdateStats) -> None:
         if stats.why_not is not None:
             self.why_not = stats.why_not
+            return
+        if not stats.params:  # a window's gradients alone: no update was measured
             return
         self.steps += 1
         self.params = max(self.params, len(stats.params))
@@ -211,8 +212,7 @@ class UpdateSummary:
             return f"not judged: {self.why_not}" if self.why_not else "not judged yet: no optimizer step measured"
         dtypes = "/".join(sorted(self.dtypes))
         return (
-            f"judged on {self.steps} step(s) ({self.cadence or f'every {self.every}th'}, {SAMPLE} sampled elements "
-            "per parameter): "
+            f"judged on {self.steps} step(s) (every {self.every}th, {SAMPLE} sampled elements per parameter): "
             f"{self.params} {dtypes} parameter(s), at most {self.worst:.0%} of the weights' updates rounded away "
             f"({self.worst_name}, weighted by parameter size)"
         )
