@@ -331,7 +331,10 @@ def test_the_fix_for_bf16_updates_is_tried_under_watch_and_the_weights_stay_bitw
     (found,) = [f for f in _report(tmp_path)["findings"] if f["name"] == "update-rounded-away"]
     tried = found["evidence"]["what_if"]
     assert tried["tried"] and tried["steps"] == 8 and tried["moved_fp32_master"] > tried["moved_as_is"]
+    # the loss to first order, from the gradients at the model's outputs: the watch knows no loss function
+    assert 0 < tried["loss_fp32_master"] <= tried["loss_as_is"] < 10, tried
     assert "Tried: with fp32 master weights" in found["message"] and "(checked" in found["message"]
+    assert "the loss to first order" in found["message"]
     assert not _report(tmp_path)["data"].get("not_checked")  # the copies' optimizer steps are not the script's
 
 

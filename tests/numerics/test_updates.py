@@ -283,3 +283,32 @@ def test_probe_leaves_rng_and_grads_alone():
     assert sample is not None
     assert torch.equal(rng, torch.get_rng_state())
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
+
+
+def test_a_what_if_run_without_its_loss_is_judged_by_the_weights_that_moved():
+    """A step replayed from the gradients at the outputs returns no loss: the arms are compared by the
+    weights that moved, and the user's weights, gradients, optimizer state and RNG stay as they were."""
+    import math
+
+    from fpdoctor.numerics.update_whatif import what_if
+
+    model = _model(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    step = _step_fn(model, opt, torch.bfloat16)
+    step()
+    opt.step()
+    weights = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]
+    state = {k: v.clone() for k, v in opt.state[model[0].weight].items()}
+    rng = torch.get_rng_state()
+
+    def no_loss() -> None:
+        step()
+
+    tried = what_if(model, opt, no_loss, steps=4)
+    assert tried.error is None and math.isnan(tried.loss_as_is) and not tried.loss_known
+    assert tried.moved_fixed > tried.moved_as_is and tried.helped
+    assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters(), strict=True))
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
+    assert all(torch.equal(v, opt.state[model[0].weight][k]) for k, v in state.items())
+    assert torch.equal(rng, torch.get_rng_state())

@@ -463,7 +463,7 @@ def _tried_text(tried: WhatIf | None, untried: str) -> tuple[str, dict[str, Any]
     if tried.error is not None:
         return f" The what-if run with fp32 master weights failed ({tried.error}); the fix is untried.", evidence
     loss = (
-        f"the loss after {tried.steps} steps on this step's batch was {tried.loss_fixed:.4g} against "
+        f"{tried.loss_is} after {tried.steps} steps on this step's batch was {tried.loss_fixed:.4g} against "
         f"{tried.loss_as_is:.4g} as it is"
         if tried.loss_known
         else f"over {tried.steps} steps on this step's batch (its loss is not known here: the step was run from "

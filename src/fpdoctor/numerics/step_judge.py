@@ -115,6 +115,9 @@ class StepFacts:
     why_not: str | None = None
     spread: bool = False  # gradients read after a norm computation that spread a NaN to all of them
     loss_seen: bool = True  # False: the loss is computed where the front end cannot see it
+    # the what-if run's micro-batch (None: `step_fn`), returning the loss that `what_if_loss` names
+    what_if_fn: Callable[..., Any] | None = None
+    what_if_loss: str = "the loss"
     # which buckets / parameters held the bad gradients, read while they still showed it
     # (`StepJudge.gradient_view`); None: read when the step is judged
     seen: tuple[list[dict[str, Any]] | None, list[tuple[str, str]]] | None = None
@@ -571,12 +574,12 @@ class StepJudge:
                 with contextlib.ExitStack() as stack:
                     for context in f.contexts():
                         stack.enter_context(context)
-                    loss = f.step_fn(*micro.args, **micro.kwargs)
+                    loss = (f.what_if_fn or f.step_fn)(*micro.args, **micro.kwargs)
                 if isinstance(loss, (torch.Tensor, float, int)):
                     losses.append(torch.as_tensor(loss).detach().float().mean().cpu())
             return torch.stack(losses).mean() if losses and len(losses) == len(f.window) else None
 
-        return lambda: what_if(self.model, optimizer, run_window, steps=steps), ""
+        return lambda: what_if(self.model, optimizer, run_window, steps=steps, loss_is=f.what_if_loss), ""
 
     def error(self, doing: str, exc: BaseException, step: int | None = None) -> None:
         """A failure of the observer's own: a finding once per distinct error, never raised."""

@@ -39,6 +39,7 @@ class WhatIf:
     moved_fixed: float
     seconds: float
     error: str | None = None
+    loss_is: str = "the loss"  # what the losses are (a first-order estimate, where the loss function is not known)
 
     @property
     def helped(self) -> bool:
@@ -80,6 +81,7 @@ def what_if(
     run_step: Callable[[], Any],
     *,
     steps: int = WHAT_IF_STEPS,
+    loss_is: str = "the loss",
 ) -> WhatIf:
     """Both arms from the same state; `run_step()` runs forward and backward of one optimizer step's
     window on `model` and returns its loss (None: not known). Never raises: a failure is in `error`."""
@@ -123,12 +125,13 @@ def what_if(
                 loss = run_step()
             results.append((_loss_value(loss), moved / max(1, steps)))
     except Exception as exc:
-        return WhatIf(steps, math.nan, math.nan, 0.0, 0.0, time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
+        error = f"{type(exc).__name__}: {exc}"
+        return WhatIf(steps, math.nan, math.nan, 0.0, 0.0, time.perf_counter() - start, error, loss_is)
     finally:
         for p, g in saved_grads:
             p.grad = g
     (loss_as_is, moved_as_is), (loss_fixed, moved_fixed) = results
-    return WhatIf(steps, loss_as_is, loss_fixed, moved_as_is, moved_fixed, time.perf_counter() - start)
+    return WhatIf(steps, loss_as_is, loss_fixed, moved_as_is, moved_fixed, time.perf_counter() - start, None, loss_is)
 
 
 def _hyper_text(optimizer: Any) -> str:
