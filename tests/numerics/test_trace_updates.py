@@ -121,3 +121,30 @@ def test_bf16_gradient_accumulation_under_trace_stalls():
     assert found.evidence["micro_batches"] == micro and found.evidence["step"] == 2
     assert "0.weight" in [p["name"] for p in found.evidence["parameters"]]
     assert "fp32" in found.fix
+
+
+def test_the_checks_leave_the_trace_and_the_training_as_they_were(monkeypatch):
+    """The same traced training with and without the update checks: the same records, the same steps
+    and bitwise the same weights (the check's own ops and shadow step are not the script's)."""
+    from fpdoctor.numerics.trace_updates import TraceUpdates
+
+    def run() -> tuple[fpdoctor.Trace, list[torch.Tensor]]:
+        model = _model(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        x, y = _data()
+        with fpdoctor.trace() as t:
+            for _ in range(2):
+                opt.zero_grad(set_to_none=True)
+                for _ in range(2):
+                    ((model(x[:32].bfloat16()).float() - y[:32]) ** 2).mean().backward()
+                opt.step()
+        return t, [p.detach().clone() for p in model.parameters()]
+
+    checked, weights = run()
+    assert checked.report.by_name("update-rounded-away")
+    monkeypatch.setattr(TraceUpdates, "__enter__", lambda self: self)  # trace without its update hooks
+    plain, plain_weights = run()
+    assert dict(plain.report.data["summary"])["training updates"].startswith("not judged")
+    assert checked.records.count == plain.records.count
+    assert dict(checked.report.data["summary"])["optimizer steps"] == "2"
+    assert all(torch.equal(a, b) for a, b in zip(weights, plain_weights, strict=True))

@@ -27,7 +27,9 @@ class Trace:
     (numerics/repro.py) into DIR, runs it once in a fresh interpreter and says in the finding
     whether it reproduced; it reads every result at once (a host sync per op on accelerators) so
     that the inputs are copied while alive, and inputs above `repro_limit` bytes are described,
-    not saved. A trace that finds nothing writes nothing.
+    not saved. A trace that finds nothing writes nothing. Optimizer steps over bf16/fp16 trainable
+    weights are measured as the sentinel measures them (`trace_updates`): updates rounded away and
+    accumulators that stop growing, and the summary says whether the training updates were judged.
     """
 
     def __init__(

@@ -331,16 +331,16 @@ class UpdateProbe:
             with no_global_optimizer_hooks():
                 shadow_opt.step()
             intended = torch.cat([s.detach() for _, s in shadows]) - start
-        return UpdateSample(
-            step,
-            tracked,
-            torch.cat(befores),
-            intended,
-            torch.cat(decays),
-            torch.cat(segments),
-            _spacings(befores, [self.params[i].dtype for i in tracked]),
-            states,
-        )
+            return UpdateSample(
+                step,
+                tracked,
+                torch.cat(befores),
+                intended,
+                torch.cat(decays),
+                torch.cat(segments),
+                _spacings(befores, [self.params[i].dtype for i in tracked]),
+                states,
+            )
 
     # -- after the step --------------------------------------------------------------------------
     def after(self, sample: UpdateSample) -> None:
