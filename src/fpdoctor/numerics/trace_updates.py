@@ -74,6 +74,7 @@ class TraceUpdates:
         for seen in self._seen.values():  # a window started after the last step: its hooks go
             if seen.grads is not None:
                 seen.grads.stop()
+        self._seen = {}  # the optimizers (and through them the weights) are not held past the block
 
     @staticmethod
     def window_due(probe: UpdateProbe, step: int) -> bool:
@@ -117,6 +118,8 @@ class TraceUpdates:
                 stats = seen.probe.read(sample)
                 stats.grads = rows or []
                 self._add(stats, optimizer)
+            elif rows:  # no gradient to measure the update on; the window's sums still say what they say
+                self._add(UpdateStats(seen.steps, type(optimizer).__name__, grads=rows), optimizer)
             probe = seen.probe
             if probe.low_precision and probe.why_not is None and self.window_due(probe, seen.steps + 1):
                 seen.grads = GradAccumulation(probe)  # the next window's micro-batch gradients, in fp32

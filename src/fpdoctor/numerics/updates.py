@@ -484,7 +484,9 @@ class GradAccumulation:
         def add(grad: torch.Tensor) -> None:
             try:
                 with ours():
-                    if i not in self._sums:  # what .grad already holds is where the sum starts
+                    # what .grad already holds is where the sum starts; a .grad set to None since
+                    # (zero_grad of a step the window did not see end, a skipped one) starts it afresh
+                    if i not in self._sums or p.grad is None:
                         held = p.grad
                         self._sums[i] = (
                             held.detach().reshape(-1)[idx].float()
