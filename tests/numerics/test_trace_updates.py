@@ -148,3 +148,19 @@ def test_the_checks_leave_the_trace_and_the_training_as_they_were(monkeypatch):
     assert checked.records.count == plain.records.count
     assert dict(checked.report.data["summary"])["optimizer steps"] == "2"
     assert all(torch.equal(a, b) for a, b in zip(weights, plain_weights, strict=True))
+
+
+def test_an_optimizer_that_cannot_be_shadowed_is_said_not_judged_under_trace():
+    class Mine(torch.optim.SGD):
+        pass
+
+    model = _model(torch.bfloat16)
+    opt = Mine(model.parameters(), lr=1e-2)
+    x, y = _data()
+    with fpdoctor.trace() as t:
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            ((model(x.bfloat16()).float() - y) ** 2).mean().backward()
+            opt.step()
+    assert t.report.by_name("update-rounded-away") == []
+    assert dict(t.report.data["summary"])["training updates"].startswith("not judged: Mine's update")
