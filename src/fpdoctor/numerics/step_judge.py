@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -579,7 +580,16 @@ class StepJudge:
                     losses.append(torch.as_tensor(loss).detach().float().mean().cpu())
             return torch.stack(losses).mean() if losses and len(losses) == len(f.window) else None
 
-        return lambda: what_if(self.model, optimizer, run_window, steps=steps, loss_is=f.what_if_loss), ""
+        def tried() -> WhatIf:
+            with contextlib.ExitStack() as stack:
+                # compiled code runs eagerly in the what-if: its stand-in weights would fail Dynamo's guards
+                # and recompile the user's graphs (set_stance: torch >= 2.6, and only once Dynamo is imported)
+                stance = getattr(torch.compiler, "set_stance", None) if "torch._dynamo" in sys.modules else None
+                if stance is not None:
+                    stack.enter_context(stance("force_eager"))
+                return what_if(self.model, optimizer, run_window, steps=steps, loss_is=f.what_if_loss)
+
+        return tried, ""
 
     def error(self, doing: str, exc: BaseException, step: int | None = None) -> None:
         """A failure of the observer's own: a finding once per distinct error, never raised."""
