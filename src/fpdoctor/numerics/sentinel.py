@@ -223,7 +223,6 @@ class Sentinel(JudgedSteps):
                 probe = UpdateProbe(self.model, self.optimizer, every=self.check_updates)
                 if probe.low_precision:
                     self._updates = probe
-                    self._judge.expects_updates = True
                     why = probe.why_not or (
                         "the optimizer is stepped on the device (device-side skipping)" if self.device_skip else None
                     )
@@ -231,8 +230,10 @@ class Sentinel(JudgedSteps):
                         self._updates = None
                         stats = UpdateStats(0, type(self.optimizer).__name__, why_not=why)
                         self._judge.updates(stats, every=self.check_updates)
-                    elif self.accumulate > 1:
-                        self._grad_sums = GradAccumulation(probe)
+                    else:
+                        self._judge.expects_updates = True  # the last finite window kept for the what-if
+                        if self.accumulate > 1:
+                            self._grad_sums = GradAccumulation(probe)
             except Exception as exc:
                 self._judge.error("preparing the update checks", exc)
 
