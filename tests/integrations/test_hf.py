@@ -307,6 +307,9 @@ def test_pure_bf16_weights_whose_updates_round_away_are_named(tmp_path):
     (found,) = callback.report.by_name("update-rounded-away")
     assert found.evidence["dtype"] == "bfloat16"
     assert any(p["rounded_share"] > 0.5 for p in found.evidence["parameters"])
+    tried = found.evidence["what_if"]  # the fix tried on copies, as the sentinel tries it
+    assert tried["tried"] and tried["steps"] == 8 and tried["moved_fp32_master"] > tried["moved_as_is"], tried
+    assert "Tried: with fp32 master weights" in found.message
 
 
 def test_a_replayed_inf_loss_names_the_users_line_not_the_trainers(tmp_path):

@@ -300,6 +300,44 @@ def test_bf16_weights_whose_updates_round_away_are_named_under_watch():
     assert any(p["name"] == "0.weight" and p["rounded_share"] > 0.9 for p in found.evidence["parameters"])
 
 
+BF16_TRAIN = """
+import sys, torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1)).bfloat16()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01)  # a typical fp32 learning rate
+g = torch.Generator().manual_seed(1)
+for step in range(12):
+    x, y = torch.randn(16, 32, generator=g).bfloat16(), torch.randn(16, 1, generator=g)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x).float(), y).backward()
+    opt.step()
+print(torch.rand(1).item())  # the script's RNG goes on where it would without the watch
+torch.save({**model.state_dict(), **{f"state.{k}": v for k, v in opt.state_dict()["state"][0].items()}}, sys.argv[1])
+"""
+
+
+def test_the_fix_for_bf16_updates_is_tried_under_watch_and_the_weights_stay_bitwise_the_same(tmp_path):
+    script = _write(tmp_path, "train.py", BF16_TRAIN)
+    plain = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "plain.pt")], check=False, capture_output=True, text=True
+    )
+    assert plain.returncode == 0, plain.stderr
+    watched = _watch(tmp_path, "python", str(script), str(tmp_path / "watched.pt"))
+    assert watched.returncode == 0, watched.stderr
+    assert watched.stdout == plain.stdout
+    a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "watched.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    (found,) = [f for f in _report(tmp_path)["findings"] if f["name"] == "update-rounded-away"]
+    tried = found["evidence"]["what_if"]
+    assert tried["tried"] and tried["steps"] == 8 and tried["moved_fp32_master"] > tried["moved_as_is"]
+    # the loss to first order, from the gradients at the model's outputs: the watch knows no loss function
+    assert 0 < tried["loss_fp32_master"] <= tried["loss_as_is"] < 10, tried
+    assert "Tried: with fp32 master weights" in found["message"] and "(checked" in found["message"]
+    assert "the loss to first order" in found["message"]
+    assert not _report(tmp_path)["data"].get("not_checked")  # the copies' optimizer steps are not the script's
+
+
 def test_sigterm_writes_the_report_of_the_steps_so_far_and_exits_143(tmp_path):
     script = _write(
         tmp_path,

@@ -283,3 +283,60 @@ def test_probe_leaves_rng_and_grads_alone():
     assert sample is not None
     assert torch.equal(rng, torch.get_rng_state())
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
+
+
+def test_a_what_if_run_without_its_loss_is_judged_by_the_weights_that_moved():
+    """A step replayed from the gradients at the outputs returns no loss: the arms are compared by the
+    weights that moved, and the user's weights, gradients, optimizer state and RNG stay as they were."""
+    import math
+
+    from fpdoctor.numerics.update_whatif import what_if
+
+    model = _model(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    step = _step_fn(model, opt, torch.bfloat16)
+    step()
+    opt.step()
+    weights = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]
+    state = {k: v.clone() for k, v in opt.state[model[0].weight].items()}
+    rng = torch.get_rng_state()
+
+    def no_loss() -> None:
+        step()
+
+    tried = what_if(model, opt, no_loss, steps=4)
+    assert tried.error is None and math.isnan(tried.loss_as_is) and not tried.loss_known
+    assert tried.moved_fixed > tried.moved_as_is and tried.helped
+    assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters(), strict=True))
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
+    assert all(torch.equal(v, opt.state[model[0].weight][k]) for k, v in state.items())
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_the_what_if_run_leaves_a_compiled_model_compiled_as_it_was():
+    """The what-if's stand-in weights would fail Dynamo's guards: it runs the compiled model eagerly,
+    so the user's graphs are neither recompiled nor added to."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model(torch.bfloat16)
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    x, y = _data()
+
+    def step() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = ((compiled(x.bfloat16()).float() - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    guard = fpdoctor.Sentinel(compiled, opt)
+    for _ in range(2):
+        guard.step(step)
+    [found] = guard.report.by_name("update-rounded-away")
+    assert found.evidence["what_if"]["tried"]
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()

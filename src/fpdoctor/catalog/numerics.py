@@ -333,7 +333,8 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         "an element bit-identical after the step although its update was non-zero was rounded away. Weight decay "
         "is counted apart (lr*wd*|w| against half the spacing). Reported when parameters holding a quarter of the "
         "low-precision weights lose half their updates or more, with the dtype's spacing at their magnitude "
-        "against the update size and the update-to-weight ratio; the fix is tried by a short what-if run.",
+        "against the update size and the update-to-weight ratio; the fix is tried by a short what-if run on copies "
+        "(the sentinel, `fpdoctor watch` and the callbacks; `trace` says it is untried).",
         why="A bf16 weight near 0.05 has neighbours 2^-12 apart; an update below half that gap (AdamW at lr 1e-4, SGD "
         "with small gradients) leaves it bit for bit as it was. Nothing goes NaN: the loss stops falling short of "
         "what fp32 reaches, and weight decay is lost entirely. A larger learning rate is not the fix: the update "

@@ -160,6 +160,7 @@ class StepWatch(JudgedSteps):
                 if probe.low_precision:
                     if probe.why_not is None:
                         self._probe = probe
+                        self._judge.expects_updates = True  # the last finite window kept for the what-if
                     else:
                         self._judge.updates(UpdateStats(0, type(optimizer).__name__, why_not=probe.why_not))
             except Exception as exc:
@@ -226,6 +227,7 @@ class StepWatch(JudgedSteps):
         """The framework changes the update after the callback sees the gradients: not measured."""
         if self._probe is not None:
             self._probe = None
+            self._judge.expects_updates = False
             self._judge.updates(UpdateStats(0, type(self._probe_optimizer()).__name__, why_not=why))
 
     def _probe_optimizer(self) -> Any:

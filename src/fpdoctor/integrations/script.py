@@ -351,6 +351,7 @@ class ScriptWatch:
             probe = UpdateProbe(model, optimizer)
             if probe.low_precision:
                 run.probe = probe
+                judge.expects_updates = probe.why_not is None  # the last finite window kept for the what-if
                 if probe.why_not is not None:  # said once; the check stays off for this optimizer
                     stats = UpdateStats(0, type(optimizer).__name__, why_not=probe.why_not)
                     judge.updates(stats, every=probe.every)
@@ -422,6 +423,9 @@ class ScriptWatch:
             micro=None,
             micro_batches=len(mine),
             why_not=self._why_not(mine),
+            what_if_fn=self._what_if_call,
+            what_if_loss="the loss to first order (the step's loss plus the gradient at the model's outputs times how "
+            "far they moved: the watch knows no loss function)",
         )
         outcome = judge.judge(facts)
         skip = not outcome.finite and not (scaler is not None and bad_grad)
@@ -483,6 +487,30 @@ class ScriptWatch:
                 stack.enter_context(torch.autocast(device, dtype=dtype))  # a control switches it off
             output = call.module(*args, **kwargs)
         return backward_from(output, call.kept)
+
+    @staticmethod
+    def _what_if_call(call: _Call, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        """A micro-batch of the what-if run: `_replay_call`'s forward and backward, and the loss to first
+        order from the step's own: its loss plus, at each output, the kept gradient times how far the
+        output moved (None where the step's loss or an output's gradient was not seen)."""
+        with contextlib.ExitStack() as stack:
+            for device, dtype in call.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            output = call.module(*args, **kwargs)
+        kept = call.kept
+        hooked = [
+            (i, t) for i, t in enumerate(pytree.tree_leaves(output)) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        estimate = None
+        if kept.loss is not None and len(hooked) == len(kept.originals) and all(i in kept.grads for i, _ in hooked):
+            with torch.no_grad():
+                moved = [
+                    ((t.detach().float() - was.float()) * kept.grads[i].float()).sum()
+                    for (i, t), was in zip(hooked, kept.originals, strict=True)
+                ]
+                estimate = kept.loss.float() + torch.stack(moved).sum()
+        backward_from(output, kept)
+        return estimate
 
     def _tell(self, run: _Run, outcome: StepOutcome) -> None:
         """One line per bad step, until a cause repeats: then one line per 100 of its steps."""

@@ -27,7 +27,9 @@ class Trace:
     (numerics/repro.py) into DIR, runs it once in a fresh interpreter and says in the finding
     whether it reproduced; it reads every result at once (a host sync per op on accelerators) so
     that the inputs are copied while alive, and inputs above `repro_limit` bytes are described,
-    not saved. A trace that finds nothing writes nothing.
+    not saved. A trace that finds nothing writes nothing. Optimizer steps over bf16/fp16 trainable
+    weights are measured as the sentinel measures them (`trace_updates`): updates rounded away and
+    accumulators that stop growing, and the summary says whether the training updates were judged.
     """
 
     def __init__(
@@ -125,6 +127,10 @@ class Trace:
 
         # the optimizer step of each record, told beside the module call count
         self._steps = self._stack.enter_context(StepCounter(lambda: self.tracer.records.count))
+        from fpdoctor.numerics.trace_updates import TraceUpdates
+
+        # what each optimizer step did to bf16/fp16 trainable weights, measured as the sentinel does
+        self._updates = self._stack.enter_context(TraceUpdates(self.tracker.param_names))
         self._stack.enter_context(self.tracker)
         self._stack.enter_context(self.tracer)
 
@@ -255,6 +261,8 @@ class Trace:
         blown = [f for f in recipes if f.name == "update-blew-up"]
         findings = blown + findings + [f for f in recipes if f.name != "update-blew-up"]
         tracer.errors.extend(self._recipes.errors)
+        findings += self._updates.findings
+        tracer.errors.extend(self._updates.errors)
         repro_notes: dict[str, str] = {}
         if self.repro is not None:
             try:
@@ -270,6 +278,12 @@ class Trace:
             ("optimizer steps", str(self._steps.steps)),
             ("modules with headroom stats", str(len(rows))),
         ]
+        from fpdoctor.numerics.trace_updates import low_precision_trainable
+
+        trained = low_precision_trainable(self.tracker.param_names) if "backward" in phases else 0
+        updates = self._updates.line(trained)
+        if updates is not None:  # low-precision trainable weights: whether their updates were judged
+            summary.append(updates)
         not_checked = {f"hook error {i}": e for i, e in enumerate(tracer.errors)}
         not_checked.update(repro_notes)
         if self.tracker.saw_compiled:

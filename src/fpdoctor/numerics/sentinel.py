@@ -51,7 +51,7 @@ from fpdoctor.numerics.step_judge import (  # re-exported: the sentinel's public
     StepJudge,
     StepOutcome,
 )
-from fpdoctor.numerics.update_whatif import WHAT_IF_STEPS, what_if
+from fpdoctor.numerics.update_whatif import WHAT_IF_STEPS
 from fpdoctor.numerics.updates import EVERY, GradAccumulation, UpdateProbe, UpdateStats
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Report
@@ -197,6 +197,7 @@ class Sentinel(JudgedSteps):
             with_scaler=self.scaler is not None,
             views="FSDP or a communication hook of your own",
             gpu_health=self.gpu_health,
+            what_if_steps=self.what_if_steps,
         )
         self._params = self._judge.params
         self._device = self._judge.device
@@ -229,8 +230,10 @@ class Sentinel(JudgedSteps):
                         self._updates = None
                         stats = UpdateStats(0, type(self.optimizer).__name__, why_not=why)
                         self._judge.updates(stats, every=self.check_updates)
-                    elif self.accumulate > 1:
-                        self._grad_sums = GradAccumulation(probe)
+                    else:
+                        self._judge.expects_updates = True  # the last finite window kept for the what-if
+                        if self.accumulate > 1:
+                            self._grad_sums = GradAccumulation(probe)
             except Exception as exc:
                 self._judge.error("preparing the update checks", exc)
 
@@ -447,7 +450,7 @@ class Sentinel(JudgedSteps):
         outcome = self._judge.judge(facts, apply)
         if self._measured is not None:
             stats, self._measured = self._measured, None
-            self._judge.updates(stats, self._what_if(pending), every=self.check_updates)
+            self._judge.updates(stats, every=self.check_updates)
         if outcome.finite or outcome.verdict == "amp-skip":
             if self.accumulate > 1:
                 self._zero_grads()
@@ -473,25 +476,6 @@ class Sentinel(JudgedSteps):
                 self._measured.grads, self._grad_rows = self._grad_rows, []
             except Exception as exc:
                 self._judge.error("measuring the optimizer's updates", exc)
-
-    def _what_if(self, pending: _Pending) -> Callable[[], Any] | None:
-        """The fix tried from here, on stand-ins: this step's window run again, `what_if_steps` times."""
-        if not self.what_if_steps or pending.observed or self._judge.distributed or self.optimizer is None:
-            return None
-        optimizer = self.optimizer
-
-        def run_window() -> torch.Tensor:
-            losses = []
-            for micro in pending.window:
-                micro.rng.restore()
-                with contextlib.ExitStack() as stack:
-                    for context in self._contexts(pending):
-                        stack.enter_context(context)
-                    loss = pending.step_fn(*micro.args, **micro.kwargs)
-                losses.append(torch.as_tensor(loss).detach().float().mean())
-            return torch.stack(losses).mean()
-
-        return lambda: what_if(self.model, optimizer, run_window, steps=self.what_if_steps)
 
     def _contexts(self, pending: _Pending) -> list[contextlib.AbstractContextManager[Any]]:
         """What a replay of `pending` runs under; made anew for each replay (each is entered once)."""

@@ -495,11 +495,12 @@ def _module_of(parameter: str) -> str | None:
     return parameter.rsplit(".", 1)[0] if "." in parameter else None
 
 
-def _tried_text(tried: WhatIf | None) -> tuple[str, dict[str, Any]]:
+def _tried_text(tried: WhatIf | None, untried: str) -> tuple[str, dict[str, Any]]:
     if tried is None:
-        return " The fix was not tried (no what-if run: what_if_steps=0, or the step cannot be run again).", {}
+        return f" The fix was not tried (no what-if run: {untried}).", {"what_if": {"tried": False, "why_not": untried}}
     evidence = {
         "what_if": {
+            "tried": tried.error is None,
             "steps": tried.steps,
             "loss_as_is": tried.loss_as_is,
             "loss_fp32_master": tried.loss_fixed,
@@ -511,10 +512,16 @@ def _tried_text(tried: WhatIf | None) -> tuple[str, dict[str, Any]]:
     }
     if tried.error is not None:
         return f" The what-if run with fp32 master weights failed ({tried.error}); the fix is untried.", evidence
+    loss = (
+        f"{tried.loss_is} after {tried.steps} steps on this step's batch was {tried.loss_fixed:.4g} against "
+        f"{tried.loss_as_is:.4g} as it is"
+        if tried.loss_known
+        else f"over {tried.steps} steps on this step's batch (its loss is not known here: the step was run from "
+        "the gradients at the model's outputs, without the loss function)"
+    )
     text = (
         f"with fp32 master weights, {tried.moved_fixed:.0%} of the weights moved per step (as it is: "
-        f"{tried.moved_as_is:.0%}) and the loss after {tried.steps} steps on this step's batch was "
-        f"{tried.loss_fixed:.4g} against {tried.loss_as_is:.4g} as it is"
+        f"{tried.moved_as_is:.0%}) and {loss}"
     )
     if tried.helped:
         return f" Tried: {text} (checked, {tried.seconds:.2g} s, on copies).", evidence
@@ -528,6 +535,7 @@ def rounded_away_finding(
     optimizer: Any,
     *,
     here: dict[str, Any],
+    why_untried: str = "what_if_steps=0",
 ) -> Finding:
     """update-rounded-away: the parameters whose updates the dtype rounds away, the spacing against the
     update, weight decay apart, and the fix - tried by the what-if run where there was one."""
@@ -546,7 +554,7 @@ def rounded_away_finding(
         if decay and max(decay) > 0
         else ""
     )
-    tried_text, tried_ev = _tried_text(tried)
+    tried_text, tried_ev = _tried_text(tried, why_untried)
     message = (
         f"Step {stats.step}: the optimizer's updates were rounded away in {dtype}: {listed}{more} of the sampled "
         f"non-zero updates left the weight bit for bit as it was ({lost} of the {total} low-precision weights). "

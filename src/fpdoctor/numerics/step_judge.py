@@ -12,6 +12,9 @@ loss, the loss scale, the micro-batches a replay needs - into `StepFacts`, and h
   the trace names, with an fp32 control where it is a low-precision step; not reproduced -> a
   transient fault, joined with what changed in the GPU's health;
 - parameters that became non-finite (no replay can recover those), and loss spikes;
+- what a measured optimizer step did to low-precision weights (`updates`, `update_judge`), with
+  the fix tried once by a what-if run of the last finite step's window, on stand-ins, for every
+  front end alike;
 - failures of the observer's own, as findings, never raised.
 
 What the judge leaves to the front end is how the step is taken: applying it (`apply`), dropping
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -38,7 +42,9 @@ from fpdoctor.numerics.control import ControlResult, run_control, wants_control
 from fpdoctor.numerics.gradcheck import bad_parameters, kind_of, tensor_kind
 from fpdoctor.numerics.lr_whatif import LrTrial, Snapshot, snapshot, try_lower_lr, window_runner
 from fpdoctor.numerics.replay import MicroBatch, ReplayResult, replay
-from fpdoctor.numerics.updates import UpdateStats, UpdateSummary, rounded_away, stalled_grads, stalled_states
+from fpdoctor.numerics.update_judge import UpdateJudge
+from fpdoctor.numerics.update_whatif import WHAT_IF_STEPS, WhatIf, what_if
+from fpdoctor.numerics.updates import EVERY, UpdateStats, UpdateSummary
 from fpdoctor.preserve import BufferSnapshot, preserved
 from fpdoctor.report.model import Finding, Report
 
@@ -111,6 +117,9 @@ class StepFacts:
     why_not: str | None = None
     spread: bool = False  # gradients read after a norm computation that spread a NaN to all of them
     loss_seen: bool = True  # False: the loss is computed where the front end cannot see it
+    # the what-if run's micro-batch (None: `step_fn`), returning the loss that `what_if_loss` names
+    what_if_fn: Callable[..., Any] | None = None
+    what_if_loss: str = "the loss"
     # which buckets / parameters held the bad gradients, read while they still showed it
     # (`StepJudge.gradient_view`); None: read when the step is judged
     seen: tuple[list[dict[str, Any]] | None, list[tuple[str, str]]] | None = None
@@ -130,7 +139,8 @@ class StepJudge:
     `model`: whose parameters, buffers and weights a step reads and a replay runs. `hooked`: the
     module a DDP communication hook goes on to see each rank's gradients before the all-reduce
     (the DDP wrapper; None: no pre-reduce attribution). `views`: what may hide a rank's
-    gradients, for the finding that cannot name it."""
+    gradients, for the finding that cannot name it. `what_if_steps`: the length of the what-if run
+    that tries the fix for updates rounded away (0: none)."""
 
     def __init__(
         self,
@@ -142,11 +152,16 @@ class StepJudge:
         with_scaler: bool,
         views: str,
         gpu_health: bool = True,
+        what_if_steps: int = WHAT_IF_STEPS,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.replay = replay
-        self.update_summary: UpdateSummary | None = None  # set once a front end measures updates
+        self.what_if_steps = what_if_steps
+        # set by a front end whose probe measures updates: the last finite step's facts are then kept
+        # (references, until the next step is judged) for the what-if run that tries the fix
+        self.expects_updates = False
+        self._last_finite: StepFacts | None = None
         self.steps = 0  # counted by the front end, when it counts a step as taken
         self.micro_batches = 0
         self.skipped = 0
@@ -189,6 +204,7 @@ class StepJudge:
                 self.here = findings.place(distributed.describe(self.device))
         except Exception as exc:
             self.error("setting up under torch.distributed", exc)
+        self._updates = UpdateJudge(self.causes, self.here)
         # The GPU's health now, to say on a transient fault what changed on it since (Xid, ECC):
         # two reads per job, none per step.
         self._health: Any = None
@@ -226,7 +242,10 @@ class StepJudge:
     # -- the verdict ---------------------------------------------------------------------------
     def judge(self, f: StepFacts, apply: Callable[[], None] | None = None) -> StepOutcome:
         """Decide one optimizer step (`_decide`), then whether training still progresses."""
+        self._last_finite = None
         outcome = self._decide(f, apply)
+        if f.finite and self.expects_updates:
+            self._last_finite = f
         self._progress()
         return outcome
 
@@ -576,29 +595,63 @@ class StepJudge:
             i -= 1
         return i
 
-    def updates(self, stats: UpdateStats, what_if: Callable[[], Any] | None = None, *, every: int = 10) -> None:
+    @property
+    def update_summary(self) -> UpdateSummary | None:
+        """What the measured optimizer steps judged (None: nothing low-precision was measured)."""
+        return self._updates.summary
+
+    def updates(self, stats: UpdateStats, *, every: int = EVERY) -> None:
         """A measured optimizer step from a front end's `UpdateProbe` (or why none can be measured:
-        `stats.why_not`): its findings, one per cause; `what_if()` (the fix tried, an
-        `update_whatif.WhatIf`) runs once, when the rounded-away finding is first made."""
+        `stats.why_not`), judged by `UpdateJudge`; the fix is tried on the last finite step's window."""
         try:
-            if self.update_summary is None:
-                self.update_summary = UpdateSummary(every=every)
-            self.update_summary.add(stats)
-            affected = rounded_away(stats)
-            if affected:
-                key = ("update-rounded-away", affected[0].dtype, self.here.get("rank"))
-                tried = what_if() if what_if is not None and not self.causes.count(key) else None
-                made = findings.rounded_away_finding(stats, affected, tried, self.optimizer, here=self.here)
-                self.causes.add(made, key)
-            for state in stalled_states(stats):
-                made = findings.state_stalled_finding(stats, state, here=self.here)
-                self.causes.add(made, ("accumulation-stalled", "state", state.key, self.here.get("rank")))
-            grads = stalled_grads(stats)
-            if grads:
-                made = findings.grads_stalled_finding(stats, grads, here=self.here)
-                self.causes.add(made, ("accumulation-stalled", "grad", self.here.get("rank")))
+            tried, untried = self._what_if()
+            self._updates.add(stats, self.optimizer, every=every, what_if=tried, untried=untried)
         except Exception as exc:
             self.error("judging the optimizer's updates", exc, step=stats.step)
+        finally:
+            self._last_finite = None
+
+    def _what_if(self) -> tuple[Callable[[], WhatIf] | None, str]:
+        """The what-if run of the last finite step's window, on stand-ins (`update_whatif`), or why none."""
+        f, optimizer = self._last_finite, self.optimizer
+        if not self.what_if_steps:
+            return None, "what_if_steps=0"
+        if optimizer is None:
+            return None, "the optimizer is not known"
+        if self.distributed:
+            return None, "under torch.distributed a what-if run on one rank would issue collectives the others do not"
+        if f is None:
+            return None, "the step's window was not kept"
+        if f.applied:
+            return None, "the step function applied the step itself: running it again would step your optimizer"
+        if f.why_not is not None:
+            return None, f.why_not
+        steps = self.what_if_steps
+
+        def run_window() -> torch.Tensor | None:
+            """The window's micro-batches as they ran (their RNG, the front end's contexts); its loss,
+            None where a micro-batch returns none (run from the gradients at the outputs)."""
+            losses = []
+            for micro in f.window:
+                micro.rng.restore()
+                with contextlib.ExitStack() as stack:
+                    for context in f.contexts():
+                        stack.enter_context(context)
+                    loss = (f.what_if_fn or f.step_fn)(*micro.args, **micro.kwargs)
+                if isinstance(loss, (torch.Tensor, float, int)):
+                    losses.append(torch.as_tensor(loss).detach().float().mean().cpu())
+            return torch.stack(losses).mean() if losses and len(losses) == len(f.window) else None
+
+        def tried() -> WhatIf:
+            with contextlib.ExitStack() as stack:
+                # compiled code runs eagerly in the what-if: its stand-in weights would fail Dynamo's guards
+                # and recompile the user's graphs (set_stance: torch >= 2.6, and only once Dynamo is imported)
+                stance = getattr(torch.compiler, "set_stance", None) if "torch._dynamo" in sys.modules else None
+                if stance is not None:
+                    stack.enter_context(stance("force_eager"))
+                return what_if(self.model, optimizer, run_window, steps=steps, loss_is=f.what_if_loss)
+
+        return tried, ""
 
     def error(self, doing: str, exc: BaseException, step: int | None = None) -> None:
         """A failure of the observer's own: a finding once per distinct error, never raised."""
@@ -660,9 +713,10 @@ class StepJudge:
                     else f"{watch.skipped} ({rate:.1%}) with a finite loss",
                 )
             )
-        if self.update_summary is not None:  # low-precision trainable weights: whether their updates were judged
-            summary.append(("training updates", self.update_summary.text()))
-            out["updates"] = {"judged_steps": self.update_summary.steps, "why_not": self.update_summary.why_not}
+        line, judged = self._updates.line(), self._updates.data()
+        if line is not None and judged is not None:  # low-precision trainable weights: judged or why not
+            summary.append(line)
+            out["updates"] = judged
         out["timeline"] = findings.timeline(self.history, self.findings, TIMELINE_POINTS)
         out["summary"] = summary
         found = list(self.findings)

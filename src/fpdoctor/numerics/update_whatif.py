@@ -7,7 +7,10 @@ low-precision gradient is cast up, the fp32 copy stepped and cast back into the 
 computes with). Each arm reports the loss after its N steps and the share of weights that moved per
 step. The user's model runs with stand-in tensors (`torch.nn.utils.stateless`, as the fp32 control
 replay does): its parameters, their gradients, its buffers, its optimizer and the RNG are as they
-were afterwards. Cost: 2 x (N + 1) forward+backward passes and 2 x N optimizer steps, once.
+were afterwards; the copies' steps are not seen by torch's global optimizer hooks (a trace's step
+count, `fpdoctor watch`). Where the step runs without its loss (replayed from the gradients at the
+model's outputs) the loss is not known and the arms are compared by the weights that moved. Cost:
+2 x (N + 1) forward+backward passes and 2 x N optimizer steps, once.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics.updates import LOW_PRECISION
+from fpdoctor.numerics.updates import LOW_PRECISION, no_global_optimizer_hooks
 from fpdoctor.preserve import preserved
 
 WHAT_IF_STEPS = 8
@@ -30,19 +33,28 @@ WHAT_IF_STEPS = 8
 @dataclass(frozen=True)
 class WhatIf:
     steps: int
-    loss_as_is: float
+    loss_as_is: float  # NaN: the step runs without its loss, which is not known
     loss_fixed: float
     moved_as_is: float  # share of low-precision weights that changed, per step, averaged
     moved_fixed: float
     seconds: float
     error: str | None = None
+    loss_is: str = "the loss"  # what the losses are (a first-order estimate, where the loss function is not known)
 
     @property
     def helped(self) -> bool:
-        """The fix moved more weights and did not leave a higher loss."""
-        if self.error is not None or not math.isfinite(self.loss_fixed):
+        """The fix moved more weights and did not leave a higher loss (where the loss is known)."""
+        if self.error is not None:
+            return False
+        if not self.loss_known:
+            return self.moved_fixed > self.moved_as_is
+        if not math.isfinite(self.loss_fixed):
             return False
         return self.moved_fixed > self.moved_as_is and not self.loss_fixed > self.loss_as_is
+
+    @property
+    def loss_known(self) -> bool:
+        return not (math.isnan(self.loss_as_is) and math.isnan(self.loss_fixed))
 
 
 def copy_optimizer(optimizer: Any, stand_in: dict[int, torch.Tensor]) -> Any:
@@ -57,15 +69,22 @@ def copy_optimizer(optimizer: Any, stand_in: dict[int, torch.Tensor]) -> Any:
     return new
 
 
+def _loss_value(loss: Any) -> float:
+    if loss is None:  # run without its loss: not known
+        return math.nan
+    return float(torch.as_tensor(loss).detach().float().mean())
+
+
 def what_if(
     model: nn.Module,
     optimizer: Any,
     run_step: Callable[[], Any],
     *,
     steps: int = WHAT_IF_STEPS,
+    loss_is: str = "the loss",
 ) -> WhatIf:
     """Both arms from the same state; `run_step()` runs forward and backward of one optimizer step's
-    window on `model` and returns its loss. Never raises: a failure is in `error`."""
+    window on `model` and returns its loss (None: not known). Never raises: a failure is in `error`."""
     import time
 
     from torch.nn.utils.stateless import _reparametrize_module
@@ -84,7 +103,8 @@ def what_if(
             opt = copy_optimizer(optimizer, stepped)
             low = [weights[n] for n, p in named if p.dtype in LOW_PRECISION]
             moved = 0.0
-            with preserved(model), _reparametrize_module(model, weights, tie_weights=True):
+            # gradients on, whatever the caller runs under (an optimizer's post-hook, say)
+            with torch.enable_grad(), preserved(model), _reparametrize_module(model, weights, tie_weights=True):
                 for _ in range(steps):
                     for w in by_id.values():
                         w.grad = None
@@ -95,21 +115,23 @@ def what_if(
                         g = weights[n].grad
                         m.grad = None if g is None else g.float()
                     before = [w.detach().clone() for w in low]
-                    opt.step()
+                    with no_global_optimizer_hooks():
+                        opt.step()
                     with torch.no_grad():
                         for n, m in masters.items():
                             weights[n].copy_(m)
                         changed = sum(int((w != b).sum()) for w, b in zip(low, before, strict=True))
                     moved += changed / max(1, sum(w.numel() for w in low))
                 loss = run_step()
-            results.append((float(torch.as_tensor(loss).detach().float().mean()), moved / max(1, steps)))
+            results.append((_loss_value(loss), moved / max(1, steps)))
     except Exception as exc:
-        return WhatIf(steps, math.nan, math.nan, 0.0, 0.0, time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
+        error = f"{type(exc).__name__}: {exc}"
+        return WhatIf(steps, math.nan, math.nan, 0.0, 0.0, time.perf_counter() - start, error, loss_is)
     finally:
         for p, g in saved_grads:
             p.grad = g
     (loss_as_is, moved_as_is), (loss_fixed, moved_fixed) = results
-    return WhatIf(steps, loss_as_is, loss_fixed, moved_as_is, moved_fixed, time.perf_counter() - start)
+    return WhatIf(steps, loss_as_is, loss_fixed, moved_as_is, moved_fixed, time.perf_counter() - start, None, loss_is)
 
 
 def _hyper_text(optimizer: Any) -> str:

@@ -20,13 +20,16 @@ To see it, each bf16/fp16 trainable parameter gets a fixed random sample of elem
   low-precision accumulator holds at the end of the window (`GradAccumulation`).
 
 Everything is computed on the device and read back once per measured step (`UpdateSample.read`);
-steps are measured every `every`-th optimizer step, so the cost is a fraction of that.
+steps are measured every `every`-th optimizer step, so the cost is a fraction of that. The check's
+own work is not the program's (`ours`): it stays out of any dispatch mode (a trace's records), and
+its shadow step out of the global optimizer hooks (a trace's step count, `fpdoctor watch`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +58,32 @@ ACCUMULATED_ERROR = 0.05
 # Half the state elements the fp32 step changes left as they were (or flushed): the state no longer
 # follows the gradients.
 STALLED_SHARE = 0.5
+
+
+@contextlib.contextmanager
+def no_global_optimizer_hooks() -> Iterator[None]:
+    """A step of ours (the shadow's, a what-if's) is not the program's: inside the block torch's global
+    optimizer hooks are empty dicts of their own, put back after (torch may be iterating the real
+    ones, when the block runs inside one of their hooks: they are swapped, never changed)."""
+    from torch.optim import optimizer as optimizer_mod
+
+    names = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+    saved = {n: getattr(optimizer_mod, n) for n in names if hasattr(optimizer_mod, n)}
+    for name, hooks in saved.items():
+        setattr(optimizer_mod, name, type(hooks)())
+    try:
+        yield
+    finally:
+        for name, hooks in saved.items():
+            setattr(optimizer_mod, name, hooks)
+
+
+@contextlib.contextmanager
+def ours() -> Iterator[None]:
+    """The check's own tensor work: no gradient, and out of any dispatch mode (a trace records the
+    program's ops, not these)."""
+    with torch.no_grad(), torch._C._DisableTorchDispatch():
+        yield
 
 
 def spacing(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -168,6 +197,8 @@ class UpdateSummary:
         if stats.why_not is not None:
             self.why_not = stats.why_not
             return
+        if not stats.params:  # a window's gradients alone: no update was measured
+            return
         self.steps += 1
         self.params = max(self.params, len(stats.params))
         self.dtypes.update(p.dtype for p in stats.params)
@@ -204,11 +235,14 @@ class UpdateSample:
 
 
 class UpdateProbe:
-    """Measures optimizer steps on the sampled elements of the low-precision trainable parameters."""
+    """Measures optimizer steps on the sampled elements of the low-precision trainable parameters.
+
+    `model`: the module whose parameters are named, or the (name, parameter) pairs themselves (a
+    front end that knows no model, `trace`)."""
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]],
         optimizer: torch.optim.Optimizer,
         *,
         sample: int = SAMPLE,
@@ -220,15 +254,20 @@ class UpdateProbe:
         self.optimizer = optimizer
         self.every = every
         in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        pairs = model.named_parameters() if isinstance(model, torch.nn.Module) else model
         named = [
-            (name, p)
-            for name, p in model.named_parameters()
-            if p.requires_grad and p.dtype in LOW_PRECISION and id(p) in in_optimizer
+            (name, p) for name, p in pairs if p.requires_grad and p.dtype in LOW_PRECISION and id(p) in in_optimizer
         ]
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         gen = torch.Generator().manual_seed(seed)  # a private generator: the user's RNG stays as it was
-        self.index = [
+        with ours():
+            self.index = self._sample_indices(gen, sample)
+        self.why_not = shadowable(optimizer) if self.params else None
+        self.measured = 0
+
+    def _sample_indices(self, gen: torch.Generator, sample: int) -> list[torch.Tensor]:
+        return [
             (
                 torch.randperm(p.numel(), generator=gen)[:sample]
                 if p.numel() <= 1 << 24
@@ -238,8 +277,6 @@ class UpdateProbe:
             .values.to(p.device)
             for p in self.params
         ]
-        self.why_not = shadowable(optimizer) if self.params else None
-        self.measured = 0
 
     @property
     def low_precision(self) -> bool:
@@ -256,7 +293,7 @@ class UpdateProbe:
         tracked = [i for i, p in enumerate(self.params) if p.grad is not None and not p.grad.is_sparse]
         if not tracked:
             return None
-        with torch.no_grad():
+        with ours():
             shadows: list[tuple[int, torch.Tensor]] = []
             groups: dict[int, tuple[dict[str, Any], list[torch.Tensor]]] = {}
             states: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -291,23 +328,24 @@ class UpdateProbe:
                 if copied:
                     shadow_opt.state[shadow] = copied
             start = torch.cat([s.detach().clone() for _, s in shadows])
-            shadow_opt.step()
+            with no_global_optimizer_hooks():
+                shadow_opt.step()
             intended = torch.cat([s.detach() for _, s in shadows]) - start
-        return UpdateSample(
-            step,
-            tracked,
-            torch.cat(befores),
-            intended,
-            torch.cat(decays),
-            torch.cat(segments),
-            _spacings(befores, [self.params[i].dtype for i in tracked]),
-            states,
-        )
+            return UpdateSample(
+                step,
+                tracked,
+                torch.cat(befores),
+                intended,
+                torch.cat(decays),
+                torch.cat(segments),
+                _spacings(befores, [self.params[i].dtype for i in tracked]),
+                states,
+            )
 
     # -- after the step --------------------------------------------------------------------------
     def after(self, sample: UpdateSample) -> None:
         """Gather the sampled weights after the step and reduce everything on the device."""
-        with torch.no_grad():
+        with ours():
             after = torch.cat([self.params[i].detach().reshape(-1)[self.index[i]].float() for i in sample.tracked])
             before, intended = sample.before, sample.intended
             gap = sample.gap
@@ -343,7 +381,8 @@ class UpdateProbe:
         """The host numbers of a measured step: one read back."""
         assert sample.stats is not None
         parts = [sample.stats.flatten()] + ([] if sample.state_stats is None else [sample.state_stats.flatten()])
-        values = torch.cat(parts).tolist()
+        with ours():
+            values = torch.cat(parts).tolist()
         width = len(_COLUMNS)
         params = []
         for seg, i in enumerate(sample.tracked):
@@ -444,8 +483,10 @@ class GradAccumulation:
 
         def add(grad: torch.Tensor) -> None:
             try:
-                with torch.no_grad():
-                    if i not in self._sums:  # what .grad already holds is where the sum starts
+                with ours():
+                    # what .grad already holds is where the sum starts; a .grad set to None since
+                    # (zero_grad of a step the window did not see end, a skipped one) starts it afresh
+                    if i not in self._sums or p.grad is None:
                         held = p.grad
                         self._sums[i] = (
                             held.detach().reshape(-1)[idx].float()
@@ -470,7 +511,7 @@ class GradAccumulation:
         parameter summed over more than one micro-batch; one read back. None: nothing to judge."""
         self.stop()
         rows, meta = [], []
-        with torch.no_grad():
+        with ours():
             for i, total in self._sums.items():
                 p = self.probe.params[i]
                 if p.grad is None or self._adds.get(i, 0) < 2:
@@ -482,7 +523,8 @@ class GradAccumulation:
         self._sums = {}
         if not rows:
             return None
-        values = torch.stack(rows).tolist()
+        with ours():
+            values = torch.stack(rows).tolist()
         return [
             (name, dtype, adds, err / norm if norm else 0.0, held / norm if norm else 1.0)
             for (name, dtype, adds), (err, norm, held) in zip(meta, values, strict=True)
