@@ -7,6 +7,7 @@ gloo with the fault on rank 1 -> rank 1 named by both ranks; bad input -> one li
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -414,3 +415,113 @@ def test_a_gradient_penalty_loss_made_nan_is_said_to_be_made_after_the_model():
             opt.step()
     (verdict,) = w.report.by_name("deterministic-nonfinite")
     assert verdict.evidence["step"] == 4 and "made after the model" in verdict.message
+
+
+def _fused_run(watcher, bad_step=None, seen=None):
+    """A fused-AdamW loop with BatchNorm and two micro-batches per step; `bad_step` gets an Inf input."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.BatchNorm1d(12), nn.ReLU(), nn.Linear(12, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    g = torch.Generator().manual_seed(2)
+    with contextlib.ExitStack() as stack:
+        if watcher is not None:
+            stack.enter_context(watcher)
+        for step in range(1, 7):
+            opt.zero_grad()
+            for _ in range(2):
+                x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+                if step == bad_step:
+                    x[0, 0] = float("inf")
+                (nn.functional.mse_loss(model(x), y) / 2).backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.step()
+            if seen is not None:
+                seen.append(
+                    {
+                        "moved": not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)),
+                        "pending": len(watcher._pending),
+                        "flag_left": "found_inf" in vars(opt),
+                        "adam_step": float(opt.state[model[0].weight]["step"]),
+                    }
+                )
+    return model
+
+
+def test_device_side_skipping_keeps_a_healthy_run_bitwise_the_same():
+    from fpdoctor.integrations.script import ScriptWatch
+
+    plain = _fused_run(None).state_dict()
+    watcher = ScriptWatch(device_skip=True, notify=None)
+    watched = _fused_run(watcher).state_dict()
+    assert all(torch.equal(plain[k], watched[k]) for k in plain)
+    assert [r.device_skip for r in watcher.runs.values()] == [True]  # the deferred path was the one taken
+    assert watcher.report.data["steps"] == 6 and watcher.report.findings == []
+
+
+def test_device_side_skipping_skips_on_the_device_and_decides_at_the_next_forward():
+    # the GPU path, forced on the CPU: the fused optimizer skips on the flag, the host looks a step later
+    from fpdoctor.integrations.script import ScriptWatch
+
+    seen: list[dict] = []
+    watcher = ScriptWatch(device_skip=True, notify=None)
+    model = _fused_run(watcher, bad_step=3, seen=seen)
+    assert [s["moved"] for s in seen] == [True, True, False, True, True, True]  # step 3 kept from the weights
+    assert seen[2]["pending"] == 1 and seen[2]["adam_step"] == 2.0  # undecided, and the optimizer skipped it
+    assert not any(s["flag_left"] for s in seen)  # nothing of ours stays on the optimizer
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert all(bool(torch.isfinite(b).all()) for b in model.buffers())  # the bad forward's statistics undone
+    report = watcher.report
+    assert report.data["skipped_steps"] == 1 and report.data["verdicts"] == {3: "deterministic-nonfinite"}
+    (verdict,) = report.by_name("deterministic-nonfinite")
+    assert verdict.evidence["step"] == 3
+
+
+def test_the_last_step_decided_on_the_device_is_decided_when_the_watch_ends():
+    from fpdoctor.integrations.script import ScriptWatch
+
+    watcher = ScriptWatch(device_skip=True, notify=None)
+    _fused_run(watcher, bad_step=6)
+    assert watcher._pending == []
+    assert watcher.report.data["verdicts"] == {6: "deterministic-nonfinite"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the host must not wait for the device")
+@pytest.mark.parametrize("scaled", [False, True], ids=["fused-adamw", "fused-adamw-fp16-gradscaler"])
+def test_watched_steps_with_a_fused_optimizer_do_not_synchronise(scaled):
+    from torch import nn
+
+    import fpdoctor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cuda", enabled=scaled)
+    x, y = torch.randn(32, 64, device="cuda"), torch.randn(32, 64, device="cuda")
+
+    def step(x):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.float16, enabled=scaled):
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    with fpdoctor.watch() as w:
+        for _ in range(3):  # warm-up: the first steps learn the model and which buffers change
+            step(x)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(5):
+                step(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        bad = x.clone()
+        bad[0, 0] = float("nan")
+        step(bad)
+    assert [r.device_skip for r in w.runs.values()] == [True]
+    report = w.report
+    assert report.data["verdicts"] == {9: "deterministic-nonfinite"}
+    assert report.data["skipped_steps"] == 1 and report.data["last_good_step"] == 8

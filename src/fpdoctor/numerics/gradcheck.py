@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -120,6 +122,25 @@ def skips_on_device(optimizer: torch.optim.Optimizer | None) -> bool:
     if "grad_scaler" in inspect.signature(optimizer.step).parameters:
         return False  # the older protocol: the optimizer expects the scaler itself
     return all(group.get("fused") for group in optimizer.param_groups)
+
+
+def skip_on_device(optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> Callable[[], None]:
+    """Give a fused optimizer `flag` (float32, 0-d, on its device) as its `found_inf`, the GradScaler
+    protocol: its next `step()` leaves weights and state untouched where the flag is nonzero, decided
+    on the device, with no host read. A `found_inf` already set (a GradScaler's step in progress) is
+    kept: either flag skips. Returns the undo, to call once the step has run."""
+    opt: Any = optimizer
+    had = "found_inf" in vars(opt)
+    before = getattr(opt, "found_inf", None) if had else None
+    opt.found_inf = flag if before is None else torch.maximum(before.float(), flag.to(before.device))
+
+    def undo() -> None:
+        if had:
+            opt.found_inf = before
+        else:
+            vars(opt).pop("found_inf", None)
+
+    return undo
 
 
 def bad_parameters(model: torch.nn.Module) -> list[tuple[str, str]]:
