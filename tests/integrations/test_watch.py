@@ -525,3 +525,104 @@ def test_watched_steps_with_a_fused_optimizer_do_not_synchronise(scaled):
     report = w.report
     assert report.data["verdicts"] == {9: "deterministic-nonfinite"}
     assert report.data["skipped_steps"] == 1 and report.data["last_good_step"] == 8
+
+
+def test_a_causal_attention_masks_minus_inf_does_not_lead_a_replayed_steps_findings():
+    # nn.MultiheadAttention under a masked_fill(-inf) causal mask; the real fault: a sqrt of negatives
+    from torch import nn
+
+    import fpdoctor
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Linear(8, 16), nn.Linear(16, 1)
+            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.broken = False
+
+        def forward(self, x):
+            n = x.shape[1]
+            mask = torch.zeros(n, n).masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
+            h = self.emb(x)
+            if self.broken:
+                h = torch.sqrt(h)
+            a, _ = self.attn(h, h, h, attn_mask=mask, need_weights=False)
+            return self.head(a)
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with fpdoctor.watch() as w:
+        for step in range(1, 4):
+            model.broken = step == 2
+            opt.zero_grad()
+            model(torch.randn(2, 5, 8)).mean().backward()
+            opt.step()
+    (verdict,) = w.report.by_name("deterministic-nonfinite")
+    assert verdict.evidence["step"] == 2 and verdict.where["op"] == "aten.sqrt.default"
+    assert not any("masked_fill" in str(f.where.get("op")) for f in w.report.findings)
+
+
+HF_TRAINER = """
+import os, sys
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch, transformers
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+torch.manual_seed(0)
+config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16)
+model = transformers.GPT2LMHeadModel(config)
+trainer_box = []
+
+def poison(module, args, output):  # a NaN in the first MLP's activation on optimizer step 3
+    if module.training and torch.is_grad_enabled() and trainer_box[0].state.global_step + 1 == 3:
+        output = output.clone()
+        output[0, 0, 0] = float("nan")
+        return output
+
+model.transformer.h[0].mlp.c_fc.register_forward_hook(poison)
+args = transformers.TrainingArguments(
+    output_dir="out", max_steps=5, per_device_train_batch_size=4, logging_steps=1, report_to=[], use_cpu=True,
+    save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0, learning_rate=1e-3,
+)
+callbacks = []
+if sys.argv[1:] == ["own"]:
+    from fpdoctor.integrations.hf import FpDoctorCallback
+    callbacks.append(FpDoctorCallback())
+trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
+trainer_box.append(trainer)
+print(sum(type(c).__name__ == "FpDoctorCallback" for c in trainer.callback_handler.callbacks), flush=True)
+trainer.train()
+"""
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["switched-on-by-watch", "the-scripts-own"])
+def test_a_hugging_face_trainer_gets_the_callback_and_each_step_is_judged_once(tmp_path, own):
+    pytest.importorskip("transformers", reason="the Hugging Face Trainer")
+    pytest.importorskip("accelerate", reason="the Hugging Face Trainer needs accelerate")
+    script = _write(tmp_path, "hf_train.py", HF_TRAINER)
+    watched = _watch(tmp_path, str(script), *(["own"] if own else []))
+    assert watched.returncode == 0, watched.stderr[-3000:]
+    assert watched.stdout.splitlines()[0] == "1"  # one callback, whoever added it
+    report = _report(tmp_path)
+    assert report["data"]["steps"] == 0  # the watch's own judge left the Trainer's optimizer to the callback
+    assert report["data"]["callbacks"] == [{"steps": 5, "skipped_steps": 1}]
+    assert [f["evidence"]["step"] for f in report["findings"] if f["name"] == "nonfinite-loss"] == [3]
+    assert [f["evidence"]["step"] for f in report["findings"] if f["name"] == "deterministic-nonfinite"] == [3]
+
+
+def test_the_trainer_is_left_as_it_was_after_the_watch():
+    transformers = pytest.importorskip("transformers", reason="the Hugging Face Trainer")
+    import fpdoctor
+
+    init = transformers.Trainer.__init__
+    with fpdoctor.watch():
+        assert transformers.Trainer.__init__ is not init
+    assert transformers.Trainer.__init__ is init

@@ -52,6 +52,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils import _pytree as pytree
 
 from fpdoctor.integrations import _watch as framework
+from fpdoctor.integrations import hf_switch
 from fpdoctor.integrations._outputs import KeptGradients, backward_from
 from fpdoctor.numerics import amp, distributed, dynamo
 from fpdoctor.numerics.gradcheck import FlagRead, grads_of, nonfinite_flag, skip_on_device, skips_on_device
@@ -202,6 +203,8 @@ class ScriptWatch:
             stack.enter_context(self._swapped(torch.autograd, "backward", self._backward_of))
             scaler = amp.grad_scaler_class()
             stack.enter_context(self._swapped(scaler, "step", self._scaler_step_of))
+            # a Hugging Face Trainer made inside gets the fpdoctor callback, which judges its steps
+            stack.enter_context(hf_switch.callback_in_trainers())
         except BaseException:
             stack.close()
             raise
