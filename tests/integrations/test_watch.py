@@ -235,8 +235,11 @@ def test_a_script_that_raises_exits_as_python_would_and_is_never_ok(tmp_path):
         ([], "no script given"),
         (["--", "python"], "no script given"),
         (["--", "missing.py"], "missing.py: no such script"),
-        (["--", "python", "-c", "print(1)"], "-c: python's options other than -u and -m are not supported"),
+        (["--", "python", "-c", "print(1)"], "-c: python's option -c is not supported here"),
         (["--", "python", "-m"], "-m needs a module name"),
+        (["--", "python", "-I", "x.py"], "-I: python's option -I is not supported here (supported: -u -B -O"),
+        (["--", "python", "--check-hash-based-pycs", "x.py"], "--check-hash-based-pycs: python's options other"),
+        (["--", "python", "-W"], "-W needs an argument, as python's does"),
         (["--bogus"], "unrecognized arguments"),
     ],
 )
@@ -626,3 +629,28 @@ def test_the_trainer_is_left_as_it_was_after_the_watch():
     with fpdoctor.watch():
         assert transformers.Trainer.__init__ is not init
     assert transformers.Trainer.__init__ is init
+
+
+def test_pythons_own_options_are_in_force_as_python_would_set_them(tmp_path):
+    script = _write(
+        tmp_path,
+        "opts.py",
+        """
+        import sys, warnings, torch
+        from torch import nn
+        assert False, "asserts are compiled out under -O"
+        warnings.warn("hidden by -W ignore")
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+        print(sys.flags.optimize, sys.warnoptions[-1:], sys.flags.dev_mode, sys.dont_write_bytecode, flush=True)
+        """,
+    )
+    watched = _watch(tmp_path, "python", "-OO", "-W", "ignore", "-Xdev", "-B", str(script))
+    assert watched.returncode == 0, watched.stderr
+    assert watched.stdout.strip() == "2 ['ignore'] True True"
+    assert "hidden by" not in watched.stderr
+    assert _report(tmp_path)["data"]["steps"] == 3
