@@ -9,7 +9,10 @@ has to be read against. What the watch does per step: a global hook pair on ever
 (work only at top-level training calls), one hook per model output, the loss kept by reference,
 one fused finite check over the gradients and one read of a few numbers.
 
-Run: python benchmarks/bench_watch.py [--rounds R] [--steps N]
+`--device-skip`: a fused AdamW, and the watch's GPU path forced on the CPU (`device_skip=True`):
+the optimizer is given the step's flag as its found_inf and the flags are read a step later.
+
+Run: python benchmarks/bench_watch.py [--rounds R] [--steps N] [--device-skip]
 """
 
 from __future__ import annotations
@@ -31,17 +34,18 @@ BUDGET = 1.01
 WARM_UP = 2
 
 
-def run(steps: int, watched: bool) -> tuple[float, float]:
+def run(steps: int, watched: bool, device_skip: bool = False) -> tuple[float, float]:
     """(median wall, median CPU) seconds per step of one run."""
     from fpdoctor.integrations.script import ScriptWatch
 
     torch.manual_seed(0)
     model = small_transformer(layers=4, dim=256)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device_skip or None)
     tokens, targets = batch(size=8, length=64)
     loss_fn = nn.CrossEntropyLoss()
     walls, cpus = [], []
-    with ScriptWatch(gpu_health=False) if watched else contextlib.nullcontext():
+    watch = ScriptWatch(gpu_health=False, device_skip=device_skip or None)
+    with watch if watched else contextlib.nullcontext():
         for _ in range(steps + WARM_UP):
             wall, cpu = time.perf_counter(), time.process_time()
             opt.zero_grad(set_to_none=True)
@@ -57,15 +61,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--device-skip", action="store_true", help="fused AdamW, flags read a step later")
     args = parser.parse_args()
     variants = {"plain": False, "watched": True, "plain again": False}
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, watched in variants.items():
-            results[name].append(run(args.steps, watched))
+            results[name].append(run(args.steps, watched, args.device_skip))
     plain_wall = statistics.median(w for w, _ in results["plain"])
     plain_cpu = statistics.median(c for _, c in results["plain"])
-    print(f"watch: {args.rounds} rounds x {args.steps} steps, 4-layer transformer dim 256, 8 x 64 tokens, AdamW")
+    kind = "fused AdamW, device_skip" if args.device_skip else "AdamW"
+    print(f"watch: {args.rounds} rounds x {args.steps} steps, 4-layer transformer dim 256, 8 x 64 tokens, {kind}")
     ok = True
     for name, rows in results.items():
         wall = statistics.median(w for w, _ in rows)
