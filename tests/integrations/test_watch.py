@@ -447,6 +447,7 @@ def _fused_run(watcher, bad_step=None, seen=None):
                         "pending": len(watcher._pending),
                         "flag_left": "found_inf" in vars(opt),
                         "adam_step": float(opt.state[model[0].weight]["step"]),
+                        "undecided": watcher.report.data.get("undecided_steps"),
                     }
                 )
     return model
@@ -472,6 +473,7 @@ def test_device_side_skipping_skips_on_the_device_and_decides_at_the_next_forwar
     model = _fused_run(watcher, bad_step=3, seen=seen)
     assert [s["moved"] for s in seen] == [True, True, False, True, True, True]  # step 3 kept from the weights
     assert seen[2]["pending"] == 1 and seen[2]["adam_step"] == 2.0  # undecided, and the optimizer skipped it
+    assert [s["undecided"] for s in seen] == [[1], [2], [3], [4], [5], [6]]  # each decided at the next forward
     assert not any(s["flag_left"] for s in seen)  # nothing of ours stays on the optimizer
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
     assert all(bool(torch.isfinite(b).all()) for b in model.buffers())  # the bad forward's statistics undone

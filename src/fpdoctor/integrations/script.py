@@ -621,6 +621,8 @@ class ScriptWatch:
             report.data.setdefault("callbacks", []).append(counts)
         if self.unwatched:
             report.data.setdefault("not_checked", {}).update(self.unwatched)
+        if self._pending:  # skipped or applied on the device, decided at the next training forward
+            report.data["undecided_steps"] = [p.step for p in self._pending]
         return report
 
 
