@@ -651,7 +651,8 @@ def test_pythons_own_options_are_in_force_as_python_would_set_them(tmp_path):
         print(sys.flags.optimize, sys.warnoptions[-1:], sys.flags.dev_mode, sys.dont_write_bytecode, flush=True)
         """,
     )
-    watched = _watch(tmp_path, "python", "-OO", "-W", "ignore", "-Xdev", "-B", str(script))
+    python = f"python{sys.version_info.major}.{sys.version_info.minor}"  # as python3.12 train.py is typed
+    watched = _watch(tmp_path, python, "-OO", "-W", "ignore", "-Xdev", "-B", str(script))
     assert watched.returncode == 0, watched.stderr
     assert watched.stdout.strip() == "2 ['ignore'] True True"
     assert "hidden by" not in watched.stderr

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 from typing import Any
@@ -21,7 +22,7 @@ from fpdoctor.cli.trace import _sidecar, _write_rank, rank_info, user_traceback
 from fpdoctor.cli.trace_outcome import exception_finding, exit_code_of
 
 USAGE = "usage: fpdoctor watch [--report FILE] -- [python [OPTIONS]] SCRIPT.py | -m MODULE [ARGS...]"
-_PYTHONS = ("python", "python3")
+_PYTHON = re.compile(r"python(\d+(\.\d+)?)?")  # python, python3, python3.12: the interpreter word
 # python's own options, as `python OPTIONS script.py` takes them: -u and -B are applied here; the
 # others change how the interpreter itself runs, so the watch starts again in one run with them
 _HERE = frozenset("uBq")
@@ -99,7 +100,7 @@ def _script_of(command: list[str]) -> tuple[str, list[str], bool, list[str]]:
     what `python OPTIONS ...` would run."""
     words = command[1:] if command[:1] == ["--"] else list(command)
     options: list[str] = []
-    if words and (os.path.basename(words[0]) in _PYTHONS or words[0] == sys.executable):
+    if words and (_PYTHON.fullmatch(os.path.basename(words[0])) or words[0] == sys.executable):
         options, words = _python_options(words[1:])
         _apply_here(options)
         if words[:1] == ["-m"]:
