@@ -657,3 +657,39 @@ def test_pythons_own_options_are_in_force_as_python_would_set_them(tmp_path):
     assert watched.stdout.strip() == "2 ['ignore'] True True"
     assert "hidden by" not in watched.stderr
     assert _report(tmp_path)["data"]["steps"] == 3
+
+
+def test_under_a_grad_scaler_the_device_path_decides_as_the_host_read_does():
+    # the scaler gives the fused optimizer its own found_inf; the watch's flag joins it (either skips)
+    from torch import nn
+
+    from fpdoctor.integrations.script import ScriptWatch
+
+    def train(device_skip):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        scaler = torch.amp.GradScaler("cpu")
+        g = torch.Generator().manual_seed(1)
+        moved = []
+        with ScriptWatch(device_skip=device_skip, notify=None) as w:
+            for step in range(1, 7):
+                x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = model(x * (1e5 if step == 3 else 1.0))  # an Inf loss in fp16
+                loss = nn.functional.mse_loss(out.float(), y) * (float("nan") if step == 5 else 1.0)
+                before = [p.detach().clone() for p in model.parameters()]
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                moved.append(not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)))
+        return model, moved, scaler.get_scale(), w.report.data["verdicts"]
+
+    host, deferred = train(False), train(True)
+    assert deferred[1] == host[1] == [True, True, False, True, False, True]
+    assert deferred[2] == host[2] and deferred[3] == host[3] == {
+        3: "deterministic-nonfinite",
+        5: "deterministic-nonfinite",
+    }
+    assert all(torch.equal(a, b) for a, b in zip(host[0].parameters(), deferred[0].parameters(), strict=True))
