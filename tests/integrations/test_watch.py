@@ -420,13 +420,14 @@ def test_a_gradient_penalty_loss_made_nan_is_said_to_be_made_after_the_model():
     assert verdict.evidence["step"] == 4 and "made after the model" in verdict.message
 
 
-def _fused_run(watcher, bad_step=None, seen=None):
-    """A fused-AdamW loop with BatchNorm and two micro-batches per step; `bad_step` gets an Inf input."""
+def _fused_run(watcher, bad_step=None, seen=None, kind="fused"):
+    """An AdamW loop (`kind`: fused or foreach) with BatchNorm and two micro-batches per step;
+    `bad_step` gets an Inf input."""
     from torch import nn
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 12), nn.BatchNorm1d(12), nn.ReLU(), nn.Linear(12, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **{kind: True})
     g = torch.Generator().manual_seed(2)
     with contextlib.ExitStack() as stack:
         if watcher is not None:
@@ -453,26 +454,32 @@ def _fused_run(watcher, bad_step=None, seen=None):
     return model
 
 
-def test_device_side_skipping_keeps_a_healthy_run_bitwise_the_same():
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_device_side_skipping_keeps_a_healthy_run_bitwise_the_same(kind):
     from fpdoctor.integrations.script import ScriptWatch
 
-    plain = _fused_run(None).state_dict()
+    plain = _fused_run(None, kind=kind).state_dict()
     watcher = ScriptWatch(device_skip=True, notify=None)
-    watched = _fused_run(watcher).state_dict()
+    watched = _fused_run(watcher, kind=kind).state_dict()
     assert all(torch.equal(plain[k], watched[k]) for k in plain)
-    assert [r.device_skip for r in watcher.runs.values()] == [True]  # the deferred path was the one taken
+    # the deferred path was the one taken: found_inf for the fused optimizer, the step undone for the other
+    assert [(r.device_skip, r.fused) for r in watcher.runs.values()] == [(True, kind == "fused")]
     assert watcher.report.data["steps"] == 6 and watcher.report.findings == []
 
 
-def test_device_side_skipping_skips_on_the_device_and_decides_at_the_next_forward():
-    # the GPU path, forced on the CPU: the fused optimizer skips on the flag, the host looks a step later
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_device_side_skipping_skips_on_the_device_and_decides_at_the_next_forward(kind):
+    # the GPU path, forced on the CPU: the fused optimizer skips on the flag (the foreach one's step is
+    # undone where the flag is set), the host looks a step later
     from fpdoctor.integrations.script import ScriptWatch
 
     seen: list[dict] = []
     watcher = ScriptWatch(device_skip=True, notify=None)
-    model = _fused_run(watcher, bad_step=3, seen=seen)
+    model = _fused_run(watcher, bad_step=3, seen=seen, kind=kind)
     assert [s["moved"] for s in seen] == [True, True, False, True, True, True]  # step 3 kept from the weights
-    assert seen[2]["pending"] == 1 and seen[2]["adam_step"] == 2.0  # undecided, and the optimizer skipped it
+    assert seen[2]["pending"] == 1  # undecided when the step returned
+    # the fused optimizer skipped it; the foreach one's step was undone on the device, its count included
+    assert seen[2]["adam_step"] == 2.0 and seen[3]["adam_step"] == 3.0
     assert [s["undecided"] for s in seen] == [[1], [2], [3], [4], [5], [6]]  # each decided at the next forward
     assert not any(s["flag_left"] for s in seen)  # nothing of ours stays on the optimizer
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
@@ -483,13 +490,15 @@ def test_device_side_skipping_skips_on_the_device_and_decides_at_the_next_forwar
     assert verdict.evidence["step"] == 3
 
 
-def test_the_last_step_decided_on_the_device_is_decided_when_the_watch_ends():
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_the_last_step_decided_on_the_device_is_decided_when_the_watch_ends(kind):
     from fpdoctor.integrations.script import ScriptWatch
 
     watcher = ScriptWatch(device_skip=True, notify=None)
-    _fused_run(watcher, bad_step=6)
+    model = _fused_run(watcher, bad_step=6, kind=kind)
     assert watcher._pending == []
     assert watcher.report.data["verdicts"] == {6: "deterministic-nonfinite"}
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the host must not wait for the device")
@@ -693,3 +702,45 @@ def test_under_a_grad_scaler_the_device_path_decides_as_the_host_read_does():
         5: "deterministic-nonfinite",
     }
     assert all(torch.equal(a, b) for a, b in zip(host[0].parameters(), deferred[0].parameters(), strict=True))
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_a_bad_first_step_skipped_on_the_device_leaves_no_optimizer_state_behind(kind):
+    # the first step makes the optimizer's state: undone, it must not leave NaN moments for the next
+    from fpdoctor.integrations.script import ScriptWatch
+
+    watcher = ScriptWatch(device_skip=True, notify=None)
+    model = _fused_run(watcher, bad_step=1, kind=kind)
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert watcher.report.data["verdicts"] == {1: "deterministic-nonfinite"}
+
+
+def test_device_skip_on_the_command_line_keeps_healthy_runs_bitwise_and_skips_a_bad_step(tmp_path):
+    # the foreach AdamW of TRAIN, its steps undone on the device where the flag says so
+    script = _write(tmp_path, "train.py", TRAIN)
+    inject = _write(tmp_path, "inject.py", INJECT)
+    plain = subprocess.run([sys.executable, str(script), str(tmp_path / "plain.pt")], check=False, timeout=120)
+    assert plain.returncode == 0
+
+    def watched(*command: str) -> subprocess.CompletedProcess[str]:
+        report = str(tmp_path / "report.json")
+        return subprocess.run(
+            [sys.executable, "-m", "fpdoctor", "watch", "--device-skip", "-o", report, "--", *command],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            cwd=tmp_path,
+            env=_env(),
+        )
+
+    healthy = watched(str(script), str(tmp_path / "watched.pt"))
+    assert healthy.returncode == 0, healthy.stderr
+    a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "watched.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    bad = watched(str(inject), str(script), str(tmp_path / "bad.pt"))
+    assert bad.returncode == 0, bad.stderr
+    assert "fpdoctor watch: step 4: non-finite, skipped; transient-fault-suspected" in bad.stderr
+    report = _report(tmp_path)
+    assert report["data"]["skipped_steps"] == 1 and report["data"]["verdicts"] == {"4": "transient-fault-suspected"}
+    assert all(bool(torch.isfinite(v).all()) for v in torch.load(tmp_path / "bad.pt").values())

@@ -44,6 +44,12 @@ def add_parser(sub: Any) -> None:
     add_output_args(p)
     p.add_argument("--report", dest="output", metavar="FILE", help="write the report to FILE (same as -o)")
     p.add_argument("--no-replay", action="store_true", help="skip bad steps without replaying them")
+    p.add_argument(
+        "--device-skip",
+        action="store_true",
+        help="skip bad steps on the device for every optimizer, not only fused ones on a GPU (a foreach one's "
+        "step is undone on the device: a copy of its weights and state per step); no host read per step",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="[python] SCRIPT.py ARGS")
     p.set_defaults(run=run)
 
@@ -161,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         raise _Terminated
 
     previous = signal.signal(signal.SIGTERM, _on_term)
-    watcher = ScriptWatch(replay=not args.no_replay, notify=notify)
+    watcher = ScriptWatch(replay=not args.no_replay, notify=notify, device_skip=True if args.device_skip else None)
     unwatched: str | None = None
     try:
         watcher.__enter__()

@@ -29,7 +29,9 @@ the model's outputs, e.g. the logits), dropped when the step is decided.
 On a GPU with a fused optimizer (`device_skip`) the host does not wait for the check: the step's
 flags stay on the device, the optimizer is given them as its `found_inf` (the GradScaler protocol:
 it skips a bad step on the device by itself), and they come back asynchronously (pinned memory and
-an event). The step is decided at the next training forward, before it runs (or at the next
+an event). `device_skip=True` does the same for any optimizer: a foreach one's step is undone on the
+device where the flag is set (`gradcheck.StepUndo`), at the cost of a copy of the weights and their
+optimizer state during the step. The step is decided at the next training forward, before it runs (or at the next
 optimizer step, or when the watch ends), replayed from what was kept: its weights were not updated,
 its buffers are put back as a host-read step's are. On the CPU a flag costs nothing to read: the
 step is decided before `optimizer.step()` by default.
@@ -55,7 +57,14 @@ from fpdoctor.integrations import _watch as framework
 from fpdoctor.integrations import hf_switch
 from fpdoctor.integrations._outputs import KeptGradients, backward_from
 from fpdoctor.numerics import amp, distributed, dynamo
-from fpdoctor.numerics.gradcheck import FlagRead, grads_of, nonfinite_flag, skip_on_device, skips_on_device
+from fpdoctor.numerics.gradcheck import (
+    FlagRead,
+    StepUndo,
+    grads_of,
+    nonfinite_flag,
+    skip_on_device,
+    skips_on_device,
+)
 from fpdoctor.numerics.replay import MicroBatch, OutputsOnly
 from fpdoctor.numerics.step_judge import StepFacts, StepJudge, StepOutcome
 from fpdoctor.numerics.updates import UpdateProbe, UpdateStats
@@ -92,6 +101,7 @@ class _Run:
     probe: UpdateProbe | None = None
     sample: Any = None
     device_skip: bool = False  # its bad steps are skipped on the device and decided a step later
+    fused: bool = False  # it takes found_inf (else its step is undone on the device: StepUndo)
 
 
 @dataclass
@@ -104,7 +114,8 @@ class _Pending:
     calls: list[_Call]
     scaler: Any
     skipped_by_scaler: bool
-    on_device: bool  # given to the optimizer already, its flag as found_inf
+    on_device: bool  # given to the optimizer already, its flag as found_inf (or undone: `undo`)
+    undo: StepUndo | None = None
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -146,8 +157,9 @@ class ScriptWatch:
     `replay`: replay bad steps under trace (on by default). `notify`: called with one line when a
     step is skipped or a verdict is reached (the CLI prints it on stderr). `gpu_health`: read the
     GPU's health at the start and on a fault that does not reproduce. `device_skip`: skip bad
-    steps on the device and decide them a step later, for optimizers that take `found_inf` (fused
-    ones); None: where the model is on a GPU."""
+    steps on the device and decide them a step later. None (default): on a GPU, for optimizers
+    that take `found_inf` (fused ones). True: every optimizer (one that takes no found_inf has its
+    step undone on the device, a copy of its weights and state per step). False: never."""
 
     def __init__(
         self,
@@ -391,8 +403,12 @@ class ScriptWatch:
         )
         self._optimizers.append(optimizer)
         run = _Run(judge, params, modules, len(self.runs) + 1)
-        wanted = self.device_skip if self.device_skip is not None else judge.device.type == "cuda"
-        run.device_skip = bool(wanted) and skips_on_device(optimizer)
+        # on a GPU by default where the optimizer skips by itself (found_inf, no cost); asked for,
+        # any optimizer, its step undone on the device (a copy of its weights and state per step)
+        run.fused = skips_on_device(optimizer)
+        run.device_skip = self.device_skip is True or (
+            self.device_skip is None and judge.device.type == "cuda" and run.fused
+        )
         try:
             probe = UpdateProbe(model, optimizer)
             if probe.low_precision:
@@ -442,10 +458,14 @@ class ScriptWatch:
         judge.steps += 1
         judge.micro_batches += len(mine)
         on_device = run.device_skip and not skipped_by_scaler
-        if on_device:  # the optimizer skips a bad step by itself; the host looks one step later
-            self._undo.pop(id(optimizer), lambda: None)()
-            self._undo[id(optimizer)] = skip_on_device(optimizer, agreed.amax())
         pending = _Pending(run, judge.steps, flags, mine, scaler, skipped_by_scaler, on_device)
+        if on_device:  # the optimizer skips a bad step by itself, or it is undone; the host looks a step later
+            self._undo.pop(id(optimizer), lambda: None)()
+            if run.fused:
+                self._undo[id(optimizer)] = skip_on_device(optimizer, agreed.amax())
+            else:
+                pending.undo = StepUndo(optimizer, agreed.amax())
+                self._undo[id(optimizer)] = pending.undo.undo
         if on_device:
             self._pending.append(pending)
         else:
@@ -463,6 +483,8 @@ class ScriptWatch:
         step = pending.step
         values = pending.flags.values()
         bad_loss, bad_grad, mine_bad = values[0] > 0, values[1] > 0, values[2] > 0
+        if pending.undo is not None:  # before anything can fail: the next step starts from the right state
+            pending.undo.settle(bad_loss or bad_grad)
         scale_value = values[3] if scaler is not None else None
         curve = [v / scale_value if scale_value else v for v in values[4:]]
         finite_curve = [v for v in curve if math.isfinite(v)]
@@ -626,14 +648,16 @@ class ScriptWatch:
         return report
 
 
-def watch(*, report: str | None = None, replay: bool = True) -> ScriptWatch:
+def watch(*, report: str | None = None, replay: bool = True, device_skip: bool | None = None) -> ScriptWatch:
     """Watch every optimizer step of this process from here on (no code change beyond this line):
     `fpdoctor.watch()` at the top of a script, or `with fpdoctor.watch() as w: ...` around a part
     of it. Called bare, the report is written when the process exits: to `report` (a file; its
-    extension picks the format) or, without one, on stderr."""
+    extension picks the format) or, without one, on stderr. `device_skip`: as `ScriptWatch`'s."""
     import atexit
 
-    watcher = ScriptWatch(replay=replay, notify=lambda line: print(line, file=sys.stderr, flush=True))
+    watcher = ScriptWatch(
+        replay=replay, notify=lambda line: print(line, file=sys.stderr, flush=True), device_skip=device_skip
+    )
     watcher.__enter__()
 
     def at_exit() -> None:
