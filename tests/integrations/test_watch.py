@@ -7,6 +7,7 @@ gloo with the fault on rank 1 -> rank 1 named by both ranks; bad input -> one li
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -234,8 +235,11 @@ def test_a_script_that_raises_exits_as_python_would_and_is_never_ok(tmp_path):
         ([], "no script given"),
         (["--", "python"], "no script given"),
         (["--", "missing.py"], "missing.py: no such script"),
-        (["--", "python", "-c", "print(1)"], "-c: python's options other than -u and -m are not supported"),
+        (["--", "python", "-c", "print(1)"], "-c: python's option -c is not supported here"),
         (["--", "python", "-m"], "-m needs a module name"),
+        (["--", "python", "-I", "x.py"], "-I: python's option -I is not supported here (supported: -u -B -O"),
+        (["--", "python", "--check-hash-based-pycs", "x.py"], "--check-hash-based-pycs: python's options other"),
+        (["--", "python", "-W"], "-W needs an argument, as python's does"),
         (["--bogus"], "unrecognized arguments"),
     ],
 )
@@ -452,3 +456,334 @@ def test_a_gradient_penalty_loss_made_nan_is_said_to_be_made_after_the_model():
             opt.step()
     (verdict,) = w.report.by_name("deterministic-nonfinite")
     assert verdict.evidence["step"] == 4 and "made after the model" in verdict.message
+
+
+def _fused_run(watcher, bad_step=None, seen=None, kind="fused"):
+    """An AdamW loop (`kind`: fused or foreach) with BatchNorm and two micro-batches per step;
+    `bad_step` gets an Inf input."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.BatchNorm1d(12), nn.ReLU(), nn.Linear(12, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **{kind: True})
+    g = torch.Generator().manual_seed(2)
+    with contextlib.ExitStack() as stack:
+        if watcher is not None:
+            stack.enter_context(watcher)
+        for step in range(1, 7):
+            opt.zero_grad()
+            for _ in range(2):
+                x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+                if step == bad_step:
+                    x[0, 0] = float("inf")
+                (nn.functional.mse_loss(model(x), y) / 2).backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.step()
+            if seen is not None:
+                seen.append(
+                    {
+                        "moved": not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)),
+                        "pending": len(watcher._pending),
+                        "flag_left": "found_inf" in vars(opt),
+                        "adam_step": float(opt.state[model[0].weight]["step"]),
+                        "undecided": watcher.report.data.get("undecided_steps"),
+                    }
+                )
+    return model
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_device_side_skipping_keeps_a_healthy_run_bitwise_the_same(kind):
+    from fpdoctor.integrations.script import ScriptWatch
+
+    plain = _fused_run(None, kind=kind).state_dict()
+    watcher = ScriptWatch(device_skip=True, notify=None)
+    watched = _fused_run(watcher, kind=kind).state_dict()
+    assert all(torch.equal(plain[k], watched[k]) for k in plain)
+    # the deferred path was the one taken: found_inf for the fused optimizer, the step undone for the other
+    assert [(r.device_skip, r.fused) for r in watcher.runs.values()] == [(True, kind == "fused")]
+    assert watcher.report.data["steps"] == 6 and watcher.report.findings == []
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_device_side_skipping_skips_on_the_device_and_decides_at_the_next_forward(kind):
+    # the GPU path, forced on the CPU: the fused optimizer skips on the flag (the foreach one's step is
+    # undone where the flag is set), the host looks a step later
+    from fpdoctor.integrations.script import ScriptWatch
+
+    seen: list[dict] = []
+    watcher = ScriptWatch(device_skip=True, notify=None)
+    model = _fused_run(watcher, bad_step=3, seen=seen, kind=kind)
+    assert [s["moved"] for s in seen] == [True, True, False, True, True, True]  # step 3 kept from the weights
+    assert seen[2]["pending"] == 1  # undecided when the step returned
+    # the fused optimizer skipped it; the foreach one's step was undone on the device, its count included
+    assert seen[2]["adam_step"] == 2.0 and seen[3]["adam_step"] == 3.0
+    assert [s["undecided"] for s in seen] == [[1], [2], [3], [4], [5], [6]]  # each decided at the next forward
+    assert not any(s["flag_left"] for s in seen)  # nothing of ours stays on the optimizer
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert all(bool(torch.isfinite(b).all()) for b in model.buffers())  # the bad forward's statistics undone
+    report = watcher.report
+    assert report.data["skipped_steps"] == 1 and report.data["verdicts"] == {3: "deterministic-nonfinite"}
+    (verdict,) = report.by_name("deterministic-nonfinite")
+    assert verdict.evidence["step"] == 3
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_the_last_step_decided_on_the_device_is_decided_when_the_watch_ends(kind):
+    from fpdoctor.integrations.script import ScriptWatch
+
+    watcher = ScriptWatch(device_skip=True, notify=None)
+    model = _fused_run(watcher, bad_step=6, kind=kind)
+    assert watcher._pending == []
+    assert watcher.report.data["verdicts"] == {6: "deterministic-nonfinite"}
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the host must not wait for the device")
+@pytest.mark.parametrize(
+    ("kind", "scaled"),
+    [("fused", False), ("fused", True), ("foreach", False)],
+    ids=["fused-adamw", "fused-adamw-fp16-gradscaler", "foreach-adamw-device-skip"],
+)
+def test_watched_steps_on_a_gpu_do_not_synchronise(kind, scaled):
+    from torch import nn
+
+    import fpdoctor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **{kind: True})
+    scaler = torch.amp.GradScaler("cuda", enabled=scaled)
+    x, y = torch.randn(32, 64, device="cuda"), torch.randn(32, 64, device="cuda")
+
+    def step(x):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.float16, enabled=scaled):
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    # the fused optimizer skips by itself on a GPU by default; the foreach one's step is undone when asked
+    with fpdoctor.watch(device_skip=True if kind == "foreach" else None) as w:
+        for _ in range(3):  # warm-up: the first steps learn the model and which buffers change
+            step(x)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(5):
+                step(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        bad = x.clone()
+        bad[0, 0] = float("nan")
+        step(bad)
+    assert [r.device_skip for r in w.runs.values()] == [True]
+    report = w.report
+    assert report.data["verdicts"] == {9: "deterministic-nonfinite"}
+    assert report.data["skipped_steps"] == 1 and report.data["last_good_step"] == 8
+
+
+def test_a_causal_attention_masks_minus_inf_does_not_lead_a_replayed_steps_findings():
+    # nn.MultiheadAttention under a masked_fill(-inf) causal mask; the real fault: a sqrt of negatives
+    from torch import nn
+
+    import fpdoctor
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Linear(8, 16), nn.Linear(16, 1)
+            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.broken = False
+
+        def forward(self, x):
+            n = x.shape[1]
+            mask = torch.zeros(n, n).masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
+            h = self.emb(x)
+            if self.broken:
+                h = torch.sqrt(h)
+            a, _ = self.attn(h, h, h, attn_mask=mask, need_weights=False)
+            return self.head(a)
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with fpdoctor.watch() as w:
+        for step in range(1, 4):
+            model.broken = step == 2
+            opt.zero_grad()
+            model(torch.randn(2, 5, 8)).mean().backward()
+            opt.step()
+    (verdict,) = w.report.by_name("deterministic-nonfinite")
+    assert verdict.evidence["step"] == 2 and verdict.where["op"] == "aten.sqrt.default"
+    assert not any("masked_fill" in str(f.where.get("op")) for f in w.report.findings)
+
+
+HF_TRAINER = """
+import os, sys
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch, transformers
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+torch.manual_seed(0)
+config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16)
+model = transformers.GPT2LMHeadModel(config)
+trainer_box = []
+
+def poison(module, args, output):  # a NaN in the first MLP's activation on optimizer step 3
+    if module.training and torch.is_grad_enabled() and trainer_box[0].state.global_step + 1 == 3:
+        output = output.clone()
+        output[0, 0, 0] = float("nan")
+        return output
+
+model.transformer.h[0].mlp.c_fc.register_forward_hook(poison)
+args = transformers.TrainingArguments(
+    output_dir="out", max_steps=5, per_device_train_batch_size=4, logging_steps=1, report_to=[], use_cpu=True,
+    save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0, learning_rate=1e-3,
+)
+callbacks = []
+if sys.argv[1:] == ["own"]:
+    from fpdoctor.integrations.hf import FpDoctorCallback
+    callbacks.append(FpDoctorCallback())
+trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
+trainer_box.append(trainer)
+print(sum(type(c).__name__ == "FpDoctorCallback" for c in trainer.callback_handler.callbacks), flush=True)
+trainer.train()
+"""
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["switched-on-by-watch", "the-scripts-own"])
+def test_a_hugging_face_trainer_gets_the_callback_and_each_step_is_judged_once(tmp_path, own):
+    pytest.importorskip("transformers", reason="the Hugging Face Trainer")
+    pytest.importorskip("accelerate", reason="the Hugging Face Trainer needs accelerate")
+    script = _write(tmp_path, "hf_train.py", HF_TRAINER)
+    watched = _watch(tmp_path, str(script), *(["own"] if own else []))
+    assert watched.returncode == 0, watched.stderr[-3000:]
+    assert watched.stdout.splitlines()[0] == "1"  # one callback, whoever added it
+    report = _report(tmp_path)
+    assert report["data"]["steps"] == 0  # the watch's own judge left the Trainer's optimizer to the callback
+    assert report["data"]["callbacks"] == [{"steps": 5, "skipped_steps": 1}]
+    assert [f["evidence"]["step"] for f in report["findings"] if f["name"] == "nonfinite-loss"] == [3]
+    assert [f["evidence"]["step"] for f in report["findings"] if f["name"] == "deterministic-nonfinite"] == [3]
+
+
+def test_the_trainer_is_left_as_it_was_after_the_watch():
+    transformers = pytest.importorskip("transformers", reason="the Hugging Face Trainer")
+    import fpdoctor
+
+    init = transformers.Trainer.__init__
+    with fpdoctor.watch():
+        assert transformers.Trainer.__init__ is not init
+    assert transformers.Trainer.__init__ is init
+
+
+def test_pythons_own_options_are_in_force_as_python_would_set_them(tmp_path):
+    script = _write(
+        tmp_path,
+        "opts.py",
+        """
+        import sys, warnings, torch
+        from torch import nn
+        assert False, "asserts are compiled out under -O"
+        warnings.warn("hidden by -W ignore")
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+        print(sys.flags.optimize, sys.warnoptions[-1:], sys.flags.dev_mode, sys.dont_write_bytecode, flush=True)
+        """,
+    )
+    python = f"python{sys.version_info.major}.{sys.version_info.minor}"  # as python3.12 train.py is typed
+    watched = _watch(tmp_path, python, "-OO", "-W", "ignore", "-Xdev", "-B", str(script))
+    assert watched.returncode == 0, watched.stderr
+    assert watched.stdout.strip() == "2 ['ignore'] True True"
+    assert "hidden by" not in watched.stderr
+    assert _report(tmp_path)["data"]["steps"] == 3
+
+
+def test_under_a_grad_scaler_the_device_path_decides_as_the_host_read_does():
+    # the scaler gives the fused optimizer its own found_inf; the watch's flag joins it (either skips)
+    from torch import nn
+
+    from fpdoctor.integrations.script import ScriptWatch
+
+    def train(device_skip):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        scaler = torch.amp.GradScaler("cpu")
+        g = torch.Generator().manual_seed(1)
+        moved = []
+        with ScriptWatch(device_skip=device_skip, notify=None) as w:
+            for step in range(1, 7):
+                x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = model(x * (1e5 if step == 3 else 1.0))  # an Inf loss in fp16
+                loss = nn.functional.mse_loss(out.float(), y) * (float("nan") if step == 5 else 1.0)
+                before = [p.detach().clone() for p in model.parameters()]
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                moved.append(not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)))
+        return model, moved, scaler.get_scale(), w.report.data["verdicts"]
+
+    host, deferred = train(False), train(True)
+    assert deferred[1] == host[1] == [True, True, False, True, False, True]
+    assert deferred[2] == host[2] and deferred[3] == host[3] == {
+        3: "deterministic-nonfinite",
+        5: "deterministic-nonfinite",
+    }
+    assert all(torch.equal(a, b) for a, b in zip(host[0].parameters(), deferred[0].parameters(), strict=True))
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_a_bad_first_step_skipped_on_the_device_leaves_no_optimizer_state_behind(kind):
+    # the first step makes the optimizer's state: undone, it must not leave NaN moments for the next
+    from fpdoctor.integrations.script import ScriptWatch
+
+    watcher = ScriptWatch(device_skip=True, notify=None)
+    model = _fused_run(watcher, bad_step=1, kind=kind)
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert watcher.report.data["verdicts"] == {1: "deterministic-nonfinite"}
+
+
+def test_device_skip_on_the_command_line_keeps_healthy_runs_bitwise_and_skips_a_bad_step(tmp_path):
+    # the foreach AdamW of TRAIN, its steps undone on the device where the flag says so
+    script = _write(tmp_path, "train.py", TRAIN)
+    inject = _write(tmp_path, "inject.py", INJECT)
+    plain = subprocess.run([sys.executable, str(script), str(tmp_path / "plain.pt")], check=False, timeout=120)
+    assert plain.returncode == 0
+
+    def watched(*command: str) -> subprocess.CompletedProcess[str]:
+        report = str(tmp_path / "report.json")
+        return subprocess.run(
+            [sys.executable, "-m", "fpdoctor", "watch", "--device-skip", "-o", report, "--", *command],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            cwd=tmp_path,
+            env=_env(),
+        )
+
+    healthy = watched(str(script), str(tmp_path / "watched.pt"))
+    assert healthy.returncode == 0, healthy.stderr
+    a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "watched.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    bad = watched(str(inject), str(script), str(tmp_path / "bad.pt"))
+    assert bad.returncode == 0, bad.stderr
+    assert "fpdoctor watch: step 4: non-finite, skipped; transient-fault-suspected" in bad.stderr
+    report = _report(tmp_path)
+    assert report["data"]["skipped_steps"] == 1 and report["data"]["verdicts"] == {"4": "transient-fault-suspected"}
+    assert all(bool(torch.isfinite(v).all()) for v in torch.load(tmp_path / "bad.pt").values())

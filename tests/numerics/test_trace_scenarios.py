@@ -329,6 +329,51 @@ def test_attention_mask_rows():  # masked attention: partial rows are fine, a fu
     assert f.where["op"].startswith("aten._softmax") and "turned -inf into nan" in f.title
 
 
+class CausalAttention(nn.Module):
+    """nn.MultiheadAttention under a causal mask made with masked_fill(-inf); `fault` runs on its input."""
+
+    def __init__(self, fault):
+        super().__init__()
+        self.emb = nn.Linear(8, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 1)
+        self.fault = fault
+
+    def forward(self, x):
+        n = x.shape[1]
+        mask = torch.zeros(n, n).masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
+        h = self.fault(self.emb(x))
+        a, _ = self.attn(h, h, h, attn_mask=mask, need_weights=False)
+        return self.head(a)
+
+
+@pytest.mark.parametrize("where", ["nan-producer", "inf-input"])
+def test_a_causal_masks_minus_inf_does_not_lead_when_the_fault_is_elsewhere(where):
+    # the mask's -inf reaches the outputs only alongside the real NaN: it is not the cause
+    torch.manual_seed(0)
+    model = CausalAttention(torch.sqrt if where == "nan-producer" else (lambda h: h))
+    x = torch.randn(2, 5, 8)
+    if where == "inf-input":
+        x[0, 3, 0] = float("inf")
+    with fpdoctor.trace(model) as t:
+        model(x).mean().backward()
+    lead = next(f for f in t.report.findings if f.name in ("nonfinite-produced", "nonfinite-input"))
+    assert all("masked_fill" not in f.where.get("op", "") for f in t.report.findings)
+    if where == "nan-producer":
+        assert lead.where["op"] == "aten.sqrt.default" and lead.evidence["first"] == "first NaN"
+    else:
+        assert lead.name == "nonfinite-input" and lead.evidence["kind"] == "+inf"
+
+
+def test_a_minus_inf_mask_that_reaches_the_loss_alone_is_still_named():
+    # nothing else to blame: the -inf written by the code is the story
+    x = torch.randn(4, 4, requires_grad=True)
+    with fpdoctor.trace() as t:
+        x.masked_fill(torch.eye(4, dtype=torch.bool), float("-inf")).sum()
+    f = only_producer(t.report, "first Inf")
+    assert f.where["op"] == "aten.masked_fill.Scalar"
+
+
 def test_raise_on_nonfinite_stops_at_the_producer():
     seen = []
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 from typing import Any
@@ -20,8 +21,16 @@ from fpdoctor.cli.output import UsageError, add_output_args, emit
 from fpdoctor.cli.trace import _sidecar, _write_rank, rank_info, user_traceback
 from fpdoctor.cli.trace_outcome import exception_finding, exit_code_of
 
-USAGE = "usage: fpdoctor watch [--report FILE] -- [python [-u]] SCRIPT.py | -m MODULE [ARGS...]"
-_PYTHONS = ("python", "python3")
+USAGE = "usage: fpdoctor watch [--report FILE] -- [python [OPTIONS]] SCRIPT.py | -m MODULE [ARGS...]"
+_PYTHON = re.compile(r"python(\d+(\.\d+)?)?")  # python, python3, python3.12: the interpreter word
+# python's own options, as `python OPTIONS script.py` takes them: -u and -B are applied here; the
+# others change how the interpreter itself runs, so the watch starts again in one run with them
+_HERE = frozenset("uBq")
+_AGAIN = frozenset("ObvdR")
+_WITH_VALUE = frozenset("WX")
+_SUPPORTED = "-u -B -O -OO -b -v -d -q -R -W ARG -X OPT -m MODULE"
+# set in the interpreter started again: its options are in force, they are not applied twice
+_RESTARTED = "FPDOCTOR_WATCH_PYTHON_OPTIONS"
 
 
 def add_parser(sub: Any) -> None:
@@ -35,6 +44,12 @@ def add_parser(sub: Any) -> None:
     add_output_args(p)
     p.add_argument("--report", dest="output", metavar="FILE", help="write the report to FILE (same as -o)")
     p.add_argument("--no-replay", action="store_true", help="skip bad steps without replaying them")
+    p.add_argument(
+        "--device-skip",
+        action="store_true",
+        help="skip bad steps on the device for every optimizer, not only fused ones on a GPU (a foreach one's "
+        "step is undone on the device: a copy of its weights and state per step); no host read per step",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="[python] SCRIPT.py ARGS")
     p.set_defaults(run=run)
 
@@ -43,33 +58,90 @@ class _Terminated(BaseException):
     """SIGTERM while the script ran: unwind it so that the report is still written."""
 
 
-def _script_of(command: list[str]) -> tuple[str, list[str], bool]:
-    """(script or module, its arguments, whether it is a module): what `python ...` would run."""
+def _python_options(words: list[str]) -> tuple[list[str], list[str]]:
+    """Split `OPTIONS rest` as python reads its command line: (options, each a separate word with
+    its value attached, e.g. -Wignore; rest). An option python has that this cannot honour is one
+    line, exit 2."""
+    options: list[str] = []
+    while words and words[0].startswith("-") and words[0] not in ("-", "-m") and not words[0].startswith("--"):
+        word, words = words[0], words[1:]
+        letters = word[1:]
+        while letters:
+            letter, letters = letters[0], letters[1:]
+            if letter == "m":  # -um: the rest of the word is the module's name, as python reads it
+                return options, ["-m", *([letters] if letters else []), *words]
+            if letter in _WITH_VALUE:
+                value = letters or (words[0] if words else "")
+                if not value:
+                    raise UsageError(f"-{letter} needs an argument, as python's does; {USAGE}")
+                if not letters:
+                    words = words[1:]
+                options.append(f"-{letter}{value}")
+                break
+            if letter not in _HERE and letter not in _AGAIN:
+                raise UsageError(
+                    f"-{letter}: python's option -{letter} is not supported here (supported: {_SUPPORTED}); {USAGE}"
+                )
+            options.append(f"-{letter}")
+    if words and words[0].startswith("--"):
+        raise UsageError(f"{words[0]}: python's options other than {_SUPPORTED} are not supported here; {USAGE}")
+    return options, words
+
+
+def _apply_here(options: list[str]) -> None:
+    """-u and -B, in this process and the script's children, as python would set them."""
+    if "-u" in options:  # unbuffered: this process's streams and its children's
+        os.environ["PYTHONUNBUFFERED"] = "1"
+        for stream in (sys.stdout, sys.stderr):
+            reconfigure = getattr(stream, "reconfigure", None)
+            if reconfigure is not None:
+                reconfigure(write_through=True)
+    if "-B" in options:  # no .pyc files written for the script's imports
+        sys.dont_write_bytecode = True
+        os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
+
+
+def _script_of(command: list[str]) -> tuple[str, list[str], bool, list[str]]:
+    """(script or module, its arguments, whether it is a module, python's options before it):
+    what `python OPTIONS ...` would run."""
     words = command[1:] if command[:1] == ["--"] else list(command)
-    if words and (os.path.basename(words[0]) in _PYTHONS or words[0] == sys.executable):
-        words = words[1:]
-        while words[:1] == ["-u"]:  # unbuffered, as `python -u`: this process's streams and its children's
-            os.environ["PYTHONUNBUFFERED"] = "1"
-            for stream in (sys.stdout, sys.stderr):
-                reconfigure = getattr(stream, "reconfigure", None)
-                if reconfigure is not None:
-                    reconfigure(write_through=True)
-            words = words[1:]
+    options: list[str] = []
+    if words and (_PYTHON.fullmatch(os.path.basename(words[0])) or words[0] == sys.executable):
+        options, words = _python_options(words[1:])
+        _apply_here(options)
         if words[:1] == ["-m"]:
             if len(words) < 2:
                 raise UsageError(f"-m needs a module name; {USAGE}")
-            return words[1], words[2:], True
+            return words[1], words[2:], True, options
     if not words:
         raise UsageError(f"no script given; {USAGE}")
     if words[0].startswith("-"):
-        raise UsageError(f"{words[0]}: python's options other than -u and -m are not supported here; {USAGE}")
+        raise UsageError(f"{words[0]}: python's options other than {_SUPPORTED} are not supported here; {USAGE}")
     if not os.path.isfile(words[0]):
         raise UsageError(f"{words[0]}: no such script; {USAGE}")
-    return words[0], words[1:], False
+    return words[0], words[1:], False, options
+
+
+def _start_again(options: list[str], command: list[str]) -> None:
+    """Options that change the interpreter itself (-O, -W, -X, ...): this command run again by an
+    interpreter started with them, as `python OPTIONS -m fpdoctor watch ...` (the process is replaced:
+    same pid, same environment, under torchrun too)."""
+    again = [o for o in options if o[1] in _AGAIN or o[1] in _WITH_VALUE]
+    if not again or os.environ.get(_RESTARTED) == "1":
+        return
+    argv = sys.argv[1:]
+    if not command or argv[len(argv) - len(command) :] != command:
+        raise UsageError(f"python's options {' '.join(again)} need `fpdoctor watch` run from the command line")
+    os.environ[_RESTARTED] = "1"
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.execv(sys.executable, [sys.executable, *options, "-m", "fpdoctor", *argv])
 
 
 def run(args: argparse.Namespace) -> int:
-    script, script_args, as_module = _script_of(args.command)
+    script, script_args, as_module, options = _script_of(args.command)
+    _start_again(options, args.command)
+    os.environ.pop(_RESTARTED, None)  # the script's own children start afresh
     dist = rank_info()
     if args.output and dist is not None:
         _sidecar(args.output, dist.rank).unlink(missing_ok=True)  # an earlier launch's, never merged
@@ -95,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         raise _Terminated
 
     previous = signal.signal(signal.SIGTERM, _on_term)
-    watcher = ScriptWatch(replay=not args.no_replay, notify=notify)
+    watcher = ScriptWatch(replay=not args.no_replay, notify=notify, device_skip=True if args.device_skip else None)
     unwatched: str | None = None
     try:
         watcher.__enter__()

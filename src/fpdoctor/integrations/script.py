@@ -25,11 +25,22 @@ A bad step is kept from the weights by setting its optimizer's gradients to None
 GradScaler an overflow is the scaler's to skip, counted as AMP's. What this holds per step: one
 reference per argument of a training forward and the gradient of each of its outputs (the size of
 the model's outputs, e.g. the logits), dropped when the step is decided.
+
+On a GPU with a fused optimizer (`device_skip`) the host does not wait for the check: the step's
+flags stay on the device, the optimizer is given them as its `found_inf` (the GradScaler protocol:
+it skips a bad step on the device by itself), and they come back asynchronously (pinned memory and
+an event). `device_skip=True` does the same for any optimizer: a foreach one's step is undone on the
+device where the flag is set (`gradcheck.StepUndo`), at the cost of a copy of the weights and their
+optimizer state during the step. The step is decided at the next training forward, before it runs (or at the next
+optimizer step, or when the watch ends), replayed from what was kept: its weights were not updated,
+its buffers are put back as a host-read step's are. On the CPU a flag costs nothing to read: the
+step is decided before `optimizer.step()` by default.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
 import threading
@@ -43,9 +54,17 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils import _pytree as pytree
 
 from fpdoctor.integrations import _watch as framework
+from fpdoctor.integrations import hf_switch
 from fpdoctor.integrations._outputs import KeptGradients, backward_from
 from fpdoctor.numerics import amp, distributed, dynamo, graphs
-from fpdoctor.numerics.gradcheck import FlagRead, grads_of, nonfinite_flag
+from fpdoctor.numerics.gradcheck import (
+    FlagRead,
+    StepUndo,
+    grads_of,
+    nonfinite_flag,
+    skip_on_device,
+    skips_on_device,
+)
 from fpdoctor.numerics.replay import MicroBatch, OutputsOnly
 from fpdoctor.numerics.step_judge import StepFacts, StepJudge, StepOutcome
 from fpdoctor.numerics.updates import UpdateProbe, UpdateStats
@@ -81,6 +100,22 @@ class _Run:
     # the dtype rounds away (numerics.updates); the sample taken before the step, read after it
     probe: UpdateProbe | None = None
     sample: Any = None
+    device_skip: bool = False  # its bad steps are skipped on the device and decided a step later
+    fused: bool = False  # it takes found_inf (else its step is undone on the device: StepUndo)
+
+
+@dataclass
+class _Pending:
+    """One optimizer step between its check on the device and its decision on the host."""
+
+    run: _Run
+    step: int  # the optimizer's step count, from 1
+    flags: FlagRead  # agreed loss and gradient flags, this rank's loss flag, the scale, the losses
+    calls: list[_Call]
+    scaler: Any
+    skipped_by_scaler: bool
+    on_device: bool  # given to the optimizer already, its flag as found_inf (or undone: `undo`)
+    undo: StepUndo | None = None
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -121,12 +156,23 @@ class ScriptWatch:
 
     `replay`: replay bad steps under trace (on by default). `notify`: called with one line when a
     step is skipped or a verdict is reached (the CLI prints it on stderr). `gpu_health`: read the
-    GPU's health at the start and on a fault that does not reproduce."""
+    GPU's health at the start and on a fault that does not reproduce. `device_skip`: skip bad
+    steps on the device and decide them a step later. None (default): on a GPU, for optimizers
+    that take `found_inf` (fused ones). True: every optimizer (one that takes no found_inf has its
+    step undone on the device, a copy of its weights and state per step). False: never."""
 
     def __init__(
-        self, *, replay: bool = True, notify: Callable[[str], None] | None = None, gpu_health: bool = True
+        self,
+        *,
+        replay: bool = True,
+        notify: Callable[[str], None] | None = None,
+        gpu_health: bool = True,
+        device_skip: bool | None = None,
     ) -> None:
         self.replay = replay
+        self.device_skip = device_skip
+        self._pending: list[_Pending] = []  # steps skipped or applied on the device, not yet decided
+        self._undo: dict[int, Callable[[], None]] = {}  # id(optimizer) -> its found_inf put back
         self.notify = notify
         self.gpu_health = gpu_health
         self.runs: dict[int, _Run] = {}  # id(optimizer) -> its run
@@ -170,6 +216,8 @@ class ScriptWatch:
             stack.enter_context(self._swapped(torch.autograd, "backward", self._backward_of))
             scaler = amp.grad_scaler_class()
             stack.enter_context(self._swapped(scaler, "step", self._scaler_step_of))
+            # a Hugging Face Trainer made inside gets the fpdoctor callback, which judges its steps
+            stack.enter_context(hf_switch.callback_in_trainers())
         except BaseException:
             stack.close()
             raise
@@ -181,6 +229,10 @@ class ScriptWatch:
         self.close()
 
     def close(self) -> None:
+        self._decide_pending()  # the last steps, whose flags are still on their way
+        for undo in list(self._undo.values()):  # an optimizer whose step raised keeps no flag of ours
+            undo()
+        self._undo.clear()
         if self._stack is not None:
             self._stack.close()
             self._stack = None
@@ -216,6 +268,10 @@ class ScriptWatch:
         if depth or self._replaying or not torch.is_grad_enabled():
             return
         try:
+            if self._pending and self._is_trainable(module):
+                # the steps decided on the device are looked at before the next training forward
+                # writes the buffers (a bad one's are put back) or draws from the RNG
+                self._decide_pending()
             if self._is_trainable(module):  # its RNG and autocast state before it runs
                 call = _Call(module, (), {}, RngState.capture(), _autocast_state(), [], created_at=self._event)
                 call.kept.clock = self._clock
@@ -310,6 +366,7 @@ class ScriptWatch:
             )
             return
         with _optimizer_hooks_aside():
+            self._decide_pending()  # a step with no training forward since the last one
             self._guarded(lambda: self._step(optimizer, scaler=scaler, skipped_by_scaler=False))
 
     def _guarded(self, do: Callable[[], None]) -> None:
@@ -347,13 +404,22 @@ class ScriptWatch:
         )
         self._optimizers.append(optimizer)
         run = _Run(judge, params, modules, len(self.runs) + 1)
+        # on a GPU by default where the optimizer skips by itself (found_inf, no cost); asked for,
+        # any optimizer, its step undone on the device (a copy of its weights and state per step)
+        run.fused = skips_on_device(optimizer)
+        run.device_skip = self.device_skip is True or (
+            self.device_skip is None and judge.device.type == "cuda" and run.fused
+        )
         try:
             probe = UpdateProbe(model, optimizer)
             if probe.low_precision:
                 run.probe = probe
-                judge.expects_updates = probe.why_not is None  # the last finite window kept for the what-if
-                if probe.why_not is not None:  # said once; the check stays off for this optimizer
-                    stats = UpdateStats(0, type(optimizer).__name__, why_not=probe.why_not)
+                why_not = probe.why_not or (
+                    "the optimizer is stepped on the device (device-side skipping)" if run.device_skip else None
+                )
+                judge.expects_updates = why_not is None  # the last finite window kept for the what-if
+                if why_not is not None:  # said once; the check stays off for this optimizer
+                    stats = UpdateStats(0, type(optimizer).__name__, why_not=why_not)
                     judge.updates(stats, every=probe.every)
                     run.probe = None
         except Exception as exc:
@@ -389,8 +455,38 @@ class ScriptWatch:
             if judge.distributed:  # every rank skips, or none: replicas stay equal
                 agreed = distributed.all_max(agreed)
             scale = amp.scale_tensor(scaler, device) if scaler is not None else torch.full((), math.nan, device=device)
-            values = FlagRead(torch.cat([agreed, local_loss.reshape(1), scale.reshape(1), loss_t])).values()
+            # on its way to the host before the optimizer's kernels are queued
+            flags = FlagRead(torch.cat([agreed, local_loss.reshape(1), scale.reshape(1), loss_t]))
+        judge.steps += 1
+        judge.micro_batches += len(mine)
+        on_device = run.device_skip and not skipped_by_scaler
+        pending = _Pending(run, judge.steps, flags, mine, scaler, skipped_by_scaler, on_device)
+        if on_device:  # the optimizer skips a bad step by itself, or it is undone; the host looks a step later
+            self._undo.pop(id(optimizer), lambda: None)()
+            if run.fused:
+                self._undo[id(optimizer)] = skip_on_device(optimizer, agreed.amax())
+            else:
+                pending.undo = StepUndo(optimizer, agreed.amax())
+                self._undo[id(optimizer)] = pending.undo.undo
+        if on_device:
+            self._pending.append(pending)
+        else:
+            self._decide(pending)
+
+    def _decide_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for one in pending:
+            self._guarded(functools.partial(self._decide, one))
+
+    def _decide(self, pending: _Pending) -> None:
+        """The step's flags, read once, to the judge; then what its verdict asks of the optimizer."""
+        run, mine, scaler, skipped_by_scaler = pending.run, pending.calls, pending.scaler, pending.skipped_by_scaler
+        judge = run.judge
+        step = pending.step
+        values = pending.flags.values()
         bad_loss, bad_grad, mine_bad = values[0] > 0, values[1] > 0, values[2] > 0
+        if pending.undo is not None:  # before anything can fail: the next step starts from the right state
+            pending.undo.settle(bad_loss or bad_grad)
         scale_value = values[3] if scaler is not None else None
         curve = [v / scale_value if scale_value else v for v in values[4:]]
         finite_curve = [v for v in curve if math.isfinite(v)]
@@ -401,14 +497,12 @@ class ScriptWatch:
         )
         if skipped_by_scaler:
             bad_grad = True  # the scaler found the Inf itself: its found_inf decided
-        judge.steps += 1
-        judge.micro_batches += len(mine)
         if bad_loss or bad_grad:  # host reads, bad steps only, outside the replay's trace
             for c in mine:
                 c.kept.read_finite()
                 c.kept.loss_bad = c.kept.loss is not None and not bool(torch.isfinite(c.kept.loss))
         facts = StepFacts(
-            judge.steps,
+            step,
             bad_loss=bad_loss,
             bad_grad=bad_grad,
             local_loss=mine_bad,
@@ -429,7 +523,7 @@ class ScriptWatch:
         )
         outcome = judge.judge(facts)
         skip = not outcome.finite and not (scaler is not None and bad_grad)
-        if skip and not skipped_by_scaler:
+        if skip and not skipped_by_scaler and not pending.on_device:
             for p in run.params:  # kept from the weights: torch's optimizers skip a parameter without a gradient
                 p.grad = None
         # the buffers as they are now: the next step's bad forward is undone to here (the first step
@@ -437,14 +531,17 @@ class ScriptWatch:
         judge.begin_window()
         self._tell(run, outcome)
         probe = run.probe
-        if probe is not None and outcome.finite and not skipped_by_scaler and probe.due(judge.steps):
+        if probe is not None and outcome.finite and not skipped_by_scaler and probe.due(step):
             try:  # the sample and the step's intended update in fp32, before the step applies it
-                run.sample = probe.before(judge.steps)
+                run.sample = probe.before(step)
             except Exception as exc:
                 run.sample = None
                 judge.error("measuring the optimizer's updates", exc)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        undo = self._undo.pop(id(optimizer), None)
+        if undo is not None:  # the optimizer has taken the flag: nothing of ours stays on it
+            undo()
         run = self.runs.get(id(optimizer))
         if run is None or run.probe is None or run.sample is None:
             return
@@ -469,7 +566,12 @@ class ScriptWatch:
     def _replaying_now(self) -> Iterator[None]:
         self._replaying, saved = True, self._replaying
         try:
-            yield
+            with contextlib.ExitStack() as stack:
+                # a step decided at the next training forward runs inside the script's autocast, if
+                # any: the replay runs under its own step's (`_replay_call`), not the next one's
+                for device, _ in _autocast_state():
+                    stack.enter_context(torch.autocast(device, enabled=False))
+                yield
         finally:
             self._replaying = saved
 
@@ -570,17 +672,21 @@ class ScriptWatch:
             report.data.setdefault("callbacks", []).append(counts)
         if self.unwatched:
             report.data.setdefault("not_checked", {}).update(self.unwatched)
+        if self._pending:  # skipped or applied on the device, decided at the next training forward
+            report.data["undecided_steps"] = [p.step for p in self._pending]
         return report
 
 
-def watch(*, report: str | None = None, replay: bool = True) -> ScriptWatch:
+def watch(*, report: str | None = None, replay: bool = True, device_skip: bool | None = None) -> ScriptWatch:
     """Watch every optimizer step of this process from here on (no code change beyond this line):
     `fpdoctor.watch()` at the top of a script, or `with fpdoctor.watch() as w: ...` around a part
     of it. Called bare, the report is written when the process exits: to `report` (a file; its
-    extension picks the format) or, without one, on stderr."""
+    extension picks the format) or, without one, on stderr. `device_skip`: as `ScriptWatch`'s."""
     import atexit
 
-    watcher = ScriptWatch(replay=replay, notify=lambda line: print(line, file=sys.stderr, flush=True))
+    watcher = ScriptWatch(
+        replay=replay, notify=lambda line: print(line, file=sys.stderr, flush=True), device_skip=device_skip
+    )
     watcher.__enter__()
 
     def at_exit() -> None:

@@ -51,6 +51,12 @@ _DELIBERATE = frozenset({
 _SATURATING = frozenset({"sigmoid", "tanh", "erf", "erfc", "atan"})
 
 
+def _mask_write(r: Record) -> bool:
+    """An op that writes an infinity on purpose, -inf from finite inputs: only its literal fill
+    value can have made it (a causal attention mask)."""
+    return _packet(r.op) in _DELIBERATE and r.kind == "-inf"
+
+
 def _packet(op: str) -> str:
     """'aten.div.Tensor' -> 'div': the overload packet's name."""
     parts = op.split(".")
@@ -297,6 +303,12 @@ class Analysis:
             found.append(self._scaler_finding(scaler, []))
         nan_producers = [r for r in blamed if self.roles[r.index] == "nan-producer"]
         inf_producers = [r for r in blamed if self.roles[r.index] == "inf-producer"]
+        # an attention mask's -inf (masked_fill, where, index_fill with a literal -inf) is written
+        # on purpose: it reaches the sinks only alongside the real NaN or Inf, and is not a cause.
+        # It stays the story only where nothing else is (the -inf itself reached the loss).
+        masks = [r for r in inf_producers if _mask_write(r)]
+        if masks and (nan_producers or len(masks) < len(inf_producers) or bad_data):
+            inf_producers = [r for r in inf_producers if not _mask_write(r)]
         if inf_producers:
             found.append(self.producer_finding(inf_producers[0], "first Inf", inf_producers[1:]))
         if nan_producers:

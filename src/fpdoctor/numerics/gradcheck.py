@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -120,6 +122,70 @@ def skips_on_device(optimizer: torch.optim.Optimizer | None) -> bool:
     if "grad_scaler" in inspect.signature(optimizer.step).parameters:
         return False  # the older protocol: the optimizer expects the scaler itself
     return all(group.get("fused") for group in optimizer.param_groups)
+
+
+def skip_on_device(optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> Callable[[], None]:
+    """Give a fused optimizer `flag` (float32, 0-d, on its device) as its `found_inf`, the GradScaler
+    protocol: its next `step()` leaves weights and state untouched where the flag is nonzero, decided
+    on the device, with no host read. A `found_inf` already set (a GradScaler's step in progress) is
+    kept: either flag skips. Returns the undo, to call once the step has run."""
+    opt: Any = optimizer
+    had = "found_inf" in vars(opt)
+    before = getattr(opt, "found_inf", None) if had else None
+    opt.found_inf = flag if before is None else torch.maximum(before.float(), flag.to(before.device))
+
+    def undo() -> None:
+        if had:
+            opt.found_inf = before
+        else:
+            vars(opt).pop("found_inf", None)
+
+    return undo
+
+
+class StepUndo:
+    """A step of an optimizer that takes no `found_inf` (foreach or for-loop) undone on the device
+    where `flag` (float32, 0-d) is set, so that the host need not read it before the step.
+
+    Before the step every tensor the step may write is copied: the weights that have gradients and
+    their optimizer state. After it, `undo()` puts the copies back where the flag is set, with
+    `torch.where` on the device: a healthy step's values are kept bit for bit. State held on another
+    device than the flag (Adam's `step` count on the CPU) and state the step created are put right by
+    `settle(bad)` once the flag has been read, before the next step. The cost: one copy of those
+    weights and their state, on their devices, for the step's duration."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> None:
+        self._optimizer = optimizer
+        self._flag = flag
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        self._fresh = [p for p in params if not optimizer.state.get(p)]  # no state yet: the step makes it
+        self._device: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._host: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with torch.no_grad():
+            for p in params:
+                self._device.append((p, p.detach().clone()))
+                for value in optimizer.state.get(p, {}).values():
+                    if isinstance(value, torch.Tensor):
+                        kept = (value, value.detach().clone())
+                        (self._device if value.device == flag.device else self._host).append(kept)
+
+    def undo(self) -> None:
+        """After the step: the device's tensors put back where the flag is set (no host read)."""
+        with torch.no_grad():
+            bad = self._flag.to(torch.bool)
+            for tensor, kept in self._device:
+                torch.where(bad.to(tensor.device, non_blocking=True), kept, tensor, out=tensor)
+        self._device = []
+
+    def settle(self, bad: bool) -> None:
+        """The flag read: a bad step's other state put back and the state it created dropped."""
+        if bad:
+            with torch.no_grad():
+                for tensor, kept in self._host:
+                    tensor.copy_(kept)
+            for p in self._fresh:
+                self._optimizer.state.pop(p, None)
+        self._host, self._fresh = [], []
 
 
 def bad_parameters(model: torch.nn.Module) -> list[tuple[str, str]]:

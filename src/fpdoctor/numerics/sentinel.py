@@ -37,6 +37,7 @@ from fpdoctor.numerics.gradcheck import (
     grads_of,
     loss_flag,
     nonfinite_flag,
+    skip_on_device,
     skips_on_device,
 )
 from fpdoctor.numerics.replay import MicroBatch
@@ -390,13 +391,12 @@ class Sentinel(JudgedSteps):
         # (if at all) for this check to finish, not for the optimizer
         read = FlagRead(flags)
         if scaler is None and self.device_skip and self.optimizer is not None and not observed:
-            opt: Any = self.optimizer
-            opt.found_inf = agreed.amax()  # the GradScaler protocol of fused optimizers: skip on the device
+            undo = skip_on_device(self.optimizer, agreed.amax())  # the fused optimizer skips on the device
             stepped = self._stepped = True
             try:
-                _user(opt.step)
+                _user(self.optimizer.step)
             finally:
-                del opt.found_inf
+                undo()
         pending = _Pending(
             self.steps,
             window,
