@@ -55,5 +55,8 @@ def test_a_pass_that_changes_an_op_is_an_error_naming_the_module():
     assert finding.name == "compiled-departure" and finding.severity.value == "error"
     assert finding.where["module"] == "1" and "`1`" in finding.message
     assert finding.evidence["emulated_departure_rel"] > 16 * finding.evidence["floor_rel"]
+    # the pass runs in Inductor after the decompositions: they alone leave the module as eager computes it
+    assert finding.evidence["decomposed_departure_rel"] <= 16 * finding.evidence["floor_rel"]
+    assert "Inductor's lowering, fusion or a graph pass changes it" in finding.message
     assert result.first_divergent == "1" and result.report.exit_code == 1
     assert not inductor_config.emulate_precision_casts  # patched for one compile, never left set

@@ -63,6 +63,7 @@ class Judged:
     departure: float
     floor: float
     emulated: float | None = None  # the departure compiled with emulate_precision_casts
+    decomposed: float | None = None  # the departure with Inductor's decompositions alone (no lowering, no fusion)
     failed: str | None = None  # why it could not be compiled
 
     @property
@@ -83,6 +84,7 @@ class Judged:
             "ratio": self.ratio,
             "departs": self.departs,
             "emulated_departure_rel": self.emulated,
+            "decomposed_departure_rel": self.decomposed,
             "failed": self.failed,
         }
 
@@ -135,11 +137,24 @@ class _Search:
             below = self.descend(child, child64, child_args, child_kwargs)
             if below:
                 return [here, *below]
-        if self.compiles < MAX_COMPILES:  # the first module that departs with no child that does
-            here.emulated = self._departure(module64, args, kwargs, EMULATE)[2]
-        else:
-            self.out_of_budget = True
+        self.settle(here, module64, args, kwargs)
         return [here]
+
+    def settle(self, here: Judged, module64: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """What changes the first module that departs with no child that does: Inductor rounding as
+        eager does, then (where that leaves it) the decompositions run without Inductor's lowering."""
+        try:
+            if self.compiles < MAX_COMPILES:
+                here.emulated = self._departure(module64, args, kwargs, EMULATE)[2]
+            if _within(here.emulated, here.floor):
+                return
+            if self.compiles < MAX_COMPILES:
+                here.decomposed = self._departure(module64, args, kwargs, {}, decompositions_only=True)[2]
+                return
+        except Exception as exc:  # the evidence says what could not be run
+            self.notes["settling"] = f"`{here.module or '<root>'}`: {type(exc).__name__}: {exc}"[:300]
+            return
+        self.out_of_budget = True
 
     def judge(self, name: str, module64: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Judged | None:
         if self.compiles >= MAX_COMPILES:
@@ -165,7 +180,14 @@ class _Search:
         return 0.0 if out is None else rel_error(out, truth, norm)
 
     def _departure(
-        self, module64: nn.Module, args: Any, kwargs: Any, config: dict[str, Any], truth: torch.Tensor | None = None
+        self,
+        module64: nn.Module,
+        args: Any,
+        kwargs: Any,
+        config: dict[str, Any],
+        truth: torch.Tensor | None = None,
+        *,
+        decompositions_only: bool = False,
     ) -> tuple[float, float, float]:
         """(eager's error, compiled's error, compiled against eager), the module in the dtype fed
         the fp64 inputs rounded to it; Inductor's `config` patched on for the compile."""
@@ -176,7 +198,7 @@ class _Search:
         eager = _forward(low, args, kwargs, self.dtype)
         self.compiles += 1
         out = _run_compiled(low, cast_inputs(args, self.dtype, copy=True), cast_inputs(kwargs, self.dtype, copy=True),
-                            config)  # fmt: skip
+                            config, decompositions_only)  # fmt: skip
         compiled = flat_sample(out)
         if eager is None or compiled is None:
             return math.nan, math.nan, math.nan
@@ -189,16 +211,26 @@ def _forward(module: nn.Module, args: Any, kwargs: Any, dtype: torch.dtype | Non
         return flat_sample(module(*cast_inputs(args, dtype, copy=True), **cast_inputs(kwargs, dtype, copy=True)))
 
 
-def _run_compiled(module: nn.Module, args: Any, kwargs: Any, config: dict[str, Any]) -> Any:
-    """`module` under torch.compile with Inductor (`config` patched on, never left set), called once."""
+def _within(departure: float | None, floor: float) -> bool:
+    return (
+        departure is not None and math.isfinite(departure) and departure / max(floor, UNKNOWN_FLOOR) <= DIVERGENCE_RATIO
+    )
+
+
+def _run_compiled(module: nn.Module, args: Any, kwargs: Any, config: dict[str, Any], decompositions_only: bool) -> Any:
+    """`module` under torch.compile with Inductor (`config` patched on, never left set), called once;
+    `decompositions_only`: with Inductor's decompositions run eagerly instead (aot_eager_decomp_partition)."""
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
+    from torch._dynamo.backends.registry import lookup_backend
     from torch._inductor.compile_fx import compile_fx
+
+    compile_graph = lookup_backend("aot_eager_decomp_partition") if decompositions_only else compile_fx
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         # a backend of its own: Dynamo's cache is per backend, so no other compile is reused
         with inductor_config.patch(config):
-            return compile_fx(gm, example_inputs)
+            return compile_graph(gm, example_inputs)
 
     compiled = torch.compile(module, backend=backend, dynamic=False)
     # the same module class compiled again with another backend is a recompile, not a fallback to eager
@@ -314,11 +346,7 @@ def _finding(first: Judged, path: list[Judged], candidate: str, dtype: str) -> F
         **{k: v for k, v in first.as_dict().items() if k != "module"},
     }
     where = {"module": first.module, "op": None, "phase": "forward"}
-    settled = (
-        first.emulated is not None
-        and math.isfinite(first.emulated)
-        and (first.emulated / max(first.floor, UNKNOWN_FLOOR) <= DIVERGENCE_RATIO)
-    )
+    settled = _within(first.emulated, first.floor)
     emulated = (
         "emulate_precision_casts was not tried (out of compiles)"
         if first.emulated is None
@@ -334,11 +362,23 @@ def _finding(first: Judged, path: list[Judged], candidate: str, dtype: str) -> F
             where=where,
             evidence=evidence,
         )
+    if first.decomposed is None:
+        cause = "a fusion, decomposition, lowering or pass changes it"
+    elif _within(first.decomposed, first.floor):
+        cause = (
+            f"with Inductor's decompositions alone (aot_eager_decomp_partition) it is {_fmt(first.decomposed)}, "
+            "within the floor: Inductor's lowering, fusion or a graph pass changes it"
+        )
+    else:
+        cause = (
+            f"with Inductor's decompositions alone (aot_eager_decomp_partition) it is {_fmt(first.decomposed)}: "
+            "a decomposition changes it"
+        )
     return catalog.make(
         "compiled-departure",
         message=(
             f"In {candidate}, {name} compiled computes something else than eager: {numbers}. {_upper(emulated)}"
-            + ("." if settled else ": not a rounding difference; a fusion, decomposition, lowering or pass changes it.")
+            + ("." if settled else f": not a rounding difference; {cause}.")
         ),
         where=where,
         evidence=evidence,
