@@ -29,19 +29,32 @@ def test_spellings():
         fpdoctor.compare(nn.Linear(2, 2), torch.ones(1, 2), candidate="compiled", module="x")
 
 
+class Blocks(nn.Module):
+    """Blocks in a ModuleList, which is never called itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 16), Chain()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 def test_fused_intermediates_are_info_not_an_error():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 16), Chain())
+    model = Blocks()
     result = fpdoctor.compare(model, torch.randn(4, 16), candidate="compiled-bf16")
     (finding,) = result.report.findings
     assert finding.name == "compiled-fused-precision" and finding.severity.value == "info"
-    assert finding.where["module"] == "1" and finding.evidence["path"] == ["<root>", "1"]
+    assert finding.where["module"] == "blocks.1" and finding.evidence["path"] == ["<root>", "blocks.1"]
     assert finding.evidence["ratio"] > 16 and finding.evidence["emulated_departure_rel"] == 0.0
     # the compiled program is the closer one to fp64; eager's rounding of each product is the loss
     assert finding.evidence["compiled_rel"] < finding.evidence["eager_rel"] / 10
     assert result.report.exit_code == 0 and result.first_divergent is None
     judged = {j["module"]: j["departs"] for j in result.report.data["compiled"]}
-    assert judged == {"<root>": True, "0": False, "1": True}
+    assert judged == {"<root>": True, "blocks.0": False, "blocks.1": True}
 
 
 def test_a_pass_that_changes_an_op_is_an_error_naming_the_module():

@@ -393,9 +393,9 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         "not its rounding, changes the result.",
         why="A fusion, decomposition, lowering or custom pass that computes another function than the eager ops "
         "gives numbers eager never gives; training and evaluation then describe different programs.",
-        fix="Reproduce with the module alone (evidence: its isolated errors), bisect the compiler with "
-        "TORCHINDUCTOR / CompilerBisector on it, and report it to PyTorch (or the owner of a custom pass); "
-        "meanwhile torch.compiler.disable the module.",
+        fix="Compile the named module alone on its inputs and bisect the compiler on it (PyTorch's "
+        "CompilerBisector), then report it to PyTorch (or to the owner of a custom pass); meanwhile "
+        "torch.compiler.disable the module.",
     ),
     RuleInfo(
         code="TRN014",

@@ -242,20 +242,29 @@ def _run_compiled(module: nn.Module, args: Any, kwargs: Any, config: dict[str, A
 def _child_calls(
     name: str, module64: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> list[tuple[str, nn.Module, tuple[Any, ...], dict[str, Any]]]:
-    """`module64`'s direct children in the order they ran, each with the fp64 inputs of its first call."""
+    """The submodules `module64`'s forward calls itself (not from inside another submodule: a
+    ModuleList's blocks, never called as a list, are its children here), in the order they ran,
+    each with the fp64 inputs of its first call."""
     seen: dict[str, Any] = {}
     hooks = []
-    named = dict(module64.named_children())
+    named = dict(module64.named_modules())
+    named.pop("", None)
+    inside = [0]  # submodule calls under way: only the outermost are module64's own
 
     def keep(child: str) -> Any:
         def hook(_m: nn.Module, a: tuple[Any, ...], k: dict[str, Any]) -> None:
-            if child not in seen:
+            if inside[0] == 0 and child not in seen:
                 seen[child] = cast_inputs(Call(a, k), None, copy=True)
+            inside[0] += 1
 
         return hook
 
+    def left(*_: Any) -> None:
+        inside[0] -= 1
+
     for child, sub in named.items():
         hooks.append(sub.register_forward_pre_hook(keep(child), with_kwargs=True))
+        hooks.append(sub.register_forward_hook(left))
     try:
         with torch.no_grad(), _same_rng():
             module64(*cast_inputs(args, None, copy=True), **cast_inputs(kwargs, None, copy=True))
@@ -337,7 +346,6 @@ def _finding(first: Judged, path: list[Judged], candidate: str, dtype: str) -> F
         + ("non-finite" if not math.isfinite(first.departure) else f"{first.ratio:.3g}x the floor {_fmt(first.floor)}")
     )
     evidence = {
-        "kind": "compiled-departure",
         "candidate": candidate,
         "dtype": dtype,
         "referee": "fp64",
@@ -353,6 +361,7 @@ def _finding(first: Judged, path: list[Judged], candidate: str, dtype: str) -> F
         else f"compiled with emulate_precision_casts=True, compiled against eager is {_fmt(first.emulated)}"
     )
     if settled and dtype != "float32":
+        evidence = {"kind": "compiled-fused-precision", **evidence}
         return catalog.make(
             "compiled-fused-precision",
             message=(
@@ -374,6 +383,7 @@ def _finding(first: Judged, path: list[Judged], candidate: str, dtype: str) -> F
             f"with Inductor's decompositions alone (aot_eager_decomp_partition) it is {_fmt(first.decomposed)}: "
             "a decomposition changes it"
         )
+    evidence = {"kind": "compiled-departure", **evidence}
     return catalog.make(
         "compiled-departure",
         message=(
