@@ -55,6 +55,11 @@ def test_fused_intermediates_are_info_not_an_error():
     assert result.report.exit_code == 0 and result.first_divergent is None
     judged = {j["module"]: j["departs"] for j in result.report.data["compiled"]}
     assert judged == {"<root>": True, "blocks.0": False, "blocks.1": True}
+    # no compile of compare's is left in Dynamo's cache, to count towards the user's recompile limit
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    assert not _debug_get_cache_entry_list(Chain.forward.__code__)
+    assert not _debug_get_cache_entry_list(Blocks.forward.__code__)
 
 
 def test_a_pass_that_changes_an_op_is_an_error_naming_the_module():

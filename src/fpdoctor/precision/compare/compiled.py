@@ -235,8 +235,31 @@ def _run_compiled(module: nn.Module, args: Any, kwargs: Any, config: dict[str, A
     compiled = torch.compile(module, backend=backend, dynamic=False)
     # the same module class compiled again with another backend is a recompile, not a fallback to eager
     limits = {"recompile_limit": 10**6, "accumulated_recompile_limit": 10**6}
-    with dynamo_config.patch(limits), inductor_config.patch(config), torch.no_grad(), _same_rng(), _quiet():
-        return compiled(*args, **kwargs)
+    try:
+        with dynamo_config.patch(limits), inductor_config.patch(config), torch.no_grad(), _same_rng(), _quiet():
+            return compiled(*args, **kwargs)
+    finally:
+        _forget(backend)
+
+
+def _forget(backend: Any) -> None:
+    """Dynamo's cache entries this compile left on code objects (a module class's forward) dropped,
+    so the user's own compiles of the same code never count them towards Dynamo's recompile limit.
+    Dynamo drops a code object's entries all together: one holding an entry of the user's too keeps ours."""
+    from torch._C._dynamo.eval_frame import reset_code
+    from torch._dynamo.convert_frame import input_codes
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    def ours(entry: Any) -> bool:
+        return entry.backend is backend or getattr(entry.backend, "compiler_fn", None) is backend
+
+    for ref in list(input_codes.seen):
+        code = ref()
+        if code is None:
+            continue
+        entries = _debug_get_cache_entry_list(code)
+        if entries and all(ours(e) for e in entries):
+            reset_code(code)
 
 
 def _child_calls(
