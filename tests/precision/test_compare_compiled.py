@@ -49,7 +49,8 @@ def test_fused_intermediates_are_info_not_an_error():
     (finding,) = result.report.findings
     assert finding.name == "compiled-fused-precision" and finding.severity.value == "info"
     assert finding.where["module"] == "blocks.1" and finding.evidence["path"] == ["<root>", "blocks.1"]
-    assert finding.evidence["ratio"] > 16 and finding.evidence["emulated_departure_rel"] == 0.0
+    evidence = finding.evidence
+    assert evidence["ratio"] > 16 and evidence["emulated_departure_rel"] <= evidence["floor_rel"]
     # the compiled program is the closer one to fp64; eager's rounding of each product is the loss
     assert finding.evidence["compiled_rel"] < finding.evidence["eager_rel"] / 10
     assert result.report.exit_code == 0 and result.first_divergent is None
