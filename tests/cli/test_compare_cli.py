@@ -56,3 +56,16 @@ def test_fp8_kernel_option(spec, cli):
     assert result.code == 2 and "unknown fp8 kernel 'cublas'" in result.err
     result = cli("plan", spec, "--candidate", "fp8-e4m3", "--fp8-kernel", "cublas")
     assert result.code == 2 and "unknown fp8 kernel 'cublas'" in result.err
+
+
+def test_compiled_candidate(spec, cli):
+    result = run_fpdoctor("compare", spec, "--candidate", "compiled", "--format", "json")
+    assert result.code == 0, result.err
+    doc = loads_strict(result.out)
+    assert doc["findings"] == [] and [j["module"] for j in doc["data"]["compiled"]] == ["<root>"]
+    assert dict(doc["data"]["summary"])["first departing module"] == "none"
+    result = cli("compare", spec, "--candidate", "compiled-bf61")
+    assert result.code == 2 and "did you mean compiled-bf16?" in result.err
+    assert len(result.err.strip().splitlines()) == 1
+    result = cli("compare", spec, "--candidate", "compiled", "--module", "0")
+    assert result.code == 2 and "takes no module" in result.err and len(result.err.strip().splitlines()) == 1

@@ -127,7 +127,7 @@ def test_each_precision_is_one_declared_entry_every_step_reads():
             assert run[0].rowwise == entry.rowwise, name
         assert (candidate_format(name) is None) == (entry.storage is None), name
         rounded = round_to(x, name)
-        assert rounded.dtype == torch.float64 and (torch.equal(rounded, x) == (name == "fp32")), name
+        assert rounded.dtype == torch.float64 and (torch.equal(rounded, x) == (name in ("fp32", "compiled"))), name
         if entry.applies:
             assert f"model.to(torch.{entry.dtype})" in plan_code(name, [], [])
     assert model[0].weight.dtype == torch.float32  # copies only

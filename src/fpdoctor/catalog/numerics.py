@@ -381,4 +381,34 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         "and report it to PyTorch (or to the owner of a custom pass). Meanwhile compile less "
         "(torch.compiler.disable on the code the graph covers) or run it eagerly.",
     ),
+    RuleInfo(
+        code="TRN013",
+        name="compiled-departure",
+        severity=E,
+        title="A module compiled computes something else than the same module run eagerly",
+        what="compare --candidate compiled (compiled-bf16, compiled-fp16) runs the model compiled by Inductor and "
+        "eagerly in the same dtype, both against fp64. Where the two differ by more than the floor (rounding to the "
+        "dtype, or eager's own error against fp64, whichever is larger), each child module on the way down is "
+        "compiled alone and fed the fp64 run's inputs, to the first module that departs by itself; that module is "
+        "compiled again with emulate_precision_casts. Reported when the departure stays: the compiled program, "
+        "not its rounding, changes the result.",
+        why="A fusion, decomposition, lowering or custom pass that computes another function than the eager ops "
+        "gives numbers eager never gives; training and evaluation then describe different programs.",
+        fix="Compile the named module alone on its inputs and bisect the compiler on it (PyTorch's "
+        "CompilerBisector), then report it to PyTorch (or to the owner of a custom pass); meanwhile "
+        "torch.compiler.disable the module.",
+    ),
+    RuleInfo(
+        code="TRN014",
+        name="compiled-fused-precision",
+        severity=I,
+        title="Compiled and eager differ because Inductor keeps low-precision intermediates in fp32",
+        what="compare --candidate compiled-bf16 (or compiled-fp16) found a module whose compiled output departs from "
+        "its eager output beyond the floor, and the departure falls to eager's level when the module is compiled "
+        "with torch._inductor.config.emulate_precision_casts=True.",
+        why="Inductor fuses elementwise chains and keeps their intermediates in fp32, where eager rounds each one to "
+        "bf16/fp16: the compiled result is usually closer to fp64, but not bit-like eager. Expected, not a bug.",
+        fix="Nothing is wrong. To make compiled match eager (e.g. to compare losses), set "
+        "torch._inductor.config.emulate_precision_casts = True.",
+    ),
 )

@@ -1,5 +1,5 @@
-"""`fpdoctor compare MODEL --candidate fp16|bf16|fp32|fp8-...|fp16-accumulate [--reference R] [--device DEV]
-[--module NAME] [--save-reference FILE | --against FILE]`."""
+"""`fpdoctor compare MODEL --candidate fp16|bf16|fp32|fp8-...|fp16-accumulate|compiled[-bf16]
+[--reference R] [--device DEV] [--module NAME] [--save-reference FILE | --against FILE]`."""
 
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ class Precision:
     candidate: bool = True  # compare can judge it (fp64 is the truth, never a candidate)
     plan: bool = True  # plan can keep modules in fp32 below it (so not fp32 or fp64)
     applies: bool = False  # a plan for it is a dtype the user switches to (not an fp8 recipe)
+    compiled: bool = False  # the model in `dtype` under torch.compile (Inductor), judged against eager
 
 
 PRECISIONS: dict[str, Precision] = {
@@ -42,6 +43,9 @@ PRECISIONS: dict[str, Precision] = {
         Precision("fp8-e5m2", "float32", fp8="e5m2"),
         Precision("fp8-e5m2-rowwise", "float32", fp8="e5m2", rowwise=True),
         Precision("fp16-accumulate", "float16", storage="fp16", accumulate=True, applies=True),
+        Precision("compiled", "float32", plan=False, compiled=True),
+        Precision("compiled-bf16", "bfloat16", storage="bf16", plan=False, compiled=True),
+        Precision("compiled-fp16", "float16", storage="fp16", plan=False, compiled=True),
         Precision("fp64", "float64", candidate=False, plan=False),
     )
 }
@@ -64,6 +68,11 @@ for _name, _spellings in NAMES.items():
 for _spelling in ("fp16", "float16", "half"):
     for _suffix in ("-accumulate", "-accumulation", "-acc"):
         ALIASES[_spelling + _suffix] = "fp16-accumulate"
+# a compiled candidate in any spelling of its dtype: compiled-bfloat16, compiled-half, compiled-fp32
+for _spelling, _name in list(ALIASES.items()):
+    if _name in ("fp16", "bf16", "fp32"):
+        ALIASES[f"compiled-{_spelling}"] = "compiled" if _name == "fp32" else f"compiled-{_name}"
+ALIASES["compiled"] = "compiled"
 ALIASES.update({"scaled-mm": "scaled_mm", "scaledmm": "scaled_mm", "auto": "auto", "fake": "fake"})
 
 # what plan cannot take, and why, for the message

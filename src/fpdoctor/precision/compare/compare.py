@@ -54,6 +54,7 @@ from fpdoctor.precision.candidates import (
     uncompiled,
 )
 from fpdoctor.precision.compare import fp8, near_limit
+from fpdoctor.precision.compare.compiled import compare_compiled, is_compiled
 from fpdoctor.precision.compare.container_ops import Own, OwnOps
 from fpdoctor.precision.compare.first_overflow import first_overflow
 from fpdoctor.precision.compare.noise import ReplayNoise
@@ -171,6 +172,15 @@ def compare(
     candidate, reference, fp8_kernel and module from the record, a different one given is a
     ValueError - and names the first module where this run departs from the record's, or where
     the inputs, weights or computation differ."""
+    if candidate is not None and is_compiled(check_name(candidate, CANDIDATES, "candidate")):
+        fp8_given = fp8_kernel is not None and check_name(fp8_kernel, FP8_KERNELS, "fp8 kernel") != "auto"
+        given_too = {"device": device, "fp8_kernel": fp8_kernel if fp8_given else None, "module": module,
+                     "save_reference": save_reference, "against": against}  # fmt: skip
+        extra = [k for k, v in given_too.items() if v is not None]
+        if extra:
+            raise ValueError(f"candidate {candidate!r} (torch.compile against eager) takes no {', '.join(extra)}")
+        return compare_compiled(model, inputs, candidate=check_name(candidate, CANDIDATES, "candidate"),
+                                reference=check_name(reference or "fp32", REFERENCES, "reference"))  # fmt: skip
     link = Link.open(save_reference, against) if save_reference is not None or against is not None else None
     if link is not None:
         settings = link.settings(candidate=candidate, reference=reference, fp8_kernel=fp8_kernel, device=device,
