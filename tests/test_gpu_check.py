@@ -239,7 +239,7 @@ KERNEL_LINES = [
     "2026-11-20T09:14:03,100000+00:00 EXT4-fs (nvme0n1p1): mounted filesystem",
     "2026-11-20T09:14:09,733980+00:00 NVRM: loading NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release",
     "2026-11-20T10:01:12,000000+00:00 NVRM: Xid (PCI:0000:18:00): 31, pid=4242, name=python, Ch 00000008",
-    "2026-11-20T10:02:00,000000+00:00 audit: type=1400 apparmor=\"STATUS\"",
+    '2026-11-20T10:02:00,000000+00:00 audit: type=1400 apparmor="STATUS"',
 ]
 
 
