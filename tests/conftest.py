@@ -58,3 +58,17 @@ def run_fpdoctor(*args: str, env: dict[str, str] | None = None, timeout: float =
         check=False,
     )
     return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the test ids
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a pytest-xdist worker (`make test` runs `--dist loadgroup`): a file's tests stay on one
+    worker, so its module-scoped fixtures are built once, and the multi-rank jobs (marked `jobs`,
+    from every file) run one after another on one worker, never two at once. A plain `python -m
+    pytest` is unchanged."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            group = "jobs" if item.get_closest_marker("jobs") else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
