@@ -27,11 +27,12 @@ lint: $(BIN)/.installed
 	$(BIN)/lint-imports
 
 # The suite on pytest-xdist workers, one per core and at most 4 (on 2 cores, 2 workers beat 4: the
-# tests that start processes already keep both cores busy), each file on one worker and the
-# multi-rank jobs one at a time (tests/conftest.py); then the tests marked `serial`, which hold a
-# wall-time budget, alone. Both passes always run; either failing fails `make test`.
+# tests that start processes already keep both cores busy), each file on one worker (its module
+# fixtures built once) and the multi-rank jobs one at a time (a lock, tests/conftest.py); then the
+# tests marked `serial`, which hold a wall-time budget, alone. Both passes always run; either
+# failing fails `make test`.
 test: lint
-	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadgroup -m "not serial"; parallel=$$?; \
+	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadfile -m "not serial"; parallel=$$?; \
 	$(BIN)/python -m pytest -m serial; serial=$$?; \
 	test $$parallel -eq 0 -a $$serial -eq 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -60,15 +61,14 @@ def run_fpdoctor(*args: str, env: dict[str, str] | None = None, timeout: float =
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the test ids
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In a pytest-xdist worker (`make test` runs `--dist loadgroup`): a file's tests stay on one
-    worker, so its module-scoped fixtures are built once, and the multi-rank jobs (marked `jobs`,
-    from every file) run one after another on one worker, never two at once. A plain `python -m
-    pytest` is unchanged."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
+@pytest.fixture(autouse=True)
+def _one_job_at_a_time(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """Under pytest-xdist (`make test`), a test marked `jobs` (a multi-rank job) holds a lock that
+    every worker shares, so two such jobs never run at once; the other tests go on beside it."""
+    if request.node.get_closest_marker("jobs") is None or not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
         return
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            group = "jobs" if item.get_closest_marker("jobs") else item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(group))
+    # the workers' temporary folders share this parent (pytest-of-USER/pytest-N)
+    with open(tmp_path_factory.getbasetemp().parent / "jobs.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if the worker dies
+        yield
