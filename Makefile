@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make demo   set up .venv, run the casebook (`fpdoctor demo`), then diagnose this machine (`fpdoctor env`)
 #   make test   set up .venv, then lint, type-check, check the layers (lint-imports) and run the whole test suite
+#               (in parallel, then the timed tests alone)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -25,8 +26,15 @@ lint: $(BIN)/.installed
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+# The suite on pytest-xdist workers, one per core and at most 4 (on 2 cores, 2 workers beat 4: the
+# tests that start processes already keep both cores busy), each file on one worker (its module
+# fixtures built once) and the multi-rank jobs one at a time (a lock, tests/conftest.py); then the
+# tests marked `serial`, which hold a wall-time budget, alone. Both passes always run; either
+# failing fails `make test`.
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadfile -m "not serial"; parallel=$$?; \
+	$(BIN)/python -m pytest -m serial; serial=$$?; \
+	test $$parallel -eq 0 -a $$serial -eq 0
 
 bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/bench_env.py

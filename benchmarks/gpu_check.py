@@ -5,9 +5,11 @@ process group and marked failed; the rest still run): the tests that skip withou
 out from the collected suite by gpu_scripts/gpu_tests.py), the GPU rows of the budget benchmarks,
 the commands end to end on the GPU (env, env --probe, health, health under torchrun, trace of an
 fp16 GradScaler and a bf16 training script, watch where it exists, run --breadcrumbs on a script
-killed by SIGFPE), then the whole suite until the budget is spent. Writes summary.json and
-summary.md (and the logs and the reports worth keeping as fixtures) to $OUT/gpu-check, else
-./out/gpu-check, and prints a table. Without a CUDA GPU it says so in one line and exits 0.
+killed by SIGFPE), then the whole suite until the budget is spent. Writes summary.json,
+summary.md, parts.log and the crash report to $OUT/gpu-check, else ./out/gpu-check, with what the
+machine showed (env facts, health's NVML facts, `nvidia-smi -q`, the kernel log's NVIDIA lines) in
+its fixtures/ folder, ready to commit as tests/fixtures/device/NAME/; prints a table. Without a
+CUDA GPU it says so in one line and exits 0.
 
 Run: python benchmarks/gpu_check.py [--budget SECONDS] [--out DIR] [--only PART ...] [--list]
 (from the repository root; PYTHONPATH=src where fpdoctor is not installed)
@@ -36,6 +38,7 @@ ROOT = HERE.parent
 SCRIPTS = HERE / "gpu_scripts"
 sys.path.insert(0, str(SCRIPTS))
 from gpu_tests import tally  # noqa: E402
+from kernel_log import NOT_READ as KERNEL_LOG_NOT_READ  # noqa: E402
 
 BUDGET_S = 460.0  # the whole run, under the 8 minutes a lent GPU machine's check may take
 RESERVE_S = 10.0  # kept back for the summary
@@ -377,8 +380,16 @@ def _nvidia_smi(ctx: Context) -> list[str] | str:
 
 
 def _judge_smi(ctx: Context, outcome: Outcome) -> tuple[str, str]:
-    (ctx.work / "nvidia-smi-q.txt").write_text(outcome.output)
+    if outcome.rc == 0:  # a failed nvidia-smi's message is no `nvidia-smi -q` to keep as a fixture
+        (ctx.work / "nvidia-smi-q.txt").write_text(outcome.output)
     return ("pass" if outcome.rc == 0 else "fail"), f"exit {outcome.rc}, {len(outcome.output.splitlines())} lines"
+
+
+def _judge_kernel_log(ctx: Context, outcome: Outcome) -> tuple[str, str]:
+    said = outcome.output.strip().splitlines()[-1:] or [""]
+    if outcome.rc == KERNEL_LOG_NOT_READ:  # a container without the kernel log: health says so too
+        return "skip", said[0]
+    return ("pass" if outcome.rc == 0 else "fail"), f"exit {outcome.rc}; {said[0]}"
 
 
 def _cmd(*args: str) -> Callable[[Context], list[str]]:
@@ -396,6 +407,7 @@ def parts() -> list[Part]:
     torchrun = ("PYTHON", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "fpdoctor")
     return [
         Part("nvidia-smi -q", "e2e", 30, _nvidia_smi, _judge_smi),
+        Part("kernel log", "e2e", 60, _cmd("PYTHON", str(SCRIPTS / "kernel_log.py"), "@kernel.log"), _judge_kernel_log),
         Part("select GPU tests", "tests", 90, _select, _judge_select),
         Part("GPU tests", "tests", 180, _gpu_tests, _judge_tests("gpu-tests.jsonl", None)),
         Part("fpdoctor env", "e2e", 90, _cmd(*fpdoctor, "env", "-o", "@env.json", "--save-facts", "@env-facts.json"),
@@ -568,8 +580,12 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-# what comes back besides the summary: the device tool returns at most 8 files
-ARTIFACTS = ("env-facts.json", "health.json", "run-sigfpe.json", "nvidia-smi-q.txt")
+# What comes back besides summary.json, summary.md and parts.log; the device tool returns at most
+# 8 files, at most 2 folders below $OUT. FIXTURES go to fixtures/, in the formats `fpdoctor env
+# --from` and `fpdoctor health --from` read: tests/fixtures/device/NAME/ holds such a folder and
+# tests/test_device_fixtures.py runs the collectors' parsers on each one committed there.
+ARTIFACTS = ("run-sigfpe.json",)
+FIXTURES = ("env-facts.json", "health.json", "nvidia-smi-q.txt", "kernel.log")
 
 
 def write_outputs(out: Path, work: Path, summary: dict[str, Any], results: list[Result]) -> None:
@@ -582,6 +598,11 @@ def write_outputs(out: Path, work: Path, summary: dict[str, Any], results: list[
     for name in ARTIFACTS:
         if (work / name).exists():
             shutil.copyfile(work / name, out / name)
+    recorded = [name for name in FIXTURES if (work / name).exists()]
+    if recorded:
+        (out / "fixtures").mkdir(exist_ok=True)
+    for name in recorded:
+        shutil.copyfile(work / name, out / "fixtures" / name)
 
 
 def default_out() -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -58,3 +59,16 @@ def run_fpdoctor(*args: str, env: dict[str, str] | None = None, timeout: float =
         check=False,
     )
     return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+@pytest.fixture(autouse=True)
+def _one_job_at_a_time(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """Under pytest-xdist (`make test`), a test marked `jobs` (a multi-rank job) holds a lock that
+    every worker shares, so two such jobs never run at once; the other tests go on beside it."""
+    if request.node.get_closest_marker("jobs") is None or not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    # the workers' temporary folders share this parent (pytest-of-USER/pytest-N)
+    with open(tmp_path_factory.getbasetemp().parent / "jobs.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if the worker dies
+        yield

@@ -16,9 +16,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "gpu_scripts")]
+import kernel_log  # noqa: E402
 from gpu_tests import needs_gpu, skip_texts, tally  # noqa: E402
 
 import gpu_check  # noqa: E402
+from fpdoctor.health.kernel_sources import KernelText  # noqa: E402
+from tests.test_device_fixtures import RECORDED  # noqa: E402
 
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 
@@ -202,6 +205,64 @@ def test_the_summary_counts_the_parts_and_the_markdown_shows_budgets_and_failure
     assert "trace / plain | 1.61x | <= 1.5x | FAIL |" in text
     assert "### bench_numerics (CUDA)" in text and "trace / plain 1.61x (budget <= 1.5x) FAIL" in text
     assert "watch bf16" in gpu_check.table(summary)
+
+
+def test_the_machines_facts_come_back_as_a_fixture_folder_the_cpu_suite_reads(tmp_path):
+    """What the device tool brings back (at most 8 files, at most 2 folders below $OUT): the
+    summary, the crash report, and fixtures/ holding the files tests/test_device_fixtures.py reads."""
+    assert set(gpu_check.FIXTURES) == set(RECORDED)
+    work, out = tmp_path / "work", tmp_path / "OUT" / "gpu-check"
+    work.mkdir()
+    for name in (*gpu_check.FIXTURES, *gpu_check.ARTIFACTS, "env.json", "selected.json"):
+        (work / name).write_text(name)
+    summary = gpu_check.build_summary({"cuda": True}, _results(), wall_s=1.0, budget_s=460)
+    gpu_check.write_outputs(out, work, summary, _results())
+    files = sorted(str(p.relative_to(out.parent)) for p in out.rglob("*") if p.is_file())
+    assert files == sorted(
+        [f"gpu-check/{n}" for n in ("summary.json", "summary.md", "parts.log", *gpu_check.ARTIFACTS)]
+        + [f"gpu-check/fixtures/{n}" for n in gpu_check.FIXTURES]
+    )
+    assert len(files) <= 8 and all(f.count("/") <= 2 for f in files)
+    assert (out / "fixtures" / "kernel.log").read_text() == "kernel.log"
+
+
+def test_a_failed_nvidia_smi_leaves_no_fixture(tmp_path):
+    ctx = gpu_check.Context(work=tmp_path, env={}, deadline=0.0)
+    failed = gpu_check.Outcome(rc=9, seconds=0.1, output="NVIDIA-SMI has failed because it couldn't communicate")
+    assert gpu_check._judge_smi(ctx, failed)[0] == "fail" and not (tmp_path / "nvidia-smi-q.txt").exists()
+    ok = gpu_check.Outcome(rc=0, seconds=0.1, output="==============NVSMI LOG==============\n")
+    assert gpu_check._judge_smi(ctx, ok)[0] == "pass" and (tmp_path / "nvidia-smi-q.txt").exists()
+
+
+KERNEL_LINES = [
+    "2026-11-20T09:14:02,000000+00:00 Linux version 6.8.0-1015-nvidia (buildd@lcy02-amd64-050) #16-Ubuntu SMP",
+    "2026-11-20T09:14:03,100000+00:00 EXT4-fs (nvme0n1p1): mounted filesystem",
+    "2026-11-20T09:14:09,733980+00:00 NVRM: loading NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release",
+    "2026-11-20T10:01:12,000000+00:00 NVRM: Xid (PCI:0000:18:00): 31, pid=4242, name=python, Ch 00000008",
+    '2026-11-20T10:02:00,000000+00:00 audit: type=1400 apparmor="STATUS"',
+]
+
+
+def test_the_kernel_log_keeps_the_nvidia_lines_and_boot_markers_that_health_reads_back(tmp_path, cli, capsys):
+    out = tmp_path / "kernel.log"
+    assert kernel_log.main([str(out)], read=lambda: KernelText("dmesg", KERNEL_LINES)) == 0
+    assert capsys.readouterr().out == "2 NVIDIA line(s) of 5 kept from dmesg\n"
+    assert out.read_text().splitlines() == [KERNEL_LINES[0], KERNEL_LINES[2], KERNEL_LINES[3]]
+    facts = json.loads(cli("health", "--from", str(out), "--format", "json").out)["data"]["facts"]
+    assert facts["driver"] == "580.159.04" and [(x["xid"], x["pci"]) for x in facts["xids"]] == [(31, "0000:18:00.0")]
+
+
+def test_a_kernel_log_without_nvidia_lines_or_unreadable_writes_no_file(tmp_path, capsys):
+    out = tmp_path / "kernel.log"
+    quiet = KernelText("dmesg", [KERNEL_LINES[0], KERNEL_LINES[1]])
+    assert kernel_log.main([str(out)], read=lambda: quiet) == 0 and not out.exists()
+    denied = KernelText(None, [], tried={"dmesg": "not readable: kernel.dmesg_restrict=1"})
+    assert kernel_log.main([str(out)], read=lambda: denied) == kernel_log.NOT_READ and not out.exists()
+    said = capsys.readouterr().out.splitlines()
+    assert said == ["0 NVIDIA line(s) of 2 kept from dmesg; no file",
+                    "no kernel log could be read: dmesg: not readable: kernel.dmesg_restrict=1"]  # fmt: skip
+    ctx = gpu_check.Context(work=tmp_path, env={}, deadline=0.0)
+    assert gpu_check._judge_kernel_log(ctx, gpu_check.Outcome(kernel_log.NOT_READ, 0.1, said[1]))[0] == "skip"
 
 
 def test_no_gpu_line():

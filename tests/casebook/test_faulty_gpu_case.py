@@ -7,6 +7,8 @@ import pytest
 from fpdoctor.casebook import run_case
 from fpdoctor.casebook.faulty_gpu import FAULTY_GPU
 
+pytestmark = pytest.mark.serial  # a 2-rank job the case gives 45 s
+
 
 @pytest.fixture(scope="module")
 def outcome():

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from fpdoctor import catalog
 from tests.conftest import ENV_FIXTURES, run_fpdoctor
 
@@ -10,6 +12,18 @@ def test_version_and_help(cli):
     assert run_fpdoctor("--version").out.startswith("fpdoctor ")
     result = cli()
     assert result.code == 2 and "env" in result.out
+
+
+@pytest.mark.parametrize("command", ["trace", "watch"])
+def test_help_says_the_report_goes_to_stderr_without_o(capsys, command):
+    """trace and watch leave stdout to the script: their report goes to stderr, and -o's help says so."""
+    from fpdoctor.cli.main import main
+
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help at the terminal's width
+    assert done.value.code == 0
+    assert "write the report to FILE instead of stderr" in text and "instead of stdout" not in text
 
 
 def test_explain_by_code_and_name(cli):

@@ -272,6 +272,7 @@ DDP_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.jobs  # 2-rank torchrun job
 def test_torchrun_one_report_per_rank_and_a_merged_one(tmp_path):
     script = tmp_path / "ddp.py"
     script.write_text(DDP_SCRIPT)
@@ -321,6 +322,7 @@ SURVIVOR_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.jobs  # 2-rank torchrun job
 def test_a_rank_terminated_by_torchrun_still_writes_its_report(tmp_path):
     script = tmp_path / "survivor.py"
     script.write_text(SURVIVOR_SCRIPT)
@@ -355,6 +357,7 @@ DDP_TRAIN_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.jobs  # 2-rank torchrun job
 def test_torchrun_ddp_nan_from_another_rank_is_received_not_made(tmp_path):
     script = tmp_path / "ddp_train.py"
     script.write_text(DDP_TRAIN_SCRIPT)
@@ -392,6 +395,7 @@ EARLY_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.jobs  # 2-rank torchrun job
 def test_torchrun_a_rank_with_findings_that_finishes_first_leaves_the_others_working(tmp_path):
     script, done = tmp_path / "early.py", tmp_path / "rank1.out"
     script.write_text(EARLY_SCRIPT)

@@ -199,6 +199,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.serial  # the report within 5 s of the death
 @pytest.mark.timeout(240)
 def test_torchrun_rank_dies_while_the_other_waits_in_a_collective(tmp_path):
     out = tmp_path / "job.json"

@@ -416,6 +416,7 @@ def lines(data: bytes) -> list[bytes]:
     return sorted(data.splitlines())  # two ranks print in either order
 
 
+@pytest.mark.jobs  # 2-rank torchrun job
 @pytest.mark.timeout(600)
 def test_a_ranks_child_that_inherits_rank_is_not_a_rank(tmp_path):
     plain, watched = torchrun_both(tmp_path, "probe")
@@ -440,6 +441,7 @@ def test_a_ranks_child_that_inherits_rank_is_not_a_rank(tmp_path):
     assert "2 rank(s)" in dict(doc["data"]["summary"])["processes"]
 
 
+@pytest.mark.jobs  # 2-rank torchrun job
 @pytest.mark.timeout(600)
 def test_the_launchers_own_shutdown_is_left_to_it(tmp_path):
     """Rank 1 fails; torchrun stops rank 0 with SIGTERM and waits for it (up to 30 s): its handler

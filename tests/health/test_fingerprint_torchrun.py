@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.serial  # 4-rank torchrun jobs within LIMIT_S
+
 pytest.importorskip("torch")
 
 RANK_SCRIPT = Path(__file__).resolve().parents[1] / "fixtures" / "health" / "fp_rank.py"

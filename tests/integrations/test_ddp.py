@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
+pytestmark = pytest.mark.jobs  # 2-rank gloo jobs
+
 TIMEOUT_S = 120
 NAN = float("nan")
 

@@ -196,6 +196,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.jobs  # 2-rank torchrun job
 def test_under_torchrun_every_rank_names_the_rank_that_held_the_fault(tmp_path):
     script = _write(tmp_path, "ddp.py", DDP)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]

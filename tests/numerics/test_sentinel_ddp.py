@@ -20,6 +20,8 @@ from torch import nn
 
 import fpdoctor
 
+pytestmark = pytest.mark.jobs  # 2- and 3-rank gloo jobs
+
 TIMEOUT_S = 60
 
 

@@ -16,11 +16,12 @@ from fpdoctor.report.render import FORMATS, render
 __all__ = ["ExitCode", "UsageError", "add_output_args", "add_progress_arg", "emit", "resolve_output", "write_atomic"]
 
 
-def add_output_args(parser: argparse.ArgumentParser) -> None:
+def add_output_args(parser: argparse.ArgumentParser, *, instead_of: str = "stdout") -> None:
+    """--format, -o and -v; `instead_of` says where the report goes without -o (emit's stream)."""
     parser.add_argument(
         "--format", choices=FORMATS, default=None, help="output format (default: from -o's extension, else text)"
     )
-    parser.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead of stdout")
+    parser.add_argument("-o", "--output", metavar="FILE", help=f"write the report to FILE instead of {instead_of}")
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="text: every fact, even when nothing is wrong (default: the lead)"
     )

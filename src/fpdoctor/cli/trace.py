@@ -68,7 +68,7 @@ def add_parser(sub: Any) -> None:
         "inputs in safetensors or raw bytes, never a pickle), run it once and say whether it reproduced; "
         "reads every result at once (a host sync per op on a GPU)",
     )
-    add_output_args(p)
+    add_output_args(p, instead_of="stderr (stdout is the script's)")
     add_progress_arg(p)
     p.add_argument("script", metavar="SCRIPT.py")
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")

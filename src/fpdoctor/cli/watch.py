@@ -41,7 +41,7 @@ def add_parser(sub: Any) -> None:
         "step is kept from the weights, replayed as it ran and classified (deterministic at an op, or a "
         "transient fault); the job goes on and exits with the script's own status.",
     )
-    add_output_args(p)
+    add_output_args(p, instead_of="stderr (stdout is the script's)")
     p.add_argument("--report", dest="output", metavar="FILE", help="write the report to FILE (same as -o)")
     p.add_argument("--no-replay", action="store_true", help="skip bad steps without replaying them")
     p.add_argument(
