@@ -49,6 +49,16 @@ from fpdoctor.userframes import CASEBOOK_DIR, OWN_DIR, is_user_file
 # fp16-accumulate) is worth recording; bf16 has fp32's range, and the fp8 candidates compute in
 # fp32 around scaled casts. Their op outputs get a source line.
 AT_RISK = frozenset({torch.float16, torch.float8_e4m3fn, torch.float8_e5m2})
+
+# The candidate's pass watches op by op only the module calls that need it, since a Python
+# dispatch per op costs more than a tiny op itself: those where an fp64 op output came within
+# WATCH_SHARE of the candidate format's max (or was non-finite). An op outside them reaches
+# OVERFLOW_SHARE of the max in the candidate only by coming out 8x (OVERFLOW_SHARE / WATCH_SHARE)
+# its fp64 value or more: an error of 700% made inside that module call, a departure compare
+# already reports at module level (the module's propagated and isolated errors) rather than a
+# risk of the format's range. A call whose candidate output turns non-finite is re-run op by op
+# from its inputs (compare.py), so an overflow is still named by its op.
+WATCH_SHARE = OVERFLOW_SHARE / 8
 _FLOATING = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, *AT_RISK})
 
 
@@ -234,6 +244,16 @@ class OpRanges(TorchDispatchMode):
         return self._read
 
 
+def watched(reference: Iterable[OpRange], dtype: torch.dtype) -> set[tuple[str, int]]:
+    """The (module, call)s whose ops the candidate's pass (in `dtype`) records: those with an op
+    output of the fp64 pass (`reference`) at or above WATCH_SHARE of the format's max, or NaN."""
+    fmt = DTYPE_FORMAT.get(str(dtype))
+    if fmt is None or fmt == "fp32":
+        return set()
+    at = FORMATS[fmt].max * WATCH_SHARE
+    return {(r.module, r.call) for r in reference if not r.absmax < at}
+
+
 def _model_location(frame: FrameType | None) -> tuple[str, int, str] | None:
     """The innermost user frame below fpdoctor's own: the model's line (for a torch module's
     ops, the user's line that called it), never the line that called compare."""
@@ -325,4 +345,4 @@ def findings(rows: list[dict[str, Any]], *, label: str, reference: str = "fp64")
     return found
 
 
-__all__ = ["AT_RISK", "OpRange", "OpRanges", "findings", "near_limit"]
+__all__ = ["AT_RISK", "WATCH_SHARE", "OpRange", "OpRanges", "findings", "near_limit", "watched"]
