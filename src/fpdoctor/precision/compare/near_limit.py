@@ -10,7 +10,8 @@ stack while they run, so what compare computes in them (samples, errors, isolate
 module copies) is neither recorded, nor counted, nor slowed, and the occurrences of the fp64
 pass and the candidate's pass line up op for op. In the fp64 pass it is no mode of its own: the
 own-ops mode (container_ops.OwnOps) hands it every op (`record`), since a second Python dispatch
-per op costs more than a tiny op itself (bench_compare's many-tiny-ops row).
+per op costs more than a tiny op itself (bench_compare's many-tiny-ops row). In the candidate's
+pass it is pushed only inside the module calls that need it (`watched`, WATCH_SHARE below).
 
 Cost: one `aminmax` per op output (one kernel), its two 0-d results kept on the device and read
 once at the end with one stack per device and dtype: no host sync per op. Views, ops that only
