@@ -556,8 +556,10 @@ class _Comparison:
             if entry.leaf:  # for the jump test: did the non-finite values come in, or start here?
                 entry.candidate_inputs = 0.0 if all_finite(args) else math.inf
             if kept is not None and all_finite(call):
-                # the innermost call that turned finite inputs non-finite: re-run after the pass
-                if kept[2] == self._made_nonfinite and entry.overflow is None and math.isfinite(entry.rounding):
+                # the innermost call that turned finite inputs non-finite: re-run after the pass, the
+                # first such call of each module (the overflows are named per module)
+                origin = kept[2] == self._made_nonfinite and name not in {o[0] for o in self._origins}
+                if origin and entry.overflow is None and math.isfinite(entry.rounding):
                     inputs = map_tensors(call, lambda t: t.clone())  # the forward may change them in place
                     self._origins.append((name, index, *inputs, kept[3], key in self._watch))
                 self._made_nonfinite += 1
