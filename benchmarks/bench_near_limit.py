@@ -5,8 +5,10 @@ compare (budget: <= 3x the two plain forward passes): bench_compare.py's model (
 encoder, dim 256, 8 x 128 tokens), its passes run by `passes.hooked` as compare runs them,
 without and with `precision.near_limit.OpRanges` recording: the fp64 pass (every floating output)
 and the fp16 candidate pass (its fp16 outputs), then a whole `fpdoctor.compare(candidate="fp16")`
-with the recorder wired into those two passes as compare will wire it (here by wrapping the
-`hooked` compare calls), the ranges read and judged at the end. This CPU has no fast fp16 GEMM
+with its op ranges switched off and on (compare takes them for a candidate whose dtype is in
+`near_limit.AT_RISK`; the benchmark sets that set): on, the fp64 pass records every op's range
+and the candidate's pass only the module calls that came near the max, all read and judged at
+the end. This CPU has no fast fp16 GEMM
 (an fp16 pass takes ten times a bf16 one), which hides the recorder's cost; so bf16 stands in
 for fp16 on hardware whose fp16 GEMMs run at bf16's speed (a GPU): the same recorder taking the
 bf16 outputs. Variants alternate, medians.
@@ -24,10 +26,11 @@ Run: python benchmarks/bench_near_limit.py [--rounds N] [--threads N]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fpdoctor
 from fpdoctor.numerics.api import Trace
 from fpdoctor.precision.candidates import make_run, run_flags
-from fpdoctor.precision.compare import compare as compare_mod
 from fpdoctor.precision.compare import near_limit
 from fpdoctor.precision.compare.passes import hooked
 from fpdoctor.preserve import RngState
@@ -114,37 +116,50 @@ def _passes(rounds: int) -> tuple[dict[str, tuple[float, float]], int]:
     return _medians(variants, rounds), counted[0]
 
 
+@contextlib.contextmanager
+def _at_risk(dtypes: frozenset[torch.dtype]) -> Iterator[list[int]]:
+    """compare with op ranges taken for candidates computing in `dtypes` (compare records them for
+    a candidate whose dtype is in near_limit.AT_RISK, read when its comparison starts); yields the
+    number of fp64 op ranges each judged comparison read, to show the ranges were really taken."""
+    saved, judge = near_limit.AT_RISK, near_limit.near_limit
+    judged: list[int] = []
+
+    def counted(candidate: Any, reference: Any = (), **kw: Any) -> list[dict[str, Any]]:
+        reference = list(reference)
+        judged.append(len(reference))
+        return judge(candidate, reference, **kw)
+
+    near_limit.AT_RISK, near_limit.near_limit = dtypes, counted
+    try:
+        yield judged
+    finally:
+        near_limit.AT_RISK, near_limit.near_limit = saved, judge
+
+
 def _compare(rounds: int, candidate: str) -> dict[str, tuple[float, float]]:
+    """A whole `fpdoctor.compare` without op ranges and with them, as compare wires them: the fp64
+    pass's ranges taken in the own-ops dispatch, the candidate's pass watching only the module
+    calls that came near the max (none here: the encoder's values are small, so what is measured is
+    the fp64 side and the choice of what to watch), the ranges read and judged at the end."""
     torch.manual_seed(0)
     model = small_transformer(layers=12, dim=256).eval()
     tokens, _ = batch(length=128)
     embed = model.embed(tokens).detach()
     encoder = model.encoder
-    original = compare_mod.hooked
+    dtype = PASSES[candidate][0]
+    with_dtype = near_limit.AT_RISK | {dtype}
 
-    def wired(run: Any, inputs: Any, dtype: Any, *, pre: Any, post: Any, **kw: Any) -> None:
-        name = getattr(pre, "__name__", "")
-        which = "truth" if "truth_pre" in name else "cand" if "cand_pre" in name else None
-        if which is None:  # the suspect pass re-runs modules: not recorded
-            return original(run, inputs, dtype, pre=pre, post=post, **kw)
-        dtypes = PASSES[candidate][1] if which == "cand" else None
-        ranges = recorders[which] = near_limit.OpRanges() if dtypes is None else near_limit.OpRanges(dtypes)
-        with ranges:
-            return original(run, inputs, dtype, pre=ranges.pre(pre), post=ranges.post(post), **kw)
-
-    recorders: dict[str, near_limit.OpRanges] = {}
+    def without() -> None:
+        with _at_risk(frozenset()) as judged:
+            fpdoctor.compare(encoder, embed, candidate=candidate)
+        assert not judged, "op ranges were taken although switched off"
 
     def with_ranges() -> None:
-        compare_mod.hooked = wired
-        try:
+        with _at_risk(with_dtype) as judged:
             fpdoctor.compare(encoder, embed, candidate=candidate)
-        finally:
-            compare_mod.hooked = original
-        rows = near_limit.near_limit(recorders["cand"].read(), recorders["truth"].read())
-        near_limit.findings(rows, label=candidate)
+        assert judged and judged[0] > 0, "compare judged no op ranges"
 
-    variants = {"compare": lambda: fpdoctor.compare(encoder, embed, candidate=candidate), "+ op ranges": with_ranges}
-    return _medians(variants, rounds)
+    return _medians({"compare": without, "+ op ranges": with_ranges}, rounds)
 
 
 def _trace(rounds: int) -> dict[str, tuple[float, float]]:

@@ -49,6 +49,7 @@ from fpdoctor.precision.candidates import (
     compute_dtype,
     fp8_format,
     make_run,
+    map_tensors,
     model_device,
     run_flags,
     uncompiled,
@@ -497,27 +498,61 @@ class _Comparison:
 
     # -- step 2: the candidate pass, reduced to error numbers as it goes ------------------------
     def candidate_pass(self) -> None:
+        """The candidate's forward with hooks on every module. Its op outputs are recorded (fp16:
+        near_limit.py) only inside the module calls whose fp64 op outputs came near the format's
+        max (`near_limit.watched`: the mode is pushed in their pre hook, popped in their post
+        hook), and op by op from their inputs afterwards in the calls whose output turned
+        non-finite there: the rest of the forward runs under no dispatch mode."""
+        self._watch = near_limit.watched(self.truth_ranges.read(), self.cand_dtype) if self.ranges else set()
+        self._watching: tuple[str, int] | None = None
+        self._made_nonfinite = 0  # calls so far whose output turned non-finite from finite inputs
+        self._origins: list[tuple[str, int, Any, Any, int, bool]] = []
         pre: Any = self._cand_pre
         post: Any = self._cand_post
-        ranges = self.cand_ranges if self.ranges else contextlib.nullcontext()
         if self.ranges:
             pre, post = self.cand_ranges.pre(pre), self.cand_ranges.post(post)
         try:
-            with ranges:
-                hooked(
-                    self.cand_run, self.inputs, self.cand_dtype, pre=pre, post=post, rng=self.rng,
-                    device=self.cand_device, noise=self.noise,
-                )  # fmt: skip
+            hooked(
+                self.cand_run, self.inputs, self.cand_dtype, pre=self._watch_pre(pre), post=self._watch_post(post),
+                rng=self.rng, device=self.cand_device, noise=self.noise, unwind=self._unwatch,
+            )  # fmt: skip
         except Exception as exc:  # the candidate failing is a finding, not a usage error
             self.notes["candidate run"] = f"the {self.label} run raised {type(exc).__name__}: {exc}"
+        for name, index, args, kwargs, position, watched in self._origins:
+            self._origin(name, index, args, kwargs, position=position, watched=watched)
+        self._origins.clear()
+
+    def _watch_pre(self, pre: Any) -> Any:
+        def on_pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
+            pre(name, index, mod, args, kwargs)
+            if self._watching is None and (name, index) in self._watch:
+                self._watching = (name, index)
+                self.cand_ranges.__enter__()
+
+        return on_pre
+
+    def _watch_post(self, post: Any) -> Any:
+        def on_post(name: str, index: int, args: Any, output: Any) -> None:
+            if self._watching == (name, index):
+                self._unwatch()
+            post(name, index, args, output)
+
+        return on_post
+
+    def _unwatch(self) -> None:
+        if self._watching is not None:
+            self._watching = None
+            self.cand_ranges.__exit__(None, None, None)
 
     def _cand_pre(self, name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
-        self._cand_inputs[(name, index)] = (args, kwargs)
+        position = self.noise.position if self.noise is not None else 0
+        self._cand_inputs[(name, index)] = (args, kwargs, self._made_nonfinite, position)
 
     def _cand_post(self, name: str, index: int, args: Any, output: Any) -> None:
         key = (name, index)
         entry = self.seen.get(key)
-        call = self._cand_inputs.pop(key, None)
+        kept = self._cand_inputs.pop(key, None)
+        call = kept[:2] if kept is not None else None
         c = flat_sample(output) if entry is not None else None
         if entry is None or c is None or c.numel() != entry.truth.numel():
             return
@@ -530,11 +565,48 @@ class _Comparison:
             entry.nonfinite = sum(int((~torch.isfinite(x)).sum()) for x in floating(output))
             if entry.leaf:  # for the jump test: did the non-finite values come in, or start here?
                 entry.candidate_inputs = 0.0 if all_finite(args) else math.inf
+            if kept is not None and all_finite(call):
+                # the innermost call that turned finite inputs non-finite: re-run after the pass, the
+                # first such call of each module (the overflows are named per module)
+                origin = kept[2] == self._made_nonfinite and name not in {o[0] for o in self._origins}
+                if origin and entry.overflow is None and math.isfinite(entry.rounding):
+                    inputs = map_tensors(call, lambda t: t.clone())  # the forward may change them in place
+                    self._origins.append((name, index, *inputs, kept[3], key in self._watch))
+                self._made_nonfinite += 1
         if call is not None and entry.inputs is not None:
             c_in = flat_sample(call)
             if c_in is not None and c_in.numel() == entry.inputs.numel():
                 entry.candidate_inputs = rel_error(c_in, entry.inputs) if all_finite(call) else math.inf
                 entry.input_error = entry.candidate_inputs
+
+    def _origin(self, name: str, index: int, args: Any, kwargs: Any, *, position: int, watched: bool) -> None:
+        """Re-run the candidate's `name` (call `index`, whose output turned non-finite in the
+        candidate's pass) on the inputs it got there, op by op: the op that overflows is named
+        (first_overflow.py), and, where the pass did not watch it, its ops' ranges are recorded as
+        the call's own (a container's submodules' ops under its name)."""
+        entry = self.seen[(name, index)]
+        ranges = self.cand_ranges if self.ranges and not watched else contextlib.nullcontext()
+        if self.ranges and not watched:
+            self.cand_ranges.enter(name, index, self.cand_modules[name])
+        if self.noise is not None:  # the draws this call made in the pass
+            self.noise.position = position
+        misaligned = self.noise.misaligned if self.noise is not None else False
+        try:
+            with ranges, self.noise if self.noise is not None else contextlib.nullcontext():
+                entry.overflow = first_overflow(
+                    self.cand_modules[name],
+                    self.ref_modules.get(name),
+                    args,
+                    kwargs,
+                    dtype=self.cand_dtype,
+                    reference_dtype=self.ref_dtype,
+                    device=self.cand_device,
+                )
+        finally:
+            if self.ranges and not watched:
+                self.cand_ranges.leave(name, index)
+            if self.noise is not None:  # the reference's re-run draws past the call's: not the forward's
+                self.noise.misaligned = misaligned
 
     # -- step 3: containers re-run whole, where their own ops alone do not say enough --------------
     def judge_containers(self, rows: list[ModuleRow]) -> list[ModuleRow]:

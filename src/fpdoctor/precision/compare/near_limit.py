@@ -10,7 +10,8 @@ stack while they run, so what compare computes in them (samples, errors, isolate
 module copies) is neither recorded, nor counted, nor slowed, and the occurrences of the fp64
 pass and the candidate's pass line up op for op. In the fp64 pass it is no mode of its own: the
 own-ops mode (container_ops.OwnOps) hands it every op (`record`), since a second Python dispatch
-per op costs more than a tiny op itself (bench_compare's many-tiny-ops row).
+per op costs more than a tiny op itself (bench_compare's many-tiny-ops row). In the candidate's
+pass it is pushed only inside the module calls that need it (`watched`, WATCH_SHARE below).
 
 Cost: one `aminmax` per op output (one kernel), its two 0-d results kept on the device and read
 once at the end with one stack per device and dtype: no host sync per op. Views, ops that only
@@ -49,6 +50,16 @@ from fpdoctor.userframes import CASEBOOK_DIR, OWN_DIR, is_user_file
 # fp16-accumulate) is worth recording; bf16 has fp32's range, and the fp8 candidates compute in
 # fp32 around scaled casts. Their op outputs get a source line.
 AT_RISK = frozenset({torch.float16, torch.float8_e4m3fn, torch.float8_e5m2})
+
+# The candidate's pass watches op by op only the module calls that need it, since a Python
+# dispatch per op costs more than a tiny op itself: those where an fp64 op output came within
+# WATCH_SHARE of the candidate format's max (or was non-finite). An op outside them reaches
+# OVERFLOW_SHARE of the max in the candidate only by coming out 8x (OVERFLOW_SHARE / WATCH_SHARE)
+# its fp64 value or more: an error of 700% made inside that module call, a departure compare
+# already reports at module level (the module's propagated and isolated errors) rather than a
+# risk of the format's range. A call whose candidate output turns non-finite is re-run op by op
+# from its inputs (compare.py), so an overflow is still named by its op.
+WATCH_SHARE = OVERFLOW_SHARE / 8
 _FLOATING = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, *AT_RISK})
 
 
@@ -234,6 +245,16 @@ class OpRanges(TorchDispatchMode):
         return self._read
 
 
+def watched(reference: Iterable[OpRange], dtype: torch.dtype) -> set[tuple[str, int]]:
+    """The (module, call)s whose ops the candidate's pass (in `dtype`) records: those with an op
+    output of the fp64 pass (`reference`) at or above WATCH_SHARE of the format's max, or NaN."""
+    fmt = DTYPE_FORMAT.get(str(dtype))
+    if fmt is None or fmt == "fp32":
+        return set()
+    at = FORMATS[fmt].max * WATCH_SHARE
+    return {(r.module, r.call) for r in reference if not r.absmax < at}
+
+
 def _model_location(frame: FrameType | None) -> tuple[str, int, str] | None:
     """The innermost user frame below fpdoctor's own: the model's line (for a torch module's
     ops, the user's line that called it), never the line that called compare."""
@@ -325,4 +346,4 @@ def findings(rows: list[dict[str, Any]], *, label: str, reference: str = "fp64")
     return found
 
 
-__all__ = ["AT_RISK", "OpRange", "OpRanges", "findings", "near_limit"]
+__all__ = ["AT_RISK", "WATCH_SHARE", "OpRange", "OpRanges", "findings", "near_limit", "watched"]

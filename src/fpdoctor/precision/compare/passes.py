@@ -32,9 +32,12 @@ def hooked(
     rng: RngState,
     device: torch.device | None = None,
     noise: ReplayNoise | None = None,
+    unwind: Callable[[], None] | None = None,
 ) -> None:
     """Run `run` on `inputs` (cast to `dtype`) with hooks that get (name, call index, ...), from
-    RNG state `rng`, and with `noise` replaying the draws the fp64 run made (see noise.py)."""
+    RNG state `rng`, and with `noise` replaying the draws the fp64 run made (see noise.py).
+    `unwind` runs when the forward ends, raised or not, before `noise` leaves the dispatch stack:
+    a mode a pre hook pushed (and a post hook that never ran did not pop) goes first."""
     calls: dict[str, int] = {}
     handles = []
     for name, module in run.named_modules():
@@ -57,7 +60,11 @@ def hooked(
         noise.position = 0
     try:
         with torch.no_grad(), noise if noise is not None else contextlib.nullcontext():
-            run(*args, **kwargs)
+            try:
+                run(*args, **kwargs)
+            finally:
+                if unwind is not None:
+                    unwind()
     finally:
         for h in handles:
             h.remove()
