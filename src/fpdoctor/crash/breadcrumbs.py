@@ -36,6 +36,7 @@ the reader orders slots by sequence number (the ring holds its own order, no ind
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import mmap
 import os
@@ -45,6 +46,8 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
+
+from fpdoctor.imports import after_import
 
 MAGIC = b"FPDCRMB1"
 VERSION = 1
@@ -551,9 +554,7 @@ def arm(run_dir: str) -> None:
         if "torch" in sys.modules and getattr(sys.modules["torch"], "Tensor", None) is not None:
             _start(run_dir)
             return
-        finder = _TorchImportHook(run_dir)
-        _Armed.waiting = finder
-        sys.meta_path.insert(0, finder)
+        _Armed.waiting = after_import("torch", functools.partial(_torch_imported, run_dir))
     except Exception as exc:
         _note_off(run_dir, exc)
 
@@ -592,7 +593,7 @@ def _out_of_dynamos_way(run_dir: str) -> None:
     their own: every code object of this module is skipped. torch._dynamo costs seconds to import,
     so this waits for the program to import it."""
     if "torch._dynamo" not in sys.modules:
-        sys.meta_path.insert(0, _TorchImportHook(run_dir, "torch._dynamo", then=_skip_in_dynamo))
+        after_import("torch._dynamo", _skip_in_dynamo)
         return
     _skip_in_dynamo()
 
@@ -675,64 +676,7 @@ def _after_fork() -> None:
         _note_off(recorder.run_dir, exc)
 
 
-class _TorchImportHook:
-    """A meta-path finder that lets torch import as usual, then starts the ring.
-
-    It only wraps torch's loader (and puts the real one back before torch's code runs, so
-    torch.__loader__ and __spec__ are what they would be); a look-up that does not import
-    (importlib.util.find_spec) leaves it waiting for the real import.
-    """
-
-    def __init__(self, run_dir: str, module: str = "torch", then: Callable[[], None] | None = None) -> None:
-        self.run_dir = run_dir
-        self.module = module
-        self.then = then  # instead of starting the ring (another module than torch)
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != self.module:
-            return None
-        try:
-            spec = None
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    break
-            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-                return None
-            spec.loader = _ArmingLoader(spec.loader, self)  # type: ignore[assignment]
-            return spec
-        except Exception:
-            return None
-
-    def torch_imported(self) -> None:
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(self)
-        if self.then is not None:
-            with contextlib.suppress(Exception):
-                self.then()
-            return
-        _Armed.waiting = None
-        _start(self.run_dir)
-
-
-class _ArmingLoader:
-    def __init__(self, loader: Any, hook: _TorchImportHook) -> None:
-        self._loader = loader
-        self._hook = hook
-
-    def create_module(self, spec: Any) -> Any:
-        create = getattr(self._loader, "create_module", None)
-        return create(spec) if create is not None else None
-
-    def exec_module(self, module: Any) -> None:
-        spec = getattr(module, "__spec__", None)
-        if spec is not None:
-            spec.loader = self._loader
-        module.__loader__ = self._loader
-        self._loader.exec_module(module)
-        self._hook.torch_imported()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
+def _torch_imported(run_dir: str) -> None:
+    """Start the ring once the program's import of torch is done (see arm)."""
+    _Armed.waiting = None
+    _start(run_dir)
