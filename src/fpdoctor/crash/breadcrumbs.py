@@ -359,9 +359,11 @@ class _Recorder:
         prefix = type(module).__name__ if self.have_root else ""
         self.have_root = True
         named = module
-        if hasattr(module, "_orig_mod"):  # torch.compile's wrapper: name the model inside it
+        from fpdoctor.torchprivate import compiled_inner
+
+        if compiled_inner(module) is not None:  # torch.compile's wrapper: name the model inside it
             self.module_names.setdefault(module, prefix)
-            named = module._orig_mod
+            named = compiled_inner(module)
         for sub_name, sub in named.named_modules(prefix=prefix, remove_duplicate=False):
             self.module_names.setdefault(sub, sub_name)
         return self.module_names.get(module, prefix)
@@ -406,10 +408,10 @@ def _make_begin(recorder: _Recorder) -> Callable[[Any, tuple[Any, ...], Any], tu
     """
     import torch
 
+    from fpdoctor.torchprivate import current_autograd_node as current_node
+    from fpdoctor.torchprivate import graph_task_id, sequence_nr
+
     tensor = torch.Tensor
-    graph_task_id = torch._C._current_graph_task_id
-    current_node = torch._C._current_autograd_node
-    sequence_nr = torch._C._autograd._get_sequence_nr
     get_ident = threading.get_ident
     ops, dtypes, devices = recorder.ops, recorder.dtypes, recorder.devices
     op_id, dtype_id, device_id = recorder.op_id, recorder.dtype_id, recorder.device_id
@@ -489,17 +491,13 @@ def _make_begin(recorder: _Recorder) -> Callable[[Any, tuple[Any, ...], Any], tu
 
 
 def _mode_class(recorder: _Recorder) -> Any:
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from fpdoctor.torchprivate import EagerDispatchMode
 
     begin = _make_begin(recorder)
     seq_at = _SEQ.unpack_from
     state_at = _STATE_OFFSET
 
-    class BreadcrumbMode(TorchDispatchMode):
-        @classmethod
-        def _should_skip_dynamo(cls) -> bool:  # no dynamo disable() wrapper around every op
-            return False
-
+    class BreadcrumbMode(EagerDispatchMode):  # no dynamo disable() wrapper around every op
         @classmethod
         def ignore_compile_internals(cls) -> bool:
             # Off while dynamo traces, on while the compiled code runs: compiled code stays

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from fpdoctor.numerics.replay import MicroBatch, replay
+from fpdoctor.torchprivate import pytree
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 _LOW_NAMES = {"float16", "bfloat16", "half"}

@@ -139,4 +139,3 @@ def is_compiled(model: Any) -> bool:
         return any(is_compiled_module(m) for m in modules)
     except Exception:
         return False
-
