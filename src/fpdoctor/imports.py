@@ -40,7 +40,7 @@ class AfterImport(importlib.abc.MetaPathFinder):
                     break
             if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
                 return None
-            spec.loader = _ThenLoader(spec.loader, self)
+            spec.loader = _ThenLoader(spec.loader, self)  # type: ignore[assignment]  # a Loader by its methods
             return spec
         except Exception:
             return None

@@ -107,7 +107,7 @@ def has_scaled_mm() -> bool:
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """The real fp8 GEMM: fp8 candidates and GEMM fingerprints multiply as fp8 training does.
     Looked up at each call, as a user's own code does. Callers test `has_scaled_mm()` first."""
-    return torch._scaled_mm(a, b, **kwargs)  # type: ignore[no-any-return]
+    return torch._scaled_mm(a, b, **kwargs)
 
 
 def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
@@ -161,7 +161,7 @@ def global_forward_hooks_with_kwargs(module_module: types.ModuleType) -> dict[in
     """The ids of global forward hooks registered with_kwargs (torch.nn.modules.module): torch's
     handle leaves its mark there when removed, and every later torch.compile(module) would warn of
     global hooks that are gone. An empty dict where torch keeps none."""
-    return getattr(module_module, "_global_forward_hooks_with_kwargs", {})  # type: ignore[no-any-return]
+    return getattr(module_module, "_global_forward_hooks_with_kwargs", {})
 
 
 # -- modules -------------------------------------------------------------------------------------
@@ -197,6 +197,16 @@ def has_comm_hook(ddp: Any) -> bool:
     return bool(getattr(ddp, "_comm_hooks", None) or getattr(ddp, "_use_python_reducer", False))
 
 
+def reparametrized(module: torch.nn.Module, tensors: dict[str, torch.Tensor], *, tie_weights: bool = False) -> Any:
+    """`with reparametrized(model, {name: tensor}):` the model computes with these tensors in place
+    of its parameters and buffers (tied weights follow with tie_weights): the fp32 control and the
+    what-if arms run the user's own step function on stand-ins, a block `torch.func.functional_call`
+    (one call) cannot give."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, tensors, tie_weights=tie_weights)
+
+
 # -- Dynamo (imported only when the program has imported it) ------------------------------------
 
 DYNAMO = "torch._dynamo"  # the module whose import means the program compiles
@@ -218,7 +228,7 @@ def dynamo_skipper() -> Callable[[types.CodeType], None]:
     except ImportError:
         from torch._dynamo.eval_frame import skip_code
 
-        return skip_code  # type: ignore[no-any-return]
+        return skip_code
 
 
 # -- read directly -------------------------------------------------------------------------------

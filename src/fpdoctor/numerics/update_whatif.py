@@ -68,7 +68,7 @@ def what_if(
     window on `model` and returns its loss. Never raises: a failure is in `error`."""
     import time
 
-    from torch.nn.utils.stateless import _reparametrize_module
+    from fpdoctor.torchprivate import reparametrized
 
     start = time.perf_counter()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -84,7 +84,7 @@ def what_if(
             opt = copy_optimizer(optimizer, stepped)
             low = [weights[n] for n, p in named if p.dtype in LOW_PRECISION]
             moved = 0.0
-            with preserved(model), _reparametrize_module(model, weights, tie_weights=True):
+            with preserved(model), reparametrized(model, weights, tie_weights=True):
                 for _ in range(steps):
                     for w in by_id.values():
                         w.grad = None
