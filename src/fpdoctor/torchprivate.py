@@ -7,17 +7,16 @@ fails when another module touches one), each under a name of its own with a line
 is and why fpdoctor needs it. Where a release may lack one, the name falls back to what fpdoctor
 can still do without it: a capability then reports less ("not checked"), the user's job runs on.
 
-Checked on torch 2.13.0 (constraints.txt; the CI and development image) and 2.11.0+cu130 (the
-GPU image): `tests/test_torch_private.py` runs every name below. The floor, torch>=2.1
-(pyproject.toml), was not run: the names that arrived after it (Dynamo's per-frame strategy,
-`torch._scaled_mm`'s keyword scales, `_foreach_copy_`) are looked up with a fallback.
+Checked on torch 2.13.0 (constraints.txt): `tests/test_torch_private.py` runs every name below.
+Not yet run on torch 2.11.0+cu130 (the GPU image; the same test runs there with the suite) nor on
+the floor, torch>=2.1 (pyproject.toml): the names a release may lack are looked up with a fallback.
 
 Importing this module imports torch (only modules that use torch import it) but not Dynamo or
 Inductor: those cost seconds and tens of MiB, and are imported inside the function that needs them.
 
 Read directly, not through a function: attributes read on every op or tensor in a hot path, where
-a call would cost more than the read. They are in torch's own type stubs and have not changed since
-torch 1.x; the test checks each on the installed torch (`READ_DIRECTLY`).
+a call would cost more than the read. They are declared in torch's own type stubs (torch/_C, and
+torch/_ops.py for `_schema`); the test checks each on the installed torch (`READ_DIRECTLY`).
 
 `fpdoctor/env/probe_child.py` calls `torch._scaled_mm` itself: it runs as a script by its path,
 with the standard library and torch only.
@@ -100,7 +99,7 @@ def queue_callback(callback: Callable[[], None]) -> bool:
 
 
 def has_scaled_mm() -> bool:
-    """torch has the fp8 GEMM (torch >= 2.1; keyword scales since 2.5)."""
+    """torch has the fp8 GEMM (`torch._scaled_mm`)."""
     return hasattr(torch, "_scaled_mm")
 
 
@@ -214,9 +213,9 @@ DYNAMO = "torch._dynamo"  # the module whose import means the program compiles
 
 def dynamo_skipper() -> Callable[[types.CodeType], None]:
     """A function that makes Dynamo run a code object as plain Python, never as a frame to compile:
-    fpdoctor's hooks and dispatch-mode methods called around a graph break. Torch >= 2.6 skips the
-    frame and every frame it calls (the standard library's helpers included); older ones, the frame
-    only. Imports torch._dynamo: call it once the program has."""
+    fpdoctor's hooks and dispatch-mode methods called around a graph break. Where torch has per-frame
+    strategies, the frame and every frame it calls (the standard library's helpers included);
+    otherwise the frame only. Imports torch._dynamo: call it once the program has."""
     try:
         from torch._dynamo.eval_frame import set_code_exec_strategy
         from torch._dynamo.types import FrameAction, FrameExecStrategy
