@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fpdoctor.torchprivate import buffers_of, foreach_copy_
+
 
 @dataclass
 class RngState:
@@ -46,7 +48,7 @@ def preserved(model: nn.Module) -> Iterator[None]:
     saved = [
         (module, name, buffer, buffer.detach().clone())
         for module in model.modules()
-        for name, buffer in module._buffers.items()
+        for name, buffer in buffers_of(module).items()
         if buffer is not None
     ]
     try:
@@ -55,7 +57,7 @@ def preserved(model: nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for module, name, buffer, value in saved:
                 buffer.copy_(value)
-                module._buffers[name] = buffer
+                buffers_of(module)[name] = buffer
         rng.restore()
 
 
@@ -81,13 +83,13 @@ class BufferSnapshot:
         """Copy the watched buffers (before the step that may have to be undone)."""
         self._learn()
         if self._changing is None:
-            watched = [(m, n) for m in self._model.modules() for n, b in m._buffers.items() if b is not None]
+            watched = [(m, n) for m in self._model.modules() for n, b in buffers_of(m).items() if b is not None]
         else:
             watched = self._changing
         old = {(id(m), n): copy for m, n, _, copy, _ in self._entries}
         entries = []
         for module, name in watched:
-            buffer = module._buffers.get(name)
+            buffer = buffers_of(module).get(name)
             if buffer is None:
                 continue
             copy = old.get((id(module), name))
@@ -107,7 +109,7 @@ class BufferSnapshot:
         changed = [
             (module, name)
             for module, name, buffer, copy, version in self._entries
-            if module._buffers.get(name) is not buffer
+            if buffers_of(module).get(name) is not buffer
             or buffer._version != version
             or (changing is None and not torch.equal(copy, buffer))  # once: a host read
         ]
@@ -125,7 +127,7 @@ class BufferSnapshot:
         # learn first: once put back, a first step that changed buffers would look like one that did not
         self._learn()
         for module, name, buffer, _, _ in self._entries:
-            module._buffers[name] = buffer
+            buffers_of(module)[name] = buffer
         with torch.no_grad():
             _copy_grouped([e[2] for e in self._entries], [e[3] for e in self._entries])
         # the restoring write is ours, not a forward's: it must not count as a change
@@ -140,4 +142,4 @@ def _copy_grouped(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         group[0].append(d)
         group[1].append(s)
     for ds, ss in groups.values():
-        torch._foreach_copy_(ds, ss)
+        foreach_copy_(ds, ss)

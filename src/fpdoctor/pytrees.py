@@ -11,7 +11,8 @@ import dataclasses
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+
+from fpdoctor.torchprivate import pytree
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:

@@ -36,6 +36,7 @@ the reader orders slots by sequence number (the ring holds its own order, no ind
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import mmap
 import os
@@ -45,6 +46,8 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
+
+from fpdoctor.imports import after_import
 
 MAGIC = b"FPDCRMB1"
 VERSION = 1
@@ -356,9 +359,11 @@ class _Recorder:
         prefix = type(module).__name__ if self.have_root else ""
         self.have_root = True
         named = module
-        if hasattr(module, "_orig_mod"):  # torch.compile's wrapper: name the model inside it
+        from fpdoctor.torchprivate import compiled_inner
+
+        if compiled_inner(module) is not None:  # torch.compile's wrapper: name the model inside it
             self.module_names.setdefault(module, prefix)
-            named = module._orig_mod
+            named = compiled_inner(module)
         for sub_name, sub in named.named_modules(prefix=prefix, remove_duplicate=False):
             self.module_names.setdefault(sub, sub_name)
         return self.module_names.get(module, prefix)
@@ -403,10 +408,10 @@ def _make_begin(recorder: _Recorder) -> Callable[[Any, tuple[Any, ...], Any], tu
     """
     import torch
 
+    from fpdoctor.torchprivate import current_autograd_node as current_node
+    from fpdoctor.torchprivate import graph_task_id, sequence_nr
+
     tensor = torch.Tensor
-    graph_task_id = torch._C._current_graph_task_id
-    current_node = torch._C._current_autograd_node
-    sequence_nr = torch._C._autograd._get_sequence_nr
     get_ident = threading.get_ident
     ops, dtypes, devices = recorder.ops, recorder.dtypes, recorder.devices
     op_id, dtype_id, device_id = recorder.op_id, recorder.dtype_id, recorder.device_id
@@ -486,17 +491,13 @@ def _make_begin(recorder: _Recorder) -> Callable[[Any, tuple[Any, ...], Any], tu
 
 
 def _mode_class(recorder: _Recorder) -> Any:
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from fpdoctor.torchprivate import EagerDispatchMode
 
     begin = _make_begin(recorder)
     seq_at = _SEQ.unpack_from
     state_at = _STATE_OFFSET
 
-    class BreadcrumbMode(TorchDispatchMode):
-        @classmethod
-        def _should_skip_dynamo(cls) -> bool:  # no dynamo disable() wrapper around every op
-            return False
-
+    class BreadcrumbMode(EagerDispatchMode):  # no dynamo disable() wrapper around every op
         @classmethod
         def ignore_compile_internals(cls) -> bool:
             # Off while dynamo traces, on while the compiled code runs: compiled code stays
@@ -551,9 +552,7 @@ def arm(run_dir: str) -> None:
         if "torch" in sys.modules and getattr(sys.modules["torch"], "Tensor", None) is not None:
             _start(run_dir)
             return
-        finder = _TorchImportHook(run_dir)
-        _Armed.waiting = finder
-        sys.meta_path.insert(0, finder)
+        _Armed.waiting = after_import("torch", functools.partial(_torch_imported, run_dir))
     except Exception as exc:
         _note_off(run_dir, exc)
 
@@ -595,7 +594,7 @@ def _out_of_dynamos_way(run_dir: str) -> None:
     their own: every code object of this module is skipped. torch._dynamo costs seconds to import,
     so this waits for the program to import it."""
     if "torch._dynamo" not in sys.modules:
-        sys.meta_path.insert(0, _TorchImportHook(run_dir, "torch._dynamo", then=_skip_in_dynamo))
+        after_import("torch._dynamo", _skip_in_dynamo)
         return
     _skip_in_dynamo()
 
@@ -681,64 +680,7 @@ def _after_fork() -> None:
         _note_off(recorder.run_dir, exc)
 
 
-class _TorchImportHook:
-    """A meta-path finder that lets torch import as usual, then starts the ring.
-
-    It only wraps torch's loader (and puts the real one back before torch's code runs, so
-    torch.__loader__ and __spec__ are what they would be); a look-up that does not import
-    (importlib.util.find_spec) leaves it waiting for the real import.
-    """
-
-    def __init__(self, run_dir: str, module: str = "torch", then: Callable[[], None] | None = None) -> None:
-        self.run_dir = run_dir
-        self.module = module
-        self.then = then  # instead of starting the ring (another module than torch)
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != self.module:
-            return None
-        try:
-            spec = None
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    break
-            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-                return None
-            spec.loader = _ArmingLoader(spec.loader, self)  # type: ignore[assignment]
-            return spec
-        except Exception:
-            return None
-
-    def torch_imported(self) -> None:
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(self)
-        if self.then is not None:
-            with contextlib.suppress(Exception):
-                self.then()
-            return
-        _Armed.waiting = None
-        _start(self.run_dir)
-
-
-class _ArmingLoader:
-    def __init__(self, loader: Any, hook: _TorchImportHook) -> None:
-        self._loader = loader
-        self._hook = hook
-
-    def create_module(self, spec: Any) -> Any:
-        create = getattr(self._loader, "create_module", None)
-        return create(spec) if create is not None else None
-
-    def exec_module(self, module: Any) -> None:
-        spec = getattr(module, "__spec__", None)
-        if spec is not None:
-            spec.loader = self._loader
-        module.__loader__ = self._loader
-        self._loader.exec_module(module)
-        self._hook.torch_imported()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
+def _torch_imported(run_dir: str) -> None:
+    """Start the ring once the program's import of torch is done (see arm)."""
+    _Armed.waiting = None
+    _start(run_dir)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from fpdoctor.health.fingerprint import CUBLAS_WORKSPACE
+from fpdoctor.torchprivate import has_scaled_mm, scaled_mm
 
 DTYPES = ("bf16", "fp16", "tf32", "fp32", "fp8")
 MIN_REPEATS = 3  # two repeats can disagree without saying which is right; three can
@@ -143,7 +144,7 @@ def matmul(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
 
         def fp8(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             one = torch.ones((), device=a.device)
-            return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+            return scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
 
         return fp8
 
@@ -178,7 +179,7 @@ def supported(name: str, device: torch.device) -> str | None:
         return None if device.type == "cuda" else "TF32 is a tensor-core format; a CPU multiplies in fp32"
     if name != "fp8":
         return None
-    if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
+    if not hasattr(torch, "float8_e4m3fn") or not has_scaled_mm():
         return f"torch {torch.__version__} has no float8 matmul"
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)

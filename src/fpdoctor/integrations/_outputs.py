@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from fpdoctor.numerics.replay import OutputsOnly
+from fpdoctor.torchprivate import pytree
 
 
 @dataclass

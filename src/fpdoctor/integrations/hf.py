@@ -49,6 +49,7 @@ from fpdoctor.integrations._watch import StepWatch, guarded
 from fpdoctor.numerics import distributed
 from fpdoctor.numerics.replay import OutputsOnly
 from fpdoctor.report.model import Report
+from fpdoctor.torchprivate import queue_callback
 
 TWICE = "the model ran more than once in one micro-batch"
 
@@ -255,7 +256,7 @@ class FpDoctorCallback(_Callback):
 
     @guarded("waiting for the end of the backward")
     def _backward_started(self, grad: torch.Tensor) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        queue_callback(self._backward_done)
 
     @guarded("checking the gradients")
     def _backward_done(self) -> None:

@@ -43,6 +43,7 @@ from torch import nn
 from fpdoctor.integrations import _report
 from fpdoctor.integrations._watch import StepWatch, guarded
 from fpdoctor.report.model import Report
+from fpdoctor.torchprivate import scaler_scale
 
 ENV_REPORT = "FPDOCTOR_REPORT"
 _PACKAGES = ("lightning.pytorch", "pytorch_lightning")
@@ -132,7 +133,7 @@ class _Hooks:
         watch = self._watch
         if watch is None:
             return
-        scale = watch.scaler._scale if watch.scaler is not None else None
+        scale = scaler_scale(watch.scaler) if watch.scaler is not None else None
         # automatic optimization divides the loss by accumulate_grad_batches; manual does not
         times = float(trainer.accumulate_grad_batches) if pl_module.automatic_optimization else 1.0
         watch.loss(loss, scale=scale, times=times)

@@ -51,7 +51,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils import _pytree as pytree
 
 from fpdoctor.integrations import _watch as framework
 from fpdoctor.integrations import hf_switch
@@ -70,6 +69,7 @@ from fpdoctor.numerics.step_judge import StepFacts, StepJudge, StepOutcome
 from fpdoctor.numerics.updates import UpdateProbe, UpdateStats
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Finding, Report
+from fpdoctor.torchprivate import global_forward_hooks_with_kwargs, global_optimizer_hooks, pytree
 
 _DEVICE_TYPES = ("cpu", "cuda")
 
@@ -129,8 +129,7 @@ def _optimizer_hooks_aside() -> Iterator[None]:
     copies, so the dicts being iterated are not changed under torch's feet."""
     from torch.optim import optimizer as optimizer_mod
 
-    names = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
-    saved = {n: getattr(optimizer_mod, n) for n in names if hasattr(optimizer_mod, n)}
+    saved = global_optimizer_hooks(optimizer_mod)
     for name, hooks in saved.items():
         setattr(optimizer_mod, name, type(hooks)(hooks))
     try:
@@ -209,7 +208,7 @@ class ScriptWatch:
             stack.callback(post.remove)
             # torch's handle leaves its with_kwargs mark behind: every torch.compile(module) call
             # after the watch would then warn of global hooks that are gone
-            with_kwargs = getattr(module_hooks, "_global_forward_hooks_with_kwargs", {})
+            with_kwargs = global_forward_hooks_with_kwargs(module_hooks)
             stack.callback(lambda: with_kwargs.pop(post.id, None))
             stack.callback(register_optimizer_step_pre_hook(self._before_step).remove)
             stack.callback(register_optimizer_step_post_hook(self._after_step).remove)

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from fpdoctor.torchprivate import scaler_scale, scaler_states
+
 MIN_SCALE = 1.0
 MAX_CONSECUTIVE_SKIPS = 24
 
@@ -70,21 +72,21 @@ def spy(found: list[Any]) -> Iterator[None]:
 def stepped(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
     """True when `scaler.step(optimizer)` already ran since the scaler's last update()."""
     OptState = _opt_state()
-    states = getattr(scaler, "_per_optimizer_states", {})
+    states = scaler_states(scaler)
     state = states.get(id(optimizer)) if isinstance(states, dict) else None
     return state is not None and state.get("stage") is OptState.STEPPED
 
 
 def scale_version(scaler: Any) -> tuple[Any, int]:
     """The scaler's scale tensor and its version counter (no device read), before step_fn runs."""
-    scale = getattr(scaler, "_scale", None) if scaler is not None else None
+    scale = scaler_scale(scaler) if scaler is not None else None
     return scale, scale._version if isinstance(scale, torch.Tensor) else 0
 
 
 def updated_since(scaler: Any, before: tuple[Any, int]) -> bool:
     """True when `scaler.update()` ran since `before` (it writes the scale in place, which bumps
     its version; a scale created since then - the first scale() - starts at version 0)."""
-    scale = getattr(scaler, "_scale", None) if scaler is not None else None
+    scale = scaler_scale(scaler) if scaler is not None else None
     if not isinstance(scale, torch.Tensor):
         return False
     tensor, version = before
@@ -93,7 +95,7 @@ def updated_since(scaler: Any, before: tuple[Any, int]) -> bool:
 
 def found_inf(scaler: Any, optimizer: torch.optim.Optimizer, device: torch.device) -> torch.Tensor | None:
     """The scaler's own found_inf for `optimizer` after its step() (before update() clears it)."""
-    state = scaler._per_optimizer_states.get(id(optimizer))
+    state = (scaler_states(scaler) or {}).get(id(optimizer))
     if not state or not state["found_inf_per_device"]:
         return None
     flags = [f.to(device, non_blocking=True).float() for f in state["found_inf_per_device"].values()]
@@ -101,7 +103,7 @@ def found_inf(scaler: Any, optimizer: torch.optim.Optimizer, device: torch.devic
 
 
 def scale_tensor(scaler: Any, device: torch.device) -> torch.Tensor:
-    scale = getattr(scaler, "_scale", None)  # a disabled scaler never makes one
+    scale = scaler_scale(scaler)  # a disabled scaler never makes one
     if scale is None:
         return torch.full((), float("nan"), device=device)
     return scale.detach().reshape(()).to(device, dtype=torch.float32, non_blocking=True).clone()
@@ -149,12 +151,12 @@ class ScaleWatch:
 def scale_as(scaler: Any, scale: torch.Tensor | None) -> Iterator[None]:
     """The scaler's scale as it was for the step being replayed, and its per-optimizer state
     (a replayed `scaler.unscale_(opt)` marks the optimizer unscaled), put back afterwards."""
-    current = getattr(scaler, "_scale", None)
+    current = scaler_scale(scaler)
     if scale is None or current is None:
         yield
         return
     saved = current.detach().clone()
-    states = getattr(scaler, "_per_optimizer_states", None)
+    states = scaler_states(scaler)
     saved_states = None if states is None else {k: dict(v) for k, v in states.items()}
     current.copy_(scale)
     try:

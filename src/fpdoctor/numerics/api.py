@@ -137,12 +137,12 @@ class Trace:
     def _module_output(self, name: str, call: int, output: Any, recompute: bool) -> None:
         import threading
 
-        import torch
+        from fpdoctor.torchprivate import DisableTorchDispatch
 
         if threading.get_ident() != self._thread:
             return  # a model running in another thread: its ops are not traced
         try:
-            with torch._C._DisableTorchDispatch():  # our own statistics must not be traced
+            with DisableTorchDispatch():  # our own statistics must not be traced
                 self.tracer.module_output(name, call, output, recompute)
                 if self._headroom is not None and not recompute and self.tracker.phase == "forward":
                     self._headroom.observe_module(name, output, self.tracer.absmax_of, self.tracer)

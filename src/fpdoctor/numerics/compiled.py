@@ -32,6 +32,7 @@ from fpdoctor.numerics.replay import MicroBatch, OutputsOnly
 from fpdoctor.preserve import preserved
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding
+from fpdoctor.torchprivate import compiled_inner
 
 COMPILED = "compiled"
 EAGER_REPLAY = "eager replay"
@@ -207,7 +208,7 @@ class OutputCheck:
         self.graphs = GraphCheck()  # the same, graph by graph (numerics/graphs.py)
         check = weakref.ref(self)
         for name, module in model.named_modules():
-            if hasattr(module, "_orig_mod"):
+            if compiled_inner(module) is not None:
                 self._handles.append(module.register_forward_hook(_output_hook(check, name or "<root>")))
 
     def begin(self) -> None:

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from fpdoctor.numerics.replay import MicroBatch, replay
+from fpdoctor.torchprivate import pytree, reparametrized
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 _LOW_NAMES = {"float16", "bfloat16", "half"}
@@ -132,14 +132,12 @@ def run_control(
 ) -> ControlResult:
     """Replay `window` in fp32 with autocast off; never raises (a step that cannot run in fp32,
     e.g. one that mixes dtypes by hand, is `failed` with the reason)."""
-    from torch.nn.utils.stateless import _reparametrize_module
-
     try:
         stand_ins = _fp32_stand_ins(model)
         by_id = {id(p): name for name, p in model.named_parameters()}
         # the gradients the replay judges are the stand-ins' where there is one
         judged = [stand_ins.get(by_id.get(id(p), ""), p) for p in params]
-        with _reparametrize_module(model, stand_ins, tie_weights=True), _autocast_off():
+        with reparametrized(model, stand_ins, tie_weights=True), _autocast_off():
             result = replay(model, judged, step_fn, _inputs_in_fp32(window), contexts)
     except Exception as exc:
         return ControlResult("failed", error=f"{type(exc).__name__}: {exc}")

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from fpdoctor.numerics import records
+from fpdoctor.torchprivate import has_comm_hook
 
 
 def active() -> bool:
@@ -117,7 +118,7 @@ class BucketWatch:
         if not is_ddp(model):
             return None
         ddp: Any = model
-        if getattr(ddp, "_comm_hooks", None) or getattr(ddp, "_use_python_reducer", False):
+        if has_comm_hook(ddp):
             return None  # a hook of the user's (or the python reducer): theirs stays, no attribution
         watch = cls(model)
         ref = weakref.ref(watch)

@@ -17,12 +17,13 @@ the code now if the program has imported it, or as soon as it does.
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
 import sys
 import threading
 import types
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from fpdoctor.imports import after_import
 
 _DYNAMO = "torch._dynamo"
 _lock = threading.Lock()
@@ -52,8 +53,8 @@ def keep_out(objects: Iterable[Any]) -> None:
             return
         with _lock:
             _waiting.extend(objects)
-            if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-                sys.meta_path.insert(0, _AfterImport(_DYNAMO, _skip_waiting))
+            if not any(getattr(f, "then", None) is _skip_waiting for f in sys.meta_path):
+                after_import(_DYNAMO, _skip_waiting)
     except Exception:  # the observer never kills the job
         pass
 
@@ -75,23 +76,17 @@ def when_imported(call: Callable[[], None]) -> None:
         return
     with _lock:
         _then.append(call)
-        if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-            sys.meta_path.insert(0, _AfterImport(_DYNAMO, _skip_waiting))
+        if not any(getattr(f, "then", None) is _skip_waiting for f in sys.meta_path):
+            after_import(_DYNAMO, _skip_waiting)
 
 
 def never_compile(objects: Iterable[Any]) -> None:
     """Dynamo runs every function and method of `objects` (functions, classes and modules), and
     whatever they call, as plain Python: when it runs the code around a graph break it would
     otherwise compile fpdoctor's hooks and dispatch-mode functions as frames of their own."""
-    try:  # this frame and every frame it calls (the standard library's helpers included)
-        from torch._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    from fpdoctor.torchprivate import dynamo_skipper
 
-        def skip(code: types.CodeType) -> None:
-            set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
-
-    except ImportError:  # an older torch: this frame only
-        from torch._dynamo.eval_frame import skip_code as skip
+    skip = dynamo_skipper()
 
     todo = []
     for obj in objects:
@@ -154,58 +149,9 @@ def is_compiled(model: Any) -> bool:
     """The model, or a module in it, runs through torch.compile (`torch.compile(model)`'s wrapper
     or `module.compile()`)."""
     try:
+        from fpdoctor.torchprivate import is_compiled_module
+
         modules = model.modules() if hasattr(model, "modules") else []
-        return any(hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None for m in modules)
+        return any(is_compiled_module(m) for m in modules)
     except Exception:
         return False
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Lets `name` import as usual, then calls `then` (once). Only its loader is wrapped, and the
-    real one is put back before the module's code runs, so its __spec__ is what it would be."""
-
-    def __init__(self, name: str, then: Callable[[], None]) -> None:
-        self.name = name
-        self.then = then
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        try:
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    break
-            else:
-                return None
-            if spec.loader is None or not hasattr(spec.loader, "exec_module"):
-                return None
-            spec.loader = _ThenLoader(spec.loader, self)
-            return spec
-        except Exception:
-            return None
-
-    def imported(self) -> None:
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(self)
-        with contextlib.suppress(Exception):  # the observer never kills the job
-            self.then()
-
-
-class _ThenLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any, finder: _AfterImport) -> None:
-        self._loader = loader
-        self._finder = finder
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        spec = getattr(module, "__spec__", None)
-        if spec is not None:
-            spec.loader = self._loader
-        module.__loader__ = self._loader
-        self._loader.exec_module(module)
-        self._finder.imported()

@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fpdoctor.numerics.records import Record
 from fpdoctor.numerics.values import checkable, dtype_name
+from fpdoctor.torchprivate import tree_flatten, tree_unflatten
 
 WINDOW = 512  # ops whose arguments stay referenced, for the upstream walk
 WINDOW_BYTES = 256 * 2**20  # and at most this many bytes of their tensor arguments (see Window)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from fpdoctor.numerics import records
+from fpdoctor.torchprivate import steps_with_scaler, unscale_check_
 
 
 def grads_of(params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -48,7 +49,7 @@ def nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Ten
                 per_device[dev] = (flag, torch.ones((), dtype=torch.float32, device=dev))
             flag, one = per_device[dev]
             try:
-                torch._amp_foreach_non_finite_check_and_unscale_(group, flag, one)
+                unscale_check_(group, flag, one)
             except (NotImplementedError, RuntimeError):  # no kernel for this device or dtype here
                 bad = torch.stack([g.isfinite().all() for g in group]).logical_not().any()
                 torch.maximum(flag, bad.to(torch.float32), out=flag)
@@ -117,7 +118,7 @@ class FlagRead:
 
 def skips_on_device(optimizer: torch.optim.Optimizer | None) -> bool:
     """True for optimizers that take `found_inf` and skip on the device (fused Adam, AdamW, SGD)."""
-    if optimizer is None or not getattr(optimizer, "_step_supports_amp_scaling", False):
+    if optimizer is None or not steps_with_scaler(optimizer):
         return False
     if "grad_scaler" in inspect.signature(optimizer.step).parameters:
         return False  # the older protocol: the optimizer expects the scaler itself

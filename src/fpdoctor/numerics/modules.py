@@ -24,12 +24,13 @@ import torch
 from torch import nn
 
 from fpdoctor.provenance import Provenance
+from fpdoctor.torchprivate import compiled_inner, graph_task_id
 
 ModuleOutputHook = Callable[[str, int, Any, bool], None]
 
 
 def in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
+    return graph_task_id() != -1
 
 
 class ThisThread(threading.local):
@@ -62,10 +63,10 @@ class ModuleTracker:
         self._handles: list[Any] = []
 
     def _name_tree(self, root: nn.Module, prefix: str) -> None:
-        if hasattr(root, "_orig_mod"):  # torch.compile's OptimizedModule: name the model inside it
+        if compiled_inner(root) is not None:  # torch.compile's OptimizedModule: name the model inside it
             self.saw_compiled = True
             self._names.setdefault(root, prefix)
-            root = root._orig_mod  # type: ignore[assignment]
+            root = compiled_inner(root)
         for name, module in root.named_modules(prefix=prefix, remove_duplicate=False):
             self._names.setdefault(module, name)
         named = []

@@ -30,6 +30,7 @@ from fpdoctor import catalog
 from fpdoctor.formats import FORMATS
 from fpdoctor.numerics.tracer import Record
 from fpdoctor.report.model import Finding
+from fpdoctor.torchprivate import DisableTorchDispatch
 
 FP16_MAX = FORMATS["fp16"].max
 # fp16's smallest subnormal is 2**-24 ~ 6e-8: anything below half of it rounds to 0. The fix
@@ -111,7 +112,7 @@ def grad_zero_counts(grads: list[torch.Tensor]) -> dict[str, int]:
     zeros = subnormal = numel = 0
     tiny = FORMATS["fp16"].smallest_normal
     # inside a trace these reductions are ours, not the user's: keep them out of its records
-    with torch.no_grad(), torch._C._DisableTorchDispatch():
+    with torch.no_grad(), DisableTorchDispatch():
         for grad in grads:
             g = grad.detach()
             # three kernels: non-zeros, then everything below the smallest normal (zeros too)
@@ -210,7 +211,7 @@ def largest_weight(params: list[torch.Tensor]) -> Any:
     floats = [p.detach() for p in params if p.is_floating_point() and p.numel()]
     if not floats:
         return None
-    with torch.no_grad(), torch._C._DisableTorchDispatch():
+    with torch.no_grad(), DisableTorchDispatch():
         return torch.stack([t.abs().amax().float().to(floats[0].device) for t in floats]).amax()
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from fpdoctor.numerics.gradcheck import grads_of, loss_flag, nonfinite_flag, tensor_kind
 from fpdoctor.preserve import RngState, preserved
 from fpdoctor.report.model import Finding
+from fpdoctor.torchprivate import post_accumulate_grad_hooks
 
 
 @dataclass
@@ -72,7 +73,7 @@ def replay(
     window (a step_fn's own, DDP's, SyncBatchNorm's) in the same order as the others."""
     from fpdoctor.numerics.api import trace
 
-    if any(getattr(p, "_post_accumulate_grad_hooks", None) for p in params):
+    if any(post_accumulate_grad_hooks(p) for p in params):
         # an optimizer run in backward (register_post_accumulate_grad_hook) would step the real
         # weights again during the replay
         return ReplayResult(

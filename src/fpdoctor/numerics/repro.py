@@ -170,7 +170,8 @@ class Capture:
     in all, and values the op wrote in place (they hold its result now), are described only."""
 
     def __init__(self, func: Any, args: Any, kwargs: Any, *, out: Any, written: Any, limit: int = LIMIT) -> None:
-        import torch
+
+        from fpdoctor.torchprivate import DisableTorchDispatch
 
         self.op = overload_of(func)
         self.why_not = scriptable(self.op)
@@ -191,7 +192,7 @@ class Capture:
             self.why_not = f"{self.op}: {exc}"
             return
         total = sum(t.numel() * t.element_size() for t in found)
-        with torch._C._DisableTorchDispatch():  # our own copies are not the user's ops
+        with DisableTorchDispatch():  # our own copies are not the user's ops
             for i, t in enumerate(found):
                 lo, hi = _range(t)
                 overwritten = any(t is w for w in written)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from fpdoctor.numerics.amp import grad_scaler_class
+from fpdoctor.torchprivate import DisableTorchDispatch, scaler_scale, scaler_states
 
 
 class StepCounter:
@@ -109,10 +110,10 @@ class StepCounter:
         try:
             if not scaler.is_enabled():
                 return
-            state = scaler._per_optimizer_states.get(id(optimizer)) or {}
+            state = (scaler_states(scaler) or {}).get(id(optimizer)) or {}
             flags = list(state.get("found_inf_per_device", {}).values())
-            scale = getattr(scaler, "_scale", None)
-            with torch.no_grad(), torch._C._DisableTorchDispatch():
+            scale = scaler_scale(scaler)
+            with torch.no_grad(), DisableTorchDispatch():
                 found = (
                     torch.stack([f.reshape(()).float().to(flags[0].device) for f in flags]).amax() if flags else None
                 )

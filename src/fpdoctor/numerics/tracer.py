@@ -26,7 +26,6 @@ from collections import Counter
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
 from fpdoctor.numerics import records as _records
@@ -51,6 +50,15 @@ from fpdoctor.numerics.values import (
 )
 from fpdoctor.provenance import Provenance
 from fpdoctor.pytrees import tensors_in
+from fpdoctor.torchprivate import (
+    DisableTorchDispatch,
+    EagerDispatchMode,
+    current_autograd_node,
+    graph_task_id,
+    mode_stack,
+    queue_callback,
+    sequence_nr,
+)
 from fpdoctor.userframes import user_location
 
 __all__ = ["Leaf", "NonFiniteError", "Output", "Record", "Tracer", "kind_of"]
@@ -80,8 +88,8 @@ _OP_INFO: dict[int, OpInfo] = {}  # per aten overload, shared by every trace (a 
 # looked up once: the hot path runs for every op
 Tensor = torch.Tensor
 _ref = weakref.ref
-_sequence_nr = torch._C._autograd._get_sequence_nr
-_graph_task_id = torch._C._current_graph_task_id
+_sequence_nr = sequence_nr
+_graph_task_id = graph_task_id
 
 
 class NonFiniteError(FloatingPointError):
@@ -98,7 +106,7 @@ def _near_limit(output: Output, dtype: torch.dtype) -> bool:
     return output.kind is None and lo is not None and hi is not None and max(hi, -lo) >= _NEAR.get(dtype, math.inf)
 
 
-class Tracer(TorchDispatchMode):
+class Tracer(EagerDispatchMode):
     """The recording half of `trace()`; `fpdoctor.numerics.blame` turns records into findings."""
 
     def __init__(
@@ -160,16 +168,9 @@ class Tracer(TorchDispatchMode):
         self._general_only = not fast_paths  # every op through `_record`: nested, or asked for
         tracker.on_names = self._named
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # Otherwise torch wraps __torch_dispatch__ in dynamo's disable(): the first op imports
-        # torch._dynamo (~2.6 s, ~77 MiB) and every op pays two more Python frames. Compiled
-        # code runs eagerly while traced (set_stance), so dynamo has nothing to skip here.
-        return False
-
     def __enter__(self) -> Tracer:
         # Inside an outer trace, our own statistics must not be recorded by it as the user's ops.
-        self._nested = any(isinstance(m, Tracer) for m in _get_current_dispatch_mode_stack())
+        self._nested = any(isinstance(m, Tracer) for m in mode_stack())
         self._general_only = self._nested or not self.fast_paths
         super().__enter__()
         return self
@@ -228,7 +229,7 @@ class Tracer(TorchDispatchMode):
                 written = info.written(args, kwargs)
                 if not info.overwrites:
                     if self._nested:
-                        with torch._C._DisableTorchDispatch():
+                        with DisableTorchDispatch():
                             before = self._before_write(written)
                     else:
                         before = self._before_write(written)
@@ -237,7 +238,7 @@ class Tracer(TorchDispatchMode):
         out = func(*args, **kwargs)
         try:
             if self._nested:
-                with torch._C._DisableTorchDispatch():
+                with DisableTorchDispatch():
                     self._record(info, args, kwargs, out, seq=seq, written=written, before=before)
             else:
                 self._record(info, args, kwargs, out, seq=seq, written=written, before=before)
@@ -336,7 +337,7 @@ class Tracer(TorchDispatchMode):
             phase = "backward"
             if task != self._graph_task:
                 self._at_backward_end()
-            node = torch._C._current_autograd_node()
+            node = current_autograd_node()
             if node is not None:
                 node_name = node.name()
                 forward = self._by_seq.get(node._sequence_nr())
@@ -665,7 +666,7 @@ class Tracer(TorchDispatchMode):
         own name when what it received came from outside the trace (an input, or a tensor built
         from storage with no tensor inputs), so a NaN in a checkpoint is the parameter's."""
         dst, src_t = args[0], args[1]
-        if not isinstance(src_t, torch.Tensor) or not checkable(src_t) or torch._C._current_graph_task_id() != -1:
+        if not isinstance(src_t, torch.Tensor) or not checkable(src_t) or graph_task_id() != -1:
             return False
         name = self.tracker.param_names.get(dst)
         if name is None and not isinstance(dst, torch.nn.Parameter):
@@ -718,7 +719,7 @@ class Tracer(TorchDispatchMode):
             return
         self._decided[kind] += 1
         try:
-            with torch._C._DisableTorchDispatch():
+            with DisableTorchDispatch():
                 found = decide(record, self._window, self._lookup)
             if found is not None:
                 self.experiments[record.index] = found
@@ -806,10 +807,10 @@ class Tracer(TorchDispatchMode):
 
     def _at_backward_end(self) -> None:
         """Ask autograd to report gradient sinks when this backward finishes."""
-        task = torch._C._current_graph_task_id()
+        task = graph_task_id()
         if task != self._graph_task:
             self._graph_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._gradient_sinks)
+            queue_callback(self._gradient_sinks)
 
     def _gradient_sinks(self) -> None:
         """Every leaf that requires grad and holds a gradient: the gradient is a sink."""

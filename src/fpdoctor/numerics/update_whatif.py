@@ -87,7 +87,7 @@ def what_if(
     window on `model` and returns its loss (None: not known). Never raises: a failure is in `error`."""
     import time
 
-    from torch.nn.utils.stateless import _reparametrize_module
+    from fpdoctor.torchprivate import reparametrized
 
     start = time.perf_counter()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -104,7 +104,7 @@ def what_if(
             low = [weights[n] for n, p in named if p.dtype in LOW_PRECISION]
             moved = 0.0
             # gradients on, whatever the caller runs under (an optimizer's post-hook, say)
-            with torch.enable_grad(), preserved(model), _reparametrize_module(model, weights, tie_weights=True):
+            with torch.enable_grad(), preserved(model), reparametrized(model, weights, tie_weights=True):
                 for _ in range(steps):
                     for w in by_id.values():
                         w.grad = None

@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fpdoctor.precision.names import CANDIDATES, FP8_KERNELS, PRECISIONS, REFERENCES, check_name
+from fpdoctor.torchprivate import compiled_inner, has_scaled_mm, scaled_mm
 
 __all__ = [
     "CANDIDATES",
@@ -128,12 +129,12 @@ class Fp8Linear(nn.Module):
         # weight is passed transposed, i.e. column-major, as the fp8 GEMMs require
         scale_a, scale_b = x_scale.reciprocal().contiguous(), w_scale.reciprocal().t().contiguous()
         try:
-            out = torch._scaled_mm(xq.contiguous(), wq.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+            out = scaled_mm(xq.contiguous(), wq.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
         except RuntimeError:
             if not self.rowwise:
                 raise
             # rowwise fp8 GEMMs on CUDA write only bf16, as the rowwise training recipe does
-            out = torch._scaled_mm(xq.contiguous(), wq.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+            out = scaled_mm(xq.contiguous(), wq.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
         if self.bias is not None:
             out = out.float() + self.bias.float()
         return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
@@ -189,7 +190,7 @@ def resolve_fp8_kernel(kernel: str, device: torch.device) -> str:
     kernel = check_name(kernel, FP8_KERNELS, "fp8 kernel")
     if kernel != "auto":
         return kernel
-    if device.type == "cuda" and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device) >= (8, 9):
+    if device.type == "cuda" and has_scaled_mm() and torch.cuda.get_device_capability(device) >= (8, 9):
         return "scaled_mm"
     return "fake"
 
@@ -197,7 +198,7 @@ def resolve_fp8_kernel(kernel: str, device: torch.device) -> str:
 def uncompiled(model: nn.Module) -> nn.Module:
     """The module inside a torch.compile wrapper (OptimizedModule), so names are the model's own;
     compiled code inside it runs eagerly under run_flags."""
-    inner = getattr(model, "_orig_mod", None)
+    inner = compiled_inner(model)
     return inner if isinstance(inner, nn.Module) else model
 
 

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fpdoctor import catalog
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS
@@ -41,6 +40,7 @@ from fpdoctor.preserve import preserved
 from fpdoctor.provenance import Provenance
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding, Report, Severity
+from fpdoctor.torchprivate import TorchDispatchMode
 from fpdoctor.userframes import user_location
 
 

@@ -20,6 +20,7 @@ from torch import nn
 from fpdoctor.numerics.mismatch import fix_action, module_expr, what_failed
 from fpdoctor.precision.candidates import Call, split_inputs
 from fpdoctor.report.model import Finding
+from fpdoctor.torchprivate import buffers_of
 
 # the forward under audit's origin-tracking mode: (failure explained, error raised, tracker)
 Forward = Callable[[nn.Module, Any], tuple[dict[str, Any] | None, BaseException | None, Any]]
@@ -62,7 +63,7 @@ def _cast_for_now(model: nn.Module, path: str, dtype: str) -> Iterator[None]:
     """`model`'s submodule `path` in `dtype` for the block; its own tensors are put back after."""
     module = model.get_submodule(path) if path else model
     params = [(p, p.data) for p in module.parameters()]
-    buffers = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
+    buffers = [(m, name, b) for m in module.modules() for name, b in buffers_of(m).items() if b is not None]
     module.to(getattr(torch, dtype.removeprefix("torch.")))
     try:
         yield
@@ -70,7 +71,7 @@ def _cast_for_now(model: nn.Module, path: str, dtype: str) -> Iterator[None]:
         for p, data in params:
             p.data = data
         for m, name, b in buffers:
-            m._buffers[name] = b
+            buffers_of(m)[name] = b
 
 
 def _cast_input(inputs: Any, name: str, dtype: str) -> Any:

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 
 from fpdoctor.precision.candidates import map_tensors
 from fpdoctor.precision.metrics import (
@@ -52,6 +51,7 @@ from fpdoctor.precision.metrics import (
 )
 from fpdoctor.precision.profile import DIVERGENCE_RATIO
 from fpdoctor.pytrees import tensors_in
+from fpdoctor.torchprivate import EagerDispatchMode, current_mode, mode_popped
 from fpdoctor.userframes import user_location
 
 # Exact ops (they move, select or fill values) and casts: a re-run says nothing about precision.
@@ -144,7 +144,7 @@ class _Rerun:
     values: tuple[int, int, int] | None = None  # an elementwise op's sample: (values, of, every k-th)
 
 
-class OwnOps(TorchDispatchMode):
+class OwnOps(EagerDispatchMode):
     """Judges the ops each container call runs itself (see the module's docstring).
 
     `torch_made`: containers whose class is torch's (nn.MultiheadAttention): their ops' lines are
@@ -178,12 +178,6 @@ class OwnOps(TorchDispatchMode):
         # OpOverload's __hash__ is Python code, and this is asked for every op
         self._kinds: dict[int, tuple[bool, Any]] = {}
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # Otherwise torch wraps __torch_dispatch__ in dynamo's disable(): the first op imports
-        # torch._dynamo (~2.6 s, ~70 MiB) and every op pays two more Python frames (see Tracer).
-        return False
-
     def enter(self, name: str, index: int) -> None:
         self.stack.append((name, index))
         self.current = None
@@ -203,8 +197,8 @@ class OwnOps(TorchDispatchMode):
         """compare's own work in its hooks (samples, a leaf's re-runs) is no op of the model's: off
         the dispatch stack while it runs, so its ops skip this mode's Python call; below another
         mode (the replayed noise, which the re-runs need), just ignored."""
-        if _get_current_dispatch_mode() is self:
-            with _pop_mode_temporarily():
+        if current_mode() is self:
+            with mode_popped():
                 yield
             return
         self.pause += 1

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fpdoctor.precision.candidates import cast_inputs
 from fpdoctor.precision.metrics import all_finite, floating
+from fpdoctor.torchprivate import TorchDispatchMode
 from fpdoctor.userframes import user_location
 
 

@@ -37,13 +37,20 @@ from types import FrameType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
 from fpdoctor.numerics.headroom import MAX_OP_FINDINGS, judged, near_limit_finding
 from fpdoctor.numerics.values import dtype_name, minmax, read_scalars
 from fpdoctor.precision.metrics import due
 from fpdoctor.report.model import Finding
+from fpdoctor.torchprivate import (
+    DisableTorchDispatch,
+    EagerDispatchMode,
+    TorchDispatchMode,
+    mode_stack,
+    pop_mode,
+    push_mode,
+)
 from fpdoctor.userframes import CASEBOOK_DIR, OWN_DIR, is_user_file
 
 # The formats whose max a model's values reach: a candidate computing in one of them (fp16,
@@ -82,7 +89,7 @@ class OpRange:
         return self.module, self.call, self.op, self.occurrence, self.position
 
 
-class OpRanges(TorchDispatchMode):
+class OpRanges(EagerDispatchMode):
     """Records op output ranges inside modules during one pass; see the module docstring.
 
     Use: `with ranges: hooked(run, ..., pre=ranges.pre(pre), post=ranges.post(post))`, then
@@ -102,10 +109,6 @@ class OpRanges(TorchDispatchMode):
         self._ops: dict[int, tuple[str, bool, Any]] = {}
         self._lines: dict[tuple[Any, str, int, int], tuple[str, int, str] | None] = {}
         self._read: list[OpRange] | None = None
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # as the trace's mode: no dynamo disable() wrapper (and import) per op
 
     # -- module attribution: compare's hook callbacks, wrapped ------------------------------
     def pre(self, callback: Callable[..., None] | None = None) -> Callable[..., None]:
@@ -159,23 +162,23 @@ class OpRanges(TorchDispatchMode):
 
     def _step_off(self) -> list[TorchDispatchMode] | None:
         """Pop this mode and those above it; the others go back at once. None if not on the stack."""
-        stack = _get_current_dispatch_mode_stack()
+        stack = mode_stack()
         if not any(mode is self for mode in stack):
             return None
         above = []
-        while (mode := _pop_mode()) is not self:
+        while (mode := pop_mode()) is not self:
             above.append(mode)
         for mode in reversed(above):
-            _push_mode(mode)
+            push_mode(mode)
         return above
 
     def _step_on(self, above: list[TorchDispatchMode]) -> None:
         """Back under the modes that were above it, as `with` put it there."""
         for _ in above:
-            _pop_mode()
-        _push_mode(self)
+            pop_mode()
+        push_mode(self)
         for mode in reversed(above):
-            _push_mode(mode)
+            push_mode(mode)
 
     def clear(self) -> None:
         """Forget what was recorded (a pass that runs again: compare's fp64 pass with noise replay)."""
@@ -224,7 +227,7 @@ class OpRanges(TorchDispatchMode):
                     if line_key not in self._lines:
                         self._lines[line_key] = _model_location(sys._getframe(2))
                     location = self._lines[line_key]
-                with torch._C._DisableTorchDispatch():  # a mode below must not see the reduction
+                with DisableTorchDispatch():  # a mode below must not see the reduction
                     self._values.extend(minmax(t))
                 self._keys.append((module, call, op, k, position, tuple(t.shape), dtype_name(t.dtype), location))
         except Exception as exc:  # the observer never fails compare

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from fpdoctor.torchprivate import TorchDispatchMode
 
 
 def _random(func: Any) -> bool:

@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fpdoctor.precision.candidates import cast_inputs, map_tensors, split_inputs
 from fpdoctor.precision.compare.noise import RecordNoise, ReplayNoise
 from fpdoctor.precision.metrics import all_finite, cosine, flat_sample, rel_error
 from fpdoctor.preserve import RngState
+from fpdoctor.torchprivate import EagerDispatchMode
 from fpdoctor.userframes import user_location
 
 
@@ -140,7 +140,7 @@ CARRIED_STEPS = 16  # updates in one forward before a chain is called a running 
 CARRIED_TRIED = 3  # the longest chains, each tried by a run with that state raised
 
 
-class _Chains(TorchDispatchMode):
+class _Chains(EagerDispatchMode):
     """Counts, per (op, user source line), the calls that read the output of that same op and
     line's previous call: the updates of a loop-carried tensor."""
 
@@ -150,10 +150,6 @@ class _Chains(TorchDispatchMode):
         self.steps: dict[tuple[Any, str], int] = {}
         self.module: dict[tuple[Any, str], str] = {}
         self.stack: list[str] = []
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # as OwnOps: no dynamo import, no extra frames per op
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -172,7 +168,7 @@ class _Chains(TorchDispatchMode):
         return out
 
 
-class _Raised(TorchDispatchMode):
+class _Raised(EagerDispatchMode):
     """Runs the ops of one site in float64 (their inputs raised, their output kept in float64: the
     running state lives in fp64) and gives every other op its float64 inputs back in `dtype`, so
     the rest of the model runs as the candidate does."""
@@ -181,10 +177,6 @@ class _Raised(TorchDispatchMode):
         super().__init__()
         self.site, self.dtype = site, dtype
         self.raised = 0
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fpdoctor.precision.candidates import map_tensors
 from fpdoctor.provenance import Provenance
 from fpdoctor.pytrees import tensors_in
+from fpdoctor.torchprivate import TorchDispatchMode
 from fpdoctor.userframes import user_location
 
 # Ops after which values are back in a small range: the region ends, their result is cast back.

@@ -1,0 +1,255 @@
+"""torch's private API, in one place: every name fpdoctor takes from torch's insides.
+
+A name with a leading underscore in torch is free to change in any release. fpdoctor needs some
+(a dispatch mode is the tracer, the autograd engine says which backward op runs, GradScaler keeps
+its state in attributes), so they are taken here and nowhere else (`tests/test_torch_private.py`
+fails when another module touches one), each under a name of its own with a line saying what it
+is and why fpdoctor needs it. Where a release may lack one, the name falls back to what fpdoctor
+can still do without it: a capability then reports less ("not checked"), the user's job runs on.
+
+Checked on torch 2.13.0 (constraints.txt): `tests/test_torch_private.py` runs every name below.
+Not yet run on torch 2.11.0+cu130 (the GPU image; the same test runs there with the suite) nor on
+the floor, torch>=2.1 (pyproject.toml): the names a release may lack are looked up with a fallback.
+
+Importing this module imports torch (only modules that use torch import it) but not Dynamo or
+Inductor: those cost seconds and tens of MiB, and are imported inside the function that needs them.
+
+Read directly, not through a function: attributes read on every op or tensor in a hot path, where
+a call would cost more than the read. They are declared in torch's own type stubs (torch/_C, and
+torch/_ops.py for `_schema`); the test checks each on the installed torch (`READ_DIRECTLY`).
+
+`fpdoctor/env/probe_child.py` calls `torch._scaled_mm` itself: it runs as a script by its path,
+with the standard library and torch only.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils import _python_dispatch as _dispatch
+from torch.utils import _pytree as pytree  # nested inputs and outputs: tuples, lists, dicts, registered types
+from torch.utils._python_dispatch import TorchDispatchMode  # every aten op of a block through one Python method
+
+# -- dispatch modes ------------------------------------------------------------------------------
+
+tree_flatten = pytree.tree_flatten  # a nested value's tensors, to replay an op with one input changed
+tree_unflatten = pytree.tree_unflatten  # ...and the same nesting back around the changed leaves
+
+mode_stack = _dispatch._get_current_dispatch_mode_stack  # the thread's modes, bottom first: where the tracer sits
+current_mode = _dispatch._get_current_dispatch_mode  # the top mode: compare's own-ops judge pops only itself
+pop_mode = _dispatch._pop_mode  # pop and push one mode: compare's op ranges go back under the modes above them
+push_mode = _dispatch._push_mode
+mode_popped = _dispatch._pop_mode_temporarily  # `with mode_popped():` the top mode is off inside the block
+
+# `with DisableTorchDispatch():` fpdoctor's own statistics and copies skip every dispatch mode,
+# its own and the user's: they are not the user's ops.
+DisableTorchDispatch = torch._C._DisableTorchDispatch
+
+
+class EagerDispatchMode(TorchDispatchMode):
+    """A dispatch mode whose `__torch_dispatch__` torch does not wrap in Dynamo's disable()
+    (torch does that for every mode whose `_should_skip_dynamo` says True, its default): the wrapper
+    imports torch._dynamo (~2.6 s, ~77 MiB) at the first op and adds two Python frames to every op.
+    Compiled code under the mode still runs as the user's; fpdoctor's own code is kept out of
+    Dynamo by `numerics.dynamo.keep_out`. Older torch never asks, and the method is unused."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+# -- autograd ------------------------------------------------------------------------------------
+
+
+def _no_graph_task() -> int:
+    return -1
+
+
+def _no_node() -> Any:
+    return None
+
+
+# The backward pass this thread runs now, -1 outside one: an op's phase (forward or backward).
+graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", _no_graph_task)
+
+# The autograd node whose backward runs now: which module's forward made the op in backward.
+current_autograd_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_node", _no_node)
+
+# The sequence number the next autograd node made on this thread will get (a node's
+# `_sequence_nr()`, read directly, is the one it got): matches backward nodes with forward ops.
+sequence_nr: Callable[[], int] = getattr(getattr(torch._C, "_autograd", None), "_get_sequence_nr", _no_graph_task)
+
+
+def queue_callback(callback: Callable[[], None]) -> bool:
+    """Run `callback` when the backward pass running now ends (the engine's own queue): the
+    gradients of a whole step are judged once, after the last one is written. False where the
+    engine has no queue (the caller then judges at the next step)."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    queue = getattr(engine, "queue_callback", None)
+    if queue is None:
+        return False
+    queue(callback)
+    return True
+
+
+# -- kernels -------------------------------------------------------------------------------------
+
+
+def has_scaled_mm() -> bool:
+    """torch has the fp8 GEMM (`torch._scaled_mm`)."""
+    return hasattr(torch, "_scaled_mm")
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """The real fp8 GEMM: fp8 candidates and GEMM fingerprints multiply as fp8 training does.
+    Looked up at each call, as a user's own code does. Callers test `has_scaled_mm()` first."""
+    return torch._scaled_mm(a, b, **kwargs)
+
+
+def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """`dst[i].copy_(src[i])` for all i in one fused kernel: restoring the user's state after a
+    replay costs one launch per device and dtype. One copy each where torch has no fused one."""
+    fused = getattr(torch, "_foreach_copy_", None)
+    if fused is not None:
+        fused(list(dst), list(src))
+        return
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)
+
+
+def unscale_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """GradScaler's fused "any gradient not finite" pass (it raises where a device or dtype has no
+    kernel, and callers then check one gradient at a time): at scale 1.0 fpdoctor's gradient check
+    costs one pass per device and reads the device once."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+# -- GradScaler and optimizers -------------------------------------------------------------------
+
+
+def scaler_scale(scaler: Any) -> torch.Tensor | None:
+    """GradScaler's scale tensor (`_scale`), None before its first scale() or when it is disabled:
+    its version counter says whether update() ran, and a replay sets it back to the step's."""
+    return getattr(scaler, "_scale", None)
+
+
+def scaler_states(scaler: Any) -> dict[int, dict[str, Any]] | None:
+    """GradScaler's state per optimizer id (`_per_optimizer_states`: stage, found_inf per device):
+    whether step() ran for an optimizer and what it found. None where the scaler keeps none."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    return states if isinstance(states, dict) else None
+
+
+def steps_with_scaler(optimizer: Any) -> bool:
+    """The optimizer takes GradScaler's found_inf and skips on the device (fused Adam, AdamW, SGD:
+    `_step_supports_amp_scaling`): its skipped steps are judged from the flag, not the weights."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def global_optimizer_hooks(optimizer_module: types.ModuleType) -> dict[str, dict[int, Any]]:
+    """The global optimizer step pre- and post-hook dicts by their name in torch.optim.optimizer:
+    `watch` gives torch copies while it iterates them (a replay registers hooks of its own)."""
+    names = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+    return {n: getattr(optimizer_module, n) for n in names if hasattr(optimizer_module, n)}
+
+
+def global_forward_hooks_with_kwargs(module_module: types.ModuleType) -> dict[int, bool]:
+    """The ids of global forward hooks registered with_kwargs (torch.nn.modules.module): torch's
+    handle leaves its mark there when removed, and every later torch.compile(module) would warn of
+    global hooks that are gone. An empty dict where torch keeps none."""
+    return getattr(module_module, "_global_forward_hooks_with_kwargs", {})
+
+
+# -- modules -------------------------------------------------------------------------------------
+
+
+def buffers_of(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """A module's own buffers as stored (`_buffers`): restoring one puts the very tensor back,
+    which `register_buffer` would refuse for a name that exists and `setattr` may wrap."""
+    return module._buffers
+
+
+def compiled_inner(module: Any) -> Any:
+    """The module inside torch.compile's wrapper (OptimizedModule's `_orig_mod`), None for any
+    other: names are the model's own, not `_orig_mod.`-prefixed."""
+    return getattr(module, "_orig_mod", None)
+
+
+def is_compiled_module(module: Any) -> bool:
+    """The module runs through torch.compile: its wrapper (`_orig_mod`) or `module.compile()`
+    (`_compiled_call_impl`)."""
+    return hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def post_accumulate_grad_hooks(tensor: torch.Tensor) -> Any:
+    """A parameter's post-accumulate-grad hooks (an optimizer run in backward), None or empty
+    without: a replay would step the real weights again."""
+    return getattr(tensor, "_post_accumulate_grad_hooks", None)
+
+
+def has_comm_hook(ddp: Any) -> bool:
+    """A DDP model already has a communication hook, or the Python reducer: one of the user's
+    stays, and fpdoctor's gradient attribution, which needs its own hook, is off."""
+    return bool(getattr(ddp, "_comm_hooks", None) or getattr(ddp, "_use_python_reducer", False))
+
+
+def reparametrized(module: torch.nn.Module, tensors: dict[str, torch.Tensor], *, tie_weights: bool = False) -> Any:
+    """`with reparametrized(model, {name: tensor}):` the model computes with these tensors in place
+    of its parameters and buffers (tied weights follow with tie_weights): the fp32 control and the
+    what-if arms run the user's own step function on stand-ins, a block `torch.func.functional_call`
+    (one call) cannot give."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, tensors, tie_weights=tie_weights)
+
+
+# -- Dynamo (imported only when the program has imported it) ------------------------------------
+
+DYNAMO = "torch._dynamo"  # the module whose import means the program compiles
+
+
+def dynamo_skipper() -> Callable[[types.CodeType], None]:
+    """A function that makes Dynamo run a code object as plain Python, never as a frame to compile:
+    fpdoctor's hooks and dispatch-mode methods called around a graph break. Where torch has per-frame
+    strategies, the frame and every frame it calls (the standard library's helpers included);
+    otherwise the frame only. Imports torch._dynamo: call it once the program has."""
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        def skip(code: types.CodeType) -> None:
+            set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+        return skip
+    except ImportError:
+        from torch._dynamo.eval_frame import skip_code
+
+        return skip_code
+
+
+# -- read directly -------------------------------------------------------------------------------
+
+# name -> (an object of the kind that has it, why it is read directly)
+READ_DIRECTLY: dict[str, str] = {
+    "Tensor._base": "a view's base: values and names of a view are its base's (tracer, provenance, audit)",
+    "Tensor._version": "the in-place write counter: whether a tensor changed since it was seen, without a read",
+    "Tensor._values": "a sparse gradient's stored values: checked for NaN without densifying",
+    "Tensor._has_symbolic_sizes_strides": "a symbolic size is never read (it would add a guard under Dynamo)",
+    "OpOverload._schema": "an op's arguments and whether it writes in place, per op the first time it runs",
+    "Node._sequence_nr": "the number of the autograd node running in backward, matched with its forward op",
+}
+
+
+def read_directly_examples() -> Iterator[tuple[str, Any]]:
+    """(READ_DIRECTLY key, an object that must have the attribute): the test's proof."""
+    t = torch.ones(2, requires_grad=True)
+    y = t * 2
+    yield "Tensor._base", y[:1]
+    yield "Tensor._version", t
+    yield "Tensor._values", torch.ones(2).to_sparse()
+    yield "Tensor._has_symbolic_sizes_strides", t
+    yield "OpOverload._schema", torch.ops.aten.add.Tensor
+    yield "Node._sequence_nr", y.grad_fn
