@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 import types
@@ -32,6 +33,9 @@ SHIM = ROOT / "torchprivate.py"
 ALLOWED = {
     # runs as a script by its path (a child that may crash), with the standard library and torch only
     "fpdoctor/env/probe_child.py",
+    # a graph reproducer's repro.py: copied beside graph.py and run in a fresh interpreter with torch
+    # only, no fpdoctor (it goes with a bug report to torch.compile's maintainers)
+    "fpdoctor/numerics/graph_repro_script.py",
 }
 
 # Private attributes of torch's objects (not modules) that fpdoctor reads through the shim.
@@ -333,6 +337,94 @@ def test_dynamo_skipper_keeps_a_function_out_of_compilation():
     assert graphs == []  # ran as plain Python
     torch.compile(compiled_too, backend=backend)(torch.ones(2))
     assert len(graphs) == 1  # the backend is called where a frame is compiled
+
+
+def test_dynamo_and_inductor_settings():
+    inductor = tp.inductor_config()
+    before = inductor.emulate_precision_casts
+    with inductor.patch({"emulate_precision_casts": not before}):
+        assert inductor.emulate_precision_casts is not before
+        assert "emulate_precision_casts" in inductor.codegen_config()  # a line that differs from the default
+    assert inductor.emulate_precision_casts is before
+    dynamo = tp.dynamo_config()
+    with dynamo.patch({"recompile_limit": 123}):
+        assert dynamo.recompile_limit == 123
+    assert dynamo.recompile_limit != 123
+
+
+def test_backends_by_name():
+    names = tp.dynamo_backends()
+    assert {"eager", "aot_eager", "inductor"} <= set(names)
+    assert "no_such_backend" not in names
+    eager = tp.lookup_backend("eager")
+    gm = torch.fx.symbolic_trace(lambda x: x * 2)
+    assert eager(gm, [torch.ones(2)])(torch.ones(2)).tolist() == [2.0, 2.0]
+    with pytest.raises(Exception):  # noqa: B017 -- torch's own error type for an unknown name varies
+        tp.lookup_backend("no_such_backend")
+
+
+def test_compile_fx_compiles_a_graph():
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    compiled = tp.compile_fx(gm, [torch.ones(3)])
+    out = compiled(torch.ones(3))
+    assert (out[0] if isinstance(out, (list, tuple)) else out).tolist() == [2.0, 2.0, 2.0]
+
+
+def test_the_compile_under_way_and_the_backend_call():
+    seen: list[object] = []
+    own = tp.dynamo_output_graph().call_user_compiler
+    assert callable(own)
+
+    def backend(gm, example_inputs):
+        seen.append(tp.current_compile_id())
+        return gm.forward
+
+    assert tp.current_compile_id() is None
+    torch.compile(lambda x: x * 5, backend=backend)(torch.ones(2))
+    assert len(seen) == 1 and re.fullmatch(r"\d+/0", str(seen[0]))  # frame/recompile: the first compile of a frame
+
+
+def test_dynamo_cache_entries_are_found_and_dropped():
+    def backend(gm, example_inputs):
+        return gm.forward
+
+    def times_seven(x):
+        return x * 7
+
+    compiled = torch.compile(times_seven, backend=backend)
+    compiled(torch.ones(2))
+    code = times_seven.__code__
+    assert code in list(tp.dynamo_input_codes())
+    entries = tp.dynamo_cache_entries(code)
+    assert len(entries) == 1 and hasattr(entries[0], "backend")
+    tp.reset_dynamo_code(code)
+    assert tp.dynamo_cache_entries(code) == []
+
+
+def test_compiler_bisector_and_its_settings():
+    bisector = tp.compiler_bisector()
+    assert callable(bisector.do_bisect) and callable(bisector.get_backend)
+    from torch._inductor.compiler_bisector import BACKENDS
+
+    settings = [(b, s.name) for b, subs in BACKENDS.items() for s in subs if hasattr(s, "config_field")]
+    counted = [(b, s.name) for b, subs in BACKENDS.items() for s in subs if not hasattr(s, "config_field")]
+    assert settings and counted
+    change = tp.bisect_setting(*settings[0])
+    assert change is not None and change.config_name and change.config_field
+    assert tp.bisect_setting(*counted[0]) is None
+    assert tp.bisect_setting("inductor", "no_such_subsystem") is None
+
+
+def test_fx_import_block_names_the_graphs_globals():
+    from torch.package import sys_importer
+
+    gm = torch.fx.symbolic_trace(lambda x: torch.nn.functional.relu(x) + torch.sin(x))
+    code = gm.graph.python_code(root_module="self")
+    block = tp.fx_import_block(code.globals, sys_importer)
+    assert "import torch" in block
+    namespace: dict[str, object] = {}
+    exec(block, namespace)  # the lines run as they are written into graph.py
+    assert "torch" in namespace
 
 
 def test_attributes_read_directly_exist():

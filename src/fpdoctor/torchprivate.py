@@ -19,7 +19,8 @@ a call would cost more than the read. They are declared in torch's own type stub
 torch/_ops.py for `_schema`); the test checks each on the installed torch (`READ_DIRECTLY`).
 
 `fpdoctor/env/probe_child.py` calls `torch._scaled_mm` itself: it runs as a script by its path,
-with the standard library and torch only.
+with the standard library and torch only. `fpdoctor/numerics/graph_repro_script.py` sets Inductor's
+settings itself: it is a graph reproducer's repro.py, run with torch only, no fpdoctor.
 """
 
 from __future__ import annotations
@@ -206,7 +207,7 @@ def reparametrized(module: torch.nn.Module, tensors: dict[str, torch.Tensor], *,
     return _reparametrize_module(module, tensors, tie_weights=tie_weights)
 
 
-# -- Dynamo (imported only when the program has imported it) ------------------------------------
+# -- Dynamo (imported only when the program has imported it, or fpdoctor compiles) ---------------
 
 DYNAMO = "torch._dynamo"  # the module whose import means the program compiles
 
@@ -228,6 +229,121 @@ def dynamo_skipper() -> Callable[[types.CodeType], None]:
         from torch._dynamo.eval_frame import skip_code
 
         return skip_code
+
+
+def dynamo_config() -> types.ModuleType:
+    """Dynamo's settings (`torch._dynamo.config`, whose `patch` sets them for a block): compare's
+    compiled arms lift the recompile limits, so its own compiles never fall back to eager."""
+    import torch._dynamo.config
+
+    return torch._dynamo.config
+
+
+def dynamo_backends() -> list[str]:
+    """The backends torch.compile knows by name, every tag included: a graph reproducer names its
+    backend, which a backend of the program's own cannot be."""
+    import torch._dynamo
+
+    return list(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def lookup_backend(name: str) -> Callable[..., Any]:
+    """The compiler function torch.compile runs for a backend's name ("aot_eager_decomp_partition",
+    "inductor"): a graph recompiled alone with the backend it had, or with each side of a bisection."""
+    from torch._dynamo.backends.registry import lookup_backend as lookup
+
+    return lookup(name)
+
+
+def dynamo_output_graph() -> Any:
+    """Dynamo's OutputGraph: its `call_user_compiler` is the one place Dynamo calls the backend, which
+    fpdoctor wraps to keep a copy of each graph and check what the compiled graph returns."""
+    from torch._dynamo.output_graph import OutputGraph
+
+    return OutputGraph
+
+
+def current_compile_id() -> Any:
+    """The id of the compile under way ("0/1": frame/recompile), None outside one: a graph's name
+    in findings and reproducers, as torch's own logs print it."""
+    from torch._guards import CompileContext
+
+    return CompileContext.current_compile_id()
+
+
+def dynamo_input_codes() -> Iterator[types.CodeType]:
+    """The code objects Dynamo has seen (`convert_frame.input_codes`), those still alive: where
+    compare's own compiles left cache entries."""
+    from torch._dynamo.convert_frame import input_codes
+
+    for ref in list(input_codes.seen):
+        code = ref()
+        if code is not None:
+            yield code
+
+
+def dynamo_cache_entries(code: types.CodeType) -> list[Any]:
+    """Dynamo's cache entries on a code object, each with the `backend` that compiled it: whether
+    every one is compare's own."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return list(_debug_get_cache_entry_list(code))
+
+
+def reset_dynamo_code(code: types.CodeType) -> None:
+    """Drop every Dynamo cache entry on a code object (the next call compiles afresh): compare's
+    compiles never count towards the recompile limit of the user's own compiles of the same code."""
+    from torch._C._dynamo.eval_frame import reset_code
+
+    reset_code(code)
+
+
+# -- Inductor (imported only when fpdoctor compiles or reads its settings) -----------------------
+
+
+def inductor_config() -> types.ModuleType:
+    """Inductor's settings (`torch._inductor.config`: `patch` for a block, `codegen_config()` for
+    the lines that differ from the defaults, the custom passes): a graph recompiled with
+    emulate_precision_casts or a bisection's setting, and a reproducer's settings."""
+    import torch._inductor.config
+
+    return torch._inductor.config
+
+
+def compile_fx(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    """Inductor's compiler for one graph (what backend="inductor" runs): compare's compiled arm
+    compiles with it under a backend of its own, so no other compile's cache entry is reused."""
+    from torch._inductor.compile_fx import compile_fx as inductor
+
+    return inductor(gm, example_inputs)
+
+
+def compiler_bisector() -> Any:
+    """PyTorch's CompilerBisector (`torch._inductor.compiler_bisector`): the backend, subsystem and
+    pass application that first makes a compiled graph's outputs non-finite."""
+    from torch._inductor.compiler_bisector import CompilerBisector
+
+    return CompilerBisector
+
+
+def bisect_setting(backend: str, subsystem: str) -> Any:
+    """The bisector's subsystem when it is a setting (a ConfigChange: `config_name`, `config_field`,
+    `config_value`), None when it counts pass applications: the setting names each side."""
+    from torch._inductor.compiler_bisector import BACKENDS, ConfigChange
+
+    change = next((s for s in BACKENDS.get(backend, []) if s.name == subsystem), None)
+    return change if isinstance(change, ConfigChange) else None
+
+
+# -- FX ------------------------------------------------------------------------------------------
+
+
+def fx_import_block(globals_: dict[str, Any], importer: Any) -> str:
+    """The import lines a GraphModule's generated code needs for its globals (torch.fx's own, as it
+    writes when it saves a module): a graph reproducer's graph.py runs without fpdoctor."""
+    from torch.fx.graph_module import _format_import_block
+
+    return _format_import_block(globals_, importer)
 
 
 # -- read directly -------------------------------------------------------------------------------

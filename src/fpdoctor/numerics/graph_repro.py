@@ -22,6 +22,7 @@ import torch
 
 from fpdoctor.numerics import repro
 from fpdoctor.numerics.graphs import Captured
+from fpdoctor.torchprivate import dynamo_backends, fx_import_block, inductor_config
 
 # Inductor's settings that hold a callable: carried by import path, not by value
 _PASSES = (
@@ -40,14 +41,13 @@ class NotScriptable(Exception):
 
 def graph_source(gm: torch.fx.GraphModule) -> str:
     """graph.py's text: the imports the graph's code needs and a module whose forward is that code."""
-    from torch.fx.graph_module import _format_import_block
     from torch.package import sys_importer
 
     if any(n.op in ("get_attr", "call_module") for n in gm.graph.nodes):
         raise NotScriptable("the graph reads module attributes (parameters not lifted to inputs)")
     code = gm.graph.python_code(root_module="self")
     try:
-        imports = _format_import_block(code.globals, sys_importer)
+        imports = fx_import_block(code.globals, sys_importer)
     except Exception as exc:
         raise NotScriptable(f"a global of the graph's code cannot be imported by name: {exc}") from exc
     body = "\n".join("    " + line if line.strip() else "" for line in code.src.strip("\n").splitlines())
@@ -60,8 +60,7 @@ def graph_source(gm: torch.fx.GraphModule) -> str:
 def inductor_settings() -> tuple[list[str], list[dict[str, Any]], list[str]]:
     """(Inductor settings that differ from the defaults as Python lines, custom passes by import
     path, what cannot be carried)."""
-    from torch._inductor import config
-
+    config = inductor_config()
     lines = [line for line in config.codegen_config().splitlines() if not any(p in line for p in _PASSES)]
     passes, missing = [], []
     for name in _PASSES:
@@ -86,9 +85,7 @@ def write(target: str, captured: Captured, sides: dict[str, Any] | None, limit: 
     """DIR with graph.py, repro.py, repro.json and the inputs' values; NotScriptable when it cannot."""
     graph = captured.graph
     source = graph_source(graph.gm)
-    import torch._dynamo
-
-    if graph.backend_name not in torch._dynamo.list_backends(exclude_tags=()):
+    if graph.backend_name not in dynamo_backends():
         raise NotScriptable(f"the backend {graph.backend_name!r} is the program's own, not one torch.compile names")
     lines, passes, missing = inductor_settings()
     inputs: list[dict[str, Any]] = []

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from fpdoctor.numerics.graphs import Captured, CompiledGraph, all_finite, copy_value, flat, floats, op_name, user_line
+from fpdoctor.torchprivate import bisect_setting, compiler_bisector, inductor_config, lookup_backend
 
 
 def eager_origin(captured: Captured) -> dict[str, Any] | None:
@@ -59,9 +60,7 @@ def fresh(graph: CompiledGraph) -> torch.fx.GraphModule:
 def run_compiled(graph: CompiledGraph, inputs: list[Any], backend: Any, config: dict[str, Any] | None = None) -> bool:
     """Compile a copy of the graph with `backend` (Inductor's `config` patched on), run it on
     copies of `inputs`: True when an output is non-finite."""
-    import torch._inductor.config as inductor_config
-
-    with inductor_config.patch(config or {}), _quiet():
+    with inductor_config().patch(config or {}), _quiet():
         fn = backend(fresh(graph), [copy_value(a) for a in inputs])
         out = fn(*[copy_value(a) for a in inputs])  # as Dynamo calls it: the graph's inputs, positional
     return not all_finite(floats(flat(out)))
@@ -105,8 +104,7 @@ def settle(captured: Captured) -> dict[str, Any]:
 def bisect(graph: CompiledGraph, inputs: list[Any]) -> dict[str, Any]:
     """PyTorch's CompilerBisector on the graph: the backend, subsystem and pass application that
     first makes the outputs non-finite, and the environment variables that give each side."""
-    from torch._dynamo.backends.registry import lookup_backend
-    from torch._inductor.compiler_bisector import CompilerBisector
+    CompilerBisector = compiler_bisector()
 
     def good() -> bool:
         name = CompilerBisector.get_backend() or "inductor"
@@ -147,10 +145,8 @@ def sides(result: Any) -> dict[str, dict[str, str]]:
         good = {"TORCH_BISECT_BACKEND": backends[at - 1]} if at > 0 else {}
         return {"bad": {"TORCH_BISECT_BACKEND": result.backend}, "good": good}
     base = {"TORCH_BISECT_BACKEND": result.backend, "TORCH_BISECT_SUBSYSTEM": result.subsystem}
-    from torch._inductor.compiler_bisector import BACKENDS, ConfigChange
-
-    change = next((s for s in BACKENDS.get(result.backend, []) if s.name == result.subsystem), None)
-    if isinstance(change, ConfigChange):  # a setting, not a counted subsystem: the config names it
+    change = bisect_setting(result.backend, result.subsystem)
+    if change is not None:  # a setting, not a counted subsystem: the config names it
         field = f"torch._{change.config_name}.config.{change.config_field}"
         return {"bad": {}, "good": {field: repr(change.config_value)}}
     number = int(result.bisect_number or 0)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from fpdoctor.numerics import dynamo
+from fpdoctor.torchprivate import current_compile_id, dynamo_output_graph
 from fpdoctor.userframes import is_user_file
 
 _lock = threading.Lock()
@@ -299,7 +300,7 @@ def _install() -> None:
     if "torch._dynamo" not in sys.modules:  # nothing compiles yet; importing it costs seconds
         return
     try:
-        from torch._dynamo.output_graph import OutputGraph
+        OutputGraph = dynamo_output_graph()
     except Exception:
         return
     own = OutputGraph.call_user_compiler
@@ -313,12 +314,10 @@ def _install() -> None:
         if kept is None:
             return compiled_fn
         try:
-            from torch._guards import CompileContext
-
             backend = self.compiler_fn
             graph = CompiledGraph(
                 number=next(_numbers),
-                compile_id=str(CompileContext.current_compile_id() or "?"),
+                compile_id=str(current_compile_id() or "?"),
                 gm=kept,
                 backend=backend,
                 backend_name=backend_name(backend),
@@ -331,7 +330,7 @@ def _install() -> None:
             return compiled_fn
 
     dynamo.never_compile([call_user_compiler])
-    OutputGraph.call_user_compiler = call_user_compiler  # type: ignore[method-assign]
+    OutputGraph.call_user_compiler = call_user_compiler
     _patched.append((OutputGraph, own))
 
 

@@ -31,6 +31,7 @@ from torch import nn
 
 from fpdoctor.numerics.update_whatif import copy_optimizer
 from fpdoctor.preserve import preserved
+from fpdoctor.torchprivate import reparametrized
 
 LR_STEPS = 4
 FACTOR = 10.0
@@ -192,8 +193,6 @@ def _arm(
     steps: int,
 ) -> Arm:
     """`steps` steps at the snapshot's learning rate / `factor`, from the snapshot, on stand-ins."""
-    from torch.nn.utils.stateless import _reparametrize_module
-
     weights = {n: snap.weights[n].clone().requires_grad_(True) for n, _ in named}
     opt = copy_optimizer(optimizer, {id(p): weights[n] for n, p in named})
     opt.load_state_dict(copy.deepcopy(snap.state))  # the state of the snapshot, not of now
@@ -201,7 +200,7 @@ def _arm(
         group["lr"] = group["lr"] / factor
     lr = _lr({}, opt) or math.nan
     losses: list[float] = []
-    with _reparametrize_module(model, weights, tie_weights=True):
+    with reparametrized(model, weights, tie_weights=True):
         for index in range(steps + 1):  # steps updates, each judged by the forward after it
             for w in weights.values():
                 w.grad = None

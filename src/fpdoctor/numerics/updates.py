@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from fpdoctor.torchprivate import DisableTorchDispatch, global_optimizer_hooks
+
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 SAMPLE = 256  # elements per parameter: a share measured on 256 has a standard error under 3.2%
 EVERY = 10  # measure every 10th optimizer step (the first one too)
@@ -67,8 +69,7 @@ def no_global_optimizer_hooks() -> Iterator[None]:
     ones, when the block runs inside one of their hooks: they are swapped, never changed)."""
     from torch.optim import optimizer as optimizer_mod
 
-    names = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
-    saved = {n: getattr(optimizer_mod, n) for n in names if hasattr(optimizer_mod, n)}
+    saved = global_optimizer_hooks(optimizer_mod)
     for name, hooks in saved.items():
         setattr(optimizer_mod, name, type(hooks)())
     try:
@@ -82,7 +83,7 @@ def no_global_optimizer_hooks() -> Iterator[None]:
 def ours() -> Iterator[None]:
     """The check's own tensor work: no gradient, and out of any dispatch mode (a trace records the
     program's ops, not these)."""
-    with torch.no_grad(), torch._C._DisableTorchDispatch():
+    with torch.no_grad(), DisableTorchDispatch():
         yield
 
 

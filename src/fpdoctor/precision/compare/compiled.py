@@ -47,6 +47,15 @@ from fpdoctor.precision.metrics import flat_sample, l2_norm, rel_error, round_to
 from fpdoctor.precision.names import PRECISIONS
 from fpdoctor.precision.profile import DIVERGENCE_RATIO, UNKNOWN_FLOOR, CompareResult
 from fpdoctor.report.model import Finding, Report
+from fpdoctor.torchprivate import (
+    compile_fx,
+    dynamo_cache_entries,
+    dynamo_config,
+    dynamo_input_codes,
+    inductor_config,
+    lookup_backend,
+    reset_dynamo_code,
+)
 
 # compiles one compare may make (each is seconds to minutes): enough to go down a few levels
 MAX_COMPILES = 12
@@ -220,23 +229,18 @@ def _within(departure: float | None, floor: float) -> bool:
 def _run_compiled(module: nn.Module, args: Any, kwargs: Any, config: dict[str, Any], decompositions_only: bool) -> Any:
     """`module` under torch.compile with Inductor (`config` patched on, never left set), called once;
     `decompositions_only`: with Inductor's decompositions run eagerly instead (aot_eager_decomp_partition)."""
-    import torch._dynamo.config as dynamo_config
-    import torch._inductor.config as inductor_config
-    from torch._dynamo.backends.registry import lookup_backend
-    from torch._inductor.compile_fx import compile_fx
-
     compile_graph = lookup_backend("aot_eager_decomp_partition") if decompositions_only else compile_fx
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         # a backend of its own: Dynamo's cache is per backend, so no other compile is reused
-        with inductor_config.patch(config):
+        with inductor_config().patch(config):
             return compile_graph(gm, example_inputs)
 
     compiled = torch.compile(module, backend=backend, dynamic=False)
     # the same module class compiled again with another backend is a recompile, not a fallback to eager
     limits = {"recompile_limit": 10**6, "accumulated_recompile_limit": 10**6}
     try:
-        with dynamo_config.patch(limits), inductor_config.patch(config), torch.no_grad(), _same_rng(), _quiet():
+        with dynamo_config().patch(limits), inductor_config().patch(config), torch.no_grad(), _same_rng(), _quiet():
             return compiled(*args, **kwargs)
     finally:
         _forget(backend)
@@ -246,20 +250,14 @@ def _forget(backend: Any) -> None:
     """Dynamo's cache entries this compile left on code objects (a module class's forward) dropped,
     so the user's own compiles of the same code never count them towards Dynamo's recompile limit.
     Dynamo drops a code object's entries all together: one holding an entry of the user's too keeps ours."""
-    from torch._C._dynamo.eval_frame import reset_code
-    from torch._dynamo.convert_frame import input_codes
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     def ours(entry: Any) -> bool:
         return entry.backend is backend or getattr(entry.backend, "compiler_fn", None) is backend
 
-    for ref in list(input_codes.seen):
-        code = ref()
-        if code is None:
-            continue
-        entries = _debug_get_cache_entry_list(code)
+    for code in dynamo_input_codes():
+        entries = dynamo_cache_entries(code)
         if entries and all(ours(e) for e in entries):
-            reset_code(code)
+            reset_dynamo_code(code)
 
 
 def _child_calls(
