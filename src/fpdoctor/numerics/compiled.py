@@ -35,7 +35,7 @@ from fpdoctor.report.model import Finding
 
 COMPILED = "compiled"
 EAGER_REPLAY = "eager replay"
-EAGER = "eager"  # under trace: compiled code ran eagerly, in place of the compiled program
+EAGER = "eager"  # under trace: seen in eager ops (those around compiled graphs, or compiled code run eagerly)
 # what the step check itself saw: the compiled program's loss and gradients
 _SEEN_BY_THE_CHECK = ("nonfinite-loss", "nonfinite-gradient", "loss-spike", "transient-fault-suspected")
 

@@ -44,6 +44,7 @@ _holders = [0]  # `watching()` blocks open: graphs compiled meanwhile are wrappe
 # while only `watching()` is open: the calls' flags, handed to the next check opened (its first window)
 _pending: collections.deque[tuple[CompiledGraph, torch.Tensor]] = collections.deque(maxlen=4096)
 _numbers = itertools.count()
+_runners: list[Callable[[CompiledGraph, Callable[[], Any]], Any]] = []  # `run_through`: what each graph call runs inside
 _MAX_CALLS = 65536  # graph calls one check keeps per window
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
@@ -126,7 +127,9 @@ class Captured:
 class GraphCheck:
     """Watches the calls of every graph Dynamo compiles while it is open (see the module's text)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, on_import: bool = False) -> None:
+        """`on_import`: where the program has not imported torch._dynamo yet (a script `trace`
+        runs compiles later), graphs are wrapped from when it does."""
         self.graphs: list[CompiledGraph] = []
         self._calls: list[tuple[CompiledGraph, torch.Tensor]] = []
         self._capture: list[Captured] | None = None  # while capturing: the first bad call, once found
@@ -137,6 +140,8 @@ class GraphCheck:
             _pending.clear()
             _open.add(self)
             _install()
+        if on_import:
+            dynamo.when_imported(_install_locked)
 
     def begin(self) -> None:
         """A new window: the calls of the last one are forgotten."""
@@ -263,33 +268,52 @@ def copy_value(value: Any) -> Any:
     return value
 
 
+@contextlib.contextmanager
+def run_through(runner: Callable[[CompiledGraph, Callable[[], Any]], Any]) -> Iterator[None]:
+    """Within the block each graph call, with its checks, runs as `runner(graph, call)`: the trace steps
+    its dispatch mode aside there (numerics/trace_compiled.py), so that the compiled program runs
+    as compiled and our checks are not traced as the user's ops."""
+    _runners.append(runner)
+    try:
+        yield
+    finally:
+        _runners.remove(runner)
+
+
 def _wrap(compiled_fn: Callable[..., Any], graph: CompiledGraph) -> Callable[..., Any]:
     def checked(*args: Any, **kwargs: Any) -> Any:
-        out = compiled_fn(*args, **kwargs)
-        if not _open and not _holders[0]:
-            return out
-        made: list[Any] = []
-
-        def flag() -> Any:  # one reduction per call, whichever checks want it
-            if not made:
-                outputs = floats(out)
-                made.append(nonfinite_of(outputs) if outputs else None)
-            return made[0]
-
-        for check in list(_open):
-            with contextlib.suppress(Exception):  # the observer never kills the job
-                check._called(graph, args, out, flag)
-        if _holders[0]:  # for the check a front end opens later (its first window)
-            with contextlib.suppress(Exception):
-                if flag() is not None:
-                    _pending.append((graph, flag()))
-        return out
+        if _runners:
+            return _runners[-1](graph, lambda: _checked_call(compiled_fn, graph, args, kwargs))
+        return _checked_call(compiled_fn, graph, args, kwargs)
 
     for attr in ("_boxed_call", "zero_grad"):
         if hasattr(compiled_fn, attr):
             with contextlib.suppress(Exception):
                 setattr(checked, attr, getattr(compiled_fn, attr))
     return checked
+
+
+def _checked_call(compiled_fn: Callable[..., Any], graph: CompiledGraph, args: Any, kwargs: Any) -> Any:
+    """One call of a compiled graph, with one non-finite flag for whichever checks want it."""
+    out = compiled_fn(*args, **kwargs)
+    if not _open and not _holders[0]:
+        return out
+    made: list[Any] = []
+
+    def flag() -> Any:  # one reduction per call, whichever checks want it
+        if not made:
+            outputs = floats(out)
+            made.append(nonfinite_of(outputs) if outputs else None)
+        return made[0]
+
+    for check in list(_open):
+        with contextlib.suppress(Exception):  # the observer never kills the job
+            check._called(graph, args, out, flag)
+    if _holders[0]:  # for the check a front end opens later (its first window)
+        with contextlib.suppress(Exception):
+            if flag() is not None:
+                _pending.append((graph, flag()))
+    return out
 
 
 def _install() -> None:
