@@ -61,6 +61,7 @@ class CompiledUnderTrace:
         self.tracer = tracer
         self.calls = 0
         self.captured: list[graphs.Captured] = []
+        self._weights_kept = False
         self._aside: list[Any] = []  # modes stepped aside for a compiled backward now running
         self._stack = contextlib.ExitStack()
 
@@ -87,11 +88,22 @@ class CompiledUnderTrace:
         self.calls += 1
         try:
             with torch._C._DisableTorchDispatch():  # our bookkeeping is not the user's ops
+                if self.captured and not self._weights_kept:
+                    self._keep_weights(self.captured[0])
                 self.tracer.made_by_compiled(list(tensors_in(out)), graph.compile_id)
                 self._aside_in_backward(out, graph.compile_id)
         except Exception as exc:  # the observer never kills the job
             self.tracer.errors.append(f"compiled graph {graph.compile_id}: {type(exc).__name__}: {exc}")
         return out
+
+    def _keep_weights(self, captured: graphs.Captured) -> None:
+        """The bad call's parameters, copied now: unlike the sentinel's bad step, the traced one
+        goes on to the optimizer step, which may write the weights before the graph is run again."""
+        self._weights_kept = True
+        captured.inputs = [
+            v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.nn.Parameter) else v
+            for v in captured.inputs
+        ]
 
     def _aside_in_backward(self, out: Any, graph: str) -> None:
         """A pre-hook and a hook on the graph's backward node: the mode is aside while it runs,
