@@ -109,9 +109,7 @@ class Trace:
 
         import torch
 
-        from fpdoctor.numerics import dynamo
-
-        from fpdoctor.numerics import trace_compiled
+        from fpdoctor.numerics import dynamo, trace_compiled
 
         dynamo.keep_out([*dynamo.fpdoctor_modules(), type(self.tracer)])  # never compiled by Dynamo
         self._compiled: Any = None

@@ -44,7 +44,7 @@ _holders = [0]  # `watching()` blocks open: graphs compiled meanwhile are wrappe
 # while only `watching()` is open: the calls' flags, handed to the next check opened (its first window)
 _pending: collections.deque[tuple[CompiledGraph, torch.Tensor]] = collections.deque(maxlen=4096)
 _numbers = itertools.count()
-_runners: list[Callable[[CompiledGraph, Callable[[], Any]], Any]] = []  # `run_through`: what each graph call runs inside
+_runners: list[Callable[[CompiledGraph, Callable[[], Any]], Any]] = []  # `run_through`: what graph calls run in
 _MAX_CALLS = 65536  # graph calls one check keeps per window
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 

@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, _push_mode
@@ -34,6 +34,9 @@ from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding
 
 LABEL = "an output of compiled graph "  # the tracer's name for a tensor a compiled graph made
+if TYPE_CHECKING:
+    from fpdoctor.numerics.tracer import Tracer
+
 _DEPTH = 3  # autograd nodes searched under an output for the compiled backward (views, aliases)
 
 
@@ -57,7 +60,7 @@ def compiled_before() -> bool:
 class CompiledUnderTrace:
     """Steps `tracer` aside around compiled graphs while open; `captured` gets the first bad call."""
 
-    def __init__(self, tracer: Any) -> None:
+    def __init__(self, tracer: Tracer) -> None:
         self.tracer = tracer
         self.calls = 0
         self.captured: list[graphs.Captured] = []
@@ -109,7 +112,7 @@ class CompiledUnderTrace:
         """A pre-hook and a hook on the graph's backward node: the mode is aside while it runs,
         and the gradients it returns are told to the tracer as made by the graph's backward."""
         seen: set[int] = set()
-        todo = [(t.grad_fn, 0) for t in tensors_in(out) if t.grad_fn is not None]
+        todo: list[tuple[Any, int]] = [(t.grad_fn, 0) for t in tensors_in(out) if t.grad_fn is not None]
         while todo:
             node, depth = todo.pop()
             if node is None or id(node) in seen:
@@ -155,8 +158,7 @@ def graph_finding(evidence: dict[str, Any]) -> Finding:
             "nonfinite-produced",
             message=(
                 f"{origin.get('op')} made NaN/Inf from finite inputs in compiled {graph}; its ops run eagerly on the "
-                "same inputs make it too."
-                + (f" Source: {line}." if line else "")
+                "same inputs make it too." + (f" Source: {line}." if line else "")
             ),
             where={"module": None, "op": origin.get("op"), "phase": "forward"},
             evidence={**evidence, "seen_in": compiled.COMPILED, "location": line},
