@@ -102,7 +102,10 @@ def test_a_nan_the_eager_ops_make_too_names_the_op_and_the_user_line() -> None:
     assert first.evidence["seen_in"] == "compiled"
     assert first.evidence["location"].startswith(f"{__file__}:45 in forward")
     assert first.evidence["compiled_graph"]["id"] == "0/0"
-    # what the graph's NaN did downstream is not told as bad input data
+    # the eager loss ops got the NaN from the graph's output, which the tracer names as such; what
+    # the NaN did downstream is not told as bad input data
+    made = [leaf for leaf in t.tracer.leaves if leaf.origin == "compiled"]
+    assert made and made[0].name == "an output of compiled graph 0/0" and made[0].kind == "nan"
     assert not [f for f in t.report.findings if f.name == "nonfinite-input"]
 
 
