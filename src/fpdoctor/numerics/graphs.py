@@ -40,6 +40,7 @@ from fpdoctor.userframes import is_user_file
 _lock = threading.Lock()
 _open: weakref.WeakSet[GraphCheck] = weakref.WeakSet()  # the checks that want each graph's calls
 _patched: list[Any] = []  # (OutputGraph, its own call_user_compiler) while any check is open
+_on_import: list[bool] = []  # a check asked to wrap graphs from when torch._dynamo is imported
 _holders = [0]  # `watching()` blocks open: graphs compiled meanwhile are wrapped for checks opened later
 # while only `watching()` is open: the calls' flags, handed to the next check opened (its first window)
 _pending: collections.deque[tuple[CompiledGraph, torch.Tensor]] = collections.deque(maxlen=4096)
@@ -140,7 +141,8 @@ class GraphCheck:
             _pending.clear()
             _open.add(self)
             _install()
-        if on_import:
+        if on_import and not _on_import:  # once per process: the callback is the same for every check
+            _on_import.append(True)
             dynamo.when_imported(_install_locked)
 
     def begin(self) -> None:
