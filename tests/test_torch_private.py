@@ -395,6 +395,7 @@ def test_dynamo_cache_entries_are_found_and_dropped():
     compiled(torch.ones(2))
     code = times_seven.__code__
     assert code in list(tp.dynamo_input_codes())
+    assert list(tp.dynamo_output_codes())  # the code Dynamo made for it, alive while the entry is
     entries = tp.dynamo_cache_entries(code)
     assert len(entries) == 1 and hasattr(entries[0], "backend")
     tp.reset_dynamo_code(code)

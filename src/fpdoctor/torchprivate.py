@@ -282,6 +282,17 @@ def dynamo_input_codes() -> Iterator[types.CodeType]:
             yield code
 
 
+def dynamo_output_codes() -> Iterator[types.CodeType]:
+    """The code objects Dynamo compiled (`convert_frame.output_codes`), those still alive: code
+    compiled before a trace began, whose graphs the trace could not wrap."""
+    from torch._dynamo.convert_frame import output_codes
+
+    for ref in list(output_codes.seen):
+        code = ref()
+        if code is not None:
+            yield code
+
+
 def dynamo_cache_entries(code: types.CodeType) -> list[Any]:
     """Dynamo's cache entries on a code object, each with the `backend` that compiled it: whether
     every one is compare's own."""

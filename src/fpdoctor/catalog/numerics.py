@@ -372,7 +372,9 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         "compiled model says where it was seen (evidence.seen_in: compiled, or eager replay). The first Dynamo "
         "graph whose finite inputs gave NaN/Inf is named (evidence.compiled_graph), run eagerly node by node, "
         "recompiled alone, with emulate_precision_casts, and bisected with CompilerBisector "
-        "(evidence.graph_compiled); a reproducer of the graph is written and run once (evidence.reproducer).",
+        "(evidence.graph_compiled); a reproducer of the graph is written and run once (evidence.reproducer). "
+        "Under trace, the graphs compiled in the block run compiled and the first graph whose finite inputs gave "
+        "NaN/Inf is judged the same way when its ops run eagerly are finite.",
         why="The compiled kernels do not compute what the model's eager ops compute: a fusion, a decomposition or "
         "lowering, or an intermediate kept in lower precision. The eager trace cannot name the op, because the "
         "eager ops are finite.",

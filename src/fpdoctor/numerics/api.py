@@ -70,6 +70,7 @@ class Trace:
         self.ranges = ranges
         self.report: Report | None = None
         self.records: Any = []  # the tracer's records (a Store) once the block exits
+        self._forced_eager = False  # compiled code ran eagerly (a torch too old to run it compiled under the trace)
 
     def __enter__(self) -> Trace:
         from fpdoctor.numerics.headroom import Headroom
@@ -108,15 +109,19 @@ class Trace:
 
         import torch
 
-        from fpdoctor.numerics import dynamo
+        from fpdoctor.numerics import dynamo, trace_compiled
 
         dynamo.keep_out([*dynamo.fpdoctor_modules(), type(self.tracer)])  # never compiled by Dynamo
-        # torch.compile'd code runs eagerly while traced, so every op is seen; the report says so.
-        # Only where something was compiled: torch._dynamo is then imported already, and
-        # importing it for a plain model costs ~2.6 s and ~77 MiB (set_stance imports it).
-        set_stance = getattr(torch.compiler, "set_stance", None) if "torch._dynamo" in sys.modules else None
-        if set_stance is not None:
-            self._stack.enter_context(set_stance("force_eager"))
+        self._compiled: Any = None
+        if not trace_compiled.supported() or trace_compiled.compiled_before():
+            # a torch whose Dynamo will not compile under a dispatch mode, or graphs compiled
+            # before the trace (their calls cannot be wrapped now): compiled code runs eagerly
+            # while traced, and the report says so. Only where something was compiled: torch._dynamo
+            # is then imported already (importing it costs ~2.6 s and ~77 MiB).
+            set_stance = getattr(torch.compiler, "set_stance", None) if "torch._dynamo" in sys.modules else None
+            if set_stance is not None:
+                self._stack.enter_context(set_stance("force_eager"))
+                self._forced_eager = True
         self._warnings = self._stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
         from fpdoctor.numerics.recipes import RecipeWatch
@@ -133,6 +138,8 @@ class Trace:
         self._updates = self._stack.enter_context(TraceUpdates(self.tracker.param_names))
         self._stack.enter_context(self.tracker)
         self._stack.enter_context(self.tracer)
+        if not self._forced_eager:  # compiled graphs run compiled, each call checked; exits before the tracer
+            self._compiled = self._stack.enter_context(trace_compiled.CompiledUnderTrace(self.tracer))
 
     def _module_output(self, name: str, call: int, output: Any, recompute: bool) -> None:
         import threading
@@ -201,6 +208,14 @@ class Trace:
             finding, message=finding.message + text, evidence={**finding.evidence, "reproducer": info}
         )
         return findings
+
+    def _graph_repro_dir(self) -> str:
+        """Where the reproducer of a compiled-only graph goes: `repro=DIR`, else a temporary folder."""
+        if self.repro is not None:
+            return str(self.repro)
+        import tempfile
+
+        return os.path.join(tempfile.gettempdir(), f"fpdoctor-graph-{os.getpid()}-trace")
 
     def _raise_at_producer(self, tracer: Any, record: Any) -> None:
         """Called for every non-finite record: classify this one alone (cheap: most are values
@@ -286,13 +301,24 @@ class Trace:
             summary.append(updates)
         not_checked = {f"hook error {i}": e for i, e in enumerate(tracer.errors)}
         not_checked.update(repro_notes)
-        if self.tracker.saw_compiled:
+        graph_calls = self._compiled.calls if self._compiled is not None else 0
+        if graph_calls:
+            from fpdoctor.numerics import compiled
+
+            findings = compiled.seen_in(findings, compiled.EAGER)  # the eager ops around the compiled graphs
+            try:  # the first graph that made NaN/Inf, run again apart: its op, or compiled-only
+                findings = self._compiled.findings(findings, self._graph_repro_dir())
+            except Exception as exc:  # ours: said, the tracer's findings stay
+                not_checked["compiled graph"] = f"{type(exc).__name__}: {exc}"
+            summary.append(("compiled graph calls", f"{graph_calls} run compiled, each one's outputs checked"))
+        if self._forced_eager and self.tracker.saw_compiled:
             from fpdoctor.numerics import compiled
 
             findings = compiled.seen_in(findings, compiled.EAGER)  # evidence.seen_in: not the compiled program
             not_checked["torch.compile"] = (
-                "compiled code ran eagerly while traced (set_stance force_eager): the ops "
-                "are the model's own, not the fused kernels; compare with an untraced run"
+                "compiled code ran eagerly while traced (set_stance force_eager), as it was compiled before "
+                "the trace began: the ops are the model's own, not the fused kernels; compile inside the "
+                "traced block (or trace the whole script) to check the compiled graphs"
             )
         return Report(
             command="trace",

@@ -7,8 +7,9 @@ replay". When the eager replay is finite, the step is run once more compiled, as
 batch, RNG state and weights; the graphs already compiled for these shapes, so nothing is
 recompiled): non-finite again means the compiled program makes NaN/Inf that the model's eager
 math does not (`compiled-only-nonfinite`); finite means the fault followed the run's history,
-as for an eager model (`transient-fault-suspected`). Under `trace` compiled code runs eagerly
-in place of the compiled program: its findings say "eager". `OutputCheck` names the first
+as for an eager model (`transient-fault-suspected`). Under `trace` the graphs compiled in the
+block run compiled (numerics/trace_compiled.py): the first bad graph's finding says "compiled",
+those of the eager ops around the graphs "eager". `OutputCheck` names the first
 compiled module whose outputs went non-finite in a bad step (`evidence.compiled_output`).
 """
 
@@ -36,7 +37,7 @@ from fpdoctor.torchprivate import compiled_inner
 
 COMPILED = "compiled"
 EAGER_REPLAY = "eager replay"
-EAGER = "eager"  # under trace: compiled code ran eagerly, in place of the compiled program
+EAGER = "eager"  # under trace: seen in eager ops (those around compiled graphs, or compiled code run eagerly)
 # what the step check itself saw: the compiled program's loss and gradients
 _SEEN_BY_THE_CHECK = ("nonfinite-loss", "nonfinite-gradient", "loss-spike", "transient-fault-suspected")
 

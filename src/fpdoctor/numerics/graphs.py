@@ -41,10 +41,12 @@ from fpdoctor.userframes import is_user_file
 _lock = threading.Lock()
 _open: weakref.WeakSet[GraphCheck] = weakref.WeakSet()  # the checks that want each graph's calls
 _patched: list[Any] = []  # (OutputGraph, its own call_user_compiler) while any check is open
+_on_import: list[bool] = []  # a check asked to wrap graphs from when torch._dynamo is imported
 _holders = [0]  # `watching()` blocks open: graphs compiled meanwhile are wrapped for checks opened later
 # while only `watching()` is open: the calls' flags, handed to the next check opened (its first window)
 _pending: collections.deque[tuple[CompiledGraph, torch.Tensor]] = collections.deque(maxlen=4096)
 _numbers = itertools.count()
+_runners: list[Callable[[CompiledGraph, Callable[[], Any]], Any]] = []  # `run_through`: what graph calls run in
 _MAX_CALLS = 65536  # graph calls one check keeps per window
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
@@ -127,7 +129,9 @@ class Captured:
 class GraphCheck:
     """Watches the calls of every graph Dynamo compiles while it is open (see the module's text)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, on_import: bool = False) -> None:
+        """`on_import`: where the program has not imported torch._dynamo yet (a script `trace`
+        runs compiles later), graphs are wrapped from when it does."""
         self.graphs: list[CompiledGraph] = []
         self._calls: list[tuple[CompiledGraph, torch.Tensor]] = []
         self._capture: list[Captured] | None = None  # while capturing: the first bad call, once found
@@ -138,6 +142,9 @@ class GraphCheck:
             _pending.clear()
             _open.add(self)
             _install()
+        if on_import and not _on_import:  # once per process: the callback is the same for every check
+            _on_import.append(True)
+            dynamo.when_imported(_install_locked)
 
     def begin(self) -> None:
         """A new window: the calls of the last one are forgotten."""
@@ -264,33 +271,52 @@ def copy_value(value: Any) -> Any:
     return value
 
 
+@contextlib.contextmanager
+def run_through(runner: Callable[[CompiledGraph, Callable[[], Any]], Any]) -> Iterator[None]:
+    """Within the block each graph call, with its checks, runs as `runner(graph, call)`: the trace steps
+    its dispatch mode aside there (numerics/trace_compiled.py), so that the compiled program runs
+    as compiled and our checks are not traced as the user's ops."""
+    _runners.append(runner)
+    try:
+        yield
+    finally:
+        _runners.remove(runner)
+
+
 def _wrap(compiled_fn: Callable[..., Any], graph: CompiledGraph) -> Callable[..., Any]:
     def checked(*args: Any, **kwargs: Any) -> Any:
-        out = compiled_fn(*args, **kwargs)
-        if not _open and not _holders[0]:
-            return out
-        made: list[Any] = []
-
-        def flag() -> Any:  # one reduction per call, whichever checks want it
-            if not made:
-                outputs = floats(out)
-                made.append(nonfinite_of(outputs) if outputs else None)
-            return made[0]
-
-        for check in list(_open):
-            with contextlib.suppress(Exception):  # the observer never kills the job
-                check._called(graph, args, out, flag)
-        if _holders[0]:  # for the check a front end opens later (its first window)
-            with contextlib.suppress(Exception):
-                if flag() is not None:
-                    _pending.append((graph, flag()))
-        return out
+        if _runners:
+            return _runners[-1](graph, lambda: _checked_call(compiled_fn, graph, args, kwargs))
+        return _checked_call(compiled_fn, graph, args, kwargs)
 
     for attr in ("_boxed_call", "zero_grad"):
         if hasattr(compiled_fn, attr):
             with contextlib.suppress(Exception):
                 setattr(checked, attr, getattr(compiled_fn, attr))
     return checked
+
+
+def _checked_call(compiled_fn: Callable[..., Any], graph: CompiledGraph, args: Any, kwargs: Any) -> Any:
+    """One call of a compiled graph, with one non-finite flag for whichever checks want it."""
+    out = compiled_fn(*args, **kwargs)
+    if not _open and not _holders[0]:
+        return out
+    made: list[Any] = []
+
+    def flag() -> Any:  # one reduction per call, whichever checks want it
+        if not made:
+            outputs = floats(out)
+            made.append(nonfinite_of(outputs) if outputs else None)
+        return made[0]
+
+    for check in list(_open):
+        with contextlib.suppress(Exception):  # the observer never kills the job
+            check._called(graph, args, out, flag)
+    if _holders[0]:  # for the check a front end opens later (its first window)
+        with contextlib.suppress(Exception):
+            if flag() is not None:
+                _pending.append((graph, flag()))
+    return out
 
 
 def _install() -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fpdoctor.numerics.dynamo import compiling
 from fpdoctor.provenance import Provenance
 from fpdoctor.torchprivate import compiled_inner, graph_task_id
 
@@ -104,12 +105,16 @@ class ModuleTracker:
         return name
 
     def _pre(self, module: nn.Module, args: Any) -> None:
+        if compiling():  # Dynamo inlines the hook as nothing: no graph break of ours, nothing traced
+            return
         name = self.name_of(module)
         index = self.calls[name]
         self.calls[name] += 1
         self.stack.append((name, index, in_backward()))
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if compiling():
+            return
         name = self.name_of(module)
         stack = self.stack
         while stack:  # pop to the matching entry even if an inner forward raised

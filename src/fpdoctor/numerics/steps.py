@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from fpdoctor.numerics.amp import grad_scaler_class
+from fpdoctor.numerics.dynamo import compiling
 from fpdoctor.torchprivate import DisableTorchDispatch, scaler_scale, scaler_states
 
 
@@ -139,7 +140,8 @@ class StepCounter:
             self._ended(optimizer)
 
     def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
-        if threading.get_ident() != self._thread:
+        # while Dynamo traces a compiled model the hook is inlined as nothing (no graph break of ours)
+        if compiling() or threading.get_ident() != self._thread:
             return
         self._depth += 1
         if self._depth == 1:
@@ -148,7 +150,7 @@ class StepCounter:
                 self._modes.append((self._position(), evaluating))
 
     def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if threading.get_ident() == self._thread:
+        if not compiling() and threading.get_ident() == self._thread:
             self._depth = max(0, self._depth - 1)
 
     def step_of(self, index: int, phase: str) -> tuple[int, bool] | None:

@@ -148,6 +148,7 @@ class Tracer(EagerDispatchMode):
         self._sink_keys: set[tuple[int, str]] = set()
         self._grad_leaves: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}  # leaves that require grad
         self._received: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}  # written by a collective
+        self._compiled: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}  # made by a compiled graph
         self._graph_task = -1  # the last backward that was asked to report gradient sinks at its end
         self._pending: list[int] = []
         self._alive: dict[int, list[Any]] = {}  # record -> weakrefs to outputs, until read (deferred mode)
@@ -167,6 +168,22 @@ class Tracer(EagerDispatchMode):
         self._nested = False
         self._general_only = not fast_paths  # every op through `_record`: nested, or asked for
         tracker.on_names = self._named
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Dynamo then compiles and runs a frame entered under the trace (instead of running it
+        # uncompiled), with this mode off while it traces; around each compiled graph the mode
+        # steps aside (numerics/trace_compiled.py), so it never sees the compiled program's inside.
+        return True
+
+    def made_by_compiled(self, tensors: list[torch.Tensor], graph: str) -> None:
+        """`tensors` were made by compiled graph `graph`, which the trace did not see run: an op
+        that uses one names it as its source."""
+        for t in tensors:
+            base = t._base if t._base is not None else t
+            self._table.pop(id(base), None)
+            self._table.pop(id(t), None)
+            self._compiled[id(base)] = (weakref.ref(base), graph)
 
     def __enter__(self) -> Tracer:
         # Inside an outer trace, our own statistics must not be recorded by it as the user's ops.
@@ -492,6 +509,9 @@ class Tracer(EagerDispatchMode):
             if received is not None and received[0]() is base:
                 src = self._new_leaf(base, consumer, f"a tensor received through {received[1]}")
                 self.leaves[src[1]].origin = "collective"
+            elif (made := self._compiled.get(id(base))) is not None and made[0]() is base:
+                src = self._new_leaf(base, consumer, f"an output of compiled graph {made[1]}")  # trace_compiled.LABEL
+                self.leaves[src[1]].origin = "compiled"
             else:
                 src = self._new_leaf(base, consumer, self.tracker.param_names.get(base) or "input")
         elif src[0] == "op":
@@ -765,6 +785,7 @@ class Tracer(EagerDispatchMode):
         self._sink_keys = {(s[1], s[2]) for s in self.sinks}
         self._grad_leaves = {k: v for k, v in self._grad_leaves.items() if v[0]() is not None}
         self._received = {k: v for k, v in self._received.items() if v[0]() is not None}
+        self._compiled = {k: v for k, v in self._compiled.items() if v[0]() is not None}
         if len(self._by_seq) > 1 << 17:  # nodes that old have run their backward (or never will)
             self._by_seq = dict(list(self._by_seq.items())[len(self._by_seq) // 2 :])
         self._next_compact = self.records.count + max(COMPACT_EVERY, 2 * self.records.kept)
