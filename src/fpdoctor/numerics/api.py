@@ -210,12 +210,14 @@ class Trace:
         return findings
 
     def _graph_repro_dir(self) -> str:
-        """Where the reproducer of a compiled-only graph goes: `repro=DIR`, else a temporary folder."""
+        """Where the reproducer of a compiled-only graph goes: `repro=DIR`, else a new private
+        temporary folder (a guessable name in the shared temp folder could be made first by
+        someone else, and the reproducer is run from it)."""
         if self.repro is not None:
             return str(self.repro)
         import tempfile
 
-        return os.path.join(tempfile.gettempdir(), f"fpdoctor-graph-{os.getpid()}-trace")
+        return tempfile.mkdtemp(prefix=f"fpdoctor-graph-{os.getpid()}-trace-")
 
     def _raise_at_producer(self, tracer: Any, record: Any) -> None:
         """Called for every non-finite record: classify this one alone (cheap: most are values

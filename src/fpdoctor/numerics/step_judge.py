@@ -480,7 +480,9 @@ class StepJudge:
         import os
         import tempfile
 
-        return os.path.join(tempfile.gettempdir(), f"fpdoctor-graph-{os.getpid()}-step{step}")
+        # a new private folder: a guessable name could be made first by someone else, and the
+        # reproducer is run from it
+        return tempfile.mkdtemp(prefix=f"fpdoctor-graph-{os.getpid()}-step{step}-")
 
     def _collapse(self, f: StepFacts, next_scale: float) -> None:
         self.causes.add(

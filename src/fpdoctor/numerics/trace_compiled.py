@@ -31,7 +31,7 @@ from fpdoctor import catalog
 from fpdoctor.numerics import compiled, graphs
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding
-from fpdoctor.torchprivate import DisableTorchDispatch, TorchDispatchMode, dynamo_output_codes
+from fpdoctor.torchprivate import DisableTorchDispatch, TorchDispatchMode, dynamo_output_codes, mode_stack
 from fpdoctor.torchprivate import current_mode as _get_current_dispatch_mode
 from fpdoctor.torchprivate import pop_mode as _pop_mode
 from fpdoctor.torchprivate import push_mode as _push_mode
@@ -75,8 +75,13 @@ class CompiledUnderTrace:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        while self._aside:  # a backward that raised before its node's hook: the mode goes back
-            _push_mode(self._aside.pop())
+        # A backward that raised between its node's pre-hook and hook: the autograd engine puts
+        # back the dispatch stack it ran under, so the mode goes back only where it is missing
+        # (a second copy would stay on the user's stack after the trace).
+        while self._aside:
+            mode = self._aside.pop()
+            if not any(m is mode for m in mode_stack()):
+                _push_mode(mode)
         self._stack.close()
 
     def _run(self, graph: graphs.CompiledGraph, call: Callable[[], Any]) -> Any:
