@@ -216,7 +216,7 @@ class ScriptWatch:
             scaler = amp.grad_scaler_class()
             stack.enter_context(self._swapped(scaler, "step", self._scaler_step_of))
             # a Hugging Face Trainer made inside gets the fpdoctor callback, which judges its steps
-            stack.enter_context(hf_switch.callback_in_trainers())
+            stack.enter_context(hf_switch.callback_in_trainers(self._error))
         except BaseException:
             stack.close()
             raise
