@@ -540,6 +540,39 @@ def test_the_last_step_decided_on_the_device_is_decided_when_the_watch_ends(kind
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
+def test_a_step_undo_that_fails_is_a_finding_never_raised_into_the_step_and_the_watch_still_leaves(monkeypatch):
+    from torch import nn
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    from fpdoctor.integrations import script
+
+    def broken(self):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(script.StepUndo, "undo", broken)
+    backward, step = torch.autograd.backward, torch.amp.GradScaler.step
+    pre, post = dict(_global_optimizer_pre_hooks), dict(_global_optimizer_post_hooks)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    watcher = script.ScriptWatch(device_skip=True, notify=None)
+    with pytest.raises(ValueError, match="the user's own"), watcher:
+        for i in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            if i == 2:  # this step raises after the watch's pre-hook: its undo is left for the watch's end
+
+                def fail(*_):
+                    raise ValueError("the user's own")
+
+                opt.register_step_pre_hook(fail)
+            opt.step()  # the first two steps' undo fails in the post-hook, never in the user's step
+    assert torch.autograd.backward is backward and torch.amp.GradScaler.step is step
+    assert dict(_global_optimizer_pre_hooks) == pre and dict(_global_optimizer_post_hooks) == post
+    (error,) = [f for f in watcher.report.findings if "putting the optimizer's step back" in f.message]
+    assert "RuntimeError: device lost" in error.message
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the host must not wait for the device")
 @pytest.mark.parametrize(
     ("kind", "scaled"),

@@ -113,6 +113,23 @@ def test_a_loss_that_climbs_before_it_goes_nonfinite_points_the_stall_at_the_lea
     assert "lr 0.05 keeps them finite and the loss from climbing (checked)" in stalled.message
 
 
+def test_the_learning_rate_trial_fires_no_global_optimizer_hook():
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    stepped: list[int] = []
+    handles = [
+        register_optimizer_step_pre_hook(lambda o, *_: stepped.append(id(o))),
+        register_optimizer_step_post_hook(lambda o, *_: stepped.append(id(o))),
+    ]
+    try:
+        report = _lr_blow_up()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert "lowered" in report.by_name("training-stalled")[0].evidence["lr_tried"]  # the trial ran
+    assert stepped and len(set(stepped)) == 1  # only the user's optimizer, never a stand-in's
+
+
 def test_a_learning_rate_that_cannot_be_tried_says_why():
     stalled = _lr_blow_up(replay=False).by_name("training-stalled")[0]
     assert stalled.evidence["lr_tried"] == {"not_tried": "replays are off"}

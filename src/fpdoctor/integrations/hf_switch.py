@@ -11,14 +11,11 @@ transformers is not loaded yet, the wrap waits for the script's own import of `t
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import sys
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from types import ModuleType
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from fpdoctor.imports import AfterImport, after_import
 
 _TRAINER = "transformers.trainer"
 
@@ -47,66 +44,32 @@ def _wrapped(trainer: Any) -> Callable[[], None]:
     return undo
 
 
-class _Loader(importlib.abc.Loader):
-    """The module's own loader, then `then(module)`."""
-
-    def __init__(self, loader: importlib.abc.Loader, then: Callable[[ModuleType], None]) -> None:
-        self._loader = loader
-        self._then = then
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._loader.exec_module(module)
-        self._then(module)
-
-
-class _WhenImported(importlib.abc.MetaPathFinder):
-    """Calls `then(module)` once `name` has been imported (by the script)."""
-
-    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
-        self._name = name
-        self._then = then
-        self._local = threading.local()
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != self._name or getattr(self._local, "busy", False):
-            return None
-        self._local.busy = True
-        try:
-            spec = importlib.util.find_spec(fullname)  # the finders after this one
-        finally:
-            self._local.busy = False
-        if spec is None or spec.loader is None:
-            return None
-        spec.loader = _Loader(spec.loader, self._then)
-        return spec
-
-
 @contextlib.contextmanager
-def callback_in_trainers() -> Iterator[None]:
-    """Inside the block, every Trainer made gets the fpdoctor callback (unless it has one)."""
+def callback_in_trainers(on_error: Callable[[str, BaseException], None] | None = None) -> Iterator[None]:
+    """Inside the block, every Trainer made gets the fpdoctor callback (unless it has one). What
+    fails in switching it on goes to `on_error`, never into the script's import."""
     undo: list[Callable[[], None]] = []
 
-    def wrap(module: ModuleType) -> None:
-        trainer = getattr(module, "Trainer", None)
-        if isinstance(trainer, type) and "__init__" in trainer.__dict__:
-            undo.append(_wrapped(trainer))
+    def wrap() -> None:
+        try:
+            trainer = getattr(sys.modules.get(_TRAINER), "Trainer", None)
+            if isinstance(trainer, type) and "__init__" in trainer.__dict__:
+                undo.append(_wrapped(trainer))
+        except Exception as exc:  # the observer never kills the job: the watch's own hooks judge instead
+            if on_error is not None:
+                with contextlib.suppress(Exception):
+                    on_error("switching the fpdoctor callback on in the Hugging Face Trainer", exc)
 
-    finder: _WhenImported | None = None
-    loaded = sys.modules.get(_TRAINER)
-    if loaded is not None:
-        wrap(loaded)
+    finder: AfterImport | None = None
+    if _TRAINER in sys.modules:
+        wrap()
     else:
-        finder = _WhenImported(_TRAINER, wrap)
-        sys.meta_path.insert(0, finder)
+        finder = after_import(_TRAINER, wrap)
     try:
         yield
     finally:
-        if finder is not None and finder in sys.meta_path:
-            sys.meta_path.remove(finder)
+        if finder is not None:  # never imported inside the block: nothing waits for it after
+            with contextlib.suppress(ValueError):
+                sys.meta_path.remove(finder)
         for done in undo:
             done()

@@ -216,7 +216,7 @@ class ScriptWatch:
             scaler = amp.grad_scaler_class()
             stack.enter_context(self._swapped(scaler, "step", self._scaler_step_of))
             # a Hugging Face Trainer made inside gets the fpdoctor callback, which judges its steps
-            stack.enter_context(hf_switch.callback_in_trainers())
+            stack.enter_context(hf_switch.callback_in_trainers(self._error))
         except BaseException:
             stack.close()
             raise
@@ -228,13 +228,15 @@ class ScriptWatch:
         self.close()
 
     def close(self) -> None:
-        self._decide_pending()  # the last steps, whose flags are still on their way
-        for undo in list(self._undo.values()):  # an optimizer whose step raised keeps no flag of ours
-            undo()
-        self._undo.clear()
-        if self._stack is not None:
-            self._stack.close()
-            self._stack = None
+        try:
+            self._decide_pending()  # the last steps, whose flags are still on their way
+            for undo in list(self._undo.values()):  # an optimizer whose step raised keeps no flag of ours
+                self._guarded(undo, "putting the optimizer's step back")
+            self._undo.clear()
+        finally:  # whatever failed, no hook or swapped function of the watch outlives it
+            if self._stack is not None:
+                self._stack.close()
+                self._stack = None
         for run in self.runs.values():  # the compiled-output checks on the script's compiled modules
             if run.judge.outputs is not None:
                 run.judge.outputs.close()
@@ -368,11 +370,11 @@ class ScriptWatch:
             self._decide_pending()  # a step with no training forward since the last one
             self._guarded(lambda: self._step(optimizer, scaler=scaler, skipped_by_scaler=False))
 
-    def _guarded(self, do: Callable[[], None]) -> None:
+    def _guarded(self, do: Callable[[], None], doing: str = "checking the step") -> None:
         try:
             do()
         except Exception as exc:  # the observer never kills the job
-            self._error("checking the step", exc)
+            self._error(doing, exc)
 
     # -- the step --------------------------------------------------------------------------------
     def _run_of(self, optimizer: Any) -> _Run | None:
@@ -540,7 +542,7 @@ class ScriptWatch:
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         undo = self._undo.pop(id(optimizer), None)
         if undo is not None:  # the optimizer has taken the flag: nothing of ours stays on it
-            undo()
+            self._guarded(undo, "putting the optimizer's step back")  # never raised into the user's step
         run = self.runs.get(id(optimizer))
         if run is None or run.probe is None or run.sample is None:
             return

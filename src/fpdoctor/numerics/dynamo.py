@@ -75,7 +75,8 @@ def when_imported(call: Callable[[], None]) -> None:
         call()
         return
     with _lock:
-        _then.append(call)
+        if call not in _then:  # asked again by each watch while the program has not imported it yet
+            _then.append(call)
         if not any(getattr(f, "then", None) is _skip_waiting for f in sys.meta_path):
             after_import(_DYNAMO, _skip_waiting)
 

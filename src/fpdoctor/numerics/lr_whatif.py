@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from fpdoctor.numerics.update_whatif import copy_optimizer
+from fpdoctor.numerics.updates import no_global_optimizer_hooks
 from fpdoctor.preserve import preserved
 from fpdoctor.torchprivate import reparametrized
 
@@ -214,7 +215,8 @@ def _arm(
             if (loss is not None and not math.isfinite(value)) or not all(bool(torch.isfinite(g).all()) for g in grads):
                 return Arm(lr, losses, index + 1)
             if index < steps:
-                opt.step()
+                with no_global_optimizer_hooks():  # a stand-in step is not one of the user's steps
+                    opt.step()
     return Arm(lr, losses)
 
 
