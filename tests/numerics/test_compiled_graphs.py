@@ -296,3 +296,25 @@ def _line_of(text: str) -> int:
 
     lines, start = inspect.getsourcelines(Net.forward)
     return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+def _torchs_own() -> bool:
+    """Dynamo's one call of the backend is torch's, not a check's wrapper."""
+    from torch._dynamo.output_graph import OutputGraph
+
+    return "fpdoctor" not in OutputGraph.call_user_compiler.__module__
+
+
+def test_a_sentinel_gone_puts_dynamos_class_back() -> None:
+    """The Sentinel has no end of its own: once it is collected, its graph check is taken off."""
+    import gc
+
+    torch.manual_seed(0)
+    with _counted():
+        compiled, opt, forward_backward = _loop(Net(), "eager")
+        guard = fpdoctor.Sentinel(compiled, opt)
+        guard.step(forward_backward)
+        assert not _torchs_own()
+        del guard
+        gc.collect()
+    assert _torchs_own()

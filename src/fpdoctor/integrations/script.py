@@ -236,8 +236,7 @@ class ScriptWatch:
             self._stack.close()
             self._stack = None
         for run in self.runs.values():  # the compiled-output checks on the script's compiled modules
-            if run.judge.outputs is not None:
-                run.judge.outputs.close()
+            run.judge.close()
         self._calls, self._losses = [], []
 
     @staticmethod

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -186,6 +187,9 @@ class StepJudge:
         self.is_compiled = dynamo.is_compiled(model)
         dynamo.keep_out(dynamo.fpdoctor_modules())
         self.outputs = compiled.OutputCheck(model) if self.is_compiled else None
+        # its checks patch Dynamo's class for the whole process: taken off by `close`, or when the
+        # judge is collected where its front end has no end of its own (the Sentinel)
+        self._closer = weakref.finalize(self, _close_outputs, self.outputs)
         self.compiled_graphs: dict[int, dict[str, Any]] = {}  # step -> its first non-finite compiled output
         self.first_graphs: dict[int, dict[str, Any]] = {}  # step -> its first Dynamo graph with a non-finite output
         self.repro_dir: str | None = None  # where a compiled-only fault's reproducer goes (None: a new temp dir)
@@ -222,6 +226,11 @@ class StepJudge:
                 self.findings.append(eps)
         except Exception as exc:
             self.error("looking at the optimizer's settings", exc)
+
+    def close(self) -> None:
+        """The end of training: the compiled-output checks come off (Dynamo's class as torch
+        made it, once no other check is open). Safe to call more than once."""
+        self._closer()
 
     # -- a window starts -----------------------------------------------------------------------
     def begin_window(self) -> None:
@@ -753,3 +762,9 @@ class JudgedSteps:
     @property
     def last_good_step(self) -> int | None:
         return self._judge.last_good_step
+
+
+def _close_outputs(outputs: compiled.OutputCheck | None) -> None:
+    if outputs is not None:
+        with contextlib.suppress(Exception):  # at the end of training: never raised into the user's loop
+            outputs.close()
