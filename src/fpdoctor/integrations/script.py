@@ -514,6 +514,7 @@ class ScriptWatch:
             else None,
             micro=None,
             micro_batches=len(mine),
+            stepped=pending.on_device,
             why_not=self._why_not(mine),
             what_if_fn=self._what_if_call,
             what_if_loss="the loss to first order (the step's loss plus the gradient at the model's outputs times how "

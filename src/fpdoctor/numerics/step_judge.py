@@ -115,6 +115,9 @@ class StepFacts:
     micro_batches: int = 1  # in this optimizer step's window
     skippable: bool = True
     applied: bool = False
+    # the optimizer had already been given the step when it is judged (decided on the device a step
+    # later, or a GradScaler's step): a finite step's update is made, the state it started from gone
+    stepped: bool = False
     why_not: str | None = None
     spread: bool = False  # gradients read after a norm computation that spread a NaN to all of them
     loss_seen: bool = True  # False: the loss is computed where the front end cannot see it
@@ -533,10 +536,13 @@ class StepJudge:
 
     def _keep_climb(self, f: StepFacts) -> Snapshot | str:
         """The state a climb's first step starts from, to try a lower learning rate on if training stalls."""
-        if not self.replay or f.why_not is not None or f.applied or self.distributed:
+        if not self.replay or f.why_not is not None or f.applied or f.stepped or self.distributed:
             return f.why_not or (
                 "the step was applied by the step function itself"
                 if f.applied
+                else "the optimizer had made the step's update before it was judged (device-side skipping or a "
+                "GradScaler's step): the weights it started from were gone"
+                if f.stepped
                 else "replays are off"
                 if not self.replay
                 else "a trial on one rank would leave the others' collectives"
