@@ -318,3 +318,25 @@ def test_a_sentinel_gone_puts_dynamos_class_back() -> None:
         del guard
         gc.collect()
     assert _torchs_own()
+
+
+def test_a_captured_call_keeps_its_inputs_as_they_were_before_the_graph_wrote_into_them() -> None:
+    """A graph that writes into its input in place: the copy the re-runs start from is the input
+    before the call, and it is judged finite on those values."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        x.add_(1.0)
+        return torch.log(x - 3.0)  # NaN from the written value 2; from the input's 1 too
+
+    check = GraphCheck()
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(f, backend="eager")
+        x = torch.ones(4)
+        with check.capturing() as found:
+            compiled(x)
+        assert torch.equal(x, torch.full((4,), 2.0))  # the program's own input was written, as without us
+        (captured,) = found
+        assert torch.equal(captured.inputs[0], torch.ones(4))
+    finally:
+        check.close()
