@@ -308,3 +308,22 @@ def test_pure_bf16_weights_whose_updates_round_away_are_named():
     tried = found.evidence["what_if"]  # the fix tried on copies, as the sentinel tries it
     assert tried["tried"] and tried["steps"] == 8 and tried["moved_fp32_master"] > tried["moved_as_is"], tried
     assert "Tried: with fp32 master weights" in found.message
+
+
+def test_a_compiled_module_s_graph_check_comes_off_when_training_ends():
+    """Dynamo's class is patched while the callback watches compiled graphs, and put back after fit."""
+    from torch._dynamo.output_graph import OutputGraph
+
+    module = Net()
+    module.net = torch.compile(module.net, backend="eager")
+    callback = FpDoctorCallback()
+    seen: list[str] = []
+
+    class During(pl.Callback):
+        def on_train_batch_end(self, *args, **kwargs):
+            seen.append(OutputGraph.call_user_compiler.__module__)
+
+    trainer([callback, During()], max_steps=2).fit(module, data())
+    assert callback.report.findings == []
+    assert seen and all("fpdoctor" in m for m in seen)
+    assert "fpdoctor" not in OutputGraph.call_user_compiler.__module__

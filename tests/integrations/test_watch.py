@@ -821,3 +821,29 @@ def test_device_skip_on_the_command_line_keeps_healthy_runs_bitwise_and_skips_a_
     report = _report(tmp_path)
     assert report["data"]["skipped_steps"] == 1 and report["data"]["verdicts"] == {"4": "transient-fault-suspected"}
     assert all(bool(torch.isfinite(v).all()) for v in torch.load(tmp_path / "bad.pt").values())
+
+
+def test_a_learning_rate_trial_is_not_made_from_weights_a_step_decided_on_the_device_has_moved():
+    """Decided a step later, a finite step's update is made when the judge sees its climb: no trial
+    is started from those weights as if they were the step's own, and the report says why."""
+    from torch import nn
+
+    from fpdoctor.integrations.script import ScriptWatch
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, foreach=True)
+    g = torch.Generator().manual_seed(1)
+    with ScriptWatch(device_skip=True, notify=None) as watcher:
+        for i in range(36):
+            if i == 12:  # a learning rate far too high from here on
+                for group in opt.param_groups:
+                    group["lr"] = 50.0
+            opt.zero_grad()
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+            (model(x) - y).pow(2).mean().backward()
+            opt.step()
+    assert watcher.report.by_name("loss-spike")
+    (stalled,) = watcher.report.by_name("training-stalled")
+    why = stalled.evidence["lr_tried"]["not_tried"]
+    assert why.startswith("the optimizer had made the step's update before it was judged"), why

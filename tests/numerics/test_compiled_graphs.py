@@ -89,6 +89,7 @@ def compiled_only() -> Iterator[dict[str, Any]]:
         guard = fpdoctor.Sentinel(compiled, opt)
         guard.step(forward_backward)
         out["report"] = guard.report
+        del guard  # its graph check comes off now, not when the module's tests are done
     out["seen"] = seen
     yield out
     for f in out["report"].findings:
@@ -296,3 +297,49 @@ def _line_of(text: str) -> int:
 
     lines, start = inspect.getsourcelines(Net.forward)
     return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+def _torchs_own() -> bool:
+    """Dynamo's one call of the backend is torch's, not a check's wrapper."""
+    from torch._dynamo.output_graph import OutputGraph
+
+    return "fpdoctor" not in OutputGraph.call_user_compiler.__module__
+
+
+def test_a_sentinel_gone_puts_dynamos_class_back() -> None:
+    """The Sentinel has no end of its own: once it is collected, its graph check is taken off."""
+    import gc
+
+    gc.collect()
+    assert _torchs_own()  # no check of an earlier test is left open
+    torch.manual_seed(0)
+    with _counted():
+        compiled, opt, forward_backward = _loop(Net(), "eager")
+        guard = fpdoctor.Sentinel(compiled, opt)
+        guard.step(forward_backward)
+        assert not _torchs_own()
+        del guard
+        gc.collect()
+    assert _torchs_own()
+
+
+def test_a_captured_call_keeps_its_inputs_as_they_were_before_the_graph_wrote_into_them() -> None:
+    """A graph that writes into its input in place: the copy the re-runs start from is the input
+    before the call, and it is judged finite on those values."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        x.add_(1.0)
+        return torch.log(x - 3.0)  # NaN from the written value 2; from the input's 1 too
+
+    check = GraphCheck()
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(f, backend="eager")
+        x = torch.ones(4)
+        with check.capturing() as found:
+            compiled(x)
+        assert torch.equal(x, torch.full((4,), 2.0))  # the program's own input was written, as without us
+        (captured,) = found
+        assert torch.equal(captured.inputs[0], torch.ones(4))
+    finally:
+        check.close()

@@ -192,6 +192,10 @@ class StepWatch(JudgedSteps):
             scaled=self.scaler is not None, lines=[("framework", framework)], data={"framework": framework}
         )
 
+    def close(self) -> None:
+        """Training ended: the compiled-graph checks come off (the report stays readable)."""
+        self._judge.close()
+
     # -- what the callback reports -------------------------------------------------------------
     def start_micro(self) -> None:
         """A micro-batch starts, before its forward: its RNG state; at a window's first, its buffers."""

@@ -303,6 +303,8 @@ class FpDoctorCallback(_Callback):
         """Take the hooks off the model (the watch stays, for `report`)."""
         for handle in self._handles:
             handle.remove()
+        if self._watch is not None:
+            self._watch.close()
         self._handles, self._open = [], False
 
 

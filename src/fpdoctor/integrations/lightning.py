@@ -186,6 +186,7 @@ class _Hooks:
         watch = self._watch
         if watch is None or self._written is not None:
             return
+        watch.close()
         report = _report.build(watch, "lightning")
         self._written = report
         rank, world = _rank(trainer)

@@ -238,8 +238,7 @@ class ScriptWatch:
                 self._stack.close()
                 self._stack = None
         for run in self.runs.values():  # the compiled-output checks on the script's compiled modules
-            if run.judge.outputs is not None:
-                run.judge.outputs.close()
+            run.judge.close()
         self._calls, self._losses = [], []
 
     @staticmethod
@@ -517,6 +516,7 @@ class ScriptWatch:
             else None,
             micro=None,
             micro_batches=len(mine),
+            stepped=pending.on_device,
             why_not=self._why_not(mine),
             what_if_fn=self._what_if_call,
             what_if_loss="the loss to first order (the step's loss plus the gradient at the model's outputs times how "

@@ -188,15 +188,21 @@ class GraphCheck:
     def _compiled(self, graph: CompiledGraph) -> None:
         self.graphs.append(graph)
 
-    def _called(self, graph: CompiledGraph, args: tuple[Any, ...], out: Any, flag: Callable[[], Any]) -> None:
-        """One call of `graph`; `flag()` is the call's non-finite flag, computed once for all checks."""
+    def _wants_inputs(self) -> bool:
+        """Capturing, and no bad call found yet: the next call's inputs are copied before it runs."""
+        return self._capture is not None and not self._capture and threading.get_ident() == self._thread
+
+    def _called(self, graph: CompiledGraph, before: list[Any] | None, out: Any, flag: Callable[[], Any]) -> None:
+        """One call of `graph`; `before` its inputs as they were before it ran (copied while
+        capturing only); `flag()` is the call's non-finite flag, computed once for all checks."""
         if threading.get_ident() != self._thread:
             return
         if self._capture is not None:
             outputs = floats(out)
-            if not self._capture and outputs and not all_finite(outputs) and all_finite(floats(args)):
-                bad = [i for i, o in enumerate(flat(out)) if isinstance(o, torch.Tensor) and not all_finite([o])]
-                self._capture.append(Captured(graph, [copy_value(a) for a in args], bad))
+            if before is None or self._capture or not outputs or all_finite(outputs) or not all_finite(floats(before)):
+                return  # not the first call whose finite inputs gave non-finite outputs
+            bad = [i for i, o in enumerate(flat(out)) if isinstance(o, torch.Tensor) and not all_finite([o])]
+            self._capture.append(Captured(graph, before, bad))
             return
         if len(self._calls) < _MAX_CALLS:  # a check nobody reads any more must not grow without end
             value = flag()
@@ -298,6 +304,12 @@ def _wrap(compiled_fn: Callable[..., Any], graph: CompiledGraph) -> Callable[...
 
 def _checked_call(compiled_fn: Callable[..., Any], graph: CompiledGraph, args: Any, kwargs: Any) -> Any:
     """One call of a compiled graph, with one non-finite flag for whichever checks want it."""
+    before = None
+    with contextlib.suppress(Exception):  # inputs not copied: no call is captured, the call still runs
+        if any(check._wants_inputs() for check in list(_open)):
+            # copied before the call: a graph may write into its inputs (BatchNorm's running
+            # statistics, an in-place op on an argument); the re-runs start from them as they were
+            before = [copy_value(a) for a in args]
     out = compiled_fn(*args, **kwargs)
     if not _open and not _holders[0]:
         return out
@@ -311,7 +323,7 @@ def _checked_call(compiled_fn: Callable[..., Any], graph: CompiledGraph, args: A
 
     for check in list(_open):
         with contextlib.suppress(Exception):  # the observer never kills the job
-            check._called(graph, args, out, flag)
+            check._called(graph, before, out, flag)
     if _holders[0]:  # for the check a front end opens later (its first window)
         with contextlib.suppress(Exception):
             if flag() is not None:

@@ -444,6 +444,7 @@ class Sentinel(JudgedSteps):
             # given to the scaler already: it applies a step whose gradients are finite
             skippable=not (pending.stepped and pending.scale is not None) and not pending.hands_off,
             applied=pending.observed,
+            stepped=pending.stepped,
             why_not="step_fn applied the step itself" if pending.observed else None,
         )
         apply = None if pending.stepped or self.optimizer is None else self._apply

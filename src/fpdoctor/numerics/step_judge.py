@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -114,6 +115,9 @@ class StepFacts:
     micro_batches: int = 1  # in this optimizer step's window
     skippable: bool = True
     applied: bool = False
+    # the optimizer had already been given the step when it is judged (decided on the device a step
+    # later, or a GradScaler's step): a finite step's update is made, the state it started from gone
+    stepped: bool = False
     why_not: str | None = None
     spread: bool = False  # gradients read after a norm computation that spread a NaN to all of them
     loss_seen: bool = True  # False: the loss is computed where the front end cannot see it
@@ -186,6 +190,9 @@ class StepJudge:
         self.is_compiled = dynamo.is_compiled(model)
         dynamo.keep_out(dynamo.fpdoctor_modules())
         self.outputs = compiled.OutputCheck(model) if self.is_compiled else None
+        # its checks patch Dynamo's class for the whole process: taken off by `close`, or when the
+        # judge is collected where its front end has no end of its own (the Sentinel)
+        self._closer = weakref.finalize(self, _close_outputs, self.outputs)
         self.compiled_graphs: dict[int, dict[str, Any]] = {}  # step -> its first non-finite compiled output
         self.first_graphs: dict[int, dict[str, Any]] = {}  # step -> its first Dynamo graph with a non-finite output
         self.repro_dir: str | None = None  # where a compiled-only fault's reproducer goes (None: a new temp dir)
@@ -222,6 +229,11 @@ class StepJudge:
                 self.findings.append(eps)
         except Exception as exc:
             self.error("looking at the optimizer's settings", exc)
+
+    def close(self) -> None:
+        """The end of training: the compiled-output checks come off (Dynamo's class as torch
+        made it, once no other check is open). Safe to call more than once."""
+        self._closer()
 
     # -- a window starts -----------------------------------------------------------------------
     def begin_window(self) -> None:
@@ -526,10 +538,13 @@ class StepJudge:
 
     def _keep_climb(self, f: StepFacts) -> Snapshot | str:
         """The state a climb's first step starts from, to try a lower learning rate on if training stalls."""
-        if not self.replay or f.why_not is not None or f.applied or self.distributed:
+        if not self.replay or f.why_not is not None or f.applied or f.stepped or self.distributed:
             return f.why_not or (
                 "the step was applied by the step function itself"
                 if f.applied
+                else "the optimizer had made the step's update before it was judged (device-side skipping or a "
+                "GradScaler's step): the weights it started from were gone"
+                if f.stepped
                 else "replays are off"
                 if not self.replay
                 else "a trial on one rank would leave the others' collectives"
@@ -755,3 +770,9 @@ class JudgedSteps:
     @property
     def last_good_step(self) -> int | None:
         return self._judge.last_good_step
+
+
+def _close_outputs(outputs: compiled.OutputCheck | None) -> None:
+    if outputs is not None:
+        with contextlib.suppress(Exception):  # at the end of training: never raised into the user's loop
+            outputs.close()
