@@ -32,7 +32,6 @@ _PASSES = (
     "post_grad_custom_pre_pass",
     "post_grad_custom_post_pass",
 )
-_FILES = ("graph.py", "repro.py", "repro.json", "inputs.safetensors", repro.MARKER)
 
 
 class NotScriptable(Exception):
@@ -122,21 +121,8 @@ def write(target: str, captured: Captured, sides: dict[str, Any] | None, limit: 
         "facts": repro.machine_facts(),
         "byteorder": "little",
     }
-    directory = Path(target)
-    directory.mkdir(parents=True, exist_ok=True)
-    for entry in directory.iterdir():  # what an earlier reproducer left
-        if entry.name in _FILES or (entry.name.startswith("input") and entry.suffix == ".bin"):
-            entry.unlink()
-    (directory / repro.MARKER).write_text("written by fpdoctor\n", encoding="utf-8")
-    try:
-        from safetensors.torch import save_file
-    except ImportError:
-        spec["format"] = "raw"
-        for i, t in values.items():
-            (directory / f"input{i}.bin").write_bytes(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    else:
-        spec["format"] = "safetensors"
-        save_file({f"input{i}": t for i, t in values.items()}, str(directory / "inputs.safetensors"))
+    directory = repro.prepare(target, also=("graph.py",))
+    repro.save_values(directory, spec, values)  # always: the script reads spec["format"]
     (directory / "graph.py").write_text(source, encoding="utf-8")
     (directory / "repro.json").write_text(json.dumps(spec, indent=1) + "\n", encoding="utf-8")
     script = Path(__file__).with_name("graph_repro_script.py").read_text(encoding="utf-8")

@@ -58,14 +58,31 @@ def check_dir(path: str) -> str:
     return target
 
 
-def _prepare(target: str) -> Path:
+def prepare(target: str, also: tuple[str, ...] = ()) -> Path:
+    """DIR made, with what an earlier reproducer left there (our files and `also`) removed."""
     directory = Path(target)
     directory.mkdir(parents=True, exist_ok=True)
     for entry in directory.iterdir():  # what an earlier reproducer left
-        if entry.name in _OURS or (entry.name.startswith("input") and entry.suffix == ".bin"):
+        if entry.name in _OURS or entry.name in also or (entry.name.startswith("input") and entry.suffix == ".bin"):
             entry.unlink()
     (directory / MARKER).write_text("written by fpdoctor\n", encoding="utf-8")
     return directory
+
+
+def save_values(directory: Path, spec: dict[str, Any], values: dict[int, Any]) -> None:
+    """The tensors `values` (contiguous, on the CPU) saved as safetensors, else as raw bytes
+    (never a pickle); `spec["format"]` says which."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        spec["format"] = "raw"
+        import torch
+
+        for i, t in values.items():
+            (directory / f"input{i}.bin").write_bytes(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    else:
+        spec["format"] = "safetensors"
+        save_file({f"input{i}": t for i, t in values.items()}, str(directory / "inputs.safetensors"))
 
 
 def overload_of(func: Any) -> str:
@@ -217,19 +234,9 @@ class Capture:
 
 def write(target: str, spec: dict[str, Any], values: dict[int, Any]) -> Path:
     """DIR/repro.py, repro.json and the saved values; returns DIR."""
-    directory = _prepare(target)
+    directory = prepare(target)
     if values:
-        try:
-            from safetensors.torch import save_file
-        except ImportError:
-            spec["format"] = "raw"
-            import torch
-
-            for i, t in values.items():
-                (directory / f"input{i}.bin").write_bytes(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        else:
-            spec["format"] = "safetensors"
-            save_file({f"input{i}": t for i, t in values.items()}, str(directory / "inputs.safetensors"))
+        save_values(directory, spec, values)
     spec["byteorder"] = "little"
     (directory / "repro.json").write_text(json.dumps(spec, indent=1) + "\n", encoding="utf-8")
     script = Path(__file__).with_name("repro_script.py").read_text(encoding="utf-8")
