@@ -372,6 +372,18 @@ class _Comparison:
         if self.noise is not None:
             self.noise.position = where[1]
 
+    def _first_overflow(self, module: Any, name: str, args: Any, kwargs: Any) -> Any:
+        """The op inside candidate `module` (called as `name`) that overflows the format, if any."""
+        return first_overflow(
+            module,
+            self.ref_modules.get(name),
+            args,
+            kwargs,
+            dtype=self.cand_dtype,
+            reference_dtype=self.ref_dtype,
+            device=self.cand_device,
+        )
+
     # -- step 1: the fp64 pass (the truth), with each leaf's isolated re-runs ------------------
     def truth_pass(self) -> None:
         self._truth_once()
@@ -475,15 +487,7 @@ class _Comparison:
         if entry.isolated is not None and math.isinf(entry.isolated) and math.isfinite(entry.rounding):
             # its output fits the format, yet it is non-finite: which op inside it overflows
             self.goto(start)
-            entry.overflow = first_overflow(
-                module,
-                self.ref_modules.get(name),
-                args,
-                kwargs,
-                dtype=self.cand_dtype,
-                reference_dtype=self.ref_dtype,
-                device=self.cand_device,
-            )
+            entry.overflow = self._first_overflow(module, name, args, kwargs)
         if name in self.ref_modules:
             try:
                 self.goto(start)
@@ -593,15 +597,7 @@ class _Comparison:
         misaligned = self.noise.misaligned if self.noise is not None else False
         try:
             with ranges, self.noise if self.noise is not None else contextlib.nullcontext():
-                entry.overflow = first_overflow(
-                    self.cand_modules[name],
-                    self.ref_modules.get(name),
-                    args,
-                    kwargs,
-                    dtype=self.cand_dtype,
-                    reference_dtype=self.ref_dtype,
-                    device=self.cand_device,
-                )
+                entry.overflow = self._first_overflow(self.cand_modules[name], name, args, kwargs)
         finally:
             if self.ranges and not watched:
                 self.cand_ranges.leave(name, index)
