@@ -285,6 +285,63 @@ def test_probe_leaves_rng_and_grads_alone():
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
 
 
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda groups: torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.1),
+        lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, weight_decay=1e-3),
+        lambda groups: torch.optim.NAdam(groups, lr=1e-3),
+    ],
+    ids=["adamw", "sgd-momentum", "nadam"],
+)
+def test_the_flat_shadow_steps_each_element_as_its_own_parameter_would(make_opt):
+    """The sample steps as flat buckets (one per param group, dtype and state layout): with two
+    groups, bf16 and fp16 weights, and a parameter that missed a step (its Adam `step` differs),
+    each sampled element's intended update is what a shadow of its parameter alone computes."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(32, 64).bfloat16(), nn.Linear(64, 1).half()
+    late = nn.Parameter(torch.randn(300, dtype=torch.bfloat16))  # no gradient on the second step
+    opt = make_opt([{"params": [*a.parameters(), late]}, {"params": b.parameters(), "lr": 3e-3}])
+    names = [("a.weight", a.weight), ("a.bias", a.bias), ("late", late), ("b.weight", b.weight), ("b.bias", b.bias)]
+    probe = UpdateProbe(names, opt, every=1)
+    x = torch.randn(16, 32)
+
+    def backward(with_late: bool) -> None:
+        opt.zero_grad(set_to_none=True)
+        out = b(a(x.bfloat16()).half()).float().sum() + (late.float().sum() if with_late else 0)
+        out.backward()
+
+    for with_late in (True, False):
+        backward(with_late)
+        opt.step()
+    backward(True)
+    sample = probe.before(3)
+    assert sample is not None
+    layout = [(i, len(probe.index[i])) for i in sample.tracked]
+    assert sorted(i for i, _ in layout) == list(range(len(names)))
+    intended = dict(zip(sample.tracked, sample.intended.split([n for _, n in layout]), strict=True))
+    group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+    for i, (_, param) in enumerate(names):
+        idx = probe.index[i]
+        alone = torch.take(param.detach(), idx).float().requires_grad_(True)
+        alone.grad = torch.take(param.grad, idx).float()
+        settings = {k: v for k, v in group_of[id(param)].items() if k not in ("params", "foreach", "fused")}
+        reference = type(opt)([{**settings, "params": [alone]}])
+        state = {
+            k: torch.take(v, idx).float() if v.shape == param.shape else v.clone()
+            for k, v in opt.state.get(param, {}).items()
+        }
+        if state:
+            reference.state[alone] = state
+        start = alone.detach().clone()
+        reference.step()
+        torch.testing.assert_close(intended[i], alone.detach() - start, rtol=1e-6, atol=0)
+    opt.step()
+    probe.after(sample)
+    stats = probe.read(sample)
+    assert [p.name for p in stats.params] == [names[i][0] for i in sample.tracked]
+
+
 def test_a_what_if_run_without_its_loss_is_judged_by_the_weights_that_moved():
     """A step replayed from the gradients at the outputs returns no loss: the arms are compared by the
     weights that moved, and the user's weights, gradients, optimizer state and RNG stay as they were."""

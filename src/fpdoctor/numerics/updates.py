@@ -220,17 +220,28 @@ class UpdateSummary:
 
 
 @dataclass
+class _StateSample:
+    """One low-precision optimizer-state key over one bucket's parameters, before and after the shadow."""
+
+    key: str
+    members: list[int]  # indices into the probe's parameters
+    low_before: torch.Tensor  # the state's sampled elements, in its own dtype
+    shadow_before: torch.Tensor  # the same in fp32
+    shadow_after: torch.Tensor  # the fp32 shadow's state after its step (updated in place)
+
+
+@dataclass
 class UpdateSample:
     """What `UpdateProbe.before` took, device tensors: the after-step gathers complete it."""
 
     step: int
-    tracked: list[int]  # indices into the probe's parameters
+    tracked: list[int]  # indices into the probe's parameters, in the order of the elements below
     before: torch.Tensor  # sampled weights, fp32, concatenated
     intended: torch.Tensor  # the shadow's update, fp32
     decay: torch.Tensor  # lr*wd*|w| where the decay is a term of its own, else NaN
     segment: torch.Tensor  # which tracked parameter each element belongs to
     gap: torch.Tensor  # the dtype's spacing at each sampled weight
-    states: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]]  # key, param, before, shadow before/after
+    states: list[_StateSample]
     stats: torch.Tensor | None = None
     state_stats: torch.Tensor | None = None
 
@@ -239,7 +250,14 @@ class UpdateProbe:
     """Measures optimizer steps on the sampled elements of the low-precision trainable parameters.
 
     `model`: the module whose parameters are named, or the (name, parameter) pairs themselves (a
-    front end that knows no model, `trace`)."""
+    front end that knows no model, `trace`).
+
+    The cost is per-parameter Python, so a measured step does the least per parameter: one gather
+    (`torch.take`) of its weight, gradient and each state tensor. Everything else runs on flat
+    buffers: the parameters that step alike (same param group, dtype and optimizer-state layout,
+    usually all of them) form one *bucket*, whose sampled elements are one fp32 tensor stepped by
+    one shadow optimizer; the update is elementwise, so each element steps exactly as it would in
+    its own parameter."""
 
     def __init__(
         self,
@@ -266,17 +284,20 @@ class UpdateProbe:
             self.index = self._sample_indices(gen, sample)
         self.why_not = shadowable(optimizer) if self.params else None
         self.measured = 0
+        self._segments: dict[tuple[int, ...], torch.Tensor] = {}
 
     def _sample_indices(self, gen: torch.Generator, sample: int) -> list[torch.Tensor]:
+        """`sample` distinct element indices per parameter (all of a smaller one), stratified: one at
+        a random place in each of `sample` equal stretches of the flattened tensor, so that every
+        part of it is seen. One draw for all parameters: a `randperm` of each cost more than the
+        steps a short trace measures."""
+        sizes = torch.tensor([p.numel() for p in self.params], dtype=torch.float64)
+        edges = (torch.arange(sample + 1, dtype=torch.float64) * sizes[:, None] / sample).floor()
+        start, width = edges[:, :-1], edges[:, 1:] - edges[:, :-1]  # width >= 1 where numel >= sample
+        drawn = start + (torch.rand(start.shape, generator=gen, dtype=torch.float64) * width).floor()
         return [
-            (
-                torch.randperm(p.numel(), generator=gen)[:sample]
-                if p.numel() <= 1 << 24
-                else torch.randint(p.numel(), (sample,), generator=gen)
-            )
-            .sort()
-            .values.to(p.device)
-            for p in self.params
+            (row.long() if p.numel() >= sample else torch.arange(p.numel())).to(p.device)
+            for p, row in zip(self.params, drawn, strict=True)
         ]
 
     @property
@@ -286,68 +307,92 @@ class UpdateProbe:
     def due(self, step: int) -> bool:
         return self.low_precision and self.why_not is None and (step - 1) % self.every == 0
 
+    def _gather(self, tensors: Iterable[torch.Tensor], members: list[int]) -> torch.Tensor:
+        """The sampled elements of each member's tensor (shaped like its parameter), concatenated."""
+        return torch.cat([torch.take(t, self.index[i]) for t, i in zip(tensors, members, strict=True)])
+
+    def _buckets(self, tracked: list[int]) -> list[tuple[dict[str, Any], list[int], list[str], dict[str, Any]]]:
+        """The tracked parameters that step alike: (param group, members, the keys of their per-element
+        state, their other state entries). Alike: same group, dtype, per-element state keys and
+        dtypes, and equal other entries (Adam's `step`)."""
+        opt = self.optimizer
+        group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+        layouts = []
+        host: list[torch.Tensor] = []  # scalar state held on a device: read back together, once
+        for i in tracked:
+            p = self.params[i]
+            state = opt.state.get(p, {})
+            per_element = tuple(
+                (k, v.dtype) for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == p.shape
+            )
+            other = {k: v for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.shape == p.shape)}
+            host += [v for v in other.values() if _device_scalar(v)]
+            layouts.append((p, per_element, other))
+        values = _read_scalars(host)
+        buckets: dict[Any, tuple[dict[str, Any], list[int], list[str], dict[str, Any]]] = {}
+        for i, (p, per_element, other) in zip(tracked, layouts, strict=True):
+            group = group_of[id(p)]
+            key = (id(group), p.dtype, per_element, tuple((k, _signature(v, values)) for k, v in other.items()))
+            buckets.setdefault(key, (group, [], [k for k, _ in per_element], other))[1].append(i)
+        return list(buckets.values())
+
     # -- before the step -------------------------------------------------------------------------
     def before(self, step: int) -> UpdateSample | None:
         """Gather the sample and step the fp32 shadow; None when no parameter has a gradient."""
         opt = self.optimizer
-        group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
         tracked = [i for i, p in enumerate(self.params) if p.grad is not None and not p.grad.is_sparse]
         if not tracked:
             return None
         with ours():
-            shadows: list[tuple[int, torch.Tensor]] = []
-            groups: dict[int, tuple[dict[str, Any], list[torch.Tensor]]] = {}
-            states: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-            befores, decays, segments = [], [], []
-            for seg, i in enumerate(tracked):
-                p, idx = self.params[i], self.index[i]
-                w = p.detach().reshape(-1)[idx].float()
+            order: list[int] = []
+            shadows, befores, decays, gaps, groups = [], [], [], [], []
+            states: list[_StateSample] = []
+            shadow_state: list[dict[str, Any]] = []
+            for group, members, keys, other in self._buckets(tracked):
+                params = [self.params[i] for i in members]
+                w = self._gather(params, members).float()
                 shadow = w.clone().requires_grad_(True)
-                grad = p.grad
-                assert grad is not None  # tracked: only parameters with a gradient
-                shadow.grad = grad.detach().reshape(-1)[idx].float()
-                group = group_of[id(p)]
-                groups.setdefault(id(group), (group, []))[1].append(shadow)
-                shadows.append((i, shadow))
+                shadow.grad = self._gather([p.grad for p in params], members).float()  # type: ignore[misc]
+                copied = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in other.items()}
+                for key in keys:
+                    low = self._gather([opt.state[p][key] for p in params], members)
+                    copied[key] = low.float()
+                    if low.dtype in LOW_PRECISION:
+                        states.append(_StateSample(key, members, low, copied[key].clone(), copied[key]))
+                order += members
+                shadows.append(shadow)
+                shadow_state.append(copied)
+                groups.append((group, [shadow]))
                 befores.append(w)
                 decays.append(_decay(opt, group, w))
-                segments.append(torch.full_like(idx, seg))
-            shadow_opt = _shadow_optimizer(opt, [(g, ps) for g, ps in groups.values()])
-            for i, shadow in shadows:
-                state = opt.state.get(self.params[i], {})
-                copied = {}
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and value.shape == self.params[i].shape:
-                        low = value.detach().reshape(-1)[self.index[i]]
-                        copied[key] = low.float()
-                        if value.dtype in LOW_PRECISION:
-                            states.append((key, i, low.clone(), copied[key].clone(), copied[key]))
-                    elif isinstance(value, torch.Tensor):
-                        copied[key] = value.clone()
-                    else:
-                        copied[key] = value
+                gaps.append(spacing(w, params[0].dtype))
+            shadow_opt = _shadow_optimizer(opt, groups)
+            for shadow, copied in zip(shadows, shadow_state, strict=True):
                 if copied:
                     shadow_opt.state[shadow] = copied
-            start = torch.cat([s.detach().clone() for _, s in shadows])
+            before = torch.cat(befores)
             with no_global_optimizer_hooks():
                 shadow_opt.step()
-            intended = torch.cat([s.detach() for _, s in shadows]) - start
+            intended = torch.cat([s.detach() for s in shadows]) - before
             return UpdateSample(
-                step,
-                tracked,
-                torch.cat(befores),
-                intended,
-                torch.cat(decays),
-                torch.cat(segments),
-                _spacings(befores, [self.params[i].dtype for i in tracked]),
-                states,
+                step, order, before, intended, torch.cat(decays), self._segment(order), torch.cat(gaps), states
             )
+
+    def _segment(self, order: list[int]) -> torch.Tensor:
+        """Which entry of `order` each concatenated sampled element belongs to (cached: the same
+        parameters usually step in the same order)."""
+        key = tuple(order)
+        if key not in self._segments:
+            counts = torch.tensor([len(self.index[i]) for i in order])
+            segment = torch.repeat_interleave(torch.arange(len(order)), counts)
+            self._segments[key] = segment.to(self.index[order[0]].device)
+        return self._segments[key]
 
     # -- after the step --------------------------------------------------------------------------
     def after(self, sample: UpdateSample) -> None:
         """Gather the sampled weights after the step and reduce everything on the device."""
         with ours():
-            after = torch.cat([self.params[i].detach().reshape(-1)[self.index[i]].float() for i in sample.tracked])
+            after = self._gather([self.params[i] for i in sample.tracked], sample.tracked).float()
             before, intended = sample.before, sample.intended
             gap = sample.gap
             nonzero = intended != 0
@@ -364,18 +409,13 @@ class UpdateProbe:
             sample.stats = stats
             if sample.states:
                 rows = []
-                for key, i, low_before, shadow_before, shadow_after in sample.states:
-                    low_after = self.optimizer.state[self.params[i]][key].detach().reshape(-1)[self.index[i]]
-                    changed = shadow_after != shadow_before
-                    rows.append(
-                        torch.stack(
-                            [
-                                changed.sum(),
-                                (changed & (low_after == low_before)).sum(),
-                                (changed & (low_after == 0) & (low_before != 0)).sum(),
-                            ]
-                        )
-                    )
+                state = self.optimizer.state
+                for s in sample.states:
+                    low_after = self._gather([state[self.params[i]][s.key] for i in s.members], s.members)
+                    changed = s.shadow_after != s.shadow_before
+                    kept = changed & (low_after == s.low_before)
+                    flushed = changed & (low_after == 0) & (s.low_before != 0)
+                    rows.append(torch.stack([changed, kept, flushed]).sum(dim=1))
                 sample.state_stats = torch.stack(rows).double()
 
     def read(self, sample: UpdateSample) -> UpdateStats:
@@ -407,10 +447,11 @@ class UpdateProbe:
             )
         states: dict[str, StateUpdate] = {}
         offset = len(sample.tracked) * width
-        for r, (key, i, low, _, _) in enumerate(sample.states):
+        for r, s in enumerate(sample.states):
             changed, stalled, flushed = values[offset + 3 * r : offset + 3 * r + 3]
-            state = states.setdefault(key, StateUpdate(key, str(low.dtype).removeprefix("torch."), [], 0, 0, 0))
-            state.parameters.append(self.names[i])
+            dtype = str(s.low_before.dtype).removeprefix("torch.")
+            state = states.setdefault(s.key, StateUpdate(s.key, dtype, [], 0, 0, 0))
+            state.parameters += [self.names[i] for i in s.members]
             state.changed += int(changed)
             state.stalled += int(stalled)
             state.flushed += int(flushed)
@@ -430,12 +471,35 @@ class UpdateProbe:
         return self.read(sample)
 
 
-def _spacings(weights: list[torch.Tensor], dtypes: list[torch.dtype]) -> torch.Tensor:
-    """`spacing` of every sampled weight, one call per dtype (usually one in all): a few small ops
-    per parameter would cost more than the rest of the check."""
-    if len(set(dtypes)) == 1:
-        return spacing(torch.cat(weights), dtypes[0])
-    return torch.cat([spacing(w, dtype) for w, dtype in zip(weights, dtypes, strict=True)])
+def _device_scalar(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type != "cpu"
+
+
+def _read_scalars(tensors: list[torch.Tensor]) -> dict[int, float]:
+    """The values of one-element state tensors held on a device (a fused or capturable optimizer's
+    `step`), by id: one read back per device, not one per parameter."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    values: dict[int, float] = {}
+    for group in by_device.values():
+        read = torch.stack([t.detach().reshape(()).double() for t in group]).tolist()
+        values.update(zip(map(id, group), read, strict=True))
+    return values
+
+
+def _signature(value: Any, on_device: dict[int, float]) -> Any:
+    """A state entry that is not per-element, as something hashable: equal entries step alike."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            return ("tensor", id(value))  # not known to be equal to another's: a bucket of its own
+        number = on_device[id(value)] if id(value) in on_device else value.item()
+        return ("scalar", value.dtype, number)
+    try:
+        hash(value)
+    except TypeError:
+        return ("object", id(value))
+    return value
 
 
 def _plain(value: Any) -> Any:
@@ -485,18 +549,17 @@ class GradAccumulation:
         def add(grad: torch.Tensor) -> None:
             try:
                 with ours():
+                    part = torch.take(grad, idx)
+                    total = self._sums.get(i)
                     # what .grad already holds is where the sum starts; a .grad set to None since
                     # (zero_grad of a step the window did not see end, a skipped one) starts it afresh
-                    if i not in self._sums or p.grad is None:
+                    if total is None or p.grad is None:
                         held = p.grad
-                        self._sums[i] = (
-                            held.detach().reshape(-1)[idx].float()
-                            if held is not None
-                            else torch.zeros(len(idx), device=idx.device)
-                        )
-                        self._adds[i] = 0
-                    self._sums[i] += grad.detach().reshape(-1)[idx].float()
-                    self._adds[i] += 1
+                        total = part.float() if held is None else torch.take(held, idx).float().add_(part)
+                        self._sums[i], self._adds[i] = total, 1
+                    else:
+                        total.add_(part)
+                        self._adds[i] += 1
             except Exception:  # the observer never raises into backward; the window is not judged
                 self._sums.pop(i, None)
 
@@ -517,7 +580,7 @@ class GradAccumulation:
                 p = self.probe.params[i]
                 if p.grad is None or self._adds.get(i, 0) < 2:
                     continue
-                held = p.grad.detach().reshape(-1)[self.probe.index[i]].double()
+                held = torch.take(p.grad, self.probe.index[i]).double()
                 exact = total.double()
                 rows.append(torch.stack([(exact - held).norm(), exact.norm(), held.norm()]))
                 meta.append((self.probe.names[i], str(p.dtype).removeprefix("torch."), self._adds[i]))
