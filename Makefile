@@ -29,11 +29,16 @@ lint: $(BIN)/.installed
 # The suite on pytest-xdist workers, one per core and at most 4 (on 2 cores, 2 workers beat 4: the
 # tests that start processes already keep both cores busy), each file on one worker (its module
 # fixtures built once) and the multi-rank jobs one at a time (a lock, tests/conftest.py); then the
-# tests marked `serial`, which hold a wall-time budget, alone. Both passes always run; either
-# failing fails `make test`.
+# tests marked `serial`, which hold a wall-time budget, alone (only their files are collected).
+# Both passes always run; either failing fails `make test`. fpdoctor's bytecode is compiled first:
+# the suite starts a few hundred fresh interpreters, and where PYTHONDONTWRITEBYTECODE is set each
+# would compile the modules it imports again.
+SERIAL_TESTS = $(shell grep -rlE 'mark\.serial' tests --include='test_*.py')
+
 test: lint
+	$(BIN)/python -m compileall -q src
 	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadfile -m "not serial"; parallel=$$?; \
-	$(BIN)/python -m pytest -m serial; serial=$$?; \
+	$(BIN)/python -m pytest -m serial $(SERIAL_TESTS); serial=$$?; \
 	test $$parallel -eq 0 -a $$serial -eq 0
 
 bench: $(BIN)/.installed

@@ -124,13 +124,37 @@ def test_fail_on_chooses_which_findings_fail_a_script_that_ended_well(tmp_path):
     bad, warns = _script(tmp_path), tmp_path / "warns.py"
     warns.write_text(WARNS)
     assert run_fpdoctor("trace", "--", bad, "bad").code == 1  # a plain run: error-level findings fail CI
-    assert run_fpdoctor("trace", "--fail-on", "never", "--", bad, "bad").code == 0
-    assert run_fpdoctor("trace", "--", str(warns)).code == 0
     assert run_fpdoctor("trace", "--fail-on", "warning", "--", str(warns)).code == 1
     # under a launcher a rank's findings do not fail it, unless asked
     env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
     assert run_fpdoctor("trace", "--", bad, "bad", env=env).code == 0
-    assert run_fpdoctor("trace", "--fail-on", "error", "--", bad, "bad", env=env).code == 1
+
+
+@pytest.mark.parametrize(
+    ("verdict", "fail_on", "code"),
+    [
+        ("error", "error", 1),
+        ("error", "never", 0),
+        ("warning", "error", 0),
+        ("warning", "warning", 1),
+        ("ok", "warning", 0),
+        ("info", "warning", 0),
+    ],
+)
+def test_fail_on_decides_the_exit_status_of_a_script_that_ended_well(verdict, fail_on, code):
+    from fpdoctor.cli.trace_outcome import default_fail_on, status
+    from fpdoctor.report.model import Finding, Report, Severity
+
+    findings = (
+        []
+        if verdict == "ok"
+        else [Finding(code="NUM999", name="x", severity=Severity(verdict), title="t", message="m")]
+    )
+    report = Report(command="trace", findings=findings)
+    assert report.verdict == ("ok" if verdict == "info" else verdict)
+    assert status(0, report, fail_on) == code
+    assert status(3, report, fail_on) == 3  # the script's own failure is its status, whatever was found
+    assert (default_fail_on(False), default_fail_on(True)) == ("error", "never")
 
 
 def test_bad_usage(tmp_path, cli):

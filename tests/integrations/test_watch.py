@@ -726,7 +726,6 @@ def test_pythons_own_options_are_in_force_as_python_would_set_them(tmp_path):
         """
         import sys, warnings, torch
         from torch import nn
-        assert False, "asserts are compiled out under -O"
         warnings.warn("hidden by -W ignore")
         model = nn.Linear(4, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -734,15 +733,36 @@ def test_pythons_own_options_are_in_force_as_python_would_set_them(tmp_path):
             opt.zero_grad()
             model(torch.randn(8, 4)).pow(2).mean().backward()
             opt.step()
-        print(sys.flags.optimize, sys.warnoptions[-1:], sys.flags.dev_mode, sys.dont_write_bytecode, flush=True)
+        print(sys.warnoptions[-1:], sys.flags.utf8_mode, sys.dont_write_bytecode, flush=True)
         """,
     )
     python = f"python{sys.version_info.major}.{sys.version_info.minor}"  # as python3.12 train.py is typed
-    watched = _watch(tmp_path, python, "-OO", "-W", "ignore", "-Xdev", "-B", str(script))
+    # -O is the same restart as -W and -X (test_optimize_restarts_the_interpreter_with_it); run
+    # end to end it would compile every module torch has, there being no optimized .pyc of them
+    watched = _watch(tmp_path, python, "-W", "ignore", "-Xutf8", "-B", str(script))
     assert watched.returncode == 0, watched.stderr
-    assert watched.stdout.strip() == "2 ['ignore'] True True"
+    assert watched.stdout.strip() == "['ignore'] 1 True"
     assert "hidden by" not in watched.stderr
     assert _report(tmp_path)["data"]["steps"] == 3
+
+
+def test_optimize_restarts_the_interpreter_with_it(tmp_path, monkeypatch):
+    from fpdoctor.cli import watch
+
+    script = str(_write(tmp_path, "train.py", "pass\n"))
+    command = ["python3", "-OO", "-Wignore", script, "--epochs", "2"]
+    target, args, is_module, options = watch._script_of(command)
+    assert (target, args, is_module, options) == (script, ["--epochs", "2"], False, ["-O", "-O", "-Wignore"])
+    started: list[list[str]] = []
+    monkeypatch.setattr(sys, "argv", ["fpdoctor", "watch", *command])
+    monkeypatch.delenv("FPDOCTOR_WATCH_PYTHON_OPTIONS", raising=False)
+    monkeypatch.setattr(watch.os, "execv", lambda exe, argv: started.append(argv))
+    watch._start_again(options, command)
+    assert started == [[sys.executable, "-O", "-O", "-Wignore", "-m", "fpdoctor", "watch", *command]]
+    assert os.environ["FPDOCTOR_WATCH_PYTHON_OPTIONS"] == "1"  # the restarted one does not restart again
+    started.clear()
+    watch._start_again(options, command)
+    assert started == []
 
 
 def test_under_a_grad_scaler_the_device_path_decides_as_the_host_read_does():

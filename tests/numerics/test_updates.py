@@ -150,7 +150,7 @@ def test_the_fix_is_tried_and_the_printed_fix_closes_the_gap():
 
 
 def test_bf16_gradient_accumulation_stalls():
-    micro = 512
+    micro = 256
     model = _model(torch.bfloat16)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     guard = fpdoctor.Sentinel(model, opt, accumulate=micro, what_if_steps=0)
