@@ -9,10 +9,9 @@ from fpdoctor.casebook.faulty_gpu import FAULTY_GPU
 from tests.conftest import run_fpdoctor
 
 
-# the faulty-GPU case runs a 2-rank job within 45 s: alone, after the parallel pass
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, marks=pytest.mark.serial) if c is FAULTY_GPU else c for c in CASES], ids=lambda c: c.name
-)
+# the faulty-GPU case (a 2-rank job within 45 s, run alone after the parallel pass) has a file of
+# its own, test_faulty_gpu_case.py, whose first test is this one
+@pytest.mark.parametrize("case", [c for c in CASES if c is not FAULTY_GPU], ids=lambda c: c.name)
 def test_case_reproduces(case):
     outcome = run_case(case)
     assert outcome.reproduces(case), sorted(outcome.found)

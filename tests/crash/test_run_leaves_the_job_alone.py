@@ -3,6 +3,7 @@ without fpdoctor and compares what the job did (exit status, output, files, hand
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
@@ -381,34 +382,44 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
+def _free_ports(n: int) -> list[int]:
+    """n different free ports (held open together while they are chosen, so never the same one)."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 def torchrun_both(tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProcess[bytes], ...]:
-    """The job under plain torchrun, then under fpdoctor run -o report.json; each in a directory
-    of its own for the files it writes."""
+    """The job under plain torchrun and under fpdoctor run -o report.json, side by side (each mostly
+    waits: its ranks sleep, or torchrun waits for them); each in a directory of its own for the
+    files it writes."""
     pytest.importorskip("torch")
     job = script(tmp_path, JOB, "job.py")
-    results = []
-    for name, wrap in (("plain", []), ("watched", [*FPDOCTOR, "-o", str(tmp_path / "report.json"), "--"])):
+    started = []
+    ports = _free_ports(2)
+    for port, (name, wrap) in zip(
+        ports, (("plain", []), ("watched", [*FPDOCTOR, "-o", str(tmp_path / "report.json"), "--"])), strict=True
+    ):
         out = tmp_path / name
         out.mkdir()
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-        torchrun += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port()), job, mode, str(out)]
-        results.append(
-            subprocess.run(
-                [*wrap, *torchrun],
-                capture_output=True,
-                timeout=240,
-                check=False,
-                env={**os.environ, "OMP_NUM_THREADS": "1"},
-            )
-        )
+        torchrun += ["--master-addr", "127.0.0.1", "--master-port", str(port), job, mode, str(out)]
+        command = [*wrap, *torchrun]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        started.append((command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)))
+    results = []
+    for command, proc in started:
+        try:
+            stdout, stderr = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for _, other in started:
+                other.kill()
+            raise
+        results.append(subprocess.CompletedProcess(command, proc.returncode, stdout, stderr))
     return tuple(results)
 
 

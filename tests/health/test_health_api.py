@@ -249,3 +249,23 @@ def test_plain_cuda_on_a_machine_without_a_driver_runs_nothing(device):
 def test_bad_device(bad):
     with pytest.raises(ValueError, match=r"^device must be cpu, cuda or cuda:N"):
         health(duration=1, device=bad)
+
+
+def test_the_same_gpu_in_two_saved_files_is_listed_once():
+    """`health -o` JSON and `nvidia-smi -q` of the same node name the same board (same UUID and bus
+    id): one GPU, its facts from both, each file a source."""
+    node = FIXTURES / "device" / "h100-from-fixtures"
+    json_facts, smi_text = str(node / "health.json"), str(node / "nvidia-smi-q.txt")
+    alone = health(from_files=[json_facts]).facts.gpus[0]
+    for files in ([json_facts, smi_text], [smi_text, json_facts]):
+        facts = health(from_files=files).facts
+        (gpu,) = facts.gpus
+        assert gpu.uuid == alone.uuid and gpu.pci == alone.pci and gpu.serial
+        assert set(facts.sources) >= set(files)
+    # two different boards at the same bus id on two named hosts stay two
+    from fpdoctor.health.collect import _same_gpu
+    from fpdoctor.health.model import GpuFacts
+
+    assert not _same_gpu(GpuFacts(pci="0000:52:00.0", host="a"), GpuFacts(pci="0000:52:00.0", host="b"))
+    assert _same_gpu(GpuFacts(pci="0000:52:00.0", host="a"), GpuFacts(pci="0000:52:00.0"))
+    assert not _same_gpu(GpuFacts(pci="0000:52:00.0", uuid="GPU-1"), GpuFacts(pci="0000:52:00.0", uuid="GPU-2"))

@@ -174,7 +174,7 @@ def collect_files(paths: list[str]) -> HealthFacts:
                 raise inputs.InputError(f"{name} is cut off: {whole.cut}; save the whole nvidia-smi -q output again")
             if whole.missing:
                 facts.not_checked[f"GPUs missing from {name}"] = whole.missing
-            facts.gpus += gpus
+            _add_gpus(facts, gpus)
             facts.driver = facts.driver or driver
             facts.sources[name] = f"nvidia-smi -q: {len(gpus)} GPU(s)" + (f", driver {driver}" if driver else "")
         if what != "smi":
@@ -192,10 +192,33 @@ def collect_files(paths: list[str]) -> HealthFacts:
     return facts
 
 
+def _same_gpu(a: GpuFacts, b: GpuFacts) -> bool:
+    """The same board: the same UUID, or without UUIDs the same bus id on the same (or an unnamed) host."""
+    if a.uuid and b.uuid:
+        return a.uuid == b.uuid
+    return bool(a.pci and a.pci == b.pci and (a.host == b.host or not a.host or not b.host))
+
+
+def _add_gpus(facts: HealthFacts, gpus: list[GpuFacts]) -> None:
+    """Each GPU once across the files (`health -o` JSON and `nvidia-smi -q` of the same node name the
+    same boards): one seen before keeps what it said and takes what it lacked from the new file."""
+    for gpu in gpus:
+        seen = next((g for g in facts.gpus if _same_gpu(g, gpu)), None)
+        if seen is None:
+            facts.gpus.append(gpu)
+            continue
+        for name in ("index", "pci", "uuid", "serial", "name", "host", "driver", "lost"):
+            if getattr(seen, name) is None:
+                setattr(seen, name, getattr(gpu, name))
+        seen.facts = {**gpu.facts, **seen.facts}
+        seen.unavailable = {k: v for k, v in {**gpu.unavailable, **seen.unavailable}.items() if k not in seen.facts}
+        seen.source = ", ".join(dict.fromkeys(s for s in (seen.source, gpu.source) if s))
+
+
 def _merge(facts: HealthFacts, other: HealthFacts, name: str) -> None:
     facts.host = facts.host or other.host
     facts.driver = facts.driver or other.driver
-    facts.gpus += other.gpus
+    _add_gpus(facts, other.gpus)
     facts.xids += other.xids
     facts.lost += other.lost
     facts.kernel_logs += other.kernel_logs
