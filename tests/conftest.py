@@ -83,12 +83,13 @@ LONGEST_FIRST = (
     "numerics/test_compiled_graphs.py",
     "cli/test_trace_cli.py",
     "crash/test_run_cli.py",
-    "crash/test_run_leaves_the_job_alone.py",
+    "health/test_fingerprint_torchrun.py",
     "cli/test_progress.py",
-    "numerics/test_sentinel_ddp.py",
+    "crash/test_run_leaves_the_job_alone.py",
     "numerics/test_updates.py",
-    "integrations/test_ddp.py",
+    "numerics/test_sentinel_ddp.py",
     "integrations/test_hf.py",
+    "integrations/test_ddp.py",
     "report/test_html.py",
 )
 

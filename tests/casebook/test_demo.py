@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from fpdoctor.casebook import CASES, run_case
@@ -25,14 +23,13 @@ def test_h20_case_gives_the_exact_fix():
     assert finding.evidence["cublas"] == "12.1.3.1"
 
 
-@pytest.mark.serial  # the whole demo within 60 s, its 2-rank case within 45 s
-def test_demo_end_to_end_within_budget():
-    start = time.perf_counter()
-    result = run_fpdoctor("demo")
-    elapsed = time.perf_counter() - start
+def test_demo_end_to_end():
+    # every case but the faulty-GPU one, which test_faulty_gpu_case.py runs alone (its 2-rank job has
+    # 45 s); the whole demo's 60 s budget is benchmarks/bench_demo.py's
+    names = [c.name for c in CASES if c is not FAULTY_GPU]
+    result = run_fpdoctor("demo", *names)
     assert result.code == 0, result.err
-    assert f"All {len(CASES)} case(s) reproduced" in result.out
-    assert elapsed < 60
+    assert f"All {len(names)} case(s) reproduced" in result.out
 
 
 def test_demo_list(cli):

@@ -342,6 +342,22 @@ def test_the_flat_shadow_steps_each_element_as_its_own_parameter_would(make_opt)
     assert [p.name for p in stats.params] == [names[i][0] for i in sample.tracked]
 
 
+def test_zero_dim_and_empty_parameters_are_measured_or_left_out():
+    """Two 0-dim bf16 gates (their Adam `step` has their shape) each step alone; an empty parameter
+    has nothing to sample."""
+    gates = [nn.Parameter(torch.tensor(v, dtype=torch.bfloat16)) for v in (0.5, -2.0)]
+    empty = nn.Parameter(torch.zeros(0, dtype=torch.bfloat16))
+    opt = torch.optim.Adam([*gates, empty], lr=1e-3)
+    probe = UpdateProbe([("g0", gates[0]), ("g1", gates[1]), ("empty", empty)], opt, every=1)
+    assert probe.names == ["g0", "g1"]
+    for step in (1, 2):
+        opt.zero_grad()
+        (gates[0] * 3 + gates[1] * 5 + empty.sum()).float().backward()
+        stats = probe.measure(step, opt.step)
+        assert stats is not None and [p.name for p in stats.params] == ["g0", "g1"]
+        assert all(p.sampled == 1 and p.intended == 1 for p in stats.params)
+
+
 def test_a_what_if_run_without_its_loss_is_judged_by_the_weights_that_moved():
     """A step replayed from the gradients at the outputs returns no loss: the arms are compared by the
     weights that moved, and the user's weights, gradients, optimizer state and RNG stay as they were."""

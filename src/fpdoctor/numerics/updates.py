@@ -256,8 +256,8 @@ class UpdateProbe:
     (`torch.take`) of its weight, gradient and each state tensor. Everything else runs on flat
     buffers: the parameters that step alike (same param group, dtype and optimizer-state layout,
     usually all of them) form one *bucket*, whose sampled elements are one fp32 tensor stepped by
-    one shadow optimizer; the update is elementwise, so each element steps exactly as it would in
-    its own parameter."""
+    one shadow optimizer; the update is elementwise, so each element gets the arithmetic it would get
+    in its own parameter."""
 
     def __init__(
         self,
@@ -275,7 +275,9 @@ class UpdateProbe:
         in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
         pairs = model.named_parameters() if isinstance(model, torch.nn.Module) else model
         named = [
-            (name, p) for name, p in pairs if p.requires_grad and p.dtype in LOW_PRECISION and id(p) in in_optimizer
+            (name, p)
+            for name, p in pairs
+            if p.requires_grad and p.dtype in LOW_PRECISION and p.numel() and id(p) in in_optimizer
         ]
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
@@ -284,7 +286,7 @@ class UpdateProbe:
             self.index = self._sample_indices(gen, sample)
         self.why_not = shadowable(optimizer) if self.params else None
         self.measured = 0
-        self._segments: dict[tuple[int, ...], torch.Tensor] = {}
+        self._segment_of: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     def _sample_indices(self, gen: torch.Generator, sample: int) -> list[torch.Tensor]:
         """`sample` distinct element indices per parameter (all of a smaller one), stratified: one at
@@ -313,7 +315,7 @@ class UpdateProbe:
 
     def _buckets(self, tracked: list[int]) -> list[tuple[dict[str, Any], list[int], list[str], dict[str, Any]]]:
         """The tracked parameters that step alike: (param group, members, the keys of their per-element
-        state, their other state entries). Alike: same group, dtype, per-element state keys and
+        state, their other state entries). Alike: same group, dtype, device, per-element state keys and
         dtypes, and equal other entries (Adam's `step`)."""
         opt = self.optimizer
         group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
@@ -332,7 +334,11 @@ class UpdateProbe:
         buckets: dict[Any, tuple[dict[str, Any], list[int], list[str], dict[str, Any]]] = {}
         for i, (p, per_element, other) in zip(tracked, layouts, strict=True):
             group = group_of[id(p)]
-            key = (id(group), p.dtype, per_element, tuple((k, _signature(v, values)) for k, v in other.items()))
+            # a 0-dim parameter's `step` has its shape: told from its per-element state by nothing, so
+            # it steps alone (as a one-element tensor, its state too)
+            alone = i if p.dim() == 0 else None
+            signature = tuple((k, _signature(v, values)) for k, v in other.items())
+            key = (id(group), p.dtype, p.device, alone, per_element, signature)
             buckets.setdefault(key, (group, [], [k for k, _ in per_element], other))[1].append(i)
         return list(buckets.values())
 
@@ -379,14 +385,14 @@ class UpdateProbe:
             )
 
     def _segment(self, order: list[int]) -> torch.Tensor:
-        """Which entry of `order` each concatenated sampled element belongs to (cached: the same
-        parameters usually step in the same order)."""
+        """Which entry of `order` each concatenated sampled element belongs to (the last one kept:
+        the same parameters usually step in the same order)."""
         key = tuple(order)
-        if key not in self._segments:
+        if self._segment_of is None or self._segment_of[0] != key:
             counts = torch.tensor([len(self.index[i]) for i in order])
             segment = torch.repeat_interleave(torch.arange(len(order)), counts)
-            self._segments[key] = segment.to(self.index[order[0]].device)
-        return self._segments[key]
+            self._segment_of = (key, segment.to(self.index[order[0]].device))
+        return self._segment_of[1]
 
     # -- after the step --------------------------------------------------------------------------
     def after(self, sample: UpdateSample) -> None:
