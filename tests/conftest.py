@@ -73,28 +73,3 @@ def _one_job_at_a_time(request: pytest.FixtureRequest, tmp_path_factory: pytest.
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if the worker dies
         yield
 
-
-# The files that take longest (`--durations`, 2026-11-27), first: pytest-xdist's `--dist loadfile`
-# hands files out in collection order, so the long ones start early and the pass ends with short
-# files on both workers instead of one long file on one of them. Those with a multi-rank job
-# (`jobs`, one at a time) alternate with those without. A file not listed keeps its place after them.
-LONGEST_FIRST = (
-    "integrations/test_watch.py",
-    "numerics/test_compiled_graphs.py",
-    "cli/test_trace_cli.py",
-    "crash/test_run_cli.py",
-    "health/test_fingerprint_torchrun.py",
-    "cli/test_progress.py",
-    "crash/test_run_leaves_the_job_alone.py",
-    "numerics/test_updates.py",
-    "numerics/test_sentinel_ddp.py",
-    "integrations/test_hf.py",
-    "integrations/test_ddp.py",
-    "report/test_html.py",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    tests = Path(__file__).resolve().parent
-    rank = {tests / name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path, len(rank)))  # stable: the rest in their own order

@@ -23,8 +23,3 @@ def test_every_serial_test_is_in_a_file_the_serial_pass_collects():
             hidden.append(f"{path.relative_to(TESTS)} (not a test_*.py file)")
     assert not hidden, f"serial marks the Makefile's grep does not see: {hidden}"
 
-
-def test_the_files_scheduled_first_exist():
-    from tests.conftest import LONGEST_FIRST
-
-    assert [name for name in LONGEST_FIRST if not (TESTS / name).is_file()] == []

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.jobs  # 4-rank torchrun jobs: one multi-rank job at a time (tests/conftest.py)
+pytestmark = pytest.mark.serial  # 4-rank torchrun jobs within LIMIT_S
 
 pytest.importorskip("torch")
 
