@@ -72,4 +72,3 @@ def _one_job_at_a_time(request: pytest.FixtureRequest, tmp_path_factory: pytest.
     with open(tmp_path_factory.getbasetemp().parent / "jobs.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if the worker dies
         yield
-

@@ -22,4 +22,3 @@ def test_every_serial_test_is_in_a_file_the_serial_pass_collects():
         if "mark.serial" in text and not path.name.startswith("test_"):
             hidden.append(f"{path.relative_to(TESTS)} (not a test_*.py file)")
     assert not hidden, f"serial marks the Makefile's grep does not see: {hidden}"
-
