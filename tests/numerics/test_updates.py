@@ -261,6 +261,37 @@ def test_an_optimizer_that_cannot_be_shadowed_is_said_not_judged():
     assert dict(report.data["summary"])["training updates"].startswith("not judged: Mine's update")
 
 
+def test_an_optimizer_stepped_through_a_grad_scaler_is_measured_between_unscale_and_step():
+    """bf16 weights under a GradScaler (an fp16 recipe moved to bf16): the sentinel steps the
+    optimizer through the scaler, which unscales the gradients first; the update is measured there,
+    the what-if says why it is not run, and the training is bitwise what it is unwatched."""
+
+    def run(check: int):
+        model = _model(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        x, y = _data()
+
+        def step() -> torch.Tensor:
+            opt.zero_grad(set_to_none=True)
+            loss = ((model(x.bfloat16()).float() - y) ** 2).mean()
+            scaler.scale(loss).backward()
+            return loss
+
+        guard = fpdoctor.Sentinel(model, opt, scaler=scaler, check_updates=check)
+        for _ in range(3):
+            guard.step(step)
+        return guard.report, [p.detach().clone() for p in model.parameters()], scaler.get_scale()
+
+    report, weights, scale = run(1)
+    (found,) = report.by_name("update-rounded-away")
+    assert found.evidence["parameters"][0]["name"] == "0.weight"
+    assert "GradScaler" in found.message  # the what-if: why it was not run
+    plain_report, plain_weights, plain_scale = run(0)
+    assert not plain_report.by_name("update-rounded-away")
+    assert scale == plain_scale and all(torch.equal(a, b) for a, b in zip(weights, plain_weights, strict=True))
+
+
 def test_the_checks_do_not_change_the_training():
     def run(check: int) -> list[torch.Tensor]:
         torch.manual_seed(3)

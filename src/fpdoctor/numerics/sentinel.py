@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from fpdoctor.numerics import amp, checkpoint, distributed, dynamo
 from fpdoctor.numerics import sentinel_findings as findings
@@ -53,7 +53,7 @@ from fpdoctor.numerics.step_judge import (  # re-exported: the sentinel's public
     StepOutcome,
 )
 from fpdoctor.numerics.update_whatif import WHAT_IF_STEPS
-from fpdoctor.numerics.updates import EVERY, GradAccumulation, UpdateProbe, UpdateStats
+from fpdoctor.numerics.updates import EVERY, GradAccumulation, UpdateProbe, UpdateSample, UpdateStats
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Report
 
@@ -366,7 +366,8 @@ class Sentinel(JudgedSteps):
             scale = amp.scale_tensor(scaler, self._device)
             if not amp.stepped(scaler, self.optimizer):
                 self._stepped = True  # given to the scaler: whatever happens next, never stepped twice
-                _user(scaler.step, self.optimizer)  # the scaler checks the gradients and skips on overflow
+                with self._measured_inside(self.steps):
+                    _user(scaler.step, self.optimizer)  # the scaler checks the gradients and skips on overflow
                 grad = amp.found_inf(scaler, self.optimizer, self._device)
                 _user(scaler.update)
             else:  # step_fn stepped the scaler itself
@@ -463,20 +464,56 @@ class Sentinel(JudgedSteps):
     def _apply(self) -> None:
         assert self.optimizer is not None
         self._stepped = True
-        probe, step, sample = self._updates, self._judge.decided, None
-        if probe is not None and step is not None and probe.due(step):
-            try:
-                sample = probe.before(step)  # the sample, and the step's intended update in fp32
-            except Exception as exc:
-                self._judge.error("measuring the optimizer's updates", exc)
+        step = self._judge.decided
+        sample = self._measure_before(step) if step is not None else None
         _user(self.optimizer.step)
-        if probe is not None and sample is not None:
-            try:
-                probe.after(sample)
-                self._measured = probe.read(sample)
-                self._measured.grads, self._grad_rows = self._grad_rows, []
-            except Exception as exc:
-                self._judge.error("measuring the optimizer's updates", exc)
+        if sample is not None:
+            self._measure_after(sample)
+
+    def _measure_before(self, step: int) -> UpdateSample | None:
+        """The sample, and the step's intended update in fp32, on a measured step."""
+        probe = self._updates
+        if probe is None or not probe.due(step):
+            return None
+        try:
+            return probe.before(step)
+        except Exception as exc:
+            self._judge.error("measuring the optimizer's updates", exc)
+            return None
+
+    def _measure_after(self, sample: UpdateSample) -> None:
+        assert self._updates is not None
+        try:
+            self._updates.after(sample)
+            self._measured = self._updates.read(sample)
+            self._measured.grads, self._grad_rows = self._grad_rows, []
+        except Exception as exc:
+            self._judge.error("measuring the optimizer's updates", exc)
+
+    @contextlib.contextmanager
+    def _measured_inside(self, step: int) -> Iterator[None]:
+        """A GradScaler unscales the gradients, then steps the optimizer (or skips it): the step is
+        measured between the two, from global optimizer hooks held for this one call."""
+        if self._updates is None or not self._updates.due(step):
+            yield
+            return
+        mine, taken = self.optimizer, []
+
+        def before(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if optimizer is mine and not taken:
+                taken.append(self._measure_before(step))
+
+        def after(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if optimizer is mine and taken and taken[0] is not None:
+                sample, taken[0] = taken[0], None
+                self._measure_after(sample)
+
+        handles = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _contexts(self, pending: _Pending) -> list[contextlib.AbstractContextManager[Any]]:
         """What a replay of `pending` runs under; made anew for each replay (each is entered once)."""

@@ -643,6 +643,8 @@ class StepJudge:
             return None, "the step function applied the step itself: running it again would step your optimizer"
         if f.why_not is not None:
             return None, f.why_not
+        if f.scale is not None:
+            return None, "the step ran through a GradScaler: stand-in steps would take its scaled gradients"
         steps = self.what_if_steps
 
         def run_window() -> torch.Tensor | None:
