@@ -497,7 +497,8 @@ class Sentinel(JudgedSteps):
         if self._updates is None or not self._updates.due(step):
             yield
             return
-        mine, taken = self.optimizer, []
+        mine = self.optimizer
+        taken: list[UpdateSample | None] = []  # the sample of this call's step, once
 
         def before(optimizer: Any, args: Any, kwargs: Any) -> None:
             if optimizer is mine and not taken:
