@@ -4,11 +4,8 @@ compiled region is found, and each finding says where it was seen (evidence.seen
 
 from __future__ import annotations
 
-import contextlib
-import io
 import math
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,6 +13,7 @@ import torch
 from torch import nn
 
 import fpdoctor
+from tests.numerics.dynamo_counts import counted
 
 # aot_eager: Dynamo and AOTAutograd as torch.compile runs them, without Inductor's C++ build
 # (tens of seconds per graph on a small machine); what fpdoctor must stay out of is Dynamo's part.
@@ -65,23 +63,6 @@ def _loop(nan: bool = False, *, whole: bool = False, backend: Any = BACKEND) -> 
     return compiled, opt, forward_backward, torch.compile(step, backend=backend) if whole else step
 
 
-@contextlib.contextmanager
-def _dynamo_counted() -> Iterator[dict[str, Any]]:
-    """Dynamo's own counters of the block, with every warning and what reached stderr."""
-    torch._dynamo.reset()
-    from torch._dynamo.utils import counters
-
-    counters.clear()
-    seen: dict[str, Any] = {}
-    err = io.StringIO()
-    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stderr(err):
-        warnings.simplefilter("always")
-        yield seen
-    seen["graphs"] = counters["stats"]["unique_graphs"]
-    seen["breaks"] = sum(counters["graph_break"].values())
-    seen["text"] = err.getvalue() + "\n".join(f"{w.filename}: {w.message}" for w in caught)
-
-
 def _ours(text: str) -> list[str]:
     """Dynamo's and torch's warnings that name fpdoctor's files or its hooks (not its own notices)."""
     return [line for line in text.splitlines() if "/fpdoctor/" in line or "global hooks" in line]
@@ -89,7 +70,7 @@ def _ours(text: str) -> list[str]:
 
 def _plain(whole: bool) -> dict[str, Any]:
     *_, step = _loop(whole=whole)
-    with _dynamo_counted() as seen:
+    with counted() as seen:
         for _ in range(3):
             step()
     return seen
@@ -99,7 +80,7 @@ def _plain(whole: bool) -> dict[str, Any]:
 def test_watch_compiles_what_the_program_compiles(whole: bool) -> None:
     plain = _plain(whole)
     *_, step = _loop(whole=whole)
-    with _dynamo_counted() as seen, fpdoctor.watch() as watch:
+    with counted() as seen, fpdoctor.watch() as watch:
         for _ in range(3):
             step()
     assert (seen["graphs"], seen["breaks"]) == (plain["graphs"], plain["breaks"])
@@ -110,7 +91,7 @@ def test_watch_compiles_what_the_program_compiles(whole: bool) -> None:
 def test_sentinel_compiles_what_the_program_compiles() -> None:
     plain = _plain(False)
     model, opt, forward_backward, _ = _loop()
-    with _dynamo_counted() as seen:
+    with counted() as seen:
         guard = fpdoctor.Sentinel(model, opt)
         for _ in range(3):
             guard.step(forward_backward)
@@ -122,7 +103,7 @@ def test_sentinel_compiles_what_the_program_compiles() -> None:
 def test_sentinel_finds_a_nan_made_in_the_compiled_region() -> None:
     model, opt, forward_backward, _ = _loop(nan=True)
     guard = fpdoctor.Sentinel(model, opt)
-    with _dynamo_counted() as seen:
+    with counted() as seen:
         guard.step(forward_backward)
     assert _ours(seen["text"]) == []
     found = {f.name: f for f in guard.report.findings}
@@ -136,7 +117,7 @@ def test_sentinel_finds_a_nan_made_in_the_compiled_region() -> None:
 
 def test_watch_finds_a_nan_made_in_the_compiled_region() -> None:
     *_, step = _loop(nan=True)
-    with _dynamo_counted() as seen, fpdoctor.watch() as watch:
+    with counted() as seen, fpdoctor.watch() as watch:
         step()
     assert _ours(seen["text"]) == []
     found = {f.name: f for f in watch.report.findings}
@@ -151,7 +132,7 @@ def test_trace_says_where_its_findings_were_seen() -> None:
     """The NaN the compiled graph made was seen in the compiled program (its op named by the
     graph's eager re-run); the tracer's own findings were seen in the eager ops around it."""
     model, _, _, step = _loop(nan=True)
-    with _dynamo_counted() as seen, fpdoctor.trace(model) as t:
+    with counted() as seen, fpdoctor.trace(model) as t:
         step()
     assert _ours(seen["text"]) == []
     produced = t.report.by_name("nonfinite-produced")
@@ -282,7 +263,7 @@ def test_the_lightning_callback_on_a_compiled_model() -> None:
     def fit(callbacks: list[Any]) -> dict[str, Any]:
         net = Net(nan_data=(3, 1))
         net.net = torch.compile(net.net, backend=BACKEND)
-        with _dynamo_counted() as seen:
+        with counted() as seen:
             trainer(callbacks, max_steps=4).fit(net, data())
         return seen
 
@@ -306,7 +287,7 @@ def test_inductor_compiled_nan_is_found_and_replayed() -> None:
         pytest.skip(f"Inductor cannot build kernels here: {type(exc).__name__}")
     model, opt, forward_backward, _ = _loop(nan=True, backend="inductor")
     guard = fpdoctor.Sentinel(model, opt)
-    with _dynamo_counted() as seen:
+    with counted() as seen:
         guard.step(forward_backward)
     assert _ours(seen["text"]) == []
     found = {f.name: f for f in guard.report.findings}

@@ -5,11 +5,8 @@ a healthy compiled model gives no finding, no warning and no graph compiled anew
 
 from __future__ import annotations
 
-import contextlib
-import io
 import math
 import shutil
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +17,7 @@ from torch import nn
 import fpdoctor
 from fpdoctor.numerics.graphs import GraphCheck
 from tests.numerics.compiled_faults import NanAfterTanh
+from tests.numerics.dynamo_counts import counted
 
 try:
     torch.compile(lambda x: x.exp(), backend="inductor")(torch.ones(2))
@@ -57,24 +55,6 @@ def _loop(model: nn.Module, backend: str) -> tuple[Any, Any, Any]:
     return compiled, opt, forward_backward
 
 
-@contextlib.contextmanager
-def _counted() -> Iterator[dict[str, Any]]:
-    """Dynamo's graphs and frames compiled in the block, with every warning and what reached stderr."""
-    torch._dynamo.reset()
-    from torch._dynamo.utils import counters
-
-    counters.clear()
-    seen: dict[str, Any] = {}
-    err = io.StringIO()
-    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stderr(err):
-        warnings.simplefilter("always")
-        yield seen
-    seen["graphs"] = counters["stats"]["unique_graphs"]
-    seen["frames"] = dict(counters["frames"])
-    seen["recompiles"] = sum(counters["recompiles"].values())
-    seen["text"] = err.getvalue() + "\n".join(f"{w.filename}: {w.message}" for w in caught)
-
-
 @pytest.fixture(scope="module")
 def compiled_only() -> Iterator[dict[str, Any]]:
     """One Inductor compile of a model whose compiled program (only) has its tanh made NaN by a
@@ -84,7 +64,7 @@ def compiled_only() -> Iterator[dict[str, Any]]:
     torch.manual_seed(0)
     model = Net()
     out: dict[str, Any] = {}
-    with torch._inductor.config.patch(post_grad_custom_post_pass=NanAfterTanh()), _counted() as seen:
+    with torch._inductor.config.patch(post_grad_custom_post_pass=NanAfterTanh()), counted() as seen:
         compiled, opt, forward_backward = _loop(model, "inductor")
         guard = fpdoctor.Sentinel(compiled, opt)
         guard.step(forward_backward)
@@ -170,7 +150,7 @@ def test_no_graph_was_compiled_anew_for_the_diagnosis(compiled_only: dict[str, A
 def _healthy(watched: bool) -> tuple[dict[str, Any], Any]:
     torch.manual_seed(0)
     model = Net()
-    with _counted() as seen:
+    with counted() as seen:
         compiled, opt, forward_backward = _loop(model, "aot_eager")
         guard = fpdoctor.Sentinel(compiled, opt) if watched else None
         for _ in range(3):
@@ -189,7 +169,7 @@ def test_a_healthy_compiled_model_adds_no_graph_no_finding_no_warning() -> None:
 def test_the_first_graph_with_a_nonfinite_output_is_named_where_eager_makes_it_too() -> None:
     torch.manual_seed(0)
     model = Net(log=True)
-    with _counted():
+    with counted():
         compiled, opt, forward_backward = _loop(model, "aot_eager")
         guard = fpdoctor.Sentinel(compiled, opt)
         guard.step(forward_backward)
@@ -259,7 +239,7 @@ def test_watch_names_the_graph_compiled_before_its_first_step() -> None:
     graph: the graph is wrapped all the same, and the bad step names it."""
     torch.manual_seed(0)
     model = Net(log=True)
-    with _counted() as seen, fpdoctor.watch() as watch:
+    with counted() as seen, fpdoctor.watch() as watch:
         _, opt, forward_backward = _loop(model, "aot_eager")
         forward_backward()
         opt.step()
@@ -313,7 +293,7 @@ def test_a_sentinel_gone_puts_dynamos_class_back() -> None:
     gc.collect()
     assert _torchs_own()  # no check of an earlier test is left open
     torch.manual_seed(0)
-    with _counted():
+    with counted():
         compiled, opt, forward_backward = _loop(Net(), "eager")
         guard = fpdoctor.Sentinel(compiled, opt)
         guard.step(forward_backward)

@@ -6,11 +6,8 @@ program does. A healthy compiled model gives no finding, no warning and no graph
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import textwrap
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +17,7 @@ from torch import nn
 
 import fpdoctor
 from tests.conftest import run_fpdoctor
+from tests.numerics.dynamo_counts import counted
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,23 +44,7 @@ class Net(nn.Module):
         return self.b(h)
 
 
-@contextlib.contextmanager
-def _fresh() -> Iterator[dict[str, Any]]:
-    """From a Dynamo with nothing compiled: its graphs, frames and recompiles in the block, with
-    every warning and what reached stderr."""
-    torch._dynamo.reset()
-    from torch._dynamo.utils import counters
-
-    counters.clear()
-    seen: dict[str, Any] = {}
-    err = io.StringIO()
-    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stderr(err):
-        warnings.simplefilter("always")
-        yield seen
-    seen["graphs"] = counters["stats"]["unique_graphs"]
-    seen["frames"] = dict(counters["frames"])
-    seen["recompiles"] = sum(counters["recompiles"].values())
-    seen["text"] = err.getvalue() + "\n".join(f"{w.filename}: {w.message}" for w in caught)
+LOG_LINE = next(i for i, line in enumerate(Path(__file__).read_text().splitlines(), 1) if "torch.log(h - 2.0)" in line)
 
 
 def _steps(model: nn.Module, traced: bool) -> Any:
@@ -78,9 +60,9 @@ def _steps(model: nn.Module, traced: bool) -> Any:
 
 
 def test_a_healthy_compiled_model_runs_compiled_with_the_ops_around_it_traced() -> None:
-    with _fresh() as plain:
+    with counted() as plain:
         _steps(Net(), traced=False)
-    with _fresh() as seen:
+    with counted() as seen:
         t = _steps(Net(), traced=True)
     assert (seen["graphs"], seen["frames"], seen["recompiles"]) == (plain["graphs"], plain["frames"], 0)
     assert "fpdoctor" not in seen["text"] and "global hooks" not in seen["text"]
@@ -95,12 +77,12 @@ def test_a_healthy_compiled_model_runs_compiled_with_the_ops_around_it_traced() 
 
 
 def test_a_nan_the_eager_ops_make_too_names_the_op_and_the_user_line() -> None:
-    with _fresh():
+    with counted():
         t = _steps(Net(log=True), traced=True)
     first = t.report.findings[0]
     assert first.name == "nonfinite-produced" and first.where["op"] == "torch.log"
     assert first.evidence["seen_in"] == "compiled"
-    assert first.evidence["location"].startswith(f"{__file__}:45 in forward")
+    assert first.evidence["location"].startswith(f"{__file__}:{LOG_LINE} in forward")
     assert first.evidence["compiled_graph"]["id"] == "0/0"
     # the eager loss ops got the NaN from the graph's output, which the tracer names as such; what
     # the NaN did downstream is not told as bad input data
