@@ -322,8 +322,11 @@ def test_probe_leaves_rng_and_grads_alone():
         lambda groups: torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.1),
         lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, weight_decay=1e-3),
         lambda groups: torch.optim.NAdam(groups, lr=1e-3),
+        lambda groups: torch.optim.AdamW(groups, lr=1e-3, fused=True),
+        lambda groups: torch.optim.Adam(groups, lr=1e-3, amsgrad=True, foreach=True),
+        lambda groups: torch.optim.RMSprop(groups, lr=1e-4, centered=True, momentum=0.9),
     ],
-    ids=["adamw", "sgd-momentum", "nadam"],
+    ids=["adamw", "sgd-momentum", "nadam", "adamw-fused", "adam-amsgrad-foreach", "rmsprop-centered"],
 )
 def test_the_flat_shadow_steps_each_element_as_its_own_parameter_would(make_opt):
     """The sample steps as flat buckets (one per param group, dtype and state layout): with two
