@@ -32,12 +32,16 @@ lint: $(BIN)/.installed
 # tests marked `serial`, which hold a wall-time budget, alone (only their files are collected).
 # Both passes always run; either failing fails `make test`. fpdoctor's bytecode is compiled first:
 # the suite starts a few hundred fresh interpreters, and where PYTHONDONTWRITEBYTECODE is set each
-# would compile the modules it imports again.
+# would compile the modules it imports again. The parallel pass runs torch with one intra-op thread
+# (OMP_NUM_THREADS=1, inherited by the processes its tests start): nothing it checks depends on
+# the thread count, and with two workers and their children on the cores, OpenMP's idle threads
+# spin-waiting took an eighth of the pass's CPU. The timed (serial) tests keep torch's
+# default.
 SERIAL_TESTS = $(shell grep -rlE 'mark\.serial' tests --include='test_*.py')
 
 test: lint
 	$(BIN)/python -m compileall -q src
-	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadfile -m "not serial"; parallel=$$?; \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadfile -m "not serial"; parallel=$$?; \
 	$(BIN)/python -m pytest -m serial $(SERIAL_TESTS); serial=$$?; \
 	test $$parallel -eq 0 -a $$serial -eq 0
 

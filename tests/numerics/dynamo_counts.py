@@ -1,15 +1,35 @@
-"""What Dynamo compiled in a block, for the compiled-model tests: its graphs, frames, recompiles and
-graph breaks, with every warning and what reached stderr."""
+"""For the compiled-model tests: whether a torch.compile backend works on this machine (asked when
+a test runs, not when the suite is collected: every worker collects every file), and what Dynamo
+compiled in a block: its graphs, frames, recompiles and graph breaks, with every warning and what
+reached stderr."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
+
+
+@functools.cache
+def _cannot_compile(backend: str) -> str | None:
+    try:
+        torch.compile(lambda x: x.exp(), backend=backend)(torch.ones(2))
+    except Exception as exc:  # no C++ compiler for Inductor, or a torch.compile that fails here
+        return f"torch.compile with {backend} cannot run here: {type(exc).__name__}: {exc}"
+    return None
+
+
+def needs_backend(backend: str) -> None:
+    """Skip the calling test, saying why, where `backend` cannot compile a one-op function."""
+    reason = _cannot_compile(backend)
+    if reason is not None:
+        pytest.skip(reason)
 
 
 @contextlib.contextmanager

@@ -13,19 +13,16 @@ import torch
 from torch import nn
 
 import fpdoctor
-from tests.numerics.dynamo_counts import counted
+from tests.numerics.dynamo_counts import counted, needs_backend
 
 # aot_eager: Dynamo and AOTAutograd as torch.compile runs them, without Inductor's C++ build
 # (tens of seconds per graph on a small machine); what fpdoctor must stay out of is Dynamo's part.
 BACKEND = "aot_eager"
 
-try:
-    torch.compile(lambda x: x + 1, backend=BACKEND)(torch.ones(1))
-    CANNOT_COMPILE = None
-except Exception as exc:  # pragma: no cover - a torch without a working torch.compile
-    CANNOT_COMPILE = f"torch.compile cannot run here: {type(exc).__name__}: {exc}"
 
-pytestmark = pytest.mark.skipif(CANNOT_COMPILE is not None, reason=CANNOT_COMPILE or "")
+@pytest.fixture(autouse=True)
+def _compiles() -> None:
+    needs_backend(BACKEND)
 
 
 class Net(nn.Module):
@@ -281,10 +278,7 @@ def test_the_lightning_callback_on_a_compiled_model() -> None:
 def test_inductor_compiled_nan_is_found_and_replayed() -> None:
     """The same with Inductor's C++ kernels (the rest of this file uses aot_eager to stay fast): the
     NaN of a fused kernel is seen in the compiled program and named by the eager replay."""
-    try:
-        torch.compile(lambda x: x.exp(), backend="inductor")(torch.ones(2))
-    except Exception as exc:  # no C++ compiler, or a build that fails here
-        pytest.skip(f"Inductor cannot build kernels here: {type(exc).__name__}")
+    needs_backend("inductor")
     model, opt, forward_backward, _ = _loop(nan=True, backend="inductor")
     guard = fpdoctor.Sentinel(model, opt)
     with counted() as seen:

@@ -17,13 +17,7 @@ from torch import nn
 import fpdoctor
 from fpdoctor.numerics.graphs import GraphCheck
 from tests.numerics.compiled_faults import NanAfterTanh
-from tests.numerics.dynamo_counts import counted
-
-try:
-    torch.compile(lambda x: x.exp(), backend="inductor")(torch.ones(2))
-    CANNOT_BUILD = None
-except Exception as exc:  # no C++ compiler, or a build that fails here
-    CANNOT_BUILD = f"Inductor cannot build kernels here: {type(exc).__name__}: {exc}"
+from tests.numerics.dynamo_counts import counted, needs_backend
 
 
 class Net(nn.Module):
@@ -59,8 +53,7 @@ def _loop(model: nn.Module, backend: str) -> tuple[Any, Any, Any]:
 def compiled_only() -> Iterator[dict[str, Any]]:
     """One Inductor compile of a model whose compiled program (only) has its tanh made NaN by a
     post-grad pass the test registers; the sentinel's report of its first step."""
-    if CANNOT_BUILD:
-        pytest.skip(CANNOT_BUILD)
+    needs_backend("inductor")
     torch.manual_seed(0)
     model = Net()
     out: dict[str, Any] = {}
@@ -213,8 +206,7 @@ def test_a_bf16_rounding_difference_is_settled_by_emulate_precision_casts(tmp_pa
     NaN: emulate_precision_casts makes the graph finite, so nothing is bisected."""
     from fpdoctor.numerics.compiled import graph_evidence
 
-    if CANNOT_BUILD:
-        pytest.skip(CANNOT_BUILD)
+    needs_backend("inductor")
     a = torch.full((4,), 1 + 2**-7, dtype=torch.bfloat16)
     assert _rounded_apart(a, a).isfinite().all()
     check = GraphCheck()

@@ -17,17 +17,14 @@ from torch import nn
 
 import fpdoctor
 from tests.conftest import run_fpdoctor
-from tests.numerics.dynamo_counts import counted
+from tests.numerics.dynamo_counts import counted, needs_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 
-try:
-    torch.compile(lambda x: x.exp(), backend="inductor")(torch.ones(2))
-    CANNOT_BUILD = None
-except Exception as exc:  # no C++ compiler, or a build that fails here
-    CANNOT_BUILD = f"Inductor cannot build kernels here: {type(exc).__name__}: {exc}"
 
-pytestmark = pytest.mark.skipif(CANNOT_BUILD is not None, reason=str(CANNOT_BUILD))
+@pytest.fixture(autouse=True)
+def _inductor() -> None:
+    needs_backend("inductor")
 
 
 class Net(nn.Module):
