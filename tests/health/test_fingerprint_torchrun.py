@@ -3,9 +3,6 @@
 The fault lives in a test-only fingerprint child (tests/fixtures/health/fp_faulty_child.py) that
 one rank starts instead of the product's: a flipped low bit in one element of every third
 torch.mm result. The product itself has no fault switch.
-
-The jobs with and without that fault are held to LIMIT_S, so they run alone (`serial`); the others
-hold no time limit and run beside the rest of the suite, one multi-rank job at a time (`jobs`).
 """
 
 from __future__ import annotations
@@ -19,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.serial  # 4-rank torchrun jobs within LIMIT_S
 
 pytest.importorskip("torch")
 
@@ -46,7 +45,6 @@ def _torchrun(out: Path, *options: str, world: int = WORLD) -> tuple[float, list
     return elapsed, docs
 
 
-@pytest.mark.serial  # a 4-rank job within LIMIT_S
 def test_the_rank_with_an_intermittent_matmul_error_is_named(tmp_path):
     elapsed, docs = _torchrun(tmp_path, "--fault-rank", "2", "--every", "3")
     assert elapsed < LIMIT_S
@@ -65,7 +63,6 @@ def test_the_rank_with_an_intermittent_matmul_error_is_named(tmp_path):
     assert finding["message"].startswith("rank 2 on host ")
 
 
-@pytest.mark.serial  # a 4-rank job within LIMIT_S
 def test_the_same_job_without_the_fault_reports_nothing(tmp_path):
     elapsed, docs = _torchrun(tmp_path)
     assert elapsed < LIMIT_S
@@ -76,7 +73,6 @@ def test_the_same_job_without_the_fault_reports_nothing(tmp_path):
     assert len({json.dumps(row["digests"], sort_keys=True) for row in root["rows"]}) == 1
 
 
-@pytest.mark.jobs  # no time limit: it runs beside the other tests
 def test_a_rank_that_is_wrong_every_time_is_named_by_its_known_answer_alone(tmp_path):
     # every result flipped: its repeats agree with each other, but the exact known answer is wrong,
     # which decides: the rank has no vote, and no other rank is marked
@@ -90,7 +86,6 @@ def test_a_rank_that_is_wrong_every_time_is_named_by_its_known_answer_alone(tmp_
     assert [row["verdict"] for row in root["rows"]] == ["ok", "mismatch", "ok", "ok"]
 
 
-@pytest.mark.jobs  # no time limit: it runs beside the other tests
 def test_a_job_with_its_own_process_group_keeps_it(tmp_path):
     _, docs = _torchrun(tmp_path, "--init-first", world=2)
     assert [d["group_after"] for d in docs] == [True, True]
