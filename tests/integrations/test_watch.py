@@ -144,20 +144,26 @@ def _report(tmp_path: Path, name: str = "report.json") -> dict:
     return json.loads((tmp_path / name).read_text())
 
 
-def test_a_healthy_script_trains_to_bitwise_the_same_weights(tmp_path):
-    script = _write(tmp_path, "train.py", TRAIN)
+@pytest.fixture(scope="module")
+def plain_train(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, torch.Tensor]]:
+    """TRAIN as python runs it, without fpdoctor: its stdout and its weights, which the watched
+    runs of it below must give bitwise."""
+    tmp = tmp_path_factory.mktemp("plain")
+    script = _write(tmp, "train.py", TRAIN)
     plain = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "plain.pt")],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [sys.executable, str(script), str(tmp / "plain.pt")], check=False, capture_output=True, text=True, timeout=120
     )
     assert plain.returncode == 0, plain.stderr
+    return plain.stdout, torch.load(tmp / "plain.pt")
+
+
+def test_a_healthy_script_trains_to_bitwise_the_same_weights(tmp_path, plain_train):
+    script = _write(tmp_path, "train.py", TRAIN)
+    stdout, a = plain_train
     watched = _watch(tmp_path, "python", str(script), str(tmp_path / "watched.pt"))
     assert watched.returncode == 0, watched.stderr
-    assert watched.stdout == plain.stdout  # the script's stdout is its own
-    a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "watched.pt")
+    assert watched.stdout == stdout  # the script's stdout is its own
+    b = torch.load(tmp_path / "watched.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     report = _report(tmp_path)
     assert report["verdict"] == "ok" and report["data"]["steps"] == 8 and report["data"]["micro_batches"] == 16
@@ -812,12 +818,10 @@ def test_a_bad_first_step_skipped_on_the_device_leaves_no_optimizer_state_behind
     assert watcher.report.data["verdicts"] == {1: "deterministic-nonfinite"}
 
 
-def test_device_skip_on_the_command_line_keeps_healthy_runs_bitwise_and_skips_a_bad_step(tmp_path):
+def test_device_skip_on_the_command_line_keeps_healthy_runs_bitwise_and_skips_a_bad_step(tmp_path, plain_train):
     # the foreach AdamW of TRAIN, its steps undone on the device where the flag says so
     script = _write(tmp_path, "train.py", TRAIN)
     inject = _write(tmp_path, "inject.py", INJECT)
-    plain = subprocess.run([sys.executable, str(script), str(tmp_path / "plain.pt")], check=False, timeout=120)
-    assert plain.returncode == 0
 
     def watched(*command: str) -> subprocess.CompletedProcess[str]:
         report = str(tmp_path / "report.json")
@@ -833,8 +837,8 @@ def test_device_skip_on_the_command_line_keeps_healthy_runs_bitwise_and_skips_a_
 
     healthy = watched(str(script), str(tmp_path / "watched.pt"))
     assert healthy.returncode == 0, healthy.stderr
-    a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "watched.pt")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    a, b = plain_train[1], torch.load(tmp_path / "watched.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     bad = watched(str(inject), str(script), str(tmp_path / "bad.pt"))
     assert bad.returncode == 0, bad.stderr
     assert "fpdoctor watch: step 4: non-finite, skipped; transient-fault-suspected" in bad.stderr

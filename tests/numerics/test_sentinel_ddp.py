@@ -152,9 +152,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
-@pytest.mark.parametrize("world", [2, 3])
-def test_every_rank_names_the_rank_that_held_the_fault(tmp_path, world):
-    results = _spawn(_worker, world, tmp_path)
+def test_every_rank_names_the_rank_that_held_the_fault(tmp_path):
+    # three ranks: the fault's rank is neither the first nor the last, and a third of each
+    # gradient is not exact in binary (the average DDP computes, bit for bit); the 2-rank jobs
+    # below, and watch's under torchrun, cover two
+    results = _spawn(_worker, 3, tmp_path)
     for r, res in enumerate(results):
         assert "error" not in res, (r, res)
         transient = res["transient"]
