@@ -236,6 +236,8 @@ def _leak_worker(rank: int, world: int, port: int, out: str) -> None:
             opt.step()
         results["records_while_held"] = len(watch._records)
         results["buckets"] = len({r[0] for r in watch._records})
+        (hook,) = [h for h, _ in ddp._comm_hooks if h.__name__ == "fpdoctor_bucket_watch"]
+        results["works_while_held"] = len(hook.allreduce._works)
         ref = weakref.ref(watch)
         del guard, watch
         gc.collect()
@@ -245,6 +247,8 @@ def _leak_worker(rank: int, world: int, port: int, out: str) -> None:
             nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()
         results["params"] = [p.detach().sum().item() for p in model.parameters()]
+        results["works_after"] = len(hook.allreduce._works)
+        results["works_done"] = all(work.is_completed() for work in hook.allreduce._works)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
@@ -255,5 +259,8 @@ def test_the_bucket_hook_keeps_one_backward_and_lets_the_sentinel_go(tmp_path):
         assert "error" not in res, (r, res)
         assert res["buckets"] > 1, r
         assert res["records_while_held"] == res["buckets"], r  # one backward's, not 20
+        # the last backward's all-reduces stay referenced here, so that gloo's thread never drops
+        # the last reference (distributed._Allreduce); one backward's, with or without the sentinel
+        assert res["works_while_held"] == res["works_after"] == res["buckets"] and res["works_done"], r
         assert res["watch_collected"], r
     assert results[0]["params"] == results[1]["params"]  # the replicas still average their gradients
