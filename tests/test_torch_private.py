@@ -318,6 +318,27 @@ def test_ddp_comm_hook():
         dist.destroy_process_group()
 
 
+def test_the_backward_context_is_taken_out_for_the_block_and_put_back():
+    seen: dict[str, object] = {}
+    x = torch.ones(2, requires_grad=True)
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        has = getattr(torch._C, "_is_key_in_tls", lambda key: False)
+        seen["before"] = has("context")
+        with tp.without_backward_context():
+            seen["inside"] = has("context")
+        seen["after"] = has("context")
+        return grad
+
+    x.register_hook(hook)
+    (x * 2).sum().backward()
+    if not hasattr(torch._C, "_stash_obj_in_tls"):
+        pytest.skip("this torch keeps no Python context for a backward")
+    assert seen == {"before": True, "inside": False, "after": True}
+    with tp.without_backward_context():  # outside a backward: nothing to take out
+        assert not torch._C._is_key_in_tls("context")
+
+
 def test_dynamo_skipper_keeps_a_function_out_of_compilation():
     graphs: list[object] = []
 

@@ -25,6 +25,7 @@ settings itself: it is a graph reproducer's repro.py, run with torch only, no fp
 
 from __future__ import annotations
 
+import contextlib
 import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -195,6 +196,26 @@ def has_comm_hook(ddp: Any) -> bool:
     """A DDP model already has a communication hook, or the Python reducer: one of the user's
     stays, and fpdoctor's gradient attribution, which needs its own hook, is off."""
     return bool(getattr(ddp, "_comm_hooks", None) or getattr(ddp, "_use_python_reducer", False))
+
+
+@contextlib.contextmanager
+def without_backward_context() -> Iterator[None]:
+    """torch (2.12 on) keeps a Python object, the backward's `contextvars` context, in
+    thread-local storage while a backward runs; a collective started then copies it into its work
+    and callbacks, and gloo's worker thread, dropping the last copy, takes the GIL to free it. At
+    interpreter shutdown that aborts the process ("terminate called without an active exception",
+    `ProcessGroupGloo::runLoop` -> `~AsyncWork` -> `~ThreadLocalState`). Taken out for the block
+    and put back after it, in this thread; a torch without it has nothing to take out."""
+    is_key = getattr(torch._C, "_is_key_in_tls", None)
+    if is_key is None or not is_key("context"):
+        yield
+        return
+    context = torch._C._get_obj_in_tls("context")
+    torch._C._remove_obj_from_tls("context")
+    try:
+        yield
+    finally:
+        torch._C._stash_obj_in_tls("context", context)
 
 
 def reparametrized(module: torch.nn.Module, tensors: dict[str, torch.Tensor], *, tie_weights: bool = False) -> Any:

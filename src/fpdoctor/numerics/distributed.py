@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from fpdoctor.numerics import records
-from fpdoctor.torchprivate import has_comm_hook
+from fpdoctor.torchprivate import has_comm_hook, without_backward_context
 
 
 def active() -> bool:
@@ -101,7 +101,7 @@ class BucketWatch:
     """A DDP communication hook that notes each bucket's local extremes before the all-reduce.
 
     The hook registered on the model holds the watch only weakly: once the sentinel (which holds
-    the watch) is gone, the hook just does DDP's plain all-reduce and notes nothing. The records
+    the watch) is gone, the hook just does DDP's plain all-reduce and keeps nothing. The records
     of one backward are dropped by the hook itself at the first bucket after a last bucket, so a
     model trained on without its sentinel never accumulates them.
     """
@@ -122,17 +122,15 @@ class BucketWatch:
             return None  # a hook of the user's (or the python reducer): theirs stays, no attribution
         watch = cls(model)
         ref = weakref.ref(watch)
-        reduce = _Allreduce()
 
         def fpdoctor_bucket_watch(state: Any, bucket: Any) -> Any:
             live = ref()
-            if live is not None:  # with the sentinel gone, DDP's own all-reduce alone
-                live.note(bucket)
-            return reduce(state, bucket)
+            if live is None:  # the sentinel is gone: DDP's own all-reduce, nothing kept
+                return _allreduce_as_ddp_does(state, bucket.buffer())
+            return live(state, bucket)
 
         # DDP accepts a bucket annotated dist.GradBucket or not at all (postponed annotations are strings)
         fpdoctor_bucket_watch.__annotations__ = {}
-        fpdoctor_bucket_watch.allreduce = reduce  # type: ignore[attr-defined]  # (what it holds, for tests)
         ddp.register_comm_hook(ddp.process_group, fpdoctor_bucket_watch)
         return watch
 
@@ -141,8 +139,7 @@ class BucketWatch:
         self._records = []
         self._after_last = False
 
-    def note(self, bucket: Any) -> None:
-        """The bucket's local extremes, before its all-reduce (nothing read back)."""
+    def __call__(self, state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         try:
             if self._after_last:
                 self._records = []
@@ -154,6 +151,7 @@ class BucketWatch:
             text = f"{type(exc).__name__}: {exc}"
             if len(self.errors) < 5 and text not in self.errors:
                 self.errors.append(text)
+        return _allreduce_as_ddp_does(state, bucket.buffer())
 
     def local_faults(self) -> list[dict[str, Any]]:
         """The buckets whose local gradient held NaN or Inf before the reduction (reads back)."""
@@ -170,33 +168,14 @@ class BucketWatch:
         return faults
 
 
-class _Allreduce:
+def _allreduce_as_ddp_does(group: Any, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     """The average DDP computes when no hook is registered, bit for bit: each gradient times
     1/world_size (DDP's reducer multiplies while copying into the bucket; torch's python
-    `allreduce_hook` divides instead, which differs in the last bit for 3 ranks), then a sum.
-
-    It holds the all-reduces of the last backward until the next one starts. An all-reduce
-    started from Python during a backward carries the Python context torch stashes for that
-    backward; on gloo, whoever drops the last reference to it needs the GIL. Left to gloo's
-    worker thread, that can come after the script's last line, once the interpreter is shutting
-    down, and the thread then aborts the process ("terminate called without an active
-    exception", in `ProcessGroupGloo::runLoop` -> `~AsyncWork` -> `~ThreadLocalState`). Held
-    here, the last reference goes with the DDP model, in a thread that holds the GIL.
-    """
-
-    def __init__(self) -> None:
-        self._works: list[Any] = []
-        self._after_last = False
-
-    def __call__(self, group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        dist = torch.distributed
-        group = group if group is not None else dist.group.WORLD
-        buffer = bucket.buffer()
-        buffer.mul_(1.0 / dist.get_world_size(group))
+    `allreduce_hook` divides instead, which differs in the last bit for 3 ranks), then a sum."""
+    dist = torch.distributed
+    group = group if group is not None else dist.group.WORLD
+    buffer.mul_(1.0 / dist.get_world_size(group))
+    with without_backward_context():  # else gloo's thread may free it at shutdown, and abort
         work = dist.all_reduce(buffer, group=group, async_op=True)
         assert work is not None
-        if self._after_last:  # a new backward: the last one's all-reduces are done
-            self._works = []
-        self._after_last = bool(bucket.is_last())
-        self._works.append(work)
         return work.get_future().then(lambda fut: fut.value()[0])
