@@ -200,7 +200,7 @@ def has_comm_hook(ddp: Any) -> bool:
 
 @contextlib.contextmanager
 def without_backward_context() -> Iterator[None]:
-    """torch (2.12 on) keeps a Python object, the backward's `contextvars` context, in
+    """torch (2.13 here) keeps a Python object, the backward's `contextvars` context, in
     thread-local storage while a backward runs; a collective started then copies it into its work
     and callbacks, and gloo's worker thread, dropping the last copy, takes the GIL to free it. At
     interpreter shutdown that aborts the process ("terminate called without an active exception",

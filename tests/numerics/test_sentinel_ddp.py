@@ -226,7 +226,7 @@ def test_every_rank_replays_so_collectives_inside_the_step_match(tmp_path):
 
 @contextlib.contextmanager
 def _where_backward_contexts_go() -> Iterator[list[bool]]:
-    """For each Python context torch stashes for a backward (torch >= 2.12), whether the thread
+    """For each Python context torch stashes for a backward (torch 2.13 does), whether the thread
     that dropped its last reference was the main one. gloo's worker thread doing it at interpreter
     shutdown aborts the process (torchprivate.without_backward_context)."""
     freed: list[bool] = []
