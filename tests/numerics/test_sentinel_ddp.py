@@ -45,11 +45,11 @@ def _rank_results(rank: int, world: int, port: int, out: str, *, timeout_s: floa
 
 
 def _exit_now() -> None:
-    """End a worker once its results are written. With a Python DDP communication hook that
-    carries the backward's Python context into gloo's threads (torch's own
-    default_hooks.allreduce_hook does), a rank sometimes aborts at interpreter exit ("terminate
-    called without an active exception", 3 of 12 runs here). The sentinel's hook no longer does
-    (the last test below); ending here keeps torch's teardown out of every other test."""
+    """End a worker once its results are written. Where an all-reduce carries the backward's
+    Python context into gloo's threads (torch's own default_hooks.allreduce_hook, 3 of 12 runs
+    here, and plain DDP's own all-reduce), a rank sometimes aborts at interpreter exit
+    ("terminate called without an active exception"). The sentinel's hook no longer does (the
+    last test below); ending here keeps torch's teardown out of every other test."""
     os._exit(0)
 
 
