@@ -11,6 +11,10 @@ from pathlib import Path
 
 import pytest
 
+# the fix contract (SPEC 3.2), held on every test of the suite: tests/fix_contract.py
+from tests.fix_contract import PRINTED as _PRINTED
+from tests.fix_contract import _every_printed_fix_says_if_tried, _reports_recorded  # noqa: F401
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
 ENV_FIXTURES = FIXTURES / "env"
@@ -48,7 +52,8 @@ def cli(capsys: pytest.CaptureFixture[str]):
 
 
 def run_fpdoctor(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> Result:
-    """Run `python -m fpdoctor ARGS` in a fresh interpreter (end to end)."""
+    """Run `python -m fpdoctor ARGS` in a fresh interpreter (end to end); a JSON report it prints
+    is held to the fix contract like the reports made in-process (`_every_printed_fix_says_if_tried`)."""
     full_env = {**os.environ, **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-m", "fpdoctor", *args],
@@ -58,6 +63,7 @@ def run_fpdoctor(*args: str, env: dict[str, str] | None = None, timeout: float =
         timeout=timeout,
         check=False,
     )
+    _PRINTED.append(proc.stdout)
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 

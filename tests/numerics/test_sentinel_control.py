@@ -56,7 +56,8 @@ def test_an_fp16_overflow_is_finite_in_fp32_and_blamed_on_the_precision():
     assert "the precision is the cause" in verdict.message
     # the experiment found the op itself is the origin and checked it in fp32: its fix, not the control's
     assert verdict.evidence["experiment"]["verdict"] == "origin"
-    assert "Computing it in fp32 works" in verdict.fix and "(checked: max |x| inf -> 8e+04)" in verdict.fix
+    assert verdict.fix.startswith("Compute aten.mul.Tensor") and "(checked: max |x| inf -> 8e+04)" in verdict.fix
+    assert verdict.trial is not None and verdict.trial.tried and verdict.trial.after == 8e4
     # the control put everything back: same tensors, same dtype, same values, no gradient
     for name, value in model.state_dict().items():
         assert value.dtype == torch.float16 and torch.equal(value, before[name]), name
@@ -264,5 +265,6 @@ def test_the_fix_printed_is_the_experiments_checked_fix_not_the_fp32_controls():
     assert experiment["fix_checked"]["finite_after"]
     # the control ran, and is said, but its generic advice is not the fix: the experiment's is
     assert verdict.evidence["control_fp32"] == "finite" and "fp32 and autocast off" in verdict.message
-    assert verdict.fix.startswith("Change the origin, not the op that showed it: the constant 1e-12")
+    assert verdict.fix.startswith("Replace the constant 1e-12") and "6.10352e-05" in verdict.fix
+    assert verdict.trial is not None and verdict.trial.tried and "replaced by 6.10352e-05" in verdict.trial.changed
     assert "fpdoctor plan" not in verdict.fix

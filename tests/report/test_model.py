@@ -5,7 +5,7 @@ import json
 import pytest
 
 from fpdoctor import catalog
-from fpdoctor.report.model import SCHEMA, Finding, Report, Severity
+from fpdoctor.report.model import SCHEMA, Finding, Report, Severity, Trial
 
 
 def _finding(name: str = "driver-too-old", severity: Severity | None = None) -> Finding:
@@ -32,7 +32,10 @@ def test_json_shape_matches_the_contract():
     assert doc["schema"] == SCHEMA == "fpdoctor.report/1"
     assert doc["verdict"] == "error"
     first = doc["findings"][0]
-    assert list(first) == ["code", "name", "severity", "title", "message", "where", "evidence", "fix", "references"]
+    assert list(first) == [
+        "code", "name", "severity", "title", "message", "where", "evidence", "fix", "fix_trial", "references"
+    ]  # fmt: skip
+    assert first["fix_trial"]["status"] == "not-tried" and first["fix_trial"]["reason"]
     assert first["name"] == "cublas-h20-sigfpe"  # errors sort first
     assert first["code"] == "ENV101"
 
@@ -61,7 +64,10 @@ def test_json_is_standard_and_str_is_the_text_report():
     from fpdoctor.report.render import render
 
     finding = catalog.make(
-        "nonfinite-produced", message="m", evidence={"inputs": [{"min": float("-inf"), "max": float("nan")}]}
+        "nonfinite-produced",
+        message="m",
+        evidence={"inputs": [{"min": float("-inf"), "max": float("nan")}]},
+        trial=Trial.checked("x in fp32", metric="max |x|", before=float("inf"), after=2.0),
     )
     report = Report(command="trace", findings=[finding], data={"absmax": float("inf")})
     for text in (report.to_json(), render(report.to_dict(), "json")):
@@ -77,3 +83,37 @@ def test_severity_rank_reads_a_report_dicts_spelling():
     assert [severity_rank(s) for s in ("info", "warning", "error")] == [0, 1, 2]
     assert severity_rank("error") == Severity.ERROR.rank
     assert severity_rank("fatal") == 0  # a newer fpdoctor's severity ranks lowest here
+
+
+def test_a_fix_says_whether_it_was_tried_in_json_and_every_rendering():
+    from fpdoctor.report.render import render
+
+    tried = catalog.make(
+        "nonfinite-produced",
+        message="m",
+        trial=Trial.checked("line 3 in fp32", metric="max |x|", before=float("inf"), after=2.5, on="4096 tokens"),
+    )
+    untried = catalog.make("loss-spike", message="m")  # the catalogue says why its fixes are not tried
+    report = Report(command="trace", findings=[tried, untried])
+    doc = json.loads(report.to_json())
+    assert doc["findings"][0]["fix_trial"] == {
+        "status": "checked", "changed": "line 3 in fp32", "metric": "max |x|", "before": "inf", "after": 2.5,
+        "on": "4096 tokens",
+    }  # fmt: skip
+    assert doc["findings"][1]["fix_trial"]["status"] == "not-tried"
+    assert Finding.from_dict(doc["findings"][0]).trial == Trial.checked(
+        "line 3 in fp32", metric="max |x|", before="inf", after=2.5, on="4096 tokens"
+    )
+    line = "checked on 4096 tokens: line 3 in fp32; max |x| inf "  # the arrow is escaped in markdown and HTML
+    for fmt in ("text", "markdown", "html"):
+        out = render(report.to_dict(), fmt)
+        assert line in out and f"not tried: {catalog.get('loss-spike').untried}"[:60] in out, fmt
+
+
+def test_a_trial_says_what_it_measured_or_why_not():
+    with pytest.raises(ValueError, match="measured"):
+        Trial(tried=True, changed="x")
+    with pytest.raises(ValueError, match="why"):
+        Trial(tried=False)
+    no_fix = catalog.make("loss-spike", message="m", fix="")
+    assert not no_fix.unproven and catalog.make("nonfinite-produced", message="m").unproven

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from fpdoctor.report.model import Finding, Severity
+from fpdoctor.report.model import Finding, Severity, Trial
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +29,10 @@ class RuleInfo:
     fix: str  # the general fix; findings carry the exact one for the user's versions
     references: tuple[str, ...] = ()
     since: str = "0.1.0"
+    # Why no finding of this code can have its fix tried by fpdoctor (an install, an action on the
+    # machine, a change on another machine); empty where the fix is a change to the user's run
+    # that can be tried, so that every such finding must carry its own trial or its own reason.
+    untried: str = ""
 
     def __post_init__(self) -> None:
         if not (self.code[:3].isalpha() and self.code[3:].isdigit() and len(self.code) == 6):
@@ -82,8 +86,10 @@ def make(
     evidence: Mapping[str, Any] | None = None,
     references: tuple[str, ...] | list[str] = (),
     title: str | None = None,
+    trial: Trial | None = None,
 ) -> Finding:
-    """Build a finding for catalogue rule `name`; unspecified fields come from the catalogue."""
+    """Build a finding for catalogue rule `name`; unspecified fields come from the catalogue, the
+    fix's trial too where the catalogue says why this code's fixes cannot be tried."""
     rule = get(name)
     refs = tuple(dict.fromkeys([*references, *rule.references]))  # keep order, drop repeats
     return Finding(
@@ -96,6 +102,7 @@ def make(
         where=dict(where or {}),
         evidence=dict(evidence or {}),
         references=refs,
+        trial=trial if trial is not None else Trial.untried(rule.untried) if rule.untried else None,
     )
 
 

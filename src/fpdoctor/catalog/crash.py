@@ -5,11 +5,15 @@ from __future__ import annotations
 from fpdoctor.catalog import RuleInfo
 from fpdoctor.report.model import Severity
 
+# RuleInfo.untried: the job has ended; fpdoctor does not run it again (a re-run repeats its side effects).
+_ENDED = "the job has ended and fpdoctor does not run it again: the next step is the user's re-run"
+
 CRS_RULES: tuple[RuleInfo, ...] = (
     RuleInfo(
         code="CRS001",
         name="fatal-signal",
         severity=Severity.ERROR,
+        untried=_ENDED,
         title="A process died by a signal",
         what="Names the signal (SIGFPE, SIGSEGV, SIGABRT, SIGBUS, SIGILL, SIGKILL, ...), the process (pid, rank, "
         "local rank, host, GPU), the Python stack of every thread (faulthandler), the aten ops in flight with "
@@ -28,6 +32,7 @@ CRS_RULES: tuple[RuleInfo, ...] = (
         code="CRS002",
         name="uncaught-exception",
         severity=Severity.ERROR,
+        untried=_ENDED,
         title="A process ended with an uncaught Python exception",
         what="Records the exception and its traceback in every Python process the command starts (sys.excepthook "
         "and threading.excepthook, chained to hooks already installed), with the process's rank and host, and "
@@ -42,6 +47,7 @@ CRS_RULES: tuple[RuleInfo, ...] = (
         code="CRS003",
         name="cuda-error",
         severity=Severity.ERROR,
+        untried=_ENDED,
         title="A process ended with a CUDA, cuBLAS, cuDNN or NCCL error",
         what="Matches the error text of an exception or of a C++ abort ('terminate called after throwing', "
         "'what():') against known CUDA-stack errors: illegal memory access, device-side assert, CUBLAS_STATUS_*, "
@@ -56,6 +62,7 @@ CRS_RULES: tuple[RuleInfo, ...] = (
         code="CRS004",
         name="rank-stopped",
         severity=Severity.INFO,
+        untried=_ENDED,
         title="A rank stopped because another rank failed first",
         what="For every other rank of a distributed job: what it was doing when the first rank died (waiting in "
         "a collective, computing, already finished) and how it ended (terminated by the launcher, a collective "

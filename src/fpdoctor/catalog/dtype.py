@@ -5,11 +5,24 @@ from __future__ import annotations
 from fpdoctor.catalog import RuleInfo
 from fpdoctor.report.model import Severity
 
+# RuleInfo.untried: a cast at the line where an operand or module is made is the user's code to change.
+_CAST = (
+    "a cast where the operand or module is made, which fpdoctor names and does not make; `fpdoctor.harmonize` is "
+    "the cast that can be applied and checked"
+)
+_MIXED = (
+    "a cast of the model, which the audit names and does not make; with inputs, the audit runs the forward and "
+    "reports the mismatch it causes"
+)
+# RuleInfo.untried: an exception in the user's forward is not a change fpdoctor can make.
+_RAISED = "the forward raised at the line named: the change is to the user's code, which fpdoctor does not rewrite"
+
 DTY_RULES: tuple[RuleInfo, ...] = (
     RuleInfo(
         code="DTY001",
         name="mixed-dtype-parameters",
         severity=Severity.WARNING,
+        untried=_MIXED,
         title="Parameters and buffers of one model have different floating dtypes",
         what="Groups every floating parameter and buffer by dtype and reports the modules in the minority dtype. "
         "Normalisation layers kept in fp32 inside a half-precision model are a deliberate recipe and are not "
@@ -23,6 +36,7 @@ DTY_RULES: tuple[RuleInfo, ...] = (
         code="DTY002",
         name="dtype-mismatch",
         severity=Severity.ERROR,
+        untried=_CAST,
         title="An op received operands of different dtypes",
         what="Runs the forward under a dispatch mode that knows where every tensor came from (parameter, buffer, "
         "input, or a state tensor an op created) and explains the dtype error at the op that raised it.",
@@ -33,6 +47,7 @@ DTY_RULES: tuple[RuleInfo, ...] = (
         code="DTY003",
         name="device-mismatch",
         severity=Severity.ERROR,
+        untried=_CAST,
         title="Parameters, buffers or inputs live on different devices",
         what="Reports modules whose parameters or buffers are on another device than the rest, and explains a "
         "runtime 'Expected all tensors to be on the same device' error with each operand's origin.",
@@ -44,6 +59,7 @@ DTY_RULES: tuple[RuleInfo, ...] = (
         code="DTY004",
         name="forward-failed",
         severity=Severity.ERROR,
+        untried=_RAISED,
         title="The model's forward raised an error on the example inputs",
         what="audit runs the forward on the example inputs (compare and plan do too, first, for a model whose "
         "parameters mix dtypes); an error that is not a dtype or device mismatch is reported as raised, with the "

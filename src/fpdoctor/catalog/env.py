@@ -16,11 +16,19 @@ _CONFIDENCE_WORDS = (
     "(single or conflicting evidence: fpdoctor only suggests)."
 )
 
+
+# Why the fixes of these codes are not tried (RuleInfo.untried): each changes an installation or a
+# machine's settings, which the doctor reads and never modifies.
+_INSTALL = "an installation change: fpdoctor diagnoses an environment and never modifies it"
+_OTHER_MACHINE = "a change to one of the two machines compared: fpdoctor reads their facts, it changes neither"
+_PROBE = "a next diagnostic step on the machine, not a change fpdoctor can make and measure"
+
 ENV_RULES: tuple[RuleInfo, ...] = (
     RuleInfo(
         code="ENV001",
         name="torch-import-failed",
         severity=E,
+        untried=_INSTALL,
         title="`import torch` fails",
         what="Runs `import torch` in a child process and reports the error it raised or the "
         "signal it died of, matched against known causes (a missing or mismatched shared "
@@ -33,6 +41,7 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         code="ENV002",
         name="cpu-only-build",
         severity=E,
+        untried=_INSTALL,
         title="PyTorch was built without CUDA, but this machine has NVIDIA GPUs",
         what="The installed torch has no CUDA support (`torch.version.cuda` is None, or a "
         "`+cpu` wheel) while NVML, nvidia-smi or the pasted report shows NVIDIA GPUs.",
@@ -45,6 +54,7 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         code="ENV003",
         name="driver-too-old",
         severity=E,
+        untried=_INSTALL,
         title="The NVIDIA driver is older than the CUDA runtime this torch build needs",
         what="Compares the driver version with the minimum for the build's CUDA major version "
         "(NVIDIA's minor-version-compatibility floor) and for the exact toolkit.",
@@ -58,6 +68,7 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         code="ENV004",
         name="arch-not-in-build",
         severity=E,
+        untried=_INSTALL,
         title="The GPU's compute capability is not compiled into this torch build",
         what="Checks each GPU's compute capability against the build's SASS targets (same major "
         "version, equal or lower minor) and PTX target, and against the CUDA version that first "
@@ -72,6 +83,7 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         code="ENV005",
         name="duplicate-torch-install",
         severity=W,
+        untried=_INSTALL,
         title="More than one PyTorch installation is visible",
         what="Finds several torch distributions on sys.path (user site and a virtual environment, "
         "a stale dist-info left by an interrupted upgrade) or both pip and conda copies.",
@@ -83,6 +95,7 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         code="ENV006",
         name="numpy-abi-mismatch",
         severity=E,
+        untried=_INSTALL,
         title="NumPy is incompatible with a compiled module (NumPy 1.x vs 2.x ABI)",
         what="Matches the NumPy ABI error texts and checks that torch can exchange arrays with numpy.",
         why="`import torch` warns or fails ('_ARRAY_API not found'), and torch.from_numpy breaks.",
@@ -93,6 +106,7 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         code="ENV101",
         name="cublas-h20-sigfpe",
         severity=E,
+        untried=_INSTALL,
         title="cuBLAS older than 12.4.5.8 on an NVIDIA H20 dies with SIGFPE",
         what="An H20 GPU with a loaded (or, failing that, installed) cuBLAS below 12.4.5.8, as "
         "shipped by CUDA 12.1-era torch wheels; or the crash signature in a log.",
@@ -109,6 +123,7 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         code="ENV102",
         name="duplicate-cuda-library",
         severity=W,
+        untried=_INSTALL,
         title="Several different copies of one CUDA library are reachable",
         what="Lists cuBLAS, cuBLASLt, cuDNN, NCCL, cudart and nvJitLink copies in pip wheels, "
         "torch/lib, LD_LIBRARY_PATH, the conda env, CUDA_HOME and the ldconfig cache, and reports libraries "
@@ -122,6 +137,7 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         code="ENV103",
         name="library-shadowed",
         severity=E,
+        untried=_INSTALL,
         title="The loaded copy of a CUDA library is not the installed wheel's copy",
         what="Forces torch to load its CUDA libraries in a child process, reads /proc/self/maps "
         "and compares each mapped library with the pip wheel that should provide it.",
@@ -133,6 +149,7 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         code="ENV104",
         name="known-issue",
         severity=W,
+        untried=_INSTALL,
         title="Matches a known problem in the PyTorch/CUDA stack",
         what="Matches error text (a pasted log, the import error, warnings) and versions against the "
         "known-issues table shipped with fpdoctor, and reports a problem whose error text appears or whose "
@@ -145,6 +162,7 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         code="ENV105",
         name="known-issue-crash",
         severity=E,
+        untried=_INSTALL,
         title="The input shows a crash whose cause is a known, confirmed problem",
         what="The error text of a crash that the known-issues table lists with a confirmed cause "
         "(a vendor or maintainer statement, or the build configuration itself) appears in the input. "
@@ -156,6 +174,7 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         code="ENV106",
         name="known-issue-possible",
         severity=N,
+        untried=_INSTALL,
         title="A known problem may apply; what it needs is not shown",
         what="A version condition of a known problem holds (say NCCL 2.28.9), but other conditions it "
         "states (multi-node, CUDA graphs, an environment variable, hardware evidence) are not shown by the "
@@ -167,6 +186,7 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         code="ENV201",
         name="probe-crashed",
         severity=E,
+        untried=_PROBE,
         title="An isolated GEMM probe died by a signal",
         what="Runs small matrix multiplications per dtype in child processes with a timeout; a "
         "child killed by SIGFPE, SIGSEGV, SIGABRT or SIGBUS is reported here.",
@@ -178,6 +198,7 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         code="ENV202",
         name="probe-wrong-result",
         severity=E,
+        untried=_PROBE,
         title="A GEMM probe returned a wrong result",
         what="Compares each probe's result with a float64 CPU reference, with a tolerance derived "
         "from the dtype's precision and the reduction length.",
@@ -188,6 +209,7 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         code="ENV203",
         name="probe-timed-out",
         severity=W,
+        untried=_PROBE,
         title="A GEMM probe did not finish in time",
         what="A probe child that is still running after its timeout is killed and reported.",
         why="A hang in a basic GEMM points at the driver, a wedged GPU or a library deadlock.",
@@ -197,6 +219,7 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         code="ENV301",
         name="verdict-on-one-side",
         severity=E,
+        untried=_OTHER_MACHINE,
         title="A verdict of the environment rules fires on one machine only",
         what="Runs the environment rules on both inputs of `fpdoctor env --diff A B` and reports each verdict "
         "that fires on one side only (cublas-h20-sigfpe on B only, say), with that verdict's severity.",
@@ -207,6 +230,7 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         code="ENV302",
         name="hardware-differs",
         severity=W,
+        untried=_OTHER_MACHINE,
         title="The two machines have different GPUs or drivers",
         what="Compares GPU models, compute capabilities and NVIDIA drivers of two inputs of `fpdoctor env --diff`, "
         "from fpdoctor's table of environment differences (each fact with what it does to numbers and its source).",
@@ -220,6 +244,7 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         code="ENV303",
         name="build-differs",
         severity=W,
+        untried=_OTHER_MACHINE,
         title="The two machines run different torch builds",
         what="Compares the torch version, the CUDA or ROCm it was built with, its arch list and the CUDA toolkit "
         "on PATH between the two inputs of `fpdoctor env --diff`.",
@@ -230,6 +255,7 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         code="ENV304",
         name="library-differs",
         severity=W,
+        untried=_OTHER_MACHINE,
         title="The two machines install or load different CUDA libraries",
         what="Compares the installed and the loaded versions of cuBLAS, cuBLASLt, cuDNN, NCCL and cudart, and the "
         "versions of their reachable copies, between the two inputs of `fpdoctor env --diff`.",
@@ -241,6 +267,7 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         code="ENV305",
         name="math-flag-differs",
         severity=E,
+        untried=_OTHER_MACHINE,
         title="A PyTorch math flag differs between the two machines",
         what="Compares TF32 for matmul and cuDNN and their fp32_precision settings, the float32 matmul "
         "precision, fp16/bf16 reduced-precision reductions, fp16 accumulation, deterministic algorithms and "
@@ -254,6 +281,7 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         code="ENV306",
         name="math-variable-differs",
         severity=E,
+        untried=_OTHER_MACHINE,
         title="An environment variable that changes math or kernels differs between the two machines",
         what="Compares NVIDIA_TF32_OVERRIDE, TORCH_ALLOW_TF32_CUBLAS_OVERRIDE, CUBLAS_WORKSPACE_CONFIG, "
         "CUBLAS_EMULATION_STRATEGY, CUBLASLT_* (not its logging), TORCH_BLAS_PREFER_CUBLASLT, "

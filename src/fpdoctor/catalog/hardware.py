@@ -10,11 +10,16 @@ E, W = Severity.ERROR, Severity.WARNING
 _XID_CATALOG = "https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html"
 _ROW_REMAP = "https://docs.nvidia.com/deploy/a100-gpu-mem-error-mgmt/index.html"
 
+
+# RuleInfo.untried: a hardware finding's fix is an action on the machine (drain, reset, replace).
+_MACHINE = "an action on the machine (drain, reset, replace): not a change fpdoctor can make and measure"
+
 HWR_RULES: tuple[RuleInfo, ...] = (
     RuleInfo(
         code="HWR001",
         name="xid-error",
         severity=E,
+        untried=_MACHINE,
         title="The NVIDIA driver logged an Xid error for a GPU",
         what="Reads the kernel log (dmesg, journalctl -k, /var/log/kern.log, or a saved log) for `NVRM: Xid` "
         "lines in every known shape (dmesg, dmesg -T, --time-format iso, syslog/journal, MIG `GPU-I:`, no comma "
@@ -34,6 +39,7 @@ HWR_RULES: tuple[RuleInfo, ...] = (
         code="HWR002",
         name="gpu-lost",
         severity=E,
+        untried=_MACHINE,
         title="A GPU has fallen off the bus",
         what="Finds the driver's 'GPU has fallen off the bus' report in the kernel log (Xid 79, or the multi-line "
         "message without any Xid), or NVML answering 'GPU is lost' for a device.",
@@ -48,6 +54,7 @@ HWR_RULES: tuple[RuleInfo, ...] = (
         code="HWR003",
         name="ecc-uncorrectable",
         severity=E,
+        untried=_MACHINE,
         title="GPU memory reported uncorrectable ECC errors",
         what="Reads NVML's volatile (since the driver loaded) and aggregate (lifetime) uncorrected ECC counters, "
         "or the SRAM/DRAM counts of a saved `nvidia-smi -q`. Volatile errors are errors; errors seen only in "
@@ -63,6 +70,7 @@ HWR_RULES: tuple[RuleInfo, ...] = (
         code="HWR004",
         name="row-remap-pending",
         severity=W,
+        untried=_MACHINE,
         title="A memory repair (row remapping or page retirement) waits for a GPU reset",
         what="NVML's remapped-rows `pending` flag (Ampere and later data-centre GPUs), or the retired-pages "
         "pending status (older GPUs), or the same fields of a saved `nvidia-smi -q`. An error when the pending "
@@ -77,6 +85,7 @@ HWR_RULES: tuple[RuleInfo, ...] = (
         code="HWR005",
         name="row-remap-failure",
         severity=E,
+        untried=_MACHINE,
         title="GPU memory row remapping failed",
         what="NVML's remapped-rows `failureOccurred` flag, or 'Remapping Failure Occurred: Yes' in a saved "
         "`nvidia-smi -q`.",
@@ -89,6 +98,7 @@ HWR_RULES: tuple[RuleInfo, ...] = (
         code="HWR006",
         name="gpu-throttled",
         severity=W,
+        untried=_MACHINE,
         title="The GPU's clocks are held down by hardware or thermal slowdown",
         what="Reads NVML's current clocks-event (throttle) reasons and reports hardware slowdown, hardware "
         "thermal slowdown, hardware power brake and software thermal slowdown. A software power cap and an idle "
@@ -102,6 +112,7 @@ HWR_RULES: tuple[RuleInfo, ...] = (
         code="HWR007",
         name="gemm-mismatch",
         severity=E,
+        untried=_MACHINE,
         title="A GPU computed a known-answer GEMM wrongly, or repeats of one GEMM disagreed",
         what="Runs deterministic GEMM fingerprints per GPU (bf16, fp16, tf32, fp32, fp8 where supported), in a "
         "child process per GPU, and checks two things on each GPU by itself: known answers - integer matrices "
@@ -117,6 +128,7 @@ HWR_RULES: tuple[RuleInfo, ...] = (
         code="HWR008",
         name="rank-outlier",
         severity=E,
+        untried=_MACHINE,
         title="One rank's GPU disagrees with its peers",
         what="Under torchrun, gathers every rank's GEMM fingerprint and names the GPU (rank, host, UUID) whose "
         "results differ from the GPUs that agree with each other.",
@@ -129,6 +141,7 @@ HWR_RULES: tuple[RuleInfo, ...] = (
         code="HWR009",
         name="gpu-recovery-required",
         severity=E,
+        untried=_MACHINE,
         title="The driver asks for a GPU reset or a reboot",
         what="Reads NVML's GPU recovery action (driver r570 and later; field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION) "
         "or 'GPU Recovery Action' in a saved `nvidia-smi -q`, and reports any action other than None.",

@@ -7,6 +7,37 @@ from fpdoctor.report.model import Severity
 
 E, W, I = Severity.ERROR, Severity.WARNING, Severity.INFO  # noqa: E741
 
+
+# RuleInfo.untried, for the codes whose fix no run of the user's model can try.
+_BOTH_MACHINES = "a change to how both machines run the job: one machine's run cannot make or measure it"
+_MACHINE = "an action on the machine (check, drain), not a change to the run that fpdoctor can measure"
+_OUTSIDE = (
+    "the value came into the traced code from outside it (the data, a checkpoint, another rank): nothing in the "
+    "traced run to change and re-run"
+)
+_SYMPTOM = (
+    "a symptom of the step: the replay's verdict (or the op the trace names) is the cause, and its finding carries "
+    "the fix's trial"
+)
+_RISK = (
+    "a risk measured on these inputs: nothing failed, so there is no failure for a fix to remove and no "
+    "before -> after to measure"
+)
+_SETTING = (
+    "read from the optimizer's settings and the gradients seen: changing the training recipe is not a re-run "
+    "fpdoctor makes"
+)
+_HISTORY = "the spiking step was finite and is not re-run: the advice is read from the loss history, not tried"
+_COMPILER = (
+    "a compiler setting or a bisection to run: the re-runs fpdoctor made (eager, compiled again, "
+    "emulate_precision_casts) are in the message and evidence"
+)
+_RECORDED = (
+    "the other machine's run is a record, not a run fpdoctor can repeat with the fix; on this machine `fpdoctor "
+    "plan` tries and verifies a keep-in-fp32 plan"
+)
+_OWN = "fpdoctor's own failure, or a path it could not write: nothing in the run to change"
+
 NUM_RULES: tuple[RuleInfo, ...] = (
     RuleInfo(
         code="NUM001",
@@ -25,6 +56,7 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         code="NUM002",
         name="nonfinite-input",
         severity=E,
+        untried=_OUTSIDE,
         title="NaN or Inf was already in an input, parameter or constant",
         what="A tensor that entered the traced code (a batch, a parameter, a buffer, a constant) already held "
         "NaN or Inf, and it reaches what you see.",
@@ -35,6 +67,7 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         code="NUM003",
         name="overflow-risk",
         severity=W,
+        untried=_RISK,
         title="Values come close to the largest finite value of a dtype",
         what="The largest magnitude of op outputs, inside modules too (attention scores), and of module outputs, "
         "against the max of the dtype in use (fp16 / bf16 / fp8), and of fp16 as a what-if for a model in fp32; "
@@ -48,6 +81,7 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         code="NUM004",
         name="underflow-risk",
         severity=W,
+        untried=_RISK,
         title="Many non-zero values would flush to zero in a narrower dtype",
         what="Per module, the share of non-zero values below the smallest subnormal of fp16 / bf16, or below "
         "what fp8 e4m3 / e5m2 can hold after tensorwise scaling.",
@@ -107,6 +141,7 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         code="NUM009",
         name="fp16-adam-eps",
         severity=E,
+        untried=_SETTING,
         title="Adam's eps rounds to zero in fp16",
         what="An Adam-family optimizer stepped fp16 parameters (so its state is fp16) with an eps below 1e-4; "
         "the default 1e-8 is below fp16's smallest subnormal (6e-8) and rounds to 0.",
@@ -119,6 +154,7 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         code="NUM010",
         name="fp16-without-grad-scaler",
         severity=W,
+        untried=_SETTING,
         title="fp16 autocast training without a GradScaler: small gradients flush to zero",
         what="The forward ran under fp16 autocast, backward ran and an optimizer stepped, but not through "
         "GradScaler.step; the finding gives the measured share of gradient values that are 0 or fp16 subnormals.",
@@ -131,6 +167,7 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         code="NUM011",
         name="machine-departure",
         severity=E,
+        untried=_RECORDED,
         title="This machine's run departs from the recorded machine's at a module",
         what="`compare --against FILE` runs the same compare as the record (`--save-reference` on machine A) and "
         "compares each module's candidate output with A's, relative to the fp64 output: beyond 16x the noise "
@@ -148,6 +185,7 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         code="NUM012",
         name="reference-inputs-differ",
         severity=W,
+        untried=_BOTH_MACHINES,
         title="The two runs did not see the same inputs",
         what="The digest of an input set (every tensor's name, dtype, shape and values), the random draws the "
         "forward makes itself, or the number of input sets differ between the compare record and this run.",
@@ -160,6 +198,7 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         code="NUM013",
         name="reference-weights-differ",
         severity=W,
+        untried=_BOTH_MACHINES,
         title="The two runs did not use the same weights",
         what="Per module, a digest of its own parameters and buffers (name, dtype, shape, values) differs between "
         "the compare record and this run; the modules are named.",
@@ -171,6 +210,7 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         code="NUM014",
         name="reference-computation-differs",
         severity=E,
+        untried=_BOTH_MACHINES,
         title="A module computes something else than on the recorded machine",
         what="With the same inputs and weights, a module's fp64 output differs from the record's by more than "
         "1e-9 relative, every module before it agreeing; fp64 on two machines differs by summation order only "
@@ -227,6 +267,7 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         code="TRN001",
         name="nonfinite-loss",
         severity=E,
+        untried=_SYMPTOM,
         title="The loss was NaN or Inf",
         what="The training sentinel checks the loss on the device every step.",
         why="A non-finite loss means a non-finite gradient; stepping would corrupt the weights.",
@@ -236,6 +277,7 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         code="TRN002",
         name="nonfinite-gradient",
         severity=E,
+        untried=_SYMPTOM,
         title="A gradient was NaN or Inf",
         what="The sentinel reduces all gradients to one finite flag per step, read once per step.",
         why="One non-finite gradient poisons every parameter it reaches through the optimizer.",
@@ -245,6 +287,7 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         code="TRN003",
         name="loss-spike",
         severity=W,
+        untried=_HISTORY,
         title="The loss jumped far above its recent level",
         what="Compares each finite loss with a running mean and deviation of recent steps.",
         why="Spikes often precede divergence to NaN (fp16 overflow, a bad batch, too high a learning rate).",
@@ -254,6 +297,7 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         code="TRN004",
         name="transient-fault-suspected",
         severity=E,
+        untried=_MACHINE,
         title="A non-finite step did not reproduce when replayed: suspect the hardware",
         what="The sentinel replays the failing step with the same batch, RNG state and weights under trace; "
         "a replay that stays finite means the first run did not compute what the code asks for.",
@@ -277,6 +321,7 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         code="TRN006",
         name="amp-scale-collapse",
         severity=E,
+        untried=_SYMPTOM,
         title="The GradScaler's loss scale keeps falling: fp16 gradients overflow step after step",
         what="Under torch.amp.GradScaler an overflowing step is expected now and then (the scaler skips it "
         "and halves the scale); the sentinel counts those skips and reports when the scale falls below 1 or "
@@ -290,6 +335,7 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         code="TRN007",
         name="sentinel-error",
         severity=W,
+        untried=_OWN,
         title="The sentinel could not check a step; training went on unguarded",
         what="A failure inside the sentinel itself (reading the loss, the gradient check, the replay, a DDP "
         "hook). It is reported once per distinct error, never raised into the training step.",
@@ -302,6 +348,7 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         code="TRN008",
         name="checkpoint-failed",
         severity=W,
+        untried=_OWN,
         title="The sentinel could not write its last-good checkpoint",
         what="Writing checkpoint_path failed (missing directory, full disk, permissions); training went on and "
         "the previous checkpoint, if any, was left as it was.",
@@ -366,6 +413,7 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         code="TRN012",
         name="compiled-only-nonfinite",
         severity=E,
+        untried=_COMPILER,
         title="The compiled program makes NaN/Inf that the same step run eagerly does not",
         what="A step of a torch.compile'd model was non-finite; replayed eagerly under trace (same batch, RNG "
         "state and weights) it was finite, and run compiled once more it was non-finite again. Every finding of a "
@@ -387,6 +435,7 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         code="TRN013",
         name="compiled-departure",
         severity=E,
+        untried=_COMPILER,
         title="A module compiled computes something else than the same module run eagerly",
         what="compare --candidate compiled (compiled-bf16, compiled-fp16) runs the model compiled by Inductor and "
         "eagerly in the same dtype, both against fp64. Where the two differ by more than the floor (rounding to the "

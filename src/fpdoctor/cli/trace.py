@@ -289,7 +289,7 @@ _SAME_LAUNCH_S = 6 * 3600
 
 def merge_ranks(path: str, dist: RankInfo) -> dict[str, Any] | None:
     """Every rank's report as one, once each rank of this launch has left its sidecar; else None."""
-    from fpdoctor.report.model import Finding, Report, Severity
+    from fpdoctor.report.model import Finding, Report, Severity, Trial
 
     docs = []
     for r in range(dist.world_size):
@@ -311,6 +311,7 @@ def merge_ranks(path: str, dist: RankInfo) -> dict[str, Any] | None:
             where=f.get("where", {}),
             evidence=f.get("evidence", {}),
             references=tuple(f.get("references", ())),
+            trial=Trial.from_dict(f["fix_trial"]) if isinstance(f.get("fix_trial"), dict) else None,
         )
         for r, doc in enumerate(docs)
         for f in doc.get("findings", [])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 from fpdoctor import catalog
@@ -33,7 +34,7 @@ from fpdoctor.numerics.recipes import range_cause
 from fpdoctor.numerics.scaler_skips import ScalerRun, recurring
 from fpdoctor.numerics.steps import StepCounter
 from fpdoctor.numerics.tracer import Leaf, Record, Tracer
-from fpdoctor.report.model import Finding
+from fpdoctor.report.model import Finding, Trial
 
 Origin = tuple[str, int]  # ("op", record index) or ("leaf", leaf index)
 
@@ -213,6 +214,17 @@ class Analysis:
         n, evaluating = step
         return {**({"step": n} if n else {}), **({"evaluation": True} if evaluating else {})}
 
+    def _tried(self, r: Record, advice: str) -> tuple[str, Trial]:
+        """The fix for the op `r` made NaN/Inf, as its experiment decided and checked it where one ran
+        (experiments.py), else its advice, untried."""
+        experiment = self.tracer.experiments.get(r.index)
+        if experiment is None:
+            return advice, Trial.untried(
+                _unexperimented([s for s in r.inputs if self.kind_of(s)], self.tracer.experiments)
+            )
+        _, _, fix, trial = experiment.word("", "", advice, "")
+        return fix, trial
+
     def producer_finding(self, r: Record, label: str, others: list[Record]) -> Finding:
         out = next(o for o in r.outputs if o.kind)
         kinds = [k for k in ("nan", "+inf", "-inf") if out.counts and out.counts.get(k)] or [str(out.kind)]
@@ -265,10 +277,28 @@ class Analysis:
             fix = _IMPOSSIBLE
         experiment = self.tracer.experiments.get(r.index)  # what re-running it decided (experiments.py)
         if experiment is not None:
-            title, message, fix = experiment.word(title, message, fix, label)
+            title, message, fix, trial = experiment.word(title, message, fix, label)
             evidence["experiment"] = experiment.evidence()
+        else:
+            trial = Trial.untried(_unexperimented(fed, self.tracer.experiments))
+        if fed and (experiment is None or experiment.verdict != "origin"):
+            # handed a non-finite value, it made another kind (inf * 0, inf - inf): the cause is upstream
+            handed = f"{self.kind_of(fed[0])} in {self.source_text(fed[0])}"
+            fix = (
+                f"Fix what made its input non-finite ({handed}): that op's finding names its cause. {r.op} only "
+                f"turned it into {kinds[0]}; guarding it here would hide the value, not remove it."
+            )
+            trial = Trial.untried(
+                "its input was already non-finite: the op that made it is the cause, and its finding carries the trial"
+            )
         return catalog.make(
-            "nonfinite-produced", title=title, message=message, where=self.where(r), evidence=_known(evidence), fix=fix
+            "nonfinite-produced",
+            title=title,
+            message=message,
+            where=self.where(r),
+            evidence=_known(evidence),
+            fix=fix,
+            trial=trial,
         )
 
     def findings(self) -> list[Finding]:
@@ -466,8 +496,11 @@ class Analysis:
             evidence["location"] = where_text(r.location)
             evidence["step"] = (self.step_of(r) or (skipped[0], False))[0]
             own = OP_ADVICE.get(_packet(r.forward_op)) if r.phase == "backward" and r.forward_op else None
-            fix = own or _fix_for(r)
+            fix, trial = self._tried(r, own or _fix_for(r))
+            fix = fix.rstrip(". ")
             fix += f"; the scaler cannot fix it: the value is non-finite at every scale it tried ({run.scale_text()})"
+        else:
+            trial = Trial.untried("no op that made the non-finite value was seen, so there was nothing to re-run")
         if len(absorbed) > 1:
             evidence["other_ops"] = len({(x.op, x.location) for x in absorbed}) - 1
         return catalog.make(
@@ -477,6 +510,7 @@ class Analysis:
             where=self.where(r) if r is not None else {"module": None, "phase": "optimizer"},
             evidence=_known(evidence),
             fix=fix,
+            trial=trial,
         )
 
     # -- Inf turned into zeros -----------------------------------------------------------------
@@ -558,13 +592,15 @@ class Analysis:
                 **self.step_evidence(producer),
             }
         )
+        fix, trial = self._tried(producer, _fix_for(producer))
         return catalog.make(
             "nonfinite-zeroed",
             title=f"{producer.op} overflowed to {out.kind} and {zeroer.op} turned it into {into}",
             message=message,
             where=where,
             evidence=evidence,
-            fix=_fix_for(producer),
+            fix=fix,
+            trial=trial,
         )
 
     def _only_from(self, r: Record, bad_data: set[Origin]) -> bool:
@@ -651,6 +687,7 @@ class Analysis:
             fix="The value is your code's own: if it marks masked positions, use a finite value "
             "(torch.finfo(dtype).min / .max) or mask after the reduction; otherwise fix the assignment at the source "
             "line.",
+            trial=Trial.untried("a change to the assignment at the source line, which fpdoctor does not rewrite"),
         )
 
     def _constant_finding(self, r: Record, reaches: list[str]) -> Finding:
@@ -723,6 +760,15 @@ _IMPOSSIBLE = (
     "replays bad steps for you), run the same step on another GPU, and check this GPU with `fpdoctor health` "
     "(Xid errors, ECC, GEMM fingerprints)."
 )
+
+
+def _unexperimented(fed: list[Any], experiments: Mapping[int, Any]) -> str:
+    """Why a producer's advice went untried: the experiments run at the first producers only."""
+    if fed:
+        return "its inputs were already non-finite: the op that made them is where the experiment runs"
+    if experiments:
+        return "the experiments ran at the first producers of this trace, not at this one"
+    return "the op was not re-run: its inputs were no longer held (or the experiments' time budget was spent)"
 
 
 def _fix_for(r: Record) -> str:

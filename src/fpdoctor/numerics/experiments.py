@@ -38,6 +38,7 @@ import torch
 
 from fpdoctor.numerics.records import Record
 from fpdoctor.numerics.values import checkable, dtype_name
+from fpdoctor.report.model import Trial
 from fpdoctor.torchprivate import tree_flatten, tree_unflatten
 
 WINDOW = 512  # ops whose arguments stay referenced, for the upstream walk
@@ -48,6 +49,7 @@ PRODUCERS = 4  # producers of each kind (NaN, Inf) experimented on: the first ma
 _NARROW = (torch.float16, torch.bfloat16)
 _REDUCTIONS = frozenset({"sum", "mean", "cumsum", "prod", "norm", "linalg_vector_norm", "var", "std"})
 _CASTS = frozenset({"_to_copy", "to", "copy", "copy_", "_to_dtype"})
+_ANY = frozenset({"nan", "inf"})
 
 
 @dataclass(slots=True)
@@ -104,7 +106,7 @@ class Experiment:
 
     op: str
     dtype: str
-    verdict: str  # device-or-library, the-math, origin, not-decided
+    verdict: str  # device-or-library, the-math, opaque (a custom op non-finite in fp64 too), origin, not-decided
     as_ran: str | None = None  # "non-finite again", "finite", or why it was not re-run
     fp64: str | None = None  # the op alone in fp64 from the same inputs
     origin: Record | None = None
@@ -117,6 +119,8 @@ class Experiment:
     literal_fix: tuple[float, float] | None = None  # a constant the dtype holds, tried as it ran: value, max |x|
     cast: str | None = None  # what a rounding cast did to its values
     walked: int = 0  # upstream ops tried
+    symptom: frozenset[str] = frozenset({"nan", "inf"})  # what the op made that its inputs did not hold
+    handed: bool = False  # its inputs held a non-finite value already, which passes through
     note: str | None = None  # why the walk stopped short
 
     def evidence(self) -> dict[str, Any]:
@@ -149,8 +153,8 @@ class Experiment:
             found["note"] = self.note
         return found
 
-    def word(self, title: str, message: str, fix: str, label: str) -> tuple[str, str, str]:
-        """The finding's title, message and fix as the experiment decided them."""
+    def word(self, title: str, message: str, fix: str, label: str) -> tuple[str, str, str, Trial]:
+        """The finding's title, message and fix as the experiment decided them, and the fix's trial."""
         parts = [f"re-run as it ran: {self.as_ran}"] + (
             [f"in fp64 from the same inputs: {self.fp64}"] if self.fp64 else []
         )
@@ -164,6 +168,10 @@ class Experiment:
                 message + tried + " The same op on the same inputs, same dtype and device, gave a finite "
                 "result: the device or the library computed something else the first time, not this code.",
                 _DEVICE,
+                Trial.untried(
+                    f"the fix is a check of the device or library; what decided it was run: {self.op} re-run as "
+                    "it ran, on the inputs it read, gave a finite result"
+                ),
             )
         if self.verdict == "the-math":
             upstream = (
@@ -178,13 +186,58 @@ class Experiment:
                 message + tried + upstream + " No precision change is the fix.",
                 (f"{advice}. " if advice else "Change the math at the source line: ")
                 + "Not a precision change: tried, in fp64 this op is non-finite too, so fp32 will not help.",
+                Trial.untried(
+                    "a change to the math at the source line, which fpdoctor does not write; what was tried is "
+                    f"every precision change: in fp64 {self.op} is non-finite too"
+                ),
+            )
+        if self.verdict == "opaque":
+            return (
+                f"{label}: custom op {self.op} made a non-finite value, again when re-run and in fp64",
+                message + tried + f" {self.op} is not an aten op: its fp64 run is its own kernel again, so no "
+                "re-run can tell its math from its implementation. Its inputs are in the finding's evidence: a "
+                "non-finite output from finite, moderate inputs points at the kernel (a fused epilogue, a custom "
+                "CUDA or Triton kernel), not at this code's arithmetic.",
+                f"Test {self.op} against a reference on these inputs (the unfused ops, in fp64): `fpdoctor trace "
+                "--repro DIR -- SCRIPT` writes them and a standalone script. Not an epsilon or a clamp: no "
+                "arithmetic of this code was shown to make the value.",
+                Trial.untried(
+                    f"{self.op} is a custom op: fpdoctor can only run its own kernel again (as it ran and in fp64, "
+                    "both non-finite), not a reference to measure a fix against"
+                ),
             )
         if self.verdict == "origin" and self.origin is not None:
             return self._word_origin(label, message + tried, fix)
         reason = self.note or "the op could not be re-run in higher precision"
-        return title, message + tried + (f" {self.note}" if self.note else ""), f"{fix} (Not checked: {reason})"
+        return title, message + tried + (f" {self.note}" if self.note else ""), fix, Trial.untried(reason)
 
-    def _word_origin(self, label: str, message: str, advice: str) -> tuple[str, str, str]:
+    @property
+    def clean(self) -> str:
+        """What the cured output is: finite, or free of the NaN it made beside an Inf it was handed."""
+        if not self.handed or self.symptom == _ANY:
+            return "finite"
+        return "free of NaN" if "nan" in self.symptom else "free of Inf"
+
+    def _trial(self) -> Trial:
+        """The origin's fix as it was checked: the chain re-run in the fix's precision."""
+        lines = _lines(self.chain)
+        if self.checked_in:
+            return Trial.checked(
+                f"{lines} in {self.checked_in}",
+                metric=f"{self.op}'s largest |value|",
+                before=self.absmax_before,
+                after=self.absmax_after,
+                on="the inputs these ops read in this run",
+            )
+        return Trial.checked(
+            f"{lines} in fp64",
+            metric=f"{self.op}'s output",
+            before="non-finite",
+            after=self.clean,
+            on="the inputs these ops read in this run",
+        )
+
+    def _word_origin(self, label: str, message: str, advice: str) -> tuple[str, str, str, Trial]:
         """The origin named; where it is the op itself, its own advice stays, with the check."""
         origin = self.origin
         assert origin is not None
@@ -200,10 +253,10 @@ class Experiment:
             cause = f"the cast {origin.op}{at}: {self.cast}"
         lines = _lines(self.chain)
         checked = (
-            f"with {lines} in {self.checked_in}, {self.op}'s output is finite (checked: max |x| "
+            f"with {lines} in {self.checked_in}, {self.op}'s output is {self.clean} (checked: max |x| "
             f"{_num(self.absmax_before)} -> {_num(self.absmax_after)})"
             if self.checked_in
-            else f"in fp64 from {origin.op} down, {self.op}'s output is finite; in fp32 it is not"
+            else f"in fp64 from {origin.op} down, {self.op}'s output is {self.clean}; in fp32 it is not"
         )
         if own:
             text = f"{label}: {self.op} is non-finite only in its own precision ({self.dtype})"
@@ -215,25 +268,43 @@ class Experiment:
                 f"higher precision removes it is the origin: {cause}. Raising the precision of {self.op} alone "
                 f"does not help ({self.fp64}); {checked}."
             )
+        trial = self._trial()
+        if self.literal is not None and self.literal_fix is not None:
+            # the user's constant is the culprit: the fix names it and the value that was tried in its place
+            value, rounded, dtype = self.literal
+            fix = (
+                f"Replace the constant {value:g} at {where or origin.op} (it is {rounded:g} in {dtype}) with "
+                f"{self.literal_fix[0]:g}, which {dtype} holds: with it, {self.op}'s output is {self.clean} as it ran "
+                f"(checked: max |x| {_num(self.literal_fix[1])}). Or compute {where or origin.op} in "
+                f"{self.checked_in or 'fp64'} (its operands .float()): re-run in {self.checked_in or 'fp64'} from "
+                f"there down, {self.op}'s output is {self.clean} (checked)."
+            )
+            trial = Trial.checked(
+                f"the constant {value:g} replaced by {self.literal_fix[0]:g}, the ops as they ran",
+                metric=f"{self.op}'s output",
+                before="non-finite",
+                after=f"{self.clean}, max |x| {_num(self.literal_fix[1])}",
+                on="the inputs these ops read in this run",
+            )
+            return text, message + why, fix, trial
         if own:
-            reduction = _packet(origin.op) in _REDUCTIONS and "float32" not in advice
+            reduction = _packet(origin.op) in _REDUCTIONS
             how = " (a reduction: .sum(dtype=torch.float32))" if reduction else ""
-            fix = f"{advice.rstrip('.')}. Computing it in {self.checked_in or 'fp64'}{how} works: {checked}."
+            other = _without_precision(advice)
+            fix = f"Compute {origin.op}{at} in {self.checked_in or 'fp64'}{how}: {checked}." + (
+                f" Also possible, not tried: {other}." if other else ""
+            )
         else:
             fix = f"Change the origin, not the op that showed it: {cause}. Verified: {checked}."
         if self.bf16 is not None:
             fix += (
-                " In bf16 (fp32's range) the same ops give a finite result too (checked)."
+                " Or run it in bf16, which has fp32's range where fp16's range ends: torch.autocast(device, "
+                "dtype=torch.bfloat16) or model.to(torch.bfloat16); in bf16 the same ops give a finite result too "
+                "(checked)."
                 if self.bf16 == "finite"
                 else " In bf16 they are non-finite too (checked): bf16 is not the fix."
             )
-        if self.literal_fix is not None:
-            fix += (
-                f" Or keep the dtype and use a constant {self.literal[2] if self.literal else 'it'} holds: with "
-                f"{self.literal_fix[0]:g} instead, {self.op}'s output is finite as it ran (checked: max |x| "
-                f"{_num(self.literal_fix[1])})."
-            )
-        return text, message + why, fix
+        return text, message + why, fix, trial
 
 
 _DEVICE = (
@@ -305,6 +376,11 @@ def _absmax(t: torch.Tensor) -> float:
     return float(t.detach().abs().max().double())
 
 
+def _finite_absmax(t: torch.Tensor) -> float:
+    finite = t.detach()[torch.isfinite(t)]
+    return float(finite.abs().max().double()) if finite.numel() else 0.0
+
+
 def _outputs(out: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
 
@@ -358,8 +434,10 @@ def _run(
             outs = values[src[1]]
             match = next((o for o in outs if o.shape == t.shape), None)
             if match is None:
-                match = next((o for o in outs if t._base is not None and o.shape == t._base.shape), outs[0])
-            t = _substitute(t, match)
+                match = next((o for o in outs if t._base is not None and o.shape == t._base.shape), None)
+            # no recomputed output has its shape (a reduction's or an index's result, matched to the op that
+            # made its operand): the argument stays as it ran, and the control run as it ran still decides
+            t = t if match is None else _substitute(t, match)
         elif src is not None and lookup is not None and lookup(t) != src:
             raise _Skip(f"an input of {step.record.op} was written in place since")
         elif mutable:
@@ -383,11 +461,30 @@ def _replay(chain: list[Step], dtype: torch.dtype | None, lookup: Lookup | None)
     return out
 
 
-def _chain_kind(chain: list[Step], dtype: torch.dtype | None, lookup: Lookup | None) -> tuple[str | None, float]:
+def _chain_kind(
+    chain: list[Step], dtype: torch.dtype | None, lookup: Lookup | None, symptom: frozenset[str] = _ANY
+) -> tuple[str | None, float]:
+    """The symptom's kind in the chain's output (None: cured), and the output's largest magnitude."""
     outs = [o for o in _replay(chain, dtype, lookup) if o.is_floating_point()]
-    kinds = [_kind(o) for o in outs]
-    kind = "nan" if "nan" in kinds else next((k for k in kinds if k), None)
-    return kind, max((_absmax(o) for o in outs), default=0.0)
+    kinds = {k for k in (_kind(o) for o in outs) if k} | {"inf" for o in outs if bool(torch.isinf(o).any())}
+    kinds &= symptom
+    kind = "nan" if "nan" in kinds else next(iter(kinds), None)
+    # cured of the symptom while a value it was handed still passes through: the finite values' magnitude
+    magnitude = _absmax if kind is not None or symptom == _ANY else _finite_absmax
+    return kind, max((magnitude(o) for o in outs), default=0.0)
+
+
+def _symptom(target: Step) -> tuple[frozenset[str], bool]:
+    """What the producer made that its inputs did not hold: NaN from Inf inputs (0/0 beside inf/x)
+    is cured when the NaN is gone, though the Inf it was handed still passes through."""
+    made = {"nan" if k == "nan" else "inf" for o in target.record.outputs for k, n in (o.counts or {}).items() if n}
+    made |= {"nan" if o.kind == "nan" else "inf" for o in target.record.outputs if o.kind}
+    held: set[str] = set()
+    for t in tree_flatten((target.args, target.kwargs or {}))[0]:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+            held |= {"nan"} if bool(torch.isnan(t).any()) else set()
+            held |= {"inf"} if bool(torch.isinf(t).any()) else set()
+    return frozenset(made - held or made) or _ANY, bool(held)
 
 
 def _said(kind: str | None) -> str:
@@ -469,6 +566,10 @@ def _cast(step: Step) -> str | None:
     largest = int(2 / torch.finfo(dtype).eps)  # 2 ** (mantissa bits + 1): 2048 in fp16, 256 in bf16
     fmt = dtype_name(dtype).removeprefix("torch.")
     ints = "integers" if not source.is_floating_point() else "values"
+    top = float(torch.finfo(dtype).max)
+    over = int((exact.abs() > top).sum())
+    if over:  # past the format's largest value: the cast makes Inf, which is not rounding
+        return f"{over} of {source.numel()} {ints} exceed {fmt}'s largest value ({top:g}; max |x| {_absmax(exact):.6g})"
     return (
         f"it rounds {changed} of {source.numel()} {ints} (max |x| {_absmax(exact):.6g}; {fmt} holds integers "
         f"exactly only up to {largest})"
@@ -488,12 +589,14 @@ def decide(
     experiment = Experiment(target_record.op, (out.dtype if out else "unknown").removeprefix("torch."), "not-decided")
     deadline = time.monotonic() + budget_s
     with torch.no_grad():
+        symptom, experiment.handed = _symptom(target)
+        experiment.symptom = symptom
         # (a) as it ran: an op that wrote its arguments cannot be re-run on what it read
         if target_record.mutates is not None or bool(getattr(target.func._schema, "is_mutable", False)):
             experiment.as_ran = "not re-run (the op wrote its inputs in place)"
         else:
             try:
-                kind, _ = _chain_kind([target], None, lookup)
+                kind, _ = _chain_kind([target], None, lookup, symptom)
                 experiment.as_ran = _said(kind)
                 if kind is None:
                     experiment.verdict = "device-or-library"
@@ -510,7 +613,7 @@ def decide(
                 break
             chain = _chain(origin, target, nearest, depends)
             try:
-                kind, _ = _chain_kind(chain, torch.float64, lookup)
+                kind, _ = _chain_kind(chain, torch.float64, lookup, symptom)
             except _Skip as skip:
                 experiment.note = f"The walk upstream stopped at {origin.record.op}: {skip}."
                 break
@@ -525,7 +628,7 @@ def decide(
                 continue
             # finite in fp64: the same chain as it ran must still fail, or an input went stale
             try:
-                control, before = _chain_kind(chain, None, lookup)
+                control, before = _chain_kind(chain, None, lookup, symptom)
             except Exception:
                 control, before = None, math.nan
             if control is None:
@@ -534,7 +637,7 @@ def decide(
                     "changed since (an in-place write), so it decides nothing."
                 )
                 break
-            _settle_origin(experiment, origin, chain, before, lookup)
+            _settle_origin(experiment, origin, chain, before, lookup, symptom=symptom)
             return experiment
         else:
             if edge and not experiment.note:
@@ -542,12 +645,18 @@ def decide(
                     f"The walk upstream stopped after {experiment.walked} ops: earlier ones are no longer kept."
                 )
         if experiment.fp64 is not None and experiment.fp64 != "finite":
-            experiment.verdict = "the-math"
+            # a custom op's fp64 run is its own kernel again: it cannot tell the math from the kernel
+            experiment.verdict = "the-math" if _transparent(target) else "opaque"
     return experiment
 
 
+def _transparent(step: Step) -> bool:
+    """An op whose fp64 run is the reference arithmetic (aten, prims), not a custom kernel run again."""
+    return getattr(step.func, "namespace", "aten") in ("aten", "prims")
+
+
 def _try_constant(
-    literal: tuple[float, float, str], origin: Step, chain: list[Step], lookup: Lookup | None
+    literal: tuple[float, float, str], origin: Step, chain: list[Step], lookup: Lookup | None, symptom: frozenset[str]
 ) -> tuple[float, float] | None:
     """The chain as it ran with the constant replaced by the dtype's smallest normal value: the
     fix that keeps the dtype, printed only when it removes the symptom."""
@@ -556,12 +665,18 @@ def _try_constant(
     flat = [value if type(v) is float and v == literal[0] else v for v in flat]
     args, kwargs = tree_unflatten(flat, spec)
     changed = Step(origin.record, origin.func, args, kwargs)
-    kind, after = _chain_kind([changed if s is origin else s for s in chain], None, lookup)
+    kind, after = _chain_kind([changed if s is origin else s for s in chain], None, lookup, symptom)
     return (value, after) if kind is None else None
 
 
 def _settle_origin(
-    experiment: Experiment, origin: Step, chain: list[Step], before: float, lookup: Lookup | None
+    experiment: Experiment,
+    origin: Step,
+    chain: list[Step],
+    before: float,
+    lookup: Lookup | None,
+    *,
+    symptom: frozenset[str] = _ANY,
 ) -> None:
     """Name the origin and check the fix in the narrowest precision that removes the symptom."""
     experiment.verdict = "origin"
@@ -571,14 +686,14 @@ def _settle_origin(
         experiment.literal = _literal(origin)
         experiment.cast = _cast(origin)
         if experiment.literal is not None:
-            experiment.literal_fix = _try_constant(experiment.literal, origin, chain, lookup)
+            experiment.literal_fix = _try_constant(experiment.literal, origin, chain, lookup, symptom)
     except Exception:
         pass
     experiment.absmax_before = before
     ran = {t.dtype for s in chain for t in tree_flatten(s.args)[0] if isinstance(t, torch.Tensor)}
     if torch.float16 in ran:  # fp16 advice names bf16: say what bf16 does here
         try:
-            kind, _ = _chain_kind(chain, torch.bfloat16, lookup)
+            kind, _ = _chain_kind(chain, torch.bfloat16, lookup, symptom)
             experiment.bf16 = "finite" if kind is None else "non-finite"
         except Exception:
             experiment.bf16 = None
@@ -586,7 +701,7 @@ def _settle_origin(
         if dtype == torch.float32 and ran <= {torch.float32, torch.float64}:
             continue  # the chain ran in fp32 already: the check is fp64
         try:
-            kind, after = _chain_kind(chain, dtype, lookup)
+            kind, after = _chain_kind(chain, dtype, lookup, symptom)
         except Exception:
             continue
         if kind is None:

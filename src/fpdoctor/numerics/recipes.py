@@ -29,7 +29,7 @@ import torch
 from fpdoctor import catalog
 from fpdoctor.formats import FORMATS
 from fpdoctor.numerics.tracer import Record
-from fpdoctor.report.model import Finding
+from fpdoctor.report.model import Finding, Trial
 from fpdoctor.torchprivate import DisableTorchDispatch
 
 FP16_MAX = FORMATS["fp16"].max
@@ -245,6 +245,10 @@ def blowup_finding(seen: OptimizerSeen) -> Finding | None:
             },
             fix="lower the learning rate (by the growth factor at least: start 10x-100x lower, with warmup), and "
             "clip the gradients (torch.nn.utils.clip_grad_norm_(params, 1.0)) before the step",
+            trial=Trial.untried(
+                "the trace saw this update once and cannot repeat the step at another rate (fpdoctor.Sentinel and "
+                "`fpdoctor watch` try a lower rate from the step that climbed)"
+            ),
         )
     return None
 

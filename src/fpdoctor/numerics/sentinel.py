@@ -123,6 +123,8 @@ class _Pending:
     # the user's own GradScaler steps the user's optimizer after guard.step: the step's gradients are
     # left for it (it skips an overflow itself; without gradients its step() would raise)
     hands_off: bool = False
+    # the step whose non-finite gradients were still in .grad when this one began, and its loss scale
+    carried: tuple[int, float | None] | None = None
 
 
 @dataclass
@@ -207,6 +209,11 @@ class Sentinel(JudgedSteps):
         self._micro_losses: list[torch.Tensor] = []
         self._pending: _Pending | None = None
         self._in_window = 0  # micro-batches of the current window seen so far
+        # a step the GradScaler skipped leaves its non-finite gradients in .grad (as a plain loop does):
+        # (step, scale) of the first such step until step_fn is seen to zero them; checked at the next
+        # step's start (a host read after a skipped step only), carried into that step's facts
+        self._left: tuple[int, float | None] | None = None
+        self._carried: tuple[int, float | None] | None = None
         self._stepped = False
         self._stepped_inside = False  # step_fn called optimizer.step() itself in the current window
         self._told_observing = False
@@ -247,6 +254,7 @@ class Sentinel(JudgedSteps):
         try:
             if self._in_window == 0:
                 judge.begin_window()
+                self._carried = self._still_left()
                 if self._grad_sums is not None and self._grad_sums.probe.due(judge.steps + 1):
                     self._grad_sums.start()  # this window's micro-batch gradients, summed in fp32 on the sample
             rng = RngState.capture()
@@ -408,11 +416,21 @@ class Sentinel(JudgedSteps):
             observed,
             scale if scaler is not None or hands_off else None,
             hands_off,
+            self._carried,
         )
         if stepped and self.device_skip:
             self._pending = pending  # decided when the next step starts (or at flush)
         else:
             self._resolve(pending)
+
+    def _still_left(self) -> tuple[int, float | None] | None:
+        """The skipped step whose non-finite gradients are still in .grad as this step begins (None:
+        no step left any, or step_fn zeroed them); a host read only after a step the scaler skipped."""
+        if self._left is None or self.accumulate > 1:
+            return None
+        if not nonfinite_flag(grads_of(self._params), self._device).item():
+            self._left = None  # step_fn zeroes the gradients: nothing is carried
+        return self._left
 
     def _resolve(self, pending: _Pending) -> None:
         """The step's facts, read once, to the judge; then what the verdict asks of this loop."""
@@ -447,9 +465,15 @@ class Sentinel(JudgedSteps):
             applied=pending.observed,
             stepped=pending.stepped,
             why_not="step_fn applied the step itself" if pending.observed else None,
+            carried=pending.carried,
+            contexts_at=lambda at: self._contexts(pending, at),
         )
         apply = None if pending.stepped or self.optimizer is None else self._apply
         outcome = self._judge.judge(facts, apply)
+        if outcome.finite:
+            self._left = None
+        elif outcome.verdict == "amp-skip" and self._left is None:
+            self._left = (pending.step, scale)
         if self._measured is not None:
             stats, self._measured = self._measured, None
             self._judge.updates(stats, every=self.check_updates)
@@ -516,11 +540,13 @@ class Sentinel(JudgedSteps):
             for handle in handles:
                 handle.remove()
 
-    def _contexts(self, pending: _Pending) -> list[contextlib.AbstractContextManager[Any]]:
-        """What a replay of `pending` runs under; made anew for each replay (each is entered once)."""
+    def _contexts(self, pending: _Pending, scale: float | None = None) -> list[contextlib.AbstractContextManager[Any]]:
+        """What a replay of `pending` runs under; made anew for each replay (each is entered once).
+        `scale`: another loss scale than the step's own (the scale of the step whose gradients it carried)."""
         contexts: list[contextlib.AbstractContextManager[Any]] = [distributed.local_replay(self.model)]
         if pending.scale is not None:
-            contexts.append(amp.scale_as(self.scaler, pending.scale))
+            at = pending.scale if scale is None else torch.full_like(pending.scale, scale)
+            contexts.append(amp.scale_as(self.scaler, at))
         return contexts
 
     # -- stepping without a verdict ------------------------------------------------------------

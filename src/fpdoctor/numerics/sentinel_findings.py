@@ -20,7 +20,7 @@ from fpdoctor.numerics.lr_whatif import LrTrial
 from fpdoctor.numerics.replay import ReplayResult
 from fpdoctor.numerics.update_whatif import WhatIf
 from fpdoctor.numerics.updates import ParamUpdate, StateUpdate, UpdateStats
-from fpdoctor.report.model import Finding
+from fpdoctor.report.model import Finding, Trial
 
 _PLACE_KEYS = ("rank", "host", "device", "uuid")
 
@@ -97,6 +97,8 @@ _AFTER_OUTPUTS_FIX = (
     "skip a batch with nothing to learn from."
 )
 
+_NO_OP = "the replay named no op that made the value, so there was nothing to re-run in another way"
+
 _BAD_DATA_TITLE = "A non-finite step reproduced on replay: the batch itself held NaN/Inf (bad data, not an op)"
 
 
@@ -114,19 +116,27 @@ def _experiment_decided(culprit: Finding | None) -> bool:
     return isinstance(experiment, dict) and experiment.get("verdict") == "origin"
 
 
-def _control_text(control: ControlResult | None) -> tuple[str, str | None, dict[str, Any]]:
-    """The fp32 control's sentence, the fix it implies (None: keep the op's own) and its evidence."""
+def _control_text(control: ControlResult | None) -> tuple[str, str | None, dict[str, Any], Trial | None]:
+    """The fp32 control's sentence, the fix it implies and its trial (None: keep the op's own), and its evidence."""
     if control is None:
-        return "", None, {}
+        return "", None, {}, None
     evidence: dict[str, Any] = {"control_fp32": control.outcome}
     if control.outcome == "finite":
         return (
             " Replayed again with every fp16/bf16 parameter, buffer and input in fp32 and autocast off, it was "
             + (f"finite (loss {control.loss:.4g})" if math.isfinite(control.loss) else "finite")
             + ": the precision is the cause, not the data or the model's math.",
-            "Keep this op (or its module) in fp32, or use bf16 where the cause is range: `fpdoctor compare MODEL "
-            "--candidate fp16` names the module and `fpdoctor plan` verifies a keep-in-fp32 plan.",
+            "Run this step in fp32 (parameters, buffers and inputs, autocast off): replayed that way it is finite. "
+            "To keep only what needs it in fp32, `fpdoctor compare MODEL --candidate fp16` names the module and "
+            "`fpdoctor plan` verifies a keep-in-fp32 plan.",
             evidence,
+            Trial.checked(
+                "every fp16/bf16 parameter, buffer and input in fp32, autocast off",
+                metric="the step's loss and gradients",
+                before="non-finite",
+                after="finite",
+                on="this step's batch, RNG state and weights",
+            ),
         )
     if control.outcome == "nonfinite":
         return (
@@ -134,8 +144,9 @@ def _control_text(control: ControlResult | None) -> tuple[str, str | None, dict[
             "op is the cause, not the precision.",
             None,
             evidence,
+            None,
         )
-    return f" The fp32 control replay could not run ({control.error}).", None, evidence
+    return f" The fp32 control replay could not run ({control.error}).", None, evidence, None
 
 
 def verdict_findings(
@@ -158,7 +169,19 @@ def verdict_findings(
         first = result.culprit
         after = bool(result.evidence.get("made_after_outputs"))
         rank_text = f" on rank {me['rank']}" if "rank" in me else ""
-        control_text, control_fix, control_evidence = _control_text(control)
+        control_text, control_fix, control_evidence, control_trial = _control_text(control)
+        decided = first is not None and _experiment_decided(first)
+        fix, trial = (
+            (_AFTER_OUTPUTS_FIX, Trial.untried("a change to the loss code, which fpdoctor does not write"))
+            if after
+            else (first.fix, first.trial)
+            if first is not None and decided
+            else (control_fix, control_trial)
+            if control_fix is not None
+            else (first.fix, first.trial)
+            if first is not None
+            else (catalog.get("deterministic-nonfinite").fix, Trial.untried(_NO_OP))
+        )
         finding = catalog.make(
             "deterministic-nonfinite",
             message=(
@@ -177,10 +200,8 @@ def verdict_findings(
                 **micro,
                 **control_evidence,
             },
-            fix=(_AFTER_OUTPUTS_FIX if after else None)
-            or (first.fix if first is not None and _experiment_decided(first) else None)
-            or control_fix
-            or (first.fix if first else catalog.get("deterministic-nonfinite").fix),
+            fix=fix,
+            trial=trial,
             title=_BAD_DATA_TITLE if _batch_held_it(first) else None,
         )
         return [finding, *result.others]
@@ -214,6 +235,66 @@ def verdict_findings(
             ),
         )
     ]
+
+
+def carried_findings(
+    step: int,
+    since: int,
+    since_scale: float | None,
+    *,
+    scale: float | None,
+    loss: float,
+    origin: ReplayResult | None,
+    here: dict[str, Any],
+) -> list[Finding]:
+    """Step `step` began with step `since`'s non-finite gradients still in .grad (step_fn does not zero
+    them) and its replay from zeroed gradients is finite: the code's, not the machine's. `origin`: the
+    same step replayed at the loss scale of step `since`, which names the op that overflowed there."""
+    where_rank = place(here)
+    at = f" at loss scale {scale:g}" if scale is not None else ""
+    named = origin is not None and origin.verdict == "deterministic-nonfinite" and origin.culprit is not None
+    overflow = ""
+    if named:
+        assert origin is not None and origin.culprit is not None
+        overflow = (
+            f" Replayed at step {since}'s loss scale ({since_scale:g}) from zeroed gradients, it overflows again: "
+            f"{origin.culprit.title} ({origin.culprit.where.get('op')}"
+            + (f", {origin.culprit.evidence['location']}" if origin.culprit.evidence.get("location") else "")
+            + "). That overflow is the GradScaler's to absorb by lowering its scale, which it did; it could "
+            "not recover because the Inf stayed in .grad."
+        )
+    elif since_scale is not None:
+        overflow = f" Step {since} ran at loss scale {since_scale:g}."
+    finding = catalog.make(
+        "deterministic-nonfinite",
+        title=f"step_fn never zeroes the gradients: step {since}'s Inf stayed in .grad and made every later step "
+        "non-finite",
+        message=(
+            f"Step {step} began with the non-finite gradients of step {since} still in .grad (the GradScaler skips "
+            "a step with Inf gradients and leaves them there, as a plain loop does), and backward added to them. "
+            f"Replayed as it ran but with .grad zeroed first{at}, the step's own loss ({loss:.4g}) and gradients "
+            "are finite: the step, the data and the machine are fine; the gradients carried over are not." + overflow
+        ),
+        where={"module": None, "op": None, "phase": "backward", "step": step, **where_rank},
+        evidence={
+            "kind": "+inf",
+            "count": 1,
+            "numel": 1,
+            "step": step,
+            "carried_from_step": since,
+            "carried_from_scale": since_scale,
+            "replay_loss": loss,
+        },
+        fix="Zero the gradients at the start of step_fn, before the forward: optimizer.zero_grad(set_to_none=True).",
+        trial=Trial.checked(
+            "the gradients zeroed before the step",
+            metric="the step's gradients",
+            before=f"non-finite (carried from step {since})",
+            after="finite",
+            on=f"step {step}'s batch, RNG state and weights{at}",
+        ),
+    )
+    return [finding]
 
 
 def unattributed_finding(step: int, kind: str | None, numel: int, *, views: str, here: dict[str, Any]) -> Finding:
@@ -345,6 +426,10 @@ def weights_finding(
         },
         fix="Go back to the last good checkpoint and fix what made the update non-finite (see the other "
         "findings, e.g. an Adam eps that fp16 cannot hold).",
+        trial=Trial.untried(
+            "the weights are already non-finite: the fix is a resume from a checkpoint, which fpdoctor does not do "
+            "to a running job; the other findings carry what made the update non-finite"
+        ),
     )
 
 
@@ -396,7 +481,7 @@ def stall_finding(
             head += f" ({amp_skips} by the GradScaler for overflow)"
     head += f" (steps {window[0].step}-{window[-1].step}, first skip at step {first_skip})"
     head += ": the optimizer never ran." if never else f": the last step applied was step {last_good}."
-    cause, fix = _stall_cause(first_skip, found, lr_trial)
+    cause, fix, trial = _stall_cause(first_skip, found, lr_trial)
     return catalog.make(
         "training-stalled",
         message=f"{head} {cause}",
@@ -412,6 +497,7 @@ def stall_finding(
             **({"lr_tried": lr_trial.evidence()} if lr_trial is not None else {}),
         },
         fix=fix,
+        trial=trial,
     )
 
 
@@ -424,7 +510,9 @@ def learning_rate_points(first_skip: int, found: list[Finding]) -> bool:
     return bool(_spikes_before(first_skip, found))
 
 
-def _stall_cause(first_skip: int, found: list[Finding], lr_trial: LrTrial | None = None) -> tuple[str, str | None]:
+def _stall_cause(
+    first_skip: int, found: list[Finding], lr_trial: LrTrial | None = None
+) -> tuple[str, str | None, Trial | None]:
     """What the evidence supports, in this order: a loss that climbed before the first skip, an op whose
     fp32 control replay was finite, an op that reproduces, a fault that did not, the scaler's collapse."""
     spikes = _spikes_before(first_skip, found)
@@ -439,7 +527,7 @@ def _stall_cause(first_skip: int, found: list[Finding], lr_trial: LrTrial | None
             "drove the weights out of range - a learning rate too high for this model (or a bad batch), not the "
             "precision."
         )
-        return cause + (lr_trial.text() if lr_trial is not None else ""), _lr_fix(lr_trial)
+        return cause + (lr_trial.text() if lr_trial is not None else ""), _lr_fix(lr_trial), _lr_trial(lr_trial)
     by_name = {f.name: f for f in reversed(found)}  # the first of each name
     det = by_name.get("deterministic-nonfinite")
     if det is not None:
@@ -451,16 +539,43 @@ def _stall_cause(first_skip: int, found: list[Finding], lr_trial: LrTrial | None
                 f"Every replay names the same cause, {op}, and its fp32 control replay is finite: the precision of "
                 "that op stops training (see deterministic-nonfinite).",
                 det.fix or None,
+                det.trial,
             )
-        return (f"Every replay names the same cause, {op} (see deterministic-nonfinite).", det.fix or None)
+        return (f"Every replay names the same cause, {op} (see deterministic-nonfinite).", det.fix or None, det.trial)
     if "transient-fault-suspected" in by_name:
-        return ("The bad steps did not reproduce on replay: suspect the device (see transient-fault-suspected).", None)
+        transient = by_name["transient-fault-suspected"]
+        return (
+            "The bad steps did not reproduce on replay: suspect the device (see transient-fault-suspected).",
+            None,
+            transient.trial,
+        )
     if "amp-scale-collapse" in by_name:
+        collapse = by_name["amp-scale-collapse"]
         return (
             "The scale collapsed: the gradients overflow fp16 even unscaled (see amp-scale-collapse).",
-            by_name["amp-scale-collapse"].fix or None,
+            collapse.fix or None,
+            collapse.trial,
         )
-    return ("", None)
+    return ("", None, None)
+
+
+def _lr_trial(trial: LrTrial | None) -> Trial:
+    """What `_lr_fix`'s advice was checked with: a lower rate that settled where the run's did not."""
+    if trial is None or trial.as_is is None:
+        return Trial.untried(trial.why_not if trial is not None and trial.why_not else "no learning-rate trial ran")
+    best = trial.best
+    if best is not None and not trial.as_is.settles:
+        return Trial.checked(
+            f"lr {trial.as_is.lr:.4g} -> {best.lr:.4g}",
+            metric=f"the loss over {trial.steps} steps",
+            before=trial.as_is.said(),
+            after=best.said(),
+            on="copies of the model and optimizer from the climb's first step, on its batch",
+        )
+    return Trial.untried(
+        "lowering the learning rate was tried and did not separate the rates (see the message); the advice "
+        "left is what the trial could not test"
+    )
 
 
 def _lr_fix(trial: LrTrial | None) -> str:
@@ -575,6 +690,23 @@ def rounded_away_finding(
         "Kahan summation: torch-optimi's optimi.AdamW(params, ..., kahan_sum=True) (+2 bytes per parameter)",
     ]
     ranked = [master, *others] if helped or untried else others
+    trial = (
+        Trial.checked(
+            "fp32 master weights",
+            metric="the share of weights an update moves",
+            before=f"{tried.moved_as_is:.0%}",
+            after=f"{tried.moved_fixed:.0%}",
+            on=f"{tried.steps} steps on this step's batch, on copies",
+        )
+        if helped and tried is not None
+        else Trial.untried(
+            f"the what-if run did not run ({why_untried})"
+            if tried is None
+            else f"the what-if run failed ({tried.error})"
+            if tried.error is not None
+            else "fp32 master weights were tried and did not help (see the message); the others are not tried"
+        )
+    )
     fix = "\n".join(f"{i}. {text}" for i, text in enumerate(ranked, start=1))
     if not (helped or untried):
         fix += "\n(fp32 master weights were tried by the what-if run and did not help: see the message.)"
@@ -587,6 +719,7 @@ def rounded_away_finding(
         "update-rounded-away",
         message=message,
         fix=fix,
+        trial=trial,
         where={"module": _module_of(worst.name), "op": None, "phase": "optimizer", "step": stats.step, **here},
         evidence={
             "kind": "rounded-away",
@@ -641,6 +774,13 @@ def state_stalled_finding(stats: UpdateStats, state: StateUpdate, *, here: dict[
         fix="Keep the optimizer state in fp32: fp32 master weights (the optimizer over fp32 copies of the "
         "parameters, its state then fp32: +4 bytes per parameter for the copy, +2 per state tensor), or the model in "
         "fp32 under torch.autocast.",
+        trial=Trial.checked(
+            f"the step's {state.key} update computed in fp32",
+            metric=f"the share of changed elements the {state.dtype} state kept",
+            before=f"{1 - (state.stalled + state.flushed) / state.changed:.0%}",
+            after="100%",
+            on="the sampled elements of this step",
+        ),
     )
 
 
@@ -671,4 +811,11 @@ def grads_stalled_finding(
         fix="Accumulate in fp32: after each micro-batch's backward, add p.grad.float() into an fp32 buffer per "
         "parameter and set p.grad = None (+4 bytes per parameter), and step on the buffers; or fp32 master weights, "
         "whose .grad is fp32.",
+        trial=Trial.checked(
+            f"the same {adds} micro-batch gradients summed in fp32",
+            metric=f"{name}'s accumulated gradient, relative error",
+            before=rows[0][3],
+            after=0.0,
+            on="the sampled elements of this step's micro-batches",
+        ),
     )

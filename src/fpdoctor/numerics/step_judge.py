@@ -127,6 +127,10 @@ class StepFacts:
     # which buckets / parameters held the bad gradients, read while they still showed it
     # (`StepJudge.gradient_view`); None: read when the step is judged
     seen: tuple[list[dict[str, Any]] | None, list[tuple[str, str]]] | None = None
+    # the step whose non-finite gradients were still in .grad when this step began (step_fn did not
+    # zero them), with the loss scale it ran at; and the replay's contexts at another loss scale
+    carried: tuple[int, float | None] | None = None
+    contexts_at: Callable[[float | None], list[contextlib.AbstractContextManager[Any]]] | None = None
 
     @property
     def finite(self) -> bool:
@@ -411,6 +415,10 @@ class StepJudge:
         every rank in the same order; gradients stay local (`local_replay`). Then every rank
         receives every faulty rank's verdict, so all reports say the same."""
         result = self._run_replay(f)
+        carried = self._carried(f, result) if faulty and not self.distributed else None
+        if carried is not None:
+            self._add_all(carried)
+            return "deterministic-nonfinite"
         if self.is_compiled and faulty and not self.distributed and result.verdict == "transient-fault-suspected":
             only = self._compiled_only(f, kind, result.loss)  # torch.compile: numerics/compiled.py
             if only is not None:
@@ -497,15 +505,47 @@ class StepJudge:
         return tempfile.mkdtemp(prefix=f"fpdoctor-graph-{os.getpid()}-step{step}-")
 
     def _collapse(self, f: StepFacts, next_scale: float) -> None:
-        self.causes.add(
-            findings.collapse_finding(f.step, self.amp, self.steps, f.scale or math.nan, next_scale, here=self.here)
+        collapse = findings.collapse_finding(
+            f.step, self.amp, self.steps, f.scale or math.nan, next_scale, here=self.here
         )
         if not (self.replay and f.why_not is None and not f.applied and not self.distributed):
+            self.causes.add(collapse)
             return
         with preserved(self.model):  # name the op that overflows, once per collapse, from the step's own buffers
             self.buffers.restore()
             result = self._run_replay(f)
+            carried = self._carried(f, result)
+        if carried is not None:  # the cause ahead of the symptom it explains
+            self._add_all([*carried, collapse])
+            return
+        self.causes.add(collapse)
         self._add_all(self._verdict_findings(f, result, "+inf"))
+
+    def _carried(self, f: StepFacts, result: ReplayResult) -> list[Finding] | None:
+        """A step that began with an earlier step's non-finite gradients still in .grad, and whose
+        replay from zeroed gradients is finite: the carried gradients made it non-finite, not this step
+        and not the machine (the replay zeroes them, which the step as it ran did not). Replayed again
+        at the loss scale of the step they came from, the op that overflowed there is named."""
+        if f.carried is None or result.verdict != "transient-fault-suspected":
+            return None
+        since, since_scale = f.carried
+        origin = None
+        if since_scale is not None and since_scale != f.scale and f.contexts_at is not None:
+            saved = [(p, p.grad) for p in self.params]
+            try:
+                origin = replay(self.model, self.params, f.step_fn, f.window, f.contexts_at(since_scale))
+            finally:
+                for p, g in saved:
+                    p.grad = g
+        return findings.carried_findings(
+            f.step,
+            since,
+            since_scale,
+            scale=f.scale,
+            loss=result.loss,
+            origin=origin,
+            here=distributed.describe(self.device),
+        )
 
     def _spike(self, step: int, loss_value: float, f: StepFacts | None = None) -> None:
         if not math.isfinite(loss_value):  # a NaN in the history would switch spike detection off

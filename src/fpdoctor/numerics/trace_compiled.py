@@ -30,7 +30,7 @@ import torch
 from fpdoctor import catalog
 from fpdoctor.numerics import compiled, graphs
 from fpdoctor.pytrees import tensors_in
-from fpdoctor.report.model import Finding
+from fpdoctor.report.model import Finding, Trial
 from fpdoctor.torchprivate import DisableTorchDispatch, TorchDispatchMode, dynamo_output_codes, mode_stack
 from fpdoctor.torchprivate import current_mode as _get_current_dispatch_mode
 from fpdoctor.torchprivate import pop_mode as _pop_mode
@@ -166,6 +166,10 @@ def graph_finding(evidence: dict[str, Any]) -> Finding:
             ),
             where={"module": None, "op": origin.get("op"), "phase": "forward"},
             evidence={**evidence, "seen_in": compiled.COMPILED, "location": line},
+            trial=Trial.untried(
+                "the graph's ops were re-run eagerly on the same inputs and make it too; the op's advice was not "
+                "re-run in another precision"
+            ),
         )
     finding = catalog.make(
         "compiled-only-nonfinite",

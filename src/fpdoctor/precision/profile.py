@@ -17,7 +17,7 @@ from fpdoctor.precision.fit import describe as describe_misfit
 from fpdoctor.precision.fit import within
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.metrics import SAMPLE, sqnr_db
-from fpdoctor.report.model import Finding, Report
+from fpdoctor.report.model import Finding, Report, Trial
 
 # The one metric behind every "error" compare and plan print, the end-to-end error included.
 METRIC = (
@@ -443,6 +443,10 @@ def _root_finding(
                 "sensitive to its inputs (a smaller scale on attention scores, a normalisation before them); "
                 "`fpdoctor plan` measures this floor and judges a plan against it"
             ),
+            trial=Trial.untried(
+                "a change to how the model reads its inputs: what compare measured is the floor itself (the model "
+                "fed rounded inputs)"
+            ),
         )
         return finding, f"none: rounding the inputs explains the error ({_fmt(input_floor)})"
     finding = catalog.make(
@@ -463,6 +467,7 @@ def _root_finding(
             "submodule (then `fpdoctor plan` can keep that in fp32), or compute them in fp32 explicitly (their "
             "operands .float(), the result cast back)"
         ),
+        trial=Trial.untried(_UNTRIED_BY_COMPARE),
     )
     return finding, "none: the whole model's own ops (outside any submodule)"
 
@@ -506,6 +511,13 @@ def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, ref
             f"{_fmt(error)} to {_fmt(state['raised_rel'])}"
         )
         first_text = f"none by itself: accumulation in the running state at {state['location']}"
+        trial = Trial.checked(
+            f"the running state at {state['location']} kept in fp64, the rest in {candidate}",
+            metric="end-to-end relative error against fp64",
+            before=error,
+            after=state["raised_rel"],
+            on=label,
+        )
     else:
         tried = [t for t in found["states"] if t["raised_rel"] is not None]
         untried = [t for t in found["states"] if t["raised_rel"] is None]
@@ -541,6 +553,11 @@ def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, ref
             "in fp32"
         )
         first_text = "none by itself: the error is made by accumulation (no single state found)"
+        trial = Trial.untried(
+            "no running state kept in fp64 removed the error (see the message)"
+            if tried
+            else "no running state could be raised to fp64 and re-run (see the message)"
+        )
     finding = catalog.make(
         "precision-divergence",
         title=f"The end-to-end error in {candidate} is made by accumulation, not by any one op",
@@ -548,6 +565,7 @@ def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, ref
         where=where,
         evidence=evidence,
         fix=fix,
+        trial=trial,
     )
     return finding, first_text
 
@@ -606,7 +624,21 @@ def _divergence(
         message += cause.get("message", "")
         where["op"] = cause.get("op") or own
         fix = cause.get("fix") or fix
-    return catalog.make("precision-divergence", message=message, where=where, evidence=evidence, fix=fix)
+    return catalog.make(
+        "precision-divergence",
+        message=message,
+        where=where,
+        evidence=evidence,
+        fix=fix,
+        trial=Trial.untried(_UNTRIED_BY_COMPARE),
+    )
+
+
+# compare measures what each module adds by itself; the end-to-end run with a fix in place is plan's
+_UNTRIED_BY_COMPARE = (
+    "compare measures the error each module adds by itself; the end-to-end run with it kept in fp32 is what "
+    "`fpdoctor plan` tries and verifies"
+)
 
 
 def causes(

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fpdoctor.report.model import json_text, severity_rank
-from fpdoctor.report.render import _value, is_command
+from fpdoctor.report.render import _value, is_command, trial_line
 
 FULL_FINDINGS = 10  # per finding name; further ones are listed one line each
 LISTED_FINDINGS = 200  # per finding name; the JSON report has the rest
@@ -144,10 +144,14 @@ def _lead(findings: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     return next((f for f in top if f["name"] in _LEADS), top[0])
 
 
-def _fix(fix: str) -> str:
+def _fix(finding: Mapping[str, Any]) -> str:
+    """The fix, then whether it was tried (checked with its figures, or why not)."""
+    fix = finding.get("fix") or ""
     if not fix:
         return ""
-    return f"<pre>{_e(fix)}</pre>" if is_command(fix) else f"<p>{_e(fix)}</p>"
+    trial = trial_line(finding)
+    tried = f'<p class="trial"><i>{_e(trial)}</i></p>' if trial else ""
+    return "<p><b>Fix</b></p>" + (f"<pre>{_e(fix)}</pre>" if is_command(fix) else f"<p>{_e(fix)}</p>") + tried
 
 
 def _banner(report: Mapping[str, Any], p: str) -> str:
@@ -166,8 +170,7 @@ def _banner(report: Mapping[str, Any], p: str) -> str:
         )
         if (confidence := lead.get("evidence", {}).get("confidence")) is not None:
             out.append(f"<p><b>Confidence:</b> {_e(_value(confidence))}</p>")
-        if lead["fix"]:
-            out.append(f"<p><b>Fix</b></p>{_fix(lead['fix'])}")
+        out.append(_fix(lead))
         others: dict[str, int] = {}
         for f in findings:
             if f is not lead:
@@ -223,7 +226,7 @@ def _finding(f: Mapping[str, Any], index: int, p: str) -> str:
         f'<article class="finding {_e(f["severity"])}" id="{p}finding-{index}">'
         f'<h3><span class="sev {_e(f["severity"])}">{_e(f["severity"])}</span> <code>{_e(f["code"])}</code> '
         f'{_e(f["name"])}: {_e(f["title"])}</h3><p class="message">{_e(f["message"])}</p>{_evidence_table(f)}'
-        + (f"<p><b>Fix</b></p>{_fix(f['fix'])}" if f.get("fix") else "")
+        + _fix(f)
         + (f"<p><b>References</b></p><ul>{refs}</ul>" if refs else "")
         + "</article>"
     )

@@ -41,6 +41,73 @@ def severity_rank(value: str) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Trial:
+    """Whether a finding's fix was tried, and what it did (SPEC 3.2: every printed fix says so).
+
+    Either `tried`: what was `changed`, `on` which input or steps, and the `metric` `before` ->
+    `after`, measured by re-running with the fix in place; or not tried, with the `reason`. A fix
+    that was tried and did not help is not a fix: the finding prints another, or none."""
+
+    tried: bool
+    changed: str = ""
+    on: str = ""
+    metric: str = ""
+    before: float | str | None = None
+    after: float | str | None = None
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.tried and not (self.changed and self.metric):
+            raise ValueError("a tried fix says what was changed and what was measured")
+        if not self.tried and not self.reason:
+            raise ValueError("an untried fix says why it was not tried")
+
+    @classmethod
+    def checked(
+        cls, changed: str, *, metric: str, before: float | str | None, after: float | str | None, on: str = ""
+    ) -> Trial:
+        return cls(tried=True, changed=changed, on=on, metric=metric, before=before, after=after)
+
+    @classmethod
+    def untried(cls, reason: str) -> Trial:
+        return cls(tried=False, reason=reason)
+
+    def to_dict(self) -> dict[str, Any]:
+        if not self.tried:
+            return {"status": "not-tried", "reason": self.reason}
+        out: dict[str, Any] = {"status": "checked", "changed": self.changed, "metric": self.metric}
+        out |= {"before": self.before, "after": self.after}
+        if self.on:
+            out["on"] = self.on
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Trial:
+        if d.get("status") == "checked":
+            return cls.checked(
+                str(d.get("changed") or "?"),
+                metric=str(d.get("metric") or "?"),
+                before=d.get("before"),
+                after=d.get("after"),
+                on=str(d.get("on") or ""),
+            )
+        return cls.untried(str(d.get("reason") or "not said"))
+
+    def text(self) -> str:
+        """One line, as every renderer prints it under the fix."""
+        if not self.tried:
+            return f"not tried: {self.reason}"
+        on = f" on {self.on}" if self.on else ""
+        return f"checked{on}: {self.changed}; {self.metric} {_figure(self.before)} -> {_figure(self.after)}"
+
+
+def _figure(value: float | str | None) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "?" if value is None else str(value)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Finding:
     """One problem, with the evidence that shows it and the fix that removes it."""
 
@@ -53,6 +120,7 @@ class Finding:
     where: Mapping[str, Any] = field(default_factory=dict)
     evidence: Mapping[str, Any] = field(default_factory=dict)
     references: tuple[str, ...] = ()
+    trial: Trial | None = None  # whether `fix` was tried (see `unproven`)
 
     def __post_init__(self) -> None:
         if not isinstance(self.severity, Severity):
@@ -70,6 +138,7 @@ class Finding:
             "where": _known(self.where, keep=("module",)),
             "evidence": _known(self.evidence),
             "fix": self.fix,
+            **({"fix_trial": self.trial.to_dict()} if self.trial is not None else {}),
             "references": list(self.references),
         }
 
@@ -86,7 +155,14 @@ class Finding:
             where=dict(d.get("where") or {}),
             evidence=dict(d.get("evidence") or {}),
             references=tuple(d.get("references") or ()),
+            trial=Trial.from_dict(d["fix_trial"]) if isinstance(d.get("fix_trial"), Mapping) else None,
         )
+
+    @property
+    def unproven(self) -> bool:
+        """A fix printed at warning or error level with neither its measured effect nor why it could
+        not be tried: what the contract forbids (tests/conftest.py fails every test that makes one)."""
+        return bool(self.fix.strip()) and self.severity.rank >= Severity.WARNING.rank and self.trial is None
 
 
 def _known(values: Mapping[str, Any], keep: tuple[str, ...] = ()) -> dict[str, Any]:

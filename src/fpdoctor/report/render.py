@@ -11,9 +11,10 @@ from __future__ import annotations
 import html
 import io
 import re
+from collections.abc import Mapping
 from typing import Any
 
-from fpdoctor.report.model import json_text
+from fpdoctor.report.model import Trial, json_text
 
 FORMATS = ("text", "json", "markdown", "html")
 
@@ -70,6 +71,15 @@ _COMMAND = re.compile(
     r"nvidia-smi|dmesg|journalctl|sudo|apt(-get)?|yum|dnf|ldconfig|cd|ls|git|docker|module|source|nsys|"
     r"compute-sanitizer|ulimit|echo|cat|env)\b|[./~]\S*/)"
 )
+
+
+def trial_line(finding: Mapping[str, Any]) -> str:
+    """ "checked on ...: X; metric a -> b" or "not tried: why", from a finding's JSON; empty for a
+    finding without a fix or a report written before fixes carried their trial."""
+    trial = finding.get("fix_trial")
+    if not finding.get("fix") or not isinstance(trial, Mapping):
+        return ""
+    return Trial.from_dict(trial).text()
 
 
 def is_command(fix: str) -> bool:
@@ -160,6 +170,9 @@ def render_text(report: dict[str, Any], *, color: bool = False, width: int = 100
             for fix_line in finding["fix"].splitlines():
                 # Never wrap a command: it must survive copy and paste.
                 console.print(Text("    " + fix_line), soft_wrap=True)
+            trial = trial_line(finding)
+            if trial:
+                console.print(Text("  ") + Text(trial, style="green" if trial.startswith("checked") else "yellow"))
         if finding["references"]:
             console.print(Text("  see  ", style="dim") + Text(", ".join(finding["references"][:3])))
 
@@ -216,6 +229,9 @@ def render_markdown(report: dict[str, Any]) -> str:
             if f["fix"]:
                 fix = ["```sh", f["fix"], "```"] if is_command(f["fix"]) else [_md_text(f["fix"])]
                 out += ["", "**Fix**", "", *fix]
+                trial = trial_line(f)
+                if trial:
+                    out += ["", f"*{_md_text(trial)}*"]
             if f["references"]:
                 out += ["", "References: " + ", ".join(_md_text(r) for r in f["references"])]
             out += ["", "</details>", ""]

@@ -19,7 +19,7 @@ from torch import nn
 
 from fpdoctor.numerics.mismatch import fix_action, module_expr, what_failed
 from fpdoctor.precision.candidates import Call, split_inputs
-from fpdoctor.report.model import Finding
+from fpdoctor.report.model import Finding, Trial
 from fpdoctor.torchprivate import buffers_of
 
 # the forward under audit's origin-tracking mode: (failure explained, error raised, tracker)
@@ -113,9 +113,19 @@ def checked(
     chain = [{"fix": _action_code(action), "then": _then(after, error)} for action, after, error in steps]
     runs = chain[-1]["then"] == "the forward runs"
     evidence = {**finding.evidence, "fix_checked": chain}
+    trial = Trial.checked(
+        "; ".join(step["fix"] for step in chain),
+        metric="the forward",
+        before="raises",
+        after="runs",
+        on="the example inputs",
+    )
     if len(steps) == 1 and runs:
         return dataclasses.replace(
-            finding, message=finding.message + " With the fix below, the forward runs (checked).", evidence=evidence
+            finding,
+            message=finding.message + " With the fix below, the forward runs (checked).",
+            evidence=evidence,
+            trial=trial,
         )
     if not runs:
         message = f" After the fix below the forward still fails: {chain[-1]['then']}."
@@ -125,4 +135,4 @@ def checked(
         f" One fix alone only moves the failure ({moved}); with all {len(steps)} below, the forward runs (checked)."
     )
     fix = "\n".join(["# all of:", *(step["fix"] for step in chain), "# or: fpdoctor.harmonize(model, device)"])
-    return dataclasses.replace(finding, message=finding.message + message, evidence=evidence, fix=fix)
+    return dataclasses.replace(finding, message=finding.message + message, evidence=evidence, fix=fix, trial=trial)

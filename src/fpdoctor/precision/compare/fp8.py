@@ -20,7 +20,7 @@ from torch import nn
 from fpdoctor import catalog
 from fpdoctor.precision.candidates import Fp8Linear, fp8_quantize
 from fpdoctor.precision.metrics import spread_index
-from fpdoctor.report.model import Finding
+from fpdoctor.report.model import Finding, Trial
 
 # Below 20 dB SQNR, more than 1% of the signal's energy is quantisation noise: we call that unsafe.
 MIN_SQNR_DB = 20.0
@@ -114,6 +114,17 @@ def findings(rows: list[dict[str, Any]]) -> list[Finding]:
                     "use rowwise scaling for this layer (torchao Float8LinearConfig.from_recipe_name('rowwise'))"
                     if rowwise_ok
                     else f"exclude `{row['module']}` from fp8 (module_filter_fn) and keep it in bf16"
+                ),
+                trial=Trial.checked(
+                    "rowwise scaling instead of tensorwise",
+                    metric=f"the {worst}'s SQNR in dB",
+                    before=row[f"{worst}_tensorwise_sqnr_db"],
+                    after=row[f"{worst}_rowwise_sqnr_db"],
+                    on="the example inputs",
+                )
+                if rowwise_ok
+                else Trial.untried(
+                    "rowwise scaling was measured and does not fix it; bf16 for this layer is not re-run"
                 ),
             )
         )

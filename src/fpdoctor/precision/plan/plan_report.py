@@ -21,11 +21,15 @@ from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.names import PRECISIONS
 from fpdoctor.precision.plan.op_fixes import OpFix
 from fpdoctor.precision.profile import METRIC, CompareResult, ModuleRow
-from fpdoctor.report.model import Finding, Report, Severity
+from fpdoctor.report.model import Finding, Report, Severity, Trial
 
 if TYPE_CHECKING:
     from fpdoctor.precision.plan.plan import Plan
 
+_NO_PLAN = (
+    "no keep-in-fp32 set reached the target (the closest set and its error are in the message): the next step "
+    "named is not tried"
+)
 _APPLY = "apply the plan: fpdoctor.apply_plan(model, result.plan), or paste its code (result.plan.to_code())"
 _RANGE_LIMITED = tuple(name for name, p in PRECISIONS.items() if p.storage == "fp16")  # fp16's max is 65504
 
@@ -276,7 +280,11 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
                 continue
             module = f.where.get("module")
             if not the_plan.verified:
-                out.append(dataclasses.replace(f, evidence=evidence, fix=_next_step(the_plan, search) or f.fix))
+                out.append(
+                    dataclasses.replace(
+                        f, evidence=evidence, fix=_next_step(the_plan, search) or f.fix, trial=Trial.untried(_NO_PLAN)
+                    )
+                )
                 continue
             holder = _kept_by(module, the_plan.keep_fp32) if module else None
             fix = next((x for x in the_plan.fp32_ops if x.module == module), None)
@@ -294,7 +302,19 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
                 )
             out.append(
                 dataclasses.replace(
-                    f, severity=Severity.WARNING, message=f.message + done, evidence=evidence, fix=_APPLY
+                    f,
+                    severity=Severity.WARNING,
+                    message=f.message + done,
+                    evidence=evidence,
+                    fix=_APPLY,
+                    trial=Trial.checked(
+                        "the plan applied"
+                        + (f" ({_names(the_plan.keep_fp32[:4])} in fp32)" if the_plan.keep_fp32 else ""),
+                        metric="end-to-end relative error against fp64",
+                        before=the_plan.baseline_error,
+                        after=the_plan.final_error,
+                        on="the inputs given (the worst set)",
+                    ),
                 )
             )
     return out
@@ -330,6 +350,10 @@ def _floor_finding(the_plan: Plan, search: Search) -> Finding:
             "if that error matters, give the modules that read the inputs fp32 inputs (keep them in fp32 and do not "
             "cast the inputs), or make the model less sensitive to its inputs (a smaller scale on attention scores, "
             f"a normalisation before them); otherwise accept the plan judged against {target:.3g}"
+        ),
+        trial=Trial.untried(
+            "a change to how the model reads its inputs, which no keep-in-fp32 set can make: the floor itself is "
+            "what was measured"
         ),
     )
 
@@ -399,4 +423,5 @@ def _unverified_finding(the_plan: Plan, search: Search) -> Finding:
             "target": target,
         },
         fix=_next_step(the_plan, search) or "run the model in fp32, or in bf16 if fp16's range is the cause",
+        trial=Trial.untried(_NO_PLAN),
     )

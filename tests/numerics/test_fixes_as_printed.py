@@ -1,0 +1,173 @@
+"""A printed fix is the fix that was tried, and applied as printed it works (SPEC 3.2, section 4).
+
+Each class is run on models the shared cases do not contain: a GradScaler run whose step_fn never
+zeroes the gradients (the replay must run the step as it ran, with what .grad held), an eps that
+rounds to 0 in fp16 behind a norm's backward (the fix names the literal and a value that was tried),
+and a custom op that makes an Inf its inputs cannot explain (no arithmetic advice, no "the math")."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import fpdoctor
+
+
+def _names(report: fpdoctor.Report) -> list[str]:
+    return [f.name for f in report.sorted_findings()]
+
+
+# -- a replay that runs the step as it ran: gradients carried from a skipped step ---------------
+class _Scorer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x).logsumexp(-1).mean()
+
+
+def _train_under_sentinel(zero_grads: bool, steps: int = 24) -> tuple[fpdoctor.Sentinel, list[float]]:
+    torch.manual_seed(3)
+    model = _Scorer()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")  # init_scale 2**16: the first backward overflows fp16
+    guard = fpdoctor.Sentinel(model, opt, scaler=scaler)
+    x = torch.randn(16, 32)
+    losses = []
+
+    def step(batch: torch.Tensor) -> torch.Tensor:
+        if zero_grads:
+            opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(batch).float()
+        scaler.scale(loss).backward()
+        return loss
+
+    for _ in range(steps):
+        losses.append(float(guard.step(step, x).detach()))
+    return guard, losses
+
+
+def test_gradients_left_in_grad_by_a_skipped_step_are_the_codes_fault_and_zeroing_them_works():
+    guard, losses = _train_under_sentinel(zero_grads=False)
+    report = guard.report
+    first = report.sorted_findings()[0]
+    assert first.name == "deterministic-nonfinite" and "never zeroes the gradients" in first.title
+    assert first.evidence["carried_from_step"] == 1 and first.evidence["carried_from_scale"] == 65536.0
+    assert "transient-fault-suspected" not in _names(report)  # never "suspect the machine" for the code's fault
+    assert "optimizer.zero_grad(set_to_none=True)" in first.fix
+    assert first.trial is not None and first.trial.tried and first.trial.after == "finite"
+    assert len(set(losses)) == 1  # as it was: the optimizer never ran
+
+    # the fix as printed: zero the gradients at the start of step_fn
+    fixed, losses = _train_under_sentinel(zero_grads=True)
+    assert fixed.report.verdict == "ok", str(fixed.report)
+    assert losses[-1] < losses[0]
+
+
+# -- a constant that rounds to zero in fp16, behind a backward --------------------------------
+class _Pooler(nn.Module):
+    """Mean-pools token embeddings and L2-normalises them by hand; padding rows are all zero."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.proj = nn.Linear(24, 24)
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.proj(tokens)
+        h = h * mask[..., None].type_as(h)
+        norm = torch.sqrt(h.pow(2).sum(-1) + self.eps)  # the padding rows: sqrt(0 + eps)
+        return (norm - 1.0).pow(2).mean()
+
+
+def _pool_training(eps: float, *, traced: bool, steps: int = 12) -> tuple[fpdoctor.Report | None, list[float]]:
+    torch.manual_seed(5)
+    model = _Pooler(eps)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    tokens = torch.randn(4, 10, 24)
+    mask = torch.ones(4, 10)
+    mask[:, 7:] = 0  # padding
+    losses = []
+    trace = fpdoctor.trace(model) if traced else None
+    with trace if trace is not None else torch.no_grad():
+        torch.set_grad_enabled(True)
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(tokens, mask).float()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+    return (trace.report if trace is not None else None), losses
+
+
+def test_an_eps_that_fp16_rounds_to_zero_is_named_with_a_tried_replacement_that_trains():
+    report, losses = _pool_training(1e-10, traced=True)
+    assert report is not None
+    first = report.sorted_findings()[0]
+    assert first.name == "grad-scaler-stalled", str(report)
+    assert first.fix.startswith("Replace the constant 1e-10 at ") and "(it is 0 in float16)" in first.fix
+    assert "torch.sqrt(x.clamp_min(0) + eps)" not in first.fix  # "add eps" with the user's own eps is no fix
+    assert first.trial is not None and first.trial.tried and "replaced by" in first.trial.changed
+    assert len(set(losses)) == 1  # nothing trained
+
+    value = float(re.search(r"with ([0-9.e+-]+), which float16 holds", first.fix).group(1))
+    _, fixed = _pool_training(value, traced=False, steps=40)  # the fix as printed
+    assert fixed[-1] < 0.5 * fixed[0]
+
+
+# -- a custom op that makes an Inf its inputs cannot explain ----------------------------------
+@torch.library.custom_op("fpdoctor_tests::fused_bias_gelu", mutates_args=())
+def _fused_bias_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A fused GEMM + bias + GELU epilogue whose kernel writes Inf for rows with a large input."""
+    out = torch.nn.functional.gelu(x @ w.t() + b)
+    out[x.abs().amax(-1) > 3.0] = float("inf")
+    return out
+
+
+@_fused_bias_gelu.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+class _Fused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(_fused_bias_gelu(x, self.fc1.weight, self.fc1.bias)).squeeze(-1)
+
+
+def test_an_inf_from_a_custom_op_gets_no_arithmetic_advice_and_ops_after_it_point_back():
+    torch.manual_seed(0)
+    model = _Fused()
+    x = torch.rand(8, 16) * 7.2 - 3.9  # in [-3.9, 3.3]
+    with fpdoctor.trace(model) as t:
+        model(x).logsumexp(0)
+    assert t.report is not None
+    first, *rest = t.report.by_name("nonfinite-produced")
+    assert first.where["op"] == "fpdoctor_tests.fused_bias_gelu.default"
+    assert "custom op" in first.title and "epsilon" not in first.fix.replace("Not an epsilon", "")
+    assert first.evidence["experiment"]["verdict"] == "opaque" and not first.trial.tried
+    for later in rest:  # made from the Inf it was handed: the fix is upstream, not a guard here
+        if later.title.split(": ", 1)[1].find(" turned ") > 0:
+            assert later.fix.startswith("Fix what made its input non-finite")
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf"])
+def test_a_nan_beside_a_passed_on_inf_is_cured_when_the_nan_is_gone(kind: str):
+    """0/0 on the diagonal beside an Inf the op was handed: the experiment judges the NaN it made."""
+    from fpdoctor.numerics.experiments import Experiment
+
+    experiment = Experiment("aten.div.Tensor", "float16", "origin", symptom=frozenset({kind}), handed=True)
+    assert experiment.clean == ("free of NaN" if kind == "nan" else "free of Inf")
+    experiment.handed = False  # nothing non-finite came in: cured means finite
+    assert experiment.clean == "finite"
