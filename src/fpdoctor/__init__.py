@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from fpdoctor.precision.compare.compare import compare
     from fpdoctor.precision.plan.plan import apply_plan, plan
     from fpdoctor.precision.record.record import CompareRecord
-    from fpdoctor.report.model import Finding, Report, Severity
+    from fpdoctor.report.model import Finding, Report, Severity, Trial
 
 # Public name -> module that defines it; imported on first use, so `import fpdoctor` stays cheap.
 _LAZY = {
@@ -34,6 +34,7 @@ _LAZY = {
     "Finding": "fpdoctor.report.model",
     "Report": "fpdoctor.report.model",
     "Severity": "fpdoctor.report.model",
+    "Trial": "fpdoctor.report.model",
     "NonFiniteError": "fpdoctor.numerics.tracer",
     "Sentinel": "fpdoctor.numerics.sentinel",
     "ScriptWatch": "fpdoctor.integrations.script",
@@ -90,6 +91,7 @@ __all__ = [
     "Sentinel",
     "Severity",
     "Trace",
+    "Trial",
     "__version__",
     "apply_plan",
     "audit",

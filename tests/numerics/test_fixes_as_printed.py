@@ -171,3 +171,47 @@ def test_a_nan_beside_a_passed_on_inf_is_cured_when_the_nan_is_gone(kind: str):
     assert experiment.clean == ("free of NaN" if kind == "nan" else "free of Inf")
     experiment.handed = False  # nothing non-finite came in: cured means finite
     assert experiment.clean == "finite"
+
+
+# -- a consequence after its cause ------------------------------------------------------------
+class _Buggy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        h = self.fc(x)
+        if step == 6:
+            h = h / (h - h)  # a bug on one batch: divides by zero
+        return self.out(torch.relu(h)).mean()
+
+
+def test_an_update_handed_nan_gradients_is_a_consequence_not_a_learning_rate_to_lower():
+    torch.manual_seed(0)
+    model = _Buggy()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with fpdoctor.trace(model) as t:
+        for step in range(1, 9):
+            opt.zero_grad()
+            model(torch.randn(16, 8), step).backward()
+            opt.step()
+    assert t.report is not None
+    ordered = t.report.sorted_findings()
+    assert ordered[0].name == "nonfinite-produced" and ordered[0].where["op"] == "aten.div.Tensor"
+    (blown,) = t.report.by_name("update-blew-up")
+    assert blown.evidence["consequence_of_step"] == 6 and blown.severity.value == "warning"
+    assert "lower the learning rate" not in blown.fix.lower() and "does not change" in blown.fix
+
+
+# -- when the origin is the data, which data --------------------------------------------------
+def test_a_nan_made_in_some_rows_of_the_batch_names_those_rows_and_what_differs_in_them():
+    torch.manual_seed(0)
+    emb = torch.randn(8, 16)
+    emb[[2, 5]] = 0.0  # two empty rows: a padded sample
+    with fpdoctor.trace() as t:
+        (emb / emb.norm(dim=-1, keepdim=True)).sum()
+    assert t.report is not None
+    (first,) = t.report.by_name("nonfinite-produced")
+    rows = first.evidence["experiment"]["rows"]
+    assert rows["indices"] == [2, 5] and rows["of"] == 8
+    assert "all zero" in rows["differs"] and "rows 2, 5 of the 8" in first.message

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from types import TracebackType
 from typing import Any
 
-from fpdoctor.report.model import Report
+from fpdoctor.report.model import Finding, Report, Severity, Trial
 
 _CAPTURES = 4  # producing ops whose inputs a reproducer keeps; blame picks one of the first
 
@@ -274,9 +275,12 @@ class Trace:
 
             findings += op_findings(op_overflow(list(tracer.records), targets=()))
         recipes = self._recipes.findings(list(tracer.records))
-        # an update that blew the weights up comes before the NaN it led to: it is the cause
-        blown = [f for f in recipes if f.name == "update-blew-up"]
-        findings = blown + findings + [f for f in recipes if f.name != "update-blew-up"]
+        # an update that blew the weights up comes before the NaN it led to: it is the cause, unless the
+        # forward or backward made NaN/Inf at or before its step (its gradients were bad: a consequence)
+        blown = [_after_the_gradients(f, findings) for f in recipes if f.name == "update-blew-up"]
+        caused = [f for f in blown if f.evidence.get("consequence_of_step") is None]
+        findings = caused + findings + [f for f in blown if f not in caused]
+        findings += [f for f in recipes if f.name != "update-blew-up"]
         tracer.errors.extend(self._recipes.errors)
         findings += self._updates.findings
         tracer.errors.extend(self._updates.errors)
@@ -346,3 +350,32 @@ def trace(
 ) -> Trace:
     """Trace the block for the op that produces NaN/Inf; see `Trace`."""
     return Trace(model, raise_on=raise_on, headroom=headroom, targets=targets, sync_every=sync_every, repro=repro)
+
+
+def _after_the_gradients(blown: Finding, findings: list[Finding]) -> Finding:
+    """update-blew-up as a consequence where the forward or backward made NaN/Inf at or before the
+    update's step: the update carried bad gradients into the weights, and a lower learning rate or
+    clipping does not move the step at which it fails."""
+    step = blown.evidence.get("optimizer_step")
+    made = [
+        f.evidence["step"]
+        for f in findings
+        if f.name in ("nonfinite-produced", "nonfinite-input")
+        and f.where.get("phase") in ("forward", "backward")
+        and isinstance(f.evidence.get("step"), int)
+    ]
+    first = min(made, default=None)
+    if step is None or first is None or first > step:
+        return blown
+    return dataclasses.replace(
+        blown,
+        severity=Severity.WARNING,
+        title=f"The update at step {step} carried non-finite gradients into the weights: a consequence",
+        message=blown.message.split(" The next forward")[0]
+        + f" The forward or backward had already made NaN/Inf at step {first} (the finding above names the op): "
+        "the update was handed non-finite gradients, so it is their consequence, not a learning rate too high.",
+        evidence={**blown.evidence, "consequence_of_step": first},
+        fix="Fix the op that made the gradients non-finite (the first finding). A lower learning rate or gradient "
+        "clipping does not change the step at which it fails: the update only passed the NaN on.",
+        trial=Trial.untried("the update was handed non-finite gradients: the op that made them carries the trial"),
+    )

@@ -278,6 +278,7 @@ class Analysis:
         experiment = self.tracer.experiments.get(r.index)  # what re-running it decided (experiments.py)
         if experiment is not None:
             title, message, fix, trial = experiment.word(title, message, fix, label)
+            message += experiment.rows_text()  # where only some rows of the batch make it: which
             evidence["experiment"] = experiment.evidence()
         else:
             trial = Trial.untried(_unexperimented(fed, self.tracer.experiments))
@@ -285,7 +286,8 @@ class Analysis:
             # handed a non-finite value, it made another kind (inf * 0, inf - inf): the cause is upstream
             handed = f"{self.kind_of(fed[0])} in {self.source_text(fed[0])}"
             fix = (
-                f"Fix what made its input non-finite ({handed}): that op's finding names its cause. {r.op} only "
+                f"Fix what made its input non-finite ({handed}): the finding of the op that first made it names "
+                f"its cause. {r.op} only "
                 f"turned it into {kinds[0]}; guarding it here would hide the value, not remove it."
             )
             trial = Trial.untried(

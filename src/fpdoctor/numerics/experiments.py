@@ -121,6 +121,7 @@ class Experiment:
     walked: int = 0  # upstream ops tried
     symptom: frozenset[str] = frozenset({"nan", "inf"})  # what the op made that its inputs did not hold
     handed: bool = False  # its inputs held a non-finite value already, which passes through
+    rows: dict[str, Any] | None = None  # the batch rows (dim 0) that hold the symptom, where only some do
     note: str | None = None  # why the walk stopped short
 
     def evidence(self) -> dict[str, Any]:
@@ -151,7 +152,20 @@ class Experiment:
             found["rerun_bf16"] = self.bf16
         if self.note:
             found["note"] = self.note
+        if self.rows is not None:
+            found["rows"] = self.rows
         return found
+
+    def rows_text(self) -> str:
+        """' The NaN is in rows 3, 7 of the 16 along dim 0 ...', or '' where every row holds it."""
+        if self.rows is None:
+            return ""
+        rows = self.rows
+        listed = ", ".join(str(i) for i in rows["indices"][:8]) + (" ..." if len(rows["indices"]) > 8 else "")
+        text = f" It is in rows {listed} of the {rows['of']} along dim 0 (the batch), not in the others"
+        if rows.get("differs"):
+            text += f": in those rows {rows['differs']}"
+        return text + "."
 
     def word(self, title: str, message: str, fix: str, label: str) -> tuple[str, str, str, Trial]:
         """The finding's title, message and fix as the experiment decided them, and the fix's trial."""
@@ -474,6 +488,31 @@ def _chain_kind(
     return kind, max((magnitude(o) for o in outs), default=0.0)
 
 
+def _bad_rows(target: Step, lookup: Lookup | None) -> dict[str, Any] | None:
+    """The rows along dim 0 of the op's output (run as it ran) that hold NaN/Inf, where only some do,
+    and how its inputs' same rows differ from the others (their largest magnitude, all zero)."""
+    out = next((o for o in _replay([target], None, lookup) if o.is_floating_point() and o.dim() >= 2), None)
+    if out is None or out.shape[0] < 2:
+        return None
+    bad = (~torch.isfinite(out)).reshape(out.shape[0], -1).any(1)
+    count = int(bad.sum())
+    if count in (0, out.shape[0]):
+        return None
+    found: dict[str, Any] = {"indices": bad.nonzero().flatten().tolist(), "of": out.shape[0]}
+    for position, t in enumerate(tree_flatten((target.args, target.kwargs or {}))[0]):
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 and t.shape[0] == out.shape[0]):
+            continue
+        size = t.detach().reshape(t.shape[0], -1).abs().double().amax(1)
+        inside, outside = float(size[bad].max()), float(size[~bad].max())
+        if inside == 0 and outside > 0:
+            found["differs"] = f"argument {position} is all zero (a padded or empty row?)"
+        elif inside > 100 * outside or outside > 100 * inside:
+            found["differs"] = f"argument {position}'s largest |x| is {inside:.3g}, against {outside:.3g} in the others"
+        if "differs" in found:
+            break
+    return found
+
+
 def _symptom(target: Step) -> tuple[frozenset[str], bool]:
     """What the producer made that its inputs did not hold: NaN from Inf inputs (0/0 beside inf/x)
     is cured when the NaN is gone, though the Inf it was handed still passes through."""
@@ -601,6 +640,7 @@ def decide(
                 if kind is None:
                     experiment.verdict = "device-or-library"
                     return experiment
+                experiment.rows = _bad_rows(target, lookup)
             except _Skip as skip:
                 experiment.as_ran = f"not re-run ({skip})"
             except Exception as exc:

@@ -317,10 +317,12 @@ def build_report(
     input_floor: float | None = None,
     causes: dict[str, dict[str, Any]] | None = None,
     accumulation: dict[str, Any] | None = None,
+    on: torch.device | None = None,
 ) -> CompareResult:
-    """`input_floor`: the reference's end-to-end error fed candidate-rounded inputs, measured when
-    the whole model diverges and no submodule does; `causes`: per module, what compare found
-    behind its divergence (an op inside it that overflows, parameters that do not fit the format);
+    """`on`: where the candidate ran (TF32 is CUDA's); `input_floor`: the reference's end-to-end
+    error fed candidate-rounded inputs, measured when the whole model diverges and no submodule
+    does; `causes`: per module, what compare found behind its divergence (an op inside it that
+    overflows, parameters that do not fit the format, inputs of its worst op made too coarse);
     `accumulation`: where no part diverges yet the end-to-end error is far above all of them, the
     running states tried (compare's accumulation step)."""
     label = candidate if device is None else f"{candidate} on {device}"
@@ -329,13 +331,22 @@ def build_report(
     diverged = [r for r in rows if r.diverged]
     first_text = f"`{first.module}`" if first is not None else "none"
     if first is not None and first.module == "":
-        finding, first_text = _root_finding(first, label, candidate, reference, input_floor)
+        finding, first_text = _root_finding(
+            first, label, candidate, reference, input_floor, cause=(causes or {}).get("")
+        )
         findings.append(finding)
     elif first is not None:
         cause = (causes or {}).get(first.module)
         findings.append(
             _divergence(
-                first, diverged, label=label, candidate=candidate, device=device, reference=reference, cause=cause
+                first,
+                diverged,
+                label=label,
+                candidate=candidate,
+                device=device,
+                reference=reference,
+                cause=cause,
+                on=on,
             )
         )
     if first is None and accumulation is not None:
@@ -393,7 +404,13 @@ INPUT_EXPLAINS = 2.0
 
 
 def _root_finding(
-    root: ModuleRow, label: str, candidate: str, reference: str, input_floor: float | None
+    root: ModuleRow,
+    label: str,
+    candidate: str,
+    reference: str,
+    input_floor: float | None,
+    *,
+    cause: dict[str, Any] | None = None,
 ) -> tuple[Finding, str]:
     """The whole model diverges and no submodule does: it is not a keep-in-fp32 candidate. Either
     rounding the inputs explains it, or the model's own ops (its forward, outside any submodule) do."""
@@ -449,6 +466,22 @@ def _root_finding(
             ),
         )
         return finding, f"none: rounding the inputs explains the error ({_fmt(input_floor)})"
+    if cause is not None and cause.get("fix"):  # its worst op's inputs are the cause: where they are made
+        finding = catalog.make(
+            "precision-divergence",
+            title=f"The values the whole model's {own} reads are made in {candidate}",
+            message=(
+                f"In {label}, the whole model's own ops (its forward, outside any submodule) lose precision: the "
+                f"worst, {own}{at}, adds an error of {_fmt(root.isolated)} "
+                f"({against_floor(root.isolated, root.ratio, root.judged_floor)}); no submodule diverges by itself."
+                + cause["message"]
+            ),
+            where={"module": "", "op": own, "phase": "forward", "iteration": root.call},
+            evidence={"kind": "divergence", **evidence, "diverged": ["<root>"], **cause["evidence"]},
+            fix=cause["fix"],
+            trial=cause["trial"],
+        )
+        return finding, f"none: the values the whole model's {own} reads"
     finding = catalog.make(
         "precision-divergence",
         title=f"The whole model's own ops lose precision in {candidate}",
@@ -495,7 +528,35 @@ def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, ref
         "dtype": dtype,
     }
     where: dict[str, Any] = {"module": None, "op": None, "phase": "forward"}
-    if state is not None:
+    together = found.get("together")
+    on = found.get("inputs") or label
+    if together is not None:  # each alone helps little or not enough: the states together
+        states = together["states"]
+        joint = together["raised_rel"]
+        places = " and ".join(f"{t['op']} at {t['location']}" for t in states)
+        alone = "; ".join(f"{t['location']} alone {_fmt(t['raised_rel'])}" for t in states)
+        message += (
+            f" The running states updated with {places} are held in {dtype}; kept in fp64 together, the "
+            f"end-to-end error is {_fmt(joint)} (checked), where each alone leaves more ({alone})."
+        )
+        evidence |= {"state_locations": [t["location"] for t in states], "raised_rel": joint}
+        first = states[0]
+        where = {"module": first["module"], "op": first["op"], "phase": "forward"}
+        lines = ", ".join(t["location"] for t in states)
+        fix = (
+            f"keep the running states updated at {lines} in fp32, all of them (create each with "
+            f"dtype=torch.float32 and cast what is read from it back to {dtype}): checked together on {on}, the "
+            f"end-to-end error goes from {_fmt(error)} to {_fmt(joint)}; one alone is not enough ({alone})"
+        )
+        first_text = f"none by itself: accumulation in the running states at {lines}"
+        trial = Trial.checked(
+            f"the running states at {lines} kept in fp64 together, the rest in {candidate}",
+            metric="end-to-end relative error against fp64",
+            before=error,
+            after=joint,
+            on=on,
+        )
+    elif state is not None:
         module = f"`{state['module']}`" if state["module"] else "the model"
         message += (
             f" The running state that {module}'s forward updates with {state['op']} at {state['location']} "
@@ -507,8 +568,8 @@ def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, ref
         where = {"module": state["module"], "op": state["op"], "phase": "forward"}
         fix = (
             f"keep the running state updated at {state['location']} in fp32 (create it with dtype=torch.float32 "
-            f"and cast what is read from it back to {dtype}): checked, that alone takes the end-to-end error from "
-            f"{_fmt(error)} to {_fmt(state['raised_rel'])}"
+            f"and cast what is read from it back to {dtype}): checked on {on}, that alone takes the end-to-end "
+            f"error from {_fmt(error)} to {_fmt(state['raised_rel'])}"
         )
         first_text = f"none by itself: accumulation in the running state at {state['location']}"
         trial = Trial.checked(
@@ -516,7 +577,7 @@ def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, ref
             metric="end-to-end relative error against fp64",
             before=error,
             after=state["raised_rel"],
-            on=label,
+            on=on,
         )
     else:
         tried = [t for t in found["states"] if t["raised_rel"] is not None]
@@ -579,6 +640,7 @@ def _divergence(
     device: torch.device | None,
     reference: str,
     cause: dict[str, Any] | None,
+    on: torch.device | None = None,
 ) -> Finding:
     own, at = _own_op(first)
     why = (
@@ -618,20 +680,15 @@ def _divergence(
         f"there is {_fmt_error(first.propagated, None)}."
     )
     where: dict[str, Any] = {"module": first.module, "op": own, "phase": "forward", "iteration": first.call}
-    fix = _fix(first.module, candidate)
+    fix = _fix(first.module, candidate, on)
+    trial = Trial.untried(_UNTRIED_BY_COMPARE)
     if cause:
         evidence.update(cause.get("evidence", {}))
         message += cause.get("message", "")
         where["op"] = cause.get("op") or own
         fix = cause.get("fix") or fix
-    return catalog.make(
-        "precision-divergence",
-        message=message,
-        where=where,
-        evidence=evidence,
-        fix=fix,
-        trial=Trial.untried(_UNTRIED_BY_COMPARE),
-    )
+        trial = cause.get("trial") or trial
+    return catalog.make("precision-divergence", message=message, where=where, evidence=evidence, fix=fix, trial=trial)
 
 
 # compare measures what each module adds by itself; the end-to-end run with a fix in place is plan's
@@ -683,6 +740,67 @@ def causes(
                 fixes.append("or use bf16, which has fp32's range")
             found[row.module] = {"message": message, "evidence": evidence, "op": op, "fix": "; ".join(fixes)}
     return found
+
+
+# A fix that raises some ops is called checked when it divides the end-to-end error by at least
+# this much (12 dB), as compare's running states are (compare.ACCUMULATION_FALLS).
+RAISED_FALLS = 4.0
+
+
+def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str, dict[str, Any]]:
+    """Per container whose worst own op's error its inputs' precision forces (compare/upstream.py):
+    the message, evidence, fix and trial of its finding."""
+    out: dict[str, dict[str, Any]] = {}
+    for module, found in forced.items():
+        op, lines, raised = found["op"], found.get("lines") or [], found.get("raised_rel")
+        error = found.get("error_rel")
+        message = (
+            f" {op} is not the cause: run exactly (in fp64) on its inputs rounded to {candidate}, it is as wrong "
+            f"({_fmt(found['conditioned_rel'])}): at these inputs it amplifies the rounding of what it reads, so "
+            f"no precision of {op} itself helps."
+        )
+        evidence: dict[str, Any] = {"conditioned_rel": found["conditioned_rel"]}
+        dtype = str(compute_dtype(candidate)).removeprefix("torch.")
+        where = _lines_text(lines) if lines else ""
+        if lines:
+            message += f" What it reads is made at {where}."
+            evidence |= {"feeding_lines": [f"{f}:{n}" for f, n in lines], "raised_rel": raised}
+        helped = raised is not None and error is not None and raised * RAISED_FALLS <= error
+        if lines and helped:
+            fix = (
+                f"compute {where} in fp32 and cast the result back to {dtype} after {op}: create the tensors there "
+                f"in torch.float32 (a cast .to(torch.{dtype}) or a dtype=torch.{dtype} there becomes "
+                f"torch.float32), then .to(torch.{dtype}) on what {op} returns; checked: the end-to-end error goes "
+                f"from {_fmt(error)} to "
+                f"{_fmt(raised)}"
+            )
+            trial = Trial.checked(
+                f"the ops at {where} in fp32, their results cast back to {dtype}",
+                metric="end-to-end relative error against fp64",
+                before=error,
+                after=raised,
+                on="the inputs given",
+            )
+        else:
+            tried = (
+                f"computing {where} in fp32 was tried and left the end-to-end error at {_fmt(raised)}"
+                if lines and raised is not None
+                else "the lines that make its inputs were not found"
+            )
+            fix = f"make what {op} reads in fp32 from where it is first computed, and cast {op}'s result back"
+            trial = Trial.untried(tried)
+        out[module] = {"message": message, "evidence": evidence, "op": op, "fix": fix, "trial": trial}
+    return out
+
+
+def _lines_text(lines: list[tuple[str, int]]) -> str:
+    """'lines 17-20 of run.py' (one file), else 'a.py:3, b.py:9'."""
+    files = {f for f, _ in lines}
+    if len(files) == 1:
+        numbers = [n for _, n in lines]
+        span = f"line {numbers[0]}" if len(numbers) == 1 else f"lines {numbers[0]}-{numbers[-1]}"
+        return f"{span} of {lines[0][0]}"
+    return ", ".join(f"{f}:{n}" for f, n in lines)
 
 
 def merge_sets(
@@ -827,7 +945,15 @@ def _note(row: ModuleRow) -> str:
     return text if len(text) <= NOTE_WIDTH else text[: NOTE_WIDTH - 1] + "…"
 
 
-def _fix(module: str, candidate: str) -> str:
+def _fix(module: str, candidate: str, on: torch.device | None = None) -> str:
+    if candidate == "fp32" and (on is None or on.type != "cuda"):
+        # no TF32 or reduced-precision reduction here: fp32 arithmetic itself loses more than rounding
+        return (
+            f"`{module}` loses more in fp32 than its output's rounding on this device, which has no TF32: "
+            "its arithmetic cancels or amplifies (a - b of near-equal values, a long sum, a function of a "
+            "large argument). Rewrite that computation stably (subtract a mean first, a compensated or "
+            "pairwise sum, reduce the argument), or compute it in fp64 where that is affordable"
+        )
     if candidate == "fp32":
         return (
             f"the device's fp32 kernels differ at `{module}`: turn off TF32 "

@@ -54,7 +54,7 @@ from fpdoctor.precision.candidates import (
     run_flags,
     uncompiled,
 )
-from fpdoctor.precision.compare import fp8, near_limit
+from fpdoctor.precision.compare import fp8, near_limit, upstream
 from fpdoctor.precision.compare.compiled import compare_compiled, is_compiled
 from fpdoctor.precision.compare.container_ops import Own, OwnOps
 from fpdoctor.precision.compare.first_overflow import first_overflow
@@ -70,6 +70,7 @@ from fpdoctor.precision.compare.passes import (
 from fpdoctor.precision.fit import candidate_format, misfits
 from fpdoctor.precision.fit import describe as describe_misfit
 from fpdoctor.precision.inputs import describe, input_sets
+from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.metrics import (
     all_finite,
     cosine,
@@ -90,6 +91,7 @@ from fpdoctor.precision.profile import (
     build_report,
     causes,
     children,
+    forced_causes,
     merge_sets,
 )
 from fpdoctor.precision.record.record import CompareRecord
@@ -309,8 +311,9 @@ def _compare(
         input_floor = run.input_floor(rows) if not prefix else None
         step.advance()
         accumulation = run.accumulation(rows, input_floor)
+        forced = run.forced(rows)
     kept = [(r, run.seen[(r.module, r.call)]) for r in rows] if samples is not None else []
-    result = run.result(rows, input_floor, prefix, accumulation)
+    result = run.result(rows, input_floor, prefix, accumulation, forced)
     if samples is not None:  # after result(): the rows carry their names in the whole model now
         samples.extend((r, e.truth, e.candidate) for r, e in kept)
     return result
@@ -337,6 +340,7 @@ class _Comparison:
         self.model, self.inputs, self.rng = model, inputs, rng
         self.keep_candidate = keep_candidate
         self.candidate, self.reference, self.cand_device = candidate, reference, cand_device
+        self.on = on  # where the candidate runs (its device type decides which kernels and flags apply)
         self.truth_run = make_run(model, "fp64").eval()
         self.cand_run = make_run(model, candidate, fp8_kernel, on).eval()
         self.ref_run = make_run(model, reference).eval() if reference != "fp64" else None
@@ -679,16 +683,30 @@ class _Comparison:
         except Exception as exc:  # the search is ours; the finding stands without it
             self.notes["running states"] = f"not searched: {type(exc).__name__}: {exc}"
             states = []
+        sites = {id(state): state.pop("site") for state in states}
         for state in states:
             state["raised_rel"] = raised_error(
-                self.cand_run, self.inputs, self.cand_dtype, state.pop("site"), truth=truth.truth, norm=truth.norm,
-                rng=self.rng, device=self.cand_device, noise=self.noise,
+                self.cand_run, self.inputs, self.cand_dtype, [sites[id(state)]], truth=truth.truth,
+                norm=truth.norm, rng=self.rng, device=self.cand_device, noise=self.noise,
             )  # fmt: skip
         tried = [s for s in states if s["raised_rel"] is not None]
         best = min(tried, key=lambda s: s["raised_rel"], default=None)
         # the state is the cause when raising it alone takes most of the error away
         cause = best if best is not None and best["raised_rel"] * ACCUMULATION_FALLS <= root.propagated else None
+        # greedy, then joint: states that each help only a little may be needed together (a sum and
+        # the normaliser it is divided by); the set is the cause when it does far better than the best alone
+        together = None
+        if len(tried) > 1:
+            joint = raised_error(
+                self.cand_run, self.inputs, self.cand_dtype, [sites[id(s)] for s in tried], truth=truth.truth,
+                norm=truth.norm, rng=self.rng, device=self.cand_device, noise=self.noise,
+            )  # fmt: skip
+            alone = best["raised_rel"] if best is not None else root.propagated
+            if joint is not None and joint * JOINT_GAIN <= alone and joint * ACCUMULATION_FALLS <= root.propagated:
+                together = {"states": tried, "raised_rel": joint}
         return {
+            "together": together,
+            "inputs": inputs_text(describe(self.inputs)),
             "error_rel": root.propagated,
             "explained_rel": explained,
             "input_floor_rel": input_floor,
@@ -697,6 +715,44 @@ class _Comparison:
             "dtype": str(self.cand_dtype).removeprefix("torch."),
         }
 
+    # -- step 5b: an op whose inputs' precision forces its error: where they are made, and the check ---
+    def forced(self, rows: list[ModuleRow]) -> dict[str, dict[str, Any]]:
+        """Per divergent container whose worst own op is as wrong run exactly on its inputs rounded to
+        the candidate's dtype (upstream.py): the lines that make those inputs, and the end-to-end error
+        with them in fp32. Only the first such container: one more forward for the lines, one for the check."""
+        row = next((r for r in rows if r.diverged and _forced(r)), None)
+        if row is None or row.own is None or self.cand_dtype not in (torch.float16, torch.bfloat16):
+            return {}
+        own = row.own
+        root = next(e for (name, _), e in self.seen.items() if name == "")
+        cause: dict[str, Any] = {"op": own["op"], "conditioned_rel": own["conditioned_rel"]}
+        try:
+            lines = upstream.feeding_lines(
+                self.cand_run, self.inputs, self.cand_dtype, op=own["op"], line=own["location"] or "",
+                module=row.module, rng=self.rng, device=self.cand_device, noise=self.noise,
+            )  # fmt: skip
+            raised = (
+                upstream.raised_error(
+                    self.cand_run,
+                    self.inputs,
+                    self.cand_dtype,
+                    lines,
+                    truth=root.truth,
+                    norm=root.norm,
+                    rng=self.rng,
+                    device=self.cand_device,
+                    noise=self.noise,
+                )
+                if lines
+                else None
+            )
+        except Exception as exc:  # the search is ours; the finding stands without it
+            self.notes["upstream of the worst op"] = f"not searched: {type(exc).__name__}: {exc}"
+            return {row.module: cause}
+        final = rows[-1]
+        cause |= {"lines": lines, "raised_rel": raised, "error_rel": final.propagated}
+        return {row.module: cause}
+
     # -- step 6: the result and its report ----------------------------------------------------------
     def result(
         self,
@@ -704,6 +760,7 @@ class _Comparison:
         input_floor: float | None,
         prefix: str | None,
         accumulation: dict[str, Any] | None = None,
+        forced: dict[str, dict[str, Any]] | None = None,
     ) -> CompareResult:
         candidate = self.candidate
         fmt = candidate_format(candidate)
@@ -726,10 +783,11 @@ class _Comparison:
             rows,
             candidate=candidate,
             device=self.cand_device,
+            on=self.on,
             reference=self.reference,
             notes=self.notes,
             input_floor=input_floor,
-            causes=causes(rows, overflows, misfit, candidate),
+            causes=causes(rows, overflows, misfit, candidate) | forced_causes(forced or {}, candidate),
             accumulation=accumulation,
             # the samples stay until the end, so their total is the peak of what compare itself keeps
             peak=sum(e.truth.nbytes + (0 if e.inputs is None else e.inputs.nbytes) for e in self.seen.values()),
@@ -771,6 +829,15 @@ class _Comparison:
 # A running state is named the cause when keeping it alone in fp64 divides the end-to-end error
 # by at least this much (12 dB): the rest of the model still runs in the candidate's dtype.
 ACCUMULATION_FALLS = 4.0
+# Running states raised together are the cause, over the best one alone, when they halve its error again.
+JOINT_GAIN = 2.0
+
+
+def _forced(row: ModuleRow) -> bool:
+    """The container's worst own op is as wrong run exactly on its inputs in the candidate's dtype."""
+    own = row.own or {}
+    conditioned, error = own.get("conditioned_rel"), own.get("error_rel")
+    return conditioned is not None and error is not None and conditioned >= upstream.FORCED * error
 
 
 def _unexplained(rows: list[ModuleRow]) -> float | None:
@@ -780,6 +847,7 @@ def _unexplained(rows: list[ModuleRow]) -> float | None:
         return None
     root = rows[-1]
     alone = [r.isolated for r in rows if r.isolated is not None and math.isfinite(r.isolated)]
+    alone += [r.own["forced_rel"] for r in rows if r.own and r.own.get("forced_rel")]  # fp32's conditioning
     explained = max([root.floor, *alone])
     return explained if root.propagated > DIVERGENCE_RATIO * explained else None
 

@@ -96,6 +96,9 @@ class OpError:
     overflow: bool = False  # non-finite values where the fp64 output is finite
     absmax: float | None = None  # the fp64 output's largest magnitude, when it overflows
     location: str | None = None  # file:line in the user's code (and in torch's, for torch's modules)
+    # the op run exactly (fp64) on its inputs rounded to the candidate's dtype: what its conditioning
+    # forces on any computation that reads inputs in that dtype (None: not measured)
+    conditioned: float | None = None
 
     @property
     def ratio(self) -> float:
@@ -112,6 +115,8 @@ class Own:
     failed: list[str] = field(default_factory=list)  # ops that did not run in the candidate's dtype, and why
     # calls of each (op, input shapes) so far: a loop repeats one op thousands of times per forward
     repeats: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    # the largest error an op's conditioning forces on fp32 (its floor there): what it explains end to end
+    forced: float = 0.0
 
     def as_dict(self, dtype: str) -> dict[str, Any]:
         worst = self.worst
@@ -129,6 +134,8 @@ class Own:
             "values": None if worst is None else list(worst.values),
             "rows": None if worst is None or worst.rows is None else list(worst.rows),
             "left_out": 0 if worst is None else worst.left_out,
+            "conditioned_rel": None if worst is None else worst.conditioned,
+            "forced_rel": self.forced or None,
         }
 
 
@@ -272,11 +279,18 @@ class OwnOps(EagerDispatchMode):
             if ref_sample is not None and ref_sample.numel() == truth.numel():
                 reference = rel_error(ref_sample[keep], kept, norm)
         floor = max(0.0 if math.isinf(rounding) else rounding, reference or 0.0, 1e-300)
+        conditioned = None
+        if self.dtype == torch.float32 and not made and error > DIVERGENCE_RATIO * floor:
+            # fp32 is the most precise format a run takes: what the op's conditioning forces on any fp32
+            # computation of it (its inputs rounded to fp32, then run exactly) is the floor, not a divergence
+            conditioned = _conditioned(func, (cand_args, cand_kwargs), keep, truth, norm)
+            floor = max(floor, conditioned or 0.0)
+            own.forced = max(own.forced, conditioned or 0.0)
         values = rerun.values or (kept.numel(), part.numel(), sample_step(part.numel()))
         left_out = truth.numel() - kept.numel() if saturated else 0
         judged = OpError(
             name, error, floor, rounding, reference, None if made else cosine(sample[keep], kept, norm),
-            values, rerun.rows, left_out, made,
+            values, rerun.rows, left_out, made, conditioned=conditioned,
         )  # fmt: skip
         own.judged += 1
         if name not in own.ops:
@@ -284,8 +298,23 @@ class OwnOps(EagerDispatchMode):
         if own.worst is None or judged.ratio > own.worst.ratio:
             if made:
                 judged.absmax = float(part.abs().max())
+            elif judged.ratio > DIVERGENCE_RATIO and judged.conditioned is None:
+                judged.conditioned = _conditioned(func, (cand_args, cand_kwargs), keep, truth, norm)
             judged.location = _where(sys._getframe(), torch_made)
             own.worst = judged
+
+
+def _conditioned(func: Any, cand: Any, keep: torch.Tensor | slice, truth: torch.Tensor, norm: float) -> float | None:
+    """The op in fp64 on its inputs as the candidate held them (rounded to its dtype): the error its
+    conditioning alone makes of that rounding, on the sample the op's error was measured on."""
+    args, kwargs = map_tensors(cand, lambda t: t.to(torch.float64) if t.is_floating_point() else t)
+    try:
+        exact = flat_sample(next(floating(func(*args, **kwargs)), None))
+    except Exception:  # no fp64 kernel for it here: not measured
+        return None
+    if exact is None or exact.numel() != truth.numel():
+        return None
+    return rel_error(exact.cpu()[keep], truth[keep], norm)
 
 
 def _due(own: Own, func: Any, args: Any) -> bool:

@@ -169,29 +169,42 @@ class _Chains(EagerDispatchMode):
 
 
 class _Raised(EagerDispatchMode):
-    """Runs the ops of one site in float64 (their inputs raised, their output kept in float64: the
-    running state lives in fp64) and gives every other op its float64 inputs back in `dtype`, so
+    """Runs the ops of some sites in float64 (their inputs raised, their output kept in float64: the
+    running states live in fp64) and gives every other op its float64 inputs back in `dtype`, so
     the rest of the model runs as the candidate does."""
 
-    def __init__(self, site: tuple[Any, str], dtype: torch.dtype) -> None:
+    def __init__(self, sites: list[tuple[Any, str]], dtype: torch.dtype) -> None:
         super().__init__()
-        self.site, self.dtype = site, dtype
+        self.sites, self.dtype = sites, dtype
+        self.ops = {site[0] for site in sites}
         self.raised = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is self.site[0]:
+        if func in self.ops:
             user = user_location(sys._getframe())
-            if user is not None and f"{user[0]}:{user[1]}" == self.site[1]:
+            if user is not None and (func, f"{user[0]}:{user[1]}") in self.sites:
                 self.raised += 1
                 up = (args, kwargs)
                 args, kwargs = map_tensors(up, lambda t: t.double() if t.dtype == self.dtype else t)
                 return func(*args, **kwargs)
-        if func.is_view:
+        if func.is_view or not _holds(args, kwargs, torch.float64):
             return func(*args, **kwargs)
         back = (args, kwargs)
         args, kwargs = map_tensors(back, lambda t: t.to(self.dtype) if t.dtype == torch.float64 else t)
         return func(*args, **kwargs)
+
+
+def _holds(args: Any, kwargs: Any, dtype: torch.dtype) -> bool:
+    """Whether a tensor of `dtype` is among the op's arguments (one level of lists: cat, stack): the
+    per-op test that lets most ops of a long forward skip the walk over their arguments."""
+    for value in (*args, *kwargs.values()):
+        if type(value) is torch.Tensor:
+            if value.dtype is dtype:
+                return True
+        elif isinstance(value, (list, tuple)) and any(type(v) is torch.Tensor and v.dtype is dtype for v in value):
+            return True
+    return False
 
 
 def carried_states(
@@ -228,12 +241,12 @@ def carried_states(
 
 
 def raised_error(
-    run: nn.Module, inputs: Any, dtype: torch.dtype, site: tuple[Any, str], *, truth: torch.Tensor, norm: float,
-    rng: RngState, device: torch.device | None, noise: ReplayNoise | None,
+    run: nn.Module, inputs: Any, dtype: torch.dtype, sites: list[tuple[Any, str]], *, truth: torch.Tensor,
+    norm: float, rng: RngState, device: torch.device | None, noise: ReplayNoise | None,
 ) -> float | None:  # fmt: skip
-    """The candidate's end-to-end error against the fp64 `truth` with the running state at `site`
-    kept in float64 (everything else as the candidate runs it); None when that run fails."""
-    if site[0]._schema.is_mutable:
+    """The candidate's end-to-end error against the fp64 `truth` with the running states at `sites`
+    kept in float64 together (everything else as the candidate runs it); None when that run fails."""
+    if any(site[0]._schema.is_mutable for site in sites):
         return None  # an in-place update keeps its tensor's dtype: raising it needs the user's code changed
     got: list[torch.Tensor | None] = []
 
@@ -241,7 +254,7 @@ def raised_error(
         if name == "":
             got.append(flat_sample(output))
 
-    raised = _Raised(site, dtype)
+    raised = _Raised(sites, dtype)
     try:
         with raised:
             hooked(run, inputs, dtype, pre=None, post=post, rng=rng, device=device, noise=noise)

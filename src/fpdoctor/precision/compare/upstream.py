@@ -1,0 +1,201 @@
+"""An op whose error its inputs' precision forces: the lines that make those inputs, and the check.
+
+Some ops amplify what their inputs already lost: cos(x) at x = 16000 moves by the whole of the
+rounding of x (0.5 ulp of bf16 there is 32), so the op run exactly on its inputs rounded to the
+candidate's dtype is as wrong as the candidate's own run (container_ops measures that:
+`conditioned_rel`). Keeping that op in fp32 changes nothing: the values it reads must be made in
+fp32. This module finds where they are made and tries it:
+
+  `feeding_lines`   one candidate forward that records which op, at which user line, made each
+                    tensor of the container's own ops (references between records, no tensors
+                    kept); at the op's call, its inputs are walked back through the container's
+                    own ops to where they start (parameters, inputs, integer tensors: exact), and
+                    the user lines of that dataflow are the fix's lines.
+  `raised_error`    one candidate forward with every op at those lines computed in fp32 (its
+                    low-precision inputs and dtype arguments raised) and its results cast back to
+                    the candidate's dtype where the rest of the model reads them: the fix as the
+                    user writes it ("compute these lines in fp32, cast the result back"), judged
+                    end to end against the fp64 output.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fpdoctor.precision.candidates import map_tensors
+from fpdoctor.precision.compare.noise import ReplayNoise
+from fpdoctor.precision.compare.passes import hooked
+from fpdoctor.precision.metrics import flat_sample, rel_error
+from fpdoctor.preserve import RngState
+from fpdoctor.torchprivate import EagerDispatchMode
+from fpdoctor.userframes import user_location
+
+# The inputs' rounding alone explains at least this share of an op's error: the op is not the cause.
+FORCED = 0.5
+WALK = 64  # ops of the walk upstream, at most
+
+
+class _ByTensor:
+    """A value per live tensor, by identity (a WeakKeyDictionary compares tensors with ==, which is
+    elementwise); an entry whose tensor died is never returned, and is dropped when seen."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
+
+    def get(self, t: torch.Tensor) -> Any:
+        entry = self._by_id.get(id(t))
+        if entry is None:
+            return None
+        if entry[0]() is not t:
+            del self._by_id[id(t)]
+            return None
+        return entry[1]
+
+    def put(self, t: torch.Tensor, value: Any) -> None:
+        self._by_id[id(t)] = (weakref.ref(t), value)
+
+
+@dataclass(eq=False)
+class _Made:
+    """What made one tensor: the op, its user line, the module call it ran in, what it read."""
+
+    op: str
+    line: tuple[str, int] | None
+    module: str
+    inputs: list[_Made] = field(default_factory=list)
+
+
+class _Producers(EagerDispatchMode):
+    """Records the producer of every floating tensor of one forward; at the call of `op` at `line`
+    in `module`, walks its inputs back (`found`)."""
+
+    def __init__(self, op: str, line: str, module: str) -> None:
+        super().__init__()
+        self.op, self.line, self.module = op, line, module
+        self.made = _ByTensor()
+        self.stack: list[str] = []
+        self.found: list[_Made] | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.found is not None:
+            return out
+        user = user_location(sys._getframe())
+        line = (user[0], user[1]) if user is not None else None
+        module = self.stack[-1] if self.stack else ""
+        read = [m for m in (self.made.get(t) for t in _tensors((args, kwargs))) if m is not None]
+        made = _Made(str(func), line, module, read)
+        if str(func) == self.op and line is not None and f"{line[0]}:{line[1]}" == self.line and module == self.module:
+            self.found = _walk(made)
+            return out
+        for t in _tensors(out):
+            if t.is_floating_point():
+                self.made.put(t, made)
+        return out
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    map_tensors(value, found.append)
+    return found
+
+
+def _walk(target: _Made) -> list[_Made]:
+    """The ops upstream of `target` in its own module call, nearest first, `target` first."""
+    seen: list[_Made] = [target]
+    frontier = [target]
+    while frontier and len(seen) < WALK:
+        made = frontier.pop()
+        for up in made.inputs:
+            if up.module == target.module and all(up is not s for s in seen):
+                seen.append(up)
+                frontier.append(up)
+    return seen
+
+
+def feeding_lines(
+    run: nn.Module, inputs: Any, dtype: torch.dtype, *, op: str, line: str, module: str, rng: RngState,
+    device: torch.device | None, noise: ReplayNoise | None,
+) -> list[tuple[str, int]]:  # fmt: skip
+    """The user lines of the dataflow that feeds `op` at `line` in `module`'s own call, the op's
+    own line included, in file order; empty when the op was not seen."""
+    producers = _Producers(op, line, module)
+
+    def pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
+        producers.stack.append(name)
+
+    def post(name: str, index: int, args: Any, output: Any) -> None:
+        if producers.stack:
+            producers.stack.pop()
+
+    with producers:
+        hooked(run, inputs, dtype, pre=pre, post=post, rng=rng, device=device, noise=noise)
+    lines = {m.line for m in producers.found or [] if m.line is not None}
+    return sorted(lines)
+
+
+class _RaisedLines(EagerDispatchMode):
+    """Ops at `lines` computed in fp32 (their `dtype` inputs and dtype arguments raised); every other
+    op reads their fp32 results back in `dtype`, as the user's fix casts them back."""
+
+    def __init__(self, lines: set[tuple[str, int]], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.lines, self.dtype = lines, dtype
+        self.raised = _ByTensor()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        user = user_location(sys._getframe())
+        if user is not None and (user[0], user[1]) in self.lines:
+            self.count += 1
+            args, kwargs = map_tensors((args, kwargs), self._up)
+            args = tuple(torch.float32 if a is self.dtype else a for a in args)
+            kwargs = {k: torch.float32 if v is self.dtype else v for k, v in kwargs.items()}
+            out = func(*args, **kwargs)
+            for t in _tensors(out):
+                if t.dtype == torch.float32:
+                    self.raised.put(t, True)
+            return out
+        if func.is_view:
+            out = func(*args, **kwargs)
+            if any(self.raised.get(t) for t in _tensors(args)):
+                for t in _tensors(out):
+                    self.raised.put(t, True)
+            return out
+        args, kwargs = map_tensors((args, kwargs), lambda t: t.to(self.dtype) if self.raised.get(t) else t)
+        return func(*args, **kwargs)
+
+    def _up(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.float32) if t.dtype == self.dtype else t
+
+
+def raised_error(
+    run: nn.Module, inputs: Any, dtype: torch.dtype, lines: list[tuple[str, int]], *, truth: torch.Tensor,
+    norm: float, rng: RngState, device: torch.device | None, noise: ReplayNoise | None,
+) -> float | None:  # fmt: skip
+    """The candidate's end-to-end error against the fp64 `truth` with the ops at `lines` in fp32;
+    None when the run fails or no op ran at those lines."""
+    got: list[torch.Tensor | None] = []
+
+    def post(name: str, index: int, args: Any, output: Any) -> None:
+        if name == "":
+            got.append(flat_sample(output))
+
+    raised = _RaisedLines(set(lines), dtype)
+    try:
+        with raised:
+            hooked(run, inputs, dtype, pre=None, post=post, rng=rng, device=device, noise=noise)
+    except Exception:
+        return None
+    out = got[-1] if got else None
+    if not raised.count or out is None or out.numel() != truth.numel():
+        return None
+    return rel_error(out, truth, norm) if bool(torch.isfinite(out).all()) else math.inf
