@@ -683,10 +683,10 @@ class _Comparison:
         except Exception as exc:  # the search is ours; the finding stands without it
             self.notes["running states"] = f"not searched: {type(exc).__name__}: {exc}"
             states = []
-        sites = {id(state): state.pop("site") for state in states}
+        sites = {id(state): state.pop("sites") for state in states}
         for state in states:
             state["raised_rel"] = raised_error(
-                self.cand_run, self.inputs, self.cand_dtype, [sites[id(state)]], truth=truth.truth,
+                self.cand_run, self.inputs, self.cand_dtype, sites[id(state)], truth=truth.truth,
                 norm=truth.norm, rng=self.rng, device=self.cand_device, noise=self.noise,
             )  # fmt: skip
         tried = [s for s in states if s["raised_rel"] is not None]
@@ -698,8 +698,8 @@ class _Comparison:
         together = None
         if len(tried) > 1:
             joint = raised_error(
-                self.cand_run, self.inputs, self.cand_dtype, [sites[id(s)] for s in tried], truth=truth.truth,
-                norm=truth.norm, rng=self.rng, device=self.cand_device, noise=self.noise,
+                self.cand_run, self.inputs, self.cand_dtype, [x for s in tried for x in sites[id(s)]],
+                truth=truth.truth, norm=truth.norm, rng=self.rng, device=self.cand_device, noise=self.noise,
             )  # fmt: skip
             alone = best["raised_rel"] if best is not None else root.propagated
             if joint is not None and joint * JOINT_GAIN <= alone and joint * ACCUMULATION_FALLS <= root.propagated:

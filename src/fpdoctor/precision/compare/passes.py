@@ -141,15 +141,22 @@ CARRIED_TRIED = 3  # the longest chains, each tried by a run with that state rai
 
 
 class _Chains(EagerDispatchMode):
-    """Counts, per (op, user source line), the calls that read the output of that same op and
-    line's previous call: the updates of a loop-carried tensor."""
+    """Counts, per user source line, the updates of a loop-carried tensor: an op that reads its own
+    previous output (s = s + x, one op), or a visit of the line whose ops read what its previous
+    visit made last (s = s * decay + x, several ops on one line). Each line's ops are kept: raising
+    the state raises them all."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.last: dict[tuple[Any, str], Any] = {}  # site -> weak reference to its last output
-        self.steps: dict[tuple[Any, str], int] = {}
-        self.module: dict[tuple[Any, str], str] = {}
+        self.steps: dict[str, int] = {}
+        self.module: dict[str, str] = {}
+        self.ops: dict[str, dict[Any, None]] = {}  # line -> its ops, in order
         self.stack: list[str] = []
+        self.last: dict[tuple[Any, str], Any] = {}  # (op, line) -> weak reference to its last output
+        self.line: str | None = None  # the line of the op seen last, and that op's output
+        self.out: Any = None
+        self.counted = False  # the current visit of `line` was counted as an update
+        self.previous: dict[str, Any] = {}  # line -> weak reference to its last visit's last output
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -158,14 +165,26 @@ class _Chains(EagerDispatchMode):
         user = user_location(sys._getframe())
         if user is None:
             return out
-        site = (func, f"{user[0]}:{user[1]}")
-        previous = self.last.get(site)
-        held = previous() if previous is not None else None
-        if held is not None and any(a is held for a in args if isinstance(a, torch.Tensor)):
-            self.steps[site] = self.steps.get(site, 0) + 1
-            self.module.setdefault(site, self.stack[-1] if self.stack else "")
-        self.last[site] = weakref.ref(out)
+        line = f"{user[0]}:{user[1]}"
+        if line != self.line:  # a visit of the line before ends: what it made last is its state
+            if self.line is not None:
+                self.previous[self.line] = self.out
+            self.line, self.counted = line, False
+        read = [a for a in args if isinstance(a, torch.Tensor)]
+        own = self.last.get((func, line))
+        earlier = self.previous.get(line)
+        if _reads(read, own) or (not self.counted and _reads(read, earlier)):
+            self.steps[line] = self.steps.get(line, 0) + 1
+            self.module.setdefault(line, self.stack[-1] if self.stack else "")
+            self.counted = True
+        self.ops.setdefault(line, {})[func] = None
+        self.last[(func, line)] = self.out = weakref.ref(out)
         return out
+
+
+def _reads(args: list[torch.Tensor], ref: Any) -> bool:
+    held = ref() if ref is not None else None
+    return held is not None and any(a is held for a in args)
 
 
 class _Raised(EagerDispatchMode):
@@ -224,19 +243,19 @@ def carried_states(
 
     with chains:
         hooked(run, inputs, dtype, pre=pre, post=post, rng=rng, device=device, noise=noise)
-    found = [(steps, site) for site, steps in chains.steps.items() if steps >= CARRIED_STEPS]
+    found = [(steps, line) for line, steps in chains.steps.items() if steps >= CARRIED_STEPS]
     found.sort(key=lambda x: -x[0])
     return [
         {
-            "site": site,
-            "op": str(site[0]),
-            "location": site[1],
-            "module": chains.module[site],
+            "sites": [(op, line) for op in chains.ops[line]],
+            "op": " then ".join(str(op) for op in chains.ops[line]),
+            "location": line,
+            "module": chains.module[line],
             "steps": steps,
             # an in-place update (state += x) writes into the state's own storage, in its dtype
-            "in_place": site[0]._schema.is_mutable,
+            "in_place": any(op._schema.is_mutable for op in chains.ops[line]),
         }
-        for steps, site in found[:CARRIED_TRIED]
+        for steps, line in found[:CARRIED_TRIED]
     ]
 
 
