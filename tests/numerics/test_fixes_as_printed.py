@@ -215,3 +215,86 @@ def test_a_nan_made_in_some_rows_of_the_batch_names_those_rows_and_what_differs_
     rows = first.evidence["experiment"]["rows"]
     assert rows["indices"] == [2, 5] and rows["of"] == 8
     assert "all zero" in rows["differs"] and "rows 2, 5 of the 8" in first.message
+
+
+# -- one verdict, whichever front end ran it ---------------------------------------------------
+POOL_SCRIPT = """
+import torch
+from torch import nn
+
+
+class Pooler(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(24, 24)
+
+    def forward(self, tokens, mask):
+        h = self.proj(tokens)
+        h = h * mask[..., None].type_as(h)
+        norm = torch.sqrt(h.pow(2).sum(-1) + 1e-10)
+        return (norm - 1.0).pow(2).mean()
+
+
+torch.manual_seed(5)
+model = Pooler()
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+tokens, mask = torch.randn(4, 10, 24), torch.ones(4, 10)
+mask[:, 7:] = 0
+for _ in range(30):
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(tokens, mask).float()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+"""
+
+
+def test_trace_the_sentinel_and_watch_print_the_same_checked_constant(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "pool.py"
+    script.write_text(POOL_SCRIPT)
+    line = next(i for i, text in enumerate(POOL_SCRIPT.splitlines(), start=1) if "1e-10" in text)
+    expected = f"Replace the constant 1e-10 at {script}:{line} (it is 0 in float16) with 6.10352e-05"
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    for command in ("trace", "watch"):
+        out = tmp_path / f"{command}.json"
+        subprocess.run(
+            [sys.executable, "-m", "fpdoctor", command, "-o", str(out), "--", str(script)],
+            check=False, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env,
+        )  # fmt: skip
+        first = json.loads(out.read_text())["findings"][0]
+        assert first["fix"].startswith(expected), (command, first)
+        assert first["fix_trial"]["status"] == "checked", (command, first)
+
+    # the Sentinel, on the same model in-process
+    report, _ = _sentinel_pool_run()
+    first = report.sorted_findings()[0]
+    assert first.fix.startswith("Replace the constant 1e-10 at ") and first.trial is not None and first.trial.tried
+
+
+def _sentinel_pool_run() -> tuple[fpdoctor.Report, list[float]]:
+    torch.manual_seed(5)
+    model = _Pooler(1e-10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    guard = fpdoctor.Sentinel(model, opt, scaler=scaler)
+    tokens, mask = torch.randn(4, 10, 24), torch.ones(4, 10)
+    mask[:, 7:] = 0
+
+    def step(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(tokens, mask).float()
+        scaler.scale(loss).backward()
+        return loss
+
+    losses = [float(guard.step(step, tokens, mask).detach()) for _ in range(30)]
+    return guard.report, losses

@@ -515,11 +515,8 @@ class StepJudge:
             self.buffers.restore()
             result = self._run_replay(f)
             carried = self._carried(f, result)
-        if carried is not None:  # the cause ahead of the symptom it explains
-            self._add_all([*carried, collapse])
-            return
-        self.causes.add(collapse)
-        self._add_all(self._verdict_findings(f, result, "+inf"))
+        # the cause ahead of the symptom it explains: the replay's verdict, then the collapse
+        self._add_all([*(carried if carried is not None else self._verdict_findings(f, result, "+inf")), collapse])
 
     def _carried(self, f: StepFacts, result: ReplayResult) -> list[Finding] | None:
         """A step that began with an earlier step's non-finite gradients still in .grad, and whose

@@ -100,6 +100,17 @@ class NonFiniteError(FloatingPointError):
         self.finding = finding
 
 
+_NARROW = (torch.float16, torch.bfloat16)
+_TINY = {dt: float(torch.finfo(dt).smallest_normal) * float(torch.finfo(dt).eps) / 2 for dt in _NARROW}
+
+
+def _rounds_away(args: Any, dtype: torch.dtype) -> bool:
+    """A non-zero float among the op's positional arguments that is 0 in `dtype` (below half its
+    smallest subnormal): one comparison per float argument, no tensor touched."""
+    tiny = _TINY[dtype]
+    return any(type(a) is float and a != 0.0 and abs(a) < tiny for a in args)
+
+
 def _near_limit(output: Output, dtype: torch.dtype) -> bool:
     """A finite output whose exact range reaches `overflow-risk`'s share of its format's max."""
     lo, hi = output.lo, output.hi
@@ -388,6 +399,10 @@ class Tracer(EagerDispatchMode):
         # inputs are known finite, values a value-preserving op moved without narrowing them or
         # a finite value scaled down.
         first = outs[0].dtype
+        if location is None and first in _NARROW and _rounds_away(args, first):
+            # a Python constant the op's dtype cannot hold (an eps that is 0 in fp16): its line is
+            # what the experiments name as the fix's place, and this stack is gone by then
+            record.location = location = user_location(sys._getframe(3))
         derived = info.uninitialised
         if immediate and not derived:
             if info.preserving:
