@@ -298,3 +298,23 @@ def _sentinel_pool_run() -> tuple[fpdoctor.Report, list[float]]:
 
     losses = [float(guard.step(step, tokens, mask).detach()) for _ in range(30)]
     return guard.report, losses
+
+
+@torch.library.custom_op("fpdoctor_tests::scale_in_place", mutates_args=("x",))
+def _scale_in_place(x: torch.Tensor, factor: float) -> None:
+    """An in-place fused kernel whose bug writes Inf: it cannot be re-run on what it read."""
+    x.mul_(factor)
+    x[0, 0] = float("inf")
+
+
+def test_a_custom_op_that_cannot_be_re_run_says_so_and_gives_no_arithmetic_advice():
+    x = torch.rand(4, 8)
+    with fpdoctor.trace() as t:
+        _scale_in_place(x, 0.5)
+        x.sum()
+    assert t.report is not None
+    found = [f for f in t.report.findings if f.fix and f.where.get("op", "").startswith("fpdoctor_tests.")]
+    assert found, str(t.report)
+    for finding in found:
+        assert finding.fix.startswith("Test fpdoctor_tests.scale_in_place") and "0/0" not in finding.fix
+        assert finding.trial is not None and not finding.trial.tried

@@ -30,6 +30,7 @@ from typing import Any
 
 from fpdoctor import catalog
 from fpdoctor.numerics.bounds import impossible
+from fpdoctor.numerics.experiments import custom_op_fix, transparent_op
 from fpdoctor.numerics.recipes import range_cause
 from fpdoctor.numerics.scaler_skips import ScalerRun, recurring
 from fpdoctor.numerics.steps import StepCounter
@@ -776,6 +777,8 @@ def _unexperimented(fed: list[Any], experiments: Mapping[int, Any]) -> str:
 def _fix_for(r: Record) -> str:
     if r.phase == "optimizer":
         return _OPTIMIZER
+    if not transparent_op(r.op):  # a custom kernel's NaN is not an epsilon's to fix
+        return custom_op_fix(r.op, None)
     text = OP_ADVICE.get(_packet(r.op), catalog.get("nonfinite-produced").fix)
     rng = range_cause(r)
     if rng is not None:

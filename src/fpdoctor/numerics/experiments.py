@@ -212,9 +212,7 @@ class Experiment:
                 "re-run can tell its math from its implementation. Its inputs are in the finding's evidence: a "
                 "non-finite output from finite, moderate inputs points at the kernel (a fused epilogue, a custom "
                 "CUDA or Triton kernel), not at this code's arithmetic.",
-                f"Test {self.op} against a reference on these inputs (the unfused ops, in fp64): `fpdoctor trace "
-                "--repro DIR -- SCRIPT` writes them and a standalone script. Not an epsilon or a clamp: no "
-                "arithmetic of this code was shown to make the value.",
+                custom_op_fix(self.op, None),
                 Trial.untried(
                     f"{self.op} is a custom op: fpdoctor can only run its own kernel again (as it ran and in fp64, "
                     "both non-finite), not a reference to measure a fix against"
@@ -223,6 +221,8 @@ class Experiment:
         if self.verdict == "origin" and self.origin is not None:
             return self._word_origin(label, message + tried, fix)
         reason = self.note or "the op could not be re-run in higher precision"
+        if not transparent_op(self.op):  # a custom kernel: arithmetic advice would be a guess
+            fix = custom_op_fix(self.op, self.as_ran)
         return title, message + tried + (f" {self.note}" if self.note else ""), fix, Trial.untried(reason)
 
     @property
@@ -327,6 +327,21 @@ _DEVICE = (
     "check this GPU with `fpdoctor health` (Xid errors, ECC, GEMM fingerprints); for a custom kernel, test it on "
     "these inputs."
 )
+
+
+def transparent_op(op: str) -> bool:
+    """An aten or prims op: its re-runs are torch's own arithmetic, whose advice applies."""
+    return op.startswith(("aten.", "prims."))
+
+
+def custom_op_fix(op: str, rerun: str | None) -> str:
+    """The fix for a non-finite value a custom op (torch.library, a C++ extension, a Triton kernel)
+    made: test the kernel, not an epsilon; `rerun`: what re-running it as it ran gave, if it ran."""
+    said = f" (re-run as it ran: {rerun})" if rerun else ""
+    return (
+        f"Test {op} against a reference on these inputs{said}: the same computation as unfused torch ops, in "
+        "fp64. Not an epsilon or a clamp: no arithmetic of this code was shown to make the value."
+    )
 
 
 def _without_precision(advice: str) -> str:
