@@ -318,3 +318,51 @@ def test_a_custom_op_that_cannot_be_re_run_says_so_and_gives_no_arithmetic_advic
     for finding in found:
         assert finding.fix.startswith("Test fpdoctor_tests.scale_in_place") and "0/0" not in finding.fix
         assert finding.trial is not None and not finding.trial.tried
+
+
+class _HandRMSNorm(nn.Module):
+    """An RMSNorm written by hand with the eps of an fp32 codebase; padded rows are all zero."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.proj, self.head = nn.Linear(24, 24), nn.Linear(24, 1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        h = h * mask[..., None].type_as(h)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.head(h).pow(2).mean()
+
+
+def _rms_training(eps: float, *, traced: bool, steps: int = 20) -> tuple[fpdoctor.Report | None, list[float], int]:
+    torch.manual_seed(0)
+    model = _HandRMSNorm(eps)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    x, mask = torch.randn(4, 12, 24), torch.ones(4, 12)
+    mask[:, 9:] = 0
+    losses, skipped = [], 0
+    trace = fpdoctor.trace(model) if traced else None
+    with trace if trace is not None else torch.enable_grad():
+        for _ in range(steps):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x, mask).float()
+            scaler.scale(loss).backward()
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            skipped += scaler.get_scale() < before
+            losses.append(loss.item())
+    return (trace.report if trace is not None else None), losses, skipped
+
+
+def test_a_hand_written_rmsnorms_eps_is_replaced_by_a_value_fp16_holds_and_then_it_trains():
+    report, losses, skipped = _rms_training(1e-12, traced=True)
+    assert report is not None and skipped == 20
+    first = report.sorted_findings()[0]
+    assert first.fix.startswith("Replace the constant 1e-12 at ") and first.trial is not None and first.trial.tried
+    value = float(re.search(r"with ([0-9.e+-]+), which float16 holds", first.fix).group(1))
+    _, fixed, skipped = _rms_training(value, traced=False, steps=60)  # the fix as printed
+    assert skipped < 20 and fixed[-1] < 0.5 * fixed[0]

@@ -289,9 +289,12 @@ class Experiment:
             fix = (
                 f"Replace the constant {value:g} at {where or origin.op} (it is {rounded:g} in {dtype}) with "
                 f"{self.literal_fix[0]:g}, which {dtype} holds: with it, {self.op}'s output is {self.clean} as it ran "
-                f"(checked: max |x| {_num(self.literal_fix[1])}). Or compute {where or origin.op} in "
-                f"{self.checked_in or 'fp64'} (its operands .float()): re-run in {self.checked_in or 'fp64'} from "
-                f"there down, {self.op}'s output is {self.clean} (checked)."
+                f"(checked: max |x| {_num(self.literal_fix[1])})"
+                + (
+                    f", and its derivative, which the backward takes, fits {dtype} (checked in fp64)."
+                    if self.chain and self.chain[-1].phase == "forward"
+                    else "."
+                )
             )
             trial = Trial.checked(
                 f"the constant {value:g} replaced by {self.literal_fix[0]:g}, the ops as they ran",
@@ -710,18 +713,50 @@ def _transparent(step: Step) -> bool:
     return getattr(step.func, "namespace", "aten") in ("aten", "prims")
 
 
+# A replacement constant must also keep the derivative the backward takes through it within the
+# dtype: at most its largest value / SLOPE_ROOM, which leaves room for a loss scale and the gradient
+# arriving from above (rsqrt(6e-5)'s derivative is 1e6: the forward is finite, its backward not).
+SLOPE_ROOM = 64.0
+_LADDER = (1e-4, 1e-3, 1e-2, 1e-1)  # after the dtype's smallest normal value, larger ones in turn
+
+
 def _try_constant(
     literal: tuple[float, float, str], origin: Step, chain: list[Step], lookup: Lookup | None, symptom: frozenset[str]
 ) -> tuple[float, float] | None:
-    """The chain as it ran with the constant replaced by the dtype's smallest normal value: the
-    fix that keeps the dtype, printed only when it removes the symptom."""
-    value = _tiny(literal[2])
+    """The chain as it ran with the constant replaced by the smallest value of a ladder (the dtype's
+    smallest normal value first) that removes the symptom and whose derivative through the chain
+    fits the dtype (measured in fp64 by a relative step of the constant): the fix that keeps the
+    dtype, printed only when one does."""
+    dtype = getattr(torch, literal[2])
+    room = float(torch.finfo(dtype).max) / SLOPE_ROOM
+    tiny = _tiny(literal[2])
+    for value in (tiny, *(v for v in _LADDER if v > tiny)):
+        kind, after = _chain_kind(_with_constant(literal[0], value, origin, chain), None, lookup, symptom)
+        if kind is not None:
+            continue
+        # a chain that ends in the backward computed the gradient itself; one in the forward has its
+        # backward still to come: the derivative through it must fit too
+        if chain[-1].record.phase != "forward" or _slope(literal[0], value, origin, chain, lookup) <= room:
+            return value, after
+    return None
+
+
+def _with_constant(old: float, new: float, origin: Step, chain: list[Step]) -> list[Step]:
     flat, spec = tree_flatten((origin.args, origin.kwargs or {}))
-    flat = [value if type(v) is float and v == literal[0] else v for v in flat]
+    flat = [new if type(v) is float and v == old else v for v in flat]
     args, kwargs = tree_unflatten(flat, spec)
     changed = Step(origin.record, origin.func, args, kwargs)
-    kind, after = _chain_kind([changed if s is origin else s for s in chain], None, lookup, symptom)
-    return (value, after) if kind is None else None
+    return [changed if s is origin else s for s in chain]
+
+
+def _slope(old: float, value: float, origin: Step, chain: list[Step], lookup: Lookup | None) -> float:
+    """The largest change of the chain's output per unit change of the constant, in fp64."""
+    step = value * 1e-4
+    low = _replay(_with_constant(old, value, origin, chain), torch.float64, lookup)
+    high = _replay(_with_constant(old, value + step, origin, chain), torch.float64, lookup)
+    change = [(h - lo).abs().max() for h, lo in zip(high, low, strict=False) if h.is_floating_point()]
+    found = float(max(change, default=torch.zeros(())) / step)
+    return found if math.isfinite(found) else math.inf
 
 
 def _settle_origin(
