@@ -366,3 +366,47 @@ def test_a_hand_written_rmsnorms_eps_is_replaced_by_a_value_fp16_holds_and_then_
     value = float(re.search(r"with ([0-9.e+-]+), which float16 holds", first.fix).group(1))
     _, fixed, skipped = _rms_training(value, traced=False, steps=60)  # the fix as printed
     assert skipped < 20 and fixed[-1] < 0.5 * fixed[0]
+
+
+NO_ZERO_GRAD = """
+import torch
+from torch import nn
+
+torch.manual_seed(3)
+model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+scaler = torch.amp.GradScaler("cpu")
+x = torch.randn(16, 32)
+for step in range(30):
+    ZERO
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(x).logsumexp(-1).mean().float()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+"""
+
+
+def test_watch_replays_with_the_gradients_a_step_began_with_and_the_printed_fix_trains(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    reports = {}
+    for name, zero in (("as_is", "pass"), ("fixed", "opt.zero_grad(set_to_none=True)")):
+        script = tmp_path / f"{name}.py"
+        script.write_text(NO_ZERO_GRAD.replace("ZERO", zero))
+        out = tmp_path / f"{name}.json"
+        subprocess.run(
+            [sys.executable, "-m", "fpdoctor", "watch", "-o", str(out), "--", str(script)],
+            check=False, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env,
+        )  # fmt: skip
+        reports[name] = json.loads(out.read_text())
+    first = reports["as_is"]["findings"][0]
+    assert "never zeroes the gradients" in first["title"] and first["evidence"]["carried_from_step"] == 1
+    assert all(f["name"] != "transient-fault-suspected" for f in reports["as_is"]["findings"])
+    assert reports["fixed"]["verdict"] == "ok", reports["fixed"]["findings"]

@@ -102,6 +102,11 @@ class _Run:
     sample: Any = None
     device_skip: bool = False  # its bad steps are skipped on the device and decided a step later
     fused: bool = False  # it takes found_inf (else its step is undone on the device: StepUndo)
+    # a step the GradScaler skipped leaves its Inf gradients in .grad: (step, scale) of the first such
+    # step until the script is seen to zero them, checked when the next training forward starts; and
+    # the step they were carried into (the judge replays it from zeroed gradients and says so)
+    left: tuple[int, float | None] | None = None
+    carried: tuple[int, float | None] | None = None
 
 
 @dataclass
@@ -273,11 +278,23 @@ class ScriptWatch:
                 # writes the buffers (a bad one's are put back) or draws from the RNG
                 self._decide_pending()
             if self._is_trainable(module):  # its RNG and autocast state before it runs
+                self._still_left()
                 call = _Call(module, (), {}, RngState.capture(), _autocast_state(), [], created_at=self._event)
                 call.kept.clock = self._clock
                 self._local.call = call
         except Exception as exc:
             self._error("noting a forward", exc)
+
+    def _still_left(self) -> None:
+        """At a training forward after a step the scaler skipped: are its gradients still in .grad (a
+        host read after a skipped step only)? Then the next step carries them, whatever it computes."""
+        for run in self.runs.values():
+            if run.left is None or run.carried is not None:
+                continue
+            if nonfinite_flag(grads_of(run.params), run.judge.device).item():
+                run.carried = run.left
+            else:
+                run.left = None  # the script zeroes its gradients: nothing is carried
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any = None) -> None:
         """After a forward; called without `output` when the forward raised (always_call)."""
@@ -521,8 +538,14 @@ class ScriptWatch:
             what_if_fn=self._what_if_call,
             what_if_loss="the loss to first order (the step's loss plus the gradient at the model's outputs times how "
             "far they moved: the watch knows no loss function)",
+            carried=run.carried,
         )
+        run.carried = None
         outcome = judge.judge(facts)
+        if outcome.finite:
+            run.left = None
+        elif outcome.verdict == "amp-skip" and run.left is None:
+            run.left = (step, scale_value)
         skip = not outcome.finite and not (scaler is not None and bad_grad)
         if skip and not skipped_by_scaler and not pending.on_device:
             for p in run.params:  # kept from the weights: torch's optimizers skip a parameter without a gradient

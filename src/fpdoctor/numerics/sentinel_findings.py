@@ -267,8 +267,8 @@ def carried_findings(
         overflow = f" Step {since} ran at loss scale {since_scale:g}."
     finding = catalog.make(
         "deterministic-nonfinite",
-        title=f"step_fn never zeroes the gradients: step {since}'s Inf stayed in .grad and made every later step "
-        "non-finite",
+        title=f"The training step never zeroes the gradients: step {since}'s Inf stayed in .grad and made every "
+        "later step non-finite",
         message=(
             f"Step {step} began with the non-finite gradients of step {since} still in .grad (the GradScaler skips "
             "a step with Inf gradients and leaves them there, as a plain loop does), and backward added to them. "
@@ -285,7 +285,7 @@ def carried_findings(
             "carried_from_scale": since_scale,
             "replay_loss": loss,
         },
-        fix="Zero the gradients at the start of step_fn, before the forward: optimizer.zero_grad(set_to_none=True).",
+        fix="Zero the gradients at the start of every step, before the forward: optimizer.zero_grad(set_to_none=True).",
         trial=Trial.checked(
             "the gradients zeroed before the step",
             metric="the step's gradients",
