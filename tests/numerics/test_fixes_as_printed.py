@@ -359,7 +359,7 @@ def _rms_training(eps: float, *, traced: bool, steps: int = 20) -> tuple[fpdocto
 
 
 def test_a_hand_written_rmsnorms_eps_is_replaced_by_a_value_fp16_holds_and_then_it_trains():
-    report, losses, skipped = _rms_training(1e-12, traced=True)
+    report, _, skipped = _rms_training(1e-12, traced=True)
     assert report is not None and skipped == 20
     first = report.sorted_findings()[0]
     assert first.fix.startswith("Replace the constant 1e-12 at ") and first.trial is not None and first.trial.tried
