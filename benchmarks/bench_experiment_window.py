@@ -1,4 +1,4 @@
-"""The memory the experiment window (numerics/experiments.py's Window) holds in a healthy trace.
+"""The memory the experiment window (numerics/engine/reruns.py's Window) holds in a healthy trace.
 
 The window keeps references to the last ops' arguments so that the experiments at a NaN can re-run
 them. A reference keeps a tensor alive that the program has already let go of (a temporary of the
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fpdoctor
-from fpdoctor.numerics import experiments
+from fpdoctor.numerics.engine import reruns as experiments
 from fpdoctor.pytrees import tensors_in
 from models import batch, make_step, small_transformer
 

@@ -1,4 +1,4 @@
-"""What keeping the last ops' arguments (numerics/experiments.py's Window) costs a healthy trace.
+"""What keeping the last ops' arguments (numerics/engine/reruns.py's Window) costs a healthy trace.
 
 The same traced training step with the window as the tracer keeps it, and with its append made a
 no-op; interleaved step by step (A B, A B, ...) so that a shared machine's load hits both alike;

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import fpdoctor
-from fpdoctor.numerics import experiments
-from fpdoctor.numerics.experiments import Window
+from fpdoctor.numerics.engine import reruns as experiments
+from fpdoctor.numerics.engine.reruns import Window
 
 
 def _first(t, label: str = "first Inf"):
@@ -180,7 +180,7 @@ def test_a_genuine_fp32_overflow_is_the_math_and_no_precision_fix_is_printed(mak
 @pytest.mark.parametrize("op", ["exp", "_softmax", "sum", "mul", "bmm", "_log_softmax", "div"])
 def test_advice_that_the_math_experiment_refuted_loses_its_precision_clause(op):
     from fpdoctor.numerics.blame import OP_ADVICE
-    from fpdoctor.numerics.experiments import _without_precision
+    from fpdoctor.numerics.engine.reruns import _without_precision
 
     kept = _without_precision(OP_ADVICE[op] + "; this op ran in torch.float16: keeping it in fp32 is the quickest test")
     assert kept and "fp32" not in kept

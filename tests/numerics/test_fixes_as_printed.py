@@ -165,7 +165,7 @@ def test_an_inf_from_a_custom_op_gets_no_arithmetic_advice_and_ops_after_it_poin
 @pytest.mark.parametrize("kind", ["nan", "inf"])
 def test_a_nan_beside_a_passed_on_inf_is_cured_when_the_nan_is_gone(kind: str):
     """0/0 on the diagonal beside an Inf the op was handed: the experiment judges the NaN it made."""
-    from fpdoctor.numerics.experiments import Experiment
+    from fpdoctor.numerics.engine.reruns import Experiment
 
     experiment = Experiment("aten.div.Tensor", "float16", "origin", symptom=frozenset({kind}), handed=True)
     assert experiment.clean == ("free of NaN" if kind == "nan" else "free of Inf")

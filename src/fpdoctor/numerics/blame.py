@@ -30,7 +30,7 @@ from typing import Any
 
 from fpdoctor import catalog
 from fpdoctor.numerics.bounds import impossible
-from fpdoctor.numerics.experiments import custom_op_fix, transparent_op
+from fpdoctor.numerics.engine.reruns import custom_op_fix, transparent_op
 from fpdoctor.numerics.recipes import range_cause
 from fpdoctor.numerics.scaler_skips import ScalerRun, recurring
 from fpdoctor.numerics.steps import StepCounter

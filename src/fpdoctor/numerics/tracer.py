@@ -30,7 +30,7 @@ import torch
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
 from fpdoctor.numerics import records as _records
 from fpdoctor.numerics.bounds import output_bound
-from fpdoctor.numerics.experiments import PRODUCERS, Experiment, Window, decide
+from fpdoctor.numerics.engine.reruns import PRODUCERS, Experiment, Window, decide
 from fpdoctor.numerics.modules import ModuleTracker
 from fpdoctor.numerics.ops import FUNCTIONAL, GENERAL, IN_PLACE, VIEW, OpInfo, tensor_args
 from fpdoctor.numerics.records import Leaf, Output, Record, Store, kind_of
@@ -748,7 +748,7 @@ class Tracer(EagerDispatchMode):
 
     def _experiment(self, record: Record) -> None:
         """At the first NaN producers and the first Inf producers, re-run the op and what is
-        upstream of it (numerics/experiments.py), outside the trace."""
+        upstream of it (numerics/engine/reruns.py), outside the trace."""
         kind = "nan" if record.kind == "nan" else "inf"
         if self._decided[kind] >= PRODUCERS or not record.inputs:
             return

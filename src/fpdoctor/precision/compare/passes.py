@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.precision.candidates import cast_inputs, map_tensors, split_inputs
+from fpdoctor.numerics.engine.raising import RaisedSites
+from fpdoctor.precision.candidates import cast_inputs, split_inputs
 from fpdoctor.precision.compare.noise import RecordNoise, ReplayNoise
 from fpdoctor.precision.metrics import all_finite, cosine, flat_sample, rel_error
 from fpdoctor.preserve import RngState
@@ -187,45 +188,6 @@ def _reads(args: list[torch.Tensor], ref: Any) -> bool:
     return held is not None and any(a is held for a in args)
 
 
-class _Raised(EagerDispatchMode):
-    """Runs the ops of some sites in float64 (their inputs raised, their output kept in float64: the
-    running states live in fp64) and gives every other op its float64 inputs back in `dtype`, so
-    the rest of the model runs as the candidate does."""
-
-    def __init__(self, sites: list[tuple[Any, str]], dtype: torch.dtype) -> None:
-        super().__init__()
-        self.sites, self.dtype = sites, dtype
-        self.ops = {site[0] for site in sites}
-        self.raised = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in self.ops:
-            user = user_location(sys._getframe())
-            if user is not None and (func, f"{user[0]}:{user[1]}") in self.sites:
-                self.raised += 1
-                up = (args, kwargs)
-                args, kwargs = map_tensors(up, lambda t: t.double() if t.dtype == self.dtype else t)
-                return func(*args, **kwargs)
-        if func.is_view or not _holds(args, kwargs, torch.float64):
-            return func(*args, **kwargs)
-        back = (args, kwargs)
-        args, kwargs = map_tensors(back, lambda t: t.to(self.dtype) if t.dtype == torch.float64 else t)
-        return func(*args, **kwargs)
-
-
-def _holds(args: Any, kwargs: Any, dtype: torch.dtype) -> bool:
-    """Whether a tensor of `dtype` is among the op's arguments (one level of lists: cat, stack): the
-    per-op test that lets most ops of a long forward skip the walk over their arguments."""
-    for value in (*args, *kwargs.values()):
-        if type(value) is torch.Tensor:
-            if value.dtype is dtype:
-                return True
-        elif isinstance(value, (list, tuple)) and any(type(v) is torch.Tensor and v.dtype is dtype for v in value):
-            return True
-    return False
-
-
 def carried_states(
     run: nn.Module, inputs: Any, dtype: torch.dtype, *, rng: RngState, device: torch.device | None,
     noise: ReplayNoise | None,
@@ -273,7 +235,7 @@ def raised_error(
         if name == "":
             got.append(flat_sample(output))
 
-    raised = _Raised(sites, dtype)
+    raised = RaisedSites(sites, dtype)
     try:
         with raised:
             hooked(run, inputs, dtype, pre=None, post=post, rng=rng, device=device, noise=noise)

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import math
 import sys
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from fpdoctor.numerics.engine.raising import ByTensor, RaisedLines
 from fpdoctor.precision.candidates import map_tensors
 from fpdoctor.precision.compare.noise import ReplayNoise
 from fpdoctor.precision.compare.passes import hooked
@@ -40,26 +40,6 @@ from fpdoctor.userframes import user_location
 # The inputs' rounding alone explains at least this share of an op's error: the op is not the cause.
 FORCED = 0.5
 WALK = 64  # ops of the walk upstream, at most
-
-
-class _ByTensor:
-    """A value per live tensor, by identity (a WeakKeyDictionary compares tensors with ==, which is
-    elementwise); an entry whose tensor died is never returned, and is dropped when seen."""
-
-    def __init__(self) -> None:
-        self._by_id: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
-
-    def get(self, t: torch.Tensor) -> Any:
-        entry = self._by_id.get(id(t))
-        if entry is None:
-            return None
-        if entry[0]() is not t:
-            del self._by_id[id(t)]
-            return None
-        return entry[1]
-
-    def put(self, t: torch.Tensor, value: Any) -> None:
-        self._by_id[id(t)] = (weakref.ref(t), value)
 
 
 @dataclass(eq=False)
@@ -79,7 +59,7 @@ class _Producers(EagerDispatchMode):
     def __init__(self, op: str, line: str, module: str) -> None:
         super().__init__()
         self.op, self.line, self.module = op, line, module
-        self.made = _ByTensor()
+        self.made = ByTensor()
         self.stack: list[str] = []
         self.found: list[_Made] | None = None
 
@@ -141,42 +121,6 @@ def feeding_lines(
     return sorted(lines)
 
 
-class _RaisedLines(EagerDispatchMode):
-    """Ops at `lines` computed in fp32 (their `dtype` inputs and dtype arguments raised); every other
-    op reads their fp32 results back in `dtype`, as the user's fix casts them back."""
-
-    def __init__(self, lines: set[tuple[str, int]], dtype: torch.dtype) -> None:
-        super().__init__()
-        self.lines, self.dtype = lines, dtype
-        self.raised = _ByTensor()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        user = user_location(sys._getframe())
-        if user is not None and (user[0], user[1]) in self.lines:
-            self.count += 1
-            args, kwargs = map_tensors((args, kwargs), self._up)
-            args = tuple(torch.float32 if a is self.dtype else a for a in args)
-            kwargs = {k: torch.float32 if v is self.dtype else v for k, v in kwargs.items()}
-            out = func(*args, **kwargs)
-            for t in _tensors(out):
-                if t.dtype == torch.float32:
-                    self.raised.put(t, True)
-            return out
-        if func.is_view:
-            out = func(*args, **kwargs)
-            if any(self.raised.get(t) for t in _tensors(args)):
-                for t in _tensors(out):
-                    self.raised.put(t, True)
-            return out
-        args, kwargs = map_tensors((args, kwargs), lambda t: t.to(self.dtype) if self.raised.get(t) else t)
-        return func(*args, **kwargs)
-
-    def _up(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(torch.float32) if t.dtype == self.dtype else t
-
-
 def raised_error(
     run: nn.Module, inputs: Any, dtype: torch.dtype, lines: list[tuple[str, int]], *, truth: torch.Tensor,
     norm: float, rng: RngState, device: torch.device | None, noise: ReplayNoise | None,
@@ -189,7 +133,7 @@ def raised_error(
         if name == "":
             got.append(flat_sample(output))
 
-    raised = _RaisedLines(set(lines), dtype)
+    raised = RaisedLines(set(lines), dtype)
     try:
         with raised:
             hooked(run, inputs, dtype, pre=None, post=post, rng=rng, device=device, noise=noise)

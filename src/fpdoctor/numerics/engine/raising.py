@@ -1,0 +1,124 @@
+"""A model run with some of its ops raised, the rest as the candidate runs them (engine/__init__.py).
+
+`RaisedSites`: the ops of some sites (an op at a source line) in fp64, their outputs kept in fp64 (a
+running state lives in fp64), every other op given its fp64 inputs back in the candidate's dtype.
+`RaisedLines`: every op at some source lines in fp32 (its low-precision inputs and dtype arguments
+raised), its results cast back where the rest of the model reads them: the fix "compute these
+lines in fp32, cast the result back", as a user writes it.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any
+
+import torch
+
+from fpdoctor.torchprivate import EagerDispatchMode, tree_flatten, tree_unflatten
+from fpdoctor.userframes import user_location
+
+
+def _map(value: Any, fn: Any) -> Any:
+    """`value` (nested tuples, lists, dicts) with every tensor replaced by fn(tensor)."""
+    leaves, spec = tree_flatten(value)
+    return tree_unflatten([fn(v) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
+
+
+class ByTensor:
+    """A value per live tensor, by identity (a WeakKeyDictionary compares tensors with ==, which is
+    elementwise); an entry whose tensor died is never returned, and is dropped when seen."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
+
+    def get(self, t: torch.Tensor) -> Any:
+        entry = self._by_id.get(id(t))
+        if entry is None:
+            return None
+        if entry[0]() is not t:
+            del self._by_id[id(t)]
+            return None
+        return entry[1]
+
+    def put(self, t: torch.Tensor, value: Any) -> None:
+        self._by_id[id(t)] = (weakref.ref(t), value)
+
+
+class RaisedSites(EagerDispatchMode):
+    """Runs the ops of some sites in float64 (their inputs raised, their output kept in float64: the
+    running states live in fp64) and gives every other op its float64 inputs back in `dtype`, so
+    the rest of the model runs as the candidate does."""
+
+    def __init__(self, sites: list[tuple[Any, str]], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.sites, self.dtype = sites, dtype
+        self.ops = {site[0] for site in sites}
+        self.raised = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self.ops:
+            user = user_location(sys._getframe())
+            if user is not None and (func, f"{user[0]}:{user[1]}") in self.sites:
+                self.raised += 1
+                up = (args, kwargs)
+                args, kwargs = _map(up, lambda t: t.double() if t.dtype == self.dtype else t)
+                return func(*args, **kwargs)
+        if func.is_view or not _holds(args, kwargs, torch.float64):
+            return func(*args, **kwargs)
+        back = (args, kwargs)
+        args, kwargs = _map(back, lambda t: t.to(self.dtype) if t.dtype == torch.float64 else t)
+        return func(*args, **kwargs)
+
+
+def _holds(args: Any, kwargs: Any, dtype: torch.dtype) -> bool:
+    """Whether a tensor of `dtype` is among the op's arguments (one level of lists: cat, stack): the
+    per-op test that lets most ops of a long forward skip the walk over their arguments."""
+    for value in (*args, *kwargs.values()):
+        if type(value) is torch.Tensor:
+            if value.dtype is dtype:
+                return True
+        elif isinstance(value, (list, tuple)) and any(type(v) is torch.Tensor and v.dtype is dtype for v in value):
+            return True
+    return False
+
+
+class RaisedLines(EagerDispatchMode):
+    """Ops at `lines` computed in fp32 (their `dtype` inputs and dtype arguments raised); every other
+    op reads their fp32 results back in `dtype`, as the user's fix casts them back."""
+
+    def __init__(self, lines: set[tuple[str, int]], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.lines, self.dtype = lines, dtype
+        self.raised = ByTensor()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        user = user_location(sys._getframe())
+        if user is not None and (user[0], user[1]) in self.lines:
+            self.count += 1
+            args, kwargs = _map((args, kwargs), self._up)
+            args = tuple(torch.float32 if a is self.dtype else a for a in args)
+            kwargs = {k: torch.float32 if v is self.dtype else v for k, v in kwargs.items()}
+            out = func(*args, **kwargs)
+            for t in _tensors(out):
+                if t.dtype == torch.float32:
+                    self.raised.put(t, True)
+            return out
+        if func.is_view:
+            out = func(*args, **kwargs)
+            if any(self.raised.get(t) for t in _tensors(args)):
+                for t in _tensors(out):
+                    self.raised.put(t, True)
+            return out
+        args, kwargs = _map((args, kwargs), lambda t: t.to(self.dtype) if self.raised.get(t) else t)
+        return func(*args, **kwargs)
+
+    def _up(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.float32) if t.dtype == self.dtype else t
