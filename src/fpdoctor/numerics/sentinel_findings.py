@@ -272,8 +272,10 @@ def carried_findings(
         message=(
             f"Step {step} began with the non-finite gradients of step {since} still in .grad (the GradScaler skips "
             "a step with Inf gradients and leaves them there, as a plain loop does), and backward added to them. "
-            f"Replayed as it ran but with .grad zeroed first{at}, the step's own loss ({loss:.4g}) and gradients "
-            "are finite: the step, the data and the machine are fine; the gradients carried over are not." + overflow
+            f"Replayed as it ran but with .grad zeroed first{at}, the step's own "
+            + (f"loss ({loss:.4g}) and gradients are" if math.isfinite(loss) else "gradients are")
+            + " finite: the step, the data and the machine are fine; the gradients carried over are not."
+            + overflow
         ),
         where={"module": None, "op": None, "phase": "backward", "step": step, **where_rank},
         evidence={

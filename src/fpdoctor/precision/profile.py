@@ -783,7 +783,9 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
             )
         else:
             tried = (
-                f"computing {where} in fp32 was tried and left the end-to-end error at {_fmt(raised)}"
+                f"the one change measured is not enough: {where} in fp32 leaves the end-to-end error at "
+                f"{_fmt(raised)} (from {_fmt(error)}); what they read may be made earlier (a buffer the model's "
+                "cast rounded, a value passed in)"
                 if lines and raised is not None
                 else "the lines that make its inputs were not found"
             )
