@@ -95,29 +95,29 @@ class RaisedLines(EagerDispatchMode):
     def __init__(self, lines: set[tuple[str, int]], dtype: torch.dtype) -> None:
         super().__init__()
         self.lines, self.dtype = lines, dtype
-        self.raised = ByTensor()
-        self.count = 0
+        self.made = ByTensor()  # the fp32 results of raised ops (and their views)
+        self.raised = 0  # ops raised
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         user = user_location(sys._getframe())
         if user is not None and (user[0], user[1]) in self.lines:
-            self.count += 1
+            self.raised += 1
             args, kwargs = _map((args, kwargs), self._up)
             args = tuple(torch.float32 if a is self.dtype else a for a in args)
             kwargs = {k: torch.float32 if v is self.dtype else v for k, v in kwargs.items()}
             out = func(*args, **kwargs)
             for t in _tensors(out):
                 if t.dtype == torch.float32:
-                    self.raised.put(t, True)
+                    self.made.put(t, True)
             return out
         if func.is_view:
             out = func(*args, **kwargs)
-            if any(self.raised.get(t) for t in _tensors(args)):
+            if any(self.made.get(t) for t in _tensors(args)):
                 for t in _tensors(out):
-                    self.raised.put(t, True)
+                    self.made.put(t, True)
             return out
-        args, kwargs = _map((args, kwargs), lambda t: t.to(self.dtype) if self.raised.get(t) else t)
+        args, kwargs = _map((args, kwargs), lambda t: t.to(self.dtype) if self.made.get(t) else t)
         return func(*args, **kwargs)
 
     def _up(self, t: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics.engine.raising import RaisedSites
+from fpdoctor.numerics.engine.raising import RaisedLines, RaisedSites
 from fpdoctor.precision.candidates import cast_inputs, split_inputs
 from fpdoctor.precision.compare.noise import RecordNoise, ReplayNoise
 from fpdoctor.precision.metrics import all_finite, cosine, flat_sample, rel_error
@@ -195,16 +195,7 @@ def carried_states(
     """The running states of the candidate's forward, longest first: op, source line, the module
     whose forward updates it, and how many updates one forward makes."""
     chains = _Chains()
-
-    def pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
-        chains.stack.append(name)
-
-    def post(name: str, index: int, args: Any, output: Any) -> None:
-        if chains.stack:
-            chains.stack.pop()
-
-    with chains:
-        hooked(run, inputs, dtype, pre=pre, post=post, rng=rng, device=device, noise=noise)
+    stacked(chains, run, inputs, dtype, rng=rng, device=device, noise=noise)
     found = [(steps, line) for line, steps in chains.steps.items() if steps >= CARRIED_STEPS]
     found.sort(key=lambda x: -x[0])
     return [
@@ -229,13 +220,22 @@ def raised_error(
     kept in float64 together (everything else as the candidate runs it); None when that run fails."""
     if any(site[0]._schema.is_mutable for site in sites):
         return None  # an in-place update keeps its tensor's dtype: raising it needs the user's code changed
+    return error_under(RaisedSites(sites, dtype), run, inputs, dtype, truth=truth, norm=norm, rng=rng,
+                       device=device, noise=noise)  # fmt: skip
+
+
+def error_under(
+    raised: RaisedSites | RaisedLines, run: nn.Module, inputs: Any, dtype: torch.dtype, *, truth: torch.Tensor,
+    norm: float, rng: RngState, device: torch.device | None, noise: ReplayNoise | None,
+) -> float | None:  # fmt: skip
+    """The candidate's end-to-end error against the fp64 `truth` with some of its ops raised (an
+    engine.raising mode); None when the run fails or the mode raised no op."""
     got: list[torch.Tensor | None] = []
 
     def post(name: str, index: int, args: Any, output: Any) -> None:
         if name == "":
             got.append(flat_sample(output))
 
-    raised = RaisedSites(sites, dtype)
     try:
         with raised:
             hooked(run, inputs, dtype, pre=None, post=post, rng=rng, device=device, noise=noise)
@@ -245,3 +245,21 @@ def raised_error(
     if not raised.raised or out is None or out.numel() != truth.numel():
         return None
     return rel_error(out, truth, norm) if bool(torch.isfinite(out).all()) else math.inf
+
+
+def stacked(
+    mode: Any, run: nn.Module, inputs: Any, dtype: torch.dtype, *, rng: RngState, device: torch.device | None,
+    noise: ReplayNoise | None,
+) -> None:  # fmt: skip
+    """One candidate forward under `mode`, with `mode.stack` holding the names of the module calls in
+    progress (innermost last)."""
+
+    def pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
+        mode.stack.append(name)
+
+    def post(name: str, index: int, args: Any, output: Any) -> None:
+        if mode.stack:
+            mode.stack.pop()
+
+    with mode:
+        hooked(run, inputs, dtype, pre=pre, post=post, rng=rng, device=device, noise=noise)

@@ -20,7 +20,6 @@ fp32. This module finds where they are made and tries it:
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,8 +30,7 @@ from torch import nn
 from fpdoctor.numerics.engine.raising import ByTensor, RaisedLines
 from fpdoctor.precision.candidates import map_tensors
 from fpdoctor.precision.compare.noise import ReplayNoise
-from fpdoctor.precision.compare.passes import hooked
-from fpdoctor.precision.metrics import flat_sample, rel_error
+from fpdoctor.precision.compare.passes import error_under, stacked
 from fpdoctor.preserve import RngState
 from fpdoctor.torchprivate import EagerDispatchMode
 from fpdoctor.userframes import user_location
@@ -107,16 +105,7 @@ def feeding_lines(
     """The user lines of the dataflow that feeds `op` at `line` in `module`'s own call, the op's
     own line included, in file order; empty when the op was not seen."""
     producers = _Producers(op, line, module)
-
-    def pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
-        producers.stack.append(name)
-
-    def post(name: str, index: int, args: Any, output: Any) -> None:
-        if producers.stack:
-            producers.stack.pop()
-
-    with producers:
-        hooked(run, inputs, dtype, pre=pre, post=post, rng=rng, device=device, noise=noise)
+    stacked(producers, run, inputs, dtype, rng=rng, device=device, noise=noise)
     lines = {m.line for m in producers.found or [] if m.line is not None}
     return sorted(lines)
 
@@ -127,19 +116,5 @@ def raised_error(
 ) -> float | None:  # fmt: skip
     """The candidate's end-to-end error against the fp64 `truth` with the ops at `lines` in fp32;
     None when the run fails or no op ran at those lines."""
-    got: list[torch.Tensor | None] = []
-
-    def post(name: str, index: int, args: Any, output: Any) -> None:
-        if name == "":
-            got.append(flat_sample(output))
-
-    raised = RaisedLines(set(lines), dtype)
-    try:
-        with raised:
-            hooked(run, inputs, dtype, pre=None, post=post, rng=rng, device=device, noise=noise)
-    except Exception:
-        return None
-    out = got[-1] if got else None
-    if not raised.count or out is None or out.numel() != truth.numel():
-        return None
-    return rel_error(out, truth, norm) if bool(torch.isfinite(out).all()) else math.inf
+    return error_under(RaisedLines(set(lines), dtype), run, inputs, dtype, truth=truth, norm=norm, rng=rng,
+                       device=device, noise=noise)  # fmt: skip
