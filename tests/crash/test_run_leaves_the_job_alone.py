@@ -152,6 +152,58 @@ def test_only_a_signal_sent_to_fpdoctor_alone_is_passed_on():
     assert done.stdout == f"[] [{int(signal.SIGUSR1)}]\n"
 
 
+CHECKPOINT_WRITER = """
+import multiprocessing, os, signal, sys, time
+disposition, start, path = sys.argv[1:]
+stopping = []
+if disposition == "handler":
+    signal.signal(signal.SIGTERM, lambda *a: stopping.append(1))  # a graceful shutdown, after the write
+else:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+def write():
+    with open(path + ".tmp", "wb") as fh:
+        for i in range(8):
+            fh.write(bytes(48 * 1024))
+            fh.flush()
+            if i == 0:
+                print("ready", flush=True)
+            time.sleep(0.05)
+    os.replace(path + ".tmp", path)
+
+if start == "fork":
+    pid = os.fork()
+    if pid == 0:
+        write()
+        os._exit(0)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+else:
+    writer = multiprocessing.get_context("fork").Process(target=write)
+    writer.start()
+    writer.join()
+    code = writer.exitcode
+print("writer", code, flush=True)
+sys.exit(0 if code == 0 else 1)
+"""
+
+
+@pytest.mark.parametrize("start", ["fork", "multiprocessing"])
+@pytest.mark.parametrize("disposition", ["handler", "ignore"])
+def test_a_forked_checkpoint_writer_keeps_the_sigterm_disposition_it_inherited(tmp_path, disposition, start):
+    """A program that handles (or ignores) SIGTERM and then forks a checkpoint writer: the group's
+    SIGTERM finds the writer with its parent's disposition, and the checkpoint is written whole."""
+    prog = script(tmp_path, CHECKPOINT_WRITER)
+    results = []
+    for argv in ([sys.executable], [*FPDOCTOR, "--", sys.executable]):
+        checkpoint = tmp_path / "checkpoint"
+        checkpoint.unlink(missing_ok=True)
+        results.append(_signalled([*argv, prog, disposition, start, str(checkpoint)], signal.SIGTERM, group=True))
+        assert checkpoint.stat().st_size == 8 * 48 * 1024 and not list(tmp_path.glob("*.tmp"))
+    plain, watched = results
+    assert plain == (0, b"ready\nwriter 0\n", b"")
+    assert watched == plain
+
+
 # -- what the command leaves running ----------------------------------------------------------
 
 

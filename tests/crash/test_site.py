@@ -142,6 +142,34 @@ def test_a_forked_child_gets_its_own_record_and_dump(tmp_path):
     assert child["ppid"] == parent["pid"]
 
 
+def test_a_forked_child_dumps_on_sigterm_only_with_the_default_action(tmp_path):
+    """The dump follows the disposition the child inherited: its own file under the default
+    action, nothing (and the program's handler in place) once the program took SIGTERM."""
+    prog = script(
+        tmp_path,
+        """
+        import os, signal, sys
+        def writer():
+            os.kill(os.getpid(), signal.SIGTERM)
+            os._exit(0)  # reached only when SIGTERM is handled
+        if sys.argv[1] == "handler":
+            signal.signal(signal.SIGTERM, lambda *a: print("handled", flush=True))
+        pid = os.fork()
+        if pid == 0:
+            writer()
+        print("child", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+        """,
+    )
+    result, out, _ = quiet_run([sys.executable, prog, "default"], run_dir=str(tmp_path / "default"))
+    assert out == f"child {-signal.SIGTERM}\n".encode()
+    (finding,) = result.report.findings
+    assert finding.evidence["signal"] == "SIGTERM" and finding.evidence["function"] == "writer"
+    result, out, _ = quiet_run([sys.executable, prog, "handler"], run_dir=str(tmp_path / "handler"))
+    assert (out, names(result)) == (b"handled\nchild 0\n", [])
+    records = [json.loads(p.read_text()) for p in (tmp_path / "handler").glob("proc.*.json")]
+    assert [r["term_dump"] for r in records if r["forked"]] == [False]
+
+
 def test_an_exception_in_a_thread_is_recorded_not_reported(tmp_path):
     prog = script(
         tmp_path,

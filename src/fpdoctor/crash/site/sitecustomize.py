@@ -75,7 +75,7 @@ def _start_process(run_dir: str, forked: bool) -> None:
         fault = open(os.path.join(run_dir, f"fault.{pid}"), "w")  # noqa: SIM115
         faulthandler.enable(file=fault, all_threads=True)
         _swap("fault", fault)
-    _register_term_dump(run_dir, pid, forked)
+    term_dump = _register_term_dump(run_dir, pid, forked)
     env = os.environ
     record: dict[str, Any] = {
         "pid": pid,
@@ -87,7 +87,7 @@ def _start_process(run_dir: str, forked: bool) -> None:
         "host": os.uname()[1] if hasattr(os, "uname") else env.get("COMPUTERNAME", ""),
         "forked": forked,
         "faulthandler": mode,
-        "term_dump": bool(_state.get("term")),
+        "term_dump": term_dump,
     }
     for key in (
         "RANK",
@@ -130,28 +130,34 @@ def _swap(key: str, new: TextIO) -> None:
         old.close()  # a forked child's copy of its parent's descriptor
 
 
-def _register_term_dump(run_dir: str, pid: int, forked: bool) -> None:
-    """Dump every thread's stack when SIGTERM arrives, then let it kill the process as before.
+def _register_term_dump(run_dir: str, pid: int, forked: bool) -> bool:
+    """Dump every thread's stack when SIGTERM arrives, then let it kill the process as before;
+    True where the dump is armed.
 
     Only where SIGTERM still has its default action: a program that handles SIGTERM itself
     (or ignores it) keeps exactly its own behaviour, and a handler it installs later replaces
     this one. chain=True re-raises the signal under the default action, so the exit status
     stays 'killed by SIGTERM'.
+
+    A forked child inherits the disposition its parent had at the fork. Only the file changes:
+    faulthandler.register on a signal it holds already swaps the file and leaves the OS-level
+    handler alone, whereas unregister would restore the SIG_DFL saved at start over a handler
+    (or SIG_IGN) the program installed since. getsignal cannot see faulthandler's handler (it
+    still answers SIG_DFL), but it does see one the program set through `signal`.
     """
     import _signal  # type: ignore[import-not-found]  # C module; `signal` imports enum (~5 ms a process)
     import faulthandler
 
     if not hasattr(faulthandler, "register") or not hasattr(_signal, "SIGTERM"):
-        return
-    if forked:
-        if _state.get("term") is None:
-            return
-        faulthandler.unregister(_signal.SIGTERM)
-    elif _signal.getsignal(_signal.SIGTERM) != _signal.SIG_DFL:
-        return
+        return False
+    if forked and _state.get("term") is None:
+        return False
+    if _signal.getsignal(_signal.SIGTERM) != _signal.SIG_DFL:
+        return False  # the program's own, set at start or since: a forked child keeps it as inherited
     term = open(os.path.join(run_dir, f"term.{pid}"), "w")  # noqa: SIM115
     faulthandler.register(_signal.SIGTERM, file=term, all_threads=True, chain=True)
     _swap("term", term)
+    return True
 
 
 def _exception_record(
