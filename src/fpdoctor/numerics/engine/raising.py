@@ -15,18 +15,31 @@ from typing import Any
 
 import torch
 
-from fpdoctor.torchprivate import EagerDispatchMode, tree_flatten, tree_unflatten
+from fpdoctor.torchprivate import EagerDispatchMode
 from fpdoctor.userframes import user_location
 
 
-def _map(value: Any, fn: Any) -> Any:
-    """`value` (nested tuples, lists, dicts) with every tensor replaced by fn(tensor)."""
-    leaves, spec = tree_flatten(value)
-    return tree_unflatten([fn(v) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
+def _map(args: tuple[Any, ...], kwargs: dict[str, Any], fn: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """An op's arguments with every tensor replaced by fn(tensor). Written out for what aten ops take
+    (tensors, lists of tensors, scalars): the pytree walk costs more than most ops of a long loop."""
+    return tuple(_mapped(a, fn) for a in args), {k: _mapped(v, fn) for k, v in kwargs.items()}
+
+
+def _mapped(value: Any, fn: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+        return type(value)(fn(v) if isinstance(v, torch.Tensor) else v for v in value)
+    return value
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
+    """The tensors among an op's arguments or results (one level of lists, as aten ops take them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)] if value else []
+    return []
 
 
 class ByTensor:
@@ -57,22 +70,20 @@ class RaisedSites(EagerDispatchMode):
     def __init__(self, sites: list[tuple[Any, str]], dtype: torch.dtype) -> None:
         super().__init__()
         self.sites, self.dtype = sites, dtype
-        self.ops = {site[0] for site in sites}
+        self.ops = {id(site[0]) for site in sites}  # by id: an OpOverload's __hash__ is Python code, asked per op
         self.raised = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in self.ops:
+        if id(func) in self.ops:
             user = user_location(sys._getframe())
             if user is not None and (func, f"{user[0]}:{user[1]}") in self.sites:
                 self.raised += 1
-                up = (args, kwargs)
-                args, kwargs = _map(up, lambda t: t.double() if t.dtype == self.dtype else t)
+                args, kwargs = _map(args, kwargs, lambda t: t.double() if t.dtype == self.dtype else t)
                 return func(*args, **kwargs)
         if func.is_view or not _holds(args, kwargs, torch.float64):
             return func(*args, **kwargs)
-        back = (args, kwargs)
-        args, kwargs = _map(back, lambda t: t.to(self.dtype) if t.dtype == torch.float64 else t)
+        args, kwargs = _map(args, kwargs, lambda t: t.to(self.dtype) if t.dtype == torch.float64 else t)
         return func(*args, **kwargs)
 
 
@@ -103,7 +114,7 @@ class RaisedLines(EagerDispatchMode):
         user = user_location(sys._getframe())
         if user is not None and (user[0], user[1]) in self.lines:
             self.raised += 1
-            args, kwargs = _map((args, kwargs), self._up)
+            args, kwargs = _map(args, kwargs, self._up)
             args = tuple(torch.float32 if a is self.dtype else a for a in args)
             kwargs = {k: torch.float32 if v is self.dtype else v for k, v in kwargs.items()}
             out = func(*args, **kwargs)
@@ -117,7 +128,7 @@ class RaisedLines(EagerDispatchMode):
                 for t in _tensors(out):
                     self.made.put(t, True)
             return out
-        args, kwargs = _map((args, kwargs), lambda t: t.to(self.dtype) if self.made.get(t) else t)
+        args, kwargs = _map(args, kwargs, lambda t: t.to(self.dtype) if self.made.get(t) else t)
         return func(*args, **kwargs)
 
     def _up(self, t: torch.Tensor) -> torch.Tensor:

@@ -151,9 +151,9 @@ class _Chains(EagerDispatchMode):
         super().__init__()
         self.steps: dict[str, int] = {}
         self.module: dict[str, str] = {}
-        self.ops: dict[str, dict[Any, None]] = {}  # line -> its ops, in order
+        self.ops: dict[str, dict[int, Any]] = {}  # line -> its ops, in order (by id: an op's __hash__ is Python)
         self.stack: list[str] = []
-        self.last: dict[tuple[Any, str], Any] = {}  # (op, line) -> weak reference to its last output
+        self.last: dict[tuple[int, str], Any] = {}  # (id of op, line) -> weak reference to its last output
         self.line: str | None = None  # the line of the op seen last, and that op's output
         self.out: Any = None
         self.counted = False  # the current visit of `line` was counted as an update
@@ -172,14 +172,14 @@ class _Chains(EagerDispatchMode):
                 self.previous[self.line] = self.out
             self.line, self.counted = line, False
         read = [a for a in args if isinstance(a, torch.Tensor)]
-        own = self.last.get((func, line))
+        own = self.last.get((id(func), line))
         earlier = self.previous.get(line)
         if _reads(read, own) or (not self.counted and _reads(read, earlier)):
             self.steps[line] = self.steps.get(line, 0) + 1
             self.module.setdefault(line, self.stack[-1] if self.stack else "")
             self.counted = True
-        self.ops.setdefault(line, {})[func] = None
-        self.last[(func, line)] = self.out = weakref.ref(out)
+        self.ops.setdefault(line, {})[id(func)] = func
+        self.last[(id(func), line)] = self.out = weakref.ref(out)
         return out
 
 
@@ -200,13 +200,13 @@ def carried_states(
     found.sort(key=lambda x: -x[0])
     return [
         {
-            "sites": [(op, line) for op in chains.ops[line]],
-            "op": " then ".join(str(op) for op in chains.ops[line]),
+            "sites": [(op, line) for op in chains.ops[line].values()],
+            "op": " then ".join(str(op) for op in chains.ops[line].values()),
             "location": line,
             "module": chains.module[line],
             "steps": steps,
             # an in-place update (state += x) writes into the state's own storage, in its dtype
-            "in_place": any(op._schema.is_mutable for op in chains.ops[line]),
+            "in_place": any(op._schema.is_mutable for op in chains.ops[line].values()),
         }
         for steps, line in found[:CARRIED_TRIED]
     ]
