@@ -77,8 +77,9 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    """The public API (tab completion, dir(), help()) without importing any of it."""
-    return sorted({*globals(), *__all__, *_SUBPACKAGES})
+    """The public API (tab completion, dir(), help()) without importing any of it: only `__all__`,
+    not the names this module imports for itself (typing helpers, importlib)."""
+    return sorted(__all__)
 
 
 __all__ = [
@@ -96,10 +97,12 @@ __all__ = [
     "apply_plan",
     "audit",
     "compare",
+    "crash",
     "diagnose_env",
     "diff_env",
     "harmonize",
     "health",
+    "integrations",
     "keep_in_fp32",
     "plan",
     "trace",
