@@ -58,6 +58,9 @@ def rich_facts() -> dict[str, Any]:
     gpu["facts"]["memory_repair"] = {"channel_repair_pending": True, "tpc_repair_pending": False}
     gpu["facts"]["ecc"]["aggregate"].update(sram_uncorrected=2, dram_uncorrected=0, sram_threshold_exceeded=True)
     gpu["unavailable"] = {"pcie_replays": "not read: Unknown Error"}
+    d["gpus"].append({"index": 2, "pci": "0000:47:00.0", "source": "nvml", "facts": {},
+                      "unreachable": "nvmlDeviceGetHandleByIndex(2): Unknown Error"})  # fmt: skip
+    d["no_gpu"] = "nvidia-smi.txt is nvidia-smi output that says 'No devices were found'"
     return d
 
 
@@ -109,6 +112,8 @@ def test_the_rich_facts_fire_every_rule_that_facts_make():
         "row-remap-failure",
         "gpu-throttled",
         "gpu-recovery-required",
+        "gpu-unreachable",
+        "no-gpu-visible",
     }
 
 

@@ -150,4 +150,40 @@ HWR_RULES: tuple[RuleInfo, ...] = (
         fix="Drain the GPU and carry out the action the finding names (nvidia-smi -r -i BUS_ID for a GPU reset, "
         "a node reboot otherwise); then rerun `fpdoctor health`.",
     ),
+    RuleInfo(
+        code="HWR010",
+        name="gpu-unreachable",
+        severity=E,
+        untried=_MACHINE,
+        title="nvidia-smi or NVML cannot open a GPU",
+        what="Finds the line nvidia-smi prints instead of a GPU's section when it cannot open the GPU, "
+        "'Unable to determine the device handle for GPU 00000000:47:00.0: Unknown Error' (live: NVML's "
+        "nvmlDeviceGetHandleByIndex failing with Unknown Error, Insufficient Power, IRQ issue and alike). "
+        "'GPU is lost' is gpu-lost; 'Insufficient Permissions' says nothing of the GPU and leaves it not "
+        "checked.",
+        why="The driver counts the GPU but cannot talk to it: every job scheduled on it fails, and none of its "
+        "health facts can be read. It has most often fallen off the bus (Xid 79) or hung after an earlier "
+        "fault; it is never a GPU that is merely not checked.",
+        fix="Drain the node. Look for Xid 79 or other NVRM lines for BUS_ID in the kernel log (dmesg | grep -i "
+        "-e xid -e NVRM); reset the GPU (nvidia-smi -r -i BUS_ID) or reboot the node. If it stays unreachable "
+        "or comes back so, reseat the GPU and check its power cables and PCIe riser, then request a "
+        "replacement (RMA) with nvidia-bug-report.sh output.",
+        references=(_XID_CATALOG,),
+    ),
+    RuleInfo(
+        code="HWR011",
+        name="no-gpu-visible",
+        severity=E,
+        untried=_MACHINE,
+        title="The NVIDIA driver sees no GPU on a node that has some",
+        what="nvidia-smi output that says 'No devices were found' (or counts 'Attached GPUs : 0'); live, NVML "
+        "that starts but counts no GPU while the driver's /proc/driver/nvidia/gpus or this boot's kernel log "
+        "names GPUs.",
+        why="The driver is loaded but has no GPU it can use: every GPU failed to initialise (RmInitAdapter "
+        "failed, a GPU off the bus, a firmware or power fault), so no GPU job can run on the node.",
+        fix="Drain the node. Check lspci | grep -i nvidia and the kernel log (dmesg | grep -i -e NVRM -e xid) "
+        "for why the GPUs did not initialise; reboot the node; if they stay invisible, reseat them and check "
+        "their power, then request a replacement (RMA) with nvidia-bug-report.sh output.",
+        references=(_XID_CATALOG,),
+    ),
 )

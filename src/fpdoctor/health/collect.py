@@ -121,6 +121,7 @@ def _log_text(summary: dict[str, Any]) -> str:
 def collect_live(*, nvml_module: Any = None, readers: Any = None, host: str | None = None) -> HealthFacts:
     """This machine: NVML facts for every GPU, then this boot's kernel log."""
     facts = HealthFacts(host=host or socket.gethostname())
+    sees_none = False
     try:
         with progress.task("health: NVML facts per GPU"):
             facts.gpus, facts.driver = nvml.collect(host=facts.host, nvml=nvml_module)
@@ -128,16 +129,40 @@ def collect_live(*, nvml_module: Any = None, readers: Any = None, host: str | No
             facts.sources["NVML"] = f"{len(facts.gpus)} GPU(s), driver {facts.driver}"
         else:
             facts.not_checked["NVML"] = "NVML runs but sees no NVIDIA GPU"
+            sees_none = True
     except nvml.NvmlUnavailable as exc:
         facts.not_checked["NVML"] = str(exc)
+    _live_kernel_log(facts, readers)
+    if sees_none:
+        _gpus_the_driver_registered(facts)
+    return facts
+
+
+def _gpus_the_driver_registered(facts: HealthFacts) -> None:
+    """NVML runs (the driver is loaded) and sees no GPU: where the driver's own list or this boot's
+    kernel log names GPUs, they are there and none of them works (facts.no_gpu); else, with
+    nothing to say the node has GPUs, NVML is left not checked."""
+    listed = nvml.driver_bus_ids()
+    logged = sorted(g.pci for g in facts.gpus if g.pci and g.source == "kernel log")
+    named = [
+        f"{where} names {', '.join(ids)}"
+        for where, ids in (("/proc/driver/nvidia/gpus", listed), ("this boot's kernel log", logged))
+        if ids
+    ]
+    if named:
+        facts.no_gpu = f"NVML runs but sees no GPU, while {' and '.join(named)}"
+        del facts.not_checked["NVML"]
+
+
+def _live_kernel_log(facts: HealthFacts, readers: Any) -> None:
     with progress.task("health: this boot's kernel log"):
         text = kernel_sources.read_live(readers)
     if text.source is None:
         facts.not_checked["kernel log"] = "; ".join(f"{name}: {why}" for name, why in text.tried.items())
-        return facts
+        return
     summary = add_kernel_log(facts, text.lines, text.source, strict=False, host=facts.host)
     if summary is None:
-        return facts
+        return
     facts.sources["kernel log"] = f"{text.source}: {_log_text(summary)}"
     if text.tried:
         facts.kernel_logs[-1]["not_read"] = text.tried
@@ -148,7 +173,6 @@ def collect_live(*, nvml_module: Any = None, readers: Any = None, host: str | No
             "the kernel ring buffer no longer holds the start of this boot: older Xids are not seen "
             "(journalctl -k -b keeps them)"
         )
-    return facts
 
 
 def collect_files(paths: list[str]) -> HealthFacts:
@@ -165,7 +189,11 @@ def collect_files(paths: list[str]) -> HealthFacts:
             continue
         if what.startswith("smi"):
             gpus, driver = smi.parse(text)
-            if not gpus:
+            none_seen = None if gpus else smi.no_devices(text)
+            if none_seen:  # nvidia-smi ran, so the driver is there: a GPU node whose GPUs it cannot see
+                facts.no_gpu = f"{name} is nvidia-smi output that says '{none_seen}'"
+                facts.sources[name] = f"nvidia-smi: {none_seen}"
+            elif not gpus:
                 raise inputs.InputError(
                     f"{name} looks like nvidia-smi -q output but holds no GPU section; {inputs.WHAT}"
                 )
@@ -176,7 +204,8 @@ def collect_files(paths: list[str]) -> HealthFacts:
                 facts.not_checked[f"GPUs missing from {name}"] = whole.missing
             _add_gpus(facts, gpus)
             facts.driver = facts.driver or driver
-            facts.sources[name] = f"nvidia-smi -q: {len(gpus)} GPU(s)" + (f", driver {driver}" if driver else "")
+            if gpus:
+                facts.sources[name] = f"nvidia-smi -q: {len(gpus)} GPU(s)" + (f", driver {driver}" if driver else "")
         if what != "smi":
             logs.append((name, text))
     for name, text in logs:
@@ -207,7 +236,7 @@ def _add_gpus(facts: HealthFacts, gpus: list[GpuFacts]) -> None:
         if seen is None:
             facts.gpus.append(gpu)
             continue
-        for name in ("index", "pci", "uuid", "serial", "name", "host", "driver", "lost"):
+        for name in ("index", "pci", "uuid", "serial", "name", "host", "driver", "lost", "unreachable"):
             if getattr(seen, name) is None:
                 setattr(seen, name, getattr(gpu, name))
         seen.facts = {**gpu.facts, **seen.facts}
@@ -226,3 +255,4 @@ def _merge(facts: HealthFacts, other: HealthFacts, name: str) -> None:
     facts.sources.update({f"{name}: {k}": v for k, v in other.sources.items()})
     facts.not_checked.update({f"{k} (in {name})": v for k, v in other.not_checked.items()})
     facts.notes += other.notes
+    facts.no_gpu = facts.no_gpu or other.no_gpu

@@ -15,6 +15,10 @@ Severity rules, each from a named source:
   of NVIDIA, DCGM and gpud).
 - Throttling: hardware slowdown, hardware thermal, power brake and software thermal slowdown; a
   software power cap under load is normal.
+- A GPU nvidia-smi or NVML cannot open ("Unable to determine the device handle ...: Unknown
+  Error"), and a driver that sees no GPU where the driver's own list or the kernel log names
+  some (nvidia-smi's "No devices were found"), are errors: no job can use the GPU, whatever else
+  could not be read.
 """
 
 from __future__ import annotations
@@ -239,12 +243,15 @@ def lost_findings(facts: HealthFacts) -> list[Finding]:
             evidence.update(count=log.count, first_seen=log.first_seen, line=log.line)
             if log.via == "Xid 79":
                 evidence["xid"] = 79
-        if log is not None and log.history() and not (gpu is not None and gpu.lost):
+        if log is not None and log.history() and not (gpu is not None and (gpu.lost or gpu.unreachable)):
             out.append(_lost_before_reboot(facts, log, gpu, evidence))
             continue
         if gpu is not None and gpu.lost:
             said.append(gpu.lost)
-            evidence["nvml"] = gpu.lost
+            evidence["nvml" if _opener(gpu) == "NVML" else "nvidia_smi"] = gpu.lost
+        if gpu is not None and gpu.unreachable:  # the same GPU, still unusable now: one finding says both
+            said.append(f"{_opener(gpu)} cannot open it ('{gpu.unreachable}')")
+            evidence["unreachable"] = gpu.unreachable
         bus = log.pci if log else gpu.pci if gpu else None
         who = _sentence(_gpu_text(bus, gpu))
         out.append(
@@ -275,6 +282,41 @@ def _lost_before_reboot(facts: HealthFacts, log: LostGpu, gpu: GpuFacts | None, 
         where=_where(facts, log.pci, gpu),
         evidence={**evidence, "boots": log.boots, "current_boot": log.current_boot},
     )
+
+
+def _opener(gpu: GpuFacts) -> str:
+    return "nvidia-smi" if gpu.source.startswith("nvidia-smi") else "NVML"
+
+
+def _unreachable_finding(facts: HealthFacts, gpu: GpuFacts) -> Finding | None:
+    """gpu-unreachable: nvidia-smi or NVML cannot open the GPU. It is there (the driver counts it)
+    but nothing can use it; gpu-lost says it instead when the kernel log has it off the bus."""
+    if not gpu.unreachable or any(x.pci == gpu.pci for x in facts.lost):
+        return None
+    off_bus = xids.lookup(79)
+    return catalog.make(
+        "gpu-unreachable",
+        message=f"{_sentence(gpu.label())} cannot be opened: {_opener(gpu)} says '{gpu.unreachable}'. No job "
+        "can run on it and its health facts cannot be read. Most often such a GPU has fallen off the bus "
+        f"(Xid 79, '{off_bus.short_name}') or hung after an earlier fault; this boot's kernel log says which.",
+        fix=catalog.get("gpu-unreachable").fix.replace("BUS_ID", gpu.pci or "BUS_ID"),
+        where=_where(facts, gpu.pci, gpu),
+        evidence={"line": gpu.unreachable, "source": _opener(gpu), "xid_catalog": f"79: {off_bus.explain()}"},
+    )
+
+
+def no_gpu_findings(facts: HealthFacts) -> list[Finding]:
+    """no-gpu-visible: the driver sees no GPU where something says there should be some."""
+    if not facts.no_gpu:
+        return []
+    return [
+        catalog.make(
+            "no-gpu-visible",
+            message=f"No GPU is visible to the NVIDIA driver: {facts.no_gpu}. No GPU job can run on this node.",
+            where=_where(facts, None, None),
+            evidence={"said": facts.no_gpu},
+        )
+    ]
 
 
 def _ecc_finding(facts: HealthFacts, gpu: GpuFacts) -> Finding | None:
@@ -403,8 +445,10 @@ def all_checks() -> list[Check]:
     """Every health check, declared once: machine checks, then the checks each GPU gets, in the
     order the report lists their findings. A new check goes here (and gets a rule fixture)."""
     return [
+        Check("no-gpu-visible", machine=no_gpu_findings),
         Check("gpu-lost", machine=lost_findings),
         Check("xid-error", machine=xid_findings),
+        Check("gpu-unreachable", gpu=at_most_one(_unreachable_finding)),
         Check("ecc-uncorrectable", gpu=at_most_one(_ecc_finding)),
         Check("row-remap-pending and row-remap-failure", gpu=_repair_findings),
         Check("gpu-throttled", gpu=at_most_one(_throttle_finding)),

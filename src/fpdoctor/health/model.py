@@ -63,6 +63,9 @@ class GpuFacts:
     driver: str | None = None
     source: str = ""
     lost: str | None = None  # why NVML considers the GPU lost
+    # the line in which nvidia-smi or NVML says it cannot open the GPU ("Unable to determine the
+    # device handle for GPU ...: Unknown Error"): the GPU is there but nothing can use it
+    unreachable: str | None = None
     facts: dict[str, Any] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)
 
@@ -121,6 +124,9 @@ class HealthFacts:
     sources: dict[str, str] = field(default_factory=dict)  # what was read, in words
     not_checked: dict[str, str] = field(default_factory=dict)  # what could not be, and why
     notes: list[str] = field(default_factory=list)
+    # what says the driver sees no GPU where there should be some (nvidia-smi's "No devices were
+    # found"), in words; None when nothing says so
+    no_gpu: str | None = None
 
     def gpu_for(self, pci: str | None) -> GpuFacts | None:
         return next((g for g in self.gpus if pci and g.pci == pci), None)
@@ -136,6 +142,7 @@ class HealthFacts:
             "sources": self.sources,
             "not_checked": self.not_checked,
             "notes": self.notes,
+            **({"no_gpu": self.no_gpu} if self.no_gpu else {}),
         }
 
     @classmethod
@@ -153,4 +160,5 @@ class HealthFacts:
             sources=dict(d.get("sources") or {}),
             not_checked=dict(d.get("not_checked") or {}),
             notes=list(d.get("notes") or []),
+            no_gpu=d.get("no_gpu"),
         )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
+from pathlib import Path
 from typing import Any
 
 from fpdoctor.health.kernel_log import normalize_pci
@@ -25,6 +26,15 @@ from fpdoctor.health.model import NOT_SUPPORTED, RECOVERY_ACTIONS, GpuFacts, rea
 # GB200, H100 and H200; A10G, A30, A800, H800, H20, GH200, B300 and GB300 share their memory
 # subsystem (inferred).
 ROW_REMAP_PRODUCTS = re.compile(r"\b(A100|A10G?|A30|A800|H100|H200|H800|H20|GH200|B100|B200|B300|GB200|GB300)\b", re.I)
+
+# NVML's errors (error strings, as nvidia-smi prints them) that say nothing of the GPU itself when
+# opening it fails: this process may not open it, or NVML was misused. Any other error opening a
+# GPU (Unknown Error, Insufficient Power, IRQ issue, ...) means the GPU is there and unusable.
+NOT_ABOUT_THE_GPU = ("Insufficient Permissions", "Uninitialized", "Invalid Argument")
+_NOT_ABOUT_THE_GPU_CODES = ("NVML_ERROR_NO_PERMISSION", "NVML_ERROR_UNINITIALIZED", "NVML_ERROR_INVALID_ARGUMENT")
+
+# one directory per GPU the driver registered, named by its bus id, whether NVML can open it or not
+DRIVER_GPUS = Path("/proc/driver/nvidia/gpus")
 
 _FIELD_RECOVERY_ACTION = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, driver r570+
 _VALUE_MEMBER = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
@@ -181,10 +191,11 @@ def read_gpu(nvml: Any, index: int, host: str | None, driver: str | None) -> Gpu
     gpu = GpuFacts(index=index, host=host, driver=driver, source="nvml")
     r = _Reader(nvml, gpu)
     try:
-        handle = r.call("handle", nvml.nvmlDeviceGetHandleByIndex, index)
-        if handle is None:
-            return gpu
-        gpu.unavailable.pop("handle", None)
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+    except nvml.NVMLError as exc:
+        _unopened(nvml, gpu, exc)
+        return gpu
+    try:
         for key, fn in (
             ("name", nvml.nvmlDeviceGetName),
             ("uuid", nvml.nvmlDeviceGetUUID),
@@ -208,6 +219,40 @@ def read_gpu(nvml: Any, index: int, host: str | None, driver: str | None) -> Gpu
     return gpu
 
 
+def _unopened(nvml: Any, gpu: GpuFacts, exc: Exception) -> None:
+    """Record why NVML could not open the GPU: lost, unreachable, or (this process may not open
+    it) its facts not read. nvidia-smi says the same of it: "Unable to determine the device handle"."""
+    code = getattr(exc, "value", None)
+    said = f"nvmlDeviceGetHandleByIndex({gpu.index}): {exc}"
+    if code == nvml.NVML_ERROR_GPU_IS_LOST:
+        gpu.lost = f"NVML: {exc}"
+    elif code in {getattr(nvml, name, None) for name in _NOT_ABOUT_THE_GPU_CODES}:
+        gpu.unavailable["device_handle"] = f"not read: {said}"
+    else:
+        gpu.unreachable = said
+
+
+def driver_bus_ids() -> list[str]:
+    """The bus ids of the GPUs the driver registered (/proc/driver/nvidia/gpus), sorted; [] when
+    there is no such directory."""
+    try:
+        return sorted(normalize_pci(p.name) for p in DRIVER_GPUS.iterdir())
+    except OSError:
+        return []
+
+
+def _bus_ids_of_unopened(gpus: list[GpuFacts]) -> None:
+    """Name the GPUs NVML could not open by bus id, from the driver's list: NVML numbers GPUs in the
+    order of their bus ids, which the GPUs it did open confirm; without that, none is guessed."""
+    if all(g.pci for g in gpus):
+        return
+    bus_ids = driver_bus_ids()
+    if len(bus_ids) != len(gpus) or any(g.pci and g.pci != bus for g, bus in zip(gpus, bus_ids, strict=True)):
+        return
+    for gpu, bus in zip(gpus, bus_ids, strict=True):
+        gpu.pci = gpu.pci or bus
+
+
 def _collect(nvml: Any, host: str | None) -> tuple[list[GpuFacts], str | None]:
     try:
         nvml.nvmlInit()
@@ -229,7 +274,9 @@ def _collect(nvml: Any, host: str | None) -> tuple[list[GpuFacts], str | None]:
             count = int(nvml.nvmlDeviceGetCount())
         except nvml.NVMLError as exc:
             raise NvmlUnavailable(f"NVML started but could not count the GPUs: {exc}") from exc
-        return [read_gpu(nvml, i, host, driver) for i in range(count)], driver
+        gpus = [read_gpu(nvml, i, host, driver) for i in range(count)]
+        _bus_ids_of_unopened(gpus)
+        return gpus, driver
     finally:
         with contextlib.suppress(Exception):
             nvml.nvmlShutdown()

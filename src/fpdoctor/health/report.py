@@ -30,14 +30,15 @@ def _n(count: int, what: str) -> str:
 
 
 def _unread(facts: HealthFacts) -> list[str]:
-    """Key facts some GPU could not give (other than 'not supported')."""
+    """Key facts some GPU could not give (other than 'not supported'), and 'device_handle' for a GPU
+    this process was not allowed to open, so none of its facts were read."""
     return sorted(
         {
             k
             for g in facts.gpus
-            if g.facts
             for k, why in g.unavailable.items()
-            if k.split(".")[0] in KEY_FACTS and not why.startswith("not supported")
+            if (k == "device_handle" or (g.facts and k.split(".")[0] in KEY_FACTS))
+            and not why.startswith("not supported")
         }
     )
 
@@ -84,10 +85,11 @@ def _status(
     notes = len(findings) - len(problems)
     note_text = f"; {_n(notes, 'note')} below" if notes else ""
     if problems:
-        gpus = {f.where.get("pci") or f.where.get("uuid") or f.where.get("index") for f in problems}
+        gpus = {f.where.get("pci") or f.where.get("uuid") or f.where.get("index") for f in problems} - {None}
+        on = f" on {len(gpus)} GPU(s)" if gpus else ""  # no-gpu-visible names no GPU
         gaps = [*_gaps(facts), *failed]
         skipped = f"; NOT CHECKED: {', '.join(gaps)}" if gaps else ""
-        return "problems", f"problems found on {len(gpus)} GPU(s): see the findings{skipped}{note_text}"
+        return "problems", f"problems found{on}: see the findings{skipped}{note_text}"
     if not gpu_facts and not nvidia_lines:
         why = facts.not_checked.get("NVML") or "no NVML facts or nvidia-smi -q output given"
         log = "no kernel log read" if not facts.kernel_logs else "the kernel log has no NVIDIA lines"

@@ -69,7 +69,10 @@ GPU_FACTS = Fields(
 GPU = Fields(
     {
         "index": INT,
-        **{k: OPTIONAL_TEXT for k in ("pci", "uuid", "serial", "name", "host", "driver", "source", "lost")},
+        **{
+            k: OPTIONAL_TEXT
+            for k in ("pci", "uuid", "serial", "name", "host", "driver", "source", "lost", "unreachable")
+        },
         "facts": GPU_FACTS,
         "unavailable": MapOf(TEXT),
     }
@@ -128,6 +131,7 @@ HEALTH_FACTS = Fields(
         "sources": MapOf(TEXT),
         "not_checked": MapOf(TEXT),
         "notes": ListOf(TEXT),
+        "no_gpu": OPTIONAL_TEXT,
     },
     required=("gpus",),
 )

@@ -6,6 +6,11 @@ GPU. Layouts differ by driver: before ~R470 ECC counts are "Single Bit"/"Double 
 and add "SRAM Threshold Exceeded"; R580 adds repair flags ("Channel Repair Pending") and nests
 "HW Thermal Slowdown" under "HW Slowdown". "N/A" is nvidia-smi's "not supported or not
 applicable"; other non-numbers ("Unknown Error", seen after an uncorrectable error) are "not read".
+
+A GPU nvidia-smi cannot open has one line instead of its section, "Unable to determine the device
+handle for GPU 00000000:47:00.0: Unknown Error": that GPU is unusable (lost, hung, unpowered), not
+missing from the output. With the driver loaded and no GPU to see, nvidia-smi prints only "No
+devices were found".
 """
 
 from __future__ import annotations
@@ -16,9 +21,14 @@ from typing import Any
 
 from fpdoctor.health.kernel_log import normalize_pci
 from fpdoctor.health.model import CLOCK_REASONS, NOT_SUPPORTED, GpuFacts
-from fpdoctor.health.nvml import ROW_REMAP_PRODUCTS
+from fpdoctor.health.nvml import NOT_ABOUT_THE_GPU, ROW_REMAP_PRODUCTS
 
-_GPU_HEADER = re.compile(r"^GPU (?P<pci>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7])\s*$")
+_PCI = r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]"
+_GPU_HEADER = re.compile(rf"^GPU (?P<pci>{_PCI})\s*$")
+# the line nvidia-smi prints in place of the section of a GPU it cannot open; the reason is NVML's
+# error string ("Unknown Error", "GPU is lost. Reboot the system to recover this GPU", ...)
+_UNOPENED = re.compile(rf"^\s*Unable to determine the device handle for GPU\s*(?P<pci>{_PCI})\s*:\s*(?P<why>.*?)\s*$")
+_NO_DEVICES = re.compile(r"^\s*No devices were found\s*$", re.M)
 _LINE = re.compile(r"^(?P<indent>\s*)(?P<key>[^:]+?)\s*(?::\s?(?P<value>.*))?$")
 _SECTIONS = ("ECC Errors", "Remapped Rows", "Retired Pages", "Clocks Event Reasons", "Clocks Throttle Reasons")
 _REASON_BY_LABEL = {label.lower(): name for name, label in CLOCK_REASONS.values()}
@@ -29,7 +39,9 @@ Entries = list[tuple[tuple[str, ...], str | None]]
 
 
 def looks_like_smi(text: str) -> bool:
-    if "NVSMI LOG" in text or any(_GPU_HEADER.match(line) for line in text.splitlines()):
+    if "NVSMI LOG" in text or _NO_DEVICES.search(text):
+        return True
+    if any(_GPU_HEADER.match(line) or _UNOPENED.match(line) for line in text.splitlines()):
         return True
     return sum(bool(re.search(rf"^\s+{re.escape(s)}\s*(?::.*)?$", text, re.M)) for s in _SECTIONS) >= 1
 
@@ -263,15 +275,38 @@ def _gpu(pci: str | None, lines: list[str], driver: str | None) -> GpuFacts:
     return gpu
 
 
-def _blocks(lines: list[str]) -> tuple[list[str], list[tuple[str | None, list[str]]]]:
-    """(the lines before the first GPU, [(bus id, the GPU's lines)])."""
+def _unopened_gpu(line: str, driver: str | None) -> GpuFacts:
+    """The GPU of an "Unable to determine the device handle" line: lost, unreachable, or (when
+    nvidia-smi was not allowed to open it) its facts not read."""
+    m = _UNOPENED.match(line)
+    pci, why = (m["pci"], m["why"]) if m else (None, "")
+    gpu = GpuFacts(pci=normalize_pci(pci) if pci else None, driver=driver, source="nvidia-smi -q")
+    if why.startswith("GPU is lost"):
+        gpu.lost = f"nvidia-smi -q: {line.strip()}"
+    elif why.startswith(NOT_ABOUT_THE_GPU):
+        gpu.unavailable["device_handle"] = f"not read: nvidia-smi -q shows {line.strip()!r}"
+    else:
+        gpu.unreachable = line.strip()
+    return gpu
+
+
+# One GPU of the output, in order: its bus id, its section's lines, and the line that stands in
+# for the section of a GPU nvidia-smi could not open (None for a section).
+Part = tuple[str | None, list[str], str | None]
+
+
+def _blocks(lines: list[str]) -> tuple[list[str], list[Part]]:
+    """(the lines before the first GPU, [(bus id, the GPU's lines, the unopened line)])."""
     head: list[str] = []
-    blocks: list[tuple[str | None, list[str]]] = []
+    blocks: list[Part] = []
     current: list[str] | None = None
     for line in lines:
         if m := _GPU_HEADER.match(line):
-            blocks.append((m["pci"], []))
+            blocks.append((m["pci"], [], None))
             current = blocks[-1][1]
+        elif m := _UNOPENED.match(line):
+            blocks.append((m["pci"], [], line))
+            current = None
         elif current is not None and (not line.strip() or line[:1].isspace()):
             current.append(line)
         elif current is not None:
@@ -311,20 +346,23 @@ def completeness(text: str) -> Completeness:
     if not blocks:
         return Completeness()
     attached = _int(_get(_tree(head), "Attached GPUs"))
-    pci, lines = blocks[-1]
+    pci, lines, unopened = blocks[-1]
     entries = _tree(lines)
     last = entries[-1] if entries else None
     shape = _shape(lines)
-    fuller = next((b for b in blocks[:-1] if _goes_on(_shape(b[1]), shape)), None)
+    sections = [b for b in blocks[:-1] if b[2] is None]
+    fuller = next((b for b in sections if _goes_on(_shape(b[1]), shape)), None)
     name = normalize_pci(pci) if pci else "?"
-    if (last is not None and last[1] is None) or fuller is not None or (last is None and attached):
+    cut = (last is not None and last[1] is None) or fuller is not None or (last is None and attached)
+    # a text that ends on an unopened GPU's line went on after every section before it
+    if unopened is None and cut:
         where = f"after '{' / '.join(last[0])}'" if last is not None else "right after its header"
         others = f" where GPU {normalize_pci(fuller[0] or '?')} goes on" if fuller is not None else ""
         gone = attached - len(blocks) if attached else 0
         rest = f", and {gone} of the {attached} GPUs 'Attached GPUs' counts are not in it at all" if gone > 0 else ""
         return Completeness(cut=f"the section of GPU {name} stops {where}{others}{rest}")
     if attached and attached > len(blocks):
-        held = ", ".join(normalize_pci(p) if p else "?" for p, _ in blocks)
+        held = ", ".join(normalize_pci(p) if p else "?" for p, _, _ in blocks)
         return Completeness(
             missing=f"'Attached GPUs' counts {attached} but the output holds {len(blocks)} ({held}): the other "
             f"{attached - len(blocks)} are not checked (`nvidia-smi -q -i ...` output, or cut off between GPUs?)"
@@ -341,9 +379,20 @@ def parse(text: str) -> tuple[list[GpuFacts], str | None]:
     if not blocks:
         gpu = _gpu(None, lines, driver)
         return ([gpu] if gpu.facts or gpu.name else []), driver
-    gpus = [_gpu(pci, block, driver) for pci, block in blocks]
+    gpus = [_gpu(pci, block, driver) if line is None else _unopened_gpu(line, driver) for pci, block, line in blocks]
     attached = _int(_get(top, "Attached GPUs"))
     if attached == len(gpus):  # nvidia-smi lists every GPU in index order
         for i, gpu in enumerate(gpus):
             gpu.index = i
     return gpus, driver
+
+
+def no_devices(text: str) -> str | None:
+    """nvidia-smi's own words when it sees no GPU at all ("No devices were found", or an 'Attached
+    GPUs : 0' header with no GPU after it), else None."""
+    if m := _NO_DEVICES.search(text):
+        return m[0].strip()
+    head, blocks = _blocks(text.splitlines())
+    if not blocks and _int(_get(_tree(head), "Attached GPUs")) == 0:
+        return next(line.strip() for line in head if line.strip().startswith("Attached GPUs"))
+    return None
