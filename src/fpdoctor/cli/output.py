@@ -13,7 +13,17 @@ from fpdoctor.errors import InputError
 from fpdoctor.report import write
 from fpdoctor.report.render import FORMATS, render
 
-__all__ = ["ExitCode", "UsageError", "add_output_args", "add_progress_arg", "emit", "resolve_output", "write_atomic"]
+__all__ = [
+    "ExitCode",
+    "UsageError",
+    "add_output_args",
+    "add_progress_arg",
+    "emit",
+    "emit_after_program",
+    "resolve_output",
+    "write_atomic",
+    "write_or_stderr",
+]
 
 
 def add_output_args(parser: argparse.ArgumentParser, *, instead_of: str = "stdout") -> None:
@@ -53,22 +63,49 @@ def resolve_output(args: argparse.Namespace) -> None:
 
 
 def write_atomic(path: str, text: str) -> None:
-    """Write via a temporary file in the same directory and rename, so a reader never sees half a file."""
+    """Write via a temporary file in the same directory and rename, so a reader never sees half a
+    file; a failure is one line (UsageError), never a traceback."""
     try:
         write.write_text(path, text)
     except InputError as exc:
         raise UsageError(str(exc)) from None
+    except OSError as exc:  # read-only, full, gone: the system's reason
+        raise UsageError(f"could not write {path}: {exc.strerror or exc}") from None
 
 
-def emit(report_dict: dict[str, Any], args: argparse.Namespace, *, stream: Any = None) -> None:
-    """The report to -o, else to `stream` (stdout; stderr for commands that run the user's
-    program, whose stdout is the program's own)."""
+def write_or_stderr(path: str, text: str) -> bool:
+    """For the commands that run the user's program (run, watch, trace), whose exit status is the
+    program's whatever fpdoctor fails at: `text` to `path`, or, when that cannot be written, one
+    line on stderr and `text` after it there instead. False when it went to stderr."""
+    try:
+        write.write_text(path, text)
+    except (InputError, OSError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        sys.stderr.flush()
+        sys.stderr.write(f"fpdoctor: could not write the report to {path}: {reason}; the report follows on stderr\n")
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        return False
+    return True
+
+
+def emit(report_dict: dict[str, Any], args: argparse.Namespace) -> None:
+    """The report to -o, else to stdout."""
     if args.output:
-        try:
-            write.write(report_dict, args.output, args.format)
-        except InputError as exc:
-            raise UsageError(str(exc)) from None
+        write_atomic(args.output, write.file_text(report_dict, args.output, args.format))
         return
-    out = stream or sys.stdout
+    _show(report_dict, args, sys.stdout)
+
+
+def emit_after_program(report_dict: dict[str, Any], args: argparse.Namespace) -> None:
+    """The report of a command that ran the user's program (watch, trace): to -o, else to stderr
+    (stdout is the program's); an -o that cannot be written sends it to stderr (write_or_stderr)."""
+    if args.output:
+        write_or_stderr(args.output, write.file_text(report_dict, args.output, args.format))
+        return
+    _show(report_dict, args, sys.stderr)
+
+
+def _show(report_dict: dict[str, Any], args: argparse.Namespace, out: Any) -> None:
     color = args.format == "text" and out.isatty() and "NO_COLOR" not in os.environ
     out.write(render(report_dict, args.format, color=color, verbose=getattr(args, "verbose", False)))

@@ -2,7 +2,8 @@
 
 The command's output passes through unchanged and fpdoctor exits with the command's status
 (128+N for a death by signal N). When it fails, the report goes to stderr after the command's
-output; -o FILE gets it in any format, always. A command that exits 0 gets nothing added.
+output; -o FILE gets it in any format, always (on stderr instead, after one line, when FILE
+cannot be written). A command that exits 0 gets nothing added.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import shutil
 import sys
 from typing import Any
 
-from fpdoctor.cli.output import UsageError, write_atomic
+from fpdoctor.cli.output import UsageError, write_or_stderr
 from fpdoctor.report.render import FORMATS
 
 
@@ -123,12 +124,13 @@ def program() -> list[str]:
 
 def _emit(doc: dict[str, Any], args: argparse.Namespace, findings: bool) -> None:
     """-o FILE always gets the report; stderr gets it only when the command failed and there is
-    something to say."""
+    something to say. An -o that cannot be written is one line on stderr with the file's report
+    after it: the command's exit status stays the one fpdoctor exits with."""
     from fpdoctor.report.render import render
 
-    if args.output:
-        write_atomic(args.output, render(doc, args.format, color=False))
-    if not findings:
+    # an -o write that failed has put the file's report on stderr: the text one is not shown twice
+    fell_back = bool(args.output) and not write_or_stderr(args.output, render(doc, args.format, color=False))
+    if not findings or (fell_back and args.format == "text"):
         return
     fmt = "text" if args.output else args.format
     color = fmt == "text" and sys.stderr.isatty() and "NO_COLOR" not in os.environ

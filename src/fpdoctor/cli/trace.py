@@ -13,6 +13,7 @@ rank's findings merged. No collective is used, so a rank that hangs or dies cann
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -24,7 +25,14 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from fpdoctor.cli.output import UsageError, add_output_args, add_progress_arg, emit, write_atomic
+from fpdoctor.cli.output import (
+    UsageError,
+    add_output_args,
+    add_progress_arg,
+    emit_after_program,
+    write_atomic,
+    write_or_stderr,
+)
 from fpdoctor.cli.trace_outcome import FAIL_ON, default_fail_on, exception_finding, exit_code_of
 from fpdoctor.cli.trace_outcome import status as exit_status
 from fpdoctor.report.write import rank_path
@@ -151,9 +159,9 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
     dist = rank_info()
     if args.output and dist is not None:
-        _sidecar(args.output, dist.rank).unlink(missing_ok=True)  # an earlier launch's, never merged
+        with contextlib.suppress(OSError):  # an earlier launch's, never merged (an unwritable -o is said at the end)
+            _sidecar(args.output, dist.rank).unlink()
 
-    import contextlib
     import runpy
 
     from fpdoctor import progress
@@ -243,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
     if dist is not None and args.output:
         _write_rank(report.to_dict(), args, dist)
     else:
-        emit(report.to_dict(), args, stream=sys.stderr)  # stdout belongs to the script
+        emit_after_program(report.to_dict(), args)
     return status
 
 
@@ -270,15 +278,22 @@ def _mark_rank(report: Any, dist: RankInfo) -> None:
 
 
 def _write_rank(doc: dict[str, Any], args: argparse.Namespace, dist: RankInfo) -> None:
-    """This rank's FILE.rankN, its merge sidecar, and FILE itself when this rank completes the set."""
+    """This rank's FILE.rankN, its merge sidecar, and FILE itself when this rank completes the set.
+    A file that cannot be written is one line on stderr and the report there instead: the exit
+    status stays the script's."""
     from fpdoctor.report.render import render
 
-    write_atomic(rank_path(args.output, dist.rank), render(doc, args.format, color=False))
+    if not write_or_stderr(rank_path(args.output, dist.rank), render(doc, args.format, color=False)):
+        return  # the directory will not take the sidecar and FILE either
     side = {"run": dist.run, "started": dist.started, "rank": dist.rank, "report": doc}
-    write_atomic(str(_sidecar(args.output, dist.rank)), render(side, "json"))
+    try:
+        write_atomic(str(_sidecar(args.output, dist.rank)), render(side, "json"))
+    except UsageError as exc:  # this rank's own file is written: only the merged FILE will miss it
+        sys.stderr.write(f"fpdoctor: {exc}; {args.output} will not merge rank {dist.rank}\n")
+        return
     merged = merge_ranks(args.output, dist)
     if merged is not None:
-        write_atomic(args.output, render(merged, args.format, color=False))
+        write_or_stderr(args.output, render(merged, args.format, color=False))
         for r in range(dist.world_size):
             _sidecar(args.output, r).unlink(missing_ok=True)
 

@@ -11,13 +11,14 @@ the set writes FILE, every rank's findings merged (as `fpdoctor trace` does).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
 import sys
 from typing import Any
 
-from fpdoctor.cli.output import UsageError, add_output_args, emit
+from fpdoctor.cli.output import UsageError, add_output_args, emit_after_program
 from fpdoctor.cli.trace import _sidecar, _write_rank, rank_info, user_traceback
 from fpdoctor.cli.trace_outcome import exception_finding, exit_code_of
 
@@ -144,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
     os.environ.pop(_RESTARTED, None)  # the script's own children start afresh
     dist = rank_info()
     if args.output and dist is not None:
-        _sidecar(args.output, dist.rank).unlink(missing_ok=True)  # an earlier launch's, never merged
+        with contextlib.suppress(OSError):  # an earlier launch's, never merged (an unwritable -o is said at the end)
+            _sidecar(args.output, dist.rank).unlink()
 
     import runpy
 
@@ -213,5 +215,5 @@ def run(args: argparse.Namespace) -> int:
     if dist is not None and args.output:
         _write_rank(report.to_dict(), args, dist)
     else:
-        emit(report.to_dict(), args, stream=sys.stderr)  # stdout belongs to the script
+        emit_after_program(report.to_dict(), args)
     return code

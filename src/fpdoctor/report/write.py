@@ -39,7 +39,12 @@ def write_text(path: str, text: str) -> None:
     files.write_atomic(target, text.encode("utf-8"))
 
 
+def file_text(report: dict[str, Any], path: str, fmt: str | None = None) -> str:
+    """A report (its `to_dict()`) as its file at `path` holds it: in `fmt`, by default the one the
+    extension names, with every fact, as `-v` shows them: nobody reads it on a terminal in a hurry."""
+    return render(report, fmt or format_for(path), color=False, verbose=True)
+
+
 def write(report: dict[str, Any], path: str, fmt: str | None = None) -> None:
-    """A report (its `to_dict()`) to `path` in `fmt`, by default the one its extension names. A
-    file holds every fact, as `-v` shows them: nobody reads it on a terminal in a hurry."""
-    write_text(path, render(report, fmt or format_for(path), color=False, verbose=True))
+    """A report (its `to_dict()`) to `path` as file_text gives it."""
+    write_text(path, file_text(report, path, fmt))
