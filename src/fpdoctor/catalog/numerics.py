@@ -260,6 +260,21 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         fix="Lower the learning rate (warmup helps) and clip the gradients before the step "
         "(torch.nn.utils.clip_grad_norm_).",
     ),
+    RuleInfo(
+        code="NUM018",
+        name="decisions-changed",
+        severity=E,
+        title="The candidate changes which class the output picks",
+        what="When the model's output is logits (its last call is a Linear from features to classes), `compare` "
+        "judges it by what it decides: top-1 agreement with fp64 over its rows, top-5 and KL, each beside the "
+        "same metric for the exact output rounded to the candidate's format. Then it re-runs the candidate with "
+        "the logits' layer, and with each of the worst modules, kept in fp32.",
+        why="A relative error can stay small while the winning class changes: when the logits' norm sits in "
+        "values no decision reads (a common offset, masked classes) or their margins are below the format's "
+        "spacing. Accuracy drops while every error figure looks fine.",
+        fix="Keep the named module in fp32 (return fp32 logits where the format cannot hold them); "
+        "`fpdoctor plan` for a set of modules.",
+    ),
 )
 
 TRN_RULES: tuple[RuleInfo, ...] = (

@@ -30,6 +30,7 @@ floor, so only what goes beyond the reference's own rounding is called a diverge
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from torch import nn
 
 from fpdoctor import progress
 from fpdoctor.precision.audit.audit import as_given
+from fpdoctor.precision.audit.boundary import keep_in_fp32
 from fpdoctor.precision.candidates import (
     CANDIDATES,
     FP8_KERNELS,
@@ -54,7 +56,7 @@ from fpdoctor.precision.candidates import (
     run_flags,
     uncompiled,
 )
-from fpdoctor.precision.compare import fp8, near_limit, upstream
+from fpdoctor.precision.compare import fp8, near_limit, upstream, use
 from fpdoctor.precision.compare.compiled import compare_compiled, is_compiled
 from fpdoctor.precision.compare.container_ops import Own, OwnOps
 from fpdoctor.precision.compare.first_overflow import first_overflow
@@ -366,6 +368,12 @@ class _Comparison:
         # op outputs near the candidate's max inside modules (fp16: the one format whose max models reach)
         self.ranges = self.cand_dtype in near_limit.AT_RISK
         self.truth_ranges, self.cand_ranges = near_limit.OpRanges(), near_limit.OpRanges(near_limit.AT_RISK)
+        # an output of logits, whole (use.py): the fp64 pass's and the candidate's, and what made it
+        self.truth_modules = dict(self.truth_run.named_modules())
+        self._last_leaf: str | None = None
+        self.logits: str | None = None
+        self.root_truth: torch.Tensor | None = None
+        self.root_cand: torch.Tensor | None = None
 
     # -- where the random numbers stand ------------------------------------------------------
     def mark(self) -> tuple[RngState, int]:
@@ -400,6 +408,7 @@ class _Comparison:
 
     def _truth_once(self) -> None:
         self.seen.clear()
+        self._last_leaf = None
         self.fp8_rows.clear()
         # a container's own ops, judged as the fp64 pass runs them (row subsets where leaves get them)
         fp8_note = " (fp8 applies to Linear GEMMs only)" if self.fp8_dtype is not None else ""
@@ -456,10 +465,21 @@ class _Comparison:
         entry.values, entry.own = (t.numel(), total, sample_step(total)), own
         entry.inputs = flat_sample((call_args, call_kwargs))  # the candidate's input error, for every row
         if entry.leaf:
+            self._last_leaf = name
+        if name == "" and self._last_leaf is not None:
+            self._keep_logits(output)
+        if entry.leaf:
             self.isolated(name, call_args, call_kwargs, entry, start=start or self.mark(), output=output)
             if self.fp8_dtype is not None and name in self.linears and call_args:
                 self.fp8_rows.append(fp8.linear_stats(name, call_args[0], self.linears[name].weight, self.fp8_dtype))
         self.seen[key] = entry
+
+    def _keep_logits(self, output: Any) -> None:
+        """The model's output, whole, when it is logits (use.py): the last leaf call made it."""
+        first = next(floating(output), None)
+        name = self._last_leaf or ""
+        self.logits = use.logits_source(name, self.truth_modules[name], first)
+        self.root_truth = first.detach().clone() if self.logits is not None and first is not None else None
 
     def isolated(
         self, name: str, args: Any, kwargs: Any, entry: _Seen, *, start: tuple[RngState, int], output: Any = None
@@ -565,6 +585,9 @@ class _Comparison:
         if entry is None or c is None or c.numel() != entry.truth.numel():
             return
         finite = all_finite(output)
+        if name == "" and self.root_truth is not None:
+            first = next(floating(output), None)
+            self.root_cand = first.detach().clone() if first is not None else None
         if self.keep_candidate:  # float32 holds every candidate format's values exactly
             entry.candidate = c.to(torch.float32)
         entry.propagated = rel_error(c, entry.truth, entry.norm) if finite else math.inf
@@ -804,6 +827,8 @@ class _Comparison:
             if near:
                 result.report.data["near_limit_ops"] = near
         summary = result.report.data["summary"]
+        if self.logits is not None and not prefix:
+            self._judge_decisions(result, rows)
         if misfit:
             result.report.data["misfits"] = misfit
             listed = "; ".join(describe_misfit(e) for e in misfit[:3])
@@ -824,6 +849,80 @@ class _Comparison:
                 )
             )
         return result
+
+    # -- the output judged by what it decides (use.py) ---------------------------------------------
+    def _judge_decisions(self, result: CompareResult, rows: list[ModuleRow]) -> None:
+        """Top-1, top-5 and KL of an output of logits beside their floor, in the summary and the
+        JSON; a finding when the candidate changes the decisions, with the module kept in fp32
+        that gives most of them back (each of the worst leaves and the logits' own layer, tried)."""
+        if self.root_truth is None or self.root_cand is None or self.logits is None:
+            return
+        found = use.decisions(self.root_truth, self.root_cand, self.candidate, self.logits)
+        if found is None:
+            return
+        result.report.data["decisions"] = found.to_dict()
+        result.report.data["summary"].append(("decisions (" + found.source + ")", found.text()))
+        if not found.changed:
+            return
+        head = self._last_leaf or ""
+        leaves = sorted(
+            (r for r in rows if r.module in self.leaves and r.module != head), key=lambda r: -(r.ratio or 0.0)
+        )
+        # the logits' layer alone; each of the worst leaves alone; the logits' layer and the leaf that
+        # ran before it, with fp32 between them (what the candidate rounds may be the activation itself)
+        trials: list[tuple[list[str], bool]] = [([head], True)]
+        trials += [([r.module], False) for r in leaves[: use.TRIED_LEAVES]]
+        before = self._leaf_before(head)
+        if before is not None:
+            trials.append(([before, head], True))
+        tried: list[tuple[list[str], float]] = []
+        for modules, fp32_output in trials:
+            top1 = self._top1_with_fp32(modules, fp32_output=fp32_output)
+            if top1 is not None:
+                tried.append((modules, top1))
+            if top1 is not None and 1.0 - top1 <= use.RECOVERED * (1.0 - found.top1):
+                break  # the first that gives the decisions back, in the order of what it changes least
+        result.report.findings.append(use.finding(found, self.label, tried, head=head, inputs=self.inputs))
+
+    def _leaf_before(self, head: str) -> str | None:
+        """The leaf whose call ended last before the logits' layer's (the fp64 pass's order)."""
+        order = [name for (name, _), entry in self.seen.items() if entry.leaf and name != ""]
+        last = max((i for i, name in enumerate(order) if name == head), default=None)
+        return order[last - 1] if last else None
+
+    def _top1_with_fp32(self, modules: list[str], *, fp32_output: bool) -> float | None:
+        """The candidate's top-1 agreement with `modules` computed in fp32 (the user's modules, their
+        inputs raised; their outputs cast back to the candidate's dtype unless `fp32_output`): the
+        candidate's copy holds the swap for one forward only."""
+        if self.root_truth is None or self.logits is None or "" in modules:
+            return None
+        swapped = []
+        for module in modules:
+            parent, _, child = module.rpartition(".")
+            holder = self.cand_run.get_submodule(parent)
+            back = None if fp32_output else self.cand_dtype
+            kept = keep_in_fp32(copy.deepcopy(self.model.get_submodule(module)), back)
+            swapped.append((holder, child, getattr(holder, child)))
+            setattr(holder, child, kept if self.cand_device is None else kept.to(self.cand_device))
+        got: list[torch.Tensor] = []
+
+        def post(name: str, index: int, args: Any, output: Any) -> None:
+            first = next(floating(output), None) if name == "" else None
+            if first is not None:
+                got.append(first.detach())
+
+        try:
+            hooked(self.cand_run, self.inputs, self.cand_dtype, pre=None, post=post, rng=self.rng,
+                   device=self.cand_device, noise=self.noise)  # fmt: skip
+        except Exception:  # modules that cannot run in fp32 this way: not tried
+            return None
+        finally:
+            for holder, child, original in reversed(swapped):
+                setattr(holder, child, original)
+        if not got:
+            return None
+        found = use.decisions(self.root_truth, got[-1].to(self.root_truth.device), self.candidate, self.logits)
+        return None if found is None else found.top1
 
 
 # A running state is named the cause when keeping it alone in fp64 divides the end-to-end error

@@ -56,6 +56,10 @@ def plan_code(candidate: str, keep: list[str], fp32_outputs: list[str]) -> str:
             "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False",
         ]
     lines += _CAST.splitlines() + (["", "", *_KEEP.splitlines()[1:]] if keep else []) + ["", ""]
+    if keep:  # the kept modules' fp32 weights, as the plan checked them: not rounded through the dtype
+        names = ", ".join(repr(n) for n in keep)
+        lines += [f"fp32_weights = {{name: model.get_submodule(name).state_dict() for name in ({names},)}}"]
+        lines += ["fp32_weights = {name: {k: v.clone() for k, v in w.items()} for name, w in fp32_weights.items()}"]
     lines += [
         f"model.to({dtype})",
         f"# the model takes the inputs you have: floating ones are cast to {dtype} on the way in",
@@ -68,6 +72,7 @@ def plan_code(candidate: str, keep: list[str], fp32_outputs: list[str]) -> str:
             lines.append(f"keep_in_fp32({_path(name)}, back_to=None)  # its outputs need fp32's range")
         else:
             lines.append(f"keep_in_fp32({_path(name)}, back_to={dtype})")
+        lines.append(f"{_path(name)}.load_state_dict(fp32_weights[{name!r}])")
     return "\n".join(lines) + "\n"
 
 

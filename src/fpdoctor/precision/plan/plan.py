@@ -486,10 +486,13 @@ def apply_plan(model: nn.Module, the_plan: Plan) -> nn.Module:
         )
     dtype = compute_dtype(the_plan.candidate)
     inner = uncompiled(model)  # the plan names modules inside a torch.compile wrapper
+    # the kept modules keep their fp32 weights, as the plan checked them (not rounded through `dtype`)
+    weights = {n: {k: v.clone() for k, v in inner.get_submodule(n).state_dict().items()} for n in the_plan.keep_fp32}
     inner.to(dtype)
     cast_inputs_to(inner, dtype)
     for name in the_plan.keep_fp32:
         keep_in_fp32(inner.get_submodule(name), back_to=None if name in the_plan.fp32_outputs else dtype)
+        inner.get_submodule(name).load_state_dict(weights[name])
     if the_plan.fp32_ops:
         install(inner, the_plan.fp32_ops, dtype)
     return model

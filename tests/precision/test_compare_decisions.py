@@ -1,0 +1,126 @@
+"""An output of logits judged by what it decides: top-1 agreement with fp64 beside rounding's floor.
+
+Two models whose bf16 run keeps a small relative error (55 dB SQNR, cosine 1 - 1e-10) and still
+picks another class on a third of the rows: the logits' norm sits in masked classes no decision
+reads, and the features the last layer reads carry a large offset that bf16 rounds the signal out
+of. A classifier over a masked label space and a small language model over a masked vocabulary
+(a LayerNorm whose bias carries the offset). Healthy runs get the figures and no finding; hidden
+states are not judged by an argmax.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fpdoctor
+from fpdoctor.precision.plan.codegen import plan_code
+
+
+class MaskedClassifier(nn.Module):
+    """90 of 100 classes masked by their bias; the features carry an offset the head's rows cancel."""
+
+    def __init__(self, offset: float = 100.0, masked: int = 90) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 256), nn.GELU())
+        self.offset = offset
+        self.head = nn.Linear(256, 100)
+        with torch.no_grad():
+            self.head.weight.sub_(self.head.weight.mean(1, keepdim=True))
+            self.head.bias[:masked] = -2e4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x) + self.offset)
+
+
+class MaskedLM(nn.Module):
+    """Tokens -> mixing -> LayerNorm (its bias 60 on every feature) -> lm_head over a vocabulary of
+    which all but 32 tokens are masked by its bias."""
+
+    def __init__(self, vocab: int = 512, dim: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.mix = nn.Sequential(nn.Linear(dim, dim), nn.SiLU())
+        self.norm = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab)
+        with torch.no_grad():
+            self.norm.bias.fill_(60.0)
+            self.lm_head.weight.sub_(self.lm_head.weight.mean(1, keepdim=True))
+            self.lm_head.bias.fill_(-1e4)
+            self.lm_head.bias[:32] = 0.0
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(self.mix(self.embed(tokens))))
+
+
+def _classifier(**kw: float) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return MaskedClassifier(**kw).eval(), torch.randn(2048, 64)
+
+
+def _lm() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return MaskedLM().eval(), torch.randint(0, 512, (4, 256))
+
+
+def _top1(model: nn.Module, x: torch.Tensor, reference: torch.Tensor) -> float:
+    with torch.no_grad():
+        out = model(x).double()
+    return float((out.argmax(-1) == reference.argmax(-1)).double().mean())
+
+
+@pytest.mark.parametrize("make", [_classifier, _lm], ids=["classifier", "language-model"])
+def test_a_small_error_that_changes_the_decisions_is_an_error_with_its_fix_checked(make) -> None:
+    model, x = make()
+    result = fpdoctor.compare(model, x, candidate="bf16")
+    first = result.report.findings[0]
+    assert first.name == "decisions-changed" and first.severity == "error"
+    decisions = result.report.data["decisions"]
+    assert decisions["top1"] < 0.9 and decisions["floor_top1"] > 0.99
+    final = result.rows[-1]
+    assert final.propagated < 0.01  # the relative error alone would have said OK
+    assert first.trial is not None and first.trial.tried and "top-1 agreement" in first.trial.metric
+    best = max(first.evidence["kept_in_fp32_tried"], key=lambda t: t["top1"])
+    assert all(f"`{m}`" in first.fix for m in best["modules"]) and best["top1"] > 0.98
+
+    # applied as printed, with the code `fpdoctor plan` writes for it: the model in bf16, those modules
+    # kept in fp32 (their fp32 weights) with fp32 outputs, the inputs the user has
+    with torch.no_grad():
+        exact = copy.deepcopy(model).double()(x.double() if x.is_floating_point() else x)
+    fixed = copy.deepcopy(model)
+    exec(plan_code("bf16", best["modules"], best["modules"]), {"model": fixed})
+    plain = copy.deepcopy(model).to(torch.bfloat16)
+    assert _top1(plain, x.to(torch.bfloat16) if x.is_floating_point() else x, exact) < 0.9
+    assert _top1(fixed, x, exact) > 0.98
+
+
+def test_healthy_logits_get_their_figures_and_no_finding() -> None:
+    model, x = _classifier(offset=0.0)
+    for candidate in ("bf16", "fp16"):
+        result = fpdoctor.compare(model, x, candidate=candidate)
+        assert not [f for f in result.report.findings if f.name == "decisions-changed"]
+        decisions = result.report.data["decisions"]
+        assert decisions["rows"] == 2048 and decisions["classes"] == 100 and decisions["top1"] > 0.98
+        assert any(k.startswith("decisions (logits of `head`") for k, _ in result.report.data["summary"])
+
+
+def test_hidden_states_are_not_judged_by_an_argmax() -> None:
+    torch.manual_seed(0)
+    encoder = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64)).eval()
+    result = fpdoctor.compare(encoder, torch.randn(256, 32), candidate="bf16")
+    assert "decisions" not in result.report.data
+    square = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64)).eval()  # a projection, not classes
+    assert "decisions" not in fpdoctor.compare(square, torch.randn(256, 32), candidate="bf16").report.data
+
+
+def test_the_fix_trials_leave_the_users_model_as_it_was() -> None:
+    model, x = _classifier()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fpdoctor.compare(model, x, candidate="bf16")
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) and after[k].dtype == before[k].dtype for k in before)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert type(model.head) is nn.Linear and model.head.weight.dtype == torch.float32
