@@ -134,3 +134,28 @@ def test_a_kernel_log_finding_names_the_rank_whose_gpu_it_is():
     assert unowned is elsewhere  # no rank on that GPU: as the kernel log said it
     other_node = catalog.make("xid-error", message="Xid 79.", where={"pci": "0000:38:00.0", "host": "node8"})
     assert on_ranks([other_node], ctx, ranks) == [other_node]  # the same bus id on another node's log
+
+
+def test_a_child_exception_quoted_by_mp_spawn_is_the_last_of_its_chain():
+    """mp.spawn quotes the traceback the failed process printed: a chained one ends in the
+    exception that ended it, and that one is the child's."""
+    from fpdoctor.crash.collect import _reported_exception
+
+    quoted = (
+        'Traceback (most recent call last):\n  File "/w/spawn.py", line 3, in load\n    open(path)\n'
+        "FileNotFoundError: shard 3\n\nDuring handling of the above exception, another exception occurred:\n\n"
+        'Traceback (most recent call last):\n  File "/lib/torch/multiprocessing/spawn.py", line 87, in _wrap\n'
+        '    fn(i, *args)\n  File "/w/spawn.py", line 9, in work\n    raise ValueError("no data,\\nretry")\n'
+        "ValueError: no data,\nretry\n"
+    )
+    parent = {
+        "time": 5.0,
+        "message": "\n\n-- Process 1 terminated with the following error:\n" + quoted,
+        "traceback": "Traceback ...\ntorch.multiprocessing.spawn.ProcessRaisedException: \n\n"
+        "-- Process 1 terminated with the following error:\n" + quoted,
+    }
+    record = _reported_exception(parent, 1, 4.5)
+    assert record is not None
+    assert (record["type"], record["message"], record["time"]) == ("ValueError", "no data,\nretry", 4.5)
+    assert [f["function"] for f in record["frames"]] == ["_wrap", "work"]
+    assert _reported_exception(parent, 0, 4.5) is None  # another process's quote

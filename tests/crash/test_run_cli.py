@@ -229,6 +229,45 @@ def test_torchrun_rank_dies_while_the_other_waits_in_a_collective(tmp_path):
     assert out.stat().st_mtime - death < 5.0 + _slack()
 
 
+SPAWN = """
+import time
+import torch.multiprocessing as mp
+
+def work(index):
+    if index == 1:
+        raise ValueError("bad batch on process 1")
+    time.sleep(60)  # until mp.spawn stops it
+
+if __name__ == "__main__":
+    mp.spawn(work, nprocs=2)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_under_mp_spawn_the_process_that_raised_leads_not_the_one_it_stopped(tmp_path):
+    """Process 1 raises; mp.spawn catches it there, terminates process 0 and raises
+    ProcessRaisedException quoting process 1's traceback. The ValueError of process 1 is the
+    failure; process 0, stopped by SIGTERM, is a consequence."""
+    pytest.importorskip("torch")
+    script = tmp_path / "spawn.py"
+    script.write_text(SPAWN)
+    out = tmp_path / "report.json"
+    result = run("run", "-o", str(out), "--", sys.executable, str(script), timeout=100)
+    assert result.returncode == 1
+    doc = json.loads(out.read_text())
+    first = doc["findings"][0]
+    assert first["name"] == "uncaught-exception" and first["severity"] == "error"
+    assert first["evidence"]["exception"] == "ValueError" and first["where"]["rank"] == 1
+    assert first["message"].startswith("rank 1 (mp.spawn's process 1, pid ")
+    assert "bad batch on process 1 (the first process to fail)" in first["message"]
+    assert first["evidence"]["user_frame"] == f"{script}:7 in work"
+    stopped = only(doc, "rank-stopped")
+    assert stopped["where"]["rank"] == 0 and stopped["evidence"]["first_failure"] == "rank 1"
+    assert stopped["evidence"]["ended"] == "terminated" and stopped["severity"] == "info"
+    assert [f["name"] for f in doc["findings"]] == ["uncaught-exception", "rank-stopped"]
+    assert dict(doc["data"]["summary"])["first failure"].startswith("rank 1 ValueError at ")
+
+
 def _slack() -> float:
     """This 2-core CI machine runs other suites beside this one; the budget is measured by
     benchmarks/bench_run.py on an idle machine."""

@@ -90,6 +90,8 @@ class Process:
     fault_from_stream: bool = False
     end_hint: float | None = None  # when another process reported its death (no trace of its own)
     helper: bool = False  # a rank's own child (a DataLoader worker, a fork): its RANK is inherited
+    index: int | None = None  # its place among the processes mp.spawn started (its rank), from the launcher
+    reported: bool = False  # the child its launcher reported as the one that failed
 
     # -- who ------------------------------------------------------------------------------
     def _int(self, key: str) -> int | None:
@@ -104,7 +106,7 @@ class Process:
         rank = self._int("rank")
         if rank is None and self.launcher is not None:
             rank = self.launcher.rank
-        return rank
+        return self.index if rank is None else rank
 
     @property
     def local_rank(self) -> int | None:
@@ -381,6 +383,7 @@ def collect(run_dir: str, *, child_pid: int, returncode: int, stderr_tail: bytes
     for proc in procs.values():
         parent = procs.get(proc.ppid or 0)
         proc.helper = bool(proc.record) and _inherits_rank(proc.record, parent.record if parent else None)
+    _spawned(procs)
     direct = procs.setdefault(child_pid, Process(pid=child_pid))
     direct.direct = True
     direct.returncode = returncode
@@ -411,6 +414,67 @@ def collect(run_dir: str, *, child_pid: int, returncode: int, stderr_tail: bytes
         native=_attribute_loose_native(loose, ordered),
         stderr_text=text,
     )
+
+
+def _spawned(procs: dict[int, Process]) -> None:
+    """The processes a torch.multiprocessing launcher (mp.spawn) started, by their index, and the
+    one it reported as failed (sitecustomize records the report with the launcher's exception).
+    mp.spawn catches the child's exception itself, prints it into a file and exits 1: the
+    traceback is in the launcher's ProcessRaisedException, and the child gets it back from there."""
+    for parent in list(procs.values()):
+        exc = parent.main_exception() or {}
+        child = exc.get("child") or {}
+        index, pid = child.get("index"), child.get("pid")
+        if not isinstance(index, int) or not isinstance(pid, int):
+            continue
+        pids = [p for p in child.get("pids") or [] if isinstance(p, int)]
+        started = dict(enumerate(pids)) if pids[index : index + 1] == [pid] else {index: pid}
+        for i, child_pid in started.items():
+            p = procs.get(child_pid)
+            if p is not None and p.ppid == parent.pid and p._int("rank") is None:
+                p.index, p.helper = i, False
+        failed = procs.get(pid)
+        if failed is None or failed.ppid != parent.pid:
+            continue
+        failed.reported = True
+        if failed.main_exception() is None and failed.fault is None:
+            record = _reported_exception(exc, index, failed.exit_time)
+            if record is not None:
+                failed.exceptions.append(record | {"reported_by": parent.pid})
+
+
+_PROCESS_RAISED = re.compile(r"^-- Process (\d+) terminated with the following error:\n", re.MULTILINE)
+_TB_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>.+)$')
+
+
+def _reported_exception(exc: dict[str, Any], index: int, when: float | None) -> dict[str, Any] | None:
+    """A child's uncaught exception as its launcher's ProcessRaisedException quotes it."""
+    text = str(exc.get("traceback") or exc.get("message") or "")
+    quoted = [m for m in _PROCESS_RAISED.finditer(text) if int(m[1]) == index]
+    if not quoted:
+        return None
+    lines = text[quoted[-1].end() :].rstrip("\n").splitlines()
+    # the last exception of the chain: after its own header, its frames, then `Type: message`
+    headers = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    frames, rest = [], lines[headers[-1] + 1 if headers else 0 :]
+    for i, line in enumerate(rest):
+        if not line.startswith(" "):
+            rest = rest[i:]
+            break
+        m = _TB_FRAME.match(line)
+        if m:
+            frames.append({"file": m["file"], "line": int(m["line"]), "function": m["function"]})
+    if not rest or rest[0].startswith(" "):
+        return None
+    kind, _, first = rest[0].partition(": ")
+    return {
+        "time": when if when is not None else _float(exc.get("time")),
+        "type": kind,
+        "message": "\n".join([first, *rest[1:]]),
+        "traceback": "\n".join(lines),
+        "frames": frames,
+        "thread": None,
+    }
 
 
 # torch.utils.data's messages when a worker dies: the one place a worker is named with its pid

@@ -85,7 +85,15 @@ def failures(ctx: Context) -> list[Event]:
             if up in failed and _reports_a_child(failed[up].process, failed[up].outcome):
                 launchers.add(up)
             up = parents.get(up)
-    return sorted((e for e in events if e.process.pid not in launchers), key=lambda e: e.time)
+    # A child its launcher stopped after reporting another child's failure (mp.spawn terminates the
+    # rest) is a consequence, whatever the clocks say: the reported failure comes first.
+    reported = {p.ppid: p.pid for p in procs if p.reported}
+
+    def stopped(e: Event) -> bool:
+        other = reported.get(e.process.ppid, e.process.pid) != e.process.pid
+        return other and e.outcome.kind in ("terminated", "killed")
+
+    return sorted((e for e in events if e.process.pid not in launchers), key=lambda e: (stopped(e), e.time))
 
 
 # -- one finding per failed process ------------------------------------------------------------
@@ -93,7 +101,7 @@ def failures(ctx: Context) -> list[Event]:
 
 def _who(p: Process, ctx: Context) -> str:
     if p.is_rank:
-        extra = [f"pid {p.pid}"]
+        extra = [f"pid {p.pid}" if p.index is None else f"mp.spawn's process {p.index}, pid {p.pid}"]
         if p.local_rank is not None:
             extra.append(f"local rank {p.local_rank}")
         if p.host:
@@ -387,6 +395,11 @@ def exception_finding(ctx: Context, p: Process, *, first: bool) -> Finding:
     if error is not None:
         lines.append(error.meaning.text)
     tb = str(exc.get("traceback", "")).rstrip().splitlines()
+    if exc.get("reported_by") is not None:
+        launcher = exc["reported_by"]
+        lines.append(
+            f"As its launcher (pid {launcher}) reported it: mp.spawn catches it in the process, which exits 1."
+        )
     if tb:
         lines.append("Traceback (last lines):")
         lines += [f"  {line}" for line in tb[-14:]]
@@ -452,7 +465,7 @@ def rank_stopped(ctx: Context, p: Process, first: Event) -> Finding:
     else:
         doing, state = "left no stack", "unknown"
     endings = {
-        "terminated": "then it was stopped with SIGTERM (torchrun stops the other ranks once one fails)",
+        "terminated": "then it was stopped with SIGTERM (torchrun and mp.spawn stop the other ranks once one fails)",
         "killed": "then it was killed (SIGKILL)",
         "running": "it was still running when the report was written",
         "vanished": "it ended without an exit record (killed, or os._exit)",

@@ -37,7 +37,7 @@ def build(ctx: Context) -> Report:
     job = [p for p in ctx.collected.processes if p.is_rank]
     for event in events:
         p, o = event.process, event.outcome
-        after = first is not None and event is not first and event.time >= first.time
+        after = first is not None and event is not first  # failures() puts the cause first
         # after the first failure, a rank that did not crash by itself, or a process fpdoctor
         # stopped, is a consequence
         peer = first is not None and first.process.is_rank and p.is_rank and o.kind != "signal"

@@ -174,7 +174,7 @@ def _exception_record(
 
         frames = [{"file": f.filename, "line": f.lineno, "function": f.name} for f in traceback.extract_tb(tb)]
         text = "".join(traceback.format_exception(exc_type, exc, tb))
-    return {
+    record: dict[str, Any] = {
         "time": time.time(),
         "type": f"{getattr(exc_type, '__module__', 'builtins')}.{getattr(exc_type, '__qualname__', '?')}",
         "message": str(exc)[:4000],
@@ -182,6 +182,28 @@ def _exception_record(
         "frames": frames[-200:],
         "thread": thread,
     }
+    child = _failed_child(exc_type, exc, tb)
+    if child is not None:
+        record["child"] = child
+    return record
+
+
+def _failed_child(exc_type: type[BaseException], exc: BaseException | None, tb: TracebackType | None) -> Any:
+    """The child a torch.multiprocessing launcher (mp.spawn, start_processes) reports as failed:
+    ProcessRaisedException and ProcessExitedException carry its index and pid, and the
+    ProcessContext that raised them (`self` of the innermost frame, its join) has every child's
+    pid in index order: the index is what mp.spawn passes its function first, the process's rank."""
+    index, pid = getattr(exc, "error_index", None), getattr(exc, "error_pid", None)
+    if not str(getattr(exc_type, "__module__", "")).startswith("torch.") or not isinstance(index, int):
+        return None
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    context_pids = getattr(tb.tb_frame.f_locals.get("self") if tb is not None else None, "pids", None)
+    try:
+        pids = [int(p) for p in context_pids()] if callable(context_pids) else []
+    except Exception:  # another object's pids(): the failed child alone is named
+        pids = []
+    return {"index": index, "pid": pid, "pids": pids}
 
 
 def _walk(tb: TracebackType | None) -> list[dict[str, Any]]:
