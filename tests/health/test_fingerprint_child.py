@@ -183,7 +183,7 @@ def test_a_rank_that_cannot_reach_the_others_reports_alone(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setattr(ranks, "exchange", unreachable)
+    monkeypatch.setattr(ranks, "process_group", unreachable)
     result = fingerprint.run_fingerprints(0.0, device="cpu")
     assert result.reporting  # nobody else will report this rank's fingerprint
     assert [row["rank"] for row in result.rows] == [1] and result.rows[0]["verdict"] == "ok"
@@ -191,6 +191,32 @@ def test_a_rank_that_cannot_reach_the_others_reports_alone(monkeypatch):
         "rank 1: fingerprints not compared across ranks (RuntimeError: Connection closed by peer [127.0.0.1]:29500)"
         in result.notes
     )
+
+
+def test_every_rank_gets_every_row_the_same_findings_and_what_each_rank_shares(monkeypatch):
+    import contextlib
+    import copy
+
+    from fpdoctor.health import ranks
+
+    def gather(group, payload):  # rank 0 is the other rank: its row is this rank's, renamed
+        if "rows" in payload:
+            theirs = copy.deepcopy(payload["rows"])
+            for row in theirs:
+                row["rank"] = 0
+            return [{"rows": theirs, "notes": ["from rank 0"]}, payload]
+        return [{"shared": "rank 0's facts"}, payload]
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(ranks, "process_group", lambda dist, timeout_s: contextlib.nullcontext())
+    monkeypatch.setattr(ranks, "gather", gather)
+    result = fingerprint.run_fingerprints(0.0, device="cpu", share=lambda: "rank 1's facts")
+    assert not result.reporting  # rank 0 prints the report
+    assert [row["rank"] for row in result.rows] == [0, 1] and [r["verdict"] for r in result.rows] == ["ok", "ok"]
+    assert result.findings == [] and "rank 0: from rank 0" in result.notes
+    assert result.shared == ["rank 0's facts", "rank 1's facts"]
 
 
 def test_the_command_line_refuses_a_negative_duration_with_exit_2():
@@ -207,7 +233,8 @@ def test_the_command_line_runs_cpu_fingerprints_end_to_end():
 
     result = run_fpdoctor("health", "--device", "cpu", "--duration", "0.2", "--format", "json", timeout=120)
     doc = json.loads(result.out)
-    # the CPU's fingerprint is fine; the exit status is the GPUs' gate (2 where they were not checked)
+    # the CPU's fingerprint is fine; the exit status is the GPUs' gate (2 where a driver's GPUs were
+    # not checked; 0 on a machine without an NVIDIA driver, where the CPU is all --device cpu asks about)
     assert result.code == (0 if doc["data"]["complete"] else 2), result.err
     (row,) = doc["data"]["fingerprints"]["rows"]
     assert row["verdict"] == "ok" and row["known_answer_ok"] is True

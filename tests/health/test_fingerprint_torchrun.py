@@ -49,8 +49,9 @@ def test_the_rank_with_an_intermittent_matmul_error_is_named(tmp_path):
     elapsed, docs = _torchrun(tmp_path, "--fault-rank", "2", "--every", "3")
     assert elapsed < LIMIT_S
     assert [d["reporting"] for d in docs] == [True, False, False, False]
-    assert all(d["findings"] == [] for d in docs[1:])  # other ranks print nothing
     root = docs[0]
+    # every rank judges every rank's rows alike; only rank 0 prints them
+    assert all(d["findings"] == root["findings"] and d["rows"] == root["rows"] for d in docs[1:])
     assert [row["rank"] for row in root["rows"]] == [0, 1, 2, 3]
     named = {(f["name"], f["where"].get("rank")) for f in root["findings"]}
     assert named, root

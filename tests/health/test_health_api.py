@@ -269,3 +269,77 @@ def test_the_same_gpu_in_two_saved_files_is_listed_once():
     assert not _same_gpu(GpuFacts(pci="0000:52:00.0", host="a"), GpuFacts(pci="0000:52:00.0", host="b"))
     assert _same_gpu(GpuFacts(pci="0000:52:00.0", host="a"), GpuFacts(pci="0000:52:00.0"))
     assert not _same_gpu(GpuFacts(pci="0000:52:00.0", uuid="GPU-1"), GpuFacts(pci="0000:52:00.0", uuid="GPU-2"))
+
+
+# --- --device cpu, and one exit status for every torchrun rank ----------------------------------
+
+
+def _cpu_rows(world: int, *, failed: bool = False) -> list[dict]:
+    rows = []
+    for rank in range(world):
+        row = {"rank": rank, "host": "n1", "device": "cpu", "kind": "cpu", "name": "x86_64", "verdict": "ok"}
+        if failed:
+            row["failure"] = {"kind": "error", "error": "child did not start"}
+        rows.append(row)
+    return rows
+
+
+def _facts(*, nvml_error: str, no_driver: bool):
+    """Facts without GPU facts (NVML not read) and with a clean kernel log."""
+    from fpdoctor.health.model import HealthFacts
+
+    facts = HealthFacts(host="n1", not_checked={"NVML": nvml_error})
+    facts.no_driver = nvml_error if no_driver else None
+    facts.kernel_logs = [{"source": "dmesg", "lines": 2, "nvidia_lines": 1, "xid_lines": 0}]
+    return facts
+
+
+NO_DRIVER = "NVML not available: libnvidia-ml.so.1 not found (no NVIDIA driver here)"
+
+
+@pytest.mark.parametrize(
+    ("device_asked", "no_driver", "failed", "status"),
+    [
+        ("cpu", True, False, 0),  # the CPU asked for, and no GPU here whose facts could be missing
+        (None, True, False, 2),  # GPUs asked for: none seen is no verdict
+        ("cpu", False, False, 2),  # a driver whose NVML cannot be read: its GPUs are not checked
+        ("cpu", True, True, 2),  # the CPU's own fingerprint did not run
+    ],
+)
+def test_device_cpu_on_a_machine_without_a_driver_is_judged_by_its_fingerprints(
+    device_asked, no_driver, failed, status
+):
+    from fpdoctor.health.fingerprint import FingerprintResult
+    from fpdoctor.health.report import exit_code
+
+    facts = _facts(nvml_error=NO_DRIVER, no_driver=no_driver)
+    report = build(facts, [], fingerprints=FingerprintResult(rows=_cpu_rows(1, failed=failed)), device=device_asked)
+    assert exit_code(report) == status
+    if status == 0:
+        assert report.data["status"] == "healthy" and "not_checked" not in report.data
+        assert report.data["summary"][0][1].startswith("healthy: the CPU fingerprints show no problem; no GPU")
+
+
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_under_torchrun_every_rank_judges_the_merged_facts_and_exits_alike(monkeypatch, rank):
+    """Every rank judges rank 0's facts with every rank's fingerprints: the same report and exit status,
+    whatever its own facts say."""
+    from fpdoctor.health import collect, fingerprint
+
+    own = _facts(nvml_error="NVML not available: Driver/library version mismatch", no_driver=False)
+    facts_of_rank_0 = _facts(nvml_error=NO_DRIVER, no_driver=True)
+
+    def run_fingerprints(duration, *, device, share):
+        share()  # this rank's own facts, read after the fingerprints; the gather brings rank 0's
+        return fingerprint.FingerprintResult(
+            rows=_cpu_rows(4), reporting=rank == 0, shared=[facts_of_rank_0, own, own, own]
+        )
+
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", str(rank))
+    monkeypatch.setattr(fingerprint, "run_fingerprints", run_fingerprints)
+    monkeypatch.setattr(collect, "collect_live", lambda **_: facts_of_rank_0 if rank == 0 else own)
+    result = health(duration=1, device="cpu")
+    assert result.facts is facts_of_rank_0 and result.reporting is (rank == 0)
+    assert result.exit_code == 0 and result.report.data["status"] == "healthy"

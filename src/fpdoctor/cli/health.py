@@ -82,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         result = health(duration=duration, from_files=args.from_files, device=device)
     except (InputError, DeviceNotFound) as exc:
         raise UsageError(str(exc)) from exc
-    if not result.reporting:
-        return 0  # a torchrun rank other than 0: rank 0 reports for every rank
-    emit(result.report.to_dict(), args)
+    # under torchrun only rank 0 (local rank 0 without fingerprints) reports, but every rank exits
+    # with the verdict: a rank that exits otherwise makes torchrun stop the others and fail the job
+    if result.reporting:
+        emit(result.report.to_dict(), args)
     return result.exit_code

@@ -35,7 +35,8 @@ class HealthResult:
     def exit_code(self) -> int:
         """What `fpdoctor health` exits with, a scheduler's drain/undrain gate: 1 an error-level
         finding, 0 every source read and no error, 2 no verdict (something NOT CHECKED or INCOMPLETE,
-        nothing read an error). `report.exit_code` is 0/1 by findings alone, as for every command."""
+        nothing read an error). `report.exit_code` is 0/1 by findings alone, as for every command.
+        Under torchrun with fingerprints every rank has the same report, so the same exit status."""
         from fpdoctor.health.report import exit_code
 
         return exit_code(self.report)
@@ -55,7 +56,8 @@ def health(
     reads facts only, in well under a second, without importing torch. Fingerprints run first, in
     child processes, so Xids or ECC errors they provoke are in the facts read after them.
     device: where fingerprints run: 'cuda' or None every GPU of this node (under torchrun, this
-    rank's GPU), 'cuda:N' that GPU, 'cpu' the CPU.
+    rank's GPU), 'cuda:N' that GPU, 'cpu' the CPU (on a machine without an NVIDIA driver the CPU's
+    fingerprints are then the whole verdict: there is no GPU whose facts could be missing).
     nvml: a replacement for the pynvml module (tests).
     Raises InputError for unusable files and ValueError for a bad duration or device
     (fingerprint.DeviceNotFound for a cuda:N this machine lacks).
@@ -74,7 +76,12 @@ def health(
     from fpdoctor.health.ranks import dist_env
 
     dist = dist_env()
+
+    def read_facts() -> HealthFacts:
+        return collect_files(paths) if paths else collect_live(nvml_module=nvml)
+
     fingerprints = None
+    facts = None
     if duration > 0:
         from fpdoctor.health.fingerprint import FingerprintResult, run_fingerprints
 
@@ -84,11 +91,16 @@ def health(
                 notes=[f"{no_gpu}: fingerprints not run; --device cpu runs them on the CPU"]
             )
         else:
-            fingerprints = run_fingerprints(duration, device=device)
-    # after the fingerprints, so the Xids and ECC errors their load provoked are in the facts
-    facts = collect_files(paths) if paths else collect_live(nvml_module=nvml)
+            # The facts are read once every rank's fingerprints are done, so the Xids and ECC errors
+            # their load provoked are in them. Under torchrun every rank then judges rank 0's facts
+            # with every rank's fingerprints: one merged report, the same verdict and exit status on
+            # every rank (a rank that exits otherwise makes torchrun stop the others and fail the job).
+            fingerprints = run_fingerprints(duration, device=device, share=read_facts)
+            facts = fingerprints.shared[0]
+    if facts is None:
+        facts = read_facts()
     judged = judge(facts)
-    report = build(facts, judged.findings, fingerprints=fingerprints, failed=judged.not_checked)
+    report = build(facts, judged.findings, fingerprints=fingerprints, failed=judged.not_checked, device=device)
     # without fingerprints nothing is gathered across ranks: one report per node, from local rank 0
     reporting = fingerprints.reporting if fingerprints is not None else dist is None or dist.local_rank == 0
     return HealthResult(report=report, facts=facts, fingerprints=fingerprints, reporting=reporting)

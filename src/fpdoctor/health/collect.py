@@ -132,6 +132,7 @@ def collect_live(*, nvml_module: Any = None, readers: Any = None, host: str | No
             sees_none = True
     except nvml.NvmlUnavailable as exc:
         facts.not_checked["NVML"] = str(exc)
+        facts.no_driver = str(exc) if exc.no_driver else None
     _live_kernel_log(facts, readers)
     if sees_none:
         _gpus_the_driver_registered(facts)
@@ -256,3 +257,4 @@ def _merge(facts: HealthFacts, other: HealthFacts, name: str) -> None:
     facts.not_checked.update({f"{k} (in {name})": v for k, v in other.not_checked.items()})
     facts.notes += other.notes
     facts.no_gpu = facts.no_gpu or other.no_gpu
+    facts.no_driver = facts.no_driver or other.no_driver

@@ -5,8 +5,8 @@ parallel, with a timeout: a child killed by a signal or stuck in a kernel become
 this process creates no CUDA context (it only counts the GPUs). A child runs known-answer GEMMs,
 seeded GEMMs repeated for about `duration` seconds and digested on the device, and times them
 (`fpdoctor.health.gemm`). Under torchrun every rank fingerprints its own GPU, one
-`all_gather_object` brings the rows to rank 0, and `fpdoctor.health.ranks` judges them by
-fingerprint group.
+`all_gather_object` brings every rank's rows to every rank, and `fpdoctor.health.ranks` judges
+them by fingerprint group, the same on every rank; rank 0 reports.
 
 Faults are injected in tests and the casebook by passing a `child_command` that runs a script
 patching torch.mm inside the child (tests/fixtures/health/): the product has no switch that could
@@ -56,6 +56,7 @@ class FingerprintResult:
     rows: list[dict[str, Any]] = field(default_factory=list)  # one per GPU (or per CPU rank)
     notes: list[str] = field(default_factory=list)  # what was not run or not compared, and why
     reporting: bool = True  # False on the ranks other than 0 under torchrun: they print nothing
+    shared: list[Any] = field(default_factory=list)  # what `share` returned on each rank, in rank order
 
 
 def check_duration(duration: Any, *, name: str = "duration") -> float:
@@ -83,11 +84,18 @@ class DeviceNotFound(InputError):
 
 
 def run_fingerprints(
-    duration: float, *, device: str | None = None, child_command: ChildCommand | None = None
+    duration: float,
+    *,
+    device: str | None = None,
+    child_command: ChildCommand | None = None,
+    share: Callable[[], Any] | None = None,
 ) -> FingerprintResult:
     """Fingerprint every visible GPU of this node (`device=None`), one device ("cuda:1", "cpu"),
-    or under torchrun this rank's device; rank 0 returns every rank's rows and the findings.
-    `child_command` makes the argv of a device's child from its spec (default `child_command`)."""
+    or under torchrun this rank's device; every rank returns every rank's rows and the same
+    findings, and rank 0 is the one that reports. `child_command` makes the argv of a device's
+    child from its spec (default `child_command`). `share`, called on every rank once every rank's
+    children are done, reads what each rank is to know of the others (the health facts): its
+    results come back in `shared`, in rank order (only this rank's when the ranks are not joined)."""
     from fpdoctor.health import ranks
 
     duration = check_duration(duration)
@@ -112,20 +120,38 @@ def run_fingerprints(
             job.add_done_callback(finished)
             jobs.append(job)
         rows = [_row(job.result(), dist) for job in jobs]
+    mine: list[Any] = []  # this rank's share, read once
+
+    def read_share() -> Any:
+        if not mine:
+            mine.append(share() if share is not None else None)
+        return mine[0]
+
     if dist is not None:
         try:
             # ranks whose children finish later arrive later: the timeout outlasts the slowest child
-            with progress.task(f"health: rank {dist.rank}: gathering every rank's fingerprints"):
-                gathered = ranks.exchange(dist, {"rows": rows, "notes": notes}, timeout_s=limit_s + 60.0)
+            with ranks.process_group(dist, timeout_s=limit_s + 60.0) as group:
+                with progress.task(f"health: rank {dist.rank}: gathering every rank's fingerprints"):
+                    gathered = ranks.gather(group, {"rows": rows, "notes": notes})
+                shared = []
+                if share is not None:  # every rank's children are done: what is read now holds what they provoked
+                    shared = [part.get("shared") for part in ranks.gather(group, {"shared": read_share()})]
         except Exception as exc:  # a rank that died, a store out of reach: this rank reports alone
             notes.append(f"rank {dist.rank}: fingerprints not compared across ranks ({_one_line(exc)})")
         else:
-            if dist.rank != 0:
-                return FingerprintResult(rows=rows, notes=notes, reporting=False)
             rows = [row for part in gathered for row in part.get("rows", [])]
             notes = ranks.merge_notes([(r, part.get("notes", [])) for r, part in enumerate(gathered)])
+            findings, judged_notes = ranks.judge(rows)
+            return FingerprintResult(
+                findings=findings,
+                rows=rows,
+                notes=notes + judged_notes,
+                reporting=dist.rank == 0,
+                shared=shared,
+            )
     findings, judged_notes = ranks.judge(rows)
-    return FingerprintResult(findings=findings, rows=rows, notes=notes + judged_notes)
+    own = [read_share()] if share is not None else []
+    return FingerprintResult(findings=findings, rows=rows, notes=notes + judged_notes, shared=own)
 
 
 def _devices(device: str | None, dist: Any) -> tuple[list[str], list[str]]:

@@ -127,6 +127,8 @@ class HealthFacts:
     # what says the driver sees no GPU where there should be some (nvidia-smi's "No devices were
     # found"), in words; None when nothing says so
     no_gpu: str | None = None
+    # why this machine has no NVIDIA driver (no libnvidia-ml, no kernel module), when it has none
+    no_driver: str | None = None
 
     def gpu_for(self, pci: str | None) -> GpuFacts | None:
         return next((g for g in self.gpus if pci and g.pci == pci), None)
@@ -143,6 +145,7 @@ class HealthFacts:
             "not_checked": self.not_checked,
             "notes": self.notes,
             **({"no_gpu": self.no_gpu} if self.no_gpu else {}),
+            **({"no_driver": self.no_driver} if self.no_driver else {}),
         }
 
     @classmethod
@@ -161,4 +164,5 @@ class HealthFacts:
             not_checked=dict(d.get("not_checked") or {}),
             notes=list(d.get("notes") or []),
             no_gpu=d.get("no_gpu"),
+            no_driver=d.get("no_driver"),
         )

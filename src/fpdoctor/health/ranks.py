@@ -10,8 +10,9 @@ group: it is exact everywhere, and each member is checked against it on its own;
 fails it (or disagrees with itself) is named for that and has no vote, and two members that
 disagree are no majority.
 
-Under torchrun the rows travel in one `all_gather_object` over gloo, from the torchrun
-environment when no process group exists yet.
+Under torchrun the rows travel in one `all_gather_object` over gloo to every rank, which judges
+them alike, then in the same group what each rank shares (`fingerprint.run_fingerprints`), from
+the torchrun environment when no process group exists yet.
 """
 
 from __future__ import annotations
@@ -92,12 +93,6 @@ def gather(group: Any, payload: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[Any] = [None] * tdist.get_world_size(group)
     tdist.all_gather_object(out, payload, group=group)
     return [p if isinstance(p, dict) else {} for p in out]
-
-
-def exchange(dist: DistEnv, payload: dict[str, Any], *, timeout_s: float) -> list[dict[str, Any]]:
-    """`payload` of every rank, in rank order: one all_gather_object in a group made for it."""
-    with process_group(dist, timeout_s=timeout_s) as group:
-        return gather(group, payload)
 
 
 def merge_notes(parts: list[tuple[int, list[str]]]) -> list[str]:

@@ -43,7 +43,11 @@ def _unread(facts: HealthFacts) -> list[str]:
     )
 
 
-def _gaps(facts: HealthFacts) -> list[str]:
+# The sources of GPU facts: not needed where the run asked about the CPU alone (build's cpu_only)
+_GPU_SOURCES = ("NVML", "GPU facts", "kernel log")
+
+
+def _gaps(facts: HealthFacts, *, cpu_only: bool = False) -> list[str]:
     """What was not checked, in a word each: the sources listed as not checked, GPU facts or the
     kernel log when not given, the key facts a GPU could not give."""
     gaps = list(facts.not_checked)
@@ -51,13 +55,22 @@ def _gaps(facts: HealthFacts) -> list[str]:
         gaps.append("GPU facts")
     if not facts.kernel_logs and "kernel log" not in gaps:
         gaps.append("kernel log")
-    return gaps + _unread(facts)
+    return [g for g in gaps + _unread(facts) if not (cpu_only and g in _GPU_SOURCES)]
 
 
-def complete(facts: HealthFacts) -> bool:
+def complete(facts: HealthFacts, *, cpu_only: bool = False) -> bool:
     """Whether every source was read: GPU facts (NVML or nvidia-smi -q) with every key fact, the
-    kernel log, and nothing listed as not checked. Only then can 'no error' mean healthy."""
-    return not _gaps(facts)
+    kernel log, and nothing listed as not checked. Only then can 'no error' mean healthy.
+    `cpu_only`: the CPU's fingerprints were asked for on a machine without an NVIDIA driver,
+    where no GPU facts or kernel-log lines can be missing."""
+    return not _gaps(facts, cpu_only=cpu_only)
+
+
+def _cpu_only(facts: HealthFacts, fingerprints: Any, device: str | None) -> bool:
+    """Whether the run asked about the CPU alone (--device cpu), on a machine without an NVIDIA
+    driver, and got its fingerprints measured: then that is the whole verdict."""
+    rows = fingerprints.rows if fingerprints is not None else []
+    return device == "cpu" and facts.no_driver is not None and bool(rows) and not any("failure" in r for r in rows)
 
 
 def exit_code(report: Report) -> int:
@@ -71,7 +84,12 @@ def exit_code(report: Report) -> int:
 
 
 def _status(
-    facts: HealthFacts, findings: list[Finding], fingerprints: Any, failed: Mapping[str, str] | None = None
+    facts: HealthFacts,
+    findings: list[Finding],
+    fingerprints: Any,
+    failed: Mapping[str, str] | None = None,
+    *,
+    cpu_only: bool = False,
 ) -> tuple[str, str]:
     """(status, the text that leads the report). The report's banner comes from the findings alone
     (OK without any), so a check that read nothing says NOT CHECKED / INCOMPLETE here, in capitals,
@@ -87,9 +105,13 @@ def _status(
     if problems:
         gpus = {f.where.get("pci") or f.where.get("uuid") or f.where.get("index") for f in problems} - {None}
         on = f" on {len(gpus)} GPU(s)" if gpus else ""  # no-gpu-visible names no GPU
-        gaps = [*_gaps(facts), *failed]
+        gaps = [*_gaps(facts, cpu_only=cpu_only), *failed]
         skipped = f"; NOT CHECKED: {', '.join(gaps)}" if gaps else ""
         return "problems", f"problems found{on}: see the findings{skipped}{note_text}"
+    if cpu_only and not failed and complete(facts, cpu_only=True):
+        return "healthy", (
+            f"healthy: the CPU fingerprints show no problem; no GPU to check ({facts.no_driver}){note_text}"
+        )
     if not gpu_facts and not nvidia_lines:
         why = facts.not_checked.get("NVML") or "no NVML facts or nvidia-smi -q output given"
         log = "no kernel log read" if not facts.kernel_logs else "the kernel log has no NVIDIA lines"
@@ -279,10 +301,10 @@ def table(facts: HealthFacts, findings: list[Finding], fp_rows: list[dict[str, A
     return {"title": "GPUs", "columns": columns, "rows": rows}
 
 
-def _not_checked(facts: HealthFacts, failed: Mapping[str, str]) -> dict[str, str]:
+def _not_checked(facts: HealthFacts, failed: Mapping[str, str], *, cpu_only: bool = False) -> dict[str, str]:
     """Sources that could not be read, the checks that failed, then per-fact reasons other than
-    'not supported', merged over GPUs."""
-    out = {**facts.not_checked, **failed}
+    'not supported', merged over GPUs; GPU sources not at all when the run needs none (cpu_only)."""
+    out = {**{k: v for k, v in facts.not_checked.items() if not (cpu_only and k in _GPU_SOURCES)}, **failed}
     by_reason: dict[tuple[str, str], list[str]] = {}
     for g in facts.gpus:
         for key, why in g.unavailable.items():
@@ -299,14 +321,17 @@ def build(
     *,
     fingerprints: Any = None,
     failed: Mapping[str, str] | None = None,
+    device: str | None = None,
 ) -> Report:
     """The Report of `fpdoctor health`: findings, then `data` with status, summary, table, not_checked,
     notes and the facts (which `--from` reads back). `failed`: the checks that raised, and why
-    (`findings.judge(facts).not_checked`)."""
+    (`findings.judge(facts).not_checked`). `device`: where fingerprints were asked to run; 'cpu'
+    on a machine without an NVIDIA driver asks about the CPU alone (see _cpu_only)."""
     failed = failed or {}
     fp_findings = list(fingerprints.findings) if fingerprints is not None else []
     all_findings = findings + fp_findings
-    status, status_text = _status(facts, all_findings, fingerprints, failed)
+    cpu_only = _cpu_only(facts, fingerprints, device)
+    status, status_text = _status(facts, all_findings, fingerprints, failed, cpu_only=cpu_only)
     summary: list[list[str]] = [["status", status_text]]
     if facts.host:
         summary.append(["host", facts.host])
@@ -326,10 +351,14 @@ def build(
             )
     summary += [["note", n] for n in notes]
     # `complete` with `status` decides the exit status (`exit_code`): a scheduler's gate reads either
-    data: dict[str, Any] = {"status": status, "complete": complete(facts) and not failed, "summary": summary}
+    data: dict[str, Any] = {
+        "status": status,
+        "complete": complete(facts, cpu_only=cpu_only) and not failed,
+        "summary": summary,
+    }
     if facts.gpus or facts.xids or facts.lost or (fingerprints is not None and fingerprints.rows):
         data["table"] = table(facts, all_findings, fingerprints.rows if fingerprints is not None else None)
-    not_checked = _not_checked(facts, failed)
+    not_checked = _not_checked(facts, failed, cpu_only=cpu_only)
     if not_checked:
         data["not_checked"] = not_checked
     data["notes"] = notes

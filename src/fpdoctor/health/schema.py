@@ -132,6 +132,7 @@ HEALTH_FACTS = Fields(
         "not_checked": MapOf(TEXT),
         "notes": ListOf(TEXT),
         "no_gpu": OPTIONAL_TEXT,
+        "no_driver": OPTIONAL_TEXT,
     },
     required=("gpus",),
 )
