@@ -158,13 +158,14 @@ def test_rows_state_the_elements_each_figure_was_computed_on():
     torch.manual_seed(1)
     result = fpdoctor.compare(attention_model(), torch.randn(8, 64, 64), candidate="fp16")
     rows = modules(result)
-    # 8 x 64 x 64 = 32768 output values, every 4th sampled; 512 rows, 64 of them re-run
+    # 8 x 64 x 64 = 32768 output values, every 11th sampled (a prime: every column of 64 is among
+    # them, where every 4th would read 16 of the 64); 512 rows, 64 of them re-run
     assert rows["embed"]["elements"] == {
-        "propagated": "8192 of 32768 values, every 4th",
+        "propagated": "2979 of 32768 values, every 11th",
         "isolated": "64 of 512 rows, evenly spread, all their values",
     }
     attn = rows["attn"]["elements"]
-    assert attn["propagated"] == "8192 of 32768 values, every 4th"
+    assert attn["propagated"] == "2979 of 32768 values, every 11th"
     assert attn["isolated"].startswith(f"op {rows['attn']['own_ops']['op']}'s output")
     assert "the op run in float16" in attn["isolated"]
     text = render(loads_strict(result.report.to_json()), "text", width=100)

@@ -93,7 +93,7 @@ def flat_sample(value: Any, dtype: torch.dtype = torch.float64) -> torch.Tensor 
     parts = [t.reshape(-1) for t in floating(value)]
     if not parts:
         return None
-    step = max(1, sum(p.numel() for p in parts) // SAMPLE)
+    step = sample_step(sum(p.numel() for p in parts))
     # Each part is sampled before it is converted (never a full-size copy), and the result is always
     # a copy: a strided view would keep the whole activation alive for the entire run.
     if len(parts) == 1:
@@ -152,5 +152,15 @@ def round_to(t: torch.Tensor, candidate: str) -> torch.Tensor:
 
 
 def sample_step(total: int) -> int:
-    """The stride flat_sample takes over `total` values: every value up to 2 * SAMPLE - 1 of them."""
-    return max(1, total // SAMPLE)
+    """The stride flat_sample takes over `total` values: every value up to 2 * SAMPLE - 1 of them,
+    else a prime of at least 11 (and at least total // SAMPLE). A stride that shares a factor with a
+    dimension of the output samples some of its columns only: every 64th value of a [.., 64] output
+    is one feature, which may be the one that does not go wrong; a prime above 7 shares none with
+    the sizes models use (powers of two, 3 x 2^k, 10^k, ...)."""
+    step = total // SAMPLE
+    if step < 2:
+        return 1
+    step = max(step, 11)
+    while any(step % d == 0 for d in range(2, math.isqrt(step) + 1)):
+        step += 1
+    return step
