@@ -117,6 +117,17 @@ def test_sys_exit_codes_are_the_scripts(tmp_path):
     assert finished.code == 0 and [f["name"] for f in doc["findings"]] == ["nonfinite-produced"]
 
 
+def test_a_script_terminated_by_sigterm_gets_its_report_then_fpdoctor_dies_of_it(tmp_path):
+    """As `python SCRIPT.py` would die of it (returncode -15, a shell's 143): the report of what ran
+    first, whose headline says the script was not checked to its end, never OK."""
+    path = tmp_path / "job.py"
+    path.write_text("import os, signal, torch\ntorch.ones(2) + 1\nos.kill(os.getpid(), signal.SIGTERM)\nprint('on')\n")
+    result = run_fpdoctor("trace", "--", str(path), timeout=120)
+    assert (result.code, result.out) == (-signal.SIGTERM, "")
+    assert result.err.strip().splitlines()[0].split()[:3] == ["INCOMPLETE", "fpdoctor", "trace"], result.err
+    assert "terminated by SIGTERM before the script ended" in result.err
+
+
 WARNS = "import torch\nx = torch.full((64,), 30000.0, dtype=torch.float16)\nprint(float((x * 2.05).max()))\n"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -349,7 +350,7 @@ def test_the_fix_for_bf16_updates_is_tried_under_watch_and_the_weights_stay_bitw
     assert not _report(tmp_path)["data"].get("not_checked")  # the copies' optimizer steps are not the script's
 
 
-def test_sigterm_writes_the_report_of_the_steps_so_far_and_exits_143(tmp_path):
+def test_sigterm_writes_the_report_of_the_steps_so_far_and_dies_of_it(tmp_path):
     script = _write(
         tmp_path,
         "slow.py",
@@ -378,10 +379,44 @@ def test_sigterm_writes_the_report_of_the_steps_so_far_and_exits_143(tmp_path):
     assert proc.stdout.readline().strip() == "stepped"
     proc.terminate()
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + 15, err
+    assert proc.returncode == -signal.SIGTERM, err
     report = _report(tmp_path)
-    assert report["data"]["steps"] == 2
+    assert report["data"]["steps"] == 2 and report["data"]["status"] == "incomplete"
     assert "terminated by SIGTERM" in report["data"]["not_checked"]["script"]
+
+
+SELF_TERMINATED = """
+import os, signal
+print("stepped", flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+print("went on", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sigterm", ["default", "ignored"])
+def test_a_script_that_is_terminated_meets_the_same_fate_as_without_the_watch(tmp_path, sigterm):
+    """Killed by SIGTERM: the report first (never OK: the script was not checked to its end), then
+    fpdoctor dies of SIGTERM as the script would have. SIGTERM ignored when it started (nohup, a
+    launcher's choice): ignored by the script under the watch too."""
+    script = _write(tmp_path, "job.py", SELF_TERMINATED)
+    disposition = signal.SIG_DFL if sigterm == "default" else signal.SIG_IGN
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            argv, capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path, env=_env(),
+            preexec_fn=lambda: signal.signal(signal.SIGTERM, disposition),
+        )  # fmt: skip
+
+    plain = run(sys.executable, str(script))
+    watched = run(sys.executable, "-m", "fpdoctor", "watch", "--", str(script))
+    assert (watched.returncode, watched.stdout) == (plain.returncode, plain.stdout)
+    if sigterm == "ignored":
+        assert plain.stdout == "stepped\nwent on\n" and watched.stderr.lstrip().startswith("OK ")
+        return
+    assert plain.returncode == -signal.SIGTERM and plain.stdout == "stepped\n"
+    headline = watched.stderr.strip().splitlines()[0]
+    assert headline.split()[:3] == ["INCOMPLETE", "fpdoctor", "watch"], watched.stderr
+    assert "terminated by SIGTERM before the script ended" in watched.stderr
 
 
 GAN_AND_LOSS = """

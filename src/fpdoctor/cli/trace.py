@@ -8,6 +8,7 @@ WORLD_SIZE set) every rank writes its own report, `-o FILE` becoming FILE.rankN.
 its script ends, raises, is stopped at a non-finite op or is terminated (torchrun sends SIGTERM
 to the survivors when one rank fails); whichever rank completes the set also writes FILE, every
 rank's findings merged. No collective is used, so a rank that hangs or dies cannot hang the others.
+A script terminated by SIGTERM gets its report of what ran, then this process dies of SIGTERM too.
 """
 
 from __future__ import annotations
@@ -33,7 +34,17 @@ from fpdoctor.cli.output import (
     write_atomic,
     write_or_stderr,
 )
-from fpdoctor.cli.trace_outcome import FAIL_ON, default_fail_on, exception_finding, exit_code_of
+from fpdoctor.cli.trace_outcome import (
+    FAIL_ON,
+    TERMINATED,
+    Terminated,
+    catch_sigterm,
+    default_fail_on,
+    die_of_sigterm,
+    exception_finding,
+    exit_code_of,
+    terminated,
+)
 from fpdoctor.cli.trace_outcome import status as exit_status
 from fpdoctor.report.write import rank_path
 
@@ -81,10 +92,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("script", metavar="SCRIPT.py")
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
     p.set_defaults(run=run)
-
-
-class _Terminated(BaseException):
-    """SIGTERM while the script ran: unwind it so this rank's report is still written."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,11 +191,8 @@ def run(args: argparse.Namespace) -> int:
     error: BaseException | None = None
     ended: Any = None  # the finding for how the script ended: an exception, sys.exit(n)
     code = 0  # what `python SCRIPT.py` would have exited with
-
-    def _on_term(signum: int, frame: Any) -> None:
-        raise _Terminated
-
-    previous = signal.signal(signal.SIGTERM, _on_term) if dist is not None else None
+    killed = False  # by SIGTERM: after the report, this process dies of it too
+    previous = catch_sigterm()
     raise_on = "nonfinite" if args.raise_on_nonfinite else None
     # made before the script's try: a failure of ours to make it is not the script's error
     session = fpdoctor.trace(raise_on=raise_on, headroom=args.headroom, repro=args.repro)
@@ -209,9 +213,8 @@ def run(args: argparse.Namespace) -> int:
     except fpdoctor.NonFiniteError as exc:
         failure = f"stopped at the producing op: {exc}"
         code = 1  # stopped before its end, as asked: the rest of the job did not run
-    except _Terminated:
-        failure = "terminated by SIGTERM (under torchrun: another rank failed) before the script ended"
-        code = 128 + signal.SIGTERM
+    except Terminated:
+        killed, failure = True, TERMINATED + (" (under torchrun: another rank failed)" if dist is not None else "")
     except Exception as exc:  # the script's own error: show it, still report what was traced
         progress.close()  # the traceback goes to the terminal as written, not under a redraw
         sys.stderr.write(user_traceback(exc, script))
@@ -240,6 +243,8 @@ def run(args: argparse.Namespace) -> int:
         report.findings.append(ended)
     if failure:
         report.data.setdefault("not_checked", {})["script"] = failure
+    if killed:
+        terminated(report)
     summary = report.data.setdefault("summary", [])
     if dtype_name:
         summary.insert(0, ("autocast", f"{device} {dtype_name}"))
@@ -252,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
         _write_rank(report.to_dict(), args, dist)
     else:
         emit_after_program(report.to_dict(), args)
-    return status
+    return die_of_sigterm() if killed else status
 
 
 def _so_far(session: Any) -> str:

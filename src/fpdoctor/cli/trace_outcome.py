@@ -12,12 +12,53 @@ included, so a finding must not end the job its report is about.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import sys
 from typing import Any
 
 from fpdoctor import catalog
 from fpdoctor.report.model import Finding, Report
 
 FAIL_ON = ("error", "warning", "never")
+TERMINATED = "terminated by SIGTERM before the script ended"
+
+
+class Terminated(BaseException):
+    """SIGTERM while the script ran: unwinds it so that the report is still written."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
+def catch_sigterm() -> Any:
+    """While the script runs, SIGTERM raises Terminated, so that its report is still written; the
+    handler this replaced, for the caller to put back. None where SIGTERM was not at its default
+    action (an inherited SIG_IGN): python would keep that for the script, and so does this."""
+    if signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        return None
+    return signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+def terminated(report: Report) -> None:
+    """A script terminated before its end was not checked to its end: the headline says so
+    (INCOMPLETE, never OK), and the summary says why, after the script's name."""
+    report.data["status"] = "incomplete"
+    report.data.setdefault("summary", []).insert(0, ("ended", f"{TERMINATED}: the rest was not checked"))
+
+
+def die_of_sigterm() -> int:
+    """After the report: end this process by SIGTERM, as the script would have died of it (the shell
+    sees a death by signal, a launcher 'Signal 15'), not by an exit status the script never gave.
+    Returns 128+SIGTERM, the shell's number for it, only where the signal cannot be delivered."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed stream: the death is what matters now
+            stream.flush()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return 128 + signal.SIGTERM
 
 
 def default_fail_on(under_launcher: bool) -> str:

@@ -4,8 +4,9 @@ The script runs as `__main__` under `fpdoctor.integrations.script.ScriptWatch`: 
 step of every optimizer it creates is checked on the device, a non-finite step is kept from the
 weights, replayed as it ran and classified, and the job goes on. A line on stderr says each bad
 step's verdict as it comes; the report follows the script's end (on stderr, or to FILE). The exit
-status is the script's. Under torchrun every rank writes FILE.rankN and whichever rank completes
-the set writes FILE, every rank's findings merged (as `fpdoctor trace` does).
+status is the script's, and a script terminated by SIGTERM ends this process by SIGTERM too.
+Under torchrun every rank writes FILE.rankN and whichever rank completes the set writes FILE,
+every rank's findings merged (as `fpdoctor trace` does).
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ from typing import Any
 
 from fpdoctor.cli.output import UsageError, add_output_args, emit_after_program
 from fpdoctor.cli.trace import _sidecar, _write_rank, rank_info, user_traceback
-from fpdoctor.cli.trace_outcome import exception_finding, exit_code_of
+from fpdoctor.cli.trace_outcome import (
+    TERMINATED,
+    Terminated,
+    catch_sigterm,
+    die_of_sigterm,
+    exception_finding,
+    exit_code_of,
+    terminated,
+)
 
 USAGE = "usage: fpdoctor watch [--report FILE] -- [python [OPTIONS]] SCRIPT.py | -m MODULE [ARGS...]"
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?")  # python, python3, python3.12: the interpreter word
@@ -53,10 +62,6 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="[python] SCRIPT.py ARGS")
     p.set_defaults(run=run)
-
-
-class _Terminated(BaseException):
-    """SIGTERM while the script ran: unwind it so that the report is still written."""
 
 
 def _python_options(words: list[str]) -> tuple[list[str], list[str]]:
@@ -164,11 +169,8 @@ def run(args: argparse.Namespace) -> int:
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.getcwd() if as_module else os.path.dirname(os.path.abspath(script)))
     code = 0
-
-    def _on_term(signum: int, frame: Any) -> None:
-        raise _Terminated
-
-    previous = signal.signal(signal.SIGTERM, _on_term)
+    killed = False  # by SIGTERM: after the report, this process dies of it too
+    previous = catch_sigterm()
     watcher = ScriptWatch(replay=not args.no_replay, notify=notify, device_skip=True if args.device_skip else None)
     unwatched: str | None = None
     try:
@@ -188,9 +190,8 @@ def run(args: argparse.Namespace) -> int:
             if not isinstance(exc.code, int):
                 print(exc.code, file=sys.stderr)  # as python prints sys.exit("message")
             failure, error = f"the script exited with {exc.code}", exc
-    except _Terminated:
-        code = 128 + signal.SIGTERM
-        failure = "terminated by SIGTERM before the script ended"
+    except Terminated:
+        killed, failure = True, TERMINATED
     except Exception as exc:  # the script's own error: printed as python would, then the report
         sys.stderr.write(user_traceback(exc, script))
         code = 1
@@ -199,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         watcher.close()
         sys.argv, sys.path[:] = saved_argv, saved_path
-        signal.signal(signal.SIGTERM, previous)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     report = watcher.report
     if unwatched:
         report.data.setdefault("not_checked", {})["watch"] = f"the watch could not start ({unwatched})"
@@ -208,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
     if error is not None:  # a script that raised is never OK
         report.findings.append(exception_finding(error, script, code))
         error = None  # drop the frames it holds (the script's tensors)
+    if killed:
+        terminated(report)
     report.data.setdefault("summary", []).insert(0, ("script", " ".join([script, *script_args])))
     if dist is not None:  # the judge's findings name the rank they are about; this rank's place beside
         report.data["distributed"] = {"rank": dist.rank, "world_size": dist.world_size, "host": dist.host}
@@ -216,4 +220,4 @@ def run(args: argparse.Namespace) -> int:
         _write_rank(report.to_dict(), args, dist)
     else:
         emit_after_program(report.to_dict(), args)
-    return code
+    return die_of_sigterm() if killed else code
