@@ -753,6 +753,7 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
     out: dict[str, dict[str, Any]] = {}
     for module, found in forced.items():
         op, lines, raised = found["op"], found.get("lines") or [], found.get("raised_rel")
+        buffers = found.get("buffers") or []
         error = found.get("error_rel")
         message = (
             f" {op} is not the cause: run exactly (in fp64) on its inputs rounded to {candidate}, it is as wrong "
@@ -762,20 +763,44 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
         evidence: dict[str, Any] = {"conditioned_rel": found["conditioned_rel"]}
         dtype = str(compute_dtype(candidate)).removeprefix("torch.")
         where = _lines_text(lines) if lines else ""
-        if lines:
-            message += f" What it reads is made at {where}."
+        held = ", ".join(f"`{b}`" for b in buffers)
+        if lines or buffers:
+            made = f"made at {where}" if lines else ""
+            rounded = f"the buffer{'s' if len(buffers) > 1 else ''} {held}, which the cast to {dtype} rounded"
+            message += f" What it reads is {' from '.join(x for x in (made, rounded if buffers else '') if x)}."
             evidence |= {"feeding_lines": [f"{f}:{n}" for f, n in lines], "raised_rel": raised}
+            if buffers:
+                evidence["rounded_buffers"] = buffers
         helped = raised is not None and error is not None and raised * RAISED_FALLS <= error
-        if lines and helped:
+        changes = [
+            *([f"compute {where} in fp32"] if lines else []),
+            *(
+                [
+                    f"keep {held} in fp32 (model.to(torch.{dtype}) rounds every floating buffer: assign "
+                    f"{'them' if len(buffers) > 1 else 'it'} again in fp32 after the cast)"
+                ]
+                if buffers
+                else []
+            ),
+        ]
+        if (lines or buffers) and helped:
+            back = f", and cast the result back to {dtype} after {op}" if lines else ""
             fix = (
-                f"compute {where} in fp32 and cast the result back to {dtype} after {op}: create the tensors there "
-                f"in torch.float32 (a cast .to(torch.{dtype}) or a dtype=torch.{dtype} there becomes "
-                f"torch.float32), then .to(torch.{dtype}) on what {op} returns; checked: the end-to-end error goes "
-                f"from {_fmt(error)} to "
-                f"{_fmt(raised)}"
+                f"{' and '.join(changes)}{back}"
+                + (
+                    f": create the tensors there in torch.float32 (a cast .to(torch.{dtype}) or a dtype=torch.{dtype} "
+                    f"there becomes torch.float32), then .to(torch.{dtype}) on what {op} returns"
+                    if lines
+                    else ""
+                )
+                + f"; checked: the end-to-end error goes from {_fmt(error)} to {_fmt(raised)}"
             )
+            changed = [
+                *([f"the ops at {where} in fp32"] if lines else []),
+                *([f"{held} held in fp32"] if buffers else []),
+            ]
             trial = Trial.checked(
-                f"the ops at {where} in fp32, their results cast back to {dtype}",
+                " and ".join(changed) + (f", their results cast back to {dtype}" if lines else ", the rest as it ran"),
                 metric="end-to-end relative error against fp64",
                 before=error,
                 after=raised,
@@ -783,10 +808,9 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
             )
         else:
             tried = (
-                f"the one change measured is not enough: {where} in fp32 leaves the end-to-end error at "
-                f"{_fmt(raised)} (from {_fmt(error)}); what they read may be made earlier (a buffer the model's "
-                "cast rounded, a value passed in)"
-                if lines and raised is not None
+                f"the one change measured is not enough: {' and '.join(changes)} leaves the end-to-end error at "
+                f"{_fmt(raised)} (from {_fmt(error)}); what they read may be made earlier (a value passed in)"
+                if (lines or buffers) and raised is not None
                 else "the lines that make its inputs were not found"
             )
             fix = f"make what {op} reads in fp32 from where it is first computed, and cast {op}'s result back"

@@ -86,6 +86,7 @@ from fpdoctor.precision.metrics import (
 )
 from fpdoctor.precision.profile import (
     DIVERGENCE_RATIO,
+    RAISED_FALLS,
     UNKNOWN_FLOOR,
     CompareResult,
     ModuleRow,
@@ -750,30 +751,31 @@ class _Comparison:
         root = next(e for (name, _), e in self.seen.items() if name == "")
         cause: dict[str, Any] = {"op": own["op"], "conditioned_rel": own["conditioned_rel"]}
         try:
-            lines = upstream.feeding_lines(
+            lines, read = upstream.feeding_lines(
                 self.cand_run, self.inputs, self.cand_dtype, op=own["op"], line=own["location"] or "",
                 module=row.module, rng=self.rng, device=self.cand_device, noise=self.noise,
             )  # fmt: skip
-            raised = (
-                upstream.raised_error(
-                    self.cand_run,
-                    self.inputs,
-                    self.cand_dtype,
-                    lines,
-                    truth=root.truth,
-                    norm=root.norm,
-                    rng=self.rng,
-                    device=self.cand_device,
-                    noise=self.noise,
-                )
-                if lines
-                else None
-            )
+            # the buffers it reads that the candidate's cast rounded: the user's own values, kept in fp32
+            user = dict(self.model.named_buffers())
+            buffers = {n: user[n] for n in read if n in user and torch.finfo(user[n].dtype).bits > 16}
+            final = rows[-1]
+
+            def raised_with(lines: list[tuple[str, int]], buffers: dict[str, torch.Tensor]) -> float | None:
+                return upstream.raised_error(
+                    self.cand_run, self.inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,
+                    rng=self.rng, device=self.cand_device, noise=self.noise, buffers=buffers,
+                )  # fmt: skip
+
+            # a rounded buffer alone first: when holding it in fp32 is the whole fix, the lines are not part of it
+            raised = raised_with([], buffers) if buffers else None
+            if raised is not None and raised * RAISED_FALLS <= final.propagated:
+                lines = []
+            elif lines or buffers:
+                raised = raised_with(lines, buffers)
         except Exception as exc:  # the search is ours; the finding stands without it
             self.notes["upstream of the worst op"] = f"not searched: {type(exc).__name__}: {exc}"
             return {row.module: cause}
-        final = rows[-1]
-        cause |= {"lines": lines, "raised_rel": raised, "error_rel": final.propagated}
+        cause |= {"lines": lines, "buffers": sorted(buffers), "raised_rel": raised, "error_rel": final.propagated}
         return {row.module: cause}
 
     # -- step 6: the result and its report ----------------------------------------------------------

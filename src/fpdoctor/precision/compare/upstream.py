@@ -48,16 +48,19 @@ class _Made:
     line: tuple[str, int] | None
     module: str
     inputs: list[_Made] = field(default_factory=list)
+    buffer: str | None = None  # a buffer of the model's: no line makes it, the model's cast rounded it
 
 
 class _Producers(EagerDispatchMode):
     """Records the producer of every floating tensor of one forward; at the call of `op` at `line`
     in `module`, walks its inputs back (`found`)."""
 
-    def __init__(self, op: str, line: str, module: str) -> None:
+    def __init__(self, op: str, line: str, module: str, buffers: dict[str, torch.Tensor]) -> None:
         super().__init__()
         self.op, self.line, self.module = op, line, module
         self.made = ByTensor()
+        for name, t in buffers.items():  # where a walk can end besides inputs and parameters
+            self.made.put(t, _Made("buffer", None, "", buffer=name))
         self.stack: list[str] = []
         self.found: list[_Made] | None = None
 
@@ -92,7 +95,7 @@ def _walk(target: _Made) -> list[_Made]:
     while frontier and len(seen) < WALK:
         made = frontier.pop()
         for up in made.inputs:
-            if up.module == target.module and all(up is not s for s in seen):
+            if (up.module == target.module or up.buffer is not None) and all(up is not s for s in seen):
                 seen.append(up)
                 frontier.append(up)
     return seen
@@ -101,20 +104,38 @@ def _walk(target: _Made) -> list[_Made]:
 def feeding_lines(
     run: nn.Module, inputs: Any, dtype: torch.dtype, *, op: str, line: str, module: str, rng: RngState,
     device: torch.device | None, noise: ReplayNoise | None,
-) -> list[tuple[str, int]]:  # fmt: skip
+) -> tuple[list[tuple[str, int]], list[str]]:  # fmt: skip
     """The user lines of the dataflow that feeds `op` at `line` in `module`'s own call, the op's
-    own line included, in file order; empty when the op was not seen."""
-    producers = _Producers(op, line, module)
+    own line included, in file order, and the buffers it reads that the model's cast rounded to
+    `dtype` (their names in the model); empty when the op was not seen."""
+    buffers = {name: t for name, t in run.named_buffers() if t.dtype == dtype}
+    producers = _Producers(op, line, module, buffers)
     stacked(producers, run, inputs, dtype, rng=rng, device=device, noise=noise)
     lines = {m.line for m in producers.found or [] if m.line is not None}
-    return sorted(lines)
+    return sorted(lines), sorted({m.buffer for m in producers.found or [] if m.buffer is not None})
 
 
 def raised_error(
     run: nn.Module, inputs: Any, dtype: torch.dtype, lines: list[tuple[str, int]], *, truth: torch.Tensor,
     norm: float, rng: RngState, device: torch.device | None, noise: ReplayNoise | None,
+    buffers: dict[str, torch.Tensor] | None = None,
 ) -> float | None:  # fmt: skip
-    """The candidate's end-to-end error against the fp64 `truth` with the ops at `lines` in fp32;
-    None when the run fails or no op ran at those lines."""
-    return error_under(RaisedLines(set(lines), dtype), run, inputs, dtype, truth=truth, norm=norm, rng=rng,
-                       device=device, noise=noise)  # fmt: skip
+    """The candidate's end-to-end error against the fp64 `truth` with the ops at `lines` in fp32 and
+    `buffers` (name in the model -> the user's own values) held in fp32 as the user made them, read
+    as they are (as the user's code reads a buffer assigned again in fp32 after the model's cast);
+    None when the run fails or nothing was raised."""
+    raised = RaisedLines(set(lines), dtype)
+    swapped = []
+    for name, value in (buffers or {}).items():
+        holder, _, attr = name.rpartition(".")
+        owner = run.get_submodule(holder)
+        kept = value.detach().to(device=getattr(owner, attr).device, dtype=torch.float32, copy=True)
+        swapped.append((owner, attr, getattr(owner, attr)))
+        owner._buffers[attr] = kept  # the buffer's slot: setattr would do the same through __setattr__
+        raised.raised += 1  # read as it is, as the user's code reads an fp32 buffer (torch's type promotion)
+    try:
+        return error_under(raised, run, inputs, dtype, truth=truth, norm=norm, rng=rng, device=device,
+                           noise=noise)  # fmt: skip
+    finally:
+        for owner, attr, original in swapped:
+            owner._buffers[attr] = original

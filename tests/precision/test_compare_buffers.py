@@ -1,0 +1,93 @@
+"""A buffer the model's cast rounded is an origin: compare's walk upstream of an op whose inputs'
+rounding forces its error ends at the buffer, holds it in fp32 as the user made it, and prints the
+fix with its check; applied as printed (the buffer assigned again in fp32 after model.to(bf16)),
+the error is gone. Two models the shared cases do not contain: rotary embeddings whose frequency
+table is a buffer, and a diffusion timestep embedding whose angle line also casts the timesteps
+to the table's dtype (the fix then needs the line too)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+import fpdoctor
+
+
+class Rotary(nn.Module):
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.register_buffer("inv_freq", 1.0 / 10000.0 ** (torch.arange(0, dim, 2).float() / dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        angles = torch.arange(x.shape[1], dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        cos, sin = angles.cos().to(h.dtype), angles.sin().to(h.dtype)
+        a, b = h[..., 0::2], h[..., 1::2]
+        return torch.cat([a * cos - b * sin, a * sin + b * cos], -1)
+
+
+class TimestepEmbedding(nn.Module):
+    """sin/cos of timestep x frequency, then an MLP; `fp32_line` is the line computed in fp32."""
+
+    def __init__(self, dim: int = 128, fp32_line: bool = False) -> None:
+        super().__init__()
+        self.fp32_line = fp32_line
+        self.register_buffer("freqs", torch.exp(-torch.arange(dim // 2).float() * (9.2 / (dim // 2))))
+        self.mlp = nn.Sequential(nn.Linear(dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        dtype = torch.float32 if self.fp32_line else self.mlp[0].weight.dtype  # the model's dtype
+        angles = t.to(dtype)[:, None] * self.freqs.to(dtype)[None, :]
+        emb = torch.cat([angles.sin(), angles.cos()], -1).to(self.mlp[0].weight.dtype)
+        return self.mlp(emb)
+
+
+def _error(model: nn.Module, inputs: tuple[torch.Tensor, ...], exact: torch.Tensor) -> float:
+    with torch.no_grad():
+        out = model(*inputs).double()
+    return float((out - exact).norm() / exact.norm())
+
+
+def _exact(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    with torch.no_grad():
+        return copy.deepcopy(model).double()(*(x.double() if x.is_floating_point() else x for x in inputs))
+
+
+def test_a_rounded_frequency_table_is_named_and_held_in_fp32_as_printed() -> None:
+    torch.manual_seed(0)
+    model, x = Rotary().eval(), torch.randn(2, 4096, 64)
+    result = fpdoctor.compare(model, x, candidate="bf16")
+    first = result.report.findings[0]
+    assert first.name == "precision-divergence" and first.evidence["rounded_buffers"] == ["inv_freq"]
+    assert "keep `inv_freq` in fp32" in first.fix and "assign it again in fp32 after the cast" in first.fix
+    assert "compute lines" not in first.fix  # the buffer alone is the whole fix
+    assert first.trial is not None and first.trial.tried and first.trial.after < 0.02 < first.trial.before
+
+    exact = _exact(model, (x,))
+    plain = copy.deepcopy(model).to(torch.bfloat16)
+    fixed = copy.deepcopy(model).to(torch.bfloat16)
+    fixed.inv_freq = model.inv_freq.float().clone()  # as printed: assigned again in fp32 after the cast
+    bf16 = (x.to(torch.bfloat16),)
+    assert _error(plain, bf16, exact) > 0.1
+    assert _error(fixed, bf16, exact) < 0.02
+
+
+def test_a_rounded_table_read_by_a_line_that_casts_needs_both_and_says_so() -> None:
+    torch.manual_seed(0)
+    model, t = TimestepEmbedding().eval(), torch.arange(1000)  # integer timesteps
+    result = fpdoctor.compare(model, t, candidate="bf16")
+    first = result.report.findings[0]
+    assert first.name == "precision-divergence" and first.evidence.get("rounded_buffers") == ["freqs"]
+    assert "compute line" in first.fix and "keep `freqs` in fp32" in first.fix
+    assert first.trial is not None and first.trial.tried and first.trial.after * 4 <= first.trial.before
+
+    exact = _exact(model, (t,))
+    fixed = TimestepEmbedding(fp32_line=True).eval()
+    fixed.load_state_dict(model.state_dict())
+    fixed.to(torch.bfloat16)
+    fixed.freqs = model.freqs.float().clone()  # the buffer in fp32 after the cast, the line in fp32
+    plain = copy.deepcopy(model).to(torch.bfloat16)
+    assert _error(fixed, (t,), exact) * 4 <= _error(plain, (t,), exact)
