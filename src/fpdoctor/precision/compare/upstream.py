@@ -131,11 +131,11 @@ def raised_error(
         owner = run.get_submodule(holder)
         kept = value.detach().to(device=getattr(owner, attr).device, dtype=torch.float32, copy=True)
         swapped.append((owner, attr, getattr(owner, attr)))
-        owner._buffers[attr] = kept  # the buffer's slot: setattr would do the same through __setattr__
+        setattr(owner, attr, kept)  # nn.Module puts a tensor set on a buffer's name in the buffer's slot
         raised.raised += 1  # read as it is, as the user's code reads an fp32 buffer (torch's type promotion)
     try:
         return error_under(raised, run, inputs, dtype, truth=truth, norm=norm, rng=rng, device=device,
                            noise=noise)  # fmt: skip
     finally:
         for owner, attr, original in swapped:
-            owner._buffers[attr] = original
+            setattr(owner, attr, original)
