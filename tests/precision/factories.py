@@ -179,3 +179,20 @@ def running_sum() -> tuple[nn.Module, list[torch.Tensor]]:
     tokens) while every op and module alone stays within a few floors."""
     torch.manual_seed(0)
     return RunningSum(), [torch.randn(2, n, 16) + 0.5 for n in (200, 800, 3000)]
+
+
+class Rotary(nn.Module):
+    """Rotary embeddings whose frequency table is a buffer built in fp32: the candidate's cast rounds
+    it, and every 64th value of the output is feature 0, whose frequency 1.0 bf16 holds exactly."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.register_buffer("inv_freq", 1.0 / 10000.0 ** (torch.arange(0, dim, 2).float() / dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        angles = torch.arange(x.shape[1], dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        cos, sin = angles.cos().to(h.dtype), angles.sin().to(h.dtype)
+        a, b = h[..., 0::2], h[..., 1::2]
+        return torch.cat([a * cos - b * sin, a * sin + b * cos], -1)

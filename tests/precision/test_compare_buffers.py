@@ -13,20 +13,7 @@ import torch
 from torch import nn
 
 import fpdoctor
-
-
-class Rotary(nn.Module):
-    def __init__(self, dim: int = 64) -> None:
-        super().__init__()
-        self.proj = nn.Linear(dim, dim)
-        self.register_buffer("inv_freq", 1.0 / 10000.0 ** (torch.arange(0, dim, 2).float() / dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.proj(x)
-        angles = torch.arange(x.shape[1], dtype=torch.float32)[:, None] * self.inv_freq[None, :]
-        cos, sin = angles.cos().to(h.dtype), angles.sin().to(h.dtype)
-        a, b = h[..., 0::2], h[..., 1::2]
-        return torch.cat([a * cos - b * sin, a * sin + b * cos], -1)
+from tests.precision.factories import Rotary
 
 
 class TimestepEmbedding(nn.Module):

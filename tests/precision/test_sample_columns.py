@@ -10,6 +10,7 @@ import torch
 
 import fpdoctor
 from fpdoctor.precision.metrics import SAMPLE, flat_sample, sample_step
+from tests.precision.factories import Rotary
 
 
 @pytest.mark.parametrize("shape", [(2, 4096, 64), (8, 128, 768), (4, 1000, 1000), (3, 50257), (7, 3, 224, 224)])
@@ -20,22 +21,6 @@ def test_the_sample_reads_every_column_and_at_most_twice_sample_values(shape: tu
     columns = (sample.long() % shape[-1]).unique().numel()
     assert columns == min(shape[-1], sample.numel())
     assert sample_step(t.numel()) in (1, *[p for p in range(11, 10**6) if p == sample_step(t.numel())])
-
-
-class Rotary(torch.nn.Module):
-    """A frequency table built in fp32 as a buffer; the candidate's cast rounds it."""
-
-    def __init__(self, dim: int = 64) -> None:
-        super().__init__()
-        self.proj = torch.nn.Linear(dim, dim)
-        self.register_buffer("inv_freq", 1.0 / 10000.0 ** (torch.arange(0, dim, 2).float() / dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.proj(x)
-        angles = torch.arange(x.shape[1], dtype=torch.float32)[:, None] * self.inv_freq[None, :]
-        cos, sin = angles.cos().to(h.dtype), angles.sin().to(h.dtype)
-        a, b = h[..., 0::2], h[..., 1::2]
-        return torch.cat([a * cos - b * sin, a * sin + b * cos], -1)
 
 
 def test_an_error_in_the_columns_a_power_of_two_stride_skips_is_seen() -> None:
