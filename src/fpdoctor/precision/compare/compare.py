@@ -882,7 +882,7 @@ class _Comparison:
             top1 = self._top1_with_fp32(modules, fp32_output=fp32_output)
             if top1 is not None:
                 tried.append((modules, top1))
-            if top1 is not None and 1.0 - top1 <= use.RECOVERED * (1.0 - found.top1):
+            if top1 is not None and found.recovered(top1):
                 break  # the first that gives the decisions back, in the order of what it changes least
         result.report.findings.append(use.finding(found, self.label, tried, head=head, inputs=self.inputs))
 

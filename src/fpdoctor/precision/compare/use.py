@@ -57,6 +57,10 @@ class Decisions:
         flipped, floor = 1.0 - self.top1, max(1.0 - self.floor_top1, 1.0 / self.rows)
         return flipped >= DECISION_SHARE and flipped >= DECISION_RATIO * floor
 
+    def recovered(self, top1: float) -> bool:
+        """A run whose top-1 agreement is `top1` gives the decisions back: RECOVERED of the flips at most."""
+        return 1.0 - top1 <= RECOVERED * (1.0 - self.top1)
+
     def text(self) -> str:
         return (
             f"top-1 agreement {_pct(self.top1)} (rounding the exact output: {_pct(self.floor_top1)}), top-{TOP_K} "
@@ -140,7 +144,7 @@ def finding(
         return " and ".join(f"`{m}`" for m in modules)
 
     best = max(tried, key=lambda t: t[1], default=None)
-    if best is not None and 1.0 - best[1] <= RECOVERED * flipped:
+    if best is not None and found.recovered(best[1]):
         modules, top1 = best
         output = ", returning fp32 logits" if head in modules else ""
         fix = (
