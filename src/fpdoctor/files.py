@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 
@@ -18,6 +17,9 @@ def write_atomic(target: Path, data: bytes) -> None:
     # mkstemp makes the file 0600; the user's file is like any other: an existing file keeps its
     # mode, a new one gets what the user's umask gives (0644 under umask 022).
     mode = target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask()
+    # Imported here: every command's report writer imports this module, and most print instead.
+    import tempfile
+
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, mode)

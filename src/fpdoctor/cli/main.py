@@ -16,8 +16,28 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from fpdoctor.cli import audit, compare, demo, env, explain, health, plan, run, trace, watch
+# Each command's module (cli/<module>.py), in the order `fpdoctor --help` lists them; `explain`
+# registers `rules` too.
+_COMMANDS = {
+    "env": "env",
+    "trace": "trace",
+    "compare": "compare",
+    "plan": "plan",
+    "audit": "audit",
+    "demo": "demo",
+    "health": "health",
+    "run": "run",
+    "watch": "watch",
+    "explain": "explain",
+    "rules": "explain",
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of `command` alone: a command's module imports what its
+    arguments need (compare's dtype names, trace's signals), and `env --from`, run on every new
+    issue by a triage bot, has a 0.5 s budget that the other commands' imports would spend."""
+    import importlib
 
     parser = _Parser(
         prog="fpdoctor",
@@ -26,16 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"fpdoctor {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    env.add_parser(sub)
-    trace.add_parser(sub)
-    compare.add_parser(sub)
-    plan.add_parser(sub)
-    audit.add_parser(sub)
-    demo.add_parser(sub)
-    health.add_parser(sub)
-    run.add_parser(sub)
-    watch.add_parser(sub)
-    explain.add_parsers(sub)
+    names = [_COMMANDS[command]] if command in _COMMANDS else list(dict.fromkeys(_COMMANDS.values()))
+    for name in names:
+        module = importlib.import_module(f"fpdoctor.cli.{name}")
+        (module.add_parsers if name == "explain" else module.add_parser)(sub)
     return parser
 
 
@@ -53,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     child = _early_torch_child(argv)
     try:
-        args = build_parser().parse_args(argv)
+        # Only the named command's parser; anything else (--help, a typo) gets every command's.
+        args = build_parser(argv[0] if argv else None).parse_args(argv)
         args.torch_child = child
         from fpdoctor.cli.output import resolve_output
 
