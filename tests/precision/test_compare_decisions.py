@@ -124,3 +124,48 @@ def test_the_fix_trials_leave_the_users_model_as_it_was() -> None:
     assert all(torch.equal(before[k], after[k]) and after[k].dtype == before[k].dtype for k in before)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     assert type(model.head) is nn.Linear and model.head.weight.dtype == torch.float32
+
+
+class StreamingClassifier(nn.Module):
+    """A class per token from the running mean of the tokens so far: a running sum and a running
+    count, held in the model's dtype unless `fp32_states` (the fix, applied as a user writes it)."""
+
+    def __init__(self, fp32_states: bool = False) -> None:
+        super().__init__()
+        self.fp32_states = fp32_states
+        self.proj, self.head = nn.Linear(16, 32), nn.Linear(32, 50)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        state = torch.float32 if self.fp32_states else h.dtype
+        total = h.new_zeros(h.shape[0], h.shape[-1], dtype=state)
+        count = h.new_zeros(h.shape[0], 1, dtype=state)
+        means = []
+        for t in range(h.shape[1]):
+            total = total + h[:, t]
+            count = count + 1.0
+            means.append((total / count).to(h.dtype))
+        return self.head(torch.stack(means, 1))
+
+
+def test_decisions_changed_by_running_states_get_the_states_fix_checked_by_the_same_run() -> None:
+    """Where the end-to-end error is the running states' (a sum and a count that bf16 stops counting
+    past 256), the decisions finding's fix is theirs, checked by the run that kept them in fp64, and
+    no module is swapped in fp32 for it; applied as printed, the decisions come back."""
+    torch.manual_seed(0)
+    model, x = StreamingClassifier().eval(), torch.randn(2, 600, 16) + 0.5
+    report = fpdoctor.compare(model, x, candidate="bf16").report
+    (decisions,) = report.by_name("decisions-changed")
+    (divergence,) = report.by_name("precision-divergence")
+    lines = divergence.evidence["state_locations"]
+    assert len(lines) == 2, str(report)
+    assert all(line in decisions.fix for line in lines), decisions.fix
+    assert decisions.evidence["kept_in_fp32_tried"] == []  # no module trial ran
+    kept = decisions.evidence["running_state_kept"]
+    assert 1.0 - kept["top1"] <= 0.25 * (1.0 - decisions.evidence["decisions"]["top1"])
+
+    fixed = StreamingClassifier(fp32_states=True).eval()
+    fixed.load_state_dict(model.state_dict())
+    after = fpdoctor.compare(fixed, x, candidate="bf16").report
+    assert not after.by_name("decisions-changed"), str(after)
+    assert after.data["decisions"]["top1"] >= kept["top1"] - 0.02

@@ -374,6 +374,8 @@ class _Comparison:
         self._last_leaf: str | None = None
         self.logits: str | None = None
         self.root_truth: torch.Tensor | None = None
+        # the running states named the cause (step 5) and their checked run's output
+        self.state_fix: tuple[list[str], torch.Tensor] | None = None
         self.root_cand: torch.Tensor | None = None
 
     # -- where the random numbers stand ------------------------------------------------------
@@ -708,26 +710,34 @@ class _Comparison:
             self.notes["running states"] = f"not searched: {type(exc).__name__}: {exc}"
             states = []
         sites = {id(state): state.pop("sites") for state in states}
-        for state in states:
-            state["raised_rel"] = raised_error(
+        outputs: dict[int, list[torch.Tensor]] = {}  # each checked run's output, for what it decides
+        for state in states:  # an in-place update keeps its tensor's dtype: raising it needs the user's code changed
+            outputs[id(state)] = []
+            state["raised_rel"] = None if state["in_place"] else raised_error(
                 self.cand_run, self.inputs, self.cand_dtype, sites[id(state)], truth=truth.truth,
-                norm=truth.norm, rng=self.rng, device=self.cand_device, noise=self.noise,
+                norm=truth.norm, rng=self.rng, device=self.cand_device, noise=self.noise, keep=outputs[id(state)],
             )  # fmt: skip
         tried = [s for s in states if s["raised_rel"] is not None]
         best = min(tried, key=lambda s: s["raised_rel"], default=None)
         # the state is the cause when raising it alone takes most of the error away
         cause = best if best is not None and best["raised_rel"] * ACCUMULATION_FALLS <= root.propagated else None
+        if cause is not None and outputs[id(cause)]:
+            self.state_fix = ([cause["location"]], outputs[id(cause)][-1])
         # greedy, then joint: states that each help only a little may be needed together (a sum and
         # the normaliser it is divided by); the set is the cause when it does far better than the best alone
         together = None
         if len(tried) > 1:
+            kept: list[torch.Tensor] = []
             joint = raised_error(
                 self.cand_run, self.inputs, self.cand_dtype, [x for s in tried for x in sites[id(s)]],
                 truth=truth.truth, norm=truth.norm, rng=self.rng, device=self.cand_device, noise=self.noise,
+                keep=kept,
             )  # fmt: skip
             alone = best["raised_rel"] if best is not None else root.propagated
             if joint is not None and joint * JOINT_GAIN <= alone and joint * ACCUMULATION_FALLS <= root.propagated:
                 together = {"states": tried, "raised_rel": joint}
+                if kept:
+                    self.state_fix = ([s["location"] for s in tried], kept[-1])
         return {
             "together": together,
             "inputs": inputs_text(describe(self.inputs)),
@@ -867,6 +877,11 @@ class _Comparison:
         if not found.changed:
             return
         head = self._last_leaf or ""
+        state = self._state_decisions(found)
+        if state is not None and found.recovered(state[1]):  # the running states' fix gives them back too
+            result.report.findings.append(use.finding(found, self.label, [], head=head, inputs=self.inputs,
+                                                      state=state))  # fmt: skip
+            return
         leaves = sorted(
             (r for r in rows if r.module in self.leaves and r.module != head), key=lambda r: -(r.ratio or 0.0)
         )
@@ -884,7 +899,17 @@ class _Comparison:
                 tried.append((modules, top1))
             if top1 is not None and found.recovered(top1):
                 break  # the first that gives the decisions back, in the order of what it changes least
-        result.report.findings.append(use.finding(found, self.label, tried, head=head, inputs=self.inputs))
+        result.report.findings.append(use.finding(found, self.label, tried, head=head, inputs=self.inputs,
+                                                  state=state))  # fmt: skip
+
+    def _state_decisions(self, found: use.Decisions) -> tuple[str, float] | None:
+        """(where, top-1 agreement) of the checked run that kept the running states named the cause
+        in fp64 (step 5): the same run judged by what it decides; None when no state is the cause."""
+        if self.state_fix is None or self.root_truth is None or self.logits is None:
+            return None
+        lines, output = self.state_fix
+        got = use.decisions(self.root_truth, output.to(self.root_truth.device), self.candidate, self.logits)
+        return None if got is None else (", ".join(lines), got.top1)
 
     def _leaf_before(self, head: str) -> str | None:
         """The leaf whose call ended last before the logits' layer's (the fp64 pass's order)."""

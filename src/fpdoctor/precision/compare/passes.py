@@ -13,11 +13,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from fpdoctor.numerics.engine.raising import RaisedLines, RaisedSites
 from fpdoctor.precision.candidates import cast_inputs, split_inputs
 from fpdoctor.precision.compare.noise import RecordNoise, ReplayNoise
-from fpdoctor.precision.metrics import all_finite, cosine, flat_sample, rel_error
+from fpdoctor.precision.metrics import all_finite, cosine, flat_sample, floating, rel_error
 from fpdoctor.preserve import RngState
 from fpdoctor.torchprivate import EagerDispatchMode
 from fpdoctor.userframes import user_location
@@ -141,50 +142,79 @@ CARRIED_STEPS = 16  # updates in one forward before a chain is called a running 
 CARRIED_TRIED = 3  # the longest chains, each tried by a run with that state raised
 
 
-class _Chains(EagerDispatchMode):
-    """Counts, per user source line, the updates of a loop-carried tensor: an op that reads its own
-    previous output (s = s + x, one op), or a visit of the line whose ops read what its previous
-    visit made last (s = s * decay + x, several ops on one line). Each line's ops are kept: raising
-    the state raises them all."""
+class _Chains(TorchFunctionMode):
+    """Counts, per user source line, the updates of a loop-carried tensor: a call that reads its own
+    previous output (s = s + x, one call), or a visit of the line whose calls read what its previous
+    visit made last (s = s * decay + x, several on one line). Each line's torch functions are kept:
+    raising the state raises them all (engine.raising.RaisedSites). Watched at the level of torch
+    functions, as RaisedSites runs them: the search is one forward of a long loop."""
 
     def __init__(self) -> None:
         super().__init__()
         self.steps: dict[str, int] = {}
         self.module: dict[str, str] = {}
-        self.ops: dict[str, dict[int, Any]] = {}  # line -> its ops, in order (by id: an op's __hash__ is Python)
+        self.calls: dict[str, dict[int, Any]] = {}  # line -> its functions, in order (by id)
+        self.aten: dict[tuple[int, str], list[Any]] = {}  # (id of function, line) -> the aten ops it ran
         self.stack: list[str] = []
-        self.last: dict[tuple[int, str], Any] = {}  # (id of op, line) -> weak reference to its last output
-        self.line: str | None = None  # the line of the op seen last, and that op's output
+        self.last: dict[tuple[int, str], Any] = {}  # (id of function, line) -> weak reference to its last output
+        self.line: str | None = None  # the line of the call seen last, and that call's output
         self.out: Any = None
         self.counted = False  # the current visit of `line` was counted as an update
         self.previous: dict[str, Any] = {}  # line -> weak reference to its last visit's last output
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if func.is_view or not isinstance(out, torch.Tensor) or not out.is_floating_point():
-            return out
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         user = user_location(sys._getframe())
         if user is None:
-            return out
+            return func(*args, **(kwargs or {}))
         line = f"{user[0]}:{user[1]}"
+        key = (id(func), line)
+        if key in self.aten:
+            out = func(*args, **(kwargs or {}))
+        else:  # a function's first call at a line: the aten ops it runs name it in the finding
+            with _AtenOps() as ops:
+                out = func(*args, **(kwargs or {}))
+            self.aten[key] = ops.seen
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return out
         if line != self.line:  # a visit of the line before ends: what it made last is its state
             if self.line is not None:
                 self.previous[self.line] = self.out
             self.line, self.counted = line, False
-        read = [a for a in args if isinstance(a, torch.Tensor)]
-        own = self.last.get((id(func), line))
-        earlier = self.previous.get(line)
-        if _reads(read, own) or (not self.counted and _reads(read, earlier)):
+        if _reads(args, self.last.get(key)) or (not self.counted and _reads(args, self.previous.get(line))):
             self.steps[line] = self.steps.get(line, 0) + 1
             self.module.setdefault(line, self.stack[-1] if self.stack else "")
             self.counted = True
-        self.ops.setdefault(line, {})[id(func)] = func
-        self.last[(id(func), line)] = self.out = weakref.ref(out)
+        self.calls.setdefault(line, {})[id(func)] = func
+        self.last[key] = self.out = weakref.ref(out)
         return out
 
+    def ops(self, line: str) -> list[Any]:
+        """The aten ops the line's calls ran that compute (views left out), each once, in order."""
+        seen: dict[int, Any] = {}
+        for f in self.calls[line]:
+            for op in self.aten[(f, line)]:
+                if not op.is_view:
+                    seen.setdefault(id(op), op)
+        return list(seen.values())
 
-def _reads(args: list[torch.Tensor], ref: Any) -> bool:
-    held = ref() if ref is not None else None
+
+class _AtenOps(EagerDispatchMode):
+    """The aten ops one call runs (entered once per function and line: names for the finding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[Any] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _reads(args: Any, ref: Any) -> bool:
+    """Whether the tensor `ref` refers to (alive) is one of the call's arguments."""
+    if ref is None:
+        return False
+    held = ref()
     return held is not None and any(a is held for a in args)
 
 
@@ -192,21 +222,24 @@ def carried_states(
     run: nn.Module, inputs: Any, dtype: torch.dtype, *, rng: RngState, device: torch.device | None,
     noise: ReplayNoise | None,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """The running states of the candidate's forward, longest first: op, source line, the module
-    whose forward updates it, and how many updates one forward makes."""
+    """The running states of the candidate's forward, longest first: its aten ops, source line, the
+    module whose forward updates it, and how many updates one forward makes."""
     chains = _Chains()
     stacked(chains, run, inputs, dtype, rng=rng, device=device, noise=noise)
     found = [(steps, line) for line, steps in chains.steps.items() if steps >= CARRIED_STEPS]
     found.sort(key=lambda x: -x[0])
     return [
         {
-            "sites": [(op, line) for op in chains.ops[line].values()],
-            "op": " then ".join(str(op) for op in chains.ops[line].values()),
+            # views (k[:, t]) stay as they ran: raising one would raise the whole tensor it views
+            "sites": [
+                (f, line) for i, f in chains.calls[line].items() if not all(op.is_view for op in chains.aten[(i, line)])
+            ],
+            "op": " then ".join(str(op) for op in chains.ops(line)),
             "location": line,
             "module": chains.module[line],
             "steps": steps,
             # an in-place update (state += x) writes into the state's own storage, in its dtype
-            "in_place": any(op._schema.is_mutable for op in chains.ops[line].values()),
+            "in_place": any(op._schema.is_mutable for op in chains.ops(line)),
         }
         for steps, line in found[:CARRIED_TRIED]
     ]
@@ -215,26 +248,31 @@ def carried_states(
 def raised_error(
     run: nn.Module, inputs: Any, dtype: torch.dtype, sites: list[tuple[Any, str]], *, truth: torch.Tensor,
     norm: float, rng: RngState, device: torch.device | None, noise: ReplayNoise | None,
+    keep: list[torch.Tensor] | None = None,
 ) -> float | None:  # fmt: skip
     """The candidate's end-to-end error against the fp64 `truth` with the running states at `sites`
-    kept in float64 together (everything else as the candidate runs it); None when that run fails."""
-    if any(site[0]._schema.is_mutable for site in sites):
-        return None  # an in-place update keeps its tensor's dtype: raising it needs the user's code changed
+    kept in float64 together (everything else as the candidate runs it); None when that run fails.
+    `keep` gets the run's output (its first floating tensor), for what it decides."""
     return error_under(RaisedSites(sites, dtype), run, inputs, dtype, truth=truth, norm=norm, rng=rng,
-                       device=device, noise=noise)  # fmt: skip
+                       device=device, noise=noise, keep=keep)  # fmt: skip
 
 
 def error_under(
     raised: RaisedSites | RaisedLines, run: nn.Module, inputs: Any, dtype: torch.dtype, *, truth: torch.Tensor,
     norm: float, rng: RngState, device: torch.device | None, noise: ReplayNoise | None,
+    keep: list[torch.Tensor] | None = None,
 ) -> float | None:  # fmt: skip
     """The candidate's end-to-end error against the fp64 `truth` with some of its ops raised (an
-    engine.raising mode); None when the run fails or the mode raised no op."""
+    engine.raising mode); None when the run fails or the mode raised no op. `keep` gets the run's
+    output (its first floating tensor)."""
     got: list[torch.Tensor | None] = []
 
     def post(name: str, index: int, args: Any, output: Any) -> None:
         if name == "":
             got.append(flat_sample(output))
+            first = next(floating(output), None) if keep is not None else None
+            if keep is not None and first is not None:
+                keep.append(first.detach())
 
     try:
         with raised:

@@ -121,11 +121,13 @@ RECOVERED = 0.25
 
 
 def finding(
-    found: Decisions, label: str, tried: list[tuple[list[str], float]], *, head: str, inputs: Any
+    found: Decisions, label: str, tried: list[tuple[list[str], float]], *, head: str, inputs: Any,
+    state: tuple[str, float] | None = None,
 ) -> Finding:  # fmt: skip
-    """`decisions-changed`: what the candidate does to the decisions, and the fix, checked: the modules
-    kept in fp32 (`tried`: each set with the candidate's top-1 agreement then) that give most of them
-    back, or that none of the sets tried is enough."""
+    """`decisions-changed`: what the candidate does to the decisions, and the fix, checked: the running
+    states named the cause of the error, kept in fp64 (`state`: their lines and the top-1 agreement
+    then), when that gives them back; else the modules kept in fp32 (`tried`: each set with the
+    candidate's top-1 agreement then) that give most of them back, or that none tried is enough."""
     flipped = 1.0 - found.top1
     floor = 1.0 - found.floor_top1
     against = (
@@ -144,7 +146,18 @@ def finding(
         return " and ".join(f"`{m}`" for m in modules)
 
     best = max(tried, key=lambda t: t[1], default=None)
-    if best is not None and found.recovered(best[1]):
+    if state is not None and found.recovered(state[1]):
+        lines, top1 = state
+        noun = "running states" if "," in lines else "running state"
+        fix = (
+            f"Keep the {noun} updated at {lines} in fp32, as the finding on the end-to-end error says: "
+            f"the same checked run gives the decisions back, top-1 agreement {_pct(found.top1)} -> {_pct(top1)}."
+        )
+        trial = Trial.checked(
+            f"the {noun} at {lines} kept in fp64, the rest in {label}", metric="top-1 agreement with fp64",
+            before=_pct(found.top1), after=_pct(top1), on=on,
+        )  # fmt: skip
+    elif best is not None and found.recovered(best[1]):
         modules, top1 = best
         output = ", returning fp32 logits" if head in modules else ""
         fix = (
@@ -176,6 +189,7 @@ def finding(
         evidence={
             "decisions": found.to_dict(),
             "kept_in_fp32_tried": [{"modules": m, "top1": t} for m, t in tried],
+            **({"running_state_kept": {"locations": state[0], "top1": state[1]}} if state is not None else {}),
         },
         trial=trial,
     )
