@@ -26,6 +26,7 @@ settings itself: it is a graph reproducer's repro.py, run with torch only, no fp
 from __future__ import annotations
 
 import contextlib
+import re
 import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -95,6 +96,51 @@ def queue_callback(callback: Callable[[], None]) -> bool:
         return False
     queue(callback)
     return True
+
+
+# -- the dispatcher's registrations ---------------------------------------------------------------
+
+# A line of `_dispatch_dump`: "CPU: registered at /path/file.py:5 :: (Tensor _0) -> Tensor _0 [ boxed ]",
+# "CPU (inactive): registered at ...RegisterCPU_2.cpp:2492 ..." (a kernel another one replaced),
+# "debug: registered at /path/file.py:2" (where the op itself was defined).
+_REGISTERED = re.compile(
+    r"^(?P<key>[^:\n]+?)(?P<inactive> \(inactive\))?: registered at (?P<file>\S+?):(?P<line>\d+)", re.MULTILINE
+)
+
+
+def dispatcher_ops() -> list[str]:
+    """Every operator the dispatcher holds ("aten::exp", "myns::scale"): `fpdoctor env` lists those
+    that code outside torch (a sitecustomize, a .pth, a backend plug-in) defined or overrode before
+    the user's first line. [] where torch lacks the call: env then says it could not check."""
+    names = getattr(torch._C, "_dispatch_get_all_op_names", None)
+    return list(names()) if names is not None else []
+
+
+def dispatcher_dump(op: str) -> str:
+    """The dispatcher's text about `op` ("aten::exp"): its schema, where it was defined and every
+    kernel with where it was registered. `_dispatch_dump` is torch's debugging output: "" where
+    torch lacks it or the op is unknown."""
+    dump = getattr(torch._C, "_dispatch_dump", None)
+    if dump is None:
+        return ""
+    try:
+        return str(dump(op))
+    except RuntimeError:  # not an operator (any more)
+        return ""
+
+
+def registrations(op: str, text: str | None = None) -> list[tuple[str, str, int, bool]]:
+    """(dispatch key, file, line, active) of each registration of `op` that says where it was made
+    (from `text`, its dispatcher_dump, when the caller has it); the key "debug" is the op's own
+    definition. torch.library records the Python file and line that made each `Library`, a C++
+    registration its source file."""
+    text = dispatcher_dump(op) if text is None else text
+    return [(m["key"].strip(), m["file"], int(m["line"]), not m["inactive"]) for m in _REGISTERED.finditer(text)]
+
+
+def defined_at(op: str) -> tuple[str, int] | None:
+    """The file and line where `op` ("myns::scale") was defined: whose op the trace names."""
+    return next(((file, line) for key, file, line, _ in registrations(op) if key == "debug"), None)
 
 
 # -- kernels -------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Environment-doctor finding codes (ENV0xx: the build; ENV1xx: CUDA libraries; ENV2xx: probes;
-ENV3xx: what differs between two machines, `env --diff`)."""
+"""Environment-doctor finding codes (ENV0xx: the build and what runs at start-up; ENV1xx: CUDA
+libraries; ENV2xx: probes; ENV3xx: what differs between two machines, `env --diff`)."""
 
 from __future__ import annotations
 
@@ -101,6 +101,21 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         why="`import torch` warns or fails ('_ARRAY_API not found'), and torch.from_numpy breaks.",
         fix="python -m pip install 'numpy<2'  # or upgrade the module built against NumPy 1.x",
         references=("https://github.com/pytorch/pytorch/issues/135013",),
+    ),
+    RuleInfo(
+        code="ENV007",
+        name="op-overridden-at-startup",
+        severity=W,
+        untried=_INSTALL,
+        title="A torch op's kernel is registered by code that runs before the program",
+        what="The torch child of `fpdoctor env` imports nothing but torch; any kernel its dispatcher holds for "
+        "torch's own ops (aten::exp's CPU kernel, say) from a file outside torch was registered by start-up "
+        "code: a sitecustomize or usercustomize, a .pth file's import, a plug-in torch loads by entry point. "
+        "Each comes with its dispatch key, file and line.",
+        why="Every call of the op, in every Python process on the machine, runs that code instead of torch's "
+        "kernel: results change with no line of the program saying so, and only on the machines that have it.",
+        fix="Remove the registration (the finding names its file and line), or move it into the program that wants it.",
+        references=("https://docs.pytorch.org/docs/stable/library.html",),
     ),
     RuleInfo(
         code="ENV101",
@@ -290,5 +305,21 @@ ENV_RULES: tuple[RuleInfo, ...] = (
         why="NVIDIA_TF32_OVERRIDE and TORCH_ALLOW_TF32_CUBLAS_OVERRIDE switch TF32 whatever the code says; the "
         "others change which kernels or reduction orders run.",
         fix="The finding gives the export (or unset) that makes the variable as on the other machine.",
+    ),
+    RuleInfo(
+        code="ENV307",
+        name="startup-differs",
+        severity=W,
+        untried=_OTHER_MACHINE,
+        title="Code that runs before the program differs between the two machines",
+        what="Compares what runs before a program's first line: the ops and kernels registered with torch's "
+        "dispatcher by code outside torch (torch.library), sitecustomize and usercustomize, .pth files that "
+        "run code, /etc/ld.so.preload; LD_PRELOAD, LD_LIBRARY_PATH and PYTHONPATH are compared as variables "
+        "(math-variable-differs). Known only where the facts were collected on the machine.",
+        why="Such code can register a kernel over torch's own (every call of that op then runs it), set flags "
+        "or replace C library functions: the same packages then give other numbers. A kernel over a torch op "
+        "is an error-level difference, the rest warnings.",
+        fix="The finding says which hook differs; `python -I -S` runs the program without any of them.",
+        references=("https://docs.pytorch.org/docs/stable/library.html", "https://docs.python.org/3/library/site.html"),
     ),
 )

@@ -13,7 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from fpdoctor.env.facts import empty_facts
-from fpdoctor.env.sources import gpus, libraries, system, torch_child
+from fpdoctor.env.sources import gpus, libraries, startup, system, torch_child
 from fpdoctor.env.sources.torch_child import MARKER
 from fpdoctor.signals import died_of
 
@@ -84,6 +84,7 @@ def collect_live(*, force_load: bool = True, child: subprocess.Popen[str] | None
     with ThreadPoolExecutor(max_workers=1) as pool:  # one core stays free for the torch child
         jobs: dict[str, Future[Any]] = {
             "system": pool.submit(system.collect),
+            "startup": pool.submit(startup.collect),
             "gpus": pool.submit(gpus.collect),
             "libraries": pool.submit(_distributions_and_copies),
             "warm": pool.submit(_warm_up),
@@ -100,6 +101,8 @@ def collect_live(*, force_load: bool = True, child: subprocess.Popen[str] | None
 
     if "system" in results:
         facts.update(results["system"])
+    if "startup" in results:
+        facts.update(results["startup"])
     if "gpus" in results:
         gpu_facts, not_checked = results["gpus"]
         facts["gpus"], facts["driver"] = gpu_facts["gpus"], gpu_facts["driver"]
@@ -118,6 +121,11 @@ def collect_live(*, force_load: bool = True, child: subprocess.Popen[str] | None
     elif torch_facts.get("import") == "ok":
         facts["not_checked"]["loaded libraries"] = (
             f"the torch child stopped at stage {torch_facts.get('stage')!r} before reading /proc/self/maps"
+        )
+    if torch_facts.get("import") == "ok" and "registrations" not in torch_facts:
+        why = (torch_facts.get("errors") or {}).get("registrations")
+        facts["not_checked"]["ops registered at start-up"] = why or (
+            f"the torch child stopped at stage {torch_facts.get('stage')!r} before reading the dispatcher"
         )
     if torch_facts.get("import") == "ok" and not torch_facts.get("cuda_available"):
         facts["not_checked"]["loaded CUDA libraries"] = "CUDA is not available to torch, so none load"

@@ -230,6 +230,8 @@ def _finding_name(group: str) -> str:
         return "library-differs"
     if group == "flag":
         return "math-flag-differs"
+    if group == "startup":
+        return "startup-differs"
     return "math-variable-differs"
 
 
@@ -255,6 +257,12 @@ def _fix(d: dict[str, Any]) -> str:
         name = key[4:]
         line = f"unset {name}" if a == "unset" else f"export {name}={_quoted(str(a))}"
         return f"# on B, as on A (or the other way round), before the run\n{line}"
+    if d["group"] == "startup":
+        return (
+            f"Make the {d['label']} the same on both machines ({a} on A): remove or copy the code that runs at "
+            "start-up. `python -I -S` starts without any of it (no site, no PYTHONPATH), to see whether the "
+            "result follows it; `fpdoctor env` on each machine lists every hook with its file."
+        )
     if d["group"] == "hardware" and key != "driver":
         return (
             "Different GPUs agree only to rounding: compare their results with a tolerance, and "

@@ -19,6 +19,7 @@ from typing import Any
 
 from fpdoctor.env.facts import Facts
 from fpdoctor.env.refdata import RefData
+from fpdoctor.env.startup import registration_text, registrations, torch_ops_changed
 from fpdoctor.report.model import Severity
 
 E, W, N = Severity.ERROR, Severity.WARNING, Severity.INFO
@@ -208,6 +209,43 @@ def _variable(name: str) -> Callable[[Side], Seen | None]:
     return read
 
 
+def _registered(which: str) -> Callable[[Side], Seen | None]:
+    """The ops registered outside torch before the first line: kernels on torch's own ops
+    ("torch"), or ops defined there ("new"); by whom, without line numbers (an edit above them moves those)."""
+
+    def read(side: Side) -> Seen | None:
+        found = registrations(side.facts)
+        if found is None:
+            return None
+        changed = torch_ops_changed(side.facts)
+        chosen = changed if which == "torch" else [e for e in found if e.get("kind") == "defines"]
+        return Seen(_listed([registration_text(e, where=False) for e in chosen]) or "none")
+
+    return read
+
+
+def _startup(part: str) -> Callable[[Side], Seen | None]:
+    """A start-up hook of the facts' `startup` (a live run's, or a file saved from one): the
+    customize module's file by name and digest, the .pth files that run code, /etc/ld.so.preload."""
+
+    def read(side: Side) -> Seen | None:
+        startup = side.facts.raw.get("startup")
+        if not isinstance(startup, dict):
+            return None
+        if part in ("sitecustomize", "usercustomize"):
+            found = [m for m in startup.get("customize") or [] if m.get("module") == part and m.get("loaded")]
+            return Seen(_listed([f"{m['path']} (sha256 {m.get('sha256')})" for m in found]) or "none")
+        if part == "pth":
+            running = [p for p in startup.get("pth") or [] if p.get("executes")]
+            shown = [f"{p['path'].rsplit('/', 1)[-1]}: {' / '.join(p.get('code') or [])}" for p in running]
+            return Seen(_listed(shown) or "none")
+        return Seen(
+            _listed([p["path"] for p in startup.get("preload") or [] if p.get("source") != "LD_PRELOAD"]) or "none"
+        )
+
+    return read
+
+
 def _lower(value: Any) -> str:
     return str(value).lower()
 
@@ -225,6 +263,12 @@ _TF32 = (
     "instead of 1e-7, so fp32 results change beyond rounding and ill-conditioned models can diverge"
 )
 _TF32_REASON = "changes fp32 results by four orders of magnitude, not at rounding level"
+_STARTUP_CODE = (
+    "runs before the program's first line in every Python process: it can set torch's flags, register kernels "
+    "over torch's or import a different copy of a package"
+)
+_SITE = "https://docs.python.org/3/library/site.html"
+_LIBRARY = "https://docs.pytorch.org/docs/stable/library.html"
 
 TABLE: tuple[Entry, ...] = (
     Entry(
@@ -587,6 +631,97 @@ TABLE: tuple[Entry, ...] = (
             ("NCCL_PROTO", "forces NCCL's protocol (Simple, LL, LL128): another chunking of the reduction"),
             ("NCCL_NVLS_ENABLE", "switches NVLink SHARP reductions (in the switch) on or off: another order"),
         )
+    ),
+    Entry(
+        key="startup.torch_ops",
+        label="torch ops with kernels registered at start-up",
+        group="startup",
+        severity=E,
+        reason="every call of that op runs other code on one machine: any result it feeds can change",
+        effect="code that ran before the program (a sitecustomize, a .pth file's import, a plug-in) registered a "
+        "kernel for torch's own op through torch.library, which the dispatcher runs instead of torch's",
+        source=_LIBRARY,
+        read=_registered("torch"),
+        covers=("torch.registrations",),
+    ),
+    Entry(
+        key="startup.new_ops",
+        label="ops defined at start-up",
+        group="startup",
+        severity=W,
+        reason="a program that calls the op runs it on one machine and fails on the other, or runs other code",
+        effect="code that ran before the program defined ops of its own (torch.ops.<namespace>.<name>)",
+        source=_LIBRARY,
+        read=_registered("new"),
+        covers=("torch.registrations",),
+    ),
+    *(
+        Entry(
+            key=f"startup.{name}",
+            label=f"{name} module",
+            group="startup",
+            severity=W,
+            reason=_STARTUP_CODE,
+            effect=f"`site` imports {name} at every start: " + _STARTUP_CODE,
+            source=_SITE,
+            read=_startup(name),
+            covers=("startup",),
+        )
+        for name in ("sitecustomize", "usercustomize")
+    ),
+    Entry(
+        key="startup.pth",
+        label=".pth files that run code",
+        group="startup",
+        severity=W,
+        reason=_STARTUP_CODE,
+        effect="`site` executes each line of a .pth file that starts with `import`: " + _STARTUP_CODE,
+        source=_SITE,
+        read=_startup("pth"),
+        covers=("startup",),
+    ),
+    Entry(
+        key="startup.preload",
+        label="/etc/ld.so.preload",
+        group="startup",
+        severity=W,
+        reason="a preloaded library's functions replace those of every library after it (libm, libc, CUDA's)",
+        effect="the dynamic loader maps these libraries into every process before any other",
+        source="https://man7.org/linux/man-pages/man8/ld.so.8.html",
+        read=_startup("preload"),
+        covers=("startup",),
+    ),
+    Entry(
+        key="env.LD_PRELOAD",
+        label="LD_PRELOAD",
+        group="variable",
+        severity=W,
+        reason="a preloaded library's functions replace those of every library after it (libm, libc, CUDA's)",
+        effect="the dynamic loader maps these libraries first, so their symbols win over torch's and CUDA's",
+        source="https://man7.org/linux/man-pages/man8/ld.so.8.html",
+        read=_variable("LD_PRELOAD"),
+    ),
+    Entry(
+        key="env.LD_LIBRARY_PATH",
+        label="LD_LIBRARY_PATH",
+        group="variable",
+        severity=W,
+        reason="decides which of several copies of cuBLAS, cuDNN or NCCL loads (other kernels, other bugs)",
+        effect="directories the dynamic loader searches before the system's: the copy of a CUDA library found "
+        "first is the one torch runs",
+        source="https://man7.org/linux/man-pages/man8/ld.so.8.html",
+        read=_variable("LD_LIBRARY_PATH"),
+    ),
+    Entry(
+        key="env.PYTHONPATH",
+        label="PYTHONPATH",
+        group="variable",
+        severity=W,
+        reason="a module found first on it replaces the installed one, and a sitecustomize on it runs at start",
+        effect="directories searched before the installed packages: a module there shadows the package of the "
+        "same name, and a sitecustomize.py there runs before the program",
+        source=_SITE,
+        read=_variable("PYTHONPATH"),
     ),
 )
 

@@ -59,6 +59,7 @@ _TORCH_FIELDS: dict[str, tuple[type, ...]] = {
     "devices": (list,),
     "numpy": (dict, type(None)),
     "precision": (dict, type(None)),
+    "registrations": (list, type(None)),
 }
 _ITEMS: dict[str, dict[str, tuple[type, ...]]] = {
     "gpus": {"name": _TEXT, "compute_capability": (str, int, float, type(None)), "index": (int, type(None))},
@@ -66,6 +67,17 @@ _ITEMS: dict[str, dict[str, tuple[type, ...]]] = {
     "libraries.copies": {"library": _TEXT, "path": _TEXT, "version": _OPTIONAL_TEXT, "origins": (list,)},
     "libraries.loaded": {"library": _TEXT, "path": _TEXT, "version": _OPTIONAL_TEXT},
     "torch_installs.installs": {"version": _OPTIONAL_TEXT, "location": _OPTIONAL_TEXT},
+    "torch.registrations": {
+        "op": _TEXT,
+        "kind": _TEXT,
+        "key": _OPTIONAL_TEXT,
+        "file": _TEXT,
+        "line": (int, type(None)),
+        "module": _OPTIONAL_TEXT,
+    },
+    "startup.customize": {"module": _TEXT, "path": _TEXT, "loaded": _FLAG, "sha256": _OPTIONAL_TEXT},
+    "startup.pth": {"path": _TEXT, "executes": _FLAG, "code": (list,), "sha256": _OPTIONAL_TEXT},
+    "startup.preload": {"path": _TEXT, "source": _TEXT},
     "probes": {
         "name": _OPTIONAL_TEXT,
         "status": _OPTIONAL_TEXT,
@@ -90,8 +102,9 @@ def shape_problem(raw: dict[str, Any]) -> str | None:
     for key in ("origin", "os", "python", "env", "torch", "torch_installs", "libraries", "not_checked"):
         if problem := _wrong(key, raw.get(key, {}), (dict,)):
             return problem
-    if problem := _wrong("driver", raw.get("driver"), (dict, type(None))):
-        return problem
+    for key in ("driver", "startup"):  # startup: None or absent where the input does not show it
+        if problem := _wrong(key, raw.get(key), (dict, type(None))):
+            return problem
     for key in ("gpus", "texts", "probes", "missing"):
         if problem := _wrong(key, raw.get(key, []), (list,)):
             return problem
@@ -111,8 +124,8 @@ def shape_problem(raw: dict[str, Any]) -> str | None:
         holder: Any = raw
         for part in path.split("."):
             holder = holder.get(part) if isinstance(holder, dict) else None
-        if holder is None and path == "libraries.loaded":
-            continue
+        if holder is None and (path in ("libraries.loaded", "torch.registrations") or path.startswith("startup.")):
+            continue  # not shown by the input: unknown, not empty
         if problem := _wrong(path, holder if holder is not None else [], (list,)):
             return problem
         for i, item in enumerate(holder or []):

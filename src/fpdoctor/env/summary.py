@@ -8,6 +8,7 @@ from collections import Counter
 from typing import Any
 
 from fpdoctor.env.facts import Facts
+from fpdoctor.env.startup import hooks_text, registration_text, registrations
 from fpdoctor.env.understand import shorten
 
 ENV_SHOWN = 72  # characters of one environment variable's value in the table
@@ -112,6 +113,11 @@ def _libraries(facts: Facts) -> list[tuple[str, str]]:
     return rows
 
 
+def _defined(found: list[dict[str, Any]]) -> set[str]:
+    """Ops defined outside torch: their own kernels go without saying in the summary."""
+    return {e["op"] for e in found if e.get("kind") == "defines"}
+
+
 def summary(facts: Facts) -> list[tuple[str, str]]:
     raw = facts.raw
     rows: list[tuple[str, str]] = [("source", _source(raw))]
@@ -167,6 +173,13 @@ def summary(facts: Facts) -> list[tuple[str, str]]:
                 ),
             )
         )
+    startup = raw.get("startup")
+    if isinstance(startup, dict):
+        rows += hooks_text(startup)
+    found = registrations(facts)
+    if found is not None:
+        said = [registration_text(e) for e in found if e.get("kind") != "adds" or e["op"] not in _defined(found)]
+        rows.append(("ops registered at start-up", "; ".join(said) or "none (every op and kernel is torch's)"))
     env = raw.get("env") or {}
     if env:
         rows.append(("environment", ", ".join(f"{k}={env_value(v)}" for k, v in env.items())))

@@ -38,13 +38,14 @@ def cap_severity(severity: Severity, confidence: str) -> Severity:
 
 
 def all_rules() -> list[Rule]:
-    from fpdoctor.env.rules import arch, builds, cublas, cuda_errors, driver, known, libraries, probes
+    from fpdoctor.env.rules import arch, builds, cublas, cuda_errors, driver, known, libraries, probes, startup
 
     return [
         builds.torch_import_failed,
         builds.cpu_only_build,
         builds.duplicate_torch_install,
         builds.numpy_abi_mismatch,
+        startup.op_overridden_at_startup,
         driver.driver_too_old,
         arch.arch_not_in_build,
         cublas.cublas_h20_sigfpe,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import sys
 import traceback
 import warnings
@@ -135,9 +136,13 @@ def collect(force_load: bool) -> None:
                     ),
                 )
             torch.cuda.synchronize()
-        facts["stage"] = "done"
         facts["mapped"] = mapped_libraries()
         facts["warnings"] = [str(w.message) for w in caught]
+        # Last, and said first: the facts above stand if reading the dispatcher fails.
+        facts["stage"] = "registrations"
+        emit(facts)
+        _try(facts, "registrations", startup_registrations)
+        facts["stage"] = "done"
         emit(facts)
 
 
@@ -165,6 +170,82 @@ _FLAGS: dict[str, Any] = {
     # CPU builds have no TunableOp; torch.cuda.tunable reads its settings without starting CUDA
     "tunableop": lambda t: t.cuda.tunable.is_enabled() if t.version.cuda or getattr(t.version, "hip", None) else None,
 }
+
+
+# Where torch's own C++ registrations were compiled from (its build tree, wherever it was built).
+_TORCH_SOURCES = ("aten/src/", "torch/csrc/", "c10/", "caffe2/", "functorch/")
+_FILES = re.compile(r"registered at (\S+?):\d")
+
+
+def _torchprivate() -> Any:
+    """fpdoctor's one module of torch's private names, loaded by its path: this child imports no
+    fpdoctor package (see spawn), and that module needs torch alone."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "torchprivate.py")
+    spec = importlib.util.spec_from_file_location("fpdoctor_torchprivate", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def startup_registrations() -> list[dict[str, Any]]:
+    """The ops and kernels the dispatcher holds that torch did not register: made by code that ran
+    before this script's first line (a sitecustomize or usercustomize, a .pth file's import, a
+    backend plug-in torch loads by entry point), since this script imports nothing but torch.
+    Each: the op, what was done (defines: a new op; overrides: a kernel that replaced torch's for
+    that dispatch key; adds: a kernel for a key torch had none for), the key, the file and line,
+    and the module of that file when one is loaded."""
+    import torch
+
+    private = _torchprivate()
+    own = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    seen: dict[str, bool] = {}  # file -> torch's own; ~25,000 registrations name a few hundred files
+    # Directories whose files are torch's (its package, its build tree), none inside another: an op
+    # whose every "registered at" is under one of them is passed over by counting, without parsing.
+    roots = {own}
+
+    def torchs(file: str) -> bool:
+        if file not in seen:
+            if file.endswith(".py"):
+                seen[file] = os.path.abspath(file).startswith(own)
+            else:
+                at = min((file.find(part) for part in _TORCH_SOURCES if part in file), default=-1)
+                seen[file] = at >= 0
+                root = file[:at]
+                if at > 0 and not any(root.startswith(r) for r in roots):
+                    roots.difference_update([r for r in roots if r.startswith(root)])
+                    roots.add(root)
+        return seen[file]
+
+    modules = {}
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str) and not file.startswith(own):
+            modules[os.path.abspath(file)] = name
+    found: list[dict[str, Any]] = []
+    for op in private.dispatcher_ops():
+        text = private.dispatcher_dump(op)
+        made = text.count("registered at ")
+        if made == sum(text.count("registered at " + root) for root in roots):
+            continue
+        # Parsed only when a file is not under a known root: parsing every op's text took 0.5 s on a
+        # 2-core CPU, the dumps alone 0.08 s.
+        if all(torchs(file) for file in _FILES.findall(text)):
+            continue
+        rows = private.registrations(op, text)
+        replaced = {key for key, _, _, active in rows if not active}
+        for key, file, line, active in rows:
+            if not active or torchs(file):
+                continue
+            kind = "defines" if key == "debug" else "overrides" if key in replaced else "adds"
+            entry = {"op": op, "kind": kind, "key": None if key == "debug" else key, "file": file, "line": line}
+            if os.path.abspath(file) in modules:
+                entry["module"] = modules[os.path.abspath(file)]
+            found.append(entry)
+    return found
 
 
 def _deterministic(torch: Any) -> Any:
