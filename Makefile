@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench gpu-check clean
+.PHONY: demo test lint docs bench gpu-check clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,7 @@ demo: $(BIN)/.installed
 	$(BIN)/fpdoctor env || test $$? -eq 1
 
 lint: $(BIN)/.installed
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks docs
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
@@ -44,6 +44,15 @@ test: lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadfile -m "not serial"; parallel=$$?; \
 	$(BIN)/python -m pytest -m serial $(SERIAL_TESTS); serial=$$?; \
 	test $$parallel -eq 0 -a $$serial -eq 0
+
+# The reference pages generated from the code (docs/reference/: the finding catalogue, each command's
+# --help), then, where mkdocs is installed (the `docs` extra: $(BIN)/python -m pip install -c
+# constraints.txt -e ".[docs]"), the site in site/, every warning an error. tests/test_docs.py fails
+# when the checked-in pages are stale, without mkdocs.
+docs: $(BIN)/.installed
+	$(BIN)/python docs/gen_reference.py
+	if $(BIN)/python -c "import mkdocs" 2>/dev/null; then $(BIN)/mkdocs build --strict; \
+	else echo "make docs: mkdocs is not installed (the docs extra); the reference pages are written, the site is not built"; fi
 
 bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/bench_env.py
@@ -70,4 +79,4 @@ gpu-check: $(BIN)/.installed
 	$(BIN)/python benchmarks/gpu_check.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site

@@ -95,11 +95,14 @@ def test_help_documents_the_factory_contract(command, capsys):
         assert words in out, words
 
 
-def test_the_readme_documents_the_factory_contract():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("Precision compare (NUM006")[1].split("## Where the facts come from")[0]
-    for words in ("def make():", "several input sets", "fpdoctor plan", "input rounding floor"):
+def test_the_docs_document_the_factory_contract():
+    compare = (ROOT / "docs" / "commands" / "compare.md").read_text()
+    section = compare.split("## The MODEL argument")[1].split("\n## ")[0]
+    for words in ("def make():", "several input sets"):
         assert words in section, words
+    plan = (ROOT / "docs" / "commands" / "plan.md").read_text()
+    for words in ("fpdoctor plan", "input rounding floor", "compare.md#the-model-argument"):
+        assert words in plan, words
 
 
 def test_each_precision_is_one_declared_entry_every_step_reads():
