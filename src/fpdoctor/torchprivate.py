@@ -138,8 +138,27 @@ def registrations(op: str, text: str | None = None) -> list[tuple[str, str, int,
     return [(m["key"].strip(), m["file"], int(m["line"]), not m["inactive"]) for m in _REGISTERED.finditer(text)]
 
 
+def custom_op_defs() -> dict[str, tuple[str, int]]:
+    """Ops made with `torch.library.custom_op` ("myns::scale") -> the file and line of the Python
+    function behind each. Such an op's Library is made inside torch (torch/_library), so the
+    dispatcher names torch's file; `torch._library.custom_ops.OPDEFS` keeps the user's function.
+    {} where torch lacks it (then those ops are said to be torch's)."""
+    try:
+        from torch._library.custom_ops import OPDEFS
+    except ImportError:
+        return {}
+    found = {}
+    for name, definition in list(OPDEFS.items()):
+        code = getattr(getattr(definition, "_init_fn", None), "__code__", None)
+        if code is not None:
+            found[name] = (code.co_filename, code.co_firstlineno)
+    return found
+
+
 def defined_at(op: str) -> tuple[str, int] | None:
     """The file and line where `op` ("myns::scale") was defined: whose op the trace names."""
+    if op in (made := custom_op_defs()):
+        return made[op]
     return next(((file, line) for key, file, line, _ in registrations(op) if key == "debug"), None)
 
 
@@ -166,6 +185,16 @@ def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> N
         return
     for d, s in zip(dst, src, strict=True):
         d.copy_(s)
+
+
+def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each tensor's L2 norm, reduced in `dtype`, in one call (what clip_grad_norm_ uses): the
+    sentinel's gradient norm costs no Python per gradient. One norm at a time where torch has no
+    `_foreach_norm` taking a dtype."""
+    try:
+        return list(torch._foreach_norm(tensors, 2.0, dtype=dtype))
+    except (AttributeError, TypeError, NotImplementedError):
+        return [torch.linalg.vector_norm(t, dtype=dtype) for t in tensors]
 
 
 def unscale_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
@@ -209,6 +238,17 @@ def global_forward_hooks_with_kwargs(module_module: types.ModuleType) -> dict[in
     handle leaves its mark there when removed, and every later torch.compile(module) would warn of
     global hooks that are gone. An empty dict where torch keeps none."""
     return getattr(module_module, "_global_forward_hooks_with_kwargs", {})
+
+
+def global_forward_hook_tables(module_module: types.ModuleType) -> tuple[dict[int, Any], dict[int, Any]] | None:
+    """torch's global forward pre-hooks and forward hooks, by handle id (torch.nn.modules.module):
+    a module call finds both empty (and no hooks of its own) and takes torch's fast path, straight
+    to forward. `fpdoctor watch` takes its own hooks out of them while a top-level call runs, so
+    that the submodule calls inside it stay on that path. None where torch keeps them elsewhere:
+    the watch's hooks then stay in, and every module call pays for them."""
+    pre = getattr(module_module, "_global_forward_pre_hooks", None)
+    post = getattr(module_module, "_global_forward_hooks", None)
+    return (pre, post) if isinstance(pre, dict) and isinstance(post, dict) else None
 
 
 # -- modules -------------------------------------------------------------------------------------

@@ -245,6 +245,15 @@ def startup_registrations() -> list[dict[str, Any]]:
             if os.path.abspath(file) in modules:
                 entry["module"] = modules[os.path.abspath(file)]
             found.append(entry)
+    # torch.library.custom_op makes its Library inside torch: the dispatcher names torch's file, the
+    # op's function says whose it is.
+    listed = {e["op"] for e in found if e["kind"] == "defines"}
+    for op, (file, line) in private.custom_op_defs().items():
+        if op not in listed and not torchs(file):
+            entry = {"op": op, "kind": "defines", "key": None, "file": file, "line": line}
+            if os.path.abspath(file) in modules:
+                entry["module"] = modules[os.path.abspath(file)]
+            found.append(entry)
     return found
 
 
