@@ -34,7 +34,7 @@ def step_fn(model, opt):
 
 def test_a_one_off_fault_is_transient_and_skipped():
     model, opt = make()
-    guard = fpdoctor.Sentinel(model, opt)
+    guard = fpdoctor.Sentinel(model, opt, reference_every=0)  # step_fn's calls counted: no reference step
     plain = step_fn(model, opt)
     calls = {"n": 0}
 
@@ -171,7 +171,7 @@ def test_the_report_keeps_a_bounded_timeline_with_every_event():
     from fpdoctor.numerics import sentinel as sentinel_module
 
     model, opt = make()
-    guard = fpdoctor.Sentinel(model, opt)
+    guard = fpdoctor.Sentinel(model, opt, reference_every=0)  # step_fn's calls counted: no reference step
     plain = step_fn(model, opt)
     calls = {"n": 0}
 
@@ -202,7 +202,8 @@ def test_the_timeline_gradient_norm_is_the_unscaled_norm_clip_grad_norm_gives():
 
     model, opt = make()
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    guard = fpdoctor.Sentinel(model, opt, scaler=scaler)
+    # step_fn's calls counted: no reference step
+    guard = fpdoctor.Sentinel(model, opt, scaler=scaler, reference_every=0)
     seen = {}
 
     def step(x, y):

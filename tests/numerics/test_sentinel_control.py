@@ -94,7 +94,7 @@ def test_autocast_overflow_and_the_users_autocast_object_is_left_as_it_was():
         loss.backward()
         return loss
 
-    guard = fpdoctor.Sentinel(model, opt)
+    guard = fpdoctor.Sentinel(model, opt, reference_every=0)  # step_fn's calls counted: no reference step
     guard.step(step, torch.full((4, 8), 200.0))
     verdict = guard.report.by_name("deterministic-nonfinite")[0]
     assert verdict.evidence["control_fp32"] == "finite"
@@ -157,7 +157,7 @@ def test_an_autocast_open_around_the_step_is_off_in_the_control_and_on_after():
     torch.manual_seed(0)
     model = Amplifier()
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
-    guard = fpdoctor.Sentinel(model, opt)
+    guard = fpdoctor.Sentinel(model, opt, reference_every=0)  # step_fn's calls counted: no reference step
     seen: list[bool] = []
 
     def step(x):

@@ -477,4 +477,21 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         fix="Nothing is wrong. To make compiled match eager (e.g. to compare losses), set "
         "torch._inductor.config.emulate_precision_casts = True.",
     ),
+    RuleInfo(
+        code="TRN015",
+        name="gradients-depart-from-reference",
+        severity=W,
+        title="The gradients depart from the same step computed in fp32",
+        what="On the first judged step and every 500th after, the Sentinel runs the step again from the same "
+        "weights, batch and RNG under a reference recipe (fp32 parameters and math, no autocast, no loss scaling) "
+        "on copies of the parameters, and compares each parameter's gradient with the step's own, as the backward "
+        "left them and as step_fn handed them to the optimizer. A norm more than twice or under half the "
+        "reference's, or a cosine under 0.9, is a departure; the stage where the two part is named.",
+        why="A recipe's rounding moves gradients by a fraction of a percent; a departure this large means the "
+        "recipe computes another step: gradients flushed to zero in fp16, processing that reads a gradient still "
+        "multiplied by the loss scale, a module whose precision loses its signal. No rule has to foresee it: "
+        "the run trains, slower or not at all, and every check that looks for NaN says OK.",
+        fix="Depends on the stage: unscale before clipping (optimizer), scale the loss where gradients flush "
+        "to zero (backward), or keep the module that owns the departing parameters in fp32.",
+    ),
 )

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from fpdoctor.numerics import amp, checkpoint, distributed, dynamo
+from fpdoctor.numerics import amp, checkpoint, distributed, dynamo, reference
 from fpdoctor.numerics import sentinel_findings as findings
 from fpdoctor.numerics.gradcheck import (
     FlagRead,
@@ -141,6 +141,11 @@ class Sentinel(JudgedSteps):
     the unscaled loss; the sentinel calls `scaler.step(optimizer)` and `scaler.update()`. A live
     scaler that step_fn uses is found by itself on the first step when `scaler=` is not given.
 
+    The first step, and every `reference_every`-th after, is compared with the same step computed
+    in fp32 without autocast or loss scaling, from the same weights, batch and RNG (`reference`):
+    step_fn runs twice more there, on copies of the parameters, as it does when a bad step is
+    replayed; so step_fn must only compute (forward, backward, clipping), never step anything.
+
     With bf16/fp16 trainable weights, every `check_updates`-th step is measured on a sample for
     updates the dtype rounds away and accumulators that stop growing (`updates`); the fix is tried
     once by a `what_if_steps` what-if run on stand-in copies (`update_whatif`).
@@ -169,6 +174,9 @@ class Sentinel(JudgedSteps):
     check_updates: int = field(default=EVERY, kw_only=True)
     # when updates are rounded away, try fp32 master weights for this many steps on copies, once; 0: off
     what_if_steps: int = field(default=WHAT_IF_STEPS, kw_only=True)
+    # compare the first step and every N-th after with the same step in fp32, no autocast, no loss
+    # scaling (reference.py): step_fn runs twice more on those steps, on copies of the parameters; 0: off
+    reference_every: int = field(default=reference.EVERY, kw_only=True)
     checkpoint_step: int | None = field(default=None, init=False)  # the step of the checkpoint last written
 
     def __post_init__(self) -> None:
@@ -187,6 +195,10 @@ class Sentinel(JudgedSteps):
                 raise ValueError("scaler= needs the optimizer: the sentinel calls scaler.step(optimizer)")
         if not isinstance(self.check_updates, int) or self.check_updates < 0:
             raise ValueError(f"check_updates must be an int >= 0 (every N-th step; 0: off), got {self.check_updates!r}")
+        if not isinstance(self.reference_every, int) or self.reference_every < 0:
+            raise ValueError(
+                f"reference_every must be an int >= 0 (every N-th step; 0: off), got {self.reference_every!r}"
+            )
         if not isinstance(self.what_if_steps, int) or self.what_if_steps < 0:
             raise ValueError(f"what_if_steps must be an int >= 0, got {self.what_if_steps!r}")
         if self.device_skip and not skips_on_device(self.optimizer):
@@ -202,6 +214,7 @@ class Sentinel(JudgedSteps):
             gpu_health=self.gpu_health,
             what_if_steps=self.what_if_steps,
         )
+        self._judge.reference_every = self.reference_every
         self._params = self._judge.params
         self._device = self._judge.device
         self._window: list[MicroBatch] = []
@@ -358,6 +371,12 @@ class Sentinel(JudgedSteps):
             if not self._told_observing:
                 self._told_observing = True
                 self._judge.findings.append(findings.observing_finding(self.steps, here=self._judge.here))
+        if not observed and self.optimizer is not None and self._judge.reference_due(self.steps):
+            try:  # before the optimizer takes the gradients: what it receives, against the reference's
+                self._judge.reference(self.steps, optimizer=self.optimizer, scaler=self.scaler, step_fn=step_fn,
+                                      window=window, contexts=self._reference_contexts)  # fmt: skip
+            except Exception as exc:  # the observer's own failure: a finding, the step goes on
+                self._judge.error("comparing the step with the reference step", exc)
         local_loss = torch.stack(micro_flags).amax()
         loss_value = torch.stack(micro_losses).mean()
         hands_off = self.optimizer is None and amp.enabled(self.scaler) and not observed
@@ -547,6 +566,15 @@ class Sentinel(JudgedSteps):
         if pending.scale is not None:
             at = pending.scale if scale is None else torch.full_like(pending.scale, scale)
             contexts.append(amp.scale_as(self.scaler, at))
+        return contexts
+
+    def _reference_contexts(self, scale: float | None) -> list[contextlib.AbstractContextManager[Any]]:
+        """What a run of the reference step runs under: a local replay; at loss scale `scale` (None:
+        the step's own)."""
+        contexts: list[contextlib.AbstractContextManager[Any]] = [distributed.local_replay(self.model)]
+        if scale is not None and amp.enabled(self.scaler):
+            current = amp.scale_tensor(self.scaler, self._device)
+            contexts.append(amp.scale_as(self.scaler, torch.full_like(current, scale)))
         return contexts
 
     # -- stepping without a verdict ------------------------------------------------------------

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics import amp, compiled, distributed, dynamo
+from fpdoctor.numerics import amp, compiled, distributed, dynamo, reference
 from fpdoctor.numerics import sentinel_findings as findings
 from fpdoctor.numerics.causes import Causes, cause_of
 from fpdoctor.numerics.control import ControlResult, run_control, wants_control
@@ -205,6 +205,8 @@ class StepJudge:
         self._errors: set[tuple[str, str]] = set()
         self._weights_bad = False  # the parameters themselves are non-finite: no step can recover
         self.here: dict[str, Any] = {}  # where every finding of this rank happened (rank, host, device)
+        self.reference_every = 0  # compare every N-th step with the reference step (reference.py); 0: off
+        self.reference_compared: list[reference.Comparison] = []
         self.bucket_watch: distributed.BucketWatch | None = None
         self.distributed = False
         try:
@@ -708,6 +710,40 @@ class StepJudge:
                 return what_if(self.model, optimizer, run_window, steps=steps, loss_is=f.what_if_loss)
 
         return tried, ""
+
+    # -- the reference step (reference.py) --------------------------------------------------------
+    def reference_due(self, step: int) -> bool:
+        """Whether this step is compared with the reference step: the first judged one, then every
+        `reference_every`-th; never under torch.distributed (a local run's gradients are not the
+        all-reduced ones the optimizer receives)."""
+        return self.reference_every > 0 and not self.distributed and reference.due(step, self.reference_every)
+
+    def reference(
+        self,
+        step: int,
+        *,
+        optimizer: torch.optim.Optimizer,
+        scaler: Any,
+        step_fn: Callable[..., Any],
+        window: list[MicroBatch],
+        contexts: Callable[[float | None], list[contextlib.AbstractContextManager[Any]]],
+    ) -> None:
+        """Compare the step's gradients, before the optimizer takes them, with the reference step's;
+        a departure is a finding. Host reads and two extra passes: reference steps only."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        live = {names[id(p)]: p.grad.detach().float() for p in self.params if p.grad is not None and id(p) in names}
+        scale = float(amp.scale_tensor(scaler, self.device)) if amp.enabled(scaler) else None
+        unscaled = reference.unscaled_already(scaler, optimizer)
+        result = reference.compare_step(
+            step, self.model, optimizer=optimizer, scaler=scaler, step_fn=step_fn, window=window, contexts=contexts,
+            live=live, scale=scale, unscaled=unscaled,
+        )  # fmt: skip
+        self.reference_compared.append(result)
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in self.params})
+        recipe = f"{'/'.join(dtypes)} parameters" + (f", the loss scaled by a GradScaler ({scale:g})" if scale else "")
+        made = reference.finding(result, recipe=recipe + ", autocast as step_fn sets it", here=self.here)
+        if made is not None:
+            self.findings.append(made)
 
     def error(self, doing: str, exc: BaseException, step: int | None = None) -> None:
         """A failure of the observer's own: a finding once per distinct error, never raised."""

@@ -1,0 +1,410 @@
+"""The reference step: the user's training step computed again under a known-good recipe (fp32
+parameters and math, no autocast, no loss scaling) from the same weights, batch and RNG, and the
+gradients the optimizer receives compared with it, parameter by parameter.
+
+A rule finds what someone foresaw; a reference finds what differs. Nothing here names a cause in
+advance: a departure far beyond what the recipe's rounding makes (a factor of two in a
+gradient's norm, or a cosine under 0.9) is a finding whatever its reason, located by the stage
+where the two runs part:
+
+  backward   the gradients as the backward left them (the loss scale divided out)
+  optimizer  the gradients as step_fn handed them to the optimizer (after its clipping)
+
+The user's own gradient processing runs in the reference too (step_fn does it, on the
+reference's gradients): processing done as intended is no departure. Where the backward agrees
+and the optimizer's gradients do not, what step_fn did between them departs (clipping a gradient
+that is still scaled). Both runs are made on stand-ins of the parameters (the user's recipe on
+copies at their own dtype, the reference on fp32 copies) whose gradients fpdoctor's own hooks
+read: the user's tensors carry nothing, and their `.grad` is as step_fn left it.
+
+It costs two forward-and-backward passes on a reference step: the first judged step, then every
+EVERY-th (0.4% of the steps between them on average).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from fpdoctor import catalog
+from fpdoctor.numerics import amp
+from fpdoctor.numerics.control import _autocast_off, _inputs_in_fp32
+from fpdoctor.numerics.replay import MicroBatch
+from fpdoctor.preserve import preserved
+from fpdoctor.report.model import Finding, Trial
+from fpdoctor.torchprivate import pytree, reparametrized, scaler_states
+
+EVERY = 500  # steps 1, 501, 1001, ...: two extra passes each, 0.4% of the steps on average
+RATIO = 2.0  # a gradient's norm more than twice or under half the reference's departs
+COSINE = 0.9  # or its direction: bf16 autocast keeps a gradient's cosine with fp32's above 0.99
+TINY = 1e-30  # a reference gradient this small has no direction to compare
+NEGLIGIBLE = 1e-3  # of the model's gradient rms: a parameter's reference gradient made of rounding
+STAGES = ("backward", "optimizer")
+
+
+@dataclass(frozen=True)
+class Departure:
+    """One parameter's gradient against the reference's at one stage."""
+
+    name: str
+    stage: str
+    ratio: float  # |user| / |reference|
+    cosine: float
+    zeros: float  # share of the reference's non-zero elements that are zero in the user's
+
+    def departs(self) -> bool:
+        return not (1.0 / RATIO <= self.ratio <= RATIO) or self.cosine < COSINE
+
+    def text(self) -> str:
+        flushed = f", {self.zeros:.0%} of its elements 0 where the reference's are not" if self.zeros >= 0.01 else ""
+        return f"`{self.name}` {self.ratio:.3g}x the reference's norm, cosine {self.cosine:.3f}{flushed}"
+
+
+@dataclass
+class Comparison:
+    """The reference step's outcome: per stage, every parameter compared, worst first."""
+
+    step: int
+    rows: dict[str, list[Departure]] = field(default_factory=dict)
+    not_compared: str | None = None  # why the step could not be compared
+    scale: float = 1.0  # the loss scale the step used
+    # the what-if when only the optimizer's gradients depart: the user's recipe again, at loss scale 1
+    at_scale_one: list[Departure] | None = None
+
+    def departed(self, stage: str) -> list[Departure]:
+        return [d for d in self.rows.get(stage, []) if d.departs()]
+
+    def first_stage(self) -> str | None:
+        """The stage where the runs part first; None when they agree everywhere."""
+        return next((s for s in STAGES if self.departed(s)), None)
+
+
+def due(step: int, every: int = EVERY) -> bool:
+    return every > 0 and (step - 1) % every == 0
+
+
+class _Backward:
+    """The gradient each stand-in holds when the backward has accumulated into it (a post-accumulate
+    hook on fpdoctor's own copies); with micro-batches, the last call holds their sum."""
+
+    def __init__(self, stand_ins: dict[str, torch.Tensor]) -> None:
+        self.grads: dict[str, torch.Tensor] = {}
+        self._handles = [
+            t.register_post_accumulate_grad_hook(self._hook(name)) for name, t in stand_ins.items() if t.requires_grad
+        ]
+
+    def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(t: torch.Tensor) -> None:
+            if t.grad is not None:
+                self.grads[name] = t.grad.detach().float().clone()
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _stand_ins(model: nn.Module, fp32: bool) -> dict[str, torch.Tensor]:
+    """A fresh leaf per trainable parameter: fp32 copies (the reference), or copies at the
+    parameter's own dtype (the user's recipe); a tied parameter is named once."""
+    made: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            made[name] = p.detach().to(torch.float32 if fp32 else p.dtype, copy=True).requires_grad_(True)
+    return made
+
+
+def _run(
+    model: nn.Module,
+    *,
+    optimizer: torch.optim.Optimizer,
+    scaler: Any,
+    step_fn: Callable[..., Any],
+    window: list[MicroBatch],
+    contexts: list[contextlib.AbstractContextManager[Any]],
+    reference: bool,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(gradients as the backward left them, as step_fn returned them) of one run of the window."""
+    stand_ins = _stand_ins(model, fp32=reference)
+    backward = _Backward(stand_ins)
+    try:
+        with contextlib.ExitStack() as stack:
+            for context in contexts:
+                stack.enter_context(context)
+            stack.enter_context(preserved(model))  # its RNG draws and buffer writes stay here
+            # the optimizer's lists first: under reparametrized the model names the stand-ins
+            stack.enter_context(_optimizer_on(optimizer, model, stand_ins))
+            stack.enter_context(reparametrized(model, stand_ins, tie_weights=True))
+            stack.enter_context(_scaler_ready(scaler))
+            if reference:
+                stack.enter_context(_autocast_off())
+                stack.enter_context(_Fp32Math())
+            for micro in _inputs_in_fp32(window) if reference else window:
+                micro.rng.restore()
+                step_fn(*micro.args, **micro.kwargs)
+    finally:
+        backward.remove()
+    returned = {n: t.grad.detach().float() for n, t in stand_ins.items() if t.grad is not None}
+    return backward.grads, returned
+
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+class _Fp32Math(TorchFunctionMode):
+    """Every fp16/bf16 tensor a call reads is read in fp32, and a cast to fp16/bf16 is a cast to
+    fp32: the step's own casts (`x.half()`, `.to(torch.bfloat16)`) keep the reference in fp32."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") in ("half", "bfloat16") and args and isinstance(args[0], torch.Tensor):
+            return args[0].float()
+        args, kwargs = pytree.tree_map(_up, (tuple(args), dict(kwargs or {})))
+        return func(*args, **kwargs)
+
+
+def _up(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dtype in _LOW:
+        return value.float()
+    # by identity: any object passes here, and some (a profiler's record) cannot be compared
+    return torch.float32 if value is torch.float16 or value is torch.bfloat16 else value
+
+
+def _row(name: str, stage: str, got: torch.Tensor, ref: torch.Tensor) -> Departure | None:
+    ref_norm = float(ref.norm())
+    if not math.isfinite(ref_norm) or ref_norm < TINY or got.shape != ref.shape:
+        return None
+    got_norm = float(got.norm())
+    if not math.isfinite(got_norm):
+        return None  # non-finite gradients are the step judge's own finding
+    cosine = float((got * ref).sum()) / (got_norm * ref_norm) if got_norm > 0 else 0.0
+    live = ref != 0
+    zeros = float(((got == 0) & live).sum()) / max(int(live.sum()), 1)
+    return Departure(name, stage, got_norm / ref_norm, cosine, zeros)
+
+
+def compare_step(
+    step: int,
+    model: nn.Module,
+    *,
+    optimizer: torch.optim.Optimizer,
+    scaler: Any,
+    step_fn: Callable[..., Any],
+    window: list[MicroBatch],
+    contexts: Callable[[float | None], list[contextlib.AbstractContextManager[Any]]],
+    live: dict[str, torch.Tensor],
+    scale: float | None,
+    unscaled: bool,
+) -> Comparison:
+    """The step's gradients (`live`: as step_fn handed them to the optimizer; scaled by `scale`
+    unless step_fn unscaled them) against the reference step's. `contexts(scale)`: what a run
+    of the window runs under, at that loss scale (None: the step's own)."""
+    out = Comparison(step)
+    with _grads_saved(model):
+        ours_backward, ours_returned = _run(
+            model,
+            optimizer=optimizer,
+            scaler=scaler,
+            step_fn=step_fn,
+            window=window,
+            contexts=contexts(None),
+            reference=False,
+        )
+        ref_backward, ref_returned = _run(
+            model,
+            optimizer=optimizer,
+            scaler=scaler,
+            step_fn=step_fn,
+            window=window,
+            contexts=contexts(1.0),
+            reference=True,
+        )
+    scale = scale if scale is not None and math.isfinite(scale) and scale > 0 else 1.0
+    for name, got in live.items():
+        mine = ours_returned.get(name)
+        if mine is None or float((mine - got).norm()) > 1e-3 * float(got.norm()) + TINY:
+            # the step's own gradients are not what step_fn computes on the stand-ins: it reads
+            # tensors it holds itself (a list of the parameters taken before), so a run on copies
+            # is not the user's step
+            out.not_compared = (
+                f"a run of step_fn on copies of the parameters does not give the step's own gradients (`{name}` "
+                "differs): step_fn handles tensors it holds itself, so the reference cannot stand in for them"
+            )
+            return out
+    out.rows["backward"] = _rows("backward", ours_backward, ref_backward, scale)
+    out.rows["optimizer"] = _rows("optimizer", ours_returned, ref_returned, 1.0 if unscaled else scale)
+    out.scale = scale
+    if out.first_stage() == "optimizer" and scale != 1.0:
+        # what step_fn does between the backward and the optimizer may read the loss scale (a clip
+        # before unscale_): the user's recipe once more at scale 1 says whether it is the cause
+        with _grads_saved(model):
+            _, at_one = _run(
+                model,
+                optimizer=optimizer,
+                scaler=scaler,
+                step_fn=step_fn,
+                window=window,
+                contexts=contexts(1.0),
+                reference=False,
+            )
+        out.at_scale_one = [d for d in _rows("optimizer", at_one, ref_returned, 1.0) if d.departs()]
+    return out
+
+
+def _rows(stage: str, ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], divide: float) -> list[Departure]:
+    """Each parameter's gradient against the reference's, worst first; a parameter whose reference
+    gradient is negligible beside the model's (NEGLIGIBLE of the rms over every parameter: a bias
+    before a normalisation, whose gradient is 0 but for rounding) is judged only when the step's
+    own gradient is not negligible too."""
+    names = [n for n in ours if n in ref]
+    total = sum(float(ref[n].double().square().sum()) for n in names)
+    count = sum(ref[n].numel() for n in names)
+    rms = math.sqrt(total / count) if count else 0.0
+    rows = []
+    for n in names:
+        got = ours[n] / divide
+        if _rms(ref[n]) < NEGLIGIBLE * rms and _rms(got) < NEGLIGIBLE * 100 * rms:
+            continue
+        rows.append(_row(n, stage, got, ref[n]))
+    return sorted((r for r in rows if r is not None), key=_badness, reverse=True)
+
+
+def _rms(t: torch.Tensor) -> float:
+    return float(t.double().square().mean().sqrt()) if t.numel() else 0.0
+
+
+def _badness(d: Departure) -> float:
+    ratio = max(d.ratio, 1.0 / d.ratio) if d.ratio > 0 else math.inf
+    return max(ratio / RATIO, (1.0 - d.cosine) / (1.0 - COSINE))
+
+
+@contextlib.contextmanager
+def _grads_saved(model: nn.Module) -> Iterator[None]:
+    """The user's `.grad` of every parameter out of the runs' reach (None while they run) and back as
+    it was: a `scaler.unscale_` or an in-place clip in step_fn must not reach the step's gradients."""
+    saved = [(p, p.grad) for p in model.parameters()]
+    try:
+        for p, _ in saved:
+            p.grad = None
+        yield
+    finally:
+        for p, g in saved:
+            p.grad = g
+
+
+@contextlib.contextmanager
+def _optimizer_on(
+    optimizer: torch.optim.Optimizer, model: nn.Module, stand_ins: dict[str, torch.Tensor]
+) -> Iterator[None]:
+    """The optimizer's parameter lists hold the stand-ins while a run lasts, so that what step_fn asks
+    of the optimizer (`scaler.unscale_(optimizer)`, clipping its groups' parameters) acts on them."""
+    by_id = {id(p): stand_ins[n] for n, p in model.named_parameters() if n in stand_ins}
+    saved = [group["params"] for group in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            group["params"] = [by_id.get(id(p), p) for p in group["params"]]
+        yield
+    finally:
+        for group, params in zip(optimizer.param_groups, saved, strict=True):
+            group["params"] = params
+
+
+@contextlib.contextmanager
+def _scaler_ready(scaler: Any) -> Iterator[None]:
+    """The scaler's per-optimizer state fresh for a run (step_fn may unscale again) and back after."""
+    states = scaler_states(scaler) if amp.enabled(scaler) else None
+    saved = None if states is None else {k: dict(v) for k, v in states.items()}
+    try:
+        if states is not None:
+            states.clear()  # the same defaultdict: its factory makes fresh states
+        yield
+    finally:
+        if states is not None and saved is not None:
+            states.clear()
+            states.update(saved)
+
+
+def unscaled_already(scaler: Any, optimizer: Any) -> bool:
+    """step_fn called `scaler.unscale_(optimizer)`: the optimizer's gradients are unscaled."""
+    states = scaler_states(scaler) if amp.enabled(scaler) else None
+    stage = (states or {}).get(id(optimizer), {}).get("stage")
+    return getattr(stage, "name", None) == "UNSCALED"
+
+
+def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Finding | None:
+    """`gradients-depart-from-reference` where the runs part; None where they agree."""
+    stage = comparison.first_stage()
+    if stage is None:
+        return None
+    departed = comparison.departed(stage)
+    compared = len(comparison.rows[stage])
+    worst = "; ".join(d.text() for d in departed[:3]) + ("; ..." if len(departed) > 3 else "")
+    where_text = {
+        "backward": "as the backward left them (the loss scale divided out)",
+        "optimizer": "as step_fn handed them to the optimizer, while the backward's agree",
+    }[stage]
+    message = (
+        f"At step {comparison.step}, the gradients of {len(departed)} of {compared} parameters depart from the "
+        f"reference step's (the same step from the same weights, batch and RNG in fp32, no autocast, no loss "
+        f"scaling) {where_text}: {worst}. Your recipe is {recipe}; its rounding alone keeps a gradient within a "
+        f"factor {RATIO:g} of the reference's norm and its cosine above {COSINE:g}."
+    )
+    flushed = [d for d in departed if d.zeros >= 0.5]
+    trial: Trial
+    if stage == "optimizer" and comparison.at_scale_one is not None:
+        left = comparison.at_scale_one
+        message += (
+            f" What step_fn does between the backward and the optimizer (clipping, a division) acts on "
+            f"gradients still multiplied by the loss scale ({comparison.scale:g})."
+        )
+        fix = (
+            "Unscale before you process the gradients: call scaler.unscale_(optimizer) after the backward and "
+            "before clip_grad_norm_ (or anything that reads their size)"
+        )
+        trial = Trial.checked(
+            "the same step at loss scale 1 (what unscaling first gives the processing)",
+            metric="parameters whose gradients depart from the reference's", before=len(departed),
+            after=len(left), on=f"step {comparison.step}",
+        )  # fmt: skip
+        if left:
+            fix += f"; at scale 1, {len(left)} still depart, so the scale is not all of it"
+    elif stage == "backward" and flushed:
+        fix = (
+            "The gradients flush to zero in the recipe's format: scale the loss (torch.amp.GradScaler) or raise "
+            "the scale you use, or compute in bf16, whose range is fp32's"
+        )
+        trial = Trial.untried(
+            "the fix changes how step_fn scales the loss; the reference step shows the gradients it would keep"
+        )
+    else:
+        names = ", ".join(f"`{d.name}`" for d in departed[:3])
+        fix = (
+            f"Find where the recipe's precision changes these gradients: `fpdoctor trace` on this step, or keep "
+            f"the modules that own {names} in fp32 and compare again"
+        )
+        trial = Trial.untried(
+            "no single change is named yet; the reference step itself is the experiment that found the departure"
+        )
+    return catalog.make(
+        "gradients-depart-from-reference",
+        message=message,
+        fix=fix,
+        where={"module": None, "op": None, "phase": stage, "step": comparison.step, **here},
+        evidence={
+            "stage": stage,
+            "step": comparison.step,
+            "loss_scale": comparison.scale,
+            "departed": [
+                {"parameter": d.name, "norm_ratio": d.ratio, "cosine": d.cosine, "zeros": d.zeros} for d in departed
+            ],
+            "compared": compared,
+        },
+        trial=trial,
+    )
