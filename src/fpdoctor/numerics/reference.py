@@ -47,6 +47,7 @@ COSINE = 0.9  # or its direction: bf16 autocast keeps a gradient's cosine with f
 TINY = 1e-30  # a reference gradient this small has no direction to compare
 NEGLIGIBLE = 1e-3  # of the model's gradient rms: a parameter's reference gradient made of rounding
 STAGES = ("backward", "optimizer")
+SHOWN = 8  # departed parameters the evidence lists, worst first
 
 
 @dataclass(frozen=True)
@@ -401,9 +402,11 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
             "stage": stage,
             "step": comparison.step,
             "loss_scale": comparison.scale,
-            "departed": [
-                {"parameter": d.name, "norm_ratio": d.ratio, "cosine": d.cosine, "zeros": d.zeros} for d in departed
+            "departed": [  # the worst SHOWN; the count beside them
+                {"parameter": d.name, "norm_ratio": d.ratio, "cosine": d.cosine, "zeros": d.zeros}
+                for d in departed[:SHOWN]
             ],
+            "departed_count": len(departed),
             "compared": compared,
         },
         trial=trial,
