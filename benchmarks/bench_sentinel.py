@@ -11,7 +11,14 @@ On the GPU also the host synchronisations per step of every variant, counted by 
 debug mode ("warn": one warning per synchronising call), and the guarded fused steps run under
 torch.cuda.set_sync_debug_mode("error"): with a fused optimizer the sentinel adds none.
 
-Run: python benchmarks/bench_sentinel.py [--rounds R] [--steps N] [--device cpu|cuda|all]
+On the CPU also a curve over what moves the sentinel's per-step cost (the count of parameter
+tensors and the gradient bytes it checks): MLPs of 10, 100 and 1000 parameter tensors
+(Linear(64, 64) layers, 64 rows a batch) and one of 8 wide ones (Linear(1024, 1024)), each with
+foreach, fused and for-loop (`foreach=False`) AdamW, one intra-op thread; the same model and
+optimizer stepped plain and through `Sentinel.step` in alternating blocks of steps, medians of
+per-step CPU time (`time.process_time`); the budget holds at the curve's worst point.
+
+Run: python benchmarks/bench_sentinel.py [--quick] [--rounds R] [--steps N] [--device cpu|cuda|all]
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fpdoctor
-from models import batch, small_transformer
+from models import batch, mlp, small_transformer
 
 # seconds spent inside the user's step_fn and optimizer.step per guarded variant: the rest of a
 # guarded step's time is the sentinel's own, measured within the same steps (immune to the load
@@ -228,14 +235,84 @@ def report(title: str, medians: dict[str, float]) -> dict[str, float]:
     return ratios
 
 
+CURVE_OPTIMIZERS = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
+BLOCK_SECONDS = 0.1  # CPU time a block of steps aims at
+
+
+def curve_row(tensors: int, width: int, kind: str, blocks: int) -> tuple[float, float]:
+    """Median CPU seconds per step of one MLP and optimizer, plain and guarded, in alternating blocks
+    (the first step of each block left out: the switch's cache effects)."""
+    torch.manual_seed(0)
+    model = mlp(tensors, width)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **CURVE_OPTIMIZERS[kind])
+    x, y = torch.randn(64, width), torch.randn(64, width)
+
+    def step_fn() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        return loss
+
+    def plain() -> None:
+        step_fn()
+        opt.step()
+
+    guard = fpdoctor.Sentinel(model, opt, gpu_health=False)
+    variants = {"plain": plain, "sentinel": lambda: guard.step(step_fn)}
+    for fn in variants.values():  # warm-up: first calls, the sentinel's first step (its reference step)
+        for _ in range(3):
+            fn()
+    start = time.process_time()
+    plain()
+    per_block = max(3, min(20, round(BLOCK_SECONDS / max(time.process_time() - start, 1e-4))))
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(blocks):
+        for name, fn in variants.items():
+            for i in range(per_block + 1):
+                start = time.process_time()
+                fn()
+                if i:
+                    times[name].append(time.process_time() - start)
+    return statistics.median(times["plain"]), statistics.median(times["sentinel"])
+
+
+def curve(quick: bool) -> bool:
+    blocks = 6 if quick else 10
+    rows = [(n, 64) for n in ((10, 1000) if quick else (10, 100, 1000))] + [(8, 1024)]
+    kinds = ("foreach", "fused") if quick else tuple(CURVE_OPTIMIZERS)
+    print(f"CPU curve: MLPs, one thread, {blocks} alternating blocks, median CPU time per step")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    worst = (0.0, "")
+    try:
+        for tensors, width in rows:
+            for kind in kinds:
+                plain, guarded = curve_row(tensors, width, kind, blocks)
+                label = f"MLP {tensors:4d} tensors, width {width:4d}, {kind} AdamW"
+                worst = max(worst, (guarded / plain, label))
+                print(
+                    f"  {label:<44} plain {plain * 1e3:8.3f} ms  sentinel {guarded * 1e3:8.3f} ms  "
+                    f"x{guarded / plain:.4f}  (+{(guarded - plain) * 1e6:5.0f} us)",
+                    flush=True,
+                )
+    finally:
+        torch.set_num_threads(saved)
+    passed = worst[0] <= 1.03
+    verdict = "PASS" if passed else "FAIL"
+    print(f"CPU sentinel, worst point of the curve x{worst[0]:.4f} ({worst[1]}) (budget <= 3%)  {verdict}")
+    return passed
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=3, help="steps per variant per round")
     parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all")
+    parser.add_argument("--quick", action="store_true", help="fewer rows of the CPU curve")
     args = parser.parse_args()
     ok = True
     if args.device in ("cpu", "all"):
+        ok &= curve(args.quick)
         shape = {"dim": 256, "layers": 4, "size": 8, "length": 64}
         medians = measure("cpu", args.rounds, args.steps, **shape)
         ratios = report(

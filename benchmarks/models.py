@@ -47,3 +47,13 @@ def make_step(model: nn.Module, optimizer: torch.optim.Optimizer, autocast: torc
         return loss
 
     return step_fn
+
+
+def mlp(tensors: int, width: int) -> nn.Module:
+    """An MLP of `tensors` parameter tensors (tensors / 2 Linear(width, width) layers, weight and
+    bias, each followed by a ReLU): what moves a per-parameter cost is the count of tensors, what
+    moves a per-element cost is the width."""
+    layers: list[nn.Module] = []
+    for _ in range(max(tensors // 2, 1)):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers)

@@ -44,6 +44,8 @@ ON_OBJECTS = {
     "_comm_hooks",
     "_compiled_call_impl",
     "_execution_engine",
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
     "_global_forward_hooks_with_kwargs",
     "_global_optimizer_post_hooks",
     "_global_optimizer_pre_hooks",
@@ -246,6 +248,8 @@ def test_kernels():
     tp.foreach_copy_(dst, src)
     assert dst[0].tolist() == [1.0, 1.0] and dst[1].tolist() == [2.0, 2.0, 2.0]
     grads, found, one = [torch.ones(2), torch.tensor([1.0, float("nan")])], torch.zeros(()), torch.ones(())
+    norms = tp.foreach_norm([torch.full((4,), 3.0), torch.ones(4, dtype=torch.bfloat16)], torch.float32)
+    assert [n.item() for n in norms] == [6.0, 2.0] and norms[1].dtype == torch.float32
     tp.unscale_check_(grads, found, one)
     assert found.item() == 1.0 and grads[0].tolist() == [1.0, 1.0]
 
@@ -276,10 +280,24 @@ def test_global_hook_tables():
         assert sorted(tables) == ["_global_optimizer_post_hooks", "_global_optimizer_pre_hooks"]
         assert pre.id in tables["_global_optimizer_pre_hooks"]
         assert post.id in tp.global_forward_hooks_with_kwargs(module_mod)
+        forward = tp.global_forward_hook_tables(module_mod)
+        assert forward is not None and post.id in forward[1] and post.id not in forward[0]
     finally:
         pre.remove()
         post.remove()
         tp.global_forward_hooks_with_kwargs(module_mod).pop(post.id, None)
+
+
+def test_dynamo_frames_seen():
+    before = tp.dynamo_frames_seen()
+    assert before >= 0
+
+    @torch.compile(backend="eager")
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    double(torch.ones(2))
+    assert tp.dynamo_frames_seen() > before
 
 
 def test_module_names():

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -317,6 +318,20 @@ def reparametrized(module: torch.nn.Module, tensors: dict[str, torch.Tensor], *,
 # -- Dynamo (imported only when the program has imported it, or fpdoctor compiles) ---------------
 
 DYNAMO = "torch._dynamo"  # the module whose import means the program compiles
+
+
+def dynamo_frames_seen() -> int:
+    """How many frames Dynamo has been handed to compile in this process (its counters, read without
+    importing it): 0 while nothing runs compiled. `fpdoctor watch` changes the global module hooks
+    around eager forwards only while this is 0, so that no code is compiled under one state of them
+    and run under another (Dynamo guards on them). -1 where it cannot say."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return 0
+    try:
+        return int(utils.counters["frames"]["total"])
+    except (AttributeError, KeyError, TypeError):
+        return -1
 
 
 def dynamo_skipper() -> Callable[[types.CodeType], None]:

@@ -129,6 +129,23 @@ def test_the_finite_check_is_exact_without_the_fused_amp_kernel(monkeypatch):
     assert nonfinite_flag([], cpu).item() == 0.0
 
 
+def test_the_finite_check_takes_mixed_dtypes_in_one_call_and_sparse_gradients_by_their_values():
+    from fpdoctor.numerics.gradcheck import grad_norm, nonfinite_flag
+
+    cpu = torch.device("cpu")
+    finite = [torch.ones(2), torch.ones(3, dtype=torch.bfloat16), torch.full((4,), 60000.0, dtype=torch.float16)]
+    assert nonfinite_flag(finite, cpu).item() == 0.0
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        assert nonfinite_flag([*finite, torch.tensor([1.0, bad], dtype=torch.bfloat16)], cpu).item() == 1.0
+        sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, bad], (4,))  # nn.Embedding(sparse=True)'s kind
+        assert nonfinite_flag([*finite, sparse], cpu).item() == 1.0
+    sparse = torch.sparse_coo_tensor([[0, 2]], [3.0, 4.0], (4,))
+    assert nonfinite_flag([*finite, sparse], cpu).item() == 0.0
+    # the norm of every gradient, in float32: finite fp16 values whose squares overflow fp16 do not make it Inf
+    expected = torch.linalg.vector_norm(torch.cat([g.float().reshape(-1) for g in finite] + [torch.tensor([3.0, 4.0])]))
+    assert torch.allclose(grad_norm([*finite, sparse], cpu), expected)
+
+
 def test_the_scaler_spy_falls_back_to_the_cuda_grad_scaler_and_leaves_it_as_it_was(monkeypatch):
     import torch.amp
     import torch.cuda.amp

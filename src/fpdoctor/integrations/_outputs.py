@@ -41,8 +41,10 @@ class KeptGradients:
     loss_bad: bool = False
 
     def watch(self, output: Any) -> None:
-        """Hook every output tensor that requires grad."""
-        for index, leaf in enumerate(pytree.tree_leaves(output)):
+        """Hook every output tensor that requires grad (a lone tensor without pytree's walk: its
+        index is 0 either way)."""
+        leaves = [output] if type(output) is torch.Tensor else pytree.tree_leaves(output)
+        for index, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 self.outputs += 1
                 self.originals.append(leaf.detach())

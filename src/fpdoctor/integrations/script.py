@@ -55,6 +55,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from fpdoctor.integrations import _watch as framework
 from fpdoctor.integrations import hf_switch
 from fpdoctor.integrations._outputs import KeptGradients, backward_from
+from fpdoctor.integrations._toplevel import TopLevelCalls
 from fpdoctor.numerics import amp, distributed, dynamo, graphs
 from fpdoctor.numerics.gradcheck import (
     FlagRead,
@@ -69,7 +70,7 @@ from fpdoctor.numerics.step_judge import StepFacts, StepJudge, StepOutcome
 from fpdoctor.numerics.updates import UpdateProbe, UpdateStats
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Finding, Report
-from fpdoctor.torchprivate import global_forward_hooks_with_kwargs, global_optimizer_hooks, pytree
+from fpdoctor.torchprivate import global_optimizer_hooks, pytree
 
 _DEVICE_TYPES = ("cpu", "cuda")
 
@@ -107,6 +108,17 @@ class _Run:
     # the step they were carried into (the judge replays it from zeroed gradients and says so)
     left: tuple[int, float | None] | None = None
     carried: tuple[int, float | None] | None = None
+    groups: tuple[tuple[int, int], ...] = ()  # `_groups(optimizer)` when `params` was made
+
+
+def _trainable(optimizer: Any) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+
+
+def _groups(optimizer: Any) -> tuple[tuple[int, int], ...]:
+    """Each param group's list and its length: checked on every step for the cost of a few groups,
+    where comparing the parameters themselves would cost one look per parameter."""
+    return tuple((id(group["params"]), len(group["params"])) for group in optimizer.param_groups)
 
 
 @dataclass
@@ -115,16 +127,21 @@ class _Pending:
 
     run: _Run
     step: int  # the optimizer's step count, from 1
-    flags: FlagRead  # agreed loss and gradient flags, this rank's loss flag, the scale, the losses
+    flags: FlagRead  # the loss flag (`loss_agreed`), the gradients' flag, the scale, this rank's losses
     calls: list[_Call]
     scaler: Any
     skipped_by_scaler: bool
     on_device: bool  # given to the optimizer already, its flag as found_inf (or undone: `undo`)
     undo: StepUndo | None = None
+    loss_agreed: bool = False  # the flags' first value is the loss's flag (else the losses are judged on the host)
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors among a call's arguments; plain tensors passed positionally (the usual forward)
+    without pytree's walk, which costs more than the rest of noting the call."""
+    if not kwargs and all(type(a) is torch.Tensor for a in args):
+        return list(args)
+    return [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
 
 
 @contextlib.contextmanager
@@ -186,7 +203,8 @@ class ScriptWatch:
         self._calls: list[_Call] = []
         self._losses: list[torch.Tensor] = []
         self._trainable: dict[int, bool] = {}
-        self._local = threading.local()
+        self._local = threading.local()  # per thread: the top-level training forward in progress
+        self._top = TopLevelCalls(self._pre, self._post)
         self._scaler_now: dict[int, Any] = {}  # id(optimizer) -> the GradScaler stepping it now
         self._judged: set[int] = set()  # optimizers judged inside the scaler's step in progress
         self._replaying = False
@@ -205,16 +223,9 @@ class ScriptWatch:
             dynamo.keep_out(dynamo.fpdoctor_modules())
             stack.callback(dynamo.quiet_wrapper_warning())
             stack.callback(graphs.watching())  # each compiled graph checked once a judge is made
-            module_hooks = torch.nn.modules.module
-            stack.callback(module_hooks.register_module_forward_pre_hook(self._pre).remove)
-            # with its keyword arguments (the pre-hook gets none), and even when the forward raises,
-            # so that the depth count of nested calls stays right
-            post = module_hooks.register_module_forward_hook(self._post, with_kwargs=True, always_call=True)
-            stack.callback(post.remove)
-            # torch's handle leaves its with_kwargs mark behind: every torch.compile(module) call
-            # after the watch would then warn of global hooks that are gone
-            with_kwargs = global_forward_hooks_with_kwargs(module_hooks)
-            stack.callback(lambda: with_kwargs.pop(post.id, None))
+            # the top-level module calls only: the submodule calls inside them pay nothing
+            stack.callback(self._top.close)
+            self._top.start()
             stack.callback(register_optimizer_step_pre_hook(self._before_step).remove)
             stack.callback(register_optimizer_step_post_hook(self._after_step).remove)
             stack.enter_context(self._swapped(torch.autograd, "backward", self._backward_of))
@@ -262,15 +273,10 @@ class ScriptWatch:
                 delattr(owner, name)
 
     # -- what the script does ----------------------------------------------------------------------
-    def _depth(self) -> int:
-        return getattr(self._local, "depth", 0)
-
     def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if dynamo.compiling():  # Dynamo inlines the hook as nothing; the compiled code never calls it
-            return
-        depth = self._depth()
-        self._local.depth = depth + 1
-        if depth or self._replaying or not torch.is_grad_enabled():
+        """Before a top-level module call (`TopLevelCalls`)."""
+        self._local.call = None
+        if self._replaying or not torch.is_grad_enabled():
             return
         try:
             if self._pending and self._is_trainable(module):
@@ -297,19 +303,16 @@ class ScriptWatch:
                 run.left = None  # the script zeroes its gradients: nothing is carried
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any = None) -> None:
-        """After a forward; called without `output` when the forward raised (always_call)."""
-        if dynamo.compiling():
-            return
-        self._local.depth = max(self._depth() - 1, 0)
+        """After a top-level module call; called without `output` when the forward raised."""
         call: _Call | None = getattr(self._local, "call", None)
-        if self._depth() or call is None or call.module is not module:
+        if call is None or call.module is not module:
             return
         self._local.call = None
         try:
             if output is None:  # the forward raised (the script may catch it and go on): nothing to keep
                 return
             call.args, call.kwargs = tuple(args), dict(kwargs)
-            call.versions = [(t, t._version) for t in _tensors((args, kwargs))]
+            call.versions = [(t, t._version) for t in _tensors(args, kwargs)]
             call.kept.watch(output)
             if call.kept.outputs:
                 self._calls.append(call)
@@ -397,7 +400,7 @@ class ScriptWatch:
         run = self.runs.get(id(optimizer))
         if run is not None:
             return run
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        params = _trainable(optimizer)
         if params and any(p is q for w in list(framework.ACTIVE) for q in w._params for p in params[:1]):
             return None  # a framework callback judges this optimizer's steps: one judge per step
         owned = {id(p) for p in params}
@@ -420,7 +423,7 @@ class ScriptWatch:
             gpu_health=self.gpu_health,
         )
         self._optimizers.append(optimizer)
-        run = _Run(judge, params, modules, len(self.runs) + 1)
+        run = _Run(judge, params, modules, len(self.runs) + 1, groups=_groups(optimizer))
         # on a GPU by default where the optimizer skips by itself (found_inf, no cost); asked for,
         # any optimizer, its step undone on the device (a copy of its weights and state per step)
         run.fused = skips_on_device(optimizer)
@@ -459,25 +462,32 @@ class ScriptWatch:
             self._calls = current
             self._event += 1
             return
+        groups = _groups(optimizer)
+        if groups != run.groups:  # add_param_group, or a group's list replaced: the list is made again
+            run.params, run.groups = _trainable(optimizer), groups
         judge = run.judge
         mine = [c for c in current if c.kept.filled_at == now and any(c.module is m for m in run.modules)]
         self._calls = [c for c in current if not any(c is m for m in mine)]
         self._event += 1
         device = judge.device
+        on_device = run.device_skip and not skipped_by_scaler
         with torch.no_grad():
             grad = nonfinite_flag(grads_of(run.params), device)
             loss_t = torch.stack([t.to(device) for t in losses]) if losses else torch.zeros(0, device=device)
-            local_loss = torch.isfinite(loss_t).all().logical_not().float()
-            agreed = torch.stack([local_loss, grad])
-            if judge.distributed:  # every rank skips, or none: replicas stay equal
-                agreed = distributed.all_max(agreed)
+            # [loss, gradients]: the losses come back anyway and are judged on the host, unless the loss's
+            # flag is needed on the device, agreed across ranks or given to the optimizer
+            agreed = torch.stack([grad, grad])
+            if judge.distributed or on_device:
+                agreed = torch.stack([torch.isfinite(loss_t).all().logical_not().float(), grad])
+                if judge.distributed:  # every rank skips, or none: replicas stay equal
+                    agreed = distributed.all_max(agreed)
             scale = amp.scale_tensor(scaler, device) if scaler is not None else torch.full((), math.nan, device=device)
             # on its way to the host before the optimizer's kernels are queued
-            flags = FlagRead(torch.cat([agreed, local_loss.reshape(1), scale.reshape(1), loss_t]))
+            flags = FlagRead(torch.cat([agreed, scale.reshape(1), loss_t]))
         judge.steps += 1
         judge.micro_batches += len(mine)
-        on_device = run.device_skip and not skipped_by_scaler
         pending = _Pending(run, judge.steps, flags, mine, scaler, skipped_by_scaler, on_device)
+        pending.loss_agreed = judge.distributed or on_device
         if on_device:  # the optimizer skips a bad step by itself, or it is undone; the host looks a step later
             self._undo.pop(id(optimizer), lambda: None)()
             if run.fused:
@@ -501,11 +511,12 @@ class ScriptWatch:
         judge = run.judge
         step = pending.step
         values = pending.flags.values()
-        bad_loss, bad_grad, mine_bad = values[0] > 0, values[1] > 0, values[2] > 0
+        mine_bad = not all(math.isfinite(v) for v in values[3:])  # this rank's losses
+        bad_loss, bad_grad = values[0] > 0 if pending.loss_agreed else mine_bad, values[1] > 0
         if pending.undo is not None:  # before anything can fail: the next step starts from the right state
             pending.undo.settle(bad_loss or bad_grad)
-        scale_value = values[3] if scaler is not None else None
-        curve = [v / scale_value if scale_value else v for v in values[4:]]
+        scale_value = values[2] if scaler is not None else None
+        curve = [v / scale_value if scale_value else v for v in values[3:]]
         finite_curve = [v for v in curve if math.isfinite(v)]
         loss_value = (
             (sum(curve) / len(curve) if curve else math.nan)

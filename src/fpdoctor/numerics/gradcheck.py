@@ -21,25 +21,41 @@ from typing import Any
 import torch
 
 from fpdoctor.numerics import records
-from fpdoctor.torchprivate import steps_with_scaler, unscale_check_
+from fpdoctor.torchprivate import foreach_norm, steps_with_scaler, unscale_check_
 
 
 def grads_of(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The dense gradient values to check (sparse gradients: their stored values)."""
-    grads = []
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        grads.append(g._values() if g.is_sparse else g)
-    return grads
+    """The gradients there are, as they are: a sparse one (nn.Embedding(sparse=True)) is read by its
+    stored values where it is checked (`dense_values`), not looked for on every step."""
+    return [g for p in params if (g := p.grad) is not None]
+
+
+def dense_values(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient's values as a dense tensor: a sparse one's stored values."""
+    return [g._values() if g.is_sparse else g for g in grads]
 
 
 def nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """float32 0-d tensor on `device`: 1.0 when any value of `grads` is NaN or Inf, else 0.0."""
+    """float32 0-d tensor on `device`: 1.0 when any value of `grads` is NaN or Inf, else 0.0.
+
+    On the CPU one kernel call for all of them first: the usual case, every gradient there, then
+    costs no Python per gradient (the CPU kernel takes mixed dtypes). A gradient on another device
+    makes it raise (the kernels refuse a tensor on another device than the first's), and so does a
+    sparse one or a torch without the kernel: then one call per device and dtype, as on a GPU, whose
+    kernel steps a list of one dtype in one launch and any other dtype one tensor at a time. The
+    flag is only ever set by a value that is not finite: what the first call set stays true."""
     found = torch.zeros((), dtype=torch.float32, device=device)
+    if not grads:
+        return found
+    if device.type == "cpu" and grads[0].device == device:
+        with torch.no_grad():
+            try:
+                unscale_check_(grads, found, torch.ones((), dtype=torch.float32, device=device))
+                return found
+            except (NotImplementedError, RuntimeError):
+                pass
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
+    for g in dense_values(grads):
         groups.setdefault((g.device, g.dtype), []).append(g)
     per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     with torch.no_grad():
@@ -65,8 +81,12 @@ def grad_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     with torch.no_grad():
         if not grads:
             return torch.zeros((), dtype=torch.float32, device=device)
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float32).to(device, non_blocking=True) for g in grads]
-        return torch.linalg.vector_norm(torch.stack(norms))
+        norms = foreach_norm(dense_values(grads), torch.float32)  # one call, not one per gradient
+        try:
+            stacked = torch.stack(norms)
+        except RuntimeError:  # gradients on several devices
+            stacked = torch.stack([n.to(device, non_blocking=True) for n in norms])
+        return torch.linalg.vector_norm(stacked.to(device, non_blocking=True))
 
 
 def loss_flag(loss: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics.gradcheck import grads_of, loss_flag, nonfinite_flag, tensor_kind
+from fpdoctor.numerics.gradcheck import dense_values, grads_of, loss_flag, nonfinite_flag, tensor_kind
 from fpdoctor.preserve import RngState, preserved
 from fpdoctor.report.model import Finding
 from fpdoctor.torchprivate import post_accumulate_grad_hooks
@@ -138,7 +138,7 @@ def replay(
 def _nonfinite_evidence(loss: torch.Tensor | None, params: list[torch.Tensor]) -> dict[str, Any]:
     """kind, count, numel, dtype of the non-finite loss (else of the non-finite gradients); host
     reads, on a bad replayed micro-batch only."""
-    tensors = [loss.detach()] if loss is not None else grads_of(params)
+    tensors = [loss.detach()] if loss is not None else dense_values(grads_of(params))
     bad = [t for t in tensors if tensor_kind(t)]
     if not bad:
         return {}
