@@ -734,10 +734,23 @@ class StepJudge:
         live = {names[id(p)]: p.grad.detach().float() for p in self.params if p.grad is not None and id(p) in names}
         scale = float(amp.scale_tensor(scaler, self.device)) if amp.enabled(scaler) else None
         unscaled = reference.unscaled_already(scaler, optimizer)
-        result = reference.compare_step(
-            step, self.model, optimizer=optimizer, scaler=scaler, step_fn=step_fn, window=window, contexts=contexts,
-            live=live, scale=scale, unscaled=unscaled,
-        )  # fmt: skip
+        why = None
+        if self.is_compiled:  # Dynamo would compile graphs anew for the copies: the observer compiles nothing
+            why = "a compiled model: running it on copies of its parameters would compile new graphs"
+        elif not live:
+            why = "the optimizer holds no parameter of the model with a gradient (master weights of your own)"
+        if why is not None:
+            self.reference_compared.append(reference.Comparison(step, not_compared=why))
+            return
+        try:
+            result = reference.compare_step(
+                step, self.model, optimizer=optimizer, scaler=scaler, step_fn=step_fn, window=window,
+                contexts=contexts, live=live, scale=scale, unscaled=unscaled,
+            )  # fmt: skip
+        except Exception as exc:  # step_fn cannot run on copies (it reads tensors it holds itself)
+            text = f"step_fn could not run on copies of the parameters: {type(exc).__name__}: {exc}"
+            self.reference_compared.append(reference.Comparison(step, not_compared=text))
+            return
         self.reference_compared.append(result)
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in self.params})
         recipe = f"{'/'.join(dtypes)} parameters" + (f", the loss scaled by a GradScaler ({scale:g})" if scale else "")
