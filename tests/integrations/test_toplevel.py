@@ -1,5 +1,7 @@
-"""`fpdoctor watch`'s module hooks: the top-level calls only, and none of the watch's global hooks in
-torch's tables while one runs, so the submodule calls inside it take torch's hook-free path."""
+"""What `fpdoctor watch` does per step, kept off per-module and per-parameter work: its module hooks
+see the top-level calls only (none of its global hooks in torch's tables while one runs, so the
+submodule calls inside it take torch's hook-free path), and its list of parameters is made again
+only when the optimizer's param groups change."""
 
 from __future__ import annotations
 
@@ -141,3 +143,28 @@ def test_once_the_program_compiles_the_hooks_stay_in_but_for_the_module_compiled
         calls.close()
     assert inner.seen[:2] == [set(), set()] and len(inner.seen[2]) == 2
     assert [e[1] for e in events] == [compiling, compiling, compiling, compiling, model, model]
+
+
+def test_the_watch_checks_a_param_group_added_after_its_first_step():
+    """The watch's list of parameters is made once and again when the optimizer's groups change: a
+    parameter added later whose gradient is Inf (the loss finite) makes the step non-finite, and it
+    is skipped."""
+    from fpdoctor.integrations.script import ScriptWatch
+
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    extra = nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.ones(4, 2)
+    with ScriptWatch(replay=False, gpu_health=False) as watch:
+        for step in range(3):
+            if step == 2:
+                opt.add_param_group({"params": [extra]})
+            opt.zero_grad()
+            # sqrt at 0: a finite loss, an Inf gradient for the parameter added last
+            loss = model(x).square().mean() + (torch.sqrt(extra - 1).sum() if step == 2 else 0)
+            loss.backward()
+            opt.step()
+    judge = next(iter(watch.runs.values())).judge
+    assert [h.finite for h in judge.history] == [True, True, False]
+    assert judge.skipped == 1 and extra.item() == 1.0
