@@ -34,7 +34,9 @@ def _findings(guard: fpdoctor.Sentinel) -> list[fpdoctor.Finding]:
     return guard.report.by_name("gradients-depart-from-reference")
 
 
-def test_clipping_before_unscale_departs_at_the_optimizer_and_the_fix_is_checked() -> None:
+def _clipped(unscale_first: bool) -> fpdoctor.Sentinel:
+    """bf16 autocast, a GradScaler at 2**10 and clip_grad_norm_ in step_fn: before or after
+    scaler.unscale_(optimizer); three steps under the Sentinel."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = grad_scaler_class()("cpu", init_scale=2.0**10)
@@ -45,11 +47,18 @@ def test_clipping_before_unscale_departs_at_the_optimizer_and_the_fix_is_checked
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = nn.functional.cross_entropy(model(x), y)
         scaler.scale(loss).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # before unscale_: clips the scaled gradients
+        if unscale_first:
+            scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # otherwise it clips the scaled gradients
         return loss
 
-    guard.step(step, *_batch())
-    (found,) = _findings(guard)
+    for i in range(3):
+        guard.step(step, *_batch(i))
+    return guard
+
+
+def test_clipping_before_unscale_departs_at_the_optimizer_and_the_fix_is_checked() -> None:
+    (found,) = _findings(_clipped(unscale_first=False))
     assert found.evidence["stage"] == "optimizer", found.message
     assert all(d["norm_ratio"] < 0.5 for d in found.evidence["departed"])
     assert "scaler.unscale_(optimizer)" in found.fix
@@ -57,22 +66,7 @@ def test_clipping_before_unscale_departs_at_the_optimizer_and_the_fix_is_checked
 
 
 def test_the_same_recipe_unscaling_first_is_no_departure() -> None:
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = grad_scaler_class()("cpu", init_scale=2.0**10)
-    guard = fpdoctor.Sentinel(model, opt, scaler=scaler)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = nn.functional.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        return loss
-
-    for i in range(3):
-        guard.step(step, *_batch(i))
+    guard = _clipped(unscale_first=True)
     assert not _findings(guard), str(guard.report)
     assert guard._judge.reference_compared, "the first step was compared"
     assert guard._judge.reference_compared[0].not_compared is None

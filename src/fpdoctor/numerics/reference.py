@@ -24,6 +24,7 @@ EVERY-th (0.4% of the steps between them on average).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ RATIO = 2.0  # a gradient's norm more than twice or under half the reference's d
 COSINE = 0.9  # or its direction: bf16 autocast keeps a gradient's cosine with fp32's above 0.99
 TINY = 1e-30  # a reference gradient this small has no direction to compare
 NEGLIGIBLE = 1e-3  # of the model's gradient rms: a parameter's reference gradient made of rounding
+STRAY = 0.1  # of it: the step's own gradient there is judged all the same (a gradient from nowhere)
 STAGES = ("backward", "optimizer")
 SHOWN = 8  # departed parameters the evidence lists, worst first
 
@@ -208,25 +210,10 @@ def compare_step(
     unless step_fn unscaled them) against the reference step's. `contexts(scale)`: what a run
     of the window runs under, at that loss scale (None: the step's own)."""
     out = Comparison(step)
+    run = functools.partial(_run, model, optimizer=optimizer, scaler=scaler, step_fn=step_fn, window=window)
     with _grads_saved(model):
-        ours_backward, ours_returned = _run(
-            model,
-            optimizer=optimizer,
-            scaler=scaler,
-            step_fn=step_fn,
-            window=window,
-            contexts=contexts(None),
-            reference=False,
-        )
-        ref_backward, ref_returned = _run(
-            model,
-            optimizer=optimizer,
-            scaler=scaler,
-            step_fn=step_fn,
-            window=window,
-            contexts=contexts(1.0),
-            reference=True,
-        )
+        ours_backward, ours_returned = run(contexts=contexts(None), reference=False)
+        ref_backward, ref_returned = run(contexts=contexts(1.0), reference=True)
     scale = scale if scale is not None and math.isfinite(scale) and scale > 0 else 1.0
     for name, got in live.items():
         mine = ours_returned.get(name)
@@ -246,15 +233,7 @@ def compare_step(
         # what step_fn does between the backward and the optimizer may read the loss scale (a clip
         # before unscale_): the user's recipe once more at scale 1 says whether it is the cause
         with _grads_saved(model):
-            _, at_one = _run(
-                model,
-                optimizer=optimizer,
-                scaler=scaler,
-                step_fn=step_fn,
-                window=window,
-                contexts=contexts(1.0),
-                reference=False,
-            )
+            _, at_one = run(contexts=contexts(1.0), reference=False)
         out.at_scale_one = [d for d in _rows("optimizer", at_one, ref_returned, 1.0) if d.departs()]
     return out
 
@@ -263,7 +242,7 @@ def _rows(stage: str, ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor
     """Each parameter's gradient against the reference's, worst first; a parameter whose reference
     gradient is negligible beside the model's (NEGLIGIBLE of the rms over every parameter: a bias
     before a normalisation, whose gradient is 0 but for rounding) is judged only when the step's
-    own gradient is not negligible too."""
+    own gradient there is not (STRAY of that rms)."""
     names = [n for n in ours if n in ref]
     total = sum(float(ref[n].double().square().sum()) for n in names)
     count = sum(ref[n].numel() for n in names)
@@ -271,7 +250,7 @@ def _rows(stage: str, ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor
     rows = []
     for n in names:
         got = ours[n] / divide
-        if _rms(ref[n]) < NEGLIGIBLE * rms and _rms(got) < NEGLIGIBLE * 100 * rms:
+        if _rms(ref[n]) < NEGLIGIBLE * rms and _rms(got) < STRAY * rms:
             continue
         rows.append(_row(n, stage, got, ref[n]))
     return sorted((r for r in rows if r is not None), key=_badness, reverse=True)

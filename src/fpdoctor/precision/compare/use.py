@@ -145,6 +145,9 @@ def finding(
     def names(modules: list[str]) -> str:
         return " and ".join(f"`{m}`" for m in modules)
 
+    def checked(what: str, after: str) -> Trial:
+        return Trial.checked(what, metric="top-1 agreement with fp64", before=_pct(found.top1), after=after, on=on)
+
     best = max(tried, key=lambda t: t[1], default=None)
     if state is not None and found.recovered(state[1]):
         lines, top1 = state
@@ -153,10 +156,7 @@ def finding(
             f"Keep the {noun} updated at {lines} in fp32, as the finding on the end-to-end error says: "
             f"the same checked run gives the decisions back, top-1 agreement {_pct(found.top1)} -> {_pct(top1)}."
         )
-        trial = Trial.checked(
-            f"the {noun} at {lines} kept in fp64, the rest in {label}", metric="top-1 agreement with fp64",
-            before=_pct(found.top1), after=_pct(top1), on=on,
-        )  # fmt: skip
+        trial = checked(f"the {noun} at {lines} kept in fp64, the rest in {label}", _pct(top1))
     elif best is not None and found.recovered(best[1]):
         modules, top1 = best
         output = ", returning fp32 logits" if head in modules else ""
@@ -164,20 +164,17 @@ def finding(
             f"Keep {names(modules)} in fp32{output} (fpdoctor plan writes the code): top-1 agreement "
             f"{_pct(found.top1)} -> {_pct(top1)}."
         )
-        trial = Trial.checked(
-            f"{names(modules)} kept in fp32{output}, the rest in {label}", metric="top-1 agreement with fp64",
-            before=_pct(found.top1), after=_pct(top1), on=on,
-        )  # fmt: skip
+        trial = checked(f"{names(modules)} kept in fp32{output}, the rest in {label}", _pct(top1))
     elif best is not None:
         each = "; ".join(f"{names(m)} {_pct(t)}" for m, t in tried)
         fix = (
             f"No module set tried gives the decisions back in fp32 ({each}): run `fpdoctor plan` for a larger "
             f"set and check it by top-1 agreement."
         )
-        trial = Trial.checked(
-            "kept in fp32, one set at a time: " + "; ".join(names(m) for m, _ in tried), metric="top-1 agreement "
-            "with fp64", before=_pct(found.top1), after=f"at best {_pct(best[1])} (not enough)", on=on,
-        )  # fmt: skip
+        trial = checked(
+            "kept in fp32, one set at a time: " + "; ".join(names(m) for m, _ in tried),
+            f"at best {_pct(best[1])} (not enough)",
+        )
     else:
         fix = f"Keep {names([head]) if head else 'the logits layer'} in fp32, returning fp32 logits."
         trial = Trial.untried("no module of the model could be re-run in fp32 in its place")
