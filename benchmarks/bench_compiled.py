@@ -3,10 +3,10 @@
 A 2-layer transformer of benchmarks/models.py (dim 128, 8 x 64 tokens, fp32, AdamW, dropout off),
 compiled with torch.compile (Inductor's C++ backend; `aot_eager` where Inductor cannot build here),
 takes the same training step (zero_grad / compiled forward / cross-entropy / backward / step) in
-interleaved rounds: plain, with the compiled-output checks (`numerics/compiled.py`'s OutputCheck,
+interleaved rounds: plain, with the compiled-output checks (`numerics/compiled/step.py`'s OutputCheck,
 what the sentinel, `watch` and the callbacks put on a compiled model: one fused finite check of
 the compiled module's outputs per call, and one of each Dynamo graph's outputs per graph call
-(`numerics/graphs.py`), left on the device) and plain again (the run-to-run noise). The graphs
+(`numerics/compiled/graphs.py`), left on the device) and plain again (the run-to-run noise). The graphs
 are compiled while a check is open, as under the sentinel, so their callables carry the
 per-graph wrapper in every variant: the plain rounds pay its closed cost too. Per-step wall
 times, medians over rounds of per-round medians; the budget is read on the
@@ -42,7 +42,7 @@ def compile_model(backend: str) -> tuple[nn.Module, nn.Module, str]:
     torch.manual_seed(0)
     model = small_transformer(layers=2, dim=128, dropout=0.0)
     tokens, _ = batch(size=8, length=64)
-    from fpdoctor.numerics.graphs import GraphCheck
+    from fpdoctor.numerics.compiled.graphs import GraphCheck
 
     for name in dict.fromkeys([backend, "aot_eager"]):
         compiled = torch.compile(model, backend=name)
@@ -68,7 +68,7 @@ OWN: list[float] = []  # seconds the check itself took, per checked step
 def output_check(compiled: nn.Module) -> Iterator[Callable[[], None]]:
     """The check on the compiled wrapper; its own time per step is added to OWN (the hook's work,
     timed inside the step: the share of the step is read without the machine's noise)."""
-    from fpdoctor.numerics.compiled import OutputCheck
+    from fpdoctor.numerics.compiled.step import OutputCheck
 
     check = OutputCheck(compiled)
     note, called = check.note, check.graphs._called

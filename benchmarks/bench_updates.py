@@ -33,9 +33,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fpdoctor
-from fpdoctor.numerics.trace_updates import TraceUpdates
-from fpdoctor.numerics.update_whatif import WHAT_IF_STEPS, what_if
-from fpdoctor.numerics.updates import EVERY, GradAccumulation, UpdateProbe
+from fpdoctor.numerics.updates.measure import EVERY, GradAccumulation, UpdateProbe
+from fpdoctor.numerics.updates.under_trace import TraceUpdates
+from fpdoctor.numerics.updates.whatif import WHAT_IF_STEPS, what_if
 from models import batch, make_step, small_transformer
 
 

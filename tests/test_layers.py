@@ -1,6 +1,6 @@
 """No package reaches into another's private names.
 
-A leading underscore says "this module's own, free to change": `from fpdoctor.numerics.trace import
+A leading underscore says "this module's own, free to change": `from fpdoctor.numerics.trace.tracer import
 _is_user_file` in precision, or `fingerprint._child_command = ...` in the casebook, ties one package
 to another's insides where no reader of the owner looks. Within a package that is the package's
 business; across packages it must go through a public name. The layers themselves (who may import
@@ -25,9 +25,15 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+# Packages split into capability packages: each of those is a package of its own here.
+SPLIT = {"numerics", "precision"}
+
+
 def _package(module: str) -> str:
-    """fpdoctor.numerics.trace -> numerics; fpdoctor.files -> files; fpdoctor -> ''."""
+    """fpdoctor.numerics.trace.tracer -> numerics.trace; fpdoctor.files -> files; fpdoctor -> ''."""
     parts = module.split(".")
+    if len(parts) > 3 and parts[1] in SPLIT:
+        return f"{parts[1]}.{parts[2]}"
     return parts[1] if len(parts) > 1 else ""
 
 

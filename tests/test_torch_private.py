@@ -35,7 +35,7 @@ ALLOWED = {
     "fpdoctor/env/probe_child.py",
     # a graph reproducer's repro.py: copied beside graph.py and run in a fresh interpreter with torch
     # only, no fpdoctor (it goes with a bug report to torch.compile's maintainers)
-    "fpdoctor/numerics/graph_repro_script.py",
+    "fpdoctor/numerics/compiled/repro_script.py",
 }
 
 # Private attributes of torch's objects (not modules) that fpdoctor reads through the shim.

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from fpdoctor.health.api import HealthResult, health
     from fpdoctor.integrations.script import ScriptWatch, watch
     from fpdoctor.numerics.api import Trace, trace
-    from fpdoctor.numerics.sentinel import Sentinel
-    from fpdoctor.numerics.tracer import NonFiniteError
+    from fpdoctor.numerics.trace.tracer import NonFiniteError
+    from fpdoctor.numerics.training.sentinel import Sentinel
     from fpdoctor.precision.audit.audit import audit
     from fpdoctor.precision.audit.boundary import keep_in_fp32
     from fpdoctor.precision.audit.harmonize import harmonize
@@ -35,8 +35,8 @@ _LAZY = {
     "Report": "fpdoctor.report.model",
     "Severity": "fpdoctor.report.model",
     "Trial": "fpdoctor.report.model",
-    "NonFiniteError": "fpdoctor.numerics.tracer",
-    "Sentinel": "fpdoctor.numerics.sentinel",
+    "NonFiniteError": "fpdoctor.numerics.trace.tracer",
+    "Sentinel": "fpdoctor.numerics.training.sentinel",
     "ScriptWatch": "fpdoctor.integrations.script",
     "Trace": "fpdoctor.numerics.api",
     "apply_plan": "fpdoctor.precision.plan.plan",

@@ -19,7 +19,7 @@ a call would cost more than the read. They are declared in torch's own type stub
 torch/_ops.py for `_schema`); the test checks each on the installed torch (`READ_DIRECTLY`).
 
 `fpdoctor/env/probe_child.py` calls `torch._scaled_mm` itself: it runs as a script by its path,
-with the standard library and torch only. `fpdoctor/numerics/graph_repro_script.py` sets Inductor's
+with the standard library and torch only. `fpdoctor/numerics/compiled/repro_script.py` sets Inductor's
 settings itself: it is a graph reproducer's repro.py, run with torch only, no fpdoctor.
 """
 

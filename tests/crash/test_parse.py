@@ -143,7 +143,7 @@ def test_error_texts_are_explained_root_cause_first():
         "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error": "nccl",
         "RuntimeError: CUDA error: no kernel image is available for execution on the device": "no-kernel-image",
         "RuntimeError: CUDA error: uncorrectable ECC error encountered": "ecc",
-        "fpdoctor.numerics.tracer.NonFiniteError: aten.div.Tensor produced NaN": "nonfinite",
+        "fpdoctor.numerics.trace.tracer.NonFiniteError: aten.div.Tensor produced NaN": "nonfinite",
         "ValueError: Loss is NaN, stopping training": "nonfinite",
         "RuntimeError: mat1 and mat2 must have the same dtype, but got Float and Half": "dtype-mismatch",
         "RuntimeError: DataLoader worker (pid 4242) is killed by signal: Killed.": "dataloader-worker",

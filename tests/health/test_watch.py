@@ -5,8 +5,8 @@ from __future__ import annotations
 from fpdoctor.health import watch
 from fpdoctor.health.kernel_log import XidGroup
 from fpdoctor.health.model import GpuFacts, HealthFacts
-from fpdoctor.numerics.replay import ReplayResult
-from fpdoctor.numerics.sentinel_findings import verdict_findings
+from fpdoctor.numerics.training.findings import verdict_findings
+from fpdoctor.numerics.training.replay import ReplayResult
 
 UUID, PCI = "GPU-5c0f0e3a-0000-4000-8000-000000000001", "0000:52:00.0"
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import fpdoctor
-from fpdoctor.numerics.blame import OP_ADVICE, _fix_for
-from fpdoctor.numerics.tracer import Output, Record
+from fpdoctor.numerics.trace.blame import OP_ADVICE, _fix_for
+from fpdoctor.numerics.trace.tracer import Output, Record
 
 
 def record(op: str, dtype: str = "torch.float32", kind: str = "+inf", stats=None) -> Record:

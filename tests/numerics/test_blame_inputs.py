@@ -78,7 +78,7 @@ def test_a_trace_that_fails_to_start_leaves_no_global_hook(monkeypatch):
     from torch.nn.modules import module as module_mod
     from torch.optim.optimizer import _global_optimizer_pre_hooks
 
-    from fpdoctor.numerics import tracer as tracer_mod
+    from fpdoctor.numerics.trace import tracer as tracer_mod
 
     before = (len(module_mod._global_forward_pre_hooks), len(_global_optimizer_pre_hooks))
 

@@ -1,4 +1,4 @@
-"""Each Dynamo graph checked where it runs (numerics/graphs.py): the first graph that made NaN/Inf
+"""Each Dynamo graph checked where it runs (numerics/compiled/graphs.py): the first graph that made NaN/Inf
 is named, a compiled-only fault made by an Inductor pass of the test's own is named with the pass
 CompilerBisector finds, and its reproducer shows the NaN in a fresh interpreter without fpdoctor;
 a healthy compiled model gives no finding, no warning and no graph compiled anew."""
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import fpdoctor
-from fpdoctor.numerics.graphs import GraphCheck
+from fpdoctor.numerics.compiled.graphs import GraphCheck
 from tests.numerics.compiled_faults import NanAfterTanh
 from tests.numerics.dynamo_counts import counted, needs_backend
 
@@ -204,7 +204,7 @@ def _rounded_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def test_a_bf16_rounding_difference_is_settled_by_emulate_precision_casts(tmp_path: Any) -> None:
     """Fused fp32 intermediates of a bf16 graph (no fault of a pass) are told apart from a pass's
     NaN: emulate_precision_casts makes the graph finite, so nothing is bisected."""
-    from fpdoctor.numerics.compiled import graph_evidence
+    from fpdoctor.numerics.compiled.step import graph_evidence
 
     needs_backend("inductor")
     a = torch.full((4,), 1 + 2**-7, dtype=torch.bfloat16)
@@ -244,7 +244,7 @@ def test_watch_names_the_graph_compiled_before_its_first_step() -> None:
 def test_a_graph_whose_eager_ops_make_the_nan_names_the_op_and_line() -> None:
     """The graph re-run eagerly, node by node, on the inputs it had: the node of origin and the
     user line Dynamo recorded for it; then it is not compiled-only, and nothing is recompiled."""
-    from fpdoctor.numerics.compiled import graph_evidence
+    from fpdoctor.numerics.compiled.step import graph_evidence
 
     torch.manual_seed(0)
     model = Net(log=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from fpdoctor.imports import AfterImport
-from fpdoctor.numerics import dynamo
+from fpdoctor.numerics.observe import dynamo
 
 
 def test_a_call_asked_for_again_before_the_import_runs_once(monkeypatch):

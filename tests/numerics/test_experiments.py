@@ -179,8 +179,8 @@ def test_a_genuine_fp32_overflow_is_the_math_and_no_precision_fix_is_printed(mak
 
 @pytest.mark.parametrize("op", ["exp", "_softmax", "sum", "mul", "bmm", "_log_softmax", "div"])
 def test_advice_that_the_math_experiment_refuted_loses_its_precision_clause(op):
-    from fpdoctor.numerics.blame import OP_ADVICE
     from fpdoctor.numerics.engine.reruns import _without_precision
+    from fpdoctor.numerics.trace.blame import OP_ADVICE
 
     kept = _without_precision(OP_ADVICE[op] + "; this op ran in torch.float16: keeping it in fp32 is the quickest test")
     assert kept and "fp32" not in kept

@@ -7,7 +7,7 @@ from torch import nn
 
 import fpdoctor
 from fpdoctor.formats import FORMATS, format_named
-from fpdoctor.numerics.headroom import share_below, smallest_nonzero
+from fpdoctor.numerics.trace.headroom import share_below, smallest_nonzero
 
 
 class Variance(nn.Module):
@@ -130,7 +130,7 @@ def test_headroom_findings_name_the_op_and_omit_unknowns():
 
 
 def test_a_nan_output_is_not_shown_as_zero_headroom():
-    from fpdoctor.numerics.headroom import ModuleStats
+    from fpdoctor.numerics.trace.headroom import ModuleStats
 
     stats = ModuleStats("torch.float32")
     stats.add(torch.tensor([1.0, float("nan")]))

@@ -11,7 +11,7 @@ from torch import nn
 
 import fpdoctor
 from fpdoctor.numerics.api import Trace
-from fpdoctor.numerics.headroom import MAX_OP_FINDINGS
+from fpdoctor.numerics.trace.headroom import MAX_OP_FINDINGS
 
 FP16_MAX = 65504.0
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import fpdoctor
-from fpdoctor.numerics.amp import grad_scaler_class
+from fpdoctor.numerics.observe.amp import grad_scaler_class
 
 
 def _model() -> nn.Module:

@@ -12,7 +12,7 @@ import torch
 
 import fpdoctor
 from fpdoctor.errors import InputError
-from fpdoctor.numerics import repro
+from fpdoctor.numerics.trace import repro
 
 
 def _produced(report) -> dict:

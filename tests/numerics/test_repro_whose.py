@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import fpdoctor
-from fpdoctor.numerics import repro
+from fpdoctor.numerics.trace import repro
 
 SITECUSTOMIZE = """\
 import torch

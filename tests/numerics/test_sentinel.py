@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import fpdoctor
-from fpdoctor.numerics import sentinel_findings
+from fpdoctor.numerics.training import findings as sentinel_findings
 
 
 def make(seed: int = 0):
@@ -168,7 +168,7 @@ def test_transient_fault_names_the_rank(tmp_path):
 
 
 def test_the_report_keeps_a_bounded_timeline_with_every_event():
-    from fpdoctor.numerics import sentinel as sentinel_module
+    from fpdoctor.numerics.training import sentinel as sentinel_module
 
     model, opt = make()
     guard = fpdoctor.Sentinel(model, opt, reference_every=0)  # step_fn's calls counted: no reference step
@@ -198,7 +198,7 @@ def test_the_timeline_gradient_norm_is_the_unscaled_norm_clip_grad_norm_gives():
     """Every GRAD_NORM_EVERY-th step the timeline holds the gradients' total norm, as
     clip_grad_norm_ would compute it: after GradScaler's unscale, not the scaled one, and the
     scale beside it."""
-    from fpdoctor.numerics.sentinel import GRAD_NORM_EVERY
+    from fpdoctor.numerics.training.sentinel import GRAD_NORM_EVERY
 
     model, opt = make()
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)

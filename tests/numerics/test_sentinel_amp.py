@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import fpdoctor
-from fpdoctor.numerics import amp
+from fpdoctor.numerics.observe import amp
 
 
 def _setup(seed: int = 0, init_scale: float = 2.0**12):
@@ -114,7 +114,7 @@ def test_scaler_needs_the_optimizer():
 
 
 def test_the_finite_check_is_exact_without_the_fused_amp_kernel(monkeypatch):
-    from fpdoctor.numerics.gradcheck import nonfinite_flag
+    from fpdoctor.numerics.observe.gradcheck import nonfinite_flag
 
     def missing(*args, **kwargs):
         raise NotImplementedError("no kernel for this backend")
@@ -130,7 +130,7 @@ def test_the_finite_check_is_exact_without_the_fused_amp_kernel(monkeypatch):
 
 
 def test_the_finite_check_takes_mixed_dtypes_in_one_call_and_sparse_gradients_by_their_values():
-    from fpdoctor.numerics.gradcheck import grad_norm, nonfinite_flag
+    from fpdoctor.numerics.observe.gradcheck import grad_norm, nonfinite_flag
 
     cpu = torch.device("cpu")
     finite = [torch.ones(2), torch.ones(3, dtype=torch.bfloat16), torch.full((4,), 60000.0, dtype=torch.float16)]

@@ -229,8 +229,8 @@ def test_batchnorm_statistics_stay_finite_when_the_very_first_step_is_skipped():
 
 
 def test_an_all_negative_infinity_gradient_is_minus_inf():
-    from fpdoctor.numerics.distributed import BucketWatch
-    from fpdoctor.numerics.gradcheck import tensor_kind
+    from fpdoctor.numerics.observe.gradcheck import tensor_kind
+    from fpdoctor.numerics.training.distributed import BucketWatch
 
     minus = torch.full((3,), float("-inf"))
     assert tensor_kind(minus) == "-inf"

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import fpdoctor
-from fpdoctor.numerics import sentinel_findings
+from fpdoctor.numerics.training import findings as sentinel_findings
 
 
 def _step(model, opt):
@@ -124,7 +124,7 @@ def test_a_batch_that_holds_nan_is_called_bad_data_not_a_bug_at_an_op():
 
 
 def test_fp16_adam_eps_is_named_and_dead_weights_are_said_once(monkeypatch):
-    from fpdoctor.numerics import step_judge as sentinel_module
+    from fpdoctor.numerics.training import judge as sentinel_module
 
     replays = []
     real_replay = sentinel_module.replay

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fpdoctor
-from fpdoctor.numerics import step_judge
+from fpdoctor.numerics.training import judge as step_judge
 
 
 def _names(report) -> dict[str, int]:
@@ -138,8 +138,8 @@ def test_a_learning_rate_that_cannot_be_tried_says_why():
 
 
 def test_a_lower_learning_rate_that_was_tried_and_did_not_help_is_not_printed_as_the_fix():
-    from fpdoctor.numerics.lr_whatif import Arm, LrTrial
-    from fpdoctor.numerics.sentinel_findings import stall_finding
+    from fpdoctor.numerics.training.findings import stall_finding
+    from fpdoctor.numerics.training.lr_whatif import Arm, LrTrial
 
     climbing = [1.0, 10.0, 100.0, 1e3, 1e4]
     trial = LrTrial(3, 4, Arm(1.0, climbing), [Arm(0.1, climbing), Arm(0.01, climbing), Arm(0.001, [1.0, 2.0], 2)])

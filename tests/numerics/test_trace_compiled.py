@@ -1,4 +1,4 @@
-"""Compiled models under `trace` (numerics/trace_compiled.py): the graphs run compiled, each call
+"""Compiled models under `trace` (numerics/compiled/under_trace.py): the graphs run compiled, each call
 checked; the eager ops around them are traced; the first bad graph is run again apart: its op
 and line where eager makes the NaN too, `compiled-only-nonfinite` where only the compiled
 program does. A healthy compiled model gives no finding, no warning and no graph of its own."""

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fpdoctor
-from fpdoctor.numerics.bounds import impossible, output_bound
+from fpdoctor.numerics.trace.bounds import impossible, output_bound
 
 
 class CorruptOneGemm(TorchDispatchMode):

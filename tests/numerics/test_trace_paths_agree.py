@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from fpdoctor.numerics.modules import ModuleTracker
-from fpdoctor.numerics.tracer import Tracer
+from fpdoctor.numerics.trace.modules import ModuleTracker
+from fpdoctor.numerics.trace.tracer import Tracer
 
 Scenario = tuple[nn.Module | None, Callable[[], object]]
 

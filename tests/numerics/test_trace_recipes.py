@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import fpdoctor
-from fpdoctor.numerics import tracer as tracer_mod
+from fpdoctor.numerics.trace import tracer as tracer_mod
 from fpdoctor.userframes import user_location
 
 
@@ -220,7 +220,7 @@ def test_sync_every_is_per_trace():
 
 
 def test_raise_on_classifies_each_record_without_a_whole_analysis(monkeypatch):
-    from fpdoctor.numerics import blame
+    from fpdoctor.numerics.trace import blame
 
     built = []
     original = blame.Analysis.__init__

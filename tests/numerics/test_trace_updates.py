@@ -126,7 +126,7 @@ def test_bf16_gradient_accumulation_under_trace_stalls():
 def test_the_checks_leave_the_trace_and_the_training_as_they_were(monkeypatch):
     """The same traced training with and without the update checks: the same records, the same steps
     and bitwise the same weights (the check's own ops and shadow step are not the script's)."""
-    from fpdoctor.numerics.trace_updates import TraceUpdates
+    from fpdoctor.numerics.updates.under_trace import TraceUpdates
 
     def run() -> tuple[fpdoctor.Trace, list[torch.Tensor]]:
         model = _model(torch.bfloat16)

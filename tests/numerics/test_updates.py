@@ -14,7 +14,7 @@ from torch import nn
 
 import fpdoctor
 from fpdoctor import catalog
-from fpdoctor.numerics.updates import UpdateProbe, spacing
+from fpdoctor.numerics.updates.measure import UpdateProbe, spacing
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -397,7 +397,7 @@ def test_a_what_if_run_without_its_loss_is_judged_by_the_weights_that_moved():
     weights that moved, and the user's weights, gradients, optimizer state and RNG stay as they were."""
     import math
 
-    from fpdoctor.numerics.update_whatif import what_if
+    from fpdoctor.numerics.updates.whatif import what_if
 
     model = _model(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fpdoctor.numerics.headroom import MAX_OP_FINDINGS
+from fpdoctor.numerics.trace.headroom import MAX_OP_FINDINGS
 from fpdoctor.precision.candidates import make_run
 from fpdoctor.precision.compare.first_overflow import first_overflow
 from fpdoctor.precision.compare.near_limit import AT_RISK, OpRanges, findings, near_limit

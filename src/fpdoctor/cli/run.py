@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     if args.repro is not None:
         if not args.breadcrumbs:
             raise UsageError("--repro needs --breadcrumbs: the op in flight is read from them")
-        from fpdoctor.numerics.repro import check_dir
+        from fpdoctor.numerics.trace.repro import check_dir
 
         try:
             check_dir(args.repro)

@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     script_args = args.args[1:] if args.args[:1] == ["--"] else args.args
     if args.repro is not None:
         from fpdoctor.errors import InputError
-        from fpdoctor.numerics.repro import check_dir
+        from fpdoctor.numerics.trace.repro import check_dir
 
         try:
             check_dir(args.repro)
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     autocast: Any = contextlib.nullcontext()
     if dtype_name:
-        from fpdoctor.numerics.whatif import AutocastWhatIf
+        from fpdoctor.numerics.trace.autocast_run import AutocastWhatIf
 
         autocast = AutocastWhatIf(device, getattr(torch, dtype_name))
     saved_argv, saved_path = sys.argv, list(sys.path)
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     report = session.report
     assert report is not None
     if error is not None:
-        from fpdoctor.numerics.op_error import explain_op_error
+        from fpdoctor.numerics.trace.op_error import explain_op_error
 
         try:
             explained = explain_op_error(session.tracer, error)

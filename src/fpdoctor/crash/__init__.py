@@ -80,7 +80,7 @@ def run_command(
     resolve(argv, base_env)
     facts, source = _environment_source(env_from)
     if repro is not None:
-        from fpdoctor.numerics.repro import check_dir
+        from fpdoctor.numerics.trace.repro import check_dir
 
         repro = check_dir(repro)
     own_dir = run_dir is None

@@ -600,7 +600,7 @@ def _out_of_dynamos_way(run_dir: str) -> None:
 
 
 def _skip_in_dynamo() -> None:
-    from fpdoctor.numerics import dynamo
+    from fpdoctor.numerics.observe import dynamo
 
     functions = [v for v in list(globals().values()) if getattr(v, "__module__", None) == __name__]
     if _Armed.mode_class is not None:

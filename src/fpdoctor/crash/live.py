@@ -23,7 +23,7 @@ def explain(exc: BaseException) -> dict[str, Any] | None:
     finding for `exc`, else None (not a mismatch, or its operands cannot be read)."""
     from torch import nn
 
-    from fpdoctor.numerics.mismatch import explain_mismatch, failure_from_traceback
+    from fpdoctor.numerics.trace.mismatch import explain_mismatch, failure_from_traceback
 
     root = _root(exc.__traceback__, nn.Module)
     names: dict[int, tuple[str, str]] = {}

@@ -1,5 +1,5 @@
 """`fpdoctor run --breadcrumbs --repro DIR`: a reproducer of the op a process had in flight when a
-fatal signal killed it, written from its breadcrumbs (numerics/repro.py writes it).
+fatal signal killed it, written from its breadcrumbs (numerics/trace/repro.py writes it).
 
 The breadcrumbs keep shapes, dtypes and the device of the first four tensor arguments, not their
 values nor the scalar arguments: the reproducer calls the op with seeded values and the scalars
@@ -22,7 +22,7 @@ _INSIDE = ("SIGFPE", "SIGSEGV", "SIGBUS", "SIGILL", "SIGABRT")
 
 def attach(report: Report, ctx: Context, target: str) -> Report:
     """The report with the first fatal-signal finding told about the reproducer written to `target`."""
-    from fpdoctor.numerics import repro
+    from fpdoctor.numerics.trace import repro
 
     event = next(
         (e for e in failures(ctx) if e.outcome.kind == "signal" and e.outcome.signal in _INSIDE and e.process.ops),

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fpdoctor.numerics.replay import OutputsOnly
+from fpdoctor.numerics.observe.batches import OutputsOnly
 from fpdoctor.torchprivate import pytree
 
 

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
 
-from fpdoctor.numerics import dynamo
+from fpdoctor.numerics.observe import dynamo
 from fpdoctor.torchprivate import dynamo_frames_seen, global_forward_hook_tables, global_forward_hooks_with_kwargs
 
 Pre = Callable[[nn.Module, tuple[Any, ...]], None]

@@ -3,7 +3,7 @@
 A framework runs forward, backward and the optimizer step itself. `StepWatch` is told what happens
 at the points its callbacks see - a micro-batch starts (its inputs, the RNG state), its loss was
 computed, the gradients are complete - reads the step's flags once, and hands them to the step
-judge (`fpdoctor.numerics.step_judge`), which decides each optimizer step before the framework
+judge (`fpdoctor.numerics.training.judge`), which decides each optimizer step before the framework
 takes it, as it does for `fpdoctor.Sentinel`:
 
 - one fused finite check of the gradients on the device; a few numbers read back once per
@@ -31,11 +31,12 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from fpdoctor.numerics import amp, distributed, dynamo
-from fpdoctor.numerics.gradcheck import FlagRead, grads_of, nonfinite_flag
-from fpdoctor.numerics.replay import MicroBatch
-from fpdoctor.numerics.step_judge import JudgedSteps, StepFacts, StepJudge
-from fpdoctor.numerics.updates import UpdateProbe, UpdateStats
+from fpdoctor.numerics.observe import amp, dynamo
+from fpdoctor.numerics.observe.batches import MicroBatch
+from fpdoctor.numerics.observe.gradcheck import FlagRead, grads_of, nonfinite_flag
+from fpdoctor.numerics.training import distributed
+from fpdoctor.numerics.training.judge import JudgedSteps, StepFacts, StepJudge
+from fpdoctor.numerics.updates.measure import UpdateProbe, UpdateStats
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Report
 
@@ -57,7 +58,7 @@ def guarded(doing: str) -> Callable[[_Hook], _Hook]:
     def wrap(method: _Hook) -> _Hook:
         @functools.wraps(method)
         def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if dynamo.compiling():  # a model hook traced by Dynamo: inlined as nothing (numerics/dynamo.py)
+            if dynamo.compiling():  # a model hook traced by Dynamo: inlined as nothing (numerics/observe/dynamo.py)
                 return None
             try:
                 return method(self, *args, **kwargs)

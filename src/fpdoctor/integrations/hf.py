@@ -46,8 +46,8 @@ from torch import nn
 from fpdoctor.integrations import _report
 from fpdoctor.integrations._outputs import KeptGradients, backward_from
 from fpdoctor.integrations._watch import StepWatch, guarded
-from fpdoctor.numerics import distributed
-from fpdoctor.numerics.replay import OutputsOnly
+from fpdoctor.numerics.observe.batches import OutputsOnly
+from fpdoctor.numerics.training import distributed
 from fpdoctor.report.model import Report
 from fpdoctor.torchprivate import queue_callback
 

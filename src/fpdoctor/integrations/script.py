@@ -56,8 +56,10 @@ from fpdoctor.integrations import _watch as framework
 from fpdoctor.integrations import hf_switch
 from fpdoctor.integrations._outputs import KeptGradients, backward_from
 from fpdoctor.integrations._toplevel import TopLevelCalls
-from fpdoctor.numerics import amp, distributed, dynamo, graphs
-from fpdoctor.numerics.gradcheck import (
+from fpdoctor.numerics.compiled import graphs
+from fpdoctor.numerics.observe import amp, dynamo
+from fpdoctor.numerics.observe.batches import MicroBatch, OutputsOnly
+from fpdoctor.numerics.observe.gradcheck import (
     FlagRead,
     StepUndo,
     grads_of,
@@ -65,9 +67,9 @@ from fpdoctor.numerics.gradcheck import (
     skip_on_device,
     skips_on_device,
 )
-from fpdoctor.numerics.replay import MicroBatch, OutputsOnly
-from fpdoctor.numerics.step_judge import StepFacts, StepJudge, StepOutcome
-from fpdoctor.numerics.updates import UpdateProbe, UpdateStats
+from fpdoctor.numerics.training import distributed
+from fpdoctor.numerics.training.judge import StepFacts, StepJudge, StepOutcome
+from fpdoctor.numerics.updates.measure import UpdateProbe, UpdateStats
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Finding, Report
 from fpdoctor.torchprivate import global_optimizer_hooks, pytree
@@ -219,7 +221,7 @@ class ScriptWatch:
             return self
         stack = contextlib.ExitStack()
         try:
-            # torch.compile'd code compiles as it would without the watch (numerics/dynamo.py)
+            # torch.compile'd code compiles as it would without the watch (numerics/observe/dynamo.py)
             dynamo.keep_out(dynamo.fpdoctor_modules())
             stack.callback(dynamo.quiet_wrapper_warning())
             stack.callback(graphs.watching())  # each compiled graph checked once a judge is made
@@ -677,7 +679,7 @@ class ScriptWatch:
                 runs[0].judge.error(doing, exc)
                 return
             text = f"{type(exc).__name__}: {exc}"
-            from fpdoctor.numerics import sentinel_findings
+            from fpdoctor.numerics.training import findings as sentinel_findings
 
             if not any(doing in f.message and text in f.message for f in self.errors):
                 self.errors.append(sentinel_findings.error_finding(doing, text, 0, here={}))

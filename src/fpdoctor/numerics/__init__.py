@@ -1,5 +1,10 @@
-"""Numerics: find the op that produced the first NaN/Inf, dtype headroom, the training sentinel.
+"""Numerics: the op that produced the first NaN/Inf, dtype headroom, update precision, compiled
+graphs and the training-step judge, each a package, layered (pyproject.toml's `numerics` contract):
 
-`engine/` is the experiment engine every fix's trial comes from (op re-runs, raised sites and
-lines); the tracer, the step judge and its front ends, and `compare` call it.
+    training          the step judge, the Sentinel, replay, control, reference step
+    api               fpdoctor.trace()
+    compiled | updates
+    trace             the tracer, blame, headroom, recipes, dtype/device errors
+    engine            the experiments every fix's trial comes from
+    observe           how a running program is read: records, values, finite checks, GradScaler
 """

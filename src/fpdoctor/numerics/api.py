@@ -25,7 +25,7 @@ class Trace:
     fp32 ops that can grow values, for per-op fp16 what-ifs; by default it is on when headroom
     judges an fp16 target. Once the block is entered, `.tracer` is the recording `Tracer` and
     `.tracker` its `ModuleTracker`. `repro=DIR` writes a standalone reproducer of the op of origin
-    (numerics/repro.py) into DIR, runs it once in a fresh interpreter and says in the finding
+    (numerics/trace/repro.py) into DIR, runs it once in a fresh interpreter and says in the finding
     whether it reproduced; it reads every result at once (a host sync per op on accelerators) so
     that the inputs are copied while alive, and inputs above `repro_limit` bytes are described,
     not saved. A trace that finds nothing writes nothing. Optimizer steps over bf16/fp16 trainable
@@ -51,7 +51,7 @@ class Trace:
         if sync_every is not None and (not isinstance(sync_every, int) or sync_every < 1):
             raise ValueError(f"sync_every must be a positive number of ops, got {sync_every!r}")
         from fpdoctor.formats import format_named
-        from fpdoctor.numerics.repro import LIMIT, check_dir
+        from fpdoctor.numerics.trace.repro import LIMIT, check_dir
 
         self.repro = check_dir(os.fspath(repro)) if repro is not None else None
         self.repro_limit = LIMIT if repro_limit is None else repro_limit
@@ -74,9 +74,9 @@ class Trace:
         self._forced_eager = False  # compiled code ran eagerly (a torch too old to run it compiled under the trace)
 
     def __enter__(self) -> Trace:
-        from fpdoctor.numerics.headroom import Headroom
-        from fpdoctor.numerics.modules import ModuleTracker
-        from fpdoctor.numerics.tracer import Tracer
+        from fpdoctor.numerics.trace.headroom import Headroom
+        from fpdoctor.numerics.trace.modules import ModuleTracker
+        from fpdoctor.numerics.trace.tracer import Tracer
 
         roots = [self.model] if self.model is not None else None
         self._headroom = Headroom(self.targets) if self.headroom_enabled else None
@@ -110,7 +110,8 @@ class Trace:
 
         import torch
 
-        from fpdoctor.numerics import dynamo, trace_compiled
+        from fpdoctor.numerics.compiled import under_trace as trace_compiled
+        from fpdoctor.numerics.observe import dynamo
 
         dynamo.keep_out([*dynamo.fpdoctor_modules(), type(self.tracer)])  # never compiled by Dynamo
         self._compiled: Any = None
@@ -125,15 +126,15 @@ class Trace:
                 self._forced_eager = True
         self._warnings = self._stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
-        from fpdoctor.numerics.recipes import RecipeWatch
+        from fpdoctor.numerics.trace.recipes import RecipeWatch
 
         # the optimizers stepped in the block, their parameters known by the records that made them
         self._recipes = self._stack.enter_context(RecipeWatch(source_of=self.tracer.provenance.get))
-        from fpdoctor.numerics.steps import StepCounter
+        from fpdoctor.numerics.trace.steps import StepCounter
 
         # the optimizer step of each record, told beside the module call count
         self._steps = self._stack.enter_context(StepCounter(lambda: self.tracer.records.count))
-        from fpdoctor.numerics.trace_updates import TraceUpdates
+        from fpdoctor.numerics.updates.under_trace import TraceUpdates
 
         # what each optimizer step did to bf16/fp16 trainable weights, measured as the sentinel does
         self._updates = self._stack.enter_context(TraceUpdates(self.tracker.param_names))
@@ -162,7 +163,7 @@ class Trace:
         blame picks is among them unless it was masked, or came later than these."""
         if len(self._captures) >= _CAPTURES:
             return
-        from fpdoctor.numerics.repro import Capture
+        from fpdoctor.numerics.trace.repro import Capture
 
         try:
             out = outs[0] if len(outs) == 1 else outs
@@ -175,7 +176,7 @@ class Trace:
         """Write and run the reproducer of the first nonfinite-produced finding's op."""
         import dataclasses
 
-        from fpdoctor.numerics import repro
+        from fpdoctor.numerics.trace import repro
 
         at = next((i for i, f in enumerate(findings) if f.name == "nonfinite-produced"), None)
         if at is None or self.repro is None:
@@ -223,8 +224,8 @@ class Trace:
     def _raise_at_producer(self, tracer: Any, record: Any) -> None:
         """Called for every non-finite record: classify this one alone (cheap: most are values
         passed on), and build the whole analysis only to word the error we raise."""
-        from fpdoctor.numerics.blame import Analysis
-        from fpdoctor.numerics.tracer import NonFiniteError
+        from fpdoctor.numerics.trace.blame import Analysis
+        from fpdoctor.numerics.trace.tracer import NonFiniteError
 
         kinds = [tracer.kind_of(src) for src in record.inputs]
         if not record.inputs:
@@ -260,7 +261,7 @@ class Trace:
         self.records = self.tracer.records
 
     def _build_report(self) -> Report:
-        from fpdoctor.numerics.blame import Analysis
+        from fpdoctor.numerics.trace.blame import Analysis
 
         tracer = self.tracer
         tracer.finish()
@@ -271,7 +272,7 @@ class Trace:
             rows = self._headroom.table()
             findings += self._headroom.findings(rows, list(tracer.records))
         else:  # values in fp16/bf16/fp8 are judged per op whether or not headroom is on
-            from fpdoctor.numerics.headroom import op_findings, op_overflow
+            from fpdoctor.numerics.trace.headroom import op_findings, op_overflow
 
             findings += op_findings(op_overflow(list(tracer.records), targets=()))
         recipes = self._recipes.findings(list(tracer.records))
@@ -299,7 +300,7 @@ class Trace:
             ("optimizer steps", str(self._steps.steps)),
             ("modules with headroom stats", str(len(rows))),
         ]
-        from fpdoctor.numerics.trace_updates import low_precision_trainable
+        from fpdoctor.numerics.updates.under_trace import low_precision_trainable
 
         trained = low_precision_trainable(self.tracker.param_names) if "backward" in phases else 0
         updates = self._updates.line(trained)
@@ -309,7 +310,7 @@ class Trace:
         not_checked.update(repro_notes)
         graph_calls = self._compiled.calls if self._compiled is not None else 0
         if graph_calls:
-            from fpdoctor.numerics import compiled
+            from fpdoctor.numerics.compiled import step as compiled
 
             findings = compiled.seen_in(findings, compiled.EAGER)  # the eager ops around the compiled graphs
             try:  # the first graph that made NaN/Inf, run again apart: its op, or compiled-only
@@ -318,7 +319,7 @@ class Trace:
                 not_checked["compiled graph"] = f"{type(exc).__name__}: {exc}"
             summary.append(("compiled graph calls", f"{graph_calls} run compiled, each one's outputs checked"))
         if self._forced_eager and self.tracker.saw_compiled:
-            from fpdoctor.numerics import compiled
+            from fpdoctor.numerics.compiled import step as compiled
 
             findings = compiled.seen_in(findings, compiled.EAGER)  # evidence.seen_in: not the compiled program
             not_checked["torch.compile"] = (

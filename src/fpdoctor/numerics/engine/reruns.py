@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from fpdoctor.numerics.records import Record
-from fpdoctor.numerics.values import checkable, dtype_name
+from fpdoctor.numerics.observe.records import Record
+from fpdoctor.numerics.observe.values import checkable, dtype_name
 from fpdoctor.report.model import Trial
 from fpdoctor.torchprivate import tree_flatten, tree_unflatten
 

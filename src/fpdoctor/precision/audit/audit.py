@@ -20,7 +20,7 @@ from torch import nn
 
 from fpdoctor import catalog
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS
-from fpdoctor.numerics.mismatch import (
+from fpdoctor.numerics.trace.mismatch import (
     dtype_hint,
     explain_mismatch,
     failure_from_traceback,
@@ -29,7 +29,7 @@ from fpdoctor.numerics.mismatch import (
     operand,
     what_failed,
 )
-from fpdoctor.numerics.modules import ModuleTracker
+from fpdoctor.numerics.trace.modules import ModuleTracker
 from fpdoctor.precision.audit.fixcheck import checked, follow_fixes
 from fpdoctor.precision.candidates import cast_inputs, split_inputs, uncompiled
 from fpdoctor.precision.fit import describe as describe_misfit

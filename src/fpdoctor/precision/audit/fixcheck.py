@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics.mismatch import fix_action, module_expr, what_failed
+from fpdoctor.numerics.trace.mismatch import fix_action, module_expr, what_failed
 from fpdoctor.precision.candidates import Call, split_inputs
 from fpdoctor.report.model import Finding, Trial
 from fpdoctor.torchprivate import buffers_of

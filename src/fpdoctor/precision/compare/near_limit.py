@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
-from fpdoctor.numerics.headroom import MAX_OP_FINDINGS, judged, near_limit_finding
-from fpdoctor.numerics.values import dtype_name, minmax, read_scalars
+from fpdoctor.numerics.observe.values import dtype_name, minmax, read_scalars
+from fpdoctor.numerics.trace.headroom import MAX_OP_FINDINGS, judged, near_limit_finding
 from fpdoctor.precision.metrics import due
 from fpdoctor.report.model import Finding
 from fpdoctor.torchprivate import (

@@ -6,9 +6,9 @@ and device, the backend, the Inductor settings that differ from torch's defaults
 passes by import path, the outputs that were non-finite, the environment variables of each side
 of the bisection, the machine's facts), the inputs' values (inputs.safetensors where
 safetensors is installed, else inputN.bin raw little-endian bytes; never a pickle) and repro.py
-(graph_repro_script.py's text: torch only, no fpdoctor), which runs the graph eagerly, then
+(repro_script.py's text: torch only, no fpdoctor), which runs the graph eagerly, then
 compiled with the same backend and settings, and says whether the compiled outputs are
-non-finite. fpdoctor runs it once in a fresh interpreter (numerics/repro.py's `run_once`).
+non-finite. fpdoctor runs it once in a fresh interpreter (numerics/trace/repro.py's `run_once`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from fpdoctor.numerics import repro
-from fpdoctor.numerics.graphs import Captured
+from fpdoctor.numerics.compiled.graphs import Captured
+from fpdoctor.numerics.trace import repro
 from fpdoctor.torchprivate import dynamo_backends, fx_import_block, inductor_config
 
 # Inductor's settings that hold a callable: carried by import path, not by value
@@ -125,7 +125,7 @@ def write(target: str, captured: Captured, sides: dict[str, Any] | None, limit: 
     repro.save_values(directory, spec, values)  # always: the script reads spec["format"]
     (directory / "graph.py").write_text(source, encoding="utf-8")
     (directory / "repro.json").write_text(json.dumps(spec, indent=1) + "\n", encoding="utf-8")
-    script = Path(__file__).with_name("graph_repro_script.py").read_text(encoding="utf-8")
+    script = Path(__file__).with_name("repro_script.py").read_text(encoding="utf-8")
     (directory / "repro.py").write_text(script, encoding="utf-8")
     return directory
 

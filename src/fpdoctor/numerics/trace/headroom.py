@@ -22,9 +22,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fpdoctor import catalog
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE, UNDERFLOW_SHARE
-from fpdoctor.numerics.blame import module_text, where_text
-from fpdoctor.numerics.ops import VALUE_PRESERVING
-from fpdoctor.numerics.tracer import GROWS, Record, Tracer
+from fpdoctor.numerics.trace.blame import module_text, where_text
+from fpdoctor.numerics.trace.ops import VALUE_PRESERVING
+from fpdoctor.numerics.trace.tracer import GROWS, Record, Tracer
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics import records
+from fpdoctor.numerics.observe import records
 from fpdoctor.torchprivate import has_comm_hook, without_backward_context
 
 

@@ -28,13 +28,10 @@ from typing import Any
 import torch
 
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
-from fpdoctor.numerics import records as _records
-from fpdoctor.numerics.bounds import output_bound
 from fpdoctor.numerics.engine.reruns import PRODUCERS, Experiment, Window, decide
-from fpdoctor.numerics.modules import ModuleTracker
-from fpdoctor.numerics.ops import FUNCTIONAL, GENERAL, IN_PLACE, VIEW, OpInfo, tensor_args
-from fpdoctor.numerics.records import Leaf, Output, Record, Store, kind_of
-from fpdoctor.numerics.values import (
+from fpdoctor.numerics.observe import records as _records
+from fpdoctor.numerics.observe.records import Leaf, Output, Record, Store, kind_of
+from fpdoctor.numerics.observe.values import (
     CHECKABLE,
     REAL,
     STRIDED,
@@ -48,6 +45,9 @@ from fpdoctor.numerics.values import (
     stats,
     version,
 )
+from fpdoctor.numerics.trace.bounds import output_bound
+from fpdoctor.numerics.trace.modules import ModuleTracker
+from fpdoctor.numerics.trace.ops import FUNCTIONAL, GENERAL, IN_PLACE, VIEW, OpInfo, tensor_args
 from fpdoctor.provenance import Provenance
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.torchprivate import (
@@ -118,7 +118,7 @@ def _near_limit(output: Output, dtype: torch.dtype) -> bool:
 
 
 class Tracer(EagerDispatchMode):
-    """The recording half of `trace()`; `fpdoctor.numerics.blame` turns records into findings."""
+    """The recording half of `trace()`; `fpdoctor.numerics.trace.blame` turns records into findings."""
 
     def __init__(
         self,
@@ -184,7 +184,7 @@ class Tracer(EagerDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         # Dynamo then compiles and runs a frame entered under the trace (instead of running it
         # uncompiled), with this mode off while it traces; around each compiled graph the mode
-        # steps aside (numerics/trace_compiled.py), so it never sees the compiled program's inside.
+        # steps aside (numerics/compiled/under_trace.py), so it never sees the compiled program's inside.
         return True
 
     def made_by_compiled(self, tensors: list[torch.Tensor], graph: str) -> None:

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics.update_whatif import copy_optimizer
-from fpdoctor.numerics.updates import no_global_optimizer_hooks
+from fpdoctor.numerics.updates.measure import no_global_optimizer_hooks
+from fpdoctor.numerics.updates.whatif import copy_optimizer
 from fpdoctor.preserve import preserved
 from fpdoctor.torchprivate import reparametrized
 

@@ -28,7 +28,7 @@ import torch
 
 from fpdoctor import catalog
 from fpdoctor.formats import FORMATS
-from fpdoctor.numerics.tracer import Record
+from fpdoctor.numerics.trace.tracer import Record
 from fpdoctor.report.model import Finding, Trial
 from fpdoctor.torchprivate import DisableTorchDispatch
 

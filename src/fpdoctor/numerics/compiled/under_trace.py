@@ -2,7 +2,7 @@
 
 The trace's dispatch mode declares `ignore_compile_internals`, so Dynamo compiles and runs a frame
 entered under the trace, with the mode off while it traces (nothing of ours enters a graph).
-Around each graph call (numerics/graphs.py's wrapper, `run_through`) the mode steps aside: off
+Around each graph call (numerics/compiled/graphs.py's wrapper, `run_through`) the mode steps aside: off
 the dispatch stack while the compiled program and the graph's finite check run, back after. The
 graph's backward (AOTAutograd's node in the autograd graph) runs with the mode aside too, through
 a pre-hook and a hook on that node. The eager ops around the graphs are traced as ever; a
@@ -11,7 +11,7 @@ from one names the graph, not "an input tensor".
 
 Every graph call is read at once (`GraphCheck.capturing`): the first one whose finite inputs
 gave non-finite outputs keeps a copy of its inputs, and after the block it is run again apart
-(numerics/compiled.py's `graph_evidence`, as for the sentinel): eagerly node by node (the op of
+(numerics/compiled/step.py's `graph_evidence`, as for the sentinel): eagerly node by node (the op of
 origin and its user line), else recompiled, with emulate_precision_casts, and bisected
 (`compiled-only-nonfinite`), with a reproducer.
 """
@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fpdoctor import catalog
-from fpdoctor.numerics import compiled, graphs
+from fpdoctor.numerics.compiled import graphs
+from fpdoctor.numerics.compiled import step as compiled
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding, Trial
 from fpdoctor.torchprivate import DisableTorchDispatch, TorchDispatchMode, dynamo_output_codes, mode_stack
@@ -38,7 +39,7 @@ from fpdoctor.torchprivate import push_mode as _push_mode
 
 LABEL = "an output of compiled graph "  # the tracer's name for a tensor a compiled graph made
 if TYPE_CHECKING:
-    from fpdoctor.numerics.tracer import Tracer
+    from fpdoctor.numerics.trace.tracer import Tracer
 
 _DEPTH = 3  # autograd nodes searched under an output for the compiled backward (views, aliases)
 

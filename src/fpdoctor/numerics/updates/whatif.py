@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics.updates import LOW_PRECISION, no_global_optimizer_hooks
+from fpdoctor.numerics.updates.measure import LOW_PRECISION, no_global_optimizer_hooks
 from fpdoctor.preserve import preserved
 
 WHAT_IF_STEPS = 8

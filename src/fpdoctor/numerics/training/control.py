@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics.replay import MicroBatch, replay
+from fpdoctor.numerics.observe.batches import MicroBatch
+from fpdoctor.numerics.training.replay import replay
 from fpdoctor.torchprivate import pytree, reparametrized
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)

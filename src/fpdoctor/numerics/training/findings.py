@@ -13,13 +13,11 @@ from typing import Any
 import torch
 
 from fpdoctor import catalog
-from fpdoctor.numerics import distributed
-from fpdoctor.numerics.amp import ScaleWatch
-from fpdoctor.numerics.control import ControlResult
-from fpdoctor.numerics.lr_whatif import LrTrial
-from fpdoctor.numerics.replay import ReplayResult
-from fpdoctor.numerics.update_whatif import WhatIf
-from fpdoctor.numerics.updates import ParamUpdate, StateUpdate, UpdateStats
+from fpdoctor.numerics.observe.amp import ScaleWatch
+from fpdoctor.numerics.training import distributed
+from fpdoctor.numerics.training.control import ControlResult
+from fpdoctor.numerics.training.lr_whatif import LrTrial
+from fpdoctor.numerics.training.replay import ReplayResult
 from fpdoctor.report.model import Finding, Trial
 
 _PLACE_KEYS = ("rank", "host", "device", "uuid")
@@ -382,7 +380,7 @@ def optimizer_eps_finding(optimizer: Any, *, with_scaler: bool, here: dict[str, 
     """fp16-adam-eps (from the trace's recipe) for the optimizer the sentinel was given, before step 1."""
     if optimizer is None:
         return None
-    from fpdoctor.numerics.recipes import OptimizerSeen, adam_eps_finding
+    from fpdoctor.numerics.trace.recipes import OptimizerSeen, adam_eps_finding
 
     dtypes: dict[str, int] = {}
     for group in optimizer.param_groups:
@@ -605,219 +603,4 @@ def _lr_fix(trial: LrTrial | None) -> str:
         f"gradient clipping (torch.nn.utils.clip_grad_norm_) and warm-up. Tried: learning rates of {tried} from the "
         "climb's first step did not keep the steps finite with a loss that did not climb, so lowering it alone is "
         "not the fix."
-    )
-
-
-def _module_of(parameter: str) -> str | None:
-    return parameter.rsplit(".", 1)[0] if "." in parameter else None
-
-
-def _tried_text(tried: WhatIf | None, untried: str) -> tuple[str, dict[str, Any]]:
-    if tried is None:
-        return f" The fix was not tried (no what-if run: {untried}).", {"what_if": {"tried": False, "why_not": untried}}
-    evidence = {
-        "what_if": {
-            "tried": tried.error is None,
-            "steps": tried.steps,
-            "loss_as_is": tried.loss_as_is,
-            "loss_fp32_master": tried.loss_fixed,
-            "moved_as_is": tried.moved_as_is,
-            "moved_fp32_master": tried.moved_fixed,
-            "seconds": tried.seconds,
-            **({"error": tried.error} if tried.error else {}),
-        }
-    }
-    if tried.error is not None:
-        return f" The what-if run with fp32 master weights failed ({tried.error}); the fix is untried.", evidence
-    loss = (
-        f"{tried.loss_is} after {tried.steps} steps on this step's batch was {tried.loss_fixed:.4g} against "
-        f"{tried.loss_as_is:.4g} as it is"
-        if tried.loss_known
-        else f"over {tried.steps} steps on this step's batch (its loss is not known here: the step was run from "
-        "the gradients at the model's outputs, without the loss function)"
-    )
-    text = (
-        f"with fp32 master weights, {tried.moved_fixed:.0%} of the weights moved per step (as it is: "
-        f"{tried.moved_as_is:.0%}) and {loss}"
-    )
-    if tried.helped:
-        return f" Tried: {text} (checked, {tried.seconds:.2g} s, on copies).", evidence
-    return f" Tried, and it did not help here: {text}.", evidence
-
-
-def rounded_away_finding(
-    stats: UpdateStats,
-    affected: list[ParamUpdate],
-    tried: WhatIf | None,
-    optimizer: Any,
-    *,
-    here: dict[str, Any],
-    why_untried: str = "what_if_steps=0",
-) -> Finding:
-    """update-rounded-away: the parameters whose updates the dtype rounds away, the spacing against the
-    update, weight decay apart, and the fix - tried by the what-if run where there was one."""
-    from fpdoctor.numerics.update_whatif import master_weights_code, stochastic_rounding_hint
-
-    dtype = affected[0].dtype
-    listed = ", ".join(f"{p.name} {p.rounded_share:.0%} ({p.numel} elements)" for p in affected[:6])
-    more = f" and {len(affected) - 6} more" if len(affected) > 6 else ""
-    lost = sum(p.numel for p in affected)
-    total = sum(p.numel for p in stats.params)
-    worst = affected[0]
-    decay = [p.decay_lost_share for p in affected if p.decay_lost_share is not None]
-    decay_text = (
-        f" Weight decay alone (lr*wd*|w|) is below half the spacing for {max(decay):.0%} of the sampled weights: "
-        "it is lost entirely."
-        if decay and max(decay) > 0
-        else ""
-    )
-    tried_text, tried_ev = _tried_text(tried, why_untried)
-    message = (
-        f"Step {stats.step}: the optimizer's updates were rounded away in {dtype}: {listed}{more} of the sampled "
-        f"non-zero updates left the weight bit for bit as it was ({lost} of the {total} low-precision weights). "
-        f"The typical update of {worst.name} is {worst.typical_ratio:.2g}x the {dtype} spacing at its weights "
-        f"(it must reach 0.5x to move them); its update-to-weight ratio is {worst.update_to_weight:.2g} "
-        f"({stats.optimizer}, lr {stats.hyper.get('lr')}).{decay_text}{tried_text}"
-    )
-    helped = tried is not None and tried.helped
-    untried = tried is None or tried.error is not None
-    master = (
-        "fp32 master weights (+4 bytes per parameter, and the optimizer state in fp32), for your "
-        f"{stats.optimizer}:\n{master_weights_code(optimizer)}"
-    )
-    others = [
-        "keep the model in fp32 and compute in bf16 under torch.autocast(device_type, dtype=torch.bfloat16) "
-        "around the forward (+2 bytes per parameter over bf16 weights, the state in fp32; activations stay bf16)",
-        f"stochastic rounding: {stochastic_rounding_hint(optimizer)} (no extra memory)",
-        "Kahan summation: torch-optimi's optimi.AdamW(params, ..., kahan_sum=True) (+2 bytes per parameter)",
-    ]
-    ranked = [master, *others] if helped or untried else others
-    trial = (
-        Trial.checked(
-            "fp32 master weights",
-            metric="the share of weights an update moves",
-            before=f"{tried.moved_as_is:.0%}",
-            after=f"{tried.moved_fixed:.0%}",
-            on=f"{tried.steps} steps on this step's batch, on copies",
-        )
-        if helped and tried is not None
-        else Trial.untried(
-            f"the what-if run did not run ({why_untried})"
-            if tried is None
-            else f"the what-if run failed ({tried.error})"
-            if tried.error is not None
-            else "fp32 master weights were tried and did not help (see the message); the others are not tried"
-        )
-    )
-    fix = "\n".join(f"{i}. {text}" for i, text in enumerate(ranked, start=1))
-    if not (helped or untried):
-        fix += "\n(fp32 master weights were tried by the what-if run and did not help: see the message.)"
-    fix += (
-        "\nNot a larger learning rate: the update must clear half the spacing of the largest weights, which makes "
-        "it too large for the small ones and for the directions that were moving; and lr*wd stays below bf16's "
-        "relative spacing, so weight decay is still lost."
-    )
-    return catalog.make(
-        "update-rounded-away",
-        message=message,
-        fix=fix,
-        trial=trial,
-        where={"module": _module_of(worst.name), "op": None, "phase": "optimizer", "step": stats.step, **here},
-        evidence={
-            "kind": "rounded-away",
-            "count": sum(p.rounded for p in affected),
-            "numel": sum(p.intended for p in affected),
-            "dtype": dtype,
-            "step": stats.step,
-            "optimizer": stats.optimizer,
-            "parameters": [
-                {
-                    "name": p.name,
-                    "numel": p.numel,
-                    "sampled": p.sampled,
-                    "rounded_share": p.rounded_share,
-                    "update_over_spacing": p.typical_ratio,
-                    "update_to_weight": p.update_to_weight,
-                    **({"decay_lost_share": p.decay_lost_share} if p.decay_lost_share is not None else {}),
-                }
-                for p in affected[:20]
-            ],
-            **tried_ev,
-        },
-    )
-
-
-def state_stalled_finding(stats: UpdateStats, state: StateUpdate, *, here: dict[str, Any]) -> Finding:
-    """accumulation-stalled for a low-precision optimizer state (exp_avg_sq in bf16)."""
-    return catalog.make(
-        "accumulation-stalled",
-        message=(
-            f"Step {stats.step}: {stats.optimizer}'s {state.key} is kept in {state.dtype}, and of the sampled elements "
-            f"the step changed in fp32, {state.stalled / state.changed:.0%} stayed bit for bit as they were and "
-            f"{state.flushed / state.changed:.0%} flushed to zero ({', '.join(state.parameters[:4])}"
-            f"{' ...' if len(state.parameters) > 4 else ''}): the state no longer follows the gradients."
-        ),
-        where={
-            "module": _module_of(state.parameters[0]),
-            "op": None,
-            "phase": "optimizer",
-            "step": stats.step,
-            **here,
-        },
-        evidence={
-            "kind": "optimizer-state",
-            "state": state.key,
-            "count": state.stalled + state.flushed,
-            "numel": state.changed,
-            "dtype": state.dtype,
-            "step": stats.step,
-            "parameters": state.parameters[:20],
-        },
-        fix="Keep the optimizer state in fp32: fp32 master weights (the optimizer over fp32 copies of the "
-        "parameters, its state then fp32: +4 bytes per parameter for the copy, +2 per state tensor), or the model in "
-        "fp32 under torch.autocast.",
-        trial=Trial.checked(
-            f"the step's {state.key} update computed in fp32",
-            metric=f"the share of changed elements the {state.dtype} state kept",
-            before=f"{1 - (state.stalled + state.flushed) / state.changed:.0%}",
-            after="100%",
-            on="the sampled elements of this step",
-        ),
-    )
-
-
-def grads_stalled_finding(
-    stats: UpdateStats, rows: list[tuple[str, str, int, float, float]], *, here: dict[str, Any]
-) -> Finding:
-    """accumulation-stalled for gradients accumulated over micro-batches in a low-precision .grad."""
-    name, dtype, adds, _, held = rows[0]
-    listed = ", ".join(f"{n} {e:.0%} off" for n, _, _, e, _ in rows[:4])
-    return catalog.make(
-        "accumulation-stalled",
-        message=(
-            f"Step {stats.step}: the gradients accumulated over {adds} micro-batches in {dtype} .grad are short of "
-            f"what an fp32 sum of the same micro-batch gradients holds: {listed} (on a sample; the {dtype} sum of "
-            f"{name} is {held:.0%} of the fp32 one): once the sum is ~256x a micro-batch's gradient, bf16 adds "
-            "nothing more."
-        ),
-        where={"module": _module_of(name), "op": None, "phase": "backward", "step": stats.step, **here},
-        evidence={
-            "kind": "gradient-accumulation",
-            "count": len(rows),
-            "numel": len(stats.grads),
-            "dtype": dtype,
-            "step": stats.step,
-            "micro_batches": adds,
-            "parameters": [{"name": n, "relative_error": e, "held_over_fp32": h} for n, _, _, e, h in rows[:20]],
-        },
-        fix="Accumulate in fp32: after each micro-batch's backward, add p.grad.float() into an fp32 buffer per "
-        "parameter and set p.grad = None (+4 bytes per parameter), and step on the buffers; or fp32 master weights, "
-        "whose .grad is fp32.",
-        trial=Trial.checked(
-            f"the same {adds} micro-batch gradients summed in fp32",
-            metric=f"{name}'s accumulated gradient, relative error",
-            before=rows[0][3],
-            after=0.0,
-            on="the sampled elements of this step's micro-batches",
-        ),
     )

@@ -8,7 +8,7 @@ batch, RNG state and weights; the graphs already compiled for these shapes, so n
 recompiled): non-finite again means the compiled program makes NaN/Inf that the model's eager
 math does not (`compiled-only-nonfinite`); finite means the fault followed the run's history,
 as for an eager model (`transient-fault-suspected`). Under `trace` the graphs compiled in the
-block run compiled (numerics/trace_compiled.py): the first bad graph's finding says "compiled",
+block run compiled (numerics/compiled/under_trace.py): the first bad graph's finding says "compiled",
 those of the eager ops around the graphs "eager". `OutputCheck` names the first
 compiled module whose outputs went non-finite in a bad step (`evidence.compiled_output`).
 """
@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from fpdoctor import catalog
-from fpdoctor.numerics import dynamo
-from fpdoctor.numerics.gradcheck import grads_of, loss_flag, nonfinite_flag
-from fpdoctor.numerics.graphs import GraphCheck, nonfinite_of
-from fpdoctor.numerics.replay import MicroBatch, OutputsOnly
+from fpdoctor.numerics.compiled.graphs import GraphCheck, nonfinite_of
+from fpdoctor.numerics.observe import dynamo
+from fpdoctor.numerics.observe.batches import MicroBatch, OutputsOnly
+from fpdoctor.numerics.observe.gradcheck import grads_of, loss_flag, nonfinite_flag
 from fpdoctor.preserve import preserved
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding
@@ -146,8 +146,9 @@ def compiled_only_finding(
 def graph_evidence(captured: Any, repro_dir: str | None) -> dict[str, Any]:
     """The first graph whose finite inputs gave NaN/Inf in the compiled re-run (`graphs.Captured`),
     run eagerly node by node, then recompiled alone, with emulate_precision_casts and bisected
-    (numerics/graph_rerun.py), and written as a reproducer into `repro_dir` (run once)."""
-    from fpdoctor.numerics import graph_repro, graph_rerun
+    (numerics/compiled/rerun.py), and written as a reproducer into `repro_dir` (run once)."""
+    from fpdoctor.numerics.compiled import repro as graph_repro
+    from fpdoctor.numerics.compiled import rerun as graph_rerun
 
     out: dict[str, Any] = {"compiled_graph": {**captured.graph.covers(), "bad_outputs": captured.bad_outputs}}
     try:
@@ -173,7 +174,7 @@ def graph_evidence(captured: Any, repro_dir: str | None) -> dict[str, Any]:
 
 def graph_sentence(graph: dict[str, Any]) -> str:
     """What the finding's message adds of the graph."""
-    from fpdoctor.numerics import graph_rerun
+    from fpdoctor.numerics.compiled import rerun as graph_rerun
 
     covers = graph.get("compiled_graph") or {}
     where = ", ".join(covers.get("lines") or covers.get("modules") or []) or "no user line recorded"
@@ -206,7 +207,7 @@ class OutputCheck:
     def __init__(self, model: nn.Module) -> None:
         self._calls: list[tuple[str, torch.Tensor]] = []  # (module name, flag) per call in this window
         self._handles: list[Any] = []
-        self.graphs = GraphCheck()  # the same, graph by graph (numerics/graphs.py)
+        self.graphs = GraphCheck()  # the same, graph by graph (numerics/compiled/graphs.py)
         check = weakref.ref(self)
         for name, module in model.named_modules():
             if compiled_inner(module) is not None:

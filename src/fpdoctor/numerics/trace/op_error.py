@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics.mismatch import explain_mismatch, mismatch_error
-from fpdoctor.numerics.tracer import Tracer
+from fpdoctor.numerics.trace.mismatch import explain_mismatch, mismatch_error
+from fpdoctor.numerics.trace.tracer import Tracer
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding
 from fpdoctor.userframes import user_location

@@ -1,6 +1,6 @@
 """The first compiled graph that made NaN/Inf from finite inputs, run again apart from the step.
 
-With the graph's inputs kept (numerics/graphs.py's `capturing`), the graph is run:
+With the graph's inputs kept (numerics/compiled/graphs.py's `capturing`), the graph is run:
 - eagerly, node by node (the torch ops Dynamo captured, each checked as it returns): the first
   node whose finite inputs gave NaN/Inf is the op of origin, with its user line;
 - when eager is finite, compiled again by the same backend, apart from the step: non-finite
@@ -23,7 +23,16 @@ from typing import Any
 
 import torch
 
-from fpdoctor.numerics.graphs import Captured, CompiledGraph, all_finite, copy_value, flat, floats, op_name, user_line
+from fpdoctor.numerics.compiled.graphs import (
+    Captured,
+    CompiledGraph,
+    all_finite,
+    copy_value,
+    flat,
+    floats,
+    op_name,
+    user_line,
+)
 from fpdoctor.torchprivate import bisect_setting, compiler_bisector, inductor_config, lookup_backend
 
 

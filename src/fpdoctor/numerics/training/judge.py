@@ -36,16 +36,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics import amp, compiled, distributed, dynamo, reference
-from fpdoctor.numerics import sentinel_findings as findings
-from fpdoctor.numerics.causes import Causes, cause_of
-from fpdoctor.numerics.control import ControlResult, run_control, wants_control
-from fpdoctor.numerics.gradcheck import bad_parameters, kind_of, tensor_kind
-from fpdoctor.numerics.lr_whatif import LrTrial, Snapshot, snapshot, try_lower_lr, window_runner
-from fpdoctor.numerics.replay import MicroBatch, ReplayResult, replay
-from fpdoctor.numerics.update_judge import UpdateJudge
-from fpdoctor.numerics.update_whatif import WHAT_IF_STEPS, WhatIf, what_if
-from fpdoctor.numerics.updates import EVERY, UpdateStats, UpdateSummary
+from fpdoctor.numerics.compiled import step as compiled
+from fpdoctor.numerics.observe import amp, dynamo
+from fpdoctor.numerics.observe.batches import MicroBatch
+from fpdoctor.numerics.observe.gradcheck import bad_parameters, kind_of, tensor_kind
+from fpdoctor.numerics.training import distributed, findings, reference
+from fpdoctor.numerics.training.control import ControlResult, run_control, wants_control
+from fpdoctor.numerics.training.lr_whatif import LrTrial, Snapshot, snapshot, try_lower_lr, window_runner
+from fpdoctor.numerics.training.replay import ReplayResult, replay
+from fpdoctor.numerics.updates.causes import Causes, cause_of
+from fpdoctor.numerics.updates.judge import UpdateJudge
+from fpdoctor.numerics.updates.measure import EVERY, UpdateStats, UpdateSummary
+from fpdoctor.numerics.updates.whatif import WHAT_IF_STEPS, WhatIf, what_if
 from fpdoctor.preserve import BufferSnapshot, preserved
 from fpdoctor.report.model import Finding, Report
 
@@ -422,7 +424,7 @@ class StepJudge:
             self._add_all(carried)
             return "deterministic-nonfinite"
         if self.is_compiled and faulty and not self.distributed and result.verdict == "transient-fault-suspected":
-            only = self._compiled_only(f, kind, result.loss)  # torch.compile: numerics/compiled.py
+            only = self._compiled_only(f, kind, result.loss)  # torch.compile: numerics/compiled/step.py
             if only is not None:
                 self._add_all([only])
                 return "compiled-only-nonfinite"

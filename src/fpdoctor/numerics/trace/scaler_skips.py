@@ -18,7 +18,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
-from fpdoctor.numerics.amp import MAX_CONSECUTIVE_SKIPS, MIN_SCALE
+from fpdoctor.numerics.observe.amp import MAX_CONSECUTIVE_SKIPS, MIN_SCALE
 
 # Eight halvings take the default scale from 65536 to 256: gradients that still overflow there
 # are 256 times fp16's max unscaled, not a scale still calibrating.

@@ -10,7 +10,7 @@ Per call the wrapper adds one finite check of the graph's floating outputs, left
 left as they were); `first_bad` reads the window's flags once, on a bad step only. `capturing()` reads
 them at each call instead, and keeps a copy of the inputs of the first graph whose finite inputs
 gave non-finite outputs: what the eager re-run, the recompiles and the reproducer of
-numerics/graph_rerun.py start from.
+numerics/compiled/rerun.py start from.
 
 The backward graphs AOTAutograd makes run inside autograd, not through this wrapper: their
 NaN/Inf shows in the gradients the step check reads. Graphs compiled before a check (or
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from fpdoctor.numerics import dynamo
+from fpdoctor.numerics.observe import dynamo
 from fpdoctor.torchprivate import current_compile_id, dynamo_output_graph
 from fpdoctor.userframes import is_user_file
 
@@ -280,7 +280,7 @@ def copy_value(value: Any) -> Any:
 @contextlib.contextmanager
 def run_through(runner: Callable[[CompiledGraph, Callable[[], Any]], Any]) -> Iterator[None]:
     """Within the block each graph call, with its checks, runs as `runner(graph, call)`: the trace steps
-    its dispatch mode aside there (numerics/trace_compiled.py), so that the compiled program runs
+    its dispatch mode aside there (numerics/compiled/under_trace.py), so that the compiled program runs
     as compiled and our checks are not traced as the user's ops."""
     _runners.append(runner)
     try:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics.dynamo import compiling
+from fpdoctor.numerics.observe.dynamo import compiling
 from fpdoctor.provenance import Provenance
 from fpdoctor.torchprivate import compiled_inner, graph_task_id
 

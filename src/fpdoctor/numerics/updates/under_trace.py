@@ -22,10 +22,17 @@ from typing import Any
 
 import torch
 
-from fpdoctor.numerics import dynamo
-from fpdoctor.numerics.causes import Causes
-from fpdoctor.numerics.update_judge import UpdateJudge
-from fpdoctor.numerics.updates import EVERY, LOW_PRECISION, GradAccumulation, UpdateProbe, UpdateSample, UpdateStats
+from fpdoctor.numerics.observe import dynamo
+from fpdoctor.numerics.updates.causes import Causes
+from fpdoctor.numerics.updates.judge import UpdateJudge
+from fpdoctor.numerics.updates.measure import (
+    EVERY,
+    LOW_PRECISION,
+    GradAccumulation,
+    UpdateProbe,
+    UpdateSample,
+    UpdateStats,
+)
 from fpdoctor.provenance import Provenance
 from fpdoctor.report.model import Finding
 

@@ -29,12 +29,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from fpdoctor import catalog
-from fpdoctor.numerics.bounds import impossible
 from fpdoctor.numerics.engine.reruns import custom_op_fix, transparent_op
-from fpdoctor.numerics.recipes import range_cause
-from fpdoctor.numerics.scaler_skips import ScalerRun, recurring
-from fpdoctor.numerics.steps import StepCounter
-from fpdoctor.numerics.tracer import Leaf, Record, Tracer
+from fpdoctor.numerics.trace.bounds import impossible
+from fpdoctor.numerics.trace.recipes import range_cause
+from fpdoctor.numerics.trace.scaler_skips import ScalerRun, recurring
+from fpdoctor.numerics.trace.steps import StepCounter
+from fpdoctor.numerics.trace.tracer import Leaf, Record, Tracer
 from fpdoctor.report.model import Finding, Trial
 
 Origin = tuple[str, int]  # ("op", record index) or ("leaf", leaf index)

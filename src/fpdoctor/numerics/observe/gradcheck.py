@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fpdoctor.numerics import records
+from fpdoctor.numerics.observe import records
 from fpdoctor.torchprivate import foreach_norm, steps_with_scaler, unscale_check_
 
 

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from fpdoctor.numerics import amp, checkpoint, distributed, dynamo, reference
-from fpdoctor.numerics import sentinel_findings as findings
-from fpdoctor.numerics.gradcheck import (
+from fpdoctor.numerics.observe import amp, dynamo
+from fpdoctor.numerics.observe.batches import MicroBatch
+from fpdoctor.numerics.observe.gradcheck import (
     FlagRead,
     grad_norm,
     grads_of,
@@ -40,8 +40,8 @@ from fpdoctor.numerics.gradcheck import (
     skip_on_device,
     skips_on_device,
 )
-from fpdoctor.numerics.replay import MicroBatch
-from fpdoctor.numerics.step_judge import (  # re-exported: the sentinel's public constants
+from fpdoctor.numerics.training import checkpoint, distributed, findings, reference
+from fpdoctor.numerics.training.judge import (  # re-exported: the sentinel's public constants
     SPIKE_MIN_HISTORY,
     SPIKE_RATIO,
     SPIKE_SIGMAS,
@@ -52,8 +52,8 @@ from fpdoctor.numerics.step_judge import (  # re-exported: the sentinel's public
     StepJudge,
     StepOutcome,
 )
-from fpdoctor.numerics.update_whatif import WHAT_IF_STEPS
-from fpdoctor.numerics.updates import EVERY, GradAccumulation, UpdateProbe, UpdateSample, UpdateStats
+from fpdoctor.numerics.updates.measure import EVERY, GradAccumulation, UpdateProbe, UpdateSample, UpdateStats
+from fpdoctor.numerics.updates.whatif import WHAT_IF_STEPS
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Report
 

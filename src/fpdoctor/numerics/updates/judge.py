@@ -15,10 +15,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fpdoctor.numerics import sentinel_findings as findings
-from fpdoctor.numerics.causes import Causes
-from fpdoctor.numerics.update_whatif import WhatIf
-from fpdoctor.numerics.updates import EVERY, UpdateStats, UpdateSummary, rounded_away, stalled_grads, stalled_states
+from fpdoctor.numerics.updates import findings
+from fpdoctor.numerics.updates.causes import Causes
+from fpdoctor.numerics.updates.measure import (
+    EVERY,
+    UpdateStats,
+    UpdateSummary,
+    rounded_away,
+    stalled_grads,
+    stalled_states,
+)
+from fpdoctor.numerics.updates.whatif import WhatIf
 
 
 class UpdateJudge:

@@ -18,30 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics.gradcheck import dense_values, grads_of, loss_flag, nonfinite_flag, tensor_kind
-from fpdoctor.preserve import RngState, preserved
+from fpdoctor.numerics.observe.batches import MicroBatch, OutputsOnly
+from fpdoctor.numerics.observe.gradcheck import dense_values, grads_of, loss_flag, nonfinite_flag, tensor_kind
+from fpdoctor.preserve import preserved
 from fpdoctor.report.model import Finding
 from fpdoctor.torchprivate import post_accumulate_grad_hooks
-
-
-@dataclass
-class MicroBatch:
-    """What one `guard.step` call needs to be run again: references, not copies, of its arguments."""
-
-    rng: RngState
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class OutputsOnly:
-    """What a step_fn returns when no loss can be seen and it judged the forward's outputs alone
-    (`fpdoctor watch` replaying a step whose loss was already NaN/Inf)."""
-
-    finite: bool
-    # the outputs were finite but the gradient that reached them from the loss was not: the
-    # non-finite value is made after the model (the loss code), and is there again on every run
-    after_outputs: bool = False
 
 
 @dataclass

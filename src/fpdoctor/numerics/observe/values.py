@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fpdoctor.numerics.records import Leaf, Output, kind_of
+from fpdoctor.numerics.observe.records import Leaf, Output, kind_of
 
 LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 

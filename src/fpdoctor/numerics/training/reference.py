@@ -35,9 +35,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fpdoctor import catalog
-from fpdoctor.numerics import amp
-from fpdoctor.numerics.control import _autocast_off, _inputs_in_fp32
-from fpdoctor.numerics.replay import MicroBatch
+from fpdoctor.numerics.observe import amp
+from fpdoctor.numerics.observe.batches import MicroBatch
+from fpdoctor.numerics.training.control import _autocast_off, _inputs_in_fp32
 from fpdoctor.preserve import preserved
 from fpdoctor.report.model import Finding, Trial
 from fpdoctor.torchprivate import pytree, reparametrized, scaler_states

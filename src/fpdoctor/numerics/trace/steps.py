@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from fpdoctor.numerics.amp import grad_scaler_class
-from fpdoctor.numerics.dynamo import compiling
+from fpdoctor.numerics.observe.amp import grad_scaler_class
+from fpdoctor.numerics.observe.dynamo import compiling
 from fpdoctor.torchprivate import DisableTorchDispatch, scaler_scale, scaler_states
 
 
