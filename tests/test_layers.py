@@ -109,3 +109,16 @@ def test_every_allowed_exception_is_still_taken():
     """An entry whose use is gone is removed, so the list only ever shrinks."""
     still = {(importer, name) for importer, name, _ in _taken()}
     assert ALLOWED - still == set()
+
+
+def test_no_command_takes_another_commands_private_names():
+    """A command's module (cli/<command>.py) is its own: what two commands share lives in a module
+    of its own (cli/output.py, cli/ranks.py, cli/trace_outcome.py), never in one of them."""
+    taken = []
+    for path in sorted((ROOT / "cli").glob("*.py")):
+        importer = _module(path)
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            if module and module.startswith("fpdoctor.cli.") and module != importer:
+                taken += [f"{importer}:{node.lineno} takes {module}.{a.name}" for a in node.names if _private(a.name)]
+    assert taken == [], "move what two commands share into a module of its own:\n" + "\n".join(taken)

@@ -16,10 +16,16 @@ import contextlib
 import os
 import signal
 import sys
+import traceback
 from typing import Any
 
 from fpdoctor import catalog
 from fpdoctor.report.model import Finding, Report
+
+_FPDOCTOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# torch's plumbing between a Python call and a dispatch mode (dynamo's disable wrapper around
+# __torch_dispatch__, the op overload's __call__): absent from a plain run's traceback
+_DISPATCH_PLUMBING = ("_compile.py", "_dynamo", "_python_dispatch.py", "_ops.py")
 
 FAIL_ON = ("error", "warning", "never")
 TERMINATED = "terminated by SIGTERM before the script ended"
@@ -136,3 +142,21 @@ def exception_finding(error: BaseException, script: str, code: int) -> Finding:
         evidence=evidence,
         fix=fix or f"Fix the error at {at or 'the line the traceback ends in'} (the traceback above is the script's).",
     )
+
+
+def user_traceback(error: BaseException, script: str) -> str:
+    """The traceback a plain `python SCRIPT.py` would print: from the script's first frame to the
+    last frame before fpdoctor's dispatch mode took the call (runpy and fpdoctor frames dropped)."""
+    te = traceback.TracebackException.from_exception(error)
+    frames = list(te.stack)
+    target = os.path.abspath(script)
+    start = next((i for i, f in enumerate(frames) if os.path.abspath(f.filename) == target), 0)
+    kept = []
+    for frame in frames[start:]:
+        if os.path.abspath(frame.filename).startswith(_FPDOCTOR_DIR + os.sep):
+            break  # the tracer and what it called: not the user's code
+        kept.append(frame)
+    while kept and "torch" in kept[-1].filename and any(p in kept[-1].filename for p in _DISPATCH_PLUMBING):
+        kept.pop()
+    te.stack = traceback.StackSummary.from_list(kept)
+    return "".join(te.format())

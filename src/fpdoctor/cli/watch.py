@@ -12,15 +12,14 @@ every rank's findings merged (as `fpdoctor trace` does).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import signal
 import sys
 from typing import Any
 
+from fpdoctor.cli import ranks
 from fpdoctor.cli.output import UsageError, add_output_args, emit_after_program
-from fpdoctor.cli.trace import _sidecar, _write_rank, rank_info, user_traceback
 from fpdoctor.cli.trace_outcome import (
     TERMINATED,
     Terminated,
@@ -29,6 +28,7 @@ from fpdoctor.cli.trace_outcome import (
     exception_finding,
     exit_code_of,
     terminated,
+    user_traceback,
 )
 
 USAGE = "usage: fpdoctor watch [--report FILE] -- [python [OPTIONS]] SCRIPT.py | -m MODULE [ARGS...]"
@@ -148,10 +148,8 @@ def run(args: argparse.Namespace) -> int:
     script, script_args, as_module, options = _script_of(args.command)
     _start_again(options, args.command)
     os.environ.pop(_RESTARTED, None)  # the script's own children start afresh
-    dist = rank_info()
-    if args.output and dist is not None:
-        with contextlib.suppress(OSError):  # an earlier launch's, never merged (an unwritable -o is said at the end)
-            _sidecar(args.output, dist.rank).unlink()
+    dist = ranks.rank_info()
+    ranks.forget_earlier(args.output, dist)
 
     import runpy
 
@@ -214,10 +212,9 @@ def run(args: argparse.Namespace) -> int:
         terminated(report)
     report.data.setdefault("summary", []).insert(0, ("script", " ".join([script, *script_args])))
     if dist is not None:  # the judge's findings name the rank they are about; this rank's place beside
-        report.data["distributed"] = {"rank": dist.rank, "world_size": dist.world_size, "host": dist.host}
-        report.data["summary"].insert(0, ("rank", f"{dist.rank} of {dist.world_size} on {dist.host}"))
+        ranks.mark(report, dist)
     if dist is not None and args.output:
-        _write_rank(report.to_dict(), args, dist)
+        ranks.write_rank(report.to_dict(), args, dist)
     else:
         emit_after_program(report.to_dict(), args)
     return die_of_sigterm() if killed else code
