@@ -135,3 +135,20 @@ def test_a_clean_text_report_leads_with_the_verdict_and_a_few_facts(h20_report):
     assert "fact 23" in render(clean, "text", verbose=True) and CLEAN_ROWS == 8
     problem = dict(h20_report, data={"summary": rows})  # with findings, every fact is shown
     assert "fact 23" in render(problem, "text")
+
+
+@pytest.mark.parametrize("status", ["incomplete", "in progress"])
+def test_a_run_that_did_not_reach_its_end_never_reads_ok_in_any_format(status):
+    from fpdoctor.report.model import Report
+
+    cut = Report(command="watch", data={"status": status, "summary": [["steps", "3"]]})
+    doc = cut.to_dict()
+    assert doc["verdict"] == "warning" and cut.exit_code == 0  # not ok, and the exit status is not changed
+    assert render(doc, "text").startswith(f" {status.upper()} ")
+    assert f"### fpdoctor watch: **{status}**" in render(doc, "markdown")
+    page = render(doc, "html")
+    assert f'<span class="verdict">{status}</span>' in page and f"<title>fpdoctor watch: {status}" in page
+    from fpdoctor.catalog import make
+
+    found = Report(command="watch", findings=[make("nonfinite-loss", message="m")], data={"status": status})
+    assert render(found.to_dict(), "text").startswith(f" ERROR, {status.upper()} ")

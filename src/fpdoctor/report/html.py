@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fpdoctor.report.model import json_text, severity_rank
-from fpdoctor.report.render import _value, is_command, trial_line
+from fpdoctor.report.render import _value, headline, is_command, trial_line
 
 FULL_FINDINGS = 10  # per finding name; further ones are listed one line each
 LISTED_FINDINGS = 200  # per finding name; the JSON report has the rest
@@ -72,7 +72,7 @@ class Section:
 
 def page(report: Mapping[str, Any]) -> str:
     """The whole document for one report."""
-    title = f"fpdoctor {report['command']}: {report['verdict']}"
+    title = f"fpdoctor {report['command']}: {headline(report)}"
     body = _report(report, prefix="", heading=None, story=None)
     return _document(title, f"<h1>{_e(title)}</h1>{body}", report)
 
@@ -161,7 +161,8 @@ def _banner(report: Mapping[str, Any], p: str) -> str:
     counts = {s: sum(1 for f in findings if f["severity"] == s) for s in ("error", "warning", "info")}
     tally = ", ".join(f"{n} {s}" + ("s" if n > 1 and s != "info" else "") for s, n in counts.items() if n)
     out = [f'<div class="banner {_e(verdict)}" id="{p}verdict">']
-    out.append(f'<p><span class="verdict">{_e(verdict)}</span> &middot; fpdoctor {_e(report["command"])} &middot; '
+    out.append(f'<p><span class="verdict">{_e(headline(report))}</span> &middot; '
+               f'fpdoctor {_e(report["command"])} &middot; '
                f"{_e(tally or 'no findings')}</p>")  # fmt: skip
     if lead is not None:
         out.append(

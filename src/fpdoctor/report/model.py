@@ -17,6 +17,10 @@ from fpdoctor._version import __version__
 
 SCHEMA = "fpdoctor.report/1"
 
+# `data["status"]` of a report whose run did not reach its end: cut short (a terminated script, a check
+# that could not finish) or still going (a report rewritten while its run goes on). Never an "ok".
+UNFINISHED = ("incomplete", "in progress")
+
 
 class Severity(str, enum.Enum):
     INFO = "info"
@@ -194,7 +198,11 @@ class Report:
 
     @property
     def verdict(self) -> str:
+        """The worst severity among the findings; a run that did not reach its end (`UNFINISHED`)
+        was not judged to its end, so it is at least "warning", never "ok" (its exit status is not changed)."""
         worst = max((f.severity.rank for f in self.findings), default=0)
+        if self.data.get("status") in UNFINISHED:
+            worst = max(worst, Severity.WARNING.rank)
         return {0: "ok", 1: "warning", 2: "error"}[worst]
 
     @property

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from fpdoctor.report.model import Trial, json_text
+from fpdoctor.report.model import UNFINISHED, Severity, Trial, json_text, severity_rank
 
 FORMATS = ("text", "json", "markdown", "html")
 
@@ -24,6 +24,21 @@ _VERDICT_STYLE = {"error": "bold white on red", "warning": "bold black on yellow
 
 # A clean text report leads with its verdict and a few facts; the whole table when asked (-v).
 CLEAN_ROWS = 8
+
+
+def headline(report: Mapping[str, Any]) -> str:
+    """What a report leads with in every format: its verdict, except that a report that saw nothing
+    wrong because it could not look, or did not look to the end, says so ("not checked",
+    "incomplete", "in progress": never a bare ok), and a run cut short with findings says both
+    ("error, incomplete")."""
+    verdict = str(report["verdict"])
+    status = report.get("data", {}).get("status")
+    worst = max((severity_rank(f["severity"]) for f in report["findings"]), default=0)
+    if status in ("not checked", *UNFINISHED) and worst < Severity.WARNING.rank:
+        return str(status)
+    if status in UNFINISHED:
+        return f"{verdict}, {status}"
+    return verdict
 
 
 def render(report: dict[str, Any], fmt: str, *, color: bool = False, width: int = 100, verbose: bool = False) -> str:
@@ -110,11 +125,8 @@ def render_text(report: dict[str, Any], *, color: bool = False, width: int = 100
     verdict = report["verdict"]
     head = Text()
     # a report that saw nothing wrong because it could not look says so, never a bare OK
-    unseen = report["data"].get("status") if verdict == "ok" else None
-    if unseen in ("not checked", "incomplete"):
-        head.append(f" {unseen.upper()} ", style=_VERDICT_STYLE["warning"])
-    else:
-        head.append(f" {verdict.upper()} ", style=_VERDICT_STYLE[verdict])
+    lead = headline(report)
+    head.append(f" {lead.upper()} ", style=_VERDICT_STYLE[verdict if lead == verdict else "warning"])
     head.append(f"  fpdoctor {report['command']}  ", style="bold")
     counts = _counts(report["findings"])
     head.append(", ".join(f"{n} {sev}" for sev, n in counts.items() if n) or "no findings")
@@ -199,7 +211,7 @@ def _md_cell(value: Any) -> str:
 
 def render_markdown(report: dict[str, Any]) -> str:
     """GitHub-flavoured markdown, meant to be pasted into an issue as is."""
-    out = [f"### fpdoctor {report['command']}: **{report['verdict']}**", ""]
+    out = [f"### fpdoctor {report['command']}: **{headline(report)}**", ""]
     out.append(f"<sub>fpdoctor {report['version']}, report schema `{report['schema']}`</sub>")
     out.append("")
     summary = report["data"].get("summary")

@@ -42,6 +42,7 @@ from fpdoctor.numerics.observe.batches import MicroBatch
 from fpdoctor.numerics.observe.gradcheck import bad_parameters, kind_of, tensor_kind
 from fpdoctor.numerics.training import distributed, findings, reference
 from fpdoctor.numerics.training.control import ControlResult, run_control, wants_control
+from fpdoctor.numerics.training.live import FindingLog, Live
 from fpdoctor.numerics.training.lr_whatif import LrTrial, Snapshot, snapshot, try_lower_lr, window_runner
 from fpdoctor.numerics.training.replay import ReplayResult, replay
 from fpdoctor.numerics.updates.causes import Causes, cause_of
@@ -163,6 +164,7 @@ class StepJudge:
         views: str,
         gpu_health: bool = True,
         what_if_steps: int = WHAT_IF_STEPS,
+        live: Live | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -175,7 +177,9 @@ class StepJudge:
         self.steps = 0  # counted by the front end, when it counts a step as taken
         self.micro_batches = 0
         self.skipped = 0
-        self.findings: list[Finding] = []
+        # every finding is added here, and said as it is (`live`: its line, the report file, a stop)
+        self.live = live if live is not None else Live()
+        self.findings: list[Finding] = FindingLog(self.live)
         self.causes = Causes(self.findings)  # findings of a bad step go through it: one per cause
         self._reproduced: dict[tuple[Any, ...], int] = {}  # a bad step's symptoms -> replays that reproduced
         self._stall: int | None = None  # the stalled episode's finding, by index, while it lasts
@@ -217,6 +221,7 @@ class StepJudge:
                 self.bucket_watch = distributed.BucketWatch.install(hooked)
             if self.distributed:
                 self.here = findings.place(distributed.describe(self.device))
+                self.live.rank = self.here.get("rank")
         except Exception as exc:
             self.error("setting up under torch.distributed", exc)
         self._updates = UpdateJudge(self.causes, self.here)
@@ -267,6 +272,7 @@ class StepJudge:
         if f.finite and self.expects_updates:
             self._last_finite = f
         self._progress()
+        self.live.settle()  # the step decided: its new findings to the report file
         return outcome
 
     def _decide(self, f: StepFacts, apply: Callable[[], None] | None) -> StepOutcome:
@@ -668,6 +674,7 @@ class StepJudge:
             self.error("judging the optimizer's updates", exc, step=stats.step)
         finally:
             self._last_finite = None
+            self.live.settle()
 
     def _what_if(self) -> tuple[Callable[[], WhatIf] | None, str]:
         """The what-if run of the last finite step's window, on stand-ins (`update_whatif`), or why none."""
@@ -860,6 +867,11 @@ class JudgedSteps:
     @property
     def last_good_step(self) -> int | None:
         return self._judge.last_good_step
+
+    @property
+    def should_stop(self) -> bool:
+        """A finding at the `stop_on` level was decided: the run should end (the finding is in the report)."""
+        return self._judge.live.stopped is not None
 
 
 def _close_outputs(outputs: compiled.OutputCheck | None) -> None:

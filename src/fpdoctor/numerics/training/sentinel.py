@@ -52,6 +52,7 @@ from fpdoctor.numerics.training.judge import (  # re-exported: the sentinel's pu
     StepJudge,
     StepOutcome,
 )
+from fpdoctor.numerics.training.live import Live, stop_level
 from fpdoctor.numerics.updates.measure import EVERY, GradAccumulation, UpdateProbe, UpdateSample, UpdateStats
 from fpdoctor.numerics.updates.whatif import WHAT_IF_STEPS
 from fpdoctor.preserve import RngState
@@ -177,6 +178,9 @@ class Sentinel(JudgedSteps):
     # compare the first step and every N-th after with the same step in fp32, no autocast, no loss
     # scaling (reference.py): step_fn runs twice more on those steps, on copies of the parameters; 0: off
     reference_every: int = field(default=reference.EVERY, kw_only=True)
+    # "error" or "warning": the first finding at that level sets `should_stop` (for the loop to end, in CI);
+    # every finding is said on stderr as it is decided, whatever this says
+    stop_on: str | None = field(default=None, kw_only=True)
     checkpoint_step: int | None = field(default=None, init=False)  # the step of the checkpoint last written
 
     def __post_init__(self) -> None:
@@ -203,6 +207,7 @@ class Sentinel(JudgedSteps):
             raise ValueError(f"what_if_steps must be an int >= 0, got {self.what_if_steps!r}")
         if self.device_skip and not skips_on_device(self.optimizer):
             raise ValueError("device_skip=True needs an optimizer that takes found_inf (a fused one)")
+        stop_on = stop_level(self.stop_on)
         # the decisions are the step judge's; this class collects what happened in the user's loop
         self._judge = StepJudge(
             self.model,
@@ -213,6 +218,7 @@ class Sentinel(JudgedSteps):
             views="FSDP or a communication hook of your own",
             gpu_health=self.gpu_health,
             what_if_steps=self.what_if_steps,
+            live=Live(stop_on=stop_on),
         )
         self._judge.reference_every = self.reference_every
         self._params = self._judge.params

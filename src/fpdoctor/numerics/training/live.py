@@ -1,0 +1,137 @@
+"""A training run's findings as they are decided, not only at its end.
+
+Every finding of a step judge goes into its `FindingLog`, the one place a finding is added (the
+judge's own, the `Causes` that count a repeated cause under its first finding, a front end's). A
+new finding there is handed to the run's `Live`, which
+
+- says it on one line at once (`fpdoctor: step 412: TRN003 loss-scale-collapsed (error) - title`),
+  on stderr by default, or through the front end's own `say`;
+- marks the front end's report file as behind: the front end's `writer` rewrites it (atomically, the
+  whole report so far, marked "in progress") when the judge has finished with the step (`settle`),
+  never on a step without a new finding, and no more often than keeps the rewrites under
+  `WRITE_SHARE` of the run's time, so a job killed at any point leaves a readable report that holds
+  every finding decided before the last rewrite;
+- notes the first finding at the `stop_on` level (`stopped`), for the front end to end the run at
+  its next step boundary.
+
+A finding counted again under its cause (its step added to the first one's) is not a new line.
+Nothing here raises into the user's step: a writer that fails is one line, once, and no more
+rewrites are tried.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import SupportsIndex
+
+from fpdoctor.report.model import Finding, Severity
+
+# The live rewrites of a report file take at most this share of the run's time: after a rewrite
+# that cost t seconds, the next one waits until t / WRITE_SHARE have passed (a new finding in the
+# meantime is written at the first step boundary after that).
+WRITE_SHARE = 0.02
+STOP_LEVELS = ("error", "warning")
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def line_of(finding: Finding, step: int | None = None) -> str:
+    """One line: `fpdoctor: [rank R ]step N: CODE name (severity) - title`."""
+    at = finding.evidence.get("step", step)
+    rank = finding.where.get("rank")
+    words = [f"rank {rank}" if rank is not None else "", f"step {at}" if at is not None else ""]
+    place = " ".join(w for w in words if w)
+    lead = f"fpdoctor: {place}: " if place else "fpdoctor: "
+    return f"{lead}{finding.code} {finding.name} ({finding.severity.value}) \u2014 {finding.title}"
+
+
+def stop_level(value: str | None) -> Severity | None:
+    """`stop_on` as given ("error", "warning" or None) -> the severity that stops a run; ValueError otherwise."""
+    if value is None:
+        return None
+    if value not in STOP_LEVELS:
+        raise ValueError(f"stop_on must be one of {', '.join(STOP_LEVELS)} or None, got {value!r}")
+    return Severity(value)
+
+
+class Live:
+    """What a running judge does with each new finding: say it, mark the report file behind, note a stop.
+
+    `say`: where the line goes (None: nowhere). `rank`: this process's rank under torch.distributed;
+    a finding about another rank (every rank adds every rank's agreed findings) is said by that
+    rank only. `stop_on`: the severity whose first finding asks the run to stop. `writer`: the front
+    end's whole report so far to its file."""
+
+    def __init__(self, *, say: Callable[[str], None] | None = _stderr, stop_on: Severity | None = None) -> None:
+        self.say = say
+        self.stop_on = stop_on
+        self.rank: int | None = None
+        self.writer: Callable[[], None] | None = None
+        self.stopped: Finding | None = None  # the first finding at the stop_on level
+        self.behind = False  # a finding arrived since the report file was last written
+        self.writes = 0
+        self.write_seconds = 0.0  # spent rewriting the report file, all rewrites together
+        self._next_write = 0.0  # time.perf_counter() before which no rewrite starts
+
+    def added(self, finding: Finding) -> None:
+        """A new finding: its line, the file behind, a stop noted. Never raises."""
+        try:
+            self.behind = True
+            if self.stop_on is not None and self.stopped is None and finding.severity.rank >= self.stop_on.rank:
+                self.stopped = finding
+            rank = finding.where.get("rank")
+            if self.say is not None and (rank is None or self.rank is None or rank == self.rank):
+                self.say(line_of(finding))
+        except Exception:  # a closed stderr: the finding is in the report all the same
+            pass
+
+    def settle(self, *, now: bool = False) -> None:
+        """At a step boundary: rewrite the report file if a finding arrived since the last rewrite and
+        the rewrites' share of the time allows (`now`: whatever the share, a stop's last word)."""
+        if not self.behind or self.writer is None:
+            return
+        start = time.perf_counter()
+        if start < self._next_write and not now:
+            return
+        self.behind = False
+        try:
+            self.writer()
+        except Exception as exc:  # the file cannot be written: said once, the run goes on
+            self.writer = None
+            if self.say is not None:
+                self.say(f"fpdoctor: the report file could not be rewritten while the run goes on ({exc}); "
+                         "it is written at the end")  # fmt: skip
+            return
+        spent = time.perf_counter() - start
+        self.writes += 1
+        self.write_seconds += spent
+        self._next_write = start + spent / WRITE_SHARE
+
+
+class FindingLog(list[Finding]):
+    """A run's findings; every new one is handed to `live` as it is added. Replacing one (a cause
+    counted again, a stalled episode's counts kept current) is not a new finding."""
+
+    def __init__(self, live: Live, found: Iterable[Finding] = ()) -> None:
+        super().__init__(found)
+        self.live = live
+
+    def append(self, finding: Finding) -> None:
+        super().append(finding)
+        self.live.added(finding)
+
+    def extend(self, found: Iterable[Finding]) -> None:
+        for finding in found:
+            self.append(finding)
+
+    def __iadd__(self, found: Iterable[Finding]) -> FindingLog:  # type: ignore[override,misc]
+        self.extend(found)
+        return self
+
+    def insert(self, index: SupportsIndex, finding: Finding) -> None:
+        super().insert(index, finding)
+        self.live.added(finding)
