@@ -1,4 +1,5 @@
-"""`fpdoctor plan MODEL --candidate ... [--reference fp32|fp64]`: a verified keep-in-fp32 plan."""
+"""`fpdoctor plan MODEL --candidate ... [--reference fp32|fp64] [--metric kl|top1|rel]`: a verified
+keep-in-fp32 plan, judged in the metric asked for."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from fpdoctor.cli.errors import UsageError
 from fpdoctor.cli.model_spec import FACTORY_HELP
 from fpdoctor.cli.output import add_output_args, add_progress_arg, emit, write_atomic
 from fpdoctor.precision.names import PLAN_CANDIDATES
+from fpdoctor.precision.plan.metric import METRICS
 
 
 def add_parser(sub: Any) -> None:
@@ -25,10 +27,24 @@ def add_parser(sub: Any) -> None:
     )
     add_precision_args(p, PLAN_CANDIDATES)
     p.add_argument(
+        "--metric",
+        metavar="kl|top1|rel",
+        help="what the plan targets and ranks its what-ifs by: kl (KL of the logits' softmax against fp64's), top1 "
+        "(top-1 agreement with fp64) or rel (relative error of the output). Default: kl where the output is logits "
+        "(its last call is a Linear from features to classes) and compare finds their decisions changed, which the "
+        "relative error misses: KL is continuous (it ranks modules that leave the same number of flips apart, on few "
+        "rows too) and reads the whole distribution that sampling and the loss read, with top-1 measured beside it; "
+        "rel otherwise, where the two agree and a regression head of the same shape cannot be told from logits, and "
+        "whenever --tolerance is given without --metric",
+    )
+    p.add_argument(
         "--tolerance",
         type=float,
-        help="end-to-end relative error to reach (default: 16x the output's noise floor); one below what rounding "
-        "the inputs alone costs is out of reach, and the plan is judged against 2x that floor",
+        help="the value to reach, in the metric's units: a relative error (rel), nats (kl), the share of rows whose "
+        "top-1 may differ from fp64's (top1). Default: 16x the output's floor (the error of rounding the exact "
+        "output to the candidate; 256x for kl, which grows with the error's square; compare's decisions-changed "
+        "rule for top1); one below what rounding the inputs alone costs is out of reach, and the plan is judged "
+        "against 2x that floor",
     )
     add_output_args(p)
     add_progress_arg(p)
@@ -43,13 +59,25 @@ def run(args: argparse.Namespace) -> int:
     from fpdoctor.report.render import render
 
     candidate, reference, fp8_kernel = check_precision_args(args, PLAN_CANDIDATES)
+    if args.metric is not None and args.metric not in METRICS:
+        raise UsageError(
+            f"--metric must be one of {', '.join(METRICS)} (got {args.metric!r}); kl and top1 judge logits"
+        )
+    if args.tolerance is not None and args.metric == "top1" and not 0 < args.tolerance < 1:
+        raise UsageError("with --metric top1, --tolerance is the share of rows whose top-1 may differ, e.g. 0.01")
     if args.tolerance is not None and not args.tolerance > 0:
-        raise UsageError("--tolerance must be a positive relative error, e.g. 1e-3")
+        raise UsageError("--tolerance must be a positive value in the plan's metric, e.g. 1e-3")
     with progress.task(f"plan: loading {args.model} (import torch, build the model)"):
         model, inputs = model_spec.load(args.model)
     try:
         result = plan(
-            model, inputs, candidate=candidate, reference=reference, tolerance=args.tolerance, fp8_kernel=fp8_kernel
+            model,
+            inputs,
+            candidate=candidate,
+            reference=reference,
+            tolerance=args.tolerance,
+            fp8_kernel=fp8_kernel,
+            metric=args.metric,
         )
     except ReferenceFailed as exc:
         raise UsageError(f"{exc}; fix the model or its example inputs first") from None

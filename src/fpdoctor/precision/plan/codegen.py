@@ -69,7 +69,7 @@ def plan_code(candidate: str, keep: list[str], fp32_outputs: list[str]) -> str:
     ]
     for name in keep:
         if name in fp32_outputs:
-            lines.append(f"keep_in_fp32({_path(name)}, back_to=None)  # its outputs need fp32's range")
+            lines.append(f"keep_in_fp32({_path(name)}, back_to=None)  # its outputs stay fp32")
         else:
             lines.append(f"keep_in_fp32({_path(name)}, back_to={dtype})")
         lines.append(f"{_path(name)}.load_state_dict(fp32_weights[{name!r}])")

@@ -42,14 +42,17 @@ from fpdoctor.precision.candidates import (
     split_inputs,
     uncompiled,
 )
+from fpdoctor.precision.compare import use
 from fpdoctor.precision.compare.compare import compare_set
 from fpdoctor.precision.compare.noise import ReplayNoise
 from fpdoctor.precision.inputs import describe, input_sets
-from fpdoctor.precision.metrics import flat_sample, rel_error
+from fpdoctor.precision.metrics import flat_sample, floating, rel_error
 from fpdoctor.precision.names import PLAN_CANDIDATES, PRECISIONS, REFERENCES
 from fpdoctor.precision.plan.codegen import fp8_code, plan_code
+from fpdoctor.precision.plan.metric import Measured, Metric, check_tolerance, floor_of, logits_of, measure
+from fpdoctor.precision.plan.metric import metric as _metric
 from fpdoctor.precision.plan.op_fixes import OpFix, edit, install
-from fpdoctor.precision.profile import DIVERGENCE_RATIO, CompareResult
+from fpdoctor.precision.profile import CompareResult
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Finding, Report
 
@@ -62,6 +65,10 @@ FLOOR_MARGIN = 2.0
 # Leave-one-out checks (is each kept module needed?) for plans up to this size; larger ones are
 # bisected already, and each check is a forward per input set.
 NEEDED_CHECKS = 8
+# Judged by the decisions (--metric kl|top1), the search starts from what-ifs: the logits' layer alone
+# (fp32 logits), it and the leaf before it (fp32 between them, as compare's decisions fix tries), and
+# each of this many modules compare ranks worst alone; one forward per input set each.
+WHAT_IF = 4
 
 
 @dataclass
@@ -70,13 +77,15 @@ class Plan:
     keep_fp32: list[str]
     fp32_outputs: list[str]  # kept modules whose outputs stay fp32: their range does not fit the candidate
     verified: bool
-    final_error: float  # relative L2 error of the final output against fp64, with the plan applied (worst set)
-    tolerance: float  # what was asked for (or 16x the output's noise floor)
+    final_error: float  # the metric with the plan applied (worst set): relative L2 error of the output against
+    # fp64 (rel), the share of rows whose top-1 differs from fp64's (top1), mean KL in nats (kl)
+    tolerance: float  # what was asked for (or 16x the output's noise floor, to the metric's power)
     baseline_error: float  # the same without any exception
     input_floor: float = 0.0  # the reference fed candidate-rounded inputs: no plan goes below it
     target: float | None = None  # what the plan was judged against: the tolerance, or FLOOR_MARGIN x the floor
     closest: list[str] = field(default_factory=list)  # unverified: the set that came closest
     fp32_ops: list[OpFix] = field(default_factory=list)  # ops (and what consumes them) computed in fp32
+    metric: str = "rel"  # what final_error, tolerance, target and the floors measure (metric.py)
 
     @property
     def reachable(self) -> bool:
@@ -85,10 +94,8 @@ class Plan:
 
     def to_code(self) -> str:
         if not self.verified:
-            return (
-                f"# no verified plan: nothing kept in fp32 brings {self.candidate} within "
-                f"{self.target if self.target is not None else self.tolerance:.3g} of fp64 (the report says why)\n"
-            )
+            aim = _metric(self.metric).bound(self.target if self.target is not None else self.tolerance)
+            return f"# no verified plan: nothing kept in fp32 brings {self.candidate} to {aim} (the report says why)\n"
         if self.candidate not in _APPLICABLE:
             return fp8_code(self.candidate, self.keep_fp32)
         code = plan_code(self.candidate, self.keep_fp32, self.fp32_outputs)
@@ -98,6 +105,7 @@ class Plan:
     def as_dict(self) -> dict[str, Any]:
         return {
             "candidate": self.candidate,
+            "metric": self.metric,
             "keep_fp32": self.keep_fp32,
             "fp32_outputs": self.fp32_outputs,
             "verified": self.verified,
@@ -130,6 +138,36 @@ class _Set:
     floor: float = 0.0  # the reference fed candidate-rounded inputs
     input_rounding: float = 0.0  # relative error of rounding the inputs themselves
     target: float = 0.0
+    logits: torch.Tensor | None = None  # the fp64 output whole, [rows, classes], where it is logits
+    log_p: torch.Tensor | None = None  # their log-softmax
+    logits_layer: str | None = None  # the leaf that made them
+    before_logits: str | None = None  # the leaf whose call ended before it
+    rounded: Measured | None = None  # the exact output rounded to the candidate's format
+    reference_run: Measured | None = None  # the reference precision's run, where it is not fp64
+    input_run: Measured | None = None  # the reference fed candidate-rounded inputs
+
+    def aim(self, m: Metric, tolerance: float | None) -> None:
+        """The floor, tolerance and target in the plan's metric (see metric.py)."""
+        rows = self.compared.rows
+        if m.decisions and self.rounded is not None:
+            out_floor = m.value(self.rounded)
+        else:  # the output's noise floor: compare's figure for rounding it to the candidate
+            out_floor = next((r.floor for r in reversed(rows) if r.module == ""), rows[-1].floor)
+        if self.reference_run is not None:
+            ran = m.value(self.reference_run)
+            out_floor = max(out_floor, ran if math.isfinite(ran) else 0.0)
+        n = 0 if self.logits is None else self.logits.shape[0]
+        self.tolerance = tolerance if tolerance is not None else m.target(out_floor, n)
+        self.floor = m.value(self.input_run) if self.input_run is not None else 0.0
+        margin = FLOOR_MARGIN**m.power
+        self.target = max(self.tolerance, margin * self.floor) if math.isfinite(self.floor) else self.tolerance
+
+    def decided(self, run: Measured) -> bool:
+        """The run's top-1 is one compare would not call changed (use.Decisions.changed)."""
+        if self.logits is None or self.rounded is None:
+            return False
+        top1 = _metric("top1")
+        return top1.value(run) <= top1.target(top1.value(self.rounded), self.logits.shape[0])
 
 
 def _candidate_with(
@@ -151,7 +189,7 @@ def _replaying(noise: list[torch.Tensor] | None) -> contextlib.AbstractContextMa
     return ReplayNoise(noise) if noise is not None else contextlib.nullcontext()
 
 
-def _final_error(
+def _measured(
     model: nn.Module,
     inputs: Any,
     candidate: str,
@@ -159,24 +197,27 @@ def _final_error(
     *,
     fp32_outputs: set[str],
     truth: torch.Tensor,
+    logits: torch.Tensor | None = None,
+    log_p: torch.Tensor | None = None,
     fp8_kernel: str = "auto",
     noise: list[torch.Tensor] | None = None,
     ops: list[OpFix] | None = None,
     ends: dict[str, str] | None = None,
-) -> float:
-    """The end-to-end error with `keep` in fp32 and the `ops` fixes in place; `ends` receives where
-    each op fix's fp32 region ended (file:line)."""
+) -> Measured:
+    """The output with `keep` in fp32 and the `ops` fixes in place, against fp64 (`truth`, its sample;
+    `logits`, whole, where the output is logits); `ends` receives where each op fix's fp32 region
+    ended (file:line)."""
     run = _candidate_with(model, candidate, keep, fp32_outputs, fp8_kernel).eval()
     mode = install(run, ops, compute_dtype(candidate)) if ops else None
     args, kwargs = split_inputs(cast_inputs(inputs, compute_dtype(candidate), copy=True))
     try:
         with torch.no_grad(), _replaying(noise):
-            out = flat_sample(run(*args, **kwargs))
+            output = run(*args, **kwargs)
     except RuntimeError:  # an fp32 output reached a module still in the candidate dtype
-        return math.inf
+        return Measured(math.inf)
     if mode is not None and ends is not None:
         ends.update({k: v for k, v in mode.ends.items() if v is not None})
-    return math.inf if out is None or out.numel() != truth.numel() else rel_error(out, truth)
+    return measure(output, truth, logits, log_p)
 
 
 def plan(
@@ -187,18 +228,30 @@ def plan(
     reference: str = "fp32",
     tolerance: float | None = None,
     fp8_kernel: str = "auto",
+    metric: str | None = None,
 ) -> PlanResult:
     """Find and verify the smallest set of modules to keep in fp32 for `candidate`.
 
     `inputs`: one input set (a tensor, a tuple of positional arguments, a dict of keyword
     arguments) or a list of them (or any iterable): the plan must hold on every set.
-    `tolerance`: the end-to-end relative error to reach (default: 16x the output's noise floor);
-    one below what rounding the inputs alone costs is out of reach, and the report says so.
+    `metric`: what the plan targets and ranks its what-ifs by: "kl" (KL of the logits' softmax
+    against fp64's), "top1" (top-1 agreement with fp64) or "rel" (relative error of the output).
+    Default: "kl" where the output is logits whose decisions compare finds changed (the relative
+    error misses them there; KL is continuous, so it ranks modules that leave the same number of
+    flips apart, and reads the whole distribution that sampling and the loss read; top-1 is measured
+    beside it); "rel" otherwise, and whenever a tolerance is given without a metric. "kl" and
+    "top1" need an output of logits.
+    `tolerance`: the value to reach in the metric's units (relative error; KL in nats; for top1 the
+    share of rows whose top-1 may differ); default 16x the output's floor (256x for KL, which grows
+    with the error's square; compare's decisions-changed rule for top1). One below what rounding
+    the inputs alone costs is out of reach, and the report says so.
     `fp8_kernel`: how fp8 candidates multiply, as in compare()."""
     candidate = check_name(candidate, PLAN_CANDIDATES, "candidate")
     reference = check_name(reference, REFERENCES, "reference")
-    if tolerance is not None and not tolerance > 0:
-        raise ValueError(f"tolerance must be a positive relative error, e.g. 1e-3, got {tolerance!r}")
+    if metric is not None:
+        check_tolerance(_metric(metric), tolerance)
+    elif tolerance is not None and not tolerance > 0:
+        raise ValueError(f"tolerance must be a positive value in the plan's metric, e.g. 1e-3, got {tolerance!r}")
     model = uncompiled(model)  # module names as compare reports them
     sets = input_sets(inputs)
     rng = RngState.capture()  # every run starts from it, as compare's passes do; the user's is left as it was
@@ -211,6 +264,7 @@ def plan(
                 reference=reference,
                 tolerance=tolerance,
                 fp8_kernel=fp8_kernel,
+                metric=metric,
                 rng=rng,
                 runs=runs,
             )
@@ -226,6 +280,7 @@ def _plan(
     reference: str,
     tolerance: float | None,
     fp8_kernel: str,
+    metric: str | None,
     rng: RngState,
     runs: progress.Task,
 ) -> PlanResult:
@@ -245,29 +300,49 @@ def _plan(
                 one,
                 candidate=candidate,
                 reference=reference,
-                tolerance=tolerance,
                 fp8_kernel=fp8_kernel,
                 rng=rng,
                 device=device,
             )
         )
+    logits = all(s.logits is not None for s in judged)
+    if metric is not None and metric != "rel" and not logits:
+        raise ValueError(
+            f"metric {metric!r} judges an output of logits, and this model's output is not logits (its last call is "
+            "not a Linear from features to classes, or the fp64 output is not finite): use the metric rel"
+        )
+    # the default: KL where compare finds the logits' decisions changed far beyond rounding's floor (the
+    # relative error misses them there); the relative error elsewhere, where the two agree, and where the
+    # structural test for logits cannot tell them from a regression head of the same shape
+    changed = logits and tolerance is None and any(s.compared.report.by_name("decisions-changed") for s in judged)
+    m = _metric(metric if metric is not None else "kl" if changed else "rel")
+    for s in judged:
+        s.aim(m, tolerance)
     # Modules whose fp64 output does not fit the candidate's range keep fp32 outputs when kept.
     fp32_outputs = {r.module for s in judged for r in s.compared.rows if r.out_of_range and r.module}
     tried: list[tuple[list[str], float]] = []
+    measured: dict[tuple[str, ...], list[Measured]] = {}  # every run, every way, by what it kept
 
-    def errors(keep: list[str], ops: list[OpFix] | None = None, ends: dict[str, str] | None = None) -> list[float]:
-        values = []
+    def errors(
+        keep: list[str],
+        ops: list[OpFix] | None = None,
+        ends: dict[str, str] | None = None,
+        outputs: set[str] | None = None,
+    ) -> list[float]:
+        got = []
         for s in judged:
             rng.restore()
             with run_flags(candidate, device):  # the backend flags compare ran the candidate under
-                values.append(
-                    _final_error(
+                got.append(
+                    _measured(
                         model,
                         s.inputs,
                         candidate,
                         keep,
-                        fp32_outputs=fp32_outputs,
+                        fp32_outputs=fp32_outputs if outputs is None else outputs,
                         truth=s.truth,
+                        logits=s.logits,
+                        log_p=s.log_p,
                         fp8_kernel=fp8_kernel,
                         noise=s.compared.noise,
                         ops=ops,
@@ -275,7 +350,10 @@ def _plan(
                     )
                 )
             runs.advance()
-        tried.append((list(keep) + [f"{f.module}:{f.op}" for f in ops or []], max(values)))
+        values = [m.value(x) for x in got]
+        key = (*keep, *(f"{f.module}:{f.op}" for f in ops or []))
+        measured[key] = got
+        tried.append((list(key), max(values)))
         return values
 
     def ok(values: list[float]) -> bool:
@@ -288,15 +366,32 @@ def _plan(
     runs.describe(f"plan {candidate}: the candidate as it is")
     baseline = errors([])
     ranked = _ranked(judged)
+    units: list[tuple[list[str], set[str]]] = [([module], set()) for module in ranked]
+    what_if: list[tuple[list[str], list[float]]] = []
+    if m.decisions and not ok(baseline):  # the what-ifs, ranked by the metric, lead the greedy search
+        head, before = judged[0].logits_layer, judged[0].before_logits
+        trials = [([head], {head})] if head else []
+        trials += [([name], set()) for name in ranked[:WHAT_IF] if name != head]
+        if head and before:
+            trials.append(([before, head], {before, head}))
+        for mods, outs in trials:
+            runs.describe(f"plan {candidate}: what-if, {' and '.join(mods)} alone in fp32")
+            what_if.append((mods, errors(mods, outputs=fp32_outputs | outs)))
+        what_if.sort(key=lambda t: excess(t[1]))
+        order = {tuple(mods): outs for mods, outs in trials}
+        helped = [(mods, order[tuple(mods)]) for mods, v in what_if if excess(v) < excess(baseline)]
+        units = helped + units
     keep: list[str] = []
     current = baseline
     best: tuple[float, list[str], list[float]] = (excess(baseline), [], baseline)
     if not ok(current):
-        for module in ranked:  # greedy: worst first, divergent ones and then the next worst leaves
-            if module in keep or any(module.startswith(k + ".") for k in keep):
+        for mods, outs in units:  # greedy: the what-ifs that help most, then the worst modules first
+            new = [x for x in mods if x not in keep and not any(x.startswith(k + ".") for k in keep)]
+            if not new:
                 continue
-            keep.append(module)
-            runs.describe(f"plan {candidate}: keep in fp32, worst first: {len(keep)} module(s), the last {module}")
+            keep += new
+            fp32_outputs |= outs
+            runs.describe(f"plan {candidate}: keep in fp32, worst first: {len(keep)} module(s), the last {new[-1]}")
             current = errors(keep)
             if excess(current) < best[0]:
                 best = (excess(current), list(keep), current)
@@ -364,6 +459,7 @@ def _plan(
     # plan comes closest to its target on (its numbers are the plan's)
     worst = max(range(len(judged)), key=lambda k: (baseline[k] / max(judged[k].target, 1e-300), baseline[k]))
     tightest = max(range(len(judged)), key=lambda k: verified_errors[k] / max(judged[k].target, 1e-300))
+    final_key = (*keep, *(f"{f.module}:{f.op}" for f in ops)) if verified else tuple(best[1])
     the_plan = Plan(
         candidate,
         keep if verified else [],
@@ -376,6 +472,7 @@ def _plan(
         target=judged[tightest].target,
         closest=[] if verified else best[1],
         fp32_ops=ops,
+        metric=m.name,
     )
     search = Search(
         sets=[(describe(s.inputs), s.compared, s.floor, s.input_rounding, s.target, s.tolerance) for s in judged],
@@ -389,6 +486,15 @@ def _plan(
         by_op=by_op,
         effects=effects,
         dropped=dropped,
+        metric=m,
+        what_if=[(mods, max(v)) for mods, v in what_if],
+        measured=(measured.get((), []), measured.get(final_key, [])),
+        metric_asked=metric is not None,
+        head=judged[0].logits_layer if m.decisions else None,
+        the_plan_outputs=[k for k in keep if k in fp32_outputs] if m.decisions else [],
+        decisions_back=m.decisions
+        and verified
+        and all(s.decided(x) for s, x in zip(judged, measured.get(final_key, []), strict=True)),
     )
     return PlanResult(the_plan, build(the_plan, search), tried)
 
@@ -408,32 +514,58 @@ def _judge_set(
     *,
     candidate: str,
     reference: str,
-    tolerance: float | None,
     fp8_kernel: str,
     rng: RngState,
     device: torch.device,
 ) -> _Set:
-    """compare on one input set, its fp64 output, its floor and the target the plan must reach there."""
+    """compare on one input set, its fp64 output and what its floors measure (the target comes with
+    the metric: _Set.aim)."""
     compared = compare_set(model, inputs, candidate=candidate, reference=reference, fp8_kernel=fp8_kernel)
     truth_run = make_run(model, "fp64").eval()
     args, kwargs = split_inputs(cast_inputs(inputs, torch.float64, copy=True))
+    leaves = {n: m for n, m in truth_run.named_modules() if not list(m.children())}
+    ended: list[str] = []  # the leaves in the order their calls end: the last made the output, as compare says
+
+    def end(name: str, args: tuple[Any, ...], out: Any) -> None:
+        if not any(a is out for a in args):  # an identity in this mode (Dropout in eval): nothing made, as compare
+            ended.append(name)
+
+    hooks = [m.register_forward_hook(lambda _, a, o, n=n: end(n, a, o)) for n, m in leaves.items()]
     rng.restore()
-    with torch.no_grad(), run_flags(candidate, device), _replaying(compared.noise):  # module by module, as compare
-        truth = flat_sample(truth_run(*args, **kwargs))
-    del truth_run
+    try:
+        with torch.no_grad(), run_flags(candidate, device), _replaying(compared.noise):  # module by module
+            output = truth_run(*args, **kwargs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    truth = flat_sample(output)
     if truth is None:
         raise ValueError("the model's output has no floating tensor to judge")
-    one = _Set(inputs, compared, truth)
-    # The output's noise floor: rounding it to the candidate, or the reference's end-to-end error.
-    final_floor = next((r.floor for r in reversed(compared.rows) if r.module == ""), compared.rows[-1].floor)
-    if reference != "fp64":
+    head = ended[-1] if ended else None
+    first = next(floating(output), None)
+    is_logits = head is not None and use.logits_source(head, leaves[head], first) is not None
+    one = _Set(inputs, compared, truth, logits=logits_of(output) if is_logits else None)
+    del output, truth_run
+    one.logits_layer, one.before_logits = head, (ended[-2] if len(ended) > 1 else None)
+    logits = one.logits
+    if logits is not None and bool(torch.isfinite(logits).all()):
+        one.rounded, one.log_p = floor_of(logits, candidate), torch.log_softmax(logits, -1)
+    else:
+        one.logits = None
+    if reference != "fp64":  # the reference's own end-to-end error: part of the output's floor
         rng.restore()
         with run_flags(reference, device):
-            reference_error = _final_error(
-                model, inputs, reference, [], fp32_outputs=set(), truth=truth, noise=compared.noise
+            one.reference_run = _measured(
+                model,
+                inputs,
+                reference,
+                [],
+                fp32_outputs=set(),
+                truth=truth,
+                logits=one.logits,
+                log_p=one.log_p,
+                noise=compared.noise,
             )
-        final_floor = max(final_floor, reference_error if math.isfinite(reference_error) else 0.0)
-    one.tolerance = tolerance if tolerance is not None else DIVERGENCE_RATIO * final_floor
     cand_dtype = compute_dtype(candidate)
     rounded = cast_inputs(inputs, cand_dtype)
     before, after = flat_sample(inputs), flat_sample(rounded)
@@ -443,10 +575,17 @@ def _judge_set(
         # the reference model fed the inputs the candidate gets: what no keep-in-fp32 set can undo
         rng.restore()
         with run_flags(reference, device):
-            one.floor = _final_error(
-                model, rounded, reference, [], fp32_outputs=set(), truth=truth, noise=compared.noise
+            one.input_run = _measured(
+                model,
+                rounded,
+                reference,
+                [],
+                fp32_outputs=set(),
+                truth=truth,
+                logits=one.logits,
+                log_p=one.log_p,
+                noise=compared.noise,
             )
-    one.target = max(one.tolerance, FLOOR_MARGIN * one.floor) if math.isfinite(one.floor) else one.tolerance
     return one
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from fpdoctor import catalog
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.names import PRECISIONS
+from fpdoctor.precision.plan.metric import Measured, Metric, metric
 from fpdoctor.precision.plan.op_fixes import OpFix
 from fpdoctor.precision.profile import METRIC, CompareResult, ModuleRow
 from fpdoctor.report.model import Finding, Report, Severity, Trial
@@ -53,6 +54,14 @@ class Search:
     # run-to-run spread of that error over them); `dropped`: those whose effect was within it
     effects: dict[str, tuple[float, float]] = field(default_factory=dict)
     dropped: dict[str, tuple[float, float]] = field(default_factory=dict)
+    metric: Metric = field(default_factory=lambda: metric("rel"))
+    metric_asked: bool = True
+    # the what-ifs (--metric kl|top1): a module set alone in fp32, the metric then (worst set)
+    what_if: list[tuple[list[str], float]] = field(default_factory=list)
+    measured: tuple[list[Measured], list[Measured]] = ([], [])  # without exceptions, with the plan: every way
+    head: str | None = None  # the logits' layer
+    the_plan_outputs: list[str] = field(default_factory=list)  # kept modules whose outputs stay fp32
+    decisions_back: bool = False  # with the plan, compare would not call the decisions changed on any set
 
 
 def _fmt(value: float) -> str:
@@ -62,6 +71,20 @@ def _fmt(value: float) -> str:
 def _factor(log_ratio: float) -> str:
     """A mean log ratio as the factor it is."""
     return "a non-finite factor" if math.isinf(log_ratio) else f"{math.exp(log_ratio):.3g}"
+
+
+def _val(m: Metric, value: float) -> str:
+    """A value of the plan's metric; a relative error as a bare number, as the report always said it."""
+    return _fmt(value) if m.name == "rel" else m.show(value)
+
+
+def _noun(m: Metric) -> str:
+    return {"rel": "end-to-end error", "top1": "share of rows whose top-1 differs", "kl": "KL"}[m.name]
+
+
+def _worst(m: Metric, measured: list[Measured]) -> str:
+    """Every figure of the run on the set where the plan's metric is worst."""
+    return max(measured, key=m.value).text() if measured else "not measured"
 
 
 def _names(modules: list[str]) -> str:
@@ -74,6 +97,7 @@ def _kept_by(module: str, keep: list[str]) -> str | None:
 
 def build(the_plan: Plan, search: Search) -> Report:
     described, compared, floor, rounding, _, _ = search.sets[search.worst]
+    m = search.metric
     findings: list[Finding] = list(search.given[0])
     findings += _compare_findings(the_plan, search)
     if any(fl > tol for _, _, fl, _, _, tol in search.sets):
@@ -100,39 +124,49 @@ def build(the_plan: Plan, search: Search) -> Report:
             summary.append(
                 (
                     f"  set #{k}",
-                    f"without exceptions {_fmt(search.baseline[k])}; {with_plan} {_fmt(search.final[k])} "
-                    f"(target {target:.3g})",
+                    f"without exceptions {_val(m, search.baseline[k])}; {with_plan} {_val(m, search.final[k])} "
+                    f"(target {m.bound(target)})",
                 )
             )
     if search.given[1]:
         summary.append(("model as given", search.given[1]))
-    summary.append(("without exceptions", f"end-to-end error {_fmt(max(search.baseline))}"))
-    summary.append(("error metric", METRIC))
+    if m.decisions:
+        summary.append(("without exceptions", _worst(search.metric, search.measured[0])))
+        why = "" if search.metric_asked else f"; {_DEFAULT}"
+        summary.append(("plan metric", m.describe + why))
+    else:
+        summary.append(("without exceptions", f"end-to-end error {_fmt(max(search.baseline))}"))
+        summary.append(("error metric", METRIC))
     if rounding > 0:
         amplified = f", {floor / rounding:.2g}x the inputs' own rounding of {rounding:.2g}" if rounding else ""
         summary.append(
             (
                 "input rounding floor" + (f" (set #{search.worst})" if len(search.sets) > 1 else ""),
-                f"{_fmt(floor)}: the {search.reference} model fed {the_plan.candidate}-rounded inputs{amplified}; "
+                f"{_val(m, floor)}: the {search.reference} model fed {the_plan.candidate}-rounded inputs{amplified}; "
                 "no plan goes below it",
             )
         )
     summary.append(("target", _target_text(the_plan, search)))
+    if search.what_if:
+        summary.append((f"what-if, alone in fp32 (by {m.name})", _what_if_text(search)))
     if the_plan.verified:
         summary.append(("keep in fp32", _names(the_plan.keep_fp32)))
         for fix in the_plan.fp32_ops:
             summary.append((f"compute in fp32 in `{fix.module}`", _op_text(fix)))
-        summary.append(
-            ("verified", f"yes: end-to-end error {_fmt(the_plan.final_error)} (target {the_plan.target:.3g})")
-        )
+        if m.decisions:
+            aim = m.bound(_target(the_plan))
+            text = f"yes: {m.show(the_plan.final_error)} (target {aim}); {_worst(m, search.measured[1])}"
+        else:
+            text = f"yes: end-to-end error {_fmt(the_plan.final_error)} (target {the_plan.target:.3g})"
+        summary.append(("verified", text))
     else:
         summary.append(("keep in fp32", "no verified plan"))
         summary.append(
             (
                 "verified",
                 f"NO: the closest set ({len(the_plan.closest)} module(s) in fp32: {_names(the_plan.closest[:6])}"
-                f"{' ...' if len(the_plan.closest) > 6 else ''}) reaches {_fmt(the_plan.final_error)} "
-                f"(target {the_plan.target:.3g})",
+                f"{' ...' if len(the_plan.closest) > 6 else ''}) reaches {_val(m, the_plan.final_error)} "
+                f"(target {m.bound(_target(the_plan))})",
             )
         )
     summary += _why(the_plan, search)
@@ -145,6 +179,12 @@ def build(the_plan: Plan, search: Search) -> Report:
         data={
             "summary": summary,
             "plan": the_plan.as_dict(),
+            "metric": m.name,
+            "what_if": [{"modules": mods, "value": v} for mods, v in search.what_if],
+            "measured": {
+                "without_exceptions": [dataclasses.asdict(x) for x in search.measured[0]],
+                "with_plan" if the_plan.verified else "closest": [dataclasses.asdict(x) for x in search.measured[1]],
+            },
             "inputs": [
                 {**d, "baseline_error": b, "final_error": f, "floor": fl, "target": t}
                 for (d, _, fl, _, t, _), b, f in zip(search.sets, search.baseline, search.final, strict=True)
@@ -157,15 +197,47 @@ def build(the_plan: Plan, search: Search) -> Report:
     )
 
 
+_DEFAULT = (
+    "the default where compare finds the logits' decisions changed, which the relative error misses: KL is "
+    "continuous, so it ranks modules that leave the same number of flips apart, and it reads the whole distribution "
+    "that sampling and the loss read; top-1 agreement is measured beside it"
+)
+_FLOOR_TEXT = {
+    "rel": "16x the output's noise floor",
+    "top1": "compare's decisions-changed rule: at most 16x the rows that rounding the exact output flips, and at "
+    "most 1% of the rows",
+    "kl": "256x the KL of the exact output rounded to the candidate's format (16x its error: KL grows with the "
+    "error's square)",
+}
+
+
+def _target(the_plan: Plan) -> float:
+    return the_plan.target if the_plan.target is not None else the_plan.tolerance
+
+
 def _target_text(the_plan: Plan, search: Search) -> str:
-    what = "the tolerance asked for" if search.tolerance_asked is not None else "16x the output's noise floor"
-    target = the_plan.target if the_plan.target is not None else the_plan.tolerance
+    m = search.metric
+    what = "the tolerance asked for" if search.tolerance_asked is not None else _FLOOR_TEXT[m.name]
+    target = _target(the_plan)
     if target > the_plan.tolerance:
         return (
-            f"{target:.3g}: the tolerance {the_plan.tolerance:.3g} ({what}) is below the input rounding floor, out "
-            f"of reach; the plan is judged against {target / max(the_plan.input_floor, 1e-300):.0f}x the floor instead"
+            f"{m.bound(target)}: the tolerance {m.bound(the_plan.tolerance)} ({what}) is below the input rounding "
+            f"floor, out of reach; the plan is judged against {FLOOR_MARGIN_TEXT[m.power]} the floor instead"
         )
-    return f"{target:.3g}: {what}"
+    return f"{m.bound(target)}: {what}"
+
+
+FLOOR_MARGIN_TEXT = {1: "2x", 2: "4x (2x the error)"}
+
+
+def _what_if_text(search: Search) -> str:
+    m = search.metric
+    head = search.head
+    parts = []
+    for mods, value in search.what_if:
+        out = " (fp32 logits)" if head in mods else ""
+        parts.append(f"{' and '.join(f'`{x}`' for x in mods)}{out}: {m.show(value)}")
+    return f"without exceptions {m.show(max(search.baseline))}; " + "; ".join(parts)
 
 
 def _op_text(fix: OpFix) -> str:
@@ -187,16 +259,22 @@ def _divergent(search: Search) -> list[ModuleRow]:
 def _why(the_plan: Plan, search: Search) -> list[tuple[str, str]]:
     """Why each kept module is needed, and why a module compare names is not kept."""
     lines = []
-    target = the_plan.target if the_plan.target is not None else the_plan.tolerance
+    m = search.metric
+    target = _target(the_plan)
     divergent = {r.module for r in _divergent(search)}
     for name in the_plan.keep_fp32:
         if name in search.needed:
-            text = f"without it the end-to-end error is {_fmt(search.needed[name])}"
+            text = (
+                f"without it the end-to-end error is {_fmt(search.needed[name])}"
+                if m.name == "rel"
+                else f"without it, {m.show(search.needed[name])}"
+            )
             if name in search.effects:
                 effect, spread = search.effects[name]
                 text += (
-                    f"; keeping it divides the error by {_factor(effect)} on average over {len(search.sets)} input "
-                    f"sets, beyond their run-to-run spread (a factor of {_factor(spread)})"
+                    f"; keeping it divides the {_noun(m) if m.decisions else 'error'} by {_factor(effect)} on average "
+                    f"over {len(search.sets)} input sets, beyond their run-to-run spread (a factor of "
+                    f"{_factor(spread)})"
                 )
             elif len(search.sets) == 1:
                 text += (
@@ -209,6 +287,10 @@ def _why(the_plan: Plan, search: Search) -> list[tuple[str, str]]:
                     f"; the error is made inside it, by accumulation in the running state at {state} (compare's "
                     "finding), which keeping only that state in fp32 fixes"
                 )
+            elif name in search.the_plan_outputs and name != search.head:  # its fp32 output feeds what is kept
+                text += "; its output stays fp32 for the module kept after it, which reads what it computes"
+            elif m.decisions and name not in divergent:
+                text += "; compare does not call it divergent by itself: its rounding changes the decisions"
             elif name not in divergent:  # compare does not name it: its error is amplified further on
                 text += "; compare does not call it divergent by itself, but what follows amplifies its error"
             lines.append((f"why `{name}`", text))
@@ -216,7 +298,7 @@ def _why(the_plan: Plan, search: Search) -> list[tuple[str, str]]:
         lines.append(
             (
                 f"why not `{name}`",
-                f"keeping it divides the end-to-end error by {_factor(effect)} on average over {len(search.sets)} "
+                f"keeping it divides the {_noun(m)} by {_factor(effect)} on average over {len(search.sets)} "
                 f"input sets, within their run-to-run spread (a factor of {_factor(spread)}): noise, not an "
                 "effect, so the plan does not keep it",
             )
@@ -228,8 +310,8 @@ def _why(the_plan: Plan, search: Search) -> list[tuple[str, str]]:
         lines.append(
             (
                 f"why the op, not all of `{fix.module}`",
-                f"its overflowing {fix.op} and what consumes it in fp32 reach {_fmt(op)}, within the target; keeping "
-                f"the whole module in fp32 reaches {_fmt(whole)} but computes all of it in fp32",
+                f"its overflowing {fix.op} and what consumes it in fp32 reach {_val(m, op)}, within the target; "
+                f"keeping the whole module in fp32 reaches {_val(m, whole)} but computes all of it in fp32",
             )
         )
     fixed = {fix.module for fix in the_plan.fp32_ops}
@@ -242,8 +324,8 @@ def _why(the_plan: Plan, search: Search) -> list[tuple[str, str]]:
             text = f"compare names it ({ratio}); it runs in fp32 as part of `{holder}`"
         else:
             text = (
-                f"compare names it ({ratio} by itself), but the end-to-end error stays within the target "
-                f"{target:.3g} without keeping it"
+                f"compare names it ({ratio} by itself), but the {_noun(m)} stays within the target "
+                f"{m.bound(target)} without keeping it"
             )
         lines.append((f"why not `{row.module}`", text))
     return lines
@@ -267,7 +349,8 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
     order = [search.worst] + [k for k in range(len(search.sets)) if k != search.worst]
     seen: set[tuple[str, Any]] = set()
     out: list[Finding] = []
-    target = the_plan.target if the_plan.target is not None else the_plan.tolerance
+    m = search.metric
+    target = _target(the_plan)
     for k in order:
         for f in search.sets[k][1].report.findings:
             key = (f.name, f.where.get("module"))
@@ -275,6 +358,9 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
                 continue
             seen.add(key)
             evidence = dict(f.evidence) | ({"input_set": k} if len(search.sets) > 1 else {})
+            if f.name == "decisions-changed" and the_plan.verified and search.decisions_back:
+                out.append(_decisions_back(the_plan, search, f, evidence))
+                continue
             if f.name != "precision-divergence":
                 out.append(dataclasses.replace(f, evidence=evidence))
                 continue
@@ -288,18 +374,18 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
                 continue
             holder = _kept_by(module, the_plan.keep_fp32) if module else None
             fix = next((x for x in the_plan.fp32_ops if x.module == module), None)
+            got = f"end-to-end error {_fmt(the_plan.final_error)}" if m.name == "rel" else m.show(the_plan.final_error)
             if holder is not None:
-                done = f" The plan keeps `{holder}` in fp32: end-to-end error {_fmt(the_plan.final_error)}, verified."
+                done = f" The plan keeps `{holder}` in fp32: {got}, verified."
             elif fix is not None:
-                done = (
-                    f" The plan computes {_op_text(fix)} in fp32: end-to-end error {_fmt(the_plan.final_error)}, "
-                    "verified."
-                )
+                done = f" The plan computes {_op_text(fix)} in fp32: {got}, verified."
             else:
                 done = (
-                    f" The plan does not need to keep it: the end-to-end error stays within the target {target:.3g} "
+                    f" The plan does not need to keep it: the {_noun(m)} stays within the target {m.bound(target)} "
                     "without it."
                 )
+            if m.decisions:
+                done += f" The plan targets {m.describe}; with it, {_worst(search.metric, search.measured[1])}."
             out.append(
                 dataclasses.replace(
                     f,
@@ -310,9 +396,9 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
                     trial=Trial.checked(
                         "the plan applied"
                         + (f" ({_names(the_plan.keep_fp32[:4])} in fp32)" if the_plan.keep_fp32 else ""),
-                        metric="end-to-end relative error against fp64",
-                        before=the_plan.baseline_error,
-                        after=the_plan.final_error,
+                        metric=m.title,
+                        before=m.figure(the_plan.baseline_error),
+                        after=m.figure(the_plan.final_error),
                         on="the inputs given (the worst set)",
                     ),
                 )
@@ -320,20 +406,47 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
     return out
 
 
+def _decisions_back(the_plan: Plan, search: Search, f: Finding, evidence: dict[str, Any]) -> Finding:
+    """compare's decisions-changed under a plan that gives the decisions back: a warning, checked by
+    top-1 agreement on the plan's own runs."""
+    before = min((x.top1 for x in search.measured[0] if x.top1 is not None), default=None)
+    after = min((x.top1 for x in search.measured[1] if x.top1 is not None), default=None)
+    kept = f" ({_names(the_plan.keep_fp32[:4])} in fp32)" if the_plan.keep_fp32 else ""
+    return dataclasses.replace(
+        f,
+        severity=Severity.WARNING,
+        message=f.message + f" The plan{kept} gives them back: {_worst(search.metric, search.measured[1])}, verified.",
+        evidence=evidence,
+        fix=_APPLY,
+        trial=Trial.checked(
+            "the plan applied" + kept,
+            metric="top-1 agreement with fp64",
+            before=metric("top1").figure(1.0 - before) if before is not None else None,
+            after=metric("top1").figure(1.0 - after) if after is not None else None,
+            on="the inputs given (the worst set)",
+        ),
+    )
+
+
 def _floor_finding(the_plan: Plan, search: Search) -> Finding:
     _, _, floor, rounding, target, tolerance = max(search.sets, key=lambda s: s[2] / max(s[5], 1e-300))
     cand = the_plan.candidate
+    m = search.metric
     amplified = f", {floor / rounding:.2g}x the rounding of the inputs themselves ({rounding:.2g})" if rounding else ""
+    if m.decisions:
+        moves, off = f"leaves {m.show(floor)}", ""
+    else:
+        moves, off = f"moves the output by {_fmt(floor)}", f" For you: run in {cand}, this model's output is off by "
+        off += f"about {floor:.1%} whatever stays in fp32."
     return catalog.make(
         "precision-divergence",
         severity=Severity.WARNING,
         title=f"Rounding the inputs to {cand} already costs more than the tolerance",
         message=(
-            f"Rounding the inputs to {cand} alone moves the output by {_fmt(floor)} (the {search.reference} model "
-            f"fed {cand}-rounded inputs, against fp64){amplified}: the model is ill-conditioned at {cand}. No "
-            f"keep-in-fp32 plan goes below that floor with {cand} inputs, so the tolerance {tolerance:.3g} is out of "
-            f"reach and the plan is judged against {target:.3g} instead. For you: run in {cand}, this model's output "
-            f"is off by about {floor:.1%} whatever stays in fp32."
+            f"Rounding the inputs to {cand} alone {moves} (the {search.reference} model fed {cand}-rounded inputs, "
+            f"against fp64){amplified}: the model is ill-conditioned at {cand}. No keep-in-fp32 plan goes below that "
+            f"floor with {cand} inputs, so the tolerance {m.bound(tolerance)} is out of reach and the plan is judged "
+            f"against {m.bound(target)} instead.{off}"
         ),
         where={"module": None, "op": None, "phase": "forward"},
         evidence={
@@ -341,7 +454,7 @@ def _floor_finding(the_plan: Plan, search: Search) -> Finding:
             "count": None,
             "numel": None,
             "dtype": cand,
-            "floor_rel": floor,
+            "floor_rel" if m.name == "rel" else f"floor_{m.name}": floor,
             "input_rounding_rel": rounding,
             "tolerance": tolerance,
             "target": target,
@@ -349,7 +462,7 @@ def _floor_finding(the_plan: Plan, search: Search) -> Finding:
         fix=(
             "if that error matters, give the modules that read the inputs fp32 inputs (keep them in fp32 and do not "
             "cast the inputs), or make the model less sensitive to its inputs (a smaller scale on attention scores, "
-            f"a normalisation before them); otherwise accept the plan judged against {target:.3g}"
+            f"a normalisation before them); otherwise accept the plan judged against {m.bound(target)}"
         ),
         trial=Trial.untried(
             "a change to how the model reads its inputs, which no keep-in-fp32 set can make: the floor itself is "
@@ -403,14 +516,18 @@ def _next_step(the_plan: Plan, search: Search) -> str | None:
 
 
 def _unverified_finding(the_plan: Plan, search: Search) -> Finding:
-    target = the_plan.target if the_plan.target is not None else the_plan.tolerance
+    target = _target(the_plan)
+    m = search.metric
+    without = (
+        f"the end-to-end error is {_fmt(max(search.baseline))}" if m.name == "rel" else m.show(max(search.baseline))
+    )
     return catalog.make(
         "precision-divergence",
         title=f"No keep-in-fp32 set brings {the_plan.candidate} within the target",
         message=(
-            f"Without exceptions the end-to-end error is {_fmt(max(search.baseline))}; the closest set, "
-            f"{len(the_plan.closest)} module(s) in fp32 ({_names(the_plan.closest[:6])}), reaches "
-            f"{_fmt(the_plan.final_error)}, above the target {target:.3g}. The plan keeps nothing and gives no code."
+            f"Without exceptions {without}; the closest set, {len(the_plan.closest)} module(s) in fp32 "
+            f"({_names(the_plan.closest[:6])}), reaches {_val(m, the_plan.final_error)}, short of the target "
+            f"{m.bound(target)}. The plan keeps nothing and gives no code."
         ),
         where={"module": None, "op": None, "phase": "forward"},
         evidence={
