@@ -34,7 +34,7 @@ from torch import nn
 from fpdoctor.numerics.observe import amp, dynamo
 from fpdoctor.numerics.observe.batches import MicroBatch
 from fpdoctor.numerics.observe.gradcheck import FlagRead, grads_of, nonfinite_flag
-from fpdoctor.numerics.training import distributed
+from fpdoctor.numerics.training import distributed, reference
 from fpdoctor.numerics.training.judge import JudgedSteps, StepFacts, StepJudge
 from fpdoctor.numerics.updates.measure import UpdateProbe, UpdateStats
 from fpdoctor.preserve import RngState
@@ -119,6 +119,7 @@ class StepWatch(JudgedSteps):
         step_fn: Callable[..., Any],
         *,
         replay: bool = True,
+        reference_every: int = reference.EVERY,
         scaler: Any = None,
         ddp: nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
@@ -138,6 +139,7 @@ class StepWatch(JudgedSteps):
             views="FSDP, a communication hook of your own, or a DDP wrapper the callback could not find",
             gpu_health=gpu_health,
         )
+        self._judge.reference_every = reference_every  # steps 1, 1 + N, ...: the backward against an fp32 step
         self._step_fn = step_fn
         self._replay_context = replay_context
         self._ddp = ddp
@@ -300,7 +302,10 @@ class StepWatch(JudgedSteps):
             judge.steps += 1  # counted whether or not the check worked (then the step goes on unguarded)
             judge.micro_batches += len(self._micros)
             if checked is not None:
-                outcome = judge.judge(self._facts(checked))
+                facts = self._facts(checked)
+                outcome = judge.judge(facts)
+                if outcome.finite and facts.why_not is None and judge.reference_due(judge.steps):
+                    self._reference(facts)
                 probe = self._probe
                 if probe is not None and outcome.finite and probe.due(judge.steps):
                     try:  # the sample and the intended update in fp32, before the framework steps
@@ -379,6 +384,18 @@ class StepWatch(JudgedSteps):
             loss_seen=not self._loss_unseen,
             seen=c.seen,
         )
+
+    def _reference(self, facts: StepFacts) -> None:
+        """The step against the reference step, before the framework's optimizer takes it: the
+        backward stage (step_fn is the framework's forward and backward; its clipping comes after)."""
+        judge = self._judge
+        if judge.optimizer is None:
+            return
+        try:
+            judge.reference(facts.step, optimizer=judge.optimizer, scaler=self.scaler, step_fn=self._step_fn,
+                            window=facts.window, contexts=self._contexts, backward_only=True)  # fmt: skip
+        except Exception as exc:  # the observer's own failure: a finding, the step goes on
+            self._error("comparing the step with the reference step", exc, facts.step)
 
     def _contexts(self) -> list[contextlib.AbstractContextManager[Any]]:
         contexts: list[contextlib.AbstractContextManager[Any]] = [

@@ -47,7 +47,7 @@ from fpdoctor.integrations import _report
 from fpdoctor.integrations._outputs import KeptGradients, backward_from
 from fpdoctor.integrations._watch import StepWatch, guarded
 from fpdoctor.numerics.observe.batches import OutputsOnly
-from fpdoctor.numerics.training import distributed
+from fpdoctor.numerics.training import distributed, reference
 from fpdoctor.report.model import Report
 from fpdoctor.torchprivate import queue_callback
 
@@ -75,9 +75,15 @@ class FpDoctorCallback(_Callback):
     `callback.report` holds the report at any time.
     """
 
-    def __init__(self, report_path: str | None = None, *, replay: bool = True) -> None:
+    def __init__(
+        self, report_path: str | None = None, *, replay: bool = True, reference_every: int = reference.EVERY
+    ) -> None:
         if not isinstance(replay, bool):
             raise ValueError(f"replay must be True or False, got {replay!r}")
+        if not isinstance(reference_every, int) or reference_every < 0:
+            raise ValueError(f"reference_every must be an int >= 0 (every N-th step; 0: off), got {reference_every!r}")
+        # the model's backward at steps 1, 1 + N, ... against the same step in fp32 (reference.py); 0: off
+        self.reference_every = reference_every
         self.report_path = _report.check_path(report_path)
         self.replay = replay
         self._watch: StepWatch | None = None
@@ -120,6 +126,7 @@ class FpDoctorCallback(_Callback):
             model,
             self._step_fn,
             replay=self.replay,
+            reference_every=self.reference_every,
             scaler=scaler,
             ddp=_ddp_wrapper(model),
             optimizer=getattr(optimizer, "optimizer", optimizer),

@@ -42,6 +42,7 @@ from torch import nn
 
 from fpdoctor.integrations import _report
 from fpdoctor.integrations._watch import StepWatch, guarded
+from fpdoctor.numerics.training import reference
 from fpdoctor.report.model import Report
 from fpdoctor.torchprivate import scaler_scale
 
@@ -64,10 +65,16 @@ def _lightning(package: str | None = None) -> Any:
 class _Hooks:
     """The callback's behaviour, on whichever Lightning package's `Callback` it is mixed into."""
 
-    def __init__(self, report_path: str | None = None, *, replay: bool = True) -> None:
+    def __init__(
+        self, report_path: str | None = None, *, replay: bool = True, reference_every: int = reference.EVERY
+    ) -> None:
         super().__init__()
         if not isinstance(replay, bool):
             raise ValueError(f"replay must be True or False, got {replay!r}")
+        if not isinstance(reference_every, int) or reference_every < 0:
+            raise ValueError(f"reference_every must be an int >= 0 (every N-th step; 0: off), got {reference_every!r}")
+        # the model's backward at steps 1, 1 + N, ... against the same step in fp32 (reference.py); 0: off
+        self.reference_every = reference_every
         self.report_path = _report.check_path(report_path)
         self.replay = replay
         self._from_entry_point = False
@@ -109,6 +116,7 @@ class _Hooks:
             pl_module,
             self._step_fn,
             replay=self.replay,
+            reference_every=self.reference_every,
             scaler=scaler,
             ddp=ddp,
             optimizer=optimizers[0] if len(optimizers) == 1 else None,

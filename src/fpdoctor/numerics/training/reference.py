@@ -80,6 +80,8 @@ class Comparison:
     scale: float = 1.0  # the loss scale the step used
     # the what-if when only the optimizer's gradients depart: the user's recipe again, at loss scale 1
     at_scale_one: list[Departure] | None = None
+    # only the backward stage compared: step_fn is a framework's forward and backward (compare_step)
+    backward_only: bool = False
 
     def departed(self, stage: str) -> list[Departure]:
         return [d for d in self.rows.get(stage, []) if d.departs()]
@@ -205,16 +207,37 @@ def compare_step(
     live: dict[str, torch.Tensor],
     scale: float | None,
     unscaled: bool,
+    backward_only: bool = False,
+    scale_carried: bool = False,
 ) -> Comparison:
     """The step's gradients (`live`: as step_fn handed them to the optimizer; scaled by `scale`
     unless step_fn unscaled them) against the reference step's. `contexts(scale)`: what a run
-    of the window runs under, at that loss scale (None: the step's own)."""
+    of the window runs under, at that loss scale (None: the step's own).
+
+    `backward_only`: step_fn is a framework's forward and backward, not the user's whole step (a
+    callback's, or `fpdoctor watch`'s replay from the gradients that reached the model's outputs):
+    the gradient processing after it (clipping, unscaling) is the framework's and not in it, so
+    the backward stage alone is compared. `scale_carried`: step_fn's backward starts from kept
+    output gradients that carry the step's loss scale whatever the scaler says: both runs divide
+    it out."""
     out = Comparison(step)
     run = functools.partial(_run, model, optimizer=optimizer, scaler=scaler, step_fn=step_fn, window=window)
     with _grads_saved(model):
         ours_backward, ours_returned = run(contexts=contexts(None), reference=False)
         ref_backward, ref_returned = run(contexts=contexts(1.0), reference=True)
     scale = scale if scale is not None and math.isfinite(scale) and scale > 0 else 1.0
+    if backward_only:
+        if not ours_backward:
+            out.not_compared = (
+                "the step's forward and backward, run again on copies of the parameters, reached none of them"
+            )
+            return out
+        if scale_carried:
+            ref_backward = {n: g / scale for n, g in ref_backward.items()}
+        out.rows["backward"] = _rows("backward", ours_backward, ref_backward, scale)
+        out.scale = scale
+        out.backward_only = True
+        return out
     for name, got in live.items():
         mine = ours_returned.get(name)
         if mine is None or float((mine - got).norm()) > 1e-3 * float(got.norm()) + TINY:
@@ -390,3 +413,43 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
         },
         trial=trial,
     )
+
+
+def summary(compared: list[Comparison], *, every: int, off: str | None) -> tuple[tuple[str, str], dict[str, Any]]:
+    """What the report says of the reference step whether or not it found anything: the steps it
+    judged, against what, by which measure and within which bounds, or why it did not run; so that
+    an OK reads "checked and fine", not "not looked at"."""
+    judged = [c for c in compared if c.not_compared is None]
+    skipped = [c for c in compared if c.not_compared is not None]
+    data: dict[str, Any] = {
+        "every": every,
+        "recipe": "fp32 parameters and math, no autocast, no loss scaling; the same weights, batch and RNG",
+        "bounds": {"norm_ratio": [1.0 / RATIO, RATIO], "cosine_min": COSINE},
+        "compared_steps": [c.step for c in judged],
+        "not_compared": {str(c.step): c.not_compared for c in skipped},
+    }
+    if off is not None and not compared:
+        data["off"] = off
+        return ("reference step", f"not run: {off}"), data
+    if not judged:
+        why = skipped[0].not_compared if skipped else "no step was due"
+        return ("reference step", f"not compared: {why}"), data
+    rows = [d for c in judged for stage in STAGES for d in c.rows.get(stage, [])]
+    departed = [c.step for c in judged if c.first_stage() is not None]
+    steps = ", ".join(str(c.step) for c in judged[:5]) + (", ..." if len(judged) > 5 else "")
+    where = f"step{'s' if len(judged) > 1 else ''} {steps}"
+    if departed:
+        text = f"{where} against an fp32 step: the gradients departed at step {departed[0]} (the finding says where)"
+    elif rows:
+        worst_ratio = max((d.ratio for d in rows), key=lambda r: max(r, 1.0 / r) if r > 0 else math.inf)
+        worst_cosine = min(d.cosine for d in rows)
+        text = (
+            f"{where} against an fp32 step (no autocast, no loss scaling): {len(rows)} gradient(s) within "
+            f"{RATIO:g}x of its norms and cosine >= {COSINE:g} (worst {worst_ratio:.3g}x, cosine {worst_cosine:.4f})"
+        )
+        data["worst"] = {"norm_ratio": worst_ratio, "cosine": worst_cosine}
+    else:
+        text = f"{where} against an fp32 step: no gradient large enough to compare"
+    if every > 0:
+        text += f"; again every {every} steps"
+    return ("reference step", text), data

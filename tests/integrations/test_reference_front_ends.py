@@ -1,0 +1,128 @@
+"""The reference step under `fpdoctor watch` and the Lightning callback: the model's backward at
+step 1 against the same step in fp32 without autocast or loss scaling (numerics/training/reference.py).
+
+The departing recipe is one of our own: a custom autograd function whose backward drops the chain
+rule's factor when it runs in bf16 (an "optimised" low-precision path that is wrong). No rule
+foresees it: the step is finite, the loss goes down, only a reference says the gradients are a
+third of what they should be. The healthy recipes (bf16 autocast, clipping, accumulation) must
+say what they were compared with and find nothing.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from fpdoctor.integrations.script import ScriptWatch
+from tests.integrations.lit import FpDoctorCallback, Net, data, trainer
+
+
+class _Thrice(torch.autograd.Function):
+    """y = 3x, whose backward forgets the 3 when x is bf16."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.low = x.dtype == torch.bfloat16
+        return x * 3
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad if ctx.low else grad * 3
+
+
+class _Mlp(nn.Module):
+    def __init__(self, broken: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.broken = nn.Linear(16, 64), nn.Linear(64, 4), broken
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        return self.b(_Thrice.apply(h) if self.broken else h * 3)
+
+
+def _watched(broken: bool, *, clip: float | None = None, accumulate: int = 1) -> Any:
+    model = _Mlp(broken)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 32, 16, generator=g), torch.randint(0, 4, (4, 32), generator=g)
+    watcher = ScriptWatch(notify=None)
+    with watcher:
+        for step in range(4 // accumulate):
+            for micro in range(accumulate):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = model(x[step * accumulate + micro])
+                loss = nn.functional.cross_entropy(out.float(), y[step * accumulate + micro]) / accumulate
+                loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            optimizer.zero_grad()
+    return watcher.report
+
+
+def test_watch_finds_a_backward_that_departs_from_the_fp32_step():
+    report = _watched(broken=True)
+    (found,) = report.by_name("gradients-depart-from-reference")
+    assert found.evidence["stage"] == "backward" and found.evidence["step"] == 1
+    departed = {d["parameter"]: d["norm_ratio"] for d in found.evidence["departed"]}
+    assert set(departed) == {"a.weight", "a.bias"}  # b's gradients do not pass through the function
+    assert all(abs(r - 1 / 3) < 0.05 for r in departed.values())
+    assert report.data["reference_step"]["compared_steps"] == [1]
+
+
+def test_watch_says_what_it_compared_on_healthy_recipes():
+    for clip, accumulate in ((None, 1), (0.01, 1), (None, 2)):  # plain, clipped hard, accumulated
+        report = _watched(broken=False, clip=clip, accumulate=accumulate)
+        assert report.by_name("gradients-depart-from-reference") == [], (clip, accumulate)
+        judged = report.data["reference_step"]
+        assert judged["compared_steps"] == [1] and judged["worst"]["cosine"] > 0.99
+        (line,) = [text for key, text in report.data["summary"] if key == "reference step"]
+        assert line.startswith("step 1 against an fp32 step") and "within 2x" in line
+
+
+def test_watch_reference_every_zero_says_it_was_off(tmp_path):
+    model = _Mlp(broken=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    watcher = ScriptWatch(notify=None, reference_every=0)
+    with watcher:
+        model(torch.randn(8, 16)).sum().backward()
+        optimizer.step()
+    assert watcher.report.by_name("gradients-depart-from-reference") == []
+    assert watcher.report.data["reference_step"]["off"] == "switched off (reference_every=0)"
+
+
+def test_a_negative_reference_every_is_refused_in_one_line(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("print('never runs')\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "fpdoctor", "watch", "--reference-every", "-3", "--", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 2 and "never runs" not in run.stdout
+    assert run.stderr.strip().count("\n") == 0 and "--reference-every" in run.stderr
+
+
+class _BrokenNet(Net):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = torch.relu(self.net[0](x))
+        return nn.functional.mse_loss(self.net[3](_Thrice.apply(h)).float(), y)
+
+
+def test_the_lightning_callback_compares_its_first_step_with_the_reference():
+    for module, departs in ((_BrokenNet(), True), (Net(), False)):
+        callback = FpDoctorCallback()
+        trainer([callback], max_steps=3, precision="bf16-mixed", gradient_clip_val=0.5).fit(module, data())
+        found = callback.report.by_name("gradients-depart-from-reference")
+        assert bool(found) == departs, type(module).__name__
+        assert callback.report.data["reference_step"]["compared_steps"] == [1]
+        if departs:
+            assert {d["parameter"] for d in found[0].evidence["departed"]} == {"net.0.weight", "net.0.bias"}
