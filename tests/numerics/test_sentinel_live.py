@@ -66,24 +66,28 @@ def test_a_repeated_cause_is_one_line_and_a_replaced_finding_none():
 
     first = make_finding("nonfinite-loss", message="m", evidence={"step": 7}, where={"rank": 1})
     log.append(first)
+    assert said == [] and live.stopped is first and live.behind  # said when the judge is done with the step
+    live.settle()
     log[0] = first  # counted again under its cause: no new line
+    live.settle()
     assert said == [line_of(first)] and said[0].startswith("fpdoctor: rank 1 step 7: ")
-    assert live.stopped is first and live.behind
     live.rank = 0  # another rank's finding is said by that rank
     log.append(first)
+    live.settle()
     assert len(said) == 1
 
 
-def test_the_report_file_is_rewritten_only_when_a_finding_arrived():
-    written: list[int] = []
-    live = Live(say=None)
-    live.writer = lambda: written.append(1)
+def test_the_report_file_is_rewritten_only_when_a_finding_arrived_and_before_its_line():
+    events: list[str] = []
+    live = Live(say=events.append)
+    live.writer = lambda: events.append("written")
     live.settle()
-    assert written == []  # no finding: no rewrite, whatever the steps
+    assert events == []  # no finding: no rewrite, whatever the steps
     FindingLog(live).append(_finding())
     live.settle()
     live.settle()
-    assert written == [1] and live.writes == 1
+    assert events[0] == "written" and events[1].startswith("fpdoctor: step 1: ") and len(events) == 2
+    assert live.writes == 1
 
 
 def _finding():
@@ -102,7 +106,7 @@ def test_a_writer_that_fails_is_one_line_and_the_run_goes_on():
     live.writer = broken
     FindingLog(live).append(_finding())
     live.settle()
-    assert live.writer is None and "could not be rewritten" in said[-1]
+    assert live.writer is None and "could not be rewritten" in said[0] and len(said) == 2
 
 
 def test_a_module_that_prints_nothing_when_no_finding(capsys):

@@ -3,8 +3,12 @@
 The script runs as `__main__` under `fpdoctor.integrations.script.ScriptWatch`: every optimizer
 step of every optimizer it creates is checked on the device, a non-finite step is kept from the
 weights, replayed as it ran and classified, and the job goes on. A line on stderr says each bad
-step's verdict as it comes; the report follows the script's end (on stderr, or to FILE). The exit
-status is the script's, and a script terminated by SIGTERM ends this process by SIGTERM too.
+step's verdict as it comes, and each finding when it is decided; the report follows the script's
+end (on stderr, or to FILE). FILE is also written at the start and rewritten as findings arrive
+("in progress"), so a job killed at any point leaves a readable report. The exit status is the
+script's, and a script terminated by SIGTERM ends this process by SIGTERM too. `--stop-on LEVEL`
+ends the script at the optimizer step after its first finding at LEVEL (`StopRun`, raised in its
+thread as KeyboardInterrupt is: its `finally` blocks run) and exits 1 (STOPPED).
 Under torchrun every rank writes FILE.rankN and whichever rank completes the set writes FILE,
 every rank's findings merged (as `fpdoctor trace` does).
 """
@@ -30,8 +34,12 @@ from fpdoctor.cli.trace_outcome import (
     terminated,
     user_traceback,
 )
+from fpdoctor.report import write
 
 USAGE = "usage: fpdoctor watch [--report FILE] -- [python [OPTIONS]] SCRIPT.py | -m MODULE [ARGS...]"
+# the exit status of a run that a finding at the --stop-on level stopped (or would have: the script
+# caught the stop, or ended first): 1, as for error-level findings everywhere, unless the script's own is not 0
+STOPPED = 1
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?")  # python, python3, python3.12: the interpreter word
 # python's own options, as `python OPTIONS script.py` takes them: -u and -B are applied here; the
 # others change how the interpreter itself runs, so the watch starts again in one run with them
@@ -59,6 +67,13 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="skip bad steps on the device for every optimizer, not only fused ones on a GPU (a foreach one's "
         "step is undone on the device: a copy of its weights and state per step); no host read per step",
+    )
+    p.add_argument(
+        "--stop-on",
+        choices=("error", "warning"),
+        default=None,
+        help="end the script at the optimizer step after its first finding at this level (or worse), write the "
+        f"report and exit {STOPPED} (for CI); default: the job goes on",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="[python] SCRIPT.py ARGS")
     p.set_defaults(run=run)
@@ -154,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
     import runpy
 
     from fpdoctor.integrations.script import ScriptWatch
+    from fpdoctor.numerics.training.live import StopRun, stop_level
 
     def notify(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -169,12 +185,27 @@ def run(args: argparse.Namespace) -> int:
     code = 0
     killed = False  # by SIGTERM: after the report, this process dies of it too
     previous = catch_sigterm()
-    watcher = ScriptWatch(replay=not args.no_replay, notify=notify, device_skip=True if args.device_skip else None)
+    watcher = ScriptWatch(
+        replay=not args.no_replay,
+        notify=notify,
+        device_skip=True if args.device_skip else None,
+        stop_on=stop_level(args.stop_on),
+    )
     unwatched: str | None = None
     try:
         watcher.__enter__()
     except Exception as exc:  # ours: the script still runs, unwatched, and the report says so
         unwatched = f"{type(exc).__name__}: {exc}"
+    if args.output:  # written now and as findings arrive: a job killed at any point leaves a readable report
+        path = write.rank_path(args.output, dist.rank) if dist is not None else args.output
+
+        def so_far() -> None:
+            report = _labelled(watcher.in_progress(), script, script_args, dist)
+            write.write(report.to_dict(), path, args.format)
+
+        watcher.live.writer = so_far
+        watcher.live.behind = True
+        watcher.live.settle(now=True)
     failure: str | None = None
     error: BaseException | None = None
     try:
@@ -190,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
             failure, error = f"the script exited with {exc.code}", exc
     except Terminated:
         killed, failure = True, TERMINATED
+    except StopRun as stop:
+        failure = f"stopped by --stop-on {args.stop_on} at {stop.finding.code} {stop.finding.name}"
     except Exception as exc:  # the script's own error: printed as python would, then the report
         sys.stderr.write(user_traceback(exc, script))
         code = 1
@@ -210,11 +243,34 @@ def run(args: argparse.Namespace) -> int:
         error = None  # drop the frames it holds (the script's tensors)
     if killed:
         terminated(report)
-    report.data.setdefault("summary", []).insert(0, ("script", " ".join([script, *script_args])))
-    if dist is not None:  # the judge's findings name the rank they are about; this rank's place beside
-        ranks.mark(report, dist)
+    stopped = watcher.live.stopped
+    if stopped is not None:
+        _stopped(report, stopped, args.stop_on, ended=failure is not None and failure.startswith("stopped"))
+        code = code or STOPPED
+    report = _labelled(report, script, script_args, dist)
     if dist is not None and args.output:
         ranks.write_rank(report.to_dict(), args, dist)
     else:
         emit_after_program(report.to_dict(), args)
     return die_of_sigterm() if killed else code
+
+
+def _labelled(report: Any, script: str, script_args: list[str], dist: Any) -> Any:
+    """The script's command line first; under torchrun this rank's place beside the judge's findings."""
+    report.data.setdefault("summary", []).insert(0, ("script", " ".join([script, *script_args])))
+    if dist is not None:
+        ranks.mark(report, dist)
+    return report
+
+
+def _stopped(report: Any, finding: Any, level: str, *, ended: bool) -> None:
+    """A run --stop-on stopped was not checked to its end: INCOMPLETE, and why, first."""
+    step = finding.evidence.get("step")
+    at = f" at step {step}" if step is not None else ""
+    said = f"{finding.code} {finding.name}{at}, the first finding at --stop-on {level}"
+    if ended:
+        report.data["status"] = "incomplete"
+        said = f"stopped by {said}: the rest was not run"
+    else:
+        said = f"ran to its end after {said} (the script caught the stop, or ended first)"
+    report.data.setdefault("summary", []).insert(0, ("ended", said))

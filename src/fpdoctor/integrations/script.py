@@ -69,9 +69,10 @@ from fpdoctor.numerics.observe.gradcheck import (
 )
 from fpdoctor.numerics.training import distributed
 from fpdoctor.numerics.training.judge import StepFacts, StepJudge, StepOutcome
+from fpdoctor.numerics.training.live import Live, StopRun, in_progress
 from fpdoctor.numerics.updates.measure import UpdateProbe, UpdateStats
 from fpdoctor.preserve import RngState
-from fpdoctor.report.model import Finding, Report
+from fpdoctor.report.model import Finding, Report, Severity
 from fpdoctor.torchprivate import global_optimizer_hooks, pytree
 
 _DEVICE_TYPES = ("cpu", "cuda")
@@ -182,7 +183,12 @@ class ScriptWatch:
     GPU's health at the start and on a fault that does not reproduce. `device_skip`: skip bad
     steps on the device and decide them a step later. None (default): on a GPU, for optimizers
     that take `found_inf` (fused ones). True: every optimizer (one that takes no found_inf has its
-    step undone on the device, a copy of its weights and state per step). False: never."""
+    step undone on the device, a copy of its weights and state per step). False: never.
+
+    Every finding is said through `notify` when it is decided (`live`, one for all its judges);
+    `live.writer`, where its owner sets one, rewrites the report file as findings arrive.
+    `stop_on`: the first finding at that severity ends the script at the next optimizer step
+    (`StopRun` raised from it, once), after the report file is brought up to date."""
 
     def __init__(
         self,
@@ -191,8 +197,11 @@ class ScriptWatch:
         notify: Callable[[str], None] | None = None,
         gpu_health: bool = True,
         device_skip: bool | None = None,
+        stop_on: Severity | None = None,
     ) -> None:
         self.replay = replay
+        self.live = Live(say=notify, stop_on=stop_on)
+        self._stopping = False
         self.device_skip = device_skip
         self._pending: list[_Pending] = []  # steps skipped or applied on the device, not yet decided
         self._undo: dict[int, Callable[[], None]] = {}  # id(optimizer) -> its found_inf put back
@@ -369,6 +378,7 @@ class ScriptWatch:
                 if key not in self._judged:
                     self._guarded(lambda: self._step(optimizer, scaler=scaler, skipped_by_scaler=True))
                 self._judged.discard(key)
+                self._stop_here()
 
         return step
 
@@ -390,6 +400,17 @@ class ScriptWatch:
         with _optimizer_hooks_aside():
             self._decide_pending()  # a step with no training forward since the last one
             self._guarded(lambda: self._step(optimizer, scaler=scaler, skipped_by_scaler=False))
+        self._stop_here()
+
+    def _stop_here(self) -> None:
+        """At an optimizer step, once: a finding at the `stop_on` level ends the script (`StopRun`),
+        the report file first brought up to date."""
+        stopped = self.live.stopped
+        if stopped is None or self._stopping or self._replaying:
+            return
+        self._stopping = True
+        self._guarded(lambda: self.live.settle(now=True), "writing the report file")
+        raise StopRun(stopped)
 
     def _guarded(self, do: Callable[[], None], doing: str = "checking the step") -> None:
         try:
@@ -423,6 +444,7 @@ class ScriptWatch:
             with_scaler=False,
             views="FSDP, a communication hook of the script's own, or a DDP model built after the first step",
             gpu_health=self.gpu_health,
+            live=self.live,
         )
         self._optimizers.append(optimizer)
         run = _Run(judge, params, modules, len(self.runs) + 1, groups=_groups(optimizer))
@@ -588,6 +610,8 @@ class ScriptWatch:
             run.judge.updates(run.probe.read(sample), every=run.probe.every)
         except Exception as exc:
             run.judge.error("measuring the optimizer's updates", exc)
+        if self._scaler_now.get(id(optimizer)) is None:  # inside a GradScaler's step: at its end
+            self._stop_here()
 
     def _why_not(self, calls: list[_Call]) -> str | None:
         if not calls:
@@ -687,6 +711,10 @@ class ScriptWatch:
             pass
 
     # -- the report ------------------------------------------------------------------------------
+    def in_progress(self) -> Report:
+        """The report so far, as its file holds it while the script goes on (status "in progress")."""
+        return in_progress(self.report, sum(run.judge.steps for run in self.runs.values()))
+
     @property
     def report(self) -> Report:
         runs = list(self.runs.values())
@@ -724,6 +752,10 @@ def watch(*, report: str | None = None, replay: bool = True, device_skip: bool |
     watcher = ScriptWatch(
         replay=replay, notify=lambda line: print(line, file=sys.stderr, flush=True), device_skip=device_skip
     )
+    if report:  # rewritten as findings arrive: a process killed at any point leaves a readable report
+        from fpdoctor.integrations import _report as live_report
+
+        watcher.live.writer = lambda: live_report.write(watcher.in_progress(), report)
     watcher.__enter__()
 
     def at_exit() -> None:

@@ -245,7 +245,8 @@ class StepJudge:
 
     def close(self) -> None:
         """The end of training: the compiled-output checks come off (Dynamo's class as torch
-        made it, once no other check is open). Safe to call more than once."""
+        made it, once no other check is open); the findings not yet said are said. Safe to call more than once."""
+        self.live.settle()
         self._closer()
 
     # -- a window starts -----------------------------------------------------------------------

@@ -4,15 +4,15 @@ Every finding of a step judge goes into its `FindingLog`, the one place a findin
 judge's own, the `Causes` that count a repeated cause under its first finding, a front end's). A
 new finding there is handed to the run's `Live`, which
 
-- says it on one line at once (`fpdoctor: step 412: TRN003 loss-scale-collapsed (error) - title`),
-  on stderr by default, or through the front end's own `say`;
-- marks the front end's report file as behind: the front end's `writer` rewrites it (atomically, the
-  whole report so far, marked "in progress") when the judge has finished with the step (`settle`),
-  never on a step without a new finding, and no more often than keeps the rewrites under
-  `WRITE_SHARE` of the run's time, so a job killed at any point leaves a readable report that holds
-  every finding decided before the last rewrite;
 - notes the first finding at the `stop_on` level (`stopped`), for the front end to end the run at
-  its next step boundary.
+  its next step boundary;
+- when the judge has finished with the step (`settle`): has the front end's `writer` rewrite its
+  report file (atomically, the whole report so far, marked "in progress"), never on a step without
+  a new finding, and no more often than keeps the rewrites under `WRITE_SHARE` of the run's time;
+  then says each new finding on one line (`fpdoctor: step 412: TRN003 loss-scale-collapsed (error)
+  - title`), on stderr by default or through the front end's own `say`. The file is written before
+  the line is said: whoever reads the line finds the finding in the file, and a job killed at any
+  point leaves a readable report holding every finding decided before its last rewrite.
 
 A finding counted again under its cause (its step added to the first one's) is not a new line.
 Nothing here raises into the user's step: a writer that fails is one line, once, and no more
@@ -21,12 +21,13 @@ rewrites are tried.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import SupportsIndex
 
-from fpdoctor.report.model import Finding, Severity
+from fpdoctor.report.model import Finding, Report, Severity
 
 # The live rewrites of a report file take at most this share of the run's time: after a rewrite
 # that cost t seconds, the next one waits until t / WRITE_SHARE have passed (a new finding in the
@@ -58,6 +59,28 @@ def stop_level(value: str | None) -> Severity | None:
     return Severity(value)
 
 
+class StopRun(BaseException):
+    """A run ended at a step boundary by its first finding at the `stop_on` level (`finding`).
+
+    Raised in the script's own thread, as KeyboardInterrupt is, and for the same reason not an
+    `Exception`: the script's `except Exception` lets it through, while its `finally` blocks and
+    `with` exits run (a checkpoint being written is finished, a file closed)."""
+
+    def __init__(self, finding: Finding) -> None:
+        super().__init__(f"stopped at {finding.code} {finding.name}")
+        self.finding = finding
+
+
+def in_progress(report: Report, steps: int | None = None) -> Report:
+    """`report` as its file holds it while the run goes on: status "in progress" (never an ok), and
+    a first summary row that says a run killed now stops here."""
+    report.data["status"] = "in progress"
+    at = f" at step {steps}" if steps is not None else ""
+    row = ("ended", f"not yet: written while the run went on{at}, rewritten as findings arrive")
+    report.data.setdefault("summary", []).insert(0, row)
+    return report
+
+
 class Live:
     """What a running judge does with each new finding: say it, mark the report file behind, note a stop.
 
@@ -73,43 +96,52 @@ class Live:
         self.writer: Callable[[], None] | None = None
         self.stopped: Finding | None = None  # the first finding at the stop_on level
         self.behind = False  # a finding arrived since the report file was last written
+        self._unsaid: list[Finding] = []
         self.writes = 0
         self.write_seconds = 0.0  # spent rewriting the report file, all rewrites together
         self._next_write = 0.0  # time.perf_counter() before which no rewrite starts
 
     def added(self, finding: Finding) -> None:
-        """A new finding: its line, the file behind, a stop noted. Never raises."""
-        try:
-            self.behind = True
-            if self.stop_on is not None and self.stopped is None and finding.severity.rank >= self.stop_on.rank:
-                self.stopped = finding
-            rank = finding.where.get("rank")
-            if self.say is not None and (rank is None or self.rank is None or rank == self.rank):
-                self.say(line_of(finding))
-        except Exception:  # a closed stderr: the finding is in the report all the same
-            pass
+        """A new finding: the file behind, its line due, a stop noted."""
+        self.behind = True
+        self._unsaid.append(finding)
+        if self.stop_on is not None and self.stopped is None and finding.severity.rank >= self.stop_on.rank:
+            self.stopped = finding
 
     def settle(self, *, now: bool = False) -> None:
         """At a step boundary: rewrite the report file if a finding arrived since the last rewrite and
-        the rewrites' share of the time allows (`now`: whatever the share, a stop's last word)."""
-        if not self.behind or self.writer is None:
-            return
-        start = time.perf_counter()
-        if start < self._next_write and not now:
-            return
+        the rewrites' share of the time allows (`now`: whatever the share, a stop's last word); then
+        say the new findings. Never raises."""
+        if self.behind and self.writer is not None:
+            start = time.perf_counter()
+            if now or start >= self._next_write:
+                self._write(start)
+        unsaid, self._unsaid = self._unsaid, []
+        for finding in unsaid:
+            rank = finding.where.get("rank")
+            if rank is None or self.rank is None or rank == self.rank:  # another rank's is said there
+                self._say(line_of(finding))
+
+    def _write(self, start: float) -> None:
+        assert self.writer is not None
         self.behind = False
         try:
             self.writer()
         except Exception as exc:  # the file cannot be written: said once, the run goes on
             self.writer = None
-            if self.say is not None:
-                self.say(f"fpdoctor: the report file could not be rewritten while the run goes on ({exc}); "
-                         "it is written at the end")  # fmt: skip
+            self._say(f"fpdoctor: the report file could not be rewritten while the run goes on ({exc}); "
+                      "it is written at the end")  # fmt: skip
             return
         spent = time.perf_counter() - start
         self.writes += 1
         self.write_seconds += spent
         self._next_write = start + spent / WRITE_SHARE
+
+    def _say(self, line: str) -> None:
+        if self.say is None:
+            return
+        with contextlib.suppress(Exception):  # a closed stderr: the finding is in the report all the same
+            self.say(line)
 
 
 class FindingLog(list[Finding]):
