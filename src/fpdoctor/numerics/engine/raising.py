@@ -26,7 +26,8 @@ from fpdoctor.userframes import user_location
 def _map(args: tuple[Any, ...], kwargs: dict[str, Any], fn: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """An op's arguments with every tensor replaced by fn(tensor). Written out for what aten ops take
     (tensors, lists of tensors, scalars): the pytree walk costs more than most ops of a long loop."""
-    return tuple(_mapped(a, fn) for a in args), {k: _mapped(v, fn) for k, v in kwargs.items()}
+    mapped = tuple([fn(a) if type(a) is torch.Tensor else _mapped(a, fn) for a in args])
+    return mapped, {k: _mapped(v, fn) for k, v in kwargs.items()} if kwargs else kwargs
 
 
 def _mapped(value: Any, fn: Any) -> Any:
@@ -87,18 +88,24 @@ class RaisedSites(TorchFunctionMode):
             user = user_location(sys._getframe())
             if user is not None and (id(func), f"{user[0]}:{user[1]}") in self.sites:
                 self.raised += 1
-                args, kwargs = _map(args, kwargs, lambda t: t.double() if t.dtype == self.dtype else t)
+                args, kwargs = _map(args, kwargs, self._up)
                 return func(*args, **kwargs)
-        if not _holds(args, kwargs, torch.float64):
+        if not _holds(args, torch.float64) and not (kwargs and _holds(kwargs.values(), torch.float64)):
             return func(*args, **kwargs)
-        args, kwargs = _map(args, kwargs, lambda t: t.to(self.dtype) if t.dtype == torch.float64 else t)
+        args, kwargs = _map(args, kwargs, self._down)
         return func(*args, **kwargs)
 
+    def _up(self, t: torch.Tensor) -> torch.Tensor:
+        return t.double() if t.dtype is self.dtype else t
 
-def _holds(args: Any, kwargs: Any, dtype: torch.dtype) -> bool:
-    """Whether a tensor of `dtype` is among the op's arguments (one level of lists: cat, stack): the
+    def _down(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.dtype) if t.dtype is torch.float64 else t
+
+
+def _holds(values: Any, dtype: torch.dtype) -> bool:
+    """Whether a tensor of `dtype` is among an op's arguments (one level of lists: cat, stack): the
     per-op test that lets most ops of a long forward skip the walk over their arguments."""
-    for value in (*args, *kwargs.values()):
+    for value in values:
         if type(value) is torch.Tensor:
             if value.dtype is dtype:
                 return True

@@ -61,6 +61,7 @@ from fpdoctor.precision.compare.compiled import compare_compiled, is_compiled
 from fpdoctor.precision.compare.container_ops import Own, OwnOps
 from fpdoctor.precision.compare.first_overflow import first_overflow
 from fpdoctor.precision.compare.noise import ReplayNoise
+from fpdoctor.precision.compare.own_calls import OwnCalls
 from fpdoctor.precision.compare.passes import (
     carried_states,
     hooked,
@@ -416,7 +417,7 @@ class _Comparison:
         # a container's own ops, judged as the fp64 pass runs them (row subsets where leaves get them)
         fp8_note = " (fp8 applies to Linear GEMMs only)" if self.fp8_dtype is not None else ""
         self.own_dtype = str(self.cand_dtype).removeprefix("torch.") + fp8_note
-        self.own = OwnOps(
+        ops = OwnOps(
             {name for name, _ in self.truth_run.named_modules()} - self.leaves,
             dtype=self.cand_dtype,
             reference=self.ref_dtype if self.ref_run is not None else None,
@@ -426,6 +427,9 @@ class _Comparison:
             # the reference (fp64) value of each op output, taken in the same dispatch
             record=self.truth_ranges.record if self.ranges else None,
         )
+        # one Python call per torch function, not per aten op (own_calls.py), where every op need not
+        # pass through a dispatch mode: the op ranges read them all, the replayed noise sits below it
+        self.own: OwnOps | OwnCalls = ops if self.ranges or self.noise is not None else OwnCalls(ops)
 
         def post(name: str, index: int, args: Any, output: Any) -> None:
             self.own.leave(name, index)
@@ -908,8 +912,8 @@ class _Comparison:
         if self.state_fix is None or self.root_truth is None or self.logits is None:
             return None
         lines, output = self.state_fix
-        got = use.decisions(self.root_truth, output.to(self.root_truth.device), self.candidate, self.logits)
-        return None if got is None else (", ".join(lines), got.top1)
+        got = use.top1(self.root_truth, output.to(self.root_truth.device))
+        return None if got is None else (", ".join(lines), got)
 
     def _leaf_before(self, head: str) -> str | None:
         """The leaf whose call ended last before the logits' layer's (the fp64 pass's order)."""
@@ -948,8 +952,7 @@ class _Comparison:
                 setattr(holder, child, original)
         if not got:
             return None
-        found = use.decisions(self.root_truth, got[-1].to(self.root_truth.device), self.candidate, self.logits)
-        return None if found is None else found.top1
+        return use.top1(self.root_truth, got[-1].to(self.root_truth.device))
 
 
 # A running state is named the cause when keeping it alone in fp64 divides the end-to-end error

@@ -181,9 +181,12 @@ class OwnOps(EagerDispatchMode):
         self.calls: dict[tuple[str, int], Own] = {}
         self.current: Own | None = None  # the innermost module call's, if it is a container's
         self.pause = 0
-        # id(op overload) -> (never judged, the overload, kept so its id stays its own): an
-        # OpOverload's __hash__ is Python code, and this is asked for every op
-        self._kinds: dict[int, tuple[bool, Any]] = {}
+        # id(op overload) -> (never judged, the overload, kept so its id stays its own, its output's
+        # shape depends on the data): an OpOverload's __hash__ is Python code, asked for every op
+        self._kinds: dict[int, tuple[bool, Any, bool]] = {}
+        # while a list: the repeat key of each op counted (own_calls.OwnCalls learns a call's ops from
+        # it), and None after an op whose output's shape depends on the values (nonzero, item)
+        self.log: list[Any] | None = None
 
     def enter(self, name: str, index: int) -> None:
         self.stack.append((name, index))
@@ -220,10 +223,13 @@ class OwnOps(EagerDispatchMode):
         if own is not None:
             kind = self._kinds.get(id(func))
             if kind is None:
-                kind = self._kinds[id(func)] = (func.is_view or _packet(func) in _NOT_JUDGED, func)
+                data_shaped = bool({torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output} & set(func.tags))
+                kind = self._kinds[id(func)] = (func.is_view or _packet(func) in _NOT_JUDGED, func, data_shaped)
             # first the tests that cost least: a view, cast or copy is never judged, and a repeat
             # of an op (same op, same input shapes) is re-run only when due
-            judged = not kind[0] and _due(own, func, args) and not _random(func, args, kwargs)
+            judged = not kind[0] and _due(own, func, args, self.log) and not _random(func, args, kwargs)
+            if self.log is not None and kind[2]:  # the shapes of the ops after it depend on the values
+                self.log.append(None)
             if judged and any(True for _ in floating((args, kwargs))):
                 # planned before the op runs: an in-place op changes its inputs
                 rerun = _plan(func, args, kwargs, subsets=self.subsets)
@@ -317,9 +323,12 @@ def _conditioned(func: Any, cand: Any, keep: torch.Tensor | slice, truth: torch.
     return rel_error(exact.cpu()[keep], truth[keep], norm)
 
 
-def _due(own: Own, func: Any, args: Any) -> bool:
-    """Whether this call of a repeated op (same op, same input shapes) is re-run (metrics.due)."""
+def _due(own: Own, func: Any, args: Any, log: list[Any] | None = None) -> bool:
+    """Whether this call of a repeated op (same op, same input shapes) is re-run (metrics.due);
+    `log` gets its key."""
     key = (id(func), *[a.shape if type(a) is torch.Tensor else None for a in args])  # no hash of func: per op
+    if log is not None:
+        log.append(key)
     k = own.repeats.get(key, 0)
     own.repeats[key] = k + 1
     return due(k)

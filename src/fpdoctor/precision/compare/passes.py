@@ -184,7 +184,10 @@ class _Chains(TorchFunctionMode):
             self.steps[line] = self.steps.get(line, 0) + 1
             self.module.setdefault(line, self.stack[-1] if self.stack else "")
             self.counted = True
-        self.calls.setdefault(line, {})[id(func)] = func
+        calls = self.calls.get(line)  # not setdefault: its default dict would be made on every call
+        if calls is None:
+            calls = self.calls[line] = {}
+        calls[id(func)] = func
         self.last[key] = self.out = weakref.ref(out)
         return out
 

@@ -88,29 +88,48 @@ def logits_source(name: str, module: nn.Module, output: Any) -> str | None:
 def decisions(truth: torch.Tensor, candidate: torch.Tensor, fmt: str, source: str) -> Decisions | None:
     """The candidate's decisions against the referee's (`truth`, fp64), and rounding's floor; None
     when the candidate's output is not finite (the non-finite findings speak for it) or has no rows."""
+    rows = _rows(truth, candidate)
+    if rows is None:
+        return None
+    ref, cand = rows
+    rounded = round_to(ref, fmt)
+    best = ref.argmax(-1)
+    log_p = torch.log_softmax(ref, -1)
+    p = log_p.exp()
+
+    def kl(x: torch.Tensor) -> float:
+        value = float((p * (log_p - torch.log_softmax(x, -1))).sum(-1).mean())
+        return max(value, 0.0) if math.isfinite(value) else math.inf
+
+    k = min(TOP_K, ref.shape[-1])
+    top5 = float((cand.topk(k, -1).indices == best[:, None]).any(-1).double().mean())
+    return Decisions(
+        source=source, rows=ref.shape[0], classes=ref.shape[-1], top1=_top1(cand, best), top5=top5, kl=kl(cand),
+        floor_top1=_top1(rounded, best), floor_kl=kl(rounded),
+    )  # fmt: skip
+
+
+def top1(truth: torch.Tensor, candidate: torch.Tensor) -> float | None:
+    """decisions(...).top1 alone, for a checked run judged by its top-1 agreement (None where
+    decisions is None): the rest of decisions costs as much as a forward on a large vocabulary."""
+    rows = _rows(truth, candidate)
+    return None if rows is None else _top1(rows[1], rows[0].argmax(-1))
+
+
+def _rows(truth: torch.Tensor, candidate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(referee, candidate) in float64, a row per decision; None when either is not finite or empty."""
     if candidate.shape != truth.shape or not bool(torch.isfinite(candidate).all()):
         return None
     ref = truth.detach().double().reshape(-1, truth.shape[-1])
     cand = candidate.detach().double().reshape(-1, truth.shape[-1])
     if ref.shape[0] == 0 or not bool(torch.isfinite(ref).all()):
         return None
-    rounded = round_to(ref, fmt)
-    best = ref.argmax(-1)
-    log_p = torch.log_softmax(ref, -1)
+    return ref, cand
 
-    def top1(x: torch.Tensor) -> float:
-        return float((x.argmax(-1) == best).double().mean())
 
-    def kl(x: torch.Tensor) -> float:
-        value = float((log_p.exp() * (log_p - torch.log_softmax(x, -1))).sum(-1).mean())
-        return max(value, 0.0) if math.isfinite(value) else math.inf
-
-    k = min(TOP_K, ref.shape[-1])
-    top5 = float((cand.topk(k, -1).indices == best[:, None]).any(-1).double().mean())
-    return Decisions(
-        source=source, rows=ref.shape[0], classes=ref.shape[-1], top1=top1(cand), top5=top5, kl=kl(cand),
-        floor_top1=top1(rounded), floor_kl=kl(rounded),
-    )  # fmt: skip
+def _top1(x: torch.Tensor, best: torch.Tensor) -> float:
+    """The share of rows whose argmax is the referee's (`best`)."""
+    return float((x.argmax(-1) == best).double().mean())
 
 
 # Besides the logits' own layer, the leaves with the largest error against their floor are tried kept

@@ -1,0 +1,179 @@
+"""The containers' own ops judged from the torch functions the forward calls: container_ops.OwnOps
+with a Python dispatch only for the calls that hold an op due for a re-run.
+
+OwnOps judges an op on its first calls and every power-of-two-th after (metrics.due), counted per
+container call by (op, input shapes). A per-token loop runs the same few ops thousands of times,
+so almost every op is only counted; under a dispatch mode each of them still costs a Python call
+(an empty dispatch mode makes such a forward 4.2x slower, an empty torch-function mode 1.6x, for
+53k function calls instead of 86k ops: benchmarks/README.md, the per-token loop).
+
+`OwnCalls` watches torch functions instead. A function's first call with given arguments runs under
+OwnOps, which judges and counts its aten ops and says which it counted (`OwnOps.log`); a later call
+with the same arguments (`_signature`: each tensor's type, shape, strides, dtype and device, every
+other argument's value) runs the same ops on the same shapes, so its counts move on without them,
+unless one of its ops is due: then it runs under OwnOps again, which judges it as before. What
+is judged, and every figure, is what OwnOps alone gives. A call is never learnt when the shapes of
+its ops depend on the values (an op after nonzero or item), when a module runs inside it (the
+innermost container may change), or when an argument is of a kind the signature does not know.
+Basic indexing (`x[:, t]`: ints, slices, None) runs views alone, never an op that is counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from fpdoctor.precision.compare.container_ops import Own, OwnOps
+from fpdoctor.precision.metrics import REPEATS
+
+_GETITEM = torch.Tensor.__getitem__
+_SCALARS = frozenset({int, float, bool, complex, str, type(None), type(Ellipsis), torch.dtype, torch.device,
+                      torch.layout, torch.memory_format})  # fmt: skip
+_COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
+_UNSEEN: Any = object()
+
+
+class OwnCalls(TorchFunctionMode):
+    """OwnOps (`ops`) with one Python call per torch function (see the module's docstring). The
+    hooks call enter, leave, take and paused on it as they do on OwnOps."""
+
+    def __init__(self, ops: OwnOps) -> None:
+        super().__init__()
+        self.ops = ops
+        self.pause = 0
+        self.moves = 0  # module calls entered or left: a function that runs a module is not learnt
+        # signature -> the repeat keys its ops count, each with how many times (None: never learnt)
+        self.plans: dict[tuple[Any, ...], tuple[tuple[Any, int], ...] | None] = {}
+        self._functions: dict[int, Any] = {}  # the functions whose ids the signatures hold, kept alive
+
+    def enter(self, name: str, index: int) -> None:
+        self.moves += 1
+        self.ops.enter(name, index)
+
+    def leave(self, name: str, index: int) -> None:
+        self.moves += 1
+        self.ops.leave(name, index)
+
+    def take(self, name: str, index: int) -> Own | None:
+        return self.ops.take(name, index)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """compare's own work in its hooks is no call of the model's."""
+        self.pause += 1
+        try:
+            with self.ops.paused():
+                yield
+        finally:
+            self.pause -= 1
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        own = self.ops.current
+        if own is None or self.pause:
+            return func(*args, **kwargs)
+        if func is _GETITEM and type(args[0]) is torch.Tensor and not kwargs and _basic_index(args[1]):
+            return func(*args)  # views only: no op to count (x[:, t] in a loop over tokens)
+        key = _signature(func, args, kwargs)
+        plan = self.plans.get(key, _UNSEEN) if key is not None else None
+        if isinstance(plan, tuple):
+            repeats = own.repeats
+            for op, n in plan:  # written out, as metrics.due: this runs for every call
+                k = repeats.get(op, 0)
+                if k < REPEATS or not k & (k - 1) or (n > 1 and _due_within(k + 1, n - 1)):
+                    break
+            else:
+                for op, n in plan:
+                    repeats[op] = repeats.get(op, 0) + n
+                return func(*args, **kwargs)
+        # its first call with these arguments, or one of its ops is due: through the judge
+        log: list[Any] = []
+        moves, self.ops.log = self.moves, log
+        try:
+            with self.ops:
+                out = func(*args, **kwargs)
+        finally:
+            self.ops.log = None
+        if key is not None and plan is _UNSEEN:
+            self._functions[id(func)] = func
+            self.plans[key] = _plan(log) if moves == self.moves else None
+        return out
+
+
+def _due_within(k: int, n: int) -> bool:
+    """Whether any of calls k .. k + n - 1 of an op is due (metrics.due)."""
+    return any(j < REPEATS or j & (j - 1) == 0 for j in range(k, k + n))
+
+
+def _plan(log: list[Any]) -> tuple[tuple[Any, int], ...] | None:
+    """The repeat keys a call counted, each with how many times; None when an op's shape after a
+    data-dependent one (log's None) may differ on the next call."""
+    if None in log[: max((i for i, k in enumerate(log) if k is not None), default=-1)]:
+        return None
+    counts: dict[Any, int] = {}
+    for k in log:
+        if k is not None:
+            counts[k] = counts.get(k, 0) + 1
+    return tuple(counts.items())
+
+
+def _signature(func: Any, args: Any, kwargs: Any) -> tuple[Any, ...] | None:
+    """What decides the aten ops a call runs and their input shapes; None when an argument is of a
+    kind it does not know (such a call always runs under the judge)."""
+    out: list[Any] = [id(func)]
+    try:
+        for a in args:
+            t = type(a)
+            if t is torch.Tensor:  # the common case first, written out: this runs for every call
+                dtype = a.dtype
+                if dtype in _COMPLEX:  # a conjugate bit the signature does not hold
+                    return None
+                out.append((a.shape, a.stride(), dtype, a.device))
+            elif t in _SCALARS:
+                out += (t, a)  # 1, 1.0 and True are equal keys: the type tells them apart
+            elif not _describe(a, out):
+                return None
+        for k, v in kwargs.items():
+            out.append(k)
+            if not _describe(v, out):
+                return None
+    except (RuntimeError, TypeError):  # strides of a sparse or nested tensor
+        return None
+    return tuple(out)
+
+
+def _describe(value: Any, out: list[Any]) -> bool:
+    t = type(value)
+    if t is torch.Tensor or t is torch.nn.Parameter:
+        out += (t, value.shape, value.stride(), value.dtype, value.device)
+        return value.dtype not in _COMPLEX
+    if t in _SCALARS:
+        out += (t, value)
+        return True
+    if t is tuple or t is list or t is torch.Size:
+        out += (t, len(value))
+        return all(_describe(v, out) for v in value)
+    if t is slice:
+        out.append(t)
+        return _describe(value.start, out) and _describe(value.stop, out) and _describe(value.step, out)
+    return False
+
+
+def _basic_index(index: Any) -> bool:
+    """Whether `x[index]` is basic indexing (ints, slices of ints, None, ...): views alone, whatever
+    the ints (advanced indexing, with a tensor or a bool, runs index ops)."""
+    if type(index) is not tuple:
+        index = (index,)
+    for i in index:
+        t = type(i)
+        if t is slice:
+            for b in (i.start, i.stop, i.step):
+                if b is not None and type(b) is not int:
+                    return False
+        elif t is not int and i is not None and i is not Ellipsis:
+            return False
+    return True
