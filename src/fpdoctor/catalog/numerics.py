@@ -313,11 +313,28 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         name="transient-fault-suspected",
         severity=E,
         untried=_MACHINE,
-        title="A non-finite step did not reproduce when replayed: suspect the hardware",
-        what="The sentinel replays the failing step with the same batch, RNG state and weights under trace; "
-        "a replay that stays finite means the first run did not compute what the code asks for.",
-        why="Bit flips from a faulty GPU (Xid errors, ECC) produce NaN that no code change fixes.",
-        fix="Check the named device: fpdoctor health, nvidia-smi -q -d ECC, dmesg for Xid; drain it if it repeats.",
+        title="A non-finite step did not reproduce when replayed: the machine, a race, an uninitialised read or a "
+        "nondeterministic kernel",
+        what="The sentinel replays the failing step with the same batch, RNG state and weights under trace; a "
+        "replay that stays finite means the first run did not compute what the code asks for. Experiments on "
+        "the same step then tell four causes apart (evidence.cause, evidence.experiments): run again as it ran "
+        "(does the result vary, bit for bit?), under torch.use_deterministic_algorithms (one result: a "
+        "nondeterministic kernel), with fill_uninitialized_memory putting NaN in every fresh tensor (NaN in the "
+        "result: an uninitialised read), with a synchronisation after every op and no memory block reused within "
+        "the step (one finite result: a race), and on another device (a second GPU, or the CPU). A step whose "
+        "every re-run gives one finite result was the machine's; one that no experiment explains is undecided, "
+        "with what was tried. The causes of the first 3 such steps are told apart; not under torch.distributed.",
+        why="Each cause has another owner: a faulty GPU (Xid errors, ECC, silent bit flips) is drained, a race or "
+        "an uninitialised read is a bug in the code or a kernel, a nondeterministic kernel is a setting. Calling "
+        "them all the machine drains healthy nodes and leaves code bugs in place.",
+        fix="The machine: check the named device (fpdoctor health, nvidia-smi -q -d ECC, dmesg for Xid) and drain "
+        "it if it repeats. A race: make the read wait for its write (wait_stream, record_stream). An uninitialised "
+        "read: torch.zeros in place of torch.empty. A nondeterministic kernel: torch.use_deterministic_algorithms"
+        "(True). Each finding carries the fix its cause calls for, tried where a re-run can try it.",
+        references=(
+            "https://docs.pytorch.org/docs/stable/deterministic.html",
+            "https://docs.pytorch.org/docs/stable/notes/cuda.html#cuda-semantics",
+        ),
     ),
     RuleInfo(
         code="TRN005",

@@ -52,7 +52,13 @@ def attach(report: Report, ctx: Context, target: str) -> Report:
             reproduced=ran.get("signal") == sig,
             result=ran.get("message"),
         )
-        said = f"died of {sig} again" if info["reproduced"] else f"did not die of {sig}: {ran.get('message')}"
+        said = (
+            f"died of {sig} again"
+            if info["reproduced"]
+            else f"did not die of {sig}: {ran.get('message')}; not reproduced by the op alone on seeded values, the "
+            "crash needs the job's own values, or is one that does not reproduce: the machine, a race, an "
+            "uninitialised read or a nondeterministic kernel"
+        )
         text = f"Reproducer of {which}: python {directory / 'repro.py'}, {done} (run once here: {said})."
         fixes = [*repro.rerun_commands(directory)]
         info["rerun"] = fixes

@@ -1,8 +1,10 @@
 """One GPU's health over a job: what changed on it since the job started.
 
 The sentinel takes a `Watch` of its GPU when it starts (NVML counters and the kernel log's Xid
-counts, one read) and, when a bad step does not reproduce on replay, asks what is new on that GPU
-since: Xid errors on its bus id, ECC counts that grew, rows waiting to be remapped, the GPU lost.
+counts, one read) and, when a bad step does not reproduce on replay (a transient: the machine, a race,
+an uninitialised read or a nondeterministic kernel, told apart by numerics/training/transient.py),
+asks what is new on that GPU since: Xid errors on its bus id, ECC counts that grew, rows waiting to be
+remapped, the GPU lost. What changed is the machine's evidence, and names the GPU to drain.
 Two reads per job at most, none per step. Never raises: what cannot be read is said.
 """
 

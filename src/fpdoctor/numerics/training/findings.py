@@ -14,7 +14,7 @@ import torch
 
 from fpdoctor import catalog
 from fpdoctor.numerics.observe.amp import ScaleWatch
-from fpdoctor.numerics.training import distributed
+from fpdoctor.numerics.training import distributed, transient
 from fpdoctor.numerics.training.control import ControlResult
 from fpdoctor.numerics.training.lr_whatif import LrTrial
 from fpdoctor.numerics.training.replay import ReplayResult
@@ -203,36 +203,56 @@ def verdict_findings(
             title=_BAD_DATA_TITLE if _batch_held_it(first) else None,
         )
         return [finding, *result.others]
-    return [
-        catalog.make(
-            "transient-fault-suspected",
-            message=(
-                f"Step {step} was non-finite, but replaying it with the same batch, RNG state and weights gave "
-                + (f"a finite loss ({result.loss:.4g}) and " if math.isfinite(result.loss) else "")
-                + "finite gradients: the step's data and the model's math give "
-                "finite values, so the fault followed the run's history (the machine's state, a call count, where a "
-                f"kernel ran), not the step. Suspect {distributed.where_text(me)} or a library, not the model; a "
-                "fault that recurs at the same step of every run points the same way (a library's or kernel's "
-                "call count), one at random steps to the GPU."
-                + (f" GPU health: {health.text()}." if health is not None else "")
-            ),
-            where={"module": None, "op": None, "phase": None, "step": step, **where_rank},
-            evidence={
-                "kind": kind,
-                "step": step,
-                "replay_loss": result.loss,
-                "count": 1,
-                "numel": 1,
-                **{k: v for k, v in me.items() if k in ("gpu", "uuid")},
-                **({"gpu_health": health.to_dict()} if health is not None else {}),
-            },
-            fix=(
-                f"Drain {health.gpu or 'this GPU'} and run `fpdoctor health` on it: {health.text()}."
-                if health is not None and health.any
-                else None
-            ),
-        )
-    ]
+    return [_transient_finding(step, result, me, kind=kind, health=health)]
+
+
+def _transient_finding(
+    step: int, result: ReplayResult, me: dict[str, Any], *, kind: str | None, health: Any
+) -> Finding:
+    """transient-fault-suspected with its cause (the machine, a race, an uninitialised read, a
+    nondeterministic kernel, or undecided) and the experiments that decided it (`transient.py`)."""
+    told = result.cause if isinstance(result.cause, transient.TransientCause) else None
+    if told is None:
+        told = transient.not_run("no experiment was run on this step")
+    where = distributed.where_text(me)
+    drain = health is not None and health.any
+    fix, trial = transient.fix_and_trial(told)
+    if drain and told.cause in ("machine", "undecided"):
+        # the GPU's own record since the job started (Xid, ECC) names the device to drain
+        fix, trial = f"Drain {health.gpu or 'this GPU'} and run `fpdoctor health` on it: {health.text()}.", None
+    lead = (
+        f"Step {step} was non-finite, but replaying it with the same batch, RNG state and weights gave "
+        + (f"a finite loss ({result.loss:.4g}) and " if math.isfinite(result.loss) else "")
+        + "finite gradients. "
+    )
+    then = {
+        "machine": f" Suspect {where}, not the model.",
+        "race": " The code's, not the machine's: a missing synchronisation or a buffer reused too early.",
+        "uninitialised-read": " The code's (or a kernel's), not the machine's.",
+        "nondeterministic-kernel": " Not the machine's: the step sits at the edge of its range, and the order of a "
+        "sum decides which side.",
+        "undecided": f" It may be the machine ({where}), a race, an uninitialised read or a nondeterministic kernel; a "
+        "fault that recurs at the same step of every run points at a library's or kernel's call count, one at "
+        "random steps on one GPU at the GPU.",
+    }[told.cause]
+    return catalog.make(
+        "transient-fault-suspected",
+        title=transient.TITLES[told.cause],
+        message=(lead + told.decided_by + then + (f" GPU health: {health.text()}." if health is not None else "")),
+        where={"module": None, "op": None, "phase": None, "step": step, **place(me)},
+        evidence={
+            "kind": kind,
+            "step": step,
+            "replay_loss": result.loss,
+            "count": 1,
+            "numel": 1,
+            **told.to_dict(),
+            **{k: v for k, v in me.items() if k in ("gpu", "uuid")},
+            **({"gpu_health": health.to_dict()} if health is not None else {}),
+        },
+        fix=fix,
+        trial=trial,
+    )
 
 
 def carried_findings(
@@ -543,11 +563,18 @@ def _stall_cause(
             )
         return (f"Every replay names the same cause, {op} (see deterministic-nonfinite).", det.fix or None, det.trial)
     if "transient-fault-suspected" in by_name:
-        transient = by_name["transient-fault-suspected"]
+        told = by_name["transient-fault-suspected"]
+        cause = told.evidence.get("cause", "undecided")
+        said = {
+            "machine": "the machine",
+            "race": "a race",
+            "uninitialised-read": "an uninitialised read",
+            "nondeterministic-kernel": "a nondeterministic kernel",
+        }.get(cause, "the machine, a race, an uninitialised read or a nondeterministic kernel (undecided)")
         return (
-            "The bad steps did not reproduce on replay: suspect the device (see transient-fault-suspected).",
-            None,
-            transient.trial,
+            f"The bad steps did not reproduce on replay: {said} (see transient-fault-suspected).",
+            told.fix if cause != "machine" else None,
+            told.trial,
         )
     if "amp-scale-collapse" in by_name:
         collapse = by_name["amp-scale-collapse"]

@@ -40,7 +40,7 @@ from fpdoctor.numerics.compiled import step as compiled
 from fpdoctor.numerics.observe import amp, dynamo
 from fpdoctor.numerics.observe.batches import MicroBatch
 from fpdoctor.numerics.observe.gradcheck import bad_parameters, kind_of, tensor_kind
-from fpdoctor.numerics.training import distributed, findings, reference
+from fpdoctor.numerics.training import distributed, findings, reference, transient
 from fpdoctor.numerics.training.control import ControlResult, run_control, wants_control
 from fpdoctor.numerics.training.live import FindingLog, Live
 from fpdoctor.numerics.training.lr_whatif import LrTrial, Snapshot, snapshot, try_lower_lr, window_runner
@@ -182,6 +182,7 @@ class StepJudge:
         self.findings: list[Finding] = FindingLog(self.live)
         self.causes = Causes(self.findings)  # findings of a bad step go through it: one per cause
         self._reproduced: dict[tuple[Any, ...], int] = {}  # a bad step's symptoms -> replays that reproduced
+        self.transients = transient.Experiments()  # a step that does not reproduce: its cause, by experiment
         self._stall: int | None = None  # the stalled episode's finding, by index, while it lasts
         self._spike_at: tuple[int, tuple[Any, ...]] | None = None  # the last spike's step and its episode
         # the state the latest climb's first step started from (or why none is kept), and what lowering
@@ -435,6 +436,10 @@ class StepJudge:
             if only is not None:
                 self._add_all([only])
                 return "compiled-only-nonfinite"
+        if faulty and result.verdict == "transient-fault-suspected":
+            result.cause = self.transients.decide(
+                self.model, self.params, f.step_fn, f.window, f.contexts, step=f.step, distributed=self.distributed
+            )
         control: ControlResult | None = None
         if faulty and not self.distributed and result.verdict == "deterministic-nonfinite":
             culprit = result.culprit

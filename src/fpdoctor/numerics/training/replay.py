@@ -4,7 +4,8 @@ The step is run again from the state it started from: the same batch (each micro
 accumulation window, in order), the RNG state each micro-batch began with, the same weights
 (nothing was updated) and buffers (put back by the caller before, and by `preserved` after).
 Non-finite again, or the trace saw an op produce NaN/Inf: a numerical bug at that op.
-Finite and clean: the first run did not compute what the code asks for; suspect the hardware.
+Finite and clean: the step does not reproduce; `transient.py` then tells its four causes apart
+(the machine, a race, an uninitialised read, a nondeterministic kernel) by re-running it again.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class ReplayResult:
     error: str | None = None
     # what the replay saw when no op was named: the bad loss's or gradients' kind, count, numel, dtype
     evidence: dict[str, Any] = field(default_factory=dict)
+    # a step that did not reproduce: what the experiments of `transient.decide` made of it
+    cause: Any = None  # transient.TransientCause
 
 
 def replay(
@@ -45,13 +48,19 @@ def replay(
     contexts: list[contextlib.AbstractContextManager[Any]],
     *,
     whole: bool = False,
+    traced: bool = True,
+    observe: Callable[[int, Any, list[torch.Tensor]], None] | None = None,
 ) -> ReplayResult:
     """Run `window` again under trace, one micro-batch at a time, gradients zeroed before each
     (so that a micro-batch is judged on its own gradients, not on an earlier one's NaN).
 
     `whole`: run every micro-batch even after a bad one (the verdict is still the first bad one's):
     under torch.distributed every rank replays, and each must issue the collectives of the whole
-    window (a step_fn's own, DDP's, SyncBatchNorm's) in the same order as the others."""
+    window (a step_fn's own, DDP's, SyncBatchNorm's) in the same order as the others.
+
+    `traced=False`: run without the tracer (no op is named; the experiments that re-run a step that
+    did not reproduce, where the tracer's own allocations would change what memory is reused);
+    `observe(index, loss, params)`: called after each micro-batch, its gradients still in place."""
     from fpdoctor.numerics.api import trace
 
     if any(post_accumulate_grad_hooks(p) for p in params):
@@ -73,8 +82,11 @@ def replay(
                 for p in params:
                     p.grad = None
                 micro.rng.restore()
-                with trace(model, headroom=False) as t:
+                tracing = trace(model, headroom=False) if traced else contextlib.nullcontext(None)
+                with tracing as t:
                     loss = step_fn(*micro.args, **micro.kwargs)
+                if observe is not None:
+                    observe(index, loss, params)
                 device = params[0].device if params else torch.device("cpu")
                 # a step_fn that returns None replays a forward and backward whose loss it cannot see
                 # (`fpdoctor watch`: the gradient arriving at the model's outputs stands in for it)
@@ -85,7 +97,7 @@ def replay(
                 flags = torch.stack([loss_flag(seen, device), nonfinite_flag(grads_of(params), device)])
                 loss_bad, grad_bad = flags.tolist()
                 loss_value = math.nan if unseen else float(seen.detach().float().mean())
-                report = t.report
+                report = t.report if t is not None else None
                 culprits = (
                     [f for f in report.findings if f.name in ("nonfinite-produced", "nonfinite-input")]
                     if report
