@@ -511,4 +511,19 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         fix="Depends on the stage: unscale before clipping (optimizer), scale the loss where gradients flush "
         "to zero (backward), or keep the module that owns the departing parameters in fp32.",
     ),
+    RuleInfo(
+        code="TRN016",
+        name="training-not-progressing",
+        severity=W,
+        title="The loss stopped improving, and the same steps in fp32 improve it",
+        what="Every 200 finite steps the judge compares the mean loss of the window's two halves. When the "
+        "second is no better than the first beyond the noise, it runs 8 optimizer steps on the last step's batch "
+        "from its state twice, on copies: in your recipe and in fp32 without autocast. The reference lowering "
+        "the batch's loss by 2% while your recipe makes under a quarter of that is this finding.",
+        why="A flat loss alone is no diagnosis: a converged run is flat too, and so is one whose learning rate is "
+        "wrong. The same steps from the same state in a known-good recipe tell them apart: where fp32 makes the "
+        "progress and your recipe does not, the precision is what stops the run, whatever rule did or did not fire.",
+        fix="Find the part of the recipe that loses the step: the reference step's gradients (TRN015), updates "
+        "rounded away (TRN010), or a sum or residual in bf16/fp16 whose small terms round away in the forward.",
+    ),
 )

@@ -63,6 +63,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--report", dest="output", metavar="FILE", help="write the report to FILE (same as -o)")
     p.add_argument("--no-replay", action="store_true", help="skip bad steps without replaying them")
     p.add_argument(
+        "--reference-every",
+        type=int,
+        default=500,
+        metavar="N",
+        help="compare the model's backward at steps 1, 1+N, 1+2N, ... with the same step in fp32 without "
+        "autocast or loss scaling (two more forwards and backwards on each; default 500, 0: off)",
+    )
+    p.add_argument(
         "--device-skip",
         action="store_true",
         help="skip bad steps on the device for every optimizer, not only fused ones on a GPU (a foreach one's "
@@ -160,6 +168,8 @@ def _start_again(options: list[str], command: list[str]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.reference_every < 0:
+        raise UsageError(f"--reference-every must be 0 (off) or a number of steps, got {args.reference_every}")
     script, script_args, as_module, options = _script_of(args.command)
     _start_again(options, args.command)
     os.environ.pop(_RESTARTED, None)  # the script's own children start afresh
@@ -187,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
     previous = catch_sigterm()
     watcher = ScriptWatch(
         replay=not args.no_replay,
+        reference_every=args.reference_every,
         notify=notify,
         device_skip=True if args.device_skip else None,
         stop_on=stop_level(args.stop_on),

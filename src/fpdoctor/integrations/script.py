@@ -67,7 +67,7 @@ from fpdoctor.numerics.observe.gradcheck import (
     skip_on_device,
     skips_on_device,
 )
-from fpdoctor.numerics.training import distributed
+from fpdoctor.numerics.training import distributed, reference
 from fpdoctor.numerics.training.judge import StepFacts, StepJudge, StepOutcome
 from fpdoctor.numerics.training.live import Live, StopRun, in_progress
 from fpdoctor.numerics.updates.measure import UpdateProbe, UpdateStats
@@ -198,8 +198,11 @@ class ScriptWatch:
         gpu_health: bool = True,
         device_skip: bool | None = None,
         stop_on: Severity | None = None,
+        reference_every: int = reference.EVERY,
     ) -> None:
         self.replay = replay
+        # the model's backward at steps 1, 1 + N, ... against an fp32 one (reference.py); 0: off
+        self.reference_every = reference_every
         self.live = Live(say=notify, stop_on=stop_on)
         self._stopping = False
         self.device_skip = device_skip
@@ -446,6 +449,7 @@ class ScriptWatch:
             gpu_health=self.gpu_health,
             live=self.live,
         )
+        judge.reference_every = self.reference_every
         self._optimizers.append(optimizer)
         run = _Run(judge, params, modules, len(self.runs) + 1, groups=_groups(optimizer))
         # on a GPU by default where the optimizer skips by itself (found_inf, no cost); asked for,
@@ -577,6 +581,19 @@ class ScriptWatch:
         )
         run.carried = None
         outcome = judge.judge(facts)
+        if (
+            outcome.finite
+            and not pending.on_device  # the optimizer has stepped: the weights the step started from are gone
+            and facts.why_not is None
+            and judge.optimizer is not None
+            and judge.reference_due(step)
+        ):
+            try:  # the model's backward from the gradients that reached its outputs, against an fp32 one
+                judge.reference(step, optimizer=judge.optimizer, scaler=scaler, step_fn=self._replay_call,
+                                window=facts.window, contexts=facts.contexts, backward_only=True,
+                                scale_carried=True)  # fmt: skip
+            except Exception as exc:  # the observer's own failure: a finding, the step goes on
+                judge.error("comparing the step with the reference step", exc, step)
         if outcome.finite:
             run.left = None
         elif outcome.verdict == "amp-skip" and run.left is None:
@@ -742,15 +759,27 @@ class ScriptWatch:
         return report
 
 
-def watch(*, report: str | None = None, replay: bool = True, device_skip: bool | None = None) -> ScriptWatch:
+def watch(
+    *,
+    report: str | None = None,
+    replay: bool = True,
+    device_skip: bool | None = None,
+    reference_every: int = reference.EVERY,
+) -> ScriptWatch:
     """Watch every optimizer step of this process from here on (no code change beyond this line):
     `fpdoctor.watch()` at the top of a script, or `with fpdoctor.watch() as w: ...` around a part
     of it. Called bare, the report is written when the process exits: to `report` (a file; its
-    extension picks the format) or, without one, on stderr. `device_skip`: as `ScriptWatch`'s."""
+    extension picks the format) or, without one, on stderr. `device_skip`, `reference_every`: as
+    `ScriptWatch`'s (the model's backward at steps 1, 1 + N, ... against an fp32 step; 0: off)."""
     import atexit
 
+    if not isinstance(reference_every, int) or reference_every < 0:
+        raise ValueError(f"reference_every must be an int >= 0 (every N-th step; 0: off), got {reference_every!r}")
     watcher = ScriptWatch(
-        replay=replay, notify=lambda line: print(line, file=sys.stderr, flush=True), device_skip=device_skip
+        replay=replay,
+        notify=lambda line: print(line, file=sys.stderr, flush=True),
+        device_skip=device_skip,
+        reference_every=reference_every,
     )
     if report:  # rewritten as findings arrive: a process killed at any point leaves a readable report
         from fpdoctor.integrations import _report as live_report

@@ -40,7 +40,7 @@ from fpdoctor.numerics.compiled import step as compiled
 from fpdoctor.numerics.observe import amp, dynamo
 from fpdoctor.numerics.observe.batches import MicroBatch
 from fpdoctor.numerics.observe.gradcheck import bad_parameters, kind_of, tensor_kind
-from fpdoctor.numerics.training import distributed, findings, reference, transient
+from fpdoctor.numerics.training import distributed, findings, progress, reference, transient
 from fpdoctor.numerics.training.control import ControlResult, run_control, wants_control
 from fpdoctor.numerics.training.live import FindingLog, Live
 from fpdoctor.numerics.training.lr_whatif import LrTrial, Snapshot, snapshot, try_lower_lr, window_runner
@@ -214,6 +214,13 @@ class StepJudge:
         self.here: dict[str, Any] = {}  # where every finding of this rank happened (rank, host, device)
         self.reference_every = 0  # compare every N-th step with the reference step (reference.py); 0: off
         self.reference_compared: list[reference.Comparison] = []
+        # why no step is compared with the reference in this run (said in the report); None: due ones are
+        self.reference_off: str | None = None
+        # progress against the reference (progress.py): the finite steps' losses of the current window,
+        # and what each flat window's experiment gave; 0: off
+        self.progress_window = progress.WINDOW
+        self._window_losses: list[tuple[int, float]] = []
+        self.progress_judged: list[dict[str, Any]] = []
         self.bucket_watch: distributed.BucketWatch | None = None
         self.distributed = False
         try:
@@ -300,6 +307,7 @@ class StepJudge:
         self.decided = f.step  # from here on a failure of ours never applies this step
         if f.finite:
             self._spike(f.step, f.loss_value, f)  # before the update: a climb's first step is kept as it started
+            self._judge_progress(f)  # before the update too: the experiment starts from the step's own state
             if apply is not None:
                 apply()
             self.last_good_step = f.step
@@ -726,12 +734,63 @@ class StepJudge:
 
         return tried, ""
 
+    # -- progress against the reference (progress.py) ------------------------------------------------
+    def _judge_progress(self, f: StepFacts) -> None:
+        """Every `progress_window` finite steps: a flat window is put to the experiment from this
+        step's state; the recipe stopping progress the reference makes is a finding, said once."""
+        if self.progress_window <= 0 or not math.isfinite(f.loss_value):
+            return
+        self._window_losses.append((f.step, f.loss_value))
+        # the window doubles after each experiment: a converged run, flat from here on, pays for one
+        # experiment per doubling of its length (log2 of its steps), not one per window
+        span = self.progress_window * 2 ** len(self.progress_judged)
+        if len(self._window_losses) < span:
+            return
+        window, self._window_losses = self._window_losses, []
+        flat = progress.flat([s for s, _ in window], [v for _, v in window])
+        if flat is None or any(x.name == "training-not-progressing" for x in self.findings):
+            return
+        why = None
+        if self.optimizer is None:
+            why = "the optimizer is not known"
+        elif self.distributed:
+            why = "under torch.distributed an experiment on one rank would issue collectives the others do not"
+        elif self.is_compiled:
+            why = "a compiled model: its copies would compile new graphs"
+        elif f.stepped or f.applied:
+            why = "the step was applied before it was judged: the state it started from is gone"
+        elif f.scale is not None:
+            why = "the step ran through a GradScaler: steps on copies would take its scaled gradients"
+        elif f.why_not is not None:
+            why = f.why_not
+        judged: dict[str, Any] = {"window": [flat.first, flat.last], "flat": [flat.before, flat.after]}
+        self.progress_judged.append(judged)
+        if why is not None:
+            judged["not_tried"] = why
+            return
+        try:
+            assert self.optimizer is not None
+            arms = progress.run_arms(self.model, self.optimizer, f.window, f.what_if_fn or f.step_fn, f.contexts)
+        except Exception as exc:  # step_fn cannot run on copies: said in the report, never raised
+            judged["not_tried"] = f"the steps could not run on copies: {type(exc).__name__}: {exc}"
+            return
+        judged.update(recipe=list(arms.run), reference=list(arms.reference))
+        if arms.recipe_stops_progress():
+            dtypes = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in self.params}))
+            self.findings.append(progress.finding(flat, arms, recipe=f"{dtypes} weights", here=self.here))
+
     # -- the reference step (reference.py) --------------------------------------------------------
     def reference_due(self, step: int) -> bool:
         """Whether this step is compared with the reference step: the first judged one, then every
         `reference_every`-th; never under torch.distributed (a local run's gradients are not the
         all-reduced ones the optimizer receives)."""
-        return self.reference_every > 0 and not self.distributed and reference.due(step, self.reference_every)
+        if self.reference_every <= 0:
+            self.reference_off = "switched off (reference_every=0)"
+        elif self.distributed:
+            self.reference_off = (
+                "under torch.distributed the optimizer receives all-reduced gradients, which a local step cannot give"
+            )
+        return self.reference_off is None and reference.due(step, self.reference_every)
 
     def reference(
         self,
@@ -741,10 +800,14 @@ class StepJudge:
         scaler: Any,
         step_fn: Callable[..., Any],
         window: list[MicroBatch],
-        contexts: Callable[[float | None], list[contextlib.AbstractContextManager[Any]]],
+        contexts: _Contexts,
+        backward_only: bool = False,
+        scale_carried: bool = False,
     ) -> None:
         """Compare the step's gradients, before the optimizer takes them, with the reference step's;
-        a departure is a finding. Host reads and two extra passes: reference steps only."""
+        a departure is a finding. Host reads and two extra passes: reference steps only.
+        `contexts()`: what a run of the window runs under (a local replay, a framework's autocast);
+        the loss scale is set here. `backward_only`, `scale_carried`: see `reference.compare_step`."""
         names = {id(p): n for n, p in self.model.named_parameters()}
         live = {names[id(p)]: p.grad.detach().float() for p in self.params if p.grad is not None and id(p) in names}
         scale = float(amp.scale_tensor(scaler, self.device)) if amp.enabled(scaler) else None
@@ -757,10 +820,18 @@ class StepJudge:
         if why is not None:
             self.reference_compared.append(reference.Comparison(step, not_compared=why))
             return
+
+        def at(scale: float | None) -> list[contextlib.AbstractContextManager[Any]]:
+            made = contexts()
+            if scale is not None and amp.enabled(scaler):
+                made.append(amp.scale_as(scaler, torch.full_like(amp.scale_tensor(scaler, self.device), scale)))
+            return made
+
         try:
             result = reference.compare_step(
                 step, self.model, optimizer=optimizer, scaler=scaler, step_fn=step_fn, window=window,
-                contexts=contexts, live=live, scale=scale, unscaled=unscaled,
+                contexts=at, live=live, scale=scale, unscaled=unscaled, backward_only=backward_only,
+                scale_carried=scale_carried,
             )  # fmt: skip
         except Exception as exc:  # step_fn cannot run on copies (it reads tensors it holds itself)
             text = f"step_fn could not run on copies of the parameters: {type(exc).__name__}: {exc}"
@@ -837,6 +908,23 @@ class StepJudge:
         if line is not None and judged is not None:  # low-precision trainable weights: judged or why not
             summary.append(line)
             out["updates"] = judged
+        if self.reference_compared or self.reference_off is not None:  # an OK says what it judged, or why not
+            line_, out["reference_step"] = reference.summary(
+                self.reference_compared, every=self.reference_every, off=self.reference_off
+            )
+            summary.append(line_)
+        if self.progress_judged:  # each flat window and what the experiment from its last step gave
+            out["progress"] = list(self.progress_judged)
+            last = self.progress_judged[-1]
+            text = f"loss flat over steps {last['window'][0]}-{last['window'][1]}"
+            if "reference" in last:
+                text += (
+                    f"; {progress.STEPS} steps on its batch: yours {last['recipe'][0]:.4g} -> {last['recipe'][1]:.4g}, "
+                    f"fp32 reference {last['reference'][0]:.4g} -> {last['reference'][1]:.4g}"
+                )
+            else:
+                text += f"; not put to the reference: {last['not_tried']}"
+            summary.append(("progress", text))
         out["timeline"] = findings.timeline(self.history, self.findings, TIMELINE_POINTS)
         out["summary"] = summary
         found = list(self.findings)

@@ -169,8 +169,11 @@ class _Fp32Math(TorchFunctionMode):
     fp32: the step's own casts (`x.half()`, `.to(torch.bfloat16)`) keep the reference in fp32."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if getattr(func, "__name__", "") in ("half", "bfloat16") and args and isinstance(args[0], torch.Tensor):
+        name = getattr(func, "__name__", "")
+        if name in ("half", "bfloat16") and args and isinstance(args[0], torch.Tensor):
             return args[0].float()
+        if name in ("__get__", "__set__", "__delete__"):  # an attribute (`.grad`) of the tensor itself, not math
+            return func(*args, **(kwargs or {}))
         args, kwargs = pytree.tree_map(_up, (tuple(args), dict(kwargs or {})))
         return func(*args, **kwargs)
 

@@ -40,7 +40,7 @@ from fpdoctor.numerics.observe.gradcheck import (
     skip_on_device,
     skips_on_device,
 )
-from fpdoctor.numerics.training import checkpoint, distributed, findings, reference
+from fpdoctor.numerics.training import checkpoint, distributed, findings, progress, reference
 from fpdoctor.numerics.training.judge import (  # re-exported: the sentinel's public constants
     SPIKE_MIN_HISTORY,
     SPIKE_RATIO,
@@ -178,6 +178,9 @@ class Sentinel(JudgedSteps):
     # compare the first step and every N-th after with the same step in fp32, no autocast, no loss
     # scaling (reference.py): step_fn runs twice more on those steps, on copies of the parameters; 0: off
     reference_every: int = field(default=reference.EVERY, kw_only=True)
+    # every N finite steps a loss no better in the window's second half than in its first is put to the
+    # experiment: 8 steps on the step's batch in your recipe and in fp32 (progress.py); 0: off
+    progress_window: int = field(default=progress.WINDOW, kw_only=True)
     # "error" or "warning": the first finding at that level sets `should_stop` (for the loop to end, in CI);
     # every finding is said on stderr as it is decided, whatever this says
     stop_on: str | None = field(default=None, kw_only=True)
@@ -203,6 +206,8 @@ class Sentinel(JudgedSteps):
             raise ValueError(
                 f"reference_every must be an int >= 0 (every N-th step; 0: off), got {self.reference_every!r}"
             )
+        if not isinstance(self.progress_window, int) or self.progress_window < 0 or 0 < self.progress_window < 4:
+            raise ValueError(f"progress_window must be 0 (off) or an int >= 4 steps, got {self.progress_window!r}")
         if not isinstance(self.what_if_steps, int) or self.what_if_steps < 0:
             raise ValueError(f"what_if_steps must be an int >= 0, got {self.what_if_steps!r}")
         if self.device_skip and not skips_on_device(self.optimizer):
@@ -221,6 +226,7 @@ class Sentinel(JudgedSteps):
             live=Live(stop_on=stop_on),
         )
         self._judge.reference_every = self.reference_every
+        self._judge.progress_window = self.progress_window
         self._params = self._judge.params
         self._device = self._judge.device
         self._window: list[MicroBatch] = []
@@ -380,7 +386,7 @@ class Sentinel(JudgedSteps):
         if not observed and self.optimizer is not None and self._judge.reference_due(self.steps):
             try:  # before the optimizer takes the gradients: what it receives, against the reference's
                 self._judge.reference(self.steps, optimizer=self.optimizer, scaler=self.scaler, step_fn=step_fn,
-                                      window=window, contexts=self._reference_contexts)  # fmt: skip
+                                      window=window, contexts=self._local_replay)  # fmt: skip
             except Exception as exc:  # the observer's own failure: a finding, the step goes on
                 self._judge.error("comparing the step with the reference step", exc)
         local_loss = torch.stack(micro_flags).amax()
@@ -574,14 +580,9 @@ class Sentinel(JudgedSteps):
             contexts.append(amp.scale_as(self.scaler, at))
         return contexts
 
-    def _reference_contexts(self, scale: float | None) -> list[contextlib.AbstractContextManager[Any]]:
-        """What a run of the reference step runs under: a local replay; at loss scale `scale` (None:
-        the step's own)."""
-        contexts: list[contextlib.AbstractContextManager[Any]] = [distributed.local_replay(self.model)]
-        if scale is not None and amp.enabled(self.scaler):
-            current = amp.scale_tensor(self.scaler, self._device)
-            contexts.append(amp.scale_as(self.scaler, torch.full_like(current, scale)))
-        return contexts
+    def _local_replay(self) -> list[contextlib.AbstractContextManager[Any]]:
+        """What a run of the reference step runs under: a local replay (no DDP hook, no all-reduce)."""
+        return [distributed.local_replay(self.model)]
 
     # -- stepping without a verdict ------------------------------------------------------------
     def _unguarded_step(self) -> None:

@@ -1,0 +1,106 @@
+"""Progress judged against the reference (numerics/training/progress.py): a loss that stopped
+improving is put to an experiment from the step's state, the same steps in the run's recipe and in
+fp32. Our classes: a bf16 residual stream that absorbs the learned correction (the gradients flow,
+the weights move, the forward rounds their effect away: every NaN, update and gradient check says
+OK), and an fp16 model whose gradients flush to zero. Not findings: a run that has converged, and a
+run whose learning rate is too small (both recipes are flat: precision is not the question).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fpdoctor
+
+WINDOW = 20
+
+
+class _Residual(nn.Module):
+    """out = 256 x + 0.1 delta(x), |x| in [1, 2]: between 256 and 512 a bf16 value is a multiple of 2,
+    so delta's 0.1-sized correction rounds away in the sum whatever delta learns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.delta = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 256 + self.delta(x) * 0.1
+
+
+def _run(model: nn.Module, dtype: torch.dtype, lr: float, steps: int = WINDOW, **kwargs) -> fpdoctor.Sentinel:
+    model = model.to(dtype)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(1)
+    x = (torch.rand(64, 16, generator=g) + 1) * torch.randn(64, 16, generator=g).sign()
+    x = x.to(dtype)
+    target = x.float() * 256 + torch.randn(64, 16, generator=g) * 0.5  # fp32: what delta has to learn
+    guard = fpdoctor.Sentinel(model, opt, progress_window=WINDOW, reference_every=0, **kwargs)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x).float(), y.float())
+        loss.backward()
+        return loss
+
+    for _ in range(steps):
+        guard.step(step, x, target)
+    return guard
+
+
+def test_a_bf16_residual_that_rounds_the_correction_away_is_not_progressing():
+    guard = _run(_Residual(), torch.bfloat16, lr=1e-2)
+    (found,) = guard.report.by_name("training-not-progressing")
+    ours, ref = found.evidence["recipe_loss"], found.evidence["reference_loss"]
+    assert ours[0] - ours[1] <= 0.25 * (ref[0] - ref[1]) and ref[1] < 0.98 * ref[0]
+    assert found.trial is not None and found.trial.tried and found.trial.after < found.trial.before
+    (line,) = [text for key, text in guard.report.data["summary"] if key == "progress"]
+    assert line.startswith(f"loss flat over steps 1-{WINDOW}") and "fp32 reference" in line
+
+
+def test_the_same_model_in_fp32_progresses_and_is_not_judged():
+    guard = _run(_Residual(), torch.float32, lr=1e-2)
+    assert guard.report.by_name("training-not-progressing") == []
+    assert "progress" not in guard.report.data  # the loss went down: no window was flat
+
+
+def test_a_learning_rate_too_small_is_flat_in_both_recipes_and_no_finding():
+    guard = _run(_Residual(), torch.float32, lr=1e-9)
+    assert guard.report.by_name("training-not-progressing") == []
+    (judged,) = guard.report.data["progress"]  # flat, put to the experiment, and fp32 did no better
+    assert judged["reference"][0] - judged["reference"][1] < 0.02 * judged["reference"][0]
+
+
+def test_a_converged_run_is_flat_and_no_finding():
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    with torch.no_grad():  # at the least-squares solution already: the fp32 steps cannot do better
+        model.weight.copy_(torch.eye(16) * 256)
+        model.bias.zero_()
+    guard = _run(model, torch.float32, lr=1e-4)
+    assert guard.report.by_name("training-not-progressing") == []
+
+
+def test_the_user_state_is_left_as_the_step_made_it():
+    model = _Residual().to(torch.bfloat16)
+    plain = _Residual().to(torch.bfloat16)
+    guard_run = _run(model, torch.bfloat16, lr=1e-2)
+    opt = torch.optim.Adam(plain.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    x = ((torch.rand(64, 16, generator=g) + 1) * torch.randn(64, 16, generator=g).sign()).to(torch.bfloat16)
+    target = x.float() * 256 + torch.randn(64, 16, generator=g) * 0.5
+    for _ in range(WINDOW):
+        opt.zero_grad()
+        nn.functional.mse_loss(plain(x).float(), target.float()).backward()
+        opt.step()
+    assert guard_run.report.by_name("training-not-progressing")
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)  # the experiment ran on copies: the run's weights are its own
+
+
+@pytest.mark.parametrize("bad", [-1, 2, 1.5])
+def test_a_bad_progress_window_is_refused(bad):
+    with pytest.raises(ValueError, match="progress_window"):
+        fpdoctor.Sentinel(nn.Linear(2, 2), progress_window=bad)
