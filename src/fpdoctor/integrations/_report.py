@@ -3,20 +3,24 @@ the framework's logger."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from fpdoctor.integrations._watch import StepWatch
+from fpdoctor.numerics.training.live import in_progress
 from fpdoctor.report.model import Finding, Report
 
 # a line per finding in the log is enough; the report file holds the rest
 _MESSAGE_CHARS = 240
 
 
-def build(watch: StepWatch | None, framework: str) -> Report:
-    """The report of a training run so far: the sentinel's counts, verdicts and timeline."""
+def build(watch: StepWatch | None, framework: str, stop_on: str | None = None) -> Report:
+    """The report of a training run so far: the sentinel's counts, verdicts and timeline; with
+    `stop_on`, why a run that level stopped ended where it did."""
     if watch is None:
         return Report(command="sentinel", data={"framework": framework, "steps": 0})
-    return watch.report(framework)
+    report = watch.report(framework)
+    return stopped(report, watch, stop_on) if stop_on is not None else report
 
 
 def check_path(path: str | None) -> str | None:
@@ -45,6 +49,32 @@ def write(report: Report, path: str) -> None:
     from fpdoctor.report.write import write as write_report
 
     write_report(report.to_dict(), path)
+
+
+def live_writer(watch: StepWatch, framework: str, path: str) -> Callable[[], None]:
+    """What rewrites `path` as findings arrive: the report so far, marked "in progress"."""
+    return lambda: write(in_progress(build(watch, framework), watch.steps), path)
+
+
+def stopped(report: Report, watch: StepWatch, level: str) -> Report:
+    """A run that `stop_on` stopped was not checked to its end: "incomplete", and why, first."""
+    step = watch.stop_step
+    finding = watch.live.stopped
+    if step is None:
+        return report
+    if finding is None:  # under torch.distributed: another rank's finding stopped every rank
+        said = f"another rank's finding at stop_on={level!r} (its report names it) after step {step}"
+    else:
+        at = finding.evidence.get("step", step)
+        said = f"{finding.code} {finding.name} at step {at}, the first finding at stop_on={level!r}"
+    if watch.steps <= step:
+        report.data["status"] = "incomplete"
+        said = f"stopped by {said}: the rest was not run"
+    else:
+        went_on = "the framework went on, as Lightning does until min_steps or min_epochs"
+        said = f"ran on to step {watch.steps} after {said} ({went_on})"
+    report.data.setdefault("summary", []).insert(0, ("ended", said))
+    return report
 
 
 def summary_lines(report: Report, framework: str) -> list[str]:

@@ -36,6 +36,7 @@ from fpdoctor.numerics.observe.batches import MicroBatch
 from fpdoctor.numerics.observe.gradcheck import FlagRead, grads_of, nonfinite_flag
 from fpdoctor.numerics.training import distributed, reference
 from fpdoctor.numerics.training.judge import JudgedSteps, StepFacts, StepJudge
+from fpdoctor.numerics.training.live import Live
 from fpdoctor.numerics.updates.measure import UpdateProbe, UpdateStats
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Report
@@ -125,6 +126,7 @@ class StepWatch(JudgedSteps):
         optimizer: torch.optim.Optimizer | None = None,
         replay_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
         gpu_health: bool = True,
+        live: Live | None = None,
     ) -> None:
         self.model = model
         self.scaler = scaler if amp.enabled(scaler) else None
@@ -138,6 +140,7 @@ class StepWatch(JudgedSteps):
             with_scaler=self.scaler is not None,
             views="FSDP, a communication hook of your own, or a DDP wrapper the callback could not find",
             gpu_health=gpu_health,
+            live=live,
         )
         self._judge.reference_every = reference_every  # steps 1, 1 + N, ...: the backward against an fp32 step
         self._step_fn = step_fn
@@ -154,6 +157,7 @@ class StepWatch(JudgedSteps):
         self._why_not: str | None = None  # why the current window cannot be replayed
         self._checked: Check | None = None
         self._loss_unseen = False  # a micro-batch of the window computed its loss where no hook sees it
+        self.stop_step: int | None = None  # the step after which the run was asked to stop (`stop_due`)
         # low-precision weights: every probe.every-th applied step measured for updates rounded away
         self._probe: UpdateProbe | None = None
         self._sample: Any = None
@@ -194,6 +198,47 @@ class StepWatch(JudgedSteps):
         return self._judge.report(
             scaled=self.scaler is not None, lines=[("framework", framework)], data={"framework": framework}
         )
+
+    @property
+    def live(self) -> Live:
+        """Where each finding goes as it is decided: its line, the report file, a stop."""
+        return self._judge.live
+
+    def write_live(self, writer: Callable[[], None]) -> None:
+        """Rewrite the report file through `writer` as findings arrive (`Live`), and once now: a run
+        killed before its first finding leaves a readable report too."""
+        live = self._judge.live
+        try:  # outside `Live`'s count of the rewrites' time: the first finding is written when decided
+            writer()
+        except Exception as exc:
+            self._error("writing the report file", exc)
+            return
+        live.writer = writer
+
+    def stop_due(self, *, agree: bool = True) -> bool:
+        """After a step is decided: True once, when a finding at the `stop_on` level asks the run to
+        end; the report file is brought up to date first. Under torch.distributed every rank stops
+        when any rank's finding asks it (one tiny all-reduce per step, with `stop_on` only), so that
+        no rank waits in a collective for ranks that stopped; `agree=False` (a second look within
+        a step) leaves that to the next step's look there."""
+        live = self._judge.live
+        if live.stop_on is None or self.stop_step is not None:
+            return False
+        try:
+            stop = live.stopped is not None
+            if self._judge.distributed:
+                if not agree:
+                    return False
+                flag = torch.tensor(float(stop), device=self._device)
+                stop = bool(distributed.all_max(flag).item() > 0)
+            if not stop:
+                return False
+            self.stop_step = self._judge.steps
+            live.settle(now=True)
+        except Exception as exc:
+            self._error("deciding whether to stop", exc)
+            return False
+        return True
 
     def close(self) -> None:
         """Training ended: the compiled-graph checks come off (the report stays readable)."""

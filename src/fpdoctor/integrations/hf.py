@@ -17,6 +17,8 @@ it at `on_train_begin`, removed at `on_train_end`):
   skipped (gradients set to None, so `optimizer.step()` changes nothing); an overflow under fp16's
   GradScaler is the scaler's to skip (the Trainer's `optimizer_step_was_skipped`), counted as an
   AMP skip;
+- with `stop_on`, the first finding at that level sets `control.should_training_stop` there (or
+  at `on_optimizer_step`, for a finding about the update), which the Trainer reads after the step;
 - `on_log`: with `logging_nan_inf_filter` (on by default) the Trainer counts the mean of the
   logging interval's other losses in place of a NaN/Inf one (0 when it is logged alone), so the
   logs look healthy; the callback adds `nonfinite_steps` (how many since the last
@@ -48,6 +50,7 @@ from fpdoctor.integrations._outputs import KeptGradients, backward_from
 from fpdoctor.integrations._watch import StepWatch, guarded
 from fpdoctor.numerics.observe.batches import OutputsOnly
 from fpdoctor.numerics.training import distributed, reference
+from fpdoctor.numerics.training.live import Live, stop_level
 from fpdoctor.report.model import Report
 from fpdoctor.torchprivate import queue_callback
 
@@ -70,14 +73,24 @@ class FpDoctorCallback(_Callback):
     gradients on the device, skips a non-finite step, replays it under `trace` and says why; the
     NaN/Inf losses that `logging_nan_inf_filter` keeps out of the logs are named (see the module's doc).
 
-    `report_path`: where the report is written when training ends (.json, .md, .html, else text;
-    under DDP every rank writes its own, `name.rankN.ext`). `replay=False`: report and skip only.
+    `report_path`: where the report is written (.json, .md, .html, else text; under DDP every rank
+    writes its own, `name.rankN.ext`): when training starts, again as findings arrive (marked "in
+    progress", so a job killed at any point leaves a readable report) and when it ends.
+    `stop_on="error"` (or "warning"): the first finding at that level ends training at that step
+    (`control.should_training_stop`), the report saying why. `replay=False`: report and skip only.
     `callback.report` holds the report at any time.
     """
 
     def __init__(
-        self, report_path: str | None = None, *, replay: bool = True, reference_every: int = reference.EVERY
+        self,
+        report_path: str | None = None,
+        *,
+        replay: bool = True,
+        reference_every: int = reference.EVERY,
+        stop_on: str | None = None,
     ) -> None:
+        self._stop_level = stop_level(stop_on)  # "error", "warning" or None; ValueError otherwise
+        self.stop_on = stop_on
         if not isinstance(replay, bool):
             raise ValueError(f"replay must be True or False, got {replay!r}")
         if not isinstance(reference_every, int) or reference_every < 0:
@@ -104,8 +117,8 @@ class FpDoctorCallback(_Callback):
 
     @property
     def report(self) -> Report:
-        """What the callback found so far (counts, verdicts, findings); written at the end of training."""
-        return _report.build(self._watch, "transformers")
+        """What the callback found so far (counts, verdicts, findings), and why a stopped run ended."""
+        return _report.build(self._watch, "transformers", self.stop_on)
 
     # -- the Trainer's events ----------------------------------------------------------------------
     @guarded("setting up")
@@ -131,7 +144,13 @@ class FpDoctorCallback(_Callback):
             ddp=_ddp_wrapper(model),
             optimizer=getattr(optimizer, "optimizer", optimizer),
             replay_context=self._replay_context,
+            live=Live(stop_on=self._stop_level),
         )
+        if self.report_path:  # rewritten as findings arrive: a job killed at any point leaves a readable report
+            world = int(getattr(args, "world_size", 1) or 1)
+            rank = int(getattr(args, "process_index", 0)) if world > 1 else None
+            path = _report.path_for_rank(self.report_path, rank, world)
+            self._watch.write_live(_report.live_writer(self._watch, "transformers", path))
         self._handles = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
@@ -158,6 +177,8 @@ class FpDoctorCallback(_Callback):
             for kept in watch.window_args(KeptGradients):  # host reads, bad steps only, before the replay
                 kept.read_finite()
         checked = watch.decide(step, spread=True)
+        if watch.stop_due():  # the optimizer step still runs (skipped if bad); the loop ends after it
+            control.should_training_stop = True
         if checked is None or checked.finite:
             return
         if watch.scaler is not None and checked.bad_grad and not checked.bad_loss:
@@ -177,6 +198,8 @@ class FpDoctorCallback(_Callback):
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._watch is not None:
             self._watch.after_step()
+            if self._watch.stop_due(agree=False):  # a finding about the update just taken
+                control.should_training_stop = True
 
     @guarded("adding to the log")
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -203,7 +226,7 @@ class FpDoctorCallback(_Callback):
         if watch is None or watch is self._finished:
             return
         self._finished = watch
-        report = _report.build(watch, "transformers")
+        report = _report.build(watch, "transformers", self.stop_on)
         world = int(getattr(args, "world_size", 1) or 1)
         rank = int(getattr(args, "process_index", 0)) if world > 1 else None
         if self.report_path:

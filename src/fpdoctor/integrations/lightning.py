@@ -20,6 +20,9 @@ Where the callback looks, and why there:
   so the optimizer step that follows changes nothing); an overflow under a GradScaler is the
   scaler's to skip and is counted as an AMP skip.
 - `on_train_end` (or `on_exception`): the report is written and summed up through Lightning's logger.
+  With `report_path` the file is also written at `on_fit_start` and rewritten as findings arrive
+  ("in progress"); with `stop_on`, the first finding at that level sets `trainer.should_stop`, which
+  Lightning's loop reads after the optimizer step.
 
 What it cannot do: replay under manual optimization (`training_step` steps the optimizer itself;
 such steps are still checked and skipped, and their report says "not replayed"); undo what a
@@ -43,6 +46,7 @@ from torch import nn
 from fpdoctor.integrations import _report
 from fpdoctor.integrations._watch import StepWatch, guarded
 from fpdoctor.numerics.training import reference
+from fpdoctor.numerics.training.live import Live, stop_level
 from fpdoctor.report.model import Report
 from fpdoctor.torchprivate import scaler_scale
 
@@ -66,9 +70,16 @@ class _Hooks:
     """The callback's behaviour, on whichever Lightning package's `Callback` it is mixed into."""
 
     def __init__(
-        self, report_path: str | None = None, *, replay: bool = True, reference_every: int = reference.EVERY
+        self,
+        report_path: str | None = None,
+        *,
+        replay: bool = True,
+        reference_every: int = reference.EVERY,
+        stop_on: str | None = None,
     ) -> None:
         super().__init__()
+        self._stop_level = stop_level(stop_on)  # "error", "warning" or None; ValueError otherwise
+        self.stop_on = stop_on
         if not isinstance(replay, bool):
             raise ValueError(f"replay must be True or False, got {replay!r}")
         if not isinstance(reference_every, int) or reference_every < 0:
@@ -87,8 +98,8 @@ class _Hooks:
 
     @property
     def report(self) -> Report:
-        """What the callback found so far (counts, verdicts, findings); written at the end of training."""
-        return _report.build(self._watch, "lightning")
+        """What the callback found so far (counts, verdicts, findings), and why a stopped run ended."""
+        return _report.build(self._watch, "lightning", self.stop_on)
 
     # -- Lightning's hooks -------------------------------------------------------------------------
     @guarded("setting up")
@@ -121,12 +132,17 @@ class _Hooks:
             ddp=ddp,
             optimizer=optimizers[0] if len(optimizers) == 1 else None,
             replay_context=lambda: _replaying(pl_module),
+            live=Live(stop_on=self._stop_level),
         )
         if not pl_module.automatic_optimization:
             self._watch.cannot_replay_any = "manual optimization: training_step steps the optimizer itself"
         if getattr(trainer, "gradient_clip_val", None):
             # Lightning clips after on_before_optimizer_step: the update the callback would infer is not the one taken
             self._watch.no_update_check("Lightning clips the gradients after the callback sees them")
+        if self.report_path:  # rewritten as findings arrive: a job killed at any point leaves a readable report
+            rank, world = _rank(trainer)
+            path = _report.path_for_rank(self.report_path, rank, world)
+            self._watch.write_live(_report.live_writer(self._watch, "lightning", path))
 
     @guarded("preparing the step")
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -160,11 +176,15 @@ class _Hooks:
             and not (watch.scaler is not None and checked.bad_grad and not checked.bad_loss)
         ):
             self._log_step(trainer, step)
+        if watch.stop_due():  # the optimizer step still runs (skipped if bad); the loop ends after it
+            trainer.should_stop = True
 
     @guarded("measuring the optimizer's updates")
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._watch is not None:
             self._watch.after_step()  # a step measured at on_before_optimizer_step has been taken
+            if self._watch.stop_due(agree=False):  # a finding about the update just taken
+                trainer.should_stop = True
 
     @guarded("writing the report")
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -195,7 +215,7 @@ class _Hooks:
         if watch is None or self._written is not None:
             return
         watch.close()
-        report = _report.build(watch, "lightning")
+        report = _report.build(watch, "lightning", self.stop_on)
         self._written = report
         rank, world = _rank(trainer)
         if self.report_path:
@@ -317,7 +337,10 @@ class FpDoctorCallback(_Hooks, _Callback):
     """The training sentinel for Lightning: checks every optimizer step's loss and gradients on the
     device, skips a non-finite step, replays it under `trace` and says why (see the module's doc).
 
-    `report_path`: where the report is written when training ends (.json, .md, .html, else text;
-    under DDP every rank writes its own, `name.rankN.ext`). `replay=False`: report and skip only.
+    `report_path`: where the report is written (.json, .md, .html, else text; under DDP every rank
+    writes its own, `name.rankN.ext`): when training starts, again as findings arrive (marked "in
+    progress", so a job killed at any point leaves a readable report) and when it ends.
+    `stop_on="error"` (or "warning"): the first finding at that level ends training at that step
+    (`trainer.should_stop`), the report saying why. `replay=False`: report and skip only.
     `callback.report` holds the report at any time.
     """
