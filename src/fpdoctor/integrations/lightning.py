@@ -82,10 +82,8 @@ class _Hooks:
         self.stop_on = stop_on
         if not isinstance(replay, bool):
             raise ValueError(f"replay must be True or False, got {replay!r}")
-        if not isinstance(reference_every, int) or reference_every < 0:
-            raise ValueError(f"reference_every must be an int >= 0 (every N-th step; 0: off), got {reference_every!r}")
         # the model's backward at steps 1, 1 + N, ... against the same step in fp32 (reference.py); 0: off
-        self.reference_every = reference_every
+        self.reference_every = reference.check_every(reference_every)
         self.report_path = _report.check_path(report_path)
         self.replay = replay
         self._from_entry_point = False

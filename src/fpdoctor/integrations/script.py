@@ -773,8 +773,7 @@ def watch(
     `ScriptWatch`'s (the model's backward at steps 1, 1 + N, ... against an fp32 step; 0: off)."""
     import atexit
 
-    if not isinstance(reference_every, int) or reference_every < 0:
-        raise ValueError(f"reference_every must be an int >= 0 (every N-th step; 0: off), got {reference_every!r}")
+    reference.check_every(reference_every)
     watcher = ScriptWatch(
         replay=replay,
         notify=lambda line: print(line, file=sys.stderr, flush=True),

@@ -91,6 +91,13 @@ class Comparison:
         return next((s for s in STAGES if self.departed(s)), None)
 
 
+def check_every(every: Any) -> int:
+    """`reference_every` as a user gave it: an int >= 0 (0: off), else a one-line ValueError."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise ValueError(f"reference_every must be an int >= 0 (every N-th step; 0: off), got {every!r}")
+    return every
+
+
 def due(step: int, every: int = EVERY) -> bool:
     return every > 0 and (step - 1) % every == 0
 

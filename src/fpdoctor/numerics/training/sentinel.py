@@ -202,10 +202,7 @@ class Sentinel(JudgedSteps):
                 raise ValueError("scaler= needs the optimizer: the sentinel calls scaler.step(optimizer)")
         if not isinstance(self.check_updates, int) or self.check_updates < 0:
             raise ValueError(f"check_updates must be an int >= 0 (every N-th step; 0: off), got {self.check_updates!r}")
-        if not isinstance(self.reference_every, int) or self.reference_every < 0:
-            raise ValueError(
-                f"reference_every must be an int >= 0 (every N-th step; 0: off), got {self.reference_every!r}"
-            )
+        reference.check_every(self.reference_every)
         if not isinstance(self.progress_window, int) or self.progress_window < 0 or 0 < self.progress_window < 4:
             raise ValueError(f"progress_window must be 0 (off) or an int >= 4 steps, got {self.progress_window!r}")
         if not isinstance(self.what_if_steps, int) or self.what_if_steps < 0:
