@@ -1,0 +1,68 @@
+"""The rotary tables built in the model's dtype (tests/fixtures/cases/rope_tables/), run as its README says:
+`fpdoctor compare factory.py:make --candidate bf16` leads with the lines that build the angles in bf16
+(the frequency table and the cast of the positions, before `cos`), and its fix, applied as printed to
+run.py, brings every window of `python run.py --dtype bf16` to about 0.008 relative error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.cases.case_runs import copy_case, edit, fpdoctor, line_of, python, relative_errors
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    folder = copy_case("rope_tables", tmp_path_factory.mktemp("case"))
+    proc, report = fpdoctor(folder, "compare", "factory.py:make", "--candidate", "bf16")
+    assert proc.returncode == 1, proc.stderr[-3000:]  # an error-level divergence
+    return folder, report
+
+
+def test_the_first_finding_is_the_bf16_angles(case: tuple[Path, dict]):
+    _, report = case
+    first = report["findings"][0]
+    assert first["code"] == "NUM006", first["title"]
+    ev = first["evidence"]
+    # the op that shows the error (sin or cos) is not the cause: what it reads is, made on the lines before it
+    assert ev["own_op"] in ("aten.sin.default", "aten.cos.default"), ev
+    op_file, op_line = line_of(ev["own_op_location"])
+    feeding = [line_of(loc) for loc in ev["feeding_lines"]]
+    # run.py:17 builds inv_freq in bf16, run.py:18 rounds the positions to bf16
+    assert ("run.py", 17) in feeding and ("run.py", 18) in feeding, feeding
+    assert (op_file, op_line) == ("run.py", 20)
+    assert "lines 17-20" in first["fix"] and "fp32" in first["fix"], first["fix"]
+    trial = first["fix_trial"]
+    assert trial["status"] == "checked", trial
+    assert trial["after"] < 0.01 and trial["before"] > 10 * trial["after"], trial
+
+
+def test_the_printed_fix_brings_every_window_to_its_checked_error(case: tuple[Path, dict]):
+    folder, report = case
+    first = report["findings"][0]
+    feeding = sorted(line_of(loc)[1] for loc in first["evidence"]["feeding_lines"])
+    assert feeding == [17, 18, 19, 20]
+    # As printed: "compute lines 17-20 in fp32 (a cast .to(torch.bfloat16) or a dtype=torch.bfloat16 there
+    # becomes torch.float32), then .to(torch.bfloat16) on what aten.sin.default returns". The bf16 there
+    # is run.py's `dtype` argument (the model's dtype), so the results go back to `dtype`: cos as well as
+    # sin, both being line 20's results (an fp32 cos beside a bf16 sin would make q and k fp32 and v bf16).
+    patched = edit(
+        folder / "run.py",
+        folder / "run_fixed.py",
+        {
+            17: [("dtype=dtype", "dtype=torch.float32")],
+            18: [("positions.to(dtype)", "positions.to(torch.float32)")],
+            20: [("angles.cos()", "angles.cos().to(dtype)"), ("angles.sin()", "angles.sin().to(dtype)")],
+        },
+    )
+    before = python(folder, "run.py", "--dtype", "bf16")
+    after = python(folder, patched.name, "--dtype", "bf16")
+    assert before.returncode == 0 and after.returncode == 0, before.stderr + after.stderr
+    was, now = relative_errors(before.stdout, "positions"), relative_errors(after.stdout, "positions")
+    assert sorted(now) == [0, 1024, 4096, 16384]
+    checked = first["fix_trial"]["after"]  # 0.008: the end-to-end error the trial measured, against fp64
+    # every window within 2x of the checked figure (run.py judges each window against fp32); before the
+    # fix the windows past position 1024 were 0.38-0.52
+    assert all(err <= 2 * checked for err, _ in now.values()), (checked, now)
+    assert max(err for err, _ in was.values()) > 10 * checked, was

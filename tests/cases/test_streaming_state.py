@@ -1,0 +1,118 @@
+"""The running states of a streaming model held in bf16 (tests/fixtures/cases/streaming_state/), run as its
+README says: `fpdoctor compare factory.py:make --candidate bf16` names both states (`kv` at run.py:31 and
+`k_sum` at run.py:32) with one fix for the two, checked together; applied as printed to run.py, it holds
+at every input length `python run.py --dtype bf16` scores, 16384 tokens the longest, and the error stays
+flat with the length (before the fix it grows: 0.012 / 0.26 / 0.70, as the user said)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.cases.case_runs import copy_case, edit, fpdoctor, line_of, python, relative_errors
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    folder = copy_case("streaming_state", tmp_path_factory.mktemp("case"))
+    proc, report = fpdoctor(folder, "compare", "factory.py:make", "--candidate", "bf16")
+    assert proc.returncode == 1, proc.stderr[-3000:]  # an error-level divergence
+    return folder, report
+
+
+def test_both_running_states_come_first(case: tuple[Path, dict]):
+    _, report = case
+    first = report["findings"][0]
+    assert first["code"] == "NUM006" and first["evidence"]["kind"] == "accumulation", first["title"]
+    states = [line_of(loc) for loc in first["evidence"]["state_locations"]]
+    assert states == [("run.py", 31), ("run.py", 32)]  # kv, then k_sum
+    assert "all of them" in first["fix"] and "fp32" in first["fix"], first["fix"]
+    trial = first["fix_trial"]
+    assert trial["status"] == "checked" and "together" in trial["changed"], trial
+    # the factory's one input (2048 tokens) is the largest compare was given
+    assert "[1, 2048]" in trial["on"], trial
+    assert trial["after"] < 0.01 and trial["before"] > 10 * trial["after"], trial
+    # each state alone is not enough; the fix is the pair
+    alone = [s["raised_rel"] for s in first["evidence"]["states_tried"]]
+    assert len(alone) == 2 and min(alone) > 2 * trial["after"], alone
+
+
+def test_the_printed_fix_holds_at_the_longest_input(case: tuple[Path, dict]):
+    folder, report = case
+    first, decisions = report["findings"][0], report["findings"][1]
+    source = (folder / "run.py").read_text().splitlines()
+    edits: dict[int, list[tuple[str, str]]] = {}
+    updates = [line_of(loc)[1] for loc in first["evidence"]["state_locations"]]
+    for line in updates:
+        # As printed: "create each with dtype=torch.float32 and cast what is read from it back to bfloat16";
+        # bfloat16 here is the activations' dtype, x.dtype (run.py also runs the model in fp32)
+        state = re.fullmatch(r"\s*(\w+) = \1 \+ .*", source[line - 1])
+        assert state, source[line - 1]
+        name = state[1]
+        created = next(n for n in range(line - 1, 0, -1) if re.match(rf"\s*{name} = x\.new_zeros\(", source[n - 1]))
+        edits.setdefault(created, []).append((")", ", dtype=torch.float32)"))
+        # the reads after the updates, in the loop: `@ kv)` and `* k_sum)`
+        read = next(n for n in range(max(updates) + 1, len(source)) if re.search(rf"\b{name}\)", source[n - 1]))
+        edits.setdefault(read, []).append((f"{name})", f"{name}.to(x.dtype))"))
+    assert len(edits) == 4, edits
+    patched = edit(folder / "run.py", folder / "run_fixed.py", edits)
+    before = python(folder, "run.py", "--dtype", "bf16")
+    after = python(folder, patched.name, "--dtype", "bf16")
+    assert before.returncode == 0 and after.returncode == 0, before.stderr + after.stderr
+    was, now = relative_errors(before.stdout, "input length"), relative_errors(after.stdout, "input length")
+    assert sorted(now) == [256, 2048, 16384]
+    checked = first["fix_trial"]["after"]  # 0.0053 at 2048 tokens, the whole output against fp64
+    # the user's symptom, before the fix: it grows with the length (0.012 / 0.26 / 0.70 measured)
+    assert was[16384][0] > 10 * max(was[256][0], checked), was
+    # run.py judges the last 256 tokens against fp32: every length within 2x of the checked figure,
+    # the longest too, and flat with the length
+    assert all(err <= 2 * checked for err, _ in now.values()), (checked, now)
+    assert now[16384][0] <= 1.5 * now[256][0], now
+    # the decisions come back as the decisions finding's trial says (98.7%), within 2 points
+    assert decisions["code"] == "NUM018", decisions["title"]
+    top1 = float(decisions["fix_trial"]["after"].rstrip("%")) / 100
+    assert all(agree >= top1 - 0.02 for _, agree in now.values()), (top1, now)
+
+
+# `compare` against the two plain forwards (fp32 and bf16) of the case's own factory, as
+# benchmarks/bench_compare.py --loop measures its copy of this model: one torch thread, CPU time (a
+# shared machine's load stretches wall time), each after a warm-up, medians of two rounds
+TIMED = r"""
+import json, statistics, time
+import torch
+import factory
+import fpdoctor
+from fpdoctor.precision.candidates import make_run
+torch.set_num_threads(1)
+model, inputs = factory.make()
+cand = make_run(model, "bf16").eval()
+def cpu(fn):
+    start = time.process_time(); fn(); return time.process_time() - start
+def plain():
+    with torch.no_grad():
+        model(*inputs); cand(*inputs)
+def comp():
+    fpdoctor.compare(model, inputs, candidate="bf16")
+cpu(plain); cpu(comp)
+plains, compares = zip(*[(cpu(plain), cpu(comp)) for _ in range(2)])
+print(json.dumps({"plain": statistics.median(plains), "compare": statistics.median(compares)}))
+"""
+
+
+@pytest.mark.serial  # a time budget: run alone, after the parallel pass
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="compare takes 8.6x the two plain forwards on the case's 2048-token input (3.44 s against 0.40 s "
+    "of CPU time, one thread), where the case's right answer holds 3x (bench_compare.py --loop: 8.9x)",
+)
+def test_compare_within_3x_two_plain_forwards(tmp_path: Path):
+    folder = copy_case("streaming_state", tmp_path)
+    proc = python(folder, "-c", TIMED)
+    if proc.returncode != 0:  # not the budget: fails the test in spite of the xfail
+        pytest.fail(proc.stderr[-3000:])
+    times = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert times["compare"] <= 3 * times["plain"], times
