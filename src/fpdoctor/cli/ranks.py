@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fpdoctor.cli.output import UsageError, write_atomic, write_or_stderr
+from fpdoctor.health.ranks import dist_env
 from fpdoctor.report.write import rank_path
 
 
@@ -35,17 +36,14 @@ class RankInfo:
 
 def rank_info() -> RankInfo | None:
     """This process's place under torchrun (or any launcher setting RANK and WORLD_SIZE)."""
-    try:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    except (KeyError, ValueError):
-        return None
-    if world < 2:
+    dist = dist_env()
+    if dist is None:
         return None
     run = ":".join(
         os.environ.get(k, "")
         for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
     )
-    return RankInfo(rank, world, int(os.environ.get("LOCAL_RANK", rank)), socket.gethostname(), run, time.time())
+    return RankInfo(dist.rank, dist.world_size, dist.local_rank, socket.gethostname(), run, time.time())
 
 
 def sidecar(path: str, rank: int) -> Path:

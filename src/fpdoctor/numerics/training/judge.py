@@ -690,23 +690,32 @@ class StepJudge:
             self._last_finite = None
             self.live.settle()
 
+    def _why_no_copies(self, f: StepFacts | None) -> str | None:
+        """Why a step's window cannot be run again on copies to take optimizer steps from its state
+        (the what-if of fp32 master weights, the progress experiment); None where it can."""
+        if self.optimizer is None:
+            return "the optimizer is not known"
+        if self.distributed:
+            return "under torch.distributed a what-if run on one rank would issue collectives the others do not"
+        if f is None:
+            return "the step's window was not kept"
+        if f.applied:
+            return "the step function applied the step itself: running it again would step your optimizer"
+        if f.why_not is not None:
+            return f.why_not
+        if f.scale is not None:
+            return "the step ran through a GradScaler: stand-in steps would take its scaled gradients"
+        return None
+
     def _what_if(self) -> tuple[Callable[[], WhatIf] | None, str]:
         """The what-if run of the last finite step's window, on stand-ins (`update_whatif`), or why none."""
         f, optimizer = self._last_finite, self.optimizer
         if not self.what_if_steps:
             return None, "what_if_steps=0"
-        if optimizer is None:
-            return None, "the optimizer is not known"
-        if self.distributed:
-            return None, "under torch.distributed a what-if run on one rank would issue collectives the others do not"
-        if f is None:
-            return None, "the step's window was not kept"
-        if f.applied:
-            return None, "the step function applied the step itself: running it again would step your optimizer"
-        if f.why_not is not None:
-            return None, f.why_not
-        if f.scale is not None:
-            return None, "the step ran through a GradScaler: stand-in steps would take its scaled gradients"
+        why = self._why_no_copies(f)
+        if why is not None:
+            return None, why
+        assert f is not None and optimizer is not None
         steps = self.what_if_steps
 
         def run_window() -> torch.Tensor | None:
@@ -750,19 +759,11 @@ class StepJudge:
         flat = progress.flat([s for s, _ in window], [v for _, v in window])
         if flat is None or any(x.name == "training-not-progressing" for x in self.findings):
             return
-        why = None
-        if self.optimizer is None:
-            why = "the optimizer is not known"
-        elif self.distributed:
-            why = "under torch.distributed an experiment on one rank would issue collectives the others do not"
-        elif self.is_compiled:
+        why = self._why_no_copies(f)
+        if why is None and self.is_compiled:
             why = "a compiled model: its copies would compile new graphs"
-        elif f.stepped or f.applied:
+        elif why is None and f.stepped:
             why = "the step was applied before it was judged: the state it started from is gone"
-        elif f.scale is not None:
-            why = "the step ran through a GradScaler: steps on copies would take its scaled gradients"
-        elif f.why_not is not None:
-            why = f.why_not
         judged: dict[str, Any] = {"window": [flat.first, flat.last], "flat": [flat.before, flat.after]}
         self.progress_judged.append(judged)
         if why is not None:

@@ -552,12 +552,14 @@ def _judge_set(
         one.rounded, one.log_p = floor_of(logits, candidate), torch.log_softmax(logits, -1)
     else:
         one.logits = None
-    if reference != "fp64":  # the reference's own end-to-end error: part of the output's floor
+
+    def reference_on(given: Any) -> Any:
+        """The reference model, nothing kept, on `given` inputs: measured as every run of the plan is."""
         rng.restore()
         with run_flags(reference, device):
-            one.reference_run = _measured(
+            return _measured(
                 model,
-                inputs,
+                given,
                 reference,
                 [],
                 fp32_outputs=set(),
@@ -566,6 +568,9 @@ def _judge_set(
                 log_p=one.log_p,
                 noise=compared.noise,
             )
+
+    if reference != "fp64":  # the reference's own end-to-end error: part of the output's floor
+        one.reference_run = reference_on(inputs)
     cand_dtype = compute_dtype(candidate)
     rounded = cast_inputs(inputs, cand_dtype)
     before, after = flat_sample(inputs), flat_sample(rounded)
@@ -573,19 +578,7 @@ def _judge_set(
         one.input_rounding = rel_error(after, before)
     if one.input_rounding > 0:
         # the reference model fed the inputs the candidate gets: what no keep-in-fp32 set can undo
-        rng.restore()
-        with run_flags(reference, device):
-            one.input_run = _measured(
-                model,
-                rounded,
-                reference,
-                [],
-                fp32_outputs=set(),
-                truth=truth,
-                logits=one.logits,
-                log_p=one.log_p,
-                noise=compared.noise,
-            )
+        one.input_run = reference_on(rounded)
     return one
 
 
