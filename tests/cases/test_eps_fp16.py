@@ -46,6 +46,9 @@ def test_the_optimizer_never_ran_then_the_eps(case: tuple[Path, dict, float]):
     assert torch.tensor(float(constant), dtype=torch.float16) == 0
     assert torch.tensor(float(replacement), dtype=torch.float16) > 0
     assert first["fix_trial"]["status"] == "checked", first["fix_trial"]
+    # the evidence says what the op was handed: an input it lists as holding an Inf is not "finite"
+    handed = [i for i in first["evidence"]["origin"]["inputs"] if i.get("nonfinite")]
+    assert ("from finite inputs" in first["message"]) == (not handed), first["message"]
     assert recall < 0.2  # the untrained model's recall@1 (0.14 before training)
 
 

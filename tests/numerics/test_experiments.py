@@ -146,6 +146,8 @@ def test_a_custom_op_whose_rerun_is_finite_points_at_the_device_or_library(call)
     assert finding.evidence["experiment"]["verdict"] == "device-or-library"
     assert finding.evidence["experiment"]["rerun_as_ran"] == "finite"
     assert "device or the library" in finding.fix and "epsilon" not in finding.fix
+    # where the kernel came from: whose code to test (here the test's own definition above)
+    assert f"a custom op defined by your code at {__file__}:" in finding.message
 
 
 def test_a_custom_op_that_always_returns_inf_is_not_blamed_on_the_device():

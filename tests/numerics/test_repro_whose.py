@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import fpdoctor
-from fpdoctor.numerics.trace import repro
+from fpdoctor.numerics.engine import reruns
 
 SITECUSTOMIZE = """\
 import torch
@@ -69,11 +69,13 @@ def test_an_op_the_program_defined_is_its_own(tmp_path: Path) -> None:
 
 
 def test_an_op_from_an_installed_package_or_unknown_is_said_so(monkeypatch) -> None:
-    monkeypatch.setattr("fpdoctor.torchprivate.defined_at", lambda op: ("/v/lib/site-packages/ext/ops.py", 12))
-    assert repro.whose("ext.fused.default") == (
+    monkeypatch.setattr(
+        "fpdoctor.numerics.engine.reruns.defined_at", lambda op: ("/v/lib/site-packages/ext/ops.py", 12)
+    )
+    assert reruns.whose("ext.fused.default") == (
         "defined by an installed package, not your code: registered at /v/lib/site-packages/ext/ops.py:12"
     )
-    monkeypatch.setattr("fpdoctor.torchprivate.defined_at", lambda op: ("/build/ext/csrc/ops.cpp", 40))
-    assert repro.whose("ext.fused.default") == "a compiled extension's op, registered at /build/ext/csrc/ops.cpp:40"
-    monkeypatch.setattr("fpdoctor.torchprivate.defined_at", lambda op: None)
-    assert "not known" in repro.whose("ext.fused.default")
+    monkeypatch.setattr("fpdoctor.numerics.engine.reruns.defined_at", lambda op: ("/build/ext/csrc/ops.cpp", 40))
+    assert reruns.whose("ext.fused.default") == "a compiled extension's op, registered at /build/ext/csrc/ops.cpp:40"
+    monkeypatch.setattr("fpdoctor.numerics.engine.reruns.defined_at", lambda op: None)
+    assert "not known" in reruns.whose("ext.fused.default")

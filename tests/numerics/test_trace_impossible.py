@@ -93,3 +93,18 @@ def test_a_saturating_op_fed_a_nan_the_trace_did_not_see_is_not_called_corruptio
     for finding in t.report.findings:
         assert "arithmetic_bound" not in finding.evidence and "arithmetic cannot" not in finding.title
     assert output_bound("aten.sigmoid.default", (torch.tensor([math.nan]),), {}) is None
+
+
+def test_a_report_that_could_not_be_built_is_never_ok(monkeypatch):
+    """What was traced but not judged (an error inside fpdoctor's own judging) is incomplete, not OK."""
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("judging failed")
+
+    monkeypatch.setattr("fpdoctor.numerics.trace.blame.Analysis.findings", broken)
+    model, x = _model(), torch.randn(8, 16)
+    with CorruptOneGemm(at=2), fpdoctor.trace(model) as t:
+        model(x)
+    assert t.report is not None and t.report.verdict == "warning"
+    assert t.report.data["status"] == "incomplete"
+    assert "judging failed" in t.report.data["not_checked"]["report"]

@@ -257,7 +257,11 @@ class Trace:
             with progress.task(f"trace: judging the {self.tracer.ops_seen:,} ops traced"):
                 self.report = self._build_report()
         except Exception as error:  # never let the report hide the user's own exception
-            self.report = Report(command="trace", data={"not_checked": {"report": f"{type(error).__name__}: {error}"}})
+            # what was traced was not judged: never an OK (an "ok" here once hid a NaN behind a bug)
+            self.report = Report(
+                command="trace",
+                data={"status": "incomplete", "not_checked": {"report": f"{type(error).__name__}: {error}"}},
+            )
         self.records = self.tracer.records
 
     def _build_report(self) -> Report:

@@ -27,7 +27,9 @@ seeded randomness (it would move the user's RNG).
 from __future__ import annotations
 
 import math
+import os
 import re
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -39,7 +41,8 @@ import torch
 from fpdoctor.numerics.observe.records import Record
 from fpdoctor.numerics.observe.values import checkable, dtype_name
 from fpdoctor.report.model import Trial
-from fpdoctor.torchprivate import tree_flatten, tree_unflatten
+from fpdoctor.torchprivate import defined_at, tree_flatten, tree_unflatten
+from fpdoctor.userframes import is_user_file
 
 WINDOW = 512  # ops whose arguments stay referenced, for the upstream walk
 WINDOW_BYTES = 256 * 2**20  # and at most this many bytes of their tensor arguments (see Window)
@@ -173,6 +176,8 @@ class Experiment:
             [f"in fp64 from the same inputs: {self.fp64}"] if self.fp64 else []
         )
         tried = " Experiment: " + "; ".join(parts) + "."
+        if not transparent_op(self.op) and "defined by" not in message and "registered at" not in message:
+            tried += f" {self.op} is {whose(self.op)}."  # whose kernel it is: the user's, the environment's
         if self.verdict == "device-or-library":
             return (
                 # a title that already says arithmetic cannot produce it (bounds.py) stays: both agree
@@ -335,6 +340,30 @@ _DEVICE = (
 def transparent_op(op: str) -> bool:
     """An aten or prims op: its re-runs are torch's own arithmetic, whose advice applies."""
     return op.startswith(("aten.", "prims."))
+
+
+def whose(op: str) -> str:
+    """Who defined the custom op `op` ("myns.scale.default"), from the file torch's dispatcher
+    says it was defined in: the program's own code, or the environment's (a sitecustomize or
+    usercustomize, a module a .pth file imports, an installed package), which no line of the
+    program names."""
+    namespace, name = op.split(".")[:2]
+    found = defined_at(f"{namespace}::{name}")
+    if found is None:
+        return "a custom op; where it was defined is not known"
+    file, line = found
+    startup = {
+        os.path.abspath(path): module
+        for module in ("sitecustomize", "usercustomize")
+        if (path := getattr(sys.modules.get(module), "__file__", None))
+    }
+    if os.path.abspath(file) in startup:
+        return f"defined by the environment, not your code: {startup[os.path.abspath(file)]} at {file}:{line}"
+    if any(s in file for s in ("site-packages", "dist-packages")):
+        return f"defined by an installed package, not your code: registered at {file}:{line}"
+    if file.startswith("<") or (file.endswith(".py") and is_user_file(file)):  # "<string>": python -c, exec
+        return f"a custom op defined by your code at {file}:{line}"
+    return f"a compiled extension's op, registered at {file}:{line}"
 
 
 def custom_op_fix(op: str, rerun: str | None) -> str:

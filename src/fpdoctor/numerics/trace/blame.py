@@ -144,6 +144,14 @@ class Analysis:
                         self.reached[origin].append(description)
 
     # -- describing -----------------------------------------------------------------------------
+    def made_from(self, r: Record) -> str:
+        """' from finite inputs', or ' from inf in aten.add.Tensor (...)': the non-finite inputs an
+        op was handed, so that a NaN made of an Inf is never said to come from finite values."""
+        fed = [s for s in r.inputs if self.kind_of(s)]
+        if not fed:
+            return " from finite inputs"
+        return " from " + ", ".join(f"{self.kind_of(s)} in {self.source_text(s)}" for s in fed[:2])
+
     def source_text(self, src: tuple[str, int]) -> str:
         if src[0] == "leaf":
             leaf = self.leaves[src[1]]
@@ -233,11 +241,7 @@ class Analysis:
         numel = math.prod(out.shape)
         reaches = self.reached.get(("op", r.index), [])
         fed = [s for s in r.inputs if self.kind_of(s)]
-        from_text = ""
-        if fed:
-            from_text = " from " + ", ".join(f"{self.kind_of(s)} in {self.source_text(s)}" for s in fed[:2])
-        else:
-            from_text = " from finite inputs"
+        from_text = self.made_from(r)
         location = where_text(r.location)
         phase = r.phase + (" (activation-checkpoint recompute)" if r.recompute else "")
         message = (
@@ -474,10 +478,10 @@ class Analysis:
         fix = catalog.get("grad-scaler-stalled").fix
         if r is not None and origin is not None:
             out = next(o for o in r.outputs if o.kind)
-            made = "from finite inputs" if self.roles.get(r.index) != "propagator" else "passed on"
+            made = self.made_from(r) if self.roles.get(r.index) != "propagator" else " passed on"
             message += (
                 f" The recurring non-finite value starts at {self._op_text(r)} ({r.phase}{self.when(r)}), on "
-                f"{origin[1]} of the {len(skipped)} skipped steps: it made {out.kind} {made} in {out.dtype}."
+                f"{origin[1]} of the {len(skipped)} skipped steps: it made {out.kind}{made} in {out.dtype}."
                 + (f" Source: {where_text(r.location)}." if r.location else "")
             )
             evidence["origin"] = _known(

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fpdoctor.errors import InputError
+from fpdoctor.numerics.engine.reruns import whose
 
 LIMIT = 64 * 1024 * 1024  # bytes of input values saved; above, shapes and a seed
 SEED = 1234
@@ -101,35 +102,6 @@ def scriptable(op: str) -> str | None:
     if op.split(".", maxsplit=1)[0] != "aten":
         return f"{op} is not an aten op ({whose(op)}): named, not scripted"
     return None
-
-
-def whose(op: str) -> str:
-    """Who defined the custom op `op` ("myns.scale.default"), from the file torch's dispatcher
-    says it was defined in: the program's own code, or the environment's (a sitecustomize or
-    usercustomize, a module a .pth file imports, an installed package), which no line of the
-    program names."""
-    import sys
-
-    from fpdoctor.torchprivate import defined_at
-    from fpdoctor.userframes import is_user_file
-
-    namespace, name = op.split(".")[:2]
-    found = defined_at(f"{namespace}::{name}")
-    if found is None:
-        return "a custom op; where it was defined is not known"
-    file, line = found
-    startup = {
-        os.path.abspath(path): module
-        for module in ("sitecustomize", "usercustomize")
-        if (path := getattr(sys.modules.get(module), "__file__", None))
-    }
-    if os.path.abspath(file) in startup:
-        return f"defined by the environment, not your code: {startup[os.path.abspath(file)]} at {file}:{line}"
-    if any(s in file for s in ("site-packages", "dist-packages")):
-        return f"defined by an installed package, not your code: registered at {file}:{line}"
-    if file.startswith("<") or (file.endswith(".py") and is_user_file(file)):  # "<string>": python -c, exec
-        return f"a custom op defined by your code at {file}:{line}"
-    return f"a compiled extension's op, registered at {file}:{line}"
 
 
 def machine_facts() -> dict[str, Any]:
