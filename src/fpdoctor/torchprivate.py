@@ -37,6 +37,52 @@ from torch.utils import _python_dispatch as _dispatch
 from torch.utils import _pytree as pytree  # nested inputs and outputs: tuples, lists, dicts, registered types
 from torch.utils._python_dispatch import TorchDispatchMode  # every aten op of a block through one Python method
 
+# -- data loading --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def dataloader_batches(on_indices: Callable[[Any, Any], None], on_batch: Callable[[Any, bool], None]) -> Iterator[None]:
+    """While inside, `on_indices(iterator, indices)` sees each index list a DataLoader iterator asks
+    its sampler for (at prefetch time too, in send order), `on_batch(iterator, in_order)` each batch
+    it hands out (in_order: handed out in the order asked), and `on_indices(iterator, None)` each
+    reset (a new epoch drops what was prefetched): which dataset rows a batch holds.
+    `_BaseDataLoaderIter`, its `_next_index`/`_reset` and `_in_order` are private; the class's
+    methods are put back on exit, and nothing is set on the iterators."""
+    try:
+        from torch.utils.data import dataloader
+    except ImportError:
+        yield
+        return
+    cls = getattr(dataloader, "_BaseDataLoaderIter", None)
+    names = ("_next_index", "_reset", "__next__")
+    if cls is None or not all(name in cls.__dict__ for name in names):
+        yield  # a release without them: rows are named by their place in the batch only
+        return
+    originals = {name: cls.__dict__[name] for name in names}
+
+    def _next_index(self: Any) -> Any:
+        indices = originals["_next_index"](self)
+        on_indices(self, indices)
+        return indices
+
+    def _reset(self: Any, *args: Any, **kwargs: Any) -> Any:
+        on_indices(self, None)
+        return originals["_reset"](self, *args, **kwargs)
+
+    def __next__(self: Any) -> Any:
+        batch = originals["__next__"](self)
+        on_batch(self, bool(getattr(self, "_in_order", True)))
+        return batch
+
+    for name, wrapper in (("_next_index", _next_index), ("_reset", _reset), ("__next__", __next__)):
+        setattr(cls, name, wrapper)
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(cls, name, original)
+
+
 # -- dispatch modes ------------------------------------------------------------------------------
 
 tree_flatten = pytree.tree_flatten  # a nested value's tensors, to replay an op with one input changed

@@ -67,6 +67,7 @@ from fpdoctor.numerics.observe.gradcheck import (
     skip_on_device,
     skips_on_device,
 )
+from fpdoctor.numerics.observe.loader import LoaderBatches
 from fpdoctor.numerics.training import distributed, reference
 from fpdoctor.numerics.training.judge import StepFacts, StepJudge, StepOutcome
 from fpdoctor.numerics.training.live import Live, StopRun, in_progress
@@ -255,6 +256,8 @@ class ScriptWatch:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+            # the dataset indices of each DataLoader batch: a replayed bad step names its items
+            stack.enter_context(LoaderBatches())
         self.close()
 
     def close(self) -> None:

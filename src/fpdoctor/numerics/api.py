@@ -138,6 +138,10 @@ class Trace:
 
         # what each optimizer step did to bf16/fp16 trainable weights, measured as the sentinel does
         self._updates = self._stack.enter_context(TraceUpdates(self.tracker.param_names))
+        from fpdoctor.numerics.observe.loader import LoaderBatches
+
+        # the dataset indices of each DataLoader batch: bad rows are named as dataset items too
+        self._stack.enter_context(LoaderBatches())
         self._stack.enter_context(self.tracker)
         self._stack.enter_context(self.tracer)
         if not self._forced_eager:  # compiled graphs run compiled, each call checked; exits before the tracer

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from fpdoctor.numerics.observe.loader import bad_rows, rows_text
 from fpdoctor.numerics.observe.records import Record
 from fpdoctor.numerics.observe.values import checkable, dtype_name
 from fpdoctor.report.model import Trial
@@ -160,15 +161,8 @@ class Experiment:
         return found
 
     def rows_text(self) -> str:
-        """' The NaN is in rows 3, 7 of the 16 along dim 0 ...', or '' where every row holds it."""
-        if self.rows is None:
-            return ""
-        rows = self.rows
-        listed = ", ".join(str(i) for i in rows["indices"][:8]) + (" ..." if len(rows["indices"]) > 8 else "")
-        text = f" It is in rows {listed} of the {rows['of']} along dim 0 (the batch), not in the others"
-        if rows.get("differs"):
-            text += f": in those rows {rows['differs']}"
-        return text + "."
+        """' It is in rows 3, 7 of the 16 along dim 0 ...', or '' where every row holds it."""
+        return rows_text(self.rows)
 
     def word(self, title: str, message: str, fix: str, label: str) -> tuple[str, str, str, Trial]:
         """The finding's title, message and fix as the experiment decided them, and the fix's trial."""
@@ -539,13 +533,10 @@ def _bad_rows(target: Step, lookup: Lookup | None) -> dict[str, Any] | None:
     """The rows along dim 0 of the op's output (run as it ran) that hold NaN/Inf, where only some do,
     and how its inputs' same rows differ from the others (their largest magnitude, all zero)."""
     out = next((o for o in _replay([target], None, lookup) if o.is_floating_point() and o.dim() >= 2), None)
-    if out is None or out.shape[0] < 2:
+    if out is None or (found := bad_rows(out)) is None:
         return None
-    bad = (~torch.isfinite(out)).reshape(out.shape[0], -1).any(1)
-    count = int(bad.sum())
-    if count in (0, out.shape[0]):
-        return None
-    found: dict[str, Any] = {"indices": bad.nonzero().flatten().tolist(), "of": out.shape[0]}
+    bad = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+    bad[found["indices"]] = True
     for position, t in enumerate(tree_flatten((target.args, target.kwargs or {}))[0]):
         if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 and t.shape[0] == out.shape[0]):
             continue

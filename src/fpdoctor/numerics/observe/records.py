@@ -57,6 +57,7 @@ class Leaf:
     counts: dict[str, int] | None = None
     first_use: int | None = None  # the record that first consumed it
     origin: str | None = None  # "collective": received from other ranks; else parameter/input by name
+    rows: dict[str, Any] | None = None  # a non-finite one's bad rows along dim 0 (observe/loader.bad_rows)
 
 
 @dataclass(slots=True)

@@ -30,6 +30,7 @@ from typing import Any
 
 from fpdoctor import catalog
 from fpdoctor.numerics.engine.reruns import custom_op_fix, transparent_op
+from fpdoctor.numerics.observe.loader import rows_text
 from fpdoctor.numerics.trace.bounds import impossible
 from fpdoctor.numerics.trace.recipes import range_cause
 from fpdoctor.numerics.trace.scaler_skips import ScalerRun, recurring
@@ -644,6 +645,7 @@ class Analysis:
                     if leaf.origin == "collective"
                     else ""
                 )
+                + rows_text(leaf.rows)
             ),
             where=_known(
                 {
@@ -662,6 +664,7 @@ class Analysis:
                     "shape": list(leaf.shape),
                     "counts": leaf.counts,
                     "origin": _leaf_origin(leaf),
+                    "rows": leaf.rows,
                     "reaches": reaches,
                     **(self.step_evidence(first) if first else {}),
                 }

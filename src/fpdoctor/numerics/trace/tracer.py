@@ -30,6 +30,7 @@ import torch
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
 from fpdoctor.numerics.engine.reruns import PRODUCERS, Experiment, Window, decide
 from fpdoctor.numerics.observe import records as _records
+from fpdoctor.numerics.observe.loader import bad_rows
 from fpdoctor.numerics.observe.records import Leaf, Output, Record, Store, kind_of
 from fpdoctor.numerics.observe.values import (
     CHECKABLE,
@@ -567,6 +568,7 @@ class Tracer(EagerDispatchMode):
         src = ("leaf", leaf.index)
         self._set(t, (src, version(t)))
         if leaf.kind:
+            leaf.rows = bad_rows(t)  # bad data: which rows, which dataset items
             self._tainted.add(src)
             self._pinned_leaves.add(leaf.index)
             if consumer is not None:
