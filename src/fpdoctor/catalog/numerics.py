@@ -526,4 +526,25 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         fix="Find the part of the recipe that loses the step: the reference step's gradients (TRN015), updates "
         "rounded away (TRN010), or a sum or residual in bf16/fp16 whose small terms round away in the forward.",
     ),
+    RuleInfo(
+        code="TRN017",
+        name="silent-corruption-suspected",
+        severity=E,
+        untried=_MACHINE,
+        title="One rank's device computes finite wrong numbers: its gradients leave the spread of the others'",
+        what="Under DDP each rank's own gradient norm, taken before the all-reduce, travels in the sentinel's "
+        "per-step all-reduce (one float per rank). The log-ratio of each rank's norm to the median over ranks is "
+        "calibrated on the run's first 32 finite steps (each rank's median, one spread: 1.4826 x the median "
+        "absolute deviation) and recalibrated every 32 steps on the last 256 without a strike. A rank beyond 8 "
+        "spreads is a strike; 3 strikes in 32 steps escalate: up to 8 of the model's nn.Linear layers are run "
+        "again on every rank, 16 times each on seeded inputs, against the same product in fp64 and against every "
+        "other rank's results. The rank whose results leave the rounding bound, or differ where all other ranks "
+        "agree, is named by rank, host, device, GPU index and UUID (evidence: the calibration, the strikes, the "
+        "recomputation).",
+        why="Most corruption makes no NaN: a flipped bit, a wrong tile of a GEMM or a stale buffer gives finite "
+        "wrong numbers, which DDP averages into every rank's gradients and the checkpoints keep. A check that waits "
+        "for a NaN finds it days later, or never.",
+        fix="Check the named device (fpdoctor health on its host, nvidia-smi -q -d ECC, the kernel log for Xid "
+        "errors), drain it, and resume from a checkpoint written before the first strike.",
+    ),
 )

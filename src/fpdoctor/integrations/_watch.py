@@ -383,7 +383,7 @@ class StepWatch(JudgedSteps):
             head = [grad, grad, scale, divisor]
             if distributed_:  # every rank skips, or none: replicas stay equal
                 local = torch.isfinite(raw).all().logical_not().float()
-                head[:2] = distributed.all_max(torch.stack([local, grad])).unbind()
+                head[:2] = self._judge.corruption.exchange(torch.stack([local, grad]), step).unbind()
             values = FlagRead(torch.cat([torch.stack(head), raw])).values()
         losses = values[_LOSSES:]
         curve = [v / values[_DIVISOR] * self._loss_times for v in losses]

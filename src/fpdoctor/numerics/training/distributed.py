@@ -108,6 +108,10 @@ class BucketWatch:
 
     def __init__(self, model: nn.Module) -> None:
         self._records: list[tuple[int, list[torch.Tensor], torch.Tensor, torch.Tensor]] = []
+        # each bucket's local gradient norm before the reduction (fp32, on the device), for the
+        # corruption sentinel's per-rank statistic (corruption.py); set where it reads them
+        self.norms = False
+        self._norms: list[torch.Tensor] = []
         self._after_last = False  # the previous bucket was a backward's last: the next one starts anew
         self._names = {id(p): name for name, p in model.named_parameters()}
         self.errors: list[str] = []
@@ -137,21 +141,32 @@ class BucketWatch:
     def begin(self) -> None:
         """Forget the last step's buckets (called before each step's backward)."""
         self._records = []
+        self._norms = []
         self._after_last = False
 
     def __call__(self, state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         try:
             if self._after_last:
                 self._records = []
+                self._norms = []
             self._after_last = bool(bucket.is_last())
             buffer = bucket.buffer()
             low, high = torch.aminmax(buffer.detach())
             self._records.append((bucket.index(), list(bucket.parameters()), low, high))
+            if self.norms:  # before the reduction scales the buffer in place: this rank's own gradient
+                self._norms.append(torch.linalg.vector_norm(buffer.detach(), dtype=torch.float32))
         except Exception as exc:  # the observer never breaks the all-reduce
             text = f"{type(exc).__name__}: {exc}"
             if len(self.errors) < 5 and text not in self.errors:
                 self.errors.append(text)
         return _allreduce_as_ddp_does(state, bucket.buffer())
+
+    def local_norm(self) -> torch.Tensor | None:
+        """This rank's gradient norm over the last backward's buckets, before the reduction (on the
+        device, nothing read back); None where no bucket was reduced since `begin`."""
+        if not self._norms:
+            return None
+        return self._norms[0] if len(self._norms) == 1 else torch.linalg.vector_norm(torch.stack(self._norms))
 
     def local_faults(self) -> list[dict[str, Any]]:
         """The buckets whose local gradient held NaN or Inf before the reduction (reads back)."""

@@ -40,7 +40,7 @@ from fpdoctor.numerics.compiled import step as compiled
 from fpdoctor.numerics.observe import amp, dynamo
 from fpdoctor.numerics.observe.batches import MicroBatch
 from fpdoctor.numerics.observe.gradcheck import bad_parameters, kind_of, tensor_kind
-from fpdoctor.numerics.training import distributed, findings, progress, reference, transient
+from fpdoctor.numerics.training import corruption, distributed, findings, progress, reference, transient
 from fpdoctor.numerics.training.control import ControlResult, run_control, wants_control
 from fpdoctor.numerics.training.live import FindingLog, Live
 from fpdoctor.numerics.training.lr_whatif import LrTrial, Snapshot, snapshot, try_lower_lr, window_runner
@@ -232,6 +232,8 @@ class StepJudge:
                 self.live.rank = self.here.get("rank")
         except Exception as exc:
             self.error("setting up under torch.distributed", exc)
+        # per-rank gradient norms in the step's all-reduce, for finite wrong numbers (corruption.py)
+        self.corruption = corruption.CorruptionWatch(self.model, self.bucket_watch, self.device)
         self._updates = UpdateJudge(self.causes, self.here)
         # The GPU's health now, to say on a transient fault what changed on it since (Xid, ECC):
         # two reads per job, none per step.
@@ -278,6 +280,10 @@ class StepJudge:
         """Decide one optimizer step (`_decide`), then whether training still progresses."""
         self._last_finite = None
         outcome = self._decide(f, apply)
+        try:  # every rank judges the same norms: a strike's escalation is collective
+            self.corruption.observe(f.step, f.finite, self.causes.add)
+        except Exception as exc:
+            self.error("comparing the ranks' gradient norms", exc, step=f.step)
         if f.finite and self.expects_updates:
             self._last_finite = f
         self._progress()
@@ -926,6 +932,9 @@ class StepJudge:
             else:
                 text += f"; not put to the reference: {last['not_tried']}"
             summary.append(("progress", text))
+        if self.distributed:  # what the corruption sentinel calibrated, struck and escalated, or why it is off
+            line_, out["corruption"] = self.corruption.summary()
+            summary.append(line_)
         out["timeline"] = findings.timeline(self.history, self.findings, TIMELINE_POINTS)
         out["summary"] = summary
         found = list(self.findings)

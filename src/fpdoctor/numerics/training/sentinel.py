@@ -416,7 +416,8 @@ class Sentinel(JudgedSteps):
             grad = nonfinite_flag(grads_of(self._params), self._device)
         agreed = torch.stack([local_loss, grad])
         if self._judge.distributed:
-            agreed = distributed.all_max(agreed)  # every rank skips, or none: replicas stay equal
+            # every rank skips, or none: replicas stay equal; each rank's gradient norm rides along
+            agreed = self._judge.corruption.exchange(agreed, self.steps)
         # after the scaler's step the gradients are unscaled (GradScaler unscales before it steps)
         norm = (
             grad_norm(grads_of(self._params), self._device)
