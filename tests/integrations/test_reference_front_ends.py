@@ -83,6 +83,7 @@ def test_watch_says_what_it_compared_on_healthy_recipes():
         assert judged["compared_steps"] == [1] and judged["worst"]["cosine"] > 0.99
         (line,) = [text for key, text in report.data["summary"] if key == "reference step"]
         assert line.startswith("step 1 against an fp32 step") and "within 2x" in line
+        assert "the gradients at step(s) 1 against an fp32 step" in report.data["judged"]
 
 
 def test_watch_reference_every_zero_says_it_was_off(tmp_path):

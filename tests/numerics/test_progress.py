@@ -81,6 +81,17 @@ def test_a_converged_run_is_flat_and_no_finding():
         model.bias.zero_()
     guard = _run(model, torch.float32, lr=1e-4)
     assert guard.report.by_name("training-not-progressing") == []
+    # the OK says what was judged, and that the reference step was off
+    judged = guard.report.data["judged"]
+    assert judged == guard.report.data["summary"][0][1]
+    assert f"{WINDOW} optimizer step(s)" in judged and "no reference step: switched off" in judged
+    assert "loss progress over 1 window(s)" in judged
+
+
+def test_an_ok_on_a_run_too_short_for_the_progress_check_says_so():
+    guard = _run(nn.Linear(16, 16), torch.float32, lr=1e-3, steps=WINDOW - 1)
+    assert guard.report.verdict == "ok"
+    assert f"loss progress: not judged (it needs {WINDOW} finite steps)" in guard.report.data["judged"]
 
 
 def test_the_user_state_is_left_as_the_step_made_it():

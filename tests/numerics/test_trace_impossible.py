@@ -108,3 +108,13 @@ def test_a_report_that_could_not_be_built_is_never_ok(monkeypatch):
     assert t.report is not None and t.report.verdict == "warning"
     assert t.report.data["status"] == "incomplete"
     assert "judging failed" in t.report.data["not_checked"]["report"]
+
+
+def test_an_ok_trace_says_what_it_judged_and_that_no_reference_was_compared():
+    model, x = _model(), torch.randn(8, 16)
+    with fpdoctor.trace(model) as t:
+        model(x)
+    assert t.report is not None and t.report.verdict == "ok"
+    key, judged = t.report.data["summary"][0]
+    assert key == "judged" and f"the outputs of {t.report.data['ops']:,} ops" in judged
+    assert "not compared with a reference" in judged and "fpdoctor watch" in judged

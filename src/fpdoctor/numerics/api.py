@@ -302,6 +302,8 @@ class Trace:
         nonfinite = sum(1 for r in tracer.records if r.kind)
         phases = sorted({r.phase for r in tracer.records})
         summary = [
+            # an OK says what it judged and what it did not: a trace has no reference to compare with
+            ("judged", _judged(tracer.records.count, self._steps.steps, phases)),
             ("ops traced", f"{tracer.records.count} value-producing ops of {tracer.ops_seen} dispatched"),
             ("phases", ", ".join(phases) or "-"),
             ("non-finite ops", str(nonfinite)),
@@ -346,6 +348,16 @@ class Trace:
                 "nonfinite_ops": nonfinite,
             },
         )
+
+
+def _judged(ops: int, steps: int, phases: list[str]) -> str:
+    """What a trace judged, and what only a reference would show."""
+    over = f" over {steps} optimizer step(s)" if steps else ""
+    return (
+        f"the outputs of {ops:,} ops{over} ({', '.join(phases) or 'none ran'}) for NaN/Inf, and fp16/bf16 values "
+        "against their format's range; not compared with a reference: how far the run is from fp32 is "
+        "`fpdoctor watch`'s reference step (steps 1, 501, ...) or `fpdoctor compare`'s forward against fp64"
+    )
 
 
 def trace(

@@ -221,6 +221,7 @@ class StepJudge:
         self.progress_window = progress.WINDOW
         self._window_losses: list[tuple[int, float]] = []
         self.progress_judged: list[dict[str, Any]] = []
+        self.progress_windows = 0  # windows whose two halves were compared, flat or not
         self.bucket_watch: distributed.BucketWatch | None = None
         self.distributed = False
         try:
@@ -762,6 +763,7 @@ class StepJudge:
         if len(self._window_losses) < span:
             return
         window, self._window_losses = self._window_losses, []
+        self.progress_windows += 1
         flat = progress.flat([s for s, _ in window], [v for _, v in window])
         if flat is None or any(x.name == "training-not-progressing" for x in self.findings):
             return
@@ -935,12 +937,43 @@ class StepJudge:
         if self.distributed:  # what the corruption sentinel calibrated, struck and escalated, or why it is off
             line_, out["corruption"] = self.corruption.summary()
             summary.append(line_)
+        out["judged"] = self._judged(out)
+        summary.insert(0, ("judged", out["judged"]))  # an OK says what it judged, and what it did not
         out["timeline"] = findings.timeline(self.history, self.findings, TIMELINE_POINTS)
         out["summary"] = summary
         found = list(self.findings)
         if self.is_compiled:
             found = compiled.label_step_findings(found, self.compiled_graphs, self.first_graphs)
         return Report(command="sentinel", findings=found, data=out)
+
+    def _judged(self, out: dict[str, Any]) -> str:
+        """One sentence: the steps judged and by what, each reference with its measure, and what was
+        not judged (a reference step that was off, a run too short for the progress check)."""
+        parts = [f"{self.steps} optimizer step(s): the loss and gradients for NaN/Inf"]
+        ref = out.get("reference_step")
+        if ref is not None and ref["compared_steps"]:
+            steps = ", ".join(map(str, ref["compared_steps"][:5])) + (", ..." if len(ref["compared_steps"]) > 5 else "")
+            low, high = ref["bounds"]["norm_ratio"]
+            parts.append(
+                f"the gradients at step(s) {steps} against an fp32 step without autocast or loss scaling "
+                f"(norm ratio within [{low:g}, {high:g}], cosine >= {ref['bounds']['cosine_min']:g})"
+            )
+        elif ref is not None:
+            why = ref.get("off") or next(iter(ref["not_compared"].values()), "no step was due")
+            parts.append(f"no reference step: {why}")
+        if self.progress_window <= 0:
+            parts.append("loss progress: off")
+        elif not self.progress_windows:
+            parts.append(f"loss progress: not judged (it needs {self.progress_window} finite steps)")
+        else:
+            tried = sum(1 for j in self.progress_judged if "reference" in j)
+            parts.append(
+                f"loss progress over {self.progress_windows} window(s): {len(self.progress_judged)} flat, "
+                f"{tried} put to an fp32 reference"
+            )
+        if "updates" in out:
+            parts.append("the updates of bf16/fp16 weights against what their format keeps")
+        return "; ".join(parts)
 
 
 class JudgedSteps:
