@@ -115,6 +115,17 @@ class _Run:
     groups: tuple[tuple[int, int], ...] = ()  # `_groups(optimizer)` when `params` was made
 
 
+# per device: the scale slot of the flags of a step without a scaler (copied by the stack, never written)
+_NAN: dict[torch.device, torch.Tensor] = {}
+
+
+def _nan(device: torch.device) -> torch.Tensor:
+    nan = _NAN.get(device)
+    if nan is None:
+        nan = _NAN[device] = torch.full((), math.nan, device=device)
+    return nan
+
+
 def _trainable(optimizer: Any) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
 
@@ -246,6 +257,8 @@ class ScriptWatch:
             stack.enter_context(self._swapped(torch.autograd, "backward", self._backward_of))
             scaler = amp.grad_scaler_class()
             stack.enter_context(self._swapped(scaler, "step", self._scaler_step_of))
+            # the dataset indices of each DataLoader batch: a replayed bad step names its items
+            stack.enter_context(LoaderBatches())
             # a Hugging Face Trainer made inside gets the fpdoctor callback, which judges its steps
             stack.enter_context(hf_switch.callback_in_trainers(self._error))
         except BaseException:
@@ -256,8 +269,6 @@ class ScriptWatch:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-            # the dataset indices of each DataLoader batch: a replayed bad step names its items
-            stack.enter_context(LoaderBatches())
         self.close()
 
     def close(self) -> None:
@@ -504,17 +515,18 @@ class ScriptWatch:
         on_device = run.device_skip and not skipped_by_scaler
         with torch.no_grad():
             grad = nonfinite_flag(grads_of(run.params), device)
-            loss_t = torch.stack([t.to(device) for t in losses]) if losses else torch.zeros(0, device=device)
-            # [loss, gradients]: the losses come back anyway and are judged on the host, unless the loss's
-            # flag is needed on the device, agreed across ranks or given to the optimizer
-            agreed = torch.stack([grad, grad])
+            scale = amp.scale_tensor(scaler, device) if scaler is not None else _nan(device)
+            # [loss, gradients, scale, losses]: the losses come back anyway and are judged on the host,
+            # unless the loss's flag is needed on the device, agreed across ranks or given to the optimizer
             if judge.distributed or on_device:
+                loss_t = torch.stack([t.to(device) for t in losses]) if losses else torch.zeros(0, device=device)
                 agreed = torch.stack([torch.isfinite(loss_t).all().logical_not().float(), grad])
                 if judge.distributed:  # every rank skips, or none: replicas stay equal
-                    agreed = distributed.all_max(agreed)
-            scale = amp.scale_tensor(scaler, device) if scaler is not None else torch.full((), math.nan, device=device)
-            # on its way to the host before the optimizer's kernels are queued
-            flags = FlagRead(torch.cat([agreed, scale.reshape(1), loss_t]))
+                    agreed = judge.corruption.exchange(agreed, judge.steps + 1)  # each rank's gradient norm too
+                # on its way to the host before the optimizer's kernels are queued
+                flags = FlagRead(torch.cat([agreed, scale.reshape(1), loss_t]))
+            else:  # the usual step: one stack (each small op is a few us of a step's fixed cost)
+                flags = FlagRead(torch.stack([grad, grad, scale, *(t.to(device) for t in losses)]))
         judge.steps += 1
         judge.micro_batches += len(mine)
         pending = _Pending(run, judge.steps, flags, mine, scaler, skipped_by_scaler, on_device)

@@ -35,6 +35,16 @@ def dense_values(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return [g._values() if g.is_sparse else g for g in grads]
 
 
+_ONES: dict[torch.device, torch.Tensor] = {}  # the check's scale 1.0 per device, made once: the kernel only reads it
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
+
+
 def nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """float32 0-d tensor on `device`: 1.0 when any value of `grads` is NaN or Inf, else 0.0.
 
@@ -50,7 +60,7 @@ def nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Ten
     if device.type == "cpu" and grads[0].device == device:
         with torch.no_grad():
             try:
-                unscale_check_(grads, found, torch.ones((), dtype=torch.float32, device=device))
+                unscale_check_(grads, found, _one(device))
                 return found
             except (NotImplementedError, RuntimeError):
                 pass
@@ -62,7 +72,7 @@ def nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Ten
         for (dev, _), group in groups.items():
             if dev not in per_device:
                 flag = found if dev == device else torch.zeros((), dtype=torch.float32, device=dev)
-                per_device[dev] = (flag, torch.ones((), dtype=torch.float32, device=dev))
+                per_device[dev] = (flag, _one(dev))
             flag, one = per_device[dev]
             try:
                 unscale_check_(group, flag, one)
