@@ -161,12 +161,16 @@ class _Chains(TorchFunctionMode):
         self.out: Any = None
         self.counted = False  # the current visit of `line` was counted as an update
         self.previous: dict[str, Any] = {}  # line -> weak reference to its last visit's last output
+        self._lines: dict[tuple[str, int, str], str] = {}  # user_location's answer -> the line's name
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # written out, without helper calls or generators: this runs for every call of a long loop
         user = user_location(sys._getframe())
         if user is None:
             return func(*args, **(kwargs or {}))
-        line = f"{user[0]}:{user[1]}"
+        line = self._lines.get(user)
+        if line is None:
+            line = self._lines[user] = f"{user[0]}:{user[1]}"
         key = (id(func), line)
         if key in self.aten:
             out = func(*args, **(kwargs or {}))
@@ -180,9 +184,17 @@ class _Chains(TorchFunctionMode):
             if self.line is not None:
                 self.previous[self.line] = self.out
             self.line, self.counted = line, False
-        if _reads(args, self.last.get(key)) or (not self.counted and _reads(args, self.previous.get(line))):
+        ref = self.last.get(key)
+        held = ref() if ref is not None else None
+        reads = held is not None and _holds(args, held)
+        if not reads and not self.counted:
+            ref = self.previous.get(line)
+            held = ref() if ref is not None else None
+            reads = held is not None and _holds(args, held)
+        if reads:
             self.steps[line] = self.steps.get(line, 0) + 1
-            self.module.setdefault(line, self.stack[-1] if self.stack else "")
+            if line not in self.module:
+                self.module[line] = self.stack[-1] if self.stack else ""
             self.counted = True
         calls = self.calls.get(line)  # not setdefault: its default dict would be made on every call
         if calls is None:
@@ -213,12 +225,12 @@ class _AtenOps(EagerDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _reads(args: Any, ref: Any) -> bool:
-    """Whether the tensor `ref` refers to (alive) is one of the call's arguments."""
-    if ref is None:
-        return False
-    held = ref()
-    return held is not None and any(a is held for a in args)
+def _holds(args: Any, held: torch.Tensor) -> bool:
+    """Whether `held` is one of the call's arguments (a loop: any() over a generator costs more per call)."""
+    for a in args:  # noqa: SIM110
+        if a is held:
+            return True
+    return False
 
 
 def carried_states(

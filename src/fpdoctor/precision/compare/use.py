@@ -26,7 +26,7 @@ from torch import nn
 from fpdoctor import catalog
 from fpdoctor.precision.inputs import describe
 from fpdoctor.precision.inputs import text as inputs_text
-from fpdoctor.precision.metrics import round_to
+from fpdoctor.precision.metrics import all_finite, round_to
 from fpdoctor.report.model import Finding, Trial
 
 # The candidate changes the decisions when it flips this many times the rows rounding flips (the
@@ -98,7 +98,10 @@ def decisions(truth: torch.Tensor, candidate: torch.Tensor, fmt: str, source: st
     p = log_p.exp()
 
     def kl(x: torch.Tensor) -> float:
-        value = float((p * (log_p - torch.log_softmax(x, -1))).sum(-1).mean())
+        # p * (log_p - log_softmax(x)), elementwise the same operations, written into log_softmax's
+        # result: two fewer temporaries of the logits' size (their first writes cost as much as the math)
+        term = torch.log_softmax(x, -1)
+        value = float(torch.sub(log_p, term, out=term).mul_(p).sum(-1).mean())
         return max(value, 0.0) if math.isfinite(value) else math.inf
 
     k = min(TOP_K, ref.shape[-1])
@@ -118,11 +121,11 @@ def top1(truth: torch.Tensor, candidate: torch.Tensor) -> float | None:
 
 def _rows(truth: torch.Tensor, candidate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(referee, candidate) in float64, a row per decision; None when either is not finite or empty."""
-    if candidate.shape != truth.shape or not bool(torch.isfinite(candidate).all()):
+    if candidate.shape != truth.shape or not all_finite(candidate):
         return None
     ref = truth.detach().double().reshape(-1, truth.shape[-1])
     cand = candidate.detach().double().reshape(-1, truth.shape[-1])
-    if ref.shape[0] == 0 or not bool(torch.isfinite(ref).all()):
+    if ref.shape[0] == 0 or not all_finite(ref):
         return None
     return ref, cand
 
