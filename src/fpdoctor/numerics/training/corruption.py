@@ -6,8 +6,8 @@ its own data, so the size of each rank's own gradient before the all-reduce is a
 healthy run keeps within a spread of its own (the data differ) and a faulty device leaves.
 
 The always-on part. `BucketWatch` (distributed.py) takes each bucket's local norm on the device
-before the reduction; each rank writes the log of its norm into its own slot of a world-long
-vector (the others' slots at -inf) appended to the sentinel's per-step all-reduce: one MAX
+before the reduction; each rank writes its norm into its own slot of a world-long vector (the
+others' slots at -1) appended to the sentinel's per-step all-reduce: one MAX
 all-reduce per step, as before, now of 2 + world_size floats, read back with the step's flags.
 Every rank then holds every rank's norm, and decides the same thing from the same floats.
 
@@ -61,7 +61,7 @@ REPEATS = 16
 ROWS = 16
 ESCALATIONS = 3
 _MADS = 1.4826  # the median absolute deviation times this is a Gaussian's standard deviation
-_ZERO = -1e30  # a rank's log-norm when its gradient is zero (-inf marks a rank that sent none)
+_LOG_ZERO = -1e30  # the log of a zero norm: far below any rank's
 
 
 @dataclass
@@ -71,7 +71,7 @@ class Calibration:
     steps: int  # the steps the latest calibration read
     first: int
     last: int
-    centres: torch.Tensor  # float64, one per rank
+    centres: list[float]  # one per rank
     spread: float
     floored: bool  # the measured spread was under FLOOR
 
@@ -79,7 +79,7 @@ class Calibration:
         return {
             "steps": self.steps,
             "window": [self.first, self.last],
-            "centres": [round(c, 5) for c in self.centres.tolist()],
+            "centres": [round(c, 5) for c in self.centres],
             "spread": self.spread,
             "floored": self.floored,
             "threshold": THRESHOLD,
@@ -136,7 +136,15 @@ class CorruptionWatch:
         else:
             bucket_watch.norms = True
         self._reads: dict[int, FlagRead] = {}
-        self._deviations: deque[tuple[int, torch.Tensor]] = deque(maxlen=WINDOW)  # steps without a strike
+        # the other ranks' slots of the exchanged vector (-1: below any norm), made once per device
+        self._others: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._missing = torch.full((1,), -1.0, device=device)
+        # the last WINDOW steps without a strike (deviations, steps x ranks), and the thresholds' figures
+        self._ring: torch.Tensor | None = None
+        self._ring_steps = [0] * WINDOW
+        self._next = self._filled = 0
+        self._centres: list[float] | None = None
+        self._spread = FLOOR
         self._since = 0  # steps judged since the last calibration
         self.calibration: Calibration | None = None
         self.judged = 0  # steps whose every rank sent its norm
@@ -151,61 +159,71 @@ class CorruptionWatch:
 
     # -- the always-on part --------------------------------------------------------------------
     def exchange(self, agreed: torch.Tensor, step: int) -> torch.Tensor:
-        """`distributed.all_max(agreed)`, with every rank's log gradient norm in the same all-reduce.
+        """`distributed.all_max(agreed)`, with every rank's gradient norm in the same all-reduce.
         Every rank sends the same length whatever fails here (else the collective would not match)."""
         if self.world < 2 or self.off is not None:  # off on every rank alike (the same model, the same hook)
             return distributed.all_max(agreed)
         head = agreed.detach().float().reshape(-1)
-        slots = torch.full((self.world,), -math.inf, device=head.device)
+        mine = self._missing
         try:
             norm = self.bucket_watch.local_norm() if self.bucket_watch is not None else None
-            if norm is not None:
-                # log of 0 is -inf, which marks a rank that sent nothing: a zero gradient is _ZERO;
-                # NaN (a non-finite step, judged elsewhere) would not survive the MAX: +inf
-                slots[self.rank] = torch.nan_to_num(torch.log(norm.to(head.device)), nan=math.inf).clamp_min(_ZERO)
+            if norm is not None:  # >= 0 (NaN on a non-finite step, which is not judged): -1 marks none
+                mine = norm.reshape(1).to(head.device)
         except Exception as exc:  # the observer never breaks the step's collective
             self._error(exc)
-        out = distributed.all_max(torch.cat([head, slots]))
+        others = self._others.get(head.device)
+        if others is None:
+            others = self._others[head.device] = (
+                torch.full((self.rank,), -1.0, device=head.device),
+                torch.full((self.world - self.rank - 1,), -1.0, device=head.device),
+            )
+        out = torch.cat([head, others[0], mine.to(head.device), others[1]])  # a new tensor: reduced in place
+        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX)
         self._reads[step] = FlagRead(out[head.numel() :])
         while len(self._reads) > 4:  # steps never judged (an observer failure before the judge)
             del self._reads[min(self._reads)]
         return out[: head.numel()].to(agreed.dtype).reshape(agreed.shape)
 
     def observe(self, step: int, finite: bool, add: Callable[[Finding], None]) -> None:
-        """Judge the step's norms (host values): strikes, calibration, escalation; findings to `add`.
-        Vector arithmetic on the host (torch, float64): O(world) per step, a few small ops."""
+        """Judge the step's norms (host floats): strikes, calibration, escalation; findings to `add`.
+        Plain Python per step, a few passes over one float per rank (small torch ops cost more below
+        a few hundred ranks); the calibration's medians in torch, every RECALIBRATE_EVERY steps."""
         read = self._reads.pop(step, None)
         if read is None or not finite or self.off is not None:
             return
-        logs = torch.tensor(read.values(), dtype=torch.float64)
-        if bool((logs == -math.inf).any()):  # a rank sent no norm (no bucket reduced this step)
+        norms = read.values()
+        if min(norms) < 0:  # a rank sent no norm (no bucket reduced this step)
             return
         self.judged += 1
-        # the lower median for an even count: one rank far off moves it by at most one place
-        deviations = logs - logs.median()
-        if self.calibration is None:
-            self._deviations.append((step, deviations))
-            if len(self._deviations) >= CALIBRATION_STEPS:
+        logs = [math.log(n) if n > 0 else _LOG_ZERO for n in norms]  # a zero gradient: far below every rank
+        ordered = sorted(logs)
+        n = len(ordered)
+        # halfway between the middle two for an even count (the lower one alone would put one rank at
+        # exactly 0 every step, and two ranks could never be told apart)
+        median = 0.5 * (ordered[(n - 1) // 2] + ordered[n // 2])
+        deviations = [v - median for v in logs]
+        if self._centres is None:
+            self._keep(step, deviations)
+            if self._filled >= CALIBRATION_STEPS:
                 self._calibrate()
             return
-        cal = self.calibration
-        zs = (deviations - cal.centres).abs() / cal.spread
-        if self.trace is not None:  # signed, for a benchmark's distribution of the statistic
-            self.trace.append((step, ((deviations - cal.centres) / cal.spread).tolist()))
-        over = (zs > THRESHOLD) | zs.isnan()
-        if not bool(over.any()):
-            self.worst = max(self.worst, float(zs.max()))
-            self._deviations.append((step, deviations))
+        spread = self._spread
+        signed = [(d - c) / spread for d, c in zip(deviations, self._centres, strict=True)]
+        if self.trace is not None:  # for a benchmark's distribution of the statistic
+            self.trace.append((step, signed))
+        struck = [r for r, z in enumerate(signed) if not abs(z) <= THRESHOLD]  # NaN strikes too
+        if not struck:
+            self.worst = max(self.worst, *map(abs, signed))
+            self._keep(step, deviations)
             self._since += 1
             if self._since >= RECALIBRATE_EVERY:
                 self._calibrate()
             return
         suspects = []
-        for rank in over.nonzero().flatten().tolist():
-            z = float(zs[rank])
+        for rank in struck:
             self.strike_count += 1
             if len(self.struck) < 100:
-                self.struck.append((step, rank, z))
+                self.struck.append((step, rank, abs(signed[rank])))
             strikes = self._strikes.setdefault(rank, deque())
             strikes.append(step)
             while strikes and strikes[0] <= step - STRIKE_WINDOW:
@@ -215,14 +233,25 @@ class CorruptionWatch:
         if suspects and len(self.escalations) < ESCALATIONS:
             self._escalate(step, suspects, add)
 
+    def _keep(self, step: int, deviations: list[float]) -> None:
+        """A step without a strike into the calibration's ring of the last WINDOW steps."""
+        if self._ring is None:
+            self._ring = torch.empty(WINDOW, self.world, dtype=torch.float64)
+        self._ring[self._next] = torch.tensor(deviations, dtype=torch.float64)
+        self._ring_steps[self._next] = step
+        self._next = (self._next + 1) % WINDOW
+        self._filled = min(self._filled + 1, WINDOW)
+
     def _calibrate(self) -> None:
-        steps = [s for s, _ in self._deviations]
-        table = torch.stack([d for _, d in self._deviations])  # steps x ranks
+        assert self._ring is not None
+        table = self._ring[: self._filled]  # steps x ranks, in ring order (medians need none)
+        steps = self._ring_steps[: self._filled]
         centres = table.median(dim=0).values
         spread = _MADS * float((table - centres).abs().median())
+        self._centres, self._spread = centres.tolist(), max(spread, FLOOR)
         self.calibration = Calibration(
-            steps=len(steps), first=steps[0], last=steps[-1], centres=centres,
-            spread=max(spread, FLOOR), floored=spread < FLOOR,
+            steps=self._filled, first=min(steps), last=max(steps), centres=self._centres,
+            spread=self._spread, floored=spread < FLOOR,
         )  # fmt: skip
         self._since = 0
 
