@@ -11,12 +11,16 @@ On the GPU also the host synchronisations per step of every variant, counted by 
 debug mode ("warn": one warning per synchronising call), and the guarded fused steps run under
 torch.cuda.set_sync_debug_mode("error"): with a fused optimizer the sentinel adds none.
 
-On the CPU also a curve over what moves the sentinel's per-step cost (the count of parameter
-tensors and the gradient bytes it checks): MLPs of 10, 100 and 1000 parameter tensors
-(Linear(64, 64) layers, 64 rows a batch) and one of 8 wide ones (Linear(1024, 1024)), each with
-foreach, fused and for-loop (`foreach=False`) AdamW, one intra-op thread; the same model and
-optimizer stepped plain and through `Sentinel.step` in alternating blocks of steps, medians of
-per-step CPU time (`time.process_time`); the budget holds at the curve's worst point.
+On the CPU also a curve over what moves the sentinel's per-step cost (`models.shapes`: the count of
+parameter tensors, their width, the optimizer's kind, one or two threads): MLPs of 10, 100 and 1000
+parameter tensors of width 64 and of 10 and 100 of width 512 (64 rows a batch), each with foreach,
+fused and for-loop (`foreach=False`) AdamW on one intra-op thread, three of them on two; the same
+model and optimizer stepped plain and through `Sentinel.step` in alternating blocks of steps,
+medians of per-step CPU time (`time.process_time`); the gradient norm, every 10th step, is inside
+them. The sampled work (the reference step, every 500th; the progress experiment, per flat window of
+200 steps, doubling) is timed where it runs in a short run of its own (`models.SampledWork`) on
+three shapes of the curve, spread over a run of 10,000 steps, every window taken for flat (the
+worst case). The verdict: the curve's worst always-on ratio plus the worst sampled share.
 
 Run: python benchmarks/bench_sentinel.py [--quick] [--rounds R] [--steps N] [--device cpu|cuda|all]
 """
@@ -37,7 +41,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fpdoctor
-from models import batch, mlp, small_transformer
+from models import RUN_STEPS, SAMPLED_SHAPES, SampledWork, Shape, batch, mlp_loop, shapes, small_transformer, threads
 
 # seconds spent inside the user's step_fn and optimizer.step per guarded variant: the rest of a
 # guarded step's time is the sentinel's own, measured within the same steps (immune to the load
@@ -235,77 +239,91 @@ def report(title: str, medians: dict[str, float]) -> dict[str, float]:
     return ratios
 
 
-CURVE_OPTIMIZERS = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
 BLOCK_SECONDS = 0.1  # CPU time a block of steps aims at
+SAMPLED_STEPS = 4  # the short run the sampled work is timed in: reference steps 1 and 4, an experiment at 3
 
 
-def curve_row(tensors: int, width: int, kind: str, blocks: int) -> tuple[float, float]:
+def curve_row(shape: Shape, blocks: int) -> tuple[float, float]:
     """Median CPU seconds per step of one MLP and optimizer, plain and guarded, in alternating blocks
     (the first step of each block left out: the switch's cache effects)."""
-    torch.manual_seed(0)
-    model = mlp(tensors, width)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **CURVE_OPTIMIZERS[kind])
-    x, y = torch.randn(64, width), torch.randn(64, width)
+    with threads(shape.threads):
+        model, opt, step_fn = mlp_loop(shape)
 
-    def step_fn() -> torch.Tensor:
-        opt.zero_grad(set_to_none=True)
-        loss = (model(x) - y).square().mean()
-        loss.backward()
-        return loss
+        def plain() -> None:
+            step_fn()
+            opt.step()
 
-    def plain() -> None:
-        step_fn()
-        opt.step()
-
-    guard = fpdoctor.Sentinel(model, opt, gpu_health=False)
-    variants = {"plain": plain, "sentinel": lambda: guard.step(step_fn)}
-    for fn in variants.values():  # warm-up: first calls, the sentinel's first step (its reference step)
-        for _ in range(3):
-            fn()
-    start = time.process_time()
-    plain()
-    per_block = max(3, min(20, round(BLOCK_SECONDS / max(time.process_time() - start, 1e-4))))
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(blocks):
-        for name, fn in variants.items():
-            for i in range(per_block + 1):
-                start = time.process_time()
+        guard = fpdoctor.Sentinel(model, opt, gpu_health=False)
+        variants = {"plain": plain, "sentinel": lambda: guard.step(step_fn)}
+        for fn in variants.values():  # warm-up: first calls, the sentinel's first step (its reference step)
+            for _ in range(3):
                 fn()
-                if i:
-                    times[name].append(time.process_time() - start)
+        start = time.process_time()
+        plain()
+        per_block = max(3, min(20, round(BLOCK_SECONDS / max(time.process_time() - start, 1e-4))))
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(blocks):
+            for name, fn in variants.items():
+                for i in range(per_block + 1):
+                    start = time.process_time()
+                    fn()
+                    if i:
+                        times[name].append(time.process_time() - start)
     return statistics.median(times["plain"]), statistics.median(times["sentinel"])
 
 
+def sampled_row(shape: Shape) -> tuple[float, str]:
+    """The sentinel's sampled work on `shape` per step over RUN_STEPS, as a share of a plain step."""
+    with threads(shape.threads):
+        model, opt, step_fn = mlp_loop(shape)
+        guard = fpdoctor.Sentinel(model, opt, gpu_health=False)
+        work = SampledWork(lambda: [guard._judge])
+        with work as sampled:
+            for _ in range(SAMPLED_STEPS):
+                work.tick()
+                guard.step(step_fn)
+        plain = []
+        for _ in range(5):
+            start = time.process_time()
+            step_fn()
+            opt.step()
+            plain.append(time.process_time() - start)
+    step_s = statistics.median(plain)
+    return sampled.per_step() / step_s, sampled.line(step_s)
+
+
 def curve(quick: bool) -> bool:
-    blocks = 6 if quick else 10
-    rows = [(n, 64) for n in ((10, 1000) if quick else (10, 100, 1000))] + [(8, 1024)]
-    kinds = ("foreach", "fused") if quick else tuple(CURVE_OPTIMIZERS)
-    print(f"CPU curve: MLPs, one thread, {blocks} alternating blocks, median CPU time per step")
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
+    blocks = 3 if quick else 6
+    print(f"CPU curve: MLPs, {blocks} alternating blocks, median CPU time per step")
     worst = (0.0, "")
-    try:
-        for tensors, width in rows:
-            for kind in kinds:
-                plain, guarded = curve_row(tensors, width, kind, blocks)
-                label = f"MLP {tensors:4d} tensors, width {width:4d}, {kind} AdamW"
-                worst = max(worst, (guarded / plain, label))
-                print(
-                    f"  {label:<44} plain {plain * 1e3:8.3f} ms  sentinel {guarded * 1e3:8.3f} ms  "
-                    f"x{guarded / plain:.4f}  (+{(guarded - plain) * 1e6:5.0f} us)",
-                    flush=True,
-                )
-    finally:
-        torch.set_num_threads(saved)
-    passed = worst[0] <= 1.03
+    for shape in shapes(quick):
+        plain, guarded = curve_row(shape, blocks)
+        worst = max(worst, (guarded / plain, shape.label))
+        print(
+            f"  {shape.label:<52} plain {plain * 1e3:8.3f} ms  sentinel {guarded * 1e3:8.3f} ms  "
+            f"x{guarded / plain:.4f}  (+{(guarded - plain) * 1e6:5.0f} us)",
+            flush=True,
+        )
+    print(f"CPU sentinel always-on, worst point of the curve x{worst[0]:.4f} ({worst[1]})")
+    print(f"sampled work, timed where it runs, in plain steps of the same loop (over {RUN_STEPS} steps):")
+    share = 0.0
+    for shape in SAMPLED_SHAPES:
+        row_share, line = sampled_row(shape)
+        share = max(share, row_share)
+        print(f"  {shape.label:<52} {line}", flush=True)
+    total = worst[0] + share
+    passed = total <= 1.03
     verdict = "PASS" if passed else "FAIL"
-    print(f"CPU sentinel, worst point of the curve x{worst[0]:.4f} ({worst[1]}) (budget <= 3%)  {verdict}")
+    print(
+        f"CPU sentinel, worst always-on x{worst[0]:.4f} + worst sampled {share:.2%} = x{total:.4f} (budget <= 3%)  "
+        f"{verdict}"
+    )
     return passed
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=3, help="steps per variant per round")
     parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all")
     parser.add_argument("--quick", action="store_true", help="fewer rows of the CPU curve")
