@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cases.case_runs import copy_case, edit, fpdoctor, line_of
+from tests.cases.case_runs import copy_case, edit, fpdoctor, line_of, python, read_report
 
 FIX = re.compile(r"Replace the constant (\S+) at (\S+:\d+) \(it is 0 in float16\) with ([0-9.e+-]+),")
 
@@ -66,3 +66,27 @@ def test_the_printed_eps_trains(case: tuple[Path, dict, float]):
     assert after["findings"][0]["evidence"]["skipped"] <= 2
     # and it trains: recall@1 0.12 -> 1.00 measured (1.00 without AMP)
     assert _recall(proc.stdout) >= 0.9 > recall_before
+
+
+def test_watch_reaches_the_same_fix_by_tracing_a_step_after_the_replay(case: tuple[Path, dict, float]):
+    """`fpdoctor watch` replays the model alone, which cannot see the loss code that makes the NaN; it
+    traces the next training step, and leads with the fix `trace` prints, checked the same way."""
+    folder, report, _ = case
+    # watch shows no progress display, so no -q
+    proc = python(
+        folder, "-m", "fpdoctor", "watch", "-o", str(folder / "watch.json"), "--", "train.py", "--amp", "fp16"
+    )
+    watched = read_report(folder / "watch.json")
+    assert proc.returncode == 0, proc.stderr[-3000:]  # the script's own status
+    first = watched["findings"][0]
+    assert (
+        FIX.search(first["fix"])
+        and FIX.search(first["fix"]).groups() == FIX.search(report["findings"][0]["fix"]).groups()
+    )  # type: ignore[union-attr]
+    assert first["fix_trial"]["status"] == "checked" and first["evidence"]["traced_step"] > 1
+    traced = watched["data"]["traced_step"]
+    assert traced["armed_by"] < traced["step"] and traced["findings"][0] == first["code"]
+    # the replay's own findings of the recurring step print the traced fix, not a guess at the loss code
+    for f in watched["findings"]:
+        if f["name"] in ("deterministic-nonfinite", "training-stalled"):
+            assert FIX.search(f["fix"]), f["fix"]

@@ -56,6 +56,7 @@ from fpdoctor.integrations import _watch as framework
 from fpdoctor.integrations import hf_switch
 from fpdoctor.integrations._outputs import KeptGradients, backward_from
 from fpdoctor.integrations._toplevel import TopLevelCalls
+from fpdoctor.integrations._traced_step import TracedStep
 from fpdoctor.numerics.compiled import graphs
 from fpdoctor.numerics.observe import amp, dynamo
 from fpdoctor.numerics.observe.batches import MicroBatch, OutputsOnly
@@ -230,6 +231,7 @@ class ScriptWatch:
         self._losses: list[torch.Tensor] = []
         self._trainable: dict[int, bool] = {}
         self._local = threading.local()  # per thread: the top-level training forward in progress
+        self._traced = TracedStep()  # a step traced after a bad step its replay could not explain
         self._top = TopLevelCalls(self._pre, self._post)
         self._scaler_now: dict[int, Any] = {}  # id(optimizer) -> the GradScaler stepping it now
         self._judged: set[int] = set()  # optimizers judged inside the scaler's step in progress
@@ -278,6 +280,8 @@ class ScriptWatch:
                 self._guarded(undo, "putting the optimizer's step back")
             self._undo.clear()
         finally:  # whatever failed, no hook or swapped function of the watch outlives it
+            if self._traced.running:  # the script ended between the traced forward and its backward
+                self._finish_trace()
             if self._stack is not None:
                 self._stack.close()
                 self._stack = None
@@ -316,6 +320,8 @@ class ScriptWatch:
                 call = _Call(module, (), {}, RngState.capture(), _autocast_state(), [], created_at=self._event)
                 call.kept.clock = self._clock
                 self._local.call = call
+                if self._traced.armed_by is not None and not self._traced.done:
+                    self._traced.start(module, 1 + max((r.judge.steps for r in self.runs.values()), default=0))
         except Exception as exc:
             self._error("noting a forward", exc)
 
@@ -377,6 +383,8 @@ class ScriptWatch:
             for call, fills in waiting:  # the forwards this backward reached: this loss is theirs
                 if call.kept.fills != fills:
                     call.kept.loss = loss
+            if self._traced.running:
+                self._finish_trace()
             return result
 
         return backward
@@ -596,6 +604,12 @@ class ScriptWatch:
         )
         run.carried = None
         outcome = judge.judge(facts)
+        if not outcome.finite and self._traced.armed_by is None and not self._traced.done:
+            # a replay (this step's, or one a run of scaler skips asked for) that named no checked cause
+            named = [f for f in judge.findings if f.name == "deterministic-nonfinite"]
+            last = named[-1] if named else None
+            if last is not None and not last.where.get("op") and not (last.trial is not None and last.trial.tried):
+                self._traced.arm(step)  # the model alone named no op (the loss code made it): trace the next step
         if (
             outcome.finite
             and not pending.on_device  # the optimizer has stepped: the weights the step started from are gone
@@ -707,6 +721,15 @@ class ScriptWatch:
         backward_from(output, kept)
         return estimate
 
+    def _finish_trace(self) -> None:
+        """The traced step's findings, said as they are decided; the report puts them first."""
+        try:
+            for finding in self._traced.finish():
+                self._traced.findings.append(finding)
+                self.live.added(finding)
+        except Exception as exc:  # ours: the step goes on, the report says what failed
+            self._error("tracing a step after a bad one", exc)
+
     def _tell(self, run: _Run, outcome: StepOutcome) -> None:
         """One line per bad step, until a cause repeats: then one line per 100 of its steps."""
         if self.notify is None or outcome.finite or outcome.verdict == "amp-skip":
@@ -761,7 +784,11 @@ class ScriptWatch:
                 report.data.setdefault("optimizers", []).append(
                     {k: other.data[k] for k in ("steps", "skipped_steps", "nonfinite_steps", "verdicts")}
                 )
-            report = Report(command="watch", findings=[*self.errors, *report.findings], data=report.data)
+            report = Report(
+                command="watch",
+                findings=[*self.errors, *self._traced.lead(report.findings)],
+                data=report.data,
+            )
         before: set[int] = getattr(self, "_before", set())
         for callback in [c for c in framework.ACTIVE if id(c) not in before]:  # a callback's steps, judged by it
             report.findings.extend(callback.findings)
@@ -769,6 +796,8 @@ class ScriptWatch:
             report.data.setdefault("callbacks", []).append(counts)
         if self.unwatched:
             report.data.setdefault("not_checked", {}).update(self.unwatched)
+        if self._traced.said is not None:  # the step traced after a bad one: which, and what it found
+            report.data["traced_step"] = self._traced.said
         if self._pending:  # skipped or applied on the device, decided at the next training forward
             report.data["undecided_steps"] = [p.step for p in self._pending]
         return report

@@ -1,0 +1,101 @@
+"""One training step traced by `fpdoctor watch`, after a bad step its replay could not explain.
+
+The watch replays a bad step through the model alone: it knows the model's forward and the
+gradients that reached its outputs, not the loss code between them. Where the replay shows the
+NaN/Inf reproducing but names no op with a checked fix (made in the loss code, or by an op the
+replay could not re-run), the cause recurs, so the next training step is traced, from its model
+forward through its backward, by the same tracer and experiments as `fpdoctor trace`: its finding
+(the op, the line, the literal or dtype, the fix checked) leads the watch's report, so both commands
+give one verdict. Once per run: a traced step costs what `fpdoctor trace` costs on it.
+
+The trace starts in the top-level module's forward pre-hook (torch copies the hook tables before
+calling them, so the trace may add its own) and ends after that step's first backward returns,
+outside every hook table's iteration: the optimizer step and its hooks run untraced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from torch import nn
+
+from fpdoctor.report.model import Finding, Severity
+
+# the findings of a traced step that say where a non-finite value was made, and how to fix it
+_CAUSES = ("nonfinite-produced", "nonfinite-input", "overflow-near-limit", "grad-scaler-stalled")
+# the watch's findings of the recurring bad step, whose fix the traced step's cause replaces
+_EXPLAINED = ("deterministic-nonfinite", "training-stalled")
+
+
+class TracedStep:
+    """Armed by a bad step, started at the next training forward, finished after its backward."""
+
+    def __init__(self) -> None:
+        self.armed_by: int | None = None  # the bad step whose replay named no checked cause
+        self.done = False  # once per run
+        self._trace: Any = None
+        self.step: int | None = None  # the step traced
+        self.said: dict[str, Any] | None = None  # what the report says of it
+        self.findings: list[Finding] = []  # what it found, as `finish` gave them
+
+    def arm(self, step: int) -> None:
+        if not self.done and self.armed_by is None:
+            self.armed_by = step
+
+    @property
+    def running(self) -> bool:
+        return self._trace is not None
+
+    def start(self, module: nn.Module, step: int) -> None:
+        """At a training forward (its module's pre-hook), where armed."""
+        if self.armed_by is None or self.done or self._trace is not None:
+            return
+        from fpdoctor.numerics.api import Trace
+
+        self.done, self.step = True, step
+        trace = Trace(module)
+        trace.__enter__()
+        self._trace = trace
+
+    def finish(self) -> list[Finding]:
+        """After the traced step's backward: the trace's findings of where the value was made, the
+        checked ones first, each saying which step was traced and why."""
+        trace, self._trace = self._trace, None
+        if trace is None:
+            return []
+        trace.__exit__(None, None, None)
+        report = trace.report
+        found = [f for f in (report.findings if report is not None else []) if f.name in _CAUSES]
+        found = [f for f in found if f.severity is not Severity.INFO]
+        found.sort(key=lambda f: not (f.trial is not None and f.trial.tried))  # checked fixes first
+        self.said = {
+            "step": self.step,
+            "armed_by": self.armed_by,
+            "findings": [f.code for f in found],
+            "ops": report.data.get("ops") if report is not None else None,
+        }
+        why = (
+            f"Traced at step {self.step} (step {self.armed_by} was non-finite again on replay, and the replay "
+            "of the model alone named no op with a checked fix; the watch traced the next training step "
+            "through its loss and backward, as `fpdoctor trace` does): "
+        )
+        return [
+            replace(f, message=why + f.message, evidence={**f.evidence, "traced_step": self.step}) for f in found[:2]
+        ]
+
+    def lead(self, found: list[Finding]) -> list[Finding]:
+        """The report's findings with the traced step's first: the cause before the replays it
+        explains, whose fix becomes its checked one (theirs named no op: the loss code, an op the
+        model's replay could not reach)."""
+        if not self.findings:
+            return found
+        cause = self.findings[0]
+        said = f"the step traced at step {self.step} names it ({cause.code}): {cause.fix}"
+        explained = [
+            replace(f, fix=said, trial=cause.trial)
+            if f.name in _EXPLAINED and not (f.trial is not None and f.trial.tried)
+            else f
+            for f in found
+        ]
+        return [*self.findings, *explained]
