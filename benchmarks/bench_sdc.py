@@ -272,6 +272,81 @@ def _host_cost(world: int, steps: int = 300) -> dict[str, float]:
     return {"build_us": 1e6 * statistics.median(build), "judge_us": 1e6 * statistics.mean(judged)}
 
 
+def _own_cost(model: nn.Module, step: Any, world: int = 16, rounds: int = 15, block: int = 10) -> dict[str, float]:
+    """The corruption sentinel's own work per step against the CPU step it watches, in this process,
+    alternating blocks, medians: the norm over the gradient bytes in DDP's buckets (its first of
+    1 MB, then 25 MB), the exchanged vector built and read back, and the norms of `world` ranks judged
+    (synthetic, healthy). The all-reduce's extra 4 x world bytes are not in it (on paper, README)."""
+    step()
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    first, rest = 2**18, 25 * 2**18  # DDP's bucket caps in float32 elements
+    buckets = [grads[:first], *grads[first:].split(rest)] if grads.numel() > first else [grads]
+    watch = corruption.CorruptionWatch(nn.Linear(1, 1), None, torch.device("cpu"))
+    watch.world, watch.off = world, None
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(world, generator=g) * 0.1
+    total = corruption.CALIBRATION_STEPS + 5 + rounds * block
+    # the other ranks' norms, made beforehand: the cat below takes their slots as views, as exchange does
+    scale = float(torch.linalg.vector_norm(grads))  # about this rank's own norm: a healthy spread
+    others = [scale * (base + 0.02 * torch.randn(world, generator=g)).exp() for _ in range(total)]
+    head = torch.zeros(2)
+    n = 0
+
+    def own() -> None:
+        nonlocal n
+        norms = [torch.linalg.vector_norm(b, dtype=torch.float32) for b in buckets]
+        norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+        row = others[n]
+        n += 1
+        out = torch.cat([head, row[:3], norm.reshape(1), row[4:]])
+        watch._reads[n] = FlagRead(out[2:])
+        out[:2].reshape(head.shape)
+        watch.observe(n, True, lambda finding: None)
+
+    for _ in range(corruption.CALIBRATION_STEPS + 5):
+        own()
+    steps, owns = [], []
+    for _ in range(rounds):
+        start = time.process_time()
+        for _ in range(block):
+            step()
+        steps.append((time.process_time() - start) / block)
+        start = time.process_time()
+        for _ in range(block):
+            own()
+        owns.append((time.process_time() - start) / block)
+    return {"step_ms": 1e3 * statistics.median(steps), "own_us": 1e6 * statistics.median(owns)}
+
+
+def _cpu_steps() -> dict[str, Any]:
+    """The CPU steps the own work is put against: this benchmark's MLP (a batch of 64) and the small
+    transformer of the numerics budgets (benchmarks/models.py, 8 x 64 tokens), AdamW, one thread."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from models import batch, make_step, small_transformer
+
+    torch.set_num_threads(1)
+    mlp = _model()
+    opt = torch.optim.AdamW(mlp.parameters(), lr=1e-3)
+    data = _data(0, 1)
+
+    def mlp_step() -> None:
+        x, y = data()
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(mlp(x), y).backward()
+        opt.step()
+
+    lm = small_transformer()
+    lm_opt = torch.optim.AdamW(lm.parameters(), lr=1e-4)
+    lm_fn = make_step(lm, lm_opt)
+    tokens, targets = batch()
+
+    def lm_step() -> None:
+        lm_fn(tokens, targets)
+        lm_opt.step()
+
+    return {"mlp": _own_cost(mlp, mlp_step), "small transformer": _own_cost(lm, lm_step)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=16)
@@ -352,6 +427,15 @@ def main() -> int:
             f"({(full / guarded - 1) * 100:+.1f}%; budget +3% of a CPU step)"
         )
 
+    own = _cpu_steps()
+    figures["own"] = own
+    for name, o in own.items():
+        share = o["own_us"] / (o["step_ms"] * 1e3)
+        o["share"] = share
+        print(
+            f"  own work, {name}: {o['own_us']:.0f} us per step of {o['step_ms']:.2f} ms CPU = {share:.2%} "
+            "(in one process, alternating blocks)"
+        )
     figures["host"] = {}
     for world in (16, 256, 10_000):
         host = _host_cost(world)

@@ -131,7 +131,7 @@ def _bit_flip(rank: int, start_call: int, every: int):
 
 def _healthy_worker(rank: int, world: int, port: int, out: str) -> None:
     with _rank_results(rank, world, port, out) as results:
-        _, sentinel, _ = _train(rank, 200)
+        _, sentinel, _ = _train(rank, 160)
         report = sentinel.report
         results["data"] = report.data["corruption"]
         results["line"] = dict(report.data["summary"])["corruption sentinel"]
@@ -146,7 +146,7 @@ def test_a_healthy_run_is_calibrated_says_so_and_gives_no_finding(tmp_path: Path
         assert "silent-corruption-suspected" not in r["names"]
         assert r["nonfinite"] == 0
         data = r["data"]
-        assert data["judged_steps"] == 200 and data["escalations"] == []
+        assert data["judged_steps"] == 160 and data["escalations"] == []
         cal = data["calibration"]
         assert cal["threshold"] == corruption.THRESHOLD and len(cal["centres"]) == WORLD
         assert cal["spread"] > 0 and cal["window"][1] > cal["window"][0]

@@ -535,7 +535,7 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         what="Under DDP each rank's own gradient norm, taken before the all-reduce, travels in the sentinel's "
         "per-step all-reduce (one float per rank). The log-ratio of each rank's norm to the median over ranks is "
         "calibrated on the run's first 32 finite steps (each rank's median, one spread: 1.4826 x the median "
-        "absolute deviation) and recalibrated every 32 steps on the last 256 without a strike. A rank beyond 8 "
+        "absolute deviation) and recalibrated every 64 steps on the last 256 without a strike. A rank beyond 8 "
         "spreads is a strike; 3 strikes in 32 steps escalate: up to 8 of the model's nn.Linear layers are run "
         "again on every rank, 16 times each on seeded inputs, against the same product in fp64 and against every "
         "other rank's results. The rank whose results leave the rounding bound, or differ where all other ranks "

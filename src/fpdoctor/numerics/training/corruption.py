@@ -33,6 +33,8 @@ weights differs from everyone's, is named by rank, host, device, GPU index and U
 
 from __future__ import annotations
 
+import array
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable
@@ -49,7 +51,7 @@ from fpdoctor.report.model import Finding, Trial
 
 CALIBRATION_STEPS = 32
 WINDOW = 256
-RECALIBRATE_EVERY = 32
+RECALIBRATE_EVERY = 64
 # A robust z of 8 spreads: a Gaussian spread gives one every 10^15 ranks x steps; measured on 4 x 2000
 # and 16 x 1000 healthy steps of benchmarks/bench_sdc.py, the largest seen was well under it.
 THRESHOLD = 8.0
@@ -140,9 +142,8 @@ class CorruptionWatch:
         self._others: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._missing = torch.full((1,), -1.0, device=device)
         # the last WINDOW steps without a strike (deviations, steps x ranks), and the thresholds' figures
-        self._ring: torch.Tensor | None = None
-        self._ring_steps = [0] * WINDOW
-        self._next = self._filled = 0
+        self._ring: deque[tuple[int, list[float]]] = deque(maxlen=WINDOW)
+        self._filled = 0
         self._centres: list[float] | None = None
         self._spread = FLOOR
         self._since = 0  # steps judged since the last calibration
@@ -192,10 +193,12 @@ class CorruptionWatch:
         if read is None or not finite or self.off is not None:
             return
         norms = read.values()
-        if min(norms) < 0:  # a rank sent no norm (no bucket reduced this step)
+        least = min(norms)
+        if least < 0:  # a rank sent no norm (no bucket reduced this step)
             return
         self.judged += 1
-        logs = [math.log(n) if n > 0 else _LOG_ZERO for n in norms]  # a zero gradient: far below every rank
+        # map and sorted run in C: a few microseconds for 16 ranks, where a torch op costs as much each
+        logs = list(map(math.log, norms)) if least > 0 else [math.log(v) if v > 0 else _LOG_ZERO for v in norms]
         ordered = sorted(logs)
         n = len(ordered)
         # halfway between the middle two for an even count (the lower one alone would put one rank at
@@ -207,18 +210,19 @@ class CorruptionWatch:
             if self._filled >= CALIBRATION_STEPS:
                 self._calibrate()
             return
-        spread = self._spread
-        signed = [(d - c) / spread for d, c in zip(deviations, self._centres, strict=True)]
+        scale = 1.0 / self._spread
+        signed = [(d - c) * scale for d, c in zip(deviations, self._centres, strict=True)]
         if self.trace is not None:  # for a benchmark's distribution of the statistic
             self.trace.append((step, signed))
-        struck = [r for r, z in enumerate(signed) if not abs(z) <= THRESHOLD]  # NaN strikes too
-        if not struck:
-            self.worst = max(self.worst, *map(abs, signed))
+        worst = max(map(abs, signed))
+        if worst <= THRESHOLD and math.isfinite(sum(signed)):  # an inf or NaN is no pass
+            self.worst = max(self.worst, worst)
             self._keep(step, deviations)
             self._since += 1
             if self._since >= RECALIBRATE_EVERY:
                 self._calibrate()
             return
+        struck = [r for r, z in enumerate(signed) if not abs(z) <= THRESHOLD]
         suspects = []
         for rank in struck:
             self.strike_count += 1
@@ -234,23 +238,20 @@ class CorruptionWatch:
             self._escalate(step, suspects, add)
 
     def _keep(self, step: int, deviations: list[float]) -> None:
-        """A step without a strike into the calibration's ring of the last WINDOW steps."""
-        if self._ring is None:
-            self._ring = torch.empty(WINDOW, self.world, dtype=torch.float64)
-        self._ring[self._next] = torch.tensor(deviations, dtype=torch.float64)
-        self._ring_steps[self._next] = step
-        self._next = (self._next + 1) % WINDOW
-        self._filled = min(self._filled + 1, WINDOW)
+        """A step without a strike into the calibration's last WINDOW steps (lists: an append per
+        step, one tensor made per calibration)."""
+        self._ring.append((step, deviations))
+        self._filled = len(self._ring)
 
     def _calibrate(self) -> None:
-        assert self._ring is not None
-        table = self._ring[: self._filled]  # steps x ranks, in ring order (medians need none)
-        steps = self._ring_steps[: self._filled]
+        # steps x ranks; through a flat array: torch.tensor parses nested lists a float at a time
+        flat = array.array("d", itertools.chain.from_iterable(d for _, d in self._ring))
+        table = torch.frombuffer(flat, dtype=torch.float64).view(len(self._ring), self.world)
         centres = table.median(dim=0).values
         spread = _MADS * float((table - centres).abs().median())
         self._centres, self._spread = centres.tolist(), max(spread, FLOOR)
         self.calibration = Calibration(
-            steps=self._filled, first=min(steps), last=max(steps), centres=self._centres,
+            steps=self._filled, first=self._ring[0][0], last=self._ring[-1][0], centres=self._centres,
             spread=self._spread, floored=spread < FLOOR,
         )  # fmt: skip
         self._since = 0
