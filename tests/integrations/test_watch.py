@@ -226,6 +226,8 @@ def test_under_torchrun_every_rank_names_the_rank_that_held_the_fault(tmp_path):
         gradient = next(f for f in report["findings"] if f["name"] == "nonfinite-gradient")
         assert gradient["where"]["rank"] == 1 and gradient["evidence"]["step"] == 3
         assert report["data"]["verdicts"] == {"3": "transient-fault-suspected"}
+        # the ranks' gradient norms rode in the step's all-reduce (the corruption sentinel, calibrating)
+        assert report["data"]["corruption"]["ranks"] == 2 and report["data"]["corruption"]["judged_steps"] >= 1
     merged = _report(tmp_path)
     assert {f["where"]["rank"] for f in merged["findings"]} == {1}
 

@@ -406,7 +406,10 @@ def recompute(model: nn.Module) -> dict[str, Any]:
         ratio, results = 0.0, []
         for _ in range(REPEATS):
             x = torch.randn(ROWS, layer.in_features, generator=generator).to(device=device, dtype=dtype)
-            y = layer(x).double()  # the module as the step runs it (its kernel, on this device)
+            # the module as the step runs it (its kernel, on this device), in its own dtype: a judge
+            # called from inside the user's autocast (watch's hooks) must not recompute in another
+            with torch.autocast(device.type, enabled=False):
+                y = layer(x).double()
             x64 = x.double()
             exact = x64 @ w64.T + (b64 if b64 is not None else 0.0)
             size = x64.abs() @ w64.abs().T + (b64.abs() if b64 is not None else 0.0)
