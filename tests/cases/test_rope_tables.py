@@ -66,3 +66,15 @@ def test_the_printed_fix_brings_every_window_to_its_checked_error(case: tuple[Pa
     # fix the windows past position 1024 were 0.38-0.52
     assert all(err <= 2 * checked for err, _ in now.values()), (checked, now)
     assert max(err for err, _ in was.values()) > 10 * checked, was
+
+
+def test_plan_prints_the_same_checked_fix(case: tuple[Path, dict]):
+    """No set of modules kept in fp32 can fix tables built in the model's own forward: `plan` says so
+    and prints compare's checked line fix, never a guess beside it (the same engine, one verdict)."""
+    folder, compared = case
+    _, planned = fpdoctor(folder, "plan", "factory.py:make", "--candidate", "bf16")
+    fix, trial = compared["findings"][0]["fix"], compared["findings"][0]["fix_trial"]
+    assert planned["findings"][0]["fix"] == fix and planned["findings"][0]["fix_trial"] == trial
+    for f in planned["findings"]:
+        if f["name"] in ("precision-divergence", "decisions-changed"):
+            assert f["fix"].startswith(fix) and f["fix_trial"] == trial, (f["title"], f["fix"])

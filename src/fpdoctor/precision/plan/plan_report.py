@@ -361,13 +361,22 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
             if f.name == "decisions-changed" and the_plan.verified and search.decisions_back:
                 out.append(_decisions_back(the_plan, search, f, evidence))
                 continue
+            if f.name == "decisions-changed" and not the_plan.verified:
+                # no module set gave the decisions back: the fix a divergence's own check found, if any
+                out.append(dataclasses.replace(f, evidence=evidence, **_checked_or_next(the_plan, search)))
+                continue
             if f.name != "precision-divergence":
                 out.append(dataclasses.replace(f, evidence=evidence))
                 continue
             module = f.where.get("module")
             if not the_plan.verified:
+                # compare's own fix for it, checked (a line in fp32, a state, a constant), stays as it was
+                # tried: no module set is its fix, and the plan's next step would be a guess beside it
+                checked = f.trial is not None and f.trial.tried
                 out.append(
-                    dataclasses.replace(
+                    dataclasses.replace(f, evidence=evidence)
+                    if checked
+                    else dataclasses.replace(
                         f, evidence=evidence, fix=_next_step(the_plan, search) or f.fix, trial=Trial.untried(_NO_PLAN)
                     )
                 )
@@ -539,6 +548,23 @@ def _unverified_finding(the_plan: Plan, search: Search) -> Finding:
             "closest_error": the_plan.final_error,
             "target": target,
         },
-        fix=_next_step(the_plan, search) or "run the model in fp32, or in bf16 if fp16's range is the cause",
-        trial=Trial.untried(_NO_PLAN),
+        **_checked_or_next(the_plan, search),
     )
+
+
+def _checked_or_next(the_plan: Plan, search: Search) -> dict[str, Any]:
+    """The unverified plan's fix: compare's checked fix of a divergence where one helped (the same
+    fix `compare` prints, with its trial), else the next step to try, untried."""
+    for _, compared, *_ in search.sets:
+        for f in compared.report.findings:
+            trial = f.trial
+            if f.name == "precision-divergence" and trial is not None and trial.tried and _helped(trial):
+                return {"fix": f"{f.fix} (no module set is the fix: compare's, checked)", "trial": trial}
+    return {
+        "fix": _next_step(the_plan, search) or "run the model in fp32, or in bf16 if fp16's range is the cause",
+        "trial": Trial.untried(_NO_PLAN),
+    }
+
+
+def _helped(trial: Trial) -> bool:
+    return isinstance(trial.before, float) and isinstance(trial.after, float) and trial.after < trial.before
