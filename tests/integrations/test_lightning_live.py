@@ -71,3 +71,44 @@ def test_stop_on_a_clean_run_changes_nothing(tmp_path):
 def test_a_bad_stop_on_is_refused_in_one_line(value):
     with pytest.raises(ValueError, match=r"^stop_on must be one of error, warning or None, got .*$"):
         FpDoctorCallback(stop_on=value)
+
+
+def test_watch_stop_on_stops_the_lightning_training_it_switched_the_callback_on_for(tmp_path):
+    """`fpdoctor watch --stop-on error` passes the level to the callback it switches on
+    (FPDOCTOR_STOP_ON): Lightning's training ends at the step of the first error, exit status 1."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "fit.py"
+    script.write_text(
+        "from tests.integrations.lit import Net, data, trainer\n"
+        "run = trainer([], max_steps=8)\n"
+        "run.fit(Net(nan_data=(3, 1)), data())\n"
+        "print('global_step', run.global_step)\n"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("FPDOCTOR_STOP_ON", None)
+    out = tmp_path / "watch.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fpdoctor", "watch", "--stop-on", "error", "-o", str(out), "--", str(script)],
+        check=False, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "global_step 3" in proc.stdout  # not 8: training ended at the first error's step
+    report = json.loads(out.read_text())
+    assert report["data"]["status"] == "incomplete" and report["verdict"] == "error"
+    ended = dict(map(tuple, report["data"]["summary"]))["ended"]
+    assert ended.startswith("stopped by TRN") and "at step 3" in ended and "--stop-on error" in ended, ended
+
+
+def test_a_stop_on_the_environment_cannot_parse_is_said_and_ignored(monkeypatch, caplog):
+    from fpdoctor.integrations.entry_point import stop_on_from_environment
+
+    monkeypatch.setenv("FPDOCTOR_STOP_ON", "Warning")
+    assert stop_on_from_environment("t") == "warning"
+    monkeypatch.setenv("FPDOCTOR_STOP_ON", "errors")
+    assert stop_on_from_environment("t") is None
+    assert "FPDOCTOR_STOP_ON='errors' is neither error nor warning" in caplog.text

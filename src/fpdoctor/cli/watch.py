@@ -184,11 +184,13 @@ def run(args: argparse.Namespace) -> int:
     def notify(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    from fpdoctor.integrations.entry_point import ENV_SWITCH
+    from fpdoctor.integrations.entry_point import ENV_STOP_ON, ENV_SWITCH
 
     # a Lightning Trainer gets the fpdoctor callback (its loop steps the optimizer with a closure, so
     # the callback judges those steps); one the script passes itself wins, as always
     os.environ.setdefault(ENV_SWITCH, "1")
+    if args.stop_on:  # ...and stops where the watch would: its findings are this run's too
+        os.environ.setdefault(ENV_STOP_ON, args.stop_on)
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.getcwd() if as_module else os.path.dirname(os.path.abspath(script)))
@@ -254,9 +256,12 @@ def run(args: argparse.Namespace) -> int:
         error = None  # drop the frames it holds (the script's tensors)
     if killed:
         terminated(report)
-    stopped = watcher.live.stopped
+    stopped = watcher.stopped_by  # the watch's own stop, or a callback's it switched on (training ended there)
     if stopped is not None:
-        _stopped(report, stopped, args.stop_on, ended=failure is not None and failure.startswith("stopped"))
+        by_callback = stopped is not watcher.live.stopped
+        _stopped(
+            report, stopped, args.stop_on, ended=by_callback or (failure is not None and failure.startswith("stopped"))
+        )
         code = code or STOPPED
     report = _labelled(report, script, script_args, dist)
     if dist is not None and args.output:

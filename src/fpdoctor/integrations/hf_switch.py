@@ -27,10 +27,11 @@ def _wrapped(trainer: Any) -> Callable[[], None]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         try:
+            from fpdoctor.integrations.entry_point import stop_on_from_environment
             from fpdoctor.integrations.hf import FpDoctorCallback
 
             if not any(isinstance(c, FpDoctorCallback) for c in self.callback_handler.callbacks):
-                self.add_callback(FpDoctorCallback())
+                self.add_callback(FpDoctorCallback(stop_on=stop_on_from_environment("transformers.fpdoctor")))
         except Exception:  # an older transformers: the watch's own hooks judge the steps instead
             pass
 

@@ -45,6 +45,7 @@ from torch import nn
 
 from fpdoctor.integrations import _report
 from fpdoctor.integrations._watch import StepWatch, guarded
+from fpdoctor.integrations.entry_point import stop_on_from_environment
 from fpdoctor.numerics.training import reference
 from fpdoctor.numerics.training.live import Live, stop_level
 from fpdoctor.report.model import Report
@@ -313,15 +314,17 @@ def callback_class(package: str | None = None) -> type:
 
 
 def from_environment(package: str) -> list[Any]:
-    """The entry point's callbacks: one FpDoctorCallback when FPDOCTOR_LIGHTNING is on."""
+    """The entry point's callbacks: one FpDoctorCallback when FPDOCTOR_LIGHTNING is on, with
+    FPDOCTOR_REPORT's report file and FPDOCTOR_STOP_ON's stop_on."""
     path = os.environ.get(ENV_REPORT) or None
+    stop_on = stop_on_from_environment(f"{package}.fpdoctor")
     try:
-        callback = callback_class(package)(report_path=path)
+        callback = callback_class(package)(report_path=path, stop_on=stop_on)
     except ValueError as exc:  # a bad FPDOCTOR_REPORT: the run goes on, without the file
         import logging
 
         logging.getLogger(f"{package}.fpdoctor").error(f"fpdoctor: {ENV_REPORT}: {exc}")
-        callback = callback_class(package)()
+        callback = callback_class(package)(stop_on=stop_on)
     callback._from_entry_point = True
     return [callback]
 

@@ -766,6 +766,15 @@ class ScriptWatch:
             pass
 
     # -- the report ------------------------------------------------------------------------------
+    @property
+    def stopped_by(self) -> Finding | None:
+        """The finding that stopped the run at the `stop_on` level: the watch's own, or that of a
+        callback it switched on (Lightning's, a Hugging Face Trainer's), which ended training."""
+        if self.live.stopped is not None:
+            return self.live.stopped
+        before: set[int] = getattr(self, "_before", set())
+        return next((c.stopped_by for c in framework.ACTIVE if id(c) not in before and c.stopped_by), None)
+
     def in_progress(self) -> Report:
         """The report so far, as its file holds it while the script goes on (status "in progress")."""
         return in_progress(self.report, sum(run.judge.steps for run in self.runs.values()))

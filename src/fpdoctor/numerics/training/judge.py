@@ -1010,6 +1010,11 @@ class JudgedSteps:
         """A finding at the `stop_on` level was decided: the run should end (the finding is in the report)."""
         return self._judge.live.stopped is not None
 
+    @property
+    def stopped_by(self) -> Finding | None:
+        """The finding at the `stop_on` level that ended the run, if one did."""
+        return self._judge.live.stopped
+
 
 def _close_outputs(outputs: compiled.OutputCheck | None) -> None:
     if outputs is not None:
