@@ -72,6 +72,8 @@ bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/bench_watch.py
 	$(BIN)/python benchmarks/bench_updates.py
 	$(BIN)/python benchmarks/bench_compiled.py
+	# silent data corruption on 16 gloo ranks (4 nodes of 4): minutes on 2 cores
+	$(BIN)/python benchmarks/bench_sdc.py
 
 # Every GPU path on a machine with an NVIDIA GPU, within 8 minutes; without one it says so and exits 0.
 # Where no .venv can be made (a lent GPU machine): PYTHONPATH=src python3 benchmarks/gpu_check.py

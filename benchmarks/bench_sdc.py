@@ -228,10 +228,30 @@ def _cost(rank: int, args: dict[str, Any]) -> dict[str, Any]:
                 run.step()
             cpu[name].append((time.process_time() - start_cpu) / args["block"])
             wall[name].append((time.perf_counter() - start) / args["block"])
-    # CPU time is this process's, gloo's threads included: what the rank spends, whoever waits for whom
-    return {name: statistics.median(t) for name, t in wall.items()} | {
-        f"{name} cpu": statistics.median(t) for name, t in cpu.items()
+    # the collective alone: the flags' all-reduce of 2 floats, and of 2 + world as the exchange makes it
+    for n in (2, 2 + dist.get_world_size()):
+        spent, spent_cpu = [], []
+        for _ in range(args["rounds"]):
+            flags = torch.zeros(n)
+            dist.barrier()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            for _ in range(args["block"]):
+                dist.all_reduce(flags.clone(), op=dist.ReduceOp.MAX)
+            spent.append((time.perf_counter() - start) / args["block"])
+            spent_cpu.append((time.process_time() - start_cpu) / args["block"])
+        wall[f"allreduce {n}"], cpu[f"allreduce {n}"] = spent, spent_cpu
+    watched = variants["sentinel+corruption"].sentinel
+    assert watched is not None
+    strikes = {
+        "strikes": watched._judge.corruption.strike_count,
+        "escalations": len(watched._judge.corruption.escalations),
     }
+    # CPU time is this process's, gloo's threads included: what the rank spends, whoever waits for whom
+    return (
+        strikes
+        | {name: statistics.median(t) for name, t in wall.items()}
+        | {f"{name} cpu": statistics.median(t) for name, t in cpu.items()}
+    )
 
 
 def _spawn(args: dict[str, Any]) -> list[dict[str, Any]]:
@@ -427,6 +447,13 @@ def main() -> int:
             f"({(full / guarded - 1) * 100:+.1f}%; budget +3% of a CPU step)"
         )
 
+    print(f"  (the measured corruption sentinel: {cost['strikes']:g} strikes, {cost['escalations']:g} escalations)")
+    small, large = (f"allreduce {n}" for n in (2, 2 + ns.ranks))
+    print(
+        f"  the flags' all-reduce alone (gloo, MAX): 2 floats {cost[small] * 1e3:.2f} ms wall, "
+        f"{cost[small + ' cpu'] * 1e3:.2f} ms CPU; {2 + ns.ranks} floats {cost[large] * 1e3:.2f} ms wall, "
+        f"{cost[large + ' cpu'] * 1e3:.2f} ms CPU"
+    )
     own = _cpu_steps()
     figures["own"] = own
     for name, o in own.items():
