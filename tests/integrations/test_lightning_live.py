@@ -112,3 +112,20 @@ def test_a_stop_on_the_environment_cannot_parse_is_said_and_ignored(monkeypatch,
     monkeypatch.setenv("FPDOCTOR_STOP_ON", "errors")
     assert stop_on_from_environment("t") is None
     assert "FPDOCTOR_STOP_ON='errors' is neither error nor warning" in caplog.text
+
+
+def test_a_report_file_that_cannot_be_written_is_said_and_stops_nothing(tmp_path):
+    """The file is not a step: no sentinel-error finding, so stop_on="warning" does not end training."""
+    path = "/sys/fpdoctor-report.json"  # sysfs takes no new file, even from root
+    try:
+        open(path, "w").close()
+        pytest.skip("/sys is writable here")
+    except OSError:
+        pass
+    callback = FpDoctorCallback(report_path=path, stop_on="warning")
+    run = trainer([callback], max_steps=8)
+    run.fit(Net(), data())
+    assert run.global_step == 8
+    report = callback.report
+    assert report.findings == [] and "sentinel-error" not in {f.name for f in report.findings}
+    assert "could not be written" in report.data["not_checked"]["report file"]

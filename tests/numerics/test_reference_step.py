@@ -147,3 +147,12 @@ def test_a_reference_step_runs_step_fn_twice_more_and_reference_every_0_turns_it
     assert calls == expected
     with pytest.raises(ValueError, match="reference_every"):
         fpdoctor.Sentinel(_model(), None, reference_every=-1)
+
+
+def test_gradients_too_small_for_an_fp32_product_keep_their_direction() -> None:
+    """A converged run's gradients of 1e-28: their product underflows fp32, their cosine is 1."""
+    from fpdoctor.numerics.training.reference import _row
+
+    g = torch.tensor([-2.7e-28])
+    row = _row("bias", "backward", g.clone(), g.clone())
+    assert row is not None and row.ratio == 1.0 and row.cosine == pytest.approx(1.0)

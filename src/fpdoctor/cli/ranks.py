@@ -98,7 +98,7 @@ _SAME_LAUNCH_S = 6 * 3600
 
 def merge_ranks(path: str, dist: RankInfo) -> dict[str, Any] | None:
     """Every rank's report as one, once each rank of this launch has left its sidecar; else None."""
-    from fpdoctor.report.model import Finding, Report, Severity, Trial
+    from fpdoctor.report.model import UNFINISHED, Finding, Report, Severity, Trial
 
     docs = []
     for r in range(dist.world_size):
@@ -131,8 +131,9 @@ def merge_ranks(path: str, dist: RankInfo) -> dict[str, Any] | None:
         key = json.dumps([f.code, f.message, f.where, f.evidence], sort_keys=True, default=str)
         unique.setdefault(key, f)
     findings = list(unique.values())
-    # where the values went bad first: a rank that made them before ranks that received them
-    findings.sort(key=lambda f: f.evidence.get("origin") == "collective")
+    # the failure that caused the others first: a rank that made the values before ranks that received
+    # them, a rank's own error before the "connection closed by peer" of the ranks it left behind
+    findings.sort(key=lambda f: f.evidence.get("origin") == "collective" or f.evidence.get("error_kind") == "peer-gone")
     ranks = [
         {
             "rank": doc["data"].get("distributed", {}).get("rank", r),
@@ -149,12 +150,17 @@ def merge_ranks(path: str, dist: RankInfo) -> dict[str, Any] | None:
         ("ranks", f"{dist.world_size} ({', '.join(sorted({str(x['host']) for x in ranks}))})"),
         ("ranks with findings", ", ".join(bad) or "none"),
     ]
+    # a rank cut short (terminated, stopped) was not judged to its end: nor is the job, never "ok"
+    cut = [str(x["rank"]) for x, doc in zip(ranks, docs, strict=True) if doc["data"].get("status") in UNFINISHED]
+    if cut:
+        summary.insert(0, ("ended", f"rank(s) {', '.join(cut)} did not run to the end: see their reports"))
     merged = Report(
         command=str(docs[0].get("command", "trace")),
         findings=findings,
         data={
             "summary": summary,
             "distributed": {"world_size": dist.world_size, "merged": True},
+            **({"status": "incomplete"} if cut else {}),
             "ranks": ranks,
             "table": {
                 "title": "ranks",

@@ -132,6 +132,7 @@ class StepWatch(JudgedSteps):
         self.scaler = scaler if amp.enabled(scaler) else None
         self.sum_losses = False  # a step's loss is the sum of its micro-batches' (else their mean)
         self.cannot_replay_any: str | None = None  # why no step of this run can be replayed
+        self.file_error: str | None = None  # why the report file could not be written while training ran
         self._judge = StepJudge(
             model,
             hooked=ddp,
@@ -195,9 +196,10 @@ class StepWatch(JudgedSteps):
 
     def report(self, framework: str) -> Report:
         """The run so far, in the sentinel's shape, with the framework named."""
-        return self._judge.report(
-            scaled=self.scaler is not None, lines=[("framework", framework)], data={"framework": framework}
-        )
+        data: dict[str, Any] = {"framework": framework}
+        if self.file_error is not None:  # not a step the sentinel failed to check: the run was judged
+            data["not_checked"] = {"report file": self.file_error}
+        return self._judge.report(scaled=self.scaler is not None, lines=[("framework", framework)], data=data)
 
     @property
     def live(self) -> Live:
@@ -210,8 +212,9 @@ class StepWatch(JudgedSteps):
         live = self._judge.live
         try:  # outside `Live`'s count of the rewrites' time: the first finding is written when decided
             writer()
-        except Exception as exc:
-            self._error("writing the report file", exc)
+        except Exception as exc:  # the file, not the steps: one line, no finding (a stop_on must not fire)
+            self.file_error = f"the report file could not be written while training ran: {type(exc).__name__}: {exc}"
+            live.note(f"fpdoctor: {self.file_error}; the steps are judged all the same")
             return
         live.writer = writer
 

@@ -137,6 +137,10 @@ class Live:
         self.write_seconds += spent
         self._next_write = start + spent / WRITE_SHARE
 
+    def note(self, line: str) -> None:
+        """A line of fpdoctor's own (not a finding), said now."""
+        self._say(line)
+
     def _say(self, line: str) -> None:
         if self.say is None:
             return

@@ -199,7 +199,8 @@ def _row(name: str, stage: str, got: torch.Tensor, ref: torch.Tensor) -> Departu
     got_norm = float(got.norm())
     if not math.isfinite(got_norm):
         return None  # non-finite gradients are the step judge's own finding
-    cosine = float((got * ref).sum()) / (got_norm * ref_norm) if got_norm > 0 else 0.0
+    # in fp64: the product of two fp32 gradients of 1e-28 underflows fp32 (a cosine of 0 for equal vectors)
+    cosine = float((got.double() * ref.double()).sum()) / (got_norm * ref_norm) if got_norm > 0 else 0.0
     live = ref != 0
     zeros = float(((got == 0) & live).sum()) / max(int(live.sum()), 1)
     return Departure(name, stage, got_norm / ref_norm, cosine, zeros)
