@@ -44,7 +44,7 @@ BUDGET_S = 460.0  # the whole run, under the 8 minutes a lent GPU machine's chec
 RESERVE_S = 10.0  # kept back for the summary
 MIN_PART_S = 5.0  # a part left less than this (or than its own cap) is skipped, not started to be killed
 KEEP = 200_000  # characters of each part's output kept in parts.log
-SIGFPE_STATUS = 128 + signal.SIGFPE
+SIGFPE_STATUS = -signal.SIGFPE  # `fpdoctor run` dies of the signal its command died of
 
 
 @dataclass

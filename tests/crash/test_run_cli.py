@@ -67,7 +67,7 @@ def only(doc: dict, name: str) -> dict:
 def test_death_by_signal(tmp_path, mode, signame, function):
     result, doc = crash_run(tmp_path, mode)
     signum = int(getattr(signal, signame))
-    assert result.returncode == 128 + signum
+    assert result.returncode == -signum  # fpdoctor dies of the signal its command died of
     assert_streams_pass_through(result, mode)
     crash = only(doc, "fatal-signal")
     assert crash["severity"] == "error" and crash["code"] == "CRS001"
@@ -84,7 +84,7 @@ def test_death_by_signal(tmp_path, mode, signame, function):
 
 def test_sigfpe_inside_an_op_during_forward(tmp_path):
     result, doc = crash_run(tmp_path, "sigfpe-op", "--env-from", H20_FACTS)
-    assert result.returncode == 128 + signal.SIGFPE
+    assert result.returncode == -signal.SIGFPE
     assert_streams_pass_through(result, "sigfpe-op")
     crash = only(doc, "fatal-signal")
     assert crash["evidence"]["signal"] == "SIGFPE"
@@ -100,14 +100,14 @@ def test_sigfpe_inside_an_op_during_forward(tmp_path):
     ]  # fmt: skip
     # pasted into a shell as printed, it runs again and names the op in flight
     again = subprocess.run(rerun, shell=True, capture_output=True, timeout=120, check=False)
-    assert again.returncode == 128 + signal.SIGFPE
+    assert again.returncode == -signal.SIGFPE
     assert b"Op in flight (breadcrumbs): fpdoctor_fixture.gemm.default(float32[8, 16]" in again.stderr
 
 
 def test_sigfpe_with_breadcrumbs_names_the_op_in_flight(tmp_path):
     pytest.importorskip("fpdoctor.crash.breadcrumbs")
     result, doc = crash_run(tmp_path, "sigfpe-op", "--breadcrumbs", "--env-from", H20_FACTS)
-    assert result.returncode == 128 + signal.SIGFPE
+    assert result.returncode == -signal.SIGFPE
     assert_streams_pass_through(result, "sigfpe-op")
     crash = only(doc, "fatal-signal")
     # where.op is the overload's name (ARCHITECTURE.md, contract 2), str() of the OpOverload
@@ -119,7 +119,7 @@ def test_sigfpe_with_breadcrumbs_names_the_op_in_flight(tmp_path):
 
 def test_sigkill_is_killed_from_outside(tmp_path):
     result, doc = crash_run(tmp_path, "sigkill")
-    assert result.returncode == 128 + signal.SIGKILL
+    assert result.returncode == -signal.SIGKILL
     assert_streams_pass_through(result, "sigkill")
     crash = only(doc, "fatal-signal")
     assert crash["evidence"]["signal"] == "SIGKILL" and "frame" not in crash["evidence"]
@@ -301,3 +301,15 @@ def test_a_shell_in_between(tmp_path):
     python, shell = sorted(doc["data"]["processes"], key=lambda p: not p.get("argv"))
     assert python["pid"] == crash["where"]["pid"] and python["ppid"] == shell["pid"] and not shell.get("argv")
     assert len(doc["findings"]) == 1  # the shell's exit status is not a second failure
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGUSR1", "SIGKILL"])
+def test_fpdoctor_dies_of_the_signal_its_command_died_of(signame):
+    """Slurm's `0:15` (not `143:0`), torchrun's 'Signal 15' and `returncode < 0` see what they
+    would see without fpdoctor; the report (on -o or stderr) comes first."""
+    code = f"import os, signal; print('up', flush=True); os.kill(os.getpid(), signal.{signame})"
+    plain_run = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, check=False)
+    result = run("run", "--", sys.executable, "-c", code)
+    assert plain_run.returncode == result.returncode == -getattr(signal, signame)
+    assert result.stdout == plain_run.stdout == b"up\n"
+    assert b"fatal-signal" in result.stderr

@@ -1,9 +1,9 @@
 """`fpdoctor run [--breadcrumbs] [--env-from FILE] [--wait S] -- COMMAND [ARGS...]`: crash capture.
 
-The command's output passes through unchanged and fpdoctor exits with the command's status
-(128+N for a death by signal N). When it fails, the report goes to stderr after the command's
-output; -o FILE gets it in any format, always (on stderr instead, after one line, when FILE
-cannot be written). A command that exits 0 gets nothing added.
+The command's output passes through unchanged and fpdoctor ends as the command ended: with its
+exit status, or, after the report, by the signal it died of. When it fails, the report goes to
+stderr after the command's output; -o FILE gets it in any format, always (on stderr instead,
+after one line, when FILE cannot be written). A command that exits 0 gets nothing added.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def add_parser(sub: Any) -> None:
         description="Runs COMMAND with every Python process it starts instrumented (faulthandler, process "
         "records, uncaught exceptions; the op ring with --breadcrumbs). When a process dies by a signal or "
         "an error, the report names it, its rank, stack, ops in flight and the environment verdicts. "
-        "Exit status: the command's (128+N for a death by signal N).",
+        "Exit status: the command's; a command that died of a signal has fpdoctor die of the same signal "
+        "after the report (a shell shows 128+N).",
     )
     p.add_argument(
         "--breadcrumbs",
@@ -109,6 +110,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--env-from: {exc}") from exc
     # a command that exits 0 gets nothing added to its streams, whatever was handled inside it
     _emit(result.report.to_dict(), args, bool(result.report.findings) and result.exit_code != 0)
+    if result.signal is not None:
+        from fpdoctor.signals import die_of
+
+        return die_of(result.signal)  # as the command died: Slurm's 0:N, torchrun's 'Signal N', returncode -N
     return result.exit_code
 
 

@@ -35,6 +35,7 @@ _PASS = object()  # default stream target: the caller's own sys.stdout / sys.std
 class RunResult:
     report: Report
     exit_code: int  # the command's exit status as a shell gives it (128+N for a death by signal N)
+    signal: int | None = None  # the signal the command died of: `fpdoctor run` dies of it too
 
     @property
     def failed(self) -> bool:
@@ -239,7 +240,8 @@ def _run(
             report = attach(report, ctx, repro)
         except Exception as exc:  # the reproducer is ours: the crash report stands without it
             report.data.setdefault("not_checked", {})["reproducer"] = f"{type(exc).__name__}: {exc}"
-    return RunResult(report=report, exit_code=launched.exit_status)
+    died = -launched.returncode if launched.returncode < 0 else None
+    return RunResult(report=report, exit_code=launched.exit_status, signal=died)
 
 
 def _crumbs_for(crumbs: Any, run_dir: str, processes: list[Any], failed: set[int], not_checked: dict[str, str]) -> None:
