@@ -28,13 +28,21 @@ compare does anything with it. Each own op is re-run on its first
 calls and every power-of-two-th after (ownops.REPEATS), so the re-runs grow with the log of the
 loop's length.
 
+A per-token loop (`--loop`): the streaming case's shape, a 2-layer linear-attention LM in recurrent
+form over 2048 tokens (86k ops, 53k torch function calls per forward), bf16 against fp32, whose
+error is made by two running states: compare runs seven forwards there (the fp64 pass, the bf16
+pass, the input floor, the running-state search and three checked runs: each state alone, then
+both), and the row prints each step's share beside the floor: those forwards run plain, and what
+a torch function mode (the fp64 pass, the search and each checked run watch every call through
+one) adds to a forward before it does anything.
+
 On a GPU (`--device cuda`) one child measures the same on CUDA, at a compute-bound size (dim
 1024, 16 heads, 16 x 512 tokens): fp16 against the budget and fp8-e4m3 with the real fp8 GEMM
 (torch._scaled_mm; the report says in how many Linear layers it ran), plain and compare
 interleaved per round; memory is the CUDA allocator's peak during one compare beyond the weight
 copies, at 12 and 24 layers: the 12 more layers may add less than half the largest activation.
 
-Run: python benchmarks/bench_compare.py [--rounds N] [--device cpu|cuda] [--tiny]
+Run: python benchmarks/bench_compare.py [--rounds N] [--device cpu|cuda] [--tiny] [--loop]
 """
 
 from __future__ import annotations
@@ -248,6 +256,7 @@ LOOP_CHILD = r"""
 import functools, json, statistics, sys, time
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 import fpdoctor
 from fpdoctor.precision.candidates import make_run
 from fpdoctor.precision.compare import compare as steps
@@ -309,7 +318,7 @@ def split(owner, name):  # the time compare spends in one of its steps, summed o
             spent[name] = spent.get(name, 0.0) + time.process_time() - t
             spent[name + " calls"] = spent.get(name + " calls", 0) + 1
     setattr(owner, name, w)
-for name in ("truth_pass", "accumulation", "forced"):
+for name in ("truth_pass", "candidate_pass", "input_floor", "accumulation", "forced", "result"):
     split(steps._Comparison, name)
 for name in ("carried_states", "raised_error"):  # the search's forward; each checked run's forward
     split(steps, name)
@@ -325,14 +334,27 @@ def comp():
     spent.clear()
     result = fpdoctor.compare(model, tokens, candidate="bf16")
     found[:] = [f.name for f in result.report.findings if f.severity in ("error", "warning")]
-timed(plain); timed(comp)  # warm-up
-p, q, parts = [], [], []
+class Empty(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {{}}))
+truth = make_run(model, "fp64").eval()
+def bare():  # the forwards compare runs, each plain: what its passes cost before they observe anything
+    out = {{}}
+    with torch.no_grad():
+        for name, run in (("fp64", truth), ("bf16", cand), ("fp32", model)):
+            out[name] = timed(lambda: run(tokens))[1]
+        with Empty():
+            out["bf16 under an empty function mode"] = timed(lambda: cand(tokens))[1]
+    return out
+timed(plain); timed(comp); bare()  # warm-up
+p, q, parts, floors = [], [], [], []
 for _ in range(int(sys.argv[1])):
-    p.append(timed(plain)); q.append(timed(comp)); parts.append(dict(spent))
+    p.append(timed(plain)); q.append(timed(comp)); parts.append(dict(spent)); floors.append(bare())
 med = statistics.median
 print(json.dumps({{
     "plain": med(u for _, u in p), "compare": med(u for _, u in q), "wall": med(w for w, _ in q) / med(w for w, _ in p),
     "parts": {{k: med(x[k] for x in parts) for k in parts[0]}}, "findings": found,
+    "bare": {{k: med(x[k] for x in floors) for k in floors[0]}},
 }}))
 """
 
@@ -348,12 +370,21 @@ def loop_row(rounds: int) -> bool:
           f"{rounds} rounds (medians, 1 thread)")  # fmt: skip
     times = f"two plain forwards {out['plain'] * 1e3:7.1f} ms   compare {out['compare'] * 1e3:7.1f} ms (CPU)"
     print(f"  bf16             {times}   {ratio:.2f}x (budget <= 3x)  {'PASS' if ratio <= 3.0 else 'FAIL'}")
-    parts = out["parts"]
+    parts, bare, unit = out["parts"], out["bare"], out["plain"]
     runs, checked = parts.get("raised_error calls", 0), parts.get("raised_error", 0.0)
-    print(f"  {'':16s} of which: the fp64 pass {parts['truth_pass'] / out['plain']:.2f}x, the running-state search "
-          f"{parts.get('carried_states', 0.0) / out['plain']:.2f}x (one forward), its {runs:.0f} checked runs "
-          f"{checked / out['plain']:.2f}x ({checked / max(runs, 1) / out['plain']:.2f}x each); without the checked "
-          f"runs {(out['compare'] - checked) / out['plain']:.2f}x; wall {out['wall']:.2f}x")  # fmt: skip
+    print(f"  {'':16s} of which: the fp64 pass {parts['truth_pass'] / unit:.2f}x, the bf16 pass "
+          f"{parts['candidate_pass'] / unit:.2f}x, the input floor {parts['input_floor'] / unit:.2f}x, the "
+          f"running-state search {parts.get('carried_states', 0.0) / unit:.2f}x (one forward), its {runs:.0f} checked "
+          f"runs {checked / unit:.2f}x ({checked / max(runs, 1) / unit:.2f}x each), the decisions and the report "
+          f"{parts['result'] / unit:.2f}x; without the checked runs {(out['compare'] - checked) / unit:.2f}x; "
+          f"wall {out['wall']:.2f}x")  # fmt: skip
+    # the forwards themselves, unobserved: fp64, fp32 (the input floor's reference) and five bf16 (the
+    # candidate pass, the search, the checked runs), and what a function mode's call alone adds to one
+    floor = (bare["fp64"] + bare["fp32"] + (2 + runs) * bare["bf16"]) / unit
+    mode = (bare["bf16 under an empty function mode"] - bare["bf16"]) / unit
+    print(f"  {'':16s} floor: its {4 + runs:.0f} forwards run plain {floor:.2f}x (fp64 {bare['fp64'] / unit:.2f}x, "
+          f"bf16 {bare['bf16'] / unit:.2f}x, fp32 {bare['fp32'] / unit:.2f}x); an empty function mode adds "
+          f"{mode:.2f}x to a forward, and {2 + runs:.0f} of them run under one")  # fmt: skip
     print(f"  {'':16s} findings: {', '.join(out['findings']) or 'none'}")
     return ratio <= 3.0
 
