@@ -6,7 +6,8 @@ weights, replayed as it ran and classified, and the job goes on. A line on stder
 step's verdict as it comes, and each finding when it is decided; the report follows the script's
 end (on stderr, or to FILE). FILE is also written at the start and rewritten as findings arrive
 ("in progress"), so a job killed at any point leaves a readable report. The exit status is the
-script's, and a script terminated by SIGTERM ends this process by SIGTERM too. `--stop-on LEVEL`
+script's, and a script terminated by SIGTERM (or interrupted by Ctrl-C) ends this process by
+SIGTERM (SIGINT) too, after its report. `--stop-on LEVEL`
 ends the script at the optimizer step after its first finding at LEVEL (`StopRun`, raised in its
 thread as KeyboardInterrupt is: its `finally` blocks run) and exits 1 (STOPPED).
 Under torchrun every rank writes FILE.rankN and whichever rank completes the set writes FILE,
@@ -36,6 +37,7 @@ from fpdoctor.cli.trace_outcome import (
 )
 from fpdoctor.report import write
 
+INTERRUPTED = "interrupted (KeyboardInterrupt, Ctrl-C) before the script ended"
 USAGE = "usage: fpdoctor watch [--report FILE] -- [python [OPTIONS]] SCRIPT.py | -m MODULE [ARGS...]"
 # the exit status of a run that a finding at the --stop-on level stopped (or would have: the script
 # caught the stop, or ended first): 1, as for error-level findings everywhere, unless the script's own is not 0
@@ -196,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
     sys.path.insert(0, os.getcwd() if as_module else os.path.dirname(os.path.abspath(script)))
     code = 0
     killed = False  # by SIGTERM: after the report, this process dies of it too
+    interrupted = False  # by KeyboardInterrupt (Ctrl-C): after the report, this process dies of SIGINT, as python does
     previous = catch_sigterm()
     watcher = ScriptWatch(
         replay=not args.no_replay,
@@ -236,6 +239,9 @@ def run(args: argparse.Namespace) -> int:
         killed, failure = True, TERMINATED
     except StopRun as stop:
         failure = f"stopped by --stop-on {args.stop_on} at {stop.finding.code} {stop.finding.name}"
+    except KeyboardInterrupt as exc:  # printed as python prints it; the report, then python's death by SIGINT
+        sys.stderr.write(user_traceback(exc, script))
+        interrupted, failure = True, INTERRUPTED
     except Exception as exc:  # the script's own error: printed as python would, then the report
         sys.stderr.write(user_traceback(exc, script))
         code = 1
@@ -256,6 +262,9 @@ def run(args: argparse.Namespace) -> int:
         error = None  # drop the frames it holds (the script's tensors)
     if killed:
         terminated(report)
+    if interrupted:  # not checked to its end: INCOMPLETE, never OK
+        report.data["status"] = "incomplete"
+        report.data.setdefault("summary", []).insert(0, ("ended", f"{INTERRUPTED}: the rest was not checked"))
     stopped = watcher.stopped_by  # the watch's own stop, or a callback's it switched on (training ended there)
     if stopped is not None:
         by_callback = stopped is not watcher.live.stopped
@@ -268,6 +277,10 @@ def run(args: argparse.Namespace) -> int:
         ranks.write_rank(report.to_dict(), args, dist)
     else:
         emit_after_program(report.to_dict(), args)
+    if interrupted:
+        from fpdoctor.signals import die_of
+
+        return die_of(signal.SIGINT)
     return die_of_sigterm() if killed else code
 
 
