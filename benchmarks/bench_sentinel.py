@@ -240,6 +240,7 @@ def report(title: str, medians: dict[str, float]) -> dict[str, float]:
 
 
 BLOCK_SECONDS = 0.1  # CPU time a block of steps aims at
+ROW_SECONDS = 20.0  # wall time after which a row stops adding blocks (2 at least): the run stays bounded
 SAMPLED_STEPS = 4  # the short run the sampled work is timed in: reference steps 1 and 4, an experiment at 3
 
 
@@ -262,7 +263,10 @@ def curve_row(shape: Shape, blocks: int) -> tuple[float, float]:
         plain()
         per_block = max(3, min(20, round(BLOCK_SECONDS / max(time.process_time() - start, 1e-4))))
         times: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(blocks):
+        began = time.perf_counter()
+        for done in range(blocks):
+            if done >= 2 and time.perf_counter() - began > ROW_SECONDS:  # a row whose threads wait on busy cores
+                break
             for name, fn in variants.items():
                 for i in range(per_block + 1):
                     start = time.process_time()

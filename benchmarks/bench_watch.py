@@ -61,6 +61,7 @@ from models import (
 BUDGET = 1.01
 WARM_UP = 2
 BLOCK_SECONDS = 0.1  # CPU time a block of steps aims at: its step count follows from a plain step's
+ROW_SECONDS = 20.0  # wall time after which a row stops adding blocks (2 at least): the run stays bounded
 SAMPLED_STEPS = 4  # the short run the sampled work is timed in: reference steps 1 and 4, an experiment at 3
 
 Step = Callable[[], None]
@@ -116,7 +117,10 @@ def measure(row: Row, blocks: int, watches: dict[str, Watch]) -> tuple[dict[str,
         per_block = max(3, min(20, round(BLOCK_SECONDS / max(probe[-1], 1e-4))))
         plain: list[list[float]] = []
         times: dict[str, list[float]] = {name: [] for name in watches}
-        for _ in range(blocks):
+        began = time.perf_counter()
+        for done in range(blocks):
+            if done >= 2 and time.perf_counter() - began > ROW_SECONDS:  # a row whose threads wait on busy cores
+                break
             plain.append(_block(step, per_block, contextlib.nullcontext()))
             for name, watch in watches.items():
                 times[name] += _block(step, per_block, watch())
