@@ -100,7 +100,7 @@ def test_sigfpe_inside_an_op_during_forward(tmp_path):
     ]  # fmt: skip
     # pasted into a shell as printed, it runs again and names the op in flight
     again = subprocess.run(rerun, shell=True, capture_output=True, timeout=120, check=False)
-    assert again.returncode == -signal.SIGFPE
+    assert again.returncode == 128 + signal.SIGFPE  # the shell reports fpdoctor's death by SIGFPE
     assert b"Op in flight (breadcrumbs): fpdoctor_fixture.gemm.default(float32[8, 16]" in again.stderr
 
 
@@ -167,9 +167,13 @@ def test_clean_exit_adds_nothing(tmp_path):
     assert doc["verdict"] == "ok" and doc["findings"] == [] and doc["data"]["exit_status"] == 0
 
 
-def test_exit_status_without_a_crash_passes_through():
+def test_exit_status_without_a_crash_passes_through(tmp_path):
     result = run("run", "--", sys.executable, DIE, "exit3")
     assert result.returncode == 3 and result.stderr == plain("exit3").stderr
+    # the report file says the command failed (never OK beside exit status 3); stderr stays as it was
+    result, doc = crash_run(tmp_path, "exit3")
+    assert result.returncode == 3 and result.stderr == plain("exit3").stderr
+    assert doc["verdict"] == "error" and only(doc, "nonzero-exit")["evidence"]["exit_code"] == 3
 
 
 def test_command_not_found_is_one_line():
@@ -280,6 +284,7 @@ CASES = {
     "CRS002": "test_uncaught_exception_keeps_its_exit_code",
     "CRS003": "test_cuda_error_text_is_explained",
     "CRS004": "test_torchrun_rank_dies_while_the_other_waits_in_a_collective",
+    "CRS005": "test_exit_status_without_a_crash_passes_through",  # a rank's: tests/crash/test_first_death.py
 }
 
 

@@ -71,4 +71,21 @@ CRS_RULES: tuple[RuleInfo, ...] = (
         "torchrun); their errors are consequences, and the rank that failed first is the one to debug.",
         fix="Nothing to fix on this rank: debug the rank that failed first.",
     ),
+    RuleInfo(
+        code="CRS005",
+        name="nonzero-exit",
+        severity=Severity.ERROR,
+        untried=_ENDED,
+        title="A process exited with a non-zero status, without an exception or a signal",
+        what="A rank that ended with a non-zero status and left no Python exception and no signal (os._exit(N), "
+        "sys.exit(N), a native exit()), its status read from its launcher (torchrun's failure summary, mp.spawn's "
+        "ProcessExitedException) and its end from when fpdoctor saw it gone; also the command itself when it "
+        "exited non-zero and no process of it crashed, raised or was killed (only in the report file: its own "
+        "output says why, and nothing is added to it).",
+        why="A rank that leaves with os._exit leaves no traceback; its launcher then stops the other ranks, and "
+        "their SIGTERM or lost-connection errors are all that the log shows. A job whose report says OK beside "
+        "a non-zero exit status would pass a check that reads the report.",
+        fix="Read the last lines the process printed before it exited, and look for the os._exit / sys.exit / "
+        "exit() call that gives that status in the code it ran.",
+    ),
 )

@@ -157,8 +157,10 @@ HWR_RULES: tuple[RuleInfo, ...] = (
         untried=_MACHINE,
         title="nvidia-smi or NVML cannot open a GPU",
         what="Finds the line nvidia-smi prints instead of a GPU's section when it cannot open the GPU, "
-        "'Unable to determine the device handle for GPU 00000000:47:00.0: Unknown Error' (live: NVML's "
-        "nvmlDeviceGetHandleByIndex failing with Unknown Error, Insufficient Power, IRQ issue and alike). "
+        "'Unable to determine the device handle for GPU 00000000:47:00.0: Unknown Error' (any case; live: "
+        "NVML's nvmlDeviceGetHandleByIndex failing with Unknown Error, Insufficient Power, IRQ issue and "
+        "alike), and the driver's 'NVRM: GPU 0000:47:00.0: RmInitAdapter failed!' in this boot's kernel log "
+        "(the driver could not initialise the GPU), unless NVML or nvidia-smi opened that GPU since. "
         "'GPU is lost' is gpu-lost; 'Insufficient Permissions' says nothing of the GPU and leaves it not "
         "checked.",
         why="The driver counts the GPU but cannot talk to it: every job scheduled on it fails, and none of its "
@@ -176,14 +178,20 @@ HWR_RULES: tuple[RuleInfo, ...] = (
         severity=E,
         untried=_MACHINE,
         title="The NVIDIA driver sees no GPU on a node that has some",
-        what="nvidia-smi output that says 'No devices were found' (or counts 'Attached GPUs : 0'); live, NVML "
-        "that starts but counts no GPU while the driver's /proc/driver/nvidia/gpus or this boot's kernel log "
-        "names GPUs.",
-        why="The driver is loaded but has no GPU it can use: every GPU failed to initialise (RmInitAdapter "
-        "failed, a GPU off the bus, a firmware or power fault), so no GPU job can run on the node.",
-        fix="Drain the node. Check lspci | grep -i nvidia and the kernel log (dmesg | grep -i -e NVRM -e xid) "
-        "for why the GPUs did not initialise; reboot the node; if they stay invisible, reseat them and check "
-        "their power, then request a replacement (RMA) with nvidia-bug-report.sh output.",
+        what="nvidia-smi output that says 'No devices were found' (or counts 'Attached GPUs : 0'), 'NVIDIA-SMI "
+        "has failed because it couldn't communicate with the NVIDIA driver' or 'Failed to initialize NVML: "
+        "Driver/library version mismatch' (any NVML start-up failure but Insufficient Permissions); live, NVML "
+        "that counts no GPU while the driver's /proc/driver/nvidia/gpus or this boot's kernel log names GPUs, "
+        "NVML that cannot start for a driver/library version mismatch, or a driver that is not loaded while "
+        "the PCI bus holds NVIDIA GPUs.",
+        why="No GPU of the node can be used: every GPU failed to initialise (RmInitAdapter failed, a GPU off "
+        "the bus, a firmware or power fault), the driver is not loaded or hung, or the driver library in use "
+        "is not the loaded kernel module's (a driver upgraded without a reboot), so no GPU job can run there.",
+        fix="Drain the node. A driver/library version mismatch follows a driver upgrade: reboot the node (or "
+        "reload the nvidia kernel modules). Otherwise check lspci | grep -i nvidia, lsmod | grep nvidia and the "
+        "kernel log (dmesg | grep -i -e NVRM -e xid) for why the GPUs did not initialise; reboot the node; if "
+        "they stay invisible, reseat them and check their power, then request a replacement (RMA) with "
+        "nvidia-bug-report.sh output.",
         references=(_XID_CATALOG,),
     ),
 )

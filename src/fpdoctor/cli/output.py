@@ -56,7 +56,9 @@ def resolve_output(args: argparse.Namespace) -> None:
     output = getattr(args, "output", None)
     if args.format is None:
         args.format = write.format_for(output) if output else "text"
-    if output:
+    # run and health (a scheduler's wrapper and gate) run in any case and keep their exit status: an
+    # -o they cannot write is one line on stderr when the report is due, the report beside it
+    if output and not getattr(args, "report_whatever_happens", False):
         parent = Path(output).parent
         if not parent.exists():
             raise UsageError(f"{parent} does not exist; create it or choose another path for -o")

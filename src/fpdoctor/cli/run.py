@@ -71,7 +71,7 @@ def add_parser(sub: Any) -> None:
         "only when the command failed)",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND [ARGS...]")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, report_whatever_happens=True)  # a missing -o directory never stops the command
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         except InputError as exc:
             raise UsageError(str(exc)) from None
 
+    from fpdoctor.crash.streams import CLOSED
+
     try:
         result = run_command(
             argv,
@@ -103,13 +105,18 @@ def run(args: argparse.Namespace) -> int:
             wait_s=args.wait,
             program=program(),
             repro=args.repro,
+            stdout=CLOSED if sys.stdout is None else sys.stdout,  # `>&-`: closed for the command too
         )
     except CommandError as exc:
         raise UsageError(str(exc)) from exc
     except InputError as exc:
         raise UsageError(f"--env-from: {exc}") from exc
     # a command that exits 0 gets nothing added to its streams, whatever was handled inside it
-    _emit(result.report.to_dict(), args, bool(result.report.findings) and result.exit_code != 0)
+    try:
+        _emit(result.report.to_dict(), args, result.failed and result.exit_code != 0)
+    except Exception as exc:  # ours (a closed stderr, a renderer's bug): the command's status still passes through
+        with contextlib.suppress(Exception):
+            sys.stderr.write(f"fpdoctor: the report could not be written: {type(exc).__name__}: {exc}\n")
     if result.signal is not None:
         from fpdoctor.signals import die_of
 

@@ -39,8 +39,9 @@ class RunResult:
 
     @property
     def failed(self) -> bool:
-        """Something inside the command failed (a finding was made)."""
-        return bool(self.report.findings)
+        """Something inside the command failed: a process crashed, raised or was killed (a command
+        that only exited non-zero has its `nonzero-exit` finding in the report, and its output says why)."""
+        return bool(self.report.data.get("failures"))
 
 
 def run_command(
@@ -199,7 +200,11 @@ def _run(
     from fpdoctor.crash.report import build
 
     collected = collect(
-        run_dir, child_pid=launched.pid, returncode=launched.returncode, stderr_tail=launched.stderr_tail
+        run_dir,
+        child_pid=launched.pid,
+        returncode=launched.returncode,
+        stderr_tail=launched.stderr_tail,
+        gone=watch.gone,
     )
     not_checked: dict[str, str] = {}
     crumbs = _breadcrumbs() if breadcrumbs else None

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -306,6 +307,9 @@ class Watch:
         self.run_dir = run_dir
         self._ranks: dict[int, bool] = {}  # pid -> restarts remain (torchelastic will relaunch)
         self._seen: dict[int, dict[str, Any]] = {}  # records, read once
+        # pid -> when a rank was first seen gone without an exit record: SIGKILL and os._exit leave
+        # nothing behind, and this is the order of their deaths (within a poll) for the report
+        self.gone: dict[int, float] = {}
 
     def __call__(self) -> float | None:
         try:
@@ -320,6 +324,7 @@ class Watch:
                     record = self._seen[pid] = _read_json(Path(entry.path)) or {}
                     if _is_rank(record) and not _inherits_rank(record, self._seen.get(_ppid(record))):
                         self._ranks[pid] = _restarts_remain(record)
+        self._look_for_the_gone(entries)
         for entry in entries:
             name = entry.name
             pid = _pid_of(name)
@@ -337,6 +342,14 @@ class Watch:
 
     def pids(self) -> list[int]:
         return list(self._ranks)
+
+    def _look_for_the_gone(self, entries: list[os.DirEntry[str]]) -> None:
+        """Ranks that ended without an exit record (killed, os._exit): when they were first seen gone."""
+        recorded = {_pid_of(e.name) for e in entries if e.name.startswith(("exit.", "fault."))}
+        now = time.time()
+        for pid in self._ranks:
+            if pid not in self.gone and pid not in recorded and not running(pid):
+                self.gone[pid] = now
 
 
 def _ppid(record: dict[str, Any]) -> int:
@@ -378,8 +391,14 @@ class Collected:
     stderr_text: str
 
 
-def collect(run_dir: str, *, child_pid: int, returncode: int, stderr_tail: bytes) -> Collected:
+def collect(
+    run_dir: str, *, child_pid: int, returncode: int, stderr_tail: bytes, gone: dict[int, float] | None = None
+) -> Collected:
+    """`gone`: when fpdoctor saw a rank gone without an exit record (Watch.gone), its end."""
     procs = read_processes(run_dir)
+    for pid, when in (gone or {}).items():
+        if pid in procs and procs[pid].exit_time is None:
+            procs[pid].end_hint = when
     for proc in procs.values():
         parent = procs.get(proc.ppid or 0)
         proc.helper = bool(proc.record) and _inherits_rank(proc.record, parent.record if parent else None)
@@ -441,6 +460,31 @@ def _spawned(procs: dict[int, Process]) -> None:
             record = _reported_exception(exc, index, failed.exit_time)
             if record is not None:
                 failed.exceptions.append(record | {"reported_by": parent.pid})
+        code = _reported_exit(exc, index)
+        if code is not None and failed.returncode is None and failed.main_exception() is None:
+            # died without a trace of its own (SIGKILL, os._exit): ProcessExitedException says how;
+            # mp.spawn saw it before it raised, so its end is no later than that
+            failed.returncode = code
+            if failed.end_hint is None:
+                failed.end_hint = _float(exc.get("time"))
+
+
+_PROCESS_EXITED = re.compile(r"process (\d+) terminated with (?:signal (SIG[A-Z0-9]+)|exit code (-?\d+))")
+
+
+def _reported_exit(exc: dict[str, Any], index: int) -> int | None:
+    """How mp.spawn's ProcessExitedException says its child ended: -N for signal N, else its exit code."""
+    child = exc.get("child") or {}
+    if isinstance(child.get("signal"), str) and _signum(child["signal"]):
+        return -_signum(child["signal"])
+    if isinstance(child.get("exit_code"), int):
+        return int(child["exit_code"])
+    m = _PROCESS_EXITED.search(str(exc.get("message") or ""))
+    if m is None or int(m[1]) != index:
+        return None
+    if m[2]:
+        return -_signum(m[2]) or None
+    return int(m[3])
 
 
 _PROCESS_RAISED = re.compile(r"^-- Process (\d+) terminated with the following error:\n", re.MULTILINE)

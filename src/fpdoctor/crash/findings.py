@@ -70,7 +70,7 @@ def failures(ctx: Context) -> list[Event]:
     events = []
     for p in procs:
         o = p.outcome()
-        if o.kind not in (*FATAL, "exception"):
+        if o.kind not in (*FATAL, "exception") and not _exited_badly(p, o):
             continue
         if ctx.interrupted and o.signal in ("SIGINT", "SIGTERM", "SIGHUP"):
             continue  # the user stopped the command through fpdoctor
@@ -85,15 +85,42 @@ def failures(ctx: Context) -> list[Event]:
             if up in failed and _reports_a_child(failed[up].process, failed[up].outcome):
                 launchers.add(up)
             up = parents.get(up)
-    # A child its launcher stopped after reporting another child's failure (mp.spawn terminates the
-    # rest) is a consequence, whatever the clocks say: the reported failure comes first.
-    reported = {p.ppid: p.pid for p in procs if p.reported}
+    kept = [e for e in events if e.process.pid not in launchers]
+    return sorted(kept, key=lambda e: (_consequence(e, kept, procs), e.time))
 
-    def stopped(e: Event) -> bool:
-        other = reported.get(e.process.ppid, e.process.pid) != e.process.pid
-        return other and e.outcome.kind in ("terminated", "killed")
 
-    return sorted((e for e in events if e.process.pid not in launchers), key=lambda e: (stopped(e), e.time))
+def _exited_badly(p: Process, o: Outcome) -> bool:
+    """A rank (or the child mp.spawn reported) that ended with a non-zero status of its own and left
+    neither an exception nor a signal: os._exit(N), sys.exit(N), a native exit()."""
+    return o.kind == "exited" and bool(o.exit_code) and (p.is_rank or p.reported)
+
+
+def _consequence(e: Event, events: list[Event], procs: list[Process]) -> bool:
+    """Whether this failure follows from another one, whatever the clocks say (a rank killed by
+    SIGKILL or gone by os._exit is seen only at fpdoctor's next look, up to a poll late):
+    - a child its launcher stopped after reporting another child's failure (mp.spawn reports one
+      and terminates the rest; torchrun's 'Root Cause (first observed failure)' names one);
+    - a SIGTERM beside a failure of another kind: launchers stop the survivors with it;
+    - a collective's lost connection beside a rank that died or exited: that peer went first."""
+    p, kind = e.process, e.outcome.kind
+    reported = {q.ppid: q.pid for q in procs if q.reported}
+    if reported.get(p.ppid, p.pid) != p.pid and kind in ("terminated", "killed"):
+        return True
+    root = next((q for q in procs if q.launcher is not None and q.launcher.root_cause), None)
+    if root is not None and root is not p and root.is_rank and kind in ("terminated", "killed"):
+        return any(other.process is root for other in events)
+    others = [x for x in events if x is not e]
+    if kind == "terminated" and any(x.outcome.kind != "terminated" for x in others):
+        return True
+    if kind == "exception" and p.is_rank and _lost_peer(p):
+        return any(x.process.is_rank and x.outcome.kind != "exception" for x in others)
+    return False
+
+
+def _lost_peer(p: Process) -> bool:
+    exc = p.main_exception() or {}
+    error = explain_text(f"{exc.get('type', '')}: {exc.get('message', '')}")
+    return error is not None and error.key == "peer-gone"
 
 
 # -- one finding per failed process ------------------------------------------------------------
@@ -362,6 +389,53 @@ def fatal_signal(ctx: Context, p: Process, o: Outcome, *, first: bool) -> Findin
     )
 
 
+def nonzero_exit(ctx: Context, p: Process, o: Outcome, *, first: bool) -> Finding:
+    """A rank that exited non-zero with no exception and no signal: os._exit(N), sys.exit(N)."""
+    code = o.exit_code
+    source = (
+        "torchrun's failure summary"
+        if p.launcher is not None and p.launcher.exitcode == code
+        else "mp.spawn's ProcessExitedException"
+        if p.reported
+        else "its exit status"
+    )
+    lead = (
+        f"{_who(p, ctx)} exited with status {code} without a Python exception or a signal (os._exit({code}), "
+        f"sys.exit({code}) or a native exit())"
+    )
+    lines = [lead + (", the first process to fail" if first else "") + f"; its status is from {source}."]
+    if p.end_hint is not None and p.exit_time is None:
+        lines.append(f"It left no exit record: fpdoctor saw it gone at {_clock(p.end_hint)}.")
+    evidence: dict[str, Any] = {"exit_code": code, "status_from": source}
+    return catalog.make(
+        "nonzero-exit",
+        message="\n".join(lines),
+        title=f"{short(p)} exited with status {code}",
+        where=_where(p, ctx),
+        evidence=evidence,
+    )
+
+
+def command_failed(ctx: Context) -> Finding:
+    """The command exited non-zero and no process of it crashed, raised or was killed."""
+    launched = ctx.launched
+    status = launched.exit_status
+    return catalog.make(
+        "nonzero-exit",
+        message=f"The command exited with status {status}; no process of it died of a signal, raised an uncaught "
+        "exception or was stopped, so what it printed before it exited says why.",
+        title=f"the command exited with status {status}",
+        where={"pid": launched.pid},
+        evidence={"exit_code": status},
+    )
+
+
+def _clock(t: float) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(t).strftime("%H:%M:%S.%f")[:-3]
+
+
 def short(p: Process) -> str:
     return f"rank {p.rank}" if p.is_rank else f"pid {p.pid}"
 
@@ -454,6 +528,8 @@ def rank_stopped(ctx: Context, p: Process, first: Event) -> Finding:
     waiting = collective(stack)
     cause = first.outcome.signal or exception_name(first.process)
     what = f"{short(first.process)} died of {cause}" if first.outcome.signal else f"{short(first.process)} failed"
+    if first.outcome.kind == "exited":
+        what = f"{short(first.process)} exited with status {first.outcome.exit_code}"
     ended_before = o.kind == "exited" and o.time is not None and o.time < first.time
     if ended_before:
         doing, state = "had already finished", "finished"

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from fpdoctor.crash.signals import forwarding
-from fpdoctor.crash.streams import Pump, Sink, copy_window_size, open_terminal
+from fpdoctor.crash.streams import Pump, Sink, copy_window_size, keep_closed_for_the_command, open_terminal
 
 POLL_S = 0.2  # how often the run directory is looked at for a rank's death (well inside the 5 s budget)
 SETTLE_S = 10.0  # with --wait: for a launcher to exit once every rank has ended (a loaded machine: seconds)
@@ -166,8 +166,11 @@ def launch(
             master, slave = open_terminal(terminal)
             cleanup.callback(_close, slave)
         stderr_arg: Any = slave if slave is not None else subprocess.PIPE
-        if stdout is None:
-            stdout_arg: Any = subprocess.DEVNULL
+        if out_sink.closed:
+            keep_closed_for_the_command(1)
+            stdout_arg: Any = None  # inherited: closed at exec
+        elif stdout is None:
+            stdout_arg = subprocess.DEVNULL
         elif slave is not None and out_sink.same_terminal(err_sink):
             stdout_arg = slave  # one terminal, one channel: stdout and stderr lines keep their order
         elif out_sink.terminal:
@@ -261,9 +264,9 @@ def _watch(
             elif wait_s is None:
                 continue
         elif wait_s is None:
-            # the launcher in charge decides how the job ends; nothing more to look at
-            ended_event.wait()
-            break
+            # the launcher in charge decides how the job ends; watch() goes on only to note when
+            # the other ranks end (the order of deaths names the first failure)
+            watch()
         elif not settled and not any(running(pid) for pid in alive()):
             # every rank has ended: no collective can hang any more, and the launcher's own
             # shutdown (torchrun printing its summary) gets its time, so its exit status stays

@@ -14,10 +14,12 @@ from fpdoctor.crash.findings import (
     FATAL,
     Context,
     Event,
+    command_failed,
     exception_finding,
     exception_name,
     failures,
     fatal_signal,
+    nonzero_exit,
     on_ranks,
     op_text,
     rank_stopped,
@@ -46,11 +48,16 @@ def build(ctx: Context) -> Report:
             findings.append(rank_stopped(ctx, p, first))
         elif o.kind in FATAL:
             findings.append(fatal_signal(ctx, p, o, first=event is first and len(events) > 1))
+        elif o.kind == "exited":
+            findings.append(nonzero_exit(ctx, p, o, first=event is first and len(events) > 1))
         else:
             findings.append(exception_finding(ctx, p, first=event is first and len(events) > 1))
     if first is not None and first.process.is_rank:
         failed = {e.process.pid for e in events}
         findings += [rank_stopped(ctx, p, first) for p in job if p.pid not in failed]
+    if not events and ctx.launched.exit_status != 0 and not ctx.interrupted:
+        # a failed command is never OK in the report file (stderr gets nothing: its own output says why)
+        findings.append(command_failed(ctx))
     if ctx.launched.exit_status == 0:
         # the command went on and succeeded: what failed inside it was handled
         findings = [_soften(f) for f in findings]
@@ -136,7 +143,9 @@ def _data(ctx: Context, events: list[Event]) -> dict[str, Any]:
     summary.append(("processes", f"{len(python)} Python process(es)" + (f", {len(ranks)} rank(s)" if ranks else "")))
     if events:
         e = events[0]
-        what = e.outcome.signal or exception_name(e.process)
+        what = e.outcome.signal or (
+            f"exit status {e.outcome.exit_code}" if e.outcome.kind == "exited" else exception_name(e.process)
+        )
         summary.append(("first failure", f"{short(e.process)} {what} at {_clock(e.time)}"))
     if launched.stopped:
         summary.append(("stopped", "fpdoctor terminated the command: it was still running after the first failure"))
@@ -159,6 +168,7 @@ def _data(ctx: Context, events: list[Event]) -> dict[str, Any]:
     data: dict[str, Any] = {
         "summary": summary,
         "exit_status": launched.exit_status,
+        "failures": len(events),  # processes that crashed, raised, were killed or exited badly
         "processes": [_process_data(p) for p in col.processes],
         "not_checked": not_checked,
     }

@@ -40,17 +40,38 @@ _FORWARD = (
 )
 
 
+# A stream the caller has closed (`>&-`): the command gets it closed too, as from a shell, and its
+# writes there fail as they would have (not /dev/null, where they would succeed).
+CLOSED = "closed"
+
+
+def keep_closed_for_the_command(fd: int) -> None:
+    """Hold the closed descriptor `fd` with a placeholder that is closed at exec (no pipe or file
+    fpdoctor opens may take its number and reach the command through it), so that the command,
+    which inherits it, starts with `fd` closed."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        placeholder = os.open(os.devnull, os.O_RDONLY)
+        if placeholder != fd:
+            os.dup2(placeholder, fd, inheritable=False)
+            os.close(placeholder)
+    os.set_inheritable(fd, False)
+
+
 class Sink:
-    """Where one of the command's streams goes: a file descriptor, a writable object, or nowhere."""
+    """Where one of the command's streams goes: a file descriptor, a writable object, nowhere (None),
+    or CLOSED: the caller's own stream is closed, and so is the command's."""
 
     def __init__(self, target: Any) -> None:
         self.fd: int | None = None
         self.obj: Any = None
         self.text = False
+        self.closed = target is CLOSED
         self.broken = False  # the reader went away: stop reading, the command gets EPIPE/SIGPIPE
         self.failed = False  # any other write error: keep draining (the command must never block)
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")  # chunks split characters
-        if target is None:
+        if target is None or self.closed:
             return
         if isinstance(target, int):
             self.fd = target

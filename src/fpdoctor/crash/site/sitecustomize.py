@@ -72,7 +72,7 @@ def _start_process(run_dir: str, forked: bool) -> None:
     if mode == "file":
         # faulthandler writes through the descriptor from its signal handler: it stays open for
         # the life of the process (a forked child gets a file of its own).
-        fault = open(os.path.join(run_dir, f"fault.{pid}"), "w")  # noqa: SIM115
+        fault = _open_above_stdio(os.path.join(run_dir, f"fault.{pid}"))
         faulthandler.enable(file=fault, all_threads=True)
         _swap("fault", fault)
     term_dump = _register_term_dump(run_dir, pid, forked)
@@ -108,6 +108,20 @@ def _start_process(run_dir: str, forked: bool) -> None:
     if "RANK" in env and not forked:
         _claim_rank(record, pid)
     _write_json(os.path.join(run_dir, f"proc.{pid}.json"), record)
+
+
+def _open_above_stdio(path: str) -> TextIO:
+    """A file that stays open for the life of the process, never on descriptor 0, 1 or 2: in a
+    program started with a closed stdout (`>&-`) it would take descriptor 1, and the program's
+    writes there would land in it instead of failing."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    if fd < 3:
+        import fcntl
+
+        high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+        os.close(fd)
+        fd = high
+    return os.fdopen(fd, "w")
 
 
 def _claim_rank(record: dict[str, Any], pid: int) -> None:
@@ -154,7 +168,7 @@ def _register_term_dump(run_dir: str, pid: int, forked: bool) -> bool:
         return False
     if _signal.getsignal(_signal.SIGTERM) != _signal.SIG_DFL:
         return False  # the program's own, set at start or since: a forked child keeps it as inherited
-    term = open(os.path.join(run_dir, f"term.{pid}"), "w")  # noqa: SIM115
+    term = _open_above_stdio(os.path.join(run_dir, f"term.{pid}"))
     faulthandler.register(_signal.SIGTERM, file=term, all_threads=True, chain=True)
     _swap("term", term)
     return True
@@ -203,7 +217,14 @@ def _failed_child(exc_type: type[BaseException], exc: BaseException | None, tb: 
         pids = [int(p) for p in context_pids()] if callable(context_pids) else []
     except Exception:  # another object's pids(): the failed child alone is named
         pids = []
-    return {"index": index, "pid": pid, "pids": pids}
+    child: dict[str, Any] = {"index": index, "pid": pid, "pids": pids}
+    # ProcessExitedException: how the child ended when it left no exception (SIGKILL, os._exit)
+    signal_name, exit_code = getattr(exc, "signal_name", None), getattr(exc, "exit_code", None)
+    if isinstance(signal_name, str):
+        child["signal"] = signal_name
+    elif isinstance(exit_code, int):
+        child["exit_code"] = exit_code
+    return child
 
 
 def _walk(tb: TracebackType | None) -> list[dict[str, Any]]:

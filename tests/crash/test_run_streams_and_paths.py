@@ -1,0 +1,49 @@
+"""What `fpdoctor run` is handed, the command is handed as from the shell, and nothing fpdoctor
+fails at changes the command's fate: an -o in a directory that is not there does not stop the
+command (its status stays, one line and the report on stderr); a closed stdout (`>&-`) is
+closed for the command too (its writes fail as they would, never into a file of fpdoctor's);
+a closed stderr costs the report, not the command's death by signal."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+WRITES = "import os, sys; print('to stdout', flush=True); os.write(1, b'raw\\n'); sys.exit(0)"
+
+
+def _shell(command: str) -> subprocess.CompletedProcess[str]:
+    """A shell line, so that `>&-` and `2>&-` close descriptors as a user's shell does."""
+    return subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_an_o_in_a_directory_that_is_not_there_never_stops_the_command(tmp_path):
+    marker, path = tmp_path / "ran", tmp_path / "missing" / "report.json"
+    code = f"open({str(marker)!r}, 'w').close(); raise SystemExit(3)"
+    done = subprocess.run(
+        [sys.executable, "-m", "fpdoctor", "run", "-o", str(path), "--", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 3 and marker.exists()  # the command ran, its status passed through
+    line = f"fpdoctor: could not write the report to {path}: "
+    assert done.stderr.count("fpdoctor: could not write") == 1 and done.stderr.startswith(line), done.stderr
+    doc = json.JSONDecoder().raw_decode(done.stderr.split("\n", 1)[1])[0]
+    assert doc["data"]["exit_status"] == 3 and doc["verdict"] == "error"
+
+
+def test_a_closed_stdout_is_closed_for_the_command_too():
+    python, fpdoctor = sys.executable, f"{sys.executable} -m fpdoctor run --"
+    plain = _shell(f'{python} -c "{WRITES}" >&-')
+    watched = _shell(f'{fpdoctor} {python} -c "{WRITES}" >&-')
+    assert plain.returncode == watched.returncode == 1  # os.write(1): Bad file descriptor
+    assert "Bad file descriptor" in plain.stderr and watched.stderr.startswith(plain.stderr)
+
+
+def test_a_closed_stderr_costs_the_report_not_the_commands_death_by_signal():
+    segv = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
+    done = _shell(f'{sys.executable} -m fpdoctor run -- {sys.executable} -c "{segv}" 2>&-; echo status $?')
+    assert done.stdout == f"status {128 + signal.SIGSEGV}\n", done
+    assert os.sep + "fpdoctor" + os.sep not in done.stderr  # no traceback of fpdoctor's own
