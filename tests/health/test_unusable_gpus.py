@@ -34,8 +34,9 @@ CLEAN = (("dmesg", lambda: [REBOOT]),)
 
 @pytest.fixture(autouse=True)
 def _no_driver_gpu_list(monkeypatch, tmp_path):
-    """The driver's own GPU list is the test's, not this machine's."""
+    """The driver's own GPU list and the PCI bus are the test's, not this machine's."""
     monkeypatch.setattr(nvml, "DRIVER_GPUS", tmp_path / "proc-driver-nvidia-gpus")
+    monkeypatch.setattr(nvml, "PCI_DEVICES", tmp_path / "sys-bus-pci-devices")
 
 
 def _driver_lists(*bus_ids: str) -> None:
@@ -212,3 +213,87 @@ def test_nvml_that_sees_no_gpu_the_kernel_log_names_is_an_error():
 def test_nvml_that_sees_no_gpu_on_a_node_without_any_gives_no_verdict():
     facts, report, status = _live(FakeNVML([]))
     assert status == 2 and report.findings == [] and facts.not_checked["NVML"] == "NVML runs but sees no NVIDIA GPU"
+
+
+# --- the driver's own words: nvidia-smi that cannot talk to it, a GPU it could not initialise -----
+
+SMI_FAILED = (
+    "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure that the latest "
+    "NVIDIA driver is installed and running."
+)
+MISMATCH = "Failed to initialize NVML: Driver/library version mismatch"
+
+
+@pytest.mark.parametrize("line", [SMI_FAILED, MISMATCH, f"{MISMATCH}\nNVML library version: 550.54"])
+def test_nvidia_smi_that_cannot_talk_to_the_driver_is_a_drain(cli, tmp_path, line):
+    path = tmp_path / "smi.txt"
+    path.write_text(line + "\n")
+    code, report = _report(cli, str(path))
+    assert code == 1, report["data"]["summary"]
+    (finding,) = report["findings"]
+    assert (finding["name"], finding["severity"]) == ("no-gpu-visible", "error")
+    assert line.splitlines()[0] in finding["message"]  # quoted
+    assert "not a kernel log" not in json.dumps(report["data"])
+
+
+def test_nvml_refused_for_permissions_in_nvidia_smi_output_is_no_verdict(cli, tmp_path):
+    path = tmp_path / "smi.txt"
+    path.write_text("Failed to initialize NVML: Insufficient Permissions\n")
+    assert smi.driver_failed(path.read_text()) is None
+
+
+def test_the_lowercase_form_of_an_unopened_gpu_is_an_error_naming_it(cli, tmp_path):
+    """`nvidia-smi` without -q says 'for gpu'."""
+    path = tmp_path / "smi.txt"
+    line = "Unable to determine the device handle for gpu 0000:47:00.0: Unknown Error"
+    path.write_text(line + "\n")
+    code, report = _report(cli, str(path))
+    assert code == 1
+    (finding,) = report["findings"]
+    assert finding["name"] == "gpu-unreachable" and finding["where"]["pci"] == "0000:47:00.0"
+    assert finding["evidence"]["line"] == line
+
+
+@pytest.mark.parametrize(
+    ("line", "pci"),
+    [
+        ("NVRM: GPU 0000:47:00.0: RmInitAdapter failed! (0x25:0xffff:1601)", "0000:47:00.0"),
+        ("NVRM: RmInitAdapter failed! (0x26:0x56:1474)", None),
+    ],
+)
+def test_a_gpu_the_driver_could_not_initialise_this_boot_is_an_error(cli, tmp_path, line, pci):
+    path = tmp_path / "dmesg.txt"
+    path.write_text(f"{REBOOT}\n[    5.123456] {line}\n[    5.2] NVRM: rm_init_adapter failed, device minor number 3\n")
+    code, report = _report(cli, str(path))
+    assert code == 1
+    (finding,) = report["findings"]
+    assert finding["name"] == "gpu-unreachable" and finding["evidence"]["line"] == line
+    assert finding["where"].get("pci") == pci and line in finding["message"]
+
+
+def test_an_earlier_boots_init_failure_or_a_gpu_opened_since_is_not_an_error(tmp_path):
+    earlier = [REBOOT, "[    5.1] NVRM: GPU 0000:47:00.0: RmInitAdapter failed! (0x25:0xffff:1601)", REBOOT]
+    facts = collect.collect_live(nvml_module=FakeNVML([device()]), readers=(("dmesg", lambda: earlier),), host="n1")
+    assert not [f for f in findings(facts) if f.name == "gpu-unreachable"]
+    opened = [REBOOT, "[    5.1] NVRM: GPU 0000:52:00.0: RmInitAdapter failed! (0x25:0xffff:1601)"]
+    facts = collect.collect_live(nvml_module=FakeNVML([device()]), readers=(("dmesg", lambda: opened),), host="n1")
+    assert facts.gpus[0].pci == "0000:52:00.0" and not facts.gpus[0].unreachable
+    assert any("RmInitAdapter failed" in note for note in facts.notes)
+
+
+def test_nvml_with_a_driver_library_version_mismatch_is_a_drain():
+    facts, report, status = _live(FakeNVML([], init_error=pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH))
+    assert status == 1 and [f.name for f in report.findings] == ["no-gpu-visible"]
+    assert "version mismatch" in report.findings[0].message and "NVML" not in facts.not_checked
+
+
+def test_a_driver_not_loaded_while_the_pci_bus_holds_nvidia_gpus_is_a_drain():
+    for bus, vendor, cls in (("0000:47:00.0", "0x10de", "0x030200"), ("0000:05:00.0", "0x10de", "0x068000")):
+        dev = nvml.PCI_DEVICES / bus
+        dev.mkdir(parents=True)
+        (dev / "vendor").write_text(vendor + "\n")
+        (dev / "class").write_text(cls + "\n")  # an NVSwitch (a bridge) is no GPU
+    facts, report, status = _live(FakeNVML([], init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED))
+    assert status == 1 and [f.name for f in report.findings] == ["no-gpu-visible"]
+    assert "the PCI bus holds 1 NVIDIA GPU(s) (0000:47:00.0)" in report.findings[0].message
+    assert facts.no_driver is None

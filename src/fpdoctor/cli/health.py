@@ -9,10 +9,12 @@ table for all; the other ranks print nothing. With --from it judges saved files 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from typing import Any
 
-from fpdoctor.cli.output import UsageError, add_output_args, add_progress_arg, emit
+from fpdoctor.cli.output import UsageError, add_output_args, add_progress_arg, emit, write_atomic
+from fpdoctor.report import write
 
 DEFAULT_DURATION_S = 3.0
 
@@ -48,7 +50,7 @@ def add_parser(sub: Any) -> None:
     )
     add_output_args(p)
     add_progress_arg(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, report_whatever_happens=True)  # the gate's status, whatever -o can be
 
 
 def _checked(check: Callable[..., Any], value: Any, name: str) -> Any:
@@ -85,5 +87,19 @@ def run(args: argparse.Namespace) -> int:
     # under torchrun only rank 0 (local rank 0 without fingerprints) reports, but every rank exits
     # with the verdict: a rank that exits otherwise makes torchrun stop the others and fail the job
     if result.reporting:
-        emit(result.report.to_dict(), args)
+        _emit(result.report.to_dict(), args)
     return result.exit_code
+
+
+def _emit(doc: dict[str, Any], args: argparse.Namespace) -> None:
+    """The report to -o, else stdout. An -o that cannot be written (read-only, full, a directory
+    that is not there) is one line on stderr and the report on stdout: the exit status stays the
+    report's, which a drain gate reads (2 would leave a node with a dead GPU in service)."""
+    if args.output:
+        try:
+            write_atomic(args.output, write.file_text(doc, args.output, args.format))
+            return
+        except UsageError as exc:
+            sys.stderr.write(f"fpdoctor: {exc}; the report follows on stdout\n")
+            sys.stderr.flush()
+    emit(doc, argparse.Namespace(**{**vars(args), "output": None}))

@@ -113,6 +113,8 @@ def _no_gpu(nvml_module: Any) -> str | None:
     try:
         gpus, _ = nvml.collect(nvml=nvml_module)
     except nvml.NvmlUnavailable as exc:
+        if exc.unusable:
+            return f"no GPU can be used ({exc})"
         return "no NVIDIA driver on this machine" if exc.no_driver else None
     return None if gpus else "NVML sees no NVIDIA GPU"
 

@@ -48,6 +48,22 @@ def _merge_identity(facts: HealthFacts, gpu_map: dict[str, dict[str, str]], host
         gpu.serial = gpu.serial or ident.get("serial")
 
 
+def _not_initialised(facts: HealthFacts, failed: list[tuple[str | None, str]], host: str | None) -> None:
+    """This boot's 'RmInitAdapter failed!': the driver could not initialise the GPU, so it is unusable
+    (gpu-unreachable, the line quoted), unless NVML or nvidia-smi opened it since (then a note). An
+    old driver's line names no bus id: one GPU of the node, said once."""
+    opened = [g for g in facts.gpus if g.source != "kernel log" and not g.unreachable and not g.lost]
+    for pci, line in dict(failed).items():
+        gpu = facts.gpu_for(pci) if pci else next((g for g in facts.gpus if g.unreachable == line), None)
+        if (gpu is not None and gpu in opened) or (pci is None and opened and len(opened) == len(facts.gpus)):
+            facts.notes.append(f"this boot's kernel log says '{line}', yet the GPU was opened since")
+            continue
+        if gpu is None:
+            gpu = GpuFacts(pci=pci, source="kernel log", host=host)
+            facts.gpus.append(gpu)
+        gpu.unreachable = gpu.unreachable or line
+
+
 def _boot_offset(facts: HealthFacts) -> int:
     """The first boot number free for the next log: boots of different logs are different boots."""
     used = [b for g in facts.xids for b in g.boots] + [b for x in facts.lost for b in x.boots]
@@ -85,6 +101,7 @@ def add_kernel_log(
     facts.xids += kernel_log.group(parsed.xids, driver=facts.driver, boot_offset=offset, boots=parsed.boots)
     facts.lost += _fold_lost(parsed.lost, boot_offset=offset, current_boot=offset + parsed.boots - 1)
     _merge_identity(facts, parsed.gpu_map, host)
+    _not_initialised(facts, [(pci, line) for pci, boot, line in parsed.init_failed if boot == parsed.boots - 1], host)
     summary: dict[str, Any] = {
         "source": source,
         "lines": parsed.lines,
@@ -131,7 +148,10 @@ def collect_live(*, nvml_module: Any = None, readers: Any = None, host: str | No
             facts.not_checked["NVML"] = "NVML runs but sees no NVIDIA GPU"
             sees_none = True
     except nvml.NvmlUnavailable as exc:
-        facts.not_checked["NVML"] = str(exc)
+        if exc.unusable:  # GPUs that no job can use: no-gpu-visible, never 'not checked'
+            facts.no_gpu = str(exc)
+        else:
+            facts.not_checked["NVML"] = str(exc)
         facts.no_driver = str(exc) if exc.no_driver else None
     _live_kernel_log(facts, readers)
     if sees_none:

@@ -285,6 +285,8 @@ def _lost_before_reboot(facts: HealthFacts, log: LostGpu, gpu: GpuFacts | None, 
 
 
 def _opener(gpu: GpuFacts) -> str:
+    if gpu.source == "kernel log":
+        return "the driver (this boot's kernel log)"
     return "nvidia-smi" if gpu.source.startswith("nvidia-smi") else "NVML"
 
 

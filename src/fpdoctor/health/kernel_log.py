@@ -1,4 +1,5 @@
-"""The NVIDIA driver's lines in a kernel log: Xids, GPUs fallen off the bus, the bus id -> GPU map.
+"""The NVIDIA driver's lines in a kernel log: Xids, GPUs fallen off the bus or never initialised
+(RmInitAdapter failed), the bus id -> GPU map.
 
 Every shape seen in real logs parses: dmesg (`[ 1234.5678]`), `dmesg -T`, `dmesg --decode
 --time-format iso`, `/dev/kmsg` records, syslog / `journalctl -k` (short, short-iso, with or without
@@ -39,6 +40,8 @@ _GPU_AT = re.compile(rf"NVRM: GPU at PCI:(?P<pci>{_PCI}): (?P<uuid>GPU-[0-9a-fA-
 _SERIAL = re.compile(r"NVRM: GPU Board Serial Number: (?P<serial>\S+)")
 _THE_GPU = re.compile(rf"NVRM: The NVIDIA GPU (?P<pci>{_PCI})")
 _GPU_FALLEN = re.compile(rf"NVRM: GPU (?:PCI:)?(?P<pci>{_PCI}): GPU has fallen off the bus")
+# the driver could not initialise a GPU (it repeats at every open of the device); old drivers name no bus id
+_INIT_FAILED = re.compile(rf"NVRM: (?:GPU (?:PCI:)?(?P<pci>{_PCI}): )?RmInitAdapter failed!")
 _DRIVER = re.compile(r"NVRM: loading NVIDIA UNIX .*?Kernel Module(?: for \S+)?\s+(?P<ver>\d+\.\d+(?:\.\d+)?)")
 _BOOT = re.compile(r"\bLinux version \d")
 _HEADER_ONLY = re.compile(rf"NVRM: The NVIDIA GPU {_PCI}(?: \(PCI ID: [0-9a-fA-F:]+\))?")
@@ -177,6 +180,8 @@ class ParsedLog:
     lost: list[LostEvent] = field(default_factory=list)
     gpu_map: dict[str, dict[str, str]] = field(default_factory=dict)
     drivers: list[str] = field(default_factory=list)
+    # (bus id or None, boot, the line from "NVRM:" on): GPUs the driver could not initialise
+    init_failed: list[tuple[str | None, int, str]] = field(default_factory=list)
     unreadable: list[tuple[int, str]] = field(default_factory=list)  # Xid lines without a readable code
     truncated: str | None = None  # why the log looks cut off at its end
 
@@ -284,6 +289,8 @@ def parse(lines: Iterable[str]) -> ParsedLog:
             log.gpu_map.setdefault(last_map_pci, {})["uuid"] = m["uuid"]
         elif (m := _SERIAL.search(message)) and last_map_pci:
             log.gpu_map[last_map_pci]["serial"] = m["serial"]
+        elif m := _INIT_FAILED.search(message):
+            log.init_failed.append((normalize_pci(m["pci"]) if m["pci"] else None, boot, message[:300]))
         elif m := _GPU_FALLEN.search(message):
             log.lost.append(LostEvent(normalize_pci(m["pci"]), stamp, line_no, message, host=host))
         elif m := _THE_GPU.search(message):

@@ -44,13 +44,23 @@ class _Lost(Exception):
     pass
 
 
+# where the PCI bus lists its devices: an NVIDIA (vendor 0x10de) VGA or 3D controller is a GPU,
+# whether a driver runs it or not (an NVSwitch is a bridge, class 0x0680)
+PCI_DEVICES = Path("/sys/bus/pci/devices")
+_NVIDIA_VENDOR = "0x10de"
+_GPU_CLASSES = ("0x0300", "0x0302")
+
+
 class NvmlUnavailable(Exception):
     """NVML could not be used at all; the message says why. `no_driver`: there is no NVIDIA driver
-    (library absent or kernel module not loaded), so there is no GPU to check either."""
+    (library absent or kernel module not loaded), so there is no GPU to check either. `unusable`:
+    there are GPUs and none can be used (a driver/library version mismatch, a driver not loaded
+    while the PCI bus holds NVIDIA GPUs): an error, never 'not checked'."""
 
-    def __init__(self, message: str, *, no_driver: bool = False) -> None:
+    def __init__(self, message: str, *, no_driver: bool = False, unusable: bool = False) -> None:
         super().__init__(message)
         self.no_driver = no_driver
+        self.unusable = unusable
 
 
 def as_text(value: Any) -> str:
@@ -232,6 +242,22 @@ def _unopened(nvml: Any, gpu: GpuFacts, exc: Exception) -> None:
         gpu.unreachable = said
 
 
+def pci_gpus() -> list[str]:
+    """The bus ids of the NVIDIA GPUs on the PCI bus (sysfs), sorted; [] where it cannot be read."""
+    found = []
+    try:
+        for device in PCI_DEVICES.iterdir():
+            try:
+                vendor = (device / "vendor").read_text().strip().lower()
+                if vendor == _NVIDIA_VENDOR and (device / "class").read_text().strip().lower().startswith(_GPU_CLASSES):
+                    found.append(normalize_pci(device.name))
+            except OSError:
+                continue
+    except OSError:
+        return []
+    return sorted(found)
+
+
 def driver_bus_ids() -> list[str]:
     """The bus ids of the GPUs the driver registered (/proc/driver/nvidia/gpus), sorted; [] when
     there is no such directory."""
@@ -263,7 +289,18 @@ def _collect(nvml: Any, host: str | None) -> tuple[list[GpuFacts], str | None]:
                 "NVML not available: libnvidia-ml.so.1 not found (no NVIDIA driver here)", no_driver=True
             ) from exc
         if code == nvml.NVML_ERROR_DRIVER_NOT_LOADED:
+            on_the_bus = pci_gpus()
+            if on_the_bus:
+                raise NvmlUnavailable(
+                    f"the NVIDIA kernel driver is not loaded, while the PCI bus holds {len(on_the_bus)} NVIDIA "
+                    f"GPU(s) ({', '.join(on_the_bus[:8])}{', ...' if len(on_the_bus) > 8 else ''})",
+                    unusable=True,
+                ) from exc
             raise NvmlUnavailable("NVML not available: the NVIDIA kernel driver is not loaded", no_driver=True) from exc
+        if code == getattr(nvml, "NVML_ERROR_LIB_RM_VERSION_MISMATCH", 18):
+            raise NvmlUnavailable(
+                f"NVML cannot start: {exc} (a driver upgraded without a reboot)", unusable=True
+            ) from exc
         raise NvmlUnavailable(f"NVML not available: {exc}") from exc
     try:
         try:

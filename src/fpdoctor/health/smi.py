@@ -10,7 +10,9 @@ applicable"; other non-numbers ("Unknown Error", seen after an uncorrectable err
 A GPU nvidia-smi cannot open has one line instead of its section, "Unable to determine the device
 handle for GPU 00000000:47:00.0: Unknown Error": that GPU is unusable (lost, hung, unpowered), not
 missing from the output. With the driver loaded and no GPU to see, nvidia-smi prints only "No
-devices were found".
+devices were found"; when it cannot talk to the driver, "NVIDIA-SMI has failed because it couldn't
+communicate with the NVIDIA driver" or "Failed to initialize NVML: Driver/library version
+mismatch": no GPU of the node can be used either.
 """
 
 from __future__ import annotations
@@ -27,8 +29,19 @@ _PCI = r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]"
 _GPU_HEADER = re.compile(rf"^GPU (?P<pci>{_PCI})\s*$")
 # the line nvidia-smi prints in place of the section of a GPU it cannot open; the reason is NVML's
 # error string ("Unknown Error", "GPU is lost. Reboot the system to recover this GPU", ...)
-_UNOPENED = re.compile(rf"^\s*Unable to determine the device handle for GPU\s*(?P<pci>{_PCI})\s*:\s*(?P<why>.*?)\s*$")
+# (`nvidia-smi` without -q spells it "for gpu")
+_UNOPENED = re.compile(
+    rf"^\s*Unable to determine the device handle for GPU\s*(?P<pci>{_PCI})\s*:\s*(?P<why>.*?)\s*$", re.IGNORECASE
+)
 _NO_DEVICES = re.compile(r"^\s*No devices were found\s*$", re.M)
+# nvidia-smi that cannot talk to the driver at all: no GPU of the node can be used (a driver upgraded
+# without a reboot, a driver that is not loaded or hung); NVML's "Insufficient Permissions" says
+# nothing of the GPUs
+_DRIVER_FAILED = re.compile(
+    r"^\s*(?:NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver\b.*"
+    r"|Failed to initialize NVML: (?P<why>.+?))\s*$",
+    re.M,
+)
 _LINE = re.compile(r"^(?P<indent>\s*)(?P<key>[^:]+?)\s*(?::\s?(?P<value>.*))?$")
 _SECTIONS = ("ECC Errors", "Remapped Rows", "Retired Pages", "Clocks Event Reasons", "Clocks Throttle Reasons")
 _REASON_BY_LABEL = {label.lower(): name for name, label in CLOCK_REASONS.values()}
@@ -39,7 +52,7 @@ Entries = list[tuple[tuple[str, ...], str | None]]
 
 
 def looks_like_smi(text: str) -> bool:
-    if "NVSMI LOG" in text or _NO_DEVICES.search(text):
+    if "NVSMI LOG" in text or _NO_DEVICES.search(text) or driver_failed(text):
         return True
     if any(_GPU_HEADER.match(line) or _UNOPENED.match(line) for line in text.splitlines()):
         return True
@@ -387,11 +400,24 @@ def parse(text: str) -> tuple[list[GpuFacts], str | None]:
     return gpus, driver
 
 
+def driver_failed(text: str) -> str | None:
+    """nvidia-smi's line when it cannot talk to the driver ("NVIDIA-SMI has failed because it
+    couldn't communicate with the NVIDIA driver ...", "Failed to initialize NVML: Driver/library
+    version mismatch"), else None; NVML refused for lack of permission says nothing of the GPUs."""
+    for m in _DRIVER_FAILED.finditer(text):
+        if not (m["why"] or "").startswith(NOT_ABOUT_THE_GPU):
+            return m[0].strip()
+    return None
+
+
 def no_devices(text: str) -> str | None:
-    """nvidia-smi's own words when it sees no GPU at all ("No devices were found", or an 'Attached
-    GPUs : 0' header with no GPU after it), else None."""
+    """nvidia-smi's own words when it sees no GPU at all ("No devices were found", "NVIDIA-SMI has
+    failed because it couldn't communicate with the NVIDIA driver", or an 'Attached GPUs : 0' header
+    with no GPU after it), else None."""
     if m := _NO_DEVICES.search(text):
         return m[0].strip()
+    if failed := driver_failed(text):
+        return failed
     head, blocks = _blocks(text.splitlines())
     if not blocks and _int(_get(_tree(head), "Attached GPUs")) == 0:
         return next(line.strip() for line in head if line.strip().startswith("Attached GPUs"))
