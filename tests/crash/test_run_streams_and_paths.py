@@ -47,3 +47,42 @@ def test_a_closed_stderr_costs_the_report_not_the_commands_death_by_signal():
     done = _shell(f'{sys.executable} -m fpdoctor run -- {sys.executable} -c "{segv}" 2>&-; echo status $?')
     assert done.stdout == f"status {128 + signal.SIGSEGV}\n", done
     assert os.sep + "fpdoctor" + os.sep not in done.stderr  # no traceback of fpdoctor's own
+
+
+CHATTY = """
+import sys, time
+print("ready", flush=True)
+time.sleep(float(sys.argv[2]))
+for i in range(5):
+    print(f"line {i}", flush=True)
+    print(f"err {i}", file=sys.stderr, flush=True)
+open(sys.argv[1], "w").write("finished")
+"""
+
+
+def test_a_command_outlives_fpdoctor_killed_by_sigkill_and_keeps_its_streams(tmp_path):
+    """fpdoctor itself killed (kill -9, the out-of-memory killer): the command's next lines go on to
+    where they went, through the forwarding process started beside each pump, never into a pipe
+    nobody reads (EPIPE, SIGPIPE)."""
+    import time
+
+    script, done = tmp_path / "chatty.py", tmp_path / "done"
+    script.write_text(CHATTY, encoding="utf-8")
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with out.open("wb") as o, err.open("wb") as e:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fpdoctor", "run", "--", sys.executable, str(script), str(done), "3"],
+            stdout=o, stderr=e, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while b"ready" not in out.read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.kill()
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    deadline = time.monotonic() + 60
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # the last lines through the forwarding process
+    assert done.read_text() == "finished"  # no BrokenPipeError ended it
+    assert out.read_text() == "ready\n" + "".join(f"line {i}\n" for i in range(5))
+    assert err.read_text() == "".join(f"err {i}\n" for i in range(5))

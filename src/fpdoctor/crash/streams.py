@@ -6,7 +6,9 @@ fpdoctor, and its stdout and stderr, when they share that terminal, share one ch
 their lines keep their order). A pump copies every byte to where fpdoctor's stream goes as soon
 as it is read. When the command has ended but something it left behind still holds the stream
 (a background upload that logs), the rest is handed to a small forwarding process that copies
-until that writer closes it: fpdoctor exits on time and the writer never meets a closed pipe.
+until that writer closes it: fpdoctor exits on time and the writer never meets a closed pipe. That
+process is started with the command and takes over by itself when fpdoctor is killed (SIGKILL,
+the out-of-memory killer), so the command's next line never meets a pipe nobody reads.
 """
 
 from __future__ import annotations
@@ -24,10 +26,23 @@ from typing import Any
 
 TAIL_BYTES = 256 * 1024  # what the report reads from each stream: backtraces and launcher summaries
 
-# The forwarding process: stdin is the pipe or the terminal's master side, stdout where the bytes
-# go. EIO is how a pseudo-terminal says its last writer closed it.
+# The forwarding process, started beside each pump as the command starts: stdin is the pipe or the
+# terminal's master side, stdout where the bytes go, argv[1] a lifeline from fpdoctor. It waits on
+# the lifeline: 'q' (the pump read to the end) ends it; 'g' (handed over after the command ended)
+# or the lifeline's end without a word (fpdoctor itself was killed, SIGKILL included) starts it
+# copying until the last writer closes the stream, so the command never writes into a pipe that
+# nobody reads. It ignores the signals a process group gets: it ends when its stream ends. EIO is
+# how a pseudo-terminal says its last writer closed it.
 _FORWARD = (
-    "import os\n"
+    "import os, signal, sys\n"
+    "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):\n"
+    "    signal.signal(s, signal.SIG_IGN)\n"
+    "try:\n"
+    "    word = os.read(int(sys.argv[1]), 1)\n"
+    "except OSError:\n"
+    "    word = b''\n"
+    "if word == b'q':\n"
+    "    raise SystemExit(0)\n"
     "while True:\n"
     "    try:\n"
     "        b = os.read(0, 65536)\n"
@@ -137,6 +152,7 @@ class Pump(threading.Thread):
         # hand_over() writes here to wake the pump from poll(): no polling while output flows
         self._wake_r, self._wake_w = os.pipe()
         self.ended = False  # every writer closed it, or its reader went away: nothing to hand over
+        self._lifeline = self._standby()  # the forwarding process's lifeline, or None
 
     def run(self) -> None:
         poller = select.poll()  # not select(): descriptors above 1023 in a process with many files
@@ -167,7 +183,8 @@ class Pump(threading.Thread):
                 if len(self._tail) > 2 * TAIL_BYTES:
                     del self._tail[: len(self._tail) - TAIL_BYTES]
             if self.sink.broken:
-                # close our end now: the command gets EPIPE/SIGPIPE as it would have
+                # close our end, and the forwarding process's: the command gets EPIPE/SIGPIPE as it would have
+                self._tell(b"q")
                 self.ended = True
                 fd, self.fd = self.fd, -1
                 with contextlib.suppress(OSError):
@@ -200,13 +217,44 @@ class Pump(threading.Thread):
         with self._lock:
             return bytes(self._tail[-TAIL_BYTES:])
 
+    def _standby(self) -> int | None:
+        """Start the forwarding process that takes over the stream when the pump hands it over or
+        fpdoctor dies; its lifeline's write end, or None where there is none (a Python object as
+        the sink cannot be handed to another process)."""
+        if self.sink.fd is None:
+            return None
+        life_r, life_w = os.pipe()
+        try:
+            subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _FORWARD, str(life_r)],
+                stdin=self.fd,
+                stdout=self.sink.fd,
+                stderr=subprocess.DEVNULL,
+                close_fds=True,
+                pass_fds=(life_r,),
+            )
+        except OSError:
+            os.close(life_w)
+            return None  # as before it: a stream nobody reads once fpdoctor is gone
+        finally:
+            os.close(life_r)
+        return life_w
+
+    def _tell(self, word: bytes) -> None:
+        life, self._lifeline = self._lifeline, None
+        if life is not None:
+            with contextlib.suppress(OSError):
+                os.write(life, word)
+            with contextlib.suppress(OSError):
+                os.close(life)
+
     def hand_over(self) -> None:
         """After the command ended: whatever still writes here (a background process the command
-        left) keeps its stream; a forwarding process copies the rest to the same place."""
+        left) keeps its stream; the forwarding process copies the rest to the same place."""
         if self.is_alive() and self.writers_gone():
             self.join()  # nothing left to hand over: the pump reads to the end by itself
         if self.is_alive():
-            if self.sink.fd is None:
+            if self._lifeline is None:
                 return  # a Python object cannot be handed to another process: keep pumping (daemon)
             with contextlib.suppress(OSError):
                 os.write(self._wake_w, b"x")
@@ -214,22 +262,8 @@ class Pump(threading.Thread):
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
-        if self.ended:
-            if self.fd != -1:
-                with contextlib.suppress(OSError):
-                    os.close(self.fd)
-            return
-        try:
-            subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _FORWARD],
-                stdin=self.fd,
-                stdout=self.sink.fd,
-                stderr=subprocess.DEVNULL,
-                close_fds=True,
-            )
-        except OSError:
-            pass  # nothing better left to do: the writer meets a closed stream, as before
-        finally:
+        self._tell(b"q" if self.ended else b"g")
+        if self.fd != -1:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
 
