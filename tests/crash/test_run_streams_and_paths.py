@@ -86,3 +86,16 @@ def test_a_command_outlives_fpdoctor_killed_by_sigkill_and_keeps_its_streams(tmp
     assert done.read_text() == "finished"  # no BrokenPipeError ended it
     assert out.read_text() == "ready\n" + "".join(f"line {i}\n" for i in range(5))
     assert err.read_text() == "".join(f"err {i}\n" for i in range(5))
+
+
+def test_a_reader_that_goes_away_still_gives_the_command_epipe():
+    """`| head -1`: the forwarding process beside the pump lets go of the pipe too, so the command
+    meets EPIPE as without fpdoctor, never a pipe that fills and blocks it."""
+    loop = "import sys\ntry:\n    while True: print('x' * 100)\nexcept BrokenPipeError:\n    sys.exit(7)\n"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fpdoctor", "run", "--", sys.executable, "-c", loop],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline() == b"x" * 100 + b"\n"
+    proc.stdout.close()  # head has what it wanted
+    assert proc.wait(timeout=60) == 7
