@@ -40,6 +40,9 @@ from fpdoctor.signals import died_of
 READY, START, RESULT = "FPDOCTOR-FINGERPRINT-READY:", "FPDOCTOR-FINGERPRINT-START:", "FPDOCTOR-FINGERPRINT-RESULT:"
 STARTUP_ALLOWANCE_S = 120.0  # import torch and create a CUDA context, before the work's own clock starts
 WORK_SLACK_S = 30.0  # known answers, input generation and the last repeat beyond `duration`
+# under torchrun, beyond the slowest child's limit, for every rank to join the merge; a rank started
+# with --duration 0 or --from never joins (it reads no fingerprints), and the others stop waiting here
+JOIN_SLACK_S = 60.0
 STDERR_TAIL = 4000
 # cuBLAS is bitwise reproducible run to run only with a fixed per-stream workspace (cuBLAS docs,
 # "Results reproducibility"); torch.use_deterministic_algorithms refuses cuBLAS without it. Forced,
@@ -130,7 +133,7 @@ def run_fingerprints(
     if dist is not None:
         try:
             # ranks whose children finish later arrive later: the timeout outlasts the slowest child
-            with ranks.process_group(dist, timeout_s=limit_s + 60.0) as group:
+            with ranks.process_group(dist, timeout_s=limit_s + JOIN_SLACK_S) as group:
                 with progress.task(f"health: rank {dist.rank}: gathering every rank's fingerprints"):
                     gathered = ranks.gather(group, {"rows": rows, "notes": notes})
                 shared = []
