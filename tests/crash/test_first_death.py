@@ -76,6 +76,7 @@ def _assert_rank_1_leads(doc: dict, mode: str) -> None:
     if mode == "kill":
         assert first["name"] == "fatal-signal" and first["evidence"]["signal"] == "SIGKILL"
         assert "out-of-memory killer" in first["evidence"]["explanation"] and "dmesg" in first["fix"]
+        assert "It may be the kernel's out-of-memory killer" in first["message"] and "dmesg" in first["message"]
     else:
         assert first["name"] == "nonzero-exit" and first["evidence"]["exit_code"] == 3
         assert "os._exit(3)" in first["message"]

@@ -379,6 +379,11 @@ def fatal_signal(ctx: Context, p: Process, o: Outcome, *, first: bool) -> Findin
     if sig == "SIGKILL" and oom:
         lines.append(f"The kernel's out-of-memory killer killed it: {oom}")
         evidence["oom_killer"] = oom
+    elif sig == "SIGKILL":
+        lines.append(
+            "It may be the kernel's out-of-memory killer (host RAM): `dmesg -T | grep -i -E 'out of memory|killed "
+            f"process'` names the pid it killed ({p.pid}); else a scheduler's limit or a kill -9."
+        )
     return catalog.make(
         "fatal-signal",
         message="\n".join(lines),
