@@ -34,7 +34,18 @@ INTERRUPTED = textwrap.dedent(
 
 def _run(*argv: str, cwd: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False, cwd=cwd, env=env)
+    # SIGINT at its default in the child, as a shell starts a job: a pytest-xdist worker ignores it, and
+    # python started with SIGINT ignored keeps ignoring it (no KeyboardInterrupt to test)
+    return subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=cwd,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 @pytest.mark.timeout(180)
