@@ -37,7 +37,7 @@ class TracedStep:
         self._trace: Any = None
         self.step: int | None = None  # the step traced
         self.said: dict[str, Any] | None = None  # what the report says of it
-        self.findings: list[Finding] = []  # what it found, as `finish` gave them
+        self.findings: list[Finding] = []  # what it found (`finish`), the report's lead (`lead`)
 
     def arm(self, step: int) -> None:
         if not self.done and self.armed_by is None:
@@ -80,9 +80,10 @@ class TracedStep:
             "of the model alone named no op with a checked fix; the watch traced the next training step "
             "through its loss and backward, as `fpdoctor trace` does): "
         )
-        return [
+        self.findings = [
             replace(f, message=why + f.message, evidence={**f.evidence, "traced_step": self.step}) for f in found[:2]
         ]
+        return self.findings
 
     def lead(self, found: list[Finding]) -> list[Finding]:
         """The report's findings with the traced step's first: the cause before the replays it

@@ -725,7 +725,6 @@ class ScriptWatch:
         """The traced step's findings, said as they are decided; the report puts them first."""
         try:
             for finding in self._traced.finish():
-                self._traced.findings.append(finding)
                 self.live.added(finding)
         except Exception as exc:  # ours: the step goes on, the report says what failed
             self._error("tracing a step after a bad one", exc)
