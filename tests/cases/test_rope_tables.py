@@ -38,9 +38,28 @@ def test_the_first_finding_is_the_bf16_angles(case: tuple[Path, dict]):
     assert trial["after"] < 0.01 and trial["before"] > 10 * trial["after"], trial
 
 
+def test_the_decisions_finding_leads_with_the_checked_line_fix(case: tuple[Path, dict]):
+    """NUM018 prints the fix that gives the decisions back, the lines' fix, with its top-1 measured on
+    the run that checked it (no module set was tried in its place: each left top-1 at 50.7%, and the
+    report printed "run `fpdoctor plan` for a larger set" as the fix)."""
+    _, report = case
+    first, decisions = report["findings"][0], report["findings"][1]
+    assert decisions["code"] == "NUM018", decisions["title"]
+    lines_fix = first["fix"].partition("; checked:")[0]
+    assert decisions["fix"].startswith(lines_fix), decisions["fix"]
+    assert "fpdoctor plan" not in decisions["fix"], decisions["fix"]
+    trial = decisions["fix_trial"]
+    assert trial["status"] == "checked" and trial["changed"] == first["fix_trial"]["changed"], trial
+    before, after = (float(trial[k].rstrip("%")) / 100 for k in ("before", "after"))
+    assert f"checked: top-1 {trial['before']} -> {trial['after']}" in decisions["fix"], decisions["fix"]
+    assert before < 0.6 and after > 0.95, trial  # 50.8% -> 98.5%
+    assert decisions["evidence"]["kept_in_fp32_tried"] == []  # the checked run's output was judged: no forward more
+    assert decisions["evidence"]["lines_in_fp32"]["top1"] == pytest.approx(after, abs=0.001)
+
+
 def test_the_printed_fix_brings_every_window_to_its_checked_error(case: tuple[Path, dict]):
     folder, report = case
-    first = report["findings"][0]
+    first, decisions = report["findings"][0], report["findings"][1]
     feeding = sorted(line_of(loc)[1] for loc in first["evidence"]["feeding_lines"])
     assert feeding == [17, 18, 19, 20]
     # As printed: "compute lines 17-20 in fp32 (a cast .to(torch.bfloat16) or a dtype=torch.bfloat16 there
@@ -66,6 +85,11 @@ def test_the_printed_fix_brings_every_window_to_its_checked_error(case: tuple[Pa
     # fix the windows past position 1024 were 0.38-0.52
     assert all(err <= 2 * checked for err, _ in now.values()), (checked, now)
     assert max(err for err, _ in was.values()) > 10 * checked, was
+    # the decisions come back as the decisions finding's trial says (98.5%), every window within 3 points
+    # (run.py judges each window against fp32; the trial, the four windows against fp64)
+    top1 = float(decisions["fix_trial"]["after"].rstrip("%")) / 100
+    assert min(agree for _, agree in was.values()) < top1 - 0.2, was
+    assert all(agree >= top1 - 0.03 for _, agree in now.values()), (top1, now)
 
 
 def test_plan_prints_the_same_checked_fix(case: tuple[Path, dict]):
@@ -76,5 +100,9 @@ def test_plan_prints_the_same_checked_fix(case: tuple[Path, dict]):
     fix, trial = compared["findings"][0]["fix"], compared["findings"][0]["fix_trial"]
     assert planned["findings"][0]["fix"] == fix and planned["findings"][0]["fix_trial"] == trial
     for f in planned["findings"]:
-        if f["name"] in ("precision-divergence", "decisions-changed"):
+        if f["name"] == "precision-divergence":
             assert f["fix"].startswith(fix) and f["fix_trial"] == trial, (f["title"], f["fix"])
+    # the decisions: compare's finding as it is, the same fix checked by top-1
+    (decided,) = [f for f in planned["findings"] if f["name"] == "decisions-changed"]
+    (compared_decisions,) = [f for f in compared["findings"] if f["name"] == "decisions-changed"]
+    assert decided["fix"] == compared_decisions["fix"] and decided["fix_trial"] == compared_decisions["fix_trial"]

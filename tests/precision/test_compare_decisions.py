@@ -169,3 +169,65 @@ def test_decisions_changed_by_running_states_get_the_states_fix_checked_by_the_s
     after = fpdoctor.compare(fixed, x, candidate="bf16").report
     assert not after.by_name("decisions-changed"), str(after)
     assert after.data["decisions"]["top1"] >= kept["top1"] - 0.02
+
+
+class PhaseClassifier(nn.Module):
+    """Classes read off sin/cos features of large positions (a timestep, a clock), the angle table
+    built in the model's dtype: bf16 rounds the positions past 256 and the frequencies, and sin/cos
+    of the rounded angles pick other classes. `fp32_tables`: the table in fp32, cast back after."""
+
+    def __init__(self, dim: int = 32, classes: int = 16, fp32_tables: bool = False) -> None:
+        super().__init__()
+        self.dim, self.fp32_tables = dim, fp32_tables
+        self.proj = nn.Linear(2 * dim, 64)
+        self.head = nn.Linear(64, classes)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        dtype = torch.float32 if self.fp32_tables else self.proj.weight.dtype
+        freq = torch.exp(torch.arange(0, self.dim, dtype=dtype) * (-9.21 / self.dim))
+        angles = t.to(dtype)[:, None] * freq
+        feats = torch.cat([angles.sin(), angles.cos()], -1).to(self.proj.weight.dtype)
+        return self.head(torch.tanh(self.proj(feats)))
+
+
+def test_decisions_changed_by_lines_in_bf16_get_the_lines_fix_checked_by_its_own_run() -> None:
+    """The decisions finding leads with the fix the divergence's check found (the lines that build the
+    angles, in fp32), its top-1 read off that same run: no module set is tried in its place (none can
+    fix a table built in the forward), and applied as the fp32 table, the decisions come back."""
+    torch.manual_seed(0)
+    model, t = PhaseClassifier().eval(), torch.randint(0, 20000, (1024,))
+    report = fpdoctor.compare(model, t, candidate="bf16").report
+    (divergence,) = report.by_name("precision-divergence")
+    (decisions,) = report.by_name("decisions-changed")
+    assert divergence.evidence.get("feeding_lines") and divergence.trial is not None and divergence.trial.tried
+    assert decisions.fix.startswith(divergence.fix.partition("; checked:")[0]), decisions.fix
+    assert decisions.trial is not None and decisions.trial.tried
+    assert decisions.trial.changed == divergence.trial.changed
+    assert f"checked: top-1 {decisions.trial.before} -> {decisions.trial.after}" in decisions.fix
+    assert decisions.evidence["kept_in_fp32_tried"] == []  # no forward of its own
+    kept = decisions.evidence["lines_in_fp32"]["top1"]
+    assert decisions.evidence["decisions"]["top1"] < 0.5 and kept > 0.95  # 30.7% -> 99.1%
+
+    fixed = PhaseClassifier(fp32_tables=True).eval()
+    fixed.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        reference = copy.deepcopy(model).double()(t)
+    assert _top1(fixed.to(torch.bfloat16), t, reference) >= kept - 0.02
+
+
+def test_a_fix_whose_run_did_not_give_the_decisions_back_is_never_printed_as_the_fix() -> None:
+    from fpdoctor.precision.compare import use
+
+    found = use.Decisions("logits of `head`", rows=1000, classes=10, top1=0.5, top5=0.9, kl=0.3,
+                          floor_top1=0.999, floor_kl=1e-5)  # fmt: skip
+    tried = use.CheckedFix("compute lines 3-4 of m.py in fp32", "the ops at lines 3-4 in fp32", 0.6, "lines_in_fp32",
+                           "m.py:3, m.py:4")  # fmt: skip
+    f = use.finding(found, "bf16", [(["head"], 0.51)], head="head", inputs=(torch.zeros(2),), checked_fixes=[tried])
+    assert "lines 3-4" not in f.fix and "`head`" not in f.fix, f.fix
+    assert f.trial is not None and not f.trial.tried, f.trial
+    assert "60.0%" in f.trial.reason and "51.0%" in f.trial.reason, f.trial.reason
+    # given back by that run: it is the fix, with top-1 before -> after
+    good = use.CheckedFix(tried.fix, tried.changed, 0.97, tried.kind, tried.locations)
+    f = use.finding(found, "bf16", [], head="head", inputs=(torch.zeros(2),), checked_fixes=[good])
+    assert f.fix.startswith(tried.fix) and "checked: top-1 50.0% -> 97.0%" in f.fix, f.fix
+    assert f.trial is not None and f.trial.tried and f.trial.after == "97.0%"

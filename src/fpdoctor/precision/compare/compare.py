@@ -99,7 +99,7 @@ from fpdoctor.precision.profile import (
     merge_sets,
 )
 from fpdoctor.precision.record.record import CompareRecord
-from fpdoctor.precision.record.recording import Link, Samples
+from fpdoctor.precision.record.recording import Link, Samples, decision_record
 from fpdoctor.precision.scope import find_module, module_inputs
 from fpdoctor.preserve import RngState
 from fpdoctor.pytrees import tensors_in
@@ -201,7 +201,7 @@ def compare(
         check_device(device)
     sets = input_sets(inputs)
     given = as_given(uncompiled(model), sets[0])
-    samples: list[Samples] = [[] for _ in sets]
+    samples = [Samples() for _ in sets]
     results = [
         compare_set(model, one, candidate=candidate, reference=reference, device=device, fp8_kernel=fp8_kernel,
                     module=module, samples=samples[k] if link is not None else None)
@@ -320,6 +320,8 @@ def _compare(
     result = run.result(rows, input_floor, prefix, accumulation, forced)
     if samples is not None:  # after result(): the rows carry their names in the whole model now
         samples.extend((r, e.truth, e.candidate) for r, e in kept)
+        if not prefix:  # an output of logits, as its rows decide (use.py), for the record's use metrics
+            samples.decided = decision_record(run.logits, run.root_truth, run.root_cand, candidate)
     return result
 
 
@@ -377,6 +379,8 @@ class _Comparison:
         self.root_truth: torch.Tensor | None = None
         # the running states named the cause (step 5) and their checked run's output
         self.state_fix: tuple[list[str], torch.Tensor] | None = None
+        # the output of the checked run that computed the lines feeding an ill-conditioned op in fp32 (step 5b)
+        self.line_fix: torch.Tensor | None = None
         self.root_cand: torch.Tensor | None = None
 
     # -- where the random numbers stand ------------------------------------------------------
@@ -774,10 +778,13 @@ class _Comparison:
             buffers = {n: user[n] for n in read if n in user and torch.finfo(user[n].dtype).bits > 16}
             final = rows[-1]
 
+            outputs: list[torch.Tensor] = []  # the checked run's output, for what it decides
+
             def raised_with(lines: list[tuple[str, int]], buffers: dict[str, torch.Tensor]) -> float | None:
+                outputs.clear()
                 return upstream.raised_error(
                     self.cand_run, self.inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,
-                    rng=self.rng, device=self.cand_device, noise=self.noise, buffers=buffers,
+                    rng=self.rng, device=self.cand_device, noise=self.noise, buffers=buffers, keep=outputs,
                 )  # fmt: skip
 
             # a rounded buffer alone first: when holding it in fp32 is the whole fix, the lines are not part of it
@@ -789,6 +796,8 @@ class _Comparison:
         except Exception as exc:  # the search is ours; the finding stands without it
             self.notes["upstream of the worst op"] = f"not searched: {type(exc).__name__}: {exc}"
             return {row.module: cause}
+        if raised is not None and outputs:
+            self.line_fix = outputs[-1]
         cause |= {"lines": lines, "buffers": sorted(buffers), "raised_rel": raised, "error_rel": final.propagated}
         return {row.module: cause}
 
@@ -881,10 +890,10 @@ class _Comparison:
         if not found.changed:
             return
         head = self._last_leaf or ""
-        state = self._state_decisions(found)
-        if state is not None and found.recovered(state[1]):  # the running states' fix gives them back too
+        fixes = self._checked_fixes(result)
+        if any(found.recovered(c.top1) for c in fixes):  # a checked fix of the error gives them back too
             result.report.findings.append(use.finding(found, self.label, [], head=head, inputs=self.inputs,
-                                                      state=state))  # fmt: skip
+                                                      checked_fixes=fixes))  # fmt: skip
             return
         leaves = sorted(
             (r for r in rows if r.module in self.leaves and r.module != head), key=lambda r: -(r.ratio or 0.0)
@@ -904,16 +913,43 @@ class _Comparison:
             if top1 is not None and found.recovered(top1):
                 break  # the first that gives the decisions back, in the order of what it changes least
         result.report.findings.append(use.finding(found, self.label, tried, head=head, inputs=self.inputs,
-                                                  state=state))  # fmt: skip
+                                                  checked_fixes=fixes))  # fmt: skip
 
-    def _state_decisions(self, found: use.Decisions) -> tuple[str, float] | None:
-        """(where, top-1 agreement) of the checked run that kept the running states named the cause
-        in fp64 (step 5): the same run judged by what it decides; None when no state is the cause."""
-        if self.state_fix is None or self.root_truth is None or self.logits is None:
-            return None
-        lines, output = self.state_fix
-        got = use.top1(self.root_truth, output.to(self.root_truth.device))
-        return None if got is None else (", ".join(lines), got)
+    def _checked_fixes(self, result: CompareResult) -> list[use.CheckedFix]:
+        """The fixes of the error that ran the model (step 5's running states kept in fp64, step 5b's
+        lines computed in fp32), each judged by what its run's output decides: the figure comes
+        from the run that checked the fix, no forward of its own."""
+        if self.root_truth is None or self.logits is None:
+            return []
+        fixes: list[use.CheckedFix] = []
+        if self.state_fix is not None:
+            lines, output = self.state_fix
+            got = use.top1(self.root_truth, output.to(self.root_truth.device))
+            where = ", ".join(lines)
+            noun = "running states" if len(lines) > 1 else "running state"
+            if got is not None:
+                fixes.append(use.CheckedFix(
+                    f"Keep the {noun} updated at {where} in fp32",
+                    f"the {noun} at {where} kept in fp64, the rest in {self.label}",
+                    got, "running_state_kept", where,
+                ))  # fmt: skip
+        if self.line_fix is not None:
+            # the finding that printed the fix, checked (a trial only where it helped: profile.forced_causes)
+            forced = next(
+                (
+                    f for f in result.report.findings
+                    if f.name == "precision-divergence" and "conditioned_rel" in f.evidence
+                    and f.trial is not None and f.trial.tried
+                ),
+                None,
+            )  # fmt: skip
+            got = use.top1(self.root_truth, self.line_fix.to(self.root_truth.device))
+            if forced is not None and forced.trial is not None and got is not None:
+                where = ", ".join(forced.evidence.get("feeding_lines") or forced.evidence.get("rounded_buffers") or [])
+                # its fix without the figures it was checked by (the end-to-end error): these are top-1's
+                fix = forced.fix.partition("; checked:")[0]
+                fixes.append(use.CheckedFix(fix, forced.trial.changed, got, "lines_in_fp32", where))
+        return fixes
 
     def _leaf_before(self, head: str) -> str | None:
         """The leaf whose call ended last before the logits' layer's (the fp64 pass's order)."""

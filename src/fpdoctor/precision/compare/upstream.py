@@ -118,12 +118,13 @@ def feeding_lines(
 def raised_error(
     run: nn.Module, inputs: Any, dtype: torch.dtype, lines: list[tuple[str, int]], *, truth: torch.Tensor,
     norm: float, rng: RngState, device: torch.device | None, noise: ReplayNoise | None,
-    buffers: dict[str, torch.Tensor] | None = None,
+    buffers: dict[str, torch.Tensor] | None = None, keep: list[torch.Tensor] | None = None,
 ) -> float | None:  # fmt: skip
     """The candidate's end-to-end error against the fp64 `truth` with the ops at `lines` in fp32 and
     `buffers` (name in the model -> the user's own values) held in fp32 as the user made them, read
     as they are (as the user's code reads a buffer assigned again in fp32 after the model's cast);
-    None when the run fails or nothing was raised."""
+    None when the run fails or nothing was raised. `keep` gets the run's output (its first floating
+    tensor), for what it decides."""
     raised = RaisedLines(set(lines), dtype)
     swapped = []
     for name, value in (buffers or {}).items():
@@ -135,7 +136,7 @@ def raised_error(
         raised.raised += 1  # read as it is, as the user's code reads an fp32 buffer (torch's type promotion)
     try:
         return error_under(raised, run, inputs, dtype, truth=truth, norm=norm, rng=rng, device=device,
-                           noise=noise)  # fmt: skip
+                           noise=noise, keep=keep)  # fmt: skip
     finally:
         for owner, attr, original in swapped:
             setattr(owner, attr, original)

@@ -16,6 +16,7 @@ hidden states (a LayerNorm last, or a square projection) are not judged by an ar
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,14 +51,28 @@ def logits_source(name: str, module: nn.Module, output: Any) -> str | None:
 TRIED_LEAVES = 2
 
 
+@dataclass(frozen=True)
+class CheckedFix:
+    """A fix another finding of the same report checked by a run of the model (a running state kept
+    in fp32, the lines that feed an ill-conditioned op computed in fp32), that run's output judged
+    by what it decides: no forward of its own."""
+
+    fix: str  # as the other finding prints it, without its own figures
+    changed: str  # what its run changed, as that finding's trial says
+    top1: float  # that run's top-1 agreement with fp64
+    kind: str  # its evidence key: "running_state_kept" or "lines_in_fp32"
+    locations: str  # the source lines it changes
+
+
 def finding(
     found: Decisions, label: str, tried: list[tuple[list[str], float]], *, head: str, inputs: Any,
-    state: tuple[str, float] | None = None,
+    checked_fixes: list[CheckedFix] | None = None,
 ) -> Finding:  # fmt: skip
-    """`decisions-changed`: what the candidate does to the decisions, and the fix, checked: the running
-    states named the cause of the error, kept in fp64 (`state`: their lines and the top-1 agreement
-    then), when that gives them back; else the modules kept in fp32 (`tried`: each set with the
-    candidate's top-1 agreement then) that give most of them back, or that none tried is enough."""
+    """`decisions-changed`: what the candidate does to the decisions, and the fix, checked: the best of
+    the fixes the report's other findings checked (`checked_fixes`: each with the top-1 agreement of
+    its own run) when it gives them back; else the modules kept in fp32 (`tried`: each set with the
+    candidate's top-1 agreement then) that give most of them back. A fix that was tried and did not
+    give them back is never printed as the fix: where none did, the next step is, not tried."""
     flipped = 1.0 - found.top1
     floor = 1.0 - found.floor_top1
     against = (
@@ -71,6 +86,7 @@ def finding(
         f"nats)."
     )
     on = inputs_text(describe(inputs))
+    fixes = checked_fixes or []
 
     def names(modules: list[str]) -> str:
         return " and ".join(f"`{m}`" for m in modules)
@@ -79,31 +95,33 @@ def finding(
         return Trial.checked(what, metric="top-1 agreement with fp64", before=pct(found.top1), after=after, on=on)
 
     best = max(tried, key=lambda t: t[1], default=None)
-    if state is not None and found.recovered(state[1]):
-        lines, top1 = state
-        noun = "running states" if "," in lines else "running state"
+    back = max((c for c in fixes if found.recovered(c.top1)), key=lambda c: c.top1, default=None)
+    if back is not None:
         fix = (
-            f"Keep the {noun} updated at {lines} in fp32, as the finding on the end-to-end error says: "
-            f"the same checked run gives the decisions back, top-1 agreement {pct(found.top1)} -> {pct(top1)}."
+            f"{back.fix}, as the finding on the end-to-end error says: the same run gives the decisions back; "
+            f"checked: top-1 {pct(found.top1)} -> {pct(back.top1)}."
         )
-        trial = checked(f"the {noun} at {lines} kept in fp64, the rest in {label}", pct(top1))
+        trial = checked(back.changed, pct(back.top1))
     elif best is not None and found.recovered(best[1]):
         modules, top1 = best
         output = ", returning fp32 logits" if head in modules else ""
         fix = (
-            f"Keep {names(modules)} in fp32{output} (fpdoctor plan writes the code): top-1 agreement "
+            f"Keep {names(modules)} in fp32{output} (fpdoctor plan writes the code); checked: top-1 "
             f"{pct(found.top1)} -> {pct(top1)}."
         )
         trial = checked(f"{names(modules)} kept in fp32{output}, the rest in {label}", pct(top1))
-    elif best is not None:
-        each = "; ".join(f"{names(m)} {pct(t)}" for m, t in tried)
-        fix = (
-            f"No module set tried gives the decisions back in fp32 ({each}): run `fpdoctor plan` for a larger "
-            f"set and check it by top-1 agreement."
+    elif best is not None or fixes:
+        each = "; ".join(
+            [*(f"{c.changed}: {pct(c.top1)}" for c in fixes), *(f"{names(m)} in fp32: {pct(t)}" for m, t in tried)]
         )
-        trial = checked(
-            "kept in fp32, one set at a time: " + "; ".join(names(m) for m, _ in tried),
-            f"at best {pct(best[1])} (not enough)",
+        at_best = max([c.top1 for c in fixes] + [t for _, t in tried])
+        fix = (
+            "No fix tried gives the decisions back: run `fpdoctor plan` for a larger set of modules and check it "
+            "by top-1 agreement."
+        )
+        trial = Trial.untried(
+            f"the next step, not a fix that was tried: each one tried left top-1 agreement at {pct(at_best)} at "
+            f"best against {pct(found.top1)} ({each})"
         )
     else:
         fix = f"Keep {names([head]) if head else 'the logits layer'} in fp32, returning fp32 logits."
@@ -116,7 +134,7 @@ def finding(
         evidence={
             "decisions": found.to_dict(),
             "kept_in_fp32_tried": [{"modules": m, "top1": t} for m, t in tried],
-            **({"running_state_kept": {"locations": state[0], "top1": state[1]}} if state is not None else {}),
+            **{c.kind: {"locations": c.locations, "top1": c.top1} for c in fixes},
         },
         trial=trial,
     )

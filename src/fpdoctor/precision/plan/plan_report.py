@@ -362,8 +362,14 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
                 out.append(_decisions_back(the_plan, search, f, evidence))
                 continue
             if f.name == "decisions-changed" and not the_plan.verified:
-                # no module set gave the decisions back: the fix a divergence's own check found, if any
-                out.append(dataclasses.replace(f, evidence=evidence, **_checked_or_next(the_plan, search)))
+                # no module set gave the decisions back: compare's own fix where its run gave them back
+                # (a checked trial there always did: use.finding), else a divergence's checked fix, if any
+                checked = f.trial is not None and f.trial.tried
+                out.append(
+                    dataclasses.replace(f, evidence=evidence)
+                    if checked
+                    else dataclasses.replace(f, evidence=evidence, **_checked_or_next(the_plan, search))
+                )
                 continue
             if f.name != "precision-divergence":
                 out.append(dataclasses.replace(f, evidence=evidence))
