@@ -22,7 +22,14 @@ import fpdoctor
 from fpdoctor.precision.metrics import SAMPLE, l2_norm
 from fpdoctor.precision.profile import DIVERGENCE_RATIO
 from fpdoctor.precision.record import against, against_report
-from fpdoctor.precision.record.record import CallRecord, CompareRecord, RecordError, SetRecord, Settings
+from fpdoctor.precision.record.record import (
+    CallRecord,
+    CompareRecord,
+    DecisionRecord,
+    RecordError,
+    SetRecord,
+    Settings,
+)
 from fpdoctor.report.render import render
 from tests.conftest import load_minilm
 from tests.env.strict import strict_json
@@ -54,7 +61,7 @@ def test_round_trip_keeps_every_field_and_sample(saved, tmp_path):
     path, _ = saved
     record = CompareRecord.load(path)
     assert record.settings == Settings("fp16", "fp32", "auto", None, None)
-    assert record.source == path and record.version == 1 and record.fpdoctor == fpdoctor.__version__
+    assert record.source == path and record.version == 2 and record.fpdoctor == fpdoctor.__version__
     assert record.machine["device"] == "cpu" and record.machine["torch"] == torch.__version__
     assert set(record.weights) == {"up", "down", "head"}  # modules with weights of their own
     assert [c.module for c in record.sets[0].calls] == ["up", "act", "down", "head", ""]
@@ -106,7 +113,7 @@ def test_loading_never_unpickles(tmp_path, wrap):
     assert {"pickle": "pickle", "gzip": "not valid JSON", "torch.save": "zip archive"}[wrap] in message
 
 
-def _b64(values: list[float], code: str) -> str:
+def _b64(values: list[float] | list[int], code: str) -> str:
     import array
     import base64
 
@@ -120,7 +127,7 @@ def _first_call(doc: dict[str, Any]) -> dict[str, Any]:
 # (what is done to a valid record's JSON document, a fragment of the one-line message)
 MALFORMED = {
     "not a record": (lambda d: {"hello": 1}, "JSON but not a compare record"),
-    "newer version": (lambda d: d | {"version": 2}, "reads format 1: upgrade fpdoctor"),
+    "newer version": (lambda d: d | {"version": 3}, "reads format 2: upgrade fpdoctor"),
     "version text": (lambda d: d | {"version": "1"}, "version is str, not int"),
     "no sets": (lambda d: d | {"sets": []}, "sets is empty"),
     "sets missing": (lambda d: {k: v for k, v in d.items() if k != "sets"}, "sets is missing"),
@@ -146,11 +153,38 @@ MALFORMED = {
     "call index bool": (lambda d: _set_field(d, "call", True), "call is bool, not int"),
     "negative count": (lambda d: _set_field(d, "nonfinite", -1), "nonfinite is -1, below 0"),
     "isolated text": (lambda d: _set_field(d, "isolated", "big"), "isolated is 'big'"),
+    "decisions missing": (lambda d: _set_decisions(d, None, None), "sets[0].decisions is missing"),
+    "decisions not an object": (lambda d: _set_decisions(d, None, 3), "decisions is int, not dict/str"),
+    "decided rows": (
+        lambda d: _set_decisions(d, "truth_top1", _b64([1] * 3, "i")),
+        "decisions.truth_top1 holds 12 bytes, not 16 values of 4 bytes",
+    ),
+    "class beyond": (
+        lambda d: _set_decisions(d, "candidate_top1", _b64([8] * 16, "i")),
+        "candidate_top1 holds a class beyond its 8",
+    ),
+    "kept rows not finite": (
+        lambda d: _set_decisions(d, "truth_rows", _b64([math.nan] * 128, "d")),
+        "decisions.truth_rows holds NaN or Inf",
+    ),
+    "floor not a share": (lambda d: _set_decisions(d, "floor_top1", 1.5), "floor_top1 is 1.5, not a share of rows"),
     "duplicate call": (
         lambda d: d | {"sets": [d["sets"][0] | {"calls": [_first_call(d), _first_call(d)]}]},
         "call 0 twice",
     ),
 }
+
+
+def _set_decisions(doc: dict[str, Any], key: str | None, value: Any) -> dict[str, Any]:
+    """A field of the first set's decisions; key None: the decisions themselves (value None: removed)."""
+    one = doc["sets"][0]
+    if key is not None:
+        one["decisions"][key] = value
+    elif value is None:
+        del one["decisions"]
+    else:
+        one["decisions"] = value
+    return doc
 
 
 def _set_call(doc: dict[str, Any], value: Any) -> dict[str, Any]:
@@ -424,7 +458,11 @@ def test_record_size_is_bounded_per_module_call(tmp_path):
     fpdoctor.compare(model, torch.randn(129, 64), candidate="fp32", save_reference=path)
     record = CompareRecord.load(path)
     assert [c.truth.numel() for c in record.sets[0].calls] == [SAMPLE, SAMPLE, SAMPLE, SAMPLE]
-    assert path.stat().st_size <= PER_CALL * record.calls
+    # the output is logits (a Linear to 64 classes): its decisions too, 129 rows of 2 + 5 classes and all
+    # 129 x 64 logits whole (fp64 and fp32), as base64
+    decisions = record.sets[0].decisions
+    assert isinstance(decisions, DecisionRecord) and (decisions.decided, decisions.kept) == (129, 129)
+    assert path.stat().st_size <= PER_CALL * record.calls + 4 / 3 * (129 * 7 * 4 + 129 * 64 * 12)
 
 
 def test_minilm_record_size(tmp_path):

@@ -34,7 +34,17 @@ output its inputs are made of):
                first departing module call, with everything before it agreeing, is named. A
                leaf that departs although B's copy of it, fed the fp64 inputs, stays within the
                floor of A's got the departure with its inputs: from its parent's own ops
-               (outside any submodule), which is what is named.
+               (outside any submodule), which is what is named;
+  use          an output of logits, by what it decides (decide.py, as compare judges its own):
+               B's candidate against A's fp64 output - top-1 agreement and top-5 over every row
+               both records decided, KL over the rows both keep whole - beside A's own candidate
+               judged the same way, with the floors A computed from its whole output (rounding
+               its fp64 output to the candidate's format). Changed: B's candidate flips 16x the
+               rows rounding flips, and 1% of them at least (decide.Decisions.changed), however
+               small its relative error. It departs from A's run when it also flips 16x what
+               A's candidate flipped: the machine, not the precision. Judged only where nothing
+               before it parted (A's fp64 output is this run's referee only then); a format-1
+               record keeps no decisions, and says so.
 """
 
 from __future__ import annotations
@@ -43,10 +53,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from fpdoctor.precision.metrics import rel_error
+from fpdoctor.precision.decide import DECISION_RATIO, DECISION_SHARE, Decisions, kl
+from fpdoctor.precision.metrics import SAMPLE, rel_error
 from fpdoctor.precision.profile import DIVERGENCE_RATIO, MOVES
 from fpdoctor.precision.record import machine
-from fpdoctor.precision.record.record import CallRecord, CompareRecord
+from fpdoctor.precision.record.record import CallRecord, CompareRecord, DecisionRecord, SetRecord
 
 FP64_AGREE = 1e-9
 
@@ -90,6 +101,51 @@ class Row:
 
 
 @dataclass
+class UseJudgement:
+    """An output of logits judged by what it decides: B's candidate against A's fp64 output (`b`),
+    beside A's own candidate (`a`), both with A's floors; `rows` of the output, `decided` of them
+    judged by top-1 and top-5, `kept` of those by KL."""
+
+    a: Decisions
+    b: Decisions
+    rows: int
+    kept: int
+
+    @property
+    def changed(self) -> bool:
+        """B's candidate changes far more decisions than rounding A's fp64 output does."""
+        return self.b.changed
+
+    @property
+    def departs(self) -> bool:
+        """B's candidate also changes far more decisions than A's did: the machine departs."""
+        flipped = 1.0 - self.b.top1
+        most = max(1.0 - self.a.top1, 1.0 - self.b.floor_top1, 1.0 / self.b.rows)
+        return flipped >= DECISION_SHARE and flipped >= DECISION_RATIO * most
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"a": self.a.to_dict(), "b": self.b.to_dict(), "rows": self.rows, "kept_rows": self.kept,
+                "changed": self.changed, "departs": self.departs}  # fmt: skip
+
+
+def judge_use(a: DecisionRecord, b: DecisionRecord) -> UseJudgement | str:
+    """B's decisions and A's, each against A's fp64 output; a string says why they cannot be."""
+    if (a.rows, a.classes) != (b.rows, b.classes):
+        return f"the logits are {b.rows} rows of {b.classes} here, {a.rows} of {a.classes} in the record"
+
+    def against_a(x: DecisionRecord) -> Decisions:
+        best = a.truth_top1
+        return Decisions(
+            source=a.source, rows=a.decided, classes=a.classes,
+            top1=float((x.candidate_top1 == best).double().mean()),
+            top5=float((x.candidate_topk == best[:, None]).any(-1).double().mean()),
+            kl=kl(a.truth_rows, x.candidate_rows), floor_top1=a.floor_top1, floor_kl=a.floor_kl,
+        )  # fmt: skip
+
+    return UseJudgement(against_a(a), against_a(b), rows=a.rows, kept=a.kept)
+
+
+@dataclass
 class SetJudgement:
     index: int
     a_inputs: dict[str, Any] | None
@@ -103,6 +159,8 @@ class SetJudgement:
     parted_by_weights: list[str] = field(default_factory=list)  # the modules with changed weights that explain it
     departure: Row | None = None  # the first departing module call before `parted`
     blamed: str | None = None  # the module named for it (its parent when it came with its inputs)
+    use: UseJudgement | None = None  # the output of logits judged by what it decides
+    use_missing: str | None = None  # why an output of logits was not judged by what it decides
 
     @property
     def judged(self) -> bool:
@@ -144,6 +202,7 @@ def judge(a: CompareRecord, b: CompareRecord) -> Judgement:
         one.noise_match = sa.noise == sb.noise
         if one.judged:
             _judge_set(one, sa.calls, sb.calls, weights_differ)
+            _judge_decisions(one, a, sa, sb)
     return Judgement(
         a,
         b,
@@ -229,6 +288,35 @@ def _judge_set(one: SetJudgement, a_calls: tuple[CallRecord, ...], b_calls: tupl
             one.departure = row
     if one.departure is not None:
         one.blamed = _blame(one.departure, one.rows)
+
+
+def _judge_decisions(one: SetJudgement, a: CompareRecord, sa: SetRecord, sb: SetRecord) -> None:
+    """The output judged by what it decides, where it is logits on either machine (see `use`)."""
+    da, db = sa.decisions, sb.decisions
+    if db is None and da is None:
+        return  # not logits (a format-1 record: B's run says whether they are)
+    if a.version < 2:
+        one.use_missing = (
+            f"the record is of format {a.version} (made by fpdoctor {a.fpdoctor}), which keeps at most {SAMPLE} "
+            "values of an output and not the class each of its rows picks; make the record again with this "
+            "fpdoctor to judge top-1 agreement and KL against machine A"
+        )
+    elif isinstance(da, str):
+        one.use_missing = f"the record keeps no decisions of the logits: on machine A {da}"
+    elif isinstance(db, str):
+        one.use_missing = f"on this machine {db}"
+    elif da is None or db is None:
+        one.use_missing = f"the output is logits on machine {'B' if da is None else 'A'} only"
+    elif one.parted is not None:
+        one.use_missing = (
+            f"the fp64 outputs part at `{one.parted.module or '<root>'}`, so A's fp64 output is not this run's referee"
+        )
+    else:
+        judged = judge_use(da, db)
+        if isinstance(judged, str):
+            one.use_missing = judged
+        else:
+            one.use = judged
 
 
 def _row(a: CallRecord, b: CallRecord, carried_difference: float = 0.0) -> Row:

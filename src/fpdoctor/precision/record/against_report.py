@@ -3,18 +3,20 @@ and the per-module table with both machines' errors side by side (against.py jud
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 from fpdoctor import catalog
 from fpdoctor.precision.candidates import compute_dtype
+from fpdoctor.precision.decide import pct
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.metrics import sqnr_db
 from fpdoctor.precision.profile import DIVERGENCE_RATIO, TABLE_ROWS, known
 from fpdoctor.precision.record import against as judging
 from fpdoctor.precision.record import machine
-from fpdoctor.precision.record.against import FP64_AGREE, Judgement, Row, SetJudgement
-from fpdoctor.report.model import Finding, Report
+from fpdoctor.precision.record.against import FP64_AGREE, Judgement, Row, SetJudgement, UseJudgement
+from fpdoctor.report.model import Finding, Report, Trial
 
 LISTED = 10  # modules a message names before "and N more" (JSON keeps them all)
 
@@ -22,12 +24,13 @@ LISTED = 10  # modules a message names before "and N more" (JSON keeps them all)
 def apply(report: Report, j: Judgement, *, source: str) -> None:
     """Add the judgement to B's own compare report."""
     report.findings.extend(findings(j))
+    _decisions_changed(report, j)
     data = report.data
     data["against"] = as_data(j, source)
     shown = _shown_set(j)
     if shown is not None:
         data["table"] = table(shown, several=len(j.sets) > 1)
-    data["summary"][1:1] = summary(j, source)
+    data["summary"][1:1] = summary(j, source) + _use_lines(j)
     # the lines after it are this machine's own compare against fp64, not a comparison with A
     data["summary"] = [
         (f"{key} (B against fp64)", value) if key in ("modules compared", "first divergent module") else (key, value)
@@ -415,9 +418,102 @@ def _verdict(j: Judgement) -> str:
         text = f"the computations part at `{parted.parted.module or '<root>'}` ({why}); no departure before it"
     else:
         text = f"no module departs beyond the noise floor ({calls} module calls compared)"
+    decided = next((s for s in judged if s.use is not None and s.use.departs), None)
+    if decided is not None and decided.use is not None:
+        u = decided.use
+        text += (
+            f"; its decisions depart from A's: top-1 agreement with A's fp64 output {pct(u.b.top1)} here, "
+            f"{pct(u.a.top1)} in A's run"
+        )
     if len(judged) < len(j.sets):
         text += f"; {len(j.sets) - len(judged)} input set(s) not compared (other inputs)"
     return text
+
+
+def _use_text(u: UseJudgement, candidate: str) -> str:
+    a, b = u.a, u.b
+    rows = f"{b.rows} rows" if b.rows == u.rows else f"{b.rows} of {u.rows} rows (evenly spread)"
+    kept = f"{u.kept} of those rows" if u.kept < b.rows else "the same rows"
+    return (
+        f"this machine's top-1 agreement {pct(b.top1)}, A's run {pct(a.top1)} (rounding A's fp64 output to "
+        f"{candidate}: {pct(b.floor_top1)}); top-5 {pct(b.top5)} / {pct(a.top5)} over {rows} of {b.classes}; "
+        f"KL {b.kl:.3g} / {a.kl:.3g} nats (rounding: {b.floor_kl:.3g}) over {kept}"
+    )
+
+
+def _use_lines(j: Judgement) -> list[tuple[str, str]]:
+    """Per judged input set with an output of logits: both machines' decisions against A's fp64."""
+    lines = []
+    for s in j.sets:
+        if s.use is None and s.use_missing is None:
+            continue
+        key = "decisions against A's fp64" + (f", input set #{s.index}" if len(j.sets) > 1 else "")
+        if s.use is not None:
+            lines.append((f"{key} ({s.use.b.source})", _use_text(s.use, j.a.settings.candidate)))
+        else:
+            lines.append((key, f"not judged: {s.use_missing}"))
+    return lines
+
+
+def _decisions_changed(report: Report, j: Judgement) -> None:
+    """`decisions-changed` where this run's candidate changes the decisions against A's fp64 output.
+    This run's own compare judged them against its own fp64 output, which is A's where nothing
+    parted: where it found them changed too, its finding (with its checked fix) gets A's figures;
+    else one is added, its fix untried here."""
+    changed = [s for s in j.sets if s.use is not None and s.use.changed]
+    if not changed:
+        return
+    s = changed[0]
+    u = s.use
+    assert u is not None
+    candidate = j.a.settings.candidate
+    where_set = f" (input set #{s.index})" if len(j.sets) > 1 else ""
+    a_run = (
+        f"A's run keeps them ({pct(u.a.top1)}): this machine's {candidate} kernels change them, not the format"
+        if u.departs
+        else f"A's run changes them as well ({pct(u.a.top1)}): the {candidate} computation does, on both machines"
+    )
+    sentence = (
+        f"Against the record's fp64 output (machine A{where_set}), this machine's top-1 agreement is "
+        f"{pct(u.b.top1)} (rounding A's fp64 output to {candidate}: {pct(u.b.floor_top1)}); {a_run}."
+    )
+    evidence = {"against": u.to_dict() | ({"input_set": s.index} if len(j.sets) > 1 else {})}
+    for k, f in enumerate(report.findings):
+        if f.name == "decisions-changed":
+            report.findings[k] = dataclasses.replace(
+                f, message=f"{f.message} {sentence}", evidence=dict(f.evidence) | evidence
+            )
+            return
+    flipped, floor = 1.0 - u.b.top1, 1.0 - u.b.floor_top1
+    against = (
+        f"{flipped / floor:.0f}x what rounding A's fp64 output to {candidate} changes ({pct(floor)})"
+        if floor > 0
+        else f"where rounding A's fp64 output to {candidate} changes none"
+    )
+    report.findings.append(
+        catalog.make(
+            "decisions-changed",
+            message=(
+                f"In {candidate}, this machine's output's top-1 class differs from the record's fp64 output on "
+                f"{pct(flipped)} of its {u.b.rows} rows{where_set}, {against}: the computation changes the "
+                f"decisions, however small the relative error (KL {u.b.kl:.3g} nats). {a_run[0].upper()}{a_run[1:]}."
+            ),
+            where={"module": _head(u), "op": None},
+            evidence={"decisions": u.b.to_dict(), **evidence},
+            trial=Trial.untried(
+                "this run's own compare, against its own fp64 output, did not find the decisions changed, so no "
+                "module was re-run in fp32 here; `fpdoctor plan` on this machine checks a fix by top-1 agreement"
+            ),
+        )
+    )
+
+
+def _head(u: UseJudgement) -> str | None:
+    """The module whose output the logits are, from how the report names them (use.logits_source)."""
+    source = u.b.source
+    if "`" not in source:
+        return ""
+    return source.split("`")[1]
 
 
 def _or_parent(module: str) -> str:
@@ -517,6 +613,8 @@ def _set_data(s: SetJudgement) -> dict[str, Any]:
         "explained_by_weights": s.parted_by_weights,
         "only_a": [list(k) for k in s.only_a],
         "only_b": [list(k) for k in s.only_b],
+        "decisions": s.use.to_dict() if s.use is not None else None,
+        "decisions_not_judged": s.use_missing,
         "modules": [
             {
                 "module": r.module or "<root>",

@@ -16,6 +16,15 @@ numbers; gzip takes back most of the base64 overhead and some of the zero low bi
 values. compare itself keeps up to twice SAMPLE values (metrics.flat_sample strides by an
 integer); a record keeps SAMPLE of them evenly spread (recording.thin), which both machines do
 alike, so their samples stay element for element at the same positions.
+
+Decisions (format 2): when the output is logits (compare/use.py), a sample of values cannot say
+which class a row picks, so per input set the record also keeps what the use metrics need
+(DecisionRecord): per row the fp64 output's class, the candidate's class and its TOP_K best
+(int32), the top-1 floor and KL floor computed here from the whole output, and whole rows of both
+outputs for KL. Bounded: DECIDED_ROWS rows of 2 + TOP_K int32s (an evenly spread DECIDED_ROWS of
+a longer output), and KEPT_VALUES logits of each output (float64 and float32: at most 1.5 MiB
+before gzip; one row when a row alone is longer). A format-1 record has none of it: the judge
+says so, and judges the rest as before.
 """
 
 from __future__ import annotations
@@ -40,11 +49,18 @@ import torch
 from fpdoctor import files
 from fpdoctor._version import __version__
 from fpdoctor.errors import InputError
+from fpdoctor.precision.decide import TOP_K
 from fpdoctor.precision.metrics import SAMPLE, l2_norm
 from fpdoctor.precision.names import CANDIDATES, FP8_KERNELS, REFERENCES
 
 FORMAT = "fpdoctor.compare-record"
-VERSION = 1
+VERSION = 2  # 2: per input set, the decisions of an output of logits (DecisionRecord)
+# The rows of an output of logits whose decisions a record keeps (an evenly spread sample beyond:
+# an LM's batch of 8 x 4096 tokens is all of them) ...
+DECIDED_ROWS = 2**15
+# ... and how many of its logits it keeps whole, in rows, for KL: a classifier's 1000 classes give
+# 131 rows, a vocabulary of 50,000 two.
+KEPT_VALUES = 2**17
 # A record of a model with 10,000 module calls is about 1.3 GB of JSON; beyond 4 GiB it is not
 # one fpdoctor wrote (a decompression bomb stops here instead of filling the memory).
 MAX_BYTES = 4 * 2**30
@@ -87,6 +103,51 @@ class CallRecord:
     candidate: torch.Tensor  # float32, the candidate run's values at the same positions
 
 
+def spread(n: int, count: int) -> torch.Tensor:
+    """`count` of n positions evenly spread, first and last included (all of them when count >= n).
+    Integer arithmetic: both machines pick the same positions, whatever their torch."""
+    if count >= n:
+        return torch.arange(n, dtype=torch.int64)
+    if count <= 1:
+        return torch.zeros(1, dtype=torch.int64)
+    return torch.arange(count, dtype=torch.int64) * (n - 1) // (count - 1)
+
+
+def decided_rows(rows: int) -> int:
+    """How many rows of an output of `rows` rows a record keeps the decisions of."""
+    return min(rows, DECIDED_ROWS)
+
+
+def kept_rows(rows: int, classes: int) -> int:
+    """How many of the decided rows a record keeps whole (for KL): KEPT_VALUES logits, one row at least."""
+    return min(decided_rows(rows), max(1, KEPT_VALUES // classes))
+
+
+@dataclass(frozen=True, eq=False)
+class DecisionRecord:
+    """An output of logits as its rows decide, on this machine: what another run's candidate is
+    judged against by its use (top-1, top-5, KL), and this run's own candidate to judge."""
+
+    source: str  # where the logits come from, as the report names it (use.logits_source)
+    rows: int  # rows of the output: every dimension but the last
+    classes: int
+    floor_top1: float  # top-1 agreement of the fp64 output rounded to the candidate's format, decided rows
+    floor_kl: float  # KL(fp64 || fp64 rounded to the candidate's format), nats, kept rows
+    truth_top1: torch.Tensor  # int32 [decided rows]: the fp64 output's class per row
+    candidate_top1: torch.Tensor  # int32 [decided rows]: the candidate's class per row
+    candidate_topk: torch.Tensor  # int32 [decided rows, k]: the candidate's k best classes, k = min(TOP_K, classes)
+    truth_rows: torch.Tensor  # float64 [kept rows, classes]: the fp64 output's kept rows whole
+    candidate_rows: torch.Tensor  # float32 [kept rows, classes]: the candidate's (exact for its formats)
+
+    @property
+    def decided(self) -> int:
+        return decided_rows(self.rows)
+
+    @property
+    def kept(self) -> int:
+        return kept_rows(self.rows, self.classes)
+
+
 @dataclass(frozen=True, eq=False)
 class SetRecord:
     """One input set: what it was (inputs.describe) and every module call it made."""
@@ -94,6 +155,9 @@ class SetRecord:
     inputs: dict[str, Any]  # {"tensors": [{"name", "shape", "dtype"}], "digest"}
     noise: str | None  # digest of the random draws the forward made itself (noise.py); None: none
     calls: tuple[CallRecord, ...]
+    # the output's decisions when it is logits; a string says why an output of logits has none (its
+    # candidate's values are not finite); None: the output is not logits, or a format-1 record
+    decisions: DecisionRecord | str | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -126,7 +190,13 @@ class CompareRecord:
             "weights": self.weights,
             "skipped": self.skipped,
             "sets": [
-                {"inputs": s.inputs, "noise": s.noise, "calls": [_call_doc(c) for c in s.calls]} for s in self.sets
+                {
+                    "inputs": s.inputs,
+                    "noise": s.noise,
+                    "calls": [_call_doc(c) for c in s.calls],
+                    "decisions": _decisions_doc(s.decisions),
+                }
+                for s in self.sets
             ],
         }
         text = json.dumps(doc, allow_nan=False, separators=(",", ":"))
@@ -191,6 +261,23 @@ def _call_doc(c: CallRecord) -> dict[str, Any]:
         "nonfinite": c.nonfinite,
         "truth": _samples(c.truth, "d"),
         "candidate": _samples(c.candidate, "f"),
+    }
+
+
+def _decisions_doc(d: DecisionRecord | str | None) -> dict[str, Any] | str | None:
+    if d is None or isinstance(d, str):
+        return d
+    return {
+        "source": d.source,
+        "rows": d.rows,
+        "classes": d.classes,
+        "floor_top1": d.floor_top1,
+        "floor_kl": d.floor_kl,
+        "truth_top1": _samples(d.truth_top1, "i"),
+        "candidate_top1": _samples(d.candidate_top1, "i"),
+        "candidate_topk": _samples(d.candidate_topk, "i"),
+        "truth_rows": _samples(d.truth_rows, "d"),
+        "candidate_rows": _samples(d.candidate_rows, "f"),
     }
 
 
@@ -312,6 +399,26 @@ class _Check:
         dtype = torch.float64 if code == "d" else torch.float32
         return torch.frombuffer(values, dtype=dtype).clone()
 
+    def array(self, obj: Mapping[str, Any], key: str, where: str, code: str, count: int) -> torch.Tensor:
+        """Exactly `count` values: int32 ("i", each >= 0), float64 ("d") or float32 ("f"), all finite."""
+        text = self.typed(obj, key, str, where)
+        try:
+            raw = base64.b64decode(text.encode("ascii"), validate=True)
+        except (binascii.Error, UnicodeEncodeError):
+            raise self.fail(f"{where}.{key}", "is not base64") from None
+        values = array.array(code)
+        if len(raw) != count * values.itemsize:
+            raise self.fail(f"{where}.{key}", f"holds {len(raw)} bytes, not {count} values of {values.itemsize} bytes")
+        values.frombytes(raw)
+        if sys.byteorder == "big":
+            values.byteswap()
+        dtype = {"i": torch.int32, "d": torch.float64, "f": torch.float32}[code]
+        out = torch.frombuffer(values, dtype=dtype).clone() if count else torch.empty(0, dtype=dtype)
+        bad = bool((out < 0).any()) if code == "i" else not bool(torch.isfinite(out).all())
+        if bad:
+            raise self.fail(f"{where}.{key}", "holds a negative class" if code == "i" else "holds NaN or Inf")
+        return out
+
 
 def _parse(doc: dict[str, Any], source: str) -> CompareRecord:
     c = _Check(source)
@@ -353,7 +460,7 @@ def _parse(doc: dict[str, Any], source: str) -> CompareRecord:
     sets_doc = c.typed(doc, "sets", list, "")
     if not sets_doc:
         raise c.fail("sets", "is empty")
-    sets = tuple(_parse_set(c, s, f"sets[{k}]") for k, s in enumerate(sets_doc))
+    sets = tuple(_parse_set(c, s, f"sets[{k}]", version) for k, s in enumerate(sets_doc))
     return CompareRecord(
         source=source,
         settings=settings,
@@ -367,7 +474,7 @@ def _parse(doc: dict[str, Any], source: str) -> CompareRecord:
     )
 
 
-def _parse_set(c: _Check, doc: Any, where: str) -> SetRecord:
+def _parse_set(c: _Check, doc: Any, where: str, version: int) -> SetRecord:
     if not isinstance(doc, dict):
         raise c.fail(where, f"is {type(doc).__name__}, not an object")
     inputs = c.typed(doc, "inputs", dict, where)
@@ -394,7 +501,40 @@ def _parse_set(c: _Check, doc: Any, where: str) -> SetRecord:
         if (call.module, call.call) in seen:
             raise c.fail(where, f"has module `{call.module}` call {call.call} twice")
         seen.add((call.module, call.call))
-    return SetRecord({"tensors": tensors, "digest": digest}, noise, calls)
+    decisions = _parse_decisions(c, doc, where) if version >= 2 else None
+    return SetRecord({"tensors": tensors, "digest": digest}, noise, calls, decisions)
+
+
+def _parse_decisions(c: _Check, doc: Mapping[str, Any], where: str) -> DecisionRecord | str | None:
+    d = c.typed(doc, "decisions", (dict, str), where, optional=True)
+    if d is None or isinstance(d, str):
+        return d
+    at = f"{where}.decisions"
+    source = c.typed(d, "source", str, at)
+    rows = c.count(d, "rows", at, low=1)
+    classes = c.count(d, "classes", at, low=2)
+    floor_top1 = c.finite(d, "floor_top1", at)
+    if floor_top1 > 1:
+        raise c.fail(f"{at}.floor_top1", f"is {floor_top1!r}, not a share of rows")
+    decided, kept, k = decided_rows(rows), kept_rows(rows, classes), min(TOP_K, classes)
+    indices = {key: c.array(d, key, at, "i", n) for key, n in (
+        ("truth_top1", decided), ("candidate_top1", decided), ("candidate_topk", decided * k),
+    )}  # fmt: skip
+    for key, values in indices.items():
+        if values.numel() and int(values.max()) >= classes:
+            raise c.fail(f"{at}.{key}", f"holds a class beyond its {classes}")
+    return DecisionRecord(
+        source=source,
+        rows=rows,
+        classes=classes,
+        floor_top1=floor_top1,
+        floor_kl=c.finite(d, "floor_kl", at),
+        truth_top1=indices["truth_top1"],
+        candidate_top1=indices["candidate_top1"],
+        candidate_topk=indices["candidate_topk"].reshape(decided, k),
+        truth_rows=c.array(d, "truth_rows", at, "d", kept * classes).reshape(kept, classes),
+        candidate_rows=c.array(d, "candidate_rows", at, "f", kept * classes).reshape(kept, classes),
+    )
 
 
 def _positive(c: _Check, doc: Mapping[str, Any], where: str) -> float:

@@ -4,7 +4,8 @@
 the run's settings first (against a record they are the record's), and once every input set
 is judged, turns the run into a CompareRecord: per module call compare's own samples and row
 numbers, per input set its description and the digest of the random draws the forward made,
-per module a digest of its own parameters and buffers, and the machine's facts. Machine A
+per module a digest of its own parameters and buffers, and the machine's facts; and when the
+output is logits, its decisions (decision_record: what the use metrics need of it). Machine A
 saves it; machine B judges its own against A's (against.py) and adds that to the report
 (against_report.py).
 """
@@ -24,16 +25,32 @@ import torch
 from torch import nn
 
 from fpdoctor.precision.candidates import model_device
-from fpdoctor.precision.metrics import SAMPLE, l2_norm
+from fpdoctor.precision.decide import TOP_K, agreement, kl, logit_rows
+from fpdoctor.precision.metrics import SAMPLE, all_finite, l2_norm, round_to
 from fpdoctor.precision.names import CANDIDATES, FP8_KERNELS, REFERENCES, check_name
 from fpdoctor.precision.profile import CompareResult, ModuleRow
 from fpdoctor.precision.record import against as judging
 from fpdoctor.precision.record import against_report, machine
-from fpdoctor.precision.record.record import VERSION, CallRecord, CompareRecord, SetRecord, Settings
+from fpdoctor.precision.record.record import (
+    VERSION,
+    CallRecord,
+    CompareRecord,
+    DecisionRecord,
+    SetRecord,
+    Settings,
+    decided_rows,
+    kept_rows,
+    spread,
+)
 from fpdoctor.precision.scope import find_module
 
-# (row, compare's fp64 sample, the candidate's sample) per judged module call, as compare_set gives them
-Samples = list[tuple[ModuleRow, torch.Tensor, torch.Tensor | None]]
+
+class Samples(list[tuple[ModuleRow, torch.Tensor, torch.Tensor | None]]):
+    """(row, compare's fp64 sample, the candidate's sample) per judged module call, as compare_set
+    gives them; and `decided`, the output's decisions when it is logits (decision_record)."""
+
+    decided: DecisionRecord | str | None = None
+
 
 # Without a candidate, a record is of the model's own precision: what a machine's kernels change
 # (TF32, reduced-precision reductions, another summation order) shows there first.
@@ -47,8 +64,43 @@ def thin(sample: torch.Tensor) -> torch.Tensor:
     n = sample.numel()
     if n <= SAMPLE:
         return sample
-    index = torch.arange(SAMPLE, dtype=torch.int64) * (n - 1) // (SAMPLE - 1)
-    return sample[index.to(sample.device)]
+    return sample[spread(n, SAMPLE).to(sample.device)]
+
+
+def decision_record(
+    source: str | None, truth: torch.Tensor | None, candidate: torch.Tensor | None, fmt: str
+) -> DecisionRecord | str | None:
+    """What the use metrics need of an output of logits (`source`: use.logits_source; None when the
+    output is not logits): per decided row the fp64 class, the candidate's class and its TOP_K
+    best; the decided rows' top-1 floor, and the kept rows whole with their KL floor. The floors
+    round the whole output to the candidate's format (an fp8 scale is the whole tensor's), as
+    compare's own do. A string says why an output of logits has none."""
+    if source is None or truth is None:
+        return None
+    if candidate is None or candidate.shape != truth.shape:
+        return "the candidate's output was not kept whole"
+    rows = logit_rows(truth, candidate)
+    if rows is None:
+        return "the candidate's logits hold NaN or Inf" if not all_finite(candidate) else "the output has no rows"
+    ref, cand = rows
+    n, classes = ref.shape
+    rounded = round_to(ref, fmt)
+    at = spread(n, decided_rows(n)).to(ref.device)
+    ref, cand, rounded = ref[at], cand[at], rounded[at]
+    keep = spread(len(at), kept_rows(n, classes)).to(ref.device)
+    best = ref.argmax(-1)
+    return DecisionRecord(
+        source=source,
+        rows=n,
+        classes=classes,
+        floor_top1=agreement(rounded, best),
+        floor_kl=kl(ref[keep], rounded[keep]),
+        truth_top1=best.to(torch.int32).cpu(),
+        candidate_top1=cand.argmax(-1).to(torch.int32).cpu(),
+        candidate_topk=cand.topk(min(TOP_K, classes), -1).indices.to(torch.int32).cpu(),
+        truth_rows=ref[keep].cpu(),
+        candidate_rows=cand[keep].to(torch.float32).cpu(),
+    )
 
 
 def _raw(t: torch.Tensor) -> bytes:
@@ -234,7 +286,7 @@ class Link:
         for d, r, s in zip(described, results, samples, strict=True):
             calls, left_out = call_records(s)
             skipped += left_out
-            sets.append(SetRecord(d, noise_digest(r.noise), calls))
+            sets.append(SetRecord(d, noise_digest(r.noise), calls, s.decided))
         return CompareRecord(
             settings=settings,
             machine=machine.facts(on, result.report.data) | _variables(),
