@@ -174,8 +174,7 @@ def _healthy(rank: int, args: dict[str, Any]) -> dict[str, Any]:
         "findings": len(run.named()),
         "nonfinite": report.data["nonfinite_steps"],
         "calibration": data.get("calibration"),
-        "z_p99": zs[int(0.99 * (len(zs) - 1))] if zs else None,
-        "z_max": zs[-1] if zs else None,
+        "zs": [round(z, 3) for z in zs],  # this rank's |z| of every judged step (main pools the ranks')
         "line": dict(report.data["summary"])["corruption sentinel"],
     }
 
@@ -228,18 +227,23 @@ def _cost(rank: int, args: dict[str, Any]) -> dict[str, Any]:
                 run.step()
             cpu[name].append((time.process_time() - start_cpu) / args["block"])
             wall[name].append((time.perf_counter() - start) / args["block"])
-    # the collective alone: the flags' all-reduce of 2 floats, and of 2 + world as the exchange makes it
-    for n in (2, 2 + dist.get_world_size()):
+    # the collective alone: the flags' all-reduce (2 floats, MAX) and the exchange's (2 int64, SUM), and
+    # what one float per rank would cost (2 + world floats, MAX: the earlier exchange)
+    for name, n, dtype, op in (
+        ("allreduce flags", 2, torch.float32, dist.ReduceOp.MAX),
+        ("allreduce exchange", 2, torch.int64, dist.ReduceOp.SUM),
+        ("allreduce per-rank", 2 + dist.get_world_size(), torch.float32, dist.ReduceOp.MAX),
+    ):
         spent, spent_cpu = [], []
         for _ in range(args["rounds"]):
-            flags = torch.zeros(n)
+            flags = torch.zeros(n, dtype=dtype)
             dist.barrier()
             start, start_cpu = time.perf_counter(), time.process_time()
             for _ in range(args["block"]):
-                dist.all_reduce(flags.clone(), op=dist.ReduceOp.MAX)
+                dist.all_reduce(flags.clone(), op=op)
             spent.append((time.perf_counter() - start) / args["block"])
             spent_cpu.append((time.process_time() - start_cpu) / args["block"])
-        wall[f"allreduce {n}"], cpu[f"allreduce {n}"] = spent, spent_cpu
+        wall[name], cpu[name] = spent, spent_cpu
     watched = variants["sentinel+corruption"].sentinel
     assert watched is not None
     strikes = {
@@ -266,25 +270,32 @@ def _spawn(args: dict[str, Any]) -> list[dict[str, Any]]:
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 
 
+def _sums(watch: corruption.CorruptionWatch, x: torch.Tensor, logs: list[float]) -> torch.Tensor:
+    """What the all-reduce would give `watch` (this rank, packed `x`) with the other ranks' log-norms
+    `logs`: [A, B, x] as `exchange` reads them back (no flags set, no rank asking)."""
+    others = [round(v / corruption.QUANTUM) + corruption._OFFSET for v in logs[1:]]
+    mine = int(x[0])
+    total, squares = mine + sum(others), mine * mine + sum(v * v for v in others)
+    return torch.tensor([total << 28, squares, mine], dtype=torch.int64)
+
+
 def _host_cost(world: int, steps: int = 300) -> dict[str, float]:
     """The corruption sentinel's host work per step at `world` ranks, outside any process group: the
-    exchanged vector built as `exchange` builds it, and the norms judged (synthetic and healthy;
-    the calibration's every-32-steps share included), microseconds per step."""
+    two sums packed as `exchange` packs them, and the sums judged (synthetic, healthy; the
+    calibrations' share included), microseconds per step. Neither grows with the world."""
     watch = corruption.CorruptionWatch(nn.Linear(1, 1), None, torch.device("cpu"))
     watch.world, watch.off = world, None
     g = torch.Generator().manual_seed(0)
     base = torch.randn(world, generator=g) * 0.1
-    reads = [FlagRead((base + 0.02 * torch.randn(world, generator=g)).exp()) for _ in range(steps)]
-    head, before, after = torch.zeros(2), torch.full((3,), -1.0), torch.full((world - 4,), -1.0)
-    norm = torch.ones(())
+    flags, norm = torch.zeros(2, dtype=torch.bool), torch.ones(())
     build, judge = [], []
-    for step, read in enumerate(reads, start=1):
+    for step in range(1, steps + 1):
+        logs = (base + 0.02 * torch.randn(world, generator=g)).tolist()
         start = time.perf_counter()
-        out = torch.cat([head, before, norm.reshape(1), after])
-        FlagRead(out[2:])
-        out[:2].reshape(head.shape)
+        out, x = watch.pack(flags, norm)
+        FlagRead(torch.cat([out, x]), exact=True)
         build.append(time.perf_counter() - start)
-        watch._reads[step] = read
+        watch._reads[step] = FlagRead(_sums(watch, x, logs), exact=True)
         start = time.perf_counter()
         watch.observe(step, True, lambda finding: None)
         judge.append(time.perf_counter() - start)
@@ -295,8 +306,8 @@ def _host_cost(world: int, steps: int = 300) -> dict[str, float]:
 def _own_cost(model: nn.Module, step: Any, world: int = 16, rounds: int = 15, block: int = 10) -> dict[str, float]:
     """The corruption sentinel's own work per step against the CPU step it watches, in this process,
     alternating blocks, medians: the norm over the gradient bytes in DDP's buckets (its first of
-    1 MB, then 25 MB), the exchanged vector built and read back, and the norms of `world` ranks judged
-    (synthetic, healthy). The all-reduce's extra 4 x world bytes are not in it (on paper, README)."""
+    1 MB, then 25 MB), the two sums packed, the flags unpacked, the sums read back, and judged (the
+    other `world` - 1 ranks' norms synthetic, healthy). The all-reduce is the step's own either way."""
     step()
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
     first, rest = 2**18, 25 * 2**18  # DDP's bucket caps in float32 elements
@@ -306,22 +317,22 @@ def _own_cost(model: nn.Module, step: Any, world: int = 16, rounds: int = 15, bl
     g = torch.Generator().manual_seed(0)
     base = torch.randn(world, generator=g) * 0.1
     total = corruption.CALIBRATION_STEPS + 5 + rounds * block
-    # the other ranks' norms, made beforehand: the cat below takes their slots as views, as exchange does
-    scale = float(torch.linalg.vector_norm(grads))  # about this rank's own norm: a healthy spread
-    others = [scale * (base + 0.02 * torch.randn(world, generator=g)).exp() for _ in range(total)]
-    head = torch.zeros(2)
+    scale = math.log(float(torch.linalg.vector_norm(grads)))  # about this rank's own log-norm: a healthy spread
+    others = [(scale + base + 0.02 * torch.randn(world, generator=g)).tolist() for _ in range(total)]
+    flags = torch.zeros(2)
     n = 0
 
     def own() -> None:
         nonlocal n
         norms = [torch.linalg.vector_norm(b, dtype=torch.float32) for b in buckets]
         norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
-        row = others[n]
-        n += 1
-        out = torch.cat([head, row[:3], norm.reshape(1), row[4:]])
-        watch._reads[n] = FlagRead(out[2:])
-        out[:2].reshape(head.shape)
+        out, x = watch.pack(flags != 0, norm)
+        counts = torch.stack([out[0] & (2**14 - 1), (out[0] >> 14) & (2**14 - 1)])
+        (counts != 0).to(flags.dtype)
+        FlagRead(torch.cat([out, x]), exact=True)
+        watch._reads[n] = FlagRead(_sums(watch, x, others[n]), exact=True)  # the all-reduce's result
         watch.observe(n, True, lambda finding: None)
+        n += 1
 
     for _ in range(corruption.CALIBRATION_STEPS + 5):
         own()
@@ -403,8 +414,12 @@ def main() -> int:
         return 1
     figures: dict[str, Any] = {"ranks": ns.ranks, "per_node": ns.per_node, "faulty": faulty, "wall_s": wall}
 
-    healthy = results[0]["healthy"]
+    healthy = dict(results[0]["healthy"])
     findings = sum(r["healthy"]["findings"] for r in results) / ns.ranks  # the same on every rank
+    healthy["strikes"] = sum(r["healthy"]["strikes"] for r in results)  # each rank counts its own
+    zs = sorted(z for r in results for z in r["healthy"].pop("zs"))
+    del healthy["zs"]
+    healthy["z_p99"], healthy["z_max"] = (zs[int(0.99 * (len(zs) - 1))], zs[-1]) if zs else (math.nan, math.nan)
     per_k = 1000 / healthy["steps"]
     figures["healthy"] = healthy | {"false_alarms_per_1000": findings * per_k}
     print(
@@ -448,12 +463,15 @@ def main() -> int:
         )
 
     print(f"  (the measured corruption sentinel: {cost['strikes']:g} strikes, {cost['escalations']:g} escalations)")
-    small, large = (f"allreduce {n}" for n in (2, 2 + ns.ranks))
-    print(
-        f"  the flags' all-reduce alone (gloo, MAX): 2 floats {cost[small] * 1e3:.2f} ms wall, "
-        f"{cost[small + ' cpu'] * 1e3:.2f} ms CPU; {2 + ns.ranks} floats {cost[large] * 1e3:.2f} ms wall, "
-        f"{cost[large + ' cpu'] * 1e3:.2f} ms CPU"
-    )
+    parts = [
+        f"{label} {cost[name] * 1e3:.2f} ms wall, {cost[name + ' cpu'] * 1e3:.2f} ms CPU"
+        for name, label in (
+            ("allreduce flags", "the flags alone (2 floats, MAX)"),
+            ("allreduce exchange", "the exchange (2 int64, SUM)"),
+            ("allreduce per-rank", f"one float per rank ({2 + ns.ranks} floats, MAX)"),
+        )
+    ]
+    print("  the all-reduce alone (gloo): " + "; ".join(parts))
     own = _cpu_steps()
     figures["own"] = own
     for name, o in own.items():
@@ -466,10 +484,10 @@ def main() -> int:
     figures["host"] = {}
     for world in (16, 256, 10_000):
         host = _host_cost(world)
-        figures["host"][world] = host | {"allreduce_extra_bytes": 4 * world}
+        figures["host"][world] = host | {"allreduce_bytes": 16}
         print(
-            f"host work at {world:>6} ranks: slots {host['build_us']:.0f} us, judgement {host['judge_us']:.0f} us "
-            f"per step; the all-reduce carries {4 * world} more bytes"
+            f"host work at {world:>6} ranks: packing {host['build_us']:.0f} us, judgement {host['judge_us']:.0f} us "
+            "per step; the all-reduce carries 16 bytes (2 int64) at any world size"
         )
     if ns.json:
         Path(ns.json).write_text(json.dumps(figures, indent=1, default=str))

@@ -129,11 +129,12 @@ class FlagRead:
     the values are there at once.
     """
 
-    def __init__(self, flags: torch.Tensor) -> None:
-        flags = flags.detach().float().reshape(-1)
+    def __init__(self, flags: torch.Tensor, *, exact: bool = False) -> None:
+        # exact: in the tensor's own dtype (int64 sums read back bit for bit), else as float32
+        flags = flags.detach().reshape(-1) if exact else flags.detach().float().reshape(-1)
         self._event: torch.cuda.Event | None = None
         if flags.device.type == "cuda":
-            self._host = torch.empty(flags.shape, dtype=torch.float32, pin_memory=True)
+            self._host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
             self._host.copy_(flags, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
@@ -144,6 +145,12 @@ class FlagRead:
         if self._event is not None:
             self._event.synchronize()
         return [float(v) for v in self._host.tolist()]
+
+    def ints(self) -> list[int]:
+        """The values of an exact read of an integer tensor, as Python ints."""
+        if self._event is not None:
+            self._event.synchronize()
+        return [int(v) for v in self._host.tolist()]
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer | None) -> bool:

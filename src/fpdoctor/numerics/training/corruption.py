@@ -6,19 +6,34 @@ its own data, so the size of each rank's own gradient before the all-reduce is a
 healthy run keeps within a spread of its own (the data differ) and a faulty device leaves.
 
 The always-on part. `BucketWatch` (distributed.py) takes each bucket's local norm on the device
-before the reduction; each rank writes its norm into its own slot of a world-long vector (the
-others' slots at -1) appended to the sentinel's per-step all-reduce: one MAX
-all-reduce per step, as before, now of 2 + world_size floats, read back with the step's flags.
-Every rank then holds every rank's norm, and decides the same thing from the same floats.
+before the reduction. The statistic rides in the sentinel's one per-step all-reduce, which stays
+two numbers long whatever the world size: gloo's all-reduce of a small tensor costs about one
+round per element (2 -> 4 elements doubled it on 4 ranks here), and NCCL's is latency-bound. The
+two flags the step already agrees on (loss, gradients) and the statistic are packed into two
+int64 sums, exact and the same on every rank in any reduction order:
 
-The statistic is each rank's log-ratio to the median across ranks (scale-free: the loss falling
-or the learning rate changing moves every rank alike). The first `CALIBRATION_STEPS` finite steps
-calibrate it, robustly: each rank's centre (its median log-ratio, for data that differ by rank
-for good) and one spread over all ranks (1.4826 x the median absolute deviation, at least
-`FLOOR`); the spread is recalibrated every `RECALIBRATE_EVERY` steps on the last `WINDOW` steps
-without a strike, since gradient noise grows against the mean gradient as training goes on. A
-strike is a rank further than `THRESHOLD` spreads from its centre; `STRIKES` strikes of one rank
-within `STRIKE_WINDOW` steps escalate.
+    A = loss flag | gradient flag << 14 | X << 28          (the flags: counts of ranks, 14 bits each)
+    B = X * X | escalate << 40 | missing << 52
+
+where X is the rank's log gradient norm (less its own centre) in steps of 2^-7, clamped to +-32
+and offset to be non-negative (13 bits). Summed, A and B give every rank the count of ranks with
+each flag, the sum and the sum of squares of X, how many ranks ask for an escalation and how
+many sent no norm; the flags go back to the step as 0/1, as the maximum gave them. Exact while
+the world is under 2^14 ranks (the sentinel is off above it, and the flags go through a plain
+maximum); the escalate and missing counts are read as "any" and wrap only if 2^12 (2^11) ranks
+set them in one step.
+
+Each rank judges itself: its deviation from the mean of the other ranks (leave-one-out, from the
+sums and its own X), over the spread of the ranks' log-norms, which every rank reads from the
+same sums (the sample variance across ranks of each judged step). The first `CALIBRATION_STEPS`
+judged steps calibrate each rank's centre (its median deviation, for data that differ by rank
+for good; subtracted before its norm is sent) and the spread (the median over steps of the
+variance, scaled to its mean for the ranks' degrees of freedom, at least `FLOOR`); the spread is
+calibrated again `SETTLE` steps later on centred norms, then every `RECALIBRATE_EVERY` judged
+steps on the last `WINDOW` whose variance stayed within `QUIET` spreads^2 (a rule of the shared
+sums: every rank keeps the same steps and has the same spread). A strike is a deviation beyond
+`THRESHOLD` spreads; `STRIKES` strikes of one rank within `STRIKE_WINDOW` steps make that rank ask
+for an escalation in its next exchange, and every rank escalates at the step whose sums say so.
 
 The escalation, bounded: up to `GEMMS` of the model's `nn.Linear` layers (evenly spaced, the last
 one always) are run again on this device, each `REPEATS` times on `ROWS` rows of a seeded input
@@ -28,14 +43,13 @@ rank does the same on the same weights and inputs, and one `all_gather_object` c
 rank whose results leave the bound while every other rank's stay within it, or (the bound kept by
 all) whose results differ bit for bit where every other rank agrees, or whose replica of the
 weights differs from everyone's, is named by rank, host, device, GPU index and UUID. At most
-`ESCALATIONS` escalations per run; a rank named once is not escalated again.
+`ESCALATIONS` escalations per run; a rank named once does not ask again.
 """
 
 from __future__ import annotations
 
-import array
-import itertools
 import math
+import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,30 +64,35 @@ from fpdoctor.numerics.training import distributed
 from fpdoctor.report.model import Finding, Trial
 
 CALIBRATION_STEPS = 32
+SETTLE = 16  # the spread again on centred norms, this many judged steps after the first calibration
 WINDOW = 256
 RECALIBRATE_EVERY = 64
-# A robust z of 8 spreads: a Gaussian spread gives one every 10^15 ranks x steps; measured on 4 x 2000
-# and 16 x 1000 healthy steps of benchmarks/bench_sdc.py, the largest seen was well under it.
+QUIET = 4.0  # a step whose variance across ranks is beyond QUIET spreads^2 calibrates nothing
+# 8 spreads: a Gaussian deviation gives one every 10^15 ranks x steps; measured on 4 x 2000 and
+# 16 x 1000 healthy steps of benchmarks/bench_sdc.py, the largest seen was well under it.
 THRESHOLD = 8.0
-FLOOR = 0.02  # the least spread of a log-ratio (2%): identical data on every rank has none
+FLOOR = 0.02  # the least spread of a log-norm (2%): identical data on every rank has none
 STRIKES = 3
 STRIKE_WINDOW = 32
 GEMMS = 8
 REPEATS = 16
 ROWS = 16
 ESCALATIONS = 3
-_MADS = 1.4826  # the median absolute deviation times this is a Gaussian's standard deviation
-_LOG_ZERO = -1e30  # the log of a zero norm: far below any rank's
+MAX_RANKS = 2**14 - 1  # the packed sums count ranks in 14 bits
+QUANTUM = 2.0**-7  # X's step in log-norm
+RANGE = 32.0  # |log-norm - centre| clamped here (a norm e^32 times off is off all the same)
+_OFFSET = int(RANGE / QUANTUM)  # X = round(y / QUANTUM) + _OFFSET, in [0, 2 * _OFFSET)
+_FLAG_BITS, _SUM_BITS, _SQUARE_BITS, _ESCALATE_BITS = 14, 27, 40, 12
 
 
 @dataclass
 class Calibration:
-    """What the thresholds were calibrated on: each rank's centre, the spread, over which steps."""
+    """What the thresholds were calibrated on: this rank's centre, the spread, over which steps."""
 
     steps: int  # the steps the latest calibration read
     first: int
     last: int
-    centres: list[float]  # one per rank
+    centre: float  # this rank's, in log-norm
     spread: float
     floored: bool  # the measured spread was under FLOOR
 
@@ -81,7 +100,7 @@ class Calibration:
         return {
             "steps": self.steps,
             "window": [self.first, self.last],
-            "centres": [round(c, 5) for c in self.centres],
+            "centre": round(self.centre, 5),
             "spread": self.spread,
             "floored": self.floored,
             "threshold": THRESHOLD,
@@ -95,6 +114,7 @@ class Escalation:
     step: int
     suspects: list[int]
     strikes: dict[int, list[int]]
+    z: dict[int, list[float]] = field(default_factory=dict)  # each suspect's deviations at its strikes
     gemms: list[str] = field(default_factory=list)
     named: list[dict[str, Any]] = field(default_factory=list)  # the ranks that disagree, with why
     note: str = ""
@@ -120,6 +140,16 @@ def identity(device: torch.device) -> dict[str, Any]:
     return info
 
 
+def _field(value: int, shift: int, bits: int) -> int:
+    return (value >> shift) & ((1 << bits) - 1)
+
+
+def _median_of_chi2(dof: int) -> float:
+    """The median of a chi-square over its degrees of freedom (Wilson-Hilferty): the median of a
+    sample variance over the variance, to turn a robust median into the mean it estimates."""
+    return (1.0 - 2.0 / (9.0 * dof)) ** 3 if dof > 0 else 1.0
+
+
 class CorruptionWatch:
     """The corruption sentinel of one run's step judge: `exchange` in the step's all-reduce,
     `observe` when the step is judged. Inactive outside torch.distributed (nothing to compare)."""
@@ -133,144 +163,176 @@ class CorruptionWatch:
         self.off: str | None = None
         if self.world < 2:
             self.off = "one rank: nothing to compare its gradient with"
+        elif self.world > MAX_RANKS:
+            self.off = f"{self.world} ranks: the packed exchange counts up to {MAX_RANKS}"
         elif bucket_watch is None:
             self.off = "no DDP communication hook of fpdoctor's (FSDP, or a hook of your own): no pre-reduce norm"
         else:
             bucket_watch.norms = True
         self._reads: dict[int, FlagRead] = {}
-        # the other ranks' slots of the exchanged vector (-1: below any norm), made once per device
-        self._others: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._missing = torch.full((1,), -1.0, device=device)
-        # the last WINDOW steps without a strike (deviations, steps x ranks), and the thresholds' figures
-        self._ring: deque[tuple[int, list[float]]] = deque(maxlen=WINDOW)
-        self._filled = 0
-        self._centres: list[float] | None = None
-        self._spread = FLOOR
-        self._since = 0  # steps judged since the last calibration
+        self._signals: dict[tuple[torch.device, int], torch.Tensor] = {}  # B's escalate/missing bits, made once
+        self._asking: list[tuple[int, float]] | None = None  # the strikes (step, z) that asked
+        self._ask = False  # this rank's strikes ask for an escalation: sent in the next exchange
+        self._centre = 0.0  # this rank's, subtracted from its log-norm before it is sent
+        self._spread: float | None = None
+        # the last WINDOW judged steps: this rank's (step, deviation + centre) without a strike of its
+        # own; the shared variances of the quiet steps (every rank keeps the same ones)
+        self._deviations: deque[tuple[int, float]] = deque(maxlen=WINDOW)
+        self._variances: deque[tuple[int, float]] = deque(maxlen=WINDOW)
+        self._recalibrate_at = CALIBRATION_STEPS
+        self._calibrations = 0
         self.calibration: Calibration | None = None
         self.judged = 0  # steps whose every rank sent its norm
-        self.struck: list[tuple[int, int, float]] = []  # (step, rank, z) of every strike, the first 100
+        self.struck: list[tuple[int, float]] = []  # (step, z) of this rank's strikes, the first 100
         self.strike_count = 0
-        self.worst = 0.0  # the largest z of a step that was no strike (how close a healthy run came)
-        self._strikes: dict[int, deque[int]] = {}
+        self.worst = 0.0  # the largest |z| of this rank's steps that were no strike (how close it came)
+        self._strikes: deque[int] = deque()
         self.escalations: list[Escalation] = []
         self.named: set[int] = set()
         self.errors: list[str] = []
-        self.trace: list[tuple[int, list[float]]] | None = None  # a list: every judged step's signed z, kept
+        self.trace: list[tuple[int, list[float]]] | None = None  # a list: every judged step's z, kept
 
     # -- the always-on part --------------------------------------------------------------------
     def exchange(self, agreed: torch.Tensor, step: int) -> torch.Tensor:
-        """`distributed.all_max(agreed)`, with every rank's gradient norm in the same all-reduce.
-        Every rank sends the same length whatever fails here (else the collective would not match)."""
-        if self.world < 2 or self.off is not None:  # off on every rank alike (the same model, the same hook)
+        """`distributed.all_max(agreed)` (two 0/1 flags), with this rank's gradient norm in the same
+        all-reduce of two numbers. Every rank sends the same whatever fails here (else the
+        collective would not match)."""
+        if self.off is not None or agreed.numel() != 2:  # off on every rank alike (the same model, the same hook)
             return distributed.all_max(agreed)
-        head = agreed.detach().float().reshape(-1)
-        mine = self._missing
+        flags = agreed.detach().reshape(-1) != 0  # NaN counts as set
         try:
-            norm = self.bucket_watch.local_norm() if self.bucket_watch is not None else None
-            if norm is not None:  # >= 0 (NaN on a non-finite step, which is not judged): -1 marks none
-                mine = norm.reshape(1).to(head.device)
-        except Exception as exc:  # the observer never breaks the step's collective
+            out, x = self.pack(flags, self.bucket_watch.local_norm() if self.bucket_watch is not None else None)
+        except Exception as exc:  # the observer never breaks the step's collective: send no norm
             self._error(exc)
-        others = self._others.get(head.device)
-        if others is None:
-            others = self._others[head.device] = (
-                torch.full((self.rank,), -1.0, device=head.device),
-                torch.full((self.world - self.rank - 1,), -1.0, device=head.device),
-            )
-        out = torch.cat([head, others[0], mine.to(head.device), others[1]])  # a new tensor: reduced in place
-        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX)
-        self._reads[step] = FlagRead(out[head.numel() :])
+            out, x = self.pack(flags, None)
+        torch.distributed.all_reduce(out)
+        self._reads[step] = FlagRead(torch.cat([out, x]), exact=True)
         while len(self._reads) > 4:  # steps never judged (an observer failure before the judge)
             del self._reads[min(self._reads)]
-        return out[: head.numel()].to(agreed.dtype).reshape(agreed.shape)
+        counts = torch.stack([out[0] & (2**_FLAG_BITS - 1), (out[0] >> _FLAG_BITS) & (2**_FLAG_BITS - 1)])
+        return (counts != 0).to(agreed.dtype).reshape(agreed.shape)
+
+    def pack(self, flags: torch.Tensor, norm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's [A, B] (int64, on the flags' device) and its X, as the docstring lays them out:
+        small device ops, nothing read back. `norm` None: a rank with no norm (missing set)."""
+        device = flags.device
+        f = flags.to(torch.int64)
+        a = f[0] + (f[1] << _FLAG_BITS)
+        signal = self._signal(device, norm is None)
+        if norm is None:
+            x = torch.zeros(1, dtype=torch.int64, device=device)
+            return torch.stack([a, signal]), x
+        y = torch.log(norm.detach().reshape(1).to(device=device, dtype=torch.float64)) - self._centre
+        # a NaN norm (a non-finite step, not judged) sends the centre; a zero norm is -RANGE
+        y = torch.nan_to_num(y, nan=0.0).clamp_(-RANGE, RANGE - QUANTUM)
+        x = torch.round(y / QUANTUM).to(torch.int64) + _OFFSET
+        return torch.stack([a + (x[0] << (2 * _FLAG_BITS)), x[0] * x[0] + signal]), x
+
+    def _signal(self, device: torch.device, missing: bool) -> torch.Tensor:
+        """B's escalate and missing bits as a device scalar, one per combination and device (no
+        host-to-device copy on a step); the escalation asked is sent once."""
+        key = (device, int(self._ask) | int(missing) << 1)
+        self._ask = False
+        signal = self._signals.get(key)
+        if signal is None:
+            value = (key[1] & 1) << _SQUARE_BITS | (key[1] >> 1) << (_SQUARE_BITS + _ESCALATE_BITS)
+            signal = self._signals[key] = torch.tensor(value, dtype=torch.int64, device=device)
+        return signal
 
     def observe(self, step: int, finite: bool, add: Callable[[Finding], None]) -> None:
-        """Judge the step's norms (host floats): strikes, calibration, escalation; findings to `add`.
-        Plain Python per step, a few passes over one float per rank (small torch ops cost more below
-        a few hundred ranks); the calibration's medians in torch, every RECALIBRATE_EVERY steps."""
+        """Judge this rank's norm against the others' (host ints, a few floats): strikes,
+        calibration; an escalation where the sums say a rank asked for one; findings to `add`."""
         read = self._reads.pop(step, None)
-        if read is None or not finite or self.off is not None:
+        if read is None or self.off is not None:
             return
-        norms = read.values()
-        least = min(norms)
-        if least < 0:  # a rank sent no norm (no bucket reduced this step)
+        a, b, x = read.ints()
+        if _field(b, _SQUARE_BITS, _ESCALATE_BITS) and len(self.escalations) < ESCALATIONS:
+            self._escalate(step, add)  # every rank reads the same sums: all escalate here, or none
+        if not finite or _field(b, _SQUARE_BITS + _ESCALATE_BITS, 11):  # not judged, or a rank sent no norm
             return
         self.judged += 1
-        # map and sorted run in C: a few microseconds for 16 ranks, where a torch op costs as much each
-        logs = list(map(math.log, norms)) if least > 0 else [math.log(v) if v > 0 else _LOG_ZERO for v in norms]
-        ordered = sorted(logs)
-        n = len(ordered)
-        # halfway between the middle two for an even count (the lower one alone would put one rank at
-        # exactly 0 every step, and two ranks could never be told apart)
-        median = 0.5 * (ordered[(n - 1) // 2] + ordered[n // 2])
-        deviations = [v - median for v in logs]
-        if self._centres is None:
-            self._keep(step, deviations)
-            if self._filled >= CALIBRATION_STEPS:
+        n = self.world
+        total, squares = _field(a, 2 * _FLAG_BITS, _SUM_BITS), _field(b, 0, _SQUARE_BITS)
+        # from the mean of all ranks (the centre's measure: a rank's offset from the mean), in log-norm
+        deviation = (x - total / n) * QUANTUM
+        variance = (squares - total * total / n) / (n - 1) * QUANTUM * QUANTUM
+        if self._spread is None:  # calibrating: nothing judged yet
+            self._deviations.append((step, deviation + self._centre))
+            self._variances.append((step, variance))
+            if self.judged >= self._recalibrate_at:
                 self._calibrate()
             return
-        scale = 1.0 / self._spread
-        signed = [(d - c) * scale for d, c in zip(deviations, self._centres, strict=True)]
+        # against the other ranks' mean (n/(n-1) times the deviation), over that difference's own
+        # spread (the others' mean has a variance of its own): sqrt(n/(n-1)) times the deviation
+        z = deviation * math.sqrt(n / (n - 1)) / self._spread
         if self.trace is not None:  # for a benchmark's distribution of the statistic
-            self.trace.append((step, signed))
-        worst = max(map(abs, signed))
-        if worst <= THRESHOLD and math.isfinite(sum(signed)):  # an inf or NaN is no pass
-            self.worst = max(self.worst, worst)
-            self._keep(step, deviations)
-            self._since += 1
-            if self._since >= RECALIBRATE_EVERY:
-                self._calibrate()
-            return
-        struck = [r for r, z in enumerate(signed) if not abs(z) <= THRESHOLD]
-        suspects = []
-        for rank in struck:
-            self.strike_count += 1
-            if len(self.struck) < 100:
-                self.struck.append((step, rank, abs(signed[rank])))
-            strikes = self._strikes.setdefault(rank, deque())
-            strikes.append(step)
-            while strikes and strikes[0] <= step - STRIKE_WINDOW:
-                strikes.popleft()
-            if len(strikes) >= STRIKES and rank not in self.named:
-                suspects.append(rank)
-        if suspects and len(self.escalations) < ESCALATIONS:
-            self._escalate(step, suspects, add)
+            self.trace.append((step, [z]))
+        if variance <= QUIET * self._spread**2:  # the same rule on every rank: the same kept steps
+            self._variances.append((step, variance))
+        if abs(z) <= THRESHOLD:
+            self.worst = max(self.worst, abs(z))
+            self._deviations.append((step, deviation + self._centre))
+        else:
+            self._strike(step, z)
+        if self.judged >= self._recalibrate_at:
+            self._calibrate()
 
-    def _keep(self, step: int, deviations: list[float]) -> None:
-        """A step without a strike into the calibration's last WINDOW steps (lists: an append per
-        step, one tensor made per calibration)."""
-        self._ring.append((step, deviations))
-        self._filled = len(self._ring)
+    def _strike(self, step: int, z: float) -> None:
+        self.strike_count += 1
+        if len(self.struck) < 100:
+            self.struck.append((step, abs(z)))
+        self._strikes.append(step)
+        while self._strikes and self._strikes[0] <= step - STRIKE_WINDOW:
+            self._strikes.popleft()
+        if len(self._strikes) >= STRIKES and self.rank not in self.named:
+            self._ask = True
+            self._asking = [(s, z) for s, z in self.struck if s in self._strikes] or [(step, abs(z))]
 
     def _calibrate(self) -> None:
-        # steps x ranks; through a flat array: torch.tensor parses nested lists a float at a time
-        flat = array.array("d", itertools.chain.from_iterable(d for _, d in self._ring))
-        table = torch.frombuffer(flat, dtype=torch.float64).view(len(self._ring), self.world)
-        centres = table.median(dim=0).values
-        spread = _MADS * float((table - centres).abs().median())
-        self._centres, self._spread = centres.tolist(), max(spread, FLOOR)
+        """This rank's centre from its deviations; the spread from the shared variances (the same
+        floats on every rank: the same spread)."""
+        if self._deviations:
+            self._centre = statistics.median(d for _, d in self._deviations)
+        kept = self._variances or self._deviations  # no quiet step since the last: the spread stays
+        if self._variances or self._spread is None:
+            median = statistics.median(v for _, v in self._variances) if self._variances else 0.0
+            measured = math.sqrt(max(median, 0.0) / _median_of_chi2(self.world - 1))
+            self._spread = max(measured, FLOOR)
+            floored = measured < FLOOR
+        else:
+            floored = self.calibration.floored if self.calibration is not None else False
         self.calibration = Calibration(
-            steps=self._filled, first=self._ring[0][0], last=self._ring[-1][0], centres=self._centres,
-            spread=self._spread, floored=spread < FLOOR,
+            steps=len(kept), first=kept[0][0] if kept else 0, last=kept[-1][0] if kept else 0, centre=self._centre,
+            spread=self._spread, floored=floored,
         )  # fmt: skip
-        self._since = 0
+        self._calibrations += 1
+        if self._calibrations == 1:  # that spread was read from norms not yet centred: again on centred ones
+            self._variances.clear()
+            self._recalibrate_at = self.judged + SETTLE
+        else:
+            self._recalibrate_at = self.judged + RECALIBRATE_EVERY
 
     # -- the escalation --------------------------------------------------------------------------
-    def _escalate(self, step: int, suspects: list[int], add: Callable[[Finding], None]) -> None:
+    def _escalate(self, step: int, add: Callable[[Finding], None]) -> None:
         """Every rank recomputes the same GEMMs and compares (one all_gather_object); every rank
         makes the same decision and the same finding from the gathered results."""
-        strikes = {r: list(self._strikes[r]) for r in suspects}
-        escalation = Escalation(step, suspects, strikes)
-        self.escalations.append(escalation)
-        for r in suspects:
-            self._strikes[r].clear()
+        asking, self._asking = self._asking, None
+        if asking is not None:
+            self._strikes.clear()
         try:
             mine: dict[str, Any] = {"identity": identity(self.device), **recompute(self.model)}
         except Exception as exc:
             self._error(exc)
             mine = {"identity": identity(self.device), "error": f"{type(exc).__name__}: {exc}"}
+        if asking is not None:
+            mine["asked"] = [[s, round(z, 2)] for s, z in asking]
         everyone = distributed.agree(mine)
+        asked = {int(e["identity"].get("rank", -1)): e["asked"] for e in everyone if e.get("asked")}
+        escalation = Escalation(
+            step, sorted(asked), {r: [s for s, _ in a] for r, a in asked.items()},
+            {r: [z for _, z in a] for r, a in asked.items()},
+        )  # fmt: skip
+        self.escalations.append(escalation)
         escalation.gemms = list(everyone[0].get("gemms") or [])
         escalation.named, escalation.note = disagreeing(everyone)
         for entry in escalation.named:
@@ -287,13 +349,13 @@ class CorruptionWatch:
         others = world - len(e.named)
         if rank in e.strikes:
             strikes = e.strikes[rank]
-            z = [round(z, 1) for s, r, z in self.struck if r == rank and s in strikes]
+            z = [round(z, 1) for z in e.z[rank]]
             statistic = (
                 f"its gradient norm left the calibrated spread {len(strikes)} times in {STRIKE_WINDOW} steps "
                 f"(steps {', '.join(map(str, strikes))}; {', '.join(map(str, z))} spreads, threshold {THRESHOLD:g})"
             )
         else:  # the statistic pointed at another rank; the recomputation at this one
-            strikes = sorted({s for steps in e.strikes.values() for s in steps})
+            strikes = sorted({s for steps in e.strikes.values() for s in steps}) or [e.step]
             z = []
             statistic = (
                 f"the gradient norms of rank(s) {', '.join(map(str, e.suspects))} left the calibrated spread "
@@ -312,7 +374,10 @@ class CorruptionWatch:
         )
         evidence: dict[str, Any] = {
             "step": e.step,
-            "statistic": "log-ratio of each rank's local gradient norm (before the all-reduce) to the ranks' median",
+            "statistic": (
+                "each rank's log gradient norm before the all-reduce, less the other ranks' mean, over the spread of "
+                "the ranks' log-norms"
+            ),
             "calibration": cal.to_dict(),
             "strikes": strikes,
             "z": z,
@@ -335,9 +400,10 @@ class CorruptionWatch:
             return ("corruption sentinel", f"off: {self.off}"), {"off": self.off}
         data: dict[str, Any] = {
             "ranks": self.world,
+            "exchange": "2 int64 sums in the step's one all-reduce",
             "judged_steps": self.judged,
-            "strikes": self.strike_count,
-            "struck": [[s, r, round(z, 2)] for s, r, z in self.struck],
+            "strikes": self.strike_count,  # this rank's
+            "struck": [[s, round(z, 2)] for s, z in self.struck],
             "worst_healthy_z": round(self.worst, 2),
             "escalations": [e.to_dict() for e in self.escalations],
         }
@@ -348,11 +414,12 @@ class CorruptionWatch:
             line = f"calibrating: {self.judged} of the first {CALIBRATION_STEPS} steps with every rank's norm"
         else:
             data["calibration"] = cal.to_dict()
+            floor = ", the floor" if cal.floored else ""
             line = (
-                f"{self.world} ranks' gradient norms before the all-reduce, calibrated on steps {cal.first}-{cal.last} "
-                f"(spread {cal.spread:.3g} in log-norm{', the floor' if cal.floored else ''}); a strike beyond "
-                f"{THRESHOLD:g} spreads, {STRIKES} in {STRIKE_WINDOW} steps escalate; {self.strike_count} strikes, "
-                f"{len(self.escalations)} escalations, {len(self.named)} ranks named"
+                f"{self.world} ranks' gradient norms before the all-reduce, each against the others' mean, calibrated "
+                f"on steps {cal.first}-{cal.last} (spread {cal.spread:.3g} in log-norm{floor}); "
+                f"a strike beyond {THRESHOLD:g} spreads, {STRIKES} in {STRIKE_WINDOW} steps escalate; "
+                f"{self.strike_count} strikes here, {len(self.escalations)} escalations, {len(self.named)} ranks named"
             )
         return ("corruption sentinel", line), data
 
