@@ -76,6 +76,58 @@ def test_the_printed_fix_holds_at_the_longest_input(case: tuple[Path, dict]):
     assert all(agree >= top1 - 0.02 for _, agree in now.values()), (top1, now)
 
 
+def _pasted(run_py: Path, code: str, to: Path) -> Path:
+    """A copy of run.py that serves the model as the plan's code sets it up, as a user pastes it: into
+    a function that loads the model (the code's `model`), the fp32 reference loaded apart."""
+    source = run_py.read_text()
+    serving = "        out = model.to(DTYPES[a.dtype])(tokens)[0, -TAIL:].float()\n"
+    loading = "    model = load_model()\n"
+    assert serving in source and loading in source and "def main" in source
+    body = "".join(f"    {line}" if line.strip() else line for line in code.splitlines(keepends=True))
+    source = source.replace(serving, "        out = planned(tokens)[0, -TAIL:].float()\n")
+    source = source.replace(loading, loading + "    planned = planned_model()\n", 1)
+    source = source.replace(
+        "@torch.no_grad()\ndef main", f"def planned_model():\n    model = load_model()\n{body}    return model\n\n\n"
+        "@torch.no_grad()\ndef main", 1
+    )  # fmt: skip
+    to.write_text(source)
+    return to
+
+
+def test_plan_leads_with_the_states_and_its_plan_holds_at_the_longest_input(case: tuple[Path, dict]):
+    """`fpdoctor plan factory.py:make --candidate bf16`: the first finding is the origin compare names
+    (the running states at run.py:31 and :32), its fix the plan, checked; the plan's code, pasted as
+    printed where run.py serves the model, holds at every length run.py scores (16384 tokens the
+    longest: 0.70 relative error and 19% top-1 before), flat with the length."""
+    folder, compared = case
+    proc, planned = fpdoctor(folder, "plan", "factory.py:make", "--candidate", "bf16")
+    assert proc.returncode == 0, proc.stderr[-3000:]  # a verified plan: its findings are warnings
+    first = planned["findings"][0]
+    assert first["code"] == "NUM006" and first["evidence"]["kind"] == "accumulation", first["title"]
+    states = [line_of(loc) for loc in first["evidence"]["state_locations"]]
+    assert states == [line_of(loc) for loc in compared["findings"][0]["evidence"]["state_locations"]]
+    assert states == [("run.py", 31), ("run.py", 32)]
+    plan = planned["data"]["plan"]
+    assert plan["verified"] and "result.plan.to_code()" in first["fix"], first["fix"]
+    trial = first["fix_trial"]
+    assert trial["status"] == "checked" and trial["after"] < trial["before"] / 10, trial
+    # every attention block holds the two states: the plan keeps them all, and nothing else
+    assert sorted(plan["keep_fp32"]) == ["blocks.0.attn", "blocks.1.attn"], plan["keep_fp32"]
+    assert all(f"`{kept}`" in first["message"] for kept in plan["keep_fp32"]), first["message"]
+    (decisions,) = [f for f in planned["findings"] if f["name"] == "decisions-changed"]
+    top1 = float(decisions["fix_trial"]["after"].rstrip("%")) / 100  # 98.6%
+
+    patched = _pasted(folder / "run.py", plan["code"], folder / "run_planned.py")
+    after = python(folder, patched.name, "--dtype", "bf16")
+    assert after.returncode == 0, after.stderr[-3000:]
+    now = relative_errors(after.stdout, "input length")
+    assert sorted(now) == [256, 2048, 16384]
+    states_fix = compared["findings"][0]["fix_trial"]["after"]  # 0.0053: the states alone in fp32, checked
+    assert all(err <= 2 * states_fix for err, _ in now.values()), (states_fix, now)  # 0.0049-0.0050
+    assert now[16384][0] <= 1.5 * now[256][0], now
+    assert all(agree >= top1 - 0.02 for _, agree in now.values()), (top1, now)  # 97.3-99.6%
+
+
 # `compare` against the two plain forwards (fp32 and bf16) of the case's own factory, as
 # benchmarks/bench_compare.py --loop measures its copy of this model: one torch thread, CPU time (a
 # shared machine's load stretches wall time), each after a warm-up, medians of two rounds

@@ -390,7 +390,12 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
             holder = _kept_by(module, the_plan.keep_fp32) if module else None
             fix = next((x for x in the_plan.fp32_ops if x.module == module), None)
             got = f"end-to-end error {_fmt(the_plan.final_error)}" if m.name == "rel" else m.show(the_plan.final_error)
-            if holder is not None:
+            if holder is not None and f.evidence.get("kind") == "accumulation" and len(the_plan.keep_fp32) > 1:
+                # the states' lines run in every call of their module's code: name the whole set kept
+                done = (
+                    f" The plan keeps {_names(the_plan.keep_fp32[:6])} in fp32, `{holder}` among them: {got}, verified."
+                )
+            elif holder is not None:
                 done = f" The plan keeps `{holder}` in fp32: {got}, verified."
             elif fix is not None:
                 done = f" The plan computes {_op_text(fix)} in fp32: {got}, verified."
