@@ -547,4 +547,24 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         fix="Check the named device (fpdoctor health on its host, nvidia-smi -q -d ECC, the kernel log for Xid "
         "errors), drain it, and resume from a checkpoint written before the first strike.",
     ),
+    RuleInfo(
+        code="TRN018",
+        name="update-departs-from-reference",
+        severity=W,
+        title="The gradients agree with the fp32 step, but the update the weights get departs from its update",
+        what="On a reference step whose gradients agree with the fp32 step's (TRN015), the same optimizer (its "
+        "class, hyperparameters and state, copied) is stepped once over fp32 copies of the weights on the "
+        "reference's gradients, and once over copies at your weights' and state's own dtypes on your step's "
+        "gradients (the update it intended); when the next step begins, the change your weights kept is taken "
+        "too. Each parameter's update against the reference's: a norm more than twice or under half, or a cosine "
+        "under 0.9, is a departure, with the update-to-weight ratio of each; the stage where they part is named, "
+        "and for the kept stage the calls from your code that wrote the weights between the two steps, with their "
+        "lines.",
+        why="A step can compute the right gradients and still lose its update: a bf16 weight or optimizer state "
+        "rounds it away, a weight decay applied again after the optimizer's, an update clipped or zeroed by code "
+        "that writes the weights. Nothing goes NaN and the gradients look healthy; only the update against a "
+        "known-good one shows where the step is lost.",
+        fix="Depends on the stage: keep fp32 master weights and optimizer state (intended), or remove or correct "
+        "the code that writes the weights after the optimizer's step (kept).",
+    ),
 )

@@ -40,10 +40,19 @@ from fpdoctor.numerics.compiled import step as compiled
 from fpdoctor.numerics.observe import amp, dynamo
 from fpdoctor.numerics.observe.batches import MicroBatch
 from fpdoctor.numerics.observe.gradcheck import bad_parameters, kind_of, tensor_kind
-from fpdoctor.numerics.training import corruption, distributed, findings, progress, reference, transient
+from fpdoctor.numerics.training import (
+    corruption,
+    distributed,
+    findings,
+    progress,
+    reference,
+    reference_update,
+    transient,
+)
 from fpdoctor.numerics.training.control import ControlResult, run_control, wants_control
 from fpdoctor.numerics.training.live import FindingLog, Live
 from fpdoctor.numerics.training.lr_whatif import LrTrial, Snapshot, snapshot, try_lower_lr, window_runner
+from fpdoctor.numerics.training.reference import Comparison
 from fpdoctor.numerics.training.replay import ReplayResult, replay
 from fpdoctor.numerics.updates.causes import Causes, cause_of
 from fpdoctor.numerics.updates.judge import UpdateJudge
@@ -216,6 +225,8 @@ class StepJudge:
         self.reference_compared: list[reference.Comparison] = []
         # why no step is compared with the reference in this run (said in the report); None: due ones are
         self.reference_off: str | None = None
+        # a reference step whose weights are judged when the next step begins (reference_update.py)
+        self._update_pending: reference_update.Pending | None = None
         # progress against the reference (progress.py): the finite steps' losses of the current window,
         # and what each flat window's experiment gave; 0: off
         self.progress_window = progress.WINDOW
@@ -262,7 +273,9 @@ class StepJudge:
 
     # -- a window starts -----------------------------------------------------------------------
     def begin_window(self) -> None:
-        """Before a window's first forward: its buffers, and the DDP hook's view, start afresh."""
+        """Before a window's first forward: its buffers, and the DDP hook's view, start afresh; the
+        last reference step's weights are judged (what they kept of its update)."""
+        self.finish_update()
         self.buffers.capture()
         if self.outputs is not None:
             self.outputs.begin()
@@ -849,7 +862,50 @@ class StepJudge:
         self.reference_compared.append(result)
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in self.params})
         recipe = f"{'/'.join(dtypes)} parameters" + (f", the loss scaled by a GradScaler ({scale:g})" if scale else "")
-        made = reference.finding(result, recipe=recipe + ", autocast as step_fn sets it", here=self.here)
+        recipe += ", autocast as step_fn sets it"
+        made = reference.finding(result, recipe=recipe, here=self.here)
+        if made is not None:
+            self.findings.append(made)
+        elif result.first_stage() is None and result.not_compared is None and not backward_only:
+            divide = scale if scale is not None and scale > 0 and not unscaled else 1.0
+            self._update_stages(result, optimizer, divide=divide, recipe=recipe)
+        result.reference_grads = None
+
+    def _update_stages(
+        self, result: Comparison, optimizer: torch.optim.Optimizer, *, divide: float, recipe: str
+    ) -> None:
+        """The gradients agree: the optimizer's own update now, what the weights keep of it when the
+        next step begins (`finish_update`), each against the same optimizer's update of the reference's."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        live = {names[id(p)]: p.grad.detach() for p in self.params if p.grad is not None and id(p) in names}
+        try:
+            self._update_pending = reference_update.start(
+                result, self.model, optimizer, live=live, reference_grads=result.reference_grads or {},
+                divide=divide, recipe=recipe,
+            )  # fmt: skip
+        except Exception as exc:  # an optimizer that cannot be copied: said in the report, never raised
+            result.update_not_compared = f"the optimizer could not be stepped on copies: {type(exc).__name__}: {exc}"
+            return
+        made = reference_update.finding(result, recipe=recipe, here=self.here)
+        if made is not None:
+            self.findings.append(made)
+
+    def finish_update(self) -> None:
+        """The weights of the last reference step against those before it, once it was applied."""
+        pending, self._update_pending = self._update_pending, None
+        if pending is None:
+            return
+        step = pending.comparison.step
+        outcome = next((h for h in reversed(self.history) if h.step == step), None)
+        applied = outcome is not None and outcome.finite and not outcome.skipped
+        why = "the step was not applied" if outcome is not None else "the step was not decided"
+        try:
+            reference_update.finish(pending, self.model, applied=applied, why=why)
+            made = reference_update.finding(pending.comparison, recipe=pending.recipe, here=self.here)
+        except Exception as exc:  # the observer's own failure: a finding, the training goes on
+            pending.watch.stop()
+            self.error("comparing the weights with the reference step's update", exc, step)
+            return
         if made is not None:
             self.findings.append(made)
 
@@ -917,6 +973,7 @@ class StepJudge:
         if line is not None and judged is not None:  # low-precision trainable weights: judged or why not
             summary.append(line)
             out["updates"] = judged
+        self.finish_update()  # the last reference step's weights, as they are now
         if self.reference_compared or self.reference_off is not None:  # an OK says what it judged, or why not
             line_, out["reference_step"] = reference.summary(
                 self.reference_compared, every=self.reference_every, off=self.reference_off
@@ -958,6 +1015,12 @@ class StepJudge:
                 f"the gradients at step(s) {steps} against an fp32 step without autocast or loss scaling "
                 f"(norm ratio within [{low:g}, {high:g}], cosine >= {ref['bounds']['cosine_min']:g})"
             )
+            if ref.get("update_steps"):
+                parts.append(
+                    "the optimizer's update and what the weights kept of it at step(s) "
+                    + ", ".join(map(str, ref["update_steps"][:5]))
+                    + " against the same optimizer's update of the fp32 step's gradients"
+                )
         elif ref is not None:
             why = ref.get("off") or next(iter(ref["not_compared"].values()), "no step was due")
             parts.append(f"no reference step: {why}")

@@ -9,6 +9,8 @@ where the two runs part:
 
   backward   the gradients as the backward left them (the loss scale divided out)
   optimizer  the gradients as step_fn handed them to the optimizer (after its clipping)
+  intended   the update the optimizer makes of them, and
+  kept       the update the weights kept by the next step (reference_update.py)
 
 The user's own gradient processing runs in the reference too (step_fn does it, on the
 reference's gradients): processing done as intended is no departure. Where the backward agrees
@@ -48,7 +50,7 @@ COSINE = 0.9  # or its direction: bf16 autocast keeps a gradient's cosine with f
 TINY = 1e-30  # a reference gradient this small has no direction to compare
 NEGLIGIBLE = 1e-3  # of the model's gradient rms: a parameter's reference gradient made of rounding
 STRAY = 0.1  # of it: the step's own gradient there is judged all the same (a gradient from nowhere)
-STAGES = ("backward", "optimizer")
+STAGES = ("backward", "optimizer", "intended", "kept")  # the last two: updates (reference_update.py)
 SHOWN = 8  # departed parameters the evidence lists, worst first
 
 
@@ -61,6 +63,9 @@ class Departure:
     ratio: float  # |user| / |reference|
     cosine: float
     zeros: float  # share of the reference's non-zero elements that are zero in the user's
+    # an update's norm over its weight's, the user's and the reference's (the update stages only)
+    to_weight: float | None = None
+    ref_to_weight: float | None = None
 
     def departs(self) -> bool:
         return not (1.0 / RATIO <= self.ratio <= RATIO) or self.cosine < COSINE
@@ -82,6 +87,14 @@ class Comparison:
     at_scale_one: list[Departure] | None = None
     # only the backward stage compared: step_fn is a framework's forward and backward (compare_step)
     backward_only: bool = False
+    # the update stages (reference_update.py): the reference's gradients as step_fn handed them on,
+    # held until the update is compared (then dropped); why the updates were not compared
+    reference_grads: dict[str, torch.Tensor] | None = None
+    update_not_compared: str | None = None
+    optimizer: str = ""  # the optimizer and the dtypes of its weights and state
+    at_fp32: list[Departure] | None = None  # the what-if when the optimizer's own update departs
+    kept_vs_intended: dict[str, tuple[float, float]] = field(default_factory=dict)
+    written: list[Any] = field(default_factory=list)  # calls seen writing the weights after the step
 
     def departed(self, stage: str) -> list[Departure]:
         return [d for d in self.rows.get(stage, []) if d.departs()]
@@ -263,6 +276,7 @@ def compare_step(
     out.rows["backward"] = _rows("backward", ours_backward, ref_backward, scale)
     out.rows["optimizer"] = _rows("optimizer", ours_returned, ref_returned, 1.0 if unscaled else scale)
     out.scale = scale
+    out.reference_grads = ref_returned
     if out.first_stage() == "optimizer" and scale != 1.0:
         # what step_fn does between the backward and the optimizer may read the loss scale (a clip
         # before unscale_): the user's recipe once more at scale 1 says whether it is the cause
@@ -355,7 +369,7 @@ def unscaled_already(scaler: Any, optimizer: Any) -> bool:
 def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Finding | None:
     """`gradients-depart-from-reference` where the runs part; None where they agree."""
     stage = comparison.first_stage()
-    if stage is None:
+    if stage not in ("backward", "optimizer"):  # the update stages: reference_update.finding
         return None
     departed = comparison.departed(stage)
     compared = len(comparison.rows[stage])
@@ -446,16 +460,25 @@ def summary(compared: list[Comparison], *, every: int, off: str | None) -> tuple
         why = skipped[0].not_compared if skipped else "no step was due"
         return ("reference step", f"not compared: {why}"), data
     rows = [d for c in judged for stage in STAGES for d in c.rows.get(stage, [])]
-    departed = [c.step for c in judged if c.first_stage() is not None]
+    departed = [c for c in judged if c.first_stage() is not None]
     steps = ", ".join(str(c.step) for c in judged[:5]) + (", ..." if len(judged) > 5 else "")
     where = f"step{'s' if len(judged) > 1 else ''} {steps}"
+    updates = [c for c in judged if c.rows.get("kept") or c.rows.get("intended")]
+    data["update_steps"] = [c.step for c in updates]
+    data["update_not_compared"] = {str(c.step): c.update_not_compared for c in judged if c.update_not_compared}
     if departed:
-        text = f"{where} against an fp32 step: the gradients departed at step {departed[0]} (the finding says where)"
+        what = "updates" if departed[0].first_stage() in ("intended", "kept") else "gradients"
+        text = (
+            f"{where} against an fp32 step: the {what} departed at step {departed[0].step}, at the "
+            f"{departed[0].first_stage()} stage (the finding says where)"
+        )
     elif rows:
         worst_ratio = max((d.ratio for d in rows), key=lambda r: max(r, 1.0 / r) if r > 0 else math.inf)
         worst_cosine = min(d.cosine for d in rows)
+        grads = sum(1 for d in rows if d.stage in ("backward", "optimizer"))
+        counted = f"{grads} gradient(s)" + (f" and {len(rows) - grads} update(s)" if len(rows) > grads else "")
         text = (
-            f"{where} against an fp32 step (no autocast, no loss scaling): {len(rows)} gradient(s) within "
+            f"{where} against an fp32 step (no autocast, no loss scaling): {counted} within "
             f"{RATIO:g}x of its norms and cosine >= {COSINE:g} (worst {worst_ratio:.3g}x, cosine {worst_cosine:.4f})"
         )
         data["worst"] = {"norm_ratio": worst_ratio, "cosine": worst_cosine}

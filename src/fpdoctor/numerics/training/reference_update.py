@@ -1,0 +1,457 @@
+"""The reference step's update stages: the update the optimizer made of the gradients it received,
+and the update the weights kept, against the update the same optimizer makes of the reference
+step's gradients in fp32.
+
+Where the gradients agree with the reference's (reference.py), the step can still lose its update
+after them: a bf16 weight or optimizer state that rounds it away, a decay applied again after the
+optimizer's, an update clipped or zeroed by code that writes the weights. Two more stages locate it:
+
+  intended  the optimizer's update of the gradients it receives: a copy of it (its class,
+            hyperparameters and state, each tensor at its own dtype) over copies of the weights at
+            their own dtypes, stepped once; its change of them
+  kept      what the user's weights hold when the next step begins, against what they held before
+            this one: the optimizer's step and whatever ran after it (its hooks, the loop's code)
+
+Both against the reference's update: a copy of the same optimizer over fp32 copies of the weights,
+its state in fp32, stepped once on the reference step's gradients (as step_fn handed them on). Per
+parameter: the norm ratio and cosine of the updates and the update-to-weight ratio of each.
+
+Between the optimizer's step and the next step a profile function (`sys.setprofile`, this thread,
+only while no other is set) notes the calls made from the user's code that write a parameter or its
+gradient in place (`p.mul_`, `p.data.clamp_`, `torch._foreach_mul_`): when the weights keep another
+update than the optimizer made, the finding names them with their lines. The copies are stepped out
+of torch's global optimizer hooks and never touch the user's tensors, state or RNG.
+
+Cost, on reference steps only: two optimizer steps on copies (the weights and the optimizer's state
+copied twice), a copy of the weights until the next step begins, and the profile function over the
+code between the two steps.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import nn
+
+from fpdoctor import catalog
+from fpdoctor.numerics.training.reference import RATIO, SHOWN, TINY, Comparison, Departure, _rows
+from fpdoctor.numerics.updates.measure import LOW_PRECISION, no_global_optimizer_hooks, ours
+from fpdoctor.preserve import RngState
+from fpdoctor.report.model import Finding, Trial
+from fpdoctor.userframes import CASEBOOK_DIR, OWN_DIR, is_user_file
+
+UPDATE_STAGES = ("intended", "kept")
+# the profile function takes itself off after this many C calls or seconds: a loop that never steps again
+EVENTS = 2_000_000
+SECONDS = 120.0
+CALLS = 8  # calls the evidence names, most frequent first
+
+
+def _copy_optimizer(optimizer: torch.optim.Optimizer, stand_in: dict[int, torch.Tensor], *, fp32: bool) -> Any:
+    """The same optimizer class, hyperparameters and state over `stand_in` (by the id of the user's
+    tensor; every parameter of the optimizer has one, so that a step of the copy never reaches the
+    user's). The state is cloned at its own dtype (a bf16 state stays bf16), or in fp32."""
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [stand_in[id(p)] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
+    cls: Any = type(optimizer)  # a torch.optim class takes its groups alone
+    new = cls(groups)
+    for p, state in optimizer.state.items():
+        if id(p) not in stand_in:
+            continue
+        new.state[stand_in[id(p)]] = {
+            key: _state_copy(value, fp32=fp32 and key != "step") for key, value in state.items()
+        }
+    return new
+
+
+def _state_copy(value: Any, *, fp32: bool) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if fp32 and value.is_floating_point():
+        return value.detach().to(torch.float32, copy=True)
+    return value.detach().clone()
+
+
+def step_on_copies(
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    grads: dict[str, torch.Tensor],
+    *,
+    fp32: bool,
+) -> dict[str, torch.Tensor]:
+    """One step of a copy of `optimizer` over copies of the model's weights (fp32, or each at its own
+    dtype) whose gradients are `grads` (by parameter name): each named weight's change, in fp32."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    stand_in: dict[int, torch.Tensor] = {}
+    before: dict[str, torch.Tensor] = {}
+    rng = RngState.capture()  # no torch optimizer draws; a user's subclass might
+    try:
+        with ours(), no_global_optimizer_hooks():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    copy = p.detach().to(torch.float32 if fp32 else p.dtype, copy=True)
+                    name = names.get(id(p))
+                    if name is not None and name in grads:
+                        copy.grad = grads[name].to(copy.dtype)
+                        before[name] = copy.detach().to(torch.float32, copy=True)  # never the copy itself
+                    stand_in[id(p)] = copy
+            _copy_optimizer(optimizer, stand_in, fp32=fp32).step()
+            by_name = {names[i]: t for i, t in stand_in.items() if i in names}
+            return {n: by_name[n].detach().float() - w for n, w in before.items()}
+    finally:
+        rng.restore()
+
+
+def _update_rows(
+    stage: str, ours_: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]
+) -> list[Departure]:
+    """Each parameter's update against the reference's (reference._rows: worst first, negligible
+    ones left out), with the update-to-weight ratio each implies."""
+    out = []
+    for row in _rows(stage, ours_, ref, 1.0):
+        w = float(weights[row.name].norm()) if row.name in weights else 0.0
+        mine = float(ours_[row.name].norm()) / w if w > TINY else None
+        theirs = float(ref[row.name].norm()) / w if w > TINY else None
+        out.append(replace(row, to_weight=mine, ref_to_weight=theirs))
+    return out
+
+
+@dataclass
+class Written:
+    """Calls seen writing a parameter (or its gradient) from one line of the user's code."""
+
+    call: str
+    targets: list[str]
+    file: str
+    line: int
+    function: str
+    count: int = 0
+
+    def text(self) -> str:
+        on = f" on {', '.join(f'`{t}`' for t in self.targets[:3])}" if self.targets else ""
+        more = "..." if len(self.targets) > 3 else ""
+        times = f" ({self.count} calls)" if self.count > 1 else ""
+        return f"`{self.call}`{on}{more} at {self.file}:{self.line} (in {self.function}){times}"
+
+
+class WriteWatch:
+    """The calls from the user's code that write the model's parameters or their gradients in place,
+    between the optimizer's step and the next step: a profile function, this thread only, set only
+    while no other is (a profiler, a debugger's) and never left behind (`stop`, or after EVENTS)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._names: dict[int, str] = {}
+        self._storages: dict[int, str] = {}
+        for name, p in model.named_parameters():
+            for t, label in ((p, name), (p.grad, f"{name}.grad")):
+                if t is not None:
+                    self._names[id(t)] = label
+                    self._storages[t.untyped_storage().data_ptr()] = label
+        self.seen: dict[tuple[str, str, int], Written] = {}
+        self.unnamed = 0  # writes seen on tensors that are not the model's parameters: not kept
+        self._events = 0
+        self._fn: Callable[[FrameType, str, Any], None] = self._event
+        self._until = 0.0
+        self.on = False
+
+    def start(self) -> None:
+        for other in _WATCHING:  # another judge's, whose loop did not step again: this step is the one looked at
+            other.stop()
+        _WATCHING.clear()
+        if sys.getprofile() is None:
+            self._until = time.monotonic() + SECONDS
+            sys.setprofile(self._fn)
+            self.on = True
+            _WATCHING.append(self)
+
+    def stop(self) -> None:
+        if self.on and sys.getprofile() == self._fn:  # never someone else's, set since
+            sys.setprofile(None)
+        self.on = False
+
+    def _event(self, frame: FrameType, event: str, arg: Any) -> None:
+        # a profile function that raises is taken off and the exception reaches the user: never
+        try:
+            if event != "c_call":
+                return
+            self._events += 1
+            if self._events > EVENTS or (self._events % 4096 == 0 and time.monotonic() > self._until):
+                self.stop()
+                return
+            name = getattr(arg, "__name__", "")
+            if not name.endswith("_") or (name.startswith("_") and not name.startswith("_foreach_")):
+                return  # not an in-place write
+            target = getattr(arg, "__self__", None)
+            label: str | None = None
+            if isinstance(target, torch.Tensor):
+                label = self._names.get(id(target)) or self._storages.get(target.untyped_storage().data_ptr())
+                if label is None:
+                    self.unnamed += 1
+                    return
+            elif target is not None and not isinstance(target, type(sys)):
+                return  # a method of some other object
+            where = _user_caller(frame)
+            if where is None:
+                return
+            key = (name, where[0], where[1])
+            written = self.seen.get(key)
+            if written is None:
+                if len(self.seen) >= 256:
+                    return
+                written = self.seen[key] = Written(name, [], where[0], where[1], where[2])
+            written.count += 1
+            if label is not None and label not in written.targets and len(written.targets) < 16:
+                written.targets.append(label)
+        except Exception:
+            return
+
+    def calls(self) -> list[Written]:
+        """The calls that wrote a parameter, then those whose targets are not known (torch functions
+        called with the parameters: `torch._foreach_mul_(params, ...)`), most calls first."""
+        return sorted(self.seen.values(), key=lambda w: (not w.targets, -w.count))
+
+
+_WATCHING: list[WriteWatch] = []  # the watch whose profile function is set, if any
+
+
+def _user_caller(frame: FrameType | None) -> tuple[str, int, str] | None:
+    """The user's line that made the call, unless fpdoctor's own code is met first on the way out
+    (the optimizer's own writes, made inside the step fpdoctor asked of it, are the step's)."""
+    f = frame
+    while f is not None:
+        filename = f.f_code.co_filename
+        if filename.startswith(OWN_DIR) and not filename.startswith(CASEBOOK_DIR):
+            return None
+        if is_user_file(filename):
+            return filename, f.f_lineno, f.f_code.co_name
+        f = f.f_back
+    return None
+
+
+@dataclass
+class Pending:
+    """A reference step whose weights are judged when the next step begins (`finish`)."""
+
+    comparison: Comparison
+    recipe: str
+    before: dict[str, torch.Tensor]  # the weights before the step, at their own dtype
+    reference: dict[str, torch.Tensor]  # the reference's update
+    intended: dict[str, torch.Tensor]  # the optimizer's own update, on copies
+    watch: WriteWatch
+    optimizer: str
+
+
+def start(
+    comparison: Comparison,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    live: dict[str, torch.Tensor],
+    reference_grads: dict[str, torch.Tensor],
+    divide: float,
+    recipe: str,
+) -> Pending | None:
+    """The intended stage now (before the user's optimizer steps); the kept stage pending. `live`:
+    the step's gradients at their own dtype, `divide`: the loss scale the optimizer will divide out
+    (1 where step_fn unscaled them). None: the step's gradients are not finite (the scaler skips it)."""
+    grads = {n: g.float() / divide if divide != 1.0 else g for n, g in live.items()}
+    if not math.isfinite(sum(float(g.float().norm()) for g in grads.values())):
+        comparison.update_not_compared = "the step's gradients are not finite: the optimizer is not given them"
+        return None
+    params = dict(model.named_parameters())
+    weights = {n: params[n].detach().float() for n in grads if n in params}
+    reference = step_on_copies(optimizer, model, reference_grads, fp32=True)
+    intended = step_on_copies(optimizer, model, grads, fp32=False)
+    comparison.rows["intended"] = _update_rows("intended", intended, reference, weights)
+    comparison.optimizer = _describe(optimizer)
+    if comparison.departed("intended"):
+        # the what-if: the same optimizer over fp32 copies of the same weights and state, on the same gradients
+        fp32 = step_on_copies(optimizer, model, grads, fp32=True)
+        comparison.at_fp32 = [d for d in _update_rows("intended", fp32, reference, weights) if d.departs()]
+        return None
+    before = {n: params[n].detach().clone() for n in grads if n in params}
+    watch = WriteWatch(model)
+    watch.start()
+    return Pending(comparison, recipe, before, reference, intended, watch, comparison.optimizer)
+
+
+def finish(pending: Pending, model: nn.Module, *, applied: bool, why: str = "") -> None:
+    """The kept stage: the weights now against those before the step; rows into the comparison."""
+    pending.watch.stop()
+    comparison = pending.comparison
+    if not applied:
+        comparison.update_not_compared = why or "the step was not applied"
+        return
+    params = dict(model.named_parameters())
+    kept = {n: params[n].detach().float() - w.float() for n, w in pending.before.items() if n in params}
+    weights = {n: w.float() for n, w in pending.before.items()}
+    comparison.rows["kept"] = _update_rows("kept", kept, pending.reference, weights)
+    # how much what ran after the optimizer's step changed its update, per departed parameter
+    comparison.kept_vs_intended = {
+        d.name: _against(kept[d.name], pending.intended[d.name]) for d in comparison.departed("kept")
+    }
+    comparison.written = pending.watch.calls()
+    pending.before.clear()
+
+
+def _against(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(norm ratio, cosine) of one update against another."""
+    ref_norm, got_norm = float(ref.norm()), float(got.norm())
+    if ref_norm < TINY:
+        return (math.inf if got_norm > TINY else 1.0), (1.0 if got_norm <= TINY else 0.0)
+    cosine = float((got.double() * ref.double()).sum()) / (got_norm * ref_norm) if got_norm > 0 else 0.0
+    return got_norm / ref_norm, cosine
+
+
+def _describe(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer and the dtypes of its weights and state: what does its arithmetic."""
+    weights = sorted({str(p.dtype).removeprefix("torch.") for g in optimizer.param_groups for p in g["params"]})
+    state = sorted(
+        {
+            f"{k}: {str(v.dtype).removeprefix('torch.')}"
+            for s in optimizer.state.values()
+            for k, v in s.items()
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step"
+        }
+    )
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    how = next((k for k in ("fused", "foreach") if group.get(k)), None)
+    text = f"{type(optimizer).__name__}{f' ({how})' if how else ''} over {'/'.join(weights)} weights"
+    return text + (f", its state {', '.join(state)}" if state else "")
+
+
+def low_precision(optimizer: torch.optim.Optimizer) -> bool:
+    """The optimizer's weights or state in bf16/fp16: its own arithmetic rounds."""
+    weights = any(p.dtype in LOW_PRECISION for g in optimizer.param_groups for p in g["params"])
+    state = any(
+        isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION for s in optimizer.state.values() for v in s.values()
+    )
+    return weights or state
+
+
+def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Finding | None:
+    """`update-departs-from-reference` where the updates part while the gradients agree."""
+    stage = comparison.first_stage()
+    if stage not in UPDATE_STAGES:
+        return None
+    departed = comparison.departed(stage)
+    compared = len(comparison.rows[stage])
+    worst = "; ".join(_text(d) for d in departed[:3]) + ("; ..." if len(departed) > 3 else "")
+    step = comparison.step
+    head = (
+        f"At step {step}, the gradients agree with the reference step's (the same step from the same weights, "
+        f"batch and RNG in fp32, no autocast, no loss scaling), but the update of {len(departed)} of {compared} "
+        f"parameters departs from the update the same optimizer makes of the reference's gradients in fp32"
+    )
+    trial: Trial
+    if stage == "intended":
+        message = (
+            f"{head}, already in the optimizer's own step ({comparison.optimizer}): {worst}. Your recipe is "
+            f"{recipe}; its rounding alone keeps an update within a factor {RATIO:g} of the reference's."
+        )
+        left = comparison.at_fp32
+        rounded = [d for d in departed if d.zeros >= 0.5]
+        if rounded:
+            message += (
+                f" {len(rounded)} of them kept no change in most elements the reference moves: "
+                "the update is rounded away in the weights' format."
+            )
+        if left is not None:
+            trial = Trial.checked(
+                "the same optimizer over fp32 copies of your weights and state, on your step's own gradients",
+                metric="parameters whose update departs from the reference's", before=len(departed),
+                after=len(left), on=f"step {step}",
+            )  # fmt: skip
+        else:
+            trial = Trial.untried("the optimizer could not be stepped on fp32 copies")
+        if left is not None and not left:
+            fix = (
+                "Keep the weights the optimizer steps and its state in fp32 (master weights: the optimizer over "
+                "fp32 copies, cast into the model's low-precision weights after each step), or raise the "
+                "learning rate where the updates are below the weights' spacing"
+            )
+        else:
+            fix = (
+                "The optimizer computes another update than its fp32 twin from the same gradients: check its "
+                "hyperparameters and state (a learning rate or decay scaled twice) with `fpdoctor trace` on "
+                "this step"
+            )
+    else:
+        between = comparison.written
+        seen = [w.text() for w in between[:CALLS]]
+        message = (
+            f"{head} in what the weights kept by the time step {step + 1} began, while the optimizer's own "
+            f"step agrees ({comparison.optimizer}): {worst}."
+        )
+        changed = [
+            f"`{n}` kept {r:.3g}x the optimizer's update (cosine {c:.3f})"
+            for n, (r, c) in list(comparison.kept_vs_intended.items())[:3]
+        ]
+        if changed:
+            message += f" What ran after the optimizer's step changed it: {'; '.join(changed)}."
+        if seen:
+            message += f" Calls from your code that wrote the weights between the two steps: {'; '.join(seen)}."
+        if not seen:
+            message += (
+                " No call from your code was seen writing them in place: an assignment (`p.data = ...`, "
+                "`p.data[...] = ...`), a copy not written back into the model's weights, or another thread."
+            )
+        first = f" ({between[0].file}:{between[0].line})" if between else ""
+        fix = (
+            f"Remove or correct the code that changes the weights after the optimizer's step{first}: the "
+            "optimizer already applies its update (and its weight decay); anything after it must keep that update"
+        )
+        trial = Trial.checked(
+            "the optimizer's own step, without what ran after it (the intended stage, on copies)",
+            metric="parameters whose update departs from the reference's", before=len(departed),
+            after=len(comparison.departed("intended")), on=f"step {step}",
+        )  # fmt: skip
+    return catalog.make(
+        "update-departs-from-reference",
+        message=message,
+        fix=fix,
+        where={"module": None, "op": None, "phase": stage, "step": step, **here},
+        evidence={
+            "stage": stage,
+            "step": step,
+            "optimizer": comparison.optimizer,
+            "departed": [
+                {
+                    "parameter": d.name,
+                    "norm_ratio": d.ratio,
+                    "cosine": d.cosine,
+                    "zeros": d.zeros,
+                    "update_to_weight": d.to_weight,
+                    "reference_update_to_weight": d.ref_to_weight,
+                }
+                for d in departed[:SHOWN]
+            ],
+            "departed_count": len(departed),
+            "compared": compared,
+            "kept_vs_intended": {
+                n: {"norm_ratio": r, "cosine": c} for n, (r, c) in comparison.kept_vs_intended.items()
+            },
+            "written_by": [
+                {"call": w.call, "targets": w.targets, "file": w.file, "line": w.line, "count": w.count}
+                for w in comparison.written[:CALLS]
+            ],
+        },
+        trial=trial,
+    )
+
+
+def _text(d: Departure) -> str:
+    flushed = f", {d.zeros:.0%} of its elements unchanged where the reference's move" if d.zeros >= 0.01 else ""
+    ratios = ""
+    if d.to_weight is not None and d.ref_to_weight is not None:
+        ratios = f", update/weight {d.to_weight:.2g} against {d.ref_to_weight:.2g}"
+    return f"`{d.name}` {d.ratio:.3g}x the reference's update, cosine {d.cosine:.3f}{ratios}{flushed}"

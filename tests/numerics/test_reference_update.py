@@ -1,0 +1,278 @@
+"""The reference step's update stages: the update the optimizer made of the gradients it received
+(`intended`) and the update the weights kept by the next step (`kept`), each against the update
+the same optimizer makes of the fp32 reference step's gradients (numerics/training/reference_update.py).
+
+Each departing run below has gradients that agree with the reference's (no TRN015): only the
+update says the step is lost, and the finding locates it at the stage where the runs part. The
+healthy recipes get no finding, compare both stages, and end with the weights, optimizer state and
+RNG of a plain run without fpdoctor, bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import fpdoctor
+from fpdoctor.numerics.observe.amp import grad_scaler_class
+
+STEPS = 3
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 4))
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)
+
+
+def _found(report: fpdoctor.Report) -> list[fpdoctor.Finding]:
+    return report.by_name("update-departs-from-reference")
+
+
+def _guarded(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    *,
+    autocast: torch.dtype | None = None,
+    after: Callable[[int], None] | None = None,
+    **sentinel: Any,
+) -> fpdoctor.Report:
+    guard = fpdoctor.Sentinel(model, opt, **sentinel)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        return loss
+
+    for i in range(STEPS):
+        guard.step(step, *_batch(i))
+        if after is not None:
+            after(i)
+    return guard.report
+
+
+def test_bf16_weights_whose_updates_round_away_depart_at_the_intended_stage_and_fp32_copies_are_checked() -> None:
+    """bf16 weights under AdamW at lr 1e-5: each update is under half the spacing of a weight of
+    ~0.1 (2^-11), so the optimizer's own step leaves them as they were; the gradients agree."""
+    model = _model().bfloat16()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    guard = fpdoctor.Sentinel(model, opt, check_updates=0)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x.bfloat16()).float(), y)
+        loss.backward()
+        return loss
+
+    for i in range(STEPS):
+        guard.step(step, *_batch(i))
+    report = guard.report
+    assert report.by_name("gradients-depart-from-reference") == [], str(report)
+    (found,) = _found(report)
+    assert found.evidence["stage"] == "intended" and found.evidence["step"] == 1, found.message
+    assert "bfloat16 weights" in found.evidence["optimizer"]
+    weights = [d for d in found.evidence["departed"] if d["parameter"].endswith("weight")]
+    assert weights and all(d["zeros"] > 0.5 and d["norm_ratio"] < 0.5 for d in weights)
+    assert all(d["reference_update_to_weight"] > 2 * d["update_to_weight"] for d in weights)
+    assert found.trial is not None and found.trial.tried and found.trial.after == 0, found.trial
+    assert "master weights" in found.fix
+
+
+def test_a_weight_decay_applied_again_after_the_step_departs_at_the_kept_stage_and_names_the_call() -> None:
+    """AdamW decays the weights itself; the loop decays them again, without the learning rate
+    (`p.mul_(1 - wd)`): the weights keep 10x-15x the optimizer's update, in another direction."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+    def decay_again(i: int) -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 - 0.1)  # the line the finding names
+
+    line = decay_again.__code__.co_firstlineno + 3
+    report = _guarded(model, opt, autocast=torch.bfloat16, after=decay_again)
+    assert report.by_name("gradients-depart-from-reference") == []
+    (found,) = _found(report)
+    assert found.evidence["stage"] == "kept", found.message
+    (call, *_) = found.evidence["written_by"]
+    assert call["call"] == "mul_" and call["line"] == line and call["file"] == __file__
+    assert set(call["targets"]) == {n for n, _ in model.named_parameters()}
+    assert all(v["norm_ratio"] > 2 for v in found.evidence["kept_vs_intended"].values())
+    assert f"{__file__}:{line}" in found.message and f"{__file__}:{line}" in found.fix
+    assert found.trial is not None and found.trial.before == found.evidence["departed_count"]
+    assert found.trial.after == 0
+    assert sys.getprofile() is None
+
+
+def test_an_update_clipped_by_an_optimizer_hook_departs_at_the_kept_stage_and_names_the_hook() -> None:
+    """A step post-hook of the user's optimizer clamps the weights to [-0.05, 0.05] (a weight
+    clipping meant for a critic, on the whole model): the weights keep another update."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def clamp(optimizer: Any, args: Any, kwargs: Any) -> None:
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.clamp_(-0.05, 0.05)  # the line the finding names
+
+    line = clamp.__code__.co_firstlineno + 4
+    handle = opt.register_step_post_hook(clamp)
+    try:
+        report = _guarded(model, opt)
+    finally:
+        handle.remove()
+    (found,) = _found(report)
+    assert found.evidence["stage"] == "kept", found.message
+    calls = {(c["call"], c["line"]) for c in found.evidence["written_by"]}
+    assert ("clamp_", line) in calls, found.evidence["written_by"]
+    assert found.evidence["departed_count"] >= 2
+
+
+def test_an_update_zeroed_by_restoring_a_frozen_layer_departs_at_the_kept_stage() -> None:
+    """The loop "freezes" the first layer by copying its saved weights back after each step
+    (instead of leaving it out of the optimizer): the weights keep none of its update, and
+    the finding names the copy; the other layer keeps its update."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    frozen = [p.detach().clone() for p in model[0].parameters()]
+
+    def restore(i: int) -> None:
+        with torch.no_grad():
+            for p, saved in zip(model[0].parameters(), frozen, strict=True):
+                p.data.copy_(saved)  # through .data: a tensor of its own, the same storage
+
+    report = _guarded(model, opt, autocast=torch.bfloat16, after=restore)
+    (found,) = _found(report)
+    assert found.evidence["stage"] == "kept"
+    assert {d["parameter"] for d in found.evidence["departed"]} == {"0.weight", "0.bias"}
+    assert all(d["norm_ratio"] == 0 for d in found.evidence["departed"])
+    (call,) = found.evidence["written_by"]
+    assert call["call"] == "copy_" and set(call["targets"]) == {"0.weight", "0.bias"}
+
+
+def _state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+RECIPES = {
+    "fp32": {"opt": {}, "autocast": None},
+    "bf16-autocast": {"opt": {}, "autocast": torch.bfloat16},
+    "fp16-autocast-gradscaler": {"opt": {}, "autocast": torch.float16, "scaler": True},
+    "fused-adamw": {"opt": {"fused": True}, "autocast": torch.bfloat16},
+    "foreach-adamw": {"opt": {"foreach": True}, "autocast": torch.bfloat16},
+    "accumulation": {"opt": {}, "autocast": torch.bfloat16, "accumulate": 2},
+    "clipping": {"opt": {}, "autocast": torch.float16, "scaler": True, "clip": 0.05},
+}
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_healthy_recipes_compare_both_update_stages_and_keep_a_plain_runs_numbers(name: str) -> None:
+    recipe = RECIPES[name]
+    autocast: torch.dtype | None = recipe["autocast"]
+    accumulate: int = recipe.get("accumulate", 1)
+    clip: float | None = recipe.get("clip")
+
+    def run(watched: bool) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, fpdoctor.Report | None]:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, **recipe["opt"])
+        scaler = grad_scaler_class()("cpu", init_scale=2.0**10) if recipe.get("scaler") else None
+        guard = fpdoctor.Sentinel(model, opt, scaler=scaler, accumulate=accumulate) if watched else None
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            if accumulate == 1:
+                opt.zero_grad()
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                loss = nn.functional.cross_entropy(model(x).float(), y) / accumulate
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            if clip is not None:
+                if scaler is not None:
+                    scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            return loss
+
+        torch.manual_seed(7)
+        for i in range(STEPS * accumulate):
+            if guard is not None:
+                guard.step(step, *_batch(i))
+                continue
+            step(*_batch(i))  # the plain loop does what the Sentinel does after step_fn
+            if (i + 1) % accumulate == 0:
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
+                if accumulate > 1:
+                    opt.zero_grad(set_to_none=True)
+        rng = torch.get_rng_state()
+        return model, opt, rng, guard.report if guard is not None else None
+
+    plain_model, plain_opt, plain_rng, _ = run(watched=False)
+    model, opt, rng, report = run(watched=True)
+    assert report is not None
+    assert _found(report) == [] and report.by_name("gradients-depart-from-reference") == [], str(report)
+    assert report.data["reference_step"]["update_steps"] == [1], report.data["reference_step"]
+    assert report.data["reference_step"]["worst"]["cosine"] > 0.9
+    assert "what the weights kept of it at step(s) 1" in report.data["judged"]
+    # the observer changed none of the user's numbers and left nothing behind
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(_state(plain_opt), _state(opt), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(plain_rng, rng)
+    assert set(opt.state) == set(model.parameters())
+    assert [len(g["params"]) for g in opt.param_groups] == [len(g["params"]) for g in plain_opt.param_groups]
+    assert sys.getprofile() is None
+
+
+def test_the_kept_stage_is_judged_when_the_report_is_read_and_a_skipped_step_is_not_compared() -> None:
+    """One step only: the report takes the weights as they are. A GradScaler that skips the first
+    step (its loss scale overflows fp16) leaves no update to compare, and says so."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = fpdoctor.Sentinel(model, opt)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    guard.step(step, *_batch(0))
+    assert sys.getprofile() is not None  # watching what writes the weights until the next step
+    report = guard.report
+    assert sys.getprofile() is None
+    assert report.data["reference_step"]["update_steps"] == [1] and _found(report) == []
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = grad_scaler_class()("cpu", init_scale=2.0**30)
+    guard = fpdoctor.Sentinel(model, opt, scaler=scaler)
+
+    def scaled(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        scaler.scale(loss).backward()
+        return loss
+
+    before = copy.deepcopy(model.state_dict())
+    guard.step(scaled, *_batch(0))
+    report = guard.report
+    assert _found(report) == []
+    judged = report.data["reference_step"]
+    assert judged["update_steps"] == [] and "not finite" in judged["update_not_compared"]["1"]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the scaler skipped it
