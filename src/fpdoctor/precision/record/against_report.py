@@ -449,7 +449,7 @@ def _use_lines(j: Judgement) -> list[tuple[str, str]]:
             continue
         key = "decisions against A's fp64" + (f", input set #{s.index}" if len(j.sets) > 1 else "")
         if s.use is not None:
-            lines.append((f"{key} ({s.use.b.source})", _use_text(s.use, j.a.settings.candidate)))
+            lines.append((key, f"{s.use.b.source}: {_use_text(s.use, j.a.settings.candidate)}"))
         else:
             lines.append((key, f"not judged: {s.use_missing}"))
     return lines

@@ -85,9 +85,11 @@ def decision_record(
     ref, cand = rows
     n, classes = ref.shape
     rounded = round_to(ref, fmt)
-    at = spread(n, decided_rows(n)).to(ref.device)
-    ref, cand, rounded = ref[at], cand[at], rounded[at]
-    keep = spread(len(at), kept_rows(n, classes)).to(ref.device)
+    decided = decided_rows(n)
+    if decided < n:  # else every row, without copying the logits to gather them
+        at = spread(n, decided).to(ref.device)
+        ref, cand, rounded = ref[at], cand[at], rounded[at]
+    keep = spread(decided, kept_rows(n, classes)).to(ref.device)
     best = ref.argmax(-1)
     return DecisionRecord(
         source=source,
