@@ -94,6 +94,23 @@ def test_fp16_overflow_on_machine_b_only_names_the_first_departing_module(record
     assert not rows["attn.q"][5].endswith("departs")  # before the scores, both machines agree
 
 
+def test_a_classifier_that_loses_its_decisions_on_machine_b_only_is_an_error(tmp_path):
+    """The head's GEMM keeps its running sum in fp16 on B: the relative error is 7.0e-6 on both
+    machines, and B picks another class on 28% of the rows, A on none."""
+    path = tmp_path / "classifier.json.gz"
+    made = run_fpdoctor(
+        "compare", spec("classifier_a"), "--candidate", "fp16", "--save-reference", str(path), "--format", "json",
+        timeout=TIMEOUT,
+    )  # fmt: skip
+    assert made.code == 0, made.err
+    code, doc = against(str(path), "classifier_fp16_accumulate")
+    assert code == 1 and names(doc) == [("decisions-changed", "head")]
+    use = doc["findings"][0]["evidence"]["against"]
+    assert use["departs"] and use["b"]["top1"] < 0.75 and use["a"]["top1"] == 1.0
+    assert doc["data"]["against"]["sets"][0]["first_departure"] is None  # by relative error, no module departs
+    assert "its decisions depart from A's" in dict(doc["data"]["summary"])["B against A"]
+
+
 def test_other_inputs_are_said(record):
     code, doc = against(record, "inputs_changed")
     assert code == 0 and names(doc) == [("reference-inputs-differ", None)]
