@@ -268,7 +268,9 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         what="When the model's output is logits (its last call is a Linear from features to classes), `compare` "
         "judges it by what it decides: top-1 agreement with fp64 over its rows, top-5 and KL, each beside the "
         "same metric for the exact output rounded to the candidate's format. Then it re-runs the candidate with "
-        "the logits' layer, and with each of the worst modules, kept in fp32.",
+        "the logits' layer, and with each of the worst modules, kept in fp32. `compare --against FILE` judges "
+        "this machine's candidate the same way against the record's fp64 output (a record keeps each row's "
+        "decisions), beside the recording machine's own candidate.",
         why="A relative error can stay small while the winning class changes: when the logits' norm sits in "
         "values no decision reads (a common offset, masked classes) or their margins are below the format's "
         "spacing. Accuracy drops while every error figure looks fine.",
