@@ -22,6 +22,9 @@ them. The sampled work (the reference step, every 500th; the progress experiment
 three shapes of the curve, spread over a run of 10,000 steps, every window taken for flat (the
 worst case). The verdict: the curve's worst always-on ratio plus the worst sampled share.
 
+The transformer section (CPU, and CUDA) stops adding rounds after SECTION_SECONDS (90 s) of wall
+time, three rounds at least, as each curve row does after 20 s; its heading says how many ran.
+
 Run: python benchmarks/bench_sentinel.py [--quick] [--rounds R] [--steps N] [--device cpu|cuda|all]
 """
 
@@ -139,11 +142,22 @@ def _variants(device: str, dim: int, layers: int, size: int, length: int) -> dic
     return variants
 
 
-def measure(device: str, rounds: int, steps: int, **shape: int) -> dict[str, float]:
+# wall time after which the transformer section stops adding rounds (MIN_ROUNDS at least), as the
+# curve's rows stop adding blocks: seven variants of a 0.2-0.4 s CPU step, 10 rounds of 3 steps,
+# take a minute on a quiet 2-core machine and several where other jobs hold the cores
+SECTION_SECONDS = 90.0
+MIN_ROUNDS = 3
+
+
+def measure(device: str, rounds: int, steps: int, **shape: int) -> tuple[dict[str, float], int]:
     return measure_variants(_variants(device, **shape), device, rounds, steps)
 
 
-def measure_variants(variants: dict[str, Callable[[], None]], device: str, rounds: int, steps: int) -> dict[str, float]:
+def measure_variants(
+    variants: dict[str, Callable[[], None]], device: str, rounds: int, steps: int
+) -> tuple[dict[str, float], int]:
+    """Median seconds per step of each variant, over interleaved rounds of `steps` steps each, and
+    the rounds that ran: at most `rounds`, fewer once SECTION_SECONDS of wall time have passed."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for fn in variants.values():  # warm-up: allocator, first-call overheads, the sentinel's first-step learning
         for _ in range(3):
@@ -152,7 +166,12 @@ def measure_variants(variants: dict[str, Callable[[], None]], device: str, round
     times: dict[str, list[float]] = {name: [] for name in variants}
     for name in _INNER:
         _INNER[name] = 0.0
+    began = time.perf_counter()
+    done = 0
     for _ in range(rounds):
+        if done >= MIN_ROUNDS and time.perf_counter() - began > SECTION_SECONDS:
+            break
+        done += 1
         for name, fn in variants.items():
             sync()
             start = time.perf_counter()
@@ -162,8 +181,15 @@ def measure_variants(variants: dict[str, Callable[[], None]], device: str, round
             times[name].append((time.perf_counter() - start) / steps)
     medians = {name: statistics.median(values) for name, values in times.items()}
     for name, inner in _INNER.items():  # the sentinel's own time per step, as a variant of its own
-        medians[f"{name}, own time"] = (sum(times[name]) * steps - inner) / (rounds * steps)
-    return medians
+        medians[f"{name}, own time"] = (sum(times[name]) * steps - inner) / (done * steps)
+    return medians, done
+
+
+def _rounds(done: int, asked: int) -> str:
+    """How many rounds the section ran, and why fewer than asked."""
+    if done == asked:
+        return f"{done} rounds"
+    return f"{done} of {asked} rounds (stopped after {SECTION_SECONDS:.0f} s of wall time)"
 
 
 def host_syncs(variants: dict[str, Callable[[], None]], steps: int) -> dict[str, float]:
@@ -336,10 +362,11 @@ def main() -> int:
     if args.device in ("cpu", "all"):
         ok &= curve(args.quick)
         shape = {"dim": 256, "layers": 4, "size": 8, "length": 64}
-        medians = measure("cpu", args.rounds, args.steps, **shape)
+        medians, done = measure("cpu", args.rounds, args.steps, **shape)
         ratios = report(
-            f"CPU: 4-layer transformer (dim 256, 8 x 64 tokens), fp32, {args.rounds} rounds x "
-            f"{args.steps} interleaved steps, medians, ratio to the same step unguarded",
+            f"CPU: 4-layer transformer (dim 256, 8 x 64 tokens), fp32, {_rounds(done, args.rounds)} x "
+            f"{args.steps} interleaved steps (at most {SECTION_SECONDS:.0f} s, {MIN_ROUNDS} rounds at least), "
+            f"medians, ratio to the same step unguarded",
             medians,
         )
         worst = max(v for k, v in ratios.items() if k.startswith("sentinel"))
@@ -349,9 +376,10 @@ def main() -> int:
     if args.device in ("cuda", "all") and torch.cuda.is_available():
         shape = {"dim": 1024, "layers": 8, "size": 16, "length": 512}
         variants = _variants("cuda", **shape)
-        medians = measure_variants(variants, "cuda", args.rounds, args.steps)
+        medians, done = measure_variants(variants, "cuda", args.rounds, args.steps)
         ratios = report(
-            f"CUDA ({torch.cuda.get_device_name()}): 8-layer transformer (dim 1024, 16 x 512 tokens), bf16 autocast",
+            f"CUDA ({torch.cuda.get_device_name()}): 8-layer transformer (dim 1024, 16 x 512 tokens), bf16 autocast, "
+            f"{_rounds(done, args.rounds)} x {args.steps} interleaved steps (at most {SECTION_SECONDS:.0f} s)",
             medians,
         )
         fused = max(ratios["sentinel (fused AdamW)"], ratios["sentinel (GradScaler, fused AdamW)"])
