@@ -270,13 +270,17 @@ def _spawn(args: dict[str, Any]) -> list[dict[str, Any]]:
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def _sums(watch: corruption.CorruptionWatch, x: torch.Tensor, logs: list[float]) -> torch.Tensor:
-    """What the all-reduce would give `watch` (this rank, packed `x`) with the other ranks' log-norms
-    `logs`: [A, B, x] as `exchange` reads them back (no flags set, no rank asking)."""
-    others = [round(v / corruption.QUANTUM) + corruption._OFFSET for v in logs[1:]]
-    mine = int(x[0])
-    total, squares = mine + sum(others), mine * mine + sum(v * v for v in others)
-    return torch.tensor([total << 28, squares, mine], dtype=torch.int64)
+def _others(logs: list[float]) -> tuple[int, int]:
+    """The other ranks' share of the sums (their X and X^2 summed), from their log-norms `logs`."""
+    xs = [round(v / corruption.QUANTUM) + corruption._OFFSET for v in logs]
+    return sum(xs), sum(x * x for x in xs)
+
+
+def _sums(packed: torch.Tensor, others: tuple[int, int]) -> torch.Tensor:
+    """What the all-reduce gives this rank (`packed`) with the other ranks' share `others`: [A, B, X]
+    as `exchange` reads them back (no flags set, no rank asking)."""
+    mine = int(packed[2])
+    return torch.tensor([(mine + others[0]) << 28, mine * mine + others[1], mine], dtype=torch.int64)
 
 
 def _host_cost(world: int, steps: int = 300) -> dict[str, float]:
@@ -290,12 +294,11 @@ def _host_cost(world: int, steps: int = 300) -> dict[str, float]:
     flags, norm = torch.zeros(2, dtype=torch.bool), torch.ones(())
     build, judge = [], []
     for step in range(1, steps + 1):
-        logs = (base + 0.02 * torch.randn(world, generator=g)).tolist()
+        others = _others((base + 0.02 * torch.randn(world, generator=g)).tolist()[1:])
         start = time.perf_counter()
-        out, x = watch.pack(flags, norm)
-        FlagRead(torch.cat([out, x]), exact=True)
+        FlagRead(watch.pack(flags, norm), exact=True)
         build.append(time.perf_counter() - start)
-        watch._reads[step] = FlagRead(_sums(watch, x, logs), exact=True)
+        watch._reads[step] = FlagRead(_sums(watch.pack(flags, norm), others), exact=True)
         start = time.perf_counter()
         watch.observe(step, True, lambda finding: None)
         judge.append(time.perf_counter() - start)
@@ -318,19 +321,19 @@ def _own_cost(model: nn.Module, step: Any, world: int = 16, rounds: int = 15, bl
     base = torch.randn(world, generator=g) * 0.1
     total = corruption.CALIBRATION_STEPS + 5 + rounds * block
     scale = math.log(float(torch.linalg.vector_norm(grads)))  # about this rank's own log-norm: a healthy spread
-    others = [(scale + base + 0.02 * torch.randn(world, generator=g)).tolist() for _ in range(total)]
+    others = [_others((scale + base + 0.02 * torch.randn(world, generator=g)).tolist()[1:]) for _ in range(total)]
     flags = torch.zeros(2)
+    masks = torch.tensor([2**14 - 1, (2**14 - 1) << 14])
     n = 0
 
     def own() -> None:
         nonlocal n
         norms = [torch.linalg.vector_norm(b, dtype=torch.float32) for b in buckets]
         norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
-        out, x = watch.pack(flags != 0, norm)
-        counts = torch.stack([out[0] & (2**14 - 1), (out[0] >> 14) & (2**14 - 1)])
-        (counts != 0).to(flags.dtype)
-        FlagRead(torch.cat([out, x]), exact=True)
-        watch._reads[n] = FlagRead(_sums(watch, x, others[n]), exact=True)  # the all-reduce's result
+        out = watch.pack(flags != 0, norm)
+        ((out[:1] & masks) != 0).to(flags.dtype)
+        FlagRead(out, exact=True)
+        watch._reads[n] = FlagRead(_sums(out, others[n]), exact=True)  # the all-reduce's result
         watch.observe(n, True, lambda finding: None)
         n += 1
 

@@ -282,13 +282,13 @@ def _watches(world: int) -> list[corruption.CorruptionWatch]:
 def _step(watches, step: int, norms: list[float | None], flags: list[tuple[float, float]]) -> list[list[float]]:
     """Each watch packs its flags and norm, the packs are summed (the all-reduce), each reads the sum."""
     packs = [
-        w.pack(torch.tensor(f) != 0, None if n is None else torch.tensor(n))
+        w.pack(torch.tensor(f), None if n is None else torch.tensor(n))
         for w, n, f in zip(watches, norms, flags, strict=True)
     ]
-    total = torch.stack([p for p, _ in packs]).sum(dim=0)
+    total = torch.stack([p[:2] for p in packs]).sum(dim=0)
     agreed = []
-    for w, (_, x) in zip(watches, packs, strict=True):
-        w._reads[step] = corruption.FlagRead(torch.cat([total, x]), exact=True)
+    for w, p in zip(watches, packs, strict=True):
+        w._reads[step] = corruption.FlagRead(torch.cat([total, p[2:]]), exact=True)
         counts = [v & (2**14 - 1) for v in (int(total[0]), int(total[0]) >> 14)]
         agreed.append([float(c != 0) for c in counts])
     return agreed
@@ -304,6 +304,25 @@ def test_the_packed_sums_give_back_the_flags_as_their_maximum_and_count_ranks_ex
     assert a & (2**14 - 1) == 2 and (a >> 14) & (2**14 - 1) == 2  # two ranks each, counted exactly
     assert (b >> 52) & (2**11 - 1) == 1  # one rank sent no norm: the step is not judged
     assert _step(watches, 2, [1.0] * world, [(0.0, 0.0)] * world) == [[0.0, 0.0]] * world
+
+
+def test_the_device_packing_and_the_host_packing_agree_bit_for_bit() -> None:
+    [watch] = _watches(1)
+    watch.world, watch._centre = 4, 0.37
+    norms = [None, 0.0, 1e-30, 0.5, 3.0, 1e12, 1e30, float("inf"), float("nan")]
+    for flags in ([0.0, 0.0], [1.0, 0.0], [0.0, float("nan")], [1.0, 1.0]):
+        for norm in norms:
+            for ask in (False, True):
+                packs = []
+                for on_device in (False, True):
+                    watch._ask = ask
+                    given = None if norm is None else torch.tensor(norm)
+                    packs.append(watch.pack(torch.tensor(flags), given, on_device=on_device).tolist())
+                assert packs[0] == packs[1], (flags, norm, ask)
+                x = packs[0][2]
+                assert 0 <= x < 2 * corruption._OFFSET
+                if norm is not None and math.isnan(norm):
+                    assert x == corruption._OFFSET  # the centre: a non-finite step is not judged anyway
 
 
 def test_each_rank_judges_itself_from_the_sums_and_the_odd_one_asks_for_an_escalation() -> None:

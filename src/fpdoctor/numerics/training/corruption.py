@@ -171,7 +171,9 @@ class CorruptionWatch:
             bucket_watch.norms = True
         self._reads: dict[int, FlagRead] = {}
         self._signals: dict[tuple[torch.device, int], torch.Tensor] = {}  # B's escalate/missing bits, made once
+        self._devices: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._asking: list[tuple[int, float]] | None = None  # the strikes (step, z) that asked
+        self._bits = 0  # the last signal's bits, for the packing on the host
         self._ask = False  # this rank's strikes ask for an escalation: sent in the next exchange
         self._centre = 0.0  # this rank's, subtracted from its log-norm before it is sent
         self._spread: float | None = None
@@ -199,44 +201,79 @@ class CorruptionWatch:
         collective would not match)."""
         if self.off is not None or agreed.numel() != 2:  # off on every rank alike (the same model, the same hook)
             return distributed.all_max(agreed)
-        flags = agreed.detach().reshape(-1) != 0  # NaN counts as set
+        flags = agreed.detach().reshape(-1)
+        norm = None
         try:
-            out, x = self.pack(flags, self.bucket_watch.local_norm() if self.bucket_watch is not None else None)
+            norm = self.bucket_watch.local_norm() if self.bucket_watch is not None else None
+            out = self.pack(flags, norm)
         except Exception as exc:  # the observer never breaks the step's collective: send no norm
             self._error(exc)
-            out, x = self.pack(flags, None)
-        torch.distributed.all_reduce(out)
-        self._reads[step] = FlagRead(torch.cat([out, x]), exact=True)
+            out = self.pack(flags, None)
+        torch.distributed.all_reduce(out[:2])  # [A, B] summed in place; out[2] stays this rank's X
+        self._reads[step] = FlagRead(out, exact=True)
         while len(self._reads) > 4:  # steps never judged (an observer failure before the judge)
             del self._reads[min(self._reads)]
-        counts = torch.stack([out[0] & (2**_FLAG_BITS - 1), (out[0] >> _FLAG_BITS) & (2**_FLAG_BITS - 1)])
-        return (counts != 0).to(agreed.dtype).reshape(agreed.shape)
+        if out.device.type == "cpu":  # read at once: a tensor made from two bools costs less than three ops
+            a = int(out[0])
+            both = [float(a & (2**_FLAG_BITS - 1) != 0), float((a >> _FLAG_BITS) & (2**_FLAG_BITS - 1) != 0)]
+            return torch.tensor(both, dtype=agreed.dtype).reshape(agreed.shape)
+        masks = self._constants(out.device)[2]
+        return ((out[:1] & masks) != 0).to(agreed.dtype).reshape(agreed.shape)
 
-    def pack(self, flags: torch.Tensor, norm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's [A, B] (int64, on the flags' device) and its X, as the docstring lays them out:
-        small device ops, nothing read back. `norm` None: a rank with no norm (missing set)."""
+    def pack(self, flags: torch.Tensor, norm: torch.Tensor | None, *, on_device: bool | None = None) -> torch.Tensor:
+        """This rank's [A, B, X] (int64, on the flags' device), as the docstring lays them out, from
+        its two flags (nonzero: set, NaN included) and its norm (None: a rank with no norm, missing
+        set). On a GPU a dozen small device ops, nothing read back: A, X and X^2 in float64 (exact:
+        A < 2^41) by one product with the fields' weights. On the CPU (or `on_device=False`) the
+        same integers from Python floats, read at once, in one tensor."""
         device = flags.device
-        f = flags.to(torch.int64)
-        a = f[0] + (f[1] << _FLAG_BITS)
         signal = self._signal(device, norm is None)
+        if not (device.type != "cpu" if on_device is None else on_device):
+            loss, grad = (int(v != 0) for v in flags.tolist())  # NaN != 0
+            x = 0
+            if norm is not None:
+                v = float(norm)
+                y = 0.0 if math.isnan(v) else (math.log(v) - self._centre) / QUANTUM if v > 0 else -math.inf
+                x = round(min(max(y, -_OFFSET), _OFFSET - 1)) + _OFFSET
+            packed = [loss + (grad << _FLAG_BITS) + (x << 2 * _FLAG_BITS), x * x + self._bits, x]
+            return torch.tensor(packed, dtype=torch.int64)
+        weights, zero, _ = self._constants(device)
         if norm is None:
-            x = torch.zeros(1, dtype=torch.int64, device=device)
-            return torch.stack([a, signal]), x
-        y = torch.log(norm.detach().reshape(1).to(device=device, dtype=torch.float64)) - self._centre
-        # a NaN norm (a non-finite step, not judged) sends the centre; a zero norm is -RANGE
-        y = torch.nan_to_num(y, nan=0.0).clamp_(-RANGE, RANGE - QUANTUM)
-        x = torch.round(y / QUANTUM).to(torch.int64) + _OFFSET
-        return torch.stack([a + (x[0] << (2 * _FLAG_BITS)), x[0] * x[0] + signal]), x
+            x_t = zero
+        else:
+            x_t = torch.log(norm.detach().reshape(1).to(device=device, dtype=torch.float64))
+            x_t = x_t.sub_(self._centre).mul_(1.0 / QUANTUM)
+            # a NaN norm (a non-finite step, not judged) sends the centre; a zero norm is the least X
+            x_t = x_t.nan_to_num_(0.0).clamp_(-_OFFSET, _OFFSET - 1).round_().add_(_OFFSET)
+        fields = torch.cat([(flags != 0).to(torch.float64), x_t, x_t * x_t]) @ weights  # [A, X^2, X]
+        return fields.to(torch.int64) + signal
+
+    def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per device, made once: the fields' weights ([loss, grad, X, X^2] -> [A, X^2, X]), a zero X,
+        and the two flags' masks in A."""
+        found = self._devices.get(device)
+        if found is None:
+            weights = torch.zeros(4, 3, dtype=torch.float64)
+            weights[0, 0], weights[1, 0], weights[2, 0] = 1.0, 2.0**_FLAG_BITS, 2.0 ** (2 * _FLAG_BITS)
+            weights[3, 1] = weights[2, 2] = 1.0
+            mask = 2**_FLAG_BITS - 1
+            masks = torch.tensor([mask, mask << _FLAG_BITS], dtype=torch.int64)
+            found = self._devices[device] = (
+                weights.to(device),
+                torch.zeros(1, dtype=torch.float64, device=device),
+                masks.to(device),
+            )
+        return found
 
     def _signal(self, device: torch.device, missing: bool) -> torch.Tensor:
-        """B's escalate and missing bits as a device scalar, one per combination and device (no
+        """[0, B's escalate and missing bits, 0] on the device, one per combination and device (no
         host-to-device copy on a step); the escalation asked is sent once."""
         key = (device, int(self._ask) | int(missing) << 1)
         self._ask = False
+        self._bits = (key[1] & 1) << _SQUARE_BITS | (key[1] >> 1) << (_SQUARE_BITS + _ESCALATE_BITS)
         signal = self._signals.get(key)
         if signal is None:
-            value = (key[1] & 1) << _SQUARE_BITS | (key[1] >> 1) << (_SQUARE_BITS + _ESCALATE_BITS)
-            signal = self._signals[key] = torch.tensor(value, dtype=torch.int64, device=device)
+            signal = self._signals[key] = torch.tensor([0, self._bits, 0], dtype=torch.int64, device=device)
         return signal
 
     def observe(self, step: int, finite: bool, add: Callable[[Finding], None]) -> None:
