@@ -41,10 +41,12 @@ from torch.utils._python_dispatch import TorchDispatchMode  # every aten op of a
 
 
 @contextlib.contextmanager
-def dataloader_batches(on_indices: Callable[[Any, Any], None], on_batch: Callable[[Any, bool], None]) -> Iterator[None]:
+def dataloader_batches(
+    on_indices: Callable[[Any, Any], None], on_batch: Callable[[Any, bool, Any], None]
+) -> Iterator[None]:
     """While inside, `on_indices(iterator, indices)` sees each index list a DataLoader iterator asks
-    its sampler for (at prefetch time too, in send order), `on_batch(iterator, in_order)` each batch
-    it hands out (in_order: handed out in the order asked), and `on_indices(iterator, None)` each
+    its sampler for (at prefetch time too, in send order), `on_batch(iterator, in_order, batch)` each
+    batch it hands out (in_order: handed out in the order asked), and `on_indices(iterator, None)` each
     reset (a new epoch drops what was prefetched): which dataset rows a batch holds.
     `_BaseDataLoaderIter`, its `_next_index`/`_reset` and `_in_order` are private; the class's
     methods are put back on exit, and nothing is set on the iterators."""
@@ -71,7 +73,7 @@ def dataloader_batches(on_indices: Callable[[Any, Any], None], on_batch: Callabl
 
     def __next__(self: Any) -> Any:
         batch = originals["__next__"](self)
-        on_batch(self, bool(getattr(self, "_in_order", True)))
+        on_batch(self, bool(getattr(self, "_in_order", True)), batch)
         return batch
 
     for name, wrapper in (("_next_index", _next_index), ("_reset", _reset), ("__next__", __next__)):

@@ -34,6 +34,7 @@ from torch import nn
 from fpdoctor.numerics.observe import amp, dynamo
 from fpdoctor.numerics.observe.batches import MicroBatch
 from fpdoctor.numerics.observe.gradcheck import FlagRead, grads_of, nonfinite_flag
+from fpdoctor.numerics.observe.loader import LoaderBatches, rows_kept, set_step_rows
 from fpdoctor.numerics.training import distributed, reference
 from fpdoctor.numerics.training.judge import JudgedSteps, StepFacts, StepJudge
 from fpdoctor.numerics.training.live import Live
@@ -43,6 +44,9 @@ from fpdoctor.report.model import Report
 
 # the numbers read back per optimizer step, in this order, then each micro-batch's loss
 _LOSS, _GRAD, _SCALE, _DIVISOR, _LOSSES = range(5)
+# DataLoader batches kept (shapes, a few values, dataset indices) to find a replayed step's among: a
+# framework fetches one or two ahead, a gradient-accumulation window's micro-batches before its first
+RECENT_BATCHES = 64
 
 
 # The watches of the framework callbacks alive in this process: `fpdoctor watch` leaves the
@@ -127,6 +131,7 @@ class StepWatch(JudgedSteps):
         replay_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
         gpu_health: bool = True,
         live: Live | None = None,
+        loader_rows: bool = False,
     ) -> None:
         self.model = model
         self.scaler = scaler if amp.enabled(scaler) else None
@@ -146,6 +151,14 @@ class StepWatch(JudgedSteps):
         self._judge.reference_every = reference_every  # steps 1, 1 + N, ...: the backward against an fp32 step
         self._step_fn = step_fn
         self._replay_context = replay_context
+        # `loader_rows`: the DataLoader's batches followed, so that a replayed step's bad rows are named
+        # as the dataset items of its own batch (observe/loader.py), not of the one fetched after it
+        self._loader: LoaderBatches | None = None
+        if loader_rows:
+            try:
+                self._loader = LoaderBatches(recent=RECENT_BATCHES).__enter__()
+            except Exception as exc:
+                self._error("following the DataLoader's batches", exc)
         self._ddp = ddp
         self._params = self._judge.params
         self._device = self._judge.device
@@ -244,8 +257,14 @@ class StepWatch(JudgedSteps):
         return True
 
     def close(self) -> None:
-        """Training ended: the compiled-graph checks come off (the report stays readable)."""
-        self._judge.close()
+        """Training ended: the compiled-graph checks and the DataLoader's follower come off (the
+        report stays readable)."""
+        loader, self._loader = self._loader, None
+        try:
+            if loader is not None:
+                loader.close()
+        finally:
+            self._judge.close()
 
     # -- what the callback reports -------------------------------------------------------------
     def start_micro(self) -> None:
@@ -420,7 +439,7 @@ class StepWatch(JudgedSteps):
             local_loss=c.local_loss,
             loss_value=c.loss_value,
             window=[MicroBatch(m.rng, m.args or (), m.kwargs or {}) for m in window],
-            step_fn=self._step_fn,
+            step_fn=self._step_fn if self._loader is None else self._on_its_rows,
             contexts=self._contexts,
             scale=c.scale if scaled else None,
             # what the scaler's update() makes of an overflow; judged before it runs
@@ -445,10 +464,24 @@ class StepWatch(JudgedSteps):
         except Exception as exc:  # the observer's own failure: a finding, the step goes on
             self._error("comparing the step with the reference step", exc, facts.step)
 
+    def _on_its_rows(self, *args: Any, **kwargs: Any) -> Any:
+        """`step_fn`, the batch's dataset indices said first: found by its values among the batches
+        the DataLoader handed out (or why not), for a replay's tracer to name its bad rows by (it
+        reads them until it ends; `_contexts` puts the thread's back after the window)."""
+        loader = self._loader
+        if loader is not None:
+            try:
+                set_step_rows(loader.rows_of((args, kwargs)))
+            except Exception as exc:  # the rows go unnamed; the replay runs
+                set_step_rows((None, f"the step's batch could not be read ({type(exc).__name__}: {exc})"))
+        return self._step_fn(*args, **kwargs)
+
     def _contexts(self) -> list[contextlib.AbstractContextManager[Any]]:
         contexts: list[contextlib.AbstractContextManager[Any]] = [
             distributed.local_replay(self._ddp if self._ddp is not None else self.model)
         ]
+        if self._loader is not None:
+            contexts.append(rows_kept())
         if self._replay_context is not None:
             contexts.append(self._replay_context())
         return contexts

@@ -143,6 +143,7 @@ class FpDoctorCallback(_Callback):
             optimizer=getattr(optimizer, "optimizer", optimizer),
             replay_context=self._replay_context,
             live=Live(stop_on=self._stop_level),
+            loader_rows=True,  # a bad step's rows named as the dataset items of its own batch
         )
         if self.report_path:  # rewritten as findings arrive: a job killed at any point leaves a readable report
             world = int(getattr(args, "world_size", 1) or 1)

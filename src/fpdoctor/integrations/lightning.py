@@ -132,6 +132,7 @@ class _Hooks:
             optimizer=optimizers[0] if len(optimizers) == 1 else None,
             replay_context=lambda: _replaying(pl_module),
             live=Live(stop_on=self._stop_level),
+            loader_rows=True,  # a bad step's rows named as the dataset items of its own batch
         )
         if not pl_module.automatic_optimization:
             self._watch.cannot_replay_any = "manual optimization: training_step steps the optimizer itself"

@@ -1,54 +1,126 @@
-"""Which dataset rows the batch a DataLoader last handed out holds: so that a NaN found in rows 3
-and 7 of a batch is also "dataset items 1043 and 2077", the items a user can open and look at.
+"""Which dataset rows the batch a step computes on holds: so that a NaN found in rows 3 and 7 of a
+batch is also "dataset items 1043 and 2077", the items a user can open and look at.
 
 A DataLoader iterator asks its sampler for index lists ahead of time (its workers prefetch), in the
 order it hands the batches out (`in_order`, the default), so the index lists wait in a queue per
 iterator and each batch handed out takes the oldest. Nothing is set on the iterators or the loader:
 the queues are held here, by weak reference to the iterator. Per thread, the last batch handed out
-is the one the step in that thread is computing on.
+is the one a plain loop's step computes on (`trace`, `watch`).
+
+A framework's loop is not plain: Lightning fetches the next batch before the step where the loader
+has no length, and accelerate's loader (the Hugging Face Trainer's) always does, so the last batch
+handed out is the next step's. The framework callbacks keep a short trace of what was handed out
+(`LoaderBatches(recent=N)`: each batch's shapes and a few of its values, with its indices) and find
+the step's own batch in it by its values (`rows_of`), when a bad step is run again; where it is not
+there (a batch changed after the loader, in a transfer hook or on the device) or it is ambiguous,
+the rows' report says that their dataset items are not known, and why (`set_step_rows`), instead of
+naming another batch's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import weakref
 from collections import deque
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
+from fpdoctor.pytrees import tensors_in
 from fpdoctor.torchprivate import dataloader_batches
 
-_last = threading.local()  # .indices: the dataset indices of this thread's last batch, or None
+# per thread, .rows: (the dataset indices of the batch the step computes on, or None; why they are
+# not known, where that is worth saying, or None)
+_last = threading.local()
+_NOTHING: tuple[list[int] | None, str | None] = (None, None)
 
 
 def last_indices() -> list[int] | None:
-    """The dataset indices of the batch a DataLoader last handed out in this thread, in batch
-    order; None when no DataLoader built one under a LoaderBatches, or when they are unknown (an
-    IterableDataset, an out-of-order loader)."""
-    return getattr(_last, "indices", None)
+    """The dataset indices of the batch a DataLoader last handed out in this thread (or the batch
+    `set_step_rows` says a step computes on), in batch order; None when no DataLoader built one under a
+    LoaderBatches, or when they are unknown (an IterableDataset, an out-of-order loader)."""
+    return _rows()[0]
+
+
+def _rows() -> tuple[list[int] | None, str | None]:
+    return getattr(_last, "rows", _NOTHING)
+
+
+@contextlib.contextmanager
+def rows_kept() -> Iterator[None]:
+    """What the thread says of its batch comes back on exit, whatever `set_step_rows` set inside
+    without a block of its own (a replay's micro-batches, one after another)."""
+    saved = _rows()
+    try:
+        yield
+    finally:
+        _last.rows = saved
+
+
+def set_step_rows(rows: tuple[list[int] | None, str | None]) -> None:
+    """The batch the step about to run computes on holds `rows`, until the next batch is handed
+    out or an enclosing `rows_kept` ends: for a replay, whose tracer reads the rows as late as its
+    own end."""
+    _last.rows = rows
+
+
+# -- one patch of the DataLoader for every open LoaderBatches, in any order of closing -------------
+_lock = threading.Lock()
+_open: list[LoaderBatches] = []
+_patch: list[contextlib.ExitStack] = []  # the one patch, while any is open
+
+
+def _on_indices(iterator: Any, indices: Any) -> None:
+    for watcher in list(_open):
+        watcher._on_indices(iterator, indices)
+
+
+def _on_batch(iterator: Any, in_order: bool, batch: Any) -> None:
+    for watcher in list(_open):
+        watcher._on_batch(iterator, in_order, batch)
 
 
 class LoaderBatches(contextlib.AbstractContextManager["LoaderBatches"]):
-    """While open, every DataLoader batch handed out records its dataset indices (`last_indices`)."""
+    """While open, every DataLoader batch handed out records its dataset indices (`last_indices`);
+    with `recent`, the last `recent` batches handed out are kept as (shapes and a few values,
+    indices), for `rows_of` to find a step's batch among them."""
 
-    def __init__(self) -> None:
+    def __init__(self, recent: int = 0) -> None:
         self._queues: weakref.WeakKeyDictionary[Any, deque[Any]] = weakref.WeakKeyDictionary()
-        self._stack = contextlib.ExitStack()
-        self._saved: list[int] | None = None
+        self._saved: tuple[list[int] | None, str | None] = _NOTHING
+        self._recent: deque[tuple[list[_Leaf], list[int] | None]] | None = deque(maxlen=recent) if recent else None
+        self._mine: int | None = None  # the thread that opened it: a batch handed out elsewhere is not its step's
 
     def __enter__(self) -> LoaderBatches:
-        # one open inside another (a trace inside a watched script) wraps the methods again: each
-        # keeps its own queues and both record the same indices
-        self._stack.enter_context(dataloader_batches(self._on_indices, self._on_batch))
         # not cleared: a replay traced inside a watched step reads the batch the step was given
-        self._saved = last_indices()
+        self._saved = _rows()
+        self._mine = threading.get_ident()
+        with _lock:
+            if not _open:
+                stack = contextlib.ExitStack()
+                stack.enter_context(dataloader_batches(_on_indices, _on_batch))
+                _patch.append(stack)
+            _open.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stack.close()
-        _last.indices = self._saved  # what the enclosing one (or nothing) last saw
+        self.close()
+
+    def close(self) -> None:
+        """Closed (once; again is nothing): the DataLoader is put back as it was once the last open
+        one closes, whichever closes first (a callback's, ended at exit, may outlive `watch`'s)."""
+        with _lock:
+            if self not in _open:
+                return
+            _open.remove(self)
+            stacks = [] if _open else [_patch.pop() for _ in list(_patch)]
+        for stack in stacks:
+            stack.close()
+        if threading.get_ident() == self._mine:
+            _last.rows = self._saved  # what the enclosing one (or nothing) last saw
 
     def _on_indices(self, iterator: Any, indices: Any) -> None:
         try:
@@ -59,10 +131,86 @@ class LoaderBatches(contextlib.AbstractContextManager["LoaderBatches"]):
         except TypeError:  # an iterator that cannot be weakly referenced: rows go unnamed
             pass
 
-    def _on_batch(self, iterator: Any, in_order: bool) -> None:
+    def _on_batch(self, iterator: Any, in_order: bool, batch: Any) -> None:
         queue = self._queues.get(iterator)
         indices = queue.popleft() if queue else None
-        _last.indices = _flat(indices) if in_order else None
+        flat = _flat(indices) if in_order else None
+        _last.rows = (flat, None)
+        if self._recent is not None and threading.get_ident() == self._mine:
+            # a few values of a batch on the host: microseconds, no device read; a batch we cannot
+            # read is not matched, and the loader goes on
+            with contextlib.suppress(Exception):
+                self._recent.append((_leaves(batch, read=lambda t: t.device.type == "cpu"), flat))
+
+    def rows_of(self, inputs: Any) -> tuple[list[int] | None, str | None]:
+        """Which of the recent batches handed out the step's `inputs` are (the arguments the
+        framework hands the step or the model: the batch, moved to the device or not): its dataset
+        indices, or (None, why they are not known). A few values are read from the inputs: a
+        host read on a device, once per call (bad steps and their checks only)."""
+        if self._recent is None:
+            return None, "the DataLoader's batches were not followed"
+        if not self._recent:
+            return None, "no DataLoader batch was handed out while the callback watched"
+        given = _leaves(inputs, read=lambda t: True)
+        found = [indices for leaves, indices in self._recent if _within(leaves, given)]
+        if not found:
+            return None, (
+                f"the step's batch is none of the last {len(self._recent)} the DataLoader handed out "
+                "(changed after the loader: in a transfer hook, on the device, or built by hand)"
+            )
+        if any(indices != found[0] for indices in found[1:]):
+            return None, "several batches the DataLoader handed out hold the step's values"
+        if found[0] is None:
+            return None, "the DataLoader does not say which items it drew (an IterableDataset, or out of order)"
+        return found[0], None
+
+
+_SAMPLE = 16  # values read from each tensor of a batch, spread over it
+
+
+class _Leaf:
+    """One tensor of a batch: its shape and a few of its values (None where not read)."""
+
+    __slots__ = ("shape", "values")
+
+    def __init__(self, shape: tuple[int, ...], values: list[float] | None) -> None:
+        self.shape, self.values = shape, values
+
+
+def _leaves(value: Any, *, read: Any) -> list[_Leaf]:
+    """The tensors of a batch (dicts and Mappings such as a tokenizer's BatchEncoding opened), each
+    with `_SAMPLE` of its values where `read(t)` (the same places in any tensor of that shape)."""
+    out: list[_Leaf] = []
+    for t in _tensors(value):
+        n = t.numel()
+        values = None
+        if n and read(t):
+            at = torch.linspace(0, n - 1, min(_SAMPLE, n)).long().to(t.device)
+            values = [float(v) for v in t.detach().reshape(-1)[at].double().tolist()]
+        out.append(_Leaf(tuple(t.shape), values))
+    return out
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, Mapping) and not isinstance(value, dict):
+        value = dict(value)
+    return tensors_in(value)
+
+
+def _within(handed: list[_Leaf], given: list[_Leaf]) -> bool:
+    """Every tensor of a batch handed out (each read) is among the step's: the same shape and
+    values (to bf16's precision: a transfer may change the dtype). The step may hold more (a
+    framework's own arguments: a batch index)."""
+    if not handed or any(leaf.values is None for leaf in handed):
+        return False
+    return all(any(g.shape == h.shape and _same(g.values, h.values) for g in given) for h in handed)
+
+
+def _same(a: list[float] | None, b: list[float] | None) -> bool:
+    if a is None or b is None or len(a) != len(b):
+        return False
+    pairs = zip(a, b, strict=True)
+    return all(x == y or (math.isnan(x) and math.isnan(y)) or abs(x - y) <= 2**-7 * abs(y) for x, y in pairs)
 
 
 def _flat(indices: Any) -> list[int] | None:
@@ -85,9 +233,11 @@ def bad_rows(t: torch.Tensor) -> dict[str, Any] | None:
     if count in (0, t.shape[0]):
         return None
     found: dict[str, Any] = {"indices": bad.nonzero().flatten().tolist(), "of": t.shape[0]}
-    items = last_indices()
+    items, unknown = _rows()
     if items is not None and len(items) == t.shape[0]:
         found["dataset_indices"] = [items[i] for i in found["indices"]]
+    elif unknown is not None:
+        found["dataset_indices_unknown"] = unknown
     return found
 
 
@@ -107,6 +257,8 @@ def rows_text(rows: dict[str, Any] | None) -> str:
             if one
             else f" (dataset items {named}, drawn by the DataLoader's sampler: dataset[i] reads each)"
         )
+    elif rows.get("dataset_indices_unknown"):
+        text += f" (which dataset items they are is not known: {rows['dataset_indices_unknown']})"
     if rows.get("differs"):
         text += f": in those rows {rows['differs']}"
     return text + "."
