@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint docs bench gpu-check clean
+.PHONY: demo test lint docs bench bench-gate gpu-check clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,13 @@ bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/bench_compiled.py
 	# silent data corruption on 16 gloo ranks (4 nodes of 4): minutes on 2 cores
 	$(BIN)/python benchmarks/bench_sdc.py
+
+# The benchmarks' regression gate (benchmarks/gate.py; CI runs it after `make test`): the always-on
+# paths (watch, the sentinel, the update check), trace, compare and env --from, each read side by
+# side with its plain run in well under a minute; it fails only past twice the budget's added cost
+# (or twice today's where a path is over its budget): a gross regression, not the machine's noise.
+bench-gate: $(BIN)/.installed
+	$(BIN)/python benchmarks/gate.py
 
 # Every GPU path on a machine with an NVIDIA GPU, within 8 minutes; without one it says so and exits 0.
 # Where no .venv can be made (a lent GPU machine): PYTHONPATH=src python3 benchmarks/gpu_check.py
