@@ -122,6 +122,14 @@ def test_lightning_under_accumulation_names_the_bad_micro_batch():
     assert named["indices"] == rows and named["dataset_indices"] == items, named
 
 
+def test_a_batch_copied_after_the_loader_is_found_by_its_values():
+    """A transfer to the device makes new tensors with the same values (a copy here, on the CPU):
+    the step's batch is still found among those handed out."""
+    rows, items = _bad_rows()
+    (named,) = _rows_named(_lightning_run(transfer=lambda x: x.clone()))
+    assert named["indices"] == rows and named["dataset_indices"] == items, named
+
+
 def test_a_batch_changed_after_the_loader_is_said_unknown_never_another_batchs_items():
     """on_after_batch_transfer scales the batch (an augmentation on the device): no batch handed
     out holds its values, so the rows are named by their place only, and the report says why."""
@@ -183,3 +191,25 @@ def test_the_hf_trainer_names_the_items_of_the_step_it_replayed(tmp_path, accumu
     # in order: batch 1 holds items 16-31, item 21 in its row 5 (item 41 is in batch 2)
     named = _rows_named(callback.report)
     assert named and named[0]["indices"] == [5] and named[0]["dataset_indices"] == [21], named
+
+
+def test_batches_that_hold_the_same_values_are_never_told_apart_by_guess():
+    from fpdoctor.numerics.observe.loader import LoaderBatches
+
+    class Same(Dataset):
+        def __len__(self) -> int:
+            return 32
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return torch.ones(4)
+
+    with LoaderBatches(recent=8) as follow:
+        batches = list(DataLoader(Same(), batch_size=8))
+        indices, why = follow.rows_of((batches[1],))
+        assert indices is None and why is not None and "several batches" in why
+        different = follow.rows_of((batches[1] * 2,))
+        assert different[0] is None and different[1] is not None and "none of the last 4" in different[1]
+    with LoaderBatches(recent=8) as follow:
+        loader = DataLoader(Items(), batch_size=16)
+        batches = list(loader)
+        assert follow.rows_of((batches[2], 7)) == (list(range(32, 48)), None)
