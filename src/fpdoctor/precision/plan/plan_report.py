@@ -31,6 +31,7 @@ _NO_PLAN = (
     "no keep-in-fp32 set reached the target (the closest set and its error are in the message): the next step "
     "named is not tried"
 )
+_LAST_RESORT = "run the model in fp32, or in bf16 if fp16's range is the cause"
 _APPLY = "apply the plan: fpdoctor.apply_plan(model, result.plan), or paste its code (result.plan.to_code())"
 _RANGE_LIMITED = tuple(name for name, p in PRECISIONS.items() if p.storage == "fp16")  # fp16's max is 65504
 
@@ -363,13 +364,17 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
                 continue
             if f.name == "decisions-changed" and not the_plan.verified:
                 # no module set gave the decisions back: compare's own fix where its run gave them back
-                # (a checked trial there always did: use.finding), else a divergence's checked fix, if any
+                # (a checked trial there always did: use.finding); where compare judged the divergence's
+                # checked fix by top-1 and it did not, never that fix: the next step, untried
                 checked = f.trial is not None and f.trial.tried
-                out.append(
-                    dataclasses.replace(f, evidence=evidence)
-                    if checked
-                    else dataclasses.replace(f, evidence=evidence, **_checked_or_next(the_plan, search))
-                )
+                judged = any(key in f.evidence for key in ("running_state_kept", "lines_in_fp32"))
+                if checked:
+                    out.append(dataclasses.replace(f, evidence=evidence))
+                elif judged:
+                    step = _next_step(the_plan, search) or _LAST_RESORT
+                    out.append(dataclasses.replace(f, evidence=evidence, fix=step, trial=Trial.untried(_NO_PLAN)))
+                else:
+                    out.append(dataclasses.replace(f, evidence=evidence, **_checked_or_next(the_plan, search)))
                 continue
             if f.name != "precision-divergence":
                 out.append(dataclasses.replace(f, evidence=evidence))
@@ -572,7 +577,7 @@ def _checked_or_next(the_plan: Plan, search: Search) -> dict[str, Any]:
             if f.name == "precision-divergence" and trial is not None and trial.tried and _helped(trial):
                 return {"fix": f"{f.fix} (no module set is the fix: compare's, checked)", "trial": trial}
     return {
-        "fix": _next_step(the_plan, search) or "run the model in fp32, or in bf16 if fp16's range is the cause",
+        "fix": _next_step(the_plan, search) or _LAST_RESORT,
         "trial": Trial.untried(_NO_PLAN),
     }
 
