@@ -276,3 +276,17 @@ def test_the_kept_stage_is_judged_when_the_report_is_read_and_a_skipped_step_is_
     judged = report.data["reference_step"]
     assert judged["update_steps"] == [] and "not finite" in judged["update_not_compared"]["1"]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the scaler skipped it
+
+
+def test_updates_too_small_for_fp32_squares_keep_their_direction() -> None:
+    """A converged run's updates of 1e-22: their squares underflow fp32, their cosine is still 1,
+    and an update 1.5x the reference's is 1.5x."""
+    from fpdoctor.numerics.training.reference_update import _update_rows
+
+    ref = {"a": torch.full((64,), 1e-22), "b": torch.full((4,), -1e-21)}
+    weights = {"a": torch.ones(64), "b": torch.ones(4)}
+    rows = {d.name: d for d in _update_rows("kept", {"a": ref["a"] * 1.5, "b": ref["b"]}, ref, weights)}
+    assert rows["a"].ratio == pytest.approx(1.5) and rows["a"].cosine == pytest.approx(1.0)
+    assert rows["b"].ratio == pytest.approx(1.0) and rows["b"].cosine == pytest.approx(1.0)
+    assert not any(d.departs() for d in rows.values())
+    assert rows["a"].to_weight == pytest.approx(1.5e-22 * 8 / 8)  # |u| = 1.5e-22 * 8, |w| = 8

@@ -33,7 +33,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -41,10 +41,20 @@ import torch
 from torch import nn
 
 from fpdoctor import catalog
-from fpdoctor.numerics.training.reference import RATIO, SHOWN, TINY, Comparison, Departure, _rows
+from fpdoctor.numerics.training.reference import (
+    NEGLIGIBLE,
+    RATIO,
+    SHOWN,
+    STRAY,
+    TINY,
+    Comparison,
+    Departure,
+    _badness,
+)
 from fpdoctor.numerics.updates.measure import LOW_PRECISION, no_global_optimizer_hooks, ours
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Finding, Trial
+from fpdoctor.torchprivate import foreach_norm
 from fpdoctor.userframes import CASEBOOK_DIR, OWN_DIR, is_user_file
 
 UPDATE_STAGES = ("intended", "kept")
@@ -52,6 +62,7 @@ UPDATE_STAGES = ("intended", "kept")
 EVENTS = 2_000_000
 SECONDS = 120.0
 CALLS = 8  # calls the evidence names, most frequent first
+_UNDERFLOW = 1e-15  # a norm this small: its elements' squares (~1e-38 and below) leave fp32's normal range
 
 
 def _copy_optimizer(optimizer: torch.optim.Optimizer, stand_in: dict[int, torch.Tensor], *, fp32: bool) -> Any:
@@ -101,7 +112,7 @@ def step_on_copies(
                     copy = p.detach().to(torch.float32 if fp32 else p.dtype, copy=True)
                     name = names.get(id(p))
                     if name is not None and name in grads:
-                        copy.grad = grads[name].to(copy.dtype)
+                        copy.grad = grads[name].to(copy.dtype, copy=True)  # an optimizer may write into it
                         before[name] = copy.detach().to(torch.float32, copy=True)  # never the copy itself
                     stand_in[id(p)] = copy
             _copy_optimizer(optimizer, stand_in, fp32=fp32).step()
@@ -114,15 +125,55 @@ def step_on_copies(
 def _update_rows(
     stage: str, ours_: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]
 ) -> list[Departure]:
-    """Each parameter's update against the reference's (reference._rows: worst first, negligible
-    ones left out), with the update-to-weight ratio each implies."""
+    """Each parameter's update against the reference's, worst first, with the update-to-weight
+    ratio each implies; a parameter whose reference update is negligible beside the model's is
+    judged only when its own is not (reference._rows's rule). Reductions that read each tensor once
+    and make no copy of it (norms over the whole list at once, a dot product per tensor), one host
+    read; a parameter whose norms are small enough for fp32's squares to underflow is taken again
+    in fp64 (a converged run's updates of 1e-20)."""
+    names = [n for n in ours_ if n in ref and n in weights and ours_[n].shape == ref[n].shape]
+    if not names:
+        return []
+    with ours():
+        got = [ours_[n].reshape(-1) for n in names]
+        want = [ref[n].reshape(-1) for n in names]
+        columns = [
+            torch.stack(foreach_norm(got, torch.float32)),
+            torch.stack(foreach_norm(want, torch.float32)),
+            torch.stack(foreach_norm([weights[n].reshape(-1) for n in names], torch.float32)),
+            torch.stack([torch.dot(a, b) for a, b in zip(got, want, strict=True)]),
+            torch.stack([torch.count_nonzero(b.ne(0) & a.eq(0)) for a, b in zip(got, want, strict=True)]).float(),
+            torch.stack([torch.count_nonzero(b) for b in want]).float(),
+        ]
+        read = torch.cat(columns).tolist()
+    k = len(names)
+    got_norms, ref_norms, w_norms, dots, zeroed, lives = (read[i * k : (i + 1) * k] for i in range(6))
+    for i, (g, r) in enumerate(zip(got_norms, ref_norms, strict=True)):
+        if 0 < r < _UNDERFLOW or 0 < g < _UNDERFLOW:  # fp32's squares lose these: fp64, this tensor only
+            a, b = got[i].double(), want[i].double()
+            got_norms[i], ref_norms[i], dots[i] = float(a.norm()), float(b.norm()), float(a @ b)
+    sizes = [t.numel() for t in want]
+    rms = math.sqrt(sum(r * r for r in ref_norms) / max(sum(sizes), 1))
     out = []
-    for row in _rows(stage, ours_, ref, 1.0):
-        w = float(weights[row.name].norm()) if row.name in weights else 0.0
-        mine = float(ours_[row.name].norm()) / w if w > TINY else None
-        theirs = float(ref[row.name].norm()) / w if w > TINY else None
-        out.append(replace(row, to_weight=mine, ref_to_weight=theirs))
-    return out
+    for i, name in enumerate(names):
+        ref_norm, got_norm, weight = ref_norms[i], got_norms[i], w_norms[i]
+        if not (math.isfinite(got_norm) and math.isfinite(ref_norm)) or ref_norm < TINY:
+            continue  # a non-finite update is the step judge's own finding
+        if ref_norm / math.sqrt(sizes[i]) < NEGLIGIBLE * rms and got_norm / math.sqrt(sizes[i]) < STRAY * rms:
+            continue
+        cosine = dots[i] / (got_norm * ref_norm) if got_norm > 0 else 0.0
+        out.append(
+            Departure(
+                name,
+                stage,
+                got_norm / ref_norm,
+                cosine,
+                zeroed[i] / max(lives[i], 1.0),
+                to_weight=got_norm / weight if weight > TINY else None,
+                ref_to_weight=ref_norm / weight if weight > TINY else None,
+            )
+        )
+    return sorted(out, key=_badness, reverse=True)
 
 
 @dataclass
