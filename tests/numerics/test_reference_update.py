@@ -100,13 +100,15 @@ def test_a_weight_decay_applied_again_after_the_step_departs_at_the_kept_stage_a
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(1 - 0.1)  # the line the finding names
+        opt.zero_grad(set_to_none=False)  # writes the gradients in place: not what the finding names
 
     line = decay_again.__code__.co_firstlineno + 3
     report = _guarded(model, opt, autocast=torch.bfloat16, after=decay_again)
     assert report.by_name("gradients-depart-from-reference") == []
     (found,) = _found(report)
     assert found.evidence["stage"] == "kept", found.message
-    (call, *_) = found.evidence["written_by"]
+    assert found.evidence["written_kind"] == "weights"
+    (call,) = found.evidence["written_by"]
     assert call["call"] == "mul_" and call["line"] == line and call["file"] == __file__
     assert set(call["targets"]) == {n for n, _ in model.named_parameters()}
     assert all(v["norm_ratio"] > 2 for v in found.evidence["kept_vs_intended"].values())
@@ -139,6 +141,33 @@ def test_an_update_clipped_by_an_optimizer_hook_departs_at_the_kept_stage_and_na
     calls = {(c["call"], c["line"]) for c in found.evidence["written_by"]}
     assert ("clamp_", line) in calls, found.evidence["written_by"]
     assert found.evidence["departed_count"] >= 2
+
+
+def test_a_learning_rate_applied_twice_by_a_step_pre_hook_departs_at_the_kept_stage_and_names_the_hook() -> None:
+    """A step pre-hook multiplies the gradients by a warm-up factor the scheduler already puts in
+    the learning rate (here 10x): the gradients step_fn hands on agree with the reference's, the
+    optimizer's own step from them too; the weights keep 10x its update."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def warm_up(optimizer: Any, args: Any, kwargs: Any) -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad.mul_(10.0)  # the line the finding names
+
+    line = warm_up.__code__.co_firstlineno + 3
+    handle = opt.register_step_pre_hook(warm_up)
+    try:
+        report = _guarded(model, opt)
+    finally:
+        handle.remove()
+    assert report.by_name("gradients-depart-from-reference") == []
+    (found,) = _found(report)
+    assert found.evidence["stage"] == "kept" and found.evidence["written_kind"] == "gradients"
+    assert all(abs(d["norm_ratio"] - 10) < 0.5 for d in found.evidence["departed"])
+    (call,) = found.evidence["written_by"]
+    assert (call["call"], call["line"]) == ("mul_", line)
+    assert set(call["targets"]) == {f"{n}.grad" for n, _ in model.named_parameters()}
 
 
 def test_an_update_zeroed_by_restoring_a_frozen_layer_departs_at_the_kept_stage() -> None:

@@ -95,6 +95,7 @@ class Comparison:
     at_fp32: list[Departure] | None = None  # the what-if when the optimizer's own update departs
     kept_vs_intended: dict[str, tuple[float, float]] = field(default_factory=dict)
     written: list[Any] = field(default_factory=list)  # calls seen writing the weights after the step
+    written_kind: str = ""  # what they wrote: "weights", "gradients", "unknown"; "unwatched"; "": none seen
 
     def departed(self, stage: str) -> list[Departure]:
         return [d for d in self.rows.get(stage, []) if d.departs()]

@@ -213,6 +213,7 @@ class WriteWatch:
         self._fn: Callable[[FrameType, str, Any], None] = self._event
         self._until = 0.0
         self.on = False
+        self.started = False  # False: another profile function was set (a profiler's): nothing watched
 
     def start(self) -> None:
         for other in _WATCHING:  # another judge's, whose loop did not step again: this step is the one looked at
@@ -221,7 +222,7 @@ class WriteWatch:
         if sys.getprofile() is None:
             self._until = time.monotonic() + SECONDS
             sys.setprofile(self._fn)
-            self.on = True
+            self.on = self.started = True
             _WATCHING.append(self)
 
     def stop(self) -> None:
@@ -241,6 +242,8 @@ class WriteWatch:
             name = getattr(arg, "__name__", "")
             if not name.endswith("_") or (name.startswith("_") and not name.startswith("_foreach_")):
                 return  # not an in-place write
+            if name in _NOT_WRITES:
+                return
             target = getattr(arg, "__self__", None)
             label: str | None = None
             if isinstance(target, torch.Tensor):
@@ -265,12 +268,23 @@ class WriteWatch:
         except Exception:
             return
 
-    def calls(self) -> list[Written]:
-        """The calls that wrote a parameter, then those whose targets are not known (torch functions
-        called with the parameters: `torch._foreach_mul_(params, ...)`), most calls first."""
-        return sorted(self.seen.values(), key=lambda w: (not w.targets, -w.count))
+    def calls(self) -> tuple[str, list[Written]]:
+        """The most telling calls seen, most calls first, and what they wrote: the weights, else their
+        gradients (a step pre-hook that rescales them), else tensors not known (a torch function given
+        the parameters, `torch._foreach_mul_(params, ...)`); ("", []) when none was seen."""
+        seen = sorted(self.seen.values(), key=lambda w: -w.count)
+        weights = [w for w in seen if any(not t.endswith(".grad") for t in w.targets)]
+        grads = [w for w in seen if w.targets and w not in weights]
+        unknown = [w for w in seen if not w.targets]
+        if weights:
+            return "weights", weights
+        if grads:
+            return "gradients", grads
+        return ("unknown", unknown) if unknown else ("", [])
 
 
+# in-place by name, but they change no value
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_", "retain_grad_", "record_stream_"})
 _WATCHING: list[WriteWatch] = []  # the watch whose profile function is set, if any
 
 
@@ -350,7 +364,9 @@ def finish(pending: Pending, model: nn.Module, *, applied: bool, why: str = "") 
     comparison.kept_vs_intended = {
         d.name: _against(kept[d.name], pending.intended[d.name]) for d in comparison.departed("kept")
     }
-    comparison.written = pending.watch.calls()
+    comparison.written_kind, comparison.written = pending.watch.calls()
+    if not pending.watch.started:
+        comparison.written_kind = "unwatched"
     pending.before.clear()
 
 
@@ -449,9 +465,24 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
         ]
         if changed:
             message += f" What ran after the optimizer's step changed it: {'; '.join(changed)}."
-        if seen:
+        kind = comparison.written_kind
+        if kind == "weights":
             message += f" Calls from your code that wrote the weights between the two steps: {'; '.join(seen)}."
-        if not seen:
+        elif kind == "gradients":
+            message += (
+                " No call from your code wrote the weights in place; these wrote their gradients during the "
+                f"optimizer's step or after it (a step hook's): {'; '.join(seen)}."
+            )
+        elif kind == "unknown":
+            message += (
+                " Calls from your code between the two steps that write tensors in place, given them as "
+                f"arguments (which ones is not seen): {'; '.join(seen)}."
+            )
+        elif kind == "unwatched":
+            message += (
+                " The calls between the two steps were not watched: another profile function (a profiler's) was set."
+            )
+        else:
             message += (
                 " No call from your code was seen writing them in place: an assignment (`p.data = ...`, "
                 "`p.data[...] = ...`), a copy not written back into the model's weights, or another thread."
@@ -491,6 +522,7 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
             "kept_vs_intended": {
                 n: {"norm_ratio": r, "cosine": c} for n, (r, c) in comparison.kept_vs_intended.items()
             },
+            "written_kind": comparison.written_kind,
             "written_by": [
                 {"call": w.call, "targets": w.targets, "file": w.file, "line": w.line, "count": w.count}
                 for w in comparison.written[:CALLS]
