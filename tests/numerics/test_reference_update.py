@@ -304,6 +304,7 @@ def test_the_kept_stage_is_judged_when_the_report_is_read_and_a_skipped_step_is_
     assert _found(report) == []
     judged = report.data["reference_step"]
     assert judged["update_steps"] == [] and "not finite" in judged["update_not_compared"]["1"]
+    assert "the update not compared: the step's gradients are not finite" in report.data["judged"]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the scaler skipped it
 
 
@@ -319,3 +320,21 @@ def test_updates_too_small_for_fp32_squares_keep_their_direction() -> None:
     assert rows["b"].ratio == pytest.approx(1.0) and rows["b"].cosine == pytest.approx(1.0)
     assert not any(d.departs() for d in rows.values())
     assert rows["a"].to_weight == pytest.approx(1.5e-22 * 8 / 8)  # |u| = 1.5e-22 * 8, |w| = 8
+
+
+class _Needs(torch.optim.SGD):
+    """An optimizer of the user's whose constructor takes an argument of its own."""
+
+    def __init__(self, params: Any, factor: float) -> None:
+        super().__init__(params, lr=0.01 * factor)
+
+
+def test_an_optimizer_that_cannot_be_copied_leaves_the_update_uncompared_and_says_why() -> None:
+    model = _model()
+    opt = _Needs(model.parameters(), 2.0)
+    report = _guarded(model, opt)
+    assert _found(report) == [] and report.by_name("sentinel-error") == []
+    why = report.data["reference_step"]["update_not_compared"]["1"]
+    assert why.startswith("the optimizer could not be stepped on copies: TypeError"), why
+    assert report.data["reference_step"]["compared_steps"] == [1]
+    assert sys.getprofile() is None

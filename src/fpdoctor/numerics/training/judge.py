@@ -1021,6 +1021,8 @@ class StepJudge:
                     + ", ".join(map(str, ref["update_steps"][:5]))
                     + " against the same optimizer's update of the fp32 step's gradients"
                 )
+            elif ref.get("update_not_compared"):
+                parts.append(f"the update not compared: {next(iter(ref['update_not_compared'].values()))}")
         elif ref is not None:
             why = ref.get("off") or next(iter(ref["not_compared"].values()), "no step was due")
             parts.append(f"no reference step: {why}")
