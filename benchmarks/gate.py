@@ -250,7 +250,7 @@ def _mlp(shape: Shape) -> str:
     return f"MLP {shape.tensors} x {shape.width}, {shape.optimizer} AdamW"
 
 
-def alternate(variants: dict[str, Callable[[], None]], steps: int) -> dict[str, float]:
+def alternate(variants: dict[str, Callable[[], object]], steps: int) -> dict[str, float]:
     """Median CPU seconds per call of each variant, called in turn (A B, A B, ...) after one
     warm-up call each."""
     for fn in variants.values():
@@ -292,8 +292,8 @@ def compare_row() -> Result:
     torch.manual_seed(0)
     model = small_transformer(layers=2, dim=256).eval()
     with torch.no_grad():
-        embed = model.embed(batch(length=128)[0]).detach()
-    encoder = model.encoder
+        embed = model.get_submodule("embed")(batch(length=128)[0]).detach()
+    encoder = model.get_submodule("encoder")
     with threads(1):
         candidate = make_run(encoder, "fp16").eval()
         x = embed.to(compute_dtype("fp16"))
