@@ -47,6 +47,7 @@ from torch import nn
 import fpdoctor
 from fpdoctor.numerics.observe.gradcheck import FlagRead
 from fpdoctor.numerics.training import corruption
+from fpdoctor.numerics.training.distributed import BucketWatch
 
 FAULTS = ("bitflip", "tile", "stale")
 BATCH, DIM, HIDDEN, CLASSES = 64, 32, 128, 8
@@ -309,13 +310,15 @@ def _host_cost(world: int, steps: int = 300) -> dict[str, float]:
 def _own_cost(model: nn.Module, step: Any, world: int = 16, rounds: int = 15, block: int = 10) -> dict[str, float]:
     """The corruption sentinel's own work per step against the CPU step it watches, in this process,
     alternating blocks, medians: the norm over the gradient bytes in DDP's buckets (its first of
-    1 MB, then 25 MB), the two sums packed, the flags unpacked, the sums read back, and judged (the
-    other `world` - 1 ranks' norms synthetic, healthy). The all-reduce is the step's own either way."""
+    1 MB, then 25 MB), then `exchange` and `observe` as a step runs them, the all-reduce replaced by
+    adding the other `world` - 1 ranks' share (synthetic, healthy): the step makes its all-reduce of
+    two numbers either way."""
     step()
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
     first, rest = 2**18, 25 * 2**18  # DDP's bucket caps in float32 elements
     buckets = [grads[:first], *grads[first:].split(rest)] if grads.numel() > first else [grads]
-    watch = corruption.CorruptionWatch(nn.Linear(1, 1), None, torch.device("cpu"))
+    bucket_watch = BucketWatch(nn.Linear(1, 1))
+    watch = corruption.CorruptionWatch(nn.Linear(1, 1), bucket_watch, torch.device("cpu"))
     watch.world, watch.off = world, None
     g = torch.Generator().manual_seed(0)
     base = torch.randn(world, generator=g) * 0.1
@@ -323,17 +326,19 @@ def _own_cost(model: nn.Module, step: Any, world: int = 16, rounds: int = 15, bl
     scale = math.log(float(torch.linalg.vector_norm(grads)))  # about this rank's own log-norm: a healthy spread
     others = [_others((scale + base + 0.02 * torch.randn(world, generator=g)).tolist()[1:]) for _ in range(total)]
     flags = torch.zeros(2)
-    masks = torch.tensor([2**14 - 1, (2**14 - 1) << 14])
     n = 0
+
+    def reduce(packed: torch.Tensor) -> None:  # the other ranks' share added, as the all-reduce would
+        packed[0] += others[n][0] << 28
+        packed[1] += others[n][1]
+
+    watch.reduce = reduce
 
     def own() -> None:
         nonlocal n
         norms = [torch.linalg.vector_norm(b, dtype=torch.float32) for b in buckets]
-        norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
-        out = watch.pack(flags != 0, norm)
-        ((out[:1] & masks) != 0).to(flags.dtype)
-        FlagRead(out, exact=True)
-        watch._reads[n] = FlagRead(_sums(out, others[n]), exact=True)  # the all-reduce's result
+        bucket_watch._norms = norms  # as the DDP hook leaves them
+        watch.exchange(flags, n)
         watch.observe(n, True, lambda finding: None)
         n += 1
 

@@ -150,6 +150,16 @@ def _median_of_chi2(dof: int) -> float:
     return (1.0 - 2.0 / (9.0 * dof)) ** 3 if dof > 0 else 1.0
 
 
+@dataclass
+class _Read:
+    """Sums already on the host (a CPU run): what `FlagRead(..., exact=True)` gives on a GPU."""
+
+    values: list[int]
+
+    def ints(self) -> list[int]:
+        return self.values
+
+
 class CorruptionWatch:
     """The corruption sentinel of one run's step judge: `exchange` in the step's all-reduce,
     `observe` when the step is judged. Inactive outside torch.distributed (nothing to compare)."""
@@ -169,7 +179,10 @@ class CorruptionWatch:
             self.off = "no DDP communication hook of fpdoctor's (FSDP, or a hook of your own): no pre-reduce norm"
         else:
             bucket_watch.norms = True
-        self._reads: dict[int, FlagRead] = {}
+        self._reads: dict[int, FlagRead | _Read] = {}
+        self._agreed: dict[tuple[Any, ...], torch.Tensor] = {}  # the CPU's four answers, per dtype and shape
+        # the collective: a benchmark puts its own in to time the rest in one process
+        self.reduce: Callable[[torch.Tensor], object] = torch.distributed.all_reduce
         self._signals: dict[tuple[torch.device, int], torch.Tensor] = {}  # B's escalate/missing bits, made once
         self._devices: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._asking: list[tuple[int, float]] | None = None  # the strikes (step, z) that asked
@@ -209,16 +222,25 @@ class CorruptionWatch:
         except Exception as exc:  # the observer never breaks the step's collective: send no norm
             self._error(exc)
             out = self.pack(flags, None)
-        torch.distributed.all_reduce(out[:2])  # [A, B] summed in place; out[2] stays this rank's X
-        self._reads[step] = FlagRead(out, exact=True)
-        while len(self._reads) > 4:  # steps never judged (an observer failure before the judge)
+        self.reduce(out[:2])  # [A, B] summed in place over ranks; out[2] stays this rank's X
+        while len(self._reads) >= 4:  # steps never judged (an observer failure before the judge)
             del self._reads[min(self._reads)]
-        if out.device.type == "cpu":  # read at once: a tensor made from two bools costs less than three ops
-            a = int(out[0])
-            both = [float(a & (2**_FLAG_BITS - 1) != 0), float((a >> _FLAG_BITS) & (2**_FLAG_BITS - 1) != 0)]
-            return torch.tensor(both, dtype=agreed.dtype).reshape(agreed.shape)
-        masks = self._constants(out.device)[2]
-        return ((out[:1] & masks) != 0).to(agreed.dtype).reshape(agreed.shape)
+        if out.device.type != "cpu":  # on the device, nothing read back: the step goes on
+            self._reads[step] = FlagRead(out, exact=True)
+            masks = self._constants(out.device)[2]
+            return ((out[:1] & masks) != 0).to(agreed.dtype).reshape(agreed.shape)
+        # on the CPU the sums are there: read once, and the flags handed back as one of four
+        # tensors made once (a few us a step less than making one; the callers only read them)
+        values = out.tolist()
+        self._reads[step] = _Read(values)
+        a = values[0]
+        key = (agreed.dtype, agreed.shape, a & (2**_FLAG_BITS - 1) != 0, (a >> _FLAG_BITS) & (2**_FLAG_BITS - 1) != 0)
+        both = self._agreed.get(key)
+        if both is None:
+            both = self._agreed[key] = torch.tensor([float(key[2]), float(key[3])], dtype=agreed.dtype).reshape(
+                agreed.shape
+            )
+        return both
 
     def pack(self, flags: torch.Tensor, norm: torch.Tensor | None, *, on_device: bool | None = None) -> torch.Tensor:
         """This rank's [A, B, X] (int64, on the flags' device), as the docstring lays them out, from
