@@ -188,7 +188,7 @@ def measure_variants(
 def _rounds(done: int, asked: int) -> str:
     """How many rounds the section ran, and why fewer than asked."""
     if done == asked:
-        return f"{done} rounds"
+        return f"{done} round{'s' if done != 1 else ''}"
     return f"{done} of {asked} rounds (stopped after {SECTION_SECONDS:.0f} s of wall time)"
 
 
