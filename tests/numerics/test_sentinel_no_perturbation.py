@@ -14,7 +14,13 @@ CASES = {
     "adamw-fused-deferred": {"opt": {"fused": True}, "deferred": True},
     "bf16-autocast-gradscaler": {"opt": {"foreach": True}, "autocast": torch.bfloat16, "scaler": True},
     "fp16-autocast-gradscaler-fused": {"opt": {"fused": True}, "autocast": torch.float16, "scaler": True},
-    "fp16-model": {"opt": {"foreach": True, "eps": 1e-4}, "model_dtype": torch.float16},
+    # AdamW's exp_avg_sq of an fp16 model is fp16: 0.001 * g^2 lands among the subnormals, and the
+    # update of the first layer is 8x the fp32 optimizer's; the reference step says so (TRN018)
+    "fp16-model": {
+        "opt": {"foreach": True, "eps": 1e-4},
+        "model_dtype": torch.float16,
+        "finds": ["update-departs-from-reference"],
+    },
     "accumulate-3": {"opt": {"foreach": True}, "accumulate": 3},
 }
 
@@ -60,7 +66,7 @@ def _run(case: dict, guarded: bool):
             if accumulate > 1:
                 opt.zero_grad(set_to_none=True)
     if guard is not None:
-        assert guard.report.findings == [], guard.report.findings
+        assert [f.name for f in guard.report.findings] == case.get("finds", []), guard.report.findings
     state = [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
     return losses, state, torch.get_rng_state()
 

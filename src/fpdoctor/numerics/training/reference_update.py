@@ -329,11 +329,15 @@ def start(
     the step's gradients at their own dtype, `divide`: the loss scale the optimizer will divide out
     (1 where step_fn unscaled them). None: the step's gradients are not finite (the scaler skips it)."""
     grads = {n: g.float() / divide if divide != 1.0 else g for n, g in live.items()}
-    if not math.isfinite(sum(float(g.float().norm()) for g in grads.values())):
+    if grads and not math.isfinite(float(torch.stack(foreach_norm(list(grads.values()), torch.float32)).sum())):
         comparison.update_not_compared = "the step's gradients are not finite: the optimizer is not given them"
         return None
     params = dict(model.named_parameters())
-    weights = {n: params[n].detach().float() for n in grads if n in params}
+    # the parameters whose gradients were judged: one whose reference gradient is rounding only (a bias
+    # before a normalisation) has an update made of that rounding too, and Adam's, divided by its own
+    # size, is as large as any other's: judging it would judge the rounding's sign
+    judged = {d.name for d in comparison.rows.get("optimizer", [])}
+    weights = {n: params[n].detach().float() for n in grads if n in params and n in judged}
     reference = step_on_copies(optimizer, model, reference_grads, fp32=True)
     intended = step_on_copies(optimizer, model, grads, fp32=False)
     comparison.rows["intended"] = _update_rows("intended", intended, reference, weights)
@@ -343,7 +347,7 @@ def start(
         fp32 = step_on_copies(optimizer, model, grads, fp32=True)
         comparison.at_fp32 = [d for d in _update_rows("intended", fp32, reference, weights) if d.departs()]
         return None
-    before = {n: params[n].detach().clone() for n in grads if n in params}
+    before = {n: params[n].detach().clone() for n in weights}
     watch = WriteWatch(model)
     watch.start()
     return Pending(comparison, recipe, before, reference, intended, watch, comparison.optimizer)
