@@ -338,3 +338,27 @@ def test_an_optimizer_that_cannot_be_copied_leaves_the_update_uncompared_and_say
     assert why.startswith("the optimizer could not be stepped on copies: TypeError"), why
     assert report.data["reference_step"]["compared_steps"] == [1]
     assert sys.getprofile() is None
+
+
+def test_a_cause_seen_again_at_a_later_reference_step_is_one_finding_with_its_count() -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def decay_again(i: int) -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.9)
+
+    guard = fpdoctor.Sentinel(model, opt, reference_every=2)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    for i in range(4):  # reference steps 1 and 3, each judged when the next begins
+        guard.step(step, *_batch(i))
+        decay_again(i)
+    (found,) = _found(guard.report)
+    assert found.evidence["occurrences"] == 2 and found.evidence["steps"] == [1, 3]

@@ -865,7 +865,7 @@ class StepJudge:
         recipe += ", autocast as step_fn sets it"
         made = reference.finding(result, recipe=recipe, here=self.here)
         if made is not None:
-            self.findings.append(made)
+            self.causes.add(made)  # a cause seen again at a later reference step adds to its count
         elif result.first_stage() is None and result.not_compared is None and not backward_only:
             divide = scale if scale is not None and scale > 0 and not unscaled else 1.0
             self._update_stages(result, optimizer, divide=divide, recipe=recipe)
@@ -888,7 +888,7 @@ class StepJudge:
             return
         made = reference_update.finding(result, recipe=recipe, here=self.here)
         if made is not None:
-            self.findings.append(made)
+            self.causes.add(made)
 
     def finish_update(self) -> None:
         """The weights of the last reference step against those before it, once it was applied."""
@@ -907,7 +907,7 @@ class StepJudge:
             self.error("comparing the weights with the reference step's update", exc, step)
             return
         if made is not None:
-            self.findings.append(made)
+            self.causes.add(made)
 
     def error(self, doing: str, exc: BaseException, step: int | None = None) -> None:
         """A failure of the observer's own: a finding once per distinct error, never raised."""
