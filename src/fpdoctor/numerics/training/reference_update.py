@@ -51,7 +51,7 @@ from fpdoctor.numerics.training.reference import (
     Departure,
     _badness,
 )
-from fpdoctor.numerics.updates.measure import LOW_PRECISION, no_global_optimizer_hooks, ours
+from fpdoctor.numerics.updates.measure import no_global_optimizer_hooks, ours
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Finding, Trial
 from fpdoctor.torchprivate import foreach_norm
@@ -98,9 +98,11 @@ def step_on_copies(
     grads: dict[str, torch.Tensor],
     *,
     fp32: bool,
+    described: list[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """One step of a copy of `optimizer` over copies of the model's weights (fp32, or each at its own
-    dtype) whose gradients are `grads` (by parameter name): each named weight's change, in fp32."""
+    dtype) whose gradients are `grads` (by parameter name): each named weight's change, in fp32.
+    `described`: gets the copy after its step, in words (its state exists from the first step on)."""
     names = {id(p): n for n, p in model.named_parameters()}
     stand_in: dict[int, torch.Tensor] = {}
     before: dict[str, torch.Tensor] = {}
@@ -115,7 +117,10 @@ def step_on_copies(
                         copy.grad = grads[name].to(copy.dtype, copy=True)  # an optimizer may write into it
                         before[name] = copy.detach().to(torch.float32, copy=True)  # never the copy itself
                     stand_in[id(p)] = copy
-            _copy_optimizer(optimizer, stand_in, fp32=fp32).step()
+            copied = _copy_optimizer(optimizer, stand_in, fp32=fp32)
+            copied.step()
+            if described is not None:
+                described.append(_describe(copied))
             by_name = {names[i]: t for i, t in stand_in.items() if i in names}
             return {n: by_name[n].detach().float() - w for n, w in before.items()}
     finally:
@@ -312,7 +317,6 @@ class Pending:
     reference: dict[str, torch.Tensor]  # the reference's update
     intended: dict[str, torch.Tensor]  # the optimizer's own update, on copies
     watch: WriteWatch
-    optimizer: str
 
 
 def start(
@@ -339,9 +343,10 @@ def start(
     judged = {d.name for d in comparison.rows.get("optimizer", [])}
     weights = {n: params[n].detach().float() for n in grads if n in params and n in judged}
     reference = step_on_copies(optimizer, model, reference_grads, fp32=True)
-    intended = step_on_copies(optimizer, model, grads, fp32=False)
+    described: list[str] = []
+    intended = step_on_copies(optimizer, model, grads, fp32=False, described=described)
     comparison.rows["intended"] = _update_rows("intended", intended, reference, weights)
-    comparison.optimizer = _describe(optimizer)
+    comparison.optimizer = described[0]
     if comparison.departed("intended"):
         # the what-if: the same optimizer over fp32 copies of the same weights and state, on the same gradients
         fp32 = step_on_copies(optimizer, model, grads, fp32=True)
@@ -350,7 +355,7 @@ def start(
     before = {n: params[n].detach().clone() for n in weights}
     watch = WriteWatch(model)
     watch.start()
-    return Pending(comparison, recipe, before, reference, intended, watch, comparison.optimizer)
+    return Pending(comparison, recipe, before, reference, intended, watch)
 
 
 def finish(pending: Pending, model: nn.Module, *, applied: bool, why: str = "") -> None:
@@ -398,15 +403,6 @@ def _describe(optimizer: torch.optim.Optimizer) -> str:
     how = next((k for k in ("fused", "foreach") if group.get(k)), None)
     text = f"{type(optimizer).__name__}{f' ({how})' if how else ''} over {'/'.join(weights)} weights"
     return text + (f", its state {', '.join(state)}" if state else "")
-
-
-def low_precision(optimizer: torch.optim.Optimizer) -> bool:
-    """The optimizer's weights or state in bf16/fp16: its own arithmetic rounds."""
-    weights = any(p.dtype in LOW_PRECISION for g in optimizer.param_groups for p in g["params"])
-    state = any(
-        isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION for s in optimizer.state.values() for v in s.values()
-    )
-    return weights or state
 
 
 def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Finding | None:
