@@ -362,3 +362,25 @@ def test_a_cause_seen_again_at_a_later_reference_step_is_one_finding_with_its_co
         decay_again(i)
     (found,) = _found(guard.report)
     assert found.evidence["occurrences"] == 2 and found.evidence["steps"] == [1, 3]
+
+
+def test_a_report_read_on_another_thread_takes_the_profile_function_off_the_training_thread() -> None:
+    import threading
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = fpdoctor.Sentinel(model, opt)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    guard.step(step, *_batch(0))
+    assert sys.getprofile() is not None
+    reader = threading.Thread(target=lambda: guard.report)
+    reader.start()
+    reader.join(timeout=60)
+    len([1])  # any call on this thread: the profile function sees it stopped and takes itself off
+    assert sys.getprofile() is None

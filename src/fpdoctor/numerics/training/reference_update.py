@@ -231,6 +231,8 @@ class WriteWatch:
             _WATCHING.append(self)
 
     def stop(self) -> None:
+        """Off now in this thread; from another thread (a report read there), at the training
+        thread's next call, by the profile function itself."""
         if self.on and sys.getprofile() == self._fn:  # never someone else's, set since
             sys.setprofile(None)
         self.on = False
@@ -238,6 +240,9 @@ class WriteWatch:
     def _event(self, frame: FrameType, event: str, arg: Any) -> None:
         # a profile function that raises is taken off and the exception reaches the user: never
         try:
+            if not self.on:
+                sys.setprofile(None)  # stopped from another thread: this thread's profile function is this one
+                return
             if event != "c_call":
                 return
             self._events += 1
