@@ -324,13 +324,14 @@ def _own_cost(model: nn.Module, step: Any, world: int = 16, rounds: int = 15, bl
     base = torch.randn(world, generator=g) * 0.1
     total = corruption.CALIBRATION_STEPS + 5 + rounds * block
     scale = math.log(float(torch.linalg.vector_norm(grads)))  # about this rank's own log-norm: a healthy spread
-    others = [_others((scale + base + 0.02 * torch.randn(world, generator=g)).tolist()[1:]) for _ in range(total)]
+    shares = [_others((scale + base + 0.02 * torch.randn(world, generator=g)).tolist()[1:]) for _ in range(total)]
+    # the other ranks' share of [A, B] per step, made beforehand: the stand-in for the all-reduce is one add
+    others = [torch.tensor([s << 28, q], dtype=torch.int64) for s, q in shares]
     flags = torch.zeros(2)
     n = 0
 
     def reduce(packed: torch.Tensor) -> None:  # the other ranks' share added, as the all-reduce would
-        packed[0] += others[n][0] << 28
-        packed[1] += others[n][1]
+        packed.add_(others[n])
 
     watch.reduce = reduce
 

@@ -68,9 +68,11 @@ SETTLE = 16  # the spread again on centred norms, this many judged steps after t
 WINDOW = 256
 RECALIBRATE_EVERY = 64
 QUIET = 4.0  # a step whose variance across ranks is beyond QUIET spreads^2 calibrates nothing
-# 8 spreads: a Gaussian deviation gives one every 10^15 ranks x steps; measured on 4 x 2000 and
-# 16 x 1000 healthy steps of benchmarks/bench_sdc.py, the largest seen was well under it.
-THRESHOLD = 8.0
+# 6 spreads: a Gaussian deviation gives one every 5 x 10^8 ranks x steps, and STRIKES of one rank
+# within STRIKE_WINDOW steps escalate (the escalation, not the strike, names a rank). Measured on
+# benchmarks/bench_sdc.py: healthy |z| at most 4.5 over 16 x 1000 steps and 6.0 over 4 x 300; a
+# stale output on one of 16 ranks, 6.8-7.3 on each faulty step (8 found it on none).
+THRESHOLD = 6.0
 FLOOR = 0.02  # the least spread of a log-norm (2%): identical data on every rank has none
 STRIKES = 3
 STRIKE_WINDOW = 32
@@ -321,9 +323,17 @@ class CorruptionWatch:
             if self.judged >= self._recalibrate_at:
                 self._calibrate()
             return
-        # against the other ranks' mean (n/(n-1) times the deviation), over that difference's own
-        # spread (the others' mean has a variance of its own): sqrt(n/(n-1)) times the deviation
-        z = deviation * math.sqrt(n / (n - 1)) / self._spread
+        # against the other ranks' mean, over the spread of that difference (the others' mean has a
+        # variance of its own: n/(n-1) the spread's square), where the spread is the calibrated one
+        # or, if larger, the other ranks' own this step: a rank the outlier's pull moves off the
+        # mean (by 1/n of the outlier's distance: a few ranks, a large fault) sees the outlier in
+        # the others' spread and stays under the threshold, while the outlier sees healthy ranks
+        others = (total - x) / (n - 1)
+        spread = self._spread
+        if n > 2:
+            theirs = (squares - x * x - (n - 1) * others * others) / (n - 2) * QUANTUM * QUANTUM
+            spread = max(spread, math.sqrt(max(theirs, 0.0)))
+        z = (x - others) * QUANTUM / (spread * math.sqrt(n / (n - 1)))
         if self.trace is not None:  # for a benchmark's distribution of the statistic
             self.trace.append((step, [z]))
         if variance <= QUIET * self._spread**2:  # the same rule on every rank: the same kept steps
