@@ -293,9 +293,11 @@ def _host_cost(world: int, steps: int = 300) -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
     base = torch.randn(world, generator=g) * 0.1
     flags, norm = torch.zeros(2, dtype=torch.bool), torch.ones(())
+    # the other ranks' shares made beforehand: lists of `world` floats made in the timed loop would
+    # put their garbage collection into it
+    shares = [_others((base + 0.02 * torch.randn(world, generator=g)).tolist()[1:]) for _ in range(steps)]
     build, judge = [], []
-    for step in range(1, steps + 1):
-        others = _others((base + 0.02 * torch.randn(world, generator=g)).tolist()[1:])
+    for step, others in enumerate(shares, start=1):
         start = time.perf_counter()
         FlagRead(watch.pack(flags, norm), exact=True)
         build.append(time.perf_counter() - start)
