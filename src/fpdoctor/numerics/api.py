@@ -138,10 +138,11 @@ class Trace:
 
         # what each optimizer step did to bf16/fp16 trainable weights, measured as the sentinel does
         self._updates = self._stack.enter_context(TraceUpdates(self.tracker.param_names))
-        from fpdoctor.numerics.observe.loader import LoaderBatches
+        from fpdoctor.numerics.trace.step_batch import StepBatch
 
-        # the dataset indices of each DataLoader batch: bad rows are named as dataset items too
-        self._stack.enter_context(LoaderBatches())
+        # the dataset indices of the DataLoader batch the step was seen to read: bad rows are named
+        # as dataset items too (a framework's loop fetches ahead: not the last batch handed out)
+        self.tracker.on_call = self._stack.enter_context(StepBatch(self.tracer)).on_call
         self._stack.enter_context(self.tracker)
         self._stack.enter_context(self.tracer)
         if not self._forced_eager:  # compiled graphs run compiled, each call checked; exits before the tracer

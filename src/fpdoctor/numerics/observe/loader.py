@@ -14,7 +14,9 @@ handed out is the next step's. The framework callbacks keep a short trace of wha
 the step's own batch in it by its values (`rows_of`), when a bad step is run again; where it is not
 there (a batch changed after the loader, in a transfer hook or on the device) or it is ambiguous,
 the rows' report says that their dataset items are not known, and why (`set_step_rows`), instead of
-naming another batch's.
+naming another batch's. A trace finds the step's batch the same way, by what the step's ops and
+modules were seen to read (numerics/trace/step_batch.py): it hands `rows_from` a resolver that
+`bad_rows` asks, with the tensors the op that made the bad rows read (`reading`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import contextlib
 import math
 import threading
 import weakref
-from collections import deque
-from collections.abc import Iterator, Mapping
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy
@@ -48,6 +50,47 @@ def last_indices() -> list[int] | None:
 
 def _rows() -> tuple[list[int] | None, str | None]:
     return getattr(_last, "rows", _NOTHING)
+
+
+# what a step's rows are asked of, given the tensors the op that made them read: (indices, why not),
+# or None to leave it to the thread's last batch
+Resolver = Callable[[tuple[Any, ...]], "tuple[list[int] | None, str | None] | None"]
+
+
+def _step_rows() -> tuple[list[int] | None, str | None]:
+    resolver = getattr(_last, "resolver", None)
+    if resolver is not None:
+        try:
+            found = resolver(getattr(_last, "reading", ()))
+        except Exception as exc:  # ours: the rows are still named by their place, the check that asked goes on
+            return None, f"which batch the step read could not be told ({type(exc).__name__}: {exc})"
+        if found is not None:
+            return found
+    return _rows()
+
+
+@contextlib.contextmanager
+def rows_from(resolver: Resolver) -> Iterator[None]:
+    """Inside, in this thread, `bad_rows` asks `resolver` which batch the step computes on (a
+    trace: the batch its ops were seen to read) before the last batch handed out."""
+    saved = getattr(_last, "resolver", None)
+    _last.resolver = resolver
+    try:
+        yield
+    finally:
+        _last.resolver = saved
+
+
+@contextlib.contextmanager
+def reading(values: tuple[Any, ...]) -> Iterator[None]:
+    """Inside, in this thread, `values` are what the op whose bad rows are named read (its
+    arguments, or the bad input itself): the first place the resolver looks for a batch's tensors."""
+    saved = getattr(_last, "reading", ())
+    _last.reading = values
+    try:
+        yield
+    finally:
+        _last.reading = saved
 
 
 @contextlib.contextmanager
@@ -80,20 +123,28 @@ def _on_indices(iterator: Any, indices: Any) -> None:
 
 
 def _on_batch(iterator: Any, in_order: bool, batch: Any) -> None:
-    for watcher in list(_open):
+    watchers = list(_open)
+    for watcher in watchers:
         watcher._on_batch(iterator, in_order, batch)
+    for watcher in watchers:  # after all have recorded it: a listener may read what they say
+        watcher._tell(batch)
 
 
 class LoaderBatches(contextlib.AbstractContextManager["LoaderBatches"]):
     """While open, every DataLoader batch handed out records its dataset indices (`last_indices`);
     with `recent`, the last `recent` batches handed out are kept as (shapes and a few values,
-    indices), for `rows_of` to find a step's batch among them."""
+    indices), for `rows_of` to find a step's batch among them. `on_batch(batch, indices)` hears of
+    each batch handed out in the thread that opened it, once recorded."""
 
-    def __init__(self, recent: int = 0) -> None:
+    def __init__(self, recent: int = 0, on_batch: Callable[[Any, list[int] | None], None] | None = None) -> None:
         self._queues: weakref.WeakKeyDictionary[Any, deque[Any]] = weakref.WeakKeyDictionary()
         self._saved: tuple[list[int] | None, str | None] = _NOTHING
         self._recent: deque[tuple[list[_Leaf], list[int] | None]] | None = deque(maxlen=recent) if recent else None
+        # the shapes of the recent batches' tensors: a tensor of another shape is none of them (not read)
+        self.shapes: Counter[tuple[int, ...]] = Counter()
         self._mine: int | None = None  # the thread that opened it: a batch handed out elsewhere is not its step's
+        self._listener = on_batch
+        self._told: tuple[Any, list[int] | None] | None = None  # the batch handed out, until `_tell`
 
     def __enter__(self) -> LoaderBatches:
         # not cleared: a replay traced inside a watched step reads the batch the step was given
@@ -137,26 +188,65 @@ class LoaderBatches(contextlib.AbstractContextManager["LoaderBatches"]):
         indices = queue.popleft() if queue else None
         flat = _flat(indices) if in_order else None
         _last.rows = (flat, None)
-        if self._recent is not None and threading.get_ident() == self._mine:
+        if threading.get_ident() != self._mine:
+            return
+        if self._listener is not None:
+            self._told = (batch, flat)
+        if self._recent is not None:
             # a few values of a batch on the host: microseconds, no device read; a batch we cannot
             # read is not matched, and the loader goes on
             with contextlib.suppress(Exception):
-                self._recent.append((_leaves(batch, read=lambda t: t.device.type == "cpu"), flat))
+                leaves = _leaves(batch, read=lambda t: t.device.type == "cpu")
+                recent = self._recent
+                if len(recent) == recent.maxlen:
+                    self.shapes.subtract(leaf.shape for leaf in recent[0][0])
+                recent.append((leaves, flat))
+                self.shapes.update(leaf.shape for leaf in leaves)
+                self.shapes += Counter()  # the shapes no kept batch has any more go
 
-    def rows_of(self, inputs: Any) -> tuple[list[int] | None, str | None]:
+    def _tell(self, batch: Any) -> None:
+        told, self._told = self._told, None
+        if told is not None and told[0] is batch and self._listener is not None:
+            with contextlib.suppress(Exception):  # the listener's failure is not the loader's
+                self._listener(*told)
+
+    @property
+    def handed_out(self) -> int:
+        """How many of the recent batches are kept (0: none was handed out while open)."""
+        return len(self._recent) if self._recent is not None else 0
+
+    def rows_of(self, inputs: Any, *, whole: bool = True) -> tuple[list[int] | None, str | None]:
         """Which of the recent batches handed out the step's `inputs` are (the arguments the
         framework hands the step or the model: the batch, moved to the device or not): its dataset
-        indices, or (None, why they are not known). A few values are read from the inputs: a
-        host read on a device, once per call (bad steps and their checks only)."""
+        indices, or (None, why they are not known). A few values are read from the inputs shaped
+        like a batch's tensor: a host read on a device, once per call (bad steps and their checks
+        only). `whole=False`: the inputs hold some of a batch's tensors (a model handed the
+        features, not the labels), see `holding`."""
         if self._recent is None:
             return None, "the DataLoader's batches were not followed"
         if not self._recent:
             return None, "no DataLoader batch was handed out while the callback watched"
-        given = _leaves(inputs, read=lambda t: True)
-        found = [indices for leaves, indices in self._recent if _within(leaves, given)]
+        return self.said(self.holding(inputs, whole=whole))
+
+    def holding(self, inputs: Any, *, whole: bool = True) -> list[list[int] | None]:
+        """The dataset indices (None: not said) of each recent batch that `inputs` hold: every tensor
+        of the batch among them (`whole`), or else the batches that share the most tensors with
+        them (one at least). Empty when none does."""
+        recent = self._recent or ()
+        shapes = self.shapes
+        given = _leaves(inputs, read=lambda t: tuple(t.shape) in shapes)
+        if whole:
+            return [indices for leaves, indices in recent if _within(leaves, given)]
+        shared = [(_shared(leaves, given), indices) for leaves, indices in recent]
+        most = max((n for n, _ in shared), default=0)
+        return [indices for n, indices in shared if n == most] if most else []
+
+    def said(self, found: list[list[int] | None]) -> tuple[list[int] | None, str | None]:
+        """What `holding`'s answer says of the step's rows: the dataset indices of the one batch
+        found, or (None, why they are not known)."""
         if not found:
             return None, (
-                f"the step's batch is none of the last {len(self._recent)} the DataLoader handed out "
+                f"the step's batch is none of the last {self.handed_out} the DataLoader handed out "
                 "(changed after the loader: in a transfer hook, on the device, or built by hand)"
             )
         if any(indices != found[0] for indices in found[1:]):
@@ -225,6 +315,15 @@ def _within(handed: list[_Leaf], given: list[_Leaf]) -> bool:
     return all(any(g.shape == h.shape and _same(g.values, h.values) for g in given) for h in handed)
 
 
+def _shared(handed: list[_Leaf], given: list[_Leaf]) -> int:
+    """How many tensors of a batch handed out (each read) are among `given`."""
+    return sum(
+        1
+        for h in handed
+        if h.values is not None and any(g.shape == h.shape and _same(g.values, h.values) for g in given)
+    )
+
+
 def _same(a: list[float] | None, b: list[float] | None) -> bool:
     if a is None or b is None or len(a) != len(b):
         return False
@@ -244,7 +343,8 @@ def _flat(indices: Any) -> list[int] | None:
 
 def bad_rows(t: torch.Tensor) -> dict[str, Any] | None:
     """The rows along dim 0 of `t` that hold NaN/Inf, where only some do: their places in the batch
-    and, where dim 0 is as long as the DataLoader's last batch, the dataset items they are."""
+    and, where dim 0 is as long as the step's batch, the dataset items they are (the batch a trace saw
+    the step read, `rows_from`, else the DataLoader's last batch, or `set_step_rows`'s)."""
     if t.dim() < 2 or t.shape[0] < 2:
         return None
     bad = (~torch.isfinite(t.detach())).reshape(t.shape[0], -1).any(1)
@@ -252,7 +352,7 @@ def bad_rows(t: torch.Tensor) -> dict[str, Any] | None:
     if count in (0, t.shape[0]):
         return None
     found: dict[str, Any] = {"indices": bad.nonzero().flatten().tolist(), "of": t.shape[0]}
-    items, unknown = _rows()
+    items, unknown = _step_rows()
     if items is not None and len(items) == t.shape[0]:
         found["dataset_indices"] = [items[i] for i in found["indices"]]
     elif unknown is not None:

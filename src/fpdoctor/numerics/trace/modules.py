@@ -61,6 +61,8 @@ class ModuleTracker:
         self.calls: Counter[str] = Counter()
         self.optimizer_steps = 0
         self.on_output = on_output
+        # told of each module call, with its positional arguments (which batch the step reads)
+        self.on_call: Callable[[nn.Module, Any], None] | None = None
         self._handles: list[Any] = []
 
     def _name_tree(self, root: nn.Module, prefix: str) -> None:
@@ -111,6 +113,11 @@ class ModuleTracker:
         index = self.calls[name]
         self.calls[name] += 1
         self.stack.append((name, index, in_backward()))
+        if self.on_call is not None:
+            try:  # noqa: SIM105  (at every module call: a try costs nothing, suppress() a context manager)
+                self.on_call(module, args)
+            except Exception:  # the observer never raises into the user's forward; the rows go unnamed
+                pass
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         if compiling():

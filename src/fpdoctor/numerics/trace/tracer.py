@@ -30,7 +30,7 @@ import torch
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
 from fpdoctor.numerics.engine.reruns import PRODUCERS, Experiment, Window, decide
 from fpdoctor.numerics.observe import records as _records
-from fpdoctor.numerics.observe.loader import bad_rows
+from fpdoctor.numerics.observe.loader import bad_rows, reading
 from fpdoctor.numerics.observe.records import Leaf, Output, Record, Store, kind_of
 from fpdoctor.numerics.observe.values import (
     CHECKABLE,
@@ -568,7 +568,8 @@ class Tracer(EagerDispatchMode):
         src = ("leaf", leaf.index)
         self._set(t, (src, version(t)))
         if leaf.kind:
-            leaf.rows = bad_rows(t)  # bad data: which rows, which dataset items
+            with reading((t,)):  # bad data: which rows, which dataset items (the batch it is one of)
+                leaf.rows = bad_rows(t)
             self._tainted.add(src)
             self._pinned_leaves.add(leaf.index)
             if consumer is not None:
@@ -756,7 +757,9 @@ class Tracer(EagerDispatchMode):
             return
         self._decided[kind] += 1
         try:
-            with DisableTorchDispatch():
+            # what the op read: where its rows are bad, the batch they are of is looked for there first
+            ran = next(((s[2], s[3]) for s in reversed(self._window.steps) if s[0] is record), ())
+            with DisableTorchDispatch(), reading(ran):
                 found = decide(record, self._window, self._lookup)
             if found is not None:
                 self.experiments[record.index] = found
@@ -864,6 +867,18 @@ class Tracer(EagerDispatchMode):
                     self._sink(src[1], f"gradient of {name}")
         except Exception as exc:  # runs inside autograd's engine: never raise there
             self._error("gradient sinks", exc)
+
+    def has_read(self, t: torch.Tensor) -> bool:
+        """An op of this trace has read `t`, a view of it, or a value-preserving copy made of it
+        (which shares its source): its source is a leaf (made at first use) or an op's output
+        that was consumed."""
+        src = self._lookup(t)
+        if src is None:
+            return False
+        if src[0] == "leaf":
+            return True
+        record = self._items.get(src[1])
+        return record is not None and record.consumed
 
     def producer_of(self, t: torch.Tensor) -> int | None:
         src = self._lookup(t)
