@@ -151,6 +151,40 @@ def test_token_ids_handed_to_an_embedding_name_the_items_of_the_steps_batch(tmp_
     assert named == ([5], [21], None)
 
 
+class Features(Dataset):
+    """Records without labels: the Trainer reads nothing of a window's batches before their steps."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": Items()[i]}
+
+
+class Alternating(nn.Module):
+    """The first micro-batch of a window reaches the layer as it was handed out (the trace sees it
+    read); the second is rebuilt through numpy first, outside the trace, and scaled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.calls += 1
+        h = self.lin(x * 1) if self.calls % 2 else torch.from_numpy(x.numpy() * 2)
+        return {"loss": (h / h.norm(dim=1, keepdim=True)).pow(2).mean() + self.lin.weight.sum() * 0}
+
+
+def test_a_micro_batch_that_cannot_be_told_is_never_named_as_the_one_before_it(tmp_path):
+    """Two micro-batches a window: batch 0, then batch 1 (items 16-31, item 21 in row 5). What was
+    seen of batch 0's call (read, handed to the layer) is not batch 1's: the items are not known."""
+    ((rows, items, why),) = _named(_hf(tmp_path, Alternating(), Features(), accumulate=2))
+    assert rows == [5] and items is None, (rows, items)
+    assert why is not None and "no tensor the step's ops or modules read" in why, why
+
+
 # -- the matching itself ------------------------------------------------------------------------------
 
 

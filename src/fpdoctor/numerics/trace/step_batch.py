@@ -14,6 +14,8 @@ what the step was seen to read, in order:
   embedding, where the model was called with keyword arguments that no global hook sees), by
   reference: their values are read only when rows are named.
 
+A model called at the top again before the next batch is handed out (the next micro-batch of an
+accumulation window) starts over: what was seen from its previous call on was the previous one's.
 When an op makes NaN/Inf in some rows, the tensors that op read come first, then what was seen,
 newest first; the first that is one batch's (`LoaderBatches.holding`, by values, as the framework
 callbacks find a replayed step's batch) names the rows. Where none is, the rows say their dataset
@@ -37,6 +39,8 @@ from fpdoctor.torchprivate import DisableTorchDispatch
 
 RECENT = 64  # batches kept: a framework fetches one or two ahead, an accumulation window its micro-batches
 _SEEN = 64  # what the step was seen to read since the last batch handed out, newest kept
+# batches handed out and not yet read whose reads are looked for at each module call: a few lookups each
+_UNREAD = 16
 
 
 class StepBatch(contextlib.AbstractContextManager["StepBatch"]):
@@ -49,9 +53,16 @@ class StepBatch(contextlib.AbstractContextManager["StepBatch"]):
         self._thread = threading.get_ident()
         self._loader = LoaderBatches(recent=RECENT, on_batch=self._handed)
         # batches handed out whose float tensors no traced op has read yet: (tensors, indices)
-        self._unread: deque[tuple[list[weakref.ref[torch.Tensor]], list[int] | None]] = deque(maxlen=RECENT)
-        # ("read", [indices of each batch read]) or ("values", [tensors a module was handed]), oldest first
-        self._seen: deque[tuple[str, list[Any]]] = deque(maxlen=_SEEN)
+        self._unread: deque[tuple[list[weakref.ref[torch.Tensor]], list[int] | None]] = deque(maxlen=_UNREAD)
+        # (number, "read", [indices of each batch read]) or (number, "values", [tensors a module was
+        # handed]), oldest first, numbered from the last batch handed out
+        self._seen: deque[tuple[int, str, list[Any]]] = deque(maxlen=_SEEN)
+        self._count = 0
+        # a model called at the top again since the last batch handed out starts another micro-batch:
+        # what was seen from its last call on is that one's (module id -> the number seen then)
+        self._tops: dict[int, int] = {}
+        # what was seen, judged: (self._count then, `_from_seen`'s answer)
+        self._answer: tuple[int, tuple[list[list[int] | None] | None, bool]] | None = None
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> StepBatch:
@@ -81,6 +92,8 @@ class StepBatch(contextlib.AbstractContextManager["StepBatch"]):
         with DisableTorchDispatch():  # our reads are not the user's ops
             self._tracer.flush()
         self._seen.clear()
+        self._tops.clear()
+        self._count += 1
         floats = [weakref.ref(t) for t in tensors_in(batch) if t.is_floating_point()]
         if floats:
             self._unread.append((floats, indices))
@@ -88,13 +101,24 @@ class StepBatch(contextlib.AbstractContextManager["StepBatch"]):
     def on_call(self, module: Any, args: Any) -> None:
         """A module is called (forward pre-hook): the batches read since the last call, and the
         tensors it was handed that are shaped like a batch's."""
-        if threading.get_ident() != self._thread or not self._loader.handed_out:
+        if not self._loader.handed_out or threading.get_ident() != self._thread:
             return
+        stack = self._tracer.tracker.stack
+        if len(stack) == 1 and not stack[0][2]:  # a call at the top, not an activation checkpoint's recompute
+            last = self._tops.get(id(module))
+            if last is not None:  # the model again (the next micro-batch): its last call's reads are not this one's
+                self._seen = deque((e for e in self._seen if e[0] < last), maxlen=_SEEN)
+            self._count += 1
+            self._tops[id(module)] = self._count
         self._note_reads()
         shapes = self._loader.shapes
         handed = [weakref.ref(t) for t in _top_tensors(args) if tuple(t.shape) in shapes]
         if handed:
-            self._seen.append(("values", handed))
+            self._see("values", handed)
+
+    def _see(self, kind: str, what: list[Any]) -> None:
+        self._count += 1
+        self._seen.append((self._count, kind, what))
 
     def _note_reads(self) -> None:
         """The batches handed out that traced ops have read since this was last asked."""
@@ -109,9 +133,9 @@ class StepBatch(contextlib.AbstractContextManager["StepBatch"]):
                 unread.append(entry)
         if len(unread) != len(self._unread):
             # kept anew rather than removed: deque.remove compares the weak references, and so the tensors
-            self._unread = deque(unread, maxlen=RECENT)
+            self._unread = deque(unread, maxlen=_UNREAD)
         if read:
-            self._seen.append(("read", read))
+            self._see("read", read)
 
     # -- which batch the bad rows are in -----------------------------------------------------------
     def _resolve(self, reading: tuple[Any, ...]) -> tuple[list[int] | None, str | None] | None:
@@ -120,24 +144,46 @@ class StepBatch(contextlib.AbstractContextManager["StepBatch"]):
         loader = self._loader
         if not loader.handed_out:
             return None
-        self._note_reads()  # an op before any module call (a transform in the step) may have read it
         several = False
-        places: list[tuple[str, list[Any]]] = [("values", [reading])] if reading else []
-        for kind, what in [*places, *reversed(self._seen)]:
-            if kind == "read":
-                found = what
-            else:
-                alive = [t for t in (v() if isinstance(v, weakref.ref) else v for v in what) if t is not None]
-                found = loader.holding(alive, whole=False) if alive else []
-            if found and all(indices == found[0] for indices in found[1:]):
+        if reading:  # the op's own arguments first
+            found = loader.holding(reading, whole=False)
+            if _one(found):
                 return loader.said(found)
-            several = several or bool(found)
-        if several:
+            several = bool(found)
+        self._note_reads()  # an op before any module call (a transform in the step) may have read it
+        answer = self._answer
+        if answer is None or answer[0] != self._count:  # values read once per state of what was seen
+            answer = self._answer = (self._count, self._from_seen())
+        named, several_seen = answer[1]
+        if named is not None:
+            return loader.said(named)
+        if several or several_seen:
             return None, "several batches the DataLoader handed out hold what the step read"
         return None, (
             f"no tensor the step's ops or modules read is one of the last {loader.handed_out} batches "
             "the DataLoader handed out (changed after the loader: on the device, in another thread, or built by hand)"
         )
+
+    def _from_seen(self) -> tuple[list[list[int] | None] | None, bool]:
+        """`holding`'s answer where it names one batch, for the newest of what was seen that does
+        (None where none does), and whether any held several."""
+        loader = self._loader
+        several = False
+        for _, kind, what in reversed(self._seen):
+            if kind == "read":
+                found = what
+            else:
+                alive = [t for t in (ref() for ref in what) if t is not None]
+                found = loader.holding(alive, whole=False) if alive else []
+            if _one(found):
+                return found, several
+            several = several or bool(found)
+        return None, several
+
+
+def _one(found: list[list[int] | None]) -> bool:
+    """`holding`'s answer names one batch (several that hold the same indices are one)."""
+    return bool(found) and all(indices == found[0] for indices in found[1:])
 
 
 def _top_tensors(args: Any) -> list[torch.Tensor]:
