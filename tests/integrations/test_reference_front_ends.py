@@ -127,3 +127,77 @@ def test_the_lightning_callback_compares_its_first_step_with_the_reference():
         assert callback.report.data["reference_step"]["compared_steps"] == [1]
         if departs:
             assert {d["parameter"] for d in found[0].evidence["departed"]} == {"net.0.weight", "net.0.bias"}
+
+
+# -- the update stages under watch: the optimizer's update on the step's own gradients ------------
+
+
+def _watched_updates(model: nn.Module, optimizer: torch.optim.Optimizer, *, between: Any = None, steps: int = 3) -> Any:
+    """fp32 (or the model's own dtype) training under watch; `between(step)` runs after each optimizer step."""
+    g = torch.Generator().manual_seed(2)
+    dtype = next(model.parameters()).dtype
+    watcher = ScriptWatch(notify=None)
+    with watcher:
+        for step in range(steps):
+            x, y = torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)
+            nn.functional.cross_entropy(model(x.to(dtype)).float(), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # hard: clipping is the user's own processing
+            optimizer.step()
+            optimizer.zero_grad()
+            if between is not None:
+                between(step)
+    return watcher.report
+
+
+def test_watch_compares_the_update_stages_on_healthy_recipes_and_finds_nothing():
+    for fused in (False, True):
+        model = _Mlp(broken=False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+        before = [p.detach().clone() for p in model.parameters()]
+        report = _watched_updates(model, optimizer)
+        assert report.by_name("update-departs-from-reference") == [], str(report)
+        assert report.by_name("gradients-depart-from-reference") == []
+        assert "the optimizer's update and what the weights kept of it at step(s) 1" in report.data["judged"]
+        # a plain run of the same steps leaves the same weights, bit for bit
+        plain = _Mlp(broken=False)
+        plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=fused)
+        g = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            x, y = torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)
+            nn.functional.cross_entropy(plain(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)
+            plain_opt.step()
+            plain_opt.zero_grad()
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(), strict=True))
+        assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+        assert sys.getprofile() is None
+
+
+def test_watch_finds_a_weight_decay_applied_again_between_steps_at_the_kept_stage():
+    model = _Mlp(broken=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+    def decay_again(step: int) -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.9)  # the line the finding names
+
+    line = decay_again.__code__.co_firstlineno + 3
+    report = _watched_updates(model, optimizer, between=decay_again)
+    (found,) = report.by_name("update-departs-from-reference")
+    assert found.evidence["stage"] == "kept" and found.evidence["step"] == 1, found.message
+    (call,) = found.evidence["written_by"]
+    assert call["call"] == "mul_" and call["line"] == line and call["file"] == __file__
+    assert f"{__file__}:{line}" in found.message
+    assert "your step's own gradients" in found.message
+    assert sys.getprofile() is None
+
+
+def test_watch_finds_bf16_weights_whose_updates_round_away_at_the_intended_stage():
+    model = _Mlp(broken=False).bfloat16()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    report = _watched_updates(model, optimizer)
+    (found,) = report.by_name("update-departs-from-reference")
+    assert found.evidence["stage"] == "intended" and found.evidence["step"] == 1, found.message
+    assert found.trial is not None and found.trial.tried and found.trial.after == 0, found.trial
+    assert "master weights" in found.fix

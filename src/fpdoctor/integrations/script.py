@@ -531,6 +531,7 @@ class ScriptWatch:
                 agreed = torch.stack([torch.isfinite(loss_t).all().logical_not().float(), grad])
                 if judge.distributed:  # every rank skips, or none: replicas stay equal
                     agreed = judge.corruption.exchange(agreed, judge.steps + 1)  # each rank's gradient norm too
+        judge.finish_update()  # what the weights kept of a reference step's update, before they change again
                 # on its way to the host before the optimizer's kernels are queued
                 flags = FlagRead(torch.cat([agreed, scale.reshape(1), loss_t]))
             else:  # the usual step: one stack (each small op is a few us of a step's fixed cost)
@@ -620,7 +621,7 @@ class ScriptWatch:
             try:  # the model's backward from the gradients that reached its outputs, against an fp32 one
                 judge.reference(step, optimizer=judge.optimizer, scaler=scaler, step_fn=self._replay_call,
                                 window=facts.window, contexts=facts.contexts, backward_only=True,
-                                scale_carried=True)  # fmt: skip
+                                scale_carried=True, final_gradients=True)  # fmt: skip
             except Exception as exc:  # the observer's own failure: a finding, the step goes on
                 judge.error("comparing the step with the reference step", exc, step)
         if outcome.finite:
@@ -632,8 +633,9 @@ class ScriptWatch:
             for p in run.params:  # kept from the weights: torch's optimizers skip a parameter without a gradient
                 p.grad = None
         # the buffers as they are now: the next step's bad forward is undone to here (the first step
-        # has no snapshot to undo to: its forward ran before the watch knew its model)
-        judge.begin_window()
+        # has no snapshot to undo to: its forward ran before the watch knew its model); a reference
+        # step's weights are judged at the next optimizer step, once this one has stepped
+        judge.begin_window(finish=False)
         self._tell(run, outcome)
         probe = run.probe
         if probe is not None and outcome.finite and not skipped_by_scaler and probe.due(step):
@@ -669,6 +671,8 @@ class ScriptWatch:
                 return "the gradient of an output of the forward was not seen (a backward through torch.autograd.grad?)"
         return None
 
+        if run is not None:
+            self._guarded(run.judge.watch_update_writes, "watching the writes after a reference step")
     @contextlib.contextmanager
     def _replaying_now(self) -> Iterator[None]:
         self._replaying, saved = True, self._replaying

@@ -272,10 +272,13 @@ class StepJudge:
         self._closer()
 
     # -- a window starts -----------------------------------------------------------------------
-    def begin_window(self) -> None:
+    def begin_window(self, *, finish: bool = True) -> None:
         """Before a window's first forward: its buffers, and the DDP hook's view, start afresh; the
-        last reference step's weights are judged (what they kept of its update)."""
-        self.finish_update()
+        last reference step's weights are judged (what they kept of its update), unless `finish` is
+        False (watch begins a window before the optimizer it judged has stepped: it judges them at
+        the next optimizer step instead)."""
+        if finish:
+            self.finish_update()
         self.buffers.capture()
         if self.outputs is not None:
             self.outputs.begin()
@@ -825,11 +828,17 @@ class StepJudge:
         contexts: _Contexts,
         backward_only: bool = False,
         scale_carried: bool = False,
+        final_gradients: bool = False,
     ) -> None:
         """Compare the step's gradients, before the optimizer takes them, with the reference step's;
         a departure is a finding. Host reads and two extra passes: reference steps only.
         `contexts()`: what a run of the window runs under (a local replay, a framework's autocast);
-        the loss scale is set here. `backward_only`, `scale_carried`: see `reference.compare_step`."""
+        the loss scale is set here. `backward_only`, `scale_carried`: see `reference.compare_step`.
+        `final_gradients` (with `backward_only`): the live gradients are those the optimizer will
+        take (watch judges at the optimizer's step, after your clipping): the update stages are
+        compared on them, the reference update the same optimizer's over fp32 copies of the weights
+        and state on those gradients, since the replay of the backward alone has no step_fn to
+        process the reference's gradients as yours were."""
         names = {id(p): n for n, p in self.model.named_parameters()}
         live = {names[id(p)]: p.grad.detach().float() for p in self.params if p.grad is not None and id(p) in names}
         scale = float(amp.scale_tensor(scaler, self.device)) if amp.enabled(scaler) else None
@@ -866,22 +875,33 @@ class StepJudge:
         made = reference.finding(result, recipe=recipe, here=self.here)
         if made is not None:
             self.causes.add(made)  # a cause seen again at a later reference step adds to its count
-        elif result.first_stage() is None and result.not_compared is None and not backward_only:
+        elif result.first_stage() is None and result.not_compared is None and (final_gradients or not backward_only):
             divide = scale if scale is not None and scale > 0 and not unscaled else 1.0
-            self._update_stages(result, optimizer, divide=divide, recipe=recipe)
+            own = {n: g / divide if divide != 1.0 else g for n, g in live.items()} if backward_only else None
+            self._update_stages(result, optimizer, divide=divide, recipe=recipe, own=own)
         result.reference_grads = None
 
     def _update_stages(
-        self, result: Comparison, optimizer: torch.optim.Optimizer, *, divide: float, recipe: str
+        self,
+        result: Comparison,
+        optimizer: torch.optim.Optimizer,
+        *,
+        divide: float,
+        recipe: str,
+        own: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """The gradients agree: the optimizer's own update now, what the weights keep of it when the
-        next step begins (`finish_update`), each against the same optimizer's update of the reference's."""
+        next step begins (`finish_update`), each against the same optimizer's update of the reference's
+        gradients, or of `own` (the step's own gradients, unscaled, in fp32) where given."""
         names = {id(p): n for n, p in self.model.named_parameters()}
         live = {names[id(p)]: p.grad.detach() for p in self.params if p.grad is not None and id(p) in names}
+        if own is not None:
+            result.update_reference = "own"
         try:
             self._update_pending = reference_update.start(
-                result, self.model, optimizer, live=live, reference_grads=result.reference_grads or {},
-                divide=divide, recipe=recipe,
+                result, self.model, optimizer, live=live,
+                reference_grads=own if own is not None else result.reference_grads or {}, divide=divide, recipe=recipe,
+                watch_now=own is None,
             )  # fmt: skip
         except Exception as exc:  # an optimizer that cannot be copied: said in the report, never raised
             result.update_not_compared = f"the optimizer could not be stepped on copies: {type(exc).__name__}: {exc}"
@@ -889,6 +909,13 @@ class StepJudge:
         made = reference_update.finding(result, recipe=recipe, here=self.here)
         if made is not None:
             self.causes.add(made)
+
+    def watch_update_writes(self) -> None:
+        """The optimizer of a reference step judged before it stepped has stepped: from here on the
+        writes to the weights are what ran between the steps (watch's post-step hook)."""
+        pending = self._update_pending
+        if pending is not None and not pending.watch.started:
+            pending.watch.start()
 
     def finish_update(self) -> None:
         """The weights of the last reference step against those before it, once it was applied."""

@@ -91,6 +91,9 @@ class Comparison:
     # held until the update is compared (then dropped); why the updates were not compared
     reference_grads: dict[str, torch.Tensor] | None = None
     update_not_compared: str | None = None
+    # the reference update's gradients: "reference" (the fp32 step's, processed by step_fn) or "own"
+    # (the step's own: a replay of the backward alone, watch)
+    update_reference: str = "reference"
     optimizer: str = ""  # the optimizer and the dtypes of its weights and state
     at_fp32: list[Departure] | None = None  # the what-if when the optimizer's own update departs
     kept_vs_intended: dict[str, tuple[float, float]] = field(default_factory=dict)

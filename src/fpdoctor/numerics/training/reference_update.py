@@ -333,10 +333,14 @@ def start(
     reference_grads: dict[str, torch.Tensor],
     divide: float,
     recipe: str,
+    watch_now: bool = True,
 ) -> Pending | None:
     """The intended stage now (before the user's optimizer steps); the kept stage pending. `live`:
     the step's gradients at their own dtype, `divide`: the loss scale the optimizer will divide out
-    (1 where step_fn unscaled them). None: the step's gradients are not finite (the scaler skips it)."""
+    (1 where step_fn unscaled them). None: the step's gradients are not finite (the scaler skips it).
+    `watch_now` False: the writes are watched from `Pending.watch.start()`, called once the
+    optimizer has stepped (watch judges a step before the user's optimizer steps it, and the
+    optimizer's own writes are no writes between the steps)."""
     grads = {n: g.float() / divide if divide != 1.0 else g for n, g in live.items()}
     if grads and not math.isfinite(float(torch.stack(foreach_norm(list(grads.values()), torch.float32)).sum())):
         comparison.update_not_compared = "the step's gradients are not finite: the optimizer is not given them"
@@ -345,7 +349,7 @@ def start(
     # the parameters whose gradients were judged: one whose reference gradient is rounding only (a bias
     # before a normalisation) has an update made of that rounding too, and Adam's, divided by its own
     # size, is as large as any other's: judging it would judge the rounding's sign
-    judged = {d.name for d in comparison.rows.get("optimizer", [])}
+    judged = {d.name for d in comparison.rows.get("optimizer") or comparison.rows.get("backward", [])}
     weights = {n: params[n].detach().float() for n in grads if n in params and n in judged}
     reference = step_on_copies(optimizer, model, reference_grads, fp32=True)
     described: list[str] = []
@@ -359,7 +363,8 @@ def start(
         return None
     before = {n: params[n].detach().clone() for n in weights}
     watch = WriteWatch(model)
-    watch.start()
+    if watch_now:
+        watch.start()
     return Pending(comparison, recipe, before, reference, intended, watch)
 
 
@@ -419,10 +424,15 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
     compared = len(comparison.rows[stage])
     worst = "; ".join(_text(d) for d in departed[:3]) + ("; ..." if len(departed) > 3 else "")
     step = comparison.step
+    of = (
+        "of your step's own gradients over fp32 copies of the weights and its state"
+        if comparison.update_reference == "own"
+        else "of the reference's gradients in fp32"
+    )
     head = (
         f"At step {step}, the gradients agree with the reference step's (the same step from the same weights, "
         f"batch and RNG in fp32, no autocast, no loss scaling), but the update of {len(departed)} of {compared} "
-        f"parameters departs from the update the same optimizer makes of the reference's gradients in fp32"
+        f"parameters departs from the update the same optimizer makes {of}"
     )
     trial: Trial
     if stage == "intended":
