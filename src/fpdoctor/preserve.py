@@ -24,8 +24,9 @@ class RngState:
 
     @classmethod
     def capture(cls) -> RngState:
-        # never initialise CUDA just to save a state nobody has drawn from
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        # never initialise CUDA just to save a state nobody has drawn from (initialised implies available:
+        # is_available() alone costs more than the CPU state's copy, on every watched forward)
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         return cls(torch.get_rng_state(), cuda)
 
     def same(self, other: RngState) -> bool:

@@ -35,6 +35,14 @@ Pre = Callable[[nn.Module, tuple[Any, ...]], None]
 Post = Callable[..., None]  # (module, args, kwargs, output); output None or missing when the forward raised
 
 
+class _PerThread(threading.local):
+    """Per thread: `depth` (global-hook calls in progress), `top` (module, handle, frames). Class
+    defaults, so that reading a thread's unset value costs no AttributeError (getattr's default)."""
+
+    depth = 0
+    top: tuple[nn.Module, RemovableHandle, int] | None = None
+
+
 class TopLevelCalls:
     """`pre(module, args)` before and `post(module, args, kwargs[, output])` after each top-level
     module call of any thread (`output` None or missing when the forward raised), from `start()` to
@@ -42,12 +50,13 @@ class TopLevelCalls:
 
     def __init__(self, pre: Pre, post: Post) -> None:
         self._pre, self._post = pre, post
-        self._local = threading.local()  # per thread: `depth` (global-hook calls), `top` (module, handle, frames)
+        self._local = _PerThread()
         self._lock = threading.Lock()
         self._inside = 0  # top-level calls in progress with the global hooks taken out, on all threads
         self._taken: list[tuple[dict[int, Any], int, Any]] = []  # (table, id, hook) while taken out
         self._tables: tuple[dict[int, Any], dict[int, Any]] | None = None
         self._handles: list[RemovableHandle] = []  # the two global hooks
+        self._ids: tuple[int, int] = (-1, -1)  # their ids: their keys in torch's tables
         self._open: dict[int, RemovableHandle] = {}  # per-module hooks on calls in progress, by handle id
         self._stale: list[RemovableHandle] = []  # per-module hooks whose forward raised: removed later
         self._closed = False
@@ -61,6 +70,7 @@ class TopLevelCalls:
             module_hooks.register_module_forward_hook(self._on_post, with_kwargs=True, always_call=True),
         ]
         self._tables = global_forward_hook_tables(module_hooks)
+        self._ids = (self._handles[0].id, self._handles[1].id)
 
     def close(self) -> None:
         """Everything off: the global hooks, and the per-module ones of calls still in progress."""
@@ -80,7 +90,7 @@ class TopLevelCalls:
     def _on_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if dynamo.compiling():  # Dynamo inlines the hook as nothing; the compiled code never calls it
             return
-        depth = getattr(self._local, "depth", 0)
+        depth = self._local.depth
         if depth:  # inside a top-level call that kept the global hooks in
             self._local.depth = depth + 1
             return
@@ -92,7 +102,7 @@ class TopLevelCalls:
         """The global post-hook: the end of a call made while the global hooks were in."""
         if dynamo.compiling():
             return
-        depth = getattr(self._local, "depth", 0)
+        depth = self._local.depth
         if not depth:  # a call that began before the watch did, or a race with another thread's take-out
             return
         self._local.depth = depth - 1
@@ -101,7 +111,7 @@ class TopLevelCalls:
 
     def _on_end(self, module: nn.Module, args: tuple[Any, ...], kwargs: Any = None, *output: Any) -> None:
         """The per-module hook: the end of a top-level call made with the global hooks out."""
-        top = getattr(self._local, "top", None)
+        top = self._local.top
         if top is None or top[0] is not module:  # another thread's hook on the same module
             return
         self._local.top = None
@@ -126,11 +136,10 @@ class TopLevelCalls:
             handle = module.register_forward_hook(self._on_end, with_kwargs=True, always_call=True, prepend=True)
         except Exception:  # a module that takes no hook of its own (a ScriptModule)
             return False
-        pre_id, post_id = (h.id for h in self._handles)
         with self._lock:
             stale, self._stale = self._stale, []
             if self._inside == 0:
-                for table, key in zip(self._tables, (pre_id, post_id), strict=True):
+                for table, key in zip(self._tables, self._ids, strict=True):
                     if key in table:
                         self._taken.append((table, key, table.pop(key)))
             self._inside += 1

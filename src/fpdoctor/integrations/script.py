@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim import optimizer as optimizer_mod
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from fpdoctor.integrations import _watch as framework
@@ -62,9 +63,11 @@ from fpdoctor.numerics.observe import amp, dynamo
 from fpdoctor.numerics.observe.batches import MicroBatch, OutputsOnly
 from fpdoctor.numerics.observe.gradcheck import (
     FlagRead,
+    HostRead,
     StepUndo,
     grads_of,
     nonfinite_flag,
+    nonfinite_now,
     skip_on_device,
     skips_on_device,
 )
@@ -92,6 +95,13 @@ class _Call:
     versions: list[tuple[torch.Tensor, int]]  # argument tensors and their version counters then
     created_at: int = 0  # the watch's step count when the forward ran
     kept: KeptGradients = field(default_factory=KeptGradients)  # the gradients at its outputs
+
+
+class _PerThread(threading.local):
+    """Per thread: the top-level training forward in progress (a class default: no AttributeError
+    raised and caught where a thread has none)."""
+
+    call: _Call | None = None
 
 
 @dataclass
@@ -143,7 +153,7 @@ class _Pending:
 
     run: _Run
     step: int  # the optimizer's step count, from 1
-    flags: FlagRead  # the loss flag (`loss_agreed`), the gradients' flag, the scale, this rank's losses
+    flags: FlagRead | HostRead  # the loss flag (`loss_agreed`), the gradients' flag, the scale, this rank's losses
     calls: list[_Call]
     scaler: Any
     skipped_by_scaler: bool
@@ -160,20 +170,21 @@ def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor
     return [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
 
 
-@contextlib.contextmanager
-def _optimizer_hooks_aside() -> Iterator[None]:
+class _OptimizerHooksAside:
     """torch iterates its global optimizer-hook dicts while it calls this watch's pre-hook, and a
     replay under `trace` registers and removes hooks of its own: inside the block those land in
-    copies, so the dicts being iterated are not changed under torch's feet."""
-    from torch.optim import optimizer as optimizer_mod
+    copies, so the dicts being iterated are not changed under torch's feet. A class, not a
+    generator context: it is entered on every optimizer step."""
 
-    saved = global_optimizer_hooks(optimizer_mod)
-    for name, hooks in saved.items():
-        setattr(optimizer_mod, name, type(hooks)(hooks))
-    try:
-        yield
-    finally:
+    __slots__ = ("_saved",)
+
+    def __enter__(self) -> None:
+        self._saved = saved = global_optimizer_hooks(optimizer_mod)
         for name, hooks in saved.items():
+            setattr(optimizer_mod, name, type(hooks)(hooks))
+
+    def __exit__(self, *exc: object) -> None:
+        for name, hooks in self._saved.items():
             setattr(optimizer_mod, name, hooks)
 
 
@@ -230,7 +241,7 @@ class ScriptWatch:
         self._calls: list[_Call] = []
         self._losses: list[torch.Tensor] = []
         self._trainable: dict[int, bool] = {}
-        self._local = threading.local()  # per thread: the top-level training forward in progress
+        self._local = _PerThread()
         self._traced = TracedStep()  # a step traced after a bad step its replay could not explain
         self._top = TopLevelCalls(self._pre, self._post)
         self._scaler_now: dict[int, Any] = {}  # id(optimizer) -> the GradScaler stepping it now
@@ -311,17 +322,19 @@ class ScriptWatch:
         if self._replaying or not torch.is_grad_enabled():
             return
         try:
-            if self._pending and self._is_trainable(module):
+            if not self._is_trainable(module):
+                return
+            if self._pending:
                 # the steps decided on the device are looked at before the next training forward
                 # writes the buffers (a bad one's are put back) or draws from the RNG
                 self._decide_pending()
-            if self._is_trainable(module):  # its RNG and autocast state before it runs
-                self._still_left()
-                call = _Call(module, (), {}, RngState.capture(), _autocast_state(), [], created_at=self._event)
-                call.kept.clock = self._clock
-                self._local.call = call
-                if self._traced.armed_by is not None and not self._traced.done:
-                    self._traced.start(module, 1 + max((r.judge.steps for r in self.runs.values()), default=0))
+            self._still_left()
+            # its RNG and autocast state before it runs
+            call = _Call(module, (), {}, RngState.capture(), _autocast_state(), [], created_at=self._event)
+            call.kept.clock = self._clock
+            self._local.call = call
+            if self._traced.armed_by is not None and not self._traced.done:
+                self._traced.start(module, 1 + max((r.judge.steps for r in self.runs.values()), default=0))
         except Exception as exc:
             self._error("noting a forward", exc)
 
@@ -338,7 +351,7 @@ class ScriptWatch:
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any = None) -> None:
         """After a top-level module call; called without `output` when the forward raised."""
-        call: _Call | None = getattr(self._local, "call", None)
+        call = self._local.call
         if call is None or call.module is not module:
             return
         self._local.call = None
@@ -373,7 +386,8 @@ class ScriptWatch:
             try:
                 for t in [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ()):
                     if isinstance(t, torch.Tensor) and t.numel() == 1:
-                        loss = t.detach().reshape(()).float()
+                        loss = t.detach()
+                        loss = (loss.reshape(()) if loss.dim() else loss).float()  # a view op less for a 0-d loss
                         self._losses.append(loss)
                 # every forward this backward reaches (one an autograd.grad went through before included)
                 waiting = [(c, c.kept.fills) for c in self._calls]
@@ -413,7 +427,8 @@ class ScriptWatch:
         key = id(optimizer)
         scaler = self._scaler_now.get(key)
         self._judged.add(key)
-        if any(callable(a) for a in (*args, *kwargs.values())):  # step(closure): LBFGS, Lightning's loop
+        # step(closure): LBFGS, Lightning's loop (args holds the optimizer itself first)
+        if (len(args) > 1 or kwargs) and any(callable(a) for a in (*args[1:], *kwargs.values())):
             # the forward and backward run inside step(), after this hook: there is nothing to judge yet
             self._calls, self._losses = [], []
             self.unwatched.setdefault(
@@ -422,7 +437,7 @@ class ScriptWatch:
                 "fpdoctor callback judges its steps (switched on by `fpdoctor watch`)",
             )
             return
-        with _optimizer_hooks_aside():
+        with _OptimizerHooksAside():
             self._decide_pending()  # a step with no training forward since the last one
             self._guarded(lambda: self._step(optimizer, scaler=scaler, skipped_by_scaler=False))
         self._stop_here()
@@ -516,26 +531,32 @@ class ScriptWatch:
         if groups != run.groups:  # add_param_group, or a group's list replaced: the list is made again
             run.params, run.groups = _trainable(optimizer), groups
         judge = run.judge
+        judge.finish_update()  # what the weights kept of a reference step's update, before they change again
         mine = [c for c in current if c.kept.filled_at == now and any(c.module is m for m in run.modules)]
         self._calls = [c for c in current if not any(c is m for m in mine)]
         self._event += 1
         device = judge.device
         on_device = run.device_skip and not skipped_by_scaler
+        flags: FlagRead | HostRead
         with torch.no_grad():
-            grad = nonfinite_flag(grads_of(run.params), device)
-            scale = amp.scale_tensor(scaler, device) if scaler is not None else _nan(device)
-            # [loss, gradients, scale, losses]: the losses come back anyway and are judged on the host,
-            # unless the loss's flag is needed on the device, agreed across ranks or given to the optimizer
-            if judge.distributed or on_device:
-                loss_t = torch.stack([t.to(device) for t in losses]) if losses else torch.zeros(0, device=device)
-                agreed = torch.stack([torch.isfinite(loss_t).all().logical_not().float(), grad])
-                if judge.distributed:  # every rank skips, or none: replicas stay equal
-                    agreed = judge.corruption.exchange(agreed, judge.steps + 1)  # each rank's gradient norm too
-        judge.finish_update()  # what the weights kept of a reference step's update, before they change again
-                # on its way to the host before the optimizer's kernels are queued
-                flags = FlagRead(torch.cat([agreed, scale.reshape(1), loss_t]))
-            else:  # the usual step: one stack (each small op is a few us of a step's fixed cost)
-                flags = FlagRead(torch.stack([grad, grad, scale, *(t.to(device) for t in losses)]))
+            if device.type == "cpu" and not (judge.distributed or on_device):
+                # the usual CPU step: flags read at once, no tensor made (each small op is a few us)
+                scale_read = float(amp.scale_tensor(scaler, device)) if scaler is not None else math.nan
+                flags = HostRead(nonfinite_now(grads_of(run.params)), scale_read, losses)
+            else:
+                grad = nonfinite_flag(grads_of(run.params), device)
+                scale = amp.scale_tensor(scaler, device) if scaler is not None else _nan(device)
+                # [loss, gradients, scale, losses]: the losses come back anyway and are judged on the host,
+                # unless the loss's flag is needed on the device, agreed across ranks or given to the optimizer
+                if judge.distributed or on_device:
+                    loss_t = torch.stack([t.to(device) for t in losses]) if losses else torch.zeros(0, device=device)
+                    agreed = torch.stack([torch.isfinite(loss_t).all().logical_not().float(), grad])
+                    if judge.distributed:  # every rank skips, or none: replicas stay equal
+                        agreed = judge.corruption.exchange(agreed, judge.steps + 1)  # each rank's gradient norm too
+                    # on its way to the host before the optimizer's kernels are queued
+                    flags = FlagRead(torch.cat([agreed, scale.reshape(1), loss_t]))
+                else:  # the usual GPU step: one stack on its way to the host
+                    flags = FlagRead(torch.stack([grad, grad, scale, *(t.to(device) for t in losses)]))
         judge.steps += 1
         judge.micro_batches += len(mine)
         pending = _Pending(run, judge.steps, flags, mine, scaler, skipped_by_scaler, on_device)
@@ -563,7 +584,7 @@ class ScriptWatch:
         judge = run.judge
         step = pending.step
         values = pending.flags.values()
-        mine_bad = not all(math.isfinite(v) for v in values[3:])  # this rank's losses
+        mine_bad = not math.isfinite(sum(values[3:]))  # this rank's losses (a NaN or an Inf makes the sum one)
         bad_loss, bad_grad = values[0] > 0 if pending.loss_agreed else mine_bad, values[1] > 0
         if pending.undo is not None:  # before anything can fail: the next step starts from the right state
             pending.undo.settle(bad_loss or bad_grad)
@@ -650,6 +671,8 @@ class ScriptWatch:
         if undo is not None:  # the optimizer has taken the flag: nothing of ours stays on it
             self._guarded(undo, "putting the optimizer's step back")  # never raised into the user's step
         run = self.runs.get(id(optimizer))
+        if run is not None:
+            self._guarded(run.judge.watch_update_writes, "watching the writes after a reference step")
         if run is None or run.probe is None or run.sample is None:
             return
         sample, run.sample = run.sample, None
@@ -671,8 +694,6 @@ class ScriptWatch:
                 return "the gradient of an output of the forward was not seen (a backward through torch.autograd.grad?)"
         return None
 
-        if run is not None:
-            self._guarded(run.judge.watch_update_writes, "watching the writes after a reference step")
     @contextlib.contextmanager
     def _replaying_now(self) -> Iterator[None]:
         self._replaying, saved = True, self._replaying

@@ -32,12 +32,18 @@ _then: list[Callable[[], None]] = []  # what else runs once it is imported
 _done: set[int] = set()  # ids of the objects kept out (or waiting to be) already
 
 
+_IS_COMPILING: list[Callable[[], bool]] = []  # torch.compiler.is_compiling, once torch is imported here
+
+
 def compiling() -> bool:
     """True while Dynamo traces (or torch.export exports) the calling code: a hook that returns at
-    once then adds nothing to the graph. Cheap: a flag read; imports nothing."""
-    import torch
+    once then adds nothing to the graph. Cheap: a flag read (torch's function looked up once, as
+    hooks call this several times a step); imports nothing."""
+    if not _IS_COMPILING:
+        import torch
 
-    return bool(torch.compiler.is_compiling())
+        _IS_COMPILING.append(torch.compiler.is_compiling)
+    return bool(_IS_COMPILING[0]())
 
 
 def keep_out(objects: Iterable[Any]) -> None:

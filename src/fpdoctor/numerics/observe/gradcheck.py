@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -85,6 +86,32 @@ def nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Ten
     return found
 
 
+_HELD = threading.local()  # per thread: a CPU flag the host reads at once (`nonfinite_now`)
+
+
+def nonfinite_now(grads: list[torch.Tensor]) -> bool:
+    """`nonfinite_flag` on the CPU read at once: one kernel call, no tensor made. The flag is kept
+    per thread and made zero again only after it was set (the kernel only ever sets it), so a
+    finite step costs the check's kernel and one read; on a GPU it would make the host wait."""
+    if not grads:
+        return False
+    device = grads[0].device
+    found: torch.Tensor | None = getattr(_HELD, "found", None)
+    if found is None:
+        found = _HELD.found = torch.zeros((), dtype=torch.float32)
+    if device.type == "cpu":
+        with torch.no_grad():
+            try:
+                unscale_check_(grads, found, _one(device))
+                if not found:
+                    return False
+                found.zero_()
+                return True
+            except (NotImplementedError, RuntimeError):  # another device, a sparse gradient, no kernel
+                found.zero_()
+    return bool(nonfinite_flag(grads, torch.device("cpu")))
+
+
 def grad_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """float32 0-d tensor on `device`: the L2 norm of all of `grads` (as clip_grad_norm_ gives it),
     reduced in float32 so that finite fp16/bf16 gradients never make an Inf norm. No host read."""
@@ -151,6 +178,19 @@ class FlagRead:
         if self._event is not None:
             self._event.synchronize()
         return [int(v) for v in self._host.tolist()]
+
+
+class HostRead:
+    """`FlagRead`'s values read at once on the host (a CPU step): the gradients' flag twice (the
+    loss's flag slot is judged on the host from the losses), the scale (float32), each loss as the
+    float32 value `FlagRead` gives, without the stack, copy and list a tensor read costs."""
+
+    def __init__(self, bad_grad: bool, scale: float, losses: list[torch.Tensor]) -> None:
+        flag = float(bad_grad)
+        self._values = [flag, flag, scale, *(float(t.float()) for t in losses)]
+
+    def values(self) -> list[float]:
+        return self._values
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer | None) -> bool:
