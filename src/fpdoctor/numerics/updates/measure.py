@@ -89,12 +89,16 @@ def ours() -> Iterator[None]:
 
 def spacing(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The gap between neighbouring `dtype` values at |w| (fp32 in, fp32 out): 2^(e-1) * eps for
-    |w| in [2^(e-1), 2^e), and the subnormal spacing below the smallest normal."""
+    |w| in [2^(e-1), 2^e), and the subnormal spacing below the smallest normal.
+
+    Read from w's fp32 bits: its exponent field alone is 2^(e-1), and eps = 2^-k moves it k places
+    down; zero, fp32 subnormals and (for fp16) values under its smallest normal come out smaller (or
+    negative) and are clamped to the subnormal spacing. Three kernels, where frexp and ldexp took
+    eight: bit for bit the same gaps (w finite)."""
     info = torch.finfo(dtype)
-    _, e = torch.frexp(w)
-    gap = torch.ldexp(torch.full_like(w, info.eps), e - 1)
-    # zero (frexp's exponent 0) and subnormals: the subnormal spacing
-    return gap.where(w != 0, torch.zeros_like(gap)).clamp(min=info.tiny * info.eps)
+    places = round(-math.log2(info.eps)) << 23  # eps = 2^-places, in the exponent field
+    exponent = w.float().contiguous().view(torch.int32) & 0x7F800000
+    return exponent.sub_(places).view(torch.float32).clamp_(min=info.tiny * info.eps)
 
 
 def shadowable(optimizer: Any) -> str | None:
@@ -320,16 +324,21 @@ class UpdateProbe:
         opt = self.optimizer
         group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
         layouts = []
-        host: list[torch.Tensor] = []  # scalar state held on a device: read back together, once
-        for i in tracked:
+        host: list[torch.Tensor] = []  # scalar state (Adam's `step`): read together, once, not one .item() each
+        for i in tracked:  # one pass over each parameter's state: this loop is the probe's per-parameter Python
             p = self.params[i]
-            state = opt.state.get(p, {})
-            per_element = tuple(
-                (k, v.dtype) for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == p.shape
-            )
-            other = {k: v for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.shape == p.shape)}
-            host += [v for v in other.values() if _device_scalar(v)]
-            layouts.append((p, per_element, other))
+            shape = p.shape
+            elementwise: list[tuple[str, torch.dtype]] = []
+            other: dict[str, Any] = {}
+            for k, v in opt.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    if v.shape == shape:
+                        elementwise.append((k, v.dtype))
+                        continue
+                    if v.numel() == 1:
+                        host.append(v)
+                other[k] = v
+            layouts.append((p, tuple(elementwise), other))
         values = _read_scalars(host)
         buckets: dict[Any, tuple[dict[str, Any], list[int], list[str], dict[str, Any]]] = {}
         for i, (p, per_element, other) in zip(tracked, layouts, strict=True):
@@ -477,19 +486,16 @@ class UpdateProbe:
         return self.read(sample)
 
 
-def _device_scalar(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type != "cpu"
-
-
 def _read_scalars(tensors: list[torch.Tensor]) -> dict[int, float]:
-    """The values of one-element state tensors held on a device (a fused or capturable optimizer's
-    `step`), by id: one read back per device, not one per parameter."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    """The values of one-element state tensors (Adam's `step` of each parameter), by id: one stack
+    and one read per device and dtype (the values exact, as `.item()` gives them), not one read
+    back per parameter."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
-        by_device.setdefault(t.device, []).append(t)
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
     values: dict[int, float] = {}
-    for group in by_device.values():
-        read = torch.stack([t.detach().reshape(()).double() for t in group]).tolist()
+    for group in by_kind.values():
+        read = torch.stack([t if t.dim() == 0 else t.reshape(()) for t in group]).tolist()  # under no_grad
         values.update(zip(map(id, group), read, strict=True))
     return values
 
