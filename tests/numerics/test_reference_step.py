@@ -11,6 +11,7 @@ as the step made them.
 from __future__ import annotations
 
 import copy
+from collections import deque
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 import fpdoctor
 from fpdoctor.numerics.observe.amp import grad_scaler_class
+from fpdoctor.numerics.training import reference
 
 
 def _model() -> nn.Module:
@@ -156,3 +158,32 @@ def test_gradients_too_small_for_an_fp32_product_keep_their_direction() -> None:
     g = torch.tensor([-2.7e-28])
     row = _row("bias", "backward", g.clone(), g.clone())
     assert row is not None and row.ratio == 1.0 and row.cosine == pytest.approx(1.0)
+
+
+def test_the_default_period_stretches_until_the_reference_step_costs_its_share_and_a_given_one_is_kept() -> None:
+    """The reference step's own measured cost paces it: with the default period, the next one
+    waits until its cost is under reference.SHARE of the steps between; a period given is kept."""
+    assert reference.paced(reference.EVERY, cost=0.05, step_time=0.001) == 10_000  # 50 steps' time / 0.5%
+    assert reference.paced(reference.EVERY, cost=0.001, step_time=0.001) == reference.EVERY  # cheap: 500
+    assert reference.paced(3, cost=0.05, step_time=0.001) == 3  # the user's period
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = fpdoctor.Sentinel(model, opt)  # the default period
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    for seed in range(3):
+        guard.step(step, *_batch(seed))
+    judge = guard._judge
+    assert [c.step for c in judge.reference_compared] == [1]
+    assert judge._reference_cost > 0 and len(judge._step_times) == 2  # measured, its own time left out
+    judge._reference_cost, judge._step_times = 0.05, deque([0.001] * 8)  # a reference step of 50 steps' time
+    assert not judge.reference_due(501)
+    assert not judge.reference_due(10_000) and judge.reference_due(10_001)
+    (line,) = [text for key, text in guard.report.data["summary"] if key == "reference step"]
+    assert "again after 10000 steps" in line and "0.5%" in line, line
+    assert guard.report.data["reference_step"]["paced"]["every"] == 10_000

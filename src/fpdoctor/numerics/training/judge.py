@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import sys
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -222,6 +224,13 @@ class StepJudge:
         self._weights_bad = False  # the parameters themselves are non-finite: no step can recover
         self.here: dict[str, Any] = {}  # where every finding of this rank happened (rank, host, device)
         self.reference_every = 0  # compare every N-th step with the reference step (reference.py); 0: off
+        # its pace: the last reference step and its cost, the time between judged steps less ours
+        self._reference_last: int | None = None
+        self._reference_at: int | None = None  # the next reference step, once the least period is over
+        self._reference_cost = 0.0
+        self._clock: float | None = None
+        self._spent = 0.0  # seconds of reference work since the last judged step
+        self._step_times: deque[float] = deque(maxlen=64)
         self.reference_compared: list[reference.Comparison] = []
         # why no step is compared with the reference in this run (said in the report); None: due ones are
         self.reference_off: str | None = None
@@ -296,6 +305,10 @@ class StepJudge:
     def judge(self, f: StepFacts, apply: Callable[[], None] | None = None) -> StepOutcome:
         """Decide one optimizer step (`_decide`), then whether training still progresses."""
         self._last_finite = None
+        now = time.perf_counter()  # the steps' time, for the reference step's pace
+        if self._clock is not None:
+            self._step_times.append(max(now - self._clock - self._spent, 0.0))
+        self._clock, self._spent = now, 0.0
         outcome = self._decide(f, apply)
         try:  # every rank judges the same norms: a strike's escalation is collective
             self.corruption.observe(f.step, f.finite, self.causes.add)
@@ -815,9 +828,32 @@ class StepJudge:
             self.reference_off = (
                 "under torch.distributed the optimizer receives all-reduced gradients, which a local step cannot give"
             )
-        return self.reference_off is None and reference.due(step, self.reference_every)
+        if self.reference_off is not None:
+            return False
+        if self._reference_last is None:
+            return reference.due(step, self.reference_every)
+        if step < self._reference_last + self.reference_every:  # the least period: nothing measured per step
+            return False
+        if self._reference_at is None:  # once per period: the pace from the cost and the steps' time
+            self._reference_at = self._reference_last + self._reference_gap()
+        return step >= self._reference_at
 
-    def reference(
+    def _reference_gap(self) -> int:
+        """Steps from the last reference step to the next (`reference.paced`)."""
+        step_time = statistics.median(self._step_times) if self._step_times else 0.0
+        return reference.paced(self.reference_every, self._reference_cost, step_time)
+
+    def reference(self, step: int, **kwargs: Any) -> None:
+        """`_reference_step`, timed: its cost paces the next one (`reference_due`)."""
+        started = time.perf_counter()
+        self._reference_last, self._reference_at = step, None
+        try:
+            self._reference_step(step, **kwargs)
+        finally:
+            self._reference_cost = time.perf_counter() - started
+            self._spent += self._reference_cost
+
+    def _reference_step(
         self,
         step: int,
         *,
@@ -922,6 +958,15 @@ class StepJudge:
         pending, self._update_pending = self._update_pending, None
         if pending is None:
             return
+        started = time.perf_counter()
+        try:
+            self._finish_update(pending)
+        finally:  # part of the reference step's cost
+            spent = time.perf_counter() - started
+            self._reference_cost += spent
+            self._spent += spent
+
+    def _finish_update(self, pending: reference_update.Pending) -> None:
         step = pending.comparison.step
         outcome = next((h for h in reversed(self.history) if h.step == step), None)
         applied = outcome is not None and outcome.finite and not outcome.skipped
@@ -1002,6 +1047,9 @@ class StepJudge:
             out["updates"] = judged
         self.finish_update()  # the last reference step's weights, as they are now
         if self.reference_compared or self.reference_off is not None:  # an OK says what it judged, or why not
+            pace = None
+            if self._reference_last is not None and self._step_times:
+                pace = (self._reference_gap(), self._reference_cost, statistics.median(self._step_times))
             line_, out["reference_step"] = reference.summary(
                 self.reference_compared, every=self.reference_every, off=self.reference_off
             )

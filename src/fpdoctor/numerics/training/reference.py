@@ -19,8 +19,10 @@ that is still scaled). Both runs are made on stand-ins of the parameters (the us
 copies at their own dtype, the reference on fp32 copies) whose gradients fpdoctor's own hooks
 read: the user's tensors carry nothing, and their `.grad` is as step_fn left it.
 
-It costs two forward-and-backward passes on a reference step: the first judged step, then every
-EVERY-th (0.4% of the steps between them on average).
+It costs two forward-and-backward passes on a reference step (and, where the gradients agree, the
+optimizer stepped on copies): the first judged step, then again after EVERY steps, or, with that
+default period, after as many steps as keep its measured cost under SHARE of their measured time
+(`paced`: a reference step that costs 6 plain steps waits 1200). A period given by the user is kept.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ from fpdoctor.preserve import preserved
 from fpdoctor.report.model import Finding, Trial
 from fpdoctor.torchprivate import pytree, reparametrized, scaler_states
 
-EVERY = 500  # steps 1, 501, 1001, ...: two extra passes each, 0.4% of the steps on average
+EVERY = 500  # the least period: steps 1, 501, 1001, ... where its cost is under SHARE of theirs
+SHARE = 0.005  # of the steps' time: the default period stretches until a reference step costs no more
 RATIO = 2.0  # a gradient's norm more than twice or under half the reference's departs
 COSINE = 0.9  # or its direction: bf16 autocast keeps a gradient's cosine with fp32's above 0.99
 TINY = 1e-30  # a reference gradient this small has no direction to compare
@@ -117,6 +120,14 @@ def check_every(every: Any) -> int:
 
 def due(step: int, every: int = EVERY) -> bool:
     return every > 0 and (step - 1) % every == 0
+
+
+def paced(every: int, cost: float, step_time: float) -> int:
+    """The steps to wait after a reference step that cost `cost` seconds, with steps of `step_time`:
+    `every`, or more with the default period, until its cost is under SHARE of the steps between."""
+    if every != EVERY or cost <= 0 or step_time <= 0:
+        return every
+    return max(every, math.ceil(cost / (SHARE * step_time)))
 
 
 class _Backward:
@@ -444,10 +455,13 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
     )
 
 
-def summary(compared: list[Comparison], *, every: int, off: str | None) -> tuple[tuple[str, str], dict[str, Any]]:
+def summary(
+    compared: list[Comparison], *, every: int, off: str | None, pace: tuple[int, float, float] | None = None
+) -> tuple[tuple[str, str], dict[str, Any]]:
     """What the report says of the reference step whether or not it found anything: the steps it
     judged, against what, by which measure and within which bounds, or why it did not run; so that
-    an OK reads "checked and fine", not "not looked at"."""
+    an OK reads "checked and fine", not "not looked at". `pace`: the period now, the last reference
+    step's cost and a step's time (seconds), where both were measured."""
     judged = [c for c in compared if c.not_compared is None]
     skipped = [c for c in compared if c.not_compared is not None]
     data: dict[str, Any] = {
@@ -488,6 +502,13 @@ def summary(compared: list[Comparison], *, every: int, off: str | None) -> tuple
         data["worst"] = {"norm_ratio": worst_ratio, "cosine": worst_cosine}
     else:
         text = f"{where} against an fp32 step: no gradient large enough to compare"
-    if every > 0:
+    if pace is not None and pace[0] > every:
+        gap, cost, step_time = pace
+        data["paced"] = {"every": gap, "cost_s": cost, "step_s": step_time, "share": SHARE}
+        text += (
+            f"; again after {gap} steps (it cost {cost / step_time:.3g} steps' time: kept under {SHARE:.1%} of the "
+            f"steps between, at least every {every})"
+        )
+    elif every > 0:
         text += f"; again every {every} steps"
     return ("reference step", text), data
