@@ -14,7 +14,7 @@ from torch import nn
 
 import fpdoctor
 from fpdoctor import catalog
-from fpdoctor.numerics.updates.measure import UpdateProbe, spacing
+from fpdoctor.numerics.updates.measure import EVERY, PACE_AFTER, SHARE, UpdateProbe, UpdateSummary, paced, spacing
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -447,3 +447,42 @@ def test_the_what_if_run_leaves_a_compiled_model_compiled_as_it_was():
     assert found.evidence["what_if"]["tried"]
     assert counters["stats"]["unique_graphs"] == 1
     torch._dynamo.reset()
+
+
+def test_paced_period_keeps_a_measured_steps_cost_under_its_share():
+    # a 1.5 ms check on 1 ms steps is SHARE (0.5%) of 300 steps' time, a little more of 310 steps'
+    # (periods are multiples of 10); a check of 1e-7 s keeps every 10th
+    assert SHARE == 0.005 and paced(10, 0.0015, 0.001) == 300 and paced(10, 0.00151, 0.001) == 310
+    assert paced(10, 1e-7, 0.001) == 10 and paced(10, 0.0, 0.001) == 10 and paced(10, 0.01, 0.0) == 10
+
+
+def test_default_period_is_paced_after_its_first_measured_steps_and_a_given_one_is_kept():
+    """Steps 1, 11 and 21 are measured as before; then the period stretches in multiples of 10 as
+    far as keeps a measured step's own time under SHARE of the steps' (on this small model a measured
+    step costs more than a step: far more than 10 steps); the summary says so. every=5 is kept."""
+    model = _model(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step_fn = _step_fn(model, opt, torch.bfloat16)
+    probe, given = UpdateProbe(model, opt), UpdateProbe(model, opt, every=5)
+    summary, measured, kept = UpdateSummary(), [], []
+    for step in range(1, 161):
+        step_fn()
+        due = [p for p in (probe, given) if p.due(step)]
+        samples = [(p, p.before(step)) for p in due]
+        opt.step()
+        for p, sample in samples:
+            assert sample is not None
+            p.after(sample)
+            stats = p.read(sample)
+            if p is probe:
+                summary.add(stats)
+                measured.append((step, stats.paced))
+            else:
+                kept.append(stats.paced)
+    last = 1 + EVERY * (PACE_AFTER - 1)  # the last step measured at the fixed period: 21
+    assert [s for s, _ in measured[:PACE_AFTER]] == list(range(1, last + 1, EVERY))
+    gap = measured[PACE_AFTER - 1][1]
+    assert gap is not None and gap > EVERY and gap % EVERY == 0
+    assert all(s <= last for s, _ in measured) and not probe.due(last + EVERY) and probe.due(last + gap)
+    assert f"every 10th for the first {PACE_AFTER}, then every {gap}th" in summary.text()
+    assert len(kept) == 32 and kept == [None] * 32

@@ -20,7 +20,10 @@ To see it, each bf16/fp16 trainable parameter gets a fixed random sample of elem
   low-precision accumulator holds at the end of the window (`GradAccumulation`).
 
 Everything is computed on the device and read back once per measured step (`UpdateSample.read`);
-steps are measured every `every`-th optimizer step, so the cost is a fraction of that. The check's
+steps are measured every `every`-th optimizer step, so the cost is a fraction of that; with the
+default period, after the first PACE_AFTER measured steps, every `paced`-th: a measured step costs a
+few small steps' time (~50 small ops, seven gathers a parameter), and its period stretches until
+that cost is under SHARE of the steps between. The check's
 own work is not the program's (`ours`): it stays out of any dispatch mode (a trace's records), and
 its shadow step out of the global optimizer hooks (a trace's step count, `fpdoctor watch`).
 """
@@ -29,6 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
+import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +46,12 @@ from fpdoctor.torchprivate import DisableTorchDispatch, global_optimizer_hooks
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 SAMPLE = 256  # elements per parameter: a share measured on 256 has a standard error under 3.2%
 EVERY = 10  # measure every 10th optimizer step (the first one too)
+# With that default period, after the first PACE_AFTER measured steps (steps 1, 11 and 21) the
+# period stretches, in multiples of EVERY, until a measured step's own cost is under SHARE of the
+# steps' time between two (`paced`): on a 1 ms step a ~1.5 ms check is measured every 300th step, on
+# a step 100 times its cost every 10th as before. A period given by the front end is kept.
+PACE_AFTER = 3
+SHARE = 0.005
 # optimizers whose update of an element depends on that element's weight, gradient and state only
 # (and on scalars): a shadow step on a sample computes exactly what the step does to those elements
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad")
@@ -167,6 +179,7 @@ class UpdateStats:
     # gradients accumulated over micro-batches: (parameter, dtype, additions, relative error, low/fp32 norm)
     grads: list[tuple[str, str, int, float, float]] = field(default_factory=list)
     why_not: str | None = None
+    paced: int | None = None  # the period from here on, where this step's measured cost stretched it (`paced`)
 
 
 def rounded_away(stats: UpdateStats) -> list[ParamUpdate]:
@@ -197,11 +210,14 @@ class UpdateSummary:
     worst: float = 0.0
     worst_name: str | None = None
     why_not: str | None = None
+    paced: int | None = None  # the period the last measured step's cost set (`paced`), where it was longer
 
     def add(self, stats: UpdateStats) -> None:
         if stats.why_not is not None:
             self.why_not = stats.why_not
             return
+        if stats.paced is not None:
+            self.paced = stats.paced
         if not stats.params:  # a window's gradients alone: no update was measured
             return
         self.steps += 1
@@ -216,8 +232,14 @@ class UpdateSummary:
         if not self.steps:
             return f"not judged: {self.why_not}" if self.why_not else "not judged yet: no optimizer step measured"
         dtypes = "/".join(sorted(self.dtypes))
+        every = f"every {self.every}th"
+        if self.paced is not None and self.paced > self.every:
+            every += (
+                f" for the first {PACE_AFTER}, then every {self.paced}th: a measured step's cost kept under "
+                f"{SHARE:.1%} of the steps' time"
+            )
         return (
-            f"judged on {self.steps} step(s) (every {self.every}th, {SAMPLE} sampled elements per parameter): "
+            f"judged on {self.steps} step(s) ({every}, {SAMPLE} sampled elements per parameter): "
             f"{self.params} {dtypes} parameter(s), at most {self.worst:.0%} of the weights' updates rounded away "
             f"({self.worst_name}, weighted by parameter size)"
         )
@@ -290,6 +312,14 @@ class UpdateProbe:
             self.index = self._sample_indices(gen, sample)
         self.why_not = shadowable(optimizer) if self.params else None
         self.measured = 0
+        # the pace (`paced`): the first step measured again where the period was stretched, the check's
+        # own seconds on the measured step in progress and since the last one began, the steps' time
+        self._next: int | None = None
+        self._cost = 0.0
+        self._spent = 0.0
+        self._last: tuple[int, float] | None = None  # (step, perf_counter) when the last measured step began
+        self._step_times: deque[float] = deque(maxlen=64)
+        self._costs: deque[float] = deque(maxlen=8)  # the last measured steps' own seconds
         self._segment_of: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     def _sample_indices(self, gen: torch.Generator, sample: int) -> list[torch.Tensor]:
@@ -311,7 +341,33 @@ class UpdateProbe:
         return bool(self.params)
 
     def due(self, step: int) -> bool:
-        return self.low_precision and self.why_not is None and (step - 1) % self.every == 0
+        """Whether `step` is measured: every `every`-th (the first too), from the paced step on where
+        the pace stretched the period (front ends ask ahead, for a window's gradients: no side effects)."""
+        if not self.low_precision or self.why_not is not None:
+            return False
+        return (step - 1) % self.every == 0 and (self._next is None or step >= self._next)
+
+    def _clock(self, step: int, now: float) -> None:
+        """At a measured step: the time of the steps since the last one, less the check's own work."""
+        last = self._last
+        if last is not None and step > last[0]:
+            self._step_times.append(max(now - last[1] - self._spent, 0.0) / (step - last[0]))
+        self._last, self._spent = (step, now), 0.0
+
+    def _took(self, started: float) -> None:
+        spent = time.perf_counter() - started
+        self._cost += spent
+        self._spent += spent
+
+    def _pace(self, step: int) -> int | None:
+        """After a measured step: the period from here on, where its cost stretched the default one."""
+        self._costs.append(self._cost)
+        if self.every != EVERY or self.measured < PACE_AFTER or not self._step_times:
+            return None
+        # medians: one measured step slowed by another process does not set the period alone
+        gap = paced(self.every, statistics.median(self._costs), statistics.median(self._step_times))
+        self._next = step + gap
+        return gap if gap > self.every else None
 
     def _gather(self, tensors: Iterable[torch.Tensor], members: list[int]) -> torch.Tensor:
         """The sampled elements of each member's tensor (shaped like its parameter), concatenated."""
@@ -354,6 +410,15 @@ class UpdateProbe:
     # -- before the step -------------------------------------------------------------------------
     def before(self, step: int) -> UpdateSample | None:
         """Gather the sample and step the fp32 shadow; None when no parameter has a gradient."""
+        started = time.perf_counter()
+        self._clock(step, started)
+        self._cost = 0.0
+        try:
+            return self._before(step)
+        finally:
+            self._took(started)
+
+    def _before(self, step: int) -> UpdateSample | None:
         opt = self.optimizer
         tracked = [i for i, p in enumerate(self.params) if p.grad is not None and not p.grad.is_sparse]
         if not tracked:
@@ -406,6 +471,13 @@ class UpdateProbe:
     # -- after the step --------------------------------------------------------------------------
     def after(self, sample: UpdateSample) -> None:
         """Gather the sampled weights after the step and reduce everything on the device."""
+        started = time.perf_counter()
+        try:
+            self._after(sample)
+        finally:
+            self._took(started)
+
+    def _after(self, sample: UpdateSample) -> None:
         with ours():
             after = self._gather([self.params[i] for i in sample.tracked], sample.tracked).float()
             before, intended = sample.before, sample.intended
@@ -434,7 +506,16 @@ class UpdateProbe:
                 sample.state_stats = torch.stack(rows).double()
 
     def read(self, sample: UpdateSample) -> UpdateStats:
-        """The host numbers of a measured step: one read back."""
+        """The host numbers of a measured step: one read back; then the pace of the next."""
+        started = time.perf_counter()
+        try:
+            stats = self._read(sample)
+        finally:
+            self._took(started)
+        stats.paced = self._pace(sample.step)
+        return stats
+
+    def _read(self, sample: UpdateSample) -> UpdateStats:
         assert sample.stats is not None
         parts = [sample.stats.flatten()] + ([] if sample.state_stats is None else [sample.state_stats.flatten()])
         with ours():
@@ -484,6 +565,14 @@ class UpdateProbe:
         self.after(sample)
         del result
         return self.read(sample)
+
+
+def paced(every: int, cost: float, step_time: float) -> int:
+    """The period after a measured step that cost `cost` seconds, with steps of `step_time`: `every`,
+    or the least multiple of it that keeps the cost under SHARE of the steps between."""
+    if cost <= 0 or step_time <= 0:
+        return every
+    return every * max(1, math.ceil(cost / (SHARE * step_time) / every))
 
 
 def _read_scalars(tensors: list[torch.Tensor]) -> dict[int, float]:
