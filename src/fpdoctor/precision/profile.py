@@ -527,6 +527,8 @@ def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, ref
         "states_tried": found["states"],
         "dtype": dtype,
     }
+    if found.get("input_floor_note"):
+        evidence["input_floor_note"] = found["input_floor_note"]
     where: dict[str, Any] = {"module": None, "op": None, "phase": "forward"}
     together = found.get("together")
     on = found.get("inputs") or label

@@ -381,6 +381,8 @@ class _Comparison:
         self.state_fix: tuple[list[str], torch.Tensor] | None = None
         # the output of the checked run that computed the lines feeding an ill-conditioned op in fp32 (step 5b)
         self.line_fix: torch.Tensor | None = None
+        # why the input floor is 0 without a forward (rounding the inputs changes nothing), where it is
+        self.input_floor_note: str | None = None
         self.root_cand: torch.Tensor | None = None
 
     # -- where the random numbers stand ------------------------------------------------------
@@ -684,6 +686,10 @@ class _Comparison:
     def input_floor(self, rows: list[ModuleRow]) -> float | None:
         if not any(r.module == "" and r.diverged for r in rows) and _unexplained(rows) is None:
             return None  # only when the whole model diverges, or its error is far above every part's
+        kept = _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype)
+        if kept is not None:  # rounding the inputs costs nothing: no forward measures it
+            self.input_floor_note = f"0: {kept}, so rounding them to {self.label} changes nothing (no forward run)"
+            return 0.0
         root = next(e for (name, _), e in self.seen.items() if name == "")
         return input_rounding_error(
             self.ref_run if self.ref_run is not None else self.truth_run,
@@ -752,6 +758,7 @@ class _Comparison:
             "error_rel": root.propagated,
             "explained_rel": explained,
             "input_floor_rel": input_floor,
+            "input_floor_note": self.input_floor_note,
             "states": states,
             "state": cause,
             "dtype": str(self.cand_dtype).removeprefix("torch."),
@@ -841,6 +848,8 @@ class _Comparison:
             peak=sum(e.truth.nbytes + (0 if e.inputs is None else e.inputs.nbytes) for e in self.seen.values()),
         )
         result.overflows = {name: found for (name, _), found in overflows.items()}
+        if self.input_floor_note is not None:
+            result.report.data["input_floor_note"] = self.input_floor_note
         if self.ranges:  # op outputs near the max that did not overflow (those are named above)
             near = near_limit.near_limit(
                 self.cand_ranges.read(),
@@ -996,6 +1005,25 @@ class _Comparison:
 ACCUMULATION_FALLS = 4.0
 # Running states raised together are the cause, over the best one alone, when they halve its error again.
 JOINT_GAIN = 2.0
+
+
+def _inputs_kept(inputs: Any, dtype: torch.dtype, reference: torch.dtype) -> str | None:
+    """Why rounding `inputs` to the candidate's `dtype` changes nothing (no floating-point tensor
+    among them, token ids; or each value already one of `dtype`'s), so the input floor is 0 by
+    definition; None when it may change them. Also None when the candidate's dtype is not coarser
+    than the reference's (fp32 on another device against fp32): the forward on unchanged inputs
+    measures the reference's own end-to-end error, which is what explains the candidate's there.
+    Coarser, the candidate's output rounding (in the root's floor) stands above that error."""
+    if torch.finfo(dtype).eps <= torch.finfo(reference).eps:
+        return None
+    floats: list[torch.Tensor] = []
+    map_tensors(inputs, lambda t: floats.append(t) if t.is_floating_point() else None)
+    if not floats:
+        return "no floating-point tensor among the inputs"
+    for t in floats:  # NaN is unequal to itself: such inputs keep their forward
+        if t.dtype != dtype and not torch.equal(t.to(dtype).to(t.dtype), t):
+            return None
+    return f"every floating-point value among the inputs is already a {str(dtype).removeprefix('torch.')} value"
 
 
 def _forced(row: ModuleRow) -> bool:
