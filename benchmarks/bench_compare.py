@@ -30,11 +30,12 @@ loop's length.
 
 A per-token loop (`--loop`): the streaming case's shape, a 2-layer linear-attention LM in recurrent
 form over 2048 tokens (86k ops, 53k torch function calls per forward), bf16 against fp32, whose
-error is made by two running states: compare runs seven forwards there (the fp64 pass, the bf16
-pass, the input floor, the running-state search and three checked runs: each state alone, then
-both), and the row prints each step's share beside the floor: those forwards run plain, and what
-a torch function mode (the fp64 pass, the search and each checked run watch every call through
-one) adds to a forward before it does anything.
+error is made by two running states: compare runs five forwards there (the fp64 pass, the bf16
+pass, the running-state search and two checked runs: both states together, then the one the search
+ranks first alone; the input floor needs none, as token ids are not rounded), and the row prints
+each step's share beside the floor: those forwards run plain, and what a torch function mode (the
+fp64 pass, the search and each checked run watch every call through one) adds to a forward before
+it does anything.
 
 On a GPU (`--device cuda`) one child measures the same on CUDA, at a compute-bound size (dim
 1024, 16 heads, 16 x 512 tokens): fp16 against the budget and fp8-e4m3 with the real fp8 GEMM
@@ -320,8 +321,8 @@ def split(owner, name):  # the time compare spends in one of its steps, summed o
     setattr(owner, name, w)
 for name in ("truth_pass", "candidate_pass", "input_floor", "accumulation", "forced", "result"):
     split(steps._Comparison, name)
-for name in ("carried_states", "raised_error"):  # the search's forward; each checked run's forward
-    split(steps, name)
+for name in ("carried_states", "raised_error", "input_rounding_error"):  # each a forward: the search, a
+    split(steps, name)                                                     # checked run, the input floor
 def timed(fn):
     wall, cpu = time.perf_counter(), time.process_time()
     fn()
@@ -362,7 +363,7 @@ print(json.dumps({{
 def loop_row(rounds: int) -> bool:
     """The per-token-loop row: a 2-layer linear-attention LM in recurrent form over 2048 tokens (the
     streaming case's shape, 86k ops per forward), bf16 against fp32, whose error is made by its two
-    running states: compare finds them and tries them, alone and together, each a forward."""
+    running states: compare finds them and tries them, together and the first alone, each a forward."""
     argv = [sys.executable, "-c", LOOP_CHILD.format(), str(rounds)]
     out = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
     ratio = out["compare"] / out["plain"]
@@ -378,13 +379,16 @@ def loop_row(rounds: int) -> bool:
           f"runs {checked / unit:.2f}x ({checked / max(runs, 1) / unit:.2f}x each), the decisions and the report "
           f"{parts['result'] / unit:.2f}x; without the checked runs {(out['compare'] - checked) / unit:.2f}x; "
           f"wall {out['wall']:.2f}x")  # fmt: skip
-    # the forwards themselves, unobserved: fp64, fp32 (the input floor's reference) and five bf16 (the
-    # candidate pass, the search, the checked runs), and what a function mode's call alone adds to one
-    floor = (bare["fp64"] + bare["fp32"] + (2 + runs) * bare["bf16"]) / unit
+    # the forwards themselves, unobserved: fp64, fp32 where the input floor ran one (the reference on
+    # rounded inputs) and bf16 (the candidate pass, the search, the checked runs), and what a function
+    # mode's call alone adds to one
+    floors = parts.get("input_rounding_error calls", 0)
+    floor = (bare["fp64"] + floors * bare["fp32"] + (2 + runs) * bare["bf16"]) / unit
     mode = (bare["bf16 under an empty function mode"] - bare["bf16"]) / unit
-    print(f"  {'':16s} floor: its {4 + runs:.0f} forwards run plain {floor:.2f}x (fp64 {bare['fp64'] / unit:.2f}x, "
-          f"bf16 {bare['bf16'] / unit:.2f}x, fp32 {bare['fp32'] / unit:.2f}x); an empty function mode adds "
-          f"{mode:.2f}x to a forward, and {2 + runs:.0f} of them run under one")  # fmt: skip
+    print(f"  {'':16s} floor: its {2 + floors + runs:.0f} forwards run plain {floor:.2f}x (fp64 "
+          f"{bare['fp64'] / unit:.2f}x, bf16 {bare['bf16'] / unit:.2f}x, fp32 {bare['fp32'] / unit:.2f}x; the input "
+          f"floor {floors:.0f} forward{'' if floors == 1 else 's'}); an empty function mode adds {mode:.2f}x to a "
+          f"forward, and {1 + runs:.0f} bf16 ones and the fp64 pass run under one")  # fmt: skip
     print(f"  {'':16s} findings: {', '.join(out['findings']) or 'none'}")
     return ratio <= 3.0
 

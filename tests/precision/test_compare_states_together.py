@@ -1,7 +1,10 @@
 """Running states that are the cause only together (a sum and what it is divided by): compare tries
-each alone, then all of them, and prints the set with its figures; applied as printed, the error is
-gone. Two models the shared cases do not contain: a streaming mean (a sum and a count) and a decayed
-average (a numerator and a denominator, each updated with a decay)."""
+all of them together, then the one its search ranks first alone, and prints the set with its
+figures; applied as printed, the error is gone. Two models the shared cases do not contain: a
+streaming mean (a sum and a count) and a decayed average (a numerator and a denominator, each
+updated with a decay). Where the state ranked first alone does as well as all of them (a running sum
+beside a running max, which bf16 holds exactly), it alone is the fix, and the other is said to be
+tried only together."""
 
 from __future__ import annotations
 
@@ -65,8 +68,14 @@ def test_a_sum_and_its_count_are_tried_together_and_the_fix_as_printed_removes_t
     assert len(finding.evidence["state_locations"]) == 2 and "all of them" in finding.fix
     assert finding.trial is not None and finding.trial.tried and "together" in finding.trial.changed
     assert "float32[2, 600, 16]" in finding.trial.on  # which input it was checked on
-    for state in finding.evidence["states_tried"]:  # each alone leaves far more than both together
-        assert state["raised_rel"] > 2 * finding.trial.after
+    # both together first, then the state the search ranks first alone: it leaves far more than both;
+    # the other was tried only together, and no figure of its own is given
+    first, second = finding.evidence["states_tried"]
+    assert first["tried_alone"] and first["raised_rel"] > 2 * finding.trial.after
+    assert second["tried_together"] and not second["tried_alone"] and second["raised_rel"] is None
+    assert finding.evidence["tried_alone"] == [first["location"]]
+    assert finding.evidence["tried_only_together"] == [second["location"]]
+    assert f"{second['location']} tried only together" in finding.message
 
     torch.manual_seed(0)
     fixed = fpdoctor.compare(RunningMean(fp32_states=True).eval(), x, candidate="bf16")
@@ -78,3 +87,85 @@ def test_a_decayed_numerator_and_denominator_are_named_together():
     finding = _states_finding(DecayedAverage().eval(), torch.randn(2, 400, 16) + 0.5)
     assert finding.trial is not None and finding.trial.tried
     assert finding.trial.after * 4 <= finding.trial.before
+
+
+class SumAndMax(nn.Module):
+    """A running sum (which bf16 loses) and a running max (which it holds exactly), per token."""
+
+    def __init__(self, sum_first: bool = True, fp32_sum: bool = False) -> None:
+        super().__init__()
+        self.sum_first, self.fp32_sum = sum_first, fp32_sum
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        total = h.new_zeros(h.shape[0], h.shape[-1], dtype=torch.float32 if self.fp32_sum else h.dtype)
+        top = h[:, 0]
+        out = []
+        for t in range(h.shape[1]):
+            if self.sum_first:
+                total = total + h[:, t]
+                top = torch.maximum(top, h[:, t])
+            else:
+                top = torch.maximum(top, h[:, t])
+                total = total + h[:, t]
+            out.append(total.to(h.dtype) + top)
+        return torch.stack(out, 1)
+
+
+def _counted_runs(monkeypatch) -> list[int]:
+    from fpdoctor.precision.compare import compare as steps
+
+    runs: list[int] = []
+    raised = steps.raised_error
+
+    def counted(*args, **kwargs):
+        runs.append(len(args[3]))  # the sites raised in this run
+        return raised(*args, **kwargs)
+
+    monkeypatch.setattr(steps, "raised_error", counted)
+    return runs
+
+
+def test_the_state_ranked_first_alone_is_the_fix_in_two_checked_runs(monkeypatch):
+    runs = _counted_runs(monkeypatch)
+    torch.manual_seed(0)
+    x = torch.randn(2, 2000, 16) + 0.5
+    result = fpdoctor.compare(SumAndMax().eval(), x, candidate="bf16")
+    (finding,) = result.report.by_name("precision-divergence")
+    ev = finding.evidence
+    assert ev["kind"] == "accumulation" and ev["state_location"].endswith(f":{_line('total = total + h[:, t]', 2)}")
+    assert len(runs) == 2 and runs[0] > runs[1]  # both states together, then the sum alone
+    total, top = ev["states_tried"]
+    assert total["tried_alone"] and total["raised_rel"] == ev["raised_rel"]
+    assert top["tried_together"] and not top["tried_alone"] and top["raised_rel"] is None
+    assert ev["tried_only_together"] == [top["location"]] and ev["joint_rel"] is not None
+    assert total["raised_rel"] < 2 * ev["joint_rel"] and total["raised_rel"] * 4 <= ev["propagated_rel"]
+    assert f"{top['location']} tried only together, not alone" in finding.message
+    assert finding.trial is not None and finding.trial.tried and finding.trial.after == total["raised_rel"]
+
+    torch.manual_seed(0)  # the fix as printed: the sum alone in fp32
+    fixed = fpdoctor.compare(SumAndMax(fp32_sum=True).eval(), x, candidate="bf16")
+    assert fixed.report.verdict == "ok", str(fixed.report)
+
+
+def test_when_the_state_ranked_first_is_not_the_cause_the_joint_set_is_the_fix(monkeypatch):
+    runs = _counted_runs(monkeypatch)
+    torch.manual_seed(0)
+    x = torch.randn(2, 2000, 16) + 0.5
+    finding = _states_finding(SumAndMax(sum_first=False).eval(), x)
+    ev = finding.evidence
+    assert len(runs) == 2
+    top, total = ev["states_tried"]  # the max, ranked first, tried alone: it leaves the error
+    assert top["location"].endswith(f":{_line('top = torch.maximum(top, h[:, t])', 2)}")
+    assert top["tried_alone"] and top["raised_rel"] >= 2 * ev["raised_rel"]
+    assert ev["state_locations"] == [top["location"], total["location"]] and "all of them" in finding.fix
+    assert total["raised_rel"] is None and ev["tried_only_together"] == [total["location"]]
+    assert finding.trial is not None and finding.trial.after == ev["raised_rel"] == ev["joint_rel"]
+
+
+def _line(text: str, nth: int = 1) -> int:
+    from pathlib import Path
+
+    lines = Path(__file__).read_text().splitlines()
+    return [k + 1 for k, line in enumerate(lines) if text in line][nth - 1]

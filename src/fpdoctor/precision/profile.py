@@ -525,6 +525,12 @@ def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, ref
         "explained_rel": explained,
         "input_floor_rel": found["input_floor_rel"],
         "states_tried": found["states"],
+        # which states had a checked run of their own, and which were kept in fp64 only with the others
+        "tried_alone": [t["location"] for t in found["states"] if t.get("tried_alone")],
+        "tried_only_together": [
+            t["location"] for t in found["states"] if t.get("tried_together") and not t.get("tried_alone")
+        ],
+        "joint_rel": found.get("joint_rel"),
         "dtype": dtype,
     }
     if found.get("input_floor_note"):
@@ -532,14 +538,20 @@ def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, ref
     where: dict[str, Any] = {"module": None, "op": None, "phase": "forward"}
     together = found.get("together")
     on = found.get("inputs") or label
-    if together is not None:  # each alone helps little or not enough: the states together
+    only_together = evidence["tried_only_together"]
+    if together is not None:  # the one ranked first alone helps little or not enough: the states together
         states = together["states"]
         joint = together["raised_rel"]
         places = " and ".join(f"{t['op']} at {t['location']}" for t in states)
-        alone = "; ".join(f"{t['location']} alone {_fmt(t['raised_rel'])}" for t in states)
+        alone = (
+            "; ".join(f"{t['location']} alone {_fmt(t['raised_rel'])}" for t in states if t.get("tried_alone"))
+            or "the run with one alone failed"
+        )
         message += (
             f" The running states updated with {places} are held in {dtype}; kept in fp64 together, the "
-            f"end-to-end error is {_fmt(joint)} (checked), where each alone leaves more ({alone})."
+            f"end-to-end error is {_fmt(joint)} (checked), where one alone leaves more ({alone}"
+            + (f"; {', '.join(only_together)} tried only together" if only_together else "")
+            + ")."
         )
         evidence |= {"state_locations": [t["location"] for t in states], "raised_rel": joint}
         first = states[0]
@@ -565,6 +577,12 @@ def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, ref
             f"({state['steps']} updates per forward) is held in {dtype}; with that state alone kept in fp64 the "
             f"end-to-end error is {_fmt(state['raised_rel'])} (checked)."
         )
+        if only_together and found.get("joint_rel") is not None:
+            message += (
+                f" With it and {', '.join(only_together)} kept in fp64 together the error is "
+                f"{_fmt(found['joint_rel'])}: it alone comes within {found.get('joint_gain', 2.0):g}x of that ("
+                f"{', '.join(only_together)} tried only together, not alone)."
+            )
         evidence |= {"state_op": state["op"], "state_location": state["location"], "state_module": state["module"],
                      "state_steps": state["steps"], "raised_rel": state["raised_rel"]}  # fmt: skip
         where = {"module": state["module"], "op": state["op"], "phase": "forward"}
@@ -583,8 +601,16 @@ def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, ref
         )
     else:
         tried = [t for t in found["states"] if t["raised_rel"] is not None]
-        untried = [t for t in found["states"] if t["raised_rel"] is None]
-        if tried:
+        untried = [t for t in found["states"] if not t.get("tried_alone") and not t.get("tried_together")]
+        together_only = [t for t in found["states"] if t.get("tried_together") and not t.get("tried_alone")]
+        if together_only and found.get("joint_rel") is not None:
+            message += (
+                " No running state tried explains it: kept in fp64 together, "
+                + " and ".join(f"{t['op']} at {t['location']} ({t['steps']} updates)" for t in together_only)
+                + f" leave an end-to-end error of {_fmt(found['joint_rel'])} (none tried alone: together they "
+                "did not take the error away)."
+            )
+        elif tried:
             message += (
                 " No running state tried explains it: "
                 + "; ".join(
@@ -618,7 +644,7 @@ def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, ref
         first_text = "none by itself: the error is made by accumulation (no single state found)"
         trial = Trial.untried(
             "no running state kept in fp64 removed the error (see the message)"
-            if tried
+            if tried or together_only
             else "no running state could be raised to fp64 and re-run (see the message)"
         )
     finding = catalog.make(

@@ -706,8 +706,10 @@ class _Comparison:
     def accumulation(self, rows: list[ModuleRow], input_floor: float | None) -> dict[str, Any] | None:
         """Where no module diverges, yet the end-to-end error is DIVERGENCE_RATIO times above all that
         explains it by itself (each module's and own op's isolated error, the output's floor,
-        rounding the inputs): the running states of the candidate's forward, each tried by a
-        candidate run with that state alone kept in fp64. None when the error is explained."""
+        rounding the inputs): the running states of the candidate's forward, tried by two candidate
+        runs: all of them kept in fp64 together, then, where that takes the error away, the one the
+        search ranks first alone (each state alone only where the joint run fails). None when the
+        error is explained."""
         explained = _unexplained(rows)
         root = rows[-1] if rows else None
         if explained is None or root is None or any(r.diverged for r in rows):
@@ -724,36 +726,59 @@ class _Comparison:
             self.notes["running states"] = f"not searched: {type(exc).__name__}: {exc}"
             states = []
         sites = {id(state): state.pop("sites") for state in states}
-        outputs: dict[int, list[torch.Tensor]] = {}  # each checked run's output, for what it decides
-        for state in states:  # an in-place update keeps its tensor's dtype: raising it needs the user's code changed
-            outputs[id(state)] = []
-            state["raised_rel"] = None if state["in_place"] else raised_error(
-                self.cand_run, self.inputs, self.cand_dtype, sites[id(state)], truth=truth.truth,
-                norm=truth.norm, rng=self.rng, device=self.cand_device, noise=self.noise, keep=outputs[id(state)],
+        for state in states:  # raised_rel: its own run's figure, where it was tried alone
+            state |= {"raised_rel": None, "tried_alone": False, "tried_together": False}
+        # an in-place update keeps its tensor's dtype: raising it needs the user's code changed
+        tryable = [s for s in states if not s["in_place"]]
+
+        def error_with(raised: list[dict[str, Any]], keep: list[torch.Tensor]) -> float | None:
+            return raised_error(
+                self.cand_run, self.inputs, self.cand_dtype, [x for s in raised for x in sites[id(s)]],
+                truth=truth.truth, norm=truth.norm, rng=self.rng, device=self.cand_device, noise=self.noise, keep=keep,
             )  # fmt: skip
-        tried = [s for s in states if s["raised_rel"] is not None]
-        best = min(tried, key=lambda s: s["raised_rel"], default=None)
-        # the state is the cause when raising it alone takes most of the error away
-        cause = best if best is not None and best["raised_rel"] * ACCUMULATION_FALLS <= root.propagated else None
-        if cause is not None and outputs[id(cause)]:
-            self.state_fix = ([cause["location"]], outputs[id(cause)][-1])
-        # greedy, then joint: states that each help only a little may be needed together (a sum and
-        # the normaliser it is divided by); the set is the cause when it does far better than the best alone
-        together = None
-        if len(tried) > 1:
-            kept: list[torch.Tensor] = []
-            joint = raised_error(
-                self.cand_run, self.inputs, self.cand_dtype, [x for s in tried for x in sites[id(s)]],
-                truth=truth.truth, norm=truth.norm, rng=self.rng, device=self.cand_device, noise=self.noise,
-                keep=kept,
-            )  # fmt: skip
-            alone = best["raised_rel"] if best is not None else root.propagated
-            if joint is not None and joint * JOINT_GAIN <= alone and joint * ACCUMULATION_FALLS <= root.propagated:
-                together = {"states": tried, "raised_rel": joint}
-                if kept:
-                    self.state_fix = ([s["location"] for s in tried], kept[-1])
+
+        # Joint first, then the best-ranked alone: two checked runs, not one per state and one more.
+        # States that each help only a little may be needed together (a sum and the normaliser it is
+        # divided by); when all of them together do not take the error away, no set of them does it.
+        falls = root.propagated / ACCUMULATION_FALLS
+        kept: list[torch.Tensor] = []
+        joint = error_with(tryable, kept) if tryable else None
+        cause = together = None
+        if joint is not None:
+            for s in tryable:
+                s["tried_together"] = True
+            if len(tryable) == 1:  # the joint run is the state's run alone
+                tryable[0] |= {"raised_rel": joint, "tried_alone": True}
+            if joint <= falls:
+                first, first_kept = tryable[0], kept
+                if len(tryable) > 1:  # the state the search ranks first (the most updates), alone
+                    first_kept = []
+                    alone = error_with([first], first_kept)
+                    first |= {"raised_rel": alone, "tried_alone": alone is not None}
+                alone = first["raised_rel"]
+                # it alone is the fix when it comes within JOINT_GAIN of them all and takes the error away
+                if alone is not None and (alone <= joint or alone < joint * JOINT_GAIN) and alone <= falls:
+                    cause = first
+                    if first_kept:
+                        self.state_fix = ([first["location"]], first_kept[-1])
+                else:
+                    together = {"states": tryable, "raised_rel": joint}
+                    if kept:
+                        self.state_fix = ([s["location"] for s in tryable], kept[-1])
+        elif len(tryable) > 1:  # the joint run failed: each alone, so that the one whose raise fails is named
+            outputs: dict[int, list[torch.Tensor]] = {}
+            for s in tryable:
+                outputs[id(s)] = []
+                s["raised_rel"] = error_with([s], outputs[id(s)])
+                s["tried_alone"] = s["raised_rel"] is not None
+            best = min((s for s in tryable if s["tried_alone"]), key=lambda s: s["raised_rel"], default=None)
+            if best is not None and best["raised_rel"] <= falls and outputs[id(best)]:
+                cause = best
+                self.state_fix = ([best["location"]], outputs[id(best)][-1])
         return {
             "together": together,
+            "joint_rel": joint if len(tryable) > 1 else None,  # every tried state kept in fp64 together
+            "joint_gain": JOINT_GAIN,
             "inputs": inputs_text(describe(self.inputs)),
             "error_rel": root.propagated,
             "explained_rel": explained,
