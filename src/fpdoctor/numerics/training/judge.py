@@ -1051,7 +1051,7 @@ class StepJudge:
             if self._reference_last is not None and self._step_times:
                 pace = (self._reference_gap(), self._reference_cost, statistics.median(self._step_times))
             line_, out["reference_step"] = reference.summary(
-                self.reference_compared, every=self.reference_every, off=self.reference_off
+                self.reference_compared, every=self.reference_every, off=self.reference_off, pace=pace
             )
             summary.append(line_)
         if self.progress_judged:  # each flat window and what the experiment from its last step gave
