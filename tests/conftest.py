@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,14 +69,25 @@ def run_fpdoctor(*args: str, env: dict[str, str] | None = None, timeout: float =
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
-@pytest.fixture(autouse=True)
-def _one_job_at_a_time(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """Under pytest-xdist (`make test`), a test marked `jobs` (a multi-rank job) holds a lock that
-    every worker shares, so two such jobs never run at once; the other tests go on beside it."""
-    if request.node.get_closest_marker("jobs") is None or not os.environ.get("PYTEST_XDIST_WORKER"):
+@contextlib.contextmanager
+def one_job_at_a_time(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Under pytest-xdist (`make test`), the lock that every worker shares around a multi-rank job,
+    so two such jobs never run at once; the other tests go on beside it. A module fixture that starts
+    a job shared by several tests takes it itself: it is set up before a test's own fixtures."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
         yield
         return
     # the workers' temporary folders share this parent (pytest-of-USER/pytest-N)
     with open(tmp_path_factory.getbasetemp().parent / "jobs.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if the worker dies
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _one_job_at_a_time(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """A test marked `jobs` (a multi-rank job) holds the jobs' lock while it runs."""
+    if request.node.get_closest_marker("jobs") is None:
+        yield
+        return
+    with one_job_at_a_time(tmp_path_factory):
         yield

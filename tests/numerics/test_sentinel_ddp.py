@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import fpdoctor
+from tests.conftest import one_job_at_a_time
 
 pytestmark = pytest.mark.jobs  # 2- and 3-rank gloo jobs
 
@@ -184,36 +185,55 @@ def test_every_rank_names_the_rank_that_held_the_fault(tmp_path):
     assert all(res["transient"] == results[0]["transient"] for res in results)
 
 
-def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
+def _pair_worker(rank: int, world: int, port: int, out: str) -> None:
+    """The two 2-rank scenarios below, one after the other on the same ranks (one job, not two: each
+    spawned rank imports torch anew); each scenario's objects are gone before the next begins, and
+    each writes its results under its own key."""
     # a short timeout: a collective issued on one rank only would hang both, and fail here in time
     with _rank_results(rank, world, port, out, timeout_s=15) as results:
-        model = _model()
-        ddp = nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-        guard = fpdoctor.Sentinel(ddp, opt)
-
-        def step(x, y):
-            opt.zero_grad(set_to_none=True)
-            loss = nn.functional.mse_loss(ddp(x), y)
-            loss.backward()
-            logged = loss.detach().clone()
-            dist.all_reduce(logged)  # a logging collective inside the step, replayed on every rank
-            return loss
-
-        for i, (clean, y) in enumerate(_batches(rank, 3)):
-            x = clean.clone()
-            if rank == 1 and i == 0:  # the very first iteration: DDP still rebuilds its buckets
-                x[0, 0] = float("nan")
-            guard.step(step, x, y)
-        results["findings"] = _summary(guard)
-        results["verdicts"] = guard.report.data["verdicts"]
-        results["finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        results["collective"] = _collective(rank)
+        gc.collect()
+        results["leak"] = _leak(rank)
 
 
-@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
-def test_every_rank_replays_so_collectives_inside_the_step_match(tmp_path):
-    world = 2
-    results = _spawn(_collective_worker, world, tmp_path, limit_s=60)
+@pytest.fixture(scope="module")
+def pair_job(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Each rank's results of the 2-rank job of `_pair_worker`, run once for the module's tests."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available in this build")
+    out = tmp_path_factory.mktemp("pair")
+    with one_job_at_a_time(tmp_path_factory):  # set up before the tests' own lock is taken
+        return _spawn(_pair_worker, 2, out, limit_s=90)
+
+
+def _collective(rank: int) -> dict:
+    results: dict = {}
+    model = _model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    guard = fpdoctor.Sentinel(ddp, opt)
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        logged = loss.detach().clone()
+        dist.all_reduce(logged)  # a logging collective inside the step, replayed on every rank
+        return loss
+
+    for i, (clean, y) in enumerate(_batches(rank, 3)):
+        x = clean.clone()
+        if rank == 1 and i == 0:  # the very first iteration: DDP still rebuilds its buckets
+            x[0, 0] = float("nan")
+        guard.step(step, x, y)
+    results["findings"] = _summary(guard)
+    results["verdicts"] = guard.report.data["verdicts"]
+    results["finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return results
+
+
+def test_every_rank_replays_so_collectives_inside_the_step_match(pair_job):
+    results = [{"error": res["error"]} if "error" in res else res["collective"] for res in pair_job]
     for r, res in enumerate(results):
         assert "error" not in res, (r, res)
         names = [name for name, _, _ in res["findings"]]
@@ -253,8 +273,9 @@ def _where_backward_contexts_go() -> Iterator[list[bool]]:
         torch._C._stash_obj_in_tls = stash
 
 
-def _leak_worker(rank: int, world: int, port: int, out: str) -> None:
-    with _rank_results(rank, world, port, out, timeout_s=15) as results, _where_backward_contexts_go() as freed:
+def _leak(rank: int) -> dict:
+    results: dict = {}
+    with _where_backward_contexts_go() as freed:
         model = _model()
         # small buckets: several per backward, so that the records of one backward are several
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0001)
@@ -280,12 +301,11 @@ def _leak_worker(rank: int, world: int, port: int, out: str) -> None:
         del ddp, opt, model
         gc.collect()  # the DDP model goes, and with it the last backward's all-reduces
         results["contexts_freed_on_main"] = freed[:]
+    return results
 
 
-@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
-def test_the_bucket_hook_keeps_one_backward_and_lets_the_sentinel_go(tmp_path):
-    world = 2
-    results = _spawn(_leak_worker, world, tmp_path, limit_s=60)
+def test_the_bucket_hook_keeps_one_backward_and_lets_the_sentinel_go(pair_job):
+    results = [{"error": res["error"]} if "error" in res else res["leak"] for res in pair_job]
     for r, res in enumerate(results):
         assert "error" not in res, (r, res)
         assert res["buckets"] > 1, r
