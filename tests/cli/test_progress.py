@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import pytest
 
 from fpdoctor import progress
-from tests.conftest import ROOT, run_fpdoctor
+from tests.conftest import ROOT, Result, run_fpdoctor
 
 MODEL = (
     "import torch\n"
@@ -53,11 +53,18 @@ _DROPPED = ("NO_COLOR", "FORCE_COLOR", "RANK", "LOCAL_RANK", "WORLD_SIZE", "TTY_
 _SHOW_CURSOR = b"\x1b[?25h"
 
 
-@pytest.fixture
-def spec(tmp_path):
-    path = tmp_path / "mlp.py"
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("spec") / "mlp.py"
     path.write_text(MODEL)
     return f"{path}:make"
+
+
+@pytest.fixture(scope="module")
+def quiet_plan(spec: str) -> Result:
+    """`plan --candidate fp16 --quiet` with no terminal: the report the other runs of it must print
+    (one run for the module's tests; each run is a fresh interpreter that imports torch)."""
+    return run_fpdoctor("plan", spec, "--candidate", "fp16", "--quiet")
 
 
 def _terminal_env() -> dict[str, str]:
@@ -310,18 +317,19 @@ def test_a_stdout_that_is_not_the_terminal_is_never_touched(terminal):
 # --- the commands: no terminal, --quiet, a terminal ---------------------------------------------
 
 
-def test_no_terminal_no_progress_and_the_same_bytes_as_quiet(spec):
-    for args in (("compare", spec, "--candidate", "fp16"), ("plan", spec, "--candidate", "bf16")):
-        plain = run_fpdoctor(*args)
-        quiet = run_fpdoctor(*args, "--quiet")
+def test_no_terminal_no_progress_and_the_same_bytes_as_quiet(spec, quiet_plan):
+    compare = ("compare", spec, "--candidate", "fp16")
+    compared = run_fpdoctor(*compare), run_fpdoctor(*compare, "--quiet")
+    planned = run_fpdoctor("plan", spec, "--candidate", "fp16"), quiet_plan
+    for plain, quiet in (compared, planned):
         assert plain.code == quiet.code and plain.out == quiet.out and plain.err == quiet.err == ""
         assert plain.out.strip()
     health = run_fpdoctor("health", "--duration", "0")
     assert health.err == "" and "health:" not in health.out, health.err
 
 
-def test_a_terminal_shows_progress_on_stderr_and_stdout_holds_only_the_report(spec):
-    expected = run_fpdoctor("plan", spec, "--candidate", "fp16", "--quiet")
+def test_a_terminal_shows_progress_on_stderr_and_stdout_holds_only_the_report(spec, quiet_plan):
+    expected = quiet_plan
     shown = run_on_terminal("plan", spec, "--candidate", "fp16")
     assert shown.code == expected.code and shown.out.decode() == expected.out
     assert b"plan fp16: compare against fp64" in shown.terminal

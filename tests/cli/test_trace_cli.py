@@ -9,10 +9,11 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_fpdoctor
+from tests.conftest import Result, run_fpdoctor
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -48,8 +49,17 @@ def _split(err: str) -> tuple[str, dict]:
     return err[:at], json.loads(err[at:])
 
 
-def test_trace_a_script_that_makes_nan(tmp_path):
-    result = run_fpdoctor("trace", "--format", "json", "--", _script(tmp_path), "bad")
+@pytest.fixture(scope="module")
+def bad_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Result]:
+    """`fpdoctor trace --format json -- train.py bad`, a plain run (no --fail-on, no launcher): the
+    script's folder and the result, for the tests that read it (each run is an interpreter that
+    imports torch)."""
+    folder = tmp_path_factory.mktemp("bad")
+    return folder, run_fpdoctor("trace", "--format", "json", "--", _script(folder), "bad")
+
+
+def test_trace_a_script_that_makes_nan(bad_run):
+    tmp_path, result = bad_run
     assert result.code == 1
     _, doc = _split(result.err)
     assert "{" not in result.out  # the script's stdout is its own
@@ -131,10 +141,10 @@ def test_a_script_terminated_by_sigterm_gets_its_report_then_fpdoctor_dies_of_it
 WARNS = "import torch\nx = torch.full((64,), 30000.0, dtype=torch.float16)\nprint(float((x * 2.05).max()))\n"
 
 
-def test_fail_on_chooses_which_findings_fail_a_script_that_ended_well(tmp_path):
+def test_fail_on_chooses_which_findings_fail_a_script_that_ended_well(tmp_path, bad_run):
     bad, warns = _script(tmp_path), tmp_path / "warns.py"
     warns.write_text(WARNS)
-    assert run_fpdoctor("trace", "--", bad, "bad").code == 1  # a plain run: error-level findings fail CI
+    assert bad_run[1].code == 1  # a plain run: error-level findings fail CI
     assert run_fpdoctor("trace", "--fail-on", "warning", "--", str(warns)).code == 1
     # under a launcher a rank's findings do not fail it, unless asked
     env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
