@@ -76,6 +76,7 @@ def test_a_sum_and_its_count_are_tried_together_and_the_fix_as_printed_removes_t
     assert finding.evidence["tried_alone"] == [first["location"]]
     assert finding.evidence["tried_only_together"] == [second["location"]]
     assert f"{second['location']} tried only together" in finding.message
+    assert f"{second['location']} tried only together" in finding.fix
 
     torch.manual_seed(0)
     fixed = fpdoctor.compare(RunningMean(fp32_states=True).eval(), x, candidate="bf16")

@@ -546,12 +546,10 @@ def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, ref
         alone = (
             "; ".join(f"{t['location']} alone {_fmt(t['raised_rel'])}" for t in states if t.get("tried_alone"))
             or "the run with one alone failed"
-        )
+        ) + (f"; {', '.join(only_together)} tried only together" if only_together else "")
         message += (
             f" The running states updated with {places} are held in {dtype}; kept in fp64 together, the "
-            f"end-to-end error is {_fmt(joint)} (checked), where one alone leaves more ({alone}"
-            + (f"; {', '.join(only_together)} tried only together" if only_together else "")
-            + ")."
+            f"end-to-end error is {_fmt(joint)} (checked), where one alone leaves more ({alone})."
         )
         evidence |= {"state_locations": [t["location"] for t in states], "raised_rel": joint}
         first = states[0]
