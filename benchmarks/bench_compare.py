@@ -385,7 +385,7 @@ def loop_row(rounds: int) -> bool:
     floors = parts.get("input_rounding_error calls", 0)
     floor = (bare["fp64"] + floors * bare["fp32"] + (2 + runs) * bare["bf16"]) / unit
     mode = (bare["bf16 under an empty function mode"] - bare["bf16"]) / unit
-    print(f"  {'':16s} floor: its {2 + floors + runs:.0f} forwards run plain {floor:.2f}x (fp64 "
+    print(f"  {'':16s} floor: its {3 + floors + runs:.0f} forwards run plain {floor:.2f}x (fp64 "
           f"{bare['fp64'] / unit:.2f}x, bf16 {bare['bf16'] / unit:.2f}x, fp32 {bare['fp32'] / unit:.2f}x; the input "
           f"floor {floors:.0f} forward{'' if floors == 1 else 's'}); an empty function mode adds {mode:.2f}x to a "
           f"forward, and {1 + runs:.0f} bf16 ones and the fp64 pass run under one")  # fmt: skip
