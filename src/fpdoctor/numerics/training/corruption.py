@@ -84,7 +84,7 @@ MAX_RANKS = 2**14 - 1  # the packed sums count ranks in 14 bits
 QUANTUM = 2.0**-7  # X's step in log-norm
 RANGE = 32.0  # |log-norm - centre| clamped here (a norm e^32 times off is off all the same)
 _OFFSET = int(RANGE / QUANTUM)  # X = round(y / QUANTUM) + _OFFSET, in [0, 2 * _OFFSET)
-_FLAG_BITS, _SUM_BITS, _SQUARE_BITS, _ESCALATE_BITS = 14, 27, 40, 12
+_FLAG_BITS, _SUM_BITS, _SQUARE_BITS, _ESCALATE_BITS, _MISSING_BITS = 14, 27, 40, 12, 11
 
 
 @dataclass
@@ -309,7 +309,7 @@ class CorruptionWatch:
         a, b, x = read.ints()
         if _field(b, _SQUARE_BITS, _ESCALATE_BITS) and len(self.escalations) < ESCALATIONS:
             self._escalate(step, add)  # every rank reads the same sums: all escalate here, or none
-        if not finite or _field(b, _SQUARE_BITS + _ESCALATE_BITS, 11):  # not judged, or a rank sent no norm
+        if not finite or _field(b, _SQUARE_BITS + _ESCALATE_BITS, _MISSING_BITS):  # not judged, or a rank sent no norm
             return
         self.judged += 1
         n = self.world
