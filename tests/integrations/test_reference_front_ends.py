@@ -158,6 +158,7 @@ def test_watch_compares_the_update_stages_on_healthy_recipes_and_finds_nothing()
         assert report.by_name("update-departs-from-reference") == [], str(report)
         assert report.by_name("gradients-depart-from-reference") == []
         assert "the optimizer's update and what the weights kept of it at step(s) 1" in report.data["judged"]
+        assert "over fp32 copies of the weights and its state, on the step's own gradients" in report.data["judged"]
         # a plain run of the same steps leaves the same weights, bit for bit
         plain = _Mlp(broken=False)
         plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=fused)

@@ -1094,7 +1094,12 @@ class StepJudge:
                 parts.append(
                     "the optimizer's update and what the weights kept of it at step(s) "
                     + ", ".join(map(str, ref["update_steps"][:5]))
-                    + " against the same optimizer's update of the fp32 step's gradients"
+                    + (
+                        " against the same optimizer's over fp32 copies of the weights and its state, on the step's "
+                        "own gradients"
+                        if any(c.update_reference == "own" for c in self.reference_compared)
+                        else " against the same optimizer's update of the fp32 step's gradients"
+                    )
                 )
             elif ref.get("update_not_compared"):
                 parts.append(f"the update not compared: {next(iter(ref['update_not_compared'].values()))}")
