@@ -534,17 +534,22 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
             ],
             "departed_count": len(departed),
             "compared": compared,
-            "kept_vs_intended": {
-                n: {"norm_ratio": r, "cosine": c} for n, (r, c) in comparison.kept_vs_intended.items()
-            },
-            "written_kind": comparison.written_kind,
-            "written_by": [
-                {"call": w.call, "targets": w.targets, "file": w.file, "line": w.line, "count": w.count}
-                for w in comparison.written[:CALLS]
-            ],
+            **(_between(comparison) if stage == "kept" else {}),  # what ran between the steps: the kept stage's
         },
         trial=trial,
     )
+
+
+def _between(comparison: Comparison) -> dict[str, Any]:
+    """The kept stage's evidence of what ran between the two steps, and what it did to the update."""
+    return {
+        "kept_vs_intended": {n: {"norm_ratio": r, "cosine": c} for n, (r, c) in comparison.kept_vs_intended.items()},
+        "written_kind": comparison.written_kind,
+        "written_by": [
+            {"call": w.call, "targets": w.targets, "file": w.file, "line": w.line, "count": w.count}
+            for w in comparison.written[:CALLS]
+        ],
+    }
 
 
 def _text(d: Departure) -> str:
