@@ -95,7 +95,7 @@ def top1(truth: torch.Tensor, candidate: torch.Tensor) -> float | None:
 def kl(truth: torch.Tensor, candidate: torch.Tensor) -> float:
     """Mean KL(softmax(truth) || softmax(candidate)) per row, nats: rows of logits, both finite."""
     log_p = torch.log_softmax(truth.double(), -1)
-    return _kl(log_p, log_p.exp(), candidate.double())
+    return _kl(log_p, log_p.exp(), candidate.to(log_p.device, torch.float64))
 
 
 def _kl(log_p: torch.Tensor, p: torch.Tensor, x: torch.Tensor) -> float:
@@ -107,11 +107,13 @@ def _kl(log_p: torch.Tensor, p: torch.Tensor, x: torch.Tensor) -> float:
 
 
 def logit_rows(truth: torch.Tensor, candidate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(referee, candidate) in float64, a row per decision; None when either is not finite or empty."""
+    """(referee, candidate) in float64 on the referee's device (a CUDA candidate's output is judged
+    against a referee that may have run on the host), a row per decision; None when either is not
+    finite or empty."""
     if candidate.shape != truth.shape or not all_finite(candidate):
         return None
     ref = truth.detach().double().reshape(-1, truth.shape[-1])
-    cand = candidate.detach().double().reshape(-1, truth.shape[-1])
+    cand = candidate.detach().to(ref.device, torch.float64).reshape(-1, truth.shape[-1])
     if ref.shape[0] == 0 or not all_finite(ref):
         return None
     return ref, cand
