@@ -81,6 +81,10 @@ def main() -> int:
             f"{'PASS' if wall <= NODE_BUDGET_S else 'FAIL'}; {wall - duration:5.2f} s beyond the duration, "
             f"{len(result.rows)} device(s), verdicts {verdicts}, {len(result.findings)} finding(s)"
         )
+        for row in result.rows:  # the node's wall time, split: the child's start-up against its GEMMs
+            seconds = row.get("detail", {}).get("seconds")
+            if seconds:
+                print(f"    {row['device']}: start-up {seconds['start-up']:.2f} s, GEMMs {seconds['work']:.2f} s")
     shapes = gemm.GPU_SHAPES if device.type == "cuda" else gemm.CPU_SHAPES
     mn, k = args.shape or (shapes.mn, shapes.k["bf16"])
     budget = 1.0 if device.type == "cuda" else 0.3

@@ -231,6 +231,7 @@ def run_child(
     deadline = started + STARTUP_ALLOWANCE_S
     step, result = "start-up (import torch, create the device context)", None
     identity: dict[str, Any] = {}
+    startup_s = None
     while True:
         try:
             line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -244,6 +245,7 @@ def run_child(
             break
         if line.startswith(READY):
             identity = json.loads(line[len(READY) :])
+            startup_s = round(time.monotonic() - started, 3)
             deadline = time.monotonic() + WORK_SLACK_S + 2 * duration
             if on_step is not None:
                 on_step(f"health: {spec['device']} ({identity.get('name') or 'ready'})")
@@ -256,7 +258,9 @@ def run_child(
     proc.wait()
     drainer.join(timeout=5.0)
     if result is not None and proc.returncode == 0:
-        return dict(result)
+        # where a node's wall time goes: the child's start (interpreter, torch, the device's
+        # context) against its GEMMs (`seconds`), for a budget of 10 s per node
+        return {**result, "startup_s": startup_s}
     failure: dict[str, Any] = {"step": step, "returncode": proc.returncode, "stderr_tail": tail[0][-1500:]}
     sig = died_of(proc.returncode)
     if sig:
@@ -301,6 +305,8 @@ def _row(result: dict[str, Any], dist: Any) -> dict[str, Any]:
         "verdict": None,  # set by ranks.judge
         "detail": {k: result[k] for k in ("known_answer", "seeded", "not_run", "errors") if result.get(k)},
     }
+    if result.get("startup_s") is not None:
+        row["detail"]["seconds"] = {"start-up": result["startup_s"], "work": result.get("seconds")}
     if "failure" in result:
         row["failure"] = result["failure"]
     return row
