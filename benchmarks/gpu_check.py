@@ -431,6 +431,7 @@ def parts() -> list[Part]:
              _cmd(*fpdoctor, "run", "--breadcrumbs", "-o", "@run-sigfpe.json", "PYTHON", str(SCRIPTS / "sigfpe.py")),
              _judge_sigfpe),
         Part("bench_sentinel (CUDA)", "bench", 120, _bench("bench_sentinel.py", "--device", "cuda", "--rounds", "5")),
+        Part("bench_watch (CUDA)", "bench", 120, _bench("bench_watch.py", "--device", "cuda", "--blocks", "5")),
         Part("bench_numerics (CUDA)", "bench", 150,
              _bench("bench_numerics.py", "--only", "cuda", "--rounds", "3", "--steps", "4")),
         Part("bench_fingerprint (CUDA)", "bench", 90,
