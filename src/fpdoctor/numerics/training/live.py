@@ -25,7 +25,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterable
-from typing import SupportsIndex
+from typing import Any, SupportsIndex
 
 from fpdoctor.report.model import Finding, Report, Severity
 
@@ -108,6 +108,16 @@ class Live:
         if self.stop_on is not None and self.stopped is None and finding.severity.rank >= self.stop_on.rank:
             self.stopped = finding
 
+    def replaced(self, old: Finding, new: Finding) -> None:
+        """A finding replaced: a count kept current is not said again; another finding where one
+        stood (two findings of one cause folded into one) is, instead of the old one if that was
+        not said yet."""
+        if any(f is old for f in self._unsaid):
+            self._unsaid = [new if f is old else f for f in self._unsaid]
+        elif new.name != old.name:
+            self.behind = True
+            self._unsaid.append(new)
+
     def settle(self, *, now: bool = False) -> None:
         """At a step boundary: rewrite the report file if a finding arrived since the last rewrite and
         the rewrites' share of the time allows (`now`: whatever the share, a stop's last word); then
@@ -159,6 +169,12 @@ class FindingLog(list[Finding]):
     def append(self, finding: Finding) -> None:
         super().append(finding)
         self.live.added(finding)
+
+    def __setitem__(self, index: Any, finding: Any) -> None:
+        old = self[index]
+        super().__setitem__(index, finding)
+        if isinstance(old, Finding) and isinstance(finding, Finding):
+            self.live.replaced(old, finding)
 
     def extend(self, found: Iterable[Finding]) -> None:
         for finding in found:
