@@ -118,20 +118,21 @@ def test_a_weight_decay_applied_again_after_the_step_departs_at_the_kept_stage_a
     assert sys.getprofile() is None
 
 
-def test_an_update_clipped_by_an_optimizer_hook_departs_at_the_kept_stage_and_names_the_hook() -> None:
-    """A step post-hook of the user's optimizer clamps the weights to [-0.05, 0.05] (a weight
-    clipping meant for a critic, on the whole model): the weights keep another update."""
+def test_an_update_shrunk_by_an_optimizer_hook_departs_at_the_kept_stage_and_names_the_hook() -> None:
+    """A step post-hook of the user's optimizer shrinks every weight by 10% (a decay meant for one
+    layer, hooked on the whole optimizer): the weights keep another update, and the finding names the
+    hook's line. (A hook that only clamps the weights is a constraint: see the weight-clipping test.)"""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def clamp(optimizer: Any, args: Any, kwargs: Any) -> None:
+    def shrink(optimizer: Any, args: Any, kwargs: Any) -> None:
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for p in group["params"]:
-                    p.clamp_(-0.05, 0.05)  # the line the finding names
+                    p.mul_(0.9)  # the line the finding names
 
-    line = clamp.__code__.co_firstlineno + 4
-    handle = opt.register_step_post_hook(clamp)
+    line = shrink.__code__.co_firstlineno + 4
+    handle = opt.register_step_post_hook(shrink)
     try:
         report = _guarded(model, opt)
     finally:
@@ -139,7 +140,7 @@ def test_an_update_clipped_by_an_optimizer_hook_departs_at_the_kept_stage_and_na
     (found,) = _found(report)
     assert found.evidence["stage"] == "kept", found.message
     calls = {(c["call"], c["line"]) for c in found.evidence["written_by"]}
-    assert ("clamp_", line) in calls, found.evidence["written_by"]
+    assert ("mul_", line) in calls, found.evidence["written_by"]
     assert found.evidence["departed_count"] >= 2
 
 
@@ -384,3 +385,44 @@ def test_a_report_read_on_another_thread_takes_the_profile_function_off_the_trai
     reader.join(timeout=60)
     len([1])  # any call on this thread: the profile function sees it stopped and takes itself off
     assert sys.getprofile() is None
+
+
+def test_a_weight_clipping_of_the_recipe_holds_the_reference_too_and_is_no_departure() -> None:
+    """A WGAN critic: after each step the loop clips every weight to [-0.01, 0.01] (`p.data.clamp_`),
+    as the recipe says; most weights sit at the bounds. The reference's weights are held by the same
+    bounds before the kept stage is compared: no finding, and the OK line says the bounds were applied."""
+    model = _model()
+    opt = torch.optim.RMSprop(model.parameters(), lr=5e-3)
+
+    def clip(i: int) -> None:
+        for p in model.parameters():
+            p.data.clamp_(-0.01, 0.01)  # the critic's weight clipping
+
+    line = clip.__code__.co_firstlineno + 2
+    clip(-1)
+    report = _guarded(model, opt, after=clip)
+    assert _found(report) == [], str(report)
+    assert report.by_name("gradients-depart-from-reference") == []
+    held = report.data["reference_step"]["constrained"]
+    assert set(held) == {n for n, _ in model.named_parameters()}
+    assert f"`clamp_` at {__file__}:{line}" in held["0.weight"]
+    assert "held within bounds by your code" in dict(report.data["summary"])["reference step"]
+
+
+def test_a_clamp_that_is_not_the_only_write_is_not_taken_for_a_constraint() -> None:
+    """The loop decays the weights again and then clamps them: the decay changes the update, so the
+    parameter is not replayed as bounded, and the kept stage still departs, naming the decay."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+    def decay_and_clamp(i: int) -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 - 0.1)
+                p.clamp_(-10.0, 10.0)
+
+    report = _guarded(model, opt, autocast=torch.bfloat16, after=decay_and_clamp)
+    (found,) = _found(report)
+    assert found.evidence["stage"] == "kept"
+    assert {c["call"] for c in found.evidence["written_by"]} == {"mul_", "clamp_"}
+    assert "constrained" not in report.data["reference_step"]

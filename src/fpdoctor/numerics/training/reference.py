@@ -102,6 +102,9 @@ class Comparison:
     kept_vs_intended: dict[str, tuple[float, float]] = field(default_factory=dict)
     written: list[Any] = field(default_factory=list)  # calls seen writing the weights after the step
     written_kind: str = ""  # what they wrote: "weights", "gradients", "unknown"; "unwatched"; "": none seen
+    # parameters held within bounds by the user's code between the steps (a weight clipping), with the
+    # calls' places: the reference's weights were held by the same bounds before the kept stage's comparison
+    constrained: dict[str, list[str]] = field(default_factory=dict)
 
     def departed(self, stage: str) -> list[Departure]:
         return [d for d in self.rows.get(stage, []) if d.departs()]
@@ -502,6 +505,14 @@ def summary(
         data["worst"] = {"norm_ratio": worst_ratio, "cosine": worst_cosine}
     else:
         text = f"{where} against an fp32 step: no gradient large enough to compare"
+    held = {n: places for c in judged for n, places in c.constrained.items()}
+    if held:
+        data["constrained"] = held
+        first = next(iter(held.values()))[0]
+        text += (
+            f"; {len(held)} parameter(s) held within bounds by your code between the steps ({first}): the "
+            "reference's weights held by the same bounds"
+        )
     if pace is not None and pace[0] > every:
         gap, cost, step_time = pace
         data["paced"] = {"every": gap, "cost_s": cost, "step_s": step_time, "share": SHARE}

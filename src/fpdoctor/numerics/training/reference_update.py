@@ -22,6 +22,13 @@ gradient in place (`p.mul_`, `p.data.clamp_`, `torch._foreach_mul_`): when the w
 update than the optimizer made, the finding names them with their lines. The copies are stepped out
 of torch's global optimizer hooks and never touch the user's tensors, state or RNG.
 
+A write that holds the weights within bounds (`clamp_`, `clip_`, `clamp_min_`, `clamp_max_`: a
+WGAN critic's weight clipping, a range constraint) is part of the recipe, as the user's gradient
+clipping is: the reference's weights are held by the same bounds (read from the kept weights, which
+touch them) before the two updates are compared, so a constraint applied as intended is no
+departure. A write that changes the update itself (a decay applied again, a copy back, a scaled
+gradient) is not replayed: it is what the kept stage is there to find.
+
 Cost, on reference steps only: two optimizer steps on copies (the weights and the optimizer's state
 copied twice), a copy of the weights until the next step begins, and the profile function over the
 code between the two steps.
@@ -63,6 +70,8 @@ EVENTS = 2_000_000
 SECONDS = 120.0
 CALLS = 8  # calls the evidence names, most frequent first
 _UNDERFLOW = 1e-15  # a norm this small: its elements' squares (~1e-38 and below) leave fp32's normal range
+# in-place calls that hold a weight within bounds, each with the bounds it sets (lower, upper)
+BOUNDS = {"clamp_": (True, True), "clip_": (True, True), "clamp_min_": (True, False), "clamp_max_": (False, True)}
 
 
 def _copy_optimizer(optimizer: torch.optim.Optimizer, stand_in: dict[int, torch.Tensor], *, fp32: bool) -> Any:
@@ -378,7 +387,8 @@ def finish(pending: Pending, model: nn.Module, *, applied: bool, why: str = "") 
     params = dict(model.named_parameters())
     kept = {n: params[n].detach().float() - w.float() for n, w in pending.before.items() if n in params}
     weights = {n: w.float() for n, w in pending.before.items()}
-    comparison.rows["kept"] = _update_rows("kept", kept, pending.reference, weights)
+    reference, comparison.constrained = _held(pending, kept, pending.watch.seen.values())
+    comparison.rows["kept"] = _update_rows("kept", kept, reference, weights)
     # how much what ran after the optimizer's step changed its update, per departed parameter
     comparison.kept_vs_intended = {
         d.name: _against(kept[d.name], pending.intended[d.name]) for d in comparison.departed("kept")
@@ -387,6 +397,35 @@ def finish(pending: Pending, model: nn.Module, *, applied: bool, why: str = "") 
     if not pending.watch.started:
         comparison.written_kind = "unwatched"
     pending.before.clear()
+
+
+def _held(
+    pending: Pending, kept: dict[str, torch.Tensor], written: Any
+) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+    """The reference's update with the user's bounds applied to its weights too, for each parameter
+    that only bounding calls wrote between the steps; and those parameters, with the calls' places."""
+    calls: dict[str, set[str]] = {}
+    places: dict[str, list[str]] = {}
+    for w in written:
+        for target in w.targets:
+            calls.setdefault(target, set()).add(w.call)
+            places.setdefault(target, []).append(f"`{w.call}` at {w.file}:{w.line}")
+    reference = dict(pending.reference)
+    held: dict[str, list[str]] = {}
+    with ours():
+        for name, used in calls.items():
+            if name not in kept or name not in reference or not used <= BOUNDS.keys():
+                continue
+            lower = any(BOUNDS[c][0] for c in used)
+            upper = any(BOUNDS[c][1] for c in used)
+            before = pending.before[name].float()
+            now = before + kept[name]  # the weights as the bounds left them: they touch the bounds
+            bounded = (before + reference[name]).clamp(
+                float(now.min()) if lower else None, float(now.max()) if upper else None
+            )
+            reference[name] = bounded - before
+            held[name] = places[name]
+    return reference, held
 
 
 def _against(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
