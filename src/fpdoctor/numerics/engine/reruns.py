@@ -529,11 +529,11 @@ def _chain_kind(
     return kind, max((magnitude(o) for o in outs), default=0.0)
 
 
-def _bad_rows(target: Step, lookup: Lookup | None) -> dict[str, Any] | None:
+def _bad_rows(target: Step, lookup: Lookup | None, *, batch: bool) -> dict[str, Any] | None:
     """The rows along dim 0 of the op's output (run as it ran) that hold NaN/Inf, where only some do,
     and how its inputs' same rows differ from the others (their largest magnitude, all zero)."""
     out = next((o for o in _replay([target], None, lookup) if o.is_floating_point() and o.dim() >= 2), None)
-    if out is None or (found := bad_rows(out)) is None:
+    if out is None or (found := bad_rows(out, batch=batch)) is None:
         return None
     bad = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
     bad[found["indices"]] = True
@@ -678,7 +678,7 @@ def decide(
                 if kind is None:
                     experiment.verdict = "device-or-library"
                     return experiment
-                experiment.rows = _bad_rows(target, lookup)
+                experiment.rows = _bad_rows(target, lookup, batch=target_record.phase == "forward")
             except _Skip as skip:
                 experiment.as_ran = f"not re-run ({skip})"
             except Exception as exc:

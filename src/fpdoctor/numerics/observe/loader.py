@@ -341,20 +341,23 @@ def _flat(indices: Any) -> list[int] | None:
     return None
 
 
-def bad_rows(t: torch.Tensor) -> dict[str, Any] | None:
-    """The rows along dim 0 of `t` that hold NaN/Inf, where only some do: their places in the batch
-    and, where dim 0 is as long as the step's batch, the dataset items they are (the batch a trace saw
-    the step read, `rows_from`, else the DataLoader's last batch, or `set_step_rows`'s)."""
+def bad_rows(t: torch.Tensor, *, batch: bool = False) -> dict[str, Any] | None:
+    """The rows along dim 0 of `t` that hold NaN/Inf, where only some do: their places and, where
+    dim 0 is as long as the step's batch, the dataset items they are (the batch a trace saw the step
+    read, `rows_from`, else the DataLoader's last batch, or `set_step_rows`'s). Dim 0 is said to be
+    the batch where the items matched it or the caller knows (`batch`: an activation of the forward);
+    a weight's rows, an optimizer state's, are rows of their own."""
     if t.dim() < 2 or t.shape[0] < 2:
         return None
     bad = (~torch.isfinite(t.detach())).reshape(t.shape[0], -1).any(1)
     count = int(bad.sum())
     if count in (0, t.shape[0]):
         return None
-    found: dict[str, Any] = {"indices": bad.nonzero().flatten().tolist(), "of": t.shape[0]}
+    found: dict[str, Any] = {"indices": bad.nonzero().flatten().tolist(), "of": t.shape[0], "batch": batch}
     items, unknown = _step_rows()
     if items is not None and len(items) == t.shape[0]:
         found["dataset_indices"] = [items[i] for i in found["indices"]]
+        found["batch"] = True
     elif unknown is not None:
         found["dataset_indices_unknown"] = unknown
     return found
@@ -366,7 +369,8 @@ def rows_text(rows: dict[str, Any] | None) -> str:
         return ""
     one = len(rows["indices"]) == 1
     listed = ", ".join(str(i) for i in rows["indices"][:8]) + (" ..." if len(rows["indices"]) > 8 else "")
-    text = f" It is in {'row' if one else 'rows'} {listed} of the {rows['of']} along dim 0 (the batch)"
+    batch = " (the batch)" if rows.get("batch", True) else ""
+    text = f" It is in {'row' if one else 'rows'} {listed} of the {rows['of']} along dim 0{batch}"
     text += ", not in the others"
     if rows.get("dataset_indices"):
         items = rows["dataset_indices"]

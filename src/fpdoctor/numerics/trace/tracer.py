@@ -569,7 +569,10 @@ class Tracer(EagerDispatchMode):
         self._set(t, (src, version(t)))
         if leaf.kind:
             with reading((t,)):  # bad data: which rows, which dataset items (the batch it is one of)
-                leaf.rows = bad_rows(t)
+                # a tensor first met in the forward that is not a weight: the step's data
+                leaf.rows = bad_rows(
+                    t, batch=not self.tracker.this_thread.in_optimizer and self.tracker.param_names.own(t) is None
+                )
             self._tainted.add(src)
             self._pinned_leaves.add(leaf.index)
             if consumer is not None:
