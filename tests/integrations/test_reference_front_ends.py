@@ -206,3 +206,56 @@ def test_watch_finds_bf16_weights_whose_updates_round_away_at_the_intended_stage
     assert found.trial is not None and found.trial.tried and found.trial.after == 0, found.trial
     assert "fp32 copies" in found.trial.changed and "The reference step says the same" in found.message
     assert "master weights" in found.fix
+
+
+# -- the update stages under the callbacks: where the gradients they see are the optimizer's -------
+
+
+class _DecayAgain(Net):
+    """The module decays its weights again after each batch (AdamW decays them already)."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        with torch.no_grad():
+            for p in self.parameters():
+                p.mul_(0.9)  # the line the finding names
+
+
+def test_the_lightning_callback_compares_the_update_stages_where_lightning_does_not_clip():
+    callback = FpDoctorCallback()
+    trainer([callback], max_steps=3).fit(Net(), data())
+    assert callback.report.by_name("update-departs-from-reference") == [], str(callback.report)
+    assert callback.report.data["reference_step"]["update_steps"] == [1]
+
+    callback = FpDoctorCallback()
+    trainer([callback], max_steps=3).fit(_DecayAgain(), data())
+    (found,) = callback.report.by_name("update-departs-from-reference")
+    assert found.evidence["stage"] == "kept", found.message
+    line = _DecayAgain.on_train_batch_end.__code__.co_firstlineno + 3
+    assert ("mul_", line) in {(c["call"], c["line"]) for c in found.evidence["written_by"]}
+
+    callback = FpDoctorCallback()  # Lightning clips after the callback's hook: the backward alone
+    trainer([callback], max_steps=3, gradient_clip_val=0.5).fit(_DecayAgain(), data())
+    assert callback.report.by_name("update-departs-from-reference") == []
+    assert callback.report.data["reference_step"]["update_steps"] == []
+
+
+def test_the_hf_callback_compares_the_update_stages_after_the_trainers_clipping(tmp_path):
+    from tests.integrations.hf import FpDoctorCallback as HfCallback
+    from tests.integrations.hf import Tokens, arguments, tiny_gpt2, transformers
+
+    def run(model: nn.Module, **kwargs: Any) -> Any:
+        callback = HfCallback(reference_every=500)
+        args = arguments(tmp_path, max_steps=3, max_grad_norm=0.5, **kwargs)
+        transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback]).train()
+        return callback.report
+
+    report = run(tiny_gpt2())
+    assert report.by_name("update-departs-from-reference") == [], str(report)
+    assert report.data["reference_step"]["update_steps"] == [1]
+    # bf16 weights at a learning rate whose updates are under their spacing: told once, checked
+    report = run(tiny_gpt2().bfloat16(), learning_rate=1e-6)
+    found = report.by_name("update-rounded-away") or report.by_name("update-departs-from-reference")
+    assert len(found) == 1, str(report)
+    stage = found[0].evidence.get("reference_step", found[0].evidence).get("stage")
+    assert stage == "intended", found[0].message
+    assert found[0].trial is not None and found[0].trial.tried and found[0].trial.after == 0

@@ -149,6 +149,9 @@ class StepWatch(JudgedSteps):
             live=live,
         )
         self._judge.reference_every = reference_every  # steps 1, 1 + N, ...: the backward against an fp32 step
+        # the gradients the callback sees are those the optimizer takes (the framework clips before its
+        # hook, or not at all): the reference step's update stages are compared too, on those gradients
+        self.final_gradients = False
         self._step_fn = step_fn
         self._replay_context = replay_context
         # `loader_rows`: the DataLoader's batches followed, so that a replayed step's bad rows are named
@@ -308,7 +311,13 @@ class StepWatch(JudgedSteps):
         return self._judge.optimizer
 
     def after_step(self) -> None:
-        """The optimizer has stepped: a step measured for its updates is read and judged."""
+        """The optimizer has stepped: the writes to the weights after a reference step are watched
+        from here on (what they kept of its update is judged when the next window begins); a step
+        measured for its updates is read and judged."""
+        try:
+            self._judge.watch_update_writes()
+        except Exception as exc:
+            self._error("watching the writes after a reference step", exc)
         probe, sample, self._sample = self._probe, self._sample, None
         if probe is None or sample is None:
             return
@@ -454,13 +463,15 @@ class StepWatch(JudgedSteps):
 
     def _reference(self, facts: StepFacts) -> None:
         """The step against the reference step, before the framework's optimizer takes it: the
-        backward stage (step_fn is the framework's forward and backward; its clipping comes after)."""
+        backward stage (step_fn is the framework's forward and backward), and, where the gradients
+        seen are final (`final_gradients`), the update stages on them."""
         judge = self._judge
         if judge.optimizer is None:
             return
         try:
             judge.reference(facts.step, optimizer=judge.optimizer, scaler=self.scaler, step_fn=self._step_fn,
-                            window=facts.window, contexts=self._contexts, backward_only=True)  # fmt: skip
+                            window=facts.window, contexts=self._contexts, backward_only=True,
+                            final_gradients=self.final_gradients)  # fmt: skip
         except Exception as exc:  # the observer's own failure: a finding, the step goes on
             self._error("comparing the step with the reference step", exc, facts.step)
 

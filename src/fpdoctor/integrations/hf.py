@@ -145,6 +145,7 @@ class FpDoctorCallback(_Callback):
             live=Live(stop_on=self._stop_level),
             loader_rows=True,  # a bad step's rows named as the dataset items of its own batch
         )
+        self._watch.final_gradients = True  # on_pre_optimizer_step comes after the Trainer's clipping
         if self.report_path:  # rewritten as findings arrive: a job killed at any point leaves a readable report
             world = int(getattr(args, "world_size", 1) or 1)
             rank = int(getattr(args, "process_index", 0)) if world > 1 else None

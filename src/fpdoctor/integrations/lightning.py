@@ -139,6 +139,8 @@ class _Hooks:
         if getattr(trainer, "gradient_clip_val", None):
             # Lightning clips after on_before_optimizer_step: the update the callback would infer is not the one taken
             self._watch.no_update_check("Lightning clips the gradients after the callback sees them")
+        else:  # the gradients on_before_optimizer_step sees (unscaled) are those the optimizer takes
+            self._watch.final_gradients = pl_module.automatic_optimization
         if self.report_path:  # rewritten as findings arrive: a job killed at any point leaves a readable report
             rank, world = _rank(trainer)
             path = _report.path_for_rank(self.report_path, rank, world)
