@@ -10,12 +10,14 @@ machine's referee, from what the record keeps of its rows).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from fpdoctor.precision.metrics import all_finite, round_to
+from fpdoctor.precision.candidates import fp8_quantize
+from fpdoctor.precision.metrics import all_finite, fp8_format, round_to
 
 # The candidate changes the decisions when it flips this many times the rows rounding flips (the
 # rows a margin smaller than the error lets flip grow about linearly with the error: as
@@ -68,20 +70,36 @@ def pct(share: float) -> str:
 
 def decisions(truth: torch.Tensor, candidate: torch.Tensor, fmt: str, source: str) -> Decisions | None:
     """The candidate's decisions against the referee's (`truth`, fp64), and rounding's floor; None
-    when the candidate's output is not finite (the non-finite findings speak for it) or has no rows."""
+    when the candidate's output is not finite (the non-finite findings speak for it) or has no rows.
+    Rows at a time (CHUNK logits): the fp64 temporaries stay a few MiB whatever the vocabulary and
+    the batch (an LM's 4096 x 50,000 logits are 1.6 GB in fp64), and stay in cache between passes."""
     rows = logit_rows(truth, candidate)
     if rows is None:
         return None
     ref, cand = rows
-    rounded = round_to(ref, fmt)
-    best = ref.argmax(-1)
-    log_p = torch.log_softmax(ref, -1)
-    p = log_p.exp()
-    k = min(TOP_K, ref.shape[-1])
-    top5 = float((cand.topk(k, -1).indices == best[:, None]).any(-1).double().mean())
+    n, classes = ref.shape
+    k = min(TOP_K, classes)
+    fp8 = fp8_format(fmt)
+    amax = ref.abs().amax() if fp8 is not None else None  # an fp8 scale is the whole output's
+    sums = torch.zeros(5, dtype=torch.float64, device=ref.device)
+    for r, chunk in _chunks(ref, cand):
+        c = chunk.to(torch.float64)  # once: argmax and top-k on a bf16 tensor are several times slower here
+        best = r.argmax(-1)
+        log_p, p = _log_softmax_and_p(r)
+        rounded = fp8_quantize(r, fp8, rowwise=False, amax=amax).to(r.dtype) if fp8 is not None else round_to(r, fmt)
+        sums += torch.stack(
+            [
+                (c.argmax(-1) == best).sum(),
+                (c.topk(k, -1).indices == best[:, None]).any(-1).sum(),
+                _kl_sum(log_p, p, c),
+                (rounded.argmax(-1) == best).sum(),
+                _kl_sum(log_p, p, rounded),
+            ]
+        )
+    top1, top5, kl_, floor_top1, floor_kl = (sums / n).tolist()  # one host read
     return Decisions(
-        source=source, rows=ref.shape[0], classes=ref.shape[-1], top1=agreement(cand, best), top5=top5,
-        kl=_kl(log_p, p, cand), floor_top1=agreement(rounded, best), floor_kl=_kl(log_p, p, rounded),
+        source=source, rows=n, classes=classes, top1=top1, top5=top5, kl=_nonnegative(kl_),
+        floor_top1=floor_top1, floor_kl=_nonnegative(floor_kl),
     )  # fmt: skip
 
 
@@ -94,26 +112,56 @@ def top1(truth: torch.Tensor, candidate: torch.Tensor) -> float | None:
 
 def kl(truth: torch.Tensor, candidate: torch.Tensor) -> float:
     """Mean KL(softmax(truth) || softmax(candidate)) per row, nats: rows of logits, both finite."""
-    log_p = torch.log_softmax(truth.double(), -1)
-    return _kl(log_p, log_p.exp(), candidate.to(log_p.device, torch.float64))
+    truth = truth.reshape(-1, truth.shape[-1])
+    candidate = candidate.to(truth.device).reshape(-1, truth.shape[-1])
+    total = torch.zeros((), dtype=torch.float64, device=truth.device)
+    for r, c in _chunks(truth, candidate):
+        log_p, p = _log_softmax_and_p(r.double())
+        total += _kl_sum(log_p, p, c)
+    return _nonnegative(float(total) / max(truth.shape[0], 1))
 
 
-def _kl(log_p: torch.Tensor, p: torch.Tensor, x: torch.Tensor) -> float:
-    # p * (log_p - log_softmax(x)), elementwise the same operations, written into log_softmax's
-    # result: two fewer temporaries of the logits' size (their first writes cost as much as the math)
-    term = torch.log_softmax(x, -1)
-    value = float(torch.sub(log_p, term, out=term).mul_(p).sum(-1).mean())
+# logits per chunk: each fp64 temporary 512 KiB, within a core's cache between the passes
+CHUNK = 2**16
+
+
+def _chunks(ref: torch.Tensor, cand: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    step = max(1, CHUNK // max(ref.shape[-1], 1))
+    for start in range(0, ref.shape[0], step):
+        yield ref[start : start + step], cand[start : start + step]
+
+
+def _log_softmax_and_p(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_softmax(r) and softmax(r) with one exp: softmax from the shifted exponentials, their
+    log from the row's log-sum-exp (log_softmax then exp would take two)."""
+    top = r.amax(-1, keepdim=True)
+    p = torch.sub(r, top).exp_()
+    total = p.sum(-1, keepdim=True)
+    log_p = r - total.log().add_(top)
+    return log_p, p.div_(total)
+
+
+def _kl_sum(log_p: torch.Tensor, p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Sum over rows of KL(p || softmax(x)), fp64, on the device. p * (log_p - log_softmax(x)),
+    written into log_softmax's result: one temporary of the chunk's size."""
+    term = torch.log_softmax(x.to(torch.float64), -1)
+    return torch.sub(log_p, term, out=term).mul_(p).sum()
+
+
+def _nonnegative(value: float) -> float:
     return max(value, 0.0) if math.isfinite(value) else math.inf
 
 
 def logit_rows(truth: torch.Tensor, candidate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(referee, candidate) in float64 on the referee's device (a CUDA candidate's output is judged
-    against a referee that may have run on the host), a row per decision; None when either is not
-    finite or empty."""
+    """(referee in float64, candidate at its own dtype, exact for argmax and top-k) on the referee's
+    device (a CUDA candidate's output is judged against a referee that may have run on the host), a
+    row per decision; None when either is not finite or empty."""
     if candidate.shape != truth.shape or not all_finite(candidate):
         return None
     ref = truth.detach().double().reshape(-1, truth.shape[-1])
-    cand = candidate.detach().to(ref.device, torch.float64).reshape(-1, truth.shape[-1])
+    cand = candidate.detach().to(ref.device).reshape(-1, truth.shape[-1])
+    if not cand.is_floating_point():
+        cand = cand.double()
     if ref.shape[0] == 0 or not all_finite(ref):
         return None
     return ref, cand
