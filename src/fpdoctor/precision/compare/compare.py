@@ -101,6 +101,7 @@ from fpdoctor.precision.profile import (
 from fpdoctor.precision.record.record import CompareRecord
 from fpdoctor.precision.record.recording import Link, Samples, decision_record
 from fpdoctor.precision.scope import find_module, module_inputs
+from fpdoctor.precision.units import InUnits, in_units
 from fpdoctor.preserve import RngState
 from fpdoctor.pytrees import tensors_in
 
@@ -384,6 +385,7 @@ class _Comparison:
         # why the input floor is 0 without a forward (rounding the inputs changes nothing), where it is
         self.input_floor_note: str | None = None
         self.root_cand: torch.Tensor | None = None
+        self.root_units: InUnits | None = None  # an output that is not logits, in its units (units.py)
 
     # -- where the random numbers stand ------------------------------------------------------
     def mark(self) -> tuple[RngState, int]:
@@ -601,6 +603,8 @@ class _Comparison:
         if name == "" and self.root_truth is not None:
             first = next(floating(output), None)
             self.root_cand = first.detach().clone() if first is not None else None
+        elif name == "" and finite:  # an output that is not logits: its error in its own units, on the sample
+            self.root_units = in_units(entry.truth, c, self.candidate)
         if self.keep_candidate:  # float32 holds every candidate format's values exactly
             entry.candidate = c.to(torch.float32)
         entry.propagated = rel_error(c, entry.truth, entry.norm) if finite else math.inf
@@ -888,6 +892,9 @@ class _Comparison:
         summary = result.report.data["summary"]
         if self.logits is not None and not prefix:
             self._judge_decisions(result, rows)
+        elif self.root_units is not None and not prefix:
+            result.report.data["output_error"] = self.root_units.to_dict()
+            summary.append(("output error, in its units", self.root_units.text(self.candidate)))
         if misfit:
             result.report.data["misfits"] = misfit
             listed = "; ".join(describe_misfit(e) for e in misfit[:3])
