@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from fpdoctor.formats import FORMATS, Format
+from fpdoctor.precision.metrics import read_together
 from fpdoctor.precision.names import PRECISIONS
 
 # 1% of a tensor's non-zero values flushed to zero is a visible change of what it computes (a
@@ -31,32 +32,43 @@ def misfits(model: nn.Module, fmt: Format, *, skip: tuple[str, ...] = ()) -> lis
     """Every floating parameter and buffer of `model` with values beyond `fmt`'s range (they
     become Inf) or with at least FLUSH_SHARE of its non-zero values below its flush threshold
     (they become 0); tensors whose dtype is in `skip` (e.g. already in that format) are left out."""
-    found = []
+    tensors = []
     for module_name, module in model.named_modules():
         own = [("parameter", n, t) for n, t in module.named_parameters(recurse=False)]
         own += [("buffer", n, t) for n, t in module.named_buffers(recurse=False)]
         for kind, name, t in own:
             if t is None or not t.is_floating_point() or t.numel() == 0 or t.is_meta or str(t.dtype) in skip:
                 continue
-            entry = _check(t.detach(), fmt)
-            if entry:
-                found.append(
-                    {"tensor": f"{module_name}.{name}" if module_name else name, "module": module_name, "kind": kind}
-                    | entry
-                )
+            tensors.append((module_name, name, kind, t.detach()))
+    # the counts of every tensor first, read together: one wait per device, not three per tensor
+    counts = read_together([_counts(t, fmt) for *_, t in tensors])
+    found = []
+    for (module_name, name, kind, t), (over, flushed, count) in zip(tensors, counts, strict=True):
+        entry = _check(t, fmt, int(over), int(flushed), int(count))
+        if entry:
+            found.append(
+                {"tensor": f"{module_name}.{name}" if module_name else name, "module": module_name, "kind": kind}
+                | entry
+            )
     return found
 
 
-def _check(t: torch.Tensor, fmt: Format) -> dict[str, Any] | None:
+def _counts(t: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """(values beyond the format's max, non-zero values it flushes, non-zero values) of `t`, not read."""
     magnitude = t.abs()
     finite = torch.isfinite(magnitude)
-    over = int(((magnitude > fmt.max) & finite).sum())
     nonzero = (magnitude > 0) & finite
-    flushed = int((nonzero & (magnitude < fmt.flush_threshold)).sum())
-    count = int(nonzero.sum())
+    return torch.stack([((magnitude > fmt.max) & finite).sum(), (nonzero & (magnitude < fmt.flush_threshold)).sum(),
+                        nonzero.sum()])  # fmt: skip
+
+
+def _check(t: torch.Tensor, fmt: Format, over: int, flushed: int, count: int) -> dict[str, Any] | None:
     share = flushed / count if count else 0.0
     if not over and share < FLUSH_SHARE:
         return None
+    magnitude = t.abs()
+    finite = torch.isfinite(magnitude)
+    nonzero = (magnitude > 0) & finite
     entry: dict[str, Any] = {"numel": t.numel(), "format": fmt.name}
     if over:
         entry |= {"overflow": over, "max": float(magnitude[finite].max()), "limit": fmt.max}

@@ -4,7 +4,7 @@ metrics taken in float64 on those samples."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -58,8 +58,9 @@ def due(k: int) -> bool:
 
 
 def spread_index(n: int, k: int, device: torch.device) -> torch.Tensor:
-    """k indices evenly spread over range(n), first and last included (k <= n)."""
-    return torch.linspace(0, n - 1, k, dtype=torch.float64).round().long().to(device)
+    """k indices evenly spread over range(n), first and last included (k <= n). Made on the device:
+    a copy from pageable host memory waits for the device's queue to drain."""
+    return torch.linspace(0, n - 1, k, dtype=torch.float64, device=device).round().long()
 
 
 def row_subset(
@@ -99,6 +100,113 @@ def flat_sample(value: Any, dtype: torch.dtype = torch.float64) -> torch.Tensor 
     if len(parts) == 1:
         return parts[0][::step].to(device="cpu", dtype=dtype, copy=True)
     return torch.cat([p[::step].to(device="cpu", dtype=dtype) for p in parts])
+
+
+def device_sample(value: Any, dtype: torch.dtype = torch.float64) -> torch.Tensor | None:
+    """flat_sample() left on the values' device: compare's passes keep their samples there and reduce
+    them there, so a module call costs no copy to the host and no wait for the device's queue."""
+    parts = [t.reshape(-1) for t in floating(value)]
+    if not parts:
+        return None
+    step = sample_step(sum(p.numel() for p in parts))
+    if len(parts) == 1:
+        return parts[0][::step].to(dtype=dtype, copy=True)
+    device = parts[0].device
+    return torch.cat([p[::step].to(dtype=dtype) if p.device == device else p[::step].to(device, dtype) for p in parts])
+
+
+def finite_flag(value: Any) -> torch.Tensor | None:
+    """all_finite() as a 0-d bool tensor on the first tensor's device, not read: None for no floating
+    tensor (finite by definition)."""
+    flag: torch.Tensor | None = None
+    for t in floating(value):
+        try:
+            low, high = torch.aminmax(t)
+            one = torch.isfinite(low) & torch.isfinite(high)
+        except (RuntimeError, NotImplementedError):  # a dtype without aminmax here (fp8)
+            one = torch.isfinite(t.float()).all()
+        flag = one if flag is None else flag & one.to(flag.device)
+    return flag
+
+
+def norm_of(x: torch.Tensor) -> torch.Tensor:
+    """l2_norm() as a 0-d float64 tensor on x's device, not read."""
+    return torch.linalg.vector_norm(x, dtype=torch.float64)
+
+
+def relative(diff: float, norm: float) -> float:
+    """rel_error() from the two norms it divides, read: the difference's and the truth's."""
+    if not math.isfinite(diff):
+        return math.inf
+    return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
+
+
+def cosine_of(dot: float, a_norm: float, truth_norm: float) -> float | None:
+    """cosine() from its read parts: the dot product and the two norms."""
+    if not math.isfinite(a_norm) or a_norm == 0 or truth_norm == 0:
+        return None
+    return dot / (a_norm * truth_norm)
+
+
+class Reads:
+    """Device values compare's passes read back together: one wait for the device's queue per
+    device and pass, not one per module call or op. On a GPU each host read of a device value
+    (float(t), bool(t), a copy to the host) drains the queue: read per module, a pass runs at the
+    speed of its Python, the device idle in between; read at the end, the device's work overlaps the
+    Python that queues it. `later(values, then)` calls `then` with the values as floats (a bool as
+    1.0 or 0.0; a float or None passes through) when `read()` runs, in the order they were asked for,
+    so a decision that needs a value made earlier finds it made."""
+
+    def __init__(self) -> None:
+        self._asked: list[tuple[list[Any], Callable[..., None]]] = []
+
+    def later(self, values: Sequence[torch.Tensor | float | None], then: Callable[..., None]) -> None:
+        self._asked.append((list(values), then))
+
+    def read(self) -> None:
+        asked, self._asked = self._asked, []
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for values, _ in asked:
+            for v in values:
+                if isinstance(v, torch.Tensor):
+                    by_device.setdefault(v.device, []).append(v.reshape(()).to(torch.float64))
+        read: dict[torch.device, Iterator[float]] = {
+            device: iter(torch.stack(ts).tolist()) for device, ts in by_device.items()
+        }
+        for values, then in asked:  # a value `then` asks for is read by the next read()
+            then(*[next(read[v.device]) if isinstance(v, torch.Tensor) else v for v in values])
+
+    def __bool__(self) -> bool:
+        return bool(self._asked)
+
+
+def read_together(values: list[torch.Tensor]) -> list[list[float]]:
+    """Each tensor's values as a list, read with one copy per device (in order)."""
+    out: list[list[float]] = [[] for _ in values]
+    by_device: dict[torch.device, list[int]] = {}
+    for k, v in enumerate(values):
+        by_device.setdefault(v.device, []).append(k)
+    for ks in by_device.values():
+        read = torch.stack([values[k].to(torch.float64) for k in ks]).tolist()
+        for k, row in zip(ks, read, strict=True):
+            out[k] = row
+    return out
+
+
+def to_host(samples: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The samples copied to the host in one copy per device (one wait for its queue, not one each)."""
+    out: list[torch.Tensor | None] = [None] * len(samples)
+    by_device: dict[torch.device, list[int]] = {}
+    for k, t in enumerate(samples):
+        if t.device.type == "cpu":
+            out[k] = t
+        else:
+            by_device.setdefault(t.device, []).append(k)
+    for ks in by_device.values():
+        flat = torch.cat([samples[k].reshape(-1).to(torch.float64) for k in ks]).cpu()
+        for k, part in zip(ks, flat.split([samples[k].numel() for k in ks]), strict=True):
+            out[k] = part.reshape(samples[k].shape).to(samples[k].dtype)
+    return [t for t in out if t is not None]
 
 
 def all_finite(value: Any) -> bool:

@@ -36,6 +36,7 @@ from fpdoctor.precision.fit import describe as describe_misfit
 from fpdoctor.precision.fit import misfits
 from fpdoctor.precision.inputs import describe
 from fpdoctor.precision.inputs import text as inputs_text
+from fpdoctor.precision.metrics import read_together
 from fpdoctor.preserve import preserved
 from fpdoctor.provenance import Provenance
 from fpdoctor.pytrees import tensors_in
@@ -168,16 +169,21 @@ def _would_break(model: nn.Module, main: str, names: set[str]) -> list[dict[str,
 
 def _nonfinite(model: nn.Module) -> list[dict[str, Any]]:
     """Parameters and buffers that hold NaN or Inf."""
-    found = []
+    tensors = []
     for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for name, t in items:
             if t is None or not t.is_floating_point() or t.numel() == 0 or t.is_meta:
                 continue
-            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
-            if nan or inf:
-                found.append(
-                    {"kind": kind, "tensor": name, "dtype": str(t.dtype), "nan": nan, "inf": inf, "numel": t.numel()}
-                )
+            tensors.append((kind, name, t))
+    # counted on the device, read together: one wait per device, not two per tensor
+    counts = read_together([torch.stack([torch.isnan(t).sum(), torch.isinf(t).sum()]) for *_, t in tensors])
+    found = []
+    for (kind, name, t), (nan, inf) in zip(tensors, counts, strict=True):
+        if nan or inf:
+            found.append(
+                {"kind": kind, "tensor": name, "dtype": str(t.dtype), "nan": int(nan), "inf": int(inf),
+                 "numel": t.numel()}
+            )  # fmt: skip
     return found
 
 

@@ -67,23 +67,30 @@ from fpdoctor.precision.compare.passes import (
     hooked,
     input_rounding_error,
     raised_error,
+    read_rerun,
     record_noise,
     rerun,
+    rerun_figures,
 )
 from fpdoctor.precision.fit import candidate_format, misfits
 from fpdoctor.precision.fit import describe as describe_misfit
 from fpdoctor.precision.inputs import describe, input_sets
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.metrics import (
+    Reads,
     all_finite,
     cosine,
-    flat_sample,
+    cosine_of,
+    device_sample,
+    finite_flag,
     floating,
-    l2_norm,
+    norm_of,
     rel_error,
+    relative,
     round_to,
     row_subset,
     sample_step,
+    to_host,
 )
 from fpdoctor.precision.profile import (
     DIVERGENCE_RATIO,
@@ -417,9 +424,12 @@ class _Comparison:
             self.noise = ReplayNoise(record_noise(self.truth_run, self.inputs, self.rng))
             self.subsets = False  # a leaf's draws on fewer rows would not match the recorded ones
             self._truth_once()
+        self.overflows()
 
     def _truth_once(self) -> None:
         self.seen.clear()
+        self.reads = Reads()
+        self._overflowing: set[str] = set()  # leaves whose isolated re-run turned non-finite (overflows())
         self._last_leaf = None
         self.fp8_rows.clear()
         # a container's own ops, judged as the fp64 pass runs them (row subsets where leaves get them)
@@ -434,6 +444,7 @@ class _Comparison:
             torch_made={name for name, m in self.truth_run.named_modules() if type(m).__module__.startswith("torch.")},
             # the reference (fp64) value of each op output, taken in the same dispatch
             record=self.truth_ranges.record if self.ranges else None,
+            reads=self.reads,
         )
         # one Python call per torch function, not per aten op (own_calls.py), where every op need not
         # pass through a dispatch mode: the op ranges read them all, the replayed noise sits below it
@@ -459,6 +470,8 @@ class _Comparison:
             raise ReferenceFailed(
                 f"the model fails in the reference run (its fp64 copy): {type(exc).__name__}: {exc}"
             ) from exc
+        self.reads.read()  # every figure of the pass, in one wait for the device
+        self.own.settle()  # the own ops whose figures call for a closer look (container_ops.Own.settle)
 
     def _truth_pre(self, name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
         self.own.enter(name, index)  # the ops from here to its post hook, outside its submodules, are its own
@@ -471,22 +484,29 @@ class _Comparison:
         own = self.own.take(name, index)
         if isinstance(output, torch.Tensor) and any(a is output for a in call_args):
             return  # an identity in this mode (Dropout in eval, Identity): nothing new to judge
-        t = flat_sample(output)
+        t = device_sample(output)
         if t is None:
             return
-        entry = _Seen(t, l2_norm(t), 0.0, name in self.leaves, sum(x.numel() for x in tensors_in(output)))
-        entry.rounding = rel_error(round_to(t, self.candidate), t, entry.norm)
+        entry = _Seen(t, 0.0, 0.0, name in self.leaves, sum(x.numel() for x in tensors_in(output)))
+        norm = norm_of(t)  # read with the pass's other figures at its end (metrics.Reads)
+
+        def read(norm: float, rounded: float, entry: _Seen = entry) -> None:
+            entry.norm, entry.rounding = norm, relative(rounded, norm)
+
+        self.reads.later([norm, norm_of(round_to(t, self.candidate) - t)], read)
         total = sum(x.numel() for x in floating(output))
         entry.values, entry.own = (t.numel(), total, sample_step(total)), own
-        entry.inputs = flat_sample((call_args, call_kwargs))  # the candidate's input error, for every row
+        entry.inputs = device_sample((call_args, call_kwargs))  # the candidate's input error, for every row
         if entry.leaf:
             self._last_leaf = name
         if name == "" and self._last_leaf is not None:
             self._keep_logits(output)
         if entry.leaf:
-            self.isolated(name, call_args, call_kwargs, entry, start=start or self.mark(), output=output)
+            self.isolated(name, call_args, call_kwargs, entry, start=start or self.mark(), output=output, norm=norm)
             if self.fp8_dtype is not None and name in self.linears and call_args:
-                self.fp8_rows.append(fp8.linear_stats(name, call_args[0], self.linears[name].weight, self.fp8_dtype))
+                self.fp8_rows.append(
+                    fp8.linear_stats(name, call_args[0], self.linears[name].weight, self.fp8_dtype, self.reads)
+                )
         self.seen[key] = entry
 
     def _keep_logits(self, output: Any) -> None:
@@ -497,47 +517,80 @@ class _Comparison:
         self.root_truth = first.detach().clone() if self.logits is not None and first is not None else None
 
     def isolated(
-        self, name: str, args: Any, kwargs: Any, entry: _Seen, *, start: tuple[RngState, int], output: Any = None
-    ) -> None:
+        self, name: str, args: Any, kwargs: Any, entry: _Seen, *, start: tuple[RngState, int], output: Any = None,
+        norm: torch.Tensor | float | None = None,
+    ) -> None:  # fmt: skip
         """Re-run the candidate's and the reference's `name` on the fp64 inputs (all rows, or ROWS),
         each from where the fp64 module started (`start`: RNG state, next recorded draw), so they
-        get the same random numbers; the fp64 pass then goes on from where it was."""
+        get the same random numbers; the fp64 pass then goes on from where it was. The figures are
+        read with the pass's others (`self.reads`); `norm`: the output sample's norm, if not read yet.
+        A re-run whose output is non-finite where the output fits the format is searched for the op
+        that overflows after the pass (`overflows`)."""
         after = self.mark()
         module = self.cand_modules[name]
         rows = row_subset(module, args, kwargs, output) if self.subsets and output is not None else None
+        truth_norm: torch.Tensor | float
         if rows is not None:
             x, truth, extra = rows[0], rows[1].reshape(-1), rows[2]
-            norm = l2_norm(truth)
+            truth_norm = norm_of(truth)
             entry.isolated_rows, entry.isolated_of = x.shape[0], output.numel() // max(rows[1][0].numel(), 1)
         else:
-            x, truth, norm, extra = None, entry.truth, entry.norm, {}
+            x, truth, extra = None, entry.truth, {}
+            truth_norm = entry.norm if norm is None else norm
             entry.isolated_rows = entry.isolated_of = None
         try:
             self.goto(start)
-            entry.isolated, entry.isolated_cosine = rerun(
-                module, x, args, kwargs | extra, dtype=self.cand_dtype, device=self.cand_device, truth=truth, norm=norm
-            )
-            entry.isolated_failed = None if entry.isolated is not None else "its re-run's output has another size"
+            got = rerun(module, x, args, kwargs | extra, dtype=self.cand_dtype, device=self.cand_device, truth=truth)
+            entry.isolated_failed = None if got is not None else "its re-run's output has another size"
+            entry.isolated = entry.isolated_cosine = None
+            if got is not None:
+
+                def read(*values: Any) -> None:
+                    entry.isolated, entry.isolated_cosine = read_rerun(*values)
+                    if math.isinf(entry.isolated) and math.isfinite(entry.rounding):
+                        # its output fits the format, yet it is non-finite: which op inside it overflows
+                        self._overflowing.add(name)
+
+                self.reads.later(rerun_figures(got, truth, truth_norm), read)
         except Exception as exc:  # e.g. an op without a kernel for the candidate's dtype here
             self.notes.setdefault("isolated re-run", f"`{name}` raised {type(exc).__name__} in {self.label}: {exc}")
             entry.isolated = entry.isolated_cosine = None
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             entry.isolated_failed = f"re-run raised {type(exc).__name__} in {self.label}: {first}"
-        if entry.isolated is not None and math.isinf(entry.isolated) and math.isfinite(entry.rounding):
-            # its output fits the format, yet it is non-finite: which op inside it overflows
-            self.goto(start)
-            entry.overflow = self._first_overflow(module, name, args, kwargs)
         if name in self.ref_modules:
             try:
                 self.goto(start)
-                entry.reference = rerun(
-                    self.ref_modules[name], x, args, kwargs, dtype=self.ref_dtype, device=None, truth=truth, norm=norm
-                )[0]
+                got = rerun(self.ref_modules[name], x, args, kwargs, dtype=self.ref_dtype, device=None, truth=truth)
             except Exception as exc:
                 raise ReferenceFailed(
                     f"the model fails in the {self.reference} reference run, at `{name}`: {type(exc).__name__}: {exc}"
                 ) from exc
+            entry.reference = None
+            if got is not None:
+
+                def reference(*values: Any) -> None:
+                    entry.reference = read_rerun(*values)[0]
+
+                self.reads.later(rerun_figures(got, truth, truth_norm), reference)
         self.goto(after)
+
+    def overflows(self) -> None:
+        """The op inside each leaf whose isolated re-run turned non-finite while its output fits the
+        format (first_overflow.py): one more fp64 forward, where each such leaf's call re-runs the
+        candidate's copy op by op on its fp64 inputs, from the RNG state it started at."""
+        names, self._overflowing = self._overflowing, set()
+        if not names:
+            return
+
+        def pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
+            entry = self.seen.get((name, index))
+            if name in names and entry is not None and entry.isolated is not None and math.isinf(entry.isolated):
+                after = self.mark()
+                entry.overflow = self._first_overflow(self.cand_modules[name], name, args, kwargs)
+                self.goto(after)
+
+        hooked(self.truth_run, self.inputs, torch.float64, pre=pre, post=lambda *a: None, rng=self.rng,
+               noise=self.noise)  # fmt: skip
 
     # -- step 2: the candidate pass, reduced to error numbers as it goes ------------------------
     def candidate_pass(self) -> None:
@@ -547,11 +600,36 @@ class _Comparison:
         hook), and op by op from their inputs afterwards in the calls whose output turned
         non-finite there: the rest of the forward runs under no dispatch mode."""
         self._watch = near_limit.watched(self.truth_ranges.read(), self.cand_dtype) if self.ranges else set()
+        self._candidate_once(deferred=True)
+        if self._nonfinite_seen:
+            # An output turned non-finite: the pass again, each call's figures read as it returns,
+            # for where the non-finite values started and the inputs of the calls that made them.
+            for entry in self.seen.values():
+                entry.propagated = entry.cosine = entry.input_error = entry.candidate = None
+                entry.nonfinite, entry.candidate_inputs = 0, 0.0
+            self.root_cand = self.root_units = None
+            self.notes.pop("candidate run", None)
+            if self.ranges:
+                self.cand_ranges.clear()
+            self._candidate_once(deferred=False)
+        # the samples go to the host together: what follows reads them there
+        entries = list(self.seen.values())
+        kept = [(e, f) for e in entries for f in ("truth", "inputs", "candidate") if getattr(e, f) is not None]
+        for (e, f), t in zip(kept, to_host([getattr(e, f) for e, f in kept]), strict=True):
+            setattr(e, f, t)
+
+    def _candidate_once(self, *, deferred: bool) -> None:
+        """One candidate pass. `deferred`: each call's figures are device values read together at
+        the end (`self.reads`); a non-finite output sets `_nonfinite_seen`, for the pass that reads
+        as it goes (`_cand_post`) to run instead."""
         self._watching: tuple[str, int] | None = None
         self._made_nonfinite = 0  # calls so far whose output turned non-finite from finite inputs
         self._origins: list[tuple[str, int, Any, Any, int, bool]] = []
+        self._nonfinite_seen = False
+        self._root_sample: tuple[torch.Tensor, torch.Tensor] | None = None  # an output that is not logits
+        self.reads = Reads()
         pre: Any = self._cand_pre
-        post: Any = self._cand_post
+        post: Any = self._cand_post_deferred if deferred else self._cand_post
         if self.ranges:
             pre, post = self.cand_ranges.pre(pre), self.cand_ranges.post(post)
         try:
@@ -561,6 +639,10 @@ class _Comparison:
             )  # fmt: skip
         except Exception as exc:  # the candidate failing is a finding, not a usage error
             self.notes["candidate run"] = f"the {self.label} run raised {type(exc).__name__}: {exc}"
+        self.reads.read()
+        if self._root_sample is not None and not self._nonfinite_seen:
+            # an output that is not logits: its error in its own units, on the sample
+            self.root_units = in_units(*self._root_sample, self.candidate)
         for name, index, args, kwargs, position, watched in self._origins:
             self._origin(name, index, args, kwargs, position=position, watched=watched)
         self._origins.clear()
@@ -591,14 +673,55 @@ class _Comparison:
         position = self.noise.position if self.noise is not None else 0
         self._cand_inputs[(name, index)] = (args, kwargs, self._made_nonfinite, position)
 
+    def _cand_post_deferred(self, name: str, index: int, args: Any, output: Any) -> None:
+        """_cand_post's figures as device values, read at the pass's end: one wait for the device per
+        pass. A non-finite output asks for the pass that reads as it goes (`_nonfinite_seen`)."""
+        key = (name, index)
+        entry = self.seen.get(key)
+        kept = self._cand_inputs.pop(key, None)
+        call = kept[:2] if kept is not None else None
+        c = device_sample(output) if entry is not None else None
+        if entry is None or c is None or c.numel() != entry.truth.numel():
+            return
+        c = c.to(entry.truth.device)
+        finite = finite_flag(output)
+        if name == "" and self.root_truth is not None:
+            first = next(floating(output), None)
+            self.root_cand = first.detach().clone() if first is not None else None
+        elif name == "":
+            self._root_sample = (entry.truth, c)
+        if self.keep_candidate:  # float32 holds every candidate format's values exactly
+            entry.candidate = c.to(torch.float32)
+        figures: list[torch.Tensor | float | None] = [finite, norm_of(c - entry.truth), norm_of(c)]
+        figures += [torch.dot(c, entry.truth), entry.norm]
+        if call is not None and entry.inputs is not None:
+            c_in = device_sample(call)
+            if c_in is not None and c_in.numel() == entry.inputs.numel():
+                c_in = c_in.to(entry.inputs.device)
+                figures += [finite_flag(call), norm_of(c_in - entry.inputs), norm_of(entry.inputs)]
+
+        def read(finite: float | None, diff: float, c_norm: float, dot: float, norm: float, *inputs: Any) -> None:
+            if finite is not None and not finite:
+                self._nonfinite_seen = True
+                return
+            entry.propagated, entry.cosine = relative(diff, norm), cosine_of(dot, c_norm, norm)
+            if inputs:
+                in_finite, in_diff, in_norm = inputs
+                finite_in = in_finite is None or bool(in_finite)
+                entry.candidate_inputs = relative(in_diff, in_norm) if finite_in else math.inf
+                entry.input_error = entry.candidate_inputs
+
+        self.reads.later(figures, read)
+
     def _cand_post(self, name: str, index: int, args: Any, output: Any) -> None:
         key = (name, index)
         entry = self.seen.get(key)
         kept = self._cand_inputs.pop(key, None)
         call = kept[:2] if kept is not None else None
-        c = flat_sample(output) if entry is not None else None
+        c = device_sample(output) if entry is not None else None
         if entry is None or c is None or c.numel() != entry.truth.numel():
             return
+        c = c.to(entry.truth.device)
         finite = all_finite(output)
         if name == "" and self.root_truth is not None:
             first = next(floating(output), None)
@@ -622,8 +745,9 @@ class _Comparison:
                     self._origins.append((name, index, *inputs, kept[3], key in self._watch))
                 self._made_nonfinite += 1
         if call is not None and entry.inputs is not None:
-            c_in = flat_sample(call)
+            c_in = device_sample(call)
             if c_in is not None and c_in.numel() == entry.inputs.numel():
+                c_in = c_in.to(entry.inputs.device)
                 entry.candidate_inputs = rel_error(c_in, entry.inputs) if all_finite(call) else math.inf
                 entry.input_error = entry.candidate_inputs
 
@@ -684,6 +808,8 @@ class _Comparison:
             self.truth_run, self.inputs, torch.float64, pre=suspect_pre, post=lambda *a: None, rng=self.rng,
             noise=self.noise,
         )  # fmt: skip
+        self.reads.read()
+        self.overflows()
         return _rows(seen, self.own_dtype)
 
     # -- step 4: how much of a whole-model divergence rounding the inputs explains -------------------

@@ -39,13 +39,14 @@ import torch
 from fpdoctor.precision.candidates import map_tensors
 from fpdoctor.precision.metrics import (
     ROWS,
-    all_finite,
-    cosine,
+    Reads,
+    cosine_of,
+    device_sample,
     due,
-    flat_sample,
+    finite_flag,
     floating,
-    l2_norm,
-    rel_error,
+    norm_of,
+    relative,
     sample_step,
     spread_index,
 )
@@ -62,6 +63,10 @@ _NOT_JUDGED = {
     "aten.ones_like", "aten.empty_like", "aten.full_like", "aten.new_zeros", "aten.new_ones", "aten.new_empty",
     "aten.new_full", "aten.slice_scatter", "aten.select_scatter", "aten.masked_fill", "aten.masked_fill_",
 }  # fmt: skip
+# An op re-run whole is kept, its figures read at the pass's end with the others, when its inputs
+# hold at most this much (its follow-ups re-run it from them); a larger one is read at once, so that
+# the pass never holds more than a few activations: its own work dwarfs the wait for the device.
+KEPT_BYTES = 1 << 20
 # Ops whose output rows (dim -2) are computed from the same rows of their `first` input alone.
 _GEMMS = {"aten.mm": 0, "aten.bmm": 0, "aten.addmm": 1, "aten.baddbmm": 1}
 _ATTENTION = "aten._scaled_dot_product_flash_attention_for_cpu"
@@ -169,8 +174,12 @@ class OwnOps(EagerDispatchMode):
         subsets: bool,
         torch_made: set[str] | None = None,
         record: Callable[[Any, Any], None] | None = None,
+        reads: Reads | None = None,
     ) -> None:
         super().__init__()
+        # the figures of the ops judged, read at the pass's end (compare reads `reads`, then settle())
+        self.reads = Reads() if reads is None else reads
+        self.pending: list[_Pending] = []
         self.containers, self.dtype, self.reference, self.device = containers, dtype, reference, device
         self.subsets, self.torch_made, self.record = subsets, torch_made or set(), record
         # A reference that rounds far finer than the candidate's dtype (fp32 against fp16, bf16)
@@ -249,78 +258,178 @@ class OwnOps(EagerDispatchMode):
         if part is None:
             return
         name = str(func)
-        big = _largest((rerun.args, rerun.kwargs))
-        (cand_args, cand_kwargs), saturated = _cast((rerun.args, rerun.kwargs), self.dtype, self.device, big)
+        (cand_args, cand_kwargs), saturated = _cast((rerun.args, rerun.kwargs), self.dtype, self.device)
         try:
             cand = next(floating(_on(func, self.device)(*cand_args, **cand_kwargs)), None)
         except Exception as exc:  # no kernel for this dtype here: the figure is missing, with why
             if len(own.failed) < 3:
                 own.failed.append(f"{name} raised {type(exc).__name__} in {_dtype(self.dtype)}: {_first_line(exc)}")
             return
-        truth = flat_sample(part)
+        truth = device_sample(part)
         if cand is None or truth is None or cand.shape != part.shape:
             return
-        limit = torch.finfo(cand.dtype).max
-        keep: torch.Tensor | slice = slice(None)  # every sampled value, unless some are not to be judged
-        if saturated or not all_finite(truth):
-            keep = torch.isfinite(truth) & (truth.abs() <= limit) if saturated else torch.isfinite(truth)
-        kept = truth[keep]
-        norm = l2_norm(kept)
-        made = not all_finite(cand) and _made_nonfinite(cand, part, limit if saturated else None)
-        sample = flat_sample(cand)
+        sample = device_sample(cand)
         if sample is None or sample.numel() != truth.numel():
             return
-        error = math.inf if made else rel_error(sample[keep], kept, norm)
-        # rounded to the dtype the re-run's output is in: an input the user keeps in fp32 promotes it
-        rounding = rel_error(kept.to(cand.dtype).double(), kept, norm)
-        reference = None
-        if self.reference == cand.dtype and self.device is None:
-            reference = error  # the same kernel on the same inputs: the reference's error is the candidate's
-        elif self.reference is not None and not (self.coarse and error <= DIVERGENCE_RATIO * rounding):
-            ref_args, ref_kwargs = _cast((rerun.args, rerun.kwargs), self.reference, None, big)[0]
-            try:
-                ref_sample = flat_sample(next(floating(func(*ref_args, **ref_kwargs)), None))
-            except Exception:  # the reference cannot run it: the floor is the rounding alone
-                ref_sample = None
-            if ref_sample is not None and ref_sample.numel() == truth.numel():
-                reference = rel_error(ref_sample[keep], kept, norm)
-        floor = max(0.0 if math.isinf(rounding) else rounding, reference or 0.0, 1e-300)
+        sample = sample.to(truth.device)
+        limit = torch.finfo(cand.dtype).max
+        # the sampled values judged: the finite ones, and with saturated inputs those within the range
+        keep = torch.isfinite(truth)
+        if saturated is not None:
+            keep &= ~saturated.to(truth.device) | (truth.abs() <= limit)
+        kept = torch.where(keep, truth, 0.0)
+        cand_finite = finite_flag(cand)
+        made = _made_nonfinite(cand, part, limit, saturated)
+        if cand_finite is not None:
+            made = made & ~cand_finite.to(made.device)
+        mine = torch.where(keep, sample, 0.0)
+        pending = _Pending(
+            own, name, func, rerun, part.numel(), keep, kept, _where(sys._getframe(), torch_made),
+            same=self.reference == cand.dtype and self.device is None,
+        )  # fmt: skip
+        figures: list[torch.Tensor | float | None] = [
+            made, norm_of(kept), norm_of(mine - kept), norm_of(mine), torch.dot(mine, kept),
+            norm_of(torch.where(keep, kept.to(cand.dtype).double() - kept, 0.0)), part.abs().max(), keep.sum(),
+            torch.where(saturated.to(keep.device), (~keep).sum(), 0) if saturated is not None else 0.0,
+            # the reference's error, where it is always wanted (not far coarser than the candidate): run now
+            _error_of(func, self.reference, None, rerun, keep=keep, kept=kept)
+            if self.reference is not None and not pending.same and not self.coarse else None,
+        ]  # fmt: skip
+        self.pending.append(pending)
+        if rerun.rows is not None or rerun.values is not None or _nbytes(rerun) <= KEPT_BYTES:
+            self.reads.later(figures, pending.read)
+            return
+        # A re-run of the whole op on large inputs: read at once and followed up, its inputs not kept.
+        now = Reads()
+        now.later(figures, pending.read)
+        now.read()
+        self._follow([pending])
+        pending.rerun = _Rerun(None, None, rerun.pick, rerun.rows, rerun.values)
+
+    def _follow(self, pending: list[_Pending]) -> None:
+        """The reference's and the exact run's errors of the ops whose figures call for them (an error
+        far above its rounding: few ops), read together."""
+        later = Reads()
+        for p in pending:
+            if p.error is None or p.followed:
+                continue
+            p.followed = True
+            far = not p.error <= DIVERGENCE_RATIO * p.rounding  # the reference's error may be the larger
+            if self.reference is not None and not p.same and self.coarse and far:
+                later.later([_error_of(p.func, self.reference, None, p.rerun, keep=p.keep, kept=p.kept)],
+                            p.read_reference)  # fmt: skip
+            if not p.made and p.error > DIVERGENCE_RATIO * (0.0 if math.isinf(p.rounding) else p.rounding):
+                exact = _error_of(p.func, torch.float64, self.device, p.rerun, keep=p.keep, kept=p.kept, via=self.dtype)
+                later.later([exact], p.read_exact)
+        later.read()
+
+    def settle(self) -> None:
+        """After the pass's figures are read (compare's Reads): the follow-ups, then each container's
+        worst op, judged in the order its ops ran by the rules OwnOps applied op by op."""
+        pending, self.pending = self.pending, []
+        self._follow(pending)
+        for p in pending:
+            if p.error is not None:
+                p.settle(self.dtype)
+
+
+@dataclass
+class _Pending:
+    """One own op judged in the pass, its figures read at the pass's end (metrics.Reads): what the
+    judgement needs of it until then, small (a sample, a few rows)."""
+
+    own: Own
+    name: str
+    func: Any
+    rerun: _Rerun
+    numel: int  # values of the output part re-run
+    keep: torch.Tensor  # the sampled values judged
+    kept: torch.Tensor  # the fp64 sample, 0 where not judged
+    location: str | None
+    same: bool = False  # the reference runs the candidate's kernel on the same inputs: its error is the candidate's
+    followed: bool = False
+    error: float | None = None
+    rounding: float = 0.0
+    made: bool = False
+    cosine: float | None = None
+    absmax: float = 0.0
+    values: int = 0
+    left_out: int = 0
+    reference: float | None = None  # None: not run (or it could not run)
+    exact: float | None = None  # the op run exactly on its inputs rounded to the candidate's dtype
+    norm: float = 0.0
+
+    def read(self, *figures: Any) -> None:
+        """_judge's figures, read: made, norms (truth, error, re-run), dot, rounding's error norm, the
+        output part's largest magnitude, values judged, values left out, the reference's error norm."""
+        made, norm, diff, a_norm, dot, rounded, absmax, kept, left_out, reference = figures
+        self.made, self.norm = bool(made), norm
+        self.error = math.inf if self.made else relative(diff, norm)
+        self.rounding = relative(rounded, norm)
+        self.cosine = None if self.made else cosine_of(dot, a_norm, norm)
+        self.absmax, self.values, self.left_out = absmax, int(kept), int(left_out)
+        self.read_reference(reference)
+
+    def read_reference(self, diff: float | None) -> None:
+        self.reference = None if diff is None else relative(diff, self.norm)
+
+    def read_exact(self, diff: float | None) -> None:
+        self.exact = None if diff is None else relative(diff, self.norm)
+
+    def settle(self, dtype: torch.dtype) -> None:
+        """The judgement OwnOps made op by op before its figures were read at the pass's end: the same
+        rules on the same figures."""
+        own, error = self.own, self.error
+        assert error is not None
+        reference = error if self.same else self.reference
+        floor = max(0.0 if math.isinf(self.rounding) else self.rounding, reference or 0.0, 1e-300)
         conditioned = None
-        if self.dtype == torch.float32 and not made and error > DIVERGENCE_RATIO * floor:
+        if dtype == torch.float32 and not self.made and error > DIVERGENCE_RATIO * floor:
             # fp32 is the most precise format a run takes: what the op's conditioning forces on any fp32
             # computation of it (its inputs rounded to fp32, then run exactly) is the floor, not a divergence
-            conditioned = _conditioned(func, (cand_args, cand_kwargs), keep, truth, norm)
+            conditioned = self.exact
             floor = max(floor, conditioned or 0.0)
             own.forced = max(own.forced, conditioned or 0.0)
-        values = rerun.values or (kept.numel(), part.numel(), sample_step(part.numel()))
-        left_out = truth.numel() - kept.numel() if saturated else 0
+        rerun = self.rerun
+        values = rerun.values or (self.values, self.numel, sample_step(self.numel))
         judged = OpError(
-            name, error, floor, rounding, reference, None if made else cosine(sample[keep], kept, norm),
-            values, rerun.rows, left_out, made, conditioned=conditioned,
+            self.name, error, floor, self.rounding, reference, self.cosine, values, rerun.rows, self.left_out,
+            self.made, conditioned=conditioned,
         )  # fmt: skip
         own.judged += 1
-        if name not in own.ops:
-            own.ops.append(name)
+        if self.name not in own.ops:
+            own.ops.append(self.name)
         if own.worst is None or judged.ratio > own.worst.ratio:
-            if made:
-                judged.absmax = float(part.abs().max())
+            if self.made:
+                judged.absmax = self.absmax
             elif judged.ratio > DIVERGENCE_RATIO and judged.conditioned is None:
-                judged.conditioned = _conditioned(func, (cand_args, cand_kwargs), keep, truth, norm)
-            judged.location = _where(sys._getframe(), torch_made)
+                judged.conditioned = self.exact
+            judged.location = self.location
             own.worst = judged
 
 
-def _conditioned(func: Any, cand: Any, keep: torch.Tensor | slice, truth: torch.Tensor, norm: float) -> float | None:
-    """The op in fp64 on its inputs as the candidate held them (rounded to its dtype): the error its
-    conditioning alone makes of that rounding, on the sample the op's error was measured on."""
-    args, kwargs = map_tensors(cand, lambda t: t.to(torch.float64) if t.is_floating_point() else t)
+def _nbytes(rerun: _Rerun) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors_in((rerun.args, rerun.kwargs)))
+
+
+def _error_of(
+    func: Any, dtype: torch.dtype, device: torch.device | None, rerun: _Rerun, *, keep: torch.Tensor,
+    kept: torch.Tensor, via: torch.dtype | None = None,
+) -> torch.Tensor | None:  # fmt: skip
+    """The norm of the error of `func` run in `dtype` on the re-run's inputs, on the judged sample,
+    not read; with `via`, its inputs first rounded to `via` (on `device`, as the candidate ran them)
+    and every floating one then raised to `dtype` (the exact run on the candidate's inputs). None when
+    it cannot run there or its output does not match."""
+    call = _cast((rerun.args, rerun.kwargs), via or dtype, device)[0]
+    if via is not None:
+        call = map_tensors(call, lambda t: t.to(dtype) if t.is_floating_point() else t)
     try:
-        exact = flat_sample(next(floating(func(*args, **kwargs)), None))
-    except Exception:  # no fp64 kernel for it here: not measured
+        got = device_sample(next(floating(func(*call[0], **call[1])), None))
+    except Exception:  # no kernel for it here: not measured
         return None
-    if exact is None or exact.numel() != truth.numel():
+    if got is None or got.numel() != kept.numel():
         return None
-    return rel_error(exact.cpu()[keep], truth[keep], norm)
+    return norm_of(torch.where(keep, got.to(kept.device) - kept, 0.0))
 
 
 def _due(own: Own, func: Any, args: Any, log: list[Any] | None = None) -> bool:
@@ -530,57 +639,55 @@ def _last_dim_rows(packet: str, args: Any, kwargs: Any) -> _Rerun | None:
     if packet in _LAST_DIM:
         new[1] = -1
 
+    shape = x.shape  # not x: the plan is kept to the pass's end, and x may be a large activation
+
     def pick(out: torch.Tensor) -> torch.Tensor | None:
-        return out.reshape(rows, *inner).index_select(0, index) if out.shape == x.shape else None
+        return out.reshape(rows, *inner).index_select(0, index) if out.shape == shape else None
 
     return _Rerun(tuple(new), kwargs, pick, rows=(ROWS, rows))
 
 
-def _largest(call: Any) -> dict[int, float]:
-    """The largest magnitude of each float64 tensor in `call` (NaN where it holds NaN), by id."""
-    found = {}
-    for t in tensors_in(call):
-        if t.dtype == torch.float64 and t.numel():
-            # amin and amax: on a transposed weight, aminmax's reduction is 25x slower
-            found[id(t)] = float(torch.maximum(-t.detach().amin(), t.detach().amax()))
-    return found
-
-
-def _cast(call: Any, dtype: torch.dtype, device: torch.device | None, big: dict[int, float]) -> tuple[Any, bool]:
+def _cast(call: Any, dtype: torch.dtype, device: torch.device | None) -> tuple[Any, torch.Tensor | None]:
     """((args, kwargs) with float64 tensors in `dtype`, the others in their own dtype (the user's
-    casts), all on `device`; whether a finite value beyond `dtype`'s range was saturated). `big`:
-    _largest() of the same call."""
+    casts), all on `device`; whether a finite value beyond `dtype`'s range was saturated, as a 0-d
+    bool on the device, not read (None: no float64 tensor). A finite float64 value beyond the range
+    becomes the range's end, as the candidate's own constant (torch.finfo(torch.float16).min) is:
+    clamped on the device whatever the values, so that no value is read to decide it."""
     limit = torch.finfo(dtype).max
-    saturated = False
+    flags: list[torch.Tensor] = []
+    numbers = [False]
 
     def cast(t: torch.Tensor) -> torch.Tensor:
-        nonlocal saturated
         if t.dtype != torch.float64:
             return t.to(device=device)
-        if big.get(id(t), 0.0) <= limit:  # NaN compares False: then it is looked at closely
-            return t.to(device=device, dtype=dtype)
-        if bool((torch.isfinite(t) & (t.abs() > limit)).any()):
-            saturated = True
-            return torch.where(torch.isfinite(t), t.clamp(-limit, limit), t).to(device=device, dtype=dtype)
-        return t.to(device=device, dtype=dtype)
+        finite = torch.isfinite(t)
+        flags.append((finite & (t.abs() > limit)).any())
+        return torch.where(finite, t.clamp(-limit, limit), t).to(device=device, dtype=dtype)
 
     def number(value: Any) -> Any:
-        nonlocal saturated
         if isinstance(value, float) and math.isfinite(value) and abs(value) > limit:
-            saturated = True
+            numbers[0] = True
             return math.copysign(limit, value)
         return value
 
     args, kwargs = call
     args = tuple(number(a) for a in args)
     kwargs = {k: number(v) for k, v in kwargs.items()}
-    return (map_tensors(args, cast), map_tensors(kwargs, cast)), saturated
+    cast_call = (map_tensors(args, cast), map_tensors(kwargs, cast))
+    saturated: torch.Tensor | None = None
+    for flag in flags:
+        saturated = flag if saturated is None else saturated | flag.to(saturated.device)
+    if numbers[0]:
+        saturated = torch.ones((), dtype=torch.bool) if saturated is None else torch.ones_like(saturated)
+    return cast_call, saturated
 
 
-def _made_nonfinite(cand: torch.Tensor, truth: torch.Tensor, limit: float | None) -> bool:
+def _made_nonfinite(
+    cand: torch.Tensor, truth: torch.Tensor, limit: float, saturated: torch.Tensor | None
+) -> torch.Tensor:
     """Whether the re-run has a non-finite value where the fp64 output is finite (and, with
-    saturated inputs, within `limit`): one the op made itself."""
+    saturated inputs, within `limit`): one the op made itself; a 0-d bool, not read."""
     expected = ~torch.isfinite(truth)
-    if limit is not None:
-        expected |= truth.abs() > limit
-    return bool((~torch.isfinite(cand.to(truth.device)) & ~expected).any())
+    if saturated is not None:
+        expected |= saturated.to(truth.device) & (truth.abs() > limit)
+    return (~torch.isfinite(cand.to(truth.device)) & ~expected).any()

@@ -19,7 +19,7 @@ from torch import nn
 
 from fpdoctor import catalog
 from fpdoctor.precision.candidates import Fp8Linear, fp8_quantize
-from fpdoctor.precision.metrics import spread_index
+from fpdoctor.precision.metrics import Reads, spread_index
 from fpdoctor.report.model import Finding, Trial
 
 # Below 20 dB SQNR, more than 1% of the signal's energy is quantisation noise: we call that unsafe.
@@ -40,33 +40,55 @@ def _spread_rows(rows: torch.Tensor) -> torch.Tensor:
     return rows[spread_index(rows.shape[0], STATS_ROWS, rows.device)]
 
 
-def _quality(sample: torch.Tensor, amax: torch.Tensor, fp8: torch.dtype) -> dict[str, float]:
-    """SQNR and flushed share of `sample` (float32 rows) scaled so that `amax` maps to the max."""
+def _quality(sample: torch.Tensor, amax: torch.Tensor, fp8: torch.dtype) -> list[torch.Tensor]:
+    """SQNR's and the flushed share's parts for `sample` (float32 rows) scaled so that `amax` maps to
+    the max, on the device, not read: (flushed, significant, noise, signal) -> _read_quality."""
     q = fp8_quantize(sample, fp8, rowwise=False, amax=amax)  # `amax` per row or per tensor, as given
     rms = sample.square().mean(dim=-1, keepdim=True).sqrt()
     significant = (sample.abs() >= SIGNIFICANT * rms) & (sample != 0)
-    flushed = float(((q == 0) & significant).sum()) / max(1, int(significant.sum()))
-    noise = float(torch.linalg.vector_norm(q - sample, dtype=torch.float64))
-    signal = float(torch.linalg.vector_norm(sample, dtype=torch.float64))
+    return [
+        ((q == 0) & significant).sum(),
+        significant.sum(),
+        torch.linalg.vector_norm(q - sample, dtype=torch.float64),
+        torch.linalg.vector_norm(sample, dtype=torch.float64),
+    ]
+
+
+def _read_quality(flushed: float, significant: float, noise: float, signal: float) -> dict[str, float]:
     sqnr = math.inf if noise == 0 else 20 * math.log10(signal / noise) if signal > 0 else 0.0
-    return {"sqnr_db": sqnr, "underflow": flushed}
+    return {"sqnr_db": sqnr, "underflow": flushed / max(1, int(significant))}
 
 
-def linear_stats(name: str, x: torch.Tensor, weight: torch.Tensor, fp8: torch.dtype) -> dict[str, Any]:
+def linear_stats(
+    name: str, x: torch.Tensor, weight: torch.Tensor, fp8: torch.dtype, reads: Reads | None = None
+) -> dict[str, Any]:
+    """The row of one fp8 Linear. With `reads`, its figures are filled in when `reads` is read
+    (compare's pass reads every device value at its end, not per layer); without, at once."""
+    now = reads is None
+    reads = Reads() if reads is None else reads
     fmax = torch.finfo(fp8).max
     row: dict[str, Any] = {"module": name, "format": str(fp8).replace("torch.", "")}
     for operand, tensor in (("input", x.detach()), ("weight", weight.detach())):
         # exact, on every value: the tensor's scale, and what an unscaled cast would clip
         low, high = torch.aminmax(tensor)
         amax = torch.maximum(low.abs(), high).float()
-        clipped = int((tensor.abs() > fmax).sum()) if amax > fmax else 0
-        row[f"{operand}_unscaled_saturation"] = clipped / max(1, tensor.numel())
+        clipped = (tensor.abs() > fmax).sum()
+
+        def saturation(clipped: float, operand: str = operand, numel: int = tensor.numel()) -> None:
+            row[f"{operand}_unscaled_saturation"] = int(clipped) / max(1, numel)
+
+        reads.later([clipped], saturation)
         sample = _spread_rows(tensor.reshape(-1, tensor.shape[-1])).float()
         recipes = (("tensorwise", amax), ("rowwise", sample.abs().amax(dim=-1, keepdim=True)))
         for recipe, amax in recipes:
-            quality = _quality(sample, amax, fp8)
-            row[f"{operand}_{recipe}_sqnr_db"] = quality["sqnr_db"]
-            row[f"{operand}_{recipe}_underflow"] = quality["underflow"]
+
+            def quality(*parts: float, key: str = f"{operand}_{recipe}") -> None:
+                got = _read_quality(*parts)
+                row[f"{key}_sqnr_db"], row[f"{key}_underflow"] = got["sqnr_db"], got["underflow"]
+
+            reads.later(_quality(sample, amax, fp8), quality)
+    if now:
+        reads.read()
     return row
 
 

@@ -58,6 +58,9 @@ class OwnCalls(TorchFunctionMode):
         self.moves += 1
         self.ops.leave(name, index)
 
+    def settle(self) -> None:
+        self.ops.settle()
+
     def take(self, name: str, index: int) -> Own | None:
         return self.ops.take(name, index)
 

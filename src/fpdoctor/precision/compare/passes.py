@@ -18,7 +18,16 @@ from torch.overrides import TorchFunctionMode
 from fpdoctor.numerics.engine.raising import RaisedLines, RaisedSites
 from fpdoctor.precision.candidates import cast_inputs, split_inputs
 from fpdoctor.precision.compare.noise import RecordNoise, ReplayNoise
-from fpdoctor.precision.metrics import all_finite, cosine, flat_sample, floating, rel_error
+from fpdoctor.precision.metrics import (
+    cosine_of,
+    device_sample,
+    finite_flag,
+    flat_sample,
+    floating,
+    norm_of,
+    rel_error,
+    relative,
+)
 from fpdoctor.preserve import RngState
 from fpdoctor.torchprivate import EagerDispatchMode
 from fpdoctor.userframes import user_location
@@ -118,20 +127,34 @@ def rerun(
     dtype: torch.dtype,
     device: torch.device | None,
     truth: torch.Tensor,
-    norm: float,
-) -> tuple[float | None, float | None]:
-    """`module` in `dtype` on the fp64 inputs (or just their `rows`): (relative error, cosine)."""
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """`module` in `dtype` on the fp64 inputs (or just their `rows`): its output's sample (float64, on
+    the truth's device) and whether the output is all finite (a 0-d bool, None for no floating
+    output), neither read; None when the sample does not match the truth's."""
     if rows is not None:
         out = module(cast_inputs(rows, dtype, device), **cast_inputs(kwargs, dtype, device))
         sample: torch.Tensor | None = out.detach().reshape(-1).double()
     else:
         out = module(*cast_inputs(args, dtype, device), **cast_inputs(kwargs, dtype, device))
-        sample = flat_sample(out)
+        sample = device_sample(out)
     if sample is None or sample.numel() != truth.numel():
-        return None, None
-    if not all_finite(out):
+        return None
+    return sample.to(truth.device), finite_flag(out)
+
+
+def rerun_figures(
+    got: tuple[torch.Tensor, torch.Tensor | None], truth: torch.Tensor, norm: torch.Tensor | float
+) -> list[torch.Tensor | float | None]:
+    """What `read_rerun` reads of a re-run's sample against the truth's, as device values."""
+    sample, finite = got
+    return [finite, norm_of(sample - truth), norm_of(sample), torch.dot(sample, truth), norm]
+
+
+def read_rerun(finite: float | None, diff: float, a_norm: float, dot: float, norm: float) -> tuple[float, float | None]:
+    """(relative error, cosine) of a re-run from rerun_figures' values, read; inf when it was not finite."""
+    if finite is not None and not finite:
         return math.inf, None
-    return rel_error(sample, truth, norm), cosine(sample, truth, norm)
+    return relative(diff, norm), cosine_of(dot, a_norm, norm)
 
 
 # A running state (a sum over tokens, a recurrent cell) is the output of an op that the same op,
