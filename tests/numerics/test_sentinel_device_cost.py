@@ -97,11 +97,11 @@ def test_the_ops_a_step_launches_do_not_grow_with_the_parameter_tensors(kind):
     assert small_ops == large_ops
     counts = sorted({ops for ops, _ in large})
     # no sampled work in the steady state but the gradient norm, every GRAD_NORM_EVERY-th step: one
-    # foreach norm and its 0-d norm (the reference step comes again after 500 steps, the progress
-    # experiment after a flat window of 200, and fp32 weights have no update checks)
-    assert len(counts) == 2 and counts[1] - counts[0] == 2, counts
+    # foreach norm, their stack and its norm (the reference step comes again after 500 steps, the
+    # progress experiment after a flat window of 200, and fp32 weights have no update checks)
+    assert len(counts) == 2 and counts[1] - counts[0] == 3, counts
     assert sum(ops == counts[1] for ops, _ in large) == STEPS // GRAD_NORM_EVERY
-    assert counts[0] <= 30  # each op is at least one kernel launch, a few microseconds of host time on a GPU
+    assert counts[0] <= 20  # each op is at least one kernel launch, a few microseconds of host time on a GPU
     assert large_ops["_amp_foreach_non_finite_check_and_unscale_"] == STEPS  # one pass a step, not one per tensor
     assert large_ops["_foreach_norm"] == STEPS // GRAD_NORM_EVERY
     # host reads: none on the fused path (the flag comes back by a non-blocking copy)

@@ -82,6 +82,18 @@ GRAD_NORM_EVERY = 10
 _LOSS, _GRAD, _LOCAL_LOSS, _LOSS_VALUE, _SCALE, _NEXT_SCALE, _GRAD_NORM = range(7)
 
 
+_UNSET: dict[torch.device, torch.Tensor] = {}  # per device, made once: NaN, a slot of the flags not read this step
+
+
+def _unset(device: torch.device) -> torch.Tensor:
+    """A 0-d float32 NaN on `device`, made once (a kernel launch fewer per slot per step on a GPU); only
+    ever read (stacked into the step's flags), never written."""
+    unset = _UNSET.get(device)
+    if unset is None:
+        unset = _UNSET[device] = torch.full((), float("nan"), device=device)
+    return unset
+
+
 class _UserRaised(Exception):
     """The user's own optimizer or scaler raised inside the sentinel's bookkeeping: re-raised as is."""
 
@@ -404,12 +416,13 @@ class Sentinel(JudgedSteps):
                                       window=window, contexts=self._local_replay)  # fmt: skip
             except Exception as exc:  # the observer's own failure: a finding, the step goes on
                 self._judge.error("comparing the step with the reference step", exc)
-        local_loss = torch.stack(micro_flags).amax()
-        loss_value = torch.stack(micro_losses).mean()
+        # one micro-batch a step (the usual case): its own flag and loss, no stack and reduction to launch
+        local_loss = micro_flags[0] if len(micro_flags) == 1 else torch.stack(micro_flags).amax()
+        loss_value = micro_losses[0] if len(micro_losses) == 1 else torch.stack(micro_losses).mean()
         hands_off = self.optimizer is None and amp.enabled(self.scaler) and not observed
         scaler = self.scaler if amp.enabled(self.scaler) and not observed and not hands_off else None
         stepped = False
-        scale = next_scale = torch.full((), float("nan"), device=self._device)
+        scale = next_scale = _unset(self._device)
         grad: torch.Tensor | None
         if hands_off:  # the scale this step's backward used; what the user's update() will make of an overflow
             scale = amp.scale_tensor(self.scaler, self._device)
@@ -440,7 +453,7 @@ class Sentinel(JudgedSteps):
         norm = (
             grad_norm(grads_of(self._params), self._device)
             if (self.steps - 1) % GRAD_NORM_EVERY == 0  # steps 1, 11, 21, ...: the first one too
-            else torch.full((), float("nan"), device=self._device)
+            else _unset(self._device)
         )
         flags = torch.cat([agreed, torch.stack([local_loss, loss_value, scale, next_scale, norm])])
         # on its way to the host before the optimizer's kernels are queued: the next step waits
