@@ -80,11 +80,6 @@ class BufferSnapshot:
         self._changing: list[tuple[nn.Module, str]] | None = None
         self._entries: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor, int]] = []
 
-    @property
-    def none_change(self) -> bool:
-        """The first step has shown that a forward changes no buffer: nothing is ever put back."""
-        return self._changing is not None and not self._changing
-
     def capture(self) -> None:
         """Copy the watched buffers (before the step that may have to be undone)."""
         self._learn()

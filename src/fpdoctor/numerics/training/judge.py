@@ -953,11 +953,6 @@ class StepJudge:
         if pending is not None and not pending.watch.started:
             pending.watch.start()
 
-    @property
-    def update_waiting(self) -> bool:
-        """A reference step's update is still to be judged: it needs that step's verdict first."""
-        return self._update_pending is not None
-
     def finish_update(self) -> None:
         """The weights of the last reference step against those before it, once it was applied."""
         pending, self._update_pending = self._update_pending, None

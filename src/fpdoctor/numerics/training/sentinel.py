@@ -4,11 +4,9 @@ Cost per optimizer step: one fused device pass over the gradients that sets a fo
 (`gradcheck`, what GradScaler uses), a device copy of the buffers a forward changes (BatchNorm's
 running statistics; none for most models), and one read of a few numbers. With a fused optimizer
 on a GPU the read is not waited for: the optimizer is given the flag as `found_inf` and skips a
-bad step on the device by itself, the numbers come back asynchronously and are looked at once the
-next step's step_fn has been launched (`_late`: waiting for them before it would empty the
-device's queue every step), or when the next step starts where something in it depends on the
-verdict; a bad step is replayed then, on its own batch and weights (nothing was updated, its
-buffers are put back). Elsewhere the numbers are read before `optimizer.step()`.
+bad step on the device by itself, the numbers come back asynchronously and are looked at when the
+next step starts; a bad step is replayed then, on its own batch and weights (nothing was updated,
+its buffers are put back). Elsewhere the numbers are read before `optimizer.step()`.
 
 When a step is not finite it is skipped and replayed under `trace` (`replay`): reproduced means a
 numerical bug at the op the trace names; not reproduced means the first run did not compute what
@@ -24,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +33,6 @@ from fpdoctor.numerics.observe import amp, dynamo
 from fpdoctor.numerics.observe.batches import MicroBatch
 from fpdoctor.numerics.observe.gradcheck import (
     FlagRead,
-    bad_parameters,
     grad_norm,
     grads_of,
     loss_flag,
@@ -57,7 +53,6 @@ from fpdoctor.numerics.training.judge import (  # re-exported: the sentinel's pu
     StepOutcome,
 )
 from fpdoctor.numerics.training.live import Live, stop_level
-from fpdoctor.numerics.training.replay import replay
 from fpdoctor.numerics.updates.measure import EVERY, GradAccumulation, UpdateProbe, UpdateSample, UpdateStats
 from fpdoctor.numerics.updates.whatif import WHAT_IF_STEPS
 from fpdoctor.preserve import RngState
@@ -143,11 +138,6 @@ class _Pending:
     hands_off: bool = False
     # the step whose non-finite gradients were still in .grad when this one began, and its loss scale
     carried: tuple[int, float | None] | None = None
-    # decided after the next step_fn ran (`Sentinel._late`): .grad holds that step's gradients, not
-    # this one's; `kept`: the first parameter's gradient before it ran (the same object after it: the
-    # step_fn may not have zeroed this step's gradients)
-    late: bool = False
-    kept: weakref.ref[torch.Tensor] | None = None
 
 
 @dataclass
@@ -175,8 +165,8 @@ class Sentinel(JudgedSteps):
 
     Under torch.distributed every rank calls `step` (the decision is agreed across ranks with a
     tiny all-reduce per step). With device-side skipping (fused optimizer on a GPU) the last
-    step is decided during the next one (once its step_fn has been launched, or as it starts),
-    by `flush()` (call it on every rank), or, outside torch.distributed, when `report` is read.
+    step is decided when the next one starts, by `flush()` (call it on every rank), or, outside
+    torch.distributed, when `report` is read.
     """
 
     model: torch.nn.Module
@@ -190,7 +180,7 @@ class Sentinel(JudgedSteps):
     # reproduce, to say what changed on it (new Xids, ECC errors) - two reads per job, none per step.
     gpu_health: bool = field(default=True, kw_only=True)
     # Skip a bad step on the device (a fused optimizer given the check's flag as found_inf) and
-    # read the flag during the next step. None: where the optimizer can and the model is on a GPU.
+    # read the flag when the next step starts. None: where the optimizer can and the model is on a GPU.
     device_skip: bool | None = field(default=None, kw_only=True)
     # bf16/fp16 trainable weights: measure what every N-th optimizer step did to a sample of them
     # (updates rounded away, low-precision optimizer state and .grad accumulation); 0: off
@@ -294,9 +284,7 @@ class Sentinel(JudgedSteps):
         """Run one micro-batch (one step when accumulate=1) of `step_fn` under the guard."""
         judge = self._judge
         rng = None
-        late = self._pending if self._pending is not None and self._late(self._pending) else None
-        if late is None:
-            self.flush()  # a step decided on the device is looked at before the next one runs
+        self.flush()  # a step decided on the device is looked at before the next one runs
         try:
             if self._in_window == 0:
                 judge.begin_window()
@@ -325,10 +313,6 @@ class Sentinel(JudgedSteps):
             except Exception as exc:
                 judge.error("watching for optimizer steps inside step_fn", exc)
         scale_before = amp.scale_version(self.scaler)
-        if late is not None:  # from here on .grad is this step's: the pending step is decided as late
-            late.late = True
-            first = self._params[0].grad if self._params else None
-            late.kept = weakref.ref(first) if first is not None else None
         try:
             with spying:
                 loss = step_fn(*args, **kwargs)  # the user's own errors are the user's
@@ -356,8 +340,6 @@ class Sentinel(JudgedSteps):
             updated = False
             judge.error("watching for scaler updates inside step_fn", exc)
         self._stepped_inside = self._stepped_inside or bool(inner) or updated
-        if late is not None and self._pending is late:
-            self.flush()  # its flag arrived while step_fn was launched: no wait that empties the device's queue
         try:
             self._after(step_fn, rng, args, kwargs, loss, ends=ends)
         except _UserRaised as raised:  # the user's optimizer raised: theirs, once, as it was
@@ -479,57 +461,9 @@ class Sentinel(JudgedSteps):
             self._carried,
         )
         if stepped and self.device_skip:
-            self._pending = pending  # decided during the next step (or at flush)
+            self._pending = pending  # decided when the next step starts (or at flush)
         else:
             self._resolve(pending)
-
-    def _late(self, pending: _Pending) -> bool:
-        """Whether `pending` (skipped on the device where bad) may be decided once the next step_fn has
-        been launched rather than before it. On a GPU the host runs ahead of the device; waiting for
-        the flag before the next forward stops it: the device finishes the optimizer, then idles while
-        the host launches the next forward kernel by kernel (an 8-layer bf16 transformer on an H200:
-        +2.3 ms on a 22 ms step). After the next step_fn the flag has long arrived. Only where nothing
-        that step_fn reads depends on the verdict: the fused optimizer skipped a bad step by itself (the
-        next forward reads the weights it would have read), no GradScaler (its skipped steps' gradients
-        are looked for when the next step starts), one micro-batch a step, a forward known to change no
-        buffer (nothing to put back before the next forward), no reference step's update waiting for
-        the verdict, and not under torch.distributed, a DDP hook or torch.compile (their views of a
-        step are taken afresh when the next one begins)."""
-        judge = self._judge
-        return (
-            pending.scale is None
-            and not pending.hands_off
-            and not pending.observed
-            and self.accumulate == 1
-            and not judge.distributed
-            and judge.bucket_watch is None
-            and judge.outputs is None
-            and not judge.update_waiting
-            and judge.buffers.none_change
-        )
-
-    def _gradients_again(self, pending: _Pending) -> tuple[None, list[tuple[str, str]]]:
-        """A bad step decided late: its gradients are gone (.grad holds the next step's), so the
-        parameters whose gradients were not finite are read from the step run again as it ran - its
-        batch and RNG, its weights (the device skipped it: nothing was updated) - without the tracer;
-        the next step's gradients are put back. A fault that does not happen again names none (the
-        replay then says it did not reproduce). Bad steps only."""
-        found: list[tuple[str, str]] = []
-        if not self.replay:  # step_fn is not to be run again: nothing named
-            return None, found
-
-        def observe(index: int, loss: Any, params: list[torch.Tensor]) -> None:
-            if not found:
-                found.extend(bad_parameters(self.model))
-
-        saved = [(p, p.grad) for p in self._params]
-        try:
-            replay(self.model, self._params, pending.step_fn, pending.window, self._contexts(pending),
-                   traced=False, observe=observe)  # fmt: skip
-        finally:
-            for p, g in saved:
-                p.grad = g
-        return None, found
 
     def _still_left(self) -> tuple[int, float | None] | None:
         """The skipped step whose non-finite gradients are still in .grad as this step begins (None:
@@ -551,7 +485,6 @@ class Sentinel(JudgedSteps):
             # step_fn's own scaler skipped it: AMP's, at the scale it has now (a host read, skipped steps only)
             scale = next_scale = float(self.scaler.get_scale())
         micro = None
-        seen = self._gradients_again(pending) if pending.late and (bad_loss or bad_grad) else None
         if local_loss:  # host reads from here on: bad steps only
             micro_values = torch.stack(pending.micro_loss_flags).tolist()
             micro = next((i for i, v in enumerate(micro_values, start=1) if v > 0), None)  # from 1, as steps
@@ -576,7 +509,6 @@ class Sentinel(JudgedSteps):
             why_not="step_fn applied the step itself" if pending.observed else None,
             carried=pending.carried,
             contexts_at=lambda at: self._contexts(pending, at),
-            seen=seen,
         )
         apply = None if pending.stepped or self.optimizer is None else self._apply
         outcome = self._judge.judge(facts, apply)
@@ -592,22 +524,8 @@ class Sentinel(JudgedSteps):
                 self._zero_grads()
             if outcome.finite and self.checkpoint_every and pending.step % self.checkpoint_every == 0:
                 self._save_checkpoint(pending.step)
-        elif pending.late:  # the gradients in .grad are the next step's: kept
-            self._carried = self._carried_from(pending)
         elif not pending.observed and not pending.hands_off:  # a skipped step leaves no gradient
             self._zero_grads()
-
-    def _carried_from(self, bad: _Pending) -> tuple[int, float | None] | None:
-        """After a bad step decided late, the step whose step_fn has run since: did it begin with the
-        bad step's gradients? Where the first parameter's gradient is still the same object (not
-        set to None) and the step's gradients are not finite (a host read, after bad steps only), it
-        may have: its replay, from zeroed gradients, then tells (`StepJudge._carried`)."""
-        first = self._params[0].grad if self._params else None
-        if bad.kept is None or first is None or bad.kept() is not first:
-            return None
-        if not nonfinite_flag(grads_of(self._params), self._device).item():
-            return None
-        return (bad.step, None)
 
     def _apply(self) -> None:
         assert self.optimizer is not None
