@@ -8,13 +8,14 @@ tensor's non-zero values flush, since any large weight has a few values near zer
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
 from fpdoctor.formats import FORMATS, Format
-from fpdoctor.precision.metrics import read_together
+from fpdoctor.precision.metrics import Reads, largest
 from fpdoctor.precision.names import PRECISIONS
 
 # 1% of a tensor's non-zero values flushed to zero is a visible change of what it computes (a
@@ -40,11 +41,21 @@ def misfits(model: nn.Module, fmt: Format, *, skip: tuple[str, ...] = ()) -> lis
             if t is None or not t.is_floating_point() or t.numel() == 0 or t.is_meta or str(t.dtype) in skip:
                 continue
             tensors.append((module_name, name, kind, t.detach()))
-    # the counts of every tensor first, read together: one wait per device, not three per tensor
-    counts = read_together([_counts(t, fmt) for *_, t in tensors])
+    # three kernels' worth per tensor, read together: one wait per device, not three per tensor
+    reads, counts = Reads(), []
+    for *_, t in tensors:
+        counted: list[Any] = []
+        reads.later([largest(t), torch.count_nonzero(t), torch.count_nonzero(t.abs() < fmt.flush_threshold)],
+                    lambda *got, counted=counted: counted.extend(got))  # fmt: skip
+        counts.append(counted)
+    reads.read()
     found = []
-    for (module_name, name, kind, t), (over, flushed, count) in zip(tensors, counts, strict=True):
-        entry = _check(t, fmt, int(over), int(flushed), int(count))
+    for (module_name, name, kind, t), (biggest, nonzero, below) in zip(tensors, counts, strict=True):
+        if math.isfinite(biggest) and biggest <= fmt.max:  # nothing beyond the max; the zeros are below
+            over, flushed, count = 0, below - (t.numel() - nonzero), nonzero
+        else:  # a value beyond the max, or NaN/Inf among them (then not every non-zero value counts)
+            over, flushed, count = (int(v) for v in _counts(t, fmt).tolist())
+        entry = _check(t, fmt, over, flushed, count)
         if entry:
             found.append(
                 {"tensor": f"{module_name}.{name}" if module_name else name, "module": module_name, "kind": kind}
@@ -54,7 +65,7 @@ def misfits(model: nn.Module, fmt: Format, *, skip: tuple[str, ...] = ()) -> lis
 
 
 def _counts(t: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """(values beyond the format's max, non-zero values it flushes, non-zero values) of `t`, not read."""
+    """(finite values beyond the format's max, finite non-zero values it flushes, finite non-zero values)."""
     magnitude = t.abs()
     finite = torch.isfinite(magnitude)
     nonzero = (magnitude > 0) & finite

@@ -115,18 +115,22 @@ def device_sample(value: Any, dtype: torch.dtype = torch.float64) -> torch.Tenso
     return torch.cat([p[::step].to(dtype=dtype) if p.device == device else p[::step].to(device, dtype) for p in parts])
 
 
-def finite_flag(value: Any) -> torch.Tensor | None:
-    """all_finite() as a 0-d bool tensor on the first tensor's device, not read: None for no floating
-    tensor (finite by definition)."""
-    flag: torch.Tensor | None = None
+def largest(value: Any) -> torch.Tensor | None:
+    """The largest magnitude among the floating tensors in `value`, a 0-d tensor, not read: NaN when
+    one holds NaN (the max propagates it), so the values are all finite exactly when it reads finite.
+    One kernel per tensor, where aminmax and the finite tests took five. None for no floating tensor."""
+    found = []
     for t in floating(value):
         try:
-            low, high = torch.aminmax(t)
-            one = torch.isfinite(low) & torch.isfinite(high)
-        except (RuntimeError, NotImplementedError):  # a dtype without aminmax here (fp8)
-            one = torch.isfinite(t.float()).all()
-        flag = one if flag is None else flag & one.to(flag.device)
-    return flag
+            found.append(torch.linalg.vector_norm(t, math.inf))
+        except (RuntimeError, NotImplementedError):  # a dtype without the norm here (fp8)
+            found.append(t.float().abs().amax())
+    if len(found) <= 1:
+        return found[0] if found else None
+    device = found[0].device
+    return torch.stack(
+        [n.to(torch.float64) if n.device == device else n.to(device, torch.float64) for n in found]
+    ).amax()
 
 
 def norm_of(x: torch.Tensor) -> torch.Tensor:
@@ -153,9 +157,9 @@ class Reads:
     device and pass, not one per module call or op. On a GPU each host read of a device value
     (float(t), bool(t), a copy to the host) drains the queue: read per module, a pass runs at the
     speed of its Python, the device idle in between; read at the end, the device's work overlaps the
-    Python that queues it. `later(values, then)` calls `then` with the values as floats (a bool as
-    1.0 or 0.0; a float or None passes through) when `read()` runs, in the order they were asked for,
-    so a decision that needs a value made earlier finds it made."""
+    Python that queues it. `later(values, then)` calls `then` with the values read as floats (a bool
+    as 1.0 or 0.0; a float or None passes through) when `read()` runs, in the order they were asked
+    for, so a decision that needs a value made earlier finds it made."""
 
     def __init__(self) -> None:
         self._asked: list[tuple[list[Any], Callable[..., None]]] = []
@@ -165,32 +169,22 @@ class Reads:
 
     def read(self) -> None:
         asked, self._asked = self._asked, []
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        # one stack per device and dtype (no conversion kernel per value), one copy per device
+        groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
         for values, _ in asked:
             for v in values:
                 if isinstance(v, torch.Tensor):
-                    by_device.setdefault(v.device, []).append(v.reshape(()).to(torch.float64))
-        read: dict[torch.device, Iterator[float]] = {
-            device: iter(torch.stack(ts).tolist()) for device, ts in by_device.items()
-        }
+                    groups.setdefault(v.device, {}).setdefault(v.dtype, []).append(v.reshape(()))
+        read: dict[tuple[torch.device, torch.dtype], Iterator[float]] = {}
+        for device, by_dtype in groups.items():
+            flat = iter(torch.cat([torch.stack(ts).to(torch.float64) for ts in by_dtype.values()]).tolist())
+            for dtype, ts in by_dtype.items():
+                read[device, dtype] = iter([next(flat) for _ in ts])
         for values, then in asked:  # a value `then` asks for is read by the next read()
-            then(*[next(read[v.device]) if isinstance(v, torch.Tensor) else v for v in values])
+            then(*[next(read[v.device, v.dtype]) if isinstance(v, torch.Tensor) else v for v in values])
 
     def __bool__(self) -> bool:
         return bool(self._asked)
-
-
-def read_together(values: list[torch.Tensor]) -> list[list[float]]:
-    """Each tensor's values as a list, read with one copy per device (in order)."""
-    out: list[list[float]] = [[] for _ in values]
-    by_device: dict[torch.device, list[int]] = {}
-    for k, v in enumerate(values):
-        by_device.setdefault(v.device, []).append(k)
-    for ks in by_device.values():
-        read = torch.stack([values[k].to(torch.float64) for k in ks]).tolist()
-        for k, row in zip(ks, read, strict=True):
-            out[k] = row
-    return out
 
 
 def to_host(samples: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -10,6 +10,7 @@ module, got this operand from there, and here is the smallest fix.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from fpdoctor.precision.fit import describe as describe_misfit
 from fpdoctor.precision.fit import misfits
 from fpdoctor.precision.inputs import describe
 from fpdoctor.precision.inputs import text as inputs_text
-from fpdoctor.precision.metrics import read_together
+from fpdoctor.precision.metrics import Reads, largest
 from fpdoctor.preserve import preserved
 from fpdoctor.provenance import Provenance
 from fpdoctor.pytrees import tensors_in
@@ -175,10 +176,17 @@ def _nonfinite(model: nn.Module) -> list[dict[str, Any]]:
             if t is None or not t.is_floating_point() or t.numel() == 0 or t.is_meta:
                 continue
             tensors.append((kind, name, t))
-    # counted on the device, read together: one wait per device, not two per tensor
-    counts = read_together([torch.stack([torch.isnan(t).sum(), torch.isinf(t).sum()]) for *_, t in tensors])
+    # each tensor's largest magnitude (NaN or Inf when one is there), read together: one kernel per
+    # tensor and one wait per device; the counts only for a tensor that holds NaN or Inf
+    reads, biggest = Reads(), list[float]()
+    for *_, t in tensors:
+        reads.later([largest(t.detach())], biggest.append)
+    reads.read()
     found = []
-    for (kind, name, t), (nan, inf) in zip(tensors, counts, strict=True):
+    for (kind, name, t), big in zip(tensors, biggest, strict=True):
+        if math.isfinite(big):
+            continue
+        nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
         if nan or inf:
             found.append(
                 {"kind": kind, "tensor": name, "dtype": str(t.dtype), "nan": int(nan), "inf": int(inf),

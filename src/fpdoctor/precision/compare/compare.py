@@ -82,8 +82,8 @@ from fpdoctor.precision.metrics import (
     cosine,
     cosine_of,
     device_sample,
-    finite_flag,
     floating,
+    largest,
     norm_of,
     rel_error,
     relative,
@@ -684,7 +684,7 @@ class _Comparison:
         if entry is None or c is None or c.numel() != entry.truth.numel():
             return
         c = c.to(entry.truth.device)
-        finite = finite_flag(output)
+        biggest = largest(output)  # non-finite when a value is
         if name == "" and self.root_truth is not None:
             first = next(floating(output), None)
             self.root_cand = first.detach().clone() if first is not None else None
@@ -692,22 +692,22 @@ class _Comparison:
             self._root_sample = (entry.truth, c)
         if self.keep_candidate:  # float32 holds every candidate format's values exactly
             entry.candidate = c.to(torch.float32)
-        figures: list[torch.Tensor | float | None] = [finite, norm_of(c - entry.truth), norm_of(c)]
+        figures: list[torch.Tensor | float | None] = [biggest, norm_of(c - entry.truth), norm_of(c)]
         figures += [torch.dot(c, entry.truth), entry.norm]
         if call is not None and entry.inputs is not None:
             c_in = device_sample(call)
             if c_in is not None and c_in.numel() == entry.inputs.numel():
                 c_in = c_in.to(entry.inputs.device)
-                figures += [finite_flag(call), norm_of(c_in - entry.inputs), norm_of(entry.inputs)]
+                figures += [largest(call), norm_of(c_in - entry.inputs), norm_of(entry.inputs)]
 
-        def read(finite: float | None, diff: float, c_norm: float, dot: float, norm: float, *inputs: Any) -> None:
-            if finite is not None and not finite:
+        def read(biggest: float | None, diff: float, c_norm: float, dot: float, norm: float, *inputs: Any) -> None:
+            if biggest is not None and not math.isfinite(biggest):
                 self._nonfinite_seen = True
                 return
             entry.propagated, entry.cosine = relative(diff, norm), cosine_of(dot, c_norm, norm)
             if inputs:
-                in_finite, in_diff, in_norm = inputs
-                finite_in = in_finite is None or bool(in_finite)
+                in_biggest, in_diff, in_norm = inputs
+                finite_in = in_biggest is None or math.isfinite(in_biggest)
                 entry.candidate_inputs = relative(in_diff, in_norm) if finite_in else math.inf
                 entry.input_error = entry.candidate_inputs
 

@@ -43,7 +43,6 @@ from fpdoctor.precision.metrics import (
     cosine_of,
     device_sample,
     due,
-    finite_flag,
     floating,
     norm_of,
     relative,
@@ -278,10 +277,7 @@ class OwnOps(EagerDispatchMode):
         if saturated is not None:
             keep &= ~saturated.to(truth.device) | (truth.abs() <= limit)
         kept = torch.where(keep, truth, 0.0)
-        cand_finite = finite_flag(cand)
         made = _made_nonfinite(cand, part, limit, saturated)
-        if cand_finite is not None:
-            made = made & ~cand_finite.to(made.device)
         mine = torch.where(keep, sample, 0.0)
         pending = _Pending(
             own, name, func, rerun, part.numel(), keep, kept, _where(sys._getframe(), torch_made),
@@ -687,7 +683,7 @@ def _made_nonfinite(
 ) -> torch.Tensor:
     """Whether the re-run has a non-finite value where the fp64 output is finite (and, with
     saturated inputs, within `limit`): one the op made itself; a 0-d bool, not read."""
-    expected = ~torch.isfinite(truth)
+    judged = torch.isfinite(truth)
     if saturated is not None:
-        expected |= saturated.to(truth.device) & (truth.abs() > limit)
-    return (~torch.isfinite(cand.to(truth.device)) & ~expected).any()
+        judged &= ~saturated.to(truth.device) | (truth.abs() <= limit)
+    return (judged > torch.isfinite(cand.to(truth.device))).any()  # judged and not finite

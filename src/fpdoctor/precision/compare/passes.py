@@ -21,9 +21,9 @@ from fpdoctor.precision.compare.noise import RecordNoise, ReplayNoise
 from fpdoctor.precision.metrics import (
     cosine_of,
     device_sample,
-    finite_flag,
     flat_sample,
     floating,
+    largest,
     norm_of,
     rel_error,
     relative,
@@ -129,8 +129,8 @@ def rerun(
     truth: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """`module` in `dtype` on the fp64 inputs (or just their `rows`): its output's sample (float64, on
-    the truth's device) and whether the output is all finite (a 0-d bool, None for no floating
-    output), neither read; None when the sample does not match the truth's."""
+    the truth's device) and its largest magnitude (metrics.largest: non-finite when a value is),
+    neither read; None when the sample does not match the truth's."""
     if rows is not None:
         out = module(cast_inputs(rows, dtype, device), **cast_inputs(kwargs, dtype, device))
         sample: torch.Tensor | None = out.detach().reshape(-1).double()
@@ -139,20 +139,22 @@ def rerun(
         sample = device_sample(out)
     if sample is None or sample.numel() != truth.numel():
         return None
-    return sample.to(truth.device), finite_flag(out)
+    return sample.to(truth.device), largest(out)
 
 
 def rerun_figures(
     got: tuple[torch.Tensor, torch.Tensor | None], truth: torch.Tensor, norm: torch.Tensor | float
 ) -> list[torch.Tensor | float | None]:
     """What `read_rerun` reads of a re-run's sample against the truth's, as device values."""
-    sample, finite = got
-    return [finite, norm_of(sample - truth), norm_of(sample), torch.dot(sample, truth), norm]
+    sample, biggest = got
+    return [biggest, norm_of(sample - truth), norm_of(sample), torch.dot(sample, truth), norm]
 
 
-def read_rerun(finite: float | None, diff: float, a_norm: float, dot: float, norm: float) -> tuple[float, float | None]:
+def read_rerun(
+    biggest: float | None, diff: float, a_norm: float, dot: float, norm: float
+) -> tuple[float, float | None]:
     """(relative error, cosine) of a re-run from rerun_figures' values, read; inf when it was not finite."""
-    if finite is not None and not finite:
+    if biggest is not None and not math.isfinite(biggest):
         return math.inf, None
     return relative(diff, norm), cosine_of(dot, a_norm, norm)
 
