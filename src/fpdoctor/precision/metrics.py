@@ -152,36 +152,94 @@ def cosine_of(dot: float, a_norm: float, truth_norm: float) -> float | None:
     return dot / (a_norm * truth_norm)
 
 
+class Later:
+    """A norm or dot product of float64 samples, computed when its Reads is read, together with every
+    other of its kind on its device: a fixed number of kernels per pass for all of them, where one
+    per figure made a pass's launches grow with its module calls and ops (a GPU's time, when its
+    Python is what bounds it). Made by norm_later, diff_later and dot_later."""
+
+    __slots__ = ("kind", "x", "y")
+
+    def __init__(self, kind: str, x: torch.Tensor, y: torch.Tensor | None = None) -> None:
+        self.kind, self.x, self.y = kind, x.reshape(-1), None if y is None else y.reshape(-1).to(x.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+
+def norm_later(x: torch.Tensor) -> Later:
+    """||x||, computed at read time (Later)."""
+    return Later("norm", x)
+
+
+def diff_later(x: torch.Tensor, y: torch.Tensor) -> Later:
+    """||x - y||, computed at read time (Later)."""
+    return Later("diff", x, y)
+
+
+def dot_later(x: torch.Tensor, y: torch.Tensor) -> Later:
+    """x . y, computed at read time (Later)."""
+    return Later("dot", x, y)
+
+
+def _computed(kind: str, items: list[Later], device: torch.device) -> torch.Tensor:
+    """The figures of `items` (one kind, one device) as one float64 vector: their operands joined, one
+    product, summed per item by index_add (a segment per item), then the square root of the norms'."""
+    x = torch.cat([i.x for i in items]).to(torch.float64)
+    if kind == "norm":
+        product = x.square()
+    else:
+        y = torch.cat([i.y for i in items if i.y is not None]).to(torch.float64)
+        product = (x - y).square_() if kind == "diff" else x.mul_(y)
+    lengths = torch.tensor([i.x.numel() for i in items])
+    # a copy from pinned memory is queued without waiting for the device
+    lengths = lengths.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else lengths.to(device)
+    segment = torch.repeat_interleave(torch.arange(len(items), device=device), lengths, output_size=x.numel())
+    summed = torch.zeros(len(items), dtype=torch.float64, device=device).index_add_(0, segment, product)
+    return summed if kind == "dot" else summed.sqrt_()
+
+
 class Reads:
     """Device values compare's passes read back together: one wait for the device's queue per
     device and pass, not one per module call or op. On a GPU each host read of a device value
     (float(t), bool(t), a copy to the host) drains the queue: read per module, a pass runs at the
     speed of its Python, the device idle in between; read at the end, the device's work overlaps the
     Python that queues it. `later(values, then)` calls `then` with the values read as floats (a bool
-    as 1.0 or 0.0; a float or None passes through) when `read()` runs, in the order they were asked
-    for, so a decision that needs a value made earlier finds it made."""
+    as 1.0 or 0.0; a Later computed first; a float or None passes through) when `read()` runs, in the
+    order they were asked for, so a decision that needs a value made earlier finds it made."""
 
     def __init__(self) -> None:
         self._asked: list[tuple[list[Any], Callable[..., None]]] = []
 
-    def later(self, values: Sequence[torch.Tensor | float | None], then: Callable[..., None]) -> None:
+    def later(self, values: Sequence[torch.Tensor | Later | float | None], then: Callable[..., None]) -> None:
         self._asked.append((list(values), then))
 
     def read(self) -> None:
         asked, self._asked = self._asked, []
-        # one stack per device and dtype (no conversion kernel per value), one copy per device
-        groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
+        # per device: the Later figures of each kind as one vector, the tensors stacked per dtype (no
+        # conversion kernel per value); then one copy per device
+        lazy: dict[torch.device, dict[str, list[Later]]] = {}
+        plain: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
         for values, _ in asked:
             for v in values:
-                if isinstance(v, torch.Tensor):
-                    groups.setdefault(v.device, {}).setdefault(v.dtype, []).append(v.reshape(()))
-        read: dict[tuple[torch.device, torch.dtype], Iterator[float]] = {}
-        for device, by_dtype in groups.items():
-            flat = iter(torch.cat([torch.stack(ts).to(torch.float64) for ts in by_dtype.values()]).tolist())
-            for dtype, ts in by_dtype.items():
-                read[device, dtype] = iter([next(flat) for _ in ts])
+                if isinstance(v, Later):
+                    lazy.setdefault(v.device, {}).setdefault(v.kind, []).append(v)
+                elif isinstance(v, torch.Tensor):
+                    plain.setdefault(v.device, {}).setdefault(v.dtype, []).append(v)
+        at: dict[int, float] = {}
+        for device in {*lazy, *plain}:
+            parts: list[torch.Tensor] = []
+            order: list[torch.Tensor | Later] = []
+            for kind, items in lazy.get(device, {}).items():
+                parts.append(_computed(kind, items, device))
+                order += items
+            for ts in plain.get(device, {}).values():
+                parts.append(torch.stack([t.reshape(()) for t in ts]).to(torch.float64))
+                order += ts
+            at |= {id(v): x for v, x in zip(order, torch.cat(parts).tolist(), strict=True)}
         for values, then in asked:  # a value `then` asks for is read by the next read()
-            then(*[next(read[v.device, v.dtype]) if isinstance(v, torch.Tensor) else v for v in values])
+            then(*[at[id(v)] if isinstance(v, torch.Tensor | Later) else v for v in values])
 
     def __bool__(self) -> bool:
         return bool(self._asked)

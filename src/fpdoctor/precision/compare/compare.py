@@ -77,14 +77,17 @@ from fpdoctor.precision.fit import describe as describe_misfit
 from fpdoctor.precision.inputs import describe, input_sets
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.metrics import (
+    Later,
     Reads,
     all_finite,
     cosine,
     cosine_of,
     device_sample,
+    diff_later,
+    dot_later,
     floating,
     largest,
-    norm_of,
+    norm_later,
     rel_error,
     relative,
     round_to,
@@ -488,12 +491,12 @@ class _Comparison:
         if t is None:
             return
         entry = _Seen(t, 0.0, 0.0, name in self.leaves, sum(x.numel() for x in tensors_in(output)))
-        norm = norm_of(t)  # read with the pass's other figures at its end (metrics.Reads)
+        norm = norm_later(t)  # computed and read with the pass's other figures at its end (metrics.Reads)
 
         def read(norm: float, rounded: float, entry: _Seen = entry) -> None:
             entry.norm, entry.rounding = norm, relative(rounded, norm)
 
-        self.reads.later([norm, norm_of(round_to(t, self.candidate) - t)], read)
+        self.reads.later([norm, diff_later(round_to(t, self.candidate), t)], read)
         total = sum(x.numel() for x in floating(output))
         entry.values, entry.own = (t.numel(), total, sample_step(total)), own
         entry.inputs = device_sample((call_args, call_kwargs))  # the candidate's input error, for every row
@@ -518,7 +521,7 @@ class _Comparison:
 
     def isolated(
         self, name: str, args: Any, kwargs: Any, entry: _Seen, *, start: tuple[RngState, int], output: Any = None,
-        norm: torch.Tensor | float | None = None,
+        norm: Later | float | None = None,
     ) -> None:  # fmt: skip
         """Re-run the candidate's and the reference's `name` on the fp64 inputs (all rows, or ROWS),
         each from where the fp64 module started (`start`: RNG state, next recorded draw), so they
@@ -529,10 +532,10 @@ class _Comparison:
         after = self.mark()
         module = self.cand_modules[name]
         rows = row_subset(module, args, kwargs, output) if self.subsets and output is not None else None
-        truth_norm: torch.Tensor | float
+        truth_norm: Later | float
         if rows is not None:
             x, truth, extra = rows[0], rows[1].reshape(-1), rows[2]
-            truth_norm = norm_of(truth)
+            truth_norm = norm_later(truth)
             entry.isolated_rows, entry.isolated_of = x.shape[0], output.numel() // max(rows[1][0].numel(), 1)
         else:
             x, truth, extra = None, entry.truth, {}
@@ -692,13 +695,13 @@ class _Comparison:
             self._root_sample = (entry.truth, c)
         if self.keep_candidate:  # float32 holds every candidate format's values exactly
             entry.candidate = c.to(torch.float32)
-        figures: list[torch.Tensor | float | None] = [biggest, norm_of(c - entry.truth), norm_of(c)]
-        figures += [torch.dot(c, entry.truth), entry.norm]
+        figures: list[torch.Tensor | Later | float | None] = [biggest, diff_later(c, entry.truth), norm_later(c)]
+        figures += [dot_later(c, entry.truth), entry.norm]
         if call is not None and entry.inputs is not None:
             c_in = device_sample(call)
             if c_in is not None and c_in.numel() == entry.inputs.numel():
                 c_in = c_in.to(entry.inputs.device)
-                figures += [largest(call), norm_of(c_in - entry.inputs), norm_of(entry.inputs)]
+                figures += [largest(call), diff_later(c_in, entry.inputs), norm_later(entry.inputs)]
 
         def read(biggest: float | None, diff: float, c_norm: float, dot: float, norm: float, *inputs: Any) -> None:
             if biggest is not None and not math.isfinite(biggest):

@@ -39,12 +39,15 @@ import torch
 from fpdoctor.precision.candidates import map_tensors
 from fpdoctor.precision.metrics import (
     ROWS,
+    Later,
     Reads,
     cosine_of,
     device_sample,
+    diff_later,
+    dot_later,
     due,
     floating,
-    norm_of,
+    norm_later,
     relative,
     sample_step,
     spread_index,
@@ -283,9 +286,10 @@ class OwnOps(EagerDispatchMode):
             own, name, func, rerun, part.numel(), keep, kept, _where(sys._getframe(), torch_made),
             same=self.reference == cand.dtype and self.device is None,
         )  # fmt: skip
-        figures: list[torch.Tensor | float | None] = [
-            made, norm_of(kept), norm_of(mine - kept), norm_of(mine), torch.dot(mine, kept),
-            norm_of(torch.where(keep, kept.to(cand.dtype).double() - kept, 0.0)), part.abs().max(), keep.sum(),
+        figures: list[torch.Tensor | Later | float | None] = [
+            made, norm_later(kept), diff_later(mine, kept), norm_later(mine), dot_later(mine, kept),
+            # kept is 0 where not judged, and so is it rounded
+            diff_later(kept.to(cand.dtype).double(), kept), part.abs().max(), keep.sum(),
             torch.where(saturated.to(keep.device), (~keep).sum(), 0) if saturated is not None else 0.0,
             # the reference's error, where it is always wanted (not far coarser than the candidate): run now
             _error_of(func, self.reference, None, rerun, keep=keep, kept=kept)
@@ -411,7 +415,7 @@ def _nbytes(rerun: _Rerun) -> int:
 def _error_of(
     func: Any, dtype: torch.dtype, device: torch.device | None, rerun: _Rerun, *, keep: torch.Tensor,
     kept: torch.Tensor, via: torch.dtype | None = None,
-) -> torch.Tensor | None:  # fmt: skip
+) -> Later | None:  # fmt: skip
     """The norm of the error of `func` run in `dtype` on the re-run's inputs, on the judged sample,
     not read; with `via`, its inputs first rounded to `via` (on `device`, as the candidate ran them)
     and every floating one then raised to `dtype` (the exact run on the candidate's inputs). None when
@@ -425,7 +429,7 @@ def _error_of(
         return None
     if got is None or got.numel() != kept.numel():
         return None
-    return norm_of(torch.where(keep, got.to(kept.device) - kept, 0.0))
+    return diff_later(torch.where(keep, got.to(kept.device), 0.0), kept)
 
 
 def _due(own: Own, func: Any, args: Any, log: list[Any] | None = None) -> bool:

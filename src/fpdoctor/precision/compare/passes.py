@@ -19,12 +19,15 @@ from fpdoctor.numerics.engine.raising import RaisedLines, RaisedSites
 from fpdoctor.precision.candidates import cast_inputs, split_inputs
 from fpdoctor.precision.compare.noise import RecordNoise, ReplayNoise
 from fpdoctor.precision.metrics import (
+    Later,
     cosine_of,
     device_sample,
+    diff_later,
+    dot_later,
     flat_sample,
     floating,
     largest,
-    norm_of,
+    norm_later,
     rel_error,
     relative,
 )
@@ -143,11 +146,11 @@ def rerun(
 
 
 def rerun_figures(
-    got: tuple[torch.Tensor, torch.Tensor | None], truth: torch.Tensor, norm: torch.Tensor | float
-) -> list[torch.Tensor | float | None]:
+    got: tuple[torch.Tensor, torch.Tensor | None], truth: torch.Tensor, norm: Later | float
+) -> list[torch.Tensor | Later | float | None]:
     """What `read_rerun` reads of a re-run's sample against the truth's, as device values."""
     sample, biggest = got
-    return [biggest, norm_of(sample - truth), norm_of(sample), torch.dot(sample, truth), norm]
+    return [biggest, diff_later(sample, truth), norm_later(sample), dot_later(sample, truth), norm]
 
 
 def read_rerun(
