@@ -43,7 +43,13 @@ On a GPU (`--device cuda`) one child measures the same on CUDA, at a compute-bou
 interleaved per round; memory is the CUDA allocator's peak during one compare beyond the weight
 copies, at 12 and 24 layers: the 12 more layers may add less than half the largest activation.
 
-Run: python benchmarks/bench_compare.py [--rounds N] [--device cpu|cuda] [--tiny] [--loop]
+Host reads and launches (`--launches`): what bounds compare on a GPU is not its work but its host
+reads of device values (each waits for the device's queue to drain) and its ops (each a launch from
+the host). Counted on the CPU, in the form a GPU runs (metrics.launched), per compare of the encoder
+at 1, 2, 4 and 8 layers (dim 64, the math attention a GPU's fp64 runs), beside the ops of two plain
+forwards; the budget is host reads that do not grow with depth.
+
+Run: python benchmarks/bench_compare.py [--rounds N] [--device cpu|cuda] [--tiny] [--loop] [--launches]
 """
 
 from __future__ import annotations
@@ -406,6 +412,75 @@ def run(mode: str, layers: int = 12, candidate: str = "fp16") -> dict[str, float
     return json.loads(out.strip().splitlines()[-1])
 
 
+LAUNCH_CHILD = r"""
+import collections, json, sys, warnings
+sys.path.insert(0, {here!r})
+warnings.simplefilter("ignore")
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+import fpdoctor
+from fpdoctor.precision import metrics
+from models import small_transformer, batch
+metrics.launched = lambda device: True  # the form a GPU runs: figures joined, finiteness from one norm
+READS = {{"aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.equal", "aten.nonzero"}}
+METHODS = {{"tolist", "cpu", "numpy", "item", "__bool__", "__float__", "__int__", "__index__"}}
+FREE = {{"aten.detach", "aten._unsafe_view", "aten.alias", "aten.lift_fresh"}}  # no kernel, as views
+class Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__(); self.ops = 0; self.reads = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {{}}
+        name = str(func.overloadpacket)
+        self.reads += name in READS or (name == "aten._to_copy" and str(kwargs.get("device")) == "cpu")
+        self.ops += not (func.is_view or name in FREE)
+        return func(*args, **kwargs)
+class Methods(TorchFunctionMode):
+    def __init__(self, ops):
+        super().__init__(); self.count = ops
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count.reads += getattr(func, "__name__", "") in METHODS
+        return func(*args, **(kwargs or {{}}))
+out = {{}}
+for layers in (1, 2, 4, 8):
+    torch.manual_seed(0)
+    model = small_transformer(layers=layers, dim=64, heads=4).eval()
+    tokens, _ = batch(size=4, length=80)
+    x = model.embed(tokens).detach()
+    encoder = model.encoder
+    torch.backends.mha.set_fastpath_enabled(False)  # op by op, as compare's own runs are
+    with sdpa_kernel(SDPBackend.MATH):  # attention as a GPU runs it in fp64: its ops one by one
+        fpdoctor.compare(encoder, x, candidate="fp16")
+        seen = Ops()
+        with seen, Methods(seen):
+            fpdoctor.compare(encoder, x, candidate="fp16")
+        plain = Ops()
+        with plain, torch.no_grad():
+            encoder(x); encoder.half()(x.half())
+    out[layers] = {{"reads": seen.reads, "ops": seen.ops, "plain": plain.ops}}
+print(json.dumps(out))
+"""
+
+
+def launches_row() -> bool:
+    """Host reads and ops launched per compare at 1 to 8 layers, counted on the CPU in the form a GPU
+    runs: on a GPU each read waits for the device's queue and each op is a launch from the host, so
+    both, not the work, bound compare there. The budget: host reads that do not grow with depth."""
+    argv = [sys.executable, "-c", LAUNCH_CHILD.format(here=str(HERE))]
+    out = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    print("host reads and ops launched per compare (encoder dim 64, 4 x 80 tokens, fp16, the GPU's form, on the CPU)")
+    for layers, row in out.items():
+        print(
+            f"  {layers} layer(s): {row['reads']:4d} host reads   {row['ops']:6d} ops   two plain forwards "
+            f"{row['plain']:5d} ops   {row['ops'] / row['plain']:.1f}x"
+        )
+    reads = [row["reads"] for row in out.values()]
+    ok = max(reads) <= reads[0] + 2
+    print(f"  host reads grow with depth by {max(reads) - reads[0]} (budget <= 2)  {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
 def cuda_rows(rounds: int) -> bool:
     """The GPU row: fp16 against the 3x budget, fp8-e4m3 on torch._scaled_mm beside it, CUDA memory."""
     argv = [sys.executable, "-c", GPU_CHILD.format(here=str(HERE)), str(rounds)]
@@ -448,7 +523,10 @@ def main() -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the GPU row alone")
     parser.add_argument("--tiny", action="store_true", help="the many-tiny-ops row alone")
     parser.add_argument("--loop", action="store_true", help="the per-token-loop row alone")
+    parser.add_argument("--launches", action="store_true", help="host reads and ops launched per compare alone")
     args = parser.parse_args()
+    if args.launches:
+        return 0 if launches_row() else 1
     if args.device == "cuda":
         return 0 if cuda_rows(args.rounds) else 1
     if args.tiny:
