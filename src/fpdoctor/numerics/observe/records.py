@@ -56,6 +56,7 @@ class Leaf:
     kind: str | None = None
     counts: dict[str, int] | None = None
     first_use: int | None = None  # the record that first consumed it
+    pending: Any = None  # the reduction's 0-dim results, not read yet (deferred mode)
     origin: str | None = None  # "collective": received from other ranks; else parameter/input by name
     rows: dict[str, Any] | None = None  # a non-finite one's bad rows along dim 0 (observe/loader.bad_rows)
 

@@ -22,6 +22,7 @@ CHECKABLE = frozenset({
     torch.complex64, torch.complex128,
 })  # fmt: skip
 REAL = CHECKABLE - {torch.complex64, torch.complex128}
+_AMINMAX = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})  # taken as they are
 STRIDED = torch.strided
 
 
@@ -40,6 +41,15 @@ def plain(t: torch.Tensor) -> torch.Tensor:
 
 def minmax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.aminmax(plain(t))
+
+
+def deferred_range(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deferred mode's check of one op output, on the per-op path: `minmax` without its detach
+    where aminmax takes the dtype as it is. Inside __torch_dispatch__ we run below autograd, so
+    no graph is recorded; on an accelerator each dispatch is host time spent per op."""
+    if t.dtype in _AMINMAX:
+        return torch.aminmax(t)
+    return minmax(t)
 
 
 def reduce(t: torch.Tensor) -> tuple[Any, ...]:
@@ -119,15 +129,24 @@ def narrows(source: torch.dtype, target: torch.dtype) -> bool:
 
 
 def read_scalars(values: list[torch.Tensor]) -> list[float]:
-    """0-dim results as floats, in one host transfer per device and dtype group."""
+    """0-dim results as floats, in one host transfer per device and dtype group. Grouped by
+    dtype first (a tensor's `.device` builds an object per call: the trace reads hundreds at
+    each flush), by device too only where a group spans several."""
     if not values:
         return []
-    groups: dict[tuple[Any, Any], list[int]] = {}
+    by_dtype: dict[torch.dtype, list[int]] = {}
     for n, v in enumerate(values):
-        groups.setdefault((v.device, v.dtype), []).append(n)
+        by_dtype.setdefault(v.dtype, []).append(n)
     out = [0.0] * len(values)
-    for positions in groups.values():
-        read = torch.stack([values[n] for n in positions]).double().tolist()
-        for n, value in zip(positions, read, strict=True):
-            out[n] = value
+    for positions in by_dtype.values():
+        try:
+            groups = [(positions, torch.stack([values[n] for n in positions]))]
+        except RuntimeError:  # on several devices
+            by_device: dict[Any, list[int]] = {}
+            for n in positions:
+                by_device.setdefault(values[n].device, []).append(n)
+            groups = [(ns, torch.stack([values[n] for n in ns])) for ns in by_device.values()]
+        for ns, stacked in groups:
+            for n, value in zip(ns, stacked.double().tolist(), strict=True):
+                out[n] = value
     return out

@@ -37,6 +37,7 @@ from fpdoctor.numerics.observe.values import (
     REAL,
     STRIDED,
     checkable,
+    deferred_range,
     dtype_name,
     minmax,
     narrows,
@@ -162,8 +163,10 @@ class Tracer(EagerDispatchMode):
         self._received: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}  # written by a collective
         self._compiled: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}  # made by a compiled graph
         self._graph_task = -1  # the last backward that was asked to report gradient sinks at its end
-        self._pending: list[int] = []
-        self._alive: dict[int, list[Any]] = {}  # record -> weakrefs to outputs, until read (deferred mode)
+        # deferred mode, until read: each record with weak references to its outputs, and each
+        # leaf with one to its tensor and what its rows need (its version then, whether a batch)
+        self._pending: list[tuple[Record, tuple[Any, ...]]] = []
+        self._pending_leaves: list[tuple[Leaf, Any, int, bool]] = []
         self._site_calls: Counter[tuple[str, Any]] = Counter()  # (op, user line) -> calls outside modules
         # autograd node sequence number -> (module, call, op, location) of the forward op that made it
         self._by_seq: dict[int, tuple[Any, ...]] = {}
@@ -424,7 +427,7 @@ class Tracer(EagerDispatchMode):
             if derived:
                 output.derived = True
             elif not immediate:
-                output.pending = minmax(t)
+                output.pending = deferred_range(t)
             elif (dtype is torch.float32 or dtype is torch.float64) and not (
                 self.ranges and dtype is torch.float32 and phase == "forward" and info.name in GROWS
             ):
@@ -458,8 +461,7 @@ class Tracer(EagerDispatchMode):
             elif self._tainted:
                 self._settle(record)
         else:
-            self._alive[index] = [_ref(t) for t in outs]
-            self._pending.append(index)
+            self._pending.append((record, (_ref(t),) if len(outs) == 1 else tuple(_ref(o) for o in outs)))
             if len(self._pending) >= self.sync_every:
                 self.flush()
         if index + 1 >= self._next_compact:
@@ -557,6 +559,17 @@ class Tracer(EagerDispatchMode):
     def _new_leaf(self, t: torch.Tensor, consumer: int | None, name: str) -> tuple[str, int]:
         dtype = t.dtype
         leaf = Leaf(self.leaves.count, name, t.shape, dtype_name(dtype), first_use=consumer)
+        src = ("leaf", leaf.index)
+        if not (self.immediate if self.immediate is not None else t.is_cpu):
+            # Read with the ops' results: a read here would be a host sync for every parameter
+            # and optimizer state a trace meets. A non-finite one's rows are read at the flush,
+            # from the tensor if it still holds the values it was met with.
+            leaf.pending = deferred_range(t)
+            batch = not self.tracker.this_thread.in_optimizer and self.tracker.param_names.own(t) is None
+            self._pending_leaves.append((leaf, _ref(t), version(t), batch))
+            self.leaves.append(leaf)
+            self._set(t, (src, version(t)))
+            return src
         # the same one-reduction check as op outputs
         if dtype is torch.float32 or dtype is torch.float64:
             value = float(t.sum())
@@ -565,19 +578,24 @@ class Tracer(EagerDispatchMode):
         else:
             resolve(leaf, [float(v) for v in reduce(t)], t)
         self.leaves.append(leaf)
-        src = ("leaf", leaf.index)
         self._set(t, (src, version(t)))
         if leaf.kind:
-            with reading((t,)):  # bad data: which rows, which dataset items (the batch it is one of)
-                # a tensor first met in the forward that is not a weight: the step's data
-                leaf.rows = bad_rows(
-                    t, batch=not self.tracker.this_thread.in_optimizer and self.tracker.param_names.own(t) is None
-                )
-            self._tainted.add(src)
-            self._pinned_leaves.add(leaf.index)
-            if consumer is not None:
-                self._pinned.add(consumer)
+            # a tensor first met in the forward that is not a weight: the step's data
+            self._bad_leaf(
+                leaf, t, batch=not self.tracker.this_thread.in_optimizer and self.tracker.param_names.own(t) is None
+            )
         return src
+
+    def _bad_leaf(self, leaf: Leaf, t: torch.Tensor | None, *, batch: bool) -> None:
+        """A leaf found non-finite: its rows while it holds the values it was met with, and the
+        pins that keep it and its first consumer for blame."""
+        if t is not None:
+            with reading((t,)):  # bad data: which rows, which dataset items (the batch it is one of)
+                leaf.rows = bad_rows(t, batch=batch)
+        self._tainted.add(("leaf", leaf.index))
+        self._pinned_leaves.add(leaf.index)
+        if leaf.first_use is not None:
+            self._pinned.add(leaf.first_use)
 
     def _inputs(self, values: Any, consumer: int, before: dict[int, Any] | None) -> list[Any]:
         """Where each checkable tensor among `values` came from (other values are skipped)."""
@@ -617,7 +635,8 @@ class Tracer(EagerDispatchMode):
     def _finite(self, src: tuple[str, int]) -> bool:
         """Known finite right now (immediate mode); pending results count as unknown."""
         if src[0] == "leaf":
-            return self.leaves[src[1]].kind is None
+            leaf = self.leaves[src[1]]
+            return leaf.kind is None and leaf.pending is None
         record = self._items.get(src[1])
         return record is None or all(o.kind is None and o.pending is None for o in record.outputs)
 
@@ -771,25 +790,47 @@ class Tracer(EagerDispatchMode):
             self._error("experiment", exc)
 
     def flush(self) -> None:
-        """Read pending results in one host transfer (deferred mode)."""
-        if not self._pending:
+        """Read pending results in one host transfer (deferred mode): the leaves first, which
+        the records of the same batch consumed, then the records in the order they ran."""
+        if not self._pending and not self._pending_leaves:
             return
         pending, self._pending = self._pending, []
-        flat = [v for i in pending for o in self._items[i].outputs if o.pending for v in o.pending]
+        leaves, self._pending_leaves = self._pending_leaves, []
+        flat: list[torch.Tensor] = []
+        for leaf, *_ in leaves:
+            flat.extend(leaf.pending)
+        for record, _ in pending:
+            for o in record.outputs:
+                if o.pending is not None:
+                    flat.extend(o.pending)  # a (min, max) pair: deferred_range
         values = read_scalars(flat)
         position = 0
-        for i in pending:
-            record = self._items[i]
-            refs = self._alive.pop(i, [])
+        for leaf, ref, seen, batch in leaves:
+            leaf.pending = None
+            t = ref()
+            if t is not None and version(t) != seen:
+                t = None  # written in place since: its values now are not the ones it was met with
+            resolve(leaf, values[position : position + 2], t)
+            position += 2
+            if leaf.kind:
+                self._bad_leaf(leaf, t, batch=batch)
+        tainted = self._tainted
+        for record, refs in pending:
+            suspect = False
             for n, output in enumerate(record.outputs):
                 if output.pending is None:
                     continue
-                width = len(output.pending)
                 output.pending = None
-                alive = refs[n]() if n < len(refs) else None
-                resolve(output, values[position : position + width], alive)
-                position += width
-            self._settle(record)
+                output.lo = lo = values[position]
+                output.hi = hi = values[position + 1]
+                position += 2
+                # 0 for finite values, NaN for NaN or an infinity (or a finite fp64 sum past
+                # the double range, which `resolve` then reads exactly): most records stop here
+                if (lo + hi) * 0.0:
+                    suspect = True
+                    resolve(output, [lo, hi], refs[n]() if n < len(refs) else None)
+            if suspect or tainted:
+                self._settle(record)
 
     # -- bounding memory ---------------------------------------------------------------------
     def compact(self) -> None:
