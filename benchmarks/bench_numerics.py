@@ -5,9 +5,13 @@
 Next to torch.autograd.detect_anomaly. Variants are interleaved step by step (A B C D, A B C D, ...)
 so that a shared machine's load drifts hit every variant alike; medians are compared.
 
-Steps: on CPU always the small transformer (compute-bound) and a tiny one (per-op overhead
-dominates); with CUDA also a bf16-autocast AdamW step (dim 1024, 8 layers, 16 x 512 tokens) and a
-launch-bound small one. The sentinel's budget is measured by bench_sentinel.py.
+Steps: on CPU always the small transformer (compute-bound), a tiny one (per-op overhead
+dominates) and the CUDA launch-bound shape; with CUDA also a bf16-autocast AdamW step (dim 1024,
+8 layers, 16 x 512 tokens) and a launch-bound small one. The sentinel's budget is measured by bench_sentinel.py.
+On CPU the trace also runs its deferred check (`immediate=False`), the path every op takes on a
+GPU (ranges kept on the device, read a batch of ops at a time), so that its host cost per op is
+measured where no GPU is: printed beside the immediate one, without a verdict of its own (on a
+CPU the immediate check is the one users get; on a GPU the CUDA rows judge it).
 
 Run: python benchmarks/bench_numerics.py [--steps N] [--rounds R] [--only cpu|cuda]
 """
@@ -31,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fpdoctor
 from models import batch, make_step, small_transformer
 
+DEFERRED = "trace, deferred (GPU's)"
+
 
 class _NopMode(TorchDispatchMode):
     """The floor any dispatch-mode tracer pays: dispatch into Python and back, nothing else."""
@@ -41,6 +47,25 @@ class _NopMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         return func(*args, **(kwargs or {}))
+
+
+class _CountOps(TorchDispatchMode):
+    """Ops a step runs, as a dispatch mode sees them: what the trace's per-op cost is divided by."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_per_step(step: Callable[[], None]) -> int:
+    step()  # the optimizer's state made: the ops of a steady step
+    with _CountOps() as counted:
+        step()
+    return counted.ops
 
 
 def _scenario(
@@ -68,12 +93,18 @@ def _scenario(
         with torch.autograd.detect_anomaly(check_nan=True), contextlib.redirect_stderr(None):
             plain()
 
+    def deferred() -> None:
+        with fpdoctor.Trace(model, immediate=False):
+            plain()
+
     variants = {
         "plain step": plain,
         "empty dispatch mode": floor,
         "trace (fwd+bwd+opt)": traced,
         "detect_anomaly": anomaly,
     }
+    if device == "cpu":  # on a GPU `traced` is the deferred check already
+        variants[DEFERRED] = deferred
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     return label, variants, sync
 
@@ -107,6 +138,10 @@ def main() -> int:
             "CPU, tiny (per-op overhead bound): 2 layers dim 32, 2 x 8 tokens",
             dict(layers=2, dim=32, heads=2, size=2, length=8),
         ),
+        (
+            "CPU, the CUDA launch-bound shape: 2 layers dim 128, 4 x 32 tokens",
+            dict(layers=2, dim=128, heads=4, size=4, length=32),
+        ),
     ]
     cuda = [
         (
@@ -122,13 +157,14 @@ def main() -> int:
         scenarios += [_scenario(label, device="cuda", **shape) for label, shape in cuda]
     ok = True
     n = args.rounds * args.steps
+    ops = {label: _ops_per_step(variants["plain step"]) for label, variants, _ in scenarios if DEFERRED in variants}
     for label, variants, sync in scenarios:
         medians = _measure(variants, sync, n)
         base, floor = medians["plain step"], medians["empty dispatch mode"]
         trace = medians["trace (fwd+bwd+opt)"]
         print(f"{label}: {n} interleaved steps per variant, medians")
         for name, value in medians.items():
-            print(f"  {name:<22} {value * 1e3:9.2f} ms/step   x{value / base:5.2f} plain   x{value / floor:5.2f} floor")
+            print(f"  {name:<24} {value * 1e3:9.2f} ms/step   x{value / base:5.2f} plain   x{value / floor:5.2f} floor")
         compute_bound = "tiny" not in label and "launch-bound" not in label
         ok_floor = trace / floor <= 1.3
         line = f"  trace / floor {trace / floor:.2f}x (budget <= 1.3x) {'PASS' if ok_floor else 'FAIL'}"
@@ -138,6 +174,13 @@ def main() -> int:
             line += f"; trace / plain {trace / base:.2f}x (budget <= 1.5x) {'PASS' if ok_plain else 'FAIL'}"
             ok &= ok_plain
         print(line)
+        if DEFERRED in medians:
+            deferred = medians[DEFERRED]
+            print(
+                f"  deferred (the GPU's path) on CPU: trace / floor {deferred / floor:.2f}x beside the immediate"
+                f" {trace / floor:.2f}x; {(deferred - floor) / ops[label] * 1e6:.1f} us per op above the floor"
+                f" ({ops[label]} ops a step; no budget of its own on CPU)"
+            )
     return 0 if ok else 1
 
 
