@@ -93,12 +93,12 @@ def test_a_nan_weight_is_named_before_the_optimizer_writes_it() -> None:
     assert inputs and inputs[0].where.get("input") == "2.weight", str(tr.report)
 
 
-def _tiny_step() -> tuple[nn.Module, object]:
+def _tiny_step(device: str = "cpu") -> tuple[nn.Module, object]:
     torch.manual_seed(0)
-    model = small_transformer(layers=2, dim=32, heads=2)
+    model = small_transformer(layers=2, dim=32, heads=2).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     step_fn = make_step(model, optimizer)
-    tokens, targets = batch(size=2, length=8)
+    tokens, targets = batch(size=2, length=8, device=device)
 
     def step() -> None:
         step_fn(tokens, targets)
@@ -129,15 +129,21 @@ class _HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_deferred_trace_reads_back_once_per_batch_of_ops_not_per_op_or_parameter() -> None:
-    model, step = _tiny_step()
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_the_deferred_trace_reads_back_once_per_batch_of_ops_not_per_op_or_parameter(device: str) -> None:
+    """On a GPU each read is a host sync; there the trace is deferred without being asked."""
+    model, step = _tiny_step(device)
     step()  # the optimizer's state exists: a plain step's own reads (AdamW's step counts) are steady
     with _HostReads() as plain:
         step()
     steps, sync_every = 3, 64
     flushes = []
     # the counter below the trace: it sees the tracer's own reads too
-    with _HostReads() as traced, fpdoctor.Trace(model, immediate=False, sync_every=sync_every) as tr:
+    immediate = False if device == "cpu" else None
+    with _HostReads() as traced, fpdoctor.Trace(model, immediate=immediate, sync_every=sync_every) as tr:
         flush = tr.tracer.flush
 
         def counted() -> None:
