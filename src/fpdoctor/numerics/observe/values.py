@@ -22,7 +22,7 @@ CHECKABLE = frozenset({
     torch.complex64, torch.complex128,
 })  # fmt: skip
 REAL = CHECKABLE - {torch.complex64, torch.complex128}
-_AMINMAX = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})  # taken as they are
+AMINMAX = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})  # taken as they are
 STRIDED = torch.strided
 
 
@@ -47,7 +47,7 @@ def deferred_range(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Deferred mode's check of one op output, on the per-op path: `minmax` without its detach
     where aminmax takes the dtype as it is. Inside __torch_dispatch__ we run below autograd, so
     no graph is recorded; on an accelerator each dispatch is host time spent per op."""
-    if t.dtype in _AMINMAX:
+    if t.dtype in AMINMAX:
         return torch.aminmax(t)
     return minmax(t)
 

@@ -33,6 +33,7 @@ from fpdoctor.numerics.observe import records as _records
 from fpdoctor.numerics.observe.loader import bad_rows, reading
 from fpdoctor.numerics.observe.records import Leaf, Output, Record, Store, kind_of
 from fpdoctor.numerics.observe.values import (
+    AMINMAX,
     CHECKABLE,
     REAL,
     STRIDED,
@@ -90,6 +91,7 @@ _OP_INFO: dict[int, OpInfo] = {}  # per aten overload, shared by every trace (a 
 # looked up once: the hot path runs for every op
 Tensor = torch.Tensor
 _ref = weakref.ref
+_aminmax = torch.aminmax
 _sequence_nr = sequence_nr
 _graph_task_id = graph_task_id
 
@@ -427,7 +429,7 @@ class Tracer(EagerDispatchMode):
             if derived:
                 output.derived = True
             elif not immediate:
-                output.pending = deferred_range(t)
+                output.pending = _aminmax(t) if dtype in AMINMAX else deferred_range(t)  # deferred_range, inlined
             elif (dtype is torch.float32 or dtype is torch.float64) and not (
                 self.ranges and dtype is torch.float32 and phase == "forward" and info.name in GROWS
             ):
@@ -807,11 +809,17 @@ class Tracer(EagerDispatchMode):
         position = 0
         for leaf, ref, seen, batch in leaves:
             leaf.pending = None
+            leaf.lo = lo = values[position]
+            leaf.hi = hi = values[position + 1]
+            position += 2
+            # 0 for finite values, NaN for NaN or an infinity (or finite fp64 values whose sum
+            # passes the double range, which `resolve` then reads exactly): most stop here
+            if not (lo + hi) * 0.0:
+                continue
             t = ref()
             if t is not None and version(t) != seen:
                 t = None  # written in place since: its values now are not the ones it was met with
-            resolve(leaf, values[position : position + 2], t)
-            position += 2
+            resolve(leaf, [lo, hi], t)
             if leaf.kind:
                 self._bad_leaf(leaf, t, batch=batch)
         tainted = self._tainted
@@ -824,9 +832,7 @@ class Tracer(EagerDispatchMode):
                 output.lo = lo = values[position]
                 output.hi = hi = values[position + 1]
                 position += 2
-                # 0 for finite values, NaN for NaN or an infinity (or a finite fp64 sum past
-                # the double range, which `resolve` then reads exactly): most records stop here
-                if (lo + hi) * 0.0:
+                if (lo + hi) * 0.0:  # as for the leaves
                     suspect = True
                     resolve(output, [lo, hi], refs[n]() if n < len(refs) else None)
             if suspect or tainted:
