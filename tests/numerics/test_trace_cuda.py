@@ -9,33 +9,20 @@ import torch
 from torch import nn
 
 import fpdoctor
+from tests.numerics import test_trace_deferred as deferred
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the deferred check")
 
 
-class LogBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(32, 32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.proj(x)
-        return torch.log(h - 100.0)  # negative everywhere: NaN, made here
-
-
-LOG_LINE = LogBlock.forward.__code__.co_firstlineno + 2
-
-
 def test_a_nan_made_on_the_gpu_is_named_with_its_op_and_line() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), LogBlock(), nn.Linear(32, 4)).cuda()
+    model = deferred._log_model().cuda()  # the deferred check's own case, on the device it is for
     with fpdoctor.trace(model) as tr:
         model(torch.randn(8, 16, device="cuda")).sum().backward()
     first = tr.report.findings[0]
     assert first.name == "nonfinite-produced", str(tr.report)
     assert first.where["op"].startswith("aten.log"), first.where
     assert first.where["module"] == "2", first.where
-    assert first.evidence["location"] == f"{__file__}:{LOG_LINE} in forward", first.evidence
+    assert first.evidence["location"] == f"{deferred.__file__}:{deferred.LOG_LINE} in forward", first.evidence
 
 
 def test_a_healthy_bf16_step_on_the_gpu_is_ok() -> None:
