@@ -676,17 +676,24 @@ class _Comparison:
         position = self.noise.position if self.noise is not None else 0
         self._cand_inputs[(name, index)] = (args, kwargs, self._made_nonfinite, position)
 
+    def _cand_sample(self, name: str, index: int, output: Any) -> tuple[Any, Any, Any, torch.Tensor] | None:
+        """A candidate call's fp64 entry, what its pre-hook kept (args, kwargs, ...), its (args,
+        kwargs) and its output's sample on the entry's device; None for a call the fp64 pass did not
+        see or whose sample does not match (the call's inputs are let go either way)."""
+        entry = self.seen.get((name, index))
+        kept = self._cand_inputs.pop((name, index), None)
+        c = device_sample(output) if entry is not None else None
+        if entry is None or c is None or c.numel() != entry.truth.numel():
+            return None
+        return entry, kept, (kept[:2] if kept is not None else None), c.to(entry.truth.device)
+
     def _cand_post_deferred(self, name: str, index: int, args: Any, output: Any) -> None:
         """_cand_post's figures as device values, read at the pass's end: one wait for the device per
         pass. A non-finite output asks for the pass that reads as it goes (`_nonfinite_seen`)."""
-        key = (name, index)
-        entry = self.seen.get(key)
-        kept = self._cand_inputs.pop(key, None)
-        call = kept[:2] if kept is not None else None
-        c = device_sample(output) if entry is not None else None
-        if entry is None or c is None or c.numel() != entry.truth.numel():
+        found = self._cand_sample(name, index, output)
+        if found is None:
             return
-        c = c.to(entry.truth.device)
+        entry, _, call, c = found
         biggest = largest(output)  # non-finite when a value is
         if name == "" and self.root_truth is not None:
             first = next(floating(output), None)
@@ -717,14 +724,10 @@ class _Comparison:
         self.reads.later(figures, read)
 
     def _cand_post(self, name: str, index: int, args: Any, output: Any) -> None:
-        key = (name, index)
-        entry = self.seen.get(key)
-        kept = self._cand_inputs.pop(key, None)
-        call = kept[:2] if kept is not None else None
-        c = device_sample(output) if entry is not None else None
-        if entry is None or c is None or c.numel() != entry.truth.numel():
+        found = self._cand_sample(name, index, output)
+        if found is None:
             return
-        c = c.to(entry.truth.device)
+        entry, kept, call, c = found
         finite = all_finite(output)
         if name == "" and self.root_truth is not None:
             first = next(floating(output), None)
@@ -745,7 +748,7 @@ class _Comparison:
                 origin = kept[2] == self._made_nonfinite and name not in {o[0] for o in self._origins}
                 if origin and entry.overflow is None and math.isfinite(entry.rounding):
                     inputs = map_tensors(call, lambda t: t.clone())  # the forward may change them in place
-                    self._origins.append((name, index, *inputs, kept[3], key in self._watch))
+                    self._origins.append((name, index, *inputs, kept[3], (name, index) in self._watch))
                 self._made_nonfinite += 1
         if call is not None and entry.inputs is not None:
             c_in = device_sample(call)
