@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import io
 import json
 import os
 import socket
@@ -77,9 +78,13 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
             return loss
 
         g = torch.Generator().manual_seed(100 + rank)
-        for _ in range(_STEPS):
-            guard.step(step, torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g))
-        results["sentinel"] = guard.report.to_dict()
+        # the sentinel's live lines go into the rank's results, not onto the demo's terminal ahead of
+        # the case's own heading (the case prints what the ranks found, in its place)
+        with contextlib.redirect_stderr(io.StringIO()) as said:
+            for _ in range(_STEPS):
+                guard.step(step, torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g))
+            results["sentinel"] = guard.report.to_dict()
+        results["said"] = said.getvalue().splitlines()
         # this rank's "GPU" is the faulty one
         command = _faulty_child_command if rank == _FAULTY_RANK else None
         prints = fingerprint.run_fingerprints(0.5, device="cpu", child_command=command)
