@@ -1026,7 +1026,7 @@ class _Comparison:
             self._judge_decisions(result, rows)
         elif self.root_units is not None and not prefix:
             result.report.data["output_error"] = self.root_units.to_dict()
-            summary.append(("output error, in its units", self.root_units.text(self.candidate)))
+            _beside_error(summary, ("output error, in its units", self.root_units.text(self.candidate)))
         if misfit:
             result.report.data["misfits"] = misfit
             listed = "; ".join(describe_misfit(e) for e in misfit[:3])
@@ -1059,7 +1059,7 @@ class _Comparison:
         if found is None:
             return
         result.report.data["decisions"] = found.to_dict()
-        result.report.data["summary"].append(("decisions (" + found.source + ")", found.text()))
+        _beside_error(result.report.data["summary"], ("decisions (" + found.source + ")", found.text()))
         if not found.changed:
             return
         head = self._last_leaf or ""
@@ -1289,3 +1289,10 @@ def _rows(seen: dict[tuple[str, int], _Seen], own_dtype: str) -> list[ModuleRow]
         rows.append(row)
     annotate(rows)
     return rows
+
+
+def _beside_error(summary: list[tuple[str, str]], row: tuple[str, str]) -> None:
+    """The output judged by its use, right after the end-to-end error it reads beside: a clean
+    report shows its first rows only, and this is the one a user's tolerance is written in."""
+    at = next((i + 1 for i, (label, _) in enumerate(summary) if label == "end-to-end error"), len(summary))
+    summary.insert(at, row)
