@@ -41,9 +41,14 @@ def test_compare_says_a_regression_outputs_error_in_its_units_and_not_a_classifi
     result = fpdoctor.compare(regression, torch.randn(256, 8), candidate="bf16")
     error = result.report.data["output_error"]
     assert error["values"] == 256 and 0.05 < error["mean"] < 0.5 and abs(error["magnitude"] - 300) < 5
+    labels = [label for label, _ in result.report.data["summary"]]
+    at = labels.index("end-to-end error")
+    assert labels[at + 1] == "output error, in its units"  # beside the error: shown by a clean report too
     line = dict(result.report.data["summary"])["output error, in its units"]
     assert "mean |error|" in line and "rounding the exact output to bf16" in line
 
     classifier = nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 10))
     result = fpdoctor.compare(classifier, torch.randn(256, 8), candidate="bf16")
     assert "output_error" not in result.report.data and "decisions" in result.report.data
+    labels = [label for label, _ in result.report.data["summary"]]
+    assert labels[labels.index("end-to-end error") + 1].startswith("decisions (")
