@@ -63,7 +63,7 @@ class Causes:
         if key in self._folded:
             return  # the reference step seeing again a cause already told as its mechanism
         step = finding.evidence.get("step")
-        if self._fold(finding, key, step):
+        if self._fold(finding, key):
             return
         seen = self._seen.get(key)
         if seen is None or seen.index >= len(self.findings) or self.findings[seen.index].name != finding.name:
@@ -75,7 +75,7 @@ class Causes:
             seen.steps.append(step)
         self.findings[seen.index] = _repeated(seen)
 
-    def _fold(self, finding: Finding, key: tuple[Any, ...], step: Any) -> bool:
+    def _fold(self, finding: Finding, key: tuple[Any, ...]) -> bool:
         """Fold `finding` and an earlier finding of the same cause told from the other side into one."""
         if finding.name not in (MECHANISM, REFERENCE):
             return False
