@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from fpdoctor.precision.candidates import fp8_quantize
 from fpdoctor.precision.metrics import all_finite, fp8_format, round_to
 
 # The candidate changes the decisions when it flips this many times the rows rounding flips (the
@@ -79,14 +78,13 @@ def decisions(truth: torch.Tensor, candidate: torch.Tensor, fmt: str, source: st
     ref, cand = rows
     n, classes = ref.shape
     k = min(TOP_K, classes)
-    fp8 = fp8_format(fmt)
-    amax = ref.abs().amax() if fp8 is not None else None  # an fp8 scale is the whole output's
+    amax = ref.abs().amax() if fp8_format(fmt) is not None else None  # an fp8 scale is the whole output's
     sums = torch.zeros(5, dtype=torch.float64, device=ref.device)
     for r, chunk in _chunks(ref, cand):
         c = chunk.to(torch.float64)  # once: argmax and top-k on a bf16 tensor are several times slower here
         best = r.argmax(-1)
         log_p, p = _log_softmax_and_p(r)
-        rounded = fp8_quantize(r, fp8, rowwise=False, amax=amax).to(r.dtype) if fp8 is not None else round_to(r, fmt)
+        rounded = round_to(r, fmt, amax)
         sums += torch.stack(
             [
                 (c.argmax(-1) == best).sum(),

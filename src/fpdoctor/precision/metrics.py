@@ -321,11 +321,12 @@ def sqnr_db(rel: float) -> float:
     return math.inf if rel == 0 else (-math.inf if math.isinf(rel) else -20.0 * math.log10(rel))
 
 
-def round_to(t: torch.Tensor, candidate: str) -> torch.Tensor:
-    """The output rounded to the candidate's format: the floor that rounding alone causes."""
+def round_to(t: torch.Tensor, candidate: str, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """The output rounded to the candidate's format: the floor that rounding alone causes. `amax`:
+    an fp8 scale's largest magnitude when `t` is a part of the output (the scale is the whole's)."""
     fp8 = fp8_format(candidate)
     if fp8 is not None:
-        return fp8_quantize(t, fp8, rowwise=False).to(t.dtype)
+        return fp8_quantize(t, fp8, rowwise=False, amax=amax).to(t.dtype)
     return t.to(compute_dtype(candidate)).to(t.dtype)
 
 
