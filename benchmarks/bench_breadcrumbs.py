@@ -40,18 +40,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fpdoctor.crash import breadcrumbs
-from models import batch, make_step, small_transformer
+from models import EmptyDispatch, batch, make_step, small_transformer
 
 BUDGET_US = 25.0
-
-
-class _NopDispatch(TorchDispatchMode):
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        return func(*args, **(kwargs or {}))
 
 
 class _NopFunction(TorchFunctionMode):
@@ -83,7 +74,7 @@ def _scenario(
         optimizer.step()
 
     def dispatch_floor() -> None:
-        with _NopDispatch():
+        with EmptyDispatch():
             plain()
 
     def function_floor() -> None:

@@ -33,20 +33,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fpdoctor
-from models import batch, make_step, small_transformer
+from models import EmptyDispatch, batch, make_step, small_transformer
 
 DEFERRED = "trace, deferred (GPU's)"
-
-
-class _NopMode(TorchDispatchMode):
-    """The floor any dispatch-mode tracer pays: dispatch into Python and back, nothing else."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:  # as the tracer does: no dynamo disable() wrapper per op
-        return False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        return func(*args, **(kwargs or {}))
 
 
 class _CountOps(TorchDispatchMode):
@@ -82,7 +71,7 @@ def _scenario(
         optimizer.step()
 
     def floor() -> None:
-        with _NopMode():
+        with EmptyDispatch():
             plain()
 
     def traced() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def small_transformer(
@@ -221,3 +222,15 @@ class SampledWork:
         reference, run_arms, flat = self._saved
         judge_mod.StepJudge.reference = reference  # type: ignore[method-assign]
         progress.run_arms, progress.flat = run_arms, flat
+
+
+class EmptyDispatch(TorchDispatchMode):
+    """The floor any dispatch-mode observer pays (the tracer, the breadcrumbs): dispatch into Python
+    and back, nothing else."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:  # as the tracer does: no dynamo disable() wrapper per op
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
