@@ -66,8 +66,10 @@ def _bad_rows() -> tuple[list[int], list[int]]:
 # -- Lightning ---------------------------------------------------------------------------------------
 
 
-def _lightning_run(accumulate: int = 1, transfer: Any = None) -> Any:
-    from tests.integrations.lit import FpDoctorCallback, pl, trainer
+def normalised_module(transfer: Any = None) -> Any:
+    """The Lightning module the loader tests train: a Linear over x / ||x||, fed the fixed batches
+    without a length; `transfer` changes each batch after the loader (on_after_batch_transfer)."""
+    from tests.integrations.lit import pl
 
     class Normalised(pl.LightningModule):
         def __init__(self) -> None:
@@ -87,8 +89,15 @@ def _lightning_run(accumulate: int = 1, transfer: Any = None) -> Any:
         def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
             return batch if transfer is None else transfer(batch)
 
+    return Normalised()
+
+
+def _lightning_run(accumulate: int = 1, transfer: Any = None) -> Any:
+    from tests.integrations.lit import FpDoctorCallback, trainer
+
     callback = FpDoctorCallback(reference_every=0)
-    trainer(callbacks=[callback], max_steps=4 // accumulate, accumulate_grad_batches=accumulate).fit(Normalised())
+    fit = trainer(callbacks=[callback], max_steps=4 // accumulate, accumulate_grad_batches=accumulate).fit
+    fit(normalised_module(transfer))
     return callback.report
 
 

@@ -19,7 +19,15 @@ from torch.utils.data import DataLoader, Dataset
 
 import fpdoctor
 from fpdoctor.numerics.observe.loader import LoaderBatches
-from tests.integrations.test_loader_rows import BATCHES, ZERO, Batches, Items, NormalisedModel, Records, _rows_named
+from tests.integrations.test_loader_rows import (
+    BATCHES,
+    ZERO,
+    Items,
+    NormalisedModel,
+    Records,
+    _rows_named,
+    normalised_module,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,28 +40,10 @@ def _named(report: Any) -> list[tuple[list[int], list[int] | None, str | None]]:
 
 
 def _lightning(trace: Any, *, accumulate: int = 1, transfer: Any = None) -> Any:
-    from tests.integrations.lit import pl, trainer
-
-    class Normalised(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.lin = nn.Linear(8, 4)
-
-        def training_step(self, x: torch.Tensor, batch_idx: int) -> torch.Tensor:
-            return self.lin(x / x.norm(dim=1, keepdim=True)).pow(2).mean()
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-        def train_dataloader(self) -> DataLoader:
-            return DataLoader(Items(), batch_sampler=Batches())  # no length: Lightning fetches ahead
-
-        def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-            return batch if transfer is None else transfer(batch)
+    from tests.integrations.lit import trainer
 
     with trace as t:
-        trainer([], max_steps=4 // accumulate, accumulate_grad_batches=accumulate).fit(Normalised())
+        trainer([], max_steps=4 // accumulate, accumulate_grad_batches=accumulate).fit(normalised_module(transfer))
     return t.report
 
 
