@@ -481,6 +481,75 @@ def launches_row() -> bool:
     return ok
 
 
+def use_rows(rounds: int) -> bool:
+    """The use metrics' share of compare (decisions over the logits, the top-1 of checked runs), timed
+    inside compare, bf16: the budget is <= 10% of compare's time. Logits large against a tiny forward
+    (vocabulary 512, width 64) are the worst case; an LM head of width 512 over 8192 tokens is not."""
+    import time
+    from typing import Any
+
+    import torch
+    from torch import nn
+
+    import fpdoctor
+    from fpdoctor.precision.compare import use
+
+    class Lm(nn.Module):
+        """A language model's shape: embedding, an MLP block, a head to the vocabulary."""
+
+        def __init__(self, vocab: int, dim: int) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocab, dim)
+            self.mix = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+            self.lm_head = nn.Linear(dim, vocab)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            h = self.embed(tokens)
+            return self.lm_head(h + self.mix(h))
+
+    spent = [0.0]
+
+    def timed(fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - start
+
+        return run
+
+    decisions, top1 = use.decisions, use.top1
+    use.decisions, use.top1 = timed(decisions), timed(top1)
+    ok = True
+    print(f"the use metrics' share of compare (bf16 against fp32, {rounds} rounds, medians, in process)")
+    try:
+        for label, vocab, dim, shape in (
+            ("LM, vocabulary 512, width 64, 4 x 256 tokens", 512, 64, (4, 256)),
+            ("LM, vocabulary 8192, width 512, 4 x 128 tokens", 8192, 512, (4, 128)),
+        ):
+            shares, totals = [], []
+            for _ in range(rounds + 1):  # the first is a warm-up
+                torch.manual_seed(0)
+                model = Lm(vocab, dim).eval()
+                tokens = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(1))
+                spent[0] = 0.0
+                start = time.perf_counter()
+                fpdoctor.compare(model, tokens, candidate="bf16")
+                totals.append(time.perf_counter() - start)
+                shares.append(spent[0] / totals[-1])
+            share, total = statistics.median(shares[1:]), statistics.median(totals[1:])
+            ok_row = share <= 0.10
+            ok = ok and ok_row
+            print(
+                f"  {label:48s} compare {total * 1e3:7.1f} ms   use metrics {share:6.1%} (budget <= 10%)  "
+                f"{'PASS' if ok_row else 'FAIL'}"
+            )
+    finally:
+        use.decisions, use.top1 = decisions, top1
+    return ok
+
+
 def cuda_rows(rounds: int) -> bool:
     """The GPU row: fp16 against the 3x budget, fp8-e4m3 on torch._scaled_mm beside it, CUDA memory."""
     argv = [sys.executable, "-c", GPU_CHILD.format(here=str(HERE)), str(rounds)]
@@ -524,7 +593,10 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="the many-tiny-ops row alone")
     parser.add_argument("--loop", action="store_true", help="the per-token-loop row alone")
     parser.add_argument("--launches", action="store_true", help="host reads and ops launched per compare alone")
+    parser.add_argument("--use", action="store_true", help="the use metrics' share of compare alone")
     args = parser.parse_args()
+    if args.use:
+        return 0 if use_rows(args.rounds) else 1
     if args.launches:
         return 0 if launches_row() else 1
     if args.device == "cuda":
