@@ -119,6 +119,8 @@ def test_minilm_fp16_and_bf16_show_no_false_divergence():
         assert len(ratios) > 50 and max(ratios) < 4  # smooth: every layer within a few noise floors
         final = result.rows[-1]
         assert -20 * __import__("math").log10(final.propagated) > min_db
+        error = result.report.data["output_error"]  # the embeddings' error in their own units
+        assert error["values"] > 1000 and 0 < error["mean"] < 16 * error["floor_mean"], error
 
 
 def test_fp8_outlier_channels_tensorwise_vs_rowwise():
