@@ -1,6 +1,6 @@
 """The running states of a streaming model held in bf16 (tests/fixtures/cases/streaming_state/), run as its
 README says: `fpdoctor compare factory.py:make --candidate bf16` names both states (`kv` at run.py:31 and
-`k_sum` at run.py:32) with one fix for the two, checked together; applied as printed to run.py, it holds
+`k_sum` at run.py:32) with one fix for the two, checked together in one run; applied as printed to run.py, it holds
 at every input length `python run.py --dtype bf16` scores, 16384 tokens the longest, and the error stays
 flat with the length (before the fix it grows: 0.012 / 0.26 / 0.70, as the user said)."""
 
@@ -34,12 +34,11 @@ def test_both_running_states_come_first(case: tuple[Path, dict]):
     # the factory's one input (2048 tokens) is the largest compare was given
     assert "[1, 2048]" in trial["on"], trial
     assert trial["after"] < 0.01 and trial["before"] > 10 * trial["after"], trial
-    # both together first, then `kv` (the search ranks it first) alone: not enough, the fix is the pair;
-    # `k_sum` was kept in fp64 only together with `kv`, and is said to be, with no figure of its own
+    # one checked run, both together: states of one loop are one fix (`kv` alone, 0.18 at 2048 tokens, is
+    # not enough), and neither has a figure of its own
     kv, k_sum = first["evidence"]["states_tried"]
-    assert kv["tried_alone"] and kv["raised_rel"] > 2 * trial["after"], kv
-    assert k_sum["tried_together"] and not k_sum["tried_alone"] and k_sum["raised_rel"] is None, k_sum
-    assert first["evidence"]["tried_only_together"] == [k_sum["location"]], first["evidence"]
+    assert all(t["tried_together"] and not t["tried_alone"] and t["raised_rel"] is None for t in (kv, k_sum))
+    assert first["evidence"]["tried_only_together"] == [kv["location"], k_sum["location"]], first["evidence"]
 
 
 def test_the_printed_fix_holds_at_the_longest_input(case: tuple[Path, dict]):

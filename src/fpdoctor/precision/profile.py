@@ -538,18 +538,19 @@ def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, ref
     where: dict[str, Any] = {"module": None, "op": None, "phase": "forward"}
     together = found.get("together")
     on = found.get("inputs") or label
-    only_together = evidence["tried_only_together"]
-    if together is not None:  # the one ranked first alone helps little or not enough: the states together
+    exact = [t for t in found["states"] if t.get("exact")]
+    exact_text = "".join(
+        f" The state updated with {t['op']} at {t['location']} is not tried: those ops select among values, which "
+        f"{dtype} holds exactly." for t in exact
+    )  # fmt: skip
+    if together is not None:  # every state that rounds, kept in fp64 together: one fix
         states = together["states"]
         joint = together["raised_rel"]
         places = " and ".join(f"{t['op']} at {t['location']}" for t in states)
-        alone = (
-            "; ".join(f"{t['location']} alone {_fmt(t['raised_rel'])}" for t in states if t.get("tried_alone"))
-            or "the run with one alone failed"
-        ) + (f"; {', '.join(only_together)} tried only together" if only_together else "")
         message += (
             f" The running states updated with {places} are held in {dtype}; kept in fp64 together, the "
-            f"end-to-end error is {_fmt(joint)} (checked), where one alone leaves more ({alone})."
+            f"end-to-end error is {_fmt(joint)} (checked). They are one fix, not tried one by one: each loses more "
+            "as its loop grows, so one that gains little alone on this input is needed on a longer one." + exact_text
         )
         evidence |= {"state_locations": [t["location"] for t in states], "raised_rel": joint}
         first = states[0]
@@ -558,7 +559,7 @@ def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, ref
         fix = (
             f"keep the running states updated at {lines} in fp32, all of them (create each with "
             f"dtype=torch.float32 and cast what is read from it back to {dtype}): checked together on {on}, the "
-            f"end-to-end error goes from {_fmt(error)} to {_fmt(joint)}; one alone is not enough ({alone})"
+            f"end-to-end error goes from {_fmt(error)} to {_fmt(joint)}"
         )
         first_text = f"none by itself: accumulation in the running states at {lines}"
         trial = Trial.checked(
@@ -575,12 +576,7 @@ def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, ref
             f"({state['steps']} updates per forward) is held in {dtype}; with that state alone kept in fp64 the "
             f"end-to-end error is {_fmt(state['raised_rel'])} (checked)."
         )
-        if only_together and found.get("joint_rel") is not None:
-            message += (
-                f" With it and {', '.join(only_together)} kept in fp64 together the error is "
-                f"{_fmt(found['joint_rel'])}: it alone comes within {found.get('joint_gain', 2.0):g}x of that ("
-                f"{', '.join(only_together)} tried only together, not alone)."
-            )
+        message += exact_text
         evidence |= {"state_op": state["op"], "state_location": state["location"], "state_module": state["module"],
                      "state_steps": state["steps"], "raised_rel": state["raised_rel"]}  # fmt: skip
         where = {"module": state["module"], "op": state["op"], "phase": "forward"}
@@ -621,6 +617,8 @@ def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, ref
             why = (
                 "it is updated in place, which keeps its tensor's dtype"
                 if t.get("in_place")
+                else f"its update ops select among values, which {dtype} holds exactly"
+                if t.get("exact")
                 else "the run with it in fp64 failed"
             )
             message += (

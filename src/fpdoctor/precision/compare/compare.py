@@ -842,10 +842,9 @@ class _Comparison:
     def accumulation(self, rows: list[ModuleRow], input_floor: float | None) -> dict[str, Any] | None:
         """Where no module diverges, yet the end-to-end error is DIVERGENCE_RATIO times above all that
         explains it by itself (each module's and own op's isolated error, the output's floor,
-        rounding the inputs): the running states of the candidate's forward, tried by two candidate
-        runs: all of them kept in fp64 together, then, where that takes the error away, the one the
-        search ranks first alone (each state alone only where the joint run fails). None when the
-        error is explained."""
+        rounding the inputs): the running states of the candidate's forward, tried by one candidate
+        run with all of them kept in fp64 together (each state alone only where that run fails).
+        None when the error is explained."""
         explained = _unexplained(rows)
         root = rows[-1] if rows else None
         if explained is None or root is None or any(r.diverged for r in rows):
@@ -864,8 +863,9 @@ class _Comparison:
         sites = {id(state): state.pop("sites") for state in states}
         for state in states:  # raised_rel: its own run's figure, where it was tried alone
             state |= {"raised_rel": None, "tried_alone": False, "tried_together": False}
-        # an in-place update keeps its tensor's dtype: raising it needs the user's code changed
-        tryable = [s for s in states if not s["in_place"]]
+        # an in-place update keeps its tensor's dtype: raising it needs the user's code changed; a
+        # state updated by ops that never round (a running max) loses nothing to raise
+        tryable = [s for s in states if not s["in_place"] and not s["exact"]]
 
         def error_with(raised: list[dict[str, Any]], keep: list[torch.Tensor]) -> float | None:
             return raised_error(
@@ -873,9 +873,11 @@ class _Comparison:
                 truth=truth.truth, norm=truth.norm, rng=self.rng, device=self.cand_device, noise=self.noise, keep=keep,
             )  # fmt: skip
 
-        # Joint first, then the best-ranked alone: two checked runs, not one per state and one more.
-        # States that each help only a little may be needed together (a sum and the normaliser it is
-        # divided by); when all of them together do not take the error away, no set of them does it.
+        # One checked run with every state that rounds kept in fp64 together. States updated in one
+        # loop each lose in proportion to its length: one that gains nothing alone at this length is
+        # needed at a longer one (a sum and the normaliser it is divided by), so they are one fix.
+        # When together they do not take the error away, no subset does: each is then run alone, so
+        # that the one whose raise fails is named.
         falls = root.propagated / ACCUMULATION_FALLS
         kept: list[torch.Tensor] = []
         joint = error_with(tryable, kept) if tryable else None
@@ -885,22 +887,14 @@ class _Comparison:
                 s["tried_together"] = True
             if len(tryable) == 1:  # the joint run is the state's run alone
                 tryable[0] |= {"raised_rel": joint, "tried_alone": True}
-            if joint <= falls:
-                first, first_kept = tryable[0], kept
-                if len(tryable) > 1:  # the state the search ranks first (the most updates), alone
-                    first_kept = []
-                    alone = error_with([first], first_kept)
-                    first |= {"raised_rel": alone, "tried_alone": alone is not None}
-                alone = first["raised_rel"]
-                # it alone is the fix when it comes within JOINT_GAIN of them all and takes the error away
-                if alone is not None and (alone <= joint or alone < joint * JOINT_GAIN) and alone <= falls:
-                    cause = first
-                    if first_kept:
-                        self.state_fix = ([first["location"]], first_kept[-1])
-                else:
-                    together = {"states": tryable, "raised_rel": joint}
-                    if kept:
-                        self.state_fix = ([s["location"] for s in tryable], kept[-1])
+            if joint <= falls and len(tryable) == 1:
+                cause = tryable[0]
+                if kept:
+                    self.state_fix = ([cause["location"]], kept[-1])
+            elif joint <= falls:
+                together = {"states": tryable, "raised_rel": joint}
+                if kept:
+                    self.state_fix = ([s["location"] for s in tryable], kept[-1])
         elif len(tryable) > 1:  # the joint run failed: each alone, so that the one whose raise fails is named
             outputs: dict[int, list[torch.Tensor]] = {}
             for s in tryable:
@@ -914,7 +908,6 @@ class _Comparison:
         return {
             "together": together,
             "joint_rel": joint if len(tryable) > 1 else None,  # every tried state kept in fp64 together
-            "joint_gain": JOINT_GAIN,
             "inputs": inputs_text(describe(self.inputs)),
             "error_rel": root.propagated,
             "explained_rel": explained,
@@ -1167,8 +1160,6 @@ class _Comparison:
 # A running state is named the cause when keeping it alone in fp64 divides the end-to-end error
 # by at least this much (12 dB): the rest of the model still runs in the candidate's dtype.
 ACCUMULATION_FALLS = 4.0
-# Running states raised together are the cause, over the best one alone, when they halve its error again.
-JOINT_GAIN = 2.0
 
 
 def _inputs_kept(inputs: Any, dtype: torch.dtype, reference: torch.dtype) -> str | None:

@@ -168,6 +168,12 @@ def read_rerun(
 # update alone rounds once, so no isolated re-run sees what thousands of them lose together.
 CARRIED_STEPS = 16  # updates in one forward before a chain is called a running state
 CARRIED_TRIED = 3  # the longest chains, each tried by a run with that state raised
+# Ops whose result is one of their inputs' values (or its sign flipped): a state updated only by
+# them (a running max, a mask carried along) holds its values exactly in any format, so raising it
+# cannot take an error away and is not tried.
+EXACT_OPS = frozenset({"maximum", "minimum", "fmax", "fmin", "max", "min", "clamp", "clamp_min", "clamp_max",
+                       "where", "cat", "stack", "clone", "neg", "abs", "relu", "masked_fill", "index_select",
+                       "gather"})  # fmt: skip
 
 
 class _Chains(TorchFunctionMode):
@@ -283,9 +289,15 @@ def carried_states(
             "steps": steps,
             # an in-place update (state += x) writes into the state's own storage, in its dtype
             "in_place": any(op._schema.is_mutable for op in chains.ops(line)),
+            "exact": _exact(chains.ops(line)),
         }
         for steps, line in found[:CARRIED_TRIED]
     ]
+
+
+def _exact(ops: list[Any]) -> bool:
+    """Whether a state's update ops all select among their inputs' values (EXACT_OPS): it never rounds."""
+    return bool(ops) and all(op.overloadpacket.__name__ in EXACT_OPS for op in ops)
 
 
 def raised_error(
