@@ -176,15 +176,18 @@ EXACT_OPS = frozenset({"maximum", "minimum", "fmax", "fmin", "max", "min", "clam
                        "gather"})  # fmt: skip
 
 
-class _Chains(TorchFunctionMode):
+class Chains(TorchFunctionMode):
     """Counts, per user source line, the updates of a loop-carried tensor: a call that reads its own
     previous output (s = s + x, one call), or a visit of the line whose calls read what its previous
     visit made last (s = s * decay + x, several on one line). Each line's torch functions are kept:
     raising the state raises them all (engine.raising.RaisedSites). Watched at the level of torch
-    functions, as RaisedSites runs them: the search is one forward of a long loop."""
+    functions, as RaisedSites runs them. compare's candidate pass runs under it (no forward of its
+    own), its hooks' work `paused`; `states()` reads what it found."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.pause = 0  # >0 while compare's hooks run: their calls are no update of the model's
+        self.failed: Exception | None = None  # what ended the search early, if anything did
         self.steps: dict[str, int] = {}
         self.module: dict[str, str] = {}
         self.calls: dict[str, dict[int, Any]] = {}  # line -> its functions, in order (by id)
@@ -199,6 +202,8 @@ class _Chains(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # written out, without helper calls or generators: this runs for every call of a long loop
+        if self.pause:
+            return func(*args, **(kwargs or {}))
         user = user_location(sys._getframe())
         if user is None:
             return func(*args, **(kwargs or {}))
@@ -214,27 +219,30 @@ class _Chains(TorchFunctionMode):
             self.aten[key] = ops.seen
         if not isinstance(out, torch.Tensor) or not out.is_floating_point():
             return out
-        if line != self.line:  # a visit of the line before ends: what it made last is its state
-            if self.line is not None:
-                self.previous[self.line] = self.out
-            self.line, self.counted = line, False
-        ref = self.last.get(key)
-        held = ref() if ref is not None else None
-        reads = held is not None and _holds(args, held)
-        if not reads and not self.counted:
-            ref = self.previous.get(line)
+        try:  # the search is ours: what goes wrong in it ends the search, never the user's forward
+            if line != self.line:  # a visit of the line before ends: what it made last is its state
+                if self.line is not None:
+                    self.previous[self.line] = self.out
+                self.line, self.counted = line, False
+            ref = self.last.get(key)
             held = ref() if ref is not None else None
             reads = held is not None and _holds(args, held)
-        if reads:
-            self.steps[line] = self.steps.get(line, 0) + 1
-            if line not in self.module:
-                self.module[line] = self.stack[-1] if self.stack else ""
-            self.counted = True
-        calls = self.calls.get(line)  # not setdefault: its default dict would be made on every call
-        if calls is None:
-            calls = self.calls[line] = {}
-        calls[id(func)] = func
-        self.last[key] = self.out = weakref.ref(out)
+            if not reads and not self.counted:
+                ref = self.previous.get(line)
+                held = ref() if ref is not None else None
+                reads = held is not None and _holds(args, held)
+            if reads:
+                self.steps[line] = self.steps.get(line, 0) + 1
+                if line not in self.module:
+                    self.module[line] = self.stack[-1] if self.stack else ""
+                self.counted = True
+            calls = self.calls.get(line)  # not setdefault: its default dict would be made on every call
+            if calls is None:
+                calls = self.calls[line] = {}
+            calls[id(func)] = func
+            self.last[key] = self.out = weakref.ref(out)
+        except Exception as exc:
+            self.failed, self.pause = exc, 1
         return out
 
     def ops(self, line: str) -> list[Any]:
@@ -245,6 +253,28 @@ class _Chains(TorchFunctionMode):
                 if not op.is_view:
                     seen.setdefault(id(op), op)
         return list(seen.values())
+
+    def states(self) -> list[dict[str, Any]]:
+        """The running states found, longest first: their sites (what RaisedSites raises), aten ops,
+        source line, the module whose forward updates them, and how many updates one forward makes."""
+        found = [(steps, line) for line, steps in self.steps.items() if steps >= CARRIED_STEPS]
+        found.sort(key=lambda x: -x[0])
+        return [
+            {
+                # views (k[:, t]) stay as they ran: raising one would raise the whole tensor it views
+                "sites": [
+                    (f, line) for i, f in self.calls[line].items() if not all(op.is_view for op in self.aten[(i, line)])
+                ],
+                "op": " then ".join(str(op) for op in self.ops(line)),
+                "location": line,
+                "module": self.module[line],
+                "steps": steps,
+                # an in-place update (state += x) writes into the state's own storage, in its dtype
+                "in_place": any(op._schema.is_mutable for op in self.ops(line)),
+                "exact": _exact(self.ops(line)),
+            }
+            for steps, line in found[:CARRIED_TRIED]
+        ]
 
 
 class _AtenOps(EagerDispatchMode):
@@ -265,34 +295,6 @@ def _holds(args: Any, held: torch.Tensor) -> bool:
         if a is held:
             return True
     return False
-
-
-def carried_states(
-    run: nn.Module, inputs: Any, dtype: torch.dtype, *, rng: RngState, device: torch.device | None,
-    noise: ReplayNoise | None,
-) -> list[dict[str, Any]]:  # fmt: skip
-    """The running states of the candidate's forward, longest first: its aten ops, source line, the
-    module whose forward updates it, and how many updates one forward makes."""
-    chains = _Chains()
-    stacked(chains, run, inputs, dtype, rng=rng, device=device, noise=noise)
-    found = [(steps, line) for line, steps in chains.steps.items() if steps >= CARRIED_STEPS]
-    found.sort(key=lambda x: -x[0])
-    return [
-        {
-            # views (k[:, t]) stay as they ran: raising one would raise the whole tensor it views
-            "sites": [
-                (f, line) for i, f in chains.calls[line].items() if not all(op.is_view for op in chains.aten[(i, line)])
-            ],
-            "op": " then ".join(str(op) for op in chains.ops(line)),
-            "location": line,
-            "module": chains.module[line],
-            "steps": steps,
-            # an in-place update (state += x) writes into the state's own storage, in its dtype
-            "in_place": any(op._schema.is_mutable for op in chains.ops(line)),
-            "exact": _exact(chains.ops(line)),
-        }
-        for steps, line in found[:CARRIED_TRIED]
-    ]
 
 
 def _exact(ops: list[Any]) -> bool:
