@@ -79,14 +79,15 @@ class RaisedSites(TorchFunctionMode):
         # by id: a function's __hash__ may be Python code, asked per call; the list keeps them alive
         self.functions = [site[0] for site in sites]
         self.ids = {id(f) for f in self.functions}
-        self.sites = {(id(f), line) for f, line in sites}
+        # (id, file, line number): what user_location gives, with no string made per call
+        self.sites = {(id(f), file, int(number)) for f, line in sites for file, _, number in [line.rpartition(":")]}
         self.raised = 0
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if id(func) in self.ids:
             user = user_location(sys._getframe())
-            if user is not None and (id(func), f"{user[0]}:{user[1]}") in self.sites:
+            if user is not None and (id(func), user[0], user[1]) in self.sites:
                 self.raised += 1
                 args, kwargs = _map(args, kwargs, self._up)
                 return func(*args, **kwargs)
@@ -106,11 +107,15 @@ def _holds(values: Any, dtype: torch.dtype) -> bool:
     """Whether a tensor of `dtype` is among an op's arguments (one level of lists: cat, stack): the
     per-op test that lets most ops of a long forward skip the walk over their arguments."""
     for value in values:
-        if type(value) is torch.Tensor:
+        t = type(value)
+        if t is torch.Tensor:
             if value.dtype is dtype:
                 return True
-        elif isinstance(value, (list, tuple)) and any(type(v) is torch.Tensor and v.dtype is dtype for v in value):
-            return True
+        elif t is list or t is tuple:
+            # written out, no generator: an index (x[:, t], its tuple of slices) is walked on every call
+            for v in value:
+                if type(v) is torch.Tensor and v.dtype is dtype:
+                    return True
     return False
 
 

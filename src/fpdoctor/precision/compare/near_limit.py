@@ -267,9 +267,9 @@ def _model_location(frame: FrameType | None) -> tuple[str, int, str] | None:
     compare's that the model's call passes through (the running-state search) is skipped."""
     while frame is not None:
         filename = frame.f_code.co_filename
-        if filename.startswith(OWN_DIR) and not filename.startswith(CASEBOOK_DIR):
-            if frame.f_code.co_name not in _MODE_FRAMES:
-                return None  # out of the model, into compare
+        own = filename.startswith(OWN_DIR) and not filename.startswith(CASEBOOK_DIR)
+        if own and frame.f_code.co_name not in _MODE_FRAMES:
+            return None  # out of the model, into compare
         if is_user_file(filename):
             return filename, frame.f_lineno, frame.f_code.co_name
         frame = frame.f_back
