@@ -128,8 +128,3 @@ def test_plan_leads_with_the_states_and_its_plan_holds_at_the_longest_input(case
     assert all(err <= 2 * states_fix for err, _ in now.values()), (states_fix, now)  # 0.0049-0.0050
     assert now[16384][0] <= 1.5 * now[256][0], now
     assert all(agree >= top1 - 0.02 for _, agree in now.values()), (top1, now)  # 97.3-99.6%
-
-
-# `compare` against the two plain forwards (fp32 and bf16) of the case's own factory, as
-# benchmarks/bench_compare.py --loop measures its copy of this model: one torch thread, CPU time (a
-# shared machine's load stretches wall time), each after a warm-up, medians of two rounds

@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from fpdoctor.precision.compare.container_ops import Own, OwnOps
 from fpdoctor.precision.metrics import REPEATS
 
-_GETITEM = torch.Tensor.__getitem__
+GETITEM = torch.Tensor.__getitem__
 _SCALARS = frozenset({int, float, bool, complex, str, type(None), type(Ellipsis), torch.dtype, torch.device,
                       torch.layout, torch.memory_format})  # fmt: skip
 _COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
@@ -79,7 +79,7 @@ class OwnCalls(TorchFunctionMode):
         own = self.ops.current
         if own is None or self.pause:
             return func(*args, **kwargs)
-        if func is _GETITEM and type(args[0]) is torch.Tensor and not kwargs and _basic_index(args[1]):
+        if func is GETITEM and type(args[0]) is torch.Tensor and not kwargs and basic_index(args[1]):
             return func(*args)  # views only: no op to count (x[:, t] in a loop over tokens)
         key = _signature(func, args, kwargs)
         plan = self.plans.get(key, _UNSEEN) if key is not None else None
@@ -166,7 +166,7 @@ def _describe(value: Any, out: list[Any]) -> bool:
     return False
 
 
-def _basic_index(index: Any) -> bool:
+def basic_index(index: Any) -> bool:
     """Whether `x[index]` is basic indexing (ints, slices of ints, None, ...): views alone, whatever
     the ints (advanced indexing, with a tensor or a bool, runs index ops)."""
     if type(index) is not tuple:

@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 from fpdoctor.numerics.engine.raising import RaisedLines, RaisedSites
 from fpdoctor.precision.candidates import cast_inputs, split_inputs
 from fpdoctor.precision.compare.noise import RecordNoise, ReplayNoise
+from fpdoctor.precision.compare.own_calls import GETITEM, basic_index
 from fpdoctor.precision.metrics import (
     Later,
     cosine_of,
@@ -204,6 +205,8 @@ class Chains(TorchFunctionMode):
         # written out, without helper calls or generators: this runs for every call of a long loop
         if self.pause:
             return func(*args, **(kwargs or {}))
+        if func is GETITEM and type(args[0]) is torch.Tensor and not kwargs and basic_index(args[1]):
+            return func(*args)  # a view (x[:, t] in a loop over tokens): never a state's update
         user = user_location(sys._getframe())
         if user is None:
             return func(*args, **(kwargs or {}))
