@@ -1,6 +1,7 @@
 """Running compare's copies of the model: a whole pass with hooks on every module, one module
 re-run on the fp64 run's inputs, the input rounding floor, the noise a forward draws itself, and
-the running states a forward updates in a loop (found, then each tried in float64)."""
+the running states a forward updates in a loop (found as the candidate's pass runs, then tried
+in float64)."""
 
 from __future__ import annotations
 
@@ -164,9 +165,10 @@ def read_rerun(
 
 
 # A running state (a sum over tokens, a recurrent cell) is the output of an op that the same op,
-# at the same source line, reads again on its next call. It is searched for where the end-to-end
-# error is far above every module's and op's isolated error (compare's `accumulation`): each
-# update alone rounds once, so no isolated re-run sees what thousands of them lose together.
+# at the same source line, reads again on its next call. Searched for as the candidate's pass runs
+# (no forward of its own), and tried where the end-to-end error is far above every module's and
+# op's isolated error (compare's `accumulation`): each update alone rounds once, so no isolated
+# re-run sees what thousands of them lose together.
 CARRIED_STEPS = 16  # updates in one forward before a chain is called a running state
 CARRIED_TRIED = 3  # the longest chains, each tried by a run with that state raised
 # Ops whose result is one of their inputs' values (or its sign flipped): a state updated only by
