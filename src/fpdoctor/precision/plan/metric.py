@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from fpdoctor.precision import decide
 from fpdoctor.precision.compare import use
 from fpdoctor.precision.metrics import flat_sample, floating, rel_error, round_to
 from fpdoctor.precision.profile import DIVERGENCE_RATIO
@@ -150,36 +151,23 @@ def logits_of(output: Any) -> torch.Tensor | None:
     return first.detach().to(device="cpu", dtype=torch.float64).reshape(-1, first.shape[-1])
 
 
-def measure(
-    output: Any, truth: torch.Tensor, logits: torch.Tensor | None, log_p: torch.Tensor | None = None
-) -> Measured:
-    """A run's output against the fp64 sample `truth` and, for logits, the fp64 logits whole (and
-    their log-softmax, `log_p`)."""
+def measure(output: Any, truth: torch.Tensor, logits: torch.Tensor | None) -> Measured:
+    """A run's output against the fp64 sample `truth` and, for logits, the fp64 logits whole: the
+    same tensor for every run of a plan, whose rows decide.py reads once for all of them."""
     out = flat_sample(output)
     rel = math.inf if out is None or out.numel() != truth.numel() else rel_error(out, truth)
     if logits is None:
         return Measured(rel)
     cand = logits_of(output)
-    if cand is None or cand.shape != logits.shape or not bool(torch.isfinite(cand).all()):
-        return Measured(rel)
-    top1, kl = agreement(logits, cand, log_p)
-    return Measured(rel, top1, kl)
+    judged = None if cand is None else decide.top1_and_kl(logits, cand)
+    return Measured(rel) if judged is None else Measured(rel, *judged)
 
 
 def floor_of(logits: torch.Tensor, fmt: str) -> Measured:
     """What rounding the exact output to the candidate's format costs, every way."""
-    rounded = round_to(logits, fmt)
-    top1, kl = agreement(logits, rounded)
-    return Measured(rel_error(rounded.reshape(-1), logits.reshape(-1)), top1, kl)
-
-
-def agreement(ref: torch.Tensor, cand: torch.Tensor, log_p: torch.Tensor | None = None) -> tuple[float, float]:
-    """(top-1 agreement, mean KL(ref || cand) in nats) of two [rows, classes] float64 logits, as compare's
-    decisions judge them (use.decisions); `log_p`: the log-softmax of `ref`, where the caller holds it."""
-    log_p = torch.log_softmax(ref, -1) if log_p is None else log_p
-    top1 = float((cand.argmax(-1) == ref.argmax(-1)).double().mean())
-    kl = float((log_p.exp() * (log_p - torch.log_softmax(cand, -1))).sum(-1).mean())
-    return top1, (max(kl, 0.0) if math.isfinite(kl) else math.inf)
+    floor = decide.rounding_floor(logits, fmt)
+    rel = rel_error(round_to(logits, fmt).reshape(-1), logits.reshape(-1))
+    return Measured(rel) if floor is None else Measured(rel, *floor)
 
 
 def pct(share: float | None) -> str:

@@ -139,7 +139,6 @@ class _Set:
     input_rounding: float = 0.0  # relative error of rounding the inputs themselves
     target: float = 0.0
     logits: torch.Tensor | None = None  # the fp64 output whole, [rows, classes], where it is logits
-    log_p: torch.Tensor | None = None  # their log-softmax
     logits_layer: str | None = None  # the leaf that made them
     before_logits: str | None = None  # the leaf whose call ended before it
     rounded: Measured | None = None  # the exact output rounded to the candidate's format
@@ -198,7 +197,6 @@ def _measured(
     fp32_outputs: set[str],
     truth: torch.Tensor,
     logits: torch.Tensor | None = None,
-    log_p: torch.Tensor | None = None,
     fp8_kernel: str = "auto",
     noise: list[torch.Tensor] | None = None,
     ops: list[OpFix] | None = None,
@@ -217,7 +215,7 @@ def _measured(
         return Measured(math.inf)
     if mode is not None and ends is not None:
         ends.update({k: v for k, v in mode.ends.items() if v is not None})
-    return measure(output, truth, logits, log_p)
+    return measure(output, truth, logits)
 
 
 def plan(
@@ -342,7 +340,6 @@ def _plan(
                         fp32_outputs=fp32_outputs if outputs is None else outputs,
                         truth=s.truth,
                         logits=s.logits,
-                        log_p=s.log_p,
                         fp8_kernel=fp8_kernel,
                         noise=s.compared.noise,
                         ops=ops,
@@ -549,7 +546,7 @@ def _judge_set(
     one.logits_layer, one.before_logits = head, (ended[-2] if len(ended) > 1 else None)
     logits = one.logits
     if logits is not None and bool(torch.isfinite(logits).all()):
-        one.rounded, one.log_p = floor_of(logits, candidate), torch.log_softmax(logits, -1)
+        one.rounded = floor_of(logits, candidate)
     else:
         one.logits = None
 
@@ -565,7 +562,6 @@ def _judge_set(
                 fp32_outputs=set(),
                 truth=truth,
                 logits=one.logits,
-                log_p=one.log_p,
                 noise=compared.noise,
             )
 
