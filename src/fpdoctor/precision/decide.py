@@ -152,7 +152,10 @@ def _judged(truth: torch.Tensor, candidate: torch.Tensor, *, kl: bool) -> tuple[
     referee, known = _referee(truth, ref)
     if not known and not all_finite(ref):  # a referee kept was finite
         return None
-    work = _Work(ref, judged=1)
+    # top-1 alone against kept rows compares the candidate with itself only: fp32 holds every value
+    # of a candidate of 32 bits or fewer, in half the bytes
+    narrow = known and not kl and cand.dtype.is_floating_point and cand.dtype.itemsize <= 4
+    work = _Work(ref, judged=1, dtype=torch.float32 if narrow else torch.float64)
     sums = torch.zeros(3, dtype=torch.float64, device=ref.device)
     for at, r, c in _chunks(ref, cand):
         sums += work.judge(r, [c], referee, at, fill=not known, k=None, kl=kl or not known)[0]
@@ -243,9 +246,9 @@ class _Work:
     """A chunk's fp64 buffers, reused by every chunk: the logits judged (then their difference from
     the referee's), and the exponentials of each and of the referee."""
 
-    def __init__(self, ref: torch.Tensor, *, judged: int) -> None:
+    def __init__(self, ref: torch.Tensor, *, judged: int, dtype: torch.dtype = torch.float64) -> None:
         size = min(ref.shape[0], _rows_per_chunk(ref)) * ref.shape[-1]
-        self.x = torch.empty(judged * size, dtype=torch.float64, device=ref.device)
+        self.x = torch.empty(judged * size, dtype=dtype, device=ref.device)
         self.e = torch.empty((judged + 1) * size, dtype=torch.float64, device=ref.device)
 
     def judge(
@@ -260,8 +263,8 @@ class _Work:
         pass over the block, none over a log-softmax of its size; the error is the log-softmax
         difference's, |row max| * 2^-53 and the exponential's ulp."""
         b, (n, classes) = len(judged), r.shape
-        # exact copies, fp64 holds every narrower float; one dtype throughout, as a mixed-dtype op
-        # casts its operands into copies of their own first
+        # exact copies (fp64 holds every narrower float); the KL's ops then take one dtype
+        # throughout, as a mixed-dtype op casts its operands into copies of their own first
         x = self.x[: b * n * classes].view(b, n, classes)
         for block, logits in zip(x, judged, strict=True):
             block.copy_(logits)
