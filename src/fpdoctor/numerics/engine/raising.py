@@ -8,6 +8,9 @@ mode per call (an empty one makes such a forward 1.6x slower, an empty dispatch 
 `RaisedLines`: every op at some source lines in fp32 (its low-precision inputs and dtype arguments
 raised), its results cast back where the rest of the model reads them: the fix "compute these
 lines in fp32, cast the result back", as a user writes it.
+`SaturatedCasts`: the casts to a narrow format at some source lines that turn finite values beyond
+its range into Inf hold them at its largest finite value instead: the fix "write the format's own
+limit" (torch.finfo(x.dtype).min for a mask fill, not float32's), as a run.
 """
 
 from __future__ import annotations
@@ -153,3 +156,33 @@ class RaisedLines(EagerDispatchMode):
 
     def _up(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.float32) if t.dtype == self.dtype else t
+
+
+class SaturatedCasts(EagerDispatchMode):
+    """Casts to `dtype` at `lines` (file, line number) that make Inf of finite values beyond its range
+    give its largest finite value, with the sign, instead; every other op runs as it does."""
+
+    def __init__(self, lines: set[tuple[str, int]], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.lines, self.dtype = lines, dtype
+        self.limit = torch.finfo(dtype).max
+        self.raised = 0  # casts held at the limit
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is not _TO_COPY or type(out) is not torch.Tensor or out.dtype != self.dtype:
+            return out
+        src = args[0] if args else None
+        if not isinstance(src, torch.Tensor) or not src.is_floating_point() or torch.finfo(src.dtype).max <= self.limit:
+            return out  # a source the format holds the range of cannot overflow it
+        user = user_location(sys._getframe())
+        if user is None or (user[0], user[1]) not in self.lines:
+            return out
+        made = torch.isinf(out) & torch.isfinite(src).to(out.device)
+        if bool(made.any()):  # a host read: this runs once per checked run, on a few casts
+            self.raised += 1
+            out = torch.where(made, out.sign() * self.limit, out)
+        return out
+
+
+_TO_COPY = torch.ops.aten._to_copy.default

@@ -122,6 +122,9 @@ class Experiment:
     bf16: str | None = None  # an fp16 chain re-run in bf16 (fp32's range): "finite" or "non-finite"
     literal_fix: tuple[float, float] | None = None  # a constant the dtype holds, tried as it ran: value, max |x|
     cast: str | None = None  # what a rounding cast did to its values
+    # a cast that made Inf of values past its format's range, tried holding the format's largest value
+    # instead (what writing torch.finfo(x.dtype).min does): that value and the symptom op's max |x| then
+    saturated_fix: tuple[float, float] | None = None
     walked: int = 0  # upstream ops tried
     symptom: frozenset[str] = frozenset({"nan", "inf"})  # what the op made that its inputs did not hold
     handed: bool = False  # its inputs held a non-finite value already, which passes through
@@ -152,6 +155,8 @@ class Experiment:
                 found["constant"]["replacement_checked"] = self.literal_fix[0]
         if self.cast is not None:
             found["cast"] = self.cast
+        if self.saturated_fix is not None:
+            found["cast_saturated_checked"] = self.saturated_fix[0]
         if self.bf16 is not None:
             found["rerun_bf16"] = self.bf16
         if self.note:
@@ -300,6 +305,24 @@ class Experiment:
                 metric=f"{self.op}'s output",
                 before="non-finite",
                 after=f"{self.clean}, max |x| {_num(self.literal_fix[1])}",
+                on="the inputs these ops read in this run",
+            )
+            return text, message + why, fix, trial
+        if self.saturated_fix is not None:
+            # a cast past the format's range: the fix is a value the format holds, never more precision
+            # (the cast in fp64 hands fp64 to code that reads the format)
+            limit, biggest = self.saturated_fix
+            fix = (
+                f"Write the limit of the dtype you cast to{at}, not a wider one's: torch.finfo(x.dtype).min "
+                f"({-limit:g} here) for a mask fill, or clamp the values to +-{limit:g} before the cast: with the "
+                f"cast holding that value instead of Inf, {self.op}'s output is {self.clean} as it ran (checked: max "
+                f"|x| {_num(biggest)})."
+            )
+            trial = Trial.checked(
+                f"the cast{at} holding +-{limit:g} instead of Inf, the ops as they ran",
+                metric=f"{self.op}'s output",
+                before="non-finite",
+                after=f"{self.clean}, max |x| {_num(biggest)}",
                 on="the inputs these ops read in this run",
             )
             return text, message + why, fix, trial
@@ -761,6 +784,38 @@ def _try_constant(
     return None
 
 
+def _past_range(step: Step) -> bool:
+    """Whether a narrowing cast's finite source holds values past its format's largest (Inf made)."""
+    dtype = _compute_dtype(step)
+    source = next((t for t in tree_flatten(step.args)[0] if isinstance(t, torch.Tensor)), None)
+    if dtype not in _NARROW or source is None or not source.is_floating_point():
+        return False
+    finite = source[torch.isfinite(source)]
+    return bool(finite.numel()) and float(finite.abs().max()) > float(torch.finfo(dtype).max)
+
+
+def _try_saturated(
+    origin: Step, chain: list[Step], lookup: Lookup | None, symptom: frozenset[str]
+) -> tuple[float, float] | None:
+    """The chain as it ran with the cast holding its format's largest finite value (with the sign)
+    where it made Inf of a finite value: (that value, the symptom op's max |x|) when that removes the
+    symptom, else None."""
+    dtype = _compute_dtype(origin)
+    assert dtype is not None
+    limit = float(torch.finfo(dtype).max)
+    func = origin.func
+
+    def saturating(*args: Any, **kwargs: Any) -> Any:
+        out = func(*args, **kwargs)
+        source = args[0]
+        made = torch.isinf(out) & torch.isfinite(source)
+        return torch.where(made, out.sign() * limit, out)
+
+    held = Step(origin.record, saturating, origin.args, origin.kwargs)
+    kind, after = _chain_kind([held if s is origin else s for s in chain], None, lookup, symptom)
+    return (limit, after) if kind is None else None
+
+
 def _with_constant(old: float, new: float, origin: Step, chain: list[Step]) -> list[Step]:
     flat, spec = tree_flatten((origin.args, origin.kwargs or {}))
     flat = [new if type(v) is float and v == old else v for v in flat]
@@ -797,6 +852,8 @@ def _settle_origin(
         experiment.cast = _cast(origin)
         if experiment.literal is not None:
             experiment.literal_fix = _try_constant(experiment.literal, origin, chain, lookup, symptom)
+        if experiment.cast is not None and _past_range(origin):
+            experiment.saturated_fix = _try_saturated(origin, chain, lookup, symptom)
     except Exception:
         pass
     experiment.absmax_before = before

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from fpdoctor import progress
+from fpdoctor.numerics.engine.raising import RaisedLines, SaturatedCasts
 from fpdoctor.precision.audit.audit import as_given
 from fpdoctor.precision.audit.boundary import keep_in_fp32
 from fpdoctor.precision.candidates import (
@@ -56,7 +57,7 @@ from fpdoctor.precision.candidates import (
     run_flags,
     uncompiled,
 )
-from fpdoctor.precision.compare import fp8, near_limit, upstream, use
+from fpdoctor.precision.compare import fp8, near_limit, nonfinite, upstream, use
 from fpdoctor.precision.compare.compiled import compare_compiled, is_compiled
 from fpdoctor.precision.compare.container_ops import Own, OwnOps
 from fpdoctor.precision.compare.first_overflow import first_overflow
@@ -64,6 +65,7 @@ from fpdoctor.precision.compare.noise import ReplayNoise
 from fpdoctor.precision.compare.own_calls import OwnCalls
 from fpdoctor.precision.compare.passes import (
     Chains,
+    error_under,
     hooked,
     input_rounding_error,
     raised_error,
@@ -993,6 +995,12 @@ class _Comparison:
                 row.module = f"{prefix}.{row.module}" if row.module else prefix
             for fp8_row in self.fp8_rows:
                 fp8_row["module"] = f"{prefix}.{fp8_row['module']}"
+        # an output turned non-finite: the op that made it (NUM001), unless a divergence finding names it
+        mine = nonfinite.handled(rows, overflows)
+        origin = nonfinite.findings(
+            rows, overflows, label=self.label, candidate=candidate, dtype=self.cand_dtype, check=self._fix_checked,
+            on=inputs_text(describe(self.inputs)), named=any(r.diverged for r in rows),
+        )  # fmt: skip
         if self.noise is not None and self.noise.misaligned:
             self.notes["random draws"] = (
                 "the runs drew random tensors of other shapes: those errors include different noise"
@@ -1005,11 +1013,13 @@ class _Comparison:
             reference=self.reference,
             notes=self.notes,
             input_floor=input_floor,
-            causes=causes(rows, overflows, misfit, candidate) | forced_causes(forced or {}, candidate),
+            causes=causes(rows, {k: v for k, v in overflows.items() if k not in mine}, misfit, candidate)
+            | forced_causes(forced or {}, candidate),
             accumulation=accumulation,
             # the samples stay until the end, so their total is the peak of what compare itself keeps
             peak=sum(e.truth.nbytes + (0 if e.inputs is None else e.inputs.nbytes) for e in self.seen.values()),
         )
+        result.report.findings[:0] = origin
         result.overflows = {name: found for (name, _), found in overflows.items()}
         if self.input_floor_note is not None:
             result.report.data["input_floor_note"] = self.input_floor_note
@@ -1049,6 +1059,14 @@ class _Comparison:
                 )
             )
         return result
+
+    def _fix_checked(self, kind: str, line: tuple[str, int]) -> float | None:
+        """The end-to-end error with a non-finite origin's fix in place (nonfinite.py): the cast at
+        `line` held at the format's largest finite value ("cast"), or the ops there in fp32 ("op")."""
+        root = next(e for (name, _), e in self.seen.items() if name == "")
+        mode = SaturatedCasts({line}, self.cand_dtype) if kind == "cast" else RaisedLines({line}, self.cand_dtype)
+        return error_under(mode, self.cand_run, self.inputs, self.cand_dtype, truth=root.truth, norm=root.norm,
+                           rng=self.rng, device=self.cand_device, noise=self.noise)  # fmt: skip
 
     # -- the output judged by what it decides (use.py) ---------------------------------------------
     def _judge_decisions(self, result: CompareResult, rows: list[ModuleRow]) -> None:

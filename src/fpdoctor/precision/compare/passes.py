@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fpdoctor.numerics.engine.raising import RaisedLines, RaisedSites
+from fpdoctor.numerics.engine.raising import RaisedLines, RaisedSites, SaturatedCasts
 from fpdoctor.precision.candidates import cast_inputs, split_inputs
 from fpdoctor.precision.compare.noise import RecordNoise, ReplayNoise
 from fpdoctor.precision.compare.own_calls import GETITEM, basic_index
@@ -320,7 +320,8 @@ def raised_error(
 
 
 def error_under(
-    raised: RaisedSites | RaisedLines, run: nn.Module, inputs: Any, dtype: torch.dtype, *, truth: torch.Tensor,
+    raised: RaisedSites | RaisedLines | SaturatedCasts, run: nn.Module, inputs: Any, dtype: torch.dtype, *,
+    truth: torch.Tensor,
     norm: float, rng: RngState, device: torch.device | None, noise: ReplayNoise | None,
     keep: list[torch.Tensor] | None = None,
 ) -> float | None:  # fmt: skip

@@ -1,0 +1,165 @@
+"""Where the candidate's output turns NaN/Inf while the fp64 run's stays finite: the op that made the
+first non-finite value, named as `trace` names it (NUM001 `nonfinite-produced`), with its fix
+checked by a candidate run with the fix in place (numerics/engine/raising.py).
+
+The candidate pass finds, for each module call whose output turned non-finite from finite inputs,
+the first op inside it that did (first_overflow.py). A module whose own error diverges carries
+that op in its divergence finding (profile.causes); this names the rest: an op of the model's own
+forward (a mask built there), of a container whose isolated error stays small, and every cast. A
+cast's fix is never "compute it in fp32": a cast to the candidate's format of a value beyond its
+range (float32's lowest value as a mask fill) makes -Inf there, and the fix is a value the format
+holds (`torch.finfo(x.dtype).min`), checked by a run whose cast holds the format's largest finite
+value instead of Inf. A non-finite output whose origin no re-run names is never OK either.
+"""
+
+from __future__ import annotations
+
+import linecache
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fpdoctor import catalog
+from fpdoctor.formats import DTYPE_FORMAT, FORMATS
+from fpdoctor.precision.profile import ModuleRow
+from fpdoctor.report.model import Finding, Trial
+
+# The check of a fix: ("cast" | "op", (file, line)) -> the end-to-end error with it in place (inf
+# while the output stays non-finite; None when the run could not be made)
+Check = Callable[[str, tuple[str, int]], "float | None"]
+
+# Limits a model writes as a sentinel (a mask fill): named in the fix as the code spells them
+_SENTINELS = {torch.finfo(d).max: f"torch.finfo({d})" for d in (torch.float64, torch.float32)}
+
+
+def is_cast(op: str) -> bool:
+    return op.startswith("aten._to_copy")
+
+
+def handled(rows: list[ModuleRow], overflows: dict[tuple[str, int], dict[str, Any]]) -> set[tuple[str, int]]:
+    """The origins this module names (NUM001) rather than a divergence finding: every cast, and every
+    op of a call that does not diverge by itself or is the model's own forward; none while the
+    model's output is finite."""
+    if not rows or not math.isinf(rows[-1].propagated):
+        return set()
+    diverged = {(r.module, r.call) for r in rows if r.diverged and r.module}
+    return {key for key, found in overflows.items() if is_cast(found["op"]) or key not in diverged}
+
+
+def findings(
+    rows: list[ModuleRow],
+    overflows: dict[tuple[str, int], dict[str, Any]],
+    *,
+    label: str,
+    candidate: str,
+    dtype: torch.dtype,
+    check: Check,
+    on: str,
+    named: bool,
+) -> list[Finding]:
+    """NUM001 for the first origin `handled` picks, its fix checked; where the output is non-finite,
+    no origin was found and no other error finding (`named`) says why, NUM001 all the same, saying
+    which module's output turned non-finite first."""
+    if not rows or not math.isinf(rows[-1].propagated):
+        return []
+    mine = handled(rows, overflows)
+    root = rows[-1]
+    count = f"{root.nonfinite} of its values are NaN or Inf where the fp64 run's are finite"
+    for key, found in overflows.items():  # in the order the calls ended: the innermost origin first
+        if key in mine:
+            return [_origin(key, found, label=label, candidate=candidate, dtype=dtype, check=check,
+                            on=on, count=count, nonfinite=root.nonfinite)]  # fmt: skip
+    if named:
+        return []
+    first = next((r for r in rows if r.nonfinite and math.isinf(r.propagated)), root)
+    where = f"`{first.module}`" if first.module else "the model's own forward"
+    return [
+        catalog.make(
+            "nonfinite-produced",
+            message=(
+                f"In {label}, the output is non-finite: {count}. The first module whose output turned non-finite is "
+                f"{where}; no op inside it turned finite inputs non-finite when re-run on the inputs the candidate "
+                "gave it, so the first non-finite value came in with them or from an op compare does not re-run."
+            ),
+            fix="run `fpdoctor trace` on the script that runs the model in this precision: it names the op and line "
+            "that made the first NaN/Inf, with its checked fix",
+            where={"module": first.module or None, "op": None, "phase": "forward"},
+            evidence={"candidate": label, "first_nonfinite_module": first.module, "nonfinite": root.nonfinite},
+            trial=Trial.untried("compare could not name the op, so there is no fix of its own to try"),
+        )
+    ]
+
+
+def _origin(
+    key: tuple[str, int], found: dict[str, Any], *, label: str, candidate: str, dtype: torch.dtype, check: Check,
+    on: str, count: str, nonfinite: int,
+) -> Finding:  # fmt: skip
+    module, _ = key
+    op, location = found["op"], found.get("location")
+    fmt = FORMATS.get(DTYPE_FORMAT.get(found["dtype"], ""))
+    limit = fmt.max if fmt is not None else torch.finfo(dtype).max
+    code = _code(location)
+    at = f" at {location}" + (f" (`{code}`)" if code else "") if location else ""
+    inside = f"`{module}`'s forward" if module else "the model's own forward"
+    biggest = found.get("input_absmax") or 0.0
+    line = _line(location)
+    evidence: dict[str, Any] = {"candidate": label, "op": op, "location": location, "input_absmax": biggest,
+                                "format_max": limit, "nonfinite": nonfinite}  # fmt: skip
+    if is_cast(op):
+        literal = _SENTINELS.get(biggest)
+        value = f"{literal}.min or .max ({biggest:.4g})" if literal else f"values up to {biggest:.4g}"
+        message = (
+            f"In {label}, the cast{at} in {inside} turns {value} into Inf: {candidate}'s largest finite value is "
+            f"{limit:.6g}. From there the output is non-finite ({count}); as a mask fill, -Inf makes a row that "
+            "is masked whole NaN in a softmax, where float32's lowest value kept it finite."
+        )
+        evidence["sentinel"] = literal
+        fix = (
+            f"write the limit of the dtype you cast to, not float32's: torch.finfo(x.dtype).min ({-limit:.6g} in "
+            f"{candidate}) for a mask fill{at}, or clamp the values to +-{limit:.6g} before the cast"
+        )
+        changed = f"the cast{at} holding {candidate}'s largest finite value (+-{limit:.6g}) instead of Inf"
+        after = check("cast", line) if line is not None else None
+    else:
+        message = (
+            f"In {label}, {op}{at} in {inside} turns finite inputs (up to {biggest:.4g}) into NaN or Inf, and from "
+            f"there the output is non-finite ({count})."
+        )
+        fix = (
+            f"compute {op}{at} in fp32: its operands .float(), the result cast back after the ops that consume it "
+            "(e.g. the softmax)"
+        )
+        changed = f"the ops{at} computed in fp32, their results cast back to {candidate}"
+        after = check("op", line) if line is not None else None
+    metric = "end-to-end relative error against fp64"
+    if after is not None and math.isfinite(after):
+        trial = Trial.checked(changed, metric=metric, before="non-finite", after=after, on=on)
+        fix += f"; checked: the output is finite again, its error {after:.3g}"
+    elif after is not None:  # tried and the output stays non-finite: not the fix
+        fix = "run `fpdoctor trace` on the script that runs the model in this precision for the op-level walk"
+        trial = Trial.untried(f"{changed} left the output non-finite: the first NaN/Inf has another source too")
+    else:
+        trial = Trial.untried("its source line is not known, so no run with the fix in place could be made")
+    return catalog.make(
+        "nonfinite-produced",
+        message=message,
+        fix=fix,
+        where={"module": module or None, "op": op, "phase": "forward"},
+        evidence=evidence,
+        trial=trial,
+    )
+
+
+def _line(location: str | None) -> tuple[str, int] | None:
+    if not location:
+        return None
+    file, _, number = location.rpartition(":")
+    return (file, int(number)) if number.isdigit() else None
+
+
+def _code(location: str | None) -> str:
+    """The source text of the line, as the user wrote it (empty when it cannot be read)."""
+    line = _line(location)
+    return linecache.getline(line[0], line[1]).strip() if line is not None else ""

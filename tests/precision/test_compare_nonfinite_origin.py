@@ -1,0 +1,123 @@
+"""An output that turns NaN/Inf in the candidate while fp64's stays finite is never OK: `compare` names
+the op that made the first non-finite value (NUM001, as `trace` names it) with a fix checked by a
+run with it in place, and `trace` gives the same fix. Three models: an additive attention mask filled
+with float32's lowest value and cast to the activations' dtype (left padding under a causal mask
+leaves rows masked whole: -Inf there makes them NaN in the softmax); the same with a literal -1e9;
+and a log-sum-exp written out in the model's own forward, whose exp overflows fp16."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import fpdoctor
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d // self.heads) + bias
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class MaskedLM(nn.Module):
+    """A causal LM scorer on left-padded batches; `fill` is the mask value written, cast to x's dtype."""
+
+    def __init__(self, fill: str) -> None:
+        super().__init__()
+        self.fill = fill
+        self.tok, self.attn = nn.Embedding(64, 32), Attention(32, 4)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        x = self.tok(ids)
+        allowed = torch.ones(t, t, dtype=torch.bool).tril()[None, None] & keep.bool()[:, None, None, :]
+        if self.fill == "own_min":  # the fix: the limit of the dtype the scores are in
+            bias = torch.zeros(ids.shape[0], 1, t, t, dtype=x.dtype).masked_fill(~allowed, torch.finfo(x.dtype).min)
+        else:
+            value = torch.finfo(torch.float32).min if self.fill == "float32_min" else -1e9
+            bias = torch.zeros(ids.shape[0], 1, t, t).masked_fill(~allowed, value)
+            bias = bias.to(x.dtype)  # the cast
+        return self.head(x + self.attn(x, bias))
+
+
+def _masked(fill: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = MaskedLM(fill).eval()
+    lengths = torch.tensor([12, 5, 9, 3])
+    keep = (torch.arange(12)[None, :] >= (12 - lengths)[:, None]).long()  # left padding
+    return model, (torch.randint(1, 64, (4, 12)) * keep, keep)
+
+
+def _line(text: str) -> int:
+    lines = Path(__file__).read_text().splitlines()
+    return next(k + 1 for k, line in enumerate(lines) if text in line)
+
+
+@pytest.mark.parametrize(("fill", "said"), [("float32_min", "torch.finfo(torch.float32)"), ("minus_1e9", "1e+09")])
+def test_a_mask_fill_past_fp16s_range_is_named_at_its_cast_with_a_checked_fix(fill, said):
+    model, inputs = _masked(fill)
+    result = fpdoctor.compare(model, inputs, candidate="fp16")
+    assert result.report.verdict == "error", str(result.report)
+    first = result.report.findings[0]
+    assert first.name == "nonfinite-produced" and first.where["op"] == "aten._to_copy.default", str(result.report)
+    assert first.evidence["location"] == f"{__file__}:{_line('# the cast')}"
+    assert said in first.message and "bias = bias.to(x.dtype)" in first.message
+    assert "torch.finfo(x.dtype).min (-65504 in fp16)" in first.fix
+    assert first.trial is not None and first.trial.tried and first.trial.before == "non-finite"
+    assert isinstance(first.trial.after, float) and first.trial.after < 0.05  # fp16's own error here
+
+    fixed, inputs = _masked("own_min")  # the fix as printed: the limit of the dtype cast to
+    after = fpdoctor.compare(fixed, inputs, candidate="fp16")
+    assert not after.report.by_name("nonfinite-produced"), str(after.report)
+    assert math.isfinite(after.report.data["modules"][-1]["propagated_rel"])
+    if fill == "float32_min":  # the same model in fp64 (rows masked whole are uniform): the same error
+        assert after.report.data["modules"][-1]["propagated_rel"] == pytest.approx(first.trial.after, rel=0.05)
+
+
+def test_trace_gives_the_same_fix_for_the_cast():
+    model, (ids, keep) = _masked("float32_min")
+    model = model.half()
+    with torch.no_grad(), fpdoctor.trace(model) as t:
+        model(ids, keep)
+    (first, *_) = t.report.by_name("nonfinite-produced")
+    assert first.where["op"] == "aten._to_copy.default"
+    assert "torch.finfo(x.dtype).min (-65504 here)" in first.fix and "in fp64" not in first.fix, first.fix
+    assert first.trial is not None and first.trial.tried and "holding +-65504 instead of Inf" in first.trial.changed
+
+
+class LogSumExp(nn.Module):
+    """Pooling by a log-sum-exp written out in the model's own forward: exp overflows fp16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.head = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x) * 6.0
+        pooled = torch.exp(h).sum(dim=1).log()  # the pooling
+        return self.head(pooled)
+
+
+def test_an_op_of_the_models_own_forward_that_overflows_is_named_and_checked_in_fp32():
+    torch.manual_seed(0)
+    model = LogSumExp().eval()
+    with torch.no_grad():
+        model.proj.weight.mul_(4.0)
+    x = torch.randn(8, 32, 16)
+    result = fpdoctor.compare(model, x, candidate="fp16")
+    first = result.report.findings[0]
+    assert first.name == "nonfinite-produced" and first.where["op"] == "aten.exp.default", str(result.report)
+    assert first.evidence["location"] == f"{__file__}:{_line('# the pooling')}"
+    assert "in fp32" in first.fix and first.trial is not None and first.trial.tried
+    assert isinstance(first.trial.after, float) and first.trial.after < 0.01
