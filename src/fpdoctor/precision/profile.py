@@ -690,10 +690,8 @@ def _divergence(
         "dtype": str(compute_dtype(candidate)),
         "diverged": [r.module or "<root>" for r in diverged[:10]],
     }
-    subject = (
-        f"module `{first.module}`'s own op {own}{at} (in its forward, outside its submodules)" if own
-        else f"module `{first.module}`"
-    )  # fmt: skip
+    inside = "in its forward" if first.leaf else "in its forward, outside its submodules"
+    subject = f"module `{first.module}`'s own op {own}{at} ({inside})" if own else f"module `{first.module}`"
     adds = (
         "outputs NaN/Inf by itself"
         if first.isolated is not None and math.isinf(first.isolated)

@@ -137,13 +137,17 @@ class RaisedLines(EagerDispatchMode):
         user = user_location(sys._getframe())
         if user is not None and (user[0], user[1]) in self.lines:
             self.raised += 1
+            # a result the code makes wider than `dtype` as written (x.float().mean()) is read as it is:
+            # only what raising widened is cast back where the rest reads it
+            wider = self._wider(args, kwargs)
             args, kwargs = _map(args, kwargs, self._up)
             args = tuple(torch.float32 if a is self.dtype else a for a in args)
             kwargs = {k: torch.float32 if v is self.dtype else v for k, v in kwargs.items()}
             out = func(*args, **kwargs)
-            for t in _tensors(out):
-                if t.dtype == torch.float32:
-                    self.made.put(t, True)
+            if not wider:
+                for t in _tensors(out):
+                    if t.dtype == torch.float32:
+                        self.made.put(t, True)
             return out
         if func.is_view:
             out = func(*args, **kwargs)
@@ -156,6 +160,21 @@ class RaisedLines(EagerDispatchMode):
 
     def _up(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.float32) if t.dtype == self.dtype else t
+
+    def _wider(self, args: Any, kwargs: dict[str, Any]) -> bool:
+        """Whether the op, as the code wrote it, computes wider than `dtype`: its floating dtype
+        argument says (a cast to `dtype` is not wider, whatever it reads); without one, a floating
+        input of a wider dtype that no raised op made."""
+        values = [*args, *kwargs.values()]
+        given = [a for a in values if isinstance(a, torch.dtype) and a.is_floating_point]
+        if given:
+            return given[0] is not self.dtype and torch.finfo(given[0]).bits > torch.finfo(self.dtype).bits
+        width = torch.finfo(self.dtype).bits
+        for a in values:
+            for t in _tensors(a):
+                if t.is_floating_point() and torch.finfo(t.dtype).bits > width and not self.made.get(t):
+                    return True
+        return False
 
 
 class SaturatedCasts(EagerDispatchMode):

@@ -441,13 +441,16 @@ class _Comparison:
         # a container's own ops, judged as the fp64 pass runs them (row subsets where leaves get them)
         fp8_note = " (fp8 applies to Linear GEMMs only)" if self.fp8_dtype is not None else ""
         self.own_dtype = str(self.cand_dtype).removeprefix("torch.") + fp8_note
+        # a leaf the user wrote (no submodules, its own arithmetic: a norm, a pooling) is judged op by
+        # op too, for the op and line inside it; torch's leaves (Linear, LayerNorm) are one op each
+        written = {n for n, m in self.truth_run.named_modules() if n in self.leaves and not _torch_made(m)}
         ops = OwnOps(
-            {name for name, _ in self.truth_run.named_modules()} - self.leaves,
+            ({name for name, _ in self.truth_run.named_modules()} - self.leaves) | written,
             dtype=self.cand_dtype,
             reference=self.ref_dtype if self.ref_run is not None else None,
             device=self.cand_device,
             subsets=self.cand_device is None or self.cand_device.type == "cpu",
-            torch_made={name for name, m in self.truth_run.named_modules() if type(m).__module__.startswith("torch.")},
+            torch_made={name for name, m in self.truth_run.named_modules() if _torch_made(m)},
             # the reference (fp64) value of each op output, taken in the same dispatch
             record=self.truth_ranges.record if self.ranges else None,
             reads=self.reads,
@@ -1232,6 +1235,10 @@ def _searched(chains: Chains, pre: Any, post: Any) -> tuple[Any, Any]:
     return on_pre, on_post
 
 
+def _torch_made(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("torch.")
+
+
 def _forced(row: ModuleRow) -> bool:
     """The container's worst own op is as wrong run exactly on its inputs in the candidate's dtype."""
     own = row.own or {}
@@ -1317,6 +1324,9 @@ def _rows(seen: dict[tuple[str, int], _Seen], own_dtype: str) -> list[ModuleRow]
             values=e.values,
             missing=e.isolated_failed,
         )
+        if e.leaf and e.own is not None and e.own.worst is not None:
+            # a leaf the user wrote: judged whole as every leaf is; its worst op names the line inside it
+            row.own = e.own.as_dict(own_dtype)
         if not e.leaf and e.own is not None:
             # the whole re-run (where there was one) stays beside it; the output floor stays the output's
             worst = e.own.worst

@@ -1,0 +1,95 @@
+"""A leaf module the user wrote (no submodules, its own arithmetic in `forward`) is judged op by op as a
+container's own code is: `compare` names the op and the line inside it, and where the op only
+amplifies the rounding of what it reads, the lines that make it, with a checked fix that works as
+printed. Two leaves of the class: a one-pass variance, E[x^2] - E[x]^2, in an instance norm over
+readings near 100 (fp16), and a moving average taken as the difference of a cumulative sum over 8192
+frames (bf16)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fpdoctor
+
+
+class InstanceNorm(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(1, keepdim=True)
+        var = (x * x).mean(1, keepdim=True) - mean * mean  # one pass
+        return (x - mean) / torch.sqrt(var + 1e-5)
+
+
+class InstanceNormFixed(nn.Module):
+    """The fix as printed: the lines that make the variance in fp32, the result cast back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.float().mean(1, keepdim=True)
+        var = ((x.float() * x.float()).mean(1, keepdim=True) - mean * mean).to(x.dtype)
+        return (x - mean.to(x.dtype)) / torch.sqrt(var + 1e-5)
+
+
+class MovingAverage(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = torch.cumsum(x, dim=1)  # the sum
+        c = F.pad(c, (0, 0, 32, 0))
+        return (c[:, 32:] - c[:, :-32]) / 32  # the difference
+
+
+class MovingAverageFixed(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = torch.cumsum(x.float(), dim=1)
+        c = F.pad(c, (0, 0, 32, 0))
+        return ((c[:, 32:] - c[:, :-32]) / 32).to(x.dtype)
+
+
+class Model(nn.Module):
+    def __init__(self, leaf: nn.Module) -> None:
+        super().__init__()
+        self.leaf, self.head = leaf, nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.leaf(x))
+
+
+def _line(text: str) -> int:
+    lines = Path(__file__).read_text().splitlines()
+    return next(k + 1 for k, line in enumerate(lines) if text in line)
+
+
+def _case(kind: str, fp32: bool = False) -> tuple[nn.Module, torch.Tensor, str]:
+    torch.manual_seed(0)
+    if kind == "variance":
+        leaf: nn.Module = InstanceNormFixed() if fp32 else InstanceNorm()
+        return Model(leaf).eval(), 100.0 + 2.0 * torch.randn(16, 256, 8), "fp16"
+    leaf = MovingAverageFixed() if fp32 else MovingAverage()
+    return Model(leaf).eval(), torch.rand(4, 8192, 8), "bf16"
+
+
+def test_the_op_and_its_lines_inside_a_leaf_the_user_wrote_are_named_and_the_fix_works_as_printed():
+    for kind, first_line in (("variance", "mean = x.mean(1"), ("sum", "# the sum")):
+        model, x, candidate = _case(kind)
+        result = fpdoctor.compare(model, x, candidate=candidate)
+        (finding,) = [f for f in result.report.findings if f.name == "precision-divergence"]
+        assert finding.where["module"] == "leaf" and finding.where["op"] == "aten.sub.Tensor", str(result.report)
+        line = _line("# one pass" if kind == "variance" else "# the difference")
+        assert finding.evidence["own_op_location"] == f"{__file__}:{line}", str(result.report)
+        assert "(in its forward)" in finding.message and "outside its submodules" not in finding.message
+        # the op only amplifies what it reads: the lines that make it, in fp32, checked
+        lines = finding.evidence["feeding_lines"]
+        assert f"{_line(first_line)}" in str(lines) and f"{line}" in str(lines), lines
+        assert finding.trial is not None and finding.trial.tried
+        before, after = finding.trial.before, finding.trial.after
+        assert isinstance(before, float) and isinstance(after, float) and after * 10 < before
+
+        fixed, x, _ = _case(kind, fp32=True)  # those lines in fp32, the result cast back, as printed
+        now = fpdoctor.compare(fixed, x, candidate=candidate)
+        assert now.report.data["modules"][-1]["propagated_rel"] <= 1.2 * after  # as the check said
+        if kind == "sum":
+            assert not now.report.by_name("precision-divergence"), str(now.report)
+        else:  # what is left is x - mean on x as fp16 holds it (~100, spacing 1/16): the inputs' rounding
+            (left,) = now.report.by_name("precision-divergence")
+            assert left.evidence["own_op_location"] == f"{__file__}:{_line('return (x - mean.to(x.dtype))')}"
