@@ -227,3 +227,16 @@ def test_the_host_shortcut_and_the_device_kernels_decide_alike() -> None:
     for a, b in zip(host, device, strict=True):
         assert torch.equal(a, b)
     assert not bool(host[1].all()) and bool(host[1].any())  # both answers occur
+
+
+def test_a_referee_made_under_inference_mode_is_judged_and_not_kept() -> None:
+    """An inference tensor has no write counter to tell a change by: its rows are read every call."""
+    truth, candidate, fmt = CASES["bf16"]()
+    want = plain(truth, candidate, fmt)
+    with torch.inference_mode():
+        truth = truth.clone()
+        _same(decide.decisions(truth, candidate, fmt, "logits"), want)
+        assert decide._KEPT.get(truth, truth.shape[0]) is None
+        assert decide.top1(truth, candidate) == want["top1"]
+        truth[:, 0] += 100.0  # written in place, as inference mode allows
+        assert decide.top1(truth, candidate) == plain(truth, candidate, fmt)["top1"]

@@ -219,13 +219,15 @@ class _Kept:
         self.entry: tuple[weakref.ref[torch.Tensor], int, _Referee] | None = None
 
     def get(self, truth: torch.Tensor, rows: int) -> _Referee | None:
-        if self.entry is None:
+        if self.entry is None or truth.is_inference():
             return None
         held, version, referee = self.entry
         same = held() is truth and truth._version == version and referee.best.shape[0] == rows
         return referee if same else None
 
     def put(self, truth: torch.Tensor, referee: _Referee) -> None:
+        if truth.is_inference():  # made under torch.inference_mode: no write counter to tell a change by
+            return
         self.entry = (weakref.ref(truth, self._drop), truth._version, referee)
 
     def _drop(self, held: weakref.ref[torch.Tensor]) -> None:
