@@ -5,6 +5,17 @@ The metrics themselves, shared by every capability that judges an output by its 
 (compare/use.py: which output is logits, the finding and its checked fix), plan (plan/metric.py:
 a plan's target in one of them) and compare records (record/: the same figures against another
 machine's referee, from what the record keeps of its rows).
+
+How they are computed, each figure the one fp64 log-softmax, argmax and topk over the whole logits
+give (tests/precision/test_use_metrics_reference.py):
+- rows at a time (CHUNK logits), into fp64 buffers reused chunk after chunk: a few MiB whatever the
+  vocabulary and the batch, where an LM's 4096 x 50,000 logits are 1.6 GB in fp64;
+- what depends on the referee alone, each row's class and log-sum-exp, once per referee tensor,
+  kept for the calls that follow on it (compare's checked runs, plan's runs; `_Kept`);
+- KL per row as lse(x) - lse(r) - sum p (x - r): one exponential pass per judged tensor, and one
+  for the referee's probabilities, where log-softmax and a product of its size took two;
+- on the host, a row whose max is at the referee's class and nowhere else agrees on top-1 and
+  top-5, as two max reductions tell; argmax and topk (scalar loops) run on the other rows only.
 """
 
 from __future__ import annotations
@@ -77,7 +88,7 @@ def decisions(truth: torch.Tensor, candidate: torch.Tensor, fmt: str, source: st
         return None
     ref, cand = rows
     n, classes = ref.shape
-    amax = ref.abs().amax() if fp8_format(fmt) is not None else None  # an fp8 scale is the whole output's
+    amax = _largest(ref) if fp8_format(fmt) is not None else None  # an fp8 scale is the whole output's
     referee, known = _referee(truth, ref)
     # the candidate and the exact output rounded to its format, judged side by side, chunk by chunk
     work = _Work(ref, judged=2)
@@ -121,7 +132,7 @@ def rounding_floor(truth: torch.Tensor, fmt: str) -> tuple[float, float] | None:
     referee, known = _referee(truth, ref)
     if not known and not all_finite(ref):  # a referee kept was finite
         return None
-    amax = ref.abs().amax() if fp8_format(fmt) is not None else None
+    amax = _largest(ref) if fp8_format(fmt) is not None else None
     work = _Work(ref, judged=1)
     sums = torch.zeros(3, dtype=torch.float64, device=ref.device)
     for at, r, _ in _chunks(ref, ref):
@@ -165,14 +176,20 @@ def _judged(truth: torch.Tensor, candidate: torch.Tensor, *, kl: bool) -> tuple[
     return agreed, (_nonnegative(kl_sum) if kl else math.nan)
 
 
-# logits per chunk: the buffers hold three to five times this in fp64, a few MiB in all, whatever
-# the vocabulary and the batch (an LM's 4096 x 50,000 logits are 1.6 GB in fp64); chunks any
-# smaller spend more in the ops' own overhead than in their arithmetic on a vocabulary of 512
+# logits per chunk: the buffers hold three to five times this in fp64, 3-5 MiB. Smaller chunks
+# spend more in the ops' own overhead than in their arithmetic (1.4-1.5x the time at 2^15, one
+# thread, vocabularies of 512 and 8192); 2^18 is no faster
 CHUNK = 2**17
-# exp(y) as exp2(y * LOG2E): torch's fp64 exp2 is vectorised on the CPU where its exp is not (half
-# the time on AVX-512, torch 2.13). The product's rounding moves exp(y) by |y| * 2^-53 relative,
-# 4e-15 at y = -40, below which a term adds less than 5e-18 of its row's sum.
+# exp(y) as exp2(y * LOG2E): torch's fp64 exp2 takes half the time of its exp on the host (AVX-512,
+# torch 2.13). The product's rounding moves exp(y) by |y| * 2^-53 relative, 4e-15 at y = -40,
+# below which a term adds less than 5e-18 of its row's sum.
 LOG2E = 1.0 / math.log(2.0)
+
+
+def _largest(ref: torch.Tensor) -> torch.Tensor:
+    """max |ref| without a copy of |ref|."""
+    low, high = torch.aminmax(ref)
+    return torch.maximum(-low, high)
 
 
 def _rounded(r: torch.Tensor, fmt: str, amax: torch.Tensor | None) -> torch.Tensor:
