@@ -690,8 +690,10 @@ def _divergence(
         "dtype": str(compute_dtype(candidate)),
         "diverged": [r.module or "<root>" for r in diverged[:10]],
     }
-    inside = "in its forward" if first.leaf else "in its forward, outside its submodules"
-    subject = f"module `{first.module}`'s own op {own}{at} ({inside})" if own else f"module `{first.module}`"
+    # a container is judged by its worst own op; a leaf by its whole output, the op inside it named after
+    subject = f"module `{first.module}`'s own op {own}{at} (in its forward, outside its submodules)"
+    if not own or first.leaf:
+        subject = f"module `{first.module}`"
     adds = (
         "outputs NaN/Inf by itself"
         if first.isolated is not None and math.isinf(first.isolated)
@@ -701,6 +703,10 @@ def _divergence(
         f"In {label}, {subject} {adds} ({why}); {len(diverged)} module(s) diverge in all. The end-to-end error "
         f"there is {_fmt_error(first.propagated, None)}."
     )
+    if own and first.leaf:
+        worst = (first.own or {}).get("error_rel")
+        loses = f" (an error of {_fmt(worst)} run alone on its fp64 inputs)" if worst is not None else ""
+        message += f" The op inside it that loses most is {own}{at}{loses}."
     where: dict[str, Any] = {"module": first.module, "op": own, "phase": "forward", "iteration": first.call}
     fix = _fix(first.module, candidate, on)
     trial = Trial.untried(_UNTRIED_BY_COMPARE)
@@ -1014,9 +1020,11 @@ def _fix(module: str, candidate: str, on: torch.device | None = None) -> str:
             "allow_fp16_reduced_precision_reduction = False (compare --candidate fp16 shows the result); "
             "for a custom fp16-accumulating kernel, keep this module in fp32 (fpdoctor plan)"
         )
+    # bf16 has fp32's range: the way out of an fp16 overflow, never advice to a run in bf16 already
+    other = "" if candidate == "bf16" else "use bf16 if the cause is range, "
     return (
-        f"keep `{module}` in fp32 (fpdoctor plan finds the smallest such set), or use bf16 "
-        "if the cause is range, fp32 accumulation if it is a long reduction"
+        f"keep `{module}` in fp32 (fpdoctor plan finds the smallest such set), or {other}fp32 accumulation if it "
+        "is a long reduction"
     )
 
 
