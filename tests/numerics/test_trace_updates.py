@@ -123,6 +123,25 @@ def test_bf16_gradient_accumulation_under_trace_stalls():
     assert "fp32" in found.fix
 
 
+def test_a_grad_the_code_divides_again_is_no_stall():
+    """8 micro-batches, the loss divided by 8 and then `p.grad /= 8` as well: .grad is 1/8 of the sum
+    the backward handed in, far more than rounding 8 additions in bf16 can lose (~3%), so it is the
+    code's write, not a stall; with 256 micro-batches the sum itself stalls, as above."""
+    model = _model(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = _data()
+    with fpdoctor.trace() as t:
+        for _ in range(3):
+            for micro in range(8):
+                rows = slice(16 * micro, 16 * micro + 16)
+                (((model(x[rows].bfloat16()).float() - y[rows]) ** 2).mean() / 8).backward()
+            for prm in model.parameters():
+                prm.grad /= 8
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert not [f for f in t.report.by_name("accumulation-stalled") if f.evidence["kind"] == "gradient-accumulation"]
+
+
 def test_the_checks_leave_the_trace_and_the_training_as_they_were(monkeypatch):
     """The same traced training with and without the update checks: the same records, the same steps
     and bitwise the same weights (the check's own ops and shadow step are not the script's)."""

@@ -69,6 +69,9 @@ AFFECTED_SHARE = 0.25
 # A low-precision sum 5% off its fp32 twin: bf16's own rounding of a sum is ~0.4% (2^-8); 5% is
 # additions lost, not rounding noise.
 ACCUMULATED_ERROR = 0.05
+# How far past the worst case of rounding n additions ((n - 1) u sum |g_i|) a low-precision sum may
+# be and still be rounding: more is a write of the user's code, not the sum's arithmetic.
+ROUNDING_ROOM = 4.0
 # Half the state elements the fp32 step changes left as they were (or flushed): the state no longer
 # follows the gradients.
 STALLED_SHARE = 0.5
@@ -637,10 +640,11 @@ class GradAccumulation:
         self._handles: list[Any] = []
         self._sums: dict[int, torch.Tensor] = {}
         self._adds: dict[int, int] = {}
+        self._sizes: dict[int, torch.Tensor] = {}  # the sum of |micro-batch gradient|: what rounding can lose
 
     def start(self) -> None:
         self.stop()
-        self._sums, self._adds = {}, {}
+        self._sums, self._adds, self._sizes = {}, {}, {}
         for i, p in enumerate(self.probe.params):
             self._handles.append(p.register_hook(self._adder(i, p)))
 
@@ -658,9 +662,11 @@ class GradAccumulation:
                         held = p.grad
                         total = part.float() if held is None else torch.take(held, idx).float().add_(part)
                         self._sums[i], self._adds[i] = total, 1
+                        self._sizes[i] = total.abs()
                     else:
                         total.add_(part)
                         self._adds[i] += 1
+                        self._sizes[i].add_(part.abs())
             except Exception:  # the observer never raises into backward; the window is not judged
                 self._sums.pop(i, None)
 
@@ -673,7 +679,13 @@ class GradAccumulation:
 
     def finish(self) -> list[tuple[str, str, int, float, float]] | None:
         """(parameter, dtype, additions, |fp32 sum - low-precision sum| / |fp32 sum|, |low| / |fp32|) per
-        parameter summed over more than one micro-batch; one read back. None: nothing to judge."""
+        parameter summed over more than one micro-batch; one read back. None: nothing to judge.
+
+        What the backward handed in, summed, is compared with what .grad holds at the step: code that
+        wrote .grad between them (`p.grad /= accum` after a loss already divided by accum, a scaling)
+        shows as one factor on every parameter, which rounding never makes, so such a window is not
+        judged (an empty list): that is no stall. So is a parameter further off than rounding its
+        additions can make ((n - 1) u sum |g_i|, with room ROUNDING_ROOM)."""
         self.stop()
         rows, meta = [], []
         with ours():
@@ -683,14 +695,32 @@ class GradAccumulation:
                     continue
                 held = torch.take(p.grad, self.probe.index[i]).double()
                 exact = total.double()
-                rows.append(torch.stack([(exact - held).norm(), exact.norm(), held.norm()]))
-                meta.append((self.probe.names[i], str(p.dtype).removeprefix("torch."), self._adds[i]))
-        self._sums = {}
+                rows.append(torch.stack([(exact - held).norm(), exact.norm(), held.norm(), self._sizes[i].norm(),
+                                         (exact * held).sum()]))  # fmt: skip
+                unit = torch.finfo(p.dtype).eps / 2
+                meta.append((self.probe.names[i], str(p.dtype).removeprefix("torch."), self._adds[i], unit))
+        self._sums, self._sizes = {}, {}
         if not rows:
             return None
         with ours():
             values = torch.stack(rows).tolist()
+        # the most that rounding the additions can move a sum that does not cancel
+        reach = max(ROUNDING_ROOM * (adds - 1) * unit for _, _, adds, unit in meta)
+        if _scaled([(dot / norm**2 if norm else 1.0) for _, norm, _, _, dot in values], reach):
+            return []
         return [
             (name, dtype, adds, err / norm if norm else 0.0, held / norm if norm else 1.0)
-            for (name, dtype, adds), (err, norm, held) in zip(meta, values, strict=True)
+            for (name, dtype, adds, unit), (err, norm, held, size, _) in zip(meta, values, strict=True)
+            if err <= ROUNDING_ROOM * (adds - 1) * unit * size + 1e-300
         ]
+
+
+def _scaled(factors: list[float], reach: float) -> bool:
+    """Whether every parameter's .grad is its summed gradients times one factor (within
+    ACCUMULATED_ERROR, the sum's own rounding) further from 1 than rounding the additions can reach
+    (`reach`): a write of the code's. A sum that stalls over many additions is not one: there
+    rounding reaches that far."""
+    if len(factors) < 2:
+        return False
+    mid = sorted(factors)[len(factors) // 2]
+    return abs(mid - 1.0) > reach and all(abs(f - mid) <= ACCUMULATED_ERROR * abs(mid) for f in factors)
