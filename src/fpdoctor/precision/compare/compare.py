@@ -64,7 +64,7 @@ from fpdoctor.precision.compare.first_overflow import first_overflow
 from fpdoctor.precision.compare.noise import ReplayNoise
 from fpdoctor.precision.compare.own_calls import OwnCalls
 from fpdoctor.precision.compare.passes import (
-    Chains,
+    carried_states,
     error_under,
     hooked,
     input_rounding_error,
@@ -398,7 +398,6 @@ class _Comparison:
         self.input_floor_note: str | None = None
         self.root_cand: torch.Tensor | None = None
         self.root_units: InUnits | None = None  # an output that is not logits, in its units (units.py)
-        self.chains: Chains | None = None  # the running-state search, run by the first candidate pass
 
     # -- where the random numbers stand ------------------------------------------------------
     def mark(self) -> tuple[RngState, int]:
@@ -642,18 +641,11 @@ class _Comparison:
         if self.ranges:
             pre, post = self.cand_ranges.pre(pre), self.cand_ranges.post(post)
         pre, post = self._watch_pre(pre), self._watch_post(post)
-        # The running-state search (step 5) rides on the first pass: the same forward, no other
-        # of its own; the hooks' work is no call of the model's.
-        chains = Chains() if deferred else None
-        if chains is not None:
-            self.chains = chains
-            pre, post = _searched(chains, pre, post)
         try:
-            with chains if chains is not None else contextlib.nullcontext():
-                hooked(
-                    self.cand_run, self.inputs, self.cand_dtype, pre=pre, post=post, rng=self.rng,
-                    device=self.cand_device, noise=self.noise, unwind=self._unwatch,
-                )  # fmt: skip
+            hooked(
+                self.cand_run, self.inputs, self.cand_dtype, pre=pre, post=post, rng=self.rng,
+                device=self.cand_device, noise=self.noise, unwind=self._unwatch,
+            )  # fmt: skip
         except Exception as exc:  # the candidate failing is a finding, not a usage error
             self.notes["candidate run"] = f"the {self.label} run raised {type(exc).__name__}: {exc}"
         self.reads.read()
@@ -867,10 +859,11 @@ class _Comparison:
         if root.propagated <= DIVERGENCE_RATIO * explained:
             return None
         truth = next(e for (name, _), e in self.seen.items() if name == root.module)
-        try:
-            if self.chains is not None and self.chains.failed is not None:
-                raise self.chains.failed
-            states = self.chains.states() if self.chains is not None else []
+        try:  # a forward of its own, where it is needed: a search on every candidate pass costs a
+            # model of many small calls (a loop over tokens) more than this one forward where it runs
+            states = carried_states(
+                self.cand_run, self.inputs, self.cand_dtype, rng=self.rng, device=self.cand_device, noise=self.noise
+            )
         except Exception as exc:  # the search is ours; the finding stands without it
             self.notes["running states"] = f"not searched: {type(exc).__name__}: {exc}"
             states = []
@@ -1209,30 +1202,6 @@ def _inputs_kept(inputs: Any, dtype: torch.dtype, reference: torch.dtype) -> str
         if t.dtype != dtype and not torch.equal(t.to(dtype).to(t.dtype), t):
             return None
     return f"every floating-point value among the inputs is already a {str(dtype).removeprefix('torch.')} value"
-
-
-def _searched(chains: Chains, pre: Any, post: Any) -> tuple[Any, Any]:
-    """The hooks of a pass `chains` watches: each keeps its stack of module calls, and pauses it
-    while the hook's own work runs."""
-
-    def on_pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
-        chains.pause += 1
-        try:
-            pre(name, index, mod, args, kwargs)
-        finally:
-            chains.pause -= 1
-        chains.stack.append(name)
-
-    def on_post(name: str, index: int, args: Any, output: Any) -> None:
-        if chains.stack:
-            chains.stack.pop()
-        chains.pause += 1
-        try:
-            post(name, index, args, output)
-        finally:
-            chains.pause -= 1
-
-    return on_pre, on_post
 
 
 def _torch_made(module: nn.Module) -> bool:

@@ -264,7 +264,7 @@ _MODE_FRAMES = frozenset({"__torch_function__", "__torch_dispatch__"})
 def _model_location(frame: FrameType | None) -> tuple[str, int, str] | None:
     """The innermost user frame below fpdoctor's own: the model's line (for a torch module's
     ops, the user's line that called it), never the line that called compare. A mode of
-    compare's that the model's call passes through (the running-state search) is skipped."""
+    fpdoctor's that the model's call passes through (a torch function mode) is skipped."""
     while frame is not None:
         filename = frame.f_code.co_filename
         own = filename.startswith(OWN_DIR) and not filename.startswith(CASEBOOK_DIR)

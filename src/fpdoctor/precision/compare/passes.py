@@ -1,7 +1,6 @@
 """Running compare's copies of the model: a whole pass with hooks on every module, one module
 re-run on the fp64 run's inputs, the input rounding floor, the noise a forward draws itself, and
-the running states a forward updates in a loop (found as the candidate's pass runs, then tried
-in float64)."""
+the running states a forward updates in a loop (found, then tried in float64)."""
 
 from __future__ import annotations
 
@@ -165,10 +164,9 @@ def read_rerun(
 
 
 # A running state (a sum over tokens, a recurrent cell) is the output of an op that the same op,
-# at the same source line, reads again on its next call. Searched for as the candidate's pass runs
-# (no forward of its own), and tried where the end-to-end error is far above every module's and
-# op's isolated error (compare's `accumulation`): each update alone rounds once, so no isolated
-# re-run sees what thousands of them lose together.
+# at the same source line, reads again on its next call. It is searched for where the end-to-end
+# error is far above every module's and op's isolated error (compare's `accumulation`): each
+# update alone rounds once, so no isolated re-run sees what thousands of them lose together.
 CARRIED_STEPS = 16  # updates in one forward before a chain is called a running state
 CARRIED_TRIED = 3  # the longest chains, each tried by a run with that state raised
 # Ops whose result is one of their inputs' values (or its sign flipped): a state updated only by
@@ -184,12 +182,11 @@ class Chains(TorchFunctionMode):
     previous output (s = s + x, one call), or a visit of the line whose calls read what its previous
     visit made last (s = s * decay + x, several on one line). Each line's torch functions are kept:
     raising the state raises them all (engine.raising.RaisedSites). Watched at the level of torch
-    functions, as RaisedSites runs them. compare's candidate pass runs under it (no forward of its
-    own), its hooks' work `paused`; `states()` reads what it found."""
+    functions, as RaisedSites runs them: the search is one forward of a long loop (`carried_states`);
+    `states()` reads what it found."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.pause = 0  # >0 while compare's hooks run: their calls are no update of the model's
         self.failed: Exception | None = None  # what ended the search early, if anything did
         self.steps: dict[str, int] = {}
         self.module: dict[str, str] = {}
@@ -205,7 +202,7 @@ class Chains(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # written out, without helper calls or generators: this runs for every call of a long loop
-        if self.pause:
+        if self.failed is not None:
             return func(*args, **(kwargs or {}))
         if func is GETITEM and type(args[0]) is torch.Tensor and not kwargs and basic_index(args[1]):
             return func(*args)  # a view (x[:, t] in a loop over tokens): never a state's update
@@ -247,7 +244,7 @@ class Chains(TorchFunctionMode):
             calls[id(func)] = func
             self.last[key] = self.out = weakref.ref(out)
         except Exception as exc:
-            self.failed, self.pause = exc, 1
+            self.failed = exc
         return out
 
     def ops(self, line: str) -> list[Any]:
@@ -300,6 +297,18 @@ def _holds(args: Any, held: torch.Tensor) -> bool:
         if a is held:
             return True
     return False
+
+
+def carried_states(
+    run: nn.Module, inputs: Any, dtype: torch.dtype, *, rng: RngState, device: torch.device | None,
+    noise: ReplayNoise | None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The running states of the candidate's forward (Chains.states), from a forward of its own."""
+    chains = Chains()
+    stacked(chains, run, inputs, dtype, rng=rng, device=device, noise=noise)
+    if chains.failed is not None:
+        raise chains.failed
+    return chains.states()
 
 
 def _exact(ops: list[Any]) -> bool:
