@@ -741,7 +741,7 @@ def causes(
             continue
         message, fixes = "", []
         evidence: dict[str, Any] = {}
-        op = None
+        op, trial = None, None
         overflow = overflows.get((row.module, row.call))
         if overflow is not None:
             op = overflow["op"]
@@ -753,10 +753,27 @@ def causes(
             message += f" Its output fits {candidate}, but inside it {op} overflows{reach}{at}."
             evidence |= {"overflow_inside": True, "overflow_op": op, "overflow_absmax": size, "overflow_limit": limit}
             evidence |= {"overflow_location": overflow.get("location")}
-            fixes.append(
-                f"compute {op} inside `{row.module}` in fp32{at}: its operands .float(), the result cast back after "
-                "the ops that consume it (e.g. the softmax); or scale its operands down before it"
-            )
+            checked = overflow.get("checked")
+            if checked is not None:  # its line and the lines after it that consume its result, run in fp32
+                first, last = checked["lines"]
+                lines = f"line {first}" if first == last else f"lines {first}-{last}"
+                fixes.append(
+                    f"compute {op} inside `{row.module}` in fp32, {lines} of {checked['file']}: its operands "
+                    f".float(), the result cast back to {candidate} after {lines}; checked: the end-to-end error goes "
+                    f"from {_fmt(checked['before'])} to {_fmt(checked['after'])}"
+                )
+                trial = Trial.checked(
+                    f"the ops at {lines} of {checked['file']} in fp32, their results cast back to {candidate}",
+                    metric="end-to-end relative error against fp64",
+                    before=checked["before"],
+                    after=checked["after"],
+                    on="the inputs given",
+                )
+            else:
+                fixes.append(
+                    f"compute {op} inside `{row.module}` in fp32{at}: its operands .float(), the result cast back "
+                    "after the ops that consume it (e.g. the softmax); or scale its operands down before it"
+                )
         tensors = within(misfit, row.module)
         if tensors:
             listed = "; ".join(describe_misfit(e) for e in tensors[:3])
@@ -765,8 +782,11 @@ def causes(
             fixes.append(f"keep `{row.module}` in fp32, where its tensors fit (`fpdoctor plan` keeps it)")
         if message:
             if candidate in ("fp16", "fp16-accumulate"):
-                fixes.append("or use bf16, which has fp32's range")
+                bf16 = "bf16, which has fp32's range"
+                fixes.append(f"also possible, not tried: {bf16}" if trial else f"or use {bf16}")
             found[row.module] = {"message": message, "evidence": evidence, "op": op, "fix": "; ".join(fixes)}
+            if trial is not None:
+                found[row.module]["trial"] = trial
     return found
 
 

@@ -993,6 +993,9 @@ class _Comparison:
                 fp8_row["module"] = f"{prefix}.{fp8_row['module']}"
         # an output turned non-finite: the op that made it (NUM001), unless a divergence finding names it
         mine = nonfinite.handled(rows, overflows)
+        for key, found in overflows.items():  # the divergence finding's op: its fix, checked
+            if key not in mine and not nonfinite.is_cast(found["op"]):
+                found["checked"] = self._overflow_checked(found, rows[-1].propagated)
         origin = nonfinite.findings(
             rows, overflows, label=self.label, candidate=candidate, dtype=self.cand_dtype, check=self._fix_checked,
             on=inputs_text(describe(self.inputs)), named=any(r.diverged for r in rows),
@@ -1056,13 +1059,31 @@ class _Comparison:
             )
         return result
 
-    def _fix_checked(self, kind: str, line: tuple[str, int]) -> float | None:
-        """The end-to-end error with a non-finite origin's fix in place (nonfinite.py): the cast at
-        `line` held at the format's largest finite value ("cast"), or the ops there in fp32 ("op")."""
+    def _fix_checked(self, kind: str, line: tuple[str, int], more: int = 0) -> float | None:
+        """The end-to-end error with an overflow's fix in place (nonfinite.py, profile.causes): the
+        cast at `line` held at the format's largest finite value ("cast"), or the ops at `line` and
+        the `more` lines after it in fp32, their results cast back after them ("op")."""
         root = next(e for (name, _), e in self.seen.items() if name == "")
-        mode = SaturatedCasts({line}, self.cand_dtype) if kind == "cast" else RaisedLines({line}, self.cand_dtype)
+        lines = {(line[0], line[1] + k) for k in range(more + 1)}
+        mode = SaturatedCasts(lines, self.cand_dtype) if kind == "cast" else RaisedLines(lines, self.cand_dtype)
         return error_under(mode, self.cand_run, self.inputs, self.cand_dtype, truth=root.truth, norm=root.norm,
                            rng=self.rng, device=self.cand_device, noise=self.noise)  # fmt: skip
+
+    def _overflow_checked(self, found: dict[str, Any], error: float) -> dict[str, Any] | None:
+        """An op that overflows inside a divergent module, computed in fp32 with the ops after it that
+        consume its result (its line, then up to OVERFLOW_LINES more: a softmax written out by hand),
+        cast back after them: the first set of lines that takes the end-to-end error down by
+        RAISED_FALLS, with its figure; None where none does or the line is not known."""
+        line = nonfinite.line_of(found.get("location"))
+        if line is None:
+            return None
+        for more in range(OVERFLOW_LINES + 1):
+            after = self._fix_checked("op", line, more)
+            if after is None or not math.isfinite(after):
+                continue
+            if not math.isfinite(error) or after * RAISED_FALLS <= error:
+                return {"lines": [line[1], line[1] + more], "file": line[0], "before": error, "after": after}
+        return None
 
     # -- the output judged by what it decides (use.py) ---------------------------------------------
     def _judge_decisions(self, result: CompareResult, rows: list[ModuleRow]) -> None:
@@ -1180,6 +1201,8 @@ class _Comparison:
         return use.top1(self.root_truth, got[-1].to(self.root_truth.device))
 
 
+# An op that overflows is checked in fp32 with up to this many lines after it that consume its result
+OVERFLOW_LINES = 2
 # A running state is named the cause when keeping it alone in fp64 divides the end-to-end error
 # by at least this much (12 dB): the rest of the model still runs in the candidate's dtype.
 ACCUMULATION_FALLS = 4.0

@@ -104,7 +104,7 @@ def _origin(
     at = f" at {location}" + (f" (`{code}`)" if code else "") if location else ""
     inside = f"`{module}`'s forward" if module else "the model's own forward"
     biggest = found.get("input_absmax") or 0.0
-    line = _line(location)
+    line = line_of(location)
     evidence: dict[str, Any] = {"candidate": label, "op": op, "location": location, "input_absmax": biggest,
                                 "format_max": limit, "nonfinite": nonfinite}  # fmt: skip
     if is_cast(op):
@@ -152,7 +152,7 @@ def _origin(
     )
 
 
-def _line(location: str | None) -> tuple[str, int] | None:
+def line_of(location: str | None) -> tuple[str, int] | None:
     if not location:
         return None
     file, _, number = location.rpartition(":")
@@ -161,5 +161,5 @@ def _line(location: str | None) -> tuple[str, int] | None:
 
 def _code(location: str | None) -> str:
     """The source text of the line, as the user wrote it (empty when it cannot be read)."""
-    line = _line(location)
+    line = line_of(location)
     return linecache.getline(line[0], line[1]).strip() if line is not None else ""
