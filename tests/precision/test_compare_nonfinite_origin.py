@@ -121,3 +121,37 @@ def test_an_op_of_the_models_own_forward_that_overflows_is_named_and_checked_in_
     assert first.evidence["location"] == f"{__file__}:{_line('# the pooling')}"
     assert "in fp32" in first.fix and first.trial is not None and first.trial.tried
     assert isinstance(first.trial.after, float) and first.trial.after < 0.01
+
+
+class Retriever(nn.Module):
+    """Query/document scores softened by a 0.01 temperature in the compute dtype, then a softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tower = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 256))
+
+    def forward(self, queries: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+        q, k = self.tower(queries), self.tower(docs)
+        logits = q @ k.t() / 0.01  # the temperature
+        return logits.softmax(dim=-1)
+
+
+def test_an_op_whose_result_only_fits_fp32_is_checked_with_the_line_that_reads_it():
+    """The scaled scores pass fp16's max (~7.8e4): the division alone in fp32, cast back, overflows again;
+    with the softmax's line after it in fp32 too the output is finite: those two lines are the fix."""
+    torch.manual_seed(0)
+    model = Retriever().eval()
+    with torch.no_grad():
+        model.tower[2].weight.mul_(7.0)
+    queries = torch.randn(64, 64)
+    docs = torch.cat([queries + 0.3 * torch.randn(64, 64), torch.randn(192, 64)])
+    result = fpdoctor.compare(model, (queries, docs), candidate="fp16")
+    first = result.report.findings[0]
+    line = _line("# the temperature")
+    assert first.name == "nonfinite-produced" and first.evidence["location"] == f"{__file__}:{line}", str(result.report)
+    assert f"lines {line}-{line + 1} of {__file__}" in first.fix and "another source" not in str(first.trial)
+    assert first.trial is not None and first.trial.tried and first.trial.after < 0.01
+    # one cause, one finding: no divergence finding of the same op at the same line beside it
+    assert not [
+        f for f in result.report.findings if f.name == "precision-divergence" and f.where["op"] == "aten.div.Tensor"
+    ]

@@ -54,7 +54,7 @@ def test_a_plan_that_cannot_verify_keeps_nothing_and_says_where_to_look():
     assert "model's own forward" in summary["next step"]
     unverified = next(f for f in result.report.findings if f.title.startswith("No keep-in-fp32 set"))
     # the model's own ops: no module set helps, but compare's engine checked a line fix, which is printed
-    assert unverified.severity.value == "error" and "cast the result back to float16" in unverified.fix
+    assert unverified.severity.value == "error" and "cast what they produce back to float16" in unverified.fix
     assert unverified.trial is not None and unverified.trial.tried and unverified.trial.after < unverified.trial.before
     assert all("fpdoctor plan" not in f.fix for f in result.report.findings if f.name == "precision-divergence")
 

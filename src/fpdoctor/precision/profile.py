@@ -832,12 +832,15 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
             ),
         ]
         if (lines or buffers) and helped:
-            back = f", and cast the result back to {dtype} after {op}" if lines else ""
+            # as the check ran it (engine.raising.RaisedLines): every op of those lines in fp32, what
+            # they produce cast back where the rest of the model reads it, not in the middle of a line
+            back = f", and cast what they produce back to {dtype} where the rest of the model reads it" if lines else ""
             fix = (
                 f"{' and '.join(changes)}{back}"
                 + (
                     f": create the tensors there in torch.float32 (a cast .to(torch.{dtype}) or a dtype=torch.{dtype} "
-                    f"there becomes torch.float32), then .to(torch.{dtype}) on what {op} returns"
+                    "there becomes torch.float32), every op of those lines computed from them, then "
+                    f".to(x.dtype) on what the last of them produces (x: the model's input there, {dtype} in this run)"
                     if lines
                     else ""
                 )

@@ -1018,6 +1018,12 @@ class _Comparison:
             # the samples stay until the end, so their total is the peak of what compare itself keeps
             peak=sum(e.truth.nbytes + (0 if e.inputs is None else e.inputs.nbytes) for e in self.seen.values()),
         )
+        if origin:  # one cause, one finding: a divergence finding of the same op at the same line says no more
+            named = (origin[0].where.get("op"), origin[0].evidence.get("location"))
+            result.report.findings[:] = [
+                f for f in result.report.findings
+                if f.name != "precision-divergence" or (f.where.get("op"), f.evidence.get("own_op_location")) != named
+            ]  # fmt: skip
         result.report.findings[:0] = origin
         result.overflows = {name: found for (name, _), found in overflows.items()}
         if self.input_floor_note is not None:
@@ -1071,13 +1077,13 @@ class _Comparison:
 
     def _overflow_checked(self, found: dict[str, Any], error: float) -> dict[str, Any] | None:
         """An op that overflows inside a divergent module, computed in fp32 with the ops after it that
-        consume its result (its line, then up to OVERFLOW_LINES more: a softmax written out by hand),
+        consume its result (its line, then up to nonfinite.LINES_AFTER more: a softmax written by hand),
         cast back after them: the first set of lines that takes the end-to-end error down by
         RAISED_FALLS, with its figure; None where none does or the line is not known."""
         line = nonfinite.line_of(found.get("location"))
         if line is None:
             return None
-        for more in range(OVERFLOW_LINES + 1):
+        for more in range(nonfinite.LINES_AFTER + 1):
             after = self._fix_checked("op", line, more)
             if after is None or not math.isfinite(after):
                 continue
@@ -1201,8 +1207,6 @@ class _Comparison:
         return use.top1(self.root_truth, got[-1].to(self.root_truth.device))
 
 
-# An op that overflows is checked in fp32 with up to this many lines after it that consume its result
-OVERFLOW_LINES = 2
 # A running state is named the cause when keeping it alone in fp64 divides the end-to-end error
 # by at least this much (12 dB): the rest of the model still runs in the candidate's dtype.
 ACCUMULATION_FALLS = 4.0

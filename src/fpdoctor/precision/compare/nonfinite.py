@@ -26,9 +26,11 @@ from fpdoctor.formats import DTYPE_FORMAT, FORMATS
 from fpdoctor.precision.profile import ModuleRow
 from fpdoctor.report.model import Finding, Trial
 
-# The check of a fix: ("cast" | "op", (file, line)) -> the end-to-end error with it in place (inf
-# while the output stays non-finite; None when the run could not be made)
-Check = Callable[[str, tuple[str, int]], "float | None"]
+# The check of a fix: ("cast" | "op", (file, line), lines after it) -> the end-to-end error with it
+# in place (inf while the output stays non-finite; None when the run could not be made)
+Check = Callable[[str, tuple[str, int], int], "float | None"]
+# An op's fix in fp32 is tried with up to this many lines after it that consume its result
+LINES_AFTER = 2
 
 # Limits a model writes as a sentinel (a mask fill): named in the fix as the code spells them
 _SENTINELS = {torch.finfo(d).max: f"torch.finfo({d})" for d in (torch.float64, torch.float32)}
@@ -121,25 +123,42 @@ def _origin(
             f"{candidate}) for a mask fill{at}, or clamp the values to +-{limit:.6g} before the cast"
         )
         changed = f"the cast{at} holding {candidate}'s largest finite value (+-{limit:.6g}) instead of Inf"
-        after = check("cast", line) if line is not None else None
+        after = check("cast", line, 0) if line is not None else None
     else:
         message = (
             f"In {label}, {op}{at} in {inside} turns finite inputs (up to {biggest:.4g}) into NaN or Inf, and from "
             f"there the output is non-finite ({count})."
         )
+        after, more = None, 0
+        if line is not None:
+            for more in range(LINES_AFTER + 1):  # its line, then with the lines after it that read its result
+                after = check("op", line, more)
+                if after is not None and math.isfinite(after):
+                    break
+        lines = "" if line is None else f"line {line[1]}" if not more else f"lines {line[1]}-{line[1] + more}"
+        span = f", {lines} of {line[0]}" if line is not None else ""
         fix = (
-            f"compute {op}{at} in fp32: its operands .float(), the result cast back after the ops that consume it "
-            "(e.g. the softmax)"
+            f"compute {op}{at} in fp32{span}: its operands .float(), what those lines produce cast back to "
+            f"{candidate} where the rest of the model reads it"
         )
-        changed = f"the ops{at} computed in fp32, their results cast back to {candidate}"
-        after = check("op", line) if line is not None else None
+        changed = f"the ops at {lines} computed in fp32, what they produce cast back to {candidate}"
     metric = "end-to-end relative error against fp64"
     if after is not None and math.isfinite(after):
         trial = Trial.checked(changed, metric=metric, before="non-finite", after=after, on=on)
         fix += f"; checked: the output is finite again, its error {after:.3g}"
-    elif after is not None:  # tried and the output stays non-finite: not the fix
+    elif after is not None and is_cast(op):  # tried and the output stays non-finite: not the fix
         fix = "run `fpdoctor trace` on the script that runs the model in this precision for the op-level walk"
         trial = Trial.untried(f"{changed} left the output non-finite: the first NaN/Inf has another source too")
+    elif after is not None:  # in fp32 it fits; cast back it does not: what follows must stay wider too
+        fix = (
+            f"keep {op}{at} and what reads its result in fp32 (its values pass {candidate}'s largest, {limit:.6g}, "
+            f"wherever they are cast back: `fpdoctor plan` finds the modules to keep), or scale them down before it"
+            + (", or run in bf16, which has fp32's range" if candidate == "fp16" else "")
+        )
+        trial = Trial.untried(
+            f"{changed} left the output non-finite: the values are past {candidate}'s range where they are cast back, "
+            "so no line alone in fp32 is the fix"
+        )
     else:
         trial = Trial.untried("its source line is not known, so no run with the fix in place could be made")
     return catalog.make(
