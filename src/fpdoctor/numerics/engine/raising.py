@@ -189,7 +189,7 @@ class SaturatedCasts(EagerDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func is not _TO_COPY or type(out) is not torch.Tensor or out.dtype != self.dtype:
+        if type(out) is not torch.Tensor or out.dtype != self.dtype or func.overloadpacket.__name__ != "_to_copy":
             return out
         src = args[0] if args else None
         if not isinstance(src, torch.Tensor) or not src.is_floating_point() or torch.finfo(src.dtype).max <= self.limit:
@@ -202,6 +202,3 @@ class SaturatedCasts(EagerDispatchMode):
             self.raised += 1
             out = torch.where(made, out.sign() * self.limit, out)
         return out
-
-
-_TO_COPY = torch.ops.aten._to_copy.default
