@@ -923,3 +923,50 @@ def test_a_learning_rate_trial_is_not_made_from_weights_a_step_decided_on_the_de
     (stalled,) = watcher.report.by_name("training-stalled")
     why = stalled.evidence["lr_tried"]["not_tried"]
     assert why.startswith("the optimizer had made the step's update before it was judged"), why
+
+
+CLIP_SCALED = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+centers = torch.randn(10, 32) * 1.5
+y = torch.randint(0, 10, (1024,))
+x = centers[y] + torch.randn(1024, 32)
+model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(6):
+    idx = torch.randint(0, 1024, (128,))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    {unscale}torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(opt)
+    scaler.update()
+"""
+
+
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_a_clip_of_gradients_still_scaled_is_found_at_the_optimizer_stage_and_unscaling_first_is_checked(
+    tmp_path, unscale_first
+):
+    """fp16 autocast + GradScaler with clip_grad_norm_ before scaler.unscale_: the clip reads gradients
+    65536x their size, and the optimizer takes them ~1e-5 of the backward's: the reference step's
+    optimizer stage departs, its fix (unscale first) checked by that clip at loss scale 1. In the right
+    order (unscale_, then clip) the same script is OK."""
+    script = _write(tmp_path, "train.py", CLIP_SCALED.format(unscale="scaler.unscale_(opt); " if unscale_first else ""))
+    watched = _watch(tmp_path, "python", str(script))
+    assert watched.returncode == 0, watched.stderr
+    report = _report(tmp_path)
+    found = [f for f in report["findings"] if f["name"] == "gradients-depart-from-reference"]
+    if unscale_first:
+        assert report["verdict"] == "ok", [f["title"] for f in report["findings"]]
+        return
+    (first,) = found
+    assert first["evidence"]["stage"] == "optimizer" and first["evidence"]["departed_count"] == 4, first["evidence"]
+    assert all(d["norm_ratio"] < 1e-3 for d in first["evidence"]["departed"])
+    assert "scaler.unscale_(optimizer)" in first["fix"] and "before clip_grad_norm_" in first["fix"]
+    trial = first["fix_trial"]
+    assert trial["status"] == "checked" and trial["before"] == 4 and trial["after"] == 0, trial

@@ -905,6 +905,10 @@ class StepJudge:
             self.reference_compared.append(reference.Comparison(step, not_compared=text))
             return
         self.reference_compared.append(result)
+        if backward_only and final_gradients and result.first_stage() is None and scale is not None:
+            divide = scale if scale > 0 and not unscaled else 1.0
+            reference.processed_scaled(result, {n: g / divide for n, g in live.items()})
+        result.backward_grads = None
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in self.params})
         recipe = f"{'/'.join(dtypes)} parameters" + (f", the loss scaled by a GradScaler ({scale:g})" if scale else "")
         recipe += ", autocast as step_fn sets it"

@@ -55,6 +55,9 @@ NEGLIGIBLE = 1e-3  # of the model's gradient rms: a parameter's reference gradie
 STRAY = 0.1  # of it: the step's own gradient there is judged all the same (a gradient from nowhere)
 STAGES = ("backward", "optimizer", "intended", "kept")  # the last two: updates (reference_update.py)
 SHOWN = 8  # departed parameters the evidence lists, worst first
+# Processing that scales every gradient by a factor f with f * loss scale at most this read their size
+# while still scaled: a clip of the unscaled gradients shrinking them 2^10 times is not a recipe
+SCALED_SHRINK = 1024.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,10 @@ class Comparison:
     scale: float = 1.0  # the loss scale the step used
     # the what-if when only the optimizer's gradients depart: the user's recipe again, at loss scale 1
     at_scale_one: list[Departure] | None = None
+    # that what-if computed, not run (watch: no step_fn holds the processing): the uniform factor the
+    # processing put on every gradient, taken as a clip of their norm at loss scale 1
+    scale_one_modelled: bool = False
+    backward_grads: dict[str, torch.Tensor] | None = None  # the step's own backward, unscaled (watch)
     # only the backward stage compared: step_fn is a framework's forward and backward (compare_step)
     backward_only: bool = False
     # the update stages (reference_update.py): the reference's gradients as step_fn handed them on,
@@ -279,6 +286,8 @@ def compare_step(
         out.rows["backward"] = _rows("backward", ours_backward, ref_backward, scale)
         out.scale = scale
         out.backward_only = True
+        out.reference_grads = ref_backward  # for what the optimizer takes (processed_scaled), then dropped
+        out.backward_grads = {n: g / scale for n, g in ours_backward.items()}
         return out
     for name, got in live.items():
         mine = ours_returned.get(name)
@@ -377,6 +386,38 @@ def _scaler_ready(scaler: Any) -> Iterator[None]:
             states.update(saved)
 
 
+def processed_scaled(comparison: Comparison, taken: dict[str, torch.Tensor]) -> None:
+    """watch's replay compares the backward alone; the gradients the optimizer takes (`taken`,
+    unscaled) are compared here where a GradScaler scaled the loss: when the code between the
+    backward and the step put one factor on every gradient (a clip of their total norm), so far
+    below 1 that it read their size while still scaled (SCALED_SHRINK), the optimizer stage departs,
+    and the fix (unscale first) is checked by that clip applied at loss scale 1. Rows and the what-if
+    go into `comparison`; nothing where the factors differ (processing of its own) or are near 1."""
+    back, ref, scale = comparison.backward_grads, comparison.reference_grads, comparison.scale
+    comparison.backward_grads = None
+    if not back or not ref or scale <= 1.0:
+        return
+    names = [n for n in taken if n in back and n in ref]
+    norms = [(float(taken[n].double().norm()), float(back[n].double().norm())) for n in names]
+    factors = [t / b for t, b in norms if b > TINY]
+    if len(factors) < 2:
+        return
+    mid = sorted(factors)[len(factors) // 2]
+    if not 0 < mid * scale <= SCALED_SHRINK or any(abs(f - mid) > 0.05 * mid for f in factors):
+        return
+    rows = _rows("optimizer", {n: taken[n] for n in names}, ref, 1.0)
+    if not any(d.departs() for d in rows):
+        return
+    # the clip that made the factor, as unscaling first would have run it: its threshold is what the
+    # scaled gradients were clipped to, their total norm being scale times the backward's
+    total = math.sqrt(sum(b * b for _, b in norms))
+    limit = math.sqrt(sum(t * t for t, _ in norms)) * scale
+    fixed = {n: back[n] * min(1.0, limit / total) for n in names}
+    comparison.rows["optimizer"] = rows
+    comparison.at_scale_one = [d for d in _rows("optimizer", fixed, ref, 1.0) if d.departs()]
+    comparison.scale_one_modelled = True
+
+
 def unscaled_already(scaler: Any, optimizer: Any) -> bool:
     """step_fn called `scaler.unscale_(optimizer)`: the optimizer's gradients are unscaled."""
     states = scaler_states(scaler) if amp.enabled(scaler) else None
@@ -392,9 +433,11 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
     departed = comparison.departed(stage)
     compared = len(comparison.rows[stage])
     worst = "; ".join(d.text() for d in departed[:3]) + ("; ..." if len(departed) > 3 else "")
+    # under watch no step_fn holds the processing: it is the code between the backward and the step
+    actor = "your code" if comparison.scale_one_modelled else "step_fn"
     where_text = {
         "backward": "as the backward left them (the loss scale divided out)",
-        "optimizer": "as step_fn handed them to the optimizer, while the backward's agree",
+        "optimizer": f"as {actor} handed them to the optimizer, while the backward's agree",
     }[stage]
     message = (
         f"At step {comparison.step}, the gradients of {len(departed)} of {compared} parameters depart from the "
@@ -407,15 +450,21 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
     if stage == "optimizer" and comparison.at_scale_one is not None:
         left = comparison.at_scale_one
         message += (
-            f" What step_fn does between the backward and the optimizer (clipping, a division) acts on "
+            f" What {actor} does between the backward and the optimizer (clipping, a division) acts on "
             f"gradients still multiplied by the loss scale ({comparison.scale:g})."
         )
         fix = (
             "Unscale before you process the gradients: call scaler.unscale_(optimizer) after the backward and "
             "before clip_grad_norm_ (or anything that reads their size)"
         )
+        changed = (
+            "the step's backward gradients put through the same clip of their norm at loss scale 1 (every "
+            "parameter was scaled by one factor: a clip of the total norm, computed, not run)"
+            if comparison.scale_one_modelled
+            else "the same step at loss scale 1 (what unscaling first gives the processing)"
+        )
         trial = Trial.checked(
-            "the same step at loss scale 1 (what unscaling first gives the processing)",
+            changed,
             metric="parameters whose gradients depart from the reference's", before=len(departed),
             after=len(left), on=f"step {comparison.step}",
         )  # fmt: skip
