@@ -255,6 +255,16 @@ class Experiment:
             on="the inputs these ops read in this run",
         )
 
+    def _as_ran(self, changed: str, biggest: float | None) -> Trial:
+        """A fix checked by the chain as it ran with `changed` in place: the symptom op's output then."""
+        return Trial.checked(
+            changed,
+            metric=f"{self.op}'s output",
+            before="non-finite",
+            after=f"{self.clean}, max |x| {_num(biggest)}",
+            on="the inputs these ops read in this run",
+        )
+
     def _word_origin(self, label: str, message: str, advice: str) -> tuple[str, str, str, Trial]:
         """The origin named; where it is the op itself, its own advice stays, with the check."""
         origin = self.origin
@@ -300,12 +310,8 @@ class Experiment:
                     else "."
                 )
             )
-            trial = Trial.checked(
-                f"the constant {value:g} replaced by {self.literal_fix[0]:g}, the ops as they ran",
-                metric=f"{self.op}'s output",
-                before="non-finite",
-                after=f"{self.clean}, max |x| {_num(self.literal_fix[1])}",
-                on="the inputs these ops read in this run",
+            trial = self._as_ran(
+                f"the constant {value:g} replaced by {self.literal_fix[0]:g}, the ops as they ran", self.literal_fix[1]
             )
             return text, message + why, fix, trial
         if self.saturated_fix is not None:
@@ -318,13 +324,7 @@ class Experiment:
                 f"cast holding that value instead of Inf, {self.op}'s output is {self.clean} as it ran (checked: max "
                 f"|x| {_num(biggest)})."
             )
-            trial = Trial.checked(
-                f"the cast{at} holding +-{limit:g} instead of Inf, the ops as they ran",
-                metric=f"{self.op}'s output",
-                before="non-finite",
-                after=f"{self.clean}, max |x| {_num(biggest)}",
-                on="the inputs these ops read in this run",
-            )
+            trial = self._as_ran(f"the cast{at} holding +-{limit:g} instead of Inf, the ops as they ran", biggest)
             return text, message + why, fix, trial
         if own:
             reduction = _packet(origin.op) in _REDUCTIONS
