@@ -993,9 +993,15 @@ class _Comparison:
                 fp8_row["module"] = f"{prefix}.{fp8_row['module']}"
         # an output turned non-finite: the op that made it (NUM001), unless a divergence finding names it
         mine = nonfinite.handled(rows, overflows)
-        for key, found in overflows.items():  # the divergence finding's op: its fix, checked
-            if key not in mine and not nonfinite.is_cast(found["op"]):
-                found["checked"] = self._overflow_checked(found, rows[-1].propagated)
+        # the op a divergence finding names (profile.causes: a divergent module's first call): its fix,
+        # checked; a few forwards each, so for the first CHECKED_OVERFLOWS such modules
+        divergent: dict[str, tuple[str, int]] = {}
+        for r in rows:
+            if r.diverged and r.module and (r.module, r.call) in overflows and (r.module, r.call) not in mine:
+                divergent.setdefault(r.module, (r.module, r.call))
+        for key in list(divergent.values())[:CHECKED_OVERFLOWS]:
+            if not nonfinite.is_cast(overflows[key]["op"]):
+                overflows[key]["checked"] = self._overflow_checked(overflows[key], rows[-1].propagated)
         origin = nonfinite.findings(
             rows, overflows, label=self.label, candidate=candidate, dtype=self.cand_dtype, check=self._fix_checked,
             on=inputs_text(describe(self.inputs)), named=any(r.diverged for r in rows),
@@ -1207,6 +1213,8 @@ class _Comparison:
         return use.top1(self.root_truth, got[-1].to(self.root_truth.device))
 
 
+# The divergent modules whose overflowing op gets its fix checked (each check: up to three forwards)
+CHECKED_OVERFLOWS = 2
 # A running state is named the cause when keeping it alone in fp64 divides the end-to-end error
 # by at least this much (12 dB): the rest of the model still runs in the candidate's dtype.
 ACCUMULATION_FALLS = 4.0
