@@ -388,6 +388,7 @@ class _Comparison:
         # an output of logits, whole (use.py): the fp64 pass's and the candidate's, and what made it
         self.truth_modules = dict(self.truth_run.named_modules())
         self._last_leaf: str | None = None
+        self._last_output: Any = None  # the last leaf call's output, until the model's own returns
         self.logits: str | None = None
         self.root_truth: torch.Tensor | None = None
         # the running states named the cause (step 5) and their checked run's output
@@ -435,7 +436,7 @@ class _Comparison:
         self.seen.clear()
         self.reads = Reads()
         self._overflowing: set[str] = set()  # leaves whose isolated re-run turned non-finite (overflows())
-        self._last_leaf = None
+        self._last_leaf, self._last_output = None, None
         self.fp8_rows.clear()
         # a container's own ops, judged as the fp64 pass runs them (row subsets where leaves get them)
         fp8_note = " (fp8 applies to Linear GEMMs only)" if self.fp8_dtype is not None else ""
@@ -507,8 +508,11 @@ class _Comparison:
         entry.inputs = device_sample((call_args, call_kwargs))  # the candidate's input error, for every row
         if entry.leaf:
             self._last_leaf = name
+            self._last_output = output
         if name == "" and self._last_leaf is not None:
             self._keep_logits(output)
+        if name == "":
+            self._last_output = None
         if entry.leaf:
             self.isolated(name, call_args, call_kwargs, entry, start=start or self.mark(), output=output, norm=norm)
             if self.fp8_dtype is not None and name in self.linears and call_args:
@@ -518,9 +522,19 @@ class _Comparison:
         self.seen[key] = entry
 
     def _keep_logits(self, output: Any) -> None:
-        """The model's output, whole, when it is logits (use.py): the last leaf call made it."""
+        """The model's output, whole, when it is logits (use.py): the last leaf call made it, and
+        what the model returns is that output as it is (a cast at most), not something computed
+        from it (an embedding normalised after its projection decides no class)."""
         first = next(floating(output), None)
         name = self._last_leaf or ""
+        made = next(floating(self._last_output), None)
+        if (
+            first is None
+            or made is None
+            or first.shape != made.shape
+            or not torch.allclose(first.double(), made.double(), rtol=1e-6, atol=0.0)
+        ):
+            return
         self.logits = use.logits_source(name, self.truth_modules[name], first)
         self.root_truth = first.detach().clone() if self.logits is not None and first is not None else None
 

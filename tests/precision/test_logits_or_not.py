@@ -1,0 +1,31 @@
+"""What `compare` judges by its decisions: logits are what the last Linear made, returned as they are
+(a cast at most); an embedding normalised after its projection decides no class and is judged in
+its own units instead."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fpdoctor
+
+
+class Head(nn.Module):
+    def __init__(self, normalised: bool) -> None:
+        super().__init__()
+        self.normalised = normalised
+        self.mlp, self.proj = nn.Sequential(nn.Linear(32, 64), nn.GELU()), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.proj(self.mlp(x))
+        return F.normalize(z, dim=-1) if self.normalised else z.float()
+
+
+def test_an_embedding_normalised_after_its_projection_is_not_judged_as_logits():
+    torch.manual_seed(0)
+    x = torch.randn(64, 32)
+    embedding = fpdoctor.compare(Head(normalised=True).eval(), x, candidate="bf16").report.data
+    assert "decisions" not in embedding and "output_error" in embedding
+    classifier = fpdoctor.compare(Head(normalised=False).eval(), x, candidate="bf16").report.data
+    assert "decisions" in classifier and "logits of `proj`" in classifier["decisions"]["source"]
