@@ -528,12 +528,10 @@ class _Comparison:
         first = next(floating(output), None)
         name = self._last_leaf or ""
         made = next(floating(self._last_output), None)
-        if (
-            first is None
-            or made is None
-            or first.shape != made.shape
-            or not torch.allclose(first.double(), made.double(), rtol=1e-6, atol=0.0)
-        ):
+        if first is None or made is None or first.shape != made.shape:
+            return
+        ours, theirs = device_sample(first), device_sample(made)  # the same strided values, no whole copy
+        if ours is None or theirs is None or not torch.allclose(ours, theirs, rtol=1e-6, atol=0.0):
             return
         self.logits = use.logits_source(name, self.truth_modules[name], first)
         self.root_truth = first.detach().clone() if self.logits is not None and first is not None else None
@@ -1018,7 +1016,7 @@ class _Comparison:
                 overflows[key]["checked"] = self._overflow_checked(overflows[key], rows[-1].propagated)
         origin = nonfinite.findings(
             rows, overflows, label=self.label, candidate=candidate, dtype=self.cand_dtype, check=self._fix_checked,
-            on=inputs_text(describe(self.inputs)), named=any(r.diverged for r in rows),
+            on=inputs_text(describe(self.inputs)), named=any(r.diverged for r in rows), mine=mine,
         )  # fmt: skip
         if self.noise is not None and self.noise.misaligned:
             self.notes["random draws"] = (
@@ -1103,13 +1101,10 @@ class _Comparison:
         line = nonfinite.line_of(found.get("location"))
         if line is None:
             return None
-        for more in range(nonfinite.LINES_AFTER + 1):
-            after = self._fix_checked("op", line, more)
-            if after is None or not math.isfinite(after):
-                continue
-            if not math.isfinite(error) or after * RAISED_FALLS <= error:
-                return {"lines": [line[1], line[1] + more], "file": line[0], "before": error, "after": after}
-        return None
+        more, after = nonfinite.fp32_lines(self._fix_checked, line, error)
+        if after is None or not math.isfinite(after) or (math.isfinite(error) and after * RAISED_FALLS > error):
+            return None
+        return {"lines": [line[1], line[1] + more], "file": line[0], "before": error, "after": after}
 
     # -- the output judged by what it decides (use.py) ---------------------------------------------
     def _judge_decisions(self, result: CompareResult, rows: list[ModuleRow]) -> None:

@@ -258,17 +258,12 @@ def watched(reference: Iterable[OpRange], dtype: torch.dtype) -> set[tuple[str, 
     return {(r.module, r.call) for r in reference if not r.absmax < at}
 
 
-_MODE_FRAMES = frozenset({"__torch_function__", "__torch_dispatch__"})
-
-
 def _model_location(frame: FrameType | None) -> tuple[str, int, str] | None:
     """The innermost user frame below fpdoctor's own: the model's line (for a torch module's
-    ops, the user's line that called it), never the line that called compare. A mode of
-    fpdoctor's that the model's call passes through (a torch function mode) is skipped."""
+    ops, the user's line that called it), never the line that called compare."""
     while frame is not None:
         filename = frame.f_code.co_filename
-        own = filename.startswith(OWN_DIR) and not filename.startswith(CASEBOOK_DIR)
-        if own and frame.f_code.co_name not in _MODE_FRAMES:
+        if filename.startswith(OWN_DIR) and not filename.startswith(CASEBOOK_DIR):
             return None  # out of the model, into compare
         if is_user_file(filename):
             return filename, frame.f_lineno, frame.f_code.co_name

@@ -23,7 +23,7 @@ import torch
 
 from fpdoctor import catalog
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS
-from fpdoctor.precision.profile import ModuleRow
+from fpdoctor.precision.profile import RAISED_FALLS, ModuleRow
 from fpdoctor.report.model import Finding, Trial
 
 # The check of a fix: ("cast" | "op", (file, line), lines after it) -> the end-to-end error with it
@@ -60,13 +60,13 @@ def findings(
     check: Check,
     on: str,
     named: bool,
+    mine: set[tuple[str, int]],
 ) -> list[Finding]:
-    """NUM001 for the first origin `handled` picks, its fix checked; where the output is non-finite,
+    """NUM001 for the first origin of `mine` (`handled`), its fix checked; where the output is non-finite,
     no origin was found and no other error finding (`named`) says why, NUM001 all the same, saying
     which module's output turned non-finite first."""
     if not rows or not math.isinf(rows[-1].propagated):
         return []
-    mine = handled(rows, overflows)
     root = rows[-1]
     count = f"{root.nonfinite} of its values are NaN or Inf where the fp64 run's are finite"
     for key, found in overflows.items():  # in the order the calls ended: the innermost origin first
@@ -129,12 +129,7 @@ def _origin(
             f"In {label}, {op}{at} in {inside} turns finite inputs (up to {biggest:.4g}) into NaN or Inf, and from "
             f"there the output is non-finite ({count})."
         )
-        after, more = None, 0
-        if line is not None:
-            for more in range(LINES_AFTER + 1):  # its line, then with the lines after it that read its result
-                after = check("op", line, more)
-                if after is not None and math.isfinite(after):
-                    break
+        more, after = fp32_lines(check, line, math.inf) if line is not None else (0, None)
         lines = "" if line is None else f"line {line[1]}" if not more else f"lines {line[1]}-{line[1] + more}"
         span = f", {lines} of {line[0]}" if line is not None else ""
         fix = (
@@ -169,6 +164,19 @@ def _origin(
         evidence=evidence,
         trial=trial,
     )
+
+
+def fp32_lines(check: Check, line: tuple[str, int], error: float) -> tuple[int, float | None]:
+    """An op's line in fp32, then with up to LINES_AFTER lines after it that read its result (a
+    softmax written by hand: exp, then the division by the sum), its results cast back after them:
+    (lines after it, the end-to-end error) of the first run whose output is finite and, where the
+    error was finite, RAISED_FALLS times below it; else the last run's."""
+    more, after = 0, None
+    for more in range(LINES_AFTER + 1):
+        after = check("op", line, more)
+        if after is not None and math.isfinite(after) and (not math.isfinite(error) or after * RAISED_FALLS <= error):
+            break
+    return more, after
 
 
 def line_of(location: str | None) -> tuple[str, int] | None:

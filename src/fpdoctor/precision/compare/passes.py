@@ -177,7 +177,7 @@ EXACT_OPS = frozenset({"maximum", "minimum", "fmax", "fmin", "max", "min", "clam
                        "gather"})  # fmt: skip
 
 
-class Chains(TorchFunctionMode):
+class _Chains(TorchFunctionMode):
     """Counts, per user source line, the updates of a loop-carried tensor: a call that reads its own
     previous output (s = s + x, one call), or a visit of the line whose calls read what its previous
     visit made last (s = s * decay + x, several on one line). Each line's torch functions are kept:
@@ -187,7 +187,6 @@ class Chains(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.failed: Exception | None = None  # what ended the search early, if anything did
         self.steps: dict[str, int] = {}
         self.module: dict[str, str] = {}
         self.calls: dict[str, dict[int, Any]] = {}  # line -> its functions, in order (by id)
@@ -202,8 +201,6 @@ class Chains(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # written out, without helper calls or generators: this runs for every call of a long loop
-        if self.failed is not None:
-            return func(*args, **(kwargs or {}))
         if func is GETITEM and type(args[0]) is torch.Tensor and not kwargs and basic_index(args[1]):
             return func(*args)  # a view (x[:, t] in a loop over tokens): never a state's update
         user = user_location(sys._getframe())
@@ -221,30 +218,27 @@ class Chains(TorchFunctionMode):
             self.aten[key] = ops.seen
         if not isinstance(out, torch.Tensor) or not out.is_floating_point():
             return out
-        try:  # the search is ours: what goes wrong in it ends the search, never the user's forward
-            if line != self.line:  # a visit of the line before ends: what it made last is its state
-                if self.line is not None:
-                    self.previous[self.line] = self.out
-                self.line, self.counted = line, False
-            ref = self.last.get(key)
+        if line != self.line:  # a visit of the line before ends: what it made last is its state
+            if self.line is not None:
+                self.previous[self.line] = self.out
+            self.line, self.counted = line, False
+        ref = self.last.get(key)
+        held = ref() if ref is not None else None
+        reads = held is not None and _holds(args, held)
+        if not reads and not self.counted:
+            ref = self.previous.get(line)
             held = ref() if ref is not None else None
             reads = held is not None and _holds(args, held)
-            if not reads and not self.counted:
-                ref = self.previous.get(line)
-                held = ref() if ref is not None else None
-                reads = held is not None and _holds(args, held)
-            if reads:
-                self.steps[line] = self.steps.get(line, 0) + 1
-                if line not in self.module:
-                    self.module[line] = self.stack[-1] if self.stack else ""
-                self.counted = True
-            calls = self.calls.get(line)  # not setdefault: its default dict would be made on every call
-            if calls is None:
-                calls = self.calls[line] = {}
-            calls[id(func)] = func
-            self.last[key] = self.out = weakref.ref(out)
-        except Exception as exc:
-            self.failed = exc
+        if reads:
+            self.steps[line] = self.steps.get(line, 0) + 1
+            if line not in self.module:
+                self.module[line] = self.stack[-1] if self.stack else ""
+            self.counted = True
+        calls = self.calls.get(line)  # not setdefault: its default dict would be made on every call
+        if calls is None:
+            calls = self.calls[line] = {}
+        calls[id(func)] = func
+        self.last[key] = self.out = weakref.ref(out)
         return out
 
     def ops(self, line: str) -> list[Any]:
@@ -303,11 +297,9 @@ def carried_states(
     run: nn.Module, inputs: Any, dtype: torch.dtype, *, rng: RngState, device: torch.device | None,
     noise: ReplayNoise | None,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """The running states of the candidate's forward (Chains.states), from a forward of its own."""
-    chains = Chains()
+    """The running states of the candidate's forward, from a forward of its own (_Chains.states)."""
+    chains = _Chains()
     stacked(chains, run, inputs, dtype, rng=rng, device=device, noise=noise)
-    if chains.failed is not None:
-        raise chains.failed
     return chains.states()
 
 
