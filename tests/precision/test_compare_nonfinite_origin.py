@@ -155,3 +155,30 @@ def test_an_op_whose_result_only_fits_fp32_is_checked_with_the_line_that_reads_i
     assert not [
         f for f in result.report.findings if f.name == "precision-divergence" and f.where["op"] == "aten.div.Tensor"
     ]
+
+
+class PaddedAttention(nn.Module):
+    """A padding mask written into the scores with a literal fp16 cannot hold: the fp16 run raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.qkv, self.head = nn.Embedding(100, 32), nn.Linear(32, 96), nn.Linear(32, 10)
+
+    def forward(self, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.emb(ids)).chunk(3, -1)
+        scores = (q @ k.transpose(-1, -2)).masked_fill(~keep[:, None, :], -1e38)  # the fill
+        return self.head((scores.softmax(-1) @ v).mean(1))
+
+
+def test_a_model_that_does_not_run_in_the_candidate_is_never_ok():
+    torch.manual_seed(0)
+    keep = torch.ones(4, 8, dtype=torch.bool)
+    keep[1:, :3] = False
+    result = fpdoctor.compare(PaddedAttention().eval(), (torch.randint(0, 100, (4, 8)), keep), candidate="fp16")
+    assert result.report.verdict == "error", str(result.report)
+    first = result.report.findings[0]
+    assert (
+        first.evidence["kind"] == "candidate-failed"
+        and first.evidence["location"] == f"{__file__}:{_line('# the fill')}"
+    )
+    assert "torch.finfo(x.dtype).min" in first.fix and first.trial is not None and not first.trial.tried

@@ -389,6 +389,7 @@ class _Comparison:
         self.truth_modules = dict(self.truth_run.named_modules())
         self._last_leaf: str | None = None
         self._last_output: Any = None  # the last leaf call's output, until the model's own returns
+        self.cand_failed: Exception | None = None  # what the candidate's run raised, if it did
         self.logits: str | None = None
         self.root_truth: torch.Tensor | None = None
         # the running states named the cause (step 5) and their checked run's output
@@ -660,6 +661,7 @@ class _Comparison:
             )  # fmt: skip
         except Exception as exc:  # the candidate failing is a finding, not a usage error
             self.notes["candidate run"] = f"the {self.label} run raised {type(exc).__name__}: {exc}"
+            self.cand_failed = exc
         self.reads.read()
         if self._root_sample is not None and not self._nonfinite_seen:
             # an output that is not logits: its error in its own units, on the sample
@@ -1043,6 +1045,8 @@ class _Comparison:
                 if f.name != "precision-divergence" or (f.where.get("op"), f.evidence.get("own_op_location")) != named
             ]  # fmt: skip
         result.report.findings[:0] = origin
+        if self.cand_failed is not None:  # a model that cannot run in the candidate is never OK
+            result.report.findings.insert(0, nonfinite.failed(self.cand_failed, label=self.label, candidate=candidate))
         result.overflows = {name: found for (name, _), found in overflows.items()}
         if self.input_floor_note is not None:
             result.report.data["input_floor_note"] = self.input_floor_note

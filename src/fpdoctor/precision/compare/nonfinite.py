@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import linecache
 import math
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -23,8 +24,10 @@ import torch
 
 from fpdoctor import catalog
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS
+from fpdoctor.precision.candidates import compute_dtype
 from fpdoctor.precision.profile import RAISED_FALLS, ModuleRow
 from fpdoctor.report.model import Finding, Trial
+from fpdoctor.userframes import is_user_file
 
 # The check of a fix: ("cast" | "op", (file, line), lines after it) -> the end-to-end error with it
 # in place (inf while the output stays non-finite; None when the run could not be made)
@@ -163,6 +166,41 @@ def _origin(
         where={"module": module or None, "op": op, "phase": "forward"},
         evidence=evidence,
         trial=trial,
+    )
+
+
+def failed(exc: Exception, *, label: str, candidate: str) -> Finding:
+    """The candidate's run raised (a constant its format cannot hold, an op without a kernel for it):
+    the model does not run in the candidate at all, named at the user's line that raised. Nothing
+    was compared past it, so no fix of compare's own was tried."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno} (`{(frames[-1].line or '').strip()}`)" if frames else ""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    fix = "make the line run in the candidate's dtype"
+    if "overflow" in text:  # a Python constant past the format's range, put into one of its tensors
+        limit = torch.finfo(compute_dtype(candidate)).max if compute_dtype(candidate).is_floating_point else None
+        largest = f" ({limit:.6g} in {candidate})" if limit is not None else ""
+        fix = (
+            f"a constant there does not fit {candidate}: write the dtype's own limit, torch.finfo(x.dtype).min or "
+            f".max{largest}, for a fill value, or a value the format holds"
+        )
+    return catalog.make(
+        "precision-divergence",
+        message=(
+            f"In {label}, the model does not run: {type(exc).__name__}{where}: {text}. Nothing past that point was "
+            "compared, so the modules' figures cover only what ran before it."
+        ),
+        fix=fix,
+        where={"module": None, "op": None, "phase": "forward"},
+        evidence={
+            "kind": "candidate-failed",
+            "candidate": label,
+            "error": f"{type(exc).__name__}: {text}",
+            "location": f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None,
+        },
+        trial=Trial.untried(
+            "the run raised before anything could be changed in it; the line and its message are the evidence"
+        ),
     )
 
 
