@@ -69,6 +69,10 @@ _NOT_JUDGED = {
 # hold at most this much (its follow-ups re-run it from them); a larger one is read at once, so that
 # the pass never holds more than a few activations: its own work dwarfs the wait for the device.
 KEPT_BYTES = 1 << 20
+# What the pending own ops of a pass may hold (their re-runs' inputs, samples) before their figures are
+# read and they are judged, mid-pass: one more wait for the device per HELD_BYTES, where keeping them
+# all to the pass's end grew its memory with the model's depth (~2.5 MiB a layer, dim 256).
+HELD_BYTES = 16 << 20
 # Ops whose output rows (dim -2) are computed from the same rows of their `first` input alone.
 _GEMMS = {"aten.mm": 0, "aten.bmm": 0, "aten.addmm": 1, "aten.baddbmm": 1}
 _ATTENTION = "aten._scaled_dot_product_flash_attention_for_cpu"
@@ -182,6 +186,7 @@ class OwnOps(EagerDispatchMode):
         # the figures of the ops judged, read at the pass's end (compare reads `reads`, then settle())
         self.reads = Reads() if reads is None else reads
         self.pending: list[_Pending] = []
+        self._held = 0  # bytes the pending ops hold (HELD_BYTES)
         self.containers, self.dtype, self.reference, self.device = containers, dtype, reference, device
         self.subsets, self.torch_made, self.record = subsets, torch_made or set(), record
         # A reference that rounds far finer than the candidate's dtype (fp32 against fp16, bf16)
@@ -298,6 +303,10 @@ class OwnOps(EagerDispatchMode):
         self.pending.append(pending)
         if rerun.rows is not None or rerun.values is not None or _nbytes(rerun) <= KEPT_BYTES:
             self.reads.later(figures, pending.read)
+            self._held += _nbytes(rerun) + keep.numel() * (keep.element_size() + kept.element_size())
+            if self._held > HELD_BYTES:
+                self.reads.read()
+                self.settle()
             return
         # A re-run of the whole op on large inputs: read at once and followed up, its inputs not kept.
         now = Reads()
@@ -326,7 +335,7 @@ class OwnOps(EagerDispatchMode):
     def settle(self) -> None:
         """After the pass's figures are read (compare's Reads): the follow-ups, then each container's
         worst op, judged in the order its ops ran by the rules OwnOps applied op by op."""
-        pending, self.pending = self.pending, []
+        pending, self.pending, self._held = self.pending, [], 0
         self._follow(pending)
         for p in pending:
             if p.error is not None:
