@@ -455,6 +455,9 @@ class _Comparison:
             # the reference (fp64) value of each op output, taken in the same dispatch
             record=self.truth_ranges.record if self.ranges else None,
             reads=self.reads,
+            model_storages={
+                t.untyped_storage().data_ptr() for t in (*self.truth_run.parameters(), *self.truth_run.buffers())
+            },
         )
         # one Python call per torch function, not per aten op (own_calls.py), where every op need not
         # pass through a dispatch mode: the op ranges read them all, the replayed noise sits below it

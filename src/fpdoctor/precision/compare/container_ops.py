@@ -181,12 +181,15 @@ class OwnOps(EagerDispatchMode):
         torch_made: set[str] | None = None,
         record: Callable[[Any, Any], None] | None = None,
         reads: Reads | None = None,
+        model_storages: set[int] | None = None,
     ) -> None:
         super().__init__()
         # the figures of the ops judged, read at the pass's end (compare reads `reads`, then settle())
         self.reads = Reads() if reads is None else reads
         self.pending: list[_Pending] = []
         self._held = 0  # bytes the pending ops hold (HELD_BYTES)
+        # the storages of the model's parameters and buffers: alive anyway, so not counted as held
+        self.model_storages = model_storages or set()
         self.containers, self.dtype, self.reference, self.device = containers, dtype, reference, device
         self.subsets, self.torch_made, self.record = subsets, torch_made or set(), record
         # A reference that rounds far finer than the candidate's dtype (fp32 against fp16, bf16)
@@ -303,7 +306,11 @@ class OwnOps(EagerDispatchMode):
         self.pending.append(pending)
         if rerun.rows is not None or rerun.values is not None or _nbytes(rerun) <= KEPT_BYTES:
             self.reads.later(figures, pending.read)
-            self._held += _nbytes(rerun) + keep.numel() * (keep.element_size() + kept.element_size())
+            self._held += keep.numel() * (keep.element_size() + kept.element_size()) + sum(
+                t.numel() * t.element_size()
+                for t in tensors_in((rerun.args, rerun.kwargs))
+                if t.untyped_storage().data_ptr() not in self.model_storages
+            )
             if self._held > HELD_BYTES:
                 self.reads.read()
                 self.settle()
