@@ -35,7 +35,7 @@ def input_sets(inputs: Any) -> list[Any]:
     return sets
 
 
-def _named_tensors(inputs: Any) -> list[tuple[str, torch.Tensor]]:
+def named_tensors(inputs: Any) -> list[tuple[str, torch.Tensor]]:
     args, kwargs = split_inputs(inputs)
     named: list[tuple[str, torch.Tensor]] = []
 
@@ -59,7 +59,7 @@ def _named_tensors(inputs: Any) -> list[tuple[str, torch.Tensor]]:
 def digest(inputs: Any) -> str:
     """sha256 of every tensor's dtype, shape and values, in order; 12 hex digits."""
     h = hashlib.sha256()
-    for name, t in _named_tensors(inputs):
+    for name, t in named_tensors(inputs):
         h.update(f"{name}:{t.dtype}:{list(t.shape)}".encode())
         data = t.detach().to("cpu").contiguous().reshape(-1)
         h.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
@@ -70,7 +70,7 @@ def describe(inputs: Any) -> dict[str, Any]:
     """One input set for the report: its tensors (name, shape, dtype) and the digest."""
     tensors = [
         {"name": name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-        for name, t in _named_tensors(inputs)
+        for name, t in named_tensors(inputs)
     ]
     return {"tensors": tensors, "digest": digest(inputs)}
 

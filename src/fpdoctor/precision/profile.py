@@ -318,13 +318,15 @@ def build_report(
     causes: dict[str, dict[str, Any]] | None = None,
     accumulation: dict[str, Any] | None = None,
     on: torch.device | None = None,
+    inputs_cause: dict[str, Any] | None = None,
 ) -> CompareResult:
     """`on`: where the candidate ran (TF32 is CUDA's); `input_floor`: the reference's end-to-end
     error fed candidate-rounded inputs, measured when the whole model diverges and no submodule
     does; `causes`: per module, what compare found behind its divergence (an op inside it that
     overflows, parameters that do not fit the format, inputs of its worst op made too coarse);
     `accumulation`: where no part diverges yet the end-to-end error is far above all of them, the
-    running states tried (compare's accumulation step)."""
+    running states tried (compare's accumulation step); `inputs_cause`: where rounding the inputs
+    costs far more than the output's floor, what in them the format rounds ({} for nothing found)."""
     label = candidate if device is None else f"{candidate} on {device}"
     findings = []
     first = next((r for r in rows if r.diverged), None)
@@ -332,7 +334,7 @@ def build_report(
     first_text = f"`{first.module}`" if first is not None else "none"
     if first is not None and first.module == "":
         finding, first_text = _root_finding(
-            first, label, candidate, reference, input_floor, cause=(causes or {}).get("")
+            first, label, candidate, reference, input_floor, cause=(causes or {}).get(""), inputs_cause=inputs_cause
         )
         findings.append(finding)
     elif first is not None:
@@ -352,6 +354,15 @@ def build_report(
     if first is None and accumulation is not None:
         finding, first_text = _accumulation_finding(accumulation, label, candidate, reference)
         findings.append(finding)
+    elif first is None and inputs_cause is not None and input_floor is not None and rows:
+        # no part diverges and rounding the inputs explains the error: never OK on that error
+        root = rows[-1]
+        if root.propagated <= INPUT_EXPLAINS * input_floor:
+            finding, first_text = _input_finding(
+                root, label, candidate, reference, input_floor, found=inputs_cause,
+                evidence=_root_evidence(root, candidate, reference, input_floor),
+            )  # fmt: skip
+            findings.append(finding)
     final = rows[-1] if rows else None
     summary = [
         (
@@ -411,6 +422,7 @@ def _root_finding(
     input_floor: float | None,
     *,
     cause: dict[str, Any] | None = None,
+    inputs_cause: dict[str, Any] | None = None,
 ) -> tuple[Finding, str]:
     """The whole model diverges and no submodule does: it is not a keep-in-fp32 candidate. Either
     rounding the inputs explains it, or the model's own ops (its forward, outside any submodule) do."""
@@ -426,46 +438,10 @@ def _root_finding(
         input_floor is not None and whole is not None and math.isfinite(whole) and whole <= INPUT_EXPLAINS * input_floor
     )
     own, at = _own_op(root)
-    evidence = {
-        "candidate": candidate,
-        "referee": "fp64",  # every error is measured against the fp64 run
-        "floor_model": reference,  # whose own error against fp64 sets the noise floor
-        "isolated_rel": root.isolated,
-        "floor_rel": root.judged_floor if known(root.judged_floor) else None,  # None: unknown
-        "ratio": root.ratio,
-        "propagated_rel": root.propagated,
-        "whole_isolated_rel": root.whole_isolated,
-        "own_op": own,
-        "own_op_location": at.strip(" ()") or None,
-        "input_floor_rel": input_floor,
-        "count": 1,
-        "numel": root.numel,
-        "dtype": str(compute_dtype(candidate)),
-    }
+    evidence = _root_evidence(root, candidate, reference, input_floor)
     if explained:
-        finding = catalog.make(
-            "precision-divergence",
-            title=f"Rounding the inputs to {candidate} already costs more than the noise floor",
-            message=(
-                f"In {label}, no module diverges by itself: the end-to-end error {_fmt(root.propagated)} "
-                f"({against_floor(root.propagated, root.propagated / max(root.floor, UNKNOWN_FLOOR), root.floor)}) "
-                "comes from the inputs, as "
-                f"{rounding}. The model is ill-conditioned at {candidate}: keeping parts of it in fp32 does not "
-                "undo rounded inputs."
-            ),
-            where={"module": None, "op": None, "phase": "forward"},
-            evidence={"kind": "input-rounding", **evidence},
-            fix=(
-                "give the ops that read the inputs fp32 inputs (compute them in fp32), or make the model less "
-                "sensitive to its inputs (a smaller scale on attention scores, a normalisation before them); "
-                "`fpdoctor plan` measures this floor and judges a plan against it"
-            ),
-            trial=Trial.untried(
-                "a change to how the model reads its inputs: what compare measured is the floor itself (the model "
-                "fed rounded inputs)"
-            ),
-        )
-        return finding, f"none: rounding the inputs explains the error ({_fmt(input_floor)})"
+        assert input_floor is not None
+        return _input_finding(root, label, candidate, reference, input_floor, found=inputs_cause, evidence=evidence)
     if cause is not None and cause.get("fix"):  # its worst op's inputs are the cause: where they are made
         finding = catalog.make(
             "precision-divergence",
@@ -503,6 +479,86 @@ def _root_finding(
         trial=Trial.untried(_UNTRIED_BY_COMPARE),
     )
     return finding, "none: the whole model's own ops (outside any submodule)"
+
+
+def _root_evidence(root: ModuleRow, candidate: str, reference: str, input_floor: float | None) -> dict[str, Any]:
+    own, at = _own_op(root)
+    return {
+        "candidate": candidate,
+        "referee": "fp64",  # every error is measured against the fp64 run
+        "floor_model": reference,  # whose own error against fp64 sets the noise floor
+        "isolated_rel": root.isolated,
+        "floor_rel": root.judged_floor if known(root.judged_floor) else None,  # None: unknown
+        "ratio": root.ratio,
+        "propagated_rel": root.propagated,
+        "whole_isolated_rel": root.whole_isolated,
+        "own_op": own,
+        "own_op_location": at.strip(" ()") or None,
+        "input_floor_rel": input_floor,
+        "count": 1,
+        "numel": root.numel,
+        "dtype": str(compute_dtype(candidate)),
+    }
+
+
+def _input_finding(
+    root: ModuleRow,
+    label: str,
+    candidate: str,
+    reference: str,
+    input_floor: float,
+    *,
+    found: dict[str, Any] | None,
+    evidence: dict[str, Any],
+) -> tuple[Finding, str]:
+    """The end-to-end error comes from rounding the inputs (the reference fed them rounded is within
+    INPUT_EXPLAINS of it): never OK, whether or not the whole model counts as divergent. `found`:
+    what in the inputs the format rounds (input_cause.cause), its fix checked without rounding it."""
+    rounding = (
+        f"rounding the inputs to {candidate} alone costs {_fmt(input_floor)} at the output (the {reference} model "
+        f"fed {candidate}-rounded inputs)"
+    )
+    message = (
+        f"In {label}, no module diverges by itself: the end-to-end error {_fmt(root.propagated)} "
+        f"({against_floor(root.propagated, root.propagated / max(root.floor, UNKNOWN_FLOOR), root.floor)}) "
+        f"comes from the inputs, as {rounding}."
+    )
+    after = (found or {}).get("floor_without")
+    if found and after is not None and after * INPUT_EXPLAINS < input_floor:
+        finding = catalog.make(
+            "precision-divergence",
+            title=f"The inputs hold whole numbers that {candidate} cannot",
+            message=message + found["message"],
+            where={"module": None, "op": None, "phase": "forward"},
+            evidence={"kind": "input-rounding", **evidence, "whole_numbers": found["columns"]},
+            fix=found["fix"],
+            trial=Trial.checked(
+                found["changed"],
+                on=f"the {reference} model fed the rounded inputs",
+                metric="end-to-end error",
+                before=input_floor,
+                after=after,
+            ),
+        )
+        return finding, "none: whole numbers in the inputs, rounded"
+    finding = catalog.make(
+        "precision-divergence",
+        title=f"Rounding the inputs to {candidate} already costs more than the noise floor",
+        message=message
+        + f" The model is ill-conditioned at {candidate}: keeping parts of it in fp32 does not undo rounded inputs.",
+        where={"module": None, "op": None, "phase": "forward"},
+        evidence={"kind": "input-rounding", **evidence},
+        fix=(
+            "give the ops that read the inputs fp32 inputs (compute them in fp32), or make the model less "
+            "sensitive to its inputs (a smaller scale on attention scores, a normalisation before them); "
+            "`fpdoctor plan` measures this floor and judges a plan against it"
+        ),
+        trial=Trial.untried(
+            "a change to how the model reads its inputs: what compare measured is the floor itself (the model "
+            "fed rounded inputs)"
+        ),
+    )
+    return finding, f"none: rounding the inputs explains the error ({_fmt(input_floor)})"
 
 
 def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, reference: str) -> tuple[Finding, str]:

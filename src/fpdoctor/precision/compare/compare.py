@@ -57,7 +57,7 @@ from fpdoctor.precision.candidates import (
     run_flags,
     uncompiled,
 )
-from fpdoctor.precision.compare import fp8, near_limit, nonfinite, upstream, use
+from fpdoctor.precision.compare import fp8, input_cause, near_limit, nonfinite, upstream, use
 from fpdoctor.precision.compare.compiled import compare_compiled, is_compiled
 from fpdoctor.precision.compare.container_ops import Own, OwnOps
 from fpdoctor.precision.compare.first_overflow import first_overflow
@@ -328,9 +328,10 @@ def _compare(
         input_floor = run.input_floor(rows) if not prefix else None
         step.advance()
         accumulation = run.accumulation(rows, input_floor)
+        inputs_cause = run.inputs_cause(rows, input_floor) if accumulation is None else None
         forced = run.forced(rows)
     kept = [(r, run.seen[(r.module, r.call)]) for r in rows] if samples is not None else []
-    result = run.result(rows, input_floor, prefix, accumulation, forced)
+    result = run.result(rows, input_floor, prefix, accumulation, forced, inputs_cause=inputs_cause)
     if samples is not None:  # after result(): the rows carry their names in the whole model now
         samples.extend((r, e.truth, e.candidate) for r, e in kept)
         if not prefix:  # an output of logits, as its rows decide (use.py), for the record's use metrics
@@ -861,6 +862,26 @@ class _Comparison:
             noise=self.noise,
         )
 
+    def inputs_cause(self, rows: list[ModuleRow], input_floor: float | None) -> dict[str, Any] | None:
+        """Where rounding the inputs costs far more than the output's floor: what in them the format
+        rounds (input_cause.py: whole numbers past its exact range), with the floor measured without
+        rounding those; {} where nothing is found. None where the inputs' rounding costs little."""
+        root = rows[-1] if rows else None
+        if root is None or input_floor is None or not math.isfinite(input_floor):
+            return None
+        if input_floor <= DIVERGENCE_RATIO * root.floor:
+            return None
+        truth = next(e for (name, _), e in self.seen.items() if name == "")
+
+        def floor_with(rounded: Any) -> float | None:
+            return input_rounding_error(
+                self.ref_run if self.ref_run is not None else self.truth_run, self.inputs,
+                cand_dtype=self.cand_dtype, dtype=self.ref_dtype, truth=truth.truth, norm=truth.norm, rng=self.rng,
+                noise=self.noise, rounded=rounded,
+            )  # fmt: skip
+
+        return input_cause.cause(self.inputs, self.cand_dtype, self.candidate, floor_with) or {}
+
     # -- step 5: an error no part makes alone: the running state that accumulates it ---------------
     def accumulation(self, rows: list[ModuleRow], input_floor: float | None) -> dict[str, Any] | None:
         """Where no module diverges, yet the end-to-end error is DIVERGENCE_RATIO times above all that
@@ -994,6 +1015,8 @@ class _Comparison:
         prefix: str | None,
         accumulation: dict[str, Any] | None = None,
         forced: dict[str, dict[str, Any]] | None = None,
+        *,
+        inputs_cause: dict[str, Any] | None = None,
     ) -> CompareResult:
         candidate = self.candidate
         fmt = candidate_format(candidate)
@@ -1038,6 +1061,7 @@ class _Comparison:
             causes=causes(rows, {k: v for k, v in overflows.items() if k not in mine}, misfit, candidate)
             | forced_causes(forced or {}, candidate),
             accumulation=accumulation,
+            inputs_cause=inputs_cause,
             # the samples stay until the end, so their total is the peak of what compare itself keeps
             peak=sum(e.truth.nbytes + (0 if e.inputs is None else e.inputs.nbytes) for e in self.seen.values()),
         )

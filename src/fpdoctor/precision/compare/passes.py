@@ -95,10 +95,14 @@ def input_rounding_error(
     norm: float,
     rng: RngState,
     noise: ReplayNoise | None,
+    rounded: Any = None,
 ) -> float | None:
     """The end-to-end error of `run` (the reference, in `dtype`) fed the inputs rounded to the
-    candidate's dtype: what rounding the inputs alone costs, which no part kept in fp32 undoes."""
-    args, kwargs = split_inputs(cast_inputs(cast_inputs(inputs, cand_dtype), dtype, copy=True))
+    candidate's dtype: what rounding the inputs alone costs, which no part kept in fp32 undoes.
+    `rounded`: the inputs rounded otherwise (some values kept, input_cause.rounded_but)."""
+    if rounded is None:
+        rounded = cast_inputs(inputs, cand_dtype)
+    args, kwargs = split_inputs(cast_inputs(rounded, dtype, copy=True))
     rng.restore()
     if noise is not None:
         noise.position = 0
