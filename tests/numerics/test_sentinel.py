@@ -222,3 +222,35 @@ def test_the_timeline_gradient_norm_is_the_unscaled_norm_clip_grad_norm_gives():
     for step_number, norm in zip(timeline["grad_norm_step"], timeline["grad_norm"], strict=True):
         assert norm == pytest.approx(seen[step_number], rel=1e-5)
     assert timeline["scale"][0] == 1024.0
+
+
+def _spiking(after: float) -> fpdoctor.Report:
+    """A flat loss, one step 50x at step 13, then 12 steps at `after` times the level."""
+    model, opt = make()
+    guard = fpdoctor.Sentinel(model, opt)
+    x, y = data()[0]
+    scale = {"k": 1.0}
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x) * 0, y) * scale["k"]
+        loss.backward()
+        return loss
+
+    for i in range(25):
+        scale["k"] = 50.0 if i == 12 else (1.0 if i < 12 else after) + 0.01 * (i % 3)
+        guard.step(step, x, y)
+    return guard.report
+
+
+def test_a_spike_the_loss_comes_back_from_is_noise_said_once_not_a_warning():
+    report = _spiking(after=1.0)
+    (spike,) = report.by_name("loss-spike")
+    assert spike.severity is fpdoctor.Severity.INFO and spike.evidence["steps"] == [13], spike
+    assert report.verdict == "ok", str(report)
+
+
+def test_a_spike_the_loss_stays_up_after_is_a_warning():
+    report = _spiking(after=3.0)
+    (spike,) = report.by_name("loss-spike")
+    assert spike.severity is fpdoctor.Severity.WARNING and spike.where["step"] == 13, spike

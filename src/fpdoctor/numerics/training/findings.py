@@ -18,7 +18,7 @@ from fpdoctor.numerics.training import distributed, transient
 from fpdoctor.numerics.training.control import ControlResult
 from fpdoctor.numerics.training.lr_whatif import LrTrial
 from fpdoctor.numerics.training.replay import ReplayResult
-from fpdoctor.report.model import Finding, Trial
+from fpdoctor.report.model import Finding, Severity, Trial
 
 _PLACE_KEYS = ("rank", "host", "device", "uuid")
 
@@ -360,6 +360,32 @@ def spike_finding(step: int, loss: float, mean: float, spread: float, window: in
         f"(std {spread:.2g} over {window} steps).",
         where={"module": None, "op": None, "phase": "forward", "step": step, **here},
         evidence={"kind": "spike", "loss": loss, "mean": mean, "std": spread, "step": step, "count": 1, "numel": 1},
+    )
+
+
+def transient_spikes(spikes: list[dict[str, Any]], within: int, *, here: dict[str, Any]) -> Finding:
+    """Loss spikes whose loss came back within `within` steps: the batches' noise, said once."""
+    shown = ", ".join(f"{s['step']} ({s['loss']:.3g} against {s['mean']:.3g})" for s in spikes[:5])
+    return catalog.make(
+        "loss-spike",
+        severity=Severity.INFO,
+        title="The loss spiked and came back",
+        message=(
+            f"{len(spikes)} step(s) jumped far above the recent mean and the loss was back at its level within "
+            f"{within} steps: step {shown}{' ...' if len(spikes) > 5 else ''}. Spikes that come right back are "
+            "the batches' noise (a heavy-tailed loss, near convergence); one that stays up or is followed by "
+            "NaN/Inf is a warning."
+        ),
+        fix="none needed while it comes back",
+        where={"module": None, "op": None, "phase": "forward", "step": spikes[0]["step"], **here},
+        evidence={
+            "kind": "transient-spikes",
+            "steps": [s["step"] for s in spikes],
+            "within": within,
+            "spikes": spikes[:20],
+            "count": len(spikes),
+            "numel": len(spikes),
+        },
     )
 
 

@@ -72,6 +72,12 @@ SPIKE_SIGMAS = 6.0
 SPIKE_RATIO = 1.5
 # Before SPIKE_MIN_HISTORY steps, a loss this many times the first step's is a spike (divergence).
 SPIKE_EARLY_RATIO = 100.0
+# A spike is judged SPIKE_RECOVERY finite steps after its episode's last: where the median loss of
+# those steps is back within 2 standard deviations of the mean before it, the spike was the batches'
+# noise (a mini-batch MSE near convergence is heavy-tailed: 6 sigma jumps that come right back), and
+# is counted in one info finding, not warned. One that does not come back, or that a non-finite step
+# or the end of the run follows first, is a warning as before.
+SPIKE_RECOVERY = 8
 
 # A cause that reproduced on replay this many times is not replayed again: the next bad steps with
 # the same symptoms are counted under it (a replay costs a traced step; forty of them say nothing new).
@@ -196,6 +202,12 @@ class StepJudge:
         self.transients = transient.Experiments()  # a step that does not reproduce: its cause, by experiment
         self._stall: int | None = None  # the stalled episode's finding, by index, while it lasts
         self._spike_at: tuple[int, tuple[Any, ...]] | None = None  # the last spike's step and its episode
+        # the spike episode waiting for SPIKE_RECOVERY steps: its findings, the mean and spread before
+        # it, and the finite losses since its last step; then the spikes that came back
+        self._held: list[tuple[Finding, tuple[Any, ...]]] = []
+        self._held_level = (0.0, 0.0)
+        self._since_spike: list[float] = []
+        self._transient: list[dict[str, Any]] = []
         # the state the latest climb's first step started from (or why none is kept), and what lowering
         # the learning rate from there gave, once per stalled episode
         self._climb: Snapshot | str | None = None
@@ -348,6 +360,7 @@ class StepJudge:
                 apply()
             self.last_good_step = f.step
             return outcome
+        self.release_spikes()  # a spike a non-finite step follows is not noise
         if self.outputs is not None:  # torch.compile: the first compiled module that returned NaN/Inf
             graph = self.outputs.first_bad()
             if graph is not None:
@@ -626,12 +639,33 @@ class StepJudge:
             self._spike_at = (step, episode)
             if f is not None and episode == ("loss-spike", step):
                 self._climb = self._keep_climb(f)
-            self.causes.add(
-                findings.spike_finding(step, loss_value, mean, spread, len(history), here=self.here), episode
+            if self._held and self._held[-1][1] != episode:
+                self.release_spikes()  # spiked again before it came back
+            if not self._held:
+                self._held_level = (mean, spread)
+            self._held.append(
+                (findings.spike_finding(step, loss_value, mean, spread, len(history), here=self.here), episode)
             )
-        elif f is not None:
-            self._climb = None  # a finite step that did not climb: no climb to start from
+            self._since_spike = []
+        else:
+            if f is not None:
+                self._climb = None  # a finite step that did not climb: no climb to start from
+            if self._held:
+                self._since_spike.append(loss_value)
+                if len(self._since_spike) >= SPIKE_RECOVERY:
+                    mean, spread = self._held_level
+                    self.release_spikes(came_back=statistics.median(self._since_spike) <= mean + 2 * spread)
         history.append(loss_value)
+
+    def release_spikes(self, *, came_back: bool = False) -> None:
+        """The held spike episode judged: counted as noise where its loss came back, else its findings
+        added as they were made (a non-finite step, the end of the run, a loss that stays up)."""
+        held, self._held, self._since_spike = self._held, [], []
+        if came_back:
+            self._transient += [dict(f.evidence) for f, _ in held]
+            return
+        for finding, episode in held:
+            self.causes.add(finding, episode)
 
     def _keep_climb(self, f: StepFacts) -> Snapshot | str:
         """The state a climb's first step starts from, to try a lower learning rate on if training stalls."""
@@ -1078,6 +1112,14 @@ class StepJudge:
         out["timeline"] = findings.timeline(self.history, self.findings, TIMELINE_POINTS)
         out["summary"] = summary
         found = list(self.findings)
+        # a spike still held is judged by what the run did: it ended before the loss came back
+        held: list[Finding] = []
+        episodes = Causes(held)  # one finding an episode, as release_spikes adds them
+        for finding, episode in self._held:
+            episodes.add(finding, episode)
+        found += held
+        if self._transient:
+            found.append(findings.transient_spikes(self._transient, SPIKE_RECOVERY, here=self.here))
         if self.is_compiled:
             found = compiled.label_step_findings(found, self.compiled_graphs, self.first_graphs)
         return Report(command="sentinel", findings=found, data=out)
