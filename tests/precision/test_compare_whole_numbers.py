@@ -98,3 +98,12 @@ def test_whole_numbers_are_judged_against_the_formats_exact_range() -> None:
     assert found.columns == [1] and found.largest == 1001.0 and found.changed == 1.0  # 300, 1000 in bf16
     assert whole_numbers(x, torch.float16) == []  # fp16 holds them all
     assert whole_numbers(x.double(), torch.float32) == []  # past 2^24 only
+
+
+def test_plan_names_the_whole_numbers_and_no_ill_conditioned_model_beside_them() -> None:
+    model, x = _tabular(4000)
+    report = fpdoctor.plan(model, x, candidate="bf16").report
+    inputs = [f for f in report.findings if f.evidence.get("kind") == "input-rounding"]
+    assert len(inputs) == 1 and "whole_numbers" in inputs[0].evidence, str(report)
+    assert inputs[0].trial is not None and inputs[0].trial.tried
+    assert report.verdict == "error"

@@ -101,7 +101,10 @@ def build(the_plan: Plan, search: Search) -> Report:
     m = search.metric
     findings: list[Finding] = list(search.given[0])
     findings += _compare_findings(the_plan, search)
-    if any(fl > tol for _, _, fl, _, _, tol in search.sets):
+    # whole numbers the format rounds (compare's input-rounding finding, its fix checked) are the
+    # floor's cause: no "ill-conditioned model" beside it
+    whole = any("whole_numbers" in f.evidence for f in findings)
+    if any(fl > tol for _, _, fl, _, _, tol in search.sets) and not whole:
         findings.append(_floor_finding(the_plan, search))
     if not the_plan.verified:
         findings.append(_unverified_finding(the_plan, search))
@@ -376,7 +379,8 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
                 else:
                     out.append(dataclasses.replace(f, evidence=evidence, **_checked_or_next(the_plan, search)))
                 continue
-            if f.name != "precision-divergence":
+            if f.name != "precision-divergence" or "whole_numbers" in f.evidence:
+                # another finding, or inputs whose values the format rounds: no module set is its fix
                 out.append(dataclasses.replace(f, evidence=evidence))
                 continue
             module = f.where.get("module")
