@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from fpdoctor.numerics.engine import stable
 from fpdoctor.numerics.observe.loader import bad_rows, rows_text
 from fpdoctor.numerics.observe.records import Record
 from fpdoctor.numerics.observe.values import checkable, dtype_name
@@ -125,6 +126,7 @@ class Experiment:
     # a cast that made Inf of values past its format's range, tried holding the format's largest value
     # instead (what writing torch.finfo(x.dtype).min does): that value and the symptom op's max |x| then
     saturated_fix: tuple[float, float] | None = None
+    stable: stable.Checked | None = None  # the chain is a composite with a stable form, checked (stable.py)
     walked: int = 0  # upstream ops tried
     symptom: frozenset[str] = frozenset({"nan", "inf"})  # what the op made that its inputs did not hold
     handed: bool = False  # its inputs held a non-finite value already, which passes through
@@ -255,6 +257,19 @@ class Experiment:
             on="the inputs these ops read in this run",
         )
 
+    def _stable_fix(self, where: str) -> tuple[str, Trial]:
+        checked = self.stable
+        assert checked is not None
+        fix = _stable_fix_text(checked, where, self.op)
+        trial = Trial.checked(
+            f"{checked.form.written} replaced by {checked.form.stable}, in {checked.dtype}",
+            metric=f"{self.op}'s output",
+            before="non-finite",
+            after=f"finite, max |x| {_num(checked.absmax)}; finite on the inputs scaled to {checked.dtype}'s range",
+            on="the inputs these ops read in this run",
+        )
+        return fix, trial
+
     def _as_ran(self, changed: str, biggest: float | None) -> Trial:
         """A fix checked by the chain as it ran with `changed` in place: the symptom op's output then."""
         return Trial.checked(
@@ -326,6 +341,8 @@ class Experiment:
             )
             trial = self._as_ran(f"the cast{at} holding +-{limit:g} instead of Inf, the ops as they ran", biggest)
             return text, message + why, fix, trial
+        if self.stable is not None and self.stable.scaled:
+            return text, message + why, *self._stable_fix(_lines(self.chain))
         if own:
             reduction = _packet(origin.op) in _REDUCTIONS
             how = " (a reduction: .sum(dtype=torch.float32))" if reduction else ""
@@ -352,6 +369,27 @@ _DEVICE = (
     "check this GPU with `fpdoctor health` (Xid errors, ECC, GEMM fingerprints); for a custom kernel, test it on "
     "these inputs."
 )
+
+
+def _stable_fix_text(checked: stable.Checked, where: str, op: str) -> str:
+    form = checked.form
+    text = (
+        f"Write {form.stable} instead of {form.written} at {where}: torch computes it without rounding through "
+        f"the value that overflows. In {checked.dtype} on the inputs this step read, {op}'s replacement is finite "
+        f"(checked: max |x| {_num(checked.absmax)}), and on those inputs scaled to {checked.dtype}'s largest values "
+        "too (checked)"
+    )
+    if checked.fp32_fails:
+        text += (
+            "; the same lines in fp32 are non-finite there (checked): more precision only moves the edge, which a "
+            "model that grows confident crosses later"
+        )
+    if form.ops[0] == "sigmoid":
+        text += (
+            ". The other side likewise: log(sigmoid(z)) is F.logsigmoid(z), log(1 - sigmoid(z)) is F.logsigmoid(-z); "
+            "for a binary cross-entropy written by hand, F.binary_cross_entropy_with_logits(z, y) is both"
+        )
+    return text + "."
 
 
 def transparent_op(op: str) -> bool:
@@ -854,6 +892,12 @@ def _settle_origin(
             experiment.literal_fix = _try_constant(experiment.literal, origin, chain, lookup, symptom)
         if experiment.cast is not None and _past_range(origin):
             experiment.saturated_fix = _try_saturated(origin, chain, lookup, symptom)
+    except Exception:
+        pass
+    try:  # a composite torch computes in a stable form (stable.py): that form is the fix
+        form = stable.form_of([_packet(s.record.op) for s in chain])
+        if form is not None:
+            experiment.stable = stable.check(form, origin.args, chain[-2].args if len(chain) > 1 else ())
     except Exception:
         pass
     experiment.absmax_before = before

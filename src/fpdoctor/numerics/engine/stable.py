@@ -1,0 +1,79 @@
+"""Composites that torch computes in a stable form: the fix that holds for every input, not only the
+ones a step happened to see.
+
+`log(1 - sigmoid(z))` overflows in fp16 once sigmoid rounds to 1 (z > ~8); in fp32 the same lines
+go on until z > ~17, then fail the same way. More precision only moves the edge: a confident
+classifier crosses it a few hundred steps later. `F.logsigmoid(-z)` never rounds through 1. So
+where the chain from an origin down to the op that made NaN/Inf is one of these composites, the fix
+is the stable form, checked in the run's own dtype on the inputs the step read and on those inputs
+scaled to the dtype's largest values (where the composite in fp32 is checked to fail too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Form:
+    ops: tuple[str, ...]  # op packets from the origin down to the failing op
+    written: str  # the composite as code writes it
+    stable: str  # what to write instead
+    composite: Callable[[torch.Tensor, Any], torch.Tensor]
+    call: Callable[[torch.Tensor, Any], torch.Tensor]
+
+
+def _dim(args: tuple[Any, ...]) -> Any:
+    return args[1] if len(args) > 1 else -1
+
+
+FORMS = (
+    Form(("sigmoid", "log"), "log(sigmoid(z))", "F.logsigmoid(z)",
+         lambda z, _: torch.log(torch.sigmoid(z)), lambda z, _: F.logsigmoid(z)),
+    Form(("sigmoid", "rsub", "log"), "log(1 - sigmoid(z))", "F.logsigmoid(-z)",
+         lambda z, _: torch.log(1 - torch.sigmoid(z)), lambda z, _: F.logsigmoid(-z)),
+    Form(("_softmax", "log"), "log(softmax(x, dim))", "F.log_softmax(x, dim)",
+         lambda x, d: torch.log(torch.softmax(x, d)), F.log_softmax),
+    Form(("exp", "sum", "log"), "log(exp(x).sum(dim))", "torch.logsumexp(x, dim)",
+         lambda x, d: torch.log(torch.exp(x).sum(d)), torch.logsumexp),
+)  # fmt: skip
+
+
+@dataclass
+class Checked:
+    """A stable form tried: finite on the step's inputs (largest |value| then) and on them scaled to
+    the dtype's largest values; whether the composite in fp32 fails there."""
+
+    form: Form
+    dtype: str
+    absmax: float
+    scaled: bool
+    fp32_fails: bool
+
+
+def form_of(packets: list[str]) -> Form | None:
+    return next((f for f in FORMS if tuple(packets) == f.ops), None)
+
+
+def check(form: Form, origin_args: tuple[Any, ...], tail_args: tuple[Any, ...]) -> Checked | None:
+    """The stable form on the origin's input as it ran, and scaled to its dtype's range; None where it
+    is not finite there (no fix to print). `tail_args`: the reduction's arguments (its dim)."""
+    x = origin_args[0]
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
+        return None
+    extra = _dim(origin_args) if form.ops[0] == "_softmax" else _dim(tail_args)
+    with torch.no_grad():
+        out = form.call(x, extra)
+        if not bool(torch.isfinite(out).all()):
+            return None
+        biggest = float(x.abs().max())
+        limit = float(torch.finfo(x.dtype).max) / 4
+        scaled = (x.double() * (limit / biggest)).to(x.dtype) if biggest > 0 else x
+        holds = bool(torch.isfinite(form.call(scaled, extra)).all())
+        fp32_fails = not bool(torch.isfinite(form.composite(scaled.float(), extra)).all())
+    return Checked(form, str(x.dtype).removeprefix("torch."), float(out.abs().max()), holds, fp32_fails)
