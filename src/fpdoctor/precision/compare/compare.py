@@ -604,12 +604,24 @@ class _Comparison:
         format (first_overflow.py): one more fp64 forward, where each such leaf's call re-runs the
         candidate's copy op by op on its fp64 inputs, from the RNG state it started at."""
         names, self._overflowing = self._overflowing, set()
+        # also a leaf the user wrote whose own op made NaN/Inf while the leaf's output stayed finite
+        # (x / sqrt(sum(x^2)) with the sum past fp16's range: every output 0), searched the same way
+        made = {
+            name for (name, _), e in self.seen.items()
+            if name in self.leaves and e.own is not None and e.own.worst is not None and e.own.worst.overflow
+        }  # fmt: skip
+        names |= made
         if not names:
             return
 
         def pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
             entry = self.seen.get((name, index))
-            if name in names and entry is not None and entry.isolated is not None and math.isinf(entry.isolated):
+            if (
+                name in names
+                and entry is not None
+                and entry.isolated is not None
+                and (math.isinf(entry.isolated) or name in made)
+            ):
                 after = self.mark()
                 entry.overflow = self._first_overflow(self.cand_modules[name], name, args, kwargs)
                 self.goto(after)
