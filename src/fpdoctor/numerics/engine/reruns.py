@@ -31,8 +31,10 @@ import os
 import re
 import sys
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +51,7 @@ from fpdoctor.userframes import is_user_file
 WINDOW = 512  # ops whose arguments stay referenced, for the upstream walk
 WINDOW_BYTES = 256 * 2**20  # and at most this many bytes of their tensor arguments (see Window)
 MAX_ANCESTORS = 64  # ops of the walk, nearest first
+SELECTIONS = 64  # the latest selections (gather, index) followed as aliases, for re-runs (Window.select)
 BUDGET_S = 2.0  # seconds the experiments of one producer may take
 PRODUCERS = 4  # producers of each kind (NaN, Inf) experimented on: the first may be a deliberate mask
 _NARROW = (torch.float16, torch.bfloat16)
@@ -81,6 +84,7 @@ class Window:
         self.bytes = 0
         self.size = size
         self.max_bytes = WINDOW_BYTES if max_bytes is None else max_bytes
+        self.selections: dict[int, tuple[Any, Any, Any, Any]] = {}  # id(out) -> (weakref, func, args, kwargs)
 
     def append(self, step: tuple[Record, Any, Any, Any]) -> None:
         """The tracer's hot path calls this once per op."""
@@ -100,6 +104,15 @@ class Window:
         self.steps.clear()
         self.sizes.clear()
         self.bytes = 0
+        self.selections.clear()
+
+    def select(self, out: torch.Tensor, func: Any, args: Any, kwargs: Any) -> None:
+        """A selection the tracer follows as an alias of what it selects from (gather, index): kept
+        so that a re-run can select the same values from its recomputed source (SELECTIONS of them)."""
+        selections = self.selections
+        selections[id(out)] = (weakref.ref(out), func, args, kwargs)
+        while len(selections) > SELECTIONS:
+            del selections[next(iter(selections))]
 
     def by_index(self) -> dict[int, Step]:
         return {s[0].index: Step(*s) for s in self.steps}
@@ -458,7 +471,12 @@ def _lines(chain: list[Record]) -> str:
         return ", ".join(r.op for r in chain)
     files = {loc[0] for loc in located}
     numbers = sorted({loc[1] for loc in located})
-    span = f"line {numbers[0]}" if len(numbers) == 1 else f"lines {numbers[0]}-{numbers[-1]}"
+    if len(numbers) == 1:
+        span = f"line {numbers[0]}"
+    elif numbers[-1] - numbers[0] == len(numbers) - 1:  # consecutive: a range
+        span = f"lines {numbers[0]}-{numbers[-1]}"
+    else:  # the lines the chain ran, not the ones between them (an if/else branch not taken)
+        span = f"lines {', '.join(str(n) for n in numbers[:-1])} and {numbers[-1]}"
     return f"{span} of {located[0][0]}" if len(files) == 1 else ", ".join(f"{f}:{n}" for f, n, _ in located)
 
 
@@ -530,6 +548,30 @@ def _substitute(original: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 Lookup = Callable[[torch.Tensor], "tuple[str, int] | None"]
+# the window's selections while decide() runs: a re-run selects again from its recomputed source
+_SELECTED: ContextVar[dict[int, tuple[Any, Any, Any, Any]]] = ContextVar("selected", default={})  # noqa: B039
+
+
+def _reselect(t: torch.Tensor, outs: list[torch.Tensor]) -> torch.Tensor | None:
+    """`t` (or the base it is a view of), a selection (gather, index) of an output the chain
+    recomputed, selected again from that output's recomputed values; None where it is not one."""
+    selections = _SELECTED.get()
+    # the selection itself, or the base of a view of it (`.squeeze(1)` after a gather): _substitute lays
+    # the view over what is selected again
+    t = next((c for c in (t, t._base) if c is not None and id(c) in selections and selections[id(c)][0]() is c), t)
+    kept = selections.get(id(t))
+    if kept is None or kept[0]() is not t:
+        return None
+    _, func, args, kwargs = kept
+    flat, spec = tree_flatten((args, kwargs or {}))
+    for i, v in enumerate(flat):
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            match = next((o for o in outs if o.shape == v.shape), None)
+            if match is not None:
+                flat[i] = match
+    args_, kwargs_ = tree_unflatten(flat, spec)
+    out = func(*args_, **kwargs_)
+    return out if isinstance(out, torch.Tensor) and out.shape == t.shape else None
 
 
 def _run(
@@ -551,8 +593,10 @@ def _run(
             match = next((o for o in outs if o.shape == t.shape), None)
             if match is None:
                 match = next((o for o in outs if t._base is not None and o.shape == t._base.shape), None)
-            # no recomputed output has its shape (a reduction's or an index's result, matched to the op that
-            # made its operand): the argument stays as it ran, and the control run as it ran still decides
+            if match is None:  # a selection (gather, index) of that output: selected again from it
+                match = _reselect(t, outs)
+            # no recomputed output has its shape (a reduction's result, matched to the op that made its
+            # operand): the argument stays as it ran, and the control run as it ran still decides
             t = t if match is None else _substitute(t, match)
         elif src is not None and lookup is not None and lookup(t) != src:
             raise _Skip(f"an input of {step.record.op} was written in place since")
@@ -719,6 +763,14 @@ def decide(
 ) -> Experiment | None:
     """Run the experiments at a producer (see the module docstring); None when its arguments are
     no longer in the window. Never raises for an op it cannot re-run: it says so instead."""
+    token = _SELECTED.set(window.selections)
+    try:
+        return _decide(target_record, window, lookup, budget_s)
+    finally:
+        _SELECTED.reset(token)
+
+
+def _decide(target_record: Record, window: Window, lookup: Lookup | None, budget_s: float) -> Experiment | None:
     steps = window.by_index()
     target = steps.get(target_record.index)
     if target is None:

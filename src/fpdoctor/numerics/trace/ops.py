@@ -16,6 +16,9 @@ VALUE_PRESERVING = frozenset({
     "repeat", "max", "min", "amax", "amin", "max_pool2d_with_indices", "index", "masked_select", "sort", "topk",
     "flip", "roll", "tril", "triu", "zero_", "zeros_like",
 })  # fmt: skip
+# Of those, the ones that select a part of their input (followed as its alias): a re-run of the chain
+# above them selects the same part again from its recomputed values (engine.reruns.Window.select).
+SELECTS = frozenset({"gather", "index", "index_select", "masked_select"})
 # Fresh memory holds garbage until it is written: not a value to check.
 _UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 # Ops that take a tensor only for its shape, dtype and device.

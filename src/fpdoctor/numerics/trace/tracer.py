@@ -50,7 +50,7 @@ from fpdoctor.numerics.observe.values import (
 )
 from fpdoctor.numerics.trace.bounds import output_bound
 from fpdoctor.numerics.trace.modules import ModuleTracker
-from fpdoctor.numerics.trace.ops import FUNCTIONAL, GENERAL, IN_PLACE, VIEW, OpInfo, tensor_args
+from fpdoctor.numerics.trace.ops import FUNCTIONAL, GENERAL, IN_PLACE, SELECTS, VIEW, OpInfo, tensor_args
 from fpdoctor.provenance import Provenance
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.torchprivate import (
@@ -705,6 +705,8 @@ class Tracer(EagerDispatchMode):
                 src = self._source(sources[0], index)
                 if self._finite(src):
                     self._alias(t, src)
+                    if info.name in SELECTS and src[0] == "op":  # a part of an op's output: kept to re-run
+                        self._window.select(t, info.func, args, kwargs)
                     if t._base is not None and not self._still_bad(t._base, True):
                         self._alias(t._base, src)  # written through a view: the base holds it too
                     module, call, _ = self.tracker.current
