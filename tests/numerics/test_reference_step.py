@@ -185,5 +185,5 @@ def test_the_default_period_stretches_until_the_reference_step_costs_its_share_a
     assert not judge.reference_due(501)
     assert not judge.reference_due(10_000) and judge.reference_due(10_001)
     (line,) = [text for key, text in guard.report.data["summary"] if key == "reference step"]
-    assert "again after 10000 steps" in line and "0.5%" in line, line
+    assert "paced to one every 10000 steps" in line and "0.5%" in line, line
     assert guard.report.data["reference_step"]["paced"]["every"] == 10_000

@@ -847,9 +847,13 @@ class StepJudge:
             judged["not_tried"] = f"the steps could not run on copies: {type(exc).__name__}: {exc}"
             return
         judged.update(recipe=list(arms.run), reference=list(arms.reference))
+        if f.what_if_fn is not None and f.what_if_loss != "the loss":  # estimated, not the loss function's
+            judged["loss_is"] = f.what_if_loss
         if arms.recipe_stops_progress():
             dtypes = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in self.params}))
-            self.findings.append(progress.finding(flat, arms, recipe=f"{dtypes} weights", here=self.here))
+            self.findings.append(
+                progress.finding(flat, arms, recipe=f"{dtypes} weights", here=self.here, loss_is=judged.get("loss_is"))
+            )
 
     # -- the reference step (reference.py) --------------------------------------------------------
     def reference_due(self, step: int) -> bool:
@@ -1100,6 +1104,7 @@ class StepJudge:
                 text += (
                     f"; {progress.STEPS} steps on its batch: yours {last['recipe'][0]:.4g} -> {last['recipe'][1]:.4g}, "
                     f"fp32 reference {last['reference'][0]:.4g} -> {last['reference'][1]:.4g}"
+                    + (f" ({last['loss_is']})" if "loss_is" in last else "")
                 )
             else:
                 text += f"; not put to the reference: {last['not_tried']}"

@@ -153,15 +153,17 @@ def _recipe(contexts: Callable[[], list[contextlib.AbstractContextManager[Any]]]
         yield
 
 
-def finding(flat_: Flat, arms: Arms, *, recipe: str, here: dict[str, Any]) -> Finding:
-    """`training-not-progressing`: the loss flat over the window, the reference recipe moving it."""
+def finding(flat_: Flat, arms: Arms, *, recipe: str, here: dict[str, Any], loss_is: str | None = None) -> Finding:
+    """`training-not-progressing`: the loss flat over the window, the reference recipe moving it.
+    `loss_is`: what the arms' losses are where they are not the loss function's (an estimate)."""
     (r0, r1), (f0, f1) = arms.run, arms.reference
     message = (
         f"Over steps {flat_.first}-{flat_.last} the loss did not improve (mean {flat_.before:.4g} in the first "
         f"half, {flat_.after:.4g} in the second; noise {flat_.noise:.2g}). From step {flat_.last}'s state, "
         f"{arms.steps} optimizer steps on its own batch in the reference recipe (fp32 weights and math, no "
         f"autocast) lower that batch's loss {f0:.4g} -> {f1:.4g}; the same steps in your recipe ({recipe}) "
-        f"{r0:.4g} -> {r1:.4g}. The progress is there to make, and the recipe's precision does not make it."
+        f"{r0:.4g} -> {r1:.4g}{f' ({loss_is})' if loss_is else ''}. The progress is there to make, and the "
+        "recipe's precision does not make it."
     )
     fix = (
         "Find the part of the recipe that loses the step: the reference step's finding (TRN015) where the "

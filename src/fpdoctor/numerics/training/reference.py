@@ -566,8 +566,8 @@ def summary(
         gap, cost, step_time = pace
         data["paced"] = {"every": gap, "cost_s": cost, "step_s": step_time, "share": SHARE}
         text += (
-            f"; again after {gap} steps (it cost {cost / step_time:.3g} steps' time: kept under {SHARE:.1%} of the "
-            f"steps between, at least every {every})"
+            f"; paced to one every {gap} steps (it cost {cost / step_time:.3g} steps' time: kept under {SHARE:.1%} "
+            f"of the steps between; never more often than every {every})"
         )
     elif every > 0:
         text += f"; again every {every} steps"
