@@ -29,3 +29,21 @@ def test_an_embedding_normalised_after_its_projection_is_not_judged_as_logits():
     assert "decisions" not in embedding and "output_error" in embedding
     classifier = fpdoctor.compare(Head(normalised=False).eval(), x, candidate="bf16").report.data
     assert "decisions" in classifier and "logits of `proj`" in classifier["decisions"]["source"]
+
+
+class Denoiser(nn.Module):
+    """Predicts the noise in its input x (same shape), from x and a timestep embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.out = nn.Sequential(nn.Linear(32, 128), nn.SiLU()), nn.Linear(128, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.body(x))
+
+
+def test_an_output_of_its_inputs_shape_is_not_judged_as_logits():
+    torch.manual_seed(0)
+    x = torch.randn(64, 32)
+    report = fpdoctor.compare(Denoiser().eval(), x, candidate="bf16").report.data
+    assert "decisions" not in report and "output_error" in report

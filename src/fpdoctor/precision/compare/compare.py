@@ -529,12 +529,15 @@ class _Comparison:
     def _keep_logits(self, output: Any) -> None:
         """The model's output, whole, when it is logits (use.py): the last leaf call made it, and
         what the model returns is that output as it is (a cast at most), not something computed
-        from it (an embedding normalised after its projection decides no class)."""
+        from it (an embedding normalised after its projection decides no class), and of another shape
+        than every input (a denoiser predicts its input's noise)."""
         first = next(floating(output), None)
         name = self._last_leaf or ""
         made = next(floating(self._last_output), None)
         if first is None or made is None or first.shape != made.shape:
             return
+        if any(t.shape == first.shape for t in floating(self.inputs)):
+            return  # an output in its input's space (a denoiser's noise, a reconstruction) decides no class
         ours, theirs = device_sample(first), device_sample(made)  # the same strided values, no whole copy
         if ours is None or theirs is None or not torch.allclose(ours, theirs, rtol=1e-6, atol=0.0):
             return

@@ -134,6 +134,8 @@ def raised_error(
         swapped.append((owner, attr, getattr(owner, attr)))
         setattr(owner, attr, kept)  # nn.Module puts a tensor set on a buffer's name in the buffer's slot
         raised.raised += 1  # read as it is, as the user's code reads an fp32 buffer (torch's type promotion)
+        if lines:  # the lines' ops read it in fp32 and what they make of it is cast back, as the fix says
+            raised.made.put(kept, True)
     try:
         return error_under(raised, run, inputs, dtype, truth=truth, norm=norm, rng=rng, device=device,
                            noise=noise, keep=keep)  # fmt: skip

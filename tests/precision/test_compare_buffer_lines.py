@@ -1,0 +1,62 @@
+"""A buffer that the model's cast rounds (a sinusoidal embedding's frequencies), read by lines whose
+ops then amplify that rounding (sin and cos of t * freqs, t up to 999): the fix is those lines in
+fp32 with the buffer kept in fp32, and what they make cast back. Its check ran the buffer in fp32
+into the lines and read their fp32 results in the next Linear (fp16): a dtype error, so the fix was
+printed untried with "the lines that make its inputs were not found". Now the check casts back what
+the lines make of the buffer, as the fix says, and its figure is what the fix applied gives."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+import fpdoctor
+
+
+class Timesteps(nn.Module):
+    def __init__(self, dim: int = 64, fixed: bool = False) -> None:
+        super().__init__()
+        half, self.fixed = dim // 2, fixed
+        self.register_buffer("freqs", torch.exp(-math.log(10000.0) * torch.arange(half) / half))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        if self.fixed:  # the fix as printed: the buffer and these lines in fp32, the result cast back
+            freqs = torch.exp(-math.log(10000.0) * torch.arange(self.freqs.numel()) / self.freqs.numel())
+            args = t.float()[:, None] * freqs[None, :]
+            return torch.cat([torch.sin(args), torch.cos(args)], dim=-1).to(t.dtype)
+        args = t[:, None] * self.freqs[None, :]
+        return torch.cat([torch.sin(args), torch.cos(args)], dim=-1)
+
+
+class Conditioned(nn.Module):
+    def __init__(self, fixed: bool = False) -> None:
+        super().__init__()
+        self.when = Timesteps(fixed=fixed)
+        self.proj = nn.Sequential(nn.Linear(64, 128), nn.SiLU(), nn.Linear(128, 32))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.when(t))
+
+
+ARGS_LINE = Timesteps.forward.__code__.co_firstlineno + 5
+
+
+def test_a_rounded_buffer_and_the_lines_that_read_it_are_checked_in_fp32_as_the_fix_applied_gives() -> None:
+    torch.manual_seed(0)
+    model = Conditioned().eval()
+    t = torch.randint(900, 1000, (256,)).float()
+    result = fpdoctor.compare(model, t, candidate="fp16")
+    first = result.report.findings[0]
+    assert first.evidence.get("rounded_buffers") == ["when.freqs"], first.evidence
+    assert first.trial is not None and first.trial.tried, first.trial
+    assert isinstance(first.trial.after, float) and first.trial.after * 10 < first.trial.before, first.trial
+    assert f"lines {ARGS_LINE}-{ARGS_LINE + 1}" in first.fix, first.fix
+    # the fix applied, in fp16, against fp64: within 2x of the checked figure
+    fixed = Conditioned(fixed=True).eval()
+    fixed.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        truth = fixed.double()(t.double())
+        got = fixed.half()(t.half()).double()
+    assert float((got - truth).norm() / truth.norm()) <= 2 * first.trial.after
