@@ -642,12 +642,17 @@ def _bad_rows(target: Step, lookup: Lookup | None, *, batch: bool) -> dict[str, 
         return None
     bad = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
     bad[found["indices"]] = True
+    sources = {i: src for i, _, src in _aligned(target)}
     for position, t in enumerate(tree_flatten((target.args, target.kwargs or {}))[0]):
         if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 and t.shape[0] == out.shape[0]):
             continue
         size = t.detach().reshape(t.shape[0], -1).abs().double().amax(1)
         inside, outside = float(size[bad].max()), float(size[~bad].max())
-        if inside == 0 and outside > 0:
+        src = sources.get(position)
+        if inside == 0 and outside > 0 and src is not None and src[0] == "op":
+            # computed in the trace: zeros made upstream (an underflow, a mask), not a padded input row
+            found["differs"] = f"argument {position} is all zero (computed upstream: an underflow or a mask?)"
+        elif inside == 0 and outside > 0:
             found["differs"] = f"argument {position} is all zero (a padded or empty row?)"
         elif inside > 100 * outside or outside > 100 * inside:
             found["differs"] = f"argument {position}'s largest |x| is {inside:.3g}, against {outside:.3g} in the others"
