@@ -453,9 +453,10 @@ def test_record_size_is_bounded_per_module_call(tmp_path):
     """A call whose output is below 2 x SAMPLE elements is sampled whole by compare; the record
     keeps at most SAMPLE of its values."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 127), nn.GELU(), nn.Linear(127, 64))  # 129 x 127 = 16383 values
+    # 129 x 127 = 16383 values; 48 features in, 64 classes out (an output of its input's shape is no logits)
+    model = nn.Sequential(nn.Linear(48, 127), nn.GELU(), nn.Linear(127, 64))
     path = tmp_path / "a.json.gz"
-    fpdoctor.compare(model, torch.randn(129, 64), candidate="fp32", save_reference=path)
+    fpdoctor.compare(model, torch.randn(129, 48), candidate="fp32", save_reference=path)
     record = CompareRecord.load(path)
     assert [c.truth.numel() for c in record.sets[0].calls] == [SAMPLE, SAMPLE, SAMPLE, SAMPLE]
     # the output is logits (a Linear to 64 classes): its decisions too, 129 rows of 2 + 5 classes and all

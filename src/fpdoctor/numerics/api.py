@@ -294,6 +294,7 @@ class Trace:
         tracer.errors.extend(self._recipes.errors)
         findings += self._updates.findings
         tracer.errors.extend(self._updates.errors)
+        findings += tracer.lost_updates.findings()  # running updates outside the optimizer, rounded away
         repro_notes: dict[str, str] = {}
         if self.repro is not None:
             try:

@@ -49,6 +49,7 @@ from fpdoctor.numerics.observe.values import (
     version,
 )
 from fpdoctor.numerics.trace.bounds import output_bound
+from fpdoctor.numerics.trace.lost_updates import ACCUMULATES, LostUpdates
 from fpdoctor.numerics.trace.modules import ModuleTracker
 from fpdoctor.numerics.trace.ops import FUNCTIONAL, GENERAL, IN_PLACE, SELECTS, VIEW, OpInfo, tensor_args
 from fpdoctor.provenance import Provenance
@@ -180,6 +181,7 @@ class Tracer(EagerDispatchMode):
         self._next_compact = COMPACT_EVERY
         # the last ops' arguments, by reference, for the experiments at the first NaN and Inf producers
         self._window = Window()
+        self.lost_updates = LostUpdates()  # in-place running updates a narrow tensor rounds away
         self._decided: Counter[str] = Counter()  # "nan" / "inf": producers experimented on
         self.experiments: dict[int, Experiment] = {}  # record index -> what was re-run there
         self._nested = False
@@ -239,7 +241,18 @@ class Tracer(EagerDispatchMode):
                     probed = self._before_write([args[0]])
                 except Exception as exc:  # the observer never kills the job
                     self._error(func, exc)
+            running = None
+            if path == IN_PLACE and info.name in ACCUMULATES:  # a running update a narrow tensor may round away
+                try:
+                    running = self.lost_updates.before(info.name, args, lambda: self.tracker.phase)
+                except Exception as exc:  # the observer never kills the job
+                    self._error(func, exc)
             out = func(*args, **kwargs) if kwargs else func(*args)
+            if running is not None:
+                try:
+                    self.lost_updates.after(running, func, args, kwargs)
+                except Exception as exc:  # the observer never kills the job
+                    self._error(func, exc)
             try:
                 if type(out) is Tensor if path == FUNCTIONAL else out is args[0]:
                     self._one(info, args, kwargs, out, seq=seq, before=probed, written=path == IN_PLACE)
@@ -269,7 +282,18 @@ class Tracer(EagerDispatchMode):
                         before = self._before_write(written)
             except Exception as exc:  # the observer never kills the job
                 self._error(func, exc)
+        running = None
+        if info.name in ACCUMULATES and not self._nested:  # as on the in-place path above
+            try:
+                running = self.lost_updates.before(info.name, args, lambda: self.tracker.phase)
+            except Exception as exc:  # the observer never kills the job
+                self._error(func, exc)
         out = func(*args, **kwargs)
+        if running is not None:
+            try:
+                self.lost_updates.after(running, func, args, kwargs)
+            except Exception as exc:  # the observer never kills the job
+                self._error(func, exc)
         try:
             if self._nested:
                 with DisableTorchDispatch():
