@@ -81,6 +81,11 @@ def _written_scalar(leaf: Leaf, first: Record) -> bool:
     return leaf.origin is None and leaf.name == "input" and not leaf.shape and _packet(first.op).endswith("_")
 
 
+def _nth(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def where_text(path: tuple[str, int, str] | None) -> str | None:
     """'file:line in function', as every finding of the trace words a source line."""
     return f"{path[0]}:{path[1]} in {path[2]}" if path else None
@@ -208,8 +213,12 @@ class Analysis:
             text = f", optimizer step {n}"
         else:
             text = f", in an evaluation after optimizer step {n}" if n else ", in an evaluation before the first step"
-        if call is not None and r.phase != "optimizer":  # in the optimizer, the call is the step
-            text += f", {'module call' if r.module is not None else 'call at this line'} {call}"
+        if (
+            call is not None and r.phase != "optimizer" and r.module is not None
+        ):  # in the optimizer, the call is the step
+            text += f", module call {call}"
+        elif call is not None and r.phase != "optimizer" and call > 1:  # outside modules: the line's count
+            text += f", the {_nth(call)} time this line ran"
         return text
 
     def at_step(self, r: Record) -> str:
