@@ -107,3 +107,5 @@ def test_plan_names_the_whole_numbers_and_no_ill_conditioned_model_beside_them()
     assert len(inputs) == 1 and "whole_numbers" in inputs[0].evidence, str(report)
     assert inputs[0].trial is not None and inputs[0].trial.tried
     assert report.verdict == "error"
+    rows = dict(report.data["summary"])
+    assert rows["keep in fp32"].startswith("no module set is the fix"), rows

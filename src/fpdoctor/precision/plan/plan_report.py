@@ -153,7 +153,10 @@ def build(the_plan: Plan, search: Search) -> Report:
     summary.append(("target", _target_text(the_plan, search)))
     if search.what_if:
         summary.append((f"what-if, alone in fp32 (by {m.name})", _what_if_text(search)))
-    if the_plan.verified:
+    if whole:  # the floor is the inputs' rounded whole numbers: no set of modules is the fix
+        summary.append(("keep in fp32", "no module set is the fix: the inputs' whole numbers are rounded"))
+        summary.append(("verified", "the finding's fix instead (the ids kept exact), checked"))
+    elif the_plan.verified:
         summary.append(("keep in fp32", _names(the_plan.keep_fp32)))
         for fix in the_plan.fp32_ops:
             summary.append((f"compute in fp32 in `{fix.module}`", _op_text(fix)))
