@@ -46,3 +46,14 @@ def test_only_the_latest_selections_are_kept() -> None:
     assert id(outs[-1]) in window.selections and id(outs[0]) not in window.selections
     window.clear()
     assert not window.selections
+
+
+def test_the_selections_hold_a_bounded_share_of_the_windows_bytes() -> None:
+    window = reruns.Window(max_bytes=4 * 2**20)  # a quarter: 1 MiB of sources
+    sources = [torch.zeros(2**16) for _ in range(8)]  # 256 KiB each
+    outs = [torch.zeros(1) for _ in sources]
+    for source, out in zip(sources, outs, strict=True):
+        window.select(out, torch.ops.aten.gather.default, (source, 0, torch.zeros(1, dtype=torch.long)), {})
+    assert window.selection_bytes <= 2**20 and len(window.selections) == 3  # 256 KiB and an index each
+    window.select(torch.zeros(1), torch.ops.aten.gather.default, (torch.zeros(2**19),), {})  # 2 MiB: not kept
+    assert len(window.selections) == 3

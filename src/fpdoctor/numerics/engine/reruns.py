@@ -85,6 +85,8 @@ class Window:
         self.size = size
         self.max_bytes = WINDOW_BYTES if max_bytes is None else max_bytes
         self.selections: dict[int, tuple[Any, Any, Any, Any]] = {}  # id(out) -> (weakref, func, args, kwargs)
+        self.selection_sizes: dict[int, int] = {}
+        self.selection_bytes = 0
 
     def append(self, step: tuple[Record, Any, Any, Any]) -> None:
         """The tracer's hot path calls this once per op."""
@@ -105,14 +107,25 @@ class Window:
         self.sizes.clear()
         self.bytes = 0
         self.selections.clear()
+        self.selection_sizes.clear()
+        self.selection_bytes = 0
 
     def select(self, out: torch.Tensor, func: Any, args: Any, kwargs: Any) -> None:
         """A selection the tracer follows as an alias of what it selects from (gather, index): kept
-        so that a re-run can select the same values from its recomputed source (SELECTIONS of them)."""
-        selections = self.selections
-        selections[id(out)] = (weakref.ref(out), func, args, kwargs)
-        while len(selections) > SELECTIONS:
-            del selections[next(iter(selections))]
+        so that a re-run can select the same values from its recomputed source (SELECTIONS of them,
+        holding at most a quarter of WINDOW_BYTES of sources: a gather from an LM's logits keeps
+        those logits alive)."""
+        size = sum(a.nbytes for a in args if isinstance(a, torch.Tensor) and not (a.requires_grad and a.is_leaf))
+        limit = self.max_bytes // 4
+        if size > limit:
+            return
+        selections, sizes = self.selections, self.selection_sizes
+        selections[id(out)], sizes[id(out)] = (weakref.ref(out), func, args, kwargs), size
+        self.selection_bytes += size
+        while len(selections) > SELECTIONS or self.selection_bytes > limit:
+            oldest = next(iter(selections))
+            del selections[oldest]
+            self.selection_bytes -= sizes.pop(oldest)
 
     def by_index(self) -> dict[int, Step]:
         return {s[0].index: Step(*s) for s in self.steps}
