@@ -30,6 +30,9 @@ CHECKED = 3  # calls of each (op, line) redone in fp32
 LOST = 0.5  # an update is lost where what the tensor kept is off by half of it or more
 _NARROW = (torch.bfloat16, torch.float16)
 _SMALLEST = 64  # values: a scalar or a handful is not a running state
+# and at most this many: the check's fp64 and fp32 copies of a larger one (a big embedding) would cost
+# the job memory; the line's smaller tensors (an EMA updates every parameter at the same line) are checked
+_LARGEST = 1 << 22
 
 
 @dataclass
@@ -53,7 +56,9 @@ class LostUpdates:
         if name not in ACCUMULATES or not args:
             return None
         t = args[0]
-        if not isinstance(t, torch.Tensor) or t.dtype not in _NARROW or t.requires_grad or t.numel() < _SMALLEST:
+        if not isinstance(t, torch.Tensor) or t.dtype not in _NARROW or t.requires_grad:
+            return None
+        if not _SMALLEST <= t.numel() <= _LARGEST:
             return None
         if phase() in ("optimizer", "backward"):  # the optimizer's updates are TRN010's, .grad sums TRN011's
             return None
