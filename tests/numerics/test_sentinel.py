@@ -83,7 +83,8 @@ def test_a_numerical_bug_reproduces_and_names_the_op():
     assert report.exit_code == 1
 
 
-def test_loss_spike():
+def _losses(levels: list[float]) -> fpdoctor.Report:
+    """Steps whose loss is the same batch's times each level in turn (the model's output zeroed)."""
     model, opt = make()
     guard = fpdoctor.Sentinel(model, opt)
     x, y = data()[0]
@@ -95,12 +96,17 @@ def test_loss_spike():
         loss.backward()
         return loss
 
-    for i in range(12):
-        scale["k"] = 1.0 + 0.01 * (i % 3)
+    for level in levels:
+        scale["k"] = level
         guard.step(step, x, y)
-    scale["k"] = 50.0
-    guard.step(step, x, y)
-    spikes = guard.report.by_name("loss-spike")
+    return guard.report
+
+
+FLAT = [1.0 + 0.01 * (i % 3) for i in range(12)]
+
+
+def test_loss_spike():
+    spikes = _losses([*FLAT, 50.0]).by_name("loss-spike")
     assert len(spikes) == 1 and spikes[0].where["step"] == 13
 
 
@@ -226,21 +232,7 @@ def test_the_timeline_gradient_norm_is_the_unscaled_norm_clip_grad_norm_gives():
 
 def _spiking(after: float) -> fpdoctor.Report:
     """A flat loss, one step 50x at step 13, then 12 steps at `after` times the level."""
-    model, opt = make()
-    guard = fpdoctor.Sentinel(model, opt)
-    x, y = data()[0]
-    scale = {"k": 1.0}
-
-    def step(x, y):
-        opt.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(model(x) * 0, y) * scale["k"]
-        loss.backward()
-        return loss
-
-    for i in range(25):
-        scale["k"] = 50.0 if i == 12 else (1.0 if i < 12 else after) + 0.01 * (i % 3)
-        guard.step(step, x, y)
-    return guard.report
+    return _losses([*FLAT, 50.0, *(after + 0.01 * (i % 3) for i in range(13, 25))])
 
 
 def test_a_spike_the_loss_comes_back_from_is_noise_said_once_not_a_warning():
