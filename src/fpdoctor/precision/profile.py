@@ -18,6 +18,7 @@ from fpdoctor.precision.fit import within
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.metrics import SAMPLE, sqnr_db
 from fpdoctor.report.model import Finding, Report, Trial
+from fpdoctor.report.render import ordinal
 
 # The one metric behind every "error" compare and plan print, the end-to-end error included.
 METRIC = (
@@ -298,12 +299,7 @@ def _short_op(op: str) -> str:
 
 def _values_text(values: Any) -> str:
     n, total, step = values
-    return f"all {total} values" if step == 1 and n == total else f"{n} of {total} values, every {_ordinal(step)}"
-
-
-def _ordinal(n: int) -> str:
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
+    return f"all {total} values" if step == 1 and n == total else f"{n} of {total} values, every {ordinal(step)}"
 
 
 def build_report(

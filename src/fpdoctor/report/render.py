@@ -26,6 +26,12 @@ _VERDICT_STYLE = {"error": "bold white on red", "warning": "bold black on yellow
 CLEAN_ROWS = 8
 
 
+def ordinal(n: int) -> str:
+    """'1st', '2nd', '11th', '23rd': how a finding words a count."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def headline(report: Mapping[str, Any]) -> str:
     """What a report leads with in every format: its verdict, except that a report that saw nothing
     wrong because it could not look, or did not look to the end, says so ("not checked",

@@ -37,6 +37,7 @@ from fpdoctor.numerics.trace.scaler_skips import ScalerRun, recurring
 from fpdoctor.numerics.trace.steps import StepCounter
 from fpdoctor.numerics.trace.tracer import Leaf, Record, Tracer
 from fpdoctor.report.model import Finding, Trial
+from fpdoctor.report.render import ordinal
 
 Origin = tuple[str, int]  # ("op", record index) or ("leaf", leaf index)
 
@@ -79,11 +80,6 @@ def _count(call: int | None) -> int | None:
 def _written_scalar(leaf: Leaf, first: Record) -> bool:
     """A 0-dim value seen first by an in-place write: a Python scalar the code assigned."""
     return leaf.origin is None and leaf.name == "input" and not leaf.shape and _packet(first.op).endswith("_")
-
-
-def _nth(n: int) -> str:
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
 
 
 def where_text(path: tuple[str, int, str] | None) -> str | None:
@@ -213,12 +209,11 @@ class Analysis:
             text = f", optimizer step {n}"
         else:
             text = f", in an evaluation after optimizer step {n}" if n else ", in an evaluation before the first step"
-        if (
-            call is not None and r.phase != "optimizer" and r.module is not None
-        ):  # in the optimizer, the call is the step
-            text += f", module call {call}"
-        elif call is not None and r.phase != "optimizer" and call > 1:  # outside modules: the line's count
-            text += f", the {_nth(call)} time this line ran"
+        if call is not None and r.phase != "optimizer":  # in the optimizer, the call is the step
+            if r.module is not None:
+                text += f", module call {call}"
+            elif call > 1:  # outside modules: the line's count
+                text += f", the {ordinal(call)} time this line ran"
         return text
 
     def at_step(self, r: Record) -> str:
