@@ -241,18 +241,10 @@ class Tracer(EagerDispatchMode):
                     probed = self._before_write([args[0]])
                 except Exception as exc:  # the observer never kills the job
                     self._error(func, exc)
-            running = None
             if path == IN_PLACE and info.name in ACCUMULATES:  # a running update a narrow tensor may round away
-                try:
-                    running = self.lost_updates.before(info.name, args, lambda: self.tracker.phase)
-                except Exception as exc:  # the observer never kills the job
-                    self._error(func, exc)
-            out = func(*args, **kwargs) if kwargs else func(*args)
-            if running is not None:
-                try:
-                    self.lost_updates.after(running, func, args, kwargs)
-                except Exception as exc:  # the observer never kills the job
-                    self._error(func, exc)
+                out = self._running_update(info, func, args, kwargs)
+            else:
+                out = func(*args, **kwargs) if kwargs else func(*args)
             try:
                 if type(out) is Tensor if path == FUNCTIONAL else out is args[0]:
                     self._one(info, args, kwargs, out, seq=seq, before=probed, written=path == IN_PLACE)
@@ -282,18 +274,10 @@ class Tracer(EagerDispatchMode):
                         before = self._before_write(written)
             except Exception as exc:  # the observer never kills the job
                 self._error(func, exc)
-        running = None
         if info.name in ACCUMULATES and not self._nested:  # as on the in-place path above
-            try:
-                running = self.lost_updates.before(info.name, args, lambda: self.tracker.phase)
-            except Exception as exc:  # the observer never kills the job
-                self._error(func, exc)
-        out = func(*args, **kwargs)
-        if running is not None:
-            try:
-                self.lost_updates.after(running, func, args, kwargs)
-            except Exception as exc:  # the observer never kills the job
-                self._error(func, exc)
+            out = self._running_update(info, func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         try:
             if self._nested:
                 with DisableTorchDispatch():
@@ -748,6 +732,22 @@ class Tracer(EagerDispatchMode):
             written=written,
             arg_tensors=arg_tensors,
         )
+
+    def _running_update(self, info: OpInfo, func: Any, args: Any, kwargs: Any) -> Any:
+        """Run an in-place update that lost_updates.py may check: its target's values kept before,
+        the update it kept compared after (the first calls of each source line only)."""
+        kept = None
+        try:
+            kept = self.lost_updates.before(info.name, args, lambda: self.tracker.phase)
+        except Exception as exc:  # the observer never kills the job
+            self._error(func, exc)
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        if kept is not None:
+            try:
+                self.lost_updates.after(kept, func, args, kwargs)
+            except Exception as exc:  # the observer never kills the job
+                self._error(func, exc)
+        return out
 
     def _copy_into_parameter(self, args: Any, index: int) -> bool:
         """`param.copy_(loaded)` (load_state_dict): the parameter starts over as a leaf under its

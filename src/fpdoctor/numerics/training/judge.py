@@ -202,10 +202,10 @@ class StepJudge:
         self.transients = transient.Experiments()  # a step that does not reproduce: its cause, by experiment
         self._stall: int | None = None  # the stalled episode's finding, by index, while it lasts
         self._spike_at: tuple[int, tuple[Any, ...]] | None = None  # the last spike's step and its episode
-        # the spike episode waiting for SPIKE_RECOVERY steps: its findings, the mean and spread before
-        # it, and the finite losses since its last step; then the spikes that came back
+        # the spike episode waiting for SPIKE_RECOVERY steps (its findings, whose evidence holds the
+        # mean and spread before it) and the finite losses since its last step; then the spikes that
+        # came back
         self._held: list[tuple[Finding, tuple[Any, ...]]] = []
-        self._held_level = (0.0, 0.0)
         self._since_spike: list[float] = []
         self._transient: list[dict[str, Any]] = []
         # the state the latest climb's first step started from (or why none is kept), and what lowering
@@ -360,7 +360,7 @@ class StepJudge:
                 apply()
             self.last_good_step = f.step
             return outcome
-        self.release_spikes()  # a spike a non-finite step follows is not noise
+        self._release_spikes()  # a spike a non-finite step follows is not noise
         if self.outputs is not None:  # torch.compile: the first compiled module that returned NaN/Inf
             graph = self.outputs.first_bad()
             if graph is not None:
@@ -640,9 +640,7 @@ class StepJudge:
             if f is not None and episode == ("loss-spike", step):
                 self._climb = self._keep_climb(f)
             if self._held and self._held[-1][1] != episode:
-                self.release_spikes()  # spiked again before it came back
-            if not self._held:
-                self._held_level = (mean, spread)
+                self._release_spikes()  # spiked again before it came back
             self._held.append(
                 (findings.spike_finding(step, loss_value, mean, spread, len(history), here=self.here), episode)
             )
@@ -653,11 +651,12 @@ class StepJudge:
             if self._held:
                 self._since_spike.append(loss_value)
                 if len(self._since_spike) >= SPIKE_RECOVERY:
-                    mean, spread = self._held_level
-                    self.release_spikes(came_back=statistics.median(self._since_spike) <= mean + 2 * spread)
+                    before = self._held[0][0].evidence  # the level before the episode's first spike
+                    back = statistics.median(self._since_spike) <= before["mean"] + 2 * before["std"]
+                    self._release_spikes(came_back=back)
         history.append(loss_value)
 
-    def release_spikes(self, *, came_back: bool = False) -> None:
+    def _release_spikes(self, *, came_back: bool = False) -> None:
         """The held spike episode judged: counted as noise where its loss came back, else its findings
         added as they were made (a non-finite step, the end of the run, a loss that stays up)."""
         held, self._held, self._since_spike = self._held, [], []
@@ -1119,7 +1118,7 @@ class StepJudge:
         found = list(self.findings)
         # a spike still held is judged by what the run did: it ended before the loss came back
         held: list[Finding] = []
-        episodes = Causes(held)  # one finding an episode, as release_spikes adds them
+        episodes = Causes(held)  # one finding an episode, as _release_spikes adds them
         for finding, episode in self._held:
             episodes.add(finding, episode)
         found += held
