@@ -865,6 +865,11 @@ class _Comparison:
         if kept is not None:  # rounding the inputs costs nothing: no forward measures it
             self.input_floor_note = f"0: {kept}, so rounding them to {self.label} changes nothing (no forward run)"
             return 0.0
+        return self._floor_with()
+
+    def _floor_with(self, rounded: Any = None) -> float | None:
+        """The reference's end-to-end error fed the inputs rounded to the candidate's dtype, or as
+        `rounded` gives them (some values kept: input_cause.rounded_but)."""
         root = next(e for (name, _), e in self.seen.items() if name == "")
         return input_rounding_error(
             self.ref_run if self.ref_run is not None else self.truth_run,
@@ -875,6 +880,7 @@ class _Comparison:
             norm=root.norm,
             rng=self.rng,
             noise=self.noise,
+            rounded=rounded,
         )
 
     def inputs_cause(self, rows: list[ModuleRow], input_floor: float | None) -> dict[str, Any] | None:
@@ -886,16 +892,7 @@ class _Comparison:
             return None
         if input_floor <= DIVERGENCE_RATIO * root.floor:
             return None
-        truth = next(e for (name, _), e in self.seen.items() if name == "")
-
-        def floor_with(rounded: Any) -> float | None:
-            return input_rounding_error(
-                self.ref_run if self.ref_run is not None else self.truth_run, self.inputs,
-                cand_dtype=self.cand_dtype, dtype=self.ref_dtype, truth=truth.truth, norm=truth.norm, rng=self.rng,
-                noise=self.noise, rounded=rounded,
-            )  # fmt: skip
-
-        return input_cause.cause(self.inputs, self.cand_dtype, self.candidate, floor_with) or {}
+        return input_cause.cause(self.inputs, self.cand_dtype, self.candidate, self._floor_with) or {}
 
     # -- step 5: an error no part makes alone: the running state that accumulates it ---------------
     def accumulation(self, rows: list[ModuleRow], input_floor: float | None) -> dict[str, Any] | None:
