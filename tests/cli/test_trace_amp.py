@@ -143,3 +143,43 @@ def test_a_disabled_scaler_is_no_scaler_for_a_model_built_in_the_script(tmp_path
     enabled = _write(tmp_path, HEALTHY.replace("* 4", ""), steps=3)
     code, doc = _trace(enabled)
     assert code == 0 and "fp16-without-grad-scaler" not in [f["name"] for f in doc["findings"]]
+
+
+# every other batch overflows in fp32 (a loss scaled by 1e30 and squared): each halves the scale,
+# which starts low, so that it leaves float32's normal range within the run
+ALTERNATING = """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+    calls = [0]
+
+    def batch():
+        return torch.randn(16, 16), None
+
+    def loss_of(model, x, y):
+        calls[0] += 1
+        z = model(x).float()
+        return (z * (1e30 if calls[0] % 2 else 1.0)).pow(2).mean()
+"""
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_a_scale_below_float32s_range_is_the_scalers_story_not_a_cast_to_fix(tmp_path, consecutive):
+    """Once the scale is below float32's normal range, 1/scale overflows and unscaling turns zero
+    gradients into NaN without the scaler skipping: the stalled scaler's finding says so, and no
+    finding of its own tells the user to fix the cast inside GradScaler."""
+    model = ALTERNATING.replace("calls[0] % 2", "calls[0] < 12") if consecutive else ALTERNATING
+    path = _write(tmp_path, model, steps=30 if consecutive else 20)
+    path.write_text(path.read_text().replace('GradScaler("cpu"', 'GradScaler("cpu", init_scale=2.0**-120'))
+    code, doc = _trace(path)
+    assert code == 1
+    first = doc["findings"][0]
+    assert first["name"] == "grad-scaler-stalled" and first["severity"] == "error"
+    out = first["evidence"]["scale_out_of_range"]
+    assert out["scale"] < 1.2e-38 and out["applied_steps"] and "1/scale overflowed to inf" in first["message"]
+    assert "the optimizer applied NaN gradients" in first["message"] and "are not finite" in first["message"]
+    # the origin stays the user's line that overflowed, with its fix
+    assert first["evidence"]["location"].startswith(f"{path}:{_line(path, '.pow(2)')} ")
+    assert not [f for f in doc["findings"] if f["name"] == "nonfinite-produced"]

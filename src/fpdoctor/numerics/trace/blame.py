@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fpdoctor import catalog
@@ -53,6 +53,8 @@ _DELIBERATE = frozenset({
     "index_fill_",
 })  # fmt: skip
 _SATURATING = frozenset({"sigmoid", "tanh", "erf", "erfc", "atan"})
+# GradScaler's unscaling of the gradients (by 1/scale, checking them for Inf/NaN as it goes)
+_UNSCALE = frozenset({"_amp_foreach_non_finite_check_and_unscale_", "_amp_non_finite_check_and_unscale_"})
 
 
 def _mask_write(r: Record) -> bool:
@@ -335,11 +337,13 @@ class Analysis:
             if r.index in self.roles and ("op", r.index) in self.reached and not self._only_from(r, bad_data)
         ]
         scaler = self.scaler_run()
+        own = self._scaler_own(blamed) if scaler is not None else []
         absorbed = self._absorbed(scaler, blamed) if scaler is not None else []
-        if absorbed:
+        absorbed = [r for r in absorbed if r not in own]
+        if absorbed or own:
             assert scaler is not None
-            found.append(self._scaler_finding(scaler, absorbed))
-            gone = {r.index for r in absorbed}
+            found.append(self._scaler_finding(scaler, absorbed, own))
+            gone = {r.index for r in (*absorbed, *own)}
             blamed = [r for r in blamed if r.index not in gone]
         elif scaler is not None and scaler.skipped:
             found.append(self._scaler_finding(scaler, []))
@@ -422,6 +426,26 @@ class Analysis:
     def _absorbed(self, run: ScalerRun, blamed: list[Record]) -> list[Record]:
         return [r for r in blamed if self._skipped_with(run, r)]
 
+    def _scaler_own(self, blamed: list[Record]) -> list[Record]:
+        """Producers inside the scaler's own unscaling: its unscale op and the scalars it reads
+        (1/scale, computed in float64 and cast to float32). Once the scale has fallen below float32's
+        normal range, 1/scale overflows to inf and the unscale turns finite (zero) gradients into NaN:
+        the scaler's state is the cause there, not a line of the user's."""
+        own: dict[int, Record] = {}
+        for r in blamed:
+            if _packet(r.op) not in _UNSCALE:
+                continue
+            own[r.index] = r
+            # upstream through the non-finite scalars it read (a copy, the cast, the reciprocal's)
+            todo = [i for kind, i in r.inputs if kind == "op"]
+            while todo and len(own) < 64:
+                fed = self.records[todo.pop()]
+                if fed.index not in own and fed.outputs and all(o.kind and not o.shape for o in fed.outputs):
+                    own[fed.index] = fed
+                    todo += [i for kind, i in fed.inputs if kind == "op"]
+        blamed_now = {r.index for r in blamed}
+        return sorted((r for r in own.values() if r.index in blamed_now), key=lambda r: r.index)
+
     def _op_text(self, r: Record) -> str:
         """'aten.mm.default in module `2`', or for a backward op 'the backward of aten.sqrt.default
         (SqrtBackward0: aten.div.Tensor)': the forward op is the one on the user's line."""
@@ -429,8 +453,9 @@ class Analysis:
             return f"the backward of {r.forward_op} ({r.node or 'autograd'}: {r.op}) {module_text(r.module)}"
         return f"{r.op} {module_text(r.module)}"
 
-    def _scaler_finding(self, run: ScalerRun, absorbed: list[Record]) -> Finding:
-        """The scaler's skips: an error naming the recurring origin where they persist, else a note."""
+    def _scaler_finding(self, run: ScalerRun, absorbed: list[Record], unscaled: Sequence[Record] = ()) -> Finding:
+        """The scaler's skips: an error naming the recurring origin where they persist, else a note;
+        `unscaled`: the scaler's own unscaling that made NaN once its scale fell out of float32's range."""
         skipped = sorted(run.skipped)
         counted = f"{len(skipped)} of {run.total} steps"
         keyed = (((self.step_of(x) or (0, False))[0], (x.op, x.forward_op, x.location), x.index) for x in absorbed)
@@ -446,7 +471,7 @@ class Analysis:
             "longest_skip_run": run.longest[0],
             "step": skipped[0],
         }
-        if not run.collapsed:
+        if not run.collapsed:  # a scale out of float32's range (`unscaled`) is below 1: collapsed
             first = absorbed[0] if absorbed else None
             return catalog.make(
                 "grad-scaler-calibrated",
@@ -515,6 +540,8 @@ class Analysis:
             trial = Trial.untried("no op that made the non-finite value was seen, so there was nothing to re-run")
         if len(absorbed) > 1:
             evidence["other_ops"] = len({(x.op, x.location) for x in absorbed}) - 1
+        if unscaled:
+            message += self._scale_out_of_range(run, unscaled, evidence)
         return catalog.make(
             "grad-scaler-stalled",
             title=title,
@@ -523,6 +550,32 @@ class Analysis:
             evidence=_known(evidence),
             fix=fix,
             trial=trial,
+        )
+
+    def _scale_out_of_range(self, run: ScalerRun, own: Sequence[Record], evidence: dict[str, Any]) -> str:
+        """What the scaler's own unscaling did once its scale left float32's range (`_scaler_own`)."""
+        step = (self.step_of(own[0]) or (0, False))[0]
+        scale = next((x for n, _, x in run.steps if n == step), None)
+        # the steps whose unscaled gradients the optimizer applied: the scaler did not skip them
+        steps = sorted({(self.step_of(r) or (0, False))[0] for r in own if _packet(r.op) in _UNSCALE} - run.skipped)
+        evidence["scale_out_of_range"] = _known(
+            {"step": step, "scale": scale, "applied_steps": steps[:32], "location": where_text(own[0].location)}
+        )
+        at = f" ({scale:.3g})" if scale is not None else ""
+        text = (
+            f" By step {step} the scale{at} had fallen below float32's smallest normal number (1.2e-38): 1/scale "
+            "overflowed to inf"
+        )
+        if not steps:
+            return text + "."
+        # zero gradients (a loss scaled below the format's range) times inf are NaN, others +-inf
+        made = "NaN" if all(r.kind == "nan" for r in own if _packet(r.op) in _UNSCALE) else "Inf and NaN"
+        return text + (
+            f" and unscaling turned the gradients into {made}. The scaler checks the gradients before it "
+            f"multiplies them, so it did not skip: the optimizer applied {made} gradients on {len(steps)} "
+            f"step{'s' if len(steps) != 1 else ''} ({', '.join(map(str, steps[:8]))}"
+            f"{', ...' if len(steps) > 8 else ''}), "
+            "and the weights it wrote are not finite. This follows from the skips: their cause is the fix."
         )
 
     # -- Inf turned into zeros -----------------------------------------------------------------
