@@ -410,3 +410,68 @@ def test_watch_replays_with_the_gradients_a_step_began_with_and_the_printed_fix_
     assert "never zeroes the gradients" in first["title"] and first["evidence"]["carried_from_step"] == 1
     assert all(f["name"] != "transient-fault-suspected" for f in reports["as_is"]["findings"])
     assert reports["fixed"]["verdict"] == "ok", reports["fixed"]["findings"]
+
+
+# -- an origin inside a module's forward, lines before the op that made the Inf ---------------
+SOFTPLUS_SCRIPT = """
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.raw_var = nn.Linear(4, 32), nn.Linear(32, 1)
+        with torch.no_grad():
+            self.raw_var.bias.fill_(-12.0)  # a precise sensor: a small variance
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return torch.log(1 + torch.exp(self.raw_var(h)))  # softplus by hand
+
+torch.manual_seed(0)
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+for step in range(3):
+    x = torch.rand(64, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        var = model(x)
+        nll = torch.log(var).mean()
+    opt.zero_grad()
+    nll.backward()
+    opt.step()
+"""
+
+
+def test_an_origin_inside_a_modules_forward_is_named_by_its_line_and_the_fix_applied_as_printed_works(tmp_path):
+    """1 + exp(s) rounds to 1 in bf16 inside the model's forward and the loss's log(var) makes -inf:
+    the fix names the forward's line beside the loss's (the check raised both), and applied as
+    printed (both lines in fp32) the trace is clean."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+
+    def trace(text: str) -> dict:
+        script, out = tmp_path / "softplus.py", tmp_path / "trace.json"
+        script.write_text(text)
+        subprocess.run(
+            [sys.executable, "-m", "fpdoctor", "trace", "-o", str(out), "--", str(script)],
+            check=False, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env,
+        )  # fmt: skip
+        return json.loads(out.read_text())
+
+    lines = SOFTPLUS_SCRIPT.splitlines()
+    forward = next(i for i, text in enumerate(lines, start=1) if "1 + torch.exp" in text)
+    loss = next(i for i, text in enumerate(lines, start=1) if "torch.log(var)" in text)
+    first = trace(SOFTPLUS_SCRIPT)["findings"][0]
+    assert first["name"] == "nonfinite-produced"
+    assert f"lines {forward} and {loss} of {tmp_path / 'softplus.py'} in fp32" in first["fix"], first["fix"]
+    assert first["fix_trial"]["status"] == "checked"
+    # as printed: those two lines in fp32
+    fixed = SOFTPLUS_SCRIPT.replace("torch.exp(self.raw_var(h))", "torch.exp(self.raw_var(h).float())")
+    fixed = fixed.replace("torch.log(var).mean()", "torch.log(var.float()).mean()")
+    assert fixed.count(".float()") == 2
+    assert not [f for f in trace(fixed)["findings"] if f["severity"] == "error"]

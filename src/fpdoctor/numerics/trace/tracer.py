@@ -399,8 +399,10 @@ class Tracer(EagerDispatchMode):
                 key = (info.op, location)
                 call = self._site_calls[key]
                 self._site_calls[key] = call + 1
-            elif not immediate:
-                # Deferred mode learns about a NaN later, when this stack is gone: take it now.
+            else:
+                # The line inside a module's forward: deferred mode learns about a NaN later, when
+                # this stack is gone, and the upstream walk names the lines of the finite ops that
+                # made it (a `1 + exp(s)` two lines before the log), whose fix it checks.
                 location = user_location(sys._getframe(3))
         record = Record(index, info.op, phase, module, call, recompute, node_name, forward_op, location, inputs)
         self._items[index] = record  # Store.append without the call (Store.by_index)
