@@ -6,6 +6,7 @@ printed keeps the loss finite where the fp32 lines do not."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -68,3 +69,57 @@ def test_only_the_exact_composites_have_a_stable_form() -> None:
     assert stable.form_of(["exp", "sum", "log"]) is not None
     assert stable.form_of(["sigmoid", "mul", "log"]) is None  # log(2 * sigmoid(z)): no form of torch's
     assert stable.form_of(["log"]) is None
+
+
+class _Variance(nn.Module):
+    """A variance head with softplus by hand; its bias puts exp(s) below bf16's spacing at 1."""
+
+    def __init__(self, written: str) -> None:
+        super().__init__()
+        self.body, self.raw = nn.Linear(4, 32), nn.Linear(32, 1)
+        self.written = written
+        with torch.no_grad():
+            self.raw.bias.fill_(-12.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.raw(torch.tanh(self.body(x)))
+        if self.written == "1 + exp":
+            return torch.log(1 + torch.exp(s))
+        if self.written == "exp + 1":
+            return torch.log(torch.exp(s) + 1)
+        if self.written == "2 + exp":
+            return torch.log(2 + torch.exp(s)) - 0.6931
+        return F.softplus(s)
+
+
+def _variance_step(written: str) -> tuple[nn.Module, torch.Tensor, object]:
+    torch.manual_seed(0)
+    model, x = _Variance(written).to(torch.bfloat16), torch.rand(64, 4).to(torch.bfloat16)
+
+    def step() -> None:
+        torch.log(model(x)).mean().backward()  # a Gaussian NLL's log(var)
+
+    return model, x, step
+
+
+@pytest.mark.parametrize("written", ["1 + exp", "exp + 1"])
+def test_a_softplus_by_hand_whose_one_plus_rounds_to_one_gets_log1p_checked_downstream(written: str) -> None:
+    """log(1 + exp(s)) is 0 in bf16 for s < -6, and the loss's log(var) makes -inf lines later: the
+    fix is the stable form at the softplus's line, checked by re-running the ops after it on its value."""
+    _, _, step = _variance_step(written)
+    first = _first_fix(step)
+    assert "torch.log1p(x)" in first.fix and "F.softplus(s)" in first.fix, first.fix
+    assert "output is then finite" in first.fix
+    assert first.trial is not None and first.trial.tried and "log1p" in first.trial.changed, first.trial
+    # as printed, still in bf16: the loss is finite
+    model, x, _ = _variance_step("softplus")
+    assert torch.isfinite(torch.log(model(x)).mean())
+
+
+def test_log_of_two_plus_a_small_value_is_not_the_softplus_form() -> None:
+    assert stable.form_of(["add", "log", "log"]) is not None  # the packets alone would match ...
+    _, _, step = _variance_step("2 + exp")
+    with fpdoctor.Trace() as tr:
+        step()
+    assert tr.report.findings and tr.report.findings[0].name == "nonfinite-produced"  # log of a negative
+    assert not any("log1p" in (f.fix or "") for f in tr.report.findings)  # ... its arguments do not

@@ -291,7 +291,9 @@ class Experiment:
             f"{checked.form.written} replaced by {checked.form.stable}, in {checked.dtype}",
             metric=f"{self.op}'s output",
             before="non-finite",
-            after=f"finite, max |x| {_num(checked.absmax)}; finite on the inputs scaled to {checked.dtype}'s range",
+            after=f"finite, max |x| {_num(checked.absmax)}; "
+            + ("the replacement " if checked.form.prefix else "")
+            + f"finite on the inputs scaled to {checked.dtype}'s range",
             on="the inputs these ops read in this run",
         )
         return fix, trial
@@ -368,7 +370,7 @@ class Experiment:
             trial = self._as_ran(f"the cast{at} holding +-{limit:g} instead of Inf, the ops as they ran", biggest)
             return text, message + why, fix, trial
         if self.stable is not None and self.stable.scaled:
-            return text, message + why, *self._stable_fix(_lines(self.chain))
+            return text, message + why, *self._stable_fix(_lines(self.chain[: len(self.stable.form.ops)]))
         if own:
             reduction = _packet(origin.op) in _REDUCTIONS
             how = " (a reduction: .sum(dtype=torch.float32))" if reduction else ""
@@ -400,10 +402,12 @@ _DEVICE = (
 def _stable_fix_text(checked: stable.Checked, where: str, op: str) -> str:
     form = checked.form
     text = (
-        f"Write {form.stable} instead of {form.written} at {where}: torch computes it without rounding through "
-        f"the value that overflows. In {checked.dtype} on the inputs this step read, {op}'s replacement is finite "
-        f"(checked: max |x| {_num(checked.absmax)}), and on those inputs scaled to {checked.dtype}'s largest values "
-        "too (checked)"
+        f"Write {form.stable} instead of {form.written} at {where}: torch computes it {form.why}. In "
+        f"{checked.dtype} on the inputs this step read, {op}'s "
+        + ("output is then finite, the ops between re-run as they ran" if form.prefix else "replacement is finite")
+        + f" (checked: max |x| {_num(checked.absmax)}), and "
+        + ("the replacement is finite" if form.prefix else "")
+        + f" on those inputs scaled to {checked.dtype}'s largest values too (checked)"
     )
     if checked.fp32_fails:
         text += (
@@ -624,14 +628,30 @@ def _run(
     return _outputs(func(*args, **kwargs))
 
 
-def _replay(chain: list[Step], dtype: torch.dtype | None, lookup: Lookup | None) -> list[torch.Tensor]:
-    """Run the chain in index order; the last op's outputs."""
-    values: dict[int, list[torch.Tensor]] = {}
+def _replay(
+    chain: list[Step], dtype: torch.dtype | None, lookup: Lookup | None,
+    values: dict[int, list[torch.Tensor]] | None = None,
+) -> list[torch.Tensor]:  # fmt: skip
+    """Run the chain in index order; the last op's outputs. `values`: outputs of ops before the
+    chain to read instead of what they made as they ran."""
+    values = dict(values or {})
     out: list[torch.Tensor] = []
     for step in chain:
         out = _run(step, dtype, values, lookup)
         values[step.record.index] = out
     return out
+
+
+def _cured_from(
+    chain: list[Step], k: int, value: torch.Tensor, lookup: Lookup | None, symptom: frozenset[str]
+) -> float | None:
+    """The chain's ops after its first k re-run as they ran on `value` in place of what the k-th
+    made: the last op's largest |value| where the symptom is gone, else None."""
+    outs = [o for o in _replay(chain[k:], None, lookup, {chain[k - 1].record.index: [value]}) if o.is_floating_point()]
+    kinds = {k for k in (_kind(o) for o in outs) if k} | {"inf" for o in outs if bool(torch.isinf(o).any())}
+    if kinds & symptom:
+        return None
+    return max((_finite_absmax(o) for o in outs), default=0.0)
 
 
 def _chain_kind(
@@ -967,7 +987,11 @@ def _settle_origin(
     try:  # a composite torch computes in a stable form (stable.py): that form is the fix
         form = stable.form_of([_packet(s.record.op) for s in chain])
         if form is not None:
-            experiment.stable = stable.check(form, origin.args, chain[-2].args if len(chain) > 1 else ())
+            k = len(form.ops)
+            experiment.stable = stable.check(
+                form, origin.args, chain[k - 2].args if k > 1 else (),
+                (lambda y: _cured_from(chain, k, y, lookup, symptom)) if k < len(chain) else None,
+            )  # fmt: skip
     except Exception:
         pass
     experiment.absmax_before = before

@@ -7,6 +7,12 @@ classifier crosses it a few hundred steps later. `F.logsigmoid(-z)` never rounds
 where the chain from an origin down to the op that made NaN/Inf is one of these composites, the fix
 is the stable form, checked in the run's own dtype on the inputs the step read and on those inputs
 scaled to the dtype's largest values (where the composite in fp32 is checked to fail too).
+
+Some composites fail by rounding, not by overflowing: `log(1 + exp(s))` (a softplus by hand) is
+log(1) = 0 in bf16 once exp(s) is below half bf16's spacing at 1 (s < -6), and the NaN or Inf comes
+later, from what reads the 0 (a log of the variance it made). Such a form may be the chain's start:
+its stable value (`torch.log1p`) is handed to the chain's later ops, re-run as they ran, and the fix
+holds where the op that made NaN/Inf is then finite.
 """
 
 from __future__ import annotations
@@ -26,6 +32,25 @@ class Form:
     stable: str  # what to write instead
     composite: Callable[[torch.Tensor, Any], torch.Tensor]
     call: Callable[[torch.Tensor, Any], torch.Tensor]
+    # the start of a longer chain: the ops after it re-run on its stable value (see the docstring)
+    prefix: bool = False
+    # the tensor the composite is of, from the origin's arguments; None where they make another one
+    operand: Callable[[tuple[Any, ...]], torch.Tensor | None] = lambda args: args[0]
+    why: str = "without rounding through the value that overflows"
+
+
+def _one_plus(args: tuple[Any, ...]) -> torch.Tensor | None:
+    """x of `1 + x` (or `x + 1`) from aten.add's arguments: the other operand is exactly 1."""
+    if len(args) < 2 or (len(args) > 2 and args[2] != 1):
+        return None
+    a, b = args[0], args[1]
+    for x, one in ((a, b), (b, a)):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            if isinstance(one, (int, float)) and one == 1:
+                return x
+            if isinstance(one, torch.Tensor) and one.numel() == 1 and float(one) == 1.0:
+                return x
+    return None
 
 
 def _dim(args: tuple[Any, ...]) -> Any:
@@ -41,6 +66,9 @@ FORMS = (
          lambda x, d: torch.log(torch.softmax(x, d)), F.log_softmax),
     Form(("exp", "sum", "log"), "log(exp(x).sum(dim))", "torch.logsumexp(x, dim)",
          lambda x, d: torch.log(torch.exp(x).sum(d)), torch.logsumexp),
+    Form(("add", "log"), "log(1 + x)", "torch.log1p(x) (for a softplus, log(1 + exp(s)): F.softplus(s))",
+         lambda x, _: torch.log(1 + x), lambda x, _: torch.log1p(x), prefix=True, operand=_one_plus,
+         why="without rounding 1 + x to 1 where x is small"),
 )  # fmt: skip
 
 
@@ -57,13 +85,22 @@ class Checked:
 
 
 def form_of(packets: list[str]) -> Form | None:
-    return next((f for f in FORMS if tuple(packets) == f.ops), None)
+    """The form the chain is (its op packets from the origin down), or starts with (a prefix form)."""
+    whole = next((f for f in FORMS if tuple(packets) == f.ops), None)
+    if whole is not None:
+        return whole
+    return next((f for f in FORMS if f.prefix and tuple(packets[: len(f.ops)]) == f.ops), None)
 
 
-def check(form: Form, origin_args: tuple[Any, ...], tail_args: tuple[Any, ...]) -> Checked | None:
+def check(
+    form: Form, origin_args: tuple[Any, ...], tail_args: tuple[Any, ...],
+    downstream: Callable[[torch.Tensor], float | None] | None = None,
+) -> Checked | None:  # fmt: skip
     """The stable form on the origin's input as it ran, and scaled to its dtype's range; None where it
-    is not finite there (no fix to print). `tail_args`: the reduction's arguments (its dim)."""
-    x = origin_args[0]
+    is not finite there (no fix to print). `tail_args`: the reduction's arguments (its dim).
+    `downstream`: where the form is the chain's start, the chain's later ops re-run on its value as
+    they ran: the failing op's largest |value| then, None where it is not cured."""
+    x = form.operand(origin_args)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
         return None
     extra = _dim(origin_args) if form.ops[0] == "_softmax" else _dim(tail_args)
@@ -71,9 +108,12 @@ def check(form: Form, origin_args: tuple[Any, ...], tail_args: tuple[Any, ...]) 
         out = form.call(x, extra)
         if not bool(torch.isfinite(out).all()):
             return None
+        reached = downstream(out) if downstream is not None else float(out.abs().max())
+        if reached is None:
+            return None
         biggest = float(x.abs().max())
         limit = float(torch.finfo(x.dtype).max) / 4
         scaled = (x.double() * (limit / biggest)).to(x.dtype) if biggest > 0 else x
         holds = bool(torch.isfinite(form.call(scaled, extra)).all())
         fp32_fails = not bool(torch.isfinite(form.composite(scaled.float(), extra)).all())
-    return Checked(form, str(x.dtype).removeprefix("torch."), float(out.abs().max()), holds, fp32_fails)
+    return Checked(form, str(x.dtype).removeprefix("torch."), reached, holds, fp32_fails)
