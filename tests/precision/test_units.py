@@ -52,3 +52,57 @@ def test_compare_says_a_regression_outputs_error_in_its_units_and_not_a_classifi
     assert "output_error" not in result.report.data and "decisions" in result.report.data
     labels = [label for label, _ in result.report.data["summary"]]
     assert labels[labels.index("end-to-end error") + 1].startswith("decisions (")
+
+
+class _Regressor(nn.Module):
+    """An MLP whose output sits at `offset` and varies by about `spread` (a temperature in kelvin, an
+    altitude in metres): trained weights' shape, the offset in the last layer's bias."""
+
+    def __init__(self, offset: float, spread: float) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 64), nn.SiLU(), nn.Linear(64, 64), nn.SiLU())
+        self.head = nn.Linear(64, 1)
+        with torch.no_grad():
+            h = self.body(torch.randn(4096, 8, generator=torch.Generator().manual_seed(9)))
+            self.head.weight.mul_(spread / float((h @ self.head.weight.T).std()))
+            self.head.bias.fill_(offset)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def _coarse(offset: float, spread: float, candidate: str) -> fpdoctor.CompareResult:
+    torch.manual_seed(0)
+    model = _Regressor(offset, spread).eval()
+    return fpdoctor.compare(model, torch.randn(1024, 8, generator=torch.Generator().manual_seed(1)),
+                            candidate=candidate)  # fmt: skip
+
+
+def test_an_output_the_format_rounds_coarsely_is_never_ok_and_keeping_its_layer_in_fp32_is_checked() -> None:
+    """288 K +- 3 K in bf16 (spacing 2 there): the candidate's error equals rounding's floor, so every
+    relative figure looks fine; the finding names the format, and the layer kept in fp32, returning
+    fp32, is checked to take the error away. An altitude of 1500 m +- 30 m (spacing 8) is the same
+    class; in fp16 (spacing 1) that altitude is held finely enough and nothing is said."""
+    for offset, spread in ((288.15, 3.0), (1500.0, 30.0)):
+        result = _coarse(offset, spread, "bf16")
+        assert result.report.verdict != "ok", str(result.report)
+        (found,) = [f for f in result.report.findings if f.name == "output-too-coarse"]
+        assert found.severity == "warning" and found.where["module"] == "head"
+        assert found.evidence["share_of_spread"] > 0.05
+        assert found.trial is not None and found.trial.tried, found.trial
+        assert found.fix.startswith("Keep `head` in fp32, returning an fp32 output")
+        kept = found.evidence["kept_in_fp32"]
+        assert kept["mean"] < found.evidence["output_error"]["mean"] / 4
+        # as printed: the head in fp32 on the bf16 body's output
+        torch.manual_seed(0)
+        model = _Regressor(offset, spread).eval()
+        x = torch.randn(1024, 8, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            exact = model.double()(x.double())
+            model.float()
+            body = model.body.to(torch.bfloat16)(x.to(torch.bfloat16))
+            fixed = model.head(body.float())
+        assert float((fixed.double() - exact).abs().mean()) < found.evidence["output_error"]["mean"] / 4
+    result = _coarse(1500.0, 30.0, "fp16")
+    assert "output-too-coarse" not in [f.name for f in result.report.findings], str(result.report)
+    assert result.report.data["output_error"]["spread"] > 20

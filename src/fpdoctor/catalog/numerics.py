@@ -277,6 +277,21 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         fix="Keep the named module in fp32 (return fp32 logits where the format cannot hold them); "
         "`fpdoctor plan` for a set of modules.",
     ),
+    RuleInfo(
+        code="NUM019",
+        name="output-too-coarse",
+        severity=W,
+        title="The candidate's format is too coarse for the output: rounding it alone loses what it measures",
+        what="When the model's output is not logits, `compare` judges its error in the output's units beside "
+        "the floor (the exact output rounded to the candidate's format) and the output's spread (its standard "
+        "deviation over the sampled values). Where the floor alone is 5% of the spread or more, it re-runs the "
+        "candidate with the layer that makes the output kept in fp32, returning fp32.",
+        why="A regression output that sits far from zero and varies little about it (a temperature near 288 K "
+        "that varies by 3 K) is rounded by bf16 in steps of 2: the error matches the floor, so every relative "
+        "figure looks fine, while the prediction is several times worse than fp32's.",
+        fix="Keep the output's layer in fp32 returning fp32, or predict the offset from a constant and add it "
+        "back in fp32.",
+    ),
 )
 
 TRN_RULES: tuple[RuleInfo, ...] = (

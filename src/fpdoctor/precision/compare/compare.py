@@ -113,7 +113,7 @@ from fpdoctor.precision.profile import (
 from fpdoctor.precision.record.record import CompareRecord
 from fpdoctor.precision.record.recording import Link, Samples, decision_record
 from fpdoctor.precision.scope import find_module, module_inputs
-from fpdoctor.precision.units import InUnits, in_units
+from fpdoctor.precision.units import InUnits, coarse_finding, in_units
 from fpdoctor.preserve import RngState
 from fpdoctor.pytrees import tensors_in
 
@@ -401,6 +401,7 @@ class _Comparison:
         self.input_floor_note: str | None = None
         self.root_cand: torch.Tensor | None = None
         self.root_units: InUnits | None = None  # an output that is not logits, in its units (units.py)
+        self._units_truth: torch.Tensor | None = None  # the fp64 sample root_units is measured on
 
     # -- where the random numbers stand ------------------------------------------------------
     def mark(self) -> tuple[RngState, int]:
@@ -685,6 +686,7 @@ class _Comparison:
         if self._root_sample is not None and not self._nonfinite_seen:
             # an output that is not logits: its error in its own units, on the sample
             self.root_units = in_units(*self._root_sample, self.candidate)
+            self._units_truth = self._root_sample[0]
         for name, index, args, kwargs, position, watched in self._origins:
             self._origin(name, index, args, kwargs, position=position, watched=watched)
         self._origins.clear()
@@ -773,6 +775,7 @@ class _Comparison:
             self.root_cand = first.detach().clone() if first is not None else None
         elif name == "" and finite:  # an output that is not logits: its error in its own units, on the sample
             self.root_units = in_units(entry.truth, c, self.candidate)
+            self._units_truth = entry.truth
         if self.keep_candidate:  # float32 holds every candidate format's values exactly
             entry.candidate = c.to(torch.float32)
         entry.propagated = rel_error(c, entry.truth, entry.norm) if finite else math.inf
@@ -1103,8 +1106,7 @@ class _Comparison:
         if self.logits is not None and not prefix:
             self._judge_decisions(result, rows)
         elif self.root_units is not None and not prefix:
-            result.report.data["output_error"] = self.root_units.to_dict()
-            _beside_error(summary, ("output error, in its units", self.root_units.text(self.candidate)))
+            self._judge_units(result, self.root_units)
         if misfit:
             result.report.data["misfits"] = misfit
             listed = "; ".join(describe_misfit(e) for e in misfit[:3])
@@ -1231,11 +1233,33 @@ class _Comparison:
         last = max((i for i, name in enumerate(order) if name == head), default=None)
         return order[last - 1] if last else None
 
+    def _judge_units(self, result: CompareResult, units: InUnits) -> None:
+        """An output that is not logits, in its units beside its floor and its spread; a finding where
+        the format's rounding alone costs a large share of the spread (units.py), with the output's
+        layer kept in fp32 tried."""
+        result.report.data["output_error"] = units.to_dict()
+        _beside_error(result.report.data["summary"], ("output error, in its units", units.text(self.candidate)))
+        if not units.coarse or self._units_truth is None or self.cand_failed is not None:
+            return
+        head = self._last_leaf or ""
+        out = self._output_with_fp32([head], fp32_output=True) if head else None
+        sample = device_sample(out) if out is not None else None  # as the candidate pass samples it
+        kept = in_units(self._units_truth, sample, self.candidate) if sample is not None else None
+        on = inputs_text(describe(self.inputs))
+        result.report.findings.append(coarse_finding(units, self.label, head, kept, on=on))
+
     def _top1_with_fp32(self, modules: list[str], *, fp32_output: bool) -> float | None:
-        """The candidate's top-1 agreement with `modules` computed in fp32 (the user's modules, their
-        inputs raised; their outputs cast back to the candidate's dtype unless `fp32_output`): the
-        candidate's copy holds the swap for one forward only."""
-        if self.root_truth is None or self.logits is None or "" in modules:
+        """The candidate's top-1 agreement with `modules` computed in fp32 (_output_with_fp32)."""
+        if self.root_truth is None or self.logits is None:
+            return None
+        got = self._output_with_fp32(modules, fp32_output=fp32_output)
+        return None if got is None else use.top1(self.root_truth, got.to(self.root_truth.device))
+
+    def _output_with_fp32(self, modules: list[str], *, fp32_output: bool) -> torch.Tensor | None:
+        """The candidate's output (its first floating tensor) with `modules` computed in fp32 (the
+        user's modules, their inputs raised; their outputs cast back to the candidate's dtype unless
+        `fp32_output`): the candidate's copy holds the swap for one forward only."""
+        if "" in modules:
             return None
         swapped = []
         for module in modules:
@@ -1260,9 +1284,7 @@ class _Comparison:
         finally:
             for holder, child, original in reversed(swapped):
                 setattr(holder, child, original)
-        if not got:
-            return None
-        return use.top1(self.root_truth, got[-1].to(self.root_truth.device))
+        return got[-1] if got else None
 
 
 # The divergent modules whose overflowing op gets its fix checked (each check: up to three forwards)
