@@ -63,3 +63,61 @@ def test_a_running_statistic_in_fp16_is_named_only_where_its_steps_round_away(mo
     assert tr.report is not None
     found = [f for f in tr.report.findings if f.evidence.get("kind") == "running-update"]
     assert bool(found) is named, str(tr.report)
+
+
+def _train_with_norm(
+    dtype: torch.dtype, offset: float, *, norms_fp32: bool = False, two_d: bool = False, steps: int = 130
+):  # fmt: skip
+    """A classifier whose first layer is a BatchNorm over raw readings (feature mean `offset`), cast
+    whole to `dtype`; `norms_fp32`: the fix as printed. The report, and the eval-mode error of the
+    first norm's output against fp64's normalisation with the true statistics."""
+    torch.manual_seed(0)
+    norm = nn.BatchNorm2d(8) if two_d else nn.BatchNorm1d(8)
+    model = nn.Sequential(norm, nn.Flatten(), nn.Linear(8 * (9 if two_d else 1), 2)).to(dtype)
+    if norms_fp32:
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.float()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    shape = (64, 8, 3, 3) if two_d else (64, 8)
+
+    def batch() -> torch.Tensor:
+        return torch.randn(*shape) * 3 + offset
+
+    with fpdoctor.Trace(model) as tr:
+        for _ in range(steps):  # the statistic's calls checked: 1, 2, 4, ..., 128; the latest three judged
+            opt.zero_grad()
+            model(batch().to(dtype)).float().pow(2).mean().backward()
+            opt.step()
+    model.eval()
+    x = batch()
+    with torch.no_grad():
+        got = model[0](x.to(dtype)).double()
+    exact = (x.double() - offset) / 3.0  # what a settled norm makes of the readings
+    assert tr.report is not None
+    return tr.report, float((got - exact).abs().mean())
+
+
+@pytest.mark.parametrize(
+    ("dtype", "offset", "two_d", "steps"), [(torch.bfloat16, 300.0, False, 130), (torch.float16, 2000.0, True, 260)]
+)
+def test_a_norms_running_statistics_cast_to_low_precision_are_named_and_fp32_norms_work_as_printed(
+    dtype: torch.dtype, offset: float, two_d: bool, steps: int
+) -> None:
+    """BatchNorm's running mean near 300 in bf16 (spacing 2) or 2000 in fp16 (spacing 1): once it
+    settles, every momentum update is lost, and eval mode normalises with it. The statistics are
+    named by their buffers, the fix (the norms in fp32) checked; applied as printed, eval mode's
+    normalisation is right."""
+    report, broken = _train_with_norm(dtype, offset, two_d=two_d, steps=steps)
+    (found,) = [f for f in report.findings if f.evidence.get("buffers")]
+    assert found.name == "update-rounded-away" and "BatchNorm's running statistics" in found.title
+    assert "0.running_mean" in found.evidence["buffers"] and min(found.evidence["lost"]) >= 0.5
+    assert found.trial is not None and found.trial.tried and "m.float()" in found.fix
+    fixed_report, fixed = _train_with_norm(dtype, offset, norms_fp32=True, two_d=two_d, steps=steps)
+    assert not [f for f in fixed_report.findings if f.evidence.get("buffers")]
+    assert fixed < broken / 4, (broken, fixed)
+
+
+def test_a_norm_over_centred_features_in_bf16_is_not_named() -> None:
+    report, _ = _train_with_norm(torch.bfloat16, 0.0)
+    assert not [f for f in report.findings if f.evidence.get("buffers")], str(report)

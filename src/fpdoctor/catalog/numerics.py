@@ -433,7 +433,9 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         "against the update size and the update-to-weight ratio; the fix is tried by a short what-if run on copies "
         "(the sentinel, `fpdoctor watch` and the callbacks; `trace` says it is untried). `trace` also redoes the first "
         "in-place running updates of each source line outside the optimizer (an EMA of weights, a running statistic "
-        "in bf16/fp16) exactly and in fp32: a line whose tensor keeps under half of every update it was given.",
+        "in bf16/fp16) exactly and in fp32: a line whose tensor keeps under half of every update it was given; "
+        "and BatchNorm's running statistics, in bf16/fp16 when the model was cast whole, on training calls spread "
+        "over the run (the 1st, 2nd, 4th, ...): a statistic that lost half of each of its latest three updates.",
         why="A bf16 weight near 0.05 has neighbours 2^-12 apart; an update below half that gap (AdamW at lr 1e-4, SGD "
         "with small gradients) leaves it bit for bit as it was. Nothing goes NaN: the loss stops falling short of "
         "what fp32 reaches, and weight decay is lost entirely. A larger learning rate is not the fix: the update "

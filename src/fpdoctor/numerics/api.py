@@ -292,9 +292,11 @@ class Trace:
         findings = caused + findings + [f for f in blown if f not in caused]
         findings += [f for f in recipes if f.name != "update-blew-up"]
         tracer.errors.extend(self._recipes.errors)
+        # running updates outside the optimizer, rounded away (an EMA, a norm's statistics): what the
+        # model is evaluated with, before the optimizer's own updates, which slow its training
+        findings += tracer.lost_updates.findings()
         findings += self._updates.findings
         tracer.errors.extend(self._updates.errors)
-        findings += tracer.lost_updates.findings()  # running updates outside the optimizer, rounded away
         repro_notes: dict[str, str] = {}
         if self.repro is not None:
             try:

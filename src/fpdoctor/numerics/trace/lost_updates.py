@@ -10,6 +10,13 @@ are redone exactly (fp64) and in fp32 from the same values, and the update the t
 compared with the exact one. Where it keeps less than half of it on every call checked, the line
 is TRN010 with the tensor's dtype and shape, the update's lost share, and the fix checked: the same
 op on an fp32 copy from the same values, against the exact (fp64) update.
+
+BatchNorm's running statistics are such updates too, made inside the norm's own op (NORMS) in
+training mode: running = (1 - momentum) * running + momentum * batch statistic. A model cast whole
+to bf16 keeps them in bf16; near a feature mean of 300 (raw readings) bf16's spacing is 2, so every
+update of the running mean is lost, and in eval mode the model normalises with a mean that never
+followed its data. The op is redone from the same inputs with the statistics in fp64 and in fp32,
+and each buffer's kept update compared as above; the buffers lost are one finding.
 """
 
 from __future__ import annotations
@@ -26,6 +33,12 @@ from fpdoctor.report.model import Finding, Trial
 from fpdoctor.userframes import user_location
 
 ACCUMULATES = frozenset({"add_", "sub_", "mul_", "lerp_", "addcmul_", "addcdiv_"})
+# batch norm ops that update the running statistics (arguments 3 and 4) in training mode (argument 5;
+# _batch_norm_with_update always does)
+NORMS = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update", "cudnn_batch_norm",
+                   "miopen_batch_norm"})  # fmt: skip
+WATCHED = ACCUMULATES | NORMS
+NORM_CALLS = 1 << 16  # a norm's calls checked: the powers of two up to here
 CHECKED = 3  # calls of each (op, line) redone in fp32
 LOST = 0.5  # an update is lost where what the tensor kept is off by half of it or more
 _NARROW = (torch.bfloat16, torch.float16)
@@ -40,6 +53,7 @@ class _Line:
     op: str
     dtype: str
     shape: list[int]
+    target: str | None = None  # the buffer's name (a norm's running statistic), where the model names it
     lost: list[float] = field(default_factory=list)  # per call checked: ||kept - exact|| / ||exact update||
     kept_fp32: list[float] = field(default_factory=list)  # the same for the update kept in an fp32 tensor
 
@@ -48,56 +62,84 @@ class LostUpdates:
     """Per (op, source line), what the first calls kept of their update (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.lines: dict[tuple[str, int, str], _Line] = {}
-        self._counts: dict[tuple[str, int, str], int] = {}
+        self.lines: dict[tuple[Any, ...], _Line] = {}  # (file, line, op, buffer names..., argument)
+        self._counts: dict[tuple[Any, ...], int] = {}
 
-    def before(self, name: str, args: Any, phase: Callable[[], str]) -> Any:
-        """What to keep before the op runs (its target's values), or None: not such an update."""
-        if name not in ACCUMULATES or not args:
+    def before(
+        self, name: str, args: Any, phase: Callable[[], str], named: Callable[[torch.Tensor], str | None]
+    ) -> Any:
+        """What to keep before the op runs (its targets' values, by argument), or None: not such an update."""
+        if name in ACCUMULATES:
+            targets: tuple[int, ...] = (0,)
+            smallest = _SMALLEST
+        elif name in NORMS and (name == "_batch_norm_with_update" or (len(args) > 5 and args[5] is True)):
+            targets, smallest = (3, 4), 1  # a norm's statistics are running states at any size
+        else:
             return None
-        t = args[0]
-        if not isinstance(t, torch.Tensor) or t.dtype not in _NARROW or t.requires_grad:
-            return None
-        if not _SMALLEST <= t.numel() <= _LARGEST:
+        picked = [
+            (i, args[i])
+            for i in targets
+            if i < len(args) and isinstance(args[i], torch.Tensor) and args[i].dtype in _NARROW
+            and not args[i].requires_grad and smallest <= args[i].numel() <= _LARGEST
+        ]  # fmt: skip
+        if not picked:
             return None
         if phase() in ("optimizer", "backward"):  # the optimizer's updates are TRN010's, .grad sums TRN011's
             return None
         where = user_location(sys._getframe())
         if where is None:
             return None
-        key = (where[0], where[1], name)
+        norm = name in NORMS
+        # a norm's statistics by their buffers (one line calls every norm of a model); an EMA's updates by line
+        names = [named(t) if norm else None for _, t in picked]
+        key = (where[0], where[1], name, *names) if norm else (where[0], where[1], name)
         count = self._counts.get(key, 0)
-        if count >= CHECKED:
-            return None
         self._counts[key] = count + 1
-        return key, t.detach().clone()
+        if norm:
+            # the statistics start at 0 and 1 and take large steps toward the data's before they settle:
+            # the calls checked are spread over the run (the 1st, 2nd, 4th, 8th, ...), the latest judged
+            if count & (count + 1) or count >= NORM_CALLS:
+                return None
+        elif count >= CHECKED:
+            return None
+        return key, [(i, t.detach().clone(), n) for (i, t), n in zip(picked, names, strict=True)]
 
     def after(self, kept: Any, func: Any, args: Any, kwargs: Any) -> None:
-        """The update the tensor kept, and the one an fp32 tensor keeps, against the update made exactly
-        (in fp64) from the same values."""
-        key, old = kept
-        t = args[0]
-        made = {}
+        """The update each target kept, and the one an fp32 target keeps, against the update made
+        exactly (in fp64) from the same values."""
+        key, olds = kept
+        made: dict[torch.dtype, dict[int, torch.Tensor]] = {}
         for dtype in (torch.float64, torch.float32):
-            wide = old.to(dtype)
-            rest = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args[1:]]
-            func(wide, *rest, **(kwargs or {}))  # in place on the copy
-            made[dtype] = wide.double()
-        exact = made[torch.float64] - old.double()
-        size = float(exact.norm())
-        if size == 0.0:
-            return
-        line = self.lines.setdefault(key, _Line(key[2], str(t.dtype).removeprefix("torch."), list(t.shape)))
-        line.lost.append(float((t.detach().double() - made[torch.float64]).norm()) / size)
-        line.kept_fp32.append(float((made[torch.float32] - made[torch.float64]).norm()) / size)
+            copies = {i: old.to(dtype) for i, old, _ in olds}
+            wide = [
+                copies.get(j, a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a)
+                for j, a in enumerate(args)
+            ]
+            func(*wide, **(kwargs or {}))  # in place on the copies
+            made[dtype] = {i: c.double() for i, c in copies.items()}
+        for i, old, target in olds:
+            exact = made[torch.float64][i] - old.double()
+            size = float(exact.norm())
+            if size == 0.0:
+                continue
+            t = args[i]
+            line = self.lines.setdefault(
+                (*key, i), _Line(key[2], str(t.dtype).removeprefix("torch."), list(t.shape), target)
+            )
+            line.lost.append(float((t.detach().double() - made[torch.float64][i]).norm()) / size)
+            line.kept_fp32.append(float((made[torch.float32][i] - made[torch.float64][i]).norm()) / size)
 
     def findings(self) -> list[Finding]:
         """One finding per source line whose updates were lost on every call checked (its ops together:
         `ema.mul_(decay).add_(w, alpha=1 - decay)` is one running update)."""
         by_line: dict[tuple[str, int], list[_Line]] = {}
-        for (file, number, _), line in self.lines.items():
-            by_line.setdefault((file, number), []).append(line)
-        out = []
+        norms: list[_Line] = []
+        for (file, number, *_), line in self.lines.items():
+            if line.op in NORMS:
+                norms.append(line)
+            else:
+                by_line.setdefault((file, number), []).append(line)
+        out: list[Finding | None] = [self._norms_finding(norms)]
         for (file, number), found in by_line.items():
             lost = [x for line in found for x in line.lost]
             kept_fp32 = [x for line in found for x in line.kept_fp32]
@@ -147,4 +189,62 @@ class LostUpdates:
                     ),
                 )
             )
-        return out
+        return [f for f in out if f is not None]
+
+    def _norms_finding(self, norms: list[_Line]) -> Finding | None:
+        """One finding for the norms' running statistics whose updates were lost on every call checked."""
+        # judged on each statistic's latest checks: where it settled
+        lost = [
+            x for x in norms
+            if len(x.lost) >= CHECKED and min(x.lost[-CHECKED:]) >= LOST and max(x.kept_fp32[-CHECKED:]) < LOST
+        ]  # fmt: skip
+        if not lost:
+            return None
+        dtype = lost[0].dtype
+        for x in lost:
+            x.lost, x.kept_fp32 = x.lost[-CHECKED:], x.kept_fp32[-CHECKED:]
+        named = [
+            f"{x.target or 'a running statistic of shape ' + str(x.shape)} (off by {min(x.lost):.0%}"
+            + (f"-{max(x.lost):.0%}" if f"{max(x.lost):.0%}" != f"{min(x.lost):.0%}" else "")
+            + ")"
+            for x in lost
+        ]
+        shares = [v for x in lost for v in x.lost]
+        kept_fp32 = max(v for x in lost for v in x.kept_fp32)
+        calls = CHECKED
+        return catalog.make(
+            "update-rounded-away",
+            title=f"BatchNorm's running statistics in {dtype} are rounded away: eval mode normalises with stale ones",
+            message=(
+                f"BatchNorm's running statistics are kept in {dtype} (the model cast to {dtype} whole), and on each "
+                f"of the latest {calls} training calls checked (calls spread over the run: the 1st, 2nd, 4th, "
+                f"8th, ...) their update was lost: {', '.join(named[:6])}"
+                f"{f' and {len(named) - 6} more' if len(named) > 6 else ''}, against the update the norm makes "
+                f"exactly from the same batch. Each update (momentum times the batch statistic's distance from "
+                f"the running one) is below half the spacing of {dtype} at those values (a feature mean far from "
+                "zero), so the statistics stay where they were. Training normalises with each batch's own "
+                "statistics and looks fine; in eval mode (model.eval()) the model normalises with these, and its "
+                "evaluation is far from its training."
+            ),
+            where={"module": None, "op": f"aten.{lost[0].op}", "phase": "forward"},
+            evidence={
+                "kind": "running-update",
+                "buffers": [x.target for x in lost],
+                "dtype": dtype,
+                "lost": shares,
+                "count": len(shares),
+                "numel": None,
+            },
+            fix=(
+                f"keep the BatchNorm layers in fp32 after casting the model: for m in model.modules(): "
+                "if isinstance(m, torch.nn.modules.batchnorm._BatchNorm): m.float() (they take "
+                f"{dtype} inputs as they are and return {dtype}); under autocast the norms already run in fp32"
+            ),
+            trial=Trial.checked(
+                "the running statistics in fp32, the norm's op run on them from the same inputs",
+                metric="share of the exact update lost",
+                before=f"{min(shares):.0%} at least",
+                after=f"{kept_fp32:.2%} at most",
+                on=f"the latest {calls} training calls checked of each norm",
+            ),
+        )

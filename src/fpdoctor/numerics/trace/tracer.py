@@ -49,7 +49,7 @@ from fpdoctor.numerics.observe.values import (
     version,
 )
 from fpdoctor.numerics.trace.bounds import output_bound
-from fpdoctor.numerics.trace.lost_updates import ACCUMULATES, LostUpdates
+from fpdoctor.numerics.trace.lost_updates import WATCHED, LostUpdates
 from fpdoctor.numerics.trace.modules import ModuleTracker
 from fpdoctor.numerics.trace.ops import FUNCTIONAL, GENERAL, IN_PLACE, SELECTS, VIEW, OpInfo, tensor_args
 from fpdoctor.provenance import Provenance
@@ -241,7 +241,7 @@ class Tracer(EagerDispatchMode):
                     probed = self._before_write([args[0]])
                 except Exception as exc:  # the observer never kills the job
                     self._error(func, exc)
-            if path == IN_PLACE and info.name in ACCUMULATES:  # a running update a narrow tensor may round away
+            if info.name in WATCHED:  # a running update a narrow tensor may round away (add_, a norm's statistics)
                 out = self._running_update(info, func, args, kwargs)
             else:
                 out = func(*args, **kwargs) if kwargs else func(*args)
@@ -274,7 +274,7 @@ class Tracer(EagerDispatchMode):
                         before = self._before_write(written)
             except Exception as exc:  # the observer never kills the job
                 self._error(func, exc)
-        if info.name in ACCUMULATES and not self._nested:  # as on the in-place path above
+        if info.name in WATCHED and not self._nested:  # as on the path above
             out = self._running_update(info, func, args, kwargs)
         else:
             out = func(*args, **kwargs)
@@ -740,7 +740,7 @@ class Tracer(EagerDispatchMode):
         the update it kept compared after (the first calls of each source line only)."""
         kept = None
         try:
-            kept = self.lost_updates.before(info.name, args, lambda: self.tracker.phase)
+            kept = self.lost_updates.before(info.name, args, lambda: self.tracker.phase, self.tracker.param_names.get)
         except Exception as exc:  # the observer never kills the job
             self._error(func, exc)
         out = func(*args, **kwargs) if kwargs else func(*args)
