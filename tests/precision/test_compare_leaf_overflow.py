@@ -2,7 +2,9 @@
 Inf is 0): a hand-written L2 normalisation whose sum of squares passes fp16's range, a hand-written
 cosine whose product of norms does. The divergence finding names the op and its line, says it
 overflows, and its fix (the line in fp32, cast back) is checked end to end, where it was a hedge of
-three untried options."""
+three untried options. So is a container's own op (outside its submodules): a linear attention whose
+normaliser q . sum(k) passes fp16's range on a long input (1 / Inf = 0: the attention is silently
+zero), and a pooling container that divides by a norm of its own Linear's output."""
 
 from __future__ import annotations
 
@@ -72,3 +74,55 @@ def test_a_hand_written_cosine_whose_product_of_norms_overflows_gets_its_line_in
     model = _scaled(model, model.a, model.b, by=35.0)
     result = fpdoctor.compare(model, torch.randn(64, 32), candidate="fp16")
     _checked_line_fix(result, "aten.mul", Cosine.forward.__code__.co_firstlineno + 1)
+
+
+class LinearAttention(nn.Module):
+    """phi(x) = elu(x) + 1 attention in linear form: its own ops sit beside its two Linear layers."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q, k = nn.functional.elu(q) + 1, nn.functional.elu(k) + 1
+        kv = torch.einsum("bnd,bne->bde", k, v)
+        z = 1.0 / (torch.einsum("bnd,bd->bn", q, k.sum(dim=1)) + 1e-6)
+        return self.out(torch.einsum("bnd,bde,bn->bne", q, kv, z))
+
+
+class Pooler(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return h / h.pow(2).sum(-1, keepdim=True).sqrt()
+
+
+def test_a_containers_own_op_that_overflows_while_its_output_stays_finite_gets_its_line_in_fp32_checked() -> None:
+    torch.manual_seed(0)
+    attention = nn.Sequential(nn.Embedding(1000, 64), LinearAttention(64)).eval()
+    tokens = torch.randint(0, 1000, (2, 4096), generator=torch.Generator().manual_seed(1))
+    result = fpdoctor.compare(attention, tokens, candidate="fp16")
+    line = LinearAttention.forward.__code__.co_firstlineno + 4
+    first = _checked_line_fix(result, "aten.bmm", line)
+    # as printed: that line in fp32, its result cast back to fp16
+    model = attention.half()
+    inner = model[1]
+    with torch.no_grad():
+        x = model[0](tokens)
+        q, k, v = inner.qkv(x).chunk(3, dim=-1)
+        q, k = nn.functional.elu(q) + 1, nn.functional.elu(k) + 1
+        kv = torch.einsum("bnd,bne->bde", k, v)
+        z = (1.0 / (torch.einsum("bnd,bd->bn", q.float(), k.sum(dim=1).float()) + 1e-6)).half()
+        fixed = inner.out(torch.einsum("bnd,bde,bn->bne", q, kv, z)).double()
+        exact = attention.double()(tokens)
+    assert float((fixed - exact).norm() / exact.norm()) < first.trial.before / 10
+
+    torch.manual_seed(0)
+    pooler = Pooler()
+    model = _scaled(nn.Sequential(nn.LayerNorm(64), pooler), pooler.proj, by=150.0)
+    result = fpdoctor.compare(model, torch.randn(128, 64), candidate="fp16")
+    _checked_line_fix(result, "aten.pow", Pooler.forward.__code__.co_firstlineno + 2)

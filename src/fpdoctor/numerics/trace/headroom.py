@@ -344,9 +344,12 @@ def near_limit_finding(
         + (f" Source: {at}." if at else "")
     )
     keep = f"in {target}, keep {op} in fp32" if what_if else f"compute {op} in fp32"
+    # a sum of many terms (a matmul, a reduction) is scaled down by scaling an operand; an attention's
+    # scores by dividing q by sqrt(d) before q·kᵀ, which is only one such matmul
     fix = (
         f"{keep}{f' ({at})' if at else ''}: its operands .float(), the result cast back after the ops that consume "
-        "it (e.g. the softmax); or scale its operands down before it (divide q by sqrt(d) before q·kᵀ)"
+        "it; or scale its operands down before it (a mean where it sums, 1/sqrt(d) on q before an attention's "
+        "q·kᵀ)"
         + ("; or use bf16, which has fp32's range" if target == "fp16" else "")
     )
     facts: dict[str, Any] = {

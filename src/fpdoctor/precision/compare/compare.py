@@ -608,11 +608,13 @@ class _Comparison:
         format (first_overflow.py): one more fp64 forward, where each such leaf's call re-runs the
         candidate's copy op by op on its fp64 inputs, from the RNG state it started at."""
         names, self._overflowing = self._overflowing, set()
-        # also a leaf the user wrote whose own op made NaN/Inf while the leaf's output stayed finite
-        # (x / sqrt(sum(x^2)) with the sum past fp16's range: every output 0), searched the same way
+        # also a module whose own op (a leaf the user wrote, or a container's outside its submodules)
+        # made NaN/Inf while its output stayed finite (x / sqrt(sum(x^2)) with the sum past fp16's
+        # range: every output 0; a linear attention's normaliser 1 / (q . sum(k)) past it: 0), searched
+        # the same way
         made = {
             name for (name, _), e in self.seen.items()
-            if name in self.leaves and e.own is not None and e.own.worst is not None and e.own.worst.overflow
+            if name and e.own is not None and e.own.worst is not None and e.own.worst.overflow
         }  # fmt: skip
         names |= made
         if not names:
