@@ -869,9 +869,12 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
             rounded = f"the buffer{'s' if len(buffers) > 1 else ''} {held}, which the cast to {dtype} rounded"
             message += f" What it reads is {' from '.join(x for x in (made, rounded if buffers else '') if x)}."
             evidence |= {"feeding_lines": [f"{f}:{n}" for f, n in lines], "raised_rel": raised}
+            if found.get("inputs_as_given"):
+                evidence["inputs_as_given"] = True
             if buffers:
                 evidence["rounded_buffers"] = buffers
         helped = raised is not None and error is not None and raised * RAISED_FALLS <= error
+        given = bool(found.get("inputs_as_given")) and bool(lines)
         changes = [
             *([f"compute {where} in fp32"] if lines else []),
             *(
@@ -883,7 +886,26 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
                 else []
             ),
         ]
-        if (lines or buffers) and helped:
+        if given and helped:
+            # what the lines read is the model's input, rounded by the cast before the forward
+            fix = (
+                f"Do that computation before the cast: pass the model's inputs in fp32 (not cast to {dtype} before "
+                f"the forward), compute {where} in fp32 from them"
+                + (f" with {held} kept in fp32 (model.to(torch.{dtype}) rounds every floating buffer: assign "
+                   f"{'them' if len(buffers) > 1 else 'it'} again in fp32 after the cast)" if buffers else "")
+                + f", and cast what it produces to {dtype} (.to(p.dtype), p one of the model's parameters); checked: "
+                f"the end-to-end error goes from {_fmt(error)} to {_fmt(raised)}"
+            )  # fmt: skip
+            trial = Trial.checked(
+                f"the inputs fed in fp32, the ops at {where} in fp32"
+                + (f" with {held} held in fp32" if buffers else "")
+                + f", their results cast back to {dtype}",
+                metric="end-to-end relative error against fp64",
+                before=error,
+                after=raised,
+                on="the inputs given",
+            )  # fmt: skip
+        elif (lines or buffers) and helped:
             # as the check ran it (engine.raising.RaisedLines): every op of those lines in fp32, what
             # they produce cast back where the rest of the model reads it, not in the middle of a line
             back = f", and cast what they produce back to {dtype} where the rest of the model reads it" if lines else ""

@@ -126,11 +126,14 @@ class RaisedLines(EagerDispatchMode):
     """Ops at `lines` computed in fp32 (their `dtype` inputs and dtype arguments raised); every other
     op reads their fp32 results back in `dtype`, as the user's fix casts them back."""
 
-    def __init__(self, lines: set[tuple[str, int]], dtype: torch.dtype) -> None:
+    def __init__(self, lines: set[tuple[str, int]], dtype: torch.dtype, *, wide_inputs: bool = False) -> None:
         super().__init__()
         self.lines, self.dtype = lines, dtype
         self.made = ByTensor()  # the fp32 results of raised ops (and their views)
         self.raised = 0  # ops raised
+        # the model's inputs fed in fp32, not rounded to `dtype` (compare's check of a computation on
+        # them before the cast): an fp32 tensor the lines read is one of them, not the code widening
+        self.wide_inputs = wide_inputs
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -169,6 +172,8 @@ class RaisedLines(EagerDispatchMode):
         given = [a for a in values if isinstance(a, torch.dtype) and a.is_floating_point]
         if given:
             return given[0] is not self.dtype and torch.finfo(given[0]).bits > torch.finfo(self.dtype).bits
+        if self.wide_inputs:
+            return False
         width = torch.finfo(self.dtype).bits
         for a in values:
             for t in _tensors(a):

@@ -1003,11 +1003,14 @@ class _Comparison:
 
             outputs: list[torch.Tensor] = []  # the checked run's output, for what it decides
 
-            def raised_with(lines: list[tuple[str, int]], buffers: dict[str, torch.Tensor]) -> float | None:
+            def raised_with(
+                lines: list[tuple[str, int]], buffers: dict[str, torch.Tensor], given: bool = False
+            ) -> float | None:
                 outputs.clear()
                 return upstream.raised_error(
                     self.cand_run, self.inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,
                     rng=self.rng, device=self.cand_device, noise=self.noise, buffers=buffers, keep=outputs,
+                    inputs_as_given=given,
                 )  # fmt: skip
 
             # a rounded buffer alone first: when holding it in fp32 is the whole fix, the lines are not part of it
@@ -1016,6 +1019,14 @@ class _Comparison:
                 lines = []
             elif lines or buffers:
                 raised = raised_with(lines, buffers)
+            rounds_inputs = _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is None
+            if lines and rounds_inputs and (raised is None or raised * RAISED_FALLS > final.propagated):
+                # what the lines read may be the model's inputs, which the cast rounds before the forward
+                # (raw readings standardised inside the model): the lines computed on the inputs as given
+                given = raised_with(lines, buffers, given=True)
+                if given is not None and given * RAISED_FALLS <= final.propagated:
+                    raised = given
+                    cause["inputs_as_given"] = True
         except Exception as exc:  # the search is ours; the finding stands without it
             self.notes["upstream of the worst op"] = f"not searched: {type(exc).__name__}: {exc}"
             return {row.module: cause}

@@ -119,13 +119,16 @@ def raised_error(
     run: nn.Module, inputs: Any, dtype: torch.dtype, lines: list[tuple[str, int]], *, truth: torch.Tensor,
     norm: float, rng: RngState, device: torch.device | None, noise: ReplayNoise | None,
     buffers: dict[str, torch.Tensor] | None = None, keep: list[torch.Tensor] | None = None,
+    inputs_as_given: bool = False,
 ) -> float | None:  # fmt: skip
     """The candidate's end-to-end error against the fp64 `truth` with the ops at `lines` in fp32 and
     `buffers` (name in the model -> the user's own values) held in fp32 as the user made them, read
     as they are (as the user's code reads a buffer assigned again in fp32 after the model's cast);
     None when the run fails or nothing was raised. `keep` gets the run's output (its first floating
-    tensor), for what it decides."""
-    raised = RaisedLines(set(lines), dtype)
+    tensor), for what it decides. `inputs_as_given`: the inputs in fp32, not rounded to `dtype` first
+    (the lines that read them compute in fp32 and cast back; an op elsewhere that reads them fails
+    the run)."""
+    raised = RaisedLines(set(lines), dtype, wide_inputs=inputs_as_given)
     swapped = []
     for name, value in (buffers or {}).items():
         holder, _, attr = name.rpartition(".")
@@ -137,7 +140,8 @@ def raised_error(
         if lines:  # the lines' ops read it in fp32 and what they make of it is cast back, as the fix says
             raised.made.put(kept, True)
     try:
-        return error_under(raised, run, inputs, dtype, truth=truth, norm=norm, rng=rng, device=device,
+        fed = torch.float32 if inputs_as_given else dtype  # what the inputs are cast to before the forward
+        return error_under(raised, run, inputs, fed, truth=truth, norm=norm, rng=rng, device=device,
                            noise=noise, keep=keep)  # fmt: skip
     finally:
         for owner, attr, original in swapped:

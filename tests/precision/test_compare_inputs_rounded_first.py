@@ -1,0 +1,55 @@
+"""Raw readings standardised inside the model, the model and its inputs cast to a narrow format: GPS
+degrees near 48.86 (bf16's spacing there is 0.25, the data's spread 0.03), air pressure near
+1013 hPa in fp16 (spacing 0.5, spread 2). The subtraction is the worst op, and holding the mean
+buffer and its line in fp32 is not enough: the inputs were rounded before the forward. The fix
+checked feeds the inputs in fp32 to that line (its result cast back), and applied as printed the
+model's error is at rounding's."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import fpdoctor
+
+
+class Standardize(nn.Module):
+    def __init__(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("mean", mean)
+        self.register_buffer("std", std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.std
+
+
+def _model(center: list[float], spread: list[float]) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    c, s = torch.tensor(center), torch.tensor(spread)
+    x = c + s * torch.randn(1024, len(center), generator=torch.Generator().manual_seed(1))
+    model = nn.Sequential(Standardize(c.clone(), s.clone()), nn.Linear(len(center), 64), nn.ReLU(), nn.Linear(64, 4))
+    return model.eval(), x
+
+
+def test_raw_readings_rounded_before_the_model_standardises_them_get_the_computation_before_the_cast() -> None:
+    line = Standardize.forward.__code__.co_firstlineno + 1
+    for (center, spread), candidate in (
+        (([48.8566, 2.3522], [0.03, 0.04]), "bf16"),  # GPS degrees
+        (([1013.25, 15.0, 60.0], [2.0, 5.0, 10.0]), "fp16"),  # pressure, temperature, humidity
+    ):
+        model, x = _model(center, spread)
+        result = fpdoctor.compare(model, x, candidate=candidate)
+        first = result.report.findings[0]
+        assert first.name == "precision-divergence" and first.evidence.get("inputs_as_given"), str(result.report)
+        assert first.fix.startswith("Do that computation before the cast: pass the model's inputs in fp32")
+        assert f"line {line} of" in first.fix and "`0.mean` kept in fp32" in first.fix
+        assert first.trial is not None and first.trial.tried and first.trial.after < first.trial.before / 10
+        # as printed: the inputs and the mean in fp32 at that line, its result cast to the format
+        dtype = torch.bfloat16 if candidate == "bf16" else torch.float16
+        with torch.no_grad():
+            exact = model.double()(x.double())
+            narrow = model.to(dtype)
+            norm = model[0]
+            standardised = ((x - torch.tensor(center)) / norm.std).to(dtype)
+            fixed = narrow[1:](standardised).double()
+        assert float((fixed - exact).norm() / exact.norm()) < first.trial.before / 10
