@@ -53,3 +53,15 @@ def test_raw_readings_rounded_before_the_model_standardises_them_get_the_computa
             standardised = ((x - torch.tensor(center)) / norm.std).to(dtype)
             fixed = narrow[1:](standardised).double()
         assert float((fixed - exact).norm() / exact.norm()) < first.trial.before / 10
+
+
+def test_plan_keeps_no_module_for_inputs_rounded_before_the_model_and_passes_the_checked_fix_on() -> None:
+    """plan said 'keep in fp32 nothing, verified yes' against a target relaxed to the inputs' floor:
+    the floor is that finding's cause, which no module set fixes."""
+    model, x = _model([48.8566, 2.3522], [0.03, 0.04])
+    result = fpdoctor.plan(model, x, candidate="bf16")
+    summary = dict(result.report.data["summary"])
+    assert summary["keep in fp32"].startswith("no module set is the fix: the model's inputs are rounded"), summary
+    assert "before the cast" in summary["verified"] and not summary["verified"].startswith("yes")
+    first = result.report.findings[0]
+    assert first.evidence.get("inputs_as_given") and first.trial is not None and first.trial.tried

@@ -92,6 +92,15 @@ def _names(modules: list[str]) -> str:
     return ", ".join(f"`{m}`" for m in modules) or "nothing"
 
 
+def _inputs_rounded(f: Finding) -> tuple[str, str] | None:
+    """(what, the fix) where compare's finding names the inputs' rounding as the cause, its fix checked."""
+    if "whole_numbers" in f.evidence:
+        return "the inputs' whole numbers are rounded", "the ids kept exact"
+    if f.evidence.get("inputs_as_given") and f.trial is not None and f.trial.tried:
+        return "the model's inputs are rounded before it computes on them", "that computation before the cast"
+    return None
+
+
 def _kept_by(module: str, keep: list[str]) -> str | None:
     return next((k for k in keep if module == k or module.startswith(k + ".")), None)
 
@@ -101,9 +110,10 @@ def build(the_plan: Plan, search: Search) -> Report:
     m = search.metric
     findings: list[Finding] = list(search.given[0])
     findings += _compare_findings(the_plan, search)
-    # whole numbers the format rounds (compare's input-rounding finding, its fix checked) are the
-    # floor's cause: no "ill-conditioned model" beside it
-    whole = any("whole_numbers" in f.evidence for f in findings)
+    # whole numbers the format rounds (compare's input-rounding finding, its fix checked), or inputs
+    # rounded before the model computes on them (a standardisation inside it, its fix checked), are
+    # the floor's cause: no "ill-conditioned model" beside it, and no module set is the fix
+    whole = next((cause for f in findings if (cause := _inputs_rounded(f)) is not None), None)
     if any(fl > tol for _, _, fl, _, _, tol in search.sets) and not whole:
         findings.append(_floor_finding(the_plan, search))
     if not the_plan.verified:
@@ -153,9 +163,9 @@ def build(the_plan: Plan, search: Search) -> Report:
     summary.append(("target", _target_text(the_plan, search)))
     if search.what_if:
         summary.append((f"what-if, alone in fp32 (by {m.name})", _what_if_text(search)))
-    if whole:  # the floor is the inputs' rounded whole numbers: no set of modules is the fix
-        summary.append(("keep in fp32", "no module set is the fix: the inputs' whole numbers are rounded"))
-        summary.append(("verified", "the finding's fix instead (the ids kept exact), checked"))
+    if whole:  # the floor is the inputs' rounding: no set of modules is the fix
+        summary.append(("keep in fp32", f"no module set is the fix: {whole[0]}"))
+        summary.append(("verified", f"the finding's fix instead ({whole[1]}), checked"))
     elif the_plan.verified:
         summary.append(("keep in fp32", _names(the_plan.keep_fp32)))
         for fix in the_plan.fp32_ops:
@@ -382,7 +392,7 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
                 else:
                     out.append(dataclasses.replace(f, evidence=evidence, **_checked_or_next(the_plan, search)))
                 continue
-            if f.name != "precision-divergence" or "whole_numbers" in f.evidence:
+            if f.name != "precision-divergence" or _inputs_rounded(f) is not None:
                 # another finding, or inputs whose values the format rounds: no module set is its fix
                 out.append(dataclasses.replace(f, evidence=evidence))
                 continue
