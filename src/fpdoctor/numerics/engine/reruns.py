@@ -153,6 +153,9 @@ class Experiment:
     # instead (what writing torch.finfo(x.dtype).min does): that value and the symptom op's max |x| then
     saturated_fix: tuple[float, float] | None = None
     stable: stable.Checked | None = None  # the chain is a composite with a stable form, checked (stable.py)
+    # the walk reached a random draw made in a narrow dtype, and a fresh fp32 draw cures the chain:
+    # (its dtype, its largest value below 1 for a uniform draw or None, the symptom op's max |x| then)
+    draw: tuple[str, float | None, float] | None = None
     walked: int = 0  # upstream ops tried
     symptom: frozenset[str] = frozenset({"nan", "inf"})  # what the op made that its inputs did not hold
     handed: bool = False  # its inputs held a non-finite value already, which passes through
@@ -250,6 +253,8 @@ class Experiment:
                     "both non-finite), not a reference to measure a fix against"
                 ),
             )
+        if self.verdict == "draw" and self.origin is not None and self.draw is not None:
+            return self._word_draw(label, message + tried)
         if self.verdict == "origin" and self.origin is not None:
             return self._word_origin(label, message + tried, fix)
         reason = self.note or "the op could not be re-run in higher precision"
@@ -307,6 +312,36 @@ class Experiment:
             after=f"{self.clean}, max |x| {_num(biggest)}",
             on="the inputs these ops read in this run",
         )
+
+    def _word_draw(self, label: str, message: str) -> tuple[str, str, str, Trial]:
+        """The origin is a random draw made in a narrow dtype: its values are that dtype's."""
+        origin, draw = self.origin, self.draw
+        assert origin is not None and draw is not None
+        dtype, top, after = draw
+        where = _where(origin)
+        at = f" at {where}" if where else ""
+        values = f" (the largest below 1 is {top:.4g}, and 0 is among them)" if top is not None else ""
+        why = (
+            f" Walking the dataflow upstream, the values come from the random draw {origin.op}{at}, made in {dtype}: "
+            f"a draw in {dtype} takes only {dtype}'s values{values}, and the ops after it make {self.op}'s "
+            f"{'/'.join(sorted(self.symptom))} of them. No re-run can raise a draw that was made; a new one in "
+            "fp32 is the check."
+        )
+        fix = (
+            f"Draw it in fp32: {origin.op}{at} with dtype=torch.float32 (torch.rand_like(x, dtype=torch.float32): "
+            "a *_like draw takes the dtype of x, bf16 or fp16 under autocast), the ops that transform it in fp32, and "
+            f"cast after them; checked: with a fresh fp32 draw of the same shape, {self.op}'s output is "
+            f"{self.clean} (max |x| {_num(after)}). The draw's {dtype} values also bias what it samples where "
+            "nothing goes non-finite (a Gumbel noise capped by the largest value below 1)."
+        )
+        trial = Trial.checked(
+            f"{origin.op} drawn in fp32 (a fresh draw of the same shape), the ops after it as they ran",
+            metric=f"{self.op}'s output",
+            before="non-finite",
+            after=f"{self.clean}, max |x| {_num(after)}",
+            on="a fresh fp32 draw, the other inputs these ops read in this run",
+        )
+        return f"{label}: {self.op} made non-finite by a random draw in {dtype} upstream{at}", message + why, fix, trial
 
     def _word_origin(self, label: str, message: str, advice: str) -> tuple[str, str, str, Trial]:
         """The origin named; where it is the op itself, its own advice stays, with the check."""
@@ -844,6 +879,8 @@ def _decide(target_record: Record, window: Window, lookup: Lookup | None, budget
             try:
                 kind, _ = _chain_kind(chain, torch.float64, lookup, symptom)
             except _Skip as skip:
+                if _drawn_narrow(experiment, origin, chain, lookup, symptom):
+                    return experiment
                 experiment.note = f"The walk upstream stopped at {origin.record.op}: {skip}."
                 break
             except Exception as exc:
@@ -877,6 +914,40 @@ def _decide(target_record: Record, window: Window, lookup: Lookup | None, budget
             # a custom op's fp64 run is its own kernel again: it cannot tell the math from the kernel
             experiment.verdict = "the-math" if _transparent(target) else "opaque"
     return experiment
+
+
+# random draws a fresh one can stand in for: uniform and normal, by the op's packet
+_UNIFORM = frozenset({"rand", "rand_like", "uniform", "uniform_"})
+_NORMAL = frozenset({"randn", "randn_like", "normal", "normal_"})
+
+
+def _drawn_narrow(
+    experiment: Experiment, origin: Step, chain: list[Step], lookup: Lookup | None, symptom: frozenset[str]
+) -> bool:
+    """Where the walk reached a uniform or normal draw made in bf16/fp16: the chain re-run as it ran
+    on a fresh fp32 draw of the same shape (a private generator: the user's RNG is not touched).
+    Cured there, the draw is the origin (experiment.verdict "draw") and True."""
+    packet = _packet(origin.record.op)
+    out = origin.record.outputs[0] if origin.record.outputs else None
+    if packet not in _UNIFORM | _NORMAL or out is None or out.dtype not in ("torch.bfloat16", "torch.float16"):
+        return False
+    made = next((t for t in tree_flatten((origin.args, origin.kwargs or {}))[0] if isinstance(t, torch.Tensor)), None)
+    device = made.device if made is not None else torch.device("cpu")
+    generator = torch.Generator(device=device).manual_seed(0)
+    draw = torch.rand if packet in _UNIFORM else torch.randn
+    fresh = draw(tuple(out.shape), generator=generator, dtype=torch.float32, device=device)
+    try:
+        after = _cured_from(chain, 1, fresh, lookup, symptom) if len(chain) > 1 else None
+    except Exception:
+        return False
+    if after is None:
+        return False
+    dtype = getattr(torch, out.dtype.removeprefix("torch."))
+    top = 1.0 - torch.finfo(dtype).eps / 2 if packet in _UNIFORM else None
+    experiment.verdict, experiment.origin = "draw", origin.record
+    experiment.chain = [s.record for s in chain]
+    experiment.draw = (out.dtype.removeprefix("torch."), top, after)
+    return True
 
 
 def _transparent(step: Step) -> bool:
