@@ -78,3 +78,34 @@ def test_a_rounded_table_read_by_a_line_that_casts_needs_both_and_says_so() -> N
     fixed.freqs = model.freqs.float().clone()  # the buffer in fp32 after the cast, the line in fp32
     plain = copy.deepcopy(model).to(torch.bfloat16)
     assert _error(fixed, (t,), exact) * 4 <= _error(plain, (t,), exact)
+
+
+class _Alibi(nn.Module):
+    """BLOOM-form ALiBi (slope * key position, cast to the scores' dtype): its slopes 2^-k are held
+    exactly in fp16; the bias they make at 4k positions is not."""
+
+    def __init__(self, d: int = 64, heads: int = 4, last: int = 16) -> None:
+        super().__init__()
+        self.h, self.dh, self.last = heads, d // heads, last
+        self.q, self.kv, self.o = nn.Linear(d, d), nn.Linear(d, 2 * d), nn.Linear(d, d)
+        self.register_buffer("slopes", torch.tensor([2.0 ** -(2 * (i + 1)) for i in range(heads)]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q = self.q(x[:, -self.last :]).view(b, self.last, self.h, self.dh).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, self.h, self.dh).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(t, dtype=torch.float32)
+        alibi = (self.slopes.float()[:, None] * pos[None, :]).to(x.dtype)
+        p = ((q @ k.transpose(-1, -2)) / self.dh**0.5 + alibi[None, :, None, :]).softmax(-1)
+        return self.o((p @ v).transpose(1, 2).reshape(b, self.last, d))
+
+
+def test_a_buffer_the_format_holds_exactly_is_not_named_as_rounded() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(256, 64), _Alibi()).eval()
+    tokens = torch.randint(0, 256, (1, 4096), generator=torch.Generator().manual_seed(1))
+    result = fpdoctor.compare(model, tokens, candidate="fp16")
+    first = result.report.findings[0]
+    assert first.name == "precision-divergence", str(result.report)
+    assert "slopes" not in " ".join(first.evidence.get("rounded_buffers") or []) and "slopes" not in first.message
+    assert first.trial is not None and first.trial.tried, first.trial

@@ -998,7 +998,10 @@ class _Comparison:
             )  # fmt: skip
             # the buffers it reads that the candidate's cast rounded: the user's own values, kept in fp32
             user = dict(self.model.named_buffers())
-            buffers = {n: user[n] for n in read if n in user and torch.finfo(user[n].dtype).bits > 16}
+            buffers = {
+                n: user[n] for n in read
+                if n in user and torch.finfo(user[n].dtype).bits > 16 and _rounded_by(user[n], self.cand_dtype)
+            }  # fmt: skip
             final = rows[-1]
 
             outputs: list[torch.Tensor] = []  # the checked run's output, for what it decides
@@ -1324,6 +1327,12 @@ def _inputs_kept(inputs: Any, dtype: torch.dtype, reference: torch.dtype) -> str
         if t.dtype != dtype and not torch.equal(t.to(dtype).to(t.dtype), t):
             return None
     return f"every floating-point value among the inputs is already a {str(dtype).removeprefix('torch.')} value"
+
+
+def _rounded_by(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether casting `t` to `dtype` changes a value (ALiBi's slopes 2^-k are held exactly in fp16)."""
+    with torch.no_grad():
+        return not torch.equal(t.to(dtype).to(t.dtype), t)
 
 
 def _torch_made(module: nn.Module) -> bool:
