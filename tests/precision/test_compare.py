@@ -276,3 +276,26 @@ def test_precision_findings_carry_the_contracts_where_and_evidence():
         assert {"module", "op", "phase"} <= f.where.keys() and f.where["phase"] == "forward"
         assert f.where["op"] is None or f.where["op"].count(".") == 2
         assert {"kind", "count", "numel", "dtype"} <= f.evidence.keys()
+
+
+def test_a_uniform_draw_replayed_in_a_narrow_dtype_stays_below_one() -> None:
+    """The fp64 draws are replayed in each run's dtype: a value just below 1 rounds up to 1.0 in bf16,
+    which a bf16 draw never gives, and -log(-log(u)) would be Inf where the real run is finite."""
+
+    class Gumbel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(16, 500)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            logits = self.net(x)
+            return logits + -torch.log(-torch.log(torch.rand_like(logits)))
+
+    torch.manual_seed(0)
+    result = fpdoctor.compare(Gumbel().eval(), torch.randn(256, 16), candidate="bf16")
+    assert not [f for f in result.report.findings if "NaN" in f.message or "non-finite" in f.message.lower()], str(
+        result.report
+    )
+    assert all(
+        r.get("nonfinite") in (None, 0, False) for r in result.report.data.get("modules", []) if isinstance(r, dict)
+    )

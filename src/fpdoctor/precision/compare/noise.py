@@ -9,6 +9,7 @@ own dtype, in the order it makes them.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -18,6 +19,17 @@ from fpdoctor.torchprivate import TorchDispatchMode
 
 def _random(func: Any) -> bool:
     return torch.Tag.nondeterministic_seeded in func.tags
+
+
+def _uniform_high(func: Any, args: Any, kwargs: dict[str, Any]) -> float | None:
+    """The open upper end of a uniform draw (rand: 1; uniform_(from, to): to); None for other draws."""
+    name = func._schema.name.removeprefix("aten::")
+    if name in ("rand", "rand_like"):
+        return 1.0
+    if name == "uniform_":
+        high = args[2] if len(args) > 2 else kwargs.get("to", 1.0)
+        return float(high)
+    return None
 
 
 class RecordNoise(TorchDispatchMode):
@@ -54,6 +66,13 @@ class ReplayNoise(TorchDispatchMode):
             self.misaligned = True
             return out
         value = self.draws[k].to(dtype=out.dtype, device=out.device)
+        high = _uniform_high(func, args, kwargs or {})
+        if high is not None and value.is_floating_point():
+            # a uniform draw is in [low, high): an fp64 value just below `high` rounds up to it in a narrow
+            # dtype, which the run's own draw never gives (-log(u) of 1 - u = 0 would be Inf): the largest
+            # value of the dtype below `high` instead
+            below = torch.nextafter(torch.tensor(high, dtype=value.dtype), torch.tensor(-math.inf, dtype=value.dtype))
+            value = torch.where(value >= high, below.to(value.device), value)
         if func._schema.name.endswith("_"):  # in place (normal_, uniform_): the caller holds `out`
             return out.copy_(value)
         return value
