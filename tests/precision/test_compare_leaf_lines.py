@@ -93,3 +93,31 @@ def test_the_op_and_its_lines_inside_a_leaf_the_user_wrote_are_named_and_the_fix
         else:  # what is left is x - mean on x as fp16 holds it (~100, spacing 1/16): the inputs' rounding
             (left,) = now.report.by_name("precision-divergence")
             assert left.evidence["own_op_location"] == f"{__file__}:{_line('return (x - mean.to(x.dtype))')}"
+
+
+class _Quantizer(nn.Module):
+    """A VQ codebook lookup whose distances are computed in fp32 already (the fix of a first report
+    applied): no op of its own loses anything; the fp16 codebook it reads and returns is the error."""
+
+    def __init__(self, codebook: torch.Tensor) -> None:
+        super().__init__()
+        self.codebook = nn.Parameter(codebook.clone())
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        z32, cb = z.to(torch.float32), self.codebook.to(torch.float32)
+        d = ((z32 * z32).sum(1, keepdim=True) + (cb * cb).sum(1) - 2 * z32 @ cb.t()).to(self.codebook.dtype)
+        return self.codebook[d.argmin(1)]
+
+
+def test_a_leaf_whose_own_ops_lose_nothing_is_not_told_its_worst_op_loses_most() -> None:
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(48, 256), nn.GELU(), nn.Linear(256, 64))
+    with torch.no_grad():
+        enc[2].bias.fill_(3.0)  # latents that share a large mean
+        z = enc(torch.randn(8192, 48))
+        codes = z[torch.randperm(8192)[:512]] + 0.05 * torch.randn(512, 64)
+    model = nn.Sequential(enc, _Quantizer(codes), nn.Linear(64, 48)).eval()
+    torch.manual_seed(1)
+    result = fpdoctor.compare(model, torch.randn(1024, 48), candidate="fp16")
+    (found,) = [f for f in result.report.findings if f.name == "precision-divergence" and f.where.get("module") == "1"]
+    assert "loses most" not in found.message and "None of its own ops loses anything" in found.message, found.message

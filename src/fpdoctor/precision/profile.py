@@ -755,8 +755,14 @@ def _divergence(
         f"In {label}, {subject} {adds} ({why}); {len(diverged)} module(s) diverge in all. The end-to-end error "
         f"there is {_fmt_error(first.propagated, None)}."
     )
-    if own and first.leaf:
-        worst = (first.own or {}).get("error_rel")
+    worst = (first.own or {}).get("error_rel") if own and first.leaf else None
+    if own and first.leaf and worst == 0:
+        # no op of its own loses anything alone: what it reads (a weight, a buffer in the format) is the error
+        message += (
+            f" None of its own ops loses anything run alone on its fp64 inputs ({own}{at} included): what it "
+            "reads in this format (its weights, its buffers) makes the error."
+        )
+    elif own and first.leaf:
         loses = f" (an error of {_fmt(worst)} run alone on its fp64 inputs)" if worst is not None else ""
         message += f" The op inside it that loses most is {own}{at}{loses}."
     where: dict[str, Any] = {"module": first.module, "op": own, "phase": "forward", "iteration": first.call}
