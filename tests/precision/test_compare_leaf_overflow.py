@@ -126,3 +126,18 @@ def test_a_containers_own_op_that_overflows_while_its_output_stays_finite_gets_i
     model = _scaled(nn.Sequential(nn.LayerNorm(64), pooler), pooler.proj, by=150.0)
     result = fpdoctor.compare(model, torch.randn(128, 64), candidate="fp16")
     _checked_line_fix(result, "aten.pow", Pooler.forward.__code__.co_firstlineno + 2)
+
+
+def test_another_input_sets_risk_at_the_line_a_checked_fix_names_is_not_a_second_finding() -> None:
+    """Short inputs bring the normaliser near fp16's max (a risk), long ones past it (the divergence,
+    its line in fp32 checked): one finding for that line, not a second one from the short set."""
+    torch.manual_seed(0)
+    attention = nn.Sequential(nn.Embedding(1000, 64), LinearAttention(64)).eval()
+    g = torch.Generator().manual_seed(1)
+    short, long = torch.randint(0, 1000, (2, 512), generator=g), torch.randint(0, 1000, (2, 4096), generator=g)
+    result = fpdoctor.compare(attention, [short, long], candidate="fp16")
+    line = LinearAttention.forward.__code__.co_firstlineno + 4
+    first = _checked_line_fix(result, "aten.bmm", line)
+    assert first.evidence.get("input_set") == 1
+    at = [f for f in result.report.findings if f.where.get("line") == line]
+    assert not at, [(f.name, f.where) for f in at]

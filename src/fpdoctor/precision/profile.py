@@ -961,6 +961,17 @@ def _lines_text(lines: list[tuple[str, int]]) -> str:
     return ", ".join(f"{f}:{n}" for f, n in lines)
 
 
+# where a finding's evidence names the source line of the op it is about
+_LOCATIONS = ("location", "own_op_location", "overflow_location")
+
+
+def _line_of(location: Any) -> str | None:
+    """'file.py:14' of '/path/file.py:14 in forward' (evidence locations), else None."""
+    if not isinstance(location, str) or ":" not in location:
+        return None
+    return location.split(" in ", 1)[0]
+
+
 def merge_sets(
     results: list[CompareResult], described: list[dict[str, Any]], given: tuple[list[Finding], str | None]
 ) -> CompareResult:
@@ -977,8 +988,15 @@ def merge_sets(
     main = results[worst]
     findings = list(given[0]) + list(main.report.findings)
     seen = {(f.name, f.where.get("module")) for f in main.report.findings}
+    # an op the worst set's findings name already (its overflow, with the fix checked there) is not
+    # named again by another set's risk of it
+    ops = {(f.where.get("module"), f.where.get("op")) for f in main.report.findings if f.where.get("op")}
+    lines = {_line_of(f.evidence.get(key)) for f in main.report.findings for key in _LOCATIONS} - {None}
     for k, r in enumerate(results):
         for f in r.report.findings if k != worst else []:
+            at = f"{f.where['file']}:{f.where['line']}" if "file" in f.where and "line" in f.where else None
+            if (f.where.get("module"), f.where.get("op")) in ops or (at is not None and at in lines):
+                continue
             if (f.name, f.where.get("module")) not in seen:
                 seen.add((f.name, f.where.get("module")))
                 findings.append(dataclasses.replace(f, evidence={**f.evidence, "input_set": k}))
