@@ -991,11 +991,11 @@ def merge_sets(
     # an op the worst set's findings name already (its overflow, with the fix checked there) is not
     # named again by another set's risk of it
     ops = {(f.where.get("module"), f.where.get("op")) for f in main.report.findings if f.where.get("op")}
-    lines = {_line_of(f.evidence.get(key)) for f in main.report.findings for key in _LOCATIONS} - {None}
+    named = {_line_of(f.evidence.get(key)) for f in main.report.findings for key in _LOCATIONS} - {None}
     for k, r in enumerate(results):
         for f in r.report.findings if k != worst else []:
             at = f"{f.where['file']}:{f.where['line']}" if "file" in f.where and "line" in f.where else None
-            if (f.where.get("module"), f.where.get("op")) in ops or (at is not None and at in lines):
+            if (f.where.get("module"), f.where.get("op")) in ops or (at is not None and at in named):
                 continue
             if (f.name, f.where.get("module")) not in seen:
                 seen.add((f.name, f.where.get("module")))
