@@ -5,7 +5,7 @@ statistic accumulated in fp16, an accumulator with a small step: each update is 
 spacing of the values it is added to, so the tensor keeps its values (or moves by whole spacings
 in the wrong direction) and nothing goes NaN. The optimizer's own updates of low-precision weights
 are TRN010's (updates/); this watches the other in-place updates: on a narrow-dtype tensor that
-wants no gradient, outside optimizer.step, the first CHECKED calls of each op at each source line
+wants no gradient, outside optimizer.step, calls of each op at each source line spread over the run
 are redone exactly (fp64) and in fp32 from the same values, and the update the tensor kept is
 compared with the exact one. Where it keeps less than half of it on every call checked, the line
 is TRN010 with the tensor's dtype and shape, the update's lost share, and the fix checked: the same
@@ -38,11 +38,11 @@ ACCUMULATES = frozenset({"add_", "sub_", "mul_", "lerp_", "addcmul_", "addcdiv_"
 NORMS = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update", "cudnn_batch_norm",
                    "miopen_batch_norm"})  # fmt: skip
 WATCHED = ACCUMULATES | NORMS
-NORM_CALLS = 1 << 16  # a norm's calls checked: the powers of two up to here
-CHECKED = 3  # calls of each (op, line) redone in fp32
+SPREAD_CALLS = 1 << 16  # the calls of a line (a norm's statistic) checked: the powers of two up to here
+CHECKED = 3  # the latest calls checked of each (op, line) that are judged
 LOST = 0.5  # an update is lost where what the tensor kept is off by half of it or more
 _NARROW = (torch.bfloat16, torch.float16)
-_SMALLEST = 64  # values: a scalar or a handful is not a running state
+_SMALLEST = 4  # values: a scalar or a pair is not a running state (a per-feature statistic of 8 is)
 # and at most this many: the check's fp64 and fp32 copies of a larger one (a big embedding) would cost
 # the job memory; the line's smaller tensors (an EMA updates every parameter at the same line) are checked
 _LARGEST = 1 << 22
@@ -95,12 +95,10 @@ class LostUpdates:
         key = (where[0], where[1], name, *names) if norm else (where[0], where[1], name)
         count = self._counts.get(key, 0)
         self._counts[key] = count + 1
-        if norm:
-            # the statistics start at 0 and 1 and take large steps toward the data's before they settle:
-            # the calls checked are spread over the run (the 1st, 2nd, 4th, 8th, ...), the latest judged
-            if count & (count + 1) or count >= NORM_CALLS:
-                return None
-        elif count >= CHECKED:
+        # a running state starts far from where it settles (a norm's statistics at 0 and 1, an EMA of
+        # readings at 0) and takes large steps toward it first: the calls checked are spread over the
+        # run (the 1st, 2nd, 4th, 8th, ...), and the latest judged
+        if count & (count + 1) or count >= SPREAD_CALLS:
             return None
         return key, [(i, t.detach().clone(), n) for (i, t), n in zip(picked, names, strict=True)]
 
@@ -141,8 +139,8 @@ class LostUpdates:
                 by_line.setdefault((file, number), []).append(line)
         out: list[Finding | None] = [self._norms_finding(norms)]
         for (file, number), found in by_line.items():
-            lost = [x for line in found for x in line.lost]
-            kept_fp32 = [x for line in found for x in line.kept_fp32]
+            lost = [x for line in found for x in line.lost[-CHECKED:]]  # the latest: where it settled
+            kept_fp32 = [x for line in found for x in line.kept_fp32[-CHECKED:]]
             if max(len(line.lost) for line in found) < 2 or min(lost) < LOST or max(kept_fp32) >= LOST:
                 continue  # one call proves little (a running update is made on every step); fp32 must keep it
             line = found[0]

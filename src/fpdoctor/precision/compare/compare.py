@@ -1387,11 +1387,16 @@ def _unconfirmed(row: ModuleRow, entry: _Seen) -> str | None:
         )
     if not _jumped(row, entry):
         came = "NaN/Inf" if math.isinf(entry.candidate_inputs) else f"{entry.candidate_inputs:.3g}"
+        grew = (
+            f"{row.propagated / entry.candidate_inputs:.2g}x"
+            if math.isfinite(entry.candidate_inputs) and entry.candidate_inputs > 0 and row.propagated is not None
+            else "no more than"
+        )
         return (
             f"{op} run alone in the candidate's dtype leaves the floor, but in the candidate's own run this "
-            f"module adds nothing beyond what came in (output error {row.propagated:.3g}, inputs' {came}): what "
-            "the op loses alone does not reach the module's output (its code may compute it in another dtype, "
-            "or a later op absorb it)"
+            f"module's output error is {grew} what came in (output error {row.propagated:.3g}, inputs' {came}), "
+            f"under the {DIVERGENCE_RATIO:g}x a divergence takes: what the op loses alone reaches the module's "
+            "output only in part (its code may compute it in another dtype, or a later op absorb it)"
         )
     return None
 
