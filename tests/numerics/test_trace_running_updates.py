@@ -121,3 +121,23 @@ def test_a_norms_running_statistics_cast_to_low_precision_are_named_and_fp32_nor
 def test_a_norm_over_centred_features_in_bf16_is_not_named() -> None:
     report, _ = _train_with_norm(torch.bfloat16, 0.0)
     assert not [f for f in report.findings if f.evidence.get("buffers")], str(report)
+
+
+def test_an_ema_written_as_two_ops_on_a_state_far_from_zero_is_judged_as_one_update_once_it_settles() -> None:
+    """A per-feature running mean of readings near 1000 in fp16 (spacing 0.5), `mean.mul_(1 - m)
+    .add_(m * mu)`: each op alone moves it by about 10 and keeps that; together they move it by less
+    than 0.25 once it nears 1000, which fp16 loses, so it stops at about 975. The pair is checked as
+    one update on calls spread over the run, and the line named."""
+    torch.manual_seed(0)
+    mean = torch.zeros(8, dtype=torch.float16)
+    m = 0.01
+    with fpdoctor.Trace() as tr:
+        for _ in range(600):
+            mu = (1000.0 + 20.0 * torch.randn(128, 8)).mean(0)
+            mean.mul_(1 - m).add_(m * mu.to(mean.dtype))  # the update
+    line = test_an_ema_written_as_two_ops_on_a_state_far_from_zero_is_judged_as_one_update_once_it_settles
+    at = line.__code__.co_firstlineno + 11
+    (found,) = [f for f in tr.report.findings if f.evidence.get("kind") == "running-update"]
+    assert found.evidence["location"].endswith(f":{at}"), found.evidence
+    assert "aten.mul_" in found.message and "aten.add_" in found.message
+    assert float(mean.float().mean()) < 990  # the state it names did stop short

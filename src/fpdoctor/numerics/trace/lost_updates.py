@@ -39,7 +39,8 @@ NORMS = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_batch_norm
                    "miopen_batch_norm"})  # fmt: skip
 WATCHED = ACCUMULATES | NORMS
 SPREAD_CALLS = 1 << 16  # the calls of a line (a norm's statistic) checked: the powers of two up to here
-CHECKED = 3  # the latest calls checked of each (op, line) that are judged
+CHECKED = 3  # the latest calls checked of a norm's statistic that are judged
+RECENT = 2  # and of a line's in-place update
 LOST = 0.5  # an update is lost where what the tensor kept is off by half of it or more
 _NARROW = (torch.bfloat16, torch.float16)
 _SMALLEST = 4  # values: a scalar or a pair is not a running state (a per-feature statistic of 8 is)
@@ -58,12 +59,27 @@ class _Line:
     kept_fp32: list[float] = field(default_factory=list)  # the same for the update kept in an fp32 tensor
 
 
+@dataclass
+class _Visit:
+    """The latest in-place update checked, for an op that continues it (`after`)."""
+
+    where: tuple[str, int]
+    op: str
+    count: int  # which call of its op at the line it was
+    target: torch.Tensor
+    after: torch.Tensor  # its value after the update
+    start: torch.Tensor  # its value before the first op of the chain
+    ops: list[tuple[Any, Any, Any]]  # (func, args, kwargs) of each op of the chain
+    record: tuple[Any, ...]  # where the last op's check was recorded (LostUpdates.lines)
+
+
 class LostUpdates:
     """Per (op, source line), what the first calls kept of their update (see the module docstring)."""
 
     def __init__(self) -> None:
         self.lines: dict[tuple[Any, ...], _Line] = {}  # (file, line, op, buffer names..., argument)
         self._counts: dict[tuple[Any, ...], int] = {}
+        self._visit: _Visit | None = None
 
     def before(
         self, name: str, args: Any, phase: Callable[[], str], named: Callable[[torch.Tensor], str | None]
@@ -100,23 +116,44 @@ class LostUpdates:
         # run (the 1st, 2nd, 4th, 8th, ...), and the latest judged
         if count & (count + 1) or count >= SPREAD_CALLS:
             return None
-        return key, [(i, t.detach().clone(), n) for (i, t), n in zip(picked, names, strict=True)]
+        return key, [(i, t.detach().clone(), n) for (i, t), n in zip(picked, names, strict=True)], count
 
     def after(self, kept: Any, func: Any, args: Any, kwargs: Any) -> None:
         """The update each target kept, and the one an fp32 target keeps, against the update made
-        exactly (in fp64) from the same values."""
-        key, olds = kept
+        exactly (in fp64) from the same values. `ema.mul_(d).add_(x, alpha=1 - d)` is one update made
+        by two ops: where an op continues the one checked just before it (the same tensor, at the
+        same line, from the value that op left), both are redone from the first one's values, and the
+        pair is judged in place of the first alone (each op alone may move a state near 1000 by 10;
+        together they move it by 0.1, which fp16 loses)."""
+        key, olds, count = kept
+        visit = self._visit if key[2] in ACCUMULATES else None
+        t0 = args[0]
+        # the next op of the same statement: another op, its call of the same number (the same visit
+        # of the line), on the same tensor, from the value the first left
+        chained = (
+            visit is not None and visit.where == key[:2] and visit.count == count and visit.op != key[2]
+            and visit.target is t0 and torch.equal(visit.after, olds[0][1])
+        )  # fmt: skip
+        ops = [*visit.ops, (func, args, kwargs)] if chained and visit is not None else [(func, args, kwargs)]
+        starts = {i: (visit.start if chained and visit is not None and i == 0 else old) for i, old, _ in olds}
         made: dict[torch.dtype, dict[int, torch.Tensor]] = {}
         for dtype in (torch.float64, torch.float32):
-            copies = {i: old.to(dtype) for i, old, _ in olds}
-            wide = [
-                copies.get(j, a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a)
-                for j, a in enumerate(args)
-            ]
-            func(*wide, **(kwargs or {}))  # in place on the copies
+            copies = {i: start.to(dtype) for i, start in starts.items()}
+            for f, a, kw in ops:
+                wide = [
+                    copies[j] if j in copies else x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
+                    else x
+                    for j, x in enumerate(a)
+                ]  # fmt: skip
+                f(*wide, **(kw or {}))  # in place on the copies
             made[dtype] = {i: c.double() for i, c in copies.items()}
-        for i, old, target in olds:
-            exact = made[torch.float64][i] - old.double()
+        if chained and visit is not None:  # the first op's own record is replaced by the pair's
+            first = self.lines.get(visit.record)
+            if first is not None and first.lost:
+                first.lost.pop()
+                first.kept_fp32.pop()
+        for i, _, target in olds:
+            exact = made[torch.float64][i] - starts[i].double()
             size = float(exact.norm())
             if size == 0.0:
                 continue
@@ -126,6 +163,8 @@ class LostUpdates:
             )
             line.lost.append(float((t.detach().double() - made[torch.float64][i]).norm()) / size)
             line.kept_fp32.append(float((made[torch.float32][i] - made[torch.float64][i]).norm()) / size)
+        if key[2] in ACCUMULATES:
+            self._visit = _Visit(key[:2], key[2], count, t0, t0.detach().clone(), starts[0], ops, (*key, 0))
 
     def findings(self) -> list[Finding]:
         """One finding per source line whose updates were lost on every call checked (its ops together:
@@ -139,10 +178,13 @@ class LostUpdates:
                 by_line.setdefault((file, number), []).append(line)
         out: list[Finding | None] = [self._norms_finding(norms)]
         for (file, number), found in by_line.items():
-            lost = [x for line in found for x in line.lost[-CHECKED:]]  # the latest: where it settled
-            kept_fp32 = [x for line in found for x in line.kept_fp32[-CHECKED:]]
-            if max(len(line.lost) for line in found) < 2 or min(lost) < LOST or max(kept_fp32) >= LOST:
-                continue  # one call proves little (a running update is made on every step); fp32 must keep it
+            # the latest two checks, where the state has settled (a slow EMA keeps its early updates and
+            # loses them as it nears its target): half lost on average, the latest too; fp32 must keep them
+            lost = [x for line in found for x in line.lost[-RECENT:]]
+            kept_fp32 = [x for line in found for x in line.kept_fp32[-RECENT:]]
+            latest = max((line.lost[-1] for line in found if line.lost), default=0.0)
+            if len(lost) < RECENT or sum(lost) / len(lost) < LOST or latest < LOST or max(kept_fp32) >= LOST:
+                continue
             line = found[0]
             ops = " and ".join(f"aten.{x.op}" for x in found)
             where = f"{file}:{number}"
@@ -157,7 +199,8 @@ class LostUpdates:
                         f"{ops} at {where} update{'s' if len(found) == 1 else ''} a {line.dtype} tensor of shape "
                         f"{line.shape} in place (no "
                         f"gradient, outside the optimizer step: an EMA of weights, a running mean or statistic), and "
-                        f"on each of the {len(lost)} calls checked the tensor kept an update off by "
+                        f"on the latest {len(lost)} calls checked (calls spread over the run: the 1st, 2nd, 4th, "
+                        f"...) the tensor kept an update off by "
                         f"{share} of the one the op makes exactly from the same values: "
                         f"each step's change is below half the spacing of {line.dtype} at those values, so the "
                         "tensor stays where it was (or moves by whole spacings). Nothing goes NaN; what reads it "
@@ -183,7 +226,7 @@ class LostUpdates:
                         metric="share of the exact update lost",
                         before=share,
                         after=f"{max(kept_fp32):.2%} at most",
-                        on=f"the first {len(lost)} calls of the line",
+                        on=f"the latest {len(lost)} calls checked of the line",
                     ),
                 )
             )
