@@ -541,13 +541,15 @@ def _input_finding(
         "precision-divergence",
         title=f"Rounding the inputs to {candidate} already costs more than the noise floor",
         message=message
-        + f" The model is ill-conditioned at {candidate}: keeping parts of it in fp32 does not undo rounded inputs.",
+        + f" The model is ill-conditioned at {candidate} inputs: keeping parts of it in fp32 does not undo inputs "
+        "already rounded; what first reads them must get them unrounded.",
         where={"module": None, "op": None, "phase": "forward"},
         evidence={"kind": "input-rounding", **evidence},
         fix=(
-            "give the ops that read the inputs fp32 inputs (compute them in fp32), or make the model less "
-            "sensitive to its inputs (a smaller scale on attention scores, a normalisation before them); "
-            "`fpdoctor plan` measures this floor and judges a plan against it"
+            "pass the inputs in fp32 and compute what first reads them in fp32, with the parameters and buffers it "
+            "reads kept in fp32 too (a centring or scaling of raw values: do it before the cast), or make the model "
+            "less sensitive to its inputs (a normalisation before what amplifies them); `fpdoctor plan` measures "
+            "this floor and judges a plan against it"
         ),
         trial=Trial.untried(
             "a change to how the model reads its inputs: what compare measured is the floor itself (the model "

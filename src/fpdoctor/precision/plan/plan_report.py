@@ -503,8 +503,9 @@ def _floor_finding(the_plan: Plan, search: Search) -> Finding:
         },
         fix=(
             "if that error matters, give the modules that read the inputs fp32 inputs (keep them in fp32 and do not "
-            "cast the inputs), or make the model less sensitive to its inputs (a smaller scale on attention scores, "
-            f"a normalisation before them); otherwise accept the plan judged against {m.bound(target)}"
+            "cast the inputs, their parameters and buffers in fp32 too: a centring of raw values done before the "
+            "cast), or make the model less sensitive to its inputs (a normalisation before what amplifies them); "
+            f"otherwise accept the plan judged against {m.bound(target)}"
         ),
         trial=Trial.untried(
             "a change to how the model reads its inputs, which no keep-in-fp32 set can make: the floor itself is "
