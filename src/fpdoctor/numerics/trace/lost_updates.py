@@ -167,8 +167,9 @@ class LostUpdates:
             self._visit = _Visit(key[:2], key[2], count, t0, t0.detach().clone(), starts[0], ops, (*key, 0))
 
     def findings(self) -> list[Finding]:
-        """One finding per source line whose updates were lost on every call checked (its ops together:
-        `ema.mul_(decay).add_(w, alpha=1 - decay)` is one running update)."""
+        """One finding per source line whose updates were lost on its latest checks (its ops together:
+        `ema.mul_(decay).add_(w, alpha=1 - decay)` is one running update), and one for the norms'."""
+        self._visit = None  # the last tensor checked and its op's arguments: not kept past the trace
         by_line: dict[tuple[str, int], list[_Line]] = {}
         norms: list[_Line] = []
         for (file, number, *_), line in self.lines.items():
