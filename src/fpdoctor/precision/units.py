@@ -91,14 +91,13 @@ def coarse_finding(units: InUnits, fmt: str, head: str, kept: InUnits | None, *,
         f"{units.mean:.3g}). The candidate's error is at this floor, so no part of the model is to blame and every "
         "relative figure looks fine: the output's format is the cause."
     )
-    other = (
-        "or have it predict the offset from a constant (y - c, the constant added back in fp32), which the format "
-        "holds finely"
+    offset = (
+        "predict the offset from a constant (y - c, the constant added back in fp32), which the format holds finely"
     )
     if kept is not None and kept.mean <= units.mean / 4:
         fix = (
             f"Keep {layer} in fp32, returning an fp32 output (under autocast: call it outside the autocast region on "
-            f"its input .float()); {other}. Checked: mean |error| {units.mean:.3g} -> {kept.mean:.3g}."
+            f"its input .float()); or have it {offset}. Checked: mean |error| {units.mean:.3g} -> {kept.mean:.3g}."
         )
         trial = Trial.checked(
             f"{layer} kept in fp32, returning fp32, the rest in {fmt}",
@@ -108,7 +107,8 @@ def coarse_finding(units: InUnits, fmt: str, head: str, kept: InUnits | None, *,
             on=on,
         )
     else:
-        fix = f"Return the output in fp32: {other}."
+        # returning fp32 from that layer was tried and is not the fix: what it adds to is rounded before it
+        fix = f"Have {layer} {offset}, and keep that constant out of the {fmt} cast."
         why = (
             f"{layer} kept in fp32 left the mean |error| at {kept.mean:.3g} (from {units.mean:.3g})"
             if kept is not None

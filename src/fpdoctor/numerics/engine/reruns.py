@@ -441,8 +441,8 @@ def _stable_fix_text(checked: stable.Checked, where: str, op: str) -> str:
         f"{checked.dtype} on the inputs this step read, {op}'s "
         + ("output is then finite, the ops between re-run as they ran" if form.prefix else "replacement is finite")
         + f" (checked: max |x| {_num(checked.absmax)}), and "
-        + ("the replacement is finite" if form.prefix else "")
-        + f" on those inputs scaled to {checked.dtype}'s largest values too (checked)"
+        + ("the replacement is finite " if form.prefix else "")
+        + f"on those inputs scaled to {checked.dtype}'s largest values too (checked)"
     )
     if checked.fp32_fails:
         text += (
@@ -682,18 +682,17 @@ def _cured_from(
 ) -> float | None:
     """The chain's ops after its first k re-run as they ran on `value` in place of what the k-th
     made: the last op's largest |value| where the symptom is gone, else None."""
-    outs = [o for o in _replay(chain[k:], None, lookup, {chain[k - 1].record.index: [value]}) if o.is_floating_point()]
-    kinds = {k for k in (_kind(o) for o in outs) if k} | {"inf" for o in outs if bool(torch.isinf(o).any())}
-    if kinds & symptom:
-        return None
-    return max((_finite_absmax(o) for o in outs), default=0.0)
+    kind, after = _chain_kind(chain[k:], None, lookup, symptom, values={chain[k - 1].record.index: [value]})
+    return None if kind is not None else after
 
 
 def _chain_kind(
-    chain: list[Step], dtype: torch.dtype | None, lookup: Lookup | None, symptom: frozenset[str] = _ANY
-) -> tuple[str | None, float]:
-    """The symptom's kind in the chain's output (None: cured), and the output's largest magnitude."""
-    outs = [o for o in _replay(chain, dtype, lookup) if o.is_floating_point()]
+    chain: list[Step], dtype: torch.dtype | None, lookup: Lookup | None, symptom: frozenset[str] = _ANY,
+    values: dict[int, list[torch.Tensor]] | None = None,
+) -> tuple[str | None, float]:  # fmt: skip
+    """The symptom's kind in the chain's output (None: cured), and the output's largest magnitude.
+    `values`: as _replay's."""
+    outs = [o for o in _replay(chain, dtype, lookup, values) if o.is_floating_point()]
     kinds = {k for k in (_kind(o) for o in outs) if k} | {"inf" for o in outs if bool(torch.isinf(o).any())}
     kinds &= symptom
     kind = "nan" if "nan" in kinds else next(iter(kinds), None)

@@ -737,7 +737,7 @@ class Tracer(EagerDispatchMode):
 
     def _running_update(self, info: OpInfo, func: Any, args: Any, kwargs: Any) -> Any:
         """Run an in-place update that lost_updates.py may check: its target's values kept before,
-        the update it kept compared after (the first calls of each source line only)."""
+        the update it kept compared after (calls of each source line spread over the run only)."""
         kept = None
         try:
             kept = self.lost_updates.before(info.name, args, lambda: self.tracker.phase, self.tracker.param_names.get)
