@@ -32,6 +32,8 @@ from fpdoctor.report.model import Finding, Trial
 # Rounding the exact output to the format costs at least this share of the output's spread: the
 # format is too coarse for what the output measures (bf16 at 100x its spread costs about a seventh).
 COARSE = 0.05
+# The candidate's mean error within this factor of rounding's is "at the floor": nothing else to blame.
+AT_FLOOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -88,9 +90,18 @@ def coarse_finding(units: InUnits, fmt: str, head: str, kept: InUnits | None, *,
         f"In {fmt} the output cannot hold what it measures: its values sit at {units.magnitude:.4g} on average and "
         f"vary by {units.spread:.3g} (std over {units.values} sampled values), and rounding the exact output to "
         f"{fmt} alone moves it by {units.floor_mean:.3g} on average ({share:.0%} of that spread; the candidate: "
-        f"{units.mean:.3g}). The candidate's error is at this floor, so no part of the model is to blame and every "
-        "relative figure looks fine: the output's format is the cause."
+        f"{units.mean:.3g})."
     )
+    if units.mean <= AT_FLOOR * units.floor_mean:
+        message += (
+            " The candidate's error is at this floor, so no part of the model is to blame and every relative figure "
+            "looks fine: the output's format is the cause."
+        )
+    else:  # something inside the model adds to it (the findings before this one name what)
+        message += (
+            f" The candidate's error is {units.mean / units.floor_mean:.2g}x this floor: besides what the model loses, "
+            "the output's format alone is too coarse for it."
+        )
     offset = (
         "predict the offset from a constant (y - c, the constant added back in fp32), which the format holds finely"
     )

@@ -66,8 +66,8 @@ class _Producers(EagerDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if self.found is not None:
-            return out
+        if self.found is not None or not self.stack:
+            return out  # outside the forward (compare casting the inputs): what it makes is an input
         user = user_location(sys._getframe())
         line = (user[0], user[1]) if user is not None else None
         module = self.stack[-1] if self.stack else ""
