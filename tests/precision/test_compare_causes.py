@@ -40,16 +40,19 @@ class Amplifier(nn.Module):
         return (torch.softmax(scores, dim=-1) @ (h - h.mean(dim=-2, keepdim=True))).to(x.dtype)
 
 
-def test_an_error_that_input_rounding_explains_is_named_as_such():
+def test_an_error_that_input_rounding_explains_is_named_with_its_checked_fix():
+    """Rounding the inputs explains the error; the lines that read them, computed in fp32 from the
+    inputs as given, are checked to remove it: that is the fix printed (before: "the model is
+    ill-conditioned at fp16", with no fix tried)."""
     torch.manual_seed(0)
     x = torch.randn(4, 32, 64) + 20
     result = fpdoctor.compare(Amplifier(), x, candidate="fp16")
     finding = result.report.by_name("precision-divergence")[0]
-    assert finding.evidence["kind"] == "input-rounding" and finding.where["module"] is None
-    assert finding.title == "Rounding the inputs to fp16 already costs more than the noise floor"
-    assert "ill-conditioned at fp16" in finding.message and "keep" not in finding.fix.split(";")[0]
-    assert result.first_divergent is None
-    assert dict(result.report.data["summary"])["first divergent module"].startswith("none: rounding the inputs")
+    assert finding.evidence["inputs_as_given"] and finding.where["module"] == ""
+    assert finding.evidence["input_floor_rel"] > 0
+    assert finding.fix.startswith("Do that computation before the cast: pass the model's inputs in fp32")
+    assert finding.trial is not None and finding.trial.tried and finding.trial.after * 4 <= finding.trial.before
+    assert result.first_divergent is None and "keep" not in finding.fix.split(";")[0]
 
 
 def test_compare_cli_takes_torch_dtype_names_and_names_the_root_plainly():

@@ -65,3 +65,33 @@ def test_plan_keeps_no_module_for_inputs_rounded_before_the_model_and_passes_the
     assert "before the cast" in summary["verified"] and not summary["verified"].startswith("yes")
     first = result.report.findings[0]
     assert first.evidence.get("inputs_as_given") and first.trial is not None and first.trial.tried
+
+
+class Altimeter(nn.Module):
+    """Altitudes near a summit (8848.86 m +- 20; fp16's spacing there is 8) centred by a learned
+    offset, an nn.Parameter, in the whole model's own forward: the model's cast rounds the offset
+    as it does the inputs, and rounding the inputs alone explains the model's error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ref = nn.Parameter(torch.tensor([8848.86, 8848.86]))
+        self.body = nn.Sequential(nn.Linear(2, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.body((h - self.ref) / 20.0)
+
+
+def test_a_learned_offset_in_the_whole_models_forward_is_kept_in_fp32_with_the_inputs_as_given() -> None:
+    torch.manual_seed(0)
+    model, h = Altimeter().eval(), 8848.86 + 20.0 * torch.randn(512, 2)
+    result = fpdoctor.compare(model, h, candidate="fp16")
+    first = result.report.findings[0]
+    assert first.name == "precision-divergence" and first.evidence.get("inputs_as_given"), str(result.report)
+    assert first.evidence.get("rounded_buffers") == ["ref"] and "the parameter `ref`" in first.message
+    assert "nn.Parameter(value.float())" in first.fix
+    assert first.trial is not None and first.trial.tried and first.trial.after < first.trial.before / 10
+    # as printed: the inputs and `ref` in fp32 at that line, its result cast to the format
+    with torch.no_grad():
+        exact = model.double()(h.double())
+        fixed = model.half().body(((h - torch.tensor(8848.86)) / 20.0).half()).double()
+    assert float((fixed - exact).norm() / exact.norm()) < first.trial.before / 10

@@ -435,7 +435,10 @@ def _root_finding(
     )
     own, at = _own_op(root)
     evidence = _root_evidence(root, candidate, reference, input_floor)
-    if explained:
+    # rounding the inputs explains the error, unless a fix of where its worst op's inputs are made was
+    # checked: the check holds what the user's raw inputs become in fp32 (a centring done in the model)
+    checked = cause is not None and cause.get("trial") is not None and cause["trial"].tried
+    if explained and not checked:
         assert input_floor is not None
         return _input_finding(root, label, candidate, reference, input_floor, found=inputs_cause, evidence=evidence)
     if cause is not None and cause.get("fix"):  # its worst op's inputs are the cause: where they are made
@@ -862,6 +865,7 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
     for module, found in forced.items():
         op, lines, raised = found["op"], found.get("lines") or [], found.get("raised_rel")
         buffers = found.get("buffers") or []
+        kind, again = _held(buffers, found.get("parameters") or [], candidate)
         error = found.get("error_rel")
         message = (
             f" {op} is not the cause: run exactly (in fp64) on its inputs rounded to {candidate}, it is as wrong "
@@ -874,7 +878,7 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
         held = ", ".join(f"`{b}`" for b in buffers)
         if lines or buffers:
             made = f"made at {where}" if lines else ""
-            rounded = f"the buffer{'s' if len(buffers) > 1 else ''} {held}, which the cast to {dtype} rounded"
+            rounded = f"the {kind} {held}, which the cast to {dtype} rounded"
             message += f" What it reads is {' from '.join(x for x in (made, rounded if buffers else '') if x)}."
             evidence |= {"feeding_lines": [f"{f}:{n}" for f, n in lines], "raised_rel": raised}
             if found.get("inputs_as_given"):
@@ -885,22 +889,14 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
         given = bool(found.get("inputs_as_given")) and bool(lines)
         changes = [
             *([f"compute {where} in fp32"] if lines else []),
-            *(
-                [
-                    f"keep {held} in fp32 (model.to(torch.{dtype}) rounds every floating buffer: assign "
-                    f"{'them' if len(buffers) > 1 else 'it'} again in fp32 after the cast)"
-                ]
-                if buffers
-                else []
-            ),
+            *([f"keep {held} in fp32 ({again})"] if buffers else []),
         ]
         if given and helped:
             # what the lines read is the model's input, rounded by the cast before the forward
             fix = (
                 f"Do that computation before the cast: pass the model's inputs in fp32 (not cast to {dtype} before "
                 f"the forward), compute {where} in fp32 from them"
-                + (f" with {held} kept in fp32 (model.to(torch.{dtype}) rounds every floating buffer: assign "
-                   f"{'them' if len(buffers) > 1 else 'it'} again in fp32 after the cast)" if buffers else "")
+                + (f" with {held} kept in fp32 ({again})" if buffers else "")
                 + f", and cast what it produces to {dtype} (.to(p.dtype), p one of the model's parameters); checked: "
                 f"the end-to-end error goes from {_fmt(error)} to {_fmt(raised)}"
             )  # fmt: skip
@@ -951,6 +947,22 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
             trial = Trial.untried(tried)
         out[module] = {"message": message, "evidence": evidence, "op": op, "fix": fix, "trial": trial}
     return out
+
+
+def _held(held: list[str], parameters: list[str], candidate: str) -> tuple[str, str]:
+    """What the model's cast rounded, in words ("buffer", "parameters"), and how to keep it in fp32."""
+    dtype = str(compute_dtype(candidate)).removeprefix("torch.")
+    many = len(held) > 1
+    if not parameters:
+        kind, what, how = "buffers" if many else "buffer", "buffer", ""
+    else:
+        kind = ("parameters" if many else "parameter") if len(parameters) == len(held) else "parameters and buffers"
+        what, how = "parameter and buffer", ", a parameter as nn.Parameter(value.float())"
+    again = (
+        f"model.to(torch.{dtype}) rounds every floating {what}: assign {'them' if many else 'it'} again in fp32 "
+        f"after the cast{how}"
+    )
+    return kind, again
 
 
 def _lines_text(lines: list[tuple[str, int]]) -> str:

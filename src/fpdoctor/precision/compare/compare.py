@@ -1019,8 +1019,9 @@ class _Comparison:
                 self.cand_run, self.inputs, self.cand_dtype, op=own["op"], line=own["location"] or "",
                 module=row.module, rng=self.rng, device=self.cand_device, noise=self.noise,
             )  # fmt: skip
-            # the buffers it reads that the candidate's cast rounded: the user's own values, kept in fp32
-            user = dict(self.model.named_buffers())
+            # the buffers and parameters it reads that the candidate's cast rounded: the user's own
+            # values, kept in fp32 (a centring's offset, learned or not)
+            user = dict(self.model.named_buffers()) | dict(self.model.named_parameters())
             buffers = {
                 n: user[n] for n in read
                 if n in user and torch.finfo(user[n].dtype).bits > 16 and _rounded_by(user[n], self.cand_dtype)
@@ -1058,7 +1059,11 @@ class _Comparison:
             return cause | {"raised_rel": None, "error_rel": rows[-1].propagated}
         if raised is not None and outputs:
             self.line_fix = outputs[-1]
-        return cause | {"lines": lines, "buffers": sorted(buffers), "raised_rel": raised, "error_rel": final.propagated}
+        learned = sorted(n for n in buffers if isinstance(user[n], nn.Parameter))
+        return cause | {
+            "lines": lines, "buffers": sorted(buffers), "parameters": learned, "raised_rel": raised,
+            "error_rel": final.propagated,
+        }  # fmt: skip
 
     # -- step 6: the result and its report ----------------------------------------------------------
     def result(

@@ -107,8 +107,10 @@ def feeding_lines(
 ) -> tuple[list[tuple[str, int]], list[str]]:  # fmt: skip
     """The user lines of the dataflow that feeds `op` at `line` in `module`'s own call, the op's
     own line included, in file order, and the buffers it reads that the model's cast rounded to
-    `dtype` (their names in the model); empty when the op was not seen."""
-    buffers = {name: t for name, t in run.named_buffers() if t.dtype == dtype}
+    `dtype` (their names in the model; parameters too: a learned centring is one); empty when the
+    op was not seen."""
+    held = [*run.named_buffers(), *run.named_parameters()]
+    buffers = {name: t for name, t in held if t.dtype == dtype}
     producers = _Producers(op, line, module, buffers)
     stacked(producers, run, inputs, dtype, rng=rng, device=device, noise=noise)
     lines = {m.line for m in producers.found or [] if m.line is not None}
@@ -133,8 +135,11 @@ def raised_error(
     for name, value in (buffers or {}).items():
         holder, _, attr = name.rpartition(".")
         owner = run.get_submodule(holder)
-        kept = value.detach().to(device=getattr(owner, attr).device, dtype=torch.float32, copy=True)
-        swapped.append((owner, attr, getattr(owner, attr)))
+        current = getattr(owner, attr)
+        kept = value.detach().to(device=current.device, dtype=torch.float32, copy=True)
+        if isinstance(current, nn.Parameter):  # a parameter's slot takes a Parameter only
+            kept = nn.Parameter(kept, requires_grad=False)
+        swapped.append((owner, attr, current))
         setattr(owner, attr, kept)  # nn.Module puts a tensor set on a buffer's name in the buffer's slot
         raised.raised += 1  # read as it is, as the user's code reads an fp32 buffer (torch's type promotion)
         if lines:  # the lines' ops read it in fp32 and what they make of it is cast back, as the fix says
