@@ -292,6 +292,23 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         fix="Keep the output's layer in fp32 returning fp32, or predict the offset from a constant and add it "
         "back in fp32.",
     ),
+    RuleInfo(
+        code="NUM020",
+        name="whole-numbers-rounded",
+        severity=E,
+        title="Whole numbers made inside the model in the candidate's format are rounded",
+        what="In its fp64 pass `compare` notes each line of the model's forward that makes whole numbers in the "
+        "model's dtype (an arange, integers cast to it: positions, timesteps, counts) past the largest whole "
+        "number the candidate's format holds exactly (256 in bf16, 2048 in fp16). It re-runs the candidate "
+        "with that line, and then the lines after it that read its values, in fp32, their results cast back, "
+        "and names the line where that takes the end-to-end error down by 4x or more.",
+        why="Past 256, bf16 holds every second whole number, then every fourth: position 1023 becomes 1024 and "
+        "the distance between two nearby tokens becomes 0 or 4. Relative error figures barely move, because "
+        "the large values are nearly right; what reads the small differences (a relative-position bias, a "
+        "rotary angle, a count used as a divisor) is wrong.",
+        fix="Make the whole numbers in fp32 (dtype=torch.float32, or integers then .float()), compute what "
+        "reads them in fp32, and cast the result to the model's dtype.",
+    ),
 )
 
 TRN_RULES: tuple[RuleInfo, ...] = (

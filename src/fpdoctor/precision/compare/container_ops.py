@@ -65,6 +65,20 @@ _NOT_JUDGED = {
     "aten.ones_like", "aten.empty_like", "aten.full_like", "aten.new_zeros", "aten.new_ones", "aten.new_empty",
     "aten.new_full", "aten.slice_scatter", "aten.select_scatter", "aten.masked_fill", "aten.masked_fill_",
 }  # fmt: skip
+# Ops that make whole numbers from none (an arange) or from integers (a cast of positions, of
+# timesteps): made in the model's dtype, the candidate's format rounds them past its exact range.
+_WHOLE_MAKERS = {"aten.arange", "aten._to_copy"}
+WHOLE_SITES = 4  # lines recorded per pass, at most
+
+
+@dataclass(frozen=True)
+class WholeMade:
+    """A line that makes whole numbers in the model's dtype, past what the candidate holds exactly."""
+
+    location: str
+    largest: float
+
+
 # An op re-run whole is kept, its figures read at the pass's end with the others, when its inputs
 # hold at most this much (its follow-ups re-run it from them); a larger one is read at once, so that
 # the pass never holds more than a few activations: its own work dwarfs the wait for the device.
@@ -201,8 +215,10 @@ class OwnOps(EagerDispatchMode):
         self.current: Own | None = None  # the innermost module call's, if it is a container's
         self.pause = 0
         # id(op overload) -> (never judged, the overload, kept so its id stays its own, its output's
-        # shape depends on the data): an OpOverload's __hash__ is Python code, asked for every op
-        self._kinds: dict[int, tuple[bool, Any, bool]] = {}
+        # shape depends on the data, it makes whole numbers): an OpOverload's __hash__ is Python code
+        self._kinds: dict[int, tuple[bool, Any, bool, bool]] = {}
+        # whole numbers made in the model's dtype past what the candidate's holds exactly (WholeMade)
+        self.whole: list[WholeMade] = []
         # while a list: the repeat key of each op counted (own_calls.OwnCalls learns a call's ops from
         # it), and None after an op whose output's shape depends on the values (nonzero, item)
         self.log: list[Any] | None = None
@@ -243,7 +259,13 @@ class OwnOps(EagerDispatchMode):
             kind = self._kinds.get(id(func))
             if kind is None:
                 data_shaped = bool({torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output} & set(func.tags))
-                kind = self._kinds[id(func)] = (func.is_view or _packet(func) in _NOT_JUDGED, func, data_shaped)
+                packet = _packet(func)
+                kind = self._kinds[id(func)] = (
+                    func.is_view or packet in _NOT_JUDGED,
+                    func,
+                    data_shaped,
+                    packet in _WHOLE_MAKERS,
+                )
             # first the tests that cost least: a view, cast or copy is never judged, and a repeat
             # of an op (same op, same input shapes) is re-run only when due
             judged = not kind[0] and _due(own, func, args, self.log) and not _random(func, args, kwargs)
@@ -257,10 +279,32 @@ class OwnOps(EagerDispatchMode):
                 if self.record is not None:
                     self.record(func, out)
                 return out
+            if kind[3] and len(self.whole) < WHOLE_SITES:
+                out = func(*args, **kwargs)
+                self._whole_made(args, out)
+                if self.record is not None:
+                    self.record(func, out)
+                return out
         out = func(*args, **kwargs)
         if self.record is not None:
             self.record(func, out)
         return out
+
+    def _whole_made(self, args: Any, out: Any) -> None:
+        """An arange, or integers cast to a floating dtype, made in float64 in this pass: in the model's
+        dtype, so in the candidate's there, which rounds whole numbers past exact_whole (positions
+        past 256 in bf16). Recorded once per line, with the largest value."""
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.float64 or out.numel() == 0:
+            return
+        source = args[0] if args else None
+        if isinstance(source, torch.Tensor) and (source.is_floating_point() or source.dtype == torch.bool):
+            return  # a cast of floats (compare's own, the user's .double()), or of a mask: no whole numbers
+        at = _where(sys._getframe(), torch_made=False)
+        if at is None or any(w.location == at for w in self.whole):
+            return
+        largest = float(out.abs().max())
+        if largest > 2.0 / torch.finfo(self.dtype).eps and bool((out == out.round()).all()):
+            self.whole.append(WholeMade(at, largest))
 
     def _judge(self, own: Own, func: Any, rerun: _Rerun, out: Any, *, torch_made: bool) -> None:
         full = next(floating(out), None)

@@ -105,7 +105,7 @@ def _origin(
     op, location = found["op"], found.get("location")
     fmt = FORMATS.get(DTYPE_FORMAT.get(found["dtype"], ""))
     limit = fmt.max if fmt is not None else torch.finfo(dtype).max
-    code = _code(location)
+    code = source_text(location)
     at = f" at {location}" + (f" (`{code}`)" if code else "") if location else ""
     inside = f"`{module}`'s forward" if module else "the model's own forward"
     biggest = found.get("input_absmax") or 0.0
@@ -224,7 +224,7 @@ def line_of(location: str | None) -> tuple[str, int] | None:
     return (file, int(number)) if number.isdigit() else None
 
 
-def _code(location: str | None) -> str:
+def source_text(location: str | None) -> str:
     """The source text of the line, as the user wrote it (empty when it cannot be read)."""
     line = line_of(location)
     return linecache.getline(line[0], line[1]).strip() if line is not None else ""

@@ -1,0 +1,104 @@
+"""Whole numbers the forward makes in the model's dtype past what the candidate's format holds
+exactly: positions from an arange in an ALiBi attention (bf16: every second whole number past
+256), event times cast from integer seconds whose gaps a model reads (fp16: past 2048). No module
+or op stands out (each op's floor is as wrong) and the relative error barely moves; compare names
+the line, checks it and the lines that read it in fp32, and the fix as printed cures. Whole
+numbers the format holds exactly cost nothing and are not named."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+from torch import nn
+
+import fpdoctor
+
+
+def _line(fn: object, text: str) -> int:
+    lines, first = inspect.getsourcelines(fn)  # type: ignore[arg-type]
+    return first + next(k for k, line in enumerate(lines) if text in line)
+
+
+class ALiBi(nn.Module):
+    def __init__(self, d: int = 32, heads: int = 4, fp32_positions: bool = False) -> None:
+        super().__init__()
+        self.heads, self.fp32_positions = heads, fp32_positions
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.register_buffer("slopes", torch.tensor([2.0 ** (-8 * (i + 1) / heads) for i in range(heads)]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        dtype = torch.float32 if self.fp32_positions else x.dtype
+        pos = torch.arange(n, dtype=dtype)
+        dist = (pos[None, :] - pos[:, None]).abs().to(x.dtype)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d // self.heads) - self.slopes[:, None, None] * dist
+        attn = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        return self.out((attn @ v).transpose(1, 2).reshape(b, n, d))
+
+
+class Events(nn.Module):
+    """Reads the gaps between events from their integer timestamps (seconds), cast in its forward."""
+
+    def __init__(self, fp32_times: bool = False) -> None:
+        super().__init__()
+        self.fp32_times = fp32_times
+        self.mix = nn.Sequential(nn.Linear(1, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def forward(self, seconds: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        t = seconds.float() if self.fp32_times else seconds.to(like.dtype)
+        gaps = torch.log1p(t[:, 1:] - t[:, :-1]).to(like.dtype)
+        return self.mix(gaps[..., None]).squeeze(-1)
+
+
+def _alibi(fp32_positions: bool = False) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return ALiBi(fp32_positions=fp32_positions).eval(), torch.randn(1, 1024, 32)
+
+
+def _events(fp32_times: bool = False) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    seconds = 3000 + torch.randint(1, 20, (64, 48)).cumsum(-1)
+    return Events(fp32_times).eval(), (seconds, torch.zeros(()))
+
+
+def test_positions_from_an_arange_in_bf16_are_named_with_their_lines_checked_and_the_fix_as_printed_cures():
+    model, x = _alibi()
+    result = fpdoctor.compare(model, x, candidate="bf16")
+    first = result.report.findings[0]
+    assert first.name == "whole-numbers-rounded", str(result.report)
+    assert first.evidence["location"].endswith(f":{_line(ALiBi.forward, 'torch.arange')}")
+    assert first.evidence["largest"] == 1023 and first.evidence["exact_up_to"] == 256
+    assert first.trial is not None and first.trial.tried and first.trial.after * 4 <= first.trial.before
+    # as printed: the positions made in fp32, the distances computed from them, cast to the model's dtype
+    fixed, x = _alibi(fp32_positions=True)
+    after = fpdoctor.compare(fixed, x, candidate="bf16")
+    assert not after.report.by_name("whole-numbers-rounded"), str(after.report)
+    assert after.rows[-1].propagated * 4 <= result.rows[-1].propagated
+
+
+def test_integer_timestamps_cast_to_fp16_in_the_forward_are_named_and_fixed_as_printed():
+    model, inputs = _events()
+    result = fpdoctor.compare(model, inputs, candidate="fp16")
+    first = result.report.findings[0]
+    # the subtraction reading them is as wrong run exactly (a forced op): its divergence finding's check
+    # raises the cast's line, and says what that line makes
+    assert first.name == "precision-divergence", str(result.report)
+    cast = f":{_line(Events.forward, 'seconds.to(like.dtype)')}"
+    assert any(at.endswith(cast) for at in first.evidence["feeding_lines"])
+    whole = first.evidence["whole_numbers"]
+    assert whole["location"].endswith(cast) and whole["exact_up_to"] == 2048 and whole["largest"] > 3000
+    assert "whole numbers exactly only up to 2048" in first.message
+    assert first.trial is not None and first.trial.tried and first.trial.after * 4 <= first.trial.before
+    fixed, inputs = _events(fp32_times=True)
+    after = fpdoctor.compare(fixed, inputs, candidate="fp16")
+    assert not after.report.by_name("whole-numbers-rounded") and not after.report.by_name("precision-divergence")
+
+
+def test_whole_numbers_the_format_holds_exactly_are_not_named():
+    torch.manual_seed(0)
+    model, x = ALiBi().eval(), torch.randn(2, 128, 32)  # positions up to 127: exact in bf16
+    result = fpdoctor.compare(model, x, candidate="bf16")
+    assert not result.report.by_name("whole-numbers-rounded"), str(result.report)
