@@ -284,6 +284,9 @@ class Trace:
             from fpdoctor.numerics.trace.headroom import op_findings, op_overflow
 
             findings += op_findings(op_overflow(list(tracer.records), targets=()))
+        from fpdoctor.numerics.trace.same_line import merged
+
+        findings = merged(findings)  # what a producer's line does later, in the producer's finding
         recipes = self._recipes.findings(list(tracer.records))
         # an update that blew the weights up comes before the NaN it led to: it is the cause, unless the
         # forward or backward made NaN/Inf at or before its step (its gradients were bad: a consequence)

@@ -349,8 +349,7 @@ def near_limit_finding(
     fix = (
         f"{keep}{f' ({at})' if at else ''}: its operands .float(), the result cast back after the ops that consume "
         "it; or scale its operands down before it (a mean where it sums, 1/sqrt(d) on q before an attention's "
-        "q·kᵀ)"
-        + ("; or use bf16, which has fp32's range" if target == "fp16" else "")
+        "q·kᵀ)" + ("; or use bf16, which has fp32's range" if target == "fp16" else "")
     )
     facts: dict[str, Any] = {
         "kind": "overflow",

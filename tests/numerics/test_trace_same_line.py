@@ -1,0 +1,72 @@
+"""One line, one cause (numerics/trace/same_line.py): a gradient norm written by hand in fp16,
+sqrt of the sum of each gradient's (g * g).sum(). Its first overflow is one op of the line; as the
+gradients grow, the line's other op reaches the limit too. The trace's fix takes the whole line
+(every op of it in fp32), the later repeats of the same line are not findings of their own, and
+the fix as printed trains where the script did not."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from tests.conftest import run_fpdoctor
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, torch.nn as nn, torch.nn.functional as F
+    FIX = "--fix" in sys.argv
+
+    def clip_(params, max_norm):
+        grads = [p.grad for p in params if p.grad is not None]
+        if FIX:
+            total = torch.stack([(g.float() * g.float()).sum() for g in grads]).sum().sqrt()
+        else:
+            total = torch.stack([(g * g).sum() for g in grads]).sum().sqrt()
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
+
+    torch.manual_seed(0)
+    X = torch.randn(1024, 8); y = X @ torch.randn(8) * 3
+    model = nn.Sequential(nn.Linear(8, 96), nn.ReLU(), nn.Linear(96, 1)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    first = None
+    for step in range(60):
+        idx = torch.randint(0, 1024, (256,))
+        loss = F.mse_loss(model(X[idx].half()).squeeze(-1).float(), y[idx], reduction="sum")
+        opt.zero_grad(); loss.backward(); clip_(model.parameters(), 1.0); opt.step()
+        first = first or loss.item()
+    print(first, loss.item(), file=sys.stderr)
+    """
+)
+
+
+def test_a_hand_written_fp16_gradient_norm_is_one_finding_whose_fix_takes_the_whole_line(tmp_path: Path) -> None:
+    script = tmp_path / "clip.py"
+    script.write_text(SCRIPT)
+    report = tmp_path / "report.json"
+    result = run_fpdoctor("trace", "-o", str(report), "--", str(script))
+    assert result.code == 1, result.err
+    findings = json.loads(report.read_text())["findings"]
+    first = findings[0]
+    assert first["name"] in ("nonfinite-zeroed", "nonfinite-produced"), [f["name"] for f in findings]
+    line = first["evidence"]["location"].split(" in ")[0]
+    assert line.endswith(":10")  # the line of (g * g).sum()
+    near = first["evidence"]["same_line_near_limit"]
+    assert near["op"] != first["where"]["op"] and near["share"] > 0.5
+    assert "every op of line 10 in fp32" in first["fix"] and ".sum(dtype=torch.float32)" not in first["fix"]
+    # the same line later, masked or near the limit, is this finding's, not one of its own
+    same = [f for f in findings[1:] if (f["evidence"].get("location") or "").split(" in ")[0] == line]
+    assert not same, [f["name"] for f in same]
+
+    # as printed: every op of the line in fp32 (the operands .float()); it trains, the script does not
+    def losses(*flag: str) -> tuple[float, float]:
+        out = subprocess.run([sys.executable, str(script), *flag], capture_output=True, text=True, check=True)
+        first_loss, last = out.stderr.split()
+        return float(first_loss), float(last)
+
+    before, after = losses(), losses("--fix")
+    assert after[1] < after[0] / 10 and before[1] > before[0] / 2
