@@ -31,14 +31,14 @@ def line_of(finding: Finding) -> str | None:
 
 def merged(findings: list[Finding]) -> list[Finding]:
     """`findings` with each producer's finding holding what its line does later (see the docstring)."""
-    producers = {line_of(f): f for f in findings if f.name in _PRODUCERS and line_of(f) is not None}
+    producers = {line_of(f) or "": f for f in findings if f.name in _PRODUCERS and line_of(f) is not None}
     if not producers:
         return findings
     out: list[Finding] = []
     widened: dict[str, Finding] = {}
     for f in findings:
-        at = line_of(f)
-        first = producers.get(at) if at is not None else None
+        at = line_of(f) or ""
+        first = producers.get(at)
         if first is None or f is first or f.name in _PRODUCERS:
             out.append(f)
         elif f.name == "overflow-risk" and f.where.get("op") != first.where.get("op"):
