@@ -970,3 +970,39 @@ def test_a_clip_of_gradients_still_scaled_is_found_at_the_optimizer_stage_and_un
     assert "scaler.unscale_(optimizer)" in first["fix"] and "before clip_grad_norm_" in first["fix"]
     trial = first["fix_trial"]
     assert trial["status"] == "checked" and trial["before"] == 4 and trial["after"] == 0, trial
+
+
+NORM_IN_FP16 = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+x = torch.randn(512, 16)
+y = (x @ torch.randn(16, 1)) * 4
+model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1)).half()
+opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+for step in range(5):
+    opt.zero_grad()
+    F.mse_loss(model(x.half()).float(), y, reduction="sum").backward()
+    grads = [p.grad for p in model.parameters()]
+    norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]) ** 2, 1).sqrt()
+    for g in grads:
+        g.mul_(torch.clamp(10.0 / norm, max=1.0))
+    opt.step()
+"""
+
+
+def test_a_clip_by_a_norm_that_overflows_fp16_zeroes_every_gradient_and_is_found_at_the_optimizer_stage(tmp_path):
+    """Pure fp16 weights clipped by hand by a norm of the squared gradients, summed in fp16: it is Inf,
+    10 / inf is 0, and every gradient the optimizer takes is 0 while the backward's are not. watch
+    said OK; the optimizer stage departs, every parameter zeroed, and the fix names the norm in fp32."""
+    script = _write(tmp_path, "train.py", NORM_IN_FP16)
+    watched = _watch(tmp_path, "python", str(script))
+    assert watched.returncode == 0, watched.stderr
+    report = _report(tmp_path)
+    (first,) = [f for f in report["findings"] if f["name"] == "gradients-depart-from-reference"]
+    assert first["evidence"]["stage"] == "optimizer", first["evidence"]
+    assert first["evidence"]["departed_count"] == first["evidence"]["compared"] == 4
+    assert all(d["norm_ratio"] == 0 and d["zeros"] == 1 for d in first["evidence"]["departed"])
+    assert "multiplied them all by 0" in first["message"] and "in fp32" in first["fix"]
+    assert first["fix_trial"]["status"] == "not-tried"

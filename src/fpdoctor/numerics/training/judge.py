@@ -942,8 +942,8 @@ class StepJudge:
             self.reference_compared.append(reference.Comparison(step, not_compared=text))
             return
         self.reference_compared.append(result)
-        if backward_only and final_gradients and result.first_stage() is None and scale is not None:
-            divide = scale if scale > 0 and not unscaled else 1.0
+        if backward_only and final_gradients and result.first_stage() is None:
+            divide = scale if scale is not None and scale > 0 and not unscaled else 1.0
             reference.processed_scaled(result, {n: g / divide for n, g in live.items()})
         result.backward_grads = None
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in self.params})

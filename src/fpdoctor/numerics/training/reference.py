@@ -94,6 +94,9 @@ class Comparison:
     # that what-if computed, not run (watch: no step_fn holds the processing): the uniform factor the
     # processing put on every gradient, taken as a clip of their norm at loss scale 1
     scale_one_modelled: bool = False
+    # watch: the code between the backward and the step left the optimizer no gradient (every one
+    # multiplied by 0) where the backward made them: a clip whose norm overflowed (max_norm / inf)
+    zeroed_between: bool = False
     backward_grads: dict[str, torch.Tensor] | None = None  # the step's own backward, unscaled (watch)
     # only the backward stage compared: step_fn is a framework's forward and backward (compare_step)
     backward_only: bool = False
@@ -388,19 +391,26 @@ def _scaler_ready(scaler: Any) -> Iterator[None]:
 
 def processed_scaled(comparison: Comparison, taken: dict[str, torch.Tensor]) -> None:
     """watch's replay compares the backward alone; the gradients the optimizer takes (`taken`,
-    unscaled) are compared here where a GradScaler scaled the loss: when the code between the
-    backward and the step put one factor on every gradient (a clip of their total norm), so far
-    below 1 that it read their size while still scaled (SCALED_SHRINK), the optimizer stage departs,
-    and the fix (unscale first) is checked by that clip applied at loss scale 1. Rows and the what-if
-    go into `comparison`; nothing where the factors differ (processing of its own) or are near 1."""
+    unscaled) are compared here. Where the code between the backward and the step multiplied every
+    gradient by 0 (the backward's are not 0: a clip coefficient max_norm / inf, its norm overflowed),
+    the optimizer stage departs whatever the loss scale: no processing intends it. Where a GradScaler
+    scaled the loss and that code put one factor on every gradient (a clip of their total norm), so
+    far below 1 that it read their size while still scaled (SCALED_SHRINK), the optimizer stage
+    departs, and the fix (unscale first) is checked by that clip applied at loss scale 1. Rows and
+    the what-if go into `comparison`; nothing where the factors differ (processing of its own) or
+    are near 1."""
     back, ref, scale = comparison.backward_grads, comparison.reference_grads, comparison.scale
     comparison.backward_grads = None
-    if not back or not ref or scale <= 1.0:
+    if not back or not ref:
         return
     names = [n for n in taken if n in back and n in ref]
     norms = [(float(taken[n].double().norm()), float(back[n].double().norm())) for n in names]
     factors = [t / b for t, b in norms if b > TINY]
-    if len(factors) < 2:
+    if factors and all(f == 0 for f in factors):
+        comparison.rows["optimizer"] = _rows("optimizer", {n: taken[n] for n in names}, ref, 1.0)
+        comparison.zeroed_between = True
+        return
+    if len(factors) < 2 or scale <= 1.0:
         return
     mid = sorted(factors)[len(factors) // 2]
     if not 0 < mid * scale <= SCALED_SHRINK or any(abs(f - mid) > 0.05 * mid for f in factors):
@@ -434,7 +444,7 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
     compared = len(comparison.rows[stage])
     worst = "; ".join(d.text() for d in departed[:3]) + ("; ..." if len(departed) > 3 else "")
     # under watch no step_fn holds the processing: it is the code between the backward and the step
-    actor = "your code" if comparison.scale_one_modelled else "step_fn"
+    actor = "your code" if comparison.scale_one_modelled or comparison.zeroed_between else "step_fn"
     where_text = {
         "backward": "as the backward left them (the loss scale divided out)",
         "optimizer": f"as {actor} handed them to the optimizer, while the backward's agree",
@@ -470,6 +480,21 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
         )  # fmt: skip
         if left:
             fix += f"; at scale 1, {len(left)} still depart, so the scale is not all of it"
+    elif stage == "optimizer" and comparison.zeroed_between:
+        message += (
+            " Every gradient the optimizer took is 0 while the backward's are not: your code between the backward "
+            "and the step multiplied them all by 0, and the weights do not move. A clip does that when the norm it "
+            "divides by is Inf: a norm computed in fp16/bf16 overflows (the sum of squares of fp16 gradients "
+            "passes 65504 once their norm passes 256), and max_norm / inf is 0."
+        )
+        fix = (
+            "Compute the norm your code clips by in fp32: torch.nn.utils.clip_grad_norm_, or the squares summed from "
+            "g.float(); `fpdoctor trace` on the script names the op that overflows and checks its fix"
+        )
+        trial = Trial.untried(
+            "watch does not run your code between the backward and the step; `fpdoctor trace` runs it and checks "
+            "the fix at the op"
+        )
     elif stage == "backward" and flushed:
         fix = (
             "The gradients flush to zero in the recipe's format: scale the loss (torch.amp.GradScaler) or raise "
