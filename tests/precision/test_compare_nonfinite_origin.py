@@ -182,3 +182,33 @@ def test_a_model_that_does_not_run_in_the_candidate_is_never_ok():
         and first.evidence["location"] == f"{__file__}:{_line('# the fill')}"
     )
     assert "torch.finfo(x.dtype).min" in first.fix and first.trial is not None and not first.trial.tried
+
+
+class PaddedPool(nn.Module):
+    """Attention pooling over padded frames: the padding pushed down by a constant, `scores - 1e9 *
+    pad`, in the activations' dtype. In fp16 1e9 is Inf: a clip padded whole pools to NaN."""
+
+    def __init__(self, penalty: float) -> None:
+        super().__init__()
+        self.penalty = penalty
+        self.score, self.head = nn.Linear(16, 1), nn.Linear(16, 4)
+
+    def forward(self, frames: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        scores = self.score(frames).squeeze(-1) - self.penalty * pad.to(frames.dtype)
+        weights = scores.softmax(-1)
+        return self.head((weights[..., None] * frames).sum(1))
+
+
+def test_a_constant_past_fp16s_range_applied_by_an_op_is_named_and_holding_it_at_the_limit_is_checked():
+    torch.manual_seed(0)
+    frames, pad = torch.randn(8, 12, 16), torch.zeros(8, 12)
+    pad[:, 9:] = 1.0
+    pad[3] = 1.0  # a clip padded whole
+    result = fpdoctor.compare(PaddedPool(1e9).eval(), (frames, pad), candidate="fp16")
+    first = result.report.findings[0]
+    assert first.name == "nonfinite-produced" and first.evidence["constant"] == 1e9, str(result.report)
+    assert "torch.finfo(x.dtype).min (-65504 in fp16)" in first.fix, first.fix
+    assert first.trial is not None and first.trial.tried and math.isfinite(float(first.trial.after))
+    # as printed: a constant the format holds; the output is finite again
+    fixed = fpdoctor.compare(PaddedPool(65504.0).eval(), (frames, pad), candidate="fp16")
+    assert not fixed.report.by_name("nonfinite-produced"), str(fixed.report)

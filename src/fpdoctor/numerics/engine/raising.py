@@ -15,6 +15,7 @@ limit" (torch.finfo(x.dtype).min for a mask fill, not float32's), as a run.
 
 from __future__ import annotations
 
+import math
 import sys
 import weakref
 from typing import Any
@@ -184,15 +185,19 @@ class RaisedLines(EagerDispatchMode):
 
 class SaturatedCasts(EagerDispatchMode):
     """Casts to `dtype` at `lines` (file, line number) that make Inf of finite values beyond its range
-    give its largest finite value, with the sign, instead; every other op runs as it does."""
+    give its largest finite value, with the sign, instead; so does a Python constant past its range
+    that an op there applies to a `dtype` tensor (x * torch.finfo(torch.float32).min: what writing
+    torch.finfo(x.dtype).min gives). Every other op runs as it does."""
 
     def __init__(self, lines: set[tuple[str, int]], dtype: torch.dtype) -> None:
         super().__init__()
         self.lines, self.dtype = lines, dtype
         self.limit = torch.finfo(dtype).max
-        self.raised = 0  # casts held at the limit
+        self.raised = 0  # casts and constants held at the limit
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(type(a) is float and math.isfinite(a) and abs(a) > self.limit for a in args):
+            args = self._held(args)
         out = func(*args, **(kwargs or {}))
         if type(out) is not torch.Tensor or out.dtype != self.dtype or func.overloadpacket.__name__ != "_to_copy":
             return out
@@ -207,3 +212,17 @@ class SaturatedCasts(EagerDispatchMode):
             self.raised += 1
             out = torch.where(made, out.sign() * self.limit, out)
         return out
+
+    def _held(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """`args` with their constants past the range held at it, where the op at one of the lines
+        reads a tensor in `dtype`."""
+        if not any(isinstance(a, torch.Tensor) and a.dtype == self.dtype for a in args):
+            return args
+        user = user_location(sys._getframe())
+        if user is None or (user[0], user[1]) not in self.lines:
+            return args
+        self.raised += 1
+        big = self.limit
+        return tuple(
+            math.copysign(big, a) if type(a) is float and math.isfinite(a) and abs(a) > big else a for a in args
+        )

@@ -10,6 +10,7 @@ re-run was already non-finite pay for it.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -44,6 +45,12 @@ class _FirstOverflow(TorchDispatchMode):
                     "input_absmax": max((float(t.abs().max()) for t in inputs if t.numel()), default=0.0),
                     "location": user_location(sys._getframe(1)),
                 }
+                # a Python constant the op applies that the output's format cannot hold (float32's
+                # lowest as a mask value on an fp16 tensor): the Inf is the constant's, not the math's
+                limit = torch.finfo(outputs[0].dtype).max
+                past = [a for a in args if type(a) is float and math.isfinite(a) and abs(a) > limit]
+                if past:
+                    self.found["constant"] = past[0]
         return out
 
 

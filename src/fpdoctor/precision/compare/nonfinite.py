@@ -112,6 +112,30 @@ def _origin(
     line = line_of(location)
     evidence: dict[str, Any] = {"candidate": label, "op": op, "location": location, "input_absmax": biggest,
                                 "format_max": limit, "nonfinite": nonfinite}  # fmt: skip
+    constant = found.get("constant")
+    after = check("cast", line, 0) if constant is not None and not is_cast(op) and line is not None else None
+    if after is not None and math.isfinite(after):
+        # the constant is Inf in the format: what the op makes of it is the constant's, held at the limit
+        evidence["constant"] = constant
+        literal = _SENTINELS.get(abs(constant))
+        name = f"{literal}.{'min' if constant < 0 else 'max'}, " if literal else ""
+        message = (
+            f"In {label}, {op}{at} in {inside} applies the constant {name}{constant:.4g}, past {candidate}'s largest "
+            f"finite value ({limit:.6g}): on a {candidate} tensor it acts as {'-' if constant < 0 else ''}Inf, and "
+            f"from there the output is non-finite ({count}); as a mask value, a row that is masked whole becomes NaN "
+            "in a softmax."
+        )
+        fix = (
+            f"write the limit of the tensor's dtype, not a wider one's: torch.finfo(x.dtype).min ({-limit:.6g} in "
+            f"{candidate}) for a mask value{at}, or a constant {candidate} holds; checked: the output is finite again, "
+            f"its error {after:.3g}"
+        )
+        trial = Trial.checked(
+            f"the constant {constant:.4g}{at} held at {candidate}'s largest finite value (+-{limit:.6g})",
+            metric="end-to-end relative error against fp64", before="non-finite", after=after, on=on,
+        )  # fmt: skip
+        where = {"module": module or None, "op": op, "phase": "forward"}
+        return catalog.make("nonfinite-produced", message=message, fix=fix, where=where, evidence=evidence, trial=trial)
     if is_cast(op):
         literal = _SENTINELS.get(biggest)
         value = f"{literal}.min or .max ({biggest:.4g})" if literal else f"values up to {biggest:.4g}"
