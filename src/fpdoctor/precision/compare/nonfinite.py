@@ -114,7 +114,7 @@ def _origin(
                                 "format_max": limit, "nonfinite": nonfinite}  # fmt: skip
     constant = found.get("constant")
     after = check("cast", line, 0) if constant is not None and not is_cast(op) and line is not None else None
-    if after is not None and math.isfinite(after):
+    if constant is not None and after is not None and math.isfinite(after):
         # the constant is Inf in the format: what the op makes of it is the constant's, held at the limit
         evidence["constant"] = constant
         literal = _SENTINELS.get(abs(constant))
