@@ -980,8 +980,8 @@ torch.manual_seed(0)
 x = torch.randn(512, 16)
 y = (x @ torch.randn(16, 1)) * 4
 model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1)).half()
-opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-for step in range(5):
+opt = torch.optim.SGD(model.parameters(), lr={lr}, momentum=0.9)
+for step in range({steps}):
     opt.zero_grad()
     F.mse_loss(model(x.half()).float(), y, reduction="sum").backward()
     grads = [p.grad for p in model.parameters()]
@@ -996,7 +996,7 @@ def test_a_clip_by_a_norm_that_overflows_fp16_zeroes_every_gradient_and_is_found
     """Pure fp16 weights clipped by hand by a norm of the squared gradients, summed in fp16: it is Inf,
     10 / inf is 0, and every gradient the optimizer takes is 0 while the backward's are not. watch
     said OK; the optimizer stage departs, every parameter zeroed, and the fix names the norm in fp32."""
-    script = _write(tmp_path, "train.py", NORM_IN_FP16)
+    script = _write(tmp_path, "train.py", NORM_IN_FP16.format(lr=1e-3, steps=5))
     watched = _watch(tmp_path, "python", str(script))
     assert watched.returncode == 0, watched.stderr
     report = _report(tmp_path)
@@ -1006,3 +1006,15 @@ def test_a_clip_by_a_norm_that_overflows_fp16_zeroes_every_gradient_and_is_found
     assert all(d["norm_ratio"] == 0 and d["zeros"] == 1 for d in first["evidence"]["departed"])
     assert "multiplied them all by 0" in first["message"] and "in fp32" in first["fix"]
     assert first["fix_trial"]["status"] == "not-tried"
+
+
+def test_a_flat_window_whose_experiment_went_non_finite_is_said_undecided(tmp_path):
+    """The same run for 201 steps, a learning rate the clip was there for: the loss is flat, and the
+    progress experiment (the optimizer stepped on the backward's gradients, unclipped) goes non-finite.
+    That decides nothing, and the report says so instead of counting the window as judged."""
+    script = _write(tmp_path, "train.py", NORM_IN_FP16.format(lr=0.5, steps=201))
+    watched = _watch(tmp_path, "python", str(script))
+    assert watched.returncode == 0, watched.stderr
+    report = _report(tmp_path)
+    judged = dict(report["data"]["summary"])["judged"]
+    assert "1 flat, 1 put to an fp32 reference, 1 of them undecided: the steps went non-finite" in judged, judged

@@ -1104,6 +1104,7 @@ class StepJudge:
                     f"; {progress.STEPS} steps on its batch: yours {last['recipe'][0]:.4g} -> {last['recipe'][1]:.4g}, "
                     f"fp32 reference {last['reference'][0]:.4g} -> {last['reference'][1]:.4g}"
                     + (f" ({last['loss_is']})" if "loss_is" in last else "")
+                    + ("; undecided: the steps went non-finite" if not _finite_arms(last) else "")
                 )
             else:
                 text += f"; not put to the reference: {last['not_tried']}"
@@ -1162,13 +1163,27 @@ class StepJudge:
             parts.append(f"loss progress: not judged (it needs {self.progress_window} finite steps)")
         else:
             tried = sum(1 for j in self.progress_judged if "reference" in j)
+            # an arm that went non-finite decides nothing: said, so that an OK does not read as judged
+            undecided = sum(1 for j in self.progress_judged if "reference" in j and not _finite_arms(j))
             parts.append(
                 f"loss progress over {self.progress_windows} window(s): {len(self.progress_judged)} flat, "
                 f"{tried} put to an fp32 reference"
+                + (
+                    f", {undecided} of them undecided: the steps went non-finite (they step the "
+                    "optimizer on the backward's gradients, without your code between the backward and the step, "
+                    "its clipping too)"
+                    if undecided
+                    else ""
+                )
             )
         if "updates" in out:
             parts.append("the updates of bf16/fp16 weights against what their format keeps")
         return "; ".join(parts)
+
+
+def _finite_arms(judged: dict[str, Any]) -> bool:
+    """Both arms of a progress experiment stayed finite: only then does it decide anything."""
+    return all(math.isfinite(v) for v in (*judged["reference"], *judged["recipe"]))
 
 
 class JudgedSteps:
