@@ -27,6 +27,12 @@ class Format:
         return self.smallest_subnormal / 2
 
 
+# Rounding a value to a format costs at least this share of what the value varies by (its spread):
+# the format is too coarse for it (bf16 at 100x its spread costs about a seventh). compare's output in
+# its units (precision/units.py) and watch's training outputs (numerics/training/coarse_output.py).
+COARSE = 0.05
+
+
 FORMATS: dict[str, Format] = {
     "fp32": Format("fp32", 3.4028234663852886e38, 1.1754943508222875e-38, 1.401298464324817e-45, 23),
     "fp16": Format("fp16", 65504.0, 6.103515625e-05, 5.960464477539063e-08, 10),

@@ -1018,3 +1018,46 @@ def test_a_flat_window_whose_experiment_went_non_finite_is_said_undecided(tmp_pa
     report = _report(tmp_path)
     judged = dict(report["data"]["summary"])["judged"]
     assert "1 flat, 1 put to an fp32 reference, 1 of them undecided: the steps went non-finite" in judged, judged
+
+
+PRESSURE = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+x = torch.randn(2048, 6)
+y = 1013.25 + 2.0 * torch.tanh(x @ torch.randn(6, 1))
+model = nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 1))
+with torch.no_grad():
+    model[-1].bias.fill_({start})
+model = model.half()
+opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+for step in range(70):
+    idx = torch.randint(0, 2048, (128,))
+    out = model(x[idx].half()).float()
+    loss = F.mse_loss(out + {offset}, y[idx])
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+@pytest.mark.parametrize("anomaly", [False, True])
+def test_a_regression_output_too_coarse_for_its_format_is_named_where_the_reference_step_cannot_see(tmp_path, anomaly):
+    """Sea-level pressure near 1013 hPa that varies by 2, predicted by a model cast to fp16 (spacing
+    0.5 there): rounding the output alone costs a large share of what it varies by. watch said OK
+    (its reference step replays the backward from the output's gradient). Predicting the anomaly
+    (the constant added back in fp32) is healthy and stays OK."""
+    start, offset = ("0.0", "1013.25") if anomaly else ("1013.25", "0.0")
+    script = _write(tmp_path, "train.py", PRESSURE.format(start=start, offset=offset))
+    watched = _watch(tmp_path, "python", str(script))
+    assert watched.returncode == 0, watched.stderr
+    report = _report(tmp_path)
+    found = [f for f in report["findings"] if f["name"] == "output-too-coarse-in-training"]
+    if anomaly:
+        assert not found, [f["title"] for f in report["findings"]]
+        return
+    (first,) = found
+    evidence = first["evidence"]
+    assert evidence["dtype"] == "float16" and 1000 < evidence["magnitude"] < 1030
+    assert evidence["share_of_spread"] >= 0.05 and "predict the offset from a constant" in first["fix"]

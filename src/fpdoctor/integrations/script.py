@@ -632,6 +632,9 @@ class ScriptWatch:
             last = named[-1] if named else None
             if last is not None and not last.where.get("op") and not (last.trial is not None and last.trial.tried):
                 self._traced.arm(step)  # the model alone named no op (the loss code made it): trace the next step
+        if outcome.finite:  # the outputs' format: what the reference step's replay cannot see
+            self._guarded(lambda: judge.outputs_read(step, [t for c in mine for t in c.kept.originals]),
+                          "reading the training outputs")  # fmt: skip
         if (
             outcome.finite
             and not pending.on_device  # the optimizer has stepped: the weights the step started from are gone

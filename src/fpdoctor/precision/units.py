@@ -26,12 +26,10 @@ from typing import Any
 import torch
 
 from fpdoctor import catalog
+from fpdoctor.formats import COARSE
 from fpdoctor.precision.metrics import round_to
 from fpdoctor.report.model import Finding, Trial
 
-# Rounding the exact output to the format costs at least this share of the output's spread: the
-# format is too coarse for what the output measures (bf16 at 100x its spread costs about a seventh).
-COARSE = 0.05
 # The candidate's mean error within this factor of rounding's is "at the floor": nothing else to blame.
 AT_FLOOR = 2.0
 

@@ -43,6 +43,7 @@ from fpdoctor.numerics.observe import amp, dynamo
 from fpdoctor.numerics.observe.batches import MicroBatch
 from fpdoctor.numerics.observe.gradcheck import bad_parameters, kind_of, tensor_kind
 from fpdoctor.numerics.training import (
+    coarse_output,
     corruption,
     distributed,
     findings,
@@ -238,6 +239,9 @@ class StepJudge:
         self.reference_every = 0  # compare every N-th step with the reference step (reference.py); 0: off
         # its pace: the last reference step and its cost, the time between judged steps less ours
         self._reference_last: int | None = None
+        # the training outputs' format (outputs_read): the last check's finding, whether it was named
+        self._outputs_last: dict[str, Any] | None = None
+        self._outputs_named = False
         self._reference_at: int | None = None  # the next reference step, once the least period is over
         self._reference_cost = 0.0
         self._clock: float | None = None
@@ -879,6 +883,18 @@ class StepJudge:
         """Steps from the last reference step to the next (`reference.paced`)."""
         step_time = statistics.median(self._step_times) if self._step_times else 0.0
         return reference.paced(self.reference_every, self._reference_cost, step_time)
+
+    def outputs_read(self, step: int, outputs: list[torch.Tensor]) -> None:
+        """The training forward's outputs (watch: what its replay cannot see), judged for a format
+        too coarse for them (coarse_output.py) at steps 1, 2, 4, 8, ...: a model fits its targets
+        as it trains, so an early output says little; named once two checks in a row find it."""
+        if self._outputs_named or step & (step - 1):
+            return
+        found = coarse_output.coarse(outputs)
+        if found is not None and self._outputs_last is not None:
+            self._outputs_named = True
+            self.findings.append(coarse_output.finding(found, step, self.here))
+        self._outputs_last = found
 
     def reference(self, step: int, **kwargs: Any) -> None:
         """`_reference_step`, timed: its cost paces the next one (`reference_due`)."""

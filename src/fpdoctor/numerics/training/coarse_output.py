@@ -1,0 +1,81 @@
+"""A training output in a format too coarse for what it predicts, read where the reference step
+cannot see it.
+
+watch's reference step replays the model's backward from the gradient that reached its output, so
+what rounding the output itself costs (a regression near 288 K in bf16, whose spacing there is 2)
+is the same in both runs. Here the output as the training forward made it is read once, on the
+first reference step: per column of an output in bf16/fp16 with at most COLUMNS columns (a
+regression or a few scores, not logits), its mean magnitude, its spread over the batch, and the
+mean cost of rounding to the format at those magnitudes (a quarter of the spacing, where rounding
+to nearest is uniform over half a spacing either way). Where that cost is formats.COARSE of the
+spread or more, the output cannot hold what the model is asked to predict: compare's NUM019 says
+the same of a model's forward, and checks the fix there.
+
+Cost: one host read of a few reductions per output tensor, on one step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from fpdoctor import catalog
+from fpdoctor.formats import COARSE
+from fpdoctor.report.model import Finding, Trial
+
+COLUMNS = 16  # an output of more columns is logits or features, whose rounding the reference step weighs
+ROWS = 8  # fewer rows give no spread to judge
+
+
+def coarse(outputs: list[torch.Tensor]) -> dict[str, Any] | None:
+    """The first output column that rounding to its format costs COARSE of its spread, with its
+    figures; None where none does."""
+    for index, out in enumerate(outputs):
+        if out.dtype not in (torch.float16, torch.bfloat16) or out.numel() == 0:
+            continue
+        flat = out.detach().reshape(-1, out.shape[-1] if out.dim() >= 2 else 1)
+        if flat.shape[1] > COLUMNS or flat.shape[0] < ROWS:
+            continue
+        x = flat.double()
+        eps = torch.finfo(out.dtype).eps
+        # the spacing at each value: eps times the power of two at or below it (the normal range)
+        spacing = eps * torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(torch.finfo(out.dtype).tiny))))
+        figures = torch.stack([x.abs().mean(0), x.std(0), spacing.mean(0) / 4]).tolist()
+        for column, (magnitude, spread, cost) in enumerate(zip(*figures, strict=True)):
+            if math.isfinite(spread) and spread > 0 and cost >= COARSE * spread:
+                return {
+                    "output": index, "column": column, "dtype": str(out.dtype).removeprefix("torch."),
+                    "magnitude": magnitude, "spread": spread, "rounding": cost, "rows": flat.shape[0],
+                }  # fmt: skip
+    return None
+
+
+def finding(found: dict[str, Any], step: int, here: dict[str, Any]) -> Finding:
+    """`output-too-coarse-in-training` for what `coarse` found at `step`."""
+    dtype, share = found["dtype"], found["rounding"] / found["spread"]
+    which = f"output {found['output']}, column {found['column']}" if found["output"] or found["column"] else "output"
+    message = (
+        f"At step {step} the model's {which} is in {dtype}: it sits at {found['magnitude']:.4g} on average and varies "
+        f"by {found['spread']:.3g} over the batch ({found['rows']} rows), and rounding to {dtype} alone moves it by "
+        f"{found['rounding']:.3g} on average there ({share:.0%} of that spread). The loss is computed on values the "
+        "format cannot place finely, so the fit stalls near that error, with no NaN; the reference step cannot see "
+        "it, as it replays the backward from the gradient that reached this output."
+    )
+    fix = (
+        "Return the output in fp32: its last layer outside autocast on its input .float() (or kept in fp32 in a "
+        "model cast to bf16), or have it predict the offset from a constant (y - c, the constant added back in "
+        "fp32); `fpdoctor compare` on the model checks either (NUM019)"
+    )
+    return catalog.make(
+        "output-too-coarse-in-training",
+        message=message,
+        fix=fix,
+        where={"module": None, "op": None, "phase": "forward", "step": step, **here},
+        evidence={**found, "share_of_spread": share, "step": step},
+        trial=Trial.untried(
+            "watch knows no loss function, so it runs no step with the output in fp32; `fpdoctor compare` runs the "
+            "model's forward with the output's layer kept in fp32 and checks it"
+        ),
+    )
