@@ -47,3 +47,23 @@ def test_an_output_of_its_inputs_shape_is_not_judged_as_logits():
     x = torch.randn(64, 32)
     report = fpdoctor.compare(Denoiser().eval(), x, candidate="bf16").report.data
     assert "decisions" not in report and "output_error" in report
+
+
+class ByteLM(nn.Module):
+    """A byte-level language model whose width is its vocabulary (256): its head is a square Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mix, self.head = nn.Embedding(256, 256), nn.Linear(256, 256), nn.Linear(256, 256)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(F.gelu(self.mix(self.embed(ids))))
+
+
+def test_a_square_head_over_token_ids_is_judged_as_logits_and_a_square_projection_of_floats_is_not():
+    torch.manual_seed(0)
+    lm = fpdoctor.compare(ByteLM().eval(), torch.randint(0, 256, (4, 32)), candidate="bf16").report.data
+    assert "decisions" in lm, dict(lm["summary"])  # before: a square head was never logits
+    projection = nn.Sequential(nn.Linear(48, 32), nn.GELU(), nn.Linear(32, 32)).eval()
+    fed_floats = fpdoctor.compare(projection, torch.randn(16, 48), candidate="bf16").report.data
+    assert "decisions" not in fed_floats

@@ -544,7 +544,7 @@ class _Comparison:
         ours, theirs = device_sample(first), device_sample(made)  # the same strided values, no whole copy
         if ours is None or theirs is None or not torch.allclose(ours, theirs, rtol=1e-6, atol=0.0):
             return
-        self.logits = use.logits_source(name, self.truth_modules[name], first)
+        self.logits = use.logits_source(name, self.truth_modules[name], first, ids=use.reads_ids(self.inputs))
         self.root_truth = first.detach().clone() if self.logits is not None and first is not None else None
 
     def isolated(

@@ -26,6 +26,7 @@ from fpdoctor import catalog
 from fpdoctor.precision.decide import DECISION_RATIO, DECISION_SHARE, RECOVERED, TOP_K, Decisions, decisions, pct, top1
 from fpdoctor.precision.inputs import describe
 from fpdoctor.precision.inputs import text as inputs_text
+from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding, Trial
 
 # The metrics themselves live in the shared core (decide.py), for compare records too; compare and
@@ -36,14 +37,23 @@ __all__ = [
 ]  # fmt: skip
 
 
-def logits_source(name: str, module: nn.Module, output: Any) -> str | None:
-    """How the report names the logits, when the last leaf call (`name`, `module`) made them."""
-    if not isinstance(module, nn.Linear) or module.in_features == module.out_features or module.out_features < 2:
+def logits_source(name: str, module: nn.Module, output: Any, *, ids: bool = False) -> str | None:
+    """How the report names the logits, when the last leaf call (`name`, `module`) made them. A
+    square Linear is a projection back to the model's width, unless the model reads token ids
+    (`ids`: an integer input): a language model whose vocabulary is its width (256 bytes, 256 wide)."""
+    if not isinstance(module, nn.Linear) or module.out_features < 2:
+        return None
+    if module.in_features == module.out_features and not ids:
         return None
     if not isinstance(output, torch.Tensor) or output.dim() < 1 or output.shape[-1] != module.out_features:
         return None
     where = f"`{name}`" if name else "the model"
     return f"logits of {where} (Linear {module.in_features} -> {module.out_features})"
+
+
+def reads_ids(inputs: Any) -> bool:
+    """The model is fed an integer tensor (token ids, class indices): what `logits_source` weighs."""
+    return any(not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool for t in tensors_in(inputs))
 
 
 # Besides the logits' own layer, the leaves with the largest error against their floor are tried kept

@@ -540,7 +540,8 @@ def _judge_set(
         raise ValueError("the model's output has no floating tensor to judge")
     head = ended[-1] if ended else None
     first = next(floating(output), None)
-    is_logits = head is not None and use.logits_source(head, leaves[head], first) is not None
+    ids = use.reads_ids(inputs)
+    is_logits = head is not None and use.logits_source(head, leaves[head], first, ids=ids) is not None
     one = _Set(inputs, compared, truth, logits=logits_of(output) if is_logits else None)
     del output, truth_run
     one.logits_layer, one.before_logits = head, (ended[-2] if len(ended) > 1 else None)
