@@ -309,6 +309,22 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         fix="Make the whole numbers in fp32 (dtype=torch.float32, or integers then .float()), compute what "
         "reads them in fp32, and cast the result to the model's dtype.",
     ),
+    RuleInfo(
+        code="NUM021",
+        name="random-draw-rounded",
+        severity=E,
+        title="A random draw made inside the model in the candidate's format biases what it samples",
+        what="In its fp64 pass `compare` notes each line of the model's forward that draws random numbers in the "
+        "model's dtype (rand_like, randn_like, uniform_ of an activation). With a 16-bit candidate it re-runs "
+        "the candidate with that line, and then the lines after it that transform the draw, in fp32, their "
+        "results cast back, and names the line where that takes the end-to-end error down by 4x or more. "
+        "compare replays the fp64 run's draws in every run, so the errors compare like with like.",
+        why="A uniform draw in bf16 takes bf16's values only: nothing between 0.996 and 1, and 0 among them. A "
+        "Gumbel noise -log(-log(u)) or an exponential time -log(u) made from it is capped and biased at the "
+        "end that decides a sample, with no NaN and a relative error that looks like any other.",
+        fix="Draw in fp32 (torch.rand_like(x, dtype=torch.float32)), transform the draw in fp32, and cast the "
+        "result to the model's dtype.",
+    ),
 )
 
 TRN_RULES: tuple[RuleInfo, ...] = (

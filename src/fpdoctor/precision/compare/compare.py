@@ -57,7 +57,7 @@ from fpdoctor.precision.candidates import (
     run_flags,
     uncompiled,
 )
-from fpdoctor.precision.compare import fp8, input_cause, near_limit, nonfinite, upstream, use, whole_made
+from fpdoctor.precision.compare import fp8, input_cause, made_in_dtype, near_limit, nonfinite, upstream, use
 from fpdoctor.precision.compare.compiled import compare_compiled, is_compiled
 from fpdoctor.precision.compare.container_ops import Own, OwnOps
 from fpdoctor.precision.compare.first_overflow import first_overflow
@@ -465,7 +465,7 @@ class _Comparison:
         # one Python call per torch function, not per aten op (own_calls.py), where every op need not
         # pass through a dispatch mode: the op ranges read them all, the replayed noise sits below it
         self.own: OwnOps | OwnCalls = ops if self.ranges or self.noise is not None else OwnCalls(ops)
-        self.whole_made = ops.whole  # lines making whole numbers the candidate rounds (whole_made.py)
+        self.made = ops.made  # lines making values the candidate's format rounds (made_in_dtype.py)
 
         def post(name: str, index: int, args: Any, output: Any) -> None:
             self.own.leave(name, index)
@@ -1132,11 +1132,13 @@ class _Comparison:
                 if f.name != "precision-divergence" or (f.where.get("op"), f.evidence.get("own_op_location")) != named
             ]  # fmt: skip
         result.report.findings[:0] = origin
-        whole = self._whole_checked(rows, forced or {})
-        if whole is not None:  # checked to take most of the error away: the cause, before what it makes
-            result.report.findings.insert(0, whole)
-        elif self.whole_made:
-            result.report.findings[:] = whole_made.told(result.report.findings, self.whole_made, self.cand_dtype)
+        made = self._made_checked(rows, forced or {})
+        if made is not None:  # checked to take most of the error away: the cause, before what it makes
+            # an error "made by accumulation" is what compare concludes when no part explains it: this does
+            findings = result.report.findings
+            findings[:] = [made, *(f for f in findings if f.evidence.get("kind") != "accumulation")]
+        elif self.made:
+            result.report.findings[:] = made_in_dtype.told(result.report.findings, self.made, self.cand_dtype)
         if self.cand_failed is not None:  # a model that cannot run in the candidate is never OK
             result.report.findings.insert(0, nonfinite.failed(self.cand_failed, label=self.label, candidate=candidate))
         result.overflows = {name: found for (name, _), found in overflows.items()}
@@ -1178,20 +1180,20 @@ class _Comparison:
             )
         return result
 
-    def _whole_checked(self, rows: list[ModuleRow], forced: dict[str, dict[str, Any]]) -> Finding | None:
-        """NUM020 for the first line that makes whole numbers the candidate rounds, where computing it
-        (and the lines after it that read them) in fp32 is checked to cure; None where none is, or
-        where a divergence finding's check already raised that line (upstream of an op it names)."""
+    def _made_checked(self, rows: list[ModuleRow], forced: dict[str, dict[str, Any]]) -> Finding | None:
+        """NUM020/NUM021 for the first line that makes values the candidate's format rounds, where
+        computing it (and the lines after it that read them) in fp32 is checked to cure; None where
+        none is, or where a divergence finding's check already raised that line (upstream of its op)."""
         error = rows[-1].propagated if rows else math.nan
-        if not self.whole_made or not math.isfinite(error) or self.cand_dtype not in (torch.float16, torch.bfloat16):
+        if not self.made or not math.isfinite(error) or self.cand_dtype not in (torch.float16, torch.bfloat16):
             return None
         raised = {at for found in forced.values() for at in found.get("lines") or []}
-        sites = [w for w in self.whole_made if nonfinite.line_of(w.location) not in raised]
-        found = whole_made.checked(sites, self._fix_checked, error)
-        if not found:
+        sites = [m for m in self.made if nonfinite.line_of(m.location) not in raised]
+        found = made_in_dtype.checked(sites, self._fix_checked, error)
+        if found is None:
             return None
-        site, more, after = found[0]
-        return whole_made.finding(site, more, error, after, label=self.label, dtype=self.cand_dtype)
+        site, more, after = found
+        return made_in_dtype.finding(site, more, error, after, label=self.label, dtype=self.cand_dtype)
 
     def _fix_checked(self, kind: str, line: tuple[str, int], more: int = 0) -> float | None:
         """The end-to-end error with an overflow's fix in place (nonfinite.py, profile.causes): the

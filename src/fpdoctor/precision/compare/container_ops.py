@@ -65,18 +65,25 @@ _NOT_JUDGED = {
     "aten.ones_like", "aten.empty_like", "aten.full_like", "aten.new_zeros", "aten.new_ones", "aten.new_empty",
     "aten.new_full", "aten.slice_scatter", "aten.select_scatter", "aten.masked_fill", "aten.masked_fill_",
 }  # fmt: skip
-# Ops that make whole numbers from none (an arange) or from integers (a cast of positions, of
-# timesteps): made in the model's dtype, the candidate's format rounds them past its exact range.
-_WHOLE_MAKERS = {"aten.arange", "aten._to_copy"}
-WHOLE_SITES = 4  # lines recorded per pass, at most
+# Ops that make values the candidate's format rounds before anything computes with them, where they
+# are made in the model's dtype: whole numbers from none (an arange) or from integers (a cast of
+# positions, of timesteps), past the format's exact range; random draws (a uniform draw in bf16 takes
+# bf16's values only: none above 0.996, and 0 among them).
+_MAKERS = {
+    "aten.arange": "whole", "aten._to_copy": "whole", "aten.rand": "draw", "aten.rand_like": "draw",
+    "aten.randn": "draw", "aten.randn_like": "draw", "aten.uniform_": "draw", "aten.normal_": "draw",
+}  # fmt: skip
+MADE_SITES = 4  # lines recorded per pass, at most
 
 
 @dataclass(frozen=True)
-class WholeMade:
-    """A line that makes whole numbers in the model's dtype, past what the candidate holds exactly."""
+class Made:
+    """A line that makes values in the model's dtype which the candidate's format rounds: whole
+    numbers past its exact range (`largest`, the largest of them), or a random draw."""
 
     location: str
-    largest: float
+    kind: str  # "whole" or "draw"
+    largest: float | None = None
 
 
 # An op re-run whole is kept, its figures read at the pass's end with the others, when its inputs
@@ -215,10 +222,10 @@ class OwnOps(EagerDispatchMode):
         self.current: Own | None = None  # the innermost module call's, if it is a container's
         self.pause = 0
         # id(op overload) -> (never judged, the overload, kept so its id stays its own, its output's
-        # shape depends on the data, it makes whole numbers): an OpOverload's __hash__ is Python code
-        self._kinds: dict[int, tuple[bool, Any, bool, bool]] = {}
-        # whole numbers made in the model's dtype past what the candidate's holds exactly (WholeMade)
-        self.whole: list[WholeMade] = []
+        # shape depends on the data, what it makes (_MAKERS)): an OpOverload's __hash__ is Python code
+        self._kinds: dict[int, tuple[bool, Any, bool, str | None]] = {}
+        # values made in the model's dtype that the candidate's format rounds (Made)
+        self.made: list[Made] = []
         # while a list: the repeat key of each op counted (own_calls.OwnCalls learns a call's ops from
         # it), and None after an op whose output's shape depends on the values (nonzero, item)
         self.log: list[Any] | None = None
@@ -264,7 +271,7 @@ class OwnOps(EagerDispatchMode):
                     func.is_view or packet in _NOT_JUDGED,
                     func,
                     data_shaped,
-                    packet in _WHOLE_MAKERS,
+                    _MAKERS.get(packet),
                 )
             # first the tests that cost least: a view, cast or copy is never judged, and a repeat
             # of an op (same op, same input shapes) is re-run only when due
@@ -279,9 +286,9 @@ class OwnOps(EagerDispatchMode):
                 if self.record is not None:
                     self.record(func, out)
                 return out
-            if kind[3] and len(self.whole) < WHOLE_SITES:
+            if kind[3] is not None and len(self.made) < MADE_SITES:
                 out = func(*args, **kwargs)
-                self._whole_made(args, out)
+                self._made(kind[3], args, out)
                 if self.record is not None:
                     self.record(func, out)
                 return out
@@ -290,21 +297,26 @@ class OwnOps(EagerDispatchMode):
             self.record(func, out)
         return out
 
-    def _whole_made(self, args: Any, out: Any) -> None:
-        """An arange, or integers cast to a floating dtype, made in float64 in this pass: in the model's
-        dtype, so in the candidate's there, which rounds whole numbers past exact_whole (positions
-        past 256 in bf16). Recorded once per line, with the largest value."""
+    def _made(self, kind: str, args: Any, out: Any) -> None:
+        """Values made in float64 in this pass, so in the model's dtype, which is the candidate's
+        there: a random draw in a 16-bit candidate; an arange or integers cast to a floating dtype
+        past exact_whole (positions past 256 in bf16). Recorded once per line."""
         if not isinstance(out, torch.Tensor) or out.dtype != torch.float64 or out.numel() == 0:
             return
+        if kind == "draw" and torch.finfo(self.dtype).bits > 16:
+            return
         source = args[0] if args else None
-        if isinstance(source, torch.Tensor) and (source.is_floating_point() or source.dtype == torch.bool):
+        if kind == "whole" and isinstance(source, torch.Tensor) and not _integral(source):
             return  # a cast of floats (compare's own, the user's .double()), or of a mask: no whole numbers
         at = _where(sys._getframe(), torch_made=False)
-        if at is None or any(w.location == at for w in self.whole):
+        if at is None or any(m.location == at for m in self.made):
+            return
+        if kind == "draw":
+            self.made.append(Made(at, kind))
             return
         largest = float(out.abs().max())
         if largest > 2.0 / torch.finfo(self.dtype).eps and bool((out == out.round()).all()):
-            self.whole.append(WholeMade(at, largest))
+            self.made.append(Made(at, kind, largest))
 
     def _judge(self, own: Own, func: Any, rerun: _Rerun, out: Any, *, torch_made: bool) -> None:
         full = next(floating(out), None)
@@ -519,6 +531,10 @@ def _on(func: Any, device: torch.device | None) -> Callable[..., Any]:
 
 def _packet(func: Any) -> str:
     return str(func.overloadpacket)
+
+
+def _integral(t: torch.Tensor) -> bool:
+    return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
 
 
 def _random(func: Any, args: Any, kwargs: Any) -> bool:

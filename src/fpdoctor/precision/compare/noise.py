@@ -73,6 +73,6 @@ class ReplayNoise(TorchDispatchMode):
             # value of the dtype below `high` instead
             below = torch.nextafter(torch.tensor(high, dtype=value.dtype), torch.tensor(-math.inf, dtype=value.dtype))
             value = torch.where(value >= high, below.to(value.device), value)
-        if func._schema.name.endswith("_"):  # in place (normal_, uniform_): the caller holds `out`
-            return out.copy_(value)
-        return value
+        # into the op's own output, in place or not: what a mode beneath marked on it (compare's raised
+        # lines mark what they computed in fp32, to be cast back where the rest reads it) stays with it
+        return out.copy_(value)

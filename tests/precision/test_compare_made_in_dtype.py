@@ -1,15 +1,17 @@
-"""Whole numbers the forward makes in the model's dtype past what the candidate's format holds
-exactly: positions from an arange in an ALiBi attention (bf16: every second whole number past
-256), event times cast from integer seconds whose gaps a model reads (fp16: past 2048). No module
-or op stands out (each op's floor is as wrong) and the relative error barely moves; compare names
-the line, checks it and the lines that read it in fp32, and the fix as printed cures. Whole
-numbers the format holds exactly cost nothing and are not named."""
+"""Values the forward makes in the model's dtype that the candidate's format rounds: whole numbers
+past what it holds exactly (positions from an arange in an ALiBi attention, bf16: every second
+whole number past 256; event times cast from integer seconds whose gaps a model reads, fp16: past
+2048), and a random draw (a Gumbel-softmax router's uniform draw in bf16 or fp16). No module or op
+stands out (each op's floor is as wrong); compare names the line, checks it and the lines that
+read it in fp32, and the fix as printed cures. Whole numbers the format holds exactly cost nothing
+and are not named."""
 
 from __future__ import annotations
 
 import inspect
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -102,3 +104,36 @@ def test_whole_numbers_the_format_holds_exactly_are_not_named():
     model, x = ALiBi().eval(), torch.randn(2, 128, 32)  # positions up to 127: exact in bf16
     result = fpdoctor.compare(model, x, candidate="bf16")
     assert not result.report.by_name("whole-numbers-rounded"), str(result.report)
+
+
+class NoisyRouter(nn.Module):
+    """A mixture of experts routed by a Gumbel-softmax over the router's scores."""
+
+    def __init__(self, fp32_draw: bool = False, experts: int = 64) -> None:
+        super().__init__()
+        self.fp32_draw, self.experts = fp32_draw, experts
+        self.router, self.expert = nn.Linear(32, experts), nn.Linear(32, 32 * experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.router(x)
+        dtype = torch.float32 if self.fp32_draw else scores.dtype
+        u = torch.rand_like(scores, dtype=dtype)
+        g = (-torch.log(-torch.log(u))).to(scores.dtype)
+        w = torch.softmax((scores + g) / 0.3, -1)
+        return (w[..., None] * self.expert(x).view(x.shape[0], self.experts, 32)).sum(1)
+
+
+@pytest.mark.parametrize("candidate", ["bf16", "fp16"])
+def test_a_random_draw_in_the_models_dtype_is_named_with_its_lines_checked_and_the_fix_as_printed_cures(candidate):
+    torch.manual_seed(0)
+    x = torch.randn(256, 32)
+    result = fpdoctor.compare(NoisyRouter().eval(), x, candidate=candidate)
+    first = result.report.findings[0]
+    assert first.name == "random-draw-rounded", str(result.report)
+    assert first.evidence["location"].endswith(f":{_line(NoisyRouter.forward, 'torch.rand_like')}")
+    assert first.evidence["lines_raised"][1] == _line(NoisyRouter.forward, "-torch.log(-torch.log(u))")
+    assert first.trial is not None and first.trial.tried and first.trial.after * 4 <= first.trial.before
+    assert not result.report.by_name("precision-divergence")  # not "made by accumulation" beside it
+    torch.manual_seed(0)
+    fixed = fpdoctor.compare(NoisyRouter(fp32_draw=True).eval(), x, candidate=candidate)
+    assert not fixed.report.findings, str(fixed.report)

@@ -1,0 +1,124 @@
+"""Values the model's forward makes in its own dtype that the candidate's format rounds before
+anything computes with them, and the fix checked: whole numbers past the format's exact range (an
+arange of positions, timesteps or counts cast from integers), and random draws (a uniform draw in
+bf16 takes bf16's values only: none above 0.996, and 0 among them).
+
+container_ops.OwnOps notes each such line in the fp64 pass (`Made`: a value made in float64 there
+follows the model's dtype, so the candidate makes it in its own). Rounding them is not an op's
+error: the fp64 output rounded to the format, every op's floor, is exactly as wrong, so no module
+or op stands out; what reads their small differences (ALiBi's distance |i - j| between nearby
+tokens past position 256 in bf16), or their values near an end (-log(-log(u)) of a Gumbel noise
+at u near 1), is wrong. The check decides: the line in fp32, then with the lines after it that read
+its values (nonfinite.fp32_lines), their results cast back; a run RAISED_FALLS below the end-to-end
+error is the finding, with its figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from fpdoctor import catalog
+from fpdoctor.precision.compare.container_ops import Made
+from fpdoctor.precision.compare.nonfinite import Check, fp32_lines, line_of, source_text
+from fpdoctor.precision.profile import RAISED_FALLS
+from fpdoctor.report.model import Finding, Trial
+
+
+def checked(sites: list[Made], check: Check, error: float) -> tuple[Made, int, float] | None:
+    """The first site whose fix cures: (the site, lines after it raised with it, the end-to-end error
+    then); None where none does. The first one ends the search: one cause, one finding."""
+    for site in sites:
+        line = line_of(site.location)
+        if line is None:
+            continue
+        more, after = fp32_lines(check, line, error)
+        if after is not None and after * RAISED_FALLS <= error:
+            return site, more, after
+    return None
+
+
+def finding(site: Made, more: int, before: float, after: float, *, label: str, dtype: torch.dtype) -> Finding:
+    """NUM020 (whole numbers) or NUM021 (a draw) for `site`, its lines (`more` after it) in fp32
+    checked: `before` -> `after`."""
+    file, number = line_of(site.location) or ("", 0)
+    lines = f"line {number}" if more == 0 else f"lines {number}-{number + more}"
+    name = str(dtype).removeprefix("torch.")
+    code = source_text(site.location)
+    code = code[: code.index("  #")].rstrip() if "  #" in code else code  # the code, not its comment
+    written = f" (`{code}`)" if code else ""
+    checked_text = (
+        f"With {lines} computed in fp32, their results cast back to {name}, the end-to-end error goes from "
+        f"{before:.3g} to {after:.3g} (checked)."
+    )
+    last = "it makes" if more == 0 else f"line {number + more} makes"
+    evidence = {"location": site.location, "lines_raised": [number, number + more], "error_before": before,
+                "error_after": after}  # fmt: skip
+    if site.kind == "draw":
+        top = float(torch.tensor(1.0, dtype=dtype).nextafter(torch.tensor(0.0, dtype=dtype)))
+        message = (
+            f"In {label}, line {number} of {file}{written} draws random numbers in the model's dtype: a draw in "
+            f"{name} takes {name}'s values only (a uniform one none above {top:.4g}, and 0 among them), and what the "
+            f"lines after it make of them (a log of u or of 1 - u, a Gumbel or exponential noise) is biased where "
+            f"those values are coarsest. {checked_text}"
+        )
+        fix = (
+            f"Draw it in fp32 at line {number} (torch.rand_like(x, dtype=torch.float32): a *_like draw takes x's "
+            f"dtype), compute {lines} in fp32 from it, and cast what {last} to {name} (.to(x.dtype)); checked: the "
+            f"end-to-end error goes from {before:.3g} to {after:.3g}"
+        )
+        rule = "random-draw-rounded"
+    else:
+        limit = 2.0 / torch.finfo(dtype).eps
+        message = (
+            f"In {label}, line {number} of {file}{written} makes whole numbers up to {site.largest:.0f} in the model's "
+            f"dtype; {name} holds whole numbers exactly only up to {limit:.0f}, so those past it are rounded before "
+            "anything reads them (relative figures barely move: the large values are nearly right, their small "
+            f"differences are not). {checked_text}"
+        )
+        fix = (
+            f"Make them in fp32 at line {number} (dtype=torch.float32 instead of the model's dtype, or the integers "
+            f"then .float()), compute {lines} in fp32 from them, and cast what {last} to {name} (.to(x.dtype), x the "
+            f"tensor whose dtype the line followed); checked: the end-to-end error goes from {before:.3g} to "
+            f"{after:.3g}"
+        )
+        evidence |= {"largest": site.largest, "exact_up_to": limit}
+        rule = "whole-numbers-rounded"
+    trial = Trial.checked(
+        f"the ops at {lines} of {file} in fp32, their results cast back to {name}",
+        metric="end-to-end relative error against fp64",
+        before=before,
+        after=after,
+        on="the inputs given",
+    )
+    where = {"module": None, "op": None, "phase": "forward"}
+    return catalog.make(rule, message=message, fix=fix, where=where, evidence=evidence, trial=trial)
+
+
+def told(findings: list[Finding], sites: list[Made], dtype: torch.dtype) -> list[Finding]:
+    """`findings`, a divergence whose check raised a line that makes whole numbers the candidate
+    rounds (upstream of the op it names) saying so: the why behind "what it reads is made at"."""
+    limit = 2.0 / torch.finfo(dtype).eps
+    name = str(dtype).removeprefix("torch.")
+    out = []
+    for f in findings:
+        lines = set(f.evidence.get("feeding_lines") or []) if f.name == "precision-divergence" else set()
+        made = [w for w in sites if w.location in lines and w.kind == "whole"]
+        if not made:
+            out.append(f)
+            continue
+        w = made[0]
+        number = w.location.rpartition(":")[2]
+        out.append(
+            dataclasses.replace(
+                f,
+                message=f"{f.message} Line {number} makes whole numbers up to {w.largest:.0f} in the model's dtype, "
+                f"and {name} holds whole numbers exactly only up to {limit:.0f}: those past it are rounded there.",
+                evidence={
+                    **f.evidence,
+                    "whole_numbers": {"location": w.location, "largest": w.largest, "exact_up_to": limit},
+                },
+            )
+        )
+    return out
