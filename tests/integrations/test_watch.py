@@ -1005,6 +1005,7 @@ def test_a_clip_by_a_norm_that_overflows_fp16_zeroes_every_gradient_and_is_found
     assert first["evidence"]["departed_count"] == first["evidence"]["compared"] == 4
     assert all(d["norm_ratio"] == 0 and d["zeros"] == 1 for d in first["evidence"]["departed"])
     assert "multiplied them all by 0" in first["message"] and "in fp32" in first["fix"]
+    assert first["severity"] == "error" and report["verdict"] == "error"  # the weights never move: not a warning
     assert first["fix_trial"]["status"] == "not-tried"
 
 

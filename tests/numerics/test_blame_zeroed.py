@@ -98,3 +98,35 @@ def test_an_overflow_nobody_uses_is_masked_not_zeroed():
     with fpdoctor.trace(Unused()) as t:
         Unused()(x)
     assert names(t.report) == ["nonfinite-masked"]
+
+
+def test_an_in_place_division_by_an_overflowed_norm_is_zeroed():
+    """A per-tensor gradient normalisation in fp16, p.grad.div_(rms): the mean of squares overflows,
+    the in-place division turns the gradient into zeros (before: 'masked', fix 'usually nothing')."""
+    layer = nn.Linear(8, 8).half()
+    with fpdoctor.trace(layer) as t:
+        layer(torch.full((4, 8), 40.0, dtype=torch.float16)).float().sum().mul(100).backward()
+        for p in layer.parameters():
+            p.grad.div_(p.grad.pow(2).mean().sqrt() + 1e-6)
+    assert all(bool((p.grad == 0).all()) for p in layer.parameters())
+    (f,) = [f for f in t.report.findings if f.name == "nonfinite-zeroed"]
+    assert f.where["zeroed_by"] == "aten.div_.Tensor" and f.severity.value == "error"
+    assert "nonfinite-masked" not in names(t.report)
+
+
+def test_a_division_by_a_constant_is_not_told_to_guard_its_denominator():
+    """logits / 0.05 (a temperature) overflowing fp16: there is no denominator that can be 0."""
+
+    class Tempered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8).half()
+
+        def forward(self, x):
+            return self.proj(x) / 0.0001
+
+    net = Tempered()
+    with fpdoctor.trace(net) as t:
+        net(torch.full((2, 8), 40.0, dtype=torch.float16))
+    (f,) = [f for f in t.report.findings if f.name == "nonfinite-produced"]
+    assert "guard the denominator" not in f.fix and "division by a constant" in f.fix, f.fix

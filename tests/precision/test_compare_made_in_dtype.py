@@ -137,3 +137,38 @@ def test_a_random_draw_in_the_models_dtype_is_named_with_its_lines_checked_and_t
     torch.manual_seed(0)
     fixed = fpdoctor.compare(NoisyRouter(fp32_draw=True).eval(), x, candidate=candidate)
     assert not fixed.report.findings, str(fixed.report)
+
+
+class PaddedEncoder(nn.Module):
+    """Left-padded sequences, positions counted from the mask in the model's dtype, read by a
+    sinusoidal position code that high frequencies make sensitive to every unit."""
+
+    def __init__(self, fp32_positions: bool = False) -> None:
+        super().__init__()
+        self.fp32_positions = fp32_positions
+        self.embed, self.head = nn.Embedding(100, 32), nn.Linear(32, 8)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        m = mask.float() if self.fp32_positions else mask.to(x.dtype)
+        pos = m.cumsum(-1) - 1
+        freqs = torch.exp(torch.arange(16, dtype=pos.dtype) * -0.3)
+        code = torch.cat([(pos[..., None] * freqs).sin(), (pos[..., None] * freqs).cos()], -1)
+        return self.head((x + code.to(x.dtype)).mean(1))
+
+
+def test_positions_counted_from_a_mask_in_bf16_are_named_with_their_lines_checked():
+    torch.manual_seed(0)
+    ids, mask = torch.randint(0, 100, (8, 600)), torch.ones(8, 600, dtype=torch.long)
+    mask[:, :40] = 0
+    result = fpdoctor.compare(PaddedEncoder().eval(), (ids, mask), candidate="bf16")
+    first = result.report.findings[0]
+    # the sin that reads them is as wrong run exactly: its divergence's check raises the count's line
+    # and says what it makes (or, where no op is forced, NUM020 names the line itself)
+    at = f":{_line(PaddedEncoder.forward, 'm.cumsum(-1)')}"
+    named = first.evidence["location"] if first.name == "whole-numbers-rounded" else None
+    named = named or first.evidence.get("whole_numbers", {}).get("location", "")
+    assert named.endswith(at), str(result.report)
+    assert first.trial is not None and first.trial.after * 4 <= first.trial.before
+    fixed = fpdoctor.compare(PaddedEncoder(fp32_positions=True).eval(), (ids, mask), candidate="bf16")
+    assert not fixed.report.by_name("whole-numbers-rounded"), str(fixed.report)

@@ -45,6 +45,8 @@ Origin = tuple[str, int]  # ("op", record index) or ("leaf", leaf index)
 # reciprocal, exp(-inf), x / inf, inf ** negative) or saturated values (sigmoid, tanh, erf, atan).
 _ZEROING = frozenset({
     "rsqrt", "reciprocal", "exp", "exp2", "div", "pow", "sigmoid", "tanh", "erf", "erfc", "atan",
+    # in place: p.grad.div_(norm) zeroes a gradient by an Inf norm as x / inf does
+    "rsqrt_", "reciprocal_", "exp_", "div_", "pow_", "sigmoid_", "tanh_",
 })  # fmt: skip
 # Ops that write an infinity on purpose (attention masks): their Inf is a mask, not an overflow.
 _DELIBERATE = frozenset({
@@ -783,6 +785,11 @@ class Analysis:
 
 
 _DIV = "guard the denominator (x / (d + eps), or torch.where(d != 0, x / d, 0) with the division masked too)"
+# x / t with t a Python number (a temperature, a scale): no denominator that can be 0, the quotient grows
+_DIV_BY_CONSTANT = (
+    "the division by a constant grew the values past the format's range: divide in fp32 (x.float() / t, the "
+    "result cast back where it fits) or scale down what is divided"
+)
 _LOG = "clamp the argument (torch.log(x.clamp_min(eps)))"
 _MATMUL = "the matmul overflowed: scale its inputs down or keep it in fp32"
 # Keyed by the exact overload packet name (`aten.<name>.<overload>`): `_log_softmax` is not `log`.
@@ -843,7 +850,10 @@ def _fix_for(r: Record) -> str:
         return _OPTIMIZER
     if not transparent_op(r.op):  # a custom kernel's NaN is not an epsilon's to fix
         return custom_op_fix(r.op, None)
-    text = OP_ADVICE.get(_packet(r.op), catalog.get("nonfinite-produced").fix)
+    packet = _packet(r.op)
+    text = OP_ADVICE.get(packet, catalog.get("nonfinite-produced").fix)
+    if packet in ("div", "div_") and len(r.inputs) < 2:
+        text = _DIV_BY_CONSTANT  # no tensor denominator to guard: a constant one, the quotient past the range
     rng = range_cause(r)
     if rng is not None:
         return f"{text}; {rng}"

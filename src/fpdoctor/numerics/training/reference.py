@@ -43,7 +43,7 @@ from fpdoctor.numerics.observe import amp
 from fpdoctor.numerics.observe.batches import MicroBatch
 from fpdoctor.numerics.training.control import _autocast_off, _inputs_in_fp32
 from fpdoctor.preserve import preserved
-from fpdoctor.report.model import Finding, Trial
+from fpdoctor.report.model import Finding, Severity, Trial
 from fpdoctor.torchprivate import pytree, reparametrized, scaler_states
 
 EVERY = 500  # the least period: steps 1, 501, 1001, ... where its cost is under SHARE of theirs
@@ -488,8 +488,9 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
             "passes 65504 once their norm passes 256), and max_norm / inf is 0."
         )
         fix = (
-            "Compute the norm your code clips by in fp32: torch.nn.utils.clip_grad_norm_, or the squares summed from "
-            "g.float(); `fpdoctor trace` on the script names the op that overflows and checks its fix"
+            "Compute the norm your code divides the gradients by in fp32: the squares summed from g.float() (for a "
+            "clip of the total norm, torch.nn.utils.clip_grad_norm_); `fpdoctor trace` on the script names the op "
+            "that overflows and checks its fix"
         )
         trial = Trial.untried(
             "watch does not run your code between the backward and the step; `fpdoctor trace` runs it and checks "
@@ -516,6 +517,8 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
         "gradients-depart-from-reference",
         message=message,
         fix=fix,
+        # every gradient zeroed: the weights do not move at all, a run to stop, not one to watch
+        severity=Severity.ERROR if stage == "optimizer" and comparison.zeroed_between else None,
         where={"module": None, "op": None, "phase": stage, "step": comparison.step, **here},
         evidence={
             "stage": stage,

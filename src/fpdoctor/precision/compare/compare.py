@@ -1134,9 +1134,10 @@ class _Comparison:
         result.report.findings[:0] = origin
         made = self._made_checked(rows, forced or {})
         if made is not None:  # checked to take most of the error away: the cause, before what it makes
-            # an error "made by accumulation" is what compare concludes when no part explains it: this does
+            # an error "made by accumulation" is what compare concludes when no part explains it: this does;
+            # a divergence whose own fix was not found to help is what these values do downstream
             findings = result.report.findings
-            findings[:] = [made, *(f for f in findings if f.evidence.get("kind") != "accumulation")]
+            findings[:] = [made, *(f for f in findings if not _explained_by_made(f))]
         elif self.made:
             result.report.findings[:] = made_in_dtype.told(result.report.findings, self.made, self.cand_dtype)
         if self.cand_failed is not None:  # a model that cannot run in the candidate is never OK
@@ -1359,6 +1360,14 @@ CHECKED_OVERFLOWS = 2
 # A running state is named the cause when keeping it alone in fp64 divides the end-to-end error
 # by at least this much (12 dB): the rest of the model still runs in the candidate's dtype.
 ACCUMULATION_FALLS = 4.0
+
+
+def _explained_by_made(finding: Finding) -> bool:
+    """A finding that a checked fix of values made in the candidate's format (made_in_dtype) explains:
+    an accumulation (no part explained the error), or a divergence without a fix that helped."""
+    if finding.evidence.get("kind") == "accumulation":
+        return True
+    return finding.name == "precision-divergence" and not (finding.trial is not None and finding.trial.tried)
 
 
 def _inputs_kept(inputs: Any, dtype: torch.dtype, reference: torch.dtype) -> str | None:

@@ -67,10 +67,12 @@ _NOT_JUDGED = {
 }  # fmt: skip
 # Ops that make values the candidate's format rounds before anything computes with them, where they
 # are made in the model's dtype: whole numbers from none (an arange) or from integers (a cast of
-# positions, of timesteps), past the format's exact range; random draws (a uniform draw in bf16 takes
+# positions, of timesteps) or counted from a mask (positions as mask.cumsum(-1) - 1), past the
+# format's exact range; random draws (a uniform draw in bf16 takes
 # bf16's values only: none above 0.996, and 0 among them).
 _MAKERS = {
-    "aten.arange": "whole", "aten._to_copy": "whole", "aten.rand": "draw", "aten.rand_like": "draw",
+    "aten.arange": "whole", "aten._to_copy": "whole", "aten.cumsum": "count", "aten.rand": "draw",
+    "aten.rand_like": "draw",
     "aten.randn": "draw", "aten.randn_like": "draw", "aten.uniform_": "draw", "aten.normal_": "draw",
 }  # fmt: skip
 MADE_SITES = 4  # lines recorded per pass, at most
@@ -283,6 +285,8 @@ class OwnOps(EagerDispatchMode):
                 rerun = _plan(func, args, kwargs, subsets=self.subsets)
                 out = func(*args, **kwargs)
                 self._judge(own, func, rerun, out, torch_made=self.stack[-1][0] in self.torch_made)
+                if kind[3] is not None and len(self.made) < MADE_SITES:  # a count of a mask is judged too
+                    self._made(kind[3], args, out)
                 if self.record is not None:
                     self.record(func, out)
                 return out
@@ -308,6 +312,7 @@ class OwnOps(EagerDispatchMode):
         source = args[0] if args else None
         if kind == "whole" and isinstance(source, torch.Tensor) and not _integral(source):
             return  # a cast of floats (compare's own, the user's .double()), or of a mask: no whole numbers
+        kind = "whole" if kind == "count" else kind  # a cumsum: whole numbers where what it sums is (a mask)
         at = _where(sys._getframe(), torch_made=False)
         if at is None or any(m.location == at for m in self.made):
             return

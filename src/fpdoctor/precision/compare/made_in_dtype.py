@@ -25,6 +25,10 @@ from fpdoctor.precision.compare.nonfinite import Check, fp32_lines, line_of, sou
 from fpdoctor.precision.profile import RAISED_FALLS
 from fpdoctor.report.model import Finding, Trial
 
+# Lines after the site tried in fp32 with it: positions go through a product and a cos/sin before
+# anything holds them in a range the format places finely (pos, pos * inv_freq, its cos and sin)
+LINES_AFTER = 4
+
 
 def checked(sites: list[Made], check: Check, error: float) -> tuple[Made, int, float] | None:
     """The first site whose fix cures: (the site, lines after it raised with it, the end-to-end error
@@ -33,7 +37,7 @@ def checked(sites: list[Made], check: Check, error: float) -> tuple[Made, int, f
         line = line_of(site.location)
         if line is None:
             continue
-        more, after = fp32_lines(check, line, error)
+        more, after = fp32_lines(check, line, error, most=LINES_AFTER)
         if after is not None and after * RAISED_FALLS <= error:
             return site, more, after
     return None
