@@ -852,7 +852,7 @@ def _fix_for(r: Record) -> str:
         return custom_op_fix(r.op, None)
     packet = _packet(r.op)
     text = OP_ADVICE.get(packet, catalog.get("nonfinite-produced").fix)
-    if packet in ("div", "div_") and len(r.inputs) < 2:
+    if packet in ("div", "div_") and len(r.inputs) == 1:
         text = _DIV_BY_CONSTANT  # no tensor denominator to guard: a constant one, the quotient past the range
     rng = range_cause(r)
     if rng is not None:
