@@ -489,7 +489,9 @@ def test_default_period_is_paced_after_its_first_measured_steps_and_a_given_one_
     # the 160 steps; every one after the fixed period is then a stretched period away from the last
     steps = [s for s, _ in measured]
     assert steps[PACE_AFTER] - last == gap if len(steps) > PACE_AFTER else probe.due(last + gap), (steps, gap)
-    assert all(b - a > EVERY and (b - a) % EVERY == 0 for a, b in itertools.pairwise(steps[PACE_AFTER - 1 :]))
+    # each later period is measured again: a multiple of 10, back to 10 itself where the machine's load
+    # made the steps slow beside the check
+    assert all(b - a >= EVERY and (b - a) % EVERY == 0 for a, b in itertools.pairwise(steps[PACE_AFTER - 1 :]))
     assert not probe.due(last + EVERY)
     # the summary says the period now: the last measured step's, which a loaded machine may have moved
     assert f"every 10th for the first {PACE_AFTER}, then every {measured[-1][1]}th" in summary.text()
