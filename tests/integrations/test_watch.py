@@ -1033,7 +1033,7 @@ with torch.no_grad():
     model[-1].bias.fill_({start})
 model = model.half()
 opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-for step in range(70):
+for step in range(40):
     idx = torch.randint(0, 2048, (128,))
     out = model(x[idx].half()).float()
     loss = F.mse_loss(out + {offset}, y[idx])
