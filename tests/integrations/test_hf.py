@@ -348,3 +348,47 @@ def test_after_a_train_that_raised_the_next_forward_takes_the_hooks_off_and_writ
     model(torch.randint(0, 64, (1, 12)))  # the user goes on with the model, outside any training
     assert not model._forward_hooks and not model._forward_pre_hooks
     assert json.loads((tmp_path / "report.json").read_text())["data"]["steps"] == 2
+
+
+class Readings(torch.utils.data.Dataset):
+    """Sea-level pressure near 1013 hPa that varies by about 2, from six predictors."""
+
+    def __len__(self) -> int:
+        return 256
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        x = torch.randn(6, generator=torch.Generator().manual_seed(i))
+        return {"x": x, "y": 1013.25 + 2.0 * torch.tanh(x[:1] - x[1:2])}
+
+
+class Barometer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        with torch.no_grad():
+            self.net[-1].bias.fill_(1013.25)
+        self.half()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.half())
+
+
+class RegressionLoss(transformers.Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = model(inputs["x"]).float()
+        loss = torch.nn.functional.mse_loss(out, inputs["y"])
+        return (loss, out) if return_outputs else loss
+
+
+def test_a_regression_output_too_coarse_for_fp16_is_named_by_the_callback(tmp_path):
+    """The Trainer computes the loss outside the model, so the callback replays from the gradients at
+    the model's output, which cannot show what rounding that output costs: read from the output itself."""
+    callback = FpDoctorCallback()
+    args = arguments(
+        tmp_path, max_steps=20, per_device_train_batch_size=32, learning_rate=1e-4, optim="sgd",
+        remove_unused_columns=False,
+    )  # fmt: skip
+    trainer = RegressionLoss(model=Barometer(), args=args, train_dataset=Readings(), callbacks=[callback])
+    trainer.train()
+    (found,) = callback.report.by_name("output-too-coarse-in-training")
+    assert found.evidence["dtype"] == "float16" and found.evidence["share_of_spread"] >= 0.05

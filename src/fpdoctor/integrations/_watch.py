@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from fpdoctor.integrations._outputs import KeptGradients
 from fpdoctor.numerics.observe import amp, dynamo
 from fpdoctor.numerics.observe.batches import MicroBatch
 from fpdoctor.numerics.observe.gradcheck import FlagRead, grads_of, nonfinite_flag
@@ -380,6 +381,9 @@ class StepWatch(JudgedSteps):
             if checked is not None:
                 facts = self._facts(checked)
                 outcome = judge.judge(facts)
+                kept = self.window_args(KeptGradients)  # a callback that replays from its outputs' gradients
+                if outcome.finite and kept:  # the outputs' format: what that replay cannot see
+                    judge.outputs_read(judge.steps, [t for k in kept for t in k.originals])
                 if outcome.finite and facts.why_not is None and judge.reference_due(judge.steps):
                     self._reference(facts)
                 probe = self._probe
