@@ -488,7 +488,7 @@ def _root_evidence(root: ModuleRow, candidate: str, reference: str, input_floor:
         "floor_model": reference,  # whose own error against fp64 sets the noise floor
         "isolated_rel": root.isolated,
         "floor_rel": root.judged_floor if known(root.judged_floor) else None,  # None: unknown
-        "ratio": root.ratio,
+        "ratio": root.ratio if known(root.judged_floor) else None,  # None: no floor to divide by
         "propagated_rel": root.propagated,
         "whole_isolated_rel": root.whole_isolated,
         "own_op": own,
@@ -738,7 +738,7 @@ def _divergence(
         "out_of_range": first.out_of_range,
         "isolated_rel": first.isolated,
         "floor_rel": first.judged_floor if known(first.judged_floor) else None,  # None: unknown
-        "ratio": first.ratio,
+        "ratio": first.ratio if known(first.judged_floor) else None,  # None: no floor to divide by
         "propagated_rel": first.propagated,
         "own_op": own,
         "own_op_location": at.strip(" ()") or None,
@@ -1188,7 +1188,10 @@ def against_floor(error: float | None, ratio: float | None, floor: float) -> str
         where = f"the noise floor is {floor:.2g}" if known(floor) else "the noise floor is unknown"
         return f"non-finite (NaN/Inf), where the fp64 result is finite; {where}"
     if not known(floor):
-        return "the noise floor unknown (the fp64 output does not fit the format and no reference error was measured)"
+        return (
+            "no noise floor to weigh it against: rounding the fp64 output to the format either overflows or loses "
+            "nothing (values the format holds exactly, whole numbers), and no reference error was measured"
+        )
     return f"{_fmt_ratio(ratio)} the noise floor of {floor:.2g}"
 
 

@@ -25,7 +25,9 @@ from fpdoctor import catalog
 from fpdoctor.formats import COARSE
 from fpdoctor.report.model import Finding, Trial
 
-COLUMNS = 16  # an output of more columns is logits or features, whose rounding the reference step weighs
+# Columns judged at most (a 48-step forecast is one output of 48 columns); logits pass the test anyway
+# (their spread over the rows is far above their spacing), and a vocabulary is not worth the host read
+COLUMNS = 256
 ROWS = 8  # fewer rows give no spread to judge
 
 
@@ -44,7 +46,10 @@ def coarse(outputs: list[torch.Tensor]) -> dict[str, Any] | None:
         spacing = eps * torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(torch.finfo(out.dtype).tiny))))
         figures = torch.stack([x.abs().mean(0), x.std(0), spacing.mean(0) / 4]).tolist()
         for column, (magnitude, spread, cost) in enumerate(zip(*figures, strict=True)):
-            if math.isfinite(spread) and spread > 0 and cost >= COARSE * spread:
+            # a spread of 0 with values away from 0: every row rounds to one value of the format (the
+            # coarsest case: a model starting at a climatological mean), not an output that never varies,
+            # as the same at two checks steps apart says
+            if math.isfinite(spread) and magnitude > 0 and cost >= COARSE * spread:
                 return {
                     "output": index, "column": column, "dtype": str(out.dtype).removeprefix("torch."),
                     "magnitude": magnitude, "spread": spread, "rounding": cost, "rows": flat.shape[0],
@@ -54,12 +59,19 @@ def coarse(outputs: list[torch.Tensor]) -> dict[str, Any] | None:
 
 def finding(found: dict[str, Any], step: int, here: dict[str, Any]) -> Finding:
     """`output-too-coarse-in-training` for what `coarse` found at `step`."""
-    dtype, share = found["dtype"], found["rounding"] / found["spread"]
+    dtype = found["dtype"]
+    share = found["rounding"] / found["spread"] if found["spread"] > 0 else math.inf
     which = f"output {found['output']}, column {found['column']}" if found["output"] or found["column"] else "output"
+    varies = (
+        f"varies by {found['spread']:.3g} over the batch ({found['rows']} rows), and rounding to {dtype} alone moves "
+        f"it by {found['rounding']:.3g} on average there ({share:.0%} of that spread)"
+        if found["spread"] > 0
+        else f"is one value of {dtype} on all {found['rows']} rows of the batch: rounding to {dtype} there moves a "
+        f"value by {found['rounding']:.3g} on average, more than what the model's outputs differ by"
+    )
     message = (
-        f"At step {step} the model's {which} is in {dtype}: it sits at {found['magnitude']:.4g} on average and varies "
-        f"by {found['spread']:.3g} over the batch ({found['rows']} rows), and rounding to {dtype} alone moves it by "
-        f"{found['rounding']:.3g} on average there ({share:.0%} of that spread). The loss is computed on values the "
+        f"At step {step} the model's {which} is in {dtype}: it sits at {found['magnitude']:.4g} on average and {varies}"
+        ". The loss is computed on values the "
         "format cannot place finely, so the fit stalls near that error, with no NaN; the reference step cannot see "
         "it, as it replays the backward from the gradient that reached this output."
     )
@@ -73,7 +85,7 @@ def finding(found: dict[str, Any], step: int, here: dict[str, Any]) -> Finding:
         message=message,
         fix=fix,
         where={"module": None, "op": None, "phase": "forward", "step": step, **here},
-        evidence={**found, "share_of_spread": share, "step": step},
+        evidence={**found, "share_of_spread": share if math.isfinite(share) else None, "step": step},
         trial=Trial.untried(
             "watch knows no loss function, so it runs no step with the output in fp32; `fpdoctor compare` runs the "
             "model's forward with the output's layer kept in fp32 and checks it"

@@ -886,9 +886,11 @@ class StepJudge:
 
     def outputs_read(self, step: int, outputs: list[torch.Tensor]) -> None:
         """The training forward's outputs (watch: what its replay cannot see), judged for a format
-        too coarse for them (coarse_output.py) at steps 1, 2, 4, 8, ...: a model fits its targets
-        as it trains, so an early output says little; named once two checks in a row find it."""
-        if self._outputs_named or step & (step - 1):
+        too coarse for them (coarse_output.py) at steps 4, 8, 16, 32, 64, then every 64th: a model
+        fits its targets as it trains, so its first steps say little, and a run of 200 steps is
+        judged by step 128; named once two checks in a row find it. One host read a check."""
+        due = step >= 4 and (step % 64 == 0 if step > 64 else not step & (step - 1))
+        if self._outputs_named or not due:
             return
         found = coarse_output.coarse(outputs)
         if found is not None and self._outputs_last is not None:

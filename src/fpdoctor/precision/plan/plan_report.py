@@ -21,7 +21,7 @@ from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.names import PRECISIONS
 from fpdoctor.precision.plan.metric import Measured, Metric, metric
 from fpdoctor.precision.plan.op_fixes import OpFix
-from fpdoctor.precision.profile import METRIC, CompareResult, ModuleRow
+from fpdoctor.precision.profile import METRIC, CompareResult, ModuleRow, known
 from fpdoctor.report.model import Finding, Report, Severity, Trial
 
 if TYPE_CHECKING:
@@ -336,7 +336,13 @@ def _why(the_plan: Plan, search: Search) -> list[tuple[str, str]]:
         holder = _kept_by(row.module, the_plan.keep_fp32)
         if holder == row.module or row.module in fixed:
             continue
-        ratio = "non-finite" if math.isinf(row.ratio or 0.0) else f"{row.ratio:.0f}x its noise floor"
+        ratio = (
+            "non-finite"
+            if math.isinf(row.ratio or 0.0)
+            else f"{row.ratio:.0f}x its noise floor"
+            if known(row.judged_floor)
+            else f"an error of {row.isolated:.3g} where rounding loses nothing"
+        )
         if holder is not None:
             text = f"compare names it ({ratio}); it runs in fp32 as part of `{holder}`"
         else:
