@@ -172,3 +172,31 @@ def test_positions_counted_from_a_mask_in_bf16_are_named_with_their_lines_checke
     assert first.trial is not None and first.trial.after * 4 <= first.trial.before
     fixed = fpdoctor.compare(PaddedEncoder(fp32_positions=True).eval(), (ids, mask), candidate="bf16")
     assert not fixed.report.by_name("whole-numbers-rounded"), str(fixed.report)
+
+
+class RareEvents(nn.Module):
+    """Rare events sampled as rand_like(rate) < rate at rates near 0.002, then pooled: a bf16 draw is
+    0 once in 512 draws, so the sampled events come about twice as often as their rate says."""
+
+    def __init__(self, fp32_draw: bool = False) -> None:
+        super().__init__()
+        self.fp32_draw = fp32_draw
+        self.rate, self.head = nn.Linear(8, 256), nn.Linear(256, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rate = torch.sigmoid(self.rate(x) - 6.0)
+        u = torch.rand_like(rate, dtype=torch.float32 if self.fp32_draw else rate.dtype)
+        events = (u < rate).to(rate.dtype)
+        return self.head(events)
+
+
+def test_rare_events_drawn_in_bf16_are_named_and_the_draw_in_fp32_cures():
+    torch.manual_seed(0)
+    x = torch.randn(512, 8)
+    result = fpdoctor.compare(RareEvents().eval(), x, candidate="bf16")
+    first = result.report.findings[0]
+    assert first.name == "random-draw-rounded", str(result.report)
+    assert "once in 512" in first.message and first.trial is not None and first.trial.after * 4 <= first.trial.before
+    torch.manual_seed(0)
+    fixed = fpdoctor.compare(RareEvents(fp32_draw=True).eval(), x, candidate="bf16")
+    assert not fixed.report.by_name("random-draw-rounded"), str(fixed.report)

@@ -319,9 +319,10 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         "the candidate with that line, and then the lines after it that transform the draw, in fp32, their "
         "results cast back, and names the line where that takes the end-to-end error down by 4x or more. "
         "compare replays the fp64 run's draws in every run, so the errors compare like with like.",
-        why="A uniform draw in bf16 takes bf16's values only: nothing between 0.996 and 1, and 0 among them. A "
-        "Gumbel noise -log(-log(u)) or an exponential time -log(u) made from it is capped and biased at the "
-        "end that decides a sample, with no NaN and a relative error that looks like any other.",
+        why="A uniform draw in bf16 takes bf16's values only: nothing between 0.996 and 1, and exactly 0 once in "
+        "512 draws (torch gives 0 where a draw rounds up to 1). A spike u < p at p = 0.002 fires twice as often; a "
+        "Gumbel noise -log(-log(u)) or an exponential time -log(u) made from it is capped and biased at the end "
+        "that decides a sample, with no NaN and a relative error that looks like any other.",
         fix="Draw in fp32 (torch.rand_like(x, dtype=torch.float32)), transform the draw in fp32, and cast the "
         "result to the model's dtype.",
     ),

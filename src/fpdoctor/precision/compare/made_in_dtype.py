@@ -61,11 +61,13 @@ def finding(site: Made, more: int, before: float, after: float, *, label: str, d
                 "error_after": after}  # fmt: skip
     if site.kind == "draw":
         top = float(torch.tensor(1.0, dtype=dtype).nextafter(torch.tensor(0.0, dtype=dtype)))
+        zeros = round(4 / torch.finfo(dtype).eps)  # torch gives 0 for a draw that rounds up to 1
         message = (
             f"In {label}, line {number} of {file}{written} draws random numbers in the model's dtype: a draw in "
-            f"{name} takes {name}'s values only (a uniform one none above {top:.4g}, and 0 among them), and what the "
-            f"lines after it make of them (a log of u or of 1 - u, a Gumbel or exponential noise) is biased where "
-            f"those values are coarsest. {checked_text}"
+            f"{name} takes {name}'s values only (a uniform one none above {top:.4g}, and exactly 0 once in {zeros} "
+            "draws, where the draw rounded up to 1), and what the lines after it make of them is biased where those "
+            f"values are coarsest (a threshold u < p at a small p fires on every 0; a log of u or of 1 - u, a Gumbel "
+            f"or exponential noise is capped). {checked_text}"
         )
         fix = (
             f"Draw it in fp32 at line {number} (torch.rand_like(x, dtype=torch.float32): a *_like draw takes x's "

@@ -9,7 +9,6 @@ own dtype, in the order it makes them.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -21,14 +20,15 @@ def _random(func: Any) -> bool:
     return torch.Tag.nondeterministic_seeded in func.tags
 
 
-def _uniform_high(func: Any, args: Any, kwargs: dict[str, Any]) -> float | None:
-    """The open upper end of a uniform draw (rand: 1; uniform_(from, to): to); None for other draws."""
+def _uniform_bounds(func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[float, float] | None:
+    """(from, to) of a uniform draw (rand: 0, 1; uniform_(from, to)); None for other draws."""
     name = func._schema.name.removeprefix("aten::")
     if name in ("rand", "rand_like"):
-        return 1.0
+        return 0.0, 1.0
     if name == "uniform_":
+        low = args[1] if len(args) > 1 else kwargs.get("from", 0.0)
         high = args[2] if len(args) > 2 else kwargs.get("to", 1.0)
-        return float(high)
+        return float(low), float(high)
     return None
 
 
@@ -66,13 +66,13 @@ class ReplayNoise(TorchDispatchMode):
             self.misaligned = True
             return out
         value = self.draws[k].to(dtype=out.dtype, device=out.device)
-        high = _uniform_high(func, args, kwargs or {})
-        if high is not None and value.is_floating_point():
-            # a uniform draw is in [low, high): an fp64 value just below `high` rounds up to it in a narrow
-            # dtype, which the run's own draw never gives (-log(u) of 1 - u = 0 would be Inf): the largest
-            # value of the dtype below `high` instead
-            below = torch.nextafter(torch.tensor(high, dtype=value.dtype), torch.tensor(-math.inf, dtype=value.dtype))
-            value = torch.where(value >= high, below.to(value.device), value)
+        bounds = _uniform_bounds(func, args, kwargs or {})
+        if bounds is not None and value.is_floating_point():
+            # a uniform draw is in [from, to): torch's own generator, where a value rounds up to `to` in the
+            # dtype (in bf16, every draw above 1 - 2^-9: one in 512), gives `from` instead, on the CPU and
+            # on CUDA alike; so does the replay, and the narrow run sees the zeros its own draws hold
+            low, high = bounds
+            value = torch.where(value >= high, torch.full_like(value, low), value)
         # into the op's own output, in place or not: what a mode beneath marked on it (compare's raised
         # lines mark what they computed in fp32, to be cast back where the rest reads it) stays with it
         return out.copy_(value)
