@@ -68,12 +68,12 @@ _NOT_JUDGED = {
 # Ops that make values the candidate's format rounds before anything computes with them, where they
 # are made in the model's dtype: whole numbers from none (an arange) or from integers (a cast of
 # positions, of timesteps) or counted from a mask (positions as mask.cumsum(-1) - 1), past the
-# format's exact range; random draws (a uniform draw in bf16 takes
-# bf16's values only: none above 0.996, and 0 among them).
+# format's exact range; random draws (a uniform draw in bf16 takes bf16's values only: none above
+# 0.996, and 0 once in 512 draws).
 _MAKERS = {
-    "aten.arange": "whole", "aten._to_copy": "whole", "aten.cumsum": "count", "aten.rand": "draw",
-    "aten.rand_like": "draw",
-    "aten.randn": "draw", "aten.randn_like": "draw", "aten.uniform_": "draw", "aten.normal_": "draw",
+    "aten.arange": "whole", "aten._to_copy": "whole", "aten.cumsum": "count",
+    "aten.rand": "draw", "aten.rand_like": "draw", "aten.randn": "draw", "aten.randn_like": "draw",
+    "aten.uniform_": "draw", "aten.normal_": "draw",
 }  # fmt: skip
 MADE_SITES = 4  # lines recorded per pass, at most
 
@@ -226,8 +226,10 @@ class OwnOps(EagerDispatchMode):
         # id(op overload) -> (never judged, the overload, kept so its id stays its own, its output's
         # shape depends on the data, what it makes (_MAKERS)): an OpOverload's __hash__ is Python code
         self._kinds: dict[int, tuple[bool, Any, bool, str | None]] = {}
-        # values made in the model's dtype that the candidate's format rounds (Made)
+        # values made in the model's dtype that the candidate's format rounds (Made), and the lines
+        # whose values are not whole numbers (read once: a read waits for the device)
         self.made: list[Made] = []
+        self._not_made: set[str] = set()
         # while a list: the repeat key of each op counted (own_calls.OwnCalls learns a call's ops from
         # it), and None after an op whose output's shape depends on the values (nonzero, item)
         self.log: list[Any] | None = None
@@ -314,13 +316,16 @@ class OwnOps(EagerDispatchMode):
             return  # a cast of floats (compare's own, the user's .double()), or of a mask: no whole numbers
         kind = "whole" if kind == "count" else kind  # a cumsum: whole numbers where what it sums is (a mask)
         at = _where(sys._getframe(), torch_made=False)
-        if at is None or any(m.location == at for m in self.made):
+        if at is None or at in self._not_made or any(m.location == at for m in self.made):
             return
         if kind == "draw":
             self.made.append(Made(at, kind))
             return
-        largest = float(out.abs().max())
-        if largest > 2.0 / torch.finfo(self.dtype).eps and bool((out == out.round()).all()):
+        if not bool((out == out.round()).all()):
+            self._not_made.add(at)  # not whole numbers (a cumsum of activations): never read again
+            return
+        largest = float(out.abs().max())  # whole numbers within the range are read again: positions grow
+        if largest > 2.0 / torch.finfo(self.dtype).eps:
             self.made.append(Made(at, kind, largest))
 
     def _judge(self, own: Own, func: Any, rerun: _Rerun, out: Any, *, torch_made: bool) -> None:
