@@ -298,6 +298,7 @@ class Trace:
         # running updates outside the optimizer, rounded away (an EMA, a norm's statistics): what the
         # model is evaluated with, before the optimizer's own updates, which slow its training
         findings += tracer.lost_updates.findings()
+        findings += tracer.flushed.findings()  # squares flushed to zero: a norm by hand too small
         findings += self._updates.findings
         tracer.errors.extend(self._updates.errors)
         repro_notes: dict[str, str] = {}

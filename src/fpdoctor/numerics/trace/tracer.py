@@ -49,6 +49,7 @@ from fpdoctor.numerics.observe.values import (
     version,
 )
 from fpdoctor.numerics.trace.bounds import output_bound
+from fpdoctor.numerics.trace.flushed import SQUARES, FlushedSquares
 from fpdoctor.numerics.trace.lost_updates import WATCHED, LostUpdates
 from fpdoctor.numerics.trace.modules import ModuleTracker
 from fpdoctor.numerics.trace.ops import FUNCTIONAL, GENERAL, IN_PLACE, SELECTS, VIEW, OpInfo, tensor_args
@@ -182,6 +183,7 @@ class Tracer(EagerDispatchMode):
         # the last ops' arguments, by reference, for the experiments at the first NaN and Inf producers
         self._window = Window()
         self.lost_updates = LostUpdates()  # in-place running updates a narrow tensor rounds away
+        self.flushed = FlushedSquares()  # squares a narrow format flushes to zero (a norm by hand)
         self._decided: Counter[str] = Counter()  # "nan" / "inf": producers experimented on
         self.experiments: dict[int, Experiment] = {}  # record index -> what was re-run there
         self._nested = False
@@ -245,6 +247,11 @@ class Tracer(EagerDispatchMode):
                 out = self._running_update(info, func, args, kwargs)
             else:
                 out = func(*args, **kwargs) if kwargs else func(*args)
+            if info.name in SQUARES:  # a square whose values a narrow format flushes (flushed.py)
+                try:
+                    self.flushed.seen(info.name, args, out)
+                except Exception as exc:  # the observer never kills the job
+                    self._error(func, exc)
             try:
                 if type(out) is Tensor if path == FUNCTIONAL else out is args[0]:
                     self._one(info, args, kwargs, out, seq=seq, before=probed, written=path == IN_PLACE)
