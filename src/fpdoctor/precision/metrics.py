@@ -90,6 +90,11 @@ def floating(value: Any) -> Iterator[torch.Tensor]:
             yield t.detach()
 
 
+def integral(t: torch.Tensor) -> bool:
+    """A tensor of whole numbers by its dtype (token ids, positions, counts): not floating, complex or bool."""
+    return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+
+
 def flat_sample(value: Any, dtype: torch.dtype = torch.float64) -> torch.Tensor | None:
     parts = [t.reshape(-1) for t in floating(value)]
     if not parts:

@@ -183,6 +183,12 @@ class RaisedLines(EagerDispatchMode):
         return False
 
 
+def past_range(args: Any, limit: float) -> list[float]:
+    """The Python numbers among an op's positional `args` that are finite but past +-`limit`: a
+    constant a narrow format holds as Inf (torch.finfo(torch.float32).min, 1e9 in fp16)."""
+    return [a for a in args if type(a) is float and math.isfinite(a) and abs(a) > limit]
+
+
 class SaturatedCasts(EagerDispatchMode):
     """Casts to `dtype` at `lines` (file, line number) that make Inf of finite values beyond its range
     give its largest finite value, with the sign, instead; so does a Python constant past its range
@@ -196,7 +202,7 @@ class SaturatedCasts(EagerDispatchMode):
         self.raised = 0  # casts and constants held at the limit
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if any(type(a) is float and math.isfinite(a) and abs(a) > self.limit for a in args):
+        if past_range(args, self.limit):
             args = self._held(args)
         out = func(*args, **(kwargs or {}))
         if type(out) is not torch.Tensor or out.dtype != self.dtype or func.overloadpacket.__name__ != "_to_copy":
@@ -222,7 +228,5 @@ class SaturatedCasts(EagerDispatchMode):
         if user is None or (user[0], user[1]) not in self.lines:
             return args
         self.raised += 1
-        big = self.limit
-        return tuple(
-            math.copysign(big, a) if type(a) is float and math.isfinite(a) and abs(a) > big else a for a in args
-        )
+        past = past_range(args, self.limit)
+        return tuple(math.copysign(self.limit, a) if any(a is p for p in past) else a for a in args)

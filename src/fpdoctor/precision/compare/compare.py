@@ -1418,13 +1418,18 @@ def _unexplained(rows: list[ModuleRow]) -> float | None:
     return explained if root.propagated > DIVERGENCE_RATIO * explained else None
 
 
+def _whole_within(row: ModuleRow, entry: _Seen) -> bool:
+    """The container re-run whole, as its code is written, stays within DIVERGENCE_RATIO of its floor."""
+    whole = entry.isolated  # the container re-run whole (overflow suspects), where compare did
+    return whole is not None and math.isfinite(whole) and whole <= DIVERGENCE_RATIO * row.floor
+
+
 def _borderline(row: ModuleRow, entry: _Seen) -> bool:
     """A container whose worst own op leaves its floor alone, unconfirmed only because its output
     error grew less than DIVERGENCE_RATIO over what came in (not because its whole re-run stays
     within the floor): what a check of the fix decides (forced())."""
-    whole = entry.isolated
-    within = whole is not None and math.isfinite(whole) and whole <= DIVERGENCE_RATIO * row.floor
-    return not row.leaf and row.exceeds and row.unconfirmed is not None and not within and not _jumped(row, entry)
+    unconfirmed = row.unconfirmed is not None and not _whole_within(row, entry) and not _jumped(row, entry)
+    return not row.leaf and row.exceeds and unconfirmed
 
 
 def _jumped(row: ModuleRow, entry: _Seen) -> bool:
@@ -1445,9 +1450,9 @@ def _unprefixed(name: str, prefix: str | None) -> str:
 def _unconfirmed(row: ModuleRow, entry: _Seen) -> str | None:
     """Why the worst own op's divergence, measured on that op alone, is not the container's as
     the candidate runs its code; None when the candidate's run confirms it."""
-    whole = entry.isolated  # the container re-run whole, as its code is written (overflow suspects)
     op = (row.own or {}).get("op") or "its worst own op"
-    if whole is not None and math.isfinite(whole) and whole <= DIVERGENCE_RATIO * row.floor:
+    if _whole_within(row, entry):
+        whole = entry.isolated
         return (
             f"{op} run alone in the candidate's dtype leaves the floor, but the module run whole as its code "
             f"is written stays within it ({whole:.3g} against a floor of {row.floor:.3g}): what the op loses "

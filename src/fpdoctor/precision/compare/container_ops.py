@@ -47,6 +47,7 @@ from fpdoctor.precision.metrics import (
     dot_later,
     due,
     floating,
+    integral,
     norm_later,
     relative,
     sample_step,
@@ -312,7 +313,7 @@ class OwnOps(EagerDispatchMode):
         if kind == "draw" and torch.finfo(self.dtype).bits > 16:
             return
         source = args[0] if args else None
-        if kind == "whole" and isinstance(source, torch.Tensor) and not _integral(source):
+        if kind == "whole" and isinstance(source, torch.Tensor) and not integral(source):
             return  # a cast of floats (compare's own, the user's .double()), or of a mask: no whole numbers
         kind = "whole" if kind == "count" else kind  # a cumsum: whole numbers where what it sums is (a mask)
         at = _where(sys._getframe(), torch_made=False)
@@ -541,10 +542,6 @@ def _on(func: Any, device: torch.device | None) -> Callable[..., Any]:
 
 def _packet(func: Any) -> str:
     return str(func.overloadpacket)
-
-
-def _integral(t: torch.Tensor) -> bool:
-    return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
 
 
 def _random(func: Any, args: Any, kwargs: Any) -> bool:

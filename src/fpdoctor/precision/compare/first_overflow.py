@@ -10,13 +10,13 @@ re-run was already non-finite pay for it.
 
 from __future__ import annotations
 
-import math
 import sys
 from typing import Any
 
 import torch
 from torch import nn
 
+from fpdoctor.numerics.engine.raising import past_range
 from fpdoctor.precision.candidates import cast_inputs
 from fpdoctor.precision.metrics import all_finite, floating
 from fpdoctor.torchprivate import TorchDispatchMode
@@ -47,8 +47,7 @@ class _FirstOverflow(TorchDispatchMode):
                 }
                 # a Python constant the op applies that the output's format cannot hold (float32's
                 # lowest as a mask value on an fp16 tensor): the Inf is the constant's, not the math's
-                limit = torch.finfo(outputs[0].dtype).max
-                past = [a for a in args if type(a) is float and math.isfinite(a) and abs(a) > limit]
+                past = past_range(args, torch.finfo(outputs[0].dtype).max)
                 if past:
                     self.found["constant"] = past[0]
         return out

@@ -229,7 +229,7 @@ def failed(exc: Exception, *, label: str, candidate: str) -> Finding:
 
 
 def fp32_lines(check: Check, line: tuple[str, int], error: float, most: int = LINES_AFTER) -> tuple[int, float | None]:
-    """An op's line in fp32, then with up to LINES_AFTER lines after it that read its result (a
+    """An op's line in fp32, then with up to `most` lines after it that read its result (a
     softmax written by hand: exp, then the division by the sum), its results cast back after them:
     (lines after it, the end-to-end error) of the first run whose output is finite and, where the
     error was finite, RAISED_FALLS times below it; else the last run's."""

@@ -26,6 +26,7 @@ from fpdoctor import catalog
 from fpdoctor.precision.decide import DECISION_RATIO, DECISION_SHARE, RECOVERED, TOP_K, Decisions, decisions, pct, top1
 from fpdoctor.precision.inputs import describe
 from fpdoctor.precision.inputs import text as inputs_text
+from fpdoctor.precision.metrics import integral
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding, Trial
 
@@ -53,7 +54,7 @@ def logits_source(name: str, module: nn.Module, output: Any, *, ids: bool = Fals
 
 def reads_ids(inputs: Any) -> bool:
     """The model is fed an integer tensor (token ids, class indices): what `logits_source` weighs."""
-    return any(not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool for t in tensors_in(inputs))
+    return any(integral(t) for t in tensors_in(inputs))
 
 
 # Besides the logits' own layer, the leaves with the largest error against their floor are tried kept
