@@ -30,11 +30,12 @@ loop's length.
 
 A per-token loop (`--loop`): the streaming case's shape, a 2-layer linear-attention LM in recurrent
 form over 2048 tokens (86k ops, 53k torch function calls per forward), bf16 against fp32, whose
-error is made by two running states: compare runs four forwards there (the fp64 pass, the bf16
-pass, the running-state search and one checked run with both states kept in fp64; the input floor
-needs none, as token ids are not rounded), and the row prints each step's share beside the floor:
-those forwards run plain, and what a torch function mode (the fp64 pass, the search and the checked
-run watch every call through one) adds to a forward before it does anything.
+error is made by two running states: compare runs three forwards there (the fp64 pass, the bf16
+pass, and the running-state search, whose forward keeps each state in fp64 from its first counted
+update on and so is the check of both; the input floor needs none, as token ids are not rounded),
+and the row prints each step's share beside the floor: those forwards run plain, and what a torch
+function mode (the fp64 pass and the search watch every call through one) adds to a forward before
+it does anything.
 
 On a GPU (`--device cuda`) one child measures the same on CUDA, at a compute-bound size (dim
 1024, 16 heads, 16 x 512 tokens): fp16 against the budget and fp8-e4m3 with the real fp8 GEMM
@@ -326,8 +327,8 @@ def split(owner, name):  # the time compare spends in one of its steps, summed o
     setattr(owner, name, w)
 for name in ("truth_pass", "candidate_pass", "input_floor", "accumulation", "forced", "result"):
     split(steps._Comparison, name)
-for name in ("carried_states", "raised_error", "input_rounding_error"):  # each a forward: the search, a
-    split(steps, name)                                                     # checked run, the input floor
+for name in ("carried_and_raised", "raised_error", "input_rounding_error"):  # each a forward: the search
+    split(steps, name)                            # (and its check), a checked run of its own, the input floor
 def timed(fn):
     wall, cpu = time.perf_counter(), time.process_time()
     fn()
@@ -368,7 +369,7 @@ print(json.dumps({{
 def loop_row(rounds: int) -> bool:
     """The per-token-loop row: a 2-layer linear-attention LM in recurrent form over 2048 tokens (the
     streaming case's shape, 86k ops per forward), bf16 against fp32, whose error is made by its two
-    running states: compare finds them and tries them, together and the first alone, each a forward."""
+    running states: compare finds them and checks them together in one forward."""
     argv = [sys.executable, "-c", LOOP_CHILD.format(), str(rounds)]
     out = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
     ratio = out["compare"] / out["plain"]
@@ -380,8 +381,9 @@ def loop_row(rounds: int) -> bool:
     runs, checked = parts.get("raised_error calls", 0), parts.get("raised_error", 0.0)
     print(f"  {'':16s} of which: the fp64 pass {parts['truth_pass'] / unit:.2f}x, the bf16 pass "
           f"{parts['candidate_pass'] / unit:.2f}x, the input floor {parts['input_floor'] / unit:.2f}x, the "
-          f"running-state search {parts.get('carried_states', 0.0) / unit:.2f}x (one forward), {runs:.0f} checked "
-          f"run{'' if runs == 1 else 's'} {checked / unit:.2f}x ({checked / max(runs, 1) / unit:.2f}x each), "
+          f"running-state search and its check {parts.get('carried_and_raised', 0.0) / unit:.2f}x (one forward), "
+          f"{runs:.0f} checked run{'' if runs == 1 else 's'} of its own {checked / unit:.2f}x "
+          f"({checked / max(runs, 1) / unit:.2f}x each), "
           f"the decisions and the report "
           f"{parts['result'] / unit:.2f}x; without the checked runs {(out['compare'] - checked) / unit:.2f}x; "
           f"wall {out['wall']:.2f}x")  # fmt: skip
@@ -389,7 +391,7 @@ def loop_row(rounds: int) -> bool:
     # rounded inputs) and bf16 (the candidate pass, the search, the checked runs), and what a function
     # mode's call alone adds to one
     floors = parts.get("input_rounding_error calls", 0)
-    floor = (bare["fp64"] + floors * bare["fp32"] + (2 + runs) * bare["bf16"]) / unit
+    floor = (bare["fp64"] + floors * bare["fp32"] + (2 + runs) * bare["bf16"]) / unit  # candidate, search, runs
     mode = (bare["bf16 under an empty function mode"] - bare["bf16"]) / unit
     print(f"  {'':16s} floor: its {3 + floors + runs:.0f} forwards run plain {floor:.2f}x (fp64 "
           f"{bare['fp64'] / unit:.2f}x, bf16 {bare['bf16'] / unit:.2f}x, fp32 {bare['fp32'] / unit:.2f}x; the input "

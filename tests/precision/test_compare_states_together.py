@@ -114,13 +114,19 @@ def _counted_runs(monkeypatch) -> list[int]:
     from fpdoctor.precision.compare import compare as steps
 
     runs: list[int] = []
-    raised = steps.raised_error
+    raised, searched = steps.raised_error, steps.carried_and_raised
 
     def counted(*args, **kwargs):
         runs.append(len(args[3]))  # the sites raised in this run
         return raised(*args, **kwargs)
 
+    def search_counted(*args, **kwargs):  # the search's own run, the check where it kept the states tried
+        states, lines, figure = searched(*args, **kwargs)
+        runs.append(len(lines))
+        return states, lines, figure
+
     monkeypatch.setattr(steps, "raised_error", counted)
+    monkeypatch.setattr(steps, "carried_and_raised", search_counted)
     return runs
 
 

@@ -89,12 +89,20 @@ class RaisedSites(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        site = False
         if id(func) in self.ids:
             user = user_location(sys._getframe())
-            if user is not None and (id(func), user[0], user[1]) in self.sites:
-                self.raised += 1
-                args, kwargs = _map(args, kwargs, self._up)
-                return func(*args, **kwargs)
+            site = user is not None and (id(func), user[0], user[1]) in self.sites
+        return self.call(func, args, kwargs, site=site)
+
+    def call(self, func: Any, args: Any, kwargs: dict[str, Any], *, site: bool) -> Any:
+        """One call as this mode runs it: a site's in float64, any other with its float64 inputs back
+        in `dtype`. Also for a mode that picks its sites as the forward goes (compare's running-state
+        search raises a line from its first counted update on)."""
+        if site:
+            self.raised += 1
+            args, kwargs = _map(args, kwargs, self._up)
+            return func(*args, **kwargs)
         if not _holds(args, torch.float64) and not (kwargs and _holds(kwargs.values(), torch.float64)):
             return func(*args, **kwargs)
         args, kwargs = _map(args, kwargs, self._down)

@@ -64,6 +64,7 @@ from fpdoctor.precision.compare.first_overflow import first_overflow
 from fpdoctor.precision.compare.noise import ReplayNoise
 from fpdoctor.precision.compare.own_calls import OwnCalls
 from fpdoctor.precision.compare.passes import (
+    carried_and_raised,
     carried_states,
     error_under,
     hooked,
@@ -906,8 +907,9 @@ class _Comparison:
         """Where no module diverges, yet the end-to-end error is DIVERGENCE_RATIO times above all that
         explains it by itself (each module's and own op's isolated error, the output's floor,
         rounding the inputs): the running states of the candidate's forward, tried by one candidate
-        run with all of them kept in fp64 together (each state alone only where that run fails).
-        None when the error is explained."""
+        run with all of them kept in fp64 together (each state alone only where that run fails). The
+        search's own forward is that run where the states it kept in fp64 as it found them are the
+        ones tried (passes.carried_and_raised). None when the error is explained."""
         explained = _unexplained(rows)
         root = rows[-1] if rows else None
         if explained is None or root is None or any(r.diverged for r in rows):
@@ -916,14 +918,26 @@ class _Comparison:
         if root.propagated <= DIVERGENCE_RATIO * explained:
             return None
         truth = next(e for (name, _), e in self.seen.items() if name == root.module)
-        try:  # a forward of its own, where it is needed: a search on every candidate pass costs a
-            # model of many small calls (a loop over tokens) more than this one forward where it runs
-            states = carried_states(
-                self.cand_run, self.inputs, self.cand_dtype, rng=self.rng, device=self.cand_device, noise=self.noise
-            )
-        except Exception as exc:  # the search is ours; the finding stands without it
-            self.notes["running states"] = f"not searched: {type(exc).__name__}: {exc}"
-            states = []
+        # A forward of its own, where it is needed (a search on every candidate pass costs a model of
+        # many small calls, a loop over tokens, more than this one forward where it runs), which is
+        # also the joint check below where the lines it kept in fp64 are the states tried.
+        kept: list[torch.Tensor] = []
+        searched: tuple[set[str], float | None] | None = None
+        try:
+            states, lines, figure = carried_and_raised(
+                self.cand_run, self.inputs, self.cand_dtype, truth=truth.truth, norm=truth.norm, rng=self.rng,
+                device=self.cand_device, noise=self.noise, keep=kept,
+            )  # fmt: skip
+            searched = (lines, figure)
+        except Exception:  # the raise may be what failed: the search alone, then each check on its own
+            try:
+                states = carried_states(
+                    self.cand_run, self.inputs, self.cand_dtype, rng=self.rng, device=self.cand_device,
+                    noise=self.noise,
+                )  # fmt: skip
+            except Exception as exc:  # the search is ours; the finding stands without it
+                self.notes["running states"] = f"not searched: {type(exc).__name__}: {exc}"
+                states = []
         sites = {id(state): state.pop("sites") for state in states}
         for state in states:  # raised_rel: its own run's figure, where it was tried alone
             state |= {"raised_rel": None, "tried_alone": False, "tried_together": False}
@@ -943,8 +957,11 @@ class _Comparison:
         # When together they do not take the error away, no subset does: each is then run alone, so
         # that the one whose raise fails is named.
         falls = root.propagated / ACCUMULATION_FALLS
-        kept: list[torch.Tensor] = []
-        joint = error_with(tryable, kept) if tryable else None
+        if searched is not None and tryable and searched[0] == {s["location"] for s in tryable}:
+            joint = searched[1]  # the search's own run kept exactly these states in fp64
+        else:
+            kept = []
+            joint = error_with(tryable, kept) if tryable else None
         cause = together = None
         if joint is not None:
             for s in tryable:

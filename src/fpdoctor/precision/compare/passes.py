@@ -187,9 +187,16 @@ class _Chains(TorchFunctionMode):
     visit made last (s = s * decay + x, several on one line). Each line's torch functions are kept:
     raising the state raises them all (engine.raising.RaisedSites). Watched at the level of torch
     functions, as RaisedSites runs them: the search is one forward of a long loop (`carried_states`);
-    `states()` reads what it found."""
+    `states()` reads what it found.
 
-    def __init__(self) -> None:
+    With `raising` (a RaisedSites of no sites of its own), the same forward is also the check: a
+    line is kept in float64 from its first counted update on (its calls before that ran once or twice
+    in the candidate's dtype, from a start that is usually exact: zeros plus the first term), unless
+    its ops write in place or never round, and every other call reads float64 values back in the
+    candidate's dtype. `raised_lines` says which lines were kept so; the run is the check of exactly
+    those states where they are the ones `states()` tries (`carried_and_raised`)."""
+
+    def __init__(self, raising: RaisedSites | None = None) -> None:
         super().__init__()
         self.steps: dict[str, int] = {}
         self.module: dict[str, str] = {}
@@ -202,24 +209,42 @@ class _Chains(TorchFunctionMode):
         self.counted = False  # the current visit of `line` was counted as an update
         self.previous: dict[str, Any] = {}  # line -> weak reference to its last visit's last output
         self._lines: dict[tuple[str, int, str], str] = {}  # user_location's answer -> the line's name
+        self.raising = raising
+        self.raised_lines: set[str] = set()  # lines kept in float64 (with `raising`)
+        self._kept: set[str] = set()  # lines looked at for raising: raised, or written in place / exact
+        self._views: dict[tuple[int, str], bool] = {}  # (id of function, line) -> it runs views only
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # written out, without helper calls or generators: this runs for every call of a long loop
-        if func is GETITEM and type(args[0]) is torch.Tensor and not kwargs and basic_index(args[1]):
+        raising = self.raising
+        if (
+            func is GETITEM and type(args[0]) is torch.Tensor and not kwargs and basic_index(args[1])
+            and (raising is None or args[0].dtype is not torch.float64)
+        ):  # fmt: skip
             return func(*args)  # a view (x[:, t] in a loop over tokens): never a state's update
         user = user_location(sys._getframe())
         if user is None:
+            if raising is not None:
+                return raising.call(func, args, kwargs or {}, site=False)
             return func(*args, **(kwargs or {}))
         line = self._lines.get(user)
         if line is None:
             line = self._lines[user] = f"{user[0]}:{user[1]}"
         key = (id(func), line)
         if key in self.aten:
-            out = func(*args, **(kwargs or {}))
+            if raising is None:
+                out = func(*args, **(kwargs or {}))
+            else:
+                site = line in self.raised_lines and not self._views.get(key, False)
+                out = raising.call(func, args, kwargs or {}, site=site)
         else:  # a function's first call at a line: the aten ops it runs name it in the finding
             with _AtenOps() as ops:
-                out = func(*args, **(kwargs or {}))
+                if raising is None:
+                    out = func(*args, **(kwargs or {}))
+                else:
+                    out = raising.call(func, args, kwargs or {}, site=False)
             self.aten[key] = ops.seen
+            self._views[key] = all(op.is_view for op in ops.seen)
         if not isinstance(out, torch.Tensor) or not out.is_floating_point():
             return out
         if line != self.line:  # a visit of the line before ends: what it made last is its state
@@ -233,15 +258,20 @@ class _Chains(TorchFunctionMode):
             ref = self.previous.get(line)
             held = ref() if ref is not None else None
             reads = held is not None and _holds(args, held)
+        calls = self.calls.get(line)  # not setdefault: its default dict would be made on every call
+        if calls is None:
+            calls = self.calls[line] = {}
+        calls[id(func)] = func
         if reads:
             self.steps[line] = self.steps.get(line, 0) + 1
             if line not in self.module:
                 self.module[line] = self.stack[-1] if self.stack else ""
             self.counted = True
-        calls = self.calls.get(line)  # not setdefault: its default dict would be made on every call
-        if calls is None:
-            calls = self.calls[line] = {}
-        calls[id(func)] = func
+            if raising is not None and line not in self._kept and self.stack:  # in the model's forward
+                self._kept.add(line)
+                ops = self.ops(line)
+                if not any(op._schema.is_mutable for op in ops) and not _exact(ops):
+                    self.raised_lines.add(line)
         self.last[key] = self.out = weakref.ref(out)
         return out
 
@@ -307,6 +337,25 @@ def carried_states(
     return chains.states()
 
 
+def carried_and_raised(
+    run: nn.Module, inputs: Any, dtype: torch.dtype, *, truth: torch.Tensor, norm: float, rng: RngState,
+    device: torch.device | None, noise: ReplayNoise | None, keep: list[torch.Tensor],
+) -> tuple[list[dict[str, Any]], set[str], float | None]:  # fmt: skip
+    """The running states, from one candidate forward that also keeps each in float64 from its first
+    counted update on (_Chains with `raising`): the states, the lines it kept so, and that run's
+    end-to-end error against the fp64 `truth` (None where it kept none; `keep` gets its output).
+    Where the lines kept are the states `states()` tries, the run is their check, and the search
+    and the check are one forward instead of two (a per-token loop's forward is compare's cost)."""
+    raising = RaisedSites([], dtype)
+    chains = _Chains(raising)
+    outputs: list[Any] = []  # the model's output, read after the forward: no call of ours under the mode
+    stacked(chains, run, inputs, dtype, rng=rng, device=device, noise=noise, root=outputs.append)
+    got: list[torch.Tensor | None] = []
+    for output in outputs:
+        _root_output(got, keep)(output)
+    return chains.states(), chains.raised_lines, _root_error(got, truth, norm, raising.raised)
+
+
 def _exact(ops: list[Any]) -> bool:
     """Whether a state's update ops all select among their inputs' values (EXACT_OPS): it never rounds."""
     return bool(ops) and all(op.overloadpacket.__name__ in EXACT_OPS for op in ops)
@@ -334,31 +383,48 @@ def error_under(
     engine.raising mode); None when the run fails or the mode raised no op. `keep` gets the run's
     output (its first floating tensor)."""
     got: list[torch.Tensor | None] = []
+    root = _root_output(got, keep)
 
     def post(name: str, index: int, args: Any, output: Any) -> None:
         if name == "":
-            got.append(flat_sample(output))
-            first = next(floating(output), None) if keep is not None else None
-            if keep is not None and first is not None:
-                keep.append(first.detach())
+            root(output)
 
     try:
         with raised:
             hooked(run, inputs, dtype, pre=None, post=post, rng=rng, device=device, noise=noise)
     except Exception:  # e.g. an in-place update that cannot hold float64: not tried
         return None
+    return _root_error(got, truth, norm, raised.raised)
+
+
+def _root_output(got: list[torch.Tensor | None], keep: list[torch.Tensor] | None) -> Callable[[Any], None]:
+    """What a checked run keeps of the model's output: its sample in `got`, its first floating
+    tensor in `keep` (for what it decides)."""
+
+    def take(output: Any) -> None:
+        got.append(flat_sample(output))
+        first = next(floating(output), None) if keep is not None else None
+        if keep is not None and first is not None:
+            keep.append(first.detach())
+
+    return take
+
+
+def _root_error(got: list[torch.Tensor | None], truth: torch.Tensor, norm: float, raised: int) -> float | None:
+    """A checked run's end-to-end error from its output's sample; None where it raised no op or its
+    output is not the truth's size, inf where the output is not finite."""
     out = got[-1] if got else None
-    if not raised.raised or out is None or out.numel() != truth.numel():
+    if not raised or out is None or out.numel() != truth.numel():
         return None
     return rel_error(out, truth, norm) if bool(torch.isfinite(out).all()) else math.inf
 
 
 def stacked(
     mode: Any, run: nn.Module, inputs: Any, dtype: torch.dtype, *, rng: RngState, device: torch.device | None,
-    noise: ReplayNoise | None,
+    noise: ReplayNoise | None, root: Callable[[Any], None] | None = None,
 ) -> None:  # fmt: skip
     """One candidate forward under `mode`, with `mode.stack` holding the names of the module calls in
-    progress (innermost last)."""
+    progress (innermost last); `root` gets the model's output."""
 
     def pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
         mode.stack.append(name)
@@ -366,6 +432,8 @@ def stacked(
     def post(name: str, index: int, args: Any, output: Any) -> None:
         if mode.stack:
             mode.stack.pop()
+        if name == "" and root is not None:
+            root(output)
 
     with mode:
         hooked(run, inputs, dtype, pre=pre, post=post, rng=rng, device=device, noise=noise)
