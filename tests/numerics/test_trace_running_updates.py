@@ -8,6 +8,7 @@ accumulator whose steps are large, are not named."""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -141,3 +142,72 @@ def test_an_ema_written_as_two_ops_on_a_state_far_from_zero_is_judged_as_one_upd
     assert found.evidence["location"].endswith(f":{at}"), found.evidence
     assert "aten.mul_" in found.message and "aten.add_" in found.message
     assert float(mean.float().mean()) < 990  # the state it names did stop short
+
+
+def _ema_written(form: str, dtype: torch.dtype, steps: int = 64) -> tuple[fpdoctor.Report, int]:
+    """An EMA of the weights kept in `dtype` (decay 0.999), its update written as users write it
+    outside `mul_().add_()`: `form` "copy" (timm's ModelEmaV2: ema.copy_(d * ema + (1 - d) * w) over
+    state_dict values), "data" (the same through .data, a new tensor object on every read), "foreach"
+    (torch._foreach_lerp_, as swa_utils' multi-tensor EMA). The report and the update's line."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.SiLU(), nn.Linear(64, 1))
+    ema = copy.deepcopy(model).to(dtype).requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    d = 0.999
+    with fpdoctor.Trace(model) as tr:
+        for _ in range(steps):
+            x = torch.randn(32, 16)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            with torch.no_grad():
+                if form == "copy":
+                    for e, w in zip(ema.state_dict().values(), model.state_dict().values(), strict=True):
+                        e.copy_(d * e + (1.0 - d) * w)  # the update: copy_
+                elif form == "data":
+                    for pe, p in zip(ema.parameters(), model.parameters(), strict=True):
+                        pe.data.copy_(pe.data * d + p.data.to(dtype) * (1.0 - d))  # the update: data
+                else:
+                    params = [p.to(dtype) for p in model.parameters()]
+                    torch._foreach_lerp_(list(ema.parameters()), params, 1.0 - d)  # the update: foreach
+    assert tr.report is not None
+    source = inspect.getsource(_ema_written).splitlines()
+    at = _ema_written.__code__.co_firstlineno + next(i for i, s in enumerate(source) if f"the update: {form}" in s)
+    return tr.report, at
+
+
+@pytest.mark.parametrize("form", ["copy", "data", "foreach"])
+def test_an_ema_in_bf16_written_as_a_copy_or_a_foreach_lerp_is_named_at_its_line(form: str) -> None:
+    """trace said OK on these forms (only add_, mul_, lerp_ ... were watched): the statement a copy_
+    writes back is redone from the same values exactly and in fp32, and a foreach update per tensor."""
+    report, at = _ema_written(form, torch.bfloat16)
+    found = [f for f in report.findings if f.evidence.get("kind") == "running-update"]
+    assert len(found) == 1 and found[0].evidence["location"].endswith(f":{at}"), str(report)
+    assert min(found[0].evidence["lost"]) > 0.5 and found[0].trial is not None and found[0].trial.tried
+    assert report.verdict != "ok"
+
+
+@pytest.mark.parametrize("form", ["copy", "foreach"])
+def test_the_same_emas_in_fp32_are_not_named(form: str) -> None:
+    report, _ = _ema_written(form, torch.float32, steps=16)
+    assert not [f for f in report.findings if f.evidence.get("kind") == "running-update"], str(report)
+
+
+def test_a_running_statistic_rewritten_by_copy_in_fp16_is_named_and_a_plain_copy_is_not() -> None:
+    """A class of the same kind that the EMA tests do not hold: a running mean of readings near 300
+    kept in fp16 and rewritten whole (stat.copy_(stat * 0.999 + batch.mean(0) * 0.001)); and a
+    load-style copy of new values into an fp16 buffer, which no statement reads the buffer for."""
+    torch.manual_seed(0)
+    stat = torch.full((32,), 300.0, dtype=torch.float16)
+    buf = torch.zeros(32, dtype=torch.float16)
+    with fpdoctor.Trace() as tr:
+        for _ in range(64):
+            batch = (310.0 + torch.randn(64, 32)).half()
+            stat.copy_(stat * 0.999 + batch.mean(0) * 0.001)  # the running mean
+            buf.copy_(batch.mean(0) * 0.5)
+    assert tr.report is not None
+    (found,) = [f for f in tr.report.findings if f.evidence.get("kind") == "running-update"]
+    test = test_a_running_statistic_rewritten_by_copy_in_fp16_is_named_and_a_plain_copy_is_not
+    source = inspect.getsource(test).splitlines()
+    at = test.__code__.co_firstlineno + next(i for i, s in enumerate(source) if s.endswith("# the running mean"))
+    assert found.evidence["location"].endswith(f":{at}"), found.evidence

@@ -33,16 +33,24 @@ from fpdoctor.report.model import Finding, Trial
 from fpdoctor.userframes import user_location
 
 ACCUMULATES = frozenset({"add_", "sub_", "mul_", "lerp_", "addcmul_", "addcdiv_"})
+# the same updates on a list of tensors at once (torch._foreach_lerp_: swa_utils' multi-tensor EMA)
+FOREACH = frozenset("_foreach_" + name for name in ACCUMULATES)
+# a tensor rewritten whole from a statement that reads it (timm's ModelEmaV2:
+# ema.copy_(decay * ema + (1 - decay) * w)): the statement is redone, the copy_ is where it lands
+COPY = "copy_"
 # batch norm ops that update the running statistics (arguments 3 and 4) in training mode (argument 5;
 # _batch_norm_with_update always does)
 NORMS = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update", "cudnn_batch_norm",
                    "miopen_batch_norm"})  # fmt: skip
-WATCHED = ACCUMULATES | NORMS
+WATCHED = ACCUMULATES | FOREACH | NORMS | {COPY}
 SPREAD_CALLS = 1 << 16  # the calls of a line (a norm's statistic) checked: the powers of two up to here
 CHECKED = 3  # the latest calls checked of a norm's statistic that are judged
 RECENT = 2  # and of a line's in-place update
 LOST = 0.5  # an update is lost where what the tensor kept is off by half of it or more
 _NARROW = (torch.bfloat16, torch.float16)
+# A statement's ops redone from the same values: (function, arguments, keyword arguments, and per
+# tensor argument the position in the list of the op that made it there, or None: a value read)
+Statement = list[tuple[Any, tuple[Any, ...], dict[str, Any], dict[int, int]]]
 _SMALLEST = 4  # values: a scalar or a pair is not a running state (a per-feature statistic of 8 is)
 # and at most this many: the check's fp64 and fp32 copies of a larger one (a big embedding) would cost
 # the job memory; the line's smaller tensors (an EMA updates every parameter at the same line) are checked
@@ -82,23 +90,41 @@ class LostUpdates:
         self._visit: _Visit | None = None
 
     def before(
-        self, name: str, args: Any, phase: Callable[[], str], named: Callable[[torch.Tensor], str | None]
-    ) -> Any:
-        """What to keep before the op runs (its targets' values, by argument), or None: not such an update."""
-        if name in ACCUMULATES:
+        self, name: str, args: Any, phase: Callable[[], str], named: Callable[[torch.Tensor], str | None],
+        made: Callable[[torch.Tensor, tuple[str, int], torch.Tensor], Statement | None] | None = None,
+    ) -> Any:  # fmt: skip
+        """What to keep before the op runs (its targets' values, by argument and list position), or
+        None: not such an update. `made(t, line, target)`: the ops at that line that made `t` (a
+        copy_'s source) from what they read, the target among it, for a statement a copy_ writes back."""
+        foreach = name in FOREACH
+        if name in ACCUMULATES or name == COPY:
             targets: tuple[int, ...] = (0,)
             smallest = _SMALLEST
+        elif foreach:
+            targets, smallest = (0,), _SMALLEST
         elif name in NORMS and (name == "_batch_norm_with_update" or (len(args) > 5 and args[5] is True)):
             targets, smallest = (3, 4), 1  # a norm's statistics are running states at any size
         else:
             return None
-        picked = [
-            (i, args[i])
-            for i in targets
-            if i < len(args) and isinstance(args[i], torch.Tensor) and args[i].dtype in _NARROW
-            and not args[i].requires_grad and smallest <= args[i].numel() <= _LARGEST
-        ]  # fmt: skip
+        if foreach:  # every tensor of the list (the update is redone on all of them), each judged alone
+            listed = args[0] if args and isinstance(args[0], (list, tuple)) else []
+            picked: list[tuple[tuple[int, int | None], torch.Tensor]] = [
+                ((0, j), t) for j, t in enumerate(listed) if isinstance(t, torch.Tensor)
+            ]
+            if not picked or len(picked) != len(listed) or any(
+                t.dtype not in _NARROW or t.requires_grad or t.numel() > _LARGEST for _, t in picked
+            ):  # fmt: skip
+                return None
+        else:
+            picked = [
+                ((i, None), args[i])
+                for i in targets
+                if i < len(args) and isinstance(args[i], torch.Tensor) and args[i].dtype in _NARROW
+                and not args[i].requires_grad and smallest <= args[i].numel() <= _LARGEST
+            ]  # fmt: skip
         if not picked:
+            return None
+        if name == COPY and (len(args) < 2 or not isinstance(args[1], torch.Tensor) or args[1].shape != args[0].shape):
             return None
         if phase() in ("optimizer", "backward"):  # the optimizer's updates are TRN010's, .grad sums TRN011's
             return None
@@ -116,7 +142,13 @@ class LostUpdates:
         # run (the 1st, 2nd, 4th, 8th, ...), and the latest judged
         if count & (count + 1) or count >= SPREAD_CALLS:
             return None
-        return key, [(i, t.detach().clone(), n) for (i, t), n in zip(picked, names, strict=True)], count
+        statement = None
+        if name == COPY:  # only a copy of what a statement at its line made from the target itself
+            statement = made(args[1], (where[0], where[1]), args[0]) if made is not None else None
+            if not statement or not any(same_memory(x, args[0]) for _, a, kw, _ in statement for x in _flat(a, kw)):
+                return None
+        olds = [(i, t.detach().clone(), n) for (i, t), n in zip(picked, names, strict=True)]
+        return key, olds, count, statement
 
     def after(self, kept: Any, func: Any, args: Any, kwargs: Any) -> None:
         """The update each target kept, and the one an fp32 target keeps, against the update made
@@ -124,8 +156,20 @@ class LostUpdates:
         by two ops: where an op continues the one checked just before it (the same tensor, at the
         same line, from the value that op left), both are redone from the first one's values, and the
         pair is judged in place of the first alone (each op alone may move a state near 1000 by 10;
-        together they move it by 0.1, which fp16 loses)."""
-        key, olds, count = kept
+        together they move it by 0.1, which fp16 loses). A copy_ is judged by the statement it
+        writes back, redone from the same values; a foreach update by each tensor of its list."""
+        key, olds, count, statement = kept
+        if statement is not None:
+            start = olds[0][1]
+            redone = (_redo(statement, args[0], start, torch.float64), _redo(statement, args[0], start, torch.float32))
+            self._judge(key, (0, None), args[0], start, redone)
+            return
+        if key[2] in FOREACH:
+            r64s, r32s = (self._foreach(func, args, kwargs, olds, dtype) for dtype in (torch.float64, torch.float32))
+            for (i, old, _), r64, r32 in zip(olds, r64s, r32s, strict=True):
+                if old.numel() >= _SMALLEST:
+                    self._judge(key, i, args[0][i[1]], old, (r64, r32))
+            return
         visit = self._visit if key[2] in ACCUMULATES else None
         t0 = args[0]
         # the next op of the same statement: another op, its call of the same number (the same visit
@@ -135,7 +179,7 @@ class LostUpdates:
             and visit.target is t0 and torch.equal(visit.after, olds[0][1])
         )  # fmt: skip
         ops = [*visit.ops, (func, args, kwargs)] if chained and visit is not None else [(func, args, kwargs)]
-        starts = {i: (visit.start if chained and visit is not None and i == 0 else old) for i, old, _ in olds}
+        starts = {i[0]: (visit.start if chained and visit is not None and i[0] == 0 else old) for i, old, _ in olds}
         made: dict[torch.dtype, dict[int, torch.Tensor]] = {}
         for dtype in (torch.float64, torch.float32):
             copies = {i: start.to(dtype) for i, start in starts.items()}
@@ -153,18 +197,41 @@ class LostUpdates:
                 first.lost.pop()
                 first.kept_fp32.pop()
         for i, _, target in olds:
-            exact = made[torch.float64][i] - starts[i].double()
-            size = float(exact.norm())
-            if size == 0.0:
-                continue
-            t = args[i]
-            line = self.lines.setdefault(
-                (*key, i), _Line(key[2], str(t.dtype).removeprefix("torch."), list(t.shape), target)
-            )
-            line.lost.append(float((t.detach().double() - made[torch.float64][i]).norm()) / size)
-            line.kept_fp32.append(float((made[torch.float32][i] - made[torch.float64][i]).norm()) / size)
+            redone = (made[torch.float64][i[0]], made[torch.float32][i[0]])
+            self._judge(key, i, args[i[0]], starts[i[0]], redone, target=target)
         if key[2] in ACCUMULATES:
             self._visit = _Visit(key[:2], key[2], count, t0, t0.detach().clone(), starts[0], ops, (*key, 0))
+
+    def _judge(
+        self, key: tuple[Any, ...], i: tuple[int, int | None], t: torch.Tensor, start: torch.Tensor,
+        made: tuple[torch.Tensor, torch.Tensor], *, target: str | None = None,
+    ) -> None:  # fmt: skip
+        """One target's check: what it kept, and what an fp32 copy keeps (`made`: the update redone
+        in fp64 and in fp32), against the exact update."""
+        exact, fp32 = made[0].double(), made[1].double()
+        size = float((exact - start.double()).norm())
+        if size == 0.0:
+            return
+        record = (*key, i[0]) if i[1] is None else (*key, i[0], i[1])
+        dtype = str(t.dtype).removeprefix("torch.")
+        line = self.lines.setdefault(record, _Line(key[2], dtype, list(t.shape), target))
+        line.lost.append(float((t.detach().double() - exact).norm()) / size)
+        line.kept_fp32.append(float((fp32 - exact).norm()) / size)
+
+    @staticmethod
+    def _foreach(func: Any, args: Any, kwargs: Any, olds: list[Any], dtype: torch.dtype) -> list[torch.Tensor]:
+        """A foreach update redone on `dtype` copies of its list's values before it ran."""
+        copies = [old.to(dtype) for _, old, _ in olds]
+        wide = [
+            copies
+            if j == 0
+            else [_widened(x, dtype) for x in a]
+            if isinstance(a, (list, tuple))
+            else _widened(a, dtype)
+            for j, a in enumerate(args)
+        ]
+        func(*wide, **(kwargs or {}))  # in place on the copies
+        return copies
 
     def findings(self) -> list[Finding]:
         """One finding per source line whose updates were lost on its latest checks (its ops together:
@@ -188,6 +255,8 @@ class LostUpdates:
                 continue
             line = found[0]
             ops = " and ".join(f"aten.{x.op}" for x in found)
+            if line.op == COPY:  # judged by the statement it writes back
+                ops = "aten.copy_ of what the line computes from that tensor"
             where = f"{file}:{number}"
             share = (
                 f"{min(lost):.0%}" if f"{min(lost):.0%}" == f"{max(lost):.0%}" else f"{min(lost):.0%}-{max(lost):.0%}"
@@ -290,3 +359,44 @@ class LostUpdates:
                 on=f"the latest {calls} training calls checked of each norm",
             ),
         )
+
+
+def _widened(x: Any, dtype: torch.dtype) -> Any:
+    return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def _flat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """An op's tensor arguments (elementwise ops: no lists)."""
+    return [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are the same values in memory: `p.data` is a new object on every read."""
+    if a is b:
+        return True
+    return (
+        a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        and a.storage_offset() == b.storage_offset()
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    )  # fmt: skip
+
+
+def _redo(statement: Statement, target: torch.Tensor, start: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A statement's ops redone in `dtype` from the values they read: the target's as they were
+    before its copy_ (`start`), every other tensor cast; the last op's result."""
+    made: list[torch.Tensor] = []
+
+    def value(j: int, x: Any, sources: dict[int, int]) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if j in sources:
+            return made[sources[j]]
+        if same_memory(x, target):
+            return start.to(dtype)
+        return x.to(dtype) if x.is_floating_point() else x
+
+    for func, args, kwargs, sources in statement:
+        wide = [value(j, x, sources) for j, x in enumerate(args)]
+        kw = {k: value(-1 - n, x, sources) for n, (k, x) in enumerate(kwargs.items())}
+        made.append(func(*wide, **kw))
+    return made[-1]

@@ -50,7 +50,7 @@ from fpdoctor.numerics.observe.values import (
 )
 from fpdoctor.numerics.trace.bounds import output_bound
 from fpdoctor.numerics.trace.flushed import SQUARES, FlushedSquares
-from fpdoctor.numerics.trace.lost_updates import WATCHED, LostUpdates
+from fpdoctor.numerics.trace.lost_updates import WATCHED, LostUpdates, Statement, same_memory
 from fpdoctor.numerics.trace.modules import ModuleTracker
 from fpdoctor.numerics.trace.ops import FUNCTIONAL, GENERAL, IN_PLACE, SELECTS, VIEW, OpInfo, tensor_args
 from fpdoctor.provenance import Provenance
@@ -107,6 +107,7 @@ class NonFiniteError(FloatingPointError):
 
 
 _NARROW = (torch.float16, torch.bfloat16)
+STATEMENT_OPS = 32  # ops of one statement a copy_ writes back, redone to check it (lost_updates.py)
 _TINY = {dt: float(torch.finfo(dt).smallest_normal) * float(torch.finfo(dt).eps) / 2 for dt in _NARROW}
 
 
@@ -747,7 +748,9 @@ class Tracer(EagerDispatchMode):
         the update it kept compared after (calls of each source line spread over the run only)."""
         kept = None
         try:
-            kept = self.lost_updates.before(info.name, args, lambda: self.tracker.phase, self.tracker.param_names.get)
+            kept = self.lost_updates.before(
+                info.name, args, lambda: self.tracker.phase, self.tracker.param_names.get, self._statement
+            )
         except Exception as exc:  # the observer never kills the job
             self._error(func, exc)
         out = func(*args, **kwargs) if kwargs else func(*args)
@@ -757,6 +760,40 @@ class Tracer(EagerDispatchMode):
             except Exception as exc:  # the observer never kills the job
                 self._error(func, exc)
         return out
+
+    def _statement(self, t: torch.Tensor, where: tuple[str, int], target: torch.Tensor) -> Statement | None:
+        """The ops at source line `where` that made `t`, in the order they ran, from the window: the
+        statement a copy_ writes back into `target` (ema.copy_(d * ema + (1 - d) * w)). The walk
+        stops at what another line made, at what the window no longer holds, and at the target (its
+        values came from the same line's statement on an earlier call): those are values it read."""
+        steps = {step[0].index: step for step in self._window.steps}
+        found: dict[int, tuple[Any, ...]] = {}
+        todo = [t]
+        while todo:
+            x = todo.pop()
+            index = self.producer_of(x) if not same_memory(x, target) else None
+            if index is None or index in found:
+                continue
+            step = steps.get(index)
+            location = step[0].location if step is not None else None
+            if step is None or location is None or (location[0], location[1]) != where:
+                continue
+            found[index] = step
+            if len(found) > STATEMENT_OPS:
+                return None
+            todo.extend(x for x in (*step[2], *(step[3] or {}).values()) if isinstance(x, torch.Tensor))
+        position = {index: n for n, index in enumerate(sorted(found))}
+        statement: Statement = []
+        for index in sorted(found):
+            _, func, args, kwargs = found[index]
+            named = list((kwargs or {}).items())
+            sources = {
+                j: position[p]
+                for j, x in [*enumerate(args), *((-1 - n, v) for n, (_, v) in enumerate(named))]
+                if isinstance(x, torch.Tensor) and not same_memory(x, target) and (p := self.producer_of(x)) in position
+            }
+            statement.append((func, tuple(args), dict(named), sources))
+        return statement
 
     def _copy_into_parameter(self, args: Any, index: int) -> bool:
         """`param.copy_(loaded)` (load_state_dict): the parameter starts over as a leaf under its
