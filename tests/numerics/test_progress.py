@@ -86,6 +86,8 @@ def test_a_converged_run_is_flat_and_no_finding():
     assert judged == guard.report.data["summary"][0][1]
     assert f"{WINDOW} optimizer step(s)" in judged and "no reference step: switched off" in judged
     assert "loss progress over 1 window(s)" in judged
+    # and what a step judge does not see (an EMA kept in bf16 went OK unremarked): where to look
+    assert "not judged: tensors updated outside the optimizer step" in judged and "fpdoctor trace" in judged
 
 
 def test_an_ok_on_a_run_too_short_for_the_progress_check_says_so():

@@ -1197,6 +1197,11 @@ class StepJudge:
             )
         if "updates" in out:
             parts.append("the updates of bf16/fp16 weights against what their format keeps")
+        # what a step judge cannot see, named so that an OK is not read as covering it
+        parts.append(
+            "not judged: tensors updated outside the optimizer step (an EMA of the weights, a running "
+            "statistic; `fpdoctor trace` redoes those updates)"
+        )
         return "; ".join(parts)
 
 
