@@ -70,3 +70,53 @@ def test_a_hand_written_fp16_gradient_norm_is_one_finding_whose_fix_takes_the_wh
 
     before, after = losses(), losses("--fix")
     assert after[1] < after[0] / 10 and before[1] > before[0] / 2
+
+
+SYMMETRIC = textwrap.dedent(
+    """
+    import sys, torch, torch.nn as nn
+    FIX = "--fix" in sys.argv
+
+    def two_way_loss(a, b, scale):
+        logits = scale * a @ b.t()
+        if FIX:
+            rows = torch.log(torch.exp(logits.float()).sum(1)).to(logits.dtype)
+            cols = torch.log(torch.exp(logits.float()).sum(0)).to(logits.dtype)
+        else:
+            rows = torch.log(torch.exp(logits).sum(1))
+            cols = torch.log(torch.exp(logits).sum(0))
+        return (rows + cols - 2 * logits.diagonal()).float().mean()
+
+    torch.manual_seed(0)
+    enc_a, enc_b = nn.Linear(32, 32).half(), nn.Linear(24, 32).half()
+    z = torch.randn(64, 8)
+    xa, xb = (z @ torch.randn(8, 32)).half(), (z @ torch.randn(8, 24)).half()
+    bad = 0
+    for step in range(4):
+        a = nn.functional.normalize(enc_a(xa), dim=-1)
+        b = nn.functional.normalize(enc_b(xb), dim=-1)
+        loss = two_way_loss(a, b, 20.0)
+        bad += not bool(torch.isfinite(loss))
+        enc_a.zero_grad(); enc_b.zero_grad(); loss.backward()
+    print("non-finite losses", bad, file=sys.stderr)
+    """
+)
+
+
+def test_the_same_overflow_of_the_same_values_on_two_lines_is_one_fix_over_both(tmp_path: Path) -> None:
+    """A contrastive loss in both directions written by hand in fp16 (exp(logits).sum(1) and .sum(0) on
+    two lines): exp overflows on both in the same step. The first finding's fix named one line, and
+    applied alone the loss stayed Inf; it now names both lines, and applied as printed the loss is finite."""
+    script = tmp_path / "two_way.py"
+    script.write_text(SYMMETRIC)
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True)
+    assert "non-finite losses 4" in plain.stderr  # the symptom
+    report = tmp_path / "report.json"
+    result = run_fpdoctor("trace", "-o", str(report), "--", str(script))
+    assert result.code == 1, result.err
+    first = json.loads(report.read_text())["findings"][0]
+    assert first["evidence"]["location"].split(" in ")[0].endswith(":11"), first
+    assert first["evidence"]["same_values_at"] == [f"{first['evidence']['location'].split(':')[0]}:12"], first
+    assert "lines 11 and 12" in first["fix"], first["fix"]
+    fixed = subprocess.run([sys.executable, str(script), "--fix"], capture_output=True, text=True, check=True)
+    assert "non-finite losses 0" in fixed.stderr  # both lines in fp32, as printed

@@ -9,6 +9,11 @@ masks it (nonfinite-masked). Printed apart, the first reads as the whole fix and
 separate problems ("usually nothing"); applied as printed, the line overflows again. Here the
 producer's fix takes the whole line (every op of it in fp32, the near-limit op named) and the
 findings at the same line that only repeat it are dropped.
+
+One overflow, two lines: the same op of the same values on another line in the same step (a loss
+in both directions by hand, log(exp(logits).sum(1)) and log(exp(logits).sum(0)) on two lines) is
+the same cause. Each line's finding is checked on its own line; the first's fix, applied alone,
+leaves the other overflowing. The first finding's fix names every such line, and says which.
 """
 
 from __future__ import annotations
@@ -47,7 +52,43 @@ def merged(findings: list[Finding]) -> list[Finding]:
             continue  # the same op at the same line, later: the producer's finding says it
         else:
             out.append(f)
-    return [_widen(f, widened[line_of(f) or ""]) if f.name in _PRODUCERS and line_of(f) in widened else f for f in out]
+    out = [_widen(f, widened[line_of(f) or ""]) if f.name in _PRODUCERS and line_of(f) in widened else f for f in out]
+    return _same_values(out)
+
+
+def _same_values(findings: list[Finding]) -> list[Finding]:
+    """The first producer's finding of each op on the same values in the same step, with the other
+    lines that did the same (see the module docstring)."""
+    groups: dict[tuple[str, str, str], list[Finding]] = {}
+    for f in findings:
+        inputs = f.evidence.get("inputs")
+        if f.name in _PRODUCERS and line_of(f) is not None and inputs:
+            key = (str(f.where.get("op")), str(f.evidence.get("step")), repr(inputs))
+            groups.setdefault(key, []).append(f)
+    wider: dict[int, list[str]] = {}
+    for group in groups.values():
+        lines = list(dict.fromkeys(line_of(f) or "" for f in group))
+        if len(lines) > 1:
+            wider[id(group[0])] = lines[1:]
+    return [_also_at(f, wider[id(f)]) if id(f) in wider else f for f in findings]
+
+
+def _also_at(first: Finding, others: list[str]) -> Finding:
+    """The first finding's fix over the other lines where the same op overflows on the same values."""
+    op = first.where.get("op") or "the op"
+    here = (line_of(first) or "").rpartition(":")[2]
+    numbers = [here, *(at.rpartition(":")[2] for at in others)]
+    named = ", ".join(numbers[:-1]) + f" and {numbers[-1]}"
+    fix = first.fix
+    cut = min((k for k in (fix.find(m) for m in _ALTERNATIVES) if k >= 0), default=len(fix))
+    wider = (
+        f" Not only line {here}: {op} of the same values makes the same non-finite result on line"
+        f"{'s' if len(others) > 1 else ''} {', '.join(at.rpartition(':')[2] for at in others)} in the same step "
+        f"(its own finding below): compute it in fp32 on lines {named}; on one line alone, the other still "
+        "overflows."
+    )
+    evidence = {**first.evidence, "same_values_at": others}
+    return dataclasses.replace(first, fix=fix[:cut] + wider + fix[cut:], evidence=evidence)
 
 
 def _widen(first: Finding, near: Finding) -> Finding:
