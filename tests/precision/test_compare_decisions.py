@@ -231,3 +231,54 @@ def test_a_fix_whose_run_did_not_give_the_decisions_back_is_never_printed_as_the
     f = use.finding(found, "bf16", [], head="head", inputs=(torch.zeros(2),), checked_fixes=[good])
     assert f.fix.startswith(tried.fix) and "checked: top-1 50.0% -> 97.0%" in f.fix, f.fix
     assert f.trial is not None and f.trial.tried and f.trial.after == "97.0%"
+
+
+class _Prototypes(nn.Module):
+    """A nearest-class-mean classifier: negative squared distances to class means (a buffer),
+    by expansion (||f||^2 + ||p||^2 - 2 f.p), over features far from zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32))
+        self.register_buffer("means", torch.zeros(12, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.encoder(x) + 40.0
+        return -((f * f).sum(-1, keepdim=True) + (self.means * self.means).sum(-1) - 2.0 * f @ self.means.t())
+
+
+class _Cosine(nn.Module):
+    """A cosine classifier: normalised features against normalised class embeddings (a parameter
+    of the model's own), sharpened by a temperature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32))
+        self.classes = nn.Parameter(torch.randn(12, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = nn.functional.normalize(self.encoder(x), dim=-1)
+        return f @ nn.functional.normalize(self.classes, dim=-1).t() / 0.05
+
+
+def test_scores_against_a_class_table_of_the_models_own_are_judged_by_their_decisions() -> None:
+    """A prototype classifier in bf16 flipped most of its classes and compare reported no top-1: its
+    output is not a Linear's. Scores with one column per row of a table the model holds (prototypes,
+    class embeddings) are judged as logits; the flips are a decisions finding, a healthy cosine head's
+    figures are given without one."""
+    torch.manual_seed(0)
+    model = _Prototypes().eval()
+    x = torch.randn(600, 16)
+    with torch.no_grad():
+        f = model.encoder(x) + 40.0
+        model.means.copy_(f[:12] + 0.05 * torch.randn(12, 32))  # class means near the queries
+    report = fpdoctor.compare(model, x, candidate="bf16").report
+    decisions = report.data["decisions"]
+    assert decisions["classes"] == 12 and decisions["top1"] < 0.9, decisions
+    assert report.by_name("decisions-changed"), str(report)
+    assert any("against its `means` (12 x 32" in k for k, _ in report.data["summary"]), report.data["summary"]
+
+    torch.manual_seed(0)
+    healthy = fpdoctor.compare(_Cosine().eval(), torch.randn(600, 16), candidate="bf16").report
+    assert healthy.data["decisions"]["classes"] == 12 and healthy.data["decisions"]["top1"] > 0.9
+    assert not healthy.by_name("decisions-changed"), str(healthy)

@@ -917,7 +917,8 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
                 f"{' and '.join(changes)}{back}"
                 + (
                     f": create the tensors there in torch.float32 (a cast .to(torch.{dtype}) or a dtype=torch.{dtype} "
-                    "there becomes torch.float32), every op of those lines computed from them, then "
+                    "there becomes torch.float32) and read what comes from the rest of the model in it (x.float() on "
+                    "each tensor those lines read), every op of those lines computed from them, then "
                     f".to(torch.{dtype}) on what the last of them produces (or .to(p.dtype), p one of the model's "
                     "parameters, which follows the model's dtype; not an input's: token ids are integers)"
                     if lines

@@ -10,8 +10,10 @@ its floor: the same metric for the exact output rounded to the candidate's forma
 that returns this format loses.
 
 Logits are told by where the output comes from: the model's last leaf call is a Linear that maps
-features to classes (in_features != out_features) and its output is the model's. An encoder's
-hidden states (a LayerNorm last, or a square projection) are not judged by an argmax.
+features to classes (in_features != out_features) and its output is the model's, or the module
+that made the output (that leaf, or the model's own ops after it) holds a table of one row per
+class that the output has a column for (`class_table_source`: prototypes, class embeddings). An
+encoder's hidden states (a LayerNorm last, or a square projection) are not judged by an argmax.
 """
 
 from __future__ import annotations
@@ -33,8 +35,17 @@ from fpdoctor.report.model import Finding, Trial
 # The metrics themselves live in the shared core (decide.py), for compare records too; compare and
 # plan name them here as before.
 __all__ = [
-    "DECISION_RATIO", "DECISION_SHARE", "RECOVERED", "TOP_K", "TRIED_LEAVES", "Decisions", "decisions", "finding",
-    "logits_source", "top1",
+    "DECISION_RATIO",
+    "DECISION_SHARE",
+    "RECOVERED",
+    "TOP_K",
+    "TRIED_LEAVES",
+    "Decisions",
+    "class_table_source",
+    "decisions",
+    "finding",
+    "logits_source",
+    "top1",
 ]  # fmt: skip
 
 
@@ -50,6 +61,21 @@ def logits_source(name: str, module: nn.Module, output: Any, *, ids: bool = Fals
         return None
     where = f"`{name}`" if name else "the model"
     return f"logits of {where} (Linear {module.in_features} -> {module.out_features})"
+
+
+def class_table_source(name: str, module: nn.Module, output: Any) -> str | None:
+    """How the report names scores against a class table: `module` (the last leaf call that made
+    the output, or the model whose own ops did) holds a table of one row per class, a 2-D parameter
+    or buffer of its own [C, D] with D != C, and the output has C columns: a prototype classifier's
+    negative distances, a cosine classifier's similarities, zero-shot scores against class embeddings."""
+    if not isinstance(output, torch.Tensor) or output.dim() < 2 or output.shape[-1] < 2:
+        return None
+    tables = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+    for table, t in tables:
+        if t is not None and t.dim() == 2 and t.shape[0] == output.shape[-1] and t.shape[1] != t.shape[0]:
+            where = f"`{name}`" if name else "the model"
+            return f"scores of {where} against its `{table}` ({t.shape[0]} x {t.shape[1]}: one row per class)"
+    return None
 
 
 def reads_ids(inputs: Any) -> bool:
