@@ -456,7 +456,7 @@ def _root_finding(
             fix=cause["fix"],
             trial=cause["trial"],
         )
-        return finding, f"none: the values the whole model's {own} reads"
+        return finding, f"no submodule: the whole model's own {own}, from the values it reads"
     finding = catalog.make(
         "precision-divergence",
         title=f"The whole model's own ops lose precision in {candidate}",
@@ -477,7 +477,7 @@ def _root_finding(
         ),
         trial=Trial.untried(_UNTRIED_BY_COMPARE),
     )
-    return finding, "none: the whole model's own ops (outside any submodule)"
+    return finding, "no submodule: the whole model's own ops (outside any submodule)"
 
 
 def _root_evidence(root: ModuleRow, candidate: str, reference: str, input_floor: float | None) -> dict[str, Any]:
@@ -539,7 +539,7 @@ def _input_finding(
                 after=after,
             ),
         )
-        return finding, "none: whole numbers in the inputs, rounded"
+        return finding, "no module: whole numbers in the inputs, rounded"
     finding = catalog.make(
         "precision-divergence",
         title=f"Rounding the inputs to {candidate} already costs more than the noise floor",
@@ -559,7 +559,7 @@ def _input_finding(
             "fed rounded inputs)"
         ),
     )
-    return finding, f"none: rounding the inputs explains the error ({_fmt(input_floor)})"
+    return finding, f"no module: rounding the inputs explains the error ({_fmt(input_floor)})"
 
 
 def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, reference: str) -> tuple[Finding, str]:
