@@ -80,8 +80,8 @@ SYMMETRIC = textwrap.dedent(
     def two_way_loss(a, b, scale):
         logits = scale * a @ b.t()
         if FIX:
-            rows = torch.log(torch.exp(logits.float()).sum(1)).to(logits.dtype)
-            cols = torch.log(torch.exp(logits.float()).sum(0)).to(logits.dtype)
+            rows = torch.logsumexp(logits, 1)
+            cols = torch.logsumexp(logits, 0)
         else:
             rows = torch.log(torch.exp(logits).sum(1))
             cols = torch.log(torch.exp(logits).sum(0))
@@ -104,9 +104,12 @@ SYMMETRIC = textwrap.dedent(
 
 
 def test_the_same_overflow_of_the_same_values_on_two_lines_is_one_fix_over_both(tmp_path: Path) -> None:
-    """A contrastive loss in both directions written by hand in fp16 (exp(logits).sum(1) and .sum(0) on
-    two lines): exp overflows on both in the same step. The first finding's fix named one line, and
-    applied alone the loss stayed Inf; it now names both lines, and applied as printed the loss is finite."""
+    """A contrastive loss in both directions written by hand in fp16 (log(exp(logits).sum(1)) and
+    .sum(0) on two lines): exp overflows on both in the same step. The first finding's fix named one
+    line, as exp in fp32 (which overflows too at a larger scale), and applied alone the loss stayed
+    Inf; it now names both lines and the stable form, torch.logsumexp, checked on what the exp read
+    (the log that completes the form runs after the exp's experiment), and applied as printed the
+    loss is finite."""
     script = tmp_path / "two_way.py"
     script.write_text(SYMMETRIC)
     plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True)
@@ -118,5 +121,6 @@ def test_the_same_overflow_of_the_same_values_on_two_lines_is_one_fix_over_both(
     assert first["evidence"]["location"].split(" in ")[0].endswith(":11"), first
     assert first["evidence"]["same_values_at"] == [f"{first['evidence']['location'].split(':')[0]}:12"], first
     assert "lines 11 and 12" in first["fix"], first["fix"]
+    assert first["fix"].startswith("Write torch.logsumexp(x, dim) instead of log(exp(x).sum(dim))"), first["fix"]
     fixed = subprocess.run([sys.executable, str(script), "--fix"], capture_output=True, text=True, check=True)
     assert "non-finite losses 0" in fixed.stderr  # both lines in fp32, as printed

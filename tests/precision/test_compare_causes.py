@@ -27,7 +27,8 @@ def test_the_whole_model_is_never_a_module_to_keep():
     assert finding.evidence["diverged"] == ["<root>"]
     # the floor beside it: what rounding the inputs alone costs
     assert 0 < finding.evidence["input_floor_rel"] < finding.evidence["isolated_rel"]
-    assert dict(result.report.data["summary"])["first divergent module"].startswith("no submodule: the whole model's own")
+    first = dict(result.report.data["summary"])["first divergent module"]
+    assert first.startswith("no submodule: the whole model's own"), first
 
 
 class Amplifier(nn.Module):

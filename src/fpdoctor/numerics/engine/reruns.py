@@ -1032,6 +1032,19 @@ def _slope(old: float, value: float, origin: Step, chain: list[Step], lookup: Lo
     return found if math.isfinite(found) else math.inf
 
 
+def completed_form(experiment: Experiment, steps: list[Step]) -> None:
+    """A composite whose first op made the symptom (exp overflows in log(exp(x).sum(dim))): the
+    experiment ran at that op, before the ops that complete the form had run. `steps`: that op,
+    then the ops that read its output in turn (found by the trace as they run); where they are a
+    form of stable.py, its stable form is checked as where the whole chain made the symptom."""
+    if experiment.stable is not None or experiment.verdict != "origin" or len(steps) < 2:
+        return
+    form = stable.form_of([_packet(s.record.op) for s in steps])
+    if form is None or form.prefix or len(form.ops) != len(steps):
+        return
+    experiment.stable = stable.check(form, steps[0].args, steps[-2].args)
+
+
 def _settle_origin(
     experiment: Experiment,
     origin: Step,

@@ -84,7 +84,7 @@ def _also_at(first: Finding, others: list[str]) -> Finding:
     wider = (
         f" Not only line {here}: {op} of the same values makes the same non-finite result on line"
         f"{'s' if len(others) > 1 else ''} {', '.join(at.rpartition(':')[2] for at in others)} in the same step "
-        f"(its own finding below): compute it in fp32 on lines {named}; on one line alone, the other still "
+        f"(its own finding below): make the change on lines {named}; on one line alone, the other still "
         "overflows."
     )
     evidence = {**first.evidence, "same_values_at": others}

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
-from fpdoctor.numerics.engine.reruns import PRODUCERS, Experiment, Window, decide
+from fpdoctor.numerics.engine.reruns import PRODUCERS, Experiment, Window, completed_form, decide
 from fpdoctor.numerics.observe import records as _records
 from fpdoctor.numerics.observe.loader import bad_rows, reading
 from fpdoctor.numerics.observe.records import Leaf, Output, Record, Store, kind_of
@@ -416,6 +416,8 @@ class Tracer(EagerDispatchMode):
         self._items[index] = record  # Store.append without the call (Store.by_index)
         self.records.count = index + 1
         self._window.append((record, info.func, args, kwargs))
+        if self.experiments and info.name == "log":  # the end of log(exp(x).sum()) whose exp overflowed
+            self._completed(record)
         by_seq = self._by_seq
         if seq not in by_seq:  # the first op to see a node number is the one that made it
             by_seq[seq] = (module, call, info.op, location)
@@ -860,6 +862,29 @@ class Tracer(EagerDispatchMode):
             if found is not None:
                 self.experiments[record.index] = found
                 self._pinned.update(r.index for r in found.chain)
+        except Exception as exc:  # the observer never kills the job (SPEC 4)
+            self._error("experiment", exc)
+
+    def _completed(self, record: Record) -> None:
+        """A log of a sum of an exp whose overflow was experimented on: the form is complete now,
+        and its stable form (torch.logsumexp) is checked on what the exp read (reruns.completed_form)."""
+        chain = [record]
+        for _ in range(2):
+            kind, index = chain[0].inputs[0] if chain[0].inputs else ("leaf", -1)
+            found = self._items.get(index) if kind == "op" else None
+            if found is None:
+                return
+            chain.insert(0, found)
+        experiment = self.experiments.get(chain[0].index)
+        if experiment is None:
+            return
+        steps = self._window.by_index()
+        ran = [steps.get(r.index) for r in chain]
+        if any(s is None for s in ran):
+            return
+        try:
+            with DisableTorchDispatch():
+                completed_form(experiment, [s for s in ran if s is not None])
         except Exception as exc:  # the observer never kills the job (SPEC 4)
             self._error("experiment", exc)
 
