@@ -282,3 +282,50 @@ def test_scores_against_a_class_table_of_the_models_own_are_judged_by_their_deci
     healthy = fpdoctor.compare(_Cosine().eval(), torch.randn(600, 16), candidate="bf16").report
     assert healthy.data["decisions"]["classes"] == 12 and healthy.data["decisions"]["top1"] > 0.9
     assert not healthy.by_name("decisions-changed"), str(healthy)
+
+
+class _ZeroShot(nn.Module):
+    """Zero-shot scores: image features against class embeddings a small tower encodes in the
+    forward from the class ids (no table of the model's own), cosine similarity times `scale`."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.image = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        self.names = nn.Embedding(300, 32)
+        self.text = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        im = nn.functional.normalize(self.image(x), dim=-1)
+        tx = nn.functional.normalize(self.text(self.names(ids)), dim=-1)
+        return self.scale * im @ tx.t()
+
+
+def _zero_shot(classes: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = _ZeroShot(100.0).eval()
+    ids = torch.arange(classes)
+    with torch.no_grad():  # images near their class's text embedding, as a trained pair puts them
+        classes = torch.randint(0, classes, (512,))
+        x = model.text(model.names(ids))[classes] + 0.3 * torch.randn(512, 32)
+    return model, (x, ids)
+
+
+def test_scores_a_format_cannot_hold_are_named_with_the_output_format_as_the_cause() -> None:
+    """Zero-shot scores near 100 in bf16 (spacing 0.5) over 300 classes against class embeddings the
+    model encodes in the forward: compare said OK (no decisions line: no Linear head, no table of its
+    own) while bf16 flips a few percent of the classes, nearly all of it rounding the output:
+    output-too-coarse, with the exact output held in fp32 as the check. Over 20 classes, whose
+    margins bf16 holds, the decisions are judged and nothing is named."""
+    model, inputs = _zero_shot(300)
+    report = fpdoctor.compare(model, inputs, candidate="bf16").report
+    decisions = report.data["decisions"]
+    assert decisions["classes"] == 300 and "against the rows `text` made" in decisions["source"], decisions
+    (found,) = report.by_name("output-too-coarse")
+    assert found.evidence["kind"] == "decisions" and found.evidence["fp32_top1"] > decisions["floor_top1"]
+    assert 1 - decisions["floor_top1"] >= 0.01 and "Return the scores in fp32" in found.fix
+    assert report.verdict != "ok"
+
+    model, inputs = _zero_shot(20)
+    calm = fpdoctor.compare(model, inputs, candidate="bf16").report
+    assert "decisions" in calm.data and not calm.by_name("output-too-coarse"), str(calm)

@@ -285,7 +285,9 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         what="When the model's output is not logits, `compare` judges its error in the output's units beside "
         "the floor (the exact output rounded to the candidate's format) and the output's spread (its standard "
         "deviation over the sampled values). Where the floor alone is 5% of the spread or more, it re-runs the "
-        "candidate with the layer that makes the output kept in fp32, returning fp32.",
+        "candidate with the layer that makes the output kept in fp32, returning fp32. For logits, where rounding the "
+        "exact output alone changes 1% of the decisions or more, it names the output's format, checked by the exact "
+        "output held in fp32.",
         why="A regression output that sits far from zero and varies little about it (a temperature near 288 K "
         "that varies by 3 K) is rounded by bf16 in steps of 2: the error matches the floor, so every relative "
         "figure looks fine, while the prediction is several times worse than fp32's.",

@@ -75,6 +75,7 @@ from fpdoctor.precision.compare.passes import (
     rerun,
     rerun_figures,
 )
+from fpdoctor.precision.decide import rounding_floor
 from fpdoctor.precision.fit import candidate_format, misfits
 from fpdoctor.precision.fit import describe as describe_misfit
 from fpdoctor.precision.inputs import describe, input_sets
@@ -392,6 +393,9 @@ class _Comparison:
         self.truth_modules = dict(self.truth_run.named_modules())
         self._last_leaf: str | None = None
         self._last_output: Any = None  # the last leaf call's output, until the model's own returns
+        # 2-D tensors the forward's modules made, by their row count: a table of class embeddings a text
+        # tower encodes in the forward (zero-shot scores), for `use.class_table_source`
+        self._tables: dict[int, tuple[str, tuple[int, ...]]] = {}
         self.cand_failed: Exception | None = None  # what the candidate's run raised, if it did
         self.logits: str | None = None
         self.root_truth: torch.Tensor | None = None
@@ -442,6 +446,7 @@ class _Comparison:
         self.reads = Reads()
         self._overflowing: set[str] = set()  # leaves whose isolated re-run turned non-finite (overflows())
         self._last_leaf, self._last_output = None, None
+        self._tables.clear()
         self.fp8_rows.clear()
         # a container's own ops, judged as the fp64 pass runs them (row subsets where leaves get them)
         fp8_note = " (fp8 applies to Linear GEMMs only)" if self.fp8_dtype is not None else ""
@@ -518,6 +523,8 @@ class _Comparison:
         if entry.leaf:
             self._last_leaf = name
             self._last_output = output
+        if name and isinstance(output, torch.Tensor) and output.dim() == 2 and output.is_floating_point():
+            self._tables[output.shape[0]] = (name, tuple(output.shape))  # the outermost: its post hook runs last
         if name == "" and self._last_leaf is not None:
             self._keep_logits(output)
         if name == "":
@@ -547,7 +554,7 @@ class _Comparison:
             self.logits = use.logits_source(name, module, first, ids=use.reads_ids(self.inputs))
             self.logits = self.logits or use.class_table_source(name, module, first)
         else:  # the model's own ops made it after its last leaf: scores against a table of its own
-            self.logits = use.class_table_source("", self.truth_modules[""], first)
+            self.logits = use.class_table_source("", self.truth_modules[""], first, made=self._tables)
         self.root_truth = first.detach().clone() if self.logits is not None else None
 
     def isolated(
@@ -1250,6 +1257,14 @@ class _Comparison:
             return
         result.report.data["decisions"] = found.to_dict()
         _beside_error(result.report.data["summary"], ("decisions (" + found.source + ")", found.text()))
+        # the output's format alone, where the candidate returns it (an fp8 candidate's GEMMs return wider),
+        # on two rows or more
+        floor_flips = 1.0 - found.floor_top1
+        coarse = floor_flips >= use.DECISION_SHARE and floor_flips * found.rows >= 2
+        if not found.changed and coarse and self.cand_dtype in (torch.float16, torch.bfloat16):
+            held = rounding_floor(self.root_truth, "fp32")
+            if held is not None and 1.0 - held[0] <= use.RECOVERED * (1.0 - found.floor_top1):  # fp32 holds them
+                result.report.findings.append(use.coarse_finding(found, self.label, held[0], inputs=self.inputs))
         if not found.changed:
             return
         head = self._last_leaf or ""

@@ -63,24 +63,67 @@ def logits_source(name: str, module: nn.Module, output: Any, *, ids: bool = Fals
     return f"logits of {where} (Linear {module.in_features} -> {module.out_features})"
 
 
-def class_table_source(name: str, module: nn.Module, output: Any) -> str | None:
+def class_table_source(
+    name: str, module: nn.Module, output: Any, *, made: dict[int, tuple[str, tuple[int, ...]]] | None = None
+) -> str | None:  # fmt: skip
     """How the report names scores against a class table: `module` (the last leaf call that made
     the output, or the model whose own ops did) holds a table of one row per class, a 2-D parameter
     or buffer of its own [C, D] with D != C, and the output has C columns: a prototype classifier's
-    negative distances, a cosine classifier's similarities, zero-shot scores against class embeddings."""
+    negative distances, a cosine classifier's similarities. `made`: the 2-D outputs of the forward's
+    modules by row count, where the model's own ops made the output: a text tower's class embeddings
+    encoded in the forward (zero-shot scores)."""
     if not isinstance(output, torch.Tensor) or output.dim() < 2 or output.shape[-1] < 2:
         return None
+    columns = output.shape[-1]
+    where = f"`{name}`" if name else "the model"
     tables = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
     for table, t in tables:
-        if t is not None and t.dim() == 2 and t.shape[0] == output.shape[-1] and t.shape[1] != t.shape[0]:
-            where = f"`{name}`" if name else "the model"
+        if t is not None and t.dim() == 2 and t.shape[0] == columns and t.shape[1] != t.shape[0]:
             return f"scores of {where} against its `{table}` ({t.shape[0]} x {t.shape[1]}: one row per class)"
+    found = (made or {}).get(columns)
+    if found is not None and found[1][1] != columns:
+        rows, width = found[1]
+        return f"scores of {where} against the rows `{found[0]}` made ({rows} x {width}: one row per class)"
     return None
 
 
 def reads_ids(inputs: Any) -> bool:
     """The model is fed an integer tensor (token ids, class indices): what `logits_source` weighs."""
     return any(integral(t) for t in tensors_in(inputs))
+
+
+def coarse_finding(found: Decisions, label: str, fp32_top1: float, *, inputs: Any) -> Finding:
+    """`output-too-coarse` for logits: rounding the exact output to the candidate's format alone
+    changes DECISION_SHARE of the decisions or more (scores near 90 in bf16, spacing 0.5, margins
+    below it), where the candidate's computation adds little to it (else decisions-changed speaks).
+    Checked on the exact output: its top-1 held in fp32 (`fp32_top1`) against rounded to `label`."""
+    flips = 1.0 - found.floor_top1
+    message = (
+        f"In {label} the output cannot hold the decisions it makes: rounding the exact output ({found.source}) to "
+        f"{label} alone changes the top-1 class on {pct(flips)} of its {found.rows} rows (the candidate: "
+        f"{pct(1.0 - found.top1)}), as their margins are below {label}'s spacing at those values. The computation "
+        "adds little and every relative figure looks fine: the output's format is the cause."
+    )
+    fix = (
+        "Return the scores in fp32: compute the op that makes the output in fp32 (its operands .float()) and do not "
+        "cast the result back (a Linear head: keep it in fp32, returning fp32 logits). Checked on the exact output: "
+        f"top-1 agreement {pct(found.floor_top1)} rounded to {label} -> {pct(fp32_top1)} held in fp32."
+    )
+    trial = Trial.checked(
+        f"the exact output held in fp32 instead of rounded to {label}",
+        metric="top-1 agreement with fp64",
+        before=pct(found.floor_top1),
+        after=pct(fp32_top1),
+        on=inputs_text(describe(inputs)),
+    )
+    return catalog.make(
+        "output-too-coarse",
+        message=message,
+        fix=fix,
+        where={"module": None, "op": None},
+        evidence={"kind": "decisions", "decisions": found.to_dict(), "fp32_top1": fp32_top1},
+        trial=trial,
+    )
 
 
 # Besides the logits' own layer, the leaves with the largest error against their floor are tried kept
