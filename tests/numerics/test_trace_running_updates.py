@@ -211,3 +211,33 @@ def test_a_running_statistic_rewritten_by_copy_in_fp16_is_named_and_a_plain_copy
     source = inspect.getsource(test).splitlines()
     at = test.__code__.co_firstlineno + next(i for i, s in enumerate(source) if s.endswith("# the running mean"))
     assert found.evidence["location"].endswith(f":{at}"), found.evidence
+
+
+def test_an_ema_kept_in_bf16_by_rebinding_a_dict_of_tensors_is_named_at_its_line() -> None:
+    """The EMA of many callbacks: `shadow[n] = shadow[n] * d + p * (1 - d)`, no in-place op, the dict's
+    entry bound again each step. trace said OK; the line reads what its previous visit made, and that
+    value is judged as a copy_'s statement is. The same in fp32 is not named."""
+
+    def run(dtype: torch.dtype) -> tuple[fpdoctor.Report, int]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.SiLU(), nn.Linear(64, 1))
+        shadow = {n: p.detach().to(dtype) for n, p in model.named_parameters()}
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        with fpdoctor.Trace(model) as tr:
+            for _ in range(40):
+                opt.zero_grad()
+                model(torch.randn(32, 16)).pow(2).mean().backward()
+                opt.step()
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        shadow[n] = shadow[n] * 0.999 + p.to(dtype) * 0.001  # the update
+        assert tr.report is not None
+        source = inspect.getsource(run).splitlines()
+        return tr.report, run.__code__.co_firstlineno + next(i for i, s in enumerate(source) if "# the update" in s)
+
+    report, at = run(torch.bfloat16)
+    found = [f for f in report.findings if f.evidence.get("kind") == "running-update"]
+    assert len(found) == 1 and found[0].evidence["location"].endswith(f":{at}"), str(report)
+    assert min(found[0].evidence["lost"]) > 0.5 and "in place" not in found[0].message
+    report, _ = run(torch.float32)
+    assert not [f for f in report.findings if f.evidence.get("kind") == "running-update"], str(report)

@@ -38,6 +38,9 @@ FOREACH = frozenset("_foreach_" + name for name in ACCUMULATES)
 # a tensor rewritten whole from a statement that reads it (timm's ModelEmaV2:
 # ema.copy_(decay * ema + (1 - decay) * w)): the statement is redone, the copy_ is where it lands
 COPY = "copy_"
+# a tensor bound again to what its line computes from its previous value (shadow[n] = shadow[n] * d +
+# p * (1 - d)): no in-place op; the trace finds it by the line reading what its previous visit made
+REBOUND = "rebound"
 # batch norm ops that update the running statistics (arguments 3 and 4) in training mode (argument 5;
 # _batch_norm_with_update always does)
 NORMS = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update", "cudnn_batch_norm",
@@ -134,7 +137,10 @@ class LostUpdates:
         norm = name in NORMS
         # a norm's statistics by their buffers (one line calls every norm of a model); an EMA's updates by line
         names = [named(t) if norm else None for _, t in picked]
-        key = (where[0], where[1], name, *names) if norm else (where[0], where[1], name)
+        # an EMA's updates by line and shape: a loop over parameters calls the line once per tensor, and
+        # calls spread by count alone would all fall on the same one (the last bias, too small to judge)
+        shape = () if foreach else tuple(picked[0][1].shape)
+        key = (where[0], where[1], name, *names) if norm else (where[0], where[1], name, shape)
         count = self._counts.get(key, 0)
         self._counts[key] = count + 1
         # a running state starts far from where it settles (a norm's statistics at 0 and 1, an EMA of
@@ -202,6 +208,24 @@ class LostUpdates:
         if key[2] in ACCUMULATES:
             self._visit = _Visit(key[:2], key[2], count, t0, t0.detach().clone(), starts[0], ops, (*key, 0))
 
+    def rebound(
+        self, where: tuple[str, int], value: torch.Tensor, statement: Statement,
+        previous: Callable[[torch.Tensor], bool],
+    ) -> None:  # fmt: skip
+        """A tensor a line made from its own previous value (`previous(t)`: `t` is that value), judged
+        as a copy_'s statement: the statement redone from the same values exactly and in fp32 (calls
+        of the line spread over the run, as every update here)."""
+        key = (where[0], where[1], REBOUND, tuple(value.shape))  # by shape, as in `before`
+        count = self._counts.get(key, 0)
+        self._counts[key] = count + 1
+        if count & (count + 1) or count >= SPREAD_CALLS or not _SMALLEST <= value.numel() <= _LARGEST:
+            return
+        old = next((x for _, a, kw, _ in statement for x in _flat(a, kw) if previous(x)), None)
+        if old is None or old.shape != value.shape or old.dtype != value.dtype:
+            return
+        redone = (_redo(statement, old, old, torch.float64), _redo(statement, old, old, torch.float32))
+        self._judge(key, (0, None), value, old, redone)
+
     def _judge(
         self, key: tuple[Any, ...], i: tuple[int, int | None], t: torch.Tensor, start: torch.Tensor,
         made: tuple[torch.Tensor, torch.Tensor], *, target: str | None = None,
@@ -257,6 +281,8 @@ class LostUpdates:
             ops = " and ".join(f"aten.{x.op}" for x in found)
             if line.op == COPY:  # judged by the statement it writes back
                 ops = "aten.copy_ of what the line computes from that tensor"
+            elif line.op == REBOUND:
+                ops = "what the line computes from the tensor's previous value, bound to it again,"
             where = f"{file}:{number}"
             share = (
                 f"{min(lost):.0%}" if f"{min(lost):.0%}" == f"{max(lost):.0%}" else f"{min(lost):.0%}-{max(lost):.0%}"
@@ -267,7 +293,7 @@ class LostUpdates:
                     title=f"A running update in {line.dtype} is rounded away: the tensor it updates stops following",
                     message=(
                         f"{ops} at {where} update{'s' if len(found) == 1 else ''} a {line.dtype} tensor of shape "
-                        f"{line.shape} in place (no "
+                        f"{line.shape}{'' if line.op == REBOUND else ' in place'} (no "
                         f"gradient, outside the optimizer step: an EMA of weights, a running mean or statistic), and "
                         f"on the latest {len(lost)} calls checked (calls spread over the run: the 1st, 2nd, 4th, "
                         f"...) the tensor kept an update off by "

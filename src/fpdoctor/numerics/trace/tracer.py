@@ -184,6 +184,9 @@ class Tracer(EagerDispatchMode):
         # the last ops' arguments, by reference, for the experiments at the first NaN and Inf producers
         self._window = Window()
         self.lost_updates = LostUpdates()  # in-place running updates a narrow tensor rounds away
+        # per line outside modules: (start of its previous visit, start of its current one), record indices
+        self._visits: dict[tuple[str, int], tuple[int | None, int]] = {}
+        self._visit_line: tuple[str, int] | None = None  # the line outside modules the last record ran at
         self.flushed = FlushedSquares()  # squares a narrow format flushes to zero (a norm by hand)
         self._decided: Counter[str] = Counter()  # "nan" / "inf": producers experimented on
         self.experiments: dict[int, Experiment] = {}  # record index -> what was re-run there
@@ -385,6 +388,7 @@ class Tracer(EagerDispatchMode):
         task = _graph_task_id()
         if task != -1:
             phase = "backward"
+            self._visit_line = None
             if task != self._graph_task:
                 self._at_backward_end()
             node = current_autograd_node()
@@ -395,6 +399,7 @@ class Tracer(EagerDispatchMode):
                     module, call, forward_op, location = forward
         elif this_thread.in_optimizer:
             phase = "optimizer"
+            self._visit_line = None
             if module is None:
                 call = tracker.optimizer_steps - 1  # the optimizer's step
             if not immediate:
@@ -407,7 +412,16 @@ class Tracer(EagerDispatchMode):
                 key = (info.op, location)
                 call = self._site_calls[key]
                 self._site_calls[key] = call + 1
+                if location is not None:  # visits of a line: its records in a row (a loop over parameters too)
+                    where = (location[0], location[1])
+                    if where != self._visit_line:
+                        self._visits[where] = (self._visits.get(where, (None, -1))[1], index)
+                        self._visit_line = where
+                    if outs[0].dtype in _NARROW and not outs[0].requires_grad:
+                        self._rebound(where, index, inputs, args)
             else:
+                self._visit_line = None
+            if module is not None:
                 # The line inside a module's forward: deferred mode learns about a NaN later, when
                 # this stack is gone, and the upstream walk names the lines of the finite ops that
                 # made it (a `1 + exp(s)` two lines before the log), whose fix it checks.
@@ -763,7 +777,40 @@ class Tracer(EagerDispatchMode):
                 self._error(func, exc)
         return out
 
-    def _statement(self, t: torch.Tensor, where: tuple[str, int], target: torch.Tensor) -> Statement | None:
+    def _rebound(self, where: tuple[str, int], index: int, inputs: list[tuple[str, int]], args: Any) -> None:
+        """A narrow tensor bound again to what its line computes from its previous value, outside the
+        model (`shadow[n] = shadow[n] * d + p * (1 - d)`: an EMA by rebinding, no in-place op): an op
+        of this visit of the line reads what its previous visit made. What that visit made is then
+        judged as a copy_'s statement is (lost_updates.LostUpdates.rebound)."""
+        previous, start = self._visits[where]
+        if previous is None or previous < 0:
+            return
+        for kind, i in inputs:
+            made = self._items.get(i) if kind == "op" and previous <= i < start else None
+            if made is None or made.location is None or (made.location[0], made.location[1]) != where:
+                continue
+            value = next((a for a in args if isinstance(a, torch.Tensor) and self.producer_of(a) == i), None)
+            if value is None:
+                return
+            try:  # the value the earlier visit made: its statement, from what that visit read
+                statement = self._statement(value, where, value, since=previous)
+                if statement:
+                    made_before = lambda t: self._made_before(t, where, previous)  # noqa: E731
+                    with DisableTorchDispatch():
+                        self.lost_updates.rebound(where, value, statement, made_before)
+            except Exception as exc:  # the observer never kills the job
+                self._error("rebinding", exc)
+            return
+
+    def _made_before(self, t: torch.Tensor, where: tuple[str, int], since: int) -> bool:
+        """Whether `t` was made at line `where` before index `since`: a state's previous value."""
+        index = self.producer_of(t)
+        made = self._items.get(index) if index is not None and index < since else None
+        return made is not None and made.location is not None and (made.location[0], made.location[1]) == where
+
+    def _statement(
+        self, t: torch.Tensor, where: tuple[str, int], target: torch.Tensor, *, since: int = 0
+    ) -> Statement | None:  # fmt: skip
         """The ops at source line `where` that made `t`, in the order they ran, from the window: the
         statement a copy_ writes back into `target` (ema.copy_(d * ema + (1 - d) * w)). The walk
         stops at what another line made, at what the window no longer holds, and at the target (its
@@ -773,8 +820,8 @@ class Tracer(EagerDispatchMode):
         todo = [t]
         while todo:
             x = todo.pop()
-            index = self.producer_of(x) if not same_memory(x, target) else None
-            if index is None or index in found:
+            index = self.producer_of(x) if x is t or not same_memory(x, target) else None
+            if index is None or index in found or index < since:
                 continue
             step = steps.get(index)
             location = step[0].location if step is not None else None
@@ -792,7 +839,8 @@ class Tracer(EagerDispatchMode):
             sources = {
                 j: position[p]
                 for j, x in [*enumerate(args), *((-1 - n, v) for n, (_, v) in enumerate(named))]
-                if isinstance(x, torch.Tensor) and not same_memory(x, target) and (p := self.producer_of(x)) in position
+                if isinstance(x, torch.Tensor) and (x is t or not same_memory(x, target))
+                and (p := self.producer_of(x)) in position
             }
             statement.append((func, tuple(args), dict(named), sources))
         return statement
