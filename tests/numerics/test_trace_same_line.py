@@ -124,3 +124,46 @@ def test_the_same_overflow_of_the_same_values_on_two_lines_is_one_fix_over_both(
     assert first["fix"].startswith("Write torch.logsumexp(x, dim) instead of log(exp(x).sum(dim))"), first["fix"]
     fixed = subprocess.run([sys.executable, str(script), "--fix"], capture_output=True, text=True, check=True)
     assert "non-finite losses 0" in fixed.stderr  # both lines in fp32, as printed
+
+
+TWO_HEADS = textwrap.dedent(
+    """
+    import sys, torch, torch.nn as nn
+    FIX = "--fix" in sys.argv
+    torch.manual_seed(0)
+    a, b = nn.Linear(16, 8).half(), nn.Linear(16, 8).half()
+    x = (3 * torch.randn(64, 16)).half()
+    bad = 0
+    for step in range(3):
+        la, lb = a(x), b(x)
+        if FIX:
+            za = torch.exp(la.float() / 0.1).mean(-1)
+            zb = torch.exp(lb.float() / 0.1).mean(-1)
+        else:
+            za = torch.exp(la / 0.1).mean(-1)
+            zb = torch.exp(lb / 0.1).mean(-1)
+        loss = torch.log(za.float() + zb.float()).mean()
+        bad += not bool(torch.isfinite(loss))
+        a.zero_grad(); b.zero_grad(); loss.backward()
+    print("non-finite losses", bad, file=sys.stderr)
+    """
+)
+
+
+def test_the_same_op_overflowing_on_two_lines_from_their_own_values_is_named_on_both(tmp_path: Path) -> None:
+    """Two heads, each with its own exp on its own line, overflow fp16 in the same step: the trace
+    experiments on the first producer only, and the other was listed as another producer without a
+    line. The first finding's fix now names both lines (the second said not experimented on)."""
+    script = tmp_path / "two_heads.py"
+    script.write_text(TWO_HEADS)
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True)
+    assert "non-finite losses 3" in plain.stderr  # the symptom
+    report = tmp_path / "report.json"
+    result = run_fpdoctor("trace", "-o", str(report), "--", str(script))
+    assert result.code == 1, result.err
+    first = json.loads(report.read_text())["findings"][0]
+    assert first["evidence"]["location"].split(" in ")[0].endswith(":14"), first["evidence"]
+    assert [x.rpartition(":")[2] for x in first["evidence"]["same_op_lines"]] == ["15"], first["evidence"]
+    assert "make the same change on lines 14 and 15" in first["fix"] and "not experimented on" in first["fix"]
+    fixed = subprocess.run([sys.executable, str(script), "--fix"], capture_output=True, text=True, check=True)
+    assert "non-finite losses 0" in fixed.stderr  # both lines in fp32

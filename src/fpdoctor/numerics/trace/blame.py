@@ -273,7 +273,20 @@ class Analysis:
             **self.step_evidence(r),
         }
         if others:
-            evidence["other_producers"] = [f"{o.op} {module_text(o.module)} ({o.phase})" for o in others[:5]]
+            evidence["other_producers"] = [
+                f"{o.op} {module_text(o.module)} ({o.phase})" + (f" at {where_text(o.location)}" if o.location else "")
+                for o in others[:5]
+            ]
+            # the same op made the same symptom on another line in the same step (a loss by hand per
+            # head, each line its own exp): the fix is one change on every such line (same_line.py)
+            here, step = where_text(r.location), self.step_of(r)
+            lines = [
+                line for o in others
+                if o.op == r.op and o.phase == r.phase and (line := where_text(o.location)) and line != here
+                and self.step_of(o) == step
+            ]  # fmt: skip
+            if lines:
+                evidence["same_op_at"] = list(dict.fromkeys(line.split(" in ", 1)[0] for line in lines))
         title = (
             f"{label}: {r.op} produced {kinds[0]} from finite inputs"
             if not fed

@@ -70,24 +70,44 @@ def _same_values(findings: list[Finding]) -> list[Finding]:
         lines = list(dict.fromkeys(line_of(f) or "" for f in group))
         if len(lines) > 1:
             wider[id(group[0])] = lines[1:]
-    return [_also_at(f, wider[id(f)]) if id(f) in wider else f for f in findings]
+    # the same op in the same step on other values (the trace's other producers): the first producer's
+    # fix, which a user applies first, names those lines too, not experimented on
+    out, widened = [], False
+    for f in findings:
+        more = f.evidence.get("same_op_at") if f.name in _PRODUCERS and not widened else None
+        if id(f) in wider:
+            out.append(_also_at(f, wider[id(f)]))
+        elif more:
+            out.append(_also_at(f, list(more), same_values=False))
+        else:
+            out.append(f)
+        widened = widened or (f.name in _PRODUCERS)
+    return out
 
 
-def _also_at(first: Finding, others: list[str]) -> Finding:
-    """The first finding's fix over the other lines where the same op overflows on the same values."""
+def _also_at(first: Finding, others: list[str], *, same_values: bool = True) -> Finding:
+    """The first finding's fix over the other lines where the same op overflows in the same step: on
+    the same values (checked in their own findings), or on others (`same_values` False: not
+    experimented on, as the trace experiments on the first producers only)."""
     op = first.where.get("op") or "the op"
     here = (line_of(first) or "").rpartition(":")[2]
     numbers = [here, *(at.rpartition(":")[2] for at in others)]
     named = ", ".join(numbers[:-1]) + f" and {numbers[-1]}"
     fix = first.fix
     cut = min((k for k in (fix.find(m) for m in _ALTERNATIVES) if k >= 0), default=len(fix))
-    wider = (
-        f" Not only line {here}: {op} of the same values makes the same non-finite result on line"
-        f"{'s' if len(others) > 1 else ''} {', '.join(at.rpartition(':')[2] for at in others)} in the same step "
-        f"(its own finding below): make the change on lines {named}; on one line alone, the other still "
-        "overflows."
-    )
-    evidence = {**first.evidence, "same_values_at": others}
+    where = f"line{'s' if len(others) > 1 else ''} {', '.join(at.rpartition(':')[2] for at in others)}"
+    if same_values:
+        wider = (
+            f" Not only line {here}: {op} of the same values makes the same non-finite result on {where} in the "
+            f"same step (its own finding below): make the change on lines {named}; on one line alone, the other "
+            "still overflows."
+        )
+    else:
+        wider = (
+            f" Not only line {here}: {op} makes the same non-finite result on {where} in the same step, from its own "
+            f"values (not experimented on: the first producer was): make the same change on lines {named}."
+        )
+    evidence = {**first.evidence, ("same_values_at" if same_values else "same_op_lines"): others}
     return dataclasses.replace(first, fix=fix[:cut] + wider + fix[cut:], evidence=evidence)
 
 
