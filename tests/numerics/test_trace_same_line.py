@@ -72,6 +72,18 @@ def test_a_hand_written_fp16_gradient_norm_is_one_finding_whose_fix_takes_the_wh
     assert after[1] < after[0] / 10 and before[1] > before[0] / 2
 
 
+def _traced_and_fixed(script: Path, text: str, *, symptom: str) -> tuple[dict, subprocess.CompletedProcess[str]]:
+    """The script run plain (its symptom printed), traced (the first finding), and run with --fix."""
+    script.write_text(text)
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True)
+    assert symptom in plain.stderr, plain.stderr
+    report = script.with_suffix(".json")
+    result = run_fpdoctor("trace", "-o", str(report), "--", str(script))
+    assert result.code == 1, result.err
+    fixed = subprocess.run([sys.executable, str(script), "--fix"], capture_output=True, text=True, check=True)
+    return json.loads(report.read_text())["findings"][0], fixed
+
+
 SYMMETRIC = textwrap.dedent(
     """
     import sys, torch, torch.nn as nn
@@ -110,19 +122,11 @@ def test_the_same_overflow_of_the_same_values_on_two_lines_is_one_fix_over_both(
     Inf; it now names both lines and the stable form, torch.logsumexp, checked on what the exp read
     (the log that completes the form runs after the exp's experiment), and applied as printed the
     loss is finite."""
-    script = tmp_path / "two_way.py"
-    script.write_text(SYMMETRIC)
-    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True)
-    assert "non-finite losses 4" in plain.stderr  # the symptom
-    report = tmp_path / "report.json"
-    result = run_fpdoctor("trace", "-o", str(report), "--", str(script))
-    assert result.code == 1, result.err
-    first = json.loads(report.read_text())["findings"][0]
+    first, fixed = _traced_and_fixed(tmp_path / "two_way.py", SYMMETRIC, symptom="non-finite losses 4")
     assert first["evidence"]["location"].split(" in ")[0].endswith(":11"), first
     assert first["evidence"]["same_values_at"] == [f"{first['evidence']['location'].split(':')[0]}:12"], first
     assert "lines 11 and 12" in first["fix"], first["fix"]
     assert first["fix"].startswith("Write torch.logsumexp(x, dim) instead of log(exp(x).sum(dim))"), first["fix"]
-    fixed = subprocess.run([sys.executable, str(script), "--fix"], capture_output=True, text=True, check=True)
     assert "non-finite losses 0" in fixed.stderr  # both lines in fp32, as printed
 
 
@@ -154,16 +158,8 @@ def test_the_same_op_overflowing_on_two_lines_from_their_own_values_is_named_on_
     """Two heads, each with its own exp on its own line, overflow fp16 in the same step: the trace
     experiments on the first producer only, and the other was listed as another producer without a
     line. The first finding's fix now names both lines (the second said not experimented on)."""
-    script = tmp_path / "two_heads.py"
-    script.write_text(TWO_HEADS)
-    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True)
-    assert "non-finite losses 3" in plain.stderr  # the symptom
-    report = tmp_path / "report.json"
-    result = run_fpdoctor("trace", "-o", str(report), "--", str(script))
-    assert result.code == 1, result.err
-    first = json.loads(report.read_text())["findings"][0]
+    first, fixed = _traced_and_fixed(tmp_path / "two_heads.py", TWO_HEADS, symptom="non-finite losses 3")
     assert first["evidence"]["location"].split(" in ")[0].endswith(":14"), first["evidence"]
     assert [x.rpartition(":")[2] for x in first["evidence"]["same_op_lines"]] == ["15"], first["evidence"]
     assert "make the same change on lines 14 and 15" in first["fix"] and "not experimented on" in first["fix"]
-    fixed = subprocess.run([sys.executable, str(script), "--fix"], capture_output=True, text=True, check=True)
     assert "non-finite losses 0" in fixed.stderr  # both lines in fp32
