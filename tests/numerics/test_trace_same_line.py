@@ -163,3 +163,42 @@ def test_the_same_op_overflowing_on_two_lines_from_their_own_values_is_named_on_
     assert [x.rpartition(":")[2] for x in first["evidence"]["same_op_lines"]] == ["15"], first["evidence"]
     assert "make the same change on lines 14 and 15" in first["fix"] and "not experimented on" in first["fix"]
     assert "non-finite losses 0" in fixed.stderr  # both lines in fp32
+
+
+MUTUAL = textwrap.dedent(
+    """
+    import sys, torch, torch.nn as nn, torch.nn.functional as F
+    FIX = "--fix" in sys.argv
+    torch.manual_seed(0)
+    a, b = nn.Linear(16, 10).half(), nn.Linear(16, 10).half()
+    x = (3 * torch.randn(64, 16)).half()
+    bad = 0
+    for step in range(3):
+        la, lb = a(x), b(x)
+        if FIX:
+            log_pa, log_pb = F.log_softmax(la / 0.1, -1), F.log_softmax(lb / 0.1, -1)
+        else:
+            pa = torch.exp(la / 0.1); pa = pa / pa.sum(-1, keepdim=True)
+            pb = torch.exp(lb / 0.1); pb = pb / pb.sum(-1, keepdim=True)
+            log_pa, log_pb = pa.log(), pb.log()
+        kl = (log_pa.exp() * (log_pa - log_pb)).sum(-1).mean() + (log_pb.exp() * (log_pb - log_pa)).sum(-1).mean()
+        loss = kl.float()
+        bad += not bool(torch.isfinite(loss))
+        a.zero_grad(); b.zero_grad(); loss.backward()
+    print("non-finite losses", bad, file=sys.stderr)
+    """
+)
+
+
+def test_a_softmax_by_hand_then_its_log_gets_log_softmax_on_both_heads(tmp_path: Path) -> None:
+    """Mutual learning between two heads in fp16, each head's softmax by hand (exp, sum, div) and its
+    log on a later line: exp overflows. The fix was exp in fp32 on the first head's line, and applied
+    on both the run still went NaN (the probabilities underflow fp16 and their log is -inf); the form
+    exp / sum then log is now completed when the log runs, and F.log_softmax checked on what the exp
+    read: applied as printed on both heads, the run is finite."""
+    first, fixed = _traced_and_fixed(tmp_path / "mutual.py", MUTUAL, symptom="non-finite losses 3")
+    assert first["fix"].startswith(
+        "Write F.log_softmax(x, dim) instead of log(exp(x) / exp(x).sum(dim)) at lines 13 and 15"
+    ), first["fix"]
+    assert "make the same change on lines 13 and 14" in first["fix"], first["fix"]
+    assert "non-finite losses 0" in fixed.stderr

@@ -153,6 +153,7 @@ class Experiment:
     # instead (what writing torch.finfo(x.dtype).min does): that value and the symptom op's max |x| then
     saturated_fix: tuple[float, float] | None = None
     stable: stable.Checked | None = None  # the chain is a composite with a stable form, checked (stable.py)
+    completed: list[Record] = field(default_factory=list)  # its ops, where the form ran on past the chain
     # the walk reached a random draw made in a narrow dtype, and a fresh fp32 draw cures the chain:
     # (its dtype, its largest value below 1 for a uniform draw or None, the symptom op's max |x| then)
     draw: tuple[str, float | None, float] | None = None
@@ -405,7 +406,8 @@ class Experiment:
             trial = self._as_ran(f"the cast{at} holding +-{limit:g} instead of Inf, the ops as they ran", biggest)
             return text, message + why, fix, trial
         if self.stable is not None and self.stable.scaled:
-            return text, message + why, *self._stable_fix(_lines(self.chain[: len(self.stable.form.ops)]))
+            ran = self.completed or self.chain[: len(self.stable.form.ops)]
+            return text, message + why, *self._stable_fix(_lines(ran))
         if own:
             reduction = _packet(origin.op) in _REDUCTIONS
             how = " (a reduction: .sum(dtype=torch.float32))" if reduction else ""
@@ -1042,7 +1044,10 @@ def completed_form(experiment: Experiment, steps: list[Step]) -> None:
     form = stable.form_of([_packet(s.record.op) for s in steps])
     if form is None or form.prefix or len(form.ops) != len(steps):
         return
-    experiment.stable = stable.check(form, steps[0].args, steps[-2].args)
+    reduction = next(s for s in steps if _packet(s.record.op) in _REDUCTIONS)  # its dim is the form's
+    experiment.stable = stable.check(form, steps[0].args, reduction.args)
+    if experiment.stable is not None:
+        experiment.completed = [s.record for s in steps]
 
 
 def _settle_origin(

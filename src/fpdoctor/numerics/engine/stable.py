@@ -57,6 +57,11 @@ def _dim(args: tuple[Any, ...]) -> Any:
     return args[1] if len(args) > 1 else -1
 
 
+def _one_dim(d: Any) -> int:
+    """A reduction's dim as softmax takes it: one int (sum's is a list)."""
+    return int(d[0]) if isinstance(d, (list, tuple)) else int(d)
+
+
 FORMS = (
     Form(("sigmoid", "log"), "log(sigmoid(z))", "F.logsigmoid(z)",
          lambda z, _: torch.log(torch.sigmoid(z)), lambda z, _: F.logsigmoid(z)),
@@ -66,6 +71,10 @@ FORMS = (
          lambda x, d: torch.log(torch.softmax(x, d)), F.log_softmax),
     Form(("exp", "sum", "log"), "log(exp(x).sum(dim))", "torch.logsumexp(x, dim)",
          lambda x, d: torch.log(torch.exp(x).sum(d)), torch.logsumexp),
+    # a softmax by hand, then its log (a KL or cross-entropy between two of them)
+    Form(("exp", "sum", "div", "log"), "log(exp(x) / exp(x).sum(dim))", "F.log_softmax(x, dim)",
+         lambda x, d: torch.log(torch.exp(x) / torch.exp(x).sum(d, keepdim=True)),
+         lambda x, d: F.log_softmax(x, _one_dim(d))),
     Form(("add", "log"), "log(1 + x)", "torch.log1p(x) (for a softplus, log(1 + exp(s)): F.softplus(s))",
          lambda x, _: torch.log(1 + x), lambda x, _: torch.log1p(x), prefix=True, operand=_one_plus,
          why="without rounding 1 + x to 1 where x is small"),

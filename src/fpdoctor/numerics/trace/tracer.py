@@ -914,15 +914,21 @@ class Tracer(EagerDispatchMode):
             self._error("experiment", exc)
 
     def _completed(self, record: Record) -> None:
-        """A log of a sum of an exp whose overflow was experimented on: the form is complete now,
-        and its stable form (torch.logsumexp) is checked on what the exp read (reruns.completed_form)."""
+        """A log of what an exp whose overflow was experimented on made: log(exp(x).sum(dim)), or
+        log(exp(x) / exp(x).sum(dim)), a softmax by hand. The form is complete now, and its stable
+        form (torch.logsumexp, F.log_softmax) is checked on what the exp read (reruns.completed_form)."""
         chain = [record]
-        for _ in range(2):
-            kind, index = chain[0].inputs[0] if chain[0].inputs else ("leaf", -1)
-            found = self._items.get(index) if kind == "op" else None
-            if found is None:
-                return
-            chain.insert(0, found)
+        made = self._made_by(record)
+        if made is not None and made.op.startswith("aten.div") and len(made.inputs) == 2:
+            chain.insert(0, made)  # exp(x) / s: s the sum of the same exp
+            made = self._made_by(made, 1)
+        if made is None or not made.op.startswith("aten.sum"):
+            return
+        chain.insert(0, made)
+        made = self._made_by(made)
+        if made is None or (len(chain) == 3 and chain[1].inputs[0] != ("op", made.index)):
+            return
+        chain.insert(0, made)
         experiment = self.experiments.get(chain[0].index)
         if experiment is None:
             return
@@ -935,6 +941,13 @@ class Tracer(EagerDispatchMode):
                 completed_form(experiment, [s for s in ran if s is not None])
         except Exception as exc:  # the observer never kills the job (SPEC 4)
             self._error("experiment", exc)
+
+    def _made_by(self, record: Record, argument: int = 0) -> Record | None:
+        """The record that made one of `record`'s inputs (its first, or `argument`), where an op did."""
+        if len(record.inputs) <= argument:
+            return None
+        kind, index = record.inputs[argument]
+        return self._items.get(index) if kind == "op" else None
 
     def flush(self) -> None:
         """Read pending results in one host transfer (deferred mode): the leaves first, which
