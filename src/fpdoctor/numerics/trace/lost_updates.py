@@ -11,6 +11,15 @@ compared with the exact one. Where it keeps less than half of it on every call c
 is TRN010 with the tensor's dtype and shape, the update's lost share, and the fix checked: the same
 op on an fp32 copy from the same values, against the exact (fp64) update.
 
+Libraries write the same update in other forms, each judged the same way: a foreach op on a list of
+tensors (torch._foreach_lerp_, swa_utils' multi-tensor EMA), each tensor of the list; a copy_ of
+what a statement at its line computed from the tensor itself (timm's ModelEmaV2,
+ema.copy_(d * ema + (1 - d) * w)), the statement's ops found in the trace's window and redone; and
+a tensor bound again to what its line computes from its previous value (shadow[n] = shadow[n] * d +
+p * (1 - d), no in-place op), which the trace finds by the line reading what its previous visit made
+(`rebound`). Calls are counted per line and shape: a loop over the parameters calls one line per
+tensor, and checks spread by count alone would all land on the same one.
+
 BatchNorm's running statistics are such updates too, made inside the norm's own op (NORMS) in
 training mode: running = (1 - momentum) * running + momentum * batch statistic. A model cast whole
 to bf16 keeps them in bf16; near a feature mean of 300 (raw readings) bf16's spacing is 2, so every
@@ -100,11 +109,9 @@ class LostUpdates:
         None: not such an update. `made(t, line, target)`: the ops at that line that made `t` (a
         copy_'s source) from what they read, the target among it, for a statement a copy_ writes back."""
         foreach = name in FOREACH
-        if name in ACCUMULATES or name == COPY:
+        if name in ACCUMULATES or name == COPY or foreach:
             targets: tuple[int, ...] = (0,)
             smallest = _SMALLEST
-        elif foreach:
-            targets, smallest = (0,), _SMALLEST
         elif name in NORMS and (name == "_batch_norm_with_update" or (len(args) > 5 and args[5] is True)):
             targets, smallest = (3, 4), 1  # a norm's statistics are running states at any size
         else:
