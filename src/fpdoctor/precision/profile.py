@@ -920,7 +920,8 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
                     "there becomes torch.float32) and read what comes from the rest of the model in it (x.float() on "
                     "each tensor those lines read; where a line calls a module of the model, a Linear, its input stays "
                     "in the model's dtype: .float() on its output), every op of those lines computed from them, then "
-                    f".to(torch.{dtype}) on what the last of them produces (or .to(p.dtype), p one of the model's "
+                    f".to(torch.{dtype}) on each value they make that a later line reads: what the last of them "
+                    "produces, and any other (the v of a q, k, v made there) (or .to(p.dtype), p one of the model's "
                     "parameters, which follows the model's dtype; not an input's: token ids are integers)"
                     if lines
                     else ""
