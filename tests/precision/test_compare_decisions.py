@@ -329,3 +329,30 @@ def test_scores_a_format_cannot_hold_are_named_with_the_output_format_as_the_cau
     model, inputs = _zero_shot(20)
     calm = fpdoctor.compare(model, inputs, candidate="bf16").report
     assert "decisions" in calm.data and not calm.by_name("output-too-coarse"), str(calm)
+
+
+class _Retriever(nn.Module):
+    """Cosine kNN: an encoder's embedding against a memory bank the caller passes in, sharpened."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+
+    def forward(self, x: torch.Tensor, bank: torch.Tensor) -> torch.Tensor:
+        q = nn.functional.normalize(self.encoder(x), dim=-1)
+        return q @ nn.functional.normalize(bank, dim=-1).t() / 0.02
+
+
+def test_scores_against_a_memory_bank_passed_in_are_judged_by_their_decisions() -> None:
+    """A kNN over 500 stored embeddings passed as an input: compare said OK with no decisions line
+    (no table of the model's own); the bank is a table the model was given, and bf16's rounding of
+    the scores is named (the exact scores held in fp32 keep the picks)."""
+    torch.manual_seed(0)
+    model = _Retriever().eval()
+    with torch.no_grad():
+        bank = model.encoder(torch.randn(500, 32))
+        x = torch.randn(256, 32)
+    report = fpdoctor.compare(model, (x, bank), candidate="bf16").report
+    decisions = report.data["decisions"]
+    assert decisions["classes"] == 500 and "against an input's rows (500 x 32" in decisions["source"], decisions
+    assert report.verdict != "ok" and (report.by_name("output-too-coarse") or report.by_name("decisions-changed"))

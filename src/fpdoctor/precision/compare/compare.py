@@ -553,8 +553,11 @@ class _Comparison:
             module = self.truth_modules[name]
             self.logits = use.logits_source(name, module, first, ids=use.reads_ids(self.inputs))
             self.logits = self.logits or use.class_table_source(name, module, first)
-        else:  # the model's own ops made it after its last leaf: scores against a table of its own
-            self.logits = use.class_table_source("", self.truth_modules[""], first, made=self._tables)
+        else:  # the model's own ops made it after its last leaf: scores against a table of its own, one
+            # a module made, or one it was given (a memory bank of a kNN passed as an input)
+            given = {t.shape[0]: (use.GIVEN, tuple(t.shape)) for t in floating(self.inputs) if t.dim() == 2}
+            tables = {**given, **self._tables}
+            self.logits = use.class_table_source("", self.truth_modules[""], first, made=tables)
         self.root_truth = first.detach().clone() if self.logits is not None else None
 
     def isolated(

@@ -71,7 +71,7 @@ def class_table_source(
     or buffer of its own [C, D] with D != C, and the output has C columns: a prototype classifier's
     negative distances, a cosine classifier's similarities. `made`: the 2-D outputs of the forward's
     modules by row count, where the model's own ops made the output: a text tower's class embeddings
-    encoded in the forward (zero-shot scores)."""
+    encoded in the forward (zero-shot scores), or 2-D inputs (GIVEN: a kNN's memory bank)."""
     if not isinstance(output, torch.Tensor) or output.dim() < 2 or output.shape[-1] < 2:
         return None
     columns = output.shape[-1]
@@ -83,8 +83,12 @@ def class_table_source(
     found = (made or {}).get(columns)
     if found is not None and found[1][1] != columns:
         rows, width = found[1]
-        return f"scores of {where} against the rows `{found[0]}` made ({rows} x {width}: one row per class)"
+        maker = "an input's rows" if found[0] == GIVEN else f"the rows `{found[0]}` made"
+        return f"scores of {where} against {maker} ({rows} x {width}: one row per class)"
     return None
+
+
+GIVEN = ""  # class_table_source's `made`: a table the model was given as an input (a kNN's memory bank)
 
 
 def reads_ids(inputs: Any) -> bool:
