@@ -64,8 +64,9 @@ def test_the_printed_fix_brings_every_window_to_its_checked_error(case: tuple[Pa
     assert feeding == [17, 18, 19, 20]
     # As printed: "compute lines 17-20 in fp32 (a cast .to(torch.bfloat16) or a dtype=torch.bfloat16 there
     # becomes torch.float32), then .to(torch.bfloat16) on each value they make that a later line reads (or
-    # .to(p.dtype), p one of the model's parameters)". That is run.py's `dtype` argument (the model's dtype): cos as well as
-    # sin, both being line 20's results (an fp32 cos beside a bf16 sin would make q and k fp32 and v bf16).
+    # .to(p.dtype), p one of the model's parameters)". That is run.py's `dtype` argument (the model's
+    # dtype): cos as well as sin, both being line 20's results (an fp32 cos beside a bf16 sin would make
+    # q and k fp32 and v bf16).
     patched = edit(
         folder / "run.py",
         folder / "run_fixed.py",
