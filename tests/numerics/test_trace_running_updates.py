@@ -241,3 +241,28 @@ def test_an_ema_kept_in_bf16_by_rebinding_a_dict_of_tensors_is_named_at_its_line
     assert min(found[0].evidence["lost"]) > 0.5 and "in place" not in found[0].message
     report, _ = run(torch.float32)
     assert not [f for f in report.findings if f.evidence.get("kind") == "running-update"], str(report)
+
+
+def test_an_ema_in_bf16_written_with_lerp_out_is_named_and_fp32_is_not() -> None:
+    """torch.lerp(ema, w, 1 - d, out=ema): the in-place update by another name (aten.lerp with out=),
+    which trace did not watch (OK on a bf16 EMA whose evaluation stayed at its first weights)."""
+
+    def run(dtype: torch.dtype) -> fpdoctor.Report:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.SiLU(), nn.Linear(64, 1))
+        ema = [p.detach().to(dtype) for p in model.parameters()]
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        with fpdoctor.Trace(model) as tr:
+            for _ in range(40):
+                opt.zero_grad()
+                model(torch.randn(32, 16)).pow(2).mean().backward()
+                opt.step()
+                with torch.no_grad():
+                    for e, p in zip(ema, model.parameters(), strict=True):
+                        torch.lerp(e, p.to(dtype), 0.001, out=e)
+        assert tr.report is not None
+        return tr.report
+
+    found = [f for f in run(torch.bfloat16).findings if f.evidence.get("kind") == "running-update"]
+    assert len(found) == 1 and "aten.lerp_" in found[0].message and min(found[0].evidence["lost"]) > 0.5, found
+    assert not [f for f in run(torch.float32).findings if f.evidence.get("kind") == "running-update"]

@@ -11,7 +11,8 @@ compared with the exact one. Where it keeps less than half of it on every call c
 is TRN010 with the tensor's dtype and shape, the update's lost share, and the fix checked: the same
 op on an fp32 copy from the same values, against the exact (fp64) update.
 
-Libraries write the same update in other forms, each judged the same way: a foreach op on a list of
+Libraries write the same update in other forms, each judged the same way: the op written out= the
+tensor itself (torch.lerp(ema, w, 1 - d, out=ema)), as its in-place form; a foreach op on a list of
 tensors (torch._foreach_lerp_, swa_utils' multi-tensor EMA), each tensor of the list; a copy_ of
 what a statement at its line computed from the tensor itself (timm's ModelEmaV2,
 ema.copy_(d * ema + (1 - d) * w)), the statement's ops found in the trace's window and redone; and
@@ -42,6 +43,8 @@ from fpdoctor.report.model import Finding, Trial
 from fpdoctor.userframes import user_location
 
 ACCUMULATES = frozenset({"add_", "sub_", "mul_", "lerp_", "addcmul_", "addcdiv_"})
+# the same updates written out of place into the tensor itself (torch.lerp(ema, w, 1 - d, out=ema))
+OUT_FORMS = frozenset(name.removesuffix("_") for name in ACCUMULATES)
 # the same updates on a list of tensors at once (torch._foreach_lerp_: swa_utils' multi-tensor EMA)
 FOREACH = frozenset("_foreach_" + name for name in ACCUMULATES)
 # a tensor rewritten whole from a statement that reads it (timm's ModelEmaV2:
@@ -103,12 +106,19 @@ class LostUpdates:
 
     def before(
         self, name: str, args: Any, phase: Callable[[], str], named: Callable[[torch.Tensor], str | None],
-        made: Callable[[torch.Tensor, tuple[str, int], torch.Tensor], Statement | None] | None = None,
+        made: Callable[[torch.Tensor, tuple[str, int], torch.Tensor], Statement | None] | None = None, *,
+        out: Any = None,
     ) -> Any:  # fmt: skip
         """What to keep before the op runs (its targets' values, by argument and list position), or
         None: not such an update. `made(t, line, target)`: the ops at that line that made `t` (a
         copy_'s source) from what they read, the target among it, for a statement a copy_ writes back."""
         foreach = name in FOREACH
+        if name in OUT_FORMS:  # written into its first argument: the in-place update by another name
+            if not isinstance(out, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor):
+                return None
+            if not same_memory(out, args[0]):
+                return None
+            name = name + "_"
         if name in ACCUMULATES or name == COPY or foreach:
             targets: tuple[int, ...] = (0,)
             smallest = _SMALLEST
@@ -202,7 +212,8 @@ class LostUpdates:
                     else x
                     for j, x in enumerate(a)
                 ]  # fmt: skip
-                f(*wide, **(kw or {}))  # in place on the copies
+                # in place on the copies (an out= form written into the first one's copy)
+                f(*wide, **{k: copies[0] if k == "out" else v for k, v in (kw or {}).items()})
             made[dtype] = {i: c.double() for i, c in copies.items()}
         if chained and visit is not None:  # the first op's own record is replaced by the pair's
             first = self.lines.get(visit.record)

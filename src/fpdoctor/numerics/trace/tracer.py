@@ -50,7 +50,7 @@ from fpdoctor.numerics.observe.values import (
 )
 from fpdoctor.numerics.trace.bounds import output_bound
 from fpdoctor.numerics.trace.flushed import SQUARES, FlushedSquares
-from fpdoctor.numerics.trace.lost_updates import WATCHED, LostUpdates, Statement, same_memory
+from fpdoctor.numerics.trace.lost_updates import OUT_FORMS, WATCHED, LostUpdates, Statement, same_memory
 from fpdoctor.numerics.trace.modules import ModuleTracker
 from fpdoctor.numerics.trace.ops import FUNCTIONAL, GENERAL, IN_PLACE, SELECTS, VIEW, OpInfo, tensor_args
 from fpdoctor.provenance import Provenance
@@ -247,7 +247,8 @@ class Tracer(EagerDispatchMode):
                     probed = self._before_write([args[0]])
                 except Exception as exc:  # the observer never kills the job
                     self._error(func, exc)
-            if info.name in WATCHED:  # a running update a narrow tensor may round away (add_, a norm's statistics)
+            # a running update a narrow tensor may round away (add_, a norm's statistics, lerp(..., out=s))
+            if info.name in WATCHED or (kwargs and info.name in OUT_FORMS):
                 out = self._running_update(info, func, args, kwargs)
             else:
                 out = func(*args, **kwargs) if kwargs else func(*args)
@@ -285,7 +286,7 @@ class Tracer(EagerDispatchMode):
                         before = self._before_write(written)
             except Exception as exc:  # the observer never kills the job
                 self._error(func, exc)
-        if info.name in WATCHED and not self._nested:  # as on the path above
+        if (info.name in WATCHED or (kwargs and info.name in OUT_FORMS)) and not self._nested:  # as above
             out = self._running_update(info, func, args, kwargs)
         else:
             out = func(*args, **kwargs)
@@ -765,8 +766,9 @@ class Tracer(EagerDispatchMode):
         kept = None
         try:
             kept = self.lost_updates.before(
-                info.name, args, lambda: self.tracker.phase, self.tracker.param_names.get, self._statement
-            )
+                info.name, args, lambda: self.tracker.phase, self.tracker.param_names.get, self._statement,
+                out=(kwargs or {}).get("out"),
+            )  # fmt: skip
         except Exception as exc:  # the observer never kills the job
             self._error(func, exc)
         out = func(*args, **kwargs) if kwargs else func(*args)
