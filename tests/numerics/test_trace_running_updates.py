@@ -148,12 +148,14 @@ def _ema_written(form: str, dtype: torch.dtype, steps: int = 64) -> tuple[fpdoct
     """An EMA of the weights kept in `dtype` (decay 0.999), its update written as users write it
     outside `mul_().add_()`: `form` "copy" (timm's ModelEmaV2: ema.copy_(d * ema + (1 - d) * w) over
     state_dict values), "data" (the same through .data, a new tensor object on every read), "foreach"
-    (torch._foreach_lerp_, as swa_utils' multi-tensor EMA). The report and the update's line."""
+    (torch._foreach_lerp_, as swa_utils' multi-tensor EMA), "rebind" (a dict entry bound again each
+    step, no in-place op), "lerp_out" (torch.lerp(..., out=ema)). The report and the update's line."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.SiLU(), nn.Linear(64, 1))
     ema = copy.deepcopy(model).to(dtype).requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     d = 0.999
+    shadow = {n: p for n, p in ema.named_parameters()}
     with fpdoctor.Trace(model) as tr:
         for _ in range(steps):
             x = torch.randn(32, 16)
@@ -167,6 +169,12 @@ def _ema_written(form: str, dtype: torch.dtype, steps: int = 64) -> tuple[fpdoct
                 elif form == "data":
                     for pe, p in zip(ema.parameters(), model.parameters(), strict=True):
                         pe.data.copy_(pe.data * d + p.data.to(dtype) * (1.0 - d))  # the update: data
+                elif form == "rebind":
+                    for n, p in model.named_parameters():
+                        shadow[n] = shadow[n] * d + p.to(dtype) * (1.0 - d)  # the update: rebind
+                elif form == "lerp_out":
+                    for e, p in zip(ema.parameters(), model.parameters(), strict=True):
+                        torch.lerp(e, p.to(dtype), 1.0 - d, out=e)  # the update: lerp_out
                 else:
                     params = [p.to(dtype) for p in model.parameters()]
                     torch._foreach_lerp_(list(ema.parameters()), params, 1.0 - d)  # the update: foreach
@@ -187,7 +195,7 @@ def test_an_ema_in_bf16_written_as_a_copy_or_a_foreach_lerp_is_named_at_its_line
     assert report.verdict != "ok"
 
 
-@pytest.mark.parametrize("form", ["copy", "foreach"])
+@pytest.mark.parametrize("form", ["copy", "foreach", "rebind", "lerp_out"])
 def test_the_same_emas_in_fp32_are_not_named(form: str) -> None:
     report, _ = _ema_written(form, torch.float32, steps=16)
     assert not [f for f in report.findings if f.evidence.get("kind") == "running-update"], str(report)
@@ -216,53 +224,17 @@ def test_a_running_statistic_rewritten_by_copy_in_fp16_is_named_and_a_plain_copy
 def test_an_ema_kept_in_bf16_by_rebinding_a_dict_of_tensors_is_named_at_its_line() -> None:
     """The EMA of many callbacks: `shadow[n] = shadow[n] * d + p * (1 - d)`, no in-place op, the dict's
     entry bound again each step. trace said OK; the line reads what its previous visit made, and that
-    value is judged as a copy_'s statement is. The same in fp32 is not named."""
-
-    def run(dtype: torch.dtype) -> tuple[fpdoctor.Report, int]:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 64), nn.SiLU(), nn.Linear(64, 1))
-        shadow = {n: p.detach().to(dtype) for n, p in model.named_parameters()}
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        with fpdoctor.Trace(model) as tr:
-            for _ in range(40):
-                opt.zero_grad()
-                model(torch.randn(32, 16)).pow(2).mean().backward()
-                opt.step()
-                with torch.no_grad():
-                    for n, p in model.named_parameters():
-                        shadow[n] = shadow[n] * 0.999 + p.to(dtype) * 0.001  # the update
-        assert tr.report is not None
-        source = inspect.getsource(run).splitlines()
-        return tr.report, run.__code__.co_firstlineno + next(i for i, s in enumerate(source) if "# the update" in s)
-
-    report, at = run(torch.bfloat16)
+    value is judged as a copy_'s statement is (fp32: test_the_same_emas_in_fp32_are_not_named)."""
+    report, at = _ema_written("rebind", torch.bfloat16)
     found = [f for f in report.findings if f.evidence.get("kind") == "running-update"]
     assert len(found) == 1 and found[0].evidence["location"].endswith(f":{at}"), str(report)
     assert min(found[0].evidence["lost"]) > 0.5 and "in place" not in found[0].message
-    report, _ = run(torch.float32)
-    assert not [f for f in report.findings if f.evidence.get("kind") == "running-update"], str(report)
 
 
 def test_an_ema_in_bf16_written_with_lerp_out_is_named_and_fp32_is_not() -> None:
     """torch.lerp(ema, w, 1 - d, out=ema): the in-place update by another name (aten.lerp with out=),
     which trace did not watch (OK on a bf16 EMA whose evaluation stayed at its first weights)."""
-
-    def run(dtype: torch.dtype) -> fpdoctor.Report:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 64), nn.SiLU(), nn.Linear(64, 1))
-        ema = [p.detach().to(dtype) for p in model.parameters()]
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        with fpdoctor.Trace(model) as tr:
-            for _ in range(40):
-                opt.zero_grad()
-                model(torch.randn(32, 16)).pow(2).mean().backward()
-                opt.step()
-                with torch.no_grad():
-                    for e, p in zip(ema, model.parameters(), strict=True):
-                        torch.lerp(e, p.to(dtype), 0.001, out=e)
-        assert tr.report is not None
-        return tr.report
-
-    found = [f for f in run(torch.bfloat16).findings if f.evidence.get("kind") == "running-update"]
+    report, at = _ema_written("lerp_out", torch.bfloat16)
+    found = [f for f in report.findings if f.evidence.get("kind") == "running-update"]
     assert len(found) == 1 and "aten.lerp_" in found[0].message and min(found[0].evidence["lost"]) > 0.5, found
-    assert not [f for f in run(torch.float32).findings if f.evidence.get("kind") == "running-update"]
+    assert found[0].evidence["location"].endswith(f":{at}"), found[0].evidence

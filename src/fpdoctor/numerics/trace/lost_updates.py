@@ -207,11 +207,7 @@ class LostUpdates:
         for dtype in (torch.float64, torch.float32):
             copies = {i: start.to(dtype) for i, start in starts.items()}
             for f, a, kw in ops:
-                wide = [
-                    copies[j] if j in copies else x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
-                    else x
-                    for j, x in enumerate(a)
-                ]  # fmt: skip
+                wide = [copies[j] if j in copies else _widened(x, dtype) for j, x in enumerate(a)]
                 # in place on the copies (an out= form written into the first one's copy)
                 f(*wide, **{k: copies[0] if k == "out" else v for k, v in (kw or {}).items()})
             made[dtype] = {i: c.double() for i, c in copies.items()}
@@ -437,7 +433,7 @@ def _redo(statement: Statement, target: torch.Tensor, start: torch.Tensor, dtype
             return made[sources[j]]
         if same_memory(x, target):
             return start.to(dtype)
-        return x.to(dtype) if x.is_floating_point() else x
+        return _widened(x, dtype)
 
     for func, args, kwargs, sources in statement:
         wide = [value(j, x, sources) for j, x in enumerate(args)]

@@ -841,7 +841,8 @@ class Tracer(EagerDispatchMode):
             sources = {
                 j: position[p]
                 for j, x in [*enumerate(args), *((-1 - n, v) for n, (_, v) in enumerate(named))]
-                if isinstance(x, torch.Tensor) and (x is t or not same_memory(x, target))
+                if isinstance(x, torch.Tensor)
+                and (x is t or not same_memory(x, target))
                 and (p := self.producer_of(x)) in position
             }
             statement.append((func, tuple(args), dict(named), sources))
