@@ -93,8 +93,6 @@ def _also_at(first: Finding, others: list[str], *, same_values: bool = True) -> 
     here = (line_of(first) or "").rpartition(":")[2]
     numbers = [here, *(at.rpartition(":")[2] for at in others)]
     named = ", ".join(numbers[:-1]) + f" and {numbers[-1]}"
-    fix = first.fix
-    cut = min((k for k in (fix.find(m) for m in _ALTERNATIVES) if k >= 0), default=len(fix))
     where = f"line{'s' if len(others) > 1 else ''} {', '.join(at.rpartition(':')[2] for at in others)}"
     if same_values:
         wider = (
@@ -108,7 +106,7 @@ def _also_at(first: Finding, others: list[str], *, same_values: bool = True) -> 
             f"values (not experimented on: the first producer was): make the same change on lines {named}."
         )
     evidence = {**first.evidence, ("same_values_at" if same_values else "same_op_lines"): others}
-    return dataclasses.replace(first, fix=fix[:cut] + wider + fix[cut:], evidence=evidence)
+    return dataclasses.replace(first, fix=_inserted(first.fix, wider), evidence=evidence)
 
 
 def _widen(first: Finding, near: Finding) -> Finding:
@@ -118,15 +116,18 @@ def _widen(first: Finding, near: Finding) -> Finding:
     share = near.evidence.get("share")
     limit = f"{share:.0%} of {near.evidence.get('target')}'s max" if isinstance(share, float) else "the limit"
     absmax = near.evidence.get("absmax")
-    fix = first.fix.replace(_REDUCTION_HINT, "")
-    # after the checked sentence, before the alternatives not tried
-    cut = min((k for k in (fix.find(m) for m in _ALTERNATIVES) if k >= 0), default=len(fix))
     wider = (
         f" Not only {first.where.get('op') or 'that op'}: {op} on line {number} reaches {limit} later in the run"
         + (f" (absmax {absmax:.4g})" if isinstance(absmax, float) else "")
         + f", and overflows once its inputs grow: compute every op of line {number} in fp32 (its operands "
         ".float() before the first of them), the result cast back after the line."
     )
-    fix = fix[:cut] + wider + fix[cut:]
+    fix = _inserted(first.fix.replace(_REDUCTION_HINT, ""), wider)
     evidence = {**first.evidence, "same_line_near_limit": {"op": op, "share": share, "absmax": absmax}}
     return dataclasses.replace(first, fix=fix, evidence=evidence)
+
+
+def _inserted(fix: str, wider: str) -> str:
+    """`wider` put into a fix after its checked sentence, before the alternatives not tried."""
+    cut = min((k for k in (fix.find(m) for m in _ALTERNATIVES) if k >= 0), default=len(fix))
+    return fix[:cut] + wider + fix[cut:]
