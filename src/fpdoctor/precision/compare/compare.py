@@ -1266,7 +1266,7 @@ class _Comparison:
         coarse = floor_flips >= use.DECISION_SHARE and floor_flips * found.rows >= 2
         if not found.changed and coarse and self.cand_dtype in (torch.float16, torch.bfloat16):
             held = rounding_floor(self.root_truth, "fp32")
-            if held is not None and 1.0 - held[0] <= use.RECOVERED * (1.0 - found.floor_top1):  # fp32 holds them
+            if held is not None and 1.0 - held[0] <= use.RECOVERED * floor_flips:  # fp32 holds them
                 result.report.findings.append(use.coarse_finding(found, self.label, held[0], inputs=self.inputs))
         if not found.changed:
             return

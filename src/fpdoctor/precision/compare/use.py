@@ -35,17 +35,8 @@ from fpdoctor.report.model import Finding, Trial
 # The metrics themselves live in the shared core (decide.py), for compare records too; compare and
 # plan name them here as before.
 __all__ = [
-    "DECISION_RATIO",
-    "DECISION_SHARE",
-    "RECOVERED",
-    "TOP_K",
-    "TRIED_LEAVES",
-    "Decisions",
-    "class_table_source",
-    "decisions",
-    "finding",
-    "logits_source",
-    "top1",
+    "DECISION_RATIO", "DECISION_SHARE", "GIVEN", "RECOVERED", "TOP_K", "TRIED_LEAVES", "Decisions",
+    "class_table_source", "coarse_finding", "decisions", "finding", "logits_source", "top1",
 ]  # fmt: skip
 
 
