@@ -149,7 +149,8 @@ def _ema_written(form: str, dtype: torch.dtype, steps: int = 64) -> tuple[fpdoct
     outside `mul_().add_()`: `form` "copy" (timm's ModelEmaV2: ema.copy_(d * ema + (1 - d) * w) over
     state_dict values), "data" (the same through .data, a new tensor object on every read), "foreach"
     (torch._foreach_lerp_, as swa_utils' multi-tensor EMA), "rebind" (a dict entry bound again each
-    step, no in-place op), "lerp_out" (torch.lerp(..., out=ema)). The report and the update's line."""
+    step, no in-place op), "lerp_out" (torch.lerp(..., out=ema)), "add_out" (torch.add(ema * d, w,
+    out=ema): out= a tensor the statement reads). The report and the update's line."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.SiLU(), nn.Linear(64, 1))
     ema = copy.deepcopy(model).to(dtype).requires_grad_(False)
@@ -175,6 +176,9 @@ def _ema_written(form: str, dtype: torch.dtype, steps: int = 64) -> tuple[fpdoct
                 elif form == "lerp_out":
                     for e, p in zip(ema.parameters(), model.parameters(), strict=True):
                         torch.lerp(e, p.to(dtype), 1.0 - d, out=e)  # the update: lerp_out
+                elif form == "add_out":
+                    for e, p in zip(ema.parameters(), model.parameters(), strict=True):
+                        torch.add(e * d, p.to(dtype), alpha=1.0 - d, out=e)  # the update: add_out
                 else:
                     params = [p.to(dtype) for p in model.parameters()]
                     torch._foreach_lerp_(list(ema.parameters()), params, 1.0 - d)  # the update: foreach
@@ -184,7 +188,7 @@ def _ema_written(form: str, dtype: torch.dtype, steps: int = 64) -> tuple[fpdoct
     return tr.report, at
 
 
-@pytest.mark.parametrize("form", ["copy", "data", "foreach"])
+@pytest.mark.parametrize("form", ["copy", "data", "foreach", "add_out"])
 def test_an_ema_in_bf16_written_as_a_copy_or_a_foreach_lerp_is_named_at_its_line(form: str) -> None:
     """trace said OK on these forms (only add_, mul_, lerp_ ... were watched): the statement a copy_
     writes back is redone from the same values exactly and in fp32, and a foreach update per tensor."""
@@ -195,7 +199,7 @@ def test_an_ema_in_bf16_written_as_a_copy_or_a_foreach_lerp_is_named_at_its_line
     assert report.verdict != "ok"
 
 
-@pytest.mark.parametrize("form", ["copy", "foreach", "rebind", "lerp_out"])
+@pytest.mark.parametrize("form", ["copy", "foreach", "rebind", "lerp_out", "add_out"])
 def test_the_same_emas_in_fp32_are_not_named(form: str) -> None:
     report, _ = _ema_written(form, torch.float32, steps=16)
     assert not [f for f in report.findings if f.evidence.get("kind") == "running-update"], str(report)

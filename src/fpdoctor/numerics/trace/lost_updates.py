@@ -12,7 +12,8 @@ is TRN010 with the tensor's dtype and shape, the update's lost share, and the fi
 op on an fp32 copy from the same values, against the exact (fp64) update.
 
 Libraries write the same update in other forms, each judged the same way: the op written out= the
-tensor itself (torch.lerp(ema, w, 1 - d, out=ema)), as its in-place form; a foreach op on a list of
+tensor itself (torch.lerp(ema, w, 1 - d, out=ema)), as its in-place form, or out= a tensor its
+statement reads (torch.add(ema * d, w, alpha=1 - d, out=ema)), as a copy_ of it; a foreach op on a list of
 tensors (torch._foreach_lerp_, swa_utils' multi-tensor EMA), each tensor of the list; a copy_ of
 what a statement at its line computed from the tensor itself (timm's ModelEmaV2,
 ema.copy_(d * ema + (1 - d) * w)), the statement's ops found in the trace's window and redone; and
@@ -106,19 +107,26 @@ class LostUpdates:
 
     def before(
         self, name: str, args: Any, phase: Callable[[], str], named: Callable[[torch.Tensor], str | None],
-        made: Callable[[torch.Tensor, tuple[str, int], torch.Tensor], Statement | None] | None = None, *,
-        out: Any = None,
+        made: Callable[..., Statement | None] | None = None, *, written: tuple[Any, dict[str, Any]] | None = None,
     ) -> Any:  # fmt: skip
         """What to keep before the op runs (its targets' values, by argument and list position), or
         None: not such an update. `made(t, line, target)`: the ops at that line that made `t` (a
         copy_'s source) from what they read, the target among it, for a statement a copy_ writes back."""
         foreach = name in FOREACH
-        if name in OUT_FORMS:  # written into its first argument: the in-place update by another name
+        final = None
+        if name in OUT_FORMS:  # an op written out= a tensor (`written`: the op and its keyword arguments)
+            if written is None:
+                return None
+            func, kwargs = written
+            out = kwargs.get("out")
             if not isinstance(out, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor):
                 return None
-            if not same_memory(out, args[0]):
-                return None
-            name = name + "_"
+            if same_memory(out, args[0]):  # into its first argument: the in-place update by another name
+                name = name + "_"
+            else:  # into a tensor its statement reads (torch.add(ema * d, w, out=ema)): judged as a copy_ of it
+                rest = {k: v for k, v in kwargs.items() if k != "out"}
+                final = (func.overloadpacket, tuple(args), rest)  # the packet: the functional overload
+                args, name = (out, out), COPY
         if name in ACCUMULATES or name == COPY or foreach:
             targets: tuple[int, ...] = (0,)
             smallest = _SMALLEST
@@ -167,11 +175,12 @@ class LostUpdates:
             return None
         statement = None
         if name == COPY:  # only a copy of what a statement at its line made from the target itself
-            statement = made(args[1], (where[0], where[1]), args[0]) if made is not None else None
+            source = None if final is not None else args[1]
+            statement = made(source, (where[0], where[1]), args[0], final=final) if made is not None else None
             if not statement or not any(same_memory(x, args[0]) for _, a, kw, _ in statement for x in _flat(a, kw)):
                 return None
         olds = [(i, t.detach().clone(), n) for (i, t), n in zip(picked, names, strict=True)]
-        return key, olds, count, statement
+        return key, olds, count, statement, picked[0][1]
 
     def after(self, kept: Any, func: Any, args: Any, kwargs: Any) -> None:
         """The update each target kept, and the one an fp32 target keeps, against the update made
@@ -181,11 +190,11 @@ class LostUpdates:
         pair is judged in place of the first alone (each op alone may move a state near 1000 by 10;
         together they move it by 0.1, which fp16 loses). A copy_ is judged by the statement it
         writes back, redone from the same values; a foreach update by each tensor of its list."""
-        key, olds, count, statement = kept
-        if statement is not None:
+        key, olds, count, statement, target = kept
+        if statement is not None:  # a copy_'s target (or an out= op's), as the statement left it
             start = olds[0][1]
-            redone = (_redo(statement, args[0], start, torch.float64), _redo(statement, args[0], start, torch.float32))
-            self._judge(key, (0, None), args[0], start, redone)
+            redone = (_redo(statement, target, start, torch.float64), _redo(statement, target, start, torch.float32))
+            self._judge(key, (0, None), target, start, redone)
             return
         if key[2] in FOREACH:
             r64s, r32s = (self._foreach(func, args, kwargs, olds, dtype) for dtype in (torch.float64, torch.float32))
@@ -294,7 +303,7 @@ class LostUpdates:
             line = found[0]
             ops = " and ".join(f"aten.{x.op}" for x in found)
             if line.op == COPY:  # judged by the statement it writes back
-                ops = "aten.copy_ of what the line computes from that tensor"
+                ops = "what the line computes from that tensor, written back into it (copy_ or out=),"
             elif line.op == REBOUND:
                 ops = "what the line computes from the tensor's previous value, bound to it again,"
             where = f"{file}:{number}"

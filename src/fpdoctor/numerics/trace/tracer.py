@@ -767,7 +767,7 @@ class Tracer(EagerDispatchMode):
         try:
             kept = self.lost_updates.before(
                 info.name, args, lambda: self.tracker.phase, self.tracker.param_names.get, self._statement,
-                out=(kwargs or {}).get("out"),
+                written=(func, kwargs or {}),
             )  # fmt: skip
         except Exception as exc:  # the observer never kills the job
             self._error(func, exc)
@@ -811,15 +811,20 @@ class Tracer(EagerDispatchMode):
         return made is not None and made.location is not None and (made.location[0], made.location[1]) == where
 
     def _statement(
-        self, t: torch.Tensor, where: tuple[str, int], target: torch.Tensor, *, since: int = 0
+        self, t: torch.Tensor | None, where: tuple[str, int], target: torch.Tensor, *, since: int = 0,
+        final: tuple[Any, Any, Any] | None = None,
     ) -> Statement | None:  # fmt: skip
         """The ops at source line `where` that made `t`, in the order they ran, from the window: the
         statement a copy_ writes back into `target` (ema.copy_(d * ema + (1 - d) * w)). The walk
         stops at what another line made, at what the window no longer holds, and at the target (its
-        values came from the same line's statement on an earlier call): those are values it read."""
+        values came from the same line's statement on an earlier call): those are values it read.
+        `final`: an op about to run that ends the statement (func, args, kwargs without its out=:
+        torch.add(ema * d, w, alpha=1 - d, out=ema)), walked from its arguments and put last."""
         steps = {step[0].index: step for step in self._window.steps}
         found: dict[int, tuple[Any, ...]] = {}
-        todo = [t]
+        todo = [t] if t is not None else []
+        if final is not None:
+            todo += [x for x in (*final[1], *final[2].values()) if isinstance(x, torch.Tensor)]
         while todo:
             x = todo.pop()
             index = self.producer_of(x) if x is t or not same_memory(x, target) else None
@@ -835,8 +840,8 @@ class Tracer(EagerDispatchMode):
             todo.extend(x for x in (*step[2], *(step[3] or {}).values()) if isinstance(x, torch.Tensor))
         position = {index: n for n, index in enumerate(sorted(found))}
         statement: Statement = []
-        for index in sorted(found):
-            _, func, args, kwargs = found[index]
+        ops = [found[index][1:] for index in sorted(found)] + ([final] if final is not None else [])
+        for func, args, kwargs in ops:
             named = list((kwargs or {}).items())
             sources = {
                 j: position[p]
