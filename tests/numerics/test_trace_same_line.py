@@ -200,5 +200,104 @@ def test_a_softmax_by_hand_then_its_log_gets_log_softmax_on_both_heads(tmp_path:
     assert first["fix"].startswith(
         "Write F.log_softmax(x, dim) instead of log(exp(x) / exp(x).sum(dim)) at lines 13 and 15"
     ), first["fix"]
-    assert "make the same change on lines 13 and 14" in first["fix"], first["fix"]
+    assert "line 14 overflows too, in log(exp(x) / exp(x).sum(dim)): write F.log_softmax(x, dim) there" in first["fix"]
+    assert "non-finite losses 0" in fixed.stderr
+
+
+DISTILL = textwrap.dedent(
+    """
+    import sys, torch, torch.nn as nn
+    FIX = "--fix" in sys.argv
+    torch.manual_seed(0)
+    teacher, student = nn.Linear(32, 50).half(), nn.Linear(32, 50).half()
+    with torch.no_grad():
+        teacher.weight.mul_(12.0)
+        if "--confident" in sys.argv:
+            student.weight.mul_(12.0)
+    x = torch.randn(64, 32).half()
+    bad = 0
+    for step in range(3):
+        t, s = teacher(x).detach(), student(x)
+        if FIX:
+            p_t = torch.softmax(t, -1)
+            log_p_t = t - torch.logsumexp(t, -1, keepdim=True)
+            log_p_s = s - torch.logsumexp(s, -1, keepdim=True)
+        else:
+            p_t = torch.exp(t) / torch.exp(t).sum(-1, keepdim=True)
+            log_p_t = t - torch.log(torch.exp(t).sum(-1, keepdim=True))
+            log_p_s = s - torch.log(torch.exp(s).sum(-1, keepdim=True))
+        loss = (p_t * (log_p_t - log_p_s)).sum(-1).mean().float()
+        bad += not bool(torch.isfinite(loss))
+        student.zero_grad(); loss.backward()
+    print("non-finite losses", bad, file=sys.stderr)
+    """
+)
+
+
+def test_a_distillation_loss_by_hand_gets_each_lines_stable_form_also_where_it_has_not_overflowed_yet(
+    tmp_path: Path,
+) -> None:
+    """Knowledge distillation in fp16 with the teacher's softmax (its exp written twice) and both
+    log-sum-exps by hand: the teacher's exps overflow. The fix was exp in fp32 on the teacher's two
+    lines, which cured this run only: the student's line, the same form finite while the student is
+    unsure, went NaN once it grew as confident as the teacher. Each line now gets its own stable form,
+    the student's too, and applied as printed a confident student trains finite."""
+    first, fixed = _traced_and_fixed(tmp_path / "distill.py", DISTILL, symptom="non-finite losses 3")
+    at = first["evidence"]["location"].split(" in ")[0]
+    assert at.endswith(":19"), first["evidence"]
+    assert first["fix"].startswith("Write torch.softmax(x, dim) instead of exp(x) / exp(x).sum(dim) at line 19")
+    assert "line 20 overflows too, in log(exp(x).sum(dim)): write torch.logsumexp(x, dim) there" in first["fix"]
+    assert "line 21 writes log(exp(x).sum(dim)) too, finite in this step" in first["fix"], first["fix"]
+    assert "make the same change" not in first["fix"], first["fix"]
+    assert first["evidence"]["forms_at"][at[:-2] + "21"]["overflowed"] is False
+    assert "non-finite losses 0" in fixed.stderr
+    confident = subprocess.run(
+        [sys.executable, str(tmp_path / "distill.py"), "--fix", "--confident"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert "non-finite losses 0" in confident.stderr, confident.stderr
+
+
+ATTENTION = textwrap.dedent(
+    """
+    import sys, torch, torch.nn as nn
+    FIX = "--fix" in sys.argv
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, 32)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).chunk(3, -1)
+            scores = q @ k.transpose(-2, -1)
+            if FIX:
+                w = torch.softmax(scores, -1)
+            else:
+                w = torch.exp(scores)
+                w = w / w.sum(-1, keepdim=True)
+            return self.out(w @ v)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Attention(), nn.ReLU(), nn.Linear(32, 1)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    bad = 0
+    for step in range(3):
+        x = (2 * torch.randn(8, 16, 32)).half()
+        loss = model(x).float().pow(2).mean()
+        bad += not bool(torch.isfinite(loss))
+        opt.zero_grad(); loss.backward(); opt.step()
+    print("non-finite losses", bad, file=sys.stderr)
+    """
+)
+
+
+def test_an_attention_softmax_by_hand_gets_torch_softmax_and_then_trains(tmp_path: Path) -> None:
+    """Self-attention in fp16 with its softmax by hand (exp, then divided by its sum) and unscaled
+    scores: exp overflows, Inf / Inf is NaN. The fix is torch.softmax, checked on the scores the exp
+    read and on them scaled to fp16's range (exp in fp32 overflows there); applied as printed it trains."""
+    first, fixed = _traced_and_fixed(tmp_path / "attention.py", ATTENTION, symptom="non-finite losses 3")
+    assert first["fix"].startswith("Write torch.softmax(x, dim) instead of exp(x) / exp(x).sum(dim) at lines 16-17")
     assert "non-finite losses 0" in fixed.stderr

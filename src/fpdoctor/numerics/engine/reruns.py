@@ -1039,15 +1039,18 @@ def completed_form(experiment: Experiment, steps: list[Step]) -> None:
     experiment ran at that op, before the ops that complete the form had run. `steps`: that op,
     then the ops that read its output in turn (found by the trace as they run); where they are a
     form of stable.py, its stable form is checked as where the whole chain made the symptom."""
-    if experiment.stable is not None or experiment.verdict != "origin" or len(steps) < 2:
+    if experiment.verdict != "origin" or len(steps) < 2:
+        return
+    # a form the chain itself is decides; one completed before gives way to a longer one (its log, later)
+    if experiment.stable is not None and len(steps) <= len(experiment.completed or steps):
         return
     form = stable.form_of([_packet(s.record.op) for s in steps])
     if form is None or form.prefix or len(form.ops) != len(steps):
         return
     reduction = next(s for s in steps if _packet(s.record.op) in _REDUCTIONS)  # its dim is the form's
-    experiment.stable = stable.check(form, steps[0].args, reduction.args)
-    if experiment.stable is not None:
-        experiment.completed = [s.record for s in steps]
+    checked = stable.check(form, steps[0].args, reduction.args)
+    if checked is not None:
+        experiment.stable, experiment.completed = checked, [s.record for s in steps]
 
 
 def _settle_origin(

@@ -17,6 +17,7 @@ holds where the op that made NaN/Inf is then finite.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +72,10 @@ FORMS = (
          lambda x, d: torch.log(torch.softmax(x, d)), F.log_softmax),
     Form(("exp", "sum", "log"), "log(exp(x).sum(dim))", "torch.logsumexp(x, dim)",
          lambda x, d: torch.log(torch.exp(x).sum(d)), torch.logsumexp),
+    # a softmax by hand: its probabilities overflow to Inf / Inf = NaN where exp passes the format's range
+    Form(("exp", "sum", "div"), "exp(x) / exp(x).sum(dim)", "torch.softmax(x, dim)",
+         lambda x, d: torch.exp(x) / torch.exp(x).sum(d, keepdim=True),
+         lambda x, d: torch.softmax(x, _one_dim(d))),
     # a softmax by hand, then its log (a KL or cross-entropy between two of them)
     Form(("exp", "sum", "div", "log"), "log(exp(x) / exp(x).sum(dim))", "F.log_softmax(x, dim)",
          lambda x, d: torch.log(torch.exp(x) / torch.exp(x).sum(d, keepdim=True)),
@@ -79,6 +84,25 @@ FORMS = (
          lambda x, _: torch.log(1 + x), lambda x, _: torch.log1p(x), prefix=True, operand=_one_plus,
          why="without rounding 1 + x to 1 where x is small"),
 )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Met:
+    """A form a trace met at a source line once an exp had overflowed: where the same code writes
+    the same composite again, the fix belongs there too, overflowed in this run or not."""
+
+    ops: tuple[str, ...]
+    written: str
+    stable: str
+    dtype: str  # its exp's dtype
+    overflowed: bool  # its exp made Inf in this run
+    checked: bool  # its stable form was checked on the values it read
+    absmax: float | None = None  # where it did not overflow: its largest |x|
+
+    @property
+    def edge(self) -> float:
+        """The x past which exp(x) overflows this dtype."""
+        return math.log(torch.finfo(getattr(torch, self.dtype)).max)
 
 
 @dataclass

@@ -23,6 +23,7 @@ blame; a scaler that keeps skipping is one error naming the recurring origin, be
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -287,6 +288,14 @@ class Analysis:
             ]  # fmt: skip
             if lines:
                 evidence["same_op_at"] = list(dict.fromkeys(line.split(" in ", 1)[0] for line in lines))
+        # the same hand-written composite on other lines (a softmax or log-sum-exp by hand per head), overflowed
+        # in this run or not yet: each wants its stable form (same_line.py)
+        forms = self.tracer.forms
+        here_line = (where_text(r.location) or "").split(" in ", 1)[0]
+        if here_line in forms and len(forms) > 1:
+            evidence["forms_at"] = {
+                line: {**dataclasses.asdict(met), "edge": met.edge} for line, met in forms.items() if line != here_line
+            }
         title = (
             f"{label}: {r.op} produced {kinds[0]} from finite inputs"
             if not fed

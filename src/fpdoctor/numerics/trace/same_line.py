@@ -19,6 +19,7 @@ leaves the other overflowing. The first finding's fix names every such line, and
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from fpdoctor.report.model import Finding
 
@@ -73,10 +74,15 @@ def _same_values(findings: list[Finding]) -> list[Finding]:
     # the same op in the same step on other values (the trace's other producers): the first producer's
     # fix, which a user applies first, names those lines too, not experimented on
     out, widened = [], False
-    for f in findings:
+    for found in findings:
+        f = found
         more = f.evidence.get("same_op_at") if f.name in _PRODUCERS and not widened else None
-        if id(f) in wider:
-            out.append(_also_at(f, wider[id(f)]))
+        forms = f.evidence.get("forms_at") if f.name in _PRODUCERS and not widened else None
+        if forms:  # lines a form names are said with their own stable form, not "the same change"
+            more = [line for line in more or [] if line not in forms]
+            f = _forms_at(f, forms)
+        if id(found) in wider:
+            out.append(_also_at(f, wider[id(found)]))
         elif more:
             out.append(_also_at(f, list(more), same_values=False))
         else:
@@ -107,6 +113,26 @@ def _also_at(first: Finding, others: list[str], *, same_values: bool = True) -> 
         )
     evidence = {**first.evidence, ("same_values_at" if same_values else "same_op_lines"): others}
     return dataclasses.replace(first, fix=_inserted(first.fix, wider), evidence=evidence)
+
+
+def _forms_at(first: Finding, forms: dict[str, dict[str, Any]]) -> Finding:
+    """The first finding's fix over the other lines that write a hand-written composite (stable.Met):
+    those whose exp overflowed too, and those finite in this run that overflow once their x grows."""
+    said = []
+    for at, met in forms.items():
+        number = at.rpartition(":")[2]
+        if met["overflowed"]:
+            said.append(
+                f"line {number} overflows too, in {met['written']}: write {met['stable']} there"
+                + (" (checked on the values it read)" if met["checked"] else "")
+            )
+        else:
+            said.append(
+                f"line {number} writes {met['written']} too, finite in this step (largest |x| {met['absmax']:.3g}; "
+                f"exp overflows {met['dtype']} once x passes {met['edge']:.4g}): write {met['stable']} there as well"
+            )
+    wider = " The same code on other lines: " + "; ".join(said) + "."
+    return dataclasses.replace(first, fix=_inserted(first.fix, wider))
 
 
 def _widen(first: Finding, near: Finding) -> Finding:

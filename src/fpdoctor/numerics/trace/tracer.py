@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
+from fpdoctor.numerics.engine import stable
 from fpdoctor.numerics.engine.reruns import PRODUCERS, Experiment, Window, completed_form, decide
 from fpdoctor.numerics.observe import records as _records
 from fpdoctor.numerics.observe.loader import bad_rows, reading
@@ -107,6 +108,7 @@ class NonFiniteError(FloatingPointError):
 
 
 _NARROW = (torch.float16, torch.bfloat16)
+_COMPLETES = frozenset({"log", "div"})  # ops that may complete a form whose exp overflowed (_completed)
 STATEMENT_OPS = 32  # ops of one statement a copy_ writes back, redone to check it (lost_updates.py)
 _TINY = {dt: float(torch.finfo(dt).smallest_normal) * float(torch.finfo(dt).eps) / 2 for dt in _NARROW}
 
@@ -190,6 +192,8 @@ class Tracer(EagerDispatchMode):
         self.flushed = FlushedSquares()  # squares a narrow format flushes to zero (a norm by hand)
         self._decided: Counter[str] = Counter()  # "nan" / "inf": producers experimented on
         self.experiments: dict[int, Experiment] = {}  # record index -> what was re-run there
+        # hand-written composites met once an exp overflowed, by the line of their exp (_completed)
+        self.forms: dict[str, stable.Met] = {}
         self._nested = False
         self._general_only = not fast_paths  # every op through `_record`: nested, or asked for
         tracker.on_names = self._named
@@ -431,7 +435,7 @@ class Tracer(EagerDispatchMode):
         self._items[index] = record  # Store.append without the call (Store.by_index)
         self.records.count = index + 1
         self._window.append((record, info.func, args, kwargs))
-        if self.experiments and info.name == "log":  # the end of log(exp(x).sum()) whose exp overflowed
+        if self.experiments and info.name in _COMPLETES:  # the end of log(exp(x).sum()) whose exp overflowed
             self._completed(record)
         by_seq = self._by_seq
         if seq not in by_seq:  # the first op to see a node number is the one that made it
@@ -922,31 +926,60 @@ class Tracer(EagerDispatchMode):
             self._error("experiment", exc)
 
     def _completed(self, record: Record) -> None:
-        """A log of what an exp whose overflow was experimented on made: log(exp(x).sum(dim)), or
-        log(exp(x) / exp(x).sum(dim)), a softmax by hand. The form is complete now, and its stable
-        form (torch.logsumexp, F.log_softmax) is checked on what the exp read (reruns.completed_form)."""
+        """A log or a div of what an exp whose overflow was experimented on made: log(exp(x).sum(dim)),
+        exp(x) / exp(x).sum(dim) (a softmax by hand, its exp written once or twice) and its log. The
+        form is complete now, and its stable form (torch.logsumexp, torch.softmax, F.log_softmax) is
+        checked on what the exp read (reruns.completed_form); a longer form found later replaces it."""
         chain = [record]
-        made = self._made_by(record)
+        made = self._made_by(record) if record.op.startswith("aten.log") else record
         if made is not None and made.op.startswith("aten.div") and len(made.inputs) == 2:
-            chain.insert(0, made)  # exp(x) / s: s the sum of the same exp
-            made = self._made_by(made, 1)
-        if made is None or not made.op.startswith("aten.sum"):
-            return
-        chain.insert(0, made)
-        made = self._made_by(made)
-        if made is None or (len(chain) == 3 and chain[1].inputs[0] != ("op", made.index)):
-            return
-        chain.insert(0, made)
-        experiment = self.experiments.get(chain[0].index)
-        if experiment is None:
-            return
+            if made is not record:
+                chain.insert(0, made)
+            exp = self._made_by(made)
+            total = self._made_by(made, 1)
+            summed = self._made_by(total) if total is not None and total.op.startswith("aten.sum") else None
+            if exp is None or total is None or summed is None:
+                return
+            if not exp.op.startswith("aten.exp") or not summed.op.startswith("aten.exp"):
+                return
+            if summed is not exp and summed.inputs != exp.inputs:  # x.exp() / x.exp().sum(): the same x
+                return
+            chain[:0] = [summed, total] if exp is summed else [exp, total]
+            # the exp the experiment ran at: the first of them to run
+            keys = [exp.index] if exp is summed else sorted((exp.index, summed.index))
+        else:
+            if made is None or made is record or not made.op.startswith("aten.sum"):
+                return
+            exp = self._made_by(made)
+            if exp is None or not exp.op.startswith("aten.exp"):
+                return
+            chain[:0] = [exp, made]
+            keys = [exp.index]
+        experiment = next((self.experiments[k] for k in keys if k in self.experiments), None)
         steps = self._window.by_index()
         ran = [steps.get(r.index) for r in chain]
-        if any(s is None for s in ran):
+        form = stable.form_of([r.op.split(".")[1] for r in chain])
+        at = chain[0].location
+        line = f"{at[0]}:{at[1]}" if at else None
+        if any(s is None for s in ran) or form is None or form.prefix or len(form.ops) != len(chain):
             return
         try:
             with DisableTorchDispatch():
-                completed_form(experiment, [s for s in ran if s is not None])
+                if experiment is not None:
+                    completed_form(experiment, [s for s in ran if s is not None])
+                x = form.operand(ran[0].args)  # type: ignore[union-attr]
+                if line is None or x is None:
+                    return
+                dtype = dtype_name(x.dtype).removeprefix("torch.")
+                met = self.forms.get(line)
+                if experiment is not None:  # what overflowed, its longest form (its log, a line later) kept
+                    checked = experiment.stable is not None and experiment.stable.form is form
+                    if met is None or (len(form.ops), checked) > (len(met.ops), met.checked):
+                        self.forms[line] = stable.Met(form.ops, form.written, form.stable, dtype, True, checked)
+                elif met is None and x.dtype in _NARROW:
+                    self.forms[line] = stable.Met(
+                        form.ops, form.written, form.stable, dtype, False, False, float(x.abs().max())
+                    )
         except Exception as exc:  # the observer never kills the job (SPEC 4)
             self._error("experiment", exc)
 
