@@ -8,6 +8,7 @@ and a custom op that makes an Inf its inputs cannot explain (no arithmetic advic
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 
 import pytest
@@ -121,6 +122,63 @@ def test_an_eps_that_fp16_rounds_to_zero_is_named_with_a_tried_replacement_that_
     value = float(re.search(r"with ([0-9.e+-]+), which float16 holds", first.fix).group(1))
     _, fixed = _pool_training(value, traced=False, steps=40)  # the fix as printed
     assert fixed[-1] < 0.5 * fixed[0]
+
+
+# -- a mask constant past fp16's range: its nearest value fp16 holds, not a small one ----------
+class _Policy(nn.Module):
+    """Action logits with the invalid actions masked by a large negative constant, written for fp32."""
+
+    def __init__(self, fill: float | None) -> None:
+        super().__init__()
+        self.fill = fill  # None: torch.finfo(logits.dtype).min, as the fix prints it
+        self.body = nn.Sequential(nn.Linear(12, 48), nn.Tanh(), nn.Linear(48, 6))
+
+    def forward(self, state: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        logits = self.body(state)
+        fill = torch.finfo(logits.dtype).min if self.fill is None else self.fill
+        return torch.log_softmax(logits + (1 - valid.to(logits.dtype)) * fill, -1)
+
+
+def _policy_training(fill: float | None, *, traced: bool) -> tuple[fpdoctor.Report | None, list[float], float]:
+    """Losses of a policy-gradient-like objective in fp16 autocast, one state with no valid action
+    per batch; and the probability the trained policy puts on invalid actions where some are valid."""
+    torch.manual_seed(2)
+    model = _Policy(fill)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    state, valid = torch.randn(16, 12), (torch.rand(16, 6) > 0.4).float()
+    valid[3] = 0  # a terminal state: no action is valid
+    losses = []
+    trace = fpdoctor.trace(model) if traced else None
+    with trace if trace is not None else contextlib.nullcontext():
+        for _ in range(6):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                logp = model(state, valid)
+                loss = -(logp.float().exp() * valid).sum(-1).mean()  # the mass on valid actions, raised
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        probs = model(state, valid).float().exp()
+    some = valid.sum(-1) > 0
+    return (trace.report if trace is not None else None), losses, float((probs * (1 - valid))[some].sum(-1).max())
+
+
+def test_a_mask_constant_past_fp16s_range_is_replaced_by_the_formats_limit_and_still_masks():
+    """A mask fill written for fp32 (-1e9) is -inf in fp16: a state with no valid action is all -inf,
+    and its log_softmax NaN. The fix was the constant replaced by fp16's smallest normal (6.1e-05):
+    finite, and every invalid action unmasked. The constant's nearest value fp16 holds is its limit:
+    torch.finfo(x.dtype).min, which applied as printed trains and keeps the invalid actions masked."""
+    report, losses, _ = _policy_training(-1e9, traced=True)
+    assert report is not None and all(math.isnan(v) for v in losses)
+    first = report.sorted_findings()[0]
+    assert first.fix.startswith("Replace the constant -1e+09 at "), first.fix
+    assert "with torch.finfo(x.dtype).min (-65504 in float16)" in first.fix, first.fix
+    _, fixed, leaked = _policy_training(None, traced=False)  # the fix as printed
+    assert all(math.isfinite(v) for v in fixed) and fixed[-1] < fixed[0]
+    assert leaked < 1e-3  # the invalid actions stay masked
 
 
 # -- a custom op that makes an Inf its inputs cannot explain ----------------------------------

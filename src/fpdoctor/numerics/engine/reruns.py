@@ -379,9 +379,13 @@ class Experiment:
         if self.literal is not None and self.literal_fix is not None:
             # the user's constant is the culprit: the fix names it and the value that was tried in its place
             value, rounded, dtype = self.literal
+            new = self.literal_fix[0]
+            # the format's own limit: written as torch.finfo of the tensor's dtype, it holds in every dtype
+            spelled = f"torch.finfo(x.dtype).{'min' if new < 0 else 'max'} ({new:g} in {dtype})"
             fix = (
                 f"Replace the constant {value:g} at {where or origin.op} (it is {rounded:g} in {dtype}) with "
-                f"{self.literal_fix[0]:g}, which {dtype} holds: with it, {self.op}'s output is {self.clean} as it ran "
+                f"{spelled if abs(new) == float(torch.finfo(getattr(torch, dtype)).max) else f'{new:g}'}, which "
+                f"{dtype} holds: with it, {self.op}'s output is {self.clean} as it ran "
                 f"(checked: max |x| {_num(self.literal_fix[1])})"
                 + (
                     f", and its derivative, which the backward takes, fits {dtype} (checked in fp64)."
@@ -971,9 +975,15 @@ def _try_constant(
     fits the dtype (measured in fp64 by a relative step of the constant): the fix that keeps the
     dtype, printed only when one does."""
     dtype = getattr(torch, literal[2])
-    room = float(torch.finfo(dtype).max) / SLOPE_ROOM
+    limit = float(torch.finfo(dtype).max)
+    room = limit / SLOPE_ROOM
     tiny = _tiny(literal[2])
-    for value in (tiny, *(v for v in _LADDER if v > tiny)):
+    ladder: tuple[float, ...] = (tiny, *(v for v in _LADDER if v > tiny))
+    if not math.isfinite(literal[1]):
+        # a constant past the range (a mask fill of torch.finfo(torch.float32).min): its nearest value the
+        # dtype holds, with its sign, then smaller ones; never a small one, which would unmask what it masks
+        ladder = tuple(math.copysign(v, literal[0]) for v in (limit, limit / 4, 1e4) if v <= limit)
+    for value in ladder:
         kind, after = _chain_kind(_with_constant(literal[0], value, origin, chain), None, lookup, symptom)
         if kind is not None:
             continue
