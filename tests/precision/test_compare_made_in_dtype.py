@@ -200,3 +200,29 @@ def test_rare_events_drawn_in_bf16_are_named_and_the_draw_in_fp32_cures():
     torch.manual_seed(0)
     fixed = fpdoctor.compare(RareEvents(fp32_draw=True).eval(), x, candidate="bf16")
     assert not fixed.report.by_name("random-draw-rounded"), str(fixed.report)
+
+
+def _tagger(fp32_positions: bool = False) -> nn.Module:
+    """Per-token tags (64) over an ALiBi encoder whose output the tags read sharply."""
+    torch.manual_seed(0)
+    encoder = ALiBi(fp32_positions=fp32_positions)
+    with torch.no_grad():
+        encoder.out.weight.mul_(16.0)
+    return nn.Sequential(encoder, nn.Linear(32, 64)).eval()
+
+
+def test_a_tagger_whose_decisions_the_rounded_positions_change_gets_the_positions_fix_checked_by_top1():
+    """Per-token tags over an ALiBi encoder in bf16: the rounded positions change the tags far beyond
+    rounding's floor. The decisions' finding tried modules in fp32 (none gave the tags back) and said
+    "no fix tried gives the decisions back" while the positions' fix, checked on the end-to-end error,
+    did: its run is now judged by the tags too, and it is the decisions' fix."""
+    x = torch.randn(1, 1024, 32, generator=torch.Generator().manual_seed(1))
+    result = fpdoctor.compare(_tagger(), x, candidate="bf16")
+    assert result.report.findings[0].name == "whole-numbers-rounded", str(result.report)
+    (decisions,) = result.report.by_name("decisions-changed")
+    assert decisions.fix.startswith("Make them in fp32 at line"), decisions.fix
+    assert decisions.trial is not None and decisions.trial.tried, decisions.trial
+    assert decisions.evidence["kept_in_fp32_tried"] == []
+    assert decisions.evidence["made_in_fp32"]["top1"] >= 0.97
+    after = fpdoctor.compare(_tagger(fp32_positions=True), x, candidate="bf16")
+    assert not after.report.by_name("decisions-changed"), str(after.report)

@@ -403,6 +403,9 @@ class _Comparison:
         self.state_fix: tuple[list[str], torch.Tensor] | None = None
         # the output of the checked run that computed the lines feeding an ill-conditioned op in fp32 (step 5b)
         self.line_fix: torch.Tensor | None = None
+        # runs that checked a fix at some lines, by (kind, first line, lines after): their outputs
+        self._fix_outputs: dict[tuple[str, Any, int], torch.Tensor | None] = {}
+        self.made_fix: tuple[Finding, torch.Tensor] | None = None  # NUM020/NUM021 and its checked run's output
         # why the input floor is 0 without a forward (rounding the inputs changes nothing), where it is
         self.input_floor_note: str | None = None
         self.root_cand: torch.Tensor | None = None
@@ -1215,6 +1218,7 @@ class _Comparison:
         computing it (and the lines after it that read them) in fp32 is checked to cure; None where
         none is, or where a divergence finding's check already raised that line (upstream of its op)."""
         error = rows[-1].propagated if rows else math.nan
+        self._fix_outputs.clear()  # the overflow checks' runs: only this check's are read
         if not self.made or not math.isfinite(error) or self.cand_dtype not in (torch.float16, torch.bfloat16):
             return None
         raised = {at for found in forced.values() for at in found.get("lines") or []}
@@ -1223,7 +1227,11 @@ class _Comparison:
         if found is None:
             return None
         site, more, after = found
-        return made_in_dtype.finding(site, more, error, after, label=self.label, dtype=self.cand_dtype)
+        made = made_in_dtype.finding(site, more, error, after, label=self.label, dtype=self.cand_dtype)
+        output = self._fix_outputs.get(("op", nonfinite.line_of(site.location), more))
+        self.made_fix = (made, output) if output is not None else None
+        self._fix_outputs.clear()
+        return made
 
     def _fix_checked(self, kind: str, line: tuple[str, int], more: int = 0) -> float | None:
         """The end-to-end error with an overflow's fix in place (nonfinite.py, profile.causes): the
@@ -1232,8 +1240,11 @@ class _Comparison:
         root = next(e for (name, _), e in self.seen.items() if name == "")
         lines = {(line[0], line[1] + k) for k in range(more + 1)}
         mode = SaturatedCasts(lines, self.cand_dtype) if kind == "cast" else RaisedLines(lines, self.cand_dtype)
-        return error_under(mode, self.cand_run, self.inputs, self.cand_dtype, truth=root.truth, norm=root.norm,
-                           rng=self.rng, device=self.cand_device, noise=self.noise)  # fmt: skip
+        kept: list[torch.Tensor] = []  # the run's output, for what it decides (_checked_fixes)
+        error = error_under(mode, self.cand_run, self.inputs, self.cand_dtype, truth=root.truth, norm=root.norm,
+                            rng=self.rng, device=self.cand_device, noise=self.noise, keep=kept)  # fmt: skip
+        self._fix_outputs[(kind, line, more)] = kept[0] if kept else None
+        return error
 
     def _overflow_checked(self, found: dict[str, Any], error: float) -> dict[str, Any] | None:
         """An op that overflows inside a divergent module, computed in fp32 with the ops after it that
@@ -1314,6 +1325,13 @@ class _Comparison:
                     f"the {noun} at {where} kept in fp64, the rest in {self.label}",
                     got, "running_state_kept", where,
                 ))  # fmt: skip
+        if self.made_fix is not None:  # values the format rounds, made in fp32 (made_in_dtype.py)
+            made, output = self.made_fix
+            got = use.top1(self.root_truth, output.to(self.root_truth.device))
+            if got is not None and made.trial is not None:
+                fix = made.fix.partition("; checked:")[0]
+                where = str(made.evidence.get("location") or "")
+                fixes.append(use.CheckedFix(fix, made.trial.changed, got, "made_in_fp32", where))
         if self.line_fix is not None:
             # the finding that printed the fix, checked (a trial only where it helped: profile.forced_causes)
             forced = next(
