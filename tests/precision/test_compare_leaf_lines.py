@@ -85,14 +85,24 @@ def test_the_op_and_its_lines_inside_a_leaf_the_user_wrote_are_named_and_the_fix
         before, after = finding.trial.before, finding.trial.after
         assert isinstance(before, float) and isinstance(after, float) and after * 10 < before
 
-        fixed, x, _ = _case(kind, fp32=True)  # those lines in fp32, the result cast back, as printed
-        now = fpdoctor.compare(fixed, x, candidate=candidate)
-        assert now.report.data["modules"][-1]["propagated_rel"] <= 1.2 * after  # as the check said
         if kind == "sum":
+            fixed, x, _ = _case(kind, fp32=True)  # those lines in fp32, the result cast back, as printed
+            now = fpdoctor.compare(fixed, x, candidate=candidate)
+            assert now.report.data["modules"][-1]["propagated_rel"] <= 1.2 * after  # as the check said
             assert not now.report.by_name("precision-divergence"), str(now.report)
-        else:  # what is left is x - mean on x as fp16 holds it (~100, spacing 1/16): the inputs' rounding
-            (left,) = now.report.by_name("precision-divergence")
-            assert left.evidence["own_op_location"] == f"{__file__}:{_line('return (x - mean.to(x.dtype))')}"
+            continue
+        # x - mean on x as fp16 holds it (~100, spacing 1/16) is the inputs' rounding: the variance's lines
+        # in fp32 cast back leave it; the fix takes the return line too, on the readings given in fp32
+        assert finding.evidence.get("inputs_as_given") and f"{_line('return (x - mean)')}" in str(lines), lines
+        assert finding.fix.startswith("Do that computation before the cast: pass the model's inputs in fp32")
+        with torch.no_grad():
+            exact = model.double()(x.double())
+            norm = InstanceNormFixed()
+            standardised = ((x - x.mean(1, keepdim=True)) / torch.sqrt(x.var(1, unbiased=False, keepdim=True) + 1e-5))
+            fixed = model.head.half()(standardised.half()).double()
+        assert float((fixed - exact).norm() / exact.norm()) <= 1.2 * after
+        cast_back = fpdoctor.compare(Model(norm).eval(), x, candidate=candidate)  # the variance's lines alone
+        assert cast_back.report.data["modules"][-1]["propagated_rel"] > 10 * after
 
 
 class _Quantizer(nn.Module):
@@ -121,3 +131,30 @@ def test_a_leaf_whose_own_ops_lose_nothing_is_not_told_its_worst_op_loses_most()
     result = fpdoctor.compare(model, torch.randn(1024, 48), candidate="fp16")
     (found,) = [f for f in result.report.findings if f.name == "precision-divergence" and f.where.get("module") == "1"]
     assert "loses most" not in found.message and "None of its own ops loses anything" in found.message, found.message
+
+
+class HalfFixedNorm(nn.Module):
+    """A standardisation whose mean and variance are made in fp32 and cast back before `x - mean`: the
+    cancellation is left, on the line whose result a Conv1d reads."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        mean = xf.mean(-1, keepdim=True)
+        var = (xf * xf).mean(-1, keepdim=True) - mean * mean
+        mean, var = mean.to(x.dtype), var.to(x.dtype)
+        return (x - mean) / torch.sqrt(var + 1e-5)  # the conv reads this
+
+
+def test_lines_whose_result_a_conv_reads_are_checked_in_fp32_not_left_untried():
+    """Raising the lines up to a leaf's return handed its fp32 result to a Conv1d, which checks its
+    input's dtype against its weight's before any op runs: the check failed and the fix went untried
+    ("the lines that make its inputs were not found"). A module now reads a raised result in the
+    candidate's dtype, as the fix casts it back, and the fix is checked."""
+    torch.manual_seed(0)
+    model = nn.Sequential(HalfFixedNorm(), nn.Conv1d(3, 16, 5, padding=2), nn.GELU(), nn.AdaptiveAvgPool1d(1))
+    t = torch.linspace(0, 1, 128)
+    x = 230.0 + 3.0 * torch.randn(8, 3, 1) + 2.5 * torch.sin(30 * t + 6 * torch.rand(8, 3, 1)) + 0.3 * torch.randn(8, 3, 128)
+    result = fpdoctor.compare(model.eval(), x, candidate="fp16")
+    (finding,) = result.report.by_name("precision-divergence")
+    assert finding.trial is not None and finding.trial.tried, finding.trial
+    assert f"{_line('# the conv reads this')}" in str(finding.evidence["feeding_lines"])

@@ -170,6 +170,21 @@ class RaisedLines(EagerDispatchMode):
         args, kwargs = _map(args, kwargs, lambda t: t.to(self.dtype) if self.made.get(t) else t)
         return func(*args, **kwargs)
 
+    def __enter__(self) -> RaisedLines:
+        # a module that reads a raised result gets it in `dtype` before its forward: a conv or linear
+        # checks its input's dtype against its weight's in C++ before any op reaches this mode
+        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._back)
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hook.remove()
+        super().__exit__(*exc)
+
+    def _back(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if not any(type(a) is torch.Tensor and self.made.get(a) for a in args):
+            return None
+        return tuple(a.to(self.dtype) if type(a) is torch.Tensor and self.made.get(a) else a for a in args)
+
     def _up(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.float32) if t.dtype == self.dtype else t
 

@@ -33,6 +33,7 @@ import contextlib
 import copy
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -1088,6 +1089,22 @@ class _Comparison:
                 if given is not None and given * RAISED_FALLS <= final.propagated:
                     raised = given
                     cause["inputs_as_given"] = True
+            if lines and raised is not None and _cured(final.propagated, raised):
+                # the lines after them, which read what they make (x - mean after a variance by hand): a fix
+                # that cast the mean back before them cured the NaN and left the cancellation
+                given = bool(cause.get("inputs_as_given"))
+                lines, raised = self._lines_after(lines, raised, outputs, lambda more: raised_with(
+                    more, buffers, given=given))
+                if rounds_inputs and not given and row.leaf:
+                    # a leaf's lines are its whole computation: what is left after them may be its inputs'
+                    # rounding (readings standardised by hand), the model's inputs fed in fp32 to them
+                    kept = list(outputs)
+                    wide = self._lines_after(lines, math.inf, outputs, lambda more: raised_with(
+                        more, buffers, given=True), first=True)
+                    if _cured(raised, wide[1]):
+                        (lines, raised), cause["inputs_as_given"] = wide, True
+                    else:
+                        outputs[:] = kept
         except Exception as exc:  # the search is ours; the finding stands without it
             self.notes["upstream of the worst op"] = f"not searched: {type(exc).__name__}: {exc}"
             return cause | {"raised_rel": None, "error_rel": rows[-1].propagated}
@@ -1212,6 +1229,26 @@ class _Comparison:
                 )
             )
         return result
+
+    @staticmethod
+    def _lines_after(
+        lines: list[tuple[str, int]], error: float, outputs: list[torch.Tensor],
+        run: Callable[[list[tuple[str, int]]], float | None], *, first: bool = False,
+    ) -> tuple[list[tuple[str, int]], float]:  # fmt: skip
+        """`lines` with up to nonfinite.LINES_AFTER lines after the last of them, one at a time, where
+        computing them in fp32 too takes the error down by RAISED_FALLS again: the first set that is
+        checked to cure may not be the whole fix. `first`: `lines` themselves run first (in another
+        way `run` says). `outputs` ends as the kept run's."""
+        kept = list(outputs)
+        file, last = lines[-1]
+        current = list(lines)
+        for k in range(0 if first else 1, nonfinite.LINES_AFTER + 1):
+            more = [*current, *((file, n) for n in range(current[-1][1] + 1, last + k + 1))]
+            after = run(more)
+            if after is not None and math.isfinite(after) and after * RAISED_FALLS <= error:
+                current, error, kept = more, after, list(outputs)
+        outputs[:] = kept
+        return current, error
 
     def _made_checked(self, rows: list[ModuleRow], forced: dict[str, dict[str, Any]]) -> Finding | None:
         """NUM020/NUM021 for the first line that makes values the candidate's format rounds, where
@@ -1582,3 +1619,8 @@ def _beside_error(summary: list[tuple[str, str]], row: tuple[str, str]) -> None:
     report shows its first rows only, and this is the one a user's tolerance is written in."""
     at = next((i + 1 for i, (label, _) in enumerate(summary) if label == "end-to-end error"), len(summary))
     summary.insert(at, row)
+
+
+def _cured(before: float, after: float) -> bool:
+    """A checked run that took the error down RAISED_FALLS times, or made a non-finite output finite."""
+    return math.isfinite(after) and (not math.isfinite(before) or after * RAISED_FALLS <= before)
