@@ -136,6 +136,42 @@ def test_an_unscaled_attention_that_overflows_every_step_names_the_matmul(tmp_pa
     assert "1/sqrt(d)" in first["fix"] and "every scale it tried" in first["fix"]
 
 
+TEACHER = """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    teacher = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    with torch.no_grad():
+        teacher[2].weight.mul_(40.0)  # a confident teacher: logits past 11, where exp overflows fp16
+
+    def batch():
+        return torch.randn(64, 32), None
+
+    def loss_of(model, x, y):
+        with torch.no_grad():  # the soft targets: no gradient, yet every gradient reads them
+            e = torch.exp(teacher(x))
+            target = e / e.sum(-1, keepdim=True)
+        return -(target * torch.log_softmax(model(x), -1)).sum(-1).mean()
+"""
+
+
+def test_a_target_made_under_no_grad_that_is_nan_every_step_is_the_scalers_recurring_cause(tmp_path):
+    """Soft targets a teacher makes under torch.no_grad() in fp16 are NaN on every step (exp overflows,
+    Inf / Inf): every step skipped. The recurring cause named was the scaler's own first cast of 65536
+    (once), as the target's forward ran without gradients, which was read as an evaluation; a forward
+    under no_grad whose values reach the gradients is the training step's."""
+    path = _write(tmp_path, TEACHER)
+    code, doc = _trace(path)
+    assert code == 1
+    first = doc["findings"][0]
+    assert first["name"] == "grad-scaler-stalled", [f["name"] for f in doc["findings"]]
+    origin = first["evidence"]["origin"]
+    assert origin["location"].startswith(f"{path}:{_line(path, 'torch.exp(teacher(x))')} "), origin
+    assert origin["phase"] == "forward"
+
+
 def test_a_disabled_scaler_is_no_scaler_for_a_model_built_in_the_script(tmp_path):
     path = _write(tmp_path, HEALTHY.replace("* 4", ""), steps=3, enabled=", enabled=False")
     code, doc = _trace(path)

@@ -228,6 +228,8 @@ DISTILL = textwrap.dedent(
             log_p_s = s - torch.log(torch.exp(s).sum(-1, keepdim=True))
         loss = (p_t * (log_p_t - log_p_s)).sum(-1).mean().float()
         bad += not bool(torch.isfinite(loss))
+        if step == 0:
+            print("first loss", float(loss), file=sys.stderr)
         student.zero_grad(); loss.backward()
     print("non-finite losses", bad, file=sys.stderr)
     """
@@ -251,6 +253,12 @@ def test_a_distillation_loss_by_hand_gets_each_lines_stable_form_also_where_it_h
     assert "make the same change" not in first["fix"], first["fix"]
     assert first["evidence"]["forms_at"][at[:-2] + "21"]["overflowed"] is False
     assert "non-finite losses 0" in fixed.stderr
+    # checked on the step's loss: the forms at lines 19 and 20 put in place, the ops down to the loss re-run
+    trial = first["fix_trial"]
+    assert trial["metric"].startswith("the step's loss") and trial["before"] == "nan", trial
+    printed = float(fixed.stderr.split("first loss ")[1].split()[0])
+    assert abs(trial["after"] - printed) <= 1e-2 * abs(printed), (trial, printed)
+    assert "On the step's loss: with these together (torch.softmax(x, dim) at line 19" in first["fix"]
     confident = subprocess.run(
         [sys.executable, str(tmp_path / "distill.py"), "--fix", "--confident"],
         check=False,

@@ -98,7 +98,7 @@ def test_the_op_and_its_lines_inside_a_leaf_the_user_wrote_are_named_and_the_fix
         with torch.no_grad():
             exact = model.double()(x.double())
             norm = InstanceNormFixed()
-            standardised = ((x - x.mean(1, keepdim=True)) / torch.sqrt(x.var(1, unbiased=False, keepdim=True) + 1e-5))
+            standardised = (x - x.mean(1, keepdim=True)) / torch.sqrt(x.var(1, unbiased=False, keepdim=True) + 1e-5)
             fixed = model.head.half()(standardised.half()).double()
         assert float((fixed - exact).norm() / exact.norm()) <= 1.2 * after
         cast_back = fpdoctor.compare(Model(norm).eval(), x, candidate=candidate)  # the variance's lines alone

@@ -132,6 +132,17 @@ class Window:
 
 
 @dataclass
+class OnLoss:
+    """The step's loss re-run with the step's fixes in place (on_loss.py)."""
+
+    loss: str  # "aten.mean.default at train.py:31"
+    before: str  # what it was: "nan", "inf"
+    after: float | None  # what it is with the fixes: None where still non-finite
+    changed: str  # the changes, as the fix says them
+    left: str | None = None  # what is still non-finite: "nan", "inf"
+
+
+@dataclass
 class Experiment:
     """What was re-run at a producer, and what it decided."""
 
@@ -162,6 +173,7 @@ class Experiment:
     handed: bool = False  # its inputs held a non-finite value already, which passes through
     rows: dict[str, Any] | None = None  # the batch rows (dim 0) that hold the symptom, where only some do
     note: str | None = None  # why the walk stopped short
+    on_loss: OnLoss | None = None  # the step's loss re-run with the step's fixes in place (on_loss.py)
 
     def evidence(self) -> dict[str, Any]:
         """`evidence.experiment`: what was re-run, in which precision, with which result."""
@@ -345,6 +357,36 @@ class Experiment:
         return f"{label}: {self.op} made non-finite by a random draw in {dtype} upstream{at}", message + why, fix, trial
 
     def _word_origin(self, label: str, message: str, advice: str) -> tuple[str, str, str, Trial]:
+        """The origin named, its fix checked where the symptom appeared and, where the step went on to
+        its loss, on the loss (on_loss.py)."""
+        text, message, fix, trial = self._word_origin_at_op(label, message, advice)
+        found = self.on_loss
+        if found is None:
+            return text, message, fix, trial
+        how = "the ops from the change down to the loss re-run with it in place, the rest as they ran"
+        with_ = f"with {found.changed}" if ";" not in found.changed else f"with these together ({found.changed})"
+        if found.after is not None:
+            fix = _after_checked(
+                fix,
+                f" On the step's loss: {with_}, {found.loss} is {found.after:.4g} where it was "
+                f"{found.before} (checked: {how}).",
+            )
+            trial = Trial.checked(
+                found.changed,
+                metric=f"the step's loss ({found.loss})",
+                before=found.before,
+                after=found.after,
+                on="this step's inputs and weights",
+            )
+        else:
+            fix = _after_checked(
+                fix,
+                f" Not the whole fix: {with_}, {found.loss} is still {found.left} (checked: {how}): "
+                "something else between the change and the loss makes it non-finite too.",
+            )
+        return text, message, fix, trial
+
+    def _word_origin_at_op(self, label: str, message: str, advice: str) -> tuple[str, str, str, Trial]:
         """The origin named; where it is the op itself, its own advice stays, with the check."""
         origin = self.origin
         assert origin is not None
@@ -438,6 +480,13 @@ _DEVICE = (
     "check this GPU with `fpdoctor health` (Xid errors, ECC, GEMM fingerprints); for a custom kernel, test it on "
     "these inputs."
 )
+
+
+def _after_checked(fix: str, sentence: str) -> str:
+    """`sentence` put into a fix after what it checked, before the alternatives not tried."""
+    cut = min((k for k in (fix.find(m) for m in (" Also possible, not tried:", " Or run it in bf16", " In bf16 they"))
+               if k >= 0), default=len(fix))  # fmt: skip
+    return fix[:cut] + sentence + fix[cut:]
 
 
 def _stable_fix_text(checked: stable.Checked, where: str, op: str) -> str:

@@ -443,8 +443,11 @@ class Analysis:
         evaluation forward); while the scale calibrates, only the gradients and their unscaling,
         which the scale made (a forward overflow happens before any scaling)."""
         step = self.step_of(r)
-        if step is None or step[1] or step[0] not in run.skipped:
+        if step is None or step[0] not in run.skipped:
             return False
+        if step[1] and not any(x.startswith("gradient of") for x in self.reached.get(("op", r.index), [])):
+            return False  # an evaluation forward; one under no_grad whose value the gradients read (a pseudo-label,
+            # a teacher's output) is the training step's
         return run.collapsed or r.phase in ("backward", "optimizer")
 
     def _absorbed(self, run: ScalerRun, blamed: list[Record]) -> list[Record]:

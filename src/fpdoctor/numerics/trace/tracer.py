@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
-from fpdoctor.numerics.engine import stable
-from fpdoctor.numerics.engine.reruns import PRODUCERS, Experiment, Window, completed_form, decide
+from fpdoctor.numerics.engine import on_loss, stable
+from fpdoctor.numerics.engine.reruns import PRODUCERS, Experiment, Step, Window, completed_form, decide
 from fpdoctor.numerics.observe import records as _records
 from fpdoctor.numerics.observe.loader import bad_rows, reading
 from fpdoctor.numerics.observe.records import Leaf, Output, Record, Store, kind_of
@@ -194,6 +194,7 @@ class Tracer(EagerDispatchMode):
         self.experiments: dict[int, Experiment] = {}  # record index -> what was re-run there
         # hand-written composites met once an exp overflowed, by the line of their exp (_completed)
         self.forms: dict[str, stable.Met] = {}
+        self._loss_checked: set[int] = set()  # experiments whose fixes were re-run down to the loss
         self._nested = False
         self._general_only = not fast_paths  # every op through `_record`: nested, or asked for
         tracker.on_names = self._named
@@ -395,6 +396,8 @@ class Tracer(EagerDispatchMode):
             phase = "backward"
             self._visit_line = None
             if task != self._graph_task:
+                if len(self._loss_checked) < len(self.experiments):
+                    self._check_on_loss()
                 self._at_backward_end()
             node = current_autograd_node()
             if node is not None:
@@ -982,6 +985,24 @@ class Tracer(EagerDispatchMode):
                     )
         except Exception as exc:  # the observer never kills the job (SPEC 4)
             self._error("experiment", exc)
+
+    def _check_on_loss(self) -> None:
+        """The forward is complete (its backward begins): the step's fixes re-run down to its loss
+        (on_loss.py), each experiment of the step told what they give there."""
+        fresh = [
+            e for k, e in self.experiments.items()
+            if k not in self._loss_checked and e.origin is not None and e.origin.phase == "forward"
+        ]  # fmt: skip
+        self._loss_checked.update(self.experiments)
+        try:
+            self.flush()  # the loss's kind, in deferred mode
+            with DisableTorchDispatch(), torch.no_grad():
+                found = on_loss.check(fresh, [Step(*s) for s in self._window.steps], self._lookup)
+        except Exception as exc:  # the observer never kills the job (SPEC 4)
+            self._error("experiment", exc)
+            return
+        for experiment in fresh:
+            experiment.on_loss = found
 
     def _made_by(self, record: Record, argument: int = 0) -> Record | None:
         """The record that made one of `record`'s inputs (its first, or `argument`), where an op did."""

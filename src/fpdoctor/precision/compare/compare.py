@@ -1093,14 +1093,16 @@ class _Comparison:
                 # the lines after them, which read what they make (x - mean after a variance by hand): a fix
                 # that cast the mean back before them cured the NaN and left the cancellation
                 given = bool(cause.get("inputs_as_given"))
-                lines, raised = self._lines_after(lines, raised, outputs, lambda more: raised_with(
-                    more, buffers, given=given))
+                lines, raised = self._lines_after(
+                    lines, raised, outputs, lambda more: raised_with(more, buffers, given=given)
+                )
                 if rounds_inputs and not given and row.leaf:
                     # a leaf's lines are its whole computation: what is left after them may be its inputs'
                     # rounding (readings standardised by hand), the model's inputs fed in fp32 to them
                     kept = list(outputs)
-                    wide = self._lines_after(lines, math.inf, outputs, lambda more: raised_with(
-                        more, buffers, given=True), first=True)
+                    wide = self._lines_after(
+                        lines, math.inf, outputs, lambda more: raised_with(more, buffers, given=True), first=True
+                    )
                     if _cured(raised, wide[1]):
                         (lines, raised), cause["inputs_as_given"] = wide, True
                     else:

@@ -1,0 +1,176 @@
+"""A fix checked on the step's loss, not only on the op that showed the symptom.
+
+An experiment (reruns.py) checks its fix where the symptom appeared: exp at line 20 in fp32 is
+finite. What the user sees is the loss, and the fix as printed may not reach it: the same overflow
+on another line, a value cast back to fp16 where it overflows again, a log of a probability that
+underflowed on the way. So when the step's backward begins (the forward is complete), the ops from
+the fix's first change down to the loss are re-run with every change the step's experiments print
+in place, the rest as they ran:
+
+  a stable form   the form's last op gives the stable form's value of what its first op read;
+  a constant      the op runs with the value the dtype holds in place of the constant;
+  a precision     each op at the fix's lines runs in the checked precision, its result left there
+                  for what reads it (x.float() on the line: torch's type promotion carries it on).
+
+Every other op that reads a changed value runs as it ran, on the changed values. The loss is the
+last forward op with one value that depends on a change. Its value then is the fix's figure on
+the loss; a loss that is still non-finite says the fix is not the whole fix.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from fpdoctor.numerics.engine import stable
+from fpdoctor.numerics.engine.reruns import (
+    _REDUCTIONS,
+    Experiment,
+    Lookup,
+    OnLoss,
+    Step,
+    _kind,
+    _lines,
+    _packet,
+    _run,
+    _Skip,
+    _with_constant,
+)
+
+
+def check(experiments: list[Experiment], steps: list[Step], lookup: Lookup | None) -> OnLoss | None:
+    """The loss re-run with the fixes of `experiments` (one step's, origin verdicts) in place; None
+    where no loss that is non-finite depends on them, or a change cannot be re-run."""
+    forms: dict[int, tuple[stable.Form, Step, Any]] = {}  # the form's last op -> (form, its first op, its dim)
+    constants: dict[int, tuple[float, float]] = {}  # the origin op -> (constant, the value tried)
+    raised: dict[tuple[str, int], torch.dtype] = {}  # source lines -> the precision the fix computes them in
+    by_index = {s.record.index: s for s in steps}
+    said: list[str] = []
+    # a stable form's lines are the form's: another experiment's precision fix there is the same change
+    formed = {
+        (r.location[0], r.location[1])
+        for e in experiments if e.stable is not None and e.stable.scaled and not e.stable.form.prefix
+        for r in (e.completed or e.chain[: len(e.stable.form.ops)]) if r.location
+    }  # fmt: skip
+    for e in experiments:
+        if e.verdict != "origin" or e.origin is None or e.origin.index not in by_index:
+            continue
+        if e.stable is not None and e.stable.scaled and not e.stable.form.prefix:
+            ran = e.completed or e.chain[: len(e.stable.form.ops)]
+            first, reduction = (
+                by_index.get(ran[0].index),
+                next((by_index.get(r.index) for r in ran if _packet(r.op) in _REDUCTIONS), None),
+            )
+            if first is None or reduction is None:
+                return None
+            forms[ran[-1].index] = (e.stable.form, first, reduction.args)
+            said.append(f"{e.stable.form.stable} at {_lines(ran)}")
+        elif e.literal is not None and e.literal_fix is not None:
+            constants[e.origin.index] = (e.literal[0], e.literal_fix[0])
+            said.append(f"the constant {e.literal[0]:g} as {e.literal_fix[0]:g}")
+        elif e.checked_in in ("fp32", "fp64"):
+            dtype = torch.float32 if e.checked_in == "fp32" else torch.float64
+            located = [r.location for r in e.chain if r.location]
+            if not located:
+                return None
+            if all((at[0], at[1]) in formed for at in located):
+                continue
+            raised.update({(at[0], at[1]): dtype for at in located})
+            said.append(f"{_lines(e.chain)} in {e.checked_in}")
+        else:
+            return None  # a fix this replay cannot put in place: not checked on the loss
+    if not said:
+        return None
+    changed = set(forms) | set(constants)
+    start = min(
+        [*changed, *(s.record.index for s in steps if _line(s) in raised and s.record.phase == "forward")],
+        default=None,
+    )
+    if start is None:
+        return None
+    try:
+        return _replayed(steps, start, forms, constants, raised, "; ".join(dict.fromkeys(said)), lookup)
+    except _Skip:  # an op that draws random numbers, an input written in place since: not checked
+        return None
+
+
+def _replayed(
+    steps: list[Step], start: int, forms: dict[int, tuple[stable.Form, Step, Any]],
+    constants: dict[int, tuple[float, float]], raised: dict[tuple[str, int], torch.dtype], changed: str,
+    lookup: Lookup | None,
+) -> OnLoss | None:  # fmt: skip
+    """The forward from `start` with the changes in place (see check)."""
+    values: dict[int, list[torch.Tensor]] = {}
+    losses: list[Step] = []
+    for step in steps:
+        r = step.record
+        if r.index < start or r.phase != "forward":
+            continue
+        if r.index in forms:
+            form, first, dim = forms[r.index]
+            x = _operand(form, first, values)
+            if x is None:
+                return None
+            extra = stable._dim(first.args) if form.ops[0] == "_softmax" else stable._dim(dim)
+            value = form.call(x, extra)
+            shape = tuple(r.outputs[0].shape) if r.outputs else value.shape
+            # the reduction's keepdim: logsumexp(x, dim) where the code kept the dim (.sum(-1, keepdim=True))
+            out = [value.reshape(shape) if value.numel() == math.prod(shape) else value]
+        elif r.index in constants:
+            old, new = constants[r.index]
+            (changed_step,) = _with_constant(old, new, step, [step])
+            out = _run(changed_step, None, values, lookup)
+        elif (at := _line(step)) is not None and at in raised:
+            out = _run(step, raised[at], values, lookup)
+        elif any(src[0] == "op" and src[1] in values for src in r.inputs):
+            out = _run(step, None, values, lookup)
+        else:
+            continue
+        values[r.index] = out
+        if r.outputs and math.prod(r.outputs[0].shape) == 1 and out and out[0].is_floating_point():
+            losses.append(step)
+    loss = _unscaled(losses, values)
+    if loss is None or loss.record.kind is None:
+        return None  # no loss of one value reads a change, or it was finite as it ran
+    value = values[loss.record.index][0]
+    left = _kind(value)
+    where = f" at {loss.record.location[0]}:{loss.record.location[1]}" if loss.record.location else ""
+    return OnLoss(
+        loss=f"{loss.record.op}{where}",
+        before=loss.record.kind,
+        after=None if left else float(value.double()),
+        changed=changed,
+        left=left,
+    )
+
+
+def _unscaled(losses: list[Step], values: dict[int, list[torch.Tensor]]) -> Step | None:
+    """The last op of one value that reads a change: the loss, before a GradScaler's scale(loss)
+    multiplies it by the scale (a one-value tensor no change reaches)."""
+    if not losses:
+        return None
+    last = losses[-1]
+    if len(losses) > 1 and _packet(last.record.op) == "mul" and len(last.record.inputs) == 2:
+        before = ("op", losses[-2].record.index)
+        other = next((src for src in last.record.inputs if src != before), None)
+        if before in last.record.inputs and other is not None and not (other[0] == "op" and other[1] in values):
+            return losses[-2]
+    return last
+
+
+def _line(step: Step) -> tuple[str, int] | None:
+    at = step.record.location
+    return (at[0], at[1]) if at else None
+
+
+def _operand(form: stable.Form, first: Step, values: dict[int, list[torch.Tensor]]) -> torch.Tensor | None:
+    """What the form's first op read, recomputed where a change made it."""
+    x = form.operand(first.args)
+    if x is None or not first.record.inputs:
+        return x
+    src = first.record.inputs[0]
+    if src[0] == "op" and src[1] in values:
+        return next((o for o in values[src[1]] if o.shape == x.shape), x)
+    return x
