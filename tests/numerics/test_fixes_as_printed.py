@@ -533,3 +533,47 @@ def test_an_origin_inside_a_modules_forward_is_named_by_its_line_and_the_fix_app
     fixed = SOFTPLUS_SCRIPT.replace("torch.log(1 + torch.exp(", "torch.log1p(torch.exp(")
     assert fixed != SOFTPLUS_SCRIPT
     assert not [f for f in trace(fixed)["findings"] if f["severity"] == "error"]
+
+
+# -- a fix checked on the step's loss: the whole fix, or not ------------------------------------
+class _TwoFaults(nn.Module):
+    """Attention weights by hand whose exp overflows fp16, and a log of a difference that is 0 at any
+    precision (a bug of the math): the first's fix cures its op, not the loss."""
+
+    def __init__(self, with_bug: bool) -> None:
+        super().__init__()
+        self.with_bug = with_bug
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        w = torch.exp(h)
+        w = w / w.sum(-1, keepdim=True)
+        loss = (w * h).sum(-1).mean()
+        if self.with_bug:
+            loss = loss + torch.log(h.detach() - h.detach()).mean()
+        return loss.float()
+
+
+@pytest.mark.parametrize("with_bug", [False, True])
+def test_the_first_fix_is_checked_on_the_steps_loss_and_says_when_it_is_not_the_whole_fix(with_bug: bool):
+    torch.manual_seed(0)
+    model = _TwoFaults(with_bug).half()
+    x = (8 * torch.randn(32, 16)).half()
+    with fpdoctor.trace(model) as trace:
+        loss = model(x)
+        loss.backward()
+    assert not math.isfinite(float(loss.detach()))
+    first = trace.report.sorted_findings()[0]
+    assert first.fix.startswith("Write torch.softmax(x, dim)"), first.fix
+    assert first.trial is not None and first.trial.tried
+    if with_bug:  # log(0) stays: the softmax is not the whole fix, and the trial stays the op's
+        assert "Not the whole fix: with torch.softmax(x, dim) at " in first.fix and " is still " in first.fix
+        assert not first.trial.metric.startswith("the step's loss")
+    else:
+        assert "On the step's loss: with torch.softmax(x, dim) at " in first.fix, first.fix
+        assert first.trial.metric.startswith("the step's loss") and first.trial.before == "nan"
+        with torch.no_grad():  # the fix as printed, on the same step
+            h = model.proj(x)
+            expected = float((torch.softmax(h, -1) * h).sum(-1).mean().float())
+        assert first.trial.after == pytest.approx(expected, rel=1e-2)

@@ -20,6 +20,7 @@ the loss; a loss that is still non-finite says the fix is not the whole fix.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,14 +41,36 @@ from fpdoctor.numerics.engine.reruns import (
 )
 
 
+@dataclass
+class _Changes:
+    """The changes the step's fixes print, as the replay puts them in place."""
+
+    forms: dict[int, tuple[stable.Form, Step, Any]] = field(default_factory=dict)  # last op -> form, first op, dim
+    constants: dict[int, tuple[float, float]] = field(default_factory=dict)  # origin op -> constant, value tried
+    raised: dict[tuple[str, int], torch.dtype] = field(default_factory=dict)  # source line -> its precision
+    said: list[str] = field(default_factory=list)  # each, as the fix says it
+
+
 def check(experiments: list[Experiment], steps: list[Step], lookup: Lookup | None) -> OnLoss | None:
     """The loss re-run with the fixes of `experiments` (one step's, origin verdicts) in place; None
     where no loss that is non-finite depends on them, or a change cannot be re-run."""
-    forms: dict[int, tuple[stable.Form, Step, Any]] = {}  # the form's last op -> (form, its first op, its dim)
-    constants: dict[int, tuple[float, float]] = {}  # the origin op -> (constant, the value tried)
-    raised: dict[tuple[str, int], torch.dtype] = {}  # source lines -> the precision the fix computes them in
-    by_index = {s.record.index: s for s in steps}
-    said: list[str] = []
+    changes = _changes(experiments, {s.record.index: s for s in steps})
+    if changes is None or not changes.said:
+        return None
+    begins = [*changes.forms, *changes.constants]
+    begins += [s.record.index for s in steps if _line(s) in changes.raised and s.record.phase == "forward"]
+    if not begins:
+        return None
+    try:
+        return _replayed(steps, min(begins), changes, lookup)
+    except _Skip:  # an op that draws random numbers, an input written in place since: not checked
+        return None
+
+
+def _changes(experiments: list[Experiment], by_index: dict[int, Step]) -> _Changes | None:
+    """What each experiment's printed fix changes; None where one is a fix the replay cannot put in
+    place (a cast held at its limit, a fresh random draw)."""
+    changes = _Changes()
     # a stable form's lines are the form's: another experiment's precision fix there is the same change
     formed = {
         (r.location[0], r.location[1])
@@ -59,48 +82,30 @@ def check(experiments: list[Experiment], steps: list[Step], lookup: Lookup | Non
             continue
         if e.stable is not None and e.stable.scaled and not e.stable.form.prefix:
             ran = e.completed or e.chain[: len(e.stable.form.ops)]
-            first, reduction = (
-                by_index.get(ran[0].index),
-                next((by_index.get(r.index) for r in ran if _packet(r.op) in _REDUCTIONS), None),
-            )
+            first = by_index.get(ran[0].index)
+            reduction = next((by_index.get(r.index) for r in ran if _packet(r.op) in _REDUCTIONS), None)
             if first is None or reduction is None:
                 return None
-            forms[ran[-1].index] = (e.stable.form, first, reduction.args)
-            said.append(f"{e.stable.form.stable} at {_lines(ran)}")
+            changes.forms[ran[-1].index] = (e.stable.form, first, reduction.args)
+            changes.said.append(f"{e.stable.form.stable} at {_lines(ran)}")
         elif e.literal is not None and e.literal_fix is not None:
-            constants[e.origin.index] = (e.literal[0], e.literal_fix[0])
-            said.append(f"the constant {e.literal[0]:g} as {e.literal_fix[0]:g}")
+            changes.constants[e.origin.index] = (e.literal[0], e.literal_fix[0])
+            changes.said.append(f"the constant {e.literal[0]:g} as {e.literal_fix[0]:g}")
         elif e.checked_in in ("fp32", "fp64"):
-            dtype = torch.float32 if e.checked_in == "fp32" else torch.float64
-            located = [r.location for r in e.chain if r.location]
+            located = [(r.location[0], r.location[1]) for r in e.chain if r.location]
             if not located:
                 return None
-            if all((at[0], at[1]) in formed for at in located):
+            if all(at in formed for at in located):
                 continue
-            raised.update({(at[0], at[1]): dtype for at in located})
-            said.append(f"{_lines(e.chain)} in {e.checked_in}")
+            dtype = torch.float32 if e.checked_in == "fp32" else torch.float64
+            changes.raised.update(dict.fromkeys(located, dtype))
+            changes.said.append(f"{_lines(e.chain)} in {e.checked_in}")
         else:
-            return None  # a fix this replay cannot put in place: not checked on the loss
-    if not said:
-        return None
-    changed = set(forms) | set(constants)
-    start = min(
-        [*changed, *(s.record.index for s in steps if _line(s) in raised and s.record.phase == "forward")],
-        default=None,
-    )
-    if start is None:
-        return None
-    try:
-        return _replayed(steps, start, forms, constants, raised, "; ".join(dict.fromkeys(said)), lookup)
-    except _Skip:  # an op that draws random numbers, an input written in place since: not checked
-        return None
+            return None
+    return changes
 
 
-def _replayed(
-    steps: list[Step], start: int, forms: dict[int, tuple[stable.Form, Step, Any]],
-    constants: dict[int, tuple[float, float]], raised: dict[tuple[str, int], torch.dtype], changed: str,
-    lookup: Lookup | None,
-) -> OnLoss | None:  # fmt: skip
+def _replayed(steps: list[Step], start: int, changes: _Changes, lookup: Lookup | None) -> OnLoss | None:
     """The forward from `start` with the changes in place (see check)."""
     values: dict[int, list[torch.Tensor]] = {}
     losses: list[Step] = []
@@ -108,8 +113,8 @@ def _replayed(
         r = step.record
         if r.index < start or r.phase != "forward":
             continue
-        if r.index in forms:
-            form, first, dim = forms[r.index]
+        if r.index in changes.forms:
+            form, first, dim = changes.forms[r.index]
             x = _operand(form, first, values)
             if x is None:
                 return None
@@ -118,12 +123,12 @@ def _replayed(
             shape = tuple(r.outputs[0].shape) if r.outputs else value.shape
             # the reduction's keepdim: logsumexp(x, dim) where the code kept the dim (.sum(-1, keepdim=True))
             out = [value.reshape(shape) if value.numel() == math.prod(shape) else value]
-        elif r.index in constants:
-            old, new = constants[r.index]
+        elif r.index in changes.constants:
+            old, new = changes.constants[r.index]
             (changed_step,) = _with_constant(old, new, step, [step])
             out = _run(changed_step, None, values, lookup)
-        elif (at := _line(step)) is not None and at in raised:
-            out = _run(step, raised[at], values, lookup)
+        elif (at := _line(step)) is not None and at in changes.raised:
+            out = _run(step, changes.raised[at], values, lookup)
         elif any(src[0] == "op" and src[1] in values for src in r.inputs):
             out = _run(step, None, values, lookup)
         else:
@@ -138,12 +143,9 @@ def _replayed(
     left = _kind(value)
     where = f" at {loss.record.location[0]}:{loss.record.location[1]}" if loss.record.location else ""
     return OnLoss(
-        loss=f"{loss.record.op}{where}",
-        before=loss.record.kind,
-        after=None if left else float(value.double()),
-        changed=changed,
-        left=left,
-    )
+        loss=f"{loss.record.op}{where}", before=loss.record.kind, after=None if left else float(value.double()),
+        changed="; ".join(dict.fromkeys(changes.said)), left=left,
+    )  # fmt: skip
 
 
 def _unscaled(losses: list[Step], values: dict[int, list[torch.Tensor]]) -> Step | None:
