@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -170,6 +172,48 @@ def test_a_target_made_under_no_grad_that_is_nan_every_step_is_the_scalers_recur
     origin = first["evidence"]["origin"]
     assert origin["location"].startswith(f"{path}:{_line(path, 'torch.exp(teacher(x))')} "), origin
     assert origin["phase"] == "forward"
+
+
+TOWERS = """
+    import sys
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(32, 128), "b": nn.Linear(32, 128)})
+    with torch.no_grad():
+        for tower in model.values():
+            tower.weight.mul_(60.0)  # embeddings of magnitude ~25: their squares sum past 65504
+    FP32 = "--fix" in sys.argv
+
+    def batch():
+        return torch.randn(64, 32), None
+
+    def loss_of(model, x, y):
+        a, b = model["a"](x), model["b"](x + 0.1)
+        na = (a * a).sum(-1, keepdim=True, dtype=torch.float32 if FP32 else None).sqrt()
+        nb = (b * b).sum(-1, keepdim=True, dtype=torch.float32 if FP32 else None).sqrt()
+        logits = (a @ b.t()) / (na * nb.t()) * 10
+        return nn.functional.cross_entropy(logits.float(), torch.arange(64))
+"""
+
+
+def test_two_norms_by_hand_that_overflow_in_the_same_step_are_one_fix_over_both_lines(tmp_path):
+    """A cosine similarity by hand in fp16 whose two norms' sums of squares overflow: every step skipped.
+    The scaler's finding named the first sum's line only; applied alone, every step is still skipped.
+    It now names both lines, and with the change on both the scaler steps."""
+    path = _write(tmp_path, TOWERS)
+    code, doc = _trace(path)
+    assert code == 1
+    first = doc["findings"][0]
+    assert first["name"] == "grad-scaler-stalled", [f["name"] for f in doc["findings"]]
+    na, nb = _line(path, "na = (a * a)"), _line(path, "nb = (b * b)")
+    assert first["evidence"]["location"].startswith(f"{path}:{na} "), first["evidence"]
+    assert f"make the same change on lines {na} and {nb}" in first["fix"], first["fix"]
+    fixed = path.with_name("fixed.py")
+    fixed.write_text(path.read_text() + "\nprint('scale', scaler.get_scale(), file=sys.stderr)\n")
+    run = subprocess.run([sys.executable, str(fixed), "--fix"], capture_output=True, text=True, check=True)
+    assert float(run.stderr.split("scale ")[-1]) >= 1024.0, run.stderr  # the scaler steps again
 
 
 def test_a_disabled_scaler_is_no_scaler_for_a_model_built_in_the_script(tmp_path):

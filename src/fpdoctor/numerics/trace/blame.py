@@ -567,6 +567,17 @@ class Analysis:
             trial = Trial.untried("no op that made the non-finite value was seen, so there was nothing to re-run")
         if len(absorbed) > 1:
             evidence["other_ops"] = len({(x.op, x.location) for x in absorbed}) - 1
+        if r is not None and r.location:
+            # the same op made the same symptom on another line in the same step (each of two embeddings'
+            # norms by hand): one change on every such line (same_line.py)
+            here, step = where_text(r.location), self.step_of(r)
+            lines = [
+                line for x in absorbed
+                if x.op == r.op and x.phase == r.phase and (line := where_text(x.location)) and line != here
+                and self.step_of(x) == step
+            ]  # fmt: skip
+            if lines:
+                evidence["same_op_at"] = list(dict.fromkeys(line.split(" in ", 1)[0] for line in lines))
         if unscaled:
             message += self._scale_out_of_range(run, unscaled, evidence)
         return catalog.make(

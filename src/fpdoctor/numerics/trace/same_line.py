@@ -39,7 +39,7 @@ def merged(findings: list[Finding]) -> list[Finding]:
     """`findings` with each producer's finding holding what its line does later (see the docstring)."""
     producers = {line_of(f) or "": f for f in findings if f.name in _PRODUCERS and line_of(f) is not None}
     if not producers:
-        return findings
+        return _same_values(findings)  # a scaler's recurring cause widens the same way
     out: list[Finding] = []
     widened: dict[str, Finding] = {}
     for f in findings:
@@ -76,8 +76,9 @@ def _same_values(findings: list[Finding]) -> list[Finding]:
     out, widened = [], False
     for found in findings:
         f = found
-        more = f.evidence.get("same_op_at") if f.name in _PRODUCERS and not widened else None
-        forms = f.evidence.get("forms_at") if f.name in _PRODUCERS and not widened else None
+        first = f.name in (*_PRODUCERS, "grad-scaler-stalled") and not widened
+        more = f.evidence.get("same_op_at") if first else None
+        forms = f.evidence.get("forms_at") if first else None
         if forms:  # lines a form names are said with their own stable form, not "the same change"
             more = [line for line in more or [] if line not in forms]
             f = _forms_at(f, forms)
@@ -87,7 +88,7 @@ def _same_values(findings: list[Finding]) -> list[Finding]:
             out.append(_also_at(f, list(more), same_values=False))
         else:
             out.append(f)
-        widened = widened or (f.name in _PRODUCERS)
+        widened = widened or first
     return out
 
 
