@@ -42,7 +42,9 @@ class MaskedLM(nn.Module):
         t = ids.shape[1]
         x = self.tok(ids)
         allowed = torch.ones(t, t, dtype=torch.bool).tril()[None, None] & keep.bool()[:, None, None, :]
-        if self.fill == "own_min":  # the fix: the limit of the dtype the scores are in
+        if self.fill == "where":  # the constant on the allowed's other side, made a tensor of x's dtype
+            bias = torch.where(allowed, torch.zeros((), dtype=x.dtype), -1e30)  # the where
+        elif self.fill == "own_min":  # the fix: the limit of the dtype the scores are in
             bias = torch.zeros(ids.shape[0], 1, t, t, dtype=x.dtype).masked_fill(~allowed, torch.finfo(x.dtype).min)
         else:
             value = torch.finfo(torch.float32).min if self.fill == "float32_min" else -1e9
@@ -83,6 +85,19 @@ def test_a_mask_fill_past_fp16s_range_is_named_at_its_cast_with_a_checked_fix(fi
     assert math.isfinite(after.report.data["modules"][-1]["propagated_rel"])
     if fill == "float32_min":  # the same model in fp64 (rows masked whole are uniform): the same error
         assert after.report.data["modules"][-1]["propagated_rel"] == pytest.approx(first.trial.after, rel=0.05)
+
+
+def test_a_constant_past_fp16s_range_in_a_where_is_named_and_held_at_the_limit():
+    """torch.where(allowed, 0, -1e30): the constant becomes a tensor of the scores' dtype first
+    (aten.scalar_tensor), which no tensor argument in that dtype showed: compare blamed the op for
+    "finite inputs (up to 0)" and advised fp32 lines; it is the constant, held at fp16's limit."""
+    model, inputs = _masked("where")
+    result = fpdoctor.compare(model, inputs, candidate="fp16")
+    first = result.report.findings[0]
+    assert first.name == "nonfinite-produced" and first.evidence.get("constant") == -1e30, str(result.report)
+    assert first.evidence["location"] == f"{__file__}:{_line('# the where')}"
+    assert "torch.finfo(x.dtype).min (-65504 in fp16)" in first.fix, first.fix
+    assert first.trial is not None and first.trial.tried and isinstance(first.trial.after, float)
 
 
 def test_trace_gives_the_same_fix_for_the_cast():

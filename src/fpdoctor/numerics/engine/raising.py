@@ -226,7 +226,7 @@ class SaturatedCasts(EagerDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if past_range(args, self.limit):
-            args = self._held(args)
+            args = self._held(args, kwargs or {})
         out = func(*args, **(kwargs or {}))
         if type(out) is not torch.Tensor or out.dtype != self.dtype or func.overloadpacket.__name__ != "_to_copy":
             return out
@@ -242,10 +242,12 @@ class SaturatedCasts(EagerDispatchMode):
             out = torch.where(made, out.sign() * self.limit, out)
         return out
 
-    def _held(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _held(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """`args` with their constants past the range held at it, where the op at one of the lines
-        reads a tensor in `dtype`."""
-        if not any(isinstance(a, torch.Tensor) and a.dtype == self.dtype for a in args):
+        reads a tensor in `dtype` or makes one (torch.where(mask, x, -1e30) makes the constant a
+        tensor of x's dtype first: aten.scalar_tensor(-1e30, dtype=...))."""
+        reads = any(isinstance(a, torch.Tensor) and a.dtype == self.dtype for a in args)
+        if not reads and kwargs.get("dtype") is not self.dtype:
             return args
         user = user_location(sys._getframe())
         if user is None or (user[0], user[1]) not in self.lines:
