@@ -159,3 +159,29 @@ def test_lines_whose_result_a_conv_reads_are_checked_in_fp32_not_left_untried():
     (finding,) = result.report.by_name("precision-divergence")
     assert finding.trial is not None and finding.trial.tried, finding.trial
     assert f"{_line('# the conv reads this')}" in str(finding.evidence["feeding_lines"])
+
+
+class InstanceNormInFp32(nn.Module):
+    """Every line of the standardisation in fp32 from the fp16 readings, the result cast back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        mean = xf.mean(1, keepdim=True)
+        var = (xf * xf).mean(1, keepdim=True) - mean * mean
+        return ((xf - mean) / torch.sqrt(var + 1e-5)).to(x.dtype)
+
+
+def test_an_error_its_inputs_rounding_forces_does_not_outlive_the_fix():
+    """After the fix, the standardisation computes in fp32 and none of its ops loses anything; what
+    is left is the readings' own rounding to fp16 (~100, spacing 1/16), which the exact function on
+    them makes too. compare said NUM006, 100x the floor, on fixed code: the leaf's floor now holds
+    what the exact module makes of its rounded inputs, and the report says so."""
+    model, x, candidate = _case("variance")
+    fixed = Model(InstanceNormInFp32()).eval()
+    fixed.load_state_dict(model.state_dict())
+    result = fpdoctor.compare(fixed, x, candidate=candidate)
+    assert not result.report.by_name("precision-divergence"), str(result.report)
+    floors = result.report.data["conditioned_floors"]
+    assert set(floors) == {"leaf"} and floors["leaf"] > 0.005  # ~2%: the readings' rounding, amplified
+    said = dict(result.report.data["summary"])["floor from the inputs' rounding"]
+    assert said.startswith("`leaf` ") and "amplifies the rounding of what it reads" in said

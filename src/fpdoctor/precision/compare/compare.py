@@ -151,6 +151,9 @@ class _Seen:
     isolated_of: int | None = None  # the output's rows, when the isolated re-run computed isolated_rows of them
     isolated_failed: str | None = None  # why the isolated re-run gave no figure
     own: Own | None = None  # a container's own ops, judged in the fp64 pass (container_ops.py)
+    # a leaf that diverged while none of its own ops loses anything: the exact module on its inputs
+    # rounded to the candidate's format, its error (what any computation given those inputs loses)
+    conditioned: float | None = None
 
 
 def compare(
@@ -855,6 +858,13 @@ class _Comparison:
                 f"; and {len(failed) - 3} more" if len(failed) > 3 else ""
             )
         suspects = set()
+        # a leaf whose own ops lose nothing run alone, that diverged, and that reads nothing but its inputs
+        # (no weight or buffer the format rounds): its inputs' rounding, amplified?
+        conditioned = {
+            (r.module, r.call) for r in rows
+            if r.leaf and r.diverged and r.own and r.own.get("error_rel") == 0 and r.isolated is not None
+            and math.isfinite(r.isolated) and not _holds_values(self.truth_modules[r.module])
+        }  # fmt: skip
         for r in rows:
             entry = seen[(r.module, r.call)]
             if r.leaf:
@@ -866,12 +876,14 @@ class _Comparison:
             alone = r.module == "" and r.diverged and not any(c.diverged for c in children(rows, r.module, r.call))
             if overflows or alone:
                 suspects.add((r.module, r.call))
-        if not suspects:
+        if not suspects and not conditioned:
             return rows
 
         def suspect_pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
             if (name, index) in suspects:
                 self.isolated(name, args, kwargs, seen[(name, index)], start=self.mark())
+            if (name, index) in conditioned:
+                self._conditioned(mod, args, kwargs, seen[(name, index)])
 
         hooked(
             self.truth_run, self.inputs, torch.float64, pre=suspect_pre, post=lambda *a: None, rng=self.rng,
@@ -880,6 +892,29 @@ class _Comparison:
         self.reads.read()
         self.overflows()
         return _rows(seen, self.own_dtype)
+
+    def _conditioned(self, module: nn.Module, args: Any, kwargs: Any, entry: _Seen) -> None:
+        """The exact (fp64) leaf on its inputs rounded to the candidate's format: the error any
+        computation of it given those inputs makes (a standardisation of readings near 230 in fp16
+        amplifies their rounding ~100 times), its floor (_rows). Run from where the leaf starts, the
+        pass goes on from there."""
+        start = self.mark()
+        try:
+            rounded = map_tensors(
+                (args, kwargs),
+                lambda t: (
+                    t.to(self.cand_dtype).to(t.dtype) if t.is_floating_point() and t.dtype == torch.float64 else t
+                ),
+            )
+            with torch.no_grad():
+                out = module.forward(*rounded[0], **rounded[1])  # forward, not __call__: no pass hooks
+            sample = device_sample(out)
+            if sample is not None and sample.numel() == entry.truth.numel() and entry.norm > 0:
+                entry.conditioned = float((sample.to(entry.truth.device) - entry.truth).norm()) / entry.norm
+        except Exception as exc:  # the figure is ours; the row stands without it
+            self.notes.setdefault("inputs' rounding", f"not measured: {type(exc).__name__}: {exc}")
+        finally:
+            self.goto(start)
 
     # -- step 4: how much of a whole-model divergence rounding the inputs explains -------------------
     def input_floor(self, rows: list[ModuleRow]) -> float | None:
@@ -1216,6 +1251,16 @@ class _Comparison:
             listed = "; ".join(describe_misfit(e) for e in misfit[:3])
             more = f"; and {len(misfit) - 3} more (JSON has all)" if len(misfit) > 3 else ""
             summary.append((f"parameters/buffers that do not fit {candidate}", listed + more))
+        held = {name or "<root>": e.conditioned for (name, _), e in self.seen.items() if e.conditioned is not None}
+        if held:  # a floor raised by the inputs' rounding: the OK (or the verdict) says what it judged
+            result.report.data["conditioned_floors"] = held
+            summary.append((
+                "floor from the inputs' rounding",
+                "; ".join(f"`{m}` {v:.3g}" for m, v in list(held.items())[:3])
+                + f": the exact module on its inputs rounded to {self.label} is as wrong (none of its own ops loses "
+                "anything): it amplifies the rounding of what it reads, which no precision inside it undoes; its "
+                "inputs made in fp32 (the readings fed in fp32, standardised before the cast) would",
+            ))  # fmt: skip
         if self.fp8_dtype is not None:
             result.report.findings.extend(fp8.findings(self.fp8_rows))
             result.report.data["fp8"] = self.fp8_rows
@@ -1576,7 +1621,7 @@ def _rows(seen: dict[tuple[str, int], _Seen], own_dtype: str) -> list[ModuleRow]
         if e.propagated is None:
             continue  # the candidate never produced this output
         out_of_range = math.isinf(e.rounding)
-        floor = max(0.0 if out_of_range else e.rounding, e.reference or 0.0, UNKNOWN_FLOOR)
+        floor = max(0.0 if out_of_range else e.rounding, e.reference or 0.0, e.conditioned or 0.0, UNKNOWN_FLOOR)
         row = ModuleRow(
             name,
             call,
@@ -1626,3 +1671,8 @@ def _beside_error(summary: list[tuple[str, str]], row: tuple[str, str]) -> None:
 def _cured(before: float, after: float) -> bool:
     """A checked run that took the error down RAISED_FALLS times, or made a non-finite output finite."""
     return math.isfinite(after) and (not math.isfinite(before) or after * RAISED_FALLS <= before)
+
+
+def _holds_values(module: nn.Module) -> bool:
+    """Whether the module reads a parameter or buffer of its own (values the candidate's cast rounds)."""
+    return any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
