@@ -210,6 +210,11 @@ def test_two_norms_by_hand_that_overflow_in_the_same_step_are_one_fix_over_both_
     na, nb = _line(path, "na = (a * a)"), _line(path, "nb = (b * b)")
     assert first["evidence"]["location"].startswith(f"{path}:{na} "), first["evidence"]
     assert f"make the same change on lines {na} and {nb}" in first["fix"], first["fix"]
+    # the loss stays finite (the cosine is 0), its backward does not: the change is checked on the backward
+    trial = first["fix_trial"]
+    assert trial["metric"].startswith("the gradients from the step's loss"), trial
+    assert (trial["before"], trial["after"]) == ("non-finite", "finite")
+    assert f"line {na} of " in trial["changed"] and f"line {nb} of " in trial["changed"]
     fixed = path.with_name("fixed.py")
     fixed.write_text(path.read_text() + "\nprint('scale', scaler.get_scale(), file=sys.stderr)\n")
     run = subprocess.run([sys.executable, str(fixed), "--fix"], capture_output=True, text=True, check=True)

@@ -36,7 +36,6 @@ from fpdoctor.numerics.engine.reruns import (
     _lines,
     _packet,
     _run,
-    _Skip,
     _with_constant,
 )
 
@@ -53,18 +52,80 @@ class _Changes:
 
 def check(experiments: list[Experiment], steps: list[Step], lookup: Lookup | None) -> OnLoss | None:
     """The loss re-run with the fixes of `experiments` (one step's, origin verdicts) in place; None
-    where no loss that is non-finite depends on them, or a change cannot be re-run."""
+    where no loss that was non-finite depends on them, or a change cannot be re-run (a check that
+    cannot run says nothing). Runs inside the dispatch of the step's first backward op: no autograd."""
+    prepared = _prepared(experiments, steps)
+    if prepared is None:
+        return None
+    changes, start = prepared
+    try:
+        found = _replayed(steps, start, changes, lookup)
+    except Exception:  # _Skip: an op that draws random numbers, an input written in place since
+        return None
+    if found is None or found[0].record.kind is None:
+        return None
+    loss, value = found
+    left = _kind(value)
+    return OnLoss(_named(loss), loss.record.kind, None if left else float(value.double()), _said(changes), left)
+
+
+def check_gradients(experiments: list[Experiment], steps: list[Step], lookup: Lookup | None) -> OnLoss | None:
+    """Where the loss was finite as it ran and its backward was not (a norm's sum past the range: the
+    cosine is 0, its gradient NaN): the gradients a backward from the loss sends out of the re-run ops,
+    as they ran and with the changes. Runs once the step's backward is done (autograd is needed)."""
+    prepared = _prepared(experiments, steps)
+    if prepared is None:
+        return None
+    changes, start = prepared
+    try:
+        if _gradients(steps, start, changes, lookup, as_ran=True) != "non-finite":
+            return None
+        left = _gradients(steps, start, changes, lookup)
+        found = _replayed(steps, start, changes, lookup)
+    except Exception:  # as check's
+        return None
+    if found is None or left is None:
+        return None
+    loss, value = found
+    after = float(value.double()) if left == "finite" else None
+    return OnLoss(_named(loss), "finite", after, _said(changes), None if after is not None else "nan", "gradients")
+
+
+def _prepared(experiments: list[Experiment], steps: list[Step]) -> tuple[_Changes, int] | None:
+    """The changes and the first op they change; None where there is nothing to re-run."""
     changes = _changes(experiments, {s.record.index: s for s in steps})
     if changes is None or not changes.said:
         return None
     begins = [*changes.forms, *changes.constants]
     begins += [s.record.index for s in steps if _line(s) in changes.raised and s.record.phase == "forward"]
-    if not begins:
+    return (changes, min(begins)) if begins else None
+
+
+def _named(loss: Step) -> str:
+    at = loss.record.location
+    return f"{loss.record.op}" + (f" at {at[0]}:{at[1]}" if at else "")
+
+
+def _said(changes: _Changes) -> str:
+    return "; ".join(dict.fromkeys(changes.said))
+
+
+def _gradients(
+    steps: list[Step], start: int, changes: _Changes, lookup: Lookup | None, *, as_ran: bool = False
+) -> str | None:
+    """'finite' or 'non-finite': the gradients a backward from the loss sends out of the re-run ops
+    (into the tensors they read that want one, read as new leaves: never the program's graph), with
+    the changes in place or (`as_ran`) the same ops as they ran."""
+    leaves: list[torch.Tensor] = []
+    with torch.enable_grad():
+        found = _replayed(steps, start, changes, lookup, leaves=leaves, as_ran=as_ran)
+        if found is None or not found[1].requires_grad or not leaves:
+            return None
+        grads = torch.autograd.grad(found[1], leaves, allow_unused=True)
+    made = [g for g in grads if g is not None]
+    if not made:
         return None
-    try:
-        return _replayed(steps, min(begins), changes, lookup)
-    except _Skip:  # an op that draws random numbers, an input written in place since: not checked
-        return None
+    return "finite" if all(bool(torch.isfinite(g).all()) for g in made) else "non-finite"
 
 
 def _changes(experiments: list[Experiment], by_index: dict[int, Step]) -> _Changes | None:
@@ -105,15 +166,22 @@ def _changes(experiments: list[Experiment], by_index: dict[int, Step]) -> _Chang
     return changes
 
 
-def _replayed(steps: list[Step], start: int, changes: _Changes, lookup: Lookup | None) -> OnLoss | None:
-    """The forward from `start` with the changes in place (see check)."""
+def _replayed(
+    steps: list[Step], start: int, changes: _Changes, lookup: Lookup | None,
+    leaves: list[torch.Tensor] | None = None, *, as_ran: bool = False,
+) -> tuple[Step, torch.Tensor] | None:  # fmt: skip
+    """The forward from `start` with the changes in place (see check), or the same ops as they ran
+    (`as_ran`): the loss and its value then; `leaves` as reruns._run's."""
     values: dict[int, list[torch.Tensor]] = {}
     losses: list[Step] = []
     for step in steps:
         r = step.record
         if r.index < start or r.phase != "forward":
             continue
-        if r.index in changes.forms:
+        changed = r.index in changes.forms or r.index in changes.constants or _line(step) in changes.raised
+        if as_ran and changed:
+            out = _run(step, None, values, lookup, strict=True, leaves=leaves)
+        elif r.index in changes.forms:
             form, first, dim = changes.forms[r.index]
             x = _operand(form, first, values)
             if x is None:
@@ -126,26 +194,18 @@ def _replayed(steps: list[Step], start: int, changes: _Changes, lookup: Lookup |
         elif r.index in changes.constants:
             old, new = changes.constants[r.index]
             (changed_step,) = _with_constant(old, new, step, [step])
-            out = _run(changed_step, None, values, lookup)
+            out = _run(changed_step, None, values, lookup, strict=True, leaves=leaves)
         elif (at := _line(step)) is not None and at in changes.raised:
-            out = _run(step, changes.raised[at], values, lookup)
-        elif any(src[0] == "op" and src[1] in values for src in r.inputs):
-            out = _run(step, None, values, lookup)
+            out = _run(step, changes.raised[at], values, lookup, strict=True, leaves=leaves)
+        elif r.index == start or any(src[0] == "op" and src[1] in values for src in r.inputs):
+            out = _run(step, None, values, lookup, strict=True, leaves=leaves)
         else:
             continue
         values[r.index] = out
         if r.outputs and math.prod(r.outputs[0].shape) == 1 and out and out[0].is_floating_point():
             losses.append(step)
     loss = _unscaled(losses, values)
-    if loss is None or loss.record.kind is None:
-        return None  # no loss of one value reads a change, or it was finite as it ran
-    value = values[loss.record.index][0]
-    left = _kind(value)
-    where = f" at {loss.record.location[0]}:{loss.record.location[1]}" if loss.record.location else ""
-    return OnLoss(
-        loss=f"{loss.record.op}{where}", before=loss.record.kind, after=None if left else float(value.double()),
-        changed="; ".join(dict.fromkeys(changes.said)), left=left,
-    )  # fmt: skip
+    return None if loss is None else (loss, values[loss.record.index][0])
 
 
 def _unscaled(losses: list[Step], values: dict[int, list[torch.Tensor]]) -> Step | None:

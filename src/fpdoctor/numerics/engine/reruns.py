@@ -140,6 +140,9 @@ class OnLoss:
     after: float | None  # what it is with the fixes: None where still non-finite
     changed: str  # the changes, as the fix says them
     left: str | None = None  # what is still non-finite: "nan", "inf"
+    # "loss": the loss was non-finite; "gradients": it was finite, the gradients its backward sends out
+    # of the re-run ops were not, and `after` is the loss where they are finite with the changes
+    judged: str = "loss"
 
 
 @dataclass
@@ -365,6 +368,27 @@ class Experiment:
             return text, message, fix, trial
         how = "the ops from the change down to the loss re-run with it in place, the rest as they ran"
         with_ = f"with {found.changed}" if ";" not in found.changed else f"with these together ({found.changed})"
+        if found.judged == "gradients":
+            if found.after is not None:
+                fix = _after_checked(
+                    fix,
+                    f" On the step's backward: {with_}, the gradients a backward from {found.loss} sends "
+                    f"through those ops are finite where they were not (checked: {how}, and their backward run).",
+                )
+                trial = Trial.checked(
+                    found.changed,
+                    metric=f"the gradients from the step's loss ({found.loss}) through the changed ops",
+                    before="non-finite",
+                    after="finite",
+                    on="this step's inputs and weights",
+                )
+            else:
+                fix = _after_checked(
+                    fix,
+                    f" Not the whole fix: {with_}, the gradients a backward from {found.loss} sends through "
+                    f"those ops are still non-finite (checked: {how}, and their backward run).",
+                )
+            return text, message, fix, trial
         if found.after is not None:
             fix = _after_checked(
                 fix,
@@ -682,12 +706,16 @@ def _reselect(t: torch.Tensor, outs: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def _run(
-    step: Step, dtype: torch.dtype | None, values: dict[int, list[torch.Tensor]], lookup: Lookup | None
-) -> list[torch.Tensor]:
+    step: Step, dtype: torch.dtype | None, values: dict[int, list[torch.Tensor]], lookup: Lookup | None, *,
+    strict: bool = False, leaves: list[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:  # fmt: skip
     """Run one op: tensors from earlier ops of the chain replaced by their recomputed values,
     floating tensors and dtype arguments raised to `dtype` (None: as it ran). `lookup` tells the
     op or leaf a tensor holds the values of now: one that is no longer the recorded source was
-    written in place since, and the op cannot be re-run on what it read."""
+    written in place since, and the op cannot be re-run on what it read. `strict`: an argument made
+    by a recomputed op that none of its values replaces stops the run (_Skip), never read as it ran.
+    `leaves`: every other argument that wants a gradient is read detached, as a new leaf that wants
+    one, appended there (a backward through the run reaches them, never the program's graph)."""
     func = step.func
     if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
         raise _Skip(f"{step.record.op} draws random numbers")
@@ -704,9 +732,14 @@ def _run(
                 match = _reselect(t, outs)
             # no recomputed output has its shape (a reduction's result, matched to the op that made its
             # operand): the argument stays as it ran, and the control run as it ran still decides
+            if match is None and strict:
+                raise _Skip(f"an input of {step.record.op} is not one the re-run made")
             t = t if match is None else _substitute(t, match)
         elif src is not None and lookup is not None and lookup(t) != src:
             raise _Skip(f"an input of {step.record.op} was written in place since")
+        elif leaves is not None and t.requires_grad:
+            t = t.detach().requires_grad_(True)
+            leaves.append(t)
         elif mutable:
             t = t.clone()  # never write the user's tensors
         if dtype is not None and t.is_floating_point() and t.dtype != dtype:

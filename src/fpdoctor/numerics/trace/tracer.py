@@ -994,15 +994,31 @@ class Tracer(EagerDispatchMode):
             if k not in self._loss_checked and e.origin is not None and e.origin.phase == "forward"
         ]  # fmt: skip
         self._loss_checked.update(self.experiments)
+        if not fresh:
+            return
         try:
             self.flush()  # the loss's kind, in deferred mode
+            steps = [Step(*s) for s in self._window.steps]
             with DisableTorchDispatch(), torch.no_grad():
-                found = on_loss.check(fresh, [Step(*s) for s in self._window.steps], self._lookup)
+                found = on_loss.check(fresh, steps, self._lookup)
         except Exception as exc:  # the observer never kills the job (SPEC 4)
             self._error("experiment", exc)
             return
         for experiment in fresh:
             experiment.on_loss = found
+        if found is None:  # a finite loss: its backward, once autograd is done with this one
+            queue_callback(lambda: self._check_gradients(fresh, steps))
+
+    def _check_gradients(self, fresh: list[Experiment], steps: list[Step]) -> None:
+        """on_loss.check_gradients, at the end of the step's backward (a callback autograd runs)."""
+        try:
+            with DisableTorchDispatch():
+                found = on_loss.check_gradients(fresh, steps, self._lookup)
+        except Exception as exc:  # runs inside autograd's engine: never raise there
+            self._error("experiment", exc)
+            return
+        for experiment in fresh:
+            experiment.on_loss = experiment.on_loss or found
 
     def _made_by(self, record: Record, argument: int = 0) -> Record | None:
         """The record that made one of `record`'s inputs (its first, or `argument`), where an op did."""
