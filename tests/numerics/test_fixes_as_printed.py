@@ -577,3 +577,51 @@ def test_the_first_fix_is_checked_on_the_steps_loss_and_says_when_it_is_not_the_
             h = model.proj(x)
             expected = float((torch.softmax(h, -1) * h).sum(-1).mean().float())
         assert first.trial.after == pytest.approx(expected, rel=1e-2)
+
+
+# -- a softmax by hand with a guard before its log; a guard whose replacement clips the loss ---------------
+def _smoothed(logits: torch.Tensor, y: torch.Tensor, fixed: bool) -> torch.Tensor:
+    """A label-smoothed cross-entropy by hand, with a temperature and a guard against log(0)."""
+    z = logits / 0.05
+    if fixed:  # as printed
+        logp = torch.nn.functional.log_softmax(z, -1)
+    else:
+        e = torch.exp(z)
+        logp = torch.log(e / e.sum(-1, keepdim=True) + 1e-8)
+    return (0.9 * -logp.gather(1, y[:, None]).squeeze(1) - 0.1 * logp.mean(-1)).mean()
+
+
+def test_a_softmax_by_hand_with_a_guard_before_its_log_gets_log_softmax_checked_against_fp64():
+    """exp overflows fp16 at a temperature of 0.05, and the 1e-8 before the log is 0 in fp16: the fix
+    was torch.softmax, 'not the whole fix' (log(0) stays), and the constant's replacement a second
+    trace later made the loss finite but 35% off. log(softmax + eps) is one form, F.log_softmax,
+    checked on the step's loss against the same ops as written in fp64."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)).half()
+    x, y = torch.randn(64, 32).half(), torch.randint(0, 16, (64,))
+    with fpdoctor.trace(model) as trace:
+        loss = _smoothed(model(x), y, fixed=False)
+        loss.backward()
+    first = trace.report.sorted_findings()[0]
+    assert first.fix.startswith("Write F.log_softmax(x, dim) instead of log(exp(x) / exp(x).sum(dim) + eps)")
+    assert first.trial is not None and first.trial.metric.startswith("the step's loss"), first.trial
+    exact = float(re.search(r"the same ops as written give ([0-9.e+-]+) in fp64", first.fix).group(1))
+    with torch.no_grad():  # as printed, in fp16: the fp64 loss of the same ops, within the format's rounding
+        printed = float(_smoothed(model(x), y, fixed=True).float())
+    assert printed == pytest.approx(first.trial.after, rel=1e-2) and printed == pytest.approx(exact, rel=2e-2)
+
+
+def test_a_finite_loss_that_is_not_the_losss_value_is_not_printed_as_the_fix():
+    """log(|h| + 1e-8) of activations with exact zeros: 1e-8 is 0 in fp16 and the loss -inf. The
+    replacement fp16 holds whose derivative fits (1e-3) makes the loss finite, and moves it: the
+    same ops as written give another value in fp64, and the fix says the change alters the loss."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU()).half()
+    x = torch.randn(32, 16).half()
+    with fpdoctor.trace(model) as trace:
+        loss = torch.log(model(x).abs() + 1e-8).mean()
+        loss.backward()
+    first = trace.report.sorted_findings()[0]
+    assert first.fix.startswith("Replace the constant 1e-08"), first.fix
+    assert "Not the fix as it stands:" in first.fix and "alters what the loss computes" in first.fix, first.fix
+    assert not first.trial.metric.startswith("the step's loss")

@@ -60,13 +60,18 @@ def check(experiments: list[Experiment], steps: list[Step], lookup: Lookup | Non
     changes, start = prepared
     try:
         found = _replayed(steps, start, changes, lookup)
+        if found is None or found[0].record.kind is None:
+            return None
+        # the same ops as written, in fp64: what the loss is meant to be (a fix that is finite but
+        # clips, a log(p + 1e-3) for a log(p + 1e-8), moves it)
+        exact = _replayed(steps, start, changes, lookup, as_ran=True, dtype=torch.float64, every=found[0])
     except Exception:  # _Skip: an op that draws random numbers, an input written in place since
         return None
-    if found is None or found[0].record.kind is None:
-        return None
     loss, value = found
+    kind = loss.record.kind or "nan"
     left = _kind(value)
-    return OnLoss(_named(loss), loss.record.kind, None if left else float(value.double()), _said(changes), left)
+    reference = float(exact[1].double()) if exact is not None and _kind(exact[1]) is None else None
+    return OnLoss(_named(loss), kind, None if left else float(value.double()), _said(changes), left, exact=reference)
 
 
 def check_gradients(experiments: list[Experiment], steps: list[Step], lookup: Lookup | None) -> OnLoss | None:
@@ -93,10 +98,15 @@ def check_gradients(experiments: list[Experiment], steps: list[Step], lookup: Lo
 
 def _prepared(experiments: list[Experiment], steps: list[Step]) -> tuple[_Changes, int] | None:
     """The changes and the first op they change; None where there is nothing to re-run."""
-    changes = _changes(experiments, {s.record.index: s for s in steps})
+    by_index = {s.record.index: s for s in steps}
+    changes = _changes(experiments, by_index)
     if changes is None or not changes.said:
         return None
-    begins = [*changes.forms, *changes.constants]
+    # a form from its first op, and from every op its last one reads (x.exp() / x.exp().sum(): two exps)
+    begins = [first.record.index for _, first, _ in changes.forms.values()] + [*changes.constants]
+    begins += [
+        i for last in changes.forms for kind, i in by_index[last].record.inputs if kind == "op" and i in by_index
+    ]
     begins += [s.record.index for s in steps if _line(s) in changes.raised and s.record.phase == "forward"]
     return (changes, min(begins)) if begins else None
 
@@ -138,11 +148,19 @@ def _changes(experiments: list[Experiment], by_index: dict[int, Step]) -> _Chang
         for e in experiments if e.stable is not None and e.stable.scaled and not e.stable.form.prefix
         for r in (e.completed or e.chain[: len(e.stable.form.ops)]) if r.location
     }  # fmt: skip
+    # a form inside a longer one (the softmax of the log-softmax another experiment completed) is that one
+    inner = {
+        r.index
+        for e in experiments if e.stable is not None and e.stable.scaled and not e.stable.form.prefix
+        for r in (e.completed or e.chain[: len(e.stable.form.ops)])[:-1]
+    }  # fmt: skip
     for e in experiments:
         if e.verdict != "origin" or e.origin is None or e.origin.index not in by_index:
             continue
         if e.stable is not None and e.stable.scaled and not e.stable.form.prefix:
             ran = e.completed or e.chain[: len(e.stable.form.ops)]
+            if ran[-1].index in inner:
+                continue
             first = by_index.get(ran[0].index)
             reduction = next((by_index.get(r.index) for r in ran if _packet(r.op) in _REDUCTIONS), None)
             if first is None or reduction is None:
@@ -168,19 +186,22 @@ def _changes(experiments: list[Experiment], by_index: dict[int, Step]) -> _Chang
 
 def _replayed(
     steps: list[Step], start: int, changes: _Changes, lookup: Lookup | None,
-    leaves: list[torch.Tensor] | None = None, *, as_ran: bool = False,
+    leaves: list[torch.Tensor] | None = None, *, as_ran: bool = False, dtype: torch.dtype | None = None,
+    every: Step | None = None,
 ) -> tuple[Step, torch.Tensor] | None:  # fmt: skip
     """The forward from `start` with the changes in place (see check), or the same ops as they ran
-    (`as_ran`): the loss and its value then; `leaves` as reruns._run's."""
+    (`as_ran`), each op in `dtype` where given: the loss and its value then. The ops re-run are the
+    changed ones and those that read what a re-run op made, or (`every`: the loss found so) each op
+    from `start` down to that loss. `leaves` as reruns._run's."""
     values: dict[int, list[torch.Tensor]] = {}
     losses: list[Step] = []
     for step in steps:
         r = step.record
-        if r.index < start or r.phase != "forward":
+        if r.index < start or r.phase != "forward" or (every is not None and r.index > every.record.index):
             continue
         changed = r.index in changes.forms or r.index in changes.constants or _line(step) in changes.raised
         if as_ran and changed:
-            out = _run(step, None, values, lookup, strict=True, leaves=leaves)
+            out = _run(step, dtype, values, lookup, strict=True, leaves=leaves)
         elif r.index in changes.forms:
             form, first, dim = changes.forms[r.index]
             x = _operand(form, first, values)
@@ -197,11 +218,13 @@ def _replayed(
             out = _run(changed_step, None, values, lookup, strict=True, leaves=leaves)
         elif (at := _line(step)) is not None and at in changes.raised:
             out = _run(step, changes.raised[at], values, lookup, strict=True, leaves=leaves)
-        elif r.index == start or any(src[0] == "op" and src[1] in values for src in r.inputs):
-            out = _run(step, None, values, lookup, strict=True, leaves=leaves)
+        elif every is not None or r.index == start or any(src[0] == "op" and src[1] in values for src in r.inputs):
+            out = _run(step, dtype, values, lookup, strict=True, leaves=leaves)
         else:
             continue
         values[r.index] = out
+        if every is not None and r.index == every.record.index:
+            return every, out[0]
         if r.outputs and math.prod(r.outputs[0].shape) == 1 and out and out[0].is_floating_point():
             losses.append(step)
     loss = _unscaled(losses, values)

@@ -143,6 +143,7 @@ class OnLoss:
     # "loss": the loss was non-finite; "gradients": it was finite, the gradients its backward sends out
     # of the re-run ops were not, and `after` is the loss where they are finite with the changes
     judged: str = "loss"
+    exact: float | None = None  # the same ops as written, in fp64: what the loss is meant to be
 
 
 @dataclass
@@ -389,11 +390,21 @@ class Experiment:
                     f"those ops are still non-finite (checked: {how}, and their backward run).",
                 )
             return text, message, fix, trial
+        if found.after is not None and found.exact is not None and not _near(found.after, found.exact):
+            # finite, yet not what the loss computes in fp64: the change alters the math, not only its precision
+            fix = _after_checked(
+                fix,
+                f" Not the fix as it stands: {with_}, {found.loss} is {found.after:.4g} where it was "
+                f"{found.before}, but the same ops as written give {found.exact:.4g} in fp64 (checked: {how}): "
+                "the change alters what the loss computes, not only its precision.",
+            )
+            return text, message, fix, trial
         if found.after is not None:
+            exact = f"; the same ops as written give {found.exact:.4g} in fp64" if found.exact is not None else ""
             fix = _after_checked(
                 fix,
                 f" On the step's loss: {with_}, {found.loss} is {found.after:.4g} where it was "
-                f"{found.before} (checked: {how}).",
+                f"{found.before}{exact} (checked: {how}).",
             )
             trial = Trial.checked(
                 found.changed,
@@ -504,6 +515,13 @@ _DEVICE = (
     "check this GPU with `fpdoctor health` (Xid errors, ECC, GEMM fingerprints); for a custom kernel, test it on "
     "these inputs."
 )
+
+
+NEAR_EXACT = 0.02  # a loss within this share of its fp64 value is the same loss in a narrow format
+
+
+def _near(value: float, exact: float) -> bool:
+    return abs(value - exact) <= NEAR_EXACT * max(abs(exact), 1e-6)
 
 
 def _after_checked(fix: str, sentence: str) -> str:

@@ -80,6 +80,10 @@ FORMS = (
     Form(("exp", "sum", "div", "log"), "log(exp(x) / exp(x).sum(dim))", "F.log_softmax(x, dim)",
          lambda x, d: torch.log(torch.exp(x) / torch.exp(x).sum(d, keepdim=True)),
          lambda x, d: F.log_softmax(x, _one_dim(d))),
+    # the same with a guard against log(0) between them, an eps that fp16 rounds to 0 or one that clips
+    Form(("exp", "sum", "div", "add", "log"), "log(exp(x) / exp(x).sum(dim) + eps)", "F.log_softmax(x, dim)",
+         lambda x, d: torch.log(torch.exp(x) / torch.exp(x).sum(d, keepdim=True) + 1e-8),
+         lambda x, d: F.log_softmax(x, _one_dim(d))),
     Form(("add", "log"), "log(1 + x)", "torch.log1p(x) (for a softplus, log(1 + exp(s)): F.softplus(s))",
          lambda x, _: torch.log(1 + x), lambda x, _: torch.log1p(x), prefix=True, operand=_one_plus,
          why="without rounding 1 + x to 1 where x is small"),

@@ -108,6 +108,7 @@ class NonFiniteError(FloatingPointError):
 
 
 _NARROW = (torch.float16, torch.bfloat16)
+GUARD_EPS = 1e-3  # the largest constant added before a log read as a guard against log(0)
 _COMPLETES = frozenset({"log", "div"})  # ops that may complete a form whose exp overflowed (_completed)
 STATEMENT_OPS = 32  # ops of one statement a copy_ writes back, redone to check it (lost_updates.py)
 _TINY = {dt: float(torch.finfo(dt).smallest_normal) * float(torch.finfo(dt).eps) / 2 for dt in _NARROW}
@@ -935,6 +936,9 @@ class Tracer(EagerDispatchMode):
         checked on what the exp read (reruns.completed_form); a longer form found later replaces it."""
         chain = [record]
         made = self._made_by(record) if record.op.startswith("aten.log") else record
+        if made is not None and made is not record and self._guard(made):  # log(p + 1e-8): the eps between
+            chain.insert(0, made)
+            made = self._made_by(made)
         if made is not None and made.op.startswith("aten.div") and len(made.inputs) == 2:
             if made is not record:
                 chain.insert(0, made)
@@ -1019,6 +1023,14 @@ class Tracer(EagerDispatchMode):
             return
         for experiment in fresh:
             experiment.on_loss = experiment.on_loss or found
+
+    def _guard(self, record: Record) -> bool:
+        """An add of a small constant to one tensor (p + 1e-8 before a log): a guard against log(0)."""
+        if not record.op.startswith("aten.add") or len(record.inputs) != 1:
+            return False
+        ran = next((s for s in reversed(self._window.steps) if s[0] is record), None)
+        numbers = [a for a in (ran[2] if ran else ()) if type(a) in (int, float)]
+        return len(numbers) == 1 and 0 < abs(numbers[0]) <= GUARD_EPS
 
     def _made_by(self, record: Record, argument: int = 0) -> Record | None:
         """The record that made one of `record`'s inputs (its first, or `argument`), where an op did."""
