@@ -259,6 +259,7 @@ def test_an_update_handed_nan_gradients_is_a_consequence_not_a_learning_rate_to_
     (blown,) = t.report.by_name("update-blew-up")
     assert blown.evidence["consequence_of_step"] == 6 and blown.severity.value == "warning"
     assert "lower the learning rate" not in blown.fix.lower() and "does not change" in blown.fix
+    assert "made the largest weight NaN" in blown.message and "by Inf" not in blown.message, blown.message
 
 
 # -- when the origin is the data, which data --------------------------------------------------

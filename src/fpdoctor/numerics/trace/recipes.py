@@ -229,8 +229,13 @@ def blowup_finding(seen: OptimizerSeen) -> Finding | None:
         return catalog.make(
             "update-blew-up",
             message=(
-                f"{seen.name}'s update{lr} at its step {step} multiplied the largest weight by "
-                f"{'Inf' if math.isinf(grown) else f'{grown:.3g}'} ({before:.3g} -> {after:.3g}) in one step. The "
+                f"{seen.name}'s update{lr} at its step {step} "
+                + (
+                    f"made the largest weight {_said(after)} ({before:.3g} -> {_said(after)})"
+                    if not math.isfinite(after)
+                    else f"multiplied the largest weight by {grown:.3g} ({before:.3g} -> {after:.3g})"
+                )
+                + " in one step. The "
                 "next forward and backward run on those weights: the NaN/Inf reported after this is their "
                 "consequence, not a cause of its own."
             ),
@@ -356,3 +361,8 @@ def no_scaler_finding(
             "# or autocast to torch.bfloat16, which has fp32's range and needs no scaler"
         ),
     )
+
+
+def _said(value: float) -> str:
+    """'NaN', 'Inf' or '-Inf', as a weight the update made."""
+    return "NaN" if math.isnan(value) else "Inf" if value > 0 else "-Inf"
