@@ -278,16 +278,9 @@ class Analysis:
                 f"{o.op} {module_text(o.module)} ({o.phase})" + (f" at {where_text(o.location)}" if o.location else "")
                 for o in others[:5]
             ]
-            # the same op made the same symptom on another line in the same step (a loss by hand per
-            # head, each line its own exp): the fix is one change on every such line (same_line.py)
-            here, step = where_text(r.location), self.step_of(r)
-            lines = [
-                line for o in others
-                if o.op == r.op and o.phase == r.phase and (line := where_text(o.location)) and line != here
-                and self.step_of(o) == step
-            ]  # fmt: skip
-            if lines:
-                evidence["same_op_at"] = list(dict.fromkeys(line.split(" in ", 1)[0] for line in lines))
+            # a loss by hand per head, each line its own exp: one change on every such line
+            if lines := self._same_op_lines(r, others):
+                evidence["same_op_at"] = lines
         # the same hand-written composite on other lines (a softmax or log-sum-exp by hand per head), overflowed
         # in this run or not yet: each wants its stable form (same_line.py)
         forms = self.tracer.forms
@@ -567,17 +560,8 @@ class Analysis:
             trial = Trial.untried("no op that made the non-finite value was seen, so there was nothing to re-run")
         if len(absorbed) > 1:
             evidence["other_ops"] = len({(x.op, x.location) for x in absorbed}) - 1
-        if r is not None and r.location:
-            # the same op made the same symptom on another line in the same step (each of two embeddings'
-            # norms by hand): one change on every such line (same_line.py)
-            here, step = where_text(r.location), self.step_of(r)
-            lines = [
-                line for x in absorbed
-                if x.op == r.op and x.phase == r.phase and (line := where_text(x.location)) and line != here
-                and self.step_of(x) == step
-            ]  # fmt: skip
-            if lines:
-                evidence["same_op_at"] = list(dict.fromkeys(line.split(" in ", 1)[0] for line in lines))
+        if r is not None and (lines := self._same_op_lines(r, absorbed)):  # each of two norms by hand
+            evidence["same_op_at"] = lines
         if unscaled:
             message += self._scale_out_of_range(run, unscaled, evidence)
         return catalog.make(
@@ -589,6 +573,19 @@ class Analysis:
             fix=fix,
             trial=trial,
         )
+
+    def _same_op_lines(self, r: Record, others: Sequence[Record]) -> list[str]:
+        """'file:line' of each other line where the same op made the same symptom in the same step as
+        `r`: the fix is one change on every such line (same_line.py)."""
+        here, step = where_text(r.location), self.step_of(r)
+        if here is None:
+            return []
+        lines = [
+            line for o in others
+            if o.op == r.op and o.phase == r.phase and (line := where_text(o.location)) and line != here
+            and self.step_of(o) == step
+        ]  # fmt: skip
+        return list(dict.fromkeys(line.split(" in ", 1)[0] for line in lines))
 
     def _scale_out_of_range(self, run: ScalerRun, own: Sequence[Record], evidence: dict[str, Any]) -> str:
         """What the scaler's own unscaling did once its scale left float32's range (`_scaler_own`)."""
