@@ -50,7 +50,9 @@ class _Changes:
     said: list[str] = field(default_factory=list)  # each, as the fix says it
 
 
-def check(experiments: list[Experiment], steps: list[Step], lookup: Lookup | None) -> OnLoss | None:
+def check(
+    experiments: list[Experiment], steps: list[Step], lookup: Lookup | None, root: tuple[str, Any] | None = None
+) -> OnLoss | None:
     """The loss re-run with the fixes of `experiments` (one step's, origin verdicts) in place; None
     where no loss that was non-finite depends on them, or a change cannot be re-run (a check that
     cannot run says nothing). Runs inside the dispatch of the step's first backward op: no autograd."""
@@ -59,7 +61,7 @@ def check(experiments: list[Experiment], steps: list[Step], lookup: Lookup | Non
         return None
     changes, start = prepared
     try:
-        found = _replayed(steps, start, changes, lookup)
+        found = _replayed(steps, start, changes, lookup, root=root)
         if found is None or found[0].record.kind is None:
             return None
         # the same ops as written, in fp64: what the loss is meant to be (a fix that is finite but
@@ -74,7 +76,9 @@ def check(experiments: list[Experiment], steps: list[Step], lookup: Lookup | Non
     return OnLoss(_named(loss), kind, None if left else float(value.double()), _said(changes), left, exact=reference)
 
 
-def check_gradients(experiments: list[Experiment], steps: list[Step], lookup: Lookup | None) -> OnLoss | None:
+def check_gradients(
+    experiments: list[Experiment], steps: list[Step], lookup: Lookup | None, root: tuple[str, Any] | None = None
+) -> OnLoss | None:
     """Where the loss was finite as it ran and its backward was not (a norm's sum past the range: the
     cosine is 0, its gradient NaN): the gradients a backward from the loss sends out of the re-run ops,
     as they ran and with the changes. Runs once the step's backward is done (autograd is needed)."""
@@ -83,10 +87,10 @@ def check_gradients(experiments: list[Experiment], steps: list[Step], lookup: Lo
         return None
     changes, start = prepared
     try:
-        if _gradients(steps, start, changes, lookup, as_ran=True) != "non-finite":
+        if _gradients(steps, start, changes, lookup, root, as_ran=True) != "non-finite":
             return None
-        left = _gradients(steps, start, changes, lookup)
-        found = _replayed(steps, start, changes, lookup)
+        left = _gradients(steps, start, changes, lookup, root)
+        found = _replayed(steps, start, changes, lookup, root=root)
     except Exception:  # as check's
         return None
     if found is None or left is None:
@@ -121,14 +125,20 @@ def _said(changes: _Changes) -> str:
 
 
 def _gradients(
-    steps: list[Step], start: int, changes: _Changes, lookup: Lookup | None, *, as_ran: bool = False
+    steps: list[Step],
+    start: int,
+    changes: _Changes,
+    lookup: Lookup | None,
+    root: tuple[str, Any] | None,
+    *,
+    as_ran: bool = False,
 ) -> str | None:
     """'finite' or 'non-finite': the gradients a backward from the loss sends out of the re-run ops
     (into the tensors they read that want one, read as new leaves: never the program's graph), with
     the changes in place or (`as_ran`) the same ops as they ran."""
     leaves: list[torch.Tensor] = []
     with torch.enable_grad():
-        found = _replayed(steps, start, changes, lookup, leaves=leaves, as_ran=as_ran)
+        found = _replayed(steps, start, changes, lookup, leaves=leaves, as_ran=as_ran, root=root)
         if found is None or not found[1].requires_grad or not leaves:
             return None
         grads = torch.autograd.grad(found[1], leaves, allow_unused=True)
@@ -187,7 +197,7 @@ def _changes(experiments: list[Experiment], by_index: dict[int, Step]) -> _Chang
 def _replayed(
     steps: list[Step], start: int, changes: _Changes, lookup: Lookup | None,
     leaves: list[torch.Tensor] | None = None, *, as_ran: bool = False, dtype: torch.dtype | None = None,
-    every: Step | None = None,
+    every: Step | None = None, root: tuple[str, Any] | None = None,
 ) -> tuple[Step, torch.Tensor] | None:  # fmt: skip
     """The forward from `start` with the changes in place (see check), or the same ops as they ran
     (`as_ran`), each op in `dtype` where given: the loss and its value then. The ops re-run are the
@@ -227,13 +237,17 @@ def _replayed(
             return every, out[0]
         if r.outputs and math.prod(r.outputs[0].shape) == 1 and out and out[0].is_floating_point():
             losses.append(step)
-    loss = _unscaled(losses, values)
+    loss = _unscaled(losses, values, root)
     return None if loss is None else (loss, values[loss.record.index][0])
 
 
-def _unscaled(losses: list[Step], values: dict[int, list[torch.Tensor]]) -> Step | None:
-    """The last op of one value that reads a change: the loss, before a GradScaler's scale(loss)
-    multiplies it by the scale (a one-value tensor no change reaches)."""
+def _unscaled(losses: list[Step], values: dict[int, list[torch.Tensor]], root: tuple[str, Any] | None) -> Step | None:
+    """The loss: the op of one value that reads a change and that the backward started from (`root`:
+    its op and source line; else the last such op: a metric computed after the loss from the same
+    logits is not it), before a GradScaler's scale(loss) multiplies it by the scale (a one-value
+    tensor no change reaches)."""
+    if root is not None:
+        losses = [s for s in losses if (s.record.op, s.record.location) == root] or losses
     if not losses:
         return None
     last = losses[-1]

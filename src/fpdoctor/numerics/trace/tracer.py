@@ -1003,21 +1003,25 @@ class Tracer(EagerDispatchMode):
         try:
             self.flush()  # the loss's kind, in deferred mode
             steps = [Step(*s) for s in self._window.steps]
+            # the op the backward starts from: the loss (its forward op and line), not a metric after it
+            node = current_autograd_node()
+            known = self._by_seq.get(node._sequence_nr()) if node is not None else None
+            root = (known[2], known[3]) if known is not None else None
             with DisableTorchDispatch(), torch.no_grad():
-                found = on_loss.check(fresh, steps, self._lookup)
+                found = on_loss.check(fresh, steps, self._lookup, root)
         except Exception as exc:  # the observer never kills the job (SPEC 4)
             self._error("experiment", exc)
             return
         for experiment in fresh:
             experiment.on_loss = found
         if found is None:  # a finite loss: its backward, once autograd is done with this one
-            queue_callback(lambda: self._check_gradients(fresh, steps))
+            queue_callback(lambda: self._check_gradients(fresh, steps, root))
 
-    def _check_gradients(self, fresh: list[Experiment], steps: list[Step]) -> None:
+    def _check_gradients(self, fresh: list[Experiment], steps: list[Step], root: tuple[str, Any] | None) -> None:
         """on_loss.check_gradients, at the end of the step's backward (a callback autograd runs)."""
         try:
             with DisableTorchDispatch():
-                found = on_loss.check_gradients(fresh, steps, self._lookup)
+                found = on_loss.check_gradients(fresh, steps, self._lookup, root)
         except Exception as exc:  # runs inside autograd's engine: never raise there
             self._error("experiment", exc)
             return
