@@ -556,10 +556,15 @@ class _TwoFaults(nn.Module):
         return loss.float()
 
 
-@pytest.mark.parametrize(("with_bug", "metric"), [(False, False), (True, False), (False, True)])
-def test_the_first_fix_is_checked_on_the_steps_loss_and_says_when_it_is_not_the_whole_fix(with_bug, metric):
+@pytest.mark.parametrize(
+    ("with_bug", "metric", "scaled"),
+    [(False, False, False), (True, False, False), (False, True, False), (False, True, True)],
+)
+def test_the_first_fix_is_checked_on_the_steps_loss_and_says_when_it_is_not_the_whole_fix(with_bug, metric, scaled):
     """`metric`: a one-value figure computed from the same values after the loss (a logged accuracy):
-    the loss checked is the one the backward starts from, not the last one-value op."""
+    the loss checked is the one the backward starts from, not the last one-value op; `scaled`: the
+    backward starts from the loss times a scale, as GradScaler.scale(loss) makes it: the loss is the one
+    before it."""
     torch.manual_seed(0)
     model = _TwoFaults(with_bug).half()
     x = (8 * torch.randn(32, 16)).half()
@@ -567,7 +572,7 @@ def test_the_first_fix_is_checked_on_the_steps_loss_and_says_when_it_is_not_the_
         loss = model(x)
         if metric:
             logged = loss.detach() * 100  # noqa: F841  (a percentage logged after the loss, from it)
-        loss.backward()
+        (loss * torch.tensor(65536.0) if scaled else loss).backward()
     assert not math.isfinite(float(loss.detach()))
     first = trace.report.sorted_findings()[0]
     assert first.fix.startswith("Write torch.softmax(x, dim)"), first.fix

@@ -39,6 +39,8 @@ from fpdoctor.numerics.engine.reruns import (
     _with_constant,
 )
 
+EXACT_BYTES = 256 * 2**20  # the fp64 reference replay holds at most this much (every op's output kept)
+
 
 @dataclass
 class _Changes:
@@ -62,13 +64,17 @@ def check(
     changes, start = prepared
     try:
         found = _replayed(steps, start, changes, lookup, root=root)
-        if found is None or found[0].record.kind is None:
-            return None
-        # the same ops as written, in fp64: what the loss is meant to be (a fix that is finite but
-        # clips, a log(p + 1e-3) for a log(p + 1e-8), moves it)
-        exact = _replayed(steps, start, changes, lookup, as_ran=True, dtype=torch.float64, every=found[0])
     except Exception:  # _Skip: an op that draws random numbers, an input written in place since
         return None
+    if found is None or found[0].record.kind is None:
+        return None
+    exact = None
+    try:  # the same ops as written, in fp64: what the loss is meant to be (a fix that is finite but
+        # clips, a log(p + 1e-3) for a log(p + 1e-8), moves it); a dropout between says nothing of it
+        if _fp64_bytes(steps, start, found[0]) <= EXACT_BYTES:
+            exact = _replayed(steps, start, changes, lookup, as_ran=True, dtype=torch.float64, every=found[0])
+    except Exception:
+        exact = None
     loss, value = found
     kind = loss.record.kind or "nan"
     left = _kind(value)
@@ -98,6 +104,15 @@ def check_gradients(
     loss, value = found
     after = float(value.double()) if left == "finite" else None
     return OnLoss(_named(loss), "finite", after, _said(changes), None if after is not None else "nan", "gradients")
+
+
+def _fp64_bytes(steps: list[Step], start: int, loss: Step) -> int:
+    """What the fp64 replay from `start` to the loss holds at most: every output of the ops between, in fp64."""
+    return sum(
+        8 * math.prod(o.shape)
+        for s in steps if start <= s.record.index <= loss.record.index and s.record.phase == "forward"
+        for o in s.record.outputs
+    )  # fmt: skip
 
 
 def _prepared(experiments: list[Experiment], steps: list[Step]) -> tuple[_Changes, int] | None:
@@ -217,6 +232,9 @@ def _replayed(
             x = _operand(form, first, values)
             if x is None:
                 return None
+            if leaves is not None and x.requires_grad and not any(x is v for vs in values.values() for v in vs):
+                x = x.detach().requires_grad_(True)  # the program's tensor: a leaf of the re-run, as _run reads it
+                leaves.append(x)
             extra = stable._dim(first.args) if form.ops[0] == "_softmax" else stable._dim(dim)
             value = form.call(x, extra)
             shape = tuple(r.outputs[0].shape) if r.outputs else value.shape
@@ -246,16 +264,18 @@ def _unscaled(losses: list[Step], values: dict[int, list[torch.Tensor]], root: t
     its op and source line; else the last such op: a metric computed after the loss from the same
     logits is not it), before a GradScaler's scale(loss) multiplies it by the scale (a one-value
     tensor no change reaches)."""
-    if root is not None:
-        losses = [s for s in losses if (s.record.op, s.record.location) == root] or losses
+    if root is not None:  # cut at the root: the scaled loss's mul stays last, for the rule below
+        at = [i for i, s in enumerate(losses) if (s.record.op, s.record.location) == root]
+        losses = losses[: at[-1] + 1] if at else losses
     if not losses:
         return None
     last = losses[-1]
-    if len(losses) > 1 and _packet(last.record.op) == "mul" and len(last.record.inputs) == 2:
-        before = ("op", losses[-2].record.index)
-        other = next((src for src in last.record.inputs if src != before), None)
-        if before in last.record.inputs and other is not None and not (other[0] == "op" and other[1] in values):
-            return losses[-2]
+    if _packet(last.record.op) == "mul" and len(last.record.inputs) == 2:
+        read = {("op", s.record.index): s for s in losses[:-1]}
+        scaled = next((src for src in last.record.inputs if src in read), None)
+        other = next((src for src in last.record.inputs if src != scaled), None)
+        if scaled is not None and other is not None and not (other[0] == "op" and other[1] in values):
+            return read[scaled]
     return last
 
 

@@ -173,8 +173,9 @@ class RaisedLines(EagerDispatchMode):
     def __enter__(self) -> RaisedLines:
         # a module that reads a raised result gets it in `dtype` before its forward: a conv or linear
         # checks its input's dtype against its weight's in C++ before any op reaches this mode
+        entered = super().__enter__()
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._back)  # type: ignore[arg-type]
-        return super().__enter__()
+        return entered
 
     def __exit__(self, *exc: Any) -> None:
         self._hook.remove()

@@ -753,6 +753,8 @@ def _run(
             if match is None and strict:
                 raise _Skip(f"an input of {step.record.op} is not one the re-run made")
             t = t if match is None else _substitute(t, match)
+            if mutable:
+                t = t.clone()  # a re-run view may share the program's memory: never write it
         elif src is not None and lookup is not None and lookup(t) != src:
             raise _Skip(f"an input of {step.record.op} was written in place since")
         elif leaves is not None and t.requires_grad:

@@ -409,6 +409,7 @@ class _Comparison:
         self.line_fix: torch.Tensor | None = None
         # runs that checked a fix at some lines, by (kind, first line, lines after): their outputs
         self._fix_outputs: dict[tuple[str, Any, int], torch.Tensor | None] = {}
+        self._keep_fix_outputs = False
         self.made_fix: tuple[Finding, torch.Tensor] | None = None  # NUM020/NUM021 and its checked run's output
         # why the input floor is 0 without a forward (rounding the inputs changes nothing), where it is
         self.input_floor_note: str | None = None
@@ -1307,7 +1308,11 @@ class _Comparison:
             return None
         raised = {at for found in forced.values() for at in found.get("lines") or []}
         sites = [m for m in self.made if nonfinite.line_of(m.location) not in raised]
-        found = made_in_dtype.checked(sites, self._fix_checked, error)
+        self._keep_fix_outputs = True
+        try:
+            found = made_in_dtype.checked(sites, self._fix_checked, error)
+        finally:
+            self._keep_fix_outputs = False
         if found is None:
             return None
         site, more, after = found
@@ -1327,7 +1332,8 @@ class _Comparison:
         kept: list[torch.Tensor] = []  # the run's output, for what it decides (_checked_fixes)
         error = error_under(mode, self.cand_run, self.inputs, self.cand_dtype, truth=root.truth, norm=root.norm,
                             rng=self.rng, device=self.cand_device, noise=self.noise, keep=kept)  # fmt: skip
-        self._fix_outputs[(kind, line, more)] = kept[0] if kept else None
+        if self._keep_fix_outputs:  # only the runs _made_checked reads: an LM's logits are large
+            self._fix_outputs[(kind, line, more)] = kept[0] if kept else None
         return error
 
     def _overflow_checked(self, found: dict[str, Any], error: float) -> dict[str, Any] | None:
