@@ -182,7 +182,13 @@ def _changes(experiments: list[Experiment], by_index: dict[int, Step]) -> _Chang
     for e in experiments:
         if e.verdict != "origin" or e.origin is None or e.origin.index not in by_index:
             continue
-        if e.stable is not None and e.stable.scaled and not e.stable.form.prefix:
+        # in the order Experiment._word_origin_at_op prints them: the fix checked is the fix printed
+        if e.literal is not None and e.literal_fix is not None:
+            changes.constants[e.origin.index] = (e.literal[0], e.literal_fix[0])
+            changes.said.append(f"the constant {e.literal[0]:g} as {e.literal_fix[0]:g}")
+        elif e.saturated_fix is not None or (e.stable is not None and e.stable.scaled and e.stable.form.prefix):
+            return None  # a cast held at its limit, a form whose later ops re-run: not put in place here
+        elif e.stable is not None and e.stable.scaled:
             ran = e.completed or e.chain[: len(e.stable.form.ops)]
             if ran[-1].index in inner:
                 continue
@@ -192,9 +198,6 @@ def _changes(experiments: list[Experiment], by_index: dict[int, Step]) -> _Chang
                 return None
             changes.forms[ran[-1].index] = (e.stable.form, first, reduction.args)
             changes.said.append(f"{e.stable.form.stable} at {_lines(ran)}")
-        elif e.literal is not None and e.literal_fix is not None:
-            changes.constants[e.origin.index] = (e.literal[0], e.literal_fix[0])
-            changes.said.append(f"the constant {e.literal[0]:g} as {e.literal_fix[0]:g}")
         elif e.checked_in in ("fp32", "fp64"):
             located = [(r.location[0], r.location[1]) for r in e.chain if r.location]
             if not located:
