@@ -1368,7 +1368,13 @@ class _Comparison:
         if not found.changed and coarse and self.cand_dtype in (torch.float16, torch.bfloat16):
             held = rounding_floor(self.root_truth, "fp32")
             if held is not None and 1.0 - held[0] <= use.RECOVERED * floor_flips:  # fp32 holds them
-                result.report.findings.append(use.coarse_finding(found, self.label, held[0], inputs=self.inputs))
+                # the fix as a run: the layer that makes the output kept in fp32, returning fp32; where the
+                # model's own ops make it (scores against a table), no run puts the fix in place
+                head = self._last_leaf if self.logits is not None and self.logits.startswith("logits of") else None
+                ran = self._top1_with_fp32([head], fp32_output=True) if head else None
+                result.report.findings.append(
+                    use.coarse_finding(found, self.label, held[0], inputs=self.inputs, head=head, ran=ran)
+                )
         if not found.changed:
             return
         head = self._last_leaf or ""

@@ -87,11 +87,15 @@ def reads_ids(inputs: Any) -> bool:
     return any(integral(t) for t in tensors_in(inputs))
 
 
-def coarse_finding(found: Decisions, label: str, fp32_top1: float, *, inputs: Any) -> Finding:
+def coarse_finding(
+    found: Decisions, label: str, fp32_top1: float, *, inputs: Any, head: str | None = None, ran: float | None = None
+) -> Finding:
     """`output-too-coarse` for logits: rounding the exact output to the candidate's format alone
     changes DECISION_SHARE of the decisions or more (scores near 90 in bf16, spacing 0.5, margins
     below it), where the candidate's computation adds little to it (else decisions-changed speaks).
-    Checked on the exact output: its top-1 held in fp32 (`fp32_top1`) against rounded to `label`."""
+    The exact output's top-1 held in fp32 (`fp32_top1`) against rounded to `label` says the format is
+    the cause; the fix is checked by a run of the candidate with `head` (the layer that makes the
+    output) in fp32 returning fp32 (`ran`: its top-1), where there is such a layer."""
     flips = 1.0 - found.floor_top1
     message = (
         f"In {label} the output cannot hold the decisions it makes: rounding the exact output ({found.source}) to "
@@ -99,18 +103,34 @@ def coarse_finding(found: Decisions, label: str, fp32_top1: float, *, inputs: An
         f"{pct(1.0 - found.top1)}), as their margins are below {label}'s spacing at those values. The computation "
         "adds little and every relative figure looks fine: the output's format is the cause."
     )
-    fix = (
-        "Return the scores in fp32: compute the op that makes the output in fp32 (its operands .float()) and do not "
-        "cast the result back (a Linear head: keep it in fp32, returning fp32 logits). Checked on the exact output: "
-        f"top-1 agreement {pct(found.floor_top1)} rounded to {label} -> {pct(fp32_top1)} held in fp32."
+    exact = (
+        f"the exact output gives top-1 agreement {pct(found.floor_top1)} rounded to {label}, {pct(fp32_top1)} held in "
+        "fp32"
     )
-    trial = Trial.checked(
-        f"the exact output held in fp32 instead of rounded to {label}",
-        metric="top-1 agreement with fp64",
-        before=pct(found.floor_top1),
-        after=pct(fp32_top1),
-        on=inputs_text(describe(inputs)),
-    )
+    on = inputs_text(describe(inputs))
+    if head and ran is not None and found.recovered(ran):
+        fix = (
+            f"Return the scores in fp32: keep `{head}` in fp32, returning fp32 logits; checked: top-1 agreement "
+            f"{pct(found.top1)} -> {pct(ran)} ({exact})."
+        )
+        trial = Trial.checked(
+            f"`{head}` kept in fp32, returning fp32, the rest in {label}",
+            metric="top-1 agreement with fp64", before=pct(found.top1), after=pct(ran), on=on,
+        )  # fmt: skip
+    else:
+        # no run put the fix in place (the model's own ops make the scores), or the one that did is not enough: the
+        # values those ops read are already rounded, and what amplifies that rounding must be computed in fp32 too
+        fix = (
+            "Return the scores in fp32, computed in fp32 from what they are made of: the lines that make the output "
+            "(a normalisation, a scale, the product against the table) in fp32 from their inputs (.float()), the "
+            f"result not cast back ({exact})."
+        )
+        tried = (
+            f"`{head}` kept in fp32, returning fp32, leaves top-1 agreement at {pct(ran)} (from {pct(found.top1)})"
+            if head and ran is not None
+            else "the model's own ops make the output: no run put the fix in place"
+        )
+        trial = Trial.untried(f"{tried}; {exact}")
     return catalog.make(
         "output-too-coarse",
         message=message,
