@@ -23,6 +23,7 @@ _VERDICT_STYLE = {"error": "bold white on red", "warning": "bold black on yellow
 
 
 # A clean text report leads with its verdict and a few facts; the whole table when asked (-v).
+LABEL_WIDTH = 40  # the summary's label column at most, in characters
 CLEAN_ROWS = 8
 
 
@@ -144,7 +145,9 @@ def render_text(report: dict[str, Any], *, color: bool = False, width: int = 100
         summary, hidden = summary[:CLEAN_ROWS], len(summary) - CLEAN_ROWS
     if summary:
         table = Table(show_header=False, box=None, pad_edge=False, padding=(0, 2, 0, 0))
-        table.add_column(style="dim", no_wrap=True)
+        # a long label (a decisions line names its source) wraps in its own column: left at its length, it
+        # took the width the values need and folded each of them every few words
+        table.add_column(style="dim", max_width=LABEL_WIDTH)
         table.add_column(overflow="fold")
         for label, value in summary:
             table.add_row(escape(str(label)), escape(str(value)))
