@@ -13,8 +13,13 @@ in place, the rest as they ran:
                   for what reads it (x.float() on the line: torch's type promotion carries it on).
 
 Every other op that reads a changed value runs as it ran, on the changed values. The loss is the
-last forward op with one value that depends on a change. Its value then is the fix's figure on
-the loss; a loss that is still non-finite says the fix is not the whole fix.
+op of one value the backward starts from (a figure logged after it is not), before a GradScaler's
+scale(loss) multiplies it. Its value then is the fix's figure on the loss, set beside the same ops
+as written run in fp64: a loss that is still non-finite says the fix is not the whole fix, and one
+that is finite but far from that value says the change alters what the loss computes (a guard's
+replacement that clips). Where the loss was finite and its backward was not, the gradients a
+backward from it sends out of the re-run ops are checked instead, once autograd is done with the
+step's own backward (inside it, no op records a graph).
 """
 
 from __future__ import annotations
@@ -76,10 +81,10 @@ def check(
     except Exception:
         exact = None
     loss, value = found
-    kind = loss.record.kind or "nan"
     left = _kind(value)
     reference = float(exact[1].double()) if exact is not None and _kind(exact[1]) is None else None
-    return OnLoss(_named(loss), kind, None if left else float(value.double()), _said(changes), left, exact=reference)
+    before = str(loss.record.kind)
+    return OnLoss(_named(loss), before, None if left else float(value.double()), _said(changes), left, exact=reference)
 
 
 def check_gradients(
