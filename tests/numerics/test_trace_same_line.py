@@ -161,7 +161,10 @@ def test_the_same_op_overflowing_on_two_lines_from_their_own_values_is_named_on_
     first, fixed = _traced_and_fixed(tmp_path / "two_heads.py", TWO_HEADS, symptom="non-finite losses 3")
     assert first["evidence"]["location"].split(" in ")[0].endswith(":14"), first["evidence"]
     assert [x.rpartition(":")[2] for x in first["evidence"]["same_op_lines"]] == ["15"], first["evidence"]
-    assert "make the same change on lines 14 and 15" in first["fix"] and "not experimented on" in first["fix"]
+    assert "make the same change on lines 14 and 15" in first["fix"], first["fix"]
+    # the second head's exp is among the first producers experimented on: its own fix was checked too
+    assert "the same change checked there on them too" in first["fix"], first["fix"]
+    assert first["evidence"]["same_op_checked"] == first["evidence"]["same_op_lines"]
     assert "non-finite losses 0" in fixed.stderr  # both lines in fp32
 
 

@@ -281,6 +281,7 @@ class Analysis:
             # a loss by hand per head, each line its own exp: one change on every such line
             if lines := self._same_op_lines(r, others):
                 evidence["same_op_at"] = lines
+                evidence["same_op_checked"] = self._checked_lines(others, lines)
         # the same hand-written composite on other lines (a softmax or log-sum-exp by hand per head), overflowed
         # in this run or not yet: each wants its stable form (same_line.py)
         forms = self.tracer.forms
@@ -562,6 +563,7 @@ class Analysis:
             evidence["other_ops"] = len({(x.op, x.location) for x in absorbed}) - 1
         if r is not None and (lines := self._same_op_lines(r, absorbed)):  # each of two norms by hand
             evidence["same_op_at"] = lines
+            evidence["same_op_checked"] = self._checked_lines(absorbed, lines)
         if unscaled:
             message += self._scale_out_of_range(run, unscaled, evidence)
         return catalog.make(
@@ -586,6 +588,16 @@ class Analysis:
             and self.step_of(o) == step
         ]  # fmt: skip
         return list(dict.fromkeys(line.split(" in ", 1)[0] for line in lines))
+
+    def _checked_lines(self, others: Sequence[Record], lines: list[str]) -> list[str]:
+        """Those of `lines` where a producer's experiment checked its own fix (the first producers are
+        experimented on, PRODUCERS of each kind: the same op on another line often is one of them)."""
+        experiments = self.tracer.experiments
+        checked = {
+            (where_text(o.location) or "").split(" in ", 1)[0] for o in others
+            if (e := experiments.get(o.index)) is not None and e.verdict == "origin" and (e.checked_in or e.stable)
+        }  # fmt: skip
+        return [line for line in lines if line in checked]
 
     def _scale_out_of_range(self, run: ScalerRun, own: Sequence[Record], evidence: dict[str, Any]) -> str:
         """What the scaler's own unscaling did once its scale left float32's range (`_scaler_own`)."""
@@ -849,7 +861,9 @@ OP_ADVICE: dict[str, str] = {
     "addmm": "the linear layer overflowed: keep it in fp32 or rescale its input",
     "_scaled_dot_product_flash_attention_for_cpu": "the attention overflowed: keep it in fp32 or rescale q and k",
     "_to_copy": "a cast to a narrower dtype overflowed: rescale before the cast or keep the tensor in fp32",
-    "sum": "the sum overflowed: accumulate in fp32 (x.sum(dtype=torch.float32)) or take a mean",
+    "sum": "the sum overflowed: accumulate in fp32 (x.sum(dtype=torch.float32)), or take a mean and rescale what "
+    "reads it (for a norm, sqrt((x * x).sum(dim)), torch.linalg.vector_norm(x, dim=dim), which does not overflow "
+    "before its result does)",
     "mul": "the product overflowed: rescale a factor or keep it in fp32",
 }
 

@@ -108,9 +108,15 @@ def _also_at(first: Finding, others: list[str], *, same_values: bool = True) -> 
             "still overflows."
         )
     else:
+        checked = set(others) <= set(first.evidence.get("same_op_checked") or [])
         wider = (
             f" Not only line {here}: {op} makes the same non-finite result on {where} in the same step, from its own "
-            f"values (not experimented on: the first producer was): make the same change on lines {named}."
+            + (
+                "values (the same change checked there on them too)"
+                if checked
+                else "values (not experimented on: the first producer was)"
+            )
+            + f": make the same change on lines {named}."
         )
     evidence = {**first.evidence, ("same_values_at" if same_values else "same_op_lines"): others}
     return dataclasses.replace(first, fix=_inserted(first.fix, wider), evidence=evidence)
