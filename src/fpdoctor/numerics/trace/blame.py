@@ -861,7 +861,7 @@ OP_ADVICE: dict[str, str] = {
     "addmm": "the linear layer overflowed: keep it in fp32 or rescale its input",
     "_scaled_dot_product_flash_attention_for_cpu": "the attention overflowed: keep it in fp32 or rescale q and k",
     "_to_copy": "a cast to a narrower dtype overflowed: rescale before the cast or keep the tensor in fp32",
-    "sum": "the sum overflowed: accumulate in fp32 (x.sum(dtype=torch.float32)), or take a mean and rescale what "
+    "sum": "the sum overflowed: accumulate in fp32 (x.sum(dtype=torch.float32)) or take a mean and rescale what "
     "reads it (for a norm, sqrt((x * x).sum(dim)), torch.linalg.vector_norm(x, dim=dim), which does not overflow "
     "before its result does)",
     "mul": "the product overflowed: rescale a factor or keep it in fp32",
