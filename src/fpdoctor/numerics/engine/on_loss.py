@@ -172,18 +172,14 @@ def _changes(experiments: list[Experiment], by_index: dict[int, Step]) -> _Chang
     """What each experiment's printed fix changes; None where one is a fix the replay cannot put in
     place (a cast held at its limit, a fresh random draw)."""
     changes = _Changes()
+    # the forms a fix writes, whole (a prefix form's later ops re-run: not put in place here)
+    forms = [
+        e.form_records for e in experiments if e.stable is not None and e.stable.scaled and not e.stable.form.prefix
+    ]
     # a stable form's lines are the form's: another experiment's precision fix there is the same change
-    formed = {
-        (r.location[0], r.location[1])
-        for e in experiments if e.stable is not None and e.stable.scaled and not e.stable.form.prefix
-        for r in (e.completed or e.chain[: len(e.stable.form.ops)]) if r.location
-    }  # fmt: skip
+    formed = {(r.location[0], r.location[1]) for ran in forms for r in ran if r.location}
     # a form inside a longer one (the softmax of the log-softmax another experiment completed) is that one
-    inner = {
-        r.index
-        for e in experiments if e.stable is not None and e.stable.scaled and not e.stable.form.prefix
-        for r in (e.completed or e.chain[: len(e.stable.form.ops)])[:-1]
-    }  # fmt: skip
+    inner = {r.index for ran in forms for r in ran[:-1]}
     for e in experiments:
         if e.verdict != "origin" or e.origin is None or e.origin.index not in by_index:
             continue
@@ -194,7 +190,7 @@ def _changes(experiments: list[Experiment], by_index: dict[int, Step]) -> _Chang
         elif e.saturated_fix is not None or (e.stable is not None and e.stable.scaled and e.stable.form.prefix):
             return None  # a cast held at its limit, a form whose later ops re-run: not put in place here
         elif e.stable is not None and e.stable.scaled:
-            ran = e.completed or e.chain[: len(e.stable.form.ops)]
+            ran = e.form_records
             if ran[-1].index in inner:
                 continue
             first = by_index.get(ran[0].index)

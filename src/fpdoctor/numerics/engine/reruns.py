@@ -280,6 +280,13 @@ class Experiment:
         return title, message + tried + (f" {self.note}" if self.note else ""), fix, Trial.untried(reason)
 
     @property
+    def form_records(self) -> list[Record]:
+        """The ops of the stable form the fix writes: the form as completed past the chain, or the
+        chain's first ops."""
+        assert self.stable is not None
+        return self.completed or self.chain[: len(self.stable.form.ops)]
+
+    @property
     def clean(self) -> str:
         """What the cured output is: finite, or free of the NaN it made beside an Inf it was handed."""
         if not self.handed or self.symptom == _ANY:
@@ -487,7 +494,7 @@ class Experiment:
             trial = self._as_ran(f"the cast{at} holding +-{limit:g} instead of Inf, the ops as they ran", biggest)
             return text, message + why, fix, trial
         if self.stable is not None and self.stable.scaled:
-            ran = self.completed or self.chain[: len(self.stable.form.ops)]
+            ran = self.form_records
             return text, message + why, *self._stable_fix(_lines(ran))
         if own:
             reduction = _packet(origin.op) in _REDUCTIONS
