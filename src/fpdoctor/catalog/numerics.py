@@ -328,6 +328,24 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         fix="Draw in fp32 (torch.rand_like(x, dtype=torch.float32)), transform the draw in fp32, and cast the "
         "result to the model's dtype.",
     ),
+    RuleInfo(
+        code="NUM022",
+        name="selection-changed",
+        severity=E,
+        title="A selection inside the model (a router's top-k, an argmax) picks other elements in the candidate",
+        what="Where no module or op explains the end-to-end error, or module calls got other shapes than in fp64, "
+        "`compare` runs the forward in fp64, in the floor model's format and in the candidate, records what each "
+        "topk, argmax, argmin, max/min over a dim and kthvalue picks (a top-k as a set), and names the first one "
+        "that picks other elements than fp64 in 1% of its rows or more, and 4x the floor model's share. It then "
+        "re-runs the candidate with that line, and the lines that made what it ranks (nearest first), in fp32, "
+        "their results cast back, and names the first set that leaves 4x fewer rows changed.",
+        why="A selection rounds nothing: it picks. Scores closer together than the format's spacing (a router's "
+        "softmax over 8 experts near 1/8 is held in steps of 0.001 in bf16) are ranked differently, and the rows "
+        "sent to another expert or codebook entry get a different computation. Each op is within its floor, so "
+        "nothing stands out but the end-to-end error.",
+        fix="Compute the scores and the selection in fp32 (the router's logits, softmax and topk on .float() "
+        "operands) and cast what they feed back to the model's dtype.",
+    ),
 )
 
 TRN_RULES: tuple[RuleInfo, ...] = (

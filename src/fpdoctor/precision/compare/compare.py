@@ -58,7 +58,16 @@ from fpdoctor.precision.candidates import (
     run_flags,
     uncompiled,
 )
-from fpdoctor.precision.compare import fp8, input_cause, made_in_dtype, near_limit, nonfinite, upstream, use
+from fpdoctor.precision.compare import (
+    fp8,
+    input_cause,
+    made_in_dtype,
+    near_limit,
+    nonfinite,
+    selections,
+    upstream,
+    use,
+)
 from fpdoctor.precision.compare.compiled import compare_compiled, is_compiled
 from fpdoctor.precision.compare.container_ops import Own, OwnOps
 from fpdoctor.precision.compare.first_overflow import first_overflow
@@ -337,8 +346,10 @@ def _compare(
         step.advance()
         accumulation = run.accumulation(rows, input_floor)
         inputs_cause = run.inputs_cause(rows, input_floor) if accumulation is None else None
+        selection = run.selection(rows, accumulation)
     kept = [(r, run.seen[(r.module, r.call)]) for r in rows] if samples is not None else []
-    result = run.result(rows, input_floor, prefix, accumulation, forced, inputs_cause=inputs_cause)
+    result = run.result(rows, input_floor, prefix, accumulation, forced, inputs_cause=inputs_cause,
+                        selection=selection)  # fmt: skip
     if samples is not None:  # after result(): the rows carry their names in the whole model now
         samples.extend((r, e.truth, e.candidate) for r, e in kept)
         if not prefix:  # an output of logits, as its rows decide (use.py), for the record's use metrics
@@ -416,6 +427,8 @@ class _Comparison:
         self.root_cand: torch.Tensor | None = None
         self.root_units: InUnits | None = None  # an output that is not logits, in its units (units.py)
         self._units_truth: torch.Tensor | None = None  # the fp64 sample root_units is measured on
+        # module calls whose candidate output had another size than the fp64 one (rows a selection picked)
+        self.unmatched: dict[str, None] = {}
 
     # -- where the random numbers stand ------------------------------------------------------
     def mark(self) -> tuple[RngState, int]:
@@ -749,6 +762,8 @@ class _Comparison:
         entry = self.seen.get((name, index))
         kept = self._cand_inputs.pop((name, index), None)
         c = device_sample(output) if entry is not None else None
+        if entry is not None and c is not None and c.numel() != entry.truth.numel() and name:
+            self.unmatched[name] = None
         if entry is None or c is None or c.numel() != entry.truth.numel():
             return None
         return entry, kept, (kept[:2] if kept is not None else None), c.to(entry.truth.device)
@@ -1051,6 +1066,65 @@ class _Comparison:
             "dtype": str(self.cand_dtype).removeprefix("torch."),
         }
 
+    # -- step 5c: a selection inside the model the candidate changes (selections.py) -------------------
+    def selection(self, rows: list[ModuleRow], accumulation: dict[str, Any] | None) -> Finding | None:
+        """Where the error is left unexplained (made by accumulation, no running state its cause) or
+        module calls got other shapes than in fp64: the candidate's first selection that picks other
+        elements than fp64, with the lines in fp32 that give its picks back, checked. Two forwards, a
+        third for the floor model's picks where one changed, and one per line set tried."""
+        unexplained = accumulation is not None and accumulation["state"] is None and accumulation["together"] is None
+        root = next((e for (name, _), e in self.seen.items() if name == ""), None)
+        if not (unexplained or self.unmatched) or root is None or not rows:
+            return None
+        if self.cand_dtype not in (torch.float16, torch.bfloat16):
+            return None
+        try:
+            truth = self._picks(self.truth_run, torch.float64).picks
+            made = self._picks(self.cand_run, self.cand_dtype, upstream=True, device=self.cand_device)
+            cand = made.picks
+            if selections.first_changed(cand, truth, None) is None:
+                return None
+            floor = self._picks(self.ref_run, self.ref_dtype).picks if self.ref_run is not None else None
+            found = selections.first_changed(cand, truth, floor)
+            if found is None:
+                return None
+            key, changed = found
+            changed.modules = made.modules
+            changed.error_before = rows[-1].propagated
+
+            def check(lines: set[tuple[str, int]]) -> tuple[float | None, dict[Any, selections.Pick]]:
+                picks = selections.Picks()
+                error = error_under(
+                    RaisedLines(lines, self.cand_dtype), self.cand_run, self.inputs, self.cand_dtype,
+                    truth=root.truth, norm=root.norm, rng=self.rng, device=self.cand_device, noise=self.noise,
+                    watch=picks,
+                )  # fmt: skip
+                return error, picks.picks
+
+            selections.checked(key, changed, truth, check)
+        except Exception as exc:  # the search is ours: the rest of the report stands without it
+            self.notes["selections"] = f"not searched: {type(exc).__name__}: {exc}"
+            return None
+        return selections.finding(changed, label=self.label, dtype=self.cand_dtype, reference=self.reference)
+
+    def _picks(
+        self, run: nn.Module, dtype: torch.dtype, *, upstream: bool = False, device: torch.device | None = None
+    ) -> selections.Picks:
+        """What every selecting op of one forward of `run` picks (selections.Picks); `upstream`: and
+        the lines that made what each ranks, and the module each line calls."""
+        picks = selections.Picks(upstream=upstream)
+
+        def pre(name: str, index: int, mod: nn.Module, *args: Any) -> None:
+            if name == "":
+                picks.start()
+            elif upstream:  # the line that calls it: a fix there names the module
+                picks.called(name, mod)
+
+        with picks:
+            hooked(run, self.inputs, dtype, pre=pre, post=lambda *a: None, rng=self.rng, device=device,
+                   noise=self.noise)  # fmt: skip
+        return picks
+
     # -- step 5b: an op whose inputs' precision forces its error: where they are made, and the check ---
     def forced(self, rows: list[ModuleRow]) -> dict[str, dict[str, Any]]:
         """Per divergent container whose worst own op is as wrong run exactly on its inputs rounded to
@@ -1164,6 +1238,7 @@ class _Comparison:
         forced: dict[str, dict[str, Any]] | None = None,
         *,
         inputs_cause: dict[str, Any] | None = None,
+        selection: Finding | None = None,
     ) -> CompareResult:
         candidate = self.candidate
         fmt = candidate_format(candidate)
@@ -1193,6 +1268,14 @@ class _Comparison:
             rows, overflows, label=self.label, candidate=candidate, dtype=self.cand_dtype, check=self._fix_checked,
             on=inputs_text(describe(self.inputs)), named=any(r.diverged for r in rows), mine=mine,
         )  # fmt: skip
+        if self.unmatched:  # their rows differ: no error to measure (a selection before them picked others)
+            names = list(self.unmatched)
+            listed = ", ".join(f"`{prefix}.{n}`" if prefix else f"`{n}`" for n in names[:4])
+            self.notes["module calls not compared"] = (
+                f"{listed}{f' and {len(names) - 4} more' if len(names) > 4 else ''}: in {self.label} they were "
+                "called on inputs of other shapes than in fp64 (rows picked by a selection before them, a "
+                "router's top-k), so their outputs have no fp64 counterpart"
+            )
         if self.noise is not None and self.noise.misaligned:
             self.notes["random draws"] = (
                 "the runs drew random tensors of other shapes: those errors include different noise"
@@ -1227,6 +1310,21 @@ class _Comparison:
             findings[:] = [made, *(f for f in findings if not _explained_by_made(f))]
         elif self.made:
             result.report.findings[:] = made_in_dtype.told(result.report.findings, self.made, self.cand_dtype)
+        if selection is not None:  # the cause of an error nothing else explained: first
+            fixed = selection.trial is not None and selection.trial.tried
+            findings = result.report.findings
+            findings[:] = [
+                selection,
+                *(f for f in findings if not (fixed and f.evidence.get("kind") == "accumulation")),
+            ]
+            summary = result.report.data["summary"]
+            for i, (label, text) in enumerate(summary):
+                if label == "first divergent module" and fixed and text.startswith("none"):
+                    ev = selection.evidence
+                    where = ev["location"].rpartition(":")[2]
+                    share = f"{100 * ev['share_changed']:.1f}%"
+                    said = f"none by itself: the rows `{ev['op']}` at line {where} picks otherwise ({share})"
+                    summary[i] = (label, said + " make the error")
         if self.cand_failed is not None:  # a model that cannot run in the candidate is never OK
             result.report.findings.insert(0, nonfinite.failed(self.cand_failed, label=self.label, candidate=candidate))
         result.overflows = {name: found for (name, _), found in overflows.items()}

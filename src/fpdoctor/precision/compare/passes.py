@@ -377,11 +377,12 @@ def error_under(
     raised: RaisedSites | RaisedLines | SaturatedCasts, run: nn.Module, inputs: Any, dtype: torch.dtype, *,
     truth: torch.Tensor,
     norm: float, rng: RngState, device: torch.device | None, noise: ReplayNoise | None,
-    keep: list[torch.Tensor] | None = None,
+    keep: list[torch.Tensor] | None = None, watch: Any = None,
 ) -> float | None:  # fmt: skip
     """The candidate's end-to-end error against the fp64 `truth` with some of its ops raised (an
     engine.raising mode); None when the run fails or the mode raised no op. `keep` gets the run's
-    output (its first floating tensor)."""
+    output (its first floating tensor); `watch`, a mode entered inside the raising one, sees the ops
+    as the code calls them (selections.Picks)."""
     got: list[torch.Tensor | None] = []
     root = _root_output(got, keep)
 
@@ -390,7 +391,7 @@ def error_under(
             root(output)
 
     try:
-        with raised:
+        with raised, watch if watch is not None else contextlib.nullcontext():
             hooked(run, inputs, dtype, pre=None, post=post, rng=rng, device=device, noise=noise)
     except Exception:  # e.g. an in-place update that cannot hold float64: not tried
         return None

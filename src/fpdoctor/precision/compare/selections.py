@@ -1,0 +1,305 @@
+"""Selections inside the model that the candidate's format changes, and the fix checked: a router's
+top-k of experts, an argmax that picks a codebook entry, a k-th value that sets a threshold.
+
+A selection rounds nothing itself: it picks. Where the scores it ranks lie closer together than
+the format's spacing (a router's softmax over 8 experts near 1/8 in bf16: spacing 0.001), it picks
+other elements than the fp64 run in some rows, and the code after it computes other things for
+them (another expert's output, another codebook vector). No module or op is then far above its
+floor, the module calls after it get other rows than in fp64 (their outputs cannot be compared),
+and the end-to-end error looks made by accumulation. So where compare finds no part that explains
+the error, or module calls it could not match, it runs the forward three times more under `Picks`
+(fp64, the floor model, the candidate), keys each selection by its source line and call, and
+counts the rows where the candidate's indices differ from fp64's (a top-k as a set: its order
+among near ties decides nothing). The first selection that changes DECISION_SHARE of its rows or
+more, and CHANGED_RATIO times the floor model's share, is tried: its line, then with the lines that
+made what it ranks (nearest first, as the candidate's forward made them), in fp32 with their
+results cast back (engine.raising.RaisedLines), until a run leaves RAISED_FALLS fewer rows changed.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fpdoctor import catalog
+from fpdoctor.numerics.engine.raising import ByTensor
+from fpdoctor.precision.compare.nonfinite import line_of, source_text
+from fpdoctor.precision.decide import DECISION_SHARE, pct
+from fpdoctor.precision.profile import RAISED_FALLS
+from fpdoctor.report.model import Finding, Trial
+from fpdoctor.torchprivate import EagerDispatchMode
+from fpdoctor.userframes import user_location
+
+aten = torch.ops.aten
+# The ops that select, by overload: (position of the indices in the output, None where the output is
+# them; position of the dim argument; whether the picks form a set, their order deciding nothing).
+# A full sort is left out: its order among near ties flips in any format and decides nothing alone.
+SELECTING: dict[Any, tuple[int | None, int, bool]] = {
+    aten.topk.default: (1, 2, True),
+    aten.argmax.default: (None, 1, False),
+    aten.argmin.default: (None, 1, False),
+    aten.max.dim: (1, 1, False),
+    aten.min.dim: (1, 1, False),
+    aten.kthvalue.default: (1, 2, False),
+}
+# The candidate changes a selection when it changes this many times the rows the floor model does
+CHANGED_RATIO = 4.0
+Key = tuple[str, str, int]  # a selection: its line, its op, its call at that line
+UPSTREAM = 4  # lines kept per tensor of what made it, nearest first: the line sets tried
+PAIRS = 1 << 24  # a top-k's picks are compared one by one up to this many pairs
+
+
+@dataclass
+class Pick:
+    """One call of a selecting op: its indices, a row each (the selected dim last, a set sorted)."""
+
+    op: str
+    location: str  # file:line
+    rows: torch.Tensor  # int64 [rows, picks]
+    upstream: tuple[str, ...]  # the lines that made what it ranks, nearest first
+
+
+class Picks(EagerDispatchMode):
+    """Records every selecting op's picks, keyed (line, op, its call at that line); with `upstream`,
+    also each tensor's lines of origin (its own op's line, then its inputs', nearest first)."""
+
+    def __init__(self, *, upstream: bool = False) -> None:
+        super().__init__()
+        self.picks: dict[Key, Pick] = {}
+        self._calls: dict[tuple[str, str], int] = {}
+        self._made: ByTensor | None = ByTensor() if upstream else None
+        self.on = not upstream  # lines of origin are the model's: from its forward's start (`start`)
+        self.modules: dict[str, tuple[str, torch.nn.Module]] = {}  # line -> the first module it calls
+
+    def called(self, name: str, module: torch.nn.Module) -> None:
+        """A module's call starts (a pre hook): which module the calling line runs."""
+        user = user_location(sys._getframe())
+        if user is not None:
+            self.modules.setdefault(f"{user[0]}:{user[1]}", (name, module))
+
+    def start(self) -> None:
+        """The model's forward starts: what ran before (the inputs' cast to the run's dtype) made
+        nothing the model's lines did."""
+        self.on = True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        spec = SELECTING.get(func)
+        if (spec is None and self._made is None) or not self.on:
+            return out
+        user = user_location(sys._getframe())
+        if user is None:
+            return out
+        line = f"{user[0]}:{user[1]}"
+        ups = self._lines(line, args) if self._made is not None else ()
+        if self._made is not None:
+            for t in _tensors(out):
+                self._made.put(t, ups)
+        source = args[0] if args else None
+        if spec is not None and isinstance(source, torch.Tensor) and source.is_floating_point():
+            key = (line, func.overloadpacket.__name__)
+            n = self._calls.get(key, 0)
+            self._calls[key] = n + 1
+            made = self._made.get(source) if self._made is not None else None
+            self.picks[(key[0], key[1], n)] = Pick(key[1], line, _rows(out, args, kwargs, spec), tuple(made or ()))
+        return out
+
+    def _lines(self, line: str, args: Any) -> tuple[str, ...]:
+        assert self._made is not None
+        ups = [line]
+        inputs = [self._made.get(t) or () for t in _tensors(args)]
+        for i in range(UPSTREAM):
+            for got in inputs:
+                if i < len(got) and got[i] not in ups:
+                    ups.append(got[i])
+        return tuple(ups[:UPSTREAM])
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _rows(out: Any, args: Any, kwargs: dict[str, Any], spec: tuple[int | None, int, bool]) -> torch.Tensor:
+    at, dim_at, as_set = spec
+    indices = out if at is None else out[at]
+    dim = args[dim_at] if len(args) > dim_at else kwargs.get("dim", -1 if at is not None else None)
+    if dim is None or indices.dim() == 0:  # argmax over everything: one pick
+        return indices.detach().reshape(1, -1).clone()
+    if indices.dim() < (args[0].dim() if isinstance(args[0], torch.Tensor) else 0):  # keepdim=False
+        indices = indices.unsqueeze(dim)
+    rows = indices.detach().movedim(dim, -1)
+    rows = rows.reshape(-1, rows.shape[-1]) if rows.dim() else rows.reshape(1, 1)
+    return rows.sort(-1).values if as_set else rows.clone()
+
+
+def share_changed(picks: dict[Key, Pick], truth: dict[Key, Pick], key: Any) -> tuple[int, int] | None:
+    """(rows changed, rows) of the selection `key` against the fp64 run's; None where it has no
+    counterpart of the same shape."""
+    got, ref = picks.get(key), truth.get(key)
+    if got is None or ref is None or got.rows.shape != ref.rows.shape:
+        return None
+    changed = int((got.rows.to(ref.rows.device) != ref.rows).any(-1).sum())
+    return changed, ref.rows.shape[0]
+
+
+def picks_changed(got: Pick, ref: Pick) -> int | None:
+    """How many of a top-k's picks are not among the fp64 run's in their row (None where the
+    comparison would be large: rows x k x k past PAIRS)."""
+    rows, k = ref.rows.shape
+    if got.rows.shape != ref.rows.shape or rows * k * k > PAIRS:
+        return None
+    same = (got.rows.to(ref.rows.device)[:, :, None] == ref.rows[:, None, :]).any(-1)
+    return int((~same).sum())
+
+
+@dataclass
+class Changed:
+    """A selection the candidate changes, and its fix's check."""
+
+    pick: Pick
+    changed: int
+    rows: int
+    floor: float  # the floor model's share
+    picks: int | None = None  # a top-k's picks that are not fp64's, where counted
+    of: int = 0  # picks in all
+    lines: list[tuple[str, int]] | None = None  # the lines whose fp32 run gives the picks back
+    changed_after: int | None = None
+    error_before: float = math.nan
+    error_after: float | None = None
+    tried: list[tuple[int, int | None]] | None = None  # (lines raised, rows changed then)
+    modules: dict[str, tuple[str, torch.nn.Module]] | None = None  # line -> the module it calls (Picks)
+
+    @property
+    def share(self) -> float:
+        return self.changed / max(self.rows, 1)
+
+
+def first_changed(
+    cand: dict[Key, Pick], truth: dict[Key, Pick],
+    floor: dict[Key, Pick] | None,
+) -> tuple[Key, Changed] | None:  # fmt: skip
+    """The candidate's first selection (in its forward's order) that changes DECISION_SHARE of its
+    rows, two at least, and CHANGED_RATIO times the floor model's share."""
+    for key, pick in cand.items():
+        got = share_changed(cand, truth, key)
+        if got is None:
+            continue
+        changed, rows = got
+        base = share_changed(floor, truth, key) if floor is not None else (0, rows)
+        floor_share = (base[0] / max(base[1], 1)) if base is not None else 0.0
+        share = changed / max(rows, 1)
+        if changed >= 2 and share >= DECISION_SHARE and share >= CHANGED_RATIO * max(floor_share, 1.0 / rows):
+            ref = truth[key]
+            picks = picks_changed(pick, ref) if pick.op == "topk" else None
+            return key, Changed(pick, changed, rows, floor_share, picks, ref.rows.numel())
+    return None
+
+
+# a run of the candidate with some lines in fp32 and the picks recorded: (end-to-end error, its picks)
+Check = Callable[[set[tuple[str, int]]], tuple[float | None, dict[Key, Pick]]]
+
+
+def checked(key: Key, found: Changed, truth: dict[Key, Pick], check: Check) -> None:
+    """The selection's line, then with the lines that made what it ranks (nearest first), in fp32:
+    the first set whose run leaves RAISED_FALLS fewer rows changed and a lower end-to-end error is
+    the fix (`found.lines`, its figures); every try is in `found.tried`."""
+    order = [found.pick.location, *(u for u in found.pick.upstream if u != found.pick.location)]
+    places = [p for p in (line_of(u) for u in order) if p is not None]
+    found.tried = []
+    for n in range(1, len(places) + 1):
+        lines = places[:n]
+        error, picks = check(set(lines))
+        got = share_changed(picks, truth, key)
+        found.tried.append((n, None if got is None else got[0]))
+        if got is None or error is None or not math.isfinite(error):
+            continue
+        if got[0] * RAISED_FALLS <= found.changed and error < found.error_before:
+            found.lines, found.changed_after, found.error_after = lines, got[0], error
+            return
+
+
+def _in_fp32(name: str, module: torch.nn.Module) -> str:
+    """How the code runs a module it calls in fp32 from the model's dtype: its function on fp32
+    weights (a Linear), or the module kept in fp32."""
+    attr = "self." + name.rpartition(".")[2]
+    if isinstance(module, torch.nn.Linear):
+        bias = f", {attr}.bias.float()" if module.bias is not None else ""
+        return f"F.linear(x.float(), {attr}.weight.float(){bias}) instead of {attr}(x)"
+    return f"keep it in fp32 ({attr}.float() after the cast to the model's dtype) and call it on x.float()"
+
+
+def _lines_text(lines: list[tuple[str, int]]) -> str:
+    numbers = sorted({n for _, n in lines})
+    if len(numbers) == 1:
+        return f"line {numbers[0]}"
+    if numbers == list(range(numbers[0], numbers[-1] + 1)):
+        return f"lines {numbers[0]}-{numbers[-1]}"
+    return "lines " + ", ".join(str(n) for n in numbers[:-1]) + f" and {numbers[-1]}"
+
+
+def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -> Finding:
+    """NUM022 for a selection the candidate changes: its line, its rows, and the lines in fp32 that
+    give its picks back, checked (or why none was found)."""
+    pick = found.pick
+    file, number = line_of(pick.location) or ("", 0)
+    name = str(dtype).removeprefix("torch.")
+    code = source_text(pick.location)
+    code = code[: code.index("  #")].rstrip() if "  #" in code else code
+    written = f" (`{code}`)" if code else ""
+    what = "a different set of elements" if pick.op == "topk" else "a different element"
+    picked = f", {found.picks} of its {found.of} picks" if found.picks is not None and found.of > found.rows else ""
+    message = (
+        f"In {label}, `{pick.op}` at line {number} of {file}{written} picks {what} than the fp64 run in "
+        f"{found.changed} of {found.rows} rows ({pct(found.share)}{picked}; {reference}: {pct(found.floor)}): the "
+        f"scores it ranks lie closer together than {name}'s spacing, and the code after it computes other things for "
+        f"those rows (another expert, another entry). The end-to-end error ({found.error_before:.3g}) comes from "
+        "them, not from any op's rounding, so no module or op stands out and the module calls after it get "
+        "other rows than in fp64."
+    )
+    evidence: dict[str, Any] = {
+        "location": pick.location, "op": pick.op, "rows": found.rows, "rows_changed": found.changed,
+        "share_changed": found.share, "floor_share": found.floor, "picks_changed": found.picks,
+        "upstream_lines": list(pick.upstream),
+        "error_before": found.error_before,
+    }  # fmt: skip
+    where = {"module": None, "op": f"aten.{pick.op}", "phase": "forward"}
+    if found.lines is None or found.changed_after is None or found.error_after is None:
+        tried = ", ".join(f"{n} line{'s' if n > 1 else ''}: {'-' if c is None else c}" for n, c in found.tried or [])
+        fix = (
+            f"compute what `{pick.op}` ranks in fp32 (the scores' operands .float(), the selection on fp32 values) "
+            f"and cast what it feeds back to {name}; none of the line sets tried gave the picks back (rows changed "
+            f"with {tried or 'no run'}): look further up for where the scores are made"
+        )
+        trial = Trial.untried(f"no set of up to {UPSTREAM} lines upstream of it, in fp32, gave the picks back")
+        return catalog.make("selection-changed", message=message, fix=fix, where=where, evidence=evidence, trial=trial)
+    lines = _lines_text(found.lines)
+    after_share = found.changed_after / max(found.rows, 1)
+    calls = [(n, *(found.modules or {})[f"{f}:{n}"]) for f, n in sorted(found.lines, key=lambda x: x[1])
+             if f"{f}:{n}" in (found.modules or {})]  # fmt: skip
+    modules = "".join(f"; line {n} calls `{name}`: {_in_fp32(name, module)}" for n, name, module in calls)
+    evidence |= {"lines_raised": sorted({n for _, n in found.lines}), "rows_changed_after": found.changed_after,
+                 "error_after": found.error_after}  # fmt: skip
+    fix = (
+        f"compute {lines} of {file} in fp32 (their operands .float(): the scores and the `{pick.op}` on fp32 "
+        f"values{modules}) and cast what they produce back to {name} (.to(x.dtype)); checked: rows picked differently "
+        f"{pct(found.share)} -> {pct(after_share)}, the end-to-end error {found.error_before:.3g} -> "
+        f"{found.error_after:.3g}"
+    )
+    trial = Trial.checked(
+        f"the ops at {lines} of {file} in fp32, their results cast back to {name}",
+        metric=f"rows where `{pick.op}` picks other elements than fp64",
+        before=pct(found.share),
+        after=pct(after_share),
+        on="the inputs given",
+    )
+    return catalog.make("selection-changed", message=message, fix=fix, where=where, evidence=evidence, trial=trial)
