@@ -132,3 +132,26 @@ def test_a_watched_run_names_the_bad_items_of_the_step_it_replayed():
     bad = next(f for f in w.report.findings if f.evidence.get("rows"))
     assert bad.evidence["rows"]["dataset_indices"] == items
     assert f"dataset item {items[0]}" in bad.message or f"dataset items {items[0]}" in bad.message
+
+
+class Windows(Dataset):
+    """Sensor windows standardised per sample; item 21 is a flat window (a stuck sensor)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        x = torch.randn(8, generator=torch.Generator().manual_seed(i)) + 3
+        return torch.full((8,), 2.5) if i == 21 else x
+
+
+def test_a_constant_sample_divided_by_its_own_spread_names_the_spread_as_the_zero():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    loader = DataLoader(Windows(), batch_size=16, shuffle=False)
+    with fpdoctor.trace(model) as t:
+        for x in loader:
+            model((x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True)).sum().backward()
+    found = _rows(t.report)
+    assert found["dataset_indices"] == [21] and found["indices"] == [5]
+    assert found["differs"].startswith("argument 1 is all zero") and "constant row" in found["differs"]

@@ -816,6 +816,9 @@ def _chain_kind(
     return kind, max((magnitude(o) for o in outs), default=0.0)
 
 
+_DIVIDES = frozenset({"div", "div_", "true_divide", "floor_divide", "remainder", "fmod"})
+
+
 def _bad_rows(target: Step, lookup: Lookup | None, *, batch: bool) -> dict[str, Any] | None:
     """The rows along dim 0 of the op's output (run as it ran) that hold NaN/Inf, where only some do,
     and how its inputs' same rows differ from the others (their largest magnitude, all zero)."""
@@ -825,6 +828,8 @@ def _bad_rows(target: Step, lookup: Lookup | None, *, batch: bool) -> dict[str, 
     bad = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
     bad[found["indices"]] = True
     sources = {i: src for i, _, src in _aligned(target)}
+    said: dict[int, str] = {}
+    given: set[int] = set()  # arguments the trace did not compute: the batch's own rows
     for position, t in enumerate(tree_flatten((target.args, target.kwargs or {}))[0]):
         if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 and t.shape[0] == out.shape[0]):
             continue
@@ -832,14 +837,20 @@ def _bad_rows(target: Step, lookup: Lookup | None, *, batch: bool) -> dict[str, 
         inside, outside = float(size[bad].max()), float(size[~bad].max())
         src = sources.get(position)
         if inside == 0 and outside > 0 and src is not None and src[0] == "op":
-            # computed in the trace: zeros made upstream (an underflow, a mask), not a padded input row
-            found["differs"] = f"argument {position} is all zero (computed upstream: an underflow or a mask?)"
+            # computed in the trace: zeros made upstream (the spread of a constant row, an underflow, a
+            # mask), not a padded input row
+            said[position] = (
+                f"argument {position} is all zero (computed upstream: a constant row's spread, an underflow or a mask?)"
+            )
         elif inside == 0 and outside > 0:
-            found["differs"] = f"argument {position} is all zero (a padded or empty row?)"
+            said[position] = f"argument {position} is all zero (a padded or empty row?)"
+            given.add(position)
         elif inside > 100 * outside or outside > 100 * inside:
-            found["differs"] = f"argument {position}'s largest |x| is {inside:.3g}, against {outside:.3g} in the others"
-        if "differs" in found:
-            break
+            said[position] = f"argument {position}'s largest |x| is {inside:.3g}, against {outside:.3g} in the others"
+    if said:  # an empty row of the data itself first; else, of a division's two (0/0: both are zero),
+        # the divisor's zeros, which made the NaN/Inf
+        divides = target.func.overloadpacket.__name__ in _DIVIDES and 1 in said
+        found["differs"] = said[min(given)] if given else said[1] if divides else said[min(said)]
     return found
 
 
