@@ -231,7 +231,9 @@ def checked(key: Key, found: Changed, truth: dict[Key, Pick], check: Check) -> N
 def _in_fp32(name: str, module: torch.nn.Module) -> str:
     """How the code runs a module it calls in fp32 from the model's dtype: its function on fp32
     weights (a Linear), or the module kept in fp32."""
-    attr = "self." + name.rpartition(".")[2]
+    parts = name.split(".")
+    # the attribute the calling forward holds it by: router, or experts[3] for an item of a ModuleList
+    attr = "self." + (f"{parts[-2]}[{parts[-1]}]" if parts[-1].isdigit() and len(parts) > 1 else parts[-1])
     if isinstance(module, torch.nn.Linear):
         bias = f", {attr}.bias.float()" if module.bias is not None else ""
         return f"F.linear(x.float(), {attr}.weight.float(){bias}) instead of {attr}(x)"
