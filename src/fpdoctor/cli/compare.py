@@ -33,6 +33,12 @@ def add_parser(sub: Any) -> None:
         metavar="NAME",
         help="compare only this submodule (e.g. encoder.layer.3), fed its inputs from a forward of the whole model",
     )
+    p.add_argument(
+        "--inputs-as-given",
+        action="store_true",
+        help="feed the candidate the inputs in the dtype the factory gives them, not cast to its own: for a "
+        "model that casts them itself (raw fp32 readings standardised before its first layer)",
+    )
     across = p.add_mutually_exclusive_group()
     across.add_argument(
         "--save-reference",
@@ -137,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
             module=args.module,
             save_reference=args.save_reference,
             against=record,
+            inputs_as_given=args.inputs_as_given,
         )
     except ReferenceFailed as exc:
         raise UsageError(f"{exc}; fix the model or its example inputs first") from None

@@ -31,6 +31,7 @@ __all__ = [
     "FP8_KERNELS",
     "REFERENCES",
     "Call",
+    "Given",
     "cast_inputs",
     "check_device",
     "check_name",
@@ -268,12 +269,19 @@ class Call:
     kwargs: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Given(Call):
+    """Inputs a candidate run is fed as the user gave them, never cast to its dtype (cast_inputs
+    moves them to its device only): the model casts them itself, as a model does that standardises
+    its raw fp32 readings before its first layer (compare's `inputs_as_given`)."""
+
+
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """`value` with every tensor in it (nested tuples, lists, dicts, a Call) replaced by fn(tensor)."""
     if isinstance(value, torch.Tensor):
         return fn(value)
-    if isinstance(value, Call):
-        return Call(map_tensors(value.args, fn), map_tensors(value.kwargs, fn))
+    if isinstance(value, Call):  # a Given stays one
+        return type(value)(map_tensors(value.args, fn), map_tensors(value.kwargs, fn))
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple keeps its type
         return type(value)(*(map_tensors(v, fn) for v in value))
     if isinstance(value, tuple):
@@ -299,7 +307,9 @@ def cast_inputs(
 
     `copy=True` gives new tensors even where nothing changes: for the user's inputs handed to a
     forward of ours, as a forward may write into its input (`x.div_(255)`), and neither the
-    user's tensor nor the next pass may see that."""
+    user's tensor nor the next pass may see that. Inputs that are a `Given` keep their dtype."""
+    if isinstance(inputs, Given):
+        dtype = None
 
     def cast(t: torch.Tensor) -> torch.Tensor:
         if t.is_floating_point():

@@ -552,7 +552,8 @@ def _input_finding(
             "pass the inputs in fp32 and compute what first reads them in fp32, with the parameters and buffers it "
             "reads kept in fp32 too (a centring or scaling of raw values: do it before the cast), or make the model "
             "less sensitive to its inputs (a normalisation before what amplifies them); `fpdoctor plan` measures "
-            "this floor and judges a plan against it"
+            "this floor and judges a plan against it, and `fpdoctor compare --inputs-as-given` judges the model "
+            "fed its inputs in fp32"
         ),
         trial=Trial.untried(
             "a change to how the model reads its inputs: what compare measured is the floor itself (the model "
@@ -898,7 +899,8 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
                 f"the forward), compute {where} in fp32 from them"
                 + (f" with {held} kept in fp32 ({again})" if buffers else "")
                 + f", and cast what it produces to {dtype} (.to(p.dtype), p one of the model's parameters); checked: "
-                f"the end-to-end error goes from {_fmt(error)} to {_fmt(raised)}"
+                f"the end-to-end error goes from {_fmt(error)} to {_fmt(raised)}. Then `fpdoctor compare "
+                "--inputs-as-given` checks the changed model fed its inputs as they are"
             )  # fmt: skip
             trial = Trial.checked(
                 f"the inputs fed in fp32, the ops at {where} in fp32"
@@ -963,7 +965,8 @@ def _held(held: list[str], parameters: list[str], candidate: str) -> tuple[str, 
         what, how = "parameter and buffer", ", a parameter as nn.Parameter(value.float())"
     again = (
         f"model.to(torch.{dtype}) rounds every floating {what}: assign {'them' if many else 'it'} again in fp32 "
-        f"after the cast{how}"
+        f"after the cast{how}, or hold {'them' if many else 'it'} as a plain tensor attribute, which the cast "
+        "leaves as it is"
     )
     return kind, again
 

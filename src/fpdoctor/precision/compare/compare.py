@@ -48,6 +48,7 @@ from fpdoctor.precision.candidates import (
     CANDIDATES,
     FP8_KERNELS,
     REFERENCES,
+    Given,
     check_device,
     check_name,
     compute_dtype,
@@ -56,6 +57,7 @@ from fpdoctor.precision.candidates import (
     map_tensors,
     model_device,
     run_flags,
+    split_inputs,
     uncompiled,
 )
 from fpdoctor.precision.compare import (
@@ -176,6 +178,7 @@ def compare(
     module: str | None = None,
     save_reference: str | os.PathLike[str] | None = None,
     against: str | os.PathLike[str] | CompareRecord | None = None,
+    inputs_as_given: bool = False,
 ) -> CompareResult:
     """Layerwise error of `candidate` against fp64, judged against the fp64 noise floor.
 
@@ -199,6 +202,10 @@ def compare(
     arguments) or a list of them (or any iterable): each set is compared, and the result is the
     worst set's, with every set's line in the summary (`result.input_sets`, `result.worst_set`).
 
+    `inputs_as_given=True` feeds the candidate the inputs as given, not cast to its dtype: for a
+    model that casts them itself (raw fp32 readings standardised in fp32 before its first layer);
+    nothing rounds them then, so the input floor is 0.
+
     Defaults: candidate fp16, reference fp32, fp8_kernel auto.
 
     Across machines (precision/record.py): `save_reference=PATH` writes a compare record of this
@@ -211,7 +218,8 @@ def compare(
     if candidate is not None and is_compiled(check_name(candidate, CANDIDATES, "candidate")):
         fp8_given = fp8_kernel is not None and check_name(fp8_kernel, FP8_KERNELS, "fp8 kernel") != "auto"
         given_too = {"device": device, "fp8_kernel": fp8_kernel if fp8_given else None, "module": module,
-                     "save_reference": save_reference, "against": against}  # fmt: skip
+                     "save_reference": save_reference, "against": against,
+                     "inputs_as_given": inputs_as_given or None}  # fmt: skip
         extra = [k for k, v in given_too.items() if v is not None]
         if extra:
             raise ValueError(f"candidate {candidate!r} (torch.compile against eager) takes no {', '.join(extra)}")
@@ -233,7 +241,7 @@ def compare(
     samples = [Samples() for _ in sets]
     results = [
         compare_set(model, one, candidate=candidate, reference=reference, device=device, fp8_kernel=fp8_kernel,
-                    module=module, samples=samples[k] if link is not None else None)
+                    module=module, samples=samples[k] if link is not None else None, inputs_as_given=inputs_as_given)
         for k, one in enumerate(sets)
     ]  # fmt: skip
     described = [describe(one) for one in sets]
@@ -254,6 +262,7 @@ def compare_set(
     fp8_kernel: str = "auto",
     module: str | None = None,
     samples: Samples | None = None,
+    inputs_as_given: bool = False,
 ) -> CompareResult:
     """compare() on one input set, the names already checked. `samples`, when given, gets each
     judged module call's row with its fp64 and candidate samples, for a compare record."""
@@ -287,12 +296,17 @@ def compare_set(
                 rng=rng,
                 prefix=module,
                 samples=samples,
+                given=inputs_as_given,
             )
     finally:
         rng.restore()
     if module is not None:
         result.report.data["summary"].insert(
             1, ("module", f"`{module}` alone, fed its inputs from a forward of the whole model in its own dtype")
+        )
+    if inputs_as_given:
+        result.report.data["summary"].insert(
+            1, ("inputs fed", f"as given to every {candidate} run (--inputs-as-given): the model casts them itself")
         )
     if compiled:
         result.report.data["not_checked"]["torch.compile"] = (
@@ -324,11 +338,12 @@ def _compare(
     rng: RngState,
     prefix: str | None,
     samples: Samples | None = None,
+    given: bool = False,
 ) -> CompareResult:
     """The steps of one comparison, in order (see the module's docstring)."""
     run = _Comparison(
         model, inputs, candidate=candidate, reference=reference, cand_device=cand_device, on=on,
-        fp8_kernel=fp8_kernel, rng=rng, keep_candidate=samples is not None,
+        fp8_kernel=fp8_kernel, rng=rng, keep_candidate=samples is not None, given=given,
     )  # fmt: skip
     with progress.task(f"compare {candidate}", total=4, unit="steps") as step:
         step.describe(f"compare {candidate}: the fp64 pass, each module re-run in {candidate}")
@@ -379,8 +394,16 @@ class _Comparison:
         fp8_kernel: str,
         rng: RngState,
         keep_candidate: bool = False,
+        given: bool = False,
     ) -> None:
         self.model, self.inputs, self.rng = model, inputs, rng
+        # what every candidate run is fed: the inputs as given (the model casts them), or cast to its dtype
+        self.given = given
+        self.cand_inputs = Given(*split_inputs(inputs)) if given else inputs
+        # the fp64 runs get them as given too: the same values, which the fp64 model reads in float64
+        # where it computes with them; a re-run feeds a module or op the copies of them as they are
+        self.truth_inputs = self.cand_inputs
+        self.given_ids: dict[int, torch.dtype] = {}  # the fp64 pass's copies of them, by id
         self.keep_candidate = keep_candidate
         self.candidate, self.reference, self.cand_device = candidate, reference, cand_device
         self.on = on  # where the candidate runs (its device type decides which kernels and flags apply)
@@ -456,13 +479,20 @@ class _Comparison:
             device=self.cand_device,
         )
 
+    def _fed(self, inputs: Any) -> None:
+        """The copies of the inputs an fp64 pass runs on: those given as they are (`given`), by id,
+        for the re-runs of what reads them."""
+        self.given_ids.clear()
+        if self.given:
+            map_tensors(inputs, lambda t: self.given_ids.setdefault(id(t), t.dtype) if t.is_floating_point() else None)
+
     # -- step 1: the fp64 pass (the truth), with each leaf's isolated re-runs ------------------
     def truth_pass(self) -> None:
         self._truth_once()
         if not self.rng.same(RngState.capture()):
             # The forward draws random numbers itself: record them in a plain fp64 run, then run the
             # fp64 pass again, now with every re-run and every other pass getting the same draws.
-            self.noise = ReplayNoise(record_noise(self.truth_run, self.inputs, self.rng))
+            self.noise = ReplayNoise(record_noise(self.truth_run, self.truth_inputs, self.rng))
             self.subsets = False  # a leaf's draws on fewer rows would not match the recorded ones
             self._truth_once()
         self.overflows()
@@ -511,13 +541,19 @@ class _Comparison:
         try:
             with self.own:
                 hooked(
-                    self.truth_run, self.inputs, torch.float64, pre=pre, post=post, rng=self.rng, noise=self.noise
+                    self.truth_run, self.truth_inputs, torch.float64, pre=pre, post=post, rng=self.rng,
+                    noise=self.noise, fed=self._fed,
                 )  # fmt: skip
         except ReferenceFailed:
             raise
         except Exception as exc:
+            given = (
+                " on its inputs as given (inputs_as_given): it does not cast them itself; leave that out, or cast "
+                "them in its forward"
+                if self.given else ""
+            )  # fmt: skip
             raise ReferenceFailed(
-                f"the model fails in the reference run (its fp64 copy): {type(exc).__name__}: {exc}"
+                f"the model fails in the reference run (its fp64 copy){given}: {type(exc).__name__}: {exc}"
             ) from exc
         self.reads.read()  # every figure of the pass, in one wait for the device
         self.own.settle()  # the own ops whose figures call for a closer look (container_ops.Own.settle)
@@ -610,7 +646,8 @@ class _Comparison:
             entry.isolated_rows = entry.isolated_of = None
         try:
             self.goto(start)
-            got = rerun(module, x, args, kwargs | extra, dtype=self.cand_dtype, device=self.cand_device, truth=truth)
+            got = rerun(module, x, args, kwargs | extra, dtype=self.cand_dtype, device=self.cand_device, truth=truth,
+                        given=self.given_ids)  # fmt: skip
             entry.isolated_failed = None if got is not None else "its re-run's output has another size"
             entry.isolated = entry.isolated_cosine = None
             if got is not None:
@@ -630,7 +667,8 @@ class _Comparison:
         if name in self.ref_modules:
             try:
                 self.goto(start)
-                got = rerun(self.ref_modules[name], x, args, kwargs, dtype=self.ref_dtype, device=None, truth=truth)
+                got = rerun(self.ref_modules[name], x, args, kwargs, dtype=self.ref_dtype, device=None, truth=truth,
+                            given=self.given_ids)  # fmt: skip
             except Exception as exc:
                 raise ReferenceFailed(
                     f"the model fails in the {self.reference} reference run, at `{name}`: {type(exc).__name__}: {exc}"
@@ -673,7 +711,7 @@ class _Comparison:
                 entry.overflow = self._first_overflow(self.cand_modules[name], name, args, kwargs)
                 self.goto(after)
 
-        hooked(self.truth_run, self.inputs, torch.float64, pre=pre, post=lambda *a: None, rng=self.rng,
+        hooked(self.truth_run, self.truth_inputs, torch.float64, pre=pre, post=lambda *a: None, rng=self.rng,
                noise=self.noise)  # fmt: skip
 
     # -- step 2: the candidate pass, reduced to error numbers as it goes ------------------------
@@ -719,7 +757,7 @@ class _Comparison:
         pre, post = self._watch_pre(pre), self._watch_post(post)
         try:
             hooked(
-                self.cand_run, self.inputs, self.cand_dtype, pre=pre, post=post, rng=self.rng,
+                self.cand_run, self.cand_inputs, self.cand_dtype, pre=pre, post=post, rng=self.rng,
                 device=self.cand_device, noise=self.noise, unwind=self._unwatch,
             )  # fmt: skip
         except Exception as exc:  # the candidate failing is a finding, not a usage error
@@ -907,8 +945,8 @@ class _Comparison:
                 self._conditioned(mod, args, kwargs, seen[(name, index)])
 
         hooked(
-            self.truth_run, self.inputs, torch.float64, pre=suspect_pre, post=lambda *a: None, rng=self.rng,
-            noise=self.noise,
+            self.truth_run, self.truth_inputs, torch.float64, pre=suspect_pre, post=lambda *a: None, rng=self.rng,
+            noise=self.noise, fed=self._fed,
         )  # fmt: skip
         self.reads.read()
         self.overflows()
@@ -942,6 +980,8 @@ class _Comparison:
         if not any(r.module == "" and r.diverged for r in rows) and _unexplained(rows) is None:
             return None  # only when the whole model diverges, or its error is far above every part's
         kept = _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype)
+        if self.given:
+            kept = "the inputs are fed as given (--inputs-as-given)"
         if kept is not None:  # rounding the inputs costs nothing: no forward measures it
             self.input_floor_note = f"0: {kept}, so rounding them to {self.label} changes nothing (no forward run)"
             return 0.0
@@ -997,14 +1037,14 @@ class _Comparison:
         searched: tuple[set[str], float | None] | None = None
         try:
             states, lines, figure = carried_and_raised(
-                self.cand_run, self.inputs, self.cand_dtype, truth=truth.truth, norm=truth.norm, rng=self.rng,
+                self.cand_run, self.cand_inputs, self.cand_dtype, truth=truth.truth, norm=truth.norm, rng=self.rng,
                 device=self.cand_device, noise=self.noise, keep=kept,
             )  # fmt: skip
             searched = (lines, figure)
         except Exception:  # the raise may be what failed: the search alone, then each check on its own
             try:
                 states = carried_states(
-                    self.cand_run, self.inputs, self.cand_dtype, rng=self.rng, device=self.cand_device,
+                    self.cand_run, self.cand_inputs, self.cand_dtype, rng=self.rng, device=self.cand_device,
                     noise=self.noise,
                 )  # fmt: skip
             except Exception as exc:  # the search is ours; the finding stands without it
@@ -1019,7 +1059,7 @@ class _Comparison:
 
         def error_with(raised: list[dict[str, Any]], keep: list[torch.Tensor]) -> float | None:
             return raised_error(
-                self.cand_run, self.inputs, self.cand_dtype, [x for s in raised for x in sites[id(s)]],
+                self.cand_run, self.cand_inputs, self.cand_dtype, [x for s in raised for x in sites[id(s)]],
                 truth=truth.truth, norm=truth.norm, rng=self.rng, device=self.cand_device, noise=self.noise, keep=keep,
             )  # fmt: skip
 
@@ -1100,7 +1140,7 @@ class _Comparison:
             def check(lines: set[tuple[str, int]]) -> tuple[float | None, dict[Any, selections.Pick]]:
                 picks = selections.Picks()
                 error = error_under(
-                    RaisedLines(lines, self.cand_dtype), self.cand_run, self.inputs, self.cand_dtype,
+                    RaisedLines(lines, self.cand_dtype), self.cand_run, self.cand_inputs, self.cand_dtype,
                     truth=root.truth, norm=root.norm, rng=self.rng, device=self.cand_device, noise=self.noise,
                     watch=picks,
                 )  # fmt: skip
@@ -1126,7 +1166,8 @@ class _Comparison:
                 picks.called(name, mod)
 
         with picks:
-            hooked(run, self.inputs, dtype, pre=pre, post=lambda *a: None, rng=self.rng, device=device,
+            fed = self.cand_inputs if run is self.cand_run else self.inputs
+            hooked(run, fed, dtype, pre=pre, post=lambda *a: None, rng=self.rng, device=device,
                    noise=self.noise)  # fmt: skip
         return picks
 
@@ -1166,7 +1207,7 @@ class _Comparison:
         cause: dict[str, Any] = {"op": own["op"], "conditioned_rel": own["conditioned_rel"]}
         try:
             lines, read = upstream.feeding_lines(
-                self.cand_run, self.inputs, self.cand_dtype, op=own["op"], line=own["location"] or "",
+                self.cand_run, self.cand_inputs, self.cand_dtype, op=own["op"], line=own["location"] or "",
                 module=row.module, rng=self.rng, device=self.cand_device, noise=self.noise,
             )  # fmt: skip
             # the buffers and parameters it reads that the candidate's cast rounded: the user's own
@@ -1185,7 +1226,7 @@ class _Comparison:
             ) -> float | None:
                 outputs.clear()
                 return upstream.raised_error(
-                    self.cand_run, self.inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,
+                    self.cand_run, self.cand_inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,
                     rng=self.rng, device=self.cand_device, noise=self.noise, buffers=buffers, keep=outputs,
                     inputs_as_given=given,
                 )  # fmt: skip
@@ -1196,7 +1237,7 @@ class _Comparison:
                 lines = []
             elif lines or buffers:
                 raised = raised_with(lines, buffers)
-            rounds_inputs = _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is None
+            rounds_inputs = not self.given and _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is None
             if lines and rounds_inputs and (raised is None or raised * RAISED_FALLS > final.propagated):
                 # what the lines read may be the model's inputs, which the cast rounds before the forward
                 # (raw readings standardised inside the model): the lines computed on the inputs as given
@@ -1434,7 +1475,7 @@ class _Comparison:
         lines = {(line[0], line[1] + k) for k in range(more + 1)}
         mode = SaturatedCasts(lines, self.cand_dtype) if kind == "cast" else RaisedLines(lines, self.cand_dtype)
         kept: list[torch.Tensor] = []  # the run's output, for what it decides (_checked_fixes)
-        error = error_under(mode, self.cand_run, self.inputs, self.cand_dtype, truth=root.truth, norm=root.norm,
+        error = error_under(mode, self.cand_run, self.cand_inputs, self.cand_dtype, truth=root.truth, norm=root.norm,
                             rng=self.rng, device=self.cand_device, noise=self.noise, keep=kept)  # fmt: skip
         if self._keep_fix_outputs:  # only the runs _made_checked reads: an LM's logits are large
             self._fix_outputs[(kind, line, more)] = kept[0] if kept else None
@@ -1600,7 +1641,7 @@ class _Comparison:
                 got.append(first.detach())
 
         try:
-            hooked(self.cand_run, self.inputs, self.cand_dtype, pre=None, post=post, rng=self.rng,
+            hooked(self.cand_run, self.cand_inputs, self.cand_dtype, pre=None, post=post, rng=self.rng,
                    device=self.cand_device, noise=self.noise)  # fmt: skip
         except Exception:  # modules that cannot run in fp32 this way: not tried
             return None

@@ -16,7 +16,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fpdoctor.numerics.engine.raising import RaisedLines, RaisedSites, SaturatedCasts
-from fpdoctor.precision.candidates import cast_inputs, split_inputs
+from fpdoctor.precision.candidates import cast_inputs, map_tensors, split_inputs
 from fpdoctor.precision.compare.noise import RecordNoise, ReplayNoise
 from fpdoctor.precision.compare.own_calls import GETITEM, basic_index
 from fpdoctor.precision.metrics import (
@@ -48,11 +48,13 @@ def hooked(
     device: torch.device | None = None,
     noise: ReplayNoise | None = None,
     unwind: Callable[[], None] | None = None,
+    fed: Callable[[Any], None] | None = None,
 ) -> None:
     """Run `run` on `inputs` (cast to `dtype`) with hooks that get (name, call index, ...), from
     RNG state `rng`, and with `noise` replaying the draws the fp64 run made (see noise.py).
     `unwind` runs when the forward ends, raised or not, before `noise` leaves the dispatch stack:
-    a mode a pre hook pushed (and a post hook that never ran did not pop) goes first."""
+    a mode a pre hook pushed (and a post hook that never ran did not pop) goes first. `fed` gets
+    the inputs as cast, before the forward."""
     calls: dict[str, int] = {}
     handles = []
     for name, module in run.named_modules():
@@ -69,7 +71,10 @@ def hooked(
             post(name, index, args, output)
 
         handles.append(module.register_forward_hook(on_post))
-    args, kwargs = split_inputs(cast_inputs(inputs, dtype, device, copy=True))
+    cast = cast_inputs(inputs, dtype, device, copy=True)
+    if fed is not None:
+        fed(cast)
+    args, kwargs = split_inputs(cast)
     rng.restore()
     if noise is not None:
         noise.position = 0
@@ -135,19 +140,37 @@ def rerun(
     dtype: torch.dtype,
     device: torch.device | None,
     truth: torch.Tensor,
+    given: dict[int, torch.dtype] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """`module` in `dtype` on the fp64 inputs (or just their `rows`): its output's sample (float64, on
     the truth's device) and its largest magnitude (metrics.largest: non-finite when a value is),
-    neither read; None when the sample does not match the truth's."""
+    neither read; None when the sample does not match the truth's. `given`: the model's inputs (by
+    id of their fp64 copies) fed as given, in their own dtype, as the candidate's forward gets them."""
     if rows is not None:
-        out = module(cast_inputs(rows, dtype, device), **cast_inputs(kwargs, dtype, device))
+        first = given.get(id(args[0])) if given and args else None
+        out = module(cast_inputs(rows, first or dtype, device), **cast_given(kwargs, dtype, device, given))
         sample: torch.Tensor | None = out.detach().reshape(-1).double()
     else:
-        out = module(*cast_inputs(args, dtype, device), **cast_inputs(kwargs, dtype, device))
+        out = module(*cast_given(args, dtype, device, given), **cast_given(kwargs, dtype, device, given))
         sample = device_sample(out)
     if sample is None or sample.numel() != truth.numel():
         return None
     return sample.to(truth.device), largest(out)
+
+
+def cast_given(
+    value: Any, dtype: torch.dtype, device: torch.device | None, given: dict[int, torch.dtype] | None
+) -> Any:
+    """cast_inputs(value, dtype, device), but a tensor among `given` (by id) in its own dtype."""
+    if not given:
+        return cast_inputs(value, dtype, device)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point():
+            return t.to(device) if device is not None else t
+        return t.to(device=device, dtype=given.get(id(t), dtype))
+
+    return map_tensors(value, cast)
 
 
 def rerun_figures(
