@@ -1,7 +1,8 @@
 """A selection inside the model that the candidate's format changes (selections.py): a top-2 router
 over 8 experts whose softmax sits near 1/8 (bf16 holds it in steps of 0.001), a Switch-style top-1
-router that takes the argmax of its logits (fp16), and a mixture-of-depths block that sends its
-top-k tokens by a router score through the MLP (bf16: the same number of rows, other rows). No
+router that takes the argmax of its logits (fp16), a mixture-of-depths block that sends its top-k
+tokens by a router score through the MLP (bf16: the same number of rows, other rows), and a token
+pruning that keeps the tokens whose score passes a threshold (bf16: a comparison decides). No
 module or op stands out; compare names the selection's line, its rows, and the lines that make
 what it ranks in fp32, checked; the fix as printed gives an OK. Where the selection picks the same
 elements, nothing is said."""
@@ -104,6 +105,31 @@ class Depths(nn.Module):
         return x.scatter_add(1, top[..., None].expand(-1, -1, d), self.mlp(picked))
 
 
+class Prune(nn.Module):
+    """Token pruning: a token whose importance score passes a threshold is kept, the others zeroed."""
+
+    def __init__(self, fixed: bool = False, d: int = 64) -> None:
+        super().__init__()
+        self.fixed = fixed
+        self.importance, self.mix = nn.Linear(d, 1), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fixed:
+            keep = F.linear(x.float(), self.importance.weight.float(), self.importance.bias.float()) > 2.0
+        else:
+            keep = self.importance(x) > 2.0
+        return self.mix(x * keep.to(x.dtype))
+
+
+def _prune(fixed: bool = False) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(4)
+    model = Prune(fixed).eval()
+    with torch.no_grad():
+        model.importance.weight.mul_(0.1)
+        model.importance.bias.fill_(2.0)  # scores near the threshold: bf16 holds them in steps of 0.016
+    return model, torch.randn(8, 128, 64)
+
+
 def _topk(fixed: bool = False) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     model = TopK(fixed).eval()
@@ -134,6 +160,7 @@ CASES = [
     pytest.param(_topk, TopK.forward, "topk", "bf16", "probs = F.softmax(self.router", id="top-2 router bf16"),
     pytest.param(_switch, Switch.forward, "argmax", "fp16", "logits = self.router", id="switch argmax fp16"),
     pytest.param(_depths, Depths.forward, "topk", "bf16", "s = self.score", id="mixture-of-depths bf16"),
+    pytest.param(_prune, Prune.forward, "gt", "bf16", "keep = self.importance", id="a threshold bf16"),
 ]
 
 
@@ -157,7 +184,9 @@ def test_a_changed_selection_leads_with_its_line_and_the_fix_checked(
     assert not any(f.evidence.get("kind") == "accumulation" for f in report.findings)
 
 
-@pytest.mark.parametrize(("make", "candidate"), [(_topk, "bf16"), (_switch, "fp16"), (_depths, "bf16")])
+@pytest.mark.parametrize(
+    ("make", "candidate"), [(_topk, "bf16"), (_switch, "fp16"), (_depths, "bf16"), (_prune, "bf16")]
+)
 def test_the_fix_as_printed_gives_an_ok(make: object, candidate: str) -> None:
     model, x = make(fixed=True)  # type: ignore[operator]
     report = fpdoctor.compare(model, x, candidate=candidate).report

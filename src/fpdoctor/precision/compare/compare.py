@@ -1117,7 +1117,9 @@ class _Comparison:
         module calls got other shapes than in fp64: the candidate's first selection that picks other
         elements than fp64, with the lines in fp32 that give its picks back, checked. Two forwards, a
         third for the floor model's picks where one changed, and one per line set tried."""
-        unexplained = accumulation is not None and accumulation["state"] is None and accumulation["together"] is None
+        # an error no part explains, even where rounding the inputs would (a threshold that flips on them)
+        unexplained = accumulation is None or (accumulation["state"] is None and accumulation["together"] is None)
+        unexplained = unexplained and _unexplained(rows) is not None and not any(r.diverged for r in rows)
         root = next((e for (name, _), e in self.seen.items() if name == ""), None)
         if not (unexplained or self.unmatched) or root is None or not rows:
             return None

@@ -37,16 +37,21 @@ from fpdoctor.userframes import user_location
 
 aten = torch.ops.aten
 # The ops that select, by overload: (position of the indices in the output, None where the output is
-# them; position of the dim argument; whether the picks form a set, their order deciding nothing).
-# A full sort is left out: its order among near ties flips in any format and decides nothing alone.
-SELECTING: dict[Any, tuple[int | None, int, bool]] = {
+# them; position of the dim argument, None for a comparison, each of whose elements is a decision;
+# whether the picks form a set, their order deciding nothing). A full sort is left out: its order
+# among near ties flips in any format and decides nothing alone.
+SELECTING: dict[Any, tuple[int | None, int | None, bool]] = {
     aten.topk.default: (1, 2, True),
     aten.argmax.default: (None, 1, False),
     aten.argmin.default: (None, 1, False),
     aten.max.dim: (1, 1, False),
     aten.min.dim: (1, 1, False),
     aten.kthvalue.default: (1, 2, False),
+    # a threshold (a detector's score > 0.5, a gate's mask): each element a yes or no
+    **{getattr(aten, op).Scalar: (None, None, False) for op in ("gt", "lt", "ge", "le")},
+    **{getattr(aten, op).Tensor: (None, None, False) for op in ("gt", "lt", "ge", "le")},
 }
+COMPARING = frozenset({"gt", "lt", "ge", "le"})
 # The candidate changes a selection when it changes this many times the rows the floor model does
 CHANGED_RATIO = 4.0
 Key = tuple[str, str, int]  # a selection: its line, its op, its call at that line
@@ -74,13 +79,16 @@ class Picks(EagerDispatchMode):
         self._calls: dict[tuple[str, str], int] = {}
         self._made: ByTensor | None = ByTensor() if upstream else None
         self.on = not upstream  # lines of origin are the model's: from its forward's start (`start`)
-        self.modules: dict[str, tuple[str, torch.nn.Module]] = {}  # line -> the first module it calls
+        self.modules: dict[str, list[tuple[str, torch.nn.Module]]] = {}  # line -> the modules it calls
 
     def called(self, name: str, module: torch.nn.Module) -> None:
         """A module's call starts (a pre hook): which module the calling line runs."""
         user = user_location(sys._getframe())
-        if user is not None:
-            self.modules.setdefault(f"{user[0]}:{user[1]}", (name, module))
+        if user is None:
+            return
+        called = self.modules.setdefault(f"{user[0]}:{user[1]}", [])
+        if not any(name.startswith(f"{outer}.") for outer, _ in called) and all(n != name for n, _ in called):
+            called.append((name, module))  # the outermost only: a Sequential's layers run from torch's code
 
     def start(self) -> None:
         """The model's forward starts: what ran before (the inputs' cast to the run's dtype) made
@@ -129,9 +137,11 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _rows(out: Any, args: Any, kwargs: dict[str, Any], spec: tuple[int | None, int, bool]) -> torch.Tensor:
+def _rows(out: Any, args: Any, kwargs: dict[str, Any], spec: tuple[int | None, int | None, bool]) -> torch.Tensor:
     at, dim_at, as_set = spec
     indices = out if at is None else out[at]
+    if dim_at is None:  # a comparison: every element a row
+        return indices.detach().reshape(-1, 1).clone()
     dim = args[dim_at] if len(args) > dim_at else kwargs.get("dim", -1 if at is not None else None)
     if dim is None or indices.dim() == 0:  # argmax over everything: one pick
         return indices.detach().reshape(1, -1).clone()
@@ -177,7 +187,7 @@ class Changed:
     error_before: float = math.nan
     error_after: float | None = None
     tried: list[tuple[int, int | None]] | None = None  # (lines raised, rows changed then)
-    modules: dict[str, tuple[str, torch.nn.Module]] | None = None  # line -> the module it calls (Picks)
+    modules: dict[str, list[tuple[str, torch.nn.Module]]] | None = None  # line -> the modules it calls (Picks)
 
     @property
     def share(self) -> float:
@@ -258,16 +268,26 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
     code = source_text(pick.location)
     code = code[: code.index("  #")].rstrip() if "  #" in code else code
     written = f" (`{code}`)" if code else ""
-    what = "a different set of elements" if pick.op == "topk" else "a different element"
     picked = f", {found.picks} of its {found.of} picks" if found.picks is not None and found.of > found.rows else ""
-    message = (
-        f"In {label}, `{pick.op}` at line {number} of {file}{written} picks {what} than the fp64 run in "
-        f"{found.changed} of {found.rows} rows ({pct(found.share)}{picked}; {reference}: {pct(found.floor)}): the "
-        f"scores it ranks lie closer together than {name}'s spacing, and the code after it computes other things for "
-        f"those rows (another expert, another entry). The end-to-end error ({found.error_before:.3g}) comes from "
-        "them, not from any op's rounding, so no module or op stands out and the module calls after it get "
-        "other rows than in fp64."
-    )
+    share = f"({pct(found.share)}{picked}; {reference}: {pct(found.floor)})"
+    if pick.op in COMPARING:
+        message = (
+            f"In {label}, `{pick.op}` at line {number} of {file}{written} decides the other way than the fp64 run "
+            f"for {found.changed} of {found.rows} values {share}: the values it compares lie closer to what they are "
+            f"compared with than {name}'s spacing, and what follows computes otherwise for them. The end-to-end "
+            f"error ({found.error_before:.3g}) comes from them, not from any op's rounding."
+        )
+    else:
+        what = "a different set of elements" if pick.op == "topk" else "a different element"
+        message = (
+            f"In {label}, `{pick.op}` at line {number} of {file}{written} picks {what} than the fp64 run in "
+            f"{found.changed} of {found.rows} rows {share}: the scores it ranks lie closer together than {name}'s "
+            "spacing, and the code after it computes other things for those rows (another expert, another entry). "
+            f"The end-to-end error ({found.error_before:.3g}) comes from them, not from any op's rounding, so no "
+            "module or op stands out and the module calls after it get other rows than in fp64."
+        )
+    unit = "values decided otherwise" if pick.op in COMPARING else "rows picked differently"
+    scores = "values compared" if pick.op in COMPARING else "scores"
     evidence: dict[str, Any] = {
         "location": pick.location, "op": pick.op, "rows": found.rows, "rows_changed": found.changed,
         "share_changed": found.share, "floor_share": found.floor, "picks_changed": found.picks,
@@ -286,20 +306,20 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
         return catalog.make("selection-changed", message=message, fix=fix, where=where, evidence=evidence, trial=trial)
     lines = _lines_text(found.lines)
     after_share = found.changed_after / max(found.rows, 1)
-    calls = [(n, *(found.modules or {})[f"{f}:{n}"]) for f, n in sorted(found.lines, key=lambda x: x[1])
-             if f"{f}:{n}" in (found.modules or {})]  # fmt: skip
+    calls = [(n, name, module) for f, n in sorted(found.lines, key=lambda x: x[1])
+             for name, module in (found.modules or {}).get(f"{f}:{n}", [])]  # fmt: skip
     modules = "".join(f"; line {n} calls `{name}`: {_in_fp32(name, module)}" for n, name, module in calls)
     evidence |= {"lines_raised": sorted({n for _, n in found.lines}), "rows_changed_after": found.changed_after,
                  "error_after": found.error_after}  # fmt: skip
     fix = (
-        f"compute {lines} of {file} in fp32 (their operands .float(): the scores and the `{pick.op}` on fp32 "
-        f"values{modules}) and cast what they produce back to {name} (.to(x.dtype)); checked: rows picked differently "
+        f"compute {lines} of {file} in fp32 (their operands .float(): the {scores} and the `{pick.op}` on fp32 "
+        f"values{modules}) and cast what they produce back to {name} (.to(x.dtype)); checked: {unit} "
         f"{pct(found.share)} -> {pct(after_share)}, the end-to-end error {found.error_before:.3g} -> "
         f"{found.error_after:.3g}"
     )
     trial = Trial.checked(
         f"the ops at {lines} of {file} in fp32, their results cast back to {name}",
-        metric=f"rows where `{pick.op}` picks other elements than fp64",
+        metric=f"{unit} by `{pick.op}` than in fp64",
         before=pct(found.share),
         after=pct(after_share),
         on="the inputs given",
