@@ -312,3 +312,47 @@ def test_an_attention_softmax_by_hand_gets_torch_softmax_and_then_trains(tmp_pat
     first, fixed = _traced_and_fixed(tmp_path / "attention.py", ATTENTION, symptom="non-finite losses 3")
     assert first["fix"].startswith("Write torch.softmax(x, dim) instead of exp(x) / exp(x).sum(dim) at lines 16-17")
     assert "non-finite losses 0" in fixed.stderr
+
+
+MIXTURE = textwrap.dedent(
+    """
+    import sys, torch, torch.nn as nn
+    FIX = "--fix" in sys.argv
+    torch.manual_seed(0)
+    # a mixture's log-likelihood by hand in fp16: 512 components whose log-weights reach ~9, so each exp
+    # stays finite (exp(9) = 8103) while their sum passes fp16's 65504
+    net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 512)).half()
+    with torch.no_grad():
+        net[2].bias.fill_(8.0)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    bad, first = 0, None
+    for step in range(12):
+        x = torch.randn(32, 16).half()
+        scores = net(x)
+        if FIX:
+            total = torch.logsumexp(scores, -1)
+        else:
+            total = torch.log(torch.exp(scores).sum(-1))
+        loss = -(total - scores[:, 0]).mean()
+        first = float(loss) if first is None else first
+        bad += not torch.isfinite(loss).item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    print("non-finite losses", bad, "first loss", first, file=sys.stderr)
+    """
+)
+
+
+def test_a_log_sum_exp_by_hand_whose_sum_overflows_before_its_exps_gets_logsumexp_once(tmp_path: Path) -> None:
+    """The exps stay finite and their sum overflows: the first Inf is the sum's. Its fix was the sum in
+    fp32 (.sum(dtype=torch.float32)), which leaves the exps to overflow a few steps later; the composite
+    is the same, and its stable form is the fix, said once (not again for the Inf zeroed in its backward)."""
+    script = tmp_path / "mixture.py"
+    first, fixed = _traced_and_fixed(script, MIXTURE, symptom="non-finite losses 12")
+    assert first["where"]["op"].startswith("aten.sum"), first["where"]
+    assert first["fix"].startswith("Write torch.logsumexp(x, dim) instead of log(exp(x).sum(dim))"), first["fix"]
+    assert "non-finite losses 0" in fixed.stderr, fixed.stderr
+    findings = json.loads(script.with_suffix(".json").read_text())["findings"]
+    same = [f for f in findings if f["fix"] == first["fix"]]
+    assert len(same) == 1, [(f["name"], f["message"][:80]) for f in findings]

@@ -42,10 +42,16 @@ def merged(findings: list[Finding]) -> list[Finding]:
         return _same_values(findings)  # a scaler's recurring cause widens the same way
     out: list[Finding] = []
     widened: dict[str, Finding] = {}
+    told: set[tuple[str, str, str]] = set()  # a producer's line, op and fix
     for f in findings:
         at = line_of(f) or ""
         first = producers.get(at)
-        if first is None or f is first or f.name in _PRODUCERS:
+        if f.name in _PRODUCERS:
+            said = (at, str(f.where.get("op")), f.fix)
+            if said not in told:  # else the same op at the same line with the same fix (its Inf zeroed later)
+                out.append(f)
+            told.add(said)
+        elif first is None or f is first:
             out.append(f)
         elif f.name == "overflow-risk" and f.where.get("op") != first.where.get("op"):
             widened[at] = f  # folded into the producer's fix below

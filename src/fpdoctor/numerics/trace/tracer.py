@@ -952,8 +952,10 @@ class Tracer(EagerDispatchMode):
             if summed is not exp and summed.inputs != exp.inputs:  # x.exp() / x.exp().sum(): the same x
                 return
             chain[:0] = [summed, total] if exp is summed else [exp, total]
-            # the exp the experiment ran at: the first of them to run
+            # the exp the experiment ran at (the first of them to run), or the sum, where the exps stayed
+            # finite and their sum overflowed
             keys = [exp.index] if exp is summed else sorted((exp.index, summed.index))
+            keys.append(total.index)
         else:
             if made is None or made is record or not made.op.startswith("aten.sum"):
                 return
@@ -961,7 +963,7 @@ class Tracer(EagerDispatchMode):
             if exp is None or not exp.op.startswith("aten.exp"):
                 return
             chain[:0] = [exp, made]
-            keys = [exp.index]
+            keys = [exp.index, made.index]  # the exp overflowed, or its values' sum did
         experiment = next((self.experiments[k] for k in keys if k in self.experiments), None)
         steps = self._window.by_index()
         ran = [steps.get(r.index) for r in chain]
