@@ -928,6 +928,13 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
                     if lines
                     else ""
                 )
+                # the check cast the held values back where anything else read them: so must the code
+                + (
+                    f"; where any other line reads {held} (a lookup that returns its rows), read "
+                    f"{'them' if len(buffers) > 1 else 'it'} as .to(torch.{dtype}) there"
+                    if buffers
+                    else ""
+                )
                 + f"; checked: the end-to-end error goes from {_fmt(error)} to {_fmt(raised)}"
             )
             changed = [
