@@ -157,16 +157,20 @@ def _depths(fixed: bool = False) -> tuple[nn.Module, torch.Tensor]:
 
 
 CASES = [
-    pytest.param(_topk, TopK.forward, "topk", "bf16", "probs = F.softmax(self.router", id="top-2 router bf16"),
-    pytest.param(_switch, Switch.forward, "argmax", "fp16", "logits = self.router", id="switch argmax fp16"),
-    pytest.param(_depths, Depths.forward, "topk", "bf16", "s = self.score", id="mixture-of-depths bf16"),
-    pytest.param(_prune, Prune.forward, "gt", "bf16", "keep = self.importance", id="a threshold bf16"),
-]
+    pytest.param(_topk, TopK.forward, "topk", "bf16", "probs = F.softmax(self.router", "self.router(h)",
+                 id="top-2 router bf16"),
+    pytest.param(_switch, Switch.forward, "argmax", "fp16", "logits = self.router", "self.router(x)",
+                 id="switch argmax fp16"),
+    pytest.param(_depths, Depths.forward, "topk", "bf16", "s = self.score", "self.score(x)",
+                 id="mixture-of-depths bf16"),
+    pytest.param(_prune, Prune.forward, "gt", "bf16", "keep = self.importance", "self.importance(x)",
+                 id="a threshold bf16"),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize(("make", "forward", "op", "candidate", "scores"), CASES)
+@pytest.mark.parametrize(("make", "forward", "op", "candidate", "scores", "call"), CASES)
 def test_a_changed_selection_leads_with_its_line_and_the_fix_checked(
-    make: object, forward: object, op: str, candidate: str, scores: str
+    make: object, forward: object, op: str, candidate: str, *, scores: str, call: str
 ) -> None:
     model, x = make()  # type: ignore[operator]
     report = fpdoctor.compare(model, x, candidate=candidate).report
@@ -177,10 +181,13 @@ def test_a_changed_selection_leads_with_its_line_and_the_fix_checked(
     assert ev["share_changed"] >= 0.02 and ev["floor_share"] * 4 <= ev["share_changed"]
     assert first.trial is not None and first.trial.tried, first.fix
     assert ev["rows_changed_after"] * 4 <= ev["rows_changed"]
-    assert ev["error_after"] < ev["error_before"]
-    # the line that makes the scores is among the lines the fix raises, and the text says how
+    assert ev["error_after"] * 2 <= ev["error_before"]
+    # the line that makes the scores is among the lines the fix raises, and the text says how, on the
+    # module's own input as the line passes it
     assert _line(forward, scores) in ev["lines_raised"]
-    assert "F.linear(x.float()" in first.fix
+    arg = call.partition("(")[2].rstrip(")")
+    assert f"F.linear({arg}.float(), {call.partition('(')[0]}.weight.float()" in first.fix, first.fix
+    assert f"instead of {call}" in first.fix
     assert not any(f.evidence.get("kind") == "accumulation" for f in report.findings)
 
 
@@ -201,6 +208,30 @@ def test_module_calls_of_other_shapes_are_named_not_dropped_silently() -> None:
     notes = dict(report.data["summary"]) | {k: v for k, v in report.data.get("not_checked", {}).items()}
     text = " ".join(str(v) for v in notes.values())
     assert "experts.0" in text and "other shapes" in text, text
+
+
+class Gated(nn.Module):
+    """A cancellation (an offset of 30 taken away) that diverges, then a leaky ReLU by hand whose
+    comparison flips near 0 with it: the divergence is the cause, not the comparison."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        c = h - h.mean(-1, keepdim=True)
+        return self.down(torch.where(c > 0, c, 0.01 * c))
+
+
+def test_a_comparison_after_a_divergence_is_not_named_before_it() -> None:
+    torch.manual_seed(5)
+    model = Gated().eval()
+    with torch.no_grad():
+        model.up.bias.fill_(30.0)
+    report = fpdoctor.compare(model, torch.randn(256, 64), candidate="bf16").report
+    names = [f.name for f in report.findings]
+    assert names and names[0] == "precision-divergence" and "selection-changed" not in names, names
 
 
 def test_a_selection_the_format_does_not_change_is_not_named() -> None:

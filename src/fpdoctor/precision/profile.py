@@ -972,8 +972,9 @@ def _held(held: list[str], parameters: list[str], candidate: str) -> tuple[str, 
         what, how = "parameter and buffer", ", a parameter as nn.Parameter(value.float())"
     again = (
         f"model.to(torch.{dtype}) rounds every floating {what}: assign {'them' if many else 'it'} again in fp32 "
-        f"after the cast{how}, or hold {'them' if many else 'it'} as a plain tensor attribute, which the cast "
-        "leaves as it is"
+        f"after the cast{how}; where the code that casts is not yours (fpdoctor compare casts the model "
+        f"itself), a plain fp32 tensor attribute, which .to(dtype) leaves as it is (so do .to(device) and "
+        "state_dict: move it in forward with .to(x.device))"
     )
     return kind, again
 

@@ -42,15 +42,17 @@ def merged(findings: list[Finding]) -> list[Finding]:
         return _same_values(findings)  # a scaler's recurring cause widens the same way
     out: list[Finding] = []
     widened: dict[str, Finding] = {}
-    told: set[tuple[str, str, str]] = set()  # a producer's line, op and fix
+    told: set[tuple[str, str, str]] = set()  # a first non-finite value's line, op and fix
     for f in findings:
         at = line_of(f) or ""
         first = producers.get(at)
         if f.name in _PRODUCERS:
             said = (at, str(f.where.get("op")), f.fix)
-            if said not in told:  # else the same op at the same line with the same fix (its Inf zeroed later)
-                out.append(f)
-            told.add(said)
+            if f.name == "nonfinite-zeroed" and said in told:
+                continue  # the same op's Inf, zeroed by what read it (its backward): the same cause, said once
+            if f.name == "nonfinite-produced":
+                told.add(said)
+            out.append(f)
         elif first is None or f is first:
             out.append(f)
         elif f.name == "overflow-risk" and f.where.get("op") != first.where.get("op"):

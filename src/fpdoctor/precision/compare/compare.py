@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import linecache
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -477,6 +479,7 @@ class _Comparison:
             dtype=self.cand_dtype,
             reference_dtype=self.ref_dtype,
             device=self.cand_device,
+            given=self.given_ids,
         )
 
     def _fed(self, inputs: Any) -> None:
@@ -712,7 +715,7 @@ class _Comparison:
                 self.goto(after)
 
         hooked(self.truth_run, self.truth_inputs, torch.float64, pre=pre, post=lambda *a: None, rng=self.rng,
-               noise=self.noise)  # fmt: skip
+               noise=self.noise, fed=self._fed)  # fmt: skip
 
     # -- step 2: the candidate pass, reduced to error numbers as it goes ------------------------
     def candidate_pass(self) -> None:
@@ -1113,26 +1116,27 @@ class _Comparison:
 
     # -- step 5c: a selection inside the model the candidate changes (selections.py) -------------------
     def selection(self, rows: list[ModuleRow], accumulation: dict[str, Any] | None) -> Finding | None:
-        """Where the error is left unexplained (made by accumulation, no running state its cause) or
-        module calls got other shapes than in fp64: the candidate's first selection that picks other
-        elements than fp64, with the lines in fp32 that give its picks back, checked. Two forwards, a
-        third for the floor model's picks where one changed, and one per line set tried."""
-        # an error no part explains, even where rounding the inputs would (a threshold that flips on them)
+        """Where the error is left unexplained (no part adds near as much by itself, no running state
+        its cause): the candidate's first selection that picks other elements than fp64, with the lines
+        in fp32 that give its picks back, checked. Two forwards; where one changed, two more (the floor
+        model's picks, the candidate's with the lines that made each) and one per line set tried."""
+        # an error DIVERGENCE_RATIO above what every part adds by itself (a part that diverges included),
+        # even where rounding the inputs would explain it (a threshold that flips on them); never where a
+        # running state is the cause
         unexplained = accumulation is None or (accumulation["state"] is None and accumulation["together"] is None)
-        unexplained = unexplained and _unexplained(rows) is not None and not any(r.diverged for r in rows)
         root = next((e for (name, _), e in self.seen.items() if name == ""), None)
-        if not (unexplained or self.unmatched) or root is None or not rows:
+        if not unexplained or _unexplained(rows) is None or root is None or not rows:
             return None
         if self.cand_dtype not in (torch.float16, torch.bfloat16):
             return None
         try:
             truth = self._picks(self.truth_run, torch.float64).picks
-            made = self._picks(self.cand_run, self.cand_dtype, upstream=True, device=self.cand_device)
-            cand = made.picks
-            if selections.first_changed(cand, truth, None) is None:
+            if selections.first_changed(self._picks(self.cand_run, self.cand_dtype).picks, truth, None) is None:
                 return None
+            # one changed: the floor model's picks, and the candidate's again with the lines that made each
             floor = self._picks(self.ref_run, self.ref_dtype).picks if self.ref_run is not None else None
-            found = selections.first_changed(cand, truth, floor)
+            made = self._picks(self.cand_run, self.cand_dtype, upstream=True, device=self.cand_device)
+            found = selections.first_changed(made.picks, truth, floor)
             if found is None:
                 return None
             key, changed = found
@@ -1160,6 +1164,7 @@ class _Comparison:
         """What every selecting op of one forward of `run` picks (selections.Picks); `upstream`: and
         the lines that made what each ranks, and the module each line calls."""
         picks = selections.Picks(upstream=upstream)
+        fed = self.cand_inputs if run is self.cand_run else self.truth_inputs if run is self.truth_run else self.inputs
 
         def pre(name: str, index: int, mod: nn.Module, *args: Any) -> None:
             if name == "":
@@ -1168,7 +1173,6 @@ class _Comparison:
                 picks.called(name, mod)
 
         with picks:
-            fed = self.cand_inputs if run is self.cand_run else self.inputs
             hooked(run, fed, dtype, pre=pre, post=lambda *a: None, rng=self.rng, device=device,
                    noise=self.noise)  # fmt: skip
         return picks
@@ -1371,7 +1375,8 @@ class _Comparison:
                     ev = selection.evidence
                     where = ev["location"].rpartition(":")[2]
                     share = f"{100 * ev['share_changed']:.1f}%"
-                    said = f"none by itself: the rows `{ev['op']}` at line {where} picks otherwise ({share})"
+                    what = "values" if ev["op"] in selections.COMPARING else "rows"
+                    said = f"none by itself: the {what} `{ev['op']}` at line {where} decides otherwise ({share})"
                     summary[i] = (label, said + " make the error")
         if self.cand_failed is not None:  # a model that cannot run in the candidate is never OK
             result.report.findings.insert(0, nonfinite.failed(self.cand_failed, label=self.label, candidate=candidate))
@@ -1424,26 +1429,35 @@ class _Comparison:
             )
         return result
 
-    @staticmethod
     def _lines_after(
-        lines: list[tuple[str, int]], error: float, outputs: list[torch.Tensor],
+        self, lines: list[tuple[str, int]], error: float, outputs: list[torch.Tensor],
         run: Callable[[list[tuple[str, int]]], float | None], *, first: bool = False,
     ) -> tuple[list[tuple[str, int]], float]:  # fmt: skip
         """`lines` with up to nonfinite.LINES_AFTER lines after the last of them, one at a time, where
         computing them in fp32 too takes the error down by EXTEND_FALLS again: the first set that is
         checked to cure may not be the whole fix (a variance by hand in fp32 whose mean is cast back
         before `x - mean`: the NaN cured, 1.35x of the error left in that line). `first`: `lines`
-        themselves run first (in another way `run` says). `outputs` ends as the kept run's."""
+        themselves run first (in another way `run` says). It stops at a line that calls a module of the
+        model (`return self.mlp(x)`): that whole module in fp32 helps, and is no part of the fix.
+        `outputs` ends as the kept run's."""
         kept = list(outputs)
         file, last = lines[-1]
         current = list(lines)
         for k in range(0 if first else 1, nonfinite.LINES_AFTER + 1):
+            if k and self._calls_module(file, last + k):
+                break
             more = [*current, *((file, n) for n in range(current[-1][1] + 1, last + k + 1))]
             after = run(more)
             if after is not None and math.isfinite(after) and after * EXTEND_FALLS <= error:
                 current, error, kept = more, after, list(outputs)
         outputs[:] = kept
         return current, error
+
+    def _calls_module(self, file: str, number: int) -> bool:
+        """Whether the source line calls one of the model's modules by its attribute (self.mlp(x))."""
+        names = {name.rpartition(".")[2] for name in self.truth_modules if name}
+        code = linecache.getline(file, number)
+        return any(m.group(1) in names for m in re.finditer(r"\.(\w+)\s*\(", code))
 
     def _made_checked(self, rows: list[ModuleRow], forced: dict[str, dict[str, Any]]) -> Finding | None:
         """NUM020/NUM021 for the first line that makes values the candidate's format rounds, where

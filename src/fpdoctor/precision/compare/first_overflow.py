@@ -18,6 +18,7 @@ from torch import nn
 
 from fpdoctor.numerics.engine.raising import past_range
 from fpdoctor.precision.candidates import cast_inputs
+from fpdoctor.precision.compare.passes import cast_given
 from fpdoctor.precision.metrics import all_finite, floating
 from fpdoctor.torchprivate import TorchDispatchMode
 from fpdoctor.userframes import user_location
@@ -79,14 +80,16 @@ def first_overflow(
     dtype: torch.dtype,
     reference_dtype: torch.dtype,
     device: torch.device | None,
+    given: dict[int, torch.dtype] | None = None,
 ) -> dict[str, Any] | None:
     """The op inside `candidate` (a module's copy in `dtype`) that overflows on the fp64 inputs
     (`args`, `kwargs`), with how large its output is in the `reference` copy of the module (in
     `reference_dtype`, whose range holds it); None when no op turns finite inputs non-finite
-    (the inputs already were, or a NaN came from elsewhere)."""
+    (the inputs already were, or a NaN came from elsewhere). `given`: the model's inputs fed as given
+    (passes.cast_given)."""
     finder = _FirstOverflow()
     # cast before the mode starts: op positions count from the module's first op, as in a forward
-    cand_args, cand_kwargs = cast_inputs(args, dtype, device), cast_inputs(kwargs, dtype, device)
+    cand_args, cand_kwargs = cast_given(args, dtype, device, given), cast_given(kwargs, dtype, device, given)
     try:
         with torch.no_grad(), finder:
             candidate(*cand_args, **cand_kwargs)

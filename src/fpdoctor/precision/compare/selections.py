@@ -18,7 +18,9 @@ results cast back (engine.raising.RaisedLines), until a run leaves RAISED_FALLS 
 
 from __future__ import annotations
 
+import linecache
 import math
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +59,10 @@ CHANGED_RATIO = 4.0
 Key = tuple[str, str, int]  # a selection: its line, its op, its call at that line
 UPSTREAM = 4  # lines kept per tensor of what made it, nearest first: the line sets tried
 PAIRS = 1 << 24  # a top-k's picks are compared one by one up to this many pairs
+KEPT = 1 << 22  # a comparison's decisions are kept up to this many (a mask over attention scores is not)
+# A line set is the fix where the rows it gives back take the end-to-end error down this much at least
+# (the rest may be the candidate's own rounding elsewhere, which a selection does not make)
+ERROR_FALLS = 2.0
 
 
 @dataclass
@@ -110,7 +116,10 @@ class Picks(EagerDispatchMode):
             for t in _tensors(out):
                 self._made.put(t, ups)
         source = args[0] if args else None
-        if spec is not None and isinstance(source, torch.Tensor) and source.is_floating_point():
+        if (
+            spec is not None and isinstance(source, torch.Tensor) and source.is_floating_point()
+            and (spec[1] is not None or source.numel() <= KEPT)
+        ):  # fmt: skip
             key = (line, func.overloadpacket.__name__)
             n = self._calls.get(key, 0)
             self._calls[key] = n + 1
@@ -221,8 +230,8 @@ Check = Callable[[set[tuple[str, int]]], tuple[float | None, dict[Key, Pick]]]
 
 def checked(key: Key, found: Changed, truth: dict[Key, Pick], check: Check) -> None:
     """The selection's line, then with the lines that made what it ranks (nearest first), in fp32:
-    the first set whose run leaves RAISED_FALLS fewer rows changed and a lower end-to-end error is
-    the fix (`found.lines`, its figures); every try is in `found.tried`."""
+    the first set whose run leaves RAISED_FALLS fewer rows changed and an end-to-end error ERROR_FALLS
+    lower is the fix (`found.lines`, its figures); every try is in `found.tried`."""
     order = [found.pick.location, *(u for u in found.pick.upstream if u != found.pick.location)]
     places = [p for p in (line_of(u) for u in order) if p is not None]
     found.tried = []
@@ -233,21 +242,46 @@ def checked(key: Key, found: Changed, truth: dict[Key, Pick], check: Check) -> N
         found.tried.append((n, None if got is None else got[0]))
         if got is None or error is None or not math.isfinite(error):
             continue
-        if got[0] * RAISED_FALLS <= found.changed and error < found.error_before:
+        if got[0] * RAISED_FALLS <= found.changed and error * ERROR_FALLS <= found.error_before:
             found.lines, found.changed_after, found.error_after = lines, got[0], error
             return
 
 
-def _in_fp32(name: str, module: torch.nn.Module) -> str:
+def _in_fp32(name: str, module: torch.nn.Module, code: str) -> str:
     """How the code runs a module it calls in fp32 from the model's dtype: its function on fp32
-    weights (a Linear), or the module kept in fp32."""
+    weights (a Linear), or the module kept in fp32; as the line `code` calls it where it can be read
+    there (self.moe.router(h)), else by its name in the model."""
     parts = name.split(".")
-    # the attribute the calling forward holds it by: router, or experts[3] for an item of a ModuleList
-    attr = "self." + (f"{parts[-2]}[{parts[-1]}]" if parts[-1].isdigit() and len(parts) > 1 else parts[-1])
+    last = f"{parts[-2]}[{parts[-1]}]" if parts[-1].isdigit() and len(parts) > 1 else parts[-1]
+    call = _call_in(code, last)
+    attr, arg = call if call is not None else (f"`{name}`", "its input")
     if isinstance(module, torch.nn.Linear):
         bias = f", {attr}.bias.float()" if module.bias is not None else ""
-        return f"F.linear(x.float(), {attr}.weight.float(){bias}) instead of {attr}(x)"
-    return f"keep it in fp32 ({attr}.float() after the cast to the model's dtype) and call it on x.float()"
+        held = (
+            f"F.linear({arg}.float(), {attr}.weight.float(){bias})"
+            if call
+            else f"F.linear on fp32 copies of {attr}'s weights"
+        )
+        return held + (f" instead of {attr}({arg})" if call else "")
+    return f"keep it in fp32 ({attr}.float() after the cast to the model's dtype) and call it on {arg}.float()"
+
+
+def _call_in(code: str, last: str) -> tuple[str, str] | None:
+    """(the module as the line names it, its argument's text) where `code` calls `...{last}(arg)`
+    with one argument; None where it cannot be read so."""
+    found = re.search(r"([A-Za-z_][\w.]*\.)?" + re.escape(last) + r"\(", code)
+    if found is None:
+        return None
+    depth, start = 0, found.end()
+    for i in range(start, len(code)):
+        if code[i] in "([{":
+            depth += 1
+        elif code[i] in ")]}":
+            if depth == 0:
+                arg = code[start:i].strip()
+                return (found.group(0)[:-1], arg) if arg and "," not in arg else None
+            depth -= 1
+    return None
 
 
 def _lines_text(lines: list[tuple[str, int]]) -> str:
@@ -270,24 +304,32 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
     written = f" (`{code}`)" if code else ""
     picked = f", {found.picks} of its {found.of} picks" if found.picks is not None and found.of > found.rows else ""
     share = f"({pct(found.share)}{picked}; {reference}: {pct(found.floor)})"
+    fixed = found.lines is not None and found.error_after is not None
+    cause = (
+        f"With the picks given back (the fix below), the end-to-end error goes from {found.error_before:.3g} to "
+        f"{found.error_after:.3g}: the rows it picks otherwise make it, not any op's rounding, so no module or op "
+        "stands out."
+        if fixed else
+        f"Whether they make the end-to-end error ({found.error_before:.3g}) is not known: no change tried gave the "
+        "picks back."
+    )  # fmt: skip
     if pick.op in COMPARING:
         message = (
             f"In {label}, `{pick.op}` at line {number} of {file}{written} decides the other way than the fp64 run "
             f"for {found.changed} of {found.rows} values {share}: the values it compares lie closer to what they are "
-            f"compared with than {name}'s spacing, and what follows computes otherwise for them. The end-to-end "
-            f"error ({found.error_before:.3g}) comes from them, not from any op's rounding."
+            f"compared with than {name}'s spacing, and what follows computes otherwise for them. {cause}"
         )
     else:
         what = "a different set of elements" if pick.op == "topk" else "a different element"
         message = (
             f"In {label}, `{pick.op}` at line {number} of {file}{written} picks {what} than the fp64 run in "
             f"{found.changed} of {found.rows} rows {share}: the scores it ranks lie closer together than {name}'s "
-            "spacing, and the code after it computes other things for those rows (another expert, another entry). "
-            f"The end-to-end error ({found.error_before:.3g}) comes from them, not from any op's rounding, so no "
-            "module or op stands out and the module calls after it get other rows than in fp64."
+            f"spacing, and the code after it computes other things for those rows (another expert, another entry; "
+            f"the module calls after it get other rows than in fp64). {cause}"
         )
     unit = "values decided otherwise" if pick.op in COMPARING else "rows picked differently"
     scores = "values compared" if pick.op in COMPARING else "scores"
+    mask = "; a mask or indices stay as they are" if pick.op in COMPARING else "; the indices stay as they are"
     evidence: dict[str, Any] = {
         "location": pick.location, "op": pick.op, "rows": found.rows, "rows_changed": found.changed,
         "share_changed": found.share, "floor_share": found.floor, "picks_changed": found.picks,
@@ -295,7 +337,7 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
         "error_before": found.error_before,
     }  # fmt: skip
     where = {"module": None, "op": f"aten.{pick.op}", "phase": "forward"}
-    if found.lines is None or found.changed_after is None or found.error_after is None:
+    if not fixed or found.lines is None or found.changed_after is None or found.error_after is None:
         tried = ", ".join(f"{n} line{'s' if n > 1 else ''}: {'-' if c is None else c}" for n, c in found.tried or [])
         fix = (
             f"compute what `{pick.op}` ranks in fp32 (the scores' operands .float(), the selection on fp32 values) "
@@ -308,12 +350,15 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
     after_share = found.changed_after / max(found.rows, 1)
     calls = [(n, name, module) for f, n in sorted(found.lines, key=lambda x: x[1])
              for name, module in (found.modules or {}).get(f"{f}:{n}", [])]  # fmt: skip
-    modules = "".join(f"; line {n} calls `{name}`: {_in_fp32(name, module)}" for n, name, module in calls)
+    modules = "".join(
+        f"; line {n} calls `{name}`: {_in_fp32(name, module, linecache.getline(file, n).strip())}"
+        for n, name, module in calls
+    )
     evidence |= {"lines_raised": sorted({n for _, n in found.lines}), "rows_changed_after": found.changed_after,
                  "error_after": found.error_after}  # fmt: skip
     fix = (
         f"compute {lines} of {file} in fp32 (their operands .float(): the {scores} and the `{pick.op}` on fp32 "
-        f"values{modules}) and cast what they produce back to {name} (.to(x.dtype)); checked: {unit} "
+        f"values{modules}) and cast what they produce back to {name} (.to(x.dtype){mask}); checked: {unit} "
         f"{pct(found.share)} -> {pct(after_share)}, the end-to-end error {found.error_before:.3g} -> "
         f"{found.error_after:.3g}"
     )
