@@ -59,6 +59,8 @@ def test_an_fp16_overflow_is_finite_in_fp32_and_blamed_on_the_precision():
     # the experiment found the op itself is the origin and checked it in fp32: its fix, not the control's
     assert verdict.evidence["experiment"]["verdict"] == "origin"
     assert verdict.fix.startswith("Compute aten.mul.Tensor") and "(checked: max |x| inf -> 8e+04)" in verdict.fix
+    # 8e+04 is past fp16's range: cast back after the op, it would overflow again; the fix says to keep it
+    assert "kept in fp32 for what reads it: its largest value, 8e+04, is past float16's 65504" in verdict.fix
     # and on the step's loss: the ops from that line down to it re-run with the line in fp32
     assert verdict.trial is not None and verdict.trial.tried and verdict.trial.metric.startswith("the step's loss")
     assert verdict.trial.before == "nan" and math.isfinite(verdict.trial.after)

@@ -428,6 +428,18 @@ class Experiment:
             )
         return text, message, fix, trial
 
+    def _kept_wide(self) -> str:
+        """Where the fixed op's values pass the run's format (1.5e6 in fp16): they stay in the wider
+        precision, which a cast back after the op would undo."""
+        limit = _limit(self.dtype)
+        after = self.absmax_after
+        if limit is None or after is None or not math.isfinite(after) or after <= limit or not self.checked_in:
+            return ""
+        return (
+            f", and what it makes kept in {self.checked_in} for what reads it: its largest value, {_num(after)}, is "
+            f"past {self.dtype}'s {limit:g} (cast back, it overflows again)"
+        )
+
     def _word_origin_at_op(self, label: str, message: str, advice: str) -> tuple[str, str, str, Trial]:
         """The origin named; where it is the op itself, its own advice stays, with the check."""
         origin = self.origin
@@ -498,9 +510,10 @@ class Experiment:
             return text, message + why, *self._stable_fix(_lines(ran))
         if own:
             reduction = _packet(origin.op) in _REDUCTIONS
-            how = " (a reduction: .sum(dtype=torch.float32))" if reduction else ""
+            # the operands raised before the op: its result in fp32 of fp16 operands is the same overflow
+            how = " (a reduction: .sum(dtype=torch.float32))" if reduction else " (its operands .float() before it)"
             other = _without_precision(advice)
-            fix = f"Compute {origin.op}{at} in {self.checked_in or 'fp64'}{how}: {checked}." + (
+            fix = f"Compute {origin.op}{at} in {self.checked_in or 'fp64'}{how}{self._kept_wide()}: {checked}." + (
                 f" Also possible, not tried: {other}." if other else ""
             )
         else:
@@ -634,6 +647,12 @@ def _lines(chain: list[Record]) -> str:
     else:  # the lines the chain ran, not the ones between them (an if/else branch not taken)
         span = f"lines {', '.join(str(n) for n in numbers[:-1])} and {numbers[-1]}"
     return f"{span} of {located[0][0]}" if len(files) == 1 else ", ".join(f"{f}:{n}" for f, n, _ in located)
+
+
+def _limit(dtype: str) -> float | None:
+    """The largest finite value of a floating dtype named as the records name it ("float16")."""
+    found = getattr(torch, dtype, None)
+    return float(torch.finfo(found).max) if isinstance(found, torch.dtype) and found.is_floating_point else None
 
 
 def _num(value: float | None) -> str:
