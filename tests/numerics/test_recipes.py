@@ -69,6 +69,26 @@ def test_fp16_autocast_without_a_grad_scaler():
     assert f.evidence["numel"] == 2 * (16 * 16 + 16 + 16 + 1) and f.evidence["share"] > 0.5
     assert f.evidence["count"] == f.evidence["zero"] + f.evidence["subnormal"]
     assert "GradScaler" in f.fix and "%" in f.message
+    assert "also made NaN/Inf" not in f.message  # a finite forward: the zeros are the underflow's
+
+
+class _Norm(nn.Module):
+    """A norm by hand whose variance's product overflows fp16: rsqrt(Inf) = 0 zeroes the rows behind it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xc = x - x.mean(-1, keepdim=True)
+        return xc * torch.rsqrt((xc * xc * 1e4).mean(-1, keepdim=True) + 1e-5)
+
+
+def test_zeros_that_a_non_finite_forward_made_are_not_told_as_the_underflow_alone():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), _Norm(), nn.Linear(16, 1))
+    with torch.no_grad():
+        model[0].weight.mul_(20.0)
+    report = train(model, torch.optim.SGD(model.parameters(), lr=0.1), autocast=torch.float16)
+    (f,) = [f for f in report.findings if f.name == "fp16-without-grad-scaler"]
+    assert "also made NaN/Inf (the finding about it comes first)" in f.message, f.message
+    assert report.findings[0].name in ("nonfinite-produced", "nonfinite-zeroed"), names(report)
 
 
 def test_with_a_grad_scaler_or_without_autocast_nothing_is_said():

@@ -338,6 +338,12 @@ def no_scaler_finding(
         if numel
         else ""
     )
+    if numel and any(r.phase == "forward" and r.kind for r in records):
+        # an Inf the forward made and an op zeroed (rsqrt(Inf) = 0) zeroes the gradients behind it too
+        measured += (
+            " Those steps' forwards also made NaN/Inf (the finding about it comes first): the zeros include what "
+            "that wiped out; fix it first, then judge the underflow again."
+        )
     return catalog.make(
         "fp16-without-grad-scaler",
         message=(
