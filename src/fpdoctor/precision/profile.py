@@ -918,13 +918,11 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
             fix = (
                 f"{' and '.join(changes)}{back}"
                 + (
-                    f": create the tensors there in torch.float32 (a cast .to(torch.{dtype}) or a dtype=torch.{dtype} "
-                    "there becomes torch.float32) and read what comes from the rest of the model in it (x.float() on "
-                    "each tensor those lines read; where a line calls a module of the model, a Linear, its input stays "
-                    "in the model's dtype: .float() on its output), every op of those lines computed from them, then "
-                    f".to(torch.{dtype}) on each value they make that a later line reads: what the last of them "
-                    "produces, and any other (the v of a q, k, v made there) (or .to(p.dtype), p one of the model's "
-                    "parameters, which follows the model's dtype; not an input's: token ids are integers)"
+                    f": on those lines, torch.float32 where they write torch.{dtype} (a cast, a dtype= argument), "
+                    ".float() on each tensor they read from the rest of the model (where a line calls a module, a "
+                    f"Linear, .float() on its output), then .to(torch.{dtype}) on each value a later line reads (what "
+                    "the last line makes, and any other: the v of a q, k, v) (or .to(p.dtype), p a parameter of the "
+                    "model; not an input's: token ids are integers)"
                     if lines
                     else ""
                 )
