@@ -6,14 +6,16 @@ the format's spacing (a router's softmax over 8 experts near 1/8 in bf16: spacin
 other elements than the fp64 run in some rows, and the code after it computes other things for
 them (another expert's output, another codebook vector). No module or op is then far above its
 floor, the module calls after it get other rows than in fp64 (their outputs cannot be compared),
-and the end-to-end error looks made by accumulation. So where compare finds no part that explains
-the error, or module calls it could not match, it runs the forward three times more under `Picks`
-(fp64, the floor model, the candidate), keys each selection by its source line and call, and
-counts the rows where the candidate's indices differ from fp64's (a top-k as a set: its order
-among near ties decides nothing). The first selection that changes DECISION_SHARE of its rows or
-more, and CHANGED_RATIO times the floor model's share, is tried: its line, then with the lines that
-made what it ranks (nearest first, as the candidate's forward made them), in fp32 with their
-results cast back (engine.raising.RaisedLines), until a run leaves RAISED_FALLS fewer rows changed.
+and the end-to-end error looks made by accumulation. So where no part adds near the end-to-end error
+by itself, compare runs the forward in fp64 and in the candidate under `Picks`, keys each selection
+by its source line and call, and counts the rows where the candidate's indices differ from fp64's
+(a top-k as a set: its order among near ties decides nothing; a comparison, each value). Where one
+changed, the floor model's picks and the candidate's again, with the lines that made what each
+ranks: the first selection that changes DECISION_SHARE of its rows or more, and CHANGED_RATIO times
+the floor model's share, is tried: its line, then with those lines (nearest first), in fp32 with
+their results cast back (engine.raising.RaisedLines), until a run leaves RAISED_FALLS fewer rows
+changed and an end-to-end error ERROR_FALLS lower: the fix, and the evidence that the selection is
+the cause. Without it, the finding says what changed and claims no cause.
 """
 
 from __future__ import annotations
