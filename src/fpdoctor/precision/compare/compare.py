@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import linecache
 import math
 import os
@@ -443,6 +444,7 @@ class _Comparison:
         self._tables: dict[int, tuple[str, tuple[int, ...]]] = {}
         self.cand_failed: Exception | None = None  # what the candidate's run raised, if it did
         self.logits: str | None = None
+        self.binary = False  # the logits are a sigmoid's probabilities, as _decided gives them (_binary)
         self.root_truth: torch.Tensor | None = None
         # the running states named the cause (step 5) and their checked run's output
         self.state_fix: tuple[list[str], torch.Tensor] | None = None
@@ -606,7 +608,9 @@ class _Comparison:
         """The model's output, whole, when it is logits (use.py): the last leaf call made it, and
         what the model returns is that output as it is (a cast at most), not something computed
         from it (an embedding normalised after its projection decides no class), and of another shape
-        than every input (a denoiser predicts its input's noise)."""
+        than every input (a denoiser predicts its input's noise); or a sigmoid's probabilities, one
+        per row (`_binary`)."""
+        self.binary = False
         first = next(floating(output), None)
         name = self._last_leaf or ""
         made = next(floating(self._last_output), None)
@@ -623,7 +627,34 @@ class _Comparison:
             given = {t.shape[0]: (use.GIVEN, tuple(t.shape)) for t in floating(self.inputs) if t.dim() == 2}
             tables = {**given, **self._tables}
             self.logits = use.class_table_source("", self.truth_modules[""], first, made=tables)
-        self.root_truth = first.detach().clone() if self.logits is not None else None
+        if self.logits is None:
+            self.logits = self._binary(first, name, made)
+            self.binary = self.logits is not None
+        self.root_truth = self._decided(first.detach().clone()) if self.logits is not None else None
+
+    def _binary(self, first: torch.Tensor, name: str, made: torch.Tensor | None) -> str | None:
+        """How the report names an output of probabilities a sigmoid made, one per row, decided at 0.5
+        (a detector's, a binary classifier's): the model's last leaf (`name`, its output `made`) is an
+        nn.Sigmoid, or the output is the sigmoid of what it made (torch.sigmoid(self.head(h))); None
+        for any other output."""
+        if first.dim() > 2 or (first.dim() == 2 and first.shape[-1] != 1) or first.numel() < 2:
+            return None
+        if made is None or made.numel() != first.numel() or not made.is_floating_point():
+            return None
+        module = self.truth_modules.get(name)
+        applied = made if isinstance(module, nn.Sigmoid) else torch.sigmoid(made)
+        if not torch.allclose(applied.reshape(-1).to(first.dtype), first.reshape(-1), rtol=1e-6, atol=0.0):
+            return None
+        return f"probabilities of a sigmoid, one per row, decided at 0.5 ({first.numel()} rows)"
+
+    def _decided(self, t: torch.Tensor) -> torch.Tensor:
+        """An output as use.py judges logits: a sigmoid's probabilities p as two classes' log
+        probabilities [log(1 - p), log p] (top-1 is p > 0.5; rounding them costs about what rounding p
+        does), any other output as it is."""
+        if not self.binary:
+            return t
+        p = t.detach().double().reshape(-1).clamp(1e-12, 1 - 1e-12)
+        return torch.stack([torch.log1p(-p), torch.log(p)], -1)
 
     def isolated(
         self, name: str, args: Any, kwargs: Any, entry: _Seen, *, start: tuple[RngState, int], output: Any = None,
@@ -824,7 +855,7 @@ class _Comparison:
         biggest = largest(output)  # non-finite when a value is
         if name == "" and self.root_truth is not None:
             first = next(floating(output), None)
-            self.root_cand = first.detach().clone() if first is not None else None
+            self.root_cand = self._decided(first.detach().clone()) if first is not None else None
         elif name == "":
             self._root_sample = (entry.truth, c)
         if self.keep_candidate:  # float32 holds every candidate format's values exactly
@@ -858,7 +889,7 @@ class _Comparison:
         finite = all_finite(output)
         if name == "" and self.root_truth is not None:
             first = next(floating(output), None)
-            self.root_cand = first.detach().clone() if first is not None else None
+            self.root_cand = self._decided(first.detach().clone()) if first is not None else None
         elif name == "" and finite:  # an output that is not logits: its error in its own units, on the sample
             self.root_units = in_units(entry.truth, c, self.candidate)
             self._units_truth = entry.truth
@@ -1520,6 +1551,10 @@ class _Comparison:
         found = use.decisions(self.root_truth, self.root_cand, self.candidate, self.logits)
         if found is None:
             return
+        if self.binary:  # a sigmoid's floor: its probabilities rounded to the format, not their logs
+            p = round_to(self.root_truth[:, 1].exp(), self.candidate)
+            floor = use.top1(self.root_truth, self._decided(p))
+            found = found if floor is None else dataclasses.replace(found, floor_top1=floor)
         result.report.data["decisions"] = found.to_dict()
         _beside_error(result.report.data["summary"], ("decisions (" + found.source + ")", found.text()))
         # the output's format alone, where the candidate returns it (an fp8 candidate's GEMMs return wider),
@@ -1532,6 +1567,9 @@ class _Comparison:
                 # the fix as a run: the layer that makes the output kept in fp32, returning fp32; where the
                 # model's own ops make it (scores against a table), no run puts the fix in place
                 head = self._last_leaf if self.logits is not None and self.logits.startswith("logits of") else None
+                if self.binary and self._last_leaf is not None:  # the layer whose output the sigmoid reads
+                    last = self._last_leaf
+                    head = self._leaf_before(last) if isinstance(self.truth_modules[last], nn.Sigmoid) else last
                 ran = self._top1_with_fp32([head], fp32_output=True) if head else None
                 result.report.findings.append(
                     use.coarse_finding(found, self.label, held[0], inputs=self.inputs, head=head, ran=ran)
@@ -1573,7 +1611,7 @@ class _Comparison:
         fixes: list[use.CheckedFix] = []
         if self.state_fix is not None:
             lines, output = self.state_fix
-            got = use.top1(self.root_truth, output.to(self.root_truth.device))
+            got = use.top1(self.root_truth, self._decided(output.to(self.root_truth.device)))
             where = ", ".join(lines)
             noun = "running states" if len(lines) > 1 else "running state"
             if got is not None:
@@ -1584,7 +1622,7 @@ class _Comparison:
                 ))  # fmt: skip
         if self.made_fix is not None:  # values the format rounds, made in fp32 (made_in_dtype.py)
             made, output = self.made_fix
-            got = use.top1(self.root_truth, output.to(self.root_truth.device))
+            got = use.top1(self.root_truth, self._decided(output.to(self.root_truth.device)))
             if got is not None and made.trial is not None:
                 fix = made.fix.partition("; checked:")[0]
                 where = str(made.evidence.get("location") or "")
@@ -1599,7 +1637,7 @@ class _Comparison:
                 ),
                 None,
             )  # fmt: skip
-            got = use.top1(self.root_truth, self.line_fix.to(self.root_truth.device))
+            got = use.top1(self.root_truth, self._decided(self.line_fix.to(self.root_truth.device)))
             if forced is not None and forced.trial is not None and got is not None:
                 where = ", ".join(forced.evidence.get("feeding_lines") or forced.evidence.get("rounded_buffers") or [])
                 # its fix without the figures it was checked by (the end-to-end error): these are top-1's
@@ -1633,7 +1671,7 @@ class _Comparison:
         if self.root_truth is None or self.logits is None:
             return None
         got = self._output_with_fp32(modules, fp32_output=fp32_output)
-        return None if got is None else use.top1(self.root_truth, got.to(self.root_truth.device))
+        return None if got is None else use.top1(self.root_truth, self._decided(got.to(self.root_truth.device)))
 
     def _output_with_fp32(self, modules: list[str], *, fp32_output: bool) -> torch.Tensor | None:
         """The candidate's output (its first floating tensor) with `modules` computed in fp32 (the
