@@ -66,9 +66,10 @@ class Decisions:
         return 1.0 - top1 <= RECOVERED * (1.0 - self.top1)
 
     def text(self) -> str:
+        top5 = f", top-{TOP_K} {pct(self.top5)}" if self.classes > TOP_K else ""  # of fewer classes: always 100%
         return (
-            f"top-1 agreement {pct(self.top1)} (rounding the exact output: {pct(self.floor_top1)}), top-{TOP_K} "
-            f"{pct(self.top5)}, KL {self.kl:.3g} nats ({self.floor_kl:.3g}) over {self.rows} rows of {self.classes}"
+            f"top-1 agreement {pct(self.top1)} (rounding the exact output: {pct(self.floor_top1)}){top5}, KL "
+            f"{self.kl:.3g} nats ({self.floor_kl:.3g}) over {self.rows} rows of {self.classes}"
         )
 
     def to_dict(self) -> dict[str, Any]:
