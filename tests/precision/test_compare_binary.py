@@ -75,3 +75,20 @@ def test_an_output_in_zero_one_that_no_sigmoid_made_decides_nothing() -> None:
 
     report = fpdoctor.compare(Clamped().eval(), torch.randn(512, 32), candidate="bf16").report
     assert "decisions" not in report.data
+
+
+class Fixed(Squeezed):
+    """The fix as printed: the head in fp32 returning fp32, so the sigmoid returns fp32 probabilities
+    (compare casts the model itself: the forward keeps its head in fp32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.head.float()(self.body(x).float())).squeeze(-1)
+
+
+def test_the_fix_as_printed_gets_an_ok_not_the_floor_of_a_format_it_no_longer_returns() -> None:
+    broken, x, _ = _squeezed()
+    model = Fixed().eval()
+    model.load_state_dict(broken.state_dict())  # the same calibrated weights
+    report = fpdoctor.compare(model, x, candidate="bf16").report
+    assert report.data["decisions"]["top1"] > 0.99
+    assert not [f.name for f in report.findings if f.severity in ("error", "warning")], report.findings

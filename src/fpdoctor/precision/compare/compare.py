@@ -457,6 +457,7 @@ class _Comparison:
         # why the input floor is 0 without a forward (rounding the inputs changes nothing), where it is
         self.input_floor_note: str | None = None
         self.root_cand: torch.Tensor | None = None
+        self.root_cand_dtype: torch.dtype | None = None  # the dtype the candidate returns its output in
         self.root_units: InUnits | None = None  # an output that is not logits, in its units (units.py)
         self._units_truth: torch.Tensor | None = None  # the fp64 sample root_units is measured on
         # module calls whose candidate output had another size than the fp64 one (rows a selection picked)
@@ -856,6 +857,7 @@ class _Comparison:
         if name == "" and self.root_truth is not None:
             first = next(floating(output), None)
             self.root_cand = self._decided(first.detach().clone()) if first is not None else None
+            self.root_cand_dtype = first.dtype if first is not None else None
         elif name == "":
             self._root_sample = (entry.truth, c)
         if self.keep_candidate:  # float32 holds every candidate format's values exactly
@@ -890,6 +892,7 @@ class _Comparison:
         if name == "" and self.root_truth is not None:
             first = next(floating(output), None)
             self.root_cand = self._decided(first.detach().clone()) if first is not None else None
+            self.root_cand_dtype = first.dtype if first is not None else None
         elif name == "" and finite:  # an output that is not logits: its error in its own units, on the sample
             self.root_units = in_units(entry.truth, c, self.candidate)
             self._units_truth = entry.truth
@@ -1561,6 +1564,8 @@ class _Comparison:
         # on two rows or more
         floor_flips = 1.0 - found.floor_top1
         coarse = floor_flips >= use.DECISION_SHARE and floor_flips * found.rows >= 2
+        # an output the candidate returns wider than its format (the fix in place: fp32 scores) is not rounded
+        coarse = coarse and self.root_cand_dtype == self.cand_dtype
         if not found.changed and coarse and self.cand_dtype in (torch.float16, torch.bfloat16):
             held = rounding_floor(self.root_truth, "fp32")
             if held is not None and 1.0 - held[0] <= use.RECOVERED * floor_flips:  # fp32 holds them

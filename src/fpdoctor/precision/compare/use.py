@@ -109,8 +109,14 @@ def coarse_finding(
     )
     on = inputs_text(describe(inputs))
     if head and ran is not None and found.recovered(ran):
+        # a sigmoid's scores: the head returns its logits in fp32, and the sigmoid after it then returns fp32
+        returned = (
+            "returning fp32, so that the sigmoid after it returns fp32 probabilities"
+            if found.source.startswith("probabilities")
+            else "returning fp32 logits"
+        )
         fix = (
-            f"Return the scores in fp32: keep `{head}` in fp32, returning fp32 logits; checked: top-1 agreement "
+            f"Return the scores in fp32: keep `{head}` in fp32, {returned}; checked: top-1 agreement "
             f"{pct(found.top1)} -> {pct(ran)} ({exact})."
         )
         trial = Trial.checked(
