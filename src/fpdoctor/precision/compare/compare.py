@@ -1409,9 +1409,11 @@ class _Comparison:
                     ev = selection.evidence
                     where = ev["location"].rpartition(":")[2]
                     share = f"{100 * ev['share_changed']:.1f}%"
-                    what = "values" if ev["op"] in selections.COMPARING else "rows"
-                    said = f"none by itself: the {what} `{ev['op']}` at line {where} decides otherwise ({share})"
-                    summary[i] = (label, said + " make the error")
+                    what = "decides otherwise for {} of its values" if ev["op"] in selections.COMPARING else (
+                        "picks otherwise in {} of its rows"
+                    )  # fmt: skip
+                    said = f"none by itself: `{ev['op']}` at line {where} {what.format(share)}"
+                    summary[i] = (label, said + ", which make the error")
         if self.cand_failed is not None:  # a model that cannot run in the candidate is never OK
             result.report.findings.insert(0, nonfinite.failed(self.cand_failed, label=self.label, candidate=candidate))
         result.overflows = {name: found for (name, _), found in overflows.items()}
