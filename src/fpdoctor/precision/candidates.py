@@ -301,19 +301,21 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 
 def cast_inputs(
-    inputs: Any, dtype: torch.dtype | None, device: torch.device | None = None, *, copy: bool = False
-) -> Any:
+    inputs: Any, dtype: torch.dtype | None, device: torch.device | None = None, *, copy: bool = False,
+    given: dict[int, torch.dtype] | None = None,
+) -> Any:  # fmt: skip
     """Floating tensors in `inputs` to dtype and device, other tensors to device; None keeps it.
 
     `copy=True` gives new tensors even where nothing changes: for the user's inputs handed to a
     forward of ours, as a forward may write into its input (`x.div_(255)`), and neither the
-    user's tensor nor the next pass may see that. Inputs that are a `Given` keep their dtype."""
+    user's tensor nor the next pass may see that. Inputs that are a `Given` keep their dtype, and
+    so does a tensor among `given` (by id: the model's inputs fed as given, compare's re-runs)."""
     if isinstance(inputs, Given):
         dtype = None
 
     def cast(t: torch.Tensor) -> torch.Tensor:
         if t.is_floating_point():
-            return t.to(device=device, dtype=dtype, copy=copy)
+            return t.to(device=device, dtype=given.get(id(t), dtype) if given else dtype, copy=copy)
         if device is None:
             return t.clone() if copy else t
         return t.to(device, copy=copy)

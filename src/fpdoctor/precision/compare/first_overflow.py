@@ -18,7 +18,6 @@ from torch import nn
 
 from fpdoctor.numerics.engine.raising import past_range
 from fpdoctor.precision.candidates import cast_inputs
-from fpdoctor.precision.compare.passes import cast_given
 from fpdoctor.precision.metrics import all_finite, floating
 from fpdoctor.torchprivate import TorchDispatchMode
 from fpdoctor.userframes import user_location
@@ -86,10 +85,11 @@ def first_overflow(
     (`args`, `kwargs`), with how large its output is in the `reference` copy of the module (in
     `reference_dtype`, whose range holds it); None when no op turns finite inputs non-finite
     (the inputs already were, or a NaN came from elsewhere). `given`: the model's inputs fed as given
-    (passes.cast_given)."""
+    (cast_inputs)."""
     finder = _FirstOverflow()
     # cast before the mode starts: op positions count from the module's first op, as in a forward
-    cand_args, cand_kwargs = cast_given(args, dtype, device, given), cast_given(kwargs, dtype, device, given)
+    cand_args = cast_inputs(args, dtype, device, given=given)
+    cand_kwargs = cast_inputs(kwargs, dtype, device, given=given)
     try:
         with torch.no_grad(), finder:
             candidate(*cand_args, **cand_kwargs)

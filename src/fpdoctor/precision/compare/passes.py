@@ -16,7 +16,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fpdoctor.numerics.engine.raising import RaisedLines, RaisedSites, SaturatedCasts
-from fpdoctor.precision.candidates import cast_inputs, map_tensors, split_inputs
+from fpdoctor.precision.candidates import cast_inputs, split_inputs
 from fpdoctor.precision.compare.noise import RecordNoise, ReplayNoise
 from fpdoctor.precision.compare.own_calls import GETITEM, basic_index
 from fpdoctor.precision.metrics import (
@@ -148,29 +148,14 @@ def rerun(
     id of their fp64 copies) fed as given, in their own dtype, as the candidate's forward gets them."""
     if rows is not None:
         first = given.get(id(args[0])) if given and args else None
-        out = module(cast_inputs(rows, first or dtype, device), **cast_given(kwargs, dtype, device, given))
+        out = module(cast_inputs(rows, first or dtype, device), **cast_inputs(kwargs, dtype, device, given=given))
         sample: torch.Tensor | None = out.detach().reshape(-1).double()
     else:
-        out = module(*cast_given(args, dtype, device, given), **cast_given(kwargs, dtype, device, given))
+        out = module(*cast_inputs(args, dtype, device, given=given), **cast_inputs(kwargs, dtype, device, given=given))
         sample = device_sample(out)
     if sample is None or sample.numel() != truth.numel():
         return None
     return sample.to(truth.device), largest(out)
-
-
-def cast_given(
-    value: Any, dtype: torch.dtype, device: torch.device | None, given: dict[int, torch.dtype] | None
-) -> Any:
-    """cast_inputs(value, dtype, device), but a tensor among `given` (by id) in its own dtype."""
-    if not given:
-        return cast_inputs(value, dtype, device)
-
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        if not t.is_floating_point():
-            return t.to(device) if device is not None else t
-        return t.to(device=device, dtype=given.get(id(t), dtype))
-
-    return map_tensors(value, cast)
 
 
 def rerun_figures(
