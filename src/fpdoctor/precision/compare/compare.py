@@ -400,12 +400,10 @@ class _Comparison:
         given: bool = False,
     ) -> None:
         self.model, self.inputs, self.rng = model, inputs, rng
-        # what every candidate run is fed: the inputs as given (the model casts them), or cast to its dtype
+        # what the candidate's and the fp64 runs are fed: the inputs as given (the model casts them: the fp64
+        # model reads the same values in float64 where it computes with them), or cast to each run's dtype
         self.given = given
-        self.cand_inputs = Given(*split_inputs(inputs)) if given else inputs
-        # the fp64 runs get them as given too: the same values, which the fp64 model reads in float64
-        # where it computes with them; a re-run feeds a module or op the copies of them as they are
-        self.truth_inputs = self.cand_inputs
+        self.run_inputs = Given(*split_inputs(inputs)) if given else inputs
         self.given_ids: dict[int, torch.dtype] = {}  # the fp64 pass's copies of them, by id
         self.keep_candidate = keep_candidate
         self.candidate, self.reference, self.cand_device = candidate, reference, cand_device
@@ -498,7 +496,7 @@ class _Comparison:
         if not self.rng.same(RngState.capture()):
             # The forward draws random numbers itself: record them in a plain fp64 run, then run the
             # fp64 pass again, now with every re-run and every other pass getting the same draws.
-            self.noise = ReplayNoise(record_noise(self.truth_run, self.truth_inputs, self.rng))
+            self.noise = ReplayNoise(record_noise(self.truth_run, self.run_inputs, self.rng))
             self.subsets = False  # a leaf's draws on fewer rows would not match the recorded ones
             self._truth_once()
         self.overflows()
@@ -547,7 +545,7 @@ class _Comparison:
         try:
             with self.own:
                 hooked(
-                    self.truth_run, self.truth_inputs, torch.float64, pre=pre, post=post, rng=self.rng,
+                    self.truth_run, self.run_inputs, torch.float64, pre=pre, post=post, rng=self.rng,
                     noise=self.noise, fed=self._fed,
                 )  # fmt: skip
         except ReferenceFailed:
@@ -746,7 +744,7 @@ class _Comparison:
                 entry.overflow = self._first_overflow(self.cand_modules[name], name, args, kwargs)
                 self.goto(after)
 
-        hooked(self.truth_run, self.truth_inputs, torch.float64, pre=pre, post=lambda *a: None, rng=self.rng,
+        hooked(self.truth_run, self.run_inputs, torch.float64, pre=pre, post=lambda *a: None, rng=self.rng,
                noise=self.noise, fed=self._fed)  # fmt: skip
 
     # -- step 2: the candidate pass, reduced to error numbers as it goes ------------------------
@@ -792,7 +790,7 @@ class _Comparison:
         pre, post = self._watch_pre(pre), self._watch_post(post)
         try:
             hooked(
-                self.cand_run, self.cand_inputs, self.cand_dtype, pre=pre, post=post, rng=self.rng,
+                self.cand_run, self.run_inputs, self.cand_dtype, pre=pre, post=post, rng=self.rng,
                 device=self.cand_device, noise=self.noise, unwind=self._unwatch,
             )  # fmt: skip
         except Exception as exc:  # the candidate failing is a finding, not a usage error
@@ -982,7 +980,7 @@ class _Comparison:
                 self._conditioned(mod, args, kwargs, seen[(name, index)])
 
         hooked(
-            self.truth_run, self.truth_inputs, torch.float64, pre=suspect_pre, post=lambda *a: None, rng=self.rng,
+            self.truth_run, self.run_inputs, torch.float64, pre=suspect_pre, post=lambda *a: None, rng=self.rng,
             noise=self.noise, fed=self._fed,
         )  # fmt: skip
         self.reads.read()
@@ -1074,14 +1072,14 @@ class _Comparison:
         searched: tuple[set[str], float | None] | None = None
         try:
             states, lines, figure = carried_and_raised(
-                self.cand_run, self.cand_inputs, self.cand_dtype, truth=truth.truth, norm=truth.norm, rng=self.rng,
+                self.cand_run, self.run_inputs, self.cand_dtype, truth=truth.truth, norm=truth.norm, rng=self.rng,
                 device=self.cand_device, noise=self.noise, keep=kept,
             )  # fmt: skip
             searched = (lines, figure)
         except Exception:  # the raise may be what failed: the search alone, then each check on its own
             try:
                 states = carried_states(
-                    self.cand_run, self.cand_inputs, self.cand_dtype, rng=self.rng, device=self.cand_device,
+                    self.cand_run, self.run_inputs, self.cand_dtype, rng=self.rng, device=self.cand_device,
                     noise=self.noise,
                 )  # fmt: skip
             except Exception as exc:  # the search is ours; the finding stands without it
@@ -1096,7 +1094,7 @@ class _Comparison:
 
         def error_with(raised: list[dict[str, Any]], keep: list[torch.Tensor]) -> float | None:
             return raised_error(
-                self.cand_run, self.cand_inputs, self.cand_dtype, [x for s in raised for x in sites[id(s)]],
+                self.cand_run, self.run_inputs, self.cand_dtype, [x for s in raised for x in sites[id(s)]],
                 truth=truth.truth, norm=truth.norm, rng=self.rng, device=self.cand_device, noise=self.noise, keep=keep,
             )  # fmt: skip
 
@@ -1180,7 +1178,7 @@ class _Comparison:
             def check(lines: set[tuple[str, int]]) -> tuple[float | None, dict[Any, selections.Pick]]:
                 picks = selections.Picks()
                 error = error_under(
-                    RaisedLines(lines, self.cand_dtype), self.cand_run, self.cand_inputs, self.cand_dtype,
+                    RaisedLines(lines, self.cand_dtype), self.cand_run, self.run_inputs, self.cand_dtype,
                     truth=root.truth, norm=root.norm, rng=self.rng, device=self.cand_device, noise=self.noise,
                     watch=picks,
                 )  # fmt: skip
@@ -1198,7 +1196,7 @@ class _Comparison:
         """What every selecting op of one forward of `run` picks (selections.Picks); `upstream`: and
         the lines that made what each ranks, and the module each line calls."""
         picks = selections.Picks(upstream=upstream)
-        fed = self.cand_inputs if run is self.cand_run else self.truth_inputs if run is self.truth_run else self.inputs
+        fed = self.inputs if run is self.ref_run else self.run_inputs
 
         def pre(name: str, index: int, mod: nn.Module, *args: Any) -> None:
             if name == "":
@@ -1247,7 +1245,7 @@ class _Comparison:
         cause: dict[str, Any] = {"op": own["op"], "conditioned_rel": own["conditioned_rel"]}
         try:
             lines, read = upstream.feeding_lines(
-                self.cand_run, self.cand_inputs, self.cand_dtype, op=own["op"], line=own["location"] or "",
+                self.cand_run, self.run_inputs, self.cand_dtype, op=own["op"], line=own["location"] or "",
                 module=row.module, rng=self.rng, device=self.cand_device, noise=self.noise,
             )  # fmt: skip
             # the buffers and parameters it reads that the candidate's cast rounded: the user's own
@@ -1266,7 +1264,7 @@ class _Comparison:
             ) -> float | None:
                 outputs.clear()
                 return upstream.raised_error(
-                    self.cand_run, self.cand_inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,
+                    self.cand_run, self.run_inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,
                     rng=self.rng, device=self.cand_device, noise=self.noise, buffers=buffers, keep=outputs,
                     inputs_as_given=given,
                 )  # fmt: skip
@@ -1527,7 +1525,7 @@ class _Comparison:
         lines = {(line[0], line[1] + k) for k in range(more + 1)}
         mode = SaturatedCasts(lines, self.cand_dtype) if kind == "cast" else RaisedLines(lines, self.cand_dtype)
         kept: list[torch.Tensor] = []  # the run's output, for what it decides (_checked_fixes)
-        error = error_under(mode, self.cand_run, self.cand_inputs, self.cand_dtype, truth=root.truth, norm=root.norm,
+        error = error_under(mode, self.cand_run, self.run_inputs, self.cand_dtype, truth=root.truth, norm=root.norm,
                             rng=self.rng, device=self.cand_device, noise=self.noise, keep=kept)  # fmt: skip
         if self._keep_fix_outputs:  # only the runs _made_checked reads: an LM's logits are large
             self._fix_outputs[(kind, line, more)] = kept[0] if kept else None
@@ -1702,7 +1700,7 @@ class _Comparison:
                 got.append(first.detach())
 
         try:
-            hooked(self.cand_run, self.cand_inputs, self.cand_dtype, pre=None, post=post, rng=self.rng,
+            hooked(self.cand_run, self.run_inputs, self.cand_dtype, pre=None, post=post, rng=self.rng,
                    device=self.cand_device, noise=self.noise)  # fmt: skip
         except Exception:  # modules that cannot run in fp32 this way: not tried
             return None
