@@ -109,3 +109,47 @@ def test_a_buffer_the_format_holds_exactly_is_not_named_as_rounded() -> None:
     assert first.name == "precision-divergence", str(result.report)
     assert "slopes" not in " ".join(first.evidence.get("rounded_buffers") or []) and "slopes" not in first.message
     assert first.trial is not None and first.trial.tried, first.trial
+
+
+class _CentredCosine(nn.Module):
+    """A cosine classifier on embeddings centred by a bank's mean far from the origin: the model also
+    centres the class means, on a line of its own; both buffers the cast rounds. `fixed`: the
+    fix as printed, both plain fp32 attributes, the means read as .to(z.dtype) where the matmul
+    meets them (a fixed .to(torch.bfloat16) there would break compare's own fp64 run)."""
+
+    def __init__(self, dim: int = 96, classes: int = 200, fixed: bool = False) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.fixed = fixed
+        self.embed = nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, dim))
+        centre = 3.0 * torch.randn(1, dim, generator=g)
+        means = centre + 0.05 * torch.randn(classes, dim, generator=g)
+        if fixed:
+            self.means, self.centre = means, centre
+        else:
+            self.register_buffer("means", means)
+            self.register_buffer("centre", centre)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.centre + 0.05 * self.embed(x)
+        means = self.means.to(z.dtype) if self.fixed else self.means
+        q = nn.functional.normalize(z - self.centre, dim=-1)
+        k = nn.functional.normalize(means - self.centre, dim=-1)
+        return 10.0 * q @ k.t()
+
+
+def test_every_rounded_buffer_the_lines_read_is_held_and_the_fix_runs_in_any_dtype() -> None:
+    torch.manual_seed(0)
+    model, x = _CentredCosine().eval(), torch.randn(512, 32)
+    result = fpdoctor.compare(model, x, candidate="bf16")
+    first = result.report.findings[0]
+    # the worst op's own dataflow reads `centre` only; another line centres `means`
+    assert first.name == "precision-divergence" and first.evidence.get("rounded_buffers") == ["centre", "means"]
+    assert first.trial is not None and first.trial.tried and first.trial.after * 10 <= first.trial.before
+    assert "as .to(x.dtype)" in first.fix and "read them as .to(torch.bfloat16)" not in first.fix
+
+    torch.manual_seed(0)
+    fixed = _CentredCosine(fixed=True).eval()
+    fixed.load_state_dict(model.state_dict(), strict=False)  # the same weights; the bank is made alike
+    applied = fpdoctor.compare(fixed, x, candidate="bf16")  # its fp64 run must run: the read follows z's dtype
+    assert applied.report.verdict == "ok", str(applied.report)

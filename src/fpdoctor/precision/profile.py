@@ -920,16 +920,18 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
                 + (
                     f": on those lines, torch.float32 where they write torch.{dtype} (a cast, a dtype= argument), "
                     ".float() on each tensor they read from the rest of the model (where a line calls a module, a "
-                    f"Linear, .float() on its output), then .to(torch.{dtype}) on each value a later line reads (what "
-                    "the last line makes, and any other: the v of a q, k, v) (or .to(p.dtype), p a parameter of the "
-                    "model; not an input's: token ids are integers)"
+                    "Linear, .float() on its output), then .to(p.dtype) on each value a later line reads (what the "
+                    "last line makes, and any other: the v of a q, k, v), p a parameter of the model (not an input: "
+                    f"token ids are integers; a fixed .to(torch.{dtype}) breaks the model's fp32 and fp64 runs)"
                     if lines
                     else ""
                 )
                 # the check cast the held values back where anything else read them: so must the code
                 + (
-                    f"; where any other line reads {held} (a lookup that returns its rows), read "
-                    f"{'them' if len(buffers) > 1 else 'it'} as .to(torch.{dtype}) there"
+                    f"; the ops that read {held} then compute in fp32 (type promotion), and where one needs its "
+                    "operands in one dtype (a matmul, a lookup whose rows the rest reads), read "
+                    f"{'them' if len(buffers) > 1 else 'it'} there as .to(x.dtype), x the tensor it meets (a fixed "
+                    f".to(torch.{dtype}) breaks the model's fp32 and fp64 runs)"
                     if buffers
                     else ""
                 )

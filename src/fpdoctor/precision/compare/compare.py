@@ -1244,17 +1244,21 @@ class _Comparison:
         root = next(e for (name, _), e in self.seen.items() if name == "")
         cause: dict[str, Any] = {"op": own["op"], "conditioned_rel": own["conditioned_rel"]}
         try:
-            lines, read = upstream.feeding_lines(
+            lines, read, elsewhere = upstream.feeding_lines(
                 self.cand_run, self.run_inputs, self.cand_dtype, op=own["op"], line=own["location"] or "",
                 module=row.module, rng=self.rng, device=self.cand_device, noise=self.noise,
             )  # fmt: skip
             # the buffers and parameters it reads that the candidate's cast rounded: the user's own
             # values, kept in fp32 (a centring's offset, learned or not)
             user = dict(self.model.named_buffers()) | dict(self.model.named_parameters())
-            buffers = {
-                n: user[n] for n in read
-                if n in user and torch.finfo(user[n].dtype).bits > 16 and _rounded_by(user[n], self.cand_dtype)
-            }  # fmt: skip
+
+            def rounded(names: list[str]) -> dict[str, torch.Tensor]:
+                return {
+                    n: user[n] for n in names
+                    if n in user and torch.finfo(user[n].dtype).bits > 16 and _rounded_by(user[n], self.cand_dtype)
+                }  # fmt: skip
+
+            buffers = rounded(read)
             final = rows[-1]
 
             outputs: list[torch.Tensor] = []  # the checked run's output, for what it decides
@@ -1275,6 +1279,15 @@ class _Comparison:
                 lines = []
             elif lines or buffers:
                 raised = raised_with(lines, buffers)
+            more = rounded(elsewhere)
+            if (lines or buffers) and more and (raised is None or raised * RAISED_FALLS > final.propagated):
+                # not enough: the module's other ops read rounded buffers too (a table centred beside the
+                # input); all of them held, alone first, as above
+                for tried in ([], lines) if lines else ([],):
+                    wider = raised_with(tried, buffers | more)
+                    if wider is not None and (raised is None or _cured(raised, wider)):
+                        lines, raised, buffers = tried, wider, buffers | more
+                        break
             rounds_inputs = not self.given and _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is None
             if lines and rounds_inputs and (raised is None or raised * RAISED_FALLS > final.propagated):
                 # what the lines read may be the model's inputs, which the cast rounds before the forward

@@ -161,7 +161,7 @@ def _origin(
         span = f", {lines} of {line[0]}" if line is not None else ""
         fix = (
             f"compute {op}{at} in fp32{span}: its operands .float(), what those lines produce cast back to "
-            f"{candidate} where the rest of the model reads it"
+            f"{candidate} where the rest of the model reads it (.to(p.dtype), p a parameter of the model)"
         )
         changed = f"the ops at {lines} computed in fp32, what they produce cast back to {candidate}"
     metric = "end-to-end relative error against fp64"

@@ -63,15 +63,22 @@ class _Producers(EagerDispatchMode):
             self.made.put(t, _Made("buffer", None, "", buffer=name))
         self.stack: list[str] = []
         self.found: list[_Made] | None = None
+        # the rounded buffers the module's own ops read anywhere in its call, before and after the op's:
+        # what the op's dataflow misses (a centred table `means - centre` beside `z - centre`)
+        self.reads: set[str] = set()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if self.found is not None or not self.stack:
+        if not self.stack:
             return out  # outside the forward (compare casting the inputs): what it makes is an input
+        module = self.stack[-1]
+        read = [m for m in (self.made.get(t) for t in _tensors((args, kwargs))) if m is not None]
+        if module == self.module:
+            self.reads.update(m.buffer for m in read if m.buffer is not None)
+        if self.found is not None:
+            return out
         user = user_location(sys._getframe())
         line = (user[0], user[1]) if user is not None else None
-        module = self.stack[-1] if self.stack else ""
-        read = [m for m in (self.made.get(t) for t in _tensors((args, kwargs))) if m is not None]
         made = _Made(str(func), line, module, read)
         if str(func) == self.op and line is not None and f"{line[0]}:{line[1]}" == self.line and module == self.module:
             self.found = _walk(made)
@@ -104,17 +111,18 @@ def _walk(target: _Made) -> list[_Made]:
 def feeding_lines(
     run: nn.Module, inputs: Any, dtype: torch.dtype, *, op: str, line: str, module: str, rng: RngState,
     device: torch.device | None, noise: ReplayNoise | None,
-) -> tuple[list[tuple[str, int]], list[str]]:  # fmt: skip
+) -> tuple[list[tuple[str, int]], list[str], list[str]]:  # fmt: skip
     """The user lines of the dataflow that feeds `op` at `line` in `module`'s own call, the op's
     own line included, in file order, and the buffers it reads that the model's cast rounded to
-    `dtype` (their names in the model; parameters too: a learned centring is one); empty when the
-    op was not seen."""
+    `dtype` (their names in the model; parameters too: a learned centring is one), and the others
+    the module's own ops read elsewhere in its call; empty when the op was not seen."""
     held = [*run.named_buffers(), *run.named_parameters()]
     buffers = {name: t for name, t in held if t.dtype == dtype}
     producers = _Producers(op, line, module, buffers)
     stacked(producers, run, inputs, dtype, rng=rng, device=device, noise=noise)
     lines = {m.line for m in producers.found or [] if m.line is not None}
-    return sorted(lines), sorted({m.buffer for m in producers.found or [] if m.buffer is not None})
+    read = {m.buffer for m in producers.found or [] if m.buffer is not None}
+    return sorted(lines), sorted(read), sorted(producers.reads - read)
 
 
 def raised_error(
