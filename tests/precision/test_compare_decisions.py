@@ -359,3 +359,45 @@ def test_scores_against_a_memory_bank_passed_in_are_judged_by_their_decisions() 
     decisions = report.data["decisions"]
     assert decisions["classes"] == 500 and "against an input's rows (500 x 32" in decisions["source"], decisions
     assert report.verdict != "ok" and (report.by_name("output-too-coarse") or report.by_name("decisions-changed"))
+
+
+class _Enrolled(nn.Module):
+    """Speaker identification against voiceprints exact in bf16 (a bf16 checkpoint): unit embeddings
+    near one direction, squared distances by the expansion (`expanded`: its terms rounded one by one
+    in bf16) or by addmm (one rounding of the result)."""
+
+    def __init__(self, expanded: bool, dim: int = 192, speakers: int = 300) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        self.expanded = expanded
+        self.net = nn.Sequential(nn.Linear(80, 256), nn.ReLU(), nn.Linear(256, dim))
+        c = torch.randn(1, dim, generator=g)
+        prints = nn.functional.normalize(c + 0.2 * torch.randn(speakers, dim, generator=g), dim=-1)
+        self.prints = nn.Parameter(prints.bfloat16().float())
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+        e = nn.functional.normalize(self.net(feats).mean(1) * 0.1 + self.prints.mean(0), dim=-1)
+        sq = (e * e).sum(-1, keepdim=True) + (self.prints * self.prints).sum(-1)
+        if self.expanded:
+            return 2.0 * (e @ self.prints.t()) - sq
+        return -torch.addmm(sq, e, self.prints.t(), alpha=-2.0)
+
+
+def test_decisions_the_computation_changes_far_beyond_a_coarse_floor_are_not_blamed_on_the_format() -> None:
+    # rounding the exact scores flips 7.4% of the rows: 16x that is more rows than there are to flip
+    torch.manual_seed(0)
+    model, feats = _Enrolled(expanded=True).eval(), torch.randn(256, 20, 80)
+    result = fpdoctor.compare(model, feats, candidate="bf16")
+    names = [f.name for f in result.report.findings]
+    assert "decisions-changed" in names and "output-too-coarse" not in names, names
+    changed = next(f for f in result.report.findings if f.name == "decisions-changed")
+    found = changed.evidence["decisions"]
+    assert 1 - found["floor_top1"] > 0.05 and 1 - found["top1"] < 16 * (1 - found["floor_top1"])
+    assert changed.trial is not None and changed.trial.tried, changed.fix
+
+    # the same scores by addmm: the computation adds little, the format is the cause
+    torch.manual_seed(0)
+    model = _Enrolled(expanded=False).eval()
+    result = fpdoctor.compare(model, feats, candidate="bf16")
+    first = result.report.findings[0]
+    assert first.name == "output-too-coarse" and "The computation adds little" in first.message, str(result.report)

@@ -35,8 +35,11 @@ from fpdoctor.precision.metrics import all_finite, fp8_format, round_to
 # rows a margin smaller than the error lets flip grow about linearly with the error: as
 # DIVERGENCE_RATIO is for the error itself) ...
 DECISION_RATIO = 16.0
-# ... and at least this share of the rows: fewer is within what one input set can tell.
+# ... and at least this share of the rows: fewer is within what one input set can tell. Where rounding
+# alone flips many rows, the flips cannot grow 16x (there are not that many rows): this share of all
+# the rows more than rounding flips is the computation's too.
 DECISION_SHARE = 0.01
+DECISION_MORE = 0.25
 TOP_K = 5
 # A module kept in fp32 gives the decisions back when it leaves at most this share of the flips.
 RECOVERED = 0.25
@@ -59,7 +62,7 @@ class Decisions:
     def changed(self) -> bool:
         """The candidate's computation changes far more decisions than rounding its output does."""
         flipped, floor = 1.0 - self.top1, max(1.0 - self.floor_top1, 1.0 / self.rows)
-        return flipped >= DECISION_SHARE and flipped >= DECISION_RATIO * floor
+        return flipped >= DECISION_SHARE and (flipped >= DECISION_RATIO * floor or flipped >= floor + DECISION_MORE)
 
     def recovered(self, top1: float) -> bool:
         """A run whose top-1 agreement is `top1` gives the decisions back: RECOVERED of the flips at most."""

@@ -97,11 +97,15 @@ def coarse_finding(
     the cause; the fix is checked by a run of the candidate with `head` (the layer that makes the
     output) in fp32 returning fp32 (`ran`: its top-1), where there is such a layer."""
     flips = 1.0 - found.floor_top1
+    adds = (
+        "The computation adds little and every relative figure looks fine: the output's format is the cause."
+        if 1.0 - found.top1 <= 2 * flips
+        else "The computation adds to it, and would still lose these in fp32: the output's format is a cause."
+    )
     message = (
         f"In {label} the output cannot hold the decisions it makes: rounding the exact output ({found.source}) to "
         f"{label} alone changes the top-1 class on {pct(flips)} of its {found.rows} rows (the candidate: "
-        f"{pct(1.0 - found.top1)}), as their margins are below {label}'s spacing at those values. The computation "
-        "adds little and every relative figure looks fine: the output's format is the cause."
+        f"{pct(1.0 - found.top1)}), as their margins are below {label}'s spacing at those values. {adds}"
     )
     exact = (
         f"the exact output gives top-1 agreement {pct(found.floor_top1)} rounded to {label}, {pct(fp32_top1)} held in "
