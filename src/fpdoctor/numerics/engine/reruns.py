@@ -217,8 +217,9 @@ class Experiment:
         """' It is in rows 3, 7 of the 16 along dim 0 ...', or '' where every row holds it."""
         return rows_text(self.rows)
 
-    def word(self, title: str, message: str, fix: str, label: str) -> tuple[str, str, str, Trial]:
-        """The finding's title, message and fix as the experiment decided them, and the fix's trial."""
+    def word(self, title: str, message: str, fix: str, label: str, name: str = "") -> tuple[str, str, str, Trial]:
+        """The finding's title, message and fix as the experiment decided them, and the fix's trial;
+        `name`: the op as the title names it (a backward op by its forward op), else the op."""
         parts = [f"re-run as it ran: {self.as_ran}"] + (
             [f"in fp64 from the same inputs: {self.fp64}"] if self.fp64 else []
         )
@@ -248,7 +249,8 @@ class Experiment:
                 # a title that says which non-finite input it turned into NaN (a masked row) stays
                 title
                 if " turned " in title
-                else f"{label}: {self.op} is non-finite in fp64 too: the math itself overflows or divides by zero",
+                else f"{label}: {name or self.op} is non-finite in fp64 too: the math itself overflows or divides by "
+                "zero",
                 message + tried + upstream + " No precision change is the fix.",
                 (f"{advice}. " if advice else "Change the math at the source line: ")
                 + "Not a precision change: tried, in fp64 this op is non-finite too, so fp32 will not help.",

@@ -255,7 +255,7 @@ class Analysis:
         location = where_text(r.location)
         phase = r.phase + (" (activation-checkpoint recompute)" if r.recompute else "")
         message = (
-            f"{r.op} {module_text(r.module)} ({phase}{self.when(r)}"
+            f"{self._op_text(r).rstrip()} ({phase}{self.when(r)}"
             + f") produced {count if count is not None else 'some'} {'/'.join(kinds)} of {numel} values"
             f"{from_text}; they reach {', '.join(reaches[:3]) or 'a sink'}."
             + (f" Source: {location}." if location else "")
@@ -307,7 +307,8 @@ class Analysis:
             fix = _IMPOSSIBLE
         experiment = self.tracer.experiments.get(r.index)  # what re-running it decided (experiments.py)
         if experiment is not None:
-            title, message, fix, trial = experiment.word(title, message, fix, label)
+            name = f"the backward of {r.forward_op} ({r.op})" if r.phase == "backward" and r.forward_op else ""
+            title, message, fix, trial = experiment.word(title, message, fix, label, name)
             message += experiment.rows_text()  # where only some rows of the batch make it: which
             evidence["experiment"] = experiment.evidence()
         else:
@@ -868,6 +869,29 @@ OP_ADVICE: dict[str, str] = {
 }
 
 
+# A backward op that made NaN/Inf from finite values, keyed by its forward op: an op whose gradient is
+# infinite at a finite input (torch's norms and cdist give 0 at a zero vector, not 0/0). Where that
+# input's value is discarded later (torch.where, a mask), its zero gradient still goes through the
+# op's backward: 0 x inf is NaN (the torch.where trap).
+_MASKED = (
+    ", and masking its result afterwards (torch.where, a multiply by a mask) does not help: the zero gradient "
+    "of what the mask discards still goes through it, 0 x inf = NaN. Keep those inputs out of it before the op: "
+)
+BACKWARD_ADVICE: dict[str, str] = {
+    "sqrt": "sqrt's gradient at 0 is infinite (1 / (2 sqrt(0)))"
+    + _MASKED
+    + "torch.sqrt(x.clamp_min(eps)) (an eps the dtype holds: 1e-12 in fp32, 1e-4 in fp16), or the mask applied to "
+    "what it reads (torch.sqrt(torch.where(mask, 1.0, x)), the same mask as after it)",
+    "pow": "x ** p with 0 < p < 1 has an infinite gradient at 0"
+    + _MASKED
+    + "x.clamp_min(eps) ** p, or the mask applied to x before the power",
+    "acos": "acos' gradient at 1 and -1 is infinite (a cosine of a vector with itself is 1)"
+    + _MASKED
+    + "x.clamp(-1 + eps, 1 - eps) before it",
+    "asin": "asin's gradient at 1 and -1 is infinite" + _MASKED + "x.clamp(-1 + eps, 1 - eps) before it",
+}
+
+
 _OPTIMIZER = (
     "the optimizer update made it: a learning rate too large for these gradients, a gradient that should have "
     "been clipped (torch.nn.utils.clip_grad_norm_), or an update dividing by ~0 (Adam's eps rounds to 0 in fp16: "
@@ -895,6 +919,8 @@ def _unexperimented(fed: list[Any], experiments: Mapping[int, Any]) -> str:
 def _fix_for(r: Record) -> str:
     if r.phase == "optimizer":
         return _OPTIMIZER
+    if r.phase == "backward" and r.forward_op and (own := BACKWARD_ADVICE.get(_packet(r.forward_op))):
+        return own  # the forward op on the user's line: its gradient is the singular one
     if not transparent_op(r.op):  # a custom kernel's NaN is not an epsilon's to fix
         return custom_op_fix(r.op, None)
     packet = _packet(r.op)
