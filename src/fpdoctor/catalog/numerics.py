@@ -332,11 +332,14 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         code="NUM022",
         name="selection-changed",
         severity=E,
-        title="A selection inside the model (a router's top-k, an argmax) picks other elements in the candidate",
-        what="Where no module or op explains the end-to-end error, or module calls got other shapes than in fp64, "
+        title="A selection inside the model (a router's top-k, an argmax, a bucket) picks other elements in the "
+        "candidate",
+        what="Where no module or op explains the end-to-end error, a module's output is far off while its floating "
+        "inputs are not (an embedding fed other indices), or module calls got other shapes than in fp64, "
         "`compare` runs the forward in fp64, in the floor model's format and in the candidate, records what each "
-        "topk, argmax, argmin, max/min over a dim and kthvalue picks (a top-k as a set) and what each comparison "
-        "(>, <, >=, <=: a threshold, a gate's mask) decides, and names the first one "
+        "topk, argmax, argmin, max/min over a dim and kthvalue picks (a top-k as a set), what each comparison "
+        "(>, <, >=, <=: a threshold, a gate's mask) decides and which integer each rounding of floats makes (a cast "
+        "to integers, floor, ceil, round, trunc, bucketize: a relative position's bucket), and names the first one "
         "that picks other elements than fp64 in 1% of its rows or more, and 4x the floor model's share. It then "
         "re-runs the candidate with that line, and the lines that made what it ranks (nearest first), in fp32, "
         "their results cast back, and names the first set that leaves 4x fewer rows changed.",

@@ -141,8 +141,11 @@ class RaisedLines(EagerDispatchMode):
         self.made = ByTensor()  # the fp32 results of raised ops (and their views)
         self.raised = 0  # ops raised
         # the model's inputs fed in fp32, not rounded to `dtype` (compare's check of a computation on
-        # them before the cast): an fp32 tensor the lines read is one of them, not the code widening
+        # them before the cast): an fp32 tensor the lines read is one of them, not the code widening;
+        # every other op reads them in `dtype`, as a model that casts its own inputs does
         self.wide_inputs = wide_inputs
+        self.fed = ByTensor()  # those inputs (and their views), marked at the first module call (the model's)
+        self._marked = not wide_inputs
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -163,11 +166,12 @@ class RaisedLines(EagerDispatchMode):
             return out
         if func.is_view:
             out = func(*args, **kwargs)
-            if any(self.made.get(t) for t in _tensors(args)):
-                for t in _tensors(out):
-                    self.made.put(t, True)
+            for marks in (self.made, self.fed):
+                if any(marks.get(t) for t in _tensors(args)):
+                    for t in _tensors(out):
+                        marks.put(t, True)
             return out
-        args, kwargs = _map(args, kwargs, lambda t: t.to(self.dtype) if self.made.get(t) else t)
+        args, kwargs = _map(args, kwargs, lambda t: t.to(self.dtype) if self.made.get(t) or self.fed.get(t) else t)
         return func(*args, **kwargs)
 
     def __enter__(self) -> RaisedLines:
@@ -182,6 +186,12 @@ class RaisedLines(EagerDispatchMode):
         super().__exit__(*exc)
 
     def _back(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if not self._marked:  # the model's own call: its fp32 inputs, read in `dtype` by ops off the lines
+            self._marked = True
+            for t in _tensors(args):
+                if t.dtype == torch.float32:
+                    self.fed.put(t, True)
+            return None
         if not any(type(a) is torch.Tensor and self.made.get(a) for a in args):
             return None
         return tuple(a.to(self.dtype) if type(a) is torch.Tensor and self.made.get(a) else a for a in args)

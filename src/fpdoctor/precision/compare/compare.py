@@ -364,7 +364,8 @@ def _compare(
         step.advance()
         accumulation = run.accumulation(rows, input_floor)
         inputs_cause = run.inputs_cause(rows, input_floor) if accumulation is None else None
-        selection = run.selection(rows, accumulation)
+        # whole numbers the inputs' rounding moved (item ids) are that finding's: their `.long()` is no other cause
+        selection = run.selection(rows, accumulation) if not (inputs_cause or {}).get("columns") else None
     kept = [(r, run.seen[(r.module, r.call)]) for r in rows] if samples is not None else []
     result = run.result(rows, input_floor, prefix, accumulation, forced, inputs_cause=inputs_cause,
                         selection=selection)  # fmt: skip
@@ -1157,7 +1158,9 @@ class _Comparison:
         # running state is the cause
         unexplained = accumulation is None or (accumulation["state"] is None and accumulation["together"] is None)
         root = next((e for (name, _), e in self.seen.items() if name == ""), None)
-        if not unexplained or _unexplained(rows) is None or root is None or not rows:
+        if not unexplained or root is None or not rows:
+            return None
+        if _unexplained(rows) is None and not any(_fed_otherwise(r, self.seen[(r.module, r.call)]) for r in rows):
             return None
         if self.cand_dtype not in (torch.float16, torch.bfloat16):
             return None
@@ -1175,16 +1178,17 @@ class _Comparison:
             changed.modules = made.modules
             changed.error_before = rows[-1].propagated
 
-            def check(lines: set[tuple[str, int]]) -> tuple[float | None, dict[Any, selections.Pick]]:
+            def check(lines: set[tuple[str, int]], given: bool) -> tuple[float | None, dict[Any, selections.Pick]]:
                 picks = selections.Picks()
                 error = error_under(
-                    RaisedLines(lines, self.cand_dtype), self.cand_run, self.run_inputs, self.cand_dtype,
-                    truth=root.truth, norm=root.norm, rng=self.rng, device=self.cand_device, noise=self.noise,
-                    watch=picks,
+                    RaisedLines(lines, self.cand_dtype, wide_inputs=given), self.cand_run, self.run_inputs,
+                    torch.float32 if given else self.cand_dtype, truth=root.truth, norm=root.norm, rng=self.rng,
+                    device=self.cand_device, noise=self.noise, watch=picks,
                 )  # fmt: skip
                 return error, picks.picks
 
-            selections.checked(key, changed, truth, check)
+            rounded = not self.given and _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is None
+            selections.checked(key, changed, truth, check, rounded_inputs=rounded)
         except Exception as exc:  # the search is ours: the rest of the report stands without it
             self.notes["selections"] = f"not searched: {type(exc).__name__}: {exc}"
             return None
@@ -1410,20 +1414,28 @@ class _Comparison:
         if selection is not None:  # the cause of an error nothing else explained: first
             fixed = selection.trial is not None and selection.trial.tried
             findings = result.report.findings
+            at = selection.evidence["location"]
             findings[:] = [
                 selection,
-                *(f for f in findings if not (fixed and f.evidence.get("kind") == "accumulation")),
-            ]
+                *(
+                    f for f in findings
+                    if not (fixed and f.evidence.get("kind") == "accumulation")
+                    # the rounding op itself named by its isolated error: the same cause, said once
+                    and not (fixed and str(f.evidence.get("own_op_location", "")).split(" in ")[0] == at)
+                ),
+            ]  # fmt: skip
             summary = result.report.data["summary"]
             for i, (label, text) in enumerate(summary):
                 if label == "first divergent module" and fixed and text.startswith("none"):
                     ev = selection.evidence
                     where = ev["location"].rpartition(":")[2]
                     share = f"{100 * ev['share_changed']:.1f}%"
-                    what = "decides otherwise for {} of its values" if ev["op"] in selections.COMPARING else (
-                        "picks otherwise in {} of its rows"
+                    what = (
+                        "rounds {} of its values otherwise" if ev["op"] in selections.ROUNDS
+                        else "decides otherwise for {} of its values" if ev["op"] in selections.COMPARING
+                        else "picks otherwise in {} of its rows"
                     )  # fmt: skip
-                    said = f"none by itself: `{ev['op']}` at line {where} {what.format(share)}"
+                    said = f"none by itself: {selections.named(ev['op'])} at line {where} {what.format(share)}"
                     summary[i] = (label, said + ", which make the error")
         if self.cand_failed is not None:  # a model that cannot run in the candidate is never OK
             result.report.findings.insert(0, nonfinite.failed(self.cand_failed, label=self.label, candidate=candidate))
@@ -1784,6 +1796,16 @@ def _unexplained(rows: list[ModuleRow]) -> float | None:
     alone += [r.own["forced_rel"] for r in rows if r.own and r.own.get("forced_rel")]  # fp32's conditioning
     explained = max([root.floor, *alone])
     return explained if root.propagated > DIVERGENCE_RATIO * explained else None
+
+
+def _fed_otherwise(row: ModuleRow, entry: _Seen) -> bool:
+    """A leaf whose output is DIVERGENCE_RATIO above what its own computation, its floor and its
+    floating inputs' error explain: what it got otherwise is not floating (an embedding's indices, a
+    bucket a rounding picked): a selection upstream changed."""
+    if not row.leaf or row.propagated is None or not math.isfinite(row.propagated):
+        return False
+    explained = max(row.isolated or 0.0, row.floor, entry.candidate_inputs)
+    return math.isfinite(explained) and row.propagated > DIVERGENCE_RATIO * explained
 
 
 def _whole_within(row: ModuleRow, entry: _Seen) -> bool:

@@ -56,6 +56,19 @@ SELECTING: dict[Any, tuple[int | None, int | None, bool]] = {
     **{getattr(aten, op).Tensor: (None, None, False) for op in ("gt", "lt", "ge", "le")},
 }
 COMPARING = frozenset({"gt", "lt", "ge", "le"})
+# Ops that round a float to an integer, each element a decision of which integer: a bucket index
+# (T5's relative positions, a value tokenizer's floor(x * 100), bucketize), fake quantization's round.
+# A cast counts where it makes integers from floats; the others where they read floats.
+ROUNDING = {
+    aten._to_copy.default: "the cast to integers",
+    aten.floor.default: "floor",
+    aten.ceil.default: "ceil",
+    aten.round.default: "round",
+    aten.round.decimals: "round",
+    aten.trunc.default: "trunc",
+    aten.bucketize.Tensor: "bucketize",
+}
+ROUNDS = frozenset(op.overloadpacket.__name__ for op in ROUNDING)
 # The candidate changes a selection when it changes this many times the rows the floor model does
 CHANGED_RATIO = 4.0
 Key = tuple[str, str, int]  # a selection: its line, its op, its call at that line
@@ -107,6 +120,8 @@ class Picks(EagerDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         spec = SELECTING.get(func)
+        if func in ROUNDING and (func is not aten._to_copy.default or _integral(out)):
+            spec = (None, None, False)  # each element a decision, as a comparison's
         if (spec is None and self._made is None) or not self.on:
             return out
         user = user_location(sys._getframe())
@@ -138,6 +153,21 @@ class Picks(EagerDispatchMode):
                 if i < len(got) and got[i] not in ups:
                     ups.append(got[i])
         return tuple(ups[:UPSTREAM])
+
+
+def named(op: str) -> str:
+    """An op as the finding names it: `topk`, or the cast to integers."""
+    return "the cast to integers" if op == "_to_copy" else f"`{op}`"
+
+
+def _integral(out: Any) -> bool:
+    """A cast's output holds integers (not bool: a cast to bool is a != 0, which no rounding moves)."""
+    return (
+        isinstance(out, torch.Tensor)
+        and not out.is_floating_point()
+        and not out.is_complex()
+        and (out.dtype is not torch.bool)
+    )
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -198,6 +228,7 @@ class Changed:
     error_before: float = math.nan
     error_after: float | None = None
     tried: list[tuple[int, int | None]] | None = None  # (lines raised, rows changed then)
+    given: bool = False  # the lines were checked on the inputs as given, not rounded by the cast first
     modules: dict[str, list[tuple[str, torch.nn.Module]]] | None = None  # line -> the modules it calls (Picks)
 
     @property
@@ -226,27 +257,32 @@ def first_changed(
     return None
 
 
-# a run of the candidate with some lines in fp32 and the picks recorded: (end-to-end error, its picks)
-Check = Callable[[set[tuple[str, int]]], tuple[float | None, dict[Key, Pick]]]
+# a run of the candidate with some lines in fp32 (on the inputs as given: True) and the picks recorded:
+# (end-to-end error, its picks)
+Check = Callable[[set[tuple[str, int]], bool], tuple[float | None, dict[Key, Pick]]]
 
 
-def checked(key: Key, found: Changed, truth: dict[Key, Pick], check: Check) -> None:
+def checked(key: Key, found: Changed, truth: dict[Key, Pick], check: Check, *, rounded_inputs: bool) -> None:
     """The selection's line, then with the lines that made what it ranks (nearest first), in fp32:
     the first set whose run leaves RAISED_FALLS fewer rows changed and an end-to-end error ERROR_FALLS
-    lower is the fix (`found.lines`, its figures); every try is in `found.tried`."""
+    lower is the fix (`found.lines`, its figures); every try is in `found.tried`. Where none does and
+    the cast rounded the model's inputs (`rounded_inputs`: a raw reading standardised inside the
+    model), the same sets on the inputs as given."""
     order = [found.pick.location, *(u for u in found.pick.upstream if u != found.pick.location)]
     places = [p for p in (line_of(u) for u in order) if p is not None]
     found.tried = []
-    for n in range(1, len(places) + 1):
-        lines = places[:n]
-        error, picks = check(set(lines))
-        got = share_changed(picks, truth, key)
-        found.tried.append((n, None if got is None else got[0]))
-        if got is None or error is None or not math.isfinite(error):
-            continue
-        if got[0] * RAISED_FALLS <= found.changed and error * ERROR_FALLS <= found.error_before:
-            found.lines, found.changed_after, found.error_after = lines, got[0], error
-            return
+    for given in (False, True) if rounded_inputs else (False,):
+        for n in range(1, len(places) + 1):
+            lines = places[:n]
+            error, picks = check(set(lines), given)
+            got = share_changed(picks, truth, key)
+            if not given:
+                found.tried.append((n, None if got is None else got[0]))
+            if got is None or error is None or not math.isfinite(error):
+                continue
+            if got[0] * RAISED_FALLS <= found.changed and error * ERROR_FALLS <= found.error_before:
+                found.lines, found.changed_after, found.error_after, found.given = lines, got[0], error, given
+                return
 
 
 def _in_fp32(name: str, module: torch.nn.Module, code: str) -> str:
@@ -315,7 +351,14 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
         f"Whether they make the end-to-end error ({found.error_before:.3g}) is not known: no change tried gave the "
         "picks back."
     )  # fmt: skip
-    if pick.op in COMPARING:
+    if pick.op in ROUNDS:
+        message = (
+            f"In {label}, {named(pick.op)} at line {number} of {file}{written} rounds {found.changed} of "
+            f"{found.rows} values to another integer than the fp64 run {share}: the values it rounds lie closer to a "
+            f"boundary than {name}'s spacing there, and what follows reads other integers for them (another bucket, "
+            f"another row of a table). {cause}"
+        )
+    elif pick.op in COMPARING:
         message = (
             f"In {label}, `{pick.op}` at line {number} of {file}{written} decides the other way than the fp64 run "
             f"for {found.changed} of {found.rows} values {share}: the values it compares lie closer to what they are "
@@ -329,9 +372,13 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
             f"spacing, and the code after it computes other things for those rows (another expert, another entry; "
             f"the module calls after it get other rows than in fp64). {cause}"
         )
-    unit = "values decided otherwise" if pick.op in COMPARING else "rows picked differently"
-    scores = "values compared" if pick.op in COMPARING else "scores"
-    mask = "; a mask or indices stay as they are" if pick.op in COMPARING else "; the indices stay as they are"
+    unit, scores, mask = (
+        ("values rounded otherwise", "values rounded", "; the integers stay as they are")
+        if pick.op in ROUNDS
+        else ("values decided otherwise", "values compared", "; a mask or indices stay as they are")
+        if pick.op in COMPARING
+        else ("rows picked differently", "scores", "; the indices stay as they are")
+    )
     evidence: dict[str, Any] = {
         "location": pick.location, "op": pick.op, "rows": found.rows, "rows_changed": found.changed,
         "share_changed": found.share, "floor_share": found.floor, "picks_changed": found.picks,
@@ -342,7 +389,7 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
     if not fixed or found.lines is None or found.changed_after is None or found.error_after is None:
         tried = ", ".join(f"{n} line{'s' if n > 1 else ''}: {'-' if c is None else c}" for n, c in found.tried or [])
         fix = (
-            f"compute what `{pick.op}` ranks in fp32 (the scores' operands .float(), the selection on fp32 values) "
+            f"compute what {named(pick.op)} reads in fp32 (its operands .float(), the {scores} fp32 values) "
             f"and cast what it feeds back to {name}; none of the line sets tried gave the picks back (rows changed "
             f"with {tried or 'no run'}): look further up for where the scores are made"
         )
@@ -358,15 +405,24 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
     )
     evidence |= {"lines_raised": sorted({n for _, n in found.lines}), "rows_changed_after": found.changed_after,
                  "error_after": found.error_after}  # fmt: skip
+    given = (
+        f"pass the model's inputs in fp32 (not cast to {name} before the forward: the cast rounds what these lines "
+        f"read), cast to {name} (.to(p.dtype), p a parameter) wherever else the model reads them, and "
+        if found.given
+        else ""
+    )
     fix = (
-        f"compute {lines} of {file} in fp32 (their operands .float(): the {scores} and the `{pick.op}` on fp32 "
+        f"{given}compute {lines} of {file} in fp32 (their operands .float(): the {scores} and {named(pick.op)} on fp32 "
         f"values{modules}) and cast what they produce back to {name} (.to(x.dtype){mask}); checked: {unit} "
         f"{pct(found.share)} -> {pct(after_share)}, the end-to-end error {found.error_before:.3g} -> "
         f"{found.error_after:.3g}"
-    )
+        + ("; then `fpdoctor compare --inputs-as-given` checks the changed model fed its inputs as they are"
+           if found.given else "")
+    )  # fmt: skip
     trial = Trial.checked(
-        f"the ops at {lines} of {file} in fp32, their results cast back to {name}",
-        metric=f"{unit} by `{pick.op}` than in fp64",
+        ("the inputs fed in fp32, " if found.given else "")
+        + f"the ops at {lines} of {file} in fp32, their results cast back to {name}",
+        metric=f"{unit} by {named(pick.op)} than in fp64",
         before=pct(found.share),
         after=pct(after_share),
         on="the inputs given",
