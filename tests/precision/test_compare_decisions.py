@@ -401,3 +401,15 @@ def test_decisions_the_computation_changes_far_beyond_a_coarse_floor_are_not_bla
     result = fpdoctor.compare(model, feats, candidate="bf16")
     first = result.report.findings[0]
     assert first.name == "output-too-coarse" and "The computation adds little" in first.message, str(result.report)
+
+
+def test_a_quarter_of_the_rows_more_than_rounding_is_a_change_on_eight_rows_or_more() -> None:
+    from fpdoctor.precision.decide import Decisions
+
+    def changed(rows: int, top1: float, floor_top1: float) -> bool:
+        return Decisions("logits", rows, 10, top1, 1.0, 0.0, floor_top1, 0.0).changed
+
+    assert changed(256, 0.398, 0.953)  # 13x a coarse floor: more than 16x is not there to flip
+    assert not changed(256, 0.90, 0.953)  # 2x: within what a coarse output loses
+    assert not changed(4, 0.5, 1.0) and not changed(8, 0.625, 1.0)  # 2 or 3 rows: no evidence
+    assert changed(32, 0.5, 1.0)

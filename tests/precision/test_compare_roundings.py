@@ -79,3 +79,55 @@ def test_a_bucketized_reading_the_cast_rounds_is_checked_on_the_inputs_as_given(
     assert first.trial is not None and first.trial.tried, first.fix
     assert "pass the model's inputs in fp32" in first.fix and "--inputs-as-given" in first.fix
     assert first.evidence["rows_changed_after"] * 4 <= first.evidence["rows_changed"]
+
+
+def test_inputs_passed_by_keyword_are_checked_as_given_too() -> None:
+    class ByKeyword(PriceBins):
+        def forward(self, feats: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+            assert feats is not None
+            return super().forward(feats)
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    feats = torch.randn(2048, 5, generator=g)
+    feats[:, 0] = 2.5 + torch.randn(2048, generator=g) * 0.6
+    result = fpdoctor.compare(ByKeyword().eval(), {"feats": feats}, candidate="bf16")
+    first = result.report.findings[0]
+    assert first.name == "selection-changed" and first.trial is not None and first.trial.tried, first.fix
+
+
+class _Centre(nn.Module):
+    """A variance by hand that bf16 cancels: a module that diverges by itself."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.mean(-1, keepdim=True)
+        return (x - m) * ((x * x).mean(-1, keepdim=True) - m * m)
+
+
+class _Film(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d) * 1e-3)
+
+    def forward(self, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return h * (1 + torch.sin(t * self.w))
+
+
+class _Diverged(nn.Module):
+    """The divergence upstream, a gate after it, a leaf that also reads a timestep up to 1000."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.centre, self.lin, self.film, self.head = _Centre(), nn.Linear(d, d), _Film(d), nn.Linear(d, 8)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = self.lin(self.centre(x))
+        return self.head(self.film(h * (h > 0), t))
+
+
+def test_a_leaf_far_off_behind_a_module_that_diverges_opens_no_selection_search() -> None:
+    torch.manual_seed(0)
+    x, t = 8 + torch.randn(512, 64), torch.randint(0, 1000, (512, 1)).float()
+    result = fpdoctor.compare(_Diverged().eval(), (x, t), candidate="bf16")
+    names = [f.name for f in result.report.findings]
+    assert names[0] == "precision-divergence" and "selection-changed" not in names, names

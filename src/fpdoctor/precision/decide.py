@@ -40,6 +40,7 @@ DECISION_RATIO = 16.0
 # the rows more than rounding flips is the computation's too.
 DECISION_SHARE = 0.01
 DECISION_MORE = 0.25
+DECISION_MORE_ROWS = 8  # ... in this many rows at least: 1 of 2 rows is no evidence
 TOP_K = 5
 # A module kept in fp32 gives the decisions back when it leaves at most this share of the flips.
 RECOVERED = 0.25
@@ -62,7 +63,8 @@ class Decisions:
     def changed(self) -> bool:
         """The candidate's computation changes far more decisions than rounding its output does."""
         flipped, floor = 1.0 - self.top1, max(1.0 - self.floor_top1, 1.0 / self.rows)
-        return flipped >= DECISION_SHARE and (flipped >= DECISION_RATIO * floor or flipped >= floor + DECISION_MORE)
+        more = flipped >= floor + DECISION_MORE and flipped * self.rows >= DECISION_MORE_ROWS
+        return flipped >= DECISION_SHARE and (flipped >= DECISION_RATIO * floor or more)
 
     def recovered(self, top1: float) -> bool:
         """A run whose top-1 agreement is `top1` gives the decisions back: RECOVERED of the flips at most."""

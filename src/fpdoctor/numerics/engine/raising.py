@@ -144,8 +144,7 @@ class RaisedLines(EagerDispatchMode):
         # them before the cast): an fp32 tensor the lines read is one of them, not the code widening;
         # every other op reads them in `dtype`, as a model that casts its own inputs does
         self.wide_inputs = wide_inputs
-        self.fed = ByTensor()  # those inputs (and their views), marked at the first module call (the model's)
-        self._marked = not wide_inputs
+        self.fed = ByTensor()  # those inputs (and their views): `feed`, at the model's call
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -186,15 +185,17 @@ class RaisedLines(EagerDispatchMode):
         super().__exit__(*exc)
 
     def _back(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        if not self._marked:  # the model's own call: its fp32 inputs, read in `dtype` by ops off the lines
-            self._marked = True
-            for t in _tensors(args):
-                if t.dtype == torch.float32:
-                    self.fed.put(t, True)
-            return None
         if not any(type(a) is torch.Tensor and self.made.get(a) for a in args):
             return None
         return tuple(a.to(self.dtype) if type(a) is torch.Tensor and self.made.get(a) else a for a in args)
+
+    def feed(self, tensors: list[torch.Tensor]) -> None:
+        """The model's inputs as its call gets them (positional and keyword): with `wide_inputs`, the fp32
+        ones are read in `dtype` by every op off the lines."""
+        if self.wide_inputs:
+            for t in tensors:
+                if t.dtype == torch.float32:
+                    self.fed.put(t, True)
 
     def _up(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.float32) if t.dtype == self.dtype else t

@@ -1160,7 +1160,10 @@ class _Comparison:
         root = next((e for (name, _), e in self.seen.items() if name == ""), None)
         if not unexplained or root is None or not rows:
             return None
-        if _unexplained(rows) is None and not any(_fed_otherwise(r, self.seen[(r.module, r.call)]) for r in rows):
+        # or where nothing diverged and a leaf got other non-floating inputs (an embedding fed other buckets): a
+        # divergence upstream would explain a leaf far off as well
+        fed = not any(r.diverged for r in rows) and any(_fed_otherwise(r, self.seen[(r.module, r.call)]) for r in rows)
+        if _unexplained(rows) is None and not fed:
             return None
         if self.cand_dtype not in (torch.float16, torch.bfloat16):
             return None

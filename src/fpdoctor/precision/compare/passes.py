@@ -16,7 +16,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fpdoctor.numerics.engine.raising import RaisedLines, RaisedSites, SaturatedCasts
-from fpdoctor.precision.candidates import cast_inputs, split_inputs
+from fpdoctor.precision.candidates import cast_inputs, map_tensors, split_inputs
 from fpdoctor.precision.compare.noise import RecordNoise, ReplayNoise
 from fpdoctor.precision.compare.own_calls import GETITEM, basic_index
 from fpdoctor.precision.metrics import (
@@ -394,13 +394,19 @@ def error_under(
     got: list[torch.Tensor | None] = []
     root = _root_output(got, keep)
 
+    def pre(name: str, index: int, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if name == "" and isinstance(raised, RaisedLines):  # the inputs as the model's call gets them
+            found: list[torch.Tensor] = []
+            map_tensors((args, kwargs), found.append)
+            raised.feed(found)
+
     def post(name: str, index: int, args: Any, output: Any) -> None:
         if name == "":
             root(output)
 
     try:
         with raised, watch if watch is not None else contextlib.nullcontext():
-            hooked(run, inputs, dtype, pre=None, post=post, rng=rng, device=device, noise=noise)
+            hooked(run, inputs, dtype, pre=pre, post=post, rng=rng, device=device, noise=noise)
     except Exception:  # e.g. an in-place update that cannot hold float64: not tried
         return None
     return _root_error(got, truth, norm, raised.raised)

@@ -64,9 +64,12 @@ ROUNDING = {
     aten.floor.default: "floor",
     aten.ceil.default: "ceil",
     aten.round.default: "round",
-    aten.round.decimals: "round",
     aten.trunc.default: "trunc",
+    aten.floor_divide.default: "floor_divide",
+    aten.div.Tensor_mode: "div",  # rounding_mode="floor" or "trunc"
+    aten.div.Scalar_mode: "div",
     aten.bucketize.Tensor: "bucketize",
+    aten.searchsorted.Tensor: "searchsorted",
 }
 ROUNDS = frozenset(op.overloadpacket.__name__ for op in ROUNDING)
 # The candidate changes a selection when it changes this many times the rows the floor model does
@@ -389,7 +392,7 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
     if not fixed or found.lines is None or found.changed_after is None or found.error_after is None:
         tried = ", ".join(f"{n} line{'s' if n > 1 else ''}: {'-' if c is None else c}" for n, c in found.tried or [])
         fix = (
-            f"compute what {named(pick.op)} reads in fp32 (its operands .float(), the {scores} fp32 values) "
+            f"compute what {named(pick.op)} reads in fp32 (its operands .float(), the {scores} in fp32) "
             f"and cast what it feeds back to {name}; none of the line sets tried gave the picks back (rows changed "
             f"with {tried or 'no run'}): look further up for where the scores are made"
         )
