@@ -350,6 +350,22 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         fix="Compute the scores and the selection in fp32 (the router's logits, softmax and topk on .float() "
         "operands) and cast what they feed back to the model's dtype.",
     ),
+    RuleInfo(
+        code="NUM023",
+        name="gradients-still-scaled",
+        severity=E,
+        title="Gradients of a GradScaler-scaled output are read without unscaling them (a gradient penalty)",
+        what="`trace` watches what `torch.autograd.grad(..., create_graph=True)` returns where it differentiates "
+        "an output `GradScaler.scale` returned: the first op that reads those gradients must multiply them by "
+        "1/scale or divide them by the scale (torch's AMP recipe for a gradient penalty); any other op reads "
+        "them scaled.",
+        why="Those gradients are the true ones times the loss scale. A penalty made from them grows with the "
+        "scale (its square for a squared norm): it overflows at the first scales, the scaler backs off until "
+        "the scaled penalty fits (a scale of a few dozen, which looks like calibration), and the penalty never "
+        "measures the gradients it is meant to.",
+        fix="Right after torch.autograd.grad: inv_scale = 1.0 / scaler.get_scale(); grads = [g * inv_scale for g "
+        "in grads]; then compute the penalty from them.",
+    ),
 )
 
 TRN_RULES: tuple[RuleInfo, ...] = (

@@ -134,6 +134,11 @@ class Trace:
 
         # the optimizer step of each record, told beside the module call count
         self._steps = self._stack.enter_context(StepCounter(lambda: self.tracer.records.count))
+        from fpdoctor.numerics.trace.scaled_grads import ScaledGrads
+
+        # gradients of a GradScaler-scaled output (a gradient penalty) read without unscaling them
+        self._scaled_grads = self._stack.enter_context(ScaledGrads(lambda: self._steps.steps))
+        self.tracer.scaled_grads = self._scaled_grads
         from fpdoctor.numerics.updates.under_trace import TraceUpdates
 
         # what each optimizer step did to bf16/fp16 trainable weights, measured as the sentinel does
@@ -301,6 +306,8 @@ class Trace:
         findings += tracer.flushed.findings()  # squares flushed to zero: a norm by hand too small
         findings += self._updates.findings
         tracer.errors.extend(self._updates.errors)
+        # a penalty on gradients still scaled: the cause of the scaler's skips and of its low scale, first
+        findings = self._scaled_grads.findings() + findings
         repro_notes: dict[str, str] = {}
         if self.repro is not None:
             try:

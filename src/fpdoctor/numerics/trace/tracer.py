@@ -178,6 +178,10 @@ class Tracer(EagerDispatchMode):
         self._site_calls: Counter[tuple[str, Any]] = Counter()  # (op, user line) -> calls outside modules
         # autograd node sequence number -> (module, call, op, location) of the forward op that made it
         self._by_seq: dict[int, tuple[Any, ...]] = {}
+        # gradients of a scaled output watched until an op reads them (scaled_grads.py): each op passes
+        # through its `read` while any is watched
+        self.scaled_grads: Any = None
+        self._reading = False
         self._pinned: set[int] = set()  # records blame may read: non-finite ones and their inputs
         self._pinned_leaves: set[int] = set()
         self._tainted: set[tuple[str, int]] = set()  # non-finite values and what was made from them
@@ -225,6 +229,18 @@ class Tracer(EagerDispatchMode):
 
     # -- recording ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        watched = self.scaled_grads
+        if watched is not None and watched.pending and not self._reading:
+            self._reading = True
+            try:
+                out = self.__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self._reading = False
+            try:
+                watched.read(func, args, out, func.is_view)
+            except Exception as exc:  # the observer never kills the job
+                self._error(func, exc)
+            return out
         info = _OP_INFO.get(id(func))  # by id: an OpOverload's __hash__ is Python code
         if info is None:
             info = _OP_INFO[id(func)] = OpInfo(func)

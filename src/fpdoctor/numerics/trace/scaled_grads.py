@@ -1,0 +1,207 @@
+"""Gradients of a scaled loss read as if unscaled: a gradient penalty under GradScaler.
+
+`torch.autograd.grad(scaler.scale(out), inputs, create_graph=True)` returns the gradients times the
+loss scale. torch's AMP recipe ("Gradient penalty") divides them by `scaler.get_scale()` before they
+make a penalty; without it the penalty holds the scale (its square, for a squared norm), overflows at
+65536, and the scaler's backoff then settles where the scaled penalty fits: a scale of a few dozen,
+which the run reports as calibration, and a penalty that never measures the true gradient norm.
+
+`ScaledGrads` swaps `GradScaler.scale` and `torch.autograd.grad` for the traced block (class and
+module attributes, put back after; the user's objects are never touched): the tensors `scale`
+returns are known by identity, and where `autograd.grad` with create_graph=True differentiates one
+of them, each gradient it returns is watched until the first op that reads it (`read`, from the
+tracer's dispatch, only while one is watched). A multiply by 1/scale or a division by the scale is
+the recipe's unscaling; any other op reads the gradients scaled: a finding, at the line of the
+autograd.grad call, with the line that read them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fpdoctor import catalog
+from fpdoctor.numerics.observe.amp import grad_scaler_class
+from fpdoctor.report.model import Finding, Trial
+from fpdoctor.torchprivate import DisableTorchDispatch, scaler_scale
+from fpdoctor.userframes import user_location
+
+# The op that unscales: a multiply by 1/scale or a division by the scale, within this of it.
+_SAME = 1e-3
+_UNSCALING = frozenset({"mul", "div", "mul_", "div_"})
+
+
+@dataclass
+class _Grads:
+    """One autograd.grad call on a scaled output: where, at which step, with what scale, and what
+    read its gradients first."""
+
+    location: str  # file:line of the autograd.grad call
+    step: int  # optimizer steps taken before it
+    scale: torch.Tensor  # the scale the output was multiplied by (a copy, read when judged)
+    read_by: str | None = None  # the op that read them scaled, and its line
+    unscaled: bool = False
+
+
+class ScaledGrads:
+    """Context manager over a traced block (see the module docstring). `step` gives the optimizer
+    steps taken so far."""
+
+    def __init__(self, step: Callable[[], int]) -> None:
+        self._step = step
+        # id of each tensor GradScaler.scale returned -> (it, the scaler), weakly
+        self._scaled: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[Any]]] = {}
+        self.pending: dict[int, tuple[weakref.ref[torch.Tensor], _Grads]] = {}  # the tracer reads it per op
+        self.calls: list[_Grads] = []
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> ScaledGrads:
+        scaler = grad_scaler_class()
+        scale, grad = vars(scaler).get("scale"), torch.autograd.grad
+        if scale is None:
+            return self
+        watch = self
+
+        def scaled(scaler_self: Any, outputs: Any) -> Any:
+            out = scale(scaler_self, outputs)
+            try:
+                if len(watch._scaled) > 64:  # one or two a step: the dead ones dropped now and then
+                    watch._scaled = {k: v for k, v in watch._scaled.items() if v[0]() is not None}
+                for t in _tensors(out):
+                    watch._scaled[id(t)] = (weakref.ref(t), weakref.ref(scaler_self))
+            except Exception:  # the observer never raises into the user's step
+                pass
+            return out
+
+        def differentiated(*args: Any, **kwargs: Any) -> Any:
+            result = grad(*args, **kwargs)
+            with contextlib.suppress(Exception):  # the observer never raises into the user's step
+                watch._differentiated(args, kwargs, result)
+            return result
+
+        self._saved = [(scaler, "scale", scale), (torch.autograd, "grad", grad)]
+        scaler.scale = scaled
+        torch.autograd.grad = differentiated
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, original in self._saved:
+            setattr(owner, name, original)
+        self._saved = []
+        self.pending.clear()
+
+    def _differentiated(self, args: Any, kwargs: dict[str, Any], result: Any) -> None:
+        create_graph = kwargs.get("create_graph", args[4] if len(args) > 4 else False)
+        outputs = kwargs.get("outputs", args[0] if args else None)
+        if not create_graph or not self._scaled:
+            return
+        held = [h for t in _tensors(outputs) if (h := self._scaled.get(id(t))) is not None and h[0]() is t]
+        scaler = held[0][1]() if held else None
+        if scaler is None or not scaler.is_enabled():
+            return
+        scale = scaler_scale(scaler)
+        if not isinstance(scale, torch.Tensor):
+            return
+        user = user_location(sys._getframe(2))
+        with DisableTorchDispatch():
+            kept = scale.detach().reshape(-1)[0].clone()
+        call = _Grads(f"{user[0]}:{user[1]}" if user else "", self._step(), kept)
+        self.calls.append(call)
+        for t in _tensors(result):
+            self.pending[id(t)] = (weakref.ref(t), call)
+
+    def read(self, func: Any, args: Any, out: Any, view: bool) -> None:
+        """An op of the tracer's dispatch, while gradients are watched: a view passes the watch on,
+        the recipe's unscaling ends it, any other op that reads them is the finding's."""
+        for position, t in enumerate(_tensors(args)):
+            held = self.pending.get(id(t))
+            if held is None or held[0]() is not t:
+                continue
+            call = held[1]
+            if view:
+                for o in _tensors(out):
+                    self.pending[id(o)] = (weakref.ref(o), call)
+                return
+            del self.pending[id(t)]
+            if call.read_by is not None or call.unscaled:
+                continue
+            name = func.overloadpacket.__name__
+            if name in _UNSCALING and position == 0 and _by_scale(name, args, call.scale):
+                call.unscaled = True
+            else:
+                user = user_location(sys._getframe(2))
+                call.read_by = f"{name} at {user[0]}:{user[1]}" if user else name
+
+    def findings(self) -> list[Finding]:
+        """One finding per line whose gradients were read scaled, at its first step."""
+        seen: set[str] = set()
+        out = []
+        for call in self.calls:
+            if call.read_by is None or call.location in seen:
+                continue
+            seen.add(call.location)
+            out.append(_finding(call, sum(1 for c in self.calls if c.location == call.location and c.read_by)))
+        return out
+
+
+def _by_scale(name: str, args: Any, scale: torch.Tensor) -> bool:
+    """args[1] is 1/scale (a multiply) or the scale (a division)."""
+    other = args[1] if len(args) > 1 else None
+    if isinstance(other, torch.Tensor):
+        if other.numel() != 1:
+            return False
+        with DisableTorchDispatch():
+            other = float(other.reshape(()))
+    if not isinstance(other, (int, float)) or not math.isfinite(other) or other == 0:
+        return False
+    with DisableTorchDispatch():
+        s = float(scale)
+    ratio = other * s if name.startswith("mul") else other / s
+    return abs(ratio - 1.0) <= _SAME
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _finding(call: _Grads, times: int) -> Finding:
+    scale = float(call.scale)
+    line = call.location.rpartition(":")[2]
+    message = (
+        f"torch.autograd.grad at {call.location} differentiates an output scaled by GradScaler.scale (scale "
+        f"{scale:g} at optimizer step {call.step + 1}) with create_graph=True: the gradients it returns are the "
+        f"true ones times the scale, and {call.read_by} reads them as they are (on {times} of its calls). A penalty "
+        "made from them grows with the scale (its square, for a squared norm): it overflows at the first scales, "
+        "the scaler backs off until the scaled penalty fits (the run reports it as calibration), and the penalty "
+        "never measures the true gradients."
+    )
+    fix = (
+        f"Unscale them right after line {line}, as torch's AMP recipe for a gradient penalty does: inv_scale = "
+        "1.0 / scaler.get_scale(); grads = [g * inv_scale for g in grads], then the penalty from them, added to "
+        "the loss that scaler.scale(loss).backward() scales."
+    )
+    return catalog.make(
+        "gradients-still-scaled",
+        message=message,
+        fix=fix,
+        where={"module": None, "phase": "backward"},
+        evidence={"location": call.location, "read_by": call.read_by, "scale": scale, "step": call.step + 1,
+                  "calls": times},
+        trial=Trial.untried(
+            "a change to the training code, which fpdoctor does not write; what was measured: no op multiplied the "
+            "gradients by 1/scale or divided them by the scale before the first that read them"
+        ),
+    )  # fmt: skip

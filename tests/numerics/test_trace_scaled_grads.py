@@ -1,0 +1,74 @@
+"""Gradients of a scaled loss read as they are (numerics/trace/scaled_grads.py): a GAN's R1 penalty
+under fp16 autocast and GradScaler, its gradients taken of scaler.scale(d_real.sum()) with
+create_graph=True. Without torch's recipe (multiply them by 1 / scaler.get_scale()) the penalty holds
+the scale squared, the scaler backs off to a scale of a few dozen, and the run looks calibrated. The
+trace names the autograd.grad line first; the recipe's unscaling, applied as printed, gets no finding
+and a scale that stays high."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_fpdoctor
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, torch.nn as nn
+    FIX = "--fix" in sys.argv
+    torch.manual_seed(0)
+    D = nn.Sequential(nn.Linear(4, 64), nn.LeakyReLU(0.2), nn.Linear(64, 1))
+    G = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
+    opt = torch.optim.Adam(D.parameters(), lr=2e-4, betas=(0.0, 0.99))
+    scaler = torch.amp.GradScaler("cpu")
+    for step in range(12):
+        real = torch.randn(64, 4).requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            fake = G(torch.randn(64, 8)).detach()
+            d_real = D(real)
+        (grads,) = torch.autograd.grad(scaler.scale(d_real.sum()), real, create_graph=True)
+        if FIX:
+            inv_scale = 1.0 / scaler.get_scale()
+            grads = grads * inv_scale
+        r1 = 5.0 * grads.pow(2).sum(1).mean()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.softplus(D(fake)).mean() + nn.functional.softplus(-d_real).mean() + r1
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    print(scaler.get_scale(), file=sys.stderr)
+    """
+)
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["read scaled", "unscaled as printed"])
+def test_a_penalty_on_gradients_of_a_scaled_loss_is_named_and_the_recipe_clears_it(fixed: bool, tmp_path: Path) -> None:
+    script = tmp_path / "r1.py"
+    script.write_text(SCRIPT)
+    report = tmp_path / "report.json"
+    args = ["--fix"] if fixed else []
+    result = run_fpdoctor("trace", "-o", str(report), "--", str(script), *args)
+    findings = json.loads(report.read_text())["findings"] if report.exists() else []
+    names = [f["name"] for f in findings]
+    if fixed:
+        assert "gradients-still-scaled" not in names, names
+        return
+    assert result.code == 1, result.err
+    first = findings[0]
+    assert first["name"] == "gradients-still-scaled", names
+    assert first["evidence"]["location"].endswith(":14") and first["evidence"]["read_by"].startswith("pow at ")
+    assert "1.0 / scaler.get_scale()" in first["fix"]
+
+    # as printed, the scale stays where the gradients fit; read scaled, it collapses
+    runs = [
+        subprocess.run([sys.executable, str(script), *fix], check=False, capture_output=True, text=True, timeout=120)
+        for fix in ([], ["--fix"])
+    ]
+    plain, unscaled = (float(r.stderr.strip().splitlines()[-1]) for r in runs)
+    assert plain * 64 <= unscaled, (plain, unscaled)
