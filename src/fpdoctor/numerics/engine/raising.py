@@ -218,6 +218,14 @@ class RaisedLines(EagerDispatchMode):
         return False
 
 
+def below_range(args: Any, dtype: torch.dtype) -> list[float]:
+    """The non-zero Python numbers among an op's positional `args` that `dtype` holds as 0 (an eps of
+    1e-9 in fp16): held at its smallest normal value, they are what writing torch.finfo(x.dtype).tiny
+    gives."""
+    smallest = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps / 2  # half the least subnormal
+    return [a for a in args if type(a) is float and a != 0 and abs(a) <= smallest]
+
+
 def past_range(args: Any, limit: float) -> list[float]:
     """The Python numbers among an op's positional `args` that are finite but past +-`limit`: a
     constant a narrow format holds as Inf (torch.finfo(torch.float32).min, 1e9 in fp16)."""
@@ -228,7 +236,8 @@ class SaturatedCasts(EagerDispatchMode):
     """Casts to `dtype` at `lines` (file, line number) that make Inf of finite values beyond its range
     give its largest finite value, with the sign, instead; so does a Python constant past its range
     that an op there applies to a `dtype` tensor (x * torch.finfo(torch.float32).min: what writing
-    torch.finfo(x.dtype).min gives). Every other op runs as it does."""
+    torch.finfo(x.dtype).min gives), and one it holds as 0 gets its smallest normal value
+    (clamp(min=1e-9): torch.finfo(x.dtype).tiny). Every other op runs as it does."""
 
     def __init__(self, lines: set[tuple[str, int]], dtype: torch.dtype) -> None:
         super().__init__()
@@ -237,7 +246,7 @@ class SaturatedCasts(EagerDispatchMode):
         self.raised = 0  # casts and constants held at the limit
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if past_range(args, self.limit):
+        if past_range(args, self.limit) or below_range(args, self.dtype):
             args = self._held(args, kwargs or {})
         out = func(*args, **(kwargs or {}))
         if type(out) is not torch.Tensor or out.dtype != self.dtype or func.overloadpacket.__name__ != "_to_copy":
@@ -265,5 +274,11 @@ class SaturatedCasts(EagerDispatchMode):
         if user is None or (user[0], user[1]) not in self.lines:
             return args
         self.raised += 1
-        past = past_range(args, self.limit)
-        return tuple(math.copysign(self.limit, a) if any(a is p for p in past) else a for a in args)
+        past, below = past_range(args, self.limit), below_range(args, self.dtype)
+        tiny = torch.finfo(self.dtype).tiny
+        return tuple(
+            math.copysign(self.limit, a) if any(a is p for p in past)
+            else math.copysign(tiny, a) if any(a is b for b in below)
+            else a
+            for a in args
+        )  # fmt: skip

@@ -157,6 +157,7 @@ class _Seen:
     reference: float | None = None  # the reference's isolated error; None: not measured
     propagated: float | None = None
     candidate_inputs: float = 0.0  # the candidate's input error at this module
+    inputs_past: str | None = None  # its fp64 inputs are past the format's range: why its isolated run is Inf
     input_error: float | None = None  # the same, where measured on the inputs' samples
     nonfinite: int = 0
     overflow: dict[str, Any] | None = None  # the op inside that overflows (first_overflow.py)
@@ -693,6 +694,25 @@ class _Comparison:
                         self._overflowing.add(name)
 
                 self.reads.later(rerun_figures(got, truth, truth_norm), read)
+                if self.cand_dtype.is_floating_point and torch.finfo(self.cand_dtype).bits < 32:
+                    limit = torch.finfo(self.cand_dtype).max
+
+                    def past(biggest: float | None) -> None:
+                        # its fp64 inputs are past the format's range: no run of it in the format can take them,
+                        # and the Inf is made where they are (an aggregation upstream), not by it
+                        if (
+                            biggest is not None
+                            and math.isfinite(biggest)
+                            and biggest > limit
+                            and (entry.isolated is not None and math.isinf(entry.isolated))
+                        ):
+                            entry.inputs_past = (
+                                f"its inputs reach {biggest:.3g} in fp64, past {self.label}'s largest value "
+                                f"({limit:.6g}): the Inf comes in, made upstream"
+                            )
+                            self._overflowing.discard(name)
+
+                    self.reads.later([largest((args, kwargs))], past)
         except Exception as exc:  # e.g. an op without a kernel for the candidate's dtype here
             self.notes.setdefault("isolated re-run", f"`{name}` raised {type(exc).__name__} in {self.label}: {exc}")
             entry.isolated = entry.isolated_cosine = None
@@ -1910,6 +1930,8 @@ def _rows(seen: dict[tuple[str, int], _Seen], own_dtype: str) -> list[ModuleRow]
             row.isolated_rows, row.isolated_of = worst.rows if worst is not None and worst.rows else (None, None)
             if row.exceeds:
                 row.unconfirmed = _unconfirmed(row, e)
+        elif e.inputs_past is not None and row.exceeds:  # non-finite on inputs no run in the format takes
+            row.unconfirmed = e.inputs_past
         rows.append(row)
     annotate(rows)
     return rows

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics.engine.raising import past_range
+from fpdoctor.numerics.engine.raising import below_range, past_range
 from fpdoctor.precision.candidates import cast_inputs
 from fpdoctor.precision.metrics import all_finite, floating
 from fpdoctor.torchprivate import TorchDispatchMode
@@ -30,11 +30,16 @@ class _FirstOverflow(TorchDispatchMode):
         super().__init__()
         self.count = 0
         self.found: dict[str, Any] | None = None
+        self.tiny: dict[tuple[str, int], list[float]] = {}  # per line: constants its ops' format holds as 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         index, self.count = self.count, self.count + 1
         if self.found is None and not func.is_view:
+            narrow = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+            below = below_range(args, narrow) if narrow is not None else []
+            if below and (user := user_location(sys._getframe(1))) is not None:  # eps + 1e-10 in fp16: 0
+                self.tiny.setdefault((user[0], user[1]), []).extend(below)
             outputs = list(floating(out))
             if outputs and not all_finite(outputs) and all_finite((args, kwargs)):
                 inputs = list(floating((args, kwargs)))
@@ -50,6 +55,9 @@ class _FirstOverflow(TorchDispatchMode):
                 past = past_range(args, torch.finfo(outputs[0].dtype).max)
                 if past:
                     self.found["constant"] = past[0]
+                at = self.found["location"]
+                if at is not None and self.tiny.get((at[0], at[1])):  # a constant on its line that rounded to 0
+                    self.found["tiny"] = self.tiny[(at[0], at[1])]
         return out
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import linecache
 import math
+import re
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -113,6 +114,7 @@ def _origin(
     evidence: dict[str, Any] = {"candidate": label, "op": op, "location": location, "input_absmax": biggest,
                                 "format_max": limit, "nonfinite": nonfinite}  # fmt: skip
     constant = found.get("constant")
+    alternative = ""  # a second fix, checked, printed after the first's figures
     after = check("cast", line, 0) if constant is not None and not is_cast(op) and line is not None else None
     if constant is not None and after is not None and math.isfinite(after):
         # the constant is Inf in the format: what the op makes of it is the constant's, held at the limit
@@ -159,15 +161,28 @@ def _origin(
         more, after = fp32_lines(check, line, math.inf) if line is not None else (0, None)
         lines = "" if line is None else f"line {line[1]}" if not more else f"lines {line[1]}-{line[1] + more}"
         span = f", {lines} of {line[0]}" if line is not None else ""
+        # the check ran every op of those lines in fp32: a constant the format holds as 0 (clamp(min=1e-9))
+        # on them counts then, so the fix is the lines, not the op's operands alone
+        zeros = list(dict.fromkeys([*rounds_to_zero(code, dtype), *(f"{c:g}" for c in found.get("tiny") or [])]))
+        zero = f" (its constant {', '.join(zeros)} is 0 in {candidate}: in fp32 it is not)" if zeros else ""
         fix = (
-            f"compute {op}{at} in fp32{span}: its operands .float(), what those lines produce cast back to "
-            f"{candidate} where the rest of the model reads it (.to(p.dtype), p a parameter of the model)"
+            f"compute {op}{at} in fp32{span}, every op on {'them' if more else 'it'}{zero}: .float() on the tensors "
+            f"{'they read' if more else 'it reads'} from the rest of the model, before {'their' if more else 'its'} "
+            f"first op, what {'they produce' if more else 'it produces'} cast back to {candidate} where the rest "
+            "of the model reads it (.to(p.dtype), p a parameter of the model)"
         )
+        held = check("cast", line, more) if zeros and line is not None else None
+        if held is not None and math.isfinite(held):  # the constant at the format's smallest normal: checked too
+            alternative = (
+                f"; or keep {candidate} and write a constant it holds there (torch.finfo(x.dtype).tiny, "
+                f"{torch.finfo(dtype).tiny:.3g} in {candidate}, or clamp(min=1) for a count; checked with tiny: the "
+                f"output is finite again, its error {held:.3g})"
+            )
         changed = f"the ops at {lines} computed in fp32, what they produce cast back to {candidate}"
     metric = "end-to-end relative error against fp64"
     if after is not None and math.isfinite(after):
         trial = Trial.checked(changed, metric=metric, before="non-finite", after=after, on=on)
-        fix += f"; checked: the output is finite again, its error {after:.3g}"
+        fix += f"; checked: the output is finite again, its error {after:.3g}{alternative}"
     elif after is not None and is_cast(op):  # tried and the output stays non-finite: not the fix
         fix = "run `fpdoctor trace` on the script that runs the model in this precision for the op-level walk"
         trial = Trial.untried(f"{changed} left the output non-finite: the first NaN/Inf has another source too")
@@ -239,6 +254,20 @@ def fp32_lines(check: Check, line: tuple[str, int], error: float, most: int = LI
         if after is not None and math.isfinite(after) and (not math.isfinite(error) or after * RAISED_FALLS <= error):
             break
     return more, after
+
+
+_NUMBER = re.compile(r"(?<![\w.])(\d+(?:\.\d*)?[eE][-+]?\d+|\d*\.\d+)")
+
+
+def rounds_to_zero(code: str, dtype: torch.dtype) -> list[str]:
+    """The non-zero numeric literals of a source line that `dtype` holds as 0 (1e-9 in fp16)."""
+    code = code.split("#", 1)[0]
+    found = []
+    for text in _NUMBER.findall(code):
+        value = float(text)
+        if value != 0 and dtype.is_floating_point and float(torch.tensor(value, dtype=dtype)) == 0:
+            found.append(text)
+    return found
 
 
 def line_of(location: str | None) -> tuple[str, int] | None:
