@@ -33,6 +33,10 @@ class _FirstOverflow(TorchDispatchMode):
         self.tiny: dict[tuple[str, int], list[float]] = {}  # per line: constants its ops' format holds as 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # an op that writes into its input (index_add_ into zeros): whether its inputs were finite is read
+        # before it writes
+        writes = self.found is None and func._schema.is_mutable
+        finite_before = all_finite((args, kwargs)) if writes else True
         out = func(*args, **(kwargs or {}))
         index, self.count = self.count, self.count + 1
         if self.found is None and not func.is_view:
@@ -41,7 +45,7 @@ class _FirstOverflow(TorchDispatchMode):
             if below and (user := user_location(sys._getframe(1))) is not None:  # eps + 1e-10 in fp16: 0
                 self.tiny.setdefault((user[0], user[1]), []).extend(below)
             outputs = list(floating(out))
-            if outputs and not all_finite(outputs) and all_finite((args, kwargs)):
+            if outputs and not all_finite(outputs) and finite_before and (writes or all_finite((args, kwargs))):
                 inputs = list(floating((args, kwargs)))
                 self.found = {
                     "op": str(func),
