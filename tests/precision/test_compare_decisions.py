@@ -413,3 +413,28 @@ def test_a_quarter_of_the_rows_more_than_rounding_is_a_change_on_eight_rows_or_m
     assert not changed(256, 0.90, 0.953)  # 2x: within what a coarse output loses
     assert not changed(4, 0.5, 1.0) and not changed(8, 0.625, 1.0)  # 2 or 3 rows: no evidence
     assert changed(32, 0.5, 1.0)
+
+
+class _Probabilities(nn.Module):
+    """A classifier that returns calibrated probabilities: softmax(logits / temperature)."""
+
+    def __init__(self, inner: nn.Module, temperature: float = 0.07) -> None:
+        super().__init__()
+        self.inner, self.temperature = inner, temperature
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.inner(x) / self.temperature, dim=-1)
+
+
+def test_probabilities_a_softmax_returns_are_judged_by_their_decisions() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(512, 64)
+    broken = fpdoctor.compare(_Probabilities(MaskedClassifier()).eval(), x, candidate="bf16")
+    decisions = broken.report.data["decisions"]
+    assert decisions["source"].startswith("probabilities of a softmax over 100 classes")
+    assert "decisions-changed" in [f.name for f in broken.report.findings], [f.name for f in broken.report.findings]
+
+    torch.manual_seed(0)
+    healthy = fpdoctor.compare(_Probabilities(MaskedClassifier(offset=0.0, masked=0)).eval(), x, candidate="bf16")
+    assert healthy.report.data["decisions"]["source"].startswith("probabilities of a softmax")
+    assert all(f.name != "decisions-changed" for f in healthy.report.findings)

@@ -445,6 +445,7 @@ class _Comparison:
         self.cand_failed: Exception | None = None  # what the candidate's run raised, if it did
         self.logits: str | None = None
         self.binary = False  # the logits are a sigmoid's probabilities, as _decided gives them (_binary)
+        self.softmaxed = False  # ... or a softmax's over the classes (_softmaxed)
         self.root_truth: torch.Tensor | None = None
         # the running states named the cause (step 5) and their checked run's output
         self.state_fix: tuple[list[str], torch.Tensor] | None = None
@@ -611,7 +612,7 @@ class _Comparison:
         from it (an embedding normalised after its projection decides no class), and of another shape
         than every input (a denoiser predicts its input's noise); or a sigmoid's probabilities, one
         per row (`_binary`)."""
-        self.binary = False
+        self.binary = self.softmaxed = False
         first = next(floating(output), None)
         name = self._last_leaf or ""
         made = next(floating(self._last_output), None)
@@ -631,6 +632,9 @@ class _Comparison:
         if self.logits is None:
             self.logits = self._binary(first, name, made)
             self.binary = self.logits is not None
+        if self.logits is None:
+            self.logits = self._softmax_of(first, name, made)
+            self.softmaxed = self.logits is not None
         self.root_truth = self._decided(first.detach().clone()) if self.logits is not None else None
 
     def _binary(self, first: torch.Tensor, name: str, made: torch.Tensor | None) -> str | None:
@@ -648,10 +652,38 @@ class _Comparison:
             return None
         return f"probabilities of a sigmoid, one per row, decided at 0.5 ({first.numel()} rows)"
 
+    def _softmax_of(self, first: torch.Tensor, name: str, made: torch.Tensor | None) -> str | None:
+        """How the report names an output of probabilities a softmax over the classes made (a
+        classifier that returns probabilities): the model's last leaf (`name`, its output `made`, the
+        logits of a Linear to the classes) is an nn.Softmax, or the output is the softmax of what it
+        made (torch.softmax(self.head(h) / temperature, -1)); None for any other output."""
+        if first.dim() < 2 or first.shape[-1] < 2 or made is None or made.shape != first.shape:
+            return None
+        if not made.is_floating_point():
+            return None
+        module = self.truth_modules.get(name)
+        if isinstance(module, nn.Softmax):
+            applied = made
+        else:  # softmax(logits / temperature): the scale read off the log-probabilities, where they are held
+            lp, z = first.double().clamp_min(1e-300).log(), made.double()
+            held = first > 1e-200
+            count = held.sum(-1, keepdim=True).clamp_min(1)
+            a = torch.where(held, lp - torch.where(held, lp, 0.0).sum(-1, keepdim=True) / count, 0.0)
+            b = torch.where(held, z - torch.where(held, z, 0.0).sum(-1, keepdim=True) / count, 0.0)
+            scale = float((a * b).sum() / (b * b).sum().clamp_min(1e-300))
+            applied = torch.softmax(z * scale, -1) if scale > 0 else z
+        if not torch.allclose(applied.to(first.dtype), first, rtol=1e-5, atol=1e-9):
+            return None
+        rows = first.numel() // first.shape[-1]
+        return f"probabilities of a softmax over {first.shape[-1]} classes ({rows} rows)"
+
     def _decided(self, t: torch.Tensor) -> torch.Tensor:
         """An output as use.py judges logits: a sigmoid's probabilities p as two classes' log
         probabilities [log(1 - p), log p] (top-1 is p > 0.5; rounding them costs about what rounding p
-        does), any other output as it is."""
+        does), a softmax's as their logs (log p: the logits less their log-sum-exp), any other output as
+        it is."""
+        if self.softmaxed:
+            return t.detach().double().clamp_min(1e-300).log()
         if not self.binary:
             return t
         p = t.detach().double().reshape(-1).clamp(1e-12, 1 - 1e-12)
@@ -1602,8 +1634,8 @@ class _Comparison:
         found = use.decisions(self.root_truth, self.root_cand, self.candidate, self.logits)
         if found is None:
             return
-        if self.binary:  # a sigmoid's floor: its probabilities rounded to the format, not their logs
-            p = round_to(self.root_truth[:, 1].exp(), self.candidate)
+        if self.binary or self.softmaxed:  # the floor: the probabilities rounded to the format, not their logs
+            p = round_to((self.root_truth[:, 1] if self.binary else self.root_truth).exp(), self.candidate)
             floor = use.top1(self.root_truth, self._decided(p))
             found = found if floor is None else dataclasses.replace(found, floor_top1=floor)
         result.report.data["decisions"] = found.to_dict()
@@ -1620,9 +1652,10 @@ class _Comparison:
                 # the fix as a run: the layer that makes the output kept in fp32, returning fp32; where the
                 # model's own ops make it (scores against a table), no run puts the fix in place
                 head = self._last_leaf if self.logits is not None and self.logits.startswith("logits of") else None
-                if self.binary and self._last_leaf is not None:  # the layer whose output the sigmoid reads
+                if (self.binary or self.softmaxed) and self._last_leaf is not None:  # what the sigmoid reads
                     last = self._last_leaf
-                    head = self._leaf_before(last) if isinstance(self.truth_modules[last], nn.Sigmoid) else last
+                    squash = isinstance(self.truth_modules[last], (nn.Sigmoid, nn.Softmax))
+                    head = self._leaf_before(last) if squash else last
                 ran = self._top1_with_fp32([head], fp32_output=True) if head else None
                 result.report.findings.append(
                     use.coarse_finding(found, self.label, held[0], inputs=self.inputs, head=head, ran=ran)

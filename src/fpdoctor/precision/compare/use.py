@@ -115,7 +115,8 @@ def coarse_finding(
     if head and ran is not None and found.recovered(ran):
         # a sigmoid's scores: the head returns its logits in fp32, and the sigmoid after it then returns fp32
         returned = (
-            "returning fp32, so that the sigmoid after it returns fp32 probabilities"
+            f"returning fp32, so that the {'softmax' if 'softmax' in found.source else 'sigmoid'} after it returns "
+            "fp32 probabilities"
             if found.source.startswith("probabilities")
             else "returning fp32 logits"
         )
