@@ -445,7 +445,7 @@ class _Comparison:
         self.cand_failed: Exception | None = None  # what the candidate's run raised, if it did
         self.logits: str | None = None
         self.binary = False  # the logits are a sigmoid's probabilities, as _decided gives them (_binary)
-        self.softmaxed = False  # ... or a softmax's over the classes (_softmaxed)
+        self.softmaxed = False  # ... or a softmax's over the classes (_softmax_of)
         self.root_truth: torch.Tensor | None = None
         # the running states named the cause (step 5) and their checked run's output
         self.state_fix: tuple[list[str], torch.Tensor] | None = None
@@ -726,7 +726,8 @@ class _Comparison:
                         self._overflowing.add(name)
 
                 self.reads.later(rerun_figures(got, truth, truth_norm), read)
-                if self.cand_dtype.is_floating_point and torch.finfo(self.cand_dtype).bits < 32:
+                # a format of narrow range only (fp16: bf16's is fp32's): one reduction of the inputs per call
+                if self.cand_dtype.is_floating_point and torch.finfo(self.cand_dtype).max < 1e10:
                     limit = torch.finfo(self.cand_dtype).max
 
                     def past(biggest: float | None) -> None:
