@@ -35,7 +35,7 @@ from fpdoctor.userframes import user_location
 
 # The op that unscales: a multiply by 1/scale or a division by the scale, within this of it.
 _SAME = 1e-3
-_UNSCALING = frozenset({"mul", "div", "mul_", "div_"})
+_UNSCALING = frozenset({"mul", "div", "mul_", "div_", "_foreach_mul", "_foreach_div", "_foreach_mul_", "_foreach_div_"})
 
 
 @dataclass
@@ -61,6 +61,7 @@ class ScaledGrads:
         self.pending: dict[int, tuple[weakref.ref[torch.Tensor], _Grads]] = {}  # the tracer reads it per op
         self.calls: list[_Grads] = []
         self._saved: list[tuple[Any, str, Any]] = []
+        self._watched_at = -1  # the optimizer step the watched gradients were made in
 
     def __enter__(self) -> ScaledGrads:
         scaler = grad_scaler_class()
@@ -114,13 +115,19 @@ class ScaledGrads:
             kept = scale.detach().reshape(-1)[0].clone()
         call = _Grads(f"{user[0]}:{user[1]}" if user else "", self._step(), kept)
         self.calls.append(call)
+        self._watched_at = call.step
         for t in _tensors(result):
             self.pending[id(t)] = (weakref.ref(t), call)
 
     def read(self, func: Any, args: Any, out: Any, view: bool) -> None:
         """An op of the tracer's dispatch, while gradients are watched: a view passes the watch on,
-        the recipe's unscaling ends it, any other op that reads them is the finding's."""
-        for position, t in enumerate(_tensors(args)):
+        the recipe's unscaling ends it, any other op that reads them is the finding's. Gradients no op
+        read before the next optimizer step are let go: the tracer's ops go their usual way again."""
+        if self._step() != self._watched_at:
+            self.pending.clear()
+            return
+        first = _tensors(args[0]) if args else []  # what a multiply or a division scales (a foreach's list)
+        for t in _tensors(args):
             held = self.pending.get(id(t))
             if held is None or held[0]() is not t:
                 continue
@@ -133,7 +140,7 @@ class ScaledGrads:
             if call.read_by is not None or call.unscaled:
                 continue
             name = func.overloadpacket.__name__
-            if name in _UNSCALING and position == 0 and _by_scale(name, args, call.scale):
+            if name in _UNSCALING and any(x is t for x in first) and _by_scale(name, args, call.scale):
                 call.unscaled = True
             else:
                 user = user_location(sys._getframe(2))
