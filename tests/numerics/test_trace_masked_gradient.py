@@ -80,3 +80,17 @@ def test_a_gradient_a_mask_cannot_stop_names_the_forward_op_and_its_fix_trains(n
         for fix in ([], ["--fix"])
     ]
     assert [r.stderr.strip() for r in runs] == ["nan", "finite"], [r.stderr for r in runs]
+
+
+def test_a_gradient_cast_back_past_its_range_is_told_by_the_cast_not_the_forward_op() -> None:
+    """Under fp16 autocast a division's backward casts its fp32 gradient back to the fp16 input's
+    dtype: an Inf there is the gradient's size (raw data, a tiny exp), not a zero denominator."""
+    from fpdoctor.numerics.trace import blame
+    from fpdoctor.numerics.trace.tracer import Record
+
+    cast = Record(0, "aten._to_copy.default", "backward", None, 0, False, "DivBackward0", "aten.div.Tensor",
+                  ("vae.py", 28, "loss_fn"), [])  # fmt: skip
+    assert "guard the denominator" not in blame._advice(cast) and "cast" in blame._advice(cast)
+    made = Record(0, "aten.div.Tensor", "backward", None, 0, False, "SqrtBackward0", "aten.sqrt.default",
+                  ("loss.py", 15, "f"), [])  # fmt: skip
+    assert "0 x inf = NaN" in blame._advice(made)

@@ -554,8 +554,7 @@ class Analysis:
             )
             evidence["location"] = where_text(r.location)
             evidence["step"] = (self.step_of(r) or (skipped[0], False))[0]
-            own = OP_ADVICE.get(_packet(r.forward_op)) if r.phase == "backward" and r.forward_op else None
-            fix, trial = self._tried(r, own or _fix_for(r))
+            fix, trial = self._tried(r, _advice(r))
             fix = fix.rstrip(". ")
             fix += f"; the scaler cannot fix it: the value is non-finite at every scale it tried ({run.scale_text()})"
         else:
@@ -916,10 +915,25 @@ def _unexperimented(fed: list[Any], experiments: Mapping[int, Any]) -> str:
     return "the op was not re-run: its inputs were no longer held (or the experiments' time budget was spent)"
 
 
+def _advice(r: Record) -> str:
+    """What to change for the op `r`: a backward op by its forward op's advice (the op on the user's
+    line), else its own."""
+    forward = _packet(r.forward_op or "")
+    own = (BACKWARD_ADVICE.get(forward) or OP_ADVICE.get(forward)) if _by_forward_op(r) else None
+    return own or _fix_for(r)
+
+
+def _by_forward_op(r: Record) -> bool:
+    """A backward op told by its forward op's advice; not the cast of a gradient back to an input's
+    dtype (autocast's ToCopyBackward, a DivBackward's cast): a value past that dtype's range there is
+    the gradient's size, whatever the forward op computes."""
+    return r.phase == "backward" and bool(r.forward_op) and _packet(r.op) not in ("_to_copy", "copy_")
+
+
 def _fix_for(r: Record) -> str:
     if r.phase == "optimizer":
         return _OPTIMIZER
-    if r.phase == "backward" and r.forward_op and (own := BACKWARD_ADVICE.get(_packet(r.forward_op))):
+    if _by_forward_op(r) and (own := BACKWARD_ADVICE.get(_packet(r.forward_op or ""))):
         return own  # the forward op on the user's line: its gradient is the singular one
     if not transparent_op(r.op):  # a custom kernel's NaN is not an epsilon's to fix
         return custom_op_fix(r.op, None)
