@@ -29,6 +29,7 @@ import torch
 
 from fpdoctor import catalog
 from fpdoctor.numerics.observe.amp import grad_scaler_class
+from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding, Trial
 from fpdoctor.torchprivate import DisableTorchDispatch, scaler_scale
 from fpdoctor.userframes import user_location
@@ -75,7 +76,7 @@ class ScaledGrads:
             try:
                 if len(watch._scaled) > 64:  # one or two a step: the dead ones dropped now and then
                     watch._scaled = {k: v for k, v in watch._scaled.items() if v[0]() is not None}
-                for t in _tensors(out):
+                for t in tensors_in(out):
                     watch._scaled[id(t)] = (weakref.ref(t), weakref.ref(scaler_self))
             except Exception:  # the observer never raises into the user's step
                 pass
@@ -103,7 +104,7 @@ class ScaledGrads:
         outputs = kwargs.get("outputs", args[0] if args else None)
         if not create_graph or not self._scaled:
             return
-        held = [h for t in _tensors(outputs) if (h := self._scaled.get(id(t))) is not None and h[0]() is t]
+        held = [h for t in tensors_in(outputs) if (h := self._scaled.get(id(t))) is not None and h[0]() is t]
         scaler = held[0][1]() if held else None
         if scaler is None or not scaler.is_enabled():
             return
@@ -116,7 +117,7 @@ class ScaledGrads:
         call = _Grads(f"{user[0]}:{user[1]}" if user else "", self._step(), kept)
         self.calls.append(call)
         self._watched_at = call.step
-        for t in _tensors(result):
+        for t in tensors_in(result):
             self.pending[id(t)] = (weakref.ref(t), call)
 
     def read(self, func: Any, args: Any, out: Any, view: bool) -> None:
@@ -126,14 +127,14 @@ class ScaledGrads:
         if self._step() != self._watched_at:
             self.pending.clear()
             return
-        first = _tensors(args[0]) if args else []  # what a multiply or a division scales (a foreach's list)
-        for t in _tensors(args):
+        first = tensors_in(args[0]) if args else []  # what a multiply or a division scales (a foreach's list)
+        for t in tensors_in(args):
             held = self.pending.get(id(t))
             if held is None or held[0]() is not t:
                 continue
             call = held[1]
             if view:
-                for o in _tensors(out):
+                for o in tensors_in(out):
                     self.pending[id(o)] = (weakref.ref(o), call)
                 return
             del self.pending[id(t)]
@@ -172,16 +173,6 @@ def _by_scale(name: str, args: Any, scale: torch.Tensor) -> bool:
         s = float(scale)
     ratio = other * s if name.startswith("mul") else other / s
     return abs(ratio - 1.0) <= _SAME
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
 
 
 def _finding(call: _Grads, times: int) -> Finding:

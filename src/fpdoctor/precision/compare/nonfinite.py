@@ -25,6 +25,7 @@ import torch
 
 from fpdoctor import catalog
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS
+from fpdoctor.numerics.engine.raising import below_range
 from fpdoctor.precision.candidates import compute_dtype
 from fpdoctor.precision.profile import RAISED_FALLS, ModuleRow
 from fpdoctor.report.model import Finding, Trial
@@ -262,12 +263,9 @@ _NUMBER = re.compile(r"(?<![\w.])(\d+(?:\.\d*)?[eE][-+]?\d+|\d*\.\d+)")
 def rounds_to_zero(code: str, dtype: torch.dtype) -> list[str]:
     """The non-zero numeric literals of a source line that `dtype` holds as 0 (1e-9 in fp16)."""
     code = code.split("#", 1)[0]
-    found = []
-    for text in _NUMBER.findall(code):
-        value = float(text)
-        if value != 0 and dtype.is_floating_point and float(torch.tensor(value, dtype=dtype)) == 0:
-            found.append(text)
-    return found
+    if not dtype.is_floating_point:
+        return []
+    return [text for text in _NUMBER.findall(code) if below_range([float(text)], dtype)]
 
 
 def line_of(location: str | None) -> tuple[str, int] | None:
