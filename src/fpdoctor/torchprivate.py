@@ -327,6 +327,11 @@ def post_accumulate_grad_hooks(tensor: torch.Tensor) -> Any:
     return getattr(tensor, "_post_accumulate_grad_hooks", None)
 
 
+def comm_hooks(ddp: Any) -> list[Any]:
+    """The communication hooks registered on a DDP model (`register_comm_hook`), as (hook, state)."""
+    return list(getattr(ddp, "_comm_hooks", None) or [])
+
+
 def has_comm_hook(ddp: Any) -> bool:
     """A DDP model already has a communication hook, or the Python reducer: one of the user's
     stays, and fpdoctor's gradient attribution, which needs its own hook, is off."""

@@ -232,6 +232,61 @@ def test_under_torchrun_every_rank_names_the_rank_that_held_the_fault(tmp_path):
     assert {f["where"]["rank"] for f in merged["findings"]} == {1}
 
 
+COMPRESSED = """
+import sys, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+MEAN = "--mean" in sys.argv
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
+model.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
+opt = torch.optim.SGD(model.parameters(), lr=1e-7)
+g = torch.Generator().manual_seed(10 + rank)
+for step in range(1, 7):
+    x = torch.randn(128, 16, generator=g)
+    y = 50.0 * x[:, :1] + 200.0  # raw units
+    if rank == 1 and step == 3:
+        y = 40.0 * y  # one shard's batch of outliers
+    err = (model(x) - y) ** 2
+    opt.zero_grad()
+    (err.mean() if MEAN else err.sum()).backward()
+    opt.step()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.jobs  # two 2-rank torchrun jobs
+def test_a_gradient_past_the_compression_hooks_dtype_is_told_by_the_hook_not_the_machine(tmp_path):
+    """DDP's fp16_compress_hook casts each bucket to fp16 before the all-reduce; the replay runs without
+    the reduction, so it is finite. That is not a fault that did not reproduce: the rank whose local
+    gradient is past fp16's range is named with the hook, and its fix (a mean loss) as printed is clean."""
+    script = _write(tmp_path, "compressed.py", COMPRESSED)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    for arm in ([], ["--mean"]):
+        out = tmp_path / ("mean" if arm else "sum")
+        out.mkdir()
+        watch = ["-m", "fpdoctor", "watch", "-o", str(out / "report.json"), "--", str(script), *arm]
+        run = subprocess.run(
+            [*torchrun, "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *watch],
+            check=False, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=_env(),
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        merged = _report(out)
+        if arm:
+            assert not [f for f in merged["findings"] if f["severity"] == "error"], merged["findings"]
+            continue
+        names = [f["name"] for f in merged["findings"]]
+        assert "transient-fault-suspected" not in names, names
+        told = next(f for f in merged["findings"] if f["name"] == "deterministic-nonfinite")
+        assert told["where"]["rank"] == 1 and told["evidence"]["comm_hook"] == "fp16_compress_hook", told
+        assert told["evidence"]["local_grad_absmax"] > 65504 and "a mean over the batch" in told["fix"]
+        assert told["fix_trial"]["status"] == "checked"
+        for rank in (0, 1):
+            assert _report(out, f"report.rank{rank}.json")["data"]["verdicts"] == {"3": "deterministic-nonfinite"}
+
+
 def test_a_script_that_raises_exits_as_python_would_and_is_never_ok(tmp_path):
     script = _write(tmp_path, "bad.py", "import torch\nraise IndexError('index 9 is out of bounds')\n")
     watched = _watch(tmp_path, str(script))

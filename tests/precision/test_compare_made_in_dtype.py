@@ -226,3 +226,31 @@ def test_a_tagger_whose_decisions_the_rounded_positions_change_gets_the_position
     assert decisions.evidence["made_in_fp32"]["top1"] >= 0.97
     after = fpdoctor.compare(_tagger(fp32_positions=True), x, candidate="bf16")
     assert not after.report.by_name("decisions-changed"), str(after.report)
+
+
+class PositionTable(nn.Module):
+    """Position ids counted from a float mask in the model's dtype and cast to integers for a learned
+    position table: the last raised line makes integers, which no cast back to bf16 may touch."""
+
+    def __init__(self, fp32_positions: bool = False) -> None:
+        super().__init__()
+        self.fp32_positions = fp32_positions
+        self.tok, self.pos, self.head = nn.Embedding(64, 32), nn.Embedding(1024, 32), nn.Linear(32, 64)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        m = mask.float() if self.fp32_positions else mask  # the printed fix: the count in fp32
+        position_ids = m.cumsum(-1) - 1
+        position_ids = position_ids.clamp(min=0).long()
+        return self.head(self.tok(ids) + self.pos(position_ids))
+
+
+def test_position_ids_for_a_table_keep_their_integers_in_the_fix_and_the_fix_as_printed_cures():
+    torch.manual_seed(0)
+    ids, mask = torch.randint(0, 64, (2, 900)), torch.ones(2, 900)
+    mask[1, :80] = 0  # left padding
+    result = fpdoctor.compare(PositionTable().eval(), (ids, mask), candidate="bf16")
+    told = result.report.by_name("whole-numbers-rounded")
+    assert told, str(result.report)
+    assert "keep what line" in told[0].fix and "(integers" in told[0].fix and ".to(x.dtype)" not in told[0].fix
+    fixed = fpdoctor.compare(PositionTable(fp32_positions=True).eval(), (ids, mask), candidate="bf16")
+    assert not [f for f in fixed.report.findings if f.severity == "error"], str(fixed.report)

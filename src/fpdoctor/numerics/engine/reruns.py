@@ -162,6 +162,7 @@ class Experiment:
     absmax_after: float | None = None
     literal: tuple[float, float, str] | None = None  # a constant that rounds: value, rounded, dtype
     bf16: str | None = None  # an fp16 chain re-run in bf16 (fp32's range): "finite" or "non-finite"
+    bf16_absmax: float | None = None  # the symptom op's max |x| in that re-run
     literal_fix: tuple[float, float] | None = None  # a constant the dtype holds, tried as it ran: value, max |x|
     cast: str | None = None  # what a rounding cast did to its values
     # a cast that made Inf of values past its format's range, tried holding the format's largest value
@@ -442,6 +443,35 @@ class Experiment:
             f"past {self.dtype}'s {limit:g} (cast back, it overflows again)"
         )
 
+    @property
+    def _bf16_gives(self) -> str:
+        """What the chain re-run in bf16 gave where it cured the symptom."""
+        return "the same ops give a finite result" if self.clean == "finite" else f"{self.op}'s output is {self.clean}"
+
+    def _gradient_cast_fix(self, at: str, checked: str) -> str:
+        """A gradient past the format's range, cast to it because the value it is the gradient of was
+        held in that format (autocast's output, a .half()): no loss scale makes room for it, and
+        keeping a few layers in fp32 moves the cast to the layers before them."""
+        if self.bf16 == "finite":
+            first = (
+                "Autocast to bf16, which has fp32's range: torch.autocast(device, dtype=torch.bfloat16) (checked: "
+                f"in bf16 {self._bf16_gives}); or make"
+            )
+            last = ""
+        else:
+            first = "Make"
+            last = f" Training in fp32 is the other way: {checked}." + (
+                " In bf16 they are non-finite too (checked): bf16 is not the fix." if self.bf16 == "non-finite" else ""
+            )
+        return (
+            f"The gradient cast back{at} to {self.dtype} is past its range ({self.cast}): the backward casts a "
+            f"gradient to the dtype of the value it belongs to, here {self.dtype} (an autocast output or a cast), and "
+            f"a loss scale below 1 does not make room for a gradient this large. {first} the gradient smaller where "
+            f"it starts: a loss or targets in large units (standardise them) give gradients past {self.dtype}'s "
+            "range. Keeping only the layers that make that value in fp32 moves the cast to the layers before them."
+            + last
+        )
+
     def _word_origin_at_op(self, label: str, message: str, advice: str) -> tuple[str, str, str, Trial]:
         """The origin named; where it is the op itself, its own advice stays, with the check."""
         origin = self.origin
@@ -507,6 +537,16 @@ class Experiment:
             )
             trial = self._as_ran(f"the cast{at} holding +-{limit:g} instead of Inf, the ops as they ran", biggest)
             return text, message + why, fix, trial
+        if self.cast is not None and origin.phase == "backward" and "exceed" in self.cast:
+            if self.bf16 == "finite":
+                trial = Trial.checked(
+                    f"{lines} in bf16",
+                    metric=f"{self.op}'s largest |value|",
+                    before=self.absmax_before,
+                    after=self.bf16_absmax,
+                    on="the inputs these ops read in this run",
+                )
+            return text, message + why, self._gradient_cast_fix(at, checked), trial
         if self.stable is not None and self.stable.scaled:
             ran = self.form_records
             return text, message + why, *self._stable_fix(_lines(ran))
@@ -523,8 +563,7 @@ class Experiment:
         if self.bf16 is not None:
             fix += (
                 " Or run it in bf16, which has fp32's range where fp16's range ends: torch.autocast(device, "
-                "dtype=torch.bfloat16) or model.to(torch.bfloat16); in bf16 the same ops give a finite result too "
-                "(checked)."
+                f"dtype=torch.bfloat16) or model.to(torch.bfloat16); in bf16 {self._bf16_gives} too (checked)."
                 if self.bf16 == "finite"
                 else " In bf16 they are non-finite too (checked): bf16 is not the fix."
             )
@@ -688,8 +727,9 @@ def _absmax(t: torch.Tensor) -> float:
 
 
 def _finite_absmax(t: torch.Tensor) -> float:
+    """The largest finite magnitude; inf where every value is the Inf the op was handed (never 0)."""
     finite = t.detach()[torch.isfinite(t)]
-    return float(finite.abs().max().double()) if finite.numel() else 0.0
+    return float(finite.abs().max().double()) if finite.numel() else (math.inf if t.numel() else 0.0)
 
 
 def _outputs(out: Any) -> list[torch.Tensor]:
@@ -1222,7 +1262,9 @@ def _settle_origin(
         experiment.cast = _cast(origin)
         if experiment.literal is not None:
             experiment.literal_fix = _try_constant(experiment.literal, origin, chain, lookup, symptom)
-        if experiment.cast is not None and _past_range(origin):
+        # a gradient the backward casts to its value's dtype is not a value the user wrote: holding it at
+        # the limit would clip it; the fix is the dtype the value had (below) or a smaller gradient
+        if experiment.cast is not None and _past_range(origin) and origin.record.phase != "backward":
             experiment.saturated_fix = _try_saturated(origin, chain, lookup, symptom)
     except Exception:
         pass
@@ -1238,9 +1280,10 @@ def _settle_origin(
         pass
     experiment.absmax_before = before
     ran = {t.dtype for s in chain for t in tree_flatten(s.args)[0] if isinstance(t, torch.Tensor)}
+    ran |= {d for s in chain if (d := _compute_dtype(s)) is not None}  # a cast's target: what it ran in
     if torch.float16 in ran:  # fp16 advice names bf16: say what bf16 does here
         try:
-            kind, _ = _chain_kind(chain, torch.bfloat16, lookup, symptom)
+            kind, experiment.bf16_absmax = _chain_kind(chain, torch.bfloat16, lookup, symptom)
             experiment.bf16 = "finite" if kind is None else "non-finite"
         except Exception:
             experiment.bf16 = None

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from fpdoctor.numerics.observe import records
-from fpdoctor.torchprivate import has_comm_hook, without_backward_context
+from fpdoctor.torchprivate import comm_hooks, has_comm_hook, without_backward_context
 
 
 def active() -> bool:
@@ -75,6 +75,46 @@ def agree(payload: dict[str, Any]) -> list[dict[str, Any]]:
 
 def is_ddp(model: nn.Module) -> bool:
     return isinstance(model, nn.parallel.DistributedDataParallel)
+
+
+# torch's gradient-compression hooks (ddp_comm_hooks.default_hooks: the hooks and their wrappers), by
+# the start of the function's name: each bucket is cast to this dtype before the all-reduce
+COMPRESSING = {"fp16_compress": torch.float16, "bf16_compress": torch.bfloat16}
+
+
+def compressing_hook(model: nn.Module) -> tuple[str, torch.dtype] | None:
+    """The DDP model's communication hook that casts the gradients to a narrower dtype before the
+    all-reduce (torch's fp16/bf16 compression): its name and that dtype. A replay runs without the
+    reduction (`local_replay`), so what the cast does is the one thing it cannot show."""
+    if not is_ddp(model):
+        return None
+    for hook, _ in comm_hooks(model):
+        fn = getattr(hook, "func", hook)  # a functools.partial of one
+        name = str(getattr(fn, "__qualname__", "") or getattr(fn, "__name__", ""))
+        for prefix, dtype in COMPRESSING.items():
+            if name.startswith(prefix):
+                return str(getattr(fn, "__name__", prefix)), dtype
+    return None
+
+
+class LocalPeak:
+    """The largest finite |gradient| of this rank's replay, before any reduction, and its parameter:
+    `replay`'s observer, on a bad step's replay only (one host read per parameter)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._names = {id(p): name.removeprefix("module.") for name, p in model.named_parameters()}
+        self.value = 0.0
+        self.name: str | None = None
+
+    def __call__(self, index: int, loss: Any, params: list[torch.Tensor]) -> None:
+        for p in params:
+            g = p.grad
+            if g is None or not g.is_floating_point() or not g.numel():
+                continue
+            values = g.detach().abs()
+            top = float(values[torch.isfinite(values)].max()) if bool(torch.isfinite(values).any()) else 0.0
+            if top > self.value:
+                self.value, self.name = top, self._names.get(id(p))
 
 
 @contextlib.contextmanager

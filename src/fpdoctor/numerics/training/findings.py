@@ -206,6 +206,52 @@ def verdict_findings(
     return [_transient_finding(step, result, me, kind=kind, health=health)]
 
 
+def compressed_finding(
+    step: int, hook: tuple[str, torch.dtype], peak: distributed.LocalPeak, me: dict[str, Any]
+) -> Finding:
+    """A DDP step non-finite after the reduction whose replay on this rank, run without it, is finite,
+    while the rank's local gradients exceed the dtype the communication hook casts them to: the
+    hook's cast made the Inf, deterministically; nothing of the machine's."""
+    name, dtype = hook
+    fmt = str(dtype).removeprefix("torch.")
+    top = float(torch.finfo(dtype).max)
+    rank = f"rank {me['rank']}" if "rank" in me else "this rank"
+    return catalog.make(
+        "deterministic-nonfinite",
+        title=f"DDP's communication hook `{name}` casts {rank}'s gradients to {fmt}, past its range",
+        message=(
+            f"Step {step} was non-finite after the gradients' all-reduce. Replayed on {rank} with the same batch, "
+            f"RNG state and weights, without the reduction, its gradients are finite, and the largest, "
+            f"`{peak.name}`'s, is {peak.value:.4g}: past {fmt}'s largest value ({top:g}). The model's communication "
+            f"hook `{name}` casts each gradient bucket to {fmt} before the all-reduce, so that value becomes Inf and "
+            "the reduction hands it to every rank. The same batch does it again: it is not the machine's."
+        ),
+        where={"module": None, "op": None, "phase": "backward", "step": step, **place(me)},
+        evidence={
+            "step": step,
+            "comm_hook": name,
+            "hook_dtype": fmt,
+            "local_grad_absmax": peak.value,
+            "parameter": peak.name,
+            "dtype_max": top,
+        },
+        fix=(
+            f"Keep the gradients inside {fmt}'s range before the hook, or reduce them in fp32: a mean over the batch "
+            f"instead of a sum, targets in smaller units (standardised), or clip the local gradients before the "
+            f"reduction; or drop `{name}` (ddp.register_comm_hook not called: DDP's fp32 all-reduce)"
+            + (", or bf16_compress_hook, which has fp32's range (NCCL)" if dtype == torch.float16 else "")
+            + "."
+        ),
+        trial=Trial.checked(
+            f"the step on {rank} replayed without the reduction and its {fmt} cast",
+            metric="the gradients",
+            before="non-finite (after the reduction)",
+            after=f"finite, max |g| {peak.value:.4g} (> {top:g})",
+            on=f"step {step}'s batch",
+        ),
+    )
+
+
 def _transient_finding(
     step: int, result: ReplayResult, me: dict[str, Any], *, kind: str | None, health: Any
 ) -> Finding:

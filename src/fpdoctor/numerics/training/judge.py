@@ -471,11 +471,13 @@ class StepJudge:
         self.causes.annotate(("nonfinite-loss", "nonfinite-gradient"), f.step, f" Not replayed: {why}.", said)
         return "not-replayed"
 
-    def _run_replay(self, f: StepFacts) -> ReplayResult:
+    def _run_replay(self, f: StepFacts, observe: distributed.LocalPeak | None = None) -> ReplayResult:
         """The step run again as it ran; the gradients left as they were found."""
         saved = [(p, p.grad) for p in self.params]
         try:
-            return replay(self.model, self.params, f.step_fn, f.window, f.contexts(), whole=self.distributed)
+            return replay(
+                self.model, self.params, f.step_fn, f.window, f.contexts(), whole=self.distributed, observe=observe
+            )
         finally:
             for p, g in saved:
                 p.grad = g
@@ -487,7 +489,10 @@ class StepJudge:
         it (a step_fn's own, DDP's first-iteration bucket rebuild, SyncBatchNorm's) is issued on
         every rank in the same order; gradients stay local (`local_replay`). Then every rank
         receives every faulty rank's verdict, so all reports say the same."""
-        result = self._run_replay(f)
+        # a replay runs without the reduction: a hook that casts the gradients for it is judged by their peak
+        hook = distributed.compressing_hook(self.model) if faulty and self.distributed else None
+        peak = distributed.LocalPeak(self.model) if hook is not None else None
+        result = self._run_replay(f, observe=peak)
         carried = self._carried(f, result) if faulty and not self.distributed else None
         if carried is not None:
             self._add_all(carried)
@@ -497,7 +502,14 @@ class StepJudge:
             if only is not None:
                 self._add_all([only])
                 return "compiled-only-nonfinite"
-        if faulty and result.verdict == "transient-fault-suspected":
+        compressed = (
+            hook is not None and peak is not None and result.verdict == "transient-fault-suspected"
+            and peak.value > float(torch.finfo(hook[1]).max)
+        )  # fmt: skip
+        if compressed:
+            assert hook is not None and peak is not None
+            result = replace(result, verdict="deterministic-nonfinite")
+        elif faulty and result.verdict == "transient-fault-suspected":
             result.cause = self.transients.decide(
                 self.model, self.params, f.step_fn, f.window, f.contexts, step=f.step, distributed=self.distributed
             )
@@ -512,14 +524,23 @@ class StepJudge:
                 finally:
                     for p, g in saved:
                         p.grad = g
-        mine = self._verdict_findings(f, result, kind, control) if faulty else []
+        mine = (
+            [findings.compressed_finding(f.step, hook, peak, distributed.describe(self.device))]
+            if compressed and hook is not None and peak is not None
+            else self._verdict_findings(f, result, kind, control) if faulty else []
+        )  # fmt: skip
         if not self.distributed:
             self._add_all(mine)
             return result.verdict
         everyone = distributed.agree({"verdict": result.verdict if faulty else None, "findings": mine})
-        for entry in everyone:
-            self._add_all(entry.get("findings") or [])
         verdicts = [e.get("verdict") for e in everyone if e.get("verdict") is not None]
+        # a rank that reproduced the step holds the cause: the others' finite replays say nothing of a machine
+        reproduced = "deterministic-nonfinite" in verdicts
+        for entry in everyone:
+            if not (reproduced and entry.get("verdict") == "transient-fault-suspected"):
+                self._add_all(entry.get("findings") or [])
+        if reproduced:
+            return "deterministic-nonfinite"
         return result.verdict if faulty else str(verdicts[0]) if verdicts else "not-replayed"
 
     def _add_all(self, found: list[Finding]) -> None:

@@ -1215,7 +1215,10 @@ class _Comparison:
             return None
         # or where nothing diverged and a leaf got other non-floating inputs (an embedding fed other buckets): a
         # divergence upstream would explain a leaf far off as well
-        fed = not any(r.diverged for r in rows) and any(_fed_otherwise(r, self.seen[(r.module, r.call)]) for r in rows)
+        # or where module calls got other rows than in fp64 (an expert fed the tokens a router picked)
+        fed = not any(r.diverged for r in rows) and (
+            bool(self.unmatched) or any(_fed_otherwise(r, self.seen[(r.module, r.call)]) for r in rows)
+        )
         if _unexplained(rows) is None and not fed:
             return None
         if self.cand_dtype not in (torch.float16, torch.bfloat16):

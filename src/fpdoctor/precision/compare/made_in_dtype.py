@@ -16,6 +16,8 @@ error is the finding, with its figures.
 from __future__ import annotations
 
 import dataclasses
+import linecache
+import re
 
 import torch
 
@@ -41,6 +43,9 @@ def checked(sites: list[Made], check: Check, error: float) -> tuple[Made, int, f
         if after is not None and after * RAISED_FALLS <= error:
             return site, more, after
     return None
+
+
+_INTEGER_CAST = re.compile(r"\.(long|int|short)\(\)|torch\.(u?int\d*|long)\b")
 
 
 def finding(site: Made, more: int, before: float, after: float, *, label: str, dtype: torch.dtype) -> Finding:
@@ -83,11 +88,16 @@ def finding(site: Made, more: int, before: float, after: float, *, label: str, d
             "anything reads them (relative figures barely move: the large values are nearly right, their small "
             f"differences are not). {checked_text}"
         )
+        # a last line that casts to integers (position ids for an embedding) makes no floats to cast back
+        back = (
+            f"keep what {last} as it is (integers: an index reads them, not {name})"
+            if _INTEGER_CAST.search(linecache.getline(file, number + more))
+            else f"cast what {last} to {name} (.to(x.dtype), x the tensor whose dtype the line followed)"
+        )
         fix = (
             f"Make them in fp32 at line {number} (dtype=torch.float32 instead of the model's dtype, or the integers "
-            f"then .float()), compute {lines} in fp32 from them, and cast what {last} to {name} (.to(x.dtype), x the "
-            f"tensor whose dtype the line followed); checked: the end-to-end error goes from {before:.3g} to "
-            f"{after:.3g}"
+            f"then .float()), compute {lines} in fp32 from them, and {back}; checked: the end-to-end error goes from "
+            f"{before:.3g} to {after:.3g}"
         )
         evidence |= {"largest": site.largest, "exact_up_to": limit}
         rule = "whole-numbers-rounded"

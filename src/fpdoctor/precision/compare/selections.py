@@ -81,6 +81,10 @@ KEPT = 1 << 22  # a comparison's decisions are kept up to this many (a mask over
 # A line set is the fix where the rows it gives back take the end-to-end error down this much at least
 # (the rest may be the candidate's own rounding elsewhere, which a selection does not make)
 ERROR_FALLS = 2.0
+# Where no line set gives the picks back, one that gives back half of the rows at least (and lowers the
+# error), and that no longer set betters, is the fix as far as the lines go (a router in fp32 whose
+# remaining flips come from a norm's rounded output before it)
+PARTIAL_FALLS = 2.0
 
 
 @dataclass
@@ -232,6 +236,7 @@ class Changed:
     error_after: float | None = None
     tried: list[tuple[int, int | None]] | None = None  # (lines raised, rows changed then)
     given: bool = False  # the lines were checked on the inputs as given, not rounded by the cast first
+    partial: bool = False  # the lines give back PARTIAL_FALLS of the rows at least, and no more lines give back more
     modules: dict[str, list[tuple[str, torch.nn.Module]]] | None = None  # line -> the modules it calls (Picks)
 
     @property
@@ -274,6 +279,7 @@ def checked(key: Key, found: Changed, truth: dict[Key, Pick], check: Check, *, r
     order = [found.pick.location, *(u for u in found.pick.upstream if u != found.pick.location)]
     places = [p for p in (line_of(u) for u in order) if p is not None]
     found.tried = []
+    partial: tuple[list[tuple[str, int]], int, float] | None = None
     for given in (False, True) if rounded_inputs else (False,):
         for n in range(1, len(places) + 1):
             lines = places[:n]
@@ -286,6 +292,15 @@ def checked(key: Key, found: Changed, truth: dict[Key, Pick], check: Check, *, r
             if got[0] * RAISED_FALLS <= found.changed and error * ERROR_FALLS <= found.error_before:
                 found.lines, found.changed_after, found.error_after, found.given = lines, got[0], error, given
                 return
+            halved = got[0] * PARTIAL_FALLS <= found.changed and error < found.error_before
+            if not given and halved and (partial is None or got[0] < partial[1]):
+                partial = (lines, got[0], error)
+    # none gave the picks back: the fewest lines that give back most of them (no set tried gave back
+    # more; the rest changes further up: the model's inputs, a norm before it) are the fix as far as it
+    # goes, with its figures
+    if partial is not None:
+        found.lines, found.changed_after, found.error_after = partial
+        found.partial = True
 
 
 def _in_fp32(name: str, module: torch.nn.Module, code: str) -> str:
@@ -347,6 +362,10 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
     share = f"({pct(found.share)}{picked}; {reference}: {pct(found.floor)})"
     fixed = found.lines is not None and found.error_after is not None
     cause = (
+        f"With the picks given back in {found.changed - (found.changed_after or 0)} of those {found.changed} rows "
+        f"(the fix below), the end-to-end error goes from {found.error_before:.3g} to {found.error_after:.3g}: the "
+        "rows it picks otherwise make part of it."
+        if fixed and found.partial else
         f"With the picks given back (the fix below), the end-to-end error goes from {found.error_before:.3g} to "
         f"{found.error_after:.3g}: the rows it picks otherwise make it, not any op's rounding, so no module or op "
         "stands out."
@@ -421,6 +440,8 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
         f"{found.error_after:.3g}"
         + ("; then `fpdoctor compare --inputs-as-given` checks the changed model fed its inputs as they are"
            if found.given else "")
+        + (f"; these lines do not give back the other {found.changed_after} rows (what they rank is rounded further "
+           "up: a norm, the model's inputs)" if found.partial else "")
     )  # fmt: skip
     trial = Trial.checked(
         ("the inputs fed in fp32, " if found.given else "")

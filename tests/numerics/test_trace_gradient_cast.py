@@ -1,0 +1,84 @@
+"""A gradient past fp16's range before any loss scale: under fp16 autocast the backward casts each
+gradient to the dtype of the value it belongs to, and a regression on targets in large units (prices,
+joules) makes gradients no scale fits. The first finding is the stalled scaler; its fix names the
+gradient's cast (not a mask fill the user never wrote), says bf16 with its check and the targets'
+units, and bf16 as printed trains. Two forms: a heteroscedastic NLL on raw prices (the gradient cast
+by type promotion's backward), a summed MSE on raw energies (autocast's own cast to fp32)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_fpdoctor
+
+HEAD = """
+    import sys, torch, torch.nn as nn, torch.nn.functional as F
+    BF16 = "--bf16" in sys.argv
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if BF16 else torch.float16
+    scaler = torch.amp.GradScaler("cpu", enabled=not BF16)
+    skipped = 0
+"""
+TAIL = """
+        opt.zero_grad(set_to_none=True)
+        before = scaler.get_scale()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        skipped += scaler.is_enabled() and scaler.get_scale() < before
+    print(f"skipped {skipped}", file=sys.stderr)
+"""
+SCRIPTS = {
+    # prices in thousands, not standardised: the log-variance's gradient is ~7e4 unscaled
+    "prices": """
+    net = nn.Sequential(nn.Linear(6, 64), nn.ReLU(), nn.Linear(64, 2))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    for step in range(10):
+        x = torch.randn(128, 6)
+        y = 3000 + 800 * x[:, :1]
+        with torch.autocast("cpu", dtype=dtype):
+            out = net(x)
+            mu, logvar = out[:, :1], out[:, 1:]
+            loss = ((y - mu) ** 2 / torch.exp(logvar) + logvar).mean()
+    """,
+    # energies in joules as the simulator writes them, a summed MSE (autocast runs mse_loss in fp32)
+    "energies": """
+    net = nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    for step in range(10):
+        x = torch.randn(64, 8)
+        energy = 40000 + 5000 * x[:, :1]
+        with torch.autocast("cpu", dtype=dtype):
+            pred = net(x)
+            loss = F.mse_loss(pred, energy, reduction="sum")
+    """,
+}
+
+
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_a_gradient_past_fp16s_range_is_told_by_its_cast_with_bf16_checked(name: str, tmp_path: Path) -> None:
+    script = tmp_path / f"{name}.py"
+    script.write_text(textwrap.dedent(HEAD) + textwrap.dedent(SCRIPTS[name]) + textwrap.dedent(TAIL))
+    report = tmp_path / "report.json"
+    result = run_fpdoctor("trace", "-o", str(report), "--", str(script))
+    assert result.code == 1, result.err
+    first = json.loads(report.read_text())["findings"][0]
+    assert first["name"] == "grad-scaler-stalled", first
+    fix = first["fix"]
+    assert "gradient cast back" in fix and "standardise" in fix, fix
+    assert "torch.autocast(device, dtype=torch.bfloat16) (checked" in fix, fix
+    assert "mask fill" not in fix and "clamp the values" not in fix, fix
+    assert first["fix_trial"]["status"] == "checked" and "bf16" in first["fix_trial"]["changed"], first["fix_trial"]
+
+    # bf16 as printed: every fp16 step skipped, none in bf16
+    runs = [
+        subprocess.run([sys.executable, str(script), *arm], check=False, capture_output=True, text=True, timeout=120)
+        for arm in ([], ["--bf16"])
+    ]
+    assert [r.stderr.strip() for r in runs] == ["skipped 10", "skipped 0"], [r.stderr for r in runs]
