@@ -3,7 +3,9 @@ gradient to the dtype of the value it belongs to, and a regression on targets in
 joules) makes gradients no scale fits. The first finding is the stalled scaler; its fix names the
 gradient's cast (not a mask fill the user never wrote), says bf16 with its check and the targets'
 units, and bf16 as printed trains. Two forms: a heteroscedastic NLL on raw prices (the gradient cast
-by type promotion's backward), a summed MSE on raw energies (autocast's own cast to fp32)."""
+by type promotion's backward), a summed MSE on raw energies (autocast's own cast to fp32). Its
+forward twin: a module's input autocast casts to fp16 past its range (raw pressures in pascals), no
+line's cast either: told as autocast's, with bf16 checked, never as a mask value to write."""
 
 from __future__ import annotations
 
@@ -77,6 +79,36 @@ def test_a_gradient_past_fp16s_range_is_told_by_its_cast_with_bf16_checked(name:
     assert first["fix_trial"]["status"] == "checked" and "bf16" in first["fix_trial"]["changed"], first["fix_trial"]
 
     # bf16 as printed: every fp16 step skipped, none in bf16
+    runs = [
+        subprocess.run([sys.executable, str(script), *arm], check=False, capture_output=True, text=True, timeout=120)
+        for arm in ([], ["--bf16"])
+    ]
+    assert [r.stderr.strip() for r in runs] == ["skipped 10", "skipped 0"], [r.stderr for r in runs]
+
+
+PRESSURE = """
+    net = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    for step in range(10):
+        pressure = 101325.0 + 2000.0 * torch.randn(64, 4)  # pascals, as the sensor writes them
+        target = (pressure.mean(-1, keepdim=True) - 101325.0) / 2000.0
+        with torch.autocast("cpu", dtype=dtype):
+            loss = F.mse_loss(net(pressure).float(), target)
+"""
+
+
+def test_a_modules_input_past_fp16s_range_is_told_as_autocasts_cast_with_bf16_checked(tmp_path: Path) -> None:
+    script = tmp_path / "pressure.py"
+    script.write_text(textwrap.dedent(HEAD) + textwrap.dedent(PRESSURE) + textwrap.dedent(TAIL))
+    report = tmp_path / "report.json"
+    result = run_fpdoctor("trace", "-o", str(report), "--", str(script))
+    assert result.code == 1, result.err
+    first = json.loads(report.read_text())["findings"][0]
+    assert first["name"] == "grad-scaler-stalled", first
+    fix = first["fix"]
+    assert "The values autocast casts to float16" in fix and "standardise" in fix, fix
+    assert "torch.autocast(device, dtype=torch.bfloat16) (checked" in fix, fix
+    assert "mask fill" not in fix and "Write the limit" not in fix, fix
     runs = [
         subprocess.run([sys.executable, str(script), *arm], check=False, capture_output=True, text=True, timeout=120)
         for arm in ([], ["--bf16"])

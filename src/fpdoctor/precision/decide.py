@@ -58,6 +58,7 @@ class Decisions:
     kl: float  # mean KL(referee || candidate) per row, nats
     floor_top1: float
     floor_kl: float
+    floor_format: str = ""  # the format the floor rounds the exact output to (an fp8 candidate's: what it returns)
 
     @property
     def changed(self) -> bool:
@@ -110,7 +111,7 @@ def decisions(truth: torch.Tensor, candidate: torch.Tensor, fmt: str, source: st
         _KEPT.put(truth, referee)
     return Decisions(
         source=source, rows=n, classes=classes, top1=top1_, top5=top5_, kl=_nonnegative(kl_sum),
-        floor_top1=floor_top1, floor_kl=_nonnegative(floor_kl),
+        floor_top1=floor_top1, floor_kl=_nonnegative(floor_kl), floor_format=fmt,
     )  # fmt: skip
 
 

@@ -26,6 +26,7 @@ seeded randomness (it would move the user's RNG).
 
 from __future__ import annotations
 
+import linecache
 import math
 import os
 import re
@@ -54,6 +55,13 @@ MAX_ANCESTORS = 64  # ops of the walk, nearest first
 SELECTIONS = 64  # the latest selections (gather, index) followed as aliases, for re-runs (Window.select)
 BUDGET_S = 2.0  # seconds the experiments of one producer may take
 PRODUCERS = 4  # producers of each kind (NaN, Inf) experimented on: the first may be a deliberate mask
+PRODUCER_LINES = 8  # and the first producer of each op and line, up to this many in all
+# Forward ops whose gradient is infinite at a finite input (sqrt and x ** p, 0 < p < 1, at 0; acos and
+# asin at +-1): a higher precision only moves the point where the inputs round onto it, and values that
+# keep growing reach it again. Their backward is checked with the point kept out (`guard`).
+SINGULAR = frozenset({"sqrt", "pow", "acos", "asin"})
+# the guard's smallest value, an eps each format holds with room: what `x.clamp_min(eps)` writes
+GUARD_EPS = {torch.float16: 1e-4, torch.bfloat16: 1e-12, torch.float32: 1e-12}
 _NARROW = (torch.float16, torch.bfloat16)
 _REDUCTIONS = frozenset({"sum", "mean", "cumsum", "prod", "norm", "linalg_vector_norm", "var", "std"})
 _CASTS = frozenset({"_to_copy", "to", "copy", "copy_", "_to_dtype"})
@@ -168,6 +176,7 @@ class Experiment:
     # a cast that made Inf of values past its format's range, tried holding the format's largest value
     # instead (what writing torch.finfo(x.dtype).min does): that value and the symptom op's max |x| then
     saturated_fix: tuple[float, float] | None = None
+    autocast_cast: bool = False  # a cast past the format's range that no line writes (autocast's, of an input)
     stable: stable.Checked | None = None  # the chain is a composite with a stable form, checked (stable.py)
     completed: list[Record] = field(default_factory=list)  # its ops, where the form ran on past the chain
     # the walk reached a random draw made in a narrow dtype, and a fresh fp32 draw cures the chain:
@@ -179,6 +188,8 @@ class Experiment:
     rows: dict[str, Any] | None = None  # the batch rows (dim 0) that hold the symptom, where only some do
     note: str | None = None  # why the walk stopped short
     on_loss: OnLoss | None = None  # the step's loss re-run with the step's fixes in place (on_loss.py)
+    # the backward of a SINGULAR op re-run with the zeros it read at an eps: (that eps, its max |x| then)
+    guard: tuple[float, float] | None = None
 
     def evidence(self) -> dict[str, Any]:
         """`evidence.experiment`: what was re-run, in which precision, with which result."""
@@ -208,6 +219,8 @@ class Experiment:
             found["cast_saturated_checked"] = self.saturated_fix[0]
         if self.bf16 is not None:
             found["rerun_bf16"] = self.bf16
+        if self.guard is not None:
+            found["guard_checked"] = {"eps": self.guard[0], "absmax_after": self.guard[1]}
         if self.note:
             found["note"] = self.note
         if self.rows is not None:
@@ -295,6 +308,11 @@ class Experiment:
         if not self.handed or self.symptom == _ANY:
             return "finite"
         return "free of NaN" if "nan" in self.symptom else "free of Inf"
+
+    @property
+    def lines(self) -> str:
+        """'lines 17-18 of model.py': the lines of the ops re-run in higher precision."""
+        return _lines(self.chain)
 
     def _trial(self) -> Trial:
         """The origin's fix as it was checked: the chain re-run in the fix's precision."""
@@ -448,10 +466,11 @@ class Experiment:
         """What the chain re-run in bf16 gave where it cured the symptom."""
         return "the same ops give a finite result" if self.clean == "finite" else f"{self.op}'s output is {self.clean}"
 
-    def _gradient_cast_fix(self, at: str, checked: str) -> str:
-        """A gradient past the format's range, cast to it because the value it is the gradient of was
-        held in that format (autocast's output, a .half()): no loss scale makes room for it, and
-        keeping a few layers in fp32 moves the cast to the layers before them."""
+    def _range_cast_fix(self, at: str, checked: str, *, gradient: bool) -> str:
+        """A cast past the format's range that no line of the user's writes: a gradient cast to the
+        format because the value it is the gradient of was held in it (autocast's output, a .half()),
+        or a module's input autocast casts; no loss scale or mask value makes room for it, and keeping
+        a few layers in fp32 moves the cast to the layers before (or after) them."""
         if self.bf16 == "finite":
             first = (
                 "Autocast to bf16, which has fp32's range: torch.autocast(device, dtype=torch.bfloat16) (checked: "
@@ -462,6 +481,14 @@ class Experiment:
             first = "Make"
             last = f" Training in fp32 is the other way: {checked}." + (
                 " In bf16 they are non-finite too (checked): bf16 is not the fix." if self.bf16 == "non-finite" else ""
+            )
+        if not gradient:
+            return (
+                f"The values autocast casts to {self.dtype}{at} (the line writes no cast: a module's input) are past "
+                f"its range ({self.cast}): they were made that large before the cast, in fp32. {first} them smaller "
+                "where they are made: inputs in large units (standardise them), or a value that grows without bound "
+                "(an exp of an unbounded log-scale, a product or sum over many layers). Keeping only this module in "
+                "fp32 moves the overflow to what reads its output." + last
             )
         return (
             f"The gradient cast back{at} to {self.dtype} is past its range ({self.cast}): the backward casts a "
@@ -537,7 +564,7 @@ class Experiment:
             )
             trial = self._as_ran(f"the cast{at} holding +-{limit:g} instead of Inf, the ops as they ran", biggest)
             return text, message + why, fix, trial
-        if self.cast is not None and origin.phase == "backward" and "exceed" in self.cast:
+        if self.cast is not None and (origin.phase == "backward" or self.autocast_cast) and "exceed" in self.cast:
             if self.bf16 == "finite":
                 trial = Trial.checked(
                     f"{lines} in bf16",
@@ -546,7 +573,7 @@ class Experiment:
                     after=self.bf16_absmax,
                     on="the inputs these ops read in this run",
                 )
-            return text, message + why, self._gradient_cast_fix(at, checked), trial
+            return text, message + why, self._range_cast_fix(at, checked, gradient=origin.phase == "backward"), trial
         if self.stable is not None and self.stable.scaled:
             ran = self.form_records
             return text, message + why, *self._stable_fix(_lines(ran))
@@ -1055,6 +1082,11 @@ def _decide(target_record: Record, window: Window, lookup: Lookup | None, budget
                 experiment.as_ran = f"not re-run ({skip})"
             except Exception as exc:
                 experiment.as_ran = f"not re-run ({type(exc).__name__}: {exc})"
+        if target_record.phase == "backward" and _packet(target_record.forward_op or "") in SINGULAR:
+            try:
+                experiment.guard = _try_guard(target, lookup, symptom)
+            except Exception:
+                experiment.guard = None
         # (b) in fp64, and (c) the walk upstream; the op alone is the walk's first step
         nearest, depends, edge = _ancestors(target, steps)
         for origin in [target, *nearest]:
@@ -1185,6 +1217,19 @@ def _past_range(step: Step) -> bool:
     return bool(finite.numel()) and float(finite.abs().max()) > float(torch.finfo(dtype).max)
 
 
+# a cast to a narrower dtype as a line writes it: .half(), .bfloat16(), .type(...), .to(<a dtype>), dtype=
+_CAST_WRITTEN = re.compile(r"\.(half|bfloat16|type)\(|\.to\([^)]*(dtype|float|half|bfloat|torch\.)|dtype\s*=")
+
+
+def _written_cast(record: Record) -> bool:
+    """The cast's source line writes a cast (x.to(...), .half(), dtype=...); one that does not is
+    autocast's, of a module's input. A line that cannot be read counts as written."""
+    if record.location is None:
+        return True
+    line = linecache.getline(record.location[0], record.location[1])
+    return not line or bool(_CAST_WRITTEN.search(line))
+
+
 def _try_saturated(
     origin: Step, chain: list[Step], lookup: Lookup | None, symptom: frozenset[str]
 ) -> tuple[float, float] | None:
@@ -1205,6 +1250,24 @@ def _try_saturated(
     held = Step(origin.record, saturating, origin.args, origin.kwargs)
     kind, after = _chain_kind([held if s is origin else s for s in chain], None, lookup, symptom)
     return (limit, after) if kind is None else None
+
+
+def _try_guard(target: Step, lookup: Lookup | None, symptom: frozenset[str]) -> tuple[float, float] | None:
+    """The backward op of a SINGULAR forward op as it ran, with the zeros among its floating inputs
+    at GUARD_EPS (the forward's input clamped away from the point, as the backward reads it): (eps, its
+    max |x|) when that removes the symptom, else None."""
+    dtype = _compute_dtype(target)
+    eps = GUARD_EPS.get(dtype, 1e-12) if dtype is not None else 1e-12
+    func = target.func
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        kept = [
+            a.masked_fill(a == 0, eps) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
+        ]
+        return func(*kept, **kwargs)
+
+    kind, after = _chain_kind([Step(target.record, guarded, target.args, target.kwargs)], None, lookup, symptom)
+    return (eps, after) if kind is None else None
 
 
 def _with_constant(old: float, new: float, origin: Step, chain: list[Step]) -> list[Step]:
@@ -1265,7 +1328,10 @@ def _settle_origin(
         # a gradient the backward casts to its value's dtype is not a value the user wrote: holding it at
         # the limit would clip it; the fix is the dtype the value had (below) or a smaller gradient
         if experiment.cast is not None and _past_range(origin) and origin.record.phase != "backward":
-            experiment.saturated_fix = _try_saturated(origin, chain, lookup, symptom)
+            if _written_cast(origin.record):
+                experiment.saturated_fix = _try_saturated(origin, chain, lookup, symptom)
+            else:  # autocast's cast of a module's input: no value of the user's to write
+                experiment.autocast_cast = True
     except Exception:
         pass
     try:  # a composite torch computes in a stable form (stable.py): that form is the fix

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fpdoctor import catalog
-from fpdoctor.numerics.engine.reruns import custom_op_fix, transparent_op
+from fpdoctor.numerics.engine.reruns import SINGULAR, Experiment, custom_op_fix, transparent_op
 from fpdoctor.numerics.observe.loader import rows_text
 from fpdoctor.numerics.trace.bounds import impossible
 from fpdoctor.numerics.trace.recipes import range_cause
@@ -241,6 +241,8 @@ class Analysis:
             return advice, Trial.untried(
                 _unexperimented([s for s in r.inputs if self.kind_of(s)], self.tracer.experiments)
             )
+        if _guard_checked(r, experiment):
+            return _guarded(r, experiment, advice)
         _, _, fix, trial = experiment.word("", "", advice, "")
         return fix, trial
 
@@ -309,6 +311,8 @@ class Analysis:
         if experiment is not None:
             name = f"the backward of {r.forward_op} ({r.op})" if r.phase == "backward" and r.forward_op else ""
             title, message, fix, trial = experiment.word(title, message, fix, label, name)
+            if _guard_checked(r, experiment):  # the point kept out, checked: that is the fix, whatever the walk found
+                fix, trial = _guarded(r, experiment, _advice(r))
             message += experiment.rows_text()  # where only some rows of the batch make it: which
             evidence["experiment"] = experiment.evidence()
         else:
@@ -904,6 +908,39 @@ _IMPOSSIBLE = (
     "replays bad steps for you), run the same step on another GPU, and check this GPU with `fpdoctor health` "
     "(Xid errors, ECC, GEMM fingerprints)."
 )
+
+
+def _guard_checked(r: Record, experiment: Experiment) -> bool:
+    """The backward of a singular op whose guard was checked, where the walk found no fix in the user's
+    own terms (a constant the format holds as 0, a stable form, a draw): only a precision, or none."""
+    specific = experiment.literal is not None or experiment.stable is not None or experiment.draw is not None
+    singular = _by_forward_op(r) and _packet(r.forward_op or "") in SINGULAR
+    return experiment.guard is not None and singular and not specific
+
+
+def _guarded(r: Record, experiment: Experiment, advice: str) -> tuple[str, Trial]:
+    """The guard before a singular op, checked; a higher precision upstream that also cured this step
+    is said as what it is: the point moved, not kept out."""
+    eps, after = experiment.guard or (0.0, 0.0)
+    forward = r.forward_op or r.op
+    fix = f"{advice.rstrip('. ')} (checked: the backward of {forward} re-run with the zeros it read at {eps:g}: " + (
+        f"finite, max |x| {after:.3g})."
+    )
+    if experiment.verdict == "the-math":
+        fix += " Not a precision change: in fp64 it is non-finite too."
+    elif experiment.verdict == "origin" and experiment.checked_in:
+        fix += (
+            f" Raising {experiment.lines} to {experiment.checked_in} also cleared this step, but only "
+            "moves the point where the values round onto it: values that keep growing reach it again."
+        )
+    trial = Trial.checked(
+        f"the backward of {forward} with the zeros it read at {eps:g} (the input clamped before the op)",
+        metric=f"{r.op}'s output",
+        before="non-finite",
+        after=f"finite, max |x| {after:.3g}",
+        on="the inputs this op read in this run",
+    )
+    return fix, trial
 
 
 def _unexperimented(fed: list[Any], experiments: Mapping[int, Any]) -> str:

@@ -301,7 +301,8 @@ class LostUpdates:
             if len(lost) < RECENT or sum(lost) / len(lost) < LOST or latest < LOST or max(kept_fp32) >= LOST:
                 continue
             line = found[0]
-            ops = " and ".join(f"aten.{x.op}" for x in found)
+            ops = " and ".join(dict.fromkeys(f"aten.{x.op}" for x in found))  # each op once, as the line runs them
+            shapes = list(dict.fromkeys(str(x.shape) for x in found))
             if line.op == COPY:  # judged by the statement it writes back
                 ops = "what the line computes from that tensor, written back into it (copy_ or out=),"
             elif line.op == REBOUND:
@@ -315,8 +316,14 @@ class LostUpdates:
                     "update-rounded-away",
                     title=f"A running update in {line.dtype} is rounded away: the tensor it updates stops following",
                     message=(
-                        f"{ops} at {where} update{'s' if len(found) == 1 else ''} a {line.dtype} tensor of shape "
-                        f"{line.shape}{'' if line.op == REBOUND else ' in place'} (no "
+                        f"{ops} at {where} update{'s' if ' and ' not in ops else ''} "
+                        + (
+                            f"a {line.dtype} tensor of shape {line.shape}"
+                            if len(shapes) == 1
+                            else f"{line.dtype} tensors of {len(shapes)} shapes ({', '.join(shapes[:3])}"
+                            f"{', ...' if len(shapes) > 3 else ''})"
+                        )
+                        + f"{'' if line.op == REBOUND else ' in place'} (no "
                         f"gradient, outside the optimizer step: an EMA of weights, a running mean or statistic), and "
                         f"on the latest {len(lost)} calls checked (calls spread over the run: the 1st, 2nd, 4th, "
                         f"...) the tensor kept an update off by "

@@ -29,7 +29,7 @@ import torch
 
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
 from fpdoctor.numerics.engine import on_loss, stable
-from fpdoctor.numerics.engine.reruns import PRODUCERS, Experiment, Step, Window, completed_form, decide
+from fpdoctor.numerics.engine.reruns import PRODUCER_LINES, PRODUCERS, Experiment, Step, Window, completed_form, decide
 from fpdoctor.numerics.observe import records as _records
 from fpdoctor.numerics.observe.loader import bad_rows, reading
 from fpdoctor.numerics.observe.records import Leaf, Output, Record, Store, kind_of
@@ -196,6 +196,7 @@ class Tracer(EagerDispatchMode):
         self._visit_line: tuple[str, int] | None = None  # the line outside modules the last record ran at
         self.flushed = FlushedSquares()  # squares a narrow format flushes to zero (a norm by hand)
         self._decided: Counter[str] = Counter()  # "nan" / "inf": producers experimented on
+        self._keys: set[tuple[Any, ...]] = set()  # their (op, forward op, location)s
         self.experiments: dict[int, Experiment] = {}  # record index -> what was re-run there
         # hand-written composites met once an exp overflowed, by the line of their exp (_completed)
         self.forms: dict[str, stable.Met] = {}
@@ -921,8 +922,10 @@ class Tracer(EagerDispatchMode):
             self._pinned.add(record.index)
             for src_kind, i in record.inputs:
                 (self._pinned if src_kind == "op" else self._pinned_leaves).add(i)
-        # a producer: from finite inputs, or a NaN from inputs without NaN (inf - inf, 0 * inf)
-        if kind and (not fed or (kind == "nan" and all(self.kind_of(s) != "nan" for s in record.inputs))):
+        # a producer: from finite inputs, or a NaN from inputs without NaN (inf - inf, 0 * inf); by their values,
+        # not the taint (a step after a skipped one reads weights whose gradients were non-finite)
+        finite_in = not fed or not any(self.kind_of(s) for s in record.inputs)
+        if kind and (finite_in or (kind == "nan" and all(self.kind_of(s) != "nan" for s in record.inputs))):
             self._experiment(record)
         if kind and self.on_nonfinite is not None:
             self.on_nonfinite(self, record)
@@ -931,9 +934,15 @@ class Tracer(EagerDispatchMode):
         """At the first NaN producers and the first Inf producers, re-run the op and what is
         upstream of it (numerics/engine/reruns.py), outside the trace."""
         kind = "nan" if record.kind == "nan" else "inf"
-        if self._decided[kind] >= PRODUCERS or not record.inputs:
+        if not record.inputs:
+            return
+        # past the first producers, the first of each other op and line too (a scaler that stalls at step 44
+        # on a line the calibration's early overflows did not reach): its finding's fix is then checked
+        key = (record.op, record.forward_op, record.location)
+        if self._decided[kind] >= PRODUCERS and (key in self._keys or len(self._keys) >= PRODUCER_LINES):
             return
         self._decided[kind] += 1
+        self._keys.add(key)
         try:
             # what the op read: where its rows are bad, the batch they are of is looked for there first
             ran = next(((s[2], s[3]) for s in reversed(self._window.steps) if s[0] is record), ())

@@ -107,6 +107,7 @@ from fpdoctor.precision.metrics import (
     floating,
     largest,
     norm_later,
+    output_format,
     rel_error,
     relative,
     round_to,
@@ -373,7 +374,9 @@ def _compare(
     if samples is not None:  # after result(): the rows carry their names in the whole model now
         samples.extend((r, e.truth, e.candidate) for r, e in kept)
         if not prefix:  # an output of logits, as its rows decide (use.py), for the record's use metrics
-            samples.decided = decision_record(run.logits, run.root_truth, run.root_cand, candidate)
+            samples.decided = decision_record(
+                run.logits, run.root_truth, run.root_cand, output_format(candidate, reference)
+            )
     return result
 
 
@@ -1635,7 +1638,8 @@ class _Comparison:
         that gives most of them back (each of the worst leaves and the logits' own layer, tried)."""
         if self.root_truth is None or self.root_cand is None or self.logits is None:
             return
-        found = use.decisions(self.root_truth, self.root_cand, self.candidate, self.logits)
+        floor_format = output_format(self.candidate, self.reference)
+        found = use.decisions(self.root_truth, self.root_cand, floor_format, self.logits)
         if found is None:
             return
         if self.binary or self.softmaxed:  # the floor: the probabilities rounded to the format, not their logs

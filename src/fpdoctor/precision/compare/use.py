@@ -181,10 +181,12 @@ def finding(
     give them back is never printed as the fix: where none did, the next step is, not tried."""
     flipped = 1.0 - found.top1
     floor = 1.0 - found.floor_top1
+    # an fp8 candidate returns its output wider than fp8: the floor rounds it to what it returns
+    to = label if found.floor_format in ("", label) else f"{found.floor_format} (what {label} returns it in)"
     against = (
-        f"{flipped / floor:.0f}x what rounding the exact output to {label} changes ({pct(floor)})"
+        f"{flipped / floor:.0f}x what rounding the exact output to {to} changes ({pct(floor)})"
         if floor > 0
-        else f"where rounding the exact output to {label} changes none"
+        else f"where rounding the exact output to {to} changes none"
     )
     message = (
         f"In {label}, the output's top-1 class differs from fp64's on {pct(flipped)} of its {found.rows} rows, "

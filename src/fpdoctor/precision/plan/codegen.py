@@ -77,9 +77,9 @@ def plan_code(candidate: str, keep: list[str], fp32_outputs: list[str]) -> str:
 
 
 def fp8_code(candidate: str, keep: list[str]) -> str:
-    names = ", ".join(repr(n) for n in keep)
+    names = "{" + ", ".join(repr(n) for n in keep) + "}" if keep else "set()"  # `{}` is an empty dict
     return (
         f"# {candidate} ran in fpdoctor's own fp8 Linear layers; keep these modules in high\n"
-        f"# precision in your fp8 recipe, e.g. torchao's module_filter_fn:\nKEEP_HIGH_PRECISION = {{{names}}}\n"
+        f"# precision in your fp8 recipe, e.g. torchao's module_filter_fn:\nKEEP_HIGH_PRECISION = {names}\n"
         "def module_filter_fn(module, fqn):\n    return fqn not in KEEP_HIGH_PRECISION\n"
     )
