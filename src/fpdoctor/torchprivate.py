@@ -309,6 +309,12 @@ def buffers_of(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return module._buffers
 
 
+def named_parameters(module: Any) -> Any:
+    """The module's parameters by the names its code gives them: inside torch.compile's wrapper,
+    without the `_orig_mod.` prefix its own `named_parameters` adds."""
+    return (compiled_inner(module) or module).named_parameters()
+
+
 def compiled_inner(module: Any) -> Any:
     """The module inside torch.compile's wrapper (OptimizedModule's `_orig_mod`), None for any
     other: names are the model's own, not `_orig_mod.`-prefixed."""

@@ -114,3 +114,22 @@ def test_a_modules_input_past_fp16s_range_is_told_as_autocasts_cast_with_bf16_ch
         for arm in ([], ["--bf16"])
     ]
     assert [r.stderr.strip() for r in runs] == ["skipped 10", "skipped 0"], [r.stderr for r in runs]
+
+
+@pytest.mark.parametrize(
+    ("line", "written"),
+    [
+        ("loss = F.mse_loss(net(pressure).float(), target)", False),  # a widening cast of the output
+        ("s, t = self.net(xm).chunk(2, -1)", False),
+        ("z = net(x.to(device))", False),
+        ("x = pressure.type_as(w)", True),
+        ("y = x.to(w)", True),
+        ("y = x.to(torch.float16)", True),
+        ("h = a.half()", True),
+        ("t = torch.zeros(3, dtype=torch.float16)", True),
+    ],
+)
+def test_a_cast_the_line_writes_is_the_users_and_one_it_does_not_is_autocasts(line: str, written: bool) -> None:
+    from fpdoctor.numerics.engine.reruns import _CAST_WRITTEN
+
+    assert bool(_CAST_WRITTEN.search(line)) is written

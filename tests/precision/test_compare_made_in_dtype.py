@@ -254,3 +254,18 @@ def test_position_ids_for_a_table_keep_their_integers_in_the_fix_and_the_fix_as_
     assert "keep what line" in told[0].fix and "(integers" in told[0].fix and ".to(x.dtype)" not in told[0].fix
     fixed = fpdoctor.compare(PositionTable(fp32_positions=True).eval(), (ids, mask), candidate="bf16")
     assert not [f for f in fixed.report.findings if f.severity == "error"], str(fixed.report)
+
+
+@pytest.mark.parametrize(
+    ("line", "integers"),
+    [
+        ("        position_ids = position_ids.clamp(min=0).long()\n", True),
+        ("ids = q.to(torch.long)  # for the table\n", True),
+        ("pe = table[pos.long()] * scale\n", False),  # an integer index inside, floats out
+        ("x = torch.arange(n, dtype=torch.int64).float() / n\n", False),
+    ],
+)
+def test_a_line_makes_integers_only_where_it_ends_in_a_cast_to_them(line, integers):
+    from fpdoctor.precision.compare.made_in_dtype import _INTEGER_CAST
+
+    assert bool(_INTEGER_CAST.search(line)) is integers

@@ -130,3 +130,22 @@ def test_a_diluted_router_is_named_with_its_lines_checked_and_the_fix_as_printed
     assert not [f for f in after.findings if f.severity in ("error", "warning")], [
         (f.name, f.message[:200]) for f in after.findings
     ]
+
+
+def test_lines_that_give_every_pick_back_without_the_error_falling_are_no_fix() -> None:
+    """The partial rule takes lines that leave some rows changed and take the error down: a selection
+    whose picks all come back while the error barely moves does not make the error."""
+    from fpdoctor.precision.compare import selections as s
+
+    key = ("model.py:10", "topk", 0)
+    truth_rows = torch.arange(100).reshape(100, 1)
+    truth = {key: s.Pick("topk", "model.py:10", truth_rows, ("model.py:9",))}
+    changed = truth_rows.clone()
+    changed[:40] += 1
+    found = s.Changed(s.Pick("topk", "model.py:10", changed, ("model.py:9",)), 40, 100, 0.0, error_before=0.020)
+
+    def check(lines: set, given: bool) -> tuple[float, dict]:
+        return 0.019, {key: s.Pick("topk", "model.py:10", truth_rows.clone(), ())}
+
+    s.checked(key, found, truth, check, rounded_inputs=False)
+    assert found.lines is None and not found.partial

@@ -361,11 +361,13 @@ def sqnr_db(rel: float) -> float:
     return math.inf if rel == 0 else (-math.inf if math.isinf(rel) else -20.0 * math.log10(rel))
 
 
-def output_format(candidate: str, reference: str) -> str:
+def output_format(candidate: str) -> str:
     """The format the floors of an output's use round it to: the candidate's own, but an fp8
-    candidate's GEMMs return the model's dtype (the reference's), never fp8: rounding its logits to
-    fp8 is no recipe's, and flips far more than any fp8 model does."""
-    return reference if fp8_format(candidate) is not None else candidate
+    candidate's layers return the dtype its copy computes in (fp32), never fp8: rounding its logits
+    to fp8 is no recipe's, and flips far more than any fp8 model does."""
+    if fp8_format(candidate) is None:
+        return candidate
+    return str(compute_dtype(candidate)).removeprefix("torch.").replace("bfloat", "bf").replace("float", "fp")
 
 
 def round_to(t: torch.Tensor, candidate: str, amax: torch.Tensor | None = None) -> torch.Tensor:

@@ -60,7 +60,7 @@ PRODUCER_LINES = 8  # and the first producer of each op and line, up to this man
 # asin at +-1): a higher precision only moves the point where the inputs round onto it, and values that
 # keep growing reach it again. Their backward is checked with the point kept out (`guard`).
 SINGULAR = frozenset({"sqrt", "pow", "acos", "asin"})
-# the guard's smallest value, an eps each format holds with room: what `x.clamp_min(eps)` writes
+# the guard's bound for sqrt and x ** p, an eps each format holds with room: what `x.clamp_min(eps)` writes
 GUARD_EPS = {torch.float16: 1e-4, torch.bfloat16: 1e-12, torch.float32: 1e-12}
 _NARROW = (torch.float16, torch.bfloat16)
 _REDUCTIONS = frozenset({"sum", "mean", "cumsum", "prod", "norm", "linalg_vector_norm", "var", "std"})
@@ -188,7 +188,7 @@ class Experiment:
     rows: dict[str, Any] | None = None  # the batch rows (dim 0) that hold the symptom, where only some do
     note: str | None = None  # why the walk stopped short
     on_loss: OnLoss | None = None  # the step's loss re-run with the step's fixes in place (on_loss.py)
-    # the backward of a SINGULAR op re-run with the zeros it read at an eps: (that eps, its max |x| then)
+    # the backward of a SINGULAR op: the printed guard's eps, and the derivative at its bound (_try_guard)
     guard: tuple[float, float] | None = None
 
     def evidence(self) -> dict[str, Any]:
@@ -1084,7 +1084,7 @@ def _decide(target_record: Record, window: Window, lookup: Lookup | None, budget
                 experiment.as_ran = f"not re-run ({type(exc).__name__}: {exc})"
         if target_record.phase == "backward" and _packet(target_record.forward_op or "") in SINGULAR:
             try:
-                experiment.guard = _try_guard(target, lookup, symptom)
+                experiment.guard = _try_guard(target)
             except Exception:
                 experiment.guard = None
         # (b) in fp64, and (c) the walk upstream; the op alone is the walk's first step
@@ -1217,17 +1217,20 @@ def _past_range(step: Step) -> bool:
     return bool(finite.numel()) and float(finite.abs().max()) > float(torch.finfo(dtype).max)
 
 
-# a cast to a narrower dtype as a line writes it: .half(), .bfloat16(), .type(...), .to(<a dtype>), dtype=
-_CAST_WRITTEN = re.compile(r"\.(half|bfloat16|type)\(|\.to\([^)]*(dtype|float|half|bfloat|torch\.)|dtype\s*=")
+# a cast as a line writes it: .half(), .bfloat16(), .type(...), .type_as(...), dtype=..., .to(...) of
+# anything but a device
+_CAST_WRITTEN = re.compile(
+    r"\.(half|bfloat16|type|type_as)\(|dtype\s*=|\.to\((?!\s*(device|dev\b|[\"']cuda|[\"']cpu|torch\.device))"
+)
 
 
-def _written_cast(record: Record) -> bool:
-    """The cast's source line writes a cast (x.to(...), .half(), dtype=...); one that does not is
-    autocast's, of a module's input. A line that cannot be read counts as written."""
+def _autocasts(record: Record) -> bool:
+    """A cast autocast made, of a module's input: its source line writes none (a line that cannot be
+    read counts as written). Autocast's own state cannot tell: inside its cast, torch reports it off."""
     if record.location is None:
-        return True
+        return False
     line = linecache.getline(record.location[0], record.location[1])
-    return not line or bool(_CAST_WRITTEN.search(line))
+    return bool(line) and not _CAST_WRITTEN.search(line)
 
 
 def _try_saturated(
@@ -1252,22 +1255,27 @@ def _try_saturated(
     return (limit, after) if kind is None else None
 
 
-def _try_guard(target: Step, lookup: Lookup | None, symptom: frozenset[str]) -> tuple[float, float] | None:
-    """The backward op of a SINGULAR forward op as it ran, with the zeros among its floating inputs
-    at GUARD_EPS (the forward's input clamped away from the point, as the backward reads it): (eps, its
-    max |x|) when that removes the symptom, else None."""
-    dtype = _compute_dtype(target)
-    eps = GUARD_EPS.get(dtype, 1e-12) if dtype is not None else 1e-12
-    func = target.func
-
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        kept = [
-            a.masked_fill(a == 0, eps) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
-        ]
-        return func(*kept, **kwargs)
-
-    kind, after = _chain_kind([Step(target.record, guarded, target.args, target.kwargs)], None, lookup, symptom)
-    return (eps, after) if kind is None else None
+def _try_guard(target: Step) -> tuple[float, float] | None:
+    """The guard the fix prints, checked where it acts: the forward op's derivative at the clamp's
+    bound, in the dtype the backward ran in (sqrt and x ** p at x = eps, x.clamp_min(eps); acos and
+    asin at x = 1 - eps, x.clamp(-1 + eps, 1 - eps), eps the format's spacing at 1, the least it
+    holds there). Past the bound the derivative is smaller, so finite there is finite everywhere the
+    clamp lets x go: (eps, that derivative), or None where it is not finite."""
+    dtype = _compute_dtype(target) or torch.float32
+    forward = _packet(target.record.forward_op or "")
+    if forward in ("acos", "asin"):
+        eps = float(torch.finfo(dtype).eps)
+        x = torch.tensor(1.0 - eps, dtype=dtype)
+        derivative = (1 - x * x).rsqrt()
+    else:
+        eps = GUARD_EPS.get(dtype, 1e-12)
+        x = torch.tensor(eps, dtype=dtype)
+        # x ** p: the backward's own pow(x, p - 1) names p; sqrt is p = 1/2
+        scalar = target.args[1] if _packet(target.record.op) == "pow" and len(target.args) > 1 else None
+        p = float(scalar) + 1.0 if forward == "pow" and isinstance(scalar, (int, float)) else 0.5
+        derivative = p * x ** (p - 1.0)
+    value = float(derivative.abs())
+    return (eps, value) if math.isfinite(value) else None
 
 
 def _with_constant(old: float, new: float, origin: Step, chain: list[Step]) -> list[Step]:
@@ -1328,10 +1336,10 @@ def _settle_origin(
         # a gradient the backward casts to its value's dtype is not a value the user wrote: holding it at
         # the limit would clip it; the fix is the dtype the value had (below) or a smaller gradient
         if experiment.cast is not None and _past_range(origin) and origin.record.phase != "backward":
-            if _written_cast(origin.record):
-                experiment.saturated_fix = _try_saturated(origin, chain, lookup, symptom)
-            else:  # autocast's cast of a module's input: no value of the user's to write
+            if _autocasts(origin.record):  # autocast's cast of a module's input: no value to write
                 experiment.autocast_cast = True
+            else:
+                experiment.saturated_fix = _try_saturated(origin, chain, lookup, symptom)
     except Exception:
         pass
     try:  # a composite torch computes in a stable form (stable.py): that form is the fix

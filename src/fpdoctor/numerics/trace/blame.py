@@ -923,8 +923,10 @@ def _guarded(r: Record, experiment: Experiment, advice: str) -> tuple[str, Trial
     is said as what it is: the point moved, not kept out."""
     eps, after = experiment.guard or (0.0, 0.0)
     forward = r.forward_op or r.op
-    fix = f"{advice.rstrip('. ')} (checked: the backward of {forward} re-run with the zeros it read at {eps:g}: " + (
-        f"finite, max |x| {after:.3g})."
+    dtype = experiment.dtype
+    fix = (
+        f"{advice.rstrip('. ')} (checked, eps = {eps:g}: the gradient of {forward} at the clamp's bound is "
+        f"{after:.3g} in {dtype}, finite, and smaller past it)."
     )
     if experiment.verdict == "the-math":
         fix += " Not a precision change: in fp64 it is non-finite too."
@@ -934,11 +936,11 @@ def _guarded(r: Record, experiment: Experiment, advice: str) -> tuple[str, Trial
             "moves the point where the values round onto it: values that keep growing reach it again."
         )
     trial = Trial.checked(
-        f"the backward of {forward} with the zeros it read at {eps:g} (the input clamped before the op)",
-        metric=f"{r.op}'s output",
+        f"the input of {forward} clamped at its bound, eps = {eps:g}",
+        metric=f"the gradient of {forward} at that bound, in {dtype}",
         before="non-finite",
-        after=f"finite, max |x| {after:.3g}",
-        on="the inputs this op read in this run",
+        after=f"finite, {after:.3g}",
+        on="the dtype the backward ran in",
     )
     return fix, trial
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from fpdoctor.numerics.observe.batches import MicroBatch
 from fpdoctor.numerics.training.replay import replay
-from fpdoctor.torchprivate import pytree, reparametrized
+from fpdoctor.torchprivate import named_parameters, pytree, reparametrized
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 _LOW_NAMES = {"float16", "bfloat16", "half"}
@@ -105,7 +105,7 @@ def _fp32_stand_ins(model: nn.Module) -> dict[str, torch.Tensor]:
     want gradients where the originals do). A tied tensor is named once: reparametrizing with
     tie_weights gives its other names the same copy."""
     stand_ins: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
+    for name, p in named_parameters(model):
         if p.dtype in LOW_PRECISION:
             stand_ins[name] = p.detach().float().requires_grad_(p.requires_grad)
     for name, b in model.named_buffers():
@@ -135,7 +135,7 @@ def run_control(
     e.g. one that mixes dtypes by hand, is `failed` with the reason)."""
     try:
         stand_ins = _fp32_stand_ins(model)
-        by_id = {id(p): name for name, p in model.named_parameters()}
+        by_id = {id(p): name for name, p in named_parameters(model)}
         # the gradients the replay judges are the stand-ins' where there is one
         judged = [stand_ins.get(by_id.get(id(p), ""), p) for p in params]
         with reparametrized(model, stand_ins, tie_weights=True), _autocast_off():

@@ -63,6 +63,7 @@ from fpdoctor.numerics.updates.measure import EVERY, UpdateStats, UpdateSummary
 from fpdoctor.numerics.updates.whatif import WHAT_IF_STEPS, WhatIf, what_if
 from fpdoctor.preserve import BufferSnapshot, preserved
 from fpdoctor.report.model import Finding, Report
+from fpdoctor.torchprivate import named_parameters
 
 SPIKE_WINDOW = 32
 TIMELINE_POINTS = 2000  # loss points a report keeps for its plot (events are always kept)
@@ -436,9 +437,7 @@ class StepJudge:
         """On a bad step: are the parameters themselves non-finite (an earlier update put NaN/Inf
         in them)? Then one finding names the last applied step, and no step is replayed after."""
         bad = [
-            (name, kind, p)
-            for name, p in self.model.named_parameters()
-            if (kind := tensor_kind(p.detach())) is not None
+            (name, kind, p) for name, p in named_parameters(self.model) if (kind := tensor_kind(p.detach())) is not None
         ]
         anywhere = bool(bad)
         if self.distributed:  # sharded weights (FSDP) differ by rank: every rank takes the same path
@@ -951,7 +950,7 @@ class StepJudge:
         compared on them, the reference update the same optimizer's over fp32 copies of the weights
         and state on those gradients, since the replay of the backward alone has no step_fn to
         process the reference's gradients as yours were."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
+        names = {id(p): n for n, p in named_parameters(self.model)}
         live = {names[id(p)]: p.grad.detach().float() for p in self.params if p.grad is not None and id(p) in names}
         scale = float(amp.scale_tensor(scaler, self.device)) if amp.enabled(scaler) else None
         unscaled = reference.unscaled_already(scaler, optimizer)
@@ -1010,7 +1009,7 @@ class StepJudge:
         """The gradients agree: the optimizer's own update now, what the weights keep of it when the
         next step begins (`finish_update`), each against the same optimizer's update of the reference's
         gradients, or of `own` (the step's own gradients, unscaled, in fp32) where given."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
+        names = {id(p): n for n, p in named_parameters(self.model)}
         live = {names[id(p)]: p.grad.detach() for p in self.params if p.grad is not None and id(p) in names}
         if own is not None:
             result.update_reference = "own"

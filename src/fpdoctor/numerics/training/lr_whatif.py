@@ -32,7 +32,7 @@ from torch import nn
 from fpdoctor.numerics.updates.measure import no_global_optimizer_hooks
 from fpdoctor.numerics.updates.whatif import copy_optimizer
 from fpdoctor.preserve import preserved
-from fpdoctor.torchprivate import reparametrized
+from fpdoctor.torchprivate import named_parameters, reparametrized
 
 LR_STEPS = 4
 FACTOR = 10.0
@@ -57,7 +57,7 @@ def snapshot(
     """The state `step` starts from, or why it is not kept (too large, no optimizer)."""
     if optimizer is None:
         return "no optimizer was given to step"
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    named = [(n, p) for n, p in named_parameters(model) if p.requires_grad]
     size = sum(p.numel() * p.element_size() for _, p in named)
     state_size = sum(
         t.numel() * t.element_size()
@@ -155,7 +155,7 @@ def try_lower_lr(model: nn.Module, optimizer: Any, snap: Snapshot, *, steps: int
     """The run's rate, then lr / FACTOR, / FACTOR**2, ... (LADDER rates) until one settles, each from
     `snap` on stand-ins; never raises (a failure is in `why_not`)."""
     start = time.perf_counter()
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and n in snap.weights]
+    named = [(n, p) for n, p in named_parameters(model) if p.requires_grad and n in snap.weights]
     saved_grads = [(p, p.grad) for _, p in named]
     arms: list[Arm] = []
     try:

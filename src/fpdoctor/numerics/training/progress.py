@@ -37,7 +37,7 @@ from fpdoctor.numerics.updates.measure import no_global_optimizer_hooks
 from fpdoctor.numerics.updates.whatif import copy_optimizer
 from fpdoctor.preserve import preserved
 from fpdoctor.report.model import Finding, Trial
-from fpdoctor.torchprivate import reparametrized
+from fpdoctor.torchprivate import named_parameters, reparametrized
 
 WINDOW = 200  # finite steps whose two halves' mean losses are compared
 STEPS = 8  # optimizer steps of each arm of the experiment
@@ -99,7 +99,7 @@ def run_arms(
 ) -> Arms:
     """Both arms from the step's state, on stand-ins: the user's parameters, their `.grad`, buffers,
     optimizer and RNG are as they were afterwards."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    named = [(n, p) for n, p in named_parameters(model) if p.requires_grad]
     results = []
     with _grads_saved(model):
         for reference in (False, True):

@@ -44,7 +44,7 @@ from fpdoctor.numerics.observe.batches import MicroBatch
 from fpdoctor.numerics.training.control import _autocast_off, _inputs_in_fp32
 from fpdoctor.preserve import preserved
 from fpdoctor.report.model import Finding, Severity, Trial
-from fpdoctor.torchprivate import pytree, reparametrized, scaler_states
+from fpdoctor.torchprivate import named_parameters, pytree, reparametrized, scaler_states
 
 EVERY = 500  # the least period: steps 1, 501, 1001, ... where its cost is under SHARE of theirs
 SHARE = 0.005  # of the steps' time: the default period stretches until a reference step costs no more
@@ -169,7 +169,7 @@ def _stand_ins(model: nn.Module, fp32: bool) -> dict[str, torch.Tensor]:
     """A fresh leaf per trainable parameter: fp32 copies (the reference), or copies at the
     parameter's own dtype (the user's recipe); a tied parameter is named once."""
     made: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
+    for name, p in named_parameters(model):
         if p.requires_grad:
             made[name] = p.detach().to(torch.float32 if fp32 else p.dtype, copy=True).requires_grad_(True)
     return made
@@ -363,7 +363,7 @@ def _optimizer_on(
 ) -> Iterator[None]:
     """The optimizer's parameter lists hold the stand-ins while a run lasts, so that what step_fn asks
     of the optimizer (`scaler.unscale_(optimizer)`, clipping its groups' parameters) acts on them."""
-    by_id = {id(p): stand_ins[n] for n, p in model.named_parameters() if n in stand_ins}
+    by_id = {id(p): stand_ins[n] for n, p in named_parameters(model) if n in stand_ins}
     saved = [group["params"] for group in optimizer.param_groups]
     try:
         for group in optimizer.param_groups:

@@ -61,7 +61,7 @@ from fpdoctor.numerics.training.reference import (
 from fpdoctor.numerics.updates.measure import no_global_optimizer_hooks, ours
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Finding, Trial
-from fpdoctor.torchprivate import foreach_norm
+from fpdoctor.torchprivate import foreach_norm, named_parameters
 from fpdoctor.userframes import CASEBOOK_DIR, OWN_DIR, is_user_file
 
 UPDATE_STAGES = ("intended", "kept")
@@ -112,7 +112,7 @@ def step_on_copies(
     """One step of a copy of `optimizer` over copies of the model's weights (fp32, or each at its own
     dtype) whose gradients are `grads` (by parameter name): each named weight's change, in fp32.
     `described`: gets the copy after its step, in words (its state exists from the first step on)."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in named_parameters(model)}
     stand_in: dict[int, torch.Tensor] = {}
     before: dict[str, torch.Tensor] = {}
     rng = RngState.capture()  # no torch optimizer draws; a user's subclass might
@@ -216,7 +216,7 @@ class WriteWatch:
     def __init__(self, model: nn.Module) -> None:
         self._names: dict[int, str] = {}
         self._storages: dict[int, str] = {}
-        for name, p in model.named_parameters():
+        for name, p in named_parameters(model):
             for t, label in ((p, name), (p.grad, f"{name}.grad")):
                 if t is not None:
                     self._names[id(t)] = label
@@ -354,7 +354,7 @@ def start(
     if grads and not math.isfinite(float(torch.stack(foreach_norm(list(grads.values()), torch.float32)).sum())):
         comparison.update_not_compared = "the step's gradients are not finite: the optimizer is not given them"
         return None
-    params = dict(model.named_parameters())
+    params = dict(named_parameters(model))
     # the parameters whose gradients were judged: one whose reference gradient is rounding only (a bias
     # before a normalisation) has an update made of that rounding too, and Adam's, divided by its own
     # size, is as large as any other's: judging it would judge the rounding's sign
@@ -384,7 +384,7 @@ def finish(pending: Pending, model: nn.Module, *, applied: bool, why: str = "") 
     if not applied:
         comparison.update_not_compared = why or "the step was not applied"
         return
-    params = dict(model.named_parameters())
+    params = dict(named_parameters(model))
     kept = {n: params[n].detach().float() - w.float() for n, w in pending.before.items() if n in params}
     weights = {n: w.float() for n, w in pending.before.items()}
     reference, comparison.constrained = _held(pending, kept, pending.watch.seen.values())

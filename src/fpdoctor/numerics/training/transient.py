@@ -54,7 +54,7 @@ from fpdoctor.numerics.observe.batches import MicroBatch
 from fpdoctor.numerics.observe.gradcheck import dense_values, grads_of
 from fpdoctor.numerics.training.replay import ReplayResult, replay
 from fpdoctor.report.model import Trial
-from fpdoctor.torchprivate import DisableTorchDispatch, EagerDispatchMode, pytree, reparametrized
+from fpdoctor.torchprivate import DisableTorchDispatch, EagerDispatchMode, named_parameters, pytree, reparametrized
 
 CAUSES = ("machine", "race", "uninitialised-read", "nondeterministic-kernel", "undecided")
 REPEATS = 2  # runs per experiment whose results are compared bit for bit: two differ or agree
@@ -653,10 +653,10 @@ def _on_device(
 
     try:
         stand_ins: dict[str, torch.Tensor] = {
-            name: p.detach().to(other).requires_grad_(p.requires_grad) for name, p in model.named_parameters()
+            name: p.detach().to(other).requires_grad_(p.requires_grad) for name, p in named_parameters(model)
         }
         stand_ins.update({name: b.detach().to(other) for name, b in model.named_buffers()})
-        by_id = {id(p): name for name, p in model.named_parameters()}
+        by_id = {id(p): name for name, p in named_parameters(model)}
         judged = [stand_ins.get(by_id.get(id(p), ""), p) for p in params]
         moved = [MicroBatch(m.rng, pytree.tree_map(there, m.args), pytree.tree_map(there, m.kwargs)) for m in window]
         with reparametrized(model, stand_ins, tie_weights=True):

@@ -374,9 +374,7 @@ def _compare(
     if samples is not None:  # after result(): the rows carry their names in the whole model now
         samples.extend((r, e.truth, e.candidate) for r, e in kept)
         if not prefix:  # an output of logits, as its rows decide (use.py), for the record's use metrics
-            samples.decided = decision_record(
-                run.logits, run.root_truth, run.root_cand, output_format(candidate, reference)
-            )
+            samples.decided = decision_record(run.logits, run.root_truth, run.root_cand, output_format(candidate))
     return result
 
 
@@ -1638,7 +1636,7 @@ class _Comparison:
         that gives most of them back (each of the worst leaves and the logits' own layer, tried)."""
         if self.root_truth is None or self.root_cand is None or self.logits is None:
             return
-        floor_format = output_format(self.candidate, self.reference)
+        floor_format = output_format(self.candidate)
         found = use.decisions(self.root_truth, self.root_cand, floor_format, self.logits)
         if found is None:
             return

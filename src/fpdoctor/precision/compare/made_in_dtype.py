@@ -45,7 +45,8 @@ def checked(sites: list[Made], check: Check, error: float) -> tuple[Made, int, f
     return None
 
 
-_INTEGER_CAST = re.compile(r"\.(long|int|short)\(\)|torch\.(u?int\d*|long)\b")
+# a line whose result is a cast to integers: it ends in .long()/.int()/.short() or .to(<an integer dtype>)
+_INTEGER_CAST = re.compile(r"\.(long|int|short)\(\)\s*(#.*)?$|\.to\(\s*(dtype=)?torch\.(u?int\d*|long)\s*\)\s*(#.*)?$")
 
 
 def finding(site: Made, more: int, before: float, after: float, *, label: str, dtype: torch.dtype) -> Finding:

@@ -85,6 +85,7 @@ ERROR_FALLS = 2.0
 # error), and that no longer set betters, is the fix as far as the lines go (a router in fp32 whose
 # remaining flips come from a norm's rounded output before it)
 PARTIAL_FALLS = 2.0
+PARTIAL_ERROR = 1.25  # and takes the end-to-end error down this much at least
 
 
 @dataclass
@@ -236,7 +237,7 @@ class Changed:
     error_after: float | None = None
     tried: list[tuple[int, int | None]] | None = None  # (lines raised, rows changed then)
     given: bool = False  # the lines were checked on the inputs as given, not rounded by the cast first
-    partial: bool = False  # the lines give back PARTIAL_FALLS of the rows at least, and no more lines give back more
+    partial: bool = False  # the lines give back most of the rows (PARTIAL_FALLS), not all
     modules: dict[str, list[tuple[str, torch.nn.Module]]] | None = None  # line -> the modules it calls (Picks)
 
     @property
@@ -292,12 +293,14 @@ def checked(key: Key, found: Changed, truth: dict[Key, Pick], check: Check, *, r
             if got[0] * RAISED_FALLS <= found.changed and error * ERROR_FALLS <= found.error_before:
                 found.lines, found.changed_after, found.error_after, found.given = lines, got[0], error, given
                 return
-            halved = got[0] * PARTIAL_FALLS <= found.changed and error < found.error_before
-            if not given and halved and (partial is None or got[0] < partial[1]):
+            # some rows left: all given back without the error falling is a selection that does not make it
+            halved = got[0] > 0 and got[0] * PARTIAL_FALLS <= found.changed
+            fell = error * PARTIAL_ERROR <= found.error_before
+            if not given and halved and fell and (partial is None or got[0] < partial[1]):
                 partial = (lines, got[0], error)
-    # none gave the picks back: the fewest lines that give back most of them (no set tried gave back
-    # more; the rest changes further up: the model's inputs, a norm before it) are the fix as far as it
-    # goes, with its figures
+    # none gave the picks back: the set that leaves the fewest rows changed (the first, of the fewest lines,
+    # among equals; the rest changes further up: the model's inputs, a norm before it) is the fix as far as
+    # it goes, with its figures
     if partial is not None:
         found.lines, found.changed_after, found.error_after = partial
         found.partial = True

@@ -237,8 +237,8 @@ def plan(
     Default: "kl" where the output is logits whose decisions compare finds changed (the relative
     error misses them there; KL is continuous, so it ranks modules that leave the same number of
     flips apart, and reads the whole distribution that sampling and the loss read; top-1 is measured
-    beside it), "top1" there for an fp8 candidate (its logits are returned in the model's dtype: their
-    KL floor is ~0); "rel" otherwise, and whenever a tolerance is given without a metric. "kl" and
+    beside it), "top1" there for an fp8 candidate (its logits are returned in fp32: their KL floor is
+    ~0); "rel" otherwise, and whenever a tolerance is given without a metric. "kl" and
     "top1" need an output of logits.
     `tolerance`: the value to reach in the metric's units (relative error; KL in nats; for top1 the
     share of rows whose top-1 may differ); default 16x the output's floor (256x for KL, which grows
@@ -314,7 +314,7 @@ def _plan(
     # relative error misses them there); the relative error elsewhere, where the two agree, and where the
     # structural test for logits cannot tell them from a regression head of the same shape
     changed = logits and tolerance is None and any(s.compared.report.by_name("decisions-changed") for s in judged)
-    # an fp8 candidate returns its logits in the model's dtype: their KL floor is ~0, and 256x it no target;
+    # an fp8 candidate returns its logits in fp32: their KL floor is ~0, and 256x it no target;
     # compare's decisions rule (top1), with its floor of one row, is
     default = ("top1" if fp8_format(candidate) is not None else "kl") if changed else "rel"
     m = _metric(metric if metric is not None else default)
@@ -551,7 +551,7 @@ def _judge_set(
     one.logits_layer, one.before_logits = head, (ended[-2] if len(ended) > 1 else None)
     logits = one.logits
     if logits is not None and bool(torch.isfinite(logits).all()):
-        one.rounded = floor_of(logits, output_format(candidate, reference))  # compare's floor
+        one.rounded = floor_of(logits, output_format(candidate))  # compare's floor
     else:
         one.logits = None
 

@@ -220,8 +220,8 @@ _DEFAULT = (
     "that sampling and the loss read; top-1 agreement is measured beside it"
 )
 _DEFAULT_FP8 = (
-    "the default where compare finds the logits' decisions changed by an fp8 candidate: its GEMMs return the "
-    "model's dtype, so rounding the exact output costs no KL to speak of and 256x it is no target; compare's "
+    "the default where compare finds the logits' decisions changed by an fp8 candidate: its layers return "
+    "fp32, so rounding the exact output costs no KL to speak of and 256x it is no target; compare's "
     "decisions rule is"
 )
 _FLOOR_TEXT = {
