@@ -448,6 +448,8 @@ def test_the_what_if_run_leaves_a_compiled_model_compiled_as_it_was():
     [found] = guard.report.by_name("update-rounded-away")
     assert found.evidence["what_if"]["tried"]
     assert counters["stats"]["unique_graphs"] == 1
+    # the parameters by the model's own names, not the compile wrapper's `_orig_mod.` ones
+    assert "_orig_mod" not in found.message + str(found.evidence) + found.fix, found.message
     torch._dynamo.reset()
 
 
