@@ -154,7 +154,12 @@ def render_text(report: dict[str, Any], *, color: bool = False, width: int = 100
         console.print()
         console.print(table)
         if hidden:
-            console.print(Text(f"({hidden} more facts: -v shows them, --format json keeps them all)", style="dim"))
+            console.print(
+                Text(
+                    f"({hidden} more fact{'s' if hidden > 1 else ''}: -v shows them, --format json keeps them all)",
+                    style="dim",
+                )
+            )
 
     results = report["data"].get("table")
     if results:
