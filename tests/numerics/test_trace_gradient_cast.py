@@ -133,3 +133,43 @@ def test_a_cast_the_line_writes_is_the_users_and_one_it_does_not_is_autocasts(li
     from fpdoctor.numerics.engine.reruns import _CAST_WRITTEN
 
     assert bool(_CAST_WRITTEN.search(line)) is written
+
+
+RETRIEVAL = """
+    import sys, torch, torch.nn as nn, torch.nn.functional as F
+    FIX = "--fix" in sys.argv
+    torch.manual_seed(0)
+    users, items = nn.Embedding(500, 64), nn.Embedding(2000, 64)
+    opt = torch.optim.Adam([*users.parameters(), *items.parameters()], lr=3e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    temperature, finite = 0.005, True
+    for step in range(8):
+        u, i = torch.randint(0, 500, (128,)), torch.randint(0, 2000, (128,))
+        with torch.autocast("cpu", dtype=torch.float16):
+            ue, ie = users(u) * 4, items(i) * 4
+            logits = (ue @ ie.T).float() / temperature if FIX else ue @ ie.T / temperature
+            loss = F.cross_entropy(logits, torch.arange(128))
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        finite = finite and bool(torch.isfinite(loss))
+    print("finite" if finite else "nan", file=sys.stderr)
+"""
+
+
+def test_an_op_on_a_line_with_a_matmul_under_autocast_is_told_how_float_survives_autocast(tmp_path: Path) -> None:
+    """`.float()` on a matmul's operands does nothing under autocast (it casts them back): the fix says
+    to take .float() of the product, or to run the line with autocast off; as printed, it trains."""
+    script = tmp_path / "retrieval.py"
+    script.write_text(textwrap.dedent(RETRIEVAL))
+    report = tmp_path / "report.json"
+    result = run_fpdoctor("trace", "-o", str(report), "--", str(script))
+    assert result.code == 1, result.err
+    first = json.loads(report.read_text())["findings"][0]
+    assert "((a @ b).float())" in first["fix"] and "enabled=False" in first["fix"], first["fix"]
+    runs = [
+        subprocess.run([sys.executable, str(script), *arm], check=False, capture_output=True, text=True, timeout=120)
+        for arm in ([], ["--fix"])
+    ]
+    assert [r.stderr.strip() for r in runs] == ["nan", "finite"], [r.stderr for r in runs]

@@ -582,8 +582,10 @@ class Experiment:
             # the operands raised before the op: its result in fp32 of fp16 operands is the same overflow
             how = " (a reduction: .sum(dtype=torch.float32))" if reduction else " (its operands .float() before it)"
             other = _without_precision(advice)
-            fix = f"Compute {origin.op}{at} in {self.checked_in or 'fp64'}{how}{self._kept_wide()}: {checked}." + (
-                f" Also possible, not tried: {other}." if other else ""
+            note = _matmul_note(origin)
+            fix = (
+                f"Compute {origin.op}{at} in {self.checked_in or 'fp64'}{how}{self._kept_wide()}{note}: {checked}."
+                + (f" Also possible, not tried: {other}." if other else "")
             )
         else:
             fix = f"Change the origin, not the op that showed it: {cause}. Verified: {checked}."
@@ -1222,6 +1224,27 @@ def _past_range(step: Step) -> bool:
 _CAST_WRITTEN = re.compile(
     r"\.(half|bfloat16|type|type_as)\(|dtype\s*=|\.to\((?!\s*(device|dev\b|[\"']cuda|[\"']cpu|torch\.device))"
 )
+
+
+_MATMULS = frozenset({"mm", "bmm", "matmul", "addmm", "baddbmm", "addbmm", "linear", "convolution"})
+_MATMUL = re.compile(r"@|\b(matmul|mm|bmm|einsum|linear|baddbmm|addmm)\(")
+
+
+def _matmul_note(origin: Record) -> str:
+    """Where the op's line also multiplies matrices: autocast casts a matmul's .float() operands back to
+    its dtype, so the operands of the op itself are what take .float() (the product's result), or the
+    line runs with autocast off."""
+    if _packet(origin.op) in _MATMULS:  # the op is the matmul: only autocast off keeps it in fp32
+        return (
+            "; under autocast, inside torch.autocast(device, enabled=False): it casts a matmul's .float() operands back"
+        )
+    line = linecache.getline(origin.location[0], origin.location[1]) if origin.location else ""
+    if not _MATMUL.search(line):
+        return ""
+    return (
+        "; on that line autocast casts a matmul's .float() operands back to fp16: take .float() of "
+        "the product ((a @ b).float()), or run the line inside torch.autocast(device, enabled=False)"
+    )
 
 
 def _autocasts(record: Record) -> bool:

@@ -353,6 +353,9 @@ class Analysis:
                     leaves[key][1].extend(r for r in reaches if r not in leaves[key][1])
                 else:
                     leaves[key] = (leaf, list(reaches))
+        # an input first met in a backward is no data: a checkpointed block's recompute reads the saved
+        # activations the forward made (its NaN is that forward's producer's), not a batch
+        leaves = {k: v for k, v in leaves.items() if not (v[0].name == "input" and self._first_in_backward(v[0]))}
         bad_data = {("leaf", leaf.index) for leaf, _ in leaves.values() if leaf.kind in ("nan", "+inf")}
         blamed = [
             r
@@ -729,6 +732,10 @@ class Analysis:
             if self.kind_of(src):
                 upstream |= self.origins.get(src[1], frozenset()) if src[0] == "op" else {src}
         return bool(upstream) and upstream <= bad_data
+
+    def _first_in_backward(self, leaf: Leaf) -> bool:
+        first = leaf.first_use
+        return first is not None and first < len(self.records) and self.records[first].phase == "backward"
 
     def input_finding(self, leaf: Leaf, reaches: list[str]) -> Finding:
         """The finding for a non-finite value that came in from outside the trace (a parameter,
