@@ -3,6 +3,7 @@ rounding's floor and the output's magnitude (precision/units.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -106,3 +107,70 @@ def test_an_output_the_format_rounds_coarsely_is_never_ok_and_keeping_its_layer_
     result = _coarse(1500.0, 30.0, "fp16")
     assert "output-too-coarse" not in [f.name for f in result.report.findings], str(result.report)
     assert result.report.data["output_error"]["spread"] > 20
+
+
+class _RevIN(nn.Module):
+    """A forecaster with its instance normalisation written by hand: each series' mean and std over
+    time taken, a small net on the normalised values, and the output put back at the series' level."""
+
+    def __init__(self, fixed: bool = False, lookback: int = 96, horizon: int = 24) -> None:
+        super().__init__()
+        self.fixed = fixed
+        self.net = nn.Sequential(nn.Linear(lookback, 128), nn.GELU(), nn.Linear(128, horizon))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(-1, keepdim=True)
+        std = torch.sqrt(x.var(-1, keepdim=True, unbiased=False) + 1e-5)
+        z = (x - mean) / std
+        # the printed fix: only the net in the candidate's dtype, the model's own ops in fp32
+        y = self.net(z.to(self.net[0].weight.dtype)).float() if self.fixed else self.net(z)
+        return y * std + mean
+
+
+class _Stations(nn.Module):
+    """Hourly temperatures per station: a net predicts the anomaly, added to each station's own
+    climatology (a buffer, 230-310 K) at the output. Stations differ by tens of kelvin, a day by one."""
+
+    def __init__(self, fixed: bool = False, stations: int = 32) -> None:
+        super().__init__()
+        self.fixed = fixed
+        self.net = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 24))
+        self.register_buffer("climate", 230.0 + 80.0 * torch.rand(stations, 1))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        anomaly = self.net(features.to(self.net[0].weight.dtype)).float() if self.fixed else self.net(features)
+        return self.climate.to(anomaly.dtype) + 0.5 * anomaly
+
+
+def _series() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    t = torch.arange(96, dtype=torch.float32)
+    level = 1e5 * (1 + torch.rand(16, 8, 1))  # prices of 1e5 to 2e5, each series at its own
+    return _RevIN(), level + 50 * torch.sin(t / 6 + 6 * torch.rand(16, 8, 1)) + 10 * torch.randn(16, 8, 96)
+
+
+def _stations() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(1)
+    return _Stations(), torch.randn(32, 8)
+
+
+@pytest.mark.parametrize("make", [_series, _stations])
+def test_rows_at_their_own_levels_are_judged_by_their_variation_within_and_the_own_ops_fix_is_checked(make):
+    """Series at their own levels vary little within a row and much across rows: rounding to bf16 at
+    their level costs more than they vary within, which the spread over the whole output (across
+    levels) hid, and the verdict was OK. Now output-too-coarse, with the model's own ops in fp32 and
+    its submodules in bf16 checked; that fix, applied as printed (the net alone in bf16), keeps the
+    error far below rounding's."""
+    model, x = make()
+    result = fpdoctor.compare(model, x, candidate="bf16")
+    [found] = result.report.by_name("output-too-coarse")
+    units = found.evidence["output_error"]
+    assert units["row_spread"] < units["spread"] / 4 and units["floor_mean"] >= 0.05 * units["row_spread"]
+    assert found.trial is not None and found.trial.tried and "own ops in fp32" in found.fix, found.fix
+    assert float(found.trial.after) * 4 <= float(found.trial.before)
+    fixed = type(model)(fixed=True)
+    fixed.load_state_dict(model.state_dict())
+    fixed.net.to(torch.bfloat16)
+    with torch.no_grad():
+        exact, got = model.double()(x.double()), fixed(x)
+    assert (got.double() - exact).abs().mean() * 4 <= units["floor_mean"]

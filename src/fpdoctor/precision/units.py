@@ -13,8 +13,11 @@ at 288 K that varies by 3 K): the format's spacing there (2 K in bf16) is then a
 the output says, and rounding the exact output alone loses it. The candidate's error equals its
 floor, so nothing inside the model is to blame and every figure looks fine; the output's format is
 the cause. Where rounding alone costs COARSE of the output's spread (its standard deviation over the
-sample), `coarse_finding` says so, with the fix checked: the layer that makes the output kept in
-fp32, returning fp32.
+sample; where the sample is the whole output, the mean of its rows' own: series at their own levels,
+a price per asset, a temperature per station, vary little within a row and much across rows), and
+the candidate returns the output in that format, `coarse_finding` says so, with the fix checked: the
+layer that makes the output kept in fp32, returning fp32; or, where the model's own ops make it (a
+de-normalisation around its submodules), those ops in fp32 on the inputs as given.
 """
 
 from __future__ import annotations
@@ -45,26 +48,46 @@ class InUnits:
     floor_largest: float
     magnitude: float  # mean |exact value|
     spread: float  # the exact values' standard deviation: what the output varies by
+    # where the sample is the whole output, of rows of `row` values (its last dim): the mean of each row's
+    # own standard deviation. Series at their own levels (prices of many assets, a forecast per sensor)
+    # vary little within a row and much across rows: what a row says is its variation, not its level
+    row_spread: float | None = None
+    row: int | None = None
 
     def text(self, fmt: str) -> str:
+        within = (
+            f" (within a row of {self.row}: {self.row_spread:.3g})"
+            if self.row_spread is not None and self.row_spread < self.spread / 4
+            else ""
+        )
         return (
             f"mean |error| {self.mean:.3g}, largest {self.largest:.3g} (rounding the exact output to {fmt}: "
             f"{self.floor_mean:.3g}, {self.floor_largest:.3g}); the output's mean |value| {self.magnitude:.3g}, "
-            f"spread (std) {self.spread:.3g}, over {self.values} sampled values"
+            f"spread (std) {self.spread:.3g}{within}, over {self.values} sampled values"
         )
 
     @property
+    def varies(self) -> float:
+        """What the output varies by: its spread, or within its rows where they vary far less."""
+        if self.row_spread is not None and 0 < self.row_spread < self.spread:
+            return self.row_spread
+        return self.spread
+
+    @property
     def coarse(self) -> bool:
-        """Rounding to the format alone costs COARSE of the output's spread or more."""
-        return self.spread > 0 and self.floor_mean >= COARSE * self.spread
+        """Rounding to the format alone costs COARSE of what the output varies by, or more, and the
+        candidate's output is held in it (an error far below rounding's: it returns a wider one)."""
+        held = self.mean * AT_FLOOR >= self.floor_mean
+        return held and self.varies > 0 and self.floor_mean >= COARSE * self.varies
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def in_units(truth: torch.Tensor, candidate: torch.Tensor, fmt: str) -> InUnits | None:
+def in_units(truth: torch.Tensor, candidate: torch.Tensor, fmt: str, row: int | None = None) -> InUnits | None:
     """`truth` (fp64) and `candidate`, the same sample of an output; None when the candidate's
-    values are not all finite (the non-finite findings speak for them) or the sample is empty."""
+    values are not all finite (the non-finite findings speak for them) or the sample is empty. `row`:
+    the output's last dim, where the sample is the whole output in order (its rows' own spread)."""
     if truth.numel() == 0 or candidate.numel() != truth.numel():
         return None
     exact = truth.detach().double().reshape(-1)
@@ -72,21 +95,37 @@ def in_units(truth: torch.Tensor, candidate: torch.Tensor, fmt: str) -> InUnits 
     err = got.sub(exact).abs_()
     floor = round_to(exact, fmt).sub_(exact).abs_()
     spread = exact.std() if exact.numel() > 1 else exact.new_zeros(())
-    read = torch.stack([err.mean(), err.max(), floor.mean(), floor.max(), exact.abs().mean(), spread]).tolist()
-    if not all(math.isfinite(v) for v in read[:2]):
+    rows = row is not None and row > 1 and exact.numel() % row == 0 and exact.numel() > row
+    within = exact.view(-1, row).std(-1).mean() if rows else spread  # type: ignore[arg-type]
+    read = torch.stack([err.mean(), err.max(), floor.mean(), floor.max(), exact.abs().mean(), spread, within])
+    figures = read.tolist()
+    if not all(math.isfinite(v) for v in figures[:2]):
         return None
-    return InUnits(exact.numel(), *read)
+    mean, largest, floor_mean, floor_largest, magnitude, spread_, within_ = figures
+    return InUnits(
+        exact.numel(), mean, largest, floor_mean, floor_largest, magnitude, spread_,
+        row_spread=within_ if rows else None, row=row if rows else None,
+    )  # fmt: skip
 
 
-def coarse_finding(units: InUnits, fmt: str, head: str, kept: InUnits | None, *, on: str) -> Finding:
+def coarse_finding(
+    units: InUnits, fmt: str, head: str, kept: InUnits | None, *, on: str, own: InUnits | None = None,
+    children: list[str] | None = None,
+) -> Finding:  # fmt: skip
     """`output-too-coarse`: the format's rounding alone costs a large share of the output's spread;
     the fix (`head`, the layer that makes the output, kept in fp32 returning fp32) with its check
     (`kept`: the candidate's error then), printed as the fix only where it took most of the error away."""
-    share = units.floor_mean / units.spread
+    share = units.floor_mean / units.varies
     layer = f"`{head}`" if head else "the layer that makes the output"
+    varies = (
+        f"vary by {units.varies:.3g} within a row of {units.row} (the mean of each row's std; {units.spread:.3g} "
+        "across rows)"
+        if units.varies < units.spread
+        else f"vary by {units.spread:.3g} (std over {units.values} sampled values)"
+    )
     message = (
         f"In {fmt} the output cannot hold what it measures: its values sit at {units.magnitude:.4g} on average and "
-        f"vary by {units.spread:.3g} (std over {units.values} sampled values), and rounding the exact output to "
+        f"{varies}, and rounding the exact output to "
         f"{fmt} alone moves it by {units.floor_mean:.3g} on average ({share:.0%} of that spread; the candidate: "
         f"{units.mean:.3g})."
     )
@@ -113,6 +152,23 @@ def coarse_finding(units: InUnits, fmt: str, head: str, kept: InUnits | None, *,
             metric="mean |error| of the output, in its units",
             before=f"{units.mean:.3g}",
             after=f"{kept.mean:.3g}",
+            on=on,
+        )
+    elif own is not None and own.mean <= units.mean / 4:
+        # the output is the model's own ops' (a de-normalisation around its submodules): they are the fix
+        subs = ", ".join(f"`{c}`" for c in (children or [])[:4]) or "its submodules"
+        fix = (
+            f"Keep the model's own ops in fp32 (what its forward computes around {subs}: statistics, a normalisation "
+            f"and what undoes it, with its own buffers and parameters), on its inputs as they come (fp32), returning "
+            f"fp32; put only {subs} in {fmt}, "
+            f"their inputs cast to {fmt} and their outputs .float(). Checked: mean |error| {units.mean:.3g} -> "
+            f"{own.mean:.3g}; then `fpdoctor compare --inputs-as-given` checks the changed model."
+        )
+        trial = Trial.checked(
+            f"the model's own ops in fp32 on its inputs as given, {subs} in {fmt}",
+            metric="mean |error| of the output, in its units",
+            before=f"{units.mean:.3g}",
+            after=f"{own.mean:.3g}",
             on=on,
         )
     else:

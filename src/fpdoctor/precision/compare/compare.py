@@ -52,6 +52,7 @@ from fpdoctor.precision.candidates import (
     FP8_KERNELS,
     REFERENCES,
     Given,
+    cast_inputs,
     check_device,
     check_name,
     compute_dtype,
@@ -458,6 +459,7 @@ class _Comparison:
         self.made_fix: tuple[Finding, torch.Tensor] | None = None  # NUM020/NUM021 and its checked run's output
         # why the input floor is 0 without a forward (rounding the inputs changes nothing), where it is
         self.input_floor_note: str | None = None
+        self._root_row: int | None = None  # the output's last dim, where the sample is all of it
         self.root_cand: torch.Tensor | None = None
         self.root_cand_dtype: torch.dtype | None = None  # the dtype the candidate returns its output in
         self.root_units: InUnits | None = None  # an output that is not logits, in its units (units.py)
@@ -854,7 +856,7 @@ class _Comparison:
         self.reads.read()
         if self._root_sample is not None and not self._nonfinite_seen:
             # an output that is not logits: its error in its own units, on the sample
-            self.root_units = in_units(*self._root_sample, self.candidate)
+            self.root_units = in_units(*self._root_sample, self.candidate, row=self._root_row)
             self._units_truth = self._root_sample[0]
         for name, index, args, kwargs, position, watched in self._origins:
             self._origin(name, index, args, kwargs, position=position, watched=watched)
@@ -913,6 +915,7 @@ class _Comparison:
             self.root_cand_dtype = first.dtype if first is not None else None
         elif name == "":
             self._root_sample = (entry.truth, c)
+            self._root_row = _whole_row(output, c)
         if self.keep_candidate:  # float32 holds every candidate format's values exactly
             entry.candidate = c.to(torch.float32)
         figures: list[torch.Tensor | Later | float | None] = [biggest, diff_later(c, entry.truth), norm_later(c)]
@@ -947,7 +950,7 @@ class _Comparison:
             self.root_cand = self._decided(first.detach().clone()) if first is not None else None
             self.root_cand_dtype = first.dtype if first is not None else None
         elif name == "" and finite:  # an output that is not logits: its error in its own units, on the sample
-            self.root_units = in_units(entry.truth, c, self.candidate)
+            self.root_units = in_units(entry.truth, c, self.candidate, row=_whole_row(output, c))
             self._units_truth = entry.truth
         if self.keep_candidate:  # float32 holds every candidate format's values exactly
             entry.candidate = c.to(torch.float32)
@@ -1754,9 +1757,15 @@ class _Comparison:
         head = self._last_leaf or ""
         out = self._output_with_fp32([head], fp32_output=True) if head else None
         sample = device_sample(out) if out is not None else None  # as the candidate pass samples it
-        kept = in_units(self._units_truth, sample, self.candidate) if sample is not None else None
+        kept = in_units(self._units_truth, sample, self.candidate, row=units.row) if sample is not None else None
+        own = None
+        if kept is None or kept.mean > units.mean / 4:  # the output made by the model's own ops (a de-normalisation)
+            out = self._output_with_own_fp32()
+            sample = device_sample(out) if out is not None else None
+            own = in_units(self._units_truth, sample, self.candidate, row=units.row) if sample is not None else None
         on = inputs_text(describe(self.inputs))
-        result.report.findings.append(coarse_finding(units, self.label, head, kept, on=on))
+        children = [name for name, _ in self.model.named_children()]
+        result.report.findings.append(coarse_finding(units, self.label, head, kept, on=on, own=own, children=children))
 
     def _top1_with_fp32(self, modules: list[str], *, fp32_output: bool) -> float | None:
         """The candidate's top-1 agreement with `modules` computed in fp32 (_output_with_fp32)."""
@@ -1794,6 +1803,33 @@ class _Comparison:
         finally:
             for holder, child, original in reversed(swapped):
                 setattr(holder, child, original)
+        return got[-1] if got else None
+
+    def _output_with_own_fp32(self) -> torch.Tensor | None:
+        """The output (its first floating tensor) with the model's own ops in fp32 on its inputs as
+        given, and its submodules as the candidate runs them (their inputs cast to its dtype, their
+        outputs back to fp32): a copy of the user's model holds the swap."""
+        run = copy.deepcopy(self.model).to(torch.float32)
+        dtype = self.cand_dtype
+        for name, _ in list(run.named_children()):
+            child = copy.deepcopy(self.cand_run.get_submodule(name))
+            child.register_forward_pre_hook(
+                lambda m, args, kwargs: (cast_inputs(args, dtype), cast_inputs(kwargs, dtype)), with_kwargs=True
+            )
+            child.register_forward_hook(lambda m, args, output: cast_inputs(output, torch.float32))
+            setattr(run, name, child)
+        got: list[torch.Tensor] = []
+
+        def post(name: str, index: int, args: Any, output: Any) -> None:
+            first = next(floating(output), None) if name == "" else None
+            if first is not None:
+                got.append(first.detach())
+
+        try:
+            hooked(run if self.cand_device is None else run.to(self.cand_device), self.inputs, torch.float32,
+                   pre=None, post=post, rng=self.rng, device=self.cand_device, noise=self.noise)  # fmt: skip
+        except Exception:  # a model whose own ops cannot take fp32 beside its submodules: not tried
+            return None
         return got[-1] if got else None
 
 
@@ -1846,6 +1882,15 @@ def _forced(row: ModuleRow) -> bool:
     own = row.own or {}
     conditioned, error = own.get("conditioned_rel"), own.get("error_rel")
     return conditioned is not None and error is not None and conditioned >= upstream.FORCED * error
+
+
+def _whole_row(output: Any, sample: torch.Tensor) -> int | None:
+    """The output's last dim, where the sample holds the whole output (in order): its rows' own
+    spread can be read from it (units.in_units)."""
+    first = next(floating(output), None)
+    if first is None or first.dim() < 2 or first.numel() != sample.numel():
+        return None
+    return int(first.shape[-1])
 
 
 def _unexplained(rows: list[ModuleRow]) -> float | None:
