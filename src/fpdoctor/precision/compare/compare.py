@@ -1788,22 +1788,11 @@ class _Comparison:
             kept = keep_in_fp32(copy.deepcopy(self.model.get_submodule(module)), back)
             swapped.append((holder, child, getattr(holder, child)))
             setattr(holder, child, kept if self.cand_device is None else kept.to(self.cand_device))
-        got: list[torch.Tensor] = []
-
-        def post(name: str, index: int, args: Any, output: Any) -> None:
-            first = next(floating(output), None) if name == "" else None
-            if first is not None:
-                got.append(first.detach())
-
         try:
-            hooked(self.cand_run, self.run_inputs, self.cand_dtype, pre=None, post=post, rng=self.rng,
-                   device=self.cand_device, noise=self.noise)  # fmt: skip
-        except Exception:  # modules that cannot run in fp32 this way: not tried
-            return None
+            return self._root_output(self.cand_run, self.run_inputs, self.cand_dtype)
         finally:
             for holder, child, original in reversed(swapped):
                 setattr(holder, child, original)
-        return got[-1] if got else None
 
     def _output_with_own_fp32(self) -> torch.Tensor | None:
         """The output (its first floating tensor) with the model's own ops in fp32 on its inputs as
@@ -1818,6 +1807,12 @@ class _Comparison:
             )
             child.register_forward_hook(lambda m, args, output: cast_inputs(output, torch.float32))
             setattr(run, name, child)
+        return self._root_output(run if self.cand_device is None else run.to(self.cand_device), self.inputs,
+                                 torch.float32)  # fmt: skip
+
+    def _root_output(self, run: nn.Module, inputs: Any, dtype: torch.dtype) -> torch.Tensor | None:
+        """`run`'s output (its first floating tensor) on `inputs` cast to `dtype`, as the candidate's pass
+        runs it (its RNG, its draws replayed); None where it cannot run so (a swap that does not fit: not tried)."""
         got: list[torch.Tensor] = []
 
         def post(name: str, index: int, args: Any, output: Any) -> None:
@@ -1826,9 +1821,8 @@ class _Comparison:
                 got.append(first.detach())
 
         try:
-            hooked(run if self.cand_device is None else run.to(self.cand_device), self.inputs, torch.float32,
-                   pre=None, post=post, rng=self.rng, device=self.cand_device, noise=self.noise)  # fmt: skip
-        except Exception:  # a model whose own ops cannot take fp32 beside its submodules: not tried
+            hooked(run, inputs, dtype, pre=None, post=post, rng=self.rng, device=self.cand_device, noise=self.noise)
+        except Exception:
             return None
         return got[-1] if got else None
 
