@@ -268,3 +268,21 @@ def test_a_scale_below_float32s_range_is_the_scalers_story_not_a_cast_to_fix(tmp
     # the origin stays the user's line that overflowed, with its fix
     assert first["evidence"]["location"].startswith(f"{path}:{_line(path, '.pow(2)')} ")
     assert not [f for f in doc["findings"] if f["name"] == "nonfinite-produced"]
+
+
+def test_skips_to_the_traces_end_after_steps_that_stepped_are_a_stopped_run_not_calibration():
+    """A run that stepped, then overflowed at every step to the trace's end (its gradients grew past
+    fp16 256-fold), is a scaler that stopped stepping; skips at the start, or one at a time after a
+    growth, are calibration."""
+    from fpdoctor.numerics.trace.scaler_skips import MIN_ALL_SKIPPED, ScalerRun
+
+    def run(pattern: str) -> ScalerRun:
+        return ScalerRun(
+            tuple((k + 1, c == "x", 65536.0 / 2 ** pattern[: k + 1].count("x")) for k, c in enumerate(pattern))
+        )
+
+    assert MIN_ALL_SKIPPED == 8
+    assert run("x" * 5 + "." * 6 + "x" * 9).collapsed  # stepped, then skipped to the end
+    assert not run("x" * 9 + "." * 11).collapsed  # calibrating at the start
+    assert not run("x" * 4 + "." * 8 + "x" + "." * 7).collapsed  # one skip after a growth
+    assert not run("." * 13 + "x" * 7).collapsed  # too few to tell from a scale recalibrating

@@ -1236,7 +1236,8 @@ def _matmul_note(origin: Record) -> str:
     line runs with autocast off."""
     if _packet(origin.op) in _MATMULS:  # the op is the matmul: only autocast off keeps it in fp32
         return (
-            "; under autocast, inside torch.autocast(device, enabled=False): it casts a matmul's .float() operands back"
+            "; under autocast, do it inside torch.autocast(device, enabled=False), which otherwise casts a matmul's "
+            ".float() operands back"
         )
     line = linecache.getline(origin.location[0], origin.location[1]) if origin.location else ""
     if not _MATMUL.search(line):

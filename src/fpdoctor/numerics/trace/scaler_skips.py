@@ -6,7 +6,8 @@ Those skips, and the non-finite gradients behind them, are the scaler working: a
 error. Skipping that persists is the error, because the optimizer does not run: every step
 skipped (from `MIN_ALL_SKIPPED` steps: fewer can still be the calibration from 65536, which takes
 a halving per skip), `MAX_CONSECUTIVE_SKIPS` in a row, or a scale below `MIN_SCALE` (torch's
-GradScaler documentation: under 1 something is wrong), the thresholds the training sentinel uses.
+GradScaler documentation: under 1 something is wrong), the thresholds the training sentinel uses;
+and, in a trace, `MIN_ALL_SKIPPED` skips in a row to its end after steps that stepped (`stopped`).
 The origin of the recurring non-finite value is the producing op (by op and source line) found
 on the most skipped steps, the earliest of those in the trace where several are.
 """
@@ -62,12 +63,25 @@ class ScalerRun:
         return bool(self.steps) and len(self.skipped) == self.total
 
     @property
+    def stopped(self) -> bool:
+        """Skipping that lasts to the trace's end, MIN_ALL_SKIPPED steps or more, after steps that
+        stepped: a scale that has calibrated skips again a step at a time (after each growth), so
+        gradients 256-fold past where they fitted are a run that diverged, not the scale."""
+        trailing = 0
+        for _, skipped, _ in reversed(self.steps):
+            if not skipped:
+                break
+            trailing += 1
+        return MIN_ALL_SKIPPED <= trailing < self.total
+
+    @property
     def collapsed(self) -> bool:
         """The skipping persists: the optimizer stopped running, whatever the scale does next."""
         return (
             (self.every_step and self.total >= MIN_ALL_SKIPPED)
             or self.longest[0] >= MAX_CONSECUTIVE_SKIPS
             or any(scale < MIN_SCALE for scale in self.scales)
+            or self.stopped
         )
 
     def scale_text(self) -> str:
