@@ -862,7 +862,15 @@ OP_ADVICE: dict[str, str] = {
     "rsqrt": "add eps before rsqrt, and compute the sum of squares under it in fp32",
     "exp": "subtract the max before exp (use softmax/logsumexp), or compute it in fp32",
     "exp2": "subtract the max before exp2, or compute it in fp32",
-    "pow": "check the exponent and the base range, or compute it in fp32",
+    "pow": "x ** p with p < 0 is Inf at x = 0 (a node of degree 0 in deg ** -0.5, an empty count): keep those "
+    "out of it, torch.where(x > 0, x, 1) ** p with the result masked (or .masked_fill(x == 0, 0)), or make them "
+    "non-zero where they are made (self-loops, a count of at least 1); a power that overflows wants a smaller base "
+    "or fp32",
+    # an alignment that cannot exist (an input shorter than its target, counting the blanks repeats need) has
+    # probability 0: log 0 = -inf, the loss +inf, in any precision
+    "_ctc_loss": "ctc_loss is +inf for a sample whose input is too short for its target (input_lengths below "
+    "target_lengths plus the blanks between repeated labels): pass zero_infinity=True to F.ctc_loss / nn.CTCLoss, "
+    "or drop those samples",
     "_softmax": "check for rows that are entirely masked (-inf) and for overflowing scores; compute softmax in fp32",
     "_log_softmax": "check for rows that are entirely masked (-inf) and for overflowing logits; compute "
     "log_softmax in fp32 (F.cross_entropy on fp32 logits)",

@@ -1389,7 +1389,7 @@ class _Comparison:
         learned = sorted(n for n in buffers if isinstance(user[n], nn.Parameter))
         return cause | {
             "lines": lines, "buffers": sorted(buffers), "parameters": learned, "raised_rel": raised,
-            "error_rel": final.propagated,
+            "error_rel": final.propagated, "floor_rel": final.floor,
         }  # fmt: skip
 
     # -- step 6: the result and its report ----------------------------------------------------------
