@@ -78,7 +78,8 @@ def test_a_nonfinite_loss_under_a_scaler_is_still_a_nonfinite_loss():
     x[0, 0] = float("nan")
     guard.step(step, x, y)
     report = guard.report
-    assert [f.name for f in report.findings][:2] == ["nonfinite-loss", "deterministic-nonfinite"]
+    # the replay's verdict (the cause) ahead of the step's own check (the symptom it explains)
+    assert [f.name for f in report.findings][:2] == ["deterministic-nonfinite", "nonfinite-loss"]
     assert report.data["skipped_steps"] == 1 and report.data["amp"]["skipped_steps"] == 0
 
 

@@ -177,9 +177,9 @@ def test_every_rank_names_the_rank_that_held_the_fault(tmp_path):
 
         deterministic = res["deterministic"]
         names = [name for name, _, _ in deterministic]
-        assert names[:2] == ["nonfinite-loss", "deterministic-nonfinite"], (r, names)
+        assert names[:2] == ["deterministic-nonfinite", "nonfinite-loss"], (r, names)  # the cause first
         assert all(where.get("rank") == 1 for _, where, _ in deterministic), (r, deterministic)
-        assert deterministic[1][1]["op"] and deterministic[1][1]["step"] == 2
+        assert deterministic[0][1]["op"] and deterministic[0][1]["step"] == 2
         assert res["bitwise"], r
     assert all(res["deterministic"] == results[0]["deterministic"] for res in results)  # one story on every rank
     assert all(res["transient"] == results[0]["transient"] for res in results)
@@ -237,7 +237,7 @@ def test_every_rank_replays_so_collectives_inside_the_step_match(pair_job):
     for r, res in enumerate(results):
         assert "error" not in res, (r, res)
         names = [name for name, _, _ in res["findings"]]
-        assert names[:2] == ["nonfinite-loss", "deterministic-nonfinite"], (r, names)
+        assert names[:2] == ["deterministic-nonfinite", "nonfinite-loss"], (r, names)
         assert all(where.get("rank") == 1 and where.get("step") == 1 for _, where, _ in res["findings"]), r
         assert res["verdicts"] == {"1": "deterministic-nonfinite"}
         assert res["finite"], r

@@ -147,6 +147,31 @@ def _control_text(control: ControlResult | None) -> tuple[str, str | None, dict[
     return f" The fp32 control replay could not run ({control.error}).", None, evidence, None
 
 
+# A bad step's replay verdict names its cause; the step's own check (its NaN loss or gradient) is the
+# symptom that verdict explains, and follows it in the report. A step that did not reproduce keeps its
+# symptom first: its verdict says what is not known.
+_VERDICTS = ("deterministic-nonfinite", "compiled-only-nonfinite")
+_SYMPTOMS = ("nonfinite-loss", "nonfinite-gradient")
+
+
+def causes_first(found: list[Finding]) -> list[Finding]:
+    """`found` with each step's replay verdict ahead of that step's symptoms, the rest in order."""
+    verdict_at: dict[int, int] = {}
+    for i, f in enumerate(found):
+        step = f.evidence.get("step")
+        if f.name in _VERDICTS and isinstance(step, int):
+            verdict_at.setdefault(step, i)
+
+    def key(item: tuple[int, Finding]) -> tuple[int, int]:
+        i, f = item
+        step = f.evidence.get("step")
+        if f.name in _SYMPTOMS and isinstance(step, int) and verdict_at.get(step, -1) > i:
+            return verdict_at[step], 1  # right after its verdict
+        return i, 0
+
+    return [f for _, f in sorted(enumerate(found), key=key)]
+
+
 def verdict_findings(
     step: int,
     result: ReplayResult,

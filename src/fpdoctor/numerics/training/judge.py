@@ -1155,7 +1155,7 @@ class StepJudge:
         summary.insert(0, ("judged", out["judged"]))  # an OK says what it judged, and what it did not
         out["timeline"] = findings.timeline(self.history, self.findings, TIMELINE_POINTS)
         out["summary"] = summary
-        found = list(self.findings)
+        found = findings.causes_first(list(self.findings))
         # a spike still held is judged by what the run did: it ended before the loss came back
         held: list[Finding] = []
         episodes = Causes(held)  # one finding an episode, as _release_spikes adds them
