@@ -1239,8 +1239,7 @@ def _matmul_note(origin: Record) -> str:
             "; under autocast, do it inside torch.autocast(device, enabled=False), which otherwise casts a matmul's "
             ".float() operands back"
         )
-    line = linecache.getline(origin.location[0], origin.location[1]) if origin.location else ""
-    if not _MATMUL.search(line):
+    if not _MATMUL.search(_line_text(origin)):
         return ""
     return (
         "; on that line autocast casts a matmul's .float() operands back to fp16: take .float() of "
@@ -1251,10 +1250,13 @@ def _matmul_note(origin: Record) -> str:
 def _autocasts(record: Record) -> bool:
     """A cast autocast made, of a module's input: its source line writes none (a line that cannot be
     read counts as written). Autocast's own state cannot tell: inside its cast, torch reports it off."""
-    if record.location is None:
-        return False
-    line = linecache.getline(record.location[0], record.location[1])
+    line = _line_text(record)
     return bool(line) and not _CAST_WRITTEN.search(line)
+
+
+def _line_text(record: Record) -> str:
+    """The record's source line as written, empty where it cannot be read."""
+    return linecache.getline(record.location[0], record.location[1]) if record.location else ""
 
 
 def _try_saturated(

@@ -501,14 +501,14 @@ class StepJudge:
             if only is not None:
                 self._add_all([only])
                 return "compiled-only-nonfinite"
-        compressed = (
+        told: Finding | None = None  # the compression hook's cast past its dtype's range, where it is the cause
+        if (
             hook is not None and peak is not None and result.verdict == "transient-fault-suspected"
             and peak.value > float(torch.finfo(hook[1]).max)
-        )  # fmt: skip
-        if compressed:
-            assert hook is not None and peak is not None
+        ):  # fmt: skip
+            told = findings.compressed_finding(f.step, hook, peak, distributed.describe(self.device))
             result = replace(result, verdict="deterministic-nonfinite")
-        elif faulty and result.verdict == "transient-fault-suspected":
+        if faulty and result.verdict == "transient-fault-suspected":
             result.cause = self.transients.decide(
                 self.model, self.params, f.step_fn, f.window, f.contexts, step=f.step, distributed=self.distributed
             )
@@ -523,11 +523,7 @@ class StepJudge:
                 finally:
                     for p, g in saved:
                         p.grad = g
-        mine = (
-            [findings.compressed_finding(f.step, hook, peak, distributed.describe(self.device))]
-            if compressed and hook is not None and peak is not None
-            else self._verdict_findings(f, result, kind, control) if faulty else []
-        )  # fmt: skip
+        mine = [told] if told is not None else self._verdict_findings(f, result, kind, control) if faulty else []
         if not self.distributed:
             self._add_all(mine)
             return result.verdict

@@ -16,7 +16,6 @@ error is the finding, with its figures.
 from __future__ import annotations
 
 import dataclasses
-import linecache
 import re
 
 import torch
@@ -92,7 +91,7 @@ def finding(site: Made, more: int, before: float, after: float, *, label: str, d
         # a last line that casts to integers (position ids for an embedding) makes no floats to cast back
         back = (
             f"keep what {last} as it is (integers: an index reads them, not {name})"
-            if _INTEGER_CAST.search(linecache.getline(file, number + more))
+            if _INTEGER_CAST.search(source_text(f"{file}:{number + more}"))
             else f"cast what {last} to {name} (.to(x.dtype), x the tensor whose dtype the line followed)"
         )
         fix = (
