@@ -129,7 +129,9 @@ class Trace:
         from fpdoctor.numerics.trace.recipes import RecipeWatch
 
         # the optimizers stepped in the block, their parameters known by the records that made them
-        self._recipes = self._stack.enter_context(RecipeWatch(source_of=self.tracer.provenance.get))
+        self._recipes = self._stack.enter_context(
+            RecipeWatch(source_of=self.tracer.provenance.get, position=lambda: self.tracer.records.count)
+        )
         from fpdoctor.numerics.trace.steps import StepCounter
 
         # the optimizer step of each record, told beside the module call count
@@ -221,6 +223,12 @@ class Trace:
         )
         return findings
 
+    def _step_number(self, position: int) -> int | None:
+        """The optimizer step (as the trace counts them: a GradScaler's skipped steps too) under way
+        at record `position`."""
+        at = self._steps.step_of(position, "optimizer")
+        return at[0] if at is not None else None
+
     def _graph_repro_dir(self) -> str:
         """Where the reproducer of a compiled-only graph goes: `repro=DIR`, else a new private
         temporary folder (a guessable name in the shared temp folder could be made first by
@@ -292,11 +300,13 @@ class Trace:
         from fpdoctor.numerics.trace.same_line import merged
 
         findings = merged(findings)  # what a producer's line does later, in the producer's finding
-        recipes = self._recipes.findings(list(tracer.records))
+        recipes = self._recipes.findings(list(tracer.records), self._step_number)
         # an update that blew the weights up comes before the NaN it led to: it is the cause, unless the
         # forward or backward made NaN/Inf at or before its step (its gradients were bad: a consequence)
         blown = [_after_the_gradients(f, findings) for f in recipes if f.name == "update-blew-up"]
         caused = [f for f in blown if f.evidence.get("consequence_of_step") is None]
+        if caused:
+            findings = [_after_the_blowup(f, caused[0]) for f in findings]
         findings = caused + findings + [f for f in blown if f not in caused]
         findings += [f for f in recipes if f.name != "update-blew-up"]
         tracer.errors.extend(self._recipes.errors)
@@ -386,6 +396,34 @@ def trace(
 ) -> Trace:
     """Trace the block for the op that produces NaN/Inf; see `Trace`."""
     return Trace(model, raise_on=raise_on, headroom=headroom, targets=targets, sync_every=sync_every, repro=repro)
+
+
+# What a NaN/Inf after weights that blew up is reported as: its op's own fix (a precision, an
+# epsilon) was checked on that step's values, which the diverging weights made; later steps grow past it.
+_AFTER_BLOWUP = ("nonfinite-produced", "nonfinite-input", "grad-scaler-stalled", "overflow-near-limit")
+
+
+def _after_the_blowup(finding: Finding, blown: Finding) -> Finding:
+    """A finding of a step after the update that blew the weights up, with that update as its fix:
+    where the weights keep growing, a fix at the op that overflowed only moves the step where it does."""
+    step, at = finding.evidence.get("step"), blown.evidence.get("optimizer_step")
+    if finding.name not in _AFTER_BLOWUP or not isinstance(step, int) or not isinstance(at, int) or step <= at:
+        return finding
+    growth = blown.evidence.get("growth")
+    grown = f"{growth:.3g}x" if isinstance(growth, float) else "to non-finite values"
+    span = f"steps {blown.evidence.get('from_step', at)}-{at}"
+    return dataclasses.replace(
+        finding,
+        message=finding.message + f" The weights it runs on had grown {grown} over {span} (update-blew-up, first).",
+        evidence={**finding.evidence, "after_blowup_step": at},
+        fix=f"Lower the learning rate and clip the gradients, as update-blew-up says: the weights grew {grown} over "
+        f"{span} before step {step}, and weights that keep growing overflow any format, so a change at this op "
+        "(fp32, bf16, an epsilon) only moves the step where they do.",
+        trial=Trial.untried(
+            "a change at this op was measured on this step's values, which the diverging weights made; the run "
+            "would overflow again later (update-blew-up)"
+        ),
+    )
 
 
 def _after_the_gradients(blown: Finding, findings: list[Finding]) -> Finding:

@@ -17,10 +17,10 @@ removed on exit: nothing stays on the user's optimizer). Each diagnosis is a fun
 
 from __future__ import annotations
 
-import itertools
 import math
 import sys
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,8 +45,14 @@ _POLES = {"div": 1, "div_": 1, "reciprocal": 0, "log": 0, "log2": 0, "log10": 0,
 _POLES |= {"sqrt": 0, "pow": 0, "xlogy": 1}
 _NEAR_MAX = 0.5
 # A healthy update moves a weight by a small fraction of it (lr * O(1) for Adam); one that
-# multiplies the largest weight a hundredfold in a step is not training, it is diverging.
+# multiplies the largest weight a hundredfold in a step is not training, it is diverging. So are
+# updates that do it over a few steps (momentum at a rate too high: x2 to x20 a step): a hundredfold
+# within BLOWUP_STEPS steps, from a level the weights had held since the first step (half of it at
+# least: weights grown from zero (a zero-initialised layer) are not measured from that zero), is
+# faster than any training moves them.
 BLOWUP = 100.0
+BLOWUP_STEPS = 20
+WEIGHT_STEPS = 1024  # the steps whose largest weight is kept (a 0-dim tensor each, read after the trace)
 
 
 def range_cause(record: Record) -> str | None:
@@ -89,6 +95,9 @@ class OptimizerSeen:
     grads: dict[str, int] = field(default_factory=dict)  # counts over fp32 grads of fp16-run parameters
     lr: float | None = None  # the largest learning rate of its groups, at its first step
     weights: list[Any] = field(default_factory=list)  # the largest |weight| before each of its steps (0-dim)
+    # the trace's record count at each of those (where the step is in the trace's step numbering),
+    # and after its last step (None)
+    positions: list[int | None] = field(default_factory=list)
 
 
 def _stepped_by_scaler() -> bool:
@@ -131,8 +140,9 @@ class RecipeWatch:
     traced block (its weights made by traced init ops, then written by the optimizer) is seen
     being cast to fp16 as well as one built before the block (whose weights are leaves)."""
 
-    def __init__(self, max_steps: int = 4, source_of: Any = None) -> None:
+    def __init__(self, max_steps: int = 4, source_of: Any = None, position: Callable[[], int] | None = None) -> None:
         self.optimizers: dict[int, OptimizerSeen] = {}
+        self._position = position  # the index the trace's next record gets
         self.params: set[tuple[str, int]] = set()  # the trace's sources of the parameters stepped
         self._source_of = source_of
         self.steps = 0
@@ -151,6 +161,16 @@ class RecipeWatch:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        # the weights after each optimizer's last step: a run whose later steps a GradScaler skipped
+        # grew them last in that step, which no step after it saw
+        for key, ref in enumerate(self._refs):
+            optimizer, seen = ref(), self.optimizers.get(key)
+            if optimizer is not None and seen is not None and len(seen.weights) <= WEIGHT_STEPS:
+                try:
+                    seen.weights.append(largest_weight([p for g in optimizer.param_groups for p in g["params"]]))
+                    seen.positions.append(None)
+                except Exception as error:  # the observer never kills the job
+                    self.errors.append(f"optimizer weights: {type(error).__name__}: {error}")
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
@@ -175,8 +195,9 @@ class RecipeWatch:
             seen = self.optimizers[key] = OptimizerSeen(type(optimizer).__name__, eps, dtypes, _stepped_by_scaler())
             lrs = [float(g["lr"]) for g in optimizer.param_groups if isinstance(g.get("lr"), (int, float))]
             seen.lr = max(lrs) if lrs else None
-        if len(seen.weights) < 64:
+        if len(seen.weights) < WEIGHT_STEPS:
             seen.weights.append(largest_weight(params))
+            seen.positions.append(self._position() if self._position is not None else None)
         if self._source_of is not None and self.steps <= self._max_steps:
             # what the forward before this step cast: the parameters are unchanged since
             for p in params:
@@ -189,14 +210,16 @@ class RecipeWatch:
             for k, v in counts.items():
                 seen.grads[k] = seen.grads.get(k, 0) + v
 
-    def findings(self, records: list[Record]) -> list[Finding]:
+    def findings(self, records: list[Record], step_of: Callable[[int], int | None] | None = None) -> list[Finding]:
+        """`step_of(record index)`: the trace's optimizer step a record belongs to, which counts the
+        steps a GradScaler skipped (the optimizer's own count does not)."""
         found: list[Finding] = []
         for seen in self.optimizers.values():
             f = adam_eps_finding(seen)
             if f is not None:
                 found.append(f)
         for seen in self.optimizers.values():
-            f = blowup_finding(seen)
+            f = blowup_finding(seen, step_of)
             if f is not None:
                 found.append(f)
         scaler = no_scaler_finding(records, list(self.optimizers.values()), frozenset(self.params))
@@ -215,46 +238,81 @@ def largest_weight(params: list[torch.Tensor]) -> Any:
         return torch.stack([t.abs().amax().float().to(floats[0].device) for t in floats]).amax()
 
 
-def blowup_finding(seen: OptimizerSeen) -> Finding | None:
+def blowup_finding(seen: OptimizerSeen, step_of: Callable[[int], int | None] | None = None) -> Finding | None:
     """The first update that multiplied the largest weight by BLOWUP or more (before one step and
-    the next of the same optimizer), with its learning rate."""
-    values = [None if w is None else float(w) for w in seen.weights]
-    for step, (before, after) in enumerate(itertools.pairwise(values), start=1):
-        if before is None or after is None or not before > 0:
-            continue
-        grown = after / before if math.isfinite(after) else math.inf
-        if grown < BLOWUP:
-            continue
-        lr = f" (lr={seen.lr:g})" if seen.lr is not None else ""
-        return catalog.make(
-            "update-blew-up",
-            message=(
-                f"{seen.name}'s update{lr} at its step {step} "
-                + (
-                    f"made the largest weight {_said(after)} ({before:.3g} -> {_said(after)})"
-                    if not math.isfinite(after)
-                    else f"multiplied the largest weight by {grown:.3g} ({before:.3g} -> {after:.3g})"
-                )
-                + " in one step. The "
-                "next forward and backward run on those weights: the NaN/Inf reported after this is their "
-                "consequence, not a cause of its own."
-            ),
-            where={"module": None, "phase": "optimizer"},
-            evidence={
-                "optimizer": f"torch.optim.{seen.name}",
-                "optimizer_step": step,
-                "lr": seen.lr,
-                "largest_weight_before": before,
-                "largest_weight_after": after,
-                "growth": grown if math.isfinite(grown) else None,
-            },
-            fix="lower the learning rate (by the growth factor at least: start 10x-100x lower, with warmup), and "
-            "clip the gradients (torch.nn.utils.clip_grad_norm_(params, 1.0)) before the step",
-            trial=Trial.untried(
-                "the trace saw this update once and cannot repeat the step at another rate (fpdoctor.Sentinel and "
-                "`fpdoctor watch` try a lower rate from the step that climbed)"
-            ),
+    the next of the same optimizer), or that brought its growth over the last BLOWUP_STEPS steps to
+    BLOWUP, with its learning rate; steps as the trace counts them where `step_of` maps them."""
+    found = _blowup(seen.weights)
+    if found is None:
+        return None
+    start, end, before, after = found
+    # the updates between value `start` and value `end` are the optimizer's steps start + 1 .. end
+    first, step = start + 1, end
+    if step_of is not None:
+        at = [None if p is None else step_of(p) for p in seen.positions[start:end]]
+        if at and at[0] is not None and at[-1] is not None:
+            first, step = at[0], at[-1]
+    grown = after / before if math.isfinite(after) else math.inf
+    lr = f" (lr={seen.lr:g})" if seen.lr is not None else ""
+    size = (
+        f"made the largest weight {_said(after)} ({before:.3g} -> {_said(after)})"
+        if not math.isfinite(after)
+        else f"multiplied the largest weight by {grown:.3g} ({before:.3g} -> {after:.3g})"
+    )
+    if end - start == 1:
+        what = f"{seen.name}'s update{lr} at step {step} {size} in one step."
+    else:
+        what = (
+            f"{seen.name}'s updates{lr} of steps {first} to {step} {size} in {end - start} updates: the weights "
+            "diverge, step after step."
         )
+    return catalog.make(
+        "update-blew-up",
+        message=(
+            what + " The "
+            "next forward and backward run on those weights: the NaN/Inf reported after this is their "
+            "consequence, not a cause of its own."
+        ),
+        where={"module": None, "phase": "optimizer"},
+        evidence={
+            "optimizer": f"torch.optim.{seen.name}",
+            "optimizer_step": step,
+            "from_step": first,
+            "lr": seen.lr,
+            "largest_weight_before": before,
+            "largest_weight_after": after,
+            "growth": grown if math.isfinite(grown) else None,
+        },
+        fix="lower the learning rate (by the growth factor at least: start 10x-100x lower, with warmup), and "
+        "clip the gradients (torch.nn.utils.clip_grad_norm_(params, 1.0)) before the step",
+        trial=Trial.untried(
+            "the trace saw this update once and cannot repeat the step at another rate (fpdoctor.Sentinel and "
+            "`fpdoctor watch` try a lower rate from the step that climbed)"
+        ),
+    )
+    return None
+
+
+def _blowup(weights: list[Any]) -> tuple[int, int, float, float] | None:
+    """(the step before the growth, the step that completed it, the largest weight before, after) of
+    the first update that multiplied the largest weight by BLOWUP (before step 1 is index 0): in one
+    step, or with the BLOWUP_STEPS - 1 updates before it from a level of half the first's at least."""
+    values = [None if w is None else float(w) for w in weights]
+    first = next((v for v in values if v is not None), None)
+    for step in range(1, len(values)):
+        after, prior = values[step], values[step - 1]
+        if after is None:
+            continue
+        if prior is not None and 0 < prior < math.inf and not after / prior < BLOWUP:  # NaN counts
+            return step - 1, step, prior, after
+        window = [(v, i) for i in range(max(0, step - BLOWUP_STEPS), step) if (v := values[i]) is not None]
+        if first is None or not first > 0 or not window:
+            continue
+        low = min(v for v, _ in window)
+        if low >= 0.5 * first and after / low >= BLOWUP:
+            # where the growth started: the last value within a quarter of the window's low
+            before, start = next((v, i) for v, i in reversed(window) if v <= 1.25 * low)
+            return start, step, before, after
     return None
 
 

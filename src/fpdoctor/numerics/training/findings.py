@@ -114,11 +114,36 @@ def _experiment_decided(culprit: Finding | None) -> bool:
     return isinstance(experiment, dict) and experiment.get("verdict") == "origin"
 
 
-def _control_text(control: ControlResult | None) -> tuple[str, str | None, dict[str, Any], Trial | None]:
-    """The fp32 control's sentence, the fix it implies and its trial (None: keep the op's own), and its evidence."""
+def _control_text(
+    control: ControlResult | None, climbed: Finding | None = None, lr_trial: LrTrial | None = None
+) -> tuple[str, str | None, dict[str, Any], Trial | None]:
+    """The fp32 control's sentence, the fix it implies and its trial (None: keep the op's own), and
+    its evidence. After a climb of the loss (`climbed`) the updates drove the weights out of range,
+    whatever the control gave (finite in fp32: only where it shows first): the fix is the learning
+    rate, with `lr_trial`'s result where it ran."""
+    if climbed is not None:
+        ev = climbed.evidence
+        evidence: dict[str, Any] = {"climbed_at_step": ev.get("step")}
+        said = ""
+        if control is not None:
+            evidence["control_fp32"] = control.outcome
+            said = {
+                "finite": " Replayed again in fp32 with autocast off it was finite at this step, but",
+                "nonfinite": " Replayed again in fp32 with autocast off it was non-finite too, and",
+            }.get(control.outcome, "")
+        text = (
+            f"{said or ' But'} the loss climbed before it (loss-spike at step {ev.get('step')}, "
+            f"{ev.get('loss', math.nan):.4g} against a mean of {ev.get('mean', math.nan):.4g}): the updates drove "
+            "the weights out of range, so the op that overflowed is only where it shows first, and no precision "
+            "change is the fix."
+        )
+        if lr_trial is not None:
+            evidence["lr_tried"] = lr_trial.evidence()
+            text += lr_trial.text()
+        return text, _lr_fix(lr_trial), evidence, _lr_trial(lr_trial)
     if control is None:
         return "", None, {}, None
-    evidence: dict[str, Any] = {"control_fp32": control.outcome}
+    evidence = {"control_fp32": control.outcome}
     if control.outcome == "finite":
         return (
             " Replayed again with every fp16/bf16 parameter, buffer and input in fp32 and autocast off, it was "
@@ -155,16 +180,30 @@ _SYMPTOMS = ("nonfinite-loss", "nonfinite-gradient")
 
 
 def causes_first(found: list[Finding]) -> list[Finding]:
-    """`found` with each step's replay verdict ahead of that step's symptoms, the rest in order."""
+    """`found` with each step's replay verdict ahead of that step's symptoms, the rest in order; a
+    stall after a climb of the loss (the learning rate) ahead of every verdict and symptom since."""
     verdict_at: dict[int, int] = {}
     for i, f in enumerate(found):
         step = f.evidence.get("step")
         if f.name in _VERDICTS and isinstance(step, int):
             verdict_at.setdefault(step, i)
+    lead: dict[int, int] = {}  # a stall after a climb -> the first verdict or symptom since the climb
+    for i, f in enumerate(found):
+        climb = f.evidence.get("climbed_at_step") if f.name == "training-stalled" else None
+        if isinstance(climb, int):
+            since = [
+                j for j, g in enumerate(found[:i])
+                if g.name in (*_VERDICTS, *_SYMPTOMS) and isinstance(g.evidence.get("step"), int)
+                and g.evidence["step"] > climb
+            ]  # fmt: skip
+            if since:
+                lead[i] = min(since)
 
     def key(item: tuple[int, Finding]) -> tuple[int, int]:
         i, f = item
         step = f.evidence.get("step")
+        if i in lead:
+            return lead[i], -1  # ahead of what it explains
         if f.name in _SYMPTOMS and isinstance(step, int) and verdict_at.get(step, -1) > i:
             return verdict_at[step], 1  # right after its verdict
         return i, 0
@@ -181,10 +220,14 @@ def verdict_findings(
     kind: str | None,
     control: ControlResult | None = None,
     health: Any = None,
+    climbed: Finding | None = None,
+    lr_trial: LrTrial | None = None,
 ) -> list[Finding]:
     """deterministic-nonfinite (with the trace's other findings) or transient-fault-suspected;
     `kind`: the bad step's own nan / +inf / -inf; `control`: the same replay in fp32, when run;
-    `health`: what changed on this GPU since the job started (fpdoctor.health.watch.Changes)."""
+    `health`: what changed on this GPU since the job started (fpdoctor.health.watch.Changes);
+    `climbed`: the loss spike the run climbed from before this step, if any, and `lr_trial` the
+    lower learning rates tried from the climb."""
     where_rank = place(me)
     # micro-batches count from 1 within their window, as steps do
     micro = {"micro_batch": result.micro_batch + 1} if result.micro_batch is not None and micro_batches else {}
@@ -192,11 +235,13 @@ def verdict_findings(
         first = result.culprit
         after = bool(result.evidence.get("made_after_outputs"))
         rank_text = f" on rank {me['rank']}" if "rank" in me else ""
-        control_text, control_fix, control_evidence, control_trial = _control_text(control)
+        control_text, control_fix, control_evidence, control_trial = _control_text(control, climbed, lr_trial)
         decided = first is not None and _experiment_decided(first)
         fix, trial = (
             (_AFTER_OUTPUTS_FIX, Trial.untried("a change to the loss code, which fpdoctor does not write"))
             if after
+            else (control_fix, control_trial)
+            if climbed is not None and control_fix is not None
             else (first.fix, first.trial)
             if first is not None and decided
             else (control_fix, control_trial)
@@ -227,7 +272,11 @@ def verdict_findings(
             trial=trial,
             title=_BAD_DATA_TITLE if _batch_held_it(first) else None,
         )
-        return [finding, *result.others]
+        others = result.others
+        if climbed is not None and control_fix is not None and control_trial is not None:
+            # the replay's op findings were checked on weights that were still growing: the same fix
+            others = [dataclasses.replace(o, fix=control_fix, trial=control_trial) if o.fix else o for o in others]
+        return [finding, *others]
     return [_transient_finding(step, result, me, kind=kind, health=health)]
 
 
@@ -599,6 +648,7 @@ def stall_finding(
     head += f" (steps {window[0].step}-{window[-1].step}, first skip at step {first_skip})"
     head += ": the optimizer never ran." if never else f": the last step applied was step {last_good}."
     cause, fix, trial = _stall_cause(first_skip, found, lr_trial)
+    climb = climbed_before(first_skip, found)
     return catalog.make(
         "training-stalled",
         message=f"{head} {cause}",
@@ -612,6 +662,7 @@ def stall_finding(
             "amp_skips": amp_skips,
             "last_good_step": last_good,
             **({"lr_tried": lr_trial.evidence()} if lr_trial is not None else {}),
+            **({"climbed_at_step": climb.evidence.get("step")} if climb is not None else {}),
         },
         fix=fix,
         trial=trial,
@@ -620,6 +671,12 @@ def stall_finding(
 
 def _spikes_before(first_skip: int, found: list[Finding]) -> list[Finding]:
     return [f for f in found if f.name == "loss-spike" and f.evidence.get("step", first_skip) < first_skip]
+
+
+def climbed_before(step: int, found: list[Finding]) -> Finding | None:
+    """The last loss spike before `step`: the climb a later non-finite step follows."""
+    spikes = _spikes_before(step, found)
+    return spikes[-1] if spikes else None
 
 
 def learning_rate_points(first_skip: int, found: list[Finding]) -> bool:
@@ -694,7 +751,7 @@ def _lr_trial(trial: LrTrial | None) -> Trial:
             metric=f"the loss over {trial.steps} steps",
             before=trial.as_is.said(),
             after=best.said(),
-            on="copies of the model and optimizer from the climb's first step, on its batch",
+            on=f"copies of {trial.start}, on its batch",
         )
     return Trial.untried(
         "lowering the learning rate was tried and did not separate the rates (see the message); the advice "
@@ -712,19 +769,19 @@ def _lr_fix(trial: LrTrial | None) -> str:
     if best is not None and not as_is.settles:
         return (
             f"Lower the learning rate to {best.lr:.4g} or below (the run's {as_is.lr:.4g} / {as_is.lr / best.lr:g}), "
-            f"{rest} Checked: from the climb's first step, {trial.steps} steps at {best.lr:.4g} {best.said()}; at "
-            f"{as_is.lr:.4g} they {as_is.said()}."
+            f"{rest} Checked: from {trial.origin}, {trial.steps} steps at "
+            f"{best.lr:.4g} {best.said()}; at {as_is.lr:.4g} they {as_is.said()}."
         )
     if best is not None:
         return (
-            f"Lower the learning rate (or add warm-up), {rest} Tried: from the climb's first step, {trial.steps} "
-            f"steps on its batch settle at the run's {as_is.lr:.4g} as well as at {best.lr:.4g}, so the trial does "
-            "not show the rate alone is the cause."
+            f"Lower the learning rate (or add warm-up), {rest} Tried: from {trial.origin}, {trial.steps} steps on "
+            f"its batch settle at the run's {as_is.lr:.4g} as well as at "
+            f"{best.lr:.4g}, so the trial does not show the rate alone is the cause."
         )
     tried = ", ".join(f"{a.lr:.4g}" for a in trial.lowered)
     return (
         "Resume from a checkpoint before the climb and look at the batches of the climb (a bad batch), with "
-        f"gradient clipping (torch.nn.utils.clip_grad_norm_) and warm-up. Tried: learning rates of {tried} from the "
-        "climb's first step did not keep the steps finite with a loss that did not climb, so lowering it alone is "
-        "not the fix."
+        f"gradient clipping (torch.nn.utils.clip_grad_norm_) and warm-up. Tried: learning rates of {tried} from "
+        f"{trial.origin} did not keep the steps finite with a loss that did not climb, so "
+        "lowering it alone is not the fix."
     )

@@ -554,8 +554,20 @@ class StepJudge:
             from fpdoctor.health import watch
 
             health = watch.since(self._health)
+        # a climb of the loss before it: the learning rate, tried from the climb where its state was kept
+        climbed = (
+            findings.climbed_before(f.step, self.findings) if result.verdict == "deterministic-nonfinite" else None
+        )
         made = findings.verdict_findings(
-            f.step, result, me, micro_batches=f.micro_batches > 1, kind=kind, control=control, health=health
+            f.step,
+            result,
+            me,
+            micro_batches=f.micro_batches > 1,
+            kind=kind,
+            control=control,
+            health=health,
+            climbed=climbed,
+            lr_trial=self._try_lower_lr(f.step) if climbed is not None else None,
         )
         if self.is_compiled and result.verdict == "deterministic-nonfinite":  # the compiled model, run eagerly
             made = compiled.seen_in(made, compiled.EAGER_REPLAY)
@@ -657,7 +669,9 @@ class StepJudge:
             last = self._spike_at
             episode = last[1] if last is not None and last[0] == step - 1 else ("loss-spike", step)
             self._spike_at = (step, episode)
-            if f is not None and episode == ("loss-spike", step):
+            # the first climb's state is kept until its loss comes back: a loss that climbs again from
+            # where it stayed (a second spike) is the same divergence, the rate tried from its start
+            if f is not None and episode == ("loss-spike", step) and not isinstance(self._climb, Snapshot):
                 self._climb = self._keep_climb(f)
             if self._held and self._held[-1][1] != episode:
                 self._release_spikes()  # spiked again before it came back
@@ -666,14 +680,18 @@ class StepJudge:
             )
             self._since_spike = []
         else:
-            if f is not None:
-                self._climb = None  # a finite step that did not climb: no climb to start from
             if self._held:
                 self._since_spike.append(loss_value)
                 if len(self._since_spike) >= SPIKE_RECOVERY:
                     before = self._held[0][0].evidence  # the level before the episode's first spike
                     back = statistics.median(self._since_spike) <= before["mean"] + 2 * before["std"]
                     self._release_spikes(came_back=back)
+            if f is not None and not self._held:
+                self._climb = None  # a finite step that did not climb, none held up: no climb to start from
+            elif f is not None and not isinstance(self._climb, Snapshot):
+                # a step of a climb still held up whose first step kept no state (a GradScaler skipped
+                # it: replayed at that scale, every rate would overflow again): the climb from here
+                self._climb = self._keep_climb(f, first=False)
         history.append(loss_value)
 
     def _release_spikes(self, *, came_back: bool = False) -> None:
@@ -682,25 +700,33 @@ class StepJudge:
         held, self._held, self._since_spike = self._held, [], []
         if came_back:
             self._transient += [dict(f.evidence) for f, _ in held]
+            self._climb = None  # it came back: no climb to start from
             return
         for finding, episode in held:
             self.causes.add(finding, episode)
 
-    def _keep_climb(self, f: StepFacts) -> Snapshot | str:
+    def _keep_climb(self, f: StepFacts, *, first: bool = True) -> Snapshot | str:
         """The state a climb's first step starts from, to try a lower learning rate on if training stalls."""
-        if not self.replay or f.why_not is not None or f.applied or f.stepped or self.distributed:
+        if not self.replay or f.why_not is not None or f.applied or self.distributed:
             return f.why_not or (
                 "the step was applied by the step function itself"
                 if f.applied
-                else "the optimizer had made the step's update before it was judged (device-side skipping or a "
-                "GradScaler's step): the weights it started from were gone"
-                if f.stepped
                 else "replays are off"
                 if not self.replay
                 else "a trial on one rank would leave the others' collectives"
             )
         try:
-            return snapshot(self.model, self.optimizer, f.step, window_runner(f.window, f.step_fn, f.contexts), f.scale)
+            # where the optimizer already made the step's update (a GradScaler's step, device-side
+            # skipping), the state after it: the weights the step started from are gone
+            return snapshot(
+                self.model,
+                self.optimizer,
+                f.step,
+                window_runner(f.window, f.step_fn, f.contexts),
+                f.scale,
+                after_update=f.stepped,
+                first=first,
+            )
         except Exception as exc:
             return f"the state could not be kept ({type(exc).__name__}: {exc})"
 
@@ -735,7 +761,8 @@ class StepJudge:
         if not stalled:
             if skipped <= STALL_WINDOW // 2:
                 self._stall = None  # the episode is over; a later one is new
-                self._lr_trial = None
+                if not history[-1].skipped:  # a step applied again: a trial of a rate (a verdict's) is done with
+                    self._lr_trial = None
             return
         episode = [h for h in history[self._stall_start() :]]
         first_skip = next((h.step for h in episode if h.skipped), history[-1].step)

@@ -14,7 +14,8 @@ The user's model runs with stand-in tensors (`torch.nn.utils.stateless`, as the 
 replay does): its parameters, their gradients, its buffers, its optimizer and the RNG are as they
 were afterwards. Cost: the snapshot (one copy of the trainable weights and of the optimizer state,
 on their device, up to `SNAPSHOT_BYTES`; none above it) once per climb, and (LR_STEPS + 1)
-forward+backward passes per rate, once per stalled episode.
+forward+backward passes per rate, once per stalled episode (LONGER times as many where the run's
+own rate settles in LR_STEPS: a climb driven by momentum takes more steps to show).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from fpdoctor.preserve import preserved
 from fpdoctor.torchprivate import named_parameters, reparametrized
 
 LR_STEPS = 4
+LONGER = 4  # where the run's own rate settles over LR_STEPS steps, every arm runs LONGER times as many
 FACTOR = 10.0
 LADDER = 3  # lower rates tried at most: lr / 10, / 100, / 1000
 SNAPSHOT_BYTES = 1 << 30  # a larger model is not copied: the finding says so
@@ -49,10 +51,21 @@ class Snapshot:
     state: dict[str, Any]  # the optimizer's state_dict, copied
     run_step: Callable[[], Any]  # forward and backward of the step's window; its loss or None
     scale: float | None  # the GradScaler scale its gradients carry
+    # the state after the step's update: a GradScaler's step (or an optimizer that skips on the
+    # device) updates the weights before the step is judged, so the state before it is gone
+    after_update: bool = False
+    first: bool = True  # the climb's first step (False: a later step of it, the first kept no state)
 
 
 def snapshot(
-    model: nn.Module, optimizer: Any, step: int, run_step: Callable[[], Any], scale: float | None
+    model: nn.Module,
+    optimizer: Any,
+    step: int,
+    run_step: Callable[[], Any],
+    scale: float | None,
+    *,
+    after_update: bool = False,
+    first: bool = True,
 ) -> Snapshot | str:
     """The state `step` starts from, or why it is not kept (too large, no optimizer)."""
     if optimizer is None:
@@ -71,7 +84,7 @@ def snapshot(
             f"{SNAPSHOT_BYTES / 2**20:.0f} MiB this check may hold"
         )
     weights = {n: p.detach().clone() for n, p in named}
-    return Snapshot(step, weights, copy.deepcopy(optimizer.state_dict()), run_step, scale)
+    return Snapshot(step, weights, copy.deepcopy(optimizer.state_dict()), run_step, scale, after_update, first)
 
 
 @dataclass(frozen=True)
@@ -108,6 +121,26 @@ class LrTrial:
     lowered: list[Arm] = field(default_factory=list)  # lr / FACTOR, / FACTOR**2, ... up to the first that settles
     seconds: float = 0.0
     why_not: str | None = None  # why it was not tried, or what failed
+    after_update: bool = False  # from the state after the step's update (Snapshot.after_update)
+    first: bool = True  # from the climb's first step (Snapshot.first)
+
+    @property
+    def start(self) -> str:
+        """Where the trial's steps started from, in words."""
+        if self.after_update:
+            return (
+                f"the weights and optimizer state after step {self.from_step}'s update (in the climb; a GradScaler's "
+                "step updates the weights before the step is judged)"
+            )
+        first = "the first of the climb" if self.first else "in the climb; its first step kept no state"
+        return f"the weights and optimizer state step {self.from_step} started from ({first})"
+
+    @property
+    def origin(self) -> str:
+        """`start`, short."""
+        if self.after_update:
+            return f"the state after step {self.from_step}'s update (in the climb)"
+        return "the climb's first step" if self.first else f"step {self.from_step}'s state (in the climb)"
 
     @property
     def best(self) -> Arm | None:
@@ -135,9 +168,8 @@ class LrTrial:
             return f" Lowering the learning rate was not tried: {self.why_not}."
         arms = "; ".join(f"at lr {_num(a.lr)} they {a.said()}" for a in self.lowered)
         head = (
-            f" Tried from the weights and optimizer state step {self.from_step} started from (the first of the "
-            f"climb), {self.steps} steps on its batch: at the run's lr {_num(self.as_is.lr)} they "
-            f"{self.as_is.said()}; {arms}"
+            f" Tried from {self.start}, {self.steps} steps on its batch: at the run's lr {_num(self.as_is.lr)} "
+            f"they {self.as_is.said()}; {arms}"
         )
         best = self.best
         if best is not None and not self.as_is.settles:
@@ -163,17 +195,29 @@ def try_lower_lr(model: nn.Module, optimizer: Any, snap: Snapshot, *, steps: int
         if lr is None:
             return LrTrial(snap.step, why_not="the optimizer has no learning rate to lower")
         with preserved(model):
-            for rung in range(LADDER + 1):
-                factor = FACTOR**rung
-                arms.append(_arm(model, optimizer, snap, named, factor=factor, steps=steps))
-                if rung and arms[-1].settles:
+            as_is = _arm(model, optimizer, snap, named, factor=1.0, steps=steps)
+            if as_is.settles:  # a divergence with momentum takes more steps to show: LONGER times as many
+                steps *= LONGER
+                as_is = _arm(model, optimizer, snap, named, factor=1.0, steps=steps)
+            arms.append(as_is)
+            for rung in range(1, LADDER + 1):
+                arms.append(_arm(model, optimizer, snap, named, factor=FACTOR**rung, steps=steps))
+                if arms[-1].settles:
                     break
     except Exception as exc:
         return LrTrial(snap.step, why_not=f"it failed ({type(exc).__name__}: {exc})")
     finally:
         for p, g in saved_grads:
             p.grad = g
-    return LrTrial(snap.step, steps, arms[0], arms[1:], time.perf_counter() - start)
+    return LrTrial(
+        snap.step,
+        steps,
+        arms[0],
+        arms[1:],
+        time.perf_counter() - start,
+        after_update=snap.after_update,
+        first=snap.first,
+    )
 
 
 def _lr(state: dict[str, Any], optimizer: Any) -> float | None:
