@@ -961,6 +961,8 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
                 f"the one change measured is not enough: {' and '.join(changes)} leaves the end-to-end error at "
                 f"{_fmt(raised)} (from {_fmt(error)}); what they read may be made earlier (a value passed in)"
                 if (lines or buffers) and raised is not None
+                else f"the run with {' and '.join(changes)} failed, so it was not measured"
+                if lines or buffers
                 else "the lines that make its inputs were not found"
             )
             fix = f"make what {op} reads in fp32 from where it is first computed, and cast {op}'s result back"

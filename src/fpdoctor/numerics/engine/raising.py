@@ -15,7 +15,9 @@ limit" (torch.finfo(x.dtype).min for a mask fill, not float32's), as a run.
 
 from __future__ import annotations
 
+import linecache
 import math
+import re
 import sys
 import weakref
 from typing import Any
@@ -131,6 +133,10 @@ def _holds(values: Any, dtype: torch.dtype) -> bool:
     return False
 
 
+# A line that writes a wide dtype itself: x.float(), torch.float32, dtype=torch.double, ...
+_WRITES_WIDE = re.compile(r"\.(float|double)\(|float32|float64|torch\.(float|double)\b")
+
+
 class RaisedLines(EagerDispatchMode):
     """Ops at `lines` computed in fp32 (their `dtype` inputs and dtype arguments raised); every other
     op reads their fp32 results back in `dtype`, as the user's fix casts them back."""
@@ -145,6 +151,9 @@ class RaisedLines(EagerDispatchMode):
         # every other op reads them in `dtype`, as a model that casts its own inputs does
         self.wide_inputs = wide_inputs
         self.fed = ByTensor()  # those inputs (and their views): `feed`, at the model's call
+        # buffers held in fp32 (compare's check of a rounded buffer kept): a cast the lines make to a
+        # held buffer's dtype (t.to(self.freqs.dtype)) reads fp32 from it, which the code did not write
+        self.held = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -153,7 +162,7 @@ class RaisedLines(EagerDispatchMode):
             self.raised += 1
             # a result the code makes wider than `dtype` as written (x.float().mean()) is read as it is:
             # only what raising widened is cast back where the rest reads it
-            wider = self._wider(args, kwargs)
+            wider = self._wider(args, kwargs, user)
             args, kwargs = _map(args, kwargs, self._up)
             args = tuple(torch.float32 if a is self.dtype else a for a in args)
             kwargs = {k: torch.float32 if v is self.dtype else v for k, v in kwargs.items()}
@@ -200,13 +209,16 @@ class RaisedLines(EagerDispatchMode):
     def _up(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.float32) if t.dtype == self.dtype else t
 
-    def _wider(self, args: Any, kwargs: dict[str, Any]) -> bool:
+    def _wider(self, args: Any, kwargs: dict[str, Any], user: tuple[str, int, str]) -> bool:
         """Whether the op, as the code wrote it, computes wider than `dtype`: its floating dtype
-        argument says (a cast to `dtype` is not wider, whatever it reads); without one, a floating
-        input of a wider dtype that no raised op made."""
+        argument says (a cast to `dtype` is not wider, whatever it reads; with buffers `held`, an
+        fp32 the line does not write is the held buffer's dtype, read by the code); without one, a
+        floating input of a wider dtype that no raised op made."""
         values = [*args, *kwargs.values()]
         given = [a for a in values if isinstance(a, torch.dtype) and a.is_floating_point]
         if given:
+            if self.held and given[0] is torch.float32 and not _WRITES_WIDE.search(linecache.getline(*user[:2])):
+                return False
             return given[0] is not self.dtype and torch.finfo(given[0]).bits > torch.finfo(self.dtype).bits
         if self.wide_inputs:
             return False
