@@ -281,3 +281,59 @@ def test_the_fp64_pass_takes_its_ranges_in_the_own_ops_dispatch_not_a_second_mod
     taken = comparisons[0].truth_ranges.read()
     alone = passes(model, x)[0].read()
     assert taken and [(r.key, r.shape, r.absmax) for r in taken] == [(r.key, r.shape, r.absmax) for r in alone]
+
+
+class _Mixer(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = (m(x) for m in (self.q, self.k))  # the same mm as the FFN's below, its values large too
+        return torch.tanh(q / 1e4) * torch.tanh(k / 1e4)
+
+
+class _FFN(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.wi, self.wo = nn.Linear(dim, 4 * dim, bias=False), nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wo(torch.relu(self.wi(x)))
+
+
+class _Blocks(nn.Module):
+    """A T5-style FFN whose output Linear comes near fp16's max, after a mixer whose Linears run the
+    same op on the same shapes at another line: each op's line is the line that called its module."""
+
+    def __init__(self, dim: int = 32, decoder: bool = False) -> None:
+        super().__init__()
+        self.mix, self.ffn, self.decoder = _Mixer(dim), _FFN(dim), decoder
+        self.out = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ffn(self.mix(x))
+        return self.out(h) if self.decoder else h
+
+
+FFN_LINE = inspect.getsourcelines(_FFN.forward)[1] + 1
+OUT_LINE = inspect.getsourcelines(_Blocks.forward)[1] + 2
+
+
+@pytest.mark.parametrize("decoder", [False, True])
+def test_an_op_of_a_torch_module_is_at_the_line_that_called_that_module_not_another_of_its_class(decoder):
+    import fpdoctor
+
+    torch.manual_seed(0)
+    model = _Blocks(decoder=decoder).eval()
+    with torch.no_grad():
+        x = torch.randn(4, 16, 32)
+        for m in (model.mix.q, model.mix.k):  # watched: outputs at a third of the max, below the finding's share
+            m.weight.mul_(0.3 * FP16_MAX / float(m(x).abs().max()))
+        target = model.out if decoder else model.ffn.wo
+        target.weight.mul_(0.6 * FP16_MAX / float(model(x).abs().max()))
+    result = fpdoctor.compare(model, x, candidate="fp16")
+    risks = result.report.by_name("overflow-risk")
+    assert risks, [f.name for f in result.report.findings]
+    line = OUT_LINE if decoder else FFN_LINE
+    assert risks[0].evidence["location"].startswith(f"{__file__}:{line} "), risks[0].evidence["location"]

@@ -107,7 +107,7 @@ class OpRanges(EagerDispatchMode):
         self._values: list[torch.Tensor] = []  # (lo, hi) per key, 0-d, on the op's device
         # id(overload) -> (op, reduced, the overload): an OpOverload's __hash__ is Python code
         self._ops: dict[int, tuple[str, bool, Any]] = {}
-        self._lines: dict[tuple[Any, str, int, int], tuple[str, int, str] | None] = {}
+        self._lines: dict[tuple[str, Any, str, int, int], tuple[str, int, str] | None] = {}
         self._read: list[OpRange] | None = None
 
     # -- module attribution: compare's hook callbacks, wrapped ------------------------------
@@ -223,7 +223,9 @@ class OpRanges(EagerDispatchMode):
                     continue
                 location = None
                 if t.dtype in AT_RISK:
-                    line_key = (code, op, k, position)
+                    # per module too: torch's modules share their forward's code (every Linear's mm),
+                    # and the line that matters is the one that called this module
+                    line_key = (module, code, op, k, position)
                     if line_key not in self._lines:
                         self._lines[line_key] = _model_location(sys._getframe(2))
                     location = self._lines[line_key]
