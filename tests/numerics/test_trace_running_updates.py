@@ -242,3 +242,63 @@ def test_an_ema_in_bf16_written_with_lerp_out_is_named_and_fp32_is_not() -> None
     found = [f for f in report.findings if f.evidence.get("kind") == "running-update"]
     assert len(found) == 1 and "aten.lerp_" in found[0].message and min(found[0].evidence["lost"]) > 0.5, found
     assert found[0].evidence["location"].endswith(f":{at}"), found[0].evidence
+
+
+def _bf16_weights_updated_by_hand(form: str, *, masters: bool = False, wd: float = 0.05, steps: int = 6):
+    """A bf16 model whose weights a line updates by hand under no_grad, outside optimizer.step:
+    a decoupled weight decay before Adam's step (AdamW written out, trial77), or a whole SGD step
+    written by hand in fp16. `masters`: the fix as printed, the line applied to fp32 master copies."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if form == "decay" else torch.float16
+    model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 8)).to(dtype)
+    params = list(model.parameters())
+    held = [p.detach().float().requires_grad_() for p in params] if masters else params
+    opt = torch.optim.Adam(held, lr=1e-4) if form == "decay" else None
+    lr = 1e-4
+    g = torch.Generator().manual_seed(1)
+    with fpdoctor.Trace(model) as tr:
+        for _ in range(steps):
+            x = torch.randn(64, 32, generator=g).to(dtype)
+            loss = model(x).float().pow(2).mean()
+            for p in params:
+                p.grad = None
+            loss.backward()
+            if masters:
+                for p, m in zip(params, held, strict=True):
+                    m.grad = p.grad.float()
+            with torch.no_grad():
+                for p in held:
+                    if form == "decay":
+                        p.mul_(1 - lr * wd)  # decoupled weight decay, as AdamW does it
+                    else:
+                        p.add_(p.grad, alpha=-lr)  # SGD by hand
+            if opt is not None:
+                opt.step()
+            if masters:
+                with torch.no_grad():
+                    for p, m in zip(params, held, strict=True):
+                        p.copy_(m)
+    assert tr.report is not None
+    return tr.report, held
+
+
+HAND_LINE = _bf16_weights_updated_by_hand.__code__.co_firstlineno + 25
+
+
+@pytest.mark.parametrize("form", ["decay", "sgd"])
+def test_weights_updated_by_hand_under_no_grad_are_named_first_with_a_fix_for_weights(form: str) -> None:
+    report, _ = _bf16_weights_updated_by_hand(form)
+    first = report.findings[0]
+    line = HAND_LINE if form == "decay" else HAND_LINE + 2
+    assert first.evidence.get("kind") == "running-update", [f.name for f in report.findings]
+    assert first.evidence["location"].endswith(f":{line}"), first.evidence
+    assert "trainable weights, under no_grad" in first.message and "EMA" not in first.message
+    assert "fp32 master copies" in first.fix and first.trial is not None and first.trial.tried
+
+
+def test_the_decay_applied_to_fp32_masters_as_printed_acts_and_is_not_named() -> None:
+    report, masters = _bf16_weights_updated_by_hand("decay", masters=True, steps=20)
+    assert not [f for f in report.findings if f.evidence.get("kind") == "running-update"]
+    _, without = _bf16_weights_updated_by_hand("decay", masters=True, steps=20, wd=0.0)
+    decayed = sum(float(m.detach().norm()) for m in masters)
+    assert decayed < sum(float(m.detach().norm()) for m in without)  # the decay now moves the weights

@@ -79,6 +79,7 @@ class _Line:
     dtype: str
     shape: list[int]
     target: str | None = None  # the buffer's name (a norm's running statistic), where the model names it
+    weights: bool = False  # a trainable weight (requires_grad), updated under no_grad
     lost: list[float] = field(default_factory=list)  # per call checked: ||kept - exact|| / ||exact update||
     kept_fp32: list[float] = field(default_factory=list)  # the same for the update kept in an fp32 tensor
 
@@ -114,6 +115,9 @@ class LostUpdates:
         copy_'s source) from what they read, the target among it, for a statement a copy_ writes back."""
         foreach = name in FOREACH
         final = None
+        # a trainable weight updated in place under no_grad, outside optimizer.step: a weight decay or
+        # an update written by hand (p.mul_(1 - lr * wd)), which the weights' format rounds away too
+        grad = torch.is_grad_enabled()
         if name in OUT_FORMS:  # an op written out= a tensor (`written`: the op and its keyword arguments)
             if written is None:
                 return None
@@ -140,7 +144,7 @@ class LostUpdates:
                 ((0, j), t) for j, t in enumerate(listed) if isinstance(t, torch.Tensor)
             ]
             if not picked or len(picked) != len(listed) or any(
-                t.dtype not in _NARROW or t.requires_grad or t.numel() > _LARGEST for _, t in picked
+                t.dtype not in _NARROW or (t.requires_grad and grad) or t.numel() > _LARGEST for _, t in picked
             ):  # fmt: skip
                 return None
         else:
@@ -148,7 +152,7 @@ class LostUpdates:
                 ((i, None), args[i])
                 for i in targets
                 if i < len(args) and isinstance(args[i], torch.Tensor) and args[i].dtype in _NARROW
-                and not args[i].requires_grad and smallest <= args[i].numel() <= _LARGEST
+                and not (args[i].requires_grad and grad) and smallest <= args[i].numel() <= _LARGEST
             ]  # fmt: skip
         if not picked:
             return None
@@ -261,7 +265,7 @@ class LostUpdates:
             return
         record = (*key, i[0]) if i[1] is None else (*key, i[0], i[1])
         dtype = str(t.dtype).removeprefix("torch.")
-        line = self.lines.setdefault(record, _Line(key[2], dtype, list(t.shape), target))
+        line = self.lines.setdefault(record, _Line(key[2], dtype, list(t.shape), target, weights=t.requires_grad))
         line.lost.append(float((t.detach().double() - exact).norm()) / size)
         line.kept_fp32.append(float((fp32 - exact).norm()) / size)
 
@@ -301,6 +305,7 @@ class LostUpdates:
             if len(lost) < RECENT or sum(lost) / len(lost) < LOST or latest < LOST or max(kept_fp32) >= LOST:
                 continue
             line = found[0]
+            weights = any(x.weights for x in found)
             ops = " and ".join(dict.fromkeys(f"aten.{x.op}" for x in found))  # each op once, as the line runs them
             shapes = list(dict.fromkeys(str(x.shape) for x in found))
             if line.op == COPY:  # judged by the statement it writes back
@@ -323,14 +328,24 @@ class LostUpdates:
                             else f"{line.dtype} tensors of {len(shapes)} shapes ({', '.join(shapes[:3])}"
                             f"{', ...' if len(shapes) > 3 else ''})"
                         )
-                        + f"{'' if line.op == REBOUND else ' in place'} (no "
-                        f"gradient, outside the optimizer step: an EMA of weights, a running mean or statistic), and "
-                        f"on the latest {len(lost)} calls checked (calls spread over the run: the 1st, 2nd, 4th, "
+                        + f"{'' if line.op == REBOUND else ' in place'} "
+                        + (
+                            "(trainable weights, under no_grad, outside the optimizer step: a weight decay or an "
+                            "update written by hand), and "
+                            if weights
+                            else "(no gradient, outside the optimizer step: an EMA of weights, a running mean or "
+                            "statistic), and "
+                        )
+                        + f"on the latest {len(lost)} calls checked (calls spread over the run: the 1st, 2nd, 4th, "
                         f"...) the tensor kept an update off by "
                         f"{share} of the one the op makes exactly from the same values: "
                         f"each step's change is below half the spacing of {line.dtype} at those values, so the "
-                        "tensor stays where it was (or moves by whole spacings). Nothing goes NaN; what reads it "
-                        "(an EMA model's evaluation) does not improve."
+                        "tensor stays where it was (or moves by whole spacings). Nothing goes NaN; "
+                        + (
+                            "the weights train as if the line were not there."
+                            if weights
+                            else "what reads it (an EMA model's evaluation) does not improve."
+                        )
                     ),
                     where={"module": None, "op": f"aten.{line.op}", "phase": "other"},
                     evidence={
@@ -343,9 +358,15 @@ class LostUpdates:
                         "numel": None,
                     },
                     fix=(
-                        f"keep that tensor in fp32 (an EMA copy of the weights: deepcopy the model and leave it in "
-                        f"fp32, cast it to {line.dtype} only to evaluate); its update at {where} in fp32 keeps all of "
-                        "it"
+                        f"make this update on fp32 weights: keep fp32 master copies of the {line.dtype} parameters "
+                        f"(or the model in fp32 under autocast), apply the line at {where} to the fp32 copies, not "
+                        f"to the {line.dtype} ones, then copy them into the model; or drop the line and give the "
+                        "optimizer the decay (torch.optim.AdamW(params, weight_decay=...)) over fp32 parameters. "
+                        f"In fp32 the update at {where} keeps all of it"
+                        if weights
+                        else f"keep that tensor in fp32 (an EMA copy of the weights: deepcopy the model and leave it "
+                        f"in fp32, cast it to {line.dtype} only to evaluate); its update at {where} in fp32 keeps all "
+                        "of it"
                     ),
                     trial=Trial.checked(
                         f"the tensor in fp32, {ops} at {where} run on it from the same values",
