@@ -577,7 +577,19 @@ class Experiment:
         if self.stable is not None and self.stable.scaled:
             ran = self.form_records
             return text, message + why, *self._stable_fix(_lines(ran))
-        if own:
+        if own and self.checked_in and _CLIP.search(_line_text(origin)):
+            # torch's clip_grad_norm_ takes the norm in the gradients' dtype and scales them in place: no
+            # .float() of its operands reaches that norm (copies would be clipped, not the gradients)
+            fix = (
+                f"clip_grad_norm_{at} takes the total norm in the gradients' dtype ({self.dtype}), past its range "
+                f"here: take the norm in fp32 and scale the gradients by it, in place of that line: "
+                "grads = [p.grad for p in model.parameters() if p.grad is not None]; "
+                "norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])); "
+                "coef = (max_norm / (norm + 1e-6)).clamp(max=1.0); then for g in grads: g.mul_(coef.to(g.dtype)) "
+                f"(torch 2.6+: torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)). {checked[0].upper()}"
+                f"{checked[1:]}."
+            )
+        elif own:
             reduction = _packet(origin.op) in _REDUCTIONS
             # the operands raised before the op: its result in fp32 of fp16 operands is the same overflow
             how = " (a reduction: .sum(dtype=torch.float32))" if reduction else " (its operands .float() before it)"
@@ -1252,6 +1264,10 @@ def _autocasts(record: Record) -> bool:
     read counts as written). Autocast's own state cannot tell: inside its cast, torch reports it off."""
     line = _line_text(record)
     return bool(line) and not _CAST_WRITTEN.search(line)
+
+
+# A line that clips gradients by their norm with torch's function (its norm is taken in their dtype)
+_CLIP = re.compile(r"clip_grad_norm_?\(")
 
 
 def _line_text(record: Record) -> str:

@@ -157,11 +157,17 @@ def _widen(first: Finding, near: Finding) -> Finding:
     share = near.evidence.get("share")
     limit = f"{share:.0%} of {near.evidence.get('target')}'s max" if isinstance(share, float) else "the limit"
     absmax = near.evidence.get("absmax")
+    # a fix that replaces the whole line (clip_grad_norm_ with a norm taken in fp32) covers its other ops
+    whole = first.fix.startswith("clip_grad_norm_")
     wider = (
         f" Not only {first.where.get('op') or 'that op'}: {op} on line {number} reaches {limit} later in the run"
         + (f" (absmax {absmax:.4g})" if isinstance(absmax, float) else "")
-        + f", and overflows once its inputs grow: compute every op of line {number} in fp32 (its operands "
-        ".float() before the first of them), the result cast back after the line."
+        + (
+            ": the fp32 norm above replaces it too."
+            if whole
+            else f", and overflows once its inputs grow: compute every op of line {number} in fp32 (its operands "
+            ".float() before the first of them), the result cast back after the line."
+        )
     )
     fix = _inserted(first.fix.replace(_REDUCTION_HINT, ""), wider)
     evidence = {**first.evidence, "same_line_near_limit": {"op": op, "share": share, "absmax": absmax}}
