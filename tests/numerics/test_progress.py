@@ -117,3 +117,34 @@ def test_the_user_state_is_left_as_the_step_made_it():
 def test_a_bad_progress_window_is_refused(bad):
     with pytest.raises(ValueError, match="progress_window"):
         fpdoctor.Sentinel(nn.Linear(2, 2), progress_window=bad)
+
+
+def test_a_replay_that_gives_no_loss_is_said_not_judged_not_non_finite(monkeypatch):
+    """A PINN under `fpdoctor watch` (trial78): its loss is made of the output's derivatives and of
+    several forwards, so the replayed call gives no loss, NaN from the arms' first step. That is no
+    loss to compare, not steps that went non-finite ("undecided: the steps went non-finite" on a run
+    with no non-finite step)."""
+    from fpdoctor.integrations.script import ScriptWatch
+    from fpdoctor.numerics.training import progress
+
+    monkeypatch.setattr(progress, "WINDOW", WINDOW)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-9)  # flat: every window is put to the experiment
+    g = torch.Generator().manual_seed(1)
+    watcher = ScriptWatch(notify=None, reference_every=0)
+    with watcher:
+        for _ in range(2 * WINDOW + 2):
+            pts = torch.rand(64, 2, generator=g).requires_grad_(True)  # new collocation points each step
+            u = model(pts)
+            (du,) = torch.autograd.grad(u.sum(), pts, create_graph=True)
+            residual = du[:, 1] - 0.1 * du[:, 0]  # u_t = a u_x
+            boundary = model(torch.zeros(8, 2))
+            loss = residual.pow(2).mean() + boundary.pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    summary = dict(watcher.report.data["summary"])
+    assert "progress" in summary, summary["judged"]
+    assert "went non-finite" not in summary["judged"] and "non-finite" not in summary["progress"], summary
+    assert "gives no loss to compare" in summary["progress"], summary["progress"]

@@ -892,6 +892,15 @@ class StepJudge:
         except Exception as exc:  # step_fn cannot run on copies: said in the report, never raised
             judged["not_tried"] = f"the steps could not run on copies: {type(exc).__name__}: {exc}"
             return
+        if not math.isfinite(arms.run[0]) and not math.isfinite(arms.reference[0]):
+            # no loss from the very first replay, in either recipe: nothing went non-finite, the replayed
+            # call does not give the run's loss (a PINN's, made of the output's derivatives and of several
+            # forwards; a loss that a script computes from more than the model's output)
+            judged["not_tried"] = (
+                "the replayed step gives no loss to compare, at its first step already (a loss made of several "
+                "forwards or of the output's derivatives is not the replayed call's)"
+            )
+            return
         judged.update(recipe=list(arms.run), reference=list(arms.reference))
         if f.what_if_fn is not None and f.what_if_loss != "the loss":  # estimated, not the loss function's
             judged["loss_is"] = f.what_if_loss
