@@ -332,3 +332,21 @@ def test_inner_trace_probing_an_in_place_write_is_not_the_outer_traces_op():
     with fpdoctor.trace() as outer, fpdoctor.trace():
         buffer.mul_(2)
     assert [r.op for r in outer.records] == ["aten.mul_.Tensor"]
+
+
+def test_weights_scaled_through_a_view_under_no_grad_inside_the_trace_leave_no_hook_error():
+    """A checkpoint-style init inside the traced block (trial78: `w[:8] *= 20000.0` under no_grad):
+    autograd refuses to say whether such a view is a leaf, and the trace asked it (five hook errors,
+    "Not checked", no op named)."""
+    import fpdoctor
+
+    with fpdoctor.trace() as t:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        with torch.no_grad():
+            for layer in (model[0], model[2]):
+                w = layer.weight
+                w[:2] *= 50.0  # a few large rows, as a trained checkpoint has
+        model(torch.randn(4, 8)).sum().backward()
+    assert t.report is not None
+    assert not [k for k in t.report.data["not_checked"] if k.startswith("hook error")], t.report.data["not_checked"]

@@ -605,7 +605,10 @@ class Tracer(EagerDispatchMode):
                 if leaf.kind:
                     self._pinned.add(consumer)
         if t.requires_grad:  # a leaf that will get a gradient (weight.t() stands for weight)
-            g = t if t.is_leaf else t._base
+            try:
+                g = t if t.is_leaf else t._base
+            except RuntimeError:  # a view made under no_grad whose base was written in place (w[:8] *= k)
+                g = None  # autograd refuses to say: it gets no gradient through this view
             if g is not None and g.is_leaf:
                 known = self._grad_leaves.get(id(g))
                 if known is None or known[0]() is not g:  # an id a dead tensor had is no match
