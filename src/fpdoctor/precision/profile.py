@@ -814,7 +814,12 @@ def causes(
             size = overflow.get("reference_absmax")
             at = f" ({overflow['location']})" if overflow.get("location") else ""
             reach = f": its values reach {size:.3g}, beyond {candidate}'s max {limit:.6g}" if size and limit else ""
-            message += f" Its output fits {candidate}, but inside it {op} overflows{reach}{at}."
+            message += (
+                f" Inside it {op} overflows{reach}{at}, and the module's output itself passes {candidate}'s range: "
+                "what reads it overflows too."
+                if row.out_of_range
+                else f" Its output fits {candidate}, but inside it {op} overflows{reach}{at}."
+            )
             evidence |= {"overflow_inside": True, "overflow_op": op, "overflow_absmax": size, "overflow_limit": limit}
             evidence |= {"overflow_location": overflow.get("location")}
             checked = overflow.get("checked")
@@ -832,6 +837,12 @@ def causes(
                     before=checked["before"],
                     after=checked["after"],
                     on="the inputs given",
+                )
+            elif row.out_of_range:  # cast back, what it makes overflows again where it is read
+                fixes.append(
+                    f"compute {op} inside `{row.module}` in fp32{at} (its operands .float()) and keep what it makes in "
+                    f"fp32 for what reads it, past `{row.module}` (cast back to {candidate}, it overflows again); or "
+                    "scale down the values that grow that large (the weights or the residual stream that feed it)"
                 )
             else:
                 fixes.append(
