@@ -252,9 +252,11 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         name="update-blew-up",
         severity=E,
         title="An optimizer update blew the weights up: the learning rate is too large",
-        what="`trace` reads the largest |weight| of each optimizer's parameters before each of its steps (one "
-        "reduction, read after the trace). An update that multiplies it by 100 or more in one step is reported, "
-        "with the learning rate, before the NaN or Inf it leads to.",
+        what="`trace` reads the largest |weight| of each optimizer's parameters before each of its steps and after "
+        "its last (one reduction, read after the trace). An update that multiplies it by 100 or more in one step, "
+        "or the updates that do it within 20 steps (momentum at a rate too high grows it 2x to 20x a step), is "
+        "reported with the learning rate and its steps as the training log counts them, before the NaN or Inf it "
+        "leads to; those later findings get the rate as their fix.",
         why="After such a step every activation and gradient is out of scale: the first op to overflow (a "
         "gradient norm, a matmul) is only where it shows, and its own fix (an epsilon, fp32) changes nothing.",
         fix="Lower the learning rate (warmup helps) and clip the gradients before the step "
