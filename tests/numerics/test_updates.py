@@ -8,6 +8,7 @@ the clean twins.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 import pytest
@@ -88,6 +89,10 @@ def test_low_precision_weights_lose_their_updates(dtype, make_opt):
     assert first["rounded_share"] >= 0.5 and first["update_over_spacing"] < 0.5
     assert "not tried" in found.message
     assert "training updates" in dict(report.data["summary"])
+    # weight decay is said lost only where the optimizer decays, in the weights' own format (trial77)
+    decays = "weight_decay=0.01" in inspect.getsource(make_opt)
+    assert ("so weight decay is still lost" in found.fix) == decays, found.fix
+    assert not decays or f"below {found.evidence['dtype']}'s relative spacing" in found.fix
 
 
 def test_weight_decay_alone_is_lost():

@@ -114,10 +114,12 @@ def rounded_away_finding(
     fix = "\n".join(f"{i}. {text}" for i, text in enumerate(ranked, start=1))
     if not (helped or untried):
         fix += "\n(fp32 master weights were tried by the what-if run and did not help: see the message.)"
+    groups = getattr(optimizer, "param_groups", None) or []
+    decays = any(float(g.get("weight_decay") or 0.0) for g in groups if isinstance(g, dict))
     fix += (
         "\nNot a larger learning rate: the update must clear half the spacing of the largest weights, which makes "
-        "it too large for the small ones and for the directions that were moving; and lr*wd stays below bf16's "
-        "relative spacing, so weight decay is still lost."
+        "it too large for the small ones and for the directions that were moving"
+        + (f"; and lr*wd stays below {dtype}'s relative spacing, so weight decay is still lost." if decays else ".")
     )
     return catalog.make(
         "update-rounded-away",
