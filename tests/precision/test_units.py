@@ -91,18 +91,24 @@ def test_an_output_the_format_rounds_coarsely_is_never_ok_and_keeping_its_layer_
         assert found.severity == "warning" and found.where["module"] == "head"
         assert found.evidence["share_of_spread"] > 0.05
         assert found.trial is not None and found.trial.tried, found.trial
-        assert found.fix.startswith("Keep `head` in fp32, returning an fp32 output")
+        assert found.fix.startswith("Keep `head` in fp32, with its fp32 weights and an fp32 input, returning an fp32")
         kept = found.evidence["kept_in_fp32"]
         assert kept["mean"] < found.evidence["output_error"]["mean"] / 4
-        # as printed: the head in fp32 on the bf16 body's output
+        # as printed, in a model cast to bf16: the head's weights saved before the cast and put back in fp32,
+        # its input cast in by the printed hook
         torch.manual_seed(0)
         model = _Regressor(offset, spread).eval()
         x = torch.randn(1024, 8, generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             exact = model.double()(x.double())
             model.float()
-            body = model.body.to(torch.bfloat16)(x.to(torch.bfloat16))
-            fixed = model.head(body.float())
+            before, after = found.fix.split("before the model's cast, ")[1].split(" (under")[0].split("; after it, ")
+            scope = {"model": model}
+            exec(before, scope)  # saved = {...}
+            model.to(torch.bfloat16)
+            exec(after, scope)  # .float().load_state_dict(saved); ...register_forward_pre_hook(...)
+            fixed = model(x.to(torch.bfloat16))
+        assert fixed.dtype == torch.float32
         assert float((fixed.double() - exact).abs().mean()) < found.evidence["output_error"]["mean"] / 4
     result = _coarse(1500.0, 30.0, "fp16")
     assert "output-too-coarse" not in [f.name for f in result.report.findings], str(result.report)

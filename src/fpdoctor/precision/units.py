@@ -143,9 +143,16 @@ def coarse_finding(
         "predict the offset from a constant (y - c, the constant added back in fp32), which the format holds finely"
     )
     if kept is not None and kept.mean <= units.mean / 4:
+        # as the check ran it: the layer's own fp32 weights (the model's cast rounds them: an offset of 288 in
+        # its bias is off by 0.1 in bf16) and its input cast in (a Linear refuses mixed dtypes)
+        path = f"model.get_submodule({head!r})" if head else "that layer"
         fix = (
-            f"Keep {layer} in fp32, returning an fp32 output (under autocast: call it outside the autocast region on "
-            f"its input .float()); or have it {offset}. Checked: mean |error| {units.mean:.3g} -> {kept.mean:.3g}."
+            f"Keep {layer} in fp32, with its fp32 weights and an fp32 input, returning an fp32 output: before the "
+            f"model's cast, saved = {{k: v.clone() for k, v in {path}.state_dict().items()}}; after it, "
+            f"{path}.float().load_state_dict(saved); {path}.register_forward_pre_hook(lambda m, args: "
+            "tuple(a.float() if a.is_floating_point() else a for a in args)) (under autocast: call it outside the "
+            f"autocast region on its input .float()); or have it {offset}. Checked: mean |error| {units.mean:.3g} -> "
+            f"{kept.mean:.3g}."
         )
         trial = Trial.checked(
             f"{layer} kept in fp32, returning fp32, the rest in {fmt}",
