@@ -158,3 +158,53 @@ def _line(text: str, nth: int = 1) -> int:
 
     lines = Path(__file__).read_text().splitlines()
     return [k + 1 for k, line in enumerate(lines) if text in line][nth - 1]
+
+
+class BeamSearch(nn.Module):
+    """A 3-token-context LM decoded by beam search whose scores are kept in the logits' dtype
+    (trial79): the state is carried through two lines, the sum at one and its topk (or a sort and a
+    slice) at the next, which returns (values, indices). The search counted a state at one line only
+    and ignored tuple outputs, so the finding said "no op reads its own previous output".
+    `fp32_scores`: the fix as printed (the scores created in fp32)."""
+
+    def __init__(self, by: str = "topk", fp32_scores: bool = False, vocab: int = 800, steps: int = 120) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 64)
+        self.mlp = nn.Sequential(nn.Linear(192, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU())
+        self.head = nn.Linear(256, vocab)
+        self.by, self.fp32_scores, self.vocab, self.steps = by, fp32_scores, vocab, steps
+        with torch.no_grad():
+            self.head.weight.mul_(3.0)  # a trained LM is more peaked than a random init
+
+    def forward(self, prompt: torch.Tensor) -> torch.Tensor:
+        dtype = torch.float32 if self.fp32_scores else self.head.weight.dtype
+        ctx = prompt[-3:].repeat(4, 1)
+        scores = torch.full((4,), float("-inf"), dtype=dtype)
+        scores[0] = 0.0
+        for _ in range(self.steps):
+            logp = torch.log_softmax(self.head(self.mlp(self.emb(ctx).flatten(1))), dim=-1)
+            cand = (scores[:, None] + logp).view(-1)
+            if self.by == "topk":
+                scores, idx = cand.topk(4)
+            else:
+                ranked, order = cand.sort(descending=True)
+                scores, idx = ranked[:4], order[:4]
+            ctx = torch.cat([ctx[idx // self.vocab, 1:], (idx % self.vocab)[:, None]], dim=1)
+        return scores
+
+
+@pytest.mark.parametrize("by", ["topk", "sort"])
+def test_a_state_carried_through_two_lines_is_found_and_the_fix_as_printed_removes_the_error(by: str) -> None:
+    torch.manual_seed(0)
+    model, prompt = BeamSearch(by).eval(), torch.tensor([5, 17, 99, 3, 250])
+    result = fpdoctor.compare(model, prompt, candidate="bf16")
+    first = result.report.findings[0]
+    assert first.evidence.get("kind") == "accumulation", [f.name for f in result.report.findings]
+    assert "No op reads its own previous output" not in first.message
+    assert first.trial is not None and first.trial.tried, first.trial
+    assert first.trial.after * 4 < first.trial.before, first.trial
+    assert len(first.evidence["state_locations"]) >= 2  # the sum's line and the selection's
+    fixed = BeamSearch(by, fp32_scores=True).eval()
+    fixed.load_state_dict(model.state_dict())
+    after = fpdoctor.compare(fixed, prompt, candidate="bf16")
+    assert after.rows[-1].propagated * 4 < result.rows[-1].propagated

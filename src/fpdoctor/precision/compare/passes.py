@@ -221,15 +221,20 @@ class _Chains(TorchFunctionMode):
         self.raised_lines: set[str] = set()  # lines kept in float64 (with `raising`)
         self._kept: set[str] = set()  # lines looked at for raising: raised, or written in place / exact
         self._views: dict[tuple[int, str], bool] = {}  # (id of function, line) -> it runs views only
+        # a state carried through two lines: each line's latest output by id (validated by its weak
+        # reference), and the line whose output each line read last
+        self.owner: dict[int, tuple[Any, str]] = {}
+        self.owned: dict[str, int] = {}
+        self.fed: dict[str, str] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # written out, without helper calls or generators: this runs for every call of a long loop
         raising = self.raising
-        if (
-            func is GETITEM and type(args[0]) is torch.Tensor and not kwargs and basic_index(args[1])
-            and (raising is None or args[0].dtype is not torch.float64)
-        ):  # fmt: skip
-            return func(*args)  # a view (x[:, t] in a loop over tokens): never a state's update
+        if func is GETITEM and type(args[0]) is torch.Tensor and not kwargs and basic_index(args[1]):
+            # a view (x[:, t] in a loop over tokens): never a state's update; of an fp64 state, it stays
+            # fp64 (ranked[:4] of a sort kept in fp64), as every view here (the op that computes from it
+            # rounds it where it is not raised)
+            return func(*args)
         user = user_location(sys._getframe())
         if user is None:
             if raising is not None:
@@ -242,9 +247,13 @@ class _Chains(TorchFunctionMode):
         if key in self.aten:
             if raising is None:
                 out = func(*args, **(kwargs or {}))
+            elif self._views.get(key, False):
+                # a view (x.view(-1), ranked[:4] of an fp64 state) is of the value as it is: the op that
+                # computes from it rounds it where it is not raised; cast down here, a state kept in
+                # fp64 would be rounded before the next line reads it
+                out = func(*args, **(kwargs or {}))
             else:
-                site = line in self.raised_lines and not self._views.get(key, False)
-                out = raising.call(func, args, kwargs or {}, site=site)
+                out = raising.call(func, args, kwargs or {}, site=line in self.raised_lines)
         else:  # a function's first call at a line: the aten ops it runs name it in the finding
             with _AtenOps() as ops:
                 if raising is None:
@@ -253,8 +262,11 @@ class _Chains(TorchFunctionMode):
                     out = raising.call(func, args, kwargs or {}, site=False)
             self.aten[key] = ops.seen
             self._views[key] = all(op.is_view for op in ops.seen)
-        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
-            return out
+        result = out
+        if type(out) is not torch.Tensor:  # (values, indices) of a topk or sort: the values carry a state
+            out = next((t for t in out if type(t) is torch.Tensor), None) if isinstance(out, tuple) else None
+        if out is None or not out.is_floating_point():
+            return result
         if line != self.line:  # a visit of the line before ends: what it made last is its state
             if self.line is not None:
                 self.previous[self.line] = self.out
@@ -266,6 +278,18 @@ class _Chains(TorchFunctionMode):
             ref = self.previous.get(line)
             held = ref() if ref is not None else None
             reads = held is not None and _holds(args, held)
+        if not reads and not self.counted:
+            # a state carried through two lines (a beam search's scores: their sum with the step's
+            # log-probabilities at one line, its topk at the next): this line reads what another line
+            # made last, from what this line made before it
+            for a in args:
+                if type(a) is torch.Tensor:
+                    held = a._base if a._base is not None else a  # a view (scores[:, None]) reads its base
+                    made = self.owner.get(id(held))
+                    if made is not None and made[1] != line and made[0]() is held:
+                        reads = self.fed.get(made[1]) == line
+                        self.fed[line] = made[1]
+                        break
         calls = self.calls.get(line)  # not setdefault: its default dict would be made on every call
         if calls is None:
             calls = self.calls[line] = {}
@@ -281,7 +305,15 @@ class _Chains(TorchFunctionMode):
                 if not any(op._schema.is_mutable for op in ops) and not _exact(ops):
                     self.raised_lines.add(line)
         self.last[key] = self.out = weakref.ref(out)
-        return out
+        # the line's latest output, by id: what the next line that reads it finds (one entry per line;
+        # a view is its base's)
+        if out._base is None:
+            old = self.owned.get(line)
+            if old is not None:
+                self.owner.pop(old, None)
+            self.owner[id(out)] = (self.out, line)
+            self.owned[line] = id(out)
+        return result
 
     def ops(self, line: str) -> list[Any]:
         """The aten ops the line's calls ran that compute (views left out), each once, in order."""
