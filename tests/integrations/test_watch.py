@@ -954,9 +954,10 @@ def test_device_skip_on_the_command_line_keeps_healthy_runs_bitwise_and_skips_a_
     assert all(bool(torch.isfinite(v).all()) for v in torch.load(tmp_path / "bad.pt").values())
 
 
-def test_a_learning_rate_trial_is_not_made_from_weights_a_step_decided_on_the_device_has_moved():
-    """Decided a step later, a finite step's update is made when the judge sees its climb: no trial
-    is started from those weights as if they were the step's own, and the report says why."""
+def test_a_learning_rate_trial_from_weights_a_step_decided_on_the_device_has_moved_says_so():
+    """Decided a step later, a finite step's update is made when the judge sees its climb: the trial
+    starts from the state after that update (the climb's, one update on), and says so, never as if
+    they were the weights the step started from."""
     from torch import nn
 
     from fpdoctor.integrations.script import ScriptWatch
@@ -976,8 +977,9 @@ def test_a_learning_rate_trial_is_not_made_from_weights_a_step_decided_on_the_de
             opt.step()
     assert watcher.report.by_name("loss-spike")
     (stalled,) = watcher.report.by_name("training-stalled")
-    why = stalled.evidence["lr_tried"]["not_tried"]
-    assert why.startswith("the optimizer had made the step's update before it was judged"), why
+    tried = stalled.evidence["lr_tried"]
+    assert tried.get("after_update") is True and tried["fix_lr"] is not None, tried
+    assert f"after step {tried['from_step']}'s update" in stalled.message, stalled.message
 
 
 CLIP_SCALED = """

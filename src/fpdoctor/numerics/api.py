@@ -438,6 +438,14 @@ def _after_the_gradients(blown: Finding, findings: list[Finding]) -> Finding:
         and f.where.get("phase") in ("forward", "backward")
         and isinstance(f.evidence.get("step"), int)
     ]
+    # a GradScaler whose 1/scale overflowed handed the optimizer NaN gradients it did not skip
+    made += [
+        s
+        for f in findings
+        if f.name == "grad-scaler-stalled"
+        for s in (f.evidence.get("scale_out_of_range") or {}).get("applied_steps") or []
+        if isinstance(s, int)
+    ]
     first = min(made, default=None)
     if step is None or first is None or first > step:
         return blown

@@ -632,10 +632,13 @@ def stall_finding(
     found: list[Finding],
     here: dict[str, Any],
     lr_trial: LrTrial | None = None,
+    climbing: bool = False,
 ) -> Finding:
     """training-stalled: most recent steps skipped, and the cause the run's other findings point to.
     `window`: the episode's StepOutcomes; `found`: the run's findings so far; `lr_trial`: a lower
-    learning rate tried from the climb's first step, where the evidence points at the rate."""
+    learning rate tried from the climb's first step, where the evidence points at the rate;
+    `climbing`: the loss was still up from its climb at the last finite step (then the stall leads the
+    verdicts it explains)."""
     skipped = [h for h in window if h.skipped]
     amp_skips = sum(1 for h in skipped if h.verdict == "amp-skip")
     never = last_good is None
@@ -662,7 +665,7 @@ def stall_finding(
             "amp_skips": amp_skips,
             "last_good_step": last_good,
             **({"lr_tried": lr_trial.evidence()} if lr_trial is not None else {}),
-            **({"climbed_at_step": climb.evidence.get("step")} if climb is not None else {}),
+            **({"climbed_at_step": climb.evidence.get("step")} if climb is not None and climbing else {}),
         },
         fix=fix,
         trial=trial,

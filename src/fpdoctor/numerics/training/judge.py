@@ -72,6 +72,9 @@ SPIKE_MIN_HISTORY = 8
 # SPIKE_RATIO times it, is a spike: both, so that a flat loss curve's tiny noise does not count.
 SPIKE_SIGMAS = 6.0
 SPIKE_RATIO = 1.5
+# A climb still going when a step goes non-finite: the last finite loss this many times the level
+# before the climb's first spike (the learning rate's divergence grows it by orders of magnitude)
+CLIMBING = 10.0
 # Before SPIKE_MIN_HISTORY steps, a loss this many times the first step's is a spike (divergence).
 SPIKE_EARLY_RATIO = 100.0
 # A spike is judged SPIKE_RECOVERY finite steps after its episode's last: where the median loss of
@@ -555,9 +558,7 @@ class StepJudge:
 
             health = watch.since(self._health)
         # a climb of the loss before it: the learning rate, tried from the climb where its state was kept
-        climbed = (
-            findings.climbed_before(f.step, self.findings) if result.verdict == "deterministic-nonfinite" else None
-        )
+        climbed = self._climbing(f.step) if result.verdict == "deterministic-nonfinite" else None
         made = findings.verdict_findings(
             f.step,
             result,
@@ -705,6 +706,18 @@ class StepJudge:
         for finding, episode in held:
             self.causes.add(finding, episode)
 
+    def _climbing(self, step: int) -> Finding | None:
+        """The loss spike before `step` whose climb was still going at the last finite step: its loss
+        CLIMBING times the level before the spike (its mean plus twice its spread) or more. A spike the
+        loss came back from, or stayed a little above (one bad batch, whose update shook the weights),
+        is not the divergence a later non-finite step follows (a 0/0 in the code)."""
+        spike = findings.climbed_before(step, self.findings)
+        if spike is None or not self._losses:
+            return None
+        ev = spike.evidence
+        level = float(ev.get("mean", math.nan)) + 2 * float(ev.get("std", 0.0))
+        return spike if self._losses[-1] > CLIMBING * abs(level) else None
+
     def _keep_climb(self, f: StepFacts, *, first: bool = True) -> Snapshot | str:
         """The state a climb's first step starts from, to try a lower learning rate on if training stalls."""
         if not self.replay or f.why_not is not None or f.applied or self.distributed:
@@ -774,6 +787,7 @@ class StepJudge:
             found=self.findings,
             here=self.here,
             lr_trial=self._try_lower_lr(first_skip),
+            climbing=self._climbing(first_skip) is not None,
         )
         if self._stall is None or self._stall >= len(self.findings):
             self._stall = len(self.findings)

@@ -152,6 +152,7 @@ class LrTrial:
             return {"not_tried": self.why_not}
         return {
             "from_step": self.from_step,
+            **({"after_update": True} if self.after_update else {}),
             "steps": self.steps,
             "lr": self.as_is.lr,
             "as_is": {"finite": self.as_is.finite, "losses": self.as_is.losses},
