@@ -458,7 +458,9 @@ class Experiment:
             return ""
         return (
             f", and what it makes kept in {self.checked_in} for what reads it: its largest value, {_num(after)}, is "
-            f"past {self.dtype}'s {limit:g} (cast back, it overflows again)"
+            f"past {self.dtype}'s {limit:g} (cast back, it overflows again); cast back to {self.dtype} only after "
+            f"the ops that bring it within that range (a log, a division by its norm), before a layer that holds "
+            f"{self.dtype} weights (a Linear or a norm refuses an {self.checked_in} input)"
         )
 
     @property

@@ -862,10 +862,11 @@ OP_ADVICE: dict[str, str] = {
     "rsqrt": "add eps before rsqrt, and compute the sum of squares under it in fp32",
     "exp": "subtract the max before exp (use softmax/logsumexp), or compute it in fp32",
     "exp2": "subtract the max before exp2, or compute it in fp32",
-    "pow": "x ** p with p < 0 is Inf at x = 0 (a node of degree 0 in deg ** -0.5, an empty count): keep those "
-    "out of it, torch.where(x > 0, x, 1) ** p with the result masked (or .masked_fill(x == 0, 0)), or make them "
-    "non-zero where they are made (self-loops, a count of at least 1); a power that overflows wants a smaller base "
-    "or fp32",
+    "pow": "a power of a large base overflows (x ** 2 of values past 256 in fp16, raw audio or pixel units): a "
+    "smaller base (standardise the input) or this op in fp32; with p < 0, x ** p is Inf at x = 0 (a node of "
+    "degree 0 in deg ** -0.5, an empty count): keep those out of it, torch.where(x > 0, x, 1) ** p with the result "
+    "masked (or .masked_fill(x == 0, 0)), or make them non-zero where they are made (self-loops, a count of at least "
+    "1)",
     # an alignment that cannot exist (an input shorter than its target, counting the blanks repeats need) has
     # probability 0: log 0 = -inf, the loss +inf, in any precision
     "_ctc_loss": "ctc_loss is +inf for a sample whose input is too short for its target (input_lengths below "
