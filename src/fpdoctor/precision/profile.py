@@ -758,8 +758,8 @@ def _divergence(
         else f"adds an error of {_fmt(first.isolated)} by itself"
     )
     message = (
-        f"In {label}, {subject} {adds} ({why}); {len(diverged)} module(s) diverge in all. The end-to-end error "
-        f"there is {_fmt_error(first.propagated, None)}."
+        f"In {label}, {subject} {adds} ({why}); {len(diverged)} module(s) diverge in all. The error of its "
+        f"output, with all the candidate's error up to it, is {_fmt_error(first.propagated, None)}."
     )
     worst = (first.own or {}).get("error_rel") if own and first.leaf else None
     if own and first.leaf and worst == 0:
