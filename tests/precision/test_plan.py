@@ -78,6 +78,10 @@ def test_a_hot_layer_is_found_and_fixed():
     assert fpdoctor.compare(model, x, candidate="fp16").first_divergent == "0.mlp.2"
     result = fpdoctor.plan(model, x, candidate="fp16")
     assert result.plan.verified and "0.mlp.2" in result.plan.keep_fp32
+    # a finding the plan answers names every module it keeps, not only the one that holds it (trial80)
+    for f in result.report.findings:
+        if " The plan keeps `" in f.message:
+            assert all(f"`{k}`" in f.message for k in result.plan.keep_fp32), f.message
     code = result.plan.to_code()
     namespace = {"model": model_with(hot_layer=True)[0]}
     exec(code, namespace)  # the pasteable code does what apply_plan does

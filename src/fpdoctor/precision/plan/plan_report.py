@@ -429,7 +429,9 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
                     f" The plan keeps {_names(the_plan.keep_fp32[:6])} in fp32, `{holder}` among them: {got}, verified."
                 )
             elif holder is not None:
-                done = f" The plan keeps `{holder}` in fp32: {got}, verified."
+                others = [k for k in the_plan.keep_fp32 if k != holder]
+                also = f" (and {_names(others[:6])})" if others else ""
+                done = f" The plan keeps `{holder}` in fp32{also}: {got}, verified."
             elif fix is not None:
                 done = f" The plan computes {_op_text(fix)} in fp32: {got}, verified."
             else:
