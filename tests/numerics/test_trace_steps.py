@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -95,6 +96,34 @@ def test_a_second_optimizer_in_the_same_iteration_adds_no_step():
             opt_g.step()
     f = _producer(t.report)
     assert f.evidence["step"] == 3 and ("optimizer steps", "3") in t.report.data["summary"]
+
+
+@pytest.mark.parametrize(("critic", "teacher"), [(5, 0), (0, 20)], ids=["wgan-5-critic-steps", "teacher-then-student"])
+def test_a_second_optimizer_after_a_phase_of_the_first_starts_its_own_steps(critic: int, teacher: int):
+    """A student trained after its teacher's 20 steps (trial79: its first step was numbered the
+    teacher's last, the run one step short) starts steps of its own; a WGAN's generator after its
+    critic's 5 steps still joins the critic's step, as a GAN's second optimizer does."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(4, 1), nn.Linear(4, 1)
+    opt_1, opt_2 = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (first, second))
+
+    def step(model, opt, bad=False):
+        opt.zero_grad()
+        out = model(torch.randn(8, 4))
+        (out / (out - out) if bad else out).mean().backward()
+        opt.step()
+
+    with fpdoctor.trace() as t:
+        for _ in range(teacher):
+            step(first, opt_1)
+        for k in range(1, 4):
+            for _ in range(critic):
+                step(first, opt_1)
+            step(second, opt_2, bad=k == 3)
+    f = _producer(t.report)
+    # each critic step is a step (it steps again), the generator's joins the last of them
+    expected = 3 * critic if critic else teacher + 3
+    assert f.evidence["step"] == expected and ("optimizer steps", str(expected)) in t.report.data["summary"]
 
 
 def test_without_an_optimizer_only_calls_are_counted():

@@ -27,6 +27,8 @@ from fpdoctor.numerics.observe.amp import grad_scaler_class
 from fpdoctor.numerics.observe.dynamo import compiling
 from fpdoctor.torchprivate import DisableTorchDispatch, scaler_scale, scaler_states
 
+PHASE = 16  # steps one optimizer made alone, in a row, after which a new optimizer starts a step of its own
+
 
 class StepCounter:
     """Context manager over a traced block; `position()` is the index the next record will get."""
@@ -36,6 +38,8 @@ class StepCounter:
         self._ends: list[int] = []  # _ends[k]: the first record after optimizer step k + 1
         self._modes: list[tuple[int, bool]] = []  # (first record, evaluating) at each switch
         self._stepped: list[weakref.ref[Any]] = []  # the optimizers stepped in the step under way
+        self._known: list[weakref.ref[Any]] = []  # every optimizer that stepped in the block
+        self._alone = 0  # the steps before the one under way that one optimizer made alone, in a row
         self._last_end = 0  # the first record after the latest optimizer step
         self._thread = threading.get_ident()
         self._depth = 0
@@ -95,8 +99,15 @@ class StepCounter:
         if threading.get_ident() != self._thread:
             return
         try:
-            if any(ref() is optimizer for ref in self._stepped):  # stepped again: a new step began
+            new = not any(ref() is optimizer for ref in self._known)
+            if new:
+                self._known.append(weakref.ref(optimizer))
+            # stepped again: a new step began; so does an optimizer never seen before after a phase of
+            # steps that one optimizer made alone (a student trained after its teacher), unlike a GAN's
+            # second optimizer, which joins the first's step (after a WGAN's 5 critic steps too)
+            if any(ref() is optimizer for ref in self._stepped) or (new and self._stepped and self._alone >= PHASE):
                 self._ends.append(self._last_end)
+                self._alone = self._alone + 1 if len(self._stepped) == 1 else 0
                 self._stepped = []
             self._stepped.append(weakref.ref(optimizer))
             self._last_end = self._position()
