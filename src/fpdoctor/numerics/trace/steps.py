@@ -5,7 +5,8 @@ the user's log counts optimizer steps. `StepCounter` marks, in the tracer's reco
 where each step ended: `optimizer.step()`, or `GradScaler.step()` (which counts a step it skips
 for an Inf gradient, as the training loop does). Several optimizers stepped in one iteration (a
 GAN's discriminator and generator) make one step, which ends with the last of them: a step
-begins when an optimizer steps again that already stepped in the current one. It also notes
+begins when an optimizer steps again that already stepped in the current one, or when one first
+steps after PHASE steps another made alone (a student trained after its teacher). It also notes
 where top-level forwards switch between training and evaluation (grad mode off, or the module in
 `eval()`), so a value made in an evaluation forward is said to follow a step, not to be one.
 For an enabled GradScaler it keeps, per step, the scale the step ran with and whether the scaler
