@@ -413,3 +413,20 @@ def test_a_model_compiled_before_the_trace_runs_eagerly_under_it():
     f = only_producer(t.report, "first Inf")
     assert f.where["module"] == "block" and f.where["op"] == "aten.div.Tensor"
     assert "ran eagerly" in t.report.data["not_checked"]["torch.compile"]
+
+
+def test_other_producers_name_each_op_and_line_once():
+    """The same op on the same line making NaN on five steps is one other producer, not five lines of
+    the same text (trial79)."""
+    model = torch.nn.Linear(4, 4)
+    with fpdoctor.trace(model) as t:
+        for _ in range(6):
+            out = model(torch.randn(2, 4))
+            first = torch.log(out - out - 1.0)  # NaN at every step, its own line
+            second = torch.sqrt(out - out - 1.0)  # and another line
+            (first + second).sum().backward()
+    found = [f for f in t.report.findings if "other_producers" in f.evidence]
+    assert found, [f.name for f in t.report.findings]
+    for f in found:
+        others = f.evidence["other_producers"]
+        assert len(others) == len(set(others)), others

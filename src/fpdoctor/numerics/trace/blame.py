@@ -276,10 +276,14 @@ class Analysis:
             **self.step_evidence(r),
         }
         if others:
-            evidence["other_producers"] = [
-                f"{o.op} {module_text(o.module)} ({o.phase})" + (f" at {where_text(o.location)}" if o.location else "")
-                for o in others[:5]
-            ]
+            # each op and line once: the same op on the same line in five steps is one other producer
+            evidence["other_producers"] = list(
+                dict.fromkeys(
+                    f"{o.op} {module_text(o.module)} ({o.phase})"
+                    + (f" at {where_text(o.location)}" if o.location else "")
+                    for o in others
+                )
+            )[:5]
             # a loss by hand per head, each line its own exp: one change on every such line
             if lines := self._same_op_lines(r, others):
                 evidence["same_op_at"] = lines
