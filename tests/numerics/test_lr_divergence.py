@@ -17,7 +17,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
+import fpdoctor
 from fpdoctor.numerics.trace.recipes import BLOWUP_STEPS, _blowup
 
 LM = """
@@ -103,6 +106,35 @@ def _losses(script: Path, lr: float) -> tuple[float, float]:
     return first, last
 
 
+def test_a_bad_batch_then_a_zero_division_is_not_blamed_on_the_rate():
+    """A spike from one batch of outlier targets, then a 0/0 in the loss code on an empty mask
+    (review54): the lower rates tried from the spike settle like the run's, so the replayed verdict
+    stays the division's own, with its guard."""
+    torch.manual_seed(0)
+    w_true = torch.randn(8, 1)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    guard = fpdoctor.Sentinel(model, opt)
+
+    def step_fn(x, y, mask):
+        opt.zero_grad()
+        loss = ((model(x) - y).pow(2).squeeze(1) * mask).sum() / mask.sum()
+        loss.backward()
+        return loss
+
+    g = torch.Generator().manual_seed(1)
+    for step in range(1, 66):
+        x = torch.randn(64, 8, generator=g)
+        y, mask = x @ w_true + 0.05 * torch.randn(64, 1, generator=g), torch.ones(64)
+        if step == 61:
+            y = y + 20.0  # a bad batch
+        if step == 62:
+            mask = torch.zeros(64)  # no valid rows
+        guard.step(step_fn, x, y, mask)
+    (verdict,) = guard.report.by_name("deterministic-nonfinite")
+    assert "loss climbed" not in verdict.message and verdict.fix.startswith("guard the denominator"), verdict.fix
+
+
 def test_growth_over_a_few_updates_is_a_blowup_and_healthy_growth_is_not():
     # momentum at a rate too high: x2 to x20 a step, a hundredfold in 4 updates
     assert _blowup([4.3, 4.3, 4.3, 4.3, 9.5, 97.0, 185.0, 3624.0]) == (3, 7, 4.3, 3624.0)
@@ -134,6 +166,7 @@ def test_trace_names_the_updates_that_grew_the_weights_ahead_of_the_overflow(tmp
     assert all(f["evidence"]["step"] > ev["optimizer_step"] for f in later)
     # steps as the training log counts them: the GradScaler's skipped steps too
     stalled = [f for f in found if f["name"] == "grad-scaler-stalled"]
+    assert bool(stalled) == (source is LM)  # the GradScaler's run stalls; the bf16 one has no scaler
     if stalled:
         assert stalled[0]["evidence"]["step"] == ev["optimizer_step"] + 1
 

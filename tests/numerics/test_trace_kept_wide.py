@@ -62,7 +62,7 @@ def test_a_power_kept_in_fp32_says_where_to_cast_back_and_works_as_printed(make,
     first = t.report.findings[0]
     assert first.fix.startswith("Compute aten.pow"), (first.name, first.fix)
     assert "cast back to float16 only after the ops that bring it within that range" in first.fix
-    assert "a node of degree 0" not in first.fix.split("Also possible")[-1].split(";")[0]
+    assert first.fix.split("Also possible, not tried: ")[1].startswith("a power of a large base overflows")
     fixed = make(fixed=True).eval()
     fixed.load_state_dict(model.float().state_dict())
     fixed.half()

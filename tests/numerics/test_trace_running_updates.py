@@ -17,10 +17,10 @@ from torch import nn
 import fpdoctor
 
 
-def _train_with_ema(dtype: torch.dtype, decay: float = 0.998) -> fpdoctor.Report:
+def _train_with_ema(dtype: torch.dtype, decay: float = 0.998, *, frozen: bool = True) -> fpdoctor.Report:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.SiLU(), nn.Linear(64, 1))
-    ema = copy.deepcopy(model).to(dtype).requires_grad_(False)
+    ema = copy.deepcopy(model).to(dtype).requires_grad_(not frozen)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     with fpdoctor.Trace(model) as tr:
         for _ in range(4):
@@ -302,3 +302,12 @@ def test_the_decay_applied_to_fp32_masters_as_printed_acts_and_is_not_named() ->
     _, without = _bf16_weights_updated_by_hand("decay", masters=True, steps=20, wd=0.0)
     decayed = sum(float(m.detach().norm()) for m in masters)
     assert decayed < sum(float(m.detach().norm()) for m in without)  # the decay now moves the weights
+
+
+def test_an_ema_copy_that_kept_requires_grad_is_still_an_ema_not_weights_updated_by_hand() -> None:
+    """timm's ModelEmaV2 pattern: deepcopy(model) without requires_grad_(False). No optimizer steps
+    the copy and it never gets a gradient: an EMA, worded and fixed as one (review54)."""
+    report = _train_with_ema(torch.bfloat16, frozen=False)
+    (found,) = [f for f in report.findings if f.evidence.get("kind") == "running-update"]
+    assert "an EMA of weights" in found.message and "trainable weights" not in found.message
+    assert "weight_decay" not in found.fix

@@ -312,7 +312,7 @@ class Trace:
         tracer.errors.extend(self._recipes.errors)
         # running updates outside the optimizer, rounded away (an EMA, a norm's statistics): what the
         # model is evaluated with, before the optimizer's own updates, which slow its training
-        findings += tracer.lost_updates.findings()
+        findings += tracer.lost_updates.findings(self._recipes.trains)
         findings += tracer.flushed.findings()  # squares flushed to zero: a norm by hand too small
         findings += self._updates.findings
         tracer.errors.extend(self._updates.errors)

@@ -579,15 +579,16 @@ class Experiment:
         if self.stable is not None and self.stable.scaled:
             ran = self.form_records
             return text, message + why, *self._stable_fix(_lines(ran))
-        if own and self.checked_in and _CLIP.search(_line_text(origin)):
+        if own and self.checked_in and (clip := _clip_args(_line_text(origin))) is not None:
             # torch's clip_grad_norm_ takes the norm in the gradients' dtype and scales them in place: no
             # .float() of its operands reaches that norm (copies would be clipped, not the gradients)
+            params, max_norm = clip
             fix = (
                 f"clip_grad_norm_{at} takes the total norm in the gradients' dtype ({self.dtype}), past its range "
                 f"here: take the norm in fp32 and scale the gradients by it, in place of that line: "
-                "grads = [p.grad for p in model.parameters() if p.grad is not None]; "
+                f"grads = [p.grad for p in {params} if p.grad is not None]; "
                 "norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])); "
-                "coef = (max_norm / (norm + 1e-6)).clamp(max=1.0); then for g in grads: g.mul_(coef.to(g.dtype)) "
+                f"coef = ({max_norm} / (norm + 1e-6)).clamp(max=1.0); then for g in grads: g.mul_(coef.to(g.dtype)) "
                 f"(torch 2.6+: torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)). {checked[0].upper()}"
                 f"{checked[1:]}."
             )
@@ -1270,6 +1271,35 @@ def _autocasts(record: Record) -> bool:
 
 # A line that clips gradients by their norm with torch's function (its norm is taken in their dtype)
 _CLIP = re.compile(r"clip_grad_norm_?\(")
+
+
+def _clip_args(line: str) -> tuple[str, str] | None:
+    """The parameters and max_norm a clip_grad_norm_ call on `line` passes, as written (positional or
+    by keyword); None where the line calls none or they cannot be read."""
+    found = _CLIP.search(line)
+    if found is None:
+        return None
+    depth, parts, start, i = 0, [], found.end(), found.end()
+    for i in range(found.end(), len(line)):  # the call's top-level arguments
+        c = line[i]
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            if depth == 0:
+                break
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(line[start:i].strip())
+            start = i + 1
+    else:
+        return None
+    parts.append(line[start:i].strip())
+    named = dict(p.split("=", 1) for p in parts if "=" in p and not p.startswith(("(", "[")))
+    named = {k.strip(): v.strip() for k, v in named.items()}
+    positional = [p for p in parts if not ("=" in p and not p.startswith(("(", "[")))]
+    params = named.get("parameters", positional[0] if positional else None)
+    max_norm = named.get("max_norm", positional[1] if len(positional) > 1 else None)
+    return (params, max_norm) if params and max_norm else None
 
 
 def _line_text(record: Record) -> str:

@@ -24,7 +24,9 @@ blame; a scaler that keeps skipping is one error naming the recurring origin, be
 from __future__ import annotations
 
 import dataclasses
+import linecache
 import math
+import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -852,6 +854,12 @@ _DIV_BY_CONSTANT = (
 )
 _LOG = "clamp the argument (torch.log(x.clamp_min(eps)))"
 _MATMUL = "the matmul overflowed: scale its inputs down or keep it in fp32"
+# a power written with a positive exponent (re ** 2, x.pow(2) of raw audio or pixel values) overflows by its base
+_POW_OVERFLOW = (
+    "a power of a large base overflows (x ** 2 of values past 256 in fp16, raw audio or pixel units): a smaller base "
+    "(standardise the input) or this op in fp32"
+)
+_NEGATIVE_POWER = re.compile(r"\*\*\s*\(?\s*-|pow\([^,]*,\s*-|pow\(\s*-|rsqrt|reciprocal")
 # Keyed by the exact overload packet name (`aten.<name>.<overload>`): `_log_softmax` is not `log`.
 OP_ADVICE: dict[str, str] = {
     "div": _DIV,
@@ -866,11 +874,10 @@ OP_ADVICE: dict[str, str] = {
     "rsqrt": "add eps before rsqrt, and compute the sum of squares under it in fp32",
     "exp": "subtract the max before exp (use softmax/logsumexp), or compute it in fp32",
     "exp2": "subtract the max before exp2, or compute it in fp32",
-    "pow": "a power of a large base overflows (x ** 2 of values past 256 in fp16, raw audio or pixel units): a "
-    "smaller base (standardise the input) or this op in fp32; with p < 0, x ** p is Inf at x = 0 (a node of "
-    "degree 0 in deg ** -0.5, an empty count): keep those out of it, torch.where(x > 0, x, 1) ** p with the result "
-    "masked (or .masked_fill(x == 0, 0)), or make them non-zero where they are made (self-loops, a count of at least "
-    "1)",
+    "pow": "x ** p with p < 0 is Inf at x = 0 (a node of degree 0 in deg ** -0.5, an empty count): keep those "
+    "out of it, torch.where(x > 0, x, 1) ** p with the result masked (or .masked_fill(x == 0, 0)), or make them "
+    "non-zero where they are made (self-loops, a count of at least 1); a power that overflows wants a smaller base "
+    "or fp32",
     # an alignment that cannot exist (an input shorter than its target, counting the blanks repeats need) has
     # probability 0: log 0 = -inf, the loss +inf, in any precision
     "_ctc_loss": "ctc_loss is +inf for a sample whose input is too short for its target (input_lengths below "
@@ -998,6 +1005,8 @@ def _fix_for(r: Record) -> str:
         return custom_op_fix(r.op, None)
     packet = _packet(r.op)
     text = OP_ADVICE.get(packet, catalog.get("nonfinite-produced").fix)
+    if packet == "pow" and not _NEGATIVE_POWER.search(linecache.getline(*r.location[:2]) if r.location else ""):
+        text = _POW_OVERFLOW  # x ** 2 of raw values: the base, not a zero
     if packet in ("div", "div_") and len(r.inputs) == 1:
         text = _DIV_BY_CONSTANT  # no tensor denominator to guard: a constant one, the quotient past the range
     rng = range_cause(r)

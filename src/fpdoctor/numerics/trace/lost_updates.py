@@ -33,6 +33,7 @@ and each buffer's kept update compared as above; the buffers lost are one findin
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,7 +80,10 @@ class _Line:
     dtype: str
     shape: list[int]
     target: str | None = None  # the buffer's name (a norm's running statistic), where the model names it
-    weights: bool = False  # a trainable weight (requires_grad), updated under no_grad
+    # the tensor first judged (a weak reference), to tell an optimizer's weight from an EMA's copy; and
+    # whether it had a gradient (a weight a step by hand updates has one, an EMA's copy never)
+    tensor: Any = None
+    graded: bool = False
     lost: list[float] = field(default_factory=list)  # per call checked: ||kept - exact|| / ||exact update||
     kept_fp32: list[float] = field(default_factory=list)  # the same for the update kept in an fp32 tensor
 
@@ -265,7 +269,11 @@ class LostUpdates:
             return
         record = (*key, i[0]) if i[1] is None else (*key, i[0], i[1])
         dtype = str(t.dtype).removeprefix("torch.")
-        line = self.lines.setdefault(record, _Line(key[2], dtype, list(t.shape), target, weights=t.requires_grad))
+        line = self.lines.get(record)
+        if line is None:
+            line = self.lines[record] = _Line(
+                key[2], dtype, list(t.shape), target, weakref.ref(t), t.requires_grad and t.grad is not None
+            )
         line.lost.append(float((t.detach().double() - exact).norm()) / size)
         line.kept_fp32.append(float((fp32 - exact).norm()) / size)
 
@@ -284,9 +292,11 @@ class LostUpdates:
         func(*wide, **(kwargs or {}))  # in place on the copies
         return copies
 
-    def findings(self) -> list[Finding]:
+    def findings(self, trained: Callable[[torch.Tensor], bool] | None = None) -> list[Finding]:
         """One finding per source line whose updates were lost on its latest checks (its ops together:
-        `ema.mul_(decay).add_(w, alpha=1 - decay)` is one running update), and one for the norms'."""
+        `ema.mul_(decay).add_(w, alpha=1 - decay)` is one running update), and one for the norms'.
+        `trained(t)`: whether an optimizer steps `t` (a weight decay or a step by hand, not an EMA's
+        copy that kept requires_grad)."""
         self._visit = None  # the last tensor checked and its op's arguments: not kept past the trace
         by_line: dict[tuple[str, int], list[_Line]] = {}
         norms: list[_Line] = []
@@ -305,7 +315,16 @@ class LostUpdates:
             if len(lost) < RECENT or sum(lost) / len(lost) < LOST or latest < LOST or max(kept_fp32) >= LOST:
                 continue
             line = found[0]
-            weights = any(x.weights for x in found)
+            weights = any(
+                x.graded
+                or (
+                    trained is not None
+                    and (t := x.tensor() if x.tensor is not None else None) is not None
+                    and trained(t)
+                )
+                for x in found
+            )
+            decay = weights and all(x.op == "mul_" for x in found)  # a decay by hand: the optimizer's own is one
             ops = " and ".join(dict.fromkeys(f"aten.{x.op}" for x in found))  # each op once, as the line runs them
             shapes = list(dict.fromkeys(str(x.shape) for x in found))
             if line.op == COPY:  # judged by the statement it writes back
@@ -360,9 +379,14 @@ class LostUpdates:
                     fix=(
                         f"make this update on fp32 weights: keep fp32 master copies of the {line.dtype} parameters "
                         f"(or the model in fp32 under autocast), apply the line at {where} to the fp32 copies, not "
-                        f"to the {line.dtype} ones, then copy them into the model; or drop the line and give the "
-                        "optimizer the decay (torch.optim.AdamW(params, weight_decay=...)) over fp32 parameters. "
-                        f"In fp32 the update at {where} keeps all of it"
+                        f"to the {line.dtype} ones, then copy them into the model"
+                        + (
+                            "; or drop the line and give the optimizer the decay (torch.optim.AdamW(params, "
+                            "weight_decay=...)) over fp32 parameters"
+                            if decay
+                            else ""
+                        )
+                        + f". In fp32 the update at {where} keeps all of it"
                         if weights
                         else f"keep that tensor in fp32 (an EMA copy of the weights: deepcopy the model and leave it "
                         f"in fp32, cast it to {line.dtype} only to evaluate); its update at {where} in fp32 keeps all "

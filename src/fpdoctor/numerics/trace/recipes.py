@@ -98,6 +98,8 @@ class OptimizerSeen:
     # the trace's record count at each of those (where the step is in the trace's step numbering),
     # and after its last step (None)
     positions: list[int | None] = field(default_factory=list)
+    lrs: list[float | None] = field(default_factory=list)  # the largest learning rate at each of those steps
+    dropped: int = 0  # steps past WEIGHT_STEPS, whose weights were not kept
 
 
 def _stepped_by_scaler() -> bool:
@@ -143,6 +145,7 @@ class RecipeWatch:
     def __init__(self, max_steps: int = 4, source_of: Any = None, position: Callable[[], int] | None = None) -> None:
         self.optimizers: dict[int, OptimizerSeen] = {}
         self._position = position  # the index the trace's next record gets
+        self._trained: dict[int, weakref.ref[Any]] = {}  # the parameters the optimizers step, by id
         self.params: set[tuple[str, int]] = set()  # the trace's sources of the parameters stepped
         self._source_of = source_of
         self.steps = 0
@@ -165,7 +168,7 @@ class RecipeWatch:
         # grew them last in that step, which no step after it saw
         for key, ref in enumerate(self._refs):
             optimizer, seen = ref(), self.optimizers.get(key)
-            if optimizer is not None and seen is not None and len(seen.weights) <= WEIGHT_STEPS:
+            if optimizer is not None and seen is not None and not seen.dropped:
                 try:
                     seen.weights.append(largest_weight([p for g in optimizer.param_groups for p in g["params"]]))
                     seen.positions.append(None)
@@ -191,6 +194,7 @@ class RecipeWatch:
             dtypes[str(p.dtype)] = dtypes.get(str(p.dtype), 0) + 1
         seen = self.optimizers.get(key)
         if seen is None:
+            self._trained.update((id(p), weakref.ref(p)) for p in params)
             eps = [float(g["eps"]) for g in optimizer.param_groups if isinstance(g.get("eps"), (int, float))]
             seen = self.optimizers[key] = OptimizerSeen(type(optimizer).__name__, eps, dtypes, _stepped_by_scaler())
             lrs = [float(g["lr"]) for g in optimizer.param_groups if isinstance(g.get("lr"), (int, float))]
@@ -198,6 +202,10 @@ class RecipeWatch:
         if len(seen.weights) < WEIGHT_STEPS:
             seen.weights.append(largest_weight(params))
             seen.positions.append(self._position() if self._position is not None else None)
+            lrs = [float(g["lr"]) for g in optimizer.param_groups if isinstance(g.get("lr"), (int, float))]
+            seen.lrs.append(max(lrs) if lrs else None)
+        else:  # the weights after the last step would be paired with those before step WEIGHT_STEPS
+            seen.dropped += 1
         if self._source_of is not None and self.steps <= self._max_steps:
             # what the forward before this step cast: the parameters are unchanged since
             for p in params:
@@ -209,6 +217,11 @@ class RecipeWatch:
             counts = grad_zero_counts(grads)
             for k, v in counts.items():
                 seen.grads[k] = seen.grads.get(k, 0) + v
+
+    def trains(self, t: torch.Tensor) -> bool:
+        """Whether an optimizer seen in the block steps `t` (its parameters at its first step)."""
+        ref = self._trained.get(id(t))
+        return ref is not None and ref() is t
 
     def findings(self, records: list[Record], step_of: Callable[[int], int | None] | None = None) -> list[Finding]:
         """`step_of(record index)`: the trace's optimizer step a record belongs to, which counts the
@@ -253,7 +266,10 @@ def blowup_finding(seen: OptimizerSeen, step_of: Callable[[int], int | None] | N
         if at and at[0] is not None and at[-1] is not None:
             first, step = at[0], at[-1]
     grown = after / before if math.isfinite(after) else math.inf
-    lr = f" (lr={seen.lr:g})" if seen.lr is not None else ""
+    # the rate of the updates that grew them (a schedule or warm-up changes it), else the first step's
+    rates = [r for r in seen.lrs[start:end] if r is not None]
+    rate = max(rates) if rates else seen.lr
+    lr = f" (lr={rate:g})" if rate is not None else ""
     size = (
         f"made the largest weight {_said(after)} ({before:.3g} -> {_said(after)})"
         if not math.isfinite(after)
@@ -278,7 +294,7 @@ def blowup_finding(seen: OptimizerSeen, step_of: Callable[[int], int | None] | N
             "optimizer": f"torch.optim.{seen.name}",
             "optimizer_step": step,
             "from_step": first,
-            "lr": seen.lr,
+            "lr": rate,
             "largest_weight_before": before,
             "largest_weight_after": after,
             "growth": grown if math.isfinite(grown) else None,

@@ -557,8 +557,13 @@ class StepJudge:
             from fpdoctor.health import watch
 
             health = watch.since(self._health)
-        # a climb of the loss before it: the learning rate, tried from the climb where its state was kept
+        # a climb of the loss before it: the learning rate, where lowering it from the climb was tried and
+        # separated the rates (the run's went non-finite or climbed, a lower one did not); a climb whose trial
+        # did not (a 0/0 in the code after a bad batch) leaves the replay's own verdict
         climbed = self._climbing(f.step) if result.verdict == "deterministic-nonfinite" else None
+        lr_trial = self._try_lower_lr(f.step) if climbed is not None else None
+        if lr_trial is None or not lr_trial.separates:
+            climbed, lr_trial = None, None
         made = findings.verdict_findings(
             f.step,
             result,
@@ -568,7 +573,7 @@ class StepJudge:
             control=control,
             health=health,
             climbed=climbed,
-            lr_trial=self._try_lower_lr(f.step) if climbed is not None else None,
+            lr_trial=lr_trial,
         )
         if self.is_compiled and result.verdict == "deterministic-nonfinite":  # the compiled model, run eagerly
             made = compiled.seen_in(made, compiled.EAGER_REPLAY)
@@ -689,9 +694,10 @@ class StepJudge:
                     self._release_spikes(came_back=back)
             if f is not None and not self._held:
                 self._climb = None  # a finite step that did not climb, none held up: no climb to start from
-            elif f is not None and not isinstance(self._climb, Snapshot):
+            elif f is not None and self._climb is None:
                 # a step of a climb still held up whose first step kept no state (a GradScaler skipped
-                # it: replayed at that scale, every rate would overflow again): the climb from here
+                # it: replayed at that scale, every rate would overflow again): the climb from here;
+                # once, where keeping it failed or is off (its reason stays)
                 self._climb = self._keep_climb(f, first=False)
         history.append(loss_value)
 
@@ -787,7 +793,7 @@ class StepJudge:
             found=self.findings,
             here=self.here,
             lr_trial=self._try_lower_lr(first_skip),
-            climbing=self._climbing(first_skip) is not None,
+            climbing=self._climbing(first_skip) is not None and self._lr_trial is not None and self._lr_trial.separates,
         )
         if self._stall is None or self._stall >= len(self.findings):
             self._stall = len(self.findings)

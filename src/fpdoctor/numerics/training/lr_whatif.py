@@ -143,6 +143,12 @@ class LrTrial:
         return "the climb's first step" if self.first else f"step {self.from_step}'s state (in the climb)"
 
     @property
+    def separates(self) -> bool:
+        """The trial tells the rates apart: at the run's rate the steps went non-finite or the loss
+        climbed, at a lower one they did not (the evidence that the rate is the cause)."""
+        return self.as_is is not None and not self.as_is.settles and self.best is not None
+
+    @property
     def best(self) -> Arm | None:
         """The highest lowered rate whose steps stayed finite with a loss that did not climb."""
         return next((arm for arm in self.lowered if arm.settles), None)
