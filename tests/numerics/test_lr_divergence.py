@@ -81,6 +81,14 @@ print("LOSSES", losses[0], losses[-1])
 """
 
 
+# the two recipes, each with its run's length and the rate too high for it
+CASES = pytest.mark.parametrize(
+    ("source", "steps", "bad_lr"),
+    [(LM, 60, 3.0), (REGRESSION, 40, 0.02)],
+    ids=["lm-fp16-grad-scaler", "regression-bf16"],
+)
+
+
 def _script(tmp_path: Path, source: str, steps: int) -> Path:
     path = tmp_path / "train.py"
     path.write_text(source.replace("STEPS", str(steps)))
@@ -148,11 +156,7 @@ def test_growth_over_a_few_updates_is_a_blowup_and_healthy_growth_is_not():
     assert _blowup([1.0 * 1.3**k for k in range(BLOWUP_STEPS)]) is not None
 
 
-@pytest.mark.parametrize(
-    ("source", "steps", "bad_lr"),
-    [(LM, 60, 3.0), (REGRESSION, 40, 0.02)],
-    ids=["lm-fp16-grad-scaler", "regression-bf16"],
-)
+@CASES
 def test_trace_names_the_updates_that_grew_the_weights_ahead_of_the_overflow(tmp_path, source, steps, bad_lr):
     script = _script(tmp_path, source, steps)
     found = _fpdoctor(tmp_path, "trace", script, bad_lr)
@@ -171,11 +175,7 @@ def test_trace_names_the_updates_that_grew_the_weights_ahead_of_the_overflow(tmp
         assert stalled[0]["evidence"]["step"] == ev["optimizer_step"] + 1
 
 
-@pytest.mark.parametrize(
-    ("source", "steps", "bad_lr"),
-    [(LM, 60, 3.0), (REGRESSION, 40, 0.02)],
-    ids=["lm-fp16-grad-scaler", "regression-bf16"],
-)
+@CASES
 def test_watch_puts_the_climb_first_and_the_lower_rate_it_checked_trains_as_printed(tmp_path, source, steps, bad_lr):
     script = _script(tmp_path, source, steps)
     found = _fpdoctor(tmp_path, "watch", script, bad_lr)
