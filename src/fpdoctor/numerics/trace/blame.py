@@ -1005,8 +1005,9 @@ def _fix_for(r: Record) -> str:
         return custom_op_fix(r.op, None)
     packet = _packet(r.op)
     text = OP_ADVICE.get(packet, catalog.get("nonfinite-produced").fix)
-    if packet == "pow" and not _NEGATIVE_POWER.search(linecache.getline(*r.location[:2]) if r.location else ""):
-        text = _POW_OVERFLOW  # x ** 2 of raw values: the base, not a zero
+    line = linecache.getline(*r.location[:2]) if packet == "pow" and r.location else ""
+    if line and not _NEGATIVE_POWER.search(line):
+        text = _POW_OVERFLOW  # x ** 2 of raw values, as written: the base, not a zero
     if packet in ("div", "div_") and len(r.inputs) == 1:
         text = _DIV_BY_CONSTANT  # no tensor denominator to guard: a constant one, the quotient past the range
     rng = range_cause(r)
