@@ -1119,3 +1119,28 @@ def test_a_regression_output_too_coarse_for_its_format_is_named_where_the_refere
     evidence = first["evidence"]
     assert evidence["dtype"] == "float16" and 1000 < evidence["magnitude"] < 1030
     assert evidence["share_of_spread"] >= 0.05 and "predict the offset from a constant" in first["fix"]
+
+
+def test_a_second_optimizers_counts_are_in_the_summary_beside_the_firsts():
+    """A teacher trained first, then a student whose steps go non-finite (trial79): the summary's
+    counts were the teacher's alone ("non-finite steps 0" beside the student's NaN findings)."""
+    from torch import nn
+
+    from fpdoctor.integrations.script import ScriptWatch
+
+    torch.manual_seed(0)
+    teacher, student = nn.Linear(8, 4), nn.Linear(8, 4)
+    opt_t, opt_s = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (teacher, student))
+    with ScriptWatch(notify=None, reference_every=0) as watcher:
+        for _ in range(6):
+            opt_t.zero_grad()
+            teacher(torch.randn(4, 8)).pow(2).mean().backward()
+            opt_t.step()
+        for _ in range(3):
+            opt_s.zero_grad()
+            out = student(torch.randn(4, 8))
+            (out / (out - out)).mean().backward()  # NaN on every step
+            opt_s.step()
+    summary = dict(watcher.report.data["summary"])
+    assert summary["non-finite steps (optimizer 1)"] == "0" and summary["steps (optimizer 1)"] == "6"
+    assert summary["optimizer 2"].startswith("3 steps, 3 non-finite"), summary["optimizer 2"]

@@ -104,6 +104,10 @@ class _PerThread(threading.local):
     call: _Call | None = None
 
 
+# the summary lines a judge counts for its own optimizer
+_PER_OPTIMIZER = ("steps", "non-finite steps", "skipped optimizer steps", "last good step")
+
+
 @dataclass
 class _Run:
     """One optimizer's watch: its judge and the calls since its last step."""
@@ -817,9 +821,22 @@ class ScriptWatch:
             for run in runs[1:]:  # a second optimizer (a GAN's): its findings and counts beside
                 other = run.judge.report(scaled=run.judge.amp.scale is not None)
                 report.findings.extend(other.findings)
-                report.data.setdefault("optimizers", []).append(
-                    {k: other.data[k] for k in ("steps", "skipped_steps", "nonfinite_steps", "verdicts")}
+                counts = {k: other.data[k] for k in ("steps", "skipped_steps", "nonfinite_steps", "verdicts")}
+                report.data.setdefault("optimizers", []).append(counts)
+                # the summary's counts are the first optimizer's: each other one's beside them, so that
+                # "non-finite steps 0" is not read as the run's (a student trained after its teacher)
+                report.data["summary"].append(
+                    (
+                        f"optimizer {run.number}",
+                        f"{counts['steps']} steps, {counts['nonfinite_steps']} non-finite, "
+                        f"{counts['skipped_steps']} skipped",
+                    )
                 )
+            if len(runs) > 1:
+                report.data["summary"] = [
+                    (f"{key} (optimizer 1)", value) if key in _PER_OPTIMIZER else (key, value)
+                    for key, value in report.data["summary"]
+                ]
             report = Report(
                 command="watch",
                 findings=[*self.errors, *self._traced.lead(report.findings)],
