@@ -239,3 +239,28 @@ def test_a_run_that_diverges_from_its_first_steps_is_a_spike():
     spikes = guard.report.by_name("loss-spike")
     assert max(losses[1:]) > 100 * losses[0]  # the reproduction diverges within 6 steps
     assert len(spikes) == 1 and spikes[0].evidence["step"] <= 6
+
+
+def test_a_nan_made_after_the_model_at_a_named_op_keeps_that_ops_checked_fix():
+    """A margin head's acos at 1 (trial80: ArcFace under fp16 autocast): the replay names the op in
+    the loss code and checks its clamp; the verdict said it was made "in the loss computation (every
+    target ignored, a mean over an empty selection ...)", examples of another class, and replaced
+    the op's checked fix with "check the loss code"."""
+    from fpdoctor import catalog
+    from fpdoctor.numerics.training import findings as step_findings
+    from fpdoctor.numerics.training.replay import ReplayResult
+    from fpdoctor.report.model import Trial
+
+    checked = Trial.checked("x.clamp(-1 + eps, 1 - eps)", metric="the gradient", before="inf", after="finite")
+    culprit = catalog.make(
+        "nonfinite-produced",
+        message="the backward of aten.acos.default (AcosBackward0) produced 4 -inf of 4096 values.",
+        where={"module": None, "op": "aten.acos.default", "phase": "backward"},
+        evidence={"experiment": {"verdict": "origin"}},
+        fix="keep the argument inside (-1, 1): x.clamp(-1 + eps, 1 - eps), eps = 0.000977 (checked)",
+        trial=checked,
+    )
+    result = ReplayResult("deterministic-nonfinite", culprit=culprit, evidence={"made_after_outputs": True})
+    (verdict,) = step_findings.verdict_findings(7, result, {}, micro_batches=False, kind="nan")
+    assert verdict.fix == culprit.fix and verdict.trial == checked
+    assert "every target ignored" not in verdict.message and "at the op named above" in verdict.message

@@ -90,6 +90,11 @@ _AFTER_OUTPUTS = (
     "is made after the model, in the loss computation (every target ignored, a mean over an empty selection, a "
     "division by a count that is 0, a loss multiplied by NaN)."
 )
+# the same, where the replay named the loss code's op that made it and checked its fix
+_AFTER_OUTPUTS_NAMED = (
+    " The model's outputs were finite while the loss computed from them (or its gradient) was not: the NaN/Inf "
+    "is made after the model, in the loss code, at the op named above."
+)
 _AFTER_OUTPUTS_FIX = (
     "Check the loss code on this step's batch: guard the denominator (a count of valid targets that can be 0), or "
     "skip a batch with nothing to learn from."
@@ -238,7 +243,9 @@ def verdict_findings(
         control_text, control_fix, control_evidence, control_trial = _control_text(control, climbed, lr_trial)
         decided = first is not None and _experiment_decided(first)
         fix, trial = (
-            (_AFTER_OUTPUTS_FIX, Trial.untried("a change to the loss code, which fpdoctor does not write"))
+            (first.fix, first.trial)  # an op of the loss code named, with its own checked fix (a clamp)
+            if after and first is not None and decided
+            else (_AFTER_OUTPUTS_FIX, Trial.untried("a change to the loss code, which fpdoctor does not write"))
             if after
             else (control_fix, control_trial)
             if climbed is not None and control_fix is not None
@@ -254,7 +261,10 @@ def verdict_findings(
             "deterministic-nonfinite",
             message=(
                 f"Step {step}{rank_text} replayed with the same batch, RNG state and weights and was non-finite "
-                "again" + (f": {first.message}" if first else ".") + (_AFTER_OUTPUTS if after else "") + control_text
+                "again"
+                + (f": {first.message}" if first else ".")
+                + ((_AFTER_OUTPUTS_NAMED if first is not None and decided else _AFTER_OUTPUTS) if after else "")
+                + control_text
             ),
             where={
                 **(dict(first.where) if first else {"module": None, "op": None, "phase": None}),
