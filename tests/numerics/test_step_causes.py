@@ -97,6 +97,8 @@ def test_a_loss_that_climbs_before_it_goes_nonfinite_points_the_stall_at_the_lea
     spikes = report.by_name("loss-spike")
     assert len(spikes) == 1  # one climbing episode, not one finding per step of it
     assert spikes[0].evidence["occurrences"] >= 3
+    # its fix names the step and the run's rate (trial78: "consider a lower learning rate", no value)
+    assert f"step {spikes[0].evidence['step']}'s batch" in spikes[0].fix and "(now 50:" in spikes[0].fix
     stalled = report.by_name("training-stalled")[0]
     first_bad = report.by_name("nonfinite-loss")[0].evidence["step"]
     assert spikes[0].evidence["step"] < first_bad

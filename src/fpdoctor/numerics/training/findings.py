@@ -483,13 +483,22 @@ def collapse_finding(
     )
 
 
-def spike_finding(step: int, loss: float, mean: float, spread: float, window: int, *, here: dict[str, Any]) -> Finding:
+def spike_finding(
+    step: int, loss: float, mean: float, spread: float, window: int, *, here: dict[str, Any], lr: float | None = None
+) -> Finding:
+    """loss-spike, its fix with the step and the run's learning rate `lr` (where known) spelled out."""
+    rate = f" (now {lr:.4g}: a tenth of it is where to start)" if lr is not None else ""
     return catalog.make(
         "loss-spike",
         message=f"Step {step}: loss {loss:.4g} against a recent mean of {mean:.4g} "
         f"(std {spread:.2g} over {window} steps).",
         where={"module": None, "op": None, "phase": "forward", "step": step, **here},
         evidence={"kind": "spike", "loss": loss, "mean": mean, "std": spread, "step": step, "count": 1, "numel": 1},
+        fix=(
+            f"Look at step {step}'s batch (an outlier or a mislabelled sample makes one spike that comes back); "
+            "a loss that stays up or climbs is the learning rate's: clip the gradients "
+            f"(torch.nn.utils.clip_grad_norm_(params, 1.0)) or lower the learning rate{rate}."
+        ),
     )
 
 

@@ -682,7 +682,12 @@ class StepJudge:
             if self._held and self._held[-1][1] != episode:
                 self._release_spikes()  # spiked again before it came back
             self._held.append(
-                (findings.spike_finding(step, loss_value, mean, spread, len(history), here=self.here), episode)
+                (
+                    findings.spike_finding(
+                        step, loss_value, mean, spread, len(history), here=self.here, lr=self._learning_rate()
+                    ),
+                    episode,
+                )
             )
             self._since_spike = []
         else:
@@ -711,6 +716,12 @@ class StepJudge:
             return
         for finding, episode in held:
             self.causes.add(finding, episode)
+
+    def _learning_rate(self) -> float | None:
+        """The largest learning rate of the optimizer's groups now, where it has one."""
+        groups = getattr(self.optimizer, "param_groups", None) or []
+        rates = [float(g["lr"]) for g in groups if isinstance(g.get("lr"), (int, float))]
+        return max(rates) if rates else None
 
     def _climbing(self, step: int) -> Finding | None:
         """The loss spike before `step` whose climb was still going at the last finite step: its loss
