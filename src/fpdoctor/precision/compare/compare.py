@@ -1427,7 +1427,10 @@ class _Comparison:
                 divergent.setdefault(r.module, (r.module, r.call))
         for key in list(divergent.values())[:CHECKED_OVERFLOWS]:
             if not nonfinite.is_cast(overflows[key]["op"]):
-                overflows[key]["checked"] = self._overflow_checked(overflows[key], rows[-1].propagated)
+                row = next(r for r in rows if (r.module, r.call) == key)
+                overflows[key]["checked"] = self._overflow_checked(
+                    overflows[key], rows[-1].propagated, broken=not row.propagated < BROKEN
+                )
         origin = nonfinite.findings(
             rows, overflows, label=self.label, candidate=candidate, dtype=self.cand_dtype, check=self._fix_checked,
             on=inputs_text(describe(self.inputs)), named=any(r.diverged for r in rows), mine=mine,
@@ -1613,22 +1616,39 @@ class _Comparison:
         lines = {(line[0], line[1] + k) for k in range(more + 1)}
         mode = SaturatedCasts(lines, self.cand_dtype) if kind == "cast" else RaisedLines(lines, self.cand_dtype)
         kept: list[torch.Tensor] = []  # the run's output, for what it decides (_checked_fixes)
+        broken: list[str] = []  # modules whose output the fix leaves off by BROKEN of its norm or more
+
+        def each(name: str, index: int, output: Any) -> None:
+            # a fix judged end to end alone can pass where a residual dilutes a module it left dead
+            # (a variance cast back past fp16's range: a norm's output all 0, 30x diluted, trial80)
+            seen = self.seen.get((name, index))
+            got = device_sample(output) if seen is not None and name else None
+            if got is None or got.numel() != seen.truth.numel() or not seen.norm > 0:  # type: ignore[union-attr]
+                return
+            off = float((got.to(seen.truth.device) - seen.truth).norm()) / seen.norm  # type: ignore[union-attr]
+            if not off < BROKEN:
+                broken.append(name)
+
         error = error_under(mode, self.cand_run, self.run_inputs, self.cand_dtype, truth=root.truth, norm=root.norm,
-                            rng=self.rng, device=self.cand_device, noise=self.noise, keep=kept)  # fmt: skip
+                            rng=self.rng, device=self.cand_device, noise=self.noise, keep=kept, each=each)  # fmt: skip
         if self._keep_fix_outputs:  # only the runs _made_checked reads: an LM's logits are large
             self._fix_outputs[(kind, line, more)] = kept[0] if kept else None
-        return error
+        return math.inf if broken and error is not None else error
 
-    def _overflow_checked(self, found: dict[str, Any], error: float) -> dict[str, Any] | None:
+    def _overflow_checked(self, found: dict[str, Any], error: float, *, broken: bool = False) -> dict[str, Any] | None:
         """An op that overflows inside a divergent module, computed in fp32 with the ops after it that
         consume its result (its line, then up to nonfinite.LINES_AFTER more: a softmax written by hand),
         cast back after them: the first set of lines that takes the end-to-end error down by
-        RAISED_FALLS, with its figure; None where none does or the line is not known."""
+        RAISED_FALLS, with its figure; None where none does or the line is not known. Where the module
+        was `broken` (its output off by BROKEN or more, which a residual around the model dilutes end
+        to end), a set that leaves no module broken is the fix however little the end-to-end error falls."""
         line = nonfinite.line_of(found.get("location"))
         if line is None:
             return None
-        more, after = nonfinite.fp32_lines(self._fix_checked, line, error)
-        if after is None or not math.isfinite(after) or (math.isfinite(error) and after * RAISED_FALLS > error):
+        more, after = nonfinite.fp32_lines(self._fix_checked, line, math.inf if broken else error)
+        if after is None or not math.isfinite(after):
+            return None
+        if math.isfinite(error) and after * RAISED_FALLS > error and not broken:
             return None
         return {"lines": [line[1], line[1] + more], "file": line[0], "before": error, "after": after}
 
@@ -1829,6 +1849,9 @@ class _Comparison:
 
 # The divergent modules whose overflowing op gets its fix checked (each check: up to three forwards)
 CHECKED_OVERFLOWS = 2
+# A fix that leaves a module's output off by this share of its norm or more has not fixed it, however
+# small the end-to-end error (a residual around it dilutes the broken module's error)
+BROKEN = 0.5
 # A running state is named the cause when keeping it alone in fp64 divides the end-to-end error
 # by at least this much (12 dB): the rest of the model still runs in the candidate's dtype.
 ACCUMULATION_FALLS = 4.0

@@ -417,12 +417,12 @@ def error_under(
     raised: RaisedSites | RaisedLines | SaturatedCasts, run: nn.Module, inputs: Any, dtype: torch.dtype, *,
     truth: torch.Tensor,
     norm: float, rng: RngState, device: torch.device | None, noise: ReplayNoise | None,
-    keep: list[torch.Tensor] | None = None, watch: Any = None,
+    keep: list[torch.Tensor] | None = None, watch: Any = None, each: Callable[[str, int, Any], None] | None = None,
 ) -> float | None:  # fmt: skip
     """The candidate's end-to-end error against the fp64 `truth` with some of its ops raised (an
     engine.raising mode); None when the run fails or the mode raised no op. `keep` gets the run's
     output (its first floating tensor); `watch`, a mode entered inside the raising one, sees the ops
-    as the code calls them (selections.Picks)."""
+    as the code calls them (selections.Picks); `each(name, index, output)` sees every module's output."""
     got: list[torch.Tensor | None] = []
     root = _root_output(got, keep)
 
@@ -433,6 +433,8 @@ def error_under(
             raised.feed(found)
 
     def post(name: str, index: int, args: Any, output: Any) -> None:
+        if each is not None:
+            each(name, index, output)
         if name == "":
             root(output)
 
