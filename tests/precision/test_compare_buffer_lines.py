@@ -109,3 +109,18 @@ def test_a_cast_to_the_rounded_buffers_dtype_is_not_the_code_widening() -> None:
             truth = fixed.double()(t)
             got = fixed.to(dtype)(t).double()
         assert float((got - truth).norm() / truth.norm()) <= 2 * first.trial.after, kwargs
+
+
+def test_only_a_cast_to_a_held_buffers_dtype_is_taken_for_the_buffers(tmp_path) -> None:
+    """With `freqs` held in fp32 for the check, `t.to(self.freqs.dtype)` reads fp32 from it (not the code
+    widening); `h.to(residual.dtype)` on an fp32 residual is the code's own cast and stays wide (review54)."""
+    from fpdoctor.numerics.engine.raising import RaisedLines
+
+    code = tmp_path / "model.py"
+    code.write_text("t = t.to(self.freqs.dtype)\nh = h.to(residual.dtype)\nx = x.float()\n")
+    raised = RaisedLines(set(), torch.bfloat16)
+    raised.held = {"freqs"}
+    t = torch.zeros(2, dtype=torch.bfloat16)
+    assert not raised._wider((t, torch.float32), {}, (str(code), 1, "forward"))
+    assert raised._wider((t, torch.float32), {}, (str(code), 2, "forward"))
+    assert raised._wider((t, torch.float32), {}, (str(code), 3, "forward"))

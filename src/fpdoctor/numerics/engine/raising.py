@@ -151,9 +151,10 @@ class RaisedLines(EagerDispatchMode):
         # every other op reads them in `dtype`, as a model that casts its own inputs does
         self.wide_inputs = wide_inputs
         self.fed = ByTensor()  # those inputs (and their views): `feed`, at the model's call
-        # buffers held in fp32 (compare's check of a rounded buffer kept): a cast the lines make to a
-        # held buffer's dtype (t.to(self.freqs.dtype)) reads fp32 from it, which the code did not write
-        self.held = False
+        # buffers held in fp32 (compare's check of a rounded buffer kept), by attribute name: a cast a line
+        # makes to a held buffer's dtype (t.to(self.freqs.dtype), t.type_as(self.freqs)) reads fp32 from it,
+        # which the code did not write
+        self.held: set[str] = set()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -217,8 +218,10 @@ class RaisedLines(EagerDispatchMode):
         values = [*args, *kwargs.values()]
         given = [a for a in values if isinstance(a, torch.dtype) and a.is_floating_point]
         if given:
-            if self.held and given[0] is torch.float32 and not _WRITES_WIDE.search(linecache.getline(*user[:2])):
-                return False
+            if self.held and given[0] is torch.float32:
+                code = linecache.getline(*user[:2])
+                if not _WRITES_WIDE.search(code) and any(re.search(rf"\b{re.escape(n)}\b", code) for n in self.held):
+                    return False
             return given[0] is not self.dtype and torch.finfo(given[0]).bits > torch.finfo(self.dtype).bits
         if self.wide_inputs:
             return False

@@ -139,7 +139,7 @@ def raised_error(
     (the lines that read them compute in fp32 and cast back; an op elsewhere that reads them fails
     the run)."""
     raised = RaisedLines(set(lines), dtype, wide_inputs=inputs_as_given)
-    raised.held = bool(buffers)
+    raised.held = {name.rpartition(".")[2] for name in buffers or {}}  # what a line reads them by (self.freqs)
     swapped = []
     for name, value in (buffers or {}).items():
         holder, _, attr = name.rpartition(".")
