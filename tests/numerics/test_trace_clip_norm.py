@@ -75,3 +75,21 @@ def test_clip_grad_norm_past_fp16_is_fixed_by_a_norm_in_fp32_that_trains_as_prin
     assert losses[-1] > 0.95 * losses[0], losses  # clipped to nothing: the loss does not move
     fixed, _ = _train(kind, 20, fixed=True)
     assert fixed[-1] < 0.85 * losses[-1], (fixed, losses)
+
+
+def test_updates_rounded_away_after_zeroed_gradients_are_told_as_their_consequence() -> None:
+    """trial77: after clip_grad_norm_ zeroed the gradients (NUM008 at step 65), TRN010 at step 91 measured
+    what the momentum left and was reported as a cause of its own; it now says it follows, fix first."""
+    from fpdoctor import catalog
+    from fpdoctor.numerics.api import _after_zeroed
+
+    zeroed = catalog.make("nonfinite-zeroed", message="...", evidence={"step": 65})
+    rounded = catalog.make(
+        "update-rounded-away", message="Step 91: updates rounded away.", evidence={"kind": "rounded-away", "step": 91}
+    )
+    told = _after_zeroed(rounded, [zeroed])
+    assert told.evidence["after_zeroed_step"] == 65 and told.fix.startswith("Fix nonfinite-zeroed first")
+    before = catalog.make(
+        "update-rounded-away", message="Step 9.", evidence={"kind": "rounded-away", "step": 9}, fix="masters"
+    )
+    assert _after_zeroed(before, [zeroed]) is before  # before the zeroing: a cause of its own

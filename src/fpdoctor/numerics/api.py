@@ -314,7 +314,7 @@ class Trace:
         # model is evaluated with, before the optimizer's own updates, which slow its training
         findings += tracer.lost_updates.findings(self._recipes.trains)
         findings += tracer.flushed.findings()  # squares flushed to zero: a norm by hand too small
-        findings += self._updates.findings
+        findings += [_after_zeroed(f, findings) for f in self._updates.findings]
         tracer.errors.extend(self._updates.errors)
         # a penalty on gradients still scaled: the cause of the scaler's skips and of its low scale, first
         findings = self._scaled_grads.findings() + findings
@@ -423,6 +423,27 @@ def _after_the_blowup(finding: Finding, blown: Finding) -> Finding:
             "a change at this op was measured on this step's values, which the diverging weights made; the run "
             "would overflow again later (update-blew-up)"
         ),
+    )
+
+
+def _after_zeroed(found: Finding, findings: list[Finding]) -> Finding:
+    """An optimizer's updates rounded away at a step after gradients were zeroed by an Inf turned into 0
+    (a clip_grad_norm_ whose norm overflowed, NUM008): what it measured is what the momentum left of
+    earlier steps, a consequence, told as such with that finding's fix first."""
+    step = found.evidence.get("step")
+    zeroed = [
+        f.evidence["step"] for f in findings if f.name == "nonfinite-zeroed" and isinstance(f.evidence.get("step"), int)
+    ]
+    if found.evidence.get("kind") != "rounded-away" or not isinstance(step, int) or not zeroed or min(zeroed) > step:
+        return found
+    at = min(zeroed)
+    return dataclasses.replace(
+        found,
+        message=found.message + f" From step {at} the gradients were zeroed (nonfinite-zeroed above): the updates "
+        "measured here are what the optimizer's momentum left of earlier steps, a consequence of that first.",
+        evidence={**found.evidence, "after_zeroed_step": at},
+        fix=f"Fix nonfinite-zeroed first (the gradients zeroed from step {at}); then, if updates still round away: "
+        + (found.fix or ""),
     )
 
 
