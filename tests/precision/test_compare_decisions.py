@@ -438,3 +438,30 @@ def test_probabilities_a_softmax_returns_are_judged_by_their_decisions() -> None
     healthy = fpdoctor.compare(_Probabilities(MaskedClassifier(offset=0.0, masked=0)).eval(), x, candidate="bf16")
     assert healthy.report.data["decisions"]["source"].startswith("probabilities of a softmax")
     assert all(f.name != "decisions-changed" for f in healthy.report.findings)
+
+
+class _ScoresAgainstAnEmbedding(nn.Module):
+    """Scores against every row of an embedding the model holds (`user @ items.weight.T`): a
+    recommender's item table, a retriever's document table (trial79: no decisions were judged)."""
+
+    def __init__(self, bag: bool) -> None:
+        super().__init__()
+        self.bag = bag
+        self.history = nn.EmbeddingBag(2000, 32, mode="mean") if bag else nn.Linear(16, 32)
+        self.items = nn.Embedding(2000, 32)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        user = self.history(x, offsets) if self.bag else self.history(x)
+        return user @ self.items.weight.T
+
+
+@pytest.mark.parametrize("bag", [True, False], ids=["recommender-bag", "retriever-query-tower"])
+def test_scores_against_an_embedding_table_are_judged_by_their_decisions(bag: bool) -> None:
+    torch.manual_seed(0)
+    model = _ScoresAgainstAnEmbedding(bag).eval()
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randint(0, 2000, (256,), generator=g), torch.arange(0, 256, 16)) if bag else torch.randn(16, 16)
+    result = fpdoctor.compare(model, inputs, candidate="bf16")
+    decisions = result.report.data.get("decisions")
+    assert decisions is not None, dict(result.report.data["summary"])
+    assert "`items.weight` (2000 x 32" in decisions["source"], decisions["source"]

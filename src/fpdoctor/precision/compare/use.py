@@ -76,6 +76,16 @@ def class_table_source(
         rows, width = found[1]
         maker = "an input's rows" if found[0] == GIVEN else f"the rows `{found[0]}` made"
         return f"scores of {where} against {maker} ({rows} x {width}: one row per class)"
+    # last, an embedding of the classes held as a submodule and read whole (a recommender's item table,
+    # user @ items.weight.T); an EmbeddingBag sums its rows into an input: a plain Embedding first
+    for kind in (nn.Embedding, nn.EmbeddingBag):
+        for child_name, child in module.named_modules():
+            t = child.weight if child is not module and type(child) is kind else None
+            if t is not None and t.dim() == 2 and t.shape[0] == columns and t.shape[1] != t.shape[0]:
+                return (
+                    f"scores of {where} against its `{child_name}.weight` ({t.shape[0]} x {t.shape[1]}: one row per "
+                    "class)"
+                )
     return None
 
 
