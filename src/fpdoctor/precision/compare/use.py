@@ -80,11 +80,11 @@ def class_table_source(
     # user @ items.weight.T); an EmbeddingBag sums its rows into an input: a plain Embedding first
     for kind in (nn.Embedding, nn.EmbeddingBag):
         for child_name, child in module.named_modules():
-            t = child.weight if child is not module and type(child) is kind else None
-            if t is not None and t.dim() == 2 and t.shape[0] == columns and t.shape[1] != t.shape[0]:
+            weight: torch.Tensor | None = child.weight if child is not module and type(child) is kind else None
+            if weight is not None and weight.dim() == 2 and weight.shape[0] == columns and weight.shape[1] != columns:
                 return (
-                    f"scores of {where} against its `{child_name}.weight` ({t.shape[0]} x {t.shape[1]}: one row per "
-                    "class)"
+                    f"scores of {where} against its `{child_name}.weight` ({weight.shape[0]} x {weight.shape[1]}: one "
+                    "row per class)"
                 )
     return None
 
