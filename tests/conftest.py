@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import subprocess
 import sys
+import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +69,26 @@ def run_fpdoctor(*args: str, env: dict[str, str] | None = None, timeout: float =
     )
     _PRINTED.append(proc.stdout)
     return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def traced_script(tmp_path: Path, name: str, source: str) -> tuple[Path, list[dict]]:
+    """`source` written as tmp_path/NAME.py and run under `fpdoctor trace -o report.json` in a fresh
+    interpreter, which must exit 1 (an error found): the script and the report's findings."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(textwrap.dedent(source))
+    report = tmp_path / "report.json"
+    result = run_fpdoctor("trace", "-o", str(report), "--", str(script))
+    assert result.code == 1, result.err
+    return script, json.loads(report.read_text())["findings"]
+
+
+def as_written_and_fixed(script: Path) -> list[str]:
+    """What the script prints on stderr run as written and with its `--fix` (the fix as printed)."""
+    runs = [
+        subprocess.run([sys.executable, str(script), *arm], check=False, capture_output=True, text=True, timeout=120)
+        for arm in ([], ["--fix"])
+    ]
+    return [r.stderr.strip() for r in runs]
 
 
 @contextlib.contextmanager

@@ -8,15 +8,11 @@ by torch.where."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_fpdoctor
+from tests.conftest import as_written_and_fixed, traced_script
 
 SCRIPTS = {
     # a uniformity loss: every pair's distance by a power 1/2, the diagonal (0) masked by a multiply
@@ -62,12 +58,8 @@ FORWARD = {"pow": ("aten.pow", "clamp_min(eps) ** p"), "sqrt": ("aten.sqrt", "cl
 
 @pytest.mark.parametrize("name", list(SCRIPTS))
 def test_a_gradient_a_mask_cannot_stop_names_the_forward_op_and_its_fix_trains(name: str, tmp_path: Path) -> None:
-    script = tmp_path / f"{name}.py"
-    script.write_text(textwrap.dedent(SCRIPTS[name]))
-    report = tmp_path / "report.json"
-    result = run_fpdoctor("trace", "-o", str(report), "--", str(script))
-    assert result.code == 1, result.err
-    first = json.loads(report.read_text())["findings"][0]
+    script, found = traced_script(tmp_path, name, SCRIPTS[name])
+    first = found[0]
     op, words = FORWARD[name]
     assert first["name"] == "nonfinite-produced" and first["evidence"]["step"] == 1, first
     assert f"the backward of {op}" in first["message"] and f"the backward of {op}" in first["title"]
@@ -75,11 +67,8 @@ def test_a_gradient_a_mask_cannot_stop_names_the_forward_op_and_its_fix_trains(n
     assert "guard the denominator" not in first["fix"]
 
     # the fix as printed: the plain script ends with NaN weights, the fixed one trains
-    runs = [
-        subprocess.run([sys.executable, str(script), *fix], check=False, capture_output=True, text=True, timeout=120)
-        for fix in ([], ["--fix"])
-    ]
-    assert [r.stderr.strip() for r in runs] == ["nan", "finite"], [r.stderr for r in runs]
+    ran = as_written_and_fixed(script)
+    assert ran == ["nan", "finite"], ran
 
 
 def test_a_gradient_cast_back_past_its_range_is_told_by_the_cast_not_the_forward_op() -> None:

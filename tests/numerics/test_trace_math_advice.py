@@ -4,15 +4,11 @@ short for its transcript (log 0). Each fix as printed trains."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_fpdoctor
+from tests.conftest import as_written_and_fixed, traced_script
 
 SCRIPTS = {
     "gcn": """
@@ -53,15 +49,8 @@ WORDS = {"gcn": "x ** p with p < 0 is Inf at x = 0", "ctc": "zero_infinity=True"
 
 @pytest.mark.parametrize("name", list(SCRIPTS))
 def test_a_non_finite_value_of_the_math_gets_a_fix_that_applies_and_trains(name: str, tmp_path: Path) -> None:
-    script = tmp_path / f"{name}.py"
-    script.write_text(textwrap.dedent(SCRIPTS[name]))
-    report = tmp_path / "report.json"
-    result = run_fpdoctor("trace", "-o", str(report), "--", str(script))
-    assert result.code == 1, result.err
-    fixes = [f["fix"] for f in json.loads(report.read_text())["findings"] if f["severity"] == "error"]
+    script, found = traced_script(tmp_path, name, SCRIPTS[name])
+    fixes = [f["fix"] for f in found if f["severity"] == "error"]
     assert any(WORDS[name] in fix for fix in fixes[:2]), fixes[:2]
-    runs = [
-        subprocess.run([sys.executable, str(script), *arm], check=False, capture_output=True, text=True, timeout=120)
-        for arm in ([], ["--fix"])
-    ]
-    assert [r.stderr.strip() for r in runs] == ["nan", "finite"], [r.stderr for r in runs]
+    ran = as_written_and_fixed(script)
+    assert ran == ["nan", "finite"], ran
