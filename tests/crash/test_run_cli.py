@@ -268,7 +268,11 @@ def test_under_mp_spawn_the_process_that_raised_leads_not_the_one_it_stopped(tmp
     stopped = only(doc, "rank-stopped")
     assert stopped["where"]["rank"] == 0 and stopped["evidence"]["first_failure"] == "rank 1"
     assert stopped["evidence"]["ended"] == "terminated" and stopped["severity"] == "info"
-    assert [f["name"] for f in doc["findings"]] == ["uncaught-exception", "rank-stopped"]
+    # the machine's own findings (ENV..., a GPU image's two copies of cuDNN) may follow the job's
+    assert [f["name"] for f in doc["findings"] if not f["code"].startswith("ENV")] == [
+        "uncaught-exception",
+        "rank-stopped",
+    ]
     assert dict(doc["data"]["summary"])["first failure"].startswith("rank 1 ValueError at ")
 
 
