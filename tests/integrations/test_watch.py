@@ -185,6 +185,51 @@ def test_a_nan_injected_once_is_skipped_replayed_and_called_transient(tmp_path):
     assert report["data"]["skipped_steps"] == 1 and report["data"]["verdicts"] == {"4": "transient-fault-suspected"}
 
 
+# knowledge distillation with KL(p_t || p_s) written out: where the confident teacher's softmax
+# underflows to 0, its entropy term is 0 * log(0) = NaN in the loss, while every gradient (through
+# the student's log-softmax alone) is finite: the script trains, its loss prints NaN
+DISTILL = """
+import sys, torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+teacher = nn.Linear(8, 10)
+with torch.no_grad():
+    teacher.weight.mul_(300.0)
+teacher.requires_grad_(False)
+student = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 10))
+opt = torch.optim.AdamW(student.parameters(), lr=1e-2)
+g = torch.Generator().manual_seed(1)
+for step in range(1, 13):
+    x = torch.randn(16, 8, generator=g)
+    p_t = F.softmax(teacher(x), dim=-1)
+    loss = (p_t * (p_t.log() - F.log_softmax(student(x), dim=-1))).sum(-1).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+torch.save(student.state_dict(), sys.argv[1])
+print("trained", flush=True)
+"""
+
+
+def test_a_nan_loss_whose_gradients_are_finite_is_applied_as_the_script_applies_it(tmp_path):
+    """The watch keeps a non-finite gradient from the weights; a NaN loss with finite gradients
+    makes a finite update, which the script applies: skipping it would change the run."""
+    script = _write(tmp_path, "distill.py", DISTILL)
+    plain = subprocess.run([sys.executable, str(script), str(tmp_path / "plain.pt")], check=False, timeout=120)
+    assert plain.returncode == 0
+    watched = _watch(tmp_path, str(script), str(tmp_path / "watched.pt"))
+    assert watched.returncode == 0, watched.stderr
+    a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "watched.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)  # bitwise the plain run's weights
+    report = _report(tmp_path)
+    loss = next(f for f in report["findings"] if f["name"] == "nonfinite-loss")
+    assert "its gradients were finite, so its update was applied" in loss["message"], loss["message"]
+    assert report["data"]["skipped_steps"] == 0
+    assert "training-stalled" not in [f["name"] for f in report["findings"]]
+    assert report["findings"][0]["name"] == "nonfinite-produced"  # at the loss's line, the cause
+
+
 def test_an_fp16_overflow_under_a_grad_scaler_is_named_at_its_line_with_a_finite_fp32_control(tmp_path):
     script = _write(tmp_path, "amp.py", AMP)
     watched = _watch(tmp_path, str(script))
@@ -963,7 +1008,9 @@ def test_a_learning_rate_trial_from_weights_a_step_decided_on_the_device_has_mov
     from fpdoctor.integrations.script import ScriptWatch
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    # ReLU: its gradients overflow with the loss (a Tanh's saturate: an Inf loss with finite
+    # gradients is applied, as the script applies it, and no step is skipped)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, foreach=True)
     g = torch.Generator().manual_seed(1)
     with ScriptWatch(device_skip=True, notify=None) as watcher:

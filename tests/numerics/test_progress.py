@@ -148,3 +148,45 @@ def test_a_replay_that_gives_no_loss_is_said_not_judged_not_non_finite(monkeypat
     assert "progress" in summary, summary["judged"]
     assert "went non-finite" not in summary["judged"] and "non-finite" not in summary["progress"], summary
     assert "gives no loss to compare" in summary["progress"], summary["progress"]
+
+
+def test_the_sentinel_applies_a_nan_loss_step_whose_gradients_are_finite() -> None:
+    """A NaN in a loss term without gradient (a teacher's 0 * log 0): the update is finite and the
+    user's loop would apply it; the sentinel applies it too, after its replay, and says so."""
+
+    def run(guarded: bool) -> tuple[dict[str, torch.Tensor], fpdoctor.Sentinel | None]:
+        torch.manual_seed(0)
+        teacher = nn.Linear(8, 10)
+        with torch.no_grad():
+            teacher.weight.mul_(300.0)
+        teacher.requires_grad_(False)
+        student = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 10))
+        opt = torch.optim.AdamW(student.parameters(), lr=1e-2)
+        guard = fpdoctor.Sentinel(student, opt, reference_every=0) if guarded else None
+        g = torch.Generator().manual_seed(1)
+
+        def step_fn(x: torch.Tensor) -> torch.Tensor:
+            p_t = torch.softmax(teacher(x), dim=-1)
+            loss = (p_t * (p_t.log() - torch.log_softmax(student(x), dim=-1))).sum(-1).mean()
+            loss.backward()
+            return loss
+
+        for _ in range(6):
+            x = torch.randn(16, 8, generator=g)
+            opt.zero_grad()
+            if guard is None:
+                step_fn(x)
+                opt.step()
+            else:
+                guard.step(step_fn, x)
+        if guard is not None:
+            guard.flush()
+        return {k: v.clone() for k, v in student.state_dict().items()}, guard
+
+    plain, _ = run(False)
+    guarded, guard = run(True)
+    assert all(torch.equal(plain[k], guarded[k]) for k in plain)
+    assert guard is not None
+    loss = next(f for f in guard.report.findings if f.name == "nonfinite-loss")
+    assert "its gradients were finite, so its update was applied" in loss.message, loss.message
+    assert "training-stalled" not in [f.name for f in guard.report.findings]

@@ -395,9 +395,10 @@ class StepWatch(JudgedSteps):
         except Exception as exc:
             self._error("deciding the step", exc, step)
         finally:
-            # a bad step is not applied, whatever failed after its check; an Inf gradient under a
-            # GradScaler is the scaler's to skip (its step() finds it; ours would hide it from it)
-            skip = checked is not None and not checked.finite and not (self.scaler is not None and checked.bad_grad)
+            # a step with a non-finite gradient is not applied, whatever failed after its check; under a
+            # GradScaler it is the scaler's to skip (its step() finds it; ours would hide it from it).
+            # A non-finite loss whose gradients are finite is applied, as the user's code would
+            skip = checked is not None and checked.bad_grad and self.scaler is None
             self._micros, self._checked, self._why_not, self._loss_unseen = [], None, None, False
             if skip:
                 for p in params if params is not None else self._params:

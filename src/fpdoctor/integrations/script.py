@@ -656,7 +656,9 @@ class ScriptWatch:
             run.left = None
         elif outcome.verdict == "amp-skip" and run.left is None:
             run.left = (step, scale_value)
-        skip = not outcome.finite and not (scaler is not None and bad_grad)
+        # a non-finite gradient is kept from the weights (a GradScaler's own step finds it itself); a
+        # non-finite loss whose gradients are finite makes a finite update, applied as the script does
+        skip = bad_grad and scaler is None
         if skip and not skipped_by_scaler and not pending.on_device:
             for p in run.params:  # kept from the weights: torch's optimizers skip a parameter without a gradient
                 p.grad = None

@@ -37,10 +37,18 @@ def step_kind(r: dict[str, Any]) -> str | None:
 
 
 def rank_finding(
-    step: int, r: dict[str, Any], *, micro_batches: bool, scaled: bool, numel: int, applied: bool = False
+    step: int,
+    r: dict[str, Any],
+    *,
+    micro_batches: bool,
+    scaled: bool,
+    numel: int,
+    applied: bool = False,
+    grads_finite: bool = False,
 ) -> Finding:
     """nonfinite-loss or nonfinite-gradient for one rank's agreed view of a bad step; `applied`:
-    step_fn stepped the optimizer itself, so the step was not skipped."""
+    step_fn stepped the optimizer itself, so the step was not skipped; `grads_finite`: every
+    gradient of the step was finite, so its update was too, and it was applied."""
     skipped = "step_fn applied the step itself." if applied else "the step was skipped."
     where_rank = place(r)
     text = distributed.where_text(r)
@@ -48,7 +56,10 @@ def rank_finding(
     micro_text = f" (micro-batch {micro})" if micro is not None and micro_batches else ""
     micro_ev = {"micro_batch": micro} if micro is not None else {}
     if r.get("loss_bad"):
-        then = "the scaler skipped it if its gradients overflowed." if scaled else skipped
+        if grads_finite and not applied:
+            then = "its gradients were finite, so its update was applied, as your code applies it."
+        else:
+            then = "the scaler skipped it if its gradients overflowed." if scaled else skipped
         return catalog.make(
             "nonfinite-loss",
             message=f"Step {step}{micro_text}: the loss was {r.get('loss_kind') or 'not finite'} on {text}; {then}",

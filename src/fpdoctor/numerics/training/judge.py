@@ -206,6 +206,7 @@ class StepJudge:
         self._reproduced: dict[tuple[Any, ...], int] = {}  # a bad step's symptoms -> replays that reproduced
         self.transients = transient.Experiments()  # a step that does not reproduce: its cause, by experiment
         self._stall: int | None = None  # the stalled episode's finding, by index, while it lasts
+        self._stall_windowed = False  # that episode held over a whole window, not the first steps alone
         self._spike_at: tuple[int, tuple[Any, ...]] | None = None  # the last spike's step and its episode
         # the spike episode waiting for SPIKE_RECOVERY steps (its findings, whose evidence holds the
         # mean and spread before it) and the finite losses since its last step; then the spikes that
@@ -379,16 +380,19 @@ class StepJudge:
         if f.applied:  # applied already: reported, not replayed (its weights are gone)
             self._attribute(f)
             return outcome
-        # skipped by us, or by the scaler that finds the Inf gradient itself
-        outcome.skipped = f.skippable or (f.scaled and f.bad_grad)
+        # skipped by us, or by the scaler that finds the Inf gradient itself. A non-finite loss whose
+        # gradients are all finite makes a finite update: the user's code (a GradScaler too) applies
+        # it, and so do we, after its replay (a NaN in a term without gradient, a logged metric)
+        outcome.skipped = f.bad_grad and (f.skippable or f.scaled)
         if outcome.skipped:
             self.skipped += 1
             self.buffers.restore()  # the bad forward's buffer writes (BatchNorm statistics) undone
-        if self._weights_bad or self._weights_went_bad(f.step):  # said once; no replay can change it
-            return outcome
-        faulty, kind, symptoms = self._attribute(f)
-        if self.replay:
-            outcome.verdict = self._replay_or_say_why(f, kind, faulty, symptoms)
+        if not (self._weights_bad or self._weights_went_bad(f.step)):  # said once; no replay can change it
+            faulty, kind, symptoms = self._attribute(f)
+            if self.replay:
+                outcome.verdict = self._replay_or_say_why(f, kind, faulty, symptoms)
+        if not f.bad_grad and f.skippable and apply is not None:
+            apply()  # from the weights the replay started from, as the user's step would
         return outcome
 
     # -- findings ------------------------------------------------------------------------------
@@ -419,6 +423,7 @@ class StepJudge:
                 scaled=f.scaled,
                 numel=len(self.params),
                 applied=f.applied,
+                grads_finite=not f.bad_grad,
             )
             if f.spread and finding.name == "nonfinite-gradient" and not r.get("faults"):
                 finding = replace(
@@ -790,10 +795,16 @@ class StepJudge:
         stalled = all_so_far or (len(recent) == STALL_WINDOW and skipped >= STALL_SKIPS)
         if not stalled:
             if skipped <= STALL_WINDOW // 2:
-                self._stall = None  # the episode is over; a later one is new
+                stall, self._stall = self._stall, None  # the episode is over; a later one is new
+                if stall is not None and not self._stall_windowed and stall < len(self.findings):
+                    # called on the run's first steps alone ("the optimizer never ran"), and the
+                    # optimizer has run since, most of a window: no stall after all
+                    del self.findings[stall]
+                self._stall_windowed = False
                 if not history[-1].skipped:  # a step applied again: a trial of a rate (a verdict's) is done with
                     self._lr_trial = None
             return
+        self._stall_windowed |= not all_so_far or len(recent) == STALL_WINDOW
         episode = [h for h in history[self._stall_start() :]]
         first_skip = next((h.step for h in episode if h.skipped), history[-1].step)
         finding = findings.stall_finding(

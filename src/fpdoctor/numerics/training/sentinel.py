@@ -519,7 +519,7 @@ class Sentinel(JudgedSteps):
         if self._measured is not None:
             stats, self._measured = self._measured, None
             self._judge.updates(stats, every=self.check_updates)
-        if outcome.finite or outcome.verdict == "amp-skip":
+        if not outcome.skipped or outcome.verdict == "amp-skip":  # applied (a NaN loss's finite gradients too)
             if self.accumulate > 1:
                 self._zero_grads()
             if outcome.finite and self.checkpoint_every and pending.step % self.checkpoint_every == 0:
