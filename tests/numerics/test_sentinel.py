@@ -110,6 +110,14 @@ def test_loss_spike():
     assert len(spikes) == 1 and spikes[0].where["step"] == 13
 
 
+def test_a_jump_of_a_loss_converged_far_below_its_start_is_not_a_spike():
+    """Converged from 2.4 to 3e-5, a batch at 2.4e-4 is 8x the recent mean and many sigmas off, and
+    still noise (a warning with "clip the gradients" on a run that converged, as printed before)."""
+    converged = [2.4, 1.0, 0.3] + [3e-5 * (1.0 + 0.01 * (i % 3)) for i in range(36)]  # the start out of the window
+    assert not _losses([*converged, 2.4e-4]).by_name("loss-spike")
+    assert _losses([*converged, 0.5]).by_name("loss-spike")  # back to a fifth of where it started: a spike
+
+
 def test_checkpoint_of_the_last_good_step(tmp_path):
     model, opt = make()
     path = tmp_path / "last-good.pt"

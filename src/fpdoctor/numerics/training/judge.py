@@ -75,6 +75,9 @@ SPIKE_RATIO = 1.5
 # A climb still going when a step goes non-finite: the last finite loss this many times the level
 # before the climb's first spike (the learning rate's divergence grows it by orders of magnitude)
 CLIMBING = 10.0
+# A spike rises to at least this share of the run's first loss: on a loss that has converged far below
+# where it started (2e-4 against a start of 2.4), a jump to 8x its recent mean is the batches' noise
+SPIKE_OF_START = 0.05
 # Before SPIKE_MIN_HISTORY steps, a loss this many times the first step's is a spike (divergence).
 SPIKE_EARLY_RATIO = 100.0
 # A spike is judged SPIKE_RECOVERY finite steps after its episode's last: where the median loss of
@@ -238,6 +241,7 @@ class StepJudge:
         self.repro_dir: str | None = None  # where a compiled-only fault's reproducer goes (None: a new temp dir)
         self._views = views
         self._losses: deque[float] = deque(maxlen=SPIKE_WINDOW)
+        self._start_loss: float | None = None  # the run's first finite loss
         self._errors: set[tuple[str, str]] = set()
         self._weights_bad = False  # the parameters themselves are non-finite: no step can recover
         self.here: dict[str, Any] = {}  # where every finding of this rank happened (rank, host, device)
@@ -669,7 +673,11 @@ class StepJudge:
             # floats, not statistics.pstdev's exact fractions: 32 values, every step, within 1e-15
             mean = math.fsum(history) / len(history)
             spread = math.sqrt(math.fsum((v - mean) ** 2 for v in history) / len(history))
-            spiked = loss_value > mean + SPIKE_SIGMAS * spread and loss_value > SPIKE_RATIO * abs(mean)
+            spiked = (
+                loss_value > mean + SPIKE_SIGMAS * spread
+                and loss_value > SPIKE_RATIO * abs(mean)
+                and (self._start_loss is None or loss_value >= SPIKE_OF_START * abs(self._start_loss))
+            )
         elif history and history[0] > 0:
             # too few steps for a spread: a run that diverges from its first steps (a learning rate far
             # too high) is judged against its first loss
@@ -710,6 +718,8 @@ class StepJudge:
                 # once, where keeping it failed or is off (its reason stays)
                 self._climb = self._keep_climb(f, first=False)
         history.append(loss_value)
+        if self._start_loss is None:
+            self._start_loss = loss_value
 
     def _release_spikes(self, *, came_back: bool = False) -> None:
         """The held spike episode judged: counted as noise where its loss came back, else its findings
