@@ -72,3 +72,59 @@ def test_a_penalty_on_gradients_of_a_scaled_loss_is_named_and_the_recipe_clears_
     ]
     plain, unscaled = (float(r.stderr.strip().splitlines()[-1]) for r in runs)
     assert plain * 64 <= unscaled, (plain, unscaled)
+
+
+# a WGAN-GP critic, written another way: the gradient taken out of the tuple ([0]), the scaler named
+# for its network; the unscaling statement goes where FIX_HERE is, as the fix prints it
+GP = textwrap.dedent(
+    """
+    import sys, torch, torch.nn as nn
+    torch.manual_seed(0)
+    D = nn.Sequential(nn.Linear(2, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    optD = torch.optim.Adam(D.parameters(), lr=2e-4, betas=(0.5, 0.9))
+    scalerD = torch.amp.GradScaler("cpu")
+    for it in range(10):
+        real, fake = torch.randn(128, 2) + 2.0, torch.randn(128, 2)
+        eps = torch.rand(128, 1)
+        x_hat = (eps * real + (1 - eps) * fake).requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            d_real, d_fake, d_hat = D(real).mean(), D(fake).mean(), D(x_hat)
+        grads = torch.autograd.grad(outputs=scalerD.scale(d_hat.sum()), inputs=x_hat,
+                                    create_graph=True)[0]
+        # FIX_HERE
+        gp = 10.0 * ((grads.norm(2, dim=1) - 1) ** 2).mean()
+        optD.zero_grad(set_to_none=True)
+        scalerD.scale(d_fake - d_real + gp).backward()
+        scalerD.step(optD)
+        scalerD.update()
+    print(scalerD.get_scale(), file=sys.stderr)
+    """
+)
+
+
+def test_watch_names_the_scaled_penalty_first_with_the_unscaling_in_the_scripts_own_names(tmp_path: Path) -> None:
+    """watch traces the step after one its replay could not explain as trace does: the penalty read
+    scaled leads (not the fp16 cast it overflows, whose bf16 fix left the penalty scaled), and its
+    statement, pasted as printed, clears it."""
+    script = tmp_path / "gp.py"
+    script.write_text(GP)
+    report = tmp_path / "report.json"
+    result = run_fpdoctor("watch", "-o", str(report), "--", sys.executable, str(script))
+    assert result.code == 0, result.err  # the script's own exit status
+    first = json.loads(report.read_text())["findings"][0]
+    assert first["name"] == "gradients-still-scaled", first
+    fix = first["fix"]
+    assert "inv_scale = 1.0 / scalerD.get_scale(); grads = grads * inv_scale," in fix, fix
+    statements = fix.split("does: ", 1)[1].split(", then", 1)[0]
+    fixed = tmp_path / "gp_fixed.py"
+    fixed.write_text(GP.replace("# FIX_HERE", statements))
+    runs = [
+        subprocess.run([sys.executable, str(p)], check=False, capture_output=True, text=True, timeout=120)
+        for p in (script, fixed)
+    ]
+    plain, unscaled = (float(r.stderr.strip().splitlines()[-1]) for r in runs)
+    assert plain * 64 <= unscaled, (plain, unscaled)  # as printed, the scale stays where the gradients fit
+    again = run_fpdoctor("watch", "-o", str(report), "--", sys.executable, str(fixed))
+    assert again.code == 0, again.err
+    names = [f["name"] for f in json.loads(report.read_text())["findings"]]
+    assert "gradients-still-scaled" not in names, names

@@ -23,7 +23,15 @@ from torch import nn
 from fpdoctor.report.model import Finding, Severity
 
 # the findings of a traced step that say where a non-finite value was made, and how to fix it
-_CAUSES = ("nonfinite-produced", "nonfinite-input", "overflow-near-limit", "grad-scaler-stalled")
+_CAUSES = (
+    "gradients-still-scaled",
+    "nonfinite-produced",
+    "nonfinite-input",
+    "overflow-near-limit",
+    "grad-scaler-stalled",
+)
+# causes in the recipe, whose overflows the trace's nonfinite findings then name: first, as `trace` puts them
+_RECIPE = ("gradients-still-scaled",)
 # the watch's findings of the recurring bad step, whose fix the traced step's cause replaces
 _EXPLAINED = ("deterministic-nonfinite", "training-stalled")
 
@@ -68,7 +76,8 @@ class TracedStep:
         report = trace.report
         found = [f for f in (report.findings if report is not None else []) if f.name in _CAUSES]
         found = [f for f in found if f.severity is not Severity.INFO]
-        found.sort(key=lambda f: not (f.trial is not None and f.trial.tried))  # checked fixes first
+        # the recipe's cause first, then checked fixes
+        found.sort(key=lambda f: (f.name not in _RECIPE, not (f.trial is not None and f.trial.tried)))
         self.said = {
             "step": self.step,
             "armed_by": self.armed_by,

@@ -17,7 +17,9 @@ autograd.grad call, with the line that read them.
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import linecache
 import math
 import sys
 import weakref
@@ -186,10 +188,11 @@ def _finding(call: _Grads, times: int) -> Finding:
         "the scaler backs off until the scaled penalty fits (the run reports it as calibration), and the penalty "
         "never measures the true gradients."
     )
+    scaler, unscale = _unscale_statement(call.location)
     fix = (
         f"Unscale them right after line {line}, as torch's AMP recipe for a gradient penalty does: inv_scale = "
-        "1.0 / scaler.get_scale(); grads = [g * inv_scale for g in grads], then the penalty from them, added to "
-        "the loss that scaler.scale(loss).backward() scales."
+        f"1.0 / {scaler}.get_scale(); {unscale}, then the penalty from them, added to the loss that "
+        f"{scaler}.scale(loss).backward() scales."
     )
     return catalog.make(
         "gradients-still-scaled",
@@ -203,3 +206,43 @@ def _finding(call: _Grads, times: int) -> Finding:
             "gradients by 1/scale or divided them by the scale before the first that read them"
         ),
     )  # fmt: skip
+
+
+def _unscale_statement(location: str) -> tuple[str, str]:
+    """The scaler's name and the unscaling statement in the user's own names: the autograd.grad
+    call's statement read from its file (`grads = torch.autograd.grad(...)[0]` holds one tensor,
+    `gx, gy = ...` two, `grads = ...` a tuple), the scaler the name whose `.scale(` it calls."""
+    scaler, unscale = "scaler", "grads = [g * inv_scale for g in grads]"
+    path, _, line_text = location.rpartition(":")
+    try:
+        line = int(line_text)
+        tree = ast.parse("".join(linecache.getlines(path)))
+    except (ValueError, SyntaxError):
+        return scaler, unscale
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+            continue
+        if not (node.lineno <= line <= (node.end_lineno or node.lineno)):
+            continue
+        value, target = node.value, node.targets[0]
+        call = value.value if isinstance(value, ast.Subscript) else value
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "grad"):
+            continue
+        for sub in ast.walk(call):
+            if (
+                isinstance(sub, ast.Call)
+                and isinstance(sub.func, ast.Attribute)
+                and sub.func.attr == "scale"
+                and isinstance(sub.func.value, ast.Name)
+            ):
+                scaler = sub.func.value.id
+                break
+        if isinstance(target, ast.Name) and isinstance(value, ast.Subscript):
+            unscale = f"{target.id} = {target.id} * inv_scale"  # one gradient, taken out of the tuple
+        elif isinstance(target, ast.Name):
+            unscale = f"{target.id} = [g * inv_scale for g in {target.id}]"
+        elif isinstance(target, ast.Tuple) and all(isinstance(e, ast.Name) for e in target.elts):
+            names = [e.id for e in target.elts if isinstance(e, ast.Name)]
+            unscale = f"{', '.join(names)} = {', '.join(f'{n} * inv_scale' for n in names)}"
+        break
+    return scaler, unscale
