@@ -623,10 +623,13 @@ class _Comparison:
             return  # an output in its input's space (a denoiser's noise, a reconstruction) decides no class
         ours = device_sample(first)  # the same strided values, no whole copy
         theirs = device_sample(made) if made is not None and first.shape == made.shape else None
-        if ours is not None and theirs is not None and torch.allclose(ours, theirs, rtol=1e-6, atol=0.0):
+        if ours is not None and theirs is not None and _proportional(ours, theirs):
+            # as it is, or times a positive constant (a temperature, a learned logit scale): the same argmax
             module = self.truth_modules[name]
             self.logits = use.logits_source(name, module, first, ids=use.reads_ids(self.inputs))
             self.logits = self.logits or use.class_table_source(name, module, first)
+            if self.logits is not None and not torch.allclose(ours, theirs, rtol=1e-6, atol=0.0):
+                self.logits += ", scaled by a constant after it"
         else:  # the model's own ops made it after its last leaf: scores against a table of its own, one
             # a module made, or one it was given (a memory bank of a kNN passed as an input)
             given = {t.shape[0]: (use.GIVEN, tuple(t.shape)) for t in floating(self.inputs) if t.dim() == 2}
@@ -2048,3 +2051,17 @@ def _beside_error(summary: list[tuple[str, str]], row: tuple[str, str]) -> None:
 def _cured(before: float, after: float) -> bool:
     """A checked run that took the error down RAISED_FALLS times, or made a non-finite output finite."""
     return math.isfinite(after) and (not math.isfinite(before) or after * RAISED_FALLS <= before)
+
+
+def _proportional(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
+    """`ours` is `theirs` times one positive constant (1 included): a model that returns its last
+    layer's logits divided by a temperature decides what they decide."""
+    if torch.allclose(ours, theirs, rtol=1e-6, atol=0.0):
+        return True
+    a, b = ours.double().reshape(-1), theirs.double().reshape(-1)
+    both = (a != 0) & (b != 0)
+    if int(both.sum()) < 2 or not bool(((a == 0) == (b == 0)).all()):
+        return False
+    ratio = a[both] / b[both]
+    c = float(ratio[0])
+    return math.isfinite(c) and c > 0 and bool(torch.allclose(ratio, torch.full_like(ratio, c), rtol=1e-5, atol=0.0))

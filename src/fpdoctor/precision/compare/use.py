@@ -156,7 +156,8 @@ def coarse_finding(
         "output-too-coarse",
         message=message,
         fix=fix,
-        where={"module": None, "op": None},
+        # the module the checked fix keeps in fp32, returning fp32 (plan starts from it)
+        where={"module": head if trial.tried else None, "op": None},
         evidence={"kind": "decisions", "decisions": found.to_dict(), "fp32_top1": fp32_top1},
         trial=trial,
     )

@@ -385,6 +385,20 @@ def _plan(
     keep: list[str] = []
     current = baseline
     best: tuple[float, list[str], list[float]] = (excess(baseline), [], baseline)
+    # the output's format too coarse for what it holds (compare's output-too-coarse, its fix checked): no
+    # target set from the floor of that format sees it, so the plan starts from the layer kept in fp32,
+    # returning fp32, that the check ran
+    coarse = [
+        f.where["module"]
+        for s in judged
+        for f in s.compared.report.by_name("output-too-coarse")
+        if f.where.get("module") and f.trial is not None and f.trial.tried
+    ]
+    if coarse:
+        keep, fp32_outputs = [coarse[0]], fp32_outputs | {coarse[0]}
+        runs.describe(f"plan {candidate}: {coarse[0]} in fp32, returning fp32 (its output's format is too coarse)")
+        current = errors(keep)
+        best = (excess(current), list(keep), current)
     if not ok(current):
         for mods, outs in units:  # greedy: the what-ifs that help most, then the worst modules first
             new = [x for x in mods if x not in keep and not any(x.startswith(k + ".") for k in keep)]
@@ -546,6 +560,10 @@ def _judge_set(
     first = next(floating(output), None)
     ids = use.reads_ids(inputs)
     is_logits = head is not None and use.logits_source(head, leaves[head], first, ids=ids) is not None
+    # compare's own test of what the output decides, which plan's metrics then judge: scores against a
+    # class table (prototypes, a cosine head), logits divided by a temperature (not probabilities)
+    decided = compared.report.data.get("decisions")
+    is_logits = is_logits or (decided is not None and not str(decided.get("source", "")).startswith("probabilities"))
     one = _Set(inputs, compared, truth, logits=logits_of(output) if is_logits else None)
     del output, truth_run
     one.logits_layer, one.before_logits = head, (ended[-2] if len(ended) > 1 else None)
