@@ -1191,3 +1191,39 @@ def test_a_second_optimizers_counts_are_in_the_summary_beside_the_firsts():
     summary = dict(watcher.report.data["summary"])
     assert summary["non-finite steps (optimizer 1)"] == "0" and summary["steps (optimizer 1)"] == "6"
     assert summary["optimizer 2"].startswith("3 steps, 3 non-finite"), summary["optimizer 2"]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach, undone on the device", "fused, found_inf"])
+def test_a_step_decided_on_the_device_skips_a_nan_loss_only_where_its_gradients_are_bad(fused: bool) -> None:
+    """--device-skip: the flag the optimizer is given (or the undo reads) is the gradients', not the
+    loss's: a NaN loss with finite gradients steps as the script steps."""
+    from torch import nn
+
+    from fpdoctor.integrations.script import ScriptWatch
+
+    def run(watched: bool) -> tuple[dict[str, torch.Tensor], ScriptWatch | None]:
+        torch.manual_seed(0)
+        teacher = nn.Linear(8, 10)
+        with torch.no_grad():
+            teacher.weight.mul_(300.0)
+        teacher.requires_grad_(False)
+        student = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 10))
+        kind = {"fused": True} if fused else {"foreach": True}
+        opt = torch.optim.AdamW(student.parameters(), lr=1e-2, **kind)
+        g = torch.Generator().manual_seed(1)
+        watch = ScriptWatch(device_skip=True, notify=None) if watched else None
+        with watch if watch is not None else contextlib.nullcontext():
+            for _ in range(8):
+                x = torch.randn(16, 8, generator=g)
+                p_t = torch.softmax(teacher(x), dim=-1)
+                loss = (p_t * (p_t.log() - torch.log_softmax(student(x), dim=-1))).sum(-1).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        return {k: v.clone() for k, v in student.state_dict().items()}, watch
+
+    plain, _ = run(False)
+    watched, watch = run(True)
+    assert all(torch.equal(plain[k], watched[k]) for k in plain)
+    assert watch is not None and watch.report.data["skipped_steps"] == 0
+    assert watch.report.by_name("nonfinite-loss")

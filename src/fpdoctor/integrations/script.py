@@ -568,9 +568,9 @@ class ScriptWatch:
         if on_device:  # the optimizer skips a bad step by itself, or it is undone; the host looks a step later
             self._undo.pop(id(optimizer), lambda: None)()
             if run.fused:
-                self._undo[id(optimizer)] = skip_on_device(optimizer, agreed.amax())
+                self._undo[id(optimizer)] = skip_on_device(optimizer, agreed[1])
             else:
-                pending.undo = StepUndo(optimizer, agreed.amax())
+                pending.undo = StepUndo(optimizer, agreed[1])
                 self._undo[id(optimizer)] = pending.undo.undo
         if on_device:
             self._pending.append(pending)
@@ -591,7 +591,7 @@ class ScriptWatch:
         mine_bad = not math.isfinite(sum(values[3:]))  # this rank's losses (a NaN or an Inf makes the sum one)
         bad_loss, bad_grad = values[0] > 0 if pending.loss_agreed else mine_bad, values[1] > 0
         if pending.undo is not None:  # before anything can fail: the next step starts from the right state
-            pending.undo.settle(bad_loss or bad_grad)
+            pending.undo.settle(bad_grad)  # undone on the device where the gradients were bad
         scale_value = values[2] if scaler is not None else None
         curve = [v / scale_value if scale_value else v for v in values[3:]]
         finite_curve = [v for v in curve if math.isfinite(v)]

@@ -442,7 +442,9 @@ class Sentinel(JudgedSteps):
         # (if at all) for this check to finish, not for the optimizer
         read = FlagRead(flags)
         if scaler is None and self.device_skip and self.optimizer is not None and not observed:
-            undo = skip_on_device(self.optimizer, agreed.amax())  # the fused optimizer skips on the device
+            undo = skip_on_device(
+                self.optimizer, agreed[1]
+            )  # the fused optimizer skips a non-finite gradient on the device
             stepped = self._stepped = True
             try:
                 _user(self.optimizer.step)
