@@ -648,8 +648,8 @@ def _stable_fix_text(checked: stable.Checked, where: str, op: str) -> str:
     )
     if checked.fp32_fails:
         text += (
-            "; the same lines in fp32 are non-finite there (checked): more precision only moves the edge, which a "
-            "model that grows confident crosses later"
+            "; the same lines in fp32, finite on this step's inputs, are non-finite on those scaled inputs (checked): "
+            "more precision only moves the edge, which a model that grows confident crosses later"
         )
     if form.ops[0] == "sigmoid":
         text += (
