@@ -100,6 +100,10 @@ class TracedStep:
         model's replay could not reach)."""
         if not self.findings:
             return found
+        rate = next((f for f in found if f.name == "training-stalled" and "climbed_at_step" in f.evidence), None)
+        if rate is not None:  # the learning rate's, tried: the op where the growing values overflowed follows it
+            at = found.index(rate) + 1
+            return [*found[:at], *self.findings, *found[at:]]
         cause = self.findings[0]
         said = f"the step traced at step {self.step} names it ({cause.code}): {cause.fix}"
         explained = [

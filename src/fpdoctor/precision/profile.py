@@ -1000,13 +1000,25 @@ def _held(held: list[str], parameters: list[str], candidate: str) -> tuple[str, 
     return kind, again
 
 
+def line_spans(numbers: list[int]) -> str:
+    """'line 20', 'lines 17-20', 'lines 20-21, 35-36 and 40' (runs of consecutive lines)."""
+    runs: list[list[int]] = []
+    for n in sorted(set(numbers)):
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    parts = [f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs]
+    if len(parts) == 1:
+        return f"line {parts[0]}" if len(runs[0]) == 1 else f"lines {parts[0]}"
+    return "lines " + ", ".join(parts[:-1]) + f" and {parts[-1]}"
+
+
 def _lines_text(lines: list[tuple[str, int]]) -> str:
-    """'lines 17-20 of run.py' (one file), else 'a.py:3, b.py:9'."""
+    """'lines 17-20 of run.py', 'lines 20-21 and 35 of run.py' (one file), else 'a.py:3, b.py:9'."""
     files = {f for f, _ in lines}
     if len(files) == 1:
-        numbers = [n for _, n in lines]
-        span = f"line {numbers[0]}" if len(numbers) == 1 else f"lines {numbers[0]}-{numbers[-1]}"
-        return f"{span} of {lines[0][0]}"
+        return f"{line_spans([n for _, n in lines])} of {lines[0][0]}"
     return ", ".join(f"{f}:{n}" for f, n in lines)
 
 

@@ -171,14 +171,15 @@ class RaisedLines(EagerDispatchMode):
             if not wider:
                 for t in _tensors(out):
                     if t.dtype == torch.float32:
-                        self.made.put(t, True)
+                        self.made.put(t, (user[0], user[1]))  # the line that made it (truthy)
             return out
         if func.is_view:
             out = func(*args, **kwargs)
             for marks in (self.made, self.fed):
-                if any(marks.get(t) for t in _tensors(args)):
+                mark = next((m for m in (marks.get(t) for t in _tensors(args)) if m), None)
+                if mark:
                     for t in _tensors(out):
-                        marks.put(t, True)
+                        marks.put(t, mark)
             return out
         args, kwargs = _map(args, kwargs, lambda t: t.to(self.dtype) if self.made.get(t) or self.fed.get(t) else t)
         return func(*args, **kwargs)
@@ -197,7 +198,32 @@ class RaisedLines(EagerDispatchMode):
     def _back(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         if not any(type(a) is torch.Tensor and self.made.get(a) for a in args):
             return None
-        return tuple(a.to(self.dtype) if type(a) is torch.Tensor and self.made.get(a) else a for a in args)
+        span = self._span(type(module))
+        raises = span is not None and any(span[0] == f and span[1] <= n <= span[2] for f, n in self.lines)
+
+        def back(a: torch.Tensor) -> bool:
+            # a value its caller's lines made, passed into a forward that holds raised lines (positions read
+            # by a positional module's sin), stays fp32 for them (its other ops get it in `dtype`, as every
+            # op off the lines does); one the module's own lines made (its output of an earlier call, cast
+            # back as the fix says, "what the last line makes") comes back in `dtype`
+            made = self.made.get(a)
+            if not made:
+                return False
+            own = span is not None and isinstance(made, tuple) and made[0] == span[0] and span[1] <= made[1] <= span[2]
+            return own or not raises
+
+        if not any(type(a) is torch.Tensor and back(a) for a in args):
+            return None
+        return tuple(a.to(self.dtype) if type(a) is torch.Tensor and back(a) else a for a in args)
+
+    @staticmethod
+    def _span(kind: type) -> tuple[str, int, int] | None:
+        """`kind`'s forward: its source file, first and last line."""
+        code = getattr(getattr(kind, "forward", None), "__code__", None)
+        if code is None:
+            return None
+        numbers = [n for _, _, n in code.co_lines() if n is not None]
+        return (code.co_filename, min(numbers), max(numbers)) if numbers else None
 
     def feed(self, tensors: list[torch.Tensor]) -> None:
         """The model's inputs as its call gets them (positional and keyword): with `wide_inputs`, the fp32

@@ -672,14 +672,23 @@ def stall_finding(
     skipped = [h for h in window if h.skipped]
     amp_skips = sum(1 for h in skipped if h.verdict == "amp-skip")
     never = last_good is None
-    if skipped and amp_skips == len(skipped):
-        head = f"GradScaler skipped {len(skipped)} of {len(window)} optimizer steps"
+    applied = [h for h in window if not (h.finite or h.skipped)]  # a non-finite loss, finite gradients
+    if applied and not skipped:
+        head = (
+            f"The loss was non-finite on {len(applied)} of the last {len(window)} optimizer steps (steps "
+            f"{window[0].step}-{window[-1].step}, first at step {first_skip}), each applied as your code applies it "
+            "(its gradients were finite)"
+        )
+        head += ": no step was finite." if never else f": the last finite step was step {last_good}."
     else:
-        head = f"{len(skipped)} of the last {len(window)} optimizer steps were skipped"
-        if amp_skips:
-            head += f" ({amp_skips} by the GradScaler for overflow)"
-    head += f" (steps {window[0].step}-{window[-1].step}, first skip at step {first_skip})"
-    head += ": the optimizer never ran." if never else f": the last step applied was step {last_good}."
+        if skipped and amp_skips == len(skipped):
+            head = f"GradScaler skipped {len(skipped)} of {len(window)} optimizer steps"
+        else:
+            head = f"{len(skipped)} of the last {len(window)} optimizer steps were skipped"
+            if amp_skips:
+                head += f" ({amp_skips} by the GradScaler for overflow)"
+        head += f" (steps {window[0].step}-{window[-1].step}, first skip at step {first_skip})"
+        head += ": the optimizer never ran." if never else f": the last step applied was step {last_good}."
     cause, fix, trial = _stall_cause(first_skip, found, lr_trial)
     climb = climbed_before(first_skip, found)
     return catalog.make(
@@ -687,8 +696,8 @@ def stall_finding(
         message=f"{head} {cause}",
         where={"module": None, "op": None, "phase": "optimizer", "step": first_skip, **here},
         evidence={
-            "kind": "skipped",
-            "count": len(skipped),
+            "kind": "skipped" if skipped or not applied else "nonfinite-applied",
+            "count": len(skipped) or len(applied),
             "numel": len(window),
             "step": first_skip,
             "steps": steps,

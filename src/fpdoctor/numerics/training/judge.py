@@ -799,10 +799,17 @@ class StepJudge:
         def skipped_(h: StepOutcome) -> bool:
             return h.skipped and (lost or h.verdict != "amp-skip")
 
+        def stuck_(h: StepOutcome) -> bool:  # kept from the weights, or applied with a non-finite loss
+            return skipped_(h) or not (h.finite or h.skipped)
+
         recent = history[-STALL_WINDOW:]
-        skipped = sum(1 for h in recent if skipped_(h))
-        all_so_far = len(history) >= STALL_FIRST and all(skipped_(h) for h in history)
+        skipped = sum(1 for h in recent if stuck_(h))
+        all_so_far = len(history) >= STALL_FIRST and all(stuck_(h) for h in history)
         stalled = all_so_far or (len(recent) == STALL_WINDOW and skipped >= STALL_SKIPS)
+        if stalled and not any(skipped_(h) for h in recent):
+            # non-finite losses the optimizer applied (their gradients finite: a NaN in a term without
+            # gradient trains on); a stall only where a climb of the loss led there (the rate's divergence)
+            stalled = self._climbing(next(h.step for h in recent if stuck_(h))) is not None
         if not stalled:
             if skipped <= STALL_WINDOW // 2:
                 stall, self._stall = self._stall, None  # the episode is over; a later one is new
@@ -811,12 +818,12 @@ class StepJudge:
                     # optimizer has run since, most of a window: no stall after all
                     del self.findings[stall]
                 self._stall_windowed = False
-                if not history[-1].skipped:  # a step applied again: a trial of a rate (a verdict's) is done with
-                    self._lr_trial = None
+                if history[-1].finite and not history[-1].skipped:
+                    self._lr_trial = None  # a finite step applied again: a trial of a rate (a verdict's) is done with
             return
         self._stall_windowed |= not all_so_far or len(recent) == STALL_WINDOW
         episode = [h for h in history[self._stall_start() :]]
-        first_skip = next((h.step for h in episode if h.skipped), history[-1].step)
+        first_skip = next((h.step for h in episode if h.skipped or not h.finite), history[-1].step)
         finding = findings.stall_finding(
             steps=len(history),
             window=episode,
@@ -837,7 +844,7 @@ class StepJudge:
         """Where the stalled episode starts in the history: after the last run of finite steps."""
         history = self.history
         i = len(history)
-        while i > 0 and (history[i - 1].skipped or i > len(history) - STALL_WINDOW):
+        while i > 0 and (history[i - 1].skipped or not history[i - 1].finite or i > len(history) - STALL_WINDOW):
             i -= 1
         return i
 

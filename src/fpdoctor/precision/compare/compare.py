@@ -171,6 +171,9 @@ class _Seen:
     # a leaf that diverged while none of its own ops loses anything: the exact module on its inputs
     # rounded to the candidate's format, its error (what any computation given those inputs loses)
     conditioned: float | None = None
+    # the candidate's own run fed it floating inputs wider than the candidate's format (positions its
+    # caller counts in fp32): their dtype; its isolated re-run rounds them, which that run does not
+    wide_inputs: str | None = None
 
 
 def compare(
@@ -902,6 +905,10 @@ class _Comparison:
             self.unmatched[name] = None
         if entry is None or c is None or c.numel() != entry.truth.numel():
             return None
+        if kept is not None and entry.leaf and self.cand_dtype.is_floating_point:
+            bits = torch.finfo(self.cand_dtype).bits
+            wide = [t.dtype for t in floating(kept[:2]) if torch.finfo(t.dtype).bits > bits]
+            entry.wide_inputs = str(wide[0]).removeprefix("torch.") if wide else None
         return entry, kept, (kept[:2] if kept is not None else None), c.to(entry.truth.device)
 
     def _cand_post_deferred(self, name: str, index: int, args: Any, output: Any) -> None:
@@ -2036,6 +2043,14 @@ def _rows(seen: dict[tuple[str, int], _Seen], own_dtype: str) -> list[ModuleRow]
                 row.unconfirmed = _unconfirmed(row, e)
         elif e.inputs_past is not None and row.exceeds:  # non-finite on inputs no run in the format takes
             row.unconfirmed = e.inputs_past
+        elif e.leaf and row.exceeds and e.wide_inputs and row.propagated <= DIVERGENCE_RATIO * floor:
+            # re-run alone on inputs rounded to the format; the candidate's model feeds it wider ones (a fix
+            # that makes them in fp32) and its output there stays near its floor: not its divergence
+            row.unconfirmed = (
+                f"re-run alone on its inputs rounded to the candidate's format it loses {row.isolated:.3g}; the "
+                f"candidate's own run feeds it {e.wide_inputs} inputs, and there its output error is "
+                f"{row.propagated:.3g} (floor {floor:.3g}): what it reads is made wide, and it adds nothing of its own"
+            )
         rows.append(row)
     annotate(rows)
     return rows

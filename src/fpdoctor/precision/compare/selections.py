@@ -34,7 +34,7 @@ from fpdoctor import catalog
 from fpdoctor.numerics.engine.raising import ByTensor
 from fpdoctor.precision.compare.nonfinite import line_of, source_text
 from fpdoctor.precision.decide import DECISION_SHARE, pct
-from fpdoctor.precision.profile import RAISED_FALLS
+from fpdoctor.precision.profile import RAISED_FALLS, line_spans
 from fpdoctor.report.model import Finding, Trial
 from fpdoctor.torchprivate import EagerDispatchMode
 from fpdoctor.userframes import user_location
@@ -344,12 +344,7 @@ def _call_in(code: str, last: str) -> tuple[str, str] | None:
 
 
 def _lines_text(lines: list[tuple[str, int]]) -> str:
-    numbers = sorted({n for _, n in lines})
-    if len(numbers) == 1:
-        return f"line {numbers[0]}"
-    if numbers == list(range(numbers[0], numbers[-1] + 1)):
-        return f"lines {numbers[0]}-{numbers[-1]}"
-    return "lines " + ", ".join(str(n) for n in numbers[:-1]) + f" and {numbers[-1]}"
+    return line_spans([n for _, n in lines])
 
 
 def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -> Finding:

@@ -38,6 +38,7 @@ from fpdoctor.userframes import user_location
 # The inputs' rounding alone explains at least this share of an op's error: the op is not the cause.
 FORCED = 0.5
 WALK = 64  # ops of the walk upstream, at most
+WHOLE_NUMEL = 1 << 22  # outputs looked at for whole numbers, at most this large (positions, counts, timesteps)
 
 
 @dataclass(eq=False)
@@ -49,6 +50,9 @@ class _Made:
     module: str
     inputs: list[_Made] = field(default_factory=list)
     buffer: str | None = None  # a buffer of the model's: no line makes it, the model's cast rounded it
+    past_exact: bool = False  # whole numbers past what the dtype holds exactly (positions up to 4096 in bf16)
+    whole: bool = False  # whole numbers
+    readers: list[_Made] = field(default_factory=list)  # the ops that read it, in the order they ran
 
 
 class _Producers(EagerDispatchMode):
@@ -75,18 +79,52 @@ class _Producers(EagerDispatchMode):
         read = [m for m in (self.made.get(t) for t in _tensors((args, kwargs))) if m is not None]
         if module == self.module:
             self.reads.update(m.buffer for m in read if m.buffer is not None)
-        if self.found is not None:
-            return out
         user = user_location(sys._getframe())
         line = (user[0], user[1]) if user is not None else None
         made = _Made(str(func), line, module, read)
-        if str(func) == self.op and line is not None and f"{line[0]}:{line[1]}" == self.line and module == self.module:
+        for m in read:
+            m.readers.append(made)
+        if (
+            self.found is None and str(func) == self.op and line is not None and f"{line[0]}:{line[1]}" == self.line
+            and module == self.module
+        ):  # fmt: skip
             self.found = _walk(made)
             return out
         for t in _tensors(out):
             if t.is_floating_point():
-                self.made.put(t, made)
+                self.made.put(t, made)  # after the op too: what reads what its walk met (`_whole_readers`)
+                if 0 < t.numel() <= WHOLE_NUMEL and not made.whole:
+                    made.whole, made.past_exact = _whole(t)
         return out
+
+
+def _whole(t: torch.Tensor) -> tuple[bool, bool]:
+    """(whole numbers, some past what t's dtype holds exactly): one pass, in this one diagnostic run."""
+    with torch.no_grad():
+        finite = t[torch.isfinite(t)]
+        if not finite.numel() or not bool((finite == finite.round()).all()):
+            return False, False
+        return True, float(finite.abs().max()) > 2.0 / torch.finfo(t.dtype).eps
+
+
+def _whole_readers(walked: list[_Made], target: _Made) -> list[_Made]:
+    """Past the target's module (in the callers that passed it its inputs), the whole numbers the
+    dtype rounds that the walk met, and every op that reads them, then what those make of them as
+    whole numbers, up to the first op that makes something else (count = positions + 1, then
+    h.cumsum(1) / count): their other readers must read them in fp32 too, or the cast back rounds
+    them again there."""
+    start = [m for m in walked if m.module != target.module and m.past_exact]
+    seen: list[_Made] = []
+    frontier = list(start)
+    while frontier and len(seen) < WALK:
+        made = frontier.pop()
+        for reader in made.readers:
+            if reader is target or any(reader is s for s in seen) or any(reader is w for w in walked):
+                continue
+            seen.append(reader)
+            if reader.whole:
+                frontier.append(reader)
+    return seen
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -95,14 +133,22 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return found
 
 
+def _encloses(outer: str, inner: str) -> bool:
+    """`outer` is `inner` or one of the modules that call it (the root is "")."""
+    return outer in (inner, "") or inner.startswith(outer + ".")
+
+
 def _walk(target: _Made) -> list[_Made]:
-    """The ops upstream of `target` in its own module call, nearest first, `target` first."""
+    """The ops upstream of `target` in its own module call, and in the calls of the modules that
+    call it where they made what it was passed (position ids a parent's forward counts in bf16,
+    read by a positional module's sin), nearest first, `target` first; a sibling module's output
+    is where the walk stops."""
     seen: list[_Made] = [target]
     frontier = [target]
     while frontier and len(seen) < WALK:
         made = frontier.pop()
         for up in made.inputs:
-            if (up.module == target.module or up.buffer is not None) and all(up is not s for s in seen):
+            if (_encloses(up.module, target.module) or up.buffer is not None) and all(up is not s for s in seen):
                 seen.append(up)
                 frontier.append(up)
     return seen
@@ -120,8 +166,11 @@ def feeding_lines(
     buffers = {name: t for name, t in held if t.dtype == dtype}
     producers = _Producers(op, line, module, buffers)
     stacked(producers, run, inputs, dtype, rng=rng, device=device, noise=noise)
-    lines = {m.line for m in producers.found or [] if m.line is not None}
-    read = {m.buffer for m in producers.found or [] if m.buffer is not None}
+    walked = producers.found or []
+    lines = {m.line for m in walked if m.line is not None}
+    if walked:
+        lines |= {m.line for m in _whole_readers(walked, walked[0]) if m.line is not None}
+    read = {m.buffer for m in walked if m.buffer is not None}
     return sorted(lines), sorted(read), sorted(producers.reads - read)
 
 

@@ -559,14 +559,17 @@ def _judge_set(
     head = ended[-1] if ended else None
     first = next(floating(output), None)
     ids = use.reads_ids(inputs)
-    is_logits = head is not None and use.logits_source(head, leaves[head], first, ids=ids) is not None
+    made_by_head = head is not None and use.logits_source(head, leaves[head], first, ids=ids) is not None
+    is_logits = made_by_head
     # compare's own test of what the output decides, which plan's metrics then judge: scores against a
     # class table (prototypes, a cosine head), logits divided by a temperature (not probabilities)
     decided = compared.report.data.get("decisions")
     is_logits = is_logits or (decided is not None and not str(decided.get("source", "")).startswith("probabilities"))
     one = _Set(inputs, compared, truth, logits=logits_of(output) if is_logits else None)
     del output, truth_run
-    one.logits_layer, one.before_logits = head, (ended[-2] if len(ended) > 1 else None)
+    # the layer that makes them, where one does (scores against a table are the model's own ops')
+    one.logits_layer = head if made_by_head else None
+    one.before_logits = ended[-2] if made_by_head and len(ended) > 1 else None
     logits = one.logits
     if logits is not None and bool(torch.isfinite(logits).all()):
         one.rounded = floor_of(logits, output_format(candidate))  # compare's floor
