@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -116,6 +118,32 @@ def test_a_jump_of_a_loss_converged_far_below_its_start_is_not_a_spike():
     converged = [2.4, 1.0, 0.3] + [3e-5 * (1.0 + 0.01 * (i % 3)) for i in range(36)]  # the start out of the window
     assert not _losses([*converged, 2.4e-4]).by_name("loss-spike")
     assert _losses([*converged, 0.5]).by_name("loss-spike")  # back to a fifth of where it started: a spike
+    # started at 1e4 (unscaled targets), converged to 1: a jump to 100 is a spike, far below the start
+    from_far = [1e4, 300.0, 20.0] + [1.0 + 0.01 * (i % 3) for i in range(36)]
+    assert _losses([*from_far, 100.0]).by_name("loss-spike")
+
+
+def test_a_stall_called_on_the_first_steps_is_withdrawn_once_the_optimizer_ran_most_of_a_window():
+    """Three NaN steps first: "the optimizer never ran" (training-stalled). One finite step after them
+    does not make it wrong yet; a window mostly applied does, and then it leaves the report."""
+    model, opt = make()
+    guard = fpdoctor.Sentinel(model, opt)
+    x, y = data()[0]
+    level = {"k": math.nan}
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y) * level["k"]
+        loss.backward()
+        return loss
+
+    stalled = []
+    for i in range(10):
+        level["k"] = math.nan if i < 3 else 1.0
+        guard.step(step, x, y)
+        stalled.append(bool(guard.report.by_name("training-stalled")))
+    assert stalled[2] and stalled[3], stalled  # called at step 3, still there after one finite step
+    assert not stalled[-1], stalled  # steps 4-10 applied: no stall after all
 
 
 def test_checkpoint_of_the_last_good_step(tmp_path):

@@ -74,8 +74,8 @@ def test_a_penalty_on_gradients_of_a_scaled_loss_is_named_and_the_recipe_clears_
     assert plain * 64 <= unscaled, (plain, unscaled)
 
 
-# a WGAN-GP critic, written another way: the gradient taken out of the tuple ([0]), the scaler named
-# for its network; the unscaling statement goes where FIX_HERE is, as the fix prints it
+# a WGAN-GP critic, written another way: the gradient taken out of the tuple ([0]) by a call over two
+# lines, the scaler named for its network; the unscaling statement goes where the fix says
 GP = textwrap.dedent(
     """
     import sys, torch, torch.nn as nn
@@ -91,7 +91,6 @@ GP = textwrap.dedent(
             d_real, d_fake, d_hat = D(real).mean(), D(fake).mean(), D(x_hat)
         grads = torch.autograd.grad(outputs=scalerD.scale(d_hat.sum()), inputs=x_hat,
                                     create_graph=True)[0]
-        # FIX_HERE
         gp = 10.0 * ((grads.norm(2, dim=1) - 1) ** 2).mean()
         optD.zero_grad(set_to_none=True)
         scalerD.scale(d_fake - d_real + gp).backward()
@@ -116,8 +115,13 @@ def test_watch_names_the_scaled_penalty_first_with_the_unscaling_in_the_scripts_
     fix = first["fix"]
     assert "inv_scale = 1.0 / scalerD.get_scale(); grads = grads * inv_scale," in fix, fix
     statements = fix.split("does: ", 1)[1].split(", then", 1)[0]
+    after = int(fix.split("right after line ", 1)[1].split(",", 1)[0])  # the call spans two lines: its last
+    lines = GP.splitlines()
+    assert "create_graph=True)[0]" in lines[after - 1], lines[after - 1]
     fixed = tmp_path / "gp_fixed.py"
-    fixed.write_text(GP.replace("# FIX_HERE", statements))
+    start = next(line for line in lines if "grads = torch.autograd.grad" in line)
+    indent = start[: len(start) - len(start.lstrip())]  # the statement's own indentation, as a user pastes it
+    fixed.write_text("\n".join([*lines[:after], indent + statements, *lines[after:]]) + "\n")  # where it says
     runs = [
         subprocess.run([sys.executable, str(p)], check=False, capture_output=True, text=True, timeout=120)
         for p in (script, fixed)
@@ -128,3 +132,44 @@ def test_watch_names_the_scaled_penalty_first_with_the_unscaling_in_the_scripts_
     assert again.code == 0, again.err
     names = [f["name"] for f in json.loads(report.read_text())["findings"]]
     assert "gradients-still-scaled" not in names, names
+
+
+# a GAN whose generator steps after its critic: after the critic's bad step, the generator's forward
+# (which reads the critic too) comes first; the traced step must reach the critic's own loss code
+TWO = textwrap.dedent(
+    """
+    import sys, torch, torch.nn as nn
+    torch.manual_seed(0)
+    D = nn.Sequential(nn.Linear(2, 64), nn.ReLU(), nn.Linear(64, 1))
+    G = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 2))
+    opt_d, opt_g = torch.optim.Adam(D.parameters(), 2e-4), torch.optim.Adam(G.parameters(), 2e-4)
+    scaler = torch.amp.GradScaler("cpu")
+    for it in range(8):
+        real = (torch.randn(128, 2) + 2.0).requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            d_real = D(real)
+        gx, = torch.autograd.grad(scaler.scale(d_real.sum()), real, create_graph=True)
+        r1 = gx.pow(2).sum(1).mean()
+        opt_d.zero_grad(set_to_none=True)
+        scaler.scale(nn.functional.softplus(-d_real).mean() + 5.0 * r1).backward()
+        scaler.step(opt_d)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss_g = nn.functional.softplus(-D(G(torch.randn(128, 4)))).mean()
+        opt_g.zero_grad(set_to_none=True)
+        scaler.scale(loss_g).backward()
+        scaler.step(opt_g)
+        scaler.update()
+    """
+)
+
+
+def test_watch_traces_the_bad_optimizers_own_step_with_two_optimizers(tmp_path: Path) -> None:
+    script = tmp_path / "gan.py"
+    script.write_text(TWO)
+    report = tmp_path / "report.json"
+    result = run_fpdoctor("watch", "-o", str(report), "--", sys.executable, str(script))
+    assert result.code == 0, result.err
+    found = json.loads(report.read_text())
+    first = found["findings"][0]
+    assert first["name"] == "gradients-still-scaled", [f["name"] for f in found["findings"]]
+    assert "gx = gx * inv_scale" in first["fix"], first["fix"]

@@ -123,3 +123,21 @@ def test_log_of_two_plus_a_small_value_is_not_the_softplus_form() -> None:
         step()
     assert tr.report.findings and tr.report.findings[0].name == "nonfinite-produced"  # log of a negative
     assert not any("log1p" in (f.fix or "") for f in tr.report.findings)  # ... its arguments do not
+
+
+def test_lines_in_fp32_that_fail_on_the_steps_own_inputs_are_said_to_fail_there() -> None:
+    """Logits of hundreds: fp32's sigmoid is 1.0 past z = 17, so the lines in fp32 are non-finite on
+    the step's own inputs, not only on them scaled; the fix says what was checked where."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 1).half()
+    with torch.no_grad():
+        model.weight.mul_(400.0)
+    x, y = torch.randn(64, 16).half(), torch.randint(0, 2, (64,)).half()
+
+    def step() -> None:
+        p = torch.sigmoid(model(x).squeeze(-1))
+        (-(y * torch.log(p) + (1 - y) * torch.log(1 - p))).mean().backward()
+
+    fix = _first_fix(step).fix
+    assert "non-finite on this step's inputs too (checked)" in fix, fix
+    assert "finite on this step's inputs, are" not in fix

@@ -69,3 +69,45 @@ def test_whole_numbers_a_caller_passes_are_named_at_its_lines_checked_and_the_fi
     assert fixed.report.verdict == "ok" and not fixed.report.findings, str(fixed.report)  # not re-run on rounded inputs
     root = next(r for r in fixed.rows if r.module == "")
     assert root.propagated == pytest.approx(after, rel=0.05)  # applied as printed, the figure the check gave
+
+
+class _Frames(nn.Module):
+    """Frame features with a time embedding the way diffusers writes it (t.float() inside, fp32
+    frequencies, the result cast to its Linear's dtype); the caller counts the frames in x's dtype."""
+
+    def __init__(self, fixed: bool = False, width: int = 32) -> None:
+        super().__init__()
+        self.fixed = fixed
+        self.inp, self.proj, self.out = nn.Linear(8, width), nn.Linear(width, width), nn.Linear(width, 5)
+
+    def embed(self, t: torch.Tensor) -> torch.Tensor:
+        freqs = torch.exp(-9.2 * torch.arange(16, dtype=torch.float32) / 16)
+        args = t[:, None].float() * freqs[None]
+        return self.proj(torch.cat([args.cos(), args.sin()], -1).to(self.proj.weight.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        frame = torch.arange(x.shape[1], dtype=torch.float32 if self.fixed else x.dtype)  # the frame index
+        return self.out(torch.relu(self.inp(x) + self.embed(frame)))
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_whole_numbers_a_reader_widens_are_kept_in_fp32_not_cast_back() -> None:
+    """The embedding widens the frame index itself: made in fp32 and cast back, it is rounded again
+    before it is read, so the check that casts back cures nothing; kept fp32 it does, and the fix says
+    not to cast it back. Applied as printed (dtype=torch.float32 at that line), compare says OK."""
+    torch.manual_seed(0)
+    broken, x = _Frames().eval(), torch.randn(2, 3000, 8)
+    result = fpdoctor.compare(broken, x, candidate="bf16")
+    first = result.report.findings[0]
+    assert first.name == "whole-numbers-rounded", str(result.report)
+    assert first.evidence["location"].endswith(f":{_frames_line()}")
+    assert "not cast back" in first.fix and first.trial is not None and first.trial.tried
+    assert float(first.trial.after) * 10 < float(first.trial.before)
+    torch.manual_seed(0)
+    fixed = fpdoctor.compare(_Frames(fixed=True).eval(), x, candidate="bf16")
+    assert fixed.report.verdict == "ok", str(fixed.report)
+
+
+def _frames_line() -> int:
+    source, start = inspect.getsourcelines(_Frames.forward)
+    return start + next(i for i, line in enumerate(source) if "# the frame index" in line)

@@ -46,10 +46,28 @@ class TracedStep:
         self.step: int | None = None  # the step traced
         self.said: dict[str, Any] | None = None  # what the report says of it
         self.findings: list[Finding] = []  # what it found (`finish`), the report's lead (`lead`)
+        self._params: set[int] | None = None  # the bad step's optimizer's parameters (ids), where known
+        self.closing = False  # that optimizer stepped: the trace ends at the next training forward
 
-    def arm(self, step: int) -> None:
+    def arm(self, step: int, params: set[int] | None = None) -> None:
+        """Armed by `step`; `params` (ids): its optimizer's. The trace then runs from the next training
+        forward that reads them until that optimizer's next step (`stepped`), and ends at the training
+        forward after it: with two optimizers (a GAN's critic and generator) the other's forward and
+        backward may come first, and the bad step's own loss code is traced all the same."""
         if not self.done and self.armed_by is None:
             self.armed_by = step
+            self._params = params
+
+    @property
+    def until_step(self) -> bool:
+        """It ends after its optimizer's step, not at the first backward."""
+        return bool(self._params)
+
+    def stepped(self, optimizer: Any) -> None:
+        """An optimizer stepped while the trace runs: its own ends the trace at the next training forward."""
+        params = self._params
+        if self.running and params and any(id(p) in params for g in optimizer.param_groups for p in g["params"]):
+            self.closing = True
 
     @property
     def running(self) -> bool:
@@ -59,6 +77,8 @@ class TracedStep:
         """At a training forward (its module's pre-hook), where armed."""
         if self.armed_by is None or self.done or self._trace is not None:
             return
+        if self._params and not any(id(p) in self._params for p in module.parameters()):
+            return  # another optimizer's model: the bad step's own comes later
         from fpdoctor.numerics.api import Trace
 
         self.done, self.step = True, step

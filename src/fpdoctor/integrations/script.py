@@ -337,6 +337,8 @@ class ScriptWatch:
             call = _Call(module, (), {}, RngState.capture(), _autocast_state(), [], created_at=self._event)
             call.kept.clock = self._clock
             self._local.call = call
+            if self._traced.running and self._traced.closing:  # its optimizer stepped: the trace ends here
+                self._finish_trace()
             if self._traced.armed_by is not None and not self._traced.done:
                 self._traced.start(module, 1 + max((r.judge.steps for r in self.runs.values()), default=0))
         except Exception as exc:
@@ -401,7 +403,7 @@ class ScriptWatch:
             for call, fills in waiting:  # the forwards this backward reached: this loss is theirs
                 if call.kept.fills != fills:
                     call.kept.loss = loss
-            if self._traced.running:
+            if self._traced.running and not self._traced.until_step:
                 self._finish_trace()
             return result
 
@@ -431,6 +433,7 @@ class ScriptWatch:
         key = id(optimizer)
         scaler = self._scaler_now.get(key)
         self._judged.add(key)
+        self._traced.stepped(optimizer)
         # step(closure): LBFGS, Lightning's loop (args holds the optimizer itself first)
         if (len(args) > 1 or kwargs) and any(callable(a) for a in (*args[1:], *kwargs.values())):
             # the forward and backward run inside step(), after this hook: there is nothing to judge yet
@@ -635,7 +638,8 @@ class ScriptWatch:
             named = [f for f in judge.findings if f.name == "deterministic-nonfinite"]
             last = named[-1] if named else None
             if last is not None and not last.where.get("op") and not (last.trial is not None and last.trial.tried):
-                self._traced.arm(step)  # the model alone named no op (the loss code made it): trace the next step
+                # the model alone named no op (the loss code made it): trace this optimizer's next step
+                self._traced.arm(step, {id(p) for p in run.params})
         if outcome.finite:  # the outputs' format: what the reference step's replay cannot see
             self._guarded(lambda: judge.outputs_read(step, [t for c in mine for t in c.kept.originals]),
                           "reading the training outputs")  # fmt: skip

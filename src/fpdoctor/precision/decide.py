@@ -59,12 +59,18 @@ class Decisions:
     floor_top1: float
     floor_kl: float
     floor_format: str = ""  # the format the floor rounds the exact output to (an fp8 candidate's: what it returns)
+    # "ids": the output is the decisions themselves (token ids a decoding loop made, each an argmax fed
+    # back): rows are its sequences, classes its positions, top1 the share of ids equal to the referee's,
+    # floor_top1 the reference model's share, `first` the median first position where a row differs
+    kind: str = "logits"
+    first: int | None = None
 
     @property
     def changed(self) -> bool:
         """The candidate's computation changes far more decisions than rounding its output does."""
-        flipped, floor = 1.0 - self.top1, max(1.0 - self.floor_top1, 1.0 / self.rows)
-        more = flipped >= floor + DECISION_MORE and flipped * self.rows >= DECISION_MORE_ROWS
+        n = self.rows * self.classes if self.kind == "ids" else self.rows  # ids: each value is a decision
+        flipped, floor = 1.0 - self.top1, max(1.0 - self.floor_top1, 1.0 / n)
+        more = flipped >= floor + DECISION_MORE and flipped * n >= DECISION_MORE_ROWS
         return flipped >= DECISION_SHARE and (flipped >= DECISION_RATIO * floor or more)
 
     def recovered(self, top1: float) -> bool:
@@ -72,6 +78,12 @@ class Decisions:
         return 1.0 - top1 <= RECOVERED * (1.0 - self.top1)
 
     def text(self) -> str:
+        if self.kind == "ids":
+            where = f", the first difference at position {self.first} (median)" if self.first is not None else ""
+            return (
+                f"ids equal to fp64's {pct(self.top1)} (the reference model's: {pct(self.floor_top1)}) over "
+                f"{self.rows} rows of {self.classes}{where}"
+            )
         top5 = f", top-{TOP_K} {pct(self.top5)}" if self.classes > TOP_K else ""  # of fewer classes: always 100%
         return (
             f"top-1 agreement {pct(self.top1)} (rounding the exact output: {pct(self.floor_top1)}){top5}, KL "
@@ -113,6 +125,27 @@ def decisions(truth: torch.Tensor, candidate: torch.Tensor, fmt: str, source: st
         source=source, rows=n, classes=classes, top1=top1_, top5=top5_, kl=_nonnegative(kl_sum),
         floor_top1=floor_top1, floor_kl=_nonnegative(floor_kl), floor_format=fmt,
     )  # fmt: skip
+
+
+def id_decisions(truth: torch.Tensor, candidate: torch.Tensor, reference: float, source: str) -> Decisions | None:
+    """Decisions of an output of ids (integers): the share of ids equal to the referee's `truth`, the
+    reference model's share beside it (`reference`); None where the shapes differ."""
+    agreed = ids_agree(truth, candidate)
+    if agreed is None:
+        return None
+    rows = truth.reshape(truth.shape[0] if truth.dim() > 1 else 1, -1)
+    differs = (rows != candidate.to(rows.device).reshape(rows.shape)).cpu()
+    firsts = [int(row.nonzero()[0]) for row in differs if bool(row.any())]
+    first = sorted(firsts)[len(firsts) // 2] if firsts else None
+    return Decisions(source, rows.shape[0], rows.shape[1], agreed, agreed, math.nan, reference, math.nan,
+                     kind="ids", first=first)  # fmt: skip
+
+
+def ids_agree(truth: torch.Tensor, candidate: torch.Tensor) -> float | None:
+    """The share of a candidate's ids equal to the referee's; None where the shapes differ."""
+    if candidate.shape != truth.shape or truth.numel() == 0:
+        return None
+    return float((truth == candidate.to(truth.device)).double().mean())
 
 
 def top1(truth: torch.Tensor, candidate: torch.Tensor) -> float | None:

@@ -137,13 +137,23 @@ def _holds(values: Any, dtype: torch.dtype) -> bool:
 _WRITES_WIDE = re.compile(r"\.(float|double)\(|float32|float64|torch\.(float|double)\b")
 
 
+def _widens(to: Any, dtype: torch.dtype) -> bool:
+    """A cast to a floating dtype wider than `dtype`."""
+    return isinstance(to, torch.dtype) and to.is_floating_point and torch.finfo(to).bits > torch.finfo(dtype).bits
+
+
 class RaisedLines(EagerDispatchMode):
     """Ops at `lines` computed in fp32 (their `dtype` inputs and dtype arguments raised); every other
     op reads their fp32 results back in `dtype`, as the user's fix casts them back."""
 
-    def __init__(self, lines: set[tuple[str, int]], dtype: torch.dtype, *, wide_inputs: bool = False) -> None:
+    def __init__(
+        self, lines: set[tuple[str, int]], dtype: torch.dtype, *, wide_inputs: bool = False, cast_back: bool = True
+    ) -> None:
         super().__init__()
         self.lines, self.dtype = lines, dtype
+        # False: what the lines make is read as it is everywhere (type promotion; a layer that checks its
+        # input's dtype fails the run): the fix "make it in fp32 and keep it so", where what reads it widens
+        self.cast_back = cast_back
         self.made = ByTensor()  # the fp32 results of raised ops (and their views)
         self.raised = 0  # ops raised
         # the model's inputs fed in fp32, not rounded to `dtype` (compare's check of a computation on
@@ -181,6 +191,10 @@ class RaisedLines(EagerDispatchMode):
                     for t in _tensors(out):
                         marks.put(t, mark)
             return out
+        if not self.cast_back or (func is torch.ops.aten._to_copy.default and _widens(kwargs.get("dtype"), self.dtype)):
+            # code off the lines that widens what they made (t.float() in a module the caller passes
+            # positions to): it reads the fp32 value as it is, as it would in the fixed code
+            return func(*args, **kwargs)
         args, kwargs = _map(args, kwargs, lambda t: t.to(self.dtype) if self.made.get(t) or self.fed.get(t) else t)
         return func(*args, **kwargs)
 
@@ -189,28 +203,49 @@ class RaisedLines(EagerDispatchMode):
         # checks its input's dtype against its weight's in C++ before any op reaches this mode
         entered = super().__enter__()
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._back)  # type: ignore[arg-type]
+        self._out_hook = torch.nn.modules.module.register_module_forward_hook(self._returned)
         return entered
 
     def __exit__(self, *exc: Any) -> None:
         self._hook.remove()
+        self._out_hook.remove()
         super().__exit__(*exc)
 
+    def _returned(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        """What a module returns that its own raised lines made, cast back as the fix says ("what the
+        last line makes", .to(p.dtype)): its output in `dtype`, also where no module reads it after
+        (the model's output: a value past the format's range overflows there, as in the fixed code)."""
+        if not self.cast_back or type(output) is not torch.Tensor:
+            return None
+        made = self.made.get(output)
+        span = self._span(type(module)) if isinstance(made, tuple) else None
+        if span is None or not isinstance(made, tuple) or made[0] != span[0] or not span[1] <= made[1] <= span[2]:
+            return None
+        return output.to(self.dtype)
+
     def _back(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        if not any(type(a) is torch.Tensor and self.made.get(a) for a in args):
+        if not self.cast_back or not any(type(a) is torch.Tensor and self.made.get(a) for a in args):
             return None
         span = self._span(type(module))
         raises = span is not None and any(span[0] == f and span[1] <= n <= span[2] for f, n in self.lines)
 
+        # a layer with weights of its own (a Linear, a conv, a norm) may check its input's dtype in C++
+        weighted = any(
+            t is not None and t.is_floating_point() and t.dtype == self.dtype
+            for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))
+        )
+
         def back(a: torch.Tensor) -> bool:
-            # a value its caller's lines made, passed into a forward that holds raised lines (positions read
-            # by a positional module's sin), stays fp32 for them (its other ops get it in `dtype`, as every
-            # op off the lines does); one the module's own lines made (its output of an earlier call, cast
-            # back as the fix says, "what the last line makes") comes back in `dtype`
+            # one the module's own lines made (its output of an earlier call) comes back in `dtype`, as the
+            # fix says ("what the last line makes", cast back); a value its caller's lines made stays fp32
+            # into a forward that holds raised lines (positions read by a positional module's sin) or has no
+            # weights of its own, whose ops read it as every op does: in `dtype` off the lines, as it is
+            # where the code widens it (t.float())
             made = self.made.get(a)
             if not made:
                 return False
             own = span is not None and isinstance(made, tuple) and made[0] == span[0] and span[1] <= made[1] <= span[2]
-            return own or not raises
+            return own or (weighted and not raises)
 
         if not any(type(a) is torch.Tensor and back(a) for a in args):
             return None

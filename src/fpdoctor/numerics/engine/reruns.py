@@ -646,7 +646,9 @@ def _stable_fix_text(checked: stable.Checked, where: str, op: str) -> str:
         + ("the replacement is finite " if form.prefix else "")
         + f"on those inputs scaled to {checked.dtype}'s largest values too (checked)"
     )
-    if checked.fp32_fails:
+    if checked.fp32_fails_here:
+        text += "; the same lines in fp32 are non-finite on this step's inputs too (checked): more precision is no fix"
+    elif checked.fp32_fails:
         text += (
             "; the same lines in fp32, finite on this step's inputs, are non-finite on those scaled inputs (checked): "
             "more precision only moves the edge, which a model that grows confident crosses later"

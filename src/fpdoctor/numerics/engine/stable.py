@@ -37,7 +37,7 @@ class Form:
     prefix: bool = False
     # the tensor the composite is of, from the origin's arguments; None where they make another one
     operand: Callable[[tuple[Any, ...]], torch.Tensor | None] = lambda args: args[0]
-    why: str = "without rounding through the value that overflows"
+    why: str = "without rounding through the value that overflows or underflows (a probability rounded to 0 or 1)"
 
 
 def _one_plus(args: tuple[Any, ...]) -> torch.Tensor | None:
@@ -118,7 +118,8 @@ class Checked:
     dtype: str
     absmax: float
     scaled: bool
-    fp32_fails: bool
+    fp32_fails: bool  # the lines in fp32 are non-finite on the scaled inputs ...
+    fp32_fails_here: bool = False  # ... and on the step's own inputs
 
 
 def form_of(packets: list[str]) -> Form | None:
@@ -153,4 +154,5 @@ def check(
         scaled = (x.double() * (limit / biggest)).to(x.dtype) if biggest > 0 else x
         holds = bool(torch.isfinite(form.call(scaled, extra)).all())
         fp32_fails = not bool(torch.isfinite(form.composite(scaled.float(), extra)).all())
-    return Checked(form, str(x.dtype).removeprefix("torch."), reached, holds, fp32_fails)
+        here = not bool(torch.isfinite(form.composite(x.float(), extra)).all())
+    return Checked(form, str(x.dtype).removeprefix("torch."), reached, holds, fp32_fails, here)

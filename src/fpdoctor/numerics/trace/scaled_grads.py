@@ -188,7 +188,8 @@ def _finding(call: _Grads, times: int) -> Finding:
         "the scaler backs off until the scaled penalty fits (the run reports it as calibration), and the penalty "
         "never measures the true gradients."
     )
-    scaler, unscale = _unscale_statement(call.location)
+    scaler, unscale, last = _unscale_statement(call.location)
+    line = str(last) if last is not None else line  # after the statement's last line: a call may span several
     fix = (
         f"Unscale them right after line {line}, as torch's AMP recipe for a gradient penalty does: inv_scale = "
         f"1.0 / {scaler}.get_scale(); {unscale}, then the penalty from them, added to the loss that "
@@ -208,17 +209,18 @@ def _finding(call: _Grads, times: int) -> Finding:
     )  # fmt: skip
 
 
-def _unscale_statement(location: str) -> tuple[str, str]:
-    """The scaler's name and the unscaling statement in the user's own names: the autograd.grad
-    call's statement read from its file (`grads = torch.autograd.grad(...)[0]` holds one tensor,
-    `gx, gy = ...` two, `grads = ...` a tuple), the scaler the name whose `.scale(` it calls."""
-    scaler, unscale = "scaler", "grads = [g * inv_scale for g in grads]"
+def _unscale_statement(location: str) -> tuple[str, str, int | None]:
+    """The scaler as the code names it, the unscaling statement in the user's own names and the
+    statement's last line: the autograd.grad call's statement read from its file (`grads =
+    torch.autograd.grad(...)[0]` holds one tensor, `gx, gy = ...` two, `grads = ...` a tuple), the
+    scaler the expression whose `.scale(` it calls (`scaler_d`, `self.scaler`)."""
+    scaler, unscale, last = "scaler", "grads = [g * inv_scale for g in grads]", None
     path, _, line_text = location.rpartition(":")
     try:
         line = int(line_text)
         tree = ast.parse("".join(linecache.getlines(path)))
     except (ValueError, SyntaxError):
-        return scaler, unscale
+        return scaler, unscale, last
     for node in ast.walk(tree):
         if not isinstance(node, ast.Assign) or len(node.targets) != 1:
             continue
@@ -228,14 +230,10 @@ def _unscale_statement(location: str) -> tuple[str, str]:
         call = value.value if isinstance(value, ast.Subscript) else value
         if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "grad"):
             continue
+        last = node.end_lineno
         for sub in ast.walk(call):
-            if (
-                isinstance(sub, ast.Call)
-                and isinstance(sub.func, ast.Attribute)
-                and sub.func.attr == "scale"
-                and isinstance(sub.func.value, ast.Name)
-            ):
-                scaler = sub.func.value.id
+            if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr == "scale":
+                scaler = ast.unparse(sub.func.value)
                 break
         if isinstance(target, ast.Name) and isinstance(value, ast.Subscript):
             unscale = f"{target.id} = {target.id} * inv_scale"  # one gradient, taken out of the tuple
@@ -245,4 +243,4 @@ def _unscale_statement(location: str) -> tuple[str, str]:
             names = [e.id for e in target.elts if isinstance(e, ast.Name)]
             unscale = f"{', '.join(names)} = {', '.join(f'{n} * inv_scale' for n in names)}"
         break
-    return scaler, unscale
+    return scaler, unscale, last

@@ -75,9 +75,11 @@ SPIKE_RATIO = 1.5
 # A climb still going when a step goes non-finite: the last finite loss this many times the level
 # before the climb's first spike (the learning rate's divergence grows it by orders of magnitude)
 CLIMBING = 10.0
-# A spike rises to at least this share of the run's first loss: on a loss that has converged far below
-# where it started (2e-4 against a start of 2.4), a jump to 8x its recent mean is the batches' noise
+# A spike rises to at least this share of the run's first loss, or SPIKE_FAR times its recent mean: on a
+# loss that has converged far below where it started (2e-4 against a start of 2.4), a jump to 8x its
+# recent mean is the batches' noise; one to 100x is not, whatever the start (unscaled targets at 1e4)
 SPIKE_OF_START = 0.05
+SPIKE_FAR = 16.0
 # Before SPIKE_MIN_HISTORY steps, a loss this many times the first step's is a spike (divergence).
 SPIKE_EARLY_RATIO = 100.0
 # A spike is judged SPIKE_RECOVERY finite steps after its episode's last: where the median loss of
@@ -391,12 +393,14 @@ class StepJudge:
         if outcome.skipped:
             self.skipped += 1
             self.buffers.restore()  # the bad forward's buffer writes (BatchNorm statistics) undone
-        if not (self._weights_bad or self._weights_went_bad(f.step)):  # said once; no replay can change it
-            faulty, kind, symptoms = self._attribute(f)
-            if self.replay:
-                outcome.verdict = self._replay_or_say_why(f, kind, faulty, symptoms)
-        if not f.bad_grad and f.skippable and apply is not None:
-            apply()  # from the weights the replay started from, as the user's step would
+        try:
+            if not (self._weights_bad or self._weights_went_bad(f.step)):  # said once; no replay can change it
+                faulty, kind, symptoms = self._attribute(f)
+                if self.replay:
+                    outcome.verdict = self._replay_or_say_why(f, kind, faulty, symptoms)
+        finally:  # a failure of ours never keeps the user's finite update from the weights
+            if not f.bad_grad and f.skippable and apply is not None:
+                apply()  # from the weights the replay started from, as the user's step would
         return outcome
 
     # -- findings ------------------------------------------------------------------------------
@@ -676,7 +680,11 @@ class StepJudge:
             spiked = (
                 loss_value > mean + SPIKE_SIGMAS * spread
                 and loss_value > SPIKE_RATIO * abs(mean)
-                and (self._start_loss is None or loss_value >= SPIKE_OF_START * abs(self._start_loss))
+                and (
+                    self._start_loss is None
+                    or loss_value >= SPIKE_OF_START * abs(self._start_loss)
+                    or loss_value >= SPIKE_FAR * abs(mean)
+                )
             )
         elif history and history[0] > 0:
             # too few steps for a spread: a run that diverges from its first steps (a learning rate far
@@ -812,6 +820,8 @@ class StepJudge:
             stalled = self._climbing(next(h.step for h in recent if stuck_(h))) is not None
         if not stalled:
             if skipped <= STALL_WINDOW // 2:
+                if self._stall is not None and not self._stall_windowed and len(recent) < STALL_WINDOW:
+                    return  # called on the run's first steps: judged over once the optimizer ran a window
                 stall, self._stall = self._stall, None  # the episode is over; a later one is new
                 if stall is not None and not self._stall_windowed and stall < len(self.findings):
                     # called on the run's first steps alone ("the optimizer never ran"), and the

@@ -118,6 +118,14 @@ class Live:
             self.behind = True
             self._unsaid.append(new)
 
+    def removed(self, finding: Finding) -> None:
+        """A finding withdrawn (a stall called on the run's first steps that training went past): the
+        file behind, its line not said if it was not yet, a stop it asked for no longer asked."""
+        self.behind = True
+        self._unsaid = [f for f in self._unsaid if f is not finding]
+        if self.stopped is finding:
+            self.stopped = None
+
     def settle(self, *, now: bool = False) -> None:
         """At a step boundary: rewrite the report file if a finding arrived since the last rewrite and
         the rewrites' share of the time allows (`now`: whatever the share, a stop's last word); then
@@ -175,6 +183,12 @@ class FindingLog(list[Finding]):
         super().__setitem__(index, finding)
         if isinstance(old, Finding) and isinstance(finding, Finding):
             self.live.replaced(old, finding)
+
+    def __delitem__(self, index: Any) -> None:
+        old = self[index]
+        super().__delitem__(index)
+        for finding in old if isinstance(old, list) else [old]:
+            self.live.removed(finding)
 
     def extend(self, found: Iterable[Finding]) -> None:
         for finding in found:

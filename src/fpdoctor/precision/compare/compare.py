@@ -91,7 +91,7 @@ from fpdoctor.precision.compare.passes import (
     rerun,
     rerun_figures,
 )
-from fpdoctor.precision.decide import rounding_floor
+from fpdoctor.precision.decide import id_decisions, ids_agree, rounding_floor
 from fpdoctor.precision.fit import candidate_format, misfits
 from fpdoctor.precision.fit import describe as describe_misfit
 from fpdoctor.precision.inputs import describe, input_sets
@@ -106,6 +106,7 @@ from fpdoctor.precision.metrics import (
     diff_later,
     dot_later,
     floating,
+    integral,
     largest,
     norm_later,
     output_format,
@@ -451,6 +452,7 @@ class _Comparison:
         self.logits: str | None = None
         self.binary = False  # the logits are a sigmoid's probabilities, as _decided gives them (_binary)
         self.softmaxed = False  # ... or a softmax's over the classes (_softmax_of)
+        self.ids = False  # ... or the decisions themselves: ids (integers) a decoding loop made
         self.root_truth: torch.Tensor | None = None
         # the running states named the cause (step 5) and their checked run's output
         self.state_fix: tuple[list[str], torch.Tensor] | None = None
@@ -584,6 +586,8 @@ class _Comparison:
             return  # an identity in this mode (Dropout in eval, Identity): nothing new to judge
         t = device_sample(output)
         if t is None:
+            if name == "" and self._last_leaf is not None:
+                self._keep_logits(output)  # no floating output: ids the model decided, if it returns them
             return
         entry = _Seen(t, 0.0, 0.0, name in self.leaves, sum(x.numel() for x in tensors_in(output)))
         norm = norm_later(t)  # computed and read with the pass's other figures at its end (metrics.Reads)
@@ -618,9 +622,15 @@ class _Comparison:
         from it (an embedding normalised after its projection decides no class), and of another shape
         than every input (a denoiser predicts its input's noise); or a sigmoid's probabilities, one
         per row (`_binary`)."""
-        self.binary = self.softmaxed = False
+        self.binary = self.softmaxed = self.ids = False
         first = next(floating(output), None)
         name = self._last_leaf or ""
+        ids = _ids_of(output) if first is None else None
+        if ids is not None:  # no floating output: ids the model decided (greedy decoding), judged by agreement
+            self.ids = True
+            self.logits = f"ids the model returns ({'x'.join(str(n) for n in ids.shape)} integers)"
+            self.root_truth = ids.detach().clone()
+            return
         made = next(floating(self._last_output), None)
         if first is None or any(t.shape == first.shape for t in floating(self.inputs)):
             return  # an output in its input's space (a denoiser's noise, a reconstruction) decides no class
@@ -898,6 +908,10 @@ class _Comparison:
         """A candidate call's fp64 entry, what its pre-hook kept (args, kwargs, ...), its (args,
         kwargs) and its output's sample on the entry's device; None for a call the fp64 pass did not
         see or whose sample does not match (the call's inputs are let go either way)."""
+        if name == "" and self.ids:  # the model's ids, judged at the pass's end (_judge_ids)
+            ids = _ids_of(output)
+            self.root_cand = ids.detach().clone() if ids is not None else None
+            self.root_cand_dtype = ids.dtype if ids is not None else None
         entry = self.seen.get((name, index))
         kept = self._cand_inputs.pop((name, index), None)
         c = device_sample(output) if entry is not None else None
@@ -920,7 +934,7 @@ class _Comparison:
         entry, _, call, c = found
         biggest = largest(output)  # non-finite when a value is
         if name == "" and self.root_truth is not None:
-            first = next(floating(output), None)
+            first = _ids_of(output) if self.ids else next(floating(output), None)
             self.root_cand = self._decided(first.detach().clone()) if first is not None else None
             self.root_cand_dtype = first.dtype if first is not None else None
         elif name == "":
@@ -956,7 +970,7 @@ class _Comparison:
         entry, kept, call, c = found
         finite = all_finite(output)
         if name == "" and self.root_truth is not None:
-            first = next(floating(output), None)
+            first = _ids_of(output) if self.ids else next(floating(output), None)
             self.root_cand = self._decided(first.detach().clone()) if first is not None else None
             self.root_cand_dtype = first.dtype if first is not None else None
         elif name == "" and finite:  # an output that is not logits: its error in its own units, on the sample
@@ -1485,6 +1499,11 @@ class _Comparison:
             # a divergence whose own fix was not found to help is what these values do downstream
             findings = result.report.findings
             findings[:] = [made, *(f for f in findings if not _explained_by_made(f))]
+            summary = result.report.data["summary"]
+            for i, (label, text) in enumerate(summary):
+                if label == "first divergent module" and "accumulation" in text:  # what compare found instead
+                    line = str(made.evidence.get("location", "")).rpartition(":")[2]
+                    summary[i] = (label, f"none by itself: values line {line} makes in the model's dtype, rounded")
         elif self.made:
             result.report.findings[:] = made_in_dtype.told(result.report.findings, self.made, self.cand_dtype)
         if selection is not None:  # the cause of an error nothing else explained: first
@@ -1611,9 +1630,9 @@ class _Comparison:
             self._keep_fix_outputs = False
         if found is None:
             return None
-        site, more, after = found
-        made = made_in_dtype.finding(site, more, error, after, label=self.label, dtype=self.cand_dtype)
-        output = self._fix_outputs.get(("op", nonfinite.line_of(site.location), more))
+        site, more, after, wide = found
+        made = made_in_dtype.finding(site, more, error, after, label=self.label, dtype=self.cand_dtype, wide=wide)
+        output = self._fix_outputs.get(("wide" if wide else "op", nonfinite.line_of(site.location), more))
         self.made_fix = (made, output) if output is not None else None
         self._fix_outputs.clear()
         return made
@@ -1624,7 +1643,11 @@ class _Comparison:
         the `more` lines after it in fp32, their results cast back after them ("op")."""
         root = next(e for (name, _), e in self.seen.items() if name == "")
         lines = {(line[0], line[1] + k) for k in range(more + 1)}
-        mode = SaturatedCasts(lines, self.cand_dtype) if kind == "cast" else RaisedLines(lines, self.cand_dtype)
+        mode = (
+            SaturatedCasts(lines, self.cand_dtype)
+            if kind == "cast"
+            else RaisedLines(lines, self.cand_dtype, cast_back=kind != "wide")
+        )
         kept: list[torch.Tensor] = []  # the run's output, for what it decides (_checked_fixes)
         broken: list[str] = []  # modules whose output the fix leaves off by BROKEN of its norm or more
 
@@ -1670,6 +1693,9 @@ class _Comparison:
         if self.root_truth is None or self.root_cand is None or self.logits is None:
             return
         floor_format = output_format(self.candidate)
+        if self.ids:
+            self._judge_ids(result, rows)
+            return
         found = use.decisions(self.root_truth, self.root_cand, floor_format, self.logits)
         if found is None:
             return
@@ -1726,6 +1752,38 @@ class _Comparison:
                 break  # the first that gives the decisions back, in the order of what it changes least
         result.report.findings.append(use.finding(found, self.label, tried, head=head, inputs=self.inputs,
                                                   checked_fixes=fixes))  # fmt: skip
+
+    def _judge_ids(self, result: CompareResult, rows: list[ModuleRow]) -> None:
+        """An output of ids, judged by the share equal to fp64's beside the reference model's share
+        (one forward of it); where the candidate's is far below, a finding with the modules kept in
+        fp32 that give them back (the leaf that made the last decision, the worst leaves), tried."""
+        assert self.root_truth is not None and self.root_cand is not None and self.logits is not None
+        reference = 1.0
+        if self.ref_run is not None:
+            ref = self._root_output(self.ref_run, self.run_inputs, self.ref_dtype)
+            agreed = ids_agree(self.root_truth, ref) if ref is not None else None
+            reference = agreed if agreed is not None else 1.0
+        found = id_decisions(self.root_truth, self.root_cand, reference, self.logits)
+        if found is None:
+            return
+        result.report.data["decisions"] = found.to_dict()
+        _beside_error(result.report.data["summary"], ("decisions (" + found.source + ")", found.text()))
+        if not found.changed:
+            return
+        head = self._last_leaf or ""
+        leaves = sorted(
+            (r for r in rows if r.module in self.leaves and r.module != head), key=lambda r: -(r.ratio or 0.0)
+        )
+        trials = [[head]] if head else []
+        trials += [[r.module] for r in leaves[: use.TRIED_LEAVES]]
+        tried: list[tuple[list[str], float]] = []
+        for modules in trials:
+            got = self._top1_with_fp32(modules, fp32_output=False)
+            if got is not None:
+                tried.append((modules, got))
+            if got is not None and found.recovered(got):
+                break
+        result.report.findings.insert(0, use.finding(found, self.label, tried, head=head, inputs=self.inputs))
 
     def _checked_fixes(self, result: CompareResult) -> list[use.CheckedFix]:
         """The fixes of the error that ran the model (step 5's running states kept in fp64, step 5b's
@@ -1802,7 +1860,11 @@ class _Comparison:
         if self.root_truth is None or self.logits is None:
             return None
         got = self._output_with_fp32(modules, fp32_output=fp32_output)
-        return None if got is None else use.top1(self.root_truth, self._decided(got.to(self.root_truth.device)))
+        if got is None:
+            return None
+        if self.ids:
+            return ids_agree(self.root_truth, got)
+        return use.top1(self.root_truth, self._decided(got.to(self.root_truth.device)))
 
     def _output_with_fp32(self, modules: list[str], *, fp32_output: bool) -> torch.Tensor | None:
         """The candidate's output (its first floating tensor) with `modules` computed in fp32 (the
@@ -1846,7 +1908,7 @@ class _Comparison:
         got: list[torch.Tensor] = []
 
         def post(name: str, index: int, args: Any, output: Any) -> None:
-            first = next(floating(output), None) if name == "" else None
+            first = (_ids_of(output) if self.ids else next(floating(output), None)) if name == "" else None
             if first is not None:
                 got.append(first.detach())
 
@@ -2080,3 +2142,9 @@ def _proportional(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
     ratio = a[both] / b[both]
     c = float(ratio[0])
     return math.isfinite(c) and c > 0 and bool(torch.allclose(ratio, torch.full_like(ratio, c), rtol=1e-5, atol=0.0))
+
+
+def _ids_of(output: Any) -> torch.Tensor | None:
+    """The first integer tensor of an output with no floating one, of two values or more: ids."""
+    found = next((t for t in tensors_in(output) if integral(t) and t.dtype != torch.bool), None)
+    return found if found is not None and found.numel() >= 2 else None

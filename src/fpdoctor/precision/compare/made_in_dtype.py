@@ -16,6 +16,7 @@ error is the finding, with its figures.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import torch
@@ -31,16 +32,22 @@ from fpdoctor.report.model import Finding, Trial
 LINES_AFTER = 4
 
 
-def checked(sites: list[Made], check: Check, error: float) -> tuple[Made, int, float] | None:
+def checked(sites: list[Made], check: Check, error: float) -> tuple[Made, int, float, bool] | None:
     """The first site whose fix cures: (the site, lines after it raised with it, the end-to-end error
-    then); None where none does. The first one ends the search: one cause, one finding."""
+    then, whether its values stay fp32 for what reads them); None where none does. Its line in fp32
+    with the lines after it, cast back; else its line alone kept fp32 (what reads it widens or
+    promotes it: a time embedding that calls t.float(), where a cast back would round it again).
+    The first one ends the search: one cause, one finding."""
     for site in sites:
         line = line_of(site.location)
         if line is None:
             continue
         more, after = fp32_lines(check, line, error, most=LINES_AFTER)
         if after is not None and after * RAISED_FALLS <= error:
-            return site, more, after
+            return site, more, after, False
+        kept = check("wide", line, 0)
+        if kept is not None and math.isfinite(kept) and kept * RAISED_FALLS <= error:
+            return site, 0, kept, True
     return None
 
 
@@ -48,17 +55,20 @@ def checked(sites: list[Made], check: Check, error: float) -> tuple[Made, int, f
 _INTEGER_CAST = re.compile(r"\.(long|int|short)\(\)\s*(#.*)?$|\.to\(\s*(dtype=)?torch\.(u?int\d*|long)\s*\)\s*(#.*)?$")
 
 
-def finding(site: Made, more: int, before: float, after: float, *, label: str, dtype: torch.dtype) -> Finding:
+def finding(
+    site: Made, more: int, before: float, after: float, *, label: str, dtype: torch.dtype, wide: bool = False
+) -> Finding:
     """NUM020 (whole numbers) or NUM021 (a draw) for `site`, its lines (`more` after it) in fp32
-    checked: `before` -> `after`."""
+    checked: `before` -> `after`; `wide`: its values kept in fp32 for what reads them (no cast back)."""
     file, number = line_of(site.location) or ("", 0)
     lines = f"line {number}" if more == 0 else f"lines {number}-{number + more}"
     name = str(dtype).removeprefix("torch.")
     code = source_text(site.location)
     code = code[: code.index("  #")].rstrip() if "  #" in code else code  # the code, not its comment
     written = f" (`{code}`)" if code else ""
+    kept = "kept in fp32 for what reads them" if wide else f"cast back to {name}"
     checked_text = (
-        f"With {lines} computed in fp32, their results cast back to {name}, the end-to-end error goes from "
+        f"With {lines} computed in fp32, their results {kept}, the end-to-end error goes from "
         f"{before:.3g} to {after:.3g} (checked)."
     )
     last = "it makes" if more == 0 else f"line {number + more} makes"
@@ -92,6 +102,9 @@ def finding(site: Made, more: int, before: float, after: float, *, label: str, d
         back = (
             f"keep what {last} as it is (integers: an index reads them, not {name})"
             if _INTEGER_CAST.search(source_text(f"{file}:{number + more}"))
+            else f"keep what {last} in fp32, not cast back: what reads it widens or promotes it (cast back to "
+            f"{name}, it is rounded again there)"
+            if wide
             else f"cast what {last} to {name} (.to(x.dtype), x the tensor whose dtype the line followed)"
         )
         fix = (
@@ -102,7 +115,7 @@ def finding(site: Made, more: int, before: float, after: float, *, label: str, d
         evidence |= {"largest": site.largest, "exact_up_to": limit}
         rule = "whole-numbers-rounded"
     trial = Trial.checked(
-        f"the ops at {lines} of {file} in fp32, their results cast back to {name}",
+        f"the ops at {lines} of {file} in fp32, their results {kept}",
         metric="end-to-end relative error against fp64",
         before=before,
         after=after,

@@ -38,7 +38,7 @@ from fpdoctor.userframes import user_location
 # The inputs' rounding alone explains at least this share of an op's error: the op is not the cause.
 FORCED = 0.5
 WALK = 64  # ops of the walk upstream, at most
-WHOLE_NUMEL = 1 << 22  # outputs looked at for whole numbers, at most this large (positions, counts, timesteps)
+WHOLE_NUMEL = 1 << 20  # outputs looked at for whole numbers, at most this large (positions, counts, timesteps)
 
 
 @dataclass(eq=False)
@@ -104,6 +104,9 @@ def _whole(t: torch.Tensor) -> tuple[bool, bool]:
         finite = t[torch.isfinite(t)]
         if not finite.numel() or not bool((finite == finite.round()).all()):
             return False, False
+        low, high = finite.amin(), finite.amax()
+        if bool(((finite == low) | (finite == high)).all()):
+            return True, False  # two values (an additive mask of 0 and -10000): nothing between them to round
         return True, float(finite.abs().max()) > 2.0 / torch.finfo(t.dtype).eps
 
 

@@ -199,33 +199,46 @@ def finding(
         if floor > 0
         else f"where rounding the exact output to {to} changes none"
     )
-    message = (
-        f"In {label}, the output's top-1 class differs from fp64's on {pct(flipped)} of its {found.rows} rows, "
-        f"{against}: the computation changes the decisions, however small the relative error (KL {found.kl:.3g} "
-        f"nats)."
-    )
+    if found.kind == "ids":
+        ref = found.floor_top1
+        first = f", first at position {found.first} (the median over the rows that differ)" if found.first else ""
+        message = (
+            f"In {label}, the output's ids ({found.source}) differ from fp64's on {pct(flipped)} of its "
+            f"{found.rows * found.classes} values{first}, where the reference model's differ on {pct(1.0 - ref)}: "
+            "each is an argmax the model made, and where one made in a loop is fed back (greedy decoding), a "
+            "near-tie that flips changes what follows. Their relative error says nothing of this."
+        )
+    else:
+        message = (
+            f"In {label}, the output's top-1 class differs from fp64's on {pct(flipped)} of its {found.rows} rows, "
+            f"{against}: the computation changes the decisions, however small the relative error (KL "
+            f"{found.kl:.3g} nats)."
+        )
     on = inputs_text(describe(inputs))
     fixes = checked_fixes or []
 
     def names(modules: list[str]) -> str:
         return " and ".join(f"`{m}`" for m in modules)
 
+    metric = "ids equal to fp64's" if found.kind == "ids" else "top-1 agreement with fp64"
+    short = "ids equal" if found.kind == "ids" else "top-1"
+
     def checked(what: str, after: str) -> Trial:
-        return Trial.checked(what, metric="top-1 agreement with fp64", before=pct(found.top1), after=after, on=on)
+        return Trial.checked(what, metric=metric, before=pct(found.top1), after=after, on=on)
 
     best = max(tried, key=lambda t: t[1], default=None)
     back = max((c for c in fixes if found.recovered(c.top1)), key=lambda c: c.top1, default=None)
     if back is not None:
         fix = (
             f"{back.fix}, as the finding on the end-to-end error says: the same run gives the decisions back; "
-            f"checked: top-1 {pct(found.top1)} -> {pct(back.top1)}."
+            f"checked: {short} {pct(found.top1)} -> {pct(back.top1)}."
         )
         trial = checked(back.changed, pct(back.top1))
     elif best is not None and found.recovered(best[1]):
         modules, top1 = best
-        output = ", returning fp32 logits" if head in modules else ""
+        output = ", returning fp32 logits" if head in modules and found.kind != "ids" else ""
         fix = (
-            f"Keep {names(modules)} in fp32{output} (fpdoctor plan writes the code); checked: top-1 "
+            f"Keep {names(modules)} in fp32{output} (fpdoctor plan writes the code); checked: {short} "
             f"{pct(found.top1)} -> {pct(top1)}."
         )
         trial = checked(f"{names(modules)} kept in fp32{output}, the rest in {label}", pct(top1))
@@ -236,10 +249,19 @@ def finding(
         at_best = max([c.top1 for c in fixes] + [t for _, t in tried])
         fix = (
             "No fix tried gives the decisions back: run `fpdoctor plan` for a larger set of modules and check it "
-            "by top-1 agreement."
+            f"by {metric}."
         )
+        if found.kind == "ids":  # a free-running loop parts at its first near-tie whatever is kept
+            fix = (
+                "No module kept in fp32 gives the ids back: a decoding loop that feeds its own argmax back parts "
+                "from the reference at the first near-tie either format breaks differently, and every id after it "
+                "follows. Judge each step's decision teacher-forced instead: a make() that returns the model's "
+                "logits over a fixed sequence (one forward, no loop), where compare judges top-1 and KL at each "
+                "position and names the module to keep; or keep the whole model in fp32 where the ids themselves "
+                "must match."
+            )
         trial = Trial.untried(
-            f"the next step, not a fix that was tried: each one tried left top-1 agreement at {pct(at_best)} at "
+            f"the next step, not a fix that was tried: each one tried left {metric} at {pct(at_best)} at "
             f"best against {pct(found.top1)} ({each})"
         )
     else:

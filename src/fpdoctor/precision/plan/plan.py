@@ -555,7 +555,11 @@ def _judge_set(
             hook.remove()
     truth = flat_sample(output)
     if truth is None:
-        raise ValueError("the model's output has no floating tensor to judge")
+        raise ValueError(
+            "the model's output has no floating tensor to judge (ids a decoding loop made?): plan keeps modules "
+            "by an error of floating outputs; give it a make() that returns the logits over a fixed sequence "
+            "(teacher-forced, one forward), and run `fpdoctor compare` on this one to judge its ids by agreement"
+        )
     head = ended[-1] if ended else None
     first = next(floating(output), None)
     ids = use.reads_ids(inputs)
