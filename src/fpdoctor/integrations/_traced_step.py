@@ -48,8 +48,9 @@ class TracedStep:
         self.findings: list[Finding] = []  # what it found (`finish`), the report's lead (`lead`)
         self._params: set[int] | None = None  # the bad step's optimizer's parameters (ids), where known
         self.closing = False  # that optimizer stepped: the trace ends at the next training forward
+        self.penalty = False
 
-    def arm(self, step: int, params: set[int] | None = None) -> None:
+    def arm(self, step: int, params: set[int] | None = None, *, penalty: bool = False) -> None:
         """Armed by `step`; `params` (ids): its optimizer's. The trace then runs from the next training
         forward that reads them until that optimizer's next step (`stepped`), and ends at the training
         forward after it: with two optimizers (a GAN's critic and generator) the other's forward and
@@ -57,6 +58,9 @@ class TracedStep:
         if not self.done and self.armed_by is None:
             self.armed_by = step
             self._params = params
+            # armed by a gradient penalty on scaled gradients, not by a bad step: the trace says whether the
+            # code unscales them (its overflows at the scaler's first scales are calibration)
+            self.penalty = penalty
 
     @property
     def until_step(self) -> bool:
@@ -96,6 +100,8 @@ class TracedStep:
         report = trace.report
         found = [f for f in (report.findings if report is not None else []) if f.name in _CAUSES]
         found = [f for f in found if f.severity is not Severity.INFO]
+        if self.penalty:  # the penalty read scaled, or nothing: an overflow there is the scaler's calibration
+            found = [f for f in found if f.name in _RECIPE]
         # the recipe's cause first, then checked fixes
         found.sort(key=lambda f: (f.name not in _RECIPE, not (f.trial is not None and f.trial.tried)))
         self.said = {
@@ -105,7 +111,10 @@ class TracedStep:
             "ops": report.data.get("ops") if report is not None else None,
         }
         why = (
-            f"Traced at step {self.step} (step {self.armed_by} was non-finite again on replay, and the replay "
+            f"Traced at step {self.step} (a gradient penalty differentiates an output GradScaler scaled; the watch "
+            "traced the step that reads it, as `fpdoctor trace` does): "
+            if self.penalty
+            else f"Traced at step {self.step} (step {self.armed_by} was non-finite again on replay, and the replay "
             "of the model alone named no op with a checked fix; the watch traced the next training step "
             "through its loss and backward, as `fpdoctor trace` does): "
         )

@@ -72,6 +72,7 @@ from fpdoctor.numerics.observe.gradcheck import (
     skips_on_device,
 )
 from fpdoctor.numerics.observe.loader import LoaderBatches
+from fpdoctor.numerics.trace.scaled_grads import ScaledGrads
 from fpdoctor.numerics.training import distributed, reference
 from fpdoctor.numerics.training.judge import StepFacts, StepJudge, StepOutcome
 from fpdoctor.numerics.training.live import Live, StopRun, in_progress
@@ -247,6 +248,7 @@ class ScriptWatch:
         self._trainable: dict[int, bool] = {}
         self._local = _PerThread()
         self._traced = TracedStep()  # a step traced after a bad step its replay could not explain
+        self._penalty: ScaledGrads | None = None  # autograd.grad of a scaled output, seen (a gradient penalty)
         self._top = TopLevelCalls(self._pre, self._post)
         self._scaler_now: dict[int, Any] = {}  # id(optimizer) -> the GradScaler stepping it now
         self._judged: set[int] = set()  # optimizers judged inside the scaler's step in progress
@@ -274,6 +276,10 @@ class ScriptWatch:
             stack.enter_context(self._swapped(torch.autograd, "backward", self._backward_of))
             scaler = amp.grad_scaler_class()
             stack.enter_context(self._swapped(scaler, "step", self._scaler_step_of))
+            # a gradient penalty on the gradients of a GradScaler-scaled output: its loss reads gradients
+            # that overflow at the scaler's first scales (calibration, not a bug), and whether the code
+            # unscales them the step traced once tells
+            self._penalty = stack.enter_context(ScaledGrads(lambda: 0))
             # the dataset indices of each DataLoader batch: a replayed bad step names its items
             stack.enter_context(LoaderBatches())
             # a Hugging Face Trainer made inside gets the fpdoctor callback, which judges its steps
@@ -420,12 +426,23 @@ class ScriptWatch:
                 return original(scaler, optimizer, *args, **kwargs)
             finally:
                 self._scaler_now.pop(key, None)
-                if key not in self._judged:
+                if key not in self._judged:  # skipped by the scaler: no optimizer hook ran
+                    self._guarded(lambda: self._stepping(optimizer))
                     self._guarded(lambda: self._step(optimizer, scaler=scaler, skipped_by_scaler=True))
                 self._judged.discard(key)
                 self._stop_here()
 
         return step
+
+    def _stepping(self, optimizer: Any) -> None:
+        """An optimizer's step, taken or skipped by its scaler: the traced step's end where it was
+        its optimizer's; after a gradient penalty on scaled gradients was seen, the first step's
+        optimizer (the one the penalty's loss feeds) has its next step traced."""
+        self._traced.stepped(optimizer)
+        if self._penalty is not None and self._penalty.calls and not self._traced.done:
+            params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            run = self.runs.get(id(optimizer))
+            self._traced.arm(run.judge.steps + 1 if run is not None else 1, params, penalty=True)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if dynamo.compiling():  # a step traced into a graph: judged where it runs eagerly, or not at all
@@ -433,7 +450,7 @@ class ScriptWatch:
         key = id(optimizer)
         scaler = self._scaler_now.get(key)
         self._judged.add(key)
-        self._traced.stepped(optimizer)
+        self._stepping(optimizer)
         # step(closure): LBFGS, Lightning's loop (args holds the optimizer itself first)
         if (len(args) > 1 or kwargs) and any(callable(a) for a in (*args[1:], *kwargs.values())):
             # the forward and backward run inside step(), after this hook: there is nothing to judge yet
@@ -613,6 +630,7 @@ class ScriptWatch:
             step,
             bad_loss=bad_loss,
             bad_grad=bad_grad,
+            penalty=bool(self._penalty is not None and self._penalty.calls),
             local_loss=mine_bad,
             loss_value=loss_value,
             window=[MicroBatch(c.rng, (c, *c.args), dict(c.kwargs)) for c in mine],
@@ -643,6 +661,11 @@ class ScriptWatch:
         if outcome.finite:  # the outputs' format: what the reference step's replay cannot see
             self._guarded(lambda: judge.outputs_read(step, [t for c in mine for t in c.kept.originals]),
                           "reading the training outputs")  # fmt: skip
+        if self._penalty is not None and self._penalty.create_graph and judge.reference_off is None:
+            judge.reference_off = (
+                "the loss reads gradients (torch.autograd.grad with create_graph=True: a gradient penalty), which "
+                "a replay from the gradients at the model's outputs cannot redo; `fpdoctor trace` runs the code"
+            )
         if (
             outcome.finite
             and not pending.on_device  # the optimizer has stepped: the weights the step started from are gone

@@ -161,6 +161,9 @@ class StepFacts:
     # zero them), with the loss scale it ran at; and the replay's contexts at another loss scale
     carried: tuple[int, float | None] | None = None
     contexts_at: Callable[[float | None], list[contextlib.AbstractContextManager[Any]]] | None = None
+    # the loss reads gradients of a GradScaler-scaled output (a gradient penalty): where they overflow at
+    # a scale, the loss does too, and the scaler backs off as from any overflow
+    penalty: bool = False
 
     @property
     def finite(self) -> bool:
@@ -357,7 +360,9 @@ class StepJudge:
         self.history.append(outcome)
         if f.scale is not None:
             next_scale = f.next_scale if f.next_scale is not None else f.scale
-            if f.bad_grad and not f.bad_loss:  # an overflow the scaler skips itself: AMP's business
+            # an overflow the scaler skips itself: AMP's business; with a penalty on scaled gradients the loss
+            # overflows with them (whether the code unscales them is the traced step's to say)
+            if f.bad_grad and (not f.bad_loss or f.penalty):
                 outcome.skipped, outcome.verdict = True, "amp-skip"
                 if self.amp.observe(True, next_scale):
                     self._collapse(f, next_scale)
