@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import distillation
+
 TRAIN = """
 import sys, torch
 from torch import nn
@@ -1197,17 +1199,11 @@ def test_a_second_optimizers_counts_are_in_the_summary_beside_the_firsts():
 def test_a_step_decided_on_the_device_skips_a_nan_loss_only_where_its_gradients_are_bad(fused: bool) -> None:
     """--device-skip: the flag the optimizer is given (or the undo reads) is the gradients', not the
     loss's: a NaN loss with finite gradients steps as the script steps."""
-    from torch import nn
 
     from fpdoctor.integrations.script import ScriptWatch
 
     def run(watched: bool) -> tuple[dict[str, torch.Tensor], ScriptWatch | None]:
-        torch.manual_seed(0)
-        teacher = nn.Linear(8, 10)
-        with torch.no_grad():
-            teacher.weight.mul_(300.0)
-        teacher.requires_grad_(False)
-        student = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 10))
+        teacher, student = distillation.teacher_and_student()
         kind = {"fused": True} if fused else {"foreach": True}
         opt = torch.optim.AdamW(student.parameters(), lr=1e-2, **kind)
         g = torch.Generator().manual_seed(1)
@@ -1215,8 +1211,7 @@ def test_a_step_decided_on_the_device_skips_a_nan_loss_only_where_its_gradients_
         with watch if watch is not None else contextlib.nullcontext():
             for _ in range(8):
                 x = torch.randn(16, 8, generator=g)
-                p_t = torch.softmax(teacher(x), dim=-1)
-                loss = (p_t * (p_t.log() - torch.log_softmax(student(x), dim=-1))).sum(-1).mean()
+                loss = distillation.loss(teacher, student, x)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import fpdoctor
+from tests import distillation
 
 WINDOW = 20
 
@@ -155,19 +156,13 @@ def test_the_sentinel_applies_a_nan_loss_step_whose_gradients_are_finite() -> No
     user's loop would apply it; the sentinel applies it too, after its replay, and says so."""
 
     def run(guarded: bool) -> tuple[dict[str, torch.Tensor], fpdoctor.Sentinel | None]:
-        torch.manual_seed(0)
-        teacher = nn.Linear(8, 10)
-        with torch.no_grad():
-            teacher.weight.mul_(300.0)
-        teacher.requires_grad_(False)
-        student = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 10))
+        teacher, student = distillation.teacher_and_student()
         opt = torch.optim.AdamW(student.parameters(), lr=1e-2)
         guard = fpdoctor.Sentinel(student, opt, reference_every=0) if guarded else None
         g = torch.Generator().manual_seed(1)
 
         def step_fn(x: torch.Tensor) -> torch.Tensor:
-            p_t = torch.softmax(teacher(x), dim=-1)
-            loss = (p_t * (p_t.log() - torch.log_softmax(student(x), dim=-1))).sum(-1).mean()
+            loss = distillation.loss(teacher, student, x)
             loss.backward()
             return loss
 
