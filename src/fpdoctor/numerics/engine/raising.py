@@ -15,6 +15,7 @@ limit" (torch.finfo(x.dtype).min for a mask fill, not float32's), as a run.
 
 from __future__ import annotations
 
+import functools
 import linecache
 import math
 import re
@@ -137,6 +138,16 @@ def _holds(values: Any, dtype: torch.dtype) -> bool:
 _WRITES_WIDE = re.compile(r"\.(float|double)\(|float32|float64|torch\.(float|double)\b")
 
 
+@functools.lru_cache(maxsize=512)
+def _forward_span(kind: type) -> tuple[str, int, int] | None:
+    """`kind`'s forward: its source file, first and last line (every module call of a check asks)."""
+    code = getattr(getattr(kind, "forward", None), "__code__", None)
+    if code is None:
+        return None
+    numbers = [n for _, _, n in code.co_lines() if n is not None]
+    return (code.co_filename, min(numbers), max(numbers)) if numbers else None
+
+
 def _widens(to: Any, dtype: torch.dtype) -> bool:
     """A cast to a floating dtype wider than `dtype`."""
     return isinstance(to, torch.dtype) and to.is_floating_point and torch.finfo(to).bits > torch.finfo(dtype).bits
@@ -253,12 +264,7 @@ class RaisedLines(EagerDispatchMode):
 
     @staticmethod
     def _span(kind: type) -> tuple[str, int, int] | None:
-        """`kind`'s forward: its source file, first and last line."""
-        code = getattr(getattr(kind, "forward", None), "__code__", None)
-        if code is None:
-            return None
-        numbers = [n for _, _, n in code.co_lines() if n is not None]
-        return (code.co_filename, min(numbers), max(numbers)) if numbers else None
+        return _forward_span(kind)
 
     def feed(self, tensors: list[torch.Tensor]) -> None:
         """The model's inputs as its call gets them (positional and keyword): with `wide_inputs`, the fp32
