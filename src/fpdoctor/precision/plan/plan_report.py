@@ -226,8 +226,9 @@ _DEFAULT_FP8 = (
 )
 _FLOOR_TEXT = {
     "rel": "16x the output's noise floor",
-    "top1": "compare's decisions-changed rule: at most 16x the rows that rounding the exact output flips, and at "
-    "most 1% of the rows",
+    "top1": "compare's decisions-changed rule: at most 16x the rows that rounding the exact output flips, or 1% "
+    "of the rows where that is more (where rounding alone flips many, output-too-coarse says the format is the "
+    "limit)",
     "kl": "256x the KL of the exact output rounded to the candidate's format (16x its error: KL grows with the "
     "error's square)",
 }
