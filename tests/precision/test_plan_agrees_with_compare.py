@@ -67,6 +67,9 @@ def test_plan_judges_scores_against_a_class_table_by_kl_as_compare_judges_their_
     planned = fpdoctor.plan(model, ids, candidate="bf16", metric="kl")  # refused before: "not logits"
     assert planned.plan.metric == "kl"
     assert "KL" in str(planned.report)
+    # scores the model's own ops make past what bf16 holds: no module set fixes it, and "verified" says so
+    if planned.report.by_name("output-too-coarse"):
+        assert "the output's format itself is too coarse" in dict(planned.report.data["summary"])["verified"]
 
 
 def test_compare_judges_a_linears_logits_divided_by_a_temperature_by_their_decisions() -> None:

@@ -175,6 +175,14 @@ def build(the_plan: Plan, search: Search) -> Report:
             text = f"yes: {m.show(the_plan.final_error)} (target {aim}); {_worst(m, search.measured[1])}"
         else:
             text = f"yes: end-to-end error {_fmt(the_plan.final_error)} (target {the_plan.target:.3g})"
+        coarse = next(
+            (f for f in findings if f.name == "output-too-coarse" and not (f.trial is not None and f.trial.tried)), None
+        )
+        if coarse is not None:  # a target set from the format's own floor cannot see what the format loses
+            text += (
+                f"; but the output's format itself is too coarse for it ({coarse.code}): no set of modules kept in "
+                "fp32 changes that, its fix does"
+            )
         summary.append(("verified", text))
     else:
         summary.append(("keep in fp32", "no verified plan"))
