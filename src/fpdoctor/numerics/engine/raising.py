@@ -202,7 +202,7 @@ class RaisedLines(EagerDispatchMode):
                     for t in _tensors(out):
                         marks.put(t, mark)
             return out
-        if not self.cast_back or (func is torch.ops.aten._to_copy.default and _widens(kwargs.get("dtype"), self.dtype)):
+        if not self.cast_back or (func.__name__ == "_to_copy.default" and _widens(kwargs.get("dtype"), self.dtype)):
             # code off the lines that widens what they made (t.float() in a module the caller passes
             # positions to): it reads the fp32 value as it is, as it would in the fixed code
             return func(*args, **kwargs)
