@@ -279,7 +279,7 @@ class ScriptWatch:
             # a gradient penalty on the gradients of a GradScaler-scaled output: its loss reads gradients
             # that overflow at the scaler's first scales (calibration, not a bug), and whether the code
             # unscales them the step traced once tells
-            self._penalty = stack.enter_context(ScaledGrads(lambda: 0))
+            self._penalty = stack.enter_context(ScaledGrads(lambda: 0, reads=False))
             # the dataset indices of each DataLoader batch: a replayed bad step names its items
             stack.enter_context(LoaderBatches())
             # a Hugging Face Trainer made inside gets the fpdoctor callback, which judges its steps

@@ -36,6 +36,7 @@ from fpdoctor.report.model import Finding, Trial
 from fpdoctor.torchprivate import DisableTorchDispatch, scaler_scale
 from fpdoctor.userframes import user_location
 
+CALLS_KEPT = 4096  # autograd.grad calls on scaled outputs kept, at most (one or two a step)
 # The op that unscales: a multiply by 1/scale or a division by the scale, within this of it.
 _SAME = 1e-3
 _UNSCALING = frozenset({"mul", "div", "mul_", "div_", "_foreach_mul", "_foreach_div", "_foreach_mul_", "_foreach_div_"})
@@ -57,8 +58,12 @@ class ScaledGrads:
     """Context manager over a traced block (see the module docstring). `step` gives the optimizer
     steps taken so far."""
 
-    def __init__(self, step: Callable[[], int]) -> None:
+    def __init__(self, step: Callable[[], int], *, reads: bool = True) -> None:
+        """`reads`: a tracer reads the gradients op by op (`read`); without one (the watch, which only
+        asks whether a penalty on scaled gradients ran), no gradient is held and the calls kept are
+        bounded, for runs of a million steps."""
         self._step = step
+        self._reads = reads
         # id of each tensor GradScaler.scale returned -> (it, the scaler), weakly
         self._scaled: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[Any]]] = {}
         self.pending: dict[int, tuple[weakref.ref[torch.Tensor], _Grads]] = {}  # the tracer reads it per op
@@ -119,7 +124,10 @@ class ScaledGrads:
         with DisableTorchDispatch():
             kept = scale.detach().reshape(-1)[0].clone()
         call = _Grads(f"{user[0]}:{user[1]}" if user else "", self._step(), kept)
-        self.calls.append(call)
+        if len(self.calls) < CALLS_KEPT:
+            self.calls.append(call)
+        if not self._reads:
+            return
         self._watched_at = call.step
         for t in tensors_in(result):
             self.pending[id(t)] = (weakref.ref(t), call)
