@@ -176,3 +176,42 @@ def test_watch_traces_the_bad_optimizers_own_step_with_two_optimizers(tmp_path: 
     first = found["findings"][0]
     assert first["name"] == "gradients-still-scaled", [f["name"] for f in found["findings"]]
     assert "gx = gx * inv_scale" in first["fix"], first["fix"]
+
+
+@pytest.mark.parametrize("unscaled", [True, False], ids=["torch's recipe", "read scaled"])
+def test_the_sentinel_tells_the_scalers_calibration_from_a_penalty_read_scaled(unscaled: bool) -> None:
+    """The sentinel replays step_fn, loss code and all, under trace: where the penalty was unscaled as
+    torch's recipe does, the first scale's overflow is the scaler's calibration and nothing is said;
+    read scaled, NUM023 leads."""
+    import torch
+    from torch import nn
+
+    import fpdoctor
+
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(2, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.Adam(critic.parameters(), lr=2e-4, betas=(0.5, 0.9))
+    scaler = torch.amp.GradScaler("cpu")
+    guard = fpdoctor.Sentinel(critic, opt)
+
+    def step_fn(real: torch.Tensor, fake: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+        x_hat = (eps * real + (1 - eps) * fake).requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            d_real, d_fake, d_hat = critic(real).mean(), critic(fake).mean(), critic(x_hat)
+        (grads,) = torch.autograd.grad(scaler.scale(d_hat.sum()), x_hat, create_graph=True)
+        if unscaled:
+            grads = grads * (1.0 / scaler.get_scale())
+        loss = d_fake - d_real + 10.0 * ((grads.norm(2, dim=1) - 1) ** 2).mean()
+        scaler.scale(loss).backward()
+        return loss
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(8):
+        opt.zero_grad(set_to_none=True)
+        guard.step(step_fn, torch.randn(128, 2, generator=g) + 2.0, torch.randn(128, 2, generator=g),
+                   torch.rand(128, 1, generator=g))  # fmt: skip
+    names = [f.name for f in guard.report.findings]
+    if unscaled:
+        assert guard.report.verdict == "ok", names
+    else:
+        assert names[0] == "gradients-still-scaled", names

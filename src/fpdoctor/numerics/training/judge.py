@@ -164,6 +164,9 @@ class StepFacts:
     # the loss reads gradients of a GradScaler-scaled output (a gradient penalty): where they overflow at
     # a scale, the loss does too, and the scaler backs off as from any overflow
     penalty: bool = False
+    # the replay runs the loss code (step_fn), under trace: it tells a penalty read scaled (NUM023) from
+    # the scaler's calibration itself; the watch's replay of the model alone cannot (its traced step does)
+    replays_penalty: bool = False
 
     @property
     def finite(self) -> bool:
@@ -362,7 +365,7 @@ class StepJudge:
             next_scale = f.next_scale if f.next_scale is not None else f.scale
             # an overflow the scaler skips itself: AMP's business; with a penalty on scaled gradients the loss
             # overflows with them (whether the code unscales them is the traced step's to say)
-            if f.bad_grad and (not f.bad_loss or f.penalty):
+            if f.bad_grad and (not f.bad_loss or (f.penalty and not f.replays_penalty)):
                 outcome.skipped, outcome.verdict = True, "amp-skip"
                 if self.amp.observe(True, next_scale):
                     self._collapse(f, next_scale)
@@ -398,6 +401,7 @@ class StepJudge:
         if outcome.skipped:
             self.skipped += 1
             self.buffers.restore()  # the bad forward's buffer writes (BatchNorm statistics) undone
+        before = len(self.findings)
         try:
             if not (self._weights_bad or self._weights_went_bad(f.step)):  # said once; no replay can change it
                 faulty, kind, symptoms = self._attribute(f)
@@ -406,7 +410,27 @@ class StepJudge:
         finally:  # a failure of ours never keeps the user's finite update from the weights
             if not f.bad_grad and f.skippable and apply is not None:
                 apply()  # from the weights the replay started from, as the user's step would
+        if f.penalty and f.replays_penalty and f.scaled and f.bad_grad and self.replay:
+            self._calibration(f, outcome, before)
         return outcome
+
+    def _calibration(self, f: StepFacts, outcome: StepOutcome, before: int) -> None:
+        """A scaled step whose loss reads gradients (a penalty) and overflowed: where its replay under
+        trace found the penalty unscaled as torch's recipe does (no gradients-still-scaled), the
+        overflow was the scaler's calibration, as any overflow at its first scales is: the step's
+        findings are withdrawn and it is counted as AMP's."""
+        new = self.findings[before:]
+        if any(x.name == "gradients-still-scaled" for x in new):  # read scaled: the cause, ahead of its symptoms
+            cause = [x for x in new if x.name == "gradients-still-scaled"]
+            self.findings[before:] = [*cause, *(x for x in new if x.name != "gradients-still-scaled")]
+            return
+        del self.findings[before:]
+        outcome.verdict = "amp-skip"
+        if outcome.skipped:
+            self.skipped -= 1
+        next_scale = f.next_scale if f.next_scale is not None else f.scale
+        if next_scale is not None and self.amp.observe(True, next_scale):
+            self._collapse(f, next_scale)
 
     # -- findings ------------------------------------------------------------------------------
     def _attribute(self, f: StepFacts) -> tuple[bool, str | None, tuple[Any, ...]]:

@@ -40,6 +40,7 @@ from fpdoctor.numerics.observe.gradcheck import (
     skip_on_device,
     skips_on_device,
 )
+from fpdoctor.numerics.trace.scaled_grads import ScaledGrads
 from fpdoctor.numerics.training import checkpoint, distributed, findings, progress, reference
 from fpdoctor.numerics.training.judge import (  # re-exported: the sentinel's public constants
     SPIKE_MIN_HISTORY,
@@ -252,6 +253,7 @@ class Sentinel(JudgedSteps):
         self._stepped_inside = False  # step_fn called optimizer.step() itself in the current window
         self._told_observing = False
         self._scaler_searched = self.scaler is not None
+        self._penalty = False  # step_fn differentiates an output a GradScaler scaled (a gradient penalty)
         # A fused optimizer takes the check's flag as found_inf and skips on the device; on a GPU
         # the host then need not wait for the flag before optimizer.step().
         if self.device_skip is None:
@@ -312,6 +314,12 @@ class Sentinel(JudgedSteps):
                 spying.enter_context(_steps_of(self.optimizer, inner))
             except Exception as exc:
                 judge.error("watching for optimizer steps inside step_fn", exc)
+        if (self.scaler is not None or looking) and not self._penalty:
+            try:  # a gradient penalty on scaled gradients: its overflows may be the scaler's calibration
+                penalty = spying.enter_context(ScaledGrads(lambda: 0, reads=False))
+                spying.callback(lambda: setattr(self, "_penalty", bool(penalty.calls)))
+            except Exception as exc:
+                judge.error("looking for a gradient penalty", exc)
         scale_before = amp.scale_version(self.scaler)
         try:
             with spying:
@@ -511,6 +519,8 @@ class Sentinel(JudgedSteps):
             why_not="step_fn applied the step itself" if pending.observed else None,
             carried=pending.carried,
             contexts_at=lambda at: self._contexts(pending, at),
+            penalty=self._penalty,
+            replays_penalty=True,  # step_fn holds the loss code: its replay under trace reads the penalty
         )
         apply = None if pending.stepped or self.optimizer is None else self._apply
         outcome = self._judge.judge(facts, apply)
