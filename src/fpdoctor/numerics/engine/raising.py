@@ -148,6 +148,11 @@ def _forward_span(kind: type) -> tuple[str, int, int] | None:
     return (code.co_filename, min(numbers), max(numbers)) if numbers else None
 
 
+def _made_in(made: Any, span: tuple[str, int, int] | None) -> bool:
+    """A raised result's mark (the line that made it) lies in a module's forward `span`."""
+    return span is not None and isinstance(made, tuple) and made[0] == span[0] and span[1] <= made[1] <= span[2]
+
+
 def _widens(to: Any, dtype: torch.dtype) -> bool:
     """A cast to a floating dtype wider than `dtype`."""
     return isinstance(to, torch.dtype) and to.is_floating_point and torch.finfo(to).bits > torch.finfo(dtype).bits
@@ -228,9 +233,7 @@ class RaisedLines(EagerDispatchMode):
         (the model's output: a value past the format's range overflows there, as in the fixed code)."""
         if not self.cast_back or type(output) is not torch.Tensor:
             return None
-        made = self.made.get(output)
-        span = self._span(type(module)) if isinstance(made, tuple) else None
-        if span is None or not isinstance(made, tuple) or made[0] != span[0] or not span[1] <= made[1] <= span[2]:
+        if not _made_in(self.made.get(output), self._span(type(module))):
             return None
         return output.to(self.dtype)
 
@@ -255,8 +258,7 @@ class RaisedLines(EagerDispatchMode):
             made = self.made.get(a)
             if not made:
                 return False
-            own = span is not None and isinstance(made, tuple) and made[0] == span[0] and span[1] <= made[1] <= span[2]
-            return own or (weighted and not raises)
+            return _made_in(made, span) or (weighted and not raises)
 
         if not any(type(a) is torch.Tensor and back(a) for a in args):
             return None

@@ -934,7 +934,7 @@ class _Comparison:
         entry, _, call, c = found
         biggest = largest(output)  # non-finite when a value is
         if name == "" and self.root_truth is not None:
-            first = _ids_of(output) if self.ids else next(floating(output), None)
+            first = next(floating(output), None)
             self.root_cand = self._decided(first.detach().clone()) if first is not None else None
             self.root_cand_dtype = first.dtype if first is not None else None
         elif name == "":
@@ -970,7 +970,7 @@ class _Comparison:
         entry, kept, call, c = found
         finite = all_finite(output)
         if name == "" and self.root_truth is not None:
-            first = _ids_of(output) if self.ids else next(floating(output), None)
+            first = next(floating(output), None)
             self.root_cand = self._decided(first.detach().clone()) if first is not None else None
             self.root_cand_dtype = first.dtype if first is not None else None
         elif name == "" and finite:  # an output that is not logits: its error in its own units, on the sample
