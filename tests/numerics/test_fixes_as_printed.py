@@ -175,7 +175,7 @@ def test_a_mask_constant_past_fp16s_range_is_replaced_by_the_formats_limit_and_s
     assert report is not None and all(math.isnan(v) for v in losses)
     first = report.sorted_findings()[0]
     assert first.fix.startswith("Replace the constant -1e+09 at "), first.fix
-    assert "with torch.finfo(x.dtype).min (-65504 in float16)" in first.fix, first.fix
+    assert "with torch.finfo(logits.dtype).min (-65504 in float16)" in first.fix, first.fix
     _, fixed, leaked = _policy_training(None, traced=False)  # the fix as printed
     assert all(math.isfinite(v) for v in fixed) and fixed[-1] < fixed[0]
     assert leaked < 1e-3  # the invalid actions stay masked

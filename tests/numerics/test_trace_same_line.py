@@ -356,3 +356,78 @@ def test_a_log_sum_exp_by_hand_whose_sum_overflows_before_its_exps_gets_logsumex
     findings = json.loads(script.with_suffix(".json").read_text())["findings"]
     same = [f for f in findings if f["fix"] == first["fix"]]
     assert len(same) == 1, [(f["name"], f["message"][:80]) for f in findings]
+
+
+INFONCE = textwrap.dedent(
+    """
+    import sys, torch, torch.nn as nn, torch.nn.functional as F
+    FIX = "--fix" in sys.argv
+    torch.manual_seed(0)
+    # a contrastive loss by hand at temperature 0.01: exp(sim / T) reaches e^100, past fp32's range too;
+    # the positives are picked from the diagonal of the exps before the division
+    net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32)).half()
+    opt = torch.optim.SGD(net.parameters(), lr=1e-2)
+    bad = 0
+    for step in range(6):
+        x = torch.randn(64, 16).half()
+        z1 = F.normalize(net(x), dim=-1)
+        z2 = F.normalize(net(x + 0.01 * torch.randn_like(x)), dim=-1)
+        if FIX:
+            loss = -F.log_softmax(z1 @ z2.t() / 0.01, dim=1).diag().float().mean()
+        else:
+            sim = torch.exp(z1 @ z2.t() / 0.01)
+            p = sim.diag() / sim.sum(dim=1)
+            loss = -torch.log(p).float().mean()
+        bad += not torch.isfinite(loss).item()
+        opt.zero_grad(); loss.backward(); opt.step()
+    print("non-finite losses", bad, file=sys.stderr)
+    """
+)
+
+
+def test_a_contrastive_softmax_by_hand_whose_positives_are_picked_gets_log_softmax_then_the_pick(
+    tmp_path: Path,
+) -> None:
+    """exp(s).diag() / exp(s).sum(1): the pick (diagonal) between the exp and the division is passed
+    over, the form is the softmax's log, and fp32 is said to overflow too (e^100): the fix as printed,
+    F.log_softmax(...).diag(), trains."""
+    first, fixed = _traced_and_fixed(tmp_path / "infonce.py", INFONCE, symptom="non-finite losses 6")
+    assert first["fix"].startswith("Write F.log_softmax(x, dim) instead of log(exp(x) / exp(x).sum(dim))"), first["fix"]
+    assert "then take its diagonal as your code does" in first["fix"]
+    assert "more precision is no fix" in first["fix"]
+    assert "non-finite losses 0" in fixed.stderr
+
+
+GATHERED = textwrap.dedent(
+    """
+    import sys, torch, torch.nn as nn, torch.nn.functional as F
+    FIX = "--fix" in sys.argv
+    torch.manual_seed(0)
+    # a cross-entropy by hand in fp16 whose target's probability is gathered before the division
+    net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 10)).half()
+    with torch.no_grad():
+        net[2].weight.mul_(40.0)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    bad = 0
+    for step in range(6):
+        x, y = torch.randn(32, 16).half(), torch.randint(0, 10, (32,))
+        logits = net(x)
+        if FIX:
+            loss = -F.log_softmax(logits, dim=-1).gather(1, y[:, None]).float().mean()
+        else:
+            e = torch.exp(logits)
+            loss = -torch.log(e.gather(1, y[:, None]) / e.sum(-1, keepdim=True)).float().mean()
+        bad += not torch.isfinite(loss).item()
+        opt.zero_grad(); loss.backward(); opt.step()
+    print("non-finite losses", bad, file=sys.stderr)
+    """
+)
+
+
+def test_a_cross_entropy_by_hand_that_gathers_the_targets_probability_gets_log_softmax_then_the_gather(
+    tmp_path: Path,
+) -> None:
+    first, fixed = _traced_and_fixed(tmp_path / "gathered.py", GATHERED, symptom="non-finite losses 6")
+    assert first["fix"].startswith("Write F.log_softmax(x, dim) instead of log(exp(x) / exp(x).sum(dim))"), first["fix"]
+    assert "then take its gather as your code does" in first["fix"]
+    assert "non-finite losses 0" in fixed.stderr

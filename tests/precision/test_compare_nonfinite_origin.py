@@ -222,7 +222,7 @@ def test_a_constant_past_fp16s_range_applied_by_an_op_is_named_and_holding_it_at
     result = fpdoctor.compare(PaddedPool(1e9).eval(), (frames, pad), candidate="fp16")
     first = result.report.findings[0]
     assert first.name == "nonfinite-produced" and first.evidence["constant"] == 1e9, str(result.report)
-    assert "torch.finfo(x.dtype).min (-65504 in fp16)" in first.fix, first.fix
+    assert "torch.finfo(frames.dtype).min (-65504 in fp16)" in first.fix, first.fix
     assert first.trial is not None and first.trial.tried and math.isfinite(float(first.trial.after))
     # as printed: a constant the format holds; the output is finite again
     fixed = fpdoctor.compare(PaddedPool(65504.0).eval(), (frames, pad), candidate="fp16")

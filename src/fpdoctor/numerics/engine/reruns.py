@@ -65,6 +65,12 @@ GUARD_EPS = {torch.float16: 1e-4, torch.bfloat16: 1e-12, torch.float32: 1e-12}
 _NARROW = (torch.float16, torch.bfloat16)
 _REDUCTIONS = frozenset({"sum", "mean", "cumsum", "prod", "norm", "linalg_vector_norm", "var", "std"})
 _CASTS = frozenset({"_to_copy", "to", "copy", "copy_", "_to_dtype"})
+# ops that pick some of a composite's values (InfoNCE's exp(s).diag() / exp(s).sum(1)): a stable form
+# computed whole and then picked the same way is finite where it is, so they are passed over in a form
+PICKS = frozenset({
+    "diagonal", "diagonal_copy", "select", "select_copy", "slice", "slice_copy", "index", "index_select",
+    "gather", "narrow", "take", "masked_select",
+})  # fmt: skip
 _ANY = frozenset({"nan", "inf"})
 
 
@@ -523,7 +529,11 @@ class Experiment:
             else f"in fp64 from {origin.op} down, {self.op}'s output is {self.clean}; in fp32 it is not"
         )
         if own:
-            text = f"{label}: {self.op} is non-finite only in its own precision ({self.dtype})"
+            text = (
+                f"{label}: {self.op} is non-finite in {self.dtype} and in fp32, finite in fp64"
+                if self.checked_in == "fp64" and self.dtype != "float32"
+                else f"{label}: {self.op} is non-finite only in its own precision ({self.dtype})"
+            )
             why = f" The origin is the op itself: {cause}; {checked}."
         else:
             text = f"{label}: {self.op} made non-finite by {origin.op} upstream{at}"
@@ -538,7 +548,7 @@ class Experiment:
             value, rounded, dtype = self.literal
             new = self.literal_fix[0]
             # the format's own limit: written as torch.finfo of the tensor's dtype, it holds in every dtype
-            spelled = f"torch.finfo(x.dtype).{'min' if new < 0 else 'max'} ({new:g} in {dtype})"
+            spelled = f"{_finfo(origin, dtype)}.{'min' if new < 0 else 'max'} ({new:g} in {dtype})"
             fix = (
                 f"Replace the constant {value:g} at {where or origin.op} (it is {rounded:g} in {dtype}) with "
                 f"{spelled if abs(new) == float(torch.finfo(getattr(torch, dtype)).max) else f'{new:g}'}, which "
@@ -559,7 +569,7 @@ class Experiment:
             # (the cast in fp64 hands fp64 to code that reads the format)
             limit, biggest = self.saturated_fix
             fix = (
-                f"Write the limit of the dtype you cast to{at}, not a wider one's: torch.finfo(x.dtype).min "
+                f"Write the limit of the dtype you cast to{at}, not a wider one's: {_finfo(origin, self.dtype)}.min "
                 f"({-limit:g} here) for a mask fill, or clamp the values to +-{limit:g} before the cast: with the "
                 f"cast holding that value instead of Inf, {self.op}'s output is {self.clean} as it ran (checked: max "
                 f"|x| {_num(biggest)})."
@@ -595,9 +605,10 @@ class Experiment:
         elif own:
             reduction = _packet(origin.op) in _REDUCTIONS
             # the operands raised before the op: its result in fp32 of fp16 operands is the same overflow
-            how = " (a reduction: .sum(dtype=torch.float32))" if reduction else " (its operands .float() before it)"
+            wide, method = ("float64", "double") if self.checked_in == "fp64" else ("float32", "float")
+            how = f" (a reduction: .sum(dtype=torch.{wide}))" if reduction else f" (its operands .{method}() before it)"
             other = _without_precision(advice)
-            note = _matmul_note(origin)
+            note = _matmul_note(origin, method)
             fix = (
                 f"Compute {origin.op}{at} in {self.checked_in or 'fp64'}{how}{self._kept_wide()}{note}: {checked}."
                 + (f" Also possible, not tried: {other}." if other else "")
@@ -639,7 +650,9 @@ def _after_checked(fix: str, sentence: str) -> str:
 def _stable_fix_text(checked: stable.Checked, where: str, op: str) -> str:
     form = checked.form
     text = (
-        f"Write {form.stable} instead of {form.written} at {where}: torch computes it {form.why}. In "
+        f"Write {form.stable} instead of {form.written} at {where}"
+        + (f", then take its {', '.join(checked.picked)} as your code does" if checked.picked else "")
+        + f": torch computes it {form.why}. In "
         f"{checked.dtype} on the inputs this step read, {op}'s "
         + ("output is then finite, the ops between re-run as they ran" if form.prefix else "replacement is finite")
         + f" (checked: max |x| {_num(checked.absmax)}), and "
@@ -1247,10 +1260,10 @@ _MATMULS = frozenset({"mm", "bmm", "matmul", "addmm", "baddbmm", "addbmm", "line
 _MATMUL = re.compile(r"@|\b(matmul|mm|bmm|einsum|linear|baddbmm|addmm)\(")
 
 
-def _matmul_note(origin: Record) -> str:
+def _matmul_note(origin: Record, method: str = "float") -> str:
     """Where the op's line also multiplies matrices: autocast casts a matmul's .float() operands back to
     its dtype, so the operands of the op itself are what take .float() (the product's result), or the
-    line runs with autocast off."""
+    line runs with autocast off. `method`: the cast the fix writes (.float(), .double())."""
     if _packet(origin.op) in _MATMULS:  # the op is the matmul: only autocast off keeps it in fp32
         return (
             "; under autocast, do it inside torch.autocast(device, enabled=False), which otherwise casts a matmul's "
@@ -1259,9 +1272,24 @@ def _matmul_note(origin: Record) -> str:
     if not _MATMUL.search(_line_text(origin)):
         return ""
     return (
-        "; on that line autocast casts a matmul's .float() operands back to fp16: take .float() of "
-        "the product ((a @ b).float()), or run the line inside torch.autocast(device, enabled=False)"
+        f"; on that line autocast casts a matmul's .{method}() operands back to fp16: take .{method}() of "
+        f"the product ((a @ b).{method}()), or run the line inside torch.autocast(device, enabled=False)"
     )
+
+
+def _finfo(record: Record, dtype: str) -> str:
+    return finfo_spelled(_line_text(record), dtype)
+
+
+def finfo_spelled(code: str, dtype: str) -> str:
+    """torch.finfo of the dtype an op ran in, as the user's line `code` can write it: of a tensor whose
+    .dtype the line already reads (`scores.dtype`: the format it ran in, under autocast too), else of
+    the format itself (`dtype`, "float16"), whose limit every wider format holds."""
+    named = _DTYPE_OF.search(code)
+    return f"torch.finfo({named.group(1)}.dtype)" if named else f"torch.finfo(torch.{dtype})"
+
+
+_DTYPE_OF = re.compile(r"([A-Za-z_][\w.]*)\.dtype\b")
 
 
 def _autocasts(record: Record) -> bool:
@@ -1382,13 +1410,27 @@ def completed_form(experiment: Experiment, steps: list[Step]) -> None:
     # a form the chain itself is decides; one completed before gives way to a longer one (its log, later)
     if experiment.stable is not None and len(steps) <= len(experiment.completed or steps):
         return
-    form = stable.form_of([_packet(s.record.op) for s in steps])
-    if form is None or form.prefix or len(form.ops) != len(steps):
+    found = _form_in(steps)
+    if found is None or found[0].prefix or found[1] != len(steps):
         return
+    form, _, picked = found
     reduction = next(s for s in steps if _packet(s.record.op) in _REDUCTIONS)  # its dim is the form's
-    checked = stable.check(form, steps[0].args, reduction.args)
+    checked = stable.check(form, steps[0].args, reduction.args, picked=picked)
     if checked is not None:
         experiment.stable, experiment.completed = checked, [s.record for s in steps]
+
+
+def _form_in(chain: list[Step]) -> tuple[stable.Form, int, tuple[str, ...]] | None:
+    """The stable.py form the chain is or starts with, its ops picked values passed over
+    (`PICKS`): the form, how many of the chain's ops it spans, and the picks among them."""
+    kept = [i for i, s in enumerate(chain) if _packet(s.record.op) not in PICKS]
+    form = stable.form_of([_packet(chain[i].record.op) for i in kept])
+    if form is None:
+        return None
+    end = kept[len(form.ops) - 1] + 1
+    picked = tuple(dict.fromkeys(_packet(s.record.op).removesuffix("_copy") for s in chain[:end]
+                                 if _packet(s.record.op) in PICKS))  # fmt: skip
+    return form, end, picked
 
 
 def _settle_origin(
@@ -1419,13 +1461,18 @@ def _settle_origin(
     except Exception:
         pass
     try:  # a composite torch computes in a stable form (stable.py): that form is the fix
-        form = stable.form_of([_packet(s.record.op) for s in chain])
-        if form is not None:
-            k = len(form.ops)
+        found = _form_in(chain)
+        # a pick inside the form leaves its value a part of the whole the stable form makes: the ops after
+        # it cannot be re-run on that whole, so such a form is checked only where it ends the chain
+        if found is not None and (found[1] == len(chain) or not found[2]):
+            form, k, picked = found
+            reduction = next((s for s in chain[:k] if _packet(s.record.op) in _REDUCTIONS), None)
             experiment.stable = stable.check(
-                form, origin.args, chain[k - 2].args if k > 1 else (),
-                (lambda y: _cured_from(chain, k, y, lookup, symptom)) if k < len(chain) else None,
+                form, origin.args, reduction.args if reduction is not None else (),
+                (lambda y: _cured_from(chain, k, y, lookup, symptom)) if k < len(chain) else None, picked=picked,
             )  # fmt: skip
+            if picked and experiment.stable is not None:
+                experiment.completed = [s.record for s in chain[:k]]
     except Exception:
         pass
     experiment.absmax_before = before

@@ -120,6 +120,7 @@ class Checked:
     scaled: bool
     fp32_fails: bool  # the lines in fp32 are non-finite on the scaled inputs ...
     fp32_fails_here: bool = False  # ... and on the step's own inputs
+    picked: tuple[str, ...] = ()  # the ops that picked values of the composite (a diagonal), as the code takes them
 
 
 def form_of(packets: list[str]) -> Form | None:
@@ -132,12 +133,13 @@ def form_of(packets: list[str]) -> Form | None:
 
 def check(
     form: Form, origin_args: tuple[Any, ...], tail_args: tuple[Any, ...],
-    downstream: Callable[[torch.Tensor], float | None] | None = None,
+    downstream: Callable[[torch.Tensor], float | None] | None = None, *, picked: tuple[str, ...] = (),
 ) -> Checked | None:  # fmt: skip
     """The stable form on the origin's input as it ran, and scaled to its dtype's range; None where it
     is not finite there (no fix to print). `tail_args`: the reduction's arguments (its dim).
     `downstream`: where the form is the chain's start, the chain's later ops re-run on its value as
-    they ran: the failing op's largest |value| then, None where it is not cured."""
+    they ran: the failing op's largest |value| then, None where it is not cured. `picked`: the ops
+    that took some of the composite's values (finite wherever the whole is), said with the fix."""
     x = form.operand(origin_args)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
         return None
@@ -155,4 +157,4 @@ def check(
         holds = bool(torch.isfinite(form.call(scaled, extra)).all())
         fp32_fails = not bool(torch.isfinite(form.composite(scaled.float(), extra)).all())
         here = not bool(torch.isfinite(form.composite(x.float(), extra)).all())
-    return Checked(form, str(x.dtype).removeprefix("torch."), reached, holds, fp32_fails, here)
+    return Checked(form, str(x.dtype).removeprefix("torch."), reached, holds, fp32_fails, here, picked)

@@ -29,7 +29,16 @@ import torch
 
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
 from fpdoctor.numerics.engine import on_loss, stable
-from fpdoctor.numerics.engine.reruns import PRODUCER_LINES, PRODUCERS, Experiment, Step, Window, completed_form, decide
+from fpdoctor.numerics.engine.reruns import (
+    PICKS,
+    PRODUCER_LINES,
+    PRODUCERS,
+    Experiment,
+    Step,
+    Window,
+    completed_form,
+    decide,
+)
 from fpdoctor.numerics.observe import records as _records
 from fpdoctor.numerics.observe.loader import bad_rows, reading
 from fpdoctor.numerics.observe.records import Leaf, Output, Record, Store, kind_of
@@ -962,7 +971,7 @@ class Tracer(EagerDispatchMode):
         exp(x) / exp(x).sum(dim) (a softmax by hand, its exp written once or twice) and its log. The
         form is complete now, and its stable form (torch.logsumexp, torch.softmax, F.log_softmax) is
         checked on what the exp read (reruns.completed_form); a longer form found later replaces it."""
-        chain = [record]
+        chain, pick = [record], None
         made = self._made_by(record) if record.op.startswith("aten.log") else record
         if made is not None and made is not record and self._guard(made):  # log(p + 1e-8): the eps between
             chain.insert(0, made)
@@ -971,6 +980,9 @@ class Tracer(EagerDispatchMode):
             if made is not record:
                 chain.insert(0, made)
             exp = self._made_by(made)
+            # exp(s).diag() / exp(s).sum(1) (InfoNCE): the softmax's values picked, the pick passed over
+            if exp is not None and exp.op.split(".")[1] in PICKS:
+                pick, exp = exp, self._made_by(exp)
             total = self._made_by(made, 1)
             summed = self._made_by(total) if total is not None and total.op.startswith("aten.sum") else None
             if exp is None or total is None or summed is None:
@@ -979,7 +991,7 @@ class Tracer(EagerDispatchMode):
                 return
             if summed is not exp and summed.inputs != exp.inputs:  # x.exp() / x.exp().sum(): the same x
                 return
-            chain[:0] = [summed, total] if exp is summed else [exp, total]
+            chain[:0] = [summed if exp is summed else exp, *([pick] if pick else []), total]
             # the exp the experiment ran at (the first of them to run), or the sum, where the exps stayed
             # finite and their sum overflowed
             keys = [exp.index] if exp is summed else sorted((exp.index, summed.index))
@@ -995,10 +1007,10 @@ class Tracer(EagerDispatchMode):
         experiment = next((self.experiments[k] for k in keys if k in self.experiments), None)
         steps = self._window.by_index()
         ran = [steps.get(r.index) for r in chain]
-        form = stable.form_of([r.op.split(".")[1] for r in chain])
+        form = stable.form_of([p for r in chain if (p := r.op.split(".")[1]) not in PICKS])
         at = chain[0].location
         line = f"{at[0]}:{at[1]}" if at else None
-        if any(s is None for s in ran) or form is None or form.prefix or len(form.ops) != len(chain):
+        if any(s is None for s in ran) or form is None or form.prefix or len(form.ops) != len(chain) - bool(pick):
             return
         try:
             with DisableTorchDispatch():

@@ -26,6 +26,7 @@ import torch
 from fpdoctor import catalog
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS
 from fpdoctor.numerics.engine.raising import below_range
+from fpdoctor.numerics.engine.reruns import finfo_spelled
 from fpdoctor.precision.candidates import compute_dtype
 from fpdoctor.precision.profile import RAISED_FALLS, ModuleRow
 from fpdoctor.report.model import Finding, Trial
@@ -112,6 +113,7 @@ def _origin(
     inside = f"`{module}`'s forward" if module else "the model's own forward"
     biggest = found.get("input_absmax") or 0.0
     line = line_of(location)
+    finfo = finfo_spelled(code, str(dtype).removeprefix("torch."))  # torch.finfo(scores.dtype), as the line can say it
     evidence: dict[str, Any] = {"candidate": label, "op": op, "location": location, "input_absmax": biggest,
                                 "format_max": limit, "nonfinite": nonfinite}  # fmt: skip
     constant = found.get("constant")
@@ -129,7 +131,7 @@ def _origin(
             "in a softmax."
         )
         fix = (
-            f"write the limit of the tensor's dtype, not a wider one's: torch.finfo(x.dtype).min ({-limit:.6g} in "
+            f"write the limit of the tensor's dtype, not a wider one's: {finfo}.min ({-limit:.6g} in "
             f"{candidate}) for a mask value{at}, or a constant {candidate} holds; checked: the output is finite again, "
             f"its error {after:.3g}"
         )
@@ -149,7 +151,7 @@ def _origin(
         )
         evidence["sentinel"] = literal
         fix = (
-            f"write the limit of the dtype you cast to, not float32's: torch.finfo(x.dtype).min ({-limit:.6g} in "
+            f"write the limit of the dtype you cast to, not float32's: {finfo}.min ({-limit:.6g} in "
             f"{candidate}) for a mask fill{at}, or clamp the values to +-{limit:.6g} before the cast"
         )
         changed = f"the cast{at} holding {candidate}'s largest finite value (+-{limit:.6g}) instead of Inf"
@@ -175,7 +177,7 @@ def _origin(
         held = check("cast", line, more) if zeros and line is not None else None
         if held is not None and math.isfinite(held):  # the constant at the format's smallest normal: checked too
             alternative = (
-                f"; or keep {candidate} and write a constant it holds there (torch.finfo(x.dtype).tiny, "
+                f"; or keep {candidate} and write a constant it holds there ({finfo}.tiny, "
                 f"{torch.finfo(dtype).tiny:.3g} in {candidate}, or clamp(min=1) for a count; checked with tiny: the "
                 f"output is finite again, its error {held:.3g})"
             )
