@@ -1222,3 +1222,37 @@ def test_a_step_decided_on_the_device_skips_a_nan_loss_only_where_its_gradients_
     assert all(torch.equal(plain[k], watched[k]) for k in plain)
     assert watch is not None and watch.report.data["skipped_steps"] == 0
     assert watch.report.by_name("nonfinite-loss")
+
+
+@pytest.mark.parametrize("guard", ["every loss skipped", "eval forwards", "trains"])
+def test_a_loop_whose_guard_skips_every_loss_is_never_ok_and_keeps_a_bounded_number_of_forwards(guard):
+    """`if not torch.isfinite(loss): continue` on a loss that overflows fp16 every time: 300 training
+    forwards, no backward, no step. The watch judged nothing; its report says so (TRN020) instead of OK,
+    and keeps at most CALLS_KEPT of the forwards no step took. Forwards in eval mode (a validation loop
+    with gradients on) and a loop that trains are not it."""
+    from torch import nn
+
+    import fpdoctor
+    from fpdoctor.integrations import script
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model.train(guard != "eval forwards")
+    with fpdoctor.watch() as w:
+        for _ in range(300 if guard != "trains" else 30):
+            x, y = torch.randn(32, 4), 1000 + 100 * torch.randn(32, 1)
+            loss = ((model(x).half() - y.half()) ** 2).mean()  # (1000)^2 is past fp16's 65504
+            if guard == "trains":
+                loss = loss.float() / 1e6
+            elif not torch.isfinite(loss):
+                continue
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert len(w._calls) <= script.CALLS_KEPT
+    names = [f.name for f in w.report.findings]
+    if guard == "every loss skipped":
+        assert names == ["training-never-stepped"] and w.report.findings[0].evidence["training_forwards"] == 300
+    else:
+        assert "training-never-stepped" not in names, names

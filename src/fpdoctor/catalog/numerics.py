@@ -682,4 +682,19 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         fix="Return the output in fp32 (its last layer outside autocast on its input .float(), or kept in fp32 in "
         "a model cast to bf16), or predict the offset from a constant and add it back in fp32.",
     ),
+    RuleInfo(
+        code="TRN020",
+        name="training-never-stepped",
+        severity=E,
+        title="Training forwards ran, and no backward and no optimizer step followed them",
+        what="`fpdoctor watch` counts the forwards of a model in training mode with trainable parameters and "
+        "gradients enabled, and those a backward reached. Where 20 or more ran and no backward reached any, "
+        "and no optimizer stepped, the script trained nothing and nothing was judged: the report says so instead "
+        "of OK.",
+        why="A loop that skips the step when its loss is not finite (`if not torch.isfinite(loss): continue`) "
+        "runs every forward and never learns when every loss is: no NaN reaches a gradient, no step is skipped "
+        "by a scaler, and a watch that judges steps sees none to judge.",
+        fix="Find why the loss is skipped: `fpdoctor trace` follows the loss op by op and names the op that makes "
+        "it non-finite, with its fix checked.",
+    ),
 )

@@ -53,6 +53,7 @@ from torch import nn
 from torch.optim import optimizer as optimizer_mod
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from fpdoctor import catalog
 from fpdoctor.integrations import _watch as framework
 from fpdoctor.integrations import hf_switch
 from fpdoctor.integrations._outputs import KeptGradients, backward_from
@@ -78,7 +79,7 @@ from fpdoctor.numerics.training.judge import StepFacts, StepJudge, StepOutcome
 from fpdoctor.numerics.training.live import Live, StopRun, in_progress
 from fpdoctor.numerics.updates.measure import UpdateProbe, UpdateStats
 from fpdoctor.preserve import RngState
-from fpdoctor.report.model import Finding, Report, Severity
+from fpdoctor.report.model import Finding, Report, Severity, Trial
 from fpdoctor.torchprivate import global_optimizer_hooks, pytree
 
 _DEVICE_TYPES = ("cpu", "cuda")
@@ -104,6 +105,9 @@ class _PerThread(threading.local):
 
     call: _Call | None = None
 
+
+CALLS_KEPT = 256  # training forwards kept for a step's replay where no step takes them (micro-batches of one step)
+NEVER_STEPPED = 20  # training forwards with no backward after any: TRN020
 
 # the summary lines a judge counts for its own optimizer
 _PER_OPTIMIZER = ("steps", "non-finite steps", "skipped optimizer steps", "last good step")
@@ -257,6 +261,8 @@ class ScriptWatch:
         self._told: dict[str, int] = {}  # bad-step lines said, by verdict
         self._before: set[int] = set()
         self._event = 0  # optimizer steps (of any optimizer) seen so far: when each forward's backward ran
+        self._forwards = 0  # training forwards seen (training mode, trainable, gradients on) ...
+        self._reached = 0  # ... and those a backward reached: none of many is a script that never trains
 
     # -- entering and leaving --------------------------------------------------------------------
     def __enter__(self) -> ScriptWatch:
@@ -374,7 +380,10 @@ class ScriptWatch:
             call.versions = [(t, t._version) for t in _tensors(args, kwargs)]
             call.kept.watch(output)
             if call.kept.outputs:
+                self._forwards += module.training
                 self._calls.append(call)
+                if len(self._calls) > CALLS_KEPT:  # forwards no step took (a loop that skips them): the latest
+                    del self._calls[0]
         except Exception as exc:
             self._error("noting a forward's outputs", exc)
 
@@ -408,6 +417,7 @@ class ScriptWatch:
             result = original(tensors, *args, **kwargs)
             for call, fills in waiting:  # the forwards this backward reached: this loss is theirs
                 if call.kept.fills != fills:
+                    self._reached += call.kept.loss is None and call.module.training
                     call.kept.loss = loss
             if self._traced.running and not self._traced.until_step:
                 self._finish_trace()
@@ -876,6 +886,8 @@ class ScriptWatch:
             report.findings.extend(callback.findings)
             counts = {"steps": callback.steps, "skipped_steps": callback.skipped}
             report.data.setdefault("callbacks", []).append(counts)
+        if not runs and not report.findings and self._forwards >= NEVER_STEPPED and not self._reached:
+            report.findings.append(_never_stepped(self._forwards))
         if self.unwatched:
             report.data.setdefault("not_checked", {}).update(self.unwatched)
         if self._traced.said is not None:  # the step traced after a bad one: which, and what it found
@@ -883,6 +895,28 @@ class ScriptWatch:
         if self._pending:  # skipped or applied on the device, decided at the next training forward
             report.data["undecided_steps"] = [p.step for p in self._pending]
         return report
+
+
+def _never_stepped(forwards: int) -> Finding:
+    """TRN020: training forwards and not one backward or optimizer step after them."""
+    return catalog.make(
+        "training-never-stepped",
+        message=(
+            f"The script ran {forwards} training forwards (the model in training mode, gradients on) and no backward "
+            "reached any of them, and no optimizer stepped: nothing trained and no step was judged. A loop that "
+            "skips a batch whose loss is not finite (`if not torch.isfinite(loss): continue`) does this when every "
+            "loss is; the loss is computed after the model, where the watch, which judges steps, sees none."
+        ),
+        fix=(
+            "Run `fpdoctor trace -- <your script>`: it follows the loss op by op and names the op that makes it "
+            "non-finite, with its fix checked there"
+        ),
+        where={"module": None, "op": None, "phase": "forward"},
+        evidence={"training_forwards": forwards, "reached_by_a_backward": 0, "optimizer_steps": 0},
+        trial=Trial.untried(
+            "no backward ran: the watch holds no loss to re-run, and `trace` follows the loss op by op"
+        ),
+    )
 
 
 def watch(
