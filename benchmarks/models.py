@@ -144,9 +144,10 @@ RUN_STEPS = 10_000  # the run the sampled work is spread over
 
 @dataclass
 class Sampled:
-    """CPU seconds of the judge's sampled work, each time it ran: the reference step (steps 1, 501,
-    ...: `reference.EVERY`) and the progress experiment (per flat window of `progress.WINDOW` finite
-    steps, the window doubling after each: at most one per doubling of the run)."""
+    """CPU seconds of the judge's sampled work, each time it ran: the reference step (steps 1, 10,
+    100, 501, ...: `reference.EVERY`, `reference.EARLY`, and at each flat window) and the progress
+    experiment (per flat window of `progress.WINDOW` finite steps, the window doubling after each: at
+    most one per doubling of the run)."""
 
     reference: list[float]
     experiment: list[float]
@@ -162,7 +163,8 @@ class Sampled:
             at += progress.WINDOW * 2**experiments
         ref = statistics.median(self.reference) if self.reference else 0.0
         exp = statistics.median(self.experiment) if self.experiment else 0.0
-        return ref / reference.EVERY + exp * experiments / steps
+        # the reference step: every EVERY-th, at the EARLY steps, and once more at each flat window
+        return ref * (1 / reference.EVERY + (len(reference.EARLY) + experiments) / steps) + exp * experiments / steps
 
     def line(self, step_s: float) -> str:
         ref = statistics.median(self.reference) if self.reference else math.nan

@@ -1073,9 +1073,66 @@ def test_a_clip_of_gradients_still_scaled_is_found_at_the_optimizer_stage_and_un
     (first,) = found
     assert first["evidence"]["stage"] == "optimizer" and first["evidence"]["departed_count"] == 4, first["evidence"]
     assert all(d["norm_ratio"] < 1e-3 for d in first["evidence"]["departed"])
-    assert "scaler.unscale_(optimizer)" in first["fix"] and "before clip_grad_norm_" in first["fix"]
+    assert first["fix"].startswith(
+        "Unscale before you process the gradients: insert scaler.unscale_(opt) before line 18"
+    )
     trial = first["fix_trial"]
     assert trial["status"] == "checked" and trial["before"] == 4 and trial["after"] == 0, trial
+
+
+CLIP_AFTER_WARMUP = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+centers = torch.randn(10, 32) * 1.5
+y = torch.randint(0, 10, (1024,))
+x = centers[y] + torch.randn(1024, 32)
+model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(24):
+    idx = torch.randint(0, 1024, (128,))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    if step >= 4:  # clipping after a warm-up
+        {clip}
+    scaler.step(opt)
+    scaler.update()
+"""
+
+
+@pytest.mark.parametrize(
+    "clip",
+    [
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
+        "torch.nn.utils.clip_grad_value_(model.parameters(), 0.5)",
+    ],
+)
+def test_a_clip_of_scaled_gradients_that_starts_after_a_warm_up_is_an_error_whose_insertion_works_as_printed(
+    tmp_path, clip
+):
+    """The clip starts at step 5, after the first reference step: the reference step at step 10 finds
+    the optimizer's gradients ~1e-4 of the reference's (a clip of their norm, or of each value, read at
+    scale 65536), an error naming the clip's line; the call inserted where the fix says makes it OK."""
+    script = _write(tmp_path, "train.py", CLIP_AFTER_WARMUP.format(clip=clip))
+    watched = _watch(tmp_path, "python", str(script))
+    assert watched.returncode == 0, watched.stderr
+    report = _report(tmp_path)
+    first = report["findings"][0]
+    assert first["name"] == "gradients-depart-from-reference" and first["severity"] == "error", first["title"]
+    assert first["evidence"]["step"] == 10 and first["evidence"]["stage"] == "optimizer"
+    assert f"line 19 (`{clip}`)" in first["message"], first["message"]
+    said = "Unscale before you process the gradients: insert scaler.unscale_(opt) before line 19 of train.py"
+    assert first["fix"].startswith(said), first["fix"]
+    assert first["fix_trial"]["status"] == "checked" and first["fix_trial"]["after"] == 0, first["fix_trial"]
+    lines = script.read_text().splitlines()  # the call inserted as printed: before line 19, its indentation
+    indent = lines[18][: len(lines[18]) - len(lines[18].lstrip())]
+    script.write_text("\n".join([*lines[:18], f"{indent}scaler.unscale_(opt)", *lines[18:]]) + "\n")
+    watched = _watch(tmp_path, "python", str(script))
+    assert watched.returncode == 0 and _report(tmp_path)["verdict"] == "ok", _report(tmp_path)["findings"]
 
 
 NORM_IN_FP16 = """

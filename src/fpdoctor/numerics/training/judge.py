@@ -261,6 +261,9 @@ class StepJudge:
         self._outputs_named = False
         self._reference_at: int | None = None  # the next reference step, once the least period is over
         self._reference_cost = 0.0
+        # a flat window asks for a reference step at once: what the code does to the gradients may have
+        # changed since the last one (a clip that starts after a warm-up), and a flat loss is when to look
+        self._reference_asked = False
         self._clock: float | None = None
         self._spent = 0.0  # seconds of reference work since the last judged step
         self._step_times: deque[float] = deque(maxlen=64)
@@ -974,6 +977,7 @@ class StepJudge:
         flat = progress.flat([s for s, _ in window], [v for _, v in window])
         if flat is None or any(x.name == "training-not-progressing" for x in self.findings):
             return
+        self._reference_asked = True
         why = self._why_no_copies(f)
         if why is None and self.is_compiled:
             why = "a compiled model: its copies would compile new graphs"
@@ -1021,6 +1025,8 @@ class StepJudge:
             )
         if self.reference_off is not None:
             return False
+        if self._reference_asked or (self.reference_every == reference.EVERY and step in reference.EARLY):
+            return True
         if self._reference_last is None:
             return reference.due(step, self.reference_every)
         if step < self._reference_last + self.reference_every:  # the least period: nothing measured per step
@@ -1051,7 +1057,7 @@ class StepJudge:
     def reference(self, step: int, **kwargs: Any) -> None:
         """`_reference_step`, timed: its cost paces the next one (`reference_due`)."""
         started = time.perf_counter()
-        self._reference_last, self._reference_at = step, None
+        self._reference_last, self._reference_at, self._reference_asked = step, None, False
         try:
             self._reference_step(step, **kwargs)
         finally:

@@ -28,8 +28,11 @@ default period, after as many steps as keep its measured cost under SHARE of the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import itertools
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,12 +44,17 @@ from torch.overrides import TorchFunctionMode
 from fpdoctor import catalog
 from fpdoctor.numerics.observe import amp
 from fpdoctor.numerics.observe.batches import MicroBatch
+from fpdoctor.numerics.training import between
 from fpdoctor.numerics.training.control import _autocast_off, _inputs_in_fp32
 from fpdoctor.preserve import preserved
 from fpdoctor.report.model import Finding, Severity, Trial
 from fpdoctor.torchprivate import named_parameters, pytree, reparametrized, scaler_states
 
 EVERY = 500  # the least period: steps 1, 501, 1001, ... where its cost is under SHARE of theirs
+# and, with that default, steps 10 and 100: a recipe changes early (a clip that starts after a warm-up, a
+# layer unfrozen), and a short run would otherwise be compared at its first step alone (4-6 steps' time
+# each, twice in a run: 0.1% of 10,000 steps)
+EARLY = (10, 100)
 SHARE = 0.005  # of the steps' time: the default period stretches until a reference step costs no more
 RATIO = 2.0  # a gradient's norm more than twice or under half the reference's departs
 COSINE = 0.9  # or its direction: bf16 autocast keeps a gradient's cosine with fp32's above 0.99
@@ -58,6 +66,7 @@ SHOWN = 8  # departed parameters the evidence lists, worst first
 # Processing that scales every gradient by a factor f with f * loss scale at most this read their size
 # while still scaled: a clip of the unscaled gradients shrinking them 2^10 times is not a recipe
 SCALED_SHRINK = 1024.0
+STALLED = 64.0  # every gradient the optimizer took this many times smaller than the reference's: an error
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,8 @@ class Comparison:
     # that what-if computed, not run (watch: no step_fn holds the processing): the uniform factor the
     # processing put on every gradient, taken as a clip of their norm at loss scale 1
     scale_one_modelled: bool = False
+    # the clip it was taken for: "norm" (one factor on every gradient) or "value" (each value held at one bound)
+    modelled_clip: str = "norm"
     # watch: the code between the backward and the step left the optimizer no gradient (every one
     # multiplied by 0) where the backward made them: a clip whose norm overflowed (max_norm / inf)
     zeroed_between: bool = False
@@ -132,7 +143,7 @@ def check_every(every: Any) -> int:
 
 
 def due(step: int, every: int = EVERY) -> bool:
-    return every > 0 and (step - 1) % every == 0
+    return every > 0 and ((step - 1) % every == 0 or (every == EVERY and step in EARLY))
 
 
 def paced(every: int, cost: float, step_time: float) -> int:
@@ -410,7 +421,11 @@ def processed_scaled(comparison: Comparison, taken: dict[str, torch.Tensor]) -> 
         comparison.rows["optimizer"] = _rows("optimizer", {n: taken[n] for n in names}, ref, 1.0)
         comparison.zeroed_between = True
         return
-    if len(factors) < 2 or scale <= 1.0:
+    if scale <= 1.0:
+        return
+    if _value_clip(comparison, {n: taken[n] for n in names}, back, ref, scale):
+        return
+    if len(factors) < 2:
         return
     mid = sorted(factors)[len(factors) // 2]
     if not 0 < mid * scale <= SCALED_SHRINK or any(abs(f - mid) > 0.05 * mid for f in factors):
@@ -428,11 +443,52 @@ def processed_scaled(comparison: Comparison, taken: dict[str, torch.Tensor]) -> 
     comparison.scale_one_modelled = True
 
 
+def _value_clip(
+    comparison: Comparison, taken: dict[str, torch.Tensor], back: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
+    scale: float,
+) -> bool:  # fmt: skip
+    """A clip of each value (clip_grad_value_) that read the gradients while scaled: every value the
+    optimizer took is within one bound, the bound times the scale is a threshold of the code's
+    (at most SCALED_SHRINK times the backward's largest value), a tenth of the values sit on it,
+    and the optimizer stage departs. The fix is checked as that clip of the backward's gradients at
+    loss scale 1. False where it is not such a clip."""
+    with torch.no_grad():
+        bound = max(float(t.abs().max()) for t in taken.values())
+        biggest = max(float(b.abs().max()) for b in back.values())
+        if not 0 < bound * scale <= SCALED_SHRINK * biggest or bound >= biggest:
+            return False
+        on = sum(int((t.abs() >= bound * (1 - 1e-3)).sum()) for t in taken.values())
+        if on < 0.1 * sum(t.numel() for t in taken.values()):
+            return False
+        rows = _rows("optimizer", taken, ref, 1.0)
+        if not any(d.departs() for d in rows):
+            return False
+        threshold = bound * scale
+        fixed = {n: back[n].clamp(-threshold, threshold) for n in taken}
+    comparison.rows["optimizer"] = rows
+    comparison.at_scale_one = [d for d in _rows("optimizer", fixed, ref, 1.0) if d.departs()]
+    comparison.scale_one_modelled, comparison.modelled_clip = True, "value"
+    return True
+
+
 def unscaled_already(scaler: Any, optimizer: Any) -> bool:
     """step_fn called `scaler.unscale_(optimizer)`: the optimizer's gradients are unscaled."""
     states = scaler_states(scaler) if amp.enabled(scaler) else None
     stage = (states or {}).get(id(optimizer), {}).get("stage")
     return getattr(stage, "name", None) == "UNSCALED"
+
+
+def _between() -> between.Between | None:
+    """The user's lines between the backward and the step in progress that process the gradients and
+    do not unscale them; None where there are none or the source cannot be read (never raised)."""
+    try:
+        seen = between.read()
+    except Exception:
+        return None
+    if seen is None:
+        return None
+    before = tuple(itertools.takewhile(lambda line: "unscale_" not in line[1], seen.lines))
+    return dataclasses.replace(seen, lines=before) if before else None
 
 
 def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Finding | None:
@@ -456,6 +512,13 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
         f"factor {RATIO:g} of the reference's norm and its cosine above {COSINE:g}."
     )
     flushed = [d for d in departed if d.zeros >= 0.5]
+    stalled = len(departed) == compared and all(0 < d.ratio <= 1 / STALLED for d in departed)
+    if stalled:
+        message += (
+            f" Every gradient the optimizer took is {1 / max(d.ratio for d in departed):.3g}x or more smaller than "
+            "the reference's: an optimizer that follows the gradient's size (SGD) steps that much less, and one that "
+            "divides by it (Adam) steps less once the gradients near its eps."
+        )
     trial: Trial
     if stage == "optimizer" and comparison.at_scale_one is not None:
         left = comparison.at_scale_one
@@ -467,9 +530,24 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
             "Unscale before you process the gradients: call scaler.unscale_(optimizer) after the backward and "
             "before clip_grad_norm_ (or anything that reads their size)"
         )
+        seen = _between()
+        if seen is not None:  # the code's own lines and names: where the call goes
+            message += (
+                f" Between the backward (line {seen.backward}) and the optimizer's step (line {seen.step}) of "
+                f"{os.path.basename(seen.path)} your code runs {seen.listed()}."
+            )
+            first, text = seen.lines[0]
+            fix = (
+                f"Unscale before you process the gradients: insert {seen.scaler or 'scaler'}.unscale_("
+                f"{seen.optimizer or 'optimizer'}) before line {first} of {os.path.basename(seen.path)} (`{text}`), "
+                f"after the backward at line {seen.backward}"
+            )
         changed = (
             "the step's backward gradients put through the same clip of their norm at loss scale 1 (every "
             "parameter was scaled by one factor: a clip of the total norm, computed, not run)"
+            if comparison.scale_one_modelled and comparison.modelled_clip == "norm"
+            else "the step's backward gradients put through the same clip of each value at loss scale 1 (every value "
+            "the optimizer took was held within one bound: a clip of each value, computed, not run)"
             if comparison.scale_one_modelled
             else "the same step at loss scale 1 (what unscaling first gives the processing)"
         )
@@ -517,8 +595,8 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
         "gradients-depart-from-reference",
         message=message,
         fix=fix,
-        # every gradient zeroed: the weights do not move at all, a run to stop, not one to watch
-        severity=Severity.ERROR if stage == "optimizer" and comparison.zeroed_between else None,
+        # every gradient zeroed or shrunk STALLED-fold: the weights barely move, a run to stop, not one to watch
+        severity=Severity.ERROR if stage == "optimizer" and (comparison.zeroed_between or stalled) else None,
         where={"module": None, "op": None, "phase": stage, "step": comparison.step, **here},
         evidence={
             "stage": stage,

@@ -1,0 +1,120 @@
+"""What the code does to the gradients between a step's backward and its optimizer step, read from
+its source.
+
+A reference step that finds the gradients the optimizer took departing from those the backward
+made has a suspect: the code that ran between. At that moment the optimizer's step is in progress,
+so the first frame of the user's code on the stack is the line that called it (`scaler.step(opt)`).
+In the function holding that line, the statements after the last `.backward(` before it that call a
+function (a clip) or write a `.grad` are the processing, named with their lines; the step call names
+the scaler and the optimizer as the code does. Read once, where such a finding is made.
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import sys
+from dataclasses import dataclass
+
+from fpdoctor.userframes import user_location
+
+
+@dataclass(frozen=True)
+class Between:
+    """The lines between the backward and the optimizer's step in one function of the user's file."""
+
+    path: str
+    backward: int  # the line of the last `.backward(` before the step
+    step: int  # the line that called the optimizer's step
+    lines: tuple[tuple[int, str], ...]  # (line, its source) of each statement between that processes gradients
+    scaler: str | None  # as the step call names them: `scaler.step(opt)` -> "scaler", "opt"
+    optimizer: str | None
+
+    def listed(self) -> str:
+        """'line 41 (`clip_grad_norm_(...)`)' for each line between, joined."""
+        return "; ".join(f"line {n} (`{text}`)" for n, text in self.lines)
+
+
+def read() -> Between | None:
+    """The statements between, for the optimizer step in progress (None: no user frame, its source
+    unreadable, no backward before it in the same function)."""
+    found = user_location(sys._getframe(1))
+    if found is None:
+        return None
+    path, line, _ = found
+    try:
+        tree = ast.parse("".join(linecache.getlines(path)))
+    except (SyntaxError, ValueError):
+        return None
+    scope = _scope(tree, line)
+    statements = [s for s in _statements(scope) if (s.end_lineno or s.lineno) <= line]
+    backwards = [s.lineno for s in statements if _calls(s, "backward")]
+    if not backwards:
+        return None
+    first = max(backwards)
+    lines = tuple(
+        (s.lineno, ast.unparse(s).splitlines()[0])
+        for s in statements
+        if first < s.lineno < line and _processes(s)
+    )  # fmt: skip
+    scaler, optimizer = _step_names(statements, line)
+    return Between(path, first, line, lines, scaler, optimizer)
+
+
+def _scope(tree: ast.Module, line: int) -> ast.AST:
+    """The innermost function whose lines hold `line`, else the module."""
+    holding = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.lineno <= line <= (node.end_lineno or 0)
+    ]
+    return max(holding, key=lambda node: node.lineno, default=tree)
+
+
+def _statements(scope: ast.AST) -> list[ast.stmt]:
+    """The simple statements of `scope`, in loops and branches too, not in functions defined inside it."""
+    out: list[ast.stmt] = []
+    todo = list(getattr(scope, "body", []))
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        blocks = [getattr(node, k, []) for k in ("body", "orelse", "finalbody", "handlers")]
+        if any(blocks):
+            todo[:0] = [n for block in blocks for n in block]
+        else:
+            out.append(node)
+    return sorted(out, key=lambda s: s.lineno)
+
+
+def _calls(node: ast.AST, attr: str) -> bool:
+    return any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attr for n in ast.walk(node)
+    )
+
+
+def _processes(node: ast.stmt) -> bool:
+    """A statement that may change the gradients: a call whose name says clip or unscale, or one that
+    reads or writes a `.grad`."""
+    for n in ast.walk(node):
+        if isinstance(n, ast.Attribute) and n.attr == "grad":
+            return True
+        if isinstance(n, ast.Call):
+            name = n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+            if "clip" in name or "unscale" in name or "grad" in name:
+                return True
+    return False
+
+
+def _step_names(statements: list[ast.stmt], line: int) -> tuple[str | None, str | None]:
+    """`scaler.step(opt)` -> ("scaler", "opt"); `opt.step()` -> (None, "opt"); at the step's line."""
+    for s in statements:
+        if not s.lineno <= line <= (s.end_lineno or s.lineno):
+            continue
+        for n in ast.walk(s):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "step":
+                owner = ast.unparse(n.func.value)
+                if n.args:
+                    return owner, ast.unparse(n.args[0])
+                return None, owner
+    return None, None
