@@ -65,9 +65,48 @@ def test_an_eps_the_format_holds_as_zero_is_named_and_both_fixes_are_checked(mod
     result = fpdoctor.compare(plain, x, candidate="fp16")
     first = result.report.findings[0]
     assert first.name == "nonfinite-produced" and first.trial is not None and first.trial.tried, str(result.report)
-    assert f"its constant {constant} is 0 in fp16" in first.fix
-    assert "every op on" in first.fix and "checked with tiny: the output is finite again" in first.fix
+    # the literal leads: named, its value in fp16, the replacement checked; the line in fp32 beside it, checked too
+    assert first.fix.startswith(f"replace the constant {constant} at "), first.fix
+    assert "(it is 0 in fp16) with torch.finfo(" in first.fix and "checked: the output is finite again" in first.fix
+    assert f"its constant {constant} is 0 in fp16" in first.fix and "every op on" in first.fix
+    assert "(checked too: the output is finite" in first.fix
+    assert first.trial.changed.startswith(f"the constant {constant} at ")
 
     fixed = model(tiny=True).eval()
+    fixed.load_state_dict(plain.state_dict())
+    assert fpdoctor.compare(fixed, x, candidate="fp16").report.verdict == "ok"
+
+
+class Normalised(nn.Module):
+    """Rows divided by their norm (or standard deviation) plus an eps fp16 holds as 0; empty rows (a
+    document with no word left, a silent frame) are 0 / 0 there. `eps`: the constant as written."""
+
+    def __init__(self, by: str = "norm", eps: float = 1e-8) -> None:
+        super().__init__()
+        self.by, self.eps = by, eps
+        self.head = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size = x.norm(dim=-1, keepdim=True) if self.by == "norm" else x.std(-1, keepdim=True)
+        return self.head((x - (0 if self.by == "norm" else x.mean(-1, keepdim=True))) / (size + self.eps))
+
+
+@pytest.mark.parametrize(("by", "eps"), [("norm", 1e-8), ("std", 2e-8)])
+def test_a_division_by_a_size_plus_an_eps_fp16_holds_as_zero_is_the_constant_not_an_overflow(by, eps) -> None:
+    """0 / (0 + 1e-8) in fp16 is NaN: no value passes fp16's range, so the finding is the op that made
+    NaN from finite inputs (NUM001), not a divergence that "overflows"; its fix is the constant replaced
+    by a value fp16 holds, checked, and the model written with it as printed compares OK."""
+    torch.manual_seed(0)
+    x = torch.poisson(torch.full((64, 64), 0.3))
+    x[::7] = 0.0  # empty rows
+    plain = Normalised(by, eps).eval()
+    result = fpdoctor.compare(plain, x, candidate="fp16")
+    first = result.report.findings[0]
+    assert first.name == "nonfinite-produced", [(f.name, f.message) for f in result.report.findings]
+    assert "overflows" not in first.message and "beyond fp16's max" not in first.message
+    assert first.fix.startswith(f"replace the constant {eps:g}") or first.fix.startswith("replace the constant 1e-")
+    assert "with torch.finfo(torch.float16).tiny (6.1e-05" in first.fix, first.fix
+    assert first.trial is not None and first.trial.tried and first.trial.after < 0.01
+    fixed = Normalised(by, torch.finfo(torch.float16).tiny).eval()  # the constant as the fix prints it
     fixed.load_state_dict(plain.state_dict())
     assert fpdoctor.compare(fixed, x, candidate="fp16").report.verdict == "ok"

@@ -1442,7 +1442,8 @@ class _Comparison:
             for fp8_row in self.fp8_rows:
                 fp8_row["module"] = f"{prefix}.{fp8_row['module']}"
         # an output turned non-finite: the op that made it (NUM001), unless a divergence finding names it
-        mine = nonfinite.handled(rows, overflows)
+        limit = fmt.max if fmt is not None else torch.finfo(self.cand_dtype).max
+        mine = nonfinite.handled(rows, overflows, limit)
         # the op a divergence finding names (profile.causes: a divergent module's first call): its fix,
         # checked; a few forwards each, so for the first CHECKED_OVERFLOWS such modules
         divergent: dict[str, tuple[str, int]] = {}

@@ -46,14 +46,28 @@ def is_cast(op: str) -> bool:
     return op.startswith("aten._to_copy")
 
 
-def handled(rows: list[ModuleRow], overflows: dict[tuple[str, int], dict[str, Any]]) -> set[tuple[str, int]]:
-    """The origins this module names (NUM001) rather than a divergence finding: every cast, and every
-    op of a call that does not diverge by itself or is the model's own forward; none while the
-    model's output is finite."""
+def handled(
+    rows: list[ModuleRow], overflows: dict[tuple[str, int], dict[str, Any]], limit: float
+) -> set[tuple[str, int]]:
+    """The origins this module names (NUM001) rather than a divergence finding: every cast, every op
+    that made NaN/Inf within the format's range (`limit`: its fp32 result fits, or a constant on its
+    line is 0 in the format: 0/0, not an overflow), and every op of a call that does not diverge by
+    itself or is the model's own forward; none while the model's output is finite."""
     if not rows or not math.isinf(rows[-1].propagated):
         return set()
     diverged = {(r.module, r.call) for r in rows if r.diverged and r.module}
-    return {key for key, found in overflows.items() if is_cast(found["op"]) or key not in diverged}
+    return {
+        key
+        for key, found in overflows.items()
+        if is_cast(found["op"]) or _in_range(found, limit) or key not in diverged
+    }
+
+
+def _in_range(found: dict[str, Any], limit: float) -> bool:
+    """The op's NaN/Inf is not its values passing the format's range: a constant on its line rounds to 0
+    in the format, or its reference result is finite and within the range."""
+    biggest = found.get("reference_absmax")
+    return bool(found.get("tiny")) or (biggest is not None and math.isfinite(biggest) and biggest < limit)
 
 
 def findings(
@@ -166,7 +180,9 @@ def _origin(
         span = f", {lines} of {line[0]}" if line is not None else ""
         # the check ran every op of those lines in fp32: a constant the format holds as 0 (clamp(min=1e-9))
         # on them counts then, so the fix is the lines, not the op's operands alone
-        zeros = list(dict.fromkeys([*rounds_to_zero(code, dtype), *(f"{c:g}" for c in found.get("tiny") or [])]))
+        written = rounds_to_zero(code, dtype)  # as the line spells them; the recorded ones where it spells none
+        spelled = {float(w) for w in written}
+        zeros = [*written, *dict.fromkeys(f"{c:g}" for c in found.get("tiny") or [] if float(c) not in spelled)]
         zero = f" (its constant {', '.join(zeros)} is 0 in {candidate}: in fp32 it is not)" if zeros else ""
         fix = (
             f"compute {op}{at} in fp32{span}, every op on {'them' if more else 'it'}{zero}: .float() on the tensors "
@@ -175,13 +191,22 @@ def _origin(
             "of the model reads it (.to(p.dtype), p a parameter of the model)"
         )
         held = check("cast", line, more) if zeros and line is not None else None
-        if held is not None and math.isfinite(held):  # the constant at the format's smallest normal: checked too
-            alternative = (
-                f"; or keep {candidate} and write a constant it holds there ({finfo}.tiny, "
-                f"{torch.finfo(dtype).tiny:.3g} in {candidate}, or clamp(min=1) for a count; checked with tiny: the "
-                f"output is finite again, its error {held:.3g})"
-            )
         changed = f"the ops at {lines} computed in fp32, what they produce cast back to {candidate}"
+        if held is not None and math.isfinite(held):  # the constant at the format's smallest normal: checked
+            # the user's literal is the culprit: the fix names it and a value the format holds, the line in
+            # fp32 beside it (both checked)
+            tiny = torch.finfo(dtype).tiny
+            wider = f"; or {fix}" + (
+                f" (checked too: the output is finite, its error {after:.3g})"
+                if after is not None and math.isfinite(after)
+                else ""
+            )
+            fix = (
+                f"replace the constant {', '.join(zeros)}{at} (it is 0 in {candidate}) with {finfo}.tiny ({tiny:.3g}, "
+                f"the smallest normal value {candidate} holds), or clamp(min=1) for a count"
+            )
+            alternative, after = wider, held
+            changed = f"the constant {', '.join(zeros)}{at} held at {candidate}'s smallest normal value ({tiny:.3g})"
     metric = "end-to-end relative error against fp64"
     if after is not None and math.isfinite(after):
         trial = Trial.checked(changed, metric=metric, before="non-finite", after=after, on=on)
