@@ -11,6 +11,7 @@ code to apply it without fpdoctor and without a dispatch mode.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import linecache
 import sys
 from dataclasses import dataclass
@@ -57,6 +58,14 @@ class Fp32Ops(TorchDispatchMode):
         self.stack: list[tuple[str, int]] = []  # (module, ops dispatched in its call so far)
         self.marked = Provenance()
         self.ends: dict[str, str | None] = {}  # fix module -> file:line where its region ended
+        # fix module -> the dtype its op read: the region's result goes back to it, as the edit's
+        # `.to(q.dtype)` does (a module of the same class kept in fp32 reads fp32 there, not back_to)
+        self.read: dict[str, torch.dtype] = {}
+
+    def back(self, t: torch.Tensor) -> torch.dtype:
+        """The dtype `t` leaves a fixed module in: its region's read dtype where the region made it."""
+        owner = self.marked.get(t)
+        return t.dtype if owner is None else self.read.get(owner, self.back_to)
 
     def enter(self, name: str) -> None:
         self.stack.append((name, 0))
@@ -76,6 +85,9 @@ class Fp32Ops(TorchDispatchMode):
         owner = started.module if started is not None else next((r for r in region if r is not None), None)
         if owner is None:
             return func(*args, **kwargs)
+        if started is not None:
+            first = next((t for t in tensors_in((args, kwargs)) if t.is_floating_point()), None)
+            self.read[owner] = first.dtype if first is not None else self.back_to
         name = str(func)
         if name.startswith(_CASTS):  # the user's own cast ends the region where they put it
             self.ends.setdefault(owner, _where())
@@ -83,7 +95,8 @@ class Fp32Ops(TorchDispatchMode):
         out = func(*_fp32(args), **_fp32(kwargs))
         if name.startswith(_ENDS):
             self.ends.setdefault(owner, _where())
-            return map_tensors(out, lambda t: t.to(self.back_to) if t.is_floating_point() else t)
+            back = self.read.get(owner, self.back_to)
+            return map_tensors(out, lambda t: t.to(back) if t.is_floating_point() else t)
         for t in tensors_in(out):
             if t.is_floating_point():
                 self.marked.set(t, owner)
@@ -104,6 +117,7 @@ def install(model: nn.Module, fixes: list[OpFix], back_to: torch.dtype) -> Fp32O
     `back_to`). The dispatch mode is on only while a fixed module runs, so the rest of the model
     pays nothing; a second call replaces the first."""
     uninstall(model)
+    fixes = _every_instance(model, fixes)
     mode = Fp32Ops(fixes, back_to)
     handles = []
     fixed = {f.module for f in fixes}
@@ -123,12 +137,27 @@ def install(model: nn.Module, fixes: list[OpFix], back_to: torch.dtype) -> Fp32O
                     return None
                 if not mode.stack:
                     mode.__exit__(None, None, None)
-                # nothing in fp32 leaves a fixed module
-                return map_tensors(output, lambda t: t.to(back_to) if t.is_floating_point() else t)
+                # nothing the fp32 region made leaves a fixed module: a value of it that no end cast back
+                # goes back to the dtype the region's op read (back_to, or fp32 in a module kept whole)
+                return map_tensors(output, lambda t: t.to(mode.back(t)) if t.is_floating_point() else t)
 
             handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True)]
     model._fpdoctor_fp32_ops = (mode, handles)  # type: ignore[assignment]
     return mode
+
+
+def _every_instance(model: nn.Module, fixes: list[OpFix]) -> list[OpFix]:
+    """The fixes, and the same fix in every other module of each fixed module's class: the edit of
+    the source line that `edit` prints changes them all, so the run that checks it changes them all."""
+    named = dict(model.named_modules())
+    out, seen = list(fixes), {f.module for f in fixes}
+    for fix in fixes:
+        kind = type(named.get(fix.module))
+        for name, module in named.items():
+            if type(module) is kind and name not in seen:
+                seen.add(name)
+                out.append(dataclasses.replace(fix, module=name))
+    return out
 
 
 def uninstall(model: nn.Module) -> None:
@@ -147,6 +176,9 @@ def edit(fix: OpFix, end: str | None, dtype: str) -> str:
         f"# in `{fix.module}`: compute {fix.op}{_at(fix.location)} in fp32 (its operands .float()), and cast the "
         f"result of what consumes it{_at(end)} back with .to({dtype})"
     )
+    # back to the dtype the op's operand had (`q.dtype`): the same line runs in every module of the class,
+    # and one kept in fp32 reads fp32 there
+    dtype = _operand_dtype(fix.location) or dtype
     start = _rewrite(fix.location, _float_operands)
     stop = _rewrite(end, lambda node: _cast_result(node, dtype)) if end else None
     if start is None:
@@ -162,6 +194,25 @@ def edit(fix: OpFix, end: str | None, dtype: str) -> str:
         elif where is not None:
             lines.append(f"#   {where}: cast the result back with .to({dtype})")
     return "\n".join(lines) + "\n"
+
+
+def _operand_dtype(location: str | None) -> str | None:
+    """`q.dtype` for a line whose first matrix product's left operand is a name (`q @ k.T`), else None."""
+    found = _rewrite(location, lambda tree: True)
+    if found is None:
+        return None
+    for node in ast.walk(ast.parse(found[0])):
+        left = None
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+            left = node.left
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in _MATMULS:
+            left = node.args[0] if node.args else None
+        if left is not None:
+            return f"{left.id}.dtype" if isinstance(left, ast.Name) else None
+    return None
+
+
+_MATMULS = ("matmul", "bmm", "mm", "baddbmm")
 
 
 def _at(location: str | None) -> str:
