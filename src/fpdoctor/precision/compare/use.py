@@ -30,7 +30,7 @@ from fpdoctor.precision.inputs import describe
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.metrics import integral
 from fpdoctor.pytrees import tensors_in
-from fpdoctor.report.model import Finding, Trial
+from fpdoctor.report.model import Finding, Severity, Trial
 
 # The metrics themselves live in the shared core (decide.py), for compare records too; compare and
 # plan name them here as before.
@@ -156,12 +156,16 @@ def coarse_finding(
         "output-too-coarse",
         message=message,
         fix=fix,
+        # a candidate that changes this many decisions is not one to ship, whatever the cause: exit 1 in CI
+        severity=Severity.ERROR if 1.0 - found.top1 >= COARSE_ERROR else None,
         # the module the checked fix keeps in fp32, returning fp32 (plan starts from it)
         where={"module": head if trial.tried else None, "op": None},
         evidence={"kind": "decisions", "decisions": found.to_dict(), "fp32_top1": fp32_top1},
         trial=trial,
     )
 
+
+COARSE_ERROR = 0.05  # output-too-coarse is an error where the candidate changes this share of the decisions
 
 # Besides the logits' own layer, the leaves with the largest error against their floor are tried kept
 # in fp32, one forward each.

@@ -150,6 +150,10 @@ class _Set:
         rows = self.compared.rows
         if m.decisions and self.rounded is not None:
             out_floor = m.value(self.rounded)
+            if self.coarse_output:  # the output's format is the limit: the target is for logits kept wider,
+                # over what rounding the inputs costs (16x a floor of 20% flips would allow every row to flip)
+                out_floor = m.value(self.input_run) if self.input_run is not None else 0.0
+                out_floor = out_floor if math.isfinite(out_floor) else 0.0
         else:  # the output's noise floor: compare's figure for rounding it to the candidate
             out_floor = next((r.floor for r in reversed(rows) if r.module == ""), rows[-1].floor)
         if self.reference_run is not None:
@@ -160,6 +164,14 @@ class _Set:
         self.floor = m.value(self.input_run) if self.input_run is not None else 0.0
         margin = FLOOR_MARGIN**m.power
         self.target = max(self.tolerance, margin * self.floor) if math.isfinite(self.floor) else self.tolerance
+
+    @property
+    def coarse_output(self) -> bool:
+        """Rounding the exact output to the candidate's format alone changes the decisions (compare's
+        output-too-coarse): no plan that leaves the output in that format can keep them."""
+        if self.logits is None or self.rounded is None or self.rounded.top1 is None:
+            return False
+        return 1.0 - self.rounded.top1 >= use.DECISION_SHARE
 
     def decided(self, run: Measured) -> bool:
         """The run's top-1 is one compare would not call changed (use.Decisions.changed)."""
@@ -507,6 +519,7 @@ def _plan(
         metric_asked=metric is not None,
         head=judged[0].logits_layer if m.decisions else None,
         the_plan_outputs=[k for k in keep if k in fp32_outputs] if m.decisions else [],
+        coarse_output=m.decisions and any(s.coarse_output for s in judged),
         decisions_back=m.decisions
         and verified
         and all(s.decided(x) for s, x in zip(judged, measured.get(final_key, []), strict=True)),

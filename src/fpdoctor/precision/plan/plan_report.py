@@ -63,6 +63,7 @@ class Search:
     head: str | None = None  # the logits' layer
     the_plan_outputs: list[str] = field(default_factory=list)  # kept modules whose outputs stay fp32
     decisions_back: bool = False  # with the plan, compare would not call the decisions changed on any set
+    coarse_output: bool = False  # rounding the exact output alone changes the decisions (on some set)
 
 
 def _fmt(value: float) -> str:
@@ -163,6 +164,16 @@ def build(the_plan: Plan, search: Search) -> Report:
     summary.append(("target", _target_text(the_plan, search)))
     if search.what_if:
         summary.append((f"what-if, alone in fp32 (by {m.name})", _what_if_text(search)))
+    coarse = next(
+        (f for f in findings if f.name == "output-too-coarse" and not (f.trial is not None and f.trial.tried)), None
+    )
+    # a target set from the format's own floor cannot see what the format loses, nor reach it from modules
+    too_coarse = (
+        f"; but the output's format itself is too coarse for it ({coarse.code}): no set of modules kept in fp32 "
+        "changes that, its fix does"
+        if coarse is not None
+        else ""
+    )
     if whole:  # the floor is the inputs' rounding: no set of modules is the fix
         summary.append(("keep in fp32", f"no module set is the fix: {whole[0]}"))
         summary.append(("verified", f"the finding's fix instead ({whole[1]}), checked"))
@@ -175,15 +186,7 @@ def build(the_plan: Plan, search: Search) -> Report:
             text = f"yes: {m.show(the_plan.final_error)} (target {aim}); {_worst(m, search.measured[1])}"
         else:
             text = f"yes: end-to-end error {_fmt(the_plan.final_error)} (target {the_plan.target:.3g})"
-        coarse = next(
-            (f for f in findings if f.name == "output-too-coarse" and not (f.trial is not None and f.trial.tried)), None
-        )
-        if coarse is not None:  # a target set from the format's own floor cannot see what the format loses
-            text += (
-                f"; but the output's format itself is too coarse for it ({coarse.code}): no set of modules kept in "
-                "fp32 changes that, its fix does"
-            )
-        summary.append(("verified", text))
+        summary.append(("verified", text + too_coarse))
     else:
         summary.append(("keep in fp32", "no verified plan"))
         summary.append(
@@ -191,7 +194,7 @@ def build(the_plan: Plan, search: Search) -> Report:
                 "verified",
                 f"NO: the closest set ({len(the_plan.closest)} module(s) in fp32: {_names(the_plan.closest[:6])}"
                 f"{' ...' if len(the_plan.closest) > 6 else ''}) reaches {_val(m, the_plan.final_error)} "
-                f"(target {m.bound(_target(the_plan))})",
+                f"(target {m.bound(_target(the_plan))}){too_coarse}",
             )
         )
     summary += _why(the_plan, search)
@@ -249,6 +252,15 @@ def _target(the_plan: Plan) -> float:
 def _target_text(the_plan: Plan, search: Search) -> str:
     m = search.metric
     what = "the tolerance asked for" if search.tolerance_asked is not None else _FLOOR_TEXT[m.name]
+    if search.tolerance_asked is None and search.coarse_output:
+        what = (
+            f"rounding the exact output to {the_plan.candidate} alone changes the decisions (output-too-coarse), so "
+            f"the target is for logits kept wider: {'16x' if m.power == 1 else '256x'} what rounding the inputs "
+            "costs, or 1% of the rows where that is more"
+            if m.name == "top1"
+            else f"rounding the exact output to {the_plan.candidate} alone changes the decisions (output-too-coarse), "
+            "so the target is for logits kept wider: 256x the KL that rounding the inputs costs"
+        )
     target = _target(the_plan)
     if target > the_plan.tolerance:
         return (
