@@ -1313,3 +1313,30 @@ def test_a_loop_whose_guard_skips_every_loss_is_never_ok_and_keeps_a_bounded_num
         assert names == ["training-never-stepped"] and w.report.findings[0].evidence["training_forwards"] == 300
     else:
         assert "training-never-stepped" not in names, names
+
+
+def test_a_grad_scaler_whose_scale_fp32_cannot_invert_never_steps_nan_into_the_weights():
+    """Every step skipped halves the scale; ~165 in a row take it below 1/fp32's max, where 1/scale is
+    Inf: unscale_ turns the (finite) scaled gradients into NaN and its own check, which reads them scaled,
+    passes them, so the scaler steps the optimizer on NaN. The watch keeps that from the weights and says
+    why (amp-scale-collapse), with no replay that would blame the machine."""
+    from torch import nn
+
+    import fpdoctor
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**-149)  # where ~165 skips in a row leave it
+    with fpdoctor.watch() as w:
+        for _ in range(5):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 4)).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert torch.isfinite(model.weight).all() and torch.isfinite(model.bias).all()
+    names = [f.name for f in w.report.findings]
+    assert names[0] == "amp-scale-collapse" and "1/scale is Inf" in w.report.findings[0].message, names
+    assert "transient-fault-suspected" not in names and "deterministic-nonfinite" not in names, names

@@ -494,6 +494,26 @@ def collapse_finding(
     )
 
 
+def scale_gone_finding(step: int, scale: float, watch: ScaleWatch, *, here: dict[str, Any]) -> Finding:
+    """amp-scale-collapse at a scale whose reciprocal is Inf: past it the scaler lets NaN through."""
+    return catalog.make(
+        "amp-scale-collapse",
+        message=(
+            f"Step {step}: the GradScaler's scale is {scale:g}: halved at every step it skipped, it fell below what "
+            "fp32 can invert (1/scale is Inf). From here scaler.unscale_ "
+            "multiplies every gradient by Inf (0 x Inf is NaN) while its own check, which reads the scaled gradients, "
+            "finds them finite: the scaler steps the optimizer on NaN/Inf gradients, and without the watch the "
+            "weights turn NaN here. The scale never grows back from 0."
+        ),
+        fix=(
+            "Fix what made every step overflow before (the run's first finding names the op); a scale this small "
+            "means the gradients overflow fp16 even unscaled, so that op in fp32, or bf16, which has fp32's range"
+        ),
+        where={"module": None, "op": None, "phase": "backward", "step": step, **here},
+        evidence={"kind": "nan", "scale": scale, "overflow_skips": watch.skipped, "step": step},
+    )
+
+
 def spike_finding(
     step: int, loss: float, mean: float, spread: float, window: int, *, here: dict[str, Any], lr: float | None = None
 ) -> Finding:

@@ -117,6 +117,11 @@ class StepOutcome:
     scale: float | None = None  # GradScaler's loss scale this step used
 
 
+# A GradScaler scale below this has a reciprocal past fp32's range: unscale_ multiplies every gradient by Inf
+# (0 x Inf = NaN) and its own check, which reads the scaled gradients, finds nothing: the step goes ahead
+UNSCALABLE = 1.0 / float(torch.finfo(torch.float32).max)
+
+
 @dataclass
 class StepFacts:
     """What happened in one optimizer step, as a front end saw it (host values, read once).
@@ -252,6 +257,7 @@ class StepJudge:
         self._start_loss: float | None = None  # the run's first finite loss
         self._errors: set[tuple[str, str]] = set()
         self._weights_bad = False  # the parameters themselves are non-finite: no step can recover
+        self._scale_gone = False  # the GradScaler's scale fell below UNSCALABLE (said once)
         self.here: dict[str, Any] = {}  # where every finding of this rank happened (rank, host, device)
         self.reference_every = 0  # compare every N-th step with the reference step (reference.py); 0: off
         # its pace: the last reference step and its cost, the time between judged steps less ours
@@ -364,6 +370,16 @@ class StepJudge:
         outcome = StepOutcome(f.step, f.loss_value, finite=f.finite, skipped=False, grad_norm=f.grad_norm)
         outcome.scale = f.scale
         self.history.append(outcome)
+        gone = f.scale is not None and f.scale < UNSCALABLE  # 1/scale is Inf: the scaler cannot unscale
+        if gone and f.bad_grad:  # no replay: the scale, not this step's arithmetic or the machine, made it
+            if not self._scale_gone:
+                self._scale_gone = True
+                self.findings.append(findings.scale_gone_finding(f.step, f.scale or 0.0, self.amp, here=self.here))
+            outcome.skipped, outcome.verdict = f.skippable or f.scaled, "amp-scale-collapse"
+            if outcome.skipped:
+                self.skipped += 1
+                self.buffers.restore()
+            return outcome
         if f.scale is not None:
             next_scale = f.next_scale if f.next_scale is not None else f.scale
             # an overflow the scaler skips itself: AMP's business; with a penalty on scaled gradients the loss
