@@ -16,10 +16,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import fpdoctor
+from fpdoctor.numerics.training import reference
 from fpdoctor.numerics.training.sentinel import GRAD_NORM_EVERY
 
-WARM_UP = 3  # the first step's reference step and the buffers' learning happen here
-STEPS = 20  # steps 4-23: the benchmark's steady state, two gradient-norm steps among them
+# the reference steps (1, then the early ones, reference.EARLY; what the weights kept of the last one is
+# read at the step after it) and the buffers' learning happen here
+WARM_UP = max(reference.EARLY) + 1
+STEPS = 20  # steps 102-121: the steady state, two gradient-norm steps among them
 
 
 class _Launched(TorchDispatchMode):
