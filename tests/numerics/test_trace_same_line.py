@@ -431,3 +431,37 @@ def test_a_cross_entropy_by_hand_that_gathers_the_targets_probability_gets_log_s
     assert first["fix"].startswith("Write F.log_softmax(x, dim) instead of log(exp(x) / exp(x).sum(dim))"), first["fix"]
     assert "then take its gather as your code does" in first["fix"]
     assert "non-finite losses 0" in fixed.stderr
+
+
+SMOOTHED = textwrap.dedent(
+    """
+    import sys, torch, torch.nn as nn
+    torch.manual_seed(0)
+    # a label-smoothed cross-entropy by hand in fp16: probabilities, then their log on the next line
+    net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 10)).half()
+    with torch.no_grad():
+        net[2].weight.mul_(40.0)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    for step in range(4):
+        x, y = torch.randn(32, 16).half(), torch.randint(0, 10, (32,))
+        target = torch.full((32, 10), 0.01).half().scatter(1, y[:, None], 0.91)
+        logits = net(x)
+        probs = torch.exp(logits) / torch.exp(logits).sum(-1, keepdim=True)
+        loss = -(target * torch.log(probs)).sum(-1).float().mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+    """
+)
+
+
+def test_the_inf_and_the_nan_of_one_softmax_by_hand_then_its_log_print_one_fix(tmp_path: Path) -> None:
+    """exp overflows (the first Inf), Inf / Inf is NaN (the first NaN), the log a line later completes
+    the form: both findings print log_softmax over both lines, the fix their shared check tried."""
+    script = tmp_path / "smoothed.py"
+    script.write_text(SMOOTHED)
+    report = tmp_path / "report.json"
+    result = run_fpdoctor("trace", "-o", str(report), "--", str(script))
+    assert result.code == 1, result.err
+    produced = [f for f in json.loads(report.read_text())["findings"] if f["name"] == "nonfinite-produced"]
+    assert len(produced) >= 2, [f["title"] for f in produced]
+    for f in produced[:2]:
+        assert f["fix"].startswith("Write F.log_softmax(x, dim) instead of log(exp(x) / exp(x).sum(dim))"), f["fix"]

@@ -1408,7 +1408,7 @@ def completed_form(experiment: Experiment, steps: list[Step]) -> None:
     if experiment.verdict != "origin" or len(steps) < 2:
         return
     # a form the chain itself is decides; one completed before gives way to a longer one (its log, later)
-    if experiment.stable is not None and len(steps) <= len(experiment.completed or steps):
+    if experiment.stable is not None and len(steps) <= len(experiment.form_records):
         return
     found = _form_in(steps)
     if found is None or found[0].prefix or found[1] != len(steps):

@@ -1004,7 +1004,9 @@ class Tracer(EagerDispatchMode):
                 return
             chain[:0] = [exp, made]
             keys = [exp.index, made.index]  # the exp overflowed, or its values' sum did
-        experiment = next((self.experiments[k] for k in keys if k in self.experiments), None)
+        # every experiment of the form's ops: the exp's, and a division's that made NaN of its Infs (each its fix)
+        held = [self.experiments[k] for k in dict.fromkeys([*keys, *(r.index for r in chain)]) if k in self.experiments]
+        experiment = held[0] if held else None
         steps = self._window.by_index()
         ran = [steps.get(r.index) for r in chain]
         form = stable.form_of([p for r in chain if (p := r.op.split(".")[1]) not in PICKS])
@@ -1014,8 +1016,8 @@ class Tracer(EagerDispatchMode):
             return
         try:
             with DisableTorchDispatch():
-                if experiment is not None:
-                    completed_form(experiment, [s for s in ran if s is not None])
+                for each in held:
+                    completed_form(each, [s for s in ran if s is not None])
                 x = form.operand(ran[0].args)  # type: ignore[union-attr]
                 if line is None or x is None:
                     return

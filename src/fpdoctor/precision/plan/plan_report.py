@@ -549,9 +549,12 @@ def _floor_finding(the_plan: Plan, search: Search) -> Finding:
 
 
 def _range_cause(search: Search) -> ModuleRow | None:
+    """The first module whose own values leave the format's range: not one whose NaN/Inf came in with
+    its inputs (an attention's output after its q·kᵀ overflowed inside another module)."""
     for _, compared, *_ in search.sets:
         for r in compared.rows:
-            if r.module and (r.out_of_range or r.nonfinite):
+            came_in = r.input_error is not None and math.isinf(r.input_error)
+            if r.module and (r.out_of_range or (r.nonfinite and not came_in)):
                 return r
     return None
 
