@@ -1125,12 +1125,13 @@ def test_a_clip_of_scaled_gradients_that_starts_after_a_warm_up_is_an_error_whos
     assert first["name"] == "gradients-depart-from-reference" and first["severity"] == "error", first["title"]
     assert first["evidence"]["step"] == 10 and first["evidence"]["stage"] == "optimizer"
     assert f"line 19 (`{clip}`)" in first["message"], first["message"]
-    said = "Unscale before you process the gradients: insert scaler.unscale_(opt) before line 19 of train.py"
+    # before the `if` that holds the clip, in the step's own block: a call there runs once a step
+    said = "Unscale before you process the gradients: insert scaler.unscale_(opt) before line 18 of train.py (`if"
     assert first["fix"].startswith(said), first["fix"]
     assert first["fix_trial"]["status"] == "checked" and first["fix_trial"]["after"] == 0, first["fix_trial"]
-    lines = script.read_text().splitlines()  # the call inserted as printed: before line 19, its indentation
-    indent = lines[18][: len(lines[18]) - len(lines[18].lstrip())]
-    script.write_text("\n".join([*lines[:18], f"{indent}scaler.unscale_(opt)", *lines[18:]]) + "\n")
+    lines = script.read_text().splitlines()  # the call inserted as printed: before line 18, its indentation
+    indent = lines[17][: len(lines[17]) - len(lines[17].lstrip())]
+    script.write_text("\n".join([*lines[:17], f"{indent}scaler.unscale_(opt)", *lines[17:]]) + "\n")
     watched = _watch(tmp_path, "python", str(script))
     assert watched.returncode == 0 and _report(tmp_path)["verdict"] == "ok", _report(tmp_path)["findings"]
 
@@ -1281,12 +1282,13 @@ def test_a_step_decided_on_the_device_skips_a_nan_loss_only_where_its_gradients_
     assert watch.report.by_name("nonfinite-loss")
 
 
-@pytest.mark.parametrize("guard", ["every loss skipped", "eval forwards", "trains"])
+@pytest.mark.parametrize("guard", ["every loss skipped", "eval forwards", "trains", "autograd.grad", "no optimizer"])
 def test_a_loop_whose_guard_skips_every_loss_is_never_ok_and_keeps_a_bounded_number_of_forwards(guard):
     """`if not torch.isfinite(loss): continue` on a loss that overflows fp16 every time: 300 training
     forwards, no backward, no step. The watch judged nothing; its report says so (TRN020) instead of OK,
     and keeps at most CALLS_KEPT of the forwards no step took. Forwards in eval mode (a validation loop
-    with gradients on) and a loop that trains are not it."""
+    with gradients on), a loop that trains, one that takes its gradients by torch.autograd.grad and
+    steps by hand, and forwards with no optimizer at all (MC-dropout inference) are not it."""
     from torch import nn
 
     import fpdoctor
@@ -1294,16 +1296,25 @@ def test_a_loop_whose_guard_skips_every_loss_is_never_ok_and_keeps_a_bounded_num
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3) if guard not in ("autograd.grad", "no optimizer") else None
     model.train(guard != "eval forwards")
     with fpdoctor.watch() as w:
-        for _ in range(300 if guard != "trains" else 30):
+        for _ in range(300 if guard not in ("trains", "autograd.grad") else 30):
             x, y = torch.randn(32, 4), 1000 + 100 * torch.randn(32, 1)
             loss = ((model(x).half() - y.half()) ** 2).mean()  # (1000)^2 is past fp16's 65504
+            if guard == "no optimizer":
+                continue
+            if guard == "autograd.grad":
+                grads = torch.autograd.grad(loss.float() / 1e6, list(model.parameters()))
+                with torch.no_grad():
+                    for p, g in zip(model.parameters(), grads, strict=True):
+                        p.sub_(1e-3 * g)
+                continue
             if guard == "trains":
                 loss = loss.float() / 1e6
             elif not torch.isfinite(loss):
                 continue
+            assert opt is not None
             opt.zero_grad()
             loss.backward()
             opt.step()

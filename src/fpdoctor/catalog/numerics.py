@@ -688,9 +688,9 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         severity=E,
         title="Training forwards ran, and no backward and no optimizer step followed them",
         what="`fpdoctor watch` counts the forwards of a model in training mode with trainable parameters and "
-        "gradients enabled, and those a backward reached. Where 20 or more ran and no backward reached any, "
-        "and no optimizer stepped, the script trained nothing and nothing was judged: the report says so instead "
-        "of OK.",
+        "gradients enabled, and those a backward (or torch.autograd.grad) reached. Where 20 or more ran, an "
+        "optimizer held the model's parameters, no backward reached any and no optimizer stepped, the script "
+        "trained nothing and nothing was judged: the report says so instead of OK.",
         why="A loop that skips the step when its loss is not finite (`if not torch.isfinite(loss): continue`) "
         "runs every forward and never learns when every loss is: no NaN reaches a gradient, no step is skipped "
         "by a scaler, and a watch that judges steps sees none to judge.",

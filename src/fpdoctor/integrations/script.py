@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import math
 import sys
 import threading
@@ -263,6 +264,7 @@ class ScriptWatch:
         self._event = 0  # optimizer steps (of any optimizer) seen so far: when each forward's backward ran
         self._forwards = 0  # training forwards seen (training mode, trainable, gradients on) ...
         self._reached = 0  # ... and those a backward reached: none of many is a script that never trains
+        self._optimized = False  # at the NEVER_STEPPED-th of them, none reached: an optimizer holds the model's
 
     # -- entering and leaving --------------------------------------------------------------------
     def __enter__(self) -> ScriptWatch:
@@ -381,6 +383,8 @@ class ScriptWatch:
             call.kept.watch(output)
             if call.kept.outputs:
                 self._forwards += module.training
+                if self._forwards == NEVER_STEPPED and not self._reached and not self.runs:  # once, while it runs
+                    self._optimized = _optimized(module)
                 self._calls.append(call)
                 if len(self._calls) > CALLS_KEPT:  # forwards no step took (a loop that skips them): the latest
                     del self._calls[0]
@@ -846,6 +850,12 @@ class ScriptWatch:
         before: set[int] = getattr(self, "_before", set())
         return next((c.stopped_by for c in framework.ACTIVE if id(c) not in before and c.stopped_by), None)
 
+    def _never_stepped(self) -> bool:
+        """Training forwards, none reached by a backward or an autograd.grad, and an optimizer held the
+        model's parameters while they ran (a loop meant to train: MC-dropout inference makes none)."""
+        grads = self._penalty is not None and self._penalty.grads
+        return self._forwards >= NEVER_STEPPED and not self._reached and not grads and self._optimized
+
     def in_progress(self) -> Report:
         """The report so far, as its file holds it while the script goes on (status "in progress")."""
         return in_progress(self.report, sum(run.judge.steps for run in self.runs.values()))
@@ -887,7 +897,7 @@ class ScriptWatch:
             report.findings.extend(callback.findings)
             counts = {"steps": callback.steps, "skipped_steps": callback.skipped}
             report.data.setdefault("callbacks", []).append(counts)
-        if not runs and not report.findings and self._forwards >= NEVER_STEPPED and not self._reached:
+        if not runs and not report.findings and self._never_stepped():
             report.findings.append(_never_stepped(self._forwards))
         if self.unwatched:
             report.data.setdefault("not_checked", {}).update(self.unwatched)
@@ -896,6 +906,15 @@ class ScriptWatch:
         if self._pending:  # skipped or applied on the device, decided at the next training forward
             report.data["undecided_steps"] = [p.step for p in self._pending]
         return report
+
+
+def _optimized(module: nn.Module) -> bool:
+    """Whether an optimizer holds a parameter of `module` (every live object looked at: once a run)."""
+    params = {id(p) for p in module.parameters()}
+    return any(
+        isinstance(o, torch.optim.Optimizer) and any(id(p) in params for g in o.param_groups for p in g["params"])
+        for o in gc.get_objects()
+    )
 
 
 def _never_stepped(forwards: int) -> Finding:

@@ -1428,8 +1428,13 @@ def _form_in(chain: list[Step]) -> tuple[stable.Form, int, tuple[str, ...]] | No
     if form is None:
         return None
     end = kept[len(form.ops) - 1] + 1
-    picked = tuple(dict.fromkeys(_packet(s.record.op).removesuffix("_copy") for s in chain[:end]
-                                 if _packet(s.record.op) in PICKS))  # fmt: skip
+    picks = [s for s in chain[:end] if _packet(s.record.op) in PICKS]
+    # a pick is passed over only on the numerator's side of a division: one that the reduction reads makes
+    # another sum (log of a sum over picked columns is not logsumexp of them all)
+    summed = {i for s in chain[:end] if _packet(s.record.op) in _REDUCTIONS for k, i in s.record.inputs if k == "op"}
+    if picks and ("div" not in form.ops or any(s.record.index in summed for s in picks)):
+        return None
+    picked = tuple(dict.fromkeys(_packet(s.record.op).removesuffix("_copy") for s in picks))
     return form, end, picked
 
 

@@ -71,6 +71,7 @@ class ScaledGrads:
         self._saved: list[tuple[Any, str, Any]] = []
         self._watched_at = -1  # the optimizer step the watched gradients were made in
         self.create_graph = 0  # autograd.grad calls with create_graph=True, scaled or not (a penalty on gradients)
+        self.grads = 0  # autograd.grad calls of any kind (a loop that takes its gradients without .backward())
 
     def __enter__(self) -> ScaledGrads:
         scaler = grad_scaler_class()
@@ -111,6 +112,7 @@ class ScaledGrads:
         create_graph = kwargs.get("create_graph", args[4] if len(args) > 4 else False)
         outputs = kwargs.get("outputs", args[0] if args else None)
         self.create_graph += bool(create_graph)
+        self.grads += 1
         if not create_graph or not self._scaled:
             return
         held = [h for t in tensors_in(outputs) if (h := self._scaled.get(id(t))) is not None and h[0]() is t]

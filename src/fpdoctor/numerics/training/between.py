@@ -29,6 +29,9 @@ class Between:
     lines: tuple[tuple[int, str], ...]  # (line, its source) of each statement between that processes gradients
     scaler: str | None  # as the step call names them: `scaler.step(opt)` -> "scaler", "opt"
     optimizer: str | None
+    # where a call inserted runs once before the first of `lines`: its statement in the step's own block
+    # (the `for` or `if` that holds it), line and source
+    before: tuple[int, str] | None = None
 
     def listed(self) -> str:
         """'line 41 (`clip_grad_norm_(...)`)' for each line between, joined."""
@@ -52,13 +55,37 @@ def read() -> Between | None:
     if not backwards:
         return None
     first = max(backwards)
-    lines = tuple(
-        (s.lineno, ast.unparse(s).splitlines()[0])
-        for s in statements
-        if first < s.lineno < line and _processes(s)
-    )  # fmt: skip
+    # each processing statement named by the statement of the step's own block that holds it (a `for p
+    # in params: p.grad.clamp_()` by its `for`): a call inserted before it runs once, as unscale_ must
+    block = _block_of(scope, line)
+    processing = [s for s in statements if first < s.lineno < line and _processes(s)]
+    lines = tuple((s.lineno, ast.unparse(s).splitlines()[0]) for s in processing)
+    holders = [h for h in (_holder(block, s) for s in processing) if first < h.lineno]
+    before = (holders[0].lineno, ast.unparse(holders[0]).splitlines()[0]) if holders else None
     scaler, optimizer = _step_names(statements, line)
-    return Between(path, first, line, lines, scaler, optimizer)
+    return Between(path, first, line, lines, scaler, optimizer, before)
+
+
+def _block_of(scope: ast.AST, line: int) -> list[ast.stmt]:
+    """The list of statements (a body) that directly holds the statement at `line`."""
+    todo = [getattr(scope, "body", [])]
+    while todo:
+        body = todo.pop()
+        for node in body:
+            if node.lineno <= line <= (node.end_lineno or node.lineno):
+                inner = [getattr(node, k, []) for k in ("body", "orelse", "finalbody", "handlers")]
+                inner = [b for b in inner if b and any(n.lineno <= line <= (n.end_lineno or n.lineno) for n in b)]
+                if not inner or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    return body
+                todo.append(inner[0])
+                break
+    return []
+
+
+def _holder(block: list[ast.stmt], statement: ast.stmt) -> ast.stmt:
+    """The statement of `block` whose lines hold `statement` (itself where it is in the block)."""
+    end = statement.end_lineno or statement.lineno
+    return next((s for s in block if s.lineno <= statement.lineno and end <= (s.end_lineno or s.lineno)), statement)
 
 
 def _scope(tree: ast.Module, line: int) -> ast.AST:
@@ -114,7 +141,8 @@ def _step_names(statements: list[ast.stmt], line: int) -> tuple[str | None, str 
         for n in ast.walk(s):
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "step":
                 owner = ast.unparse(n.func.value)
-                if n.args:
-                    return owner, ast.unparse(n.args[0])
+                given = n.args[0] if n.args else next((k.value for k in n.keywords if k.arg == "optimizer"), None)
+                if given is not None:  # scaler.step(opt), scaler.step(optimizer=opt)
+                    return owner, ast.unparse(given)
                 return None, owner
     return None, None

@@ -488,7 +488,7 @@ def _between() -> between.Between | None:
     if seen is None:
         return None
     before = tuple(itertools.takewhile(lambda line: "unscale_" not in line[1], seen.lines))
-    return dataclasses.replace(seen, lines=before) if before else None
+    return dataclasses.replace(seen, lines=before) if before and seen.before is not None else None
 
 
 def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Finding | None:
@@ -536,7 +536,8 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
                 f" Between the backward (line {seen.backward}) and the optimizer's step (line {seen.step}) of "
                 f"{os.path.basename(seen.path)} your code runs {seen.listed()}."
             )
-            first, text = seen.lines[0]
+            assert seen.before is not None
+            first, text = seen.before
             fix = (
                 f"Unscale before you process the gradients: insert {seen.scaler or 'scaler'}.unscale_("
                 f"{seen.optimizer or 'optimizer'}) before line {first} of {os.path.basename(seen.path)} (`{text}`), "

@@ -178,7 +178,7 @@ def edit(fix: OpFix, end: str | None, dtype: str) -> str:
     )
     # back to the dtype the op's operand had (`q.dtype`): the same line runs in every module of the class,
     # and one kept in fp32 reads fp32 there
-    dtype = _operand_dtype(fix.location) or dtype
+    dtype = (_operand_dtype(fix.location) if _same_function(fix.location, end) else None) or dtype
     start = _rewrite(fix.location, _float_operands)
     stop = _rewrite(end, lambda node: _cast_result(node, dtype)) if end else None
     if start is None:
@@ -213,6 +213,27 @@ def _operand_dtype(location: str | None) -> str | None:
 
 
 _MATMULS = ("matmul", "bmm", "mm", "baddbmm")
+
+
+def _same_function(start: str | None, end: str | None) -> bool:
+    """Both lines in one function of one file: a name read on the first is defined on the second."""
+    if start is None or end is None:
+        return False
+    (path, _, a), (other, _, b) = start.rpartition(":"), end.rpartition(":")
+    if path != other or not (a.isdigit() and b.isdigit()):
+        return False
+    try:
+        tree = ast.parse("".join(linecache.getlines(path)))
+    except (SyntaxError, ValueError):
+        return False
+
+    def inner(line: int) -> ast.AST | None:
+        held = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and n.lineno <= line <= (n.end_lineno or 0)]  # fmt: skip
+        return max(held, key=lambda n: n.lineno, default=None)
+
+    first = inner(int(a))
+    return first is not None and first is inner(int(b))
 
 
 def _at(location: str | None) -> str:
