@@ -70,17 +70,20 @@ class Decisions:
         """The candidate's computation changes far more decisions than rounding its output does."""
         return self._changes(self.top1)
 
-    def _changes(self, top1: float) -> bool:
-        """A run of top-1 agreement `top1` changes far more decisions than rounding the output does."""
+    def _changes(self, top1: float, floor_top1: float | None = None) -> bool:
+        """A run of top-1 agreement `top1` changes far more decisions than rounding the output does
+        (`floor_top1`: that rounding's agreement where the run returns another format, fp32 logits)."""
         n = self.rows * self.classes if self.kind == "ids" else self.rows  # ids: each value is a decision
-        flipped, floor = 1.0 - top1, max(1.0 - self.floor_top1, 1.0 / n)
+        kept = self.floor_top1 if floor_top1 is None else floor_top1
+        flipped, floor = 1.0 - top1, max(1.0 - kept, 1.0 / n)
         more = flipped >= floor + DECISION_MORE and flipped * n >= DECISION_MORE_ROWS
         return flipped >= DECISION_SHARE and (flipped >= DECISION_RATIO * floor or more)
 
-    def recovered(self, top1: float) -> bool:
+    def recovered(self, top1: float, floor_top1: float | None = None) -> bool:
         """A run whose top-1 agreement is `top1` gives the decisions back: RECOVERED of the flips at most,
-        and no more than the decisions rule allows (38.9% -> 87.4% gives most back, and still changes 12.6%)."""
-        return 1.0 - top1 <= RECOVERED * (1.0 - self.top1) and not self._changes(top1)
+        and no more than the decisions rule allows (38.9% -> 87.4% gives most back, and still changes 12.6%),
+        against `floor_top1` where the run returns its output in another format than the candidate's."""
+        return 1.0 - top1 <= RECOVERED * (1.0 - self.top1) and not self._changes(top1, floor_top1)
 
     def text(self) -> str:
         if self.kind == "ids":

@@ -122,7 +122,7 @@ def coarse_finding(
         "fp32"
     )
     on = inputs_text(describe(inputs))
-    if head and ran is not None and found.recovered(ran):
+    if head and ran is not None and found.recovered(ran, fp32_top1):  # its fix returns fp32: that floor
         # a sigmoid's scores: the head returns its logits in fp32, and the sigmoid after it then returns fp32
         returned = (
             f"returning fp32, so that the {'softmax' if 'softmax' in found.source else 'sigmoid'} after it returns "
