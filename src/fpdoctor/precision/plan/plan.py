@@ -150,8 +150,8 @@ class _Set:
         rows = self.compared.rows
         if m.decisions and self.rounded is not None:
             out_floor = m.value(self.rounded)
-            if self.coarse_output:  # the output's format is the limit: the target is for logits kept wider,
-                # over what rounding the inputs costs (16x a floor of 20% flips would allow every row to flip)
+            if m.name == "top1" and self.coarse_output:  # the format is the limit: the target is for logits kept
+                # wider, over what rounding the inputs costs (16x a floor of 20% flips would let every row flip)
                 out_floor = m.value(self.input_run) if self.input_run is not None else 0.0
                 out_floor = out_floor if math.isfinite(out_floor) else 0.0
         else:  # the output's noise floor: compare's figure for rounding it to the candidate
@@ -167,11 +167,11 @@ class _Set:
 
     @property
     def coarse_output(self) -> bool:
-        """Rounding the exact output to the candidate's format alone changes the decisions (compare's
-        output-too-coarse): no plan that leaves the output in that format can keep them."""
+        """Rounding the exact output to the candidate's format alone flips so many decisions that the
+        decisions rule's 16x of them would let half the rows flip: no target can be read from it."""
         if self.logits is None or self.rounded is None or self.rounded.top1 is None:
             return False
-        return 1.0 - self.rounded.top1 >= use.DECISION_SHARE
+        return use.DECISION_RATIO * (1.0 - self.rounded.top1) >= 0.5
 
     def decided(self, run: Measured) -> bool:
         """The run's top-1 is one compare would not call changed (use.Decisions.changed)."""
@@ -519,7 +519,7 @@ def _plan(
         metric_asked=metric is not None,
         head=judged[0].logits_layer if m.decisions else None,
         the_plan_outputs=[k for k in keep if k in fp32_outputs] if m.decisions else [],
-        coarse_output=m.decisions and any(s.coarse_output for s in judged),
+        coarse_output=m.name == "top1" and any(s.coarse_output for s in judged),
         decisions_back=m.decisions
         and verified
         and all(s.decided(x) for s, x in zip(judged, measured.get(final_key, []), strict=True)),

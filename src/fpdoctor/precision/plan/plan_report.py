@@ -63,7 +63,7 @@ class Search:
     head: str | None = None  # the logits' layer
     the_plan_outputs: list[str] = field(default_factory=list)  # kept modules whose outputs stay fp32
     decisions_back: bool = False  # with the plan, compare would not call the decisions changed on any set
-    coarse_output: bool = False  # rounding the exact output alone changes the decisions (on some set)
+    coarse_output: bool = False  # top1: rounding the exact output alone flips too many decisions for a target
 
 
 def _fmt(value: float) -> str:
@@ -252,14 +252,11 @@ def _target(the_plan: Plan) -> float:
 def _target_text(the_plan: Plan, search: Search) -> str:
     m = search.metric
     what = "the tolerance asked for" if search.tolerance_asked is not None else _FLOOR_TEXT[m.name]
-    if search.tolerance_asked is None and search.coarse_output:
+    if search.tolerance_asked is None and search.coarse_output:  # top1 only (plan.py _Set.coarse_output)
         what = (
             f"rounding the exact output to {the_plan.candidate} alone changes the decisions (output-too-coarse), so "
-            f"the target is for logits kept wider: {'16x' if m.power == 1 else '256x'} what rounding the inputs "
-            "costs, or 1% of the rows where that is more"
-            if m.name == "top1"
-            else f"rounding the exact output to {the_plan.candidate} alone changes the decisions (output-too-coarse), "
-            "so the target is for logits kept wider: 256x the KL that rounding the inputs costs"
+            "the target is for logits kept wider: 16x what rounding the inputs costs, or 1% of the rows where that "
+            "is more"
         )
     target = _target(the_plan)
     if target > the_plan.tolerance:
