@@ -227,3 +227,29 @@ def test_a_constant_past_fp16s_range_applied_by_an_op_is_named_and_holding_it_at
     # as printed: a constant the format holds; the output is finite again
     fixed = fpdoctor.compare(PaddedPool(65504.0).eval(), (frames, pad), candidate="fp16")
     assert not fixed.report.by_name("nonfinite-produced"), str(fixed.report)
+
+
+class _NoEps(nn.Module):
+    """An L2 normalisation with no eps: an all-zero row is 0 / 0 in every precision, fp64 too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.proj(x)
+        return z / z.pow(2).sum(-1, keepdim=True).sqrt()
+
+
+def test_a_nan_the_fp64_run_makes_too_is_not_judged_as_the_candidates(tmp_path: Path) -> None:
+    """compare said "NaN where the fp64 run's are finite" of a 0 / 0 the fp64 run makes too: no precision
+    is its fix. compare (and plan, which compares first) now say so and stop, pointing at trace; an
+    output's -inf (a mask) is not a NaN and is still compared."""
+    x = torch.randn(16, 8)
+    x[::4] = 0.0
+    from fpdoctor.precision.compare.compare import ReferenceFailed
+
+    with pytest.raises(ReferenceFailed, match=r"holds 32 NaN values in its fp64 run too.*fpdoctor trace"):
+        fpdoctor.compare(_NoEps().eval(), x, candidate="fp16")
+    with pytest.raises(ReferenceFailed, match="NaN values in its fp64 run too"):
+        fpdoctor.plan(_NoEps().eval(), x, candidate="fp16")

@@ -444,6 +444,7 @@ class _Comparison:
         # an output of logits, whole (use.py): the fp64 pass's and the candidate's, and what made it
         self.truth_modules = dict(self.truth_run.named_modules())
         self._last_leaf: str | None = None
+        self._truth_nan = 0  # NaN values in the fp64 run's output: nothing for compare to judge (_truth_post)
         self._last_output: Any = None  # the last leaf call's output, until the model's own returns
         # 2-D tensors the forward's modules made, by their row count: a table of class embeddings a text
         # tower encodes in the forward (zero-shot scores), for `use.class_table_source`
@@ -571,6 +572,12 @@ class _Comparison:
                 f"the model fails in the reference run (its fp64 copy){given}: {type(exc).__name__}: {exc}"
             ) from exc
         self.reads.read()  # every figure of the pass, in one wait for the device
+        if self._truth_nan:
+            raise ReferenceFailed(
+                f"the model's output holds {self._truth_nan} NaN values in its fp64 run too: no precision makes them "
+                "finite, so there is nothing for compare to judge (the output's -inf, a mask, is fine; a NaN is not). "
+                "`fpdoctor trace` on a script that runs the model names the op that makes them and the rows"
+            )
         self.own.settle()  # the own ops whose figures call for a closer look (container_ops.Own.settle)
 
     def _truth_pre(self, name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
@@ -590,6 +597,8 @@ class _Comparison:
                 self._keep_logits(output)  # no floating output: ids the model decided, if it returns them
             return
         entry = _Seen(t, 0.0, 0.0, name in self.leaves, sum(x.numel() for x in tensors_in(output)))
+        if name == "":  # a NaN the exact run makes (0 / 0 in any precision) is no precision's: one read a compare
+            self._truth_nan = sum(int(torch.isnan(x).sum()) for x in floating(output))
         norm = norm_later(t)  # computed and read with the pass's other figures at its end (metrics.Reads)
 
         def read(norm: float, rounded: float, entry: _Seen = entry) -> None:
