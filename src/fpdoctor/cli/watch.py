@@ -70,7 +70,8 @@ def add_parser(sub: Any) -> None:
         default=500,
         metavar="N",
         help="compare the model's backward at steps 1, 1+N, 1+2N, ... with the same step in fp32 without "
-        "autocast or loss scaling (two more forwards and backwards on each; default 500, 0: off)",
+        "autocast or loss scaling (two more forwards and backwards on each; default 500, which also compares "
+        "steps 10 and 100 and the step after a flat loss, and paces itself to 0.5%% of the run; 0: off)",
     )
     p.add_argument(
         "--device-skip",
