@@ -7,11 +7,12 @@ imports this, the trace, the audit, compare and the crash readers alike.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 from types import FrameType
 
-__all__ = ["CASEBOOK_DIR", "OWN_DIR", "is_user_file", "user_location"]
+__all__ = ["CASEBOOK_DIR", "OWN_DIR", "function_at", "is_user_file", "user_location"]
 
 OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # fpdoctor's package directory
 CASEBOOK_DIR = os.path.join(OWN_DIR, "casebook") + os.sep
@@ -57,3 +58,13 @@ def user_location(frame: FrameType | None) -> tuple[str, int, str] | None:
             return code.co_filename, frame.f_lineno, code.co_name
         frame = frame.f_back
     return None
+
+
+def function_at(tree: ast.Module, line: int) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The innermost function of a parsed source file whose lines hold `line`; None at module level."""
+    holding = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.lineno <= line <= (node.end_lineno or 0)
+    ]
+    return max(holding, key=lambda node: node.lineno, default=None)

@@ -16,7 +16,7 @@ import linecache
 import sys
 from dataclasses import dataclass
 
-from fpdoctor.userframes import user_location
+from fpdoctor.userframes import function_at, user_location
 
 
 @dataclass(frozen=True)
@@ -90,12 +90,7 @@ def _holder(block: list[ast.stmt], statement: ast.stmt) -> ast.stmt:
 
 def _scope(tree: ast.Module, line: int) -> ast.AST:
     """The innermost function whose lines hold `line`, else the module."""
-    holding = [
-        node
-        for node in ast.walk(tree)
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.lineno <= line <= (node.end_lineno or 0)
-    ]
-    return max(holding, key=lambda node: node.lineno, default=tree)
+    return function_at(tree, line) or tree
 
 
 def _statements(scope: ast.AST) -> list[ast.stmt]:

@@ -24,7 +24,7 @@ from fpdoctor.precision.candidates import map_tensors
 from fpdoctor.provenance import Provenance
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.torchprivate import TorchDispatchMode
-from fpdoctor.userframes import user_location
+from fpdoctor.userframes import function_at, user_location
 
 # Ops after which values are back in a small range: the region ends, their result is cast back.
 _ENDS = ("aten._softmax.", "aten.softmax.", "aten._safe_softmax.", "aten._log_softmax.", "aten.log_softmax.")
@@ -226,14 +226,8 @@ def _same_function(start: str | None, end: str | None) -> bool:
         tree = ast.parse("".join(linecache.getlines(path)))
     except (SyntaxError, ValueError):
         return False
-
-    def inner(line: int) -> ast.AST | None:
-        held = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-                and n.lineno <= line <= (n.end_lineno or 0)]  # fmt: skip
-        return max(held, key=lambda n: n.lineno, default=None)
-
-    first = inner(int(a))
-    return first is not None and first is inner(int(b))
+    first = function_at(tree, int(a))
+    return first is not None and first is function_at(tree, int(b))
 
 
 def _at(location: str | None) -> str:
