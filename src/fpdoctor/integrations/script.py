@@ -700,8 +700,7 @@ class ScriptWatch:
         # a non-finite gradient is kept from the weights (a GradScaler's own step finds it itself); a
         # non-finite loss whose gradients are finite makes a finite update, applied as the script does
         # (with a scaler, here only where it stepped: a scale whose reciprocal is Inf lets NaN through)
-        skip = bad_grad and not skipped_by_scaler
-        if skip and not skipped_by_scaler and not pending.on_device:
+        if bad_grad and not skipped_by_scaler and not pending.on_device:
             for p in run.params:  # kept from the weights: torch's optimizers skip a parameter without a gradient
                 p.grad = None
         # the buffers as they are now: the next step's bad forward is undone to here (the first step
