@@ -697,4 +697,23 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         fix="Find why the loss is skipped: `fpdoctor trace` follows the loss op by op and names the op that makes "
         "it non-finite, with its fix checked.",
     ),
+    RuleInfo(
+        code="TRN021",
+        name="unscaled-then-accumulated",
+        severity=E,
+        title="A backward added scaled gradients to gradients the GradScaler had already unscaled",
+        what="`fpdoctor watch` follows the script's `scaler.unscale_(optimizer)` and `scaler.update()` calls: a "
+        "backward after an unscale_ and before that optimizer's step that writes into gradients holding values "
+        "mixes gradients divided by the loss scale with gradients still multiplied by it. The first such step gets "
+        "a reference step: the gradients the optimizer took, and the step's micro-batches summed and unscaled "
+        "once, are each compared by direction with the fp32 reference's. The finding names the unscale_ and "
+        "update() lines and the micro-batch loop that holds them, read from the script.",
+        why="Gradient accumulation that unscales and clips on every micro-batch divides each earlier micro-batch's "
+        "gradients by the scale again at every later unscale_ (65536 once more: 1.5e-5 of their weight). "
+        "GradScaler raises at a second unscale_ in one step, and a scaler.update() after each micro-batch silences "
+        "it: the optimizer then steps on the last micro-batch alone, the loss falls slower, and nothing is NaN or "
+        "skipped.",
+        fix="Unscale once per optimizer step: after the last micro-batch's backward, call scaler.unscale_(optimizer), "
+        "the clip, scaler.step(optimizer) and scaler.update(), once each.",
+    ),
 )

@@ -74,6 +74,7 @@ from fpdoctor.numerics.observe.gradcheck import (
     skips_on_device,
 )
 from fpdoctor.numerics.observe.loader import LoaderBatches
+from fpdoctor.numerics.observe.scaler_order import Mixed, ScalerOrder
 from fpdoctor.numerics.trace.scaled_grads import ScaledGrads
 from fpdoctor.numerics.training import distributed, reference
 from fpdoctor.numerics.training.judge import StepFacts, StepJudge, StepOutcome
@@ -82,6 +83,7 @@ from fpdoctor.numerics.updates.measure import UpdateProbe, UpdateStats
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Finding, Report, Severity, Trial
 from fpdoctor.torchprivate import global_optimizer_hooks, pytree
+from fpdoctor.userframes import user_location
 
 _DEVICE_TYPES = ("cpu", "cuda")
 
@@ -256,6 +258,8 @@ class ScriptWatch:
         self._penalty: ScaledGrads | None = None  # autograd.grad of a scaled output, seen (a gradient penalty)
         self._top = TopLevelCalls(self._pre, self._post)
         self._scaler_now: dict[int, Any] = {}  # id(optimizer) -> the GradScaler stepping it now
+        self._order = ScalerOrder()  # the script's unscale_, update() and backwards, in their order
+        self._mixed: dict[int, Mixed] = {}  # id(optimizer) -> its step in progress mixes unscaled gradients
         self._judged: set[int] = set()  # optimizers judged inside the scaler's step in progress
         self._replaying = False
         self._stack: contextlib.ExitStack | None = None
@@ -284,6 +288,9 @@ class ScriptWatch:
             stack.enter_context(self._swapped(torch.autograd, "backward", self._backward_of))
             scaler = amp.grad_scaler_class()
             stack.enter_context(self._swapped(scaler, "step", self._scaler_step_of))
+            # the script's unscale_ and update() calls: a backward between an unscale_ and the step (scaler_order.py)
+            stack.enter_context(self._swapped(scaler, "unscale_", self._unscale_of))
+            stack.enter_context(self._swapped(scaler, "update", self._update_of))
             # a gradient penalty on the gradients of a GradScaler-scaled output: its loss reads gradients
             # that overflow at the scaler's first scales (calibration, not a bug), and whether the code
             # unscales them the step traced once tells
@@ -418,7 +425,10 @@ class ScriptWatch:
                 waiting = [(c, c.kept.fills) for c in self._calls]
             except Exception as exc:
                 self._error("reading the loss", exc)
+            after = self._order_check()
             result = original(tensors, *args, **kwargs)
+            if after is not None:
+                self._guarded(after, "checking the GradScaler's order")
             for call, fills in waiting:  # the forwards this backward reached: this loss is theirs
                 if call.kept.fills != fills:
                     self._reached += call.kept.loss is None and call.module.training
@@ -436,6 +446,7 @@ class ScriptWatch:
                 return original(scaler, optimizer, *args, **kwargs)
             self._scaler_now[key] = scaler
             self._judged.discard(key)
+            self._note_order(optimizer)
             try:
                 return original(scaler, optimizer, *args, **kwargs)
             finally:
@@ -447,6 +458,45 @@ class ScriptWatch:
                 self._stop_here()
 
         return step
+
+    def _unscale_of(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def unscale_(scaler: Any, optimizer: Any) -> Any:
+            result = original(scaler, optimizer)
+            # the script's own call; the one scaler.step() makes for itself is the step's
+            if amp.enabled(scaler) and not self._replaying and id(optimizer) not in self._scaler_now:
+                where = user_location(sys._getframe(1))
+                self._guarded(lambda: self._order.unscaled(scaler, optimizer, where), "checking the GradScaler's order")
+            return result
+
+        return unscale_
+
+    def _update_of(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def update(scaler: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(scaler, *args, **kwargs)
+            if amp.enabled(scaler) and not self._replaying:
+                where = user_location(sys._getframe(1))
+                self._guarded(lambda: self._order.updated(where), "checking the GradScaler's order")
+            return result
+
+        return update
+
+    def _order_check(self) -> Callable[[], None] | None:
+        """Before a backward: what checks, after it, whether it added to gradients already unscaled."""
+        try:
+            return self._order.around_backward()
+        except Exception as exc:
+            self._error("checking the GradScaler's order", exc)
+            return None
+
+    def _note_order(self, optimizer: Any) -> None:
+        """At an optimizer's step (once, the scaler's or the optimizer's own): its unscale_ record closed."""
+        try:
+            mixed = self._order.stepped(optimizer)
+        except Exception as exc:
+            self._error("checking the GradScaler's order", exc)
+            return
+        if mixed is not None:
+            self._mixed[id(optimizer)] = mixed
 
     def _stepping(self, optimizer: Any) -> None:
         """An optimizer's step, taken or skipped by its scaler: the traced step's end where it was
@@ -464,6 +514,8 @@ class ScriptWatch:
         key = id(optimizer)
         scaler = self._scaler_now.get(key)
         self._judged.add(key)
+        if scaler is None:  # optimizer.step() called by the script itself
+            self._note_order(optimizer)
         self._stepping(optimizer)
         # step(closure): LBFGS, Lightning's loop (args holds the optimizer itself first)
         if (len(args) > 1 or kwargs) and any(callable(a) for a in (*args[1:], *kwargs.values())):
@@ -597,6 +649,9 @@ class ScriptWatch:
                     flags = FlagRead(torch.stack([grad, grad, scale, *(t.to(device) for t in losses)]))
         judge.steps += 1
         judge.micro_batches += len(mine)
+        mixed = self._mixed.pop(id(optimizer), None)
+        if mixed is not None:  # the reference step measures what it cost (unscaled_twice.py)
+            judge.mixed_step(judge.steps, mixed)
         pending = _Pending(run, judge.steps, flags, mine, scaler, skipped_by_scaler, on_device)
         pending.loss_agreed = judge.distributed or on_device
         if on_device:  # the optimizer skips a bad step by itself, or it is undone; the host looks a step later
@@ -693,6 +748,17 @@ class ScriptWatch:
                                 scale_carried=True, final_gradients=True)  # fmt: skip
             except Exception as exc:  # the observer's own failure: a finding, the step goes on
                 judge.error("comparing the step with the reference step", exc, step)
+        # a step that unscaled before its last backward and that no reference step measured: said untried
+        why_not = (
+            judge.reference_off
+            or facts.why_not
+            or (
+                "the optimizer stepped on the device before the step could be replayed"
+                if pending.on_device
+                else "its loss or gradients were not finite"
+            )
+        )
+        judge.mixed_step_said(step, why_not=why_not)
         if outcome.finite:
             run.left = None
         elif outcome.verdict == "amp-skip" and run.left is None:

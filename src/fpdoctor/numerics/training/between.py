@@ -141,3 +141,68 @@ def _step_names(statements: list[ast.stmt], line: int) -> tuple[str | None, str 
                     return owner, ast.unparse(given)
                 return None, owner
     return None, None
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """A micro-batch loop that unscales inside it: the loop, and what of it runs once per optimizer step."""
+
+    path: str
+    loop: tuple[int, str]  # the `for`/`while` that holds the backward and the unscale_: line, source
+    # the statements of the unscale_'s own block, from it on, that unscale, process the gradients, step or
+    # update (an `if` that holds a step, whole): first line, last line, first line's source
+    moved: tuple[tuple[int, int, str], ...]
+    scaler: str | None  # as the unscale_ call names them: `scaler.unscale_(opt)` -> "scaler", "opt"
+    optimizer: str | None
+    # update() calls among them to delete, not move: the step is after the loop and so is an update()
+    removed: tuple[tuple[int, int, str], ...] = ()
+
+    @staticmethod
+    def listed(spans: tuple[tuple[int, int, str], ...]) -> str:
+        return ", ".join(
+            f"line {a} (`{text}`)" if a == b else f"lines {a}-{b} (`{text}` and what it holds)" for a, b, text in spans
+        )
+
+
+def accumulation(path: str, line: int) -> Accumulation | None:
+    """The innermost loop holding the unscale_ at `line` of `path` and a `.backward(` before it (None:
+    no such loop, or the source cannot be read)."""
+    try:
+        tree = ast.parse("".join(linecache.getlines(path)))
+    except (SyntaxError, ValueError):
+        return None
+    scope = _scope(tree, line)
+    loops = [
+        node
+        for node in ast.walk(scope)
+        if isinstance(node, (ast.For, ast.While))
+        and node.lineno < line <= (node.end_lineno or node.lineno)
+        and any(_calls(s, "backward") and s.lineno < line for s in _statements(node))
+    ]
+    if not loops:
+        return None
+    loop = max(loops, key=lambda node: node.lineno)
+    block = _block_of(scope, line)
+    unscale = next((s for s in block if s.lineno <= line <= (s.end_lineno or s.lineno)), None)
+    if unscale is None:
+        return None
+    wanted = ("unscale_", "step", "update")
+    moved = [
+        s for s in block if s.lineno >= unscale.lineno and (_processes(s) or any(_calls(s, name) for name in wanted))
+    ]
+    names: tuple[str | None, str | None] = (None, None)
+    for n in ast.walk(unscale):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "unscale_" and n.args:
+            names = ast.unparse(n.func.value), ast.unparse(n.args[0])
+    removed: list[ast.stmt] = []
+    after = [s for s in _statements(scope) if s.lineno > (loop.end_lineno or loop.lineno)]
+    if not any(_calls(s, "step") for s in moved) and any(_calls(s, "update") for s in after):
+        # moved before the step after the loop, an update() would reset the scaler between unscale_ and step
+        removed = [s for s in moved if _calls(s, "update")]
+        moved = [s for s in moved if not any(s is r for r in removed)]
+    head = (loop.lineno, ast.unparse(loop).splitlines()[0])
+    return Accumulation(path, head, _spans(moved), *names, removed=_spans(removed))
+
+
+def _spans(statements: list[ast.stmt]) -> tuple[tuple[int, int, str], ...]:
+    return tuple((s.lineno, s.end_lineno or s.lineno, ast.unparse(s).splitlines()[0]) for s in statements)

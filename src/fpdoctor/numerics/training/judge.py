@@ -42,6 +42,7 @@ from fpdoctor.numerics.compiled import step as compiled
 from fpdoctor.numerics.observe import amp, dynamo
 from fpdoctor.numerics.observe.batches import MicroBatch
 from fpdoctor.numerics.observe.gradcheck import bad_parameters, kind_of, tensor_kind
+from fpdoctor.numerics.observe.scaler_order import Mixed
 from fpdoctor.numerics.training import (
     coarse_output,
     corruption,
@@ -51,6 +52,7 @@ from fpdoctor.numerics.training import (
     reference,
     reference_update,
     transient,
+    unscaled_twice,
 )
 from fpdoctor.numerics.training.control import ControlResult, run_control, wants_control
 from fpdoctor.numerics.training.live import FindingLog, Live
@@ -270,6 +272,10 @@ class StepJudge:
         # a flat window asks for a reference step at once: what the code does to the gradients may have
         # changed since the last one (a clip that starts after a warm-up), and a flat loss is when to look
         self._reference_asked = False
+        # watch: the first step whose gradients were unscaled before its last backward (scaler_order.py),
+        # waiting for the reference step that measures it; then True once said
+        self._mixed: tuple[int, Mixed] | None = None
+        self._mixed_said = False
         self._clock: float | None = None
         self._spent = 0.0  # seconds of reference work since the last judged step
         self._step_times: deque[float] = deque(maxlen=64)
@@ -1132,6 +1138,12 @@ class StepJudge:
             self.reference_compared.append(reference.Comparison(step, not_compared=text))
             return
         self.reference_compared.append(result)
+        if self._mixed is not None and self._mixed[0] == step:
+            divide = scale if scale is not None and scale > 0 and not unscaled else 1.0
+            measured = unscaled_twice.measure(result, {n: g / divide for n, g in live.items()})
+            self.mixed_step_said(step, measured=measured, why_not=result.not_compared or "nothing to compare")
+            result.backward_grads = result.reference_grads = None
+            return
         if backward_only and final_gradients and result.first_stage() is None:
             divide = scale if scale is not None and scale > 0 and not unscaled else 1.0
             reference.processed_scaled(result, {n: g / divide for n, g in live.items()})
@@ -1148,6 +1160,21 @@ class StepJudge:
             own = {n: g / divide if divide != 1.0 else g for n, g in live.items()} if backward_only else None
             self._update_stages(result, optimizer, divide=divide, recipe=recipe, own=own)
         result.reference_grads = None
+
+    def mixed_step(self, step: int, mixed: Mixed) -> None:
+        """watch: this step's gradients were unscaled before its last backward (scaler_order.py). The
+        first such step asks for a reference step, which measures what it cost (`_reference_step`)."""
+        if self._mixed is None and not self._mixed_said:
+            self._mixed = (step, mixed)
+            self._reference_asked = True
+
+    def mixed_step_said(self, step: int, *, measured: unscaled_twice.Measured | None = None, why_not: str) -> None:
+        """The finding of the step `mixed_step` noted, once: measured, or with why the reference step
+        could not measure it."""
+        if self._mixed is None or self._mixed[0] != step:
+            return
+        mixed, self._mixed, self._mixed_said = self._mixed[1], None, True
+        self.causes.add(unscaled_twice.finding(mixed, step, measured=measured, why_not=why_not, here=self.here))
 
     def _update_stages(
         self,

@@ -345,6 +345,13 @@ def _rows(stage: str, ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor
     return sorted((r for r in rows if r is not None), key=_badness, reverse=True)
 
 
+def worst_cosine(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float | None:
+    """The lowest cosine of a parameter's gradient with the reference's (by `_rows`'s rule of which
+    are judged); None where none is."""
+    rows = _rows("optimizer", ours, ref, 1.0)
+    return min(d.cosine for d in rows) if rows else None
+
+
 def _rms(t: torch.Tensor) -> float:
     return float(t.double().square().mean().sqrt()) if t.numel() else 0.0
 
