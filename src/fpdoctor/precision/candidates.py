@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fpdoctor.precision.names import CANDIDATES, FP8_KERNELS, PRECISIONS, REFERENCES, check_name
-from fpdoctor.torchprivate import compiled_inner, has_scaled_mm, scaled_mm
+from fpdoctor.torchprivate import compiled_inner, has_scaled_mm, pytree, scaled_mm
 
 __all__ = [
     "CANDIDATES",
@@ -179,6 +179,19 @@ def _copy_as(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     for b in model.buffers():
         if b.is_floating_point():
             memo[id(b)] = b.detach().to(dtype, copy=True)
+    return copy_module(model, memo)
+
+
+def copy_module(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
+    """copy.deepcopy of a module that also copies the tensors it holds as plain attributes while they
+    are still in an autograd graph (a load-balancing loss a forward stored, `self.aux_loss = ...`),
+    which deepcopy refuses: they are copied detached, as values."""
+    memo = {} if memo is None else memo
+    for module in model.modules():
+        for value in vars(module).values():
+            for t in pytree.tree_leaves(value) if isinstance(value, (list, tuple, dict)) else [value]:
+                if isinstance(t, torch.Tensor) and not t.is_leaf and id(t) not in memo:
+                    memo[id(t)] = t.detach().clone()
     return copy.deepcopy(model, memo)
 
 

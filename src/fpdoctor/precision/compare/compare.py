@@ -30,7 +30,6 @@ floor, so only what goes beyond the reference's own rounding is called a diverge
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import linecache
 import math
@@ -56,6 +55,7 @@ from fpdoctor.precision.candidates import (
     check_device,
     check_name,
     compute_dtype,
+    copy_module,
     fp8_format,
     make_run,
     map_tensors,
@@ -1887,7 +1887,7 @@ class _Comparison:
             parent, _, child = module.rpartition(".")
             holder = self.cand_run.get_submodule(parent)
             back = None if fp32_output else self.cand_dtype
-            kept = keep_in_fp32(copy.deepcopy(self.model.get_submodule(module)), back)
+            kept = keep_in_fp32(copy_module(self.model.get_submodule(module)), back)
             swapped.append((holder, child, getattr(holder, child)))
             setattr(holder, child, kept if self.cand_device is None else kept.to(self.cand_device))
         try:
@@ -1900,10 +1900,10 @@ class _Comparison:
         """The output (its first floating tensor) with the model's own ops in fp32 on its inputs as
         given, and its submodules as the candidate runs them (their inputs cast to its dtype, their
         outputs back to fp32): a copy of the user's model holds the swap."""
-        run = copy.deepcopy(self.model).to(torch.float32)
+        run = copy_module(self.model).to(torch.float32)
         dtype = self.cand_dtype
         for name, _ in list(run.named_children()):
-            child = copy.deepcopy(self.cand_run.get_submodule(name))
+            child = copy_module(self.cand_run.get_submodule(name))
             child.register_forward_pre_hook(
                 lambda m, args, kwargs: (cast_inputs(args, dtype), cast_inputs(kwargs, dtype)), with_kwargs=True
             )

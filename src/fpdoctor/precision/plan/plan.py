@@ -19,7 +19,6 @@ reached, what was not, and where to look next (plan_report.py).
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import math
 import statistics
@@ -36,6 +35,7 @@ from fpdoctor.precision.candidates import (
     cast_inputs,
     check_name,
     compute_dtype,
+    copy_module,
     make_run,
     model_device,
     run_flags,
@@ -188,7 +188,7 @@ def _candidate_with(
     dtype = compute_dtype(candidate)
     modules = dict(model.named_modules())
     for name in keep:
-        fp32_module = copy.deepcopy(modules[name]).float()  # the original module, not a simulated one
+        fp32_module = copy_module(modules[name]).float()  # the original module, not a simulated one
         parent, _, child = name.rpartition(".")
         holder = run.get_submodule(parent) if parent else run
         setattr(holder, child, keep_in_fp32(fp32_module, back_to=None if name in fp32_outputs else dtype))
