@@ -118,9 +118,18 @@ class TracedStep:
             "of the model alone named no op with a checked fix; the watch traced the next training step "
             "through its loss and backward, as `fpdoctor trace` does): "
         )
-        self.findings = [
-            replace(f, message=why + f.message, evidence={**f.evidence, "traced_step": self.step}) for f in found[:2]
-        ]
+        # the trace counts its own steps from 1: the script's count is the traced step's
+        ours = (
+            (", optimizer step 1,", f", optimizer step {self.step},"),
+            (", optimizer step 1)", f", optimizer step {self.step})"),
+        )
+        self.findings = []
+        for f in found[:2]:
+            message = f.message
+            for theirs, mine in ours:
+                message = message.replace(theirs, mine)
+            evidence = {**f.evidence, "step": self.step, "traced_step": self.step}
+            self.findings.append(replace(f, message=why + message, evidence=evidence))
         return self.findings
 
     def lead(self, found: list[Finding]) -> list[Finding]:
@@ -132,7 +141,13 @@ class TracedStep:
         rate = next((f for f in found if f.name == "training-stalled" and "climbed_at_step" in f.evidence), None)
         if rate is not None:  # the learning rate's, tried: the op where the growing values overflowed follows it
             at = found.index(rate) + 1
-            return [*found[:at], *self.findings, *found[at:]]
+            said = (
+                f"As training-stalled says (the loss climbed from step {rate.evidence['climbed_at_step']}: the "
+                "weights grew out of range, and a change at this op only moves the step where they overflow): "
+                f"{rate.fix}"
+            )
+            followed = [replace(f, fix=said, trial=rate.trial) if rate.fix else f for f in self.findings]
+            return [*found[:at], *followed, *found[at:]]
         cause = self.findings[0]
         said = f"the step traced at step {self.step} names it ({cause.code}): {cause.fix}"
         explained = [

@@ -28,6 +28,7 @@ import torch
 
 from fpdoctor import catalog
 from fpdoctor.formats import FORMATS
+from fpdoctor.numerics.observe import lr_schedule
 from fpdoctor.numerics.trace.tracer import Record
 from fpdoctor.report.model import Finding, Trial
 from fpdoctor.torchprivate import DisableTorchDispatch
@@ -100,6 +101,7 @@ class OptimizerSeen:
     positions: list[int | None] = field(default_factory=list)
     lrs: list[float | None] = field(default_factory=list)  # the largest learning rate at each of those steps
     dropped: int = 0  # steps past WEIGHT_STEPS, whose weights were not kept
+    ref: Any = None  # a weak reference to the optimizer: its scheduler, where a finding asks (lr_schedule.py)
 
 
 def _stepped_by_scaler() -> bool:
@@ -197,6 +199,7 @@ class RecipeWatch:
             self._trained.update((id(p), weakref.ref(p)) for p in params)
             eps = [float(g["eps"]) for g in optimizer.param_groups if isinstance(g.get("eps"), (int, float))]
             seen = self.optimizers[key] = OptimizerSeen(type(optimizer).__name__, eps, dtypes, _stepped_by_scaler())
+            seen.ref = self._refs[key]
             lrs = [float(g["lr"]) for g in optimizer.param_groups if isinstance(g.get("lr"), (int, float))]
             seen.lr = max(lrs) if lrs else None
         if len(seen.weights) < WEIGHT_STEPS:
@@ -282,10 +285,23 @@ def blowup_finding(seen: OptimizerSeen, step_of: Callable[[int], int | None] | N
             f"{seen.name}'s updates{lr} of steps {first} to {step} {size} in {end - start} updates: the weights "
             "diverge, step after step."
         )
+    try:  # the scheduler that raised the rate, where one did: the rate to cap is its
+        schedule = lr_schedule.find(seen.ref() if seen.ref is not None else None, rate)
+    except Exception:
+        schedule = None
+    fix = (
+        "lower the learning rate (by the growth factor at least: start 10x-100x lower, with warmup), and "
+        "clip the gradients (torch.nn.utils.clip_grad_norm_(params, 1.0)) before the step"
+    )
+    if schedule is not None and rate is not None:
+        fix = (
+            schedule.fix(rate / 10, " (10x below the rate at which the weights blew up)") + ", and clip the gradients "
+            "(torch.nn.utils.clip_grad_norm_(params, 1.0)) before the step"
+        )
     return catalog.make(
         "update-blew-up",
         message=(
-            what + " The "
+            what + (schedule.text() if schedule is not None else "") + " The "
             "next forward and backward run on those weights: the NaN/Inf reported after this is their "
             "consequence, not a cause of its own."
         ),
@@ -299,8 +315,7 @@ def blowup_finding(seen: OptimizerSeen, step_of: Callable[[int], int | None] | N
             "largest_weight_after": after,
             "growth": grown if math.isfinite(grown) else None,
         },
-        fix="lower the learning rate (by the growth factor at least: start 10x-100x lower, with warmup), and "
-        "clip the gradients (torch.nn.utils.clip_grad_norm_(params, 1.0)) before the step",
+        fix=fix,
         trial=Trial.untried(
             "the trace saw this update once and cannot repeat the step at another rate (fpdoctor.Sentinel and "
             "`fpdoctor watch` try a lower rate from the step that climbed)"

@@ -254,12 +254,12 @@ def verdict_findings(
         control_text, control_fix, control_evidence, control_trial = _control_text(control, climbed, lr_trial)
         decided = first is not None and _experiment_decided(first)
         fix, trial = (
-            (first.fix, first.trial)  # an op of the loss code named, with its own checked fix (a clamp)
+            (control_fix, control_trial)  # after a climb of the loss: the learning rate, wherever it shows
+            if climbed is not None and control_fix is not None
+            else (first.fix, first.trial)  # an op of the loss code named, with its own checked fix (a clamp)
             if after and first is not None and decided
             else (_AFTER_OUTPUTS_FIX, Trial.untried("a change to the loss code, which fpdoctor does not write"))
             if after
-            else (control_fix, control_trial)
-            if climbed is not None and control_fix is not None
             else (first.fix, first.trial)
             if first is not None and decided
             else (control_fix, control_trial)
@@ -810,7 +810,7 @@ def _lr_trial(trial: LrTrial | None) -> Trial:
     if best is not None and not trial.as_is.settles:
         return Trial.checked(
             f"lr {trial.as_is.lr:.4g} -> {best.lr:.4g}",
-            metric=f"the loss over {trial.steps} steps",
+            metric=f"the {'loss' if best.loss_seen else 'gradients'} over {trial.steps} steps",
             before=trial.as_is.said(),
             after=best.said(),
             on=f"copies of {trial.start}, on its batch",
@@ -829,9 +829,14 @@ def _lr_fix(trial: LrTrial | None) -> str:
         return f"Lower the learning rate (or add warm-up){reason}, {rest}"
     as_is, best = trial.as_is, trial.best
     if best is not None and not as_is.settles:
+        lower = (
+            trial.schedule.fix(best.lr) + ","
+            if trial.schedule is not None
+            else f"Lower the learning rate to {best.lr:.4g} or below (the run's {as_is.lr:.4g} / "
+            f"{as_is.lr / best.lr:g}),"
+        )
         return (
-            f"Lower the learning rate to {best.lr:.4g} or below (the run's {as_is.lr:.4g} / {as_is.lr / best.lr:g}), "
-            f"{rest} Checked: from {trial.origin}, {trial.steps} steps at "
+            f"{lower} {rest} Checked: from {trial.origin}, {trial.steps} steps at "
             f"{best.lr:.4g} {best.said()}; at {as_is.lr:.4g} they {as_is.said()}."
         )
     if best is not None:

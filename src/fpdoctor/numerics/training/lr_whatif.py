@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fpdoctor.numerics.observe import lr_schedule
+from fpdoctor.numerics.observe.lr_schedule import Schedule
 from fpdoctor.numerics.updates.measure import no_global_optimizer_hooks
 from fpdoctor.numerics.updates.whatif import copy_optimizer
 from fpdoctor.preserve import preserved
@@ -103,11 +105,18 @@ class Arm:
         seen = [v for v in self.losses if math.isfinite(v)]
         return self.finite and (len(seen) < 2 or seen[-1] <= seen[0])
 
+    @property
+    def loss_seen(self) -> bool:
+        """A loss was seen on the steps (`fpdoctor watch` replays the model alone: only its gradients)."""
+        return any(math.isfinite(v) for v in self.losses)
+
     def said(self) -> str:
         seen = [v for v in self.losses if math.isfinite(v)]
         trend = f" (loss {_num(seen[0])} -> {_num(seen[-1])})" if len(seen) >= 2 else ""
         if not self.finite:
             return f"went non-finite after {(self.bad_at or 1) - 1} of them{trend}"
+        if not seen:
+            return "kept their gradients finite"
         return ("stayed finite" if self.settles or len(seen) < 2 else "stayed finite but the loss climbed") + trend
 
 
@@ -123,6 +132,7 @@ class LrTrial:
     why_not: str | None = None  # why it was not tried, or what failed
     after_update: bool = False  # from the state after the step's update (Snapshot.after_update)
     first: bool = True  # from the climb's first step (Snapshot.first)
+    schedule: Schedule | None = None  # the scheduler that raised the rate to the run's (lr_schedule.py)
 
     @property
     def start(self) -> str:
@@ -179,11 +189,15 @@ class LrTrial:
             f"they {self.as_is.said()}; {arms}"
         )
         best = self.best
-        if best is not None and not self.as_is.settles:
-            return head + f": lr {_num(best.lr)} keeps them finite and the loss from climbing (checked)."
-        if best is not None:
-            return head + ": on this batch the run's rate settles too, so the trial does not separate them."
-        return head + ": no lower learning rate tried kept them finite with a loss that did not climb."
+        if best is not None and not self.as_is.settles and not best.loss_seen:
+            said = head + f": lr {_num(best.lr)} keeps their gradients finite (checked; the loss is not seen here)."
+        elif best is not None and not self.as_is.settles:
+            said = head + f": lr {_num(best.lr)} keeps them finite and the loss from climbing (checked)."
+        elif best is not None:
+            said = head + ": on this batch the run's rate settles too, so the trial does not separate them."
+        else:
+            said = head + ": no lower learning rate tried kept them finite with a loss that did not climb."
+        return said + (self.schedule.text() if self.schedule is not None else "")
 
 
 def _num(value: float | None) -> str:
@@ -216,6 +230,10 @@ def try_lower_lr(model: nn.Module, optimizer: Any, snap: Snapshot, *, steps: int
     finally:
         for p, g in saved_grads:
             p.grad = g
+    try:  # the scheduler that raised the rate, where one did: the rate to cap is its
+        schedule = lr_schedule.find(optimizer, arms[0].lr)
+    except Exception:
+        schedule = None
     return LrTrial(
         snap.step,
         steps,
@@ -224,6 +242,7 @@ def try_lower_lr(model: nn.Module, optimizer: Any, snap: Snapshot, *, steps: int
         time.perf_counter() - start,
         after_update=snap.after_update,
         first=snap.first,
+        schedule=schedule,
     )
 
 

@@ -1,0 +1,88 @@
+"""The learning-rate scheduler behind an optimizer's rate: where a climb's rate came from.
+
+The rate at which a run diverges is often not the one its optimizer was built with: a warm-up with
+no cap (`lr * step / warmup`), a cyclic or restarted schedule with the wrong period. "Lower the
+learning rate" then reads as "lower the lr you passed", which is already low. Every torch scheduler
+records the rate the optimizer was built with (`initial_lr` in each group); the scheduler itself is
+found among the objects that refer to the optimizer (asked only when a finding is made), and a
+LambdaLR's or MultiplicativeLR's function is named by its source line.
+"""
+
+from __future__ import annotations
+
+import gc
+import linecache
+from dataclasses import dataclass
+from typing import Any
+
+RAISED = 1.5  # a rate this many times the one the optimizer was built with was raised by its schedule
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The scheduler that set an optimizer's rate, and by how much it raised it."""
+
+    kind: str  # its class: "LambdaLR"
+    initial: float  # the rate the optimizer was built with (initial_lr)
+    now: float  # the rate at the step in question
+    where: tuple[str, int, str] | None  # (file, line, source) of a LambdaLR/MultiplicativeLR function
+
+    @property
+    def factor(self) -> float:
+        return self.now / self.initial
+
+    def text(self) -> str:
+        """What the schedule did, for a finding's message."""
+        at = f" (its function at line {self.where[1]}: `{self.where[2]}`)" if self.where is not None else ""
+        return (
+            f" The rate {self.now:.4g} is not the lr={self.initial:.4g} the optimizer was built with: its "
+            f"{self.kind}{at} raised it {self.factor:.3g}x."
+        )
+
+    def fix(self, lr: float, why: str = "") -> str:
+        """How to hold the schedule's rate at or below `lr` (`why`: that bound's reason, in brackets)."""
+        cap = lr / self.initial
+        if self.kind in ("LambdaLR", "MultiplicativeLR"):
+            line = f" at line {self.where[1]}" if self.where is not None else ""
+            return (
+                f"Cap the {self.kind}'s factor{line} at {cap:.3g} (min({cap:.3g}, ...) around what its function "
+                f"returns), so that the rate stays at or below {lr:.4g}{why}: it reached {self.now:.4g}, "
+                f"{self.factor:.3g}x the lr={self.initial:.4g} the optimizer was built with"
+            )
+        return (
+            f"Set the {self.kind} so that the rate stays at or below {lr:.4g}{why} ({cap:.3g}x the "
+            f"lr={self.initial:.4g} the optimizer was built with): it reached {self.now:.4g}"
+        )
+
+
+def find(optimizer: Any, now: float | None) -> Schedule | None:
+    """The scheduler driving `optimizer` where it raised the rate to `now` (RAISED times or more the
+    rate the optimizer was built with); None where no scheduler did."""
+    if optimizer is None or now is None:
+        return None
+    groups = getattr(optimizer, "param_groups", None) or []
+    initial = [float(g["initial_lr"]) for g in groups if isinstance(g.get("initial_lr"), (int, float))]
+    if not initial or max(initial) <= 0 or now < RAISED * max(initial):
+        return None
+    from torch.optim.lr_scheduler import LRScheduler
+
+    found = [o for o in gc.get_referrers(optimizer) if isinstance(o, LRScheduler)]
+    if not found:
+        # an object's attributes are a dict that refers to the optimizer: its owner is one step further
+        found = [
+            o
+            for d in gc.get_referrers(optimizer)
+            if isinstance(d, dict)
+            for o in gc.get_referrers(d)
+            if isinstance(o, LRScheduler) and getattr(o, "optimizer", None) is optimizer
+        ]
+    if not found:
+        return None
+    scheduler = found[0]
+    where = None
+    functions = getattr(scheduler, "lr_lambdas", None) or []
+    code = getattr(functions[0], "__code__", None) if functions else None
+    if code is not None:
+        source = linecache.getline(code.co_filename, code.co_firstlineno).strip()
+        where = (code.co_filename, code.co_firstlineno, source) if source else None
+    return Schedule(type(scheduler).__name__, max(initial), now, where)
