@@ -80,8 +80,9 @@ def test_a_rate_raised_by_an_uncapped_schedule_names_the_schedule_and_its_cap_wo
     expected = "update-blew-up" if command == "trace" else "training-stalled"
     assert first["name"] == expected, [f["name"] for f in report["findings"]]
     message, fix = first["message"], first["fix"]
-    assert "not the lr=0.05 the optimizer was built with: its LambdaLR (its function at line 10: `def warmup(step):`)" in (
-        message
+    assert (
+        "not the lr=0.05 the optimizer was built with: its LambdaLR (its function at line 10: `def warmup(step):`)"
+        in (message)
     ), message
     assert fix.startswith("Cap the LambdaLR's factor at line 10 at "), fix
     if command == "watch":  # tried: the watch replays the model alone, so the loss is not what it claims

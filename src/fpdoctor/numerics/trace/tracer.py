@@ -26,6 +26,7 @@ from collections import Counter
 from typing import Any
 
 import torch
+from torch.autograd.function import BackwardCFunction
 
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS, OVERFLOW_SHARE
 from fpdoctor.numerics.engine import on_loss, stable
@@ -432,6 +433,8 @@ class Tracer(EagerDispatchMode):
                 forward = self._by_seq.get(node._sequence_nr())
                 if forward is not None:
                     module, call, forward_op, location = forward
+                if isinstance(node, BackwardCFunction):  # a custom autograd.Function: its backward is code of
+                    location = user_location(sys._getframe(3)) or location  # the user's, its line the op's own
         elif this_thread.in_optimizer:
             phase = "optimizer"
             self._visit_line = None

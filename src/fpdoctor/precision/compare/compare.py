@@ -1396,6 +1396,16 @@ class _Comparison:
                 if given is not None and given * RAISED_FALLS <= final.propagated:
                     raised = given
                     cause["inputs_as_given"] = True
+            if raised is None or raised * RAISED_FALLS > final.propagated:
+                # not enough: what it reads is a submodule's output (two large scores of one head subtracted),
+                # which the lines that call those modules make: their ops in fp32 too
+                called, _, _ = upstream.feeding_lines(
+                    self.cand_run, self.run_inputs, self.cand_dtype, op=own["op"], line=own["location"] or "",
+                    module=row.module, rng=self.rng, device=self.cand_device, noise=self.noise, through_calls=True,
+                )  # fmt: skip
+                through = raised_with(called, buffers) if set(called) > set(lines) else None
+                if through is not None and through * RAISED_FALLS <= final.propagated:
+                    lines, raised = called, through
             if lines and raised is not None and _cured(final.propagated, raised):
                 # the lines after them, which read what they make (x - mean after a variance by hand): a fix
                 # that cast the mean back before them cured the NaN and left the cancellation

@@ -59,9 +59,11 @@ class _Producers(EagerDispatchMode):
     """Records the producer of every floating tensor of one forward; at the call of `op` at `line`
     in `module`, walks its inputs back (`found`)."""
 
-    def __init__(self, op: str, line: str, module: str, buffers: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, op: str, line: str, module: str, buffers: dict[str, torch.Tensor], through_calls: bool = False
+    ) -> None:
         super().__init__()
-        self.op, self.line, self.module = op, line, module
+        self.op, self.line, self.module, self.through_calls = op, line, module, through_calls
         self.made = ByTensor()
         for name, t in buffers.items():  # where a walk can end besides inputs and parameters
             self.made.put(t, _Made("buffer", None, "", buffer=name))
@@ -88,7 +90,7 @@ class _Producers(EagerDispatchMode):
             self.found is None and str(func) == self.op and line is not None and f"{line[0]}:{line[1]}" == self.line
             and module == self.module
         ):  # fmt: skip
-            self.found = _walk(made)
+            self.found = _walk(made, self.through_calls)
             return out
         for t in _tensors(out):
             if t.is_floating_point():
@@ -141,33 +143,40 @@ def _encloses(outer: str, inner: str) -> bool:
     return outer in (inner, "") or inner.startswith(outer + ".")
 
 
-def _walk(target: _Made) -> list[_Made]:
+def _walk(target: _Made, through_calls: bool = False) -> list[_Made]:
     """The ops upstream of `target` in its own module call, and in the calls of the modules that
     call it where they made what it was passed (position ids a parent's forward counts in bf16,
     read by a positional module's sin), nearest first, `target` first; a sibling module's output
-    is where the walk stops."""
+    is where the walk stops. `through_calls`: that output's last op kept, its line being where the
+    module is called (a Linear's ops are at the caller's line): a difference of two large outputs of
+    a module needs the module's own ops in fp32 too."""
     seen: list[_Made] = [target]
     frontier = [target]
     while frontier and len(seen) < WALK:
         made = frontier.pop()
         for up in made.inputs:
-            if (_encloses(up.module, target.module) or up.buffer is not None) and all(up is not s for s in seen):
+            if any(up is s for s in seen):
+                continue
+            if _encloses(up.module, target.module) or up.buffer is not None:
                 seen.append(up)
                 frontier.append(up)
+            elif through_calls and up.line is not None:
+                seen.append(up)
     return seen
 
 
 def feeding_lines(
     run: nn.Module, inputs: Any, dtype: torch.dtype, *, op: str, line: str, module: str, rng: RngState,
-    device: torch.device | None, noise: ReplayNoise | None,
+    device: torch.device | None, noise: ReplayNoise | None, through_calls: bool = False,
 ) -> tuple[list[tuple[str, int]], list[str], list[str]]:  # fmt: skip
     """The user lines of the dataflow that feeds `op` at `line` in `module`'s own call, the op's
     own line included, in file order, and the buffers it reads that the model's cast rounded to
     `dtype` (their names in the model; parameters too: a learned centring is one), and the others
-    the module's own ops read elsewhere in its call; empty when the op was not seen."""
+    the module's own ops read elsewhere in its call; empty when the op was not seen. `through_calls`:
+    see `_walk`."""
     held = [*run.named_buffers(), *run.named_parameters()]
     buffers = {name: t for name, t in held if t.dtype == dtype}
-    producers = _Producers(op, line, module, buffers)
+    producers = _Producers(op, line, module, buffers, through_calls)
     stacked(producers, run, inputs, dtype, rng=rng, device=device, noise=noise)
     walked = producers.found or []
     lines = {m.line for m in walked if m.line is not None}

@@ -1,0 +1,61 @@
+"""A difference of two large outputs of one module (two altitudes near 500 m subtracted into an
+elevation gain, two reward scores into a preference): in bf16 each output is rounded to a spacing of
+2-4 before the subtraction, and the difference is lost. The op that shows it (the subtraction) reads
+a submodule's outputs, where compare's walk upstream stops; raising the subtraction's line alone
+changes nothing. compare then raises the lines that call the module too, which runs the module's
+ops in fp32, and says so; the fix written as printed (an fp32 copy of the module called on the
+input .float(), the result cast back) makes compare OK."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+from torch import nn
+
+import fpdoctor
+
+
+class Gain(nn.Module):
+    def __init__(self, fixed: bool = False) -> None:
+        super().__init__()
+        self.fixed = fixed
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.GELU())
+        self.head = nn.Linear(64, 1)
+        nn.init.constant_(self.head.bias, 500.0)
+        self.wide: list[nn.Module] = []  # the fix's fp32 copy, made once (a list: not a submodule)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self.fixed:  # as printed: the modules the lines call as an fp32 copy, on .float() inputs
+            if not self.wide:
+                self.wide.append(copy.deepcopy(nn.Sequential(self.body, self.head)).float())
+            wide = self.wide[0]
+            return (wide(a.float()) - wide(b.float())).squeeze(-1).to(self.head.weight.dtype)
+        za = self.head(self.body(a))
+        zb = self.head(self.body(b))
+        return (za - zb).squeeze(-1)
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    a = torch.randn(256, 16)
+    return a, torch.randn(256, 16)
+
+
+def test_a_difference_of_two_outputs_of_one_module_raises_the_lines_that_call_it_and_the_fix_is_ok():
+    torch.manual_seed(0)
+    model = Gain().eval()
+    report = fpdoctor.compare(model, _inputs(), candidate="bf16").report
+    first = report.findings[0]
+    assert first.name == "precision-divergence" and first.evidence["own_op"] == "aten.sub.Tensor", first.title
+    source, start = inspect.getsourcelines(Gain.forward)
+    lines = [start + k for k, text in enumerate(source) if "za = " in text or "zb = " in text or "za - zb" in text]
+    assert f"lines {lines[0]}-{lines[-1]}" in first.fix, first.fix
+    assert "where a line calls a module (a Linear, a norm), that module in fp32 too" in first.fix, first.fix
+    assert first.trial is not None and first.trial.tried and first.trial.after < 0.1 * first.trial.before
+    torch.manual_seed(0)
+    fixed = Gain(fixed=True).eval()
+    fixed.load_state_dict(model.state_dict())
+    after = fpdoctor.compare(fixed, _inputs(), candidate="bf16").report
+    assert after.verdict == "ok", [(f.name, f.message[:200]) for f in after.findings]
