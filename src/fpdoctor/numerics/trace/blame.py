@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fpdoctor import catalog
-from fpdoctor.numerics.engine.reruns import SINGULAR, Experiment, custom_op_fix, transparent_op
+from fpdoctor.numerics.engine.reruns import SINGULAR, Experiment, custom_op_fix, finfo_spelled, transparent_op
 from fpdoctor.numerics.observe.loader import rows_text
 from fpdoctor.numerics.trace.bounds import impossible
 from fpdoctor.numerics.trace.recipes import range_cause
@@ -58,6 +58,8 @@ _DELIBERATE = frozenset({
     "index_fill_",
 })  # fmt: skip
 _SATURATING = frozenset({"sigmoid", "tanh", "erf", "erfc", "atan"})
+_SOFTMAXES = frozenset({"_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax"})
+_FILLED = re.compile(r"([A-Za-z_][\w.]*)\.masked_fill_?\(")  # `scores.masked_fill(` -> scores
 # GradScaler's unscaling of the gradients (by 1/scale, checking them for Inf/NaN as it goes)
 _UNSCALE = frozenset({"_amp_foreach_non_finite_check_and_unscale_", "_amp_non_finite_check_and_unscale_"})
 
@@ -323,7 +325,12 @@ class Analysis:
             evidence["experiment"] = experiment.evidence()
         else:
             trial = Trial.untried(_unexperimented(fed, self.tracer.experiments))
-        if fed and (experiment is None or experiment.verdict != "origin"):
+        if fed and _packet(r.op) in _SOFTMAXES and kinds[0] == "nan" and all(self.kind_of(f) == "-inf" for f in fed):
+            # a softmax handed only -inf makes NaN in a row where every value is -inf, and nowhere else
+            extra, fix, trial = self._fully_masked(r, fed[0])
+            message += extra
+            evidence["fully_masked"] = True
+        elif fed and (experiment is None or experiment.verdict != "origin"):
             # handed a non-finite value, it made another kind (inf * 0, inf - inf): the cause is upstream
             handed = f"{self.kind_of(fed[0])} in {self.source_text(fed[0])}"
             fix = (
@@ -343,6 +350,34 @@ class Analysis:
             fix=fix,
             trial=trial,
         )
+
+    def _fully_masked(self, r: Record, fed: tuple[str, int]) -> tuple[str, str, Trial]:
+        """A softmax of a row that holds -inf alone (every key masked: an empty or fully padded
+        sequence) is 0/0: what to say, the fix at the line that wrote the -inf, and why it is not re-run."""
+        writer = self.records[fed[1]] if fed[0] == "op" else None
+        at = writer.location if writer is not None else None
+        code = linecache.getline(at[0], at[1]).strip() if at is not None else ""
+        dtype = str(next((o.dtype for o in r.outputs if o.kind), "torch.float32")).removeprefix("torch.")
+        finfo = finfo_spelled(code, dtype)
+        filled = _FILLED.search(code)
+        if filled and finfo.startswith("torch.finfo(torch."):  # the tensor filled: its own format, under any dtype
+            finfo = f"torch.finfo({filled.group(1)}.dtype)"
+        line = f" at line {at[1]} of {at[0].rsplit('/', 1)[-1]} (`{code}`)" if at is not None and code else ""
+        extra = (
+            f" Every value of those rows is -inf: {r.op} read a row where every position is masked (an empty or "
+            "fully padded sequence, a query with no key to attend to), and softmax of such a row is 0/0 in every "
+            "precision."
+        )
+        fix = (
+            f"Write a finite fill instead of -inf{line}: {finfo}.min, so that a fully masked row gets a uniform "
+            "softmax (finite; whatever reads those rows must ignore them, as a masked pooling does); or give such "
+            "rows a position to attend to, or drop them before the model"
+        )
+        trial = Trial.untried(
+            "not re-run: a row of equal finite values has a uniform softmax, so the fill removes this NaN by "
+            "construction; `fpdoctor trace` on the changed script checks what reads those rows"
+        )
+        return extra, fix, trial
 
     def findings(self) -> list[Finding]:
         found: list[Finding] = []

@@ -1,0 +1,61 @@
+"""A softmax over a row where every position is masked (-inf everywhere: an empty memory, a fully
+padded sequence) is 0/0 in every precision. trace says so, rather than pointing at a finding of the
+mask that does not exist, and its fix writes the masked tensor's own finite minimum at the mask's
+line; applied as printed, the NaN is gone. The case: a pointer network's log-softmax over a memory
+whose padding mask covers every slot of some rows, the mask written in place."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+POINTER = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+class Pointer(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.q, self.k = nn.Linear(d, d), nn.Linear(d, d)
+    def forward(self, query, memory, pad):
+        scores = self.q(query) @ self.k(memory).transpose(1, 2) / 32 ** 0.5
+        scores.masked_fill_(pad[:, None, :], float("-inf"))
+        return torch.log_softmax(scores, dim=-1)
+model = Pointer().eval()
+query, memory = torch.randn(16, 5, 32), torch.randn(16, 12, 32)
+lengths = torch.randint(1, 13, (16,))
+lengths[::4] = 0  # memories with nothing in them
+pad = torch.arange(12)[None, :] >= lengths[:, None]
+with torch.no_grad():
+    out = model(query, memory, pad)
+print("NAN ROWS", int(out.isnan().any(-1).sum()))
+"""
+
+
+def _trace(tmp_path: Path, script: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(
+        [sys.executable, "-m", "fpdoctor", "trace", "-o", "report.json", "--", str(script)],
+        check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert run.returncode in (0, 1), run.stderr
+    return json.loads((tmp_path / "report.json").read_text())
+
+
+def test_a_softmax_of_rows_masked_everywhere_is_named_so_and_the_finite_fill_works_as_printed(tmp_path):
+    script = tmp_path / "pointer.py"
+    script.write_text(POINTER)
+    first = _trace(tmp_path, script)["findings"][0]
+    assert first["name"] == "nonfinite-produced" and first["evidence"].get("fully_masked"), first["title"]
+    assert "every position is masked" in first["message"], first["message"]
+    line = next(n for n, text in enumerate(POINTER.splitlines(), 1) if "masked_fill_" in text)
+    assert f"Write a finite fill instead of -inf at line {line} of pointer.py" in first["fix"], first["fix"]
+    assert "torch.finfo(scores.dtype).min" in first["fix"], first["fix"]
+    script.write_text(POINTER.replace('float("-inf")', "torch.finfo(scores.dtype).min"))
+    fixed = _trace(tmp_path, script)
+    assert fixed["verdict"] == "ok", [f["name"] for f in fixed["findings"]]
