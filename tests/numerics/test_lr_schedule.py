@@ -109,3 +109,19 @@ def test_only_a_scheduler_that_raised_the_rate_is_named():
     other = torch.optim.SGD(nn.Linear(4, 1).parameters(), lr=0.1)
     torch.optim.lr_scheduler.CosineAnnealingLR(other, T_max=10)
     assert lr_schedule.find(other, 0.1) is None  # a schedule that only lowers it
+
+
+def test_a_scheduler_that_only_lowers_the_rate_is_not_named_beside_one_that_raised_it():
+    """ChainedScheduler(ExponentialLR, an uncapped warm-up): the warm-up is named, not the decay; a rate
+    raised by hand under a StepLR names no scheduler."""
+    opt = torch.optim.SGD(nn.Linear(4, 1).parameters(), lr=0.05)
+    decay = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.99)
+    warm = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / 10)
+    chained = torch.optim.lr_scheduler.ChainedScheduler([decay, warm])
+    found = lr_schedule.find(opt, 0.5)
+    assert found is not None and found.kind == "LambdaLR" and found.where is not None, found
+    del chained, decay, warm
+    by_hand = torch.optim.SGD(nn.Linear(4, 1).parameters(), lr=0.05)
+    torch.optim.lr_scheduler.StepLR(by_hand, step_size=10, gamma=0.5)
+    by_hand.param_groups[0]["lr"] = 0.5
+    assert lr_schedule.find(by_hand, 0.5) is None

@@ -88,6 +88,9 @@ from fpdoctor.userframes import user_location
 _DEVICE_TYPES = ("cpu", "cuda")
 
 
+_ORDER = "checking the GradScaler's order"  # what the observer was doing, where it fails (scaler_order.py)
+
+
 @dataclass
 class _Call:
     """One top-level training forward: what its replay needs, by reference."""
@@ -428,7 +431,7 @@ class ScriptWatch:
             after = self._order_check()
             result = original(tensors, *args, **kwargs)
             if after is not None:
-                self._guarded(after, "checking the GradScaler's order")
+                self._guarded(after, _ORDER)
             for call, fills in waiting:  # the forwards this backward reached: this loss is theirs
                 if call.kept.fills != fills:
                     self._reached += call.kept.loss is None and call.module.training
@@ -464,8 +467,7 @@ class ScriptWatch:
             result = original(scaler, optimizer)
             # the script's own call; the one scaler.step() makes for itself is the step's
             if amp.enabled(scaler) and not self._replaying and id(optimizer) not in self._scaler_now:
-                where = user_location(sys._getframe(1))
-                self._guarded(lambda: self._order.unscaled(scaler, optimizer, where), "checking the GradScaler's order")
+                self._guarded(lambda: self._order.unscaled(scaler, optimizer, user_location(sys._getframe(1))), _ORDER)
             return result
 
         return unscale_
@@ -474,8 +476,7 @@ class ScriptWatch:
         def update(scaler: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(scaler, *args, **kwargs)
             if amp.enabled(scaler) and not self._replaying:
-                where = user_location(sys._getframe(1))
-                self._guarded(lambda: self._order.updated(where), "checking the GradScaler's order")
+                self._guarded(lambda: self._order.updated(user_location(sys._getframe(1))), _ORDER)
             return result
 
         return update
@@ -485,15 +486,15 @@ class ScriptWatch:
         try:
             return self._order.around_backward()
         except Exception as exc:
-            self._error("checking the GradScaler's order", exc)
+            self._error(_ORDER, exc)
             return None
 
     def _note_order(self, optimizer: Any) -> None:
         """At an optimizer's step (once, the scaler's or the optimizer's own): its unscale_ record closed."""
         try:
-            mixed = self._order.stepped(optimizer)
+            mixed = self._order.stepped(optimizer, user_location(sys._getframe(1)))
         except Exception as exc:
-            self._error("checking the GradScaler's order", exc)
+            self._error(_ORDER, exc)
             return
         if mixed is not None:
             self._mixed[id(optimizer)] = mixed

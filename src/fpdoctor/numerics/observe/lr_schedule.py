@@ -56,8 +56,16 @@ class Schedule:
 
 
 def find(optimizer: Any, now: float | None) -> Schedule | None:
-    """The scheduler driving `optimizer` where it raised the rate to `now` (RAISED times or more the
-    rate the optimizer was built with); None where no scheduler did."""
+    """The scheduler driving `optimizer` where one that can raise the rate raised it to `now` (RAISED
+    times or more the rate the optimizer was built with); None where none did. Never raises: it is
+    asked while a finding is made."""
+    try:
+        return _find(optimizer, now)
+    except Exception:
+        return None
+
+
+def _find(optimizer: Any, now: float | None) -> Schedule | None:
     if optimizer is None or now is None:
         return None
     groups = getattr(optimizer, "param_groups", None) or []
@@ -66,19 +74,17 @@ def find(optimizer: Any, now: float | None) -> Schedule | None:
         return None
     from torch.optim.lr_scheduler import LRScheduler
 
-    found = [o for o in gc.get_referrers(optimizer) if isinstance(o, LRScheduler)]
-    if not found:
-        # an object's attributes are a dict that refers to the optimizer: its owner is one step further
-        found = [
-            o
-            for d in gc.get_referrers(optimizer)
-            if isinstance(d, dict)
-            for o in gc.get_referrers(d)
-            if isinstance(o, LRScheduler) and getattr(o, "optimizer", None) is optimizer
-        ]
+    referrers = gc.get_referrers(optimizer)
+    # an object's attributes may be a dict that refers to the optimizer: its owner is one step further
+    owners = [o for d in referrers if isinstance(d, dict) for o in gc.get_referrers(d)]
+    found = [
+        o for o in [*referrers, *owners]
+        if isinstance(o, LRScheduler) and getattr(o, "optimizer", None) is optimizer and _can_raise(o)
+    ]  # fmt: skip
     if not found:
         return None
-    scheduler = found[0]
+    # a function of the user's first (a LambdaLR in a SequentialLR or a ChainedScheduler with others)
+    scheduler = next((o for o in found if getattr(o, "lr_lambdas", None)), found[0])
     where = None
     functions = getattr(scheduler, "lr_lambdas", None) or []
     code = getattr(functions[0], "__code__", None) if functions else None
@@ -86,3 +92,19 @@ def find(optimizer: Any, now: float | None) -> Schedule | None:
         source = linecache.getline(code.co_filename, code.co_firstlineno).strip()
         where = (code.co_filename, code.co_firstlineno, source) if source else None
     return Schedule(type(scheduler).__name__, max(initial), now, where)
+
+
+# schedulers that only ever lower the rate from the one the optimizer was built with (a factor <= 1)
+_LOWERING = ("StepLR", "MultiStepLR", "ExponentialLR", "CosineAnnealingLR", "PolynomialLR", "ConstantLR",
+             "CosineAnnealingWarmRestarts", "ReduceLROnPlateau", "SequentialLR", "ChainedScheduler")  # fmt: skip
+
+
+def _can_raise(scheduler: Any) -> bool:
+    """Whether the scheduler can set a rate above the one the optimizer was built with: a function of the
+    user's can; a decay can only where its factor is above 1; a container is judged by what it holds."""
+    kind = type(scheduler).__name__
+    if kind in ("StepLR", "MultiStepLR", "ExponentialLR"):
+        return float(getattr(scheduler, "gamma", 1.0)) > 1.0
+    if kind == "LinearLR":
+        return max(float(scheduler.start_factor), float(scheduler.end_factor)) > 1.0
+    return kind not in _LOWERING

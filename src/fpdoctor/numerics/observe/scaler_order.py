@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from fpdoctor.torchprivate import scaler_scale
+
 # (file, line, function) of the user's call, as userframes.user_location gives it
 Where = tuple[str, int, str]
 
@@ -35,7 +37,17 @@ class Mixed:
     updates: int  # scaler.update() calls between the first unscale_ and the step
     unscale_at: Where | None  # the first unscale_'s line in the script
     update_at: Where | None  # the first of those update() calls
-    scale: float  # the loss scale at the first unscale_
+    scale_now: torch.Tensor | None  # the loss scale at the first unscale_ (a copy on its device: no host read)
+    # backwards after the last unscale_: their gradients reach the optimizer still multiplied by the scale
+    scaled_left: int = 0
+    step_at: Where | None = None  # the line that stepped the optimizer
+    # an update() after the last unscale_: the scaler forgot it, and scaler.step() unscales everything again
+    reset: bool = False
+
+    @property
+    def scale(self) -> float:
+        """Read on the host once the finding is made, never on a step."""
+        return float(self.scale_now) if self.scale_now is not None else 1.0
 
 
 @dataclass
@@ -51,39 +63,55 @@ class ScalerOrder:
         self._open: dict[int, _Open] = {}
 
     def unscaled(self, scaler: Any, optimizer: Any, where: Where | None) -> None:
-        """After the script's `scaler.unscale_(optimizer)`."""
+        """After the script's `scaler.unscale_(optimizer)` (an enabled scaler's)."""
         found = self._open.get(id(optimizer))
         if found is not None:
             found.record.unscales += 1
+            found.record.scaled_left, found.record.reset = 0, False
             return
-        scale = float(scaler.get_scale()) if scaler.is_enabled() else 1.0
-        self._open[id(optimizer)] = _Open(optimizer, Mixed(1, 0, 0, where, None, scale))
+        scale = scaler_scale(scaler)
+        kept = scale.detach().clone() if isinstance(scale, torch.Tensor) else None
+        self._open[id(optimizer)] = _Open(optimizer, Mixed(1, 0, 0, where, None, kept))
 
     def updated(self, where: Where | None) -> None:
         """After `scaler.update()`: counted for each step still open."""
         for found in self._open.values():
             found.record.updates += 1
+            found.record.reset = True
             if found.record.update_at is None:
                 found.record.update_at = where
 
     def around_backward(self) -> Callable[[], None] | None:
-        """Before a backward: what to call after it (None when no unscale_ is waiting for its step)."""
+        """Before a backward: what to call after it (None when no unscale_ is waiting for its step). A
+        backward into gradients cleared since the unscale_ (zero_grad, a step skipped by the script)
+        starts a new step: what was unscaled is gone, and its record with it."""
         if not self._open:
             return None
-        before = {key: _grads_now(found.optimizer) for key, found in self._open.items()}
+        before = {}
+        for key, found in list(self._open.items()):
+            marks, live = _grads_now(found.optimizer)
+            if live:
+                before[key] = marks
+            else:
+                del self._open[key]
 
         def after() -> None:
             for key, found in self._open.items():
-                then = before.get(key)
-                if then is not None and _added_to(found.optimizer, then):
+                marks = before.get(key)
+                if marks is not None and _added_to(found.optimizer, marks):
                     found.record.backwards_after += 1
+                    found.record.scaled_left += 1
 
         return after
 
-    def stepped(self, optimizer: Any) -> Mixed | None:
-        """At the optimizer's step: the record it closes, where a backward mixed its gradients."""
+    def stepped(self, optimizer: Any, where: Where | None) -> Mixed | None:
+        """At the optimizer's step (`where`: its line): the record it closes, where a backward mixed
+        its gradients."""
         found = self._open.pop(id(optimizer), None)
-        return found.record if found is not None and found.record.backwards_after else None
+        if found is None or not found.record.backwards_after:
+            return None
+        found.record.step_at = where
+        return found.record
 
 
 def _grads(optimizer: Any) -> list[torch.Tensor | None]:
@@ -100,11 +128,8 @@ def _grads_now(optimizer: Any) -> tuple[list[tuple[int, int] | None], bool]:
     return [None if g is None else (id(g), g._version) for g in grads], live
 
 
-def _added_to(optimizer: Any, then: tuple[list[tuple[int, int] | None], bool]) -> bool:
+def _added_to(optimizer: Any, marks: list[tuple[int, int] | None]) -> bool:
     """A gradient that held values and was written by the backward in place (accumulated into)."""
-    marks, live = then
-    if not live:
-        return False
     grads = _grads(optimizer)
     if len(grads) != len(marks):
         return False

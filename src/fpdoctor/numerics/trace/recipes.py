@@ -285,10 +285,8 @@ def blowup_finding(seen: OptimizerSeen, step_of: Callable[[int], int | None] | N
             f"{seen.name}'s updates{lr} of steps {first} to {step} {size} in {end - start} updates: the weights "
             "diverge, step after step."
         )
-    try:  # the scheduler that raised the rate, where one did: the rate to cap is its
-        schedule = lr_schedule.find(seen.ref() if seen.ref is not None else None, rate)
-    except Exception:
-        schedule = None
+    # the scheduler that raised the rate, where one did: the rate to cap is the schedule's
+    schedule = lr_schedule.find(seen.ref() if seen.ref is not None else None, rate)
     fix = (
         "lower the learning rate (by the growth factor at least: start 10x-100x lower, with warmup), and "
         "clip the gradients (torch.nn.utils.clip_grad_norm_(params, 1.0)) before the step"

@@ -145,17 +145,15 @@ def _step_names(statements: list[ast.stmt], line: int) -> tuple[str | None, str 
 
 @dataclass(frozen=True)
 class Accumulation:
-    """A micro-batch loop that unscales inside it: the loop, and what of it runs once per optimizer step."""
+    """Where a step's unscale_ (and the clip after it) go so that it runs once, after the last backward:
+    just before the step's own statement; and its update(), just after it. Read from the source."""
 
     path: str
-    loop: tuple[int, str]  # the `for`/`while` that holds the backward and the unscale_: line, source
-    # the statements of the unscale_'s own block, from it on, that unscale, process the gradients, step or
-    # update (an `if` that holds a step, whole): first line, last line, first line's source
+    step: tuple[int, str]  # the statement that steps the optimizer: line, source
+    # statements to put just before the step, in order (an `if` they fill, whole): first line, last, source
     moved: tuple[tuple[int, int, str], ...]
-    scaler: str | None  # as the unscale_ call names them: `scaler.unscale_(opt)` -> "scaler", "opt"
-    optimizer: str | None
-    # update() calls among them to delete, not move: the step is after the loop and so is an update()
-    removed: tuple[tuple[int, int, str], ...] = ()
+    after: tuple[tuple[int, int, str], ...]  # an update() to put just after the step
+    removed: tuple[tuple[int, int, str], ...]  # update() calls to delete (one already follows the step)
 
     @staticmethod
     def listed(spans: tuple[tuple[int, int, str], ...]) -> str:
@@ -164,44 +162,87 @@ class Accumulation:
         )
 
 
-def accumulation(path: str, line: int) -> Accumulation | None:
-    """The innermost loop holding the unscale_ at `line` of `path` and a `.backward(` before it (None:
-    no such loop, or the source cannot be read)."""
+def unscale_names(path: str, line: int) -> tuple[str | None, str | None]:
+    """`scaler.unscale_(opt)` at `line` -> ("scaler", "opt"); (None, None) where it cannot be read."""
+    try:
+        tree = ast.parse("".join(linecache.getlines(path)))
+    except (SyntaxError, ValueError):
+        return None, None
+    for n in ast.walk(tree):
+        if (
+            isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "unscale_" and n.args
+            and n.lineno <= line <= (n.end_lineno or n.lineno)
+        ):  # fmt: skip
+            return ast.unparse(n.func.value), ast.unparse(n.args[0])
+    return None, None
+
+
+def accumulation(path: str, unscale_line: int, step_line: int) -> Accumulation | None:
+    """For an unscale_ at `unscale_line` that a backward followed before the step at `step_line`, both in
+    one function of `path`: the statements to move (None: another function, or unreadable source)."""
     try:
         tree = ast.parse("".join(linecache.getlines(path)))
     except (SyntaxError, ValueError):
         return None
-    scope = _scope(tree, line)
-    loops = [
-        node
-        for node in ast.walk(scope)
-        if isinstance(node, (ast.For, ast.While))
-        and node.lineno < line <= (node.end_lineno or node.lineno)
-        and any(_calls(s, "backward") and s.lineno < line for s in _statements(node))
-    ]
-    if not loops:
+    scope = _scope(tree, unscale_line)
+    if _scope(tree, step_line) is not scope:
         return None
-    loop = max(loops, key=lambda node: node.lineno)
-    block = _block_of(scope, line)
-    unscale = next((s for s in block if s.lineno <= line <= (s.end_lineno or s.lineno)), None)
-    if unscale is None:
+    block = _block_of(scope, unscale_line)
+    unscale = next((s for s in block if s.lineno <= unscale_line <= (s.end_lineno or s.lineno)), None)
+    step_block = _block_of(scope, step_line)
+    step = next((s for s in step_block if s.lineno <= step_line <= (s.end_lineno or s.lineno)), None)
+    if unscale is None or step is None or unscale is step:
         return None
-    wanted = ("unscale_", "step", "update")
-    moved = [
-        s for s in block if s.lineno >= unscale.lineno and (_processes(s) or any(_calls(s, name) for name in wanted))
-    ]
-    names: tuple[str | None, str | None] = (None, None)
-    for n in ast.walk(unscale):
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "unscale_" and n.args:
-            names = ast.unparse(n.func.value), ast.unparse(n.args[0])
-    removed: list[ast.stmt] = []
-    after = [s for s in _statements(scope) if s.lineno > (loop.end_lineno or loop.lineno)]
-    if not any(_calls(s, "step") for s in moved) and any(_calls(s, "update") for s in after):
-        # moved before the step after the loop, an update() would reset the scaler between unscale_ and step
-        removed = [s for s in moved if _calls(s, "update")]
-        moved = [s for s in moved if not any(s is r for r in removed)]
-    head = (loop.lineno, ast.unparse(loop).splitlines()[0])
-    return Accumulation(path, head, _spans(moved), *names, removed=_spans(removed))
+    scaler = unscale_names(path, unscale_line)[0]
+
+    def update(s: ast.stmt) -> bool:  # `scaler.update()`, not a progress bar's or a dict's
+        return any(
+            isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "update"
+            and (scaler is None or ast.unparse(n.func.value) == scaler)
+            for n in ast.walk(s)
+        )  # fmt: skip
+
+    tail = [s for s in block if s.lineno >= unscale.lineno and s is not step and not _holds(s, step)]
+    moved = [s for s in tail if not update(s) and not _calls(s, "zero_grad") and _moves(s)]
+    if moved and len(moved) == len(block) and (holder := _parent_if(scope, block)) is not None:
+        moved = [holder]  # the `if` they fill, whole: left empty it would not parse
+    # the update() calls after the unscale_ in the loop that holds it, but not after the step in its block:
+    # they run more than once a step; one after the step (there already, or moved there) is the step's own
+    following = step_block[step_block.index(step) + 1 :]
+    kept = [s for s in following if update(s)]
+    loop = min(
+        (n for n in ast.walk(scope) if isinstance(n, (ast.For, ast.While)) and _holds(n, unscale)),
+        key=lambda n: (n.end_lineno or n.lineno) - n.lineno,
+        default=None,
+    )
+    inside = _statements(loop) if loop is not None else tail
+    updates = [
+        s for s in inside
+        if update(s) and s.lineno > unscale.lineno and not any(s is k or _holds(k, s) for k in kept)
+        and not any(_holds(m, s) for m in moved)
+    ]  # fmt: skip
+    after: list[ast.stmt] = []
+    if updates and not kept:
+        after, updates = updates[:1], updates[1:]  # one update() goes after the step, the others are deleted
+    head = (step.lineno, ast.unparse(step).splitlines()[0])
+    return Accumulation(path, head, _spans(moved), _spans(after), _spans(updates))
+
+
+def _moves(statement: ast.stmt) -> bool:
+    """An unscale_ or what processes the gradients (a clip): what must run once, just before the step."""
+    return _calls(statement, "unscale_") or _processes(statement)
+
+
+def _holds(outer: ast.stmt, inner: ast.stmt) -> bool:
+    return outer.lineno <= inner.lineno and (inner.end_lineno or inner.lineno) <= (outer.end_lineno or outer.lineno)
+
+
+def _parent_if(scope: ast.AST, block: list[ast.stmt]) -> ast.If | None:
+    """The `if` whose body is `block` (no else), else None."""
+    for node in ast.walk(scope):
+        if isinstance(node, ast.If) and node.body is block and not node.orelse:
+            return node
+    return None
 
 
 def _spans(statements: list[ast.stmt]) -> tuple[tuple[int, int, str], ...]:

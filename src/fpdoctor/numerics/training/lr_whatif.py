@@ -230,10 +230,7 @@ def try_lower_lr(model: nn.Module, optimizer: Any, snap: Snapshot, *, steps: int
     finally:
         for p, g in saved_grads:
             p.grad = g
-    try:  # the scheduler that raised the rate, where one did: the rate to cap is its
-        schedule = lr_schedule.find(optimizer, arms[0].lr)
-    except Exception:
-        schedule = None
+    schedule = lr_schedule.find(optimizer, arms[0].lr)  # the scheduler that raised the rate, where one did
     return LrTrial(
         snap.step,
         steps,
