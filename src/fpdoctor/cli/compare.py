@@ -9,7 +9,7 @@ from typing import Any
 from fpdoctor.cli.errors import UsageError
 from fpdoctor.cli.model_spec import FACTORY_HELP
 from fpdoctor.cli.output import add_output_args, add_progress_arg, emit
-from fpdoctor.precision.names import CANDIDATES, FP8_KERNELS, REFERENCES, check_name
+from fpdoctor.precision.names import CANDIDATES, FP8_KERNELS, REFERENCES, check_name, default_reference
 
 
 def add_parser(sub: Any) -> None:
@@ -68,8 +68,9 @@ def add_precision_args(p: argparse.ArgumentParser, candidates: tuple[str, ...], 
         help="the precision to judge; torch's names work too (float16, half, bfloat16, float8_e4m3fn)"
         + ("; required, except with --save-reference (default fp32) and --against (the record's)" if record else ""),
     )
+    fp64_too = "; fp64 for an fp32 candidate without --device" if record else ""
     p.add_argument("--reference", default=None if record else "fp32", metavar="|".join(REFERENCES),
-                   help="default: fp32")  # fmt: skip
+                   help="default: fp32" + fp64_too)  # fmt: skip
     p.add_argument(
         "--fp8-kernel",
         default=None if record else "auto",
@@ -89,11 +90,19 @@ def check_precision_args(args: argparse.Namespace, candidates: tuple[str, ...]) 
     try:
         return (
             check_name(args.candidate, candidates, "candidate"),
-            check_name(args.reference or "fp32", REFERENCES, "reference"),
+            check_name(args.reference or _default_reference(args), REFERENCES, "reference"),
             check_name(args.fp8_kernel or "auto", FP8_KERNELS, "fp8 kernel"),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _default_reference(args: argparse.Namespace) -> str:
+    """fp32, or fp64 for an fp32 candidate compared on the model's own device (not for a record, whose
+    fp32 floor the other machine's run is compared with)."""
+    if getattr(args, "save_reference", None) is not None or getattr(args, "against", None) is not None:
+        return "fp32"
+    return default_reference(args.candidate, getattr(args, "device", None))
 
 
 ACROSS_HELP = """\

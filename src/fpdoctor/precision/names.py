@@ -53,6 +53,14 @@ CANDIDATES = tuple(name for name, p in PRECISIONS.items() if p.candidate)
 # plan keeps modules in fp32, so it needs a candidate below fp32.
 PLAN_CANDIDATES = tuple(name for name, p in PRECISIONS.items() if p.plan)
 REFERENCES = ("fp32", "fp64")
+
+
+def default_reference(candidate: str, device: str | None) -> str:
+    """The floor model when none is named: fp32, or fp64 for an fp32 candidate on the model's own
+    device, whose fp32 floor would be the candidate itself (every error its own floor, always OK)."""
+    return "fp64" if candidate == "fp32" and device is None else "fp32"
+
+
 # how fp8 candidates multiply: the real fp8 GEMM (torch._scaled_mm), fake-quant, or the first where it is fast
 FP8_KERNELS = ("auto", "scaled_mm", "fake")
 

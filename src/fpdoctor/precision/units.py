@@ -31,10 +31,14 @@ import torch
 from fpdoctor import catalog
 from fpdoctor.formats import COARSE
 from fpdoctor.precision.metrics import round_to
-from fpdoctor.report.model import Finding, Trial
+from fpdoctor.report.model import Finding, Severity, Trial
 
 # The candidate's mean error within this factor of rounding's is "at the floor": nothing else to blame.
 AT_FLOOR = 2.0
+# A mean error this share of what the output varies by, and this many times rounding's, is the output
+# lost, whatever the per-module errors say (a sin of a large argument: each op exact on what it reads)
+LOST = 0.1
+LOST_FLOOR = 8.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,12 @@ class InUnits:
         candidate's output is held in it (an error far below rounding's: it returns a wider one)."""
         held = self.mean * AT_FLOOR >= self.floor_mean
         return held and self.varies > 0 and self.floor_mean >= COARSE * self.varies
+
+    @property
+    def lost(self) -> bool:
+        """The candidate's error is LOST of what the output varies by, far above rounding's: the output
+        no longer says what it measures, whether or not a module's own error stands out."""
+        return self.varies > 0 and self.mean >= LOST * self.varies and self.mean >= LOST_FLOOR * self.floor_mean
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -196,3 +206,36 @@ def coarse_finding(
                   "kept_in_fp32": kept.to_dict() if kept is not None else None},
         trial=trial,
     )  # fmt: skip
+
+
+def lost_finding(units: InUnits, fmt: str, *, worst: str) -> Finding:
+    """`precision-divergence` judged by the output's use: its error in its own units is a large share of
+    what it varies by, and no module's own error explains it (`worst`: the largest isolated error, in
+    words). Where the error is made is not located: the fix says what to look for."""
+    share = units.mean / units.varies
+    wider = "fp64" if fmt in ("fp32", "tf32") else "fp32"
+    return catalog.make(
+        "precision-divergence",
+        title=f"The output's error in {fmt} is {share:.0%} of what it varies by, and no module's own error explains it",
+        message=(
+            f"In {fmt}, the output's error in its own units is {units.mean:.3g} on average (largest "
+            f"{units.largest:.3g}): {share:.0%} of what the output varies by ({units.varies:.3g}), while rounding the "
+            f"exact output to {fmt} costs {units.floor_mean:.3g}. No module or op diverges by itself ({worst}): each "
+            "is close to exact on what it reads, and the error builds up across them, where an op amplifies the "
+            "rounding of a large value it reads (sin or cos of a large argument, exp, a difference of two close "
+            "large values)."
+        ),
+        where={"module": None, "op": None, "phase": "forward"},
+        evidence={"kind": "use", "units": units.to_dict(), "share_of_spread": share},
+        fix=(
+            f"Find the large value such an op reads and compute it and that op in {wider} (their operands "
+            f"{'.double()' if wider == 'fp64' else '.float()'}, the result cast back), or make the value small first "
+            "(a timestamp as an offset from a recent epoch, an angle reduced modulo 2*pi in a wider format); "
+            "`fpdoctor compare --module NAME` on the part that computes it measures each of its ops"
+        ),
+        trial=Trial.untried(
+            "compare measured the error but located no module or op whose change it could try: the fix is where the "
+            "large value is made"
+        ),
+        severity=Severity.ERROR,
+    )

@@ -117,6 +117,7 @@ from fpdoctor.precision.metrics import (
     sample_step,
     to_host,
 )
+from fpdoctor.precision.names import default_reference
 from fpdoctor.precision.profile import (
     DIVERGENCE_RATIO,
     RAISED_FALLS,
@@ -133,10 +134,10 @@ from fpdoctor.precision.profile import (
 from fpdoctor.precision.record.record import CompareRecord
 from fpdoctor.precision.record.recording import Link, Samples, decision_record
 from fpdoctor.precision.scope import find_module, module_inputs
-from fpdoctor.precision.units import InUnits, coarse_finding, in_units
+from fpdoctor.precision.units import InUnits, coarse_finding, in_units, lost_finding
 from fpdoctor.preserve import RngState
 from fpdoctor.pytrees import tensors_in
-from fpdoctor.report.model import Finding
+from fpdoctor.report.model import Finding, Severity
 
 
 class ReferenceFailed(RuntimeError):
@@ -216,7 +217,8 @@ def compare(
     model that casts them itself (raw fp32 readings standardised in fp32 before its first layer);
     nothing rounds them then, so the input floor is 0.
 
-    Defaults: candidate fp16, reference fp32, fp8_kernel auto.
+    Defaults: candidate fp16, reference fp32 (fp64 for an fp32 candidate on the model's own device:
+    the floor would be the candidate itself), fp8_kernel auto.
 
     Across machines (precision/record.py): `save_reference=PATH` writes a compare record of this
     run (per module call the fp64 and the candidate's samples and the row's numbers, the inputs'
@@ -242,10 +244,18 @@ def compare(
         candidate, reference, fp8_kernel = settings.candidate, settings.reference, settings.fp8_kernel
         device, module = settings.device, settings.module
     candidate = check_name(candidate or "fp16", CANDIDATES, "candidate")
-    reference = check_name(reference or "fp32", REFERENCES, "reference")
+    # a record keeps fp32's floor: the other machine's fp32 run is what it is compared with
+    reference = check_name(
+        reference or ("fp32" if link is not None else default_reference(candidate, device)), REFERENCES, "reference"
+    )
     fp8_kernel = check_name(fp8_kernel or "auto", FP8_KERNELS, "fp8 kernel")
     if device is not None:
         check_device(device)
+    elif candidate == reference and link is None:
+        raise ValueError(
+            f"candidate {candidate} against reference {reference} on the same device compares the model with itself: "
+            f"give --reference fp64 for what {candidate} loses, or --device for what another device changes"
+        )
     sets = input_sets(inputs)
     given = as_given(uncompiled(model), sets[0])
     samples = [Samples() for _ in sets]
@@ -1861,6 +1871,10 @@ class _Comparison:
         result.report.data["output_error"] = units.to_dict()
         _beside_error(result.report.data["summary"], ("output error, in its units", units.text(self.candidate)))
         if not units.coarse or self._units_truth is None or self.cand_failed is not None:
+            if units.lost and not any(f.severity is Severity.ERROR for f in result.report.findings):
+                # no module's own error stands out, and the output is lost all the same: never OK
+                worst = "; ".join(text for key, text in result.report.data["summary"] if key.startswith("largest"))
+                result.report.findings.append(lost_finding(units, self.candidate, worst=worst or "none measured"))
             return
         head = self._last_leaf or ""
         out = self._output_with_fp32([head], fp32_output=True) if head else None
