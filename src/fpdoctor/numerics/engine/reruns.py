@@ -1031,6 +1031,52 @@ def _chain(origin: Step, target: Step, nearest: list[Step], depends: dict[int, s
     return [*sorted(between, key=lambda s: s.record.index), target]
 
 
+# ops that turn an Inf into 0 or a saturated finite value (1 / inf, tanh(inf)), in place too
+ZEROING = frozenset({
+    "rsqrt", "reciprocal", "exp", "exp2", "div", "pow", "sigmoid", "tanh", "erf", "erfc", "atan",
+    "rsqrt_", "reciprocal_", "exp_", "div_", "pow_", "sigmoid_", "tanh_",
+})  # fmt: skip
+
+
+def zeroed_exactly(record: Record, producer: int, window: Window, lookup: Lookup | None = None) -> bool | None:
+    """An op that made an overflow's Inf finite (tanh(inf) = 1, x / inf = 0): whether it gave what the
+    exact computation gives, rounded to its format (tanh(4.7e5) is 1 too). The ops from the overflow's
+    producer (index `producer`) to it re-run as they ran and in fp64; True where every output value is
+    the fp64 one rounded, within one spacing of the format. None where they cannot be re-run."""
+    steps = window.by_index()
+    target, origin = steps.get(record.index), steps.get(producer)
+    if target is None or origin is None:
+        return None
+    nearest, depends, _ = _ancestors(target, steps)
+    if producer not in {s.record.index for s in nearest}:
+        return None
+    chain = _chain(origin, target, nearest, depends)
+    made = {step.record.index for step in chain}
+    for step in chain:  # a non-finite value from outside the chain (a second overflow) stays so in fp64 too
+        for _, arg, src in _aligned(step):
+            outside = src is None or src[0] != "op" or src[1] not in made
+            if outside and arg.is_floating_point() and not bool(torch.isfinite(arg).all()):
+                return None
+    try:
+        with torch.no_grad():
+            values: dict[int, list[torch.Tensor]] = {}
+            for step in chain:  # as it ran, keeping what each made: the Inf the op read is among them
+                values[step.record.index] = _run(step, None, values, lookup)
+            exact = _replay(chain, torch.float64, lookup)
+    except Exception:  # an op that cannot run again on these inputs (_Skip, a shape it reselects wrongly)
+        return None
+    ran = next((t for t in values[record.index] if t.is_floating_point()), None)
+    read = [t for src in record.inputs if src[0] == "op" for t in values.get(src[1], []) if t.is_floating_point()]
+    inf = next((t for t in read if t.shape == getattr(ran, "shape", None) and bool(torch.isinf(t).any())), None)
+    wide = next((t for t in exact if t.is_floating_point()), None)
+    if ran is None or wide is None or inf is None or ran.shape != wide.shape:
+        return None
+    where = torch.isinf(inf)  # the values the Inf became: the others carry the format's own rounding
+    got, rounded = ran[where].double(), wide[where].to(ran.dtype).double()
+    spacing = torch.finfo(ran.dtype).eps * rounded.abs().clamp_min(torch.finfo(ran.dtype).tiny)
+    return bool(((got - rounded).abs() <= spacing).all())
+
+
 def _compute_dtype(step: Step) -> torch.dtype | None:
     outs = [t for t in tree_flatten((step.args, step.kwargs or {}))[0] if isinstance(t, torch.dtype)]
     if outs and outs[0].is_floating_point:

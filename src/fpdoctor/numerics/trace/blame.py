@@ -32,7 +32,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fpdoctor import catalog
-from fpdoctor.numerics.engine.reruns import SINGULAR, Experiment, custom_op_fix, finfo_spelled, transparent_op
+from fpdoctor.numerics.engine.reruns import (
+    SINGULAR,
+    ZEROING,
+    Experiment,
+    custom_op_fix,
+    finfo_spelled,
+    transparent_op,
+)
 from fpdoctor.numerics.observe.loader import rows_text
 from fpdoctor.numerics.trace.bounds import impossible
 from fpdoctor.numerics.trace.recipes import range_cause
@@ -46,11 +53,7 @@ Origin = tuple[str, int]  # ("op", record index) or ("leaf", leaf index)
 
 # Ops that turn an Inf input into a finite output without any masking intent: zeros (rsqrt,
 # reciprocal, exp(-inf), x / inf, inf ** negative) or saturated values (sigmoid, tanh, erf, atan).
-_ZEROING = frozenset({
-    "rsqrt", "reciprocal", "exp", "exp2", "div", "pow", "sigmoid", "tanh", "erf", "erfc", "atan",
-    # in place: p.grad.div_(norm) zeroes a gradient by an Inf norm as x / inf does
-    "rsqrt_", "reciprocal_", "exp_", "div_", "pow_", "sigmoid_", "tanh_",
-})  # fmt: skip
+_ZEROING = ZEROING  # in place too: p.grad.div_(norm) zeroes a gradient by an Inf norm as x / inf does
 # Ops that write an infinity on purpose (attention masks): their Inf is a mask, not an overflow.
 _DELIBERATE = frozenset({
     "masked_fill", "masked_fill_", "where", "full", "full_like", "fill", "fill_", "new_full", "scalar_tensor",
@@ -435,7 +438,12 @@ class Analysis:
                 r = self.records[origin[1]]
                 if r.kind == "nan" or not producers_reached:
                     found.append(self._constant_finding(r, reaches))
-        zeroed = [z for z in self.zeroed() if scaler is None or not self._skipped_with(scaler, z[0])]
+        # an Inf made finite as the exact computation would have it (tanh of a huge value is 1 anyway) is harmless
+        zeroed = [
+            z for z in self.zeroed()
+            if (scaler is None or not self._skipped_with(scaler, z[0]))
+            and self.tracer.zeroed_exact.get((z[1].op, z[1].location)) is not True
+        ]  # fmt: skip
         if zeroed:
             found.append(self._zeroed_finding(*zeroed[0], others=len(zeroed) - 1))
         hidden = {p.index for p, _, _ in zeroed}

@@ -34,11 +34,13 @@ from fpdoctor.numerics.engine.reruns import (
     PICKS,
     PRODUCER_LINES,
     PRODUCERS,
+    ZEROING,
     Experiment,
     Step,
     Window,
     completed_form,
     decide,
+    zeroed_exactly,
 )
 from fpdoctor.numerics.observe import records as _records
 from fpdoctor.numerics.observe.loader import bad_rows, reading
@@ -208,6 +210,8 @@ class Tracer(EagerDispatchMode):
         self._decided: Counter[str] = Counter()  # "nan" / "inf": producers experimented on
         self._keys: set[tuple[Any, ...]] = set()  # their (op, forward op, location)s
         self.experiments: dict[int, Experiment] = {}  # record index -> what was re-run there
+        # (op, line) of an op that made an overflow's Inf finite -> whether the exact computation gives the same
+        self.zeroed_exact: dict[tuple[str, Any], bool | None] = {}
         # hand-written composites met once an exp overflowed, by the line of their exp (_completed)
         self.forms: dict[str, stable.Met] = {}
         self._loss_checked: set[int] = set()  # experiments whose fixes were re-run down to the loss
@@ -942,6 +946,8 @@ class Tracer(EagerDispatchMode):
         finite_in = not fed or not any(self.kind_of(s) for s in record.inputs)
         if kind and (finite_in or (kind == "nan" and all(self.kind_of(s) != "nan" for s in record.inputs))):
             self._experiment(record)
+        elif not kind and record.op.split(".")[1:2] and record.op.split(".")[1] in ZEROING:
+            self._zeroed_check(record)
         if kind and self.on_nonfinite is not None:
             self.on_nonfinite(self, record)
 
@@ -968,6 +974,36 @@ class Tracer(EagerDispatchMode):
                 self._pinned.update(r.index for r in found.chain)
         except Exception as exc:  # the observer never kills the job (SPEC 4)
             self._error("experiment", exc)
+
+    def _zeroed_check(self, record: Record) -> None:
+        """An op that made an overflow's Inf finite (tanh(inf) = 1): whether that is what the exact
+        computation gives too (reruns.zeroed_exactly), once per op and line; blame reports only the
+        overflows whose zeroing destroyed values."""
+        key = (record.op, record.location)
+        if key in self.zeroed_exact or len(self.zeroed_exact) >= PRODUCER_LINES:
+            return
+        producer = self._overflow_behind(record)
+        if producer is None:
+            return
+        try:
+            with DisableTorchDispatch():
+                self.zeroed_exact[key] = zeroed_exactly(record, producer, self._window, self._lookup)
+        except Exception as exc:  # the observer never kills the job (SPEC 4)
+            self._error("experiment", exc)
+
+    def _overflow_behind(self, record: Record) -> int | None:
+        """The op that first overflowed on the way to `record`'s Inf input: back through inputs that hold
+        +-inf to one whose own inputs are finite."""
+        src = next((s for s in record.inputs if self.kind_of(s) in ("+inf", "-inf")), None)
+        for _ in range(64):
+            if src is None or src[0] != "op":
+                return None
+            made = self.records[src[1]]
+            behind = next((s for s in made.inputs if self.kind_of(s) in ("+inf", "-inf")), None)
+            if behind is None:
+                return made.index if not any(self.kind_of(s) for s in made.inputs) else None
+            src = behind
+        return None
 
     def _completed(self, record: Record) -> None:
         """A log or a div of what an exp whose overflow was experimented on made: log(exp(x).sum(dim)),

@@ -1,0 +1,57 @@
+"""An overflow's Inf made finite by a saturating op is harmless where the exact value saturates too:
+the tanh-approximated GELU's x**3 overflows fp16 for |x| > 40, and tanh of the exact argument (some
+thousands) is 1 in fp16 just as tanh(inf) is. trace re-runs the ops from the overflow to the tanh in
+fp64 and reports no nonfinite-zeroed there; where the exact argument does not saturate (tanh of
+1e-5 * x**3, about 1 for x near 50), the values are destroyed and it still does."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+SCRIPT = """
+import math
+import torch
+from torch import nn
+torch.manual_seed(0)
+def act(x):
+    return ACT
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 4)
+    def forward(self, x):
+        return self.fc2(act(self.fc1(x)))
+model = Block().half().eval()
+x = (torch.randn(256, 16) * 40).half()  # pre-activations reach 50-150
+with torch.no_grad():
+    out = model(x)
+print("finite", bool(torch.isfinite(out).all()))
+"""
+GELU = "0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))"
+SQUASHED = "x * torch.tanh(1e-5 * x ** 3)"
+
+
+def _trace(tmp_path: Path, script: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(
+        [sys.executable, "-m", "fpdoctor", "trace", "-o", "report.json", "--", str(script)],
+        check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert run.returncode in (0, 1), run.stderr
+    return json.loads((tmp_path / "report.json").read_text())
+
+
+@pytest.mark.parametrize(("act", "destroyed"), [(GELU, False), (SQUASHED, True)])
+def test_an_inf_made_finite_is_reported_only_where_the_exact_value_differs(tmp_path, act, destroyed):
+    script = tmp_path / "serve.py"
+    script.write_text(SCRIPT.replace("ACT", act))
+    names = [f["name"] for f in _trace(tmp_path, script)["findings"]]
+    assert ("nonfinite-zeroed" in names) is destroyed, names
