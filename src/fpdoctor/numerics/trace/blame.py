@@ -889,13 +889,17 @@ class Analysis:
         )
 
 
-_DIV = "guard the denominator (x / (d + eps), or torch.where(d != 0, x / d, 0) with the division masked too)"
+# an eps written as the format's own (a literal such as 1e-12 is 0 in fp16, and the guard with it)
+_DIV = (
+    "guard the denominator (x / (d + torch.finfo(d.dtype).eps), or torch.where(d != 0, x / d, 0) with the division "
+    "masked too)"
+)
 # x / t with t a Python number (a temperature, a scale): no denominator that can be 0, the quotient grows
 _DIV_BY_CONSTANT = (
     "the division by a constant grew the values past the format's range: divide in fp32 (x.float() / t, the "
     "result cast back where it fits) or scale down what is divided"
 )
-_LOG = "clamp the argument (torch.log(x.clamp_min(eps)))"
+_LOG = "clamp the argument (torch.log(x.clamp_min(torch.finfo(x.dtype).tiny)))"
 _MATMUL = "the matmul overflowed: scale its inputs down or keep it in fp32"
 # a power written with a positive exponent (re ** 2, x.pow(2) of raw audio or pixel values) overflows by its base
 _POW_OVERFLOW = (
@@ -907,14 +911,16 @@ _NEGATIVE_POWER = re.compile(r"\*\*\s*\(?\s*-|pow\([^,]*,\s*-|pow\(\s*-|rsqrt|re
 OP_ADVICE: dict[str, str] = {
     "div": _DIV,
     "div_": _DIV,
-    "reciprocal": "guard against zero before the reciprocal (x.clamp_min(eps).reciprocal())",
+    "reciprocal": "guard against zero before the reciprocal (x.clamp_min(torch.finfo(x.dtype).tiny).reciprocal())",
     "log": _LOG,
     "log_": _LOG,
     "log2": _LOG,
     "log10": _LOG,
-    "log1p": "clamp the argument above -1 (torch.log1p(x.clamp_min(-1 + eps)))",
-    "sqrt": "clamp the argument at zero and add eps (torch.sqrt(x.clamp_min(0) + eps))",
-    "rsqrt": "add eps before rsqrt, and compute the sum of squares under it in fp32",
+    "log1p": "clamp the argument above -1 (torch.log1p(x.clamp_min(-1 + torch.finfo(x.dtype).eps)))",
+    "sqrt": "clamp the argument at zero and add the format's eps "
+    "(torch.sqrt(x.clamp_min(0) + torch.finfo(x.dtype).eps))",
+    "rsqrt": "add an eps the format holds before rsqrt (torch.finfo(x.dtype).eps, not a literal it rounds to 0), and "
+    "compute the sum of squares under it in fp32",
     "exp": "subtract the max before exp (use softmax/logsumexp), or compute it in fp32",
     "exp2": "subtract the max before exp2, or compute it in fp32",
     "pow": "x ** p with p < 0 is Inf at x = 0 (a node of degree 0 in deg ** -0.5, an empty count): keep those "
