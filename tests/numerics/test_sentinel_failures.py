@@ -121,6 +121,22 @@ def test_a_batch_that_holds_nan_is_called_bad_data_not_a_bug_at_an_op():
     verdict = guard.report.by_name("deterministic-nonfinite")[0]
     assert "bad data" in verdict.title and "numerical bug" not in verdict.title
     assert verdict.evidence["step"] == 1 and verdict.evidence["kind"] == "nan"
+    assert verdict.fix.startswith("Check the data pipeline") and "every rank" not in verdict.fix, verdict.fix
+
+
+def test_bad_data_named_by_its_dataset_items_is_fixed_at_its_source_and_skipped_on_every_rank_together():
+    """Where the loader named the items, the fix names them; under torch.distributed a skip of one rank's
+    own leaves the others waiting in the all-reduce, so the fix says the skip is agreed across ranks."""
+    from fpdoctor import catalog
+    from fpdoctor.numerics.training.findings import _bad_data_fix
+
+    held = catalog.make(
+        "nonfinite-input", message="an input held +inf",
+        evidence={"origin": "input", "rows": {"indices": [7], "of": 32, "dataset_indices": [967]}},
+    )  # fmt: skip
+    alone = _bad_data_fix(held, distributed=False)
+    assert alone.startswith("Fix dataset item 967 where it is made") and "every rank" not in alone, alone
+    assert "every rank must skip that step together" in _bad_data_fix(held, distributed=True)
 
 
 def test_fp16_adam_eps_is_named_and_dead_weights_are_said_once(monkeypatch):

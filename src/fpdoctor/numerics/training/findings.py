@@ -121,6 +121,29 @@ def _batch_held_it(culprit: Finding | None) -> bool:
     return culprit is not None and culprit.name == "nonfinite-input" and culprit.evidence.get("origin") == "input"
 
 
+def _bad_data_fix(culprit: Finding, *, distributed: bool) -> str:
+    """The batch held NaN/Inf: the items to fix at their source where the loader named them; under
+    torch.distributed a skip of one rank's own desynchronises the collectives, so it is agreed."""
+    rows = culprit.evidence.get("rows") or {}
+    items = rows.get("dataset_indices") or []
+    named = ", ".join(str(i) for i in items[:8]) + (" ..." if len(items) > 8 else "")
+    fix = (
+        f"Fix dataset item{'s' if len(items) > 1 else ''} {named} where {'they are' if len(items) > 1 else 'it is'} "
+        "made (the file or the preprocessing that gives a non-finite value), and check the rest of the dataset the "
+        "same way (torch.isfinite(x).all() over every item)"
+        if items
+        else "Check the data pipeline (torch.isfinite(batch).all()) and fix the items that fail where they are made"
+    )
+    if distributed:
+        fix += (
+            "; to skip such a batch meanwhile, every rank must skip that step together: a rank that skips alone "
+            "leaves the others waiting in DDP's all-reduce, or pairs its next batch's gradients with their "
+            "current ones (all-reduce a bad-batch flag and skip on every rank where it is set, or keep the job "
+            "under `fpdoctor watch`, which does that)"
+        )
+    return fix
+
+
 def _experiment_decided(culprit: Finding | None) -> bool:
     """The replay's experiments named the origin of the culprit and checked a fix there: that fix is
     specific (this constant, this cast, these lines in fp32) where the fp32 control's is generic."""
@@ -268,6 +291,8 @@ def verdict_findings(
             if first is not None
             else (catalog.get("deterministic-nonfinite").fix, Trial.untried(_NO_OP))
         )
+        if _batch_held_it(first) and first is not None:
+            fix = _bad_data_fix(first, distributed="rank" in me)
         finding = catalog.make(
             "deterministic-nonfinite",
             message=(
