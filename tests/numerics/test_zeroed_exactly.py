@@ -55,3 +55,19 @@ def test_an_inf_made_finite_is_reported_only_where_the_exact_value_differs(tmp_p
     script.write_text(SCRIPT.replace("ACT", act))
     names = [f["name"] for f in _trace(tmp_path, script)["findings"]]
     assert ("nonfinite-zeroed" in names) is destroyed, names
+
+
+def test_a_line_harmless_on_its_first_call_and_destroying_on_a_later_one_is_reported(tmp_path):
+    """x * tanh(1e-5 * x ** 3) on 2000 first (tanh saturates anyway), then on 50 (tanh(1.25) = 0.85,
+    fp16 gives 1): the later call decides for the line."""
+    script = tmp_path / "twice.py"
+    script.write_text(
+        "import torch\n"
+        "def act(x):\n"
+        "    return x * torch.tanh(1e-5 * x ** 3)\n"
+        "ya = act(torch.full((4, 8), 2000.0).half())\n"
+        "yb = act(torch.full((4, 8), 50.0).half())\n"
+        "print(float(yb[0, 0]))\n"
+    )
+    names = [f["name"] for f in _trace(tmp_path, script)["findings"]]
+    assert "nonfinite-zeroed" in names, names

@@ -52,3 +52,11 @@ def test_an_output_lost_in_its_units_with_no_module_to_blame_is_never_ok():
     first = report.findings[0]
     assert first.name == "precision-divergence" and first.evidence["kind"] == "use", first.title
     assert first.evidence["share_of_spread"] > 0.1 and first.severity.value == "error"
+
+
+def test_torchs_name_for_fp32_gets_the_fp64_floor_too(capsys):
+    """--candidate float32 is fp32: judged against fp64 by default, not refused as fp32 against fp32."""
+    code = main(["compare", f"{__file__}:make", "--candidate", "float32", "--format", "json"])
+    out = capsys.readouterr()
+    assert code == 1 and "compares the model with itself" not in out.err, out.err
+    assert '"candidate / floor model"' in out.out and "fp32 / fp64" in out.out

@@ -3,15 +3,15 @@ elevation gain, two reward scores into a preference): in bf16 each output is rou
 2-4 before the subtraction, and the difference is lost. The op that shows it (the subtraction) reads
 a submodule's outputs, where compare's walk upstream stops; raising the subtraction's line alone
 changes nothing. compare then raises the lines that call the module too, which runs the module's
-ops in fp32, and says so; the fix written as printed (an fp32 copy of the module called on the
-input .float(), the result cast back) makes compare OK."""
+ops in fp32, and says so; the fix written as printed (the module's functional form on the input
+.float() with its own parameters .float(), the result cast back) makes compare OK."""
 
 from __future__ import annotations
 
-import copy
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fpdoctor
@@ -24,14 +24,17 @@ class Gain(nn.Module):
         self.body = nn.Sequential(nn.Linear(16, 64), nn.GELU())
         self.head = nn.Linear(64, 1)
         nn.init.constant_(self.head.bias, 500.0)
-        self.wide: list[nn.Module] = []  # the fix's fp32 copy, made once (a list: not a submodule)
+
+    def wide(self, x: torch.Tensor) -> torch.Tensor:
+        """The modules the lines call, as printed: their functional forms on x.float() with their own
+        parameters .float()."""
+        first = self.body[0]
+        h = F.gelu(F.linear(x.float(), first.weight.float(), first.bias.float()))
+        return F.linear(h, self.head.weight.float(), self.head.bias.float())
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        if self.fixed:  # as printed: the modules the lines call as an fp32 copy, on .float() inputs
-            if not self.wide:
-                self.wide.append(copy.deepcopy(nn.Sequential(self.body, self.head)).float())
-            wide = self.wide[0]
-            return (wide(a.float()) - wide(b.float())).squeeze(-1).to(self.head.weight.dtype)
+        if self.fixed:
+            return (self.wide(a) - self.wide(b)).squeeze(-1).to(self.head.weight.dtype)
         za = self.head(self.body(a))
         zb = self.head(self.body(b))
         return (za - zb).squeeze(-1)

@@ -88,21 +88,22 @@ def check_precision_args(args: argparse.Namespace, candidates: tuple[str, ...]) 
             "the record"
         )
     try:
+        candidate = check_name(args.candidate, candidates, "candidate")  # torch's names too: float32 is fp32
         return (
-            check_name(args.candidate, candidates, "candidate"),
-            check_name(args.reference or _default_reference(args), REFERENCES, "reference"),
+            candidate,
+            check_name(args.reference or _default_reference(args, candidate), REFERENCES, "reference"),
             check_name(args.fp8_kernel or "auto", FP8_KERNELS, "fp8 kernel"),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
 
-def _default_reference(args: argparse.Namespace) -> str:
+def _default_reference(args: argparse.Namespace, candidate: str) -> str:
     """fp32, or fp64 for an fp32 candidate compared on the model's own device (not for a record, whose
     fp32 floor the other machine's run is compared with)."""
     if getattr(args, "save_reference", None) is not None or getattr(args, "against", None) is not None:
         return "fp32"
-    return default_reference(args.candidate, getattr(args, "device", None))
+    return default_reference(candidate, getattr(args, "device", None))
 
 
 ACROSS_HELP = """\

@@ -939,8 +939,11 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
                 + (
                     f": on those lines, torch.float32 where they write torch.{dtype} (a cast, a dtype= argument), "
                     ".float() on each tensor they read from the rest of the model, and where a line calls a module "
-                    "(a Linear, a norm), that module in fp32 too, as the check ran its ops: an fp32 copy of it "
-                    "(copy.deepcopy(m).float(), made once) called on the input .float(); then .to(p.dtype) "
+                    "(a Linear, a norm), that module in fp32 too, as the check ran its ops: its functional form on "
+                    "the input .float() with its own parameters .float() (a Linear m: F.linear(x.float(), "
+                    "m.weight.float(), m.bias.float()); a LayerNorm: F.layer_norm(x.float(), m.normalized_shape, "
+                    "m.weight.float(), m.bias.float(), m.eps)), so that they still train and convert with the "
+                    "model; then .to(p.dtype) "
                     "on each value a later line reads (what the "
                     "last line makes, and any other: the v of a q, k, v), p a parameter of the model (not an input: "
                     f"token ids are integers; a fixed .to(torch.{dtype}) breaks the model's fp32 and fp64 runs)"

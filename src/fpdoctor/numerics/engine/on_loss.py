@@ -39,9 +39,9 @@ from fpdoctor.numerics.engine.reruns import (
     Step,
     _kind,
     _lines,
-    _packet,
     _run,
     _with_constant,
+    op_packet,
 )
 
 EXACT_BYTES = 256 * 2**20  # the fp64 reference replay holds at most this much (every op's output kept)
@@ -194,7 +194,7 @@ def _changes(experiments: list[Experiment], by_index: dict[int, Step]) -> _Chang
             if ran[-1].index in inner:
                 continue
             first = by_index.get(ran[0].index)
-            reduction = next((by_index.get(r.index) for r in ran if _packet(r.op) in _REDUCTIONS), None)
+            reduction = next((by_index.get(r.index) for r in ran if op_packet(r.op) in _REDUCTIONS), None)
             if first is None or reduction is None:
                 return None
             changes.forms[ran[-1].index] = (e.stable.form, first, reduction.args)
@@ -274,7 +274,7 @@ def _unscaled(losses: list[Step], values: dict[int, list[torch.Tensor]], root: t
     if not losses:
         return None
     last = losses[-1]
-    if _packet(last.record.op) == "mul" and len(last.record.inputs) == 2:
+    if op_packet(last.record.op) == "mul" and len(last.record.inputs) == 2:
         read = {("op", s.record.index): s for s in losses[:-1]}
         scaled = next((src for src in last.record.inputs if src in read), None)
         other = next((src for src in last.record.inputs if src != scaled), None)

@@ -603,7 +603,7 @@ class Experiment:
                 f"{checked[1:]}."
             )
         elif own:
-            reduction = _packet(origin.op) in _REDUCTIONS
+            reduction = op_packet(origin.op) in _REDUCTIONS
             # the operands raised before the op: its result in fp32 of fp16 operands is the same overflow
             wide, method = ("float64", "double") if self.checked_in == "fp64" else ("float32", "float")
             how = f" (a reduction: .sum(dtype=torch.{wide}))" if reduction else f" (its operands .{method}() before it)"
@@ -723,7 +723,7 @@ def _without_precision(advice: str) -> str:
     return text.strip().rstrip(".,;")
 
 
-def _packet(op: str) -> str:
+def op_packet(op: str) -> str:
     """'aten.sum.default' -> 'sum'."""
     parts = op.split(".")
     return parts[1] if len(parts) >= 2 else op
@@ -1041,8 +1041,10 @@ ZEROING = frozenset({
 def zeroed_exactly(record: Record, producer: int, window: Window, lookup: Lookup | None = None) -> bool | None:
     """An op that made an overflow's Inf finite (tanh(inf) = 1, x / inf = 0): whether it gave what the
     exact computation gives, rounded to its format (tanh(4.7e5) is 1 too). The ops from the overflow's
-    producer (index `producer`) to it re-run as they ran and in fp64; True where every output value is
-    the fp64 one rounded, within one spacing of the format. None where they cannot be re-run."""
+    producer (index `producer`) to it re-run as they ran and in fp64; True where every output value the
+    Inf reached (elementwise, or broadcast from it) is the fp64 one rounded, within one spacing of the
+    format. None where they cannot be re-run, or the Inf does not map onto the output's values (a
+    reduction of it): the op is then reported, unjudged."""
     steps = window.by_index()
     target, origin = steps.get(record.index), steps.get(producer)
     if target is None or origin is None:
@@ -1066,12 +1068,22 @@ def zeroed_exactly(record: Record, producer: int, window: Window, lookup: Lookup
     except Exception:  # an op that cannot run again on these inputs (_Skip, a shape it reselects wrongly)
         return None
     ran = next((t for t in values[record.index] if t.is_floating_point()), None)
-    read = [t for src in record.inputs if src[0] == "op" for t in values.get(src[1], []) if t.is_floating_point()]
-    inf = next((t for t in read if t.shape == getattr(ran, "shape", None) and bool(torch.isinf(t).any())), None)
     wide = next((t for t in exact if t.is_floating_point()), None)
-    if ran is None or wide is None or inf is None or ran.shape != wide.shape:
+    if ran is None or wide is None or ran.shape != wide.shape:
         return None
-    where = torch.isinf(inf)  # the values the Inf became: the others carry the format's own rounding
+    read = [t for src in record.inputs if src[0] == "op" for t in values.get(src[1], []) if t.is_floating_point()]
+    # the values the Inf became (an Inf norm of shape [N, 1] reaches its row of x / norm): the others carry
+    # the format's own rounding
+    where = None
+    for t in read:
+        try:
+            where = torch.broadcast_to(torch.isinf(t), ran.shape) if bool(torch.isinf(t).any()) else None
+        except RuntimeError:  # not of the output's shape, nor broadcast to it
+            where = None
+        if where is not None:
+            break
+    if where is None:
+        return None
     got, rounded = ran[where].double(), wide[where].to(ran.dtype).double()
     spacing = torch.finfo(ran.dtype).eps * rounded.abs().clamp_min(torch.finfo(ran.dtype).tiny)
     return bool(((got - rounded).abs() <= spacing).all())
@@ -1160,7 +1172,7 @@ def _decide(target_record: Record, window: Window, lookup: Lookup | None, budget
                 experiment.as_ran = f"not re-run ({skip})"
             except Exception as exc:
                 experiment.as_ran = f"not re-run ({type(exc).__name__}: {exc})"
-        if target_record.phase == "backward" and _packet(target_record.forward_op or "") in SINGULAR:
+        if target_record.phase == "backward" and op_packet(target_record.forward_op or "") in SINGULAR:
             try:
                 experiment.guard = _try_guard(target)
             except Exception:
@@ -1223,7 +1235,7 @@ def _drawn_narrow(
     """Where the walk reached a uniform or normal draw made in bf16/fp16: the chain re-run as it ran
     on a fresh fp32 draw of the same shape (a private generator: the user's RNG is not touched).
     Cured there, the draw is the origin (experiment.verdict "draw") and True."""
-    packet = _packet(origin.record.op)
+    packet = op_packet(origin.record.op)
     out = origin.record.outputs[0] if origin.record.outputs else None
     if packet not in _UNIFORM | _NORMAL or out is None or out.dtype not in ("torch.bfloat16", "torch.float16"):
         return False
@@ -1310,7 +1322,7 @@ def _matmul_note(origin: Record, method: str = "float") -> str:
     """Where the op's line also multiplies matrices: autocast casts a matmul's .float() operands back to
     its dtype, so the operands of the op itself are what take .float() (the product's result), or the
     line runs with autocast off. `method`: the cast the fix writes (.float(), .double())."""
-    if _packet(origin.op) in _MATMULS:  # the op is the matmul: only autocast off keeps it in fp32
+    if op_packet(origin.op) in _MATMULS:  # the op is the matmul: only autocast off keeps it in fp32
         return (
             "; under autocast, do it inside torch.autocast(device, enabled=False), which otherwise casts a matmul's "
             ".float() operands back"
@@ -1412,7 +1424,7 @@ def _try_guard(target: Step) -> tuple[float, float] | None:
     holds there). Past the bound the derivative is smaller, so finite there is finite everywhere the
     clamp lets x go: (eps, that derivative), or None where it is not finite."""
     dtype = _compute_dtype(target) or torch.float32
-    forward = _packet(target.record.forward_op or "")
+    forward = op_packet(target.record.forward_op or "")
     if forward in ("acos", "asin"):
         eps = float(torch.finfo(dtype).eps)
         x = torch.tensor(1.0 - eps, dtype=dtype)
@@ -1421,7 +1433,7 @@ def _try_guard(target: Step) -> tuple[float, float] | None:
         eps = GUARD_EPS.get(dtype, 1e-12)
         x = torch.tensor(eps, dtype=dtype)
         # x ** p: the backward's own pow(x, p - 1) names p; sqrt is p = 1/2
-        scalar = target.args[1] if _packet(target.record.op) == "pow" and len(target.args) > 1 else None
+        scalar = target.args[1] if op_packet(target.record.op) == "pow" and len(target.args) > 1 else None
         p = float(scalar) + 1.0 if forward == "pow" and isinstance(scalar, (int, float)) else 0.5
         derivative = p * x ** (p - 1.0)
     value = float(derivative.abs())
@@ -1460,7 +1472,7 @@ def completed_form(experiment: Experiment, steps: list[Step]) -> None:
     if found is None or found[0].prefix or found[1] != len(steps):
         return
     form, _, picked = found
-    reduction = next(s for s in steps if _packet(s.record.op) in _REDUCTIONS)  # its dim is the form's
+    reduction = next(s for s in steps if op_packet(s.record.op) in _REDUCTIONS)  # its dim is the form's
     checked = stable.check(form, steps[0].args, reduction.args, picked=picked)
     if checked is not None:
         experiment.stable, experiment.completed = checked, [s.record for s in steps]
@@ -1469,18 +1481,18 @@ def completed_form(experiment: Experiment, steps: list[Step]) -> None:
 def _form_in(chain: list[Step]) -> tuple[stable.Form, int, tuple[str, ...]] | None:
     """The stable.py form the chain is or starts with, its ops picked values passed over
     (`PICKS`): the form, how many of the chain's ops it spans, and the picks among them."""
-    kept = [i for i, s in enumerate(chain) if _packet(s.record.op) not in PICKS]
-    form = stable.form_of([_packet(chain[i].record.op) for i in kept])
+    kept = [i for i, s in enumerate(chain) if op_packet(s.record.op) not in PICKS]
+    form = stable.form_of([op_packet(chain[i].record.op) for i in kept])
     if form is None:
         return None
     end = kept[len(form.ops) - 1] + 1
-    picks = [s for s in chain[:end] if _packet(s.record.op) in PICKS]
+    picks = [s for s in chain[:end] if op_packet(s.record.op) in PICKS]
     # a pick is passed over only on the numerator's side of a division: one that the reduction reads makes
     # another sum (log of a sum over picked columns is not logsumexp of them all)
-    summed = {i for s in chain[:end] if _packet(s.record.op) in _REDUCTIONS for k, i in s.record.inputs if k == "op"}
+    summed = {i for s in chain[:end] if op_packet(s.record.op) in _REDUCTIONS for k, i in s.record.inputs if k == "op"}
     if picks and ("div" not in form.ops or any(s.record.index in summed for s in picks)):
         return None
-    picked = tuple(dict.fromkeys(_packet(s.record.op).removesuffix("_copy") for s in picks))
+    picked = tuple(dict.fromkeys(op_packet(s.record.op).removesuffix("_copy") for s in picks))
     return form, end, picked
 
 
@@ -1517,7 +1529,7 @@ def _settle_origin(
         # it cannot be re-run on that whole, so such a form is checked only where it ends the chain
         if found is not None and (found[1] == len(chain) or not found[2]):
             form, k, picked = found
-            reduction = next((s for s in chain[:k] if _packet(s.record.op) in _REDUCTIONS), None)
+            reduction = next((s for s in chain[:k] if op_packet(s.record.op) in _REDUCTIONS), None)
             experiment.stable = stable.check(
                 form, origin.args, reduction.args if reduction is not None else (),
                 (lambda y: _cured_from(chain, k, y, lookup, symptom)) if k < len(chain) else None, picked=picked,

@@ -53,7 +53,6 @@ Origin = tuple[str, int]  # ("op", record index) or ("leaf", leaf index)
 
 # Ops that turn an Inf input into a finite output without any masking intent: zeros (rsqrt,
 # reciprocal, exp(-inf), x / inf, inf ** negative) or saturated values (sigmoid, tanh, erf, atan).
-_ZEROING = ZEROING  # in place too: p.grad.div_(norm) zeroes a gradient by an Inf norm as x / inf does
 # Ops that write an infinity on purpose (attention masks): their Inf is a mask, not an overflow.
 _DELIBERATE = frozenset({
     "masked_fill", "masked_fill_", "where", "full", "full_like", "fill", "fill_", "new_full", "scalar_tensor",
@@ -62,6 +61,11 @@ _DELIBERATE = frozenset({
 })  # fmt: skip
 _SATURATING = frozenset({"sigmoid", "tanh", "erf", "erfc", "atan"})
 _SOFTMAXES = frozenset({"_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax"})
+# ops a mask's -inf passes through on its way to the softmax: casts, views, copies, an additive mask's sum
+_PASSES_MASK = frozenset({
+    "_to_copy", "to", "clone", "contiguous", "view", "reshape", "expand", "unsqueeze", "squeeze", "transpose",
+    "permute", "_unsafe_view", "alias", "slice", "select", "add", "add_", "sub", "sub_", "repeat",
+})  # fmt: skip
 _FILLED = re.compile(r"([A-Za-z_][\w.]*)\.masked_fill_?\(")  # `scores.masked_fill(` -> scores
 # GradScaler's unscaling of the gradients (by 1/scale, checking them for Inf/NaN as it goes)
 _UNSCALE = frozenset({"_amp_foreach_non_finite_check_and_unscale_", "_amp_non_finite_check_and_unscale_"})
@@ -328,9 +332,15 @@ class Analysis:
             evidence["experiment"] = experiment.evidence()
         else:
             trial = Trial.untried(_unexperimented(fed, self.tracer.experiments))
-        if fed and _packet(r.op) in _SOFTMAXES and kinds[0] == "nan" and all(self.kind_of(f) == "-inf" for f in fed):
-            # a softmax handed only -inf makes NaN in a row where every value is -inf, and nowhere else
-            extra, fix, trial = self._fully_masked(r, fed[0])
+        # a softmax handed only -inf makes NaN in a row where every value is -inf, and nowhere else; a mask
+        # wrote them (an overflow to -inf is the overflow's finding)
+        mask = (
+            self._mask_behind(fed[0])
+            if fed and _packet(r.op) in _SOFTMAXES and kinds[0] == "nan" and all(self.kind_of(f) == "-inf" for f in fed)
+            else None
+        )
+        if mask is not None:
+            extra, fix, trial = self._fully_masked(r, *mask)
             message += extra
             evidence["fully_masked"] = True
         elif fed and (experiment is None or experiment.verdict != "origin"):
@@ -354,13 +364,32 @@ class Analysis:
             trial=trial,
         )
 
-    def _fully_masked(self, r: Record, fed: tuple[str, int]) -> tuple[str, str, Trial]:
+    def _mask_behind(self, src: tuple[str, int]) -> tuple[Record, bool] | None:
+        """The op that wrote the -inf a softmax read, back past casts, views and additions (an additive
+        mask: scores + bias), where it is a mask's write (masked_fill, where, an index_put of -inf):
+        (that op, whether an addition came between). None where an op made it otherwise (an overflow)."""
+        added = False
+        for _ in range(32):
+            if src[0] != "op":
+                return None
+            made = self.records[src[1]]
+            if _mask_write(made):
+                return made, added
+            name = _packet(made.op)
+            if name not in _PASSES_MASK:
+                return None
+            added = added or name in ("add", "add_", "sub", "sub_")
+            src = next((s for s in made.inputs if self.kind_of(s) == "-inf"), ("none", -1))
+        return None
+
+    def _fully_masked(self, r: Record, writer: Record, added: bool) -> tuple[str, str, Trial]:
         """A softmax of a row that holds -inf alone (every key masked: an empty or fully padded
-        sequence) is 0/0: what to say, the fix at the line that wrote the -inf, and why it is not re-run."""
-        writer = self.records[fed[1]] if fed[0] == "op" else None
-        at = writer.location if writer is not None else None
+        sequence) is 0/0: what to say, the fix at the line that wrote the -inf (`writer`, the mask; `added`:
+        added to the scores after it), in that tensor's format, and why it is not re-run."""
+        at = writer.location
         code = linecache.getline(at[0], at[1]).strip() if at is not None else ""
-        dtype = str(next((o.dtype for o in r.outputs if o.kind), "torch.float32")).removeprefix("torch.")
+        out = next((o for o in writer.outputs if o.kind), None)
+        dtype = str(out.dtype if out is not None else "torch.float32").removeprefix("torch.")
         finfo = finfo_spelled(code, dtype)
         filled = _FILLED.search(code)
         if filled and finfo.startswith("torch.finfo(torch."):  # the tensor filled: its own format, under any dtype
@@ -371,8 +400,12 @@ class Analysis:
             "fully padded sequence, a query with no key to attend to), and softmax of such a row is 0/0 in every "
             "precision."
         )
+        # an additive mask is added to the scores: its fill leaves them room, or the sum overflows to -inf
+        # again, and stays clear of the range's top half, where a sum of it is near the limit
+        fill = f"{finfo}.min / 4" if added else f"{finfo}.min"
+        room = " (a quarter of it: the mask is added to the scores, and the sum must stay finite)" if added else ""
         fix = (
-            f"Write a finite fill instead of -inf{line}: {finfo}.min, so that a fully masked row gets a uniform "
+            f"Write a finite fill instead of -inf{line}: {fill}{room}, so that a fully masked row gets a uniform "
             "softmax (finite; whatever reads those rows must ignore them, as a masked pooling does); or give such "
             "rows a position to attend to, or drop them before the model"
         )
@@ -695,7 +728,7 @@ class Analysis:
         """(overflow producer, op that made its Inf finite, sinks reached), first first."""
         zeroing: dict[int, Record] = {}  # zeroing record -> the overflow behind it
         for r in self.records:
-            if r.kind or _packet(r.op) not in _ZEROING:
+            if r.kind or _packet(r.op) not in ZEROING:
                 continue
             for src in r.inputs:
                 if self.kind_of(src) in ("+inf", "-inf"):

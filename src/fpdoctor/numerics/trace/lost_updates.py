@@ -60,11 +60,22 @@ REBOUND = "rebound"
 NORMS = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update", "cudnn_batch_norm",
                    "miopen_batch_norm"})  # fmt: skip
 WATCHED = ACCUMULATES | FOREACH | NORMS | {COPY}
-SPREAD_CALLS = 1 << 16  # the calls of a line (a norm's statistic) checked: the powers of two up to here
+SPREAD_CALLS = 1 << 16  # the calls of a line (a norm's statistic) checked: the powers of two up to here,
+STRIDE = 256  # and every 256th past the 256th: a statistic that stalls after call 256 of 1200 is judged at
+# 512, 768 and 1024, not on 256, 512, 1024 of which the first still climbed
 CHECKED = 3  # the latest calls checked of a norm's statistic that are judged
 RECENT = 2  # and of a line's in-place update
 LOST = 0.5  # an update is lost where what the tensor kept is off by half of it or more
 _NARROW = (torch.bfloat16, torch.float16)
+
+
+def _checked(count: int) -> bool:
+    """Whether the call after `count` calls of a line is checked: the 1st, 2nd, 4th, ..., and every
+    STRIDE-th past the STRIDE-th, up to SPREAD_CALLS."""
+    call = count + 1
+    return call <= SPREAD_CALLS and (not call & (call - 1) or (call >= STRIDE and not call % STRIDE))
+
+
 # A statement's ops redone from the same values: (function, arguments, keyword arguments, and per
 # tensor argument the position in the list of the op that made it there, or None: a value read)
 Statement = list[tuple[Any, tuple[Any, ...], dict[str, Any], dict[int, int]]]
@@ -178,8 +189,8 @@ class LostUpdates:
         self._counts[key] = count + 1
         # a running state starts far from where it settles (a norm's statistics at 0 and 1, an EMA of
         # readings at 0) and takes large steps toward it first: the calls checked are spread over the
-        # run (the 1st, 2nd, 4th, 8th, ...), and the latest judged
-        if count & (count + 1) or count >= SPREAD_CALLS:
+        # run (the 1st, 2nd, 4th, 8th, ..., and every STRIDE-th), and the latest judged
+        if not _checked(count):
             return None
         statement = None
         if name == COPY:  # only a copy of what a statement at its line made from the target itself
@@ -249,7 +260,7 @@ class LostUpdates:
         key = (where[0], where[1], REBOUND, tuple(value.shape))  # by shape, as in `before`
         count = self._counts.get(key, 0)
         self._counts[key] = count + 1
-        if count & (count + 1) or count >= SPREAD_CALLS or not _SMALLEST <= value.numel() <= _LARGEST:
+        if not _checked(count) or not _SMALLEST <= value.numel() <= _LARGEST:
             return
         old = next((x for _, a, kw, _ in statement for x in _flat(a, kw) if previous(x)), None)
         if old is None or old.shape != value.shape or old.dtype != value.dtype:

@@ -40,6 +40,7 @@ from fpdoctor.numerics.engine.reruns import (
     Window,
     completed_form,
     decide,
+    op_packet,
     zeroed_exactly,
 )
 from fpdoctor.numerics.observe import records as _records
@@ -212,6 +213,7 @@ class Tracer(EagerDispatchMode):
         self.experiments: dict[int, Experiment] = {}  # record index -> what was re-run there
         # (op, line) of an op that made an overflow's Inf finite -> whether the exact computation gives the same
         self.zeroed_exact: dict[tuple[str, Any], bool | None] = {}
+        self._zeroed_calls: dict[tuple[str, Any], int] = {}  # such calls seen per op and line
         # hand-written composites met once an exp overflowed, by the line of their exp (_completed)
         self.forms: dict[str, stable.Met] = {}
         self._loss_checked: set[int] = set()  # experiments whose fixes were re-run down to the loss
@@ -946,7 +948,7 @@ class Tracer(EagerDispatchMode):
         finite_in = not fed or not any(self.kind_of(s) for s in record.inputs)
         if kind and (finite_in or (kind == "nan" and all(self.kind_of(s) != "nan" for s in record.inputs))):
             self._experiment(record)
-        elif not kind and record.op.split(".")[1:2] and record.op.split(".")[1] in ZEROING:
+        elif not kind and op_packet(record.op) in ZEROING:
             self._zeroed_check(record)
         if kind and self.on_nonfinite is not None:
             self.on_nonfinite(self, record)
@@ -977,19 +979,25 @@ class Tracer(EagerDispatchMode):
 
     def _zeroed_check(self, record: Record) -> None:
         """An op that made an overflow's Inf finite (tanh(inf) = 1): whether that is what the exact
-        computation gives too (reruns.zeroed_exactly), once per op and line; blame reports only the
-        overflows whose zeroing destroyed values."""
+        computation gives too (reruns.zeroed_exactly). Per op and line, the 1st, 2nd, 4th, ... such
+        call is checked (a line called on harmless values first, on destroyed ones later), and one that
+        is not exact, or that cannot be re-run, decides for the line: blame reports only the overflows
+        whose zeroing destroyed values, and those it could not judge."""
         key = (record.op, record.location)
-        if key in self.zeroed_exact or len(self.zeroed_exact) >= PRODUCER_LINES:
+        count = self._zeroed_calls.get(key, 0)
+        self._zeroed_calls[key] = count + 1
+        if self.zeroed_exact.get(key, True) is not True or count & (count + 1):
+            return
+        if key not in self.zeroed_exact and len(self.zeroed_exact) >= PRODUCER_LINES:
             return
         producer = self._overflow_behind(record)
-        if producer is None:
-            return
         try:
             with DisableTorchDispatch():
-                self.zeroed_exact[key] = zeroed_exactly(record, producer, self._window, self._lookup)
+                exact = None if producer is None else zeroed_exactly(record, producer, self._window, self._lookup)
         except Exception as exc:  # the observer never kills the job (SPEC 4)
             self._error("experiment", exc)
+            exact = None
+        self.zeroed_exact[key] = exact
 
     def _overflow_behind(self, record: Record) -> int | None:
         """The op that first overflowed on the way to `record`'s Inf input: back through inputs that hold
