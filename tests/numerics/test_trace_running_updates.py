@@ -311,3 +311,18 @@ def test_an_ema_copy_that_kept_requires_grad_is_still_an_ema_not_weights_updated
     (found,) = [f for f in report.findings if f.evidence.get("kind") == "running-update"]
     assert "an EMA of weights" in found.message and "trainable weights" not in found.message
     assert "weight_decay" not in found.fix
+
+
+def test_a_slow_statistic_that_stalls_after_its_256th_call_is_named_within_1100_calls() -> None:
+    """momentum 0.01 over readings near 2500 in fp16 (spacing 2): the running mean climbs for some
+    hundreds of calls, then every update is lost ~100 below the mean. Checked on the 1st, 2nd, 4th, ...
+    calls alone, the latest three of 1100 (256, 512, 1024) hold one from the climb and it went unsaid;
+    every 256th call is checked too, so 512, 768 and 1024 judge it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(8, momentum=0.01), nn.Linear(8, 2)).half()
+    with fpdoctor.Trace(model) as tr, torch.no_grad():
+        for _ in range(1100):
+            model((torch.randn(32, 8) * 3 + 2500).half())
+    assert tr.report is not None
+    found = [f for f in tr.report.findings if f.evidence.get("buffers")]
+    assert found and "0.running_mean" in found[0].evidence["buffers"], [f.title for f in tr.report.findings]
