@@ -6,7 +6,9 @@ NaN/Inf reproducing but names no op with a checked fix (made in the loss code, o
 replay could not re-run), the cause recurs, so the next training step is traced, from its model
 forward through its backward, by the same tracer and experiments as `fpdoctor trace`: its finding
 (the op, the line, the literal or dtype, the fix checked) leads the watch's report, so both commands
-give one verdict. Once per run: a traced step costs what `fpdoctor trace` costs on it.
+give one verdict. Once per run: a traced step costs what `fpdoctor trace` costs on it. A traced step
+whose values stayed finite (a division by a count that is 0 on some batches only) says nothing: the
+next one is traced, up to TRIES steps.
 
 The trace starts in the top-level module's forward pre-hook (torch copies the hook tables before
 calling them, so the trace may add its own) and ends after that step's first backward returns,
@@ -34,6 +36,7 @@ _CAUSES = (
 _RECIPE = ("gradients-still-scaled",)
 # the watch's findings of the recurring bad step, whose fix the traced step's cause replaces
 _EXPLAINED = ("deterministic-nonfinite", "training-stalled")
+TRIES = 8  # steps traced at most, until one makes the non-finite value again
 
 
 class TracedStep:
@@ -49,6 +52,7 @@ class TracedStep:
         self._params: set[int] | None = None  # the bad step's optimizer's parameters (ids), where known
         self.closing = False  # that optimizer stepped: the trace ends at the next training forward
         self.penalty = False
+        self.tries = 0  # steps traced so far
 
     def arm(self, step: int, params: set[int] | None = None, *, penalty: bool = False) -> None:
         """Armed by `step`; `params` (ids): its optimizer's. The trace then runs from the next training
@@ -100,10 +104,21 @@ class TracedStep:
         report = trace.report
         found = [f for f in (report.findings if report is not None else []) if f.name in _CAUSES]
         found = [f for f in found if f.severity is not Severity.INFO]
+        self.tries += 1
+        if not found and not self.penalty and self.tries < TRIES:
+            self.done, self.closing = False, False  # this batch was fine: the next step is traced instead
+            return []
         if self.penalty:  # the penalty read scaled, or nothing: an overflow there is the scaler's calibration
             found = [f for f in found if f.name in _RECIPE]
-        # the recipe's cause first, then checked fixes
-        found.sort(key=lambda f: (f.name not in _RECIPE, not (f.trial is not None and f.trial.tried)))
+        # the recipe's cause first, then checked fixes, then the forward's before the backward's (x / 0 makes
+        # a NaN in the forward and an Inf in its backward: the forward's is where it is made)
+        found.sort(
+            key=lambda f: (
+                f.name not in _RECIPE,
+                not (f.trial is not None and f.trial.tried),
+                f.where.get("phase") == "backward",
+            )
+        )
         self.said = {
             "step": self.step,
             "armed_by": self.armed_by,

@@ -458,10 +458,13 @@ class Analysis:
         masks = [r for r in inf_producers if _mask_write(r)]
         if masks and (nan_producers or len(masks) < len(inf_producers) or bad_data):
             inf_producers = [r for r in inf_producers if not _mask_write(r)]
-        if inf_producers:
-            found.append(self.producer_finding(inf_producers[0], "first Inf", inf_producers[1:]))
-        if nan_producers:
-            found.append(self.producer_finding(nan_producers[0], "first NaN", nan_producers[1:]))
+        # the first Inf and the first NaN, the one made first ahead (x / 0: the forward's NaN, then its
+        # backward's Inf)
+        firsts = [
+            (p[0], label, p[1:]) for p, label in ((inf_producers, "first Inf"), (nan_producers, "first NaN")) if p
+        ]
+        for record, label, others in sorted(firsts, key=lambda first: first[0].index):
+            found.append(self.producer_finding(record, label, others))
         producers_reached = bool(nan_producers or inf_producers or absorbed)
         for leaf, reaches in leaves.values():
             if ("leaf", leaf.index) in bad_data or not producers_reached:
