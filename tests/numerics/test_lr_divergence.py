@@ -181,7 +181,7 @@ def test_watch_puts_the_climb_first_and_the_lower_rate_it_checked_trains_as_prin
     found = _fpdoctor(tmp_path, "watch", script, bad_lr)
     first = found[0]
     assert first["name"] in ("training-stalled", "deterministic-nonfinite"), [f["name"] for f in found]
-    assert "loss climbed before" in first["message"] and "the precision is the cause" not in first["message"]
+    assert "loss climbed before" in first["message"] and "the precision is what fails" not in first["message"]
     assert first["fix"].startswith("Lower the learning rate to ")
     verdicts = [f for f in found if f["name"] == "deterministic-nonfinite"]
     assert verdicts and all("no precision change is the fix" in f["message"] for f in verdicts)

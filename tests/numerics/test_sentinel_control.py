@@ -55,7 +55,7 @@ def test_an_fp16_overflow_is_finite_in_fp32_and_blamed_on_the_precision():
     report = _run(model, [x])
     verdict = report.by_name("deterministic-nonfinite")[0]
     assert verdict.evidence["control_fp32"] == "finite"
-    assert "the precision is the cause" in verdict.message
+    assert "on this step the precision is what fails" in verdict.message
     # the experiment found the op itself is the origin and checked it in fp32: its fix, not the control's
     assert verdict.evidence["experiment"]["verdict"] == "origin"
     assert verdict.fix.startswith("Compute aten.mul.Tensor") and "(checked: max |x| inf -> 8e+04)" in verdict.fix

@@ -187,7 +187,8 @@ def _control_text(
         return (
             " Replayed again with every fp16/bf16 parameter, buffer and input in fp32 and autocast off, it was "
             + (f"finite (loss {control.loss:.4g})" if math.isfinite(control.loss) else "finite")
-            + ": the precision is the cause, not the data or the model's math.",
+            + ": on this step the precision is what fails, not the data (an fp32 run may fail on the same code "
+            "later, where the values grow: a stable form the finding names holds in every precision).",
             "Run this step in fp32 (parameters, buffers and inputs, autocast off): replayed that way it is finite. "
             "To keep only what needs it in fp32, `fpdoctor compare MODEL --candidate fp16` names the module and "
             "`fpdoctor plan` verifies a keep-in-fp32 plan.",
