@@ -115,3 +115,19 @@ def test_rows_that_overflowed_to_minus_inf_are_not_called_masked(tmp_path):
     )
     found = _trace(tmp_path, script)["findings"]
     assert found and not any(f["evidence"].get("fully_masked") for f in found), [f["title"] for f in found]
+
+
+def test_a_mask_built_in_fp32_and_cast_to_fp16_gets_fp16s_fill(tmp_path):
+    """The -inf written in fp32, cast to fp16 on its way to the scores: the fill must hold in fp16
+    (fp32's minimum is -inf there)."""
+    source = ADDITIVE.replace(
+        'bias = torch.zeros(pad.shape, dtype=scores.dtype)\n        bias[pad] = float("-inf")\n',
+        'bias = torch.zeros(pad.shape).masked_fill(pad, float("-inf")).to(scores.dtype)\n',
+    )
+    assert source != ADDITIVE
+    script = tmp_path / "cast.py"
+    script.write_text(source)
+    first = _trace(tmp_path, script)["findings"][0]
+    assert first["evidence"].get("fully_masked") and "torch.finfo(torch.float16).min / 4" in first["fix"], first["fix"]
+    script.write_text(source.replace('float("-inf")', "torch.finfo(torch.float16).min / 4"))
+    assert _trace(tmp_path, script)["verdict"] == "ok"

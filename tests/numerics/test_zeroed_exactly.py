@@ -71,3 +71,16 @@ def test_a_line_harmless_on_its_first_call_and_destroying_on_a_later_one_is_repo
     )
     names = [f["name"] for f in _trace(tmp_path, script)["findings"]]
     assert "nonfinite-zeroed" in names, names
+
+
+def test_a_gelu_reused_on_small_values_after_an_overflow_is_still_harmless(tmp_path):
+    """The same activation on a layer whose x**3 overflows, then on small values: the second call
+    reads no Inf of its own, and does not undo what the first was judged."""
+    script = tmp_path / "reuse.py"
+    script.write_text(
+        SCRIPT.replace("ACT", GELU).replace(
+            "return self.fc2(act(self.fc1(x)))", "return self.fc2(act(self.fc1(x) * 0.001) + act(self.fc1(x)))"
+        )
+    )
+    names = [f["name"] for f in _trace(tmp_path, script)["findings"]]
+    assert "nonfinite-zeroed" not in names, names

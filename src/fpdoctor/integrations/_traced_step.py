@@ -115,6 +115,7 @@ class TracedStep:
         found.sort(
             key=lambda f: (
                 f.name not in _RECIPE,
+                f.name == "nonfinite-input",  # an input the trace saw come in (a gradient read by the scaler)
                 not (f.trial is not None and f.trial.tried),
                 f.where.get("phase") == "backward",
             )
@@ -130,8 +131,8 @@ class TracedStep:
             "traced the step that reads it, as `fpdoctor trace` does): "
             if self.penalty
             else f"Traced at step {self.step} (step {self.armed_by} was non-finite again on replay, and the replay "
-            "of the model alone named no op with a checked fix; the watch traced the next training step "
-            "through its loss and backward, as `fpdoctor trace` does): "
+            "of the model alone named no op with a checked fix; the watch traced the training steps after it, "
+            "through their loss and backward as `fpdoctor trace` does, until one made it again): "
         )
         # the trace counts its own steps from 1: the script's count is the traced step's
         ours = (

@@ -474,6 +474,10 @@ def _root_finding(
             "the whole model is not a keep-in-fp32 candidate: move the ops of its forward that lose precision into a "
             "submodule (then `fpdoctor plan` can keep that in fp32), or compute them in fp32 explicitly (their "
             "operands .float(), the result cast back)"
+            if candidate not in ("fp32", "tf32")
+            else "rewrite the ops of its forward that lose precision in a stable form (a difference of two close large "
+            "values computed directly, not as the difference of their expansions), or compute them in fp64 (their "
+            "operands .double(), the result cast back)"
         ),
         trial=Trial.untried(_UNTRIED_BY_COMPARE),
     )
@@ -941,8 +945,9 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
                     ".float() on each tensor they read from the rest of the model, and where a line calls a module "
                     "(a Linear, a norm), that module in fp32 too, as the check ran its ops: its functional form on "
                     "the input .float() with its own parameters .float() (a Linear m: F.linear(x.float(), "
-                    "m.weight.float(), m.bias.float()); a LayerNorm: F.layer_norm(x.float(), m.normalized_shape, "
-                    "m.weight.float(), m.bias.float(), m.eps)), so that they still train and convert with the "
+                    "m.weight.float(), None if m.bias is None else m.bias.float()); a LayerNorm: "
+                    "F.layer_norm(x.float(), m.normalized_shape, m.weight.float(), m.bias.float(), m.eps), the "
+                    "parameters None where it has none), so that they still train and convert with the "
                     "model; then .to(p.dtype) "
                     "on each value a later line reads (what the "
                     "last line makes, and any other: the v of a q, k, v), p a parameter of the model (not an input: "

@@ -111,6 +111,23 @@ def check_gradients(
     return OnLoss(_named(loss), "finite", after, _said(changes), None if after is not None else "nan", "gradients")
 
 
+def gradients_left(
+    experiments: list[Experiment], steps: list[Step], lookup: Lookup | None, root: tuple[str, Any] | None = None
+) -> bool | None:
+    """Where the changes made the loss finite: whether the gradients a backward from it sends out of the
+    re-run ops are still non-finite (None: it cannot be re-run). From the loss itself, not its scaled
+    value: non-finite here is non-finite at every loss scale. Runs once the step's backward is done."""
+    prepared = _prepared(experiments, steps)
+    if prepared is None:
+        return None
+    changes, start = prepared
+    try:
+        left = _gradients(steps, start, changes, lookup, root)
+    except Exception:  # as check's
+        return None
+    return None if left is None else left == "non-finite"
+
+
 def _fp64_bytes(steps: list[Step], start: int, loss: Step) -> int:
     """What the fp64 replay from `start` to the loss holds at most: every output of the ops between, in fp64."""
     return sum(

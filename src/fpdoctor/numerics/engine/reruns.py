@@ -158,6 +158,9 @@ class OnLoss:
     # of the re-run ops were not, and `after` is the loss where they are finite with the changes
     judged: str = "loss"
     exact: float | None = None  # the same ops as written, in fp64: what the loss is meant to be
+    # the loss made finite, the gradients its backward sends through the changed ops are still non-finite
+    # (the exp of an importance ratio fixed in the forward, its gradient past fp16's range in the backward)
+    gradients_left: bool = False
 
 
 @dataclass
@@ -431,6 +434,22 @@ class Experiment:
                 f" Not the fix as it stands: {with_}, {found.loss} is {found.after:.4g} where it was "
                 f"{found.before}, but the same ops as written give {found.exact:.4g} in fp64 (checked: {how}): "
                 "the change alters what the loss computes, not only its precision.",
+            )
+            return text, message, fix, trial
+        if found.after is not None and found.gradients_left:
+            fix = _after_checked(
+                fix,
+                f" Not the whole fix: {with_}, {found.loss} is {found.after:.4g} where it was {found.before}, but the "
+                f"gradients its backward sends through those ops are still non-finite (checked: {how}, and their "
+                "backward run): the backward of the changed ops needs the wider format too, or their values kept "
+                "in range (a clamp of what feeds the exp).",
+            )
+            trial = Trial.checked(
+                found.changed,
+                metric=f"the step's loss ({found.loss}); its gradients still non-finite",
+                before=found.before,
+                after=found.after,
+                on="this step's inputs and weights",
             )
             return text, message, fix, trial
         if found.after is not None:

@@ -61,14 +61,30 @@ _DELIBERATE = frozenset({
 })  # fmt: skip
 _SATURATING = frozenset({"sigmoid", "tanh", "erf", "erfc", "atan"})
 _SOFTMAXES = frozenset({"_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax"})
-# ops a mask's -inf passes through on its way to the softmax: casts, views, copies, an additive mask's sum
+# ops a mask's -inf passes through on its way to the softmax: casts, views, copies, a triangle of it (a causal
+# mask), an additive mask's sum (baddbmm and addmm add it to the scores inside nn.MultiheadAttention), a scale
 _PASSES_MASK = frozenset({
     "_to_copy", "to", "clone", "contiguous", "view", "reshape", "expand", "unsqueeze", "squeeze", "transpose",
-    "permute", "_unsafe_view", "alias", "slice", "select", "add", "add_", "sub", "sub_", "repeat",
+    "permute", "_unsafe_view", "alias", "slice", "select", "add", "add_", "sub", "sub_", "repeat", "triu", "tril",
+    "cat", "constant_pad_nd", "baddbmm", "addmm", "mul", "mul_", "div", "div_", "masked_fill", "masked_fill_",
+    "where", "copy_", "expand_copy", "index_select",
 })  # fmt: skip
+# sums that add a mask to the scores: its fill must leave them room
+_ADDS = frozenset({"add", "add_", "sub", "sub_", "baddbmm", "addmm"})
 _FILLED = re.compile(r"([A-Za-z_][\w.]*)\.masked_fill_?\(")  # `scores.masked_fill(` -> scores
 # GradScaler's unscaling of the gradients (by 1/scale, checking them for Inf/NaN as it goes)
 _UNSCALE = frozenset({"_amp_foreach_non_finite_check_and_unscale_", "_amp_non_finite_check_and_unscale_"})
+
+
+# floating formats by their largest value, smallest first: the narrowest a mask's -inf passes through
+_BY_RANGE = ("torch.float8_e4m3fn", "torch.float8_e5m2", "torch.float16", "torch.bfloat16", "torch.float32",
+             "torch.float64")  # fmt: skip
+
+
+def _narrower(a: str | None, b: str | None) -> str | None:
+    """Of two dtypes ("torch.float16"), the one with the smaller largest value (None: unknown)."""
+    known = [d for d in (a, b) if d in _BY_RANGE]
+    return min(known, key=_BY_RANGE.index) if known else (a or b)
 
 
 def _mask_write(r: Record) -> bool:
@@ -364,36 +380,47 @@ class Analysis:
             trial=trial,
         )
 
-    def _mask_behind(self, src: tuple[str, int]) -> tuple[Record, bool] | None:
-        """The op that wrote the -inf a softmax read, back past casts, views and additions (an additive
-        mask: scores + bias), where it is a mask's write (masked_fill, where, an index_put of -inf):
-        (that op, whether an addition came between). None where an op made it otherwise (an overflow)."""
-        added = False
-        for _ in range(32):
-            if src[0] != "op":
-                return None
-            made = self.records[src[1]]
+    def _mask_behind(self, src: tuple[str, int]) -> tuple[Record, bool, str] | None:
+        """The op that wrote the -inf a softmax read, back through every -inf input past casts, views and
+        additions (an additive mask: scores + bias), where it is a mask's write (masked_fill, where, an
+        index_put of -inf, a full of it): (that op, whether an addition came between, the narrowest format
+        the -inf passed through on the way, where a finite fill must hold). None where an op made it
+        otherwise (an overflow)."""
+        todo: list[tuple[tuple[str, int], bool, str | None]] = [(src, False, None)]
+        seen: set[int] = set()
+        while todo and len(seen) < 64:
+            (kind, index), added, narrow = todo.pop()
+            if kind != "op" or index in seen:
+                continue
+            seen.add(index)
+            made = self.records[index]
+            out = next((o.dtype for o in made.outputs if o.kind), None)
+            narrow = _narrower(narrow, str(out) if out is not None else None)
             if _mask_write(made):
-                return made, added
+                return made, added, narrow or "torch.float32"
             name = _packet(made.op)
             if name not in _PASSES_MASK:
-                return None
-            added = added or name in ("add", "add_", "sub", "sub_")
-            src = next((s for s in made.inputs if self.kind_of(s) == "-inf"), ("none", -1))
+                continue
+            for s in made.inputs:
+                if self.kind_of(s) == "-inf":
+                    todo.append((s, added or name in _ADDS, narrow))
         return None
 
-    def _fully_masked(self, r: Record, writer: Record, added: bool) -> tuple[str, str, Trial]:
+    def _fully_masked(self, r: Record, writer: Record, added: bool, narrow: str) -> tuple[str, str, Trial]:
         """A softmax of a row that holds -inf alone (every key masked: an empty or fully padded
         sequence) is 0/0: what to say, the fix at the line that wrote the -inf (`writer`, the mask; `added`:
-        added to the scores after it), in that tensor's format, and why it is not re-run."""
+        added to the scores after it), in the narrowest format it passed through (`narrow`: a mask built in
+        fp32 and cast to fp16 must hold in fp16), and why it is not re-run."""
         at = writer.location
         code = linecache.getline(at[0], at[1]).strip() if at is not None else ""
         out = next((o for o in writer.outputs if o.kind), None)
-        dtype = str(out.dtype if out is not None else "torch.float32").removeprefix("torch.")
-        finfo = finfo_spelled(code, dtype)
-        filled = _FILLED.search(code)
-        if filled and finfo.startswith("torch.finfo(torch."):  # the tensor filled: its own format, under any dtype
-            finfo = f"torch.finfo({filled.group(1)}.dtype)"
+        own = str(out.dtype) if out is not None else "torch.float32"
+        finfo = f"torch.finfo({narrow})"
+        if narrow == own:  # the tensor written: its own format, as the line can name it, under any dtype
+            finfo = finfo_spelled(code, own.removeprefix("torch."))
+            filled = _FILLED.search(code)
+            if filled and finfo.startswith("torch.finfo(torch."):
+                finfo = f"torch.finfo({filled.group(1)}.dtype)"
         line = f" at line {at[1]} of {at[0].rsplit('/', 1)[-1]} (`{code}`)" if at is not None and code else ""
         extra = (
             f" Every value of those rows is -inf: {r.op} read a row where every position is masked (an empty or "
@@ -409,6 +436,12 @@ class Analysis:
             "softmax (finite; whatever reads those rows must ignore them, as a masked pooling does); or give such "
             "rows a position to attend to, or drop them before the model"
         )
+        if "inf" not in code:  # the -inf was written by library code from a mask the line passes (key_padding_mask)
+            fix = (
+                f"The mask passed{line} masks every position of those rows, and the library fills them with -inf: "
+                "drop such rows before the model, or leave one position unmasked in the mask you pass (the first), "
+                "and ignore their output"
+            )
         trial = Trial.untried(
             "not re-run: a row of equal finite values has a uniform softmax, so the fill removes this NaN by "
             "construction; `fpdoctor trace` on the changed script checks what reads those rows"

@@ -19,6 +19,7 @@ one host sync per `sync_every` ops, when the tensor may be gone: there the reduc
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import weakref
@@ -36,6 +37,7 @@ from fpdoctor.numerics.engine.reruns import (
     PRODUCERS,
     ZEROING,
     Experiment,
+    OnLoss,
     Step,
     Window,
     completed_form,
@@ -983,6 +985,9 @@ class Tracer(EagerDispatchMode):
         call is checked (a line called on harmless values first, on destroyed ones later), and one that
         is not exact, or that cannot be re-run, decides for the line: blame reports only the overflows
         whose zeroing destroyed values, and those it could not judge."""
+        producer = self._overflow_behind(record)
+        if producer is None:  # finite values made from an earlier Inf, not an Inf of its own: not this check's
+            return
         key = (record.op, record.location)
         count = self._zeroed_calls.get(key, 0)
         self._zeroed_calls[key] = count + 1
@@ -990,10 +995,9 @@ class Tracer(EagerDispatchMode):
             return
         if key not in self.zeroed_exact and len(self.zeroed_exact) >= PRODUCER_LINES:
             return
-        producer = self._overflow_behind(record)
         try:
             with DisableTorchDispatch():
-                exact = None if producer is None else zeroed_exactly(record, producer, self._window, self._lookup)
+                exact = zeroed_exactly(record, producer, self._window, self._lookup)
         except Exception as exc:  # the observer never kills the job (SPEC 4)
             self._error("experiment", exc)
             exact = None
@@ -1107,6 +1111,8 @@ class Tracer(EagerDispatchMode):
             experiment.on_loss = found
         if found is None:  # a finite loss: its backward, once autograd is done with this one
             queue_callback(lambda: self._check_gradients(fresh, steps, root))
+        elif found.after is not None:  # the loss made finite: whether its backward is too
+            queue_callback(lambda: self._gradients_left(fresh, steps, root, found))
 
     def _check_gradients(self, fresh: list[Experiment], steps: list[Step], root: tuple[str, Any] | None) -> None:
         """on_loss.check_gradients, at the end of the step's backward (a callback autograd runs)."""
@@ -1118,6 +1124,21 @@ class Tracer(EagerDispatchMode):
             return
         for experiment in fresh:
             experiment.on_loss = experiment.on_loss or found
+
+    def _gradients_left(
+        self, fresh: list[Experiment], steps: list[Step], root: tuple[str, Any] | None, found: OnLoss
+    ) -> None:
+        """on_loss.gradients_left, at the end of the step's backward (a callback autograd runs)."""
+        try:
+            with DisableTorchDispatch():
+                left = on_loss.gradients_left(fresh, steps, self._lookup, root)
+        except Exception as exc:  # runs inside autograd's engine: never raise there
+            self._error("experiment", exc)
+            return
+        if left:
+            for experiment in fresh:
+                if experiment.on_loss is found:
+                    experiment.on_loss = dataclasses.replace(found, gradients_left=True)
 
     def _guard(self, record: Record) -> bool:
         """An add of a small constant to one tensor (p + 1e-8 before a log): a guard against log(0)."""

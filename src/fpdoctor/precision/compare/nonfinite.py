@@ -245,7 +245,10 @@ def failed(exc: Exception, *, label: str, candidate: str) -> Finding:
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
     where = f" at {frames[-1].filename}:{frames[-1].lineno} (`{(frames[-1].line or '').strip()}`)" if frames else ""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    fix = "make the line run in the candidate's dtype"
+    fix = (
+        "compute that line in fp32, its operands .float() and the result cast back (.to(x.dtype), x its input), "
+        f"where the op has no {candidate} kernel; else make the line run in the candidate's dtype"
+    )
     if "overflow" in text:  # a Python constant past the format's range, put into one of its tensors
         limit = torch.finfo(compute_dtype(candidate)).max if compute_dtype(candidate).is_floating_point else None
         largest = f" ({limit:.6g} in {candidate})" if limit is not None else ""
@@ -255,6 +258,7 @@ def failed(exc: Exception, *, label: str, candidate: str) -> Finding:
         )
     return catalog.make(
         "precision-divergence",
+        title=f"The model does not run in {label}",
         message=(
             f"In {label}, the model does not run: {type(exc).__name__}{where}: {text}. Nothing past that point was "
             "compared, so the modules' figures cover only what ran before it."

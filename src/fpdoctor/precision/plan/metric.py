@@ -117,8 +117,10 @@ class Metric:
 
     def target(self, floor: float, rows: int) -> float:
         """The default target over the output's floor (rounding it, or the reference's run)."""
-        if self.name == "top1":  # compare's decisions-changed rule (use.py)
-            return max(use.DECISION_SHARE, use.DECISION_RATIO * max(floor, 1.0 / max(rows, 1)))
+        if self.name == "top1":  # compare's decisions-changed rule (decide.py): 16x the floor, and no more
+            # than a quarter of the rows above it (on 32 rows 16x a floor of one row would let half of them flip)
+            least = max(floor, 1.0 / max(rows, 1))
+            return max(use.DECISION_SHARE, min(use.DECISION_RATIO * least, least + decide.DECISION_MORE))
         if self.name == "kl":
             return max(KL_MIN, DIVERGENCE_RATIO**2 * floor)
         return DIVERGENCE_RATIO * floor

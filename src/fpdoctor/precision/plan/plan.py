@@ -316,6 +316,15 @@ def _plan(
                 device=device,
             )
         )
+    for s in judged:  # a candidate that does not run has nothing to plan: its line first
+        failed = next((f for f in s.compared.report.findings if f.evidence.get("kind") == "candidate-failed"), None)
+        if failed is not None:
+            at = failed.evidence.get("location")
+            raise ValueError(
+                f"the model does not run in {candidate} ({failed.evidence.get('error')}"
+                + (f", at {at}" if at else "")
+                + f"): {failed.fix}, then plan; `fpdoctor compare --candidate {candidate}` names each such line"
+            )
     logits = all(s.logits is not None for s in judged)
     if metric is not None and metric != "rel" and not logits:
         raise ValueError(
