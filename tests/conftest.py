@@ -71,6 +71,19 @@ def run_fpdoctor(*args: str, env: dict[str, str] | None = None, timeout: float =
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
+def report_of(tmp_path: Path, *args: str, timeout: float = 300) -> dict:
+    """`fpdoctor ARGS` (a command, then its own arguments) run in a fresh interpreter with its report
+    written to tmp_path/report.json, which is returned; it exits 0 or 1 (OK, or a finding), and the
+    report is held to the fix contract like every other."""
+    report = tmp_path / "report.json"
+    command, *rest = args
+    result = run_fpdoctor(command, "-o", str(report), *rest, timeout=timeout)
+    assert result.code in (0, 1), result.err
+    text = report.read_text()
+    _PRINTED.append(text)
+    return json.loads(text)
+
+
 def traced_script(tmp_path: Path, name: str, source: str) -> tuple[Path, list[dict]]:
     """`source` written as tmp_path/NAME.py and run under `fpdoctor trace -o report.json` in a fresh
     interpreter, which must exit 1 (an error found): the script and the report's findings."""

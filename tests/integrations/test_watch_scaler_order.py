@@ -5,17 +5,13 @@ printed (the lines it names moved out of the loop, or deleted), makes the script
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
+from tests.conftest import report_of
 
 # a regression MLP with 3 micro-batches a step; the step inside the loop, on the last micro-batch
 STEP_IN_LOOP = """
@@ -75,13 +71,7 @@ for step in range(24):
 
 
 def _watch(tmp_path: Path, script: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run(
-        [sys.executable, "-m", "fpdoctor", "watch", "-o", str(tmp_path / "report.json"), "--", "python", str(script)],
-        check=False, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env,
-    )  # fmt: skip
-    assert run.returncode in (0, 1), run.stderr + run.stdout
-    return json.loads((tmp_path / "report.json").read_text())
+    return report_of(tmp_path, "watch", "--", "python", str(script))
 
 
 def _spans(text: str) -> list[tuple[int, int]]:

@@ -6,13 +6,7 @@ backward's Inf, and the replay's verdict carries its fix."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-SRC = str(Path(__file__).resolve().parents[2] / "src")
+from tests.conftest import report_of
 
 SCRIPT = """
 import torch
@@ -42,13 +36,7 @@ for step in range(40):
 def test_the_next_bad_batch_is_traced_when_the_first_traced_step_was_fine(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run(
-        [sys.executable, "-m", "fpdoctor", "watch", "-o", "report.json", "--", "python", str(script)],
-        check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
-    )  # fmt: skip
-    assert run.returncode in (0, 1), run.stderr
-    findings = json.loads((tmp_path / "report.json").read_text())["findings"]
+    findings = report_of(tmp_path, "watch", "--", "python", str(script))["findings"]
     line = next(n for n, text in enumerate(SCRIPT.splitlines(), 1) if "/ pos.sum()" in text)
     first = findings[0]
     assert first["name"] == "nonfinite-produced" and first["where"]["phase"] == "forward", [

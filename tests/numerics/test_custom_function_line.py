@@ -6,13 +6,9 @@ autocast, and every step is skipped; the fix names the exp's line, and applied t
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
+from tests.conftest import report_of
 
 SOFTPLUS = """
 import torch
@@ -50,13 +46,7 @@ print("SCALE", scaler.get_scale())
 
 
 def _trace(tmp_path: Path, script: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run(
-        [sys.executable, "-m", "fpdoctor", "trace", "-o", "report.json", "--", str(script)],
-        check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
-    )  # fmt: skip
-    assert run.returncode in (0, 1), run.stderr
-    return json.loads((tmp_path / "report.json").read_text())
+    return report_of(tmp_path, "trace", "--", str(script))
 
 
 def test_an_op_in_a_custom_functions_backward_is_named_at_its_own_line_and_the_fix_there_works(tmp_path):

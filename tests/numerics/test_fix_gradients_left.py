@@ -6,15 +6,9 @@ it does not."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
+from tests.conftest import report_of
 
 SCRIPT = """
 import torch
@@ -39,13 +33,7 @@ for step in range(3):
 def test_a_fix_whose_backward_stays_non_finite_says_it_is_not_the_whole_fix(tmp_path, weight, left):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.replace("WEIGHT", weight))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run(
-        [sys.executable, "-m", "fpdoctor", "trace", "-o", "report.json", "--", str(script)],
-        check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
-    )  # fmt: skip
-    assert run.returncode in (0, 1), run.stderr
-    first = json.loads((tmp_path / "report.json").read_text())["findings"][0]
+    first = report_of(tmp_path, "trace", "--", str(script))["findings"][0]
     assert first["name"] == "nonfinite-produced" and "aten.exp" in first["title"], first["title"]
     said = "the gradients its backward sends through those ops are still non-finite"
     assert (said in first["fix"]) is left, first["fix"]

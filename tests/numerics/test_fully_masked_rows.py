@@ -6,13 +6,9 @@ whose padding mask covers every slot of some rows, the mask written in place."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
+from tests.conftest import report_of
 
 POINTER = """
 import torch
@@ -38,13 +34,7 @@ print("NAN ROWS", int(out.isnan().any(-1).sum()))
 
 
 def _trace(tmp_path: Path, script: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run(
-        [sys.executable, "-m", "fpdoctor", "trace", "-o", "report.json", "--", str(script)],
-        check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
-    )  # fmt: skip
-    assert run.returncode in (0, 1), run.stderr
-    return json.loads((tmp_path / "report.json").read_text())
+    return report_of(tmp_path, "trace", "--", str(script))
 
 
 def test_a_softmax_of_rows_masked_everywhere_is_named_so_and_the_finite_fill_works_as_printed(tmp_path):

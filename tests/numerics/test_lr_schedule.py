@@ -7,11 +7,7 @@ raises the rate is not named."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +15,7 @@ import torch
 from torch import nn
 
 from fpdoctor.numerics.observe import lr_schedule
-
-SRC = str(Path(__file__).resolve().parents[2] / "src")
+from tests.conftest import report_of
 
 # a regression MLP, SGD with momentum at lr 0.05, warmed up by a LambdaLR whose factor never stops
 # growing: the loss climbs from step ~135 and goes non-finite at step 186 (lr 0.93)
@@ -48,16 +43,8 @@ print("FINAL", loss.item())
 
 
 def _run(tmp_path: Path, command: str, script: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
-    argv = ["trace", "-o", "report.json", "--", str(script)] if command == "trace" else [
-        "watch", "-o", "report.json", "--", "python", str(script)
-    ]  # fmt: skip
-    run = subprocess.run(
-        [sys.executable, "-m", "fpdoctor", *argv], check=False, capture_output=True, text=True, timeout=300,
-        cwd=tmp_path, env=env,
-    )  # fmt: skip
-    assert run.returncode in (0, 1), run.stderr
-    return json.loads((tmp_path / "report.json").read_text())
+    argv = ("--", str(script)) if command == "trace" else ("--", "python", str(script))
+    return report_of(tmp_path, command, *argv)
 
 
 def _capped(script: Path, fix: str) -> None:

@@ -6,15 +6,11 @@ fp64 and reports no nonfinite-zeroed there; where the exact argument does not sa
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
+from tests.conftest import report_of
 
 SCRIPT = """
 import math
@@ -40,13 +36,7 @@ SQUASHED = "x * torch.tanh(1e-5 * x ** 3)"
 
 
 def _trace(tmp_path: Path, script: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run(
-        [sys.executable, "-m", "fpdoctor", "trace", "-o", "report.json", "--", str(script)],
-        check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
-    )  # fmt: skip
-    assert run.returncode in (0, 1), run.stderr
-    return json.loads((tmp_path / "report.json").read_text())
+    return report_of(tmp_path, "trace", "--", str(script))
 
 
 @pytest.mark.parametrize(("act", "destroyed"), [(GELU, False), (SQUASHED, True)])
