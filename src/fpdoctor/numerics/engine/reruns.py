@@ -436,32 +436,25 @@ class Experiment:
                 "the change alters what the loss computes, not only its precision.",
             )
             return text, message, fix, trial
-        if found.after is not None and found.gradients_left:
-            fix = _after_checked(
-                fix,
-                f" Not the whole fix: {with_}, {found.loss} is {found.after:.4g} where it was {found.before}, but the "
-                f"gradients its backward sends through those ops are still non-finite (checked: {how}, and their "
-                "backward run): the backward of the changed ops needs the wider format too, or their values kept "
-                "in range (a clamp of what feeds the exp).",
-            )
-            trial = Trial.checked(
-                found.changed,
-                metric=f"the step's loss ({found.loss}); its gradients still non-finite",
-                before=found.before,
-                after=found.after,
-                on="this step's inputs and weights",
-            )
-            return text, message, fix, trial
         if found.after is not None:
-            exact = f"; the same ops as written give {found.exact:.4g} in fp64" if found.exact is not None else ""
-            fix = _after_checked(
-                fix,
-                f" On the step's loss: {with_}, {found.loss} is {found.after:.4g} where it was "
-                f"{found.before}{exact} (checked: {how}).",
-            )
+            if found.gradients_left:
+                said = (
+                    f" Not the whole fix: {with_}, {found.loss} is {found.after:.4g} where it was {found.before}, but "
+                    f"the gradients its backward sends through those ops are still non-finite (checked: {how}, and "
+                    "their backward run): the backward of the changed ops needs the wider format too, or their values "
+                    "kept in range (a clamp of what feeds the exp)."
+                )
+            else:
+                exact = f"; the same ops as written give {found.exact:.4g} in fp64" if found.exact is not None else ""
+                said = (
+                    f" On the step's loss: {with_}, {found.loss} is {found.after:.4g} where it was "
+                    f"{found.before}{exact} (checked: {how})."
+                )
+            fix = _after_checked(fix, said)
+            left = "; its gradients still non-finite" if found.gradients_left else ""
             trial = Trial.checked(
                 found.changed,
-                metric=f"the step's loss ({found.loss})",
+                metric=f"the step's loss ({found.loss}){left}",
                 before=found.before,
                 after=found.after,
                 on="this step's inputs and weights",

@@ -1109,36 +1109,27 @@ class Tracer(EagerDispatchMode):
             return
         for experiment in fresh:
             experiment.on_loss = found
-        if found is None:  # a finite loss: its backward, once autograd is done with this one
-            queue_callback(lambda: self._check_gradients(fresh, steps, root))
-        elif found.after is not None:  # the loss made finite: whether its backward is too
-            queue_callback(lambda: self._gradients_left(fresh, steps, root, found))
+        if found is None or found.after is not None:  # its backward, once autograd is done with this one
+            queue_callback(lambda: self._check_backward(fresh, steps, root, found))
 
-    def _check_gradients(self, fresh: list[Experiment], steps: list[Step], root: tuple[str, Any] | None) -> None:
-        """on_loss.check_gradients, at the end of the step's backward (a callback autograd runs)."""
-        try:
-            with DisableTorchDispatch():
-                found = on_loss.check_gradients(fresh, steps, self._lookup, root)
-        except Exception as exc:  # runs inside autograd's engine: never raise there
-            self._error("experiment", exc)
-            return
-        for experiment in fresh:
-            experiment.on_loss = experiment.on_loss or found
-
-    def _gradients_left(
-        self, fresh: list[Experiment], steps: list[Step], root: tuple[str, Any] | None, found: OnLoss
+    def _check_backward(
+        self, fresh: list[Experiment], steps: list[Step], root: tuple[str, Any] | None, found: OnLoss | None
     ) -> None:
-        """on_loss.gradients_left, at the end of the step's backward (a callback autograd runs)."""
+        """At the end of the step's backward (a callback autograd runs): for a finite loss, whether the
+        changes make its non-finite gradients finite (on_loss.check_gradients); for a loss they made
+        finite (`found`), whether its gradients still are not (on_loss.gradients_left)."""
         try:
             with DisableTorchDispatch():
-                left = on_loss.gradients_left(fresh, steps, self._lookup, root)
+                if found is None:
+                    checked = on_loss.check_gradients(fresh, steps, self._lookup, root)
+                    for experiment in fresh:
+                        experiment.on_loss = experiment.on_loss or checked
+                elif on_loss.gradients_left(fresh, steps, self._lookup, root):
+                    for experiment in fresh:
+                        if experiment.on_loss is found:
+                            experiment.on_loss = dataclasses.replace(found, gradients_left=True)
         except Exception as exc:  # runs inside autograd's engine: never raise there
             self._error("experiment", exc)
-            return
-        if left:
-            for experiment in fresh:
-                if experiment.on_loss is found:
-                    experiment.on_loss = dataclasses.replace(found, gradients_left=True)
 
     def _guard(self, record: Record) -> bool:
         """An add of a small constant to one tensor (p + 1e-8 before a log): a guard against log(0)."""
