@@ -124,7 +124,7 @@ def test_a_target_made_by_float_in_the_forward_names_that_line():
     source = Path(__file__).read_text().splitlines()
     line = next(i for i, text in enumerate(source, 1) if "target = (labels > 0).float()" in text)
     assert f"test_audit_errors.py:{line})" in mismatch.evidence["entered_at"]
-    assert "instead of torch.float32" in mismatch.fix and "torch.float16" in mismatch.fix
+    assert "not a fixed torch.float32" in mismatch.fix and "torch.float16" in mismatch.fix
 
 
 def test_an_error_that_is_no_dtype_mismatch_is_still_an_error():

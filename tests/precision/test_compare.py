@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,6 +90,47 @@ def test_fp16_accumulate_and_fp8_on_cuda_use_the_real_flag_and_kernel():
         # the 8-wide last layer may be refused (fp8 GEMMs want multiples of 16): then it says why
         assert kernels["layers"] == 3 and kernels["scaled_mm"] >= 2, kernels
         assert kernels["scaled_mm"] == 3 or kernels["fallback"], kernels
+
+
+class ServedInHalf(nn.Module):
+    """Casts its (fp32) input to a fixed dtype in its forward: runs as model.half(), nowhere else."""
+
+    def __init__(self, fixed: bool = False) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 4))
+        self.fixed = fixed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # clients send fp32; `fixed`: the fix as the error prints it
+        x = x.to(next(self.parameters()).dtype) if self.fixed else x.to(torch.float16)
+        return self.net(x)
+
+
+def test_a_dtype_fixed_in_the_forward_is_named_at_its_line_with_a_cast_that_runs_in_every_precision():
+    torch.manual_seed(0)
+    model, x = ServedInHalf(), torch.randn(8, 16)
+    with pytest.raises(ReferenceFailed) as raised:
+        fpdoctor.compare(model, x, candidate="bf16")
+    line = next(
+        i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if "else x.to(torch.float16)" in text
+    )
+    # before: "mat1 and mat2 must have the same dtype, but got Half and Double", no line
+    assert f"test_compare.py:{line})" in str(raised.value), str(raised.value)
+    assert (
+        "`.to(next(self.parameters()).dtype)`" in raised.value.fix and "not a fixed torch.float16" in raised.value.fix
+    )
+    model.fixed = True  # applied as printed: every precision runs, and compares OK
+    for candidate in ("bf16", "fp16"):
+        assert fpdoctor.compare(model, x, candidate=candidate).report.verdict == "ok", candidate
+
+
+def test_a_reference_run_that_raises_names_the_users_line():
+    class Broken(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.view(3, -1)  # fails on 16 x 16 inputs
+
+    with pytest.raises(ReferenceFailed, match=r"test_compare.py:\d+ \(`return x.view\(3, -1\)"):
+        fpdoctor.compare(Broken(), torch.randn(16, 16), candidate="fp16")
 
 
 def test_reference_failure_and_bad_names():

@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
             inputs_as_given=args.inputs_as_given,
         )
     except ReferenceFailed as exc:
-        raise UsageError(f"{exc}; fix the model or its example inputs first") from None
+        raise UsageError(f"{exc}; {exc.fix}") from None
     except ValueError as exc:  # --module names no module of this model; a setting the record does not have
         raise UsageError(str(exc)) from None
     if args.save_reference is not None:  # the command to run on machine B, with this MODEL spelled out

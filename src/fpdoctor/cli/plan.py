@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
             metric=args.metric,
         )
     except ReferenceFailed as exc:
-        raise UsageError(f"{exc}; fix the model or its example inputs first") from None
+        raise UsageError(f"{exc}; {exc.fix}") from None
     except ValueError as exc:  # e.g. an empty list of input sets
         raise UsageError(str(exc)) from None
     report = result.report

@@ -210,9 +210,14 @@ def _mismatch_finding(failure: dict[str, Any], main_dtype: str | None, model: nn
         where = root.get("location")
         at = f" at {where[0]}:{where[1]}" if where else ""
         if _is_cast(root):
+            # the dtype of the weights it meets, never a fixed one: a line that casts to torch.float32
+            # runs the fp32 model and breaks it again in bf16, fp16 or fp64
+            like = "next(self.parameters()).dtype" if where and len(where) > 2 and where[2] == "forward" else "w.dtype"
             fix = (
-                f"cast that tensor to the model's dtype instead of {root['dtype']}{at}: `.to({torch_dtype})` "
-                "(or `.to(other.dtype)`) where it is `.float()` / `.to(...)`"
+                f"cast that tensor to the dtype of the weights it meets, not a fixed {root['dtype']}{at}: "
+                f"`.to({like})`"
+                + (", w the weight it meets" if like == "w.dtype" else "")
+                + f" ({torch_dtype} here; a fixed dtype breaks the model again in any other precision)"
             )
         else:
             fix = (

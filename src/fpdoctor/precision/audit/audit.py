@@ -327,6 +327,17 @@ def _forward(model: nn.Module, inputs: Any) -> tuple[dict[str, Any] | None, Base
     return failure, error, tracker
 
 
+def explain_failure(model: nn.Module, inputs: Any) -> Finding | None:
+    """audit's explanation of a forward that raises a dtype or device mismatch (which op, the
+    operands, the line where the odd dtype entered, the cast that fixes it), for another command
+    whose run of the model failed; None where the forward raises nothing of the kind."""
+    failure, _, _ = _forward(model, inputs)
+    if failure is None:
+        return None
+    dtypes = Counter(str(t.dtype) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point())
+    return explain_mismatch(failure, dtypes.most_common(1)[0][0] if dtypes else None, model)
+
+
 def audit(model: nn.Module, inputs: Any = None) -> AuditResult:
     """Audit dtypes and devices; with `inputs`, run the forward and explain a dtype/device error
     (any other error the forward raises is a finding too: an error is never OK)."""

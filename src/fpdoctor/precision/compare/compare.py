@@ -35,6 +35,7 @@ import linecache
 import math
 import os
 import re
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +45,8 @@ from torch import nn
 
 from fpdoctor import progress
 from fpdoctor.numerics.engine.raising import RaisedLines, SaturatedCasts
-from fpdoctor.precision.audit.audit import as_given
+from fpdoctor.numerics.trace.mismatch import mismatch_error
+from fpdoctor.precision.audit.audit import as_given, explain_failure
 from fpdoctor.precision.audit.boundary import keep_in_fp32
 from fpdoctor.precision.candidates import (
     CANDIDATES,
@@ -138,10 +140,16 @@ from fpdoctor.precision.units import InUnits, coarse_finding, in_units, lost_fin
 from fpdoctor.preserve import RngState
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding, Severity
+from fpdoctor.userframes import is_user_file
 
 
 class ReferenceFailed(RuntimeError):
-    """The model fails in the reference run: nothing to compare against."""
+    """The model fails in the reference run: nothing to compare against. `fix`: what to do, where
+    the failure says more than "fix the model"."""
+
+    def __init__(self, message: str, fix: str = "fix the model or its example inputs first") -> None:
+        super().__init__(message)
+        self.fix = fix
 
 
 @dataclass
@@ -573,14 +581,7 @@ class _Comparison:
         except ReferenceFailed:
             raise
         except Exception as exc:
-            given = (
-                " on its inputs as given (inputs_as_given): it does not cast them itself; leave that out, or cast "
-                "them in its forward"
-                if self.given else ""
-            )  # fmt: skip
-            raise ReferenceFailed(
-                f"the model fails in the reference run (its fp64 copy){given}: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise self._reference_failed(exc) from exc
         self.reads.read()  # every figure of the pass, in one wait for the device
         if self._truth_nan:
             raise ReferenceFailed(
@@ -589,6 +590,25 @@ class _Comparison:
                 "`fpdoctor trace` on a script that runs the model names the op that makes them and the rows"
             )
         self.own.settle()  # the own ops whose figures call for a closer look (container_ops.Own.settle)
+
+    def _reference_failed(self, exc: Exception) -> ReferenceFailed:
+        """The one-line error for a model whose fp64 copy raised: the user's line that raised, and for
+        a dtype mismatch (a dtype fixed in the forward, `x.to(torch.float16)`) audit's account of it:
+        the line where the odd dtype entered and the cast that fixes it."""
+        given = (
+            " on its inputs as given (inputs_as_given): it does not cast them itself; leave that out, or cast "
+            "them in its forward"
+            if self.given else ""
+        )  # fmt: skip
+        head = f"the model fails in the reference run (its fp64 copy){given}"
+        if not self.given and mismatch_error(str(exc)) == "dtype":
+            explained = explain_failure(self.truth_run, cast_inputs(self.run_inputs, torch.float64, copy=True))
+            if explained is not None and explained.fix:
+                return ReferenceFailed(f"{head}: {explained.message.rstrip('.')}", fix=explained.fix.splitlines()[0])
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
+        at = f" at {frames[-1].filename}:{frames[-1].lineno} (`{(frames[-1].line or '').strip()}`)" if frames else ""
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return ReferenceFailed(f"{head}{at}: {type(exc).__name__}: {text}")
 
     def _truth_pre(self, name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
         self.own.enter(name, index)  # the ops from here to its post hook, outside its submodules, are its own
