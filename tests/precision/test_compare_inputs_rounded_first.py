@@ -95,3 +95,47 @@ def test_a_learned_offset_in_the_whole_models_forward_is_kept_in_fp32_with_the_i
         exact = model.double()(h.double())
         fixed = model.half().body(((h - torch.tensor(8848.86)) / 20.0).half()).double()
     assert float((fixed - exact).norm() / exact.norm()) < first.trial.before / 10
+
+
+class MinMaxScaled(nn.Module):
+    """Sensor counts near 25008 (+- 0.4; fp16's spacing there is 16) min-max scaled over the batch in
+    the forward: rounded to fp16 every reading of a column is one value, its range 0, and 0/0 is NaN.
+    Computing that line in fp32 cannot help (the inputs it reads are already rounded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 32), nn.GELU(), nn.Linear(32, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        low, high = x.min(0).values, x.max(0).values
+        return self.body((x - low) / (high - low))
+
+
+def test_a_nan_made_from_inputs_rounded_before_the_model_gets_the_computation_before_the_cast() -> None:
+    torch.manual_seed(0)
+    model, x = MinMaxScaled().eval(), 25008.0 + 0.4 * torch.randn(256, 4)
+    line = MinMaxScaled.forward.__code__.co_firstlineno + 2
+    for candidate, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        result = fpdoctor.compare(model, x, candidate=candidate)
+        first = result.report.findings[0]
+        # before: "its values pass fp16's largest ... no line alone in fp32 is the fix", untried; and a
+        # divergence fix "checked" from non-finite to non-finite
+        assert first.fix.startswith("Do that computation before the cast: pass the model's inputs in fp32"), first
+        assert f"{line} of" in first.fix, first.fix  # the line, and the one before it that it reads
+        assert first.trial is not None and first.trial.tried and first.trial.before == "non-finite", first.trial
+        assert all(
+            f.trial is None or not f.trial.tried or f.trial.after != float("inf") for f in result.report.findings
+        ), str(result.report)
+        # as printed: the inputs in fp32 at that line, what it makes cast to the parameters' dtype
+        with torch.no_grad():
+            exact = model.double()(x.double())
+            narrow = model.to(dtype)
+            low, high = x.min(0).values, x.max(0).values
+            fixed = narrow.body(((x - low) / (high - low)).to(dtype)).double()
+        assert bool(fixed.isfinite().all())
+        assert float((fixed - exact).norm() / exact.norm()) < 0.05
+        plan = fpdoctor.plan(model.float(), x, candidate=candidate)
+        summary = dict(plan.report.data["summary"])
+        assert "do not fit" not in summary.get("next step", ""), summary  # the inputs (2.5e4) fit fp16
+        assert "infx" not in summary.get("input rounding floor", ""), summary
+        model.float()

@@ -890,7 +890,7 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
         )
         evidence: dict[str, Any] = {"conditioned_rel": found["conditioned_rel"]}
         dtype = str(compute_dtype(candidate)).removeprefix("torch.")
-        where = _lines_text(lines) if lines else ""
+        where = lines_text(lines) if lines else ""
         held = ", ".join(f"`{b}`" for b in buffers)
         if lines or buffers:
             made = f"made at {where}" if lines else ""
@@ -907,6 +907,7 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
         near_floor = floor is not None and raised is not None and raised <= DIVERGENCE_RATIO * floor
         helped = (
             raised is not None
+            and math.isfinite(raised)  # inf -> inf is no help
             and error is not None
             and (raised * RAISED_FALLS <= error or (near_floor and raised * 2 <= error))
         )
@@ -1024,7 +1025,7 @@ def line_spans(numbers: list[int]) -> str:
     return "lines " + ", ".join(parts[:-1]) + f" and {parts[-1]}"
 
 
-def _lines_text(lines: list[tuple[str, int]]) -> str:
+def lines_text(lines: list[tuple[str, int]]) -> str:
     """'lines 17-20 of run.py', 'lines 20-21 and 35 of run.py' (one file), else 'a.py:3, b.py:9'."""
     files = {f for f, _ in lines}
     if len(files) == 1:

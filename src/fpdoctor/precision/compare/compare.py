@@ -1359,7 +1359,7 @@ class _Comparison:
         if not row.diverged:
             found = self._forced_at(rows, row)
             raised = found.get("raised_rel")
-            if raised is None or raised * RAISED_FALLS > found["error_rel"]:
+            if raised is None or not _cured(found["error_rel"], raised):
                 return {}
             row.unconfirmed = None
             annotate(rows)
@@ -1405,12 +1405,12 @@ class _Comparison:
 
             # a rounded buffer alone first: when holding it in fp32 is the whole fix, the lines are not part of it
             raised = raised_with([], buffers) if buffers else None
-            if raised is not None and raised * RAISED_FALLS <= final.propagated:
+            if raised is not None and _cured(final.propagated, raised):
                 lines = []
             elif lines or buffers:
                 raised = raised_with(lines, buffers)
             more = rounded(elsewhere)
-            if (lines or buffers) and more and (raised is None or raised * RAISED_FALLS > final.propagated):
+            if (lines or buffers) and more and (raised is None or not _cured(final.propagated, raised)):
                 # not enough: the module's other ops read rounded buffers too (a table centred beside the
                 # input); all of them held, alone first, as above
                 for tried in ([], lines) if lines else ([],):
@@ -1419,14 +1419,14 @@ class _Comparison:
                         lines, raised, buffers = tried, wider, buffers | more
                         break
             rounds_inputs = not self.given and _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is None
-            if lines and rounds_inputs and (raised is None or raised * RAISED_FALLS > final.propagated):
+            if lines and rounds_inputs and (raised is None or not _cured(final.propagated, raised)):
                 # what the lines read may be the model's inputs, which the cast rounds before the forward
                 # (raw readings standardised inside the model): the lines computed on the inputs as given
                 given = raised_with(lines, buffers, given=True)
-                if given is not None and given * RAISED_FALLS <= final.propagated:
+                if given is not None and _cured(final.propagated, given):
                     raised = given
                     cause["inputs_as_given"] = True
-            if raised is None or raised * RAISED_FALLS > final.propagated:
+            if raised is None or not _cured(final.propagated, raised):
                 # not enough: what it reads is a submodule's output (two large scores of one head subtracted),
                 # which the lines that call those modules make: their ops in fp32 too
                 called, _, _ = upstream.feeding_lines(
@@ -1434,7 +1434,7 @@ class _Comparison:
                     module=row.module, rng=self.rng, device=self.cand_device, noise=self.noise, through_calls=True,
                 )  # fmt: skip
                 through = raised_with(called, buffers) if set(called) > set(lines) else None
-                if through is not None and through * RAISED_FALLS <= final.propagated:
+                if through is not None and _cured(final.propagated, through):
                     lines, raised = called, through
             if lines and raised is not None and _cured(final.propagated, raised):
                 # the lines after them, which read what they make (x - mean after a variance by hand): a fix
@@ -1507,7 +1507,8 @@ class _Comparison:
                 )
         origin = nonfinite.findings(
             rows, overflows, label=self.label, candidate=candidate, dtype=self.cand_dtype, check=self._fix_checked,
-            on=inputs_text(describe(self.inputs)), named=any(r.diverged for r in rows), mine=mine,
+            before_cast=self._before_cast_checked, on=inputs_text(describe(self.inputs)),
+            named=any(r.diverged for r in rows), mine=mine,
         )  # fmt: skip
         if self.unmatched:  # their rows differ: no error to measure (a selection before them picked others)
             names = list(self.unmatched)
@@ -1717,6 +1718,32 @@ class _Comparison:
         if self._keep_fix_outputs:  # only the runs _made_checked reads: an LM's logits are large
             self._fix_outputs[(kind, line, more)] = kept[0] if kept else None
         return math.inf if broken and error is not None else error
+
+    def _before_cast_checked(self, op: str, module: str, location: str) -> tuple[list[tuple[str, int]], float | None]:
+        """The lines that feed `op` at `location` (its own included, and up to nonfinite.LINES_AFTER
+        lines after it) computed in fp32 on the model's inputs fed in fp32, not rounded by the cast
+        before the forward (raw readings scaled by their batch's statistics: rounded, a column's
+        spread is 0, then 0/0): (the lines, the end-to-end error) of the first run whose output is
+        finite, else the last; ([], None) where the inputs are not rounded or the op was not seen."""
+        line = nonfinite.line_of(location)
+        if line is None or self.given or _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is not None:
+            return [], None
+        root = next(e for (name, _), e in self.seen.items() if name == "")
+        fed, _, _ = upstream.feeding_lines(
+            self.cand_run, self.run_inputs, self.cand_dtype, op=op, line=location, module=module, rng=self.rng,
+            device=self.cand_device, noise=self.noise,
+        )  # fmt: skip
+        lines: list[tuple[str, int]] = []
+        error: float | None = None
+        for more in range(nonfinite.LINES_AFTER + 1):
+            lines = sorted({*fed, line, *((line[0], line[1] + k) for k in range(1, more + 1))})
+            error = upstream.raised_error(
+                self.cand_run, self.run_inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,
+                rng=self.rng, device=self.cand_device, noise=self.noise, inputs_as_given=True,
+            )  # fmt: skip
+            if error is not None and math.isfinite(error):
+                break
+        return lines, error
 
     def _overflow_checked(self, found: dict[str, Any], error: float, *, broken: bool = False) -> dict[str, Any] | None:
         """An op that overflows inside a divergent module, computed in fp32 with the ops after it that

@@ -28,13 +28,16 @@ from fpdoctor.formats import DTYPE_FORMAT, FORMATS
 from fpdoctor.numerics.engine.raising import below_range
 from fpdoctor.numerics.engine.reruns import finfo_spelled
 from fpdoctor.precision.candidates import compute_dtype
-from fpdoctor.precision.profile import RAISED_FALLS, ModuleRow
+from fpdoctor.precision.profile import RAISED_FALLS, ModuleRow, lines_text
 from fpdoctor.report.model import Finding, Trial
 from fpdoctor.userframes import is_user_file
 
 # The check of a fix: ("cast" | "op", (file, line), lines after it) -> the end-to-end error with it
 # in place (inf while the output stays non-finite; None when the run could not be made)
 Check = Callable[[str, tuple[str, int], int], "float | None"]
+# The check of a computation done before the cast: (op, module, location) -> (the lines that feed
+# it, its own and up to LINES_AFTER after it, computed in fp32 on the inputs fed in fp32, the error)
+BeforeCast = Callable[[str, str, str], "tuple[list[tuple[str, int]], float | None]"]
 # An op's fix in fp32 is tried with up to this many lines after it that consume its result
 LINES_AFTER = 2
 
@@ -80,6 +83,7 @@ def findings(
     candidate: str,
     dtype: torch.dtype,
     check: Check,
+    before_cast: BeforeCast,
     on: str,
     named: bool,
     mine: set[tuple[str, int]],
@@ -94,7 +98,7 @@ def findings(
     for key, found in overflows.items():  # in the order the calls ended: the innermost origin first
         if key in mine:
             return [_origin(key, found, label=label, candidate=candidate, dtype=dtype, check=check,
-                            on=on, count=count, nonfinite=root.nonfinite)]  # fmt: skip
+                            before_cast=before_cast, on=on, count=count, nonfinite=root.nonfinite)]  # fmt: skip
     if named:
         return []
     first = next((r for r in rows if r.nonfinite and math.isinf(r.propagated)), root)
@@ -118,7 +122,7 @@ def findings(
 
 def _origin(
     key: tuple[str, int], found: dict[str, Any], *, label: str, candidate: str, dtype: torch.dtype, check: Check,
-    on: str, count: str, nonfinite: int,
+    before_cast: BeforeCast, on: str, count: str, nonfinite: int,
 ) -> Finding:  # fmt: skip
     module, _ = key
     op, location = found["op"], found.get("location")
@@ -174,7 +178,8 @@ def _origin(
         after = check("cast", line, 0) if line is not None else None
     else:
         message = (
-            f"In {label}, {op}{at} in {inside} turns finite inputs (up to {biggest:.4g}) into NaN or Inf, and from "
+            f"In {label}, {op}{at} in {inside} turns finite inputs{f' (up to {biggest:.4g})' if biggest else ''} into "
+            "NaN or Inf, and from "
             f"there the output is non-finite ({count})."
         )
         more, after = fp32_lines(check, line, math.inf) if line is not None else (0, None)
@@ -194,6 +199,27 @@ def _origin(
         )
         held = check("cast", line, more) if zeros and line is not None else None
         changed = f"the ops at {lines} computed in fp32, what they produce cast back to {candidate}"
+        if line is not None and held is None and not (after is not None and math.isfinite(after)):
+            # the line in fp32 leaves the NaN: what it reads may be the model's inputs, rounded by the cast
+            # before the forward (raw readings scaled by their batch's statistics: rounded, a spread of 0)
+            fed, given = before_cast(op, module, found.get("location") or "")
+            if given is not None and math.isfinite(given):
+                lines = lines_text(fed)
+                message += (
+                    f" It is not the op's precision: line {line[1]} in fp32 still makes it. What it reads comes from "
+                    f"the model's inputs, which the cast to {candidate} before the forward rounds (values closer "
+                    f"than {candidate}'s spacing become one: a spread of 0, a difference of 0, then 0/0)."
+                )
+                fix = (
+                    f"Do that computation before the cast: pass the model's inputs in fp32 (not cast to {candidate} "
+                    f"before the forward), compute {lines} in fp32 from them, and cast what they produce to "
+                    f"{candidate} where the rest of the model reads it (.to(p.dtype), p one of the model's "
+                    "parameters). Then `fpdoctor compare --inputs-as-given` checks the changed model fed its inputs "
+                    "as they are"
+                )
+                changed = f"the inputs fed in fp32, the ops at {lines} in fp32, their results cast back to {candidate}"
+                evidence |= {"inputs_as_given": True, "feeding_lines": [f"{f}:{n}" for f, n in fed]}
+                after = given
         if held is not None and math.isfinite(held):  # the constant at the format's smallest normal: checked
             # the user's literal is the culprit: the fix names it and a value the format holds, the line in
             # fp32 beside it (both checked)

@@ -45,7 +45,7 @@ from fpdoctor.precision.candidates import (
 from fpdoctor.precision.compare import use
 from fpdoctor.precision.compare.compare import compare_set
 from fpdoctor.precision.compare.noise import ReplayNoise
-from fpdoctor.precision.inputs import describe, input_sets
+from fpdoctor.precision.inputs import describe, input_sets, named_tensors
 from fpdoctor.precision.metrics import flat_sample, floating, fp8_format, output_format, rel_error
 from fpdoctor.precision.names import PLAN_CANDIDATES, PRECISIONS, REFERENCES
 from fpdoctor.precision.plan.codegen import fp8_code, plan_code
@@ -529,6 +529,7 @@ def _plan(
         head=judged[0].logits_layer if m.decisions else None,
         the_plan_outputs=[k for k in keep if k in fp32_outputs] if m.decisions else [],
         coarse_output=m.name == "top1" and any(s.coarse_output for s in judged),
+        inputs_past_range=any(_past_range(s.inputs, candidate) for s in judged),
         decisions_back=m.decisions
         and verified
         and all(s.decided(x) for s, x in zip(judged, measured.get(final_key, []), strict=True)),
@@ -676,3 +677,16 @@ def apply_plan(model: nn.Module, the_plan: Plan) -> nn.Module:
     if the_plan.fp32_ops:
         install(inner, the_plan.fp32_ops, dtype)
     return model
+
+
+def _past_range(inputs: Any, candidate: str) -> bool:
+    """An input tensor holds a finite value past the candidate's largest: it is Inf before the first module."""
+    dtype = compute_dtype(candidate)
+    if not dtype.is_floating_point:
+        return False
+    limit = torch.finfo(dtype).max
+    return any(
+        bool((t.detach().abs() > limit).logical_and(t.detach().isfinite()).any())
+        for _, t in named_tensors(inputs)
+        if t.is_floating_point() and torch.finfo(t.dtype).max > limit
+    )

@@ -64,6 +64,7 @@ class Search:
     the_plan_outputs: list[str] = field(default_factory=list)  # kept modules whose outputs stay fp32
     decisions_back: bool = False  # with the plan, compare would not call the decisions changed on any set
     coarse_output: bool = False  # top1: rounding the exact output alone flips too many decisions for a target
+    inputs_past_range: bool = False  # an input holds values past the candidate's largest finite value
 
 
 def _fmt(value: float) -> str:
@@ -153,7 +154,11 @@ def build(the_plan: Plan, search: Search) -> Report:
         summary.append(("without exceptions", f"end-to-end error {_fmt(max(search.baseline))}"))
         summary.append(("error metric", METRIC))
     if rounding > 0:
-        amplified = f", {floor / rounding:.2g}x the inputs' own rounding of {rounding:.2g}" if rounding else ""
+        amplified = (
+            f", {floor / rounding:.2g}x the inputs' own rounding of {rounding:.2g}"
+            if math.isfinite(floor)
+            else ": rounding the inputs alone breaks it"
+        )
         summary.append(
             (
                 "input rounding floor" + (f" (set #{search.worst})" if len(search.sets) > 1 else ""),
@@ -198,7 +203,7 @@ def build(the_plan: Plan, search: Search) -> Report:
             )
         )
     summary += _why(the_plan, search)
-    step = _next_step(the_plan, search)
+    step = None if whole else _next_step(the_plan, search)  # the finding's checked fix is the next step
     if step:
         summary.append(("next step", step))
     return Report(
@@ -566,7 +571,7 @@ def _next_step(the_plan: Plan, search: Search) -> str | None:
     cand = the_plan.candidate
     if not the_plan.verified:
         ranged = _range_cause(search) if cand in _RANGE_LIMITED else None
-        if cand in _RANGE_LIMITED and any(math.isinf(floor) for _, _, floor, *_ in search.sets):
+        if cand in _RANGE_LIMITED and search.inputs_past_range:
             steps.append(
                 f"the inputs themselves do not fit {cand} (values above 65504 become Inf before the first module): "
                 "bf16 has fp32's range, try `fpdoctor plan MODEL --candidate bf16`, or scale the inputs"
