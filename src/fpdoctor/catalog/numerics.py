@@ -716,4 +716,18 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         fix="Unscale once per optimizer step: after the last micro-batch's backward, call scaler.unscale_(optimizer), "
         "the clip, scaler.step(optimizer) and scaler.update(), once each.",
     ),
+    RuleInfo(
+        code="TRN022",
+        name="gradients-cleared",
+        severity=E,
+        title="The optimizer stepped on gradients cleared after the backward",
+        what="`fpdoctor watch` notes a `zero_grad()` (an optimizer's, or a module's that holds the optimizer's "
+        "parameters) called after a backward and before that optimizer's step, and confirms it at the step: every "
+        "gradient the optimizer holds is None or zero. The finding names the zero_grad() line and counts the steps.",
+        why="`loss.backward(); optimizer.zero_grad(); optimizer.step()` throws the step's gradients away before "
+        "the optimizer reads them: the weights do not move by any gradient, the loss stays flat, and nothing is "
+        "NaN or skipped, so a judge of values alone sees a healthy run.",
+        fix="Call zero_grad() where a step begins (before the forward) or just after optimizer.step(), never between "
+        "loss.backward() and optimizer.step().",
+    ),
 )

@@ -63,6 +63,7 @@ from fpdoctor.integrations._traced_step import TracedStep
 from fpdoctor.numerics.compiled import graphs
 from fpdoctor.numerics.observe import amp, dynamo
 from fpdoctor.numerics.observe.batches import MicroBatch, OutputsOnly
+from fpdoctor.numerics.observe.grad_clears import GradClears, zero_grad_owners
 from fpdoctor.numerics.observe.gradcheck import (
     FlagRead,
     HostRead,
@@ -88,6 +89,7 @@ from fpdoctor.userframes import user_location
 _DEVICE_TYPES = ("cpu", "cuda")
 
 
+_CLEARS = "checking where zero_grad() runs"  # grad_clears.py
 _ORDER = "checking the GradScaler's order"  # what the observer was doing, where it fails (scaler_order.py)
 
 
@@ -262,6 +264,7 @@ class ScriptWatch:
         self._top = TopLevelCalls(self._pre, self._post)
         self._scaler_now: dict[int, Any] = {}  # id(optimizer) -> the GradScaler stepping it now
         self._order = ScalerOrder()  # the script's unscale_, update() and backwards, in their order
+        self._clears = GradClears()  # zero_grad() between a backward and the optimizer's step (grad_clears.py)
         self._mixed: dict[int, Mixed] = {}  # id(optimizer) -> its step in progress mixes unscaled gradients
         self._judged: set[int] = set()  # optimizers judged inside the scaler's step in progress
         self._replaying = False
@@ -294,6 +297,8 @@ class ScriptWatch:
             # the script's unscale_ and update() calls: a backward between an unscale_ and the step (scaler_order.py)
             stack.enter_context(self._swapped(scaler, "unscale_", self._unscale_of))
             stack.enter_context(self._swapped(scaler, "update", self._update_of))
+            for owner in zero_grad_owners():  # a zero_grad() after the backward leaves the step no gradient
+                stack.enter_context(self._swapped(owner, "zero_grad", self._zero_grad_of))
             # a gradient penalty on the gradients of a GradScaler-scaled output: its loss reads gradients
             # that overflow at the scaler's first scales (calibration, not a bug), and whether the code
             # unscales them the step traced once tells
@@ -430,6 +435,7 @@ class ScriptWatch:
                 self._error("reading the loss", exc)
             after = self._order_check()
             result = original(tensors, *args, **kwargs)
+            self._clears.backward()
             if after is not None:
                 self._guarded(after, _ORDER)
             for call, fills in waiting:  # the forwards this backward reached: this loss is theirs
@@ -480,6 +486,14 @@ class ScriptWatch:
             return result
 
         return update
+
+    def _zero_grad_of(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def zero_grad(owner: Any, *args: Any, **kwargs: Any) -> Any:
+            if self._clears.after_backward and not self._replaying:  # only then is its line looked up
+                self._guarded(lambda: self._clears.zero_grad(owner, user_location(sys._getframe(2))), _CLEARS)
+            return original(owner, *args, **kwargs)
+
+        return zero_grad
 
     def _order_check(self) -> Callable[[], None] | None:
         """Before a backward: what checks, after it, whether it added to gradients already unscaled."""
@@ -650,6 +664,7 @@ class ScriptWatch:
                     flags = FlagRead(torch.stack([grad, grad, scale, *(t.to(device) for t in losses)]))
         judge.steps += 1
         judge.micro_batches += len(mine)
+        self._guarded(lambda: judge.cleared_step(judge.steps, self._clears.stepped(optimizer)), _CLEARS)
         mixed = self._mixed.pop(id(optimizer), None)
         if mixed is not None:  # the reference step measures what it cost (unscaled_twice.py)
             judge.mixed_step(judge.steps, mixed)

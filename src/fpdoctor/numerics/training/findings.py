@@ -14,6 +14,7 @@ import torch
 
 from fpdoctor import catalog
 from fpdoctor.numerics.observe.amp import ScaleWatch
+from fpdoctor.numerics.observe.grad_clears import Cleared
 from fpdoctor.numerics.training import distributed, transient
 from fpdoctor.numerics.training.control import ControlResult
 from fpdoctor.numerics.training.lr_whatif import LrTrial
@@ -671,6 +672,39 @@ def weights_finding(
         trial=Trial.untried(
             "the weights are already non-finite: the fix is a resume from a checkpoint, which fpdoctor does not do "
             "to a running job; the other findings carry what made the update non-finite"
+        ),
+    )
+
+
+def cleared_finding(step: int, cleared: Cleared, *, here: dict[str, Any]) -> Finding:
+    """TRN022: the optimizer stepped on gradients a zero_grad() cleared after the step's backward."""
+    where = cleared.where
+    at = f" at {where[0]}:{where[1]}" if where else ""
+    call = "optimizer.zero_grad()" if cleared.owner == "optimizer" else "model.zero_grad()"
+    held = "None" if cleared.set_to_none else "zero"
+    line = f"line {where[1]} of {where[0]}" if where else f"the {call}"
+    return catalog.make(
+        "gradients-cleared",
+        message=(
+            f"Step {step}: {call}{at} ran after the step's backward and before the optimizer's step, so the optimizer "
+            f"took no gradient: every .grad of its {cleared.params} parameter(s) was {held} when it stepped. Its step "
+            "moves no weight by a gradient (a decoupled weight decay still shrinks them), and the loss cannot fall."
+        ),
+        where={"module": None, "op": None, "phase": "optimizer", "step": step, **here},
+        evidence={
+            "step": step,
+            "location": f"{where[0]}:{where[1]}" if where else None,
+            "zero_grad_of": cleared.owner,
+            "gradients": held,
+            "parameters": cleared.params,
+        },
+        fix=(
+            f"move {line} to where a step begins, before the forward: zero_grad(), the forward and the loss, "
+            "loss.backward(), optimizer.step() (or just after optimizer.step())"
+        ),
+        trial=Trial.untried(
+            "the order of the script's calls is the evidence, with the gradients at the step (all "
+            f"{held}): moving a line of the script is the fix, and only the script can run it"
         ),
     )
 

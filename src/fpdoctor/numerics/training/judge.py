@@ -41,6 +41,7 @@ from torch import nn
 from fpdoctor.numerics.compiled import step as compiled
 from fpdoctor.numerics.observe import amp, dynamo
 from fpdoctor.numerics.observe.batches import MicroBatch
+from fpdoctor.numerics.observe.grad_clears import Cleared
 from fpdoctor.numerics.observe.gradcheck import bad_parameters, kind_of, tensor_kind
 from fpdoctor.numerics.observe.scaler_order import Mixed
 from fpdoctor.numerics.training import (
@@ -1116,7 +1117,10 @@ class StepJudge:
         if self.is_compiled:  # Dynamo would compile graphs anew for the copies: the observer compiles nothing
             why = "a compiled model: running it on copies of its parameters would compile new graphs"
         elif not live:
-            why = "the optimizer holds no parameter of the model with a gradient (master weights of your own)"
+            why = (
+                "no parameter of the model that the optimizer holds had a gradient at its step (cleared after the "
+                "backward, or master weights of your own)"
+            )
         if why is not None:
             self.reference_compared.append(reference.Comparison(step, not_compared=why))
             return
@@ -1167,6 +1171,12 @@ class StepJudge:
         if self._mixed is None and not self._mixed_said:
             self._mixed = (step, mixed)
             self._reference_asked = True
+
+    def cleared_step(self, step: int, cleared: Cleared | None) -> None:
+        """watch: this step's gradients were cleared after its backward (grad_clears.py); one
+        finding, counted over the steps it happens on."""
+        if cleared is not None:
+            self.causes.add(findings.cleared_finding(step, cleared, here=self.here))
 
     def mixed_step_said(self, step: int, *, measured: unscaled_twice.Measured | None = None, why_not: str) -> None:
         """The finding of the step `mixed_step` noted, once: measured, or with why the reference step
@@ -1317,11 +1327,19 @@ class StepJudge:
             out["progress"] = list(self.progress_judged)
             last = self.progress_judged[-1]
             text = f"loss flat over steps {last['window'][0]}-{last['window'][1]}"
-            if "reference" in last:
+            if "reference" in last and "loss_is" in last:
+                # an estimate to first order, which can fall past any loss's floor (a cross-entropy below 0):
+                # the fall is what it measures, not where the loss lands
+                (a, b), (c, d) = last["recipe"], last["reference"]
+                text += (
+                    f"; {progress.STEPS} steps on its batch, from {a:.4g}: the loss falls by {a - b:.4g} (yours) and "
+                    f"{c - d:.4g} (an fp32 reference), {last['loss_is']}"
+                    + ("; undecided: the steps went non-finite" if not _finite_arms(last) else "")
+                )
+            elif "reference" in last:
                 text += (
                     f"; {progress.STEPS} steps on its batch: yours {last['recipe'][0]:.4g} -> {last['recipe'][1]:.4g}, "
                     f"fp32 reference {last['reference'][0]:.4g} -> {last['reference'][1]:.4g}"
-                    + (f" ({last['loss_is']})" if "loss_is" in last else "")
                     + ("; undecided: the steps went non-finite" if not _finite_arms(last) else "")
                 )
             else:

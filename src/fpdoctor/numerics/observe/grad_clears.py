@@ -1,0 +1,84 @@
+"""Gradients cleared between the backward and the optimizer's step: `zero_grad()` in the wrong place.
+
+`loss.backward(); optimizer.zero_grad(); optimizer.step()` steps on no gradient: every `.grad` is
+None (or zero) when the optimizer runs, so the weights never move (AdamW's decoupled weight decay
+still shrinks them). Nothing is NaN, the loss is flat, and a judge of values sees a healthy run.
+
+Watched: `Optimizer.zero_grad` and `Module.zero_grad` (wrapped at class level while the watch runs)
+note their caller's line when a backward ran since the last optimizer step, and only then; at the
+step, such a call that cleared this optimizer's parameters (its own zero_grad, or a module's that
+holds one of them) is confirmed by the gradients themselves: all None, or all zero (one host read,
+on that step only). A step whose calls come in the usual order (zero_grad before the forward, or
+after the step) pays one flag test per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+# (file, line, function) of the user's call, as userframes.user_location gives it
+Where = tuple[str, int, str]
+
+
+@dataclass(frozen=True)
+class Cleared:
+    """One optimizer step taken on gradients a zero_grad() cleared after the step's backward."""
+
+    where: Where | None  # the zero_grad() call's line
+    owner: str  # "optimizer" or "module": whose zero_grad it was
+    set_to_none: bool  # the gradients were None (else zeros)
+    params: int  # the optimizer's parameters that require a gradient
+
+
+class GradClears:
+    """Records zero_grad() calls made after a backward and before the next optimizer step."""
+
+    def __init__(self) -> None:
+        self._backward = False  # a backward ran since the last optimizer step
+        self._calls: list[tuple[Any, Where | None]] = []  # (the optimizer or module, its caller's line)
+
+    @property
+    def after_backward(self) -> bool:
+        """A backward ran since the last optimizer step: a zero_grad() now is noted."""
+        return self._backward
+
+    def backward(self) -> None:
+        """After a backward: the clears before it were the usual ones."""
+        self._backward = True
+        self._calls.clear()
+
+    def zero_grad(self, owner: Any, where: Where | None) -> None:
+        self._calls.append((owner, where))
+
+    def stepped(self, optimizer: Any) -> Cleared | None:
+        """At `optimizer`'s step: the clear that left it no gradient, confirmed by its gradients; None
+        on the usual step (no call noted: nothing read)."""
+        calls, self._calls, self._backward = self._calls, [], False
+        if not calls:
+            return None
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        mine = {id(p) for p in params}
+        owner, where = next(
+            ((o, w) for o, w in calls if o is optimizer or (isinstance(o, nn.Module) and _holds(o, mine))),
+            (None, None),
+        )
+        if owner is None or not params:
+            return None
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads and any(bool(g.detach().ne(0).any()) for g in grads):
+            return None  # a backward after it, or a clear of parameters the step does not take
+        kind = "optimizer" if owner is optimizer else "module"
+        return Cleared(where, kind, not grads, len(params))
+
+
+def _holds(module: nn.Module, ids: set[int]) -> bool:
+    return any(id(p) in ids for p in module.parameters())
+
+
+def zero_grad_owners() -> tuple[type, ...]:
+    """The classes whose zero_grad() the watch wraps."""
+    return (torch.optim.Optimizer, nn.Module)
