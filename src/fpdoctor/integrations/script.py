@@ -664,7 +664,10 @@ class ScriptWatch:
                     flags = FlagRead(torch.stack([grad, grad, scale, *(t.to(device) for t in losses)]))
         judge.steps += 1
         judge.micro_batches += len(mine)
-        self._guarded(lambda: judge.cleared_step(judge.steps, self._clears.stepped(optimizer)), _CLEARS)
+        if self._clears.noted:  # a zero_grad() after the backward, confirmed at the step by its gradients
+            self._guarded(lambda: judge.cleared_step(judge.steps, self._clears.stepped(optimizer)), _CLEARS)
+        else:
+            self._clears.passed()
         mixed = self._mixed.pop(id(optimizer), None)
         if mixed is not None:  # the reference step measures what it cost (unscaled_twice.py)
             judge.mixed_step(judge.steps, mixed)

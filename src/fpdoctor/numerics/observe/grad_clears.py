@@ -46,10 +46,20 @@ class GradClears:
         """A backward ran since the last optimizer step: a zero_grad() now is noted."""
         return self._backward
 
+    @property
+    def noted(self) -> bool:
+        """A zero_grad() was called after a backward and before this step."""
+        return bool(self._calls)
+
+    def passed(self) -> None:
+        """An optimizer step with nothing noted."""
+        self._backward = False
+
     def backward(self) -> None:
         """After a backward: the clears before it were the usual ones."""
         self._backward = True
-        self._calls.clear()
+        if self._calls:
+            self._calls.clear()
 
     def zero_grad(self, owner: Any, where: Where | None) -> None:
         self._calls.append((owner, where))
