@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -115,3 +117,31 @@ def test_the_watch_leaves_no_hook_behind():
     model = net()
     train(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert len(_global_optimizer_pre_hooks) == before
+
+
+def test_an_update_blown_up_by_an_eps_fp16_holds_as_0_puts_the_eps_first():
+    """A pure-fp16 regression with AdamW at its default eps: the update divides by ~0 where the second
+    moment is small, and blows the weights up at once. The learning rate is not the cause (a 100x
+    lower one blows up the same): the eps's finding is first, and its fix as printed trains."""
+
+    def run(eps: float, lr: float = 1e-3):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(12, 48), nn.SiLU(), nn.Linear(48, 1)).half()
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
+        x = torch.randn(256, 12).half()
+        y = x[:, :2].sum(1, keepdim=True) * 0.1
+        with fpdoctor.trace(model) as t:
+            for _ in range(6):
+                loss = (model(x) - y).float().pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        return t.report, loss.item()
+
+    report, _ = run(1e-8)
+    assert names(report)[0] == "fp16-adam-eps", names(report)  # before: update-blew-up, "lower the learning rate"
+    (blown,) = report.by_name("update-blew-up")
+    assert blown.severity.value == "warning" and blown.evidence["consequence_of"] == "fp16-adam-eps"
+    assert run(1e-8, lr=1e-5)[0].by_name("update-blew-up")  # the rate's fix does nothing
+    fixed, loss = run(1e-4)  # as printed: eps=0.0001
+    assert not fixed.by_name("update-blew-up") and not fixed.by_name("nonfinite-produced") and math.isfinite(loss)

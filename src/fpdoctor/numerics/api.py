@@ -305,10 +305,17 @@ class Trace:
         # forward or backward made NaN/Inf at or before its step (its gradients were bad: a consequence)
         blown = [_after_the_gradients(f, findings) for f in recipes if f.name == "update-blew-up"]
         caused = [f for f in blown if f.evidence.get("consequence_of_step") is None]
-        if caused:
-            findings = [_after_the_blowup(f, caused[0]) for f in findings]
-        findings = caused + findings + [f for f in blown if f not in caused]
-        findings += [f for f in recipes if f.name != "update-blew-up"]
+        eps = [f for f in recipes if f.name == "fp16-adam-eps"]
+        if caused and eps:  # an Adam that divides by an eps fp16 holds as ~0: the eps blew the update up
+            blown = [_of_the_eps(f, eps[0]) if f in caused else f for f in blown]
+            findings = (
+                eps + findings + blown + [f for f in recipes if f.name not in ("update-blew-up", "fp16-adam-eps")]
+            )
+        else:
+            if caused:
+                findings = [_after_the_blowup(f, caused[0]) for f in findings]
+            findings = caused + findings + [f for f in blown if f not in caused]
+            findings += [f for f in recipes if f.name != "update-blew-up"]
         tracer.errors.extend(self._recipes.errors)
         # running updates outside the optimizer, rounded away (an EMA, a norm's statistics): what the
         # model is evaluated with, before the optimizer's own updates, which slow its training
@@ -444,6 +451,25 @@ def _after_zeroed(found: Finding, findings: list[Finding]) -> Finding:
         evidence={**found.evidence, "after_zeroed_step": at},
         fix=f"Fix nonfinite-zeroed first (the gradients zeroed from step {at}); then, if updates still round away: "
         + (found.fix or ""),
+    )
+
+
+def _of_the_eps(blown: Finding, eps: Finding) -> Finding:
+    """update-blew-up where the same run's Adam divides by an eps that fp16 holds as ~0 (fp16-adam-eps):
+    the update's size is the division's, and a lower rate or clipping does not move the step at
+    which it fails; the eps, first, is the cause."""
+    return dataclasses.replace(
+        blown,
+        severity=Severity.WARNING,
+        title="The update blew the weights up by dividing by Adam's eps, which is ~0 in fp16: a consequence",
+        message=blown.message.split(" The next forward")[0]
+        + f" Its eps ({eps.evidence.get('eps'):g}) is {eps.evidence.get('eps_in_fp16'):.3g} in fp16 (fp16-adam-eps, "
+        "first): where the second moment is small the update divides by ~0, so its size is the eps's, not the "
+        "learning rate's.",
+        evidence={**blown.evidence, "consequence_of": "fp16-adam-eps"},
+        fix="Fix the eps first, as fp16-adam-eps says. A lower learning rate or gradient clipping does not change "
+        "the step at which it fails: the division by ~0 is the same.",
+        trial=Trial.untried("the eps is the cause: fp16-adam-eps carries the fix"),
     )
 
 
