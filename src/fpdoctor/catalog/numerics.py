@@ -730,4 +730,16 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         fix="Call zero_grad() where a step begins (before the forward) or just after optimizer.step(), never between "
         "loss.backward() and optimizer.step().",
     ),
+    RuleInfo(
+        code="TRN023",
+        name="lr-zero-group",
+        severity=W,
+        title="A param group's learning rate is 0: its parameters never move",
+        what="`fpdoctor watch` reads each optimizer's param groups at its first step and at the report: a group "
+        "whose lr is 0 at both while another group's is not is named with its parameters.",
+        why="A group left at lr 0 (a typo in the param_groups, a scheduler factor of 0 for it) trains nothing, "
+        "while its parameters still require gradients and pay for their backward: the model learns with part "
+        "of itself, nothing is NaN, and a judge of values sees a healthy run.",
+        fix="Give the group its learning rate; to freeze parameters on purpose, call requires_grad_(False) on them.",
+    ),
 )

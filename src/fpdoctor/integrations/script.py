@@ -78,12 +78,13 @@ from fpdoctor.numerics.observe.loader import LoaderBatches
 from fpdoctor.numerics.observe.scaler_order import Mixed, ScalerOrder
 from fpdoctor.numerics.trace.scaled_grads import ScaledGrads
 from fpdoctor.numerics.training import distributed, reference
+from fpdoctor.numerics.training.findings import frozen_group_finding
 from fpdoctor.numerics.training.judge import StepFacts, StepJudge, StepOutcome
 from fpdoctor.numerics.training.live import Live, StopRun, in_progress
 from fpdoctor.numerics.updates.measure import UpdateProbe, UpdateStats
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Finding, Report, Severity, Trial
-from fpdoctor.torchprivate import global_optimizer_hooks, pytree
+from fpdoctor.torchprivate import global_optimizer_hooks, named_parameters, pytree
 from fpdoctor.userframes import user_location
 
 _DEVICE_TYPES = ("cpu", "cuda")
@@ -141,6 +142,9 @@ class _Run:
     left: tuple[int, float | None] | None = None
     carried: tuple[int, float | None] | None = None
     groups: tuple[tuple[int, int], ...] = ()  # `_groups(optimizer)` when `params` was made
+    optimizer: Any = None
+    # param groups whose lr was 0 at the first step while another group's was not (judged at the report)
+    zero_lr: list[int] = field(default_factory=list)
 
 
 # per device: the scale slot of the flags of a step without a scaler (copied by the stack, never written)
@@ -156,6 +160,27 @@ def _nan(device: torch.device) -> torch.Tensor:
 
 def _trainable(optimizer: Any) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+
+
+def _zero_lr_groups(optimizer: Any) -> list[int]:
+    """The param groups whose lr is 0 while another group's is not (a warmup from 0 sets them all)."""
+    rates = [group.get("lr") for group in optimizer.param_groups]
+    if not any(isinstance(r, (int, float)) and r > 0 for r in rates):
+        return []
+    return [k for k, r in enumerate(rates) if isinstance(r, (int, float)) and r == 0]
+
+
+def _frozen_by_lr(run: _Run) -> list[Finding]:
+    """TRN023 for each group of `run.zero_lr` whose lr is 0 still: its parameters got gradients and
+    never moved, from the first step to the last."""
+    still = [k for k in _zero_lr_groups(run.optimizer) if k in run.zero_lr] if run.zero_lr else []
+    if not still or run.judge.steps < 2:
+        return []
+    names = {id(p): n for n, p in named_parameters(run.judge.model)}
+    groups = [
+        (k, [names.get(id(p), "?") for p in run.optimizer.param_groups[k]["params"] if p.requires_grad]) for k in still
+    ]
+    return [frozen_group_finding(groups, run.judge.steps, here=run.judge.here)]
 
 
 def _groups(optimizer: Any) -> tuple[tuple[int, int], ...]:
@@ -593,7 +618,7 @@ class ScriptWatch:
         )
         judge.reference_every = self.reference_every
         self._optimizers.append(optimizer)
-        run = _Run(judge, params, modules, len(self.runs) + 1, groups=_groups(optimizer))
+        run = _Run(judge, params, modules, len(self.runs) + 1, groups=_groups(optimizer), optimizer=optimizer)
         # on a GPU by default where the optimizer skips by itself (found_inf, no cost); asked for,
         # any optimizer, its step undone on the device (a copy of its weights and state per step)
         run.fused = skips_on_device(optimizer)
@@ -664,6 +689,8 @@ class ScriptWatch:
                     flags = FlagRead(torch.stack([grad, grad, scale, *(t.to(device) for t in losses)]))
         judge.steps += 1
         judge.micro_batches += len(mine)
+        if judge.steps == 1:  # a group left at lr 0 by mistake: its parameters never move (said at the report)
+            run.zero_lr = _zero_lr_groups(optimizer)
         if self._clears.noted:  # a zero_grad() after the backward, confirmed at the step by its gradients
             self._guarded(lambda: judge.cleared_step(judge.steps, self._clears.stepped(optimizer)), _CLEARS)
         else:
@@ -952,9 +979,11 @@ class ScriptWatch:
         else:
             first = runs[0].judge
             report = first.report(scaled=first.amp.scale is not None)
+            report.findings.extend(_frozen_by_lr(runs[0]))
             for run in runs[1:]:  # a second optimizer (a GAN's): its findings and counts beside
                 other = run.judge.report(scaled=run.judge.amp.scale is not None)
                 report.findings.extend(other.findings)
+                report.findings.extend(_frozen_by_lr(run))
                 counts = {k: other.data[k] for k in ("steps", "skipped_steps", "nonfinite_steps", "verdicts")}
                 report.data.setdefault("optimizers", []).append(counts)
                 # the summary's counts are the first optimizer's: each other one's beside them, so that

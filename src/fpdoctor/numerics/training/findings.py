@@ -709,6 +709,39 @@ def cleared_finding(step: int, cleared: Cleared, *, here: dict[str, Any]) -> Fin
     )
 
 
+def frozen_group_finding(groups: list[tuple[int, list[str]]], steps: int, *, here: dict[str, Any]) -> Finding:
+    """TRN023: param groups whose lr stayed 0 while another group's did not: their parameters get
+    gradients (they require them) and never move."""
+    count = sum(len(names) for _, names in groups)
+    which = "; ".join(
+        f"group {k} ({len(names)} parameter(s): {', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+        for k, names in groups
+    )
+    return catalog.make(
+        "lr-zero-group",
+        message=(
+            f"{which} had lr 0 at the first step and at the last ({steps} steps) while another group's was not: "
+            f"its {count} parameter(s) require gradients, get them every step, and never move."
+        ),
+        where={"module": None, "op": None, "phase": "optimizer", **here},
+        evidence={
+            "groups": [k for k, _ in groups],
+            "parameters": [n for _, names in groups for n in names][:20],
+            "count": count,
+            "steps": steps,
+        },
+        fix=(
+            "give that group its learning rate where the param_groups are built (or the scheduler's factor for it); "
+            "to freeze those parameters on purpose, call requires_grad_(False) on them instead, which also saves "
+            "their backward"
+        ),
+        trial=Trial.untried(
+            "read from the optimizer's param groups at the first and the last step: a learning rate is the "
+            "script's choice, which fpdoctor does not change in a running job"
+        ),
+    )
+
+
 def timeline(history: list[Any], found: list[Finding], points: int) -> dict[str, list[Any]]:
     """Loss per step for plots, at most `points` of them (evenly thinned) plus every step that
     was non-finite, skipped by AMP or a spike, so that no event is thinned away; beside the loss,

@@ -1,0 +1,53 @@
+"""`fpdoctor watch` on an optimizer with one param group left at lr 0 (TRN023): part of the model
+never moves, the loss falls slower, nothing is NaN. A warmup from 0 for every group, and a cosine
+schedule that ends at 0, are no finding; the fix as printed (the group given its rate) is OK."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.conftest import report_of
+
+# an encoder and a head in two groups; the encoder's rate is written 0.0 by mistake
+SCRIPT = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+x = torch.randn(1024, 20)
+y = (x[:, :5].sum(1) > 0).long()
+encoder = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+head = nn.Linear(64, 2)
+model = nn.Sequential(encoder, head)
+opt = torch.optim.AdamW([{"params": encoder.parameters(), "lr": ENCODER_LR}, {"params": head.parameters()}], lr=3e-3)
+SCHEDULE
+for step in range(50):
+    idx = torch.randint(0, 1024, (64,))
+    opt.zero_grad()
+    F.cross_entropy(model(x[idx]), y[idx]).backward()
+    opt.step()
+    STEP
+"""
+
+
+def _watch(tmp_path: Path, lr: str, schedule: str = "", step: str = "") -> dict:
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT.replace("ENCODER_LR", lr).replace("SCHEDULE", schedule).replace("STEP", step))
+    return report_of(tmp_path, "watch", "--", "python", str(path))
+
+
+def test_a_param_group_left_at_lr_0_is_named_with_its_parameters(tmp_path):
+    report = _watch(tmp_path, "0.0")  # before: OK, no findings
+    (found,) = [f for f in report["findings"] if f["name"] == "lr-zero-group"]
+    assert found["evidence"]["groups"] == [0] and found["evidence"]["count"] == 4
+    assert found["evidence"]["parameters"][:2] == ["0.0.weight", "0.0.bias"]
+    fixed = _watch(tmp_path, "1e-3")  # as printed: the group given its rate
+    assert not [f for f in fixed["findings"] if f["name"] == "lr-zero-group"] and fixed["verdict"] == "ok"
+
+
+def test_a_warmup_from_0_and_a_schedule_that_ends_at_0_are_no_finding(tmp_path):
+    warmup = "sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 10))"
+    cosine = "sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=50)"
+    for schedule in (warmup, cosine):
+        report = _watch(tmp_path, "1e-3", schedule, "sched.step()")
+        assert not [f for f in report["findings"] if f["name"] == "lr-zero-group"], schedule
