@@ -6,6 +6,8 @@ printed keeps the loss finite where the fp32 lines do not."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -141,3 +143,28 @@ def test_lines_in_fp32_that_fail_on_the_steps_own_inputs_are_said_to_fail_there(
     fix = _first_fix(step).fix
     assert "non-finite on this step's inputs too (checked)" in fix, fix
     assert "finite on this step's inputs, are" not in fix
+
+
+@pytest.mark.parametrize("scale", [3.0, 2000.0])  # cosh past fp32's range only, and past fp64's too
+def test_a_log_cosh_loss_gets_its_form_without_cosh_even_where_fp64_overflows(scale: float) -> None:
+    """A log-cosh regression loss on residuals of hundreds (prices): cosh overflows past |x| ~ 89 in fp32.
+    At residuals past ~710 it overflows in fp64 too, where 'no precision change is the fix' had no fix
+    to give; the form without cosh is the fix either way, and applied as printed the loss is finite."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    x, y = torch.randn(128, 8), scale * 100.0 * torch.randn(128, 1)
+
+    def step() -> None:
+        torch.log(torch.cosh(model(x) - y)).mean().backward()
+
+    first = _first_fix(step)
+    assert first.fix.startswith("Write x.abs() + F.softplus(-2 * x.abs()) - math.log(2) instead of log(cosh(x))"), (
+        first.fix
+    )
+    assert first.trial is not None and first.trial.tried, first.trial
+    # as printed: the residual as x, at the same scale and past it
+    for r in (model(x) - y, (model(x) - y) * 100):
+        loss = (r.abs() + F.softplus(-2 * r.abs()) - math.log(2)).mean()
+        exact = float(r.detach().double().abs().mean() - math.log(2))  # log cosh x = |x| - log 2 for |x| >> 1
+        assert torch.isfinite(loss) and abs(loss.item() - exact) < 1e-3 * abs(exact)
+        loss.backward()

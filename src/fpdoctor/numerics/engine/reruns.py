@@ -267,6 +267,12 @@ class Experiment:
             upstream = (
                 f" Re-running the {self.walked} ops above it in fp64 did not remove it either." if self.walked else ""
             )
+            if self.stable is not None and self.stable.scaled:  # log(cosh(x)) past fp64's cosh: the form is the fix
+                return (
+                    f"{label}: {name or self.op} is non-finite in fp64 too, and its stable form is finite",
+                    message + tried + upstream + " No precision change is the fix; a form without the overflow is.",
+                    *self._stable_fix(_lines(self.form_records)),
+                )
             advice = _without_precision(fix)
             return (
                 # a title that says which non-finite input it turned into NaN (a masked row) stays
@@ -1475,7 +1481,7 @@ def completed_form(experiment: Experiment, steps: list[Step]) -> None:
     experiment ran at that op, before the ops that complete the form had run. `steps`: that op,
     then the ops that read its output in turn (found by the trace as they run); where they are a
     form of stable.py, its stable form is checked as where the whole chain made the symptom."""
-    if experiment.verdict != "origin" or len(steps) < 2:
+    if experiment.verdict not in ("origin", "the-math") or len(steps) < 2:
         return
     # a form the chain itself is decides; one completed before gives way to a longer one (its log, later)
     if experiment.stable is not None and len(steps) <= len(experiment.form_records):
@@ -1484,8 +1490,8 @@ def completed_form(experiment: Experiment, steps: list[Step]) -> None:
     if found is None or found[0].prefix or found[1] != len(steps):
         return
     form, _, picked = found
-    reduction = next(s for s in steps if op_packet(s.record.op) in _REDUCTIONS)  # its dim is the form's
-    checked = stable.check(form, steps[0].args, reduction.args, picked=picked)
+    reduction = next((s for s in steps if op_packet(s.record.op) in _REDUCTIONS), None)  # its dim is the form's
+    checked = stable.check(form, steps[0].args, reduction.args if reduction is not None else (), picked=picked)
     if checked is not None:
         experiment.stable, experiment.completed = checked, [s.record for s in steps]
 

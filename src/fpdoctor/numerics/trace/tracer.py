@@ -1019,7 +1019,8 @@ class Tracer(EagerDispatchMode):
 
     def _completed(self, record: Record) -> None:
         """A log or a div of what an exp whose overflow was experimented on made: log(exp(x).sum(dim)),
-        exp(x) / exp(x).sum(dim) (a softmax by hand, its exp written once or twice) and its log. The
+        exp(x) / exp(x).sum(dim) (a softmax by hand, its exp written once or twice) and its log; a log
+        of a cosh that overflowed (log-cosh loss). The
         form is complete now, and its stable form (torch.logsumexp, torch.softmax, F.log_softmax) is
         checked on what the exp read (reruns.completed_form); a longer form found later replaces it."""
         chain, pick = [record], None
@@ -1047,6 +1048,9 @@ class Tracer(EagerDispatchMode):
             # finite and their sum overflowed
             keys = [exp.index] if exp is summed else sorted((exp.index, summed.index))
             keys.append(total.index)
+        elif made is not None and made is not record and made.op.startswith("aten.cosh"):
+            chain.insert(0, made)  # log(cosh(x)), whose cosh overflowed
+            keys = [made.index]
         else:
             if made is None or made is record or not made.op.startswith("aten.sum"):
                 return
