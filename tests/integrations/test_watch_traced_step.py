@@ -86,3 +86,37 @@ def test_a_bad_step_the_replay_explains_traces_nothing():
             nn.functional.mse_loss(model(x), torch.zeros(8, 1)).backward()
             opt.step()
     assert "traced_step" not in w.report.data
+
+
+def test_a_traced_step_the_scaler_skipped_is_told_as_that_step_not_as_the_whole_run():
+    """A Gaussian likelihood by hand (the squared error over exp of a log-variance) under fp16 autocast
+    and a GradScaler: on every 4th batch the log-variance passes 11, exp overflows, the loss stays
+    finite (x / Inf = 0) and its gradients do not. The watch traces a step after a replayed one; the
+    trace's count is of that one step, so the finding says which step it was, never 'skipped 1 of 1
+    steps: the optimizer never ran' on a run that stepped on most of its batches."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.SiLU(), nn.Linear(32, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    g = torch.Generator().manual_seed(1)
+    with fpdoctor.watch(reference_every=0) as w:
+        for step in range(40):
+            x = torch.randn(64, 8, generator=g) * (30.0 if step % 4 == 3 else 1.0)  # every 4th batch: wide
+            y = torch.randn(64, generator=g)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+                mu, log_var = out[:, 0], out[:, 1].abs() * 4.0
+                loss = 0.5 * (log_var + (y - mu) ** 2 / torch.exp(log_var)).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    first = w.report.findings[0]
+    assert first.name == "grad-scaler-stalled" and first.evidence.get("traced_step"), [
+        f.name for f in w.report.findings
+    ]
+    assert first.title == (
+        f"GradScaler skipped the step traced at step {first.evidence['traced_step']}: its non-finite value is made "
+        "at aten.exp.default"
+    ), first.title
+    assert "1 of 1" not in first.title + first.message and "never moved" not in first.message, first.message

@@ -39,6 +39,14 @@ _EXPLAINED = ("deterministic-nonfinite", "training-stalled")
 TRIES = 8  # steps traced at most, until one makes the non-finite value again
 
 
+# the trace's account of its one traced step, as the run's: said of that step (the watch counts the run's)
+_ONE_STEP = (
+    ("skipped 1 of 1 steps", "skipped it"),
+    (", so the weights never moved: this is not", ": this is not"),
+    (", on 1 of the 1 skipped steps:", ":"),
+)
+
+
 class TracedStep:
     """Armed by a bad step, started at the next training forward, finished after its backward."""
 
@@ -141,11 +149,20 @@ class TracedStep:
         )
         self.findings = []
         for f in found[:2]:
-            message = f.message
+            message, title = f.message, f.title
             for theirs, mine in ours:
                 message = message.replace(theirs, mine)
+            if f.name == "grad-scaler-stalled" and f.evidence.get("steps") == 1:
+                # the trace's counts are of its one step, not the run's: the watch's own counts say those
+                origin = f.evidence.get("origin")
+                op = origin.get("op") if isinstance(origin, dict) else None
+                title = f"GradScaler skipped the step traced at step {self.step}" + (
+                    f": its non-finite value is made at {op}" if op else ""
+                )
+                for theirs, mine in _ONE_STEP:
+                    message = message.replace(theirs, mine)
             evidence = {**f.evidence, "step": self.step, "traced_step": self.step}
-            self.findings.append(replace(f, message=why + message, evidence=evidence))
+            self.findings.append(replace(f, title=title, message=why + message, evidence=evidence))
         return self.findings
 
     def lead(self, found: list[Finding]) -> list[Finding]:
