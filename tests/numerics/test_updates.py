@@ -503,3 +503,27 @@ def test_default_period_is_paced_after_its_first_measured_steps_and_a_given_one_
     # the summary says the period now: the last measured step's, which a loaded machine may have moved
     assert f"every 10th for the first {PACE_AFTER}, then every {measured[-1][1]}th" in summary.text()
     assert len(kept) == 32 and kept == [None] * 32
+
+
+def test_master_weights_that_move_slower_than_the_what_if_looks_are_still_the_fix():
+    """bf16 weights near 1.0 fine-tuned at lr 1e-6: each update is ~1e-3 of bf16's spacing there, so
+    even with fp32 master weights the bf16 copies move only after hundreds of steps, far past the
+    what-if's 8. The masters move on every step: that is what the fix keeps, and the what-if says so
+    (before: 'Tried, and it did not help here: 0% of the weights moved' beside the fix it had dropped)."""
+    from fpdoctor.numerics.updates.whatif import what_if
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 1)).to(torch.bfloat16)
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-6)
+    x, y = torch.randn(128, 32).bfloat16(), torch.randn(128, 1).bfloat16()
+
+    def step() -> torch.Tensor:
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    tried = what_if(model, opt, step)
+    assert tried.error is None and tried.moved_as_is == 0.0 and tried.moved_fixed == 1.0, tried
+    assert tried.loss_fixed == tried.loss_as_is and tried.helped

@@ -40,8 +40,8 @@ def _tried_text(tried: WhatIf | None, untried: str) -> tuple[str, dict[str, Any]
         "the gradients at the model's outputs, without the loss function)"
     )
     text = (
-        f"with fp32 master weights, {tried.moved_fixed:.0%} of the weights moved per step (as it is: "
-        f"{tried.moved_as_is:.0%}) and {loss}"
+        f"with fp32 master weights, {tried.moved_fixed:.0%} of the master weights moved per step (the "
+        f"low-precision weights as it is: {tried.moved_as_is:.0%}) and {loss}"
     )
     if tried.helped:
         return f" Tried: {text} (checked, {tried.seconds:.2g} s, on copies).", evidence

@@ -36,7 +36,7 @@ class WhatIf:
     loss_as_is: float  # NaN: the step runs without its loss, which is not known
     loss_fixed: float
     moved_as_is: float  # share of low-precision weights that changed, per step, averaged
-    moved_fixed: float
+    moved_fixed: float  # share of their fp32 master weights that changed, per step, averaged
     seconds: float
     error: str | None = None
     loss_is: str = "the loss"  # what the losses are (a first-order estimate, where the loss function is not known)
@@ -114,13 +114,16 @@ def what_if(
                     for n, m in masters.items():
                         g = weights[n].grad
                         m.grad = None if g is None else g.float()
-                    before = [w.detach().clone() for w in low]
+                    # with masters, what the step keeps is the fp32 copy's change: the low-precision
+                    # weights follow once it reaches half their spacing (hundreds of steps, maybe)
+                    tracked = [masters[n] for n, p in named if p.dtype in LOW_PRECISION] if fixed else low
+                    before = [w.detach().clone() for w in tracked]
                     with no_global_optimizer_hooks():
                         opt.step()
                     with torch.no_grad():
                         for n, m in masters.items():
                             weights[n].copy_(m)
-                        changed = sum(int((w != b).sum()) for w, b in zip(low, before, strict=True))
+                        changed = sum(int((w != b).sum()) for w, b in zip(tracked, before, strict=True))
                     moved += changed / max(1, sum(w.numel() for w in low))
                 loss = run_step()
             results.append((_loss_value(loss), moved / max(1, steps)))
