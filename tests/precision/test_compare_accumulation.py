@@ -91,3 +91,54 @@ def test_an_in_place_running_state_is_named_and_said_untried():
     assert state["in_place"] and state["raised_rel"] is None and state["op"] == "aten.add_.Tensor"
     assert "could not be tried in fp64: it is updated in place" in finding.message
     assert "not checked" in finding.fix and "(checked)" not in finding.message
+
+
+class LeakyIntegrator(nn.Module):
+    """An irregularly sampled series (events): a leaky integrator whose leak per step, exp(-rate * dt) with
+    dt ~ 0.004 from the inputs, is ~0.998: computed each step in the model's dtype it rounds to 1.0 in
+    bf16 (bf16's spacing below 1 is 2**-8), so the state integrates without leaking. The state kept in
+    fp64 alone cannot help: each update reads the rounded leak. `fixed`: the fix as compare prints it
+    (the state in fp32, the leak's line in fp32, what is read from the state cast back)."""
+
+    def __init__(self, fixed: bool = False) -> None:
+        super().__init__()
+        self.proj, self.step = nn.Linear(6, 12), nn.Linear(6, 12)
+        self.rate = nn.Parameter(torch.full((12,), 0.5))
+        self.fixed = fixed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, dt = self.proj(x), nn.functional.softplus(self.step(x) - 5.5)
+        s = torch.zeros(h.shape[0], 12, dtype=torch.float32 if self.fixed else h.dtype)
+        outs = []
+        for t in range(h.shape[1]):
+            leak = torch.exp(-self.rate.float() * dt[:, t].float()) if self.fixed else torch.exp(-self.rate * dt[:, t])
+            s = leak * s + dt[:, t] * h[:, t]
+            outs.append(s.to(h.dtype))
+        return torch.stack(outs, 1)
+
+
+class Events(nn.Module):
+    def __init__(self, fixed: bool = False) -> None:
+        super().__init__()
+        self.cell = LeakyIntegrator(fixed)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.cell(x))
+
+
+def test_a_state_whose_update_reads_a_leak_rounded_to_1_is_fixed_with_the_line_that_makes_the_leak():
+    torch.manual_seed(0)
+    model, x = Events().eval(), torch.randn(2, 1500, 6) + 1.0
+    result = fpdoctor.compare(model, x, candidate="bf16")
+    (finding,) = [f for f in result.report.findings if f.evidence.get("kind") == "accumulation"]
+    leak_line = LeakyIntegrator.forward.__code__.co_firstlineno + 5
+    # before: "No running state tried explains it ... `fpdoctor plan` cannot fix this", nothing checked
+    assert finding.evidence["feeding_lines"] == [f"{__file__}:{leak_line}"], finding.evidence
+    assert f"compute line {leak_line} of " in finding.fix and finding.trial is not None and finding.trial.tried
+    assert finding.trial.after * 10 < finding.trial.before
+    fixed = Events(fixed=True).eval()
+    fixed.load_state_dict(model.state_dict())
+    after = fpdoctor.compare(fixed, x, candidate="bf16")  # as printed
+    assert not [f for f in after.report.findings if f.evidence.get("kind") == "accumulation"]
+    assert after.rows[-1].propagated * 10 < result.rows[-1].propagated and after.report.verdict == "ok"

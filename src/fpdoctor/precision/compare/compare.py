@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from fpdoctor import progress
-from fpdoctor.numerics.engine.raising import RaisedLines, SaturatedCasts
+from fpdoctor.numerics.engine.raising import RaisedLines, RaisedSites, SaturatedCasts
 from fpdoctor.numerics.trace.mismatch import mismatch_error
 from fpdoctor.precision.audit.audit import as_given, explain_failure
 from fpdoctor.precision.audit.boundary import keep_in_fp32
@@ -141,6 +141,9 @@ from fpdoctor.preserve import RngState
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding, Severity
 from fpdoctor.userframes import is_user_file
+
+# the lines that make what a running state's update reads, kept in fp32 with it, where they are at most these
+FEEDING_LINES = 8
 
 
 class ReferenceFailed(RuntimeError):
@@ -1254,6 +1257,10 @@ class _Comparison:
             if best is not None and best["raised_rel"] <= falls and outputs[id(best)]:
                 cause = best
                 self.state_fix = ([best["location"]], outputs[id(best)][-1])
+        if cause is None and together is None and tryable and joint is not None:
+            # each step's update reads values the candidate makes again every step (a decay exp(dt * A) near
+            # 1 that rounds to 1 in bf16): the states with the lines that make what their updates read
+            together = self._with_their_feeds(tryable, sites, falls, truth)
         return {
             "together": together,
             "joint_rel": joint if len(tryable) > 1 else None,  # every tried state kept in fp64 together
@@ -1266,6 +1273,52 @@ class _Comparison:
             "state": cause,
             "dtype": str(self.cand_dtype).removeprefix("torch."),
         }
+
+    def _with_their_feeds(
+        self, states: list[dict[str, Any]], sites: dict[int, list[Any]], falls: float, truth: _Seen
+    ) -> dict[str, Any] | None:
+        """The running states kept in fp64 with the lines that make what their updates read (upstream.
+        feeding_lines of each update's first op), where those are a few lines of the states' own code:
+        `together` with the feeding lines, where that run takes the error down ACCUMULATION_FALLS."""
+        own = [x for s in states for x in sites[id(s)]]
+        fed: set[tuple[str, int]] = set()
+        for state in states:
+            lines, _, _ = upstream.feeding_lines(
+                self.cand_run, self.run_inputs, self.cand_dtype, op=state["op"].split(" then ")[0],
+                line=state["location"], module=state["module"] or "", rng=self.rng, device=self.cand_device,
+                noise=self.noise,
+            )  # fmt: skip
+            fed |= set(lines)
+        updated = {nonfinite.line_of(s["location"]) for s in states}
+        feeding = sorted(fed - updated)
+        if not feeding or len(feeding) > FEEDING_LINES:  # none, or most of the model: no fix of a few lines
+            return None
+
+        def error_with(lines: list[tuple[str, int]], kept: list[torch.Tensor]) -> float | None:
+            # the states in fp64 as before; the feeding lines' ops in fp32 and kept so (no cast back: a decay
+            # cast back to bf16 is 1 again) for the updates that read them
+            return error_under(
+                RaisedSites(own, self.cand_dtype), self.cand_run, self.run_inputs, self.cand_dtype, truth=truth.truth,
+                norm=truth.norm, rng=self.rng, device=self.cand_device, noise=self.noise, keep=kept,
+                watch=RaisedLines(set(lines), self.cand_dtype, cast_back=False),
+            )  # fmt: skip
+
+        # the nearest lines first (what the update reads most directly: its decay), one more at a time: the
+        # fewest lines that hold; a line further up (a module's input projection in fp32) can fail the run
+        nearest = sorted(feeding, key=lambda x: (x[0] != states[0]["location"].rpartition(":")[0], -x[1]))
+        error: float | None = None
+        kept: list[torch.Tensor] = []
+        for k in range(1, len(nearest) + 1):
+            kept = []
+            error = error_with(nearest[:k], kept)
+            if error is not None and error <= falls:
+                feeding = sorted(nearest[:k])
+                break
+        else:
+            return None
+        if kept:
+            self.state_fix = ([s["location"] for s in states], kept[-1])
+        return {"states": states, "raised_rel": error, "feeding": feeding}
 
     # -- step 5c: a selection inside the model the candidate changes (selections.py) -------------------
     def selection(self, rows: list[ModuleRow], accumulation: dict[str, Any] | None) -> Finding | None:
