@@ -60,6 +60,21 @@ def user_location(frame: FrameType | None) -> tuple[str, int, str] | None:
     return None
 
 
+def user_frames(frame: FrameType | None, most: int = 8) -> list[tuple[str, int, str]]:
+    """The user's frames from `frame` outwards (innermost first, at most `most`): a call inside a
+    helper, and the helper's call."""
+    found: list[tuple[str, int, str]] = []
+    while frame is not None and len(found) < most:
+        code = frame.f_code
+        user = _USER_FILES.get(code.co_filename)
+        if user is None:
+            user = _USER_FILES[code.co_filename] = is_user_file(code.co_filename)
+        if user:
+            found.append((code.co_filename, frame.f_lineno, code.co_name))
+        frame = frame.f_back
+    return found
+
+
 def function_at(tree: ast.Module, line: int) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
     """The innermost function of a parsed source file whose lines hold `line`; None at module level."""
     holding = [

@@ -6,6 +6,7 @@ a GAN's clear of the other network's gradients between a backward and a step."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -66,24 +67,71 @@ def _watch(tmp_path: Path, script: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("clear", "gradients"), [("opt.zero_grad()", "None"), ("model.zero_grad(set_to_none=False)", "zero")]
+    ("clear", "name", "gradients"),
+    [
+        ("opt.zero_grad()", "gradients-cleared", "None"),
+        ("model.zero_grad(set_to_none=False)", "gradients-cleared", "zero"),
+        ("for p in model.parameters(): p.grad = None", "gradients-cleared", "None"),  # no zero_grad() to see
+        ("for p in model.parameters(): p.grad.zero_()", "gradients-depart-from-reference", None),  # zeros in place
+    ],
 )
-def test_a_zero_grad_between_backward_and_step_is_named_and_its_fix_trains(tmp_path, clear, gradients):
+def test_gradients_cleared_between_backward_and_step_are_named_and_the_fix_trains(tmp_path, clear, name, gradients):
     script = CLEARED.replace("CLEAR", clear)
     report = _watch(tmp_path, script)
-    first = report["findings"][0]  # before: OK, no findings, on a run whose loss never moved
-    assert first["name"] == "gradients-cleared", [f["name"] for f in report["findings"]]
+    first = report["findings"][0]  # before: OK, no findings (or a clip blamed), on a run whose loss never moved
+    assert first["name"] == name, [f["name"] for f in report["findings"]]
     line = next(i for i, text in enumerate(script.splitlines(), 1) if text.strip() == clear)
-    assert first["evidence"]["location"].endswith(f"train.py:{line}") and first["evidence"]["gradients"] == gradients
-    assert first["evidence"]["occurrences"] == 60
-    assert f"move line {line} of " in first["fix"] and "to where a step begins, before the forward" in first["fix"]
-    # as printed: that line moved to where the step begins
+    step = line + 1
+    if gradients is not None:
+        assert first["evidence"]["location"].endswith(f"train.py:{line}"), first["evidence"]
+        assert first["evidence"]["gradients"] == gradients and first["evidence"]["occurrences"] == 60
+    assert re.match(
+        rf"move line {line} of \S*train.py from between loss.backward\(\) and the optimizer's step", first["fix"]
+    )
+    # as printed: that line moved to just after the step
     lines = script.splitlines()
-    moved = lines[: line - 1] + lines[line:]
-    begin = next(i for i, text in enumerate(moved) if "idx = torch.randint" in text)
-    moved.insert(begin, "    " + clear)
+    moved = [*lines[: line - 1], lines[step - 1], lines[line - 1], *lines[step:]]
     fixed = _watch(tmp_path, "\n".join(moved) + "\n")
     assert fixed["verdict"] == "ok", [f["name"] for f in fixed["findings"]]
+
+
+# gradient accumulation whose zero_grad() sits inside the micro-batch loop, after each backward, and in a
+# helper called there: the step takes the last micro-batch's gradients at most
+ACCUMULATED = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+x = torch.randn(2048, 16)
+y = (x[:, :3].sum(1) > 0).long()
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 2))
+opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
+def log_norms(m):
+    norm = sum(float(p.grad.norm()) for p in m.parameters() if p.grad is not None)
+    m.zero_grad()
+    return norm
+
+
+for step in range(30):
+    for k in range(4):
+        idx = torch.randint(0, 2048, (32,))
+        (F.cross_entropy(model(x[idx]), y[idx]) / 4).backward()
+    log_norms(model)
+    opt.step()
+"""
+
+
+def test_a_zero_grad_in_a_helper_is_named_with_the_call_that_runs_it(tmp_path):
+    report = _watch(tmp_path, ACCUMULATED)
+    first = report["findings"][0]
+    lines = ACCUMULATED.splitlines()
+    inner = next(i for i, text in enumerate(lines, 1) if text.strip() == "m.zero_grad()")
+    call = next(i for i, text in enumerate(lines, 1) if text.strip() == "log_norms(model)")
+    assert first["name"] == "gradients-cleared" and first["evidence"]["location"].endswith(f":{inner}")
+    assert first["evidence"]["called_from"].endswith(f":{call}"), first["evidence"]
+    assert f"move line {call} of " in first["fix"] and "out of log_norms()" in first["fix"], first["fix"]
 
 
 def test_the_usual_orders_get_no_gradients_cleared(tmp_path):

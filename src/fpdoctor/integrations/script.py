@@ -63,7 +63,7 @@ from fpdoctor.integrations._traced_step import TracedStep
 from fpdoctor.numerics.compiled import graphs
 from fpdoctor.numerics.observe import amp, dynamo
 from fpdoctor.numerics.observe.batches import MicroBatch, OutputsOnly
-from fpdoctor.numerics.observe.grad_clears import GradClears, zero_grad_owners
+from fpdoctor.numerics.observe.grad_clears import Cleared, GradClears, zero_grad_owners
 from fpdoctor.numerics.observe.gradcheck import (
     FlagRead,
     HostRead,
@@ -77,7 +77,7 @@ from fpdoctor.numerics.observe.gradcheck import (
 from fpdoctor.numerics.observe.loader import LoaderBatches
 from fpdoctor.numerics.observe.scaler_order import Mixed, ScalerOrder
 from fpdoctor.numerics.trace.scaled_grads import ScaledGrads
-from fpdoctor.numerics.training import distributed, reference
+from fpdoctor.numerics.training import between, distributed, reference
 from fpdoctor.numerics.training.findings import frozen_group_finding
 from fpdoctor.numerics.training.judge import StepFacts, StepJudge, StepOutcome
 from fpdoctor.numerics.training.live import Live, StopRun, in_progress
@@ -85,7 +85,7 @@ from fpdoctor.numerics.updates.measure import UpdateProbe, UpdateStats
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Finding, Report, Severity, Trial
 from fpdoctor.torchprivate import global_optimizer_hooks, named_parameters, pytree
-from fpdoctor.userframes import user_location
+from fpdoctor.userframes import user_frames, user_location
 
 _DEVICE_TYPES = ("cpu", "cuda")
 
@@ -160,6 +160,16 @@ def _nan(device: torch.device) -> torch.Tensor:
 
 def _trainable(optimizer: Any) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+
+
+def _cleared_by_code(params: int) -> Cleared:
+    """A step whose gradients are all None though a backward reached the model: the statement between
+    the backward and the step that cleared them, read from the source (`p.grad = None` in a loop)."""
+    at = user_location(sys._getframe(1))
+    seen = between.read()
+    found = between.clearing(seen) if seen is not None else None
+    where = (seen.path, found[0], at[2] if at else "") if seen is not None and found is not None else None
+    return Cleared(where, "code", True, params, step_at=at, text=found[1] if found else None)
 
 
 def _zero_lr_groups(optimizer: Any) -> list[int]:
@@ -515,7 +525,7 @@ class ScriptWatch:
     def _zero_grad_of(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def zero_grad(owner: Any, *args: Any, **kwargs: Any) -> Any:
             if self._clears.after_backward and not self._replaying:  # only then is its line looked up
-                self._guarded(lambda: self._clears.zero_grad(owner, user_location(sys._getframe(2))), _CLEARS)
+                self._guarded(lambda: self._clears.zero_grad(owner, user_frames(sys._getframe(2))), _CLEARS)
             return original(owner, *args, **kwargs)
 
         return zero_grad
@@ -668,13 +678,14 @@ class ScriptWatch:
         device = judge.device
         on_device = run.device_skip and not skipped_by_scaler
         flags: FlagRead | HostRead
+        grads = grads_of(run.params)
         with torch.no_grad():
             if device.type == "cpu" and not (judge.distributed or on_device):
                 # the usual CPU step: flags read at once, no tensor made (each small op is a few us)
                 scale_read = float(amp.scale_tensor(scaler, device)) if scaler is not None else math.nan
-                flags = HostRead(nonfinite_now(grads_of(run.params)), scale_read, losses)
+                flags = HostRead(nonfinite_now(grads), scale_read, losses)
             else:
-                grad = nonfinite_flag(grads_of(run.params), device)
+                grad = nonfinite_flag(grads, device)
                 scale = amp.scale_tensor(scaler, device) if scaler is not None else _nan(device)
                 # [loss, gradients, scale, losses]: the losses come back anyway and are judged on the host,
                 # unless the loss's flag is needed on the device, agreed across ranks or given to the optimizer
@@ -692,9 +703,14 @@ class ScriptWatch:
         if judge.steps == 1:  # a group left at lr 0 by mistake: its parameters never move (said at the report)
             run.zero_lr = _zero_lr_groups(optimizer)
         if self._clears.noted:  # a zero_grad() after the backward, confirmed at the step by its gradients
-            self._guarded(lambda: judge.cleared_step(judge.steps, self._clears.stepped(optimizer)), _CLEARS)
+            at = user_location(sys._getframe(1))
+            self._guarded(lambda: judge.cleared_step(judge.steps, self._clears.stepped(optimizer, at)), _CLEARS)
         else:
             self._clears.passed()
+            if (
+                mine and run.params and not grads
+            ):  # a backward reached the model and left no gradient: code cleared them
+                self._guarded(lambda: judge.cleared_step(judge.steps, _cleared_by_code(len(run.params))), _CLEARS)
         mixed = self._mixed.pop(id(optimizer), None)
         if mixed is not None:  # the reference step measures what it cost (unscaled_twice.py)
             judge.mixed_step(judge.steps, mixed)

@@ -26,12 +26,15 @@ Where = tuple[str, int, str]
 
 @dataclass(frozen=True)
 class Cleared:
-    """One optimizer step taken on gradients a zero_grad() cleared after the step's backward."""
+    """One optimizer step taken on gradients cleared after the step's backward."""
 
-    where: Where | None  # the zero_grad() call's line
-    owner: str  # "optimizer" or "module": whose zero_grad it was
+    where: Where | None  # the line that cleared them: the zero_grad() call, or the statement read from the source
+    owner: str  # "optimizer" or "module" (whose zero_grad it was), or "code" (a statement: `p.grad = None`)
     set_to_none: bool  # the gradients were None (else zeros)
     params: int  # the optimizer's parameters that require a gradient
+    step_at: Where | None = None  # the line that stepped the optimizer
+    via: Where | None = None  # where the clear is inside a helper: the line in the step's function that called it
+    text: str | None = None  # the clearing statement's source, where read from it
 
 
 class GradClears:
@@ -39,7 +42,8 @@ class GradClears:
 
     def __init__(self) -> None:
         self._backward = False  # a backward ran since the last optimizer step
-        self._calls: list[tuple[Any, Where | None]] = []  # (the optimizer or module, its caller's line)
+        # (the optimizer or module, its callers' lines in the user's code, innermost first)
+        self._calls: list[tuple[Any, list[Where]]] = []
 
     @property
     def after_backward(self) -> bool:
@@ -61,10 +65,10 @@ class GradClears:
         if self._calls:
             self._calls.clear()
 
-    def zero_grad(self, owner: Any, where: Where | None) -> None:
-        self._calls.append((owner, where))
+    def zero_grad(self, owner: Any, frames: list[Where]) -> None:
+        self._calls.append((owner, frames))
 
-    def stepped(self, optimizer: Any) -> Cleared | None:
+    def stepped(self, optimizer: Any, step_at: Where | None) -> Cleared | None:
         """At `optimizer`'s step: the clear that left it no gradient, confirmed by its gradients; None
         on the usual step (no call noted: nothing read)."""
         calls, self._calls, self._backward = self._calls, [], False
@@ -72,9 +76,9 @@ class GradClears:
             return None
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         mine = {id(p) for p in params}
-        owner, where = next(
-            ((o, w) for o, w in calls if o is optimizer or (isinstance(o, nn.Module) and _holds(o, mine))),
-            (None, None),
+        owner, frames = next(
+            ((o, f) for o, f in calls if o is optimizer or (isinstance(o, nn.Module) and _holds(o, mine))),
+            (None, []),
         )
         if owner is None or not params:
             return None
@@ -82,7 +86,10 @@ class GradClears:
         if grads and any(bool(g.detach().ne(0).any()) for g in grads):
             return None  # a backward after it, or a clear of parameters the step does not take
         kind = "optimizer" if owner is optimizer else "module"
-        return Cleared(where, kind, not grads, len(params))
+        where = frames[0] if frames else None
+        # a zero_grad() inside a helper: the helper's call in the function that steps is the line to move
+        via = next((f for f in frames[1:] if step_at is not None and f[0] == step_at[0] and f[2] == step_at[2]), None)
+        return Cleared(where, kind, not grads, len(params), step_at, via)
 
 
 def _holds(module: nn.Module, ids: set[int]) -> bool:

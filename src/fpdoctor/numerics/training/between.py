@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import linecache
+import re
 import sys
 from dataclasses import dataclass
 
@@ -36,6 +37,15 @@ class Between:
     def listed(self) -> str:
         """'line 41 (`clip_grad_norm_(...)`)' for each line between, joined."""
         return "; ".join(f"line {n} (`{text}`)" for n, text in self.lines)
+
+
+# a statement that clears gradients: zero_grad(), `p.grad = None`, `p.grad.zero_()`, a fill or product by 0
+_CLEARS = re.compile(r"zero_grad\(|\.grad\s*=\s*None|\.grad\.(?:zero_\(|fill_\(0|mul_\(0)")
+
+
+def clearing(seen: Between) -> tuple[int, str] | None:
+    """(line, source) of the first statement between the backward and the step that clears gradients."""
+    return next(((n, text) for n, text in seen.lines if _CLEARS.search(text)), None)
 
 
 def read() -> Between | None:

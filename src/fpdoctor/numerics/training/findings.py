@@ -677,31 +677,43 @@ def weights_finding(
 
 
 def cleared_finding(step: int, cleared: Cleared, *, here: dict[str, Any]) -> Finding:
-    """TRN022: the optimizer stepped on gradients a zero_grad() cleared after the step's backward."""
-    where = cleared.where
+    """TRN022: the optimizer stepped on gradients cleared after the step's backward."""
+    where, via, step_at = cleared.where, cleared.via, cleared.step_at
+    call = {"optimizer": "optimizer.zero_grad()", "module": "model.zero_grad()"}.get(cleared.owner)
+    what = call or (f"`{cleared.text}`" if cleared.text else "something")
     at = f" at {where[0]}:{where[1]}" if where else ""
-    call = "optimizer.zero_grad()" if cleared.owner == "optimizer" else "model.zero_grad()"
+    inside = f", called from line {via[1]} ({via[2]})," if via else ""
     held = "None" if cleared.set_to_none else "zero"
-    line = f"line {where[1]} of {where[0]}" if where else f"the {call}"
+    moved = via or where  # the line in the function that steps: the helper's call, where the clear is inside one
+    after = f" at line {step_at[1]}" if step_at else ""
+    fix = (
+        f"move line {moved[1]} of {moved[0]} from between loss.backward() and the optimizer's step{after} to just "
+        "after that step (or before the step's first forward; with gradient accumulation, outside the micro-batch "
+        "loop, never after each backward)"
+        + (f", or take the {call or 'clear'} at line {where[1]} out of {where[2]}()" if via and where else "")
+        if moved
+        else "find what clears the gradients between loss.backward() and optimizer.step() (a zero_grad(), a "
+        "`p.grad = None` or `p.grad.zero_()` loop) and move it to just after optimizer.step()"
+    )
     return catalog.make(
         "gradients-cleared",
         message=(
-            f"Step {step}: {call}{at} ran after the step's backward and before the optimizer's step, so the optimizer "
-            f"took no gradient: every .grad of its {cleared.params} parameter(s) was {held} when it stepped. Its step "
-            "moves no weight by a gradient (a decoupled weight decay still shrinks them), and the loss cannot fall."
+            f"Step {step}: {what}{at}{inside} ran after the step's backward and before the optimizer's step{after}, "
+            f"so the optimizer took no gradient: every .grad of its {cleared.params} parameter(s) was {held} when it "
+            "stepped. Its step moves no weight by a gradient (a decoupled weight decay still shrinks them), and the "
+            "loss cannot fall."
         ),
         where={"module": None, "op": None, "phase": "optimizer", "step": step, **here},
         evidence={
             "step": step,
             "location": f"{where[0]}:{where[1]}" if where else None,
+            **({"called_from": f"{via[0]}:{via[1]}"} if via else {}),
+            **({"step_location": f"{step_at[0]}:{step_at[1]}"} if step_at else {}),
             "zero_grad_of": cleared.owner,
             "gradients": held,
             "parameters": cleared.params,
         },
-        fix=(
-            f"move {line} to where a step begins, before the forward: zero_grad(), the forward and the loss, "
-            "loss.backward(), optimizer.step() (or just after optimizer.step())"
-        ),
+        fix=fix,
         trial=Trial.untried(
             "the order of the script's calls is the evidence, with the gradients at the step (all "
             f"{held}): moving a line of the script is the fix, and only the script can run it"

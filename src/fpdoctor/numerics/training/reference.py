@@ -498,6 +498,17 @@ def _between() -> between.Between | None:
     return dataclasses.replace(seen, lines=before) if before and seen.before is not None else None
 
 
+def _clearing() -> tuple[between.Between, tuple[int, str]] | None:
+    """The statement between the backward and the step in progress that clears the gradients
+    (`p.grad.zero_()`, zero_grad()), with what was read; None where there is none (never raised)."""
+    try:
+        seen = between.read()
+        found = between.clearing(seen) if seen is not None else None
+    except Exception:
+        return None
+    return (seen, found) if seen is not None and found is not None else None
+
+
 def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Finding | None:
     """`gradients-depart-from-reference` where the runs part; None where they agree."""
     stage = comparison.first_stage()
@@ -566,6 +577,22 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
         )  # fmt: skip
         if left:
             fix += f"; at scale 1, {len(left)} still depart, so the scale is not all of it"
+    elif stage == "optimizer" and comparison.zeroed_between and (cleared := _clearing()) is not None:
+        seen, (line, text) = cleared
+        name = os.path.basename(seen.path)
+        message += (
+            f" Every gradient the optimizer took is 0 while the backward's are not: line {line} (`{text}`), between "
+            f"the backward (line {seen.backward}) and the optimizer's step (line {seen.step}) of {name}, clears them, "
+            "and the weights do not move."
+        )
+        fix = (
+            f"move line {line} of {name} from between loss.backward() and the optimizer's step to just after that "
+            "step (or before the step's first forward)"
+        )
+        trial = Trial.untried(
+            "the script's own line is the evidence, with the gradients the optimizer took (all 0): moving a line "
+            "of the script is the fix, and only the script can run it"
+        )
     elif stage == "optimizer" and comparison.zeroed_between:
         message += (
             " Every gradient the optimizer took is 0 while the backward's are not: your code between the backward "
