@@ -126,7 +126,9 @@ def test_the_fix_is_tried_and_the_printed_fix_closes_the_gap():
     assert tried["loss_fp32_master"] <= tried["loss_as_is"]
     assert "Tried: with fp32 master weights" in found.message and "(checked" in found.message
     code = found.fix.split("1. ", 1)[1].split("\n2. ", 1)[0].split(":\n", 1)[1]
-    setup, each_step = code.split("# each step, after loss.backward():\n")
+    setup, each_step = code.split(
+        "# each step, in place of optimizer.step() (after loss.backward() and any clip of the gradients):\n"
+    )
     assert "torch.optim.AdamW(masters, lr=0.0001, weight_decay=0.01)" in setup
 
     x, y = _data()
@@ -527,3 +529,16 @@ def test_master_weights_that_move_slower_than_the_what_if_looks_are_still_the_fi
     tried = what_if(model, opt, step)
     assert tried.error is None and tried.moved_as_is == 0.0 and tried.moved_fixed == 1.0, tried
     assert tried.loss_fixed == tried.loss_as_is and tried.helped
+
+
+def test_the_master_weights_code_keeps_every_setting_the_user_gave_their_optimizer():
+    """SGD(momentum=0.9) printed as SGD(masters, lr=0.001, weight_decay=0): applied as printed, training
+    lost its momentum and got worse. The settings that differ from the class's own defaults are kept."""
+    from fpdoctor.numerics.updates.whatif import master_weights_code
+
+    p = [nn.Parameter(torch.zeros(2))]
+    sgd = master_weights_code(torch.optim.SGD(p, lr=1e-3, momentum=0.9, nesterov=True))
+    assert "torch.optim.SGD(masters, lr=0.001, momentum=0.9, weight_decay=0, nesterov=True)" in sgd, sgd
+    adam = master_weights_code(torch.optim.Adam(p, lr=1e-5, betas=(0.8, 0.99), eps=1e-6))
+    assert "torch.optim.Adam(masters, lr=1e-05, betas=(0.8, 0.99), eps=1e-06, weight_decay=0)" in adam, adam
+    assert "in place of optimizer.step() (after loss.backward() and any clip of the gradients)" in adam

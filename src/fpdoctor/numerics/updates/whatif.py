@@ -16,6 +16,7 @@ model's outputs) the loss is not known and the arms are compared by the weights 
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -140,13 +141,18 @@ def what_if(
 def _hyper_text(optimizer: Any) -> str:
     """The first param group's hyperparameters as keyword arguments, as the user's optimizer has them."""
     group = optimizer.param_groups[0]
-    defaults = getattr(optimizer, "defaults", {})
-    keys = [k for k in ("lr", "betas", "momentum", "eps", "weight_decay", "nesterov") if k in group]
+    # the class's own defaults (optimizer.defaults holds what the user passed: momentum=0.9 would read as one)
+    try:
+        signature = inspect.signature(type(optimizer).__init__).parameters
+    except (TypeError, ValueError):
+        signature = {}
+    defaults = {k: v.default for k, v in signature.items() if v.default is not inspect.Parameter.empty}
+    keys = [k for k in ("lr", "betas", "momentum", "dampening", "eps", "weight_decay", "nesterov") if k in group]
     parts = []
     for k in keys:
         value = group[k]
         value = float(value) if isinstance(value, torch.Tensor) else value
-        if k != "lr" and defaults.get(k) == value and k != "weight_decay":
+        if k != "lr" and k in defaults and defaults[k] == value and k != "weight_decay":
             continue
         parts.append(f"{k}={value!r}")
     return ", ".join(parts)
@@ -160,7 +166,7 @@ def master_weights_code(optimizer: Any) -> str:
         "params = [p for p in model.parameters() if p.requires_grad]  # bf16/fp16, what the model computes with\n"
         "masters = [p.detach().float().requires_grad_() for p in params]  # fp32 copies: +4 bytes per parameter\n"
         f"optimizer = {module}.{cls.__name__}(masters, {_hyper_text(optimizer)})  # its state in fp32 too\n"
-        "# each step, after loss.backward():\n"
+        "# each step, in place of optimizer.step() (after loss.backward() and any clip of the gradients):\n"
         "for p, m in zip(params, masters):\n"
         "    m.grad = p.grad.float()\n"
         "    p.grad = None\n"
