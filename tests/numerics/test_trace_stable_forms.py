@@ -168,3 +168,28 @@ def test_a_log_cosh_loss_gets_its_form_without_cosh_even_where_fp64_overflows(sc
         exact = float(r.detach().double().abs().mean() - math.log(2))  # log cosh x = |x| - log 2 for |x| >> 1
         assert torch.isfinite(loss) and abs(loss.item() - exact) < 1e-3 * abs(exact)
         loss.backward()
+
+
+@pytest.mark.parametrize("scale", [2.0, 20.0])  # exp past fp32's range only, and past fp64's too
+def test_a_softplus_by_hand_gets_f_softplus_not_the_softmax_advice(scale: float) -> None:
+    """log(1 + exp(r)) on residuals of hundreds (a smooth hinge on prices): exp overflows past r ~ 88 in
+    fp32, past ~709 in fp64. The advice was 'subtract the max before exp (use softmax/logsumexp)', which
+    applied literally trains to nonsense; the stable form is F.softplus, and as printed it trains."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    x, y = torch.randn(128, 8), scale * 100.0 * torch.randn(128, 1)
+
+    def step() -> None:
+        torch.log(1 + torch.exp(model(x) - y)).mean().backward()
+
+    first = _first_fix(step)
+    assert first.fix.startswith("Write F.softplus(x) (or torch.logaddexp(torch.zeros_like(x), x)) instead of "), (
+        first.fix
+    )
+    assert first.trial is not None and first.trial.tried, first.trial
+    model.zero_grad()  # the traced step's NaN gradients
+    r = (model(x) - y) * 10  # as printed, far past the step's values
+    loss = F.softplus(r).mean()
+    assert torch.isfinite(loss)
+    loss.backward()
+    assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())

@@ -40,7 +40,7 @@ class Form:
     why: str = "without rounding through the value that overflows or underflows (a probability rounded to 0 or 1)"
 
 
-def _one_plus(args: tuple[Any, ...]) -> torch.Tensor | None:
+def one_plus(args: tuple[Any, ...]) -> torch.Tensor | None:
     """x of `1 + x` (or `x + 1`) from aten.add's arguments: the other operand is exactly 1."""
     if len(args) < 2 or (len(args) > 2 and args[2] != 1):
         return None
@@ -84,11 +84,14 @@ FORMS = (
     Form(("exp", "sum", "div", "add", "log"), "log(exp(x) / exp(x).sum(dim) + eps)", "F.log_softmax(x, dim)",
          lambda x, d: torch.log(torch.exp(x) / torch.exp(x).sum(d, keepdim=True) + 1e-8),
          lambda x, d: F.log_softmax(x, _one_dim(d))),
+    Form(("exp", "add", "log"), "log(1 + exp(x))", "F.softplus(x) (or torch.logaddexp(torch.zeros_like(x), x))",
+         lambda x, _: torch.log(1 + torch.exp(x)), lambda x, _: F.softplus(x),
+         why="without exp, which overflows past x ~ 88 in fp32 (~11 in fp16)"),
     Form(("cosh", "log"), "log(cosh(x))", "x.abs() + F.softplus(-2 * x.abs()) - math.log(2)",
          lambda x, _: torch.log(torch.cosh(x)), lambda x, _: x.abs() + F.softplus(-2 * x.abs()) - math.log(2),
          why="without cosh, which overflows past |x| ~ 89 in fp32 (~11 in fp16)"),
     Form(("add", "log"), "log(1 + x)", "torch.log1p(x) (for a softplus, log(1 + exp(s)): F.softplus(s))",
-         lambda x, _: torch.log(1 + x), lambda x, _: torch.log1p(x), prefix=True, operand=_one_plus,
+         lambda x, _: torch.log(1 + x), lambda x, _: torch.log1p(x), prefix=True, operand=one_plus,
          why="without rounding 1 + x to 1 where x is small"),
 )  # fmt: skip
 

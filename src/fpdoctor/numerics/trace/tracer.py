@@ -1051,6 +1051,17 @@ class Tracer(EagerDispatchMode):
         elif made is not None and made is not record and made.op.startswith("aten.cosh"):
             chain.insert(0, made)  # log(cosh(x)), whose cosh overflowed
             keys = [made.index]
+        elif (
+            made is not None
+            and made is not record
+            and made.op.startswith("aten.add")
+            and (exp := self._made_by(made)) is not None
+            and exp.op.startswith("aten.exp")
+            and (add := self._window.by_index().get(made.index)) is not None
+            and stable.one_plus(add.args) is not None
+        ):
+            chain[:0] = [exp, made]  # log(1 + exp(x)), a softplus by hand whose exp overflowed
+            keys = [exp.index]
         else:
             if made is None or made is record or not made.op.startswith("aten.sum"):
                 return

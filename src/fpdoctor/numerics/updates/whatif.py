@@ -143,7 +143,7 @@ def _hyper_text(optimizer: Any) -> str:
     group = optimizer.param_groups[0]
     # the class's own defaults (optimizer.defaults holds what the user passed: momentum=0.9 would read as one)
     try:
-        signature = inspect.signature(type(optimizer).__init__).parameters
+        signature = dict(inspect.signature(type(optimizer).__init__).parameters)
     except (TypeError, ValueError):
         signature = {}
     defaults = {k: v.default for k, v in signature.items() if v.default is not inspect.Parameter.empty}
