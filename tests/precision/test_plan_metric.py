@@ -121,3 +121,36 @@ def test_plan_cli_metric_top1_and_bad_values(tmp_path) -> None:
     )
     bad = run_fpdoctor("plan", f"{tiny}:make", "--candidate", "bf16", "--metric", "kl", env=env)
     assert bad.code == 2 and "not logits" in bad.err and len(bad.err.strip().splitlines()) == 1, bad.err
+
+
+class _Sharpened(torch.nn.Module):
+    """A retrieval scorer with a learned temperature that ended up tiny (logits of ~1e3, margins of ~1): a
+    KL target read from its floor (256x the KL of its logits rounded to fp16) is several nats, which a
+    run that flips a quarter of its decisions meets. Keeping `score` (the logits' layer) in fp32 is the fix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.GELU())
+        self.score = torch.nn.Linear(48, 20)
+        self.log_tau = torch.nn.Parameter(torch.tensor(-6.9))  # tau ~ 1e-3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.score(self.body(x)) / self.log_tau.exp()
+
+
+def test_a_kl_plan_never_verifies_a_run_that_flips_decisions_compare_calls_changed():
+    torch.manual_seed(0)
+    model, x = _Sharpened().eval(), torch.randn(512, 24)
+    with torch.no_grad():
+        model.score.bias.fill_(2.0)  # a shared offset: the logits are large (~2000), their margins ~10
+        model.score.weight.mul_(0.01)
+    result = fpdoctor.plan(model, x, candidate="fp16", metric="kl")
+    summary = dict(result.report.data["summary"])
+    # before: "keep in fp32 nothing; verified yes: KL 0.1 (target KL <= 9 nats); top-1 agreement 75%"
+    assert result.plan.verified and result.plan.keep_fp32 == ["score"], summary
+    assert "every set's top-1 within compare's decisions rule" in summary["target"]
+    kept = fpdoctor.apply_plan(copy.deepcopy(model), result.plan)
+    with torch.no_grad():
+        exact = _exact(model, x)
+        agree = float((kept(x.half()).double().argmax(-1) == exact.argmax(-1)).double().mean())
+    assert agree >= 0.99, agree

@@ -181,6 +181,12 @@ class _Set:
         return top1.value(run) <= top1.target(top1.value(self.rounded), self.logits.shape[0])
 
 
+class _Values(list[float]):
+    """A run's metric per input set, and whether it kept every set's decisions (KL plans)."""
+
+    decided: bool = True
+
+
 def _candidate_with(
     model: nn.Module, candidate: str, keep: list[str], fp32_outputs: set[str], fp8_kernel: str = "auto"
 ) -> nn.Module:
@@ -372,14 +378,20 @@ def _plan(
                     )
                 )
             runs.advance()
-        values = [m.value(x) for x in got]
+        values = _Values(m.value(x) for x in got)
+        # a KL within its target can still flip decisions where the logits are large (a temperature near 0: 256x
+        # a large floor is no bound): a plan under KL also keeps every set's top-1 within compare's rule
+        values.decided = m.name != "kl" or all(
+            s.decided(x) for x, s in zip(got, judged, strict=True) if s.logits is not None
+        )
         key = (*keep, *(f"{f.module}:{f.op}" for f in ops or []))
         measured[key] = got
         tried.append((list(key), max(values)))
         return values
 
     def ok(values: list[float]) -> bool:
-        return all(math.isfinite(v) and v <= s.target for v, s in zip(values, judged, strict=True))
+        within = all(math.isfinite(v) and v <= s.target for v, s in zip(values, judged, strict=True))
+        return within and getattr(values, "decided", True)
 
     def excess(values: list[float]) -> float:
         """How far the worst set is above its target (<= 1 within it)."""

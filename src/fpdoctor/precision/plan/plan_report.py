@@ -264,12 +264,14 @@ def _target_text(the_plan: Plan, search: Search) -> str:
             "is more"
         )
     target = _target(the_plan)
-    if target > the_plan.tolerance:
+    # a KL under a large floor (logits of a temperature near 0) can still flip decisions: a KL plan keeps both
+    decided = "; and every set's top-1 within compare's decisions rule" if m.name == "kl" else ""
+    if target > the_plan.tolerance and m.bound(target) != m.bound(the_plan.tolerance):
         return (
             f"{m.bound(target)}: the tolerance {m.bound(the_plan.tolerance)} ({what}) is below the input rounding "
-            f"floor, out of reach; the plan is judged against {FLOOR_MARGIN_TEXT[m.power]} the floor instead"
+            f"floor, out of reach; the plan is judged against {FLOOR_MARGIN_TEXT[m.power]} the floor instead{decided}"
         )
-    return f"{m.bound(target)}: {what}"
+    return f"{m.bound(target)}: {what}{decided}"
 
 
 FLOOR_MARGIN_TEXT = {1: "2x", 2: "4x (2x the error)"}
