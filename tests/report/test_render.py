@@ -88,6 +88,17 @@ def test_a_results_table_is_rendered_in_every_format(h20_report, fmt):
         assert "<td>&lt;root&gt;</td>" in got and "<th>x | y</th>" in got
 
 
+def test_module_paths_stay_whole_where_a_long_note_can_be_cut(h20_report):
+    """A per-module table of a deep model: the paths printed `blocks.0.mlp.fc` and `2` on the next line,
+    read as two modules, while the notes column took the width."""
+    columns = ["module", "propagated", "isolated", "floor", "isolated/floor", "NaN/Inf", "note"]
+    rows = [[f"blocks.{k}.attention.out_proj", "63.0", "68.7", "73.9", "1.8x", "0", "Inf/NaN came in; op " * 3]
+            for k in range(12)]  # fmt: skip
+    report = dict(h20_report, data={"table": {"title": "Per module", "columns": columns, "rows": rows}})
+    got = render(report, "text", color=False, width=100)
+    assert all(f"blocks.{k}.attention.out_proj " in got for k in range(12)), got
+
+
 def _finding_report(h20_report, **finding):
     base = dict(h20_report["findings"][0])
     return dict(h20_report, findings=[dict(base, **finding)], data={})

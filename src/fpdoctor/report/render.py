@@ -23,6 +23,7 @@ _VERDICT_STYLE = {"error": "bold white on red", "warning": "bold black on yellow
 
 
 # A clean text report leads with its verdict and a few facts; the whole table when asked (-v).
+NOTE_MIN = 12  # the results table's last column (its notes), cut to this where the names need the room
 LABEL_WIDTH = 40  # the summary's label column at most, in characters
 CLEAN_ROWS = 8
 
@@ -166,14 +167,22 @@ def render_text(report: dict[str, Any], *, color: bool = False, width: int = 100
         table = Table(title=escape(results["title"]), title_justify="left", box=None, pad_edge=False)
         widths = [max(len(str(c)) for c in [column, *(row[k] for row in results["rows"])]) for k, column in
                   enumerate(results["columns"])]  # fmt: skip
+        # the first column names things (module paths): whole where the figures and a note cut to a few
+        # characters leave room for it (a path folded in two reads as two modules), folded only past that
+        last = len(widths) - 1
+        rest = sum(widths[1:-1]) + min(widths[-1], NOTE_MIN) if last > 1 else sum(widths[1:])
+        first = max(1, min(widths[0], width - rest - 2 * len(widths)))
         for k, column in enumerate(results["columns"]):
-            # the first column names things (module paths): as wide as the others leave, then folded
             table.add_column(
                 escape(column),
                 justify="left" if k == 0 else "right",
                 overflow="fold" if k == 0 else "ellipsis",
                 no_wrap=k > 0,
-                min_width=min(widths[0], width - sum(widths[1:]) - 2 * len(widths)) if k == 0 else None,
+                min_width=first if k == 0 else None,
+                # the notes take what the names and figures leave
+                max_width=max(NOTE_MIN, width - first - sum(widths[1:-1]) - 2 * len(widths))
+                if k == last and last > 1
+                else None,
             )
         for row in results["rows"]:
             table.add_row(*(escape(str(cell)) for cell in row))
