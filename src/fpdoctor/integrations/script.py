@@ -78,7 +78,7 @@ from fpdoctor.numerics.observe.loader import LoaderBatches
 from fpdoctor.numerics.observe.scaler_order import Mixed, ScalerOrder
 from fpdoctor.numerics.trace.scaled_grads import ScaledGrads
 from fpdoctor.numerics.training import between, distributed, reference
-from fpdoctor.numerics.training.findings import frozen_group_finding
+from fpdoctor.numerics.training.findings import decay_finding, frozen_group_finding
 from fpdoctor.numerics.training.judge import StepFacts, StepJudge, StepOutcome
 from fpdoctor.numerics.training.live import Live, StopRun, in_progress
 from fpdoctor.numerics.updates.measure import UpdateProbe, UpdateStats
@@ -91,6 +91,8 @@ _DEVICE_TYPES = ("cpu", "cuda")
 
 
 _CLEARS = "checking where zero_grad() runs"  # grad_clears.py
+# a weight decay that alone shrinks the weights by this share a step (100x a usual lr 1e-3 x weight_decay 0.1)
+DECAY_PER_STEP = 0.01
 _ORDER = "checking the GradScaler's order"  # what the observer was doing, where it fails (scaler_order.py)
 
 
@@ -145,6 +147,8 @@ class _Run:
     optimizer: Any = None
     # param groups whose lr was 0 at the first step while another group's was not (judged at the report)
     zero_lr: list[int] = field(default_factory=list)
+    # param groups whose decoupled weight decay, lr * weight_decay, was past DECAY_PER_STEP at the first step
+    decay: list[tuple[int, float, float]] = field(default_factory=list)
 
 
 # per device: the scale slot of the flags of a step without a scaler (copied by the stack, never written)
@@ -178,6 +182,32 @@ def _zero_lr_groups(optimizer: Any) -> list[int]:
     if not any(isinstance(r, (int, float)) and r > 0 for r in rates):
         return []
     return [k for k, r in enumerate(rates) if isinstance(r, (int, float)) and r == 0]
+
+
+def _decay_groups(optimizer: Any) -> list[tuple[int, float, float]]:
+    """(group, lr, weight_decay) of each group whose decay shrinks its weights by DECAY_PER_STEP or more a
+    step on its own: decoupled (AdamW, or a decoupled_weight_decay flag) or SGD's, lr * weight_decay."""
+    decoupled = isinstance(optimizer, (torch.optim.AdamW, torch.optim.SGD))
+    found = []
+    for k, group in enumerate(optimizer.param_groups):
+        lr, wd = group.get("lr"), group.get("weight_decay")
+        if not isinstance(lr, (int, float)) or not isinstance(wd, (int, float)):
+            continue
+        if (decoupled or group.get("decoupled_weight_decay")) and lr * wd >= DECAY_PER_STEP:
+            found.append((k, float(lr), float(wd)))
+    return found
+
+
+def _pinned_by_decay(run: _Run) -> list[Finding]:
+    """TRN024 for the groups of `run.decay` still past DECAY_PER_STEP at the report."""
+    still = {k for k, _, _ in _decay_groups(run.optimizer)} if run.decay else set()
+    groups = [g for g in run.decay if g[0] in still]
+    if not groups or run.judge.steps < 2:
+        return []
+    count = sum(
+        1 for k, _, _ in groups for p in run.optimizer.param_groups[k]["params"] if p.requires_grad
+    )  # fmt: skip
+    return [decay_finding(groups, count, type(run.optimizer).__name__, here=run.judge.here)]
 
 
 def _frozen_by_lr(run: _Run) -> list[Finding]:
@@ -700,8 +730,8 @@ class ScriptWatch:
                     flags = FlagRead(torch.stack([grad, grad, scale, *(t.to(device) for t in losses)]))
         judge.steps += 1
         judge.micro_batches += len(mine)
-        if judge.steps == 1:  # a group left at lr 0 by mistake: its parameters never move (said at the report)
-            run.zero_lr = _zero_lr_groups(optimizer)
+        if judge.steps == 1:  # a group left at lr 0, or pinned by its decay: said at the report
+            run.zero_lr, run.decay = _zero_lr_groups(optimizer), _decay_groups(optimizer)
         if self._clears.noted:  # a zero_grad() after the backward, confirmed at the step by its gradients
             at = user_location(sys._getframe(1))
             self._guarded(lambda: judge.cleared_step(judge.steps, self._clears.stepped(optimizer, at)), _CLEARS)
@@ -995,11 +1025,11 @@ class ScriptWatch:
         else:
             first = runs[0].judge
             report = first.report(scaled=first.amp.scale is not None)
-            report.findings.extend(_frozen_by_lr(runs[0]))
+            report.findings.extend([*_frozen_by_lr(runs[0]), *_pinned_by_decay(runs[0])])
             for run in runs[1:]:  # a second optimizer (a GAN's): its findings and counts beside
                 other = run.judge.report(scaled=run.judge.amp.scale is not None)
                 report.findings.extend(other.findings)
-                report.findings.extend(_frozen_by_lr(run))
+                report.findings.extend([*_frozen_by_lr(run), *_pinned_by_decay(run)])
                 counts = {k: other.data[k] for k in ("steps", "skipped_steps", "nonfinite_steps", "verdicts")}
                 report.data.setdefault("optimizers", []).append(counts)
                 # the summary's counts are the first optimizer's: each other one's beside them, so that

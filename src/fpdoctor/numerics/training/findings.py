@@ -721,6 +721,42 @@ def cleared_finding(step: int, cleared: Cleared, *, here: dict[str, Any]) -> Fin
     )
 
 
+def decay_finding(
+    groups: list[tuple[int, float, float]], params: int, optimizer: str, *, here: dict[str, Any]
+) -> Finding:
+    """TRN024: a weight decay that on its own shrinks the weights by a large share every step."""
+    _, lr, wd = max(groups, key=lambda g: g[1] * g[2])
+    share = lr * wd
+    left = f"multiplies its weights by {max(0.0, 1 - share):.3g} every step" + (
+        ": it sets them to 0" if share >= 1 else f" (half-life {math.log(2) / -math.log1p(-share):.3g} steps)"
+    )
+    which = ", ".join(f"group {g}" for g, _, _ in groups)
+    return catalog.make(
+        "weight-decay-too-strong",
+        message=(
+            f"{which} of {optimizer}: lr x weight_decay = {lr:g} x {wd:g} = {share:.3g}. {optimizer}'s decay, applied "
+            f"apart from the gradient, {left}; its {params} parameter(s) are held near 0 whatever the gradients say, "
+            "and nothing is NaN."
+        ),
+        where={"module": None, "op": None, "phase": "optimizer", **here},
+        evidence={
+            "groups": [g for g, _, _ in groups],
+            "lr": lr,
+            "weight_decay": wd,
+            "per_step": share,
+            "parameters": params,
+        },
+        fix=(
+            f"lower weight_decay on {which}: {optimizer} multiplies it by the learning rate, so 0.01 to 0.1 is usual"
+            + (f" ({wd:g} may be {1 / wd:g} mistyped)" if wd >= 1 else "")
+        ),
+        trial=Trial.untried(
+            "read from the optimizer's param groups at the first and the last step: the decay's share of each step "
+            "is lr x weight_decay, computed, not run"
+        ),
+    )
+
+
 def frozen_group_finding(groups: list[tuple[int, list[str]]], steps: int, *, here: dict[str, Any]) -> Finding:
     """TRN023: param groups whose lr stayed 0 while another group's did not: their parameters get
     gradients (they require them) and never move."""

@@ -1,4 +1,4 @@
-"""`fpdoctor watch` on an optimizer with one param group left at lr 0 (TRN023): part of the model
+"""`fpdoctor watch` on param groups that cannot train: one left at lr 0 (TRN023), part of the model
 never moves, the loss falls slower, nothing is NaN. A warmup from 0 for every group, and a cosine
 schedule that ends at 0, are no finding; the fix as printed (the group given its rate) is OK."""
 
@@ -51,3 +51,19 @@ def test_a_warmup_from_0_and_a_schedule_that_ends_at_0_are_no_finding(tmp_path):
     for schedule in (warmup, cosine):
         report = _watch(tmp_path, "1e-3", schedule, "sched.step()")
         assert not [f for f in report["findings"] if f["name"] == "lr-zero-group"], schedule
+
+
+def test_a_weight_decay_that_holds_the_weights_at_0_is_named_and_its_fix_trains(tmp_path):
+    """AdamW(weight_decay=1e2) meant as 1e-2: lr x weight_decay = 0.3, the weights lose 30% a step to the
+    decay and stay near 0; nothing is NaN (before: OK). The usual 0.01 is no finding."""
+    script = SCRIPT.replace('opt = torch.optim.AdamW([{"params": encoder.parameters(), "lr": ENCODER_LR}, '
+                            '{"params": head.parameters()}], lr=3e-3)',
+                            "opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=WD)")  # fmt: skip
+    path = tmp_path / "train.py"
+    path.write_text(script.replace("WD", "1e2").replace("SCHEDULE", "").replace("STEP", ""))
+    report = report_of(tmp_path, "watch", "--", "python", str(path))
+    (found,) = [f for f in report["findings"] if f["name"] == "weight-decay-too-strong"]
+    assert found["evidence"]["per_step"] == 0.3 and "(100 may be 0.01 mistyped)" in found["fix"], found["fix"]
+    path.write_text(script.replace("WD", "1e-2").replace("SCHEDULE", "").replace("STEP", ""))  # as printed
+    fixed = report_of(tmp_path, "watch", "--", "python", str(path))
+    assert fixed["verdict"] == "ok", [f["name"] for f in fixed["findings"]]
