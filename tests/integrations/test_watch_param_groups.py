@@ -67,3 +67,15 @@ def test_a_weight_decay_that_holds_the_weights_at_0_is_named_and_its_fix_trains(
     path.write_text(script.replace("WD", "1e-2").replace("SCHEDULE", "").replace("STEP", ""))  # as printed
     fixed = report_of(tmp_path, "watch", "--", "python", str(path))
     assert fixed["verdict"] == "ok", [f["name"] for f in fixed["findings"]]
+
+
+def test_a_schedulers_factor_of_0_for_one_group_is_named_at_its_function(tmp_path):
+    """A LambdaLR per group whose encoder warmup is written with `//`: 0 for the whole run; the finding
+    names the scheduler's function for that group, and with `/` (as printed) the run is OK."""
+    schedule = "sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: (s + 1) // 100, lambda s: 1.0])"
+    report = _watch(tmp_path, "1e-3", schedule, "sched.step()")
+    (found,) = [f for f in report["findings"] if f["name"] == "lr-zero-group"]
+    line = next(i for i, text in enumerate(SCRIPT.splitlines(), 1) if text.strip() == "SCHEDULE")
+    assert f"the LambdaLR's factor for group 0 is 0 (its function at line {line} of " in found["fix"], found["fix"]
+    fixed = _watch(tmp_path, "1e-3", schedule.replace("(s + 1) // 100", "min(1.0, (s + 1) / 100)"), "sched.step()")
+    assert not [f for f in fixed["findings"] if f["name"] == "lr-zero-group"] and fixed["verdict"] == "ok"

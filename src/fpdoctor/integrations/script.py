@@ -61,7 +61,7 @@ from fpdoctor.integrations._outputs import KeptGradients, backward_from
 from fpdoctor.integrations._toplevel import TopLevelCalls
 from fpdoctor.integrations._traced_step import TracedStep
 from fpdoctor.numerics.compiled import graphs
-from fpdoctor.numerics.observe import amp, dynamo
+from fpdoctor.numerics.observe import amp, dynamo, lr_schedule
 from fpdoctor.numerics.observe.batches import MicroBatch, OutputsOnly
 from fpdoctor.numerics.observe.grad_clears import Cleared, GradClears, zero_grad_owners
 from fpdoctor.numerics.observe.gradcheck import (
@@ -220,7 +220,8 @@ def _frozen_by_lr(run: _Run) -> list[Finding]:
     groups = [
         (k, [names.get(id(p), "?") for p in run.optimizer.param_groups[k]["params"] if p.requires_grad]) for k in still
     ]
-    return [frozen_group_finding(groups, run.judge.steps, here=run.judge.here)]
+    schedules = {k: found for k in still if (found := lr_schedule.zeroing(run.optimizer, k)) is not None}
+    return [frozen_group_finding(groups, run.judge.steps, schedules, here=run.judge.here)]
 
 
 def _groups(optimizer: Any) -> tuple[tuple[int, int], ...]:

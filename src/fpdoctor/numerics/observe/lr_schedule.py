@@ -72,26 +72,51 @@ def _find(optimizer: Any, now: float | None) -> Schedule | None:
     initial = [float(g["initial_lr"]) for g in groups if isinstance(g.get("initial_lr"), (int, float))]
     if not initial or max(initial) <= 0 or now < RAISED * max(initial):
         return None
+    found = [o for o in _schedulers(optimizer) if _can_raise(o)]
+    if not found:
+        return None
+    # a function of the user's first (a LambdaLR in a SequentialLR or a ChainedScheduler with others)
+    scheduler = next((o for o in found if getattr(o, "lr_lambdas", None)), found[0])
+    return Schedule(type(scheduler).__name__, max(initial), now, _function_line(scheduler, 0))
+
+
+def zeroing(optimizer: Any, group: int) -> Schedule | None:
+    """The scheduler whose factor holds param group `group` at lr 0 though it was built with a rate
+    (a LambdaLR's function for that group returning 0: `(step + 1) // 1000`); None where there is none
+    or the group's rate was built 0. Never raises."""
+    try:
+        built = optimizer.param_groups[group].get("initial_lr")
+        if not isinstance(built, (int, float)) or built <= 0:
+            return None
+        found = _schedulers(optimizer)
+        scheduler = next((o for o in found if getattr(o, "lr_lambdas", None)), found[0] if found else None)
+        if scheduler is None:
+            return None
+        return Schedule(type(scheduler).__name__, float(built), 0.0, _function_line(scheduler, group))
+    except Exception:
+        return None
+
+
+def _schedulers(optimizer: Any) -> list[Any]:
+    """The LR schedulers that drive `optimizer` (looked for among what refers to it: asked for a finding only)."""
     from torch.optim.lr_scheduler import LRScheduler
 
     referrers = gc.get_referrers(optimizer)
     # an object's attributes may be a dict that refers to the optimizer: its owner is one step further
     owners = [o for d in referrers if isinstance(d, dict) for o in gc.get_referrers(d)]
-    found = [
-        o for o in [*referrers, *owners]
-        if isinstance(o, LRScheduler) and getattr(o, "optimizer", None) is optimizer and _can_raise(o)
-    ]  # fmt: skip
-    if not found:
-        return None
-    # a function of the user's first (a LambdaLR in a SequentialLR or a ChainedScheduler with others)
-    scheduler = next((o for o in found if getattr(o, "lr_lambdas", None)), found[0])
-    where = None
+    return [
+        o for o in [*referrers, *owners] if isinstance(o, LRScheduler) and getattr(o, "optimizer", None) is optimizer
+    ]
+
+
+def _function_line(scheduler: Any, group: int) -> tuple[str, int, str] | None:
+    """(file, line, source) of a LambdaLR's or MultiplicativeLR's function for param group `group`."""
     functions = getattr(scheduler, "lr_lambdas", None) or []
-    code = getattr(functions[0], "__code__", None) if functions else None
-    if code is not None:
-        source = linecache.getline(code.co_filename, code.co_firstlineno).strip()
-        where = (code.co_filename, code.co_firstlineno, source) if source else None
-    return Schedule(type(scheduler).__name__, max(initial), now, where)
+    code = getattr(functions[min(group, len(functions) - 1)], "__code__", None) if functions else None
+    if code is None:
+        return None
+    source = linecache.getline(code.co_filename, code.co_firstlineno).strip()
+    return (code.co_filename, code.co_firstlineno, source) if source else None
 
 
 # schedulers that only ever lower the rate from the one the optimizer was built with (a factor <= 1)

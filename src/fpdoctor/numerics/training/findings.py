@@ -15,6 +15,7 @@ import torch
 from fpdoctor import catalog
 from fpdoctor.numerics.observe.amp import ScaleWatch
 from fpdoctor.numerics.observe.grad_clears import Cleared
+from fpdoctor.numerics.observe.lr_schedule import Schedule
 from fpdoctor.numerics.training import distributed, transient
 from fpdoctor.numerics.training.control import ControlResult
 from fpdoctor.numerics.training.lr_whatif import LrTrial
@@ -757,9 +758,32 @@ def decay_finding(
     )
 
 
-def frozen_group_finding(groups: list[tuple[int, list[str]]], steps: int, *, here: dict[str, Any]) -> Finding:
+def _zero_lr_fix(schedules: dict[int, Schedule]) -> str:
+    frozen = (
+        "; to freeze those parameters on purpose, call requires_grad_(False) on them instead, which also saves "
+        "their backward"
+    )
+    if not schedules:
+        return "give that group its learning rate where the param_groups are built" + frozen
+    k, schedule = next(iter(schedules.items()))
+    at = (
+        f" (its function at line {schedule.where[1]} of {schedule.where[0]}: `{schedule.where[2]}`)"
+        if schedule.where
+        else ""
+    )
+    return (
+        f"the {schedule.kind}'s factor for group {k} is 0{at}, though the group was built with lr="
+        f"{schedule.initial:g}: make it return the factor meant (it returns 0 at every step so far: an integer "
+        "division, `1 // 10` or `(step + 1) // warmup`, is 0 where `/` is not)" + frozen
+    )
+
+
+def frozen_group_finding(
+    groups: list[tuple[int, list[str]]], steps: int, schedules: dict[int, Schedule], *, here: dict[str, Any]
+) -> Finding:
     """TRN023: param groups whose lr stayed 0 while another group's did not: their parameters get
-    gradients (they require them) and never move."""
+    gradients (they require them) and never move. `schedules`: per group, the scheduler whose factor is
+    0 where the group was built with a rate."""
     count = sum(len(names) for _, names in groups)
     which = "; ".join(
         f"group {k} ({len(names)} parameter(s): {', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
@@ -778,11 +802,7 @@ def frozen_group_finding(groups: list[tuple[int, list[str]]], steps: int, *, her
             "count": count,
             "steps": steps,
         },
-        fix=(
-            "give that group its learning rate where the param_groups are built (or the scheduler's factor for it); "
-            "to freeze those parameters on purpose, call requires_grad_(False) on them instead, which also saves "
-            "their backward"
-        ),
+        fix=_zero_lr_fix(schedules),
         trial=Trial.untried(
             "read from the optimizer's param groups at the first and the last step: a learning rate is the "
             "script's choice, which fpdoctor does not change in a running job"
