@@ -142,6 +142,11 @@ def test_an_ema_written_as_two_ops_on_a_state_far_from_zero_is_judged_as_one_upd
     assert found.evidence["location"].endswith(f":{at}"), found.evidence
     assert "aten.mul_" in found.message and "aten.add_" in found.message
     assert float(mean.float().mean()) < 990  # the state it names did stop short
+    # the fix says what its check measured in fp32: all of it kept, or the share fp32 still loses
+    assert found.trial is not None and found.trial.tried
+    worst = float(str(found.trial.after).split("%")[0])
+    assert ("keeps all of it (checked)" in found.fix) == (worst < 0.5), (found.fix, found.trial.after)
+    assert "keeps all of it" in found.fix or f"loses at most {round(worst)}% of it (checked)" in found.fix
 
 
 def _ema_written(form: str, dtype: torch.dtype, steps: int = 64) -> tuple[fpdoctor.Report, int]:
