@@ -48,9 +48,16 @@ def test_a_param_group_left_at_lr_0_is_named_with_its_parameters(tmp_path):
 def test_a_warmup_from_0_and_a_schedule_that_ends_at_0_are_no_finding(tmp_path):
     warmup = "sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 10))"
     cosine = "sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=50)"
-    for schedule in (warmup, cosine):
+    # the encoder held at 0 for 10 steps, then warmed up and annealed to 0 again: it trained in between
+    held = (
+        "sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 0.0 if s < 10 or s >= 49 else 1.0, lambda s: 1.0])"
+    )
+    for schedule in (warmup, cosine, held):
         report = _watch(tmp_path, "1e-3", schedule, "sched.step()")
         assert not [f for f in report["findings"] if f["name"] == "lr-zero-group"], schedule
+    frozen = "encoder.requires_grad_(False)"  # frozen on purpose, its group at lr 0 too
+    report = _watch(tmp_path, "0.0", frozen)
+    assert not [f for f in report["findings"] if f["name"] == "lr-zero-group"], report["findings"]
 
 
 def test_a_weight_decay_that_holds_the_weights_at_0_is_named_and_its_fix_trains(tmp_path):

@@ -166,22 +166,36 @@ def _trainable(optimizer: Any) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
 
 
-def _cleared_by_code(params: int) -> Cleared:
+def _cleared_by_code(params: list[torch.Tensor]) -> Cleared | None:
     """A step whose gradients are all None though a backward reached the model: the statement between
-    the backward and the step that cleared them, read from the source (`p.grad = None` in a loop)."""
-    at = user_location(sys._getframe(1))
-    seen = between.read()
+    the backward and the step that cleared them, read from the source (`p.grad = None` in a loop); None
+    where no such statement is there or no parameter requires a gradient any more."""
+    trainable = sum(1 for p in params if p.requires_grad)
+    seen = between.read() if trainable else None
     found = between.clearing(seen) if seen is not None else None
-    where = (seen.path, found[0], at[2] if at else "") if seen is not None and found is not None else None
-    return Cleared(where, "code", True, params, step_at=at, text=found[1] if found else None)
+    if seen is None or found is None:
+        return None
+    at = user_location(sys._getframe(1))
+    return Cleared((seen.path, found[0], at[2] if at else ""), "code", True, trainable, step_at=at, text=found[1])
+
+
+def _rate(optimizer: Any, group: int) -> bool:
+    """Whether param group `group` has a learning rate above 0 now."""
+    groups = optimizer.param_groups
+    lr = groups[group].get("lr") if group < len(groups) else None
+    return isinstance(lr, (int, float)) and lr > 0
 
 
 def _zero_lr_groups(optimizer: Any) -> list[int]:
-    """The param groups whose lr is 0 while another group's is not (a warmup from 0 sets them all)."""
-    rates = [group.get("lr") for group in optimizer.param_groups]
-    if not any(isinstance(r, (int, float)) and r > 0 for r in rates):
+    """The param groups whose lr is 0 while another group's is not (a warmup from 0 sets them all), and
+    that hold a parameter requiring a gradient (a group frozen on purpose holds none)."""
+    groups = optimizer.param_groups
+    if not any(_rate(optimizer, k) for k in range(len(groups))):
         return []
-    return [k for k, r in enumerate(rates) if isinstance(r, (int, float)) and r == 0]
+    return [
+        k for k, group in enumerate(groups)
+        if group.get("lr") == 0 and any(p.requires_grad for p in group["params"])
+    ]  # fmt: skip
 
 
 def _decay_groups(optimizer: Any) -> list[tuple[int, float, float]]:
@@ -484,6 +498,7 @@ class ScriptWatch:
         return known
 
     def _backward_of(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
             if self._replaying or dynamo.compiling():
                 return original(tensors, *args, **kwargs)
@@ -515,6 +530,7 @@ class ScriptWatch:
         return backward
 
     def _scaler_step_of(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
         def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             key = id(optimizer)
             if not amp.enabled(scaler):  # a disabled scaler is no scaler: its step() is the optimizer's
@@ -535,6 +551,7 @@ class ScriptWatch:
         return step
 
     def _unscale_of(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
         def unscale_(scaler: Any, optimizer: Any) -> Any:
             result = original(scaler, optimizer)
             # the script's own call; the one scaler.step() makes for itself is the step's
@@ -545,6 +562,7 @@ class ScriptWatch:
         return unscale_
 
     def _update_of(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
         def update(scaler: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(scaler, *args, **kwargs)
             if amp.enabled(scaler) and not self._replaying:
@@ -554,6 +572,8 @@ class ScriptWatch:
         return update
 
     def _zero_grad_of(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        # its signature as torch's (accelerate reads zero_grad's parameters for set_to_none)
+        @functools.wraps(original)
         def zero_grad(owner: Any, *args: Any, **kwargs: Any) -> Any:
             if self._clears.after_backward and not self._replaying:  # only then is its line looked up
                 self._guarded(lambda: self._clears.zero_grad(owner, user_frames(sys._getframe(2))), _CLEARS)
@@ -733,15 +753,18 @@ class ScriptWatch:
         judge.micro_batches += len(mine)
         if judge.steps == 1:  # a group left at lr 0, or pinned by its decay: said at the report
             run.zero_lr, run.decay = _zero_lr_groups(optimizer), _decay_groups(optimizer)
+        elif run.zero_lr:  # a group at lr 0 at the first step: one that rises later (a per-group warmup) trains
+            run.zero_lr = [k for k in run.zero_lr if not _rate(optimizer, k)]
         if self._clears.noted:  # a zero_grad() after the backward, confirmed at the step by its gradients
             at = user_location(sys._getframe(1))
             self._guarded(lambda: judge.cleared_step(judge.steps, self._clears.stepped(optimizer, at)), _CLEARS)
         else:
             self._clears.passed()
-            if (
-                mine and run.params and not grads
-            ):  # a backward reached the model and left no gradient: code cleared them
-                self._guarded(lambda: judge.cleared_step(judge.steps, _cleared_by_code(len(run.params))), _CLEARS)
+            if mine and run.params and not grads:
+                # a backward reached the model and left no gradient: code cleared them, where a statement between
+                # the backward and the step says so (an expert no token reached, a head whose task the batch
+                # lacked, a frozen backbone have no gradient either, and no such line)
+                self._guarded(lambda: judge.cleared_step(judge.steps, _cleared_by_code(run.params)), _CLEARS)
         mixed = self._mixed.pop(id(optimizer), None)
         if mixed is not None:  # the reference step measures what it cost (unscaled_twice.py)
             judge.mixed_step(judge.steps, mixed)

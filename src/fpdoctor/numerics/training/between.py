@@ -33,6 +33,8 @@ class Between:
     # where a call inserted runs once before the first of `lines`: its statement in the step's own block
     # (the `for` or `if` that holds it), line and source
     before: tuple[int, str] | None = None
+    # the statement of the step's own block that holds each of `lines` (a `for` loop by its `for`), the same order
+    holders: tuple[tuple[int, str], ...] = ()
 
     def listed(self) -> str:
         """'line 41 (`clip_grad_norm_(...)`)' for each line between, joined."""
@@ -44,8 +46,11 @@ _CLEARS = re.compile(r"zero_grad\(|\.grad\s*=\s*None|\.grad\.(?:zero_\(|fill_\(0
 
 
 def clearing(seen: Between) -> tuple[int, str] | None:
-    """(line, source) of the first statement between the backward and the step that clears gradients."""
-    return next(((n, text) for n, text in seen.lines if _CLEARS.search(text)), None)
+    """(line, source) of the first statement between the backward and the step that clears gradients, named
+    by the statement of the step's block that holds it (a `for p in ...: p.grad = None` loop by its `for`:
+    moving its body alone breaks the loop)."""
+    holders = seen.holders or seen.lines
+    return next((held for (_, text), held in zip(seen.lines, holders, strict=False) if _CLEARS.search(text)), None)
 
 
 def read() -> Between | None:
@@ -70,10 +75,12 @@ def read() -> Between | None:
     block = _block_of(scope, line)
     processing = [s for s in statements if first < s.lineno < line and _processes(s)]
     lines = tuple((s.lineno, ast.unparse(s).splitlines()[0]) for s in processing)
-    holders = [h for h in (_holder(block, s) for s in processing) if first < h.lineno]
+    held = [_holder(block, s) for s in processing]
+    holders = [h for h in held if first < h.lineno]
     before = (holders[0].lineno, ast.unparse(holders[0]).splitlines()[0]) if holders else None
     scaler, optimizer = _step_names(statements, line)
-    return Between(path, first, line, lines, scaler, optimizer, before)
+    whole = tuple((h.lineno, ast.unparse(h).splitlines()[0]) for h in held)
+    return Between(path, first, line, lines, scaler, optimizer, before, whole)
 
 
 def _block_of(scope: ast.AST, line: int) -> list[ast.stmt]:

@@ -685,17 +685,25 @@ def cleared_finding(step: int, cleared: Cleared, *, here: dict[str, Any]) -> Fin
     at = f" at {where[0]}:{where[1]}" if where else ""
     inside = f", called from line {via[1]} ({via[2]})," if via else ""
     held = "None" if cleared.set_to_none else "zero"
-    moved = via or where  # the line in the function that steps: the helper's call, where the clear is inside one
     after = f" at line {step_at[1]}" if step_at else ""
-    fix = (
-        f"move line {moved[1]} of {moved[0]} from between loss.backward() and the optimizer's step{after} to just "
-        "after that step (or before the step's first forward; with gradient accumulation, outside the micro-batch "
-        "loop, never after each backward)"
-        + (f", or take the {call or 'clear'} at line {where[1]} out of {where[2]}()" if via and where else "")
-        if moved
-        else "find what clears the gradients between loss.backward() and optimizer.step() (a zero_grad(), a "
-        "`p.grad = None` or `p.grad.zero_()` loop) and move it to just after optimizer.step()"
-    )
+    body = ", with its body," if cleared.text and cleared.text.rstrip().endswith(":") else ""  # a `for` loop
+    if via and where:  # inside a helper, which may run the backward too: the clear comes out of it, not the call
+        fix = (
+            f"take the {call or 'clear'} at line {where[1]} of {where[0]} out of {where[2]}(), which line {via[1]} "
+            f"calls between loss.backward() and the optimizer's step{after}, and call it just after that step (or "
+            "before the step's first forward)"
+        )
+    elif where:
+        fix = (
+            f"move line {where[1]} of {where[0]}{body} from between loss.backward() and the optimizer's step{after} "
+            "to just after that step (or before the step's first forward; with gradient accumulation, outside the "
+            "micro-batch loop, never after each backward)"
+        )
+    else:
+        fix = (
+            "find what clears the gradients between loss.backward() and optimizer.step() (a zero_grad(), a "
+            "`p.grad = None` or `p.grad.zero_()` loop) and move it to just after optimizer.step()"
+        )
     return catalog.make(
         "gradients-cleared",
         message=(
