@@ -215,8 +215,8 @@ def _origin(
                     f"before the forward), compute {lines} in fp32 from them, and cast what they produce to "
                     f"{candidate} where the rest of the model reads it (.to(p.dtype), p one of the model's "
                     f"parameters); any other line that reads the inputs reads them cast to {candidate} "
-                    "(x.to(p.dtype)), as the check ran it. Then `fpdoctor compare --inputs-as-given` checks the changed model fed its "
-                    "inputs as they are"
+                    "(x.to(p.dtype)), as the check ran it. Then `fpdoctor compare --inputs-as-given` checks the "
+                    "changed model fed its inputs as they are"
                 )
                 changed = f"the inputs fed in fp32, the ops at {lines} in fp32, their results cast back to {candidate}"
                 evidence |= {"inputs_as_given": True, "feeding_lines": [f"{f}:{n}" for f, n in fed]}
