@@ -62,3 +62,28 @@ def test_a_residual_stream_past_fp16_is_not_said_to_fit() -> None:
     assert found, [(f.name, f.message[:200]) for f in result.report.findings]
     assert "Its output fits" not in found[0].message and "passes fp16's range" in found[0].message
     assert "e.g. the softmax" not in found[0].fix and "keep what it makes in fp32" in found[0].fix
+
+
+class _GatedFeedForward(nn.Module):
+    """A T5-style gated feed-forward whose output projection's values pass 65504 in fp64: kept in fp32 but
+    cast back to fp16 it is Inf again, so the fix must leave its output in fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wi, self.wg = nn.Linear(32, 128, bias=False), nn.Linear(32, 128, bias=False)
+        self.wo = nn.Linear(128, 32, bias=False)
+        with torch.no_grad():
+            self.wo.weight.mul_(8000.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wo(nn.functional.gelu(self.wg(x)) * self.wi(x))
+
+
+def test_a_module_whose_exact_output_passes_fp16_is_kept_with_its_output_in_fp32() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_GatedFeedForward(), nn.LayerNorm(32)).eval()
+    result = fpdoctor.compare(model, torch.randn(64, 32) * 4, candidate="fp16")
+    found = [f for f in result.report.findings if f.name == "precision-divergence" and f.where.get("module") == "0.wo"]
+    assert found, [(f.name, f.where) for f in result.report.findings]
+    # before: "keep `0.wo` in fp32 (fpdoctor plan finds the smallest such set)": cast back, Inf again
+    assert found[0].fix.startswith("keep `0.wo` in fp32 with its output left in fp32"), found[0].fix

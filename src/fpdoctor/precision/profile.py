@@ -818,6 +818,12 @@ def _divergence(
         message += f" The op inside it that loses most is {own}{at}{loses}."
     where: dict[str, Any] = {"module": first.module, "op": own, "phase": "forward", "iteration": first.call}
     fix = _fix(first.module, candidate, on)
+    if first.out_of_range and candidate != "bf16":  # cast back to the format, its output is Inf again
+        fix = (
+            f"keep `{first.module}` in fp32 with its output left in fp32: its fp64 output passes {candidate}'s "
+            "largest value, so cast back it is Inf again (`fpdoctor plan` finds the modules that must read it in "
+            "fp32 and verifies the set); or use bf16, which has fp32's range"
+        )
     trial = Trial.untried(_UNTRIED_BY_COMPARE)
     if cause:
         evidence.update(cause.get("evidence", {}))
