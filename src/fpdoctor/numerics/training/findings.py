@@ -101,7 +101,7 @@ def rank_finding(
 _AFTER_OUTPUTS = (
     " The model's outputs were finite while the loss computed from them (or its gradient) was not: the NaN/Inf "
     "is made after the model, in the loss computation (every target ignored, a mean over an empty selection, a "
-    "division by a count that is 0, a loss multiplied by NaN)."
+    "division by a count that is 0, a loss multiplied by NaN, an exp or a square past fp16's 65504 under autocast)."
 )
 # the same, where the replay named the loss code's op that made it and checked its fix
 _AFTER_OUTPUTS_NAMED = (
