@@ -193,3 +193,12 @@ def test_a_softplus_by_hand_gets_f_softplus_not_the_softmax_advice(scale: float)
     assert torch.isfinite(loss)
     loss.backward()
     assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+
+
+def test_a_stable_form_says_the_imports_it_needs() -> None:
+    """The log-cosh form writes F. and math.: pasted into a file without those imports it did not run."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    x, y = torch.randn(32, 4), 300.0 * torch.randn(32, 1)
+    first = _first_fix(lambda: torch.log(torch.cosh(model(x) - y)).mean().backward())
+    assert "(import torch.nn.functional as F; import math)" in first.fix, first.fix

@@ -667,8 +667,13 @@ def _after_checked(fix: str, sentence: str) -> str:
 
 def _stable_fix_text(checked: stable.Checked, where: str, op: str) -> str:
     form = checked.form
+    # the names the form writes, as imports: pasted into a file that has not imported them, it runs
+    needs = [
+        i for name, i in (("F.", "import torch.nn.functional as F"), ("math.", "import math")) if name in form.stable
+    ]
     text = (
         f"Write {form.stable} instead of {form.written} at {where}"
+        + (f" ({'; '.join(needs)})" if needs else "")
         + (f", then take its {', '.join(checked.picked)} as your code does" if checked.picked else "")
         + f": torch computes it {form.why}. In "
         f"{checked.dtype} on the inputs this step read, {op}'s "
