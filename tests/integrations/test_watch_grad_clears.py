@@ -184,3 +184,36 @@ def test_the_watchs_zero_grad_keeps_torchs_signature(tmp_path):
         capture_output=True, text=True, check=False,
     ).stdout  # fmt: skip
     assert plain.strip() and plain.strip() in watched, (plain, watched)
+
+
+# the pre-AMP recipe: an fp16 model, fp32 master copies stepped by the optimizer and copied back; one batch
+# holds an Inf. The optimizer holds no parameter of the model: it was left unwatched and the run said OK
+MASTERS = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1)).half()
+masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+opt = torch.optim.SGD(masters, lr=0.01)
+for step in range(30):
+    x = torch.randn(64, 8)
+    if step == 12:
+        x[3, 0] = float("inf")
+    model.zero_grad(set_to_none=True)
+    (F.mse_loss(model(x.half()).float(), x[:, :1]) * 128).backward()
+    for m, p in zip(masters, model.parameters()):
+        m.grad = p.grad.float() / 128
+    opt.step()
+    with torch.no_grad():
+        for m, p in zip(masters, model.parameters()):
+            p.copy_(m)
+    print(step, max(float(m.grad.abs().max()) for m in masters))  # the script reads its gradients after the step
+"""
+
+
+def test_an_optimizer_over_master_weights_is_watched_and_its_gradients_stay_the_scripts(tmp_path):
+    report = _watch(tmp_path, MASTERS)
+    assert report["verdict"] == "error", [f["name"] for f in report["findings"]]  # before: OK, steps 0
+    assert report["data"]["steps"] == 30 and report["data"]["nonfinite_steps"] >= 1
+    assert not [f for f in report["findings"] if f["name"] == "uncaught-exception"], report["findings"]

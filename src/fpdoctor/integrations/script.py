@@ -166,6 +166,21 @@ def _trainable(optimizer: Any) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
 
 
+def _mastered(params: list[torch.Tensor], called: list[nn.Module]) -> list[nn.Module]:
+    """The module that the optimizer's tensors are master copies of (the pre-AMP recipe: fp32 copies of a
+    model's fp16 parameters, stepped by the optimizer and copied back): one whose trainable parameters have
+    the same shapes, in order, in a wider dtype. Its forwards are the step's; none where no module fits."""
+    shapes = [tuple(p.shape) for p in params]
+    for module in dict.fromkeys(called):
+        own = [p for p in module.parameters() if p.requires_grad]
+        if [tuple(p.shape) for p in own] == shapes and all(
+            p.is_floating_point() and q.dtype != p.dtype and torch.finfo(q.dtype).bits > torch.finfo(p.dtype).bits
+            for p, q in zip(own, params, strict=True)
+        ):
+            return [module]
+    return []
+
+
 def _cleared_by_code(params: list[torch.Tensor]) -> Cleared | None:
     """A step whose gradients are all None though a backward reached the model: the statement between
     the backward and the step that cleared them, read from the source (`p.grad = None` in a loop); None
@@ -344,6 +359,7 @@ class ScriptWatch:
         self._top = TopLevelCalls(self._pre, self._post)
         self._scaler_now: dict[int, Any] = {}  # id(optimizer) -> the GradScaler stepping it now
         self._order = ScalerOrder()  # the script's unscale_, update() and backwards, in their order
+        self._held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # a skipped step's gradients, by optimizer
         self._clears = GradClears()  # zero_grad() between a backward and the optimizer's step (grad_clears.py)
         self._mixed: dict[int, Mixed] = {}  # id(optimizer) -> its step in progress mixes unscaled gradients
         self._judged: set[int] = set()  # optimizers judged inside the scaler's step in progress
@@ -662,6 +678,8 @@ class ScriptWatch:
         for call in self._calls:
             if call.module not in modules and any(id(p) in owned for p in call.module.parameters()):
                 modules.append(call.module)
+        if not modules:  # master weights of the script's own: fp32 copies of a model's fp16/bf16 parameters
+            modules = _mastered(params, [c.module for c in self._calls])
         if not modules:
             why = "its parameters were in no training forward of a module seen before its first step"
             self.unwatched.setdefault(f"optimizer {type(optimizer).__name__}", why)
@@ -883,8 +901,12 @@ class ScriptWatch:
         # non-finite loss whose gradients are finite makes a finite update, applied as the script does
         # (with a scaler, here only where it stepped: a scale whose reciprocal is Inf lets NaN through)
         if bad_grad and not skipped_by_scaler and not pending.on_device:
-            for p in run.params:  # kept from the weights: torch's optimizers skip a parameter without a gradient
+            # kept from the weights: torch's optimizers skip a parameter without a gradient; given back after the
+            # step, so that the script's own reads of them (a norm it logs) see what they were
+            held = [(p, p.grad) for p in run.params if p.grad is not None]
+            for p, _ in held:
                 p.grad = None
+            self._held[id(run.optimizer)] = held
         # the buffers as they are now: the next step's bad forward is undone to here (the first step
         # has no snapshot to undo to: its forward ran before the watch knew its model); a reference
         # step's weights are judged at the next optimizer step, once this one has stepped
@@ -899,6 +921,9 @@ class ScriptWatch:
                 judge.error("measuring the optimizer's updates", exc)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        for p, grad in self._held.pop(id(optimizer), ()):  # a skipped step's gradients, as the backward left them
+            if p.grad is None:
+                p.grad = grad
         undo = self._undo.pop(id(optimizer), None)
         if undo is not None:  # the optimizer has taken the flag: nothing of ours stays on it
             self._guarded(undo, "putting the optimizer's step back")  # never raised into the user's step
