@@ -96,6 +96,18 @@ def test_fp8_plans_go_to_the_users_recipe():
     assert "module_filter_fn" in result.plan.to_code()
 
 
+def test_the_fp8_filter_keeps_the_linears_inside_a_kept_container():
+    """torchao calls module_filter_fn with each Linear's own name (`blocks.0.q`): a plan keeping `blocks.0`
+    printed `fqn not in KEEP_HIGH_PRECISION`, which converted every Linear inside it to fp8."""
+    from fpdoctor.precision.plan.codegen import fp8_code
+
+    namespace: dict = {}
+    exec(fp8_code("fp8-e4m3", ["head", "blocks.0"]), namespace)
+    keep = namespace["module_filter_fn"]
+    assert not keep(None, "blocks.0.q") and not keep(None, "blocks.0") and not keep(None, "head")
+    assert keep(None, "blocks.1.q") and keep(None, "blocks.01.q") and keep(None, "header")
+
+
 def test_fp16_accumulation_plan_keeps_the_long_reduction_in_fp32():
     def long_sum():
         torch.manual_seed(0)

@@ -81,5 +81,6 @@ def fp8_code(candidate: str, keep: list[str]) -> str:
     return (
         f"# {candidate} ran in fpdoctor's own fp8 Linear layers; keep these modules in high\n"
         f"# precision in your fp8 recipe, e.g. torchao's module_filter_fn:\nKEEP_HIGH_PRECISION = {names}\n"
-        "def module_filter_fn(module, fqn):\n    return fqn not in KEEP_HIGH_PRECISION\n"
+        "def module_filter_fn(module, fqn):  # called with each Linear's own name: a kept container keeps its Linears\n"
+        "    return not any(fqn == k or fqn.startswith(k + '.') for k in KEEP_HIGH_PRECISION)\n"
     )
