@@ -222,3 +222,29 @@ def test_batches_that_hold_the_same_values_are_never_told_apart_by_guess():
         loader = DataLoader(Items(), batch_size=16)
         batches = list(loader)
         assert follow.rows_of((batches[2], 7)) == (list(range(32, 48)), None)
+
+
+def test_each_replayed_steps_own_dataset_items_are_named_not_the_first_steps_alone():
+    """Two empty items in two batches make two bad steps of one cause: the finding named the first step's item
+    only, and dropping it left the second to fail again."""
+    import fpdoctor
+
+    class TwoEmpty(Dataset):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            x = torch.randn(8, generator=torch.Generator().manual_seed(i)) + 3
+            return x * 0 if i in (6, 43) else x  # in the second batch and in the third
+
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.01)
+    with fpdoctor.watch(reference_every=0) as w:
+        for x in DataLoader(TwoEmpty(), batch_size=16):
+            opt.zero_grad()
+            lin(x / x.norm(dim=1, keepdim=True)).pow(2).mean().backward()
+            opt.step()
+    found = [f for f in w.report.findings if f.evidence.get("dataset_indices_all")]
+    assert found and found[0].evidence["dataset_indices_all"] == [6, 43], [f.evidence for f in w.report.findings]
+    assert "The dataset items on those steps: 6, 43." in found[0].message

@@ -48,6 +48,7 @@ class _Seen:
     first: Finding
     steps: list[int] = field(default_factory=list)
     occurrences: int = 1
+    items: list[Any] = field(default_factory=list)  # the dataset items each occurrence's rows were (bad data)
 
 
 class Causes:
@@ -67,12 +68,15 @@ class Causes:
             return
         seen = self._seen.get(key)
         if seen is None or seen.index >= len(self.findings) or self.findings[seen.index].name != finding.name:
-            self._seen[key] = _Seen(len(self.findings), finding, [step] if isinstance(step, int) else [])
+            seen = _Seen(len(self.findings), finding, [step] if isinstance(step, int) else [])
+            seen.items = _items(finding)
+            self._seen[key] = seen
             self.findings.append(finding)
             return
         seen.occurrences += 1
         if isinstance(step, int) and step not in seen.steps:
             seen.steps.append(step)
+        seen.items += [i for i in _items(finding) if i not in seen.items]
         self.findings[seen.index] = _repeated(seen)
 
     def _fold(self, finding: Finding, key: tuple[Any, ...]) -> bool:
@@ -140,6 +144,13 @@ def _merged(mechanism: Finding, reference: Finding) -> Finding:
     )
 
 
+def _items(finding: Finding) -> list[Any]:
+    """The dataset items the finding's rows were (a replayed step's bad rows, named by the DataLoader)."""
+    experiment = finding.evidence.get("experiment")
+    rows = finding.evidence.get("rows") or (experiment.get("rows") if isinstance(experiment, dict) else None)
+    return list(rows.get("dataset_indices") or []) if isinstance(rows, dict) else []
+
+
 def _repeated(seen: _Seen) -> Finding:
     first, steps = seen.first, seen.steps
     listed = ", ".join(str(s) for s in steps[:STEPS_LISTED]) + (", ..." if len(steps) > STEPS_LISTED else "")
@@ -148,6 +159,12 @@ def _repeated(seen: _Seen) -> Finding:
     evidence: dict[str, Any] = {**first.evidence, "occurrences": seen.occurrences}
     if steps:
         evidence.update(first_step=steps[0], last_step=steps[-1], steps=steps[:STEPS_LISTED])
+    if len(seen.items) > len(_items(first)):  # each step's own bad items, not the first step's alone
+        named = ", ".join(str(i) for i in seen.items[:STEPS_LISTED]) + (
+            " ..." if len(seen.items) > STEPS_LISTED else ""
+        )
+        text += f" The dataset items on those steps: {named}."
+        evidence["dataset_indices_all"] = seen.items[:STEPS_LISTED]
     return replace(first, message=first.message + text, evidence=evidence)
 
 
