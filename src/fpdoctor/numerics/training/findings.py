@@ -818,6 +818,46 @@ def frozen_group_finding(
     )
 
 
+# the GradScaler findings of a run's first steps are calibration where the last SETTLED steps all applied and
+# most of the run did: the scale went down to where the gradients fit (below 1 for gradients in large units)
+SETTLED = 100
+_SETTLING = ("amp-scale-collapse", "training-stalled", "deterministic-nonfinite")
+
+
+def settled(found: list[Finding], history: list[Any], scale: float | None) -> list[Finding]:
+    """The scaler's early findings read again once the run is over: where its scale settled (the last
+    SETTLED steps applied, nine in ten of all of them) those that only named steps before that are the
+    scale calibrating down, said as information, with the scale it settled at."""
+    if len(history) < 2 * SETTLED or scale is None:
+        return found
+    tail = history[-SETTLED:]
+    applied = sum(1 for h in history if not h.skipped)
+    if any(h.skipped or not h.finite for h in tail) or applied < 0.9 * len(history):
+        return found
+    start = tail[0].step
+    out = []
+    for f in found:
+        steps = [f.evidence.get("step"), f.evidence.get("last_step")]
+        early = all(s is None or (isinstance(s, int) and s < start) for s in steps) and f.evidence.get("step")
+        if f.name in _SETTLING and early and f.severity != Severity.INFO:
+            note = (
+                f" Afterwards the scale settled at {scale:.3g} and the last {SETTLED} of the {len(history)} steps "
+                f"were all applied ({applied} in all): the scaler calibrating down to where the gradients fit fp16, "
+                "not a stall."
+                + (
+                    " Below 1 it says the gradients themselves pass fp16's range unscaled: a loss or targets in "
+                    "large units (standardise them) keep the scale there."
+                    if scale < 1
+                    else ""
+                )
+            )
+            title = f"Early in the run, then the scale settled at {scale:.3g}: {f.title[0].lower()}{f.title[1:]}"
+            out.append(dataclasses.replace(f, severity=Severity.INFO, title=title, message=f.message + note))
+        else:
+            out.append(f)
+    return out
+
+
 def timeline(history: list[Any], found: list[Finding], points: int) -> dict[str, list[Any]]:
     """Loss per step for plots, at most `points` of them (evenly thinned) plus every step that
     was non-finite, skipped by AMP or a spike, so that no event is thinned away; beside the loss,

@@ -1353,6 +1353,8 @@ class StepJudge:
         out["timeline"] = findings.timeline(self.history, self.findings, TIMELINE_POINTS)
         out["summary"] = summary
         found = findings.causes_first(list(self.findings))
+        if scaled:  # a scale that calibrated down at the start and settled: early skips were no stall
+            found = findings.settled(found, self.history, self.amp.scale)
         # a spike still held is judged by what the run did: it ended before the loss came back
         held: list[Finding] = []
         episodes = Causes(held)  # one finding an episode, as _release_spikes adds them
