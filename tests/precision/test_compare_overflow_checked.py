@@ -99,3 +99,41 @@ def test_an_overflow_inside_a_module_gets_its_lines_in_fp32_checked_and_the_fix_
         assert now.report.data["modules"][-1]["propagated_rel"] <= 1.2 * after, str(now.report)
         assert not [f for f in now.report.findings if f.where.get("op") == "aten.exp.default"], str(now.report)
         assert f"lines {exp_line if kind == 'pool' else exp_line_gate}-" in first.fix, first.fix
+
+
+class Vibration(nn.Module):
+    """An accelerometer front end on raw sensor counts (up to ~3000): a band energy computed by hand. Its
+    square, the sum of squares over the window and the energy's own square each pass 65504 in fp16, on
+    three lines: no one line in fp32 cures the output, the module kept whole does."""
+
+    def __init__(self, fixed: bool = False) -> None:
+        super().__init__()
+        self.band = nn.Parameter(torch.randn(64, 16) * 0.1)
+        self.fixed = fixed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fixed:  # the fix as printed: the module in fp32
+            x = x.float()
+        s = x**2
+        e = s @ self.band.to(s.dtype).abs()
+        p = e * e
+        return torch.log1p(p)
+
+
+def test_an_overflow_on_several_lines_of_a_module_is_fixed_by_the_module_kept_in_fp32_checked():
+    torch.manual_seed(0)
+    model = nn.Sequential(Vibration(), nn.Linear(16, 4)).eval()
+    x = 1500.0 * torch.randn(64, 64)
+    result = fpdoctor.compare(model, x, candidate="fp16")
+    found = [f for f in result.report.findings if f.name == "precision-divergence" and f.where.get("module") == "0"]
+    assert found, [(f.name, f.where) for f in result.report.findings]
+    # before: "compute aten.pow inside `0` in fp32 ...", not tried, and applied it left the output non-finite
+    assert found[0].fix.startswith("keep `0` in fp32: its ops overflow fp16 on more lines than"), found[0].fix
+    assert found[0].trial is not None and found[0].trial.tried and found[0].trial.before == math.inf
+    with torch.no_grad():  # as printed: the module in fp32, the rest in fp16
+        exact = model.double()(x.double())
+        model.float()
+        half = nn.Sequential(Vibration(fixed=True), model[1]).half()
+        half[0].band.data = model[0].band.data.float()
+        out = half[1](half[0](x).half()).double()
+    assert torch.isfinite(out).all() and float((out - exact).norm() / exact.norm()) < 0.05

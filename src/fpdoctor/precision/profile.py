@@ -889,6 +889,20 @@ def causes(
                     after=checked["after"],
                     on="the inputs given",
                 )
+            elif (whole := overflow.get("module_checked")) is not None:  # no one line cures it: the module does
+                output = ", its output left in fp32 (cast back, it overflows again)" if whole["fp32_output"] else ""
+                fixes.append(
+                    f"keep `{row.module}` in fp32{output}: its ops overflow {candidate} on more lines than {op}'s, "
+                    f"and no line of it alone in fp32 cures the output (`fpdoctor plan` writes the code); checked: "
+                    f"the end-to-end error goes from {_fmt(whole['before'])} to {_fmt(whole['after'])}"
+                )
+                trial = Trial.checked(
+                    f"`{row.module}` in fp32" + (", its output in fp32" if whole["fp32_output"] else ""),
+                    metric="end-to-end relative error against fp64",
+                    before=whole["before"],
+                    after=whole["after"],
+                    on="the inputs given",
+                )
             elif row.out_of_range:  # cast back, what it makes overflows again where it is read
                 fixes.append(
                     f"compute {op} inside `{row.module}` in fp32{at} (its operands .float()) and keep what it makes in "

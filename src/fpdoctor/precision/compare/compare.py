@@ -1558,6 +1558,8 @@ class _Comparison:
                 overflows[key]["checked"] = self._overflow_checked(
                     overflows[key], rows[-1].propagated, broken=not row.propagated < BROKEN
                 )
+                if overflows[key]["checked"] is None:  # no line set cures it: its ops overflow on several lines
+                    overflows[key]["module_checked"] = self._module_checked(row, rows[-1].propagated)
         origin = nonfinite.findings(
             rows, overflows, label=self.label, candidate=candidate, dtype=self.cand_dtype, check=self._fix_checked,
             before_cast=self._before_cast_checked, on=inputs_text(describe(self.inputs)),
@@ -1797,6 +1799,25 @@ class _Comparison:
             if error is not None and math.isfinite(error):
                 break
         return lines, error
+
+    def _module_checked(self, row: ModuleRow, error: float) -> dict[str, Any] | None:
+        """The module whose op overflows, kept whole in fp32 (its output left in fp32 where its exact
+        output passes the format's range): its end-to-end error, where that cures the output (finite,
+        or RAISED_FALLS below); None where it does not or cannot run so."""
+        root = next((e for (name, _), e in self.seen.items() if name == ""), None)
+        if root is None or not row.module:
+            return None
+        try:
+            out = self._output_with_fp32([row.module], fp32_output=row.out_of_range)
+        except Exception:  # the check is ours: the finding stands without it
+            return None
+        got = device_sample(out) if out is not None else None
+        if got is None or got.numel() != root.truth.numel() or not root.norm > 0:
+            return None
+        after = float((got.to(root.truth.device).double() - root.truth).norm()) / root.norm
+        if not _cured(error, after):
+            return None
+        return {"before": error, "after": after, "fp32_output": row.out_of_range}
 
     def _overflow_checked(self, found: dict[str, Any], error: float, *, broken: bool = False) -> dict[str, Any] | None:
         """An op that overflows inside a divergent module, computed in fp32 with the ops after it that
