@@ -1418,6 +1418,25 @@ def _line_text(record: Record) -> str:
     return linecache.getline(record.location[0], record.location[1]) if record.location else ""
 
 
+SENTINEL_SIZE = 1e8  # a value past a format's range this large is written as a fill, not measured
+
+
+def _sentinel_like(origin: Step) -> bool:
+    """The values a cast takes past its format's range are a sentinel (a mask's -1e9, float32's lowest:
+    one or two values), not data in large units (incomes, raw sensor counts: many values), which holding at
+    the limit would change: those want scaling, or a format with the range."""
+    dtype = _compute_dtype(origin)
+    source = origin.args[0] if origin.args else None
+    if dtype is None or not isinstance(source, torch.Tensor) or not source.is_floating_point():
+        return True
+    with torch.no_grad():
+        past = source[torch.isfinite(source) & (source.abs() > torch.finfo(dtype).max)]
+        if past.numel() == 0:
+            return True
+        # a fill written far past any range (-1e9, float32's lowest), one or two values of it
+        return int(past.unique().numel()) <= 2 and float(past.abs().min()) >= SENTINEL_SIZE
+
+
 def _try_saturated(
     origin: Step, chain: list[Step], lookup: Lookup | None, symptom: frozenset[str]
 ) -> tuple[float, float] | None:
@@ -1542,7 +1561,7 @@ def _settle_origin(
         if experiment.cast is not None and _past_range(origin) and origin.record.phase != "backward":
             if _autocasts(origin.record):  # autocast's cast of a module's input: no value to write
                 experiment.autocast_cast = True
-            else:
+            elif _sentinel_like(origin):  # a mask value past the range: its limit is the value to write
                 experiment.saturated_fix = _try_saturated(origin, chain, lookup, symptom)
     except Exception:
         pass
