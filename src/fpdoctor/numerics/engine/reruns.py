@@ -673,7 +673,6 @@ def _stable_fix_text(checked: stable.Checked, where: str, op: str) -> str:
     ]
     text = (
         f"Write {form.stable} instead of {form.written} at {where}"
-        + (f" ({'; '.join(needs)})" if needs else "")
         + (f", then take its {', '.join(checked.picked)} as your code does" if checked.picked else "")
         + f": torch computes it {form.why}. In "
         f"{checked.dtype} on the inputs this step read, {op}'s "
@@ -694,7 +693,7 @@ def _stable_fix_text(checked: stable.Checked, where: str, op: str) -> str:
             ". The other side likewise: log(sigmoid(z)) is F.logsigmoid(z), log(1 - sigmoid(z)) is F.logsigmoid(-z); "
             "for a binary cross-entropy written by hand, F.binary_cross_entropy_with_logits(z, y) is both"
         )
-    return text + "."
+    return text + "." + (f" It needs {'; '.join(needs)}." if needs else "")
 
 
 def transparent_op(op: str) -> bool:
