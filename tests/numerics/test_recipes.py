@@ -145,3 +145,26 @@ def test_an_update_blown_up_by_an_eps_fp16_holds_as_0_puts_the_eps_first():
     assert run(1e-8, lr=1e-5)[0].by_name("update-blew-up")  # the rate's fix does nothing
     fixed, loss = run(1e-4)  # as printed: eps=0.0001
     assert not fixed.by_name("update-blew-up") and not fixed.by_name("nonfinite-produced") and math.isfinite(loss)
+
+
+def test_an_fp16_copy_for_evaluation_in_an_fp32_run_is_not_autocast_without_a_scaler():
+    """fp32 training with an fp16 copy of the model evaluated each step: its casts are the code's own
+    (model.half(), written on its line), not autocast's; before, NUM010 said the forward ran under fp16
+    autocast without a GradScaler."""
+    import copy
+
+    torch.manual_seed(0)
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with fpdoctor.trace(model) as t:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            opt.step()
+            with torch.no_grad():
+                half = copy.deepcopy(model).half()
+                half(torch.randn(8, 16).half())
+    assert "fp16-without-grad-scaler" not in names(t.report), names(t.report)
+    model = net()
+    real = train(model, torch.optim.SGD(model.parameters(), lr=0.01), autocast=torch.float16)
+    assert "fp16-without-grad-scaler" in names(real)  # autocast's own casts still are

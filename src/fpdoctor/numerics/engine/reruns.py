@@ -1372,7 +1372,7 @@ def finfo_spelled(code: str, dtype: str) -> str:
 _DTYPE_OF = re.compile(r"([A-Za-z_][\w.]*)\.dtype\b")
 
 
-def _autocasts(record: Record) -> bool:
+def autocasts(record: Record) -> bool:
     """A cast autocast made, of a module's input: its source line writes none (a line that cannot be
     read counts as written). Autocast's own state cannot tell: inside its cast, torch reports it off."""
     line = _line_text(record)
@@ -1558,7 +1558,7 @@ def _settle_origin(
         # a gradient the backward casts to its value's dtype is not a value the user wrote: holding it at
         # the limit would clip it; the fix is the dtype the value had (below) or a smaller gradient
         if experiment.cast is not None and _past_range(origin) and origin.record.phase != "backward":
-            if _autocasts(origin.record):  # autocast's cast of a module's input: no value to write
+            if autocasts(origin.record):  # autocast's cast of a module's input: no value to write
                 experiment.autocast_cast = True
             elif _sentinel_like(origin):  # a mask value past the range: its limit is the value to write
                 experiment.saturated_fix = _try_saturated(origin, chain, lookup, symptom)

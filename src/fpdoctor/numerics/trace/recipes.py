@@ -28,6 +28,7 @@ import torch
 
 from fpdoctor import catalog
 from fpdoctor.formats import FORMATS
+from fpdoctor.numerics.engine.reruns import autocasts
 from fpdoctor.numerics.observe import lr_schedule
 from fpdoctor.numerics.trace.tracer import Record
 from fpdoctor.report.model import Finding, Trial
@@ -398,6 +399,7 @@ def _autocast_fp16_params(records: list[Record], params: frozenset[tuple[str, in
         and r.outputs[0].dtype == "torch.float16"
         and r.inputs[:1]
         and (r.inputs[0][0] == "leaf" or r.inputs[0] in params)
+        and autocasts(r)  # a line that writes the cast (model.half() for an evaluation, .to(fp16)) is the code's
     )
 
 
