@@ -499,9 +499,19 @@ class Analysis:
         for record, label, others in sorted(firsts, key=lambda first: first[0].index):
             found.append(self.producer_finding(record, label, others))
         producers_reached = bool(nan_producers or inf_producers or absorbed)
+        gradients: list[Finding] = []  # gradients the optimizer read non-finite: one finding, the first
         for leaf, reaches in leaves.values():
             if ("leaf", leaf.index) in bad_data or not producers_reached:
-                found.append(self.input_finding(leaf, reaches))
+                made = self.input_finding(leaf, reaches)
+                if made.evidence.get("origin") == "gradient":
+                    gradients.append(made)
+                else:
+                    found.append(made)
+        if gradients:
+            more = (
+                f" The same for {len(gradients) - 1} more of the optimizer's gradients." if len(gradients) > 1 else ""
+            )
+            found.append(dataclasses.replace(gradients[0], message=gradients[0].message + more))
         for origin, reaches in self.reached.items():
             if origin[0] == "op" and self.roles.get(origin[1]) == "constant":
                 r = self.records[origin[1]]
@@ -866,6 +876,8 @@ class Analysis:
         numel = math.prod(leaf.shape)
         if first is not None and _written_scalar(leaf, first):
             return self._written_finding(leaf, first, reaches)
+        if first is not None and first.phase == "optimizer" and _leaf_origin(leaf) == "input":
+            return self._gradient_finding(leaf, first, reaches)
         return catalog.make(
             "nonfinite-input",
             message=(
@@ -901,6 +913,42 @@ class Analysis:
                     "reaches": reaches,
                     **(self.step_evidence(first) if first else {}),
                 }
+            ),
+        )
+
+    def _gradient_finding(self, leaf: Leaf, first: Record, reaches: list[str]) -> Finding:
+        """A gradient the optimizer read non-finite, made by a backward the trace did not see op by op (a
+        torch.compile'd graph's, a custom or C++ autograd op's): not the data pipeline's."""
+        count = sum(leaf.counts.values()) if leaf.counts else None
+        return catalog.make(
+            "nonfinite-input",
+            title="A gradient reached the optimizer non-finite from a backward the trace did not see op by op",
+            message=(
+                f"The optimizer's {first.op}{self.at_step(first)} read a gradient {list(leaf.shape)} {leaf.dtype} that "
+                f"already held {count} {leaf.kind} value(s): the backward that made it ran where the trace does not "
+                "see each op (a torch.compile'd graph's backward, a custom or C++ autograd op, a gradient written by "
+                f"a hook); it reaches {', '.join(reaches[:3])}."
+            ),
+            where=_known({"module": first.module, "op": first.op, "phase": first.phase, "input": leaf.name}),
+            evidence=_known(
+                {
+                    "kind": leaf.kind,
+                    "count": count,
+                    "numel": math.prod(leaf.shape),
+                    "dtype": leaf.dtype,
+                    "shape": list(leaf.shape),
+                    "origin": "gradient",
+                    "reaches": reaches,
+                    **self.step_evidence(first),
+                }
+            ),
+            fix=(
+                "Find the op in that backward: a compiled model's graphs are checked by their outputs (a finding "
+                "about a compiled graph names it and its line); run the same script with TORCH_COMPILE_DISABLE=1 "
+                "under `fpdoctor trace` to name the op eagerly, with its checked fix"
+            ),
+            trial=Trial.untried(
+                "the op that made the gradient ran where the trace does not re-run ops: the eager trace names it"
             ),
         )
 
