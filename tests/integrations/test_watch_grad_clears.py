@@ -217,3 +217,23 @@ def test_an_optimizer_over_master_weights_is_watched_and_its_gradients_stay_the_
     assert report["verdict"] == "error", [f["name"] for f in report["findings"]]  # before: OK, steps 0
     assert report["data"]["steps"] == 30 and report["data"]["nonfinite_steps"] >= 1
     assert not [f for f in report["findings"] if f["name"] == "uncaught-exception"], report["findings"]
+
+
+def test_master_weights_are_matched_to_the_network_a_backward_reached_not_a_twin(tmp_path):
+    """A target network of the same shapes runs first, detached: the master copies are the online
+    network's, whose backward ran; matched to the target, no reference step ran, and none said why."""
+    script = (
+        MASTERS.replace(
+            "model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1)).half()\n",
+            "target = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1)).half()\n"
+            "model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1)).half()\n",
+        )
+        .replace(
+            "    model.zero_grad(set_to_none=True)\n",
+            "    model.zero_grad(set_to_none=True)\n    anchor = target(x.half()).detach()\n",
+        )
+        .replace('x[3, 0] = float("inf")', "pass")
+    )
+    report = _watch(tmp_path, script)
+    compared = report["data"]["reference_step"]
+    assert compared.get("compared_steps") == [1, 10], compared

@@ -74,6 +74,19 @@ def test_a_weight_decay_that_holds_the_weights_at_0_is_named_and_its_fix_trains(
     path.write_text(script.replace("WD", "1e-2").replace("SCHEDULE", "").replace("STEP", ""))  # as printed
     fixed = report_of(tmp_path, "watch", "--", "python", str(path))
     assert fixed["verdict"] == "ok", [f["name"] for f in fixed["findings"]]
+    # a warmup from 0 reads lr 0 at the first step: the decay is judged at the peak it reaches
+    warm = "sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 10))"
+    path.write_text(script.replace("WD", "1e2").replace("SCHEDULE", warm).replace("STEP", "sched.step()"))
+    report = report_of(tmp_path, "watch", "--", "python", str(path))
+    assert [f for f in report["findings"] if f["name"] == "weight-decay-too-strong"], report["findings"]
+    # weight_decay 1 at lr 1e-2 (AdamW's weights settle near 1): no finding
+    path.write_text(
+        script.replace("lr=3e-3, weight_decay=WD", "lr=1e-2, weight_decay=1.0")
+        .replace("SCHEDULE", "")
+        .replace("STEP", "")
+    )
+    report = report_of(tmp_path, "watch", "--", "python", str(path))
+    assert not [f for f in report["findings"] if f["name"] == "weight-decay-too-strong"], report["findings"]
 
 
 def test_a_schedulers_factor_of_0_for_one_group_is_named_at_its_function(tmp_path):

@@ -127,6 +127,11 @@ def test_a_modules_input_past_fp16s_range_is_told_as_autocasts_cast_with_bf16_ch
         ("y = x.to(torch.float16)", True),
         ("h = a.half()", True),
         ("t = torch.zeros(3, dtype=torch.float16)", True),
+        # a move to a device, however it is named, is no cast: autocast's casts on such a line are autocast's
+        ("logits = model(x[idx].to(args.device, non_blocking=True))", False),
+        ("y = x.to(local_rank)", False),
+        ("y = x.to(accelerator.device)", False),
+        ("m = copy.deepcopy(model).to(dt)", True),
     ],
 )
 def test_a_cast_the_line_writes_is_the_users_and_one_it_does_not_is_autocasts(line: str, written: bool) -> None:

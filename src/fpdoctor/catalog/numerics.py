@@ -747,9 +747,10 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         name="weight-decay-too-strong",
         severity=W,
         title="The weight decay alone holds the weights near 0",
-        what="`fpdoctor watch` reads each optimizer's param groups at its first step and at the report: where the "
-        "decay is applied apart from the gradient (AdamW, SGD, a decoupled_weight_decay flag) and lr x weight_decay "
-        "is 0.01 or more at both, the group is named with the share of its weights the decay takes each step.",
+        what="`fpdoctor watch` reads each optimizer's param groups: where the decay is applied apart from the "
+        "gradient (AdamW, SGD, a decoupled_weight_decay flag) and weight_decay is 10 or more, or lr x weight_decay "
+        "at the group's highest lr is 0.1 or more, the group is named with the share of its weights the decay "
+        "takes each step.",
         why="AdamW multiplies the weights by 1 - lr x weight_decay every step before the update: weight_decay=1e3 "
         "meant as 1e-3 sets them to 0 at lr 1e-3, and 10 takes 1% a step. The gradients cannot hold the weights up: "
         "the loss stays high, nothing is NaN, and the update check agrees with the optimizer it copies.",

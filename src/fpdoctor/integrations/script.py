@@ -92,7 +92,8 @@ _DEVICE_TYPES = ("cpu", "cuda")
 
 _CLEARS = "checking where zero_grad() runs"  # grad_clears.py
 # a weight decay that alone shrinks the weights by this share a step (100x a usual lr 1e-3 x weight_decay 0.1)
-DECAY_PER_STEP = 0.01
+DECAY_PER_STEP = 0.1  # at the group's highest lr: 10% of the weights a step, a half-life of 7 steps
+DECAY_LARGE = 10.0  # a decoupled weight_decay this large holds AdamW's weights near 1 / weight_decay at any lr
 _ORDER = "checking the GradScaler's order"  # what the observer was doing, where it fails (scaler_order.py)
 
 
@@ -147,8 +148,8 @@ class _Run:
     optimizer: Any = None
     # param groups whose lr was 0 at the first step while another group's was not (judged at the report)
     zero_lr: list[int] = field(default_factory=list)
-    # param groups whose decoupled weight decay, lr * weight_decay, was past DECAY_PER_STEP at the first step
-    decay: list[tuple[int, float, float]] = field(default_factory=list)
+    # param groups with a decoupled weight decay of 1 or more: group -> (its highest lr so far, weight_decay)
+    decay: dict[int, tuple[float, float]] = field(default_factory=dict)
 
 
 # per device: the scale slot of the flags of a step without a scaler (copied by the stack, never written)
@@ -171,14 +172,15 @@ def _mastered(params: list[torch.Tensor], called: list[nn.Module]) -> list[nn.Mo
     model's fp16 parameters, stepped by the optimizer and copied back): one whose trainable parameters have
     the same shapes, in order, in a wider dtype. Its forwards are the step's; none where no module fits."""
     shapes = [tuple(p.shape) for p in params]
+    fits = []
     for module in dict.fromkeys(called):
         own = [p for p in module.parameters() if p.requires_grad]
         if [tuple(p.shape) for p in own] == shapes and all(
             p.is_floating_point() and q.dtype != p.dtype and torch.finfo(q.dtype).bits > torch.finfo(p.dtype).bits
             for p, q in zip(own, params, strict=True)
         ):
-            return [module]
-    return []
+            fits.append(module)
+    return fits if len(fits) == 1 else []  # two that fit: whose copies they are cannot be told
 
 
 def _cleared_by_code(params: list[torch.Tensor]) -> Cleared | None:
@@ -213,24 +215,29 @@ def _zero_lr_groups(optimizer: Any) -> list[int]:
     ]  # fmt: skip
 
 
-def _decay_groups(optimizer: Any) -> list[tuple[int, float, float]]:
-    """(group, lr, weight_decay) of each group whose decay shrinks its weights by DECAY_PER_STEP or more a
-    step on its own: decoupled (AdamW, or a decoupled_weight_decay flag) or SGD's, lr * weight_decay."""
+def _decay_groups(optimizer: Any, seen: dict[int, tuple[float, float]] | None = None) -> dict[int, tuple[float, float]]:
+    """Per param group whose weight decay is applied apart from the gradient (AdamW, SGD, a
+    decoupled_weight_decay flag) and is 1 or more: (its highest lr so far, weight_decay). Read at the
+    first step and then on every step for those groups only (a warmup's peak lr comes later)."""
     decoupled = isinstance(optimizer, (torch.optim.AdamW, torch.optim.SGD))
-    found = []
+    found = dict(seen or {})
     for k, group in enumerate(optimizer.param_groups):
+        if seen is not None and k not in seen:
+            continue
         lr, wd = group.get("lr"), group.get("weight_decay")
         if not isinstance(lr, (int, float)) or not isinstance(wd, (int, float)):
             continue
-        if (decoupled or group.get("decoupled_weight_decay")) and lr * wd >= DECAY_PER_STEP:
-            found.append((k, float(lr), float(wd)))
+        if (decoupled or group.get("decoupled_weight_decay")) and wd >= 1:
+            found[k] = (max(float(lr), found.get(k, (0.0, 0.0))[0]), float(wd))
     return found
 
 
 def _pinned_by_decay(run: _Run) -> list[Finding]:
-    """TRN024 for the groups of `run.decay` still past DECAY_PER_STEP at the report."""
-    still = {k for k, _, _ in _decay_groups(run.optimizer)} if run.decay else set()
-    groups = [g for g in run.decay if g[0] in still]
+    """TRN024 for the groups of `run.decay` whose decay at their highest lr takes DECAY_PER_STEP of the
+    weights a step, or whose weight_decay is DECAY_LARGE or more."""
+    groups = [
+        (k, lr, wd) for k, (lr, wd) in run.decay.items() if lr * wd >= DECAY_PER_STEP or (wd >= DECAY_LARGE and lr > 0)
+    ]
     if not groups or run.judge.steps < 2:
         return []
     count = sum(
@@ -679,7 +686,8 @@ class ScriptWatch:
             if call.module not in modules and any(id(p) in owned for p in call.module.parameters()):
                 modules.append(call.module)
         if not modules:  # master weights of the script's own: fp32 copies of a model's fp16/bf16 parameters
-            modules = _mastered(params, [c.module for c in self._calls])
+            # of the module a backward reached this step (a target network run beside it, detached, is not)
+            modules = _mastered(params, [c.module for c in self._calls if c.kept.filled_at is not None])
         if not modules:
             why = "its parameters were in no training forward of a module seen before its first step"
             self.unwatched.setdefault(f"optimizer {type(optimizer).__name__}", why)
@@ -771,8 +779,11 @@ class ScriptWatch:
         judge.micro_batches += len(mine)
         if judge.steps == 1:  # a group left at lr 0, or pinned by its decay: said at the report
             run.zero_lr, run.decay = _zero_lr_groups(optimizer), _decay_groups(optimizer)
-        elif run.zero_lr:  # a group at lr 0 at the first step: one that rises later (a per-group warmup) trains
-            run.zero_lr = [k for k in run.zero_lr if not _rate(optimizer, k)]
+        else:
+            if run.zero_lr:  # a group at lr 0 at the first step: one that rises later (a per-group warmup) trains
+                run.zero_lr = [k for k in run.zero_lr if not _rate(optimizer, k)]
+            if run.decay:  # the decay at the group's highest lr (a warmup's peak)
+                run.decay = _decay_groups(optimizer, run.decay)
         if self._clears.noted:  # a zero_grad() after the backward, confirmed at the step by its gradients
             at = user_location(sys._getframe(1))
             self._guarded(lambda: judge.cleared_step(judge.steps, self._clears.stepped(optimizer, at)), _CLEARS)

@@ -1331,8 +1331,9 @@ def _past_range(step: Step) -> bool:
 
 # a cast as a line writes it: .half(), .bfloat16(), .type(...), .type_as(...), dtype=..., .to(...) of
 # anything but a device
+# a cast the line writes; `.to(` a device is a move, however the device is named (args.device, local_rank)
 _CAST_WRITTEN = re.compile(
-    r"\.(half|bfloat16|type|type_as)\(|dtype\s*=|\.to\((?!\s*(device|dev\b|[\"']cuda|[\"']cpu|torch\.device))"
+    r"\.(half|bfloat16|type|type_as)\(|dtype\s*=|\.to\((?![^)]*(\bdevice|\bdev\b|rank\b|[\"']cuda|[\"']cpu))"
 )
 
 

@@ -743,9 +743,14 @@ def decay_finding(
     return catalog.make(
         "weight-decay-too-strong",
         message=(
-            f"{which} of {optimizer}: lr x weight_decay = {lr:g} x {wd:g} = {share:.3g}. {optimizer}'s decay, applied "
-            f"apart from the gradient, {left}; its {params} parameter(s) are held near 0 whatever the gradients say, "
-            "and nothing is NaN."
+            f"{which} of {optimizer}: weight_decay {wd:g}, and at the group's highest lr ({lr:g}) lr x weight_decay = "
+            f"{share:.3g}. {optimizer}'s decay, applied apart from the gradient, {left}; "
+            + (
+                f"its weights settle near 1 / weight_decay ({1 / wd:.2g}) whatever the gradients say"
+                if "Adam" in optimizer
+                else "its weights are held small whatever the gradients say"
+            )
+            + f", on its {params} parameter(s), and nothing is NaN."
         ),
         where={"module": None, "op": None, "phase": "optimizer", **here},
         evidence={
@@ -829,6 +834,9 @@ def settled(found: list[Finding], history: list[Any], scale: float | None) -> li
     SETTLED steps applied, nine in ten of all of them) those that only named steps before that are the
     scale calibrating down, said as information, with the scale it settled at."""
     if len(history) < 2 * SETTLED or scale is None:
+        return found
+    # a NaN made from finite values (sqrt's backward at 0) is a bug at any scale: nothing was calibration
+    if any("nan" in str(f.evidence.get("kind", "")).lower() for f in found if f.name in _SETTLING):
         return found
     tail = history[-SETTLED:]
     applied = sum(1 for h in history if not h.skipped)
