@@ -605,67 +605,52 @@ def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, ref
         f" The state updated with {t['op']} at {t['location']} is not tried: those ops select among values, which "
         f"{dtype} holds exactly." for t in exact
     )  # fmt: skip
-    if together is not None and together.get("feeding"):  # the states, with the lines their updates read
-        states, joint, feeding = together["states"], together["raised_rel"], together["feeding"]
+    if together is not None:  # every state that rounds kept in fp64 together (with the lines their updates read)
+        states, joint, feeding = together["states"], together["raised_rel"], together.get("feeding")
         places = " and ".join(f"{t['op']} at {t['location']}" for t in states)
-        fed = lines_text(feeding)
-        plural = len(states) > 1
-        message += (
-            f" The running state{'s' if plural else ''} updated with {places} {'are' if plural else 'is'}"
-            f" held in {dtype}, and each update reads values {fed} make in {dtype} every step (a decay factor "
-            f"near 1 that {dtype} rounds to 1 stops decaying): kept in fp64 alone the state does not explain the "
-            f"error; with those lines in fp32 beside it, the end-to-end error is {_fmt(joint)} (checked)." + exact_text
-        )
-        evidence |= {"state_locations": [t["location"] for t in states], "raised_rel": joint,
-                     "feeding_lines": [f"{f}:{n}" for f, n in feeding]}  # fmt: skip
-        first = states[0]
-        where = {"module": first["module"], "op": first["op"], "phase": "forward"}
         lines = ", ".join(t["location"] for t in states)
-        fix = (
-            f"keep the running state{'s' if len(states) > 1 else ''} updated at {lines} in fp32 (create "
-            f"{'each' if len(states) > 1 else 'it'} with dtype=torch.float32 and cast what is read from it back to "
-            f"{dtype}) and compute {fed} in fp32 too, "
-            + (
-                "their results kept in fp32 for the update that reads them"
-                if len(feeding) > 1
-                else "its result kept in fp32 for the update that reads it"
-            )
-            + f" (.float() on what it reads): checked together on {on}, the end-to-end error goes from {_fmt(error)} "
-            f"to {_fmt(joint)}"
-        )
-        first_text = f"none by itself: accumulation in the running state at {lines}, with what {fed} make"
-        trial = Trial.checked(
-            f"the running state at {lines} kept in fp64, {fed} in fp32, the rest in {candidate}",
-            metric="end-to-end relative error against fp64",
-            before=error,
-            after=joint,
-            on=on,
-        )
-    elif together is not None:  # every state that rounds, kept in fp64 together: one fix
-        states = together["states"]
-        joint = together["raised_rel"]
-        places = " and ".join(f"{t['op']} at {t['location']}" for t in states)
-        message += (
-            f" The running states updated with {places} are held in {dtype}; kept in fp64 together, the "
-            f"end-to-end error is {_fmt(joint)} (checked). They are one fix, not tried one by one: each loses more "
-            "as its loop grows, so one that gains little alone on this input is needed on a longer one." + exact_text
-        )
+        plural = len(states) > 1
         evidence |= {"state_locations": [t["location"] for t in states], "raised_rel": joint}
         first = states[0]
         where = {"module": first["module"], "op": first["op"], "phase": "forward"}
-        lines = ", ".join(t["location"] for t in states)
-        fix = (
-            f"keep the running states updated at {lines} in fp32, all of them (create each with "
-            f"dtype=torch.float32 and cast what is read from it back to {dtype}): checked together on {on}, the "
-            f"end-to-end error goes from {_fmt(error)} to {_fmt(joint)}"
-        )
-        first_text = f"none by itself: accumulation in the running states at {lines}"
+        if feeding:
+            fed = lines_text(feeding)
+            message += (
+                f" The running state{'s' if plural else ''} updated with {places} {'are' if plural else 'is'}"
+                f" held in {dtype}, and each update reads values {fed} make in {dtype} every step (a decay factor "
+                f"near 1 that {dtype} rounds to 1 stops decaying): kept in fp64 alone the state does not explain the "
+                f"error; with those lines in fp32 beside it, the end-to-end error is {_fmt(joint)} (checked)."
+            )
+            evidence["feeding_lines"] = [f"{f}:{n}" for f, n in feeding]
+            fix = (
+                f"keep the running state{'s' if plural else ''} updated at {lines} in fp32 (create "
+                f"{'each' if plural else 'it'} with dtype=torch.float32 and cast what is read from it back to "
+                f"{dtype}) and compute {fed} in fp32 too, "
+                + (
+                    "their results kept in fp32 for the update that reads them"
+                    if len(feeding) > 1
+                    else "its result kept in fp32 for the update that reads it"
+                )
+                + " (.float() on what it reads)"
+            )
+            first_text = f"none by itself: accumulation in the running state at {lines}, with what {fed} make"
+            changed = f"the running state at {lines} kept in fp64, {fed} in fp32, the rest in {candidate}"
+        else:
+            message += (
+                f" The running states updated with {places} are held in {dtype}; kept in fp64 together, the "
+                f"end-to-end error is {_fmt(joint)} (checked). They are one fix, not tried one by one: each loses "
+                "more as its loop grows, so one that gains little alone on this input is needed on a longer one."
+            )
+            fix = (
+                f"keep the running states updated at {lines} in fp32, all of them (create each with "
+                f"dtype=torch.float32 and cast what is read from it back to {dtype})"
+            )
+            first_text = f"none by itself: accumulation in the running states at {lines}"
+            changed = f"the running states at {lines} kept in fp64 together, the rest in {candidate}"
+        message += exact_text
+        fix += f": checked together on {on}, the end-to-end error goes from {_fmt(error)} to {_fmt(joint)}"
         trial = Trial.checked(
-            f"the running states at {lines} kept in fp64 together, the rest in {candidate}",
-            metric="end-to-end relative error against fp64",
-            before=error,
-            after=joint,
-            on=on,
+            changed, metric="end-to-end relative error against fp64", before=error, after=joint, on=on
         )
     elif state is not None:
         module = f"`{state['module']}`" if state["module"] else "the model"
