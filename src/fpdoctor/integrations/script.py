@@ -91,8 +91,9 @@ _DEVICE_TYPES = ("cpu", "cuda")
 
 
 _CLEARS = "checking where zero_grad() runs"  # grad_clears.py
-# a weight decay that alone shrinks the weights by this share a step (100x a usual lr 1e-3 x weight_decay 0.1)
-DECAY_PER_STEP = 0.1  # at the group's highest lr: 10% of the weights a step, a half-life of 7 steps
+# a decoupled weight decay that alone takes this share of the weights a step at the group's highest lr (1000x
+# a usual lr 1e-3 x weight_decay 0.1): a half-life of 7 steps
+DECAY_PER_STEP = 0.1
 DECAY_LARGE = 10.0  # a decoupled weight_decay this large holds AdamW's weights near 1 / weight_decay at any lr
 _ORDER = "checking the GradScaler's order"  # what the observer was doing, where it fails (scaler_order.py)
 
