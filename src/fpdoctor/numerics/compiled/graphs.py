@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import gc
 import itertools
 import re
 import sys
@@ -228,6 +229,8 @@ def watching() -> Callable[[], None]:
             _holders[0] -= 1
             if not _holders[0]:
                 _pending.clear()
+                if _open:  # a check whose owner is gone, held only by a reference cycle not yet collected
+                    gc.collect()
                 if not _open:
                     _uninstall()
 
