@@ -154,3 +154,12 @@ def test_a_kl_plan_never_verifies_a_run_that_flips_decisions_compare_calls_chang
         exact = _exact(model, x)
         agree = float((kept(x.half()).double().argmax(-1) == exact.argmax(-1)).double().mean())
     assert agree >= 0.99, agree
+
+
+def test_a_kl_target_at_its_least_says_so_not_256x_a_floor_it_is_not():
+    """fp8's GEMMs return fp32 logits: their KL floor is ~1e-14, and the target printed as '256x the KL of
+    the exact output rounded' read 1e-6, a bound no multiple of that floor gives."""
+    model, x = _classifier()
+    result = fpdoctor.plan(model, x, candidate="fp8-e4m3", metric="kl")
+    target = dict(result.report.data["summary"])["target"]
+    assert target.startswith("KL <= 1e-06 nats: the least KL a plan chases"), target

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from fpdoctor import catalog
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.names import PRECISIONS
-from fpdoctor.precision.plan.metric import Measured, Metric, metric
+from fpdoctor.precision.plan.metric import KL_MIN, Measured, Metric, metric
 from fpdoctor.precision.plan.op_fixes import OpFix
 from fpdoctor.precision.profile import METRIC, CompareResult, ModuleRow, known
 from fpdoctor.report.model import Finding, Report, Severity, Trial
@@ -257,6 +257,9 @@ def _target(the_plan: Plan) -> float:
 def _target_text(the_plan: Plan, search: Search) -> str:
     m = search.metric
     what = "the tolerance asked for" if search.tolerance_asked is not None else _FLOOR_TEXT[m.name]
+    if m.name == "kl" and search.tolerance_asked is None and the_plan.tolerance <= KL_MIN:
+        # 256x a floor of ~1e-14 (fp32 logits from an fp8 candidate) is no target: the least one chased is said
+        what = f"the least KL a plan chases ({KL_MIN:g} nats: 256x the KL of the exact output rounded is below it)"
     if search.tolerance_asked is None and search.coarse_output:  # top1 only (plan.py _Set.coarse_output)
         what = (
             f"rounding the exact output to {the_plan.candidate} alone changes the decisions (output-too-coarse), so "
