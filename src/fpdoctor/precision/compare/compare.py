@@ -1260,7 +1260,10 @@ class _Comparison:
         if cause is None and together is None and tryable and joint is not None:
             # each step's update reads values the candidate makes again every step (a decay exp(dt * A) near
             # 1 that rounds to 1 in bf16): the states with the lines that make what their updates read
-            together = self._with_their_feeds(tryable, sites, falls, truth)
+            try:
+                together = self._with_their_feeds(tryable, sites, falls, truth)
+            except Exception as exc:  # the search is ours; the finding stands without it
+                self.notes["lines the states read"] = f"not searched: {type(exc).__name__}: {exc}"
         return {
             "together": together,
             "joint_rel": joint if len(tryable) > 1 else None,  # every tried state kept in fp64 together
@@ -1784,20 +1787,24 @@ class _Comparison:
         if line is None or self.given or _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is not None:
             return [], None
         root = next(e for (name, _), e in self.seen.items() if name == "")
-        fed, _, _ = upstream.feeding_lines(
-            self.cand_run, self.run_inputs, self.cand_dtype, op=op, line=location, module=module, rng=self.rng,
-            device=self.cand_device, noise=self.noise,
-        )  # fmt: skip
         lines: list[tuple[str, int]] = []
         error: float | None = None
-        for more in range(nonfinite.LINES_AFTER + 1):
-            lines = sorted({*fed, line, *((line[0], line[1] + k) for k in range(1, more + 1))})
-            error = upstream.raised_error(
-                self.cand_run, self.run_inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,
-                rng=self.rng, device=self.cand_device, noise=self.noise, inputs_as_given=True,
+        try:  # the check is ours: where it fails, the finding stands with the fix untried
+            fed, _, _ = upstream.feeding_lines(
+                self.cand_run, self.run_inputs, self.cand_dtype, op=op, line=location, module=module, rng=self.rng,
+                device=self.cand_device, noise=self.noise,
             )  # fmt: skip
-            if error is not None and math.isfinite(error):
-                break
+            for more in range(nonfinite.LINES_AFTER + 1):
+                lines = sorted({*fed, line, *((line[0], line[1] + k) for k in range(1, more + 1))})
+                error = upstream.raised_error(
+                    self.cand_run, self.run_inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,
+                    rng=self.rng, device=self.cand_device, noise=self.noise, inputs_as_given=True,
+                )  # fmt: skip
+                if error is not None and math.isfinite(error):
+                    break
+        except Exception as exc:
+            self.notes["the computation before the cast"] = f"not checked: {type(exc).__name__}: {exc}"
+            return [], None
         return lines, error
 
     def _module_checked(self, row: ModuleRow, error: float) -> dict[str, Any] | None:
