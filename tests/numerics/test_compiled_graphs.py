@@ -315,3 +315,30 @@ def test_a_captured_call_keeps_its_inputs_as_they_were_before_the_graph_wrote_in
         assert torch.equal(captured.inputs[0], torch.ones(4))
     finally:
         check.close()
+
+
+def test_dynamos_class_is_put_back_when_a_stale_check_is_held_only_by_a_reference_cycle() -> None:
+    """A check whose owner was dropped without closing it (a sentinel left open by code that ended) stays in
+    the open set while a reference cycle holds it and the collector has not run: the last check to close
+    put nothing back, and a later program's compile ran through fpdoctor's wrapper."""
+    import gc
+
+    from torch._dynamo.output_graph import OutputGraph
+
+    class Owner:
+        def __init__(self) -> None:
+            self.me = self  # a cycle: freed only by the collector
+            self.check = GraphCheck()
+
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        Owner()  # opened, never closed, unreachable but not freed
+        live = GraphCheck()
+        assert "fpdoctor" in OutputGraph.call_user_compiler.__module__
+        live.close()
+        assert "fpdoctor" not in OutputGraph.call_user_compiler.__module__
+    finally:
+        if enabled:
+            gc.enable()

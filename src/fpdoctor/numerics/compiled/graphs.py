@@ -183,6 +183,8 @@ class GraphCheck:
     def close(self) -> None:
         with _lock:
             _open.discard(self)
+            if _open and not _holders[0]:  # a check whose owner is gone, held only by a reference cycle
+                gc.collect()
             if not _open and not _holders[0]:
                 _uninstall()
 
