@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,10 @@ def _steps(model: nn.Module, traced: bool) -> Any:
     return t
 
 
-def test_a_healthy_compiled_model_runs_compiled_with_the_ops_around_it_traced() -> None:
+def test_a_healthy_compiled_model_runs_compiled_with_the_ops_around_it_traced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a reproducer's folder would be made
     with counted() as plain:
         _steps(Net(), traced=False)
     with counted() as seen:
@@ -71,9 +75,13 @@ def test_a_healthy_compiled_model_runs_compiled_with_the_ops_around_it_traced() 
     # (Linear's addmm, in forward or backward) ran compiled, unseen by the tracer
     assert {"aten.sub.Tensor", "aten.pow.Tensor_Scalar", "aten.mean.default"} <= ops
     assert not {"aten.addmm.default", "aten.mm.default", "aten.tanh.default"} & ops
+    assert list(tmp_path.iterdir()) == []  # no reproducer to write: no folder made for one
 
 
-def test_a_nan_the_eager_ops_make_too_names_the_op_and_the_user_line() -> None:
+def test_a_nan_the_eager_ops_make_too_names_the_op_and_the_user_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with counted():
         t = _steps(Net(log=True), traced=True)
     first = t.report.findings[0]
@@ -86,6 +94,7 @@ def test_a_nan_the_eager_ops_make_too_names_the_op_and_the_user_line() -> None:
     made = [leaf for leaf in t.tracer.leaves if leaf.origin == "compiled"]
     assert made and made[0].name == "an output of compiled graph 0/0" and made[0].kind == "nan"
     assert not [f for f in t.report.findings if f.name == "nonfinite-input"]
+    assert list(tmp_path.iterdir()) == []  # the eager op is the finding: no reproducer, no folder
 
 
 SCRIPT = textwrap.dedent("""

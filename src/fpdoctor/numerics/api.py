@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -229,15 +230,15 @@ class Trace:
         at = self._steps.step_of(position, "optimizer")
         return at[0] if at is not None else None
 
-    def _graph_repro_dir(self) -> str:
-        """Where the reproducer of a compiled-only graph goes: `repro=DIR`, else a new private
-        temporary folder (a guessable name in the shared temp folder could be made first by
-        someone else, and the reproducer is run from it)."""
+    def _graph_repro_dir(self) -> str | Callable[[], str]:
+        """Where the reproducer of a compiled-only graph goes: `repro=DIR`, else a maker of a new
+        private temporary folder (a guessable name in the shared temp folder could be made first by
+        someone else, and the reproducer is run from it), called only when there is one to write."""
         if self.repro is not None:
             return str(self.repro)
         import tempfile
 
-        return tempfile.mkdtemp(prefix=f"fpdoctor-graph-{os.getpid()}-trace-")
+        return lambda: tempfile.mkdtemp(prefix=f"fpdoctor-graph-{os.getpid()}-trace-")
 
     def _raise_at_producer(self, tracer: Any, record: Any) -> None:
         """Called for every non-finite record: classify this one alone (cheap: most are values

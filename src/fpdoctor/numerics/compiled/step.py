@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -143,10 +144,12 @@ def compiled_only_finding(
     return replace(finding, message=finding.message + graph_sentence(graph), evidence={**finding.evidence, **graph})
 
 
-def graph_evidence(captured: Any, repro_dir: str | None) -> dict[str, Any]:
+def graph_evidence(captured: Any, repro_dir: str | Callable[[], str] | None) -> dict[str, Any]:
     """The first graph whose finite inputs gave NaN/Inf in the compiled re-run (`graphs.Captured`),
     run eagerly node by node, then recompiled alone, with emulate_precision_casts and bisected
-    (numerics/compiled/rerun.py), and written as a reproducer into `repro_dir` (run once)."""
+    (numerics/compiled/rerun.py), and written as a reproducer into `repro_dir` (run once). A
+    callable `repro_dir` makes a new folder only when there is a reproducer to write, and the folder
+    is removed again when none could be written: a run never leaves an empty folder behind."""
     from fpdoctor.numerics.compiled import repro as graph_repro
     from fpdoctor.numerics.compiled import rerun as graph_rerun
 
@@ -164,11 +167,15 @@ def graph_evidence(captured: Any, repro_dir: str | None) -> dict[str, Any]:
     settled = graph_rerun.settle(captured)
     out["graph_compiled"] = settled
     if settled.get("recompiled") == "non-finite" and repro_dir is not None:
+        made = repro_dir() if callable(repro_dir) else None
         try:
             sides = settled.get("sides") or (settled.get("bisect") or {}).get("sides")
-            out["reproducer"] = graph_repro.write_and_run(repro_dir, captured, sides)
+            out["reproducer"] = graph_repro.write_and_run(made or str(repro_dir), captured, sides)
         except Exception as exc:
             out["reproducer"] = {"scripted": False, "why": f"{type(exc).__name__}: {exc}"[:300]}
+        if made is not None and not out["reproducer"].get("scripted", True):
+            with contextlib.suppress(OSError):  # only an empty folder: whatever was written stays
+                os.rmdir(made)
     return out
 
 

@@ -139,7 +139,7 @@ class CompiledUnderTrace:
             with contextlib.suppress(Exception), DisableTorchDispatch():  # the observer never kills the job
                 self.tracer.made_by_compiled([g for g in grad_inputs if isinstance(g, torch.Tensor)], graph)
 
-    def findings(self, found: list[Finding], repro_dir: str | None) -> list[Finding]:
+    def findings(self, found: list[Finding], repro_dir: str | Callable[[], str] | None) -> list[Finding]:
         """`found` with the first bad graph's finding in place of the tracer's findings of its
         outputs (NaN/Inf that came into eager ops from the graph)."""
         if not self.captured:

@@ -673,15 +673,16 @@ class StepJudge:
                 self.error("re-running the compiled graph", exc, step=f.step)
         return compiled.compiled_only_finding(f.step, kind, eager_loss, loss, self.here, graph=graph)
 
-    def _repro_dir(self, step: int) -> str:
+    def _repro_dir(self, step: int) -> str | Callable[[], str]:
+        """The folder given, else a maker of a new private temporary one (a guessable name could be
+        made first by someone else, and the reproducer is run from it), called only when there is a
+        reproducer to write."""
         if self.repro_dir is not None:
             return self.repro_dir
         import os
         import tempfile
 
-        # a new private folder: a guessable name could be made first by someone else, and the
-        # reproducer is run from it
-        return tempfile.mkdtemp(prefix=f"fpdoctor-graph-{os.getpid()}-step{step}-")
+        return lambda: tempfile.mkdtemp(prefix=f"fpdoctor-graph-{os.getpid()}-step{step}-")
 
     def _collapse(self, f: StepFacts, next_scale: float) -> None:
         collapse = findings.collapse_finding(
