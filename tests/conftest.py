@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 # the fix contract (SPEC 3.2), held on every test of the suite: tests/fix_contract.py
+from tests import zygote
 from tests.fix_contract import PRINTED as _PRINTED
 from tests.fix_contract import _every_printed_fix_says_if_tried, _reports_recorded  # noqa: F401
 
@@ -59,6 +60,10 @@ def run_fpdoctor(*args: str, env: dict[str, str] | None = None, timeout: float =
     """Run `python -m fpdoctor ARGS` in a fresh interpreter (end to end); a JSON report it prints
     is held to the fix contract like the reports made in-process (`_every_printed_fix_says_if_tried`)."""
     full_env = {**os.environ, **(env or {})}
+    if zygote.served(list(args), full_env):  # a fork of an interpreter that has imported torch: tests/zygote.py
+        code, out, err = zygote.run(list(args), full_env, timeout)
+        _PRINTED.append(out)
+        return Result(code, out, err)
     proc = subprocess.run(
         [sys.executable, "-m", "fpdoctor", *args],
         capture_output=True,

@@ -1,0 +1,144 @@
+"""A fork server for the suite's end-to-end runs: `python -m fpdoctor ...` started as a fork of an
+interpreter that has already imported torch, instead of a new interpreter that imports it again.
+
+Why: hundreds of tests run the CLI end to end, and importing torch is most of what a short run
+costs (about 1 s of 1.7 s for a trace of a small script, several seconds on a loaded machine).
+The commands served here (`SERVED`) import torch themselves before they run any user code, so a
+child forked after that import starts where a new interpreter would be a second later; argv, the
+working folder, sys.path[0], the environment and the standard streams are the run's own, and the
+child exits through the interpreter's normal shutdown (atexit handlers, flushed streams).
+
+A run is served by a new interpreter instead when its environment differs from the server's
+(variables read at import time would be stale), when its command is not in `SERVED` (`run`, `env`
+and `health` are fast or watch their own imports), or when FPDOCTOR_TESTS_FRESH=1 is set, which
+runs the whole suite the slow way to show the fork changes nothing.
+
+One server per pytest process (an xdist worker runs its tests one at a time), started on first use
+and stopped at exit. It forks from a single thread and never runs a parallel op itself, so the
+child's OpenMP pool is started by the child."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+SERVED = frozenset({"trace", "watch", "compare", "plan", "audit", "demo"})
+# set per test by pytest (and by xdist per worker): never read by the code under test at import
+_VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
+
+_SERVER = r"""
+import io, json, os, runpy, sys
+import torch  # noqa: F401  the import every served command makes first
+
+requests, replies = sys.stdin.buffer, sys.stdout.buffer
+for line in requests:
+    job = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        requests.close(); replies.close()
+        os.chdir(job["cwd"])
+        os.environ.clear(); os.environ.update(job["env"])
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0); os.close(null)
+        for fd, path in ((1, job["out"]), (2, job["err"])):
+            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(f, fd); os.close(f)
+        sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+        sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=False)
+        sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+            io.FileIO(2, "w", closefd=False), errors="backslashreplace", line_buffering=True
+        )
+        sys.argv = ["-m", *job["argv"]]
+        sys.path[0] = os.getcwd()  # as `python -m` puts it
+        del requests, replies, job, line, pid, f, fd, path, null
+        runpy.run_module("fpdoctor", run_name="__main__", alter_sys=True)
+        sys.exit(0)  # a __main__ that returns: exit 0, as the interpreter does
+    replies.write(b"%d\n" % pid); replies.flush()
+    _, status = os.waitpid(pid, 0)
+    replies.write(b"%d\n" % os.waitstatus_to_exitcode(status)); replies.flush()
+"""
+
+
+def _env_key(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in _VOLATILE}
+
+
+class _Server:
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = _env_key(env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SERVER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        atexit.register(self.close)
+
+    def run(self, argv: list[str], env: dict[str, str], out: str, err: str, timeout: float) -> int:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        job = {"argv": argv, "cwd": os.getcwd(), "env": env, "out": out, "err": err}
+        self.proc.stdin.write(json.dumps(job).encode() + b"\n")
+        self.proc.stdin.flush()
+        pid = int(self.proc.stdout.readline())
+        timer = _Timer(pid, timeout)
+        try:
+            code = self.proc.stdout.readline()
+        finally:
+            timer.cancel()
+        if timer.fired:
+            raise subprocess.TimeoutExpired(["fpdoctor", *argv], timeout)
+        return int(code)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # type: ignore[union-attr]
+            self.proc.wait(timeout=30)
+
+
+class _Timer:
+    """Kill the child (not the server) when a run goes past its timeout, as subprocess.run does."""
+
+    def __init__(self, pid: int, timeout: float) -> None:
+        import threading
+
+        self.fired = False
+        self._timer = threading.Timer(timeout, self._kill, (pid,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _kill(self, pid: int) -> None:
+        self.fired = True
+        with contextlib.suppress(ProcessLookupError):  # it ended as the timer fired
+            os.kill(pid, signal.SIGKILL)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+_servers: dict[str, _Server] = {}  # the one server of this pytest process, under "server"
+
+
+def served(argv: list[str], env: dict[str, str]) -> bool:
+    """Whether `python -m fpdoctor ARGV` with ENV can run as a fork of the server."""
+    if os.environ.get("FPDOCTOR_TESTS_FRESH") == "1" or not argv or argv[0] not in SERVED:
+        return False
+    server = _servers.get("server")
+    return server is None or server.env == _env_key(env)
+
+
+def run(argv: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
+    """`python -m fpdoctor ARGV` forked from the server: (exit code, stdout, stderr)."""
+    server = _servers.get("server")
+    if server is None or server.proc.poll() is not None:
+        server = _servers["server"] = _Server(env)
+    with tempfile.TemporaryDirectory(prefix="fpdoctor-tests-") as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        code = server.run(argv, env, out, err, timeout)
+        with open(out, encoding="utf-8", errors="replace") as o, open(err, encoding="utf-8", errors="replace") as e:
+            return code, o.read(), e.read()
