@@ -756,4 +756,19 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         "the loss stays high, nothing is NaN, and the update check agrees with the optimizer it copies.",
         fix="Lower weight_decay: AdamW multiplies it by the learning rate, so 0.01 to 0.1 is usual.",
     ),
+    RuleInfo(
+        code="TRN025",
+        name="parameters-outside-optimizer",
+        severity=E,
+        title="The forward trains parameters no optimizer holds, and the optimizer holds tensors no forward uses",
+        what="`fpdoctor watch` reads each optimizer at its first step: the tensors it holds that no training "
+        "forward used (and that got no gradient), and the parameters of the model that got a gradient and are "
+        "held by no optimizer that stepped in the run. Both together are the finding, with the line that "
+        "replaced the module where the script has one.",
+        why="An optimizer holds the tensors it was given when it was built: `model.head = nn.Linear(...)` after "
+        "`AdamW(model.parameters())` leaves it stepping the old head, which is no longer in the model, while the "
+        "new head gets a gradient every step and never moves. The loss is finite and flat, nothing is NaN.",
+        fix="Build the optimizer after the model is final (after the line that replaces the module), or add the "
+        "new parameters: optimizer.add_param_group({'params': model.head.parameters()}).",
+    ),
 )

@@ -61,7 +61,7 @@ from fpdoctor.integrations._outputs import KeptGradients, backward_from
 from fpdoctor.integrations._toplevel import TopLevelCalls
 from fpdoctor.integrations._traced_step import TracedStep
 from fpdoctor.numerics.compiled import graphs
-from fpdoctor.numerics.observe import amp, dynamo, lr_schedule
+from fpdoctor.numerics.observe import amp, dynamo, lr_schedule, unheld
 from fpdoctor.numerics.observe.batches import MicroBatch, OutputsOnly
 from fpdoctor.numerics.observe.grad_clears import Cleared, GradClears, zero_grad_owners
 from fpdoctor.numerics.observe.gradcheck import (
@@ -78,7 +78,7 @@ from fpdoctor.numerics.observe.loader import LoaderBatches
 from fpdoctor.numerics.observe.scaler_order import Mixed, ScalerOrder
 from fpdoctor.numerics.trace.scaled_grads import ScaledGrads
 from fpdoctor.numerics.training import between, distributed, reference
-from fpdoctor.numerics.training.findings import decay_finding, frozen_group_finding
+from fpdoctor.numerics.training.findings import decay_finding, frozen_group_finding, unheld_finding
 from fpdoctor.numerics.training.judge import StepFacts, StepJudge, StepOutcome
 from fpdoctor.numerics.training.live import Live, StopRun, in_progress
 from fpdoctor.numerics.updates.measure import UpdateProbe, UpdateStats
@@ -358,6 +358,8 @@ class ScriptWatch:
         self.unwatched: dict[str, str] = {}  # what could not be watched, and why
         self.errors: list[Finding] = []
         self._optimizers: list[Any] = []  # held while watched, so their ids stay theirs
+        # each optimizer's first step, read by numerics/observe/unheld.py (the optimizer held: its id stays its own)
+        self._unheld: dict[int, tuple[Any, unheld.Unheld | None]] = {}
         self._calls: list[_Call] = []
         self._losses: list[torch.Tensor] = []
         self._trainable: dict[int, bool] = {}
@@ -674,11 +676,35 @@ class ScriptWatch:
             self._error(doing, exc)
 
     # -- the step --------------------------------------------------------------------------------
+    def _read_unheld(self, optimizer: Any, params: list[torch.Tensor]) -> None:
+        """At an optimizer's first step: whether it holds tensors no forward used while the forward trains
+        parameters it lacks; the parameters it holds are not missing from the optimizers read before."""
+        for _, found in self._unheld.values():
+            if found is not None:
+                unheld.held_by(found, params)
+        found = unheld.read(optimizer, params, [c.module for c in self._calls])
+        if found is not None:
+            found.files = [path for path, _, _ in user_frames(sys._getframe())]
+            found.called = unheld.name_in(sys._getframe(), optimizer) or found.called
+        self._unheld[id(optimizer)] = (optimizer, found)
+
+    def _unheld_findings(self, here: dict[str, Any]) -> list[Finding]:
+        """TRN025 for each optimizer whose first step found parameters outside every optimizer that stepped."""
+        out = []
+        for _, found in self._unheld.values():
+            if found is not None and found.missing:
+                names = list(found.missing)
+                line = unheld.assignment(unheld.owner(names), found.files)
+                out.append(unheld_finding(found, line, here=here))
+        return out
+
     def _run_of(self, optimizer: Any) -> _Run | None:
         run = self.runs.get(id(optimizer))
         if run is not None:
             return run
         params = _trainable(optimizer)
+        if id(optimizer) not in self._unheld:
+            self._guarded(lambda: self._read_unheld(optimizer, params), "reading which parameters the optimizer holds")
         if params and any(p is q for w in list(framework.ACTIVE) for q in w._params for p in params[:1]):
             return None  # a framework callback judges this optimizer's steps: one judge per step
         owned = {id(p) for p in params}
@@ -1117,6 +1143,7 @@ class ScriptWatch:
             report.findings.extend(callback.findings)
             counts = {"steps": callback.steps, "skipped_steps": callback.skipped}
             report.data.setdefault("callbacks", []).append(counts)
+        report.findings.extend(self._unheld_findings(runs[0].judge.here if runs else {}))
         if not runs and not report.findings and self._never_stepped():
             report.findings.append(_never_stepped(self._forwards))
         if self.unwatched:

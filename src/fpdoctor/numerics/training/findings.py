@@ -16,6 +16,7 @@ from fpdoctor import catalog
 from fpdoctor.numerics.observe.amp import ScaleWatch
 from fpdoctor.numerics.observe.grad_clears import Cleared
 from fpdoctor.numerics.observe.lr_schedule import Schedule
+from fpdoctor.numerics.observe.unheld import Unheld, owner
 from fpdoctor.numerics.training import distributed, transient
 from fpdoctor.numerics.training.control import ControlResult
 from fpdoctor.numerics.training.lr_whatif import LrTrial
@@ -788,6 +789,43 @@ def _zero_lr_fix(schedules: dict[int, Schedule]) -> str:
         f"the {schedule.kind}'s factor for group {k} is 0{at}, though the group was built with lr="
         f"{schedule.initial:g}: make it return the factor meant (it returns 0 at every step so far: an integer "
         "division, `1 // 10` or `(step + 1) // warmup`, is 0 where `/` is not)" + frozen
+    )
+
+
+def unheld_finding(found: Unheld, line: tuple[str, int, str] | None, *, here: dict[str, Any]) -> Finding:
+    """TRN025: the model's parameters that got gradients and no optimizer holds, beside the tensors
+    the optimizer holds that no forward used (`numerics/observe/unheld.py`)."""
+    optimizer, orphans, missing = found.optimizer, found.orphans, list(found.missing)
+    module = owner(missing) or "a module"
+    shown = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
+    shapes = ", ".join(str(tuple(s)) for s in orphans[:4]) + (", ..." if len(orphans) > 4 else "")
+    where_made = f" (line {line[1]} of {line[0]}: `{line[2]}`)" if line else ""
+    # the script's own name for the new module, from the line that assigns it: `model.head`
+    target = line[2].split("=")[0].strip() if line and "setattr" not in line[2] else None
+    return catalog.make(
+        "parameters-outside-optimizer",
+        message=(
+            f"{len(missing)} parameter(s) of the model got a gradient and no optimizer that stepped holds them "
+            f"({shown}): they never move. {optimizer} holds {len(orphans)} tensor(s) that no training forward used "
+            f"and that got no gradient (shapes {shapes}): the optimizer was built before `{module}` was "
+            f"replaced{where_made}, and steps the tensors it was given."
+        ),
+        where={"module": owner(missing) or None, "op": None, "phase": "optimizer", **here},
+        evidence={"optimizer": optimizer, "missing": missing[:20], "orphans": [list(s) for s in orphans[:20]]},
+        fix=(
+            f"build the optimizer after the model is final: move its line after the one that replaces "
+            f"`{module}`{where_made}"
+            + (
+                f"; or add what it lacks after that line: "
+                f"{found.called}.add_param_group({{'params': {target}.parameters()}})"
+                if target
+                else ""
+            )
+        ),
+        trial=Trial.untried(
+            "read from the optimizer's tensors and the model's gradients at its first step: which tensors an "
+            "optimizer holds is the script's choice, which fpdoctor does not change in a running job"
+        ),
     )
 
 
