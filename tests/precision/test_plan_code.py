@@ -37,7 +37,7 @@ def kept_plan():
 def test_the_code_needs_only_torch_and_does_what_apply_plan_does(kept_plan):
     assert kept_plan.verified and kept_plan.keep_fp32 == ["attn"] and not kept_plan.fp32_ops
     code = kept_plan.to_code()
-    assert imports(code) == {"torch"} and "fpdoctor" not in code
+    assert imports(code) == {"copy", "torch"} and "fpdoctor" not in code  # the standard library and torch
     model, x = factories.ill_conditioned()
     namespace = {"model": model}
     exec(code, namespace)

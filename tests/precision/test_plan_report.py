@@ -121,6 +121,6 @@ def test_plan_cli_names_the_floor_and_the_unreachable_tolerance():
     result = run_fpdoctor("plan", "tests.precision.factories:ill_conditioned", "--candidate", "half", env=ENV)
     assert result.code == 0, result.err
     assert "input rounding floor" in result.out and "out of reach" in result.out
-    assert "keep_in_fp32(model.get_submodule('attn'), back_to=torch.float16)" in result.out
+    assert "keep_in_fp32(model, 'attn', fp32_modules['attn'], back_to=torch.float16)" in result.out
     code = result.out.split("The plan as code (plain torch; fpdoctor.apply_plan(model, plan) does the same):\n")[1]
-    assert "fpdoctor" not in code and code.startswith("\nimport torch\n")  # the code needs only torch
+    assert "fpdoctor" not in code and code.startswith("\nimport copy\n\nimport torch\n")  # only torch needed

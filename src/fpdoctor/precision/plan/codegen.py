@@ -29,8 +29,9 @@ def cast_floating(value, dtype):
 '''
 
 _KEEP = '''
-def keep_in_fp32(module, back_to):
-    """module computes in fp32; its outputs go back to back_to (None: they stay fp32)."""
+def keep_in_fp32(model, name, module, back_to):
+    """module (an fp32 copy of model's `name`) computes in its place in fp32; its outputs go back to
+    back_to (None: they stay fp32)."""
     module.float()
     module.register_forward_pre_hook(
         lambda m, args, kwargs: (cast_floating(args, torch.float32), cast_floating(kwargs, torch.float32)),
@@ -38,28 +39,26 @@ def keep_in_fp32(module, back_to):
     )
     if back_to is not None:
         module.register_forward_hook(lambda m, args, output: cast_floating(output, back_to))
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
 '''
-
-
-def _path(name: str) -> str:
-    return f"model.get_submodule({name!r})"
 
 
 def plan_code(candidate: str, keep: list[str], fp32_outputs: list[str]) -> str:
     """Pasteable code applying a keep-in-fp32 plan to `model` (fp16, bf16, fp16-accumulate)."""
     precision = PRECISIONS[candidate]
     dtype = f"torch.{precision.dtype}"
-    lines = ["import torch", ""]
+    lines = (["import copy", ""] if keep else []) + ["import torch", ""]
     if precision.accumulate:
         lines += [
             "# cuBLAS: no fp16 reductions in fp16 GEMMs; the modules kept below accumulate in fp32 with any kernel",
             "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False",
         ]
     lines += _CAST.splitlines() + (["", "", *_KEEP.splitlines()[1:]] if keep else []) + ["", ""]
-    if keep:  # the kept modules' fp32 weights, as the plan checked them: not rounded through the dtype
+    if keep:  # copies made before the cast, as the plan checked them: fp32 weights of their own, so that a
+        # weight tied to a module left in the dtype (an embedding's, under the output layer) stays with it
         names = ", ".join(repr(n) for n in keep)
-        lines += [f"fp32_weights = {{name: model.get_submodule(name).state_dict() for name in ({names},)}}"]
-        lines += ["fp32_weights = {name: {k: v.clone() for k, v in w.items()} for name, w in fp32_weights.items()}"]
+        lines += [f"fp32_modules = {{name: copy.deepcopy(model.get_submodule(name)) for name in ({names},)}}"]
     lines += [
         f"model.to({dtype})",
         f"# the model takes the inputs you have: floating ones are cast to {dtype} on the way in",
@@ -69,10 +68,11 @@ def plan_code(candidate: str, keep: list[str], fp32_outputs: list[str]) -> str:
     ]
     for name in keep:
         if name in fp32_outputs:
-            lines.append(f"keep_in_fp32({_path(name)}, back_to=None)  # its outputs stay fp32")
+            lines.append(
+                f"keep_in_fp32(model, {name!r}, fp32_modules[{name!r}], back_to=None)  # its outputs stay fp32"
+            )
         else:
-            lines.append(f"keep_in_fp32({_path(name)}, back_to={dtype})")
-        lines.append(f"{_path(name)}.load_state_dict(fp32_weights[{name!r}])")
+            lines.append(f"keep_in_fp32(model, {name!r}, fp32_modules[{name!r}], back_to={dtype})")
     return "\n".join(lines) + "\n"
 
 

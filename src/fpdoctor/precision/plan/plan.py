@@ -665,7 +665,8 @@ def _ranked(judged: list[_Set]) -> list[str]:
 
 def apply_plan(model: nn.Module, the_plan: Plan) -> nn.Module:
     """Put `model` in the plan's dtype, with its modules kept in fp32 behind boundary casts, and
-    its floating inputs cast to that dtype on the way in, so it takes the inputs you have (in place)."""
+    its floating inputs cast to that dtype on the way in, so it takes the inputs you have (in place;
+    each kept module is replaced by an fp32 copy of itself, as the plan checked it)."""
     if the_plan.candidate not in _APPLICABLE:
         raise ValueError(
             f"{the_plan.candidate} ran in fpdoctor's own fp8 layers; apply the plan in your fp8 recipe "
@@ -679,13 +680,15 @@ def apply_plan(model: nn.Module, the_plan: Plan) -> nn.Module:
         )
     dtype = compute_dtype(the_plan.candidate)
     inner = uncompiled(model)  # the plan names modules inside a torch.compile wrapper
-    # the kept modules keep their fp32 weights, as the plan checked them (not rounded through `dtype`)
-    weights = {n: {k: v.clone() for k, v in inner.get_submodule(n).state_dict().items()} for n in the_plan.keep_fp32}
+    # the kept modules as the plan checked them: copies made before the cast, with fp32 weights of their
+    # own (not rounded through `dtype`; a weight tied to a module left in `dtype` stays with that one)
+    kept = {n: copy_module(inner.get_submodule(n)) for n in the_plan.keep_fp32}
     inner.to(dtype)
     cast_inputs_to(inner, dtype)
     for name in the_plan.keep_fp32:
-        keep_in_fp32(inner.get_submodule(name), back_to=None if name in the_plan.fp32_outputs else dtype)
-        inner.get_submodule(name).load_state_dict(weights[name])
+        parent, _, child = name.rpartition(".")
+        holder = inner.get_submodule(parent) if parent else inner
+        setattr(holder, child, keep_in_fp32(kept[name], back_to=None if name in the_plan.fp32_outputs else dtype))
     if the_plan.fp32_ops:
         install(inner, the_plan.fp32_ops, dtype)
     return model
