@@ -144,16 +144,16 @@ class _Set:
     rounded: Measured | None = None  # the exact output rounded to the candidate's format
     reference_run: Measured | None = None  # the reference precision's run, where it is not fp64
     input_run: Measured | None = None  # the reference fed candidate-rounded inputs
+    features_run: Measured | None = None  # coarse output: the reference whose logits layer is fed rounded features
 
     def aim(self, m: Metric, tolerance: float | None) -> None:
         """The floor, tolerance and target in the plan's metric (see metric.py)."""
         rows = self.compared.rows
         if m.decisions and self.rounded is not None:
             out_floor = m.value(self.rounded)
-            if m.name == "top1" and self.coarse_output:  # the format is the limit: the target is for logits kept
-                # wider, over what rounding the inputs costs (16x a floor of 20% flips would let every row flip)
-                out_floor = m.value(self.input_run) if self.input_run is not None else 0.0
-                out_floor = out_floor if math.isfinite(out_floor) else 0.0
+            if self.coarse_output:  # the format is the limit: the target is for logits kept wider, over what
+                # rounding their features and the inputs costs (16x a floor of 20% flips would let every row flip)
+                out_floor = self.wider_floor(m)
         else:  # the output's noise floor: compare's figure for rounding it to the candidate
             out_floor = next((r.floor for r in reversed(rows) if r.module == ""), rows[-1].floor)
         if self.reference_run is not None:
@@ -165,20 +165,31 @@ class _Set:
         margin = FLOOR_MARGIN**m.power
         self.target = max(self.tolerance, margin * self.floor) if math.isfinite(self.floor) else self.tolerance
 
+    def wider_floor(self, m: Metric) -> float:
+        """Where the output's format is too coarse: the floor of logits kept wider, what rounding their
+        features (`features_run`) or the inputs (`input_run`) to the candidate costs, the larger."""
+        found = [m.value(r) for r in (self.features_run, self.input_run) if r is not None]
+        return max([v for v in found if math.isfinite(v)], default=0.0)
+
     @property
     def coarse_output(self) -> bool:
-        """Rounding the exact output to the candidate's format alone flips so many decisions that the
-        decisions rule's 16x of them would let half the rows flip: no target can be read from it."""
+        """Rounding the exact output to the candidate's format alone flips decisions: compare found the
+        format too coarse for them (output-too-coarse), or so many flip that the decisions rule's 16x of
+        them would let half the rows flip. No target can be read from that format's floor."""
         if self.logits is None or self.rounded is None or self.rounded.top1 is None:
             return False
+        if self.compared.report.by_name("output-too-coarse"):
+            return True
         return use.DECISION_RATIO * (1.0 - self.rounded.top1) >= 0.5
 
     def decided(self, run: Measured) -> bool:
-        """The run's top-1 is one compare would not call changed (use.Decisions.changed)."""
+        """The run's top-1 is one compare would not call changed (use.Decisions.changed); where the
+        output's format is the limit, judged over what rounding the inputs costs, as a top-1 plan is."""
         if self.logits is None or self.rounded is None:
             return False
         top1 = _metric("top1")
-        return top1.value(run) <= top1.target(top1.value(self.rounded), self.logits.shape[0])
+        floor = self.wider_floor(top1) if self.coarse_output else top1.value(self.rounded)
+        return top1.value(run) <= top1.target(floor, self.logits.shape[0])
 
 
 class _Values(list[float]):
@@ -540,7 +551,7 @@ def _plan(
         metric_asked=metric is not None,
         head=judged[0].logits_layer if m.decisions else None,
         the_plan_outputs=[k for k in keep if k in fp32_outputs] if m.decisions else [],
-        coarse_output=m.name == "top1" and any(s.coarse_output for s in judged),
+        coarse_output=m.decisions and any(s.coarse_output for s in judged),
         inputs_past_range=any(_past_range(s.inputs, candidate) for s in judged),
         decisions_back=m.decisions
         and verified
@@ -640,6 +651,21 @@ def _judge_set(
     if one.input_rounding > 0:
         # the reference model fed the inputs the candidate gets: what no keep-in-fp32 set can undo
         one.input_run = reference_on(rounded)
+    if one.coarse_output and one.logits_layer is not None:
+        # the format of the output is the limit, and a plan keeps the logits wider: the least it can reach with
+        # the rest in the candidate is the exact layer fed features rounded to that format (compare's floor,
+        # one layer down)
+        def round_features(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            return tuple(
+                a.to(cand_dtype).to(a.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                for a in args
+            )
+
+        handle = model.get_submodule(one.logits_layer).register_forward_pre_hook(round_features)
+        try:
+            one.features_run = reference_on(inputs)
+        finally:
+            handle.remove()
     return one
 
 

@@ -63,7 +63,7 @@ class Search:
     head: str | None = None  # the logits' layer
     the_plan_outputs: list[str] = field(default_factory=list)  # kept modules whose outputs stay fp32
     decisions_back: bool = False  # with the plan, compare would not call the decisions changed on any set
-    coarse_output: bool = False  # top1: rounding the exact output alone flips too many decisions for a target
+    coarse_output: bool = False  # top1, kl: rounding the exact output alone flips too many decisions for a target
     inputs_past_range: bool = False  # an input holds values past the candidate's largest finite value
 
 
@@ -169,16 +169,24 @@ def build(the_plan: Plan, search: Search) -> Report:
     summary.append(("target", _target_text(the_plan, search)))
     if search.what_if:
         summary.append((f"what-if, alone in fp32 (by {m.name})", _what_if_text(search)))
+    # where the plan returns the logits from its layer kept in fp32, the format is no longer the limit
+    wider = search.head is not None and search.head in search.the_plan_outputs
     coarse = next(
         (f for f in findings if f.name == "output-too-coarse" and not (f.trial is not None and f.trial.tried)), None
     )
+    coarse = None if wider else coarse
     # a target set from the format's own floor cannot see what the format loses, nor reach it from modules
-    too_coarse = (
-        f"; but the output's format itself is too coarse for it ({coarse.code}): no set of modules kept in fp32 "
-        "changes that, its fix does"
-        if coarse is not None
-        else ""
-    )
+    too_coarse = ""
+    if coarse is not None and search.head is not None:  # a layer makes the logits: keeping it wider is the fix
+        too_coarse = (
+            f"; the output's format itself flips some decisions ({coarse.code}): `{search.head}` kept in fp32, "
+            "returning fp32, is its fix" + (", which this target does not need" if the_plan.verified else "")
+        )
+    elif coarse is not None:
+        too_coarse = (
+            f"; but the output's format itself is too coarse for it ({coarse.code}): no set of modules kept in fp32 "
+            "changes that, its fix does"
+        )
     if whole:  # the floor is the inputs' rounding: no set of modules is the fix
         summary.append(("keep in fp32", f"no module set is the fix: {whole[0]}"))
         summary.append(("verified", f"the finding's fix instead ({whole[1]}), checked"))
@@ -260,11 +268,15 @@ def _target_text(the_plan: Plan, search: Search) -> str:
     if m.name == "kl" and search.tolerance_asked is None and the_plan.tolerance <= KL_MIN:
         # 256x a floor of ~1e-14 (fp32 logits from an fp8 candidate) is no target: the least one chased is said
         what = f"the least KL a plan chases ({KL_MIN:g} nats: 256x the KL of the exact output rounded is below it)"
-    if search.tolerance_asked is None and search.coarse_output:  # top1 only (plan.py _Set.coarse_output)
+    if search.tolerance_asked is None and search.coarse_output:  # plan.py _Set.coarse_output
         what = (
             f"rounding the exact output to {the_plan.candidate} alone changes the decisions (output-too-coarse), so "
-            "the target is for logits kept wider: 16x what rounding the inputs costs, or 1% of the rows where that "
-            "is more"
+            "the target is for logits kept wider: "
+            + (
+                "16x what rounding their features or the inputs to it costs, or 1% of the rows where that is more"
+                if m.name == "top1"
+                else "256x the KL that rounding their features or the inputs to it costs"
+            )
         )
     target = _target(the_plan)
     # a KL under a large floor (logits of a temperature near 0) can still flip decisions: a KL plan keeps both
