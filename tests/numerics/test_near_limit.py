@@ -71,7 +71,7 @@ def test_fp16_scores_at_62_percent_are_named_at_their_matmul(immediate):
     assert risk.evidence["target"] == "fp16" and not risk.evidence["what_if"]
     assert 0.60 < risk.evidence["share"] < 0.64 and risk.evidence["dtype"] == "torch.float16"
     assert risk.evidence["location"].startswith(f"{__file__}:{SCORES_LINE} in forward")
-    assert "62% of the fp16 max" in risk.message and "1.6x larger overflow fp16" in risk.message
+    assert "62% of the fp16 max" in risk.message and "1.61x larger overflow fp16" in risk.message
     assert risk.severity.value == "warning"
 
 
@@ -84,7 +84,7 @@ def test_fp32_scores_at_62_percent_are_an_fp16_what_if_with_exact_ranges():
     assert risk.evidence["what_if"] and risk.evidence["target"] == "fp16"
     assert risk.evidence["dtype"] == "torch.float32" and 0.61 < risk.evidence["share"] < 0.63
     assert abs(risk.evidence["absmax"] - 0.62 * FP16_MAX) < 0.01 * FP16_MAX
-    assert "in fp32" in risk.message and "in fp16, values 1.6x larger would overflow" in risk.message
+    assert "in fp32" in risk.message and "in fp16, values 1.61x larger would overflow" in risk.message
 
 
 def test_without_exact_ranges_fp32_ops_are_not_judged_against_fp16():

@@ -1150,10 +1150,20 @@ def _cast(step: Step) -> str | None:
     over = int((exact.abs() > top).sum())
     if over:  # past the format's largest value: the cast makes Inf, which is not rounding
         return f"{over} of {source.numel()} {ints} exceed {fmt}'s largest value ({top:g}; max |x| {_absmax(exact):.6g})"
-    return (
-        f"it rounds {changed} of {source.numel()} {ints} (max |x| {_absmax(exact):.6g}; {fmt} holds integers "
-        f"exactly only up to {largest})"
+    rounded = source.to(dtype).to(torch.float64)
+    if bool((exact == exact.round()).all()):  # whole numbers: the format's spacing passes 1 above `largest`
+        held = f"{fmt} holds integers exactly only up to {largest}"
+    else:
+        eps = torch.finfo(dtype).eps
+        held = f"{fmt} keeps {round(-math.log2(eps)) + 1} significant bits, a relative spacing of {eps:g}"
+    # what the rounding makes that the code after it may not expect: 1 - u, log(u) and 1 / x read these
+    to_one = int(((exact.abs() != 1) & (rounded.abs() == 1)).sum())
+    to_zero = int(((exact != 0) & (rounded == 0)).sum())
+    made = "".join(
+        (f"; {k} value(s) that are not {v} become exactly {v}" if k else "")
+        for k, v in ((to_one, "±1"), (to_zero, "0"))
     )
+    return f"it rounds {changed} of {source.numel()} {ints} (max |x| {_absmax(exact):.6g}; {held}){made}"
 
 
 def decide(

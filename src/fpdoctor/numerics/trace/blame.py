@@ -1038,8 +1038,10 @@ OP_ADVICE: dict[str, str] = {
     "(torch.sqrt(x.clamp_min(0) + torch.finfo(x.dtype).eps))",
     "rsqrt": "add an eps the format holds before rsqrt (torch.finfo(x.dtype).eps, not a literal it rounds to 0), and "
     "compute the sum of squares under it in fp32",
-    "exp": "subtract the max before exp (use softmax/logsumexp), or compute it in fp32",
-    "exp2": "subtract the max before exp2, or compute it in fp32",
+    "exp": "where the exp feeds a normalisation (a softmax, a log of a sum), subtract the max first (torch.softmax, "
+    "torch.logsumexp); where its value is used itself (a rate, a scale), bound its argument, or compute it in fp32",
+    "exp2": "where the exp2 feeds a normalisation, subtract the max first; where its value is used itself, bound its "
+    "argument, or compute it in fp32",
     "pow": "x ** p with p < 0 is Inf at x = 0 (a node of degree 0 in deg ** -0.5, an empty count): keep those "
     "out of it, torch.where(x > 0, x, 1) ** p with the result masked (or .masked_fill(x == 0, 0)), or make them "
     "non-zero where they are made (self-loops, a count of at least 1); a power that overflows wants a smaller base "

@@ -372,7 +372,8 @@ def _consequence(share: float, target: str, what_if: bool) -> str:
         return f"in {target} these values would overflow to Inf"
     if share >= 1:
         return f"they sit at the {target} max: any larger value overflows"
-    factor = f"{1 / share:.2g}x"
+    times = 1 / share  # 0.98 of the max: 1.02x, never "1x"
+    factor = f"{times:.3g}x" if times < 100 else f"{times:,.0f}x"
     return (
         f"in {target}, values {factor} larger would overflow"
         if what_if
