@@ -771,4 +771,19 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         fix="Build the optimizer after the model is final (after the line that replaces the module), or add the "
         "new parameters: optimizer.add_param_group({'params': model.head.parameters()}).",
     ),
+    RuleInfo(
+        code="TRN026",
+        name="scheduler-per-micro-batch",
+        severity=W,
+        title="The LR scheduler steps once per micro-batch, and its schedule ran out early",
+        what="`fpdoctor watch` counts, at the report, each scheduler's steps against its optimizer's: a whole "
+        "number of 2 or more per optimizer step, as many as the training forwards per step, where the schedule "
+        "is sized in optimizer steps (its declared length is under half the steps it took, or a LambdaLR's "
+        "factor is at its final value where one step per optimizer step would not be).",
+        why="With gradient accumulation, `scheduler.step()` inside the micro-batch loop runs the schedule k times "
+        "too fast: a warmup ends k times early and the decay reaches its floor after 1/k of the run, where the "
+        "rate stays. Every update is smaller than planned; nothing is NaN and the loss falls, slower.",
+        fix="Call scheduler.step() once per optimizer step, next to optimizer.step(), out of the micro-batch "
+        "loop; or size the schedule in micro-batches.",
+    ),
 )

@@ -78,7 +78,12 @@ from fpdoctor.numerics.observe.loader import LoaderBatches
 from fpdoctor.numerics.observe.scaler_order import Mixed, ScalerOrder
 from fpdoctor.numerics.trace.scaled_grads import ScaledGrads
 from fpdoctor.numerics.training import between, distributed, reference
-from fpdoctor.numerics.training.findings import decay_finding, frozen_group_finding, unheld_finding
+from fpdoctor.numerics.training.findings import (
+    decay_finding,
+    frozen_group_finding,
+    outrun_finding,
+    unheld_finding,
+)
 from fpdoctor.numerics.training.judge import StepFacts, StepJudge, StepOutcome
 from fpdoctor.numerics.training.live import Live, StopRun, in_progress
 from fpdoctor.numerics.updates.measure import UpdateProbe, UpdateStats
@@ -151,6 +156,7 @@ class _Run:
     zero_lr: list[int] = field(default_factory=list)
     # param groups with a decoupled weight decay of 1 or more: group -> (its highest lr so far, weight_decay)
     decay: dict[int, tuple[float, float]] = field(default_factory=dict)
+    schedulers: list[Any] = field(default_factory=list)  # its LR schedulers, found at its OUTRUN_MIN-th step
 
 
 # per device: the scale slot of the flags of a step without a scaler (copied by the stack, never written)
@@ -259,6 +265,12 @@ def _frozen_by_lr(run: _Run) -> list[Finding]:
     ]
     schedules = {k: found for k in still if (found := lr_schedule.zeroing(run.optimizer, k)) is not None}
     return [frozen_group_finding(groups, run.judge.steps, schedules, here=run.judge.here)]
+
+
+def _outrun(run: _Run, forwards: int) -> list[Finding]:
+    """TRN026 where `run`'s scheduler was stepped once per micro-batch and its schedule ran out."""
+    found = lr_schedule.outrun(run.optimizer, run.schedulers, run.judge.steps, forwards)
+    return [outrun_finding(found, here=run.judge.here)] if found is not None else []
 
 
 def _groups(optimizer: Any) -> tuple[tuple[int, int], ...]:
@@ -775,6 +787,9 @@ class ScriptWatch:
         if groups != run.groups:  # add_param_group, or a group's list replaced: the list is made again
             run.params, run.groups = _trainable(optimizer), groups
         judge = run.judge
+        if judge.steps == lr_schedule.OUTRUN_MIN:  # once: held for the report, which may come after the script's
+            # namespace (and a scheduler only it held) is gone
+            run.schedulers = lr_schedule.schedulers(optimizer)
         judge.finish_update()  # what the weights kept of a reference step's update, before they change again
         mine = [c for c in current if c.kept.filled_at == now and any(c.module is m for m in run.modules)]
         self._calls = [c for c in current if not any(c is m for m in mine)]
@@ -1112,11 +1127,13 @@ class ScriptWatch:
         else:
             first = runs[0].judge
             report = first.report(scaled=first.amp.scale is not None)
-            report.findings.extend([*_frozen_by_lr(runs[0]), *_pinned_by_decay(runs[0])])
+            # the training forwards per step are the first optimizer's where it is the only one
+            forwards = self._forwards if len(runs) == 1 else 0
+            report.findings.extend([*_frozen_by_lr(runs[0]), *_pinned_by_decay(runs[0]), *_outrun(runs[0], forwards)])
             for run in runs[1:]:  # a second optimizer (a GAN's): its findings and counts beside
                 other = run.judge.report(scaled=run.judge.amp.scale is not None)
                 report.findings.extend(other.findings)
-                report.findings.extend([*_frozen_by_lr(run), *_pinned_by_decay(run)])
+                report.findings.extend([*_frozen_by_lr(run), *_pinned_by_decay(run), *_outrun(run, 0)])
                 counts = {k: other.data[k] for k in ("steps", "skipped_steps", "nonfinite_steps", "verdicts")}
                 report.data.setdefault("optimizers", []).append(counts)
                 # the summary's counts are the first optimizer's: each other one's beside them, so that

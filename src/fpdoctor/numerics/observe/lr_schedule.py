@@ -97,6 +97,92 @@ def zeroing(optimizer: Any, group: int) -> Schedule | None:
         return None
 
 
+# a scheduler stepped this many times per optimizer step, within OUTRUN_SLACK of a whole number, was
+# stepped once per micro-batch; judged only from OUTRUN_MIN optimizer steps on
+OUTRUN_MIN = 10
+OUTRUN_SLACK = 0.15
+OUTRUN_GRID = 20_000  # a LambdaLR's function is read at most this many times
+# the schedule's own length, where it declares one: one of these attributes
+_LENGTH = ("total_steps", "T_max", "total_iters")
+
+
+@dataclass(frozen=True)
+class Outrun:
+    """A scheduler stepped once per micro-batch whose schedule was sized in optimizer steps: it ran
+    out after a fraction of the run."""
+
+    kind: str  # its class
+    stepped: int  # its steps (last_epoch)
+    steps: int  # the optimizer's steps
+    per_step: int  # its steps per optimizer step
+    end: int  # the scheduler step where the schedule ends: its declared length, or where its factor settles
+    declared: bool  # `end` is the schedule's declared length (else read from a LambdaLR's function)
+    lr_now: float  # the group 0 rate at the last step
+    where: tuple[str, int, str] | None  # a LambdaLR's function line
+
+    @property
+    def ended_at(self) -> int:
+        """The optimizer step at which the schedule ended."""
+        return -(-self.end // self.per_step)
+
+
+def outrun(optimizer: Any, schedulers: list[Any], steps: int, forwards: int) -> Outrun | None:
+    """Of `schedulers` (those driving `optimizer`), the one stepped a whole number (2 or more) of times per
+    optimizer step, as many as the script's training forwards per step (`forwards`, 0: not known), whose
+    schedule is sized like the run in optimizer steps (it ends at half the run's optimizer steps or later)
+    and so ran out in the first half of it. None otherwise; never raises."""
+    try:
+        return _outrun(optimizer, schedulers, steps, forwards)
+    except Exception:
+        return None
+
+
+def _outrun(optimizer: Any, schedulers: list[Any], steps: int, forwards: int) -> Outrun | None:
+    if steps < OUTRUN_MIN:
+        return None
+    for scheduler in schedulers:
+        stepped = int(getattr(scheduler, "last_epoch", 0))
+        ratio = stepped / steps
+        k = round(ratio)
+        if k < 2 or abs(ratio - k) > OUTRUN_SLACK:
+            continue
+        if forwards and abs(forwards / steps - k) > OUTRUN_SLACK * k:
+            continue  # not once per micro-batch
+        length = next((int(v) for a in _LENGTH if isinstance(v := getattr(scheduler, a, None), (int, float))), None)
+        functions = getattr(scheduler, "lr_lambdas", None) or []
+        if length is None and type(scheduler).__name__ == "LambdaLR" and functions:
+            length = _settles(functions[0], stepped)
+        # sized like the run in optimizer steps (a short warm-up alone is not), and run out in its first half
+        if length is None or not steps / 2 <= length <= stepped / 2:
+            continue
+        now = float(optimizer.param_groups[0]["lr"])
+        return Outrun(
+            type(scheduler).__name__, stepped, steps, k, length, not functions, now, _function_line(scheduler, 0)
+        )
+    return None
+
+
+def _settles(f: Any, stepped: int) -> int | None:
+    """The first scheduler step from which `f` stays at its value at `stepped` (read on a grid of at most
+    OUTRUN_GRID points); None where it is still moving there."""
+    stride = max(1, stepped // OUTRUN_GRID)
+    last = float(f(stepped))
+    if float(f(max(0, stepped - stride))) != last:
+        return None
+    s = stepped
+    while s - stride >= 0 and float(f(s - stride)) == last:
+        s -= stride
+    return s
+
+
+def schedulers(optimizer: Any) -> list[Any]:
+    """The LR schedulers that drive `optimizer`, or none; never raises."""
+    try:
+        return _schedulers(optimizer)
+    except Exception:
+        return []
+
+
 def _schedulers(optimizer: Any) -> list[Any]:
     """The LR schedulers that drive `optimizer` (looked for among what refers to it: asked for a finding only)."""
     from torch.optim.lr_scheduler import LRScheduler

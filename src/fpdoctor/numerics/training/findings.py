@@ -15,7 +15,7 @@ import torch
 from fpdoctor import catalog
 from fpdoctor.numerics.observe.amp import ScaleWatch
 from fpdoctor.numerics.observe.grad_clears import Cleared
-from fpdoctor.numerics.observe.lr_schedule import Schedule
+from fpdoctor.numerics.observe.lr_schedule import Outrun, Schedule
 from fpdoctor.numerics.observe.unheld import Unheld, owner
 from fpdoctor.numerics.training import distributed, transient
 from fpdoctor.numerics.training.control import ControlResult
@@ -825,6 +825,46 @@ def unheld_finding(found: Unheld, line: tuple[str, int, str] | None, *, here: di
         trial=Trial.untried(
             "read from the optimizer's tensors and the model's gradients at its first step: which tensors an "
             "optimizer holds is the script's choice, which fpdoctor does not change in a running job"
+        ),
+    )
+
+
+def outrun_finding(o: Outrun, *, here: dict[str, Any]) -> Finding:
+    """TRN026: a scheduler stepped once per micro-batch whose schedule, sized in optimizer steps, ran out."""
+    at = (
+        f" (its function at line {o.where[1]} of {o.where[0]}: `{o.where[2].split('#')[0].strip()}`)" if o.where else ""
+    )
+    length = f"is {o.end} steps long" if o.declared else f"settles at its step {o.end}{at}"
+    ended = f"its schedule {length}, so it ended at optimizer step {o.ended_at} of {o.steps}"
+    since = (
+        "past its end the cosine rises and falls again, the rate back up to the one the optimizer was built with"
+        if o.kind == "CosineAnnealingLR"
+        else f"the rate has stayed at its end since ({o.lr_now:.4g} at the last step)"
+    )
+    return catalog.make(
+        "scheduler-per-micro-batch",
+        message=(
+            f"The {o.kind} was stepped {o.stepped} times in {o.steps} optimizer steps, {o.per_step} per step, once per "
+            f"micro-batch: {ended}, and {since}: the updates of the rest of the run are not the ones the schedule "
+            "plans, and nothing is NaN."
+        ),
+        where={"module": None, "op": None, "phase": "optimizer", **here},
+        evidence={
+            "scheduler": o.kind,
+            "scheduler_steps": o.stepped,
+            "optimizer_steps": o.steps,
+            "per_step": o.per_step,
+            "schedule_end": o.end,
+            "ended_at_optimizer_step": o.ended_at,
+            "lr": o.lr_now,
+        },
+        fix=(
+            f"call the {o.kind}'s step() once per optimizer step: move it out of the micro-batch loop, next to the "
+            f"optimizer's step() (or, if the schedule is meant in micro-batches, size it so: {o.stepped} steps)"
+        ),
+        trial=Trial.untried(
+            "read from the scheduler's step count and the optimizer's at the report: the schedule is the script's, "
+            "which fpdoctor does not change in a running job"
         ),
     )
 
