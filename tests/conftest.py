@@ -60,8 +60,8 @@ def run_fpdoctor(*args: str, env: dict[str, str] | None = None, timeout: float =
     """Run `python -m fpdoctor ARGS` in a fresh interpreter (end to end); a JSON report it prints
     is held to the fix contract like the reports made in-process (`_every_printed_fix_says_if_tried`)."""
     full_env = {**os.environ, **(env or {})}
-    if zygote.served(list(args), full_env):  # a fork of an interpreter that has imported torch: tests/zygote.py
-        code, out, err = zygote.run(list(args), full_env, timeout)
+    if zygote.served(["-m", "fpdoctor", *args], full_env):  # a fork of an interpreter that has imported torch
+        code, out, err = zygote.run(["-m", "fpdoctor", *args], full_env, timeout)
         _PRINTED.append(out)
         return Result(code, out, err)
     proc = subprocess.run(
@@ -100,13 +100,28 @@ def traced_script(tmp_path: Path, name: str, source: str) -> tuple[Path, list[di
     return script, json.loads(report.read_text())["findings"]
 
 
+def run_python(
+    *args: str, timeout: float = 300, env: dict[str, str] | None = None, check: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """`python ARGS` (a script of the test's and its arguments) end to end, as subprocess.run with
+    capture_output and text would: forked from an interpreter that has imported torch where it can be
+    (tests/zygote.py), else in a new one."""
+    full_env = {**os.environ, **(env or {})}
+    if zygote.served(list(args), full_env):
+        code, out, err = zygote.run(list(args), full_env, timeout)
+        done = subprocess.CompletedProcess([sys.executable, *args], code, out, err)
+    else:
+        done = subprocess.run(
+            [sys.executable, *args], capture_output=True, text=True, env=full_env, timeout=timeout, check=False
+        )
+    if check:
+        done.check_returncode()
+    return done
+
+
 def as_written_and_fixed(script: Path) -> list[str]:
     """What the script prints on stderr run as written and with its `--fix` (the fix as printed)."""
-    runs = [
-        subprocess.run([sys.executable, str(script), *arm], check=False, capture_output=True, text=True, timeout=120)
-        for arm in ([], ["--fix"])
-    ]
-    return [r.stderr.strip() for r in runs]
+    return [run_python(str(script), *arm, timeout=120).stderr.strip() for arm in ([], ["--fix"])]
 
 
 @contextlib.contextmanager

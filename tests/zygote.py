@@ -1,12 +1,14 @@
-"""A fork server for the suite's end-to-end runs: `python -m fpdoctor ...` started as a fork of an
-interpreter that has already imported torch, instead of a new interpreter that imports it again.
+"""A fork server for the suite's end-to-end runs: `python -m fpdoctor ...` and `python script.py`
+started as a fork of an interpreter that has already imported torch, instead of a new interpreter
+that imports it again.
 
 Why: hundreds of tests run the CLI end to end, and importing torch is most of what a short run
 costs (about 1 s of 1.7 s for a trace of a small script, several seconds on a loaded machine).
-The commands served here (`SERVED`) import torch themselves before they run any user code, so a
-child forked after that import starts where a new interpreter would be a second later; argv, the
-working folder, sys.path[0], the environment and the standard streams are the run's own, and the
-child exits through the interpreter's normal shutdown (atexit handlers, flushed streams).
+The commands served here (`SERVED`) import torch themselves before they run any user code, and the
+tests' scripts import it first thing, so a child forked after that import starts where a new
+interpreter would be a second later; argv, the working folder, sys.path[0], the environment and the
+standard streams are the run's own, and the child exits through the interpreter's normal shutdown
+(atexit handlers, flushed streams).
 
 A run is served by a new interpreter instead when its environment differs from the server's
 (variables read at import time would be stale), when its command is not in `SERVED` (`run`, `env`
@@ -54,10 +56,14 @@ for line in requests:
         sys.stderr = sys.__stderr__ = io.TextIOWrapper(
             io.FileIO(2, "w", closefd=False), errors="backslashreplace", line_buffering=True
         )
-        sys.argv = ["-m", *job["argv"]]
-        sys.path[0] = os.getcwd()  # as `python -m` puts it
+        args = job["args"]
         del requests, replies, job, line, pid, f, fd, path, null
-        runpy.run_module("fpdoctor", run_name="__main__", alter_sys=True)
+        if args[0] == "-m":  # argv[0] becomes the module's file, sys.path[0] the working folder, as `python -m` has
+            sys.argv, sys.path[0] = args[1:], os.getcwd()
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:  # a script: argv as given, sys.path[0] its folder
+            sys.argv, sys.path[0] = args, os.path.dirname(os.path.abspath(args[0]))
+            runpy.run_path(args[0], run_name="__main__")
         sys.exit(0)  # a __main__ that returns: exit 0, as the interpreter does
     replies.write(b"%d\n" % pid); replies.flush()
     _, status = os.waitpid(pid, 0)
@@ -80,9 +86,9 @@ class _Server:
         )
         atexit.register(self.close)
 
-    def run(self, argv: list[str], env: dict[str, str], out: str, err: str, timeout: float) -> int:
+    def run(self, args: list[str], env: dict[str, str], out: str, err: str, timeout: float) -> int:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        job = {"argv": argv, "cwd": os.getcwd(), "env": env, "out": out, "err": err}
+        job = {"args": args, "cwd": os.getcwd(), "env": env, "out": out, "err": err}
         self.proc.stdin.write(json.dumps(job).encode() + b"\n")
         self.proc.stdin.flush()
         pid = int(self.proc.stdout.readline())
@@ -92,7 +98,7 @@ class _Server:
         finally:
             timer.cancel()
         if timer.fired:
-            raise subprocess.TimeoutExpired(["fpdoctor", *argv], timeout)
+            raise subprocess.TimeoutExpired([sys.executable, *args], timeout)
         return int(code)
 
     def close(self) -> None:
@@ -124,21 +130,27 @@ class _Timer:
 _servers: dict[str, _Server] = {}  # the one server of this pytest process, under "server"
 
 
-def served(argv: list[str], env: dict[str, str]) -> bool:
-    """Whether `python -m fpdoctor ARGV` with ENV can run as a fork of the server."""
-    if os.environ.get("FPDOCTOR_TESTS_FRESH") == "1" or not argv or argv[0] not in SERVED:
+def served(args: list[str], env: dict[str, str]) -> bool:
+    """Whether `python ARGS` with ENV can run as a fork of the server: `-m fpdoctor COMMAND` for a
+    command in SERVED, or a script of the test's own (a .py file) that imports torch itself."""
+    if os.environ.get("FPDOCTOR_TESTS_FRESH") == "1" or not args:
+        return False
+    if args[0] == "-m":
+        if args[1:2] != ["fpdoctor"] or len(args) < 3 or args[2] not in SERVED:
+            return False
+    elif not (args[0].endswith(".py") and os.path.isfile(args[0])):
         return False
     server = _servers.get("server")
     return server is None or server.env == _env_key(env)
 
 
-def run(argv: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
-    """`python -m fpdoctor ARGV` forked from the server: (exit code, stdout, stderr)."""
+def run(args: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
+    """`python ARGS` forked from the server: (exit code, stdout, stderr)."""
     server = _servers.get("server")
     if server is None or server.proc.poll() is not None:
         server = _servers["server"] = _Server(env)
     with tempfile.TemporaryDirectory(prefix="fpdoctor-tests-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        code = server.run(argv, env, out, err, timeout)
+        code = server.run(args, env, out, err, timeout)
         with open(out, encoding="utf-8", errors="replace") as o, open(err, encoding="utf-8", errors="replace") as e:
             return code, o.read(), e.read()

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from tests.conftest import run_fpdoctor
+from tests.conftest import run_fpdoctor, run_python
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -217,7 +215,7 @@ def test_two_norms_by_hand_that_overflow_in_the_same_step_are_one_fix_over_both_
     assert f"line {na} of " in trial["changed"] and f"line {nb} of " in trial["changed"]
     fixed = path.with_name("fixed.py")
     fixed.write_text(path.read_text() + "\nprint('scale', scaler.get_scale(), file=sys.stderr)\n")
-    run = subprocess.run([sys.executable, str(fixed), "--fix"], capture_output=True, text=True, check=True)
+    run = run_python(str(fixed), "--fix", check=True)
     assert float(run.stderr.split("scale ")[-1]) >= 1024.0, run.stderr  # the scaler steps again
 
 

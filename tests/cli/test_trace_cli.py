@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Result, run_fpdoctor
+from tests.conftest import Result, run_fpdoctor, run_python
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -99,7 +99,7 @@ CRASH = textwrap.dedent("""
 def test_a_script_that_crashed_is_never_ok(tmp_path):
     path = tmp_path / "crash.py"
     path.write_text(CRASH)
-    plain = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300, check=False)
+    plain = run_python(str(path), timeout=300)
     result = run_fpdoctor("trace", "--format", "json", "--fail-on", "never", "--", str(path))
     assert result.code == plain.returncode == 1  # the script's fate, whatever --fail-on says of findings
     assert result.out == plain.stdout == "loaded\n"
@@ -236,7 +236,7 @@ CURVE = textwrap.dedent("""
 def test_the_autocast_what_if_trains_as_a_real_autocast_run(tmp_path, flag, dtype):
     path = tmp_path / "curve.py"
     path.write_text(CURVE)
-    real = subprocess.run([sys.executable, str(path), dtype], capture_output=True, text=True, check=True, timeout=300)
+    real = run_python(str(path), dtype, check=True, timeout=300)
     what_if = run_fpdoctor("trace", "--dtype", flag, "--", str(path), "none")
     assert what_if.code == 0, what_if.err[-2000:]
     curves = dict(line.split(" ", 1) for line in real.stdout.splitlines())

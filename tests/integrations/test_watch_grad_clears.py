@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import report_of
+from tests.conftest import report_of, run_python
 
 # a regression MLP; zero_grad of the optimizer (to None) or of the model (to zeros) after the backward
 CLEARED = """
@@ -178,7 +178,7 @@ def test_the_watchs_zero_grad_keeps_torchs_signature(tmp_path):
     )
     path = tmp_path / "sig.py"
     path.write_text(script)
-    plain = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, check=True).stdout
+    plain = run_python(str(path), check=True).stdout
     watched = subprocess.run(
         [sys.executable, "-m", "fpdoctor", "watch", "--", sys.executable, str(path)],
         capture_output=True, text=True, check=False,

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.conftest import report_of
+from tests.conftest import report_of, run_python
 
 # a pretrained conv encoder whose classifier is re-made for a new task under bf16 autocast
 SCRIPT = """
@@ -51,7 +49,7 @@ OPTIMIZER = "optim = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)\n"
 
 
 def _losses(path: Path) -> list[float]:
-    out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, check=True).stdout
+    out = run_python(str(path), check=True).stdout
     return json.loads(out.splitlines()[-1])
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 import fpdoctor
 from fpdoctor.numerics.trace.recipes import BLOWUP_STEPS, _blowup
+from tests.conftest import run_python
 
 LM = """
 import sys
@@ -106,9 +107,7 @@ def _fpdoctor(tmp_path: Path, command: str, script: Path, lr: float) -> list[dic
 
 
 def _losses(script: Path, lr: float) -> tuple[float, float]:
-    run = subprocess.run(
-        [sys.executable, str(script), str(lr)], check=False, capture_output=True, text=True, timeout=120
-    )
+    run = run_python(str(script), str(lr), timeout=120)
     line = next(x for x in run.stdout.splitlines() if x.startswith("LOSSES"))
     first, last = map(float, line.split()[1:])
     return first, last

@@ -10,14 +10,12 @@ line's cast either: told as autocast's, with bf16 checked, never as a mask value
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_fpdoctor
+from tests.conftest import run_fpdoctor, run_python
 
 HEAD = """
     import sys, torch, torch.nn as nn, torch.nn.functional as F
@@ -79,10 +77,7 @@ def test_a_gradient_past_fp16s_range_is_told_by_its_cast_with_bf16_checked(name:
     assert first["fix_trial"]["status"] == "checked" and "bf16" in first["fix_trial"]["changed"], first["fix_trial"]
 
     # bf16 as printed: every fp16 step skipped, none in bf16
-    runs = [
-        subprocess.run([sys.executable, str(script), *arm], check=False, capture_output=True, text=True, timeout=120)
-        for arm in ([], ["--bf16"])
-    ]
+    runs = [run_python(str(script), *arm, timeout=120) for arm in ([], ["--bf16"])]
     assert [r.stderr.strip() for r in runs] == ["skipped 10", "skipped 0"], [r.stderr for r in runs]
 
 
@@ -109,10 +104,7 @@ def test_a_modules_input_past_fp16s_range_is_told_as_autocasts_cast_with_bf16_ch
     assert "The values autocast casts to float16" in fix and "standardise" in fix, fix
     assert "torch.autocast(device, dtype=torch.bfloat16) (checked" in fix, fix
     assert "mask fill" not in fix and "Write the limit" not in fix, fix
-    runs = [
-        subprocess.run([sys.executable, str(script), *arm], check=False, capture_output=True, text=True, timeout=120)
-        for arm in ([], ["--bf16"])
-    ]
+    runs = [run_python(str(script), *arm, timeout=120) for arm in ([], ["--bf16"])]
     assert [r.stderr.strip() for r in runs] == ["skipped 10", "skipped 0"], [r.stderr for r in runs]
 
 
@@ -173,8 +165,5 @@ def test_an_op_on_a_line_with_a_matmul_under_autocast_is_told_how_float_survives
     assert result.code == 1, result.err
     first = json.loads(report.read_text())["findings"][0]
     assert "((a @ b).float())" in first["fix"] and "enabled=False" in first["fix"], first["fix"]
-    runs = [
-        subprocess.run([sys.executable, str(script), *arm], check=False, capture_output=True, text=True, timeout=120)
-        for arm in ([], ["--fix"])
-    ]
+    runs = [run_python(str(script), *arm, timeout=120) for arm in ([], ["--fix"])]
     assert [r.stderr.strip() for r in runs] == ["nan", "finite"], [r.stderr for r in runs]

@@ -12,7 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.conftest import run_fpdoctor
+from tests.conftest import run_fpdoctor, run_python
 
 SCRIPT = textwrap.dedent(
     """
@@ -64,7 +64,7 @@ def test_a_hand_written_fp16_gradient_norm_is_one_finding_whose_fix_takes_the_wh
 
     # as printed: every op of the line in fp32 (the operands .float()); it trains, the script does not
     def losses(*flag: str) -> tuple[float, float]:
-        out = subprocess.run([sys.executable, str(script), *flag], capture_output=True, text=True, check=True)
+        out = run_python(str(script), *flag, check=True)
         first_loss, last = out.stderr.split()
         return float(first_loss), float(last)
 
@@ -75,12 +75,12 @@ def test_a_hand_written_fp16_gradient_norm_is_one_finding_whose_fix_takes_the_wh
 def _traced_and_fixed(script: Path, text: str, *, symptom: str) -> tuple[dict, subprocess.CompletedProcess[str]]:
     """The script run plain (its symptom printed), traced (the first finding), and run with --fix."""
     script.write_text(text)
-    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True)
+    plain = run_python(str(script), check=True)
     assert symptom in plain.stderr, plain.stderr
     report = script.with_suffix(".json")
     result = run_fpdoctor("trace", "-o", str(report), "--", str(script))
     assert result.code == 1, result.err
-    fixed = subprocess.run([sys.executable, str(script), "--fix"], capture_output=True, text=True, check=True)
+    fixed = run_python(str(script), "--fix", check=True)
     return json.loads(report.read_text())["findings"][0], fixed
 
 

@@ -8,14 +8,13 @@ and a scale that stays high."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_fpdoctor
+from tests.conftest import run_fpdoctor, run_python
 
 SCRIPT = textwrap.dedent(
     """
@@ -66,10 +65,7 @@ def test_a_penalty_on_gradients_of_a_scaled_loss_is_named_and_the_recipe_clears_
     assert "1.0 / scaler.get_scale()" in first["fix"]
 
     # as printed, the scale stays where the gradients fit; read scaled, it collapses
-    runs = [
-        subprocess.run([sys.executable, str(script), *fix], check=False, capture_output=True, text=True, timeout=120)
-        for fix in ([], ["--fix"])
-    ]
+    runs = [run_python(str(script), *fix, timeout=120) for fix in ([], ["--fix"])]
     plain, unscaled = (float(r.stderr.strip().splitlines()[-1]) for r in runs)
     assert plain * 64 <= unscaled, (plain, unscaled)
 
@@ -122,10 +118,7 @@ def test_watch_names_the_scaled_penalty_first_with_the_unscaling_in_the_scripts_
     start = next(line for line in lines if "grads = torch.autograd.grad" in line)
     indent = start[: len(start) - len(start.lstrip())]  # the statement's own indentation, as a user pastes it
     fixed.write_text("\n".join([*lines[:after], indent + statements, *lines[after:]]) + "\n")  # where it says
-    runs = [
-        subprocess.run([sys.executable, str(p)], check=False, capture_output=True, text=True, timeout=120)
-        for p in (script, fixed)
-    ]
+    runs = [run_python(str(p), timeout=120) for p in (script, fixed)]
     plain, unscaled = (float(r.stderr.strip().splitlines()[-1]) for r in runs)
     assert plain * 64 <= unscaled, (plain, unscaled)  # as printed, the scale stays where the gradients fit
     again = run_fpdoctor("watch", "-o", str(report), "--", sys.executable, str(fixed))

@@ -9,14 +9,12 @@ sqrt(var) + eps over zero-padded frames (fp32: the math). Each fix as printed tr
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_fpdoctor
+from tests.conftest import run_fpdoctor, run_python
 
 SCRIPTS = {
     "focal": """
@@ -95,13 +93,9 @@ def test_the_point_kept_out_is_the_checked_fix_and_it_trains_as_printed(name: st
 
     # the guard as printed trains over a run ten times as long; the precision alone (focal) does not
     long = _script(tmp_path, name, 400)
-    runs = [
-        subprocess.run([sys.executable, str(long), *arm], check=False, capture_output=True, text=True, timeout=300)
-        for arm in ([], ["--fix"])
-    ]
+    runs = [run_python(str(long), *arm, timeout=300) for arm in ([], ["--fix"])]
     if name == "focal":  # lines 18-20 in fp32, the other fix the experiment saw clear the step
-        runs.append(subprocess.run([sys.executable, str(long), "--fp32"], check=False, capture_output=True, text=True,
-                                   timeout=300))  # fmt: skip
+        runs.append(run_python(str(long), "--fp32", timeout=300))
     before, after, *fp32 = (r.stderr.strip().split() for r in runs)
     assert after[2] == "finite" and int(after[1]) <= 20, runs[1].stderr
     for broken in (before, *fp32):
