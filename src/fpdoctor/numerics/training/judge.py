@@ -1151,7 +1151,10 @@ class StepJudge:
             return
         if backward_only and final_gradients and result.first_stage() is None:
             divide = scale if scale is not None and scale > 0 and not unscaled else 1.0
-            reference.processed_scaled(result, {n: g / divide for n, g in live.items()})
+            # an optimizer with an eps in its defaults divides by the gradients' size (Adam, RMSprop, Adagrad)
+            adaptive = "eps" in getattr(optimizer, "defaults", {})
+            taken = {n: g / divide for n, g in live.items()}
+            reference.processed_scaled(result, taken, adaptive=adaptive)
         result.backward_grads = None
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in self.params})
         recipe = f"{'/'.join(dtypes)} parameters" + (f", the loss scaled by a GradScaler ({scale:g})" if scale else "")

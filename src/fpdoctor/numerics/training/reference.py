@@ -66,6 +66,10 @@ SHOWN = 8  # departed parameters the evidence lists, worst first
 # Processing that scales every gradient by a factor f with f * loss scale at most this read their size
 # while still scaled: a clip of the unscaled gradients shrinking them 2^10 times is not a recipe
 SCALED_SHRINK = 1024.0
+# unscaled gradients all multiplied by CLIP_FACTOR or less, their total norm left at CLIP_LIMIT or less: a clip
+# whose max_norm is far below the gradients' norm (1e-3 typed for 1.0); max_norm 0.1 to 10 is the usual range
+CLIP_FACTOR = 0.1
+CLIP_LIMIT = 0.05
 STALLED = 64.0  # every gradient the optimizer took this many times smaller than the reference's: an error
 
 
@@ -108,6 +112,9 @@ class Comparison:
     # watch: the code between the backward and the step left the optimizer no gradient (every one
     # multiplied by 0) where the backward made them: a clip whose norm overflowed (max_norm / inf)
     zeroed_between: bool = False
+    # watch: one factor on every gradient, far below 1, from unscaled gradients: a clip of their total norm to
+    # a threshold far below it, (their norm, what the clip left) (a max_norm typed 1e-3 for 1.0)
+    clipped: tuple[float, float] | None = None
     backward_grads: dict[str, torch.Tensor] | None = None  # the step's own backward, unscaled (watch)
     # only the backward stage compared: step_fn is a framework's forward and backward (compare_step)
     backward_only: bool = False
@@ -407,16 +414,20 @@ def _scaler_ready(scaler: Any) -> Iterator[None]:
             states.update(saved)
 
 
-def processed_scaled(comparison: Comparison, taken: dict[str, torch.Tensor]) -> None:
+def processed_scaled(comparison: Comparison, taken: dict[str, torch.Tensor], *, adaptive: bool = True) -> None:
     """watch's replay compares the backward alone; the gradients the optimizer takes (`taken`,
     unscaled) are compared here. Where the code between the backward and the step multiplied every
     gradient by 0 (the backward's are not 0: a clip coefficient max_norm / inf, its norm overflowed),
     the optimizer stage departs whatever the loss scale: no processing intends it. Where a GradScaler
     scaled the loss and that code put one factor on every gradient (a clip of their total norm), so
     far below 1 that it read their size while still scaled (SCALED_SHRINK), the optimizer stage
-    departs, and the fix (unscale first) is checked by that clip applied at loss scale 1. Rows and
-    the what-if go into `comparison`; nothing where the factors differ (processing of its own) or
-    are near 1."""
+    departs, and the fix (unscale first) is checked by that clip applied at loss scale 1. Where no
+    scaler ran, or the norm the clip left is a threshold as written (1e-3) read from unscaled gradients
+    and not one read from scaled ones (1.0 / scale), such a factor is a clip to a threshold far below
+    their norm (CLIP_FACTOR, CLIP_LIMIT): `clipped`, for an optimizer that follows the gradients' size
+    (not `adaptive`: Adam divides the factor out). (The scaler's own state cannot tell: scaler.step
+    unscales before the optimizer's step either way.) Rows and the what-if go into
+    `comparison`; nothing where the factors differ (processing of its own) or are near 1."""
     back, ref, scale = comparison.backward_grads, comparison.reference_grads, comparison.scale
     comparison.backward_grads = None
     if not back or not ref:
@@ -428,13 +439,20 @@ def processed_scaled(comparison: Comparison, taken: dict[str, torch.Tensor]) -> 
         comparison.rows["optimizer"] = _rows("optimizer", {n: taken[n] for n in names}, ref, 1.0)
         comparison.zeroed_between = True
         return
-    if scale <= 1.0:
-        return
-    if _value_clip(comparison, {n: taken[n] for n in names}, back, ref, scale):
-        return
     if len(factors) < 2:
         return
     mid = sorted(factors)[len(factors) // 2]
+    after = math.sqrt(sum(t * t for t, _ in norms))
+    if scale <= 1.0 or (_written(after) and not _written(after * scale)):  # the clip read the gradients unscaled
+        uniform = all(abs(f - mid) <= 0.05 * mid for f in factors)
+        if uniform and 0 < mid <= CLIP_FACTOR and after <= CLIP_LIMIT and not adaptive:
+            rows = _rows("optimizer", {n: taken[n] for n in names}, ref, 1.0)
+            if any(d.departs() for d in rows):
+                comparison.rows["optimizer"] = rows
+                comparison.clipped = (math.sqrt(sum(b * b for _, b in norms)), after)
+        return
+    if _value_clip(comparison, {n: taken[n] for n in names}, back, ref, scale):
+        return
     if not 0 < mid * scale <= SCALED_SHRINK or any(abs(f - mid) > 0.05 * mid for f in factors):
         return
     rows = _rows("optimizer", {n: taken[n] for n in names}, ref, 1.0)
@@ -448,6 +466,14 @@ def processed_scaled(comparison: Comparison, taken: dict[str, torch.Tensor]) -> 
     comparison.rows["optimizer"] = rows
     comparison.at_scale_one = [d for d in _rows("optimizer", fixed, ref, 1.0) if d.departs()]
     comparison.scale_one_modelled = True
+
+
+def _written(threshold: float) -> bool:
+    """Whether a clip's threshold is one a script writes: one or two significant digits (1.0, 0.5, 1e-3,
+    0.25), within what clip_grad_norm_'s max_norm / (norm + 1e-6) leaves of it."""
+    return threshold > 0 and any(
+        abs(threshold - float(f"{threshold:.{d}g}")) <= 1e-3 * threshold for d in (1, 2)
+    )  # fmt: skip
 
 
 def _value_clip(
@@ -518,7 +544,11 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
     compared = len(comparison.rows[stage])
     worst = "; ".join(d.text() for d in departed[:3]) + ("; ..." if len(departed) > 3 else "")
     # under watch no step_fn holds the processing: it is the code between the backward and the step
-    actor = "your code" if comparison.scale_one_modelled or comparison.zeroed_between else "step_fn"
+    actor = (
+        "your code"
+        if comparison.scale_one_modelled or comparison.zeroed_between or comparison.clipped is not None
+        else "step_fn"
+    )
     where_text = {
         "backward": "as the backward left them (the loss scale divided out)",
         "optimizer": f"as {actor} handed them to the optimizer, while the backward's agree",
@@ -577,6 +607,28 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
         )  # fmt: skip
         if left:
             fix += f"; at scale 1, {len(left)} still depart, so the scale is not all of it"
+    elif stage == "optimizer" and comparison.clipped is not None:
+        norm, after = comparison.clipped
+        message += (
+            f" One factor, {after / norm:.3g}, is on every gradient the optimizer took: a clip of their total norm "
+            f"({norm:.3g}, unscaled) to {after:.3g}, {norm / after:.3g}x below it. Every "
+            "update is that much smaller than the learning rate says, at every step whose norm passes the threshold."
+        )
+        fix = (
+            f"Raise the clip's max_norm: {after:.3g} is {norm / after:.3g}x below the gradients' norm ({norm:.3g}); "
+            "1.0 is the usual value (a threshold typed 1e-3 for 1.0 does this)"
+        )
+        seen = _between()
+        clip = next((x for x in seen.lines if "clip_grad_norm" in x[1]), None) if seen is not None else None
+        if seen is not None and clip is not None:  # the script's own clip line, between the backward and the step
+            fix = (
+                f"Raise max_norm in line {clip[0]} of {os.path.basename(seen.path)} (`{clip[1]}`): {after:.3g} is "
+                f"{norm / after:.3g}x below the gradients' norm ({norm:.3g}); 1.0 is the usual value"
+            )
+        trial = Trial.untried(
+            "read from the gradients the optimizer took and the backward's at the reference step: the clip's "
+            "threshold is the script's, which fpdoctor does not change in a running job"
+        )
     elif stage == "optimizer" and comparison.zeroed_between and (cleared := _clearing()) is not None:
         seen, (line, text) = cleared
         name = os.path.basename(seen.path)
