@@ -786,4 +786,32 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         fix="Call scheduler.step() once per optimizer step, next to optimizer.step(), out of the micro-batch "
         "loop; or size the schedule in micro-batches.",
     ),
+    RuleInfo(
+        code="TRN027",
+        name="optimizer-eps-too-large",
+        severity=W,
+        title="The adaptive optimizer's eps dominates its denominator: every update shrinks",
+        what="`fpdoctor watch` reads each adaptive optimizer's state at the report: where eps is 1e-4 or more and "
+        "the median root of the bias-corrected second moment is under a tenth of it, the updates are lr x m / "
+        "eps, a tenth or less of the optimizer's own step. Named with eps, the gradients' size and the share.",
+        why="Adam divides each update by sqrt(v) + eps; eps is there to keep the division finite (1e-8). Typed 1.0 "
+        "or 1e-1 it is larger than the gradients and the step becomes a small SGD step: nothing is NaN, the loss "
+        "falls slowly, and a reference step with the same optimizer agrees.",
+        fix="Set eps back to the optimizer's default (1e-8 for Adam and AdamW).",
+    ),
+    RuleInfo(
+        code="TRN028",
+        name="parameters-without-gradient",
+        severity=W,
+        title="Parameters the optimizer holds, that require gradients, get none: that part never trains",
+        what="`fpdoctor watch` reads, at an optimizer's first step and at its eleventh, which of the parameters it "
+        "holds that require gradients have none while others have: those with none at both are named by the "
+        "largest module whose parameters all had none, with the line that runs it without gradients where the "
+        "script shows one (a `with torch.no_grad():` that holds its call, a `.detach()` of its output).",
+        why="A forward run under no_grad, or an output detached before the loss, leaves its module's parameters "
+        "without gradients: the optimizer steps the rest, the loss falls through it, nothing is NaN, and the "
+        "module stays as it was built.",
+        fix="Run that module's forward with gradients (no torch.no_grad() around its call, no .detach() of its "
+        "output); if it is frozen on purpose, say so with module.requires_grad_(False).",
+    ),
 )

@@ -61,7 +61,7 @@ from fpdoctor.integrations._outputs import KeptGradients, backward_from
 from fpdoctor.integrations._toplevel import TopLevelCalls
 from fpdoctor.integrations._traced_step import TracedStep
 from fpdoctor.numerics.compiled import graphs
-from fpdoctor.numerics.observe import amp, dynamo, lr_schedule, unheld
+from fpdoctor.numerics.observe import adaptive_eps, amp, dynamo, lr_schedule, ungraded, unheld
 from fpdoctor.numerics.observe.batches import MicroBatch, OutputsOnly
 from fpdoctor.numerics.observe.grad_clears import Cleared, GradClears, zero_grad_owners
 from fpdoctor.numerics.observe.gradcheck import (
@@ -81,7 +81,9 @@ from fpdoctor.numerics.training import between, distributed, reference
 from fpdoctor.numerics.training.findings import (
     decay_finding,
     frozen_group_finding,
+    large_eps_finding,
     outrun_finding,
+    ungraded_finding,
     unheld_finding,
 )
 from fpdoctor.numerics.training.judge import StepFacts, StepJudge, StepOutcome
@@ -157,6 +159,7 @@ class _Run:
     # param groups with a decoupled weight decay of 1 or more: group -> (its highest lr so far, weight_decay)
     decay: dict[int, tuple[float, float]] = field(default_factory=dict)
     schedulers: list[Any] = field(default_factory=list)  # its LR schedulers, found at its OUTRUN_MIN-th step
+    no_grads: ungraded.Ungraded = field(default_factory=ungraded.Ungraded)  # held parameters with no gradient
 
 
 # per device: the scale slot of the flags of a step without a scaler (copied by the stack, never written)
@@ -265,6 +268,24 @@ def _frozen_by_lr(run: _Run) -> list[Finding]:
     ]
     schedules = {k: found for k in still if (found := lr_schedule.zeroing(run.optimizer, k)) is not None}
     return [frozen_group_finding(groups, run.judge.steps, schedules, here=run.judge.here)]
+
+
+def _without_gradient(run: _Run) -> list[Finding]:
+    """TRN028 for the modules whose held parameters had no gradient at both sampled steps."""
+    seen = run.no_grads
+    if seen.samples < len(ungraded.SAMPLED) or not seen.none:
+        return []
+    found = ungraded.modules(run.judge.model, seen.none)
+    if not found:
+        return []
+    line = ungraded.stopping_line(found[0][0].rpartition(".")[2], seen.files)
+    return [ungraded_finding(found, ungraded.SAMPLED, line, seen.model, here=run.judge.here)]
+
+
+def _large_eps(run: _Run) -> list[Finding]:
+    """TRN027 where `run`'s adaptive optimizer has an eps far above its gradients' size."""
+    found = adaptive_eps.read(run.optimizer) if run.judge.steps >= 2 else None
+    return [large_eps_finding(found, here=run.judge.here)] if found is not None else []
 
 
 def _outrun(run: _Run, forwards: int) -> list[Finding]:
@@ -790,6 +811,11 @@ class ScriptWatch:
         if judge.steps == lr_schedule.OUTRUN_MIN:  # once: held for the report, which may come after the script's
             # namespace (and a scheduler only it held) is gone
             run.schedulers = lr_schedule.schedulers(optimizer)
+        if judge.steps in ungraded.SAMPLED:  # two looks per parameter in a run: which have no gradient
+            run.no_grads.sample(run.params)
+            if not run.no_grads.files:
+                run.no_grads.files = [path for path, _, _ in user_frames(sys._getframe())]
+                run.no_grads.model = unheld.name_in(sys._getframe(), judge.model) or run.no_grads.model
         judge.finish_update()  # what the weights kept of a reference step's update, before they change again
         mine = [c for c in current if c.kept.filled_at == now and any(c.module is m for m in run.modules)]
         self._calls = [c for c in current if not any(c is m for m in mine)]
@@ -1129,11 +1155,15 @@ class ScriptWatch:
             report = first.report(scaled=first.amp.scale is not None)
             # the training forwards per step are the first optimizer's where it is the only one
             forwards = self._forwards if len(runs) == 1 else 0
-            report.findings.extend([*_frozen_by_lr(runs[0]), *_pinned_by_decay(runs[0]), *_outrun(runs[0], forwards)])
+            first_run = runs[0]
+            hyper = [*_pinned_by_decay(first_run), *_outrun(first_run, forwards), *_large_eps(first_run)]
+            report.findings.extend([*_without_gradient(first_run), *_frozen_by_lr(first_run), *hyper])
             for run in runs[1:]:  # a second optimizer (a GAN's): its findings and counts beside
                 other = run.judge.report(scaled=run.judge.amp.scale is not None)
                 report.findings.extend(other.findings)
-                report.findings.extend([*_frozen_by_lr(run), *_pinned_by_decay(run), *_outrun(run, 0)])
+                report.findings.extend(
+                    [*_frozen_by_lr(run), *_pinned_by_decay(run), *_outrun(run, 0), *_large_eps(run)]
+                )
                 counts = {k: other.data[k] for k in ("steps", "skipped_steps", "nonfinite_steps", "verdicts")}
                 report.data.setdefault("optimizers", []).append(counts)
                 # the summary's counts are the first optimizer's: each other one's beside them, so that

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from fpdoctor import catalog
+from fpdoctor.numerics.observe.adaptive_eps import LargeEps
 from fpdoctor.numerics.observe.amp import ScaleWatch
 from fpdoctor.numerics.observe.grad_clears import Cleared
 from fpdoctor.numerics.observe.lr_schedule import Outrun, Schedule
@@ -865,6 +866,63 @@ def outrun_finding(o: Outrun, *, here: dict[str, Any]) -> Finding:
         trial=Trial.untried(
             "read from the scheduler's step count and the optimizer's at the report: the schedule is the script's, "
             "which fpdoctor does not change in a running job"
+        ),
+    )
+
+
+def large_eps_finding(found: LargeEps, *, here: dict[str, Any]) -> Finding:
+    """TRN027: an adaptive optimizer whose eps is far above its gradients' size (numerics/observe/adaptive_eps.py)."""
+    return catalog.make(
+        "optimizer-eps-too-large",
+        message=(
+            f"{found.optimizer}'s eps is {found.eps:g}, {found.times:.3g}x the size of its gradients (the median root "
+            f"of the bias-corrected second moment over its parameters, {found.root_v:.3g}): each update is lr x m / "
+            f"(sqrt(v) + eps), {found.shrink:.3g} of the step {found.optimizer} takes with the default eps (1e-8). The "
+            "loss falls that much slower, and nothing is NaN."
+        ),
+        where={"module": None, "op": None, "phase": "optimizer", **here},
+        evidence={"optimizer": found.optimizer, "eps": found.eps, "root_v": found.root_v, "share": found.shrink},
+        fix=f"set eps=1e-8 (the default) where the {found.optimizer} is built ({found.eps:g} may be 1e-8 mistyped)",
+        trial=Trial.untried(
+            "read from the optimizer's second moment at the report: the share is sqrt(v) / (sqrt(v) + eps), computed, "
+            "not run"
+        ),
+    )
+
+
+def ungraded_finding(
+    found: list[tuple[str, list[str]]],
+    steps: tuple[int, ...],
+    line: tuple[str, int, str] | None,
+    model: str,
+    *,
+    here: dict[str, Any],
+) -> Finding:
+    """TRN028: modules whose parameters the optimizer holds, requiring gradients, that got none at the
+    sampled steps (numerics/observe/ungraded.py)."""
+    names = [n for _, params in found for n in params]
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    which = ", ".join(f"`{m}`" for m, _ in found[:4]) + (", ..." if len(found) > 4 else "")
+    at = " and ".join(str(s + 1) for s in steps)
+    stop = f" Line {line[1]} of {line[0]} (`{line[2]}`) runs it without gradients." if line else ""
+    module = found[0][0]
+    return catalog.make(
+        "parameters-without-gradient",
+        message=(
+            f"{len(names)} parameter(s) of {which} ({shown}) are held by the optimizer and require gradients, and "
+            f"had none at its steps {at} while the rest of the model's "
+            f"had: the backward never reaches them, and they stay as they were built.{stop}"
+        ),
+        where={"module": module, "op": None, "phase": "backward", **here},
+        evidence={"modules": [m for m, _ in found], "parameters": names[:20], "steps": [s + 1 for s in steps]},
+        fix=(
+            (f"remove what stops the gradients at line {line[1]} of {line[0]} (`{line[2]}`), " if line else "")
+            + f"run `{module}`'s forward with gradients (no torch.no_grad() or inference_mode around its call, no "
+            f".detach() of its output); if it is frozen on purpose, say so: {model}.{module}.requires_grad_(False)"
+        ),
+        trial=Trial.untried(
+            "read from the gradients at the sampled steps: the no_grad or detach is the script's own code, which "
+            "fpdoctor does not change in a running job"
         ),
     )
 
