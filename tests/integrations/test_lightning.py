@@ -327,3 +327,28 @@ def test_a_compiled_module_s_graph_check_comes_off_when_training_ends():
     assert callback.report.findings == []
     assert seen and all("fpdoctor" in m for m in seen)
     assert "fpdoctor" not in OutputGraph.call_user_compiler.__module__
+
+
+class _Scheduled(Net):
+    """AdamW with a linear decay to 0 over `decay` steps, stepped by Lightning after every optimizer step."""
+
+    def __init__(self, decay: int) -> None:
+        super().__init__()
+        self.decay = decay
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / self.decay))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_a_schedule_that_ends_early_is_named_by_the_callback_and_one_sized_to_the_run_is_not():
+    """A decay sized in epochs (5) and stepped per optimizer step holds every weight still from step 5 of
+    60 (the callback said OK: the recipe's checks ran under `watch` only); sized to the run's 60 steps the
+    rate reaches 0 at the last step, and nothing is said."""
+    _, _, report = _fit(_Scheduled(decay=5), max_steps=60)
+    (found,) = [f for f in report.findings if f.name == "lr-zero-group"]
+    assert found.evidence["zero_since"] == 6 and found.evidence["steps"] == 60, found.evidence
+    assert found.evidence["scheduler"] == "LambdaLR" and "estimated_stepping_batches" in found.fix
+    _, _, report = _fit(_Scheduled(decay=60), max_steps=60)
+    assert "lr-zero-group" not in _names(report), _names(report)

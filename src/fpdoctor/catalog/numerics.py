@@ -735,11 +735,14 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         name="lr-zero-group",
         severity=W,
         title="A param group's learning rate is 0: its parameters never move",
-        what="`fpdoctor watch` reads each optimizer's param groups at its first step and at the report: a group "
-        "whose lr is 0 at both while another group's is not is named with its parameters.",
+        what="`fpdoctor watch` and the callbacks read each optimizer's param groups at every step: a group whose "
+        "lr is 0 at the first step and at the report while another group's is not is named with its parameters; "
+        "every group's lr at 0 for the last quarter of the run (20 steps or more) is named with the step it "
+        "reached 0.",
         why="A group left at lr 0 (a typo in the param_groups, a scheduler factor of 0 for it) trains nothing, "
         "while its parameters still require gradients and pay for their backward: the model learns with part "
-        "of itself, nothing is NaN, and a judge of values sees a healthy run.",
+        "of itself, nothing is NaN, and a judge of values sees a healthy run. A schedule that ends early (sized "
+        "in epochs, stepped per step) holds the whole model there.",
         fix="Give the group its learning rate; to freeze parameters on purpose, call requires_grad_(False) on them.",
     ),
     RuleInfo(
@@ -747,7 +750,7 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         name="weight-decay-too-strong",
         severity=W,
         title="The weight decay alone holds the weights near 0",
-        what="`fpdoctor watch` reads each optimizer's param groups: where the decay is applied apart from the "
+        what="`fpdoctor watch` and the callbacks read each optimizer's param groups: where the decay is applied apart from the "
         "gradient (AdamW, SGD, a decoupled_weight_decay flag) and weight_decay is 10 or more, or lr x weight_decay "
         "at the group's highest lr is 0.1 or more, the group is named with the share of its weights the decay "
         "takes each step.",
@@ -776,7 +779,7 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         name="scheduler-per-micro-batch",
         severity=W,
         title="The LR scheduler steps once per micro-batch, and its schedule ran out early",
-        what="`fpdoctor watch` counts, at the report, each scheduler's steps against its optimizer's: a whole "
+        what="`fpdoctor watch` and the callbacks count, at the report, each scheduler's steps against its optimizer's: a whole "
         "number of 2 or more per optimizer step, as many as the training forwards per step, where the schedule "
         "is sized in optimizer steps (its declared length is under half the steps it took, or a LambdaLR's "
         "factor is at its final value where one step per optimizer step would not be).",
@@ -791,7 +794,7 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         name="optimizer-eps-too-large",
         severity=W,
         title="The adaptive optimizer's eps dominates its denominator: every update shrinks",
-        what="`fpdoctor watch` reads each adaptive optimizer's state at the report: where eps is 1e-4 or more and "
+        what="`fpdoctor watch` and the callbacks read each adaptive optimizer's state at the report: where eps is 1e-4 or more and "
         "the median root of the bias-corrected second moment is under a tenth of it, the updates are lr x m / "
         "eps, a tenth or less of the optimizer's own step. Named with eps, the gradients' size and the share.",
         why="Adam divides each update by sqrt(v) + eps; eps is there to keep the division finite (1e-8). Typed 1.0 "
@@ -804,7 +807,7 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         name="parameters-without-gradient",
         severity=W,
         title="Parameters the optimizer holds, that require gradients, get none: that part never trains",
-        what="`fpdoctor watch` reads, at an optimizer's first step and at its eleventh, which of the parameters it "
+        what="`fpdoctor watch` and the callbacks read, at an optimizer's first step and at its eleventh, which of the parameters it "
         "holds that require gradients have none while others have: those with none at both are named by the "
         "largest module whose parameters all had none, with the line that runs it without gradients where the "
         "script shows one (a `with torch.no_grad():` that holds its call, a `.detach()` of its output).",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -376,6 +377,11 @@ class StepWatch(JudgedSteps):
         try:
             self.check(step, spread=spread)
             checked = self._checked
+            if judge.recipe is not None:  # the optimizer's recipe (numerics/training/recipe.py): a few floats a step
+                try:
+                    judge.recipe.step(judge.steps, self._params, judge.model, sys._getframe())
+                except Exception as exc:
+                    self._error("reading the optimizer's recipe", exc, step)
             judge.steps += 1  # counted whether or not the check worked (then the step goes on unguarded)
             judge.micro_batches += len(self._micros)
             if checked is not None:

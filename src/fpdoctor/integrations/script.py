@@ -61,7 +61,7 @@ from fpdoctor.integrations._outputs import KeptGradients, backward_from
 from fpdoctor.integrations._toplevel import TopLevelCalls
 from fpdoctor.integrations._traced_step import TracedStep
 from fpdoctor.numerics.compiled import graphs
-from fpdoctor.numerics.observe import adaptive_eps, amp, dynamo, lr_schedule, ungraded, unheld
+from fpdoctor.numerics.observe import amp, dynamo, unheld
 from fpdoctor.numerics.observe.batches import MicroBatch, OutputsOnly
 from fpdoctor.numerics.observe.grad_clears import Cleared, GradClears, zero_grad_owners
 from fpdoctor.numerics.observe.gradcheck import (
@@ -78,30 +78,19 @@ from fpdoctor.numerics.observe.loader import LoaderBatches
 from fpdoctor.numerics.observe.scaler_order import Mixed, ScalerOrder
 from fpdoctor.numerics.trace.scaled_grads import ScaledGrads
 from fpdoctor.numerics.training import between, distributed, reference
-from fpdoctor.numerics.training.findings import (
-    decay_finding,
-    frozen_group_finding,
-    large_eps_finding,
-    outrun_finding,
-    ungraded_finding,
-    unheld_finding,
-)
+from fpdoctor.numerics.training.findings import unheld_finding
 from fpdoctor.numerics.training.judge import StepFacts, StepJudge, StepOutcome
 from fpdoctor.numerics.training.live import Live, StopRun, in_progress
 from fpdoctor.numerics.updates.measure import UpdateProbe, UpdateStats
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Finding, Report, Severity, Trial
-from fpdoctor.torchprivate import global_optimizer_hooks, named_parameters, pytree
+from fpdoctor.torchprivate import global_optimizer_hooks, pytree
 from fpdoctor.userframes import user_frames, user_location
 
 _DEVICE_TYPES = ("cpu", "cuda")
 
 
 _CLEARS = "checking where zero_grad() runs"  # grad_clears.py
-# a decoupled weight decay that alone takes this share of the weights a step at the group's highest lr (1000x
-# a usual lr 1e-3 x weight_decay 0.1): a half-life of 7 steps
-DECAY_PER_STEP = 0.1
-DECAY_LARGE = 10.0  # a decoupled weight_decay this large holds AdamW's weights near 1 / weight_decay at any lr
 _ORDER = "checking the GradScaler's order"  # what the observer was doing, where it fails (scaler_order.py)
 
 
@@ -154,12 +143,6 @@ class _Run:
     carried: tuple[int, float | None] | None = None
     groups: tuple[tuple[int, int], ...] = ()  # `_groups(optimizer)` when `params` was made
     optimizer: Any = None
-    # param groups whose lr was 0 at the first step while another group's was not (judged at the report)
-    zero_lr: list[int] = field(default_factory=list)
-    # param groups with a decoupled weight decay of 1 or more: group -> (its highest lr so far, weight_decay)
-    decay: dict[int, tuple[float, float]] = field(default_factory=dict)
-    schedulers: list[Any] = field(default_factory=list)  # its LR schedulers, found at its OUTRUN_MIN-th step
-    no_grads: ungraded.Ungraded = field(default_factory=ungraded.Ungraded)  # held parameters with no gradient
 
 
 # per device: the scale slot of the flags of a step without a scaler (copied by the stack, never written)
@@ -204,94 +187,6 @@ def _cleared_by_code(params: list[torch.Tensor]) -> Cleared | None:
         return None
     at = user_location(sys._getframe(1))
     return Cleared((seen.path, found[0], at[2] if at else ""), "code", True, trainable, step_at=at, text=found[1])
-
-
-def _rate(optimizer: Any, group: int) -> bool:
-    """Whether param group `group` has a learning rate above 0 now."""
-    groups = optimizer.param_groups
-    lr = groups[group].get("lr") if group < len(groups) else None
-    return isinstance(lr, (int, float)) and lr > 0
-
-
-def _zero_lr_groups(optimizer: Any) -> list[int]:
-    """The param groups whose lr is 0 while another group's is not (a warmup from 0 sets them all), and
-    that hold a parameter requiring a gradient (a group frozen on purpose holds none)."""
-    groups = optimizer.param_groups
-    if not any(_rate(optimizer, k) for k in range(len(groups))):
-        return []
-    return [
-        k for k, group in enumerate(groups)
-        if group.get("lr") == 0 and any(p.requires_grad for p in group["params"])
-    ]  # fmt: skip
-
-
-def _decay_groups(optimizer: Any, seen: dict[int, tuple[float, float]] | None = None) -> dict[int, tuple[float, float]]:
-    """Per param group whose weight decay is applied apart from the gradient (AdamW, SGD, a
-    decoupled_weight_decay flag) and is 1 or more: (its highest lr so far, weight_decay). Read at the
-    first step and then on every step for those groups only (a warmup's peak lr comes later)."""
-    decoupled = isinstance(optimizer, (torch.optim.AdamW, torch.optim.SGD))
-    found = dict(seen or {})
-    for k, group in enumerate(optimizer.param_groups):
-        if seen is not None and k not in seen:
-            continue
-        lr, wd = group.get("lr"), group.get("weight_decay")
-        if not isinstance(lr, (int, float)) or not isinstance(wd, (int, float)):
-            continue
-        if (decoupled or group.get("decoupled_weight_decay")) and wd >= 1:
-            found[k] = (max(float(lr), found.get(k, (0.0, 0.0))[0]), float(wd))
-    return found
-
-
-def _pinned_by_decay(run: _Run) -> list[Finding]:
-    """TRN024 for the groups of `run.decay` whose decay at their highest lr takes DECAY_PER_STEP of the
-    weights a step, or whose weight_decay is DECAY_LARGE or more."""
-    groups = [
-        (k, lr, wd) for k, (lr, wd) in run.decay.items() if lr * wd >= DECAY_PER_STEP or (wd >= DECAY_LARGE and lr > 0)
-    ]
-    if not groups or run.judge.steps < 2:
-        return []
-    count = sum(
-        1 for k, _, _ in groups for p in run.optimizer.param_groups[k]["params"] if p.requires_grad
-    )  # fmt: skip
-    return [decay_finding(groups, count, type(run.optimizer).__name__, here=run.judge.here)]
-
-
-def _frozen_by_lr(run: _Run) -> list[Finding]:
-    """TRN023 for each group of `run.zero_lr` whose lr is 0 still: its parameters got gradients and
-    never moved, from the first step to the last."""
-    still = [k for k in _zero_lr_groups(run.optimizer) if k in run.zero_lr] if run.zero_lr else []
-    if not still or run.judge.steps < 2:
-        return []
-    names = {id(p): n for n, p in named_parameters(run.judge.model)}
-    groups = [
-        (k, [names.get(id(p), "?") for p in run.optimizer.param_groups[k]["params"] if p.requires_grad]) for k in still
-    ]
-    schedules = {k: found for k in still if (found := lr_schedule.zeroing(run.optimizer, k)) is not None}
-    return [frozen_group_finding(groups, run.judge.steps, schedules, here=run.judge.here)]
-
-
-def _without_gradient(run: _Run) -> list[Finding]:
-    """TRN028 for the modules whose held parameters had no gradient at both sampled steps."""
-    seen = run.no_grads
-    if seen.samples < len(ungraded.SAMPLED) or not seen.none:
-        return []
-    found = ungraded.modules(run.judge.model, seen.none)
-    if not found:
-        return []
-    line = ungraded.stopping_line(found[0][0].rpartition(".")[2], seen.files)
-    return [ungraded_finding(found, ungraded.SAMPLED, line, seen.model, here=run.judge.here)]
-
-
-def _large_eps(run: _Run) -> list[Finding]:
-    """TRN027 where `run`'s adaptive optimizer has an eps far above its gradients' size."""
-    found = adaptive_eps.read(run.optimizer) if run.judge.steps >= 2 else None
-    return [large_eps_finding(found, here=run.judge.here)] if found is not None else []
-
-
-def _outrun(run: _Run, forwards: int) -> list[Finding]:
-    """TRN026 where `run`'s scheduler was stepped once per micro-batch and its schedule ran out."""
-    found = lr_schedule.outrun(run.optimizer, run.schedulers, run.judge.steps, forwards)
-    return [outrun_finding(found, here=run.judge.here)] if found is not None else []
 
 
 def _groups(optimizer: Any) -> tuple[tuple[int, int], ...]:
@@ -808,14 +703,9 @@ class ScriptWatch:
         if groups != run.groups:  # add_param_group, or a group's list replaced: the list is made again
             run.params, run.groups = _trainable(optimizer), groups
         judge = run.judge
-        if judge.steps == lr_schedule.OUTRUN_MIN:  # once: held for the report, which may come after the script's
-            # namespace (and a scheduler only it held) is gone
-            run.schedulers = lr_schedule.schedulers(optimizer)
-        if judge.steps in ungraded.SAMPLED:  # two looks per parameter in a run: which have no gradient
-            run.no_grads.sample(run.params)
-            if not run.no_grads.files:
-                run.no_grads.files = [path for path, _, _ in user_frames(sys._getframe())]
-                run.no_grads.model = unheld.name_in(sys._getframe(), judge.model) or run.no_grads.model
+        if judge.recipe is not None:  # the optimizer's recipe (numerics/training/recipe.py): a few floats a step
+            recipe, frame = judge.recipe, sys._getframe()
+            self._guarded(lambda: recipe.step(judge.steps, run.params, judge.model, frame), "reading the recipe")
         judge.finish_update()  # what the weights kept of a reference step's update, before they change again
         mine = [c for c in current if c.kept.filled_at == now and any(c.module is m for m in run.modules)]
         self._calls = [c for c in current if not any(c is m for m in mine)]
@@ -845,13 +735,6 @@ class ScriptWatch:
                     flags = FlagRead(torch.stack([grad, grad, scale, *(t.to(device) for t in losses)]))
         judge.steps += 1
         judge.micro_batches += len(mine)
-        if judge.steps == 1:  # a group left at lr 0, or pinned by its decay: said at the report
-            run.zero_lr, run.decay = _zero_lr_groups(optimizer), _decay_groups(optimizer)
-        else:
-            if run.zero_lr:  # a group at lr 0 at the first step: one that rises later (a per-group warmup) trains
-                run.zero_lr = [k for k in run.zero_lr if not _rate(optimizer, k)]
-            if run.decay:  # the decay at the group's highest lr (a warmup's peak)
-                run.decay = _decay_groups(optimizer, run.decay)
         if self._clears.noted:  # a zero_grad() after the backward, confirmed at the step by its gradients
             at = user_location(sys._getframe(1))
             self._guarded(lambda: judge.cleared_step(judge.steps, self._clears.stepped(optimizer, at)), _CLEARS)
@@ -1153,17 +1036,9 @@ class ScriptWatch:
         else:
             first = runs[0].judge
             report = first.report(scaled=first.amp.scale is not None)
-            # the training forwards per step are the first optimizer's where it is the only one
-            forwards = self._forwards if len(runs) == 1 else 0
-            first_run = runs[0]
-            hyper = [*_pinned_by_decay(first_run), *_outrun(first_run, forwards), *_large_eps(first_run)]
-            report.findings.extend([*_without_gradient(first_run), *_frozen_by_lr(first_run), *hyper])
             for run in runs[1:]:  # a second optimizer (a GAN's): its findings and counts beside
                 other = run.judge.report(scaled=run.judge.amp.scale is not None)
                 report.findings.extend(other.findings)
-                report.findings.extend(
-                    [*_frozen_by_lr(run), *_pinned_by_decay(run), *_outrun(run, 0), *_large_eps(run)]
-                )
                 counts = {k: other.data[k] for k in ("steps", "skipped_steps", "nonfinite_steps", "verdicts")}
                 report.data.setdefault("optimizers", []).append(counts)
                 # the summary's counts are the first optimizer's: each other one's beside them, so that

@@ -927,6 +927,33 @@ def ungraded_finding(
     )
 
 
+def zero_tail_finding(
+    since: int, steps: int, scheduler: str | None, optimizer: str, *, here: dict[str, Any]
+) -> Finding:
+    """TRN023: every param group's rate reached 0 at step `since` and stayed there to the last step."""
+    by = f"its {scheduler}" if scheduler else "its schedule"
+    return catalog.make(
+        "lr-zero-group",
+        message=(
+            f"Every param group of {optimizer} has had lr 0 since step {since} of {steps}: the last "
+            f"{steps - since + 1} steps moved no weight, while the loss and gradients went on. "
+            f"{by[0].upper() + by[1:]} ended at step {since}, "
+            "before the run did: a schedule sized in epochs and stepped once per optimizer step, or sized for fewer "
+            "steps than the run takes, ends there."
+        ),
+        where={"module": None, "op": None, "phase": "optimizer", **here},
+        evidence={"zero_since": since, "steps": steps, "scheduler": scheduler},
+        fix=(
+            f"size {by} to the run's optimizer steps ({steps} here; with Lightning, self.trainer."
+            "estimated_stepping_batches), or step it at the interval it is sized in (interval='epoch')"
+        ),
+        trial=Trial.untried(
+            "read from the optimizer's param groups at each step: the schedule is the script's, which fpdoctor "
+            "does not change in a running job"
+        ),
+    )
+
+
 def frozen_group_finding(
     groups: list[tuple[int, list[str]]], steps: int, schedules: dict[int, Schedule], *, here: dict[str, Any]
 ) -> Finding:

@@ -58,6 +58,7 @@ from fpdoctor.numerics.training import (
 from fpdoctor.numerics.training.control import ControlResult, run_control, wants_control
 from fpdoctor.numerics.training.live import FindingLog, Live
 from fpdoctor.numerics.training.lr_whatif import LrTrial, Snapshot, snapshot, try_lower_lr, window_runner
+from fpdoctor.numerics.training.recipe import RecipeChecks
 from fpdoctor.numerics.training.reference import Comparison
 from fpdoctor.numerics.training.replay import ReplayResult, replay
 from fpdoctor.numerics.updates.causes import Causes, cause_of
@@ -209,6 +210,8 @@ class StepJudge:
     ) -> None:
         self.model = model
         self.optimizer = optimizer
+        # the optimizer's recipe (numerics/training/recipe.py), fed by the front end at each step
+        self.recipe = RecipeChecks(optimizer) if optimizer is not None else None
         self.replay = replay
         self.what_if_steps = what_if_steps
         # set by a front end whose probe measures updates: the last finite step's facts are then kept
@@ -1367,6 +1370,8 @@ class StepJudge:
         found += held
         if self._transient:
             found.append(findings.transient_spikes(self._transient, SPIKE_RECOVERY, here=self.here))
+        if self.recipe is not None:  # what the optimizer's hyperparameters and wiring did to the updates
+            found += self.recipe.findings(self.steps, self.micro_batches, self.model, self.here)
         if self.is_compiled:
             found = compiled.label_step_findings(found, self.compiled_graphs, self.first_graphs)
         return Report(command="sentinel", findings=found, data=out)
