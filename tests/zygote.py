@@ -13,7 +13,8 @@ standard streams are the run's own, and the child exits through the interpreter'
 A run is served by a new interpreter instead when its environment differs from the server's
 (variables read at import time would be stale), when its command is not in `SERVED` (`run`, `env`
 and `health` are fast or watch their own imports), or when FPDOCTOR_TESTS_FRESH=1 is set, which
-runs the whole suite the slow way to show the fork changes nothing.
+runs the whole suite the slow way. A script that sets a variable torch reads at import (TORCH_LOGS)
+before its own `import torch` is run with subprocess, not run_python: here torch is imported first.
 
 One server per pytest process (an xdist worker runs its tests one at a time), started on first use
 and stopped at exit. It forks from a single thread and never runs a parallel op itself, so the
@@ -52,12 +53,13 @@ for line in requests:
             f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.dup2(f, fd); os.close(f)
         sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
-        sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=False)
+        encoding = os.environ.get("PYTHONIOENCODING") or None  # as a new interpreter reads it
+        sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=encoding)
         sys.stderr = sys.__stderr__ = io.TextIOWrapper(
-            io.FileIO(2, "w", closefd=False), errors="backslashreplace", line_buffering=True
+            io.FileIO(2, "w", closefd=False), encoding=encoding, errors="backslashreplace", line_buffering=True
         )
         args = job["args"]
-        del requests, replies, job, line, pid, f, fd, path, null
+        del requests, replies, job, line, pid, f, fd, path, null, encoding
         if args[0] == "-m":  # argv[0] becomes the module's file, sys.path[0] the working folder, as `python -m` has
             sys.argv, sys.path[0] = args[1:], os.getcwd()
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
@@ -91,20 +93,30 @@ class _Server:
         job = {"args": args, "cwd": os.getcwd(), "env": env, "out": out, "err": err}
         self.proc.stdin.write(json.dumps(job).encode() + b"\n")
         self.proc.stdin.flush()
-        pid = int(self.proc.stdout.readline())
+        pid = self._read()
         timer = _Timer(pid, timeout)
         try:
-            code = self.proc.stdout.readline()
+            code = self._read()
         finally:
             timer.cancel()
         if timer.fired:
             raise subprocess.TimeoutExpired([sys.executable, *args], timeout)
-        return int(code)
+        return code
+
+    def _read(self) -> int:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the tests' fork server ended (exit code {self.proc.poll()}): see tests/zygote.py")
+        return int(line)
 
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.stdin.close()  # type: ignore[union-attr]
-            self.proc.wait(timeout=30)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # a child still running (pytest interrupted): not left behind
+                self.proc.kill()
 
 
 class _Timer:
@@ -119,9 +131,9 @@ class _Timer:
         self._timer.start()
 
     def _kill(self, pid: int) -> None:
-        self.fired = True
-        with contextlib.suppress(ProcessLookupError):  # it ended as the timer fired
+        with contextlib.suppress(ProcessLookupError):  # it ended as the timer fired: no timeout
             os.kill(pid, signal.SIGKILL)
+            self.fired = True
 
     def cancel(self) -> None:
         self._timer.cancel()

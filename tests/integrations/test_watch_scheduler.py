@@ -69,3 +69,11 @@ def test_a_schedule_sized_in_micro_batches_is_no_finding(tmp_path: Path) -> None
     for scheduler in (LINEAR, COSINE_TO_FLOOR):
         report = _watch(tmp_path, scheduler, "STEPS * MICRO", per_micro_batch=True)
         assert not [f for f in report["findings"] if f["name"] == "scheduler-per-micro-batch"], scheduler
+
+
+def test_a_warm_up_sized_in_micro_batches_is_no_finding(tmp_path: Path) -> None:
+    """A linear warm-up over 100 micro-batches, stepped per micro-batch (right): it ends at optimizer step
+    25 of 60 and leaves the rate at its peak, where a decay that ended there would hold it at its floor."""
+    warmup = "sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.01, end_factor=1.0, total_iters=SIZE)"
+    report = _watch(tmp_path, warmup, "100", per_micro_batch=True)
+    assert not [f for f in report["findings"] if f["name"] == "scheduler-per-micro-batch"], report["findings"]

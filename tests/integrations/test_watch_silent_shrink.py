@@ -75,7 +75,7 @@ def test_a_projection_run_without_gradients_is_named_with_its_line_and_the_fix_t
     path = _script(tmp_path, features)
     report = report_of(tmp_path, "watch", "--", "python", str(path))
     (found,) = _named(report, "parameters-without-gradient")
-    assert found["evidence"]["modules"] == ["proj"] and found["evidence"]["steps"] == [1, 11]
+    assert found["evidence"]["modules"] == ["proj"] and found["evidence"]["steps"] == [1, 12, 24]
     line = 1 + path.read_text().splitlines().index(features.splitlines()[0].join(["        ", ""]))
     assert f"at line {line} of {path}" in found["fix"] and "net.proj.requires_grad_(False)" in found["fix"]
     stuck = float(run_python(str(path), check=True).stdout)
@@ -107,3 +107,44 @@ def test_an_eps_that_dominates_adams_denominator_is_named_and_the_default_is_not
     again = report_of(tmp_path, "watch", "--", "python", str(fixed))
     assert not _named(again, "optimizer-eps-too-large") and again["verdict"] == "ok", again["findings"]
     assert float(run_python(str(fixed), check=True).stdout) < 0.9 * slow
+
+
+def test_heads_taken_in_turn_and_an_output_the_loss_does_not_read_are_no_finding(tmp_path: Path) -> None:
+    """Two heads alternating every step (each has a gradient at one of the sampled steps), and a pooled
+    output the loss does not read (no line stops its gradients: an encoder's pooler beside the hidden
+    states)."""
+    script = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(10, 20)
+        self.pooler = nn.Linear(20, 20)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return h, self.pooler(h.mean(0, keepdim=True))
+
+torch.manual_seed(0)
+enc = Encoder()
+heads = nn.ModuleDict({"a": nn.Linear(20, 2), "b": nn.Linear(20, 1)})
+params = [*enc.parameters(), *heads.parameters()]
+opt = torch.optim.AdamW(params, lr=1e-3)
+for step in range(40):
+    x = torch.randn(16, 10)
+    hidden, _ = enc(x)
+    if step % 2:
+        loss = F.cross_entropy(heads["a"](hidden), torch.randint(0, 2, (16,)))
+    else:
+        loss = F.mse_loss(heads["b"](hidden), torch.randn(16, 1))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+    path = tmp_path / "multi.py"
+    path.write_text(script)
+    report = report_of(tmp_path, "watch", "--", "python", str(path))
+    assert not _named(report, "parameters-without-gradient"), report["findings"]

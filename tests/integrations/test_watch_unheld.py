@@ -111,3 +111,42 @@ for step in range(30):
     path.write_text(gan)
     report = report_of(tmp_path, "watch", "--", "python", str(path))
     assert not [f for f in report["findings"] if f["name"] == "parameters-outside-optimizer"], report["findings"]
+
+
+def test_heads_taken_in_turn_over_a_backbone_left_out_are_no_finding(tmp_path: Path) -> None:
+    """A probe of three heads called one a step over a backbone the optimizer leaves out: the heads not
+    called this step are still the ModuleList's, not tensors left behind by a replacement."""
+    script = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+encoder = nn.Sequential(nn.Linear(12, 24), nn.ReLU())
+heads = nn.ModuleList(nn.Linear(24, 3) for _ in range(3))
+opt = torch.optim.Adam(heads.parameters(), lr=1e-2)
+for step in range(30):
+    x = torch.randn(16, 12)
+    loss = F.cross_entropy(heads[step % 3](encoder(x)), torch.randint(0, 3, (16,)))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+    path = tmp_path / "probe.py"
+    path.write_text(script)
+    report = report_of(tmp_path, "watch", "--", "python", str(path))
+    assert not [f for f in report["findings"] if f["name"] == "parameters-outside-optimizer"], report["findings"]
+
+
+def test_an_item_of_a_sequential_replaced_after_the_optimizer_is_named_by_its_index(tmp_path: Path) -> None:
+    replaced = SCRIPT.replace(
+        "net.classifier = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))",
+        "net.classifier[2] = nn.Linear(32, 3)",
+    )
+    path = tmp_path / "train.py"
+    path.write_text(replaced)
+    report = report_of(tmp_path, "watch", "--", "python", str(path))
+    (found,) = [f for f in report["findings"] if f["name"] == "parameters-outside-optimizer"]
+    assert found["evidence"]["missing"] == ["classifier.2.weight", "classifier.2.bias"]
+    assert "replaces `classifier[2]`" in found["fix"] and "`net.classifier[2] = nn.Linear(32, 3)`" in found["fix"]
+    # the part it lacks, not the whole classifier (add_param_group refuses a parameter held twice)
+    assert "optim.add_param_group({'params': net.classifier[2].parameters()})" in found["fix"]

@@ -750,10 +750,10 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         name="weight-decay-too-strong",
         severity=W,
         title="The weight decay alone holds the weights near 0",
-        what="`fpdoctor watch` and the callbacks read each optimizer's param groups: where the decay is applied apart from the "
-        "gradient (AdamW, SGD, a decoupled_weight_decay flag) and weight_decay is 10 or more, or lr x weight_decay "
-        "at the group's highest lr is 0.1 or more, the group is named with the share of its weights the decay "
-        "takes each step.",
+        what="`fpdoctor watch` and the callbacks read each optimizer's param groups: where the decay is applied apart "
+        "from the gradient (AdamW, SGD, a decoupled_weight_decay flag) and weight_decay is 10 or more, or lr x "
+        "weight_decay at the group's highest lr is 0.1 or more, the group is named with the share of its weights "
+        "the decay takes each step.",
         why="AdamW multiplies the weights by 1 - lr x weight_decay every step before the update: weight_decay=1e3 "
         "meant as 1e-3 sets them to 0 at lr 1e-3, and 10 takes 1% a step. The gradients cannot hold the weights up: "
         "the loss stays high, nothing is NaN, and the update check agrees with the optimizer it copies.",
@@ -779,10 +779,10 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         name="scheduler-per-micro-batch",
         severity=W,
         title="The LR scheduler steps once per micro-batch, and its schedule ran out early",
-        what="`fpdoctor watch` and the callbacks count, at the report, each scheduler's steps against its optimizer's: a whole "
-        "number of 2 or more per optimizer step, as many as the training forwards per step, where the schedule "
-        "is sized in optimizer steps (its declared length is under half the steps it took, or a LambdaLR's "
-        "factor is at its final value where one step per optimizer step would not be).",
+        what="`fpdoctor watch` and the callbacks count, at the report, each scheduler's steps against its optimizer's:"
+        " a whole number of 2 or more per optimizer step, as many as the training forwards per step, where the "
+        "schedule is sized in optimizer steps (its declared length is under half the steps it took, or a "
+        "LambdaLR's factor is at its final value where one step per optimizer step would not be).",
         why="With gradient accumulation, `scheduler.step()` inside the micro-batch loop runs the schedule k times "
         "too fast: a warmup ends k times early and the decay reaches its floor after 1/k of the run, where the "
         "rate stays. Every update is smaller than planned; nothing is NaN and the loss falls, slower.",
@@ -794,9 +794,10 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         name="optimizer-eps-too-large",
         severity=W,
         title="The adaptive optimizer's eps dominates its denominator: every update shrinks",
-        what="`fpdoctor watch` and the callbacks read each adaptive optimizer's state at the report: where eps is 1e-4 or more and "
-        "the median root of the bias-corrected second moment is under a tenth of it, the updates are lr x m / "
-        "eps, a tenth or less of the optimizer's own step. Named with eps, the gradients' size and the share.",
+        what="`fpdoctor watch` and the callbacks read each adaptive optimizer's state at the report: where eps is 1e-4"
+        " or more and the median root of the bias-corrected second moment is under a tenth of it, the updates are"
+        " lr x m / eps, a tenth or less of the optimizer's own step. Named with eps, the gradients' size and the "
+        "share.",
         why="Adam divides each update by sqrt(v) + eps; eps is there to keep the division finite (1e-8). Typed 1.0 "
         "or 1e-1 it is larger than the gradients and the step becomes a small SGD step: nothing is NaN, the loss "
         "falls slowly, and a reference step with the same optimizer agrees.",
@@ -807,10 +808,11 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         name="parameters-without-gradient",
         severity=W,
         title="Parameters the optimizer holds, that require gradients, get none: that part never trains",
-        what="`fpdoctor watch` and the callbacks read, at an optimizer's first step and at its eleventh, which of the parameters it "
-        "holds that require gradients have none while others have: those with none at both are named by the "
-        "largest module whose parameters all had none, with the line that runs it without gradients where the "
-        "script shows one (a `with torch.no_grad():` that holds its call, a `.detach()` of its output).",
+        what="`fpdoctor watch` and the callbacks read, at an optimizer's steps 1, 12 and 24, which of the parameters "
+        "it holds that require gradients have none while others have: the largest module whose parameters had none "
+        "at all three is named where the script shows the line that runs it without gradients (a `with "
+        "torch.no_grad():` that holds its call, a `.detach()` of its output); an output the loss does not read (a "
+        "pooler beside the hidden states) has no such line and no finding.",
         why="A forward run under no_grad, or an output detached before the loss, leaves its module's parameters "
         "without gradients: the optimizer steps the rest, the loss falls through it, nothing is NaN, and the "
         "module stays as it was built.",

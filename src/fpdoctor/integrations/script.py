@@ -620,7 +620,7 @@ class ScriptWatch:
         """TRN025 for each optimizer whose first step found parameters outside every optimizer that stepped."""
         out = []
         for _, found in self._unheld.values():
-            if found is not None and found.missing:
+            if found is not None and found.decided:
                 names = list(found.missing)
                 line = unheld.assignment(unheld.owner(names), found.files)
                 out.append(unheld_finding(found, line, here=here))

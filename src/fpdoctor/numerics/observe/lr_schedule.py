@@ -152,14 +152,28 @@ def _outrun(optimizer: Any, schedulers: list[Any], steps: int, forwards: int) ->
         functions = getattr(scheduler, "lr_lambdas", None) or []
         if length is None and type(scheduler).__name__ == "LambdaLR" and functions:
             length = _settles(functions[0], stepped)
-        # sized like the run in optimizer steps (a short warm-up alone is not), and run out in its first half
-        if length is None or not steps / 2 <= length <= stepped / 2:
+        # sized like the run in optimizer steps, run out in its first half, and a decay: a warm-up that ends early
+        # (or one sized in micro-batches) leaves the rate at its peak
+        if length is None or not steps / 2 <= length <= stepped / 2 or not _decays(scheduler, length):
             continue
         now = float(optimizer.param_groups[0]["lr"])
         return Outrun(
             type(scheduler).__name__, stepped, steps, k, length, not functions, now, _function_line(scheduler, 0)
         )
     return None
+
+
+def _decays(scheduler: Any, end: int) -> bool:
+    """Whether the schedule ends lower than it starts (a decay, not a warm-up)."""
+    kind = type(scheduler).__name__
+    if kind == "LinearLR":
+        return float(scheduler.end_factor) < float(scheduler.start_factor)
+    if kind == "ConstantLR":  # a factor held for total_iters, then 1: it rises
+        return False
+    functions = getattr(scheduler, "lr_lambdas", None) or []
+    if kind == "LambdaLR" and functions:
+        return float(functions[0](end)) < float(functions[0](0))
+    return True  # CosineAnnealingLR, PolynomialLR: decays
 
 
 def _settles(f: Any, stepped: int) -> int | None:

@@ -7,11 +7,13 @@ and never moves. Nothing is NaN and the loss is finite: a run judged by its valu
 
 Both halves are needed, so that a choice is never called a bug: an optimizer over part of a model (a
 linear probe that leaves the backbone out) holds no tensor outside the forward, and parameters held
-by another optimizer (a GAN's two) are dropped as soon as that optimizer steps. Read once per
-optimizer, at its first step, from the gradients its backward left."""
+by another optimizer (a GAN's two) are dropped as soon as that optimizer steps, and a held tensor a
+live module still holds (a head of several taken in turn, not called this step) is no orphan. Read
+once per optimizer, at its first step, from the gradients its backward left."""
 
 from __future__ import annotations
 
+import gc
 import linecache
 import re
 from collections.abc import Iterable
@@ -30,10 +32,15 @@ class Unheld:
     outside it."""
 
     optimizer: str  # its class name
-    orphans: list[tuple[int, ...]]  # shapes of the tensors it holds that no forward of the step used
+    orphans: list[torch.Tensor]  # the tensors it holds that no forward used and that had no gradient
     missing: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> parameter with a gradient it lacks
     files: list[str] = field(default_factory=list)  # the user's files on the stack at the step: where to look
     called: str = "optimizer"  # the script's name for the optimizer, where a user frame binds one
+
+    @property
+    def decided(self) -> bool:
+        """Both halves left (another optimizer that stepped may hold what is missing)."""
+        return bool(self.orphans) and bool(self.missing)
 
 
 def read(optimizer: object, held: list[torch.Tensor], modules: Iterable[nn.Module]) -> Unheld | None:
@@ -45,14 +52,28 @@ def read(optimizer: object, held: list[torch.Tensor], modules: Iterable[nn.Modul
         for name, p in module.named_parameters():
             ran.setdefault(id(p), name)
             named.setdefault(name, p)
-    orphans = [tuple(p.shape) for p in held if id(p) not in ran and p.grad is None]
+    orphans = [p for p in held if id(p) not in ran and p.grad is None]
     if not orphans:
         return None
     mine = {id(p) for p in held}
     missing = {n: p for n, p in named.items() if p.requires_grad and p.grad is not None and id(p) not in mine}
     if not missing:
         return None
-    return Unheld(type(optimizer).__name__, orphans, missing)
+    # a head not called this step (one of several taken in turn) is still a module's: a replaced one is no one's
+    registered = _in_modules(orphans)
+    orphans = [p for p in orphans if id(p) not in registered]
+    return Unheld(type(optimizer).__name__, orphans, missing) if orphans else None
+
+
+def _in_modules(tensors: list[torch.Tensor]) -> set[int]:
+    """The ids of those of `tensors` that a live module holds as a parameter (one look at every object
+    the collector tracks: made only where both halves were found)."""
+    wanted = {id(t) for t in tensors}
+    found: set[int] = set()
+    for obj in gc.get_objects():
+        if isinstance(obj, nn.Module):
+            found.update(id(p) for p in obj._parameters.values() if p is not None and id(p) in wanted)
+    return found
 
 
 def held_by(found: Unheld, held: list[torch.Tensor]) -> None:
@@ -63,31 +84,36 @@ def held_by(found: Unheld, held: list[torch.Tensor]) -> None:
 
 def owner(names: Iterable[str]) -> str:
     """The module that holds all the parameters, by path: `classifier` for classifier.0.weight and
-    classifier.2.bias (the one a script replaces), "" for the model itself."""
+    classifier.2.bias, `classifier.2` for classifier.2.weight and .bias (an item the script replaced),
+    "" for the model itself."""
     paths = [n.split(".")[:-1] for n in names]
     common: list[str] = []
     for parts in zip(*paths, strict=False):
         if len(set(parts)) != 1:
             break
         common.append(parts[0])
-    while common and not common[-1].isidentifier():  # `layers.3`: the ModuleList's item was assigned
-        common.pop()
     return ".".join(common)
 
 
 def assignment(path: str, files: Iterable[str]) -> tuple[str, int, str] | None:
     """The line of the user's files (those on the stack at the step) that assigns a module to the
-    attribute that ends `path` from outside the module (`model.head = nn.Linear(...)`): (path, line,
-    its text), where exactly one does."""
-    if not path:
+    attribute, or the item, that ends `path` from outside the module (`model.head = nn.Linear(...)`,
+    `model.classifier[2] = ...`): (file, line, its text), where exactly one does."""
+    parts = path.split(".") if path else []
+    if not parts:
         return None
-    attr = re.escape(path.rpartition(".")[2])
-    pattern = re.compile(rf"\.\s*{attr}\s*=(?!=)|setattr\([^,]+,\s*['\"]{attr}['\"]")
+    if parts[-1].isdigit():  # an item of a Sequential or ModuleList, assigned by its index
+        if len(parts) < 2 or not parts[-2].isidentifier():
+            return None
+        pattern = re.compile(rf"\.\s*{re.escape(parts[-2])}\s*\[\s*{parts[-1]}\s*\]\s*=(?!=)")
+    else:
+        attr = re.escape(parts[-1])
+        pattern = re.compile(rf"\.\s*{attr}\s*=(?!=)|setattr\([^,]+,\s*['\"]{attr}['\"]")
     # `self.head = ...` is the module's own __init__ building it: the replacement is made from outside
     hits = [
-        (path, i, line.strip())
-        for path in dict.fromkeys(files)
-        for i, line in enumerate(linecache.getlines(path), 1)
+        (source, i, line.strip())
+        for source in dict.fromkeys(files)
+        for i, line in enumerate(linecache.getlines(source), 1)
         if pattern.search(line) and not line.lstrip().startswith("self.")
     ]
     if len(hits) != 1:

@@ -17,6 +17,7 @@ from fpdoctor.numerics.observe.adaptive_eps import LargeEps
 from fpdoctor.numerics.observe.amp import ScaleWatch
 from fpdoctor.numerics.observe.grad_clears import Cleared
 from fpdoctor.numerics.observe.lr_schedule import Outrun, Schedule
+from fpdoctor.numerics.observe.ungraded import written
 from fpdoctor.numerics.observe.unheld import Unheld, owner
 from fpdoctor.numerics.training import distributed, transient
 from fpdoctor.numerics.training.control import ControlResult
@@ -796,10 +797,12 @@ def _zero_lr_fix(schedules: dict[int, Schedule]) -> str:
 def unheld_finding(found: Unheld, line: tuple[str, int, str] | None, *, here: dict[str, Any]) -> Finding:
     """TRN025: the model's parameters that got gradients and no optimizer holds, beside the tensors
     the optimizer holds that no forward used (`numerics/observe/unheld.py`)."""
-    optimizer, orphans, missing = found.optimizer, found.orphans, list(found.missing)
-    module = owner(missing) or "a module"
+    optimizer, orphans, missing = found.optimizer, [tuple(p.shape) for p in found.orphans], list(found.missing)
+    path = owner(missing)
+    # as the script writes it (`classifier[2]`); the model's own parameters: "the model's layer"
+    module = written(path) if path and not path[0].isdigit() else f"model{written(path)}" if path else "a layer"
     shown = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
-    shapes = ", ".join(str(tuple(s)) for s in orphans[:4]) + (", ..." if len(orphans) > 4 else "")
+    shapes = ", ".join(str(s) for s in orphans[:4]) + (", ..." if len(orphans) > 4 else "")
     where_made = f" (line {line[1]} of {line[0]}: `{line[2]}`)" if line else ""
     # the script's own name for the new module, from the line that assigns it: `model.head`
     target = line[2].split("=")[0].strip() if line and "setattr" not in line[2] else None
@@ -811,7 +814,7 @@ def unheld_finding(found: Unheld, line: tuple[str, int, str] | None, *, here: di
             f"and that got no gradient (shapes {shapes}): the optimizer was built before `{module}` was "
             f"replaced{where_made}, and steps the tensors it was given."
         ),
-        where={"module": owner(missing) or None, "op": None, "phase": "optimizer", **here},
+        where={"module": path or None, "op": None, "phase": "optimizer", **here},
         evidence={"optimizer": optimizer, "missing": missing[:20], "orphans": [list(s) for s in orphans[:20]]},
         fix=(
             f"build the optimizer after the model is final: move its line after the one that replaces "
@@ -893,7 +896,7 @@ def large_eps_finding(found: LargeEps, *, here: dict[str, Any]) -> Finding:
 def ungraded_finding(
     found: list[tuple[str, list[str]]],
     steps: tuple[int, ...],
-    line: tuple[str, int, str] | None,
+    line: tuple[str, int, str],
     model: str,
     *,
     here: dict[str, Any],
@@ -902,10 +905,10 @@ def ungraded_finding(
     sampled steps (numerics/observe/ungraded.py)."""
     names = [n for _, params in found for n in params]
     shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-    which = ", ".join(f"`{m}`" for m, _ in found[:4]) + (", ..." if len(found) > 4 else "")
-    at = " and ".join(str(s + 1) for s in steps)
-    stop = f" Line {line[1]} of {line[0]} (`{line[2]}`) runs it without gradients." if line else ""
-    module = found[0][0]
+    which = ", ".join(f"`{written(m)}`" for m, _ in found[:4]) + (", ..." if len(found) > 4 else "")
+    at = ", ".join(str(s + 1) for s in steps[:-1]) + f" and {steps[-1] + 1}"
+    stop = f" Line {line[1]} of {line[0]} (`{line[2]}`) runs it without gradients."
+    module = written(found[0][0])
     return catalog.make(
         "parameters-without-gradient",
         message=(
@@ -913,12 +916,12 @@ def ungraded_finding(
             f"had none at its steps {at} while the rest of the model's "
             f"had: the backward never reaches them, and they stay as they were built.{stop}"
         ),
-        where={"module": module, "op": None, "phase": "backward", **here},
+        where={"module": found[0][0], "op": None, "phase": "backward", **here},
         evidence={"modules": [m for m, _ in found], "parameters": names[:20], "steps": [s + 1 for s in steps]},
         fix=(
-            (f"remove what stops the gradients at line {line[1]} of {line[0]} (`{line[2]}`), " if line else "")
-            + f"run `{module}`'s forward with gradients (no torch.no_grad() or inference_mode around its call, no "
-            f".detach() of its output); if it is frozen on purpose, say so: {model}.{module}.requires_grad_(False)"
+            f"remove what stops the gradients at line {line[1]} of {line[0]} (`{line[2]}`): run `{module}`'s forward "
+            "with gradients (no torch.no_grad() or inference_mode around its call, no .detach() of its output); if it "
+            f"is frozen on purpose, say so: {model}.{module}.requires_grad_(False)"
         ),
         trial=Trial.untried(
             "read from the gradients at the sampled steps: the no_grad or detach is the script's own code, which "

@@ -139,7 +139,9 @@ class RecipeChecks:
         found = ungraded.modules(model, seen.none)
         if not found:
             return []
-        line = ungraded.stopping_line(found[0][0].rpartition(".")[2], seen.files)
+        line = ungraded.stopping_line(found[0][0], [*seen.files, *ungraded.model_files(model)])
+        if line is None:  # no line stops them: an output the loss does not read (a pooler), not a bug
+            return []
         return [ungraded_finding(found, ungraded.SAMPLED, line, seen.model, here=here)]
 
     def _frozen_by_lr(self, steps: int, model: nn.Module, here: dict[str, Any]) -> list[Finding]:

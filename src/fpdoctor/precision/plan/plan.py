@@ -692,7 +692,9 @@ def _ranked(judged: list[_Set]) -> list[str]:
 def apply_plan(model: nn.Module, the_plan: Plan) -> nn.Module:
     """Put `model` in the plan's dtype, with its modules kept in fp32 behind boundary casts, and
     its floating inputs cast to that dtype on the way in, so it takes the inputs you have (in place;
-    each kept module is replaced by an fp32 copy of itself, as the plan checked it)."""
+    each kept module is replaced by an fp32 copy of itself, as the plan checked it: a reference to the
+    module taken before, an optimizer's included, holds the old one, and a weight it tied with a
+    module left in the dtype is two weights from here on; for serving, not for training)."""
     if the_plan.candidate not in _APPLICABLE:
         raise ValueError(
             f"{the_plan.candidate} ran in fpdoctor's own fp8 layers; apply the plan in your fp8 recipe "
