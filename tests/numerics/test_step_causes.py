@@ -266,3 +266,18 @@ def test_a_nan_made_after_the_model_at_a_named_op_keeps_that_ops_checked_fix():
     (verdict,) = step_findings.verdict_findings(7, result, {}, micro_batches=False, kind="nan")
     assert verdict.fix == culprit.fix and verdict.trial == checked
     assert "every target ignored" not in verdict.message and "at the op named above" in verdict.message
+
+
+def test_a_loss_made_non_finite_after_the_outputs_with_no_op_named_sends_to_trace() -> None:
+    """A compute_loss of the script's own (a Hugging Face Trainer's) is not in the callback's replay, which
+    runs the model: no op is named. The fix was "guard the denominator" whatever the loss code did (a log
+    of 0 in a label smoothing): it is `fpdoctor trace`, which follows the loss code op by op."""
+    from fpdoctor.numerics.training import findings as step_findings
+    from fpdoctor.numerics.training.replay import ReplayResult
+
+    result = ReplayResult("deterministic-nonfinite", culprit=None, evidence={"made_after_outputs": True})
+    (verdict,) = step_findings.verdict_findings(3, result, {}, micro_batches=False, kind="nan")
+    assert (
+        verdict.fix.startswith("Run `fpdoctor trace -- <your script>`") and "guard the denominator" not in verdict.fix
+    )
+    assert verdict.trial is not None and not verdict.trial.tried and "trace runs both" in verdict.trial.reason

@@ -111,9 +111,11 @@ _AFTER_OUTPUTS_NAMED = (
     " The model's outputs were finite while the loss computed from them (or its gradient) was not: the NaN/Inf "
     "is made after the model, in the loss code, at the op named above."
 )
+# no op named: the replay ran the model, and the loss code (a compute_loss of the script's own) is not in it
 _AFTER_OUTPUTS_FIX = (
-    "Check the loss code on this step's batch: guard the denominator (a count of valid targets that can be 0), or "
-    "skip a batch with nothing to learn from."
+    "Run `fpdoctor trace -- <your script>`: it follows the loss code op by op on the steps it runs, names the op "
+    "that makes the NaN/Inf (a log of a probability that is 0, a division by a count that is 0) and checks its fix "
+    "there"
 )
 
 _NO_OP = "the replay named no op that made the value, so there was nothing to re-run in another way"
@@ -287,7 +289,7 @@ def verdict_findings(
             if climbed is not None and control_fix is not None
             else (first.fix, first.trial)  # an op of the loss code named, with its own checked fix (a clamp)
             if after and first is not None and decided
-            else (_AFTER_OUTPUTS_FIX, Trial.untried("a change to the loss code, which fpdoctor does not write"))
+            else (_AFTER_OUTPUTS_FIX, Trial.untried("the replay ran the model, not the loss code: trace runs both"))
             if after
             else (first.fix, first.trial)
             if first is not None and decided
