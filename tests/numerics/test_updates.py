@@ -542,3 +542,20 @@ def test_the_master_weights_code_keeps_every_setting_the_user_gave_their_optimiz
     adam = master_weights_code(torch.optim.Adam(p, lr=1e-5, betas=(0.8, 0.99), eps=1e-6))
     assert "torch.optim.Adam(masters, lr=1e-05, betas=(0.8, 0.99), eps=1e-06, weight_decay=0)" in adam, adam
     assert "in place of optimizer.step() (after loss.backward() and any clip of the gradients)" in adam
+
+
+def test_master_weights_that_change_the_loss_by_less_than_the_noise_are_information():
+    """Pure bf16 with updates partly rounded away (16% of the weights move a step) where fp32 masters move
+    90% and leave the loss 0.15% lower over the what-if's steps: the run matched its fp32 copy, and the
+    warning with fp32 masters as fix 1 changed nothing applied. It is said as information, measured."""
+    from fpdoctor.numerics.updates.findings import _tried_text
+    from fpdoctor.numerics.updates.whatif import WhatIf
+
+    tried = WhatIf(steps=8, loss_as_is=0.06822, loss_fixed=0.06812, moved_as_is=0.16, moved_fixed=0.9, seconds=0.1)
+    assert tried.immaterial and not tried.helped
+    text, _ = _tried_text(tried, "")
+    assert "0.15% lower, within the batch's noise" in text, text
+    stuck = WhatIf(steps=8, loss_as_is=35.5, loss_fixed=35.5, moved_as_is=0.0, moved_fixed=1.0, seconds=0.1)
+    assert stuck.helped and not stuck.immaterial  # weights that do not move at all: a stall
+    clear = WhatIf(steps=8, loss_as_is=0.5, loss_fixed=0.4, moved_as_is=0.16, moved_fixed=0.9, seconds=0.1)
+    assert clear.helped and not clear.immaterial

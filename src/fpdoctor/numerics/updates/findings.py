@@ -8,7 +8,7 @@ from typing import Any
 from fpdoctor import catalog
 from fpdoctor.numerics.updates.measure import ParamUpdate, StateUpdate, UpdateStats
 from fpdoctor.numerics.updates.whatif import WhatIf, master_weights_code, stochastic_rounding_hint
-from fpdoctor.report.model import Finding, Trial
+from fpdoctor.report.model import Finding, Severity, Trial
 
 
 def _module_of(parameter: str) -> str | None:
@@ -45,6 +45,13 @@ def _tried_text(tried: WhatIf | None, untried: str) -> tuple[str, dict[str, Any]
     )
     if tried.helped:
         return f" Tried: {text} (checked, {tried.seconds:.2g} s, on copies).", evidence
+    if tried.immaterial:
+        fall = (tried.loss_as_is - tried.loss_fixed) / abs(tried.loss_as_is) if tried.loss_as_is else 0.0
+        return (
+            f" Tried: {text}, {fall:.2%} lower, within the batch's noise: the rounding is not what limits this "
+            "run over these steps.",
+            evidence,
+        )
     return f" Tried, and it did not help here: {text}.", evidence
 
 
@@ -126,6 +133,8 @@ def rounded_away_finding(
         message=message,
         fix=fix,
         trial=trial,
+        # measured as no loss gained: information, not a warning on a run that matches its fp32 copy
+        severity=Severity.INFO if tried is not None and tried.immaterial else None,
         where={"module": _module_of(worst.name), "op": None, "phase": "optimizer", "step": stats.step, **here},
         evidence={
             "kind": "rounded-away",

@@ -29,6 +29,10 @@ from fpdoctor.numerics.updates.measure import LOW_PRECISION, no_global_optimizer
 from fpdoctor.preserve import preserved
 
 WHAT_IF_STEPS = 8
+# fp32 master weights helped where the loss after the what-if's steps is this share lower than as it is: less
+# is the batch's noise, and the rounding is not what limits the run (a bf16 run that matches fp32)
+MATERIAL = 0.005
+MOVING = 0.05
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,18 @@ class WhatIf:
             return self.moved_fixed > self.moved_as_is
         if not math.isfinite(self.loss_fixed):
             return False
-        return self.moved_fixed > self.moved_as_is and not self.loss_fixed > self.loss_as_is
+        return self.moved_fixed > self.moved_as_is and not self.loss_fixed > self.loss_as_is and not self.immaterial
+
+    @property
+    def immaterial(self) -> bool:
+        """The low-precision weights move (MOVING of them a step or more) and the loss, known and finite, is
+        lower with fp32 masters by less than MATERIAL of it: the rounding costs the run nothing it measures
+        over these steps. Weights that do not move at all are a stall whatever the loss says yet."""
+        if self.error is not None or not self.loss_known or self.moved_as_is < MOVING:
+            return False
+        if not (math.isfinite(self.loss_fixed) and math.isfinite(self.loss_as_is)):
+            return False
+        return self.loss_as_is - MATERIAL * abs(self.loss_as_is) < self.loss_fixed <= self.loss_as_is
 
     @property
     def loss_known(self) -> bool:
