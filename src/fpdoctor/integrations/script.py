@@ -704,8 +704,10 @@ class ScriptWatch:
             run.params, run.groups = _trainable(optimizer), groups
         judge = run.judge
         if judge.recipe is not None:  # the optimizer's recipe (numerics/training/recipe.py): a few floats a step
-            recipe, frame = judge.recipe, sys._getframe()
-            self._guarded(lambda: recipe.step(judge.steps, run.params, judge.model, frame), "reading the recipe")
+            try:
+                judge.recipe.step(judge.steps, run.params, judge.model, sys._getframe())
+            except Exception as exc:  # the observer never kills the job
+                self._error("reading the optimizer's recipe", exc)
         judge.finish_update()  # what the weights kept of a reference step's update, before they change again
         mine = [c for c in current if c.kept.filled_at == now and any(c.module is m for m in run.modules)]
         self._calls = [c for c in current if not any(c is m for m in mine)]

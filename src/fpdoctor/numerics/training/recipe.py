@@ -105,10 +105,14 @@ class RecipeChecks:
                 self.zero_lr = [k for k in self.zero_lr if not _rate(optimizer, k)]
             if self.decay:  # the decay at the group's highest lr (a warmup's peak)
                 self.decay = _decay_groups(optimizer, self.decay)
-        if any(_rate(optimizer, k) for k in range(len(optimizer.param_groups))):
-            self.had_rate, self.zero_since = True, None
-        elif self.zero_since is None:
-            self.zero_since = done + 1
+        for group in optimizer.param_groups:  # every step: a float per group, no generator
+            lr = group.get("lr")
+            if isinstance(lr, (int, float)) and lr > 0:
+                self.had_rate, self.zero_since = True, None
+                break
+        else:
+            if self.zero_since is None:
+                self.zero_since = done + 1
         if done == lr_schedule.OUTRUN_MIN:  # held for the report, which may come after the script's namespace
             # (and a scheduler only it held) is gone
             self.schedulers = lr_schedule.schedulers(optimizer)
