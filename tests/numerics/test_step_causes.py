@@ -281,3 +281,4 @@ def test_a_loss_made_non_finite_after_the_outputs_with_no_op_named_sends_to_trac
         verdict.fix.startswith("Run `fpdoctor trace -- <your script>`") and "guard the denominator" not in verdict.fix
     )
     assert verdict.trial is not None and not verdict.trial.tried and "trace runs both" in verdict.trial.reason
+    assert "named op" not in verdict.title and "no op named" in verdict.title  # the title claimed one

@@ -121,6 +121,8 @@ _AFTER_OUTPUTS_FIX = (
 _NO_OP = "the replay named no op that made the value, so there was nothing to re-run in another way"
 
 _BAD_DATA_TITLE = "A non-finite step reproduced on replay: the batch itself held NaN/Inf (bad data, not an op)"
+# the catalogue's title speaks of "the named op": where the replay named none, it says so
+_NO_OP_TITLE = "A non-finite step reproduced on replay: the same batch makes it again (no op named)"
 
 
 def _batch_held_it(culprit: Finding | None) -> bool:
@@ -324,7 +326,7 @@ def verdict_findings(
             },
             fix=fix,
             trial=trial,
-            title=_BAD_DATA_TITLE if _batch_held_it(first) else None,
+            title=_BAD_DATA_TITLE if _batch_held_it(first) else _NO_OP_TITLE if first is None else None,
         )
         others = result.others
         if climbed is not None and control_fix is not None and control_trial is not None:
