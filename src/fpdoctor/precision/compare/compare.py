@@ -604,6 +604,15 @@ class _Comparison:
             if self.given else ""
         )  # fmt: skip
         head = f"the model fails in the reference run (its fp64 copy){given}"
+        quantized = _quantized(self.truth_run)
+        if quantized is not None:  # no float copy of an int8 layer exists: a cast of the inputs cannot help
+            name, kind = quantized
+            return ReferenceFailed(
+                f"{head}: `{name}` is a quantized module ({kind}), which runs in no floating dtype, so there is no "
+                "fp64 run of this model to judge it against",
+                fix="give compare the floating model the quantized one was made from (before quantize_dynamic or "
+                "convert) with --candidate the precision you mean; a quantized model is not a candidate it can run",
+            )
         if not self.given and mismatch_error(str(exc)) == "dtype":
             explained = explain_failure(self.truth_run, cast_inputs(self.run_inputs, torch.float64, copy=True))
             if explained is not None and explained.fix:
@@ -2142,6 +2151,16 @@ def _whole_row(output: Any, sample: torch.Tensor) -> int | None:
     if first is None or first.dim() < 2 or first.numel() != sample.numel():
         return None
     return int(first.shape[-1])
+
+
+def _quantized(model: nn.Module) -> tuple[str, str] | None:
+    """The first module of torch's quantized layers (torch.ao.nn.quantized: quantize_dynamic's Linear,
+    convert's), by name and class; None for a floating model."""
+    for name, module in model.named_modules():
+        where = type(module).__module__
+        if where.startswith(("torch.ao.nn.quantized", "torch.nn.quantized", "torch.ao.nn.intrinsic.quantized")):
+            return name, f"{where}.{type(module).__name__}"
+    return None
 
 
 def _unexplained(rows: list[ModuleRow]) -> float | None:
