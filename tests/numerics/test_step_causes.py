@@ -54,6 +54,11 @@ def test_a_cause_repeated_on_every_step_is_one_finding_with_its_count_and_replay
     assert len(replays) == step_judge.REPLAYS_PER_CAUSE  # the rest are counted under the cause, not replayed
     assert report.data["skipped_steps"] == 12
     assert set(report.data["not_replayed"]) == set(range(step_judge.REPLAYS_PER_CAUSE + 1, 13))
+    # the reproduced steps' finding says the rest were counted under it (its "same on N" counts replays only)
+    (verdict,) = report.by_name("deterministic-nonfinite")
+    rest = 12 - step_judge.REPLAYS_PER_CAUSE
+    assert f"{rest} later non-finite step(s) with the same symptoms" in verdict.message, verdict.message
+    assert verdict.evidence["counted_without_replay"] == rest
 
 
 def test_a_run_whose_every_step_is_skipped_is_said_to_stall_with_the_cause_replays_name():

@@ -61,7 +61,7 @@ from fpdoctor.numerics.training.lr_whatif import LrTrial, Snapshot, snapshot, tr
 from fpdoctor.numerics.training.recipe import RecipeChecks
 from fpdoctor.numerics.training.reference import Comparison
 from fpdoctor.numerics.training.replay import ReplayResult, replay
-from fpdoctor.numerics.updates.causes import Causes, cause_of
+from fpdoctor.numerics.updates.causes import Causes, annotated, cause_of
 from fpdoctor.numerics.updates.judge import UpdateJudge
 from fpdoctor.numerics.updates.measure import EVERY, UpdateStats, UpdateSummary
 from fpdoctor.numerics.updates.whatif import WHAT_IF_STEPS, WhatIf, what_if
@@ -1359,7 +1359,7 @@ class StepJudge:
         summary.insert(0, ("judged", out["judged"]))  # an OK says what it judged, and what it did not
         out["timeline"] = findings.timeline(self.history, self.findings, TIMELINE_POINTS)
         out["summary"] = summary
-        found = findings.causes_first(list(self.findings))
+        found = self._counted_under(findings.causes_first(list(self.findings)))
         if scaled:  # a scale that calibrated down at the start and settled: early skips were no stall
             found = findings.settled(found, self.history, self.amp.scale)
         # a spike still held is judged by what the run did: it ended before the loss came back
@@ -1375,6 +1375,21 @@ class StepJudge:
         if self.is_compiled:
             found = compiled.label_step_findings(found, self.compiled_graphs, self.first_graphs)
         return Report(command="sentinel", findings=found, data=out)
+
+    def _counted_under(self, found: list[Finding]) -> list[Finding]:
+        """The reproduced step's finding, with the later non-finite steps of the same symptoms that were
+        counted under it without a replay (its "same on N steps" counts the replayed ones only)."""
+        counted = sorted(s for s, why in self.not_replayed.items() if why.startswith("the same symptoms"))
+        at = next((i for i, f in enumerate(found) if f.name == "deterministic-nonfinite"), None)
+        if not counted or at is None:
+            return found
+        text = (
+            f" {len(counted)} later non-finite step(s) with the same symptoms (steps {counted[0]}-{counted[-1]}) "
+            "were counted under it without a replay."
+        )
+        out = list(found)
+        out[at] = annotated(found[at], text, {"counted_without_replay": len(counted)})
+        return out
 
     def _judged(self, out: dict[str, Any]) -> str:
         """One sentence: the steps judged and by what, each reference with its measure, and what was
