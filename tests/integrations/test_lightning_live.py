@@ -129,3 +129,35 @@ def test_a_report_file_that_cannot_be_written_is_said_and_stops_nothing(tmp_path
     report = callback.report
     assert report.findings == [] and "sentinel-error" not in {f.name for f in report.findings}
     assert "could not be written" in report.data["not_checked"]["report file"]
+
+
+def test_watch_around_a_lightning_script_says_what_the_callbacks_recipe_checks_found(tmp_path):
+    """`fpdoctor watch` hands Lightning's steps to the callback it switches on and adds its findings: those
+    the recipe checks read from the optimizer at the report (an AdamW eps typed 10.0 for 1e-8) were left out, and
+    the run was OK with no word of what was judged."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "fit.py"
+    script.write_text(
+        "import torch\n"
+        "from tests.integrations.lit import Net, data, trainer\n"
+        "class Typo(Net):\n"
+        "    def configure_optimizers(self):\n"
+        "        return torch.optim.AdamW(self.parameters(), lr=1e-2, eps=10.0)\n"
+        "trainer([], max_steps=24).fit(Typo(), data())\n"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = tmp_path / "watch.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fpdoctor", "watch", "-o", str(out), "--", str(script)],
+        check=False, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [f["name"] for f in report["findings"]] == ["optimizer-eps-too-large"], report["findings"]
+    judged = dict(map(tuple, report["data"]["summary"]))["judged by the callback"]
+    assert judged.startswith("24 optimizer step(s)"), judged

@@ -1064,9 +1064,12 @@ class ScriptWatch:
             )
         before: set[int] = getattr(self, "_before", set())
         for callback in [c for c in framework.ACTIVE if id(c) not in before]:  # a callback's steps, judged by it
-            report.findings.extend(callback.findings)
+            made = callback.report("callback")  # its findings and the recipe's, read from its optimizer at the report
+            report.findings.extend(made.findings)
             counts = {"steps": callback.steps, "skipped_steps": callback.skipped}
             report.data.setdefault("callbacks", []).append(counts)
+            if made.data.get("judged"):  # an OK says what it judged: the callback's steps
+                report.data.setdefault("summary", []).append(("judged by the callback", made.data["judged"]))
         report.findings.extend(self._unheld_findings(runs[0].judge.here if runs else {}))
         if not runs and not report.findings and self._never_stepped():
             report.findings.append(_never_stepped(self._forwards))

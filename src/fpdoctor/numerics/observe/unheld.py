@@ -16,9 +16,11 @@ from __future__ import annotations
 import gc
 import linecache
 import re
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,6 +38,7 @@ class Unheld:
     missing: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> parameter with a gradient it lacks
     files: list[str] = field(default_factory=list)  # the user's files on the stack at the step: where to look
     called: str = "optimizer"  # the script's name for the optimizer, where a user frame binds one
+    group_lr: float | None = None  # the lr of the group the orphans are in, where it is not the optimizer's default
 
     @property
     def decided(self) -> bool:
@@ -62,7 +65,16 @@ def read(optimizer: object, held: list[torch.Tensor], modules: Iterable[nn.Modul
     # a head not called this step (one of several taken in turn) is still a module's: a replaced one is no one's
     registered = _in_modules(orphans)
     orphans = [p for p in orphans if id(p) not in registered]
-    return Unheld(type(optimizer).__name__, orphans, missing) if orphans else None
+    if not orphans:
+        return None
+    found = Unheld(type(optimizer).__name__, orphans, missing)
+    # the new layer takes the old one's place: its group's rate, where that is not what add_param_group gives
+    groups: list[dict[str, Any]] = getattr(optimizer, "param_groups", [])
+    group = next((g for g in groups if any(p is orphans[0] for p in g["params"])), {})
+    lr = group.get("lr")
+    if isinstance(lr, (int, float)) and lr != getattr(optimizer, "defaults", {}).get("lr"):
+        found.group_lr = float(lr)
+    return found
 
 
 def _in_modules(tensors: list[torch.Tensor]) -> set[int]:
@@ -70,9 +82,11 @@ def _in_modules(tensors: list[torch.Tensor]) -> set[int]:
     the collector tracks: made only where both halves were found)."""
     wanted = {id(t) for t in tensors}
     found: set[int] = set()
-    for obj in gc.get_objects():
-        if isinstance(obj, nn.Module):
-            found.update(id(p) for p in obj._parameters.values() if p is not None and id(p) in wanted)
+    with warnings.catch_warnings():  # isinstance on a deprecated alias (torch.distributed.reduce_op) warns
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            if isinstance(obj, nn.Module):
+                found.update(id(p) for p in obj._parameters.values() if p is not None and id(p) in wanted)
     return found
 
 

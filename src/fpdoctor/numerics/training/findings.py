@@ -825,7 +825,9 @@ def unheld_finding(found: Unheld, line: tuple[str, int, str] | None, *, here: di
             f"`{module}`{where_made}"
             + (
                 f"; or add what it lacks after that line: "
-                f"{found.called}.add_param_group({{'params': {target}.parameters()}})"
+                f"{found.called}.add_param_group({{'params': {target}.parameters()"
+                + (f", 'lr': {found.group_lr:g}" if found.group_lr is not None else "")
+                + "})"
                 if target
                 else ""
             )
