@@ -804,6 +804,19 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         fix="Set eps back to the optimizer's default (1e-8 for Adam and AdamW).",
     ),
     RuleInfo(
+        code="TRN029",
+        name="grad-scaler-rebuilt",
+        severity=E,
+        title="A new GradScaler is made every step: its scale never calibrates",
+        what="`fpdoctor watch` notes which GradScaler steps each optimizer: a new one on half of the scaled steps "
+        "or more (and at least 3 times) is named with the steps, the skipped steps and the init scale each started "
+        "at.",
+        why="A GradScaler halves its scale after an overflow and keeps it: that is how it finds a scale the "
+        "gradients fit. Made inside the step, each starts at its init scale (65536) and is thrown away, so every "
+        "step whose gradients overflow there is skipped, and the scale reads 65536 on every step.",
+        fix="Build the GradScaler once, before the training loop, and step every optimizer step with that one.",
+    ),
+    RuleInfo(
         code="TRN028",
         name="parameters-without-gradient",
         severity=W,

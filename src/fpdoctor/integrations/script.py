@@ -61,7 +61,7 @@ from fpdoctor.integrations._outputs import KeptGradients, backward_from
 from fpdoctor.integrations._toplevel import TopLevelCalls
 from fpdoctor.integrations._traced_step import TracedStep
 from fpdoctor.numerics.compiled import graphs
-from fpdoctor.numerics.observe import amp, dynamo, unheld
+from fpdoctor.numerics.observe import amp, dynamo, scaler_rebuilt, unheld
 from fpdoctor.numerics.observe.batches import MicroBatch, OutputsOnly
 from fpdoctor.numerics.observe.grad_clears import Cleared, GradClears, zero_grad_owners
 from fpdoctor.numerics.observe.gradcheck import (
@@ -78,7 +78,7 @@ from fpdoctor.numerics.observe.loader import LoaderBatches
 from fpdoctor.numerics.observe.scaler_order import Mixed, ScalerOrder
 from fpdoctor.numerics.trace.scaled_grads import ScaledGrads
 from fpdoctor.numerics.training import between, distributed, reference
-from fpdoctor.numerics.training.findings import unheld_finding
+from fpdoctor.numerics.training.findings import scaler_rebuilt_finding, unheld_finding
 from fpdoctor.numerics.training.judge import StepFacts, StepJudge, StepOutcome
 from fpdoctor.numerics.training.live import Live, StopRun, in_progress
 from fpdoctor.numerics.updates.measure import UpdateProbe, UpdateStats
@@ -296,6 +296,7 @@ class ScriptWatch:
         self._penalty: ScaledGrads | None = None  # autograd.grad of a scaled output, seen (a gradient penalty)
         self._top = TopLevelCalls(self._pre, self._post)
         self._scaler_now: dict[int, Any] = {}  # id(optimizer) -> the GradScaler stepping it now
+        self._scalers: dict[int, scaler_rebuilt.Scalers] = {}  # id(optimizer) -> the scalers that stepped it
         self._order = ScalerOrder()  # the script's unscale_, update() and backwards, in their order
         self._held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # a skipped step's gradients, by optimizer
         self._clears = GradClears()  # zero_grad() between a backward and the optimizer's step (grad_clears.py)
@@ -490,6 +491,10 @@ class ScriptWatch:
             if not amp.enabled(scaler):  # a disabled scaler is no scaler: its step() is the optimizer's
                 return original(scaler, optimizer, *args, **kwargs)
             self._scaler_now[key] = scaler
+            seen = self._scalers.get(key)
+            if seen is None:
+                seen = self._scalers[key] = scaler_rebuilt.Scalers()
+            seen.stepped(scaler)
             self._judged.discard(key)
             self._note_order(optimizer)
             try:
@@ -615,6 +620,16 @@ class ScriptWatch:
             found.files = [path for path, _, _ in user_frames(sys._getframe())]
             found.called = unheld.name_in(sys._getframe(), optimizer) or found.called
         self._unheld[id(optimizer)] = (optimizer, found)
+
+    def _rebuilt_scalers(self) -> list[Finding]:
+        """TRN029 for each watched optimizer stepped by a new GradScaler on most of its steps."""
+        out = []
+        for run in self.runs.values():
+            seen = self._scalers.get(id(run.optimizer))
+            if seen is not None and seen.rebuilt:
+                skipped = run.judge.amp.skipped
+                out.append(scaler_rebuilt_finding(seen, skipped, type(run.optimizer).__name__, here=run.judge.here))
+        return out
 
     def _unheld_findings(self, here: dict[str, Any]) -> list[Finding]:
         """TRN025 for each optimizer whose first step found parameters outside every optimizer that stepped."""
@@ -1071,6 +1086,9 @@ class ScriptWatch:
             if made.data.get("judged"):  # an OK says what it judged: the callback's steps
                 report.data.setdefault("summary", []).append(("judged by the callback", made.data["judged"]))
         report.findings.extend(self._unheld_findings(runs[0].judge.here if runs else {}))
+        rebuilt = self._rebuilt_scalers()
+        if rebuilt:  # the cause of the skips and the "collapse" the judge names: said first
+            report.findings[:0] = rebuilt
         if not runs and not report.findings and self._never_stepped():
             report.findings.append(_never_stepped(self._forwards))
         if self.unwatched:

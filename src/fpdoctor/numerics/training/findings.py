@@ -17,6 +17,7 @@ from fpdoctor.numerics.observe.adaptive_eps import LargeEps
 from fpdoctor.numerics.observe.amp import ScaleWatch
 from fpdoctor.numerics.observe.grad_clears import Cleared
 from fpdoctor.numerics.observe.lr_schedule import Outrun, Schedule
+from fpdoctor.numerics.observe.scaler_rebuilt import Scalers
 from fpdoctor.numerics.observe.ungraded import written
 from fpdoctor.numerics.observe.unheld import Unheld, owner
 from fpdoctor.numerics.training import distributed, transient
@@ -959,6 +960,28 @@ def zero_tail_finding(
         trial=Trial.untried(
             "read from the optimizer's param groups at each step: the schedule is the script's, which fpdoctor "
             "does not change in a running job"
+        ),
+    )
+
+
+def scaler_rebuilt_finding(found: Scalers, skipped: int, optimizer: str, *, here: dict[str, Any]) -> Finding:
+    """TRN029: a GradScaler made anew for most steps (numerics/observe/scaler_rebuilt.py)."""
+    start = f" at its init scale ({found.init_scale:g})" if found.init_scale is not None else ""
+    return catalog.make(
+        "grad-scaler-rebuilt",
+        message=(
+            f"{optimizer} was stepped by a new GradScaler on {found.new} of its {found.steps} scaled steps: each "
+            f"started{start} and was thrown away, so the scale never came down to where the gradients fit, and "
+            f"{skipped} of the {found.steps} steps were skipped by it. The overflows are its scale's, not the "
+            "model's: a scaler kept across steps halves its scale after each and settles."
+        ),
+        where={"module": None, "op": None, "phase": "optimizer", **here},
+        evidence={"scalers": found.new, "steps": found.steps, "skipped_steps": skipped, "init_scale": found.init_scale},
+        fix="build the GradScaler once, before the training loop (not inside the step or epoch function), and "
+        "step every optimizer step with that one",
+        trial=Trial.untried(
+            "read from which GradScaler stepped the optimizer at each step: where the scaler is made is the "
+            "script's code, which fpdoctor does not change in a running job"
         ),
     )
 
