@@ -287,3 +287,17 @@ def test_a_loss_made_non_finite_after_the_outputs_with_no_op_named_sends_to_trac
     )
     assert verdict.trial is not None and not verdict.trial.tried and "trace runs both" in verdict.trial.reason
     assert "named op" not in verdict.title and "no op named" in verdict.title  # the title claimed one
+
+
+def test_a_recipe_check_that_fails_is_said_and_the_report_stands(monkeypatch):
+    """The recipe's checks run when the report is built: one that raises (ours) is said under not_checked,
+    and the report keeps every other finding; it never raises into the caller."""
+    from fpdoctor.numerics.training.recipe import RecipeChecks
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a recipe check of ours failed")
+
+    monkeypatch.setattr(RecipeChecks, "findings", broken)
+    report = _fp16_overflow_every_step(4)
+    assert "a recipe check of ours failed" in report.data["not_checked"]["optimizer recipe"]
+    assert _names(report)["deterministic-nonfinite"] == 1

@@ -1371,7 +1371,10 @@ class StepJudge:
         if self._transient:
             found.append(findings.transient_spikes(self._transient, SPIKE_RECOVERY, here=self.here))
         if self.recipe is not None:  # what the optimizer's hyperparameters and wiring did to the updates
-            found += self.recipe.findings(self.steps, self.micro_batches, self.model, self.here)
+            try:
+                found += self.recipe.findings(self.steps, self.micro_batches, self.model, self.here)
+            except Exception as exc:  # ours: said, the report stands without it
+                out.setdefault("not_checked", {})["optimizer recipe"] = f"{type(exc).__name__}: {exc}"[:300]
         if self.is_compiled:
             found = compiled.label_step_findings(found, self.compiled_graphs, self.first_graphs)
         return Report(command="sentinel", findings=found, data=out)

@@ -116,7 +116,7 @@ class RecipeChecks:
         if done == lr_schedule.OUTRUN_MIN:  # held for the report, which may come after the script's namespace
             # (and a scheduler only it held) is gone
             self.schedulers = lr_schedule.schedulers(optimizer)
-        if done in ungraded.SAMPLED:  # two looks per parameter in a run: which have no gradient
+        if done in ungraded.SAMPLED:  # three looks per parameter in a run: which have no gradient
             self.no_grads.sample(params)
             if not self.no_grads.files and frame is not None:
                 self.no_grads.files = [path for path, _, _ in user_frames(frame)]
@@ -136,7 +136,7 @@ class RecipeChecks:
         ]
 
     def _without_gradient(self, model: nn.Module, here: dict[str, Any]) -> list[Finding]:
-        """TRN028 for the modules whose held parameters had no gradient at both sampled steps."""
+        """TRN028 for the modules whose held parameters had no gradient at every sampled step."""
         seen = self.no_grads
         if seen.samples < len(ungraded.SAMPLED) or not seen.none:
             return []
