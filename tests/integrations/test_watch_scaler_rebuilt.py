@@ -54,3 +54,15 @@ def test_a_scaler_made_in_the_step_is_named_first_and_one_made_once_is_no_findin
     fixed = _watch(tmp_path, in_step=False)  # as printed: one scaler, made before the loop
     assert not [f for f in fixed["findings"] if f["name"] == "grad-scaler-rebuilt"], fixed["findings"]
     assert fixed["data"]["amp"]["skipped_steps"] < 20, fixed["data"]["amp"]
+
+
+def test_trace_of_a_scaler_made_in_the_step_leads_its_fix_with_the_scale_that_never_came_down(tmp_path: Path) -> None:
+    """Under `trace` the skipped steps' overflow was said to be "non-finite at every scale it tried (65536)",
+    one scale; the fix leads with the scaler that never lowered it."""
+    from tests.conftest import traced_script
+
+    script = SCRIPT.replace("SCALER_IN_STEP", MADE).replace("SCALER_ONCE", "").replace("range(40)", "range(12)")
+    _, found = traced_script(tmp_path, "train", script)
+    stalled = next(f for f in found if f["name"] == "grad-scaler-stalled")
+    assert stalled["fix"].startswith("The scale stayed at 65536 over all 12 steps"), stalled["fix"][:300]
+    assert "scaler.update() not called" in stalled["fix"]

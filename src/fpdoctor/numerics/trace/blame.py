@@ -691,7 +691,17 @@ class Analysis:
             evidence["step"] = (self.step_of(r) or (skipped[0], False))[0]
             fix, trial = self._tried(r, _advice(r))
             fix = fix.rstrip(". ")
-            fix += f"; the scaler cannot fix it: the value is non-finite at every scale it tried ({run.scale_text()})"
+            if len(run.scales) >= 3 and len(set(run.scales)) == 1:  # skipped at one scale that never came down
+                fix = (
+                    f"The scale stayed at {run.scales[0]:g} over all {len(run.scales)} steps: the scaler never "
+                    "lowered it (a GradScaler made anew each step, or scaler.update() not called), so no other scale "
+                    "was tried. Build one scaler before the loop and call scaler.update() after each step; if the "
+                    "value still overflows then: " + fix[0].lower() + fix[1:]
+                )
+            else:
+                fix += (
+                    f"; the scaler cannot fix it: the value is non-finite at every scale it tried ({run.scale_text()})"
+                )
         else:
             trial = Trial.untried("no op that made the non-finite value was seen, so there was nothing to re-run")
         if len(absorbed) > 1:
