@@ -694,9 +694,9 @@ class Analysis:
             if len(run.scales) >= 3 and len(set(run.scales)) == 1:  # skipped at one scale that never came down
                 fix = (
                     f"The scale stayed at {run.scales[0]:g} over all {len(run.scales)} steps: the scaler never "
-                    "lowered it (a GradScaler made anew each step, or scaler.update() not called), so no other scale "
-                    "was tried. Build one scaler before the loop and call scaler.update() after each step; if the "
-                    "value still overflows then: " + fix[0].lower() + fix[1:]
+                    "lowered it (a GradScaler made anew each step starts at its init scale), so no other scale was "
+                    "tried. Build one scaler before the loop and use it for every step; if the value still overflows "
+                    "then: " + fix[0].lower() + fix[1:]
                 )
             else:
                 fix += (
