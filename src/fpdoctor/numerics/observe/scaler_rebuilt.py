@@ -5,11 +5,10 @@ init scale (65536): a step whose gradients overflow there is skipped, and the sc
 halved its scale for the next one is thrown away. Most steps are skipped, the scale reads 65536 at
 every step, and the run looks like an fp16 overflow that no scale cures.
 
-Read at each GradScaler.step: which scaler stepped the optimizer (a weak reference, one comparison)."""
+Read at each GradScaler.step: which scaler stepped the optimizer (one comparison; the last one held)."""
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,16 +21,15 @@ REBUILT_MIN = 3
 class Scalers:
     """The scalers one optimizer was stepped by."""
 
-    last: Any = None  # weak reference to the scaler of the last step
+    last: Any = None  # the scaler of the last step (held: a scaler of the user's class may refuse a weak reference)
     steps: int = 0  # its steps through a GradScaler
     new: int = 0  # steps whose scaler was not the one before
     init_scale: float | None = None
 
     def stepped(self, scaler: Any) -> None:
-        previous = self.last() if self.last is not None else None
-        if previous is not scaler:
+        if self.last is not scaler:
             self.new += 1
-            self.last = weakref.ref(scaler)
+            self.last = scaler
             scale = getattr(scaler, "_init_scale", None)
             self.init_scale = float(scale) if isinstance(scale, (int, float)) else None
         self.steps += 1
