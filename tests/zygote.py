@@ -53,7 +53,7 @@ for line in requests:
             f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.dup2(f, fd); os.close(f)
         sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
-        encoding = os.environ.get("PYTHONIOENCODING") or None  # as a new interpreter reads it
+        encoding = os.environ.get("PYTHONIOENCODING", "").partition(":")[0] or None  # "utf-8[:errors]"
         sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=encoding)
         sys.stderr = sys.__stderr__ = io.TextIOWrapper(
             io.FileIO(2, "w", closefd=False), encoding=encoding, errors="backslashreplace", line_buffering=True
