@@ -342,3 +342,32 @@ def test_dynamos_class_is_put_back_when_a_stale_check_is_held_only_by_a_referenc
     finally:
         if enabled:
             gc.enable()
+
+
+def test_a_check_closed_by_a_finalizer_while_another_closes_does_not_hang() -> None:
+    """Closing a check collects the stale ones a reference cycle holds (above); a stale owner's finalizer
+    (a judge's, which closes its own check) then ran inside that close, on the same thread, and waited for
+    the lock the close held: the program hung (a Lightning test ran into pytest's 300 s timeout)."""
+    import gc
+    import threading
+    import weakref
+
+    class Owner:
+        def __init__(self) -> None:
+            self.me = self  # a cycle: freed only by the collector
+            check = GraphCheck()
+            weakref.finalize(self, check.close)
+
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        Owner()
+        live = GraphCheck()
+        closer = threading.Thread(target=live.close, daemon=True)
+        closer.start()
+        closer.join(20)
+        assert not closer.is_alive(), "closing a check hung on its own lock"
+    finally:
+        if enabled:
+            gc.enable()

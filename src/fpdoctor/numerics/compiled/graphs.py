@@ -39,7 +39,9 @@ from fpdoctor.numerics.observe import dynamo
 from fpdoctor.torchprivate import current_compile_id, dynamo_output_graph
 from fpdoctor.userframes import is_user_file
 
-_lock = threading.Lock()
+# Re-entrant: closing a check collects the stale ones (gc.collect() under the lock), and a stale owner's
+# finalizer closes its own check on the same thread, inside that collection.
+_lock = threading.RLock()
 _open: weakref.WeakSet[GraphCheck] = weakref.WeakSet()  # the checks that want each graph's calls
 _patched: list[Any] = []  # (OutputGraph, its own call_user_compiler) while any check is open
 _on_import: list[bool] = []  # a check asked to wrap graphs from when torch._dynamo is imported
