@@ -817,6 +817,24 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         fix="Build the GradScaler once, before the training loop, and step every optimizer step with that one.",
     ),
     RuleInfo(
+        code="TRN030",
+        name="autocast-spans-steps",
+        severity=E,
+        title="An autocast block holds the optimizer's steps: every forward runs the weights of its first",
+        what="`fpdoctor watch` reads, at an optimizer step taken under autocast, whether autocast is still on "
+        "there; where it is, a later step's forward is run again with the weights cast afresh and compared with "
+        "the outputs the script got (the same inputs, RNG and buffers): a block that ends every step gives the same "
+        "outputs bit for bit, and is no finding.",
+        why="Autocast casts each fp32 weight to fp16/bf16 once per `with torch.autocast(...)` block and reuses "
+        "that copy until the outermost block exits. A block around the epoch or the training loop casts the "
+        "weights at its first forward and never again: the optimizer moves the fp32 weights, the forward runs the "
+        "old copies, and the loss stays where it was with nothing NaN. PyTorch's AMP notes: autocast should wrap "
+        "only the forward pass and the loss.",
+        fix="End the autocast block before the backward: `with torch.autocast(...):` around the forward and the "
+        "loss inside the loop, then `loss.backward()` and `optimizer.step()` outside it.",
+        references=("https://pytorch.org/docs/stable/amp.html#autocasting",),
+    ),
+    RuleInfo(
         code="TRN028",
         name="parameters-without-gradient",
         severity=W,

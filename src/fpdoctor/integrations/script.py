@@ -61,7 +61,7 @@ from fpdoctor.integrations._outputs import KeptGradients, backward_from
 from fpdoctor.integrations._toplevel import TopLevelCalls
 from fpdoctor.integrations._traced_step import TracedStep
 from fpdoctor.numerics.compiled import graphs
-from fpdoctor.numerics.observe import amp, dynamo, scaler_rebuilt, unheld
+from fpdoctor.numerics.observe import amp, autocast_cache, dynamo, scaler_rebuilt, unheld
 from fpdoctor.numerics.observe.batches import MicroBatch, OutputsOnly
 from fpdoctor.numerics.observe.grad_clears import Cleared, GradClears, zero_grad_owners
 from fpdoctor.numerics.observe.gradcheck import (
@@ -78,11 +78,11 @@ from fpdoctor.numerics.observe.loader import LoaderBatches
 from fpdoctor.numerics.observe.scaler_order import Mixed, ScalerOrder
 from fpdoctor.numerics.trace.scaled_grads import ScaledGrads
 from fpdoctor.numerics.training import between, distributed, reference
-from fpdoctor.numerics.training.findings import scaler_rebuilt_finding, unheld_finding
+from fpdoctor.numerics.training.findings import scaler_rebuilt_finding, stale_casts_finding, unheld_finding
 from fpdoctor.numerics.training.judge import StepFacts, StepJudge, StepOutcome
 from fpdoctor.numerics.training.live import Live, StopRun, in_progress
 from fpdoctor.numerics.updates.measure import UpdateProbe, UpdateStats
-from fpdoctor.preserve import RngState
+from fpdoctor.preserve import RngState, preserved
 from fpdoctor.report.model import Finding, Report, Severity, Trial
 from fpdoctor.torchprivate import global_optimizer_hooks, pytree
 from fpdoctor.userframes import user_frames, user_location
@@ -143,6 +143,7 @@ class _Run:
     carried: tuple[int, float | None] | None = None
     groups: tuple[tuple[int, int], ...] = ()  # `_groups(optimizer)` when `params` was made
     optimizer: Any = None
+    stale: autocast_cache.StaleCasts = field(default_factory=autocast_cache.StaleCasts)  # an autocast block over steps
 
 
 # per device: the scale slot of the flags of a step without a scaler (copied by the stack, never written)
@@ -621,6 +622,27 @@ class ScriptWatch:
             found.called = unheld.name_in(sys._getframe(), optimizer) or found.called
         self._unheld[id(optimizer)] = (optimizer, found)
 
+    def _stale_casts(self, run: _Run, step: int, call: _Call) -> None:
+        """The step's last forward ran under autocast: is the block still open at the step, and does
+        the next step's forward run the weights as they are (numerics/observe/autocast_cache.py)?"""
+
+        def fresh(device_type: str, dtype: torch.dtype) -> list[torch.Tensor] | None:
+            if any(t._version != v for t, v in call.versions):
+                return None  # an input written since: not the forward that ran
+            self._replaying, saved = True, self._replaying
+            try:
+                # nested in the script's block: its cast cache is neither read nor added to
+                cast = torch.autocast(device_type, dtype=dtype, cache_enabled=False)
+                with torch.no_grad(), preserved(call.module), cast:
+                    call.rng.restore()
+                    output = call.module(*call.args, **call.kwargs)
+            finally:
+                self._replaying = saved
+            return autocast_cache.floats(pytree.tree_leaves(output))
+
+        frames = functools.partial(user_frames, sys._getframe())
+        run.stale.at_step(step, call.autocast, fresh, call.kept.originals, frames)
+
     def _rebuilt_scalers(self) -> list[Finding]:
         """TRN029 for each watched optimizer stepped by a new GradScaler on most of its steps."""
         out = []
@@ -726,6 +748,8 @@ class ScriptWatch:
         judge.finish_update()  # what the weights kept of a reference step's update, before they change again
         mine = [c for c in current if c.kept.filled_at == now and any(c.module is m for m in run.modules)]
         self._calls = [c for c in current if not any(c is m for m in mine)]
+        if mine and mine[-1].autocast and not run.stale.done:  # a step inside autocast: its block may span steps
+            self._guarded(lambda: self._stale_casts(run, judge.steps + 1, mine[-1]), "looking at the autocast block")
         self._event += 1
         device = judge.device
         on_device = run.device_skip and not skipped_by_scaler
@@ -954,7 +978,9 @@ class ScriptWatch:
         judged alone (`OutputsOnly`)."""
         with contextlib.ExitStack() as stack:
             for device, dtype in call.autocast:
-                stack.enter_context(torch.autocast(device, dtype=dtype))  # a control switches it off
+                # a control switches it off; no cast cache: inside a block of the script's that spans the
+                # step, its cache holds the casts of the script's forward, which ours must neither read nor add to
+                stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=False))
             output = call.module(*args, **kwargs)
         return backward_from(output, call.kept)
 
@@ -965,7 +991,7 @@ class ScriptWatch:
         output moved (None where the step's loss or an output's gradient was not seen)."""
         with contextlib.ExitStack() as stack:
             for device, dtype in call.autocast:
-                stack.enter_context(torch.autocast(device, dtype=dtype))
+                stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=False))  # as `_replay_call`
             output = call.module(*args, **kwargs)
         kept = call.kept
         hooked = [
@@ -1089,6 +1115,13 @@ class ScriptWatch:
         rebuilt = self._rebuilt_scalers()
         if rebuilt:  # the cause of the skips and the "collapse" the judge names: said first
             report.findings[:0] = rebuilt
+        stale = [
+            stale_casts_finding(run.stale.found, type(run.optimizer).__name__, here=run.judge.here)
+            for run in runs
+            if run.stale.found is not None
+        ]
+        if stale:  # no update reaches the forward: the flat loss and the what-ifs the judge names follow from it
+            report.findings[:0] = stale
         if not runs and not report.findings and self._never_stepped():
             report.findings.append(_never_stepped(self._forwards))
         if self.unwatched:

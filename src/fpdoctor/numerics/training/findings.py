@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from fpdoctor import catalog
 from fpdoctor.numerics.observe.adaptive_eps import LargeEps
 from fpdoctor.numerics.observe.amp import ScaleWatch
+from fpdoctor.numerics.observe.autocast_cache import Stale
 from fpdoctor.numerics.observe.grad_clears import Cleared
 from fpdoctor.numerics.observe.lr_schedule import Outrun, Schedule
 from fpdoctor.numerics.observe.scaler_rebuilt import Scalers
@@ -960,6 +962,48 @@ def zero_tail_finding(
         trial=Trial.untried(
             "read from the optimizer's param groups at each step: the schedule is the script's, which fpdoctor "
             "does not change in a running job"
+        ),
+    )
+
+
+def stale_casts_finding(found: Stale, optimizer: str, *, here: dict[str, Any]) -> Finding:
+    """TRN030: an autocast block open across optimizer steps (numerics/observe/autocast_cache.py)."""
+    if found.block is not None:
+        path, line, text = found.block
+        block = f"the `{text}` block at {os.path.basename(path)}:{line}"
+        where_block = f"{path}:{line}"
+    else:
+        block, where_block = "an autocast block", None
+    return catalog.make(
+        "autocast-spans-steps",
+        message=(
+            f"{optimizer}'s steps run inside {block}, which stays open from one step to the next (autocast was on "
+            f"at step {found.since} and still at step {found.step}). Autocast casts each fp32 weight to "
+            f"{found.dtype} once per block and reuses that copy: the step's forward ran the weights as they were "
+            f"cast at the block's first forward, and its outputs differ by {found.difference:.3g} (relative) from "
+            "the same forward with the weights as they are. The optimizer moves the fp32 weights; the forward "
+            "never sees them, so the loss stays where it was."
+        ),
+        where={"module": None, "op": None, "phase": "forward", "line": where_block, **here},
+        evidence={
+            "step": found.step,
+            "autocast_on_from_step": found.since,
+            "outputs_relative_difference": found.difference,
+            "device_type": found.device_type,
+            "dtype": found.dtype,
+        },
+        fix=(
+            f"end the autocast block before the backward: move {block} inside the loop, around the forward and the "
+            "loss only, with `loss.backward()` and `optimizer.step()` after it (or pass `cache_enabled=False` to "
+            "that torch.autocast, which casts the weights afresh at every use)"
+        ),
+        trial=Trial.checked(
+            f"step {found.step}'s forward run again with the weights cast afresh (autocast with cache_enabled=False, "
+            "what a block ending before the step gives), on its own inputs, RNG and buffers",
+            metric="outputs' relative difference from the weights as they are",
+            before=round(found.difference, 4),
+            after=0.0,
+            on=f"step {found.step}'s batch",
         ),
     )
 
