@@ -705,6 +705,8 @@ class _Comparison:
         if self.logits is None:
             self.logits = self._softmax_of(first, name, made)
             self.softmaxed = self.logits is not None
+        if self.logits is None:
+            self.logits = self._log_softmax_of(first, name, made)
         self.root_truth = self._decided(first.detach().clone()) if self.logits is not None else None
 
     def _binary(self, first: torch.Tensor, name: str, made: torch.Tensor | None) -> str | None:
@@ -731,6 +733,9 @@ class _Comparison:
             return None
         if not made.is_floating_point():
             return None
+        sums = first.double().sum(-1)
+        if bool((first < 0).any()) or not torch.allclose(sums, torch.ones_like(sums), atol=1e-3):
+            return None  # not probabilities (log-probabilities are not above 0: every row would look the same)
         module = self.truth_modules.get(name)
         if isinstance(module, nn.Softmax):
             applied = made
@@ -746,6 +751,35 @@ class _Comparison:
             return None
         rows = first.numel() // first.shape[-1]
         return f"probabilities of a softmax over {first.shape[-1]} classes ({rows} rows)"
+
+    def _log_softmax_of(self, first: torch.Tensor, name: str, made: torch.Tensor | None) -> str | None:
+        """How the report names log-probabilities of the last leaf's logits (`name`, its output `made`): the
+        output is what it made times a positive constant (a temperature) less one constant per row (its
+        log-sum-exp: a log-softmax called or written out), which keeps each row's argmax and softmax; None
+        for any other output. Its relative error is read against values of the size of the log-sum-exp
+        (-44 for logits / 0.02), which hides a change of the decided class."""
+        if first.dim() < 2 or first.shape[-1] < 2 or made is None or made.shape != first.shape:
+            return None
+        module = self.truth_modules.get(name)
+        if module is None or not made.is_floating_point():
+            return None
+        if isinstance(module, nn.LogSoftmax):  # an nn.LogSoftmax last (an NLLLoss classifier): its input's logits
+            head = self._leaf_before(name)
+            source = use.logits_source(head, self.truth_modules[head], first) if head else None
+            return f"log-probabilities of the {source} (an nn.LogSoftmax after it)" if source else None
+        source = use.logits_source(name, module, made, ids=use.reads_ids(self.inputs))
+        source = source or use.class_table_source(name, module, made)
+        if source is None:
+            return None
+        a, b = first.double(), made.double()
+        a, b = a - a.mean(-1, keepdim=True), b - b.mean(-1, keepdim=True)
+        scale = float((a * b).sum() / (b * b).sum().clamp_min(1e-300))
+        if not (math.isfinite(scale) and scale > 0):
+            return None
+        if not torch.allclose(b * scale, a, rtol=1e-5, atol=1e-6 * float(a.abs().max())):
+            return None
+        temperature = ", scaled by a constant" if abs(scale - 1.0) > 1e-6 else ""
+        return f"log-probabilities of the {source}{temperature} (a log-softmax after it)"
 
     def _decided(self, t: torch.Tensor) -> torch.Tensor:
         """An output as use.py judges logits: a sigmoid's probabilities p as two classes' log
@@ -1883,10 +1917,11 @@ class _Comparison:
             if held is not None and 1.0 - held[0] <= use.RECOVERED * floor_flips:  # fp32 holds them
                 # the fix as a run: the layer that makes the output kept in fp32, returning fp32; where the
                 # model's own ops make it (scores against a table), no run puts the fix in place
-                head = self._last_leaf if self.logits is not None and self.logits.startswith("logits of") else None
-                if (self.binary or self.softmaxed) and self._last_leaf is not None:  # what the sigmoid reads
-                    last = self._last_leaf
-                    squash = isinstance(self.truth_modules[last], (nn.Sigmoid, nn.Softmax))
+                made_by_leaf = self.logits is not None and self.logits.startswith(("logits of", "log-probabilities of"))
+                head = self._last_leaf if made_by_leaf else None
+                if (made_by_leaf or self.binary or self.softmaxed) and self._last_leaf is not None:
+                    last = self._last_leaf  # what the sigmoid, softmax or log-softmax reads
+                    squash = isinstance(self.truth_modules[last], (nn.Sigmoid, nn.Softmax, nn.LogSoftmax))
                     head = self._leaf_before(last) if squash else last
                 ran = self._top1_with_fp32([head], fp32_output=True) if head else None
                 result.report.findings.append(
