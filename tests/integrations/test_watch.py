@@ -334,6 +334,65 @@ def test_a_gradient_past_the_compression_hooks_dtype_is_told_by_the_hook_not_the
             assert _report(out, f"report.rank{rank}.json")["data"]["verdicts"] == {"3": "deterministic-nonfinite"}
 
 
+UNDERFLOWED = """
+import sys, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 5)))
+if "--no-hook" not in sys.argv:
+    model.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
+opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-16)
+g = torch.Generator().manual_seed(rank)
+first = None
+for step in range(12):
+    x = torch.randn(32, 20, generator=g)
+    y = x[:, :5].argmax(1)
+    loss = 1e-9 * nn.functional.cross_entropy(model(x), y)  # an auxiliary task's weight, typed 1e-9
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    first = first if first is not None else loss.item()
+if rank == 0:
+    print(f"loss {first:.4g} -> {loss.item():.4g}")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.jobs  # two 2-rank torchrun jobs
+def test_gradients_a_compression_hook_rounds_to_zero_are_named_with_the_hook_never_ok(tmp_path):
+    """fp16_compress_hook casts each bucket to fp16 before the all-reduce: local gradients under 2.98e-08
+    become 0 and the run trains on zeros with a finite loss. The reference step cannot recompute reduced
+    gradients, and the verdict was OK; every received gradient 0 at the sampled steps is an error naming
+    the hook, and the run without it (as printed: no hook) trains and is no such finding."""
+    script = _write(tmp_path, "underflowed.py", UNDERFLOWED)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    for arm in ([], ["--no-hook"]):
+        out = tmp_path / ("no-hook" if arm else "hook")
+        out.mkdir()
+        watch = ["-m", "fpdoctor", "watch", "-o", str(out / "report.json"), "--", str(script), *arm]
+        run = subprocess.run(
+            [*torchrun, "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *watch],
+            check=False, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=_env(),
+        )  # fmt: skip
+        assert run.returncode in (0, 1), run.stderr[-3000:]
+        first, last = (float(v) for v in run.stdout.split("loss ")[-1].split(" -> "))
+        merged = _report(out)
+        zero = [f for f in merged["findings"] if f["name"] == "gradients-all-zero"]
+        if arm:
+            assert last < 0.9 * first, (first, last)  # it trains
+            assert not zero, merged["findings"]
+            continue
+        assert last == pytest.approx(first, rel=0.05), (first, last)  # the symptom: nothing moves
+        assert merged["verdict"] == "error" and zero, merged["findings"]
+        assert merged["findings"][0]["name"] == "gradients-all-zero"
+        told = zero[0]
+        assert told["evidence"]["comm_hook"] == "fp16_compress_hook" and told["evidence"]["steps_looked"] == [1, 10]
+        assert "no hook" in told["fix"] and told["fix_trial"]["status"] == "not-tried"
+
+
 def test_a_script_that_raises_exits_as_python_would_and_is_never_ok(tmp_path):
     script = _write(tmp_path, "bad.py", "import torch\nraise IndexError('index 9 is out of bounds')\n")
     watched = _watch(tmp_path, str(script))

@@ -61,7 +61,7 @@ from fpdoctor.integrations._outputs import KeptGradients, backward_from
 from fpdoctor.integrations._toplevel import TopLevelCalls
 from fpdoctor.integrations._traced_step import TracedStep
 from fpdoctor.numerics.compiled import graphs
-from fpdoctor.numerics.observe import amp, autocast_cache, dynamo, scaler_rebuilt, unheld
+from fpdoctor.numerics.observe import amp, autocast_cache, dynamo, scaler_rebuilt, unheld, zero_grads
 from fpdoctor.numerics.observe.batches import MicroBatch, OutputsOnly
 from fpdoctor.numerics.observe.grad_clears import Cleared, GradClears, zero_grad_owners
 from fpdoctor.numerics.observe.gradcheck import (
@@ -78,7 +78,12 @@ from fpdoctor.numerics.observe.loader import LoaderBatches
 from fpdoctor.numerics.observe.scaler_order import Mixed, ScalerOrder
 from fpdoctor.numerics.trace.scaled_grads import ScaledGrads
 from fpdoctor.numerics.training import between, distributed, reference
-from fpdoctor.numerics.training.findings import scaler_rebuilt_finding, stale_casts_finding, unheld_finding
+from fpdoctor.numerics.training.findings import (
+    scaler_rebuilt_finding,
+    stale_casts_finding,
+    unheld_finding,
+    zero_grads_finding,
+)
 from fpdoctor.numerics.training.judge import StepFacts, StepJudge, StepOutcome
 from fpdoctor.numerics.training.live import Live, StopRun, in_progress
 from fpdoctor.numerics.updates.measure import UpdateProbe, UpdateStats
@@ -144,6 +149,7 @@ class _Run:
     groups: tuple[tuple[int, int], ...] = ()  # `_groups(optimizer)` when `params` was made
     optimizer: Any = None
     stale: autocast_cache.StaleCasts = field(default_factory=autocast_cache.StaleCasts)  # an autocast block over steps
+    zeros: zero_grads.ZeroGrads = field(default_factory=zero_grads.ZeroGrads)  # under DDP: reduced to zeros?
 
 
 # per device: the scale slot of the flags of a step without a scaler (copied by the stack, never written)
@@ -755,6 +761,8 @@ class ScriptWatch:
         on_device = run.device_skip and not skipped_by_scaler
         flags: FlagRead | HostRead
         grads = grads_of(run.params)
+        if judge.distributed and judge.steps + 1 in zero_grads.SAMPLED:  # what the reduction handed over
+            self._guarded(lambda: run.zeros.sample(judge.steps + 1, grads), "reading the reduced gradients")
         with torch.no_grad():
             if device.type == "cpu" and not (judge.distributed or on_device):
                 # the usual CPU step: flags read at once, no tensor made (each small op is a few us)
@@ -1122,6 +1130,13 @@ class ScriptWatch:
         ]
         if stale:  # no update reaches the forward: the flat loss and the what-ifs the judge names follow from it
             report.findings[:0] = stale
+        zeros = [
+            zero_grads_finding(run.zeros, distributed.compressing_hook(run.judge.model), _last_loss(run.judge),
+                               type(run.optimizer).__name__, here=run.judge.here)
+            for run in runs
+            if run.zeros.every_step_zero
+        ]  # fmt: skip
+        report.findings[:0] = zeros  # a reduction that hands over zeros: what every other figure follows from
         if not runs and not report.findings and self._never_stepped():
             report.findings.append(_never_stepped(self._forwards))
         if self.unwatched:
@@ -1131,6 +1146,11 @@ class ScriptWatch:
         if self._pending:  # skipped or applied on the device, decided at the next training forward
             report.data["undecided_steps"] = [p.step for p in self._pending]
         return report
+
+
+def _last_loss(judge: StepJudge) -> float | None:
+    """The last finite loss the judge saw (this rank's), for the size the gradients are made from."""
+    return next((h.loss for h in reversed(judge.history) if h.finite and math.isfinite(h.loss)), None)
 
 
 def _optimized(module: nn.Module) -> bool:

@@ -22,6 +22,7 @@ from fpdoctor.numerics.observe.lr_schedule import Outrun, Schedule
 from fpdoctor.numerics.observe.scaler_rebuilt import Scalers
 from fpdoctor.numerics.observe.ungraded import written
 from fpdoctor.numerics.observe.unheld import Unheld, owner
+from fpdoctor.numerics.observe.zero_grads import ZeroGrads, underflow
 from fpdoctor.numerics.training import distributed, transient
 from fpdoctor.numerics.training.control import ControlResult
 from fpdoctor.numerics.training.lr_whatif import LrTrial
@@ -964,6 +965,50 @@ def zero_tail_finding(
             "does not change in a running job"
         ),
     )
+
+
+def zero_grads_finding(
+    found: ZeroGrads, hook: tuple[str, torch.dtype] | None, loss: float | None, optimizer: str, *,
+    here: dict[str, Any],
+) -> Finding:  # fmt: skip
+    """TRN031: every gradient the optimizer received was 0 at every sampled step (under torch.distributed)."""
+    steps = ", ".join(str(s) for s in found.looked)
+    size = f" (the last loss this rank saw: {loss:.3g})" if loss is not None else ""
+    message = (
+        f"Every gradient {optimizer} received was exactly 0 at its steps {steps} (the gradients after DDP's "
+        f"all-reduce, read at those steps), while the loss was finite{size}: no step moved a weight."
+    )
+    if hook is not None:
+        name, dtype = hook
+        fmt = str(dtype).removeprefix("torch.")
+        message += (
+            f" The DDP model's communication hook `{name}` casts each gradient bucket to {fmt} before the "
+            f"all-reduce, and {fmt} rounds every value under {underflow(dtype):.3g} to 0: gradients made from a "
+            "loss this small are all under it."
+        )
+        fix = (
+            f"bring the gradients into {fmt}'s range: targets standardised or in units where the loss is of order "
+            f"1 (a loss of 1e-8 makes gradients of about that size); or register "
+            f"{'bf16_compress_hook (fp32' + chr(39) + 's range)' if dtype == torch.float16 else 'no hook'} instead "
+            f"of `{name}`, or no hook (DDP's fp32 all-reduce)"
+        )
+    else:
+        fix = (
+            "find what zeroes the gradients between the backward and the optimizer: run the script on one process "
+            "under `fpdoctor watch`, whose reference step names the stage where they part from an fp32 step"
+        )
+    return catalog.make(
+        "gradients-all-zero",
+        message=message,
+        where={"module": None, "op": None, "phase": "optimizer", **here},
+        evidence={"steps_looked": found.looked, "steps_all_zero": found.zero, "comm_hook": hook[0] if hook else None,
+                  "last_loss": loss},
+        fix=fix,
+        trial=Trial.untried(
+            "under torch.distributed the gradients are reduced inside the backward: a run with another hook, or "
+            "another loss, is another job, which fpdoctor does not start"
+        ),
+    )  # fmt: skip
 
 
 def stale_casts_finding(found: Stale, optimizer: str, *, here: dict[str, Any]) -> Finding:

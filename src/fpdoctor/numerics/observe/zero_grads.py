@@ -1,0 +1,45 @@
+"""Gradients that reach the optimizer as exact zeros on every step: nothing trains, nothing is NaN.
+
+Under DDP the optimizer receives the all-reduced gradients, which the reference step cannot recompute
+(a local step gives this rank's, not the reduction's), so a reduction that returns zeros went unseen: a
+communication hook that casts each bucket to float16 first (torch's fp16_compress_hook) turns every
+local gradient under half of float16's smallest subnormal (2.98e-08) into 0, and a run whose loss is
+1e-8 (targets in metres for a model that outputs kilometres) trains on zeros.
+
+Read at SAMPLED steps only: whether any gradient value the optimizer holds is nonzero (a reduction per
+tensor and one host read each)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+SAMPLED = frozenset((1, 10, 100, 1000))  # the optimizer steps looked at
+LEAST = 2  # looks it takes to say every one was zero
+
+
+@dataclass
+class ZeroGrads:
+    """One optimizer's looks at what its steps received."""
+
+    looked: list[int] = field(default_factory=list)
+    zero: list[int] = field(default_factory=list)
+
+    def sample(self, step: int, grads: list[torch.Tensor]) -> None:
+        """Step `step`'s gradients (those the optimizer holds), read once each."""
+        if not grads:
+            return
+        self.looked.append(step)
+        with torch.no_grad():
+            if not any(bool(g.any()) for g in grads):
+                self.zero.append(step)
+
+    @property
+    def every_step_zero(self) -> bool:
+        return len(self.looked) >= LEAST and self.zero == self.looked
+
+
+def underflow(dtype: torch.dtype) -> float:
+    """The largest magnitude `dtype` rounds to 0: half its smallest subnormal."""
+    return float(torch.finfo(dtype).smallest_normal) * float(torch.finfo(dtype).eps) / 2
