@@ -639,7 +639,8 @@ class ScriptWatch:
             try:
                 # nested in the script's block: its cast cache is neither read nor added to
                 cast = torch.autocast(device_type, dtype=dtype, cache_enabled=False)
-                with torch.no_grad(), preserved(call.module), cast:
+                # a DDP model's forward without its buffers' broadcast: this rank alone
+                with torch.no_grad(), distributed.local_replay(call.module), preserved(call.module), cast:
                     call.rng.restore()
                     output = call.module(*call.args, **call.kwargs)
             finally:
