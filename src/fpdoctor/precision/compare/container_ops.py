@@ -27,6 +27,7 @@ range are left out of the error.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -77,6 +78,8 @@ _MAKERS = {
     "aten.uniform_": "draw", "aten.normal_": "draw",
 }  # fmt: skip
 MADE_SITES = 4  # lines recorded per pass, at most
+OTHERS = 3  # lines besides the worst's that leave their floor, kept per call
+OTHER_RATIO = 4.0  # x their floor: tried with the worst's lines only where those alone are not enough
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,9 @@ class Own:
     repeats: dict[tuple[Any, ...], int] = field(default_factory=dict)
     # the largest error an op's conditioning forces on fp32 (its floor there): what it explains end to end
     forced: float = 0.0
+    # per user line, its worst op past OTHER_RATIO x its floor: a second line that leaves its floor beside the
+    # worst's (two running sums subtracted, each on its own line), tried with it where the worst's alone is not enough
+    diverging: dict[str, OpError] = field(default_factory=dict)
 
     def as_dict(self, dtype: str) -> dict[str, Any]:
         worst = self.worst
@@ -171,6 +177,11 @@ class Own:
             "left_out": 0 if worst is None else worst.left_out,
             "conditioned_rel": None if worst is None else worst.conditioned,
             "forced_rel": self.forced or None,
+            "others": [
+                {"op": e.op, "location": e.location, "ratio": e.ratio}
+                for e in sorted(self.diverging.values(), key=lambda e: -e.ratio)
+                if worst is None or e.location != worst.location
+            ][:OTHERS],
         }
 
 
@@ -482,6 +493,10 @@ class _Pending:
         own.judged += 1
         if self.name not in own.ops:
             own.ops.append(self.name)
+        if judged.ratio > OTHER_RATIO and self.location is not None:
+            known = own.diverging.get(self.location)
+            if known is None or judged.ratio > known.ratio:
+                own.diverging[self.location] = dataclasses.replace(judged, location=self.location)
         if own.worst is None or judged.ratio > own.worst.ratio:
             if self.made:
                 judged.absmax = self.absmax
