@@ -1224,7 +1224,9 @@ def test_a_flat_window_whose_experiment_went_non_finite_is_said_undecided(tmp_pa
     assert watched.returncode == 0, watched.stderr
     report = _report(tmp_path)
     judged = dict(report["data"]["summary"])["judged"]
-    assert "1 flat, 1 put to an fp32 reference, 1 of them undecided: the steps went non-finite" in judged, judged
+    assert "1 flat, 1 put to an fp32 reference, 1 of them undecided: the what-if's steps went non-finite" in judged, (
+        judged
+    )
 
 
 PRESSURE = """

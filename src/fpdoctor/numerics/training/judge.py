@@ -1341,13 +1341,13 @@ class StepJudge:
                 text += (
                     f"; {progress.STEPS} steps on its batch, from {a:.4g}: the loss falls by {a - b:.4g} (yours) and "
                     f"{c - d:.4g} (an fp32 reference), {last['loss_is']}"
-                    + ("; undecided: the steps went non-finite" if not _finite_arms(last) else "")
+                    + (f"; undecided: {_UNDECIDED}" if not _finite_arms(last) else "")
                 )
             elif "reference" in last:
                 text += (
                     f"; {progress.STEPS} steps on its batch: yours {last['recipe'][0]:.4g} -> {last['recipe'][1]:.4g}, "
                     f"fp32 reference {last['reference'][0]:.4g} -> {last['reference'][1]:.4g}"
-                    + ("; undecided: the steps went non-finite" if not _finite_arms(last) else "")
+                    + (f"; undecided: {_UNDECIDED}" if not _finite_arms(last) else "")
                 )
             else:
                 text += f"; not put to the reference: {last['not_tried']}"
@@ -1433,13 +1433,7 @@ class StepJudge:
             parts.append(
                 f"loss progress over {self.progress_windows} window(s): {len(self.progress_judged)} flat, "
                 f"{tried} put to an fp32 reference"
-                + (
-                    f", {undecided} of them undecided: the steps went non-finite (they step the "
-                    "optimizer on the backward's gradients, without your code between the backward and the step, "
-                    "its clipping too)"
-                    if undecided
-                    else ""
-                )
+                + (f", {undecided} of them undecided: {_UNDECIDED}" if undecided else "")
             )
         if "updates" in out:
             parts.append("the updates of bf16/fp16 weights against what their format keeps")
@@ -1449,6 +1443,14 @@ class StepJudge:
             "statistic; `fpdoctor trace` redoes those updates)"
         )
         return "; ".join(parts)
+
+
+# the what-if's own steps, not the run's (which may have none): they step the optimizer on the backward's
+# gradients without the script's code between the backward and the step, its clipping too
+_UNDECIDED = (
+    "the what-if's steps went non-finite (they step the optimizer on the backward's gradients, without your code "
+    "between the backward and the step, its clipping too)"
+)
 
 
 def _finite_arms(judged: dict[str, Any]) -> bool:

@@ -649,8 +649,9 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
         message += (
             " Every gradient the optimizer took is 0 while the backward's are not: your code between the backward "
             "and the step multiplied them all by 0, and the weights do not move. A clip does that when the norm it "
-            "divides by is Inf: a norm computed in fp16/bf16 overflows (the sum of squares of fp16 gradients "
-            "passes 65504 once their norm passes 256), and max_norm / inf is 0."
+            "divides by is Inf: a norm computed in fp16/bf16 overflows (torch's clip_grad_norm_ returns the total norm "
+            "in the gradients' dtype, Inf in fp16 past 65504; a norm written by hand overflows sooner, its sum of "
+            "squares past 65504 once the norm passes 256), and max_norm / inf is 0."
         )
         fix = (
             "Compute the norm your code divides the gradients by in fp32: the squares summed from g.float() (for a "
