@@ -34,6 +34,7 @@ def evaluate():
     with torch.no_grad():
         return F.cross_entropy(model(images), labels).item()
 
+DECO
 def fit(epochs):
     for epoch in range(epochs):
         for i in range(0, 512, 64):
@@ -62,19 +63,21 @@ AS_PRINTED = """\
             loss.backward()
             opt.step()"""
 SPANNING = 'with torch.autocast("cpu", dtype=torch.bfloat16):\n    fit(5)'
+DECORATOR = '@torch.autocast("cpu", dtype=torch.bfloat16)'
 CASES = {
-    "spanning": (PLAIN, SPANNING),
-    "as printed": (AS_PRINTED, "fit(5)"),
-    "a block per step": (PER_STEP, "fit(5)"),
-    "cache off": (PLAIN, SPANNING.replace("bfloat16)", "bfloat16, cache_enabled=False)")),
+    "spanning": (PLAIN, SPANNING, ""),
+    "decorated": (PLAIN, "fit(5)", DECORATOR),
+    "as printed": (AS_PRINTED, "fit(5)", ""),
+    "a block per step": (PER_STEP, "fit(5)", ""),
+    "cache off": (PLAIN, SPANNING.replace("bfloat16)", "bfloat16, cache_enabled=False)"), ""),
 }
 
 
 def _watch(tmp_path: Path, case: str) -> tuple[dict, float, float]:
     """The report and the script's eval loss before and after training."""
-    body, outer = CASES[case]
+    body, outer, decorator = CASES[case]
     path = tmp_path / "train.py"
-    path.write_text(SCRIPT.replace("BODY", body).replace("OUTER", outer))
+    path.write_text(SCRIPT.replace("BODY", body).replace("OUTER", outer).replace("DECO", decorator))
     report = tmp_path / "report.json"
     result = run_fpdoctor("watch", "-o", str(report), "--", "python", str(path))
     assert result.code in (0, 1), result.err
@@ -82,16 +85,20 @@ def _watch(tmp_path: Path, case: str) -> tuple[dict, float, float]:
     return json.loads(report.read_text()), float(found["before"]), float(found["after"])
 
 
-def test_a_block_around_the_training_loop_is_named_by_its_line_first(tmp_path: Path) -> None:
-    report, before, after = _watch(tmp_path, "spanning")
+@pytest.mark.parametrize("case", ["spanning", "decorated"])
+def test_a_block_around_the_training_loop_is_named_by_its_line_first(tmp_path: Path, case: str) -> None:
+    report, before, after = _watch(tmp_path, case)
     assert after > 0.95 * before, (before, after)  # the symptom: 5 epochs of Adam barely move the eval loss
     first = report["findings"][0]
     assert first["name"] == "autocast-spans-steps", [f["name"] for f in report["findings"]]
     assert report["verdict"] != "ok"
-    text = SCRIPT.replace("BODY", PLAIN).replace("OUTER", SPANNING)
-    line = 1 + text.splitlines().index(SPANNING.splitlines()[0])
+    body, outer, decorator = CASES[case]
+    text = SCRIPT.replace("BODY", body).replace("OUTER", outer).replace("DECO", decorator)
+    opened = decorator or SPANNING.splitlines()[0]
+    line = 1 + text.splitlines().index(opened)
     assert first["where"]["line"].endswith(f"train.py:{line}"), first["where"]
     assert 'torch.autocast("cpu", dtype=torch.bfloat16)' in first["message"]
+    assert ("off its function" in first["fix"]) == bool(decorator), first["fix"]
     assert first["evidence"]["outputs_relative_difference"] > 0.01, first["evidence"]
     assert first["fix_trial"]["status"] == "checked", first["fix_trial"]
 

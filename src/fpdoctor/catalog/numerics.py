@@ -683,6 +683,22 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         "a model cast to bf16), or predict the offset from a constant and add it back in fp32.",
     ),
     RuleInfo(
+        code="TRN032",
+        name="input-too-coarse-in-training",
+        severity=W,
+        title="The model's input reaches it in a format too coarse for what it varies by",
+        what="`fpdoctor watch` reads the training forward's floating inputs at steps 1, 2, 4, 8, ... then every "
+        "64th, as TRN019 reads its outputs: for an input in bf16/fp16 with at most 256 features, each feature's mean "
+        "magnitude, its spread over the batch and what rounding to the format costs there (a quarter of its "
+        "spacing). Where rounding costs 5% of the spread or more at two checks in a row, the input is named.",
+        why="Raw readings far from zero that vary little (air pressure near 1013 hPa varying by 4, bf16's spacing "
+        "there 8) cast to bf16 before the model keep a few distinct values: the standardisation inside the model "
+        "subtracts the offset from values already rounded, and the model learns from what is left. Nothing is NaN "
+        "and no precision of the model's own gives the information back.",
+        fix="Standardise the inputs in fp32 before casting them, or feed them in fp32 and keep the model's first "
+        "layer and its standardisation in fp32.",
+    ),
+    RuleInfo(
         code="TRN020",
         name="training-never-stepped",
         severity=E,

@@ -876,6 +876,9 @@ class ScriptWatch:
         if outcome.finite:  # the outputs' format: what the reference step's replay cannot see
             self._guarded(lambda: judge.outputs_read(step, [t for c in mine for t in c.kept.originals]),
                           "reading the training outputs")  # fmt: skip
+            # and the inputs' (raw readings cast before the model), the last forward's tensor arguments
+            inputs = [t for t in _tensors(mine[-1].args, mine[-1].kwargs) if t.is_floating_point()] if mine else []
+            self._guarded(lambda: judge.inputs_read(step, inputs), "reading the training inputs")
         if self._penalty is not None and self._penalty.create_graph and judge.reference_off is None:
             judge.reference_off = (
                 "the loss reads gradients (torch.autograd.grad with create_graph=True: a gradient penalty), which "

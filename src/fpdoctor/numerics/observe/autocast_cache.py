@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from fpdoctor.userframes import function_at
+
 STALE = 1e-2  # outputs this far from the fresh weights' (relative norm) are not the weights as they are
 SAME = 1e-6  # closer than this: the forward ran the weights as they are (a block that ends every step)
 LATER = (0, 10, 100)  # the looks, in steps after the first step found under autocast
@@ -40,7 +42,7 @@ class Stale:
     difference: float  # relative norm of (the script's outputs - the fresh forward's)
     device_type: str
     dtype: str
-    block: tuple[str, int, str] | None  # the `with` that opened the block: (file, line, its text)
+    block: tuple[str, int, str, str] | None  # what opened the block: (file, line, its text, how: block_of)
 
 
 @dataclass
@@ -100,9 +102,11 @@ def _difference(got: list[torch.Tensor], fresh: list[torch.Tensor]) -> float | N
     return diff / norm
 
 
-def block_of(frames: list[tuple[str, int, str]]) -> tuple[str, int, str] | None:
-    """The `with ...autocast(...)` statement that holds the step: the innermost one around the line of
-    each of the user's frames (the step's call, then the calls that led to it); (file, line, its text)."""
+def block_of(frames: list[tuple[str, int, str]]) -> tuple[str, int, str, str] | None:
+    """What opened the autocast that holds the step, in the innermost of the user's frames (the step's call,
+    then the calls that led to it) that shows one: (file, line, its text, how) where `how` is "with" (the
+    innermost `with ...autocast(...)` around the line), "decorator" (`@torch.autocast(...)` on the function
+    that runs the line) or "enter_context" (`stack.enter_context(torch.autocast(...))` before the line in it)."""
     for path, line, _ in frames:
         try:
             tree = ast.parse("".join(linecache.getlines(path)))
@@ -116,9 +120,24 @@ def block_of(frames: list[tuple[str, int, str]]) -> tuple[str, int, str] | None:
             and any(_is_autocast(item.context_expr) for item in node.items)
         ]
         if holding:
-            node = max(holding, key=lambda n: n.lineno)
-            return path, node.lineno, linecache.getline(path, node.lineno).split("#")[0].strip()
+            return _at(path, max(holding, key=lambda n: n.lineno).lineno, "with")
+        function = function_at(tree, line)
+        decorator = next((d for d in function.decorator_list if _is_autocast(d)), None) if function else None
+        if decorator is not None:
+            return _at(path, decorator.lineno, "decorator")
+        entered = [
+            node
+            for node in ast.walk(function or tree)  # at module level: the script's own lines before it
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "enter_context" and node.args and _is_autocast(node.args[0]) and node.lineno < line
+        ]  # fmt: skip
+        if entered:
+            return _at(path, max(entered, key=lambda n: n.lineno).lineno, "enter_context")
     return None
+
+
+def _at(path: str, line: int, how: str) -> tuple[str, int, str, str]:
+    return path, line, linecache.getline(path, line).split("#")[0].strip(), how
 
 
 def _is_autocast(expr: ast.expr) -> bool:

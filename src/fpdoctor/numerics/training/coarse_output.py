@@ -33,7 +33,7 @@ ROWS = 8  # fewer rows give no spread to judge
 
 def coarse(outputs: list[torch.Tensor]) -> dict[str, Any] | None:
     """The first output column that rounding to its format costs COARSE of its spread, with its
-    figures; None where none does."""
+    figures; None where none does. The same test reads the forward's inputs (`coarse_input`)."""
     for index, out in enumerate(outputs):
         if out.dtype not in (torch.float16, torch.bfloat16) or out.numel() == 0:
             continue
@@ -52,6 +52,7 @@ def coarse(outputs: list[torch.Tensor]) -> dict[str, Any] | None:
             if math.isfinite(spread) and magnitude > 0 and cost >= COARSE * spread:
                 return {
                     "output": index, "column": column, "dtype": str(out.dtype).removeprefix("torch."),
+                    "columns": flat.shape[1],
                     "magnitude": magnitude, "spread": spread, "rounding": cost, "rows": flat.shape[0],
                 }  # fmt: skip
     return None
@@ -89,5 +90,43 @@ def finding(found: dict[str, Any], step: int, here: dict[str, Any]) -> Finding:
         trial=Trial.untried(
             "watch knows no loss function, so it runs no step with the output in fp32; `fpdoctor compare` runs the "
             "model's forward with the output's layer kept in fp32 and checks it"
+        ),
+    )
+
+
+def input_finding(found: dict[str, Any], step: int, here: dict[str, Any]) -> Finding:
+    """`input-too-coarse-in-training`: the training forward's input `found["output"]` (an argument, by
+    position), column `found["column"]`, reached the model in a format too coarse for what it varies by
+    (raw readings cast to bf16 before the model standardises them)."""
+    dtype = found["dtype"]
+    share = found["rounding"] / found["spread"] if found["spread"] > 0 else math.inf
+    which = (
+        f"input {found['output']}, feature {found['column']}" if found["columns"] > 1 else f"input {found['output']}"
+    )
+    varies = (
+        f"varies by {found['spread']:.3g} over the batch ({found['rows']} rows), and rounding to {dtype} moved it "
+        f"by {found['rounding']:.3g} on average there ({share:.0%} of that spread)"
+        if found["spread"] > 0
+        else f"is one value of {dtype} on all {found['rows']} rows: what it varied by is below {dtype}'s spacing there"
+    )
+    message = (
+        f"At step {step} the model's {which} reached its forward in {dtype}: it sits at {found['magnitude']:.4g} on "
+        f"average and {varies}. What the model learns from it was lost before the forward, in the cast; no "
+        "precision of the model's own gives it back (a standardisation inside the model subtracts the offset from "
+        "values already rounded)."
+    )
+    fix = (
+        f"Cast the inputs to {dtype} after they are standardised (subtract the offset and divide by the spread in "
+        f"fp32, then cast), or feed them in fp32 and keep the model's first layer (and its standardisation) in fp32"
+    )
+    return catalog.make(
+        "input-too-coarse-in-training",
+        message=message,
+        fix=fix,
+        where={"module": None, "op": None, "phase": "forward", "step": step, **here},
+        evidence={**found, "share_of_spread": share if math.isfinite(share) else None, "step": step},
+        trial=Trial.untried(
+            f"the inputs arrive in {dtype}: their values before the cast are the script's, which watch does not see; "
+            "`fpdoctor compare --inputs-as-given` on the model fed the fp32 inputs checks the fix"
         ),
     )

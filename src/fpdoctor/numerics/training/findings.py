@@ -1013,12 +1013,36 @@ def zero_grads_finding(
 
 def stale_casts_finding(found: Stale, optimizer: str, *, here: dict[str, Any]) -> Finding:
     """TRN030: an autocast block open across optimizer steps (numerics/observe/autocast_cache.py)."""
+    how = found.block[3] if found.block is not None else None
     if found.block is not None:
-        path, line, text = found.block
-        block = f"the `{text}` block at {os.path.basename(path)}:{line}"
+        path, line, text, _ = found.block
+        opened = {"decorator": "decorator", "enter_context": "autocast entered by"}.get(how or "", "block")
+        at = f"{os.path.basename(path)}:{line}"
+        block = (
+            f"the `{text}` {opened} at {at}" if how != "enter_context" else f"the autocast entered by `{text}` at {at}"
+        )
         where_block = f"{path}:{line}"
     else:
         block, where_block = "an autocast block", None
+    if how == "decorator":
+        fix = (
+            f"take {block} off its function: it holds the whole function, the optimizer's steps included; wrap the "
+            "forward and the loss in `with torch.autocast(...):` inside the loop instead, with `loss.backward()` and "
+            "`optimizer.step()` after it (or pass `cache_enabled=False` to that decorator, which casts the weights "
+            "afresh at every use)"
+        )
+    elif how == "enter_context":
+        fix = (
+            f"{block} stays on until the stack closes: enter autocast once per step, around the forward and the loss "
+            "only (`with torch.autocast(...):` inside the loop), with `loss.backward()` and `optimizer.step()` after "
+            "it (or pass `cache_enabled=False` to that torch.autocast, which casts the weights afresh at every use)"
+        )
+    else:
+        fix = (
+            f"end the autocast block before the backward: move {block} inside the loop, around the forward and the "
+            "loss only, with `loss.backward()` and `optimizer.step()` after it (or pass `cache_enabled=False` to "
+            "that torch.autocast, which casts the weights afresh at every use)"
+        )
     return catalog.make(
         "autocast-spans-steps",
         message=(
@@ -1037,11 +1061,7 @@ def stale_casts_finding(found: Stale, optimizer: str, *, here: dict[str, Any]) -
             "device_type": found.device_type,
             "dtype": found.dtype,
         },
-        fix=(
-            f"end the autocast block before the backward: move {block} inside the loop, around the forward and the "
-            "loss only, with `loss.backward()` and `optimizer.step()` after it (or pass `cache_enabled=False` to "
-            "that torch.autocast, which casts the weights afresh at every use)"
-        ),
+        fix=fix,
         trial=Trial.checked(
             f"step {found.step}'s forward run again with the weights cast afresh (autocast with cache_enabled=False, "
             "what a block ending before the step gives), on its own inputs, RNG and buffers",

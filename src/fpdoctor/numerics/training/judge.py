@@ -271,6 +271,8 @@ class StepJudge:
         # the training outputs' format (outputs_read): the last check's finding, whether it was named
         self._outputs_last: dict[str, Any] | None = None
         self._outputs_named = False
+        self._inputs_last: dict[str, Any] | None = None  # the same for the forward's inputs (inputs_read)
+        self._inputs_named = False
         self._reference_at: int | None = None  # the next reference step, once the least period is over
         self._reference_cost = 0.0
         # a flat window asks for a reference step at once: what the code does to the gradients may have
@@ -1080,6 +1082,20 @@ class StepJudge:
             self._outputs_named = True
             self.findings.append(coarse_output.finding(found, step, self.here))
         self._outputs_last = found
+
+    def inputs_read(self, step: int, inputs: list[torch.Tensor]) -> None:
+        """The training forward's floating inputs, judged as `outputs_read` judges its outputs, at steps 1,
+        2, 4, 8, ..., then every 64th: raw readings cast to bf16/fp16 before the model (pressure near 1013 hPa
+        that varies by 4, bf16's spacing there 8) lose what they vary by before any op of the model runs;
+        named once two checks in a row find it."""
+        due = step % 64 == 0 if step > 64 else not step & (step - 1)
+        if self._inputs_named or not due:
+            return
+        found = coarse_output.coarse(inputs)
+        if found is not None and self._inputs_last is not None:
+            self._inputs_named = True
+            self.findings.append(coarse_output.input_finding(found, step, self.here))
+        self._inputs_last = found
 
     def reference(self, step: int, **kwargs: Any) -> None:
         """`_reference_step`, timed: its cost paces the next one (`reference_due`)."""

@@ -768,7 +768,10 @@ class _Comparison:
             return None
         if isinstance(module, nn.LogSoftmax):  # an nn.LogSoftmax last (an NLLLoss classifier): its input's logits
             head = self._leaf_before(name)
-            source = use.logits_source(head, self.truth_modules[head], first) if head else None
+            scores = self.truth_modules[head] if head else None
+            source = use.logits_source(head, scores, first) if head and scores is not None else None
+            # or scores against a class table (a cosine head's): the leaf before holds one row per class
+            source = source or (use.class_table_source(head, scores, first) if head and scores is not None else None)
             return f"log-probabilities of the {source} (an nn.LogSoftmax after it)" if source else None
         source = use.logits_source(name, module, made, ids=use.reads_ids(self.inputs))
         source = source or use.class_table_source(name, module, made)
