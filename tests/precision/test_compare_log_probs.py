@@ -66,3 +66,26 @@ def test_log_probabilities_are_judged_by_their_decisions_and_the_fix_works_as_pr
     plain = copy.deepcopy(model).to(torch.bfloat16)
     assert _top1(plain, tokens, exact) < 0.97
     assert _top1(fixed, tokens, exact) > 0.985
+
+
+class CosineHead(nn.Module):
+    """Scores against a table of class prototypes (NormFace), scaled, then an nn.LogSoftmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(48, 96), nn.GELU())
+        self.weight = nn.Parameter(torch.randn(120, 96))
+        self.log_softmax = nn.LogSoftmax(-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = nn.functional.normalize(self.body(x), dim=-1) @ nn.functional.normalize(self.weight, dim=-1).T
+        return self.log_softmax(32.0 * scores)
+
+
+def test_log_probabilities_of_scores_against_a_class_table_are_judged_by_their_decisions() -> None:
+    """The leaf before the nn.LogSoftmax is the model's own ops (no Linear): no decision was judged."""
+    torch.manual_seed(0)
+    result = fpdoctor.compare(CosineHead().eval(), torch.randn(512, 48), candidate="bf16")
+    decisions = result.report.data["decisions"]
+    assert decisions["source"].startswith("log-probabilities of the scores of the model against its `weight`")
+    assert decisions["classes"] == 120 and decisions["rows"] == 512, decisions

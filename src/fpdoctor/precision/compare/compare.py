@@ -772,6 +772,8 @@ class _Comparison:
             source = use.logits_source(head, scores, first) if head and scores is not None else None
             # or scores against a class table (a cosine head's): the leaf before holds one row per class
             source = source or (use.class_table_source(head, scores, first) if head and scores is not None else None)
+            # or the model's own ops made them, against a table of its own
+            source = source or use.class_table_source("", self.truth_modules[""], first)
             return f"log-probabilities of the {source} (an nn.LogSoftmax after it)" if source else None
         source = use.logits_source(name, module, made, ids=use.reads_ids(self.inputs))
         source = source or use.class_table_source(name, module, made)
