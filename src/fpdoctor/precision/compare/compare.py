@@ -757,8 +757,9 @@ class _Comparison:
 
     def _log_softmax_of(self, first: torch.Tensor, name: str, made: torch.Tensor | None) -> str | None:
         """How the report names log-probabilities of the last leaf's logits (`name`, its output `made`): the
-        output is what it made times a positive constant (a temperature) less one constant per row (its
-        log-sum-exp: a log-softmax called or written out), which keeps each row's argmax and softmax; None
+        output is what it made times a positive constant (a temperature) less one constant per row, its
+        log-sum-exp (each row's log-sum-exp is 0: a log-softmax called or written out), which keeps each
+        row's argmax and softmax; None
         for any other output. Its relative error is read against values of the size of the log-sum-exp
         (-44 for logits / 0.02), which hides a change of the decided class."""
         if first.dim() < 2 or first.shape[-1] < 2 or made is None or made.shape != first.shape:
@@ -780,6 +781,8 @@ class _Comparison:
         if source is None:
             return None
         a, b = first.double(), made.double()
+        if not bool((torch.logsumexp(a, -1).abs() < 1e-3).all()):
+            return None  # not normalised: a level added per row (a station's climatology) is a regression's
         a, b = a - a.mean(-1, keepdim=True), b - b.mean(-1, keepdim=True)
         scale = float((a * b).sum() / (b * b).sum().clamp_min(1e-300))
         if not (math.isfinite(scale) and scale > 0):
