@@ -29,6 +29,7 @@ model = nn.Sequential(
     nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4),
 )
 opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+SETUP
 
 def evaluate():
     with torch.no_grad():
@@ -63,21 +64,36 @@ AS_PRINTED = """\
             loss.backward()
             opt.step()"""
 SPANNING = 'with torch.autocast("cpu", dtype=torch.bfloat16):\n    fit(5)'
+WARMED = PLAIN + "\n            sched.step()"  # the first step moves no weight: the cache is read all the same
+IN_PLACE = PER_STEP.replace(
+    "loss = F.cross_entropy(model(x).float(), y)",
+    "out = model(x)\n                out /= 2.0\n                loss = F.cross_entropy(out.float(), y)",
+)
+WARM_UP = "sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, step / 20))  # lr 0 at the first step"
 DECORATOR = '@torch.autocast("cpu", dtype=torch.bfloat16)'
 CASES = {
-    "spanning": (PLAIN, SPANNING, ""),
-    "decorated": (PLAIN, "fit(5)", DECORATOR),
-    "as printed": (AS_PRINTED, "fit(5)", ""),
-    "a block per step": (PER_STEP, "fit(5)", ""),
-    "cache off": (PLAIN, SPANNING.replace("bfloat16)", "bfloat16, cache_enabled=False)"), ""),
+    "spanning": (PLAIN, SPANNING, "", ""),
+    "decorated": (PLAIN, "fit(5)", DECORATOR, ""),
+    "warmed up from 0": (WARMED, SPANNING, "", WARM_UP),
+    # a block per forward inside an outer autocast(enabled=False) around the loop: the cache lives as long
+    # as the outermost block, and torch clears it only when that one exits
+    "inside a disabled block": (AS_PRINTED, SPANNING.replace("dtype=torch.bfloat16", "enabled=False"), "", ""),
+    "an output written in place": (IN_PLACE, "fit(5)", "", ""),
+    "as printed": (AS_PRINTED, "fit(5)", "", ""),
+    "a block per step": (PER_STEP, "fit(5)", "", ""),
+    "cache off": (PLAIN, SPANNING.replace("bfloat16)", "bfloat16, cache_enabled=False)"), "", ""),
 }
+
+
+def _script(case: str) -> str:
+    body, outer, decorator, setup = CASES[case]
+    return SCRIPT.replace("BODY", body).replace("OUTER", outer).replace("DECO", decorator).replace("SETUP", setup)
 
 
 def _watch(tmp_path: Path, case: str) -> tuple[dict, float, float]:
     """The report and the script's eval loss before and after training."""
-    body, outer, decorator = CASES[case]
     path = tmp_path / "train.py"
-    path.write_text(SCRIPT.replace("BODY", body).replace("OUTER", outer).replace("DECO", decorator))
+    path.write_text(_script(case))
     report = tmp_path / "report.json"
     result = run_fpdoctor("watch", "-o", str(report), "--", "python", str(path))
     assert result.code in (0, 1), result.err
@@ -85,17 +101,17 @@ def _watch(tmp_path: Path, case: str) -> tuple[dict, float, float]:
     return json.loads(report.read_text()), float(found["before"]), float(found["after"])
 
 
-@pytest.mark.parametrize("case", ["spanning", "decorated"])
+@pytest.mark.parametrize("case", ["spanning", "decorated", "warmed up from 0", "inside a disabled block"])
 def test_a_block_around_the_training_loop_is_named_by_its_line_first(tmp_path: Path, case: str) -> None:
     report, before, after = _watch(tmp_path, case)
     assert after > 0.95 * before, (before, after)  # the symptom: 5 epochs of Adam barely move the eval loss
     first = report["findings"][0]
     assert first["name"] == "autocast-spans-steps", [f["name"] for f in report["findings"]]
     assert report["verdict"] != "ok"
-    body, outer, decorator = CASES[case]
-    text = SCRIPT.replace("BODY", body).replace("OUTER", outer).replace("DECO", decorator)
-    opened = decorator or SPANNING.splitlines()[0]
-    line = 1 + text.splitlines().index(opened)
+    body, outer, decorator, _ = CASES[case]
+    text = _script(case)
+    opened = decorator or (SPANNING.splitlines()[0] if outer == SPANNING else body.splitlines()[0].strip())
+    line = 1 + [row.strip() for row in text.splitlines()].index(opened)
     assert first["where"]["line"].endswith(f"train.py:{line}"), first["where"]
     assert 'torch.autocast("cpu", dtype=torch.bfloat16)' in first["message"]
     assert ("off its function" in first["fix"]) == bool(decorator), first["fix"]
@@ -103,7 +119,7 @@ def test_a_block_around_the_training_loop_is_named_by_its_line_first(tmp_path: P
     assert first["fix_trial"]["status"] == "checked", first["fix_trial"]
 
 
-@pytest.mark.parametrize("case", ["as printed", "a block per step", "cache off"])
+@pytest.mark.parametrize("case", ["as printed", "a block per step", "cache off", "an output written in place"])
 def test_a_block_that_ends_every_step_or_casts_afresh_is_no_finding(tmp_path: Path, case: str) -> None:
     report, before, after = _watch(tmp_path, case)
     assert after < 0.8 * before, (before, after)

@@ -111,6 +111,7 @@ class _Call:
     versions: list[tuple[torch.Tensor, int]]  # argument tensors and their version counters then
     created_at: int = 0  # the watch's step count when the forward ran
     kept: KeptGradients = field(default_factory=KeptGradients)  # the gradients at its outputs
+    output_versions: list[int] = field(default_factory=list)  # its outputs' version counters after the forward
 
 
 class _PerThread(threading.local):
@@ -148,7 +149,6 @@ class _Run:
     carried: tuple[int, float | None] | None = None
     groups: tuple[tuple[int, int], ...] = ()  # `_groups(optimizer)` when `params` was made
     optimizer: Any = None
-    stale: autocast_cache.StaleCasts = field(default_factory=autocast_cache.StaleCasts)  # an autocast block over steps
     zeros: zero_grads.ZeroGrads = field(default_factory=zero_grads.ZeroGrads)  # under DDP: reduced to zeros?
 
 
@@ -304,6 +304,7 @@ class ScriptWatch:
         self._top = TopLevelCalls(self._pre, self._post)
         self._scaler_now: dict[int, Any] = {}  # id(optimizer) -> the GradScaler stepping it now
         self._scalers: dict[int, scaler_rebuilt.Scalers] = {}  # id(optimizer) -> the scalers that stepped it
+        self._stale = autocast_cache.StaleCasts()  # autocast's cast cache across steps (an epoch-long block)
         self._order = ScalerOrder()  # the script's unscale_, update() and backwards, in their order
         self._held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # a skipped step's gradients, by optimizer
         self._clears = GradClears()  # zero_grad() between a backward and the optimizer's step (grad_clears.py)
@@ -406,6 +407,9 @@ class ScriptWatch:
             self._still_left()
             # its RNG and autocast state before it runs
             call = _Call(module, (), {}, RngState.capture(), _autocast_state(), [], created_at=self._event)
+            if call.autocast and not self._stale.done:  # does the cast cache outlive the optimizer's steps?
+                frames = functools.partial(user_frames, sys._getframe())
+                self._guarded(lambda: self._stale.at_forward(self._event, call.autocast, frames), _STALE)
             call.kept.clock = self._clock
             self._local.call = call
             if self._traced.running and self._traced.closing:  # its optimizer stepped: the trace ends here
@@ -438,6 +442,7 @@ class ScriptWatch:
             call.args, call.kwargs = tuple(args), dict(kwargs)
             call.versions = [(t, t._version) for t in _tensors(args, kwargs)]
             call.kept.watch(output)
+            call.output_versions = [t._version for t in call.kept.originals]  # shared with the outputs
             if call.kept.outputs:
                 self._forwards += module.training
                 if self._forwards == NEVER_STEPPED and not self._reached and not self.runs:  # once, while it runs
@@ -628,27 +633,30 @@ class ScriptWatch:
             found.called = unheld.name_in(sys._getframe(), optimizer) or found.called
         self._unheld[id(optimizer)] = (optimizer, found)
 
-    def _stale_casts(self, run: _Run, step: int, call: _Call) -> None:
-        """The step's last forward ran under autocast: is the block still open at the step, and does
-        the next step's forward run the weights as they are (numerics/observe/autocast_cache.py)?"""
-
-        def fresh(device_type: str, dtype: torch.dtype) -> list[torch.Tensor] | None:
-            if any(t._version != v for t, v in call.versions):
-                return None  # an input written since: not the forward that ran
-            self._replaying, saved = True, self._replaying
-            try:
-                # nested in the script's block: its cast cache is neither read nor added to
-                cast = torch.autocast(device_type, dtype=dtype, cache_enabled=False)
-                # a DDP model's forward without its buffers' broadcast: this rank alone
-                with torch.no_grad(), distributed.local_replay(call.module), preserved(call.module), cast:
-                    call.rng.restore()
-                    output = call.module(*call.args, **call.kwargs)
-            finally:
-                self._replaying = saved
-            return autocast_cache.floats(pytree.tree_leaves(output))
-
-        frames = functools.partial(user_frames, sys._getframe())
-        run.stale.at_step(step, call.autocast, fresh, call.kept.originals, frames)
+    def _stale_cost(self, call: _Call) -> None:
+        """The cast cache outlived a step (numerics/observe/autocast_cache.py): this step's last forward run
+        again with the weights cast afresh, against the outputs the script got (where neither its inputs nor
+        its outputs were written since)."""
+        found = self._stale.found
+        if found is None or any(t._version != v for t, v in call.versions):
+            return
+        if any(t._version != v for t, v in zip(call.kept.originals, call.output_versions, strict=False)):
+            return  # the script wrote an output in place (a mask filled in): not what the forward returned
+        device_type, dtype = next(((d, t) for d, t in call.autocast if d == found.device_type), call.autocast[0])
+        self._replaying, saved = True, self._replaying
+        try:
+            # nested in the script's block: its cast cache is neither read nor added to
+            cast = torch.autocast(device_type, dtype=dtype, cache_enabled=False)
+            # a DDP model's forward without its buffers' broadcast: this rank alone
+            with torch.no_grad(), distributed.local_replay(call.module), preserved(call.module), cast:
+                call.rng.restore()
+                output = call.module(*call.args, **call.kwargs)
+        finally:
+            self._replaying = saved
+        fresh = autocast_cache.floats(pytree.tree_leaves(output))
+        measured = autocast_cache.difference(call.kept.originals, fresh)
+        if measured is not None and measured > autocast_cache.MOVED:  # else no weight has moved since the cast
+            found.difference, found.measured_at = measured, self._event + 1
 
     def _rebuilt_scalers(self) -> list[Finding]:
         """TRN029 for each watched optimizer stepped by a new GradScaler on most of its steps."""
@@ -755,8 +763,12 @@ class ScriptWatch:
         judge.finish_update()  # what the weights kept of a reference step's update, before they change again
         mine = [c for c in current if c.kept.filled_at == now and any(c.module is m for m in run.modules)]
         self._calls = [c for c in current if not any(c is m for m in mine)]
-        if mine and mine[-1].autocast and not run.stale.done:  # a step inside autocast: its block may span steps
-            self._guarded(lambda: self._stale_casts(run, judge.steps + 1, mine[-1]), "looking at the autocast block")
+        found = self._stale.found
+        # what the stale casts cost the step's forward: at the step found, 10 and 100 steps later (no weight may
+        # have moved yet: steps a GradScaler skipped, a warm-up from lr 0)
+        due = found is not None and found.difference is None and judge.steps + 1 - found.step in (0, 10, 100)
+        if due and mine and mine[-1].autocast:
+            self._guarded(lambda: self._stale_cost(mine[-1]), _STALE)
         self._event += 1
         device = judge.device
         on_device = run.device_skip and not skipped_by_scaler
@@ -1127,13 +1139,10 @@ class ScriptWatch:
         rebuilt = self._rebuilt_scalers()
         if rebuilt:  # the cause of the skips and the "collapse" the judge names: said first
             report.findings[:0] = rebuilt
-        stale = [
-            stale_casts_finding(run.stale.found, type(run.optimizer).__name__, here=run.judge.here)
-            for run in runs
-            if run.stale.found is not None
-        ]
-        if stale:  # no update reaches the forward: the flat loss and the what-ifs the judge names follow from it
-            report.findings[:0] = stale
+        if self._stale.found is not None:  # no update reaches the forward: the flat loss and the rest follow from it
+            optimizer = type(runs[0].optimizer).__name__ if runs else "the optimizer"
+            here = runs[0].judge.here if runs else {}
+            report.findings[:0] = [stale_casts_finding(self._stale.found, optimizer, here=here)]
         zeros = [
             zero_grads_finding(run.zeros, distributed.compressing_hook(run.judge.model), _last_loss(run.judge),
                                type(run.optimizer).__name__, here=run.judge.here)
@@ -1150,6 +1159,9 @@ class ScriptWatch:
         if self._pending:  # skipped or applied on the device, decided at the next training forward
             report.data["undecided_steps"] = [p.step for p in self._pending]
         return report
+
+
+_STALE = "probing autocast's cast cache"
 
 
 def _last_loss(judge: StepJudge) -> float | None:

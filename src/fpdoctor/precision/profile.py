@@ -17,7 +17,7 @@ from fpdoctor.precision.fit import describe as describe_misfit
 from fpdoctor.precision.fit import within
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.metrics import SAMPLE, sqnr_db
-from fpdoctor.report.model import Finding, Report, Trial
+from fpdoctor.report.model import Finding, Report, Severity, Trial
 from fpdoctor.report.render import ordinal
 
 # The one metric behind every "error" compare and plan print, the end-to-end error included.
@@ -36,6 +36,9 @@ DIVERGENCE_RATIO = 16.0
 # inputs' error, its submodules'): on healthy layers each module stays within a few dB of its
 # inputs' error (MiniLM, the test MLPs), and a move that large is what a reader stops at.
 MOVES = 10 ** (10 / 20)
+# a divergent module whose model's end-to-end error stays within this of its floor is a warning: what follows it
+# absorbs its error, and the output is where rounding puts it
+ABSORBED = 2.0
 
 
 @dataclass
@@ -335,18 +338,23 @@ def build_report(
         findings.append(finding)
     elif first is not None:
         cause = (causes or {}).get(first.module)
-        findings.append(
-            _divergence(
-                first,
-                diverged,
-                label=label,
-                candidate=candidate,
-                device=device,
-                reference=reference,
-                cause=cause,
-                on=on,
-            )
+        found = _divergence(
+            first, diverged, label=label, candidate=candidate, device=device, reference=reference, cause=cause, on=on
         )
+        root = rows[-1]
+        if root.module == "" and math.isfinite(root.propagated) and root.propagated <= ABSORBED * root.floor:
+            # the module's error does not reach the output: a warning, not an error that fails a CI job on a
+            # model whose end-to-end error is where rounding puts it (a standardisation of bf16 inputs after its
+            # fix: 30x its floor inside, 1.6x at the output)
+            found = dataclasses.replace(
+                found,
+                severity=Severity.WARNING,
+                message=found.message + (
+                    f" It does not reach the output: the end-to-end error is {_fmt(root.propagated)}, "
+                    f"{root.propagated / root.floor:.2g}x its floor ({_fmt(root.floor)}), as what follows absorbs it."
+                ),
+            )  # fmt: skip
+        findings.append(found)
     if first is None and accumulation is not None:
         finding, first_text = _accumulation_finding(accumulation, label, candidate, reference)
         findings.append(finding)

@@ -1,95 +1,100 @@
-"""A `with torch.autocast(...)` block left open across optimizer steps: every forward runs stale weights.
+"""An autocast region left open across optimizer steps: every forward runs stale weights.
 
-Autocast casts each fp32 leaf parameter to the low-precision dtype once per block and reuses that copy
-(its cast cache), until the outermost block exits. A block that holds the optimizer's step and the next
-forward (one `with` around the epoch, the loop or the whole training function) runs every forward after
-its first on the weights as they were cast at its first forward: the fp32 weights move, the forward never
-sees them, and the loss stays where it was while nothing is NaN.
+Autocast casts each fp32 leaf parameter to the low-precision dtype once and reuses that copy (its cast
+cache) until the outermost `torch.autocast` block exits. A block that holds the optimizer's step and the
+next forward (one `with` around the epoch, the loop or the whole training function; an
+`@torch.autocast` decorator on it; autocast entered once on an ExitStack; a per-forward block nested in
+an outer `autocast(enabled=False)` that spans the loop) runs every forward after its first on the
+weights as they were cast then: the fp32 weights move, the forward never sees them, and the loss stays
+where it was while nothing is NaN.
 
-Read at the optimizer's step: whether autocast (with its cache) is still on there, one call per device
-type of the step's forwards. Where it is, the next such step looks once: the step's own forward is run
-again with the weights cast afresh (`cache_enabled=False`: what a block that ends before the step gives,
-on the same inputs, RNG and buffers) and its outputs are compared with the ones the script got. A block
-that ends every step gives the same outputs, bit for bit, and nothing more is looked at; a block that
-spans steps gives outputs of other weights. At most LOOKS looks, at the armed step and then 10 and 100
-steps later (a small learning rate moves the weights little in one step)."""
+Read by a probe of the cache itself, at the training forwards of a few steps (`PROBED`, in pairs a step
+apart): a 1x1 fp32 leaf of fpdoctor's own that requires grad is given a new value and multiplied under
+the forward's autocast, which casts it through the cache. A cast that returns a value it held at an
+earlier step is a cache that outlived that step. Nothing of the user's is read or written (one cache
+entry of fpdoctor's own, freed with the block); the weights, the RNG and the outputs play no part, so a
+run whose first steps move no weight (skipped by a GradScaler, a warm-up from lr 0) is read as any other.
+Where it is found, the step's forward is run once more with the weights cast afresh (`measure`) for the
+size of what it costs: the outputs' relative distance from the weights as they are."""
 
 from __future__ import annotations
 
 import ast
 import linecache
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from fpdoctor.userframes import function_at
 
-STALE = 1e-2  # outputs this far from the fresh weights' (relative norm) are not the weights as they are
-SAME = 1e-6  # closer than this: the forward ran the weights as they are (a block that ends every step)
-LATER = (0, 10, 100)  # the looks, in steps after the first step found under autocast
+PROBED = frozenset((1, 2, 3, 10, 11, 100, 101, 1000, 1001))  # the optimizer steps whose forwards probe the cache
+MOVED = 1e-6  # a relative difference at or below this: no weight had moved since the cast (a skipped step)
 _AUTOCAST = ("autocast",)  # torch.autocast, torch.amp.autocast, torch.cuda.amp.autocast, `from ... import autocast`
 
 
-@dataclass(frozen=True)
+@dataclass
 class Stale:
-    """A forward run under a block that spans steps: its outputs against the weights cast afresh."""
+    """A cache found across steps: the probe cast at step `since` came back at step `step`."""
 
-    step: int  # the optimizer step whose forward was looked at
-    since: int  # the first optimizer step taken inside the block
-    difference: float  # relative norm of (the script's outputs - the fresh forward's)
+    step: int
+    since: int
     device_type: str
     dtype: str
     block: tuple[str, int, str, str] | None  # what opened the block: (file, line, its text, how: block_of)
+    difference: float | None = None  # the step's outputs against the same forward with the weights cast afresh
+    measured_at: int | None = None  # the step whose forward `difference` is of
 
 
 @dataclass
 class StaleCasts:
-    """One optimizer's look for a block that spans its steps."""
+    """The probe of autocast's cast cache across optimizer steps (see the module's text)."""
 
-    armed: int | None = None  # the first step taken with autocast (and its cache) on
-    looks: int = 0
     found: Stale | None = None
     done: bool = False
+    _probes: dict[str, torch.Tensor] = field(default_factory=dict)  # per device type
+    _values: dict[float, int] = field(default_factory=dict)  # a value the probe held -> the step it was cast at
+    _next: float = 1.0
 
-    def at_step(
-        self,
-        step: int,
-        autocast: list[tuple[str, torch.dtype]],
-        fresh: Callable[[str, torch.dtype], list[torch.Tensor] | None],
-        got: list[torch.Tensor],
-        frames: Callable[[], list[tuple[str, int, str]]],
-    ) -> None:
-        """The optimizer's step `step` is taken; its forward ran under `autocast` (device type, dtype) and
-        gave `got`; `fresh(device_type, dtype)` runs it again with the weights cast afresh (None: it cannot)."""
-        if self.done or not autocast or not torch.is_autocast_cache_enabled():
+    def at_forward(self, step: int, autocast: list[tuple[str, torch.dtype]], frames: Any) -> None:
+        """A training forward is about to run under `autocast` (device type, dtype); `step` optimizer steps
+        were taken before it; `frames()`: the user's frames, for the line that opened the block."""
+        if self.done or step + 1 not in PROBED or not torch.is_autocast_cache_enabled():
             return
-        on = [(d, t) for d, t in autocast if torch.is_autocast_enabled(d)]
-        if not on:
-            return
-        if self.armed is None:
-            self.armed = step
-            return
-        if step - self.armed < LATER[self.looks]:
-            return
-        self.looks += 1
-        device_type, dtype = on[0]
-        outputs = fresh(device_type, dtype)
-        difference = _difference(got, outputs) if outputs is not None else None
-        if difference is None or difference <= SAME:
-            self.done = True  # the weights as they are (or nothing to compare): a block per step
-            return
-        if difference >= STALE:
-            name = str(dtype).removeprefix("torch.")
-            self.found = Stale(step, self.armed, difference, device_type, name, block_of(frames()))
-            self.done = True
-        elif self.looks >= len(LATER):
+        for device_type, dtype in autocast:
+            got = self._cast(device_type, step)
+            if got is None:
+                continue
+            since = self._values.get(got)
+            if since is not None and since < step:
+                name = str(dtype).removeprefix("torch.")
+                self.found = Stale(step + 1, since + 1, device_type, name, block_of(frames()))
+                self.done = True
+                return
+        if step + 1 >= max(PROBED):
             self.done = True
 
+    def _cast(self, device_type: str, step: int) -> float | None:
+        """The probe given a new value and cast under the current autocast at `step`; the value the cast
+        returned (the square of the value it was cast from)."""
+        probe = self._probes.get(device_type)
+        if probe is None:
+            if device_type == "cuda" and not torch.cuda.is_initialized():
+                return None
+            device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else device_type
+            probe = self._probes[device_type] = torch.ones(1, 1, device=device, requires_grad=True)
+        value, self._next = self._next, self._next + 1.0  # small integers: exact in fp16 and bf16, squared too
+        with torch.no_grad():
+            probe.fill_(value)
+            cast = torch.mm(probe, probe)  # autocast casts a leaf that requires grad through its cache
+        if cast.dtype == probe.dtype:
+            return None  # autocast does not cast here (off for this device type, or another op list)
+        self._values[value * value] = step
+        return float(cast.float().item())
 
-def _difference(got: list[torch.Tensor], fresh: list[torch.Tensor]) -> float | None:
+
+def difference(got: list[torch.Tensor], fresh: list[torch.Tensor]) -> float | None:
     """|got - fresh| / |fresh| over the floating outputs, in fp64; None where they cannot be paired."""
     pairs = [(a, b) for a, b in zip(got, fresh, strict=False) if a.shape == b.shape and a.is_floating_point()]
     if not pairs or len(got) != len(fresh):

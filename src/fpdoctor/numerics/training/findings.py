@@ -1043,33 +1043,48 @@ def stale_casts_finding(found: Stale, optimizer: str, *, here: dict[str, Any]) -
             "loss only, with `loss.backward()` and `optimizer.step()` after it (or pass `cache_enabled=False` to "
             "that torch.autocast, which casts the weights afresh at every use)"
         )
+    cost = (
+        f" Step {found.measured_at}'s forward ran the weights as they were cast then: its outputs differ by "
+        f"{found.difference:.3g} (relative) from the same forward with the weights as they are."
+        if found.difference is not None
+        else ""
+    )
+    trial = (
+        Trial.checked(
+            f"step {found.measured_at}'s forward run again with the weights cast afresh (autocast with "
+            "cache_enabled=False, what a block ending before the step gives), on its own inputs, RNG and buffers",
+            metric="outputs' relative difference from the weights as they are",
+            before=round(found.difference, 4),
+            after=0.0,
+            on=f"step {found.measured_at}'s batch",
+        )
+        if found.difference is not None
+        else Trial.untried(
+            "read from autocast's cast cache by a probe of fpdoctor's own; the steps' forwards run again with the "
+            "weights cast afresh gave the same outputs (no weight had moved yet: skipped steps, an lr of 0) or could "
+            "not be run as they ran (an input or output written in place since)"
+        )
+    )
     return catalog.make(
         "autocast-spans-steps",
         message=(
-            f"{optimizer}'s steps run inside {block}, which stays open from one step to the next (autocast was on "
-            f"at step {found.since} and still at step {found.step}). Autocast casts each fp32 weight to "
-            f"{found.dtype} once per block and reuses that copy: the step's forward ran the weights as they were "
-            f"cast at the block's first forward, and its outputs differ by {found.difference:.3g} (relative) from "
-            "the same forward with the weights as they are. The optimizer moves the fp32 weights; the forward "
-            "never sees them, so the loss stays where it was."
+            f"{optimizer}'s steps run inside {block}, which stays open from one step to the next: a tensor cast "
+            f"under it at step {found.since} came back from autocast's cast cache unchanged at step {found.step}. "
+            f"Autocast casts each fp32 weight to {found.dtype} once and reuses that copy until the outermost "
+            "autocast block exits, so every forward after the first runs the weights as they were cast at the "
+            f"first.{cost} The optimizer moves the fp32 weights; the forward never sees them, so the loss stays where "
+            "it was."
         ),
         where={"module": None, "op": None, "phase": "forward", "line": where_block, **here},
         evidence={
             "step": found.step,
-            "autocast_on_from_step": found.since,
+            "cast_at_step": found.since,
             "outputs_relative_difference": found.difference,
             "device_type": found.device_type,
             "dtype": found.dtype,
         },
         fix=fix,
-        trial=Trial.checked(
-            f"step {found.step}'s forward run again with the weights cast afresh (autocast with cache_enabled=False, "
-            "what a block ending before the step gives), on its own inputs, RNG and buffers",
-            metric="outputs' relative difference from the weights as they are",
-            before=round(found.difference, 4),
-            after=0.0,
-            on=f"step {found.step}'s batch",
-        ),
+        trial=trial,
     )
 
 
