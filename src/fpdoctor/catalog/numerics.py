@@ -837,10 +837,11 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         name="autocast-spans-steps",
         severity=E,
         title="An autocast block holds the optimizer's steps: every forward runs the weights of its first",
-        what="`fpdoctor watch` reads, at an optimizer step taken under autocast, whether autocast is still on "
-        "there; where it is, a later step's forward is run again with the weights cast afresh and compared with "
-        "the outputs the script got (the same inputs, RNG and buffers): a block that ends every step gives the same "
-        "outputs bit for bit, and is no finding.",
+        what="`fpdoctor watch` probes autocast's cast cache at the training forwards of a few steps: a 1x1 tensor "
+        "of its own, cast under the forward's autocast at one step and changed, is cast again at the next; where the "
+        "old value comes back, the cache outlived the optimizer's step. The line that opened the region is named, "
+        "and the step's forward is run again with the weights cast afresh to say what the stale casts cost. A block "
+        "that ends every step is no finding.",
         why="Autocast casts each fp32 weight to fp16/bf16 once per `with torch.autocast(...)` block and reuses "
         "that copy until the outermost block exits. A block around the epoch or the training loop casts the "
         "weights at its first forward and never again: the optimizer moves the fp32 weights, the forward runs the "
