@@ -759,9 +759,9 @@ class _Comparison:
         """How the report names log-probabilities of the last leaf's logits (`name`, its output `made`): the
         output is what it made times a positive constant (a temperature) less one constant per row, its
         log-sum-exp (each row's log-sum-exp is 0: a log-softmax called or written out), which keeps each
-        row's argmax and softmax; None
-        for any other output. Its relative error is read against values of the size of the log-sum-exp
-        (-44 for logits / 0.02), which hides a change of the decided class."""
+        row's argmax and softmax; or an nn.LogSoftmax's output, of the logits (or class-table scores) before
+        it. None for any other output. Its relative error is read against values of the size of the
+        log-sum-exp (-44 for logits / 0.02), which hides a change of the decided class."""
         if first.dim() < 2 or first.shape[-1] < 2 or made is None or made.shape != first.shape:
             return None
         module = self.truth_modules.get(name)
@@ -770,7 +770,8 @@ class _Comparison:
         if isinstance(module, nn.LogSoftmax):  # an nn.LogSoftmax last (an NLLLoss classifier): its input's logits
             head = self._leaf_before(name)
             scores = self.truth_modules[head] if head else None
-            source = use.logits_source(head, scores, first) if head and scores is not None else None
+            ids = use.reads_ids(self.inputs)
+            source = use.logits_source(head, scores, first, ids=ids) if head and scores is not None else None
             # or scores against a class table (a cosine head's): the leaf before holds one row per class
             source = source or (use.class_table_source(head, scores, first) if head and scores is not None else None)
             # or the model's own ops made them, against a table of its own
