@@ -366,7 +366,8 @@ def test_gradients_a_compression_hook_rounds_to_zero_are_named_with_the_hook_nev
     """fp16_compress_hook casts each bucket to fp16 before the all-reduce: local gradients under 2.98e-08
     become 0 and the run trains on zeros with a finite loss. The reference step cannot recompute reduced
     gradients, and the verdict was OK; every received gradient 0 at the sampled steps is an error naming
-    the hook, and the run without it (as printed: no hook) trains and is no such finding."""
+    the hook, measured on the step's local gradients replayed without the reduction (all made 0 in fp16,
+    none in bf16), and the run without it (as printed: no hook) trains and is no such finding."""
     script = _write(tmp_path, "underflowed.py", UNDERFLOWED)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     for arm in ([], ["--no-hook"]):
@@ -390,7 +391,10 @@ def test_gradients_a_compression_hook_rounds_to_zero_are_named_with_the_hook_nev
         assert merged["findings"][0]["name"] == "gradients-all-zero"
         told = zero[0]
         assert told["evidence"]["comm_hook"] == "fp16_compress_hook" and told["evidence"]["steps_looked"] == [1, 10]
-        assert "no hook" in told["fix"] and told["fix_trial"]["status"] == "not-tried"
+        assert "no hook" in told["fix"] and told["evidence"]["flushed_share"] == 1.0, told["evidence"]
+        # checked on the step's own local gradients, replayed without the reduction: bf16 keeps them
+        trial = told["fix_trial"]
+        assert trial["status"] == "checked" and (trial["before"], trial["after"]) == ("100%", "0%"), trial
 
 
 def test_a_script_that_raises_exits_as_python_would_and_is_never_ok(tmp_path):

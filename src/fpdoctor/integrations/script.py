@@ -776,6 +776,8 @@ class ScriptWatch:
         grads = grads_of(run.params)
         if judge.distributed and judge.steps + 1 in zero_grads.SAMPLED:  # what the reduction handed over
             self._guarded(lambda: run.zeros.sample(judge.steps + 1, grads), "reading the reduced gradients")
+            if run.zeros.zero and run.zeros.local is None and mine:  # all zero: what the hook did, measured once
+                self._guarded(lambda: self._local_gradients(run, judge.steps + 1, mine), "replaying the step locally")
         with torch.no_grad():
             if device.type == "cpu" and not (judge.distributed or on_device):
                 # the usual CPU step: flags read at once, no tensor made (each small op is a few us)
@@ -977,6 +979,37 @@ class ScriptWatch:
             if not call.kept.complete:
                 return "the gradient of an output of the forward was not seen (a backward through torch.autograd.grad?)"
         return None
+
+    def _local_gradients(self, run: _Run, step: int, calls: list[_Call]) -> None:
+        """Every gradient the reduction handed over is 0 and the DDP model casts them in a communication hook:
+        the step's forwards and backwards replayed on this rank without the reduction, and what the hook's
+        cast makes of their gradients against bf16's (zero_grads.flushed). The step's own gradients are put
+        back: the optimizer steps on what the reduction gave it."""
+        hook = distributed.compressing_hook(run.judge.model)
+        if hook is None or any(t._version != v for c in calls for t, v in c.versions):
+            return
+        saved = [(p, p.grad) for p in run.params]
+        try:
+            for p in run.params:
+                p.grad = None
+            with self._replaying_now(), distributed.local_replay(run.judge.model), preserved(run.judge.model):
+                for call in calls:
+                    call.rng.restore()
+                    self._replay_call(call, *call.args, **call.kwargs)
+            local = [p.grad.detach() for p in run.params if p.grad is not None and p.grad.is_floating_point()]
+        finally:
+            for p, g in saved:
+                p.grad = g
+        if not local:
+            return
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        top = max(float(g.abs().max()) for g in local if g.numel())
+        run.zeros.local = (
+            step,
+            top,
+            zero_grads.flushed(local, hook[1], world),
+            zero_grads.flushed(local, torch.bfloat16, world),
+        )
 
     @contextlib.contextmanager
     def _replaying_now(self) -> Iterator[None]:

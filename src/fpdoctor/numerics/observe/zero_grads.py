@@ -25,6 +25,9 @@ class ZeroGrads:
 
     looked: list[int] = field(default_factory=list)
     zero: list[int] = field(default_factory=list)
+    # the first zero step's local gradients (replayed on this rank without the reduction), where a hook casts
+    # them: (step, their largest magnitude, the share of their nonzero values the hook's dtype makes 0, bf16's)
+    local: tuple[int, float, float, float] | None = None
 
     def sample(self, step: int, grads: list[torch.Tensor]) -> None:
         """Step `step`'s gradients (those the optimizer holds), read once each."""
@@ -43,3 +46,15 @@ class ZeroGrads:
 def underflow(dtype: torch.dtype) -> float:
     """The largest magnitude `dtype` rounds to 0: half its smallest subnormal."""
     return float(torch.finfo(dtype).smallest_normal) * float(torch.finfo(dtype).eps) / 2
+
+
+def flushed(grads: list[torch.Tensor], dtype: torch.dtype, world: int) -> float:
+    """The share of the nonzero values of `grads` that a compression hook casting to `dtype` makes 0: cast,
+    then divided by the world size in `dtype`, as torch's fp16/bf16_compress_hook does."""
+    nonzero = made_zero = 0
+    with torch.no_grad():
+        for g in grads:
+            live = g != 0
+            nonzero += int(live.sum())
+            made_zero += int(((g.to(dtype) / world) == 0).logical_and(live).sum())
+    return made_zero / nonzero if nonzero else 0.0

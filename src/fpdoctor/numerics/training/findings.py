@@ -986,6 +986,12 @@ def zero_grads_finding(
             f"all-reduce, and {fmt} rounds every value under {underflow(dtype):.3g} to 0: gradients made from a "
             "loss this small are all under it."
         )
+        if found.local is not None:
+            at, top, flushed, in_bf16 = found.local
+            message += (
+                f" Replayed on this rank without the reduction, step {at}'s local gradients reach {top:.3g} at most, "
+                f"and the hook's cast makes {flushed:.0%} of their nonzero values 0 (bf16: {in_bf16:.0%})."
+            )
         fix = (
             f"bring the gradients into {fmt}'s range: targets standardised or in units where the loss is of order "
             f"1 (a loss of 1e-8 makes gradients of about that size); or register "
@@ -997,17 +1003,30 @@ def zero_grads_finding(
             "find what zeroes the gradients between the backward and the optimizer: run the script on one process "
             "under `fpdoctor watch`, whose reference step names the stage where they part from an fp32 step"
         )
+    if hook is not None and found.local is not None and hook[1] == torch.float16 and found.local[3] < found.local[2]:
+        trial = Trial.checked(
+            f"step {found.local[0]}'s local gradients (replayed on this rank without the reduction) cast to "
+            "bfloat16, as bf16_compress_hook does, instead of float16",
+            metric="share of their nonzero values made 0",
+            before=f"{found.local[2]:.0%}",
+            after=f"{found.local[3]:.0%}",
+            on=f"step {found.local[0]}'s batch",
+        )
+    else:
+        trial = Trial.untried(
+            "under torch.distributed the gradients are reduced inside the backward: a run with another hook, or "
+            "another loss, is another job, which fpdoctor does not start"
+        )
     return catalog.make(
         "gradients-all-zero",
         message=message,
         where={"module": None, "op": None, "phase": "optimizer", **here},
         evidence={"steps_looked": found.looked, "steps_all_zero": found.zero, "comm_hook": hook[0] if hook else None,
-                  "last_loss": loss},
+                  "last_loss": loss,
+                  **({"local_grad_absmax": found.local[1], "flushed_share": found.local[2],
+                      "flushed_share_bf16": found.local[3]} if found.local else {})},
         fix=fix,
-        trial=Trial.untried(
-            "under torch.distributed the gradients are reduced inside the backward: a run with another hook, or "
-            "another loss, is another job, which fpdoctor does not start"
-        ),
+        trial=trial,
     )  # fmt: skip
 
 
