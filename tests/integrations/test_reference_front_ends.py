@@ -83,6 +83,9 @@ def test_watch_says_what_it_compared_on_healthy_recipes():
         assert judged["compared_steps"] == [1] and judged["worst"]["cosine"] > 0.99
         (line,) = [text for key, text in report.data["summary"] if key == "reference step"]
         assert line.startswith("step 1 against an fp32 step") and "within 2x" in line
+        # watch replays from the gradients at the outputs: what it compared is what the backward left (the
+        # script's unscale_ and clip between the backward and the step are judged apart: TRN021, a clip's finding)
+        assert "gradient(s) as the backward left them" in line, line
         assert "the gradients at step(s) 1 against an fp32 step" in report.data["judged"]
 
 

@@ -740,7 +740,10 @@ def summary(
         worst_ratio = max((d.ratio for d in rows), key=lambda r: max(r, 1.0 / r) if r > 0 else math.inf)
         worst_cosine = min(d.cosine for d in rows)
         grads = sum(1 for d in rows if d.stage in ("backward", "optimizer"))
-        counted = f"{grads} gradient(s)" + (f" and {len(rows) - grads} update(s)" if len(rows) > grads else "")
+        # a replay from the gradients at the model's outputs (watch, the callbacks) compares what the backward
+        # left: the script's code between the backward and the step (an unscale_, a clip) is judged apart
+        left = " as the backward left them" if all(c.backward_only for c in judged) else ""
+        counted = f"{grads} gradient(s){left}" + (f" and {len(rows) - grads} update(s)" if len(rows) > grads else "")
         text = (
             f"{where} against an fp32 step (no autocast, no loss scaling): {counted} within "
             f"{RATIO:g}x of its norms and cosine >= {COSINE:g} (worst {worst_ratio:.3g}x, cosine {worst_cosine:.4f})"
