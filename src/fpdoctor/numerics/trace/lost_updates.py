@@ -32,6 +32,7 @@ and each buffer's kept update compared as above; the buffers lost are one findin
 
 from __future__ import annotations
 
+import math
 import sys
 import weakref
 from collections.abc import Callable
@@ -79,7 +80,7 @@ def _checked(count: int) -> bool:
 # A statement's ops redone from the same values: (function, arguments, keyword arguments, and per
 # tensor argument the position in the list of the op that made it there, or None: a value read)
 Statement = list[tuple[Any, tuple[Any, ...], dict[str, Any], dict[int, int]]]
-_SMALLEST = 4  # values: a scalar or a pair is not a running state (a per-feature statistic of 8 is)
+_SMALLEST = 1  # values: a scalar too (a loss summed into a bf16 total for the epoch's printed mean stops at 256)
 # and at most this many: the check's fp64 and fp32 copies of a larger one (a big embedding) would cost
 # the job memory; the line's smaller tensors (an EMA updates every parameter at the same line) are checked
 _LARGEST = 1 << 22
@@ -338,6 +339,7 @@ class LostUpdates:
             decay = weights and all(x.op == "mul_" for x in found)  # a decay by hand: the optimizer's own is one
             ops = " and ".join(dict.fromkeys(f"aten.{x.op}" for x in found))  # each op once, as the line runs them
             shapes = list(dict.fromkeys(str(x.shape) for x in found))
+            total = not weights and all(math.prod(x.shape) == 1 for x in found)  # one value: a running total
             if line.op == COPY:  # judged by the statement it writes back
                 ops = "what the line computes from that tensor, written back into it (copy_ or out=),"
             elif line.op == REBOUND:
@@ -367,6 +369,9 @@ class LostUpdates:
                             "(trainable weights, under no_grad, outside the optimizer step: a weight decay or an "
                             "update written by hand), and "
                             if weights
+                            else "(one value, no gradient: a running total, a loss summed for the epoch's printed "
+                            "mean), and "
+                            if total
                             else "(no gradient, outside the optimizer step: an EMA of weights, a running mean or "
                             "statistic), and "
                         )
@@ -378,6 +383,9 @@ class LostUpdates:
                         + (
                             "the weights train as if the line were not there."
                             if weights
+                            else "what reads it (a printed epoch loss, a metric) stays flat while the model trains "
+                            "on: the total, not the model, stopped."
+                            if total
                             else "what reads it (an EMA model's evaluation) does not improve."
                         )
                     ),
@@ -403,6 +411,10 @@ class LostUpdates:
                         )
                         + f". In fp32 the update at {where} {kept}"
                         if weights
+                        else f"keep the total in fp32: create it with dtype=torch.float32 (torch.zeros((), "
+                        f"dtype=torch.float32)) or add Python floats (loss.item()); in fp32 its update at {where} "
+                        f"{kept}"
+                        if total
                         else f"keep that tensor in fp32 (an EMA copy of the weights: deepcopy the model and leave it "
                         f"in fp32, cast it to {line.dtype} only to evaluate); in fp32 its update at {where} {kept}"
                     ),
