@@ -487,7 +487,7 @@ def _root_finding(
             "values computed directly, not as the difference of their expansions), or compute them in fp64 (their "
             "operands .double(), the result cast back)"
         ),
-        trial=Trial.untried(_UNTRIED_BY_COMPARE),
+        trial=Trial.untried(UNTRIED_BY_COMPARE),
     )
     return finding, "no submodule: the whole model's own ops (outside any submodule)"
 
@@ -817,7 +817,7 @@ def _divergence(
             "largest value, so cast back it is Inf again (`fpdoctor plan` finds the modules that must read it in "
             "fp32 and verifies the set); or use bf16, which has fp32's range"
         )
-    trial = Trial.untried(_UNTRIED_BY_COMPARE)
+    trial = Trial.untried(UNTRIED_BY_COMPARE)
     if cause:
         evidence.update(cause.get("evidence", {}))
         message += cause.get("message", "")
@@ -828,7 +828,7 @@ def _divergence(
 
 
 # compare measures what each module adds by itself; the end-to-end run with a fix in place is plan's
-_UNTRIED_BY_COMPARE = (
+UNTRIED_BY_COMPARE = (
     "compare measures the error each module adds by itself; the end-to-end run with it kept in fp32 is what "
     "`fpdoctor plan` tries and verifies"
 )
@@ -1271,9 +1271,12 @@ def _fix(module: str, candidate: str, on: torch.device | None = None) -> str:
         )
     # bf16 has fp32's range: the way out of an fp16 overflow, never advice to a run in bf16 already
     other = "" if candidate == "bf16" else "use bf16 if the cause is range, "
+    name = module.rpartition(".")[2] or module
     return (
-        f"keep `{module}` in fp32 (fpdoctor plan finds the smallest such set), or {other}fp32 accumulation if it "
-        "is a long reduction"
+        f"keep `{module}` in fp32 (fpdoctor plan finds the smallest such set): its parameters and its arithmetic, "
+        f"called on its inputs .float() with its output cast back (`self.{name}(x.float()).to(x.dtype)`; a module "
+        f"that holds no parameters is not changed by .float()), or {other}fp32 accumulation if it is a long "
+        "reduction"
     )
 
 

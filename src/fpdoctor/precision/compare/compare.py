@@ -124,6 +124,7 @@ from fpdoctor.precision.profile import (
     DIVERGENCE_RATIO,
     RAISED_FALLS,
     UNKNOWN_FLOOR,
+    UNTRIED_BY_COMPARE,
     CompareResult,
     ModuleRow,
     annotate,
@@ -139,7 +140,7 @@ from fpdoctor.precision.scope import find_module, module_inputs
 from fpdoctor.precision.units import InUnits, coarse_finding, in_units, lost_finding
 from fpdoctor.preserve import RngState
 from fpdoctor.pytrees import tensors_in
-from fpdoctor.report.model import Finding, Severity
+from fpdoctor.report.model import Finding, Severity, Trial
 from fpdoctor.userframes import is_user_file
 
 # the lines that make what a running state's update reads, kept in fp32 with it, where they are at most these
@@ -1701,6 +1702,7 @@ class _Comparison:
                 if f.name != "precision-divergence" or (f.where.get("op"), f.evidence.get("own_op_location")) != named
             ]  # fmt: skip
         result.report.findings[:0] = origin
+        self._kept_checked(result.report.findings, rows)
         made = self._made_checked(rows, forced or {})
         if made is not None:  # checked to take most of the error away: the cause, before what it makes
             # an error "made by accumulation" is what compare concludes when no part explains it: this does;
@@ -1905,6 +1907,33 @@ class _Comparison:
             self.notes["the computation before the cast"] = f"not checked: {type(exc).__name__}: {exc}"
             return [], None
         return lines, error
+
+    def _kept_checked(self, findings: list[Finding], rows: list[ModuleRow]) -> None:
+        """A divergence whose fix is "keep the module in fp32" and was left untried: the model run once
+        with that module in fp32 (`_module_checked`), and the fix checked by it where that cures the
+        end-to-end error; else the reason says what it left."""
+        for k, f in enumerate(findings):
+            module = f.where.get("module")
+            untried = f.trial is not None and not f.trial.tried and f.trial.reason == UNTRIED_BY_COMPARE
+            if f.name != "precision-divergence" or not module or not untried or not f.fix.startswith("keep `"):
+                continue
+            row = next((r for r in rows if r.module == module), None)
+            if row is None or not rows:
+                return
+            checked = self._module_checked(row, rows[-1].propagated)
+            if checked is None:
+                return
+            before, after = checked["before"], checked["after"]
+            on = inputs_text(describe(self.inputs))
+            findings[k] = dataclasses.replace(
+                f,
+                fix=f"{f.fix}; checked: the end-to-end error goes from {before:.3g} to {after:.3g}",
+                trial=Trial.checked(
+                    f"`{module}` kept in fp32, its output cast back to {self.label}, the rest in {self.label}",
+                    metric="end-to-end relative error against fp64", before=before, after=after, on=on,
+                ),
+            )  # fmt: skip
+            return
 
     def _module_checked(self, row: ModuleRow, error: float) -> dict[str, Any] | None:
         """The module whose op overflows, kept whole in fp32 (its output left in fp32 where its exact

@@ -1,0 +1,67 @@
+"""`compare` where a module with no parameters of its own diverges (a peak-hold envelope follower: its decay,
+0.9995, rounds to 1 in bf16 and the envelope never falls): the fix "keep `envelope` in fp32" was printed
+untried, and the obvious reading of it, `model.envelope.float()`, changes nothing on a module that holds no
+parameters. The fix now says how (its inputs .float(), its output cast back) and is checked by a run of the
+model with the module in fp32; applied as printed, the error at the longest input falls and no longer grows."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import fpdoctor
+
+
+class Envelope(nn.Module):
+    """A peak-hold envelope follower (no parameters): holds the largest |x| and lets it decay slowly."""
+
+    def __init__(self, decay: float = 0.9995) -> None:
+        super().__init__()
+        self.decay = decay
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        env = torch.zeros_like(x[:, 0])
+        out = []
+        for t in range(x.shape[1]):
+            env = torch.maximum(x[:, t].abs(), env * self.decay)
+            out.append(env)
+        return torch.stack(out, 1)
+
+
+class Meter(nn.Module):
+    def __init__(self, fixed: bool = False) -> None:
+        super().__init__()
+        self.fixed = fixed
+        self.inp = nn.Linear(4, 8)
+        self.envelope = Envelope()
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        e = self.envelope(h.float()).to(h.dtype) if self.fixed else self.envelope(h)
+        return self.out(e)
+
+
+def _bursts() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    bursts = torch.randn(2, 2048, 4, generator=g) * (torch.rand(2, 2048, 1, generator=g) < 0.01)
+    return [bursts[:, :256], bursts]
+
+
+def _meter(fixed: bool) -> Meter:
+    torch.manual_seed(0)
+    return Meter(fixed).eval()
+
+
+def test_a_module_without_parameters_kept_in_fp32_is_checked_and_works_as_printed() -> None:
+    result = fpdoctor.compare(_meter(False), _bursts(), candidate="bf16")
+    first = result.report.findings[0]
+    assert first.name == "precision-divergence" and first.where["module"] == "envelope", first
+    assert "self.envelope(x.float()).to(x.dtype)" in first.fix, first.fix
+    trial = first.trial
+    assert trial is not None and trial.tried and trial.after * 4 <= trial.before, trial
+
+    fixed = fpdoctor.compare(_meter(True), _bursts(), candidate="bf16")  # as printed
+    assert not [f for f in fixed.report.findings if f.severity == "error"], fixed.report.findings
+    assert "error_grows_with_input_size" not in fixed.report.data
+    assert fixed.rows[-1].propagated * 4 <= result.rows[-1].propagated
