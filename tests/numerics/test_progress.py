@@ -151,6 +151,39 @@ def test_a_replay_that_gives_no_loss_is_said_not_judged_not_non_finite(monkeypat
     assert "gives no loss to compare" in summary["progress"], summary["progress"]
 
 
+def test_a_what_if_that_moves_no_weight_is_said_not_judged_not_a_fall_of_zero(monkeypatch):
+    """Master weights of the script's own (trial120): the optimizer steps fp32 copies the forward never reads,
+    and the script copies them into the bf16 model after the step. The what-if's arms step the same optimizer
+    on copies of the model: nothing the forward reads moves, and "the loss falls by 0 (yours) and 0 (an fp32
+    reference)" was printed as a measurement, the window counted as put to a reference."""
+    from fpdoctor.integrations.script import ScriptWatch
+    from fpdoctor.numerics.training import progress
+
+    monkeypatch.setattr(progress, "WINDOW", WINDOW)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1)).to(torch.bfloat16)
+    masters = [p.detach().float().requires_grad_(True) for p in model.parameters()]
+    opt = torch.optim.SGD(masters, lr=1e-9)  # flat: every window is put to the experiment
+    g = torch.Generator().manual_seed(1)
+    watcher = ScriptWatch(notify=None, reference_every=0)
+    with watcher:
+        for _ in range(2 * WINDOW + 2):
+            x = torch.randn(32, 4, generator=g)
+            loss = model(x.to(torch.bfloat16)).float().pow(2).mean()
+            model.zero_grad()
+            loss.backward()
+            for p, m in zip(model.parameters(), masters, strict=True):
+                m.grad = p.grad.float()
+            opt.step()
+            with torch.no_grad():
+                for p, m in zip(model.parameters(), masters, strict=True):
+                    p.copy_(m)
+    summary = dict(watcher.report.data["summary"])
+    assert "progress" in summary, summary["judged"]
+    assert "falls by 0 (yours)" not in summary["progress"], summary["progress"]
+    assert "moved no weight the model reads" in summary["progress"], summary["progress"]
+
+
 def test_the_sentinel_applies_a_nan_loss_step_whose_gradients_are_finite() -> None:
     """A NaN in a loss term without gradient (a teacher's 0 * log 0): the update is finite and the
     user's loop would apply it; the sentinel applies it too, after its replay, and says so."""

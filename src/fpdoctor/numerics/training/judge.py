@@ -1017,6 +1017,17 @@ class StepJudge:
         if why is not None:
             judged["not_tried"] = why
             return
+        held = {id(p) for p in self.model.parameters()}
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        stepped = [p for group in groups for p in group["params"]]
+        if stepped and not any(id(p) in held for p in stepped):
+            # the optimizer holds master weights of the script's own, copied into the model by its code after the
+            # step: the arms step tensors the forward does not read, and "falls by 0 and 0" would measure nothing
+            judged["not_tried"] = (
+                "the what-if's steps moved no weight the model reads, in either recipe (an optimizer over tensors "
+                "the forward does not read: master weights of your own, copied into the model by your code)"
+            )
+            return
         try:
             assert self.optimizer is not None
             arms = progress.run_arms(self.model, self.optimizer, f.window, f.what_if_fn or f.step_fn, f.contexts)
