@@ -992,11 +992,11 @@ def zero_grads_finding(
                 f" Replayed on this rank without the reduction, step {at}'s local gradients reach {top:.3g} at most, "
                 f"and the hook's cast makes {flushed:.0%} of their nonzero values 0 (bf16: {in_bf16:.0%})."
             )
+        wider = "bf16_compress_hook (fp32's range) instead of" if dtype == torch.float16 else "no hook instead of"
         fix = (
             f"bring the gradients into {fmt}'s range: targets standardised or in units where the loss is of order "
-            f"1 (a loss of 1e-8 makes gradients of about that size); or register "
-            f"{'bf16_compress_hook (fp32' + chr(39) + 's range)' if dtype == torch.float16 else 'no hook'} instead "
-            f"of `{name}`, or no hook (DDP's fp32 all-reduce)"
+            f"1 (a loss of 1e-8 makes gradients of about that size); or register {wider} `{name}`, or no hook "
+            "(DDP's fp32 all-reduce)"
         )
     else:
         fix = (
@@ -1035,11 +1035,11 @@ def stale_casts_finding(found: Stale, optimizer: str, *, here: dict[str, Any]) -
     how = found.block[3] if found.block is not None else None
     if found.block is not None:
         path, line, text, _ = found.block
-        opened = {"decorator": "decorator", "enter_context": "autocast entered by"}.get(how or "", "block")
         at = f"{os.path.basename(path)}:{line}"
-        block = (
-            f"the `{text}` {opened} at {at}" if how != "enter_context" else f"the autocast entered by `{text}` at {at}"
-        )
+        block = {
+            "decorator": f"the `{text}` decorator at {at}",
+            "enter_context": f"the autocast entered by `{text}` at {at}",
+        }.get(how or "", f"the `{text}` block at {at}")
         where_block = f"{path}:{line}"
     else:
         block, where_block = "an autocast block", None

@@ -269,10 +269,8 @@ class StepJudge:
         # its pace: the last reference step and its cost, the time between judged steps less ours
         self._reference_last: int | None = None
         # the training outputs' format (outputs_read): the last check's finding, whether it was named
-        self._outputs_last: dict[str, Any] | None = None
-        self._outputs_named = False
-        self._inputs_last: dict[str, Any] | None = None  # the same for the forward's inputs (inputs_read)
-        self._inputs_named = False
+        self._outputs: dict[str, Any] = {"last": None, "named": False}
+        self._inputs: dict[str, Any] = {"last": None, "named": False}  # the same for the forward's inputs
         self._reference_at: int | None = None  # the next reference step, once the least period is over
         self._reference_cost = 0.0
         # a flat window asks for a reference step at once: what the code does to the gradients may have
@@ -1085,28 +1083,30 @@ class StepJudge:
         too coarse for them (coarse_output.py) at steps 4, 8, 16, 32, 64, then every 64th: a model
         fits its targets as it trains, so its first steps say little, and a run of 200 steps is
         judged by step 128; named once two checks in a row find it. One host read a check."""
-        due = step >= 4 and (step % 64 == 0 if step > 64 else not step & (step - 1))
-        if self._outputs_named or not due:
-            return
-        found = coarse_output.coarse(outputs)
-        if found is not None and self._outputs_last is not None:
-            self._outputs_named = True
-            self.findings.append(coarse_output.finding(found, step, self.here))
-        self._outputs_last = found
+        if step >= 4:
+            self._coarse_read(step, outputs, self._outputs, coarse_output.finding)
 
     def inputs_read(self, step: int, inputs: list[torch.Tensor]) -> None:
         """The training forward's floating inputs, judged as `outputs_read` judges its outputs, at steps 1,
         2, 4, 8, ..., then every 64th: raw readings cast to bf16/fp16 before the model (pressure near 1013 hPa
         that varies by 4, bf16's spacing there 8) lose what they vary by before any op of the model runs;
         named once two checks in a row find it."""
+        self._coarse_read(step, inputs, self._inputs, coarse_output.input_finding)
+
+    def _coarse_read(
+        self, step: int, tensors: list[torch.Tensor], seen: dict[str, Any],
+        finding: Callable[[dict[str, Any], int, dict[str, Any]], Finding],
+    ) -> None:  # fmt: skip
+        """One check of `tensors` at a power-of-two step, then every 64th; `seen`: "named" once said, "last"
+        the previous check's figures (two checks in a row name it)."""
         due = step % 64 == 0 if step > 64 else not step & (step - 1)
-        if self._inputs_named or not due:
+        if seen["named"] or not due:
             return
-        found = coarse_output.coarse(inputs)
-        if found is not None and self._inputs_last is not None:
-            self._inputs_named = True
-            self.findings.append(coarse_output.input_finding(found, step, self.here))
-        self._inputs_last = found
+        found = coarse_output.coarse(tensors)
+        if found is not None and seen["last"] is not None:
+            seen["named"] = True
+            self.findings.append(finding(found, step, self.here))
+        seen["last"] = found
 
     def reference(self, step: int, **kwargs: Any) -> None:
         """`_reference_step`, timed: its cost paces the next one (`reference_due`)."""
