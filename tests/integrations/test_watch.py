@@ -304,21 +304,26 @@ dist.destroy_process_group()
 """
 
 
+def _torchrun_watch(tmp_path: Path, script: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`torchrun --nproc-per-node 2 -m fpdoctor watch -o OUT/report.json -- SCRIPT ARGS` on loopback."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    watch = ["-m", "fpdoctor", "watch", "-o", str(out / "report.json"), "--", str(script), *args]
+    return subprocess.run(
+        [*torchrun, "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *watch],
+        check=False, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=_env(),
+    )  # fmt: skip
+
+
 @pytest.mark.jobs  # two 2-rank torchrun jobs
 def test_a_gradient_past_the_compression_hooks_dtype_is_told_by_the_hook_not_the_machine(tmp_path):
     """DDP's fp16_compress_hook casts each bucket to fp16 before the all-reduce; the replay runs without
     the reduction, so it is finite. That is not a fault that did not reproduce: the rank whose local
     gradient is past fp16's range is named with the hook, and its fix (a mean loss) as printed is clean."""
     script = _write(tmp_path, "compressed.py", COMPRESSED)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     for arm in ([], ["--mean"]):
         out = tmp_path / ("mean" if arm else "sum")
         out.mkdir()
-        watch = ["-m", "fpdoctor", "watch", "-o", str(out / "report.json"), "--", str(script), *arm]
-        run = subprocess.run(
-            [*torchrun, "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *watch],
-            check=False, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=_env(),
-        )  # fmt: skip
+        run = _torchrun_watch(tmp_path, script, out, *arm)
         assert run.returncode == 0, run.stderr[-3000:]
         merged = _report(out)
         if arm:
@@ -369,15 +374,10 @@ def test_gradients_a_compression_hook_rounds_to_zero_are_named_with_the_hook_nev
     the hook, measured on the step's local gradients replayed without the reduction (all made 0 in fp16,
     none in bf16), and the run without it (as printed: no hook) trains and is no such finding."""
     script = _write(tmp_path, "underflowed.py", UNDERFLOWED)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     for arm in ([], ["--no-hook"]):
         out = tmp_path / ("no-hook" if arm else "hook")
         out.mkdir()
-        watch = ["-m", "fpdoctor", "watch", "-o", str(out / "report.json"), "--", str(script), *arm]
-        run = subprocess.run(
-            [*torchrun, "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *watch],
-            check=False, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=_env(),
-        )  # fmt: skip
+        run = _torchrun_watch(tmp_path, script, out, *arm)
         assert run.returncode in (0, 1), run.stderr[-3000:]
         first, last = (float(v) for v in run.stdout.split("loss ")[-1].split(" -> "))
         merged = _report(out)
