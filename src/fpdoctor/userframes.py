@@ -60,6 +60,25 @@ def user_location(frame: FrameType | None) -> tuple[str, int, str] | None:
     return None
 
 
+def dataset_item(frame: FrameType | None) -> int | None:
+    """The index a Dataset's `__getitem__` was called with, where the user's innermost frame is one
+    (an op that ran while a DataLoader read one item): its first argument after `self`, if whole."""
+    while frame is not None:
+        code = frame.f_code
+        if _USER_FILES.get(code.co_filename) or is_user_file(code.co_filename):
+            if code.co_name != "__getitem__" or code.co_argcount < 2:
+                return None
+            value = frame.f_locals.get(code.co_varnames[1])
+            if value is not None and hasattr(value, "__index__") and not isinstance(value, bool):
+                try:
+                    return int(value.__index__())
+                except (TypeError, RuntimeError):  # a tensor of more than one value
+                    return None
+            return None
+        frame = frame.f_back
+    return None
+
+
 def user_frames(frame: FrameType | None, most: int = 8) -> list[tuple[str, int, str]]:
     """The user's frames from `frame` outwards (innermost first, at most `most`): a call inside a
     helper, and the helper's call."""

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from fpdoctor.numerics.engine import stable
-from fpdoctor.numerics.observe.loader import bad_rows, rows_text
+from fpdoctor.numerics.observe.loader import bad_rows, rows_found, rows_text
 from fpdoctor.numerics.observe.records import Record
 from fpdoctor.numerics.observe.values import checkable, dtype_name
 from fpdoctor.report.model import Trial
@@ -169,7 +169,9 @@ class Experiment:
 
     op: str
     dtype: str
-    verdict: str  # device-or-library, the-math, opaque (a custom op non-finite in fp64 too), origin, not-decided
+    # device-or-library, the-math, opaque (a custom op non-finite in fp64 too), data (rows of the batch), origin,
+    # not-decided
+    verdict: str
     as_ran: str | None = None  # "non-finite again", "finite", or why it was not re-run
     fp64: str | None = None  # the op alone in fp64 from the same inputs
     origin: Record | None = None
@@ -195,10 +197,14 @@ class Experiment:
     symptom: frozenset[str] = frozenset({"nan", "inf"})  # what the op made that its inputs did not hold
     handed: bool = False  # its inputs held a non-finite value already, which passes through
     rows: dict[str, Any] | None = None  # the batch rows (dim 0) that hold the symptom, where only some do
+    # rows of an argument far out of line with the others that alone make the symptom (_outlier_rows)
+    outliers: dict[str, Any] | None = None
     note: str | None = None  # why the walk stopped short
     on_loss: OnLoss | None = None  # the step's loss re-run with the step's fixes in place (on_loss.py)
     # the backward of a SINGULAR op: the printed guard's eps, and the derivative at its bound (_try_guard)
     guard: tuple[float, float] | None = None
+    # a division non-finite in fp64 too, re-run with its denominator + eps: eps, max |x| (_try_divisor)
+    divisor_guard: tuple[float, float] | None = None
 
     def evidence(self) -> dict[str, Any]:
         """`evidence.experiment`: what was re-run, in which precision, with which result."""
@@ -234,6 +240,8 @@ class Experiment:
             found["note"] = self.note
         if self.rows is not None:
             found["rows"] = self.rows
+        if self.outliers is not None:
+            found["rows_standing_out"] = self.outliers
         return found
 
     def rows_text(self) -> str:
@@ -274,6 +282,19 @@ class Experiment:
                     *self._stable_fix(_lines(self.form_records)),
                 )
             advice = _without_precision(fix)
+            trial = Trial.untried(
+                "a change to the math at the source line, which fpdoctor does not write; what was tried is "
+                f"every precision change: in fp64 {self.op} is non-finite too"
+            )
+            if self.divisor_guard is not None:
+                eps, after = self.divisor_guard
+                trial = Trial.checked(
+                    f"the denominator plus eps = {eps:g}",
+                    metric=f"{self.op}'s output, max |x|",
+                    before="nan" if "nan" in self.symptom else "inf",
+                    after=after,
+                    on="this step's inputs, as the op ran",
+                )
             return (
                 # a title that says which non-finite input it turned into NaN (a masked row) stays
                 title
@@ -283,10 +304,7 @@ class Experiment:
                 message + tried + upstream + " No precision change is the fix.",
                 (f"{advice}. " if advice else "Change the math at the source line: ")
                 + "Not a precision change: tried, in fp64 this op is non-finite too, so fp32 will not help.",
-                Trial.untried(
-                    "a change to the math at the source line, which fpdoctor does not write; what was tried is "
-                    f"every precision change: in fp64 {self.op} is non-finite too"
-                ),
+                trial,
             )
         if self.verdict == "opaque":
             return (
@@ -301,6 +319,8 @@ class Experiment:
                     "both non-finite), not a reference to measure a fix against"
                 ),
             )
+        if self.verdict == "data" and self.outliers is not None:
+            return self._word_data(label, message + tried)
         if self.verdict == "draw" and self.origin is not None and self.draw is not None:
             return self._word_draw(label, message + tried)
         if self.verdict == "origin" and self.origin is not None:
@@ -309,6 +329,44 @@ class Experiment:
         if not transparent_op(self.op):  # a custom kernel: arithmetic advice would be a guess
             fix = custom_op_fix(self.op, self.as_ran)
         return title, message + tried + (f" {self.note}" if self.note else ""), fix, Trial.untried(reason)
+
+    def _word_data(self, label: str, message: str) -> tuple[str, str, str, Trial]:
+        """A few rows of the batch far out of line with the others make it alone (checked on the
+        other rows): the data is the origin, and the fix is the data's, never a precision change."""
+        rows = self.outliers
+        assert rows is not None
+        indices, items = rows["indices"], rows.get("dataset_indices")
+        one = len(indices) == 1
+        what = ("row " if one else "rows ") + ", ".join(str(i) for i in indices[:8])
+        named = ", ".join(str(i) for i in (items or [])[:8])
+        item_text = f" (dataset item{'' if one else 's'} {named})" if items else ""
+        kind = "nan" if "nan" in self.symptom else "inf"
+        others = rows["of"] - len(indices)
+        where = f"dataset[{named}]" if one and items else f"dataset items {named}" if items else f"the items in {what}"
+        fix = (
+            f"Find and repair or drop {where} ({what} of the batch at this step): its values reach "
+            f"{_num(rows['largest'])} where every other row stays within {_num(rows['others_largest'])} (a reading "
+            "written wrong, a unit error, an item not normalised). A check where the Dataset reads an item "
+            "(`assert torch.isfinite(x).all() and x.abs().max() < LIMIT, index`) names every such item; bounding "
+            "the inputs (a clamp, or standardising with statistics computed without it) keeps one bad item from "
+            "breaking a step. Not a precision change: the other rows are finite in this precision as it ran."
+        )
+        return (
+            f"{label}: {self.op} made {kind} from {what} of the batch{item_text}, whose values stand out",
+            message
+            + rows_text(rows, stand_out=True)
+            + f" Re-run as it ran on the other {others} rows only, {self.op} is finite (max |x| "
+            f"{_num(rows['without_them'])}): those rows alone make it. No precision change is the fix: the values "
+            "come from the data.",
+            fix,
+            Trial.checked(
+                f"{what} of the batch left out",
+                metric=f"{self.op}'s output, max |x|",
+                before=kind,
+                after=rows["without_them"],
+                on="this step's inputs, as the op ran",
+            ),
+        )
 
     @property
     def form_records(self) -> list[Record]:
@@ -996,6 +1054,68 @@ def _bad_rows(target: Step, lookup: Lookup | None, *, batch: bool) -> dict[str, 
     return found
 
 
+# A few rows of a batch whose values stand out from every other row's by this factor are the data's
+# doing, not the precision's: the rows of one recipe's activations differ by far less (the batch of
+# a healthy run: a few times). A corrupt reading, a unit error or an unnormalised item does this.
+OUTLIER = 1e3
+OUTLIER_SHARE = 0.25  # at most this share of the rows: where most stand out, the others do
+
+
+def _outlier_rows(
+    target: Step, lookup: Lookup | None, symptom: frozenset[str], *, batch: bool
+) -> dict[str, Any] | None:
+    """Rows along dim 0 of an argument (finite, not a parameter) whose largest |x| is OUTLIER times
+    every other row's, and that alone make the symptom: the op re-run as it ran on the other rows
+    only (every argument with that dim 0 cut the same way) comes out clean. Their places, dataset
+    items (loader.rows_found), how they differ, and the re-run's figures; None where none do."""
+    flat, spec = tree_flatten((target.args, target.kwargs or {}))
+    for position, t in enumerate(flat):
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 and t.shape[0] >= 4):
+            continue
+        if isinstance(t, torch.nn.Parameter) or not bool(torch.isfinite(t).all()):
+            continue
+        size = t.detach().reshape(t.shape[0], -1).abs().double().amax(1)
+        order = torch.argsort(size, descending=True)
+        ranked = size[order].tolist()
+        k = next(
+            (i + 1 for i in range(int(len(ranked) * OUTLIER_SHARE)) if ranked[i] > OUTLIER * ranked[i + 1] > 0), None
+        )
+        if k is None:
+            continue
+        rows = sorted(order[:k].tolist())
+        keep = torch.tensor([i for i in range(t.shape[0]) if i not in rows], device=t.device)
+        n = t.shape[0]
+        cut = [
+            v.detach().index_select(0, keep.to(v.device))
+            if isinstance(v, torch.Tensor)
+            and v.dim() >= 1
+            and v.shape[0] == n
+            and not isinstance(v, torch.nn.Parameter)
+            else v
+            for v in flat
+        ]
+        args, kwargs = tree_unflatten(cut, spec)
+        try:
+            outs = target.func(*args, **kwargs)
+        except Exception:
+            return None  # the op's other arguments are not cut by rows: no check, no verdict
+        outs = [o for o in tree_flatten(outs)[0] if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        kinds = ({"nan"} if any(bool(torch.isnan(o).any()) for o in outs) else set()) | (
+            {"inf"} if any(bool(torch.isinf(o).any()) for o in outs) else set()
+        )
+        if kinds & symptom:
+            return None  # the other rows make it too: not theirs alone
+        found = rows_found(rows, n, batch=batch)
+        outside = ranked[k]
+        found["differs"] = (
+            f"argument {position}'s largest |x| is {ranked[0]:.3g} there, against {outside:.3g} in every other row"
+        )
+        found["largest"], found["others_largest"] = ranked[0], outside
+        found["without_them"] = max((_absmax(o) for o in outs), default=0.0)
+        return found
+    return None
+
+
 def _symptom(target: Step) -> tuple[frozenset[str], bool]:
     """What the producer made that its inputs did not hold: NaN from Inf inputs (0/0 beside inf/x)
     is cured when the NaN is gone, though the Inf it was handed still passes through."""
@@ -1200,6 +1320,12 @@ def _decide(target_record: Record, window: Window, lookup: Lookup | None, budget
                     experiment.verdict = "device-or-library"
                     return experiment
                 experiment.rows = _bad_rows(target, lookup, batch=target_record.phase == "forward")
+                if target_record.phase == "forward" and not experiment.handed:
+                    # a few rows of the batch far out of line with the others, which alone make it: the data
+                    experiment.outliers = _outlier_rows(target, lookup, symptom, batch=True)
+                    if experiment.outliers is not None:
+                        experiment.verdict = "data"
+                        return experiment
             except _Skip as skip:
                 experiment.as_ran = f"not re-run ({skip})"
             except Exception as exc:
@@ -1253,7 +1379,26 @@ def _decide(target_record: Record, window: Window, lookup: Lookup | None, budget
         if experiment.fp64 is not None and experiment.fp64 != "finite":
             # a custom op's fp64 run is its own kernel again: it cannot tell the math from the kernel
             experiment.verdict = "the-math" if _transparent(target) else "opaque"
+            if experiment.verdict == "the-math" and op_packet(target_record.op) == "div":
+                experiment.divisor_guard = _try_divisor(target, symptom)
     return experiment
+
+
+def _try_divisor(target: Step, symptom: frozenset[str]) -> tuple[float, float] | None:
+    """The division as it ran with its tensor denominator plus its format's eps (the guard the fix
+    prints): (eps, the output's largest |x|) where that removes the symptom, else None."""
+    args = target.args
+    if len(args) < 2 or not (isinstance(args[1], torch.Tensor) and args[1].is_floating_point()):
+        return None
+    eps = float(torch.finfo(args[1].dtype).eps)
+    try:
+        out = target.func(args[0], args[1] + eps, *args[2:], **(target.kwargs or {}))
+    except Exception:
+        return None
+    if not isinstance(out, torch.Tensor):
+        return None
+    made = ({"nan"} if bool(torch.isnan(out).any()) else set()) | ({"inf"} if bool(torch.isinf(out).any()) else set())
+    return None if made & symptom else (eps, _absmax(out))
 
 
 # random draws a fresh one can stand in for: uniform and normal, by the op's packet

@@ -353,25 +353,38 @@ def bad_rows(t: torch.Tensor, *, batch: bool = False) -> dict[str, Any] | None:
     count = int(bad.sum())
     if count in (0, t.shape[0]):
         return None
-    found: dict[str, Any] = {"indices": bad.nonzero().flatten().tolist(), "of": t.shape[0], "batch": batch}
+    return rows_found(bad.nonzero().flatten().tolist(), t.shape[0], batch=batch)
+
+
+def rows_found(indices: list[int], of: int, *, batch: bool) -> dict[str, Any]:
+    """Rows `indices` of `of` along dim 0, and where `of` is the step's batch, the dataset items
+    they are (`bad_rows`'s form: what `rows_text` says)."""
+    found: dict[str, Any] = {"indices": indices, "of": of, "batch": batch}
     items, unknown = _step_rows()
-    if items is not None and len(items) == t.shape[0]:
-        found["dataset_indices"] = [items[i] for i in found["indices"]]
+    if items is not None and len(items) == of:
+        found["dataset_indices"] = [items[i] for i in indices]
         found["batch"] = True
     elif unknown is not None:
         found["dataset_indices_unknown"] = unknown
     return found
 
 
-def rows_text(rows: dict[str, Any] | None) -> str:
-    """' It is in rows 3, 7 of the 16 along dim 0 (the batch) (dataset items 1043, 2077 ...)'."""
+def rows_text(rows: dict[str, Any] | None, *, stand_out: bool = False) -> str:
+    """' It is in rows 3, 7 of the 16 along dim 0 (the batch) (dataset items 1043, 2077 ...)'; with
+    `stand_out`, ' Rows 3, 7 of the 16 along dim 0 (the batch) stand out (dataset items ...)'."""
     if rows is None:
         return ""
     one = len(rows["indices"]) == 1
     listed = ", ".join(str(i) for i in rows["indices"][:8]) + (" ..." if len(rows["indices"]) > 8 else "")
     batch = " (the batch)" if rows.get("batch", True) else ""
-    text = f" It is in {'row' if one else 'rows'} {listed} of the {rows['of']} along dim 0{batch}"
-    text += ", not in the others"
+    if stand_out:
+        text = (
+            f" {'Row' if one else 'Rows'} {listed} of the {rows['of']} along dim 0{batch} stand{'s' if one else ''} out"
+        )
+    else:
+        text = (
+            f" It is in {'row' if one else 'rows'} {listed} of the {rows['of']} along dim 0{batch}, not in the others"
+        )
     if rows.get("dataset_indices"):
         items = rows["dataset_indices"]
         named = ", ".join(str(i) for i in items[:8]) + (" ..." if len(items) > 8 else "")
@@ -383,5 +396,5 @@ def rows_text(rows: dict[str, Any] | None) -> str:
     elif rows.get("dataset_indices_unknown"):
         text += f" (which dataset items they are is not known: {rows['dataset_indices_unknown']})"
     if rows.get("differs"):
-        text += f": in those rows {rows['differs']}"
+        text += f": {rows['differs']}" if stand_out else f": in those rows {rows['differs']}"
     return text + "."

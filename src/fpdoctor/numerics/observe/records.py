@@ -78,6 +78,7 @@ class Record:
     consumed: bool = False
     mutates: str | None = None  # the (first) parameter an in-place op wrote
     bound: float | None = None  # the largest |output| arithmetic allows from its finite inputs (bounds.py)
+    item: int | None = None  # made in a Dataset's __getitem__ (non-finite records): the index it read
 
     @property
     def kind(self) -> str | None:

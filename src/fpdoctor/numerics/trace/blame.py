@@ -23,6 +23,7 @@ blame; a scaler that keeps skipping is one error naming the recurring origin, be
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import linecache
 import math
@@ -235,6 +236,8 @@ class Analysis:
         step = self.step_of(r)
         call = r.call + 1 if r.call is not None else None
         if step is None:
+            if r.item is not None:  # in a Dataset's __getitem__: the item it read, not the line's count
+                return f", reading dataset[{r.item}]"
             return f", call {call}" if r.call else ""
         n, evaluating = step
         if not evaluating:
@@ -244,6 +247,8 @@ class Analysis:
         if call is not None and r.phase != "optimizer":  # in the optimizer, the call is the step
             if r.module is not None:
                 text += f", module call {call}"
+            elif r.item is not None:  # in a Dataset's __getitem__: the item it read, not the line's count
+                text += f", reading dataset[{r.item}]"
             elif call > 1:  # outside modules: the line's count
                 text += f", the {ordinal(call)} time this line ran"
         return text
@@ -255,10 +260,11 @@ class Analysis:
     def step_evidence(self, r: Record) -> dict[str, Any]:
         """evidence.step (from 1, as a training log counts), and `evaluation` for an evaluation forward."""
         step = self.step_of(r)
+        item = {"dataset_index": r.item} if r.item is not None else {}  # made in a Dataset's __getitem__
         if step is None:
-            return {}
+            return item
         n, evaluating = step
-        return {**({"step": n} if n else {}), **({"evaluation": True} if evaluating else {})}
+        return {**({"step": n} if n else {}), **({"evaluation": True} if evaluating else {}), **item}
 
     def _tried(self, r: Record, advice: str) -> tuple[str, Trial]:
         """The fix for the op `r` made NaN/Inf, as its experiment decided and checked it where one ran
@@ -1021,6 +1027,23 @@ _DIV = (
     "guard the denominator (x / (d + torch.finfo(d.dtype).eps), or torch.where(d != 0, x / d, 0) with the division "
     "masked too)"
 )
+
+
+def _division(line: str) -> tuple[str, str] | None:
+    """The numerator and denominator as written, where the line holds one tensor division `a / b`
+    (a statement on one line; `return` and assignments too)."""
+    text = line.strip()
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+    divisions = [n for n in ast.walk(tree) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div)]
+    if len(divisions) != 1 or isinstance(divisions[0].right, ast.Constant):
+        return None
+    top, bottom = (ast.get_source_segment(text, n) for n in (divisions[0].left, divisions[0].right))
+    return (top, bottom) if top and bottom else None
+
+
 # x / t with t a Python number (a temperature, a scale): no denominator that can be 0, the quotient grows
 _DIV_BY_CONSTANT = (
     "the division by a constant grew the values past the format's range: divide in fp32 (x.float() / t, the "
@@ -1188,6 +1211,13 @@ def _fix_for(r: Record) -> str:
         text = _POW_OVERFLOW  # x ** 2 of raw values, as written: the base, not a zero
     if packet in ("div", "div_") and len(r.inputs) == 1:
         text = _DIV_BY_CONSTANT  # no tensor denominator to guard: a constant one, the quotient past the range
+    elif packet == "div" and r.location and (parts := _division(linecache.getline(*r.location[:2]))):
+        top, bottom = parts  # the guard written with the line's own expressions
+        dtype = r.outputs[0].dtype if r.outputs else "torch.float32"
+        text = (
+            f"guard the denominator `{bottom}` at line {r.location[1]}: ({top}) / ({bottom} + "
+            f"torch.finfo({dtype}).eps), or torch.where({bottom} != 0, ..., 0) with the division masked too"
+        )
     rng = range_cause(r)
     if rng is not None:
         return f"{text}; {rng}"

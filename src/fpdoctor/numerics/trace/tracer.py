@@ -80,7 +80,7 @@ from fpdoctor.torchprivate import (
     queue_callback,
     sequence_nr,
 )
-from fpdoctor.userframes import user_location
+from fpdoctor.userframes import dataset_item, user_location
 
 __all__ = ["Leaf", "NonFiniteError", "Output", "Record", "Tracer", "kind_of"]
 
@@ -532,6 +532,8 @@ class Tracer(EagerDispatchMode):
                 if arg_tensors is None:
                     arg_tensors = self._arg_tensors(info, args, kwargs)
                 record.input_stats = self._input_stats(arg_tensors, written)
+                if record.location is not None and record.location[2] == "__getitem__":
+                    record.item = dataset_item(sys._getframe())  # bad data: which item the DataLoader read
                 if not any(self.kind_of(s) for s in inputs):  # from finite inputs: could arithmetic do it?
                     record.bound = output_bound(info.op, args, kwargs or {})
                     if self.on_produced is not None:

@@ -1,0 +1,127 @@
+"""A NaN/Inf the data makes is the data's: rows of the batch far out of line with the others that
+alone make it (checked by the op re-run on the other rows) are named with their dataset items, and
+the fix is the data's, never a wider format (which only moves the overflow along); an item whose
+own loading divides 0 by 0 names the index its __getitem__ read, and the guard in the line's terms."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import fpdoctor
+
+BAD = 37  # the corrupt item
+
+
+class Readings(Dataset):
+    """64 items of 12 readings; item BAD holds `value` in reading `at` (a logger's garbage, a unit
+    error), or in its target."""
+
+    def __init__(self, value: float, *, target: bool = False) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.x = torch.randn(64, 12, generator=g)
+        self.y = self.x[:, :2].sum(1, keepdim=True)
+        (self.y if target else self.x)[BAD, 0] = value
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def _train(dataset: Dataset, model: nn.Module, loss_fn) -> fpdoctor.Report:
+    loader = DataLoader(dataset, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(5))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with fpdoctor.trace(model) as t:
+        for x, y in loader:
+            loss = loss_fn(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if not torch.isfinite(loss):
+                break
+    return t.report
+
+
+def _row_of_bad() -> int:
+    order = list(DataLoader(range(64), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(5)))
+    batch = next(b for b in order if BAD in b.tolist())
+    return batch.tolist().index(BAD)
+
+
+def _assert_the_data_is_named(report: fpdoctor.Report) -> None:
+    first = report.findings[0]
+    assert first.name == "nonfinite-produced", report.summary()
+    experiment = first.evidence["experiment"]
+    assert experiment["verdict"] == "data", experiment
+    rows = experiment["rows_standing_out"]
+    assert rows["indices"] == [_row_of_bad()] and rows["dataset_indices"] == [BAD]
+    assert f"dataset item {BAD}" in first.title and "stand" in first.title
+    assert f"dataset[{BAD}]" in first.fix and "fp64" not in first.fix and "Not a precision change" in first.fix
+    assert first.trial is not None and first.trial.tried and "left out" in first.trial.changed
+    assert isinstance(first.trial.after, float) and first.trial.after < 1e6
+
+
+def test_a_reading_far_out_of_line_in_one_item_is_named_with_its_dataset_item():
+    """A reading of 4e36 in one item: the first Linear's output overflows in that row only (addmm,
+    its rows); fp64 would make it finite, so the precision experiment alone would print a wider format."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 1))
+    with torch.no_grad():
+        model[0].weight.mul_(200.0)  # 4e36 * 200 passes float32's 3.4e38 in that row
+    report = _train(Readings(4e36), model, nn.functional.mse_loss)
+    _assert_the_data_is_named(report)
+
+
+def test_a_target_in_the_wrong_units_in_one_item_is_named_when_the_loss_overflows():
+    """A target of 3e20 (a unit error in one label): the squared error overflows in the loss, a
+    reduction with no rows of its own; the rows that stand out are its input's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 1))
+    report = _train(Readings(3e20, target=True), model, nn.functional.mse_loss)
+    _assert_the_data_is_named(report)
+
+
+def test_rows_that_differ_by_less_than_the_data_would_are_left_to_the_precision_experiment():
+    """One row 50x the others in fp16 overflows in the square: a precision matter (fp32 holds it),
+    not data far out of line with the rest: no data verdict."""
+    x = torch.full((8, 4), 30.0, dtype=torch.float16)
+    x[3] = 1500.0
+    with fpdoctor.trace() as t:
+        y = (x * x).sum(1)
+    assert not bool(torch.isfinite(y).all())
+    first = t.report.by_name("nonfinite-produced")[0]
+    assert first.evidence["experiment"]["verdict"] != "data"
+    assert "rows_standing_out" not in first.evidence["experiment"]
+
+
+class MinMaxScaled(Dataset):
+    """Each item scaled to [0, 1] by its own range as it is read: a constant item divides 0 by 0."""
+
+    def __init__(self) -> None:
+        self.x = torch.randn(48, 6, generator=torch.Generator().manual_seed(1))
+        self.x[BAD] = 2.5  # a sensor stuck at one value
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        x = self.x[index]
+        return (x - x.min()) / (x.max() - x.min())
+
+
+def test_a_nan_made_while_loading_an_item_names_the_index_and_guards_the_lines_own_denominator():
+    torch.manual_seed(0)
+    model = nn.Linear(6, 1)
+    loader = DataLoader(MinMaxScaled(), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(2))
+    with fpdoctor.trace(model) as t:
+        for x in loader:
+            model(x).sum().backward()
+    first = t.report.by_name("nonfinite-produced")[0]
+    assert first.evidence["dataset_index"] == BAD
+    assert f"reading dataset[{BAD}]" in first.message
+    assert "guard the denominator `x.max() - x.min()`" in first.fix, first.fix
+    assert "(x - x.min()) / (x.max() - x.min() + torch.finfo(torch.float32).eps)" in first.fix
+    assert first.trial is not None and first.trial.tried and first.trial.after == 0.0
