@@ -699,6 +699,23 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         "layer and its standardisation in fp32.",
     ),
     RuleInfo(
+        code="TRN033",
+        name="updates-outside-optimizer",
+        severity=W,
+        title="The model's weights changed, and no torch.optim optimizer stepped: no update was judged",
+        what="`fpdoctor watch` judges the steps of torch.optim optimizers. Where 20 or more training forwards "
+        "ran, backwards reached them and no such optimizer stepped, it keeps a few values of the model's first "
+        "trainable weights at the 20th forward and reads them again at the report: changed, the weights were "
+        "updated by code of the script's own (a hand-written optimizer, `p.data.add_(...)`), which the watch does "
+        "not see, so nothing was judged; the report says so instead of OK.",
+        why="A hand-written Adam or SGD whose states are created with `torch.zeros_like(p)` on a bf16 model keeps "
+        "them in bf16, where `v.mul_(0.999)` rounds back to `v`: the run trains worse, nothing is NaN, and a "
+        "watch of optimizer steps sees none.",
+        fix="Run `fpdoctor trace -- <your script>`: it follows the update op by op and names a running state or "
+        "an update that the format rounds away. Or write the optimizer as a torch.optim.Optimizer subclass, "
+        "whose steps the watch judges.",
+    ),
+    RuleInfo(
         code="TRN020",
         name="training-never-stepped",
         severity=E,

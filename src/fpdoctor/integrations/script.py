@@ -318,6 +318,9 @@ class ScriptWatch:
         self._forwards = 0  # training forwards seen (training mode, trainable, gradients on) ...
         self._reached = 0  # ... and those a backward reached: none of many is a script that never trains
         self._optimized = False  # at the NEVER_STEPPED-th of them, none reached: an optimizer holds the model's
+        # at the NEVER_STEPPED-th of them, no optimizer stepped: a few values of the model's first weights, to
+        # tell at the report whether code of the script's own updated them (TRN033)
+        self._weights: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # -- entering and leaving --------------------------------------------------------------------
     def __enter__(self) -> ScriptWatch:
@@ -447,6 +450,8 @@ class ScriptWatch:
                 self._forwards += module.training
                 if self._forwards == NEVER_STEPPED and not self._reached and not self.runs:  # once, while it runs
                     self._optimized = _optimized(module)
+                if self._forwards == NEVER_STEPPED and not self.runs:
+                    self._weights = _first_values(module)
                 self._calls.append(call)
                 if len(self._calls) > CALLS_KEPT:  # forwards no step took (a loop that skips them): the latest
                     del self._calls[0]
@@ -1185,6 +1190,9 @@ class ScriptWatch:
         report.findings[:0] = zeros  # a reduction that hands over zeros: what every other figure follows from
         if not runs and not report.findings and self._never_stepped():
             report.findings.append(_never_stepped(self._forwards))
+        grads = self._penalty is not None and self._penalty.grads  # torch.autograd.grad reached them instead
+        if not runs and not report.findings and (self._reached or grads) and _changed(self._weights):
+            report.findings.append(_updated_outside(self._forwards, self._reached))
         if self.unwatched:
             report.data.setdefault("not_checked", {}).update(self.unwatched)
         if self._traced.said is not None:  # the step traced after a bad one: which, and what it found
@@ -1208,6 +1216,51 @@ def _optimized(module: nn.Module) -> bool:
     return any(
         isinstance(o, torch.optim.Optimizer) and any(id(p) in params for g in o.param_groups for p in g["params"])
         for o in gc.get_objects()
+    )
+
+
+WEIGHT_VALUES = 64  # values kept of each of the first weights (TRN033): an update changes nearly all of them
+
+
+def _first_values(module: nn.Module, most: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first `most` trainable parameters of `module`, each with a copy of its first values."""
+    found: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for p in module.parameters():
+        if p.requires_grad and p.numel():
+            found.append((p, p.detach().reshape(-1)[:WEIGHT_VALUES].clone()))
+            if len(found) == most:
+                break
+    return found
+
+
+def _changed(kept: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether any parameter's first values differ from the copy `_first_values` kept."""
+    for p, before in kept:
+        now = p.detach().reshape(-1)[:WEIGHT_VALUES]
+        if now.shape != before.shape or not torch.equal(now.to(before.dtype), before):
+            return True
+    return False
+
+
+def _updated_outside(forwards: int, reached: int) -> Finding:
+    """TRN033: the weights changed with no torch.optim step: an update of the script's own, not judged."""
+    took = f"backwards reached {reached} of them" if reached else "torch.autograd.grad took their gradients"
+    return catalog.make(
+        "updates-outside-optimizer",
+        message=(
+            f"The script ran {forwards} training forwards, {took}, and the model's weights changed, but no "
+            "torch.optim optimizer stepped: the update is code of the script's own (a hand-written optimizer, an "
+            "in-place `p.data` update), which the watch does not see. No step was judged, so this report cannot "
+            "say the run is fine."
+        ),
+        fix=(
+            "Run `fpdoctor trace -- <your script>`: it follows the update op by op and names a running state (an "
+            "optimizer's moments created with torch.zeros_like on a bf16 model) or an update that the format "
+            "rounds away. Or write the optimizer as a torch.optim.Optimizer subclass, whose steps the watch judges"
+        ),
+        where={"module": None, "op": None, "phase": "optimizer"},
+        evidence={"training_forwards": forwards, "reached_by_a_backward": reached, "optimizer_steps": 0},
+        trial=Trial.untried("no optimizer step ran that the watch could re-run: `trace` follows the update op by op"),
     )
 
 
