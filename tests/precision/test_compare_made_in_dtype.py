@@ -269,3 +269,37 @@ def test_a_line_makes_integers_only_where_it_ends_in_a_cast_to_them(line, intege
     from fpdoctor.precision.compare.made_in_dtype import _INTEGER_CAST
 
     assert bool(_INTEGER_CAST.search(line)) is integers
+
+
+class Segments(nn.Module):
+    """Segment ids counted from boundary marks in the model's dtype (a cumsum), each token reading its
+    segment's learned embedding: past 256 segments bf16 rounds the count, and the lookup reads
+    another segment's row."""
+
+    def __init__(self, d: int = 16, fp32_count: bool = False) -> None:
+        super().__init__()
+        self.fp32_count = fp32_count
+        self.tok, self.seg = nn.Embedding(50, d), nn.Embedding(1024, d)
+        self.head = nn.Linear(d, 6)
+
+    def forward(self, ids: torch.Tensor, marks: torch.Tensor) -> torch.Tensor:
+        marks = marks.float() if self.fp32_count else marks.to(self.tok.weight.dtype)
+        segment = marks.cumsum(-1)
+        h = self.tok(ids) + self.seg(segment.long())
+        return self.head(h)
+
+
+def test_ids_counted_in_bf16_and_looked_up_lead_with_the_count_and_never_cast_the_lookups_indices():
+    torch.manual_seed(0)
+    ids, marks = torch.randint(0, 50, (2, 1200)), (torch.rand(2, 1200) < 0.6).long()
+    result = fpdoctor.compare(Segments().eval(), (ids, marks), candidate="bf16")
+    names = [f.name for f in result.report.findings]
+    assert names[0] == "whole-numbers-rounded", str(result.report)
+    assert result.report.findings[0].evidence["location"].endswith(f":{_line(Segments.forward, 'cumsum')}")
+    for f in result.report.findings:  # an embedding's indices cast to float would raise: never advised
+        assert ".long().float()" not in (f.fix or "") and "ids.float()" not in (f.fix or ""), f.fix
+    if "selection-changed" in names:
+        assert names.index("selection-changed") > 0
+    torch.manual_seed(0)
+    fixed = fpdoctor.compare(Segments(fp32_count=True).eval(), (ids, marks), candidate="bf16")
+    assert not fixed.report.by_name("whole-numbers-rounded"), str(fixed.report)

@@ -1720,15 +1720,17 @@ class _Comparison:
             fixed = selection.trial is not None and selection.trial.tried
             findings = result.report.findings
             at = selection.evidence["location"]
-            findings[:] = [
-                selection,
-                *(
-                    f for f in findings
-                    if not (fixed and f.evidence.get("kind") == "accumulation")
-                    # the rounding op itself named by its isolated error: the same cause, said once
-                    and not (fixed and str(f.evidence.get("own_op_location", "")).split(" in ")[0] == at)
-                ),
+            rest = [
+                f for f in findings
+                if not (fixed and f.evidence.get("kind") == "accumulation")
+                # the rounding op itself named by its isolated error: the same cause, said once
+                and not (fixed and str(f.evidence.get("own_op_location", "")).split(" in ")[0] == at)
             ]  # fmt: skip
+            if made is not None and made.evidence.get("location") in selection.evidence.get("upstream_lines", ()):
+                # the whole numbers made upstream are what the selection then rounds: the origin first
+                findings[:] = [made, selection, *(f for f in rest if f is not made)]
+            else:
+                findings[:] = [selection, *rest]
             summary = result.report.data["summary"]
             for i, (label, text) in enumerate(summary):
                 if label == "first divergent module" and fixed and text.startswith("none"):

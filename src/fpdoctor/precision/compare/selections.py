@@ -322,6 +322,8 @@ def _in_fp32(name: str, module: torch.nn.Module, code: str) -> str:
             else f"F.linear on fp32 copies of {attr}'s weights"
         )
         return held + (f" instead of {attr}({arg})" if call else "")
+    if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):  # its input is indices: never cast
+        return f"keep it in fp32 ({attr}.float() after the cast to the model's dtype), called on {arg} as it is"
     return f"keep it in fp32 ({attr}.float() after the cast to the model's dtype) and call it on {arg}.float()"
 
 
