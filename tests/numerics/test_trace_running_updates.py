@@ -44,8 +44,52 @@ def test_an_ema_of_the_weights_kept_in_bf16_is_named_with_its_line_and_the_fix_c
     assert found.name == "update-rounded-away" and found.evidence["location"].endswith(f":{EMA_LINE}"), found
     assert min(found.evidence["lost"]) > 0.9, found.evidence
     assert "fp32" in found.fix
+    # evaluated through a copy: `.to` on the EMA module itself would cast it back to bf16 in place
+    assert "copy.deepcopy(ema).to(torch.bfloat16)" in found.fix, found.fix
     assert found.trial is not None and found.trial.tried, found.trial
     assert report.verdict != "ok"
+
+
+class _RMSprop:
+    """A hand-written RMSprop, its square averages made with zeros_like (bf16 on a bf16 model), or
+    in fp32 as the fix prints."""
+
+    def __init__(self, params, fp32_state: bool) -> None:
+        self.params = list(params)
+        dtype = {"dtype": torch.float32} if fp32_state else {}
+        self.avg = [torch.zeros_like(p, **dtype) for p in self.params]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, avg in zip(self.params, self.avg, strict=True):
+            avg.mul_(0.995).addcmul_(p.grad.to(avg.dtype), p.grad.to(avg.dtype), value=0.005)
+            p.add_((p.grad / (avg.sqrt() + 1e-6).to(p.dtype)) * -1e-3)
+
+
+SQUARE_AVG = _RMSprop.step.__code__.co_firstlineno + 3
+
+
+def _rmsprop(fp32_state: bool):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)).to(torch.bfloat16)
+    opt = _RMSprop(model.parameters(), fp32_state)
+    with fpdoctor.trace(model) as t:
+        for step in range(300):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(64, 8, generator=g)
+            loss = nn.functional.mse_loss(model(x.to(torch.bfloat16)).float(), 5 + x[:, :1])
+            loss.backward()
+            opt.step()
+            for p in model.parameters():
+                p.grad = None
+    return [f for f in t.report.findings if str(f.evidence.get("location", "")).endswith(f":{SQUARE_AVG}")]
+
+
+def test_a_hand_written_optimizers_state_in_bf16_is_named_as_a_state_with_a_fix_that_works_as_printed() -> None:
+    (found,) = _rmsprop(fp32_state=False)
+    assert found.name == "update-rounded-away" and "hand-written optimizer's moments" in found.message
+    assert "torch.zeros_like(p, dtype=torch.float32)" in found.fix, found.fix
+    assert not _rmsprop(fp32_state=True)  # as printed: the state made in fp32
 
 
 def test_an_ema_in_fp32_is_not_named() -> None:

@@ -372,8 +372,8 @@ class LostUpdates:
                             else "(one value, no gradient: a running total, a loss summed for the epoch's printed "
                             "mean), and "
                             if total
-                            else "(no gradient, outside the optimizer step: an EMA of weights, a running mean or "
-                            "statistic), and "
+                            else "(no gradient, outside the optimizer step: an EMA of weights, a hand-written "
+                            "optimizer's moments, a running mean or statistic), and "
                         )
                         + f"on the latest {len(lost)} calls checked (calls spread over the run: the 1st, 2nd, 4th, "
                         f"...) the tensor kept an update off by "
@@ -415,8 +415,11 @@ class LostUpdates:
                         f"dtype=torch.float32)) or add Python floats (loss.item()); in fp32 its update at {where} "
                         f"{kept}"
                         if total
-                        else f"keep that tensor in fp32 (an EMA copy of the weights: deepcopy the model and leave it "
-                        f"in fp32, cast it to {line.dtype} only to evaluate); in fp32 its update at {where} {kept}"
+                        else f"keep that tensor in fp32: create it with dtype=torch.float32 (torch.zeros_like(p, "
+                        "dtype=torch.float32) for a state kept per parameter); an EMA copy of the weights is a "
+                        f"deepcopy of the model left in fp32, evaluated through a {line.dtype} copy of it "
+                        f"(copy.deepcopy(ema).to(torch.{line.dtype}): `.to` on the module itself casts it in place). "
+                        f"In fp32 its update at {where} {kept}"
                     ),
                     trial=Trial.checked(
                         f"the tensor in fp32, {ops} at {where} run on it from the same values",
