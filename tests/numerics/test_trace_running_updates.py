@@ -66,7 +66,7 @@ class _RMSprop:
             p.add_((p.grad / (avg.sqrt() + 1e-6).to(p.dtype)) * -1e-3)
 
 
-SQUARE_AVG = _RMSprop.step.__code__.co_firstlineno + 3
+SQUARE_AVG = inspect.unwrap(_RMSprop.step).__code__.co_firstlineno + 3
 
 
 def _rmsprop(fp32_state: bool):
