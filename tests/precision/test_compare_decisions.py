@@ -288,6 +288,29 @@ def test_scores_against_a_class_table_of_the_models_own_are_judged_by_their_deci
     assert not healthy.by_name("decisions-changed"), str(healthy)
 
 
+class _Centroids(nn.Module):
+    """Cluster assignment: negative squared distances to centroids held as a plain fp32 tensor attribute
+    (what compare's fix for a buffer the cast rounds writes), the distance computed in fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 24))
+        self.centroids = torch.randn(10, 24) * 3.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.encoder(x).float()
+        return -torch.cdist(f, self.centroids).pow(2).to(x.dtype)
+
+
+def test_scores_against_a_plain_tensor_attribute_table_are_still_judged_by_their_decisions() -> None:
+    """After compare's fix moves a class table out of the buffers (a plain fp32 attribute), the fixed
+    model is judged by its decisions as the broken one was, not as a regression output."""
+    torch.manual_seed(0)
+    report = fpdoctor.compare(_Centroids().eval(), torch.randn(400, 16), candidate="bf16").report
+    assert report.data["decisions"]["classes"] == 10, report.data.get("decisions")
+    assert any("against its `centroids` (10 x 24" in k for k, _ in report.data["summary"]), report.data["summary"]
+
+
 class _ZeroShot(nn.Module):
     """Zero-shot scores: image features against class embeddings a small tower encodes in the
     forward from the class ids (no table of the model's own), cosine similarity times `scale`."""

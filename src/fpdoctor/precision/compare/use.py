@@ -67,7 +67,10 @@ def class_table_source(
         return None
     columns = output.shape[-1]
     where = f"`{name}`" if name else "the model"
-    tables = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+    # a plain tensor attribute too: a table kept out of the cast to the model's dtype (compare's own fix for
+    # a buffer the cast rounds), so the fixed model is judged by its decisions as the broken one was
+    plain = [(k, v) for k, v in vars(module).items() if isinstance(v, torch.Tensor) and not k.startswith("_")]
+    tables = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False), *plain]
     for table, t in tables:
         if t is not None and t.dim() == 2 and t.shape[0] == columns and t.shape[1] != t.shape[0]:
             return f"scores of {where} against its `{table}` ({t.shape[0]} x {t.shape[1]}: one row per class)"
