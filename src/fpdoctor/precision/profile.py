@@ -1062,6 +1062,11 @@ def _held(held: list[str], parameters: list[str], candidate: str) -> tuple[str, 
         f"after the cast{how}; where the code that casts is not yours (fpdoctor compare casts the model "
         f"itself), a plain fp32 tensor attribute, which .to(dtype) leaves as it is (so do .to(device) and "
         "state_dict: move it in forward with .to(x.device))"
+        + (
+            "; for a parameter, that is for inference only: a plain attribute is neither trained nor saved"
+            if parameters
+            else ""
+        )
     )
     return kind, again
 
