@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from fpdoctor.numerics.observe.batches import OutputsOnly
+from fpdoctor.numerics.observe.loader import standing_out
 from fpdoctor.torchprivate import pytree
 
 
@@ -78,10 +79,13 @@ def backward_from(output: Any, kept: KeptGradients) -> OutputsOnly | None:
     if kept.loss_bad and kept.outputs_finite:
         # the step's outputs were finite and its loss was not: made after the model, in the loss
         with torch.no_grad():
-            now_finite = all(
-                bool(torch.isfinite(t).all()) for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)
+            leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+            now_finite = all(bool(torch.isfinite(t).all()) for t in leaves)
+            rows = next(
+                ((found, t.shape[0]) for t in leaves if t.is_floating_point() and (found := standing_out(t))), None
             )
-        return OutputsOnly(now_finite, after_outputs=now_finite)
+        out = (rows[0][0], rows[1], rows[0][1], rows[0][2]) if rows is not None and now_finite else None
+        return OutputsOnly(now_finite, after_outputs=now_finite, standing_out=out)
     tensors, grads = [], []
     for index, leaf in enumerate(pytree.tree_leaves(output)):
         grad = kept.grads.get(index)

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from fpdoctor.numerics.engine import stable
-from fpdoctor.numerics.observe.loader import bad_rows, rows_found, rows_text
+from fpdoctor.numerics.observe.loader import bad_rows, rows_found, rows_text, standing_out
 from fpdoctor.numerics.observe.records import Record
 from fpdoctor.numerics.observe.values import checkable, dtype_name
 from fpdoctor.report.model import Trial
@@ -1054,37 +1054,23 @@ def _bad_rows(target: Step, lookup: Lookup | None, *, batch: bool) -> dict[str, 
     return found
 
 
-# A few rows of a batch whose values stand out from every other row's by this factor are the data's
-# doing, not the precision's: the rows of one recipe's activations differ by far less (the batch of
-# a healthy run: a few times). A corrupt reading, a unit error or an unnormalised item does this.
-OUTLIER = 1e3
-OUTLIER_SHARE = 0.25  # at most this share of the rows: where most stand out, the others do
-
-
 def _outlier_rows(
     target: Step, lookup: Lookup | None, symptom: frozenset[str], *, batch: bool
 ) -> dict[str, Any] | None:
-    """Rows along dim 0 of an argument (finite, not a parameter) whose largest |x| is OUTLIER times
-    every other row's, and that alone make the symptom: the op re-run as it ran on the other rows
+    """Rows along dim 0 of an argument (not a parameter) far out of line with the others
+    (loader.standing_out) that alone make the symptom: the op re-run as it ran on the other rows
     only (every argument with that dim 0 cut the same way) comes out clean. Their places, dataset
     items (loader.rows_found), how they differ, and the re-run's figures; None where none do."""
     flat, spec = tree_flatten((target.args, target.kwargs or {}))
     for position, t in enumerate(flat):
-        if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 and t.shape[0] >= 4):
+        if not isinstance(t, torch.Tensor) or isinstance(t, torch.nn.Parameter):
             continue
-        if isinstance(t, torch.nn.Parameter) or not bool(torch.isfinite(t).all()):
+        found = standing_out(t)
+        if found is None:
             continue
-        size = t.detach().reshape(t.shape[0], -1).abs().double().amax(1)
-        order = torch.argsort(size, descending=True)
-        ranked = size[order].tolist()
-        k = next(
-            (i + 1 for i in range(int(len(ranked) * OUTLIER_SHARE)) if ranked[i] > OUTLIER * ranked[i + 1] > 0), None
-        )
-        if k is None:
-            continue
-        rows = sorted(order[:k].tolist())
-        keep = torch.tensor([i for i in range(t.shape[0]) if i not in rows], device=t.device)
+        rows, largest, outside = found
         n = t.shape[0]
+        keep = torch.tensor([i for i in range(n) if i not in rows], device=t.device)
         cut = [
             v.detach().index_select(0, keep.to(v.device))
             if isinstance(v, torch.Tensor)
@@ -1105,14 +1091,13 @@ def _outlier_rows(
         )
         if kinds & symptom:
             return None  # the other rows make it too: not theirs alone
-        found = rows_found(rows, n, batch=batch)
-        outside = ranked[k]
-        found["differs"] = (
-            f"argument {position}'s largest |x| is {ranked[0]:.3g} there, against {outside:.3g} in every other row"
+        named = rows_found(rows, n, batch=batch)
+        named["differs"] = (
+            f"argument {position}'s largest |x| is {largest:.3g} there, against {outside:.3g} in every other row"
         )
-        found["largest"], found["others_largest"] = ranked[0], outside
-        found["without_them"] = max((_absmax(o) for o in outs), default=0.0)
-        return found
+        named["largest"], named["others_largest"] = largest, outside
+        named["without_them"] = max((_absmax(o) for o in outs), default=0.0)
+        return named
     return None
 
 

@@ -27,3 +27,6 @@ class OutputsOnly:
     # the outputs were finite but the gradient that reached them from the loss was not: the
     # non-finite value is made after the model (the loss code), and is there again on every run
     after_outputs: bool = False
+    # there, rows of an output far out of line with the others (loader.standing_out): (their places, of
+    # how many, their largest |x|, the others' largest): one item of the batch the loss cannot take
+    standing_out: tuple[list[int], int, float, float] | None = None

@@ -341,6 +341,26 @@ def _flat(indices: Any) -> list[int] | None:
     return None
 
 
+# A few rows of a batch whose values stand out from every other row's by this factor are the data's
+# doing, not the precision's: the rows of one recipe's activations differ by far less (a few times in a
+# healthy batch). A corrupt reading, a unit error or an item left unnormalised does this.
+OUTLIER = 1e3
+OUTLIER_SHARE = 0.25  # at most this share of the rows: where most stand out, the others do
+
+
+def standing_out(t: torch.Tensor) -> tuple[list[int], float, float] | None:
+    """The rows along dim 0 of `t` (finite, at least 4 rows) whose largest |x| is OUTLIER times every
+    other row's, at most OUTLIER_SHARE of them: (their places, the largest |x| among them, the largest
+    among the others); None where no row does."""
+    if t.dim() < 1 or t.shape[0] < 4 or not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+        return None
+    size = t.detach().reshape(t.shape[0], -1).abs().double().amax(1)
+    order = torch.argsort(size, descending=True)
+    ranked = size[order].tolist()
+    k = next((i + 1 for i in range(int(len(ranked) * OUTLIER_SHARE)) if ranked[i] > OUTLIER * ranked[i + 1] > 0), None)
+    return None if k is None else (sorted(order[:k].tolist()), ranked[0], ranked[k])
+
+
 def bad_rows(t: torch.Tensor, *, batch: bool = False) -> dict[str, Any] | None:
     """The rows along dim 0 of `t` that hold NaN/Inf, where only some do: their places and, where
     dim 0 is as long as the step's batch, the dataset items they are (the batch a trace saw the step

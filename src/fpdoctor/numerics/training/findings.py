@@ -124,6 +124,28 @@ _AFTER_OUTPUTS_FIX = (
 
 _NO_OP = "the replay named no op that made the value, so there was nothing to re-run in another way"
 
+
+def _rows_after_outputs(rows: dict[str, Any]) -> tuple[str, str]:
+    """Rows of the model's output far out of line with the others, where the loss made the NaN/Inf:
+    the sentence that says so, and the fix (the data's)."""
+    one = len(rows["indices"]) == 1
+    listed = ", ".join(str(i) for i in rows["indices"][:8])
+    what = f"row{'' if one else 's'} {listed} of the {rows['of']} along dim 0"
+    text = (
+        f" The model's outputs were finite while the loss computed from them was not, and {what} of the output "
+        f"stand{'s' if one else ''} out: largest |x| {rows['largest']:.3g}, against {rows['others_largest']:.3g} in "
+        "every other row. An item of the batch far out of line with the others (a corrupt reading, a unit error, an "
+        "input left unnormalised) makes the loss overflow: the data, not the precision nor the loss code."
+    )
+    fix = (
+        f"Find and repair or drop the batch item{'' if one else 's'} in {what} at this step: `fpdoctor trace -- "
+        "<your script>` names its dataset index and checks the loss without it; a check where the Dataset reads "
+        "an item (`assert torch.isfinite(x).all() and x.abs().max() < LIMIT, index`) names every such item. Not a "
+        "precision change"
+    )
+    return text, fix
+
+
 _BAD_DATA_TITLE = "A non-finite step reproduced on replay: the batch itself held NaN/Inf (bad data, not an op)"
 # the catalogue's title speaks of "the named op": where the replay named none, it says so
 _NO_OP_TITLE = "A non-finite step reproduced on replay: the same batch makes it again (no op named)"
@@ -307,14 +329,18 @@ def verdict_findings(
         )
         if _batch_held_it(first) and first is not None:
             fix = _bad_data_fix(first, distributed="rank" in me)
+        after_text = (_AFTER_OUTPUTS_NAMED if first is not None and decided else _AFTER_OUTPUTS) if after else ""
+        standing = result.evidence.get("output_rows_standing_out")
+        if after and first is None and standing:  # the data: one item far out of line, not the loss code
+            after_text, fix = _rows_after_outputs(standing)
+            trial = Trial.untried(
+                "the fix is the data's: `trace` names the item's dataset index and re-runs the op without it"
+            )
         finding = catalog.make(
             "deterministic-nonfinite",
             message=(
                 f"Step {step}{rank_text} replayed with the same batch, RNG state and weights and was non-finite "
-                "again"
-                + (f": {first.message}" if first else ".")
-                + ((_AFTER_OUTPUTS_NAMED if first is not None and decided else _AFTER_OUTPUTS) if after else "")
-                + control_text
+                "again" + (f": {first.message}" if first else ".") + after_text + control_text
             ),
             where={
                 **(dict(first.where) if first else {"module": None, "op": None, "phase": None}),

@@ -113,6 +113,11 @@ def replay(
                     found = {} if first else _nonfinite_evidence(seen if loss_bad else None, params)
                     if after and first is None:
                         found["made_after_outputs"] = True
+                        if isinstance(loss, OutputsOnly) and loss.standing_out is not None:
+                            rows, of, largest, elsewhere = loss.standing_out
+                            found["output_rows_standing_out"] = {
+                                "indices": rows, "of": of, "largest": largest, "others_largest": elsewhere
+                            }  # fmt: skip
                     first_bad = ReplayResult(
                         "deterministic-nonfinite", index, loss_value, first, others, evidence=found
                     )
