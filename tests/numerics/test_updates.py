@@ -559,3 +559,18 @@ def test_master_weights_that_change_the_loss_by_less_than_the_noise_are_informat
     assert stuck.helped and not stuck.immaterial  # weights that do not move at all: a stall
     clear = WhatIf(steps=8, loss_as_is=0.5, loss_fixed=0.4, moved_as_is=0.16, moved_fixed=0.9, seconds=0.1)
     assert clear.helped and not clear.immaterial
+
+
+def test_an_optimizer_whose_constructor_takes_no_groups_is_said_so_when_copied() -> None:
+    """A torch.optim subclass of the script's own whose constructor reads tensors, not groups: the copy a
+    what-if or the reference update needs cannot be made, and the reason says why in the user's terms."""
+    from fpdoctor.numerics.updates.whatif import copy_optimizer
+
+    class Own(torch.optim.Optimizer):
+        def __init__(self, params) -> None:
+            self.kept = [p for p in params if p.requires_grad]
+            super().__init__(self.kept, {"lr": 0.1})
+
+    w = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(TypeError, match=r"Own\(param_groups\) raised AttributeError.*does not take parameter groups"):
+        copy_optimizer(Own([w]), {id(w): w.detach().clone()})

@@ -59,6 +59,7 @@ from fpdoctor.numerics.training.reference import (
     _badness,
 )
 from fpdoctor.numerics.updates.measure import no_global_optimizer_hooks, ours
+from fpdoctor.numerics.updates.whatif import same_class
 from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Finding, Trial
 from fpdoctor.torchprivate import foreach_norm, named_parameters
@@ -82,8 +83,7 @@ def _copy_optimizer(optimizer: torch.optim.Optimizer, stand_in: dict[int, torch.
         {**{k: v for k, v in g.items() if k != "params"}, "params": [stand_in[id(p)] for p in g["params"]]}
         for g in optimizer.param_groups
     ]
-    cls: Any = type(optimizer)  # a torch.optim class takes its groups alone
-    new = cls(groups)
+    new = same_class(optimizer, groups)  # a torch.optim class takes its groups alone
     for p, state in optimizer.state.items():
         if id(p) not in stand_in:
             continue

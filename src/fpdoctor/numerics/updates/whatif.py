@@ -73,6 +73,18 @@ class WhatIf:
         return not (math.isnan(self.loss_as_is) and math.isnan(self.loss_fixed))
 
 
+def same_class(optimizer: Any, groups: list[dict[str, Any]]) -> Any:
+    """A new optimizer of `optimizer`'s class over `groups` (as torch.optim's constructors take them);
+    a constructor of the script's own that takes no groups raises a TypeError that says so."""
+    try:
+        return type(optimizer)(groups)
+    except Exception as exc:
+        raise TypeError(
+            f"{type(optimizer).__name__}(param_groups) raised {type(exc).__name__}: {exc} (its constructor does not "
+            "take parameter groups as torch.optim's do, so no copy of it can step copies of the weights)"
+        ) from exc
+
+
 def copy_optimizer(optimizer: Any, stand_in: dict[int, torch.Tensor]) -> Any:
     """The same optimizer class, hyperparameters and state over other tensors (`stand_in` by the
     id of the original); floating state is cast to each new tensor's dtype by load_state_dict."""
@@ -80,7 +92,7 @@ def copy_optimizer(optimizer: Any, stand_in: dict[int, torch.Tensor]) -> Any:
         {**{k: v for k, v in g.items() if k != "params"}, "params": [stand_in.get(id(p), p) for p in g["params"]]}
         for g in optimizer.param_groups
     ]
-    new = type(optimizer)(groups)
+    new = same_class(optimizer, groups)
     new.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     return new
 
