@@ -60,13 +60,18 @@ def user_location(frame: FrameType | None) -> tuple[str, int, str] | None:
     return None
 
 
+def _dataset(owner: object) -> bool:
+    """Whether `owner` is a torch Dataset (by its classes' names: this module imports no torch)."""
+    return any(c.__name__ == "Dataset" and c.__module__.startswith("torch.utils.data") for c in type(owner).__mro__)
+
+
 def dataset_item(frame: FrameType | None) -> int | None:
     """The index a Dataset's `__getitem__` was called with, where the user's innermost frame is one
     (an op that ran while a DataLoader read one item): its first argument after `self`, if whole."""
     while frame is not None:
         code = frame.f_code
         if _USER_FILES.get(code.co_filename) or is_user_file(code.co_filename):
-            if code.co_name != "__getitem__" or code.co_argcount < 2:
+            if code.co_name != "__getitem__" or code.co_argcount < 2 or not _dataset(frame.f_locals.get("self")):
                 return None
             value = frame.f_locals.get(code.co_varnames[1])
             if value is not None and hasattr(value, "__index__") and not isinstance(value, bool):

@@ -39,3 +39,25 @@ def test_an_output_row_far_out_of_line_is_named_as_the_data(corrupt):
         assert "Not a precision change" in replayed.fix and "fpdoctor trace" in replayed.fix
     else:
         assert "stands out" not in replayed.message and "in the loss computation" in replayed.message
+
+
+def test_a_nan_of_the_loss_codes_own_beside_an_output_row_out_of_line_keeps_the_loss_code_wording():
+    """0/0 of a masked mean whose mask is empty, in a batch that also holds a row far out of line (finite):
+    the NaN is the loss code's, whatever the row; only an overflow (Inf) is put to the row."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 10)
+    x[5, 2] = 5e4
+    model = nn.Sequential(nn.Linear(10, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    with fpdoctor.watch() as w:
+        for step in range(4):
+            xb = x[16 * step : 16 * (step + 1)]
+            keep = torch.zeros(16, 1) if step == 0 else torch.ones(16, 1)  # every row of the first batch masked
+            loss = ((model(xb) ** 2) * keep).sum() / keep.sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if not torch.isfinite(loss):
+                break
+    replayed = w.report.by_name("deterministic-nonfinite")[0]
+    assert "stands out" not in replayed.message and "a mean over an empty selection" in replayed.message

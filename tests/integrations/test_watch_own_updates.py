@@ -62,18 +62,32 @@ def test_weights_updated_by_the_scripts_own_code_are_said_not_judged(how):
     assert "fpdoctor trace" in first.fix and first.trial is not None and not first.trial.tried
 
 
-@pytest.mark.parametrize("how", ["torch.optim", "gradients only"])
+@pytest.mark.parametrize("how", ["torch.optim", "gradients only", "LBFGS, a closure"])
 def test_a_torch_optim_loop_or_a_loop_that_updates_nothing_is_not_it(how):
-    """An optimizer the watch judges; a loop that takes gradients (a saliency probe in training mode) and
-    leaves the weights as they were."""
+    """An optimizer the watch judges; one that steps with a closure (LBFGS, Lightning's loop), which the
+    watch does not judge itself but is torch.optim's; a loop that takes gradients (a saliency probe in
+    training mode) and leaves the weights as they were."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    opt = (
+        torch.optim.LBFGS(model.parameters(), max_iter=2)
+        if "LBFGS" in how
+        else torch.optim.SGD(model.parameters(), lr=1e-2)
+    )
     with fpdoctor.watch() as w:
         for step in range(40):
             x, y = _data(step, torch.float32)
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
+
+            def closure(x=x, y=y):
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                return loss
+
+            if "LBFGS" in how:
+                opt.step(closure)
+                continue
+            closure()
             if how == "torch.optim":
                 opt.step()
     assert "updates-outside-optimizer" not in [f.name for f in w.report.findings]

@@ -71,3 +71,15 @@ def test_an_optimizer_update_that_divides_by_zero_is_not_told_to_use_bf16():
     assert produced and all(f.where["phase"] == "optimizer" for f in produced)
     assert all("bf16" not in f.fix and "eps" in f.fix for f in produced)
     assert t.report.by_name("fp16-adam-eps")
+
+
+def test_the_division_guard_names_the_lines_denominator_only_where_the_line_holds_that_one_division():
+    from fpdoctor.numerics.trace.blame import _division
+
+    assert _division("return (x - x.min()) / (x.max() - x.min())") == ("x - x.min()", "x.max() - x.min()")
+    assert _division("z = a / self.scale[i]") == ("a", "self.scale[i]")
+    # the division that made it is a call, or the `/` divides by a Python number: not named
+    assert _division("y = x.div(norm) * (1 / math.sqrt(d))") is None
+    assert _division("z = torch.div(a, b) / c") is None
+    assert _division("z = a / math.sqrt(2)") is None and _division("z = a / 2.0") is None
+    assert _division("z = a / b / c") is None and _division("if x:") is None

@@ -125,3 +125,45 @@ def test_a_nan_made_while_loading_an_item_names_the_index_and_guards_the_lines_o
     assert "guard the denominator `x.max() - x.min()`" in first.fix, first.fix
     assert "(x - x.min()) / (x.max() - x.min() + torch.finfo(torch.float32).eps)" in first.fix
     assert first.trial is not None and first.trial.tried and first.trial.after == 0.0
+
+
+class _Sequences(Dataset):
+    def __init__(self) -> None:
+        self.x = torch.randn(64, 8, 3, generator=torch.Generator().manual_seed(1))
+        self.x[BAD, 2, 0] = 4e36  # time step 2 of item BAD
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.x[i]
+
+
+def test_a_batch_transposed_to_sequence_first_names_the_item_by_the_loaders_rows_not_the_time_steps():
+    """[T, B, F] with T == B: the op's rows are time steps; the item is the loader batch's row."""
+    torch.manual_seed(0)
+    rnn = nn.LSTM(3, 4)
+    loader = DataLoader(_Sequences(), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5))
+    with fpdoctor.trace(rnn) as t:
+        for x in loader:
+            out, _ = rnn(x.transpose(0, 1) ** 2)
+            out.sum().backward()
+            if not bool(torch.isfinite(out).all()):
+                break
+    rows = t.report.findings[0].evidence["experiment"]["rows_standing_out"]
+    assert rows["dataset_indices"] == [BAD], rows
+
+
+def test_a_mask_fill_or_a_computed_value_out_of_line_is_not_called_data():
+    """A padded row's additive mask at fp16's min beside a position bias: its sum overflows, a precision
+    matter; the rows out of line are values the code made, and no input of the step holds such rows."""
+    scores = torch.randn(6, 12, dtype=torch.float16)
+    mask = torch.zeros(6, 12, dtype=torch.float16)
+    with fpdoctor.trace() as t:
+        fill = mask.clone()
+        fill[2, 8:] = torch.finfo(torch.float16).min  # the padding of row 2
+        biased = (scores + fill) - 40.0  # a position bias subtracted: -65504 - 40 is -inf in fp16
+        total = biased.sum()  # the scores read whole (a logged mean): -inf
+    assert not bool(torch.isfinite(total))
+    first = t.report.by_name("nonfinite-produced")[0]
+    assert first.evidence["experiment"]["verdict"] != "data", first.evidence["experiment"]

@@ -542,6 +542,23 @@ def test_the_master_weights_code_keeps_every_setting_the_user_gave_their_optimiz
     adam = master_weights_code(torch.optim.Adam(p, lr=1e-5, betas=(0.8, 0.99), eps=1e-6))
     assert "torch.optim.Adam(masters, lr=1e-05, betas=(0.8, 0.99), eps=1e-06, weight_decay=0)" in adam, adam
     assert "in place of optimizer.step() (after loss.backward() and any clip of the gradients)" in adam
+    assert "schedule" not in adam
+
+
+@pytest.mark.parametrize("how", ["LambdaLR", "by hand"])
+def test_the_master_weights_code_takes_the_lr_the_optimizer_was_made_with_not_a_warm_ups_first(how):
+    """Measured at a warm-up's first step, the code printed SGD(masters, lr=5e-05): applied where nothing
+    resets it each step, a run 1000x too slow. The lr the optimizer was made with, and the schedule said."""
+    from fpdoctor.numerics.updates.whatif import master_weights_code
+
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.05, momentum=0.9)
+    if how == "LambdaLR":
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda step: (step + 1) / 1000)
+    else:
+        opt.param_groups[0]["lr"] = 0.05 / 1000
+    code = master_weights_code(opt)
+    assert "SGD(masters, lr=0.05, momentum=0.9" in code, code
+    assert "build the scheduler, or the code that sets\n# param_groups' lr, on this optimizer" in code, code
 
 
 def test_master_weights_that_change_the_loss_by_less_than_the_noise_are_information():

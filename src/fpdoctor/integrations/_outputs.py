@@ -84,7 +84,10 @@ def backward_from(output: Any, kept: KeptGradients) -> OutputsOnly | None:
             rows = next(
                 ((found, t.shape[0]) for t in leaves if t.is_floating_point() and (found := standing_out(t))), None
             )
-        out = (rows[0][0], rows[1], rows[0][1], rows[0][2]) if rows is not None and now_finite else None
+        # an overflow (the loss Inf, not NaN: a NaN of the loss code's own, 0/0, is no row's) from an output row
+        # far out of line: the step's inputs are checked for such rows too, by the replay
+        overflowed = kept.loss is not None and bool(torch.isinf(kept.loss).any())
+        out = (rows[0][0], rows[1], rows[0][1], rows[0][2]) if rows is not None and now_finite and overflowed else None
         return OutputsOnly(now_finite, after_outputs=now_finite, standing_out=out)
     tensors, grads = [], []
     for index, leaf in enumerate(pytree.tree_leaves(output)):

@@ -321,6 +321,7 @@ class ScriptWatch:
         # at the NEVER_STEPPED-th of them, no optimizer stepped: a few values of the model's first weights, to
         # tell at the report whether code of the script's own updated them (TRN033)
         self._weights: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._optimizer_steps = 0  # torch.optim steps of any kind seen: none, and the weights changed, is TRN033
 
     # -- entering and leaving --------------------------------------------------------------------
     def __enter__(self) -> ScriptWatch:
@@ -450,7 +451,7 @@ class ScriptWatch:
                 self._forwards += module.training
                 if self._forwards == NEVER_STEPPED and not self._reached and not self.runs:  # once, while it runs
                     self._optimized = _optimized(module)
-                if self._forwards == NEVER_STEPPED and not self.runs:
+                if self._forwards == NEVER_STEPPED and not self._optimizer_steps:
                     self._weights = _first_values(module)
                 self._calls.append(call)
                 if len(self._calls) > CALLS_KEPT:  # forwards no step took (a loop that skips them): the latest
@@ -586,6 +587,7 @@ class ScriptWatch:
             self._traced.arm(run.judge.steps + 1 if run is not None else 1, params, penalty=True)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._optimizer_steps += 1  # any torch.optim step, judged here or not (a callback's, a closure's)
         if dynamo.compiling():  # a step traced into a graph: judged where it runs eagerly, or not at all
             return
         key = id(optimizer)
@@ -1191,7 +1193,7 @@ class ScriptWatch:
         if not runs and not report.findings and self._never_stepped():
             report.findings.append(_never_stepped(self._forwards))
         grads = self._penalty is not None and self._penalty.grads  # torch.autograd.grad reached them instead
-        if not runs and not report.findings and (self._reached or grads) and _changed(self._weights):
+        if not self._optimizer_steps and not report.findings and (self._reached or grads) and _changed(self._weights):
             report.findings.append(_updated_outside(self._forwards, self._reached))
         if self.unwatched:
             report.data.setdefault("not_checked", {}).update(self.unwatched)

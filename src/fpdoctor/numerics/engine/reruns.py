@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from fpdoctor.numerics.engine import stable
-from fpdoctor.numerics.observe.loader import bad_rows, rows_found, rows_text, standing_out
+from fpdoctor.numerics.observe.loader import bad_rows, last_batch, rows_found, rows_text, standing_out
 from fpdoctor.numerics.observe.records import Record
 from fpdoctor.numerics.observe.values import checkable, dtype_name
 from fpdoctor.report.model import Trial
@@ -341,7 +341,8 @@ class Experiment:
         named = ", ".join(str(i) for i in (items or [])[:8])
         item_text = f" (dataset item{'' if one else 's'} {named})" if items else ""
         kind = "nan" if "nan" in self.symptom else "inf"
-        others = rows["of"] - len(indices)
+        op_rows = rows.get("op_rows", indices)
+        cut = ("row " if len(op_rows) == 1 else "rows ") + ", ".join(str(i) for i in op_rows[:8])
         where = f"dataset[{named}]" if one and items else f"dataset items {named}" if items else f"the items in {what}"
         fix = (
             f"Find and repair or drop {where} ({what} of the batch at this step): its values reach "
@@ -355,12 +356,12 @@ class Experiment:
             f"{label}: {self.op} made {kind} from {what} of the batch{item_text}, whose values stand out",
             message
             + rows_text(rows, stand_out=True)
-            + f" Re-run as it ran on the other {others} rows only, {self.op} is finite (max |x| "
+            + f" Re-run as it ran without {cut} of its argument that stand out, {self.op} is finite (max |x| "
             f"{_num(rows['without_them'])}): those rows alone make it. No precision change is the fix: the values "
             "come from the data.",
             fix,
             Trial.checked(
-                f"{what} of the batch left out",
+                f"{cut} of its argument left out",
                 metric=f"{self.op}'s output, max |x|",
                 before=kind,
                 after=rows["without_them"],
@@ -1055,21 +1056,22 @@ def _bad_rows(target: Step, lookup: Lookup | None, *, batch: bool) -> dict[str, 
 
 
 def _outlier_rows(
-    target: Step, lookup: Lookup | None, symptom: frozenset[str], *, batch: bool
-) -> dict[str, Any] | None:
-    """Rows along dim 0 of an argument (not a parameter) far out of line with the others
-    (loader.standing_out) that alone make the symptom: the op re-run as it ran on the other rows
-    only (every argument with that dim 0 cut the same way) comes out clean. Their places, dataset
-    items (loader.rows_found), how they differ, and the re-run's figures; None where none do."""
+    target: Step, steps: dict[int, Step], lookup: Lookup | None, symptom: frozenset[str]
+) -> dict[str, Any] | None:  # fmt: skip
+    """The data's doing: rows along dim 0 of an argument (not a parameter) far out of line with the
+    others (loader.standing_out) that alone make the symptom (the op re-run as it ran on the other rows
+    only, every argument with that dim 0 cut the same way, comes out clean), where an input of the step
+    (a tensor the trace did not see made: the batch) has rows far out of line too. Named by the
+    input's rows and their dataset items (loader.rows_found); None where any of it is missing: rows
+    out of line in values the model computed (a mask's fill, a stale log-probability) are not data."""
     flat, spec = tree_flatten((target.args, target.kwargs or {}))
-    for position, t in enumerate(flat):
+    for t in flat:
         if not isinstance(t, torch.Tensor) or isinstance(t, torch.nn.Parameter):
             continue
         found = standing_out(t)
         if found is None:
             continue
-        rows, largest, outside = found
-        n = t.shape[0]
+        rows, n = found[0], t.shape[0]
         keep = torch.tensor([i for i in range(n) if i not in rows], device=t.device)
         cut = [
             v.detach().index_select(0, keep.to(v.device))
@@ -1091,13 +1093,40 @@ def _outlier_rows(
         )
         if kinds & symptom:
             return None  # the other rows make it too: not theirs alone
-        named = rows_found(rows, n, batch=batch)
+        source = _input_standing_out(steps)
+        if source is None:
+            return None
+        given, (places, largest, outside) = source
+        named = rows_found(places, given.shape[0], batch=True)
+        shape = "x".join(str(d) for d in given.shape)
         named["differs"] = (
-            f"argument {position}'s largest |x| is {largest:.3g} there, against {outside:.3g} in every other row"
+            f"the step's input {dtype_name(given.dtype).removeprefix('torch.')}[{shape}] holds |x| up to "
+            f"{largest:.3g} there, against {outside:.3g} in every other row"
         )
         named["largest"], named["others_largest"] = largest, outside
+        named["op_rows"] = rows
         named["without_them"] = max((_absmax(o) for o in outs), default=0.0)
         return named
+    return None
+
+
+def _input_standing_out(steps: dict[int, Step]) -> tuple[torch.Tensor, tuple[list[int], float, float]] | None:
+    """An input of the step whose rows along dim 0 stand out (loader.standing_out), and those rows: a
+    tensor of the batch a DataLoader last handed out (dim 0 its items, whatever the model transposes),
+    or where no DataLoader made one, among the window's arguments a leaf of the trace that is not a
+    parameter (a batch given as it is)."""
+    batch = last_batch()
+    if batch is not None:
+        return next(((t, found) for t in batch if (found := standing_out(t)) is not None), None)
+    seen: set[int] = set()
+    for step in steps.values():
+        for _, t, src in _aligned(step):
+            if src is None or src[0] != "leaf" or id(t) in seen or isinstance(t, torch.nn.Parameter):
+                continue
+            seen.add(id(t))
+            found = standing_out(t)
+            if found is not None:
+                return t, found
     return None
 
 
@@ -1307,7 +1336,7 @@ def _decide(target_record: Record, window: Window, lookup: Lookup | None, budget
                 experiment.rows = _bad_rows(target, lookup, batch=target_record.phase == "forward")
                 if target_record.phase == "forward" and not experiment.handed:
                     # a few rows of the batch far out of line with the others, which alone make it: the data
-                    experiment.outliers = _outlier_rows(target, lookup, symptom, batch=True)
+                    experiment.outliers = _outlier_rows(target, steps, lookup, symptom)
                     if experiment.outliers is not None:
                         experiment.verdict = "data"
                         return experiment

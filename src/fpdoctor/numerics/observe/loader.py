@@ -41,6 +41,15 @@ _last = threading.local()
 _NOTHING: tuple[list[int] | None, str | None] = (None, None)
 
 
+def last_batch() -> list[torch.Tensor] | None:
+    """The tensors of the batch a DataLoader last handed out in this thread, while they live (None where
+    no DataLoader built one under a LoaderBatches): its rows along dim 0 are its items."""
+    refs = getattr(_last, "batch", None)
+    if refs is None:
+        return None
+    return [t for t in (r() for r in refs) if t is not None]
+
+
 def last_indices() -> list[int] | None:
     """The dataset indices of the batch a DataLoader last handed out in this thread (or the batch
     `set_step_rows` says a step computes on), in batch order; None when no DataLoader built one under a
@@ -123,6 +132,8 @@ def _on_indices(iterator: Any, indices: Any) -> None:
 
 
 def _on_batch(iterator: Any, in_order: bool, batch: Any) -> None:
+    with contextlib.suppress(TypeError):  # a tensor subclass without weak references: not kept
+        _last.batch = [weakref.ref(t) for t in tensors_in(batch)]
     watchers = list(_open)
     for watcher in watchers:
         watcher._on_batch(iterator, in_order, batch)
@@ -354,7 +365,8 @@ def standing_out(t: torch.Tensor) -> tuple[list[int], float, float] | None:
     among the others); None where no row does."""
     if t.dim() < 1 or t.shape[0] < 4 or not t.is_floating_point() or not bool(torch.isfinite(t).all()):
         return None
-    size = t.detach().reshape(t.shape[0], -1).abs().double().amax(1)
+    flat = t.detach().reshape(t.shape[0], -1)  # each row's largest |x| without an |x| of the whole tensor
+    size = torch.maximum(flat.amax(1).double().abs(), flat.amin(1).double().abs())
     order = torch.argsort(size, descending=True)
     ranked = size[order].tolist()
     k = next((i + 1 for i in range(int(len(ranked) * OUTLIER_SHARE)) if ranked[i] > OUTLIER * ranked[i + 1] > 0), None)

@@ -1038,10 +1038,33 @@ def _division(line: str) -> tuple[str, str] | None:
     except SyntaxError:
         return None
     divisions = [n for n in ast.walk(tree) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div)]
-    if len(divisions) != 1 or isinstance(divisions[0].right, ast.Constant):
+    # a division written as a call (x.div(n), torch.div) is another one than the `/` the line holds
+    named = {
+        n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id if isinstance(n.func, ast.Name) else ""
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+    }
+    if len(divisions) != 1 or named & {"div", "div_", "true_divide", "divide"}:
         return None
-    top, bottom = (ast.get_source_segment(text, n) for n in (divisions[0].left, divisions[0].right))
+    right = divisions[0].right
+    if not any(isinstance(n, (ast.Name, ast.Attribute, ast.Subscript)) for n in ast.walk(right)) or _plain_number(
+        right
+    ):
+        return None  # a constant or a Python number (math.sqrt(2)): no tensor denominator to guard
+    top, bottom = ast.get_source_segment(text, divisions[0].left), ast.get_source_segment(text, right)
     return (top, bottom) if top and bottom else None
+
+
+def _plain_number(node: ast.AST) -> bool:
+    """An expression of constants and `math.*` calls only: a Python number, not a tensor."""
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call) and not (
+            isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) and n.func.value.id == "math"
+        ):
+            return False
+        if isinstance(n, ast.Name) and n.id != "math":
+            return False
+    return True
 
 
 # x / t with t a Python number (a temperature, a scale): no denominator that can be 0, the quotient grows

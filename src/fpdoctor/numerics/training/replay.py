@@ -21,7 +21,9 @@ from torch import nn
 
 from fpdoctor.numerics.observe.batches import MicroBatch, OutputsOnly
 from fpdoctor.numerics.observe.gradcheck import dense_values, grads_of, loss_flag, nonfinite_flag, tensor_kind
+from fpdoctor.numerics.observe.loader import standing_out
 from fpdoctor.preserve import preserved
+from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding
 from fpdoctor.torchprivate import post_accumulate_grad_hooks
 
@@ -113,7 +115,10 @@ def replay(
                     found = {} if first else _nonfinite_evidence(seen if loss_bad else None, params)
                     if after and first is None:
                         found["made_after_outputs"] = True
-                        if isinstance(loss, OutputsOnly) and loss.standing_out is not None:
+                        inputs = [t for t in tensors_in((micro.args, micro.kwargs)) if t.is_floating_point()]
+                        # the data's only where an input of the step has rows far out of line as well
+                        data = any(standing_out(t) is not None for t in inputs)
+                        if isinstance(loss, OutputsOnly) and loss.standing_out is not None and data:
                             rows, of, largest, elsewhere = loss.standing_out
                             found["output_rows_standing_out"] = {
                                 "indices": rows, "of": of, "largest": largest, "others_largest": elsewhere

@@ -177,7 +177,7 @@ def _hyper_text(optimizer: Any) -> str:
     keys = [k for k in ("lr", "betas", "momentum", "dampening", "eps", "weight_decay", "nesterov") if k in group]
     parts = []
     for k in keys:
-        value = group[k]
+        value = group[k] if k != "lr" else _created_lr(optimizer)
         value = float(value) if isinstance(value, torch.Tensor) else value
         if k != "lr" and k in defaults and defaults[k] == value and k != "weight_decay":
             continue
@@ -185,15 +185,29 @@ def _hyper_text(optimizer: Any) -> str:
     return ", ".join(parts)
 
 
+def _created_lr(optimizer: Any) -> Any:
+    """The learning rate the optimizer was made with, not the one a schedule set for this step (a warm-up's
+    first, 1e-3 of it): a torch scheduler keeps it as `initial_lr`, the constructor's as `defaults`."""
+    group = optimizer.param_groups[0]
+    return group.get("initial_lr", getattr(optimizer, "defaults", {}).get("lr", group["lr"]))
+
+
 def master_weights_code(optimizer: Any) -> str:
     """fp32 master weights for the user's own optimizer class and settings, as pasteable code."""
     cls = type(optimizer)
     module = "torch.optim" if cls.__module__.startswith("torch.optim") else cls.__module__
+    scheduled = optimizer.param_groups[0]["lr"] != _created_lr(optimizer)
     return (
         "params = [p for p in model.parameters() if p.requires_grad]  # bf16/fp16, what the model computes with\n"
         "masters = [p.detach().float().requires_grad_() for p in params]  # fp32 copies: +4 bytes per parameter\n"
         f"optimizer = {module}.{cls.__name__}(masters, {_hyper_text(optimizer)})  # its state in fp32 too\n"
-        "# each step, in place of optimizer.step() (after loss.backward() and any clip of the gradients):\n"
+        + (
+            "# the learning rate changes during the run (a schedule): build the scheduler, or the code that sets\n"
+            "# param_groups' lr, on this optimizer\n"
+            if scheduled
+            else ""
+        )
+        + "# each step, in place of optimizer.step() (after loss.backward() and any clip of the gradients):\n"
         "for p, m in zip(params, masters):\n"
         "    m.grad = p.grad.float()\n"
         "    p.grad = None\n"
