@@ -408,3 +408,24 @@ def test_a_loss_total_kept_in_bf16_is_named_as_a_running_total(dtype: torch.dtyp
     assert named.evidence["location"].endswith(f":{line}") and named.evidence["shape"] == [], named.evidence
     assert "a running total" in named.message and "dtype=torch.float32" in named.fix, named
     assert named.trial is not None and named.trial.tried
+
+
+def test_a_step_count_kept_in_bf16_for_a_warm_up_is_named_as_a_counter_with_its_consequence() -> None:
+    """A warm-up reads its step count from a bf16 tensor: past 256 the count stops (256 + 1 is 256 in bf16)
+    and the learning rate stops rising; named as a counter, with the fix that keeps it a Python number."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1).to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    count = torch.zeros((), dtype=torch.bfloat16)
+    with fpdoctor.trace(model) as t:
+        for _ in range(600):
+            count += 1
+            opt.param_groups[0]["lr"] = 0.1 * min(float(count) / 1000, 1.0)
+            model(torch.randn(8, 4, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert float(count) == 256.0
+    (named,) = [
+        f for f in t.report.findings if f.evidence.get("kind") == "running-update" and f.evidence["shape"] == []
+    ]
+    assert "a step count a learning-rate warm-up reads" in named.message and "step += 1" in named.fix, named

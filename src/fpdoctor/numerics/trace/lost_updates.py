@@ -369,8 +369,8 @@ class LostUpdates:
                             "(trainable weights, under no_grad, outside the optimizer step: a weight decay or an "
                             "update written by hand), and "
                             if weights
-                            else "(one value, no gradient: a running total, a loss summed for the epoch's printed "
-                            "mean), and "
+                            else "(one value, no gradient: a running total or a counter, a loss summed for the "
+                            "epoch's printed mean, a step count a learning-rate warm-up reads), and "
                             if total
                             else "(no gradient, outside the optimizer step: an EMA of weights, a hand-written "
                             "optimizer's moments, a running mean or statistic), and "
@@ -383,8 +383,8 @@ class LostUpdates:
                         + (
                             "the weights train as if the line were not there."
                             if weights
-                            else "what reads it (a printed epoch loss, a metric) stays flat while the model trains "
-                            "on: the total, not the model, stopped."
+                            else "what reads it stops with it: a printed epoch loss looks flat while the model "
+                            "trains on, a warm-up computed from a step count stops raising the learning rate."
                             if total
                             else "what reads it (an EMA model's evaluation) does not improve."
                         )
@@ -411,9 +411,9 @@ class LostUpdates:
                         )
                         + f". In fp32 the update at {where} {kept}"
                         if weights
-                        else f"keep the total in fp32: create it with dtype=torch.float32 (torch.zeros((), "
-                        f"dtype=torch.float32)) or add Python floats (loss.item()); in fp32 its update at {where} "
-                        f"{kept}"
+                        else f"keep the total or counter in fp32: create it with dtype=torch.float32 (torch.zeros((), "
+                        f"dtype=torch.float32)), or keep it a Python number (loss.item(), step += 1); in fp32 its "
+                        f"update at {where} {kept}"
                         if total
                         else f"keep that tensor in fp32: create it with dtype=torch.float32 (torch.zeros_like(p, "
                         "dtype=torch.float32) for a state kept per parameter); an EMA copy of the weights is a "
