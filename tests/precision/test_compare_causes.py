@@ -83,7 +83,7 @@ def test_an_op_that_overflows_inside_a_module_is_named():
     line = next(i for i, text in enumerate(FACTORIES.read_text().splitlines(), 1) if "scores = self.q(x)" in text)
     assert finding.evidence["overflow_location"].endswith(f"factories.py:{line}")
     assert "inside it aten.bmm.default overflows: its values reach" in finding.message
-    assert "compute aten.bmm.default inside `attn` in fp32" in finding.fix and "bf16" in finding.fix
+    assert "(inside `attn`, where aten.bmm.default overflows) in fp32" in finding.fix and "bf16" in finding.fix
 
 
 def running_var_beyond_fp16():

@@ -90,7 +90,8 @@ def test_an_overflow_inside_a_module_gets_its_lines_in_fp32_checked_and_the_fix_
         assert first.name == "precision-divergence" and first.where["op"] == "aten.exp.default", str(result.report)
         assert first.evidence["overflow_inside"], first.evidence
         assert first.trial is not None and first.trial.tried, first.fix
-        assert "in fp32, lines" in first.fix and "not tried: bf16" in first.fix
+        assert "in fp32: aten.exp.default's operands .float(), and every op after it on them in fp32" in first.fix
+        assert "cast back to fp16 only what lines" in first.fix and "not tried: bf16" in first.fix, first.fix
         after = first.trial.after
         assert isinstance(after, float) and math.isfinite(after), first.trial
 

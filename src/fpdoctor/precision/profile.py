@@ -870,10 +870,12 @@ def causes(
             if checked is not None:  # its line and the lines after it that consume its result, run in fp32
                 first, last = checked["lines"]
                 lines = f"line {first}" if first == last else f"lines {first}-{last}"
+                not_op = f" (not {op}'s result: {size:.3g} is past the max)" if size else ""
                 fixes.append(
-                    f"compute {op} inside `{row.module}` in fp32, {lines} of {checked['file']}: its operands "
-                    f".float(), the result cast back to {candidate} after {lines}; checked: the end-to-end error goes "
-                    f"from {_fmt(checked['before'])} to {_fmt(checked['after'])}"
+                    f"compute {lines} of {checked['file']} (inside `{row.module}`, where {op} overflows) in fp32: "
+                    f"{op}'s operands .float(), and every op after it on {'that line' if first == last else 'them'} "
+                    f"in fp32 too; cast back to {candidate} only what {lines} returns{not_op}; checked: the "
+                    f"end-to-end error goes from {_fmt(checked['before'])} to {_fmt(checked['after'])}"
                 )
                 trial = Trial.checked(
                     f"the ops at {lines} of {checked['file']} in fp32, their results cast back to {candidate}",
