@@ -26,6 +26,21 @@ def test_compare_judges_every_set_and_names_the_worst():
     assert result.report.by_name("precision-divergence")[0].evidence["input_set"] == 2
 
 
+def test_each_sets_line_gives_its_decisions_not_only_the_worst_sets():
+    """A retrieval model judged on short and long inputs: the set with the worst error need not be the one
+    whose decisions move most, so each set's line gives its top-1 beside its error."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 10)).eval()
+    sets = [(torch.randn(40, 16),), (torch.randn(200, 16),)]
+    result = fpdoctor.compare(model, sets, candidate="bf16")
+    summary = dict(result.report.data["summary"])
+    for k in (0, 1):
+        assert "; top-1 " in summary[f"  set #{k}"] and "(rounding: " in summary[f"  set #{k}"], summary
+        assert 0.0 <= result.report.data["inputs"][k]["top1"] <= 1.0
+
+
 def test_plan_holds_on_every_set_and_takes_a_generator():
     model, sets = factories.sampler()
     result = fpdoctor.plan(model, (s for s in sets), candidate="fp16")

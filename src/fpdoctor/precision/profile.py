@@ -13,6 +13,7 @@ import torch
 from fpdoctor import catalog
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS
 from fpdoctor.precision.candidates import compute_dtype
+from fpdoctor.precision.decide import pct
 from fpdoctor.precision.fit import describe as describe_misfit
 from fpdoctor.precision.fit import within
 from fpdoctor.precision.inputs import text as inputs_text
@@ -1145,6 +1146,7 @@ def merge_sets(
             "end_to_end_rel": r.rows[-1].propagated if r.rows else None,
             "first_divergent": r.first_divergent,
             "verdict": r.report.verdict,
+            **({"top1": r.report.data["decisions"].get("top1")} if r.report.data.get("decisions") else {}),
         }
         for d, r in zip(described, results, strict=True)
     ]
@@ -1167,7 +1169,16 @@ def merge_sets(
         lines.append(("input sets judged", f"{len(results)}; worst: #{worst}, {inputs_text(described[worst])}"))
         for k, r in enumerate(results):
             end = _fmt_error(r.rows[-1].propagated, r.rows[-1].cosine) if r.rows else "-"
-            lines.append((f"  set #{k}", f"end-to-end error {end}; first divergent: {r.first_divergent or 'none'}"))
+            # each set's decisions too: the worst set by error need not be the one whose decisions move most
+            made = r.report.data.get("decisions") or {}
+            top1 = (
+                f"; top-1 {pct(made['top1'])} (rounding: {pct(made['floor_top1'])})"
+                if made.get("top1") is not None and made.get("floor_top1") is not None and made.get("kind") != "ids"
+                else ""
+            )
+            lines.append(
+                (f"  set #{k}", f"end-to-end error {end}{top1}; first divergent: {r.first_divergent or 'none'}")
+            )
     if growth is not None:
         lines.append(("error grows with input size", growth["text"]))
     data["summary"][1:1] = lines
