@@ -1055,9 +1055,7 @@ def _bad_rows(target: Step, lookup: Lookup | None, *, batch: bool) -> dict[str, 
     return found
 
 
-def _outlier_rows(
-    target: Step, steps: dict[int, Step], lookup: Lookup | None, symptom: frozenset[str]
-) -> dict[str, Any] | None:  # fmt: skip
+def _outlier_rows(target: Step, steps: dict[int, Step], symptom: frozenset[str]) -> dict[str, Any] | None:
     """The data's doing: rows along dim 0 of an argument (not a parameter) far out of line with the
     others (loader.standing_out) that alone make the symptom (the op re-run as it ran on the other rows
     only, every argument with that dim 0 cut the same way, comes out clean), where an input of the step
@@ -1336,7 +1334,7 @@ def _decide(target_record: Record, window: Window, lookup: Lookup | None, budget
                 experiment.rows = _bad_rows(target, lookup, batch=target_record.phase == "forward")
                 if target_record.phase == "forward" and not experiment.handed:
                     # a few rows of the batch far out of line with the others, which alone make it: the data
-                    experiment.outliers = _outlier_rows(target, steps, lookup, symptom)
+                    experiment.outliers = _outlier_rows(target, steps, symptom)
                     if experiment.outliers is not None:
                         experiment.verdict = "data"
                         return experiment
