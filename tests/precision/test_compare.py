@@ -220,6 +220,21 @@ def test_fp8_underflow_counts_only_values_that_matter_in_their_row():
     assert fp8.findings([row]) == []
 
 
+def test_fp8_an_input_channel_far_above_the_others_flushes_them_and_is_named():
+    """One input feature 1e5x the others (an LLM's outlier feature): its amax sets the tensorwise scale
+    and most of the other features flush to zero. Weighed against a row's RMS, which that feature sets,
+    they did not count, and the SQNR was the outlier's: fc1 was called fp8-safe at 30 dB."""
+    from fpdoctor.precision.compare import fp8
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 512)
+    x[:, 17] *= 1e5
+    row = fp8.linear_stats("fc1", x, torch.randn(64, 512) / 20, torch.float8_e4m3fn)
+    assert row["input_tensorwise_underflow"] > 0.3 and row["input_tensorwise_sqnr_db"] < 20, row
+    (found,) = fp8.findings([row])
+    assert found.where["module"] == "fc1" and "its input" in found.message
+
+
 def test_compare_leaves_a_module_that_updates_its_buffers_untouched():
     class Counting(nn.Module):
         def __init__(self):

@@ -2,11 +2,12 @@
 
 With dynamic amax scaling the largest value maps to the format's max, so nothing clips; the
 damage is at the other end: when a few outlier channels set the scale, the other values fall
-below the smallest subnormal and flush to zero. Only values that matter in their own row count
-(at least SIGNIFICANT of the row's RMS): the many near-zero outputs of an activation such as
-GELU flush harmlessly under any recipe. Rowwise scaling (per token for the input, per
-output channel for the weight) confines an outlier to its own row. An unscaled cast, the naive
-recipe, clips everything beyond the max instead.
+below the smallest subnormal and flush to zero. Only values that matter in their own channel count
+(at least SIGNIFICANT of its RMS: an input's feature, a weight's output channel), and the SQNR weighs
+every channel alike: the many near-zero outputs of an activation such as GELU flush harmlessly
+under any recipe, and an outlier channel's energy does not hide the others' noise. Rowwise scaling
+(per token for the input, per output channel for the weight) confines an outlier to its own row.
+An unscaled cast, the naive recipe, clips everything beyond the max instead.
 """
 
 from __future__ import annotations
@@ -40,17 +41,21 @@ def _spread_rows(rows: torch.Tensor) -> torch.Tensor:
     return rows[spread_index(rows.shape[0], STATS_ROWS, rows.device)]
 
 
-def _quality(sample: torch.Tensor, amax: torch.Tensor, fp8: torch.dtype) -> list[torch.Tensor]:
+def _quality(sample: torch.Tensor, amax: torch.Tensor, fp8: torch.dtype, *, dim: int = -1) -> list[torch.Tensor]:
     """SQNR's and the flushed share's parts for `sample` (float32 rows) scaled so that `amax` maps to
-    the max, on the device, not read: (flushed, significant, noise, signal) -> _read_quality."""
+    the max, on the device, not read: (flushed, significant, noise, signal) -> _read_quality. Each
+    value is weighed against its own channel along `dim` (a weight's output channel: its row, -1; an
+    input's feature: its column, 0): one outlier channel sets the scale and flushes the others, and
+    against the outlier's RMS they would not count, nor would their noise beside its energy."""
     q = fp8_quantize(sample, fp8, rowwise=False, amax=amax)  # `amax` per row or per tensor, as given
-    rms = sample.square().mean(dim=-1, keepdim=True).sqrt()
+    rms = sample.square().mean(dim=dim, keepdim=True).sqrt()
     significant = (sample.abs() >= SIGNIFICANT * rms) & (sample != 0)
+    weight = torch.where(rms > 0, 1.0 / rms, torch.zeros_like(rms))  # every channel counted alike
     return [
         ((q == 0) & significant).sum(),
         significant.sum(),
-        torch.linalg.vector_norm(q - sample, dtype=torch.float64),
-        torch.linalg.vector_norm(sample, dtype=torch.float64),
+        torch.linalg.vector_norm((q - sample) * weight, dtype=torch.float64),
+        torch.linalg.vector_norm(sample * weight, dtype=torch.float64),
     ]
 
 
@@ -86,7 +91,7 @@ def linear_stats(
                 got = _read_quality(*parts)
                 row[f"{key}_sqnr_db"], row[f"{key}_underflow"] = got["sqnr_db"], got["underflow"]
 
-            reads.later(_quality(sample, amax, fp8), quality)
+            reads.later(_quality(sample, amax, fp8, dim=0 if operand == "input" else -1), quality)
     if now:
         reads.read()
     return row
