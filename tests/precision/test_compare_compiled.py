@@ -79,3 +79,30 @@ def test_a_pass_that_changes_an_op_is_an_error_naming_the_module():
     assert "Inductor's lowering, fusion or a graph pass changes it" in finding.message
     assert result.first_divergent == "1" and result.report.exit_code == 1
     assert not inductor_config.emulate_precision_casts  # patched for one compile, never left set
+
+
+class _HalfScores(nn.Module):
+    """Scores sharpened in fp16 inside the forward (a memory saving): eager makes NaN; a fixed .float()
+    after it makes the fp64 copy fail on a dtype mismatch."""
+
+    def __init__(self, dtype_generic: bool) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.dtype_generic = dtype_generic
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.q(x) @ x.transpose(1, 2)
+        s = (s.half() * 5000.0).to(x.dtype) if self.dtype_generic else (s.half() * 5000.0).float()
+        return self.o((torch.softmax(s, -1) @ x).mean(1))
+
+
+@pytest.mark.parametrize("dtype_generic", [False, True])
+def test_a_reference_that_fails_or_is_nan_eagerly_is_a_one_line_error_before_any_compile(dtype_generic):
+    """A forward whose fp64 copy raises, or is NaN eagerly: compare --candidate compiled raised a
+    traceback, or named a Linear with every ratio NaN and advised bisecting the compiler."""
+    from fpdoctor.precision.profile import ReferenceFailed
+
+    torch.manual_seed(0)
+    model, x = _HalfScores(dtype_generic).eval(), torch.randn(4, 8, 16) * 4
+    with pytest.raises(ReferenceFailed, match="NaN values in its fp64 run" if dtype_generic else "fails in the"):
+        fpdoctor.compare(model, x, candidate="compiled")

@@ -1107,6 +1107,15 @@ def _line_of(location: Any) -> str | None:
     return location.split(" in ", 1)[0]
 
 
+class ReferenceFailed(RuntimeError):
+    """The model fails in the reference run: nothing to compare against. `fix`: what to do, where
+    the failure says more than "fix the model"."""
+
+    def __init__(self, message: str, fix: str = "fix the model or its example inputs first") -> None:
+        super().__init__(message)
+        self.fix = fix
+
+
 def merge_sets(
     results: list[CompareResult], described: list[dict[str, Any]], given: tuple[list[Finding], str | None]
 ) -> CompareResult:

@@ -127,6 +127,7 @@ from fpdoctor.precision.profile import (
     UNTRIED_BY_COMPARE,
     CompareResult,
     ModuleRow,
+    ReferenceFailed,
     annotate,
     build_report,
     causes,
@@ -148,15 +149,6 @@ FEEDING_LINES = 8
 # another line's feeding lines, added to the worst op's, are kept where the checked error falls to this share of
 # what it was with them or less (a window's second running sum: 0.0089 -> 0.0061)
 KEPT_FALL = 0.8
-
-
-class ReferenceFailed(RuntimeError):
-    """The model fails in the reference run: nothing to compare against. `fix`: what to do, where
-    the failure says more than "fix the model"."""
-
-    def __init__(self, message: str, fix: str = "fix the model or its example inputs first") -> None:
-        super().__init__(message)
-        self.fix = fix
 
 
 @dataclass

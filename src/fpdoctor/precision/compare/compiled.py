@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +46,8 @@ from fpdoctor.precision.candidates import (
 from fpdoctor.precision.inputs import describe, input_sets
 from fpdoctor.precision.metrics import flat_sample, l2_norm, rel_error, round_to
 from fpdoctor.precision.names import PRECISIONS
-from fpdoctor.precision.profile import DIVERGENCE_RATIO, UNKNOWN_FLOOR, CompareResult
+from fpdoctor.precision.profile import DIVERGENCE_RATIO, UNKNOWN_FLOOR, CompareResult, ReferenceFailed
+from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding, Report
 from fpdoctor.torchprivate import (
     compile_fx,
@@ -56,6 +58,7 @@ from fpdoctor.torchprivate import (
     lookup_backend,
     reset_dynamo_code,
 )
+from fpdoctor.userframes import is_user_file
 
 # compiles one compare may make (each is seconds to minutes): enough to go down a few levels
 MAX_COMPILES = 12
@@ -110,6 +113,7 @@ def compare_compiled(model: nn.Module, inputs: Any, *, candidate: str, reference
     search = _Search(uncompiled(model), candidate, reference)
     one = sets[0]
     args, kwargs = split_inputs(cast_inputs(one, torch.float64, copy=True))
+    _check_reference(search.truth, args, kwargs)
     path = search.descend("", search.truth, args, kwargs)
     notes = {
         "inside a module": "hooks cannot see inside a compiled graph: modules are compiled alone, fed the fp64 "
@@ -212,6 +216,29 @@ class _Search:
         if eager is None or compiled is None:
             return math.nan, math.nan, math.nan
         return rel_error(eager, truth, norm), rel_error(compiled, truth, norm), rel_error(compiled, eager, norm)
+
+
+def _check_reference(truth: nn.Module, args: Any, kwargs: Any) -> None:
+    """The fp64 copy runs and makes no NaN, else the one-line error (ReferenceFailed) that says where:
+    a compiled program compared with a reference that fails or is NaN judges nothing (every ratio NaN)."""
+    try:
+        with torch.no_grad(), _same_rng():
+            out = truth(*cast_inputs(args, None, copy=True), **cast_inputs(kwargs, None, copy=True))
+    except Exception as exc:
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
+        at = f" at {frames[-1].filename}:{frames[-1].lineno} (`{(frames[-1].line or '').strip()}`)" if frames else ""
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ReferenceFailed(
+            f"the model fails in the reference run (its fp64 copy){at}: {type(exc).__name__}: {text}",
+            fix="write the forward for any dtype (x.to(q.dtype), not .float() or .half()), so that its fp64 copy runs",
+        ) from exc
+    nan = sum(int(torch.isnan(t).sum()) for t in tensors_in(out) if t.is_floating_point())
+    if nan:
+        raise ReferenceFailed(
+            f"the model's output holds {nan} NaN values in its fp64 run (eager) too: its eager forward is broken "
+            "before any compile, so there is no compiled departure to judge",
+            fix="`fpdoctor trace` on a script that runs the model eagerly names the op that makes them and its fix",
+        )
 
 
 def _forward(module: nn.Module, args: Any, kwargs: Any, dtype: torch.dtype | None) -> torch.Tensor | None:
