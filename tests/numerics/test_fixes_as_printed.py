@@ -635,3 +635,28 @@ def test_a_finite_loss_that_is_not_the_losss_value_is_not_printed_as_the_fix():
     assert first.fix.startswith("Replace the constant 1e-08"), first.fix
     assert "Not the fix as it stands:" in first.fix and "alters what the loss computes" in first.fix, first.fix
     assert not first.trial.metric.startswith("the step's loss")
+
+
+def test_an_update_handed_nan_gradients_from_a_compiled_backward_is_a_consequence_too():
+    """The NaN made inside a torch.compile'd graph: the trace sees the gradient arrive non-finite at the
+    optimizer (nonfinite-input, from a backward it did not see op by op), not the op's step; the update
+    that carried it was still called a learning rate too large."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    @torch.compile(backend="aot_eager")
+    def loss_of(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        h = model(x)
+        return ((h * m).sum(1) / m.sum(1)).mean()  # 0/0 on a batch whose mask is empty
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with fpdoctor.trace(model) as t:
+        for step in range(1, 6):
+            opt.zero_grad()
+            mask = torch.zeros(16, 1) if step == 3 else torch.ones(16, 1)
+            loss_of(torch.randn(16, 8), mask).backward()
+            opt.step()
+    assert t.report is not None
+    (blown,) = t.report.by_name("update-blew-up")
+    assert blown.severity.value == "warning" and "does not change" in blown.fix, blown
+    assert "lower the learning rate" not in blown.fix.lower()

@@ -486,6 +486,14 @@ def _after_the_gradients(blown: Finding, findings: list[Finding]) -> Finding:
         and f.where.get("phase") in ("forward", "backward")
         and isinstance(f.evidence.get("step"), int)
     ]
+    # a gradient the optimizer read non-finite from a backward not seen op by op (a compiled graph's)
+    made += [
+        f.evidence["step"]
+        for f in findings
+        if f.name == "nonfinite-input"
+        and f.evidence.get("origin") == "gradient"
+        and isinstance(f.evidence.get("step"), int)
+    ]
     # a GradScaler whose 1/scale overflowed handed the optimizer NaN gradients it did not skip
     made += [
         s
