@@ -44,7 +44,8 @@ class RngState:
 @contextlib.contextmanager
 def preserved(model: nn.Module) -> Iterator[None]:
     """On exit, put back the RNG states and every buffer of `model`: its values, and the tensor
-    each module holds (a forward may rebind a buffer rather than update it in place)."""
+    each module holds (a forward may rebind a buffer rather than update it in place); and each
+    module's own attributes (`attributes_kept`): a step run again sets them as the first run did."""
     rng = RngState.capture()
     saved = [
         (module, name, buffer, buffer.detach().clone())
@@ -53,13 +54,52 @@ def preserved(model: nn.Module) -> Iterator[None]:
         if buffer is not None
     ]
     try:
-        yield
+        with attributes_kept(model):
+            yield
     finally:
         with torch.no_grad():
             for module, name, buffer, value in saved:
                 buffer.copy_(value)
                 buffers_of(module)[name] = buffer
         rng.restore()
+
+
+@contextlib.contextmanager
+def attributes_kept(model: nn.Module) -> Iterator[None]:
+    """On exit, each module of `model` holds the public attributes it held on entry: one set since is
+    removed, one rebound is bound back (`self.loss_ema = ...` in a training_step run again, whose
+    first value would set its dtype), a plain tensor attribute written in place gets its values back,
+    and a list or dict attribute its items (`self.outputs.append(loss)`). Names with a leading
+    underscore are torch's and the framework's own (parameters, buffers, hooks): left to them."""
+    kept = [(vars(m), {k: v for k, v in vars(m).items() if not k.startswith("_")}) for m in model.modules()]
+    tensors = [
+        (t, t._version, t.detach().clone())
+        for _, before in kept
+        for t in before.values()
+        if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
+    ]
+    lists = [(v, list(v)) for _, before in kept for v in before.values() if type(v) is list]
+    dicts = [(v, dict(v)) for _, before in kept for v in before.values() if type(v) is dict]
+    try:
+        yield
+    finally:
+        for now, before in kept:
+            for name in [n for n in now if not n.startswith("_") and n not in before]:
+                del now[name]
+            for name, value in before.items():
+                if now.get(name) is not value:
+                    now[name] = value
+        with torch.no_grad():
+            for t, version, value in tensors:
+                if t._version != version:
+                    t.copy_(value)
+        for items, saved in lists:
+            if items != saved:
+                items[:] = saved
+        for mapping, values in dicts:
+            if mapping != values:
+                mapping.clear()
+                mapping.update(values)
 
 
 class BufferSnapshot:

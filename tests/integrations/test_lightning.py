@@ -179,6 +179,40 @@ def test_training_under_the_callback_is_bitwise_training_without_it():
     assert same(fit([]), fit([FpDoctorCallback()]))
 
 
+def test_the_reference_and_replays_leave_the_modules_own_state_as_training_set_it():
+    """A training_step that keeps its own state on the module: a running loss made from the first loss
+    (bf16 under bf16-mixed), a list of the step's losses. The callback's fp32 reference step at step 1
+    ran training_step first, so the running loss was made in fp32 and the bug it holds in bf16 was gone
+    under the callback; the replay of a bad step appended to the list."""
+
+    class Stateful(Net):
+        def __init__(self, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.loss_ema = None
+            self.seen: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            level = self.net[0](batch[0]).detach().mean()  # bf16 under bf16-mixed's autocast, fp32 without
+            self.loss_ema = level if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * level
+            self.seen.append(float(loss))
+            return loss
+
+    def fit(callbacks, **kwargs):
+        module = Stateful(**kwargs)
+        torch.manual_seed(123)
+        trainer(callbacks, max_steps=6, precision="bf16-mixed").fit(module, data())
+        return module
+
+    plain, watched = fit([]), fit([FpDoctorCallback()])  # the reference step at step 1 ran training_step
+    assert watched.loss_ema.dtype == plain.loss_ema.dtype == torch.bfloat16
+    assert torch.equal(watched.loss_ema, plain.loss_ema)
+    callback = FpDoctorCallback()
+    replayed = fit([callback], nan_data=(3, 1))  # step 3 replayed: training_step ran again
+    assert callback.report.data["verdicts"] == {3: "deterministic-nonfinite"}
+    assert len(replayed.seen) == 6
+
+
 def test_the_replay_leaves_the_run_as_a_plain_skip_would():
     """A bad step replayed (its RNG draws, buffer writes and gradients undone) and skipped ends
     where a plain skip without any replay ends, bit for bit - dropout draws included."""

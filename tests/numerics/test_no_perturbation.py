@@ -80,3 +80,23 @@ def test_trace_is_bitwise_invisible_on_an_amp_recipe(impl, dtype):
     plain, traced = _recipe(False, impl, dtype), _recipe(True, impl, dtype)
     assert len(plain) == len(traced)
     assert all(torch.equal(a, b) for a, b in zip(plain, traced, strict=True))
+
+
+def test_a_run_of_the_users_model_leaves_its_modules_public_attributes_as_they_were():
+    """preserve.preserved (every replay, reference step and what-if runs inside it): attributes a step
+    sets, rebinds, writes in place or appends to are as before; torch's own (leading underscore) are not
+    touched."""
+    from fpdoctor.preserve import preserved
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    inner = model[0]
+    inner.total, inner.outputs, inner.seen = torch.zeros(()), [1.0], {"a": 1}
+    total = inner.total
+    with preserved(model):
+        inner.total.add_(5.0)  # in place
+        inner.outputs.append(2.0)
+        inner.seen["b"] = 2
+        inner.extra = torch.ones(1)  # set
+        inner.total = torch.full((), 7.0, dtype=torch.float64)  # rebound
+    assert inner.total is total and float(total) == 0.0
+    assert inner.outputs == [1.0] and inner.seen == {"a": 1} and not hasattr(inner, "extra")
