@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import math
 import threading
 
+import pytest
 import torch
 from torch import nn
 
@@ -101,3 +103,24 @@ def test_batchnorm_statistics_written_from_a_nan_batch_are_not_inputs_that_held_
     assert t.report is not None
     (f,) = t.report.findings  # the batch's NaN, not 1.running_mean / 1.running_var
     assert f.name == "nonfinite-input" and f.evidence["origin"] == "input"
+
+
+@pytest.mark.parametrize("start", [float("inf"), float("nan")])
+def test_a_best_score_started_at_inf_is_no_finding_and_a_nan_one_is(start):
+    """EarlyStopping's best score starts at torch.tensor(inf), compared with each loss: a trace of any
+    Lightning run with it said ERROR nonfinite-input, "check the data pipeline". A one-value +-inf input
+    that reaches only values read back by Python is a sentinel; a NaN is still named."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    best = torch.tensor(start)
+    with fpdoctor.trace(model) as t:
+        for _ in range(6):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if bool(torch.abs(best - loss.detach()) > 1e-3) and bool(loss.detach() < best):
+                best = loss.detach()
+    named = [f.name for f in t.report.findings]
+    assert ("nonfinite-input" in named) == math.isnan(start), named

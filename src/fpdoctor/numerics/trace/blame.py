@@ -507,6 +507,8 @@ class Analysis:
         producers_reached = bool(nan_producers or inf_producers or absorbed)
         gradients: list[Finding] = []  # gradients the optimizer read non-finite: one finding, the first
         for leaf, reaches in leaves.values():
+            if _sentinel(leaf, reaches):
+                continue
             if ("leaf", leaf.index) in bad_data or not producers_reached:
                 made = self.input_finding(leaf, reaches)
                 if made.evidence.get("origin") == "gradient":
@@ -1027,6 +1029,18 @@ _DIV = (
     "guard the denominator (x / (d + torch.finfo(d.dtype).eps), or torch.where(d != 0, x / d, 0) with the division "
     "masked too)"
 )
+
+
+_RETURNED = "a value returned to your code"
+
+
+def _sentinel(leaf: Leaf, reaches: list[str]) -> bool:
+    """A one-value +-inf input that reaches no model output, gradient or weight, only a value read back
+    by Python: a starting best score (EarlyStopping's torch.tensor(inf)), a running minimum's first
+    value, on purpose. A NaN, or an Inf that reaches the model, is never one."""
+    counts = leaf.counts or {}
+    infinite = leaf.kind in ("+inf", "-inf") and not counts.get("nan")
+    return infinite and math.prod(leaf.shape) == 1 and bool(reaches) and all(r == _RETURNED for r in reaches)
 
 
 def _division(line: str) -> tuple[str, str] | None:
