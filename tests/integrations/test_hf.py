@@ -223,6 +223,28 @@ def test_a_loss_outside_the_model_is_replayed_from_the_gradients_at_its_outputs(
     assert same(weights.after[2], weights.after[3])
 
 
+class SubmoduleLoss(transformers.Trainer):
+    """A loss from the model's submodules called directly (the body, then the head), never its forward."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        hidden = model.transformer(input_ids=inputs["input_ids"]).last_hidden_state
+        logits = model.lm_head(hidden)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return (loss, logits) if return_outputs else loss
+
+
+def test_a_step_whose_loss_calls_the_submodules_is_not_replayed_and_never_blamed_on_the_machine(tmp_path):
+    """No micro-batch went through the model's forward: the replay ran nothing, which read as a finite
+    replay, and every bad step was transient-fault-suspected: 'suspect cpu, not the model'."""
+    report, _, _ = _train(
+        tmp_path, fault=lambda model, box: poison_activation(model, _at(box, 3)), trainer_class=SubmoduleLoss
+    )
+    assert not report.by_name("transient-fault-suspected"), [f.name for f in report.findings]
+    (said,) = report.by_name("step-not-replayed")
+    assert said.evidence["step"] == 3 and "fpdoctor trace" in said.fix
+
+
 def test_training_under_the_callback_is_bitwise_training_without_it(tmp_path):
     def train(callbacks):
         model = tiny_gpt2(dropout=0.1)

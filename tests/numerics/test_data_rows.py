@@ -53,7 +53,7 @@ def _row_of_bad() -> int:
 
 def _assert_the_data_is_named(report: fpdoctor.Report) -> None:
     first = report.findings[0]
-    assert first.name == "nonfinite-produced", report.summary()
+    assert first.name == "nonfinite-produced", [f.name for f in report.findings]
     experiment = first.evidence["experiment"]
     assert experiment["verdict"] == "data", experiment
     rows = experiment["rows_standing_out"]

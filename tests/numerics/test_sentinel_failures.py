@@ -166,3 +166,14 @@ def test_fp16_adam_eps_is_named_and_dead_weights_are_said_once(monkeypatch):
     assert "cannot continue" in dead.title and dead.evidence["applied_step"] == guard.last_good_step
     assert dead.where["phase"] == "optimizer" and dead.evidence["step"] == guard.last_good_step + 1
     assert guard.skipped == 6 - guard.last_good_step and replays == []
+
+
+def test_a_replay_of_no_micro_batch_is_no_verdict_on_the_machine():
+    """An empty window ran nothing, which read as a finite replay: transient-fault-suspected."""
+    from torch import nn
+
+    from fpdoctor.numerics.training.replay import replay
+
+    model = nn.Linear(2, 1)
+    result = replay(model, list(model.parameters()), lambda: None, [], [])
+    assert result.verdict == "replay-failed" and (result.error or "").startswith("not replayed: no micro-batch")

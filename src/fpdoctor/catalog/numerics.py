@@ -699,6 +699,20 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         "layer and its standardisation in fp32.",
     ),
     RuleInfo(
+        code="TRN034",
+        name="step-not-replayed",
+        severity=W,
+        title="A non-finite step could not be run again: neither the code nor the machine is named",
+        what="The front end replays a bad step from the micro-batches it saw go through the model's forward. "
+        "Where none did (a Trainer's compute_loss of the script's own that calls the model's submodules directly, "
+        "a forward the front end does not hook), there is nothing to run again; the step is still skipped.",
+        why="A replay that runs something else than the step (no micro-batch at all, or another forward) cannot "
+        "tell a bug of the code from a fault of the machine: an empty replay reads as a finite one, and the "
+        "machine would be blamed for a NaN the code makes on every run.",
+        fix="Run `fpdoctor trace -- <your script>`: it follows the loss code op by op (a compute_loss of your own "
+        "included) and names the op that makes the NaN/Inf, with its fix checked.",
+    ),
+    RuleInfo(
         code="TRN033",
         name="updates-outside-optimizer",
         severity=W,

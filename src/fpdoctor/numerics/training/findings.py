@@ -125,6 +125,21 @@ _AFTER_OUTPUTS_FIX = (
 _NO_OP = "the replay named no op that made the value, so there was nothing to re-run in another way"
 
 
+def not_replayed(step: int, why: str, *, here: dict[str, Any]) -> Finding:
+    """TRN034: a bad step with no micro-batch to run again: no verdict, and never the machine's."""
+    return catalog.make(
+        "step-not-replayed",
+        message=(
+            f"Step {step} was non-finite and skipped, but not run again: {why.removeprefix('not replayed: ')}. So "
+            "nothing tells the code's NaN/Inf from a fault of the machine."
+        ),
+        where={"module": None, "op": None, "phase": None, "step": step, **place(here)},
+        evidence={"step": step, "not_replayed": why},
+        fix=catalog.get("step-not-replayed").fix,
+        trial=Trial.untried(why),
+    )
+
+
 def _rows_after_outputs(rows: dict[str, Any]) -> tuple[str, str]:
     """Rows of the model's output far out of line with the others, where the loss made the NaN/Inf:
     the sentence that says so, and the fix (the data's)."""

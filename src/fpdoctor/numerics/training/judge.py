@@ -619,6 +619,8 @@ class StepJudge:
     def _verdict_findings(
         self, f: StepFacts, result: ReplayResult, kind: str | None, control: ControlResult | None = None
     ) -> list[Finding]:
+        if result.verdict == "replay-failed" and (result.error or "").startswith("not replayed: no micro-batch"):
+            return [findings.not_replayed(f.step, result.error or "", here=self.here)]
         if result.verdict == "replay-failed":
             self.error("replaying the step", RuntimeError(result.error or "unknown"), step=f.step)
             return []

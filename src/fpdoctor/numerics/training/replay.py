@@ -65,6 +65,13 @@ def replay(
     `observe(index, loss, params)`: called after each micro-batch, its gradients still in place."""
     from fpdoctor.numerics.api import trace
 
+    if not window:  # nothing was run again: no verdict on the machine can come from it
+        return ReplayResult(
+            "replay-failed",
+            error="not replayed: no micro-batch of this step went through the model's forward (its submodules "
+            "called directly, as a compute_loss of the script's own does, or a forward the front end does not see), "
+            "so there was nothing to run again",
+        )
     if any(post_accumulate_grad_hooks(p) for p in params):
         # an optimizer run in backward (register_post_accumulate_grad_hook) would step the real
         # weights again during the replay
