@@ -91,3 +91,21 @@ def test_a_torch_optim_loop_or_a_loop_that_updates_nothing_is_not_it(how):
             if how == "torch.optim":
                 opt.step()
     assert "updates-outside-optimizer" not in [f.name for f in w.report.findings]
+
+
+def test_a_torch_optim_step_compiled_into_a_graph_is_not_taken_for_an_update_of_the_scripts_own():
+    """A compiled training step runs its optimizer step inside the graph, where no step hook is called."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    @torch.compile(backend="aot_eager")
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    with fpdoctor.watch() as w:
+        for i in range(25):
+            step(*_data(i, torch.float32))
+    assert "updates-outside-optimizer" not in [f.name for f in w.report.findings]

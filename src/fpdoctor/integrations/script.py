@@ -322,6 +322,7 @@ class ScriptWatch:
         # tell at the report whether code of the script's own updated them (TRN033)
         self._weights: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._optimizer_steps = 0  # torch.optim steps of any kind seen: none, and the weights changed, is TRN033
+        self._graphs_at_start = _graphs_compiled()
 
     # -- entering and leaving --------------------------------------------------------------------
     def __enter__(self) -> ScriptWatch:
@@ -587,9 +588,9 @@ class ScriptWatch:
             self._traced.arm(run.judge.steps + 1 if run is not None else 1, params, penalty=True)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._optimizer_steps += 1  # any torch.optim step, judged here or not (a callback's, a closure's)
         if dynamo.compiling():  # a step traced into a graph: judged where it runs eagerly, or not at all
             return
+        self._optimizer_steps += 1  # any torch.optim step, judged here or not (a callback's, a closure's)
         key = id(optimizer)
         scaler = self._scaler_now.get(key)
         self._judged.add(key)
@@ -1193,7 +1194,15 @@ class ScriptWatch:
         if not runs and not report.findings and self._never_stepped():
             report.findings.append(_never_stepped(self._forwards))
         grads = self._penalty is not None and self._penalty.grads  # torch.autograd.grad reached them instead
-        if not self._optimizer_steps and not report.findings and (self._reached or grads) and _changed(self._weights):
+        # a step compiled into a graph calls no hook when it runs: where the script compiled, no step is certain
+        compiled = _graphs_compiled() > self._graphs_at_start
+        if (
+            not self._optimizer_steps
+            and not compiled
+            and not report.findings
+            and (self._reached or grads)
+            and _changed(self._weights)
+        ):
             report.findings.append(_updated_outside(self._forwards, self._reached))
         if self.unwatched:
             report.data.setdefault("not_checked", {}).update(self.unwatched)
@@ -1222,6 +1231,12 @@ def _optimized(module: nn.Module) -> bool:
 
 
 WEIGHT_VALUES = 64  # values kept of each of the first weights (TRN033): an update changes nearly all of them
+
+
+def _graphs_compiled() -> int:
+    """Graphs Dynamo has compiled in this process (0 where the program never imported it)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
 
 
 def _first_values(module: nn.Module, most: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
