@@ -93,11 +93,12 @@ def attributes_kept(model: nn.Module) -> Iterator[None]:
             for t, version, value in tensors:
                 if t._version != version:
                     t.copy_(value)
+        # by identity: == on items that are tensors is elementwise (and raises in `!=` of two lists)
         for items, saved in lists:
-            if items != saved:
+            if len(items) != len(saved) or any(a is not b for a, b in zip(items, saved, strict=True)):
                 items[:] = saved
         for mapping, values in dicts:
-            if mapping != values:
+            if mapping.keys() != values.keys() or any(mapping[k] is not v for k, v in values.items()):
                 mapping.clear()
                 mapping.update(values)
 
