@@ -64,20 +64,27 @@ def preserved(model: nn.Module) -> Iterator[None]:
         rng.restore()
 
 
+KEPT_BYTES = 64 * 2**20  # the tensor attributes' values copied by attributes_kept, at most
+
+
 @contextlib.contextmanager
 def attributes_kept(model: nn.Module) -> Iterator[None]:
     """On exit, each module of `model` holds the public attributes it held on entry: one set since is
     removed, one rebound is bound back (`self.loss_ema = ...` in a training_step run again, whose
     first value would set its dtype), a plain tensor attribute written in place gets its values back,
-    and a list or dict attribute its items (`self.outputs.append(loss)`). Names with a leading
+    and a list or dict attribute its items (`self.outputs.append(loss)`); tensor attributes are copied
+    up to KEPT_BYTES in all, the rest only bound back. Names with a leading
     underscore are torch's and the framework's own (parameters, buffers, hooks): left to them."""
     kept = [(vars(m), {k: v for k, v in vars(m).items() if not k.startswith("_")}) for m in model.modules()]
-    tensors = [
-        (t, t._version, t.detach().clone())
-        for _, before in kept
-        for t in before.values()
-        if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
-    ]
+    tensors = []
+    room = KEPT_BYTES  # a large cache held as an attribute (a KV cache) is bound back, not copied
+    for _, before in kept:
+        for t in before.values():
+            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+                size = t.numel() * t.element_size()
+                if size <= room:
+                    room -= size
+                    tensors.append((t, t._version, t.detach().clone()))
     lists = [(v, list(v)) for _, before in kept for v in before.values() if type(v) is list]
     dicts = [(v, dict(v)) for _, before in kept for v in before.values() if type(v) is dict]
     try:
