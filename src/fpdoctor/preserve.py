@@ -7,9 +7,12 @@ replay, an audit - those changes must not reach the user's run.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -65,28 +68,32 @@ def preserved(model: nn.Module) -> Iterator[None]:
 
 
 KEPT_BYTES = 64 * 2**20  # the tensor attributes' values copied by attributes_kept, at most
+# containers whose items a step adds to (a list of losses, a defaultdict(list), a deque of recent values)
+_CONTAINERS = (list, dict, set, collections.deque)
 
 
 @contextlib.contextmanager
 def attributes_kept(model: nn.Module) -> Iterator[None]:
     """On exit, each module of `model` holds the public attributes it held on entry: one set since is
     removed, one rebound is bound back (`self.loss_ema = ...` in a training_step run again, whose
-    first value would set its dtype), a plain tensor attribute written in place gets its values back,
-    and a list or dict attribute its items (`self.outputs.append(loss)`); tensor attributes are copied
-    up to KEPT_BYTES in all, the rest only bound back. Names with a leading
-    underscore are torch's and the framework's own (parameters, buffers, hooks): left to them."""
+    first value would set its dtype), a plain tensor attribute written in place gets its values back
+    (up to KEPT_BYTES of them in all: a larger cache is only bound back; never an inference tensor,
+    which keeps no version), and a container its items, one level down too (`self.outputs.append(loss)`,
+    `self.history["loss"].append(loss)`). Names with a leading underscore are torch's and the
+    framework's own (parameters, buffers, hooks): left to them."""
     kept = [(vars(m), {k: v for k, v in vars(m).items() if not k.startswith("_")}) for m in model.modules()]
     tensors = []
-    room = KEPT_BYTES  # a large cache held as an attribute (a KV cache) is bound back, not copied
+    room = KEPT_BYTES
     for _, before in kept:
         for t in before.values():
-            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and not t.is_inference():
                 size = t.numel() * t.element_size()
                 if size <= room:
                     room -= size
                     tensors.append((t, t._version, t.detach().clone()))
-    lists = [(v, list(v)) for _, before in kept for v in before.values() if type(v) is list]
-    dicts = [(v, dict(v)) for _, before in kept for v in before.values() if type(v) is dict]
+    containers = [c for _, before in kept for c in before.values() if isinstance(c, _CONTAINERS)]
+    inner = [v for c in containers for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, _CONTAINERS)]
+    items = [(c, copy.copy(c)) for c in [*containers, *inner]]
     try:
         yield
     finally:
@@ -94,20 +101,35 @@ def attributes_kept(model: nn.Module) -> Iterator[None]:
             for name in [n for n in now if not n.startswith("_") and n not in before]:
                 del now[name]
             for name, value in before.items():
-                if now.get(name) is not value:
+                if name not in now or now[name] is not value:
                     now[name] = value
         with torch.no_grad():
             for t, version, value in tensors:
                 if t._version != version:
                     t.copy_(value)
-        # by identity: == on items that are tensors is elementwise (and raises in `!=` of two lists)
-        for items, saved in lists:
-            if len(items) != len(saved) or any(a is not b for a, b in zip(items, saved, strict=True)):
-                items[:] = saved
-        for mapping, values in dicts:
-            if mapping.keys() != values.keys() or any(mapping[k] is not v for k, v in values.items()):
-                mapping.clear()
-                mapping.update(values)
+        for container, saved in items:
+            if _changed(container, saved):
+                _refill(container, saved)
+
+
+def _changed(container: Any, saved: Any) -> bool:
+    """By identity: == on items that are tensors is elementwise (and raises in a list's !=)."""
+    if len(container) != len(saved):
+        return True
+    if isinstance(container, dict):
+        return container.keys() != saved.keys() or any(container[k] is not v for k, v in saved.items())
+    if isinstance(container, set):
+        return container != saved
+    return any(a is not b for a, b in zip(container, saved, strict=True))
+
+
+def _refill(container: Any, saved: Any) -> None:
+    """`container` holds `saved`'s items again, the object itself kept (its default_factory, maxlen)."""
+    container.clear()
+    if isinstance(container, (dict, set)):
+        container.update(saved)
+    else:
+        container.extend(saved)
 
 
 class BufferSnapshot:

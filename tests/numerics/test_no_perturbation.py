@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import sys
 from pathlib import Path
 
@@ -91,6 +92,10 @@ def test_a_run_of_the_users_model_leaves_its_modules_public_attributes_as_they_w
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     inner = model[0]
     inner.total, inner.outputs, inner.seen = torch.zeros(()), [1.0, torch.ones(3)], {"a": 1, "t": torch.ones(2)}
+    inner.history, inner.recent = collections.defaultdict(list, {"loss": [0.5]}), collections.deque([1], maxlen=4)
+    with torch.inference_mode():
+        inner.cached = torch.ones(2)  # made in an evaluation under inference_mode: keeps no version
+    inner.gone = None
     total = inner.total
     with preserved(model):
         inner.total.add_(5.0)  # in place
@@ -98,5 +103,11 @@ def test_a_run_of_the_users_model_leaves_its_modules_public_attributes_as_they_w
         inner.seen["b"] = 2
         inner.extra = torch.ones(1)  # set
         inner.total = torch.full((), 7.0, dtype=torch.float64)  # rebound
+        inner.history["loss"].append(0.7)  # one level down
+        inner.history["acc"].append(0.1)
+        inner.recent.append(2)
+        del inner.gone  # a None deleted
     assert inner.total is total and float(total) == 0.0
     assert len(inner.outputs) == 2 and sorted(inner.seen) == ["a", "t"] and not hasattr(inner, "extra")
+    assert dict(inner.history) == {"loss": [0.5]} and list(inner.recent) == [1] and inner.recent.maxlen == 4
+    assert inner.gone is None and inner.cached.is_inference()

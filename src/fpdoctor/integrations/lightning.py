@@ -27,8 +27,9 @@ Where the callback looks, and why there:
 What it cannot do: replay under manual optimization (`training_step` steps the optimizer itself;
 such steps are still checked and skipped, and their report says "not replayed"); undo what a
 `training_step` changes besides buffers, the modules' public attributes (preserve.attributes_kept:
-rebound, set, written in place, a list appended to), `self.log` calls and torchmetrics states (the
-replay drops the calls and puts the rest back), such as what an attribute's object holds; stop
+rebound, set, written in place, a container added to, one level down), `self.log` calls and
+torchmetrics states (the replay drops the calls and puts the rest back), such as what an object held
+in an attribute keeps of its own; stop
 the learning-rate scheduler from advancing on a skipped step (Lightning steps it after every
 optimizer step, as it does after an AMP skip).
 """

@@ -507,7 +507,8 @@ class Analysis:
         producers_reached = bool(nan_producers or inf_producers or absorbed)
         gradients: list[Finding] = []  # gradients the optimizer read non-finite: one finding, the first
         for leaf, reaches in leaves.values():
-            if _sentinel(leaf, reaches):
+            first_op = self.records[leaf.first_use].op if leaf.first_use is not None else ""
+            if _sentinel(leaf, reaches, first_op):
                 continue
             if ("leaf", leaf.index) in bad_data or not producers_reached:
                 made = self.input_finding(leaf, reaches)
@@ -1034,13 +1035,21 @@ _DIV = (
 _RETURNED = "a value returned to your code"
 
 
-def _sentinel(leaf: Leaf, reaches: list[str]) -> bool:
-    """A one-value +-inf input that reaches no model output, gradient or weight, only a value read back
-    by Python: a starting best score (EarlyStopping's torch.tensor(inf)), a running minimum's first
-    value, on purpose. A NaN, or an Inf that reaches the model, is never one."""
+# what a best score is first read by: a comparison with the new value (EarlyStopping's monitor_op), its
+# size, whether it is finite yet
+_COMPARED = frozenset({"lt", "gt", "le", "ge", "eq", "ne", "less", "greater", "abs", "isfinite", "isinf"})
+
+
+def _sentinel(leaf: Leaf, reaches: list[str], first_op: str) -> bool:
+    """A one-value +-inf input first read by a comparison (or its size, its finiteness) that reaches no
+    model output, gradient or weight, only values read back by Python: a starting best score
+    (EarlyStopping's torch.tensor(inf)), a running minimum's first value, on purpose. A NaN, an Inf that
+    reaches the model, or one first multiplied or added into a value the user reads, is never one."""
     counts = leaf.counts or {}
     infinite = leaf.kind in ("+inf", "-inf") and not counts.get("nan")
-    return infinite and math.prod(leaf.shape) == 1 and bool(reaches) and all(r == _RETURNED for r in reaches)
+    compared = _packet(first_op) in _COMPARED if first_op else False
+    one = math.prod(leaf.shape) == 1
+    return infinite and one and compared and bool(reaches) and all(r == _RETURNED for r in reaches)
 
 
 def _division(line: str) -> tuple[str, str] | None:
