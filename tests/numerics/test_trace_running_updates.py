@@ -429,3 +429,35 @@ def test_a_step_count_kept_in_bf16_for_a_warm_up_is_named_as_a_counter_with_its_
         f for f in t.report.findings if f.evidence.get("kind") == "running-update" and f.evidence["shape"] == []
     ]
     assert "a step count a learning-rate warm-up reads" in named.message and "step += 1" in named.fix, named
+
+
+class _Tracked(nn.Module):
+    """A model that keeps a running loss of its own in bf16, rebound in a method the forward calls (a
+    LightningModule's training_step runs so, through the module's call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.level: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.training_step(x)
+
+    def training_step(self, x: torch.Tensor) -> torch.Tensor:
+        loss = (1.0 + self.lin(x).pow(2).mean()).to(torch.bfloat16)
+        self.level = loss.detach().clone() if self.level is None else 0.995 * self.level + 0.005 * loss.detach()
+        return loss.float()
+
+
+def test_a_bf16_state_rebound_in_a_method_of_the_module_is_named_at_its_line() -> None:
+    torch.manual_seed(0)
+    model = _Tracked()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with fpdoctor.trace(model) as t:
+        for _ in range(600):
+            opt.zero_grad()
+            model(torch.randn(8, 4) + 3).backward()
+            opt.step()
+    line = inspect.getsourcelines(_Tracked.training_step)[1] + 2
+    found = [f for f in t.report.findings if str(f.evidence.get("location", "")).endswith(f":{line}")]
+    assert found and found[0].name == "update-rounded-away", [f.evidence.get("location") for f in t.report.findings]

@@ -452,26 +452,27 @@ class Tracer(EagerDispatchMode):
                 location = user_location(sys._getframe(3))
         else:
             phase = "forward"
+            # Outside modules, and inside one in a method of the user's other than its forward (a
+            # LightningModule's training_step, which Lightning runs through the module's call), a
+            # line's visits are followed: a narrow state rebound there is judged (_rebound).
+            location = user_location(sys._getframe(3))
             if module is None:
                 # Outside modules the iteration is how often this op ran at this line before.
-                location = user_location(sys._getframe(3))
                 key = (info.op, location)
                 call = self._site_calls[key]
                 self._site_calls[key] = call + 1
-                if location is not None:  # visits of a line: its records in a row (a loop over parameters too)
-                    where = (location[0], location[1])
-                    if where != self._visit_line:
-                        self._visits[where] = (self._visits.get(where, (None, -1))[1], index)
-                        self._visit_line = where
-                    if outs[0].dtype in _NARROW and not outs[0].requires_grad:
-                        self._rebound(where, index, inputs, args)
+            if location is not None and (module is None or location[2] != "forward"):
+                where = (location[0], location[1])  # visits of a line: its records in a row (a loop too)
+                if where != self._visit_line:
+                    self._visits[where] = (self._visits.get(where, (None, -1))[1], index)
+                    self._visit_line = where
+                if outs[0].dtype in _NARROW and not outs[0].requires_grad:
+                    self._rebound(where, index, inputs, args)
             else:
                 self._visit_line = None
-            if module is not None:
-                # The line inside a module's forward: deferred mode learns about a NaN later, when
-                # this stack is gone, and the upstream walk names the lines of the finite ops that
-                # made it (a `1 + exp(s)` two lines before the log), whose fix it checks.
-                location = user_location(sys._getframe(3))
+            # Inside a module's forward the line is kept too: deferred mode learns about a NaN later, when
+            # this stack is gone, and the upstream walk names the lines of the finite ops that made it (a
+            # `1 + exp(s)` two lines before the log), whose fix it checks.
         record = Record(index, info.op, phase, module, call, recompute, node_name, forward_op, location, inputs)
         self._items[index] = record  # Store.append without the call (Store.by_index)
         self.records.count = index + 1
