@@ -859,6 +859,11 @@ def _kind(t: torch.Tensor) -> str | None:
     return "nan" if bool(torch.isnan(t).any()) else "inf"
 
 
+def _kinds(outs: list[torch.Tensor]) -> set[str]:
+    """What non-finite values the floating tensors `outs` hold: "nan", "inf", both or none."""
+    return {k for k in (_kind(o) for o in outs) if k} | {"inf" for o in outs if bool(torch.isinf(o).any())}
+
+
 def _absmax(t: torch.Tensor) -> float:
     """The largest finite magnitude, or NaN/inf when the tensor has them."""
     if not t.numel():
@@ -1009,8 +1014,7 @@ def _chain_kind(
     """The symptom's kind in the chain's output (None: cured), and the output's largest magnitude.
     `values`: as _replay's."""
     outs = [o for o in _replay(chain, dtype, lookup, values) if o.is_floating_point()]
-    kinds = {k for k in (_kind(o) for o in outs) if k} | {"inf" for o in outs if bool(torch.isinf(o).any())}
-    kinds &= symptom
+    kinds = _kinds(outs) & symptom
     kind = "nan" if "nan" in kinds else next(iter(kinds), None)
     # cured of the symptom while a value it was handed still passes through: the finite values' magnitude
     magnitude = _absmax if kind is not None or symptom == _ANY else _finite_absmax
@@ -1086,10 +1090,7 @@ def _outlier_rows(target: Step, steps: dict[int, Step], symptom: frozenset[str])
         except Exception:
             return None  # the op's other arguments are not cut by rows: no check, no verdict
         outs = [o for o in tree_flatten(outs)[0] if isinstance(o, torch.Tensor) and o.is_floating_point()]
-        kinds = ({"nan"} if any(bool(torch.isnan(o).any()) for o in outs) else set()) | (
-            {"inf"} if any(bool(torch.isinf(o).any()) for o in outs) else set()
-        )
-        if kinds & symptom:
+        if _kinds(outs) & symptom:
             return None  # the other rows make it too: not theirs alone
         source = _input_standing_out(steps)
         if source is None:
@@ -1409,8 +1410,7 @@ def _try_divisor(target: Step, symptom: frozenset[str]) -> tuple[float, float] |
         return None
     if not isinstance(out, torch.Tensor):
         return None
-    made = ({"nan"} if bool(torch.isnan(out).any()) else set()) | ({"inf"} if bool(torch.isinf(out).any()) else set())
-    return None if made & symptom else (eps, _absmax(out))
+    return None if _kinds([out]) & symptom else (eps, _absmax(out))
 
 
 # random draws a fresh one can stand in for: uniform and normal, by the op's packet

@@ -46,7 +46,7 @@ from fpdoctor.numerics.trace.bounds import impossible
 from fpdoctor.numerics.trace.recipes import range_cause
 from fpdoctor.numerics.trace.scaler_skips import ScalerRun, recurring
 from fpdoctor.numerics.trace.steps import StepCounter
-from fpdoctor.numerics.trace.tracer import Leaf, Record, Tracer
+from fpdoctor.numerics.trace.tracer import RETURNED, Leaf, Record, Tracer
 from fpdoctor.report.model import Finding, Trial
 from fpdoctor.report.render import ordinal
 
@@ -1032,9 +1032,6 @@ _DIV = (
 )
 
 
-_RETURNED = "a value returned to your code"
-
-
 # what a best score is first read by: a comparison with the new value (EarlyStopping's monitor_op), its
 # size, whether it is finite yet
 _COMPARED = frozenset({"lt", "gt", "le", "ge", "eq", "ne", "less", "greater", "abs", "isfinite", "isinf"})
@@ -1049,7 +1046,7 @@ def _sentinel(leaf: Leaf, reaches: list[str], first_op: str) -> bool:
     infinite = leaf.kind in ("+inf", "-inf") and not counts.get("nan")
     compared = _packet(first_op) in _COMPARED if first_op else False
     one = math.prod(leaf.shape) == 1
-    return infinite and one and compared and bool(reaches) and all(r == _RETURNED for r in reaches)
+    return infinite and one and compared and bool(reaches) and all(r == RETURNED for r in reaches)
 
 
 def _division(line: str) -> tuple[str, str] | None:
@@ -1070,9 +1067,7 @@ def _division(line: str) -> tuple[str, str] | None:
     if len(divisions) != 1 or named & {"div", "div_", "true_divide", "divide"}:
         return None
     right = divisions[0].right
-    if not any(isinstance(n, (ast.Name, ast.Attribute, ast.Subscript)) for n in ast.walk(right)) or _plain_number(
-        right
-    ):
+    if _plain_number(right):
         return None  # a constant or a Python number (math.sqrt(2)): no tensor denominator to guard
     top, bottom = ast.get_source_segment(text, divisions[0].left), ast.get_source_segment(text, right)
     return (top, bottom) if top and bottom else None

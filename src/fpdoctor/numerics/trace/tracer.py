@@ -113,6 +113,9 @@ _aminmax = torch.aminmax
 _sequence_nr = sequence_nr
 _graph_task_id = graph_task_id
 
+# the sink of a value the traced code handed back to Python (read there: a .item(), a comparison)
+RETURNED = "a value returned to your code"
+
 
 class NonFiniteError(FloatingPointError):
     """Raised at the producing op when `trace(raise_on="nonfinite")`; `.finding` says where."""
@@ -1339,4 +1342,4 @@ class Tracer(EagerDispatchMode):
                     if out.param is not None and (out.kind or tainted):
                         self._sink(record.index, f"parameter {out.param} ({when})")
             elif record.module is None and record.phase == "forward" and not record.consumed:
-                self._sink(record.index, "a value returned to your code")
+                self._sink(record.index, RETURNED)
