@@ -237,3 +237,69 @@ def test_master_weights_are_matched_to_the_network_a_backward_reached_not_a_twin
     report = _watch(tmp_path, script)
     compared = report["data"]["reference_step"]
     assert compared.get("compared_steps") == [1, 10], compared
+
+
+# gradient accumulation with zero_grad() inside the micro-batch loop, before each backward: every step
+# takes the last micro-batch's gradient alone, finite and of the right size, so a reference step of it agrees
+INSIDE_THE_LOOP = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+x = torch.randn(2048, 16)
+y = torch.tanh(x[:, :3].sum(1, keepdim=True))
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+for step in range(40):
+    idx = torch.randint(0, 2048, (4 * 16,))
+    for k in range(4):
+        opt.zero_grad()
+        part = idx[k * 16:(k + 1) * 16]
+        loss = F.mse_loss(model(x[part]), y[part]) / 4
+        loss.backward()
+    opt.step()
+"""
+
+# adversarial training: the input's gradient from one backward makes the example, the model's gradients of
+# it are cleared, and the adversarial loss's backward (another statement) is the one the step takes
+ADVERSARIAL = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+x = torch.randn(2048, 16)
+y = (x[:, :3].sum(1) > 0).long()
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+for step in range(40):
+    idx = torch.randint(0, 2048, (64,))
+    xb = x[idx].clone().requires_grad_(True)
+    F.cross_entropy(model(xb), y[idx]).backward()
+    adv = (xb + 0.05 * xb.grad.sign()).detach()
+    opt.zero_grad()
+    F.cross_entropy(model(adv), y[idx]).backward()
+    opt.step()
+"""
+
+
+def test_a_zero_grad_inside_the_micro_batch_loop_is_named_and_the_fix_as_printed_is_ok(tmp_path):
+    """Was OK, no findings: the reference step recomputes the step from what the optimizer took."""
+    report = _watch(tmp_path, INSIDE_THE_LOOP)
+    first = report["findings"][0]
+    lines = INSIDE_THE_LOOP.splitlines()
+    line = next(i for i, text in enumerate(lines, 1) if text.strip() == "opt.zero_grad()")
+    assert first["name"] == "gradients-cleared", [f["name"] for f in report["findings"]]
+    assert first["evidence"]["location"].endswith(f":{line}") and first["evidence"]["occurrences"] == 40
+    assert first["evidence"]["backward_passes"] == 4 and first["evidence"]["cleared_before_the_step"] == 3
+    assert first["fix"].startswith(f"move line {line} of ") and "out of the micro-batch loop" in first["fix"]
+    # as printed: once per optimizer step, just after the step
+    at_step = next(i for i, text in enumerate(lines, 1) if text.strip() == "opt.step()")
+    moved = [t for i, t in enumerate(lines, 1) if i != line]
+    moved.insert(at_step - 1, "    opt.zero_grad()")
+    fixed = _watch(tmp_path, "\n".join(moved) + "\n")
+    assert fixed["verdict"] == "ok", [f["name"] for f in fixed["findings"]]
+
+
+def test_a_backward_for_an_inputs_gradient_cleared_before_the_real_one_is_not_named(tmp_path):
+    report = _watch(tmp_path, ADVERSARIAL)
+    assert not [f for f in report["findings"] if f["name"] == "gradients-cleared"], report["findings"]

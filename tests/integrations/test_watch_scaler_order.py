@@ -229,3 +229,46 @@ def test_a_step_skipped_by_the_script_after_its_unscale_is_not_a_mix(tmp_path, t
     script.write_text(textwrap.dedent(RIGHT.replace("NONE", str(to_none))))
     report = _watch(tmp_path, script)
     assert report["verdict"] == "ok", [(f["name"], f["message"][:200]) for f in report["findings"]]
+
+
+# the scaled loss made and left unused: the backward of the loss itself, then the scaler's step
+NOT_SCALED = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+x = torch.randn(2048, 16)
+y = (x[:, :3].sum(1) > 0).long()
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(40):
+    idx = torch.randint(0, 2048, (64,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+    scaled = scaler.scale(loss)
+    loss.backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+"""
+
+
+def test_a_backward_of_the_loss_scale_was_given_is_named_and_the_fix_as_printed_is_ok(tmp_path):
+    """Was OK, no findings: the reference step agrees with the backward, whose gradients are right until
+    scaler.step() divides them by 65536."""
+    path = tmp_path / "train.py"
+    path.write_text(NOT_SCALED)
+    report = report_of(tmp_path, "watch", "--", "python", str(path))
+    first = report["findings"][0]
+    lines = NOT_SCALED.splitlines()
+    line = next(i for i, text in enumerate(lines, 1) if text.strip() == "loss.backward()")
+    assert first["name"] == "loss-not-scaled", [f["name"] for f in report["findings"]]
+    assert first["evidence"]["location"].endswith(f"train.py:{line}") and first["evidence"]["scale"] == 65536
+    assert first["evidence"]["occurrences"] == 40
+    assert "`scaler.scale(loss).backward()`" in first["fix"]
+    # as printed
+    path.write_text(NOT_SCALED.replace("    loss.backward()\n", "    scaler.scale(loss).backward()\n"))
+    fixed = report_of(tmp_path, "watch", "--", "python", str(path))
+    assert not [f for f in fixed["findings"] if f["name"] == "loss-not-scaled"], fixed["findings"]
+    assert fixed["verdict"] == "ok", [f["name"] for f in fixed["findings"]]

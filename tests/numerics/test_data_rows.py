@@ -167,3 +167,67 @@ def test_a_mask_fill_or_a_computed_value_out_of_line_is_not_called_data():
     assert not bool(torch.isfinite(total))
     first = t.report.by_name("nonfinite-produced")[0]
     assert first.evidence["experiment"]["verdict"] != "data", first.evidence["experiment"]
+
+
+def _classify(value: float, foreach: bool) -> tuple[fpdoctor.Report, int]:
+    """A classifier on Readings with `value` in item BAD, Adam(foreach=): the loss stays finite (a
+    cross-entropy of huge logits is huge, not Inf) and the weights stay finite, while the square of the
+    first layer's gradient overflows in Adam's second moment, which then holds Inf for good (the Inf
+    elements of exp_avg_sq at the end are returned)."""
+    torch.manual_seed(0)
+    dataset = Readings(value)
+    dataset.y = (dataset.x[:, 1] > 0).long()
+    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 2))
+    loader = DataLoader(dataset, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(5))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=foreach)
+    with fpdoctor.trace(model) as t:
+        for _ in range(2):
+            for x, y in loader:
+                loss = nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                assert torch.isfinite(loss)
+    frozen = sum(int(s["exp_avg_sq"].isinf().sum()) for s in opt.state.values())
+    return t.report, frozen
+
+
+def test_an_item_that_overflows_adams_second_moment_is_named_though_loss_and_weights_stay_finite():
+    """A reading of 3e24: the gradient of the first Linear reaches ~1e22 and its square is Inf in
+    exp_avg_sq, so those weights never move again; the run's loss and weights stay finite. The
+    optimizer's state is where the Inf stays (was: 'masked', info), and the data is why, checked by
+    the gradient's backward op re-run without that row and Adam's op re-run on what it gives."""
+    for foreach in (False, True):
+        report, frozen = _classify(3e24, foreach)
+        assert frozen > 0  # the run really is broken
+        _assert_the_data_is_named(report)
+        first = report.findings[0]
+        assert first.severity == "error"
+        assert any("optimizer state exp_avg_sq of 0.weight" in r for r in first.evidence["reaches"])
+        through = first.evidence["experiment"]["rows_standing_out"]["through"]
+        assert through["gradient_before"] > 1e19 and through["gradient_after"] < 1e3
+        assert "backward" in first.trial.changed and "optimizer's state keeps it" in first.message
+
+
+def test_an_optimizer_state_overflow_with_no_item_out_of_line_is_not_called_data():
+    """The same classifier on readings every one of which is 1e22 times too large (a unit error in the
+    whole set): the gradient's square overflows Adam's second moment as before, but no row of the
+    batch stands out from the others, so no item is named."""
+    torch.manual_seed(0)
+    dataset = Readings(0.5)
+    dataset.y = (dataset.x[:, 1] > 0).long()
+    dataset.x *= 1e22
+    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 2))
+    loader = DataLoader(dataset, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(5))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with fpdoctor.trace(model) as t:
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert any(int(s["exp_avg_sq"].isinf().sum()) for s in opt.state.values())
+    first = t.report.findings[0]
+    assert first.name == "nonfinite-produced" and first.severity == "error", [f.name for f in t.report.findings]
+    assert first.evidence["experiment"]["verdict"] != "data"
+    assert any(r.startswith("optimizer state exp_avg_sq") for r in first.evidence["reaches"])

@@ -730,6 +730,20 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         "whose steps the watch judges.",
     ),
     RuleInfo(
+        code="TRN035",
+        name="loss-not-scaled",
+        severity=E,
+        title="The backward ran on the unscaled loss, and the GradScaler divided its gradients by the scale",
+        what="`fpdoctor watch` notes each tensor the script hands `scaler.scale()` in a step: a backward run on "
+        "one of them (the loss itself, not the scaled loss scale() returned) before a `scaler.step()` of that "
+        "step is named with both lines.",
+        why="`scaled = scaler.scale(loss); loss.backward()` gives gradients of the loss as it is, and "
+        "scaler.step() divides them by the loss scale (65536 at first) before the optimizer's step: every update "
+        "is 1/65536 of the one meant, the loss barely moves, and nothing is NaN or skipped. A reference step "
+        "of the same step agrees with the backward: the gradients are right until the scaler divides them.",
+        fix="Call .backward() on what scaler.scale() returns: `scaler.scale(loss).backward()`.",
+    ),
+    RuleInfo(
         code="TRN020",
         name="training-never-stepped",
         severity=E,

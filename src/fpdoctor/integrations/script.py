@@ -45,6 +45,7 @@ import gc
 import math
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,7 +64,7 @@ from fpdoctor.integrations._traced_step import TracedStep
 from fpdoctor.numerics.compiled import graphs
 from fpdoctor.numerics.observe import amp, autocast_cache, dynamo, scaler_rebuilt, unheld, zero_grads
 from fpdoctor.numerics.observe.batches import MicroBatch, OutputsOnly
-from fpdoctor.numerics.observe.grad_clears import Cleared, GradClears, zero_grad_owners
+from fpdoctor.numerics.observe.grad_clears import Cleared, GradClears, Where, call_site, zero_grad_owners
 from fpdoctor.numerics.observe.gradcheck import (
     FlagRead,
     HostRead,
@@ -308,6 +309,10 @@ class ScriptWatch:
         self._order = ScalerOrder()  # the script's unscale_, update() and backwards, in their order
         self._held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # a skipped step's gradients, by optimizer
         self._clears = GradClears()  # zero_grad() between a backward and the optimizer's step (grad_clears.py)
+        # what the script gave scaler.scale() since the last step, by id: (the tensor, the line); and a backward
+        # run on one of them, not on what scale() returned: (the backward's line, scale()'s line)
+        self._scale_given: dict[int, tuple[weakref.ref[torch.Tensor], Where | None]] = {}
+        self._unscaled: tuple[Where | None, Where | None] | None = None
         self._mixed: dict[int, Mixed] = {}  # id(optimizer) -> its step in progress mixes unscaled gradients
         self._judged: set[int] = set()  # optimizers judged inside the scaler's step in progress
         self._replaying = False
@@ -342,6 +347,7 @@ class ScriptWatch:
             stack.enter_context(self._swapped(torch.autograd, "backward", self._backward_of))
             scaler = amp.grad_scaler_class()
             stack.enter_context(self._swapped(scaler, "step", self._scaler_step_of))
+            stack.enter_context(self._swapped(scaler, "scale", self._scale_of))
             # the script's unscale_ and update() calls: a backward between an unscale_ and the step (scaler_order.py)
             stack.enter_context(self._swapped(scaler, "unscale_", self._unscale_of))
             stack.enter_context(self._swapped(scaler, "update", self._update_of))
@@ -490,7 +496,11 @@ class ScriptWatch:
                 self._error("reading the loss", exc)
             after = self._order_check()
             result = original(tensors, *args, **kwargs)
-            self._clears.backward()
+            self._clears.backward(call_site(sys._getframe(1)))
+            if self._scale_given and isinstance(tensors, torch.Tensor):  # the loss scale() was given, not its result
+                given = self._scale_given.get(id(tensors))
+                if given is not None and given[0]() is tensors:
+                    self._unscaled = (user_location(sys._getframe(1)), given[1])
             if after is not None:
                 self._guarded(after, _ORDER)
             for call, fills in waiting:  # the forwards this backward reached: this loss is theirs
@@ -527,6 +537,17 @@ class ScriptWatch:
                 self._stop_here()
 
         return step
+
+    def _scale_of(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def scale(scaler: Any, outputs: Any) -> Any:
+            result = original(scaler, outputs)
+            if isinstance(outputs, torch.Tensor) and result is not outputs and amp.enabled(scaler):
+                given = (weakref.ref(outputs), user_location(sys._getframe(1)))
+                self._guarded(lambda: self._scale_given.__setitem__(id(outputs), given), _ORDER)
+            return result
+
+        return scale
 
     def _unscale_of(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
@@ -817,6 +838,10 @@ class ScriptWatch:
                 # the backward and the step says so (an expert no token reached, a head whose task the batch
                 # lacked, a frozen backbone have no gradient either, and no such line)
                 self._guarded(lambda: judge.cleared_step(judge.steps, _cleared_by_code(run.params)), _CLEARS)
+        unscaled, self._unscaled = self._unscaled, None
+        self._scale_given.clear()
+        if unscaled is not None and scaler is not None:  # its step divided gradients the loss never multiplied
+            self._guarded(lambda: judge.unscaled_backward(judge.steps, *unscaled, scaler=scaler), _ORDER)
         mixed = self._mixed.pop(id(optimizer), None)
         if mixed is not None:  # the reference step measures what it cost (unscaled_twice.py)
             judge.mixed_step(judge.steps, mixed)

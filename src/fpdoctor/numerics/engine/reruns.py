@@ -352,16 +352,32 @@ class Experiment:
             "the inputs (a clamp, or standardising with statistics computed without it) keeps one bad item from "
             "breaking a step. Not a precision change: the other rows are finite in this precision as it ran."
         )
+        alone = "that row alone makes it" if len(op_rows) == 1 else "those rows alone make it"
+        through = rows.get("through")
+        if through is not None:  # an optimizer's op, on the gradient a backward op made from those rows
+            backward = f"{through['op']}'s backward"
+            rerun = (
+                f" The gradient it read, made by {backward}, reaches |g| {_num(through['gradient_before'])}; "
+                f"{backward} re-run without {cut} gives {_num(through['gradient_after'])}, and "
+                f"{self.op} re-run on that (what it writes over taken as 0) is finite (max |x| "
+                f"{_num(rows['without_them'])}): {alone}. The optimizer's state keeps it at every later step."
+            )
+            change = f"{cut} of the batch left out of {backward}"
+        else:
+            rerun = (
+                f" Re-run as it ran without {cut} of its argument that stand out, {self.op} is finite (max |x| "
+                f"{_num(rows['without_them'])}): {alone}."
+            )
+            change = f"{cut} of its argument left out"
         return (
             f"{label}: {self.op} made {kind} from {what} of the batch{item_text}, whose values stand out",
             message
             + rows_text(rows, stand_out=True)
-            + f" Re-run as it ran without {cut} of its argument that stand out, {self.op} is finite (max |x| "
-            f"{_num(rows['without_them'])}): those rows alone make it. No precision change is the fix: the values "
-            "come from the data.",
+            + rerun
+            + " No precision change is the fix: the values come from the data.",
             fix,
             Trial.checked(
-                f"{cut} of its argument left out",
+                change,
                 metric=f"{self.op}'s output, max |x|",
                 before=kind,
                 after=rows["without_them"],
@@ -1066,7 +1082,21 @@ def _outlier_rows(target: Step, steps: dict[int, Step], symptom: frozenset[str])
     (a tensor the trace did not see made: the batch) has rows far out of line too. Named by the
     input's rows and their dataset items (loader.rows_found); None where any of it is missing: rows
     out of line in values the model computed (a mask's fill, a stale log-probability) are not data."""
-    flat, spec = tree_flatten((target.args, target.kwargs or {}))
+    cut = _without_outliers(target)
+    if cut is None or _kinds(cut[1]) & symptom:
+        return None  # no such rows, or the other rows make it too: not theirs alone
+    named = _batch_standing_out(steps)
+    if named is not None:
+        named["op_rows"] = cut[0]
+        named["without_them"] = max((_absmax(o) for o in cut[1]), default=0.0)
+    return named
+
+
+def _without_outliers(step: Step) -> tuple[list[int], list[torch.Tensor]] | None:
+    """The first argument (not a parameter) with rows standing out (loader.standing_out), and the op's
+    floating outputs re-run as it ran without those rows, every argument with that dim 0 cut the same
+    way; None where no argument has such rows or the op cannot run on the cut arguments."""
+    flat, spec = tree_flatten((step.args, step.kwargs or {}))
     for t in flat:
         if not isinstance(t, torch.Tensor) or isinstance(t, torch.nn.Parameter):
             continue
@@ -1075,35 +1105,102 @@ def _outlier_rows(target: Step, steps: dict[int, Step], symptom: frozenset[str])
             continue
         rows, n = found[0], t.shape[0]
         keep = torch.tensor([i for i in range(n) if i not in rows], device=t.device)
-        cut = [
-            v.detach().index_select(0, keep.to(v.device))
-            if isinstance(v, torch.Tensor)
-            and v.dim() >= 1
-            and v.shape[0] == n
-            and not isinstance(v, torch.nn.Parameter)
-            else v
-            for v in flat
-        ]
-        args, kwargs = tree_unflatten(cut, spec)
+        # the other arguments cut along dim 0 where it is n, else along a matrix's dim 1; then, where
+        # the op refuses that (a hidden size equal to the batch's), each other matrix along dim 1 first
+        for columns in (False, True):
+            cut = [_rows_kept(v, n, keep, columns=columns and v is not t) for v in flat]
+            args, kwargs = tree_unflatten(cut, spec)
+            try:
+                outs = step.func(*args, **kwargs)
+            except Exception:
+                continue  # no check, no verdict
+            return rows, [o for o in tree_flatten(outs)[0] if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        return None
+    return None
+
+
+def _element_of(step: Step, t: torch.Tensor) -> tuple[Any, Any]:
+    """The op's (args, kwargs), a foreach op's lists cut to the one element `t` is at (each list of
+    that length, its scalars too): the update of that one tensor, judged apart from the others."""
+    args, kwargs = list(step.args), dict(step.kwargs or {})
+    at = next(((len(a), i) for a in args if isinstance(a, (list, tuple)) for i, v in enumerate(a) if v is t), None)
+    if at is None:
+        return tuple(args), kwargs
+    n, i = at
+    args = [[a[i]] if isinstance(a, (list, tuple)) and len(a) == n else a for a in args]
+    return tuple(args), kwargs
+
+
+def _rows_kept(v: Any, n: int, keep: torch.Tensor, *, columns: bool = False) -> Any:
+    """`v` with only rows `keep` of its `n` along dim 0, or along dim 1 of a matrix whose dim 0 is not
+    `n` or, with `columns`, whose dim 1 is (the transposed operand of a matmul's backward:
+    grad_output.t() @ input); anything else as is."""
+    if not isinstance(v, torch.Tensor) or isinstance(v, torch.nn.Parameter) or v.dim() == 0:
+        return v
+    if columns and v.dim() == 2 and v.shape[1] == n:
+        return v.detach().index_select(1, keep.to(v.device))
+    if v.shape[0] == n:
+        return v.detach().index_select(0, keep.to(v.device))
+    if v.dim() == 2 and v.shape[1] == n:
+        return v.detach().index_select(1, keep.to(v.device))
+    return v
+
+
+def _batch_standing_out(steps: dict[int, Step]) -> dict[str, Any] | None:
+    """The step's input with rows far out of line (_input_standing_out), named as rows_found names
+    them, with how far out of line; None where no input of the step has such rows."""
+    source = _input_standing_out(steps)
+    if source is None:
+        return None
+    given, (places, largest, outside) = source
+    named = rows_found(places, given.shape[0], batch=True)
+    shape = "x".join(str(d) for d in given.shape)
+    named["differs"] = (
+        f"the step's input {dtype_name(given.dtype).removeprefix('torch.')}[{shape}] holds |x| up to "
+        f"{largest:.3g} there, against {outside:.3g} in every other row"
+    )
+    named["largest"], named["others_largest"] = largest, outside
+    return named
+
+
+def _gradient_outliers(target: Step, steps: dict[int, Step], symptom: frozenset[str]) -> dict[str, Any] | None:
+    """The data's doing in the optimizer: an update op (Adam's square of the gradient into its second
+    moment) made the symptom from a finite gradient that the backward op made from a few rows far out of
+    line (_without_outliers on that backward op), where the step's batch has such rows too. Checked by
+    the update op re-run on the gradient made without those rows, what it writes over taken as zero
+    (its old value is gone): clean. The gradient's largest |g| with and without them is kept."""
+    written = _written(target)
+    for _, gradient, src in _aligned(target):
+        producer = steps.get(src[1]) if src is not None and src[0] == "op" else None
+        if producer is None or producer.record.phase != "backward" or id(gradient) in written:
+            continue
+        cut = _without_outliers(producer)
+        if cut is None:
+            continue
+        remade = next((o for o in cut[1] if o.shape == gradient.shape), None)
+        if remade is None:
+            continue
+        flat, spec = tree_flatten(_element_of(target, gradient))
+        flat = [torch.zeros_like(v) if id(v) in written else remade if v is gradient else v for v in flat]
+        args, kwargs = tree_unflatten(flat, spec)
         try:
-            outs = target.func(*args, **kwargs)
+            outs = _outputs(target.func(*args, **kwargs))
         except Exception:
-            return None  # the op's other arguments are not cut by rows: no check, no verdict
-        outs = [o for o in tree_flatten(outs)[0] if isinstance(o, torch.Tensor) and o.is_floating_point()]
-        if _kinds(outs) & symptom:
-            return None  # the other rows make it too: not theirs alone
-        source = _input_standing_out(steps)
-        if source is None:
+            continue
+        # a foreach op writes its lists and returns nothing: what it wrote is its output
+        given = tree_flatten(_element_of(target, gradient))[0]
+        outs = outs or [v for v, old in zip(flat, given, strict=True) if id(old) in written]
+        if not outs or _kinds(outs) & symptom:
+            continue
+        named = _batch_standing_out(steps)
+        if named is None:
             return None
-        given, (places, largest, outside) = source
-        named = rows_found(places, given.shape[0], batch=True)
-        shape = "x".join(str(d) for d in given.shape)
-        named["differs"] = (
-            f"the step's input {dtype_name(given.dtype).removeprefix('torch.')}[{shape}] holds |x| up to "
-            f"{largest:.3g} there, against {outside:.3g} in every other row"
-        )
-        named["largest"], named["others_largest"] = largest, outside
-        named["op_rows"] = rows
+        named["op_rows"] = cut[0]
+        named["through"] = {
+            "op": producer.record.forward_op or producer.record.op,
+            "gradient_before": _absmax(gradient),
+            "gradient_after": _absmax(remade),
+        }
         named["without_them"] = max((_absmax(o) for o in outs), default=0.0)
         return named
     return None
@@ -1129,14 +1226,29 @@ def _input_standing_out(steps: dict[int, Step]) -> tuple[torch.Tensor, tuple[lis
     return None
 
 
+def _written(step: Step) -> set[int]:
+    """The ids of the tensors the op writes in place (its schema's written arguments): what they hold
+    now is what it made, not what it read."""
+    schema = getattr(step.func, "_schema", None)
+    return {
+        id(v)
+        for a, given in zip(schema.arguments if schema is not None else (), step.args, strict=False)
+        if a.alias_info is not None and a.alias_info.is_write
+        for v in tree_flatten(given)[0]
+        if isinstance(v, torch.Tensor)
+    }
+
+
 def _symptom(target: Step) -> tuple[frozenset[str], bool]:
     """What the producer made that its inputs did not hold: NaN from Inf inputs (0/0 beside inf/x)
-    is cured when the NaN is gone, though the Inf it was handed still passes through."""
+    is cured when the NaN is gone, though the Inf it was handed still passes through. What an op
+    wrote in place holds what it made, and is not read for what it was handed."""
     made = {"nan" if k == "nan" else "inf" for o in target.record.outputs for k, n in (o.counts or {}).items() if n}
     made |= {"nan" if o.kind == "nan" else "inf" for o in target.record.outputs if o.kind}
     held: set[str] = set()
+    written = _written(target) if target.record.mutates is not None or target.record.phase == "optimizer" else set()
     for t in tree_flatten((target.args, target.kwargs or {}))[0]:
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and id(t) not in written:
             held |= {"nan"} if bool(torch.isnan(t).any()) else set()
             held |= {"inf"} if bool(torch.isinf(t).any()) else set()
     return frozenset(made - held or made) or _ANY, bool(held)
@@ -1322,6 +1434,13 @@ def _decide(target_record: Record, window: Window, lookup: Lookup | None, budget
     with torch.no_grad():
         symptom, experiment.handed = _symptom(target)
         experiment.symptom = symptom
+        if target_record.phase == "optimizer" and not experiment.handed:
+            # a finite gradient made by a few rows of the batch far out of line: the data, as in the forward
+            experiment.outliers = _gradient_outliers(target, steps, symptom)
+            if experiment.outliers is not None:
+                experiment.as_ran = "not re-run (the op wrote its inputs in place)"
+                experiment.verdict = "data"
+                return experiment
         # (a) as it ran: an op that wrote its arguments cannot be re-run on what it read
         if target_record.mutates is not None or bool(getattr(target.func._schema, "is_mutable", False)):
             experiment.as_ran = "not re-run (the op wrote its inputs in place)"

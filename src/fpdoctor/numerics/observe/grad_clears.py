@@ -10,11 +10,19 @@ step, such a call that cleared this optimizer's parameters (its own zero_grad, o
 holds one of them) is confirmed by the gradients themselves: all None, or all zero (one host read,
 on that step only). A step whose calls come in the usual order (zero_grad before the forward, or
 after the step) pays one flag test per call.
+
+The same call between two backward passes of one step, made at the same statement (a micro-batch
+loop with `zero_grad()` inside it), leaves the step the last micro-batch's gradients: each earlier
+backward's were cleared before any step read them. Told apart from a backward run for another
+purpose (an input's gradient for an adversarial example, cleared before the real loss's backward)
+by its call site: the frames that called the backward (code and line, a few deep), the same for
+the cleared and the kept pass. Each backward pays for reading those few frames.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -22,6 +30,7 @@ from torch import nn
 
 # (file, line, function) of the user's call, as userframes.user_location gives it
 Where = tuple[str, int, str]
+SITE_DEPTH = 6  # frames read for a backward's call site: through a framework's backward(loss) to the user's line
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,9 @@ class Cleared:
     step_at: Where | None = None  # the line that stepped the optimizer
     via: Where | None = None  # where the clear is inside a helper: the line in the step's function that called it
     text: str | None = None  # the clearing statement's source, where read from it
+    # backward passes of this step, at the statement the kept one ran at, whose gradients the call cleared
+    # before the step (a zero_grad() inside the micro-batch loop); 0 where the step got no gradient at all
+    discarded: int = 0
 
 
 class GradClears:
@@ -42,8 +54,12 @@ class GradClears:
 
     def __init__(self) -> None:
         self._backward = False  # a backward ran since the last optimizer step
-        # (the optimizer or module, its callers' lines in the user's code, innermost first)
-        self._calls: list[tuple[Any, list[Where]]] = []
+        # (the optimizer or module, its callers' lines in the user's code innermost first, the call site of
+        # the backward whose gradients it cleared)
+        self._calls: list[tuple[Any, list[Where], tuple[Any, ...]]] = []
+        self._site: tuple[Any, ...] = ()  # the last backward's call site (call_site)
+        # clears between two backward passes of this step at one call site: (owner, frames), one per pass
+        self._between: list[tuple[Any, list[Where]]] = []
 
     @property
     def after_backward(self) -> bool:
@@ -53,43 +69,63 @@ class GradClears:
     @property
     def noted(self) -> bool:
         """A zero_grad() was called after a backward and before this step."""
-        return bool(self._calls)
+        return bool(self._calls or self._between)
 
     def passed(self) -> None:
         """An optimizer step with nothing noted."""
         self._backward = False
 
-    def backward(self) -> None:
-        """After a backward: the clears before it were the usual ones."""
+    def backward(self, site: tuple[Any, ...] = ()) -> None:
+        """After a backward called from `site`: the clears before it were the usual ones, unless they
+        cleared the gradients of a backward at the same site (a micro-batch loop's)."""
         self._backward = True
         if self._calls:
+            self._between += [(owner, frames) for owner, frames, cleared in self._calls if site and cleared == site]
             self._calls.clear()
+        self._site = site
 
     def zero_grad(self, owner: Any, frames: list[Where]) -> None:
-        self._calls.append((owner, frames))
+        self._calls.append((owner, frames, self._site))
 
     def stepped(self, optimizer: Any, step_at: Where | None) -> Cleared | None:
-        """At `optimizer`'s step: the clear that left it no gradient, confirmed by its gradients; None
-        on the usual step (no call noted: nothing read)."""
+        """At `optimizer`'s step: the clear that left it no gradient, confirmed by its gradients, or the
+        clears that left it the last micro-batch's; None on the usual step (no call noted: nothing read)."""
         calls, self._calls, self._backward = self._calls, [], False
-        if not calls:
+        between, self._between = self._between, []
+        if not calls and not between:
             return None
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         mine = {id(p) for p in params}
-        owner, frames = next(
-            ((o, f) for o, f in calls if o is optimizer or (isinstance(o, nn.Module) and _holds(o, mine))),
-            (None, []),
-        )
-        if owner is None or not params:
-            return None
+
+        def clears_mine(o: Any) -> bool:
+            return o is optimizer or (isinstance(o, nn.Module) and _holds(o, mine))
+
+        discarded = [(o, f) for o, f in between if clears_mine(o)]
+        owner, frames = next(((o, f) for o, f, _ in calls if clears_mine(o)), (None, []))
         grads = [p.grad for p in params if p.grad is not None]
-        if grads and any(bool(g.detach().ne(0).any()) for g in grads):
-            return None  # a backward after it, or a clear of parameters the step does not take
+        if owner is not None and params and grads and any(bool(g.detach().ne(0).any()) for g in grads):
+            owner = None  # a backward after it, or a clear of parameters the step does not take
+        if owner is None and discarded and grads:
+            owner, frames = discarded[0]  # the step got the last micro-batch's gradients alone
+        elif owner is None or not params:
+            return None
+        else:
+            discarded = []
         kind = "optimizer" if owner is optimizer else "module"
         where = frames[0] if frames else None
         # a zero_grad() inside a helper: the helper's call in the function that steps is the line to move
         via = next((f for f in frames[1:] if step_at is not None and f[0] == step_at[0] and f[2] == step_at[2]), None)
-        return Cleared(where, kind, not grads, len(params), step_at, via)
+        return Cleared(where, kind, not grads, len(params), step_at, via, discarded=len(discarded))
+
+
+def call_site(frame: FrameType | None) -> tuple[Any, ...]:
+    """A backward's call site: (code, line) of the frames that called it, SITE_DEPTH deep. Equal for two
+    passes of one statement in a loop, whoever's code (a framework's backward(loss)) runs in between."""
+    site: list[tuple[Any, int]] = []
+    while frame is not None and len(site) < SITE_DEPTH:
+        site.append((frame.f_code, frame.f_lineno))
+        frame = frame.f_back
+    return tuple(site)
 
 
 def _holds(module: nn.Module, ids: set[int]) -> bool:

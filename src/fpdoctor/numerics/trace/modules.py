@@ -60,6 +60,9 @@ class ModuleTracker:
         self.this_thread = ThisThread()
         self.calls: Counter[str] = Counter()
         self.optimizer_steps = 0
+        # the optimizers that stepped, by id: their state (Adam's moments) outlives the step, a sink as a
+        # weight is. Held until the trace reads their state at its end (a script's are gone by then).
+        self.optimizers: dict[int, torch.optim.Optimizer] = {}
         self.on_output = on_output
         # told of each module call, with its positional arguments (which batch the step reads)
         self.on_call: Callable[[nn.Module, Any], None] | None = None
@@ -131,9 +134,10 @@ class ModuleTracker:
                     self.on_output(name, top[1], output, top[2])
                 return
 
-    def _opt_pre(self, *args: Any) -> None:
+    def _opt_pre(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         self.this_thread.in_optimizer += 1
         self.optimizer_steps += 1
+        self.optimizers[id(optimizer)] = optimizer
 
     def _opt_post(self, *args: Any) -> None:
         state = self.this_thread

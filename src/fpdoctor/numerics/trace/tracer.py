@@ -1294,6 +1294,20 @@ class Tracer(EagerDispatchMode):
         except Exception as exc:  # runs inside autograd's engine: never raise there
             self._error("gradient sinks", exc)
 
+    def _state_sinks(self) -> None:
+        """Each optimizer's state as the trace ends: a moment that holds Inf or NaN holds it for every
+        later step (Adam's update divides by the root of an Inf second moment: that weight no longer
+        moves), so the value that went into it was not masked, however finite the weights stayed."""
+        names = self.tracker.param_names
+        optimizers, self.tracker.optimizers = self.tracker.optimizers, {}  # read once: held no longer
+        for optimizer in optimizers.values():
+            for param, state in list(optimizer.state.items()):
+                name = names.own(param) if isinstance(param, torch.Tensor) else None
+                for key, value in list(state.items()) if isinstance(state, dict) else ():
+                    src = self._lookup(value) if isinstance(value, torch.Tensor) else None
+                    if src is not None and src[0] == "op":
+                        self._sink(src[1], f"optimizer state {key} of {name or 'a parameter'}")
+
     def has_read(self, t: torch.Tensor) -> bool:
         """An op of this trace has read `t`, a view of it, or a value-preserving copy made of it
         (which shares its source): its source is a leaf (made at first use) or an op's output
@@ -1332,6 +1346,7 @@ class Tracer(EagerDispatchMode):
         self.flush()
         self._window.clear()  # experiments ran at the producers: the arguments go back to the user
         self._gradient_sinks()
+        self._state_sinks()
         for record in self.records:
             tainted = ("op", record.index) in self._tainted
             if not (record.kind or tainted):

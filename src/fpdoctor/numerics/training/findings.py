@@ -17,7 +17,7 @@ from fpdoctor import catalog
 from fpdoctor.numerics.observe.adaptive_eps import LargeEps
 from fpdoctor.numerics.observe.amp import ScaleWatch
 from fpdoctor.numerics.observe.autocast_cache import Stale
-from fpdoctor.numerics.observe.grad_clears import Cleared
+from fpdoctor.numerics.observe.grad_clears import Cleared, Where
 from fpdoctor.numerics.observe.lr_schedule import Outrun, Schedule
 from fpdoctor.numerics.observe.scaler_rebuilt import Scalers
 from fpdoctor.numerics.observe.ungraded import written
@@ -756,6 +756,8 @@ def cleared_finding(step: int, cleared: Cleared, *, here: dict[str, Any]) -> Fin
             "find what clears the gradients between loss.backward() and optimizer.step() (a zero_grad(), a "
             "`p.grad = None` or `p.grad.zero_()` loop) and move it to just after optimizer.step()"
         )
+    if cleared.discarded:
+        return _discarded_finding(step, cleared, what=f"{what}{at}{inside}", after=after, here=here)
     return catalog.make(
         "gradients-cleared",
         message=(
@@ -778,6 +780,73 @@ def cleared_finding(step: int, cleared: Cleared, *, here: dict[str, Any]) -> Fin
         trial=Trial.untried(
             "the order of the script's calls is the evidence, with the gradients at the step (all "
             f"{held}): moving a line of the script is the fix, and only the script can run it"
+        ),
+    )
+
+
+def _discarded_finding(step: int, cleared: Cleared, *, what: str, after: str, here: dict[str, Any]) -> Finding:
+    """TRN022 for a clear inside the micro-batch loop: the step took the last micro-batch's gradients."""
+    where, kept = cleared.where, cleared.discarded + 1
+    line = f"line {where[1]} of {where[0]}" if where else "the zero_grad() call"
+    return catalog.make(
+        "gradients-cleared",
+        message=(
+            f"Step {step}: {what} ran between the step's backward passes, each made by the same statement (a "
+            f"micro-batch loop), and cleared the gradients of {cleared.discarded} of its {kept} backward passes "
+            f"before the optimizer's step{after} read them: the step took the gradient of the last micro-batch "
+            f"alone, 1/{kept} of the batch it was meant to average (a noisier gradient, {kept}x fewer samples "
+            "learned from)."
+        ),
+        where={"module": None, "op": None, "phase": "optimizer", "step": step, **here},
+        evidence={
+            "step": step,
+            "location": f"{where[0]}:{where[1]}" if where else None,
+            **({"step_location": f"{cleared.step_at[0]}:{cleared.step_at[1]}"} if cleared.step_at else {}),
+            "zero_grad_of": cleared.owner,
+            "backward_passes": kept,
+            "cleared_before_the_step": cleared.discarded,
+        },
+        fix=(
+            f"move {line} out of the micro-batch loop: call it once per optimizer step, just after the "
+            "step (gradients then add up over the micro-batches; divide each micro-batch's loss by their number, "
+            f"{kept}, for their mean)"
+        ),
+        trial=Trial.untried(
+            "the order of the script's calls is the evidence (the same backward statement ran again after the "
+            "gradients were cleared, before any step): moving a line of the script is the fix, and only the "
+            "script can run it"
+        ),
+    )
+
+
+def unscaled_backward_finding(
+    step: int, backward_at: Where | None, scale_at: Where | None, scale: float, *, here: dict[str, Any]
+) -> Finding:
+    """TRN035: the backward ran on the loss scaler.scale() was given; scaler.step() unscaled it anyway."""
+    line = f"line {backward_at[1]} of {backward_at[0]}" if backward_at else "the backward"
+    made = f" at line {scale_at[1]}" if scale_at else ""
+    return catalog.make(
+        "loss-not-scaled",
+        message=(
+            f"Step {step}: the backward at {line} ran on the loss that scaler.scale(){made} was given, not on "
+            f"the scaled loss it returned: the gradients were never multiplied by the loss scale ({scale:g}), and "
+            f"scaler.step() divided them by it before the optimizer's step. Every update is 1/{scale:g} of the "
+            "one meant: the loss barely moves, and nothing is NaN or skipped."
+        ),
+        where={"module": None, "op": None, "phase": "backward", "step": step, **here},
+        evidence={
+            "step": step,
+            "location": f"{backward_at[0]}:{backward_at[1]}" if backward_at else None,
+            **({"scale_location": f"{scale_at[0]}:{scale_at[1]}"} if scale_at else {}),
+            "scale": scale,
+        },
+        fix=(
+            f"call .backward() on what scaler.scale() returns, at {line}: `scaler.scale(loss).backward()` "
+            "(or `scaled = scaler.scale(loss)` then `scaled.backward()`)"
+        ),
+        trial=Trial.untried(
+            "the tensor the backward ran on is the evidence (the one scaler.scale() was handed, not its result): "
+            "changing a line of the script is the fix, and only the script can run it"
         ),
     )
 

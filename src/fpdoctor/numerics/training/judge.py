@@ -41,7 +41,7 @@ from torch import nn
 from fpdoctor.numerics.compiled import step as compiled
 from fpdoctor.numerics.observe import amp, dynamo
 from fpdoctor.numerics.observe.batches import MicroBatch
-from fpdoctor.numerics.observe.grad_clears import Cleared
+from fpdoctor.numerics.observe.grad_clears import Cleared, Where
 from fpdoctor.numerics.observe.gradcheck import bad_parameters, kind_of, tensor_kind
 from fpdoctor.numerics.observe.scaler_order import Mixed
 from fpdoctor.numerics.training import (
@@ -1213,6 +1213,12 @@ class StepJudge:
         finding, counted over the steps it happens on."""
         if cleared is not None:
             self.causes.add(findings.cleared_finding(step, cleared, here=self.here))
+
+    def unscaled_backward(self, step: int, backward_at: Where | None, scale_at: Where | None, *, scaler: Any) -> None:
+        """watch: this step's backward ran on the loss scaler.scale() was given, not on what it returned,
+        and the scaler stepped: one finding, counted over the steps it happens on."""
+        scale = float(amp.scale_tensor(scaler, torch.device("cpu")))  # host read: this step only
+        self.causes.add(findings.unscaled_backward_finding(step, backward_at, scale_at, scale, here=self.here))
 
     def mixed_step_said(self, step: int, *, measured: unscaled_twice.Measured | None = None, why_not: str) -> None:
         """The finding of the step `mixed_step` noted, once: measured, or with why the reference step
