@@ -110,7 +110,7 @@ def test_plan_leads_with_the_states_and_its_plan_holds_at_the_longest_input(case
     assert states == [line_of(loc) for loc in compared["findings"][0]["evidence"]["state_locations"]]
     assert states == [("run.py", 31), ("run.py", 32)]
     plan = planned["data"]["plan"]
-    assert plan["verified"] and "result.plan.to_code()" in first["fix"], first["fix"]
+    assert plan["verified"] and "paste the plan's code" in first["fix"], first["fix"]
     trial = first["fix_trial"]
     assert trial["status"] == "checked" and trial["after"] < trial["before"] / 10, trial
     # every attention block holds the two states: the plan keeps them all, and nothing else

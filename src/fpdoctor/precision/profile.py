@@ -911,11 +911,22 @@ def causes(
                     "after the ops that consume it (e.g. the softmax); or scale its operands down before it"
                 )
         tensors = within(misfit, row.module)
+        if row.out_of_range and overflow is None:
+            # what it returns is past the format's max in fp64 already: no precision of its own ops, and no
+            # tensor of its that fits, makes its output fit; what reads the output must stay wide too
+            fixes.append(
+                f"keep `{row.module}` and what reads its output in fp32: its exact output passes {candidate}'s max, "
+                f"so cast back to {candidate} it overflows again (`fpdoctor plan` finds the fewest such modules "
+                "and verifies them)"
+            )
         if tensors:
             listed = "; ".join(describe_misfit(e) for e in tensors[:3])
-            message += f" Its {listed}: that alone breaks it in {candidate}."
             evidence["misfits"] = tensors[:10]
-            fixes.append(f"keep `{row.module}` in fp32, where its tensors fit (`fpdoctor plan` keeps it)")
+            if row.out_of_range:  # not what breaks it: its output does not fit, whatever they hold
+                message += f" Its {listed}, beside that."
+            else:
+                message += f" Its {listed}: that alone breaks it in {candidate}."
+                fixes.append(f"keep `{row.module}` in fp32, where its tensors fit (`fpdoctor plan` keeps it)")
         if message:
             if candidate in ("fp16", "fp16-accumulate"):
                 bf16 = "bf16, which has fp32's range"

@@ -151,8 +151,10 @@ class _Set:
         rows = self.compared.rows
         if m.decisions and self.rounded is not None:
             out_floor = m.value(self.rounded)
-            if self.coarse_output:  # the format is the limit: the target is for logits kept wider, over what
-                # rounding their features and the inputs costs (16x a floor of 20% flips would let every row flip)
+            # the format is the limit: the target is for logits kept wider, over what rounding their features and
+            # the inputs costs (16x a floor of 20% flips would let every row flip); so where the exact logits pass
+            # the format's max (rounded, they are Inf, and 256x that floor no target at all)
+            if self.coarse_output or not math.isfinite(out_floor):
                 out_floor = self.wider_floor(m)
         else:  # the output's noise floor: compare's figure for rounding it to the candidate
             out_floor = next((r.floor for r in reversed(rows) if r.module == ""), rows[-1].floor)
@@ -245,6 +247,11 @@ def _measured(
     if mode is not None and ends is not None:
         ends.update({k: v for k, v in mode.ends.items() if v is not None})
     return measure(output, truth, logits)
+
+
+def _end_to_end(s: _Set) -> float:
+    """The candidate's end-to-end error on the set as compare measured it (its root row's)."""
+    return next((r.propagated for r in s.compared.rows if r.module == ""), 0.0)
 
 
 def plan(
@@ -350,8 +357,14 @@ def _plan(
         )
     # the default: KL where compare finds the logits' decisions changed far beyond rounding's floor (the
     # relative error misses them there); the relative error elsewhere, where the two agree, and where the
-    # structural test for logits cannot tell them from a regression head of the same shape
-    changed = logits and tolerance is None and any(s.compared.report.by_name("decisions-changed") for s in judged)
+    # structural test for logits cannot tell them from a regression head of the same shape. Logits the candidate
+    # makes non-finite changed their decisions too (compare leaves those to its non-finite findings): their
+    # relative error is no measure, and the sets that make them finite are told apart by their KL.
+    changed = (
+        logits
+        and tolerance is None
+        and any(s.compared.report.by_name("decisions-changed") or not math.isfinite(_end_to_end(s)) for s in judged)
+    )
     # an fp8 candidate returns its logits in fp32: their KL floor is ~0, and 256x it no target;
     # compare's decisions rule (top1), with its floor of one row, is
     default = ("top1" if fp8_format(candidate) is not None else "kl") if changed else "rel"

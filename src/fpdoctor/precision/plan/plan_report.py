@@ -32,7 +32,11 @@ _NO_PLAN = (
     "named is not tried"
 )
 _LAST_RESORT = "run the model in fp32, or in bf16 if fp16's range is the cause"
-_APPLY = "apply the plan: fpdoctor.apply_plan(model, result.plan), or paste its code (result.plan.to_code())"
+# the command prints the plan's code after the report; the Python API returns it on the result
+_APPLY = (
+    "apply the plan: paste the plan's code (printed after this report by `fpdoctor plan`; data.plan.code in "
+    "JSON) after the model is built, or in Python fpdoctor.apply_plan(model, result.plan)"
+)
 _RANGE_LIMITED = tuple(name for name, p in PRECISIONS.items() if p.storage == "fp16")  # fp16's max is 65504
 
 
@@ -267,7 +271,7 @@ def _target_text(the_plan: Plan, search: Search) -> str:
     what = "the tolerance asked for" if search.tolerance_asked is not None else _FLOOR_TEXT[m.name]
     if m.name == "kl" and search.tolerance_asked is None and the_plan.tolerance <= KL_MIN:
         # 256x a floor of ~1e-14 (fp32 logits from an fp8 candidate) is no target: the least one chased is said
-        what = f"the least KL a plan chases ({KL_MIN:g} nats: 256x the KL of the exact output rounded is below it)"
+        what = f"the least KL a plan chases ({KL_MIN:g} nats: 256x its floor is below it)"
     if search.tolerance_asked is None and search.coarse_output:  # plan.py _Set.coarse_output
         what = (
             f"rounding the exact output to {the_plan.candidate} alone changes the decisions (output-too-coarse), so "
