@@ -303,3 +303,32 @@ def test_a_zero_grad_inside_the_micro_batch_loop_is_named_and_the_fix_as_printed
 def test_a_backward_for_an_inputs_gradient_cleared_before_the_real_one_is_not_named(tmp_path):
     report = _watch(tmp_path, ADVERSARIAL)
     assert not [f for f in report["findings"] if f["name"] == "gradients-cleared"], report["findings"]
+
+
+# per-sample gradient norms measured in a loop of their own (cleared after each), then the batch's loss,
+# another statement, is the backward the step takes
+PER_SAMPLE = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+x = torch.randn(2048, 16)
+y = (x[:, :3].sum(1) > 0).long()
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+for step in range(40):
+    idx = torch.randint(0, 2048, (64,))
+    norms = []
+    for i in idx[:4]:
+        F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
+        norms.append(float(sum(p.grad.norm() for p in model.parameters())))
+        opt.zero_grad()
+    F.cross_entropy(model(x[idx]), y[idx]).backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_per_sample_gradients_cleared_in_a_loop_of_their_own_are_not_named(tmp_path):
+    report = _watch(tmp_path, PER_SAMPLE)
+    assert not [f for f in report["findings"] if f["name"] == "gradients-cleared"], report["findings"]

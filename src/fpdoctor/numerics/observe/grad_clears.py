@@ -58,8 +58,8 @@ class GradClears:
         # the backward whose gradients it cleared)
         self._calls: list[tuple[Any, list[Where], tuple[Any, ...]]] = []
         self._site: tuple[Any, ...] = ()  # the last backward's call site (call_site)
-        # clears between two backward passes of this step at one call site: (owner, frames), one per pass
-        self._between: list[tuple[Any, list[Where]]] = []
+        # clears between two backward passes of this step at one call site: (owner, frames, site), one per pass
+        self._between: list[tuple[Any, list[Where], tuple[Any, ...]]] = []
 
     @property
     def after_backward(self) -> bool:
@@ -80,7 +80,7 @@ class GradClears:
         cleared the gradients of a backward at the same site (a micro-batch loop's)."""
         self._backward = True
         if self._calls:
-            self._between += [(owner, frames) for owner, frames, cleared in self._calls if site and cleared == site]
+            self._between += [(o, frames, site) for o, frames, cleared in self._calls if site and cleared == site]
             self._calls.clear()
         self._site = site
 
@@ -100,7 +100,9 @@ class GradClears:
         def clears_mine(o: Any) -> bool:
             return o is optimizer or (isinstance(o, nn.Module) and _holds(o, mine))
 
-        discarded = [(o, f) for o, f in between if clears_mine(o)]
+        # passes of the statement whose backward the step takes (per-sample gradients cleared in a loop of
+        # their own, before another backward that the step takes, are no micro-batches of it)
+        discarded = [(o, f) for o, f, site in between if clears_mine(o) and site == self._site]
         owner, frames = next(((o, f) for o, f, _ in calls if clears_mine(o)), (None, []))
         grads = [p.grad for p in params if p.grad is not None]
         if owner is not None and params and grads and any(bool(g.detach().ne(0).any()) for g in grads):
