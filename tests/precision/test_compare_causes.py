@@ -148,3 +148,31 @@ def test_audit_names_a_tensor_that_would_break_when_cast_and_one_already_broken(
     assert finding.where["module"] == "0" and finding.severity.value == "error"
     assert "buffer 0.running_var (torch.float16) holds 16 Inf of 16" in finding.message
     assert "fp16's max is 65504" in finding.message
+
+
+class LogPrice(nn.Module):
+    """A regressor of log-prices whose forward returns the price: exp of values near 11 passes fp16's max."""
+
+    def __init__(self, exp_in_fp32: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.reg = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1))
+        with torch.no_grad():
+            self.reg[2].bias.fill_(11.0)
+        self.exp_in_fp32 = exp_in_fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exp_in_fp32:  # the fix as printed: operands .float(), no cast back
+            return torch.exp(self.reg(x).float())
+        return torch.exp(self.reg(x))
+
+
+def test_an_own_op_past_the_range_is_not_fixed_by_a_cast_back():
+    """Was "lose precision ... the result cast back", which is Inf again; applied as printed now, finite."""
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    first = fpdoctor.compare(LogPrice(), x, candidate="fp16").report.findings[0]
+    assert first.name == "precision-divergence" and "past fp16's range" in first.title, first.title
+    assert "no cast back" in first.fix and "the result cast back" not in first.fix, first.fix
+    with torch.no_grad():
+        assert not torch.isfinite(LogPrice().half()(x.half())).all()
+        assert torch.isfinite(LogPrice(exp_in_fp32=True).half()(x.half())).all()

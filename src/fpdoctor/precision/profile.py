@@ -466,12 +466,36 @@ def _root_finding(
             trial=cause["trial"],
         )
         return finding, f"no submodule: the whole model's own {own}, from the values it reads"
+    past = root.out_of_range and candidate not in ("fp32", "tf32")  # the exact output passes the format's max
+    if past:
+        at_op = f" ({own} at {at.strip(' ()')})" if own and at else f" ({own})" if own else ""
+        fix = (
+            f"compute the model's own ops that make its output{at_op} in fp32 and return their result in fp32: its "
+            f"exact values pass {candidate}'s max, so cast back to {candidate} they are Inf again (their operands "
+            ".float(), no cast back; what reads the model's output then takes fp32); or move them into a submodule, "
+            "which `fpdoctor plan` can keep in fp32 with its output left in fp32"
+        )
+    elif candidate not in ("fp32", "tf32"):
+        fix = (
+            "the whole model is not a keep-in-fp32 candidate: move the ops of its forward that lose precision into a "
+            "submodule (then `fpdoctor plan` can keep that in fp32), or compute them in fp32 explicitly (their "
+            "operands .float(), the result cast back)"
+        )
+    else:
+        fix = (
+            "rewrite the ops of its forward that lose precision in a stable form (a difference of two close large "
+            "values computed directly, not as the difference of their expansions), or compute them in fp64 (their "
+            "operands .double(), the result cast back)"
+        )
     finding = catalog.make(
         "precision-divergence",
-        title=f"The whole model's own ops lose precision in {candidate}",
+        title=f"The whole model's own ops make values past {candidate}'s range"
+        if past
+        else f"The whole model's own ops lose precision in {candidate}",
         message=(
             f"In {label}, the whole model's own ops (its forward, outside any submodule) "
-            + (f"lose precision: the worst, {own}{at}, adds " if own else "add ")
+            + (f"make values past {candidate}'s max: " if past else "")
+            + (f"{'' if past else 'lose precision: '}the worst, {own}{at}, adds " if own else "add ")
             + f"an error of {_fmt(root.isolated)} ({against_floor(root.isolated, root.ratio, root.judged_floor)}); "
             "no submodule diverges by itself."
             + (f" Re-run whole on the fp64 inputs, its error is {_fmt(whole)}." if whole != root.isolated else "")
@@ -479,15 +503,7 @@ def _root_finding(
         ),
         where={"module": "", "op": own, "phase": "forward", "iteration": root.call},
         evidence={"kind": "divergence", **evidence, "diverged": ["<root>"]},
-        fix=(
-            "the whole model is not a keep-in-fp32 candidate: move the ops of its forward that lose precision into a "
-            "submodule (then `fpdoctor plan` can keep that in fp32), or compute them in fp32 explicitly (their "
-            "operands .float(), the result cast back)"
-            if candidate not in ("fp32", "tf32")
-            else "rewrite the ops of its forward that lose precision in a stable form (a difference of two close large "
-            "values computed directly, not as the difference of their expansions), or compute them in fp64 (their "
-            "operands .double(), the result cast back)"
-        ),
+        fix=fix,
         trial=Trial.untried(UNTRIED_BY_COMPARE),
     )
     return finding, "no submodule: the whole model's own ops (outside any submodule)"
