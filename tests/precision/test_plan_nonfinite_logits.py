@@ -46,3 +46,12 @@ def test_nan_logits_from_an_output_past_the_range_get_a_kl_plan_that_restores_th
     fixed = _collapsed()[0]
     exec(result.plan.to_code(), {"model": fixed})  # as printed
     assert _top1(plain, x.half(), exact) < 0.5 and _top1(fixed, x, exact) > 0.97
+
+
+def test_a_floor_below_the_inputs_own_rounding_is_not_called_ill_conditioned() -> None:
+    """Judged by the relative error, the tolerance (16x the noise floor of logits past fp16's max) is below
+    what rounding the inputs costs, 0.96x their own rounding: out of reach, yet no amplification."""
+    result = fpdoctor.plan(_collapsed()[0], _collapsed()[1], candidate="fp16", metric="rel")
+    floor = next(f for f in result.report.findings if f.evidence.get("kind") == "input-rounding")
+    assert floor.evidence["floor_rel"] < floor.evidence["input_rounding_rel"]
+    assert "ill-conditioned" not in floor.message and "off by about 0.0%" not in floor.message, floor.message

@@ -536,14 +536,19 @@ def _floor_finding(the_plan: Plan, search: Search) -> Finding:
         moves, off = f"leaves {m.show(floor)}", ""
     else:
         moves, off = f"moves the output by {_fmt(floor)}", f" For you: run in {cand}, this model's output is off by "
-        off += f"about {floor:.1%} whatever stays in fp32."
+        off += (
+            f"about {floor:.1%}" if floor >= 1e-3 else f"about {floor:.2g} of its size"
+        ) + " whatever stays in fp32."
     return catalog.make(
         "precision-divergence",
         severity=Severity.WARNING,
         title=f"Rounding the inputs to {cand} already costs more than the tolerance",
         message=(
             f"Rounding the inputs to {cand} alone {moves} (the {search.reference} model fed {cand}-rounded inputs, "
-            f"against fp64){amplified}: the model is ill-conditioned at {cand}. No keep-in-fp32 plan goes below that "
+            f"against fp64){amplified}"
+            # it amplifies the inputs' rounding, or the tolerance is tighter than what that rounding costs
+            + (f": the model is ill-conditioned at {cand}." if rounding and floor > rounding else ".")
+            + " No keep-in-fp32 plan goes below that "
             f"floor with {cand} inputs, so the tolerance {m.bound(tolerance)} is out of reach and the plan is judged "
             f"against {m.bound(target)} instead.{off}"
         ),
