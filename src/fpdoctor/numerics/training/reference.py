@@ -71,6 +71,7 @@ SCALED_SHRINK = 1024.0
 CLIP_FACTOR = 0.1
 CLIP_LIMIT = 0.05
 STALLED = 64.0  # every gradient the optimizer took this many times smaller than the reference's: an error
+SCALED = 256.0  # a loss scale from which a gradient 0 where the reference's is not is no underflow (fp16 subnormals)
 
 
 @dataclass(frozen=True)
@@ -662,13 +663,30 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
             "watch does not run your code between the backward and the step; `fpdoctor trace` runs it and checks "
             "the fix at the op"
         )
+    elif stage == "backward" and flushed and comparison.scale >= SCALED:
+        # the loss was scaled already: an underflow would want reference gradients below fp16's least subnormal
+        # over the scale; whole tensors exactly 0 come from the forward (an Inf that rsqrt or a division made 0,
+        # a saturated activation), which the reference step does not locate
+        message += (
+            f" The loss was scaled by {comparison.scale:g} already, so they are not gradients too small for the "
+            "format: the forward made the values they come from 0 (an overflow that rsqrt or a division turned "
+            "into 0, an activation saturated), and the backward carries those zeros."
+        )
+        fix = (
+            "Run `fpdoctor trace` on the script: it follows the forward op by op, names the op whose overflow or "
+            "saturation makes these gradients 0, and checks its fix (raising the loss scale does not help)"
+        )
+        trial = Trial.untried(
+            "the reference step shows which gradients are 0, not which op of the forward made them so; "
+            "`fpdoctor trace` runs the ops and checks the fix there"
+        )
     elif stage == "backward" and flushed:
         fix = (
             "The gradients flush to zero in the recipe's format: scale the loss (torch.amp.GradScaler) or raise "
             "the scale you use, or compute in bf16, whose range is fp32's"
         )
         trial = Trial.untried(
-            "the fix changes how step_fn scales the loss; the reference step shows the gradients it would keep"
+            "the fix changes how the step scales the loss; the reference step shows the gradients it would keep"
         )
     else:
         names = ", ".join(f"`{d.name}`" for d in departed[:3])
