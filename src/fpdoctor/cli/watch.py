@@ -181,13 +181,9 @@ def run(args: argparse.Namespace) -> int:
 
     import runpy
 
-    from fpdoctor.integrations.script import ScriptWatch
-    from fpdoctor.numerics.training.live import StopRun, stop_level
-
-    def notify(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
     from fpdoctor.integrations.entry_point import ENV_STOP_ON, ENV_SWITCH
+    from fpdoctor.integrations.script import ScriptWatch, stderr_line
+    from fpdoctor.numerics.training.live import StopRun, stop_level
 
     # a Lightning Trainer gets the fpdoctor callback (its loop steps the optimizer with a closure, so
     # the callback judges those steps); one the script passes itself wins, as always
@@ -204,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     watcher = ScriptWatch(
         replay=not args.no_replay,
         reference_every=args.reference_every,
-        notify=notify,
+        notify=stderr_line,
         device_skip=True if args.device_skip else None,
         stop_on=stop_level(args.stop_on),
     )

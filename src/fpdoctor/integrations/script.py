@@ -1345,7 +1345,7 @@ def watch(
     reference.check_every(reference_every)
     watcher = ScriptWatch(
         replay=replay,
-        notify=lambda line: print(line, file=sys.stderr, flush=True),
+        notify=stderr_line,
         device_skip=device_skip,
         reference_every=reference_every,
     )
@@ -1371,3 +1371,10 @@ def watch(
 
     atexit.register(at_exit)
     return watcher
+
+
+def stderr_line(line: str) -> None:
+    """`line` on stderr in one write with its newline: print() writes the end apart, and under torchrun
+    another rank's line could land between the two."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
