@@ -1097,7 +1097,7 @@ _POW_OVERFLOW = (
     "a power of a large base overflows (x ** 2 of values past 256 in fp16, raw audio or pixel units): a smaller base "
     "(standardise the input) or this op in fp32"
 )
-_NEGATIVE_POWER = re.compile(r"\*\*\s*\(?\s*-|pow\([^,]*,\s*-|pow\(\s*-|rsqrt|reciprocal")
+_NEGATIVE_POWER = re.compile(r"\*\*\s*\(?\s*-|pow\([^,]*,\s*-|pow\(\s*-")  # a negative exponent written on the line
 # Keyed by the exact overload packet name (`aten.<name>.<overload>`): `_log_softmax` is not `log`.
 OP_ADVICE: dict[str, str] = {
     "div": _DIV,
