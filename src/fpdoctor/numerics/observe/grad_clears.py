@@ -16,7 +16,9 @@ loop with `zero_grad()` inside it), leaves the step the last micro-batch's gradi
 backward's were cleared before any step read them. Told apart from a backward run for another
 purpose (an input's gradient for an adversarial example, cleared before the real loss's backward)
 by its call site: the frames that called the backward (code and line, a few deep), the same for
-the cleared and the kept pass. Each backward pays for reading those few frames.
+the cleared and the kept pass, and from a step the script skipped (its gradients cleared by the
+next iteration's zero_grad) by happening on STREAK steps in a row. Each backward pays for reading
+those few frames.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import nn
 
 # (file, line, function) of the user's call, as userframes.user_location gives it
 Where = tuple[str, int, str]
+STREAK = 2  # steps in a row whose earlier micro-batches' gradients were cleared before it is said
 SITE_DEPTH = 6  # frames read for a backward's call site: through a framework's backward(loss) to the user's line
 
 
@@ -60,6 +63,9 @@ class GradClears:
         self._site: tuple[Any, ...] = ()  # the last backward's call site (call_site)
         # clears between two backward passes of this step at one call site: (owner, frames, site), one per pass
         self._between: list[tuple[Any, list[Where], tuple[Any, ...]]] = []
+        # steps in a row that took such passes' last alone: a micro-batch loop's clear does it at every step;
+        # a step the script skipped (a spike guard) leaves its gradients to the next iteration's clear once
+        self._streak = 0
 
     @property
     def after_backward(self) -> bool:
@@ -74,6 +80,7 @@ class GradClears:
     def passed(self) -> None:
         """An optimizer step with nothing noted."""
         self._backward = False
+        self._streak = 0
 
     def backward(self, site: tuple[Any, ...] = ()) -> None:
         """After a backward called from `site`: the clears before it were the usual ones, unless they
@@ -103,6 +110,9 @@ class GradClears:
         # passes of the statement whose backward the step takes (per-sample gradients cleared in a loop of
         # their own, before another backward that the step takes, are no micro-batches of it)
         discarded = [(o, f) for o, f, site in between if clears_mine(o) and site == self._site]
+        self._streak = self._streak + 1 if discarded else 0
+        if self._streak < STREAK:
+            discarded = []
         owner, frames = next(((o, f) for o, f, _ in calls if clears_mine(o)), (None, []))
         grads = [p.grad for p in params if p.grad is not None]
         if owner is not None and params and grads and any(bool(g.detach().ne(0).any()) for g in grads):
