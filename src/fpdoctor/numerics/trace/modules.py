@@ -134,10 +134,33 @@ class ModuleTracker:
                     self.on_output(name, top[1], output, top[2])
                 return
 
-    def _opt_pre(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
+    def _opt_pre(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         self.this_thread.in_optimizer += 1
         self.optimizer_steps += 1
         self.optimizers[id(optimizer)] = optimizer
+        # a closure (LBFGS's; Lightning runs training_step in one) is the step's forward and backward, run
+        # inside step(): its ops are the forward's and the backward's, not the optimizer's update
+        given = "closure" in kwargs
+        closure = kwargs["closure"] if given else args[1] if len(args) > 1 else None
+        if not callable(closure):
+            return None
+        wrapped = self._outside_optimizer(closure)
+        return (args, {**kwargs, "closure": wrapped}) if given else ((args[0], wrapped, *args[2:]), kwargs)
+
+    def _outside_optimizer(self, closure: Callable[..., Any]) -> Callable[..., Any]:
+        """`closure` run with this thread out of the optimizer's phase, which resumes after it."""
+        state = self.this_thread
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            depth, state.in_optimizer = state.in_optimizer, 0
+            try:
+                return closure(*args, **kwargs)
+            finally:
+                state.in_optimizer = depth
+
+        return run
 
     def _opt_post(self, *args: Any) -> None:
         state = self.this_thread
