@@ -7,6 +7,7 @@ model's error is at rounding's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -65,6 +66,10 @@ def test_plan_keeps_no_module_for_inputs_rounded_before_the_model_and_passes_the
     assert "before the cast" in summary["verified"] and not summary["verified"].startswith("yes")
     first = result.report.findings[0]
     assert first.evidence.get("inputs_as_given") and first.trial is not None and first.trial.tried
+    # the plan's code is no cast that reproduces the broken run, and applying it refuses to
+    assert result.plan.to_code().startswith("# no set of modules kept in fp32 is the fix"), result.plan.to_code()
+    with pytest.raises(ValueError, match="no set of modules kept in fp32 is the fix"):
+        fpdoctor.apply_plan(model, result.plan)
 
 
 class Altimeter(nn.Module):

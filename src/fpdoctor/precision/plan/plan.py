@@ -86,6 +86,9 @@ class Plan:
     closest: list[str] = field(default_factory=list)  # unverified: the set that came closest
     fp32_ops: list[OpFix] = field(default_factory=list)  # ops (and what consumes them) computed in fp32
     metric: str = "rel"  # what final_error, tolerance, target and the floors measure (metric.py)
+    # no set of modules is the fix: the inputs' rounding is the floor's cause, and the report's finding
+    # carries the fix (checked there); what it is, as the report says it
+    instead: str | None = None
 
     @property
     def reachable(self) -> bool:
@@ -93,6 +96,11 @@ class Plan:
         return self.input_floor <= self.tolerance
 
     def to_code(self) -> str:
+        if self.instead is not None:  # the cast alone would be printed as the plan: it is the broken run
+            return (
+                f"# no set of modules kept in fp32 is the fix: {self.instead}\n"
+                "# apply the fix of the report's finding on the inputs' rounding (checked there)\n"
+            )
         if not self.verified:
             aim = _metric(self.metric).bound(self.target if self.target is not None else self.tolerance)
             return f"# no verified plan: nothing kept in fp32 brings {self.candidate} to {aim} (the report says why)\n"
@@ -712,6 +720,11 @@ def apply_plan(model: nn.Module, the_plan: Plan) -> nn.Module:
         raise ValueError(
             f"{the_plan.candidate} ran in fpdoctor's own fp8 layers; apply the plan in your fp8 recipe "
             "instead (Plan.to_code() shows a module filter)"
+        )
+    if the_plan.instead is not None:
+        raise ValueError(
+            f"no set of modules kept in fp32 is the fix ({the_plan.instead}): apply the fix of the plan report's "
+            "finding on the inputs' rounding, which was checked"
         )
     if not the_plan.verified:
         raise ValueError(

@@ -192,6 +192,7 @@ def build(the_plan: Plan, search: Search) -> Report:
             "changes that, its fix does"
         )
     if whole:  # the floor is the inputs' rounding: no set of modules is the fix
+        the_plan.instead = whole[0]
         summary.append(("keep in fp32", f"no module set is the fix: {whole[0]}"))
         summary.append(("verified", f"the finding's fix instead ({whole[1]}), checked"))
     elif the_plan.verified:
