@@ -5,6 +5,7 @@ own loading divides 0 by 0 names the index its __getitem__ read, and the guard i
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -64,11 +65,12 @@ def _assert_the_data_is_named(report: fpdoctor.Report) -> None:
     assert isinstance(first.trial.after, float) and first.trial.after < 1e6
 
 
-def test_a_reading_far_out_of_line_in_one_item_is_named_with_its_dataset_item():
+@pytest.mark.parametrize("width", [32, 16])  # 16: the batch's size too (W.t() has as many columns as rows)
+def test_a_reading_far_out_of_line_in_one_item_is_named_with_its_dataset_item(width):
     """A reading of 4e36 in one item: the first Linear's output overflows in that row only (addmm,
     its rows); fp64 would make it finite, so the precision experiment alone would print a wider format."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 1))
+    model = nn.Sequential(nn.Linear(12, width), nn.ReLU(), nn.Linear(width, 1))
     with torch.no_grad():
         model[0].weight.mul_(200.0)  # 4e36 * 200 passes float32's 3.4e38 in that row
     report = _train(Readings(4e36), model, nn.functional.mse_loss)

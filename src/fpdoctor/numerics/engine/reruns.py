@@ -1105,8 +1105,8 @@ def _without_outliers(step: Step) -> tuple[list[int], list[torch.Tensor]] | None
             continue
         rows, n = found[0], t.shape[0]
         keep = torch.tensor([i for i in range(n) if i not in rows], device=t.device)
-        # the other arguments cut along dim 0 where it is n, else along a matrix's dim 1; then, where
-        # the op refuses that (a hidden size equal to the batch's), each other matrix along dim 1 first
+        # the other arguments cut along dim 0 where it is n; then, where the op refuses that (a matmul's
+        # backward reads the batch as a transposed matrix's columns), each other matrix along dim 1 first
         for columns in (False, True):
             cut = [_rows_kept(v, n, keep, columns=columns and v is not t) for v in flat]
             args, kwargs = tree_unflatten(cut, spec)
@@ -1132,17 +1132,15 @@ def _element_of(step: Step, t: torch.Tensor) -> tuple[Any, Any]:
 
 
 def _rows_kept(v: Any, n: int, keep: torch.Tensor, *, columns: bool = False) -> Any:
-    """`v` with only rows `keep` of its `n` along dim 0, or along dim 1 of a matrix whose dim 0 is not
-    `n` or, with `columns`, whose dim 1 is (the transposed operand of a matmul's backward:
-    grad_output.t() @ input); anything else as is."""
+    """`v` with only rows `keep` of its `n` along dim 0; with `columns`, a matrix along dim 1 where that
+    is `n` (the transposed operand of a matmul's backward: grad_output.t() @ input), else along dim 0;
+    anything else as is (a weight's transpose in the forward's addmm is never cut)."""
     if not isinstance(v, torch.Tensor) or isinstance(v, torch.nn.Parameter) or v.dim() == 0:
         return v
     if columns and v.dim() == 2 and v.shape[1] == n:
         return v.detach().index_select(1, keep.to(v.device))
     if v.shape[0] == n:
         return v.detach().index_select(0, keep.to(v.device))
-    if v.dim() == 2 and v.shape[1] == n:
-        return v.detach().index_select(1, keep.to(v.device))
     return v
 
 
