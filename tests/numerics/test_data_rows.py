@@ -5,7 +5,6 @@ own loading divides 0 by 0 names the index its __getitem__ read, and the guard i
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -65,12 +64,11 @@ def _assert_the_data_is_named(report: fpdoctor.Report) -> None:
     assert isinstance(first.trial.after, float) and first.trial.after < 1e6
 
 
-@pytest.mark.parametrize("width", [32, 16])  # 16: the batch's size too (W.t() has as many columns as rows)
-def test_a_reading_far_out_of_line_in_one_item_is_named_with_its_dataset_item(width):
+def test_a_reading_far_out_of_line_in_one_item_is_named_with_its_dataset_item():
     """A reading of 4e36 in one item: the first Linear's output overflows in that row only (addmm,
     its rows); fp64 would make it finite, so the precision experiment alone would print a wider format."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, width), nn.ReLU(), nn.Linear(width, 1))
+    model = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 1))
     with torch.no_grad():
         model[0].weight.mul_(200.0)  # 4e36 * 200 passes float32's 3.4e38 in that row
     report = _train(Readings(4e36), model, nn.functional.mse_loss)
@@ -233,3 +231,21 @@ def test_an_optimizer_state_overflow_with_no_item_out_of_line_is_not_called_data
     assert first.name == "nonfinite-produced" and first.severity == "error", [f.name for f in t.report.findings]
     assert first.evidence["experiment"]["verdict"] != "data"
     assert any(r.startswith("optimizer state exp_avg_sq") for r in first.evidence["reaches"])
+
+
+def test_rows_out_of_line_are_the_data_through_a_linear_as_wide_as_the_batch():
+    """A batch of 16 given as it is, one row holding 1e38, a first Linear 16 wide: its weight's transpose
+    has as many columns as the batch has rows, and cutting those too made addmm fail, so the verdict fell
+    to the precision experiment ("compute it in fp64")."""
+    for width in (32, 16):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(12, width), nn.ReLU(), nn.Linear(width, 1))
+        with torch.no_grad():
+            model[0].weight.mul_(100.0)
+        x = torch.randn(16, 12)
+        x[5, 0] = 1e38
+        with fpdoctor.trace(model) as t:
+            model(x)
+        first = t.report.findings[0]
+        assert first.evidence["experiment"]["verdict"] == "data", (width, first.title)
+        assert "row 5 of the batch" in first.title and "fp64" not in first.fix

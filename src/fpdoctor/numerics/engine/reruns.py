@@ -1207,11 +1207,14 @@ def _gradient_outliers(target: Step, steps: dict[int, Step], symptom: frozenset[
 def _input_standing_out(steps: dict[int, Step]) -> tuple[torch.Tensor, tuple[list[int], float, float]] | None:
     """An input of the step whose rows along dim 0 stand out (loader.standing_out), and those rows: a
     tensor of the batch a DataLoader last handed out (dim 0 its items, whatever the model transposes),
-    or where no DataLoader made one, among the window's arguments a leaf of the trace that is not a
+    or where none of that batch's does, among the window's arguments a leaf of the trace that is not a
     parameter (a batch given as it is)."""
     batch = last_batch()
     if batch is not None:
-        return next(((t, found) for t in batch if (found := standing_out(t)) is not None), None)
+        found_in = next(((t, found) for t in batch if (found := standing_out(t)) is not None), None)
+        if found_in is not None:
+            return found_in
+        # none there: a batch given as it is, read after a loader's (an evaluation's) still alive
     seen: set[int] = set()
     for step in steps.values():
         for _, t, src in _aligned(step):
