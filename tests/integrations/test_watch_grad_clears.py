@@ -342,3 +342,82 @@ def test_per_sample_gradients_or_a_skipped_step_cleared_at_the_same_statement_ar
     for script in (PER_SAMPLE, SKIPPED_ONCE):
         report = _watch(tmp_path, script)
         assert not [f for f in report["findings"] if f["name"] == "gradients-cleared"], report["findings"]
+
+
+# PCGrad-style multi-task: one backward per task (the same statement, in a loop), each task's gradient kept
+# and cleared, then the combined gradient put on .grad and stepped
+PER_TASK = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+x = torch.randn(2048, 16)
+ys = [torch.tanh(x[:, k:k+3].sum(1, keepdim=True)) for k in range(3)]
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 3))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+params = list(model.parameters())
+for step in range(30):
+    idx = torch.randint(0, 2048, (64,))
+    out = model(x[idx])
+    task_grads = []
+    for t in range(3):
+        opt.zero_grad()
+        F.mse_loss(out[:, t:t+1], ys[t][idx]).backward(retain_graph=True)
+        task_grads.append([p.grad.clone() for p in params])
+    for i, p in enumerate(params):
+        p.grad = sum(g[i] for g in task_grads)
+    opt.step()
+"""
+
+# zero_grad() where the iteration begins; a spike guard skips every other step for a while
+SKIPPED_OFTEN = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+x = torch.randn(2048, 16)
+y = torch.tanh(x[:, :3].sum(1, keepdim=True))
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+for step in range(30):
+    opt.zero_grad()
+    idx = torch.randint(0, 2048, (64,))
+    F.mse_loss(model(x[idx]), y[idx]).backward()
+    if 10 <= step < 16 and step % 2 == 0:
+        continue
+    opt.step()
+"""
+
+# the discriminator's update has the micro-batch bug, the generator's step (another optimizer) is healthy
+GAN_MICRO_BATCHES = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+G = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+D = nn.Sequential(nn.Linear(2, 32), nn.ReLU(), nn.Linear(32, 1))
+opt_g = torch.optim.Adam(G.parameters(), lr=1e-3)
+opt_d = torch.optim.Adam(D.parameters(), lr=1e-3)
+bce = nn.BCEWithLogitsLoss()
+for step in range(30):
+    for k in range(4):
+        opt_d.zero_grad()
+        real = torch.randn(16, 2) * 0.5 + 2.0
+        fake = G(torch.randn(16, 8)).detach()
+        (bce(D(real), torch.ones(16, 1)) + bce(D(fake), torch.zeros(16, 1))).div(4).backward()
+    opt_d.step()
+    opt_g.zero_grad()
+    bce(D(G(torch.randn(64, 8))), torch.ones(64, 1)).backward()
+    opt_g.step()
+"""
+
+
+def test_gradients_combined_by_the_script_or_steps_a_guard_skips_often_are_no_micro_batches(tmp_path):
+    for script in (PER_TASK, SKIPPED_OFTEN):
+        report = _watch(tmp_path, script)
+        assert not [f for f in report["findings"] if f["name"] == "gradients-cleared"], report["findings"]
+
+
+def test_one_optimizers_micro_batch_clears_are_named_beside_a_healthy_other(tmp_path):
+    report = _watch(tmp_path, GAN_MICRO_BATCHES)
+    first = report["findings"][0]
+    assert first["name"] == "gradients-cleared" and first["evidence"]["backward_passes"] == 4, report["findings"]

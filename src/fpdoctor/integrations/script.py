@@ -543,6 +543,8 @@ class ScriptWatch:
         def scale(scaler: Any, outputs: Any) -> Any:
             result = original(scaler, outputs)
             if isinstance(outputs, torch.Tensor) and result is not outputs and amp.enabled(scaler):
+                if len(self._scale_given) >= 64:  # steps taken with a closure (Lightning's) never clear it
+                    self._scale_given.clear()
                 given = (weakref.ref(outputs), user_location(sys._getframe(1)))
                 self._guarded(lambda: self._scale_given.__setitem__(id(outputs), given), _ORDER)
             return result
@@ -832,7 +834,7 @@ class ScriptWatch:
             at = user_location(sys._getframe(1))
             self._guarded(lambda: judge.cleared_step(judge.steps, self._clears.stepped(optimizer, at)), _CLEARS)
         else:
-            self._clears.passed()
+            self._clears.passed(optimizer)
             if mine and run.params and not grads:
                 # a backward reached the model and left no gradient: code cleared them, where a statement between
                 # the backward and the step says so (an expert no token reached, a head whose task the batch

@@ -23,6 +23,7 @@ those few frames.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -33,6 +34,7 @@ from torch import nn
 # (file, line, function) of the user's call, as userframes.user_location gives it
 Where = tuple[str, int, str]
 STREAK = 2  # steps in a row whose earlier micro-batches' gradients were cleared before it is said
+HELD = 64  # such clears held at most until a step reads them
 SITE_DEPTH = 6  # frames read for a backward's call site: through a framework's backward(loss) to the user's line
 
 
@@ -61,11 +63,15 @@ class GradClears:
         # the backward whose gradients it cleared)
         self._calls: list[tuple[Any, list[Where], tuple[Any, ...]]] = []
         self._site: tuple[Any, ...] = ()  # the last backward's call site (call_site)
-        # clears between two backward passes of this step at one call site: (owner, frames, site), one per pass
+        # clears between two backward passes at one call site: (owner, frames, site), one per pass, at most
+        # HELD (a step taken with a closure, Lightning's, never reaches `stepped`)
         self._between: list[tuple[Any, list[Where], tuple[Any, ...]]] = []
-        # steps in a row that took such passes' last alone: a micro-batch loop's clear does it at every step;
-        # a step the script skipped (a spike guard) leaves its gradients to the next iteration's clear once
-        self._streak = 0
+        # each cleared owner's gradients as the last backward after such a clear left them, by parameter: a
+        # step that reads others (combined by the script: PCGrad, per-sample clipping) took no micro-batch alone
+        self._left: dict[int, dict[int, weakref.ref[torch.Tensor]]] = {}
+        # per optimizer: its steps in a row that took such passes' last alone, or -1 once one step did not (a
+        # micro-batch loop's clear does it at every step from the first; a spike guard's skip, after clean steps)
+        self._streak: dict[int, int] = {}
 
     @property
     def after_backward(self) -> bool:
@@ -77,17 +83,21 @@ class GradClears:
         """A zero_grad() was called after a backward and before this step."""
         return bool(self._calls or self._between)
 
-    def passed(self) -> None:
+    def passed(self, optimizer: Any = None) -> None:
         """An optimizer step with nothing noted."""
         self._backward = False
-        self._streak = 0
+        if optimizer is not None:
+            self._streak[id(optimizer)] = -1
 
     def backward(self, site: tuple[Any, ...] = ()) -> None:
         """After a backward called from `site`: the clears before it were the usual ones, unless they
         cleared the gradients of a backward at the same site (a micro-batch loop's)."""
         self._backward = True
         if self._calls:
-            self._between += [(o, frames, site) for o, frames, cleared in self._calls if site and cleared == site]
+            again = [(o, frames, site) for o, frames, cleared in self._calls if site and cleared == site]
+            self._between += again[: max(0, HELD - len(self._between))]
+            for owner, _, _ in again:  # the gradients this backward left, read at the step
+                self._left[id(owner)] = {id(p): weakref.ref(p.grad) for p in _params(owner) if p.grad is not None}
             self._calls.clear()
         self._site = site
 
@@ -98,8 +108,8 @@ class GradClears:
         """At `optimizer`'s step: the clear that left it no gradient, confirmed by its gradients, or the
         clears that left it the last micro-batch's; None on the usual step (no call noted: nothing read)."""
         calls, self._calls, self._backward = self._calls, [], False
-        between, self._between = self._between, []
-        if not calls and not between:
+        if not calls and not self._between:
+            self._streak[id(optimizer)] = -1
             return None
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         mine = {id(p) for p in params}
@@ -107,11 +117,16 @@ class GradClears:
         def clears_mine(o: Any) -> bool:
             return o is optimizer or (isinstance(o, nn.Module) and _holds(o, mine))
 
+        between = [e for e in self._between if clears_mine(e[0])]
+        self._between = [e for e in self._between if not clears_mine(e[0])]  # another optimizer's, for its step
         # passes of the statement whose backward the step takes (per-sample gradients cleared in a loop of
-        # their own, before another backward that the step takes, are no micro-batches of it)
-        discarded = [(o, f) for o, f, site in between if clears_mine(o) and site == self._site]
-        self._streak = self._streak + 1 if discarded else 0
-        if self._streak < STREAK:
+        # their own, before another backward that the step takes, are no micro-batches of it), whose gradients
+        # the step reads as that backward left them
+        discarded = [(o, f) for o, f, site in between if site == self._site and self._as_left(o, params)]
+        streak = self._streak.get(id(optimizer), 0)
+        streak = -1 if streak < 0 or not discarded else streak + 1  # -1: it took a whole step's once
+        self._streak[id(optimizer)] = streak
+        if streak < STREAK:
             discarded = []
         owner, frames = next(((o, f) for o, f, _ in calls if clears_mine(o)), (None, []))
         grads = [p.grad for p in params if p.grad is not None]
@@ -128,6 +143,20 @@ class GradClears:
         # a zero_grad() inside a helper: the helper's call in the function that steps is the line to move
         via = next((f for f in frames[1:] if step_at is not None and f[0] == step_at[0] and f[2] == step_at[2]), None)
         return Cleared(where, kind, not grads, len(params), step_at, via, discarded=len(discarded))
+
+    def _as_left(self, owner: Any, params: list[torch.Tensor]) -> bool:
+        """The step's gradients are those the last backward left after `owner`'s clear (the same tensors,
+        written in place at most: a clip), not others the script put there."""
+        left = self._left.get(id(owner))
+        if not left:
+            return False
+        return all(p.grad is None or ((ref := left.get(id(p))) is not None and ref() is p.grad) for p in params)
+
+
+def _params(owner: Any) -> list[torch.Tensor]:
+    if isinstance(owner, nn.Module):
+        return list(owner.parameters())
+    return [p for group in getattr(owner, "param_groups", ()) for p in group["params"]]
 
 
 def call_site(frame: FrameType | None) -> tuple[Any, ...]:
