@@ -267,6 +267,18 @@ def test_a_backward_of_the_loss_scale_was_given_is_named_and_the_fix_as_printed_
     assert first["evidence"]["location"].endswith(f"train.py:{line}") and first["evidence"]["scale"] == 65536
     assert first["evidence"]["occurrences"] == 40
     assert "`scaler.scale(loss).backward()`" in first["fix"]
+    assert first["severity"] == "error" and "Every update of SGD is 1/65536" in first["message"]
+    # under AdamW the factor divides out but near its eps: said so, a warning
+    adamw = NOT_SCALED.replace(
+        "torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)", "torch.optim.AdamW(model.parameters())"
+    )
+    path.write_text(adamw)
+    adaptive = report_of(tmp_path, "watch", "--", "python", str(path))["findings"][0]
+    assert adaptive["name"] == "loss-not-scaled" and adaptive["severity"] == "warning", adaptive
+    assert (
+        "AdamW divides by the gradients' running size" in adaptive["message"]
+        and "1/65536 of" not in adaptive["message"]
+    )
     # as printed
     path.write_text(NOT_SCALED.replace("    loss.backward()\n", "    scaler.scale(loss).backward()\n"))
     fixed = report_of(tmp_path, "watch", "--", "python", str(path))

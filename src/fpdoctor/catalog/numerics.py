@@ -738,9 +738,11 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         "one of them (the loss itself, not the scaled loss scale() returned) before a `scaler.step()` of that "
         "step is named with both lines.",
         why="`scaled = scaler.scale(loss); loss.backward()` gives gradients of the loss as it is, and "
-        "scaler.step() divides them by the loss scale (65536 at first) before the optimizer's step: every update "
-        "is 1/65536 of the one meant, the loss barely moves, and nothing is NaN or skipped. A reference step "
-        "of the same step agrees with the backward: the gradients are right until the scaler divides them.",
+        "scaler.step() divides them by the loss scale (65536 at first) before the optimizer's step: under SGD "
+        "every update is 1/65536 of the one meant and the loss barely moves, with no NaN; Adam's updates divide "
+        "the factor out except near its eps (a warning there), and the scale no longer protects fp16 gradients. "
+        "A reference step of the same step agrees with the backward: the gradients are right until the scaler "
+        "divides them.",
         fix="Call .backward() on what scaler.scale() returns: `scaler.scale(loss).backward()`.",
     ),
     RuleInfo(

@@ -820,18 +820,34 @@ def _discarded_finding(step: int, cleared: Cleared, *, what: str, after: str, he
 
 
 def unscaled_backward_finding(
-    step: int, backward_at: Where | None, scale_at: Where | None, scale: float, *, here: dict[str, Any]
+    step: int,
+    backward_at: Where | None,
+    scale_at: Where | None,
+    scale: float,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    here: dict[str, Any],
 ) -> Finding:
     """TRN035: the backward ran on the loss scaler.scale() was given; scaler.step() unscaled it anyway."""
     line = f"line {backward_at[1]} of {backward_at[0]}" if backward_at else "the backward"
     made = f" at line {scale_at[1]}" if scale_at else ""
+    eps = optimizer.defaults.get("eps") if optimizer is not None else None
+    name = type(optimizer).__name__ if optimizer is not None else "the optimizer"
+    if isinstance(eps, float):  # Adam and its kin divide by the gradients' running size: the factor cancels
+        cost = (
+            f"{name} divides by the gradients' running size, so its updates change little, except for gradients "
+            f"that, divided by {scale:g}, come near its eps ({eps:g}): those parameters barely move. And the scale "
+            "no longer keeps fp16 gradients from flushing to zero in the backward."
+        )
+    else:
+        cost = f"Every update of {name} is 1/{scale:g} of the one meant: the loss barely moves."
     return catalog.make(
         "loss-not-scaled",
+        severity=Severity.WARNING if isinstance(eps, float) else None,
         message=(
             f"Step {step}: the backward at {line} ran on the loss that scaler.scale(){made} was given, not on "
             f"the scaled loss it returned: the gradients were never multiplied by the loss scale ({scale:g}), and "
-            f"scaler.step() divided them by it before the optimizer's step. Every update is 1/{scale:g} of the "
-            "one meant: the loss barely moves, and nothing is NaN or skipped."
+            f"scaler.step() divided them by it before the optimizer's step. {cost}"
         ),
         where={"module": None, "op": None, "phase": "backward", "step": step, **here},
         evidence={

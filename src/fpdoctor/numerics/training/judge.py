@@ -1218,7 +1218,8 @@ class StepJudge:
         """watch: this step's backward ran on the loss scaler.scale() was given, not on what it returned,
         and the scaler stepped: one finding, counted over the steps it happens on."""
         scale = float(amp.scale_tensor(scaler, torch.device("cpu")))  # host read: this step only
-        self.causes.add(findings.unscaled_backward_finding(step, backward_at, scale_at, scale, here=self.here))
+        found = findings.unscaled_backward_finding(step, backward_at, scale_at, scale, self.optimizer, here=self.here)
+        self.causes.add(found)
 
     def mixed_step_said(self, step: int, *, measured: unscaled_twice.Measured | None = None, why_not: str) -> None:
         """The finding of the step `mixed_step` noted, once: measured, or with why the reference step
