@@ -56,3 +56,36 @@ def test_gradients_the_forward_zeroed_under_a_scaled_loss_send_to_trace_not_to_t
     assert names[0] == "nonfinite-zeroed" and traced["findings"][0]["where"]["op"].startswith("aten.pow"), names
     # x.pow(2) on a line that also holds rsqrt: a large base's advice, not a negative power's zero
     assert "node of degree 0" not in traced["findings"][0]["fix"], traced["findings"][0]["fix"]
+
+
+# a loss weighted 1e-9, fp16 autocast, the GradScaler at 65536: its gradients flush even scaled
+TOO_SMALL = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+x = torch.randn(2048, 64)
+y = torch.tanh(x[:, :3].sum(1, keepdim=True))
+model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(12):
+    idx = torch.randint(0, 2048, (256,))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.mse_loss(model(x[idx]).float(), y[idx]) * 1e-9
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+"""
+
+
+def test_gradients_too_small_even_scaled_keep_the_advice_to_raise_the_scale(tmp_path):
+    """The scaled reference gradients are below fp16's smallest normal: an underflow, and a larger scale
+    is its fix (init_scale=2**40 makes the run OK)."""
+    path = tmp_path / "train.py"
+    path.write_text(TOO_SMALL)
+    first = report_of(tmp_path, "watch", "--", "python", str(path))["findings"][0]
+    assert first["name"] == "gradients-depart-from-reference" and "raise the scale" in first["fix"], first["fix"]
+    path.write_text(TOO_SMALL.replace('GradScaler("cpu")', 'GradScaler("cpu", init_scale=2.0**40)'))
+    assert report_of(tmp_path, "watch", "--", "python", str(path))["verdict"] == "ok"

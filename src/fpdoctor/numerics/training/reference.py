@@ -71,7 +71,8 @@ SCALED_SHRINK = 1024.0
 CLIP_FACTOR = 0.1
 CLIP_LIMIT = 0.05
 STALLED = 64.0  # every gradient the optimizer took this many times smaller than the reference's: an error
-SCALED = 256.0  # a loss scale from which a gradient 0 where the reference's is not is no underflow (fp16 subnormals)
+FP16_TINY = 2.0**-14  # fp16's smallest normal value
+SPARE = 1024.0  # a scaled reference gradient this far above it flushes to 0 by no rounding of its own
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class Departure:
     # an update's norm over its weight's, the user's and the reference's (the update stages only)
     to_weight: float | None = None
     ref_to_weight: float | None = None
+    ref_absmax: float | None = None  # the reference's largest |gradient| (the gradient stages)
 
     def departs(self) -> bool:
         return not (1.0 / RATIO <= self.ratio <= RATIO) or self.cosine < COSINE
@@ -252,6 +254,16 @@ def _up(value: Any) -> Any:
     return torch.float32 if value is torch.float16 or value is torch.bfloat16 else value
 
 
+def _scaled_large(flushed: list[Departure], scale: float) -> Departure | None:
+    """The gradient made 0 whose reference, scaled by `scale`, is largest, where that is SPARE times fp16's
+    smallest normal or more (no underflow makes it 0); None otherwise, or where none was made 0."""
+    sized = [d for d in flushed if d.zeros >= 1.0 and d.ref_absmax is not None]
+    large = max(sized, key=lambda d: d.ref_absmax or 0.0, default=None)
+    if large is None or (large.ref_absmax or 0.0) * scale < SPARE * FP16_TINY:
+        return None
+    return large
+
+
 def _row(name: str, stage: str, got: torch.Tensor, ref: torch.Tensor) -> Departure | None:
     ref_norm = float(ref.norm())
     if not math.isfinite(ref_norm) or ref_norm < TINY or got.shape != ref.shape:
@@ -263,7 +275,7 @@ def _row(name: str, stage: str, got: torch.Tensor, ref: torch.Tensor) -> Departu
     cosine = float((got.double() * ref.double()).sum()) / (got_norm * ref_norm) if got_norm > 0 else 0.0
     live = ref != 0
     zeros = float(((got == 0) & live).sum()) / max(int(live.sum()), 1)
-    return Departure(name, stage, got_norm / ref_norm, cosine, zeros)
+    return Departure(name, stage, got_norm / ref_norm, cosine, zeros, ref_absmax=float(ref.abs().max()))
 
 
 def compare_step(
@@ -663,14 +675,17 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
             "watch does not run your code between the backward and the step; `fpdoctor trace` runs it and checks "
             "the fix at the op"
         )
-    elif stage == "backward" and flushed and comparison.scale >= SCALED:
-        # the loss was scaled already: an underflow would want reference gradients below fp16's least subnormal
-        # over the scale; whole tensors exactly 0 come from the forward (an Inf that rsqrt or a division made 0,
-        # a saturated activation), which the reference step does not locate
+    elif stage == "backward" and (large := _scaled_large(flushed, comparison.scale)) is not None:
+        # a whole gradient 0 whose reference, scaled as the step scaled it, is a normal fp16 number with 10 bits
+        # to spare: no underflow of its own makes it 0; the forward made the values it is made of 0 (an Inf that
+        # rsqrt or a division made 0, a saturated activation), which the reference step does not locate
+        reach = (large.ref_absmax or 0.0) * comparison.scale
         message += (
-            f" The loss was scaled by {comparison.scale:g} already, so they are not gradients too small for the "
-            "format: the forward made the values they come from 0 (an overflow that rsqrt or a division turned "
-            "into 0, an activation saturated), and the backward carries those zeros."
+            f" They are not too small for the format: `{large.name}`'s reference gradient, scaled by "
+            f"{comparison.scale:g} as the step scaled it, reaches {reach:.3g}, far above "
+            f"fp16's smallest normal value ({FP16_TINY:.2g}). The forward made the values they come from 0 (an "
+            "overflow that rsqrt or a division turned into 0, an activation saturated), and the backward carries "
+            "those zeros."
         )
         fix = (
             "Run `fpdoctor trace` on the script: it follows the forward op by op, names the op whose overflow or "
