@@ -1119,6 +1119,16 @@ def _without_outliers(step: Step) -> tuple[list[int], list[torch.Tensor]] | None
     return None
 
 
+def _update_on(step: Step, gradient: torch.Tensor, grad: torch.Tensor, written: set[int]) -> list[torch.Tensor]:
+    """An optimizer's op re-run on `grad` in the place of `gradient` (a foreach op on its element alone),
+    what it writes over taken as 0; its outputs, or what it wrote where it returns nothing (foreach)."""
+    given, spec = tree_flatten(_element_of(step, gradient))
+    flat = [torch.zeros_like(v) if id(v) in written else grad if v is gradient else v for v in given]
+    args, kwargs = tree_unflatten(flat, spec)
+    outs = _outputs(step.func(*args, **kwargs))
+    return outs or [v for v, old in zip(flat, given, strict=True) if id(old) in written]
+
+
 def _element_of(step: Step, t: torch.Tensor) -> tuple[Any, Any]:
     """The op's (args, kwargs), a foreach op's lists cut to the one element `t` is at (each list of
     that length, its scalars too): the update of that one tensor, judged apart from the others."""
@@ -1166,7 +1176,8 @@ def _gradient_outliers(target: Step, steps: dict[int, Step], symptom: frozenset[
     moment) made the symptom from a finite gradient that the backward op made from a few rows far out of
     line (_without_outliers on that backward op), where the step's batch has such rows too. Checked by
     the update op re-run on the gradient made without those rows, what it writes over taken as zero
-    (its old value is gone): clean. The gradient's largest |g| with and without them is kept."""
+    (its old value is gone): clean, where on the whole gradient from that zero state it makes the symptom
+    again (the control). The gradient's largest |g| with and without them is kept."""
     written = _written(target)
     for _, gradient, src in _aligned(target):
         producer = steps.get(src[1]) if src is not None and src[0] == "op" else None
@@ -1178,16 +1189,13 @@ def _gradient_outliers(target: Step, steps: dict[int, Step], symptom: frozenset[
         remade = next((o for o in cut[1] if o.shape == gradient.shape), None)
         if remade is None:
             continue
-        flat, spec = tree_flatten(_element_of(target, gradient))
-        flat = [torch.zeros_like(v) if id(v) in written else remade if v is gradient else v for v in flat]
-        args, kwargs = tree_unflatten(flat, spec)
         try:
-            outs = _outputs(target.func(*args, **kwargs))
+            # the control: on the whole gradient, from a state of 0, the op makes the symptom again
+            if not _kinds(_update_on(target, gradient, gradient, written)) & symptom:
+                continue
+            outs = _update_on(target, gradient, remade, written)
         except Exception:
             continue
-        # a foreach op writes its lists and returns nothing: what it wrote is its output
-        given = tree_flatten(_element_of(target, gradient))[0]
-        outs = outs or [v for v, old in zip(flat, given, strict=True) if id(old) in written]
         if not outs or _kinds(outs) & symptom:
             continue
         named = _batch_standing_out(steps)

@@ -61,7 +61,7 @@ class ModuleTracker:
         self.calls: Counter[str] = Counter()
         self.optimizer_steps = 0
         # the optimizers that stepped, by id: their state (Adam's moments) outlives the step, a sink as a
-        # weight is. Held until the trace reads their state at its end (a script's are gone by then).
+        # weight is. Held until the trace reads their state at its end (a script's may be gone by then).
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
         self.on_output = on_output
         # told of each module call, with its positional arguments (which batch the step reads)
