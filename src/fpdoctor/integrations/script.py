@@ -919,8 +919,15 @@ class ScriptWatch:
             # a replay (this step's, or one a run of scaler skips asked for) that named no checked cause
             named = [f for f in judge.findings if f.name == "deterministic-nonfinite"]
             last = named[-1] if named else None
-            if last is not None and not last.where.get("op") and not (last.trial is not None and last.trial.tried):
-                # the model alone named no op (the loss code made it): trace this optimizer's next step
+            weights = last is not None and "parameters" in last.evidence  # the weights themselves are NaN/Inf
+            if (
+                last is not None
+                and not weights
+                and not last.where.get("op")
+                and not (last.trial is not None and last.trial.tried)
+            ):
+                # the model alone named no op (the loss code made it): trace this optimizer's next step; not
+                # from weights already NaN/Inf, where a trace finds them alone (the update that made them is named)
                 self._traced.arm(step, {id(p) for p in run.params})
         if outcome.finite:  # the outputs' format: what the reference step's replay cannot see
             self._guarded(lambda: judge.outputs_read(step, [t for c in mine for t in c.kept.originals]),

@@ -707,7 +707,8 @@ def weights_finding(
         "deterministic-nonfinite",
         title="The weights themselves are NaN/Inf: training cannot continue from them",
         message=(
-            f"Step {step}: {len(names)} parameter(s) hold NaN/Inf ({', '.join(names[:4])}); {then}. Every "
+            f"Step {step}: {len(names)} parameter(s) hold NaN/Inf ({', '.join(names[:4])}"
+            f"{', ...' if len(names) > 4 else ''}); {then}. Every "
             "later step is skipped without a replay: no step can recover from these weights."
         ),
         where={"module": None, "op": None, "phase": "optimizer", "step": step, **here},
