@@ -249,3 +249,40 @@ def test_rows_out_of_line_are_the_data_through_a_linear_as_wide_as_the_batch():
         first = t.report.findings[0]
         assert first.evidence["experiment"]["verdict"] == "data", (width, first.title)
         assert "row 5 of the batch" in first.title and "fp64" not in first.fix
+
+
+class Frames(Dataset):
+    """Frames standardised by their own std: a constant frame (items 5 and 40) divides 0 by 0."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(4)
+        self.x = torch.rand(64, 1, 8, 8, generator=g)
+        self.x[5] = 0.0
+        self.x[40] = 1.0
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        x = self.x[i]
+        return (x - x.mean()) / x.std(), i % 2
+
+
+def test_items_made_in_dataloader_workers_are_named_once_with_every_step():
+    """num_workers=2: the batch reaches the main process rebuilt from shared memory (set_ on a storage),
+    which was "a constant created by aten.set_", one finding per batch, with "check the data pipeline"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(144, 2))
+    loader = DataLoader(Frames(), batch_size=16, num_workers=2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with fpdoctor.trace(model) as t:
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    inputs = t.report.by_name("nonfinite-input")
+    assert len(inputs) == 1 and inputs[0] is t.report.findings[0], [f.title for f in t.report.findings]
+    first = inputs[0]
+    assert first.evidence["origin"] == "input" and first.evidence["dataset_indices"] == [5, 40], first.evidence
+    assert first.evidence["occurrences"] == 2 and "dataset items 5, 40" in first.fix and "num_workers=0" in first.fix

@@ -506,6 +506,7 @@ class Analysis:
             found.append(self.producer_finding(record, label, others))
         producers_reached = bool(nan_producers or inf_producers or absorbed)
         gradients: list[Finding] = []  # gradients the optimizer read non-finite: one finding, the first
+        batches: dict[tuple[Any, ...], list[Finding]] = {}  # a DataLoader's batches, one finding per reader
         for leaf, reaches in leaves.values():
             first_op = self.records[leaf.first_use].op if leaf.first_use is not None else ""
             if _sentinel(leaf, reaches, first_op):
@@ -514,8 +515,16 @@ class Analysis:
                 made = self.input_finding(leaf, reaches)
                 if made.evidence.get("origin") == "gradient":
                     gradients.append(made)
+                elif (leaf.rows or {}).get("dataset_indices"):  # the same reader's batch step after step: one
+                    reader = (made.where.get("module"), made.where.get("op"), tuple(leaf.shape[1:]), leaf.dtype)
+                    batches.setdefault(reader, []).append(made)
+                    if len(batches[reader]) == 1:
+                        found.append(made)
                 else:
                     found.append(made)
+        for same in batches.values():
+            if len(same) > 1:
+                found[found.index(same[0])] = _batches_merged(same)
         if gradients:
             more = (
                 f" The same for {len(gradients) - 1} more of the optimizer's gradients." if len(gradients) > 1 else ""
@@ -897,8 +906,11 @@ class Analysis:
             return self._written_finding(leaf, first, reaches)
         if first is not None and first.phase == "optimizer" and _leaf_origin(leaf) == "input":
             return self._gradient_finding(leaf, first, reaches)
+        items = (leaf.rows or {}).get("dataset_indices")
         return catalog.make(
             "nonfinite-input",
+            fix=_items_fix(items) if items else None,
+            trial=Trial.untried(_ITEMS_UNTRIED) if items else None,
             message=(
                 f"{what} {list(leaf.shape)} {leaf.dtype} already held {count} {leaf.kind} value(s) when it was "
                 f"first used"
@@ -1023,6 +1035,45 @@ class Analysis:
                 }
             ),
         )
+
+
+_ITEMS_UNTRIED = (
+    "the items were made before the traced code read them (by the Dataset, here or in a DataLoader worker): "
+    "the trace re-runs ops it saw run"
+)
+
+
+def _items_fix(items: list[int]) -> str:
+    """An input's non-finite rows are these dataset items: where they are made is the fix."""
+    named = ", ".join(str(i) for i in items[:8]) + (", ..." if len(items) > 8 else "")
+    return (
+        f"Fix dataset item{'s' if len(items) > 1 else ''} {named} where {'they are' if len(items) > 1 else 'it is'} "
+        "made (the file, or the Dataset's __getitem__: a division by a statistic that is 0 for a constant item, "
+        "a log of 0); check every item the same way (torch.isfinite(x).all() in __getitem__, with the index). "
+        "Where a DataLoader's workers make them (num_workers > 0), the trace does not follow __getitem__: run it "
+        "with num_workers=0 and it names the line that makes the value and checks a guard there"
+    )
+
+
+def _batches_merged(same: list[Finding]) -> Finding:
+    """One finding for the batches one reader took non-finite at several steps: the first, with every
+    step and every dataset item."""
+    first = same[0]
+    steps = [f.evidence.get("step") for f in same if f.evidence.get("step") is not None]
+    items: list[int] = []
+    for f in same:
+        items += [i for i in (f.evidence.get("rows") or {}).get("dataset_indices", []) if i not in items]
+    listed = ", ".join(str(s) for s in steps[:12]) + (", ..." if len(steps) > 12 else "")
+    return dataclasses.replace(
+        first,
+        message=first.message
+        + f" The same on {len(same)} batches (steps {listed}): dataset items "
+        + ", ".join(str(i) for i in items[:16])
+        + (", ..." if len(items) > 16 else "")
+        + ".",
+        evidence={**first.evidence, "occurrences": len(same), "steps": steps, "dataset_indices": items},
+        fix=_items_fix(items),
+    )
 
 
 # an eps written as the format's own (a literal such as 1e-12 is 0 in fp16, and the guard with it)

@@ -53,7 +53,7 @@ class OpInfo:
 
     __slots__ = (
         "collective", "func", "is_view", "lists", "name", "op", "overwrites", "path", "preserving", "reads_inputs",
-        "scales", "uninitialised", "writes",
+        "rebuilds", "scales", "uninitialised", "writes",
     )  # fmt: skip
 
     def __init__(self, func: Any) -> None:
@@ -84,6 +84,9 @@ class OpInfo:
         # torch.distributed's ops: what they write or return holds other ranks' values, ready
         # only when the work completes (after the op returns)
         self.collective = getattr(func, "namespace", "") in ("c10d", "_c10d_functional", "c10d_functional")
+        # set_ onto a storage: a tensor rebuilt from memory made elsewhere (a DataLoader worker's batch, shared
+        # memory), whose values come from outside the trace as an input's do
+        self.rebuilds = self.name == "set_" and "Storage" in str(func._schema.arguments[1].type)
         self.path = self._path(func)
 
     def _path(self, func: Any) -> int:

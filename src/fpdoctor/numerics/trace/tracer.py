@@ -279,6 +279,11 @@ class Tracer(EagerDispatchMode):
             except Exception as exc:  # the observer never kills the job
                 self._error(func, exc)
             return out
+        if info.rebuilds:  # a tensor rebuilt from memory made elsewhere: an input at its first read, as a batch is
+            out = func(*args, **kwargs) if kwargs else func(*args)
+            self.ops_seen += 1
+            self._table.pop(id(args[0]), None)
+            return out
         # Autograd numbers the node it creates for this op just before dispatching below itself:
         # the counter read here is that node's number + 1 (the first op to see a number owns it).
         seq = _sequence_nr() - 1
