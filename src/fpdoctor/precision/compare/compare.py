@@ -476,6 +476,8 @@ class _Comparison:
         self.state_fix: tuple[list[str], torch.Tensor] | None = None
         # the output of the checked run that computed the lines feeding an ill-conditioned op in fp32 (step 5b)
         self.line_fix: torch.Tensor | None = None
+        # modules kept in fp32 with fp32 between them, checked (_kept_checked): the fix, what it changed, the output
+        self.kept_fix: tuple[str, str, torch.Tensor] | None = None
         # runs that checked a fix at some lines, by (kind, first line, lines after): their outputs
         self._fix_outputs: dict[tuple[str, Any, int], torch.Tensor | None] = {}
         self._keep_fix_outputs = False
@@ -1905,7 +1907,10 @@ class _Comparison:
     def _kept_checked(self, findings: list[Finding], rows: list[ModuleRow]) -> None:
         """A divergence whose fix is "keep the module in fp32" and was left untried: the model run once
         with that module in fp32 (`_module_checked`), and the fix checked by it where that cures the
-        end-to-end error; else the reason says what it left."""
+        end-to-end error. Where it does not, what the module reads may be what the format lost (values near
+        2000 that vary by 0.2, rounded to fp16's spacing of 1 there): the leaf that ran before it kept too,
+        its output left in fp32 for it, is tried, and is the fix where it cures; else the fix says that
+        keeping the module does not help, with the figure, and sends to plan."""
         for k, f in enumerate(findings):
             module = f.where.get("module")
             untried = f.trial is not None and not f.trial.tried and f.trial.reason == UNTRIED_BY_COMPARE
@@ -1914,39 +1919,91 @@ class _Comparison:
             row = next((r for r in rows if r.module == module), None)
             if row is None or not rows:
                 return
-            checked = self._module_checked(row, rows[-1].propagated)
-            if checked is None:
-                return
-            before, after = checked["before"], checked["after"]
+            error = rows[-1].propagated
             on = inputs_text(describe(self.inputs))
+            metric = "end-to-end relative error against fp64"
+            checked = self._module_checked(row, error)
+            if checked is not None:
+                before, after = checked["before"], checked["after"]
+                findings[k] = dataclasses.replace(
+                    f,
+                    fix=f"{f.fix}; checked: the end-to-end error goes from {before:.3g} to {after:.3g}",
+                    trial=Trial.checked(
+                        f"`{module}` kept in fp32, its output cast back to {self.label}, the rest in {self.label}",
+                        metric=metric, before=before, after=after, on=on,
+                    ),
+                )  # fmt: skip
+                return
+            alone = self._error_with_fp32([module], fp32_outputs=set())
+            if alone is None or row.out_of_range:
+                return
+            before_it = self._leaf_before(module)
+            ran = self._run_with_fp32([before_it, module], fp32_outputs={before_it}) if before_it else None
+            pair = None if ran is None else ran[0]
+            if before_it is not None and ran is not None and pair is not None and _cured(error, pair):
+                changed = f"`{before_it}` and `{module}` kept in fp32, fp32 between them, the rest in {self.label}"
+                fix = (
+                    f"keep `{before_it}` and `{module}` in fp32, `{before_it}`'s output left in fp32 for "
+                    f"`{module}` to read (`{module}`'s cast back to {self.label}): in your forward, "
+                    f"`self.{module}(self.{before_it}(x.float()))` computed in fp32, then .to(x.dtype) "
+                    "(`fpdoctor plan` writes it as code)"
+                )
+                self.kept_fix = (fix, changed, ran[1])
+                findings[k] = dataclasses.replace(
+                    f,
+                    message=f.message + (
+                        f" Kept in fp32 alone, `{module}` leaves the end-to-end error at {alone:.3g}: what it reads, "
+                        f"`{before_it}`'s output, loses in {self.label} what `{module}` needs, before `{module}` "
+                        "computes anything."
+                    ),
+                    fix=f"{fix}; checked: the end-to-end error goes from {error:.3g} to {pair:.3g}",
+                    evidence={**f.evidence, "kept_fp32": [before_it, module], "fp32_between": before_it},
+                    trial=Trial.checked(changed, metric=metric, before=error, after=pair, on=on),
+                )  # fmt: skip
+                return
+            tried = f"`{module}` alone in fp32: {error:.3g} -> {alone:.3g}"
+            if before_it is not None and pair is not None:
+                tried += f"; with `{before_it}` before it, fp32 between them: {pair:.3g}"
             findings[k] = dataclasses.replace(
                 f,
-                fix=f"{f.fix}; checked: the end-to-end error goes from {before:.3g} to {after:.3g}",
-                trial=Trial.checked(
-                    f"`{module}` kept in fp32, its output cast back to {self.label}, the rest in {self.label}",
-                    metric="end-to-end relative error against fp64", before=before, after=after, on=on,
+                fix=(
+                    f"keeping `{module}` in fp32 does not cure it ({tried}): `fpdoctor plan` searches the sets of "
+                    "modules that do and verifies the one it gives"
                 ),
-            )  # fmt: skip
+                trial=Trial.untried(f"the module kept in fp32 was run and does not cure it ({tried})"),
+            )
             return
 
     def _module_checked(self, row: ModuleRow, error: float) -> dict[str, Any] | None:
         """The module whose op overflows, kept whole in fp32 (its output left in fp32 where its exact
         output passes the format's range): its end-to-end error, where that cures the output (finite,
         or RAISED_FALLS below); None where it does not or cannot run so."""
+        if not row.module:
+            return None
+        after = self._error_with_fp32([row.module], fp32_outputs={row.module} if row.out_of_range else set())
+        if after is None or not _cured(error, after):
+            return None
+        return {"before": error, "after": after, "fp32_output": row.out_of_range}
+
+    def _error_with_fp32(self, modules: list[str], *, fp32_outputs: set[str]) -> float | None:
+        """The end-to-end error with `modules` computed in fp32 (those in `fp32_outputs` returning fp32, the
+        others cast back); None where it cannot run so."""
+        ran = self._run_with_fp32(modules, fp32_outputs=fp32_outputs)
+        return None if ran is None else ran[0]
+
+    def _run_with_fp32(self, modules: list[str], *, fp32_outputs: set[str]) -> tuple[float, torch.Tensor] | None:
+        """`_error_with_fp32`'s figure and the output it was read from."""
         root = next((e for (name, _), e in self.seen.items() if name == ""), None)
-        if root is None or not row.module:
+        if root is None or not root.norm > 0:
             return None
         try:
-            out = self._output_with_fp32([row.module], fp32_output=row.out_of_range)
+            out = self._output_with_fp32(modules, fp32_output=fp32_outputs)
         except Exception:  # the check is ours: the finding stands without it
             return None
         got = device_sample(out) if out is not None else None
-        if got is None or got.numel() != root.truth.numel() or not root.norm > 0:
+        if out is None or got is None or got.numel() != root.truth.numel():
             return None
-        after = float((got.to(root.truth.device).double() - root.truth).norm()) / root.norm
-        if not _cured(error, after):
-            return None
-        return {"before": error, "after": after, "fp32_output": row.out_of_range}
+        return float((got.to(root.truth.device).double() - root.truth).norm()) / root.norm, out
 
     def _overflow_checked(self, found: dict[str, Any], error: float, *, broken: bool = False) -> dict[str, Any] | None:
         """An op that overflows inside a divergent module, computed in fp32 with the ops after it that
@@ -2091,6 +2148,11 @@ class _Comparison:
                 fix = made.fix.partition("; checked:")[0]
                 where = str(made.evidence.get("location") or "")
                 fixes.append(use.CheckedFix(fix, made.trial.changed, got, "made_in_fp32", where))
+        if self.kept_fix is not None:  # modules kept in fp32 with fp32 between them (_kept_checked)
+            fix, changed, output = self.kept_fix
+            got = use.top1(self.root_truth, self._decided(output.to(self.root_truth.device)))
+            if got is not None:
+                fixes.append(use.CheckedFix(fix, changed, got, "modules_in_fp32", ""))
         if self.line_fix is not None:
             # the finding that printed the fix, checked (a trial only where it helped: profile.forced_causes)
             forced = next(
@@ -2151,17 +2213,18 @@ class _Comparison:
             return ids_agree(self.root_truth, got)
         return use.top1(self.root_truth, self._decided(got.to(self.root_truth.device)))
 
-    def _output_with_fp32(self, modules: list[str], *, fp32_output: bool) -> torch.Tensor | None:
+    def _output_with_fp32(self, modules: list[str], *, fp32_output: bool | set[str]) -> torch.Tensor | None:
         """The candidate's output (its first floating tensor) with `modules` computed in fp32 (the
         user's modules, their inputs raised; their outputs cast back to the candidate's dtype unless
-        `fp32_output`): the candidate's copy holds the swap for one forward only."""
+        `fp32_output`, or unless they are among it): the candidate's copy holds the swap for one forward only."""
         if "" in modules:
             return None
         swapped = []
         for module in modules:
             parent, _, child = module.rpartition(".")
             holder = self.cand_run.get_submodule(parent)
-            back = None if fp32_output else self.cand_dtype
+            wide = fp32_output if isinstance(fp32_output, bool) else module in fp32_output
+            back = None if wide else self.cand_dtype
             kept = keep_in_fp32(copy_module(self.model.get_submodule(module)), back)
             swapped.append((holder, child, getattr(holder, child)))
             setattr(holder, child, kept if self.cand_device is None else kept.to(self.cand_device))

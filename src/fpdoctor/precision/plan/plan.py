@@ -447,6 +447,15 @@ def _plan(
         order = {tuple(mods): outs for mods, outs in trials}
         helped = [(mods, order[tuple(mods)]) for mods, v in what_if if excess(v) < excess(baseline)]
         units = helped + units
+    # compare's divergence fix that kept a module with the leaf before it, fp32 between them (what the module
+    # reads was lost in the candidate's format before it computed), checked: the first unit tried
+    pairs = [
+        (list(f.evidence["kept_fp32"]), {f.evidence["fp32_between"]})
+        for s in judged
+        for f in s.compared.report.by_name("precision-divergence")
+        if f.evidence.get("fp32_between") and f.trial is not None and f.trial.tried
+    ]
+    units = pairs[:1] + units
     keep: list[str] = []
     current = baseline
     best: tuple[float, list[str], list[float]] = (excess(baseline), [], baseline)

@@ -34,8 +34,8 @@ _NO_PLAN = (
 _LAST_RESORT = "run the model in fp32, or in bf16 if fp16's range is the cause"
 # the command prints the plan's code after the report; the Python API returns it on the result
 _APPLY = (
-    "apply the plan: paste the plan's code (printed after this report by `fpdoctor plan`; data.plan.code in "
-    "JSON) after the model is built, or in Python fpdoctor.apply_plan(model, result.plan)"
+    "apply the plan: paste the plan's code (printed after this report; data.plan.code in JSON) after the "
+    "model is built, or in Python fpdoctor.apply_plan(model, result.plan)"
 )
 _RANGE_LIMITED = tuple(name for name, p in PRECISIONS.items() if p.storage == "fp16")  # fp16's max is 65504
 
