@@ -52,6 +52,7 @@ def test_a_clip_far_below_the_gradients_norm_is_named_by_its_threshold(tmp_path:
     assert first["name"] == "gradients-depart-from-reference" and first["evidence"]["stage"] == "optimizer"
     assert "a clip of their total norm" in first["message"] and "to 0.001" in first["message"], first["message"]
     assert first["fix"].startswith("Raise") and "max_norm" in first["fix"] and "unscale_" not in first["fix"]
+    assert first["title"].startswith("The optimizer took gradients clipped"), first["title"]  # not "in fp32"
     assert first["fix_trial"]["status"] == "not-tried"  # the threshold is the script's: not claimed as checked
     fixed = _watch(tmp_path, scaled=scaled, max_norm="1.0")  # as printed
     assert not [f for f in fixed["findings"] if f["name"] == "gradients-depart-from-reference"], fixed["findings"]
@@ -60,3 +61,18 @@ def test_a_clip_far_below_the_gradients_norm_is_named_by_its_threshold(tmp_path:
 def test_an_adaptive_optimizer_under_the_same_clip_is_no_finding(tmp_path: Path) -> None:
     report = _watch(tmp_path, scaled=True, max_norm="1e-3", optimizer="torch.optim.AdamW(model.parameters(), lr=1e-3)")
     assert not [f for f in report["findings"] if f["name"] == "gradients-depart-from-reference"], report["findings"]
+
+
+def test_a_threshold_passed_by_name_is_raised_where_it_is_set(tmp_path: Path) -> None:
+    """max_norm=args.max_grad_norm (a flag's default of 1e-3): the call is not where the value is set."""
+    script = (
+        SCRIPT.replace("OPTIMIZER", SGD)
+        .replace("SCALED", "False")
+        .replace("MAX_NORM", "args.max_grad_norm")
+        .replace("    scaler.scale(loss).backward()\n    scaler.unscale_(opt)\n", "    loss.backward()\n")
+        .replace("    scaler.step(opt)\n    scaler.update()\n", "    opt.step()\n")
+    )
+    path = tmp_path / "train.py"
+    path.write_text("import argparse\nargs = argparse.Namespace(max_grad_norm=1e-3)\n" + script)
+    first = report_of(tmp_path, "watch", "--", "python", str(path))["findings"][0]
+    assert "the value of `args.max_grad_norm` there: raise it where it is set" in first["fix"], first["fix"]

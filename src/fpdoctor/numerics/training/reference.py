@@ -33,6 +33,7 @@ import functools
 import itertools
 import math
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -581,6 +582,7 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
             "divides by it (Adam) steps less once the gradients near its eps."
         )
     trial: Trial
+    title: str | None = None  # the catalogue's, unless a branch names the cause in it
     if stage == "optimizer" and comparison.at_scale_one is not None:
         left = comparison.at_scale_one
         message += (
@@ -634,10 +636,14 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
         seen = _between()
         clip = next((x for x in seen.lines if "clip_grad_norm" in x[1]), None) if seen is not None else None
         if seen is not None and clip is not None:  # the script's own clip line, between the backward and the step
+            # a threshold passed by name (a command-line flag's default): where its value is set is the place
+            named = re.search(r"max_norm\s*=\s*([A-Za-z_][\w.]*)", clip[1])
+            given = f" (the value of `{named.group(1)}` there: raise it where it is set)" if named else ""
             fix = (
-                f"Raise max_norm in line {clip[0]} of {os.path.basename(seen.path)} (`{clip[1]}`): {after:.3g} is "
-                f"{norm / after:.3g}x below the gradients' norm ({norm:.3g}); 1.0 is the usual value"
+                f"Raise max_norm in line {clip[0]} of {os.path.basename(seen.path)} (`{clip[1]}`){given}: "
+                f"{after:.3g} is {norm / after:.3g}x below the gradients' norm ({norm:.3g}); 1.0 is the usual value"
             )
+        title = f"The optimizer took gradients clipped {norm / after:.3g}x below their norm"
         trial = Trial.untried(
             "read from the gradients the optimizer took and the backward's at the reference step: the clip's "
             "threshold is the script's, which fpdoctor does not change in a running job"
@@ -714,6 +720,7 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
         )
     return catalog.make(
         "gradients-depart-from-reference",
+        title=title,
         message=message,
         fix=fix,
         # every gradient zeroed or shrunk STALLED-fold: the weights barely move, a run to stop, not one to watch
