@@ -936,7 +936,7 @@ class StepJudge:
             self._last_finite = None
             self.live.settle()
 
-    def _why_no_copies(self, f: StepFacts | None) -> str | None:
+    def _why_no_copies(self, f: StepFacts | None, *, unscaled: bool = False) -> str | None:
         """Why a step's window cannot be run again on copies to take optimizer steps from its state
         (the what-if of fp32 master weights, the progress experiment); None where it can."""
         if self.optimizer is None:
@@ -949,7 +949,7 @@ class StepJudge:
             return "the step function applied the step itself: running it again would step your optimizer"
         if f.why_not is not None:
             return f.why_not
-        if f.scale is not None:
+        if f.scale is not None and not unscaled:
             return "the step ran through a GradScaler: stand-in steps would take its scaled gradients"
         return None
 
@@ -1007,7 +1007,7 @@ class StepJudge:
         if flat is None or any(x.name == "training-not-progressing" for x in self.findings):
             return
         self._reference_asked = True
-        why = self._why_no_copies(f)
+        why = self._why_no_copies(f, unscaled=True)  # the arms divide a GradScaler's scale out, as its step does
         if why is None and self.is_compiled:
             why = "a compiled model: its copies would compile new graphs"
         elif why is None and f.stepped:
@@ -1030,7 +1030,14 @@ class StepJudge:
             return
         try:
             assert self.optimizer is not None
-            arms = progress.run_arms(self.model, self.optimizer, f.window, f.what_if_fn or f.step_fn, f.contexts)
+            arms = progress.run_arms(
+                self.model, self.optimizer, f.window, f.what_if_fn or f.step_fn, f.contexts, divide=f.scale or 1.0
+            )
+            if f.scale and f.what_if_fn is not None:  # a loss to first order from the backwarded, scaled loss
+                arms = progress.Arms(
+                    arms.steps, (arms.run[0] / f.scale, arms.run[1] / f.scale),
+                    (arms.reference[0] / f.scale, arms.reference[1] / f.scale),
+                )  # fmt: skip
         except Exception as exc:  # step_fn cannot run on copies: said in the report, never raised
             judged["not_tried"] = f"the steps could not run on copies: {type(exc).__name__}: {exc}"
             return

@@ -96,9 +96,12 @@ def run_arms(
     contexts: Callable[[], list[contextlib.AbstractContextManager[Any]]],
     *,
     steps: int = STEPS,
+    divide: float = 1.0,
 ) -> Arms:
     """Both arms from the step's state, on stand-ins: the user's parameters, their `.grad`, buffers,
-    optimizer and RNG are as they were afterwards."""
+    optimizer and RNG are as they were afterwards. `divide`: the loss scale the step's backward was
+    multiplied by (a GradScaler's), divided out of each arm's gradients before its optimizer step, as
+    scaler.step() does."""
     named = [(n, p) for n, p in named_parameters(model) if p.requires_grad]
     results = []
     with _grads_saved(model):
@@ -116,6 +119,10 @@ def run_arms(
                         w.grad = None
                     losses.append(_window_loss(micro_batches, step_fn, contexts, reference=reference))
                     if i < steps:
+                        if divide != 1.0:
+                            for w in weights.values():
+                                if w.grad is not None:
+                                    w.grad.div_(divide)
                         with no_global_optimizer_hooks():
                             opt.step()
             results.append((losses[0], losses[-1]))
