@@ -39,6 +39,13 @@ def add_parser(sub: Any) -> None:
         help="feed the candidate the inputs in the dtype the factory gives them, not cast to its own: for a "
         "model that casts them itself (raw fp32 readings standardised before its first layer)",
     )
+    p.add_argument(
+        "--decisions",
+        choices=["argmax"],
+        help="argmax: the output's scores decide by their argmax over the last dim (a ranker's scores over "
+        "candidates, summed log-probabilities), judged by the decisions they make as logits are, where compare's "
+        "own test for logits does not take them",
+    )
     across = p.add_mutually_exclusive_group()
     across.add_argument(
         "--save-reference",
@@ -154,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
             save_reference=args.save_reference,
             against=record,
             inputs_as_given=args.inputs_as_given,
+            decisions=args.decisions,
         )
     except ReferenceFailed as exc:
         raise UsageError(f"{exc}; {exc.fix}") from None

@@ -38,6 +38,12 @@ def add_parser(sub: Any) -> None:
         "whenever --tolerance is given without --metric",
     )
     p.add_argument(
+        "--decisions",
+        choices=["argmax"],
+        help="argmax: the output's scores decide by their argmax over the last dim, as `fpdoctor compare "
+        "--decisions argmax` judges them: --metric kl and top1 then apply",
+    )
+    p.add_argument(
         "--tolerance",
         type=float,
         help="the value to reach, in the metric's units: a relative error (rel), nats (kl), the share of rows whose "
@@ -78,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
             tolerance=args.tolerance,
             fp8_kernel=fp8_kernel,
             metric=args.metric,
+            decisions=args.decisions,
         )
     except ReferenceFailed as exc:
         raise UsageError(f"{exc}; {exc.fix}") from None

@@ -197,6 +197,7 @@ def compare(
     save_reference: str | os.PathLike[str] | None = None,
     against: str | os.PathLike[str] | CompareRecord | None = None,
     inputs_as_given: bool = False,
+    decisions: str | None = None,
 ) -> CompareResult:
     """Layerwise error of `candidate` against fp64, judged against the fp64 noise floor.
 
@@ -233,12 +234,18 @@ def compare(
     fp32 then); on another machine `against=PATH` (or a CompareRecord) runs the same compare -
     candidate, reference, fp8_kernel and module from the record, a different one given is a
     ValueError - and names the first module where this run departs from the record's, or where
-    the inputs, weights or computation differ."""
+    the inputs, weights or computation differ.
+
+    `decisions="argmax"` declares the output scores whose argmax over their last dim is the decision (a
+    ranker's scores over candidates, summed log-probabilities) where compare's own test for logits does not
+    take them: they are judged by the decisions they make, as logits are."""
+    if decisions not in (None, "argmax"):
+        raise ValueError(f"decisions must be 'argmax' (the argmax over the output's last dim), got {decisions!r}")
     if candidate is not None and is_compiled(check_name(candidate, CANDIDATES, "candidate")):
         fp8_given = fp8_kernel is not None and check_name(fp8_kernel, FP8_KERNELS, "fp8 kernel") != "auto"
         given_too = {"device": device, "fp8_kernel": fp8_kernel if fp8_given else None, "module": module,
                      "save_reference": save_reference, "against": against,
-                     "inputs_as_given": inputs_as_given or None}  # fmt: skip
+                     "inputs_as_given": inputs_as_given or None, "decisions": decisions}  # fmt: skip
         extra = [k for k, v in given_too.items() if v is not None]
         if extra:
             raise ValueError(f"candidate {candidate!r} (torch.compile against eager) takes no {', '.join(extra)}")
@@ -268,7 +275,8 @@ def compare(
     samples = [Samples() for _ in sets]
     results = [
         compare_set(model, one, candidate=candidate, reference=reference, device=device, fp8_kernel=fp8_kernel,
-                    module=module, samples=samples[k] if link is not None else None, inputs_as_given=inputs_as_given)
+                    module=module, samples=samples[k] if link is not None else None, inputs_as_given=inputs_as_given,
+                    decisions=decisions)
         for k, one in enumerate(sets)
     ]  # fmt: skip
     described = [describe(one) for one in sets]
@@ -290,6 +298,7 @@ def compare_set(
     module: str | None = None,
     samples: Samples | None = None,
     inputs_as_given: bool = False,
+    decisions: str | None = None,
 ) -> CompareResult:
     """compare() on one input set, the names already checked. `samples`, when given, gets each
     judged module call's row with its fp64 and candidate samples, for a compare record."""
@@ -324,6 +333,7 @@ def compare_set(
                 prefix=module,
                 samples=samples,
                 given=inputs_as_given,
+                decisions=decisions,
             )
     finally:
         rng.restore()
@@ -366,11 +376,12 @@ def _compare(
     prefix: str | None,
     samples: Samples | None = None,
     given: bool = False,
+    decisions: str | None = None,
 ) -> CompareResult:
     """The steps of one comparison, in order (see the module's docstring)."""
     run = _Comparison(
         model, inputs, candidate=candidate, reference=reference, cand_device=cand_device, on=on,
-        fp8_kernel=fp8_kernel, rng=rng, keep_candidate=samples is not None, given=given,
+        fp8_kernel=fp8_kernel, rng=rng, keep_candidate=samples is not None, given=given, decisions=decisions,
     )  # fmt: skip
     with progress.task(f"compare {candidate}", total=4, unit="steps") as step:
         step.describe(f"compare {candidate}: the fp64 pass, each module re-run in {candidate}")
@@ -423,8 +434,10 @@ class _Comparison:
         rng: RngState,
         keep_candidate: bool = False,
         given: bool = False,
+        decisions: str | None = None,
     ) -> None:
         self.model, self.inputs, self.rng = model, inputs, rng
+        self.declared = decisions  # "argmax": the output's scores decide by their argmax, as the user says
         # what the candidate's and the fp64 runs are fed: the inputs as given (the model casts them: the fp64
         # model reads the same values in float64 where it computes with them), or cast to each run's dtype
         self.given = given
@@ -681,7 +694,7 @@ class _Comparison:
             self.root_truth = ids.detach().clone()
             return
         made = next(floating(self._last_output), None)
-        if first is None or any(t.shape == first.shape for t in floating(self.inputs)):
+        if first is None or (not self.declared and any(t.shape == first.shape for t in floating(self.inputs))):
             return  # an output in its input's space (a denoiser's noise, a reconstruction) decides no class
         ours = device_sample(first)  # the same strided values, no whole copy
         theirs = device_sample(made) if made is not None and first.shape == made.shape else None
@@ -705,6 +718,9 @@ class _Comparison:
             self.softmaxed = self.logits is not None
         if self.logits is None:
             self.logits = self._log_softmax_of(first, name, made)
+        if self.logits is None and self.declared == "argmax" and first.dim() >= 1 and first.shape[-1] >= 2:
+            shape = "x".join(str(n) for n in first.shape)
+            self.logits = f"scores [{shape}] decided by their argmax over the last dim (declared: decisions='argmax')"
         self.root_truth = self._decided(first.detach().clone()) if self.logits is not None else None
 
     def _binary(self, first: torch.Tensor, name: str, made: torch.Tensor | None) -> str | None:

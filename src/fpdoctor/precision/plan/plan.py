@@ -271,6 +271,7 @@ def plan(
     tolerance: float | None = None,
     fp8_kernel: str = "auto",
     metric: str | None = None,
+    decisions: str | None = None,
 ) -> PlanResult:
     """Find and verify the smallest set of modules to keep in fp32 for `candidate`.
 
@@ -288,7 +289,8 @@ def plan(
     share of rows whose top-1 may differ); default 16x the output's floor (256x for KL, which grows
     with the error's square; compare's decisions-changed rule for top1). One below what rounding
     the inputs alone costs is out of reach, and the report says so.
-    `fp8_kernel`: how fp8 candidates multiply, as in compare()."""
+    `fp8_kernel`: how fp8 candidates multiply, as in compare(); `decisions="argmax"`: the output's scores
+    decide by their argmax, as in compare() (then the metrics of logits apply)."""
     candidate = check_name(candidate, PLAN_CANDIDATES, "candidate")
     reference = check_name(reference, REFERENCES, "reference")
     if metric is not None:
@@ -310,6 +312,7 @@ def plan(
                 metric=metric,
                 rng=rng,
                 runs=runs,
+                decisions=decisions,
             )
     finally:
         rng.restore()
@@ -326,6 +329,7 @@ def _plan(
     metric: str | None,
     rng: RngState,
     runs: progress.Task,
+    decisions: str | None = None,
 ) -> PlanResult:
     """compare on every input set, then the search; `runs` says which stage runs and counts the
     forward passes of the candidate with a set kept in fp32."""
@@ -346,6 +350,7 @@ def _plan(
                 fp8_kernel=fp8_kernel,
                 rng=rng,
                 device=device,
+                decisions=decisions,
             )
         )
     for s in judged:  # a candidate that does not run has nothing to plan: its line first
@@ -608,10 +613,13 @@ def _judge_set(
     fp8_kernel: str,
     rng: RngState,
     device: torch.device,
+    decisions: str | None = None,
 ) -> _Set:
     """compare on one input set, its fp64 output and what its floors measure (the target comes with
     the metric: _Set.aim)."""
-    compared = compare_set(model, inputs, candidate=candidate, reference=reference, fp8_kernel=fp8_kernel)
+    compared = compare_set(
+        model, inputs, candidate=candidate, reference=reference, fp8_kernel=fp8_kernel, decisions=decisions
+    )
     truth_run = make_run(model, "fp64").eval()
     args, kwargs = split_inputs(cast_inputs(inputs, torch.float64, copy=True))
     leaves = {n: m for n, m in truth_run.named_modules() if not list(m.children())}
