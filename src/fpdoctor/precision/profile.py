@@ -555,7 +555,7 @@ def _input_finding(
     if found and after is not None and after * INPUT_EXPLAINS < input_floor:
         finding = catalog.make(
             "precision-divergence",
-            title=f"The inputs hold whole numbers that {candidate} cannot",
+            title=found.get("title") or f"The inputs hold whole numbers that {candidate} cannot",
             message=message + found["message"],
             where={"module": None, "op": None, "phase": "forward"},
             evidence={"kind": "input-rounding", **evidence, "whole_numbers": found["columns"]},
@@ -568,7 +568,7 @@ def _input_finding(
                 after=after,
             ),
         )
-        return finding, "no module: whole numbers in the inputs, rounded"
+        return finding, "no module: values in the inputs the format cannot hold, rounded"
     finding = catalog.make(
         "precision-divergence",
         title=f"Rounding the inputs to {candidate} already costs more than the noise floor",

@@ -122,6 +122,7 @@ from fpdoctor.precision.metrics import (
 from fpdoctor.precision.names import default_reference
 from fpdoctor.precision.profile import (
     DIVERGENCE_RATIO,
+    INPUT_EXPLAINS,
     RAISED_FALLS,
     UNKNOWN_FLOOR,
     UNTRIED_BY_COMPARE,
@@ -497,6 +498,7 @@ class _Comparison:
         self.made_fix: tuple[Finding, torch.Tensor] | None = None  # NUM020/NUM021 and its checked run's output
         # why the input floor is 0 without a forward (rounding the inputs changes nothing), where it is
         self.input_floor_note: str | None = None
+        self.input_fix: tuple[dict[str, Any], torch.Tensor] | None = None  # input_cause's fix and its run's output
         self._root_row: int | None = None  # the output's last dim, where the sample is all of it
         self.root_cand: torch.Tensor | None = None
         self.root_cand_dtype: torch.dtype | None = None  # the dtype the candidate returns its output in
@@ -1202,8 +1204,10 @@ class _Comparison:
 
     # -- step 4: how much of a whole-model divergence rounding the inputs explains -------------------
     def input_floor(self, rows: list[ModuleRow]) -> float | None:
-        if not any(r.module == "" and r.diverged for r in rows) and _unexplained(rows) is None:
-            return None  # only when the whole model diverges, or its error is far above every part's
+        # only when the whole model diverges, or its error is far above every part's (an own op's conditioning
+        # aside: where it reads inputs rounded to the candidate, a fix of the inputs may take it away)
+        if not any(r.module == "" and r.diverged for r in rows) and _unexplained(rows, conditioning=False) is None:
+            return None
         kept = _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype)
         if self.given:
             kept = "the inputs are fed as given (--inputs-as-given)"
@@ -1212,9 +1216,9 @@ class _Comparison:
             return 0.0
         return self._floor_with()
 
-    def _floor_with(self, rounded: Any = None) -> float | None:
+    def _floor_with(self, rounded: Any = None, keep: list[torch.Tensor] | None = None) -> float | None:
         """The reference's end-to-end error fed the inputs rounded to the candidate's dtype, or as
-        `rounded` gives them (some values kept: input_cause.rounded_but)."""
+        `rounded` gives them (some values kept: input_cause.rounded_but); `keep` gets its output."""
         root = next(e for (name, _), e in self.seen.items() if name == "")
         return input_rounding_error(
             self.ref_run if self.ref_run is not None else self.truth_run,
@@ -1226,6 +1230,7 @@ class _Comparison:
             rng=self.rng,
             noise=self.noise,
             rounded=rounded,
+            keep=keep,
         )
 
     def inputs_cause(self, rows: list[ModuleRow], input_floor: float | None) -> dict[str, Any] | None:
@@ -1237,7 +1242,20 @@ class _Comparison:
             return None
         if input_floor <= DIVERGENCE_RATIO * root.floor:
             return None
-        return input_cause.cause(self.inputs, self.cand_dtype, self.candidate, self._floor_with) or {}
+        kept: list[torch.Tensor] = []
+        own = "fp64" if self.cand_dtype == torch.float32 else "fp32"  # what the inputs stay in before the cast
+        found = input_cause.cause(
+            self.inputs, self.cand_dtype, self.candidate, lambda x: self._floor_with(x, kept), own
+        )
+        if _unexplained(rows) is None and not any(r.module == "" and r.diverged for r in rows):
+            # an own op's conditioning at rounded inputs explains the error: said only where a fix of the inputs
+            # was found and takes it away (else it is what any computation in the candidate's format loses)
+            after = (found or {}).get("floor_without")
+            if after is None or after * INPUT_EXPLAINS >= input_floor:
+                return None
+        if found and kept:
+            self.input_fix = (found, kept[-1])
+        return found or {}
 
     # -- step 5: an error no part makes alone: the running state that accumulates it ---------------
     def accumulation(self, rows: list[ModuleRow], input_floor: float | None) -> dict[str, Any] | None:
@@ -2097,6 +2115,8 @@ class _Comparison:
         before = self._leaf_before(head)
         if before is not None:
             trials.append(([before, head], True))
+        if self.cand_dtype == torch.float32:  # a module kept in fp32 is the candidate itself: nothing to try
+            trials = []
         tried: list[tuple[list[str], float]] = []
         for modules, fp32_output in trials:
             top1 = self._top1_with_fp32(modules, fp32_output=fp32_output)
@@ -2146,6 +2166,12 @@ class _Comparison:
         if self.root_truth is None or self.logits is None:
             return []
         fixes: list[use.CheckedFix] = []
+        if self.input_fix is not None:  # the inputs' values the format rounds, kept from it (input_cause.py)
+            found, output = self.input_fix
+            got = use.top1(self.root_truth, self._decided(output.to(self.root_truth.device)))
+            if got is not None:
+                fix = found["fix"][0].upper() + found["fix"][1:]
+                fixes.append(use.CheckedFix(fix, found["changed"], got, "inputs_kept", ""))
         if self.state_fix is not None:
             lines, output = self.state_fix
             got = use.top1(self.root_truth, self._decided(output.to(self.root_truth.device)))
@@ -2356,14 +2382,16 @@ def _quantized(model: nn.Module) -> tuple[str, str] | None:
     return None
 
 
-def _unexplained(rows: list[ModuleRow]) -> float | None:
+def _unexplained(rows: list[ModuleRow], conditioning: bool = True) -> float | None:
     """The largest error any part adds by itself (a module's or an own op's isolated error, the
-    output's floor) when the end-to-end error is DIVERGENCE_RATIO times above it; else None."""
+    output's floor; with `conditioning`, an own op's error computed in fp32 from its inputs rounded)
+    when the end-to-end error is DIVERGENCE_RATIO times above it; else None."""
     if not rows or not math.isfinite(rows[-1].propagated):
         return None
     root = rows[-1]
     alone = [r.isolated for r in rows if r.isolated is not None and math.isfinite(r.isolated)]
-    alone += [r.own["forced_rel"] for r in rows if r.own and r.own.get("forced_rel")]  # fp32's conditioning
+    if conditioning:  # fp32's conditioning
+        alone += [r.own["forced_rel"] for r in rows if r.own and r.own.get("forced_rel")]
     explained = max([root.floor, *alone])
     return explained if root.propagated > DIVERGENCE_RATIO * explained else None
 

@@ -6,12 +6,18 @@ and silent: whole numbers kept in a floating tensor (item ids, indices, position
 the features of a tabular batch, as `torch.tensor(df.values)` makes) past the largest whole number
 the format holds exactly (2 / eps: 256 in bf16, 2048 in fp16, 16 in fp8-e4m3). A model that reads
 them back as integers (`.long()`, an embedding's index) reads another row for each one rounding
-moved. Such columns (the last dimension's) are found from the values alone; the fix is checked by
-the reference fed the inputs rounded everywhere but there.
+moved. The other is values far from zero that vary little (unix timestamps, coordinates, prices
+around a baseline): the format's spacing at their magnitude is a large share of their spread, and
+what reads their differences (a time since, a gap) reads the rounding. Both are found per column
+(the last dimension's) from the values alone. The first's fix, kept out of the format, is checked
+by the reference fed the inputs rounded everywhere but there; the second's, one offset subtracted
+in the inputs' own precision before the cast, by the reference fed those columns as the offset plus
+their difference from it rounded to the format (what a model reading differences then computes).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,22 +33,33 @@ def exact_whole(dtype: torch.dtype) -> float:
     return 2.0 / torch.finfo(dtype).eps
 
 
+# A column whose rounding moves it by this many times what rounding a column of the same spread
+# centred on zero would (about eps x spread) is offset-dominated: its offset is >= this many spreads.
+OFFSET_RATIO = 64
+
+
 @dataclass
 class Whole:
-    """Whole numbers in an input tensor past the format's exact range: `columns` of its last
-    dimension (None: the whole tensor), their largest magnitude, the share rounding changes."""
+    """Values in an input tensor the format rounds away: `columns` of its last dimension (None: the
+    whole tensor), their largest magnitude, the share rounding changes; `offset`, where they are not
+    whole numbers but far from zero for their spread, the value subtracted before the cast."""
 
     name: str
     tensor: torch.Tensor
     columns: list[int] | None
     largest: float
     changed: float
+    offset: float | None = None
+    spread: float = 0.0
 
     def where(self) -> str:
         if self.columns is None:
             return f"`{self.name}`"
         cols = ", ".join(str(c) for c in self.columns[:4]) + (" ..." if len(self.columns) > 4 else "")
         return f"column{'s' if len(self.columns) > 1 else ''} {cols} of `{self.name}` (last dimension)"
+
+    def holds(self) -> str:
+        return "hold" if self.columns is not None and len(self.columns) > 1 else "holds"
 
     def values(self) -> torch.Tensor:
         t = self.tensor.detach()
@@ -71,48 +88,134 @@ def whole_numbers(inputs: Any, dtype: torch.dtype) -> list[Whole]:
     return found
 
 
+def offset_columns(inputs: Any, dtype: torch.dtype, skip: list[Whole]) -> list[Whole]:
+    """The floating input tensors' columns (of at least two rows) that are far from zero for their
+    spread: rounding to `dtype` moves them by OFFSET_RATIO times or more what it would move a column
+    of the same spread centred on zero. Columns whose ranges overlap (a pickup's and a drop-off's
+    latitude, two timestamps) share one offset, which keeps their differences exact."""
+    eps, found = torch.finfo(dtype).eps, []
+    taken = {(id(w.tensor), c) for w in skip for c in (w.columns or [])} | {id(w.tensor) for w in skip if not w.columns}
+    for name, t in named_tensors(inputs):
+        if not t.is_floating_point() or t.dim() < 2 or id(t) in taken or torch.finfo(t.dtype).eps >= eps:
+            continue
+        flat = t.detach().reshape(-1, t.shape[-1]).double()
+        if flat.shape[0] < 2 or not bool(torch.isfinite(flat).all()):
+            continue
+        moved = (flat.to(dtype).double() - flat).abs().amax(0)
+        spread = flat.std(0)
+        far = (spread > 0) & (moved > OFFSET_RATIO * eps * spread)
+        columns = [c for c in far.nonzero().flatten().tolist() if (id(t), c) not in taken]
+        low, high = flat.amin(0), flat.amax(0)
+        groups: list[list[int]] = []
+        for c in sorted(columns, key=lambda c: float(low[c])):  # overlapping ranges: one group
+            if groups and float(low[c]) <= max(float(high[g]) for g in groups[-1]):
+                groups[-1].append(c)
+            else:
+                groups.append([c])
+        for group in groups:
+            group.sort()
+            values = flat[:, group]
+            narrowest = float(spread[group].min())
+            step = 10.0 ** math.floor(math.log10(narrowest))  # the offset to the spread's first digit
+            offset = round(float(values.median()) / step) * step
+            changed = float((values.to(dtype).double() != values).double().mean())
+            found.append(Whole(name, t, group, float(values.abs().max()), changed, float(f"{offset:.12g}"), narrowest))
+    return found
+
+
 def rounded_but(inputs: Any, dtype: torch.dtype, found: list[Whole]) -> Any:
-    """`inputs` rounded to `dtype` and back, except the values in `found`, which keep their own."""
-    keep = {id(w.tensor): w for w in found}
+    """`inputs` rounded to `dtype` and back, except the values in `found`: whole numbers keep their
+    own, offset columns become their offset plus their difference from it rounded to `dtype`."""
+    keep: dict[int, list[Whole]] = {}
+    for w in found:
+        keep.setdefault(id(w.tensor), []).append(w)
 
     def cast(t: torch.Tensor) -> torch.Tensor:
         if not t.is_floating_point():
             return t
         out = t.detach().to(dtype).to(t.dtype)
-        w = keep.get(id(t))
-        if w is not None:
+        for w in keep.get(id(t), []):
             if w.columns is None:
                 return t.detach().clone()
-            out[..., w.columns] = t.detach()[..., w.columns]
+            own = t.detach()[..., w.columns]
+            if w.offset is not None:
+                own = (own - w.offset).to(dtype).to(t.dtype) + w.offset
+            out[..., w.columns] = own
         return out
 
     return map_tensors(inputs, cast)
 
 
 def cause(
-    inputs: Any, dtype: torch.dtype, label: str, floor_with: Callable[[Any], float | None]
+    inputs: Any,
+    dtype: torch.dtype,
+    label: str,
+    floor_with: Callable[[Any], float | None],
+    own: str = "fp32",
 ) -> dict[str, Any] | None:
-    """The whole numbers the candidate's format rounds, and the input floor without rounding them
-    (`floor_with(inputs rounded but there)`, the reference's end-to-end error), or None."""
-    found = whole_numbers(inputs, dtype)
+    """The whole numbers and the offset-dominated columns the candidate's format rounds, and the input
+    floor with the fix in place (`floor_with(inputs rounded but there)`, the reference's end-to-end
+    error), or None. `own`: the inputs' own precision (fp32, or fp64 against an fp32 candidate)."""
+    whole = whole_numbers(inputs, dtype)
+    offsets = offset_columns(inputs, dtype, whole)
+    found = whole + offsets
     if not found:
         return None
-    where = "; ".join(
-        f"{w.where()} holds whole numbers up to {w.largest:g}, {w.changed:.0%} of which rounding to {label} moves"
-        for w in found
+    said, fixes = [], []
+    if whole:
+        where = "; ".join(
+            f"{w.where()} {w.holds()} whole numbers up to {w.largest:g}, {w.changed:.0%} of which rounding to {label} "
+            "moves"
+            for w in whole
+        )
+        said.append(
+            f"{where[0].upper()}{where[1:]}: {label} holds whole numbers exactly only up to {exact_whole(dtype):g}, "
+            "so ids, indices or counts read back from them (`.long()`, an index) are other ones, and differences "
+            "of them (a time since) are multiples of its spacing."
+        )
+        fixes.append(
+            f"keep those values out of the {label} tensor: pass them as an integer tensor (torch.long) beside the "
+            f"features (differences of them taken in integers, then cast), or keep the input in {own} and cast only "
+            f"the features to {label} after the integers are read"
+        )
+    for w in offsets:
+        spacing = float(torch.finfo(dtype).eps) * 2.0 ** math.floor(math.log2(max(abs(w.offset or 0.0), 1e-300)))
+        said.append(
+            f"{w.where()[0].upper()}{w.where()[1:]} {w.holds()} values near {w.offset:.6g} that vary by as little as "
+            f"{w.spread:.3g} (their spread), where {label}'s spacing is {spacing:.3g}: rounding moves {w.changed:.0%} "
+            "of them."
+        )
+        fixes.append(
+            f"subtract one offset from {w.where()} before the cast to {label}, in {own}: pass "
+            f"`x[..., {w.columns if w.columns is None or len(w.columns) > 1 else w.columns[0]}] - {w.offset:.10g}` "
+            "(one value for all of them keeps their differences exact; a constant the model subtracts from them is "
+            "then less that offset too)"
+        )
+    if offsets:
+        said.append("What reads their differences (a time since, a gap, a distance) reads the rounding.")
+    kinds = (
+        ("whole numbers " if whole else "")
+        + ("and " if whole and offsets else "")
+        + ("values far from zero for their spread " if offsets else "")
     )
     return {
-        "message": (
-            f" {where[0].upper()}{where[1:]}: {label} holds whole numbers exactly only up to "
-            f"{exact_whole(dtype):g}, so ids, indices or counts read back from them (`.long()`, an index) "
-            "are other ones."
-        ),
-        "fix": (
-            f"keep those values out of the {label} tensor: pass them as an integer tensor (torch.long) beside "
-            f"the features, or keep the input in fp32 and cast only the features to {label} after the ids are "
-            "read"
-        ),
-        "columns": [{"input": w.name, "columns": w.columns, "largest": w.largest, "changed": w.changed} for w in found],
+        "message": " " + " ".join(said),
+        "fix": "; and ".join(fixes),
+        "title": f"The inputs hold {kinds}that {label} cannot",
+        "columns": [
+            {
+                "input": w.name,
+                "columns": w.columns,
+                "largest": w.largest,
+                "changed": w.changed,
+                **({"offset": w.offset, "spread": w.spread} if w.offset is not None else {}),
+            }
+            for w in found
+        ],
         "floor_without": floor_with(rounded_but(inputs, dtype, found)),
-        "changed": f"every input value rounded to {label} except {', '.join(w.where() for w in found)}",
+        "changed": f"every input value rounded to {label} except "
+        + ", ".join(
+            w.where() + (f" (their difference from {w.offset:.10g} rounded instead)" if w.offset is not None else "")
+            for w in found
+        ),
     }

@@ -101,10 +101,12 @@ def input_rounding_error(
     rng: RngState,
     noise: ReplayNoise | None,
     rounded: Any = None,
+    keep: list[torch.Tensor] | None = None,
 ) -> float | None:
     """The end-to-end error of `run` (the reference, in `dtype`) fed the inputs rounded to the
     candidate's dtype: what rounding the inputs alone costs, which no part kept in fp32 undoes.
-    `rounded`: the inputs rounded otherwise (some values kept, input_cause.rounded_but)."""
+    `rounded`: the inputs rounded otherwise (some values kept, input_cause.rounded_but); `keep` gets
+    the run's output (its first floating tensor), for what it decides."""
     if rounded is None:
         rounded = cast_inputs(inputs, cand_dtype)
     args, kwargs = split_inputs(cast_inputs(rounded, dtype, copy=True))
@@ -113,9 +115,13 @@ def input_rounding_error(
         noise.position = 0
     try:
         with torch.no_grad(), noise if noise is not None else contextlib.nullcontext():
-            out = flat_sample(run(*args, **kwargs))
+            output = run(*args, **kwargs)
     except Exception:  # the rounded inputs take another path that fails: no floor to speak of
         return None
+    out = flat_sample(output)
+    first = next(floating(output), None) if keep is not None else None
+    if keep is not None and first is not None:
+        keep.append(first.detach())
     if out is None or out.numel() != truth.numel():
         return None
     return rel_error(out, truth, norm)

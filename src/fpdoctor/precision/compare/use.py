@@ -258,6 +258,12 @@ def finding(
             "No fix tried gives the decisions back: run `fpdoctor plan` for a larger set of modules and check it "
             f"by {metric}."
         )
+        if label == "fp32":  # plan keeps modules in fp32, which this candidate already is
+            fix = (
+                "No fix tried gives the decisions back. Keeping modules in fp32 (what `fpdoctor plan` does) cannot, "
+                "as the candidate is fp32: the rows above name the modules whose error is largest against their "
+                "floor; compute those in fp64 (.double()) where the decisions must match fp64's."
+            )
         if found.kind == "ids":  # a free-running loop parts at its first near-tie whatever is kept
             fix = (
                 "No module kept in fp32 gives the ids back: a decoding loop that feeds its own argmax back parts "
@@ -271,6 +277,13 @@ def finding(
             f"the next step, not a fix that was tried: each one tried left {metric} at {pct(at_best)} at "
             f"best against {pct(found.top1)} ({each})"
         )
+    elif label == "fp32":
+        fix = (
+            "Compute the modules whose error is largest against their floor (the rows above) in fp64 (.double()) "
+            "where the decisions must match fp64's: keeping modules in fp32 (what `fpdoctor plan` does) is the "
+            "candidate itself."
+        )
+        trial = Trial.untried("a module kept in fp32 is the fp32 candidate itself: no run could put a fix in place")
     else:
         fix = f"Keep {names([head]) if head else 'the logits layer'} in fp32, returning fp32 logits."
         trial = Trial.untried("no module of the model could be re-run in fp32 in its place")
