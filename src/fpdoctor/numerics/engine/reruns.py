@@ -188,6 +188,9 @@ class Experiment:
     # instead (what writing torch.finfo(x.dtype).min does): that value and the symptom op's max |x| then
     saturated_fix: tuple[float, float] | None = None
     autocast_cast: bool = False  # a cast past the format's range that no line writes (autocast's, of an input)
+    # a cast the script writes of data past the format's range (a batch's targets or features in large units,
+    # nothing autograd records): their largest |value|, which no precision of the cast alone makes room for
+    data_cast: float | None = None
     stable: stable.Checked | None = None  # the chain is a composite with a stable form, checked (stable.py)
     completed: list[Record] = field(default_factory=list)  # its ops, where the form ran on past the chain
     # the walk reached a random draw made in a narrow dtype, and a fresh fp32 draw cures the chain:
@@ -486,6 +489,13 @@ class Experiment:
         if found is None:
             return text, message, fix, trial
         how = "the ops from the change down to the loss re-run with it in place, the rest as they ran"
+        if self.data_cast is not None:  # the fix is a rescale; the check measured the cast kept wide, not it
+            if found.after is None or found.gradients_left or found.judged == "gradients":
+                fix += (
+                    f" (Checked: with {found.changed}, the step's loss or its gradients through those ops are still "
+                    "non-finite.)"
+                )
+            return text, message, fix, trial
         with_ = f"with {found.changed}" if ";" not in found.changed else f"with these together ({found.changed})"
         if found.judged == "gradients":
             if found.after is not None:
@@ -600,6 +610,28 @@ class Experiment:
             + last
         )
 
+    def _data_cast_fix(self, at: str, checked: str) -> tuple[str, Trial]:
+        """Data past the format's range, cast by the script (prices in dollars to fp16): the cast kept in
+        fp32 is finite (`checked`), but the model in the format that reads them or is fitted to them (its
+        output, a loss against them, their gradients) cannot hold values of that size either: the values
+        must be brought into range, in their units, before the cast."""
+        assert self.data_cast is not None
+        limit = _limit(self.dtype) or 0.0
+        fix = (
+            f"Bring the values cast{at} into {self.dtype}'s range before the cast: they are data in large units "
+            f"(largest {_num(self.data_cast)}, {self.data_cast / limit:.3g}x {self.dtype}'s {limit:g}). "
+            "Standardise them with statistics taken once over the training set ((x - mean) / std; where they are "
+            "targets, a prediction is then prediction * std + mean in their units), or divide them by a fixed "
+            f"scale. Keeping the cast in fp32 alone is not the fix: {checked}, but a {self.dtype} model fitted to "
+            f"or reading values of that size (its output, the loss's gradient, a layer's input) passes "
+            f"{self.dtype}'s range itself. Training in fp32 or bf16 is the other way."
+        )
+        trial = Trial.untried(
+            "a rescale changes the units the model learns in, which a re-run of this step cannot judge (the cast "
+            f"kept in {self.checked_in or 'fp64'} was: finite, and not the fix)"
+        )
+        return fix, trial
+
     def _word_origin_at_op(self, label: str, message: str, advice: str) -> tuple[str, str, str, Trial]:
         """The origin named; where it is the op itself, its own advice stays, with the check."""
         origin = self.origin
@@ -679,6 +711,8 @@ class Experiment:
                     on="the inputs these ops read in this run",
                 )
             return text, message + why, self._range_cast_fix(at, checked, gradient=origin.phase == "backward"), trial
+        if self.data_cast is not None and self.cast is not None:
+            return text, message + why, *self._data_cast_fix(at, checked)
         if self.stable is not None and self.stable.scaled:
             ran = self.form_records
             return text, message + why, *self._stable_fix(_lines(ran))
@@ -1624,6 +1658,16 @@ def _past_range(step: Step) -> bool:
     return bool(finite.numel()) and float(finite.abs().max()) > float(torch.finfo(dtype).max)
 
 
+def _data_past_range(step: Step) -> float | None:
+    """A forward cast outside any module of a tensor autograd records nothing of (data: targets or
+    features as the batch holds them) whose values pass its format's largest: their largest |value|."""
+    source = next((t for t in tree_flatten(step.args)[0] if isinstance(t, torch.Tensor)), None)
+    if step.record.module is not None or source is None or source.requires_grad or source.grad_fn is not None:
+        return None
+    finite = source[torch.isfinite(source)]
+    return float(finite.abs().max()) if finite.numel() else None
+
+
 # a cast as a line writes it: .half(), .bfloat16(), .type(...), .type_as(...), dtype=..., .to(...) of
 # anything but a device
 # a cast the line writes; `.to(` a device is a move, however the device is named (args.device, local_rank)
@@ -1858,6 +1902,8 @@ def _settle_origin(
                 experiment.autocast_cast = True
             elif _sentinel_like(origin):  # a mask value past the range: its limit is the value to write
                 experiment.saturated_fix = _try_saturated(origin, chain, lookup, symptom)
+            else:
+                experiment.data_cast = _data_past_range(origin)
     except Exception:
         pass
     try:  # a composite torch computes in a stable form (stable.py): that form is the fix
