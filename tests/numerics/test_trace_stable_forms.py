@@ -53,6 +53,43 @@ def test_a_hand_written_binary_cross_entropy_gets_logsigmoid_checked_at_the_form
     assert torch.isfinite(loss)
 
 
+def test_a_focal_loss_with_both_halves_on_one_line_gets_the_whole_cross_entropy_and_then_trains() -> None:
+    """trial134: the fix named the half that broke (log(1 - p)); applied alone, the other half (log(p)) broke
+    eleven steps later. Both halves on the line: the fix is the cross-entropy from the logits, which trains."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 8)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).half()
+    model = nn.Linear(8, 1).half()
+    opt = torch.optim.SGD(model.parameters(), lr=2.0)
+
+    def step(fixed: bool = False) -> float:
+        z = model(x.half()).squeeze(-1)
+        if fixed:
+            bce = F.binary_cross_entropy_with_logits(z, y, reduction="none")
+            p_t = torch.exp(-bce)
+        else:
+            p = torch.sigmoid(z)
+            bce = -(y * p.log() + (1 - y) * (1 - p).log())
+            p_t = y * p + (1 - y) * (1 - p)
+        loss = (bce * (1 - p_t) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    with fpdoctor.Trace() as tr:
+        losses = [step() for _ in range(60)]
+    assert not all(math.isfinite(v) for v in losses)  # the premise: the confident classifier breaks
+    first = tr.report.findings[0]
+    assert first.fix.startswith("Write F.binary_cross_entropy_with_logits(z, y, reduction='none')"), first.fix
+    assert "The other side likewise" not in first.fix and first.trial is not None and first.trial.tried
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1).half()
+    opt = torch.optim.SGD(model.parameters(), lr=2.0)
+    fixed = [step(fixed=True) for _ in range(300)]  # as printed, five times as long: finite throughout
+    assert all(math.isfinite(v) for v in fixed) and fixed[-1] < fixed[0], fixed[::50]
+
+
 def test_a_cross_entropy_written_as_log_of_softmax_gets_log_softmax() -> None:
     model, x, y = _confident(dim=10)
 

@@ -429,7 +429,13 @@ class Experiment:
     def _stable_fix(self, where: str) -> tuple[str, Trial]:
         checked = self.stable
         assert checked is not None
-        fix = _stable_fix_text(checked, where, self.op)
+        # a binary cross-entropy by hand holds both halves, log(p) and log(1 - p), on its line: the form of
+        # the half that broke alone moves the overflow to the other as the model grows confident
+        ran = self.form_records or self.chain
+        both = checked.form.ops[0] == "sigmoid" and any(
+            len(re.findall(r"\blog\(", _line_text(r))) >= 2 for r in ran if r.location
+        )
+        fix = _stable_fix_text(checked, where, self.op, both_halves=both)
         trial = Trial.checked(
             f"{checked.form.written} replaced by {checked.form.stable}, in {checked.dtype}",
             metric=f"{self.op}'s output",
@@ -774,14 +780,23 @@ def _after_checked(fix: str, sentence: str) -> str:
     return fix[:cut] + sentence + fix[cut:]
 
 
-def _stable_fix_text(checked: stable.Checked, where: str, op: str) -> str:
+def _stable_fix_text(checked: stable.Checked, where: str, op: str, *, both_halves: bool = False) -> str:
     form = checked.form
     # the names the form writes, as imports: pasted into a file that has not imported them, it runs
     needs = [
         i for name, i in (("F.", "import torch.nn.functional as F"), ("math.", "import math")) if name in form.stable
     ]
+    lead = f"Write {form.stable} instead of {form.written} at {where}"
+    if both_halves:
+        lead = (
+            f"Write F.binary_cross_entropy_with_logits(z, y, reduction='none') for the cross-entropy written by hand "
+            f"at {where}: both of its halves, as log(sigmoid(z)) is F.logsigmoid(z) and log(1 - sigmoid(z)) is "
+            f"F.logsigmoid(-z) (replacing only the half that broke here, {form.written}, moves the overflow to the "
+            "other as the model grows confident)"
+        )
+        needs = ["import torch.nn.functional as F"]
     text = (
-        f"Write {form.stable} instead of {form.written} at {where}"
+        lead
         + (f", then take its {', '.join(checked.picked)} as your code does" if checked.picked else "")
         + f": torch computes it {form.why}. In "
         f"{checked.dtype} on the inputs this step read, {op}'s "
@@ -797,7 +812,7 @@ def _stable_fix_text(checked: stable.Checked, where: str, op: str) -> str:
             "; the same lines in fp32, finite on this step's inputs, are non-finite on those scaled inputs (checked): "
             "more precision only moves the edge, which a model that grows confident crosses later"
         )
-    if form.ops[0] == "sigmoid":
+    if form.ops[0] == "sigmoid" and not both_halves:
         text += (
             ". The other side likewise: log(sigmoid(z)) is F.logsigmoid(z), log(1 - sigmoid(z)) is F.logsigmoid(-z); "
             "for a binary cross-entropy written by hand, F.binary_cross_entropy_with_logits(z, y) is both"
