@@ -99,3 +99,71 @@ def test_an_fp32_candidate_gets_the_checked_input_fix_for_its_decisions_not_plan
     assert changed.trial is not None and changed.trial.tried, changed
     assert changed.fix.startswith("Subtract one offset"), changed.fix
     assert "kept_in_fp32_tried" not in changed.evidence or changed.evidence["kept_in_fp32_tried"] == []
+
+
+class Eta(nn.Module):
+    """A trip's duration from its pickup and drop-off times (unix seconds with fractions): the two
+    columns' ranges do not overlap (half an hour apart), and their difference is what is read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(torch.stack([(x[:, 1] - x[:, 0]) / 60.0 - 32.0, x[:, 2]], dim=1))
+
+
+class Bearing(Trip):
+    """The trip model reading a latitude's value too (east scaled by its cosine): no offset subtracted
+    before the cast leaves the model computing the same thing."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        north = (x[:, 2] - x[:, 0]) * 111.0
+        east = (x[:, 3] - x[:, 1]) * 111.0 * torch.cos(x[:, 0] * (3.141592653589793 / 180))
+        return self.net(torch.stack([north, east, x[:, 4], x[:, 5]], dim=1))
+
+
+def _fixed(x: torch.Tensor, fix: str) -> torch.Tensor:
+    printed = re.findall(r"`x\[\.\.\., \[([0-9, ]+)\]\] - (-?[0-9.e+]+)`", fix)
+    assert printed, fix
+    fixed = x.clone()
+    for columns, offset in printed:
+        fixed[..., [int(c) for c in columns.split(",")]] -= float(offset)
+    return fixed
+
+
+def test_columns_whose_ranges_do_not_overlap_but_whose_difference_is_read_share_one_offset() -> None:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    start = 1.7e9 + 60 * torch.rand(2048, generator=g, dtype=torch.float64)
+    x = torch.stack([start, start + 1800 + 300 * torch.rand(2048, generator=g, dtype=torch.float64),
+                     torch.randn(2048, generator=g, dtype=torch.float64)], dim=1)  # fmt: skip
+    model = Eta().eval()
+    result = fpdoctor.compare(model, x, candidate="fp32", reference="fp64")
+    first = result.report.findings[0]
+    assert first.evidence["kind"] == "input-rounding", str(result.report)
+    assert [f["columns"] for f in first.evidence["whole_numbers"]] == [[0, 1]], first.evidence
+    with torch.no_grad():
+        truth = model.double()(x.double())
+        before = model.float()(x.float()).double()
+        after = model(_fixed(x, first.fix).float()).double()
+    rel = lambda out: float((out - truth).norm() / truth.norm())  # noqa: E731
+    assert rel(after) < rel(before) / 100, (rel(before), rel(after))
+
+
+def test_an_offset_fix_is_not_printed_for_a_model_that_reads_the_values_themselves() -> None:
+    torch.manual_seed(0)
+    result = fpdoctor.compare(Bearing().eval(), _trips(), candidate="bf16")
+    assert all(
+        "Subtract one offset" not in f.fix and "subtract one offset" not in f.fix for f in result.report.findings
+    )
+    assert result.report.verdict != "ok", str(result.report)
+
+
+def test_an_fp8_candidate_still_tries_the_modules_that_give_its_decisions_back() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 512)).eval()
+    result = fpdoctor.compare(model, torch.randn(512, 32), candidate="fp8-e4m3")
+    (changed,) = [f for f in result.report.findings if f.name == "decisions-changed"]
+    assert changed.evidence["kept_in_fp32_tried"], changed.evidence
+    assert changed.trial is not None and changed.trial.tried, changed.trial

@@ -417,6 +417,8 @@ def build_report(
 # The whole model's error is put down to rounding its inputs when the reference, fed the rounded
 # inputs, is already within 2x (6 dB) of it.
 INPUT_EXPLAINS = 2.0
+# a fix of the inputs (input_cause.py) is the fix where it takes the input floor down this many times
+INPUT_FIX_FALLS = 10.0
 
 
 def _root_finding(
@@ -552,7 +554,7 @@ def _input_finding(
         f"comes from the inputs, as {rounding}."
     )
     after = (found or {}).get("floor_without")
-    if found and after is not None and after * INPUT_EXPLAINS < input_floor:
+    if found and after is not None and after * INPUT_FIX_FALLS < input_floor:
         finding = catalog.make(
             "precision-divergence",
             title=found.get("title") or f"The inputs hold whole numbers that {candidate} cannot",

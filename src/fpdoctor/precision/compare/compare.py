@@ -122,7 +122,7 @@ from fpdoctor.precision.metrics import (
 from fpdoctor.precision.names import default_reference
 from fpdoctor.precision.profile import (
     DIVERGENCE_RATIO,
-    INPUT_EXPLAINS,
+    INPUT_FIX_FALLS,
     RAISED_FALLS,
     UNKNOWN_FLOOR,
     UNTRIED_BY_COMPARE,
@@ -1242,19 +1242,22 @@ class _Comparison:
             return None
         if input_floor <= DIVERGENCE_RATIO * root.floor:
             return None
-        kept: list[torch.Tensor] = []
-        own = "fp64" if self.cand_dtype == torch.float32 else "fp32"  # what the inputs stay in before the cast
-        found = input_cause.cause(
-            self.inputs, self.cand_dtype, self.candidate, lambda x: self._floor_with(x, kept), own
-        )
+
+        def floor_with(rounded: Any) -> tuple[float | None, torch.Tensor | None]:
+            kept: list[torch.Tensor] = []
+            return self._floor_with(rounded, kept), kept[-1] if kept else None
+
+        own = "fp64" if self.candidate == "fp32" else "fp32"  # what the inputs stay in before the cast
+        found = input_cause.cause(self.inputs, self.cand_dtype, self.candidate, floor_with, own)
+        output = found.pop("output", None) if found else None
         if _unexplained(rows) is None and not any(r.module == "" and r.diverged for r in rows):
             # an own op's conditioning at rounded inputs explains the error: said only where a fix of the inputs
             # was found and takes it away (else it is what any computation in the candidate's format loses)
             after = (found or {}).get("floor_without")
-            if after is None or after * INPUT_EXPLAINS >= input_floor:
+            if after is None or after * INPUT_FIX_FALLS >= input_floor:
                 return None
-        if found and kept:
-            self.input_fix = (found, kept[-1])
+        if found and output is not None:
+            self.input_fix = (found, output)
         return found or {}
 
     # -- step 5: an error no part makes alone: the running state that accumulates it ---------------
@@ -2115,7 +2118,7 @@ class _Comparison:
         before = self._leaf_before(head)
         if before is not None:
             trials.append(([before, head], True))
-        if self.cand_dtype == torch.float32:  # a module kept in fp32 is the candidate itself: nothing to try
+        if self.candidate == "fp32":  # a module kept in fp32 is the candidate itself: nothing to try
             trials = []
         tried: list[tuple[list[str], float]] = []
         for modules, fp32_output in trials:
@@ -2166,7 +2169,10 @@ class _Comparison:
         if self.root_truth is None or self.logits is None:
             return []
         fixes: list[use.CheckedFix] = []
-        if self.input_fix is not None:  # the inputs' values the format rounds, kept from it (input_cause.py)
+        emitted = any(  # the fix the finding on the end-to-end error printed, not one another finding outranked
+            f.evidence.get("kind") == "input-rounding" and "whole_numbers" in f.evidence for f in result.report.findings
+        )
+        if self.input_fix is not None and emitted:  # the inputs' values the format rounds (input_cause.py)
             found, output = self.input_fix
             got = use.top1(self.root_truth, self._decided(output.to(self.root_truth.device)))
             if got is not None:

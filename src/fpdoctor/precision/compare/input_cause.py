@@ -10,9 +10,13 @@ moved. The other is values far from zero that vary little (unix timestamps, coor
 around a baseline): the format's spacing at their magnitude is a large share of their spread, and
 what reads their differences (a time since, a gap) reads the rounding. Both are found per column
 (the last dimension's) from the values alone. The first's fix, kept out of the format, is checked
-by the reference fed the inputs rounded everywhere but there; the second's, one offset subtracted
-in the inputs' own precision before the cast, by the reference fed those columns as the offset plus
-their difference from it rounded to the format (what a model reading differences then computes).
+by the reference fed the inputs rounded everywhere but there; the second's, an offset subtracted in
+the inputs' own precision before the cast, by the reference fed exactly what the fix feeds the
+candidate: those columns less the offset, rounded to the format. A model that reads only their
+differences gives the same output; one that reads their values (an hour of the day, a cosine of a
+latitude, a constant subtracted inside) does not, and the fix is not printed. Columns whose ranges
+overlap share an offset; where differences between groups matter too (a pickup and a drop-off half
+an hour apart), one offset for every such column is tried as well.
 """
 
 from __future__ import annotations
@@ -99,11 +103,12 @@ def offset_columns(inputs: Any, dtype: torch.dtype, skip: list[Whole]) -> list[W
         if not t.is_floating_point() or t.dim() < 2 or id(t) in taken or torch.finfo(t.dtype).eps >= eps:
             continue
         flat = t.detach().reshape(-1, t.shape[-1]).double()
-        if flat.shape[0] < 2 or not bool(torch.isfinite(flat).all()):
+        if flat.shape[0] < 2:
             continue
         moved = (flat.to(dtype).double() - flat).abs().amax(0)
         spread = flat.std(0)
-        far = (spread > 0) & (moved > OFFSET_RATIO * eps * spread)
+        # a column that holds a NaN or an Inf has a NaN spread or move: never far (the others are judged)
+        far = torch.isfinite(flat).all(0) & (spread > 0) & (moved > OFFSET_RATIO * eps * spread)
         columns = [c for c in far.nonzero().flatten().tolist() if (id(t), c) not in taken]
         low, high = flat.amin(0), flat.amax(0)
         groups: list[list[int]] = []
@@ -125,7 +130,8 @@ def offset_columns(inputs: Any, dtype: torch.dtype, skip: list[Whole]) -> list[W
 
 def rounded_but(inputs: Any, dtype: torch.dtype, found: list[Whole]) -> Any:
     """`inputs` rounded to `dtype` and back, except the values in `found`: whole numbers keep their
-    own, offset columns become their offset plus their difference from it rounded to `dtype`."""
+    own, offset columns become their difference from the offset rounded to `dtype` (what the fix
+    feeds the model: x - offset, then the cast)."""
     keep: dict[int, list[Whole]] = {}
     for w in found:
         keep.setdefault(id(w.tensor), []).append(w)
@@ -139,28 +145,61 @@ def rounded_but(inputs: Any, dtype: torch.dtype, found: list[Whole]) -> Any:
                 return t.detach().clone()
             own = t.detach()[..., w.columns]
             if w.offset is not None:
-                own = (own - w.offset).to(dtype).to(t.dtype) + w.offset
+                own = (own - w.offset).to(dtype).to(t.dtype)
             out[..., w.columns] = own
         return out
 
     return map_tensors(inputs, cast)
 
 
-def cause(
-    inputs: Any,
-    dtype: torch.dtype,
-    label: str,
-    floor_with: Callable[[Any], float | None],
-    own: str = "fp32",
-) -> dict[str, Any] | None:
+def one_offset(groups: list[Whole]) -> list[Whole]:
+    """The groups of each tensor merged under one offset (their values' median, to the narrowest
+    spread's first digit), which keeps differences between the groups exact too."""
+    merged: dict[int, list[Whole]] = {}
+    for w in groups:
+        merged.setdefault(id(w.tensor), []).append(w)
+    out = []
+    for ws in merged.values():
+        if len(ws) == 1:
+            out.append(ws[0])
+            continue
+        first = ws[0]
+        columns = sorted(c for w in ws for c in (w.columns or []))
+        values = first.tensor.detach().reshape(-1, first.tensor.shape[-1]).double()[:, columns]
+        narrowest = min(w.spread for w in ws)
+        step = 10.0 ** math.floor(math.log10(narrowest))
+        offset = float(f"{round(float(values.median()) / step) * step:.12g}")
+        changed = sum(w.changed * len(w.columns or []) for w in ws) / len(columns)
+        out.append(Whole(first.name, first.tensor, columns, max(w.largest for w in ws), changed, offset, narrowest))
+    return out
+
+
+Floor = Callable[[Any], tuple[float | None, Any]]  # inputs -> the reference's end-to-end error fed them, its output
+
+
+def cause(inputs: Any, dtype: torch.dtype, label: str, floor_with: Floor, own: str = "fp32") -> dict[str, Any] | None:
     """The whole numbers and the offset-dominated columns the candidate's format rounds, and the input
-    floor with the fix in place (`floor_with(inputs rounded but there)`, the reference's end-to-end
-    error), or None. `own`: the inputs' own precision (fp32, or fp64 against an fp32 candidate)."""
+    floor with the fix in place (`floor_with(inputs as the fix feeds them)`: the reference's end-to-end
+    error and its output), or None. The offsets are tried per group of overlapping columns and as one
+    offset per tensor; the layout with the lower floor is the fix, and offsets that lower nothing
+    are dropped (the model reads their values, not their differences). `own`: the inputs' own
+    precision (fp32, or fp64 against an fp32 candidate)."""
     whole = whole_numbers(inputs, dtype)
-    offsets = offset_columns(inputs, dtype, whole)
-    found = whole + offsets
-    if not found:
+    groups = offset_columns(inputs, dtype, whole)
+    if not whole and not groups:
         return None
+    layouts = [whole + groups] if groups else []
+    if groups and len(one_offset(groups)) < len(groups):
+        layouts.append(whole + one_offset(groups))
+    if whole:
+        layouts.append(list(whole))
+    floor, output, found = math.inf, None, layouts[0]
+    for layout in layouts:
+        error, out = floor_with(rounded_but(inputs, dtype, layout))
+        if error is not None and error < floor:
+            floor, output, found = error, out, layout
+    whole = [w for w in found if w.offset is None]
+    offsets = [w for w in found if w.offset is not None]
     said, fixes = [], []
     if whole:
         where = "; ".join(
@@ -188,8 +227,7 @@ def cause(
         fixes.append(
             f"subtract one offset from {w.where()} before the cast to {label}, in {own}: pass "
             f"`x[..., {w.columns if w.columns is None or len(w.columns) > 1 else w.columns[0]}] - {w.offset:.10g}` "
-            "(one value for all of them keeps their differences exact; a constant the model subtracts from them is "
-            "then less that offset too)"
+            "(the model then reads the same differences; checked on the reference fed exactly that)"
         )
     if offsets:
         said.append("What reads their differences (a time since, a gap, a distance) reads the rounding.")
@@ -212,10 +250,10 @@ def cause(
             }
             for w in found
         ],
-        "floor_without": floor_with(rounded_but(inputs, dtype, found)),
+        "floor_without": floor if math.isfinite(floor) else None,
+        "output": output,
         "changed": f"every input value rounded to {label} except "
         + ", ".join(
-            w.where() + (f" (their difference from {w.offset:.10g} rounded instead)" if w.offset is not None else "")
-            for w in found
+            w.where() + (f" (fed less {w.offset:.10g}, then rounded)" if w.offset is not None else "") for w in found
         ),
     }
