@@ -73,7 +73,13 @@ def add_precision_args(p: argparse.ArgumentParser, candidates: tuple[str, ...], 
         required=not record,
         metavar="|".join(candidates),
         help="the precision to judge; torch's names work too (float16, half, bfloat16, float8_e4m3fn)"
-        + ("; required, except with --save-reference (default fp32) and --against (the record's)" if record else ""),
+        + (
+            "; or FILE.py:FUNCTION, a function of yours that takes the model and returns the candidate it makes "
+            "(quantize_dynamic, a pruning); required, except with --save-reference (default fp32) and --against "
+            "(the record's)"
+            if record
+            else ""
+        ),
     )
     fp64_too = "; fp64 for an fp32 candidate without --device" if record else ""
     p.add_argument("--reference", default=None if record else "fp32", metavar="|".join(REFERENCES),
@@ -129,7 +135,10 @@ def run(args: argparse.Namespace) -> int:
     from fpdoctor.precision.record.record import CompareRecord, RecordError
 
     record = None
-    if args.against is not None:  # the record first: a bad file is known before a long run
+    transform = None
+    if args.candidate is not None and model_spec.is_function_spec(args.candidate):  # a function of the user's
+        transform = _transform_args(args)
+    elif args.against is not None:  # the record first: a bad file is known before a long run
         try:
             record = CompareRecord.load(args.against)
         except RecordError as exc:
@@ -137,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         candidate, reference, fp8_kernel = args.candidate, args.reference, args.fp8_kernel
     elif args.save_reference is not None and args.candidate is None:
         args.candidate = "fp32"
-    if record is None:
+    if record is None and transform is None:
         candidate, reference, fp8_kernel = check_precision_args(args, CANDIDATES)
     if args.save_reference is not None:
         _check_record_path(args)
@@ -149,6 +158,15 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     model, inputs = model_spec.load(args.model)
+    if transform is not None:
+        try:
+            result = compare(model, inputs, candidate=transform, decisions=args.decisions)
+        except ReferenceFailed as exc:
+            raise UsageError(f"{exc}; {exc.fix}") from None
+        except ValueError as exc:  # the function made no model, or its model does not run on the inputs
+            raise UsageError(str(exc)) from None
+        emit(result.report.to_dict(), args)
+        return result.report.exit_code
     try:
         result = compare(
             model,
@@ -173,6 +191,25 @@ def run(args: argparse.Namespace) -> int:
         summary[:] = [(k, v.replace("compare MODEL --against", mine) if isinstance(v, str) else v) for k, v in summary]
     emit(result.report.to_dict(), args)
     return result.report.exit_code
+
+
+def _transform_args(args: argparse.Namespace) -> Any:
+    """`--candidate FILE.py:FUNCTION`: the function, after the options it cannot take are refused."""
+    from fpdoctor.cli import model_spec
+
+    given = {
+        "--reference": args.reference, "--device": args.device, "--module": args.module,
+        "--save-reference": args.save_reference, "--against": args.against,
+        "--inputs-as-given": args.inputs_as_given or None,
+        "--fp8-kernel": args.fp8_kernel,
+    }  # fmt: skip
+    extra = [k for k, v in given.items() if v is not None]
+    if extra:
+        raise UsageError(
+            f"--candidate {args.candidate} (a model your function makes, judged against fp64 in fp32) takes no "
+            f"{', '.join(extra)}"
+        )
+    return model_spec.load_function(args.candidate)
 
 
 def _check_record_path(args: argparse.Namespace) -> None:

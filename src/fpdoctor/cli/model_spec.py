@@ -43,16 +43,52 @@ def _import_module(target: str) -> Any:
 
 
 def load(spec: str) -> tuple[Any, Any]:
+    factory = _callable(spec, USAGE, "factory")
+    try:
+        made = factory()
+    except Exception as exc:
+        raise UsageError(f"the factory {spec} raised {type(exc).__name__}: {exc}") from exc
+    import torch
+
+    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
+        what = type(made).__name__
+        if isinstance(made, torch.nn.Module):
+            what = "a model without inputs"
+        raise UsageError(
+            f"the factory {spec} returned {what}; it must return (model, inputs), e.g. (model, torch.randn(8, 64)) "
+            "(see `fpdoctor compare --help`)"
+        )
+    return made
+
+
+TRANSFORM_USAGE = (
+    "--candidate FILE.py:FUNCTION (or package.module:FUNCTION) names a function that takes the model and returns the "
+    "candidate it makes (quantize_dynamic, a pruning)"
+)
+
+
+def is_function_spec(value: str) -> bool:
+    """`file.py:function` or `package.module:function`: a function of the user's, not a precision's name."""
+    target, sep, name = value.rpartition(":")
+    return bool(sep and target and name)
+
+
+def load_function(spec: str) -> Any:
+    """The function `spec` names (imported as MODEL's factory is), not called."""
+    return _callable(spec, TRANSFORM_USAGE, "function")
+
+
+def _callable(spec: str, usage: str, noun: str) -> Any:
     target, sep, factory_name = spec.rpartition(":")
     if not sep or not target or not factory_name.isidentifier():
-        raise UsageError(f"{spec!r}: {USAGE}")
+        raise UsageError(f"{spec!r}: {usage}")
     if target.endswith(".py") or os.sep in target:
         if not os.path.isfile(target):
-            raise UsageError(f"{target}: no such file ({USAGE})")
+            raise UsageError(f"{target}: no such file ({usage})")
         name = f"fpdoctor_model_{abs(hash(os.path.abspath(target)))}"
         module_spec = importlib.util.spec_from_file_location(name, target)
         if module_spec is None or module_spec.loader is None:
-            raise UsageError(f"{target}: cannot be imported as Python ({USAGE})")
+            raise UsageError(f"{target}: cannot be imported as Python ({usage})")
         module = importlib.util.module_from_spec(module_spec)
         # its directory stays on sys.path, as for `python file.py`: the factory and the model's
         # forward may import their neighbours later
@@ -69,24 +105,10 @@ def load(spec: str) -> tuple[Any, Any]:
             module = _import_module(target)
         except Exception as exc:
             raise UsageError(f"importing {target} failed: {type(exc).__name__}: {exc}") from exc
-    factory = getattr(module, factory_name, None)
-    if not callable(factory):
-        raise UsageError(f"{target} has no factory {factory_name!r}; {USAGE}")
-    try:
-        made = factory()
-    except Exception as exc:
-        raise UsageError(f"the factory {spec} raised {type(exc).__name__}: {exc}") from exc
-    import torch
-
-    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
-        what = type(made).__name__
-        if isinstance(made, torch.nn.Module):
-            what = "a model without inputs"
-        raise UsageError(
-            f"the factory {spec} returned {what}; it must return (model, inputs), e.g. (model, torch.randn(8, 64)) "
-            "(see `fpdoctor compare --help`)"
-        )
-    return made
+    found = getattr(module, factory_name, None)
+    if not callable(found):
+        raise UsageError(f"{target} has no {noun} {factory_name!r}; {usage}")
+    return found
 
 
 def to_device(model: Any, inputs: Any, device: str) -> tuple[Any, Any]:

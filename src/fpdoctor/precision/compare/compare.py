@@ -93,6 +93,7 @@ from fpdoctor.precision.compare.passes import (
     rerun,
     rerun_figures,
 )
+from fpdoctor.precision.compare.transformed import Transform, compare_transformed
 from fpdoctor.precision.decide import id_decisions, ids_agree, rounding_floor
 from fpdoctor.precision.fit import candidate_format, misfits
 from fpdoctor.precision.fit import describe as describe_misfit
@@ -190,7 +191,7 @@ def compare(
     model: nn.Module,
     inputs: Any,
     *,
-    candidate: str | None = None,
+    candidate: str | Transform | None = None,
     reference: str | None = None,
     device: str | None = None,
     fp8_kernel: str | None = None,
@@ -239,9 +240,29 @@ def compare(
 
     `decisions="argmax"` declares the output scores whose argmax over their last dim is the decision (a
     ranker's scores over candidates, summed log-probabilities) where compare's own test for logits does not
-    take them: they are judged by the decisions they make, as logits are."""
+    take them: they are judged by the decisions they make, as logits are.
+
+    `candidate` may be a function of yours that makes the candidate from the model (it is given an fp32
+    copy and returns the model to judge: torch.ao.quantization.quantize_dynamic, a pruning, a swapped
+    layer): judged against fp64 by what its output decides, with the modules to leave out of the
+    transform checked (transformed.py)."""
     if decisions not in (None, "argmax"):
         raise ValueError(f"decisions must be 'argmax' (the argmax over the output's last dim), got {decisions!r}")
+    if candidate is not None and not isinstance(candidate, str):
+        if not callable(candidate):
+            raise ValueError(
+                f"candidate must be a precision's name or a function that makes the candidate model, got "
+                f"{type(candidate).__name__}"
+            )
+        given_too = {"reference": reference, "device": device, "fp8_kernel": fp8_kernel, "module": module,
+                     "save_reference": save_reference, "against": against,
+                     "inputs_as_given": inputs_as_given or None}  # fmt: skip
+        extra = [k for k, v in given_too.items() if v is not None]
+        if extra:
+            raise ValueError(
+                f"a candidate your function makes is judged against fp64 in fp32; it takes no {', '.join(extra)}"
+            )
+        return compare_transformed(model, inputs, transform=candidate, decisions=decisions)
     if candidate is not None and is_compiled(check_name(candidate, CANDIDATES, "candidate")):
         fp8_given = fp8_kernel is not None and check_name(fp8_kernel, FP8_KERNELS, "fp8 kernel") != "auto"
         given_too = {"device": device, "fp8_kernel": fp8_kernel if fp8_given else None, "module": module,

@@ -1,0 +1,174 @@
+"""A candidate the user makes from the model (`candidate=fn`, `--candidate file.py:fn`): int8 dynamic
+quantization whose one layer reads a few outlier channels, a language model's head quantized, a layer
+swapped for a low-rank approximation. The relative error stays modest while the decisions change:
+compare judges them against fp64 beside the fp32 model's own, names the modules to leave out of the
+transform, checked, and the fix applied as printed (quantize_dynamic's qconfig_spec) gives the
+decisions back. A transform that costs nothing is OK, and says what it judged."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch.ao.quantization import quantize_dynamic
+
+import fpdoctor
+from fpdoctor.precision.decide import top1
+from tests.conftest import run_fpdoctor
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+
+
+class Intent(nn.Module):
+    """A ticket classifier whose middle layer reads a few feature channels 40x the others (outliers)."""
+
+    def __init__(self, outliers: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2, self.head = nn.Linear(64, 128), nn.Linear(128, 128), nn.Linear(128, 12)
+        if outliers:
+            with torch.no_grad():
+                self.fc1.weight[:4] *= 40.0
+                self.fc1.bias[:4] += 30.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def int8(model: nn.Module) -> nn.Module:
+    return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+
+
+def _agreement(model: nn.Module, quantized: nn.Module, x: torch.Tensor) -> float:
+    with torch.no_grad():
+        got = top1(model.double()(x.double()), quantized(x))
+    assert got is not None
+    return got
+
+
+def test_int8_that_changes_the_decisions_names_the_layer_and_its_qconfig_spec_gives_them_back() -> None:
+    model, x = Intent().eval(), torch.randn(1024, 64, generator=torch.Generator().manual_seed(1))
+    result = fpdoctor.compare(model, x, candidate=int8)
+    report = result.report
+    assert report.verdict == "error", str(report)
+    (found,) = report.findings
+    assert found.name == "decisions-changed" and found.trial is not None and found.trial.tried, found
+    spec = re.search(r"quantize_dynamic\(model, (\{.*?\}), dtype=torch\.qint8\)", found.fix)
+    assert spec is not None, found.fix
+    assert "fc2" not in spec.group(1)  # the layer that reads the outliers stays float
+    rows = dict(report.data["summary"])
+    assert (
+        "DynamicQuantized" in str(report.data["transformed"])
+        or "quantized.dynamic" in rows["modules the transform changed"]
+    )
+    # as printed: quantize_dynamic with that qconfig_spec
+    before = _agreement(model, int8(Intent().eval()), x)
+    after = _agreement(model, quantize_dynamic(Intent().eval(), ast.literal_eval(spec.group(1)), dtype=torch.qint8), x)
+    assert after > before and after >= 0.99, (before, after, found.trial)
+
+
+class TinyLM(nn.Module):
+    """Token ids in, next-token logits out over a vocabulary; its head reads a hidden state with an
+    outlier dimension (what LLM activations have), which per-tensor int8 rounds the rest of away."""
+
+    def __init__(self, vocab: int = 256, width: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.mix, self.head = nn.Embedding(vocab, width), nn.Linear(width, width), nn.Linear(width, vocab)
+        with torch.no_grad():
+            self.mix.weight[0] *= 60.0  # one hidden dimension 60x the others
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.embed(ids))) * torch.tensor([8.0] + [1.0] * 63))
+
+
+def test_a_language_models_int8_is_judged_by_its_next_token_decisions() -> None:
+    model = TinyLM().eval()
+    ids = torch.randint(0, 256, (16, 64), generator=torch.Generator().manual_seed(2))
+    result = fpdoctor.compare(model, ids, candidate=int8)
+    decisions = result.report.data["decisions"]
+    assert decisions["rows"] == 16 * 64 and decisions["classes"] == 256, decisions
+    if result.report.verdict == "ok":  # the premise: int8 changes the next token somewhere
+        pytest.fail(f"int8 kept every decision: {decisions}")
+    (found,) = result.report.findings
+    assert found.name == "decisions-changed" and found.where["module"] in ("head", "mix"), found
+    assert found.trial is not None and found.trial.tried
+
+
+class LowRank(nn.Module):
+    """A Linear approximated by two smaller ones (rank r): a compression of the user's own."""
+
+    def __init__(self, linear: nn.Linear, rank: int) -> None:
+        super().__init__()
+        u, s, v = torch.linalg.svd(linear.weight.detach(), full_matrices=False)
+        self.down = nn.Linear(linear.in_features, rank, bias=False)
+        self.up = nn.Linear(rank, linear.out_features)
+        with torch.no_grad():
+            self.down.weight.copy_(v[:rank] * s[:rank, None])
+            self.up.weight.copy_(u[:, :rank])
+            self.up.bias.copy_(linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(self.down(x))
+
+
+def compress(model: nn.Module) -> nn.Module:
+    model.fc1 = LowRank(model.fc1, 4)  # the layer whose rank the outliers need
+    model.fc2 = LowRank(model.fc2, 128)  # full rank: the same layer in two factors
+    return model
+
+
+def test_a_transform_of_the_users_own_names_the_module_to_leave_out_checked() -> None:
+    model, x = Intent().eval(), torch.randn(1024, 64, generator=torch.Generator().manual_seed(1))
+    result = fpdoctor.compare(model, x, candidate=compress)
+    (found,) = result.report.findings
+    assert found.fix.startswith("Leave `fc1` out of compress"), found.fix
+    assert found.trial is not None and found.trial.tried, found.trial
+
+
+def test_a_transform_that_costs_nothing_is_ok_and_says_what_it_judged() -> None:
+    def identity(model: nn.Module) -> nn.Module:
+        return model
+
+    result = fpdoctor.compare(Intent(outliers=False).eval(), torch.randn(256, 64), candidate=identity)
+    assert result.report.verdict == "ok", str(result.report)
+    rows = dict(result.report.data["summary"])
+    assert rows["modules the transform changed"].startswith("none")
+    assert "top-1 agreement 100.0%" in next(v for k, v in rows.items() if k.startswith("decisions"))
+
+
+def test_a_function_that_returns_no_model_and_options_it_cannot_take_are_one_line_errors() -> None:
+    with pytest.raises(ValueError, match="must return the model it made"):
+        fpdoctor.compare(Intent().eval(), torch.randn(8, 64), candidate=lambda m: None)
+    with pytest.raises(ValueError, match="takes no reference"):
+        fpdoctor.compare(Intent().eval(), torch.randn(8, 64), candidate=int8, reference="fp64")
+
+
+FACTORY = """
+import torch
+from torch import nn
+from torch.ao.quantization import quantize_dynamic
+INTENT
+
+def make():
+    return Intent().eval(), torch.randn(1024, 64, generator=torch.Generator().manual_seed(1))
+
+def quantize(model):
+    return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+"""
+
+
+def test_the_command_line_takes_a_function_as_the_candidate(tmp_path) -> None:
+    (tmp_path / "deploy.py").write_text(FACTORY.replace("INTENT", inspect.getsource(Intent)))
+    done = run_fpdoctor("compare", "deploy.py:make", "--candidate", "deploy.py:quantize", cwd=tmp_path)
+    assert done.code == 1, done.err[-2000:]
+    assert "NUM018" in done.out and "quantize_dynamic(model, {" in done.out, done.out[-2000:]
+    refused = run_fpdoctor("compare", "deploy.py:make", "--candidate", "deploy.py:quantize", "--reference", "fp64",
+                           cwd=tmp_path)  # fmt: skip
+    assert refused.code == 2 and "takes no --reference" in refused.err and len(refused.err.strip().splitlines()) == 1
+    missing = run_fpdoctor("compare", "deploy.py:make", "--candidate", "deploy.py:nothing", cwd=tmp_path)
+    assert missing.code == 2 and "has no function 'nothing'" in missing.err
