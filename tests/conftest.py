@@ -56,12 +56,16 @@ def cli(capsys: pytest.CaptureFixture[str]):
     return run
 
 
-def run_fpdoctor(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> Result:
-    """Run `python -m fpdoctor ARGS` in a fresh interpreter (end to end); a JSON report it prints
-    is held to the fix contract like the reports made in-process (`_every_printed_fix_says_if_tried`)."""
+def run_fpdoctor(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: Path | None = None
+) -> Result:
+    """Run `python -m fpdoctor ARGS` in a fresh interpreter (end to end), in `cwd` if given; a JSON
+    report it prints is held to the fix contract like the reports made in-process
+    (`_every_printed_fix_says_if_tried`)."""
     full_env = {**os.environ, **(env or {})}
     if zygote.served(["-m", "fpdoctor", *args], full_env):  # a fork of an interpreter that has imported torch
-        code, out, err = zygote.run(["-m", "fpdoctor", *args], full_env, timeout)
+        with contextlib.chdir(cwd) if cwd is not None else contextlib.nullcontext():
+            code, out, err = zygote.run(["-m", "fpdoctor", *args], full_env, timeout)
         _PRINTED.append(out)
         return Result(code, out, err)
     proc = subprocess.run(
@@ -71,6 +75,7 @@ def run_fpdoctor(*args: str, env: dict[str, str] | None = None, timeout: float =
         env=full_env,
         timeout=timeout,
         check=False,
+        cwd=cwd,
     )
     _PRINTED.append(proc.stdout)
     return Result(proc.returncode, proc.stdout, proc.stderr)

@@ -6,9 +6,11 @@ Why: hundreds of tests run the CLI end to end, and importing torch is most of wh
 costs (about 1 s of 1.7 s for a trace of a small script, several seconds on a loaded machine).
 The commands served here (`SERVED`) import torch themselves before they run any user code, and the
 tests' scripts import it first thing, so a child forked after that import starts where a new
-interpreter would be a second later; argv, the working folder, sys.path[0], the environment and the
-standard streams are the run's own, and the child exits through the interpreter's normal shutdown
-(atexit handlers, flushed streams).
+interpreter would be a second later. torch._dynamo is imported too: the first step of any torch.optim
+optimizer imports it (as much again as torch, on this machine), so a training script would anyway; a
+test whose premise is that Dynamo is not imported yet runs its script with subprocess. argv, the
+working folder, sys.path[0], the environment and the standard streams are the run's own, and the
+child exits through the interpreter's normal shutdown (atexit handlers, flushed streams).
 
 A run is served by a new interpreter instead when its environment differs from the server's
 (variables read at import time would be stale), when its command is not in `SERVED` (`run`, `env`
@@ -32,12 +34,14 @@ import sys
 import tempfile
 
 SERVED = frozenset({"trace", "watch", "compare", "plan", "audit", "demo"})
-# set per test by pytest (and by xdist per worker): never read by the code under test at import
-_VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
+# set per test by pytest (and by xdist per worker): never read by the code under test at import; and
+# PYTHONPATH, which the child puts on its sys.path itself, where a new interpreter would
+_VOLATILE = frozenset({"PYTEST_CURRENT_TEST", "PYTHONPATH"})
 
 _SERVER = r"""
 import io, json, os, runpy, sys
 import torch  # noqa: F401  the import every served command makes first
+import torch._dynamo  # noqa: F401  what an optimizer's first step imports (torch.optim calls into it): ~1.5 s
 
 requests, replies = sys.stdin.buffer, sys.stdout.buffer
 for line in requests:
@@ -47,6 +51,9 @@ for line in requests:
         requests.close(); replies.close()
         os.chdir(job["cwd"])
         os.environ.clear(); os.environ.update(job["env"])
+        # the run's PYTHONPATH, after sys.path[0] as a new interpreter puts it (the server's own is there already)
+        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        sys.path[1:1] = [os.path.abspath(p) for p in extra]
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0); os.close(null)
         for fd, path in ((1, job["out"]), (2, job["err"])):
@@ -59,7 +66,7 @@ for line in requests:
             io.FileIO(2, "w", closefd=False), encoding=encoding, errors="backslashreplace", line_buffering=True
         )
         args = job["args"]
-        del requests, replies, job, line, pid, f, fd, path, null, encoding
+        del requests, replies, job, line, pid, f, fd, path, null, encoding, extra
         if args[0] == "-m":  # argv[0] becomes the module's file, sys.path[0] the working folder, as `python -m` has
             sys.argv, sys.path[0] = args[1:], os.getcwd()
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)

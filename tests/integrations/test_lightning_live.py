@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import run_fpdoctor
 from tests.integrations.lit import FpDoctorCallback, Net, data, pl, trainer
 
 
@@ -77,8 +78,6 @@ def test_watch_stop_on_stops_the_lightning_training_it_switched_the_callback_on_
     """`fpdoctor watch --stop-on error` passes the level to the callback it switches on
     (FPDOCTOR_STOP_ON): Lightning's training ends at the step of the first error, exit status 1."""
     import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     script = tmp_path / "fit.py"
@@ -92,12 +91,9 @@ def test_watch_stop_on_stops_the_lightning_training_it_switched_the_callback_on_
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("FPDOCTOR_STOP_ON", None)
     out = tmp_path / "watch.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "fpdoctor", "watch", "--stop-on", "error", "-o", str(out), "--", str(script)],
-        check=False, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "global_step 3" in proc.stdout  # not 8: training ended at the first error's step
+    proc = run_fpdoctor("watch", "--stop-on", "error", "-o", str(out), "--", str(script), env=env, cwd=tmp_path)
+    assert proc.code == 1, proc.err[-3000:]
+    assert "global_step 3" in proc.out  # not 8: training ended at the first error's step
     report = json.loads(out.read_text())
     assert report["data"]["status"] == "incomplete" and report["verdict"] == "error"
     ended = dict(map(tuple, report["data"]["summary"]))["ended"]
@@ -136,8 +132,6 @@ def test_watch_around_a_lightning_script_says_what_the_callbacks_recipe_checks_f
     the recipe checks read from the optimizer at the report (an AdamW eps typed 10.0 for 1e-8) were left out, and
     the run was OK with no word of what was judged."""
     import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     script = tmp_path / "fit.py"
@@ -152,11 +146,8 @@ def test_watch_around_a_lightning_script_says_what_the_callbacks_recipe_checks_f
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = tmp_path / "watch.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "fpdoctor", "watch", "-o", str(out), "--", str(script)],
-        check=False, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_fpdoctor("watch", "-o", str(out), "--", str(script), env=env, cwd=tmp_path)
+    assert proc.code == 0, proc.err[-3000:]
     report = json.loads(out.read_text())
     assert [f["name"] for f in report["findings"]] == ["optimizer-eps-too-large"], report["findings"]
     judged = dict(map(tuple, report["data"]["summary"]))["judged by the callback"]

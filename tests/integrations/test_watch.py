@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import distillation
+import fpdoctor
+from tests import distillation, zygote
+from tests.conftest import run_python
 
 TRAIN = """
 import sys, torch
@@ -127,21 +129,27 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
 
 
 def _env() -> dict[str, str]:
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    """The environment the runs below get: the tests' own where the fpdoctor they import is this tree's
+    (`make test`: an editable install), else with this tree's src first on PYTHONPATH."""
+    src = Path(__file__).resolve().parents[2] / "src"
+    if Path(fpdoctor.__file__).resolve().is_relative_to(src):
+        return dict(os.environ)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
 
 
 def _watch(
     tmp_path: Path, *command: str, timeout: int = 240, options: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess[str]:
+    """`python -m fpdoctor watch ... -- COMMAND` in tmp_path, forked from the tests' server where it can
+    be (tests/zygote.py: torch imported once), else in a new interpreter."""
+    args = ["-m", "fpdoctor", "watch", *options, "-o", str(tmp_path / "report.json"), "--", *command]
+    env = _env()
+    if zygote.served(args, env):
+        with contextlib.chdir(tmp_path):
+            code, out, err = zygote.run(args, env, timeout)
+        return subprocess.CompletedProcess([sys.executable, *args], code, out, err)
     return subprocess.run(
-        [sys.executable, "-m", "fpdoctor", "watch", *options, "-o", str(tmp_path / "report.json"), "--", *command],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=tmp_path,
-        env=_env(),
+        [sys.executable, *args], check=False, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env
     )
 
 
@@ -155,9 +163,7 @@ def plain_train(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str
     runs of it below must give bitwise."""
     tmp = tmp_path_factory.mktemp("plain")
     script = _write(tmp, "train.py", TRAIN)
-    plain = subprocess.run(
-        [sys.executable, str(script), str(tmp / "plain.pt")], check=False, capture_output=True, text=True, timeout=120
-    )
+    plain = run_python(str(script), str(tmp / "plain.pt"), timeout=120)
     assert plain.returncode == 0, plain.stderr
     return plain.stdout, torch.load(tmp / "plain.pt")
 
@@ -218,7 +224,7 @@ def test_a_nan_loss_whose_gradients_are_finite_is_applied_as_the_script_applies_
     """The watch keeps a non-finite gradient from the weights; a NaN loss with finite gradients
     makes a finite update, which the script applies: skipping it would change the run."""
     script = _write(tmp_path, "distill.py", DISTILL)
-    plain = subprocess.run([sys.executable, str(script), str(tmp_path / "plain.pt")], check=False, timeout=120)
+    plain = run_python(str(script), str(tmp_path / "plain.pt"), timeout=120)
     assert plain.returncode == 0
     watched = _watch(tmp_path, str(script), str(tmp_path / "watched.pt"))
     assert watched.returncode == 0, watched.stderr
@@ -501,9 +507,7 @@ torch.save({**model.state_dict(), **{f"state.{k}": v for k, v in opt.state_dict(
 
 def test_the_fix_for_bf16_updates_is_tried_under_watch_and_the_weights_stay_bitwise_the_same(tmp_path):
     script = _write(tmp_path, "train.py", BF16_TRAIN)
-    plain = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "plain.pt")], check=False, capture_output=True, text=True
-    )
+    plain = run_python(str(script), str(tmp_path / "plain.pt"))
     assert plain.returncode == 0, plain.stderr
     watched = _watch(tmp_path, "python", str(script), str(tmp_path / "watched.pt"))
     assert watched.returncode == 0, watched.stderr

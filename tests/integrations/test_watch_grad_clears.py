@@ -7,13 +7,12 @@ a GAN's clear of the other network's gradients between a backward and a step."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import report_of, run_python
+from tests.conftest import report_of, run_fpdoctor, run_python
 
 # a regression MLP; zero_grad of the optimizer (to None) or of the model (to zeros) after the backward
 CLEARED = """
@@ -179,10 +178,7 @@ def test_the_watchs_zero_grad_keeps_torchs_signature(tmp_path):
     path = tmp_path / "sig.py"
     path.write_text(script)
     plain = run_python(str(path), check=True).stdout
-    watched = subprocess.run(
-        [sys.executable, "-m", "fpdoctor", "watch", "--", sys.executable, str(path)],
-        capture_output=True, text=True, check=False,
-    ).stdout  # fmt: skip
+    watched = run_fpdoctor("watch", "--", sys.executable, str(path)).out
     assert plain.strip() and plain.strip() in watched, (plain, watched)
 
 

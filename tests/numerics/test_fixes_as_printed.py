@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import fpdoctor
+from tests.conftest import run_fpdoctor
 
 
 def _names(report: fpdoctor.Report) -> list[str]:
@@ -313,8 +314,6 @@ for _ in range(30):
 def test_trace_the_sentinel_and_watch_print_the_same_checked_constant(tmp_path):
     import json
     import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     script = tmp_path / "pool.py"
@@ -325,10 +324,7 @@ def test_trace_the_sentinel_and_watch_print_the_same_checked_constant(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     for command in ("trace", "watch"):
         out = tmp_path / f"{command}.json"
-        subprocess.run(
-            [sys.executable, "-m", "fpdoctor", command, "-o", str(out), "--", str(script)],
-            check=False, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env,
-        )  # fmt: skip
+        run_fpdoctor(command, "-o", str(out), "--", str(script), timeout=240, cwd=tmp_path, env=env)
         first = json.loads(out.read_text())["findings"][0]
         assert first["fix"].startswith(expected), (command, first)
         assert first["fix_trial"]["status"] == "checked", (command, first)
@@ -449,8 +445,6 @@ for step in range(30):
 def test_watch_replays_with_the_gradients_a_step_began_with_and_the_printed_fix_trains(tmp_path):
     import json
     import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     src = str(Path(__file__).resolve().parents[2] / "src")
@@ -460,10 +454,7 @@ def test_watch_replays_with_the_gradients_a_step_began_with_and_the_printed_fix_
         script = tmp_path / f"{name}.py"
         script.write_text(NO_ZERO_GRAD.replace("ZERO", zero))
         out = tmp_path / f"{name}.json"
-        subprocess.run(
-            [sys.executable, "-m", "fpdoctor", "watch", "-o", str(out), "--", str(script)],
-            check=False, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env,
-        )  # fmt: skip
+        run_fpdoctor("watch", "-o", str(out), "--", str(script), timeout=240, cwd=tmp_path, env=env)
         reports[name] = json.loads(out.read_text())
     first = reports["as_is"]["findings"][0]
     assert "never zeroes the gradients" in first["title"] and first["evidence"]["carried_from_step"] == 1
@@ -506,8 +497,6 @@ def test_an_origin_inside_a_modules_forward_is_named_by_its_line_and_the_fix_app
     applied as printed the trace is clean."""
     import json
     import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     src = str(Path(__file__).resolve().parents[2] / "src")
@@ -516,10 +505,7 @@ def test_an_origin_inside_a_modules_forward_is_named_by_its_line_and_the_fix_app
     def trace(text: str) -> dict:
         script, out = tmp_path / "softplus.py", tmp_path / "trace.json"
         script.write_text(text)
-        subprocess.run(
-            [sys.executable, "-m", "fpdoctor", "trace", "-o", str(out), "--", str(script)],
-            check=False, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env,
-        )  # fmt: skip
+        run_fpdoctor("trace", "-o", str(out), "--", str(script), timeout=240, cwd=tmp_path, env=env)
         return json.loads(out.read_text())
 
     lines = SOFTPLUS_SCRIPT.splitlines()

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ from torch import nn
 
 import fpdoctor
 from fpdoctor.numerics.trace.recipes import BLOWUP_STEPS, _blowup
-from tests.conftest import run_python
+from tests.conftest import run_fpdoctor, run_python
 
 LM = """
 import sys
@@ -102,10 +100,7 @@ def _script(tmp_path: Path, source: str, steps: int) -> Path:
 def _fpdoctor(tmp_path: Path, command: str, script: Path, lr: float) -> list[dict]:
     out = tmp_path / f"{command}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(
-        [sys.executable, "-m", "fpdoctor", command, "--format", "json", "-o", str(out), "--", str(script), str(lr)],
-        check=False, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+    run_fpdoctor(command, "--format", "json", "-o", str(out), "--", str(script), str(lr), cwd=tmp_path, env=env)
     return json.loads(out.read_text())["findings"]
 
 
