@@ -72,6 +72,10 @@ def test_a_model_that_does_not_cast_its_inputs_is_told_so(tmp_path: Path) -> Non
     model = nn.Sequential(nn.Linear(16, 8), nn.GELU(), nn.Linear(8, 2)).eval()
     with pytest.raises(ReferenceFailed, match="does not cast them itself"):
         fpdoctor.compare(model, torch.randn(64, 16), candidate="fp16", inputs_as_given=True)
+    # inputs of a wider dtype than the candidate's (fp64 research inputs, an fp32 candidate): the reference runs,
+    # the candidate's run is where the model shows it does not cast them (trial135)
+    with pytest.raises(ReferenceFailed, match="does not cast them itself"):
+        fpdoctor.compare(model, torch.randn(64, 16, dtype=torch.float64), candidate="fp32", inputs_as_given=True)
     script = tmp_path / "plain.py"
     script.write_text("import torch\nfrom torch import nn\n\ndef make():\n"
                       "    return nn.Linear(16, 2), torch.randn(8, 16)\n")  # fmt: skip
