@@ -102,7 +102,14 @@ def test_a_collapsing_scale_is_the_finding():
     collapse = report.by_name("amp-scale-collapse")
     assert len(collapse) == 1  # once per collapse, not once per step
     assert collapse[0].where["step"] == 3 and collapse[0].evidence["scale"] == 0.5
+    # what the gradients held, as the replay saw it, or "non-finite" (found_inf tells no more): never a guess
+    assert collapse[0].evidence["kind"] in ("nan", "+inf", "-inf", "non-finite"), collapse[0].evidence
+    replayed = report.by_name("deterministic-nonfinite")
+    if replayed and replayed[0].evidence.get("kind") in ("nan", "+inf", "-inf"):
+        assert collapse[0].evidence["kind"] == replayed[0].evidence["kind"]
     assert report.data["amp"]["skipped_steps"] == 5
+    summary = dict(report.data["summary"])
+    assert summary["non-finite steps"].endswith("(the GradScaler's overflow skips apart: below)"), summary
     assert not report.by_name("nonfinite-gradient")
 
 

@@ -553,8 +553,11 @@ def unattributed_finding(step: int, kind: str | None, numel: int, *, views: str,
 
 
 def collapse_finding(
-    step: int, watch: ScaleWatch, steps: int, scale: float, next_scale: float, *, here: dict[str, Any]
-) -> Finding:
+    step: int, watch: ScaleWatch, steps: int, scale: float, next_scale: float, *, here: dict[str, Any],
+    kind: str = "non-finite",
+) -> Finding:  # fmt: skip
+    """The scale falling step after step; `kind`: what the gradients held where a replay named it (a
+    GradScaler's found_inf says only that something was non-finite: an Inf or a NaN)."""
     return catalog.make(
         "amp-scale-collapse",
         message=(
@@ -563,7 +566,7 @@ def collapse_finding(
         ),
         where={"module": None, "op": None, "phase": "backward", "step": step, **here},
         evidence={
-            "kind": "+inf",
+            "kind": kind,
             "count": watch.consecutive,
             "numel": steps,
             "scale": next_scale,

@@ -700,8 +700,14 @@ class StepJudge:
             self.buffers.restore()
             result = self._run_replay(f)
             carried = self._carried(f, result)
+        named = result.culprit.evidence.get("kind") if result.culprit is not None else None
+        if named in ("nan", "+inf", "-inf"):  # what the replay saw, where the scaler's flag says only "non-finite"
+            collapse = findings.collapse_finding(
+                f.step, self.amp, self.steps, f.scale or math.nan, next_scale, here=self.here, kind=named
+            )
         # the cause ahead of the symptom it explains: the replay's verdict, then the collapse
-        self._add_all([*(carried if carried is not None else self._verdict_findings(f, result, "+inf")), collapse])
+        kind = named if named in ("nan", "+inf", "-inf") else "+inf"
+        self._add_all([*(carried if carried is not None else self._verdict_findings(f, result, kind)), collapse])
 
     def _carried(self, f: StepFacts, result: ReplayResult) -> list[Finding] | None:
         """A step that began with an earlier step's non-finite gradients still in .grad, and whose
@@ -1323,11 +1329,13 @@ class StepJudge:
         """The run so far: counts, verdicts, AMP's skips, the timeline; `lines` and `data` are the
         front end's own (its framework, its checkpoint), put first."""
         nonfinite = sum(1 for h in self.history if not h.finite and h.verdict != "amp-skip")
+        # the GradScaler's own skips of overflowing gradients are counted on their line, not in these two
+        apart = " (the GradScaler's overflow skips apart: below)" if scaled and self.amp.skipped else ""
         summary = [
             *lines,
             ("steps", str(self.steps)),
-            ("non-finite steps", str(nonfinite)),
-            ("skipped optimizer steps", str(self.skipped)),
+            ("non-finite steps", f"{nonfinite}{apart}"),
+            ("skipped optimizer steps", f"{self.skipped}{apart}"),
             ("last good step", str(self.last_good_step)),
         ]
         out: dict[str, Any] = {
