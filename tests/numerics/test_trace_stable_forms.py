@@ -83,6 +83,7 @@ def test_a_focal_loss_with_both_halves_on_one_line_gets_the_whole_cross_entropy_
     first = tr.report.findings[0]
     assert first.fix.startswith("Write F.binary_cross_entropy_with_logits(z, y, reduction='none')"), first.fix
     assert "The other side likewise" not in first.fix and first.trial is not None and first.trial.tried
+    assert "On the step's loss: with F.logsigmoid(-z)" in first.fix, first.fix  # checked on the loss, not only the op
     torch.manual_seed(0)
     model = nn.Linear(8, 1).half()
     opt = torch.optim.SGD(model.parameters(), lr=2.0)

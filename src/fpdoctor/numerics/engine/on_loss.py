@@ -212,9 +212,11 @@ def _changes(experiments: list[Experiment], by_index: dict[int, Step]) -> _Chang
                 continue
             first = by_index.get(ran[0].index)
             reduction = next((by_index.get(r.index) for r in ran if op_packet(r.op) in _REDUCTIONS), None)
-            if first is None or reduction is None:
+            # a form over a dim takes it from its reduction; a sigmoid's (F.logsigmoid) takes none
+            elementwise = e.stable.form.ops[0] == "sigmoid"
+            if first is None or (reduction is None and not elementwise):
                 return None
-            changes.forms[ran[-1].index] = (e.stable.form, first, reduction.args)
+            changes.forms[ran[-1].index] = (e.stable.form, first, reduction.args if reduction is not None else ())
             changes.said.append(f"{e.stable.form.stable} at {_lines(ran)}")
         elif e.checked_in in ("fp32", "fp64"):
             located = [(r.location[0], r.location[1]) for r in e.chain if r.location]
