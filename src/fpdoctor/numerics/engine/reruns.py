@@ -742,9 +742,11 @@ class Experiment:
             how = f" (a reduction: .sum(dtype=torch.{wide}))" if reduction else f" (its operands .{method}() before it)"
             other = _without_precision(advice)
             note = _matmul_note(origin, method)
-            fix = (
-                f"Compute {origin.op}{at} in {self.checked_in or 'fp64'}{how}{self._kept_wide()}{note}: {checked}."
-                + (f" Also possible, not tried: {other}." if other else "")
+            lead = f"Compute {origin.op}{at} in {self.checked_in or 'fp64'}{how}"
+            if op_packet(origin.op) in _CASTS and self.cast is not None:  # the op is the cast itself: leave it out
+                lead = f"Leave out the cast to {self.dtype}{at} (keep the tensor in {self.checked_in or 'fp64'} there)"
+            fix = f"{lead}{self._kept_wide()}{note}: {checked}." + (
+                f" Also possible, not tried: {other}." if other else ""
             )
         else:
             fix = f"Change the origin, not the op that showed it: {cause}. Verified: {checked}."
