@@ -172,3 +172,5 @@ def test_the_command_line_takes_a_function_as_the_candidate(tmp_path) -> None:
     assert refused.code == 2 and "takes no --reference" in refused.err and len(refused.err.strip().splitlines()) == 1
     missing = run_fpdoctor("compare", "deploy.py:make", "--candidate", "deploy.py:nothing", cwd=tmp_path)
     assert missing.code == 2 and "has no function 'nothing'" in missing.err
+    plan = run_fpdoctor("plan", "deploy.py:make", "--candidate", "deploy.py:quantize", cwd=tmp_path)
+    assert plan.code == 2 and "fpdoctor compare deploy.py:make --candidate deploy.py:quantize" in plan.err, plan.err

@@ -64,6 +64,12 @@ def run(args: argparse.Namespace) -> int:
     from fpdoctor.precision.plan.plan import plan
     from fpdoctor.report.render import render
 
+    if args.candidate is not None and model_spec.is_function_spec(args.candidate):
+        raise UsageError(
+            f"plan keeps modules in fp32 for a precision; for a model your function makes ({args.candidate}), "
+            f"`fpdoctor compare {args.model} --candidate {args.candidate}` names the modules to leave out of it, "
+            "checked"
+        )
     candidate, reference, fp8_kernel = check_precision_args(args, PLAN_CANDIDATES)
     if args.metric is not None and args.metric not in METRICS:
         raise UsageError(
