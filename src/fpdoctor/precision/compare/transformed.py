@@ -105,10 +105,8 @@ def compare_transformed(
         ) from None
     if truth is None:
         raise ValueError("the model's output holds no floating tensor: compare judges floating outputs")
-    order, last = _calls(fp32, args, kwargs)
+    order, last, float_out = _calls(fp32, args, kwargs)
     run = _Run(name, fp32, made, args, kwargs, truth, order, _changed(fp32, made, order))
-    with torch.no_grad():
-        float_out = next(floating(fp32(*args, **kwargs)))
     cand_out = _candidate_output(run)
     source = _decision_source(fp32, last, float_out, one, decisions)
     judged = _decisions(run, source, cand_out, float_out) if source is not None and cand_out is not None else None
@@ -178,8 +176,11 @@ def _candidate_output(run: _Run) -> torch.Tensor | None:
         ) from None
 
 
-def _calls(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[str], tuple[str, Any]]:
-    """The leaf modules' calls in order, and the last one (name, output): what made the logits."""
+def _calls(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[list[str], tuple[str, Any], torch.Tensor]:
+    """The fp32 model's forward: its leaf modules' calls in order, the last one (name, output: what
+    made the logits), and its output (its first floating tensor)."""
     names = {m: n for n, m in model.named_modules()}
     order: list[str] = []
     last: list[tuple[str, Any]] = [("", None)]
@@ -192,10 +193,12 @@ def _calls(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
     handle = nn.modules.module.register_module_forward_hook(hook)
     try:
         with torch.no_grad():
-            model(*args, **kwargs)
+            output = next(floating(model(*args, **kwargs)), None)
     finally:
         handle.remove()
-    return order, last[0]
+    if output is None:
+        raise ValueError("the model's output holds no floating tensor: compare judges floating outputs")
+    return order, last[0], output
 
 
 def _changed(fp32: nn.Module, made: nn.Module, order: list[str]) -> list[str]:
