@@ -174,3 +174,20 @@ def test_the_command_line_takes_a_function_as_the_candidate(tmp_path) -> None:
     assert missing.code == 2 and "has no function 'nothing'" in missing.err
     plan = run_fpdoctor("plan", "deploy.py:make", "--candidate", "deploy.py:quantize", cwd=tmp_path)
     assert plan.code == 2 and "fpdoctor compare deploy.py:make --candidate deploy.py:quantize" in plan.err, plan.err
+
+
+def test_a_model_left_in_train_mode_is_judged_on_the_same_dropout_and_the_callers_rng_is_left_as_it_was() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.5), nn.Linear(128, 12))  # not .eval()
+
+    def identity(m: nn.Module) -> nn.Module:
+        return m
+
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    result = fpdoctor.compare(
+        model, torch.randn(256, 64, generator=torch.Generator().manual_seed(1)), candidate=identity
+    )
+    assert torch.equal(torch.get_rng_state(), before)
+    assert result.report.verdict == "ok", str(result.report)  # the same draws in every run: nothing changed
+    assert model.training  # and the model's mode is the caller's

@@ -36,6 +36,7 @@ from fpdoctor.precision.inputs import describe, input_sets
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.metrics import flat_sample, floating, l2_norm, rel_error, sqnr_db
 from fpdoctor.precision.profile import CompareResult, ReferenceFailed
+from fpdoctor.preserve import RngState
 from fpdoctor.report.model import Finding, Report, Severity, Trial
 
 MAX_TRIED = 16  # modules put back one at a time (a forward each), in the fp32 model's call order
@@ -58,6 +59,7 @@ class _Run:
     truth: torch.Tensor  # the fp64 model's output (its first floating tensor)
     order: list[str]  # the fp32 model's leaf calls, in order
     changed: list[str]  # the modules the transform changed (outermost), in call order
+    rng: RngState  # the RNG state every forward starts from (a dropout left on draws the same numbers)
     tried: list[tuple[list[str], float]] = dataclasses.field(default_factory=list)  # put back -> the metric
 
     def output(self, put_back: Sequence[str] = ()) -> torch.Tensor | None:
@@ -69,6 +71,7 @@ class _Run:
             swapped.append((holder, child, getattr(holder, child)))
             setattr(holder, child, self.fp32.get_submodule(name))  # read only: the fp32 copy is ours
         try:
+            self.rng.restore()
             with torch.no_grad():
                 return next(floating(self.candidate(*self.args, **self.kwargs)), None)
         finally:
@@ -82,11 +85,22 @@ def compare_transformed(
     """The candidate `transform(fp32 copy of model)` against fp64, judged by what its output decides
     (or its error), with the modules to leave out of the transform checked (the module docstring)."""
     name = name or getattr(transform, "__name__", None) or type(transform).__name__
+    rng = RngState.capture()  # every forward starts from it, and the caller's RNG is left as it was
+    try:
+        return _compare(model, inputs, transform, name=name, decisions=decisions, rng=rng)
+    finally:
+        rng.restore()
+
+
+def _compare(
+    model: nn.Module, inputs: Any, transform: Transform, *, name: str, decisions: str | None, rng: RngState
+) -> CompareResult:
     sets = input_sets(inputs)
     one = sets[0]
     fp32 = make_run(model, "fp32").eval()
     truth_model = make_run(model, "fp64").eval()
     made = transform(copy_module(fp32))
+    rng.restore()
     if not isinstance(made, nn.Module):
         raise ValueError(
             f"the candidate function {name} returned {type(made).__name__}; it must return the model it made from "
@@ -97,6 +111,7 @@ def compare_transformed(
     args, kwargs = split_inputs(cast_inputs(one, torch.float32, copy=True))
     try:
         with torch.no_grad():
+            rng.restore()
             truth = next(floating(truth_model(*args64, **kwargs64)), None)
     except Exception as exc:
         raise ReferenceFailed(
@@ -105,8 +120,9 @@ def compare_transformed(
         ) from None
     if truth is None:
         raise ValueError("the model's output holds no floating tensor: compare judges floating outputs")
+    rng.restore()
     order, last, float_out = _calls(fp32, args, kwargs)
-    run = _Run(name, fp32, made, args, kwargs, truth, order, _changed(fp32, made, order))
+    run = _Run(name, fp32, made, args, kwargs, truth, order, _changed(fp32, made, order), rng)
     cand_out = _candidate_output(run)
     source = _decision_source(fp32, last, float_out, one, decisions)
     judged = _decisions(run, source, cand_out, float_out) if source is not None and cand_out is not None else None
@@ -168,8 +184,7 @@ def _rel(out: torch.Tensor | None, truth: torch.Tensor, norm: float) -> float:
 
 def _candidate_output(run: _Run) -> torch.Tensor | None:
     try:
-        with torch.no_grad():
-            return next(floating(run.candidate(*run.args, **run.kwargs)), None)
+        return run.output()
     except Exception as exc:
         raise ValueError(
             f"the model {run.name} made does not run on the inputs in fp32 ({type(exc).__name__}: {exc})"
