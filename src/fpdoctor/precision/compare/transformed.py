@@ -1,7 +1,8 @@
 """compare's candidate made by a function of the user's (`candidate=fn`, `--candidate file.py:fn`):
-the model as `fn` returns it from an fp32 copy (torch.ao.quantization.quantize_dynamic, a pruning,
-a layer swapped for a fused or approximate one), fed the inputs in fp32, against the model in fp64
-(the referee). Its floor is the fp32 model's own error, what the model loses before the transform.
+the model as `fn` returns it from an fp32 copy in eval mode (torch.ao.quantization.quantize_dynamic,
+a pruning, a layer swapped for a fused or approximate one), fed the inputs in fp32, against the model
+in fp64 (the referee), every forward from the same RNG state (the caller's left as it was). Its floor
+is the fp32 model's own error, what the model loses before the transform.
 
 What such a candidate changes is a set of modules: those whose class differs from the fp32 model's
 at the same name (a DynamicQuantizedLinear where a Linear was). A module in it has no dtype to raise,
