@@ -120,8 +120,12 @@ def build(the_plan: Plan, search: Search) -> Report:
     # rounded before the model computes on them (a standardisation inside it, its fix checked), are
     # the floor's cause: no "ill-conditioned model" beside it, and no module set is the fix
     whole = next((cause for f in findings if (cause := _inputs_rounded(f)) is not None), None)
+    # the plan is the bare cast (nothing kept) and the inputs' rounding is past the tolerance: the error is the
+    # floor's, which no set of modules changes; its fix is how the model reads its inputs (not tried here)
+    floor_only = not whole and the_plan.verified and _bare(the_plan) and not the_plan.reachable
     if any(fl > tol for _, _, fl, _, _, tol in search.sets) and not whole:
-        findings.append(_floor_finding(the_plan, search))
+        found = _floor_finding(the_plan, search)
+        findings.append(dataclasses.replace(found, severity=Severity.ERROR) if floor_only else found)
     if not the_plan.verified:
         findings.append(_unverified_finding(the_plan, search))
     summary: list[tuple[str, str]] = [
@@ -195,6 +199,15 @@ def build(the_plan: Plan, search: Search) -> Report:
         the_plan.instead = whole[0]
         summary.append(("keep in fp32", f"no module set is the fix: {whole[0]}"))
         summary.append(("verified", f"the finding's fix instead ({whole[1]}), checked"))
+    elif floor_only:
+        the_plan.instead = (
+            f"rounding the inputs to {the_plan.candidate} is the error ({_val(m, the_plan.input_floor)}), which no set "
+            "of modules kept in fp32 changes"
+        )
+        summary.append(("keep in fp32", f"no module set is the fix: {the_plan.instead}"))
+        summary.append(
+            ("verified", "no: the fix is how the model reads its inputs (the findings below say how; not tried here)")
+        )
     elif the_plan.verified:
         summary.append(("keep in fp32", _names(the_plan.keep_fp32)))
         for fix in the_plan.fp32_ops:
@@ -453,9 +466,11 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
                 out.append(dataclasses.replace(f, evidence=evidence))
                 continue
             module = f.where.get("module")
-            if not the_plan.verified:
-                # compare's own fix for it, checked (a line in fp32, a state, a constant), stays as it was
-                # tried: no module set is its fix, and the plan's next step would be a guess beside it
+            if not the_plan.verified or (_bare(the_plan) and not the_plan.reachable):
+                # no plan, or one that keeps nothing against an input floor past the tolerance ("apply the plan"
+                # would change nothing, and a fix that changes nothing is never printed as the fix): compare's
+                # own fix for it, checked (a line in fp32, a state, a constant), stays as it was tried: no module
+                # set is its fix, and the plan's next step would be a guess beside it
                 checked = f.trial is not None and f.trial.tried
                 out.append(
                     dataclasses.replace(f, evidence=evidence)
@@ -504,6 +519,11 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
                 )
             )
     return out
+
+
+def _bare(the_plan: Plan) -> bool:
+    """The plan keeps no module and computes no op in fp32: applied, it is the candidate's cast alone."""
+    return not the_plan.keep_fp32 and not the_plan.fp32_ops
 
 
 def _decisions_back(the_plan: Plan, search: Search, f: Finding, evidence: dict[str, Any]) -> Finding:
