@@ -372,7 +372,7 @@ def _fix(run: _Run, kept: list[str]) -> str:
     if not quantized:
         return (
             f"Leave {_names(kept)} out of {run.name}: apply it to the other modules only, {_names(kept)} as the fp32 "
-            "model has them"
+            f"model has {'them' if len(kept) > 1 else 'it'}"
         )
     spec = (
         "{" + ", ".join(repr(n) for n in others) + "}"
@@ -416,6 +416,8 @@ def _tried_text(run: _Run, judged: Decisions | None) -> str:
     for modules, value in run.tried[:8]:
         figure = pct(value) if judged is not None else f"{-value:.3g}"
         parts.append(f"{_names(modules)}: {figure}")
+    if len(run.tried) > 8:
+        parts.append(f"and {len(run.tried) - 8} more (in the JSON)")
     what = "top-1 agreement" if judged is not None else "end-to-end error"
     return f"{what} with each module left out of the transform: " + "; ".join(parts)
 
