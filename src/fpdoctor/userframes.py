@@ -46,6 +46,12 @@ def is_user_file(filename: str) -> bool:
 
 def user_location(frame: FrameType | None) -> tuple[str, int, str] | None:
     """The innermost frame outside torch, fpdoctor and the standard library: the user's line."""
+    found = user_frame(frame)
+    return (found.f_code.co_filename, found.f_lineno, found.f_code.co_name) if found is not None else None
+
+
+def user_frame(frame: FrameType | None) -> FrameType | None:
+    """The innermost frame outside torch, fpdoctor and the standard library: the user's."""
     while frame is not None:
         code = frame.f_code
         # by file name: code objects compare equal across files when their bodies do
@@ -55,7 +61,7 @@ def user_location(frame: FrameType | None) -> tuple[str, int, str] | None:
                 _USER_FILES.clear()
             user = _USER_FILES[code.co_filename] = is_user_file(code.co_filename)
         if user:
-            return code.co_filename, frame.f_lineno, code.co_name
+            return frame
         frame = frame.f_back
     return None
 

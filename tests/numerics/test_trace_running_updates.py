@@ -461,3 +461,31 @@ def test_a_bf16_state_rebound_in_a_method_of_the_module_is_named_at_its_line() -
     line = inspect.getsourcelines(_Tracked.training_step)[1] + 2
     found = [f for f in t.report.findings if str(f.evidence.get("location", "")).endswith(f":{line}")]
     assert found and found[0].name == "update-rounded-away", [f.evidence.get("location") for f in t.report.findings]
+
+
+def _discounted(rewards: torch.Tensor, gamma: float, state_dtype: torch.dtype) -> torch.Tensor:
+    running = torch.zeros(rewards.shape[0], dtype=state_dtype)
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running  # the loop's body is this one line
+    return running
+
+
+def test_a_state_rebound_in_a_loop_whose_body_is_that_line_alone_is_named_and_the_fix_works() -> None:
+    """trial137: discounted returns in bf16, `running = r[:, t] + gamma * running`, the loop's only line: no
+    other line runs between its visits, which were therefore one visit, and the rebinding was not seen."""
+    rewards = (torch.rand(4, 600, generator=torch.Generator().manual_seed(0)) < 0.5).to(torch.bfloat16) + 0.5
+    exact = _discounted(rewards.double(), 0.999, torch.float64)
+    with fpdoctor.trace() as tr:
+        got = _discounted(rewards, 0.999, torch.bfloat16)
+    assert float((got.double() - exact).abs().max() / exact.abs().max()) > 0.1  # the premise: it stalls
+    (found,) = [f for f in tr.report.findings if f.name == "update-rounded-away"]
+    assert "bound to it again" in found.message and "dtype=torch.float32" in found.fix, found
+    fixed = _discounted(rewards, 0.999, torch.float32)  # as printed: the state created in fp32
+    assert float((fixed.double() - exact).abs().max() / exact.abs().max()) < 0.01
+
+
+def test_a_one_line_loop_whose_steps_the_format_holds_is_not_named() -> None:
+    rewards = torch.rand(4, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with fpdoctor.trace() as tr:
+        _discounted(rewards, 0.5, torch.bfloat16)  # each step halves the state: its changes are not rounded away
+    assert not [f for f in tr.report.findings if f.name == "update-rounded-away"], tr.report

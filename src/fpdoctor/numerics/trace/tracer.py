@@ -19,6 +19,7 @@ one host sync per `sync_every` ops, when the tensor may be gone: there the reduc
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import sys
@@ -80,7 +81,7 @@ from fpdoctor.torchprivate import (
     queue_callback,
     sequence_nr,
 )
-from fpdoctor.userframes import dataset_item, user_location
+from fpdoctor.userframes import dataset_item, user_frame, user_location
 
 __all__ = ["Leaf", "NonFiniteError", "Output", "Record", "Tracer", "kind_of"]
 
@@ -129,6 +130,9 @@ _NARROW = (torch.float16, torch.bfloat16)
 GUARD_EPS = 1e-3  # the largest constant added before a log read as a guard against log(0)
 _COMPLETES = frozenset({"log", "div"})  # ops that may complete a form whose exp overflowed (_completed)
 STATEMENT_OPS = 32  # ops of one statement a copy_ writes back, redone to check it (lost_updates.py)
+# the visits of a line kept (the first record of each): a state rebound there is read a visit later, or a
+# loop over a model's parameters later (one visit per parameter)
+VISITS_KEPT = 8192
 _TINY = {dt: float(torch.finfo(dt).smallest_normal) * float(torch.finfo(dt).eps) / 2 for dt in _NARROW}
 
 
@@ -210,8 +214,10 @@ class Tracer(EagerDispatchMode):
         self._window = Window()
         self.lost_updates = LostUpdates()  # in-place running updates a narrow tensor rounds away
         # per line outside modules: (start of its previous visit, start of its current one), record indices
-        self._visits: dict[tuple[str, int], tuple[int | None, int]] = {}
+        # each line's visits outside modules (its records in a row), by the index of their first record
+        self._visits: dict[tuple[str, int], list[int]] = {}
         self._visit_line: tuple[str, int] | None = None  # the line outside modules the last record ran at
+        self._visit_lasti: tuple[int, int] | None = None  # its frame and bytecode offset
         self.flushed = FlushedSquares()  # squares a narrow format flushes to zero (a norm by hand)
         self._decided: Counter[str] = Counter()  # "nan" / "inf": producers experimented on
         self._keys: set[tuple[Any, ...]] = set()  # their (op, forward op, location)s
@@ -463,7 +469,8 @@ class Tracer(EagerDispatchMode):
             # Outside modules, and inside one in a method of the user's other than its forward (a
             # LightningModule's training_step, which Lightning runs through the module's call), a
             # line's visits are followed: a narrow state rebound there is judged (_rebound).
-            location = user_location(sys._getframe(3))
+            frame = user_frame(sys._getframe(3))
+            location = (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name) if frame is not None else None
             if module is None:
                 # Outside modules the iteration is how often this op ran at this line before.
                 key = (info.op, location)
@@ -471,9 +478,21 @@ class Tracer(EagerDispatchMode):
                 self._site_calls[key] = call + 1
             if location is not None and (module is None or location[2] != "forward"):
                 where = (location[0], location[1])  # visits of a line: its records in a row (a loop too)
-                if where != self._visit_line:
-                    self._visits[where] = (self._visits.get(where, (None, -1))[1], index)
+                # the line run again (a loop whose body is this line alone: no other line's op between)
+                # starts its bytecode over: an op at an earlier instruction of the same frame is a new visit
+                lasti = (id(frame), frame.f_lasti) if frame is not None else None
+                again = (
+                    lasti is not None
+                    and self._visit_lasti is not None
+                    and (lasti[0] == self._visit_lasti[0] and lasti[1] < self._visit_lasti[1])
+                )
+                if where != self._visit_line or again:
+                    starts = self._visits.setdefault(where, [])
+                    starts.append(index)
+                    if len(starts) > VISITS_KEPT:  # a state is read within a few thousand visits of its line
+                        del starts[: VISITS_KEPT // 2]
                     self._visit_line = where
+                self._visit_lasti = lasti
                 if outs[0].dtype in _NARROW and not outs[0].requires_grad:
                     self._rebound(where, index, inputs, args)
             else:
@@ -843,20 +862,21 @@ class Tracer(EagerDispatchMode):
         model (`shadow[n] = shadow[n] * d + p * (1 - d)`: an EMA by rebinding, no in-place op): an op
         of this visit of the line reads what its previous visit made. What that visit made is then
         judged as a copy_'s statement is (lost_updates.LostUpdates.rebound)."""
-        previous, start = self._visits[where]
-        if previous is None or previous < 0:
-            return
+        starts = self._visits[where]
         for kind, i in inputs:
-            made = self._items.get(i) if kind == "op" and previous <= i < start else None
+            # made at this line in an earlier visit: the one before (a loop over steps), or one a loop over
+            # the parameters' entries ran in between (shadow[n] for each n: the same n a pass earlier)
+            made = self._items.get(i) if kind == "op" and starts[0] <= i < starts[-1] else None
             if made is None or made.location is None or (made.location[0], made.location[1]) != where:
                 continue
+            previous = starts[bisect.bisect_right(starts, i) - 1]  # the start of the visit that made it
             value = next((a for a in args if isinstance(a, torch.Tensor) and self.producer_of(a) == i), None)
             if value is None:
                 return
             try:  # the value the earlier visit made: its statement, from what that visit read
                 statement = self._statement(value, where, value, since=previous)
                 if statement:
-                    made_before = lambda t: self._made_before(t, where, previous)  # noqa: E731
+                    made_before = lambda t, since=previous: self._made_before(t, where, since)  # noqa: E731
                     with DisableTorchDispatch():
                         self.lost_updates.rebound(where, value, statement, made_before)
             except Exception as exc:  # the observer never kills the job
