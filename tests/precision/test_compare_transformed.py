@@ -189,3 +189,17 @@ def test_a_transform_that_draws_random_numbers_leaves_the_callers_rng_as_it_was(
     result = fpdoctor.compare(model, torch.randn(256, 64, generator=torch.Generator().manual_seed(1)), candidate=prune)
     assert torch.equal(torch.get_rng_state(), before)
     assert "none (no module's class changed" in dict(result.report.data["summary"])["modules the transform changed"]
+
+
+def test_the_error_of_an_output_larger_than_the_sample_is_the_whole_outputs() -> None:
+    """An output of more values than the strided sample (16 x 64 x 256 logits): the error is measured on
+    the sample against the sample's own norm, as on the whole output."""
+    model = TinyLM().eval()
+    ids = torch.randint(0, 256, (16, 64), generator=torch.Generator().manual_seed(2))
+    result = fpdoctor.compare(model, ids, candidate=int8)
+    rel = result.report.data["end_to_end"]["rel"]
+    with torch.no_grad():
+        truth, got = model.double()(ids), int8(TinyLM().eval())(ids).double()
+    whole = float((got - truth).norm() / truth.norm())
+    assert 0.5 * whole < rel < 2 * whole, (rel, whole)
+    assert "quantized.dynamic" in result.report.data["transformed"]["modules"][0]["to"]

@@ -127,7 +127,8 @@ def _compare(
     cand_out = _candidate_output(run)
     source = _decision_source(fp32, last, float_out, one, decisions)
     judged = _decisions(run, source, cand_out, float_out) if source is not None and cand_out is not None else None
-    norm = l2_norm(truth.double())
+    sample = flat_sample(truth)
+    norm = l2_norm(sample) if sample is not None else 0.0  # the errors are of this strided sample (flat_sample)
     rel, floor = _rel(cand_out, truth, norm), _rel(float_out, truth, norm)
     findings: list[Finding] = []
     if judged is not None and judged.changed:
@@ -160,7 +161,11 @@ def _compare(
         "inputs": describe(one),
         "transformed": {
             "modules": [
-                {"module": n, "from": type(fp32.get_submodule(n)).__name__, "to": type(made.get_submodule(n)).__name__}
+                {
+                    "module": n,
+                    "from": _kind(fp32.get_submodule(n)),
+                    "to": _kind(made.get_submodule(n), fp32.get_submodule(n)),
+                }
                 for n in run.changed
             ],
             "put_back": [{"modules": m, ("top1" if judged is not None else "rel"): v} for m, v in run.tried],
