@@ -312,12 +312,14 @@ def verdict_findings(
     health: Any = None,
     climbed: Finding | None = None,
     lr_trial: LrTrial | None = None,
+    loss_finite: bool = False,
 ) -> list[Finding]:
     """deterministic-nonfinite (with the trace's other findings) or transient-fault-suspected;
     `kind`: the bad step's own nan / +inf / -inf; `control`: the same replay in fp32, when run;
     `health`: what changed on this GPU since the job started (fpdoctor.health.watch.Changes);
     `climbed`: the loss spike the run climbed from before this step, if any, and `lr_trial` the
-    lower learning rates tried from the climb."""
+    lower learning rates tried from the climb; `loss_finite`: the step's own loss was finite (its
+    gradients were not)."""
     where_rank = place(me)
     # micro-batches count from 1 within their window, as steps do
     micro = {"micro_batch": result.micro_batch + 1} if result.micro_batch is not None and micro_batches else {}
@@ -345,6 +347,12 @@ def verdict_findings(
         if _batch_held_it(first) and first is not None:
             fix = _bad_data_fix(first, distributed="rank" in me)
         after_text = (_AFTER_OUTPUTS_NAMED if first is not None and decided else _AFTER_OUTPUTS) if after else ""
+        if after and loss_finite:  # the step's loss was finite: its backward made it (a sqrt or a norm at 0)
+            after_text = after_text.replace(
+                "while the loss computed from them (or its gradient) was not",
+                "and so was the step's loss, while the loss's gradient was not (a sqrt, a norm or a division by a "
+                "value at 0 in the loss code)",
+            )
         standing = result.evidence.get("output_rows_standing_out")
         if after and first is None and standing:  # the data: one item far out of line, not the loss code
             after_text, fix = _rows_after_outputs(standing)

@@ -647,6 +647,7 @@ class StepJudge:
             health=health,
             climbed=climbed,
             lr_trial=lr_trial,
+            loss_finite=not f.bad_loss,
         )
         if self.is_compiled and result.verdict == "deterministic-nonfinite":  # the compiled model, run eagerly
             made = compiled.seen_in(made, compiled.EAGER_REPLAY)
