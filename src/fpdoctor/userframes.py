@@ -46,8 +46,12 @@ def is_user_file(filename: str) -> bool:
 
 def user_location(frame: FrameType | None) -> tuple[str, int, str] | None:
     """The innermost frame outside torch, fpdoctor and the standard library: the user's line."""
-    found = user_frame(frame)
-    return (found.f_code.co_filename, found.f_lineno, found.f_code.co_name) if found is not None else None
+    return frame_location(user_frame(frame))
+
+
+def frame_location(frame: FrameType | None) -> tuple[str, int, str] | None:
+    """A frame's (file, line, function)."""
+    return (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name) if frame is not None else None
 
 
 def user_frame(frame: FrameType | None) -> FrameType | None:

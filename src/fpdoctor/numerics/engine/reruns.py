@@ -1665,24 +1665,23 @@ def _try_constant(
     return None
 
 
-def _past_range(step: Step) -> bool:
-    """Whether a narrowing cast's finite source holds values past its format's largest (Inf made)."""
+def _past_range(step: Step) -> float | None:
+    """The largest finite |value| of a narrowing cast's source where it is past its format's largest
+    (the cast made Inf); None otherwise."""
     dtype = _compute_dtype(step)
     source = next((t for t in tree_flatten(step.args)[0] if isinstance(t, torch.Tensor)), None)
     if dtype not in _NARROW or source is None or not source.is_floating_point():
-        return False
-    finite = source[torch.isfinite(source)]
-    return bool(finite.numel()) and float(finite.abs().max()) > float(torch.finfo(dtype).max)
-
-
-def _data_past_range(step: Step) -> float | None:
-    """A forward cast outside any module of a tensor autograd records nothing of (data: targets or
-    features as the batch holds them) whose values pass its format's largest: their largest |value|."""
-    source = next((t for t in tree_flatten(step.args)[0] if isinstance(t, torch.Tensor)), None)
-    if step.record.module is not None or source is None or source.requires_grad or source.grad_fn is not None:
         return None
     finite = source[torch.isfinite(source)]
-    return float(finite.abs().max()) if finite.numel() else None
+    largest = float(finite.abs().max()) if finite.numel() else 0.0
+    return largest if largest > float(torch.finfo(dtype).max) else None
+
+
+def _data(step: Step) -> bool:
+    """A forward cast outside any module of a tensor autograd records nothing of: data (targets or
+    features as the batch holds them), not a value the model made."""
+    source = next((t for t in tree_flatten(step.args)[0] if isinstance(t, torch.Tensor)), None)
+    return step.record.module is None and source is not None and not source.requires_grad and source.grad_fn is None
 
 
 # a cast as a line writes it: .half(), .bfloat16(), .type(...), .type_as(...), dtype=..., .to(...) of
@@ -1914,13 +1913,14 @@ def _settle_origin(
             experiment.literal_fix = _try_constant(experiment.literal, origin, chain, lookup, symptom)
         # a gradient the backward casts to its value's dtype is not a value the user wrote: holding it at
         # the limit would clip it; the fix is the dtype the value had (below) or a smaller gradient
-        if experiment.cast is not None and _past_range(origin) and origin.record.phase != "backward":
+        largest = _past_range(origin) if experiment.cast is not None else None
+        if largest is not None and origin.record.phase != "backward":
             if autocasts(origin.record):  # autocast's cast of a module's input: no value to write
                 experiment.autocast_cast = True
             elif _sentinel_like(origin):  # a mask value past the range: its limit is the value to write
                 experiment.saturated_fix = _try_saturated(origin, chain, lookup, symptom)
-            else:
-                experiment.data_cast = _data_past_range(origin)
+            elif _data(origin):  # data in large units, cast by the script
+                experiment.data_cast = largest
     except Exception:
         pass
     try:  # a composite torch computes in a stable form (stable.py): that form is the fix

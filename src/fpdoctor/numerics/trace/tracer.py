@@ -81,7 +81,7 @@ from fpdoctor.torchprivate import (
     queue_callback,
     sequence_nr,
 )
-from fpdoctor.userframes import dataset_item, user_frame, user_location
+from fpdoctor.userframes import dataset_item, frame_location, user_frame, user_location
 
 __all__ = ["Leaf", "NonFiniteError", "Output", "Record", "Tracer", "kind_of"]
 
@@ -470,7 +470,7 @@ class Tracer(EagerDispatchMode):
             # LightningModule's training_step, which Lightning runs through the module's call), a
             # line's visits are followed: a narrow state rebound there is judged (_rebound).
             frame = user_frame(sys._getframe(3))
-            location = (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name) if frame is not None else None
+            location = frame_location(frame)
             if module is None:
                 # Outside modules the iteration is how often this op ran at this line before.
                 key = (info.op, location)

@@ -998,7 +998,9 @@ class _Comparison:
                 device=self.cand_device, noise=self.noise, unwind=self._unwatch,
             )  # fmt: skip
         except Exception as exc:  # the candidate failing is a finding, not a usage error
-            if self.given and _dtype_mismatch(exc):  # fed its inputs as given, the model does not cast them
+            if (
+                self.given and mismatch_error(str(exc)) == "dtype"
+            ):  # fed its inputs as given, the model does not cast them
                 raise ReferenceFailed(
                     f"the model fed its inputs as given (inputs_as_given) does not cast them itself: its {self.label} "
                     f"run raised {type(exc).__name__}: {str(exc).strip().splitlines()[0]}",
@@ -2414,14 +2416,6 @@ def _quantized(model: nn.Module) -> tuple[str, str] | None:
         if where.startswith(("torch.ao.nn.quantized", "torch.nn.quantized", "torch.ao.nn.intrinsic.quantized")):
             return name, f"{where}.{type(module).__name__}"
     return None
-
-
-def _dtype_mismatch(exc: Exception) -> bool:
-    """torch's error for operands of two floating dtypes (a matmul of Double and Float)."""
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and (
-        "same dtype" in text or "expected scalar type" in text or "should be the same" in text
-    )
 
 
 def _unexplained(rows: list[ModuleRow], conditioning: bool = True) -> float | None:

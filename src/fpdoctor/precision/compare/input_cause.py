@@ -121,10 +121,10 @@ def offset_columns(inputs: Any, dtype: torch.dtype, skip: list[Whole]) -> list[W
             group.sort()
             values = flat[:, group]
             narrowest = float(spread[group].min())
-            step = 10.0 ** math.floor(math.log10(narrowest))  # the offset to the spread's first digit
-            offset = round(float(values.median()) / step) * step
             changed = float((values.to(dtype).double() != values).double().mean())
-            found.append(Whole(name, t, group, float(values.abs().max()), changed, float(f"{offset:.12g}"), narrowest))
+            found.append(
+                Whole(name, t, group, float(values.abs().max()), changed, _offset(values, narrowest), narrowest)
+            )
     return found
 
 
@@ -152,6 +152,12 @@ def rounded_but(inputs: Any, dtype: torch.dtype, found: list[Whole]) -> Any:
     return map_tensors(inputs, cast)
 
 
+def _offset(values: torch.Tensor, narrowest: float) -> float:
+    """The offset subtracted from `values`: their median, to the first digit of the narrowest spread."""
+    step = 10.0 ** math.floor(math.log10(narrowest))
+    return float(f"{round(float(values.median()) / step) * step:.12g}")
+
+
 def one_offset(groups: list[Whole]) -> list[Whole]:
     """The groups of each tensor merged under one offset (their values' median, to the narrowest
     spread's first digit), which keeps differences between the groups exact too."""
@@ -167,8 +173,7 @@ def one_offset(groups: list[Whole]) -> list[Whole]:
         columns = sorted(c for w in ws for c in (w.columns or []))
         values = first.tensor.detach().reshape(-1, first.tensor.shape[-1]).double()[:, columns]
         narrowest = min(w.spread for w in ws)
-        step = 10.0 ** math.floor(math.log10(narrowest))
-        offset = float(f"{round(float(values.median()) / step) * step:.12g}")
+        offset = _offset(values, narrowest)
         changed = sum(w.changed * len(w.columns or []) for w in ws) / len(columns)
         out.append(Whole(first.name, first.tensor, columns, max(w.largest for w in ws), changed, offset, narrowest))
     return out
