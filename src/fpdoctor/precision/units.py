@@ -239,3 +239,71 @@ def lost_finding(units: InUnits, fmt: str, *, worst: str) -> Finding:
         ),
         severity=Severity.ERROR,
     )
+
+
+def given_finding(
+    fmt: str, *, before: float, after: float, input_floor: float, on: str,
+    units: InUnits | None = None, fed: InUnits | None = None, buffers: list[str] | None = None,
+) -> Finding:  # fmt: skip
+    """`precision-divergence` whose cause is the cast of the inputs before the call: rounding them to
+    `fmt` alone explains the end-to-end error (`before`; `input_floor`: the exact model fed them
+    rounded), and the candidate fed them as given (its forward casts them where it computes) has
+    `after`. `units`, `fed`: the same in the output's units, where it is not logits; `buffers`: the
+    model's buffers the format rounds, kept in fp32 in that run too (a reference value it centres on)."""
+    kept = ", ".join(f"`{b}`" for b in buffers or [])
+    plural = len(buffers or []) > 1
+    with_buffers = f", with its buffer{'s' if plural else ''} {kept} kept in fp32," if kept else ""
+    said = (
+        f" In the output's units: {units.mean:.3g} on average ({units.mean / units.varies:.0%} of what it varies by), "
+        f"{fed.mean:.3g} fed as given."
+        if units is not None and fed is not None and units.varies > 0
+        else ""
+    )
+    evidence: dict[str, Any] = {"kind": "input-rounding", "propagated_rel": before, "fed_as_given_rel": after,
+                                "input_floor_rel": input_floor}  # fmt: skip
+    if units is not None and fed is not None:
+        evidence |= {"units": units.to_dict(), "fed_as_given": fed.to_dict()}
+    return catalog.make(
+        "precision-divergence",
+        title=f"The inputs rounded to {fmt} before the call make the error; the model fed them as given does not",
+        message=(
+            f"In {fmt}, the end-to-end error is {before:.3g}, and rounding the inputs to {fmt} alone explains it: the "
+            f"exact model fed them rounded is already off by {input_floor:.3g}. The {fmt} model{with_buffers} fed "
+            f"the inputs unrounded, as given (its forward reads them in the format it computes them in), is off by "
+            f"{after:.3g}." + said
+        ),
+        where={"module": None, "op": None, "phase": "forward"},
+        evidence=evidence,
+        fix=(
+            f"Pass the inputs to the {fmt} model unrounded (as they come, in fp32): do not cast them to {fmt} before "
+            "the call"
+            + (
+                f"; and keep {kept} out of the cast, {'their' if plural else 'its'} fp32 values (saved before the "
+                f"model's cast and set back after it: {_set_back(buffers or [], fmt)})"
+                if kept
+                else "; `fpdoctor compare --inputs-as-given` judges the model fed them so"
+            )
+        ),
+        trial=Trial.checked(
+            f"the {fmt} model{with_buffers.rstrip(',')} fed the inputs as given",
+            on=on,
+            metric="end-to-end error",
+            before=before,
+            after=after,
+        ),
+        severity=Severity.ERROR,
+    )
+
+
+def _set_back(buffers: list[str], fmt: str) -> str:
+    """The lines that keep `buffers` (the model's names) in fp32 across the model's cast to `fmt`."""
+    dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}.get(fmt, "DTYPE")
+
+    def attribute(name: str) -> str:
+        path, _, leaf = name.rpartition(".")
+        if all(part.isidentifier() for part in name.split(".")):
+            return f"model.{name}"
+        return f"model.get_submodule({path!r}).{leaf}"
+
+    saved = "; ".join(f"{attribute(n)} = saved[{n!r}]" for n in buffers)
+    return f"`saved = {{n: model.get_buffer(n).clone() for n in {buffers!r}}}`; `model.to({dtype})`; `{saved}`"

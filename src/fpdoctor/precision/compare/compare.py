@@ -123,6 +123,7 @@ from fpdoctor.precision.metrics import (
 from fpdoctor.precision.names import default_reference
 from fpdoctor.precision.profile import (
     DIVERGENCE_RATIO,
+    INPUT_EXPLAINS,
     INPUT_FIX_FALLS,
     RAISED_FALLS,
     UNKNOWN_FLOOR,
@@ -135,12 +136,13 @@ from fpdoctor.precision.profile import (
     causes,
     children,
     forced_causes,
+    input_rounding_finding,
     merge_sets,
 )
 from fpdoctor.precision.record.record import CompareRecord
 from fpdoctor.precision.record.recording import Link, Samples, decision_record
 from fpdoctor.precision.scope import find_module, module_inputs
-from fpdoctor.precision.units import InUnits, coarse_finding, in_units, lost_finding
+from fpdoctor.precision.units import InUnits, coarse_finding, given_finding, in_units, lost_finding
 from fpdoctor.preserve import RngState
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding, Severity, Trial
@@ -1854,7 +1856,65 @@ class _Comparison:
                     f"{len(self.noise.draws)} made by the forward itself, the fp64 run's replayed in every run",
                 )
             )
+        self._fed_as_given(result)
         return result
+
+    def _fed_as_given(self, result: CompareResult) -> None:
+        """An error put down to rounding the inputs, its fix untried: the candidate fed them as given
+        tried (a model that casts its raw inputs where it computes with them, as one fixed to centre
+        them in fp32 does). Where that takes the end-to-end error down INPUT_FIX_FALLS times, the
+        finding says to pass them unrounded, checked; elsewhere it stands as it was."""
+        at = next((i for i, f in enumerate(result.report.findings) if f.evidence.get("kind") == "input-rounding"), None)
+        root = self.seen.get(("", 0))
+        if at is None or root is None or self.given or not result.rows:
+            return
+        trial = result.report.findings[at].trial
+        if trial is not None and trial.tried:
+            return
+        before = result.rows[-1].propagated
+        if not math.isfinite(before):
+            return
+        # the user's own modules' buffers the format rounds (a reference pressure of 1013.25 hPa is 1016 in
+        # bf16): kept in fp32 too where the inputs alone are not enough, as the model computes with them
+        rounded = [
+            name for name, b in self.model.named_buffers()
+            if b.is_floating_point() and not _torch_made(self.model.get_submodule(name.rpartition(".")[0]))
+            and _rounded_by(b, self.cand_dtype)
+        ]  # fmt: skip
+        for kept in ([], rounded) if rounded else ([],):
+            sample = self._given_sample(kept)
+            if sample is None or sample.numel() != root.truth.numel() or not bool(torch.isfinite(sample).all()):
+                continue
+            after = rel_error(sample.to(root.truth.device), root.truth, root.norm)
+            if after * INPUT_FIX_FALLS <= before:
+                break
+        else:
+            return
+        units = fed = None
+        if self.root_units is not None and self._units_truth is not None and self.logits is None:
+            units, fed = self.root_units, in_units(self._units_truth, sample, self.candidate, row=self.root_units.row)
+        floor = result.input_floor if result.input_floor is not None else before
+        result.report.findings[at] = given_finding(
+            self.candidate, before=before, after=after, input_floor=floor, units=units, fed=fed,
+            on=inputs_text(describe(self.inputs)), buffers=kept,
+        )  # fmt: skip
+
+    def _given_sample(self, buffers: list[str]) -> torch.Tensor | None:
+        """The candidate's output sample fed the inputs as given, with `buffers` (the user's model's
+        names) put back in fp32, its exact values, for that forward only."""
+        swapped = []
+        for name in buffers:
+            path, _, leaf = name.rpartition(".")
+            holder = self.cand_run.get_submodule(path)
+            value = self.model.get_buffer(name).detach().to(torch.float32)
+            swapped.append((holder, leaf, holder._buffers[leaf]))
+            holder._buffers[leaf] = value if self.cand_device is None else value.to(self.cand_device)
+        try:
+            out = self._root_output(self.cand_run, Given(*split_inputs(self.inputs)), self.cand_dtype)
+        finally:
+            for holder, leaf, original in reversed(swapped):
+                holder._buffers[leaf] = original
+        return device_sample(out) if out is not None else None
 
     def _lines_after(
         self, lines: list[tuple[str, int]], error: float, outputs: list[torch.Tensor],
@@ -2263,7 +2323,12 @@ class _Comparison:
         _beside_error(result.report.data["summary"], ("output error, in its units", units.text(self.candidate)))
         if not units.coarse or self._units_truth is None or self.cand_failed is not None:
             if units.lost and not any(f.severity is Severity.ERROR for f in result.report.findings):
-                # no module's own error stands out, and the output is lost all the same: never OK
+                # no module's own error stands out, and the output is lost all the same: never OK. Where
+                # rounding the inputs explains it, that is the cause (the model may read them in fp32 itself)
+                found = self._lost_to_inputs(result, units)
+                if found is not None:  # its fix tried by _fed_as_given
+                    result.report.findings.append(found)
+                    return
                 worst = "; ".join(text for key, text in result.report.data["summary"] if key.startswith("largest"))
                 result.report.findings.append(lost_finding(units, self.candidate, worst=worst or "none measured"))
             return
@@ -2279,6 +2344,23 @@ class _Comparison:
         on = inputs_text(describe(self.inputs))
         children = [name for name, _ in self.model.named_children()]
         result.report.findings.append(coarse_finding(units, self.label, head, kept, on=on, own=own, children=children))
+
+    def _lost_to_inputs(self, result: CompareResult, units: InUnits) -> Finding | None:
+        """A lost output whose error rounding the inputs explains (the exact model fed them rounded is
+        within INPUT_EXPLAINS of it): the inputs' rounding named (its fix tried by _fed_as_given). None
+        where the inputs are not rounded or do not explain it."""
+        root = result.rows[-1] if result.rows else None
+        if root is None or self.given or self._units_truth is None:
+            return None
+        if _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is not None:
+            return None
+        floor = result.input_floor
+        if floor is None:
+            floor = self._floor_with()
+        if floor is None or not math.isfinite(floor) or root.propagated > INPUT_EXPLAINS * floor:
+            return None
+        result.report.data["input_floor"] = result.input_floor = floor
+        return input_rounding_finding(root, self.label, self.candidate, self.reference, floor, None)
 
     def _top1_with_fp32(self, modules: list[str], *, fp32_output: bool) -> float | None:
         """The candidate's top-1 agreement with `modules` computed in fp32 (_output_with_fp32)."""
