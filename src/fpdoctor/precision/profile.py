@@ -532,7 +532,7 @@ def _root_evidence(root: ModuleRow, candidate: str, reference: str, input_floor:
 
 
 def input_rounding_finding(
-    root: ModuleRow, label: str, candidate: str, reference: str, input_floor: float, found: dict[str, Any] | None
+    root: ModuleRow, label: str, candidate: str, reference: str, input_floor: float, *, found: dict[str, Any] | None
 ) -> Finding:
     """The finding for an end-to-end error that rounding the inputs explains, where compare judged the
     output by its use and no part of the model diverged (compare's units step)."""

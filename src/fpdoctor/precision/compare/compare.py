@@ -2360,7 +2360,7 @@ class _Comparison:
         if floor is None or not math.isfinite(floor) or root.propagated > INPUT_EXPLAINS * floor:
             return None
         result.report.data["input_floor"] = result.input_floor = floor
-        return input_rounding_finding(root, self.label, self.candidate, self.reference, floor, None)
+        return input_rounding_finding(root, self.label, self.candidate, self.reference, floor, found=None)
 
     def _top1_with_fp32(self, modules: list[str], *, fp32_output: bool) -> float | None:
         """The candidate's top-1 agreement with `modules` computed in fp32 (_output_with_fp32)."""
