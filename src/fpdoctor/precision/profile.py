@@ -329,13 +329,19 @@ def build_report(
     costs far more than the output's floor, what in them the format rounds ({} for nothing found)."""
     label = candidate if device is None else f"{candidate} on {device}"
     findings = []
-    first = next((r for r in rows if r.diverged), None)
+    first = _origin(rows)
     diverged = [r for r in rows if r.diverged]
     first_text = f"`{first.module}`" if first is not None else "none"
     if first is not None and first.module == "":
         finding, first_text = _root_finding(
             first, label, candidate, reference, input_floor, cause=(causes or {}).get(""), inputs_cause=inputs_cause
         )
+        after = [f"`{r.module}`" for r in diverged if r.module]
+        if after:  # leaves fed what its own ops made (_origin): they show the error, not make it
+            finding = dataclasses.replace(finding, message=finding.message.replace(
+                "no submodule diverges by itself.",
+                f"{', '.join(after)} diverge{'s' if len(after) == 1 else ''} after it, fed what it makes.",
+            ))  # fmt: skip
         findings.append(finding)
     elif first is not None:
         cause = (causes or {}).get(first.module)
@@ -368,6 +374,9 @@ def build_report(
                 evidence=_root_evidence(root, candidate, reference, input_floor),
             )  # fmt: skip
             findings.append(finding)
+    broken = _broken_reference(rows[-1] if rows else None, reference, candidate)
+    if broken is not None:
+        findings.insert(0, broken)
     final = rows[-1] if rows else None
     summary = [
         (
@@ -412,6 +421,73 @@ def build_report(
         report.data["input_floor"] = input_floor
     first_module = first.module if first is not None and first.module else None
     return CompareResult(report, rows, first_module, peak, input_floor=input_floor)
+
+
+# A floor model this far off the fp64 run at the output (relative) is broken itself: no floor
+BROKEN_REFERENCE = 0.1
+
+
+def _broken_reference(root: ModuleRow | None, reference: str, candidate: str) -> Finding | None:
+    """The floor model (fp32, where the candidate is narrower) off the fp64 run by BROKEN_REFERENCE or
+    more at the output: every floor it sets is its own error, so the candidate's may look within it.
+    Said first: the model is broken in fp32 already, and that is the fix to find."""
+    if root is None or reference == "fp64" or root.module != "":
+        return None
+    off = root.floor  # the floor model's end-to-end error, where it exceeds rounding the output
+    if not off >= BROKEN_REFERENCE:
+        return None
+    return catalog.make(
+        "precision-divergence",
+        title=f"The {reference} model itself is {_fmt(off)} off the fp64 run: it sets no floor for {candidate}",
+        message=(
+            f"The {reference} model's own output is off the fp64 run by {_fmt(off)} (relative), so the "
+            f"floor it sets for {candidate} at each module is its own error, and {candidate}'s error "
+            f"({_fmt(root.propagated)}) may look within it. The model loses its precision in {reference} already: "
+            f"that is where to start, before {candidate}."
+        ),
+        where={"module": None, "op": None, "phase": "forward"},
+        evidence={
+            "kind": "reference-broken",
+            "floor_model": reference,
+            "reference_rel": off,
+            "propagated_rel": root.propagated,
+            "candidate": candidate,
+        },
+        fix=(
+            f"Fix the {reference} model first: `fpdoctor compare MODEL --candidate {reference} --reference fp64` "
+            f"names where it loses against fp64 and checks a fix; then compare {candidate} again"
+        ),
+        trial=Trial.untried(
+            f"the {reference} model is the one to fix, and this run compared {candidate} with it: its own comparison "
+            "with fp64 finds and checks that fix"
+        ),
+        severity=Severity.ERROR,
+    )
+
+
+# A leaf whose inputs came in this many times further off than its own ops make its output is not
+# where the error is made (_origin)
+FED_DOMINATES = 2.0
+
+
+def _origin(rows: list[ModuleRow]) -> ModuleRow | None:
+    """The first divergent row in model order, unless it is a leaf fed inputs already far off (what came
+    in is FED_DOMINATES above its own error) and a container around it diverges by its own ops by at
+    least 1/DIVERGENCE_RATIO of that: the error is made there and only shows in the leaf (a model's own torch.cdist that
+    cancels, before the readout that amplifies it)."""
+    diverged = [r for r in rows if r.diverged]
+    first = diverged[0] if diverged else None
+    if first is None or not first.leaf or first.input_error is None or first.isolated is None:
+        return first
+    fed = first.input_error
+    if not (math.isfinite(fed) and fed > FED_DOMINATES * first.isolated):
+        return first
+    for row in diverged[1:]:
+        around = row.module == "" or first.module.startswith(row.module + ".")
+        own = row.isolated if row.own and row.own.get("op") else None
+        if around and not row.leaf and own is not None and (not math.isfinite(own) or own * DIVERGENCE_RATIO >= fed):
+            return row
+    return first
 
 
 # The whole model's error is put down to rounding its inputs when the reference, fed the rounded

@@ -73,6 +73,7 @@ from fpdoctor.precision.compare import (
     near_limit,
     nonfinite,
     selections,
+    stable_forms,
     upstream,
     use,
 )
@@ -1177,11 +1178,14 @@ class _Comparison:
             )
         suspects = set()
         # a leaf whose own ops lose nothing run alone, that diverged: its inputs' rounding, amplified? (its
-        # weights and buffers stay exact in that run: what their rounding costs is no floor)
+        # weights and buffers stay exact in that run: what their rounding costs is no floor). An fp32 candidate's
+        # weights are the fp64 run's values, so any diverged leaf: a readout whose least-squares weights cancel
+        # loses in any fp32 computation what the rounding of its inputs costs, its conditioning
+        lossless = self.candidate == "fp32"
         conditioned = {
             (r.module, r.call) for r in rows
-            if r.leaf and r.diverged and r.own and r.own.get("error_rel") == 0 and r.isolated is not None
-            and math.isfinite(r.isolated)
+            if r.leaf and r.diverged and (lossless or (r.own and r.own.get("error_rel") == 0))
+            and r.isolated is not None and math.isfinite(r.isolated)
         }  # fmt: skip
         for r in rows:
             entry = seen[(r.module, r.call)]
@@ -1838,9 +1842,13 @@ class _Comparison:
             summary.append((
                 "floor from the inputs' rounding",
                 "; ".join(f"`{m}` {v:.3g}" for m, v in list(held.items())[:3])
-                + f": the exact module on its inputs rounded to {self.label} is as wrong (none of its own ops loses "
-                "anything): it amplifies the rounding of what it reads, which no precision inside it undoes; its "
-                "inputs made in fp32 (the readings fed in fp32, standardised before the cast) would",
+                + f": the exact module on its inputs rounded to {self.label} is about as wrong: it amplifies the "
+                "rounding of what it reads, which no precision inside it undoes"
+                + (
+                    "; its inputs made in fp32 (the readings fed in fp32, standardised before the cast) would"
+                    if self.candidate != "fp32"
+                    else " (its conditioning: any fp32 computation of it loses as much)"
+                ),
             ))  # fmt: skip
         if self.fp8_dtype is not None:
             result.report.findings.extend(fp8.findings(self.fp8_rows))
@@ -1857,7 +1865,37 @@ class _Comparison:
                 )
             )
         self._fed_as_given(result)
+        self._stable_form(result)
         return result
+
+    def _stable_form(self, result: CompareResult) -> None:
+        """A finding whose op has a stable form torch offers by an argument (stable_forms.py), its fix
+        untried: the candidate re-run with that argument; its edit printed where that is checked to
+        take the end-to-end error down RAISED_FALLS times."""
+        root = self.seen.get(("", 0))
+        if root is None or not result.rows or not math.isfinite(result.rows[-1].propagated):
+            return
+        before = result.rows[-1].propagated
+        for i, finding in enumerate(result.report.findings):
+            form = stable_forms.form_for(finding.evidence.get("own_op"))
+            if form is None or (finding.trial is not None and finding.trial.tried):
+                continue
+            with stable_forms.Rewritten(form):
+                out = self._root_output(self.cand_run, self.run_inputs, self.cand_dtype)
+            sample = device_sample(out) if out is not None else None
+            if sample is None or sample.numel() != root.truth.numel() or not bool(torch.isfinite(sample).all()):
+                continue
+            after = rel_error(sample.to(root.truth.device), root.truth, root.norm)
+            if after * RAISED_FALLS > before:
+                continue
+            location = finding.evidence.get("own_op_location")
+            args = ", ".join(f"{k}={v!r}" for k, v in form.kwargs.items())
+            result.report.findings[i] = dataclasses.replace(
+                finding,
+                fix=stable_forms.fix_text(form, location),
+                trial=Trial.checked(f"{form.call} called with {args}", on=inputs_text(describe(self.inputs)),
+                                    metric="end-to-end error", before=before, after=after),
+            )  # fmt: skip
 
     def _fed_as_given(self, result: CompareResult) -> None:
         """An error put down to rounding the inputs, its fix untried: the candidate fed them as given

@@ -99,7 +99,7 @@ class Plan:
         if self.instead is not None:  # the cast alone would be printed as the plan: it is the broken run
             return (
                 f"# no set of modules kept in fp32 is the fix: {self.instead}\n"
-                "# apply the fix of the report's finding on the inputs' rounding (whether it was checked, it says)\n"
+                "# apply the fix of the report's first finding (whether it was checked, it says)\n"
             )
         if not self.verified:
             aim = _metric(self.metric).bound(self.target if self.target is not None else self.tolerance)
@@ -741,7 +741,7 @@ def apply_plan(model: nn.Module, the_plan: Plan) -> nn.Module:
     if the_plan.instead is not None:
         raise ValueError(
             f"no set of modules kept in fp32 is the fix ({the_plan.instead}): apply the fix of the plan report's "
-            "finding on the inputs' rounding"
+            "first finding"
         )
     if not the_plan.verified:
         raise ValueError(

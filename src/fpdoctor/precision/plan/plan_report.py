@@ -107,6 +107,11 @@ def _inputs_rounded(f: Finding) -> tuple[str, str] | None:
     return None
 
 
+def _broken(f: Finding) -> bool:
+    """compare's finding that the floor model is itself far off fp64: no plan judged against it holds."""
+    return f.evidence.get("kind") == "reference-broken"
+
+
 def _kept_by(module: str, keep: list[str]) -> str | None:
     return next((k for k in keep if module == k or module.startswith(k + ".")), None)
 
@@ -123,6 +128,7 @@ def build(the_plan: Plan, search: Search) -> Report:
     # the plan is the bare cast (nothing kept) and the inputs' rounding is past the tolerance: the error is the
     # floor's, which no set of modules changes; its fix is how the model reads its inputs (not tried here)
     floor_only = not whole and the_plan.verified and _bare(the_plan) and not the_plan.reachable
+    broken = next((f for f in findings if _broken(f)), None)
     if any(fl > tol for _, _, fl, _, _, tol in search.sets) and not whole:
         found = _floor_finding(the_plan, search)
         findings.append(dataclasses.replace(found, severity=Severity.ERROR) if floor_only else found)
@@ -199,6 +205,13 @@ def build(the_plan: Plan, search: Search) -> Report:
         the_plan.instead = whole[0]
         summary.append(("keep in fp32", f"no module set is the fix: {whole[0]}"))
         summary.append(("verified", f"the finding's fix instead ({whole[1]}), checked"))
+    elif broken is not None:
+        the_plan.instead = (
+            f"the {search.reference} model itself is {_fmt(broken.evidence['reference_rel'])} off fp64, so a target "
+            "set from its error proves nothing"
+        )
+        summary.append(("keep in fp32", f"no module set is the fix: {the_plan.instead}"))
+        summary.append(("verified", f"no: fix the {search.reference} model first (the first finding says how)"))
     elif floor_only:
         the_plan.instead = (
             f"rounding the inputs to {the_plan.candidate} is the error ({_val(m, the_plan.input_floor)}), which no set "
@@ -229,7 +242,7 @@ def build(the_plan: Plan, search: Search) -> Report:
             )
         )
     summary += _why(the_plan, search)
-    step = None if whole else _next_step(the_plan, search)  # the finding's checked fix is the next step
+    step = None if whole or broken else _next_step(the_plan, search)  # the finding's checked fix is the next step
     if step:
         summary.append(("next step", step))
     return Report(
@@ -437,6 +450,8 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
     out: list[Finding] = []
     m = search.metric
     target = _target(the_plan)
+    # a floor model far off fp64 (compare's reference-broken): no plan judged against it is the fix
+    broken = any(_broken(f) for _, c, *_ in search.sets for f in c.report.findings)
     for k in order:
         for f in search.sets[k][1].report.findings:
             key = (f.name, f.where.get("module"))
@@ -461,12 +476,12 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
                 else:
                     out.append(dataclasses.replace(f, evidence=evidence, **_checked_or_next(the_plan, search)))
                 continue
-            if f.name != "precision-divergence" or _inputs_rounded(f) is not None:
+            if f.name != "precision-divergence" or _inputs_rounded(f) is not None or _broken(f):
                 # another finding, or inputs whose values the format rounds: no module set is its fix
                 out.append(dataclasses.replace(f, evidence=evidence))
                 continue
             module = f.where.get("module")
-            if not the_plan.verified or (_bare(the_plan) and not the_plan.reachable):
+            if not the_plan.verified or (_bare(the_plan) and not the_plan.reachable) or broken:
                 # no plan, or one that keeps nothing against an input floor past the tolerance ("apply the plan"
                 # would change nothing, and a fix that changes nothing is never printed as the fix): compare's
                 # own fix for it, checked (a line in fp32, a state, a constant), stays as it was tried: no module
