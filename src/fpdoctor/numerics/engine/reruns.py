@@ -750,6 +750,11 @@ class Experiment:
             )
         else:
             fix = f"Change the origin, not the op that showed it: {cause}. Verified: {checked}."
+            if " in fp32" in checked:  # lines raised: the cast is the edit, and autocast off is not one
+                fix += (
+                    " On those lines, cast the operands (.float()) and the result back: an autocast-disabled region "
+                    f"alone leaves tensors already in {made} as they are."
+                )
         if self.bf16 is not None:
             fix += (
                 " Or run it in bf16, which has fp32's range where fp16's range ends: torch.autocast(device, "
