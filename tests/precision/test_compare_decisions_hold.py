@@ -1,6 +1,7 @@
 """A classifier whose inputs' rounding costs more than the noise floor while its decisions stay the
 exact model's: compare warns (the error is the inputs'), and passes, rather than failing a CI job
-on a model whose every decision is right."""
+on a model whose every decision is right. Not where a few rows cannot tell, nor where half flip, nor
+for a module's divergence (an output read as logits may be a regression head's)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import fpdoctor
 
 
 class _Centred(nn.Module):
-    """Readings near 500 (spread 30), centred inside the model, then a classifier with wide margins."""
+    """Readings near 500 (spread 30), centred inside the model, then a classifier with wide margins;
+    `casts`: the centring in fp32 on the inputs as given (as a fixed model does)."""
 
-    def __init__(self) -> None:
+    def __init__(self, casts: bool) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(0)
+        self.casts = casts
         self.register_buffer("centre", torch.full((8,), 500.0))
         self.head = nn.Linear(8, 4)
         with torch.no_grad():
@@ -23,19 +26,31 @@ class _Centred(nn.Module):
             self.head.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.casts:
+            return self.head((x.float() - self.centre).to(self.head.weight.dtype))
         return self.head(x - self.centre)
 
 
-def _inputs() -> torch.Tensor:
+def _inputs(rows: int = 256, spread: float = 30.0) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
-    centres = 30 * torch.randn(4, 8, generator=g)
-    labels = torch.arange(256) % 4
-    return 500 + centres[labels] + 0.3 * torch.randn(256, 8, generator=g)
+    centres = spread * torch.randn(4, 8, generator=g)
+    labels = torch.arange(rows) % 4
+    return 500 + centres[labels] + 0.3 * torch.randn(rows, 8, generator=g)
 
 
-def test_inputs_rounding_with_decisions_that_hold_is_a_warning() -> None:
-    result = fpdoctor.compare(_Centred().eval(), _inputs(), candidate="bf16")
-    found = [f for f in result.report.findings if f.name == "precision-divergence"]
+def test_inputs_rounding_with_decisions_that_hold_is_a_warning_its_fix_checked() -> None:
+    result = fpdoctor.compare(_Centred(casts=True).eval(), _inputs(spread=10.0), candidate="bf16")
+    found = [f for f in result.report.findings if f.evidence.get("kind") == "input-rounding"]
     assert found and all(f.severity == "warning" for f in found), str(result.report)
     assert "The decisions hold all the same: top-1 agreement" in found[0].message
+    assert found[0].fix.startswith("Pass the inputs to the bf16 model unrounded") and found[0].trial.tried
     assert result.report.verdict == "warning" and result.report.data["decisions"]["top1"] >= 0.99
+
+
+def test_a_few_rows_half_flipped_and_a_modules_divergence_stay_errors() -> None:
+    few = fpdoctor.compare(_Centred(casts=False).eval(), 500 + 0.5 * torch.randn(6, 8), candidate="bf16")
+    assert few.report.verdict == "error", str(few.report)
+    assert not any("decisions hold" in f.message for f in few.report.findings)
+    held = fpdoctor.compare(_Centred(casts=False).eval(), _inputs(), candidate="bf16")
+    assert held.report.data["decisions"]["top1"] >= 0.99
+    assert held.report.verdict == "error", str(held.report)

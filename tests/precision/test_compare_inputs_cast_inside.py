@@ -73,3 +73,23 @@ def test_a_model_that_cannot_take_its_inputs_unrounded_gets_the_inputs_finding_u
     first = result.report.findings[0]
     assert first.severity == "error" and first.evidence["kind"] == "input-rounding", str(result.report)
     assert not first.fix.startswith("Pass the inputs to the bf16 model unrounded")
+
+
+class _Counting(_Gauge):
+    """The gauge that also counts the rows it has seen in a float buffer, updated in place."""
+
+    def __init__(self) -> None:
+        super().__init__(True)
+        self.register_buffer("seen", torch.tensor(1000.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.add_(x.shape[0])
+        return super().forward(x)
+
+
+def test_the_fed_as_given_run_leaves_the_users_buffers_as_they_were() -> None:
+    torch.manual_seed(0)
+    model = _Counting().eval()
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    fpdoctor.compare(model, _readings(), candidate="bf16")
+    assert all(torch.equal(before[n], b) for n, b in model.named_buffers())

@@ -103,3 +103,44 @@ def test_plan_against_a_broken_fp32_model_is_no_plan_and_an_error() -> None:
     assert not any(f.fix.startswith("apply the plan") for f in report.findings), [f.fix for f in report.findings]
     with pytest.raises(ValueError, match="no set of modules kept in fp32 is the fix"):
         fpdoctor.apply_plan(_Kernel(direct=False).eval(), the_plan)
+
+
+class _TwoTables(nn.Module):
+    """Two prototype tables, each by its own torch.cdist line: the direct form on one line alone is
+    not the fix, and no fix names one line as checked when both were changed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.p1 = nn.Parameter(500 + 2 * torch.randn(16, 6, generator=g))
+        self.p2 = nn.Parameter(500 + 2 * torch.randn(16, 6, generator=g))
+        self.calibrate = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d1 = torch.cdist(x, self.p1)
+        d2 = torch.cdist(x, self.p2, 2.0, "use_mm_for_euclid_dist_if_necessary")  # compute_mode by position
+        return self.calibrate(-torch.cat([d1, d2], -1))
+
+
+def test_the_direct_form_names_every_line_its_check_changed() -> None:
+    x = 500 + 2 * torch.randn(128, 6, generator=torch.Generator().manual_seed(1))
+    result = fpdoctor.compare(_TwoTables().eval(), x, candidate="fp32", reference="fp64")
+    first = result.report.findings[0]
+    assert first.fix.startswith("Pass compute_mode="), str(result.report)
+    lines, start = inspect.getsourcelines(_TwoTables.forward)
+    at = [f"test_compare_stable_forms.py:{start + i}" for i, line in enumerate(lines) if "torch.cdist" in line]
+    assert all(a in first.fix and a in first.trial.changed for a in at), (at, first.fix)
+    assert first.trial.tried and first.trial.after * 100 <= first.trial.before
+
+
+def test_a_small_output_whose_floor_is_rounding_is_not_a_broken_fp32_model() -> None:
+    """fp16's spacing near 2e-7 is a quarter of the values: a large floor that is rounding's, not fp32's."""
+
+    class Scale(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2e-7
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), Scale()).eval()
+    result = fpdoctor.compare(model, torch.randn(64, 8), candidate="fp16")
+    assert all(f.evidence.get("kind") != "reference-broken" for f in result.report.findings), str(result.report)

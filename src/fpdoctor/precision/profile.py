@@ -340,7 +340,8 @@ def build_report(
         if after:  # leaves fed what its own ops made (_origin): they show the error, not make it
             finding = dataclasses.replace(finding, message=finding.message.replace(
                 "no submodule diverges by itself.",
-                f"{', '.join(after)} diverge{'s' if len(after) == 1 else ''} after it, fed what it makes.",
+                f"{', '.join(after)} diverge{'s' if len(after) == 1 else ''} too, from inputs already far off "
+                "(what came in is above what its own ops add).",
             ))  # fmt: skip
         findings.append(finding)
     elif first is not None:
@@ -374,9 +375,6 @@ def build_report(
                 evidence=_root_evidence(root, candidate, reference, input_floor),
             )  # fmt: skip
             findings.append(finding)
-    broken = _broken_reference(rows[-1] if rows else None, reference, candidate)
-    if broken is not None:
-        findings.insert(0, broken)
     final = rows[-1] if rows else None
     summary = [
         (
@@ -427,22 +425,17 @@ def build_report(
 BROKEN_REFERENCE = 0.1
 
 
-def _broken_reference(root: ModuleRow | None, reference: str, candidate: str) -> Finding | None:
-    """The floor model (fp32, where the candidate is narrower) off the fp64 run by BROKEN_REFERENCE or
-    more at the output: every floor it sets is its own error, so the candidate's may look within it.
-    Said first: the model is broken in fp32 already, and that is the fix to find."""
-    if root is None or reference == "fp64" or root.module != "":
-        return None
-    off = root.floor  # the floor model's end-to-end error, where it exceeds rounding the output
-    if not off >= BROKEN_REFERENCE:
-        return None
+def broken_reference(off: float, propagated: float, reference: str, candidate: str) -> Finding:
+    """The floor model (fp32, where the candidate is narrower) off the fp64 run by `off` (measured end to
+    end, BROKEN_REFERENCE or more): every floor it sets is its own error, so the candidate's may look
+    within it. Said first: the model is broken in fp32 already, and that is the fix to find."""
     return catalog.make(
         "precision-divergence",
         title=f"The {reference} model itself is {_fmt(off)} off the fp64 run: it sets no floor for {candidate}",
         message=(
             f"The {reference} model's own output is off the fp64 run by {_fmt(off)} (relative), so the "
             f"floor it sets for {candidate} at each module is its own error, and {candidate}'s error "
-            f"({_fmt(root.propagated)}) may look within it. The model loses its precision in {reference} already: "
+            f"({_fmt(propagated)}) may look within it. The model loses its precision in {reference} already: "
             f"that is where to start, before {candidate}."
         ),
         where={"module": None, "op": None, "phase": "forward"},
@@ -450,7 +443,7 @@ def _broken_reference(root: ModuleRow | None, reference: str, candidate: str) ->
             "kind": "reference-broken",
             "floor_model": reference,
             "reference_rel": off,
-            "propagated_rel": root.propagated,
+            "propagated_rel": propagated,
             "candidate": candidate,
         },
         fix=(

@@ -750,7 +750,7 @@ class Experiment:
             )
         else:
             fix = f"Change the origin, not the op that showed it: {cause}. Verified: {checked}."
-            if " in fp32" in checked:  # lines raised: the cast is the edit, and autocast off is not one
+            if self.checked_in == "fp32" and made in ("float16", "bfloat16"):  # autocast off is not the edit
                 fix += (
                     " On those lines, cast the operands (.float()) and the result back: an autocast-disabled region "
                     f"alone leaves tensors already in {made} as they are."

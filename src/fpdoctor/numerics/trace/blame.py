@@ -41,6 +41,7 @@ from fpdoctor.numerics.engine.reruns import (
     finfo_spelled,
     transparent_op,
 )
+from fpdoctor.numerics.observe.amp import MAX_CONSECUTIVE_SKIPS
 from fpdoctor.numerics.observe.loader import rows_text
 from fpdoctor.numerics.trace.bounds import impossible
 from fpdoctor.numerics.trace.recipes import range_cause
@@ -667,18 +668,29 @@ class Analysis:
                 evidence=_known({**evidence, "ops": len(absorbed)}),
             )
         every = run.every_step
+        # collapsed by its scale alone (skips now and then, the scale pushed far below 1 by them): the steps it
+        # takes run on gradients scaled so small that the half-precision backward flushes them to zero
+        sank = not every and not run.stopped and run.longest[0] < MAX_CONSECUTIVE_SKIPS and bool(run.scales)
         title = (
             f"GradScaler skipped {run.total} of {run.total} steps: the optimizer never ran"
             if every
+            else f"GradScaler skipped {counted}, and its scale sank to {min(run.scales):g}: the gradients it scales "
+            "flush to zero"
+            if sank
             else f"GradScaler skipped {counted} ({run.longest[0]} in a row from step {run.longest[1]}): "
             "the optimizer stopped running"
         )
         low = min(run.scales) < 1 if run.scales else False
+        moved = (
+            "never moved" if every
+            else "barely move: the steps it takes scale the loss so far down that its gradients flush to zero"
+            if sank
+            else "stopped moving"
+        )  # fmt: skip
         message = (
             f"GradScaler found non-finite gradients and skipped {counted} (scale {run.scale_text()}"
             + (", below 1: the gradients are non-finite even unscaled" if low else "")
-            + f"), so the weights {'never moved' if every else 'stopped moving'}: this is not the scale calibrating, "
-            "it does not go away as the scale falls."
+            + f"), so the weights {moved}: this is not the scale calibrating, it does not go away as the scale falls."
         )
         fix = catalog.get("grad-scaler-stalled").fix
         if r is not None and origin is not None:

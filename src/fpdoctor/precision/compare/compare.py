@@ -123,6 +123,7 @@ from fpdoctor.precision.metrics import (
 )
 from fpdoctor.precision.names import default_reference
 from fpdoctor.precision.profile import (
+    BROKEN_REFERENCE,
     DIVERGENCE_RATIO,
     INPUT_EXPLAINS,
     INPUT_FIX_FALLS,
@@ -133,6 +134,7 @@ from fpdoctor.precision.profile import (
     ModuleRow,
     ReferenceFailed,
     annotate,
+    broken_reference,
     build_report,
     causes,
     children,
@@ -436,6 +438,9 @@ def _compare(
     return result
 
 
+# Rows a classifier's decisions are judged to hold on at the least (one flip is 1%)
+HOLD_ROWS = 100
+
 # A line after a checked fix's lines is added to it where computing it in fp32 too takes the error
 # down by this much again (deterministic runs: any such fall is the line's, not noise)
 EXTEND_FALLS = 1.25
@@ -467,6 +472,7 @@ class _Comparison:
         # model reads the same values in float64 where it computes with them), or cast to each run's dtype
         self.given = given
         self.run_inputs = Given(*split_inputs(inputs)) if given else inputs
+        self._held: Any = None  # the decisions, where they are unchanged (_decisions_hold)
         self.given_ids: dict[int, torch.dtype] = {}  # the fp64 pass's copies of them, by id
         self.keep_candidate = keep_candidate
         self.candidate, self.reference, self.cand_device = candidate, reference, cand_device
@@ -1864,8 +1870,11 @@ class _Comparison:
                     f"{len(self.noise.draws)} made by the forward itself, the fp64 run's replayed in every run",
                 )
             )
+        self._broken_reference(result)
         self._fed_as_given(result)
         self._stable_form(result)
+        if self._held is not None:  # after the steps that replace findings: their severity is the decisions'
+            self._decisions_hold(result, self._held)
         return result
 
     def _stable_form(self, result: CompareResult) -> None:
@@ -1880,22 +1889,44 @@ class _Comparison:
             form = stable_forms.form_for(finding.evidence.get("own_op"))
             if form is None or (finding.trial is not None and finding.trial.tried):
                 continue
-            with stable_forms.Rewritten(form):
-                out = self._root_output(self.cand_run, self.run_inputs, self.cand_dtype)
-            sample = device_sample(out) if out is not None else None
-            if sample is None or sample.numel() != root.truth.numel() or not bool(torch.isfinite(sample).all()):
-                continue
-            after = rel_error(sample.to(root.truth.device), root.truth, root.norm)
-            if after * RAISED_FALLS > before:
-                continue
+            # the line the finding names first; where that is not enough, every line that calls it: the fix
+            # names the lines that run rewrote
             location = finding.evidence.get("own_op_location")
+            for where in [location, None] if location else [None]:
+                mode = stable_forms.Rewritten(form, where)
+                with mode:
+                    out = self._root_output(self.cand_run, self.run_inputs, self.cand_dtype)
+                sample = device_sample(out) if out is not None else None
+                if sample is None or sample.numel() != root.truth.numel() or not bool(torch.isfinite(sample).all()):
+                    continue
+                after = rel_error(sample.to(root.truth.device), root.truth, root.norm)
+                if after * RAISED_FALLS <= before and mode.lines:
+                    break
+            else:
+                continue
             args = ", ".join(f"{k}={v!r}" for k, v in form.kwargs.items())
             result.report.findings[i] = dataclasses.replace(
                 finding,
-                fix=stable_forms.fix_text(form, location),
-                trial=Trial.checked(f"{form.call} called with {args}", on=inputs_text(describe(self.inputs)),
-                                    metric="end-to-end error", before=before, after=after),
+                fix=stable_forms.fix_text(form, mode.lines),
+                trial=Trial.checked(f"{form.call} at {' and '.join(mode.lines)} called with {args}",
+                                    on=inputs_text(describe(self.inputs)), metric="end-to-end error", before=before,
+                                    after=after),
             )  # fmt: skip
+
+    def _broken_reference(self, result: CompareResult) -> None:
+        """The floor model (fp32) run end to end against fp64, where the output's floor is large enough
+        that it may be: off by BROKEN_REFERENCE or more, it is no floor, and that is said first."""
+        root = self.seen.get(("", 0))
+        row = result.rows[-1] if result.rows else None
+        if self.ref_run is None or root is None or row is None or row.module != "" or not row.floor >= BROKEN_REFERENCE:
+            return  # the root's floor holds the floor model's error where it is the larger: none, none to measure
+        out = self._root_output(self.ref_run, self.inputs, self.ref_dtype, device=None)
+        sample = device_sample(out) if out is not None else None
+        if sample is None or sample.numel() != root.truth.numel():
+            return
+        off = rel_error(sample.to(root.truth.device), root.truth, root.norm)
+        if off >= BROKEN_REFERENCE or not math.isfinite(off):
+            result.report.findings.insert(0, broken_reference(off, row.propagated, self.reference, self.candidate))
 
     def _fed_as_given(self, result: CompareResult) -> None:
         """An error put down to rounding the inputs, its fix untried: the candidate fed them as given
@@ -1919,14 +1950,26 @@ class _Comparison:
             if b.is_floating_point() and not _torch_made(self.model.get_submodule(name.rpartition(".")[0]))
             and _rounded_by(b, self.cand_dtype)
         ]  # fmt: skip
+        ran: list[float] = []
         for kept in ([], rounded) if rounded else ([],):
             sample = self._given_sample(kept)
             if sample is None or sample.numel() != root.truth.numel() or not bool(torch.isfinite(sample).all()):
                 continue
             after = rel_error(sample.to(root.truth.device), root.truth, root.norm)
+            ran.append(after)
             if after * INPUT_FIX_FALLS <= before:
                 break
         else:
+            old = result.report.findings[at]
+            why = (
+                f"; the {self.candidate} model fed the inputs as given was run and is not the fix ({before:.3g} -> "
+                f"{min(ran):.3g})"
+                if ran
+                else f"; the {self.candidate} model cannot run fed the inputs as given (it computes with them in "
+                f"{self.candidate} without casting them)"
+            )
+            reason = old.trial.reason if old.trial is not None else ""
+            result.report.findings[at] = dataclasses.replace(old, trial=Trial.untried(reason + why))
             return
         units = fed = None
         if self.root_units is not None and self._units_truth is not None and self.logits is None:
@@ -1941,14 +1984,17 @@ class _Comparison:
         """The candidate's output sample fed the inputs as given, with `buffers` (the user's model's
         names) put back in fp32, its exact values, for that forward only."""
         swapped = []
-        for name in buffers:
-            path, _, leaf = name.rpartition(".")
-            holder = self.cand_run.get_submodule(path)
-            value = self.model.get_buffer(name).detach().to(torch.float32)
-            swapped.append((holder, leaf, holder._buffers[leaf]))
-            holder._buffers[leaf] = value if self.cand_device is None else value.to(self.cand_device)
         try:
+            for name in buffers:
+                path, _, leaf = name.rpartition(".")
+                holder = self.cand_run.get_submodule(path)
+                # a copy: a forward that updates its buffer in place never writes into the user's model
+                value = self.model.get_buffer(name).detach().to(torch.float32, copy=True)
+                swapped.append((holder, leaf, holder._buffers[leaf]))
+                holder._buffers[leaf] = value if self.cand_device is None else value.to(self.cand_device)
             out = self._root_output(self.cand_run, Given(*split_inputs(self.inputs)), self.cand_dtype)
+        except Exception:
+            out = None
         finally:
             for holder, leaf, original in reversed(swapped):
                 holder._buffers[leaf] = original
@@ -2229,7 +2275,7 @@ class _Comparison:
                     use.coarse_finding(found, self.label, held[0], inputs=self.inputs, head=head, ran=ran)
                 )
         if not found.changed:
-            self._decisions_hold(result, found)
+            self._held = found
             return
         head = self._last_leaf or ""
         fixes = self._checked_fixes(result)
@@ -2293,13 +2339,17 @@ class _Comparison:
 
     @staticmethod
     def _decisions_hold(result: CompareResult, found: Any) -> None:
-        """The candidate decides as the exact model does (within rounding's floor): a divergence of the
-        logits' values, or one that rounding the inputs alone explains, is a warning, not an error that
-        keeps failing a CI job on a model whose decisions are right (a router's lines fixed: top-1 99.8%,
-        its inputs' rounding left). An output that is not finite decides nothing: that stays an error."""
+        """The candidate decides as the exact model does (within rounding's floor, on HOLD_ROWS rows or
+        more): an error that rounding the inputs alone explains is a warning, not an error that keeps
+        failing a CI job on a model whose decisions are right (a router's lines fixed: top-1 99.8%, its
+        inputs' rounding left). A module's divergence stays an error: an output read as logits may be a
+        regression head's (two outputs of a Linear), and an output that is not finite decides nothing."""
+        flipped, floor = 1.0 - found.top1, 1.0 - found.floor_top1
+        if found.kind != "logits" or found.rows < HOLD_ROWS or flipped > floor + use.DECISION_SHARE:
+            return  # too few rows to tell, or more flips than rounding the output makes
         for i, f in enumerate(result.report.findings):
             finite = math.isfinite(f.evidence.get("propagated_rel") or 0.0)
-            if f.severity is Severity.ERROR and f.evidence.get("kind") in ("input-rounding", "divergence") and finite:
+            if f.severity is Severity.ERROR and f.evidence.get("kind") == "input-rounding" and finite:
                 said = f" The decisions hold all the same: {found.text()}."
                 result.report.findings[i] = dataclasses.replace(f, severity=Severity.WARNING, message=f.message + said)
 
@@ -2461,9 +2511,13 @@ class _Comparison:
         return self._root_output(run if self.cand_device is None else run.to(self.cand_device), self.inputs,
                                  torch.float32)  # fmt: skip
 
-    def _root_output(self, run: nn.Module, inputs: Any, dtype: torch.dtype) -> torch.Tensor | None:
+    def _root_output(
+        self, run: nn.Module, inputs: Any, dtype: torch.dtype, device: torch.device | str | None = "candidate"
+    ) -> torch.Tensor | None:
         """`run`'s output (its first floating tensor) on `inputs` cast to `dtype`, as the candidate's pass
-        runs it (its RNG, its draws replayed); None where it cannot run so (a swap that does not fit: not tried)."""
+        runs it (its RNG, its draws replayed), on the candidate's device unless `device` says where;
+        None where it cannot run so (a swap that does not fit: not tried)."""
+        on = self.cand_device if isinstance(device, str) else device
         got: list[torch.Tensor] = []
 
         def post(name: str, index: int, args: Any, output: Any) -> None:
@@ -2472,7 +2526,7 @@ class _Comparison:
                 got.append(first.detach())
 
         try:
-            hooked(run, inputs, dtype, pre=None, post=post, rng=self.rng, device=self.cand_device, noise=self.noise)
+            hooked(run, inputs, dtype, pre=None, post=post, rng=self.rng, device=on, noise=self.noise)
         except Exception:
             return None
         return got[-1] if got else None

@@ -13,12 +13,15 @@ to take the error down.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from fpdoctor.userframes import frame_location, user_frame
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,19 @@ class StableForm:
     function: Callable[..., Any]  # what the user's code calls
     call: str  # its name in the user's code
     kwargs: dict[str, Any] = field(default_factory=dict)  # what selects the stable form
+    positions: dict[str, int] = field(default_factory=dict)  # where each may be passed positionally
     why: str = ""
+
+    def applied(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's arguments with the stable form's, in the place the caller gave each."""
+        kwargs = dict(kwargs)
+        for name, value in self.kwargs.items():
+            at = self.positions.get(name)
+            if at is not None and at < len(args):
+                args = (*args[:at], value, *args[at + 1 :])
+            else:
+                kwargs[name] = value
+        return args, kwargs
 
 
 FORMS = (
@@ -36,6 +51,7 @@ FORMS = (
         function=torch.cdist,
         call="torch.cdist",
         kwargs={"compute_mode": "donot_use_mm_for_euclid_dist"},
+        positions={"compute_mode": 3},  # torch.cdist(x1, x2, p, compute_mode)
         why=(
             "computes distances as ||x||^2 + ||y||^2 - 2 x.y (a matrix product) for more than 25 rows, which cancels "
             "where the points sit far from the origin"
@@ -49,21 +65,28 @@ def form_for(op: str | None) -> StableForm | None:
 
 
 class Rewritten(TorchFunctionMode):
-    """Every call of `form.function` made with `form.kwargs` added, while the mode is active."""
+    """The calls of `form.function` made from `location` ("file:line", the line the fix names; every
+    call where None) made with the stable form's arguments, while the mode is active."""
 
-    def __init__(self, form: StableForm) -> None:
+    def __init__(self, form: StableForm, location: str | None = None) -> None:
         super().__init__()
-        self.form = form
+        self.form, self.location = form, location
+        self.lines: list[str] = []  # the user's lines whose calls it rewrote, in the order first rewritten
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is self.form.function:
-            kwargs = {**kwargs, **self.form.kwargs}
+            found = frame_location(user_frame(sys._getframe(1)))
+            line = f"{found[0]}:{found[1]}" if found is not None else "?"
+            if self.location is None or line == self.location:
+                args, kwargs = self.form.applied(tuple(args), kwargs)
+                if line not in self.lines:
+                    self.lines.append(line)
         return func(*args, **kwargs)
 
 
-def fix_text(form: StableForm, location: str | None) -> str:
-    at = f" at {location}" if location else ""
+def fix_text(form: StableForm, locations: list[str]) -> str:
+    at = f" at {' and '.join(locations)}" if locations else ""
     args = ", ".join(f"{k}={v!r}" for k, v in form.kwargs.items())
     return (
         f"Pass {args} to {form.call}{at}: it {form.why}; the stable form computes the differences first (or subtract "
