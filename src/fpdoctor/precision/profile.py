@@ -80,6 +80,7 @@ class ModuleRow:
     rms: float | None = None  # of the fp64 output (its sample)
     values: tuple[int, int, int] | None = None  # the propagated sample: (values, of the output's, every k-th)
     missing: str | None = None  # why a leaf has no isolated figure
+    single: bool = True  # its output is one tensor (a printed `.to(x.dtype)` applies), not a tuple or a dict
     # Why a container's own op, above its floor when run alone in the candidate's dtype, is not
     # called a divergence: the candidate's run of the container as its code is written does not
     # show it (code that upcasts the op, or computes it in another form, when the model is fp16).
@@ -907,7 +908,7 @@ def _divergence(
         loses = f" (an error of {_fmt(worst)} run alone on its fp64 inputs)" if worst is not None else ""
         message += f" The op inside it that loses most is {own}{at}{loses}."
     where: dict[str, Any] = {"module": first.module, "op": own, "phase": "forward", "iteration": first.call}
-    fix = _fix(first.module, candidate, on)
+    fix = _fix(first.module, candidate, on, single=first.single)
     if first.out_of_range and candidate != "bf16":  # cast back to the format, its output is Inf again
         fix = (
             f"keep `{first.module}` in fp32 with its output left in fp32: its fp64 output passes {candidate}'s "
@@ -1382,7 +1383,7 @@ def _note(row: ModuleRow) -> str:
     return text if len(text) <= NOTE_WIDTH else text[: NOTE_WIDTH - 1] + "…"
 
 
-def _fix(module: str, candidate: str, on: torch.device | None = None) -> str:
+def _fix(module: str, candidate: str, on: torch.device | None = None, *, single: bool = True) -> str:
     if candidate == "fp32" and (on is None or on.type != "cuda"):
         # no TF32 or reduced-precision reduction here: fp32 arithmetic itself loses more than rounding
         return (
@@ -1406,9 +1407,16 @@ def _fix(module: str, candidate: str, on: torch.device | None = None) -> str:
     # bf16 has fp32's range: the way out of an fp16 overflow, never advice to a run in bf16 already
     other = "" if candidate == "bf16" else "use bf16 if the cause is range, "
     name = module.rpartition(".")[2] or module
+    # an output of several tensors (a state returned beside the result) is cast back tensor by tensor
+    back = (
+        f"self.{name}(x.float()).to(x.dtype)"
+        if single
+        else f"torch.utils._pytree.tree_map(lambda t: t.to(x.dtype) if torch.is_tensor(t) and t.is_floating_point() "
+        f"else t, self.{name}(x.float()))"
+    )
     return (
         f"keep `{module}` in fp32 (fpdoctor plan finds the smallest such set): its parameters and its arithmetic, "
-        f"called on its inputs .float() with its output cast back (`self.{name}(x.float()).to(x.dtype)`; a module "
+        f"called on its inputs .float() with its output cast back (`{back}`; a module "
         f"that holds no parameters is not changed by .float()), or {other}fp32 accumulation if it is a long "
         "reduction"
     )

@@ -170,6 +170,7 @@ class _Seen:
     isolated: float | None = None
     isolated_cosine: float | None = None
     cosine: float | None = None
+    single: bool = True  # the output is one tensor (not a tuple, a dict): what a printed cast back can call .to on
     inputs: torch.Tensor | None = None  # float64 sample of the inputs, for the jump test of containers
     isolated_rows: int | None = None  # rows the isolated re-run computed, None for all
     reference: float | None = None  # the reference's isolated error; None: not measured
@@ -682,6 +683,7 @@ class _Comparison:
                 self._keep_logits(output)  # no floating output: ids the model decided, if it returns them
             return
         entry = _Seen(t, 0.0, 0.0, name in self.leaves, sum(x.numel() for x in tensors_in(output)))
+        entry.single = isinstance(output, torch.Tensor)
         if name == "":  # a NaN the exact run makes (0 / 0 in any precision) is no precision's: one read a compare
             self._truth_nan = sum(int(torch.isnan(x).sum()) for x in floating(output))
         norm = norm_later(t)  # computed and read with the pass's other figures at its end (metrics.Reads)
@@ -2713,6 +2715,7 @@ def _rows(seen: dict[tuple[str, int], _Seen], own_dtype: str) -> list[ModuleRow]
             rms=e.norm / math.sqrt(e.truth.numel()) if e.truth.numel() else 0.0,
             values=e.values,
             missing=e.isolated_failed,
+            single=e.single,
         )
         if e.leaf and e.own is not None and e.own.worst is not None:
             # a leaf the user wrote: judged whole as every leaf is; its worst op names the line inside it
