@@ -1664,9 +1664,18 @@ class _Comparison:
                 # not enough: another line of the module's own diverges beside the worst's (a window's two
                 # running sums, each subtracted on its own line): each one's feeding lines added in turn,
                 # kept where it helps, until the error is cured (greedy, then all of them together)
-                lines, raised = self._with_other_lines(
+                found = self._with_other_lines(
                     row, lines, raised, final.propagated, lambda more: raised_with(more, buffers)
                 )
+                if rounds_inputs and (found[1] is None or not _cured(final.propagated, found[1])):
+                    # each line alone was tried on the inputs as given above: together they may need them too
+                    # (a sin and a cos of 2^k x on two lines, both reading the rounded coordinates)
+                    wide = self._with_other_lines(
+                        row, lines, None, final.propagated, lambda more: raised_with(more, buffers, given=True)
+                    )
+                    if wide[1] is not None and _cured(final.propagated, wide[1]):
+                        found, cause["inputs_as_given"] = wide, True
+                lines, raised = found
             if lines and raised is not None and _cured(final.propagated, raised):
                 # the lines after them, which read what they make (x - mean after a variance by hand): a fix
                 # that cast the mean back before them cured the NaN and left the cancellation
