@@ -302,8 +302,7 @@ class Experiment:
                 # a title that says which non-finite input it turned into NaN (a masked row) stays
                 title
                 if " turned " in title
-                else f"{label}: {name or self.op} is non-finite in fp64 too: the math itself overflows or divides by "
-                "zero",
+                else f"{label}: {name or self.op} is non-finite in fp64 too: {_math_cause(self.op, self.symptom)}",
                 message + tried + upstream + " No precision change is the fix.",
                 (f"{advice}. " if advice else "Change the math at the source line: ")
                 + "Not a precision change: tried, in fp64 this op is non-finite too, so fp32 will not help.",
@@ -874,6 +873,17 @@ def _without_precision(advice: str) -> str:
         for part in kept
     )
     return text.strip().rstrip(".,;")
+
+
+# ops whose NaN from finite inputs means an input outside their domain (a negative value)
+_DOMAIN = frozenset({"log", "log2", "log10", "sqrt", "rsqrt", "acos", "asin", "atanh", "acosh"})
+
+
+def _math_cause(op: str, symptom: frozenset[str]) -> str:
+    """What a non-finite value that fp64 makes too says about the math, for the title."""
+    if op_packet(op) in _DOMAIN and symptom == frozenset({"nan"}):
+        return "an input outside its domain (a negative value): the math itself is undefined there"
+    return "the math itself overflows or divides by zero"
 
 
 def op_packet(op: str) -> str:
