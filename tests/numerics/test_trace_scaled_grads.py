@@ -63,6 +63,12 @@ def test_a_penalty_on_gradients_of_a_scaled_loss_is_named_and_the_recipe_clears_
     assert first["name"] == "gradients-still-scaled", names
     assert first["evidence"]["location"].endswith(":14") and first["evidence"]["read_by"].startswith("pow at ")
     assert "1.0 / scaler.get_scale()" in first["fix"]
+    # the scaler's skips are that penalty's: never "calibration, nothing to do" beside it
+    skipped = [f for f in findings if f["name"] == "grad-scaler-calibrated"]
+    assert skipped, names
+    for skips in skipped:
+        assert "calibrating" not in skips["title"] and "Nothing to do" not in skips["fix"], skips
+        assert skips["fix"].startswith(f"Unscale those gradients as {first['code']} says")
 
     # as printed, the scale stays where the gradients fit; read scaled, it collapses
     runs = [run_python(str(script), *fix, timeout=120) for fix in ([], ["--fix"])]

@@ -325,7 +325,10 @@ class Trace:
         findings += [_after_zeroed(f, findings) for f in self._updates.findings]
         tracer.errors.extend(self._updates.errors)
         # a penalty on gradients still scaled: the cause of the scaler's skips and of its low scale, first
-        findings = self._scaled_grads.findings() + findings
+        scaled = self._scaled_grads.findings()
+        if scaled:  # then the scaler's skips are that penalty's, not its calibration: no "nothing to do" beside it
+            findings = [_skips_of_scaled(f, scaled[0]) if f.name == "grad-scaler-calibrated" else f for f in findings]
+        findings = scaled + findings
         repro_notes: dict[str, str] = {}
         if self.repro is not None:
             try:
@@ -517,3 +520,18 @@ def _after_the_gradients(blown: Finding, findings: list[Finding]) -> Finding:
         "clipping does not change the step at which it fails: the update only passed the NaN on.",
         trial=Trial.untried("the update was handed non-finite gradients: the op that made them carries the trial"),
     )
+
+
+def _skips_of_scaled(found: Finding, cause: Finding) -> Finding:
+    """The scaler's skips where gradients of its scaled output are read unscaled (a penalty): the
+    scale fell to where the penalty fits, which the cause's fix takes away."""
+    return dataclasses.replace(
+        found,
+        title=found.title.replace("while calibrating its scale", f"on the gradients {cause.code} reads scaled"),
+        message=found.message + (
+            f" Here they are {cause.code}'s: its penalty reads gradients still multiplied by the scale, so the scale "
+            "fell until that penalty fitted; that is not calibration."
+        ),
+        fix=f"Unscale those gradients as {cause.code} says; these skips go with it.",
+        trial=Trial.untried(f"the change is {cause.code}'s fix, in the training code"),
+    )  # fmt: skip

@@ -1170,10 +1170,10 @@ def _held(held: list[str], parameters: list[str], candidate: str) -> tuple[str, 
         what, how = "parameter and buffer", ", a parameter as nn.Parameter(value.float())"
     again = (
         f"model.to(torch.{dtype}) rounds every floating {what}: assign {'them' if many else 'it'} again in fp32 "
-        f"after the cast{how}, from {'their values' if many else 'its value'} saved before it (a clone taken before "
-        f"the cast; {'them' if many else 'it'} .float() after it is the rounded value); where the code that casts is not yours (fpdoctor compare casts the model "
-        f"itself), a plain fp32 tensor attribute, which .to(dtype) leaves as it is (so do .to(device) and "
-        "state_dict: move it in forward with .to(x.device))"
+        f"after the cast{how}, from {'their values' if many else 'its value'} saved before it (a clone taken "
+        f"before the cast; {'them' if many else 'it'} .float() after it is the rounded value); where the code "
+        "that casts is not yours (fpdoctor compare casts the model itself), a plain fp32 tensor attribute, which "
+        ".to(dtype) leaves as it is (so do .to(device) and state_dict: move it in forward with .to(x.device))"
         + (
             "; for a parameter, that is for inference only: a plain attribute is neither trained nor saved"
             if parameters
