@@ -701,6 +701,17 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
             "the reference step shows which gradients are 0, not which op of the forward made them so; "
             "`fpdoctor trace` runs the ops and checks the fix there"
         )
+    elif stage == "backward" and flushed and comparison.scale is not None and comparison.scale < 1:
+        # a GradScaler already scales the loss: its own skips pushed the scale below 1, so a scale is no fix
+        fix = (
+            f"The GradScaler's scale has sunk to {comparison.scale:g}: the overflows it skipped pushed it below "
+            "where the gradients fit in the recipe's format. Fix what overflows (the run's non-finite steps; "
+            "`fpdoctor trace` on the script names the op and checks its fix), and the scale recovers"
+        )
+        trial = Trial.untried(
+            "the fix is the overflow's, which the non-finite steps' findings name; the reference step shows the "
+            "gradients the sunk scale flushes"
+        )
     elif stage == "backward" and flushed:
         fix = (
             "The gradients flush to zero in the recipe's format: scale the loss (torch.amp.GradScaler) or raise "
