@@ -351,7 +351,8 @@ def verdict_findings(
             after_text = after_text.replace(
                 "while the loss computed from them (or its gradient) was not",
                 "and so was the step's loss, while the loss's gradient was not (a sqrt, a norm or a division by a "
-                "value at 0 in the loss code)",
+                "value at 0 in the loss code, or a log or sqrt of a value out of its domain in a torch.where "
+                "branch the loss does not take, whose gradient is NaN all the same)",
             )
         standing = result.evidence.get("output_rows_standing_out")
         if after and first is None and standing:  # the data: one item far out of line, not the loss code
