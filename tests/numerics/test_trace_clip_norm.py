@@ -28,8 +28,8 @@ def _batches(kind: str, steps: int):
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         if kind == "mlp":
-            x = torch.randn(4096, 64, generator=g)
-            yield x, torch.tanh(x[:, :32]) * 16  # the norm past 65504 at width 256 too
+            x = torch.randn(1024, 64, generator=g)
+            yield x, torch.tanh(x[:, :32]) * 64  # the norm past 65504 at width 256 too
         else:  # a denoiser of 16 images, its loss summed over every pixel
             clean = torch.rand(16, 3, 16, 16, generator=g) * 4
             yield clean + 0.5 * torch.randn(16, 3, 16, 16, generator=g), clean
