@@ -527,6 +527,7 @@ class _Comparison:
         self._fix_outputs: dict[tuple[str, Any, int], torch.Tensor | None] = {}
         self._keep_fix_outputs = False
         self.made_fix: tuple[Finding, torch.Tensor] | None = None  # NUM020/NUM021 and its checked run's output
+        self.selection_fix: tuple[Finding, torch.Tensor] | None = None  # NUM022 and its checked run's output
         # why the input floor is 0 without a forward (rounding the inputs changes nothing), where it is
         self.input_floor_note: str | None = None
         self.input_fix: tuple[dict[str, Any], torch.Tensor] | None = None  # input_cause's fix and its run's output
@@ -1491,13 +1492,18 @@ class _Comparison:
             changed.modules = made.modules
             changed.error_before = rows[-1].propagated
 
+            outputs: dict[tuple[frozenset[tuple[str, int]], bool], torch.Tensor] = {}
+
             def check(lines: set[tuple[str, int]], given: bool) -> tuple[float | None, dict[Any, selections.Pick]]:
                 picks = selections.Picks()
+                kept: list[torch.Tensor] = []
                 error = error_under(
                     RaisedLines(lines, self.cand_dtype, wide_inputs=given), self.cand_run, self.run_inputs,
                     torch.float32 if given else self.cand_dtype, truth=root.truth, norm=root.norm, rng=self.rng,
-                    device=self.cand_device, noise=self.noise, watch=picks,
+                    device=self.cand_device, noise=self.noise, watch=picks, keep=kept,
                 )  # fmt: skip
+                if kept:  # the run's output, for what it decides (_checked_fixes)
+                    outputs[(frozenset(lines), given)] = kept[-1]
                 return error, picks.picks
 
             rounded = not self.given and _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is None
@@ -1505,7 +1511,11 @@ class _Comparison:
         except Exception as exc:  # the search is ours: the rest of the report stands without it
             self.notes["selections"] = f"not searched: {type(exc).__name__}: {exc}"
             return None
-        return selections.finding(changed, label=self.label, dtype=self.cand_dtype, reference=self.reference)
+        named = selections.finding(changed, label=self.label, dtype=self.cand_dtype, reference=self.reference)
+        if changed.lines is not None and not changed.partial:
+            output = outputs.get((frozenset(changed.lines), bool(changed.given)))
+            self.selection_fix = (named, output) if output is not None else None
+        return named
 
     def _picks(
         self, run: nn.Module, dtype: torch.dtype, *, upstream: bool = False, device: torch.device | None = None
@@ -2398,6 +2408,13 @@ class _Comparison:
                 fix = made.fix.partition("; checked:")[0]
                 where = str(made.evidence.get("location") or "")
                 fixes.append(use.CheckedFix(fix, made.trial.changed, got, "made_in_fp32", where))
+        if self.selection_fix is not None:  # a selection's lines in fp32, its picks given back (selections.py)
+            chosen, output = self.selection_fix
+            got = use.top1(self.root_truth, self._decided(output.to(self.root_truth.device)))
+            if got is not None and chosen.trial is not None and chosen.trial.tried:
+                fix = chosen.fix.partition("; checked:")[0]
+                where = ", ".join(f"line {n}" for n in chosen.evidence.get("lines_raised") or [])
+                fixes.append(use.CheckedFix(fix, chosen.trial.changed, got, "selection_lines", where))
         if self.kept_fix is not None:  # modules kept in fp32 with fp32 between them (_kept_checked)
             fix, changed, output = self.kept_fix
             got = use.top1(self.root_truth, self._decided(output.to(self.root_truth.device)))
