@@ -54,3 +54,11 @@ def test_a_few_rows_half_flipped_and_a_modules_divergence_stay_errors() -> None:
     held = fpdoctor.compare(_Centred(casts=False).eval(), _inputs(), candidate="bf16")
     assert held.report.data["decisions"]["top1"] >= 0.99
     assert held.report.verdict == "error", str(held.report)
+
+
+def test_fewer_rows_than_can_tell_keep_the_inputs_rounding_an_error() -> None:
+    """64 rows, none flipped: one flip would be 1.6%, so "the decisions hold" cannot be told."""
+    result = fpdoctor.compare(_Centred(casts=True).eval(), _inputs(rows=64, spread=10.0), candidate="bf16")
+    found = [f for f in result.report.findings if f.evidence.get("kind") == "input-rounding"]
+    assert found and found[0].severity == "error", str(result.report)
+    assert result.report.data["decisions"]["top1"] == 1.0

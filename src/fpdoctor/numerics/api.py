@@ -525,12 +525,18 @@ def _after_the_gradients(blown: Finding, findings: list[Finding]) -> Finding:
 def _skips_of_scaled(found: Finding, cause: Finding) -> Finding:
     """The scaler's skips where gradients of its scaled output are read unscaled (a penalty): the
     scale fell to where the penalty fits, which the cause's fix takes away."""
+    skipped, steps = found.evidence.get("skipped"), found.evidence.get("steps")
+    first, last = found.evidence.get("scale_first"), found.evidence.get("scale_last")
     return dataclasses.replace(
         found,
         title=found.title.replace("while calibrating its scale", f"on the gradients {cause.code} reads scaled"),
-        message=found.message + (
-            f" Here they are {cause.code}'s: its penalty reads gradients still multiplied by the scale, so the scale "
-            "fell until that penalty fitted; that is not calibration."
+        message=(
+            f"GradScaler found non-finite gradients and skipped {skipped} of {steps} steps (scale {first:g} -> "
+            f"{last:g}). They are {cause.code}'s: its penalty reads gradients still multiplied by the scale, so the "
+            "scale fell until that penalty fitted; that is not the scaler calibrating."
+            if None not in (skipped, steps, first, last)
+            else f"GradScaler skipped steps on the gradients {cause.code} reads scaled: its penalty reads them still "
+            "multiplied by the scale, so the scale fell until that penalty fitted; that is not the scaler calibrating."
         ),
         fix=f"Unscale those gradients as {cause.code} says; these skips go with it.",
         trial=Trial.untried(f"the change is {cause.code}'s fix, in the training code"),

@@ -875,14 +875,20 @@ def _without_precision(advice: str) -> str:
     return text.strip().rstrip(".,;")
 
 
-# ops whose NaN from finite inputs means an input outside their domain (a negative value)
-_DOMAIN = frozenset({"log", "log2", "log10", "sqrt", "rsqrt", "acos", "asin", "atanh", "acosh"})
+# ops whose NaN from finite inputs means an input outside their domain, and which inputs those are
+_DOMAIN = {
+    "log": "a negative value", "log2": "a negative value", "log10": "a negative value",
+    "sqrt": "a negative value", "rsqrt": "a negative value",
+    "acos": "a value outside [-1, 1]", "asin": "a value outside [-1, 1]", "atanh": "a value outside [-1, 1]",
+    "acosh": "a value below 1",
+}  # fmt: skip
 
 
 def _math_cause(op: str, symptom: frozenset[str]) -> str:
     """What a non-finite value that fp64 makes too says about the math, for the title."""
-    if op_packet(op) in _DOMAIN and symptom == frozenset({"nan"}):
-        return "an input outside its domain (a negative value): the math itself is undefined there"
+    outside = _DOMAIN.get(op_packet(op))
+    if outside is not None and symptom == frozenset({"nan"}):
+        return f"an input outside its domain ({outside}): the math itself is undefined there"
     return "the math itself overflows or divides by zero"
 
 

@@ -674,8 +674,8 @@ class Analysis:
         title = (
             f"GradScaler skipped {run.total} of {run.total} steps: the optimizer never ran"
             if every
-            else f"GradScaler skipped {counted}, and its scale sank to {min(run.scales):g}: the gradients it scales "
-            "flush to zero"
+            else f"GradScaler skipped {counted}, and its scale sank to {min(run.scales):g}: it shrinks the gradients "
+            f"{1 / min(run.scales):.3g}-fold"
             if sank
             else f"GradScaler skipped {counted} ({run.longest[0]} in a row from step {run.longest[1]}): "
             "the optimizer stopped running"
@@ -683,7 +683,7 @@ class Analysis:
         low = min(run.scales) < 1 if run.scales else False
         moved = (
             "never moved" if every
-            else "barely move: the steps it takes scale the loss so far down that its gradients flush to zero"
+            else "move on gradients the scale shrinks (toward fp16's zero, where they flush) instead of growing them"
             if sank
             else "stopped moving"
         )  # fmt: skip

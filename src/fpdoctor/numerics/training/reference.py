@@ -701,7 +701,7 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
             "the reference step shows which gradients are 0, not which op of the forward made them so; "
             "`fpdoctor trace` runs the ops and checks the fix there"
         )
-    elif stage == "backward" and flushed and comparison.scale is not None and comparison.scale < 1:
+    elif stage == "backward" and flushed and comparison.scale < 1 and "GradScaler" in recipe:
         # a GradScaler already scales the loss: its own skips pushed the scale below 1, so a scale is no fix
         fix = (
             f"The GradScaler's scale has sunk to {comparison.scale:g}: the overflows it skipped pushed it below "

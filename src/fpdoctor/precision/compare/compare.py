@@ -1704,6 +1704,10 @@ class _Comparison:
                         (lines, raised), cause["inputs_as_given"] = wide, True
                     else:
                         outputs[:] = kept
+            if raised is not None and (lines or buffers):
+                # the output of the run the finding prints, for what it decides: tries that were not kept ran
+                # after it, so it is run once more as printed (the same figure: the runs are deterministic)
+                raised_with(lines, buffers, given=bool(cause.get("inputs_as_given")))
         except Exception as exc:  # the search is ours; the finding stands without it
             self.notes["upstream of the worst op"] = f"not searched: {type(exc).__name__}: {exc}"
             return cause | {"raised_rel": None, "error_rel": rows[-1].propagated}
@@ -1972,9 +1976,14 @@ class _Comparison:
             and _rounded_by(b, self.cand_dtype)
         ]  # fmt: skip
         ran: list[float] = []
+        failed = ""  # why a try gave no figure
         for kept in ([], rounded) if rounded else ([],):
             sample = self._given_sample(kept)
-            if sample is None or sample.numel() != root.truth.numel() or not bool(torch.isfinite(sample).all()):
+            if sample is None:
+                failed = "its forward failed on them (it computes with them without casting them)"
+                continue
+            if sample.numel() != root.truth.numel() or not bool(torch.isfinite(sample).all()):
+                failed = "its output was not finite" if sample.numel() == root.truth.numel() else "its output differs"
                 continue
             after = rel_error(sample.to(root.truth.device), root.truth, root.norm)
             ran.append(after)
@@ -1983,14 +1992,15 @@ class _Comparison:
         else:
             old = result.report.findings[at]
             why = (
-                f"; the {self.candidate} model fed the inputs as given was run and is not the fix ({before:.3g} -> "
+                f"the {self.candidate} model fed the inputs as given was run and is not the fix ({before:.3g} -> "
                 f"{min(ran):.3g})"
                 if ran
-                else f"; the {self.candidate} model cannot run fed the inputs as given (it computes with them in "
-                f"{self.candidate} without casting them)"
+                else f"the {self.candidate} model fed the inputs as given was tried: {failed}"
             )
-            reason = old.trial.reason if old.trial is not None else ""
-            result.report.findings[at] = dataclasses.replace(old, trial=Trial.untried(reason + why))
+            reason = old.trial.reason if old.trial is not None and old.trial.reason else ""
+            result.report.findings[at] = dataclasses.replace(
+                old, trial=Trial.untried(f"{reason}; {why}" if reason else why)
+            )
             return
         units = fed = None
         if self.root_units is not None and self._units_truth is not None and self.logits is None:

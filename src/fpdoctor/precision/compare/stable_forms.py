@@ -29,20 +29,9 @@ class StableForm:
     op: str  # the aten overload the own-op check names
     function: Callable[..., Any]  # what the user's code calls
     call: str  # its name in the user's code
-    kwargs: dict[str, Any] = field(default_factory=dict)  # what selects the stable form
-    positions: dict[str, int] = field(default_factory=dict)  # where each may be passed positionally
+    # what selects the stable form (torch.cdist hands its arguments to the mode as keywords, positional or not)
+    kwargs: dict[str, Any] = field(default_factory=dict)
     why: str = ""
-
-    def applied(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The call's arguments with the stable form's, in the place the caller gave each."""
-        kwargs = dict(kwargs)
-        for name, value in self.kwargs.items():
-            at = self.positions.get(name)
-            if at is not None and at < len(args):
-                args = (*args[:at], value, *args[at + 1 :])
-            else:
-                kwargs[name] = value
-        return args, kwargs
 
 
 FORMS = (
@@ -51,7 +40,6 @@ FORMS = (
         function=torch.cdist,
         call="torch.cdist",
         kwargs={"compute_mode": "donot_use_mm_for_euclid_dist"},
-        positions={"compute_mode": 3},  # torch.cdist(x1, x2, p, compute_mode)
         why=(
             "computes distances as ||x||^2 + ||y||^2 - 2 x.y (a matrix product) for more than 25 rows, which cancels "
             "where the points sit far from the origin"
@@ -79,7 +67,7 @@ class Rewritten(TorchFunctionMode):
             found = frame_location(user_frame(sys._getframe(1)))
             line = f"{found[0]}:{found[1]}" if found is not None else "?"
             if self.location is None or line == self.location:
-                args, kwargs = self.form.applied(tuple(args), kwargs)
+                kwargs = {**kwargs, **self.form.kwargs}
                 if line not in self.lines:
                     self.lines.append(line)
         return func(*args, **kwargs)
