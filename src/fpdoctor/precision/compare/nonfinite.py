@@ -45,6 +45,11 @@ LINES_AFTER = 2
 _SENTINELS = {torch.finfo(d).max: f"torch.finfo({d})" for d in (torch.float64, torch.float32)}
 
 
+# A constant held at the format's smallest normal value is the fix unless computing its line in fp32
+# leaves this many times less error (an eps larger than a small row's squared norm changes its result)
+LITERAL_WORSE = 4.0
+
+
 def is_cast(op: str) -> bool:
     return op.startswith("aten._to_copy")
 
@@ -221,7 +226,15 @@ def _origin(
                 changed = f"the inputs fed in fp32, the ops at {lines} in fp32, their results cast back to {candidate}"
                 evidence |= {"inputs_as_given": True, "feeding_lines": [f"{f}:{n}" for f, n in fed]}
                 after = given
-        if held is not None and math.isfinite(held):  # the constant at the format's smallest normal: checked
+        if held is not None and math.isfinite(held) and after is not None and after * LITERAL_WORSE < held:
+            # the literal held finite, but far further off than the line in fp32 (an eps at the format's smallest
+            # normal that outweighs a tiny row's own squared norm): the line in fp32 leads, the literal beside it
+            alternative = (
+                f"; or replace the constant {', '.join(zeros)}{at} (it is 0 in {candidate}) with {finfo}.tiny "
+                f"(checked too: the output is finite, but its error is {held:.3g}: that eps outweighs what small "
+                "rows hold)"
+            )
+        elif held is not None and math.isfinite(held):  # the constant at the format's smallest normal: checked
             # the user's literal is the culprit: the fix names it and a value the format holds, the line in
             # fp32 beside it (both checked)
             tiny = torch.finfo(dtype).tiny
