@@ -149,6 +149,7 @@ from fpdoctor.precision.units import InUnits, coarse_finding, given_finding, in_
 from fpdoctor.preserve import RngState
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding, Severity, Trial
+from fpdoctor.torchprivate import buffers_of
 from fpdoctor.userframes import is_user_file
 
 # the lines that make what a running state's update reads, kept in fp32 with it, where they are at most these
@@ -2021,14 +2022,15 @@ class _Comparison:
                 holder = self.cand_run.get_submodule(path)
                 # a copy: a forward that updates its buffer in place never writes into the user's model
                 value = self.model.get_buffer(name).detach().to(torch.float32, copy=True)
-                swapped.append((holder, leaf, holder._buffers[leaf]))
-                holder._buffers[leaf] = value if self.cand_device is None else value.to(self.cand_device)
+                stored = buffers_of(holder)
+                swapped.append((stored, leaf, stored[leaf]))
+                stored[leaf] = value if self.cand_device is None else value.to(self.cand_device)
             out = self._root_output(self.cand_run, Given(*split_inputs(self.inputs)), self.cand_dtype)
         except Exception:
             out = None
         finally:
-            for holder, leaf, original in reversed(swapped):
-                holder._buffers[leaf] = original
+            for held, leaf, original in reversed(swapped):
+                held[leaf] = original
         return device_sample(out) if out is not None else None
 
     def _lines_after(
