@@ -130,6 +130,8 @@ def test_the_fix_is_tried_and_the_printed_fix_closes_the_gap():
         "# each step, in place of optimizer.step() (after loss.backward() and any clip of the gradients):\n"
     )
     assert "torch.optim.AdamW(masters, lr=0.0001, weight_decay=0.01)" in setup
+    # an update the script makes itself (a decay by hand) must go to the masters: the copy would undo it on p
+    assert "# any update of your own to the weights (a decay by hand, a clamp) goes to m here" in each_step
 
     x, y = _data()
     steps = 150

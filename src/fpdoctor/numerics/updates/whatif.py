@@ -213,6 +213,7 @@ def master_weights_code(optimizer: Any) -> str:
         "    p.grad = None\n"
         "optimizer.step()\n"
         "optimizer.zero_grad(set_to_none=True)\n"
+        "# any update of your own to the weights (a decay by hand, a clamp) goes to m here: on p the copy undoes it\n"
         "with torch.no_grad():\n"
         "    for p, m in zip(params, masters):\n"
         "        p.copy_(m)  # the rounding happens once, here, not inside every update"
