@@ -52,3 +52,36 @@ def test_ids_a_decoding_loop_returns_are_judged_by_agreement_not_by_their_relati
 def test_plan_says_in_one_line_why_it_cannot_target_ids() -> None:
     with pytest.raises(ValueError, match="teacher-forced"):
         fpdoctor.plan(*_model(), candidate="bf16")
+
+
+class _Sampler(nn.Module):
+    """A small transformer LM that samples 12 tokens from its softmax with a fixed generator; its
+    blocks called on one line (h = self.blocks(h)), whose ops torch's module runs at that line."""
+
+    def __init__(self, vocab: int = 4000, d: int = 32) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, 2, 64, dropout=0.0, batch_first=True)
+        self.blocks = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+        with torch.no_grad():
+            self.head.weight.mul_(3.0)
+
+    def forward(self, prompt: torch.Tensor) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(7)
+        ids = prompt
+        for _ in range(12):
+            h = self.tok(ids)
+            h = self.blocks(h)
+            probs = torch.softmax(self.head(h[:, -1]).float() / 0.8, -1)
+            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=gen)], 1)
+        return ids[:, prompt.shape[1] :]
+
+
+def test_sampled_ids_are_no_accumulation_and_a_module_call_is_no_running_state() -> None:
+    """Ids a loop fed back differ from the first flipped draw on: no rounding adds up, so no
+    "made by accumulation" finding; and a line that calls a module holds no state of its own."""
+    torch.manual_seed(0)
+    result = fpdoctor.compare(_Sampler().eval(), torch.randint(0, 4000, (16, 4)), candidate="bf16")
+    assert result.report.data["decisions"]["kind"] == "ids" and result.report.data["decisions"]["top1"] < 1.0
+    assert not any(f.evidence.get("kind") == "accumulation" for f in result.report.findings), str(result.report)
