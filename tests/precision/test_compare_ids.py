@@ -78,9 +78,9 @@ class _Sampler(nn.Module):
         return ids[:, prompt.shape[1] :]
 
 
-def test_sampled_ids_are_no_accumulation_and_a_module_call_is_no_running_state() -> None:
-    """Ids a loop fed back differ from the first flipped draw on: no rounding adds up, so no
-    "made by accumulation" finding; and a line that calls a module holds no state of its own."""
+def test_sampled_ids_are_no_accumulation() -> None:
+    """Ids a loop fed back differ from the first flipped draw on: no rounding adds up, so no "made by
+    accumulation" finding (which named the line calling the blocks, whose ops chain, as a state)."""
     torch.manual_seed(0)
     result = fpdoctor.compare(_Sampler().eval(), torch.randint(0, 4000, (16, 4)), candidate="bf16")
     assert result.report.data["decisions"]["kind"] == "ids" and result.report.data["decisions"]["top1"] < 1.0

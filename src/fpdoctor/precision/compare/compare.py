@@ -1344,9 +1344,6 @@ class _Comparison:
             except Exception as exc:  # the search is ours; the finding stands without it
                 self.notes["running states"] = f"not searched: {type(exc).__name__}: {exc}"
                 states = []
-        # a line that calls one of the model's modules on what it made before (h = self.blocks(h) over decoding
-        # steps) passes a value through that module: no running state of its own to keep in fp64
-        states = [s for s in states if not self._calls_module(*_file_line(s["location"]))]
         sites = {id(state): state.pop("sites") for state in states}
         for state in states:  # raised_rel: its own run's figure, where it was tried alone
             state |= {"raised_rel": None, "tried_alone": False, "tried_together": False}
@@ -2618,12 +2615,6 @@ def _rounded_by(t: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether casting `t` to `dtype` changes a value (ALiBi's slopes 2^-k are held exactly in fp16)."""
     with torch.no_grad():
         return not torch.equal(t.to(dtype).to(t.dtype), t)
-
-
-def _file_line(location: str) -> tuple[str, int]:
-    """'file:12' -> ('file', 12); a location without a line number gives line 0 (no source to read)."""
-    file, _, number = location.rpartition(":")
-    return file, int(number) if number.isdigit() else 0
 
 
 def _torch_made(module: nn.Module) -> bool:
