@@ -372,6 +372,64 @@ dist.destroy_process_group()
 """
 
 
+ONE_HEAD_UNDER = """
+import sys, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(12, 32), nn.Tanh())
+        self.label = nn.Linear(32, 4)
+        self.drift = nn.Linear(12, 1)  # a sensor drift, in metres, read straight off the channels
+
+    def forward(self, x):
+        return self.label(self.trunk(x)), self.drift(x) * 1e-5
+
+
+model = nn.parallel.DistributedDataParallel(TwoHeads())
+if "--no-hook" not in sys.argv:
+    model.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
+opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+g = torch.Generator().manual_seed(rank)
+for step in range(12):
+    x = torch.randn(64, 12, generator=g)
+    logits, drift = model(x)
+    loss = nn.functional.cross_entropy(logits, x[:, :4].argmax(1)) + ((drift - 2e-5 * x[:, :1]) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.jobs  # two 2-rank torchrun jobs
+def test_one_heads_gradients_a_compression_hook_rounds_to_zero_are_named_never_ok(tmp_path):
+    """The drift head's loss term is ~1e-10 beside the label's: its gradients sit under fp16's smallest
+    subnormal and fp16_compress_hook hands them over as zeros at every step, while the rest train and
+    the loss falls. The parameters are named with the hook; without the hook, no such finding."""
+    script = _write(tmp_path, "one_head.py", ONE_HEAD_UNDER)
+    for arm in ([], ["--no-hook"]):
+        out = tmp_path / ("no-hook" if arm else "hook")
+        out.mkdir()
+        run = _torchrun_watch(tmp_path, script, out, *arm)
+        assert run.returncode in (0, 1), run.stderr[-3000:]
+        merged = _report(out)
+        zero = [f for f in merged["findings"] if f["name"] == "gradients-all-zero"]
+        if arm:
+            assert not zero, merged["findings"]
+            continue
+        assert merged["verdict"] == "error" and zero, merged["findings"]
+        told = zero[0]
+        assert told["evidence"]["parameters"] == ["module.drift.bias", "module.drift.weight"], told["evidence"]
+        assert told["evidence"]["comm_hook"] == "fp16_compress_hook" and "no hook" in told["fix"]
+
+
 @pytest.mark.jobs  # two 2-rank torchrun jobs
 def test_gradients_a_compression_hook_rounds_to_zero_are_named_with_the_hook_never_ok(tmp_path):
     """fp16_compress_hook casts each bucket to fp16 before the all-reduce: local gradients under 2.98e-08

@@ -81,6 +81,7 @@ from fpdoctor.numerics.trace.scaled_grads import ScaledGrads
 from fpdoctor.numerics.training import between, distributed, reference
 from fpdoctor.numerics.training.findings import (
     scaler_rebuilt_finding,
+    some_zero_grads_finding,
     stale_casts_finding,
     unheld_finding,
     zero_grads_finding,
@@ -806,7 +807,9 @@ class ScriptWatch:
         flags: FlagRead | HostRead
         grads = grads_of(run.params)
         if judge.distributed and judge.steps + 1 in zero_grads.SAMPLED:  # what the reduction handed over
-            self._guarded(lambda: run.zeros.sample(judge.steps + 1, grads), "reading the reduced gradients")
+            named = {id(p): n for n, p in run.judge.model.named_parameters()}
+            names = [named.get(id(p), "?") for p in run.params if p.grad is not None]
+            self._guarded(lambda: run.zeros.sample(judge.steps + 1, grads, names), "reading the reduced gradients")
             if run.zeros.zero and run.zeros.local is None and mine:  # all zero: what the hook did, measured once
                 self._guarded(lambda: self._local_gradients(run, judge.steps + 1, mine), "replaying the step locally")
         with torch.no_grad():
@@ -1223,6 +1226,13 @@ class ScriptWatch:
                                type(run.optimizer).__name__, here=run.judge.here)
             for run in runs
             if run.zeros.every_step_zero
+        ]  # fmt: skip
+        # some layers' gradients zeros at every look, behind a hook that casts them: those layers never train
+        zeros += [
+            some_zero_grads_finding(run.zeros.some_always_zero, hook, type(run.optimizer).__name__,
+                                    looked=run.zeros.looked, here=run.judge.here)
+            for run in runs
+            if run.zeros.some_always_zero and (hook := distributed.compressing_hook(run.judge.model)) is not None
         ]  # fmt: skip
         report.findings[:0] = zeros  # a reduction that hands over zeros: what every other figure follows from
         if not runs and not report.findings and self._never_stepped():

@@ -519,7 +519,12 @@ def _root_finding(
     # rounding the inputs explains the error, unless a fix of where its worst op's inputs are made was
     # checked: the check holds what the user's raw inputs become in fp32 (a centring done in the model)
     checked = cause is not None and cause.get("trial") is not None and cause["trial"].tried
-    if explained and not checked:
+    # a checked fix of the inputs' values themselves (an offset subtracted before the cast) keeps the inputs in
+    # the candidate's format: it goes before one that feeds them in fp32 to lines computed in fp32
+    columns = inputs_cause is not None and inputs_cause.get("floor_without") is not None and input_floor is not None
+    columns = columns and inputs_cause["floor_without"] * INPUT_FIX_FALLS < input_floor  # type: ignore[index]
+    wide = cause is not None and bool((cause.get("evidence") or {}).get("inputs_as_given"))
+    if explained and (not checked or (columns and wide)):
         assert input_floor is not None
         return _input_finding(root, label, candidate, reference, input_floor, found=inputs_cause, evidence=evidence)
     if cause is not None and cause.get("fix"):  # its worst op's inputs are the cause: where they are made

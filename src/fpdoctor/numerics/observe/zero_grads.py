@@ -25,18 +25,32 @@ class ZeroGrads:
 
     looked: list[int] = field(default_factory=list)
     zero: list[int] = field(default_factory=list)
+    # per look, the names of the tensors whose gradient was all zeros while others' were not (a layer whose
+    # gradients alone sit under the hook's format: a strain head in SI units beside a temperature head)
+    partial: list[frozenset[str]] = field(default_factory=list)
     # the first zero step's local gradients (replayed on this rank without the reduction), where a hook casts
     # them: (step, their largest magnitude, the share of their nonzero values the hook's dtype makes 0, bf16's)
     local: tuple[int, float, float, float] | None = None
 
-    def sample(self, step: int, grads: list[torch.Tensor]) -> None:
-        """Step `step`'s gradients (those the optimizer holds), read once each."""
+    def sample(self, step: int, grads: list[torch.Tensor], names: list[str] | None = None) -> None:
+        """Step `step`'s gradients (those the optimizer holds), read once each; `names`: theirs, in order."""
         if not grads:
             return
         self.looked.append(step)
         with torch.no_grad():
-            if not any(bool(g.any()) for g in grads):
-                self.zero.append(step)
+            nonzero = [bool(g.any()) for g in grads]
+        if not any(nonzero):
+            self.zero.append(step)
+        elif names is not None and len(names) == len(grads):
+            self.partial.append(frozenset(n for n, live in zip(names, nonzero, strict=True) if not live))
+
+    @property
+    def some_always_zero(self) -> list[str]:
+        """The tensors whose gradients were all zeros at every look (LEAST looks or more), while the
+        others' were not: sorted; [] where none, or where every gradient was zero (every_step_zero)."""
+        if len(self.partial) < LEAST or len(self.partial) != len(self.looked):
+            return []
+        return sorted(frozenset.intersection(*self.partial))
 
     @property
     def every_step_zero(self) -> bool:

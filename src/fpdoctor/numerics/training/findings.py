@@ -1169,6 +1169,39 @@ def zero_grads_finding(
     )  # fmt: skip
 
 
+def some_zero_grads_finding(
+    names: list[str], hook: tuple[str, torch.dtype], optimizer: str, *, looked: list[int], here: dict[str, Any]
+) -> Finding:
+    """TRN031 for some layers only: their gradients reach the optimizer as zeros at every step looked at,
+    behind a communication hook that casts the buckets to a narrower format, while the others' do not."""
+    name, dtype = hook
+    fmt = str(dtype).removeprefix("torch.")
+    shown = ", ".join(f"`{n}`" for n in names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    steps = ", ".join(str(s) for s in looked)
+    return catalog.make(
+        "gradients-all-zero",
+        title=f"The gradients of {len(names)} parameter(s) reach {optimizer} as zeros: they never train",
+        message=(
+            f"At every optimizer step looked at ({steps}), {optimizer} received gradients of exact zeros for "
+            f"{shown}, while the other parameters' were not zero. The DDP model's communication hook `{name}` "
+            f"casts each gradient bucket to {fmt} before the all-reduce, and {fmt} rounds every value under "
+            f"{underflow(dtype):.3g} to 0: these parameters' gradients are all under it (a loss term in small units, "
+            "a head whose output is scaled down), so they never move; the run's loss may not show it."
+        ),
+        where={"module": None, "op": None, "phase": "optimizer", **here},
+        evidence={"parameters": names, "steps_looked": looked, "comm_hook": name},
+        fix=(
+            f"bring those gradients into {fmt}'s range (the loss term that trains them in units where it is of order "
+            f"1, or its weight raised), or register no hook (DDP's fp32 all-reduce) instead of `{name}`"
+            + ("; bf16_compress_hook has fp32's range but needs CUDA and NCCL" if dtype == torch.float16 else "")
+        ),
+        trial=Trial.untried(
+            "under torch.distributed the gradients are reduced inside the backward: a run with another hook is "
+            "another job, which fpdoctor does not start"
+        ),
+    )
+
+
 def stale_casts_finding(found: Stale, optimizer: str, *, here: dict[str, Any]) -> Finding:
     """TRN030: an autocast block open across optimizer steps (numerics/observe/autocast_cache.py)."""
     how = found.block[3] if found.block is not None else None
