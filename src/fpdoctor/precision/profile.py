@@ -467,8 +467,8 @@ FED_DOMINATES = 2.0
 def _origin(rows: list[ModuleRow]) -> ModuleRow | None:
     """The first divergent row in model order, unless it is a leaf fed inputs already far off (what came
     in is FED_DOMINATES above its own error) and a container around it diverges by its own ops by at
-    least 1/DIVERGENCE_RATIO of that: the error is made there and only shows in the leaf (a model's own torch.cdist that
-    cancels, before the readout that amplifies it)."""
+    least 1/DIVERGENCE_RATIO of that: the error is made there and only shows in the leaf (a model's own
+    torch.cdist that cancels, before the readout that amplifies it)."""
     diverged = [r for r in rows if r.diverged]
     first = diverged[0] if diverged else None
     if first is None or not first.leaf or first.input_error is None or first.isolated is None:
@@ -521,8 +521,8 @@ def _root_finding(
     checked = cause is not None and cause.get("trial") is not None and cause["trial"].tried
     # a checked fix of the inputs' values themselves (an offset subtracted before the cast) keeps the inputs in
     # the candidate's format: it goes before one that feeds them in fp32 to lines computed in fp32
-    columns = inputs_cause is not None and inputs_cause.get("floor_without") is not None and input_floor is not None
-    columns = columns and inputs_cause["floor_without"] * INPUT_FIX_FALLS < input_floor  # type: ignore[index]
+    without = (inputs_cause or {}).get("floor_without")
+    columns = without is not None and input_floor is not None and without * INPUT_FIX_FALLS < input_floor
     wide = cause is not None and bool((cause.get("evidence") or {}).get("inputs_as_given"))
     if explained and (not checked or (columns and wide)):
         assert input_floor is not None
