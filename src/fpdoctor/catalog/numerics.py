@@ -912,7 +912,7 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         "every value under 2.98e-08 (half its smallest subnormal) to 0: a loss of 1e-8 (targets in units far "
         "larger than the model's outputs) makes gradients that small.",
         fix="Bring the gradients into the hook's range (targets standardised, the loss in units of order 1), or "
-        "register bf16_compress_hook (fp32's range) or no hook.",
+        "register bf16_compress_hook (fp32's range; CUDA and NCCL only) or no hook.",
     ),
     RuleInfo(
         code="TRN028",

@@ -1131,7 +1131,11 @@ def zero_grads_finding(
                 f" Replayed on this rank without the reduction, step {at}'s local gradients reach {top:.3g} at most, "
                 f"and the hook's cast makes {flushed:.0%} of their nonzero values 0 (bf16: {in_bf16:.0%})."
             )
-        wider = "bf16_compress_hook (fp32's range) instead of" if dtype == torch.float16 else "no hook instead of"
+        wider = (
+            "bf16_compress_hook (fp32's range; it needs CUDA and NCCL) instead of"
+            if dtype == torch.float16
+            else "no hook instead of"
+        )
         fix = (
             f"bring the gradients into {fmt}'s range: targets standardised or in units where the loss is of order "
             f"1 (a loss of 1e-8 makes gradients of about that size); or register {wider} `{name}`, or no hook "
