@@ -13,10 +13,12 @@ from fpdoctor.numerics.updates.causes import Causes
 from fpdoctor.report.model import Finding, Severity, Trial
 
 
-def _finding(name: str, step: int, after: int = 0, **evidence: object) -> Finding:
+def _finding(
+    name: str, step: int, after: int = 0, severity: Severity = Severity.WARNING, **evidence: object
+) -> Finding:
     trial = Trial.checked("fp32 copies", metric="departing", before=3, after=after, on=f"step {step}")
     return Finding(
-        code="X", name=name, severity=Severity.WARNING, title=name, message=f"{name} at {step}.", fix="fix",
+        code="X", name=name, severity=severity, title=name, message=f"{name} at {step}.", fix="fix",
         where={"rank": None, "phase": evidence.get("stage")}, evidence={"step": step, **evidence}, trial=trial,
     )  # fmt: skip
 
@@ -34,6 +36,15 @@ def test_the_reference_steps_view_folds_into_the_mechanism_where_the_first_of_th
     assert merged.evidence["reference_step"]["departed_count"] == 3
     assert merged.evidence["occurrences"] == 2 and merged.evidence["steps"] == [1, 5]
     assert "The reference step says the same" in merged.message and merged.trial is not None
+
+
+def test_the_folded_finding_is_as_severe_as_the_more_severe_of_the_two() -> None:
+    """A reference step's warning folded into a mechanism told as info is a warning, not dropped to info."""
+    findings: list[Finding] = []
+    causes = Causes(findings)
+    causes.add(_finding("update-departs-from-reference", 1, stage="intended", departed_count=3, compared=4))
+    causes.add(_finding("update-rounded-away", 71, severity=Severity.INFO))
+    assert [(f.name, f.severity) for f in findings] == [("update-rounded-away", Severity.WARNING)]
 
 
 def test_a_departure_after_the_step_or_one_fp32_copies_do_not_cure_stays_its_own() -> None:

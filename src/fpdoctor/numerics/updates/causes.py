@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fpdoctor.report.model import Finding
+from fpdoctor.report.model import Finding, Severity
 
 # the steps a finding lists; its count goes on
 STEPS_LISTED = 20
@@ -136,8 +136,11 @@ def _merged(mechanism: Finding, reference: Finding) -> Finding:
         "update the same optimizer makes over fp32 copies of the weights and state; on those copies none does."
     )
     keep = ("stage", "step", "optimizer", "departed", "departed_count", "compared")
+    # one finding for the two: as severe as the more severe (a reference step's warning is never told as info)
+    worse = max(mechanism.severity, reference.severity, key=lambda s: Severity(s).rank)
     return replace(
         mechanism,
+        severity=Severity(worse),
         message=mechanism.message + text,
         evidence={**mechanism.evidence, "reference_step": {k: ev[k] for k in keep if k in ev}},
         trial=reference.trial,
