@@ -1923,11 +1923,9 @@ class _Comparison:
             for where in [location, None] if location else [None]:
                 mode = stable_forms.Rewritten(form, where)
                 with mode:
-                    out = self._root_output(self.cand_run, self.run_inputs, self.cand_dtype)
-                sample = device_sample(out) if out is not None else None
-                if sample is None or sample.numel() != root.truth.numel() or not bool(torch.isfinite(sample).all()):
+                    _, after = self._against_truth(self._root_output(self.cand_run, self.run_inputs, self.cand_dtype))
+                if after is None or not math.isfinite(after):
                     continue
-                after = rel_error(sample.to(root.truth.device), root.truth, root.norm)
                 if after * RAISED_FALLS <= before and mode.lines:
                     break
             else:
@@ -1948,11 +1946,9 @@ class _Comparison:
         row = result.rows[-1] if result.rows else None
         if self.ref_run is None or root is None or row is None or row.module != "" or not row.floor >= BROKEN_REFERENCE:
             return  # the root's floor holds the floor model's error where it is the larger: none, none to measure
-        out = self._root_output(self.ref_run, self.inputs, self.ref_dtype, device=None)
-        sample = device_sample(out) if out is not None else None
-        if sample is None or sample.numel() != root.truth.numel():
+        _, off = self._against_truth(self._root_output(self.ref_run, self.inputs, self.ref_dtype, device=None))
+        if off is None:
             return
-        off = rel_error(sample.to(root.truth.device), root.truth, root.norm)
         if off >= BROKEN_REFERENCE or not math.isfinite(off):
             result.report.findings.insert(0, broken_reference(off, row.propagated, self.reference, self.candidate))
 
@@ -1981,14 +1977,14 @@ class _Comparison:
         ran: list[float] = []
         failed = ""  # why a try gave no figure
         for kept in ([], rounded) if rounded else ([],):
-            sample = self._given_sample(kept)
-            if sample is None:
+            out = self._given_output(kept)
+            sample, after = self._against_truth(out)
+            if out is None:
                 failed = "its forward failed on them (it computes with them without casting them)"
                 continue
-            if sample.numel() != root.truth.numel() or not bool(torch.isfinite(sample).all()):
-                failed = "its output was not finite" if sample.numel() == root.truth.numel() else "its output differs"
+            if sample is None or after is None or not math.isfinite(after):
+                failed = "its output differs" if sample is None else "its output was not finite"
                 continue
-            after = rel_error(sample.to(root.truth.device), root.truth, root.norm)
             ran.append(after)
             if after * INPUT_FIX_FALLS <= before:
                 break
@@ -2014,9 +2010,19 @@ class _Comparison:
             on=inputs_text(describe(self.inputs)), buffers=kept,
         )  # fmt: skip
 
-    def _given_sample(self, buffers: list[str]) -> torch.Tensor | None:
-        """The candidate's output sample fed the inputs as given, with `buffers` (the user's model's
-        names) put back in fp32, its exact values, for that forward only."""
+    def _against_truth(self, out: torch.Tensor | None) -> tuple[torch.Tensor | None, float | None]:
+        """`out`'s sample, as the candidate pass samples the output, and its end-to-end error against the
+        fp64 run (inf or nan where it is not finite); (None, None) where there is no output, or it is not
+        the output the pass sampled."""
+        root = self.seen.get(("", 0))
+        sample = device_sample(out) if out is not None else None
+        if root is None or sample is None or sample.numel() != root.truth.numel():
+            return None, None
+        return sample, rel_error(sample.to(root.truth.device), root.truth, root.norm)
+
+    def _given_output(self, buffers: list[str]) -> torch.Tensor | None:
+        """The candidate's output fed the inputs as given, with `buffers` (the user's model's names) put
+        back in fp32, its exact values, for that forward only."""
         swapped = []
         try:
             for name in buffers:
@@ -2033,7 +2039,7 @@ class _Comparison:
         finally:
             for held, leaf, original in reversed(swapped):
                 held[leaf] = original
-        return device_sample(out) if out is not None else None
+        return out
 
     def _lines_after(
         self, lines: list[tuple[str, int]], error: float, outputs: list[torch.Tensor],
