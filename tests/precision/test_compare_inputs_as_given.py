@@ -107,3 +107,37 @@ def test_a_compiled_candidate_takes_no_inputs_as_given() -> None:
     model, readings = _sensor()
     with pytest.raises(ValueError, match="inputs_as_given"):
         fpdoctor.compare(model, readings, candidate="compiled", inputs_as_given=True)
+
+
+class RowNorm(nn.Module):
+    """Each row of raw readings centred and scaled by its own statistics, in fp32 (the model's fix for
+    a one-pass variance in its dtype), cast back to the model's dtype."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(n)), nn.Parameter(torch.zeros(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype, x = self.weight.dtype, x.float()
+        z = (x - x.mean(-1, keepdim=True)) / x.std(-1, keepdim=True)
+        return (z * self.weight.float() + self.bias.float()).to(dtype)
+
+
+def test_a_row_standardisation_in_fp32_that_amplifies_the_inputs_rounding_is_no_ok() -> None:
+    # A bank of strain gauges, each unit at its own offset (300-1000 counts) with a signal of 5-30 on top; each
+    # row is standardised by its own mean and spread, in fp32. Cast to bf16 before the call (steps of 2-4
+    # there), the readings' differences are rounded: the module's floor is what its exact computation makes
+    # of them, no part diverges, and the OK said before hid an error far above the output's rounding. Fed as
+    # given, bf16 is fine.
+    torch.manual_seed(0)
+    model = nn.Sequential(RowNorm(24), nn.Linear(24, 64), nn.GELU(), nn.Linear(64, 1)).eval()
+    readings = 300.0 + 700.0 * torch.rand(256, 1) + (5.0 + 25.0 * torch.rand(256, 1)) * torch.randn(256, 24)
+    cast = fpdoctor.compare(model, readings, candidate="bf16").report
+    first = cast.findings[0]
+    assert first.severity == "error" and first.evidence.get("kind") == "input-rounding", _bad(cast)
+    assert first.trial is not None and first.trial.tried, first.trial
+    assert first.fix.startswith("Pass the inputs to the bf16 model unrounded"), first.fix
+    assert first.evidence["fed_as_given_rel"] * 10 < first.evidence["propagated_rel"], first.evidence
+    # the fix as printed: the same model fed the readings as they come
+    given = fpdoctor.compare(model, readings, candidate="bf16", inputs_as_given=True).report
+    assert not _bad(given), _bad(given)

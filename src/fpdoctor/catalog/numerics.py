@@ -903,16 +903,19 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         name="gradients-all-zero",
         severity=E,
         title="Every gradient the optimizer received was exactly 0",
-        what="Under torch.distributed, `fpdoctor watch` reads whether any gradient value the optimizer holds is "
-        "nonzero at its steps 1, 10, 100 and 1000 (after DDP's all-reduce, which the reference step cannot "
-        "recompute): every look finding only zeros, at two looks or more, is named, with the DDP model's "
-        "compressing communication hook where it has one.",
+        what="`fpdoctor watch` reads whether any gradient value the optimizer holds is nonzero at its steps 1, 10, "
+        "100 and 1000 (under torch.distributed, after DDP's all-reduce, which the reference step cannot "
+        "recompute; on one process, as the backward left them, which the reference step replayed from the model's "
+        "outputs sees as zeros too): every look finding only zeros, at two looks or more, is named, with the DDP "
+        "model's compressing communication hook where it has one.",
         why="A gradient of exactly 0 moves nothing: the loss stays where it was and nothing is NaN. torch's "
         "fp16_compress_hook casts each gradient bucket to float16 before the all-reduce, and float16 rounds "
         "every value under 2.98e-08 (half its smallest subnormal) to 0: a loss of 1e-8 (targets in units far "
-        "larger than the model's outputs) makes gradients that small.",
+        "larger than the model's outputs) makes gradients that small. On one process, a loss the script made 0 "
+        "(a token count summed in float16 past 65504 is Inf, and the sum divided by it is 0) does the same.",
         fix="Bring the gradients into the hook's range (targets standardised, the loss in units of order 1), or "
-        "register bf16_compress_hook (fp32's range; CUDA and NCCL only) or no hook.",
+        "register bf16_compress_hook (fp32's range; CUDA and NCCL only) or no hook; on one process, find the "
+        "line of the loss that makes it 0 with `fpdoctor trace`.",
     ),
     RuleInfo(
         code="TRN028",

@@ -806,11 +806,14 @@ class ScriptWatch:
         on_device = run.device_skip and not skipped_by_scaler
         flags: FlagRead | HostRead
         grads = grads_of(run.params)
-        if judge.distributed and judge.steps + 1 in zero_grads.SAMPLED:  # what the reduction handed over
+        # what the optimizer received: under DDP, the reduction's (which no local replay recomputes); on one
+        # process too, where a loss the script made 0 (a count that overflowed fp16 dividing it) hands the
+        # model's outputs zero gradients, which the reference step, replayed from them, cannot tell apart
+        if judge.steps + 1 in zero_grads.SAMPLED:
             named = {id(p): n for n, p in run.judge.model.named_parameters()}
             names = [named.get(id(p), "?") for p in run.params if p.grad is not None]
-            self._guarded(lambda: run.zeros.sample(judge.steps + 1, grads, names), "reading the reduced gradients")
-            if run.zeros.zero and run.zeros.local is None and mine:  # all zero: what the hook did, measured once
+            self._guarded(lambda: run.zeros.sample(judge.steps + 1, grads, names), "reading the gradients")
+            if judge.distributed and run.zeros.zero and run.zeros.local is None and mine:  # what the hook did, once
                 self._guarded(lambda: self._local_gradients(run, judge.steps + 1, mine), "replaying the step locally")
         with torch.no_grad():
             if device.type == "cpu" and not (judge.distributed or on_device):
@@ -1223,7 +1226,7 @@ class ScriptWatch:
             report.findings[:0] = [stale_casts_finding(self._stale.found, optimizer, here=here)]
         zeros = [
             zero_grads_finding(run.zeros, distributed.compressing_hook(run.judge.model), _last_loss(run.judge),
-                               type(run.optimizer).__name__, here=run.judge.here)
+                               type(run.optimizer).__name__, here=run.judge.here, distributed=run.judge.distributed)
             for run in runs
             if run.zeros.every_step_zero
         ]  # fmt: skip

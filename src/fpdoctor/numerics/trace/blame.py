@@ -62,6 +62,10 @@ _DELIBERATE = frozenset({
     "index_fill_",
 })  # fmt: skip
 _SATURATING = frozenset({"sigmoid", "tanh", "erf", "erfc", "atan"})
+# ops that make a value 0 by dividing by an Inf they read: a tensor holding +Inf from the start (a number past
+# the format's range) is then no mask (masks hold -Inf, which exp and softmax read on purpose)
+_DIVIDES = frozenset({"div", "div_", "reciprocal", "reciprocal_", "rsqrt", "rsqrt_"})
+_HALF = frozenset({"torch.float16", "torch.bfloat16"})
 _SOFTMAXES = frozenset({"_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax"})
 # ops a mask's -inf passes through on its way to the softmax: casts, views, copies, a triangle of it (a causal
 # mask), an additive mask's sum (baddbmm and addmm add it to the scores inside nn.MultiheadAttention), a scale
@@ -544,6 +548,10 @@ class Analysis:
         ]  # fmt: skip
         if zeroed:
             found.append(self._zeroed_finding(*zeroed[0], others=len(zeroed) - 1))
+        else:
+            divisors = self.zeroed_leaves()
+            if divisors:
+                found.append(self._zeroed_leaf_finding(*divisors[0]))
         hidden = {p.index for p, _, _ in zeroed}
         masked = [
             r
@@ -839,6 +847,76 @@ class Analysis:
                 if description not in reached[z] and len(reached[z]) < 8:
                     reached[z].append(description)
         return [(zeroing[z], self.records[z], reached[z]) for z in sorted(reached)]
+
+    def zeroed_leaves(self) -> list[tuple[Leaf, Record, list[str]]]:
+        """(a tensor no traced op made, holding +Inf in a 16-bit format, the division that made it 0, the
+        sinks reached): torch.tensor(120000, dtype=torch.float16) is Inf with no op to overflow (the number
+        did on its way in), and a loss divided by it is 0, so every gradient is. First first."""
+        zeroing: dict[int, Leaf] = {}
+        for r in self.records:
+            if r.kind or _packet(r.op) not in _DIVIDES:
+                continue
+            for src in r.inputs[1:] if _packet(r.op) in ("div", "div_") else r.inputs:  # the divisor
+                leaf = self.leaves[src[1]] if src[0] == "leaf" else None
+                if leaf is not None and leaf.kind == "+inf" and leaf.dtype in _HALF and leaf.name == "input":
+                    zeroing[r.index] = leaf
+                    break
+        derived: dict[int, frozenset[int]] = {}
+        for r in self.records:
+            behind: frozenset[int] = frozenset({r.index}) if r.index in zeroing else frozenset()
+            for kind, i in r.inputs:
+                if kind == "op" and i in derived:
+                    behind |= derived[i]
+            if behind:
+                derived[r.index] = behind
+        reached: dict[int, list[str]] = defaultdict(list)
+        for kind, index, description in self.tracer.sinks:
+            for z in sorted(derived.get(index, ())) if kind == "op" else ():
+                if description not in reached[z] and len(reached[z]) < 8:
+                    reached[z].append(description)
+        return [(zeroing[z], self.records[z], reached[z]) for z in sorted(reached)]
+
+    def _zeroed_leaf_finding(self, leaf: Leaf, zeroer: Record, reaches: list[str]) -> Finding:
+        fmt = leaf.dtype.removeprefix("torch.")
+        top = 65504.0 if fmt == "float16" else 3.39e38
+        at = where_text(zeroer.location)
+        message = (
+            f"{zeroer.op} {module_text(zeroer.module)} ({zeroer.phase}{self.when(zeroer)}) divides by a {fmt} tensor "
+            f"of shape {list(leaf.shape)} that holds +Inf and that no traced op made: a tensor made from a number "
+            f"past {fmt}'s largest value ({top:.5g}) is Inf from the start (torch.tensor(120000, "
+            f"dtype=torch.float16) is), or it came in so. Divided by Inf, the values are 0, so no NaN shows, but "
+            f"they reach {', '.join(reaches[:3])}: a loss made 0 gives every gradient 0."
+            + (f" Source: {at}." if at else "")
+        )
+        return catalog.make(
+            "nonfinite-zeroed",
+            title=f"{zeroer.op} divides by a {fmt} tensor that holds Inf, and makes its values 0",
+            message=message,
+            where={**self.where(zeroer), "zeroed_by": zeroer.op},
+            evidence=_known(
+                {
+                    "kind": "+inf",
+                    "dtype": leaf.dtype,
+                    "shape": list(leaf.shape),
+                    "origin": "input",
+                    "zeroed_by": _known(
+                        {"op": zeroer.op, "module": zeroer.module, "phase": zeroer.phase, "into": "0", "location": at}
+                    ),
+                    "reaches": reaches,
+                    "location": at,
+                    **self.step_evidence(zeroer),
+                }
+            ),
+            fix=(
+                f"make the tensor it divides by{f' at {at}' if at else ''} in fp32 (dtype=torch.float32, or .float() "
+                f"on a count: .sum(dtype=torch.float32)), not in {fmt}: the division then computes in fp32 by type "
+                "promotion"
+            ),
+            trial=Trial.untried(
+                "the tensor held Inf when the traced code first read it: the number it was made from is not "
+                "among the ops the trace can run again"
+            ),
+        )
 
     def _zeroed_finding(self, producer: Record, zeroer: Record, reaches: list[str], others: int) -> Finding:
         out = next(o for o in producer.outputs if o.kind)

@@ -1108,15 +1108,43 @@ def zero_tail_finding(
 
 def zero_grads_finding(
     found: ZeroGrads, hook: tuple[str, torch.dtype] | None, loss: float | None, optimizer: str, *,
-    here: dict[str, Any],
+    here: dict[str, Any], distributed: bool = True,
 ) -> Finding:  # fmt: skip
-    """TRN031: every gradient the optimizer received was 0 at every sampled step (under torch.distributed)."""
+    """TRN031: every gradient the optimizer received was 0 at every sampled step (after DDP's all-reduce,
+    or on one process, where the loss the script computed hands the model nothing)."""
     steps = ", ".join(str(s) for s in found.looked)
-    size = f" (the last loss this rank saw: {loss:.3g})" if loss is not None else ""
+    size = f" (the last loss {'this rank saw' if distributed else 'seen'}: {loss:.3g})" if loss is not None else ""
+    read = "the gradients after DDP's all-reduce" if distributed else "the gradients the backward left"
     message = (
-        f"Every gradient {optimizer} received was exactly 0 at its steps {steps} (the gradients after DDP's "
-        f"all-reduce, read at those steps), while the loss was finite{size}: no step moved a weight."
+        f"Every gradient {optimizer} received was exactly 0 at its steps {steps} ({read}, read at those steps), "
+        f"while the loss was finite{size}: no step moved a weight."
     )
+    if not distributed:
+        # one process: the backward itself made zeros, from the model's outputs on (watch's reference step is
+        # replayed from the gradients there, so it sees zeros too): the loss the script computed gives none
+        zero = loss == 0.0
+        message += (
+            (" The loss itself is exactly 0" if zero else " The loss reaches the model's outputs as zero gradients")
+            + ": what computes it from the outputs hands them no gradient (a normaliser that overflowed to Inf "
+            "dividing it, a mask or weight that is 0 everywhere, a detach)."
+        )
+        fix = (
+            "find the line of the loss's computation that makes it "
+            + ("0" if zero else "independent of the outputs")
+            + ": `fpdoctor trace -- <your script>` follows it op by op and names an overflow an op turns into 0 "
+            "(a count or sum past float16's 65504 in a division: sum it in fp32, .sum(dtype=torch.float32)) "
+            "with its line"
+        )
+        return catalog.make(
+            "gradients-all-zero",
+            message=message,
+            where={"module": None, "op": None, "phase": "backward", **here},
+            evidence={"steps_looked": found.looked, "steps_all_zero": found.zero, "comm_hook": None, "last_loss": loss},
+            fix=fix,
+            trial=Trial.untried(
+                "watch sees the model's forward and backward, not the script's loss code, whose ops trace re-runs"
+            ),
+        )
     if hook is not None:
         name, dtype = hook
         fmt = str(dtype).removeprefix("torch.")

@@ -1821,12 +1821,18 @@ class _Comparison:
             fixed = selection.trial is not None and selection.trial.tried
             findings = result.report.findings
             at = selection.evidence["location"]
+            # the lines its checked fix computes in fp32 (the scores and the selection): an op among them
+            # named by its isolated error is the same cause, said once
+            file = at.rpartition(":")[0]
+            fixed_lines = {at, *(f"{file}:{n}" for n in selection.evidence.get("lines_raised") or [])}
             rest = [
                 f for f in findings
                 if not (fixed and f.evidence.get("kind") == "accumulation")
-                # the rounding op itself named by its isolated error: the same cause, said once
-                and not (fixed and str(f.evidence.get("own_op_location", "")).split(" in ")[0] == at)
+                and not (fixed and str(f.evidence.get("own_op_location", "")).split(" in ")[0] in fixed_lines)
             ]  # fmt: skip
+            dropped = fixed and any(
+                f.name == "precision-divergence" and f not in rest and f.where.get("module") == "" for f in findings
+            )
             if made is not None and made.evidence.get("location") in selection.evidence.get("upstream_lines", ()):
                 # the whole numbers made upstream are what the selection then rounds: the origin first
                 findings[:] = [made, selection, *(f for f in rest if f is not made)]
@@ -1834,7 +1840,7 @@ class _Comparison:
                 findings[:] = [selection, *rest]
             summary = result.report.data["summary"]
             for i, (label, text) in enumerate(summary):
-                if label == "first divergent module" and fixed and text.startswith("none"):
+                if label == "first divergent module" and fixed and (text.startswith("none") or dropped):
                     ev = selection.evidence
                     where = ev["location"].rpartition(":")[2]
                     share = f"{100 * ev['share_changed']:.1f}%"
@@ -1879,7 +1885,8 @@ class _Comparison:
                 + f": the exact module on its inputs rounded to {self.label} is about as wrong: it amplifies the "
                 "rounding of what it reads, which no precision inside it undoes"
                 + (
-                    "; its inputs made in fp32 (the readings fed in fp32, standardised before the cast) would"
+                    "; fed inputs made in fp32 (the readings fed in fp32, standardised before the cast), it would not "
+                    "be (`--inputs-as-given` judges a model that casts them itself)"
                     if self.candidate != "fp32"
                     else " (its conditioning: any fp32 computation of it loses as much)"
                 ),
@@ -1900,6 +1907,7 @@ class _Comparison:
             )
         self._broken_reference(result)
         self._fed_as_given(result)
+        self._amplified_inputs(result)
         self._stable_form(result)
         if self._held is not None:  # after the steps that replace findings: their severity is the decisions'
             self._decisions_hold(result, self._held)
@@ -1958,8 +1966,7 @@ class _Comparison:
         them in fp32 does). Where that takes the end-to-end error down INPUT_FIX_FALLS times, the
         finding says to pass them unrounded, checked; elsewhere it stands as it was."""
         at = next((i for i, f in enumerate(result.report.findings) if f.evidence.get("kind") == "input-rounding"), None)
-        root = self.seen.get(("", 0))
-        if at is None or root is None or self.given or not result.rows:
+        if at is None or self.given or not result.rows or self.seen.get(("", 0)) is None:
             return
         trial = result.report.findings[at].trial
         if trial is not None and trial.tried:
@@ -1967,8 +1974,50 @@ class _Comparison:
         before = result.rows[-1].propagated
         if not math.isfinite(before):
             return
-        # the user's own modules' buffers the format rounds (a reference pressure of 1013.25 hPa is 1016 in
-        # bf16): kept in fp32 too where the inputs alone are not enough, as the model computes with them
+        fed = self._given_try(before)
+        if isinstance(fed, str):
+            old = result.report.findings[at]
+            reason = old.trial.reason if old.trial is not None and old.trial.reason else ""
+            result.report.findings[at] = dataclasses.replace(
+                old, trial=Trial.untried(f"{reason}; {fed}" if reason else fed)
+            )
+            return
+        floor = result.input_floor if result.input_floor is not None else before
+        result.report.findings[at] = self._given_finding(before, floor, *fed)
+
+    def _amplified_inputs(self, result: CompareResult) -> None:
+        """An OK whose error is far above the output's own rounding, made by a module that amplifies the
+        rounding of its inputs (its floor raised to what the exact module on them rounded makes: a
+        standardisation of raw readings near 300, done in fp32 after the fix): no part diverges, yet the
+        inputs' rounding is the whole error. Where the candidate fed them as given (the model casts them
+        itself) takes it down INPUT_FIX_FALLS times, that is the finding, checked; else the OK stands, the
+        floor row saying what it judged."""
+        rows = result.rows
+        if self.given or not rows or self.cand_dtype not in (torch.float16, torch.bfloat16):
+            return
+        if any(f.severity in ("error", "warning") for f in result.report.findings):
+            return
+        if not any(e.conditioned is not None for e in self.seen.values()) or self.seen.get(("", 0)) is None:
+            return
+        before, root = rows[-1].propagated, rows[-1]
+        if not math.isfinite(before) or before <= DIVERGENCE_RATIO * root.floor:
+            return
+        if _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is not None:
+            return
+        floor = self._floor_with()  # the exact model fed the inputs rounded: the error it explains
+        if floor is None or not math.isfinite(floor) or before > INPUT_EXPLAINS * floor:
+            return
+        fed = self._given_try(before)
+        if isinstance(fed, str):
+            return
+        result.report.data["input_floor"] = result.input_floor = floor
+        result.report.findings.insert(0, self._given_finding(before, floor, *fed))
+
+    def _given_try(self, before: float) -> tuple[float, list[str], torch.Tensor | None] | str:
+        """The candidate fed the inputs as given, then with the user's own buffers the format rounds
+        kept in fp32 too (a reference pressure of 1013.25 hPa is 1016 in bf16, as the model computes
+        with it): the first run that takes the end-to-end error `before` down INPUT_FIX_FALLS times, as
+        (its error, the buffers kept, its output's sample); else why none is the fix."""
         rounded = [
             name for name, b in self.model.named_buffers()
             if b.is_floating_point() and not _torch_made(self.model.get_submodule(name.rpartition(".")[0]))
@@ -1987,25 +2036,23 @@ class _Comparison:
                 continue
             ran.append(after)
             if after * INPUT_FIX_FALLS <= before:
-                break
-        else:
-            old = result.report.findings[at]
-            why = (
-                f"the {self.candidate} model fed the inputs as given was run and is not the fix ({before:.3g} -> "
-                f"{min(ran):.3g})"
-                if ran
-                else f"the {self.candidate} model fed the inputs as given was tried: {failed}"
-            )
-            reason = old.trial.reason if old.trial is not None and old.trial.reason else ""
-            result.report.findings[at] = dataclasses.replace(
-                old, trial=Trial.untried(f"{reason}; {why}" if reason else why)
-            )
-            return
+                return after, kept, sample
+        return (
+            f"the {self.candidate} model fed the inputs as given was run and is not the fix ({before:.3g} -> "
+            f"{min(ran):.3g})"
+            if ran
+            else f"the {self.candidate} model fed the inputs as given was tried: {failed}"
+        )
+
+    def _given_finding(
+        self, before: float, floor: float, after: float, kept: list[str], sample: torch.Tensor | None
+    ) -> Finding:
+        """The input-rounding finding with its fix checked (units.given_finding): `after`, the candidate's
+        error fed the inputs as given with `kept` (buffers) in fp32, `sample` its output's sample."""
         units = fed = None
-        if self.root_units is not None and self._units_truth is not None and self.logits is None:
+        if self.root_units is not None and self._units_truth is not None and self.logits is None and sample is not None:
             units, fed = self.root_units, in_units(self._units_truth, sample, self.candidate, row=self.root_units.row)
-        floor = result.input_floor if result.input_floor is not None else before
-        result.report.findings[at] = given_finding(
+        return given_finding(
             self.candidate, before=before, after=after, input_floor=floor, units=units, fed=fed,
             on=inputs_text(describe(self.inputs)), buffers=kept,
         )  # fmt: skip
@@ -2660,11 +2707,23 @@ def _unexplained(rows: list[ModuleRow], conditioning: bool = True) -> float | No
     if not rows or not math.isfinite(rows[-1].propagated):
         return None
     root = rows[-1]
-    alone = [r.isolated for r in rows if r.isolated is not None and math.isfinite(r.isolated)]
+    alone = [_by_itself(r) for r in rows if r.isolated is not None and math.isfinite(r.isolated)]
     if conditioning:  # fp32's conditioning
         alone += [r.own["forced_rel"] for r in rows if r.own and r.own.get("forced_rel")]
     explained = max([root.floor, *alone])
     return explained if root.propagated > DIVERGENCE_RATIO * explained else None
+
+
+def _by_itself(row: ModuleRow) -> float:
+    """What a part adds by itself: its isolated error, or, for a leaf whose forward holds ops of the
+    user's (its own ops judged one by one) that each add DIVERGENCE_RATIO less than the leaf's re-run,
+    the worst of them: what makes the rest is no op's rounding (a top-k that picks other neighbours
+    from distances each a little off, a model with no submodules)."""
+    assert row.isolated is not None
+    own = (row.own or {}).get("error_rel") if row.leaf else None
+    if own is None or not math.isfinite(own) or not row.isolated > DIVERGENCE_RATIO * max(own, row.floor):
+        return row.isolated
+    return max(own, row.floor)
 
 
 def _fed_otherwise(row: ModuleRow, entry: _Seen) -> bool:

@@ -218,7 +218,7 @@ def finding(
     else:
         message = (
             f"In {label}, the output's top-1 class differs from fp64's on {pct(flipped)} of its {found.rows} rows, "
-            f"{against}: the computation changes the decisions, however small the relative error (KL "
+            f"{against}: the computation changes the decisions, whatever its relative error (KL "
             f"{found.kl:.3g} nats)."
         )
     on = inputs_text(describe(inputs))
@@ -284,9 +284,16 @@ def finding(
             "candidate itself."
         )
         trial = Trial.untried("a module kept in fp32 is the fp32 candidate itself: no run could put a fix in place")
-    else:
-        fix = f"Keep {names([head]) if head else 'the logits layer'} in fp32, returning fp32 logits."
+    elif head:
+        fix = f"Keep {names([head])} in fp32, returning fp32 logits."
         trial = Trial.untried("no module of the model could be re-run in fp32 in its place")
+    else:  # the scores are the model's own ops' (no submodule makes them): no module to keep
+        fix = (
+            "Compute the model's own ops that make the scores in fp32 (their operands .float(), the scores cast "
+            "back after them), from the line the findings above name: no module of the model makes them, so none "
+            "can be kept in fp32 in their place."
+        )
+        trial = Trial.untried("the scores are made by the model's own ops, in no module a run could keep in fp32")
     return catalog.make(
         "decisions-changed",
         message=message,

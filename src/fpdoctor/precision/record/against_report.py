@@ -496,7 +496,7 @@ def _decisions_changed(report: Report, j: Judgement) -> None:
             message=(
                 f"In {candidate}, this machine's output's top-1 class differs from the record's fp64 output on "
                 f"{pct(flipped)} of its {u.b.rows} rows{where_set}, {against}: the computation changes the "
-                f"decisions, however small the relative error (KL {u.b.kl:.3g} nats). {a_run[0].upper()}{a_run[1:]}."
+                f"decisions, whatever its relative error (KL {u.b.kl:.3g} nats). {a_run[0].upper()}{a_run[1:]}."
             ),
             where={"module": _head(u), "op": None},
             evidence={"decisions": u.b.to_dict(), **evidence},
