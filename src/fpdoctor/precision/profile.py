@@ -1082,6 +1082,9 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
             and (raised * RAISED_FALLS <= error or (near_floor and raised * 2 <= error))
         )
         given = bool(found.get("inputs_as_given")) and bool(lines)
+        modules = found.get("called") or []
+        # the modules those lines call, by the attribute the code calls them by: the check ran them in fp32 whole
+        called = f"here {' and '.join(modules)}: every one of them" if modules else "a Linear, a norm"
         changes = [
             *([f"compute {where} in fp32"] if lines else []),
             *([f"keep {held} in fp32 ({again})"] if buffers else []),
@@ -1115,7 +1118,7 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
                 + (
                     f": on those lines, torch.float32 where they write torch.{dtype} (a cast, a dtype= argument), "
                     ".float() on each tensor they read from the rest of the model, and where a line calls a module "
-                    "(a Linear, a norm), that module in fp32 too, as the check ran its ops: its functional form on "
+                    f"({called}), that module in fp32 too, as the check ran its ops: its functional form on "
                     "the input .float() with its own parameters .float() (a Linear m: F.linear(x.float(), "
                     "m.weight.float(), None if m.bias is None else m.bias.float()); a LayerNorm: "
                     "F.layer_norm(x.float(), m.normalized_shape, m.weight.float(), m.bias.float(), m.eps), the "

@@ -1720,6 +1720,10 @@ class _Comparison:
         return cause | {
             "lines": lines, "buffers": sorted(buffers), "parameters": learned, "raised_rel": raised,
             "error_rel": final.propagated, "floor_rel": final.floor,
+            # the modules those lines call, as the fix names them: a container's layers each, as the check ran them
+            "called": [
+                f"`{m}`" + (" (each of its layers)" if self._container(m) else "") for m in self._called_modules(lines)
+            ],
         }  # fmt: skip
 
     # -- step 6: the result and its report ----------------------------------------------------------
@@ -2114,9 +2118,23 @@ class _Comparison:
 
     def _calls_module(self, file: str, number: int) -> bool:
         """Whether the source line calls one of the model's modules by its attribute (self.mlp(x))."""
+        return bool(self._called_modules([(file, number)]))
+
+    def _container(self, attribute: str) -> bool:
+        """Whether the model's module of that attribute name (the first such) holds submodules."""
+        module = next((m for n, m in self.truth_modules.items() if n and n.rpartition(".")[2] == attribute), None)
+        return module is not None and any(True for _ in module.children())
+
+    def _called_modules(self, lines: list[tuple[str, int]]) -> list[str]:
+        """The attributes by which the source lines call the model's modules (self.rate_head(self.body(x)):
+        rate_head, body), in order: a check that raised those lines ran them in fp32 whole."""
         names = {name.rpartition(".")[2] for name in self.truth_modules if name}
-        code = linecache.getline(file, number)
-        return any(m.group(1) in names for m in re.finditer(r"\.(\w+)\s*\(", code))
+        called: list[str] = []
+        for file, number in lines:
+            for m in re.finditer(r"\.(\w+)\s*\(", linecache.getline(file, number)):
+                if m.group(1) in names and m.group(1) not in called:
+                    called.append(m.group(1))
+        return called
 
     def _made_checked(self, rows: list[ModuleRow], forced: dict[str, dict[str, Any]]) -> Finding | None:
         """NUM020/NUM021 for the first line that makes values the candidate's format rounds, where
