@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor import progress
+from fpdoctor import catalog, progress
 from fpdoctor.numerics.engine.raising import RaisedLines, RaisedSites, SaturatedCasts
 from fpdoctor.numerics.trace.mismatch import mismatch_error
 from fpdoctor.precision.audit.audit import as_given, explain_failure
@@ -1913,6 +1913,7 @@ class _Comparison:
         self._fed_as_given(result)
         self._amplified_inputs(result)
         self._stable_form(result)
+        self._composed_form(result)
         if self._held is not None:  # after the steps that replace findings: their severity is the decisions'
             self._decisions_hold(result, self._held)
         return result
@@ -1950,6 +1951,61 @@ class _Comparison:
                                     on=inputs_text(describe(self.inputs)), metric="end-to-end error", before=before,
                                     after=after),
             )  # fmt: skip
+
+    def _composed_form(self, result: CompareResult) -> None:
+        """An error whose first finding has no checked fix, or one that leaves it far above the output's
+        floor: the candidate re-run with each pair of calls whose stable form torch computes in one
+        function (stable_forms.COMPOSED: the log of a det, acos of a dot product, 1 - exp(-y), ...)
+        computed so, where the forward makes one. Where that takes the end-to-end error down
+        RAISED_FALLS times (or makes a non-finite output finite), and to half what the checked fix
+        leaves, it is the first finding, its edit checked; a finding at those lines says no more. One
+        forward, only then."""
+        root = self.seen.get(("", 0))
+        first = next((f for f in result.report.findings if f.severity == "error"), None)
+        if root is None or not result.rows or first is None:
+            return
+        before, floor = result.rows[-1].propagated, result.rows[-1].floor
+        done = first.trial.after if first.trial is not None and first.trial.tried else None
+        if isinstance(done, (int, float)) and done <= DIVERGENCE_RATIO * floor:
+            return  # its checked fix takes the error to the output's floor: nothing left to find
+        mode = stable_forms.Composed()
+        try:
+            with mode:
+                _, after = self._against_truth(self._root_output(self.cand_run, self.run_inputs, self.cand_dtype))
+        except Exception as exc:  # the try is ours: the report stands without it
+            self.notes["stable forms"] = f"not tried: {type(exc).__name__}: {exc}"
+            return
+        if not mode.lines or after is None or not math.isfinite(after):
+            return
+        if math.isfinite(before) and after * RAISED_FALLS > before:
+            return
+        if isinstance(done, (int, float)) and math.isfinite(done) and after * 2 > done:
+            return  # the checked fix does as well: it stays the first
+        dtype = str(self.cand_dtype).removeprefix("torch.")
+        names, fix = stable_forms.composed_text(mode.lines, dtype)
+        lines = " and ".join(mode.lines)
+        found = catalog.make(
+            "precision-divergence",
+            title=f"Computed as written, {names} loses what {self.label} holds: its stable form takes the error away",
+            message=(
+                f"In {self.label}, {names} at {lines} "
+                + ("makes the output non-finite" if not math.isfinite(before) else f"makes an error of {before:.3g}")
+                + f" ({stable_forms.composed_why(mode.lines, dtype)}): computed by the stable form torch offers, the "
+                f"end-to-end error is {after:.3g}."
+            ),
+            where={"module": None, "op": None, "phase": "forward"},
+            evidence={"kind": "stable-form", "pairs": dict(mode.lines), "propagated_rel": before, "raised_rel": after},
+            fix=fix,
+            trial=Trial.checked(
+                f"{names} at {lines} computed by {'their' if len(mode.lines) > 1 else 'its'} stable form",
+                on=inputs_text(describe(self.inputs)), metric="end-to-end error", before=before, after=after,
+            ),
+        )  # fmt: skip
+        said = set(mode.lines)  # a finding at those lines (their op named by its isolated error) is this cause
+        result.report.findings[:] = [found] + [
+            f for f in result.report.findings
+            if str(f.evidence.get("own_op_location") or f.evidence.get("location") or "").split(" in ")[0] not in said
+        ]  # fmt: skip
 
     def _broken_reference(self, result: CompareResult) -> None:
         """The floor model (fp32) run end to end against fp64, where the output's floor is large enough
