@@ -2247,15 +2247,20 @@ class _Comparison:
             self._fix_outputs[(kind, line, more)] = kept[0] if kept else None
         return math.inf if broken and error is not None else error
 
-    def _before_cast_checked(self, op: str, module: str, location: str) -> tuple[list[tuple[str, int]], float | None]:
+    def _before_cast_checked(
+        self, op: str, module: str, location: str
+    ) -> tuple[list[tuple[str, int]], float | None, bool]:
         """The lines that feed `op` at `location` (its own included, and up to nonfinite.LINES_AFTER
-        lines after it) computed in fp32 on the model's inputs fed in fp32, not rounded by the cast
-        before the forward (raw readings scaled by their batch's statistics: rounded, a column's
-        spread is 0, then 0/0): (the lines, the end-to-end error) of the first run whose output is
-        finite, else the last; ([], None) where the inputs are not rounded or the op was not seen."""
+        lines after it) computed in fp32: first on the inputs as the candidate gets them (an exp two
+        lines up that underflows: line 33 in fp32 alone still takes the log of its 0), then on the
+        model's inputs fed in fp32, not rounded by the cast before the forward (raw readings scaled by
+        their batch's statistics: rounded, a column's spread is 0, then 0/0): (the lines, the
+        end-to-end error, whether the inputs were fed as given) of the first run whose output is
+        finite, else the last; ([], None, False) where the op was not seen or the lines not found."""
         line = nonfinite.line_of(location)
-        if line is None or self.given or _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is not None:
-            return [], None
+        if line is None or self.given:
+            return [], None, False
+        rounded = _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is None
         root = next(e for (name, _), e in self.seen.items() if name == "")
         lines: list[tuple[str, int]] = []
         error: float | None = None
@@ -2264,18 +2269,19 @@ class _Comparison:
                 self.cand_run, self.run_inputs, self.cand_dtype, op=op, line=location, module=module, rng=self.rng,
                 device=self.cand_device, noise=self.noise,
             )  # fmt: skip
-            for more in range(nonfinite.LINES_AFTER + 1):
-                lines = sorted({*fed, line, *((line[0], line[1] + k) for k in range(1, more + 1))})
-                error = upstream.raised_error(
-                    self.cand_run, self.run_inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,
-                    rng=self.rng, device=self.cand_device, noise=self.noise, inputs_as_given=True,
-                )  # fmt: skip
-                if error is not None and math.isfinite(error):
-                    break
+            for given in (False, True) if rounded else (False,):
+                for more in range(nonfinite.LINES_AFTER + 1):
+                    lines = sorted({*fed, line, *((line[0], line[1] + k) for k in range(1, more + 1))})
+                    error = upstream.raised_error(
+                        self.cand_run, self.run_inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,
+                        rng=self.rng, device=self.cand_device, noise=self.noise, inputs_as_given=given,
+                    )  # fmt: skip
+                    if error is not None and math.isfinite(error):
+                        return lines, error, given
         except Exception as exc:
             self.notes["the computation before the cast"] = f"not checked: {type(exc).__name__}: {exc}"
-            return [], None
-        return lines, error
+            return [], None, False
+        return lines, error, rounded
 
     def _kept_checked(self, findings: list[Finding], rows: list[ModuleRow]) -> None:
         """A divergence whose fix is "keep the module in fp32" and was left untried: the model run once

@@ -37,7 +37,7 @@ from fpdoctor.userframes import is_user_file
 Check = Callable[[str, tuple[str, int], int], "float | None"]
 # The check of a computation done before the cast: (op, module, location) -> (the lines that feed
 # it, its own and up to LINES_AFTER after it, computed in fp32 on the inputs fed in fp32, the error)
-BeforeCast = Callable[[str, str, str], "tuple[list[tuple[str, int]], float | None]"]
+BeforeCast = Callable[[str, str, str], "tuple[list[tuple[str, int]], float | None, bool]"]
 # An op's fix in fp32 is tried with up to this many lines after it that consume its result
 LINES_AFTER = 2
 
@@ -207,8 +207,25 @@ def _origin(
         if line is not None and held is None and not (after is not None and math.isfinite(after)):
             # the line in fp32 leaves the NaN: what it reads may be the model's inputs, rounded by the cast
             # before the forward (raw readings scaled by their batch's statistics: rounded, a spread of 0)
-            fed, given = before_cast(op, module, found.get("location") or "")
-            if given is not None and math.isfinite(given):
+            fed, given, wide = before_cast(op, module, found.get("location") or "")
+            if given is not None and math.isfinite(given) and not wide:
+                # the lines that make what it reads, in fp32 from the inputs as the candidate gets them (an exp
+                # two lines up that underflows to 0, whose log is then -inf)
+                lines = lines_text(fed)
+                message += (
+                    f" It is not the op's own precision: line {line[1]} in fp32 still makes it. What it reads is made "
+                    f"at {lines}, where {candidate} loses it first (an exp that underflows to 0, a difference that "
+                    "cancels); those lines in fp32 give a finite output."
+                )
+                fix = (
+                    f"compute {lines} in fp32: .float() on the tensors they read from the rest of the model, what "
+                    f"they produce cast back to {candidate} where the rest of the model reads it (.to(p.dtype), p a "
+                    "parameter of the model)"
+                )
+                changed = f"the ops at {lines} in fp32, their results cast back to {candidate}"
+                evidence |= {"feeding_lines": [f"{f}:{n}" for f, n in fed]}
+                after = given
+            elif given is not None and math.isfinite(given):
                 lines = lines_text(fed)
                 message += (
                     f" It is not the op's precision: line {line[1]} in fp32 still makes it. What it reads comes from "
