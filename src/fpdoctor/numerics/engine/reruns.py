@@ -563,6 +563,10 @@ class Experiment:
             )
         return text, message, fix, trial
 
+    def _past_range_after(self) -> bool:
+        """The op's result, computed wider, is still past its own format's range."""
+        return _past(self.absmax_after, self.dtype)
+
     def _kept_wide(self) -> str:
         """Where the fixed op's values pass the run's format (1.5e6 in fp16): they stay in the wider
         precision, which a cast back after the op would undo."""
@@ -734,6 +738,31 @@ class Experiment:
                 f"(torch 2.6+: torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)). {checked[0].upper()}"
                 f"{checked[1:]}."
             )
+        elif own and origin.phase == "backward" and self._past_range_after():
+            # a gradient past the format's range computed in fp32 is past it still where it is stored: the gradient
+            # of a 16-bit value is 16-bit, so no precision of this op is the fix, only a smaller gradient
+            limit = _limit(self.dtype) or 0.0
+            fix = (
+                f"{origin.op}{at} makes a gradient past {self.dtype}'s range: computed in {self.checked_in or 'fp64'} "
+                f"it is {_num(self.absmax_after)} (largest {self.dtype}: {limit:g}), and the gradient of a "
+                f"{self.dtype} value (a parameter, an activation) is stored in {self.dtype}, so computing this op "
+                "wider and casting back is no fix. Make the gradient smaller where it starts: a loss multiplied by a "
+                "large constant before .backward() (a hand-written loss scale: torch.amp.GradScaler lowers its "
+                "scale when the gradients overflow, or use a smaller constant), a loss or targets in large units "
+                "(standardise them); or keep the parameters in fp32 (torch.autocast for the compute)."
+            )
+            trial = Trial.untried(
+                f"the gradient's size is set by the loss and its scale: computed wider, this op's result is still past "
+                f"{self.dtype}'s range ({_num(self.absmax_after)})"
+            )
+            if self.bf16 == "finite":  # bf16's range holds it: the one precision change that is a fix, checked
+                trial = Trial.checked(
+                    f"{_lines(self.chain)} in bf16",
+                    metric=f"{self.op}'s largest |value|",
+                    before=self.absmax_before,
+                    after=self.bf16_absmax,
+                    on="the inputs these ops read in this run",
+                )
         elif own:
             reduction = op_packet(origin.op) in _REDUCTIONS
             # the operands raised before the op: its result in fp32 of fp16 operands is the same overflow
@@ -916,6 +945,12 @@ def _lines(chain: list[Record]) -> str:
     else:  # the lines the chain ran, not the ones between them (an if/else branch not taken)
         span = f"lines {', '.join(str(n) for n in numbers[:-1])} and {numbers[-1]}"
     return f"{span} of {located[0][0]}" if len(files) == 1 else ", ".join(f"{f}:{n}" for f, n, _ in located)
+
+
+def _past(value: float | None, dtype: str) -> bool:
+    """Whether a finite `value` is past the largest finite value of `dtype`."""
+    limit = _limit(dtype)
+    return value is not None and limit is not None and math.isfinite(value) and value > limit
 
 
 def _limit(dtype: str) -> float | None:
