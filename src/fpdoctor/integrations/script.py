@@ -1224,11 +1224,14 @@ class ScriptWatch:
             optimizer = type(runs[0].optimizer).__name__ if runs else "the optimizer"
             here = runs[0].judge.here if runs else {}
             report.findings[:0] = [stale_casts_finding(self._stale.found, optimizer, here=here)]
+        # on one process, where the reference step or a clearing call already says where the gradients part from
+        # an fp32 step's (cleared between the backward and the step), that finding is the cause: the zeros are it
+        parted = {"gradients-cleared", "gradients-depart-from-reference"} & {f.name for f in report.findings}
         zeros = [
             zero_grads_finding(run.zeros, distributed.compressing_hook(run.judge.model), _last_loss(run.judge),
                                type(run.optimizer).__name__, here=run.judge.here, distributed=run.judge.distributed)
             for run in runs
-            if run.zeros.every_step_zero
+            if run.zeros.every_step_zero and (run.judge.distributed or not parted)
         ]  # fmt: skip
         # some layers' gradients zeros at every look, behind a hook that casts them: those layers never train
         zeros += [
