@@ -179,6 +179,8 @@ class Experiment:
     checked_in: str | None = None  # the precision the fix was checked in
     absmax_before: float | None = None
     absmax_after: float | None = None
+    # the origin's output is a parameter's gradient as it is stored (trace's sinks): no op after it brings it in range
+    stored: bool = False
     literal: tuple[float, float, str] | None = None  # a constant that rounds: value, rounded, dtype
     bf16: str | None = None  # an fp16 chain re-run in bf16 (fp32's range): "finite" or "non-finite"
     bf16_absmax: float | None = None  # the symptom op's max |x| in that re-run
@@ -564,8 +566,9 @@ class Experiment:
         return text, message, fix, trial
 
     def _past_range_after(self) -> bool:
-        """The op's result, computed wider, is still past its own format's range."""
-        return _past(self.absmax_after, self.dtype)
+        """The op's result, computed wider, is still past its own format's range, and is stored as it is (a
+        parameter's gradient: no op after it, which a wider result could wait for, brings it in range)."""
+        return self.stored and _past(self.absmax_after, self.dtype)
 
     def _kept_wide(self) -> str:
         """Where the fixed op's values pass the run's format (1.5e6 in fp16): they stay in the wider

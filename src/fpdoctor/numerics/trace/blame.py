@@ -147,6 +147,9 @@ class Analysis:
         self.tracer = tracer
         self.steps = steps  # optimizer steps, for "at optimizer step 2" beside the call count
         self.records = tracer.records
+        stored = {i for kind, i, said in tracer.sinks if kind == "op" and said.startswith("gradient of")}
+        for experiment in tracer.experiments.values():  # an origin whose output is a parameter's gradient
+            experiment.stored = experiment.origin is not None and experiment.origin.index in stored
         self.leaves = tracer.leaves
         self.roles: dict[int, str] = {}
         self.origins: dict[int, frozenset[Origin]] = {}
