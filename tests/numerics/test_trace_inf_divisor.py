@@ -49,3 +49,15 @@ def test_a_minus_inf_mask_the_softmax_reads_is_no_zeroed_divisor():
         out = torch.softmax(scores + mask, -1) / torch.tensor(2.0, dtype=torch.float16)
         out.sum()
     assert not [f for f in t.report.findings if f.name == "nonfinite-zeroed"], t.report.findings
+
+
+def test_padded_distances_held_as_inf_on_purpose_are_no_zeroed_divisor():
+    # inverse-distance weights over neighbours, the padded slots' distances +Inf so that their weight is 0
+    dist = torch.rand(4, 8, dtype=torch.float16) + 0.5
+    dist[:, 6:] = float("inf")
+    values = torch.randn(4, 8, dtype=torch.float16)
+    with fpdoctor.trace() as t:
+        weights = torch.ones_like(dist) / dist
+        out = (weights * values).sum(-1) / weights.sum(-1)
+        out.sum()
+    assert not [f for f in t.report.findings if f.name == "nonfinite-zeroed"], t.report.findings

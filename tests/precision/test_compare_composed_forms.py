@@ -96,3 +96,34 @@ def test_acos_of_a_dot_product_near_one_in_bf16_is_named_with_its_atan2_form_che
     errors = [f for f in fixed.report.findings if f.severity == "error" and f.evidence.get("kind") != "input-rounding"]
     assert not errors, errors
     assert fixed.report.data["modules"][-1]["propagated_rel"] * 4 <= first.trial.before
+
+
+def test_a_pair_is_rewritten_only_where_its_stable_form_computes_the_same_thing():
+    from fpdoctor.precision.compare.stable_forms import Composed
+
+    u = F.normalize(torch.randn(5, 3), dim=-1)
+    v = F.normalize(u + 0.1 * torch.randn(5, 3), dim=-1)
+    x = torch.randn(4, 6)
+
+    def run(fn):
+        with Composed() as mode:
+            out = fn()
+        return out, mode.lines
+
+    cases = {  # each written so that its stable form would compute something else
+        "clamped inside [-1, 1]": lambda: torch.acos((u * v).sum(-1).clamp(-0.99, 0.99)),
+        "sub with alpha": lambda: torch.sub(torch.exp(x), 1, alpha=2),
+        "softmax written in place": lambda: torch.log(torch.softmax(x, -1).add_(1.0)),
+        "sum in float64": lambda: torch.acos((u * v).sum(-1, dtype=torch.float64)),
+        "not unit vectors": lambda: torch.acos(((2 * u) * v).sum(-1).clamp(-1, 1)),
+    }
+    for name, fn in cases.items():
+        out, lines = run(fn)
+        assert not lines, name
+        torch.testing.assert_close(out, fn(), msg=name)
+    # a shape the stable form does not take runs as written, without raising into the forward
+    out, lines = run(lambda: torch.acos((u[0] * v[0]).sum(0)))
+    assert out.shape == () and torch.isfinite(out)
+    # and the forms themselves: the same values where no precision is lost
+    out, lines = run(lambda: 1 - torch.exp(-x.abs()))
+    assert lines and torch.allclose(out, 1 - torch.exp(-x.abs()), atol=1e-6)

@@ -17,6 +17,7 @@ every rank's findings merged (as `fpdoctor trace` does).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import signal
@@ -283,7 +284,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _labelled(report: Any, script: str, script_args: list[str], dist: Any) -> Any:
     """The script's command line first; under torchrun this rank's place beside the judge's findings."""
-    report.data.setdefault("summary", []).insert(0, ("script", " ".join([script, *script_args])))
+    command = " ".join([script, *script_args])
+    report.data.setdefault("summary", []).insert(0, ("script", command))
+    # a fix that sends to another command names this script as that command takes it (`trace -- train.py`)
+    report.findings[:] = [
+        dataclasses.replace(f, fix=f.fix.replace("<your script>", command)) if "<your script>" in f.fix else f
+        for f in report.findings
+    ]
     if dist is not None:
         ranks.mark(report, dist)
     return report

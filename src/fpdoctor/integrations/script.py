@@ -813,6 +813,9 @@ class ScriptWatch:
             named = {id(p): n for n, p in run.judge.model.named_parameters()}
             names = [named.get(id(p), "?") for p in run.params if p.grad is not None]
             self._guarded(lambda: run.zeros.sample(judge.steps + 1, grads, names), "reading the gradients")
+            run.zeros.low_precision |= any(c.autocast for c in mine) or any(
+                p.dtype in (torch.float16, torch.bfloat16) for p in run.params
+            )
             if judge.distributed and run.zeros.zero and run.zeros.local is None and mine:  # what the hook did, once
                 self._guarded(lambda: self._local_gradients(run, judge.steps + 1, mine), "replaying the step locally")
         with torch.no_grad():
@@ -1231,7 +1234,7 @@ class ScriptWatch:
             zero_grads_finding(run.zeros, distributed.compressing_hook(run.judge.model), _last_loss(run.judge),
                                type(run.optimizer).__name__, here=run.judge.here, distributed=run.judge.distributed)
             for run in runs
-            if run.zeros.every_step_zero and (run.judge.distributed or not parted)
+            if run.zeros.every_step_zero and (run.judge.distributed or (run.zeros.low_precision and not parted))
         ]  # fmt: skip
         # some layers' gradients zeros at every look, behind a hook that casts them: those layers never train
         zeros += [

@@ -31,6 +31,9 @@ class ZeroGrads:
     # the first zero step's local gradients (replayed on this rank without the reduction), where a hook casts
     # them: (step, their largest magnitude, the share of their nonzero values the hook's dtype makes 0, bf16's)
     local: tuple[int, float, float, float] | None = None
+    # a step looked at ran 16-bit compute (autocast) or held 16-bit parameters: on one process, where zeros can be
+    # the format's (a loss divided by a count that overflowed), not a loss switched off on purpose
+    low_precision: bool = False
 
     def sample(self, step: int, grads: list[torch.Tensor], names: list[str] | None = None) -> None:
         """Step `step`'s gradients (those the optimizer holds), read once each; `names`: theirs, in order."""

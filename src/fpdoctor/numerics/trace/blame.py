@@ -62,10 +62,8 @@ _DELIBERATE = frozenset({
     "index_fill_",
 })  # fmt: skip
 _SATURATING = frozenset({"sigmoid", "tanh", "erf", "erfc", "atan"})
-# ops that make a value 0 by dividing by an Inf they read: a tensor holding +Inf from the start (a number past
-# the format's range) is then no mask (masks hold -Inf, which exp and softmax read on purpose)
-_DIVIDES = frozenset({"div", "div_", "reciprocal", "reciprocal_", "rsqrt", "rsqrt_"})
-_HALF = frozenset({"torch.float16", "torch.bfloat16"})
+# a division by one number held as +Inf from the start (a count or a size past fp16's range) makes its values 0
+_DIVIDES = frozenset({"div", "div_"})
 _SOFTMAXES = frozenset({"_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax"})
 # ops a mask's -inf passes through on its way to the softmax: casts, views, copies, a triangle of it (a causal
 # mask), an additive mask's sum (baddbmm and addmm add it to the scores inside nn.MultiheadAttention), a scale
@@ -852,16 +850,21 @@ class Analysis:
         return [(zeroing[z], self.records[z], reached[z]) for z in sorted(reached)]
 
     def zeroed_leaves(self) -> list[tuple[Leaf, Record, list[str]]]:
-        """(a tensor no traced op made, holding +Inf in a 16-bit format, the division that made it 0, the
-        sinks reached): torch.tensor(120000, dtype=torch.float16) is Inf with no op to overflow (the number
-        did on its way in), and a loss divided by it is 0, so every gradient is. First first."""
+        """(a one-value tensor no traced op made, holding +Inf in float16, the division by it, the sinks
+        reached): torch.tensor(120000, dtype=torch.float16) is Inf with no op to overflow (the number did on
+        its way in), and a loss divided by it is 0, so every gradient is. First first."""
         zeroing: dict[int, Leaf] = {}
         for r in self.records:
             if r.kind or _packet(r.op) not in _DIVIDES:
                 continue
-            for src in r.inputs[1:] if _packet(r.op) in ("div", "div_") else r.inputs:  # the divisor
-                leaf = self.leaves[src[1]] if src[0] == "leaf" else None
-                if leaf is not None and leaf.kind == "+inf" and leaf.dtype in _HALF and leaf.name == "input":
+            for src in r.inputs[1:]:  # the divisor
+                if src[0] != "leaf":
+                    continue
+                leaf = self.leaves[src[1]]
+                # one value (a count, a size): a tensor of several holding +Inf on purpose (padded distances whose
+                # reciprocal weights them 0) is no number that overflowed; bf16 holds what fp32 holds
+                one = math.prod(leaf.shape) == 1
+                if one and leaf.kind == "+inf" and leaf.dtype == "torch.float16" and leaf.name == "input":
                     zeroing[r.index] = leaf
                     break
         derived: dict[int, frozenset[int]] = {}
@@ -911,9 +914,9 @@ class Analysis:
                 }
             ),
             fix=(
-                f"make the tensor it divides by{f' at {at}' if at else ''} in fp32 (dtype=torch.float32, or .float() "
-                f"on a count: .sum(dtype=torch.float32)), not in {fmt}: the division then computes in fp32 by type "
-                "promotion"
+                f"make the number it divides by{f' at {at}' if at else ''} in fp32 where it is made "
+                "(torch.tensor(n, dtype=torch.float32); a count summed with .sum(dtype=torch.float32)), not in "
+                f"{fmt}: .float() after it is made keeps the Inf; the division then computes in fp32 by type promotion"
             ),
             trial=Trial.untried(
                 "the tensor held Inf when the traced code first read it: the number it was made from is not "

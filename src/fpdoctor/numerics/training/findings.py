@@ -1117,16 +1117,19 @@ def zero_grads_finding(
     read = "the gradients after DDP's all-reduce" if distributed else "the gradients the backward left"
     message = (
         f"Every gradient {optimizer} received was exactly 0 at its steps {steps} ({read}, read at those steps), "
-        f"while the loss was finite{size}: no step moved a weight."
+        f"while the loss was finite{size}: "
+        + ("no step moved a weight." if distributed else "no gradient moved a weight.")
     )
     if not distributed:
-        # one process: the backward itself made zeros, from the model's outputs on (watch's reference step is
-        # replayed from the gradients there, so it sees zeros too): the loss the script computed gives none
+        # one process, 16-bit compute: the backward itself made zeros, from the model's outputs on (watch's reference
+        # step is replayed from the gradients there, so it sees zeros too). A loss switched off on purpose (a term
+        # weighted 0 until a warm-up ends) does the same: a warning, which says what to rule out
         zero = loss == 0.0
         message += (
             (" The loss itself is exactly 0" if zero else " The loss reaches the model's outputs as zero gradients")
-            + ": what computes it from the outputs hands them no gradient (a normaliser that overflowed to Inf "
-            "dividing it, a mask or weight that is 0 everywhere, a detach)."
+            + ". Unless that is meant (a loss term weighted 0 until a warm-up ends), what computes the loss from the "
+            "outputs hands them no gradient: in 16-bit, a normaliser that overflowed to Inf dividing it (a count "
+            "past float16's 65504), or a factor that underflowed to 0."
         )
         fix = (
             "find the line of the loss's computation that makes it "
@@ -1137,6 +1140,7 @@ def zero_grads_finding(
         )
         return catalog.make(
             "gradients-all-zero",
+            severity=Severity.WARNING,
             message=message,
             where={"module": None, "op": None, "phase": "backward", **here},
             evidence={"steps_looked": found.looked, "steps_all_zero": found.zero, "comm_hook": None, "last_loss": loss},

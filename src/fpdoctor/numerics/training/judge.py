@@ -1361,13 +1361,12 @@ class StepJudge:
             }
             # the scaler's skips of steps whose loss was finite and gradients overflowed; a step with a
             # NaN/Inf loss is counted as non-finite above, whoever skipped it
-            others = self.skipped - watch.skipped  # skipped for a NaN/Inf loss: not the scaler's overflows
             summary.append(
                 (
                     "AMP overflow skips",
-                    f"{watch.skipped} ({rate:.1%}) with a finite loss"
-                    + (f", scale {watch.scale:g}" if watch.scale is not None else "")
-                    + (f" (the other {others} skipped step(s) had a non-finite loss)" if others > 0 else ""),
+                    f"{watch.skipped} ({rate:.1%}) with a finite loss, scale {watch.scale:g}"
+                    if watch.scale is not None
+                    else f"{watch.skipped} ({rate:.1%}) with a finite loss",
                 )
             )
         line, judged = self._updates.line(), self._updates.data()

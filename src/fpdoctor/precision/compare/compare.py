@@ -1834,9 +1834,7 @@ class _Comparison:
                 if not (fixed and f.evidence.get("kind") == "accumulation")
                 and not (fixed and str(f.evidence.get("own_op_location", "")).split(" in ")[0] in fixed_lines)
             ]  # fmt: skip
-            dropped = fixed and any(
-                f.name == "precision-divergence" and f not in rest and f.where.get("module") == "" for f in findings
-            )
+            dropped = fixed and any(f.name == "precision-divergence" and f not in rest for f in findings)
             if made is not None and made.evidence.get("location") in selection.evidence.get("upstream_lines", ()):
                 # the whole numbers made upstream are what the selection then rounds: the origin first
                 findings[:] = [made, selection, *(f for f in rest if f is not made)]
@@ -1981,27 +1979,48 @@ class _Comparison:
             return
         if isinstance(done, (int, float)) and math.isfinite(done) and after * 2 > done:
             return  # the checked fix does as well: it stays the first
+        pairs = dict(mode.lines)
+        if len(pairs) > 1:  # each line alone: the ones that take the error down by themselves are the cause
+            alone = {}
+            for line, kind in pairs.items():
+                one = stable_forms.Composed(only={line})
+                with one:
+                    _, got = self._against_truth(self._root_output(self.cand_run, self.run_inputs, self.cand_dtype))
+                if (
+                    got is not None
+                    and math.isfinite(got)
+                    and (not math.isfinite(before) or got * RAISED_FALLS <= before)
+                ):
+                    alone[line] = (kind, got)
+            if len(alone) == 1:
+                ((line, (kind, after)),) = alone.items()
+                pairs = {line: kind}
+            elif alone:  # several, each enough: all of them, as the run with all ran
+                pairs = {line: kind for line, (kind, _) in alone.items()}
         dtype = str(self.cand_dtype).removeprefix("torch.")
-        names, fix = stable_forms.composed_text(mode.lines, dtype)
-        lines = " and ".join(mode.lines)
+        names, fix = stable_forms.composed_text(pairs, dtype)
+        lines = " and ".join(pairs)
         found = catalog.make(
             "precision-divergence",
-            title=f"Computed as written, {names} loses what {self.label} holds: its stable form takes the error away",
+            title=(
+                f"Computed as written, {names} {'lose' if len(pairs) > 1 else 'loses'} what {self.label} holds: "
+                f"{'their stable forms take' if len(pairs) > 1 else 'its stable form takes'} the error away"
+            ),
             message=(
                 f"In {self.label}, {names} at {lines} "
                 + ("makes the output non-finite" if not math.isfinite(before) else f"makes an error of {before:.3g}")
-                + f" ({stable_forms.composed_why(mode.lines, dtype)}): computed by the stable form torch offers, the "
+                + f" ({stable_forms.composed_why(pairs, dtype)}): computed by the stable form torch offers, the "
                 f"end-to-end error is {after:.3g}."
             ),
             where={"module": None, "op": None, "phase": "forward"},
-            evidence={"kind": "stable-form", "pairs": dict(mode.lines), "propagated_rel": before, "raised_rel": after},
+            evidence={"kind": "stable-form", "pairs": pairs, "propagated_rel": before, "raised_rel": after},
             fix=fix,
             trial=Trial.checked(
-                f"{names} at {lines} computed by {'their' if len(mode.lines) > 1 else 'its'} stable form",
+                f"{names} at {lines} computed by {'their' if len(pairs) > 1 else 'its'} stable form",
                 on=inputs_text(describe(self.inputs)), metric="end-to-end error", before=before, after=after,
             ),
         )  # fmt: skip
-        said = set(mode.lines)  # a finding at those lines (their op named by its isolated error) is this cause
+        said = set(pairs)  # a finding at those lines (their op named by its isolated error) is this cause
         result.report.findings[:] = [found] + [
             f for f in result.report.findings
             if str(f.evidence.get("own_op_location") or f.evidence.get("location") or "").split(" in ")[0] not in said
@@ -2173,8 +2192,10 @@ class _Comparison:
         return current, error
 
     def _calls_module(self, file: str, number: int) -> bool:
-        """Whether the source line calls one of the model's modules by its attribute (self.mlp(x))."""
-        return bool(self._called_modules([(file, number)]))
+        """Whether the source line calls one of the model's modules by its attribute (self.mlp(x), block.mlp(x))."""
+        names = {name.rpartition(".")[2] for name in self.truth_modules if name}
+        code = linecache.getline(file, number)
+        return any(m.group(1) in names for m in re.finditer(r"\.(\w+)\s*\(", code))
 
     def _container(self, attribute: str) -> bool:
         """Whether the model's module of that attribute name (the first such) holds submodules."""
@@ -2186,8 +2207,8 @@ class _Comparison:
         rate_head, body), in order: a check that raised those lines ran them in fp32 whole."""
         names = {name.rpartition(".")[2] for name in self.truth_modules if name}
         called: list[str] = []
-        for file, number in lines:
-            for m in re.finditer(r"\.(\w+)\s*\(", linecache.getline(file, number)):
+        for file, number in lines:  # self.<attribute>(...): x.norm(...) is a tensor's method, not a module `norm`
+            for m in re.finditer(r"\bself\.(\w+)\s*\(", linecache.getline(file, number)):
                 if m.group(1) in names and m.group(1) not in called:
                     called.append(m.group(1))
         return called

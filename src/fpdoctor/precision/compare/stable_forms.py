@@ -105,7 +105,7 @@ class Pair:
 COMPOSED = {
     "logdet": Pair(
         "the log of a determinant",
-        "torch.logdet(A) (or torch.linalg.slogdet(A).logabsdet) in place of torch.log(torch.linalg.det(A))",
+        "torch.logdet(A) in place of torch.log(torch.linalg.det(A))",
         "a large matrix's determinant is a product of its eigenvalues, which under- or overflows {dtype} long "
         "before its log would",
     ),
@@ -144,33 +144,52 @@ class Composed(TorchFunctionMode):
     """The pairs of `COMPOSED` computed by their stable forms where the forward makes them, while the
     mode is active; `lines` says which pair it rewrote at which of the user's lines."""
 
-    def __init__(self) -> None:
+    def __init__(self, only: set[str] | None = None) -> None:
         super().__init__()
-        # a tensor a pair's first call made (by id, its weak reference) -> what the stable form needs of it: the
-        # latest RECENT only, as the second call follows the first (what they hold is kept alive until then)
-        self.made: dict[int, tuple[weakref.ref[torch.Tensor], tuple[Any, ...]]] = {}
+        # a tensor a pair's first call made (by id) -> its weak reference, its write count then, and what the stable
+        # form needs of it; dropped when it dies (what it holds with it), and the latest RECENT only
+        self.made: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[Any, ...]]] = {}
         self.lines: dict[str, str] = {}  # "file:line" of the second call -> the pair's key
+        self.only = only  # the lines whose pairs are rewritten (None: every line)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         entry = self.made.get(id(first)) if first is not None else None
-        held = entry[1] if entry is not None and entry[0]() is first else None
+        # written in place since (a softmax then add_, p[0] = 1): no longer what the pair's first call made
+        held = (
+            entry[2]
+            if entry is not None and first is not None and entry[0]() is first and first._version == entry[1]
+            else None
+        )
         if held is not None:
-            stable = _stable(name, held, args, kwargs)
+            found = frame_location(user_frame(sys._getframe(1)))
+            line = f"{found[0]}:{found[1]}" if found is not None else "?"
+            try:
+                stable = _stable(name, held, args, kwargs) if self.only is None or line in self.only else None
+            except Exception:  # a shape the stable form does not take: the call as written
+                stable = None
             if stable is not None:
-                found = frame_location(user_frame(sys._getframe(1)))
-                self.lines.setdefault(f"{found[0]}:{found[1]}" if found is not None else "?", held[0])
+                self.lines.setdefault(line, held[0])
                 return stable
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor) and out.is_floating_point():
             made = _made(name, held, args, kwargs)
             if made is not None:
-                self.made[id(out)] = (weakref.ref(out), made)
+                key = id(out)
+                self.made[key] = (weakref.ref(out, self._dropper(key)), out._version, made)
                 if len(self.made) > RECENT:
                     del self.made[next(iter(self.made))]
         return out
+
+    def _dropper(self, key: int) -> Callable[[weakref.ref[torch.Tensor]], None]:
+        """What drops a tensor's entry when it dies (what the entry holds with it)."""
+
+        def drop(_: weakref.ref[torch.Tensor]) -> None:
+            self.made.pop(key, None)
+
+        return drop
 
 
 def _made(name: str, held: tuple[Any, ...] | None, args: Any, kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
@@ -178,13 +197,14 @@ def _made(name: str, held: tuple[Any, ...] | None, args: Any, kwargs: dict[str, 
     x = args[0] if args else None
     if name in ("det", "linalg_det"):
         return ("logdet", x)
-    if name in ("add", "__add__", "__radd__") and len(args) == 2 and _one(args[1]) and "alpha" not in kwargs:
+    if name in ("add", "__add__", "__radd__") and len(args) == 2 and _one(args[1]) and not kwargs:
         return ("log1p", x)
     if name == "exp":
         return ("expm1", x)
     if name == "softmax":
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-        return ("log_softmax", x, dim) if isinstance(dim, int) and kwargs.get("dtype") is None else None
+        plain = len(args) <= 2 and kwargs.get("dtype") is None  # a dtype (by position too) changes the result's
+        return ("log_softmax", x, dim) if isinstance(dim, int) and plain else None
     if name == "sigmoid":
         return ("logsigmoid", x)
     if name in ("mul", "__mul__") and len(args) == 2 and isinstance(args[1], torch.Tensor) and not kwargs:
@@ -192,12 +212,17 @@ def _made(name: str, held: tuple[Any, ...] | None, args: Any, kwargs: dict[str, 
     if name == "sum" and held is not None and held[0] == "product":
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
-        return ("angle", held[1], held[2], dim, keep) if isinstance(dim, int) else None
+        plain = len(args) <= 3 and kwargs.get("dtype") is None
+        return ("angle", held[1], held[2], dim, keep) if isinstance(dim, int) and plain else None
     if name == "cosine_similarity" and len(args) >= 2 and isinstance(args[1], torch.Tensor):
         dim = kwargs.get("dim", args[2] if len(args) > 2 else 1)
         return ("angle", args[0], args[1], dim, False, True) if isinstance(dim, int) else None
     if name == "clamp" and held is not None and held[0] == "angle":
-        return held  # a cosine clamped to [-1, 1] on its way to acos
+        bounds = (
+            kwargs.get("min", args[1] if len(args) > 1 else None),
+            kwargs.get("max", args[2] if len(args) > 2 else None),
+        )
+        return held if bounds in ((-1, 1), (-1.0, 1.0)) else None  # a cosine clamped to [-1, 1] on its way to acos
     return None
 
 
@@ -214,9 +239,9 @@ def _stable(name: str, held: tuple[Any, ...], args: Any, kwargs: dict[str, Any])
         return torch.logdet(x)
     if kind == "log1p" and name == "log" and not kwargs:
         return torch.log1p(x)
-    if kind == "expm1" and name in ("__rsub__", "rsub") and len(args) == 2 and _one(args[1]):
+    if kind == "expm1" and name in ("__rsub__", "rsub") and len(args) == 2 and _one(args[1]) and not kwargs:
         return -torch.expm1(x)
-    if kind == "expm1" and name in ("sub", "__sub__") and len(args) == 2 and _one(args[1]):
+    if kind == "expm1" and name in ("sub", "__sub__") and len(args) == 2 and _one(args[1]) and not kwargs:
         return torch.expm1(x)
     if kind == "log_softmax" and name == "log" and not kwargs:
         return torch.log_softmax(x, held[2])
