@@ -565,6 +565,16 @@ class Experiment:
             )
         return text, message, fix, trial
 
+    def _bf16_trial(self, lines: str) -> Trial:
+        """The ops at `lines` run in bf16, which kept the op's result finite: checked on its largest value."""
+        return Trial.checked(
+            f"{lines} in bf16",
+            metric=f"{self.op}'s largest |value|",
+            before=self.absmax_before,
+            after=self.bf16_absmax,
+            on="the inputs these ops read in this run",
+        )
+
     def _past_range_after(self) -> bool:
         """The op's result, computed wider, is still past its own format's range, and is stored as it is (a
         parameter's gradient: no op after it, which a wider result could wait for, brings it in range)."""
@@ -715,13 +725,7 @@ class Experiment:
             return text, message + why, fix, trial
         if self.cast is not None and (origin.phase == "backward" or self.autocast_cast) and "exceed" in self.cast:
             if self.bf16 == "finite":
-                trial = Trial.checked(
-                    f"{lines} in bf16",
-                    metric=f"{self.op}'s largest |value|",
-                    before=self.absmax_before,
-                    after=self.bf16_absmax,
-                    on="the inputs these ops read in this run",
-                )
+                trial = self._bf16_trial(lines)
             return text, message + why, self._range_cast_fix(at, checked, gradient=origin.phase == "backward"), trial
         if self.data_cast is not None and self.cast is not None:
             return text, message + why, *self._data_cast_fix(at, checked)
@@ -759,13 +763,7 @@ class Experiment:
                 f"{self.dtype}'s range ({_num(self.absmax_after)})"
             )
             if self.bf16 == "finite":  # bf16's range holds it: the one precision change that is a fix, checked
-                trial = Trial.checked(
-                    f"{_lines(self.chain)} in bf16",
-                    metric=f"{self.op}'s largest |value|",
-                    before=self.absmax_before,
-                    after=self.bf16_absmax,
-                    on="the inputs these ops read in this run",
-                )
+                trial = self._bf16_trial(lines)
         elif own:
             reduction = op_packet(origin.op) in _REDUCTIONS
             # the operands raised before the op: its result in fp32 of fp16 operands is the same overflow

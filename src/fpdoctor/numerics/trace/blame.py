@@ -833,7 +833,11 @@ class Analysis:
                         break
         if not zeroing:
             return []
-        # Which zeroing ops each record's values derive from, forward through the inputs.
+        reached = self._reached_from(set(zeroing))
+        return [(zeroing[z], self.records[z], reached[z]) for z in sorted(reached)]
+
+    def _reached_from(self, zeroing: set[int]) -> dict[int, list[str]]:
+        """The sinks each of the `zeroing` records' values reach, forward through the inputs."""
         derived: dict[int, frozenset[int]] = {}
         for r in self.records:
             behind: frozenset[int] = frozenset({r.index}) if r.index in zeroing else frozenset()
@@ -847,7 +851,7 @@ class Analysis:
             for z in sorted(derived.get(index, ())) if kind == "op" else ():
                 if description not in reached[z] and len(reached[z]) < 8:
                     reached[z].append(description)
-        return [(zeroing[z], self.records[z], reached[z]) for z in sorted(reached)]
+        return reached
 
     def zeroed_leaves(self) -> list[tuple[Leaf, Record, list[str]]]:
         """(a one-value tensor no traced op made, holding +Inf in float16, the division by it, the sinks
@@ -867,19 +871,7 @@ class Analysis:
                 if one and leaf.kind == "+inf" and leaf.dtype == "torch.float16" and leaf.name == "input":
                     zeroing[r.index] = leaf
                     break
-        derived: dict[int, frozenset[int]] = {}
-        for r in self.records:
-            behind: frozenset[int] = frozenset({r.index}) if r.index in zeroing else frozenset()
-            for kind, i in r.inputs:
-                if kind == "op" and i in derived:
-                    behind |= derived[i]
-            if behind:
-                derived[r.index] = behind
-        reached: dict[int, list[str]] = defaultdict(list)
-        for kind, index, description in self.tracer.sinks:
-            for z in sorted(derived.get(index, ())) if kind == "op" else ():
-                if description not in reached[z] and len(reached[z]) < 8:
-                    reached[z].append(description)
+        reached = self._reached_from(set(zeroing)) if zeroing else {}
         return [(zeroing[z], self.records[z], reached[z]) for z in sorted(reached)]
 
     def _zeroed_leaf_finding(self, leaf: Leaf, zeroer: Record, reaches: list[str]) -> Finding:
