@@ -1995,8 +1995,13 @@ class _Comparison:
             if len(alone) == 1:
                 ((line, (kind, after)),) = alone.items()
                 pairs = {line: kind}
-            elif alone:  # several, each enough: all of them, as the run with all ran
+            elif alone and len(alone) < len(pairs):  # several, each enough: those, their figure from one run
                 pairs = {line: kind for line, (kind, _) in alone.items()}
+                some = stable_forms.Composed(only=set(pairs))
+                with some:
+                    _, got = self._against_truth(self._root_output(self.cand_run, self.run_inputs, self.cand_dtype))
+                if got is not None and math.isfinite(got):
+                    after = got
         dtype = str(self.cand_dtype).removeprefix("torch.")
         names, fix = stable_forms.composed_text(pairs, dtype)
         lines = " and ".join(pairs)
