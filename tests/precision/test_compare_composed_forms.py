@@ -127,3 +127,18 @@ def test_a_pair_is_rewritten_only_where_its_stable_form_computes_the_same_thing(
     # and the forms themselves: the same values where no precision is lost
     out, lines = run(lambda: 1 - torch.exp(-x.abs()))
     assert lines and torch.allclose(out, 1 - torch.exp(-x.abs()), atol=1e-6)
+
+
+class MarginalPlus(Marginal):
+    """The same, plus a term whose log of 1 + x loses nothing here: only the determinant's pair is the cause."""
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return super().forward(y) + torch.log(1 + y.abs().mean(0))
+
+
+def test_only_the_pair_that_makes_the_error_is_named():
+    y = torch.randn(240, 4, generator=torch.Generator().manual_seed(2))
+    first = fpdoctor.compare(MarginalPlus(), y, candidate="fp32", reference="fp64").report.findings[0]
+    assert first.evidence.get("kind") == "stable-form", first
+    assert list(first.evidence["pairs"].values()) == ["logdet"], first.evidence
+    assert "the log of 1 + x" not in first.title, first.title
