@@ -290,8 +290,7 @@ def finding(
     else:  # the scores are the model's own ops' (no submodule makes them): no module to keep
         fix = (
             "Compute the model's own ops that make the scores in fp32 (their operands .float(), the scores cast "
-            "back after them), from the line the findings above name: no module of the model makes them, so none "
-            "can be kept in fp32 in their place."
+            "back after them): no module of the model makes them, so none can be kept in fp32 in their place."
         )
         trial = Trial.untried("the scores are made by the model's own ops, in no module a run could keep in fp32")
     return catalog.make(
