@@ -412,13 +412,7 @@ class Experiment:
         """The origin's fix as it was checked: the chain re-run in the fix's precision."""
         lines = _lines(self.chain)
         if self.checked_in:
-            return Trial.checked(
-                f"{lines} in {self.checked_in}",
-                metric=f"{self.op}'s largest |value|",
-                before=self.absmax_before,
-                after=self.absmax_after,
-                on="the inputs these ops read in this run",
-            )
+            return self._largest_trial(lines, self.checked_in, self.absmax_after)
         return Trial.checked(
             f"{lines} in fp64",
             metric=f"{self.op}'s output",
@@ -565,13 +559,13 @@ class Experiment:
             )
         return text, message, fix, trial
 
-    def _bf16_trial(self, lines: str) -> Trial:
-        """The ops at `lines` run in bf16, which kept the op's result finite: checked on its largest value."""
+    def _largest_trial(self, lines: str, precision: str, after: float | None) -> Trial:
+        """The ops at `lines` re-run in `precision`: checked on the op's largest value, `after` that run's."""
         return Trial.checked(
-            f"{lines} in bf16",
+            f"{lines} in {precision}",
             metric=f"{self.op}'s largest |value|",
             before=self.absmax_before,
-            after=self.bf16_absmax,
+            after=after,
             on="the inputs these ops read in this run",
         )
 
@@ -725,7 +719,7 @@ class Experiment:
             return text, message + why, fix, trial
         if self.cast is not None and (origin.phase == "backward" or self.autocast_cast) and "exceed" in self.cast:
             if self.bf16 == "finite":
-                trial = self._bf16_trial(lines)
+                trial = self._largest_trial(lines, "bf16", self.bf16_absmax)
             return text, message + why, self._range_cast_fix(at, checked, gradient=origin.phase == "backward"), trial
         if self.data_cast is not None and self.cast is not None:
             return text, message + why, *self._data_cast_fix(at, checked)
@@ -763,7 +757,7 @@ class Experiment:
                 f"{self.dtype}'s range ({_num(self.absmax_after)})"
             )
             if self.bf16 == "finite":  # bf16's range holds it: the one precision change that is a fix, checked
-                trial = self._bf16_trial(lines)
+                trial = self._largest_trial(lines, "bf16", self.bf16_absmax)
         elif own:
             reduction = op_packet(origin.op) in _REDUCTIONS
             # the operands raised before the op: its result in fp32 of fp16 operands is the same overflow

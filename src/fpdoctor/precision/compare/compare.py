@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import linecache
 import math
 import os
@@ -2198,9 +2199,13 @@ class _Comparison:
 
     def _calls_module(self, file: str, number: int) -> bool:
         """Whether the source line calls one of the model's modules by its attribute (self.mlp(x), block.mlp(x))."""
-        names = {name.rpartition(".")[2] for name in self.truth_modules if name}
         code = linecache.getline(file, number)
-        return any(m.group(1) in names for m in re.finditer(r"\.(\w+)\s*\(", code))
+        return any(m.group(1) in self._attributes for m in re.finditer(r"\.(\w+)\s*\(", code))
+
+    @functools.cached_property
+    def _attributes(self) -> set[str]:
+        """The attribute names the model's modules are called by (the last part of each name)."""
+        return {name.rpartition(".")[2] for name in self.truth_modules if name}
 
     def _container(self, attribute: str) -> bool:
         """Whether the model's module of that attribute name (the first such) holds submodules."""
@@ -2210,11 +2215,10 @@ class _Comparison:
     def _called_modules(self, lines: list[tuple[str, int]]) -> list[str]:
         """The attributes by which the source lines call the model's modules (self.rate_head(self.body(x)):
         rate_head, body), in order: a check that raised those lines ran them in fp32 whole."""
-        names = {name.rpartition(".")[2] for name in self.truth_modules if name}
         called: list[str] = []
         for file, number in lines:  # self.<attribute>(...): x.norm(...) is a tensor's method, not a module `norm`
             for m in re.finditer(r"\bself\.(\w+)\s*\(", linecache.getline(file, number)):
-                if m.group(1) in names and m.group(1) not in called:
+                if m.group(1) in self._attributes and m.group(1) not in called:
                     called.append(m.group(1))
         return called
 
