@@ -3,6 +3,7 @@ the dispatch mode watching every aten op (container_ops.OwnOps alone)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -30,13 +31,32 @@ class Loop(nn.Module):
         return self.head(torch.stack(outs, 1))
 
 
+class Shrinking(nn.Module):
+    """A running state whose rows drop to one after 40 tokens: the same call sites, new shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.head = nn.Linear(16, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        state = torch.zeros_like(h[:, 0])
+        outs = []
+        for t in range(h.shape[1]):
+            rows = 2 if t < 40 else 1
+            state = state[:rows] * 0.95 + h[:rows, t].softmax(-1)
+            outs.append(state.sum(0))
+        return self.head(torch.stack(outs, 0))
+
+
 def _figures(result: fpdoctor.CompareResult) -> list[tuple]:
     return [(r.module, r.call, r.propagated, r.isolated, r.floor, r.own) for r in result.rows]
 
 
-def test_the_function_level_watch_gives_the_dispatch_modes_figures(monkeypatch):
+@pytest.mark.parametrize("kind", [Loop, Shrinking])
+def test_the_function_level_watch_gives_the_dispatch_modes_figures(monkeypatch, kind):
     torch.manual_seed(0)
-    model, x = Loop().eval(), torch.randn(2, 300, 16)
+    model, x = kind().eval(), torch.randn(2, 300, 16)
     made = []
     monkeypatch.setattr(steps, "OwnCalls", lambda ops: made.append(own_calls.OwnCalls(ops)) or made[-1])
     watched = fpdoctor.compare(model, x, candidate="bf16")

@@ -187,6 +187,11 @@ def read_rerun(
 # update alone rounds once, so no isolated re-run sees what thousands of them lose together.
 CARRIED_STEPS = 16  # updates in one forward before a chain is called a running state
 CARRIED_TRIED = 3  # the longest chains, each tried by a run with that state raised
+# Visits of a line in a row that were all updates of a state, or none was, after which the line is
+# taken to go on so: its later visits are counted (or not) without the reads being tested. A loop
+# over 2048 tokens then tests its first few dozen steps, and each later call costs the raising
+# alone (benchmarks/README.md, the per-token loop).
+CARRIED_SETTLED = 32
 # Ops whose result is one of their inputs' values (or its sign flipped): a state updated only by
 # them (a running max, a mask carried along) holds its values exactly in any format, so raising it
 # cannot take an error away and is not tried.
@@ -232,6 +237,10 @@ class _Chains(TorchFunctionMode):
         self.owner: dict[int, tuple[Any, str]] = {}
         self.owned: dict[str, int] = {}
         self.fed: dict[str, str] = {}
+        # a line's visits in a row that were updates (True) or not, and how many; once CARRIED_SETTLED,
+        # the line is settled so (`settled`: line -> whether its visits are updates)
+        self.streak: dict[str, tuple[bool, int]] = {}
+        self.settled: dict[str, bool] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # written out, without helper calls or generators: this runs for every call of a long loop
@@ -250,6 +259,24 @@ class _Chains(TorchFunctionMode):
         if line is None:
             line = self._lines[user] = f"{user[0]}:{user[1]}"
         key = (id(func), line)
+        settled = self.settled.get(line)
+        if settled is not None and key in self.aten:  # a line settled (CARRIED_SETTLED): no reads tested
+            if raising is None or self._views.get(key, False):
+                out = func(*args, **(kwargs or {}))
+            else:
+                out = raising.call(func, args, kwargs or {}, site=line in self.raised_lines)
+            kind = type(out)
+            if kind is torch.Tensor:
+                floating = out.is_floating_point()
+            else:
+                floating = kind is tuple and any(type(t) is torch.Tensor and t.is_floating_point() for t in out)
+            if floating:
+                if line != self.line:
+                    self._visit(line)
+                if settled and not self.counted:
+                    self.steps[line] += 1
+                    self.counted = True
+            return out
         if key in self.aten:
             if raising is None:
                 out = func(*args, **(kwargs or {}))
@@ -273,10 +300,8 @@ class _Chains(TorchFunctionMode):
             out = next((t for t in out if type(t) is torch.Tensor), None) if isinstance(out, tuple) else None
         if out is None or not out.is_floating_point():
             return result
-        if line != self.line:  # a visit of the line before ends: what it made last is its state
-            if self.line is not None:
-                self.previous[self.line] = self.out
-            self.line, self.counted = line, False
+        if line != self.line:
+            self._visit(line)
         ref = self.last.get(key)
         held = ref() if ref is not None else None
         reads = held is not None and _holds(args, held)
@@ -320,6 +345,22 @@ class _Chains(TorchFunctionMode):
             self.owner[id(out)] = (self.out, line)
             self.owned[line] = id(out)
         return result
+
+    def _visit(self, line: str) -> None:
+        """A visit of `line` begins, so the visit of the line before ends: what it made last is its
+        state, and whether that visit was an update moves its streak on."""
+        left = self.line
+        if left is not None and left not in self.settled:
+            self.previous[left] = self.out
+            counted = self.counted
+            streak = self.streak.get(left)
+            n = streak[1] + 1 if streak is not None and streak[0] is counted else 1
+            if n >= CARRIED_SETTLED:
+                self.settled[left] = counted
+                del self.streak[left]
+            else:
+                self.streak[left] = (counted, n)
+        self.line, self.counted = line, False
 
     def ops(self, line: str) -> list[Any]:
         """The aten ops the line's calls ran that compute (views left out), each once, in order."""
