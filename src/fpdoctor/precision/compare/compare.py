@@ -1625,15 +1625,24 @@ class _Comparison:
             final = rows[-1]
 
             outputs: list[torch.Tensor] = []  # the checked run's output, for what it decides
+            entry = self.seen[(row.module, row.call)]
+            mine: list[float] = []  # the divergent module's own output error in the checked run
+
+            def each(name: str, index: int, output: Any) -> None:
+                if name == row.module and index == row.call:
+                    sample = device_sample(output)
+                    if sample is not None and sample.numel() == entry.truth.numel():
+                        mine.append(rel_error(sample.to(entry.truth.device), entry.truth, entry.norm))
 
             def raised_with(
                 lines: list[tuple[str, int]], buffers: dict[str, torch.Tensor], given: bool = False
             ) -> float | None:
                 outputs.clear()
+                mine.clear()
                 return upstream.raised_error(
                     self.cand_run, self.run_inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,
                     rng=self.rng, device=self.cand_device, noise=self.noise, buffers=buffers, keep=outputs,
-                    inputs_as_given=given,
+                    inputs_as_given=given, each=each,
                 )  # fmt: skip
 
             # a rounded buffer alone first: when holding it in fp32 is the whole fix, the lines are not part of it
@@ -1721,6 +1730,11 @@ class _Comparison:
         return cause | {
             "lines": lines, "buffers": sorted(buffers), "parameters": learned, "raised_rel": raised,
             "error_rel": final.propagated, "floor_rel": final.floor,
+            # the module's own output in the run as printed, beside its error before and its floor: a fix
+            # that leaves the module within its floor is the fix, however much of the end-to-end error the
+            # rest of the model makes
+            "module": row.module, "module_rel": row.propagated, "module_floor_rel": row.floor,
+            "module_raised_rel": mine[-1] if raised is not None and (lines or buffers) and mine else None,
             # the modules those lines call, as the fix names them: a container's layers each, as the check ran them
             "called": [
                 f"`{m}`" + (" (each of its layers)" if self._container(m) else "") for m in self._called_modules(lines)

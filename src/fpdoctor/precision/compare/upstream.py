@@ -21,6 +21,7 @@ fp32. This module finds where they are made and tries it:
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,7 +191,7 @@ def raised_error(
     run: nn.Module, inputs: Any, dtype: torch.dtype, lines: list[tuple[str, int]], *, truth: torch.Tensor,
     norm: float, rng: RngState, device: torch.device | None, noise: ReplayNoise | None,
     buffers: dict[str, torch.Tensor] | None = None, keep: list[torch.Tensor] | None = None,
-    inputs_as_given: bool = False,
+    inputs_as_given: bool = False, each: Callable[[str, int, Any], None] | None = None,
 ) -> float | None:  # fmt: skip
     """The candidate's end-to-end error against the fp64 `truth` with the ops at `lines` in fp32 and
     `buffers` (name in the model -> the user's own values) held in fp32 as the user made them, read
@@ -198,7 +199,7 @@ def raised_error(
     None when the run fails or nothing was raised. `keep` gets the run's output (its first floating
     tensor), for what it decides. `inputs_as_given`: the inputs in fp32, not rounded to `dtype` first
     (the lines that read them compute in fp32 and cast back; an op elsewhere that reads them fails
-    the run)."""
+    the run). `each(name, index, output)` sees every module's output."""
     raised = RaisedLines(set(lines), dtype, wide_inputs=inputs_as_given)
     raised.held = {name.rpartition(".")[2] for name in buffers or {}}  # what a line reads them by (self.freqs)
     swapped = []
@@ -217,7 +218,7 @@ def raised_error(
     try:
         fed = torch.float32 if inputs_as_given else dtype  # what the inputs are cast to before the forward
         return error_under(raised, run, inputs, fed, truth=truth, norm=norm, rng=rng, device=device,
-                           noise=noise, keep=keep)  # fmt: skip
+                           noise=noise, keep=keep, each=each)  # fmt: skip
     finally:
         for owner, attr, original in swapped:
             setattr(owner, attr, original)
