@@ -135,6 +135,78 @@ def decisions(truth: torch.Tensor, candidate: torch.Tensor, fmt: str, source: st
     )  # fmt: skip
 
 
+# A masked output's kept sets change when this share of what a row keeps moves in or out, on average.
+KEPT_MOVED = 0.01
+# An entry of decided scores at or below this is masked: -inf in logits a filter masked, log 0 of a
+# probability a filter zeroed (compare takes the log of a distribution, clamped at 1e-300: -690).
+MASKED = -600.0
+
+
+@dataclass
+class Kept:
+    """The entries a masked output keeps (a top-p or top-k filter's distribution, logits set to -inf
+    outside the allowed tokens), against the referee's: each row's kept set is a decision of which
+    entries may be chosen at all."""
+
+    rows: int
+    changed: float  # share of rows whose kept set differs from the referee's
+    floor: float  # the same for the referee rounded to the candidate's format
+    more: float  # entries the candidate keeps beyond the referee's, per row (negative: fewer)
+    flips: float  # entries kept by one and masked by the other, per row
+    kept: float  # entries the referee keeps, per row
+
+    @property
+    def differs(self) -> bool:
+        """The candidate changes the kept sets far beyond what rounding its output does (as top-1), by
+        KEPT_MOVED of what each row keeps at least: a nucleus of 14,000 tokens that gains 26 of the
+        smallest is the same sampler."""
+        floor = max(self.floor, 1.0 / self.rows)
+        more = self.changed >= floor + DECISION_MORE and self.changed * self.rows >= DECISION_MORE_ROWS
+        rows = self.changed >= DECISION_SHARE and (self.changed >= DECISION_RATIO * floor or more)
+        return rows and self.flips >= KEPT_MOVED * self.kept
+
+    def text(self) -> str:
+        side = "more" if self.more >= 0 else "fewer"
+        return (
+            f"the entries it keeps (the rest masked: 0 or -inf) differ from fp64's in {pct(self.changed)} of "
+            f"{self.rows} rows (rounding the exact output: {pct(self.floor)}): of the {self.kept:.1f} fp64 keeps per "
+            f"row on average, {self.flips:.1f} kept by one and not the other "
+            f"({pct(self.flips / max(self.kept, 1.0))}), "
+            f"{abs(self.more):.1f} {side} kept"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def kept(truth: torch.Tensor, candidate: torch.Tensor, rounded: torch.Tensor) -> Kept | None:
+    """The kept sets of decided scores (`truth`, the candidate's, and the referee rounded to the
+    candidate's format, each as compare decides them: log-probabilities or logits) where the referee
+    masks entries in some rows and keeps several in most; None for an output that masks nothing."""
+    rows = _as_rows(truth, candidate)
+    floor = _as_rows(truth, rounded)
+    if rows is None or floor is None:
+        return None
+    ref, cand = rows
+    masked = ref <= MASKED
+    kept_ref = (~masked).sum(-1)
+    # a filter's output: entries masked in most rows, and more than one kept (an argmax's one-hot is a top-1)
+    if (
+        not bool(masked.any())
+        or float((kept_ref > 1).double().mean()) < 0.5
+        or float(masked.any(-1).double().mean()) < 0.5
+    ):
+        return None
+    flips = masked != (cand <= MASKED)
+    floor_flips = masked != (floor[1] <= MASKED)
+    return Kept(
+        rows=ref.shape[0], changed=float(flips.any(-1).double().mean()),
+        floor=float(floor_flips.any(-1).double().mean()),
+        more=float(((cand > MASKED).sum(-1) - kept_ref).double().mean()), flips=float(flips.sum(-1).double().mean()),
+        kept=float(kept_ref.double().mean()),
+    )  # fmt: skip
+
+
 def id_decisions(truth: torch.Tensor, candidate: torch.Tensor, reference: float, source: str) -> Decisions | None:
     """Decisions of an output of ids (integers): the share of ids equal to the referee's `truth`, the
     reference model's share beside it (`reference`); None where the shapes differ."""

@@ -96,7 +96,8 @@ from fpdoctor.precision.compare.passes import (
     rerun_figures,
 )
 from fpdoctor.precision.compare.transformed import Transform, compare_transformed
-from fpdoctor.precision.decide import id_decisions, ids_agree, rounding_floor
+from fpdoctor.precision.decide import Kept, id_decisions, ids_agree, rounding_floor
+from fpdoctor.precision.decide import kept as kept_sets
 from fpdoctor.precision.fit import candidate_format, misfits
 from fpdoctor.precision.fit import describe as describe_misfit
 from fpdoctor.precision.inputs import describe, input_sets
@@ -742,6 +743,12 @@ class _Comparison:
             self.logits = self.logits or use.class_table_source(name, module, first)
             if self.logits is not None and not torch.allclose(ours, theirs, rtol=1e-6, atol=0.0):
                 self.logits += ", scaled by a constant after it"
+        elif _distribution(first) and self._softmax_of(first, name, made) is None:
+            # the model's own ops made a distribution after its last leaf, not its softmax (a sampler's filtered,
+            # renormalised probabilities): judged as a softmax's are, by their logs
+            rows = first.numel() // first.shape[-1]
+            self.logits = f"probabilities over {first.shape[-1]} classes ({rows} rows, each summing to 1)"
+            self.softmaxed = True
         else:  # the model's own ops made it after its last leaf: scores against a table of its own, one
             # a module made, or one it was given (a memory bank of a kNN passed as an input)
             given = {t.shape[0]: (use.GIVEN, tuple(t.shape)) for t in floating(self.inputs) if t.dim() == 2}
@@ -1478,18 +1485,23 @@ class _Comparison:
         fed = not any(r.diverged for r in rows) and (
             bool(self.unmatched) or any(_fed_otherwise(r, self.seen[(r.module, r.call)]) for r in rows)
         )
-        if _unexplained(rows) is None and not fed:
+        # or where the entries a masked output keeps (a sampler's top-p set) differ: a comparison decided them,
+        # row by row (a few of each row's values: the rows count)
+        sets = self._kept_sets()
+        by_rows = sets is not None and sets.differs
+        if _unexplained(rows) is None and not fed and not by_rows:
             return None
         if self.cand_dtype not in (torch.float16, torch.bfloat16):
             return None
         try:
             truth = self._picks(self.truth_run, torch.float64).picks
-            if selections.first_changed(self._picks(self.cand_run, self.cand_dtype).picks, truth, None) is None:
+            cand = self._picks(self.cand_run, self.cand_dtype).picks
+            if selections.first_changed(cand, truth, None, by_rows=by_rows) is None:
                 return None
             # one changed: the floor model's picks, and the candidate's again with the lines that made each
             floor = self._picks(self.ref_run, self.ref_dtype).picks if self.ref_run is not None else None
             made = self._picks(self.cand_run, self.cand_dtype, upstream=True, device=self.cand_device)
-            found = selections.first_changed(made.picks, truth, floor)
+            found = selections.first_changed(made.picks, truth, floor, by_rows=by_rows)
             if found is None:
                 return None
             key, changed = found
@@ -2446,6 +2458,17 @@ class _Comparison:
         return {"lines": [line[1], line[1] + more], "file": line[0], "before": error, "after": after}
 
     # -- the output judged by what it decides (use.py) ---------------------------------------------
+    def _kept_sets(self) -> Kept | None:
+        """What the candidate does to the entries a masked output keeps (decide.kept: a sampler's
+        filter), against rounding the exact output to its format; None where the output masks none."""
+        if self.root_truth is None or self.root_cand is None or self.ids or self.binary:
+            return None
+        truth = self.root_truth
+        rounded = (
+            self._decided(round_to(truth.exp(), self.candidate)) if self.softmaxed else round_to(truth, self.candidate)
+        )
+        return kept_sets(truth, self.root_cand, rounded)
+
     def _judge_decisions(self, result: CompareResult, rows: list[ModuleRow]) -> None:
         """Top-1, top-5 and KL of an output of logits beside their floor, in the summary and the
         JSON; a finding when the candidate changes the decisions, with the module kept in fp32
@@ -2456,6 +2479,13 @@ class _Comparison:
         if self.ids:
             self._judge_ids(result, rows)
             return
+        sets = self._kept_sets()
+        if sets is not None:
+            result.report.data["kept"] = sets.to_dict()
+            _beside_error(result.report.data["summary"], ("kept entries (" + self.logits + ")", sets.text()))
+            selected = any(f.name == "selection-changed" for f in result.report.findings)
+            if sets.differs and not selected:  # a selection found and checked is their cause: it speaks for them
+                result.report.findings.append(use.kept_finding(sets, self.label, inputs=self.inputs))
         found = use.decisions(self.root_truth, self.root_cand, floor_format, self.logits)
         if found is None:
             return
@@ -2822,6 +2852,14 @@ def _quantized(model: nn.Module) -> tuple[str, str] | None:
         if where.startswith(("torch.ao.nn.quantized", "torch.nn.quantized", "torch.ao.nn.intrinsic.quantized")):
             return name, f"{where}.{type(module).__name__}"
     return None
+
+
+def _distribution(t: torch.Tensor) -> bool:
+    """Whether an output is probabilities over its last dim: none below 0, each row summing to 1."""
+    if t.dim() < 2 or t.shape[-1] < 2 or t.numel() == 0:
+        return False
+    sums = t.double().sum(-1)
+    return not bool((t < 0).any()) and torch.allclose(sums, torch.ones_like(sums), atol=1e-3)
 
 
 def _unexplained(rows: list[ModuleRow], conditioning: bool = True) -> float | None:

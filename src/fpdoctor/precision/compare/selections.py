@@ -96,6 +96,7 @@ class Pick:
     location: str  # file:line
     rows: torch.Tensor  # int64 [rows, picks]
     upstream: tuple[str, ...]  # the lines that made what it ranks, nearest first
+    width: int = 1  # a comparison's: its output's last dim, its values a row each in `rows`
 
 
 class Picks(EagerDispatchMode):
@@ -149,7 +150,10 @@ class Picks(EagerDispatchMode):
             n = self._calls.get(key, 0)
             self._calls[key] = n + 1
             made = self._made.get(source) if self._made is not None else None
-            self.picks[(key[0], key[1], n)] = Pick(key[1], line, _rows(out, args, kwargs, spec), tuple(made or ()))
+            width = out.shape[-1] if spec[1] is None and isinstance(out, torch.Tensor) and out.dim() >= 2 else 1
+            self.picks[(key[0], key[1], n)] = Pick(
+                key[1], line, _rows(out, args, kwargs, spec), tuple(made or ()), width
+            )
         return out
 
     def _lines(self, line: str, args: Any) -> tuple[str, ...]:
@@ -201,14 +205,21 @@ def _rows(out: Any, args: Any, kwargs: dict[str, Any], spec: tuple[int | None, i
     return rows.sort(-1).values if as_set else rows.clone()
 
 
-def share_changed(picks: dict[Key, Pick], truth: dict[Key, Pick], key: Any) -> tuple[int, int] | None:
+def share_changed(
+    picks: dict[Key, Pick], truth: dict[Key, Pick], key: Any, *, by_rows: bool = False
+) -> tuple[int, int] | None:
     """(rows changed, rows) of the selection `key` against the fp64 run's; None where it has no
-    counterpart of the same shape."""
+    counterpart of the same shape. `by_rows`: a comparison whose output's last dim is a row (a
+    sampler's mask over the vocabulary) is counted as (values decided otherwise, rows): a few of each
+    row's thousands of values move the row's set."""
     got, ref = picks.get(key), truth.get(key)
     if got is None or ref is None or got.rows.shape != ref.rows.shape:
         return None
-    changed = int((got.rows.to(ref.rows.device) != ref.rows).any(-1).sum())
-    return changed, ref.rows.shape[0]
+    mine, theirs = got.rows.to(ref.rows.device), ref.rows
+    if by_rows and got.op in COMPARING and got.width > 1:
+        return int((mine != theirs).sum()), theirs.numel() // got.width
+    changed = int((mine != theirs).any(-1).sum())
+    return changed, theirs.shape[0]
 
 
 def picks_changed(got: Pick, ref: Pick) -> int | None:
@@ -239,6 +250,8 @@ class Changed:
     given: bool = False  # the lines were checked on the inputs as given, not rounded by the cast first
     partial: bool = False  # the lines give back most of the rows (PARTIAL_FALLS), not all
     modules: dict[str, list[tuple[str, torch.nn.Module]]] | None = None  # line -> the modules it calls (Picks)
+    by_rows: bool = False  # a comparison counted as values per row of its last dim (share_changed): `changed`
+    # is then the values decided otherwise, `share` and `floor` per row
 
     @property
     def share(self) -> float:
@@ -247,22 +260,22 @@ class Changed:
 
 def first_changed(
     cand: dict[Key, Pick], truth: dict[Key, Pick],
-    floor: dict[Key, Pick] | None,
+    floor: dict[Key, Pick] | None, *, by_rows: bool = False,
 ) -> tuple[Key, Changed] | None:  # fmt: skip
     """The candidate's first selection (in its forward's order) that changes DECISION_SHARE of its
-    rows, two at least, and CHANGED_RATIO times the floor model's share."""
+    rows, two at least, and CHANGED_RATIO times the floor model's share (`by_rows`: share_changed's)."""
     for key, pick in cand.items():
-        got = share_changed(cand, truth, key)
+        got = share_changed(cand, truth, key, by_rows=by_rows)
         if got is None:
             continue
         changed, rows = got
-        base = share_changed(floor, truth, key) if floor is not None else (0, rows)
+        base = share_changed(floor, truth, key, by_rows=by_rows) if floor is not None else (0, rows)
         floor_share = (base[0] / max(base[1], 1)) if base is not None else 0.0
         share = changed / max(rows, 1)
         if changed >= 2 and share >= DECISION_SHARE and share >= CHANGED_RATIO * max(floor_share, 1.0 / rows):
             ref = truth[key]
             picks = picks_changed(pick, ref) if pick.op == "topk" else None
-            return key, Changed(pick, changed, rows, floor_share, picks, ref.rows.numel())
+            return key, Changed(pick, changed, rows, floor_share, picks, ref.rows.numel(), by_rows=by_rows)
     return None
 
 
@@ -285,12 +298,14 @@ def checked(key: Key, found: Changed, truth: dict[Key, Pick], check: Check, *, r
         for n in range(1, len(places) + 1):
             lines = places[:n]
             error, picks = check(set(lines), given)
-            got = share_changed(picks, truth, key)
+            got = share_changed(picks, truth, key, by_rows=found.by_rows)
             if not given:
                 found.tried.append((n, None if got is None else got[0]))
             if got is None or error is None or not math.isfinite(error):
                 continue
-            if got[0] * RAISED_FALLS <= found.changed and error * ERROR_FALLS <= found.error_before:
+            # a masked output's kept sets (by_rows) are what is judged, not the end-to-end error: the rest of a
+            # bf16 LM before its sampler's filter keeps its own
+            if got[0] * RAISED_FALLS <= found.changed and (found.by_rows or error * ERROR_FALLS <= found.error_before):
                 found.lines, found.changed_after, found.error_after, found.given = lines, got[0], error, given
                 return
             # some rows left: all given back without the error falling is a selection that does not make it
@@ -322,9 +337,16 @@ def _in_fp32(name: str, module: torch.nn.Module, code: str) -> str:
             else f"F.linear on fp32 copies of {attr}'s weights"
         )
         return held + (f" instead of {attr}({arg})" if call else "")
-    if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):  # its input is indices: never cast
+    if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) or _reads_indices(module):
+        # its input is indices (token ids an LM embeds first): never cast
         return f"keep it in fp32 ({attr}.float() after the cast to the model's dtype), called on {arg} as it is"
     return f"keep it in fp32 ({attr}.float() after the cast to the model's dtype) and call it on {arg}.float()"
+
+
+def _reads_indices(module: torch.nn.Module) -> bool:
+    """Whether a module's first op is a lookup: its first submodule (in order) an embedding."""
+    first = next((m for m in module.modules() if m is not module and not list(m.children())), None)
+    return isinstance(first, (torch.nn.Embedding, torch.nn.EmbeddingBag))
 
 
 def _call_in(code: str, last: str) -> tuple[str, str] | None:
@@ -359,10 +381,19 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
     code = code[: code.index("  #")].rstrip() if "  #" in code else code
     written = f" (`{code}`)" if code else ""
     picked = f", {found.picks} of its {found.of} picks" if found.picks is not None and found.of > found.rows else ""
-    share = f"({pct(found.share)}{picked}; {reference}: {pct(found.floor)})"
+    share = (
+        f"({found.share:.1f} a row; {reference}: {found.floor:.1f})"
+        if found.by_rows
+        else f"({pct(found.share)}{picked}; {reference}: {pct(found.floor)})"
+    )
     fixed = found.lines is not None and found.error_after is not None
+    unit_of = "values" if found.by_rows else "rows"
     cause = (
-        f"With the picks given back in {found.changed - (found.changed_after or 0)} of those {found.changed} rows "
+        f"Computed as the fix below says, {found.changed_after} of them are decided otherwise (the rest is rounded "
+        f"further up); the end-to-end error goes from {found.error_before:.3g} to {found.error_after:.3g} (the values "
+        "that move are small: what is drawn or decided from the set is what changes)."
+        if fixed and found.by_rows else
+        f"With the picks given back in {found.changed - (found.changed_after or 0)} of those {found.changed} {unit_of} "
         f"(the fix below), the end-to-end error goes from {found.error_before:.3g} to {found.error_after:.3g}: the "
         "rows it picks otherwise make part of it."
         if fixed and found.partial else
@@ -381,9 +412,11 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
             f"another row of a table). {cause}"
         )
     elif pick.op in COMPARING:
+        counted = f"values over its {found.rows} rows" if found.by_rows else f"of {found.rows} values"
         message = (
             f"In {label}, `{pick.op}` at line {number} of {file}{written} decides the other way than the fp64 run "
-            f"for {found.changed} of {found.rows} values {share}: the values it compares lie closer to what they are "
+            f"for {found.changed} {counted} "
+            f"{share}: the values it compares lie closer to what they are "
             f"compared with than {name}'s spacing, and what follows computes otherwise for them. {cause}"
         )
     else:
@@ -419,6 +452,7 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
         return catalog.make("selection-changed", message=message, fix=fix, where=where, evidence=evidence, trial=trial)
     lines = _lines_text(found.lines)
     after_share = found.changed_after / max(found.rows, 1)
+    shown = (lambda x: f"{x:.1f} a row") if found.by_rows else pct
     calls = [(n, name, module) for f, n in sorted(found.lines, key=lambda x: x[1])
              for name, module in (found.modules or {}).get(f"{f}:{n}", [])]  # fmt: skip
     modules = "".join(
@@ -436,19 +470,19 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
     fix = (
         f"{given}compute {lines} of {file} in fp32 (their operands .float(): the {scores} and {named(pick.op)} on fp32 "
         f"values{modules}) and cast what they produce back to {name} (.to(x.dtype){mask}); checked: {unit} "
-        f"{pct(found.share)} -> {pct(after_share)}, the end-to-end error {found.error_before:.3g} -> "
+        f"{shown(found.share)} -> {shown(after_share)}, the end-to-end error {found.error_before:.3g} -> "
         f"{found.error_after:.3g}"
         + ("; then `fpdoctor compare --inputs-as-given` checks the changed model fed its inputs as they are"
            if found.given else "")
-        + (f"; these lines do not give back the other {found.changed_after} rows (what they rank is rounded further "
-           "up: a norm, the model's inputs)" if found.partial else "")
+        + (f"; these lines do not give back the other {found.changed_after} {unit_of} (what they rank is rounded "
+           "further up: a norm, the model's inputs)" if found.partial else "")
     )  # fmt: skip
     trial = Trial.checked(
         ("the inputs fed in fp32, " if found.given else "")
         + f"the ops at {lines} of {file} in fp32, their results cast back to {name}",
         metric=f"{unit} by {named(pick.op)} than in fp64",
-        before=pct(found.share),
-        after=pct(after_share),
+        before=shown(found.share),
+        after=shown(after_share),
         on="the inputs given",
     )
     return catalog.make("selection-changed", message=message, fix=fix, where=where, evidence=evidence, trial=trial)

@@ -25,7 +25,17 @@ import torch
 from torch import nn
 
 from fpdoctor import catalog
-from fpdoctor.precision.decide import DECISION_RATIO, DECISION_SHARE, RECOVERED, TOP_K, Decisions, decisions, pct, top1
+from fpdoctor.precision.decide import (
+    DECISION_RATIO,
+    DECISION_SHARE,
+    RECOVERED,
+    TOP_K,
+    Decisions,
+    Kept,
+    decisions,
+    pct,
+    top1,
+)
 from fpdoctor.precision.inputs import describe
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.metrics import integral
@@ -165,6 +175,32 @@ def coarse_finding(
         where={"module": head if trial.tried else None, "op": None},
         evidence={"kind": "decisions", "decisions": found.to_dict(), "fp32_top1": fp32_top1},
         trial=trial,
+    )
+
+
+def kept_finding(sets: Kept, label: str, *, inputs: Any) -> Finding:
+    """`decisions-changed` for a masked output (a sampler's top-p or top-k distribution, logits set to
+    -inf outside the allowed tokens) whose kept sets the candidate changes, where no selection inside
+    the model was found to decide them otherwise (selections.py): what changed, and no fix claimed."""
+    message = (
+        f"In {label} {sets.text()}: what is sampled or decided from them changes, while every relative error "
+        "figure can look fine (the entries that move are small). No comparison or selection inside the model "
+        "(a cumulative sum against top_p, a top-k) was found that decides otherwise in the candidate, so no "
+        "line is named."
+    )
+    fix = (
+        "Compute the filter that masks the output (its sort, cumulative sum, threshold and top-k) in fp32 from "
+        "fp32 scores (.float() on the logits before it), and cast its result back where the rest reads it"
+    )
+    return catalog.make(
+        "decisions-changed",
+        message=message,
+        fix=fix,
+        where={"module": None, "op": None},
+        evidence={"kind": "kept", "kept": sets.to_dict(), "on": inputs_text(describe(inputs))},
+        trial=Trial.untried(
+            "no selection inside the model was found to change the kept entries, so no run put a fix in place"
+        ),
     )
 
 
