@@ -96,7 +96,7 @@ from fpdoctor.precision.compare.passes import (
     rerun_figures,
 )
 from fpdoctor.precision.compare.transformed import Transform, compare_transformed
-from fpdoctor.precision.decide import Kept, id_decisions, ids_agree, rounding_floor
+from fpdoctor.precision.decide import MASKED, Kept, id_decisions, ids_agree, rounding_floor
 from fpdoctor.precision.decide import kept as kept_sets
 from fpdoctor.precision.fit import candidate_format, misfits
 from fpdoctor.precision.fit import describe as describe_misfit
@@ -531,6 +531,7 @@ class _Comparison:
         self._keep_fix_outputs = False
         self.made_fix: tuple[Finding, torch.Tensor] | None = None  # NUM020/NUM021 and its checked run's output
         self.selection_fix: tuple[Finding, torch.Tensor] | None = None  # NUM022 and its checked run's output
+        self._kept: tuple[Kept | None] | None = None  # _kept_sets' answer, once the candidate pass ran
         # why the input floor is 0 without a forward (rounding the inputs changes nothing), where it is
         self.input_floor_note: str | None = None
         self.input_fix: tuple[dict[str, Any], torch.Tensor] | None = None  # input_cause's fix and its run's output
@@ -2464,10 +2465,16 @@ class _Comparison:
         if self.root_truth is None or self.root_cand is None or self.ids or self.binary:
             return None
         truth = self.root_truth
+        if self._kept is not None:
+            return self._kept[0]
+        if not bool((truth <= MASKED).any()):  # most outputs mask nothing: one pass, no rounded copy
+            self._kept = (None,)
+            return None
         rounded = (
             self._decided(round_to(truth.exp(), self.candidate)) if self.softmaxed else round_to(truth, self.candidate)
         )
-        return kept_sets(truth, self.root_cand, rounded)
+        self._kept = (kept_sets(truth, self.root_cand, rounded),)
+        return self._kept[0]
 
     def _judge_decisions(self, result: CompareResult, rows: list[ModuleRow]) -> None:
         """Top-1, top-5 and KL of an output of logits beside their floor, in the summary and the
