@@ -207,7 +207,7 @@ def test_watch_finds_bf16_weights_whose_updates_round_away_at_the_intended_stage
     reference = found.evidence["reference_step"]
     assert reference["stage"] == "intended" and reference["step"] == 1, found.message
     assert found.trial is not None and found.trial.tried and found.trial.after == 0, found.trial
-    assert "fp32 copies" in found.trial.changed and "The reference step says the same" in found.message
+    assert "fp32 copies" in found.trial.changed and "The reference step measures it" in found.message
     assert "master weights" in found.fix
 
 

@@ -35,7 +35,7 @@ def test_the_reference_steps_view_folds_into_the_mechanism_where_the_first_of_th
     merged = findings[1]
     assert merged.evidence["reference_step"]["departed_count"] == 3
     assert merged.evidence["occurrences"] == 2 and merged.evidence["steps"] == [1, 5]
-    assert "The reference step says the same" in merged.message and merged.trial is not None
+    assert "The reference step measures it" in merged.message and merged.trial is not None
 
 
 def test_the_folded_finding_is_as_severe_as_the_more_severe_of_the_two() -> None:

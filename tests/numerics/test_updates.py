@@ -593,3 +593,22 @@ def test_an_optimizer_whose_constructor_takes_no_groups_is_said_so_when_copied()
     w = torch.nn.Parameter(torch.ones(3))
     with pytest.raises(TypeError, match=r"Own\(param_groups\) raised AttributeError.*does not take parameter groups"):
         copy_optimizer(Own([w]), {id(w): w.detach().clone()})
+
+
+def test_a_what_if_too_short_to_tell_leaves_master_weights_first_and_untried_not_refuted():
+    """bf16 weights half of whose updates round away, a what-if whose 8 steps leave the loss 0.43% lower:
+    the run itself trained clearly worse than fp32 (fp32 masters closed the gap), so 8 steps on one batch
+    cannot refute them. The fix keeps them first, untried, and never says they did not help."""
+    from fpdoctor.numerics.updates.findings import rounded_away_finding
+    from fpdoctor.numerics.updates.measure import ParamUpdate, UpdateStats
+    from fpdoctor.numerics.updates.whatif import WhatIf
+
+    lost = ParamUpdate("body.2.weight", "bfloat16", 16384, 256, 250, 130, 0, 0, 1e-4, 5e-5, 0.03, 0.54)
+    stats = UpdateStats(step=31, optimizer="AdamW", params=[lost], hyper={"lr": 2.4e-4})
+    tried = WhatIf(steps=8, loss_as_is=0.1301, loss_fixed=0.1296, moved_as_is=0.51, moved_fixed=1.0, seconds=0.1)
+    assert tried.immaterial
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))], lr=2.4e-4)
+    found = rounded_away_finding(stats, [lost], tried, opt, here={})
+    assert found.fix.startswith("1. fp32 master weights"), found.fix
+    assert "did not help" not in found.fix and "not what limits" not in found.message, found.message
+    assert found.trial is not None and not found.trial.tried and "could not tell" in found.trial.reason

@@ -48,8 +48,9 @@ def _tried_text(tried: WhatIf | None, untried: str) -> tuple[str, dict[str, Any]
     if tried.immaterial:
         fall = (tried.loss_as_is - tried.loss_fixed) / abs(tried.loss_as_is) if tried.loss_as_is else 0.0
         return (
-            f" Tried: {text}, {fall:.2%} lower, within the batch's noise: the rounding is not what limits this "
-            "run over these steps.",
+            f" Tried: {text}, {fall:.2%} lower, within the batch's noise over {tried.steps} steps: too few to tell "
+            f"what {1 - tried.moved_as_is:.0%} of the weights standing still each step costs over a run (the "
+            "progress check and the reference step judge the run itself).",
             evidence,
         )
     return f" Tried, and it did not help here: {text}.", evidence
@@ -89,7 +90,8 @@ def rounded_away_finding(
         f"({stats.optimizer}, lr {stats.hyper.get('lr')}).{decay_text}{tried_text}"
     )
     helped = tried is not None and tried.helped
-    untried = tried is None or tried.error is not None
+    # a what-if too short to tell (the loss within the batch's noise) leaves the fix untried, not refuted
+    untried = tried is None or tried.error is not None or tried.immaterial
     master = (
         "fp32 master weights (+4 bytes per parameter, and the optimizer state in fp32), for your "
         f"{stats.optimizer}:\n{master_weights_code(optimizer)}"
@@ -115,6 +117,9 @@ def rounded_away_finding(
             if tried is None
             else f"the what-if run failed ({tried.error})"
             if tried.error is not None
+            else f"the what-if run's {tried.steps} steps could not tell (the loss within the batch's noise: see the "
+            "message)"
+            if tried.immaterial
             else "fp32 master weights were tried and did not help (see the message); the others are not tried"
         )
     )
