@@ -146,6 +146,28 @@ def test_a_stall_called_on_the_first_steps_is_withdrawn_once_the_optimizer_ran_m
     assert not stalled[-1], stalled  # steps 4-10 applied: no stall after all
 
 
+def test_stalls_of_one_cause_in_several_episodes_are_one_finding_that_counts_them():
+    """A run that stalls, recovers and stalls again three times for the same reason: one training-stalled
+    finding (a report of six alike buried the cause), its episodes counted, the steps each began at."""
+    model, opt = make()
+    guard = fpdoctor.Sentinel(model, opt)
+    x, y = data()[0]
+    level = {"k": 1.0}
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y) * level["k"]
+        loss.backward()
+        return loss
+
+    for i in range(90):
+        level["k"] = math.nan if i % 30 >= 15 else 1.0  # NaN on steps 16-30, 46-60, 76-90
+        guard.step(step, x, y)
+    stalls = guard.report.by_name("training-stalled")
+    assert len(stalls) == 1, [f.message for f in stalls]
+    assert stalls[0].evidence["episodes"] == 3 and "stalled so 3 times" in stalls[0].message, stalls[0].message
+
+
 def test_checkpoint_of_the_last_good_step(tmp_path):
     model, opt = make()
     path = tmp_path / "last-good.pt"

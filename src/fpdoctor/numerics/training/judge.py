@@ -229,6 +229,9 @@ class StepJudge:
         self.transients = transient.Experiments()  # a step that does not reproduce: its cause, by experiment
         self._stall: int | None = None  # the stalled episode's finding, by index, while it lasts
         self._stall_windowed = False  # that episode held over a whole window, not the first steps alone
+        # the stalled episodes told so far, each (its first skip, the fix it printed): a later episode of the
+        # same cause is the same finding, its episodes counted, not one finding per episode
+        self._episodes: list[tuple[int, str]] = []
         self._spike_at: tuple[int, tuple[Any, ...]] | None = None  # the last spike's step and its episode
         # the spike episode waiting for SPIKE_RECOVERY steps (its findings, whose evidence holds the
         # mean and spread before it) and the finite losses since its last step; then the spikes that
@@ -913,10 +916,26 @@ class StepJudge:
             climbing=self._climbing(first_skip) is not None and self._lr_trial is not None and self._lr_trial.separates,
         )
         if self._stall is None or self._stall >= len(self.findings):
-            self._stall = len(self.findings)
-            self.findings.append(finding)
-        else:
-            self.findings[self._stall] = finding
+            same = [first for first, fix in self._episodes if fix == finding.fix]
+            earlier = next(
+                (i for i, f in enumerate(self.findings) if f.name == "training-stalled" and f.fix == finding.fix), None
+            )
+            self._episodes.append((first_skip, finding.fix))
+            if same and earlier is not None:  # the cause stalled the run before: one finding, its episodes counted
+                self._stall = earlier
+            else:
+                self._stall = len(self.findings)
+                self.findings.append(finding)
+                return
+        same = [first for first, fix in self._episodes if fix == finding.fix]
+        if len(same) > 1:
+            finding = replace(
+                finding,
+                message=f"{finding.message} The run stalled so {len(same)} times, from steps "
+                f"{', '.join(str(s) for s in same[:8])}{', ...' if len(same) > 8 else ''}, each time with this cause.",
+                evidence={**finding.evidence, "episodes": len(same), "episode_steps": same[:20]},
+            )
+        self.findings[self._stall] = finding
 
     def _stall_start(self) -> int:
         """Where the stalled episode starts in the history: after the last run of finite steps."""
