@@ -140,6 +140,7 @@ KEPT_MOVED = 0.01
 # An entry of decided scores at or below this is masked: -inf in logits a filter masked, log 0 of a
 # probability a filter zeroed (compare takes the log of a distribution, clamped at 1e-300: -690).
 MASKED = -600.0
+MASKED_LOGIT = -1e4  # what compare decides a masked output's -inf logit as: below MASKED, exp() of it 0
 
 
 @dataclass

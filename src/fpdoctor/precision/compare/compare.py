@@ -89,14 +89,16 @@ from fpdoctor.precision.compare.passes import (
     error_under,
     hooked,
     input_rounding_error,
+    masked_truth,
     raised_error,
     read_rerun,
     record_noise,
     rerun,
     rerun_figures,
+    unmasked,
 )
 from fpdoctor.precision.compare.transformed import Transform, compare_transformed
-from fpdoctor.precision.decide import MASKED, Kept, id_decisions, ids_agree, rounding_floor
+from fpdoctor.precision.decide import MASKED, MASKED_LOGIT, Kept, id_decisions, ids_agree, rounding_floor
 from fpdoctor.precision.decide import kept as kept_sets
 from fpdoctor.precision.fit import candidate_format, misfits
 from fpdoctor.precision.fit import describe as describe_misfit
@@ -532,6 +534,7 @@ class _Comparison:
         self.made_fix: tuple[Finding, torch.Tensor] | None = None  # NUM020/NUM021 and its checked run's output
         self.selection_fix: tuple[Finding, torch.Tensor] | None = None  # NUM022 and its checked run's output
         self._kept: tuple[Kept | None] | None = None  # _kept_sets' answer, once the candidate pass ran
+        self.root_masked = False  # the fp64 output masks entries with -inf (passes.MASKS)
         # why the input floor is 0 without a forward (rounding the inputs changes nothing), where it is
         self.input_floor_note: str | None = None
         self.input_fix: tuple[dict[str, Any], torch.Tensor] | None = None  # input_cause's fix and its run's output
@@ -687,10 +690,15 @@ class _Comparison:
             if name == "" and self._last_leaf is not None:
                 self._keep_logits(output)  # no floating output: ids the model decided, if it returns them
             return
+        if name == "":  # a NaN the exact run makes (0 / 0 in any precision) is no precision's: one read a compare,
+            # with the -inf the output masks with (the entries no run is judged on: passes.MASKS)
+            counts = [torch.stack([torch.isnan(x).sum(), torch.isneginf(x).sum()]) for x in floating(output)]
+            found = torch.stack(counts).tolist() if counts else []
+            self._truth_nan = sum(nan for nan, _ in found)
+            self.root_masked = bool(found) and found[0][1] > 0 and not self._truth_nan
+            t = masked_truth(t) if self.root_masked else t
         entry = _Seen(t, 0.0, 0.0, name in self.leaves, sum(x.numel() for x in tensors_in(output)))
         entry.single = isinstance(output, torch.Tensor)
-        if name == "":  # a NaN the exact run makes (0 / 0 in any precision) is no precision's: one read a compare
-            self._truth_nan = sum(int(torch.isnan(x).sum()) for x in floating(output))
         norm = norm_later(t)  # computed and read with the pass's other figures at its end (metrics.Reads)
 
         def read(norm: float, rounded: float, entry: _Seen = entry) -> None:
@@ -856,6 +864,8 @@ class _Comparison:
         it is."""
         if self.softmaxed:
             return t.detach().double().clamp_min(1e-300).log()
+        if self.root_masked:  # logits masked with -inf: a finite logit no softmax keeps (exp(-1e4) is 0)
+            return torch.where(torch.isneginf(t), MASKED_LOGIT, t)
         if not self.binary:
             return t
         p = t.detach().double().reshape(-1).clamp(1e-12, 1 - 1e-12)
@@ -1066,6 +1076,13 @@ class _Comparison:
         position = self.noise.position if self.noise is not None else 0
         self._cand_inputs[(name, index)] = (args, kwargs, self._made_nonfinite, position)
 
+    def _shown(self, name: str, output: Any) -> Any:
+        """A call's output as its finiteness is judged: the model's own, where it masks with -inf, with
+        its -inf entries 0 (its NaN and +inf count)."""
+        if name or not self.root_masked:
+            return output
+        return map_tensors(output, lambda t: torch.where(torch.isneginf(t), 0.0, t) if t.is_floating_point() else t)
+
     def _cand_sample(self, name: str, index: int, output: Any) -> tuple[Any, Any, Any, torch.Tensor] | None:
         """A candidate call's fp64 entry, what its pre-hook kept (args, kwargs, ...), its (args,
         kwargs) and its output's sample on the entry's device; None for a call the fp64 pass did not
@@ -1077,6 +1094,8 @@ class _Comparison:
         entry = self.seen.get((name, index))
         kept = self._cand_inputs.pop((name, index), None)
         c = device_sample(output) if entry is not None else None
+        if c is not None and entry is not None and not name and self.root_masked:
+            c = unmasked(c, entry.truth)
         if entry is not None and c is not None and c.numel() != entry.truth.numel() and name:
             self.unmatched[name] = None
         if entry is None or c is None or c.numel() != entry.truth.numel():
@@ -1094,7 +1113,7 @@ class _Comparison:
         if found is None:
             return
         entry, _, call, c = found
-        biggest = largest(output)  # non-finite when a value is
+        biggest = largest(self._shown(name, output))  # non-finite when a value is
         if name == "" and self.root_truth is not None:
             first = next(floating(output), None)
             self.root_cand = self._decided(first.detach().clone()) if first is not None else None
@@ -1130,7 +1149,7 @@ class _Comparison:
         if found is None:
             return
         entry, kept, call, c = found
-        finite = all_finite(output)
+        finite = all_finite(self._shown(name, output))
         if name == "" and self.root_truth is not None:
             first = next(floating(output), None)
             self.root_cand = self._decided(first.detach().clone()) if first is not None else None
@@ -1143,7 +1162,7 @@ class _Comparison:
         entry.propagated = rel_error(c, entry.truth, entry.norm) if finite else math.inf
         entry.cosine = cosine(c, entry.truth, entry.norm) if finite else None
         if not finite:
-            entry.nonfinite = sum(int((~torch.isfinite(x)).sum()) for x in floating(output))
+            entry.nonfinite = sum(int((~torch.isfinite(x)).sum()) for x in floating(self._shown(name, output)))
             if entry.leaf:  # for the jump test: did the non-finite values come in, or start here?
                 entry.candidate_inputs = 0.0 if all_finite(args) else math.inf
             if kept is not None and all_finite(call):
@@ -1879,8 +1898,11 @@ class _Comparison:
                         else "decides otherwise for {} of its values" if ev["op"] in selections.COMPARING
                         else "picks otherwise in {} of its rows"
                     )  # fmt: skip
+                    if ev.get("by_rows"):  # values per row of a mask over a vocabulary
+                        share, what = f"{ev['share_changed']:.1f}", "decides otherwise for {} values a row"
                     said = f"none by itself: {selections.named(ev['op'])} at line {where} {what.format(share)}"
-                    summary[i] = (label, said + ", which make the error")
+                    moved = ", which move the entries it keeps" if ev.get("by_rows") else ", which make the error"
+                    summary[i] = (label, said + moved)
         if self.cand_failed is not None:  # a model that cannot run in the candidate is never OK
             result.report.findings.insert(0, nonfinite.failed(self.cand_failed, label=self.label, candidate=candidate))
         result.overflows = {name: found for (name, _), found in overflows.items()}

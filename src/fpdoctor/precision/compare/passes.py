@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fpdoctor.numerics.engine.raising import RaisedLines, RaisedSites, SaturatedCasts
+from fpdoctor.numerics.engine.raising import ByTensor, RaisedLines, RaisedSites, SaturatedCasts
 from fpdoctor.precision.candidates import cast_inputs, map_tensors, split_inputs
 from fpdoctor.precision.compare.noise import RecordNoise, ReplayNoise
 from fpdoctor.precision.compare.own_calls import GETITEM, basic_index
@@ -124,7 +124,32 @@ def input_rounding_error(
         keep.append(first.detach())
     if out is None or out.numel() != truth.numel():
         return None
-    return rel_error(out, truth, norm)
+    return rel_error(unmasked(out, truth), truth, norm)
+
+
+# A model whose output masks entries with -inf (logits a filter set to -inf outside the allowed tokens):
+# the fp64 output's sample is kept with 0 at those entries, its mask registered here by the sample, and
+# every run's sample is read against it as `unmasked` gives it: the masked entries agree, and an entry
+# one run masks and the other keeps adds nothing (the kept sets are judged on their own, decide.kept).
+MASKS = ByTensor()
+
+
+def masked_truth(sample: torch.Tensor) -> torch.Tensor:
+    """The fp64 output's sample with its -inf entries 0, the mask registered (MASKS)."""
+    mask = torch.isneginf(sample)
+    truth = torch.where(mask, 0.0, sample)
+    MASKS.put(truth, mask)
+    return truth
+
+
+def unmasked(sample: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
+    """A run's output sample as it is read against `truth`: where the truth's is a masked output's,
+    its masked entries and the run's own -inf entries take the truth's values; else as it is."""
+    mask = MASKS.get(truth)
+    if mask is None or sample.shape != truth.shape:
+        return sample
+    sample = sample.to(truth.device)
+    return torch.where(mask | torch.isneginf(sample), truth, sample)
 
 
 def record_noise(run: nn.Module, inputs: Any, rng: RngState) -> list[torch.Tensor]:
@@ -512,6 +537,7 @@ def _root_error(got: list[torch.Tensor | None], truth: torch.Tensor, norm: float
     out = got[-1] if got else None
     if not raised or out is None or out.numel() != truth.numel():
         return None
+    out = unmasked(out, truth)
     return rel_error(out, truth, norm) if bool(torch.isfinite(out).all()) else math.inf
 
 

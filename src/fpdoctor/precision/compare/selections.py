@@ -437,6 +437,7 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
     evidence: dict[str, Any] = {
         "location": pick.location, "op": pick.op, "rows": found.rows, "rows_changed": found.changed,
         "share_changed": found.share, "floor_share": found.floor, "picks_changed": found.picks,
+        **({"by_rows": True} if found.by_rows else {}),
         "upstream_lines": list(pick.upstream),
         "error_before": found.error_before,
     }  # fmt: skip
