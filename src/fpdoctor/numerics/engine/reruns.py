@@ -210,6 +210,9 @@ class Experiment:
     guard: tuple[float, float] | None = None
     # a division non-finite in fp64 too, re-run with its denominator + eps: eps, max |x| (_try_divisor)
     divisor_guard: tuple[float, float] | None = None
+    # the backward of a log of a softmax's (or sigmoid's) values: its stable form, the lines it replaces, what the
+    # log's backward reached and the most the stable form's hands back on this step's values (_log_of_probs)
+    log_form: tuple[str, str, list[Record], float] | None = None
 
     def evidence(self) -> dict[str, Any]:
         """`evidence.experiment`: what was re-run, in which precision, with which result."""
@@ -486,6 +489,8 @@ class Experiment:
         """The origin named, its fix checked where the symptom appeared and, where the step went on to
         its loss, on the loss (on_loss.py)."""
         text, message, fix, trial = self._word_origin_at_op(label, message, advice)
+        if self.log_form is not None:
+            return (text, message, *self._log_form_fix())
         found = self.on_loss
         if found is None:
             return text, message, fix, trial
@@ -648,6 +653,36 @@ class Experiment:
         )
         return fix, trial
 
+    def _log_form_fix(self) -> tuple[str, Trial]:
+        """The fix of a log of a softmax's values whose backward overflowed: the stable form, which
+        computes in the run's own dtype what the fp32 of the division alone cannot hand back (its
+        result stays past the format's range for every op after it)."""
+        assert self.log_form is not None
+        written, stable_form, records, bound = self.log_form
+        where = _lines(records) if any(r.location for r in records) else "the lines that write it"
+        times = "(1 - sigmoid)" if "sigmoid" in written else "(onehot - softmax)"
+        reached = (
+            f"{_num(self.absmax_after)} here, past {self.dtype}'s {_limit(self.dtype):g}"
+            if self.absmax_after is not None and _limit(self.dtype) is not None
+            else "past the format's range"
+        )
+        fix = (
+            f"Write {stable_form} instead of {written} at {where} (taking the same entries from it after, a "
+            f".gather or an index, as before): its backward hands back the incoming gradient times {times}, "
+            f"never more than the gradient itself (at most {_num(bound)} on this step's values, in "
+            f"{self.dtype} as it runs), where the log's divides it by the probability ({reached}). Computing the "
+            "division in fp32 does not help: what it hands back stays past the format's range for the ops after "
+            "it, in the backward autograd writes. It needs import torch.nn.functional as F."
+        )
+        trial = Trial.checked(
+            f"{written} written as {stable_form}",
+            metric="the largest |gradient| the backward hands back",
+            before="inf",
+            after=bound,
+            on="this step's incoming gradient, as it ran",
+        )
+        return fix, trial
+
     def _word_origin_at_op(self, label: str, message: str, advice: str) -> tuple[str, str, str, Trial]:
         """The origin named; where it is the op itself, its own advice stays, with the check."""
         origin = self.origin
@@ -797,6 +832,39 @@ _DEVICE = (
 
 
 NEAR_EXACT = 0.02  # a loss within this share of its fp64 value is the same loss in a narrow format
+
+
+# log of what a squashing op made, and the stable form that takes its input: a log's backward divides the
+# incoming gradient by the probability; the stable form's hands back the gradient times (onehot - softmax)
+# or (1 - sigmoid), never more than the gradient itself
+_LOG_FORMS = {
+    "_softmax": ("log(softmax(x, dim))", "F.log_softmax(x, dim)"),
+    "softmax": ("log(softmax(x, dim))", "F.log_softmax(x, dim)"),
+    "sigmoid": ("log(sigmoid(x))", "F.logsigmoid(x)"),
+}
+
+
+def _log_of_probs(target: Step, steps: dict[int, Step]) -> tuple[str, str, list[Record], float] | None:
+    """The backward of a log (LogBackward0: the incoming gradient divided by the log's input) whose
+    input a softmax or a sigmoid made (directly, or picked from it: a gather of the target class):
+    (what the code writes, its stable form, the two ops' records, the most the stable form's backward
+    hands back on this step's values: the incoming gradient's largest |value|, which it never
+    exceeds). None for another log, or where the softmax's step is no longer kept."""
+    if len(target.args) < 2 or len(target.record.inputs) < 2:
+        return None
+    g = target.args[0]
+    src = target.record.inputs[1]
+    if not isinstance(g, torch.Tensor) or src[0] != "op":
+        return None
+    made = steps.get(src[1])
+    form = _LOG_FORMS.get(op_packet(made.record.op)) if made is not None else None
+    if made is None or form is None:
+        return None
+    bound = float(g.detach().abs().max()) if g.numel() else 0.0
+    if not math.isfinite(bound):
+        return None
+    forward = [r for r in (made.record, target.record) if r is not None]
+    return form[0], form[1], forward, bound
 
 
 def _near(value: float, exact: float) -> bool:
@@ -1578,6 +1646,11 @@ def _decide(target_record: Record, window: Window, lookup: Lookup | None, budget
                 experiment.guard = _try_guard(target)
             except Exception:
                 experiment.guard = None
+        if target_record.phase == "backward" and op_packet(target_record.forward_op or "") == "log":
+            try:
+                experiment.log_form = _log_of_probs(target, steps)
+            except Exception:  # the experiment is ours; the finding stands without it
+                experiment.log_form = None
         # (b) in fp64, and (c) the walk upstream; the op alone is the walk's first step
         nearest, depends, edge = _ancestors(target, steps)
         for origin in [target, *nearest]:
