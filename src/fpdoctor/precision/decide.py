@@ -170,7 +170,8 @@ class Kept:
         side = "more" if self.more >= 0 else "fewer"
         return (
             f"the entries it keeps (the rest masked: 0 or -inf) differ from fp64's in {pct(self.changed)} of "
-            f"{self.rows} rows (rounding the exact output: {pct(self.floor)}): of the {self.kept:.1f} fp64 keeps per "
+            f"{self.rows} rows (rounding the exact output after the mask: {pct(self.floor)}; what the mask is "
+            f"computed from, rounded, may move some itself): of the {self.kept:.1f} fp64 keeps per "
             f"row on average, {self.flips:.1f} kept by one and not the other "
             f"({pct(self.flips / max(self.kept, 1.0))}), "
             f"{abs(self.more):.1f} {side} kept"

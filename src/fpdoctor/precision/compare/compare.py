@@ -756,8 +756,13 @@ class _Comparison:
             # the model's own ops made a distribution after its last leaf, not its softmax (a sampler's filtered,
             # renormalised probabilities): judged as a softmax's are, by their logs
             rows = first.numel() // first.shape[-1]
-            self.logits = f"probabilities over {first.shape[-1]} classes ({rows} rows, each summing to 1)"
+            head = self._head_of(first, name, made)
+            made_of = f", made by the model's own ops from the {head}" if head else ""
+            self.logits = f"probabilities over {first.shape[-1]} classes ({rows} rows, each summing to 1{made_of})"
             self.softmaxed = True
+        elif _masked_of(first, made) and (head := self._head_of(first, name, made)) is not None:
+            # the logits' layer made them, the model's own ops masked some after it (a filter's -inf)
+            self.logits = f"{head}, as the model's own ops after it mask them"
         else:  # the model's own ops made it after its last leaf: scores against a table of its own, one
             # a module made, or one it was given (a memory bank of a kNN passed as an input)
             given = {t.shape[0]: (use.GIVEN, tuple(t.shape)) for t in floating(self.inputs) if t.dim() == 2}
@@ -775,6 +780,14 @@ class _Comparison:
             shape = "x".join(str(n) for n in first.shape)
             self.logits = f"scores [{shape}] decided by their argmax over the last dim (declared: decisions='argmax')"
         self.root_truth = self._decided(first.detach().clone()) if self.logits is not None else None
+
+    def _head_of(self, first: torch.Tensor, name: str, made: torch.Tensor | None) -> str | None:
+        """The logits' layer an output the model's own ops made after it comes from: the last leaf is a
+        Linear to the output's classes (use.logits_source) and made an output of its shape (an LM's
+        lm_head, before a sampler's filter). None otherwise."""
+        if made is None or made.shape != first.shape or not name:
+            return None
+        return use.logits_source(name, self.truth_modules[name], made, ids=use.reads_ids(self.inputs))
 
     def _binary(self, first: torch.Tensor, name: str, made: torch.Tensor | None) -> str | None:
         """How the report names an output of probabilities a sigmoid made, one per row, decided at 0.5
@@ -2536,6 +2549,9 @@ class _Comparison:
                 # the fix as a run: the layer that makes the output kept in fp32, returning fp32; where the
                 # model's own ops make it (scores against a table), no run puts the fix in place
                 made_by_leaf = self.logits is not None and self.logits.startswith(("logits of", "log-probabilities of"))
+                # scores declared decided by their argmax (a sum of log-probabilities over a hypothesis): their last
+                # layer is tried too, a run that checks itself
+                made_by_leaf = made_by_leaf or self.declared == "argmax"
                 head = self._last_leaf if made_by_leaf else None
                 if (made_by_leaf or self.binary or self.softmaxed) and self._last_leaf is not None:
                     last = self._last_leaf  # what the sigmoid, softmax or log-softmax reads
@@ -2881,6 +2897,18 @@ def _quantized(model: nn.Module) -> tuple[str, str] | None:
         if where.startswith(("torch.ao.nn.quantized", "torch.nn.quantized", "torch.ao.nn.intrinsic.quantized")):
             return name, f"{where}.{type(module).__name__}"
     return None
+
+
+def _masked_of(first: torch.Tensor, made: torch.Tensor | None) -> bool:
+    """Whether an output is what its last leaf made (times a positive constant, a temperature) with some
+    entries set to -inf after it: logits a sampler's filter masked."""
+    if made is None or made.shape != first.shape or not made.is_floating_point():
+        return False
+    mask = torch.isneginf(first)
+    if not bool(mask.any()) or bool(mask.all()):
+        return False
+    ours, theirs = device_sample(first[~mask]), device_sample(made[~mask])
+    return ours is not None and theirs is not None and _proportional(ours, theirs)
 
 
 def _distribution(t: torch.Tensor) -> bool:
