@@ -92,3 +92,28 @@ def test_the_nucleus_summed_in_fp32_is_ok_and_says_what_was_judged(logits: bool)
     kept = result.report.data["kept"]
     assert kept["flips"] < 0.01 * kept["kept"], kept
     assert any(label.startswith("kept entries") for label, _ in result.report.data["summary"]), str(result.report)
+
+
+class _Decided(nn.Module):
+    """A classifier that returns its decision as a one-hot row, or its attention-like weights over every
+    class: rows summing to 1 that no filter made."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.body, self.head = kind, nn.Linear(64, 64), nn.Linear(64, 1000)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.head(torch.relu(self.body(x)))
+        if self.kind == "onehot":
+            return nn.functional.one_hot(z.argmax(-1), 1000).to(z.dtype)
+        return z.softmax(-1)
+
+
+@pytest.mark.parametrize("kind", ["onehot", "softmax"])
+def test_rows_that_sum_to_one_without_a_filter_are_no_masked_output(kind: str) -> None:
+    torch.manual_seed(0)
+    result = fpdoctor.compare(_Decided(kind).eval(), torch.randn(2000, 64), candidate="bf16")
+    assert "kept" not in result.report.data, result.report.data.get("kept")
+    assert not [f for f in result.report.findings if f.severity == "error"], [
+        (f.code, f.title) for f in result.report.findings
+    ]

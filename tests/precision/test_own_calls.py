@@ -49,20 +49,43 @@ class Shrinking(nn.Module):
         return self.head(torch.stack(outs, 0))
 
 
+class MaskedLater(nn.Module):
+    """A per-token loop whose attention gets a mask (a keyword) only from token 20 on: the same
+    positional shapes at the same call site, other ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        k = h.unsqueeze(1)
+        mask = torch.zeros(1, h.shape[1], dtype=torch.bool)
+        mask[:, :5] = True
+        outs = [
+            nn.functional.scaled_dot_product_attention(h[:, None, t : t + 1], k, k, attn_mask=mask if t >= 20 else None)
+            for t in range(h.shape[1])
+        ]
+        return torch.cat(outs, 2).sum(1)
+
+
 def _figures(result: fpdoctor.CompareResult) -> list[tuple]:
     return [(r.module, r.call, r.propagated, r.isolated, r.floor, r.own) for r in result.rows]
 
 
-@pytest.mark.parametrize("kind", [Loop, Shrinking])
+@pytest.mark.parametrize("kind", [Loop, Shrinking, MaskedLater])
 def test_the_function_level_watch_gives_the_dispatch_modes_figures(monkeypatch, kind):
     torch.manual_seed(0)
-    model, x = kind().eval(), torch.randn(2, 300, 16)
+    model, x = (
+        kind().eval(),
+        torch.randn(2 if kind is not MaskedLater else 4, 300 if kind is not MaskedLater else 64, 16),
+    )
     made = []
     monkeypatch.setattr(steps, "OwnCalls", lambda ops: made.append(own_calls.OwnCalls(ops)) or made[-1])
     watched = fpdoctor.compare(model, x, candidate="bf16")
     assert made and len(made[-1].plans) > 5  # calls learnt, and their repeats not dispatched
     root = next(r for r in watched.rows if r.module == "")
-    assert root.own["judged"] > 20
+    assert root.own["judged"] > (10 if kind is MaskedLater else 20)
     monkeypatch.setattr(steps, "OwnCalls", lambda ops: ops)  # every aten op through the dispatch mode
     dispatched = fpdoctor.compare(model, x, candidate="bf16")
     assert _figures(watched) == _figures(dispatched)

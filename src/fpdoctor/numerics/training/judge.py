@@ -896,8 +896,10 @@ class StepJudge:
                 stall, self._stall = self._stall, None  # the episode is over; a later one is new
                 if stall is not None and not self._stall_windowed and stall < len(self.findings):
                     # called on the run's first steps alone ("the optimizer never ran"), and the
-                    # optimizer has run since, most of a window: no stall after all
+                    # optimizer has run since, most of a window: no stall after all, and no episode
                     del self.findings[stall]
+                    if self._episodes:
+                        self._episodes.pop()
                 self._stall_windowed = False
                 if history[-1].finite and not history[-1].skipped:
                     self._lr_trial = None  # a finite step applied again: a trial of a rate (a verdict's) is done with
@@ -932,7 +934,8 @@ class StepJudge:
             finding = replace(
                 finding,
                 message=f"{finding.message} The run stalled so {len(same)} times, from steps "
-                f"{', '.join(str(s) for s in same[:8])}{', ...' if len(same) > 8 else ''}, each time with this cause.",
+                f"{', '.join(str(s) for s in same[:8])}{', ...' if len(same) > 8 else ''}: each episode's own "
+                "cause is its replay's finding (deterministic-nonfinite, with its steps).",
                 evidence={**finding.evidence, "episodes": len(same), "episode_steps": same[:20]},
             )
         self.findings[self._stall] = finding

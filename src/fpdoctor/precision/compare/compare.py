@@ -752,13 +752,15 @@ class _Comparison:
             self.logits = self.logits or use.class_table_source(name, module, first)
             if self.logits is not None and not torch.allclose(ours, theirs, rtol=1e-6, atol=0.0):
                 self.logits += ", scaled by a constant after it"
-        elif _distribution(first) and self._softmax_of(first, name, made) is None:
+        elif _filtered(first) and self._softmax_of(first, name, made) is None and self._head_of(first, name, made):
             # the model's own ops made a distribution after its last leaf, not its softmax (a sampler's filtered,
             # renormalised probabilities): judged as a softmax's are, by their logs
             rows = first.numel() // first.shape[-1]
             head = self._head_of(first, name, made)
-            made_of = f", made by the model's own ops from the {head}" if head else ""
-            self.logits = f"probabilities over {first.shape[-1]} classes ({rows} rows, each summing to 1{made_of})"
+            self.logits = (
+                f"probabilities over {first.shape[-1]} classes ({rows} rows, each summing to 1, made by the model's "
+                f"own ops from the {head})"
+            )
             self.softmaxed = True
         elif _masked_of(first, made) and (head := self._head_of(first, name, made)) is not None:
             # the logits' layer made them, the model's own ops masked some after it (a filter's -inf)
@@ -1521,7 +1523,8 @@ class _Comparison:
         # or where the entries a masked output keeps (a sampler's top-p set) differ: a comparison decided them,
         # row by row (a few of each row's values: the rows count)
         sets = self._kept_sets()
-        by_rows = sets is not None and sets.differs
+        # the comparisons that make a mask over the output's classes: their width is the output's last dim
+        by_rows = self.root_truth.shape[-1] if sets is not None and sets.differs and self.root_truth is not None else 0
         if _unexplained(rows) is None and not fed and not by_rows:
             return None
         if self.cand_dtype not in (torch.float16, torch.bfloat16):
@@ -1538,7 +1541,7 @@ class _Comparison:
             if found is None:
                 return None
             key, changed = found
-            changed.modules = made.modules
+            changed.modules, changed.on_indices = made.modules, made.on_indices
             changed.error_before = rows[-1].propagated
 
             outputs: dict[tuple[frozenset[tuple[str, int]], bool], torch.Tensor] = {}
@@ -1574,11 +1577,12 @@ class _Comparison:
         picks = selections.Picks(upstream=upstream)
         fed = self.inputs if run is self.ref_run else self.run_inputs
 
-        def pre(name: str, index: int, mod: nn.Module, *args: Any) -> None:
+        def pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
             if name == "":
                 picks.start()
-            elif upstream:  # the line that calls it: a fix there names the module
-                picks.called(name, mod)
+            elif upstream:  # the line that calls it: a fix there names the module, and what it is called on
+                first = args[0] if args else None
+                picks.called(name, mod, indices=isinstance(first, torch.Tensor) and not first.is_floating_point())
 
         with picks:
             hooked(run, fed, dtype, pre=pre, post=lambda *a: None, rng=self.rng, device=device,
@@ -2525,7 +2529,8 @@ class _Comparison:
         if sets is not None:
             result.report.data["kept"] = sets.to_dict()
             _beside_error(result.report.data["summary"], ("kept entries (" + self.logits + ")", sets.text()))
-            selected = any(f.name == "selection-changed" for f in result.report.findings)
+            selected = any(f.name == "selection-changed" and f.trial is not None and f.trial.tried
+                           for f in result.report.findings)  # fmt: skip
             if sets.differs and not selected:  # a selection found and checked is their cause: it speaks for them
                 result.report.findings.append(use.kept_finding(sets, self.label, inputs=self.inputs))
         found = use.decisions(self.root_truth, self.root_cand, floor_format, self.logits)
@@ -2911,12 +2916,18 @@ def _masked_of(first: torch.Tensor, made: torch.Tensor | None) -> bool:
     return ours is not None and theirs is not None and _proportional(ours, theirs)
 
 
-def _distribution(t: torch.Tensor) -> bool:
-    """Whether an output is probabilities over its last dim: none below 0, each row summing to 1."""
+def _filtered(t: torch.Tensor) -> bool:
+    """Whether an output is a filtered distribution over its last dim (a sampler's top-p or top-k
+    probabilities, renormalised): none below 0, each row summing to 1, exact zeros in most rows and
+    more than one entry kept in most (an argmax's one-hot, attention weights over every key are not)."""
     if t.dim() < 2 or t.shape[-1] < 2 or t.numel() == 0:
         return False
-    sums = t.double().sum(-1)
-    return not bool((t < 0).any()) and torch.allclose(sums, torch.ones_like(sums), atol=1e-3)
+    x = t.double()
+    sums = x.sum(-1)
+    if bool((x < 0).any()) or not torch.allclose(sums, torch.ones_like(sums), atol=1e-3):
+        return False
+    zeros = (x == 0).reshape(-1, x.shape[-1])
+    return float(zeros.any(-1).double().mean()) >= 0.5 and float(((~zeros).sum(-1) > 1).double().mean()) >= 0.5
 
 
 def _unexplained(rows: list[ModuleRow], conditioning: bool = True) -> float | None:

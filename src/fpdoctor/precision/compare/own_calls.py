@@ -98,14 +98,14 @@ class OwnCalls(TorchFunctionMode):
         site = (id(func), id(code), frame.f_lasti)
         entry = self.sites.get(site)
         if (
-            entry is not None and entry[3] >= TRUSTED and entry[0] is code and _shapes(args) == entry[4]
+            entry is not None and entry[3] >= TRUSTED and entry[0] is code and _shapes(args, kwargs) == entry[4]
             and _counted(entry[2], own.repeats)
         ):  # fmt: skip
             return func(*args, **kwargs)  # a trusted site (TRUSTED), its shapes as before, none of its ops due
         key = _signature(func, args, kwargs)
         plan = self.plans.get(key, _UNSEEN) if key is not None else None
         if isinstance(plan, tuple) and _counted(plan, own.repeats):
-            self._seen(site, code, key, plan, args)
+            self._seen(site, code, key, plan, (args, kwargs))
             return func(*args, **kwargs)
         # its first call with these arguments, or one of its ops is due: through the judge
         log: list[Any] = []
@@ -118,10 +118,10 @@ class OwnCalls(TorchFunctionMode):
         if key is not None and plan is _UNSEEN:
             self._functions[id(func)] = func
             plan = self.plans[key] = _plan(log) if moves == self.moves else None
-        self._seen(site, code, key, plan, args)
+        self._seen(site, code, key, plan, (args, kwargs))
         return out
 
-    def _seen(self, site: tuple[int, int, int], code: Any, key: Any, plan: Any, args: Any) -> None:
+    def _seen(self, site: tuple[int, int, int], code: Any, key: Any, plan: Any, call: Any) -> None:
         """A call at `site` had signature `key`: the site's run of calls of one signature grows, or
         starts again. Only a learnt plan can be trusted."""
         entry = self.sites.get(site)
@@ -129,15 +129,18 @@ class OwnCalls(TorchFunctionMode):
             entry[3] = entry[3] + 1 if isinstance(plan, tuple) else 0
             entry[2] = plan
             if entry[3] == TRUSTED:
-                entry[4] = _shapes(args)
+                entry[4] = _shapes(*call)
         else:
             self.sites[site] = [code, key, plan, 1 if isinstance(plan, tuple) else 0, None]
 
 
-def _shapes(args: Any) -> tuple[Any, ...]:
-    """The shapes of a call's tensors (one level of lists, as cat and stack take them): what a trusted
-    site's call is checked against, for far less than its signature."""
+def _shapes(args: Any, kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The shapes of a call's tensors (one level of lists, as cat and stack take them), and its keywords
+    with their tensors' shapes or their values' types (an attn_mask given on some calls only): what a
+    trusted site's call is checked against, for far less than its signature."""
     out: list[Any] = []
+    for k, v in kwargs.items():
+        out += (k, v.shape if type(v) is torch.Tensor else type(v))
     for a in args:
         t = type(a)
         if t is torch.Tensor:

@@ -212,11 +212,14 @@ def read_rerun(
 # update alone rounds once, so no isolated re-run sees what thousands of them lose together.
 CARRIED_STEPS = 16  # updates in one forward before a chain is called a running state
 CARRIED_TRIED = 3  # the longest chains, each tried by a run with that state raised
-# Visits of a line in a row that were all updates of a state, or none was, after which the line is
-# taken to go on so: its later visits are counted (or not) without the reads being tested. A loop
-# over 2048 tokens then tests its first few dozen steps, and each later call costs the raising
-# alone (benchmarks/README.md, the per-token loop).
+# Visits of a line in a row that were all updates of a state, after which the line is taken to go on
+# so: its later visits are counted without the reads being tested. A loop over 2048 tokens then tests
+# its first few dozen steps, and each later call costs the raising alone (benchmarks/README.md, the
+# per-token loop).
 CARRIED_SETTLED = 32
+# ... and a line's visits in a row that updated nothing: far more, for a state that starts later in the loop
+# (an average carried from token 40 on) must still be found; one that starts after this many visits is not.
+CARRIED_SETTLED_NOT = 256
 # Ops whose result is one of their inputs' values (or its sign flipped): a state updated only by
 # them (a running max, a mask carried along) holds its values exactly in any format, so raising it
 # cannot take an error away and is not tried.
@@ -380,7 +383,7 @@ class _Chains(TorchFunctionMode):
             counted = self.counted
             streak = self.streak.get(left)
             n = streak[1] + 1 if streak is not None and streak[0] is counted else 1
-            if n >= CARRIED_SETTLED:
+            if n >= (CARRIED_SETTLED if counted else CARRIED_SETTLED_NOT):
                 self.settled[left] = counted
                 del self.streak[left]
             else:

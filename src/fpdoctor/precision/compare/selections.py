@@ -25,7 +25,7 @@ import math
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -110,15 +110,19 @@ class Picks(EagerDispatchMode):
         self._made: ByTensor | None = ByTensor() if upstream else None
         self.on = not upstream  # lines of origin are the model's: from its forward's start (`start`)
         self.modules: dict[str, list[tuple[str, torch.nn.Module]]] = {}  # line -> the modules it calls
+        self.on_indices: set[str] = set()  # those called on integers (token ids)
 
-    def called(self, name: str, module: torch.nn.Module) -> None:
-        """A module's call starts (a pre hook): which module the calling line runs."""
+    def called(self, name: str, module: torch.nn.Module, *, indices: bool = False) -> None:
+        """A module's call starts (a pre hook): which module the calling line runs (`indices`: on integers,
+        token ids it embeds, which stay as they are)."""
         user = user_location(sys._getframe())
         if user is None:
             return
         called = self.modules.setdefault(f"{user[0]}:{user[1]}", [])
         if not any(name.startswith(f"{outer}.") for outer, _ in called) and all(n != name for n, _ in called):
             called.append((name, module))  # the outermost only: a Sequential's layers run from torch's code
+            if indices:
+                self.on_indices.add(name)
 
     def start(self) -> None:
         """The model's forward starts: what ran before (the inputs' cast to the run's dtype) made
@@ -206,17 +210,17 @@ def _rows(out: Any, args: Any, kwargs: dict[str, Any], spec: tuple[int | None, i
 
 
 def share_changed(
-    picks: dict[Key, Pick], truth: dict[Key, Pick], key: Any, *, by_rows: bool = False
+    picks: dict[Key, Pick], truth: dict[Key, Pick], key: Any, *, by_rows: int = 0
 ) -> tuple[int, int] | None:
     """(rows changed, rows) of the selection `key` against the fp64 run's; None where it has no
-    counterpart of the same shape. `by_rows`: a comparison whose output's last dim is a row (a
-    sampler's mask over the vocabulary) is counted as (values decided otherwise, rows): a few of each
-    row's thousands of values move the row's set."""
+    counterpart of the same shape. `by_rows`: the output's classes; a comparison whose output's last dim
+    is that many (a sampler's mask over the vocabulary) is counted as (values decided otherwise, rows): a
+    few of each row's thousands of values move the row's set."""
     got, ref = picks.get(key), truth.get(key)
     if got is None or ref is None or got.rows.shape != ref.rows.shape:
         return None
     mine, theirs = got.rows.to(ref.rows.device), ref.rows
-    if by_rows and got.op in COMPARING and got.width > 1:
+    if got.op in COMPARING and got.width > 1 and got.width == by_rows:
         return int((mine != theirs).sum()), theirs.numel() // got.width
     changed = int((mine != theirs).any(-1).sum())
     return changed, theirs.shape[0]
@@ -252,6 +256,7 @@ class Changed:
     modules: dict[str, list[tuple[str, torch.nn.Module]]] | None = None  # line -> the modules it calls (Picks)
     by_rows: bool = False  # a comparison counted as values per row of its last dim (share_changed): `changed`
     # is then the values decided otherwise, `share` and `floor` per row
+    on_indices: set[str] = field(default_factory=set)  # the modules its lines call on integers (Picks)
 
     @property
     def share(self) -> float:
@@ -260,7 +265,7 @@ class Changed:
 
 def first_changed(
     cand: dict[Key, Pick], truth: dict[Key, Pick],
-    floor: dict[Key, Pick] | None, *, by_rows: bool = False,
+    floor: dict[Key, Pick] | None, *, by_rows: int = 0,
 ) -> tuple[Key, Changed] | None:  # fmt: skip
     """The candidate's first selection (in its forward's order) that changes DECISION_SHARE of its
     rows, two at least, and CHANGED_RATIO times the floor model's share (`by_rows`: share_changed's)."""
@@ -275,7 +280,8 @@ def first_changed(
         if changed >= 2 and share >= DECISION_SHARE and share >= CHANGED_RATIO * max(floor_share, 1.0 / rows):
             ref = truth[key]
             picks = picks_changed(pick, ref) if pick.op == "topk" else None
-            return key, Changed(pick, changed, rows, floor_share, picks, ref.rows.numel(), by_rows=by_rows)
+            rowwise = pick.op in COMPARING and pick.width > 1 and pick.width == by_rows
+            return key, Changed(pick, changed, rows, floor_share, picks, ref.rows.numel(), by_rows=rowwise)
     return None
 
 
@@ -298,7 +304,7 @@ def checked(key: Key, found: Changed, truth: dict[Key, Pick], check: Check, *, r
         for n in range(1, len(places) + 1):
             lines = places[:n]
             error, picks = check(set(lines), given)
-            got = share_changed(picks, truth, key, by_rows=found.by_rows)
+            got = share_changed(picks, truth, key, by_rows=found.pick.width if found.by_rows else 0)
             if not given:
                 found.tried.append((n, None if got is None else got[0]))
             if got is None or error is None or not math.isfinite(error):
@@ -321,7 +327,7 @@ def checked(key: Key, found: Changed, truth: dict[Key, Pick], check: Check, *, r
         found.partial = True
 
 
-def _in_fp32(name: str, module: torch.nn.Module, code: str) -> str:
+def _in_fp32(name: str, module: torch.nn.Module, code: str, *, on_indices: bool = False) -> str:
     """How the code runs a module it calls in fp32 from the model's dtype: its function on fp32
     weights (a Linear), or the module kept in fp32; as the line `code` calls it where it can be read
     there (self.moe.router(h)), else by its name in the model."""
@@ -337,16 +343,10 @@ def _in_fp32(name: str, module: torch.nn.Module, code: str) -> str:
             else f"F.linear on fp32 copies of {attr}'s weights"
         )
         return held + (f" instead of {attr}({arg})" if call else "")
-    if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) or _reads_indices(module):
+    if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) or on_indices:
         # its input is indices (token ids an LM embeds first): never cast
         return f"keep it in fp32 ({attr}.float() after the cast to the model's dtype), called on {arg} as it is"
     return f"keep it in fp32 ({attr}.float() after the cast to the model's dtype) and call it on {arg}.float()"
-
-
-def _reads_indices(module: torch.nn.Module) -> bool:
-    """Whether a module's first op is a lookup: its first submodule (in order) an embedding."""
-    first = next((m for m in module.modules() if m is not module and not list(m.children())), None)
-    return isinstance(first, (torch.nn.Embedding, torch.nn.EmbeddingBag))
 
 
 def _call_in(code: str, last: str) -> tuple[str, str] | None:
@@ -382,7 +382,7 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
     written = f" (`{code}`)" if code else ""
     picked = f", {found.picks} of its {found.of} picks" if found.picks is not None and found.of > found.rows else ""
     share = (
-        f"({found.share:.1f} a row; {reference}: {found.floor:.1f})"
+        f"({found.share:.3g} a row; {reference}: {found.floor:.3g})"
         if found.by_rows
         else f"({pct(found.share)}{picked}; {reference}: {pct(found.floor)})"
     )
@@ -453,11 +453,12 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
         return catalog.make("selection-changed", message=message, fix=fix, where=where, evidence=evidence, trial=trial)
     lines = _lines_text(found.lines)
     after_share = found.changed_after / max(found.rows, 1)
-    shown = (lambda x: f"{x:.1f} a row") if found.by_rows else pct
+    shown = (lambda x: f"{x:.3g} a row") if found.by_rows else pct
     calls = [(n, name, module) for f, n in sorted(found.lines, key=lambda x: x[1])
              for name, module in (found.modules or {}).get(f"{f}:{n}", [])]  # fmt: skip
     modules = "".join(
-        f"; line {n} calls `{name}`: {_in_fp32(name, module, linecache.getline(file, n).strip())}"
+        f"; line {n} calls `{name}`: "
+        f"{_in_fp32(name, module, linecache.getline(file, n).strip(), on_indices=name in found.on_indices)}"
         for n, name, module in calls
     )
     evidence |= {"lines_raised": sorted({n for _, n in found.lines}), "rows_changed_after": found.changed_after,

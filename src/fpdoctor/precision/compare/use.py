@@ -196,6 +196,8 @@ def kept_finding(sets: Kept, label: str, *, inputs: Any) -> Finding:
         "decisions-changed",
         message=message,
         fix=fix,
+        # no selection found to explain it, no fix checked: a warning, the figures said
+        severity=Severity.WARNING,
         where={"module": None, "op": None},
         evidence={"kind": "kept", "kept": sets.to_dict(), "on": inputs_text(describe(inputs))},
         trial=Trial.untried(
