@@ -125,6 +125,11 @@ def findings(
     ]
 
 
+def _fits(exact: float | None, limit: float) -> bool:
+    """The op's exact (fp64) output fits the format: its NaN was no overflow (a 0/0 of values rounded to 0)."""
+    return exact is not None and math.isfinite(exact) and exact < limit
+
+
 def _origin(
     key: tuple[str, int], found: dict[str, Any], *, label: str, candidate: str, dtype: torch.dtype, check: Check,
     before_cast: BeforeCast, on: str, count: str, nonfinite: int,
@@ -273,6 +278,22 @@ def _origin(
     elif after is not None and is_cast(op):  # tried and the output stays non-finite: not the fix
         fix = "run `fpdoctor trace` on the script that runs the model in this precision for the op-level walk"
         trial = Trial.untried(f"{changed} left the output non-finite: the first NaN/Inf has another source too")
+    elif after is not None and _fits(found.get("reference_absmax"), limit):
+        # the exact output fits the format: no overflow, a 0/0 of values rounded to 0 before it (a buffer the cast
+        # made subnormal, a product that underflowed): the line in fp32 reads them already 0
+        tiny = torch.finfo(dtype).smallest_normal
+        exact = found["reference_absmax"]
+        fix = (
+            f"make what {op}{at} reads in fp32 from where it is first computed: its exact output reaches only "
+            f"{exact:.3g}, so nothing overflows; values below {candidate}'s smallest normal ({tiny:.3g}) lose their "
+            "digits and become 0 (0/0 is NaN), and a buffer or parameter that small becomes subnormal or 0 in the "
+            "model's cast (keep it in fp32)"
+            + (", or run in bf16, which has fp32's range" if candidate == "fp16" else "")
+        )
+        trial = Trial.untried(
+            f"{changed} left the output non-finite: what the line reads is 0 or rounded before it, so no line alone "
+            "in fp32 is the fix"
+        )
     elif after is not None:  # in fp32 it fits; cast back it does not: what follows must stay wider too
         fix = (
             f"keep {op}{at} and what reads its result in fp32 (its values pass {candidate}'s largest, {limit:.6g}, "
