@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import run_fpdoctor, run_python
 
 SCRIPT = textwrap.dedent(
@@ -385,13 +387,22 @@ INFONCE = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("picked", ["after the exp", "before the exp"])
 def test_a_contrastive_softmax_by_hand_whose_positives_are_picked_gets_log_softmax_then_the_pick(
-    tmp_path: Path,
+    tmp_path: Path, picked: str
 ) -> None:
     """exp(s).diag() / exp(s).sum(1): the pick (diagonal) between the exp and the division is passed
     over, the form is the softmax's log, and fp32 is said to overflow too (e^100): the fix as printed,
-    F.log_softmax(...).diag(), trains."""
-    first, fixed = _traced_and_fixed(tmp_path / "infonce.py", INFONCE, symptom="non-finite losses 6")
+    F.log_softmax(...).diag(), trains. The same where the code takes the diagonal first, exp(s.diag()) /
+    exp(s).sum(1), as a CLIP loss is often written."""
+    source = INFONCE
+    if picked == "before the exp":
+        source = source.replace(
+            "sim = torch.exp(z1 @ z2.t() / 0.01)\n        p = sim.diag() / sim.sum(dim=1)",
+            "s = z1 @ z2.t() / 0.01\n        p = torch.exp(s.diag()) / torch.exp(s).sum(dim=1)",
+        )
+        assert "torch.exp(s.diag())" in source
+    first, fixed = _traced_and_fixed(tmp_path / "infonce.py", source, symptom="non-finite losses 6")
     assert first["fix"].startswith("Write F.log_softmax(x, dim) instead of log(exp(x) / exp(x).sum(dim))"), first["fix"]
     assert "then take its diagonal as your code does" in first["fix"]
     assert "more precision is no fix" in first["fix"]

@@ -1072,9 +1072,18 @@ class Tracer(EagerDispatchMode):
                 return
             if not exp.op.startswith("aten.exp") or not summed.op.startswith("aten.exp"):
                 return
+            first = summed if exp is summed else exp
             if summed is not exp and summed.inputs != exp.inputs:  # x.exp() / x.exp().sum(): the same x
-                return
-            chain[:0] = [summed if exp is summed else exp, *([pick] if pick else []), total]
+                # or exp(x.diag()) / exp(x).sum(1) (InfoNCE by hand): the numerator's x picked before its exp, the
+                # form then of the summed exp's x, picked the same way
+                picked = self._made_by(exp)
+                if (
+                    pick is not None or picked is None or picked.op.split(".")[1] not in PICKS
+                    or picked.inputs[:1] != summed.inputs[:1]
+                ):  # fmt: skip
+                    return
+                pick, first = picked, summed
+            chain[:0] = [first, *([pick] if pick else []), total]
             # the exp the experiment ran at (the first of them to run), or the sum, where the exps stayed
             # finite and their sum overflowed
             keys = [exp.index] if exp is summed else sorted((exp.index, summed.index))
