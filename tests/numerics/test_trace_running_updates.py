@@ -47,7 +47,8 @@ def test_an_ema_of_the_weights_kept_in_bf16_is_named_with_its_line_and_the_fix_c
     # evaluated through a copy: `.to` on the EMA module itself would cast it back to bf16 in place
     assert "copy.deepcopy(ema).to(torch.bfloat16)" in found.fix, found.fix
     assert found.trial is not None and found.trial.tried, found.trial
-    assert report.verdict != "ok"
+    # an EMA that keeps none of its updates stands still: its evaluation is wrong, an error (exit 1)
+    assert found.severity == "error" and report.verdict == "error", found.severity
 
 
 class _RMSprop:

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from fpdoctor import catalog
-from fpdoctor.report.model import Finding, Trial
+from fpdoctor.report.model import Finding, Severity, Trial
 from fpdoctor.userframes import user_location
 
 ACCUMULATES = frozenset({"add_", "sub_", "mul_", "lerp_", "addcmul_", "addcdiv_"})
@@ -67,6 +67,7 @@ STRIDE = 256  # and every 256th past the 256th: a statistic that stalls after ca
 CHECKED = 3  # the latest calls checked of a norm's statistic that are judged
 RECENT = 2  # and of a line's in-place update
 LOST = 0.5  # an update is lost where what the tensor kept is off by half of it or more
+FROZEN = 0.9  # a tensor that keeps no more than a tenth of its updates: it stands still
 _NARROW = (torch.bfloat16, torch.float16)
 
 
@@ -389,6 +390,9 @@ class LostUpdates:
                             else "what reads it (an EMA model's evaluation) does not improve."
                         )
                     ),
+                    # a state (weights, an EMA) whose every update is lost is frozen: what reads it never improves,
+                    # the run's result is wrong, an error; a running total or counter only misleads what it prints
+                    severity=Severity.ERROR if min(lost) >= FROZEN and not total else None,
                     where={"module": None, "op": f"aten.{line.op}", "phase": "other"},
                     evidence={
                         "kind": "running-update",
