@@ -35,3 +35,4 @@ def test_a_nan_from_values_that_underflowed_before_the_division_is_said_so() -> 
     assert first.name == "nonfinite-produced", [(f.code, f.title) for f in result.report.findings]
     assert "nothing overflows" in first.fix and "scale them down" not in first.fix, first.fix
     assert "65504" not in first.fix, first.fix
+    assert "buffer gains" in first.fix, first.fix  # what the cast made 0, named

@@ -1836,6 +1836,7 @@ class _Comparison:
             rows, overflows, label=self.label, candidate=candidate, dtype=self.cand_dtype, check=self._fix_checked,
             before_cast=self._before_cast_checked, on=inputs_text(describe(self.inputs)),
             named=any(r.diverged for r in rows), mine=mine,
+            flushed=[describe_misfit(e) for e in misfit if "flush" in e],
         )  # fmt: skip
         if self.unmatched:  # their rows differ: no error to measure (a selection before them picked others)
             names = list(self.unmatched)

@@ -92,6 +92,7 @@ def findings(
     on: str,
     named: bool,
     mine: set[tuple[str, int]],
+    flushed: list[str] | None = None,
 ) -> list[Finding]:
     """NUM001 for the first origin of `mine` (`handled`), its fix checked; where the output is non-finite,
     no origin was found and no other error finding (`named`) says why, NUM001 all the same, saying
@@ -102,7 +103,7 @@ def findings(
     count = f"{root.nonfinite} of its values are NaN or Inf where the fp64 run's are finite"
     for key, found in overflows.items():  # in the order the calls ended: the innermost origin first
         if key in mine:
-            return [_origin(key, found, label=label, candidate=candidate, dtype=dtype, check=check,
+            return [_origin(key, found | {"flushed": flushed or []}, label=label, candidate=candidate, dtype=dtype, check=check,
                             before_cast=before_cast, on=on, count=count, nonfinite=root.nonfinite)]  # fmt: skip
     if named:
         return []
@@ -287,7 +288,9 @@ def _origin(
             f"make what {op}{at} reads in fp32 from where it is first computed: its exact output reaches only "
             f"{exact:.3g}, so nothing overflows; values below {candidate}'s smallest normal ({tiny:.3g}) lose their "
             "digits and become 0 (0/0 is NaN), and a buffer or parameter that small becomes subnormal or 0 in the "
-            "model's cast (keep it in fp32)"
+            "model's cast (keep it in fp32"
+            + (f": here the {'; the '.join(found['flushed'][:3])}" if found.get("flushed") else "")
+            + ")"
             + (", or run in bf16, which has fp32's range" if candidate == "fp16" else "")
         )
         trial = Trial.untried(
