@@ -103,7 +103,8 @@ def findings(
     count = f"{root.nonfinite} of its values are NaN or Inf where the fp64 run's are finite"
     for key, found in overflows.items():  # in the order the calls ended: the innermost origin first
         if key in mine:
-            return [_origin(key, found | {"flushed": flushed or []}, label=label, candidate=candidate, dtype=dtype, check=check,
+            origin = found | {"flushed": flushed or []}  # what the cast made 0, for an underflow's fix
+            return [_origin(key, origin, label=label, candidate=candidate, dtype=dtype, check=check,
                             before_cast=before_cast, on=on, count=count, nonfinite=root.nonfinite)]  # fmt: skip
     if named:
         return []
