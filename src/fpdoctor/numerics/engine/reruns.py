@@ -834,14 +834,9 @@ _DEVICE = (
 NEAR_EXACT = 0.02  # a loss within this share of its fp64 value is the same loss in a narrow format
 
 
-# log of what a squashing op made, and the stable form that takes its input: a log's backward divides the
-# incoming gradient by the probability; the stable form's hands back the gradient times (onehot - softmax)
-# or (1 - sigmoid), never more than the gradient itself
-_LOG_FORMS = {
-    "_softmax": ("log(softmax(x, dim))", "F.log_softmax(x, dim)"),
-    "softmax": ("log(softmax(x, dim))", "F.log_softmax(x, dim)"),
-    "sigmoid": ("log(sigmoid(x))", "F.logsigmoid(x)"),
-}
+# The squashing ops whose log has a stable form (stable.FORMS) whose backward never hands back more than
+# the incoming gradient: the gradient times (onehot - softmax), or (1 - sigmoid)
+_SQUASHES = frozenset({"_softmax", "sigmoid"})
 
 
 def _log_of_probs(target: Step, steps: dict[int, Step]) -> tuple[str, str, list[Record], float] | None:
@@ -857,14 +852,14 @@ def _log_of_probs(target: Step, steps: dict[int, Step]) -> tuple[str, str, list[
     if not isinstance(g, torch.Tensor) or src[0] != "op":
         return None
     made = steps.get(src[1])
-    form = _LOG_FORMS.get(op_packet(made.record.op)) if made is not None else None
-    if made is None or form is None:
+    packet = op_packet(made.record.op) if made is not None else ""
+    form = stable.form_of(["_softmax" if packet == "softmax" else packet, "log"])
+    if made is None or form is None or form.ops[0] not in _SQUASHES:
         return None
     bound = float(g.detach().abs().max()) if g.numel() else 0.0
     if not math.isfinite(bound):
         return None
-    forward = [r for r in (made.record, target.record) if r is not None]
-    return form[0], form[1], forward, bound
+    return form.written, form.stable, [made.record, target.record], bound
 
 
 def _near(value: float, exact: float) -> bool:
