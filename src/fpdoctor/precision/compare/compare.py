@@ -815,8 +815,7 @@ class _Comparison:
             return None
         if not made.is_floating_point():
             return None
-        sums = first.double().sum(-1)
-        if bool((first < 0).any()) or not torch.allclose(sums, torch.ones_like(sums), atol=1e-3):
+        if not _sums_to_one(first):
             return None  # not probabilities (log-probabilities are not above 0: every row would look the same)
         module = self.truth_modules.get(name)
         if isinstance(module, nn.Softmax):
@@ -2917,17 +2916,19 @@ def _masked_of(first: torch.Tensor, made: torch.Tensor | None) -> bool:
     return ours is not None and theirs is not None and _proportional(ours, theirs)
 
 
+def _sums_to_one(t: torch.Tensor) -> bool:
+    """Probabilities over the last dim: none below 0, each row summing to 1."""
+    sums = t.double().sum(-1)
+    return not bool((t < 0).any()) and torch.allclose(sums, torch.ones_like(sums), atol=1e-3)
+
+
 def _filtered(t: torch.Tensor) -> bool:
     """Whether an output is a filtered distribution over its last dim (a sampler's top-p or top-k
     probabilities, renormalised): none below 0, each row summing to 1, exact zeros in most rows and
     more than one entry kept in most (an argmax's one-hot, attention weights over every key are not)."""
-    if t.dim() < 2 or t.shape[-1] < 2 or t.numel() == 0:
+    if t.dim() < 2 or t.shape[-1] < 2 or t.numel() == 0 or not _sums_to_one(t):
         return False
-    x = t.double()
-    sums = x.sum(-1)
-    if bool((x < 0).any()) or not torch.allclose(sums, torch.ones_like(sums), atol=1e-3):
-        return False
-    zeros = (x == 0).reshape(-1, x.shape[-1])
+    zeros = (t == 0).reshape(-1, t.shape[-1])
     return float(zeros.any(-1).double().mean()) >= 0.5 and float(((~zeros).sum(-1) > 1).double().mean()) >= 0.5
 
 
