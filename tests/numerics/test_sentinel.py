@@ -85,18 +85,27 @@ def test_a_numerical_bug_reproduces_and_names_the_op():
     assert report.exit_code == 1
 
 
+def _scaled_step(model: nn.Module, opt: torch.optim.Optimizer, level: dict[str, float], *, zeroed: bool = False):  # type: ignore[no-untyped-def]
+    """A step whose loss is the batch's MSE times `level["k"]` as it is when the step runs (`zeroed`: the
+    model's output zeroed first)."""
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        out = model(x) * 0 if zeroed else model(x)
+        loss = nn.functional.mse_loss(out, y) * level["k"]
+        loss.backward()
+        return loss
+
+    return step
+
+
 def _losses(levels: list[float]) -> fpdoctor.Report:
     """Steps whose loss is the same batch's times each level in turn (the model's output zeroed)."""
     model, opt = make()
     guard = fpdoctor.Sentinel(model, opt)
     x, y = data()[0]
     scale = {"k": 1.0}
-
-    def step(x, y):
-        opt.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(model(x) * 0, y) * scale["k"]
-        loss.backward()
-        return loss
+    step = _scaled_step(model, opt, scale, zeroed=True)
 
     for level in levels:
         scale["k"] = level
@@ -130,12 +139,7 @@ def test_a_stall_called_on_the_first_steps_is_withdrawn_once_the_optimizer_ran_m
     guard = fpdoctor.Sentinel(model, opt)
     x, y = data()[0]
     level = {"k": math.nan}
-
-    def step(x, y):
-        opt.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(model(x), y) * level["k"]
-        loss.backward()
-        return loss
+    step = _scaled_step(model, opt, level)
 
     stalled = []
     for i in range(10):
@@ -153,12 +157,7 @@ def test_stalls_of_one_cause_in_several_episodes_are_one_finding_that_counts_the
     guard = fpdoctor.Sentinel(model, opt)
     x, y = data()[0]
     level = {"k": 1.0}
-
-    def step(x, y):
-        opt.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(model(x), y) * level["k"]
-        loss.backward()
-        return loss
+    step = _scaled_step(model, opt, level)
 
     for i in range(90):
         # NaN on steps 1-3 (a stall withdrawn once the optimizer ran), then on steps 16-30, 46-60, 76-90
