@@ -101,6 +101,19 @@ mode_popped = _dispatch._pop_mode_temporarily  # `with mode_popped():` the top m
 DisableTorchDispatch = torch._C._DisableTorchDispatch
 
 
+def torch_functions_off(modes: int) -> Any | None:
+    """Torch-function handling off (every mode's and every subclass's `__torch_function__`) from here until
+    the returned guard's `__exit__(None, None, None)`, which restores it; None, changing nothing, where it is
+    already off in part or the stack holds more than `modes` torch-function modes (the caller's own: one, or
+    none inside its `__torch_function__`, where torch has taken it off the stack). A guard entered and left
+    across calls, not a `with` block: compare's own-op watch goes quiet for the rest of a long loop."""
+    if not torch._C._is_torch_function_enabled() or torch._C._len_torch_function_stack() > modes:
+        return None
+    guard = torch._C.DisableTorchFunction()
+    guard.__enter__()
+    return guard
+
+
 class EagerDispatchMode(TorchDispatchMode):
     """A dispatch mode whose `__torch_dispatch__` torch does not wrap in Dynamo's disable()
     (torch does that for every mode whose `_should_skip_dynamo` says True, its default): the wrapper

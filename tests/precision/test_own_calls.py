@@ -81,14 +81,64 @@ def test_the_function_level_watch_gives_the_dispatch_modes_figures(monkeypatch, 
         torch.randn(2 if kind is not MaskedLater else 4, 300 if kind is not MaskedLater else 64, 16),
     )
     made = []
-    monkeypatch.setattr(steps, "OwnCalls", lambda ops: made.append(own_calls.OwnCalls(ops)) or made[-1])
+    monkeypatch.setattr(steps, "OwnCalls", lambda ops, **kw: made.append(own_calls.OwnCalls(ops, **kw)) or made[-1])
     watched = fpdoctor.compare(model, x, candidate="bf16")
     assert made and len(made[-1].plans) > 5  # calls learnt, and their repeats not dispatched
     root = next(r for r in watched.rows if r.module == "")
     assert root.own["judged"] > (10 if kind is MaskedLater else 20)
-    monkeypatch.setattr(steps, "OwnCalls", lambda ops: ops)  # every aten op through the dispatch mode
+    monkeypatch.setattr(steps, "OwnCalls", lambda ops, **kw: ops)  # every aten op through the dispatch mode
     dispatched = fpdoctor.compare(model, x, candidate="bf16")
     assert _figures(watched) == _figures(dispatched)
+
+
+class Gate(nn.Module):
+    """A leaf of the user's own arithmetic: its ops are judged on each call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(x * 3.0) * x.exp()
+
+
+class Long(nn.Module):
+    """A loop of more than own_calls.LONG calls of its own, which calls a module of its own each step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.gate, self.head = nn.Linear(16, 16), Gate(), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        state = torch.zeros_like(h[:, 0])
+        outs = []
+        for t in range(h.shape[1]):
+            state = state * 0.95 + h[:, t].softmax(-1) * 0.05
+            outs.append(self.gate(state).tanh())
+        return self.head(torch.stack(outs, 1))
+
+
+def test_a_long_loop_is_watched_up_to_long_calls_and_what_it_calls_all_the_way():
+    torch.manual_seed(0)
+    model, x = Long().eval(), torch.randn(2, 1200, 16)
+    made = []
+    original = steps.OwnCalls
+    steps.OwnCalls = lambda ops, **kw: made.append(original(ops, **kw)) or made[-1]
+    try:
+        watched = fpdoctor.compare(model, x, candidate="bf16")
+        steps.OwnCalls = lambda ops, **kw: ops  # every call of the loop through the dispatch mode
+        dispatched = fpdoctor.compare(model, x, candidate="bf16")
+    finally:
+        steps.OwnCalls = original
+    assert made and made[-1].cut and made[-1].quiet is None, "the loop passed LONG calls; its guard was left"
+    assert torch._C._is_torch_function_enabled()
+    assert "own ops of a long loop" in watched.report.data["not_checked"], watched.report.data["not_checked"]
+    root, whole = (next(r for r in result.rows if r.module == "") for result in (watched, dispatched))
+    assert root.own["judged"] < whole.own["judged"]  # its later calls were not watched
+    assert (root.own["op"], root.own["location"]) == (whole.own["op"], whole.own["location"])
+    assert root.own["error_rel"] == pytest.approx(whole.own["error_rel"], rel=0.5)
+    # the module it calls after the cut: watched on every call, as without it
+    gates = [
+        _figures(result)[k] for result in (watched, dispatched) for k, r in enumerate(result.rows) if r.module == "gate"
+    ]
+    assert len(gates) == 2 * 1200 and gates[:1200] == gates[1200:]
 
 
 def test_a_signature_tells_apart_what_changes_the_ops_and_leaves_out_an_index_position():

@@ -163,10 +163,15 @@ class RaisedLines(EagerDispatchMode):
     op reads their fp32 results back in `dtype`, as the user's fix casts them back."""
 
     def __init__(
-        self, lines: set[tuple[str, int]], dtype: torch.dtype, *, wide_inputs: bool = False, cast_back: bool = True
-    ) -> None:
+        self, lines: set[tuple[str, int]], dtype: torch.dtype, *, wide_inputs: bool = False, cast_back: bool = True,
+        scalars_kept: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.lines, self.dtype = lines, dtype
+        # True: a single value the lines made (a 0-dim tensor: alphas[t] of a schedule they built) is read in
+        # fp32 as it is. An op that reads it with a `dtype` tensor stays in `dtype` (type promotion), and takes
+        # the fp32 value's digits: the fix "build the table in fp32, read its values as they are"
+        self.scalars_kept = scalars_kept
         # False: what the lines make is read as it is everywhere (type promotion; a layer that checks its
         # input's dtype fails the run): the fix "make it in fp32 and keep it so", where what reads it widens
         self.cast_back = cast_back
@@ -211,8 +216,16 @@ class RaisedLines(EagerDispatchMode):
             # code off the lines that widens what they made (t.float() in a module the caller passes
             # positions to): it reads the fp32 value as it is, as it would in the fixed code
             return func(*args, **kwargs)
-        args, kwargs = _map(args, kwargs, lambda t: t.to(self.dtype) if self.made.get(t) or self.fed.get(t) else t)
+        args, kwargs = _map(args, kwargs, self._read)
         return func(*args, **kwargs)
+
+    def _read(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor as an op off the lines reads it: what the lines made (or an input fed in fp32) cast back
+        to `dtype`, unless it is a single value kept in fp32 (`scalars_kept`)."""
+        made = self.made.get(t)
+        if made and self.scalars_kept and t.dim() == 0:
+            return t
+        return t.to(self.dtype) if made or self.fed.get(t) else t
 
     def __enter__(self) -> RaisedLines:
         # a module that reads a raised result gets it in `dtype` before its forward: a conv or linear

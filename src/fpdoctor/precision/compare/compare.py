@@ -82,7 +82,7 @@ from fpdoctor.precision.compare.compiled import compare_compiled, is_compiled
 from fpdoctor.precision.compare.container_ops import Own, OwnOps
 from fpdoctor.precision.compare.first_overflow import first_overflow
 from fpdoctor.precision.compare.noise import ReplayNoise
-from fpdoctor.precision.compare.own_calls import OwnCalls
+from fpdoctor.precision.compare.own_calls import LONG, OwnCalls
 from fpdoctor.precision.compare.passes import (
     carried_and_raised,
     carried_states,
@@ -161,6 +161,11 @@ FEEDING_LINES = 8
 # another line's feeding lines, added to the worst op's, are kept where the checked error falls to this share of
 # what it was with them or less (a window's second running sum: 0.0089 -> 0.0061)
 KEPT_FALL = 0.8
+# the single values of what a fix's lines make, read in fp32 as they are, are the fix where that leaves this many
+# times less error than casting them back, or fewer (a DDPM schedule built in fp32: 0.0276 cast back, 0.0061 read
+# as it is; a Langevin sampler's, 0.0189 and 0.0107). It is also the simpler code: the dtype changed, no cast. Where
+# the lines make no single value the rest reads, the two runs are one and the same.
+SCALARS_FALL = 1.1
 
 
 @dataclass
@@ -615,7 +620,11 @@ class _Comparison:
         )
         # one Python call per torch function, not per aten op (own_calls.py), where every op need not
         # pass through a dispatch mode: the op ranges read them all, the replayed noise sits below it
-        self.own: OwnOps | OwnCalls = ops if self.ranges or self.noise is not None else OwnCalls(ops)
+        plain = all(
+            type(t) in (torch.Tensor, nn.Parameter)
+            for t in (*self.truth_run.parameters(), *self.truth_run.buffers(), *tensors_in(self.run_inputs))
+        )  # a long loop's own calls may then run with torch-function handling off (own_calls.LONG)
+        self.own: OwnOps | OwnCalls = ops if self.ranges or self.noise is not None else OwnCalls(ops, plain=plain)
         self.made = ops.made  # lines making values the candidate's format rounds (made_in_dtype.py)
 
         def post(name: str, index: int, args: Any, output: Any) -> None:
@@ -645,6 +654,10 @@ class _Comparison:
                 "`fpdoctor trace` on a script that runs the model names the op that makes them and the rows"
             )
         self.own.settle()  # the own ops whose figures call for a closer look (container_ops.Own.settle)
+        if getattr(self.own, "cut", False):  # what was judged, said (OwnCalls.cut)
+            self.notes["own ops of a long loop"] = (
+                f"judged on the first {LONG} torch calls of each container call; the loop's later calls repeat them"
+            )
 
     def _reference_failed(self, exc: Exception) -> ReferenceFailed:
         """The one-line error for a model whose fp64 copy raised: the user's line that raised, and for
@@ -2345,17 +2358,21 @@ class _Comparison:
 
     def _before_cast_checked(
         self, op: str, module: str, location: str
-    ) -> tuple[list[tuple[str, int]], float | None, bool]:
+    ) -> tuple[list[tuple[str, int]], float | None, bool, bool]:
         """The lines that feed `op` at `location` (its own included, and up to nonfinite.LINES_AFTER
         lines after it) computed in fp32: first on the inputs as the candidate gets them (an exp two
         lines up that underflows: line 33 in fp32 alone still takes the log of its 0), then on the
         model's inputs fed in fp32, not rounded by the cast before the forward (raw readings scaled by
         their batch's statistics: rounded, a column's spread is 0, then 0/0): (the lines, the
-        end-to-end error, whether the inputs were fed as given) of the first run whose output is
-        finite, else the last; ([], None, False) where the op was not seen or the lines not found."""
+        end-to-end error, whether the inputs were fed as given, whether their single values are read
+        in fp32) of the first run whose output is finite, else the last; ([], None, False, False) where
+        the op was not seen or the lines not found. Where the output is finite with what the lines make
+        cast back, the same lines are run once more with the single values they make (alphas[t] of a
+        schedule they build) read in fp32 as they are (raising.RaisedLines.scalars_kept): where that
+        leaves SCALARS_FALL times less error, it is the fix."""
         line = nonfinite.line_of(location)
         if line is None or self.given:
-            return [], None, False
+            return [], None, False, False
         rounded = _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is None
         root = next(e for (name, _), e in self.seen.items() if name == "")
         lines: list[tuple[str, int]] = []
@@ -2373,11 +2390,18 @@ class _Comparison:
                         rng=self.rng, device=self.cand_device, noise=self.noise, inputs_as_given=given,
                     )  # fmt: skip
                     if error is not None and math.isfinite(error):
-                        return lines, error, given
+                        kept = upstream.raised_error(
+                            self.cand_run, self.run_inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,
+                            rng=self.rng, device=self.cand_device, noise=self.noise, inputs_as_given=given,
+                            scalars_kept=True,
+                        )  # fmt: skip
+                        if kept is not None and kept * SCALARS_FALL < error:
+                            return lines, kept, given, True
+                        return lines, error, given, False
         except Exception as exc:
             self.notes["the computation before the cast"] = f"not checked: {type(exc).__name__}: {exc}"
-            return [], None, False
-        return lines, error, rounded
+            return [], None, False, False
+        return lines, error, rounded, False
 
     def _kept_checked(self, findings: list[Finding], rows: list[ModuleRow]) -> None:
         """A divergence whose fix is "keep the module in fp32" and was left untried: the model run once

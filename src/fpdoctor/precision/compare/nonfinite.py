@@ -36,8 +36,9 @@ from fpdoctor.userframes import is_user_file
 # in place (inf while the output stays non-finite; None when the run could not be made)
 Check = Callable[[str, tuple[str, int], int], "float | None"]
 # The check of a computation done before the cast: (op, module, location) -> (the lines that feed
-# it, its own and up to LINES_AFTER after it, computed in fp32 on the inputs fed in fp32, the error)
-BeforeCast = Callable[[str, str, str], "tuple[list[tuple[str, int]], float | None, bool]"]
+# it, its own and up to LINES_AFTER after it, computed in fp32 on the inputs fed in fp32, the error,
+# whether the single values the lines make were read in fp32 as they are)
+BeforeCast = Callable[[str, str, str], "tuple[list[tuple[str, int]], float | None, bool, bool]"]
 # An op's fix in fp32 is tried with up to this many lines after it that consume its result
 LINES_AFTER = 2
 
@@ -127,6 +128,12 @@ def findings(
     ]
 
 
+def _dtype_chosen(lines: list[tuple[str, int]]) -> list[int]:
+    """The lines among `lines` that pick a dtype themselves (`torch.linspace(..., dtype=dtype)`): there the
+    fix writes torch.float32, not a .float() on what they read (they may read no tensor at all)."""
+    return [n for f, n in lines if re.search(r"\bdtype\s*=", linecache.getline(f, n))]
+
+
 def _fits(exact: float | None, limit: float) -> bool:
     """The op's exact (fp64) output fits the format: its NaN was no overflow (a 0/0 of values rounded to 0)."""
     return exact is not None and math.isfinite(exact) and exact < limit
@@ -214,7 +221,7 @@ def _origin(
         if line is not None and held is None and not (after is not None and math.isfinite(after)):
             # the line in fp32 leaves the NaN: what it reads may be the model's inputs, rounded by the cast
             # before the forward (raw readings scaled by their batch's statistics: rounded, a spread of 0)
-            fed, given, wide = before_cast(op, module, found.get("location") or "")
+            fed, given, wide, scalars = before_cast(op, module, found.get("location") or "")
             if given is not None and math.isfinite(given) and not wide:
                 # the lines that make what it reads, in fp32 from the inputs as the candidate gets them (an exp
                 # two lines up that underflows to 0, whose log is then -inf)
@@ -224,12 +231,25 @@ def _origin(
                     f"at {lines}, where {candidate} loses it first (an exp that underflows to 0, a difference that "
                     "cancels); those lines in fp32 give a finite output."
                 )
-                fix = (
-                    f"compute {lines} in fp32: .float() on the tensors they read from the rest of the model, what "
-                    f"they produce cast back to {candidate} where the rest of the model reads it (.to(p.dtype), p a "
-                    "parameter of the model)"
-                )
-                changed = f"the ops at {lines} in fp32, their results cast back to {candidate}"
+                chosen = _dtype_chosen(fed)
+                fix = f"compute {lines} in fp32: " + (
+                    f"torch.float32 where line {', '.join(str(n) for n in chosen)} picks the dtype (dtype=), " if chosen
+                    else ""
+                ) + ".float() on any tensor they read from the rest of the model, "  # fmt: skip
+                if scalars:  # checked: each single value they make read in fp32 leaves far less error than cast back
+                    fix += (
+                        "and read the single values taken from what they make (a table's t-th entry, a 0-dim tensor) "
+                        f"as they are, in fp32, with no cast: an op that reads a 0-dim fp32 tensor beside {candidate} "
+                        f"tensors stays {candidate} and keeps the fp32 value's digits; cast back only a whole tensor "
+                        f"of theirs the rest of the model reads (.to(p.dtype), p a parameter of the model)"
+                    )
+                    changed = f"the ops at {lines} in fp32, the single values they make read in fp32 as they are"
+                else:
+                    fix += (
+                        f"what they produce cast back to {candidate} where the rest of the model reads it "
+                        "(.to(p.dtype), p a parameter of the model)"
+                    )
+                    changed = f"the ops at {lines} in fp32, their results cast back to {candidate}"
                 evidence |= {"feeding_lines": [f"{f}:{n}" for f, n in fed]}
                 after = given
             elif given is not None and math.isfinite(given):

@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from fpdoctor.precision.compare.container_ops import Own, OwnOps
 from fpdoctor.precision.metrics import REPEATS
+from fpdoctor.torchprivate import torch_functions_off
 
 GETITEM = torch.Tensor.__getitem__
 _SCALARS = frozenset({int, float, bool, complex, str, type(None), type(Ellipsis), torch.dtype, torch.device,
@@ -44,15 +45,27 @@ _UNSEEN: Any = object()
 # thousands of times with the same shapes). A call that is due, or whose shapes changed, is signed;
 # a site whose signature changed is trusted again only after TRUSTED more calls.
 TRUSTED = 8
+# A container call that has called LONG torch functions of its own is a long loop (a per-token loop
+# calls the same few functions on the same shapes thousands of times): its later calls run unwatched.
+# By then each of its ops was judged on its first calls and at every power of two of its count up to
+# there, which is what the rest would repeat. Where the model's tensors are plain (no subclass with a
+# `__torch_function__` of its own) and no other torch-function mode is on, torch-function handling is
+# turned off for the rest of its own calls (torchprivate.torch_functions_off), so they cost what they
+# cost without the mode; a module it calls turns it back on while it runs (its own calls are watched).
+LONG = 4096
 
 
 class OwnCalls(TorchFunctionMode):
     """OwnOps (`ops`) with one Python call per torch function (see the module's docstring). The
     hooks call enter, leave, take and paused on it as they do on OwnOps."""
 
-    def __init__(self, ops: OwnOps) -> None:
+    def __init__(self, ops: OwnOps, *, plain: bool = False) -> None:
         super().__init__()
         self.ops = ops
+        # whether torch-function handling may be turned off in a long loop (LONG): the model's tensors and
+        # its inputs are plain, so no `__torch_function__` but this mode's is skipped
+        self.plain = plain
+        self.quiet: Any = None  # the guard that turned it off, while it is
         self.pause = 0
         self.moves = 0  # module calls entered or left: a function that runs a module is not learnt
         # signature -> the repeat keys its ops count, each with how many times (None: never learnt)
@@ -61,14 +74,29 @@ class OwnCalls(TorchFunctionMode):
         # (id of function, id of the calling code, its bytecode offset) -> [code, the signature of its
         # last call, its plan, how many calls in a row had that signature, their tensors' shapes]
         self.sites: dict[tuple[int, int, int], list[Any]] = {}
+        self.cut = False  # whether a container call ran past LONG calls of its own
 
     def enter(self, name: str, index: int) -> None:
+        self._loud()  # a module called from a long loop: its own calls are watched
         self.moves += 1
         self.ops.enter(name, index)
 
     def leave(self, name: str, index: int) -> None:
+        self._loud()
         self.moves += 1
         self.ops.leave(name, index)
+        own = self.ops.current
+        if own is not None and own.calls > LONG and self.plain:  # back in a long loop's own calls
+            self.quiet = torch_functions_off(modes=1)
+
+    def _loud(self) -> None:
+        if self.quiet is not None:
+            self.quiet.__exit__(None, None, None)
+            self.quiet = None
+
+    def __exit__(self, *exc: Any) -> Any:
+        self._loud()  # a forward that raised inside a long loop
+        return super().__exit__(*exc)
 
     def settle(self) -> None:
         self.ops.settle()
@@ -90,6 +118,12 @@ class OwnCalls(TorchFunctionMode):
         kwargs = kwargs or {}
         own = self.ops.current
         if own is None or self.pause:
+            return func(*args, **kwargs)
+        own.calls += 1
+        if own.calls > LONG:
+            self.cut = True
+            if self.plain and self.quiet is None:
+                self.quiet = torch_functions_off(modes=0)  # this mode is off the stack while it runs
             return func(*args, **kwargs)
         if func is GETITEM and type(args[0]) is torch.Tensor and not kwargs and basic_index(args[1]):
             return func(*args)  # views only: no op to count (x[:, t] in a loop over tokens)

@@ -34,7 +34,7 @@ from fpdoctor.precision.metrics import (
 )
 from fpdoctor.preserve import RngState
 from fpdoctor.torchprivate import EagerDispatchMode
-from fpdoctor.userframes import user_location
+from fpdoctor.userframes import user_frame
 
 
 def hooked(
@@ -255,7 +255,10 @@ class _Chains(TorchFunctionMode):
         self.out: Any = None
         self.counted = False  # the current visit of `line` was counted as an update
         self.previous: dict[str, Any] = {}  # line -> weak reference to its last visit's last output
-        self._lines: dict[tuple[str, int, str], str] = {}  # user_location's answer -> the line's name
+        self._lines: dict[tuple[str, int], str] = {}  # the user's file and line number -> the line's name
+        # (id of the calling code, its bytecode offset) -> (the code, the line's name): where the call is the user's
+        # own, its line without a walk over the frames (a loop calls from the same few offsets thousands of times)
+        self._at: dict[tuple[int, int], tuple[Any, str]] = {}
         self.raising = raising
         self.raised_lines: set[str] = set()  # lines kept in float64 (with `raising`)
         self._kept: set[str] = set()  # lines looked at for raising: raised, or written in place / exact
@@ -278,14 +281,24 @@ class _Chains(TorchFunctionMode):
             # fp64 (ranked[:4] of a sort kept in fp64), as every view here (the op that computes from it
             # rounds it where it is not raised)
             return func(*args)
-        user = user_location(sys._getframe())
-        if user is None:
-            if raising is not None:
-                return raising.call(func, args, kwargs or {}, site=False)
-            return func(*args, **(kwargs or {}))
-        line = self._lines.get(user)
-        if line is None:
-            line = self._lines[user] = f"{user[0]}:{user[1]}"
+        caller = sys._getframe(1)  # the user's frame where the call is made in their code, as in a loop
+        code = caller.f_code
+        at = self._at.get((id(code), caller.f_lasti))
+        if at is not None and at[0] is code:
+            line = at[1]
+        else:
+            frame = user_frame(caller)
+            if frame is None:
+                if raising is not None:
+                    return raising.call(func, args, kwargs or {}, site=False)
+                return func(*args, **(kwargs or {}))
+            user = (frame.f_code.co_filename, frame.f_lineno)
+            named = self._lines.get(user)
+            if named is None:
+                named = self._lines[user] = f"{user[0]}:{user[1]}"
+            line = named
+            if frame is caller:  # called from torch's own Python (F.softmax), the user's line is not the caller's
+                self._at[(id(code), caller.f_lasti)] = (code, line)
         key = (id(func), line)
         settled = self.settled.get(line)
         if settled is not None and key in self.aten:  # a line settled (CARRIED_SETTLED): no reads tested

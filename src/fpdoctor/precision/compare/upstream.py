@@ -191,7 +191,7 @@ def raised_error(
     run: nn.Module, inputs: Any, dtype: torch.dtype, lines: list[tuple[str, int]], *, truth: torch.Tensor,
     norm: float, rng: RngState, device: torch.device | None, noise: ReplayNoise | None,
     buffers: dict[str, torch.Tensor] | None = None, keep: list[torch.Tensor] | None = None,
-    inputs_as_given: bool = False, each: Callable[[str, int, Any], None] | None = None,
+    inputs_as_given: bool = False, each: Callable[[str, int, Any], None] | None = None, scalars_kept: bool = False,
 ) -> float | None:  # fmt: skip
     """The candidate's end-to-end error against the fp64 `truth` with the ops at `lines` in fp32 and
     `buffers` (name in the model -> the user's own values) held in fp32 as the user made them, read
@@ -199,8 +199,9 @@ def raised_error(
     None when the run fails or nothing was raised. `keep` gets the run's output (its first floating
     tensor), for what it decides. `inputs_as_given`: the inputs in fp32, not rounded to `dtype` first
     (the lines that read them compute in fp32 and cast back; an op elsewhere that reads them fails
-    the run). `each(name, index, output)` sees every module's output."""
-    raised = RaisedLines(set(lines), dtype, wide_inputs=inputs_as_given)
+    the run). `each(name, index, output)` sees every module's output. `scalars_kept`: a single value
+    the lines made is read in fp32 (RaisedLines)."""
+    raised = RaisedLines(set(lines), dtype, wide_inputs=inputs_as_given, scalars_kept=scalars_kept)
     raised.held = {name.rpartition(".")[2] for name in buffers or {}}  # what a line reads them by (self.freqs)
     swapped = []
     for name, value in (buffers or {}).items():
