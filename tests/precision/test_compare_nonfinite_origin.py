@@ -253,3 +253,17 @@ def test_a_nan_the_fp64_run_makes_too_is_not_judged_as_the_candidates(tmp_path: 
         fpdoctor.compare(_NoEps().eval(), x, candidate="fp16")
     with pytest.raises(ReferenceFailed, match="NaN values in its fp64 run too"):
         fpdoctor.plan(_NoEps().eval(), x, candidate="fp16")
+
+
+def test_trace_says_that_non_finite_values_which_are_all_minus_inf_are_a_masks_and_not_a_nan():
+    """A causal mask's -inf, softmaxed to 0, is not a fault: an OK beside "non-finite ops 8" says why."""
+    scores = torch.randn(2, 4, 4)
+    causal = torch.ones(4, 4, dtype=torch.bool).triu(1)
+    block = nn.Linear(4, 4)
+    with torch.no_grad(), fpdoctor.trace(block) as t:
+        block(scores.masked_fill(causal, float("-inf")).softmax(-1))
+    summary = dict(t.report.data["summary"])
+    assert t.report.verdict == "ok" and summary["non-finite ops"].endswith(
+        "(-inf only, no NaN: a mask's fill, as a causal mask is)"
+    )
+    assert t.report.data["nonfinite_ops"] >= 1, summary

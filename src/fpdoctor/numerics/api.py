@@ -335,14 +335,18 @@ class Trace:
                 findings = self._reproduce(findings, analysis, repro_notes)
             except Exception as exc:  # the reproducer is ours: its failure is said, the findings stay
                 repro_notes["reproducer"] = f"{type(exc).__name__}: {exc}"
-        nonfinite = sum(1 for r in tracer.records if r.kind)
+        kinds = [r.kind for r in tracer.records if r.kind]
+        nonfinite = len(kinds)
+        said = str(nonfinite)
+        if kinds and all(k == "-inf" for k in kinds):  # said, so that an OK beside them is read right
+            said += " (-inf only, no NaN: a mask's fill, as a causal mask is)"
         phases = sorted({r.phase for r in tracer.records})
         summary = [
             # an OK says what it judged and what it did not: a trace has no reference to compare with
             ("judged", _judged(tracer.records.count, self._steps.steps, phases)),
             ("ops traced", f"{tracer.records.count} value-producing ops of {tracer.ops_seen} dispatched"),
             ("phases", ", ".join(phases) or "-"),
-            ("non-finite ops", str(nonfinite)),
+            ("non-finite ops", said),
             ("optimizer steps", str(self._steps.steps)),
             ("modules with headroom stats", str(len(rows))),
         ]
