@@ -2,9 +2,10 @@
 mean over the training set computed as a sum divided by the set's size held in the logits' dtype
 (120,000 is Inf in float16 under autocast). Every gradient is 0, nothing is NaN, and the reference
 step, replayed from the gradients at the model's outputs, sees zeros too: TRN031 names it as a
-warning (a loss switched off on purpose does the same), never OK, and sends the user to `trace` with
-the script's own command, which names the line. The same script with the size in fp32 trains, and
-in fp32 with the loss weighted 0 on purpose: no such finding."""
+warning (a loss switched off on purpose does the same), never OK, and sends the user to `trace`
+with the script's own command, which names the line; a loss that is not 0 and hands the model no
+gradient (1 - a share divided by that Inf, as a Dice loss is) is an error. The same script with
+the size in fp32 trains, and in fp32 with the loss weighted 0 on purpose: no such finding."""
 
 from __future__ import annotations
 
@@ -26,9 +27,12 @@ for step in range(12):
     y = x[:, :1] * 2.0 - x[:, 1:2]
     with torch.autocast("cpu", dtype=torch.float16, enabled=sys.argv[1] != "off"):
         pred = model(x)
-        size = torch.tensor(n_train, dtype=pred.dtype) if sys.argv[1] == "half" else torch.tensor(float(n_train))
+        half = sys.argv[1] in ("half", "ratio")
+        size = torch.tensor(n_train, dtype=pred.dtype) if half else torch.tensor(float(n_train))
         weight = 0.0 if sys.argv[1] == "off" else 1000.0  # "off": a loss term switched off on purpose, in fp32
         loss = ((pred.float() - y) ** 2).sum() / size * weight
+        if sys.argv[1] == "ratio":  # 1 - a share, as a Dice loss is: 1 exactly, and nothing moves
+            loss = 1.0 - (pred.float() - y).abs().sum() / size
     opt.zero_grad()
     scaler.scale(loss).backward()
     scaler.step(opt)
@@ -37,18 +41,25 @@ print("done", float(loss))
 """
 
 
-@pytest.mark.parametrize("size", ["half", "fp32", "off"])
+@pytest.mark.parametrize("size", ["half", "ratio", "fp32", "off"])
 def test_a_loss_the_script_makes_zero_on_one_process_is_named_never_ok(tmp_path, size):
     (tmp_path / "train.py").write_text(SCRIPT)
     run = _watch(tmp_path, "python", "train.py", size)
     report = _report(tmp_path)
     names = [f["name"] for f in report["findings"]]
-    if size != "half":  # the same run, trained; or its loss weighted 0 on purpose in fp32: no precision in it
+    if size not in (
+        "half",
+        "ratio",
+    ):  # the same run, trained; or its loss weighted 0 on purpose in fp32: no precision in it
         assert "gradients-all-zero" not in names, run.stdout + run.stderr
         return
-    assert report["verdict"] == "warning", run.stdout + run.stderr
     first = report["findings"][0]
     assert first["name"] == "gradients-all-zero", names
+    if size == "ratio":  # a loss of 1 that hands the model no gradient is no loss switched off: an error
+        assert report["verdict"] == "error" and first["severity"] == "error", run.stdout + run.stderr
+        assert first["evidence"]["last_loss"] == 1.0 and "reaches the model's outputs as zero" in first["message"]
+        return
+    assert report["verdict"] == "warning", run.stdout + run.stderr
     assert first["evidence"]["steps_all_zero"] == [1, 10] and first["evidence"]["last_loss"] == 0.0
     assert "The loss itself is exactly 0" in first["message"] and "after DDP" not in first["message"]
     assert "`fpdoctor trace -- train.py half`" in first["fix"] and first["fix_trial"]["reason"], first

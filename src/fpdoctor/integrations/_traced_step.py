@@ -184,9 +184,14 @@ class TracedStep:
         cause = self.findings[0]
         said = f"the step traced at step {self.step} names it ({cause.code}): {cause.fix}"
         explained = [
-            replace(f, fix=said, trial=cause.trial)
+            replace(f, fix=said, trial=cause.trial, title=_named_by(f.title, self.step))
             if f.name in _EXPLAINED and not (f.trial is not None and f.trial.tried)
             else f
             for f in found
         ]
         return [*self.findings, *explained]
+
+
+def _named_by(title: str, step: int) -> str:
+    """A title that said the replay named no op, once the step traced after it named one."""
+    return title.replace("(no op named)", f"(the op: named by the step traced at step {step})")

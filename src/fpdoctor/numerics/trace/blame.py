@@ -508,8 +508,14 @@ class Analysis:
         firsts = [
             (p[0], label, p[1:]) for p, label in ((inf_producers, "first Inf"), (nan_producers, "first NaN")) if p
         ]
+        made: dict[int, Finding] = {}  # record index -> its finding: a NaN made of the first Inf takes its fix
         for record, label, others in sorted(firsts, key=lambda first: first[0].index):
-            found.append(self.producer_finding(record, label, others))
+            finding = self.producer_finding(record, label, others)
+            source = next((made[i] for kind, i in record.inputs if kind == "op" and i in made), None)
+            if source is not None and source.trial is not None and source.trial.tried:
+                finding = _made_of(finding, source, self.records[record.index].op)
+            made[record.index] = finding
+            found.append(finding)
         producers_reached = bool(nan_producers or inf_producers or absorbed)
         gradients: list[Finding] = []  # gradients the optimizer read non-finite: one finding, the first
         batches: dict[tuple[Any, ...], list[Finding]] = {}  # a DataLoader's batches, one finding per reader
@@ -1140,6 +1146,17 @@ def _items_fix(items: list[int]) -> str:
         "a log of 0); check every item the same way (torch.isfinite(x).all() in __getitem__, with the index). "
         "Where a DataLoader's workers make them (num_workers > 0), the trace does not follow __getitem__: run it "
         "with num_workers=0 and it names the line that makes the value and checks a guard there"
+    )
+
+
+def _made_of(finding: Finding, source: Finding, op: str) -> Finding:
+    """The first NaN made by an op that read the first Inf (0 * -inf, after a log of 0): its cause is the Inf's,
+    so is its fix, the one checked there (a fix of its own, "these lines in fp32", would contradict that one)."""
+    return dataclasses.replace(
+        finding,
+        fix=f"the first Inf's fix ({op} made this NaN of that Inf, from {source.where.get('op')}): {source.fix}",
+        trial=source.trial,
+        evidence={**finding.evidence, "made_of": source.where.get("op")},
     )
 
 

@@ -1123,7 +1123,7 @@ def zero_grads_finding(
     if not distributed:
         # one process, 16-bit compute: the backward itself made zeros, from the model's outputs on (watch's reference
         # step is replayed from the gradients there, so it sees zeros too). A loss switched off on purpose (a term
-        # weighted 0 until a warm-up ends) does the same: a warning, which says what to rule out
+        # weighted 0 until a warm-up ends) does the same: a warning there, which says what to rule out
         zero = loss == 0.0
         message += (
             (" The loss itself is exactly 0" if zero else " The loss reaches the model's outputs as zero gradients")
@@ -1140,7 +1140,8 @@ def zero_grads_finding(
         )
         return catalog.make(
             "gradients-all-zero",
-            severity=Severity.WARNING,
+            # a loss of 0 may be a term switched off on purpose; one that is not 0 yet reaches nothing is never meant
+            severity=Severity.WARNING if zero else Severity.ERROR,
             message=message,
             where={"module": None, "op": None, "phase": "backward", **here},
             evidence={"steps_looked": found.looked, "steps_all_zero": found.zero, "comm_hook": None, "last_loss": loss},
@@ -1446,12 +1447,14 @@ def stall_finding(
     here: dict[str, Any],
     lr_trial: LrTrial | None = None,
     climbing: bool = False,
+    run: tuple[int, int] | None = None,
 ) -> Finding:
     """training-stalled: most recent steps skipped, and the cause the run's other findings point to.
     `window`: the episode's StepOutcomes; `found`: the run's findings so far; `lr_trial`: a lower
     learning rate tried from the climb's first step, where the evidence points at the rate;
     `climbing`: the loss was still up from its climb at the last finite step (then the stall leads the
-    verdicts it explains)."""
+    verdicts it explains); `run`: the steps skipped in the whole run and the first of them, said where
+    the run skipped more than this episode (a stall from step 37 in a run that skipped from step 4 on)."""
     skipped = [h for h in window if h.skipped]
     amp_skips = sum(1 for h in skipped if h.verdict == "amp-skip")
     never = last_good is None
@@ -1470,7 +1473,10 @@ def stall_finding(
             head = f"{len(skipped)} of the last {len(window)} optimizer steps were skipped"
             if amp_skips:
                 head += f" ({amp_skips} by the GradScaler for overflow)"
-        head += f" (steps {window[0].step}-{window[-1].step}, first skip at step {first_skip})"
+        head += f" (steps {window[0].step}-{window[-1].step}, first skip at step {first_skip}"
+        if run is not None and run[0] > len(skipped):
+            head += f"; {run[0]} of the run's {steps} steps were skipped, the first at step {run[1]}"
+        head += ")"
         head += ": the optimizer never ran." if never else f": the last step applied was step {last_good}."
     cause, fix, trial = _stall_cause(first_skip, found, lr_trial)
     climb = climbed_before(first_skip, found)

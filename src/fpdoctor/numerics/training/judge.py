@@ -907,7 +907,9 @@ class StepJudge:
         self._stall_windowed |= not all_so_far or len(recent) == STALL_WINDOW
         episode = [h for h in history[self._stall_start() :]]
         first_skip = next((h.step for h in episode if h.skipped or not h.finite), history[-1].step)
+        skips = [h.step for h in history if h.skipped]
         finding = findings.stall_finding(
+            run=(len(skips), skips[0]) if skips else None,
             steps=len(history),
             window=episode,
             first_skip=first_skip,
