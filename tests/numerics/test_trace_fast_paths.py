@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 import fpdoctor
 
@@ -121,3 +122,12 @@ def test_a_number_returned_by_an_op_is_not_a_record():
     assert v == 10.0
     assert not _records(tr, "aten._local_scalar_dense.default")
     assert tr.tracer.ops_seen >= 3
+
+
+def test_a_meta_tensor_has_no_values_to_read_and_no_hook_error():
+    """transformers builds some masks on the meta device (shapes only): nothing there to check."""
+    m = nn.Linear(4, 4)
+    with torch.no_grad(), fpdoctor.trace(m) as t:
+        shape = (torch.empty(3, 4, device="meta") * 2).shape
+        m(torch.randn(*shape))
+    assert t.report.data["not_checked"] == {}, t.report.data["not_checked"]

@@ -27,7 +27,8 @@ STRIDED = torch.strided
 
 
 def checkable(t: torch.Tensor) -> bool:
-    return t.dtype in CHECKABLE and t.layout is STRIDED and t.numel() > 0
+    # a meta tensor (shapes only, as transformers makes some while building masks) holds no values to check
+    return t.dtype in CHECKABLE and t.layout is STRIDED and t.numel() > 0 and not t.is_meta
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:

@@ -405,7 +405,7 @@ class Tracer(EagerDispatchMode):
         `_record` without its walk over outputs and written arguments, nor the cases no op on
         this path has (views, value-preserving ops, copies into parameters)."""
         self.ops_seen += 1
-        if t.dtype not in CHECKABLE or t.layout is not STRIDED or not t.numel():
+        if t.dtype not in CHECKABLE or t.layout is not STRIDED or not t.numel() or t.is_meta:
             return
         immediate = self.immediate
         if immediate is None:
