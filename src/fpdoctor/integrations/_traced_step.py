@@ -192,6 +192,6 @@ class TracedStep:
         return [*self.findings, *explained]
 
 
-def _named_by(title: str, step: int) -> str:
+def _named_by(title: str, step: int | None) -> str:
     """A title that said the replay named no op, once the step traced after it named one."""
     return title.replace("(no op named)", f"(the op: named by the step traced at step {step})")

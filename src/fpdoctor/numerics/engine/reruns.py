@@ -882,11 +882,11 @@ def _stable_fix_text(checked: stable.Checked, where: str, op: str, *, both_halve
     lead = f"Write {form.stable} instead of {form.written} at {where}"
     if both_halves:
         lead = (
-            f"Write F.binary_cross_entropy_with_logits(z, y, reduction='none') in place of the per-element "
-            f"cross-entropy written by hand at {where}, -(y * log(p) + (1 - y) * log(1 - p)) with p = sigmoid(z) (the "
-            "reduction after it, .mean() or .sum(), stays as it is): both of its halves, as log(sigmoid(z)) is F.logsigmoid(z) and log(1 - sigmoid(z)) is "
-            f"F.logsigmoid(-z) (replacing only the half that broke here, {form.written}, moves the overflow to the "
-            "other as the model grows confident)"
+            "Write F.binary_cross_entropy_with_logits(z, y, reduction='none') in place of the per-element "
+            f"cross-entropy written by hand at {where}, -(y * log(p) + (1 - y) * log(1 - p)) with p = sigmoid(z) "
+            "(the reduction after it, .mean() or .sum(), stays as it is): both of its halves, as log(sigmoid(z)) "
+            "is F.logsigmoid(z) and log(1 - sigmoid(z)) is F.logsigmoid(-z) (replacing only the half that broke "
+            f"here, {form.written}, moves the overflow to the other as the model grows confident)"
         )
         needs = ["import torch.nn.functional as F"]
     text = (

@@ -508,13 +508,17 @@ class Analysis:
         firsts = [
             (p[0], label, p[1:]) for p, label in ((inf_producers, "first Inf"), (nan_producers, "first NaN")) if p
         ]
-        made: dict[int, Finding] = {}  # record index -> its finding: a NaN made of the first Inf takes its fix
+        by_record: dict[int, Finding] = {}  # record index -> its finding: a NaN made of the first Inf takes its fix
         for record, label, others in sorted(firsts, key=lambda first: first[0].index):
             finding = self.producer_finding(record, label, others)
-            source = next((made[i] for kind, i in record.inputs if kind == "op" and i in made), None)
-            if source is not None and source.trial is not None and source.trial.tried:
+            source = next((by_record[i] for kind, i in record.inputs if kind == "op" and i in by_record), None)
+            # unless its own fix is the same remedy (the same "Write ... instead of ..." before where it applies)
+            if (
+                source is not None and source.trial is not None and source.trial.tried
+                and finding.fix.split(" at ")[0] != source.fix.split(" at ")[0]
+            ):  # fmt: skip
                 finding = _made_of(finding, source, self.records[record.index].op)
-            made[record.index] = finding
+            by_record[record.index] = finding
             found.append(finding)
         producers_reached = bool(nan_producers or inf_producers or absorbed)
         gradients: list[Finding] = []  # gradients the optimizer read non-finite: one finding, the first
