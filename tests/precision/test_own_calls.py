@@ -10,6 +10,7 @@ from torch import nn
 import fpdoctor
 from fpdoctor.precision.compare import compare as steps
 from fpdoctor.precision.compare import own_calls
+from fpdoctor.precision.metrics import due
 
 
 class Loop(nn.Module):
@@ -81,6 +82,7 @@ def test_the_function_level_watch_gives_the_dispatch_modes_figures(monkeypatch, 
         torch.randn(2 if kind is not MaskedLater else 4, 300 if kind is not MaskedLater else 64, 16),
     )
     made = []
+    monkeypatch.setattr(own_calls, "LONG", 10**9)  # every call watched, as the dispatch mode watches them
     monkeypatch.setattr(steps, "OwnCalls", lambda ops, **kw: made.append(own_calls.OwnCalls(ops, **kw)) or made[-1])
     watched = fpdoctor.compare(model, x, candidate="bf16")
     assert made and len(made[-1].plans) > 5  # calls learnt, and their repeats not dispatched
@@ -153,3 +155,19 @@ def test_a_signature_tells_apart_what_changes_the_ops_and_leaves_out_an_index_po
     assert not own_calls.basic_index(True)
     assert own_calls._plan(["mm", "add", "mm", None]) == (("mm", 2), ("add", 1))  # nothing after nonzero
     assert own_calls._plan(["mm", None, "add"]) is None  # add's input shapes may change with the values
+
+
+def test_a_forward_of_many_distinct_calls_is_watched_to_its_end(monkeypatch):
+    """More than LONG calls, each from a line of its own (a deep model written as functions): no loop to cut."""
+    lines = "".join(f"    x = x * {1 + k * 1e-4}\n" for k in range(own_calls.LONG + 100))
+    namespace: dict = {}
+    exec(compile(f"def forward(self, x):\n{lines}    return self.head(x)\n", "<unrolled>", "exec"), namespace)
+    unrolled = type("Unrolled", (nn.Module,), {"forward": namespace["forward"]})
+    model = unrolled()
+    model.head = nn.Linear(16, 4)
+    made = []
+    monkeypatch.setattr(steps, "OwnCalls", lambda ops, **kw: made.append(own_calls.OwnCalls(ops, **kw)) or made[-1])
+    result = fpdoctor.compare(model.eval(), torch.randn(8, 16), candidate="bf16")
+    root = next(r for r in result.rows if r.module == "")
+    # one op on one shape, judged on its first calls and every power of two of its count: to the last call
+    assert not made[-1].cut and root.own["judged"] == sum(due(k) for k in range(own_calls.LONG + 100)), root.own

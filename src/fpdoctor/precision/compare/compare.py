@@ -656,7 +656,8 @@ class _Comparison:
         self.own.settle()  # the own ops whose figures call for a closer look (container_ops.Own.settle)
         if getattr(self.own, "cut", False):  # what was judged, said (OwnCalls.cut)
             self.notes["own ops of a long loop"] = (
-                f"judged on the first {LONG} torch calls of each container call; the loop's later calls repeat them"
+                f"judged on the first {LONG} torch calls of a container call that loops over a few calls; its later "
+                "calls repeat them"
             )
 
     def _reference_failed(self, exc: Exception) -> ReferenceFailed:

@@ -45,14 +45,17 @@ _UNSEEN: Any = object()
 # thousands of times with the same shapes). A call that is due, or whose shapes changed, is signed;
 # a site whose signature changed is trusted again only after TRUSTED more calls.
 TRUSTED = 8
-# A container call that has called LONG torch functions of its own is a long loop (a per-token loop
-# calls the same few functions on the same shapes thousands of times): its later calls run unwatched.
-# By then each of its ops was judged on its first calls and at every power of two of its count up to
-# there, which is what the rest would repeat. Where the model's tensors are plain (no subclass with a
-# `__torch_function__` of its own) and no other torch-function mode is on, torch-function handling is
-# turned off for the rest of its own calls (torchprivate.torch_functions_off), so they cost what they
-# cost without the mode; a module it calls turns it back on while it runs (its own calls are watched).
-LONG = 4096
+# A container call that has called LONG torch functions of its own, from at most a REPEATED-th as many
+# call sites, is a long loop (a per-token loop calls the same few functions on the same shapes
+# thousands of times): its later calls run unwatched. By then each of its ops was judged on its first
+# calls and at every power of two of its count up to there, which is what the rest would repeat; a
+# forward of many distinct calls (a deep model written as functions) is watched to its end. Where the
+# model's tensors are plain (no subclass with a `__torch_function__` of its own) and no other
+# torch-function mode is on, torch-function handling is turned off for the rest of its own calls
+# (torchprivate.torch_functions_off), so they cost what they cost without the mode; a module it
+# calls turns it back on while it runs (its own calls are watched).
+LONG = 1024
+REPEATED = 16
 
 
 class OwnCalls(TorchFunctionMode):
@@ -86,7 +89,7 @@ class OwnCalls(TorchFunctionMode):
         self.moves += 1
         self.ops.leave(name, index)
         own = self.ops.current
-        if own is not None and own.calls > LONG and self.plain:  # back in a long loop's own calls
+        if own is not None and own.cut and self.plain:  # back in a long loop's own calls
             self.quiet = torch_functions_off(modes=1)
 
     def _loud(self) -> None:
@@ -120,8 +123,8 @@ class OwnCalls(TorchFunctionMode):
         if own is None or self.pause:
             return func(*args, **kwargs)
         own.calls += 1
-        if own.calls > LONG:
-            self.cut = True
+        if own.cut or (own.calls > LONG and len(self.sites) * REPEATED < own.calls):
+            own.cut = self.cut = True
             if self.plain and self.quiet is None:
                 self.quiet = torch_functions_off(modes=0)  # this mode is off the stack while it runs
             return func(*args, **kwargs)
