@@ -101,13 +101,18 @@ mode_popped = _dispatch._pop_mode_temporarily  # `with mode_popped():` the top m
 DisableTorchDispatch = torch._C._DisableTorchDispatch
 
 
-def torch_functions_off(modes: int) -> Any | None:
+def torch_functions_off(caller: types.FrameType) -> Any | None:
     """Torch-function handling off (every mode's and every subclass's `__torch_function__`) from here until
     the returned guard's `__exit__(None, None, None)`, which restores it; None, changing nothing, where it is
-    already off in part or the stack holds more than `modes` torch-function modes (the caller's own: one, or
-    none inside its `__torch_function__`, where torch has taken it off the stack). A guard entered and left
-    across calls, not a `with` block: compare's own-op watch goes quiet for the rest of a long loop."""
-    if not torch._C._is_torch_function_enabled() or torch._C._len_torch_function_stack() > modes:
+    already off in part, a torch-function mode is on the stack, or the call came from another mode's
+    `__torch_function__` (`caller`, the frame that made the call: a mode above this one, off the stack while
+    it runs). Called inside a mode's `__torch_function__` (torch has taken that mode off the stack while it
+    runs): a guard entered and left across calls, not a `with` block, for compare's own-op watch to go
+    quiet for the rest of a long loop."""
+    if (
+        not torch._C._is_torch_function_enabled() or torch._C._len_torch_function_stack()
+        or caller.f_code.co_name == "__torch_function__"
+    ):  # fmt: skip
         return None
     guard = torch._C.DisableTorchFunction()
     guard.__enter__()

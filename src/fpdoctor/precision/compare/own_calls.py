@@ -85,12 +85,11 @@ class OwnCalls(TorchFunctionMode):
         self.ops.enter(name, index)
 
     def leave(self, name: str, index: int) -> None:
+        # on for compare's own work in the hook that follows (its re-runs may use a torch-function mode);
+        # off again at the loop's next own call
         self._loud()
         self.moves += 1
         self.ops.leave(name, index)
-        own = self.ops.current
-        if own is not None and own.cut and self.plain:  # back in a long loop's own calls
-            self.quiet = torch_functions_off(modes=1)
 
     def _loud(self) -> None:
         if self.quiet is not None:
@@ -126,7 +125,7 @@ class OwnCalls(TorchFunctionMode):
         if own.cut or (own.calls > LONG and len(self.sites) * REPEATED < own.calls):
             own.cut = self.cut = True
             if self.plain and self.quiet is None:
-                self.quiet = torch_functions_off(modes=0)  # this mode is off the stack while it runs
+                self.quiet = torch_functions_off(sys._getframe(1))
             return func(*args, **kwargs)
         if func is GETITEM and type(args[0]) is torch.Tensor and not kwargs and basic_index(args[1]):
             return func(*args)  # views only: no op to count (x[:, t] in a loop over tokens)
