@@ -168,6 +168,8 @@ class RaisedLines(EagerDispatchMode):
     ) -> None:  # fmt: skip
         super().__init__()
         self.lines, self.dtype = lines, dtype
+        # what the lines compute in: fp32, or fp64 for an fp32 candidate (a Cholesky that fails in fp32)
+        self.wide = torch.float64 if dtype == torch.float32 else torch.float32
         # True: a single value the lines made (a 0-dim tensor: alphas[t] of a schedule they built) is read in
         # fp32 as it is. An op that reads it with a `dtype` tensor stays in `dtype` (type promotion), and takes
         # the fp32 value's digits: the fix "build the table in fp32, read its values as they are"
@@ -196,12 +198,12 @@ class RaisedLines(EagerDispatchMode):
             # only what raising widened is cast back where the rest reads it
             wider = self._wider(args, kwargs, user)
             args, kwargs = _map(args, kwargs, self._up)
-            args = tuple(torch.float32 if a is self.dtype else a for a in args)
-            kwargs = {k: torch.float32 if v is self.dtype else v for k, v in kwargs.items()}
+            args = tuple(self.wide if a is self.dtype else a for a in args)
+            kwargs = {k: self.wide if v is self.dtype else v for k, v in kwargs.items()}
             out = func(*args, **kwargs)
             if not wider:
                 for t in _tensors(out):
-                    if t.dtype == torch.float32:
+                    if t.dtype == self.wide:
                         self.made.put(t, (user[0], user[1]))  # the line that made it (truthy)
             return out
         if func.is_view:
@@ -290,7 +292,7 @@ class RaisedLines(EagerDispatchMode):
                     self.fed.put(t, True)
 
     def _up(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(torch.float32) if t.dtype == self.dtype else t
+        return t.to(self.wide) if t.dtype == self.dtype else t
 
     def _wider(self, args: Any, kwargs: dict[str, Any], user: tuple[str, int, str]) -> bool:
         """Whether the op, as the code wrote it, computes wider than `dtype`: its floating dtype

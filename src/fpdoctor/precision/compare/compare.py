@@ -1935,7 +1935,13 @@ class _Comparison:
                     moved = ", which move the entries it keeps" if ev.get("by_rows") else ", which make the error"
                     summary[i] = (label, said + moved)
         if self.cand_failed is not None:  # a model that cannot run in the candidate is never OK
-            result.report.findings.insert(0, nonfinite.failed(self.cand_failed, label=self.label, candidate=candidate))
+            result.report.findings.insert(
+                0,
+                nonfinite.failed(
+                    self.cand_failed, label=self.label, candidate=candidate, check=self._fix_checked,
+                    on=inputs_text(describe(self.inputs)),
+                ),
+            )  # fmt: skip
         result.overflows = {name: found for (name, _), found in overflows.items()}
         if self.input_floor_note is not None:
             result.report.data["input_floor_note"] = self.input_floor_note

@@ -340,10 +340,13 @@ def _origin(
     )
 
 
-def failed(exc: Exception, *, label: str, candidate: str) -> Finding:
-    """The candidate's run raised (a constant its format cannot hold, an op without a kernel for it):
-    the model does not run in the candidate at all, named at the user's line that raised. Nothing
-    was compared past it, so no fix of compare's own was tried."""
+def failed(
+    exc: Exception, *, label: str, candidate: str, check: Check | None = None, on: str = ""
+) -> Finding:  # fmt: skip
+    """The candidate's run raised (a constant its format cannot hold, an op without a kernel for it, a
+    factorisation that fails in fp32): the model does not run in the candidate at all, named at the
+    user's line that raised. For an fp32 candidate the line in fp64 is checked (`check`, as "op"): a
+    fix in fp32 would change nothing there."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
     where = f" at {frames[-1].filename}:{frames[-1].lineno} (`{(frames[-1].line or '').strip()}`)" if frames else ""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -351,6 +354,36 @@ def failed(exc: Exception, *, label: str, candidate: str) -> Finding:
         "compute that line in fp32, its operands .float() and the result cast back (.to(x.dtype), x its input), "
         f"where the op has no {candidate} kernel; else make the line run in the candidate's dtype"
     )
+    trial = Trial.untried(
+        "the run raised before anything could be changed in it; the line and its message are the evidence"
+    )
+    if compute_dtype(candidate) == torch.float32 and frames:
+        # fp32 already: the wider format is fp64. A factorisation that fails (a Cholesky "not positive-definite",
+        # a singular solve) is the matrix's conditioning: its smallest eigenvalues below fp32's rounding of its largest
+        singular = any(w in text for w in ("positive-definite", "singular", "not invertible"))
+        fix = (
+            ("the matrix is numerically singular in fp32 (its smallest eigenvalues fall below fp32's rounding of its "
+             "largest: a kernel of close points, a jitter such as 1e-6): " if singular else "")
+            + "compute that line in fp64, its operands .double() and the result cast back (.to(x.dtype), x its input)"
+            + (", or add to the diagonal a jitter fp32 resolves (1e-4 or more of its mean)" if singular else "")
+        )  # fmt: skip
+        after = check("op", (frames[-1].filename, frames[-1].lineno or 0), 0) if check is not None else None
+        if after is not None and math.isfinite(after):
+            fix += f"; checked: the model runs, its end-to-end error {after:.3g}"
+            trial = Trial.checked(
+                f"line {frames[-1].lineno} in fp64, its result cast back to fp32", before="the run raised",
+                metric="end-to-end relative error against fp64", after=after, on=on,
+            )  # fmt: skip
+        elif check is not None and singular:  # tried: what the line reads is already singular as fp32 holds it
+            fix = (
+                "the matrix is numerically singular in fp32 as it is built (its smallest eigenvalues fall below "
+                "fp32's rounding of its largest): that line alone in fp64 still fails (checked), so build the matrix "
+                "in fp64 too (the lines that compute it, from operands .double()) and factorise it there, the result "
+                "cast back (.to(x.dtype)); or add to the diagonal a jitter fp32 resolves (1e-4 or more of its mean)"
+            )
+            trial = Trial.untried(
+                f"line {frames[-1].lineno} alone in fp64 still raised; the lines that build the matrix were not tried"
+            )
     if "overflow" in text:  # a Python constant past the format's range, put into one of its tensors
         limit = torch.finfo(compute_dtype(candidate)).max if compute_dtype(candidate).is_floating_point else None
         largest = f" ({limit:.6g} in {candidate})" if limit is not None else ""
@@ -362,8 +395,8 @@ def failed(exc: Exception, *, label: str, candidate: str) -> Finding:
         "precision-divergence",
         title=f"The model does not run in {label}",
         message=(
-            f"In {label}, the model does not run: {type(exc).__name__}{where}: {text}. Nothing past that point was "
-            "compared, so the modules' figures cover only what ran before it."
+            f"In {label}, the model does not run: {type(exc).__name__}{where}: {text.rstrip('.')}. Nothing past that "
+            "point was compared, so the modules' figures cover only what ran before it."
         ),
         fix=fix,
         where={"module": None, "op": None, "phase": "forward"},
@@ -373,9 +406,7 @@ def failed(exc: Exception, *, label: str, candidate: str) -> Finding:
             "error": f"{type(exc).__name__}: {text}",
             "location": f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None,
         },
-        trial=Trial.untried(
-            "the run raised before anything could be changed in it; the line and its message are the evidence"
-        ),
+        trial=trial,
     )
 
 
