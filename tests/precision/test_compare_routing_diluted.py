@@ -149,3 +149,13 @@ def test_lines_that_give_every_pick_back_without_the_error_falling_are_no_fix() 
 
     s.checked(key, found, truth, check, rounded_inputs=False)
     assert found.lines is None and not found.partial
+
+
+def test_a_plan_that_keeps_nothing_says_the_router_fix_goes_with_it() -> None:
+    """plan's target is the end-to-end error, which the diluted router stays within: a verified plan that
+    keeps nothing says the selection finding beside it is an error no module kept in fp32 takes away."""
+    model, x = _mixtral(False)
+    report = fpdoctor.plan(model, x, candidate="bf16").report
+    summary = dict(report.data["summary"])
+    assert report.by_name("selection-changed"), [f.code for f in report.findings]
+    assert summary["verified"].startswith("yes") and "but not the whole fix: NUM022" in summary["verified"], summary

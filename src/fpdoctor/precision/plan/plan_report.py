@@ -230,6 +230,13 @@ def build(the_plan: Plan, search: Search) -> Report:
             text = f"yes: {m.show(the_plan.final_error)} (target {aim}); {_worst(m, search.measured[1])}"
         else:
             text = f"yes: end-to-end error {_fmt(the_plan.final_error)} (target {the_plan.target:.3g})"
+        # an error no module kept in fp32 fixes (a router's top-k that picks otherwise): the plan alone is not the fix
+        beside = [f for f in findings if f.severity == Severity.ERROR and f.name in _BESIDE_THE_PLAN]
+        for f in beside[:1]:
+            text += (
+                f"; but not the whole fix: {f.code} {f.name} below is an error that no module kept in fp32 takes "
+                "away, and its fix goes with the plan"
+            )
         summary.append(("verified", text + too_coarse))
     else:
         summary.append(("keep in fp32", "no verified plan"))
@@ -440,6 +447,10 @@ def _accumulated_in(search: Search, module: str) -> str | None:
             if at and owner is not None and (owner == module or owner.startswith(f"{module}.")):
                 return str(at)
     return None
+
+
+# compare's findings that no set of modules kept in fp32 answers: a verified plan says they stand beside it
+_BESIDE_THE_PLAN = ("selection-changed",)
 
 
 def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
