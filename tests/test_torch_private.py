@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from fpdoctor import torchprivate as tp
 
@@ -192,33 +191,6 @@ def test_dispatch_mode_stack_names():
         x * 3
     assert outer.ops == ["aten.mul.Tensor"]
     assert tp.mode_stack() == []
-
-
-def test_torch_functions_turned_off_inside_a_mode_until_the_guard_is_left():
-    class Quiet(TorchFunctionMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls, self.guard, self.inner = 0, None, None
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            self.calls += 1
-            if self.calls == 2:
-                self.guard = tp.torch_functions_off(sys._getframe(1))
-            return func(*args, **(kwargs or {}))
-
-    x = torch.ones(2)
-    with Quiet() as quiet:
-        for _ in range(5):
-            x = x + 1
-        assert quiet.calls == 2 and quiet.guard is not None  # no call seen after the guard was entered
-        quiet.guard.__exit__(None, None, None)
-        x = x * 1
-        assert quiet.calls == 3 and torch._C._is_torch_function_enabled()
-    with Quiet() as below, Quiet() as top:  # nothing turned off: a mode below it, a mode above that one
-        x + 1
-        x + 1
-        assert top.guard is None and below.calls == 2 and below.guard is None
-    assert x.tolist() == [6.0, 6.0] and torch._C._is_torch_function_enabled()
 
 
 def test_an_eager_mode_is_not_wrapped_for_dynamo():

@@ -101,24 +101,6 @@ mode_popped = _dispatch._pop_mode_temporarily  # `with mode_popped():` the top m
 DisableTorchDispatch = torch._C._DisableTorchDispatch
 
 
-def torch_functions_off(caller: types.FrameType) -> Any | None:
-    """Torch-function handling off (every mode's and every subclass's `__torch_function__`) from here until
-    the returned guard's `__exit__(None, None, None)`, which restores it; None, changing nothing, where it is
-    already off in part, a torch-function mode is on the stack, or the call came from another mode's
-    `__torch_function__` (`caller`, the frame that made the call: a mode above this one, off the stack while
-    it runs). Called inside a mode's `__torch_function__` (torch has taken that mode off the stack while it
-    runs): a guard entered and left across calls, not a `with` block, for compare's own-op watch to go
-    quiet for the rest of a long loop."""
-    if (
-        not torch._C._is_torch_function_enabled() or torch._C._len_torch_function_stack()
-        or caller.f_code.co_name == "__torch_function__"
-    ):  # fmt: skip
-        return None
-    guard = torch._C.DisableTorchFunction()
-    guard.__enter__()
-    return guard
-
-
 class EagerDispatchMode(TorchDispatchMode):
     """A dispatch mode whose `__torch_dispatch__` torch does not wrap in Dynamo's disable()
     (torch does that for every mode whose `_should_skip_dynamo` says True, its default): the wrapper

@@ -166,6 +166,8 @@ KEPT_FALL = 0.8
 # as it is; a Langevin sampler's, 0.0189 and 0.0107). It is also the simpler code: the dtype changed, no cast. Where
 # the lines make no single value the rest reads, the two runs are one and the same.
 SCALARS_FALL = 1.1
+# what a fix's lines compute in, by the kind of check (_fix_checked): "fp64" for an fp32 candidate, else fp32
+_WIDER = {"fp64": torch.float64}
 
 
 @dataclass
@@ -620,11 +622,7 @@ class _Comparison:
         )
         # one Python call per torch function, not per aten op (own_calls.py), where every op need not
         # pass through a dispatch mode: the op ranges read them all, the replayed noise sits below it
-        plain = all(
-            type(t) in (torch.Tensor, nn.Parameter)
-            for t in (*self.truth_run.parameters(), *self.truth_run.buffers(), *tensors_in(self.run_inputs))
-        )  # a long loop's own calls may then run with torch-function handling off (own_calls.LONG)
-        self.own: OwnOps | OwnCalls = ops if self.ranges or self.noise is not None else OwnCalls(ops, plain=plain)
+        self.own: OwnOps | OwnCalls = ops if self.ranges or self.noise is not None else OwnCalls(ops)
         self.made = ops.made  # lines making values the candidate's format rounds (made_in_dtype.py)
 
         def post(name: str, index: int, args: Any, output: Any) -> None:
@@ -656,8 +654,8 @@ class _Comparison:
         self.own.settle()  # the own ops whose figures call for a closer look (container_ops.Own.settle)
         if getattr(self.own, "cut", False):  # what was judged, said (OwnCalls.cut)
             self.notes["own ops of a long loop"] = (
-                f"judged on the first {LONG} torch calls of a container call that loops over a few calls; its later "
-                "calls repeat them"
+                f"a container call that loops over a few calls is judged on its first {LONG}; its later calls from the "
+                "same sites repeat them (a call from a new site is judged)"
             )
 
     def _reference_failed(self, exc: Exception) -> ReferenceFailed:
@@ -2335,13 +2333,14 @@ class _Comparison:
     def _fix_checked(self, kind: str, line: tuple[str, int], more: int = 0) -> float | None:
         """The end-to-end error with an overflow's fix in place (nonfinite.py, profile.causes): the
         cast at `line` held at the format's largest finite value ("cast"), or the ops at `line` and
-        the `more` lines after it in fp32, their results cast back after them ("op")."""
+        the `more` lines after it in fp32, their results cast back after them ("op"; "fp64": in fp64,
+        for an fp32 candidate)."""
         root = next(e for (name, _), e in self.seen.items() if name == "")
         lines = {(line[0], line[1] + k) for k in range(more + 1)}
         mode = (
             SaturatedCasts(lines, self.cand_dtype)
             if kind == "cast"
-            else RaisedLines(lines, self.cand_dtype, cast_back=kind != "wide")
+            else RaisedLines(lines, self.cand_dtype, cast_back=kind != "wide", to=_WIDER.get(kind, torch.float32))
         )
         kept: list[torch.Tensor] = []  # the run's output, for what it decides (_checked_fixes)
         broken: list[str] = []  # modules whose output the fix leaves off by BROKEN of its norm or more

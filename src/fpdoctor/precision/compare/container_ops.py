@@ -160,7 +160,6 @@ class Own:
     diverging: dict[str, OpError] = field(default_factory=dict)
     # the torch functions its forward called itself so far (own_calls.OwnCalls: a long loop's are watched up to LONG)
     calls: int = 0
-    cut: bool = False  # its later calls run unwatched: a long loop's (own_calls.LONG)
 
     def as_dict(self, dtype: str) -> dict[str, Any]:
         worst = self.worst

@@ -32,7 +32,7 @@ from fpdoctor.precision.profile import RAISED_FALLS, ModuleRow, lines_text
 from fpdoctor.report.model import Finding, Trial
 from fpdoctor.userframes import is_user_file
 
-# The check of a fix: ("cast" | "op", (file, line), lines after it) -> the end-to-end error with it
+# The check of a fix: ("cast" | "op" | "fp64", (file, line), lines after it) -> the end-to-end error with it
 # in place (inf while the output stays non-finite; None when the run could not be made)
 Check = Callable[[str, tuple[str, int], int], "float | None"]
 # The check of a computation done before the cast: (op, module, location) -> (the lines that feed
@@ -367,7 +367,7 @@ def failed(
             + "compute that line in fp64, its operands .double() and the result cast back (.to(x.dtype), x its input)"
             + (", or add to the diagonal a jitter fp32 resolves (1e-4 or more of its mean)" if singular else "")
         )  # fmt: skip
-        after = check("op", (frames[-1].filename, frames[-1].lineno or 0), 0) if check is not None else None
+        after = check("fp64", (frames[-1].filename, frames[-1].lineno or 0), 0) if check is not None else None
         if after is not None and math.isfinite(after):
             fix += f"; checked: the model runs, its end-to-end error {after:.3g}"
             trial = Trial.checked(

@@ -32,7 +32,6 @@ from torch.overrides import TorchFunctionMode
 
 from fpdoctor.precision.compare.container_ops import Own, OwnOps
 from fpdoctor.precision.metrics import REPEATS
-from fpdoctor.torchprivate import torch_functions_off
 
 GETITEM = torch.Tensor.__getitem__
 _SCALARS = frozenset({int, float, bool, complex, str, type(None), type(Ellipsis), torch.dtype, torch.device,
@@ -47,14 +46,12 @@ _UNSEEN: Any = object()
 TRUSTED = 8
 # A container call that has called LONG torch functions of its own, from at most a REPEATED-th as many
 # call sites, is a long loop (a per-token loop calls the same few functions on the same shapes
-# thousands of times): its later calls run unwatched. By then each of its ops was judged on its first
-# calls and at every power of two of its count up to there, which is what the rest would repeat; a
-# forward of many distinct calls (a deep model written as functions) is watched to its end. Where the
-# model's tensors are plain (no subclass with a `__torch_function__` of its own) and no other
-# torch-function mode is on, torch-function handling is turned off for the rest of its own calls
-# (torchprivate.torch_functions_off), so they cost what they cost without the mode; a module it
-# calls turns it back on while it runs (its own calls are watched).
-LONG = 1024
+# thousands of times): from there, a call from a site it has called before returns at once. Each op
+# was judged on its first calls and at every power of two of its count up to there, which is what the
+# rest would repeat; a call from a new site (the code after the loop, an op the loop starts calling
+# later) is watched as before, and a forward of many distinct calls (a deep model written as
+# functions) to its end.
+LONG = 2048
 REPEATED = 16
 
 
@@ -62,13 +59,9 @@ class OwnCalls(TorchFunctionMode):
     """OwnOps (`ops`) with one Python call per torch function (see the module's docstring). The
     hooks call enter, leave, take and paused on it as they do on OwnOps."""
 
-    def __init__(self, ops: OwnOps, *, plain: bool = False) -> None:
+    def __init__(self, ops: OwnOps) -> None:
         super().__init__()
         self.ops = ops
-        # whether torch-function handling may be turned off in a long loop (LONG): the model's tensors and
-        # its inputs are plain, so no `__torch_function__` but this mode's is skipped
-        self.plain = plain
-        self.quiet: Any = None  # the guard that turned it off, while it is
         self.pause = 0
         self.moves = 0  # module calls entered or left: a function that runs a module is not learnt
         # signature -> the repeat keys its ops count, each with how many times (None: never learnt)
@@ -77,28 +70,16 @@ class OwnCalls(TorchFunctionMode):
         # (id of function, id of the calling code, its bytecode offset) -> [code, the signature of its
         # last call, its plan, how many calls in a row had that signature, their tensors' shapes]
         self.sites: dict[tuple[int, int, int], list[Any]] = {}
-        self.cut = False  # whether a container call ran past LONG calls of its own
+        self.known: set[tuple[int, int]] = set()  # (id of the calling code, its bytecode offset) of every site
+        self.cut = False  # whether a long loop's calls returned at once (LONG)
 
     def enter(self, name: str, index: int) -> None:
-        self._loud()  # a module called from a long loop: its own calls are watched
         self.moves += 1
         self.ops.enter(name, index)
 
     def leave(self, name: str, index: int) -> None:
-        # on for compare's own work in the hook that follows (its re-runs may use a torch-function mode);
-        # off again at the loop's next own call
-        self._loud()
         self.moves += 1
         self.ops.leave(name, index)
-
-    def _loud(self) -> None:
-        if self.quiet is not None:
-            self.quiet.__exit__(None, None, None)
-            self.quiet = None
-
-    def __exit__(self, *exc: Any) -> Any:
-        self._loud()  # a forward that raised inside a long loop
-        return super().__exit__(*exc)
 
     def settle(self) -> None:
         self.ops.settle()
@@ -122,11 +103,11 @@ class OwnCalls(TorchFunctionMode):
         if own is None or self.pause:
             return func(*args, **kwargs)
         own.calls += 1
-        if own.cut or (own.calls > LONG and len(self.sites) * REPEATED < own.calls):
-            own.cut = self.cut = True
-            if self.plain and self.quiet is None:
-                self.quiet = torch_functions_off(sys._getframe(1))
-            return func(*args, **kwargs)
+        if own.calls > LONG and len(self.known) * REPEATED < own.calls:
+            caller = sys._getframe(1)
+            if (id(caller.f_code), caller.f_lasti) in self.known:  # a long loop's call, from a site seen before
+                self.cut = True
+                return func(*args, **kwargs)
         if func is GETITEM and type(args[0]) is torch.Tensor and not kwargs and basic_index(args[1]):
             return func(*args)  # views only: no op to count (x[:, t] in a loop over tokens)
         frame = sys._getframe(1)
@@ -168,6 +149,7 @@ class OwnCalls(TorchFunctionMode):
                 entry[4] = _shapes(*call)
         else:
             self.sites[site] = [code, key, plan, 1 if isinstance(plan, tuple) else 0, None]
+            self.known.add((site[1], site[2]))
 
 
 def _shapes(args: Any, kwargs: dict[str, Any]) -> tuple[Any, ...]:
