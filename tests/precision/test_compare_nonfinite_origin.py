@@ -267,3 +267,47 @@ def test_trace_says_that_non_finite_values_which_are_all_minus_inf_are_a_masks_a
         "(-inf only, no NaN: a mask's fill, as a causal mask is)"
     )
     assert t.report.data["nonfinite_ops"] >= 1, summary
+
+
+class _TwoInfs(nn.Module):
+    """An exp past fp16's range (the first Inf), a product past it of its own, then their difference (NaN)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        a = torch.exp(h * 12.0)
+        b = h * h * 60000.0
+        return (a - b).sum()
+
+
+def test_a_nan_made_of_the_first_inf_and_another_keeps_its_own_fix():
+    """The NaN takes the first Inf's fix only where that Inf is all it read: here b overflows by itself."""
+    model = _TwoInfs().half()
+    with torch.no_grad():
+        model.lin.weight.fill_(0.3)
+        model.lin.bias.fill_(0.0)
+    with torch.no_grad(), fpdoctor.trace(model) as t:
+        model(torch.ones(2, 4, dtype=torch.float16))
+    nan = next(f for f in t.report.findings if f.title.startswith("first NaN"))
+    assert not nan.fix.startswith("the first Inf's fix"), nan.fix
+
+
+def test_an_inf_a_finding_blames_is_not_called_a_masks_fill():
+    class Underflow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.log(torch.sigmoid(self.lin(x)))  # 0 in fp16, then -inf: no mask
+
+    model = Underflow().half()
+    with torch.no_grad():
+        model.lin.weight.fill_(-5.0)
+    with torch.no_grad(), fpdoctor.trace(model) as t:
+        model(torch.ones(2, 4, dtype=torch.float16))
+    assert t.report.by_name("nonfinite-produced")
+    assert "mask" not in dict(t.report.data["summary"])["non-finite ops"], t.report.data["summary"]

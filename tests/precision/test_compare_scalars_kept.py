@@ -58,3 +58,16 @@ def test_a_schedule_built_in_fp16_gets_the_dtype_line_and_its_entries_read_as_th
     fixed = fpdoctor.compare(Langevin(fixed=True), points, candidate="fp16")
     assert not [f for f in fixed.report.findings if f.code == "NUM001"], fixed.report.findings
     assert fixed.rows[-1].propagated == pytest.approx(checked, rel=0.02), (fixed.rows[-1].propagated, checked)
+
+
+def test_only_a_line_that_makes_a_tensor_with_its_dtype_is_said_to_pick_it(tmp_path):
+    from fpdoctor.precision.compare.nonfinite import _dtype_chosen
+
+    source = tmp_path / "lines.py"
+    source.write_text(
+        "betas = torch.linspace(1e-4, 0.02, 1000, dtype=dtype)\n"
+        "score = (eps / torch.sqrt(1 - abar[t])).to(dtype=x.dtype)\n"
+        "same = x.dtype == torch.float16\n"
+        "eye = torch.eye(len(s), dtype=x.dtype)\n"
+    )
+    assert _dtype_chosen([(str(source), n) for n in range(1, 5)]) == [1, 4]

@@ -338,7 +338,8 @@ class Trace:
         kinds = [r.kind for r in tracer.records if r.kind]
         nonfinite = len(kinds)
         said = str(nonfinite)
-        if kinds and all(k == "-inf" for k in kinds):  # said, so that an OK beside them is read right
+        if kinds and all(k == "-inf" for k in kinds) and not any(f.name == "nonfinite-produced" for f in findings):
+            # said, so that an OK beside them is read right (where a finding blames an -inf, it is no mask's)
             said += " (-inf only, no NaN: a mask's fill, as a causal mask is)"
         phases = sorted({r.phase for r in tracer.records})
         summary = [

@@ -511,7 +511,12 @@ class Analysis:
         by_record: dict[int, Finding] = {}  # record index -> its finding: a NaN made of the first Inf takes its fix
         for record, label, others in sorted(firsts, key=lambda first: first[0].index):
             finding = self.producer_finding(record, label, others)
-            source = next((by_record[i] for kind, i in record.inputs if kind == "op" and i in by_record), None)
+            # made of the first Inf alone: every non-finite value it read is that finding's op's output
+            from_firsts = [i for kind, i in record.inputs if kind == "op" and i in by_record]
+            alone = bool(from_firsts) and all(
+                src == ("op", from_firsts[0]) for src in record.inputs if self.kind_of(src)
+            )
+            source = by_record[from_firsts[0]] if alone else None
             # unless its own fix is the same remedy (the same "Write ... instead of ..." before where it applies)
             if (
                 source is not None and source.trial is not None and source.trial.tried

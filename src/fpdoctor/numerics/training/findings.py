@@ -1127,9 +1127,9 @@ def zero_grads_finding(
         zero = loss == 0.0
         message += (
             (" The loss itself is exactly 0" if zero else " The loss reaches the model's outputs as zero gradients")
-            + ". Unless that is meant (a loss term weighted 0 until a warm-up ends), what computes the loss from the "
-            "outputs hands them no gradient: in 16-bit, a normaliser that overflowed to Inf dividing it (a count "
-            "past float16's 65504), or a factor that underflowed to 0."
+            + (". Unless that is meant (a loss term weighted 0 until a warm-up ends), what" if zero else ": what")
+            + " computes the loss from the outputs hands them no gradient: in 16-bit, a normaliser that overflowed to "
+            "Inf dividing it (a count past float16's 65504), or a factor that underflowed to 0."
         )
         fix = (
             "find the line of the loss's computation that makes it "

@@ -131,7 +131,14 @@ def findings(
 def _dtype_chosen(lines: list[tuple[str, int]]) -> list[int]:
     """The lines among `lines` that pick a dtype themselves (`torch.linspace(..., dtype=dtype)`): there the
     fix writes torch.float32, not a .float() on what they read (they may read no tensor at all)."""
-    return [n for f, n in lines if re.search(r"\bdtype\s*=", linecache.getline(f, n))]
+    return [n for f, n in lines if _FACTORY_DTYPE.search(linecache.getline(f, n))]
+
+
+# a tensor made with its dtype given (torch.linspace(..., dtype=dtype)); never a cast (.to(dtype=...)) nor dtype ==
+_FACTORY_DTYPE = re.compile(
+    r"\b(?:linspace|logspace|arange|full|zeros|ones|empty|tensor|as_tensor|eye|rand|randn)\((?:[^()]|\([^()]*\))*"
+    r"\bdtype\s*=(?!=)"
+)
 
 
 def _fits(exact: float | None, limit: float) -> bool:
@@ -232,16 +239,16 @@ def _origin(
                     "cancels); those lines in fp32 give a finite output."
                 )
                 chosen = _dtype_chosen(fed)
+                picks = f"line {chosen[0]} picks" if len(chosen) == 1 else f"lines {', '.join(map(str, chosen))} pick"
                 fix = f"compute {lines} in fp32: " + (
-                    f"torch.float32 where line {', '.join(str(n) for n in chosen)} picks the dtype (dtype=), " if chosen
-                    else ""
+                    f"torch.float32 where {picks} the dtype (dtype=), " if chosen else ""
                 ) + ".float() on any tensor they read from the rest of the model, "  # fmt: skip
                 if scalars:  # checked: each single value they make read in fp32 leaves far less error than cast back
                     fix += (
                         "and read the single values taken from what they make (a table's t-th entry, a 0-dim tensor) "
                         f"as they are, in fp32, with no cast: an op that reads a 0-dim fp32 tensor beside {candidate} "
-                        f"tensors stays {candidate} and keeps the fp32 value's digits; cast back only a whole tensor "
-                        f"of theirs the rest of the model reads (.to(p.dtype), p a parameter of the model)"
+                        f"tensors of more dims stays {candidate} and keeps the fp32 value's digits; cast back only a "
+                        "whole tensor of theirs the rest of the model reads (.to(p.dtype), p a parameter of the model)"
                     )
                     changed = f"the ops at {lines} in fp32, the single values they make read in fp32 as they are"
                 else:
