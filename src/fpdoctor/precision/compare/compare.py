@@ -82,7 +82,7 @@ from fpdoctor.precision.compare.compiled import compare_compiled, is_compiled
 from fpdoctor.precision.compare.container_ops import Own, OwnOps
 from fpdoctor.precision.compare.first_overflow import first_overflow
 from fpdoctor.precision.compare.noise import ReplayNoise
-from fpdoctor.precision.compare.own_calls import LONG, OwnCalls
+from fpdoctor.precision.compare.own_calls import OwnCalls
 from fpdoctor.precision.compare.passes import (
     carried_and_raised,
     carried_states,
@@ -652,11 +652,6 @@ class _Comparison:
                 "`fpdoctor trace` on a script that runs the model names the op that makes them and the rows"
             )
         self.own.settle()  # the own ops whose figures call for a closer look (container_ops.Own.settle)
-        if getattr(self.own, "cut", False):  # what was judged, said (OwnCalls.cut)
-            self.notes["own ops of a long loop"] = (
-                f"a container call that loops over a few calls is judged on its first {LONG}; its later calls from the "
-                "same sites repeat them (a call from a new site is judged)"
-            )
 
     def _reference_failed(self, exc: Exception) -> ReferenceFailed:
         """The one-line error for a model whose fp64 copy raised: the user's line that raised, and for

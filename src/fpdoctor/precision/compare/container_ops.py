@@ -158,8 +158,6 @@ class Own:
     # per user line, its worst op past OTHER_RATIO x its floor: a second line that leaves its floor beside the
     # worst's (two running sums subtracted, each on its own line), tried with it where the worst's alone is not enough
     diverging: dict[str, OpError] = field(default_factory=dict)
-    # the torch functions its forward called itself so far (own_calls.OwnCalls: a long loop's are watched up to LONG)
-    calls: int = 0
 
     def as_dict(self, dtype: str) -> dict[str, Any]:
         worst = self.worst

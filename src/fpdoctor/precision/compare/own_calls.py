@@ -44,15 +44,6 @@ _UNSEEN: Any = object()
 # thousands of times with the same shapes). A call that is due, or whose shapes changed, is signed;
 # a site whose signature changed is trusted again only after TRUSTED more calls.
 TRUSTED = 8
-# A container call that has called LONG torch functions of its own, from at most a REPEATED-th as many
-# call sites, is a long loop (a per-token loop calls the same few functions on the same shapes
-# thousands of times): from there, a call from a site it has called before returns at once. Each op
-# was judged on its first calls and at every power of two of its count up to there, which is what the
-# rest would repeat; a call from a new site (the code after the loop, an op the loop starts calling
-# later) is watched as before, and a forward of many distinct calls (a deep model written as
-# functions) to its end.
-LONG = 2048
-REPEATED = 16
 
 
 class OwnCalls(TorchFunctionMode):
@@ -70,8 +61,6 @@ class OwnCalls(TorchFunctionMode):
         # (id of function, id of the calling code, its bytecode offset) -> [code, the signature of its
         # last call, its plan, how many calls in a row had that signature, their tensors' shapes]
         self.sites: dict[tuple[int, int, int], list[Any]] = {}
-        self.known: set[tuple[int, int]] = set()  # (id of the calling code, its bytecode offset) of every site
-        self.cut = False  # whether a long loop's calls returned at once (LONG)
 
     def enter(self, name: str, index: int) -> None:
         self.moves += 1
@@ -102,12 +91,6 @@ class OwnCalls(TorchFunctionMode):
         own = self.ops.current
         if own is None or self.pause:
             return func(*args, **kwargs)
-        own.calls += 1
-        if own.calls > LONG and len(self.known) * REPEATED < own.calls:
-            caller = sys._getframe(1)
-            if (id(caller.f_code), caller.f_lasti) in self.known:  # a long loop's call, from a site seen before
-                self.cut = True
-                return func(*args, **kwargs)
         if func is GETITEM and type(args[0]) is torch.Tensor and not kwargs and basic_index(args[1]):
             return func(*args)  # views only: no op to count (x[:, t] in a loop over tokens)
         frame = sys._getframe(1)
@@ -149,7 +132,6 @@ class OwnCalls(TorchFunctionMode):
                 entry[4] = _shapes(*call)
         else:
             self.sites[site] = [code, key, plan, 1 if isinstance(plan, tuple) else 0, None]
-            self.known.add((site[1], site[2]))
 
 
 def _shapes(args: Any, kwargs: dict[str, Any]) -> tuple[Any, ...]:
