@@ -352,7 +352,7 @@ def failed(
 ) -> Finding:  # fmt: skip
     """The candidate's run raised (a constant its format cannot hold, an op without a kernel for it, a
     factorisation that fails in fp32): the model does not run in the candidate at all, named at the
-    user's line that raised. For an fp32 candidate the line in fp64 is checked (`check`, as "op"): a
+    user's line that raised. For an fp32 candidate the line in fp64 is checked (`check`, as "fp64"): a
     fix in fp32 would change nothing there."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
     where = f" at {frames[-1].filename}:{frames[-1].lineno} (`{(frames[-1].line or '').strip()}`)" if frames else ""
@@ -391,6 +391,9 @@ def failed(
             trial = Trial.untried(
                 f"line {frames[-1].lineno} alone in fp64 still raised; the lines that build the matrix were not tried"
             )
+        elif check is not None:  # fp64 is no fix either: the line as it should run in the candidate's dtype
+            fix = "make that line run in fp32 as written: the message names what it needs (a dtype, a shape, a value)"
+            trial = Trial.untried(f"line {frames[-1].lineno} in fp64 still raised: the cause is not its precision")
     if "overflow" in text:  # a Python constant past the format's range, put into one of its tensors
         limit = torch.finfo(compute_dtype(candidate)).max if compute_dtype(candidate).is_floating_point else None
         largest = f" ({limit:.6g} in {candidate})" if limit is not None else ""
