@@ -60,6 +60,7 @@ def test_a_cross_entropy_by_hand_gets_one_fix_for_its_inf_and_its_nan_and_it_tra
     stall = next(f for f in findings if f["name"] == "training-stalled")
     said = re.search(r"(\d+) of the last (\d+) optimizer steps.*; (\d+) of the run's 50 steps", stall["message"])
     assert said and int(said[1]) < int(said[3]), stall["message"]  # the run's skips, beyond this episode's
+    assert "which names no op in the model" in stall["message"], stall["message"]  # as the replay's verdict says
     fixed = tmp_path / "fixed.py"
     fixed.write_text(FIXED)
     out = subprocess.run([sys.executable, str(fixed)], capture_output=True, text=True, timeout=120, check=True)

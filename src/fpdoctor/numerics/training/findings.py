@@ -1538,7 +1538,14 @@ def _stall_cause(
     if det is not None:
         where = det.where
         module = f"`{where.get('module')}`" if where.get("module") else "the root module"
-        op = f"{where.get('op')} in {module}" if where.get("op") else "the op it names"
+        op = f"{where.get('op')} in {module}" if where.get("op") else None
+        if op is None:  # the replay of the model named no op: said as it is, not as a cause named
+            return (
+                "Every replay makes it again from the same batch (see deterministic-nonfinite, which names no op "
+                "in the model: the value is made after it, in the loss or its backward).",
+                det.fix or None,
+                det.trial,
+            )
         if det.evidence.get("control_fp32") == "finite":
             return (
                 f"Every replay names the same cause, {op}, and its fp32 control replay is finite: the precision of "
