@@ -1229,7 +1229,11 @@ class StepJudge:
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in self.params})
         recipe = f"{'/'.join(dtypes)} parameters" + (f", the loss scaled by a GradScaler ({scale:g})" if scale else "")
         # watch and the callbacks replay the model's own forward, under the autocast it ran under
-        recipe += ", autocast as the step ran it" if backward_only else ", autocast as step_fn sets it"
+        recipe += (
+            ", the forward as the step ran it (its autocast, if any)"
+            if backward_only
+            else ", autocast as step_fn sets it"
+        )
         made = reference.finding(result, recipe=recipe, here=self.here)
         if made is not None:
             self.causes.add(made)  # a cause seen again at a later reference step adds to its count

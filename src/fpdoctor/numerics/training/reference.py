@@ -673,9 +673,10 @@ def finding(comparison: Comparison, *, recipe: str, here: dict[str, Any]) -> Fin
             "squares past 65504 once the norm passes 256), and max_norm / inf is 0."
         )
         fix = (
-            "Compute the norm your code divides the gradients by in fp32: the squares summed from g.float() (for a "
-            "clip of the total norm, torch.nn.utils.clip_grad_norm_); `fpdoctor trace` on the script names the op "
-            "that overflows and checks its fix"
+            "Compute the norm your code divides the gradients by in fp32: the squares summed from g.float() (where "
+            "torch.nn.utils.clip_grad_norm_ takes fp16 gradients, its total norm overflows: compute it from "
+            "g.float() by hand and multiply each g by min(1, max_norm / (norm + 1e-6))); `fpdoctor trace` on the "
+            "script names the op that overflows and checks its fix"
         )
         trial = Trial.untried(
             "watch does not run your code between the backward and the step; `fpdoctor trace` runs it and checks "
