@@ -53,6 +53,8 @@ def test_a_cross_entropy_by_hand_gets_one_fix_for_its_inf_and_its_nan_and_it_tra
     assert findings[0] is inf and inf["title"].startswith("first Inf"), [(f["code"], f["title"]) for f in findings]
     assert "binary_cross_entropy_with_logits(z, y, reduction='none') in place of the per-element" in inf["fix"]
     assert "(the reduction after it, .mean() or .sum(), stays as it is)" in inf["fix"], inf["fix"]
+    # the check replaced the half that broke, said so beside a fix that names the whole form
+    assert "(the half that broke here; the other half takes the same form)" in inf["fix_trial"]["changed"]
     assert nan["title"].startswith("first NaN") and nan["fix"].startswith("the first Inf's fix"), nan["fix"]
     assert nan["fix_trial"] == inf["fix_trial"] and inf["fix"] in nan["fix"]
     verdict = next(f for f in findings if f["name"] == "deterministic-nonfinite")

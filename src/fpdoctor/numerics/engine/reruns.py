@@ -495,6 +495,10 @@ class Experiment:
         if found is None:
             return text, message, fix, trial
         how = "the ops from the change down to the loss re-run with it in place, the rest as they ran"
+        changed = found.changed
+        if fix.startswith("Write F.binary_cross_entropy_with_logits") and "F.logsigmoid" in changed:
+            # the check replaced the half that broke; the fix names the whole cross-entropy, each half that form
+            changed += " (the half that broke here; the other half takes the same form)"
         if self.data_cast is not None:  # the fix is a rescale; the check measured the cast kept wide, not it
             if found.after is None or found.gradients_left or found.judged == "gradients":
                 fix += (
@@ -511,7 +515,7 @@ class Experiment:
                     f"through those ops are finite where they were not (checked: {how}, and their backward run).",
                 )
                 trial = Trial.checked(
-                    found.changed,
+                    changed,
                     metric=f"the gradients from the step's loss ({found.loss}) through the changed ops",
                     before="non-finite",
                     after="finite",
@@ -550,7 +554,7 @@ class Experiment:
             fix = _after_checked(fix, said)
             left = "; its gradients still non-finite" if found.gradients_left else ""
             trial = Trial.checked(
-                found.changed,
+                changed,
                 metric=f"the step's loss ({found.loss}){left}",
                 before=found.before,
                 after=found.after,
