@@ -164,12 +164,12 @@ class RaisedLines(EagerDispatchMode):
 
     def __init__(
         self, lines: set[tuple[str, int]], dtype: torch.dtype, *, wide_inputs: bool = False, cast_back: bool = True,
-        scalars_kept: bool = False, to: torch.dtype = torch.float32,
+        scalars_kept: bool = False, wide: torch.dtype = torch.float32,
     ) -> None:  # fmt: skip
         super().__init__()
         self.lines, self.dtype = lines, dtype
         # what the lines compute in: fp32, or fp64 for an fp32 candidate (a Cholesky that fails in fp32)
-        self.wide = to
+        self.wide = wide
         # True: a single value the lines made (a 0-dim tensor: alphas[t] of a schedule they built) is read in
         # fp32 as it is. An op that reads it with a `dtype` tensor stays in `dtype` (type promotion), and takes
         # the fp32 value's digits: the fix "build the table in fp32, read its values as they are"

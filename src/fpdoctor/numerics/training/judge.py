@@ -244,6 +244,8 @@ class StepJudge:
         self._climb: Snapshot | str | None = None
         self._lr_trial: LrTrial | None = None
         self.history: list[StepOutcome] = []
+        # the run's skipped steps so far and the first of them, counted as the history grows (_progress)
+        self._skips: tuple[int, int | None, int] = (0, None, 0)  # (count, first step, history read)
         self.last_good_step: int | None = None
         self.not_replayed: dict[int, str] = {}
         self.decided: int | None = None  # the step whose verdict (apply or skip) is taken
@@ -907,9 +909,13 @@ class StepJudge:
         self._stall_windowed |= not all_so_far or len(recent) == STALL_WINDOW
         episode = [h for h in history[self._stall_start() :]]
         first_skip = next((h.step for h in episode if h.skipped or not h.finite), history[-1].step)
-        skips = [h.step for h in history if h.skipped]
+        count, first, read = self._skips
+        for h in history[read:]:  # each step read once: a long stall rebuilds its finding on every step
+            if h.skipped:
+                count, first = count + 1, h.step if first is None else first
+        self._skips = (count, first, len(history))
         finding = findings.stall_finding(
-            run=(len(skips), skips[0]) if skips else None,
+            run=(count, first) if first is not None else None,
             steps=len(history),
             window=episode,
             first_skip=first_skip,

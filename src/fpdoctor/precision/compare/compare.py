@@ -166,8 +166,6 @@ KEPT_FALL = 0.8
 # as it is; a Langevin sampler's, 0.0189 and 0.0107). It is also the simpler code: the dtype changed, no cast. Where
 # the lines make no single value the rest reads, the two runs are one and the same.
 SCALARS_FALL = 1.1
-# what a fix's lines compute in, by the kind of check (_fix_checked): "fp64" for an fp32 candidate, else fp32
-_WIDER = {"fp64": torch.float64}
 
 
 @dataclass
@@ -759,11 +757,14 @@ class _Comparison:
             self.logits = self.logits or use.class_table_source(name, module, first)
             if self.logits is not None and not torch.allclose(ours, theirs, rtol=1e-6, atol=0.0):
                 self.logits += ", scaled by a constant after it"
-        elif _filtered(first) and self._softmax_of(first, name, made) is None and self._head_of(first, name, made):
+        elif (
+            _filtered(first)
+            and self._softmax_of(first, name, made) is None
+            and (head := self._head_of(first, name, made))
+        ):
             # the model's own ops made a distribution after its last leaf, not its softmax (a sampler's filtered,
             # renormalised probabilities): judged as a softmax's are, by their logs
             rows = first.numel() // first.shape[-1]
-            head = self._head_of(first, name, made)
             self.logits = (
                 f"probabilities over {first.shape[-1]} classes ({rows} rows, each summing to 1, made by the model's "
                 f"own ops from the {head})"
@@ -2335,7 +2336,12 @@ class _Comparison:
         mode = (
             SaturatedCasts(lines, self.cand_dtype)
             if kind == "cast"
-            else RaisedLines(lines, self.cand_dtype, cast_back=kind != "wide", to=_WIDER.get(kind, torch.float32))
+            else RaisedLines(
+                lines,
+                self.cand_dtype,
+                cast_back=kind != "wide",
+                wide=torch.float64 if kind == "fp64" else torch.float32,
+            )
         )
         kept: list[torch.Tensor] = []  # the run's output, for what it decides (_checked_fixes)
         broken: list[str] = []  # modules whose output the fix leaves off by BROKEN of its norm or more
@@ -2376,6 +2382,13 @@ class _Comparison:
             return [], None, False, False
         rounded = _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is None
         root = next(e for (name, _), e in self.seen.items() if name == "")
+
+        def raised(lines: list[tuple[str, int]], given: bool, scalars_kept: bool = False) -> float | None:
+            return upstream.raised_error(
+                self.cand_run, self.run_inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm, rng=self.rng,
+                device=self.cand_device, noise=self.noise, inputs_as_given=given, scalars_kept=scalars_kept,
+            )  # fmt: skip
+
         lines: list[tuple[str, int]] = []
         error: float | None = None
         try:  # the check is ours: where it fails, the finding stands with the fix untried
@@ -2386,16 +2399,9 @@ class _Comparison:
             for given in (False, True) if rounded else (False,):
                 for more in range(nonfinite.LINES_AFTER + 1):
                     lines = sorted({*fed, line, *((line[0], line[1] + k) for k in range(1, more + 1))})
-                    error = upstream.raised_error(
-                        self.cand_run, self.run_inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,
-                        rng=self.rng, device=self.cand_device, noise=self.noise, inputs_as_given=given,
-                    )  # fmt: skip
+                    error = raised(lines, given)
                     if error is not None and math.isfinite(error):
-                        kept = upstream.raised_error(
-                            self.cand_run, self.run_inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,
-                            rng=self.rng, device=self.cand_device, noise=self.noise, inputs_as_given=given,
-                            scalars_kept=True,
-                        )  # fmt: skip
+                        kept = raised(lines, given, scalars_kept=True)
                         if kept is not None and kept * SCALARS_FALL < error:
                             return lines, kept, given, True
                         return lines, error, given, False

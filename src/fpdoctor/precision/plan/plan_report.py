@@ -231,11 +231,11 @@ def build(the_plan: Plan, search: Search) -> Report:
         else:
             text = f"yes: end-to-end error {_fmt(the_plan.final_error)} (target {the_plan.target:.3g})"
         # an error no module kept in fp32 fixes (a router's top-k that picks otherwise): the plan alone is not the fix
-        beside = [f for f in findings if f.severity == Severity.ERROR and f.name in _BESIDE_THE_PLAN]
-        for f in beside[:1]:
+        beside = next((f for f in findings if f.severity == Severity.ERROR and f.name in _BESIDE_THE_PLAN), None)
+        if beside is not None:
             text += (
-                f"; but not the whole fix: {f.code} {f.name} below is an error that no module kept in fp32 takes "
-                "away, and its fix goes with the plan"
+                f"; but not the whole fix: {beside.code} {beside.name} below is an error that no module kept in fp32 "
+                "takes away, and its fix goes with the plan"
             )
         summary.append(("verified", text + too_coarse))
     else:
