@@ -38,6 +38,7 @@ from fpdoctor.numerics.observe.batches import MicroBatch
 from fpdoctor.numerics.observe.gradcheck import FlagRead, grads_of, nonfinite_flag
 from fpdoctor.numerics.observe.loader import LoaderBatches, rows_kept, set_step_rows
 from fpdoctor.numerics.training import distributed, reference
+from fpdoctor.numerics.training.coarse_output import ModelOutputs
 from fpdoctor.numerics.training.judge import JudgedSteps, StepFacts, StepJudge
 from fpdoctor.numerics.training.live import Live
 from fpdoctor.numerics.updates.measure import UpdateProbe, UpdateStats
@@ -134,6 +135,7 @@ class StepWatch(JudgedSteps):
         gpu_health: bool = True,
         live: Live | None = None,
         loader_rows: bool = False,
+        hook_outputs: bool = False,
     ) -> None:
         self.model = model
         self.scaler = scaler if amp.enabled(scaler) else None
@@ -164,6 +166,9 @@ class StepWatch(JudgedSteps):
                 self._loader = LoaderBatches(recent=RECENT_BATCHES).__enter__()
             except Exception as exc:
                 self._error("following the DataLoader's batches", exc)
+        # `hook_outputs`: a callback that runs the user's whole step sees the loss alone; the model's outputs,
+        # on the steps their format is checked (coarse_output.py), come from hooks put on for that step
+        self._outputs = ModelOutputs(model) if hook_outputs and not self._judge.is_compiled else None
         self._ddp = ddp
         self._params = self._judge.params
         self._device = self._judge.device
@@ -266,6 +271,8 @@ class StepWatch(JudgedSteps):
         report stays readable)."""
         loader, self._loader = self._loader, None
         try:
+            if self._outputs is not None:
+                self._outputs.take()
             if loader is not None:
                 loader.close()
         finally:
@@ -277,6 +284,8 @@ class StepWatch(JudgedSteps):
         try:
             if not self._micros:
                 self._judge.begin_window()
+                if self._outputs is not None and self._judge.outputs_due(self._judge.steps + 1):
+                    self._outputs.start()
             self._micros.append(_Micro(RngState.capture()))
         except Exception as exc:
             self._error("preparing the step", exc)
@@ -374,6 +383,7 @@ class StepWatch(JudgedSteps):
         are read after a gradient-norm computation. The check's result, None if it failed."""
         checked: Check | None = None
         judge = self._judge
+        hooked = self._outputs.take() if self._outputs is not None else []  # the hooks off before anything else
         try:
             self.check(step, spread=spread)
             checked = self._checked
@@ -388,8 +398,9 @@ class StepWatch(JudgedSteps):
                 facts = self._facts(checked)
                 outcome = judge.judge(facts)
                 kept = self.window_args(KeptGradients)  # a callback that replays from its outputs' gradients
-                if outcome.finite and kept:  # the outputs' format: what that replay cannot see
-                    judge.outputs_read(judge.steps, [t for k in kept for t in k.originals])
+                if outcome.finite and (kept or hooked):  # the outputs' format: what a replay cannot see
+                    outputs = [t for k in kept for t in k.originals]
+                    judge.outputs_read(judge.steps, outputs or hooked, replayed=bool(outputs))
                 if outcome.finite and facts.why_not is None and judge.reference_due(judge.steps):
                     self._reference(facts)
                 probe = self._probe

@@ -136,6 +136,7 @@ class _Hooks:
             replay_context=lambda: _replaying(pl_module),
             live=Live(stop_on=self._stop_level),
             loader_rows=True,  # a bad step's rows named as the dataset items of its own batch
+            hook_outputs=True,  # training_step computes the loss: the callback sees no output otherwise
         )
         if not pl_module.automatic_optimization:
             self._watch.cannot_replay_any = "manual optimization: training_step steps the optimizer itself"

@@ -12,23 +12,33 @@ spread or more, the output cannot hold what the model is asked to predict: compa
 the same of a model's forward, and checks the fix there.
 
 Cost: one host read of a few reductions per output tensor, on one step.
+
+A front end that runs the user's whole step (the Lightning callback, the Sentinel) sees the loss, not
+the outputs: `ModelOutputs` keeps them on the steps the check is due, from forward hooks on the model
+and its direct children put on for that step alone.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from fpdoctor import catalog
 from fpdoctor.formats import COARSE
 from fpdoctor.report.model import Finding, Trial
+from fpdoctor.torchprivate import pytree
 
 # Columns judged at most (a 48-step forecast is one output of 48 columns); logits pass the test anyway
 # (their spread over the rows is far above their spacing), and a vocabulary is not worth the host read
 COLUMNS = 256
 ROWS = 8  # fewer rows give no spread to judge
+# Output tensors ModelOutputs keeps at most: a step whose end a front end never saw holds no more
+KEPT = 64
 
 
 def coarse(outputs: list[torch.Tensor]) -> dict[str, Any] | None:
@@ -58,8 +68,12 @@ def coarse(outputs: list[torch.Tensor]) -> dict[str, Any] | None:
     return None
 
 
-def finding(found: dict[str, Any], step: int, here: dict[str, Any]) -> Finding:
-    """`output-too-coarse-in-training` for what `coarse` found at `step`."""
+def finding(
+    found: dict[str, Any], step: int, here: dict[str, Any], *, replayed: bool = True, departed: Finding | None = None
+) -> Finding:
+    """`output-too-coarse-in-training` for what `coarse` found at `step`. `replayed`: the reference step
+    replays the backward from the gradients at the output (it cannot see the rounding); else it ran the
+    forward in fp32, and `departed` is its first departure, which this rounding explains."""
     dtype = found["dtype"]
     share = found["rounding"] / found["spread"] if found["spread"] > 0 else math.inf
     which = f"output {found['output']}, column {found['column']}" if found["output"] or found["column"] else "output"
@@ -70,11 +84,22 @@ def finding(found: dict[str, Any], step: int, here: dict[str, Any]) -> Finding:
         else f"is one value of {dtype} on all {found['rows']} rows of the batch: rounding to {dtype} there moves a "
         f"value by {found['rounding']:.3g} on average, more than what the model's outputs differ by"
     )
+    if replayed:
+        reference = (
+            "the reference step cannot see it, as it replays the backward from the gradient that reached this output."
+        )
+    elif departed is not None:
+        what = "gradients depart" if departed.name == "gradients-depart-from-reference" else "update departs"
+        reference = (
+            f"the reference step's {what} from this run's from step {departed.where.get('step')} on (the "
+            "finding after this one): its forward runs in fp32, its output not rounded, so this is where they part."
+        )
+    else:
+        reference = "the reference step runs the forward in fp32, whose output is not rounded."
     message = (
         f"At step {step} the model's {which} is in {dtype}: it sits at {found['magnitude']:.4g} on average and {varies}"
-        ". The loss is computed on values the "
-        "format cannot place finely, so the fit stalls near that error, with no NaN; the reference step cannot see "
-        "it, as it replays the backward from the gradient that reached this output."
+        ". The loss is computed on values the format cannot place finely, so the fit stalls near that error, with "
+        f"no NaN; {reference}"
     )
     fix = (
         "Return the output in fp32: its last layer outside autocast on its input .float() (or kept in fp32 in a "
@@ -88,8 +113,8 @@ def finding(found: dict[str, Any], step: int, here: dict[str, Any]) -> Finding:
         where={"module": None, "op": None, "phase": "forward", "step": step, **here},
         evidence={**found, "share_of_spread": share if math.isfinite(share) else None, "step": step},
         trial=Trial.untried(
-            "watch knows no loss function, so it runs no step with the output in fp32; `fpdoctor compare` runs the "
-            "model's forward with the output's layer kept in fp32 and checks it"
+            "no training step is run with only the output's layer in fp32 (the reference step runs the whole step in "
+            "fp32); `fpdoctor compare` runs the model's forward with the output's layer kept in fp32 and checks it"
         ),
     )
 
@@ -130,3 +155,50 @@ def input_finding(found: dict[str, Any], step: int, here: dict[str, Any]) -> Fin
             "`fpdoctor compare --inputs-as-given` on the model fed the fp32 inputs checks the fix"
         ),
     )
+
+
+class ModelOutputs:
+    """The outputs of a model's outermost calls during one step, for `coarse`: forward hooks on the model
+    and on its direct children (a LightningModule's `training_step` may call `self.model(x)`, not
+    `self(x)`), put on by `start` and taken off by `take`; a call inside another hooked call is not kept
+    (the loss module's 0-d loss is, and `coarse` passes it by). References, detached: nothing is
+    copied, the user's numbers are not touched, and nothing stays on the modules after `take`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._handles: list[RemovableHandle] = []
+        self._outputs: list[torch.Tensor] = []
+        self._depth = threading.local()
+
+    @property
+    def started(self) -> bool:
+        return bool(self._handles)
+
+    def start(self) -> None:
+        if self._handles:
+            return
+        self._outputs = []
+        try:
+            for module in (self.model, *self.model.children()):
+                self._handles.append(module.register_forward_pre_hook(self._pre))
+                self._handles.append(module.register_forward_hook(self._post, always_call=True))
+        except Exception:
+            self.take()
+            raise
+
+    def take(self) -> list[torch.Tensor]:
+        """The outputs kept since `start`; the hooks come off."""
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        self._depth.value = getattr(self._depth, "value", 0) + 1
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        depth = self._depth.value = max(getattr(self._depth, "value", 1) - 1, 0)
+        if depth == 0 and output is not None and len(self._outputs) < KEPT:
+            leaves = [output] if type(output) is torch.Tensor else pytree.tree_leaves(output)
+            self._outputs += [t.detach() for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]

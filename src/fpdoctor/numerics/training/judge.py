@@ -1124,35 +1124,50 @@ class StepJudge:
         step_time = statistics.median(self._step_times) if self._step_times else 0.0
         return reference.paced(self.reference_every, self._reference_cost, step_time)
 
-    def outputs_read(self, step: int, outputs: list[torch.Tensor]) -> None:
-        """The training forward's outputs (watch: what its replay cannot see), judged for a format
-        too coarse for them (coarse_output.py) at steps 4, 8, 16, 32, 64, then every 64th: a model
-        fits its targets as it trains, so its first steps say little, and a run of 200 steps is
-        judged by step 128; named once two checks in a row find it. One host read a check."""
-        if step >= 4:
-            self._coarse_read(step, outputs, self._outputs, coarse_output.finding)
+    def outputs_read(self, step: int, outputs: list[torch.Tensor], *, replayed: bool = True) -> None:
+        """The training forward's outputs, judged for a format too coarse for them (coarse_output.py) at
+        steps 4, 8, 16, 32, 64, then every 64th: a model fits its targets as it trains, so its first steps
+        say little, and a run of 200 steps is judged by step 128; named once two checks in a row find it.
+        One host read a check. `replayed`: the reference step replays the backward from the gradients at
+        these outputs (watch, a callback that keeps them), so it cannot see their rounding; otherwise it
+        ran the forward in fp32 (the Lightning callback, the Sentinel), and a departure it found is this
+        rounding's consequence: the cause goes ahead of it, and says so."""
+        found = self._coarse_read(step, outputs, self._outputs) if step >= 4 else None
+        if found is None:
+            return
+        departed = None
+        if not replayed:
+            departed = next((f for f in self.findings if f.name in _DEPARTURES), None)
+        made = coarse_output.finding(found, step, self.here, replayed=replayed, departed=departed)
+        if departed is None:
+            self.findings.append(made)
+        else:
+            self.findings.insert(self.findings.index(departed), made)
+
+    def outputs_due(self, step: int) -> bool:
+        """`outputs_read` would look at `step`'s outputs (a front end that hooks the model to see them
+        hooks it for these steps alone)."""
+        return step >= 4 and not self._outputs["named"] and _coarse_due(step)
 
     def inputs_read(self, step: int, inputs: list[torch.Tensor]) -> None:
         """The training forward's floating inputs, judged as `outputs_read` judges its outputs, at steps 1,
         2, 4, 8, ..., then every 64th: raw readings cast to bf16/fp16 before the model (pressure near 1013 hPa
         that varies by 4, bf16's spacing there 8) lose what they vary by before any op of the model runs;
         named once two checks in a row find it."""
-        self._coarse_read(step, inputs, self._inputs, coarse_output.input_finding)
+        found = self._coarse_read(step, inputs, self._inputs)
+        if found is not None:
+            self.findings.append(coarse_output.input_finding(found, step, self.here))
 
-    def _coarse_read(
-        self, step: int, tensors: list[torch.Tensor], seen: dict[str, Any],
-        finding: Callable[[dict[str, Any], int, dict[str, Any]], Finding],
-    ) -> None:  # fmt: skip
+    def _coarse_read(self, step: int, tensors: list[torch.Tensor], seen: dict[str, Any]) -> dict[str, Any] | None:
         """One check of `tensors` at a power-of-two step, then every 64th; `seen`: "named" once said, "last"
-        the previous check's figures (two checks in a row name it)."""
-        due = step % 64 == 0 if step > 64 else not step & (step - 1)
-        if seen["named"] or not due:
-            return
+        the previous check's figures. What to name, once two checks in a row find it; else None."""
+        if seen["named"] or not _coarse_due(step):
+            return None
         found = coarse_output.coarse(tensors)
-        if found is not None and seen["last"] is not None:
-            seen["named"] = True
-            self.findings.append(finding(found, step, self.here))
+        named = found is not None and seen["last"] is not None
+        seen["named"] = seen["named"] or named
         seen["last"] = found
+        return found if named else None
 
     def reference(self, step: int, **kwargs: Any) -> None:
         """`_reference_step`, timed: its cost paces the next one (`reference_due`)."""
@@ -1582,6 +1597,15 @@ class JudgedSteps:
     def stopped_by(self) -> Finding | None:
         """The finding at the `stop_on` level that ended the run, if one did."""
         return self._judge.live.stopped
+
+
+# What a reference step that ran the forward in fp32 finds where the output's format is too coarse
+_DEPARTURES = ("gradients-depart-from-reference", "update-departs-from-reference")
+
+
+def _coarse_due(step: int) -> bool:
+    """The coarse-format checks' steps: 1, 2, 4, ..., 64, then every 64th."""
+    return step % 64 == 0 if step > 64 else not step & (step - 1)
 
 
 def _close_outputs(outputs: compiled.OutputCheck | None) -> None:

@@ -42,6 +42,7 @@ from fpdoctor.numerics.observe.gradcheck import (
 )
 from fpdoctor.numerics.trace.scaled_grads import ScaledGrads
 from fpdoctor.numerics.training import checkpoint, distributed, findings, progress, reference
+from fpdoctor.numerics.training.coarse_output import ModelOutputs
 from fpdoctor.numerics.training.judge import (  # re-exported: the sentinel's public constants
     SPIKE_MIN_HISTORY,
     SPIKE_RATIO,
@@ -139,6 +140,7 @@ class _Pending:
     hands_off: bool = False
     # the step whose non-finite gradients were still in .grad when this one began, and its loss scale
     carried: tuple[int, float | None] | None = None
+    outputs: list[torch.Tensor] = field(default_factory=list)  # the model's, where their format is checked
 
 
 @dataclass
@@ -260,6 +262,10 @@ class Sentinel(JudgedSteps):
             self.device_skip = self._device.type == "cuda" and skips_on_device(self.optimizer)
         self._updates: UpdateProbe | None = None
         self._grad_sums: GradAccumulation | None = None
+        # step_fn computes the loss: the model's outputs, on the steps their format is checked (coarse_output.py),
+        # come from hooks put on for that step alone
+        self._outputs = ModelOutputs(self.model) if not self._judge.is_compiled else None
+        self._hooked: list[torch.Tensor] = []
         self._grad_rows: list[tuple[str, str, int, float, float]] = []
         self._measured: UpdateStats | None = None
         if self.check_updates and self.optimizer is not None:
@@ -293,6 +299,8 @@ class Sentinel(JudgedSteps):
                 self._carried = self._still_left()
                 if self._grad_sums is not None and self._grad_sums.probe.due(judge.steps + 1):
                     self._grad_sums.start()  # this window's micro-batch gradients, summed in fp32 on the sample
+                if self._outputs is not None and judge.outputs_due(judge.steps + 1):
+                    self._outputs.start()
             rng = RngState.capture()
         except Exception as exc:
             judge.error("preparing the step", exc)
@@ -327,6 +335,8 @@ class Sentinel(JudgedSteps):
         except BaseException:
             if self._grad_sums is not None:
                 self._grad_sums.stop()
+            if self._outputs is not None:
+                self._outputs.take()
             self._in_window -= 1  # the call did not happen, as far as the window is concerned
             judge.steps -= ends
             raise
@@ -336,6 +346,8 @@ class Sentinel(JudgedSteps):
                 self.scaler = scalers[0]
         judge.micro_batches += 1
         self._stepped = False
+        if ends and self._outputs is not None:
+            self._hooked = self._outputs.take()
         if ends and self._grad_sums is not None:
             try:
                 self._grad_rows = self._grad_sums.finish() or []
@@ -469,7 +481,9 @@ class Sentinel(JudgedSteps):
             scale if scaler is not None or hands_off else None,
             hands_off,
             self._carried,
+            self._hooked,
         )
+        self._hooked = []
         if stepped and self.device_skip:
             self._pending = pending  # decided when the next step starts (or at flush)
         else:
@@ -526,6 +540,8 @@ class Sentinel(JudgedSteps):
         outcome = self._judge.judge(facts, apply)
         if outcome.finite:
             self._left = None
+            if pending.outputs:  # the outputs' format: what the reference step's fp32 forward cannot see
+                self._judge.outputs_read(pending.step, pending.outputs, replayed=False)
         elif outcome.verdict == "amp-skip" and self._left is None:
             self._left = (pending.step, scale)
         if self._measured is not None:

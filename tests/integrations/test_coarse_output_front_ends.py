@@ -1,0 +1,144 @@
+"""A regression output too coarse for its targets, named by the front ends that run the user's whole
+step: the Lightning callback (training_step computes the loss) and the Sentinel (step_fn does).
+
+Outlet temperatures near 300 K that vary by 0.5, predicted under bf16 autocast: the last Linear's
+output is bf16, whose spacing near 300 is 2, so the loss is computed on values rounded by as much as
+they vary. The reference step runs the forward in fp32 and finds the gradients departing at the
+backward (the rounded output's gradient is mostly rounding); the cause, the output's format, is named
+ahead of that departure, from the outputs the front end keeps on the steps the check is due (hooks on
+the model for that step alone). The same script in fp32, and with standardised targets, names nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import fpdoctor
+from tests.integrations.lit import FpDoctorCallback, pl, trainer
+
+STEPS = 12
+
+
+def _readings(offset: float, n: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 8, generator=g)
+    y = offset + 0.3 * torch.tanh(x[:, :1] - 0.5 * x[:, 1:2]) + 0.2 * torch.sin(x[:, 2:3])
+    return x, y
+
+
+class _Exchanger(nn.Module):
+    def __init__(self, offset: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU())
+        self.head = nn.Linear(64, 1)
+        with torch.no_grad():
+            self.head.bias.fill_(offset)  # starts at the mean temperature, as a user would
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+class _Lit(pl.LightningModule):
+    """The network held as an attribute and called as `self.model(x)`: the LightningModule's own
+    forward never runs, as in many real modules."""
+
+    def __init__(self, offset: float) -> None:
+        super().__init__()
+        self.model = _Exchanger(offset)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.model(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+def _fit(offset: float, precision: str) -> tuple[_Lit, fpdoctor.Report]:
+    module = _Lit(offset)
+    callback = FpDoctorCallback()
+    x, y = _readings(offset)
+    trainer([callback], max_steps=STEPS, precision=precision).fit(
+        module, DataLoader(TensorDataset(x, y), batch_size=64)
+    )
+    return module, callback.report
+
+
+def _hooks(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_the_lightning_callback_names_the_output_format_ahead_of_the_departure_it_causes():
+    module, report = _fit(300.0, "bf16-mixed")
+    names = [f.name for f in report.sorted_findings()]
+    assert names[0] == "output-too-coarse-in-training", names
+    found = report.by_name("output-too-coarse-in-training")[0]
+    share = found.evidence["share_of_spread"]  # None: every row one value of bf16
+    assert found.evidence["dtype"] == "bfloat16" and (share is None or share >= 0.5), found.evidence
+    assert "output in fp32" in found.fix
+    departed = [f for f in report.findings if f.name.endswith("from-reference")]
+    if departed and departed[0].where["step"] < found.where["step"]:  # found first: the consequence, said to be one
+        assert "where they part" in found.message, found.message
+    else:  # the reference step ran the forward in fp32: it does not replay from the output's gradient
+        assert "replays" not in found.message and "runs the forward in fp32" in found.message, found.message
+    assert _hooks(module) == 0  # the hooks were on for the checked steps alone
+
+
+def test_the_lightning_callback_is_quiet_on_the_same_targets_in_fp32_and_on_standardised_targets_in_bf16():
+    for offset, precision in ((300.0, "32-true"), (0.0, "bf16-mixed")):
+        _, report = _fit(offset, precision)
+        assert not report.by_name("output-too-coarse-in-training"), (offset, precision, report.findings)
+
+
+def _guarded(offset: float, autocast: bool) -> tuple[nn.Module, fpdoctor.Report, list[float]]:
+    model = _Exchanger(offset)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    guard = fpdoctor.Sentinel(model, optimizer)
+    x, y = _readings(offset)
+    losses = []
+
+    def step_fn(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+        with ctx:
+            out = model(xb)
+        loss = nn.functional.mse_loss(out.float(), yb)
+        loss.backward()
+        return loss
+
+    for i in range(STEPS):
+        rows = slice(64 * (i % 8), 64 * (i % 8 + 1))
+        losses.append(float(guard.step(step_fn, x[rows], y[rows]).detach()))
+    guard.flush()
+    return model, guard.report, losses
+
+
+def test_the_sentinel_names_the_output_format_and_leaves_the_model_as_it_was():
+    model, report, _ = _guarded(300.0, autocast=True)
+    names = [f.name for f in report.sorted_findings()]
+    assert names and names[0] == "output-too-coarse-in-training", names
+    found = report.by_name("output-too-coarse-in-training")[0]
+    assert found.evidence["step"] == 8 and "replays" not in found.message
+    assert _hooks(model) == 0
+
+
+def test_the_sentinel_is_quiet_in_fp32_and_its_losses_are_a_plain_loops():
+    _, report, guarded = _guarded(300.0, autocast=False)
+    assert not report.by_name("output-too-coarse-in-training"), report.findings
+    model = _Exchanger(300.0)  # the same loop without the Sentinel: the hooks changed no number
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x, y = _readings(300.0)
+    plain = []
+    for i in range(STEPS):
+        rows = slice(64 * (i % 8), 64 * (i % 8 + 1))
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x[rows]), y[rows])
+        loss.backward()
+        optimizer.step()
+        plain.append(float(loss))
+    assert guarded == plain
