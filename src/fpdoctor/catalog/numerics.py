@@ -670,15 +670,19 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         name="output-too-coarse-in-training",
         severity=W,
         title="The model's output is in a format too coarse for what it predicts",
-        what="On a reference step `fpdoctor watch` reads the model's output as the training forward made it: for "
+        what="At steps 4, 8, 16, 32, 64, then every 64th, `fpdoctor watch`, the callbacks and the Sentinel read the "
+        "model's output as the training forward made it (the Lightning callback and the Sentinel, which see only "
+        "the loss, from hooks on the model for those steps alone): for "
         "an output in bf16/fp16 with few columns (a regression, not logits), each column's mean magnitude, its "
         "spread over the batch (standard deviation) and what rounding to the format costs at that magnitude on "
         "average (a quarter of its spacing there). Where rounding alone costs 5% of the spread or more, the "
         "output cannot hold what the model is asked to predict.",
         why="A regression target far from zero that varies little (a temperature near 288 K that varies by 3 K) "
         "sits where bf16's spacing is 2: the loss is computed on values rounded by a large share of what they "
-        "vary by, and the fit stalls at that error with no NaN and no gradient out of line. The reference step "
-        "replays the backward from the gradient that reached the output, so it cannot see it.",
+        "vary by, and the fit stalls at that error with no NaN and no gradient out of line. watch's reference step "
+        "replays the backward from the gradient that reached the output, so it cannot see it; where the reference "
+        "step runs the forward in fp32 (the Lightning callback, the Sentinel), its gradients depart (TRN015), and "
+        "this finding goes ahead of that departure as its cause.",
         fix="Return the output in fp32 (its last layer outside autocast on its input .float(), or kept in fp32 in "
         "a model cast to bf16), or predict the offset from a constant and add it back in fp32.",
     ),
