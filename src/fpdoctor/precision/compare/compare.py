@@ -452,6 +452,9 @@ def _compare(
 # Rows a classifier's decisions are judged to hold on at the least (one flip is 1%)
 HOLD_ROWS = 100
 
+# The lines above an fp32 candidate's worst own op that its fp64 check takes in, one at a time
+ROOT_LINES_UP = 4
+
 # A line after a checked fix's lines is added to it where computing it in fp32 too takes the error
 # down by this much again (deterministic runs: any such fall is the line's, not noise)
 EXTEND_FALLS = 1.25
@@ -1959,7 +1962,8 @@ class _Comparison:
             listed = "; ".join(describe_misfit(e) for e in misfit[:3])
             more = f"; and {len(misfit) - 3} more (JSON has all)" if len(misfit) > 3 else ""
             summary.append((f"parameters/buffers that do not fit {candidate}", listed + more))
-        held = {name or "<root>": e.conditioned for (name, _), e in self.seen.items() if e.conditioned is not None}
+        # a floor of 0 raised nothing: inputs already in the candidate's format, which rounding leaves as they are
+        held = {name or "<root>": e.conditioned for (name, _), e in self.seen.items() if e.conditioned}
         if held:  # a floor raised by the inputs' rounding: the OK (or the verdict) says what it judged
             result.report.data["conditioned_floors"] = held
             summary.append((
@@ -1993,6 +1997,7 @@ class _Comparison:
         self._amplified_inputs(result)
         self._stable_form(result)
         self._composed_form(result)
+        self._root_line_checked(result)
         if self._held is not None:  # after the steps that replace findings: their severity is the decisions'
             self._decisions_hold(result, self._held)
         return result
@@ -2030,6 +2035,61 @@ class _Comparison:
                                     on=inputs_text(describe(self.inputs)), metric="end-to-end error", before=before,
                                     after=after),
             )  # fmt: skip
+
+    def _root_line_checked(self, result: CompareResult) -> None:
+        """An fp32 candidate whose error the model's own ops make (no submodule), its fix untried: the
+        worst op's line computed in fp64, its result cast back, end to end. Checked where that takes the
+        error down RAISED_FALLS times; where it does not, that fix is not printed (a recurrence that
+        carries its state from step to step loses it there, not in the op that reads it: a covariance
+        update whose fp32 form loses positive-definiteness over the steps, not the gain that reads it)."""
+        if self.candidate != "fp32" or not result.rows or not math.isfinite(result.rows[-1].propagated):
+            return
+        before = result.rows[-1].propagated
+        for i, finding in enumerate(result.report.findings):
+            location = finding.evidence.get("own_op_location")
+            if (
+                finding.name != "precision-divergence" or finding.where.get("module") != "" or not location
+                or (finding.trial is not None and finding.trial.tried)
+            ):  # fmt: skip
+                continue
+            file, _, number = str(location).rpartition(":")
+            if not number.isdigit():
+                continue
+            on = inputs_text(describe(self.inputs))
+            # the line, then with the lines above it that make what it reads (y = x + 3000 rounds x before
+            # y * y - 9e6 cancels): the first span whose fp64 takes the error down is the fix
+            after: float | None = None
+            for up in range(ROOT_LINES_UP + 1):
+                first = int(number) - up
+                after = self._fix_checked("fp64", (file, first), up) if first > 0 else None
+                if after is not None and math.isfinite(after) and after * RAISED_FALLS <= before:
+                    break
+            else:
+                after = self._fix_checked("fp64", (file, int(number)))  # the figure the line alone leaves
+            if after is not None and math.isfinite(after) and after * RAISED_FALLS <= before:
+                lines = f"line {number}" if first == int(number) else f"lines {first}-{number}"
+                result.report.findings[i] = dataclasses.replace(
+                    finding,
+                    fix=f"compute {lines} of {file} in fp64 (the operands they read from the rest of the model "
+                    ".double(), what the last makes cast back to their dtype), or rewrite them in a stable form",
+                    trial=Trial.checked(f"{lines} of {file} in fp64, the result cast back", on=on,
+                                        metric="end-to-end error", before=before, after=after),
+                )  # fmt: skip
+            else:
+                left = f"{after:.3g}" if after is not None else "an error of its own"
+                result.report.findings[i] = dataclasses.replace(
+                    finding,
+                    fix="the error is not made where it shows: line "
+                    f"{number} in fp64 leaves it at {left} (from {before:.3g}). Look at what the forward carries "
+                    "from one step to the next (a state updated in a loop): its update in a form that keeps its "
+                    "properties in fp32 (a covariance as (I - KH) P (I - KH)^T + K R K^T, the Joseph form, not "
+                    "(I - KH) P; a sum by compensated or pairwise summation), or that state kept in fp64",
+                    trial=Trial.untried(
+                        "a stable form of the state's update is the user's to write, so no run tries it; line "
+                        f"{number} of {file} in fp64, its result cast back, was tried and leaves the end-to-end error "
+                        f"at {left} (from {before:.3g}) on {on}, so it is not the fix"
+                    ),
+                )
 
     def _composed_form(self, result: CompareResult) -> None:
         """An error whose first finding has no checked fix, or one that leaves it far above the output's
