@@ -334,6 +334,11 @@ def test_pure_bf16_weights_whose_updates_round_away_are_named(tmp_path):
     tried = found.evidence["what_if"]  # the fix tried on copies, as the sentinel tries it
     assert tried["tried"] and tried["steps"] == 8 and tried["moved_fp32_master"] > tried["moved_as_is"], tried
     assert "Tried: with fp32 master weights" in found.message
+    # the Trainer steps the optimizer: its own switch comes first, and as printed it is no such finding
+    assert found.fix.startswith("1. in the Trainer: the model loaded in fp32") and "bf16=True" in found.fix
+    callback = FpDoctorCallback()
+    _trainer(tmp_path, tiny_gpt2(), [callback], max_steps=12, learning_rate=1e-5, max_grad_norm=0.0, bf16=True).train()
+    assert not callback.report.by_name("update-rounded-away"), callback.report.findings
 
 
 def test_a_replayed_inf_loss_names_the_users_line_not_the_trainers(tmp_path):

@@ -136,6 +136,7 @@ class StepWatch(JudgedSteps):
         live: Live | None = None,
         loader_rows: bool = False,
         hook_outputs: bool = False,
+        framework: str | None = None,
     ) -> None:
         self.model = model
         self.scaler = scaler if amp.enabled(scaler) else None
@@ -153,6 +154,7 @@ class StepWatch(JudgedSteps):
             live=live,
         )
         self._judge.reference_every = reference_every  # steps 1, 1 + N, ...: the backward against an fp32 step
+        self._judge.framework = framework  # the fixes in the framework's own terms where it steps the optimizer
         # the gradients the callback sees are those the optimizer takes (the framework clips before its
         # hook, or not at all): the reference step's update stages are compared too, on those gradients
         self.final_gradients = False

@@ -144,6 +144,7 @@ class FpDoctorCallback(_Callback):
             replay_context=self._replay_context,
             live=Live(stop_on=self._stop_level),
             loader_rows=True,  # a bad step's rows named as the dataset items of its own batch
+            framework="transformers",
         )
         self._watch.final_gradients = True  # on_pre_optimizer_step comes after the Trainer's clipping
         if self.report_path:  # rewritten as findings arrive: a job killed at any point leaves a readable report

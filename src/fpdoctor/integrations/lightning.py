@@ -137,6 +137,7 @@ class _Hooks:
             live=Live(stop_on=self._stop_level),
             loader_rows=True,  # a bad step's rows named as the dataset items of its own batch
             hook_outputs=True,  # training_step computes the loss: the callback sees no output otherwise
+            framework="lightning",
         )
         if not pl_module.automatic_optimization:
             self._watch.cannot_replay_any = "manual optimization: training_step steps the optimizer itself"

@@ -1144,6 +1144,15 @@ class StepJudge:
         else:
             self.findings.insert(self.findings.index(departed), made)
 
+    @property
+    def framework(self) -> str | None:
+        """The framework that steps the optimizer ("lightning", "transformers"), for fixes in its terms."""
+        return self._updates.framework
+
+    @framework.setter
+    def framework(self, name: str | None) -> None:
+        self._updates.framework = name
+
     def outputs_due(self, step: int) -> bool:
         """`outputs_read` would look at `step`'s outputs (a front end that hooks the model to see them
         hooks it for these steps alone)."""

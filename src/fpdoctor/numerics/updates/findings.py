@@ -56,6 +56,20 @@ def _tried_text(tried: WhatIf | None, untried: str) -> tuple[str, dict[str, Any]
     return f" Tried, and it did not help here: {text}.", evidence
 
 
+# Where a framework steps the optimizer, its own switch keeps the weights and the optimizer state in fp32
+# (what the master-weights fix keeps) and computes in bf16 under autocast
+FRAMEWORK_SWITCH = {
+    "transformers": "in the Trainer: the model loaded in fp32 (no torch_dtype=torch.bfloat16 in from_pretrained, no "
+    ".to(torch.bfloat16)) and TrainingArguments(bf16=True): its weights and the optimizer's state in fp32, as the "
+    "master-weights fix below keeps them, the forward in bf16 under autocast (the Trainer calls optimizer.step() "
+    "itself: the code below goes in an optimizer of your own, passed as Trainer(optimizers=(optimizer, None)))",
+    "lightning": 'in Lightning: the module in fp32 (no .to(torch.bfloat16), no precision="bf16-true") and '
+    'Trainer(precision="bf16-mixed"): its weights and the optimizer\'s state in fp32, as the master-weights fix below '
+    "keeps them, the forward in bf16 under autocast (Lightning calls optimizer.step() itself: the code below goes in "
+    "configure_optimizers' optimizer, as an optimizer of your own)",
+}
+
+
 def rounded_away_finding(
     stats: UpdateStats,
     affected: list[ParamUpdate],
@@ -64,9 +78,11 @@ def rounded_away_finding(
     *,
     here: dict[str, Any],
     why_untried: str = "what_if_steps=0",
+    framework: str | None = None,
 ) -> Finding:
     """update-rounded-away: the parameters whose updates the dtype rounds away, the spacing against the
-    update, weight decay apart, and the fix - tried by the what-if run where there was one."""
+    update, weight decay apart, and the fix - tried by the what-if run where there was one. `framework`:
+    the one that calls optimizer.step() (the code in place of it cannot go there): its own switch first."""
 
     dtype = affected[0].dtype
     listed = ", ".join(f"{p.name} {p.rounded_share:.0%} ({p.numel} elements)" for p in affected[:6])
@@ -103,6 +119,9 @@ def rounded_away_finding(
         "Kahan summation: torch-optimi's optimi.AdamW(params, ..., kahan_sum=True) (+2 bytes per parameter)",
     ]
     ranked = [master, *others] if helped or untried else others
+    switch = FRAMEWORK_SWITCH.get(framework or "")
+    if switch is not None and (helped or untried):  # the framework's own form of fp32 weights and state
+        ranked = [switch, *ranked]
     trial = (
         Trial.checked(
             "fp32 master weights",

@@ -35,6 +35,8 @@ class UpdateJudge:
         self.causes = causes
         self.here = here  # where every finding of this rank happened (rank, host, device)
         self.summary: UpdateSummary | None = None  # set by the first measured step, or the first why-not
+        # the framework that steps the optimizer ("lightning", "transformers"): its own switch for the fix
+        self.framework: str | None = None
 
     def add(
         self,
@@ -55,7 +57,9 @@ class UpdateJudge:
         if affected:
             key = ("update-rounded-away", affected[0].dtype, rank)
             tried = what_if() if what_if is not None and not self.causes.count(key) else None
-            made = findings.rounded_away_finding(stats, affected, tried, optimizer, here=self.here, why_untried=untried)
+            made = findings.rounded_away_finding(
+                stats, affected, tried, optimizer, here=self.here, why_untried=untried, framework=self.framework
+            )
             self.causes.add(made, key)
         for state in stalled_states(stats):
             made = findings.state_stalled_finding(stats, state, here=self.here)
