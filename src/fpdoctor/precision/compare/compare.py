@@ -452,6 +452,10 @@ def _compare(
 # Rows a classifier's decisions are judged to hold on at the least (one flip is 1%)
 HOLD_ROWS = 100
 
+# An output lost in its units (units.py) has its running states tried where the end-to-end error is this many
+# times what any part adds by itself (below DIVERGENCE_RATIO: a rollout half as long loses half as much)
+LOST_UNEXPLAINED = 4.0
+
 # The lines above an fp32 candidate's worst own op that its fp64 check takes in, one at a time
 ROOT_LINES_UP = 4
 
@@ -1369,12 +1373,20 @@ class _Comparison:
         ones tried (passes.carried_and_raised). None when the error is explained."""
         explained = _unexplained(rows)
         root = rows[-1] if rows else None
+        # an output lost in its units (units.py: its error a large share of what it varies by) where no part
+        # explains it, short of DIVERGENCE_RATIO: the states are tried too (a rollout of 500 steps loses as
+        # one of 3000 does, only less), rather than a finding that says no more than "it builds up"
+        lost = self.root_units is not None and self.root_units.lost and self.logits is None
+        if explained is None and lost and rows and math.isfinite(rows[-1].propagated):
+            parts = _explained(rows)  # an op's conditioning included: rounding a timestamp explains its sin
+            explained = parts if rows[-1].propagated > LOST_UNEXPLAINED * parts else None
         if explained is None or root is None or any(r.diverged for r in rows):
             return None
         if self.ids:  # ids a decoding loop fed back: one flipped choice changes every later one, no rounding adds up
             return None
         explained = max(explained, input_floor or 0.0)
-        if root.propagated <= DIVERGENCE_RATIO * explained:
+        by_lost = root.propagated <= DIVERGENCE_RATIO * explained  # opened by the lost output alone
+        if by_lost and not lost:
             return None
         truth = next(e for (name, _), e in self.seen.items() if name == root.module)
         # A forward of its own, where it is needed (a search on every candidate pass costs a model of
@@ -1452,6 +1464,9 @@ class _Comparison:
                 together = self._with_their_feeds(tryable, sites, falls, truth)
             except Exception as exc:  # the search is ours; the finding stands without it
                 self.notes["lines the states read"] = f"not searched: {type(exc).__name__}: {exc}"
+        if by_lost and cause is None and together is None:  # no state explains it: the other causes are tried
+            self.state_fix = None
+            return None
         return {
             "together": together,
             "joint_rel": joint if len(tryable) > 1 else None,  # every tried state kept in fp64 together
@@ -3029,12 +3044,16 @@ def _unexplained(rows: list[ModuleRow], conditioning: bool = True) -> float | No
     when the end-to-end error is DIVERGENCE_RATIO times above it; else None."""
     if not rows or not math.isfinite(rows[-1].propagated):
         return None
-    root = rows[-1]
+    explained = _explained(rows, conditioning)
+    return explained if rows[-1].propagated > DIVERGENCE_RATIO * explained else None
+
+
+def _explained(rows: list[ModuleRow], conditioning: bool = True) -> float:
+    """The largest error any part adds by itself (see _unexplained)."""
     alone = [_by_itself(r) for r in rows if r.isolated is not None and math.isfinite(r.isolated)]
     if conditioning:  # fp32's conditioning
         alone += [r.own["forced_rel"] for r in rows if r.own and r.own.get("forced_rel")]
-    explained = max([root.floor, *alone])
-    return explained if root.propagated > DIVERGENCE_RATIO * explained else None
+    return max([rows[-1].floor, *alone])
 
 
 def _by_itself(row: ModuleRow) -> float:

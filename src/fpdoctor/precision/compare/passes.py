@@ -268,6 +268,11 @@ class _Chains(TorchFunctionMode):
         self.owner: dict[int, tuple[Any, str]] = {}
         self.owned: dict[str, int] = {}
         self.fed: dict[str, str] = {}
+        # lines that read their own previous output (s = s + f(s)): a line that reads what such a line made
+        # reads a state, it does not carry one (f's own line in an Euler step), and a carry through two lines
+        # is counted from its second sighting, by when the other line has shown whether it reads its own
+        self.direct: set[str] = set()
+        self.carries: dict[str, int] = {}
         # a line's visits in a row that were updates (True) or not, and how many; once CARRIED_SETTLED,
         # the line is settled so (`settled`: line -> whether its visits are updates)
         self.streak: dict[str, tuple[bool, int]] = {}
@@ -350,6 +355,8 @@ class _Chains(TorchFunctionMode):
             ref = self.previous.get(line)
             held = ref() if ref is not None else None
             reads = held is not None and _holds(args, held)
+        if reads and line not in self.direct:
+            self.direct.add(line)
         if not reads and not self.counted:
             # a state carried through two lines (a beam search's scores: their sum with the step's
             # log-probabilities at one line, its topk at the next): this line reads what another line
@@ -359,8 +366,13 @@ class _Chains(TorchFunctionMode):
                     held = a._base if a._base is not None else a  # a view (scores[:, None]) reads its base
                     made = self.owner.get(id(held))
                     if made is not None and made[1] != line and made[0]() is held:
+                        if made[1] in self.direct:  # a state's value read, not a state carried
+                            break
                         reads = self.fed.get(made[1]) == line
                         self.fed[line] = made[1]
+                        if reads:
+                            seen = self.carries[line] = self.carries.get(line, 0) + 1
+                            reads = seen >= 2
                         break
         calls = self.calls.get(line)  # not setdefault: its default dict would be made on every call
         if calls is None:
