@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import fpdoctor
+from fpdoctor.precision.compare.compare import _lines_above
 
 
 class Bend(nn.Module):
@@ -90,3 +91,23 @@ def test_a_state_that_loses_its_properties_over_the_steps_gets_no_fix_that_does_
     before = float((Kalman()(z).double() - exact).norm() / exact.norm())
     after = float((Kalman(joseph=True)(z).double() - exact).norm() / exact.norm())
     assert after * 10 < before, (before, after)
+
+
+class Offset(nn.Module):
+    """The cancelling line is forward's first: the walk up from it stops at forward's own `def` (what runs
+    above it is another method's), and the line alone in fp64 is the fix."""
+
+    def scale(self) -> float:
+        return 6000.0
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return (y * y - 9e6) / self.scale() - (y - 3000.0)
+
+
+def test_the_walk_up_stays_in_the_function():
+    line = Offset.forward.__code__.co_firstlineno + 1
+    assert _lines_above(__file__, line, 4) == [line]
+    assert _lines_above(__file__, line + 1, 4)[:2] == [line + 1, line]  # blank lines and code above are walked
+    y = 3000.0 + torch.rand(64, 256, generator=torch.Generator().manual_seed(0))
+    first = fpdoctor.compare(Offset(), y, candidate="fp32", reference="fp64").report.findings[0]
+    assert f"compute line {line} of" in first.fix and first.trial is not None and first.trial.tried, first.fix

@@ -66,3 +66,36 @@ def test_an_output_lost_below_the_divergence_ratio_gets_its_running_state_named_
         for name, m in (("as is", _model()[0]), ("fixed", fixed))
     }
     assert err["fixed"] * 5 < err["as is"], err
+
+
+class Rk4(nn.Module):
+    """The same field stepped by RK4: its four stages feed each other within a step (k2 reads x + dt/2 k1),
+    a cycle of two lines that carries nothing from one step to the next."""
+
+    def __init__(self, steps: int = 300) -> None:
+        super().__init__()
+        self.field, self.steps = Field(), steps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, dt = [], 1e-3
+        for _ in range(self.steps):
+            k1 = self.field(x)
+            k2 = self.field(x + dt / 2 * k1)
+            k3 = self.field(x + dt / 2 * k2)
+            k4 = self.field(x + dt * k3)
+            x = x + dt / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+            out.append(x)
+        return torch.stack(out, 1)
+
+
+def test_rk4_stages_that_feed_each_other_within_a_step_are_not_named_beside_the_state():
+    model, x = _model()
+    rk4 = Rk4().eval()
+    rk4.field.load_state_dict(model.field.state_dict())
+    result = fpdoctor.compare(rk4, x, candidate="bf16")
+    first = result.report.findings[0]
+    assert first.evidence.get("kind") == "accumulation", first
+    lines = inspect.getsourcelines(Rk4.forward)
+    state = lines[1] + next(i for i, text in enumerate(lines[0]) if "x = x + dt / 6" in text)
+    assert f"running state updated at {__file__}:{state} in fp32" in first.fix, first.fix
+    assert first.trial is not None and first.trial.tried and first.trial.after * 5 < first.trial.before

@@ -40,5 +40,5 @@ def test_a_state_carried_from_a_later_token_and_two_lines_that_feed_each_other_a
         return scores
 
     assert list(_states(late).values()) == [T - 40]
-    # counted from the carry's second sighting (by when a line that reads its own output has shown it)
-    assert sorted(_states(two_lines).values()) == [T - 7, T - 6]
+    # counted from the carry's CARRY_SIGHTINGS-th sighting (by when a line that reads its own output has shown it)
+    assert sorted(_states(two_lines).values()) == [T - 21, T - 20]

@@ -672,7 +672,7 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         title="The model's output is in a format too coarse for what it predicts",
         what="At steps 4, 8, 16, 32, 64, then every 64th, `fpdoctor watch`, the callbacks and the Sentinel read the "
         "model's output as the training forward made it (the Lightning callback and the Sentinel, which see only "
-        "the loss, from hooks on the model for those steps alone): for "
+        "the loss, from the model's own call on those steps, hooked for that call alone): for "
         "an output in bf16/fp16 with few columns (a regression, not logits), each column's mean magnitude, its "
         "spread over the batch (standard deviation) and what rounding to the format costs at that magnitude on "
         "average (a quarter of its spacing there). Where rounding alone costs 5% of the spread or more, the "

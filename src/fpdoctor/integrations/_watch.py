@@ -171,6 +171,7 @@ class StepWatch(JudgedSteps):
         # `hook_outputs`: a callback that runs the user's whole step sees the loss alone; the model's outputs,
         # on the steps their format is checked (coarse_output.py), come from hooks put on for that step
         self._outputs = ModelOutputs(model) if hook_outputs and not self._judge.is_compiled else None
+        self._hooked: list[torch.Tensor] = []  # what it kept over the window's micro-batches
         self._ddp = ddp
         self._params = self._judge.params
         self._device = self._judge.device
@@ -273,8 +274,8 @@ class StepWatch(JudgedSteps):
         report stays readable)."""
         loader, self._loader = self._loader, None
         try:
-            if self._outputs is not None:
-                self._outputs.take()
+            self.forward_done()
+            self._hooked = []
             if loader is not None:
                 loader.close()
         finally:
@@ -286,11 +287,17 @@ class StepWatch(JudgedSteps):
         try:
             if not self._micros:
                 self._judge.begin_window()
-                if self._outputs is not None and self._judge.outputs_due(self._judge.steps + 1):
-                    self._outputs.start()
+                self._hooked = []
+            if self._outputs is not None and self._judge.outputs_due(self._judge.steps + 1):
+                self._outputs.start()  # off again once the forward is done (`forward_done`)
             self._micros.append(_Micro(RngState.capture()))
         except Exception as exc:
             self._error("preparing the step", exc)
+
+    def forward_done(self) -> None:
+        """The micro-batch's forward has run (its loss is computed): the model's outputs hooked for it, kept."""
+        if self._outputs is not None:
+            self._hooked += self._outputs.take()
 
     def has_inputs(self) -> bool:
         return bool(self._micros) and self._micros[-1].args is not None
@@ -385,7 +392,8 @@ class StepWatch(JudgedSteps):
         are read after a gradient-norm computation. The check's result, None if it failed."""
         checked: Check | None = None
         judge = self._judge
-        hooked = self._outputs.take() if self._outputs is not None else []  # the hooks off before anything else
+        self.forward_done()  # the hooks off before anything else, whatever hook the framework skipped
+        hooked, self._hooked = self._hooked, []
         try:
             self.check(step, spread=spread)
             checked = self._checked

@@ -164,6 +164,7 @@ class _Hooks:
         watch = self._watch
         if watch is None:
             return
+        watch.forward_done()
         scale = scaler_scale(watch.scaler) if watch.scaler is not None else None
         # automatic optimization divides the loss by accumulate_grad_batches; manual does not
         times = float(trainer.accumulate_grad_batches) if pl_module.automatic_optimization else 1.0
@@ -189,6 +190,7 @@ class _Hooks:
     @guarded("measuring the optimizer's updates")
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._watch is not None:
+            self._watch.forward_done()  # a step whose backward Lightning never ran: the hooks are off all the same
             self._watch.after_step()  # a step measured at on_before_optimizer_step has been taken
             if self._watch.stop_due(agree=False):  # a finding about the update just taken
                 trainer.should_stop = True

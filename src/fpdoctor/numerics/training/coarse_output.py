@@ -21,7 +21,6 @@ and its direct children put on for that step alone.
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any
 
 import torch
@@ -89,9 +88,8 @@ def finding(
             "the reference step cannot see it, as it replays the backward from the gradient that reached this output."
         )
     elif departed is not None:
-        what = "gradients depart" if departed.name == "gradients-depart-from-reference" else "update departs"
         reference = (
-            f"the reference step's {what} from this run's from step {departed.where.get('step')} on (the "
+            "the reference step's gradients depart from this run's from step {departed.where.get('step')} on (the "
             "finding after this one): its forward runs in fp32, its output not rounded, so this is where they part."
         )
     else:
@@ -111,7 +109,12 @@ def finding(
         message=message,
         fix=fix,
         where={"module": None, "op": None, "phase": "forward", "step": step, **here},
-        evidence={**found, "share_of_spread": share if math.isfinite(share) else None, "step": step},
+        evidence={
+            **found,
+            "share_of_spread": share if math.isfinite(share) else None,
+            "step": step,
+            "departed_at": departed.where.get("step") if departed is not None else None,
+        },
         trial=Trial.untried(
             "no training step is run with only the output's layer in fp32 (the reference step runs the whole step in "
             "fp32); `fpdoctor compare` runs the model's forward with the output's layer kept in fp32 and checks it"
@@ -158,36 +161,32 @@ def input_finding(found: dict[str, Any], step: int, here: dict[str, Any]) -> Fin
 
 
 class ModelOutputs:
-    """The outputs of a model's outermost calls during one step, for `coarse`: forward hooks on the model
-    and on its direct children (a LightningModule's `training_step` may call `self.model(x)`, not
-    `self(x)`), put on by `start` and taken off by `take`; a call inside another hooked call is not kept
-    (the loss module's 0-d loss is, and `coarse` passes it by). References, detached: nothing is
-    copied, the user's numbers are not touched, and nothing stays on the modules after `take`."""
+    """The outputs of a model's own calls during one micro-batch, for `coarse`: global forward hooks (torch's
+    tables, nothing on the module: a step that deep-copies or saves the model copies none of ours) that keep
+    what `model(...)` returns, put on by `start` just before the user's forward and taken off by `take`
+    after it. Only the model's own call: a submodule's output is not the model's (a conditioning branch
+    fed zeros is one value on every row). Outputs wider than COLUMNS (logits) are not kept; references,
+    detached, nothing copied. A step that calls the model's parts but not the model keeps nothing."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._handles: list[RemovableHandle] = []
         self._outputs: list[torch.Tensor] = []
-        self._depth = threading.local()
-
-    @property
-    def started(self) -> bool:
-        return bool(self._handles)
+        self._depth = 0
 
     def start(self) -> None:
         if self._handles:
             return
-        self._outputs = []
+        self._depth = 0
         try:
-            for module in (self.model, *self.model.children()):
-                self._handles.append(module.register_forward_pre_hook(self._pre))
-                self._handles.append(module.register_forward_hook(self._post, always_call=True))
+            self._handles.append(nn.modules.module.register_module_forward_pre_hook(self._pre))
+            self._handles.append(nn.modules.module.register_module_forward_hook(self._post, always_call=True))
         except Exception:
             self.take()
             raise
 
     def take(self) -> list[torch.Tensor]:
-        """The outputs kept since `start`; the hooks come off."""
+        """The outputs kept since `start` (and not taken yet); the hooks come off."""
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
@@ -195,10 +194,17 @@ class ModelOutputs:
         return outputs
 
     def _pre(self, module: nn.Module, args: Any) -> None:
-        self._depth.value = getattr(self._depth, "value", 0) + 1
+        if module is self.model:
+            self._depth += 1
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        depth = self._depth.value = max(getattr(self._depth, "value", 1) - 1, 0)
-        if depth == 0 and output is not None and len(self._outputs) < KEPT:
-            leaves = [output] if type(output) is torch.Tensor else pytree.tree_leaves(output)
-            self._outputs += [t.detach() for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if module is not self.model:
+            return
+        self._depth = max(self._depth - 1, 0)
+        if self._depth or output is None or len(self._outputs) >= KEPT:
+            return
+        leaves = [output] if type(output) is torch.Tensor else pytree.tree_leaves(output)
+        self._outputs += [
+            t.detach() for t in leaves
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() and t.shape[-1] <= COLUMNS
+        ]  # fmt: skip

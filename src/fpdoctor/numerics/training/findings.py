@@ -288,6 +288,12 @@ def causes_first(found: list[Finding]) -> list[Finding]:
             ]  # fmt: skip
             if since:
                 lead[i] = min(since)
+        if f.name == "output-too-coarse-in-training" and f.evidence.get("departed_at") is not None:
+            # named where the reference step ran the forward in fp32: ahead of the gradients' departure it explains
+            parted = [j for j, g in enumerate(found[:i]) if g.name == "gradients-depart-from-reference"
+                      and g.evidence.get("stage") == "backward"]  # fmt: skip
+            if parted:
+                lead[i] = min(parted)
 
     def key(item: tuple[int, Finding]) -> tuple[int, int]:
         i, f = item

@@ -1136,13 +1136,15 @@ class StepJudge:
         if found is None:
             return
         departed = None
-        if not replayed:
-            departed = next((f for f in self.findings if f.name in _DEPARTURES), None)
-        made = coarse_output.finding(found, step, self.here, replayed=replayed, departed=departed)
-        if departed is None:
-            self.findings.append(made)
-        else:
-            self.findings.insert(self.findings.index(departed), made)
+        if not replayed:  # the gradients' departure at the backward is what a rounded output makes
+            departed = next(
+                (f for f in self.findings
+                 if f.name == "gradients-depart-from-reference" and f.evidence.get("stage") == "backward"),
+                None,
+            )  # fmt: skip
+        # appended (the run's findings are kept by position: Causes, the stall); the report puts it ahead of
+        # the departure it explains (findings.causes_first)
+        self.findings.append(coarse_output.finding(found, step, self.here, replayed=replayed, departed=departed))
 
     @property
     def framework(self) -> str | None:
@@ -1606,10 +1608,6 @@ class JudgedSteps:
     def stopped_by(self) -> Finding | None:
         """The finding at the `stop_on` level that ended the run, if one did."""
         return self._judge.live.stopped
-
-
-# What a reference step that ran the forward in fp32 finds where the output's format is too coarse
-_DEPARTURES = ("gradients-depart-from-reference", "update-departs-from-reference")
 
 
 def _coarse_due(step: int) -> bool:

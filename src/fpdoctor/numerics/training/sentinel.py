@@ -299,8 +299,7 @@ class Sentinel(JudgedSteps):
                 self._carried = self._still_left()
                 if self._grad_sums is not None and self._grad_sums.probe.due(judge.steps + 1):
                     self._grad_sums.start()  # this window's micro-batch gradients, summed in fp32 on the sample
-                if self._outputs is not None and judge.outputs_due(judge.steps + 1):
-                    self._outputs.start()
+                self._hooked = []  # a window that never ended keeps nothing into the next
             rng = RngState.capture()
         except Exception as exc:
             judge.error("preparing the step", exc)
@@ -329,25 +328,33 @@ class Sentinel(JudgedSteps):
             except Exception as exc:
                 judge.error("looking for a gradient penalty", exc)
         scale_before = amp.scale_version(self.scaler)
+        outputs = self._outputs if self._outputs is not None and judge.outputs_due(judge.steps + (not ends)) else None
+        taken: list[torch.Tensor] = []
         try:
+            if outputs is not None:  # the model's outputs, for this call of step_fn alone (coarse_output.py)
+                try:
+                    outputs.start()
+                except Exception as exc:
+                    outputs = None
+                    judge.error("watching the model's outputs", exc)
             with spying:
                 loss = step_fn(*args, **kwargs)  # the user's own errors are the user's
         except BaseException:
             if self._grad_sums is not None:
                 self._grad_sums.stop()
-            if self._outputs is not None:
-                self._outputs.take()
             self._in_window -= 1  # the call did not happen, as far as the window is concerned
             judge.steps -= ends
             raise
+        finally:
+            if outputs is not None:  # off as soon as step_fn returns or raises: nothing of ours outlives it
+                taken = outputs.take()
+        self._hooked += taken
         if looking:
             self._scaler_searched = True
             if len(scalers) == 1:
                 self.scaler = scalers[0]
         judge.micro_batches += 1
         self._stepped = False
-        if ends and self._outputs is not None:
-            self._hooked = self._outputs.take()
         if ends and self._grad_sums is not None:
             try:
                 self._grad_rows = self._grad_sums.finish() or []

@@ -2073,15 +2073,13 @@ class _Comparison:
             on = inputs_text(describe(self.inputs))
             # the line, then with the lines above it that make what it reads (y = x + 3000 rounds x before
             # y * y - 9e6 cancels): the first span whose fp64 takes the error down is the fix
-            after: float | None = None
-            for up in range(ROOT_LINES_UP + 1):
-                first = int(number) - up
-                after = self._fix_checked("fp64", (file, first), up) if first > 0 else None
-                if after is not None and math.isfinite(after) and after * RAISED_FALLS <= before:
+            tried: list[tuple[int, float | None]] = []  # (first line, the error with it .. the op's line in fp64)
+            for first in _lines_above(file, int(number), ROOT_LINES_UP):
+                tried.append((first, self._fix_checked("fp64", (file, first), int(number) - first)))
+                if _takes_down(tried[-1][1], before):
                     break
-            else:
-                after = self._fix_checked("fp64", (file, int(number)))  # the figure the line alone leaves
-            if after is not None and math.isfinite(after) and after * RAISED_FALLS <= before:
+            first, after = tried[-1] if tried and _takes_down(tried[-1][1], before) else (int(number), tried[0][1])
+            if _takes_down(after, before):
                 lines = f"line {number}" if first == int(number) else f"lines {first}-{number}"
                 result.report.findings[i] = dataclasses.replace(
                     finding,
@@ -2092,17 +2090,18 @@ class _Comparison:
                 )  # fmt: skip
             else:
                 left = f"{after:.3g}" if after is not None else "an error of its own"
+                span = f"line {number}" if len(tried) < 2 else f"lines {tried[-1][0]}-{number}"
                 result.report.findings[i] = dataclasses.replace(
                     finding,
-                    fix="the error is not made where it shows: line "
-                    f"{number} in fp64 leaves it at {left} (from {before:.3g}). Look at what the forward carries "
-                    "from one step to the next (a state updated in a loop): its update in a form that keeps its "
+                    fix=f"the error is not made where it shows: {span} of {file} in fp64 leave it at {left} (from "
+                    f"{before:.3g}). It is made further up, or carried: a value rounded before the function reads it "
+                    "(a large offset added in fp32 before a difference of close values: compute from the offset "
+                    "first), or a state carried from one step to the next, whose update needs a form that keeps its "
                     "properties in fp32 (a covariance as (I - KH) P (I - KH)^T + K R K^T, the Joseph form, not "
-                    "(I - KH) P; a sum by compensated or pairwise summation), or that state kept in fp64",
+                    "(I - KH) P; a sum by compensated or pairwise summation) or that state in fp64",
                     trial=Trial.untried(
-                        "a stable form of the state's update is the user's to write, so no run tries it; line "
-                        f"{number} of {file} in fp64, its result cast back, was tried and leaves the end-to-end error "
-                        f"at {left} (from {before:.3g}) on {on}, so it is not the fix"
+                        f"no run can write a stable form; {span} in fp64, the result cast back, was tried and leaves "
+                        f"the end-to-end error at {left} (from {before:.3g}) on {on}, so it is not the fix"
                     ),
                 )
 
@@ -3046,6 +3045,22 @@ def _unexplained(rows: list[ModuleRow], conditioning: bool = True) -> float | No
         return None
     explained = _explained(rows, conditioning)
     return explained if rows[-1].propagated > DIVERGENCE_RATIO * explained else None
+
+
+def _lines_above(file: str, number: int, up: int) -> list[int]:
+    """`number`, then the lines above it, `up` at most, within its function (never a `def`, a decorator
+    or a class line: what runs above them is another function's)."""
+    lines = [number]
+    for k in range(number - 1, max(number - up, 1) - 1, -1):
+        if linecache.getline(file, k).strip().startswith(("def ", "async def ", "class ", "@")):
+            break
+        lines.append(k)
+    return lines
+
+
+def _takes_down(after: float | None, before: float) -> bool:
+    """A checked run's error `after` is RAISED_FALLS below `before`."""
+    return after is not None and math.isfinite(after) and after * RAISED_FALLS <= before
 
 
 def _explained(rows: list[ModuleRow], conditioning: bool = True) -> float:

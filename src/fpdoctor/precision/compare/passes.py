@@ -228,6 +228,12 @@ EXACT_OPS = frozenset({"maximum", "minimum", "fmax", "fmin", "max", "min", "clam
                        "gather"})  # fmt: skip
 
 
+# A carry through two lines is counted from this many sightings on: by then a line in the same loop that
+# reads its own output (an Euler or RK4 state) has shown it, and the lines that read its value have
+# (a vector field's stages in RK4 feed each other within a step: no state of theirs is carried)
+CARRY_SIGHTINGS = 16
+
+
 class _Chains(TorchFunctionMode):
     """Counts, per user source line, the updates of a loop-carried tensor: a call that reads its own
     previous output (s = s + x, one call), or a visit of the line whose calls read what its previous
@@ -272,6 +278,7 @@ class _Chains(TorchFunctionMode):
         # reads a state, it does not carry one (f's own line in an Euler step), and a carry through two lines
         # is counted from its second sighting, by when the other line has shown whether it reads its own
         self.direct: set[str] = set()
+        self.reads_state: set[str] = set()  # lines that read a direct line's output: never a carry's
         self.carries: dict[str, int] = {}
         # a line's visits in a row that were updates (True) or not, and how many; once CARRIED_SETTLED,
         # the line is settled so (`settled`: line -> whether its visits are updates)
@@ -367,12 +374,13 @@ class _Chains(TorchFunctionMode):
                     made = self.owner.get(id(held))
                     if made is not None and made[1] != line and made[0]() is held:
                         if made[1] in self.direct:  # a state's value read, not a state carried
+                            self.reads_state.add(line)
                             break
                         reads = self.fed.get(made[1]) == line
                         self.fed[line] = made[1]
                         if reads:
                             seen = self.carries[line] = self.carries.get(line, 0) + 1
-                            reads = seen >= 2
+                            reads = seen >= CARRY_SIGHTINGS and line not in self.reads_state
                         break
         calls = self.calls.get(line)  # not setdefault: its default dict would be made on every call
         if calls is None:
