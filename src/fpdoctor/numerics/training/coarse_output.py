@@ -14,8 +14,8 @@ the same of a model's forward, and checks the fix there.
 Cost: one host read of a few reductions per output tensor, on one step.
 
 A front end that runs the user's whole step (the Lightning callback, the Sentinel) sees the loss, not
-the outputs: `ModelOutputs` keeps them on the steps the check is due, from forward hooks on the model
-and its direct children put on for that step alone.
+the outputs: `ModelOutputs` keeps what the model's own call returns on the steps the check is due, from
+global forward hooks put on for that call alone.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def finding(
         )
     elif departed is not None:
         reference = (
-            "the reference step's gradients depart from this run's from step {departed.where.get('step')} on (the "
+            f"the reference step's gradients depart from this run's from step {departed.where.get('step')} on (the "
             "finding after this one): its forward runs in fp32, its output not rounded, so this is where they part."
         )
     else:
