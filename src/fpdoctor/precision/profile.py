@@ -1140,16 +1140,21 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
                 f"{' and '.join(changes)}{back}"
                 + (
                     f": on those lines, torch.float32 where they write torch.{dtype} (a cast, a dtype= argument), "
-                    ".float() on each tensor they read from the rest of the model, and where a line calls a module "
-                    f"({called}), that module in fp32 too, as the check ran its ops: its functional form on "
-                    "the input .float() with its own parameters .float() (a Linear m: F.linear(x.float(), "
-                    "m.weight.float(), None if m.bias is None else m.bias.float()); a LayerNorm: "
-                    "F.layer_norm(x.float(), m.normalized_shape, m.weight.float(), m.bias.float(), m.eps), the "
-                    "parameters None where it has none), so that they still train and convert with the "
-                    "model; then .to(p.dtype) "
-                    "on each value a later line reads (what the "
-                    "last line makes, and any other: the v of a q, k, v), p a parameter of the model (not an input: "
-                    f"token ids are integers; a fixed .to(torch.{dtype}) breaks the model's fp32 and fp64 runs)"
+                    ".float() on each tensor they read from the rest of the model, "
+                    + (
+                        f"and where a line calls a module ({called}), that module in fp32 too, as the check ran its "
+                        "ops: its functional form on the input .float() with its own parameters .float() (a Linear "
+                        "m: F.linear(x.float(), m.weight.float(), None if m.bias is None else m.bias.float()); a "
+                        "LayerNorm: F.layer_norm(x.float(), m.normalized_shape, m.weight.float(), m.bias.float(), "
+                        "m.eps), the parameters None where it has none), so that they still train and convert with "
+                        "the model; "
+                        if modules
+                        else ""
+                    )
+                    + "then .to(p.dtype) on each value a later line reads (what the last line makes, and any other: "
+                    "the v of a q, k, v), p a parameter of the model (not an input: token ids are integers; a fixed "
+                    f".to(torch.{dtype}) breaks the model's fp32 and fp64 runs), or in a module with no parameters "
+                    "the floating tensor those lines read as it came in (x.dtype, read before its .float())"
                     if lines
                     else ""
                 )
