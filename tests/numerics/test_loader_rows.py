@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import fpdoctor
+from fpdoctor.numerics.observe import loader
 
 ZERO = {13, 40}  # items that are all zero: x / ||x|| is 0/0 there
 
@@ -155,3 +156,17 @@ def test_a_constant_sample_divided_by_its_own_spread_names_the_spread_as_the_zer
     found = _rows(t.report)
     assert found["dataset_indices"] == [21] and found["indices"] == [5]
     assert found["differs"].startswith("argument 1 is all zero") and "constant row" in found["differs"]
+
+
+def test_rows_along_a_dim_0_longer_than_the_known_batch_are_not_called_the_batch():
+    """A bmm's dim 0 is batch x heads: 64 rows where the DataLoader handed out 32 items."""
+    scores = torch.zeros(64, 4, 4)
+    scores[5] = float("inf")
+    with loader.rows_kept():
+        loader.set_step_rows((list(range(100, 132)), None))
+        text = loader.rows_text(loader.bad_rows(scores, batch=True))
+    assert "rows" not in text or "of the 64 along dim 0" in text, text
+    assert "(the batch)" not in text and "dataset item" not in text, text
+    with loader.rows_kept():
+        loader.set_step_rows((list(range(100, 164)), None))
+        assert "(the batch)" in loader.rows_text(loader.bad_rows(scores, batch=True))

@@ -396,6 +396,8 @@ def rows_found(indices: list[int], of: int, *, batch: bool) -> dict[str, Any]:
     if items is not None and len(items) == of:
         found["dataset_indices"] = [items[i] for i in indices]
         found["batch"] = True
+    elif items is not None:  # the step's batch is known, and dim 0 is not it (a bmm's batch x heads)
+        found["batch"] = False
     elif unknown is not None:
         found["dataset_indices_unknown"] = unknown
     return found
