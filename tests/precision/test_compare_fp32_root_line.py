@@ -10,11 +10,15 @@ of one step cures it (the Joseph form does: a stable form is the user's to write
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
 import fpdoctor
 from fpdoctor.precision.compare.compare import _lines_above
+from fpdoctor.precision.compare.passes import carried_and_raised
+from fpdoctor.preserve import RngState
 
 
 class Bend(nn.Module):
@@ -51,8 +55,11 @@ class Kalman(nn.Module):
             s = self.H @ p @ self.H.T + self.R
             k = p @ self.H.T @ torch.linalg.inv(s)
             x = x + (k @ (z[:, t] - x @ self.H.T).unsqueeze(-1)).squeeze(-1)
-            a = self.I - k @ self.H
-            p = a @ p @ a.transpose(-1, -2) + k @ self.R @ k.transpose(-1, -2) if self.joseph else a @ p
+            if self.joseph:
+                a = self.I - k @ self.H
+                p = a @ p @ a.transpose(-1, -2) + k @ self.R @ k.transpose(-1, -2)
+            else:
+                p = (self.I - k @ self.H) @ p
             out.append(x)
         return torch.stack(out, dim=1)
 
@@ -111,3 +118,18 @@ def test_the_walk_up_stays_in_the_function():
     y = 3000.0 + torch.rand(64, 256, generator=torch.Generator().manual_seed(0))
     first = fpdoctor.compare(Offset(), y, candidate="fp32", reference="fp64").report.findings[0]
     assert f"compute line {line} of" in first.fix and first.trial is not None and first.trial.tried, first.fix
+
+
+def test_a_covariance_carried_through_two_lines_of_chained_products_is_searched_as_a_state():
+    """`p = F @ p @ F.T` reads its own first product within one line: no state of its own, so the carry
+    through the update `p = a @ p` and back is still found (both lines kept in float64 by the search)."""
+    z = _tracks(60)
+    model = Kalman().eval()
+    truth = model.double()(z.double())
+    _, lines, _ = carried_and_raised(
+        model.float(), z, torch.float32, truth=truth.reshape(-1), norm=float(truth.norm()), rng=RngState.capture(),
+        device=None, noise=None, keep=[],
+    )  # fmt: skip
+    source, start = inspect.getsourcelines(Kalman.forward)
+    update = start + next(i for i, text in enumerate(source) if "p = (self.I - k @ self.H) @ p" in text)
+    assert f"{__file__}:{update}" in lines, sorted(lines)

@@ -278,6 +278,9 @@ class _Chains(TorchFunctionMode):
         # reads a state, it does not carry one (f's own line in an Euler step), and a carry through two lines
         # is counted from its second sighting, by when the other line has shown whether it reads its own
         self.direct: set[str] = set()
+        self.visits = 0  # visits of lines so far; each function's last output's visit (`made_in`): a read of
+        # what the same visit made (a @ b @ c: the second matmul reads the first's) is no state's read
+        self.made_in: dict[tuple[int, str], int] = {}
         self.reads_state: set[str] = set()  # lines that read a direct line's output: never a carry's
         self.carries: dict[str, int] = {}
         # a line's visits in a row that were updates (True) or not, and how many; once CARRIED_SETTLED,
@@ -358,12 +361,18 @@ class _Chains(TorchFunctionMode):
         ref = self.last.get(key)
         held = ref() if ref is not None else None
         reads = held is not None and _holds(args, held)
+        across = reads and self.made_in.get(key) != self.visits  # made by an earlier visit of the line
         if not reads and not self.counted:
             ref = self.previous.get(line)
             held = ref() if ref is not None else None
-            reads = held is not None and _holds(args, held)
-        if reads and line not in self.direct:
-            self.direct.add(line)
+            reads = across = held is not None and _holds(args, held)
+        if line not in self.direct:
+            if not across:  # what the line's previous visit made, read by any call of this one (x + dt * k)
+                ref = self.previous.get(line)
+                before = ref() if ref is not None else None
+                across = before is not None and _holds(args, before)
+            if across:
+                self.direct.add(line)
         if not reads and not self.counted:
             # a state carried through two lines (a beam search's scores: their sum with the step's
             # log-probabilities at one line, its topk at the next): this line reads what another line
@@ -397,6 +406,7 @@ class _Chains(TorchFunctionMode):
                 if not any(op._schema.is_mutable for op in ops) and not _exact(ops):
                     self.raised_lines.add(line)
         self.last[key] = self.out = weakref.ref(out)
+        self.made_in[key] = self.visits
         # the line's latest output, by id: what the next line that reads it finds (one entry per line;
         # a view is its base's)
         if out._base is None:
@@ -410,6 +420,7 @@ class _Chains(TorchFunctionMode):
     def _visit(self, line: str) -> None:
         """A visit of `line` begins, so the visit of the line before ends: what it made last is its
         state, and whether that visit was an update moves its streak on."""
+        self.visits += 1
         left = self.line
         if left is not None and left not in self.settled:
             self.previous[left] = self.out
