@@ -49,17 +49,20 @@ class _Lit(pl.LightningModule):
     """The network held as an attribute, called through the module's own forward (`self(x)`); with `copies`,
     training_step also refreshes a copy of it every step (a target network), as some recipes do."""
 
-    def __init__(self, offset: float, copies: bool = False) -> None:
+    def __init__(self, offset: float, copies: bool = False, through: str = "self", anchor: bool = False) -> None:
         super().__init__()
         self.model = _Exchanger(offset)
-        self.copies = copies
+        self.copies, self.through, self.anchor = copies, through, anchor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = nn.functional.mse_loss(self(x), y)
+        out = self(x) if self.through == "self" else self.model(x)  # `self.model(x)`: the module's forward unused
+        loss = nn.functional.mse_loss(out, y)
+        if self.anchor:  # a penalty at a fixed input: one value on every row by construction
+            loss = loss + 1e-3 * self(torch.full_like(x, 0.5)).float().pow(2).mean()
         if self.copies:
             copy.deepcopy(self.model)  # during the forward's window: nothing of the callback's on the modules
         return loss
@@ -167,3 +170,11 @@ def test_a_window_the_sentinel_never_ends_leaves_no_hook_anywhere():
     model, _, _ = _guarded(300.0, autocast=True, accumulate=2, calls=7)
     assert _hooks(model) == 0
     copy.deepcopy(model)
+
+
+def test_the_lightning_callback_reads_a_network_called_as_an_attribute_and_not_a_fixed_anchor():
+    module, report = _fit(300.0, "bf16-mixed", through="model")
+    assert report.sorted_findings()[0].name == "output-too-coarse-in-training", report.findings
+    assert _hooks(module) == 0
+    _, report = _fit(0.0, "bf16-mixed", anchor=True)  # standardised targets, a call on a constant input beside
+    assert not report.by_name("output-too-coarse-in-training"), report.findings

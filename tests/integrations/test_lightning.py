@@ -392,3 +392,15 @@ def test_a_schedule_that_ends_early_is_named_by_the_callback_and_one_sized_to_th
     assert found.evidence["scheduler"] == "LambdaLR" and "estimated_stepping_batches" in found.fix
     _, _, report = _fit(_Scheduled(decay=60), max_steps=60)
     assert "lr-zero-group" not in _names(report), _names(report)
+
+
+def test_the_frameworks_own_switch_follows_the_weights_format():
+    """fp16 weights (precision="16-true", a T4 without bf16) get the fp16 switch, not bf16's."""
+    from fpdoctor.numerics.updates.findings import framework_switch
+
+    half = framework_switch("lightning", "float16")
+    assert half is not None and 'precision="16-mixed"' in half and "bf16" not in half, half
+    trainer_half = framework_switch("transformers", "float16")
+    assert trainer_half is not None and "fp16=True" in trainer_half and "bf16" not in trainer_half
+    assert 'precision="bf16-mixed"' in (framework_switch("lightning", "bfloat16") or "")
+    assert framework_switch(None, "bfloat16") is None

@@ -2,7 +2,8 @@
 visits, so that each later call costs little: a line whose visits were all updates goes on counting,
 one whose visits updated nothing is taken to go on so only after many more. A state carried only from
 token 40 on (a warm-up before an average), and two lines that feed each other from token 5 on (a beam
-search's scores), are still found, with every update counted."""
+search's scores), are still found: the first every update, the pair from its second visit that reads the same
+partner line on."""
 
 from __future__ import annotations
 
@@ -40,5 +41,5 @@ def test_a_state_carried_from_a_later_token_and_two_lines_that_feed_each_other_a
         return scores
 
     assert list(_states(late).values()) == [T - 40]
-    # counted from the carry's CARRY_SIGHTINGS-th sighting (by when a line that reads its own output has shown it)
-    assert sorted(_states(two_lines).values()) == [T - 21, T - 20]
+    # counted from the carry's second sighting of the same partner line
+    assert sorted(_states(two_lines).values()) == [T - 6, T - 6]

@@ -285,6 +285,7 @@ class StepWatch(JudgedSteps):
     def start_micro(self) -> None:
         """A micro-batch starts, before its forward: its RNG state; at a window's first, its buffers."""
         try:
+            self.forward_done()  # a batch the framework skipped left its hooks on: off before another begins
             if not self._micros:
                 self._judge.begin_window()
                 self._hooked = []

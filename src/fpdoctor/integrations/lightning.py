@@ -195,6 +195,11 @@ class _Hooks:
             if self._watch.stop_due(agree=False):  # a finding about the update just taken
                 trainer.should_stop = True
 
+    @guarded("measuring the optimizer's updates")
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._watch is not None:
+            self._watch.forward_done()  # a batch skipped by on_train_batch_start's -1 left the hooks on
+
     @guarded("writing the report")
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._finish(trainer)

@@ -161,15 +161,18 @@ def input_finding(found: dict[str, Any], step: int, here: dict[str, Any]) -> Fin
 
 
 class ModelOutputs:
-    """The outputs of a model's own calls during one micro-batch, for `coarse`: global forward hooks (torch's
-    tables, nothing on the module: a step that deep-copies or saves the model copies none of ours) that keep
-    what `model(...)` returns, put on by `start` just before the user's forward and taken off by `take`
-    after it. Only the model's own call: a submodule's output is not the model's (a conditioning branch
-    fed zeros is one value on every row). Outputs wider than COLUMNS (logits) are not kept; references,
-    detached, nothing copied. A step that calls the model's parts but not the model keeps nothing."""
+    """The outputs of a model's outermost calls during one micro-batch, for `coarse`: global forward hooks
+    (torch's tables, nothing on the modules: a step that deep-copies or saves the model copies none of
+    ours) that keep what the model, or one of its direct children where the step calls that instead
+    (`self.model(x)` in a LightningModule), returns; put on by `start` just before the user's forward and
+    taken off by `take` after it. A call inside another kept call is not kept, nor a call whose floating
+    input is the same on every row (an anchor `model(torch.full_like(x, 0.5))`, a branch fed zeros: rows that
+    are one value by construction, not by rounding). Outputs wider than COLUMNS (logits) are not kept;
+    references, detached, nothing copied."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self._watched = {id(model), *(id(m) for m in model.children())}
         self._handles: list[RemovableHandle] = []
         self._outputs: list[torch.Tensor] = []
         self._depth = 0
@@ -194,17 +197,29 @@ class ModelOutputs:
         return outputs
 
     def _pre(self, module: nn.Module, args: Any) -> None:
-        if module is self.model:
+        if id(module) in self._watched:
             self._depth += 1
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if module is not self.model:
+        if id(module) not in self._watched:
             return
         self._depth = max(self._depth - 1, 0)
-        if self._depth or output is None or len(self._outputs) >= KEPT:
+        if self._depth or output is None or len(self._outputs) >= KEPT or _same_rows(args):
             return
         leaves = [output] if type(output) is torch.Tensor else pytree.tree_leaves(output)
+        # a regression squeezed to (batch,) is one column, whatever the batch
         self._outputs += [
             t.detach() for t in leaves
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() and t.shape[-1] <= COLUMNS
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0
+            and (t.dim() == 1 or t.shape[-1] <= COLUMNS)
         ]  # fmt: skip
+
+
+def _same_rows(args: Any) -> bool:
+    """The call's first floating tensor argument holds one row repeated (or has one row)."""
+    for a in pytree.tree_leaves(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() >= 1:
+            with torch.no_grad():
+                flat = a.detach().reshape(a.shape[0], -1)
+                return flat.shape[0] < 2 or bool((flat == flat[:1]).all())
+    return False

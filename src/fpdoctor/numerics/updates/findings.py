@@ -56,18 +56,30 @@ def _tried_text(tried: WhatIf | None, untried: str) -> tuple[str, dict[str, Any]
     return f" Tried, and it did not help here: {text}.", evidence
 
 
-# Where a framework steps the optimizer, its own switch keeps the weights and the optimizer state in fp32
-# (what the master-weights fix keeps) and computes in bf16 under autocast
-FRAMEWORK_SWITCH = {
-    "transformers": "in the Trainer: the model loaded in fp32 (no torch_dtype=torch.bfloat16 in from_pretrained, no "
-    ".to(torch.bfloat16)) and TrainingArguments(bf16=True): its weights and the optimizer's state in fp32, as the "
-    "master-weights fix below keeps them, the forward in bf16 under autocast (the Trainer calls optimizer.step() "
-    "itself: the code below goes in an optimizer of your own, passed as Trainer(optimizers=(optimizer, None)))",
-    "lightning": 'in Lightning: the module in fp32 (no .to(torch.bfloat16), no precision="bf16-true") and '
-    'Trainer(precision="bf16-mixed"): its weights and the optimizer\'s state in fp32, as the master-weights fix below '
-    "keeps them, the forward in bf16 under autocast (Lightning calls optimizer.step() itself: the code below goes in "
-    "configure_optimizers' optimizer, as an optimizer of your own)",
-}
+def framework_switch(framework: str | None, dtype: str) -> str | None:
+    """Where a framework steps the optimizer, its own switch for what the master-weights fix keeps (the
+    weights and the optimizer state in fp32), computing in the weights' 16-bit format under autocast."""
+    half = dtype in ("float16", "torch.float16", "fp16")
+    name = "float16" if half else "bfloat16"
+    kept = (
+        "its weights and the optimizer's state in fp32, as the master-weights fix below keeps them, the forward in "
+        "16 bits under autocast"
+    )
+    if framework == "transformers":
+        return (
+            f"in the Trainer: the model loaded in fp32 (no torch_dtype=torch.{name} in from_pretrained, no "
+            f".to(torch.{name})) and TrainingArguments({'fp16' if half else 'bf16'}=True): {kept} (the Trainer calls "
+            "optimizer.step() itself: the code below goes in an optimizer of your own, passed as "
+            "Trainer(optimizers=(optimizer, None)))"
+        )
+    if framework == "lightning":
+        mixed, true = ("16-mixed", "16-true") if half else ("bf16-mixed", "bf16-true")
+        return (
+            f'in Lightning: the module in fp32 (no .to(torch.{name}), no precision="{true}") and '
+            f'Trainer(precision="{mixed}"): {kept} (Lightning calls optimizer.step() itself: the code below goes in '
+            "configure_optimizers' optimizer, as an optimizer of your own)"
+        )
+    return None
 
 
 def rounded_away_finding(
@@ -119,7 +131,7 @@ def rounded_away_finding(
         "Kahan summation: torch-optimi's optimi.AdamW(params, ..., kahan_sum=True) (+2 bytes per parameter)",
     ]
     ranked = [master, *others] if helped or untried else others
-    switch = FRAMEWORK_SWITCH.get(framework or "")
+    switch = framework_switch(framework, str(dtype))
     if switch is not None and (helped or untried):  # the framework's own form of fp32 weights and state
         ranked = [switch, *ranked]
     trial = (

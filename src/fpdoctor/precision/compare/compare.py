@@ -2089,14 +2089,16 @@ class _Comparison:
                                         metric="end-to-end error", before=before, after=after),
                 )  # fmt: skip
             else:
-                left = f"{after:.3g}" if after is not None else "an error of its own"
+                widest = tried[-1][1] if tried else after  # the span walked furthest up, the figure it left
+                left = f"{widest:.3g}" if widest is not None else "an error of its own"
                 span = f"line {number}" if len(tried) < 2 else f"lines {tried[-1][0]}-{number}"
                 result.report.findings[i] = dataclasses.replace(
                     finding,
                     fix=f"the error is not made where it shows: {span} of {file} in fp64 leave it at {left} (from "
-                    f"{before:.3g}). It is made further up, or carried: a value rounded before the function reads it "
-                    "(a large offset added in fp32 before a difference of close values: compute from the offset "
-                    "first), or a state carried from one step to the next, whose update needs a form that keeps its "
+                    f"{before:.3g}). It is made further up, or carried: a value rounded before those lines read it "
+                    "(a large offset added in fp32 further up, before a difference of close values: compute the "
+                    "difference from the offset first), or, in a loop, a state carried from one step to the next, "
+                    "whose update needs a form that keeps its "
                     "properties in fp32 (a covariance as (I - KH) P (I - KH)^T + K R K^T, the Joseph form, not "
                     "(I - KH) P; a sum by compensated or pairwise summation) or that state in fp64",
                     trial=Trial.untried(

@@ -228,12 +228,6 @@ EXACT_OPS = frozenset({"maximum", "minimum", "fmax", "fmin", "max", "min", "clam
                        "gather"})  # fmt: skip
 
 
-# A carry through two lines is counted from this many sightings on: by then a line in the same loop that
-# reads its own output (an Euler or RK4 state) has shown it, and the lines that read its value have
-# (a vector field's stages in RK4 feed each other within a step: no state of theirs is carried)
-CARRY_SIGHTINGS = 16
-
-
 class _Chains(TorchFunctionMode):
     """Counts, per user source line, the updates of a loop-carried tensor: a call that reads its own
     previous output (s = s + x, one call), or a visit of the line whose calls read what its previous
@@ -275,14 +269,17 @@ class _Chains(TorchFunctionMode):
         self.owned: dict[str, int] = {}
         self.fed: dict[str, str] = {}
         # lines that read their own previous output (s = s + f(s)): a line that reads what such a line made
-        # reads a state, it does not carry one (f's own line in an Euler step), and a carry through two lines
-        # is counted from its second sighting, by when the other line has shown whether it reads its own
+        # reads a state, it does not carry one (f's own line in an Euler step)
         self.direct: set[str] = set()
         self.visits = 0  # visits of lines so far; each function's last output's visit (`made_in`): a read of
         # what the same visit made (a @ b @ c: the second matmul reads the first's) is no state's read
         self.made_in: dict[tuple[int, str], int] = {}
-        self.reads_state: set[str] = set()  # lines that read a direct line's output: never a carry's
-        self.carries: dict[str, int] = {}
+        # the lines whose outputs each line read in its current visit and in its previous one: a carry through
+        # two lines reads the same partner in visit after visit (a beam's sum and its topk; a covariance and
+        # its update); a stage of an RK4 step reads another each visit (x + dt/2 k1, x + dt/2 k2, ..., then
+        # the state): no state of its own is carried
+        self.partners: dict[str, set[str]] = {}
+        self.partners_before: dict[str, set[str]] = {}
         # a line's visits in a row that were updates (True) or not, and how many; once CARRIED_SETTLED,
         # the line is settled so (`settled`: line -> whether its visits are updates)
         self.streak: dict[str, tuple[bool, int]] = {}
@@ -382,14 +379,15 @@ class _Chains(TorchFunctionMode):
                     held = a._base if a._base is not None else a  # a view (scores[:, None]) reads its base
                     made = self.owner.get(id(held))
                     if made is not None and made[1] != line and made[0]() is held:
+                        now = self.partners.get(line)
+                        if now is None:
+                            now = self.partners[line] = set()
+                        now.add(made[1])
                         if made[1] in self.direct:  # a state's value read, not a state carried
-                            self.reads_state.add(line)
                             break
-                        reads = self.fed.get(made[1]) == line
+                        again = made[1] in self.partners_before.get(line, ())  # read in its previous visit too
+                        reads = self.fed.get(made[1]) == line and again
                         self.fed[line] = made[1]
-                        if reads:
-                            seen = self.carries[line] = self.carries.get(line, 0) + 1
-                            reads = seen >= CARRY_SIGHTINGS and line not in self.reads_state
                         break
         calls = self.calls.get(line)  # not setdefault: its default dict would be made on every call
         if calls is None:
@@ -422,6 +420,8 @@ class _Chains(TorchFunctionMode):
         state, and whether that visit was an update moves its streak on."""
         self.visits += 1
         left = self.line
+        if left is not None:
+            self.partners_before[left] = self.partners.pop(left, set())
         if left is not None and left not in self.settled:
             self.previous[left] = self.out
             counted = self.counted
