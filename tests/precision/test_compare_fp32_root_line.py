@@ -6,7 +6,10 @@ A bend computed as ((x + 3000)^2 - 9e6) / 6000: the square cancels, but `y = x +
 so the squaring line alone in fp64 does nothing and the two lines together cure it. A Kalman filter
 with the textbook covariance update `P = (I - K H) P`, tiny measurement noise and no process noise:
 fp32 loses P's positive-definiteness over the steps; the gain's bmm shows the error, but no fp64 line
-of one step cures it (the Joseph form does: a stable form is the user's to write)."""
+of one step cures it: the recurrence that carries P from step to step (its prediction, the gain's two
+lines, its update) kept in fp64 from the first step does, as the fix prints it (the Joseph form does
+too: a stable form is the user's to write). Where the walk fails and the line is on no recurrence,
+no fix is printed as checked."""
 
 from __future__ import annotations
 
@@ -28,9 +31,10 @@ class Bend(nn.Module):
 
 
 class Kalman(nn.Module):
-    """Constant-velocity tracking of 2-D positions; `joseph`: the stable covariance update."""
+    """Constant-velocity tracking of 2-D positions; `joseph`: the stable covariance update; `wide`: the
+    recurrence kept in fp64 as the fix prints it (P and its lines in fp64, the gain cast back for x)."""
 
-    def __init__(self, joseph: bool = False) -> None:
+    def __init__(self, joseph: bool = False, wide: bool = False) -> None:
         super().__init__()
         dt = 0.1
         f = torch.eye(4)
@@ -43,23 +47,27 @@ class Kalman(nn.Module):
         self.register_buffer("P0", 1e6 * torch.eye(4))
         self.register_buffer("I", torch.eye(4))
         self.joseph = joseph
+        self.wide = wide
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         x = torch.zeros(z.shape[0], 4, dtype=z.dtype)
         x[:, :2] = z[:, 0]
         p = self.P0.expand(z.shape[0], 4, 4).clone()
+        f, h, r, i = (self.F, self.H, self.R, self.I)
+        if self.wide:  # the operands the recurrence's lines read from the rest of the model, .double()
+            p, f, h, r, i = p.double(), f.double(), h.double(), r.double(), i.double()
         out = []
         for t in range(z.shape[1]):
             x = x @ self.F.T
-            p = self.F @ p @ self.F.T
-            s = self.H @ p @ self.H.T + self.R
-            k = p @ self.H.T @ torch.linalg.inv(s)
-            x = x + (k @ (z[:, t] - x @ self.H.T).unsqueeze(-1)).squeeze(-1)
+            p = f @ p @ f.T
+            s = h @ p @ h.T + r
+            k = p @ h.T @ torch.linalg.inv(s)
+            x = x + (k.to(z.dtype) @ (z[:, t] - x @ self.H.T).unsqueeze(-1)).squeeze(-1)
             if self.joseph:
                 a = self.I - k @ self.H
                 p = a @ p @ a.transpose(-1, -2) + k @ self.R @ k.transpose(-1, -2)
             else:
-                p = (self.I - k @ self.H) @ p
+                p = (i - k @ h) @ p
             out.append(x)
         return torch.stack(out, dim=1)
 
@@ -85,19 +93,96 @@ def test_the_lines_that_make_what_the_worst_op_reads_are_walked_up_to_and_checke
     assert first.trial is not None and first.trial.tried and first.trial.after < 1e-3 * first.trial.before
 
 
-def test_a_state_that_loses_its_properties_over_the_steps_gets_no_fix_that_does_nothing():
+def _line(text: str) -> int:
+    source, start = inspect.getsourcelines(Kalman.forward)
+    return start + next(i for i, line in enumerate(source) if text in line)
+
+
+def test_a_state_carried_through_a_recurrence_is_kept_in_fp64_from_the_first_step_as_printed():
     z = _tracks()
     result = fpdoctor.compare(Kalman(), z, candidate="fp32", reference="fp64")
     first = result.report.findings[0]
     assert first.name == "precision-divergence" and first.where["module"] == "", first
-    assert "compute line" not in first.fix and "the error is not made where it shows" in first.fix, first.fix
-    assert "Joseph form" in first.fix
-    assert first.trial is not None and not first.trial.tried and "was tried and leaves" in first.trial.reason
-    # the stable form the fix names takes the error down, as the trial would have shown
+    # the prediction, the gain's two lines and the update; the state's estimate (x) reads the gain cast back
+    cycle = [_line("p = f @ p @ f.T"), _line("s = h @ p @ h.T + r"), _line("k = p @ h.T"), _line("p = (i - k @ h) @ p")]
+    assert first.evidence["recurrence"]["lines"] == [f"{__file__}:{n}" for n in cycle], first.evidence
+    assert first.evidence["recurrence"]["readers"] == [f"{__file__}:{_line('x = x + (k.to')}"], first.evidence
+    assert "the error is carried from step to step" in first.fix and "in fp64 from the first step" in first.fix
+    assert f"lines {cycle[0]}-{cycle[2]} and {cycle[3]} of {__file__}" in first.fix, first.fix
+    assert first.trial is not None and first.trial.tried and first.trial.after * 100 < first.trial.before
+    # as printed: those lines in fp64, what the estimate's line reads cast back, gives the figure checked
     exact = Kalman().double()(z.double())
     before = float((Kalman()(z).double() - exact).norm() / exact.norm())
-    after = float((Kalman(joseph=True)(z).double() - exact).norm() / exact.norm())
-    assert after * 10 < before, (before, after)
+    wide = float((Kalman(wide=True)(z).double() - exact).norm() / exact.norm())
+    assert wide * 100 < before and wide < 3 * first.trial.after + 1e-7, (before, wide, first.trial)
+    # the stable form the fix names beside it takes the error down too
+    joseph = float((Kalman(joseph=True)(z).double() - exact).norm() / exact.norm())
+    assert joseph * 10 < before, (before, joseph)
+
+
+class RLS(nn.Module):
+    """Recursive least squares tracking an 8-tap channel from badly scaled inputs, forgetting factor
+    0.99: the gain reads the inverse correlation P's recurrence, and the taps' recurrence reads the gain.
+    The worst op is the taps' error line; both recurrences in fp64 are the fix (the taps' alone is not).
+    `wide`: the fix as printed."""
+
+    def __init__(self, wide: bool = False) -> None:
+        super().__init__()
+        self.register_buffer("P0", torch.eye(8) / 1e-4)
+        self.wide = wide
+
+    def forward(self, u: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        w = torch.zeros(u.shape[0], 8, dtype=u.dtype)
+        p = self.P0.expand(u.shape[0], 8, 8).clone()
+        if self.wide:  # the operands the recurrence's lines read from the rest of the model, .double()
+            w, p, u, d = w.double(), p.double(), u.double(), d.double()
+        out = []
+        for t in range(u.shape[1]):
+            x = u[:, t]
+            px = (p @ x.unsqueeze(-1)).squeeze(-1)
+            k = px / (0.99 + (x * px).sum(-1, keepdim=True))
+            e = d[:, t] - (w * x).sum(-1)
+            w = w + k * e.unsqueeze(-1)
+            p = (p - k.unsqueeze(-1) * px.unsqueeze(-2)) / 0.99
+            out.append(w)
+        return torch.stack(out, 1).float() if self.wide else torch.stack(out, 1)
+
+
+def test_the_recurrences_an_op_reads_from_are_kept_in_fp64_with_its_own():
+    g = torch.Generator().manual_seed(0)
+    u = torch.randn(16, 1500, 8, generator=g) * torch.logspace(0, -2, 8)
+    d = (u * torch.randn(16, 8, generator=g)[:, None]).sum(-1) + 1e-3 * torch.randn(16, 1500, generator=g)
+    first = fpdoctor.compare(RLS(), (u, d), candidate="fp32", reference="fp64").report.findings[0]
+    source, start = inspect.getsourcelines(RLS.forward)
+    at = {text: start + next(i for i, line in enumerate(source) if text in line) for text in ("px = (p", "p = (p -")}
+    lines = [f"{__file__}:{n}" for n in range(at["px = (p"], at["p = (p -"] + 1)]
+    assert first.evidence["recurrence"]["lines"] == lines, first.evidence  # P's, the gain's and the taps' lines
+    assert f"lines {at['px = (p']}-{at['p = (p -']} of {__file__}" in first.fix, first.fix
+    assert first.trial is not None and first.trial.tried and first.trial.after * 1000 < first.trial.before
+    exact = RLS().double()(u.double(), d.double())
+    wide = float((RLS(wide=True)(u, d).double() - exact).norm() / exact.norm())
+    assert wide < 3 * first.trial.after + 1e-7, (wide, first.trial)
+
+
+class FarOffset(nn.Module):
+    """The offset that rounds x is added five lines above the cancelling line: beyond the walk up, and on
+    no recurrence (no loop): no fix is printed as checked, and the fallback says where else to look."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x + 3000.0
+        a = x * 2.0
+        b = a.sin()
+        c = b * 0.5
+        d = c + 1.0
+        return (y * y - 9e6) / 6000.0 - x + d
+
+
+def test_no_recurrence_and_no_span_that_cures_it_prints_no_fix_as_checked():
+    x = torch.rand(64, 256, generator=torch.Generator().manual_seed(0))
+    first = fpdoctor.compare(FarOffset(), x, candidate="fp32", reference="fp64").report.findings[0]
+    assert first.name == "precision-divergence" and first.where["module"] == "", first
+    assert "the error is not made where it shows" in first.fix and "recurrence" not in first.evidence, first.fix
+    assert first.trial is not None and not first.trial.tried and "was tried and leaves" in first.trial.reason
 
 
 class Offset(nn.Module):
@@ -130,6 +215,4 @@ def test_a_covariance_carried_through_two_lines_of_chained_products_is_searched_
         model.float(), z, torch.float32, truth=truth.reshape(-1), norm=float(truth.norm()), rng=RngState.capture(),
         device=None, noise=None, keep=[],
     )  # fmt: skip
-    source, start = inspect.getsourcelines(Kalman.forward)
-    update = start + next(i for i, text in enumerate(source) if "p = (self.I - k @ self.H) @ p" in text)
-    assert f"{__file__}:{update}" in lines, sorted(lines)
+    assert f"{__file__}:{_line('p = (i - k @ h) @ p')}" in lines, sorted(lines)

@@ -78,16 +78,21 @@ class RaisedSites(TorchFunctionMode):
     """Runs the calls of some sites in float64 (their inputs raised, their output kept in float64:
     the running states live in fp64) and gives every other call its float64 inputs back in
     `dtype`, so the rest of the model runs as the candidate does. A site is (torch function, line):
-    what `compare`'s running-state search (precision/compare/passes.py) records."""
+    what `compare`'s running-state search (precision/compare/passes.py) records. `views`: sites whose
+    calls run as they are (a view of a state kept in float64 stays float64 for the site that reads it:
+    cast down, the state would be rounded between two lines of its own update)."""
 
-    def __init__(self, sites: list[tuple[Any, str]], dtype: torch.dtype) -> None:
+    def __init__(
+        self, sites: list[tuple[Any, str]], dtype: torch.dtype, *, views: list[tuple[Any, str]] | None = None
+    ) -> None:  # fmt: skip
         super().__init__()
         self.dtype = dtype
         # by id: a function's __hash__ may be Python code, asked per call; the list keeps them alive
-        self.functions = [site[0] for site in sites]
+        self.functions = [site[0] for site in [*sites, *(views or [])]]
         self.ids = {id(f) for f in self.functions}
         # (id, file, line number): what user_location gives, with no string made per call
-        self.sites = {(id(f), file, int(number)) for f, line in sites for file, _, number in [line.rpartition(":")]}
+        self.sites = _keys(sites)
+        self.views = _keys(views or [])
         self.raised = 0
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -95,7 +100,10 @@ class RaisedSites(TorchFunctionMode):
         site = False
         if id(func) in self.ids:
             user = user_location(sys._getframe())
-            site = user is not None and (id(func), user[0], user[1]) in self.sites
+            key = (id(func), user[0], user[1]) if user is not None else None
+            if key is not None and key in self.views:
+                return func(*args, **kwargs)
+            site = key is not None and key in self.sites
         return self.call(func, args, kwargs, site=site)
 
     def call(self, func: Any, args: Any, kwargs: dict[str, Any], *, site: bool) -> Any:
@@ -116,6 +124,11 @@ class RaisedSites(TorchFunctionMode):
 
     def _down(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.dtype) if t.dtype is torch.float64 else t
+
+
+def _keys(sites: list[tuple[Any, str]]) -> set[tuple[int, str, int]]:
+    """(id of function, file, line number) of each site, as RaisedSites looks them up."""
+    return {(id(f), file, int(number)) for f, line in sites for file, _, number in [line.rpartition(":")]}
 
 
 def _holds(values: Any, dtype: torch.dtype) -> bool:

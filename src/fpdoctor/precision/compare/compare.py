@@ -97,6 +97,7 @@ from fpdoctor.precision.compare.passes import (
     rerun_figures,
     unmasked,
 )
+from fpdoctor.precision.compare.recurrence import Recurrence, recurrence
 from fpdoctor.precision.compare.transformed import Transform, compare_transformed
 from fpdoctor.precision.decide import MASKED, MASKED_LOGIT, Kept, id_decisions, ids_agree, rounding_floor
 from fpdoctor.precision.decide import kept as kept_sets
@@ -144,6 +145,8 @@ from fpdoctor.precision.profile import (
     children,
     forced_causes,
     input_rounding_finding,
+    line_spans,
+    lines_text,
     merge_sets,
 )
 from fpdoctor.precision.record.record import CompareRecord
@@ -2092,6 +2095,13 @@ class _Comparison:
                 widest = tried[-1][1] if tried else after  # the span walked furthest up, the figure it left
                 left = f"{widest:.3g}" if widest is not None else "an error of its own"
                 span = f"line {number}" if len(tried) < 2 else f"lines {tried[-1][0]}-{number}"
+                carried = self._recurrence_checked(f"{file}:{number}", before)
+                if carried is not None:
+                    cycle, fixed = carried
+                    result.report.findings[i] = _recurrence_finding(
+                        finding, cycle, span=span, left=left, before=before, after=fixed, on=on
+                    )
+                    continue
                 result.report.findings[i] = dataclasses.replace(
                     finding,
                     fix=f"the error is not made where it shows: {span} of {file} in fp64 leave it at {left} (from "
@@ -2106,6 +2116,29 @@ class _Comparison:
                         f"the end-to-end error at {left} (from {before:.3g}) on {on}, so it is not the fix"
                     ),
                 )
+
+    def _recurrence_checked(self, line: str, before: float) -> tuple[Recurrence, float] | None:
+        """Where no span of lines above the worst op cures an fp32 error: the recurrence through its
+        line (recurrence.py: the lines that carry a value from one step of a loop to the next through
+        it) kept in fp64 from the first step, end to end. (The cycle, the error then) where that
+        takes the error down RAISED_FALLS times; else None. Two forwards, only then."""
+        try:
+            cycle = recurrence(
+                self.cand_run, self.run_inputs, self.cand_dtype, line, rng=self.rng, device=self.cand_device,
+                noise=self.noise,
+            )  # fmt: skip
+            if cycle is None or not cycle.sites:
+                return None
+            root = next(e for (name, _), e in self.seen.items() if name == "")
+            after = error_under(
+                RaisedSites(cycle.sites, self.cand_dtype, views=cycle.views), self.cand_run, self.run_inputs,
+                self.cand_dtype, truth=root.truth, norm=root.norm, rng=self.rng, device=self.cand_device,
+                noise=self.noise,
+            )  # fmt: skip
+        except Exception as exc:  # the search is ours: the finding stands without it
+            self.notes["recurrence"] = f"not searched: {type(exc).__name__}: {exc}"
+            return None
+        return (cycle, after) if after is not None and _takes_down(after, before) else None
 
     def _composed_form(self, result: CompareResult) -> None:
         """An error whose first finding has no checked fix, or one that leaves it far above the output's
@@ -3058,6 +3091,41 @@ def _lines_above(file: str, number: int, up: int) -> list[int]:
             break
         lines.append(k)
     return lines
+
+
+def _recurrence_finding(
+    finding: Finding, cycle: Recurrence, *, span: str, left: str, before: float, after: float, on: str
+) -> Finding:  # fmt: skip
+    """The root's divergence whose fix is its recurrence kept in fp64 (Comparison._recurrence_checked)."""
+    lines = _named(cycle.lines)
+    files = {line.rpartition(":")[0] for line in cycle.lines + cycle.readers}
+    # the lines that read them, named by number alone where the cycle's file holds them too
+    outside = (
+        line_spans([int(r.rpartition(":")[2]) for r in cycle.readers]) if len(files) == 1 else _named(cycle.readers)
+    )
+    readers = (
+        f", and cast what {outside} {'reads' if len(cycle.readers) == 1 else 'read'} of them back to fp32 (.float())"
+        if cycle.readers
+        else ""
+    )
+    return dataclasses.replace(
+        finding,
+        fix=f"the error is carried from step to step, not made where it shows ({span} in fp64 leave it at {left}): "
+        f"keep the recurrence through it in fp64 from the first step, {lines} (the fp32 operands they read from "
+        f"the rest of the model .double(), so that what they carry stays fp64){readers}; or rewrite the state's "
+        "update in a form that keeps its properties in fp32 (a covariance as (I - KH) P (I - KH)^T + K R K^T, the "
+        "Joseph form, not (I - KH) P; a sum by compensated summation)",
+        evidence={**finding.evidence, "recurrence": {"lines": cycle.lines, "readers": cycle.readers}},
+        trial=Trial.checked(
+            f"{lines} in fp64 from the first step, the lines outside them reading their values cast back to fp32",
+            on=on, metric="end-to-end error", before=before, after=after,
+        ),
+    )  # fmt: skip
+
+
+def _named(lines: list[str]) -> str:
+    """file:line names as profile.lines_text says them ("lines 36, 38-39 and 42 of f.py")."""
+    return lines_text([(file, int(number)) for file, _, number in (line.rpartition(":") for line in lines)])
 
 
 def _takes_down(after: float | None, before: float) -> bool:

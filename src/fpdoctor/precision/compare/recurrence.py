@@ -1,0 +1,157 @@
+"""The recurrence a line belongs to: the source lines that carry a value from one step of a loop to
+the next, through that line.
+
+A filter's covariance is made at one line (P = F P F^T + Q), read by the lines that make the gain
+(S = H P H^T + R, K = P H^T S^-1) and updated at another (P = (I - K H) P), which the first reads on
+the next step. An fp32 error that shows at the gain is made by the whole cycle over the steps: no
+line of it alone in fp64 takes it away, and keeping the state alone in fp64 does not either, as the
+lines that read it round it again. The cycle is found from one candidate forward that records which
+line made each value a call reads (`_Flow`): the lines reachable from the line that shows the error
+and from which it is reached again. Kept in fp64 together from the first step, what they carry
+stays fp64; every line outside reads it cast back (engine.raising.RaisedSites), as the user's fix
+would cast it back (`Recurrence.readers`: where)."""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from fpdoctor.precision.compare.noise import ReplayNoise
+from fpdoctor.precision.compare.own_calls import GETITEM, basic_index
+from fpdoctor.precision.compare.passes import _AtenOps, stacked
+from fpdoctor.preserve import RngState
+from fpdoctor.userframes import user_frame
+
+# A cycle of more lines than this is most of a forward, not a state's update: no fix of a few lines.
+MOST_LINES = 12
+
+
+@dataclass(frozen=True)
+class Recurrence:
+    """The lines of a cycle (file:line, in source order), the torch functions they call (what
+    RaisedSites raises), the views among them (run as they are: of an fp64 value, fp64), and the
+    lines outside it that read what it makes."""
+
+    lines: list[str]
+    sites: list[tuple[Any, str]]
+    views: list[tuple[Any, str]]
+    readers: list[str]
+
+
+class _Flow(TorchFunctionMode):
+    """Which user line made what each call reads: an edge (maker, reader) per pair seen, where a
+    line's read of its own output counts only across visits (s = s + x), not within one (a @ b @ c
+    reads its own first product)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []  # module calls in progress (passes.stacked)
+        self.maker: dict[int, tuple[weakref.ref[torch.Tensor], str, int]] = {}  # id -> (ref, line, visit)
+        self.edges: set[tuple[str, str]] = set()
+        self.calls: dict[str, dict[int, Any]] = {}  # line -> its functions (by id)
+        self.views: dict[tuple[int, str], bool] = {}  # (id of function, line) -> it runs views only
+        self.line: str | None = None
+        self.visit = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        frame = user_frame(sys._getframe(1))
+        if frame is None:
+            return func(*args, **kwargs)
+        line = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        if line != self.line:
+            self.line, self.visit = line, self.visit + 1
+        key = (id(func), line)
+        self.calls.setdefault(line, {})[id(func)] = func
+        if func is GETITEM and type(args[0]) is torch.Tensor and not kwargs and basic_index(args[1]):
+            self.views[key] = True  # a view (x[:, t]): what it reads is its base's, made where the base was
+            return func(*args)
+        if key not in self.views:
+            with _AtenOps() as ops:
+                out = func(*args, **kwargs)
+            self.views[key] = all(op.is_view for op in ops.seen)
+        else:
+            out = func(*args, **kwargs)
+        for t in _tensors((*args, *kwargs.values())):
+            made = self.maker.get(id(t))
+            if made is None and t._base is not None:
+                made = self.maker.get(id(t._base))
+            if made is not None and made[0]() is not None and (made[1] != line or made[2] != self.visit):
+                self.edges.add((made[1], line))
+        if self.views[key]:  # a view, or a no-op (.to its own dtype returns its input): made where its base was
+            return out
+        for t in _tensors(out if isinstance(out, (tuple, list)) else (out,)):
+            if t.is_floating_point():
+                self.maker[id(t)] = (weakref.ref(t, self._drop(id(t))), line, self.visit)
+        return out
+
+    def _drop(self, key: int) -> Any:
+        def drop(ref: weakref.ref[torch.Tensor]) -> None:
+            made = self.maker.get(key)
+            if made is not None and made[0] is ref:
+                del self.maker[key]
+
+        return drop
+
+    def cycle(self, line: str) -> Recurrence | None:
+        """The lines on a cycle that `line` is on or reads from: each line it is reached from (or itself)
+        that is reached from itself again. A gain read from a covariance's recurrence, itself on the
+        estimate's: both recurrences, for the estimate's error is made in the covariance's."""
+        back = {(b, a) for a, b in self.edges}
+        feeds = _reach(line, back) | {line}
+        lines = sorted((at for at in feeds if at in _reach(at, self.edges)), key=_order)
+        if not lines or len(lines) > MOST_LINES:
+            return None
+        inside = set(lines)
+        calls = [(i, f, at) for at in lines for i, f in self.calls.get(at, {}).items()]
+        readers = sorted({b for a, b in self.edges if a in inside and b not in inside}, key=_order)
+        return Recurrence(
+            lines, [(f, at) for i, f, at in calls if not self.views[(i, at)]],
+            [(f, at) for i, f, at in calls if self.views[(i, at)]], readers,
+        )  # fmt: skip
+
+
+def _tensors(values: Iterable[Any]) -> Iterable[torch.Tensor]:
+    for value in values:
+        if type(value) is torch.Tensor:
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if type(v) is torch.Tensor)
+
+
+def _reach(start: str, edges: set[tuple[str, str]]) -> set[str]:
+    """The lines reached from `start` by one edge or more (`start` itself only on a cycle)."""
+    nexts: dict[str, list[str]] = {}
+    for a, b in edges:
+        nexts.setdefault(a, []).append(b)
+    seen: set[str] = set()
+    todo = list(nexts.get(start, []))
+    while todo:
+        at = todo.pop()
+        if at not in seen:
+            seen.add(at)
+            todo.extend(nexts.get(at, []))
+    return seen
+
+
+def _order(line: str) -> tuple[str, int]:
+    file, _, number = line.rpartition(":")
+    return file, int(number) if number.isdigit() else 0
+
+
+def recurrence(
+    run: nn.Module, inputs: Any, dtype: torch.dtype, line: str, *, rng: RngState, device: torch.device | None,
+    noise: ReplayNoise | None,
+) -> Recurrence | None:  # fmt: skip
+    """The recurrences `line` (file:line) is on or reads from, in one candidate forward; None where
+    there are none or they hold more than MOST_LINES lines."""
+    flow = _Flow()
+    stacked(flow, run, inputs, dtype, rng=rng, device=device, noise=noise)
+    return flow.cycle(line)
