@@ -25,6 +25,7 @@ settings itself: it is a graph reproducer's repro.py, run with torch only, no fp
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import re
 import sys
@@ -280,6 +281,39 @@ def global_optimizer_hooks(optimizer_module: types.ModuleType) -> dict[str, dict
     `watch` gives torch copies while it iterates them (a replay registers hooks of its own)."""
     names = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
     return {n: getattr(optimizer_module, n) for n in names if hasattr(optimizer_module, n)}
+
+
+class SnapshotHooks(collections.OrderedDict):
+    """A hook dict put in place of torch's global optimizer hooks for a while (`watch`'s replay, a
+    shadow step): torch iterates `values()` at every optimizer step of every thread, and a hook
+    registered or removed under that iteration raises "OrderedDict mutated during iteration" into
+    another thread's `opt.step()`. Its values are read as a snapshot: what is registered meanwhile
+    (a replay's hooks, in the thread that replays) changes no iteration in progress."""
+
+    def values(self) -> Any:
+        return tuple(super().values())
+
+
+@contextlib.contextmanager
+def snapshot_optimizer_hooks(optimizer_module: types.ModuleType) -> Iterator[None]:
+    """torch's global optimizer hooks read as snapshots inside the block (SnapshotHooks, copies of
+    them), so that hooks of ours and the script's can come and go while any thread steps. After it,
+    the dicts torch had are torch's again, with the hooks registered in the block added and those
+    removed in it gone (a handle made before the block removes from the dict it was made on)."""
+    saved = global_optimizer_hooks(optimizer_module)
+    installed = {name: SnapshotHooks(hooks) for name, hooks in saved.items()}
+    had = {name: set(hooks) for name, hooks in saved.items()}
+    for name, hooks in installed.items():
+        setattr(optimizer_module, name, hooks)
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            now = installed[name]
+            for key in [k for k in had[name] if k not in now and k in original]:  # removed in the block
+                del original[key]
+            original.update((k, hook) for k, hook in now.items() if k not in had[name])  # registered in it
+            setattr(optimizer_module, name, original)
 
 
 def global_forward_hooks_with_kwargs(module_module: types.ModuleType) -> dict[int, bool]:

@@ -91,7 +91,7 @@ from fpdoctor.numerics.training.live import Live, StopRun, in_progress
 from fpdoctor.numerics.updates.measure import UpdateProbe, UpdateStats
 from fpdoctor.preserve import RngState, preserved
 from fpdoctor.report.model import Finding, Report, Severity, Trial
-from fpdoctor.torchprivate import global_optimizer_hooks, pytree
+from fpdoctor.torchprivate import pytree, snapshot_optimizer_hooks
 from fpdoctor.userframes import user_frames, user_location
 
 _DEVICE_TYPES = ("cpu", "cuda")
@@ -227,24 +227,6 @@ def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor
     return [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
 
 
-class _OptimizerHooksAside:
-    """torch iterates its global optimizer-hook dicts while it calls this watch's pre-hook, and a
-    replay under `trace` registers and removes hooks of its own: inside the block those land in
-    copies, so the dicts being iterated are not changed under torch's feet. A class, not a
-    generator context: it is entered on every optimizer step."""
-
-    __slots__ = ("_saved",)
-
-    def __enter__(self) -> None:
-        self._saved = saved = global_optimizer_hooks(optimizer_mod)
-        for name, hooks in saved.items():
-            setattr(optimizer_mod, name, type(hooks)(hooks))
-
-    def __exit__(self, *exc: object) -> None:
-        for name, hooks in self._saved.items():
-            setattr(optimizer_mod, name, hooks)
-
-
 def _autocast_state() -> list[tuple[str, torch.dtype]]:
     on = []
     for device in _DEVICE_TYPES:
@@ -301,6 +283,11 @@ class ScriptWatch:
         self._losses: list[torch.Tensor] = []
         self._trainable: dict[int, bool] = {}
         self._local = _PerThread()
+        # the thread whose training is judged: the first that runs a training forward or steps an optimizer.
+        # One step's forwards, backward and step are one thread's; another thread's, interleaved with them,
+        # would be judged as this one's (its losses, its steps' order, its replays): they pass through,
+        # and the report says which threads were not checked
+        self._thread: int | None = None
         self._traced = TracedStep()  # a step traced after a bad step its replay could not explain
         self._penalty: ScaledGrads | None = None  # autograd.grad of a scaled output, seen (a gradient penalty)
         self._top = TopLevelCalls(self._pre, self._post)
@@ -343,6 +330,9 @@ class ScriptWatch:
             # the top-level module calls only: the submodule calls inside them pay nothing
             stack.callback(self._top.close)
             self._top.start()
+            # torch iterates its global optimizer hooks at every step of every thread, and a replay's hooks
+            # come and go inside one: read as snapshots while the watch is on, no step sees its dict change
+            stack.enter_context(snapshot_optimizer_hooks(optimizer_mod))
             stack.callback(register_optimizer_step_pre_hook(self._before_step).remove)
             stack.callback(register_optimizer_step_post_hook(self._after_step).remove)
             stack.enter_context(self._swapped(torch.autograd, "backward", self._backward_of))
@@ -404,13 +394,31 @@ class ScriptWatch:
                 delattr(owner, name)
 
     # -- what the script does ----------------------------------------------------------------------
+    def _mine(self, trains: bool = False) -> bool:
+        """Whether the calling thread is the one whose training is judged; `trains`: the call trains
+        (a training forward, an optimizer step), which makes the first thread to do so that one."""
+        ident = threading.get_ident()
+        if self._thread is None and trains:
+            self._thread = ident
+        if self._thread is None or ident == self._thread:
+            return True
+        if trains:
+            name = threading.current_thread().name
+            self.unwatched.setdefault(
+                f"training in thread {name!r}",
+                "watch judges one training thread, the first to train: the forwards, backward and step of "
+                "another, interleaved with its own, would be judged as its; run each thread's loop under "
+                "fpdoctor.Sentinel (docs/sentinel.md), which judges the steps it is given in any thread",
+            )
+        return False
+
     def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """Before a top-level module call (`TopLevelCalls`)."""
         self._local.call = None
         if self._replaying or not torch.is_grad_enabled():
             return
         try:
-            if not self._is_trainable(module):
+            if not self._is_trainable(module) or not self._mine(trains=True):
                 return
             if self._pending:
                 # the steps decided on the device are looked at before the next training forward
@@ -481,7 +489,7 @@ class ScriptWatch:
     def _backward_of(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            if self._replaying or dynamo.compiling():
+            if self._replaying or dynamo.compiling() or not self._mine():
                 return original(tensors, *args, **kwargs)
             loss: torch.Tensor | None = None
             waiting: list[tuple[_Call, int]] = []
@@ -518,7 +526,8 @@ class ScriptWatch:
         @functools.wraps(original)
         def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             key = id(optimizer)
-            if not amp.enabled(scaler):  # a disabled scaler is no scaler: its step() is the optimizer's
+            # a disabled scaler is no scaler: its step() is the optimizer's
+            if not amp.enabled(scaler) or not self._mine(trains=True):
                 return original(scaler, optimizer, *args, **kwargs)
             self._scaler_now[key] = scaler
             seen = self._scalers.get(key)
@@ -543,7 +552,7 @@ class ScriptWatch:
         @functools.wraps(original)
         def scale(scaler: Any, outputs: Any) -> Any:
             result = original(scaler, outputs)
-            if isinstance(outputs, torch.Tensor) and result is not outputs and amp.enabled(scaler):
+            if isinstance(outputs, torch.Tensor) and result is not outputs and amp.enabled(scaler) and self._mine():
                 if len(self._scale_given) >= 64:  # steps taken with a closure (Lightning's) never clear it
                     self._scale_given.clear()
                 given = (weakref.ref(outputs), user_location(sys._getframe(1)))
@@ -557,7 +566,7 @@ class ScriptWatch:
         def unscale_(scaler: Any, optimizer: Any) -> Any:
             result = original(scaler, optimizer)
             # the script's own call; the one scaler.step() makes for itself is the step's
-            if amp.enabled(scaler) and not self._replaying and id(optimizer) not in self._scaler_now:
+            if amp.enabled(scaler) and not self._replaying and id(optimizer) not in self._scaler_now and self._mine():
                 self._guarded(lambda: self._order.unscaled(scaler, optimizer, user_location(sys._getframe(1))), _ORDER)
             return result
 
@@ -567,7 +576,7 @@ class ScriptWatch:
         @functools.wraps(original)
         def update(scaler: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(scaler, *args, **kwargs)
-            if amp.enabled(scaler) and not self._replaying:
+            if amp.enabled(scaler) and not self._replaying and self._mine():
                 self._guarded(lambda: self._order.updated(user_location(sys._getframe(1))), _ORDER)
             return result
 
@@ -577,7 +586,8 @@ class ScriptWatch:
         # its signature as torch's (accelerate reads zero_grad's parameters for set_to_none)
         @functools.wraps(original)
         def zero_grad(owner: Any, *args: Any, **kwargs: Any) -> Any:
-            if self._clears.after_backward and not self._replaying:  # only then is its line looked up
+            # only then is its line looked up
+            if self._clears.after_backward and not self._replaying and self._mine():
                 self._guarded(lambda: self._clears.zero_grad(owner, user_frames(sys._getframe(2))), _CLEARS)
             return original(owner, *args, **kwargs)
 
@@ -614,6 +624,8 @@ class ScriptWatch:
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if dynamo.compiling():  # a step traced into a graph: judged where it runs eagerly, or not at all
             return
+        if not self._mine(trains=True):
+            return
         self._optimizer_steps += 1  # any torch.optim step, judged here or not (a callback's, a closure's)
         key = id(optimizer)
         scaler = self._scaler_now.get(key)
@@ -631,9 +643,8 @@ class ScriptWatch:
                 "fpdoctor callback judges its steps (switched on by `fpdoctor watch`)",
             )
             return
-        with _OptimizerHooksAside():
-            self._decide_pending()  # a step with no training forward since the last one
-            self._guarded(lambda: self._step(optimizer, scaler=scaler, skipped_by_scaler=False))
+        self._decide_pending()  # a step with no training forward since the last one
+        self._guarded(lambda: self._step(optimizer, scaler=scaler, skipped_by_scaler=False))
         self._stop_here()
 
     def _stop_here(self) -> None:
@@ -1001,6 +1012,8 @@ class ScriptWatch:
                 judge.error("measuring the optimizer's updates", exc)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._mine():
+            return
         for p, grad in self._held.pop(id(optimizer), ()):  # a skipped step's gradients, as the backward left them
             if p.grad is None:
                 p.grad = grad

@@ -833,6 +833,12 @@ def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, ref
             "raise an in-place update without your code changed"
             if suspect is not None
             else f"look for a long chain of adds or a reduction computed in {dtype} (a sum over a sequence written "
+            "as a loop, a cumulative op, a .sum() over many terms) and compute it in fp64 (.sum(dtype=torch.float64), "
+            "the result cast back); where the output is the difference of two such totals (E(b) - E(a)), compute the "
+            "difference from the terms that differ instead: the closer the totals, the more their rounding is "
+            "amplified; `fpdoctor plan` cannot fix this, its candidates are below fp32"
+            if dtype == "float32"  # an fp32 candidate: fp32 is what it already computes in
+            else f"look for a long chain of adds or a reduction computed in {dtype} (a sum over a sequence written "
             "as a loop, a cumulative op) and compute it in fp32"
             + (
                 f", or keep {' and '.join(f'`{m}`' for m in modules)} in fp32 (`fpdoctor plan` checks which)"

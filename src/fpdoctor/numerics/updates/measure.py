@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from fpdoctor.torchprivate import DisableTorchDispatch, global_optimizer_hooks, named_parameters
+from fpdoctor.torchprivate import DisableTorchDispatch, SnapshotHooks, global_optimizer_hooks, named_parameters
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 SAMPLE = 256  # elements per parameter: a share measured on 256 has a standard error under 3.2%
@@ -85,8 +85,8 @@ def no_global_optimizer_hooks() -> Iterator[None]:
     from torch.optim import optimizer as optimizer_mod
 
     saved = global_optimizer_hooks(optimizer_mod)
-    for name, hooks in saved.items():
-        setattr(optimizer_mod, name, type(hooks)())
+    for name in saved:  # read as snapshots: a thread's step may start here, and hooks come and go in ours
+        setattr(optimizer_mod, name, SnapshotHooks())
     try:
         yield
     finally:
