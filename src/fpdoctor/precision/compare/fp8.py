@@ -3,11 +3,12 @@
 With dynamic amax scaling the largest value maps to the format's max, so nothing clips; the
 damage is at the other end: when a few outlier channels set the scale, the other values fall
 below the smallest subnormal and flush to zero. Only values that matter in their own channel count
-(at least SIGNIFICANT of its RMS: an input's feature, a weight's output channel), and the SQNR weighs
-every channel alike: the many near-zero outputs of an activation such as GELU flush harmlessly
-under any recipe, and an outlier channel's energy does not hide the others' noise. Rowwise scaling
-(per token for the input, per output channel for the weight) confines an outlier to its own row.
-An unscaled cast, the naive recipe, clips everything beyond the max instead.
+(at least SIGNIFICANT of its RMS: an input's feature, a weight's output channel, each weight by what
+it adds there: times the RMS of the input feature it multiplies), and the SQNR weighs every channel
+alike: the many near-zero outputs of an activation such as GELU flush harmlessly under any recipe,
+and an outlier channel's energy does not hide the others' noise. Rowwise scaling (per token for the
+input, per output channel for the weight) confines an outlier to its own row. An unscaled cast, the
+naive recipe, clips everything beyond the max instead.
 """
 
 from __future__ import annotations
@@ -41,21 +42,26 @@ def _spread_rows(rows: torch.Tensor) -> torch.Tensor:
     return rows[spread_index(rows.shape[0], STATS_ROWS, rows.device)]
 
 
-def _quality(sample: torch.Tensor, amax: torch.Tensor, fp8: torch.dtype, *, dim: int = -1) -> list[torch.Tensor]:
+def _quality(
+    sample: torch.Tensor, amax: torch.Tensor, fp8: torch.dtype, *, dim: int = -1, by: torch.Tensor | None = None
+) -> list[torch.Tensor]:  # fmt: skip
     """SQNR's and the flushed share's parts for `sample` (float32 rows) scaled so that `amax` maps to
     the max, on the device, not read: (flushed, significant, noise, signal) -> _read_quality. Each
     value is weighed against its own channel along `dim` (a weight's output channel: its row, -1; an
     input's feature: its column, 0): one outlier channel sets the scale and flushes the others, and
-    against the outlier's RMS they would not count, nor would their noise beside its energy."""
+    against the outlier's RMS they would not count, nor would their noise beside its energy. `by`:
+    what each value is multiplied by where it is used (a weight's: the RMS of the input feature it
+    multiplies), so that a value counts by what it adds to the output, not by its size."""
     q = fp8_quantize(sample, fp8, rowwise=False, amax=amax)  # `amax` per row or per tensor, as given
-    rms = sample.square().mean(dim=dim, keepdim=True).sqrt()
-    significant = (sample.abs() >= SIGNIFICANT * rms) & (sample != 0)
+    used, q_used = (sample, q) if by is None else (sample * by, q * by)
+    rms = used.square().mean(dim=dim, keepdim=True).sqrt()
+    significant = (used.abs() >= SIGNIFICANT * rms) & (used != 0)
     weight = torch.where(rms > 0, 1.0 / rms, torch.zeros_like(rms))  # every channel counted alike
     return [
         ((q == 0) & significant).sum(),
         significant.sum(),
-        torch.linalg.vector_norm((q - sample) * weight, dtype=torch.float64),
-        torch.linalg.vector_norm(sample * weight, dtype=torch.float64),
+        torch.linalg.vector_norm((q_used - used) * weight, dtype=torch.float64),
+        torch.linalg.vector_norm(used * weight, dtype=torch.float64),
     ]
 
 
@@ -73,6 +79,14 @@ def linear_stats(
     reads = Reads() if reads is None else reads
     fmax = torch.finfo(fp8).max
     row: dict[str, Any] = {"module": name, "format": str(fp8).replace("torch.", "")}
+    # a weight multiplies its input feature: a weight tiny beside its row's largest can be what the output is
+    # made of where its feature is large (a scaler folded into the first Linear: Pa beside ratios)
+    features = x.detach().reshape(-1, x.shape[-1]).float() if x.dim() else None
+    by = (
+        features.square().mean(dim=0, keepdim=True).sqrt()
+        if features is not None and features.shape[-1] == weight.shape[-1]
+        else None
+    )
     for operand, tensor in (("input", x.detach()), ("weight", weight.detach())):
         # exact, on every value: the tensor's scale, and what an unscaled cast would clip
         low, high = torch.aminmax(tensor)
@@ -91,7 +105,12 @@ def linear_stats(
                 got = _read_quality(*parts)
                 row[f"{key}_sqnr_db"], row[f"{key}_underflow"] = got["sqnr_db"], got["underflow"]
 
-            reads.later(_quality(sample, amax, fp8, dim=0 if operand == "input" else -1), quality)
+            weighed = (
+                _quality(sample, amax, fp8, dim=-1, by=by)
+                if operand == "weight"
+                else _quality(sample, amax, fp8, dim=0)
+            )
+            reads.later(weighed, quality)
     if now:
         reads.read()
     return row
