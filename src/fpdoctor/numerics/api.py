@@ -359,6 +359,12 @@ class Trace:
             summary.append(updates)
         not_checked = {f"hook error {i}": e for i, e in enumerate(tracer.errors)}
         not_checked.update(repro_notes)
+        for name, steps in self._recipes.elsewhere.items():  # torch records a thread's ops in that thread only
+            not_checked[f"training in thread {name!r}"] = (
+                f"{steps} optimizer step(s) ran in that thread, whose ops the trace does not record (it records the "
+                "thread it runs the script in): run the loop in the main thread to trace it, or under "
+                "fpdoctor.Sentinel in its own thread (docs/sentinel.md)"
+            )
         graph_calls = self._compiled.calls if self._compiled is not None else 0
         if graph_calls:
             from fpdoctor.numerics.compiled import step as compiled
@@ -387,6 +393,8 @@ class Trace:
                 "not_checked": not_checked,
                 "ops": tracer.records.count,
                 "nonfinite_ops": nonfinite,
+                # the training ran in threads the trace does not record, and nothing in its own: no verdict
+                **({"status": "not checked"} if self._recipes.elsewhere and not tracer.records.count else {}),
             },
         )
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -156,10 +157,15 @@ class RecipeWatch:
         self._max_steps = max_steps  # gradient counts of the first steps are evidence enough
         self._refs: list[weakref.ref[Any]] = []
         self._handle: Any = None
+        self._thread: int | None = None
+        self.elsewhere: dict[str, int] = {}  # optimizer steps taken in other threads, by thread name
 
     def __enter__(self) -> RecipeWatch:
         from torch.optim import optimizer as optimizer_mod
 
+        # the trace records the ops of the thread it runs in: a step in another thread is one whose forward and
+        # backward it never saw (its updates are not judged; `elsewhere` counts them by thread, for the report)
+        self._thread = threading.get_ident()
         self._handle = optimizer_mod.register_optimizer_step_pre_hook(self._pre)
         return self
 
@@ -179,6 +185,10 @@ class RecipeWatch:
                     self.errors.append(f"optimizer weights: {type(error).__name__}: {error}")
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if threading.get_ident() != self._thread:
+            name = threading.current_thread().name
+            self.elsewhere[name] = self.elsewhere.get(name, 0) + 1
+            return
         try:
             self._observe(optimizer)
         except Exception as exc:  # the observer never kills the job
