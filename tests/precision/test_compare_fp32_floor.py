@@ -46,12 +46,16 @@ def test_an_fp32_candidate_against_an_fp32_floor_on_one_device_is_refused(capsys
 def test_an_output_lost_in_its_units_with_no_module_to_blame_is_never_ok():
     """The same model against fp64: every op is close to exact on what it reads (the product of a
     timestamp and a frequency, its sin), no module diverges by itself, and the output's error is 45%
-    of what it varies by: an error judged by the output's use, not OK."""
+    of what it varies by: an error judged by the output's use, not OK. Its cause first: the sin reads
+    an argument whose fp32 rounding is a large share of a period, and the lines that make it computed
+    in fp64 are the checked fix."""
     model, t = make()
     report = fpdoctor.compare(model, t, candidate="fp32", reference="fp64").report
-    first = report.findings[0]
-    assert first.name == "precision-divergence" and first.evidence["kind"] == "use", first.title
-    assert first.evidence["share_of_spread"] > 0.1 and first.severity.value == "error"
+    first, use = report.findings[0], next(f for f in report.findings if f.evidence.get("kind") == "use")
+    assert first.evidence["kind"] == "cancellation" and first.evidence["op"] == "aten.sin.default", first.title
+    assert "its argument is large" in first.message and "modulo 2*pi" in first.fix, first.fix
+    assert first.trial is not None and first.trial.tried and first.trial.after * 1000 < first.trial.before
+    assert use.evidence["share_of_spread"] > 0.1 and use.severity.value == "error"
 
 
 def test_torchs_name_for_fp32_gets_the_fp64_floor_too(capsys):

@@ -457,6 +457,7 @@ class Tracer(EagerDispatchMode):
                     module, call, forward_op, location = forward
                 if isinstance(node, BackwardCFunction):  # a custom autograd.Function: its backward is code of
                     location = user_location(sys._getframe(3)) or location  # the user's, its line the op's own
+                    forward_op = None  # nor is the op the backward of one of its forward's (a cast it made)
         elif this_thread.in_optimizer:
             phase = "optimizer"
             self._visit_line = None

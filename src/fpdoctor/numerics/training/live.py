@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, SupportsIndex
@@ -41,10 +42,16 @@ def _stderr(line: str) -> None:
 
 
 def line_of(finding: Finding, step: int | None = None) -> str:
-    """One line: `fpdoctor: [rank R ]step N: CODE name (severity) - title`."""
+    """One line: `fpdoctor: [rank R ][thread 'T' ]step N: CODE name (severity) - title`; the thread's
+    name where it is not the main thread (two models trained in two threads, a Sentinel each: whose?)."""
     at = finding.evidence.get("step", step)
     rank = finding.where.get("rank")
-    words = [f"rank {rank}" if rank is not None else "", f"step {at}" if at is not None else ""]
+    thread = threading.current_thread()
+    words = [
+        f"rank {rank}" if rank is not None else "",
+        f"thread {thread.name!r}" if thread is not threading.main_thread() else "",
+        f"step {at}" if at is not None else "",
+    ]
     place = " ".join(w for w in words if w)
     lead = f"fpdoctor: {place}: " if place else "fpdoctor: "
     return f"{lead}{finding.code} {finding.name} ({finding.severity.value}) \u2014 {finding.title}"

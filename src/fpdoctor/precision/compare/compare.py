@@ -459,6 +459,11 @@ HOLD_ROWS = 100
 # times what any part adds by itself (below DIVERGENCE_RATIO: a rollout half as long loses half as much)
 LOST_UNEXPLAINED = 4.0
 
+# An fp32 op whose inputs, rounded to fp32, alone leave its output this many times its own rounding off
+# subtracts values far larger than their difference (2^13: fewer than 11 of fp32's 24 bits left): a
+# formula, not a kernel, loses the digits, and the formula computed otherwise keeps them
+CANCELS = 8192.0
+
 # The lines above an fp32 candidate's worst own op that its fp64 check takes in, one at a time
 ROOT_LINES_UP = 4
 
@@ -2016,6 +2021,7 @@ class _Comparison:
         self._stable_form(result)
         self._composed_form(result)
         self._root_line_checked(result)
+        self._cancellation_checked(result)
         if self._held is not None:  # after the steps that replace findings: their severity is the decisions'
             self._decisions_hold(result, self._held)
         return result
@@ -2053,6 +2059,78 @@ class _Comparison:
                                     on=inputs_text(describe(self.inputs)), metric="end-to-end error", before=before,
                                     after=after),
             )  # fmt: skip
+
+    def _cancellation_checked(self, result: CompareResult) -> None:
+        """An fp32 candidate with an op whose conditioning forces an error (container_ops: the op run
+        exactly on its inputs rounded to fp32 is as wrong) CANCELS times its output's rounding: the
+        difference of two large totals, which amplifies whatever error they carry. No fp32 kernel does better on what it
+        reads, so no op diverges and the verdict was OK on an output 8% off; the lines that make what it
+        reads, with its own, computed in fp64 keep the digits. Where that takes the end-to-end error down
+        RAISED_FALLS times it is the first finding, checked; the root finding it explains goes. Two
+        forwards, only then."""
+        if self.candidate != "fp32" or not result.rows or not math.isfinite(result.rows[-1].propagated):
+            return
+        before = result.rows[-1].propagated
+        row = max(
+            (r for r in result.rows if r.own and r.own.get("forced_rel") and r.own.get("forced_location")),
+            key=lambda r: r.own["forced_rel"] if r.own else 0.0, default=None,
+        )  # fmt: skip
+        if row is None or row.own is None:
+            return
+        forced, op, at = row.own["forced_rel"], row.own["forced_op"], row.own["forced_location"]
+        rounding = max(row.floor, 1e-300)
+        if forced < CANCELS * rounding or before <= DIVERGENCE_RATIO * rounding:
+            return  # an op that keeps most of its digits, or an output within its noise
+        # (what it reads may be off by more than its rounding, a mean of 4096 large squares: the check below,
+        # the lines that make it in fp64, is what says the subtraction is where the digits go)
+        if any(f.severity == "error" and f.trial is not None and f.trial.tried for f in result.report.findings):
+            return  # a checked fix already stands first
+        root = next(e for (name, _), e in self.seen.items() if name == "")
+        try:
+            lines, _, _ = upstream.feeding_lines(
+                self.cand_run, self.run_inputs, self.cand_dtype, op=op, line=at, module=row.module, rng=self.rng,
+                device=self.cand_device, noise=self.noise,
+            )  # fmt: skip
+            after = None
+            if lines:
+                after = error_under(
+                    RaisedLines(set(lines), self.cand_dtype, wide=torch.float64), self.cand_run, self.run_inputs,
+                    self.cand_dtype, truth=root.truth, norm=root.norm, rng=self.rng, device=self.cand_device,
+                    noise=self.noise,
+                )  # fmt: skip
+        except Exception as exc:  # the check is ours: the report stands without it
+            self.notes["cancellation"] = f"not checked: {type(exc).__name__}: {exc}"
+            return
+        if not lines or not _takes_down(after, before):
+            return
+        named = lines_text(lines)
+        where = f"`{row.module}`'s own ops" if row.module else "the model's own ops"
+        amplified = f" ({forced / row.floor:.2g}x what rounding its result alone costs)" if row.floor > 1e-30 else ""
+        does, otherwise = _amplifies(op)
+        found = catalog.make(
+            "precision-divergence",
+            title=f"{op.removeprefix('aten.').split('.')[0]} amplifies the rounding of what it reads beyond what fp32 "
+            "holds: computed in fp64 from what it is made of, the output keeps its digits",
+            message=(
+                f"In fp32 the output is {before:.3g} off fp64, and no op computes worse than fp32 allows: {op} at "
+                f"{at}, in {where}: {does}. Rounding what it reads to fp32 alone leaves its result {forced:.3g} "
+                f"off{amplified}, whatever computes it in fp32. Computed in fp64 from what they are made of "
+                f"({named}), the end-to-end error is {after:.3g}."
+            ),
+            where={"module": row.module, "op": op, "phase": "forward"},
+            evidence={"kind": "cancellation", "op": op, "location": at, "forced_rel": forced,
+                      "propagated_rel": before, "raised_rel": after, "lines": [f"{f}:{n}" for f, n in lines]},
+            fix=f"compute {named} in fp64 (their operands .double(); a sum as .sum(dtype=torch.float64)), the result "
+            f"cast back to fp32 after line {at.rpartition(':')[2]}; {otherwise}",
+            trial=Trial.checked(f"{named} in fp64, the result cast back", on=inputs_text(describe(self.inputs)),
+                                metric="end-to-end error", before=before, after=after),
+        )  # fmt: skip
+        # a finding on the same container whose fix was not tried (its worst op is not what makes the error)
+        result.report.findings[:] = [found] + [
+            f for f in result.report.findings
+            if not (f.name == "precision-divergence" and f.where.get("module") == row.module
+                    and (f.trial is None or not f.trial.tried))
+        ]  # fmt: skip
 
     def _root_line_checked(self, result: CompareResult) -> None:
         """An fp32 candidate whose error the model's own ops make (no submodule), its fix untried: the
@@ -3091,6 +3169,29 @@ def _lines_above(file: str, number: int, up: int) -> list[int]:
             break
         lines.append(k)
     return lines
+
+
+def _amplifies(op: str) -> tuple[str, str]:
+    """What an op whose conditioning forces an error does with what it reads, and the rewrite that
+    keeps fp32 (the other fix beside fp64), by its kind."""
+    name = op.removeprefix("aten.").split(".")[0]
+    if name in ("sub", "rsub", "add", "sum", "mean", "cumsum"):
+        return (
+            "it takes the difference of values far larger than the result",
+            "or compute the difference from the terms that differ, so that no two large totals are subtracted",
+        )
+    if name in ("sin", "cos", "tan", "polar"):
+        return (
+            "its argument is large, and the argument's rounding is a large share of a period",
+            "or make the argument small before it is rounded (an offset from a recent epoch, reduced modulo 2*pi "
+            "in fp64)",
+        )
+    if name in ("mm", "bmm", "matmul", "addmm", "baddbmm", "mv", "linear"):
+        return (
+            "it multiplies by a matrix whose rows nearly cancel (close to singular)",
+            "or rewrite it in a form that keeps its properties in fp32 (a covariance update in the Joseph form)",
+        )
+    return "it amplifies the rounding of what it reads", "or rewrite it in a stable form"
 
 
 def _recurrence_finding(

@@ -153,8 +153,11 @@ class Own:
     failed: list[str] = field(default_factory=list)  # ops that did not run in the candidate's dtype, and why
     # calls of each (op, input shapes) so far: a loop repeats one op thousands of times per forward
     repeats: dict[tuple[Any, ...], int] = field(default_factory=dict)
-    # the largest error an op's conditioning forces on fp32 (its floor there): what it explains end to end
+    # the largest error an op's conditioning forces on fp32 (its floor there): what it explains end to end;
+    # and that op, with its line (a difference of two large totals: what makes the error, though no fp32 op can
+    # do better on what it reads)
     forced: float = 0.0
+    forced_at: tuple[str, str | None] | None = None
     # per user line, its worst op past OTHER_RATIO x its floor: a second line that leaves its floor beside the
     # worst's (two running sums subtracted, each on its own line), tried with it where the worst's alone is not enough
     diverging: dict[str, OpError] = field(default_factory=dict)
@@ -177,6 +180,8 @@ class Own:
             "left_out": 0 if worst is None else worst.left_out,
             "conditioned_rel": None if worst is None else worst.conditioned,
             "forced_rel": self.forced or None,
+            "forced_op": None if self.forced_at is None else self.forced_at[0],
+            "forced_location": None if self.forced_at is None else self.forced_at[1],
             "others": [
                 {"op": e.op, "location": e.location, "ratio": e.ratio}
                 for e in sorted(self.diverging.values(), key=lambda e: -e.ratio)
@@ -354,6 +359,8 @@ class OwnOps(EagerDispatchMode):
                 own.failed.append(f"{name} raised {type(exc).__name__} in {_dtype(self.dtype)}: {_first_line(exc)}")
             return
         truth = device_sample(part)
+        if cand is not None and cand.shape != part.shape and cand.numel() == part.numel():
+            cand = cand.reshape(part.shape)  # a 0-d output, picked as one value (the difference of two totals)
         if cand is None or truth is None or cand.shape != part.shape:
             return
         sample = device_sample(cand)
@@ -483,7 +490,8 @@ class _Pending:
             # computation of it (its inputs rounded to fp32, then run exactly) is the floor, not a divergence
             conditioned = self.exact
             floor = max(floor, conditioned or 0.0)
-            own.forced = max(own.forced, conditioned or 0.0)
+            if conditioned is not None and conditioned > own.forced:
+                own.forced, own.forced_at = conditioned, (self.name, self.location)
         rerun = self.rerun
         values = rerun.values or (self.values, self.numel, sample_step(self.numel))
         judged = OpError(
