@@ -30,7 +30,7 @@ import contextlib
 import re
 import sys
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -283,37 +283,56 @@ def global_optimizer_hooks(optimizer_module: types.ModuleType) -> dict[str, dict
     return {n: getattr(optimizer_module, n) for n in names if hasattr(optimizer_module, n)}
 
 
-class SnapshotHooks(collections.OrderedDict):
-    """A hook dict put in place of torch's global optimizer hooks for a while (`watch`'s replay, a
-    shadow step): torch iterates `values()` at every optimizer step of every thread, and a hook
-    registered or removed under that iteration raises "OrderedDict mutated during iteration" into
-    another thread's `opt.step()`. Its values are read as a snapshot: what is registered meanwhile
-    (a replay's hooks, in the thread that replays) changes no iteration in progress."""
+class SnapshotHooks(MutableMapping[int, Any]):
+    """One of torch's global optimizer-hook dicts seen through a view put in its place for a while
+    (`watch`, a shadow step): torch iterates `values()` at every optimizer step of every thread, and a
+    hook registered or removed under that iteration raises "OrderedDict mutated during iteration"
+    into another thread's `opt.step()`. Here `values()` is a snapshot, so no iteration in progress
+    sees a change. Reads and writes go to the dict it views (`hooks`; its own fresh dict where none):
+    a handle made on the view or on the dict removes from both, during the block or after it."""
+
+    def __init__(self, hooks: dict[int, Any] | None = None) -> None:
+        self.hooks: dict[int, Any] = collections.OrderedDict() if hooks is None else hooks
+
+    def __getitem__(self, key: int) -> Any:
+        return self.hooks[key]
+
+    def __setitem__(self, key: int, value: Any) -> None:
+        self.hooks[key] = value
+
+    def __delitem__(self, key: int) -> None:
+        del self.hooks[key]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(tuple(self.hooks))
+
+    def __len__(self) -> int:
+        return len(self.hooks)
 
     def values(self) -> Any:
-        return tuple(super().values())
+        return tuple(self.hooks.values())
+
+
+# The views put in place of torch's dicts, kept after their block: a handle made through one holds a weak
+# reference to it, and removes its hook from torch's dict through it (two small objects per watch)
+_VIEWS: list[SnapshotHooks] = []
 
 
 @contextlib.contextmanager
 def snapshot_optimizer_hooks(optimizer_module: types.ModuleType) -> Iterator[None]:
-    """torch's global optimizer hooks read as snapshots inside the block (SnapshotHooks, copies of
-    them), so that hooks of ours and the script's can come and go while any thread steps. After it,
-    the dicts torch had are torch's again, with the hooks registered in the block added and those
-    removed in it gone (a handle made before the block removes from the dict it was made on)."""
+    """torch's global optimizer hooks read as snapshots inside the block (SnapshotHooks views of
+    them), so that hooks of ours and the script's can come and go while any thread steps; torch's own
+    dicts, changed through the views, are in place again after it."""
     saved = global_optimizer_hooks(optimizer_module)
-    installed = {name: SnapshotHooks(hooks) for name, hooks in saved.items()}
-    had = {name: set(hooks) for name, hooks in saved.items()}
-    for name, hooks in installed.items():
-        setattr(optimizer_module, name, hooks)
+    for name, hooks in saved.items():
+        view = SnapshotHooks(hooks)
+        _VIEWS.append(view)
+        setattr(optimizer_module, name, view)
     try:
         yield
     finally:
-        for name, original in saved.items():
-            now = installed[name]
-            for key in [k for k in had[name] if k not in now and k in original]:  # removed in the block
-                del original[key]
-            original.update((k, hook) for k, hook in now.items() if k not in had[name])  # registered in it
-            setattr(optimizer_module, name, original)
+        for name, hooks in saved.items():
+            setattr(optimizer_module, name, hooks)
 
 
 def global_forward_hooks_with_kwargs(module_module: types.ModuleType) -> dict[int, bool]:

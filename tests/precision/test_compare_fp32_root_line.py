@@ -107,7 +107,8 @@ def test_a_state_carried_through_a_recurrence_is_kept_in_fp64_from_the_first_ste
     cycle = [_line("p = f @ p @ f.T"), _line("s = h @ p @ h.T + r"), _line("k = p @ h.T"), _line("p = (i - k @ h) @ p")]
     assert first.evidence["recurrence"]["lines"] == [f"{__file__}:{n}" for n in cycle], first.evidence
     assert first.evidence["recurrence"]["readers"] == [f"{__file__}:{_line('x = x + (k.to')}"], first.evidence
-    assert "the error is carried from step to step" in first.fix and "in fp64 from the first step" in first.fix
+    assert "the error is carried from one run of these lines to the next" in first.fix, first.fix
+    assert "in fp64 from the first run" in first.fix
     assert f"lines {cycle[0]}-{cycle[2]} and {cycle[3]} of {__file__}" in first.fix, first.fix
     assert first.trial is not None and first.trial.tried and first.trial.after * 100 < first.trial.before
     # as printed: those lines in fp64, what the estimate's line reads cast back, gives the figure checked
@@ -216,3 +217,54 @@ def test_a_covariance_carried_through_two_lines_of_chained_products_is_searched_
         device=None, noise=None, keep=[],
     )  # fmt: skip
     assert f"{__file__}:{_line('p = (i - k @ h) @ p')}" in lines, sorted(lines)
+
+
+class RunningTotal(nn.Module):
+    """A running total of readings near 1e4 whose loop body is one line, returned as it is (no line
+    outside the loop reads it), less the offset its readings carry, five lines below (beyond the walk
+    up); `clock`: a tensor step counter carried beside it, which the total reads and the fix does not
+    need."""
+
+    def __init__(self, clock: bool = False) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = torch.zeros(x.shape[0], dtype=x.dtype)
+        n = torch.zeros((), dtype=x.dtype)
+        for t in range(x.shape[1]):
+            s = s + x[:, t] * (1.0 + 0.0 * n) if self.clock else s + x[:, t]
+            n = n + 1.0
+        a = x.mean(1) * 2.0
+        b = a.sin()
+        c = b * 0.5
+        d = c + 1.0
+        return s - 1e4 * x.shape[1] / 2 + d
+
+
+def test_a_one_line_loop_body_returned_as_it_is_gets_its_recurrence_and_a_counter_is_left_out():
+    x = 1e4 + torch.rand(4, 3000, generator=torch.Generator().manual_seed(0))
+    source, start = inspect.getsourcelines(RunningTotal.forward)
+    total = start + next(i for i, line in enumerate(source) if "s = s + x[:, t]" in line)
+    for clock in (False, True):
+        first = fpdoctor.compare(RunningTotal(clock), x, candidate="fp32", reference="fp64").report.findings[0]
+        assert first.evidence["recurrence"]["lines"] == [f"{__file__}:{total}"], (clock, first.evidence)
+        assert first.trial is not None and first.trial.tried and first.trial.after * 100 < first.trial.before
+
+
+class Returned(nn.Module):
+    """A running sum returned as it is: no line outside the loop reads what the recurrence makes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = torch.zeros(x.shape[0], dtype=x.dtype)
+        for t in range(x.shape[1]):
+            s = s + x[:, t]
+            s = s * 1.0
+        return s
+
+
+def test_a_recurrence_that_nothing_outside_reads_is_fixed_without_a_cast_back():
+    x = torch.rand(16, 4000, generator=torch.Generator().manual_seed(0))
+    first = fpdoctor.compare(Returned(), x, candidate="fp32", reference="fp64").report.findings[0]
+    assert first.evidence["recurrence"]["readers"] == [] and "cast what" not in first.fix, first.fix
+    assert first.trial is not None and first.trial.tried

@@ -283,11 +283,11 @@ class ScriptWatch:
         self._losses: list[torch.Tensor] = []
         self._trainable: dict[int, bool] = {}
         self._local = _PerThread()
-        # the thread whose training is judged: the first that runs a training forward or steps an optimizer.
-        # One step's forwards, backward and step are one thread's; another thread's, interleaved with them,
-        # would be judged as this one's (its losses, its steps' order, its replays): they pass through,
-        # and the report says which threads were not checked
-        self._thread: int | None = None
+        # the thread whose training is judged: the first that steps an optimizer, or the next to do so once that
+        # one has ended (trials run one after another, a thread each). One step's forwards, backward and step are
+        # one thread's; another thread's, interleaved with them, would be judged as this one's (its losses, its
+        # steps' order, its replays): they pass through, and the report names each thread that stepped so
+        self._thread: threading.Thread | None = None
         self._traced = TracedStep()  # a step traced after a bad step its replay could not explain
         self._penalty: ScaledGrads | None = None  # autograd.grad of a scaled output, seen (a gradient penalty)
         self._top = TopLevelCalls(self._pre, self._post)
@@ -394,20 +394,23 @@ class ScriptWatch:
                 delattr(owner, name)
 
     # -- what the script does ----------------------------------------------------------------------
-    def _mine(self, trains: bool = False) -> bool:
-        """Whether the calling thread is the one whose training is judged; `trains`: the call trains
-        (a training forward, an optimizer step), which makes the first thread to do so that one."""
-        ident = threading.get_ident()
-        if self._thread is None and trains:
-            self._thread = ident
-        if self._thread is None or ident == self._thread:
+    def _mine(self, steps: bool = False) -> bool:
+        """Whether the calling thread is the one whose training is judged (any thread, until one has
+        stepped an optimizer, or once that one has ended); `steps`: the call steps an optimizer, which
+        makes the thread that one where none is, or where that one has ended."""
+        thread = threading.current_thread()
+        judged = self._thread
+        if judged is thread:
             return True
-        if trains:
-            name = threading.current_thread().name
+        if judged is None or not judged.is_alive():  # none yet, or it has ended: the next one's forwards count
+            if steps:
+                self._thread = thread
+            return True
+        if steps:
             self.unwatched.setdefault(
-                f"training in thread {name!r}",
-                "watch judges one training thread, the first to train: the forwards, backward and step of "
-                "another, interleaved with its own, would be judged as its; run each thread's loop under "
+                f"training in thread {thread.name!r}",
+                f"watch judges one training thread at a time ({judged.name!r} here): the forwards, backward and "
+                "step of another, interleaved with its own, would be judged as its; run each thread's loop under "
                 "fpdoctor.Sentinel (docs/sentinel.md), which judges the steps it is given in any thread",
             )
         return False
@@ -418,7 +421,7 @@ class ScriptWatch:
         if self._replaying or not torch.is_grad_enabled():
             return
         try:
-            if not self._is_trainable(module) or not self._mine(trains=True):
+            if not self._is_trainable(module) or not self._mine():
                 return
             if self._pending:
                 # the steps decided on the device are looked at before the next training forward
@@ -527,7 +530,7 @@ class ScriptWatch:
         def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             key = id(optimizer)
             # a disabled scaler is no scaler: its step() is the optimizer's
-            if not amp.enabled(scaler) or not self._mine(trains=True):
+            if not amp.enabled(scaler) or not self._mine(steps=True):
                 return original(scaler, optimizer, *args, **kwargs)
             self._scaler_now[key] = scaler
             seen = self._scalers.get(key)
@@ -624,7 +627,7 @@ class ScriptWatch:
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if dynamo.compiling():  # a step traced into a graph: judged where it runs eagerly, or not at all
             return
-        if not self._mine(trains=True):
+        if not self._mine(steps=True):
             return
         self._optimizer_steps += 1  # any torch.optim step, judged here or not (a callback's, a closure's)
         key = id(optimizer)

@@ -827,10 +827,11 @@ def _accumulation_finding(found: dict[str, Any], label: str, candidate: str, ref
         if not found["states"]:
             message += " No op reads its own previous output many times in one forward."
         suspect = next((t for t in untried if t.get("in_place")), None)
+        wide = "fp64" if dtype == "float32" else "fp32"  # an fp32 candidate's state is fp32 already
         fix = (
-            f"keep the running state updated in place at {suspect['location']} in fp32 (create it with "
-            f"dtype=torch.float32 and cast what is read from it back to {dtype}); not checked: fpdoctor cannot "
-            "raise an in-place update without your code changed"
+            f"keep the running state updated in place at {suspect['location']} in {wide} (create it with "
+            f"dtype=torch.{'float64' if wide == 'fp64' else 'float32'} and cast what is read from it back to "
+            f"{dtype}); not checked: fpdoctor cannot raise an in-place update without your code changed"
             if suspect is not None
             else f"look for a long chain of adds or a reduction computed in {dtype} (a sum over a sequence written "
             "as a loop, a cumulative op, a .sum() over many terms) and compute it in fp64 (.sum(dtype=torch.float64), "

@@ -2208,15 +2208,28 @@ class _Comparison:
             if cycle is None or not cycle.sites:
                 return None
             root = next(e for (name, _), e in self.seen.items() if name == "")
-            after = error_under(
-                RaisedSites(cycle.sites, self.cand_dtype, views=cycle.views), self.cand_run, self.run_inputs,
-                self.cand_dtype, truth=root.truth, norm=root.norm, rng=self.rng, device=self.cand_device,
-                noise=self.noise,
-            )  # fmt: skip
+
+            def error_with(kept: Recurrence) -> float | None:
+                return error_under(
+                    RaisedSites(kept.sites, self.cand_dtype, views=kept.views), self.cand_run, self.run_inputs,
+                    self.cand_dtype, truth=root.truth, norm=root.norm, rng=self.rng, device=self.cand_device,
+                    noise=self.noise,
+                )  # fmt: skip
+
+            after = error_with(cycle)
+            if after is None or not _takes_down(after, before):
+                return None
+            # a cycle it only reads from that the fix does not need (a loop counter carried as a tensor): left out,
+            # where the rest alone still takes the error down as far (within 2x)
+            for group in list(cycle.groups[1:]):
+                fewer = cycle.without(group)
+                got = error_with(fewer) if fewer.sites else None
+                if got is not None and _takes_down(got, before) and got <= 2 * after:
+                    cycle, after = fewer, got
         except Exception as exc:  # the search is ours: the finding stands without it
             self.notes["recurrence"] = f"not searched: {type(exc).__name__}: {exc}"
             return None
-        return (cycle, after) if after is not None and _takes_down(after, before) else None
+        return cycle, after
 
     def _composed_form(self, result: CompareResult) -> None:
         """An error whose first finding has no checked fix, or one that leaves it far above the output's
@@ -3199,26 +3212,24 @@ def _recurrence_finding(
 ) -> Finding:  # fmt: skip
     """The root's divergence whose fix is its recurrence kept in fp64 (Comparison._recurrence_checked)."""
     lines = _named(cycle.lines)
-    files = {line.rpartition(":")[0] for line in cycle.lines + cycle.readers}
-    # the lines that read them, named by number alone where the cycle's file holds them too
-    outside = (
-        line_spans([int(r.rpartition(":")[2]) for r in cycle.readers]) if len(files) == 1 else _named(cycle.readers)
-    )
-    readers = (
-        f", and cast what {outside} {'reads' if len(cycle.readers) == 1 else 'read'} of them back to fp32 (.float())"
-        if cycle.readers
-        else ""
-    )
+    readers = ""
+    if cycle.readers:  # named by number alone where the cycle's file holds them too
+        files = {line.rpartition(":")[0] for line in cycle.lines + cycle.readers}
+        numbers = [int(r.rpartition(":")[2]) for r in cycle.readers]
+        outside = line_spans(numbers) if len(files) == 1 else _named(cycle.readers)
+        reads = "reads" if len(cycle.readers) == 1 else "read"
+        readers = f", and cast what {outside} {reads} of them back to fp32 (.float())"
     return dataclasses.replace(
         finding,
-        fix=f"the error is carried from step to step, not made where it shows ({span} in fp64 leave it at {left}): "
-        f"keep the recurrence through it in fp64 from the first step, {lines} (the fp32 operands they read from "
-        f"the rest of the model .double(), so that what they carry stays fp64){readers}; or rewrite the state's "
-        "update in a form that keeps its properties in fp32 (a covariance as (I - KH) P (I - KH)^T + K R K^T, the "
-        "Joseph form, not (I - KH) P; a sum by compensated summation)",
+        fix=f"the error is carried from one run of these lines to the next (a loop's steps, or a function called on "
+        f"what it made), not made where it shows ({span} in fp64 leave it at {left}): keep the recurrence through "
+        f"it in fp64 from the first run, {lines} (the fp32 operands they read from the rest of the model "
+        f".double(), so that what they carry stays fp64){readers}; or rewrite the state's update in a form that "
+        "keeps its properties in fp32 (a covariance as (I - KH) P (I - KH)^T + K R K^T, the Joseph form, not "
+        "(I - KH) P; a sum by compensated summation)",
         evidence={**finding.evidence, "recurrence": {"lines": cycle.lines, "readers": cycle.readers}},
         trial=Trial.checked(
-            f"{lines} in fp64 from the first step, the lines outside them reading their values cast back to fp32",
+            f"{lines} in fp64 from their first run, the lines outside them reading their values cast back to fp32",
             on=on, metric="end-to-end error", before=before, after=after,
         ),
     )  # fmt: skip

@@ -35,14 +35,39 @@ MOST_LINES = 12
 
 @dataclass(frozen=True)
 class Recurrence:
-    """The lines of a cycle (file:line, in source order), the torch functions they call (what
-    RaisedSites raises), the views among them (run as they are: of an fp64 value, fp64), and the
-    lines outside it that read what it makes."""
+    """The lines of the cycles a line is on or reads from (file:line, in source order), grouped by
+    cycle (`groups`: the line's own first, where it is on one), the torch functions each line calls
+    (`calls`: (function, line, it runs views only)) and the edges between lines seen, from which
+    `sites`, `views` and `readers` are read for any subset of the groups (`without`)."""
 
-    lines: list[str]
-    sites: list[tuple[Any, str]]
-    views: list[tuple[Any, str]]
-    readers: list[str]
+    groups: list[list[str]]
+    calls: list[tuple[Any, str, bool]]
+    edges: frozenset[tuple[str, str]]
+
+    @property
+    def lines(self) -> list[str]:
+        return sorted((at for group in self.groups for at in group), key=_order)
+
+    @property
+    def sites(self) -> list[tuple[Any, str]]:
+        """What RaisedSites raises: the lines' calls that compute."""
+        inside = set(self.lines)
+        return [(f, at) for f, at, view in self.calls if at in inside and not view]
+
+    @property
+    def views(self) -> list[tuple[Any, str]]:
+        """The lines' calls that only view (run as they are: of an fp64 value, fp64)."""
+        inside = set(self.lines)
+        return [(f, at) for f, at, view in self.calls if at in inside and view]
+
+    @property
+    def readers(self) -> list[str]:
+        """The lines outside that read what the lines make: given it cast back to fp32."""
+        inside = set(self.lines)
+        return sorted({b for a, b in self.edges if a in inside and b not in inside}, key=_order)
+
+    def without(self, group: list[str]) -> Recurrence:
+        return Recurrence([g for g in self.groups if g is not group], self.calls, self.edges)
 
 
 class _Flow(TorchFunctionMode):
@@ -59,6 +84,9 @@ class _Flow(TorchFunctionMode):
         self.views: dict[tuple[int, str], bool] = {}  # (id of function, line) -> it runs views only
         self.line: str | None = None
         self.visit = 0
+        # the call sites (function, line, bytecode offset) of the current visit: one called again is the line's
+        # next visit (a loop whose body is one line, s = s + x[:, t], never leaves it)
+        self.seen: set[tuple[int, str, int]] = set()
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -66,8 +94,11 @@ class _Flow(TorchFunctionMode):
         if frame is None:
             return func(*args, **kwargs)
         line = f"{frame.f_code.co_filename}:{frame.f_lineno}"
-        if line != self.line:
+        site = (id(func), line, frame.f_lasti)
+        if line != self.line or site in self.seen:
             self.line, self.visit = line, self.visit + 1
+            self.seen.clear()
+        self.seen.add(site)
         key = (id(func), line)
         self.calls.setdefault(line, {})[id(func)] = func
         if func is GETITEM and type(args[0]) is torch.Tensor and not kwargs and basic_index(args[1]):
@@ -101,21 +132,25 @@ class _Flow(TorchFunctionMode):
         return drop
 
     def cycle(self, line: str) -> Recurrence | None:
-        """The lines on a cycle that `line` is on or reads from: each line it is reached from (or itself)
-        that is reached from itself again. A gain read from a covariance's recurrence, itself on the
-        estimate's: both recurrences, for the estimate's error is made in the covariance's."""
+        """The cycles that `line` is on or reads from: each line it is reached from (or itself) that is
+        reached from itself again, grouped by cycle. A gain read from a covariance's recurrence, itself
+        on the estimate's: both recurrences, for the estimate's error is made in the covariance's."""
         back = {(b, a) for a, b in self.edges}
         feeds = _reach(line, back) | {line}
-        lines = sorted((at for at in feeds if at in _reach(at, self.edges)), key=_order)
+        on = {at: _reach(at, self.edges) for at in feeds}
+        lines = [at for at in feeds if at in on[at]]
         if not lines or len(lines) > MOST_LINES:
             return None
-        inside = set(lines)
-        calls = [(i, f, at) for at in lines for i, f in self.calls.get(at, {}).items()]
-        readers = sorted({b for a, b in self.edges if a in inside and b not in inside}, key=_order)
-        return Recurrence(
-            lines, [(f, at) for i, f, at in calls if not self.views[(i, at)]],
-            [(f, at) for i, f, at in calls if self.views[(i, at)]], readers,
-        )  # fmt: skip
+        groups: list[list[str]] = []
+        for at in sorted(lines, key=_order):  # two lines are on one cycle where each reaches the other
+            group = next((g for g in groups if at in on[g[0]] and g[0] in on[at]), None)
+            if group is None:
+                groups.append([at])
+            else:
+                group.append(at)
+        groups.sort(key=lambda g: line not in g)  # the line's own cycle first
+        calls = [(f, at, self.views[(i, at)]) for at in lines for i, f in self.calls.get(at, {}).items()]
+        return Recurrence(groups, calls, frozenset(self.edges))
 
 
 def _tensors(values: Iterable[Any]) -> Iterable[torch.Tensor]:
