@@ -61,3 +61,85 @@ def test_an_op_in_a_custom_functions_backward_is_named_at_its_own_line_and_the_f
     script.write_text(SOFTPLUS.replace("e = torch.exp(x)", "e = torch.exp(x.float())"))
     fixed = _trace(tmp_path, script)
     assert not [f for f in fixed["findings"] if f["severity"] == "error"], [f["name"] for f in fixed["findings"]]
+
+
+RMSNORM = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+class RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        xf = x.float()
+        ctx.save_for_backward(x)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        ms = (x * x).sum(-1, keepdim=True) / x.shape[-1] + 1e-6
+        inv = torch.rsqrt(ms)
+        return inv * inv * inv * (ms * g - x * (g * x).sum(-1, keepdim=True) / x.shape[-1])
+class Norm(nn.Module):
+    def forward(self, h):
+        return RMSNormFn.apply(h)
+gen = torch.Generator().manual_seed(0)
+x = torch.randn(2048, 64, generator=gen) * torch.logspace(0, 3, 64)  # raw readings, up to 1000s
+y = x[:, :8].sum(1, keepdim=True) / 1000
+model = nn.Sequential(nn.Linear(64, 128), Norm(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 1))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(30):
+    idx = torch.randint(0, 2048, (64,), generator=gen)
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.mse_loss(model(x[idx]).float(), y[idx])
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+"""
+
+SQRT = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+class MySqrt(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.sqrt(x)
+        ctx.save_for_backward(y)
+        return y
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g / (2 * y)
+fc, out = nn.Linear(8, 8), nn.Linear(8, 1)
+with torch.no_grad():
+    fc.bias.zero_()
+opt = torch.optim.SGD([*fc.parameters(), *out.parameters()], lr=1e-2)
+x = torch.randn(64, 8)
+x[0] = 0
+y = torch.randn(64, 1)
+for step in range(3):
+    loss = (out(MySqrt.apply(fc(x).pow(2))) - y).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_a_custom_functions_backward_op_is_never_the_backward_of_a_cast_but_keeps_a_real_forward_op(tmp_path):
+    """An RMSNorm under fp16 autocast that casts in its forward and sums squares in fp16 in its backward
+    (raw readings up to 1000s: the sum overflows, the scaler skips): the sum is the user's own op, not
+    "the backward of aten._to_copy". A sqrt whose backward divides by 2 sqrt(x) at 0:
+    still the backward of aten.sqrt, with sqrt's own advice."""
+    script = tmp_path / "rmsnorm.py"
+    script.write_text(RMSNORM)
+    findings = _trace(tmp_path, script)["findings"]
+    said = " ".join(f["title"] + " " + f["message"] for f in findings)
+    assert "rmsnorm.py:15 in backward" in said, [f["title"] for f in findings]  # the overflow is its own line
+    assert "the backward of aten._to_copy" not in said, said
+    script = tmp_path / "sqrt.py"
+    script.write_text(SQRT)
+    first = _trace(tmp_path, script)["findings"][0]
+    assert "the backward of aten.sqrt.default" in first["title"] + first["message"], first["title"]

@@ -421,7 +421,16 @@ class ScriptWatch:
         if self._replaying or not torch.is_grad_enabled():
             return
         try:
-            if not self._is_trainable(module) or not self._mine():
+            if not self._is_trainable(module):
+                return
+            if not self._mine():  # a forward with gradients on in another thread: not one of the judged steps
+                thread = threading.current_thread()
+                self.unwatched.setdefault(
+                    f"forwards in thread {thread.name!r}",
+                    "training forwards (gradients on) ran there while watch judged the steps of another thread: "
+                    "they are in none of its checks or replays; where they feed its steps (a thread pool inside "
+                    "one step), run the loop under fpdoctor.Sentinel (docs/sentinel.md)",
+                )
                 return
             if self._pending:
                 # the steps decided on the device are looked at before the next training forward

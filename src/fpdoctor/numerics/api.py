@@ -393,8 +393,9 @@ class Trace:
                 "not_checked": not_checked,
                 "ops": tracer.records.count,
                 "nonfinite_ops": nonfinite,
-                # the training ran in threads the trace does not record, and nothing in its own: no verdict
-                **({"status": "not checked"} if self._recipes.elsewhere and not tracer.records.count else {}),
+                # the training ran in threads the trace does not record, none in its own: no verdict
+                # (the main thread's set-up ops, the data and the model made, are no training)
+                **({"status": "not checked"} if self._recipes.elsewhere and not self._recipes.steps else {}),
             },
         )
 

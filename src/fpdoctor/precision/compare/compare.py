@@ -2078,8 +2078,10 @@ class _Comparison:
         if row is None or row.own is None:
             return
         forced, op, at = row.own["forced_rel"], row.own["forced_op"], row.own["forced_location"]
-        rounding = max(row.floor, 1e-300)
-        if forced < CANCELS * rounding or before <= DIVERGENCE_RATIO * rounding:
+        # against fp32's unit roundoff, what rounding any value costs at most: one value's own rounding (a 0-d
+        # loss) can be near 0 by chance, and a healthy loss 24x it would read as a cancellation
+        unit = torch.finfo(torch.float32).eps / 2
+        if forced < CANCELS * unit or before <= DIVERGENCE_RATIO * max(row.floor, unit):
             return  # an op that keeps most of its digits, or an output within its noise
         # (what it reads may be off by more than its rounding, a mean of 4096 large squares: the check below,
         # the lines that make it in fp64, is what says the subtraction is where the digits go)
@@ -2105,7 +2107,14 @@ class _Comparison:
             return
         named = lines_text(lines)
         where = f"`{row.module}`'s own ops" if row.module else "the model's own ops"
-        amplified = f" ({forced / row.floor:.2g}x what rounding its result alone costs)" if row.floor > 1e-30 else ""
+        amplified = f" ({forced / unit:.2g}x fp32's unit roundoff)"
+        called = self._called_modules(lines)  # a module a line calls ran in fp64 whole in the check: named so
+        modules = (
+            f", with {' and '.join(f'`{m}`' for m in called)} they call in fp64 too (.double() on "
+            f"{'each' if len(called) > 1 else 'it'}: the check ran {'them' if len(called) > 1 else 'it'} so)"
+            if called
+            else ""
+        )
         does, otherwise = _amplifies(op)
         found = catalog.make(
             "precision-divergence",
@@ -2120,9 +2129,10 @@ class _Comparison:
             where={"module": row.module, "op": op, "phase": "forward"},
             evidence={"kind": "cancellation", "op": op, "location": at, "forced_rel": forced,
                       "propagated_rel": before, "raised_rel": after, "lines": [f"{f}:{n}" for f, n in lines]},
-            fix=f"compute {named} in fp64 (their operands .double(); a sum as .sum(dtype=torch.float64)), the result "
-            f"cast back to fp32 after line {at.rpartition(':')[2]}; {otherwise}",
-            trial=Trial.checked(f"{named} in fp64, the result cast back", on=inputs_text(describe(self.inputs)),
+            fix=f"compute {named} in fp64 (their operands .double(); a sum as .sum(dtype=torch.float64)){modules}, "
+            f"and what they make cast back to fp32 (.float()) where the rest of the model reads it; {otherwise}",
+            trial=Trial.checked(f"{named} in fp64{' with the modules they call' if called else ''}, what they make "
+                                "cast back where the rest reads it", on=inputs_text(describe(self.inputs)),
                                 metric="end-to-end error", before=before, after=after),
         )  # fmt: skip
         # a finding on the same container whose fix was not tried (its worst op is not what makes the error)
@@ -2221,7 +2231,9 @@ class _Comparison:
                 return None
             # a cycle it only reads from that the fix does not need (a loop counter carried as a tensor): left out,
             # where the rest alone still takes the error down as far (within 2x)
-            for group in list(cycle.groups[1:]):
+            # (where the line is on no cycle, any of them: the first in the source is not the line's own)
+            own = cycle.groups[0] if line in cycle.groups[0] else None
+            for group in [g for g in cycle.groups if g is not own]:
                 fewer = cycle.without(group)
                 got = error_with(fewer) if fewer.sites else None
                 if got is not None and _takes_down(got, before) and got <= 2 * after:
