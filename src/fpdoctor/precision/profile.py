@@ -1125,9 +1125,11 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
                 f"Do that computation before the cast: pass the model's inputs in fp32 (not cast to {dtype} before "
                 f"the forward), compute {where} in fp32 from them"
                 + (f" with {held} kept in fp32 ({again})" if buffers else "")
-                + f", and cast what it produces to {dtype} (.to(torch.{dtype}), or .to(p.dtype), p a parameter of the "
-                "model's in that dtype: a module that holds none takes the literal); any other line that reads the "
-                f"inputs reads them cast to {dtype} (x.to(torch.{dtype})), as the check ran it; checked: "
+                + f", and cast what it produces to {dtype} (.to(p.dtype), p a parameter of the model, or in a module "
+                "that holds none a buffer the model's cast converts: not a fixed dtype, which would break "
+                f"compare's fp32 and fp64 runs); any other line that reads the inputs reads them cast to {dtype} "
+                "(x.to(p.dtype)), "
+                "as the check ran it; checked: "
                 f"the end-to-end error goes from {_fmt(error)} to {_fmt(raised)}. Then `fpdoctor compare "
                 "--inputs-as-given` checks the changed model fed its inputs as they are"
             )  # fmt: skip
