@@ -181,3 +181,25 @@ def test_trials_run_one_after_another_in_threads_are_each_judged(tmp_path):
     said = [(f["code"], f["title"]) for f in data["findings"]]
     assert any(f["name"] == "deterministic-nonfinite" for f in data["findings"]), said
     assert not any(k.startswith("training in thread") for k in data["data"].get("not_checked", {})), data["data"]
+
+
+def test_a_run_whose_other_training_thread_was_not_judged_is_never_ok(tmp_path):
+    """The healthy model steps first and is the thread judged; the broken one trains beside it: the
+    report finds nothing in the thread it judged, and says "not checked", never OK, naming the other."""
+    script = tmp_path / "service.py"
+    source = SCRIPT.replace("def clicks(steps):\n    gen", "def clicks(steps):\n    first_step.wait()\n    gen")
+    source = source.replace("def demand(steps):\n    first_step.wait()\n    gen", "def demand(steps):\n    gen")
+    source = source.replace("        opt.step()\n        first_step.set()\n", "        opt.step()\n")
+    source = source.replace(
+        '        opt.step()\n    print("demand done", flush=True)',
+        '        opt.step()\n        first_step.set()\n    print("demand done", flush=True)',
+    )
+    assert source.count("first_step.wait()") == 1 and source.count("first_step.set()") == 1
+    script.write_text(source)
+    report = tmp_path / "report.json"
+    result = run_fpdoctor("watch", "-o", str(report), "--", "python", str(script), timeout=300)
+    assert "clicks done" in result.out and "demand done" in result.out, (result.out, result.err)
+    data = json.loads(report.read_text())
+    assert not [f for f in data["findings"] if f["severity"] != "info"], [f["title"] for f in data["findings"]]
+    assert data["data"]["status"] == "not checked", data["data"]
+    assert "training in thread 'Thread-1 (clicks)'" in data["data"]["not_checked"], data["data"]["not_checked"]

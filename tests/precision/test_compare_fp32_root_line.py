@@ -14,6 +14,7 @@ no fix is printed as checked."""
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 from torch import nn
@@ -268,3 +269,42 @@ def test_a_recurrence_that_nothing_outside_reads_is_fixed_without_a_cast_back():
     first = fpdoctor.compare(Returned(), x, candidate="fp32", reference="fp64").report.findings[0]
     assert first.evidence["recurrence"]["readers"] == [] and "cast what" not in first.fix, first.fix
     assert first.trial is not None and first.trial.tried
+
+
+class Resonator(nn.Module):
+    """A two-pole resonator tuned to a slow tone (pole radius 0.99995), its coefficients made in forward
+    from its frequency and radius, then read at every step: rounded to fp32 they move the pole, which
+    no recursion in fp64 undoes. `wide`: the fix as printed (the coefficients' lines and the recursion
+    in fp64, the output cast back)."""
+
+    def __init__(self, wide: bool = False) -> None:
+        super().__init__()
+        self.register_buffer("freq", torch.tensor([0.002, 0.003]))
+        self.wide = wide
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        freq = self.freq.double() if self.wide else self.freq
+        c1 = 2 * 0.99995 * torch.cos(2 * math.pi * freq)
+        c2 = torch.full_like(freq, -(0.99995**2))
+        x = x.double() if self.wide else x
+        y1 = x.new_zeros(x.shape[0], 2)
+        y2 = x.new_zeros(x.shape[0], 2)
+        out = []
+        for t in range(x.shape[1]):
+            y = c1 * y1 + c2 * y2 + x[:, t, None]
+            y2, y1 = y1, y
+            out.append(y)
+        return torch.stack(out, 1).float() if self.wide else torch.stack(out, 1)
+
+
+def test_what_a_recurrence_reads_every_step_is_computed_in_fp64_with_it_as_printed():
+    x = torch.randn(2, 1500, generator=torch.Generator().manual_seed(0))
+    first = fpdoctor.compare(Resonator(), x, candidate="fp32", reference="fp64").report.findings[0]
+    source, start = inspect.getsourcelines(Resonator.forward)
+    made = [start + i for i, line in enumerate(source) if line.strip().startswith(("c1 =", "c2 ="))]
+    assert {f"{__file__}:{n}" for n in made} <= set(first.evidence["recurrence"]["fed"]), first.evidence
+    assert "which make what it reads, in fp64 too" in first.fix, first.fix
+    assert first.trial is not None and first.trial.tried and first.trial.after * 100 < first.trial.before
+    exact = Resonator().double()(x.double())
+    wide = float((Resonator(wide=True)(x).double() - exact).norm() / exact.norm())
+    assert wide < 3 * first.trial.after + 1e-7, (wide, first.trial)

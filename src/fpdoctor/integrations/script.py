@@ -1284,6 +1284,9 @@ class ScriptWatch:
             report.findings.append(_updated_outside(self._forwards, self._reached))
         if self.unwatched:
             report.data.setdefault("not_checked", {}).update(self.unwatched)
+        if any(k.startswith("training in thread") for k in self.unwatched) and "status" not in report.data:
+            # another thread's training was not judged: nothing found in the one that was is no OK for the run
+            report.data["status"] = "not checked"
         if self._traced.said is not None:  # the step traced after a bad one: which, and what it found
             report.data["traced_step"] = self._traced.said
         if self._pending:  # skipped or applied on the device, decided at the next training forward

@@ -2206,10 +2206,13 @@ class _Comparison:
                 )
 
     def _recurrence_checked(self, line: str, before: float) -> tuple[Recurrence, float] | None:
-        """Where no span of lines above the worst op cures an fp32 error: the recurrence through its
-        line (recurrence.py: the lines that carry a value from one step of a loop to the next through
-        it) kept in fp64 from the first step, end to end. (The cycle, the error then) where that
-        takes the error down RAISED_FALLS times; else None. Two forwards, only then."""
+        """Where no span of lines above the worst op (at `line`) cures an fp32 error: the
+        recurrence through its line (recurrence.py: the lines that carry a value from one step of a
+        loop to the next through it) kept in fp64 from the first step, end to end; where that is not
+        enough, with the lines that make what it reads in fp64 too, not cast back (a filter's
+        coefficients, made once and read every step: rounded to fp32 they move its poles). (The cycle,
+        the error then) where that takes the error down RAISED_FALLS times; else None. Two forwards,
+        only then (two more for the feeding lines)."""
         try:
             cycle = recurrence(
                 self.cand_run, self.run_inputs, self.cand_dtype, line, rng=self.rng, device=self.cand_device,
@@ -2220,15 +2223,22 @@ class _Comparison:
             root = next(e for (name, _), e in self.seen.items() if name == "")
 
             def error_with(kept: Recurrence) -> float | None:
+                fed = RaisedLines(set(kept.fed), self.cand_dtype, cast_back=False, wide=torch.float64)
                 return error_under(
                     RaisedSites(kept.sites, self.cand_dtype, views=kept.views), self.cand_run, self.run_inputs,
                     self.cand_dtype, truth=root.truth, norm=root.norm, rng=self.rng, device=self.cand_device,
-                    noise=self.noise,
+                    noise=self.noise, watch=fed if kept.fed else None,
                 )  # fmt: skip
 
             after = error_with(cycle)
             if after is None or not _takes_down(after, before):
-                return None
+                fed = cycle.feeders
+                if not fed or len(fed) > FEEDING_LINES:
+                    return None
+                cycle = dataclasses.replace(cycle, fed=fed)
+                after = error_with(cycle)
+                if after is None or not _takes_down(after, before):
+                    return None
             # a cycle it only reads from that the fix does not need (a loop counter carried as a tensor): left out,
             # where the rest alone still takes the error down as far (within 2x)
             # (where the line is on no cycle, any of them: the first in the source is not the line's own)
@@ -3224,6 +3234,11 @@ def _recurrence_finding(
 ) -> Finding:  # fmt: skip
     """The root's divergence whose fix is its recurrence kept in fp64 (Comparison._recurrence_checked)."""
     lines = _named(cycle.lines)
+    fed = (  # what the recurrence reads, made in fp64 too and read so (a filter's coefficients)
+        f", and {lines_text(cycle.fed)}, which make what it reads, in fp64 too, read by it as they are (not cast back)"
+        if cycle.fed
+        else ""
+    )
     readers = ""
     if cycle.readers:  # named by number alone where the cycle's file holds them too
         files = {line.rpartition(":")[0] for line in cycle.lines + cycle.readers}
@@ -3236,12 +3251,16 @@ def _recurrence_finding(
         fix=f"the error is carried from one run of these lines to the next (a loop's steps, or a function called on "
         f"what it made), not made where it shows ({span} in fp64 leave it at {left}): keep the recurrence through "
         f"it in fp64 from the first run, {lines} (the fp32 operands they read from the rest of the model "
-        f".double(), so that what they carry stays fp64){readers}; or rewrite the state's update in a form that "
+        f".double(), so that what they carry stays fp64){fed}{readers}; or rewrite the state's update in a form that "
         "keeps its properties in fp32 (a covariance as (I - KH) P (I - KH)^T + K R K^T, the Joseph form, not "
         "(I - KH) P; a sum by compensated summation)",
-        evidence={**finding.evidence, "recurrence": {"lines": cycle.lines, "readers": cycle.readers}},
+        evidence={
+            **finding.evidence,
+            "recurrence": {"lines": cycle.lines, "readers": cycle.readers, "fed": [f"{f}:{n}" for f, n in cycle.fed]},
+        },
         trial=Trial.checked(
-            f"{lines} in fp64 from their first run, the lines outside them reading their values cast back to fp32",
+            f"{lines} in fp64 from their first run{f', with {lines_text(cycle.fed)} in fp64' if cycle.fed else ''}, "
+            "the lines outside them reading their values cast back to fp32",
             on=on, metric="end-to-end error", before=before, after=after,
         ),
     )  # fmt: skip

@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +43,9 @@ class Recurrence:
     groups: list[list[str]]
     calls: list[tuple[Any, str, bool]]
     edges: frozenset[tuple[str, str]]
+    # lines outside the cycles that make what they read, kept in fp64 with them where the cycles alone are not
+    # enough (compare's check fills it)
+    fed: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def lines(self) -> list[str]:
@@ -66,8 +69,19 @@ class Recurrence:
         inside = set(self.lines)
         return sorted({b for a, b in self.edges if a in inside and b not in inside}, key=_order)
 
+    @property
+    def feeders(self) -> list[tuple[str, int]]:
+        """The lines outside that make what the lines read, and the lines that make what those read, back
+        to the inputs: a filter's coefficients made once before its loop."""
+        inside = set(self.lines)
+        back = {(b, a) for a, b in self.edges}
+        found: set[str] = set()
+        for at in inside:
+            found |= _reach(at, back)
+        return sorted((_order(at) for at in found - inside), key=lambda x: x)
+
     def without(self, group: list[str]) -> Recurrence:
-        return Recurrence([g for g in self.groups if g is not group], self.calls, self.edges)
+        return Recurrence([g for g in self.groups if g is not group], self.calls, self.edges, self.fed)
 
 
 class _Flow(TorchFunctionMode):
@@ -90,7 +104,8 @@ class _Flow(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        frame = user_frame(sys._getframe(1))
+        # outside the model's call (compare casting its inputs, at the line that called compare): not the model's
+        frame = user_frame(sys._getframe(1)) if self.stack else None
         if frame is None:
             return func(*args, **kwargs)
         line = f"{frame.f_code.co_filename}:{frame.f_lineno}"
@@ -110,14 +125,14 @@ class _Flow(TorchFunctionMode):
             self.views[key] = all(op.is_view for op in ops.seen)
         else:
             out = func(*args, **kwargs)
+        if self.views[key]:  # a view, or a no-op (.to its own dtype): what reads it reads its base; x.shape reads none
+            return out
         for t in _tensors((*args, *kwargs.values())):
             made = self.maker.get(id(t))
             if made is None and t._base is not None:
                 made = self.maker.get(id(t._base))
             if made is not None and made[0]() is not None and (made[1] != line or made[2] != self.visit):
                 self.edges.add((made[1], line))
-        if self.views[key]:  # a view, or a no-op (.to its own dtype returns its input): made where its base was
-            return out
         for t in _tensors(out if isinstance(out, (tuple, list)) else (out,)):
             if t.is_floating_point():
                 self.maker[id(t)] = (weakref.ref(t, self._drop(id(t))), line, self.visit)
