@@ -3213,7 +3213,9 @@ def _amplifies(op: str) -> tuple[str, str]:
     if name in ("sub", "rsub", "add", "sum", "mean", "cumsum"):
         return (
             "it takes the difference of values far larger than the result",
-            "or compute the difference from the terms that differ, so that no two large totals are subtracted",
+            "or, where few terms differ between the two totals (one particle moved, a few prices changed), the "
+            "difference from those terms alone, so that no two large totals are subtracted (where every term differs "
+            "a little, as two models' log-likelihoods do, each term's own fp32 rounding is as large: fp64 is the fix)",
         )
     if name in ("sin", "cos", "tan", "polar"):
         return (
