@@ -153,3 +153,50 @@ def test_every_rounded_buffer_the_lines_read_is_held_and_the_fix_runs_in_any_dty
     fixed.load_state_dict(model.state_dict(), strict=False)  # the same weights; the bank is made alike
     applied = fpdoctor.compare(fixed, x, candidate="bf16")  # its fp64 run must run: the read follows z's dtype
     assert applied.report.verdict == "ok", str(applied.report)
+
+
+class Barometer(nn.Module):
+    """Standardises raw readings (a pressure near 1013 hPa) by buffers, then an MLP; `plain`: the mean
+    held as a plain fp32 tensor attribute and the standardisation's result cast to the model's dtype
+    (the fix as printed); `cast`: the cast alone, the mean still a buffer."""
+
+    def __init__(self, plain: bool = False, cast: bool = False) -> None:
+        super().__init__()
+        mean, std = torch.tensor([1013.25, 288.15, 55.3]), torch.tensor([0.85, 0.31, 1.2])
+        self.cast = plain or cast
+        if plain:
+            self.mean = mean.float()
+        else:
+            self.register_buffer("mean", mean)
+        self.register_buffer("std", std)
+        self.net = nn.Sequential(nn.Linear(3, 64), nn.Tanh(), nn.Linear(64, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = (x - self.mean.to(x.device)) / self.std
+        return self.net(z.to(self.net[0].weight.dtype) if self.cast else z)
+
+
+def test_a_rounded_buffer_is_kept_in_the_form_compares_recheck_sees() -> None:
+    """The fix leads with the plain fp32 attribute: set back after the user's cast, a buffer is rounded
+    again by compare's own cast, and the re-check the fix suggests (--inputs-as-given) would fail."""
+    torch.manual_seed(0)
+    model = Barometer().eval()
+    g = torch.Generator().manual_seed(1)
+    x = torch.tensor([1013.25, 288.15, 55.3]) + torch.randn(512, 3, generator=g) * torch.tensor([0.85, 0.31, 1.2])
+    first = fpdoctor.compare(model, x, candidate="bf16").report.findings[0]
+    assert first.evidence.get("rounded_buffers") == ["mean"], first.message
+    fix = first.fix
+    assert "a plain fp32 tensor attribute (`self.mean = value.float()`" in fix
+    assert fix.index("plain fp32 tensor attribute") < fix.index("assign it again in fp32 after the cast")
+    assert "--inputs-as-given" in fix
+
+    fixed = Barometer(plain=True).eval()
+    fixed.load_state_dict(model.state_dict(), strict=False)  # `mean` is no longer in the state dict
+    again = fpdoctor.compare(fixed, x, candidate="bf16", inputs_as_given=True).report
+    assert not [f.name for f in again.findings if f.severity == "error"], again.findings[0].message
+    assert again.data["output_error"]["mean"] < 0.002 and first.evidence["propagated_rel"] > 0.5  # 0.156 before
+
+    set_back = Barometer(cast=True).eval()  # the other form, as the re-check sees it: compare casts the buffer again
+    set_back.load_state_dict(model.state_dict())
+    recheck = fpdoctor.compare(set_back, x, candidate="bf16", inputs_as_given=True).report
+    assert any(f.severity == "error" for f in recheck.findings)

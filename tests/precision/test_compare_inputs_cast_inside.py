@@ -51,14 +51,14 @@ def test_a_model_that_casts_its_inputs_is_told_to_get_them_unrounded_checked() -
     assert first.trial is not None and first.trial.tried, first.trial
     assert first.trial.after * 10 <= first.trial.before
     assert first.fix.startswith("Pass the inputs to the bf16 model unrounded")
-    assert "keep `ref` out of the cast" in first.fix  # 1013.25 is 1016 in bf16: the centring needs it exact
+    assert "keep `ref` out of the cast: hold it as a plain fp32 tensor attribute" in first.fix  # 1013.25 is 1016 in bf16
     # as printed: the reference values kept across the cast, the bf16 model fed the fp32 readings as they come
     model = _model(True)
     with torch.no_grad():
         exact = model.double()(x.double())
         model.float()
         scope = {"model": model, "torch": torch}
-        save, cast, put_back = re.findall(r"`([^`]*)`", first.fix.split("set back after it: ")[1])[:3]
+        save, cast, put_back = re.findall(r"`([^`]*)`", first.fix.split("saved before it (")[1])[:3]
         for line in (save, cast, put_back):
             exec(line, scope)
         assert model.ref.dtype == torch.float32 and model.mlp[0].weight.dtype == torch.bfloat16

@@ -12,7 +12,7 @@ import torch
 
 from fpdoctor import catalog
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS
-from fpdoctor.precision.candidates import compute_dtype
+from fpdoctor.precision.candidates import compute_dtype, plain_fp32
 from fpdoctor.precision.decide import pct
 from fpdoctor.precision.fit import describe as describe_misfit
 from fpdoctor.precision.fit import within
@@ -1215,18 +1215,17 @@ def _held(held: list[str], parameters: list[str], candidate: str) -> tuple[str, 
     else:
         kind = ("parameters" if many else "parameter") if len(parameters) == len(held) else "parameters and buffers"
         what, how = "parameter and buffer", ", a parameter as nn.Parameter(value.float())"
+    it, its = ("them", "their values") if many else ("it", "its value")
     again = (
-        f"model.to(torch.{dtype}) rounds every floating {what}: assign {'them' if many else 'it'} again in fp32 "
-        f"after the cast{how}, from {'their values' if many else 'its value'} saved before it (a clone taken "
-        f"before the cast: .float() of {'them' if many else 'it'} after the cast gives the rounded value back); "
-        "where the code that casts is not yours (fpdoctor compare casts the model itself), a plain fp32 tensor "
-        "attribute, which .to(dtype) leaves as it is (so do .to(device) and state_dict: move it in forward with "
-        ".to(x.device))"
+        f"model.to(torch.{dtype}) rounds every floating {what}: "
+        + plain_fp32(held)
         + (
             "; for a parameter, that is for inference only: a plain attribute is neither trained nor saved"
             if parameters
             else ""
         )
+        + f"; or, where only your code casts the model, assign {it} again in fp32 after the cast{how}, from {its} "
+        f"saved before it (a clone taken before the cast: .float() of {it} after the cast gives the rounded value back)"
     )
     return kind, again
 

@@ -30,6 +30,7 @@ import torch
 
 from fpdoctor import catalog
 from fpdoctor.formats import COARSE
+from fpdoctor.precision.candidates import plain_fp32
 from fpdoctor.precision.metrics import round_to
 from fpdoctor.report.model import Finding, Severity, Trial
 
@@ -278,11 +279,13 @@ def given_finding(
             f"Pass the inputs to the {fmt} model unrounded (as they come, in fp32): do not cast them to {fmt} before "
             "the call"
             + (
-                f"; and keep {kept} out of the cast, {'their' if plural else 'its'} fp32 values (saved before the "
-                f"model's cast and set back after it: {_set_back(buffers or [], fmt)})"
+                f"; and keep {kept} out of the cast: {plain_fp32(buffers or [])}; or, where only your code casts the "
+                f"model, set {'them' if plural else 'it'} back after the cast from {'their' if plural else 'its'} "
+                f"fp32 values saved before it ({_set_back(buffers or [], fmt)})"
                 if kept
-                else "; `fpdoctor compare --inputs-as-given` judges the model fed them so"
+                else ""
             )
+            + "; `fpdoctor compare --inputs-as-given` judges the model fed them so"
         ),
         trial=Trial.checked(
             f"the {fmt} model{with_buffers.rstrip(',')} fed the inputs as given",
