@@ -490,3 +490,65 @@ def test_a_one_line_loop_whose_steps_the_format_holds_is_not_named() -> None:
     with fpdoctor.trace() as tr:
         _discounted(rewards, 0.5, torch.bfloat16)  # each step halves the state: its changes are not rounded away
     assert not [f for f in tr.report.findings if f.name == "update-rounded-away"], tr.report
+
+
+def _swa_ema(multi: bool, fixed: bool = False, steps: int = 200) -> tuple[fpdoctor.Report | None, float, float]:
+    """A bf16 model and its EMA through torch.optim.swa_utils.AveragedModel (decay 0.999), the
+    multi-tensor form (`multi`: a foreach lerp) or per parameter; `fixed`: the EMA as the fix prints it
+    (`AveragedModel(model, avg_fn=get_ema_avg_fn(decay)).float()`, evaluated through a bf16 copy). The
+    trace's report (None when `fixed`), and the EMA's distance from its first weights, and the model's."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.SiLU(), nn.Linear(64, 1)).to(torch.bfloat16)
+    first = copy.deepcopy(model)
+    if fixed:
+        ema = AveragedModel(model, avg_fn=get_ema_avg_fn(0.999)).float()
+    elif multi:
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999))
+    else:
+        ema = AveragedModel(model, avg_fn=get_ema_avg_fn(0.999))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+    def train() -> None:
+        for _ in range(steps):
+            x = torch.randn(32, 16, dtype=torch.bfloat16)
+            opt.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+            ema.update_parameters(model)
+
+    report = None
+    if fixed:
+        train()
+    else:
+        with fpdoctor.Trace(model) as tr:
+            train()
+        report = tr.report
+    evaluated = copy.deepcopy(ema.module).to(torch.bfloat16)
+
+    def moved(m: nn.Module) -> float:
+        return sum(float((a.float() - b.float()).abs().sum()) for a, b in zip(m.parameters(), first.parameters()))
+
+    return report, moved(evaluated), moved(model)
+
+
+def test_an_ema_by_swa_utils_foreach_lerp_gets_a_fix_that_runs_as_printed() -> None:
+    """torch.optim.swa_utils' multi-tensor EMA of bf16 weights: the fix said "keep that tensor in fp32",
+    and AveragedModel(...).float() with get_ema_multi_avg_fn raised at its first update (lerp takes one
+    dtype). The fix names what runs: avg_fn=get_ema_avg_fn(decay) on an fp32 AveragedModel."""
+    report, ema_moved, model_moved = _swa_ema(multi=True)
+    assert report is not None
+    (found,) = [f for f in report.findings if f.evidence.get("kind") == "running-update"]
+    assert "AveragedModel(model, avg_fn=get_ema_avg_fn(decay)).float()" in found.fix, found.fix
+    assert "p.float()" in found.fix
+    assert ema_moved < 0.2 * model_moved  # the bf16 EMA stays near its first weights
+    _, fixed_moved, _ = _swa_ema(multi=True, fixed=True)  # as printed: it runs, and the EMA follows (6.9 vs 3.7)
+    assert fixed_moved > 1.5 * ema_moved
+
+
+def test_an_ema_by_swa_utils_per_parameter_is_named_without_the_lerp_clause() -> None:
+    report, _, _ = _swa_ema(multi=False)
+    assert report is not None
+    found = [f for f in report.findings if f.evidence.get("kind") == "running-update"]
+    assert len(found) == 1 and "get_ema_avg_fn" not in found[0].fix, [f.fix for f in found]

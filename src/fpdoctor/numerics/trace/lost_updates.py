@@ -53,6 +53,9 @@ FOREACH = frozenset("_foreach_" + name for name in ACCUMULATES)
 # a tensor rewritten whole from a statement that reads it (timm's ModelEmaV2:
 # ema.copy_(decay * ema + (1 - decay) * w)): the statement is redone, the copy_ is where it lands
 COPY = "copy_"
+# lerp takes one dtype: an fp32 tensor updated from bf16 values by lerp_ (torch._foreach_lerp_, swa_utils'
+# multi-tensor EMA) raises, so keeping the tensor in fp32 needs what it reads cast too
+ONE_DTYPE = frozenset({"lerp_", "lerp", "_foreach_lerp_"})
 # a tensor bound again to what its line computes from its previous value (shadow[n] = shadow[n] * d +
 # p * (1 - d)): no in-place op; the trace finds it by the line reading what its previous visit made
 REBOUND = "rebound"
@@ -422,8 +425,9 @@ class LostUpdates:
                         else f"keep that tensor in fp32: create it with dtype=torch.float32 (torch.zeros_like(p, "
                         "dtype=torch.float32) for a state kept per parameter); an EMA copy of the weights is a "
                         f"deepcopy of the model left in fp32, evaluated through a {line.dtype} copy of it "
-                        f"(copy.deepcopy(ema).to(torch.{line.dtype}): `.to` on the module itself casts it in place). "
-                        f"In fp32 its update at {where} {kept}"
+                        f"(copy.deepcopy(ema).to(torch.{line.dtype}): `.to` on the module itself casts it in place)"
+                        + (_one_dtype(line.dtype) if any(x.op in ONE_DTYPE for x in found) else "")
+                        + f". In fp32 its update at {where} {kept}"
                     ),
                     trial=Trial.checked(
                         f"the tensor in fp32, {ops} at {where} run on it from the same values",
@@ -534,3 +538,14 @@ def _redo(statement: Statement, target: torch.Tensor, start: torch.Tensor, dtype
         kw = {k: value(-1 - n, x, sources) for n, (k, x) in enumerate(kwargs.items())}
         made.append(func(*wide, **kw))
     return made[-1]
+
+
+def _one_dtype(dtype: str) -> str:
+    """The rest of an fp32 state's fix whose update is a lerp (ONE_DTYPE): what it reads cast to fp32."""
+    return (
+        f"; lerp takes one dtype, so the fp32 tensor's update reads the {dtype} values cast to fp32 "
+        "(ema_p.lerp_(p.float(), 1 - decay); torch._foreach_lerp_(ema_params, [p.float() for p in params], "
+        "1 - decay)); with torch.optim.swa_utils.AveragedModel, AveragedModel(model, "
+        "avg_fn=get_ema_avg_fn(decay)).float(), whose avg_fn updates each parameter from its value as it is "
+        "(get_ema_multi_avg_fn's foreach lerp raises on an fp32 EMA of bf16 weights)"
+    )
