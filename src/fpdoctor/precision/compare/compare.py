@@ -73,6 +73,7 @@ from fpdoctor.precision.compare import (
     made_in_dtype,
     near_limit,
     nonfinite,
+    own_code,
     selections,
     stable_forms,
     upstream,
@@ -442,9 +443,10 @@ def _compare(
         inputs_cause = run.inputs_cause(rows, input_floor) if accumulation is None else None
         # whole numbers the inputs' rounding moved (item ids) are that finding's: their `.long()` is no other cause
         selection = run.selection(rows, accumulation) if not (inputs_cause or {}).get("columns") else None
+        own = run.own_code(rows, forced) if accumulation is None and selection is None and not inputs_cause else None
     kept = [(r, run.seen[(r.module, r.call)]) for r in rows] if samples is not None else []
     result = run.result(rows, input_floor, prefix, accumulation, forced, inputs_cause=inputs_cause,
-                        selection=selection)  # fmt: skip
+                        selection=selection, own=own)  # fmt: skip
     if samples is not None:  # after result(): the rows carry their names in the whole model now
         samples.extend((r, e.truth, e.candidate) for r, e in kept)
         if not prefix:  # an output of logits, as its rows decide (use.py), for the record's use metrics
@@ -1534,6 +1536,43 @@ class _Comparison:
             self.state_fix = ([s["location"] for s in states], kept[-1])
         return {"states": states, "raised_rel": error, "feeding": feeding}
 
+    # -- step 5d: the model's own code around its submodules (own_code.py) -----------------------------
+    def own_code(self, rows: list[ModuleRow], forced: dict[str, dict[str, Any]]) -> Finding | None:
+        """Where nothing diverged and no line's check confirmed the model's worst own op (`forced`),
+        though that op leaves its floor DIVERGENCE_RATIO times and the end-to-end error is RAISED_FALLS
+        above its own: the model's own ops all in fp32, its submodules as the candidate runs them (one
+        forward, _output_with_own_fp32). A finding where that divides the error by OWN_FALLS."""
+        root = rows[-1] if rows else None
+        if root is None or root.module != "" or forced or any(r.diverged for r in rows):
+            return None
+        if root.leaf or root.own is None or not root.exceeds or root.unconfirmed is None:
+            return None
+        if self.cand_dtype not in (torch.float16, torch.bfloat16) or not list(self.model.named_children()):
+            return None  # an fp32 candidate's own ops are fp32 already; a model of no submodules is all own code
+        if not math.isfinite(root.propagated) or root.propagated <= RAISED_FALLS * root.floor:
+            return None
+        entry = next(e for (name, _), e in self.seen.items() if name == "")
+        try:
+            sample = device_sample(self._output_with_own_fp32())
+        except Exception as exc:  # the check is ours; the report stands without it
+            self.notes["the model's own ops in fp32"] = f"not run: {type(exc).__name__}: {exc}"
+            return None
+        after = (
+            rel_error(sample.to(entry.truth.device), entry.truth, entry.norm)
+            if sample is not None and sample.numel() == entry.truth.numel()
+            else None
+        )
+        if after is None or not after * own_code.OWN_FALLS <= root.propagated:
+            self.notes["the model's own ops in fp32"] = own_code.reason(root.propagated, after)
+            return None
+        came = entry.candidate_inputs
+        grew = f"{root.propagated / came:.2g}x" if math.isfinite(came) and came > 0 else "no more than"
+        return own_code.finding(
+            self.model, fmt=self.label, dtype=str(self.cand_dtype), before=root.propagated, after=after,
+            floor=root.floor, op=root.own["op"], location=root.own.get("location"), ratio=root.ratio or math.inf,
+            grew=grew, on=inputs_text(describe(self.inputs)),
+        )  # fmt: skip
+
     # -- step 5c: a selection inside the model the candidate changes (selections.py) -------------------
     def selection(self, rows: list[ModuleRow], accumulation: dict[str, Any] | None) -> Finding | None:
         """Where the error is left unexplained (no part adds near as much by itself, no running state
@@ -1834,6 +1873,7 @@ class _Comparison:
         *,
         inputs_cause: dict[str, Any] | None = None,
         selection: Finding | None = None,
+        own: Finding | None = None,
     ) -> CompareResult:
         candidate = self.candidate
         fmt = candidate_format(candidate)
@@ -1954,6 +1994,9 @@ class _Comparison:
                     said = f"none by itself: {selections.named(ev['op'])} at line {where} {what.format(share)}"
                     moved = ", which move the entries it keeps" if ev.get("by_rows") else ", which make the error"
                     summary[i] = (label, said + moved)
+        if own is not None:  # the model's own code around its submodules (own_code.py), checked
+            findings = result.report.findings
+            findings.insert(0 if not any(f.severity == Severity.ERROR for f in findings) else len(findings), own)
         if self.cand_failed is not None:  # a model that cannot run in the candidate is never OK
             result.report.findings.insert(
                 0,
