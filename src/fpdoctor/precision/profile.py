@@ -986,10 +986,21 @@ def causes(
                 first, last = checked["lines"]
                 lines = f"line {first}" if first == last else f"lines {first}-{last}"
                 not_op = f" (not {op}'s result: {size:.3g} is past the max)" if size else ""
+                called = checked.get("called") or []
+                if called:  # the check ran the modules those lines call in fp32 whole, and cast their output back
+                    mods = ", ".join(f"self.{c}" for c in called)
+                    not_op += (
+                        f"; the check ran the module{'s' if len(called) > 1 else ''} "
+                        f"{'it calls' if first == last else 'they call'} ({mods}) in fp32 too, "
+                        f"{'their outputs' if len(called) > 1 else 'its output'} cast back (not tried: cast back "
+                        f"before that call instead, `self.{called[0]}(value.to(p.dtype))`, which keeps "
+                        f"{'their' if len(called) > 1 else 'its'} {candidate} weights)"
+                    )
                 fixes.append(
                     f"compute {lines} of {checked['file']} (inside `{row.module}`, where {op} overflows) in fp32: "
                     f"{op}'s operands .float(), and every op after it on {'that line' if first == last else 'them'} "
-                    f"in fp32 too; cast back to {candidate} only what {lines} returns{not_op}; checked: the "
+                    f"in fp32 too; cast back to {candidate} only what {lines} "
+                    f"return{'s' if first == last else ''}{not_op}; checked: the "
                     f"end-to-end error goes from {_fmt(checked['before'])} to {_fmt(checked['after'])}"
                 )
                 trial = Trial.checked(

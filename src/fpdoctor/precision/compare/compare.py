@@ -2791,7 +2791,10 @@ class _Comparison:
             return None
         if math.isfinite(error) and after * RAISED_FALLS > error and not broken:
             return None
-        return {"lines": [line[1], line[1] + more], "file": line[0], "before": error, "after": after}
+        lines = [line[1], line[1] + more]
+        # a module those lines call (self.o(num / den)) reads the cast-back values, its own weights as they are
+        called = self._called_modules([(line[0], n) for n in range(lines[0], lines[1] + 1)])
+        return {"lines": lines, "file": line[0], "before": error, "after": after, "called": called}
 
     # -- the output judged by what it decides (use.py) ---------------------------------------------
     def _kept_sets(self) -> Kept | None:

@@ -1,0 +1,61 @@
+"""An op that overflows on a line that also calls a module (`return self.proj((h @ g) / ...)`): the
+check computes the line in fp32, and the module it calls with it (its weights in fp32), its output
+cast back. The fix said "cast back only what line 12 returns", which a user read as "after the
+fp16 Linear" (it takes fp32 input: a dtype error) or "before it" (not what ran). It now says what
+the check ran, and names casting back before the call as the alternative not tried."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fpdoctor
+
+
+class GramPool(nn.Module):
+    """A pooling by the features' Gram matrix over 2048 positions: its products pass fp16's max."""
+
+    def __init__(self, d: int = 32, fixed: bool = False) -> None:
+        super().__init__()
+        self.inp, self.proj, self.fixed = nn.Linear(d, d), nn.Linear(d, d), fixed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = 4 * (F.elu(self.inp(x)) + 1)
+        if self.fixed:  # as printed: the two lines in fp32, the module the second calls in fp32, cast back
+            h32 = h.float()
+            g = h32.transpose(1, 2) @ h32
+            w, b = self.proj.weight.float(), self.proj.bias.float()
+            return F.linear((h32 @ g) / g.sum(-1).unsqueeze(1), w, b).to(h.dtype)
+        g = h.transpose(1, 2) @ h
+        return self.proj((h @ g) / g.sum(-1).unsqueeze(1))
+
+
+class Net(nn.Module):
+    def __init__(self, fixed: bool = False) -> None:
+        super().__init__()
+        self.pool, self.out = GramPool(fixed=fixed), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.pool(x))
+
+
+def test_the_fix_of_a_line_that_calls_a_module_says_what_the_check_ran_and_works_as_printed() -> None:
+    torch.manual_seed(0)
+    model, x = Net().eval(), torch.randn(2, 2048, 32, generator=torch.Generator().manual_seed(1))
+    first = fpdoctor.compare(model, x, candidate="fp16").report.findings[0]
+    assert "overflows" in first.fix and first.trial is not None and first.trial.tried, first.fix
+    assert "the check ran the module" in first.fix and "(self.proj) in fp32 too, its output cast back" in first.fix
+    assert "not tried: cast back before that call instead, `self.proj(value.to(p.dtype))`" in first.fix
+
+    fixed = Net(fixed=True).eval()
+    fixed.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        exact = copy.deepcopy(model).double()(x.double())
+        plain = copy.deepcopy(model).half()(x.half())
+        out = copy.deepcopy(fixed).half()(x.half())
+    assert not bool(torch.isfinite(plain).all())
+    rel = float((out.double() - exact).norm() / exact.norm())
+    assert rel <= 2 * float(first.trial.after), (rel, first.trial.after)
