@@ -319,14 +319,16 @@ _VIEWS: list[SnapshotHooks] = []
 
 
 @contextlib.contextmanager
-def snapshot_optimizer_hooks(optimizer_module: types.ModuleType) -> Iterator[None]:
+def snapshot_optimizer_hooks(optimizer_module: types.ModuleType, *, empty: bool = False) -> Iterator[None]:
     """torch's global optimizer hooks read as snapshots inside the block (SnapshotHooks views of
     them), so that hooks of ours and the script's can come and go while any thread steps; torch's own
-    dicts, changed through the views, are in place again after it."""
+    dicts, changed through the views, are in place again after it. `empty`: views of empty dicts of
+    their own instead, for a step of ours (a shadow's, a what-if's) that no hook of the program sees."""
     saved = global_optimizer_hooks(optimizer_module)
     for name, hooks in saved.items():
-        view = SnapshotHooks(hooks)
-        _VIEWS.append(view)
+        view = SnapshotHooks() if empty else SnapshotHooks(hooks)
+        if not empty:
+            _VIEWS.append(view)
         setattr(optimizer_module, name, view)
     try:
         yield

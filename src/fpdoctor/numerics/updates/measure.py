@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from fpdoctor.torchprivate import DisableTorchDispatch, SnapshotHooks, global_optimizer_hooks, named_parameters
+from fpdoctor.torchprivate import DisableTorchDispatch, named_parameters, snapshot_optimizer_hooks
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 SAMPLE = 256  # elements per parameter: a share measured on 256 has a standard error under 3.2%
@@ -84,14 +84,8 @@ def no_global_optimizer_hooks() -> Iterator[None]:
     ones, when the block runs inside one of their hooks: they are swapped, never changed)."""
     from torch.optim import optimizer as optimizer_mod
 
-    saved = global_optimizer_hooks(optimizer_mod)
-    for name in saved:  # read as snapshots: a thread's step may start here, and hooks come and go in ours
-        setattr(optimizer_mod, name, SnapshotHooks())
-    try:
+    with snapshot_optimizer_hooks(optimizer_mod, empty=True):
         yield
-    finally:
-        for name, hooks in saved.items():
-            setattr(optimizer_mod, name, hooks)
 
 
 @contextlib.contextmanager

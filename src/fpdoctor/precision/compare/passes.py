@@ -341,7 +341,7 @@ class _Chains(TorchFunctionMode):
             else:
                 out = raising.call(func, args, kwargs or {}, site=line in self.raised_lines)
         else:  # a function's first call at a line: the aten ops it runs name it in the finding
-            with _AtenOps() as ops:
+            with AtenOps() as ops:
                 if raising is None:
                     out = func(*args, **(kwargs or {}))
                 else:
@@ -466,7 +466,7 @@ class _Chains(TorchFunctionMode):
         ]
 
 
-class _AtenOps(EagerDispatchMode):
+class AtenOps(EagerDispatchMode):
     """The aten ops one call runs (entered once per function and line: names for the finding)."""
 
     def __init__(self) -> None:

@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from fpdoctor.precision.compare.noise import ReplayNoise
 from fpdoctor.precision.compare.own_calls import GETITEM, basic_index
-from fpdoctor.precision.compare.passes import _AtenOps, stacked
+from fpdoctor.precision.compare.passes import AtenOps, stacked
 from fpdoctor.preserve import RngState
 from fpdoctor.userframes import user_frame
 
@@ -74,7 +74,7 @@ class Recurrence:
         """The lines outside that make what the lines read, and the lines that make what those read, back
         to the inputs: a filter's coefficients made once before its loop."""
         inside = set(self.lines)
-        back = {(b, a) for a, b in self.edges}
+        back = _adjacency((b, a) for a, b in self.edges)
         found: set[str] = set()
         for at in inside:
             found |= _reach(at, back)
@@ -120,7 +120,7 @@ class _Flow(TorchFunctionMode):
             self.views[key] = True  # a view (x[:, t]): what it reads is its base's, made where the base was
             return func(*args)
         if key not in self.views:
-            with _AtenOps() as ops:
+            with AtenOps() as ops:
                 out = func(*args, **kwargs)
             self.views[key] = all(op.is_view for op in ops.seen)
         else:
@@ -150,9 +150,9 @@ class _Flow(TorchFunctionMode):
         """The cycles that `line` is on or reads from: each line it is reached from (or itself) that is
         reached from itself again, grouped by cycle. A gain read from a covariance's recurrence, itself
         on the estimate's: both recurrences, for the estimate's error is made in the covariance's."""
-        back = {(b, a) for a, b in self.edges}
+        back, forward = _adjacency((b, a) for a, b in self.edges), _adjacency(self.edges)
         feeds = _reach(line, back) | {line}
-        on = {at: _reach(at, self.edges) for at in feeds}
+        on = {at: _reach(at, forward) for at in feeds}
         lines = [at for at in feeds if at in on[at]]
         if not lines or len(lines) > MOST_LINES:
             return None
@@ -176,11 +176,16 @@ def _tensors(values: Iterable[Any]) -> Iterable[torch.Tensor]:
             yield from (v for v in value if type(v) is torch.Tensor)
 
 
-def _reach(start: str, edges: set[tuple[str, str]]) -> set[str]:
-    """The lines reached from `start` by one edge or more (`start` itself only on a cycle)."""
+def _adjacency(edges: Iterable[tuple[str, str]]) -> dict[str, list[str]]:
+    """Each line's successors, built once for every _reach from it."""
     nexts: dict[str, list[str]] = {}
     for a, b in edges:
         nexts.setdefault(a, []).append(b)
+    return nexts
+
+
+def _reach(start: str, nexts: dict[str, list[str]]) -> set[str]:
+    """The lines reached from `start` by one edge or more (`start` itself only on a cycle)."""
     seen: set[str] = set()
     todo = list(nexts.get(start, []))
     while todo:
