@@ -64,7 +64,7 @@ def finding(
         f"model's output error is {grew} what came in, short of the {DIVERGENCE_RATIO:g}x a divergence takes. "
         f"Computed in fp32, with {subs} still in {fmt}, they take the end-to-end error from {before:.3g} to "
         f"{after:.3g} (rounding the exact output to {fmt}: {floor:.3g}): what is left is the {fmt} error of {subs} "
-        "themselves."
+        f"{'themselves' if len(children) > 1 else 'itself'}."
     )
     kept = (
         f"; its buffer{'s' if len(buffers) > 1 else ''} {', '.join(f'`{b}`' for b in buffers)} kept in fp32 "
