@@ -82,6 +82,10 @@ def framework_switch(framework: str | None, dtype: str) -> str | None:
     return None
 
 
+# torch-optimi's optimizers, each with kahan_sum for bf16 weights (optimi's documentation)
+OPTIMI = frozenset({"SGD", "Adam", "AdamW", "RAdam", "Adan", "Lion", "Ranger", "StableAdamW"})
+
+
 def rounded_away_finding(
     stats: UpdateStats,
     affected: list[ParamUpdate],
@@ -124,12 +128,20 @@ def rounded_away_finding(
         "fp32 master weights (+4 bytes per parameter, and the optimizer state in fp32), for your "
         f"{stats.optimizer}:\n{master_weights_code(optimizer)}"
     )
+    half = str(dtype) in ("float16", "torch.float16")
+    low, name = ("fp16", "float16") if half else ("bf16", "bfloat16")
     others = [
-        "keep the model in fp32 and compute in bf16 under torch.autocast(device_type, dtype=torch.bfloat16) "
-        "around the forward (+2 bytes per parameter over bf16 weights, the state in fp32; activations stay bf16)",
-        f"stochastic rounding: {stochastic_rounding_hint(optimizer)} (no extra memory)",
-        "Kahan summation: torch-optimi's optimi.AdamW(params, ..., kahan_sum=True) (+2 bytes per parameter)",
+        f"keep the model in fp32 and compute in {low} under torch.autocast(device_type, dtype=torch.{name}) "
+        f"around the forward{' with a torch.amp.GradScaler' if half else ''} (+2 bytes per parameter over {low} "
+        f"weights, the state in fp32; activations stay {low})",
     ]
+    if not half:  # both keep bf16 weights (torchao's stochastic rounding and optimi's Kahan sums are bf16's)
+        kind = type(optimizer).__name__
+        others += [
+            f"stochastic rounding: {stochastic_rounding_hint(optimizer)} (no extra memory)",
+            f"Kahan summation: torch-optimi's optimi.{kind if kind in OPTIMI else 'AdamW'}(params, ..., "
+            "kahan_sum=True) (+2 bytes per parameter)",
+        ]
     ranked = [master, *others] if helped or untried else others
     switch = framework_switch(framework, str(dtype))
     if switch is not None and (helped or untried):  # the framework's own form of fp32 weights and state
