@@ -37,7 +37,7 @@ def test_the_reference_steps_view_folds_into_the_mechanism_where_the_first_of_th
     assert merged.evidence["occurrences"] == 2 and merged.evidence["steps"] == [1, 5]
     assert "The reference step measures it" in merged.message and merged.trial is not None
     # a live line named the reference step's finding: the report says where it went
-    assert "(X update-departs-from-reference at step 1, where a live line said it, is this same cause" in merged.message
+    assert "(what the live line printed as X update-departs-from-reference is this same cause" in merged.message
 
 
 def test_the_folded_finding_is_as_severe_as_the_more_severe_of_the_two() -> None:

@@ -528,7 +528,9 @@ def _swa_ema(multi: bool, fixed: bool = False, steps: int = 200) -> tuple[fpdoct
     evaluated = copy.deepcopy(ema.module).to(torch.bfloat16)
 
     def moved(m: nn.Module) -> float:
-        return sum(float((a.float() - b.float()).abs().sum()) for a, b in zip(m.parameters(), first.parameters()))
+        return sum(
+            float((a.float() - b.float()).abs().sum()) for a, b in zip(m.parameters(), first.parameters(), strict=True)
+        )
 
     return report, moved(evaluated), moved(model)
 

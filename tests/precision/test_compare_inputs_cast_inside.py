@@ -51,7 +51,9 @@ def test_a_model_that_casts_its_inputs_is_told_to_get_them_unrounded_checked() -
     assert first.trial is not None and first.trial.tried, first.trial
     assert first.trial.after * 10 <= first.trial.before
     assert first.fix.startswith("Pass the inputs to the bf16 model unrounded")
-    assert "keep `ref` out of the cast: hold it as a plain fp32 tensor attribute" in first.fix  # 1013.25 is 1016 in bf16
+    assert (
+        "keep `ref` out of the cast: hold it as a plain fp32 tensor attribute" in first.fix
+    )  # 1013.25 is 1016 in bf16
     # as printed: the reference values kept across the cast, the bf16 model fed the fp32 readings as they come
     model = _model(True)
     with torch.no_grad():

@@ -195,26 +195,6 @@ def copy_module(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Modu
     return copy.deepcopy(model, memo)
 
 
-def plain_fp32(names: list[str]) -> str:
-    """How to keep the model's tensors `names` in fp32 across every cast of the model, in words: as
-    plain tensor attributes, which Module.to(dtype) leaves as they are (_copy_as too: compare's
-    candidate is such a cast). Set back after the user's own cast, a buffer is rounded again by
-    compare's, so a re-check with compare sees only this form."""
-    many = len(names) > 1
-    leaf = names[0].rpartition(".")[2] if names else "name"
-    it, what, where = (
-        ("them", "plain fp32 tensor attributes", "their modules'")
-        if many
-        else ("it", "a plain fp32 tensor attribute", "its module's")
-    )
-    return (
-        f"hold {it} as {what} (`self.{leaf} = value.float()` in {where} __init__, in place of register_buffer), "
-        f"which the model's cast leaves as {'they are' if many else 'it is'} wherever it is cast, by your code or by "
-        "fpdoctor compare, whose re-check sees only this form (so do .to(device) and state_dict: move "
-        f"{it} in forward with .to(x.device))"
-    )
-
-
 def resolve_fp8_kernel(kernel: str, device: torch.device) -> str:
     """Which fp8 GEMM the fp8 candidates run: "scaled_mm" (the real one, falling back per layer
     where it does not run), "fake" (quantize, dequantize, fp32 GEMM), or for "auto" the first

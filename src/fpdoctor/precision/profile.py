@@ -12,12 +12,13 @@ import torch
 
 from fpdoctor import catalog
 from fpdoctor.formats import DTYPE_FORMAT, FORMATS
-from fpdoctor.precision.candidates import compute_dtype, plain_fp32
+from fpdoctor.precision.candidates import compute_dtype
 from fpdoctor.precision.decide import pct
 from fpdoctor.precision.fit import describe as describe_misfit
 from fpdoctor.precision.fit import within
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.metrics import SAMPLE, sqnr_db
+from fpdoctor.precision.units import plain_fp32
 from fpdoctor.report.model import Finding, Report, Severity, Trial
 from fpdoctor.report.render import ordinal
 
@@ -986,15 +987,22 @@ def causes(
                 first, last = checked["lines"]
                 lines = f"line {first}" if first == last else f"lines {first}-{last}"
                 not_op = f" (not {op}'s result: {size:.3g} is past the max)" if size else ""
-                called = checked.get("called") or []
-                if called:  # the check ran the modules those lines call in fp32 whole, and cast their output back
+                called, mine = checked.get("called") or [], checked.get("called_user") or []
+                passed = "x what the line passes it, p one of its parameters"
+                if called:  # torch's modules the lines call ran at them: in fp32 with them, their output cast back
                     mods = ", ".join(f"self.{c}" for c in called)
                     not_op += (
-                        f"; the check ran the module{'s' if len(called) > 1 else ''} "
+                        f"; the check ran the torch module{'s' if len(called) > 1 else ''} "
                         f"{'it calls' if first == last else 'they call'} ({mods}) in fp32 too, "
                         f"{'their outputs' if len(called) > 1 else 'its output'} cast back (not tried: cast back "
-                        f"before that call instead, `self.{called[0]}(value.to(p.dtype))`, which keeps "
+                        f"before that call instead, `self.{called[0]}(x.to(p.dtype))`, {passed}, which keeps "
                         f"{'their' if len(called) > 1 else 'its'} {candidate} weights)"
+                    )
+                if mine:  # a module of the user's runs its own lines: it read the values cast back, as it will
+                    mods = ", ".join(f"self.{c}" for c in mine)
+                    not_op += (
+                        f"; a module of yours {'it calls' if first == last else 'they call'} ({mods}) reads them cast "
+                        f"back, as the check ran it: `self.{mine[0]}(x.to(p.dtype))`, {passed}"
                     )
                 fixes.append(
                     f"compute {lines} of {checked['file']} (inside `{row.module}`, where {op} overflows) in fp32: "
@@ -1222,22 +1230,18 @@ def _held(held: list[str], parameters: list[str], candidate: str) -> tuple[str, 
     dtype = str(compute_dtype(candidate)).removeprefix("torch.")
     many = len(held) > 1
     if not parameters:
-        kind, what, how = "buffers" if many else "buffer", "buffer", ""
+        kind, what = "buffers" if many else "buffer", "buffer"
     else:
         kind = ("parameters" if many else "parameter") if len(parameters) == len(held) else "parameters and buffers"
-        what, how = "parameter and buffer", ", a parameter as nn.Parameter(value.float())"
+        what = "parameter and buffer"
     it, its = ("them", "their values") if many else ("it", "its value")
-    again = (
-        f"model.to(torch.{dtype}) rounds every floating {what}: "
-        + plain_fp32(held)
-        + (
-            "; for a parameter, that is for inference only: a plain attribute is neither trained nor saved"
-            if parameters
-            else ""
+    again = f"model.to(torch.{dtype}) rounds every floating {what}: " + plain_fp32(held, parameters)
+    if not parameters:  # a buffer: the form only the user's own cast leaves alone, second
+        again += (
+            f"; or, where only your code casts the model, assign {it} again in fp32 after the cast, from {its} "
+            f"saved before it (a clone taken before the cast: .float() of {it} after the cast gives the rounded "
+            "value back)"
         )
-        + f"; or, where only your code casts the model, assign {it} again in fp32 after the cast{how}, from {its} "
-        f"saved before it (a clone taken before the cast: .float() of {it} after the cast gives the rounded value back)"
-    )
     return kind, again
 
 

@@ -30,7 +30,6 @@ import torch
 
 from fpdoctor import catalog
 from fpdoctor.formats import COARSE
-from fpdoctor.precision.candidates import plain_fp32
 from fpdoctor.precision.metrics import round_to
 from fpdoctor.report.model import Finding, Severity, Trial
 
@@ -310,3 +309,34 @@ def _set_back(buffers: list[str], fmt: str) -> str:
 
     saved = "; ".join(f"{attribute(n)} = saved[{n!r}]" for n in buffers)
     return f"`saved = {{n: model.get_buffer(n).clone() for n in {buffers!r}}}`; `model.to({dtype})`; `{saved}`"
+
+
+def plain_fp32(names: list[str], parameters: list[str] | tuple[str, ...] = ()) -> str:
+    """How to keep the model's tensors `names` in fp32 across its cast, in words. A buffer: as a plain
+    tensor attribute, which Module.to(dtype) leaves as it is (compare's candidate is such a cast:
+    set back after the user's own cast, a buffer is rounded again by compare's, and its re-check sees
+    only this form). A parameter (`parameters`): an fp32 nn.Parameter assigned again after the cast,
+    as it trains; the plain attribute, which a re-check sees, is for inference only."""
+    many = len(names) > 1
+    leaf = names[0].rpartition(".")[2] if names else "name"
+    it = "them" if many else "it"
+    if any(n in parameters for n in names):
+        return (
+            f"keep {it} fp32 parameters: assign {it} again after the model's cast, as nn.Parameter(value.float()) "
+            f"from {'their values' if many else 'its value'} saved before it (a clone taken before the cast: "
+            f".float() after it gives the rounded value back); for inference only, a plain fp32 tensor attribute "
+            f"(`self.{leaf} = value.float()`), which the cast leaves as it is wherever it is cast, fpdoctor "
+            "compare's re-check included, and which is neither trained nor saved"
+        )
+    what, where = (
+        ("plain fp32 tensor attributes", "their modules'")
+        if many
+        else ("a plain fp32 tensor attribute", "its module's")
+    )
+    return (
+        f"hold {it} as {what} (`self.{leaf} = value.float()` in {where} __init__, in place of register_buffer), "
+        f"which the model's cast leaves as {'they are' if many else 'it is'} wherever it is cast, by your code or by "
+        "fpdoctor compare, whose re-check sees only this form (a plain attribute is not in state_dict, so "
+        f"load_state_dict(..., strict=False) reads a checkpoint that has {it}, and it stays on its device: move "
+        f"{it} in forward with .to(x.device))"
+    )

@@ -131,9 +131,8 @@ def _one_cause(mechanism: Finding, reference: Finding) -> bool:
 def _merged(mechanism: Finding, reference: Finding) -> Finding:
     ev = reference.evidence
     text = (
-        f" The reference step measures it ({reference.code} {reference.name} at step {ev.get('step')}, where a live "
-        "line said it, is this same cause, not another finding): at step "
-        f"{ev.get('step')}, with gradients that agree with the fp32 "
+        f" The reference step measures it (what the live line printed as {reference.code} {reference.name} is this "
+        f"same cause, not another finding): at step {ev.get('step')}, with gradients that agree with the fp32 "
         f"step's, the update of {ev.get('departed_count')} of {ev.get('compared')} parameters departs from the "
         "update the same optimizer makes over fp32 copies of the weights and state; on those copies none does."
     )

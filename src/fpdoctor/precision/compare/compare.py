@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import linecache
 import math
 import os
@@ -443,7 +444,7 @@ def _compare(
         inputs_cause = run.inputs_cause(rows, input_floor) if accumulation is None else None
         # whole numbers the inputs' rounding moved (item ids) are that finding's: their `.long()` is no other cause
         selection = run.selection(rows, accumulation) if not (inputs_cause or {}).get("columns") else None
-        own = run.own_code(rows, forced) if accumulation is None and selection is None and not inputs_cause else None
+        own = run.own_code(rows) if accumulation is None and selection is None and not inputs_cause else None
     kept = [(r, run.seen[(r.module, r.call)]) for r in rows] if samples is not None else []
     result = run.result(rows, input_floor, prefix, accumulation, forced, inputs_cause=inputs_cause,
                         selection=selection, own=own)  # fmt: skip
@@ -1537,40 +1538,36 @@ class _Comparison:
         return {"states": states, "raised_rel": error, "feeding": feeding}
 
     # -- step 5d: the model's own code around its submodules (own_code.py) -----------------------------
-    def own_code(self, rows: list[ModuleRow], forced: dict[str, dict[str, Any]]) -> Finding | None:
-        """Where nothing diverged and no line's check confirmed the model's worst own op (`forced`),
-        though that op leaves its floor DIVERGENCE_RATIO times and the end-to-end error is RAISED_FALLS
-        above its own: the model's own ops all in fp32, its submodules as the candidate runs them (one
+    def own_code(self, rows: list[ModuleRow]) -> Finding | None:
+        """Where nothing diverged (so no line's check confirmed the model's worst own op), though that
+        op leaves its floor DIVERGENCE_RATIO times and the end-to-end error is RAISED_FALLS above its
+        own floor: the model's own ops all in fp32, its submodules as the candidate runs them (one
         forward, _output_with_own_fp32). A finding where that divides the error by OWN_FALLS."""
         root = rows[-1] if rows else None
-        if root is None or root.module != "" or forced or any(r.diverged for r in rows):
+        if root is None or root.module != "" or root.own is None or any(r.diverged for r in rows):
             return None
-        if root.leaf or root.own is None or not root.exceeds or root.unconfirmed is None:
+        if root.leaf or not root.exceeds or root.unconfirmed is None:
             return None
-        if self.cand_dtype not in (torch.float16, torch.bfloat16) or not list(self.model.named_children()):
-            return None  # an fp32 candidate's own ops are fp32 already; a model of no submodules is all own code
+        subs = own_code.submodules(self.model)
+        if self.cand_dtype not in (torch.float16, torch.bfloat16) or not subs:
+            return None  # an fp32 candidate's own ops are fp32 already; without submodules all is own code
         if not math.isfinite(root.propagated) or root.propagated <= RAISED_FALLS * root.floor:
             return None
         entry = next(e for (name, _), e in self.seen.items() if name == "")
-        try:
-            sample = device_sample(self._output_with_own_fp32())
-        except Exception as exc:  # the check is ours; the report stands without it
-            self.notes["the model's own ops in fp32"] = f"not run: {type(exc).__name__}: {exc}"
-            return None
+        errors: list[str] = []
+        sample = device_sample(self._output_with_own_fp32(errors))
         after = (
             rel_error(sample.to(entry.truth.device), entry.truth, entry.norm)
             if sample is not None and sample.numel() == entry.truth.numel()
             else None
         )
         if after is None or not after * own_code.OWN_FALLS <= root.propagated:
-            self.notes["the model's own ops in fp32"] = own_code.reason(root.propagated, after)
+            self.notes["the model's own ops in fp32"] = own_code.reason(root.propagated, after, errors)
             return None
-        came = entry.candidate_inputs
-        grew = f"{root.propagated / came:.2g}x" if math.isfinite(came) and came > 0 else "no more than"
         return own_code.finding(
-            self.model, fmt=self.label, dtype=str(self.cand_dtype), before=root.propagated, after=after,
+            self.model, subs, fmt=self.label, dtype=str(self.cand_dtype), before=root.propagated, after=after,
             floor=root.floor, op=root.own["op"], location=root.own.get("location"), ratio=root.ratio or math.inf,
-            grew=grew, on=inputs_text(describe(self.inputs)),
+            came=entry.candidate_inputs, on=inputs_text(describe(self.inputs)),
         )  # fmt: skip
 
     # -- step 5c: a selection inside the model the candidate changes (selections.py) -------------------
@@ -2792,9 +2789,23 @@ class _Comparison:
         if math.isfinite(error) and after * RAISED_FALLS > error and not broken:
             return None
         lines = [line[1], line[1] + more]
-        # a module those lines call (self.o(num / den)) reads the cast-back values, its own weights as they are
+        # a module those lines call (self.o(num / den)): torch's own runs its ops at the line, which the check
+        # raised with it; a module of the user's runs them at its own lines, which read what the lines made cast back
         called = self._called_modules([(line[0], n) for n in range(lines[0], lines[1] + 1)])
-        return {"lines": lines, "file": line[0], "before": error, "after": after, "called": called}
+        mine = [c for c in called if self._users_module(c)]
+        return {
+            "lines": lines, "file": line[0], "before": error, "after": after,
+            "called": [c for c in called if c not in mine], "called_user": mine,
+        }  # fmt: skip
+
+    def _users_module(self, attribute: str) -> bool:
+        """Whether a module the model holds by `attribute` has a forward of the user's own code."""
+        for module in self.model.modules():
+            child = module._modules.get(attribute)
+            if child is not None:
+                file = inspect.getsourcefile(inspect.unwrap(type(child).forward)) or ""
+                return is_user_file(file)
+        return False
 
     # -- the output judged by what it decides (use.py) ---------------------------------------------
     def _kept_sets(self) -> Kept | None:
@@ -3041,7 +3052,7 @@ class _Comparison:
             sample = device_sample(out) if out is not None else None
             own = in_units(self._units_truth, sample, self.candidate, row=units.row) if sample is not None else None
         on = inputs_text(describe(self.inputs))
-        children = [name for name, _ in self.model.named_children()]
+        children = own_code.submodules(self.model)
         result.report.findings.append(coarse_finding(units, self.label, head, kept, on=on, own=own, children=children))
 
     def _lost_to_inputs(self, result: CompareResult, units: InUnits) -> Finding | None:
@@ -3093,25 +3104,29 @@ class _Comparison:
             for holder, child, original in reversed(swapped):
                 setattr(holder, child, original)
 
-    def _output_with_own_fp32(self) -> torch.Tensor | None:
+    def _output_with_own_fp32(self, errors: list[str] | None = None) -> torch.Tensor | None:
         """The output (its first floating tensor) with the model's own ops in fp32 on its inputs as
         given, and its submodules as the candidate runs them (their inputs cast to its dtype, their
-        outputs back to fp32): a copy of the user's model holds the swap."""
+        outputs back to fp32; own_code.submodules: inside a ModuleList, and not those that hold no
+        weights, which are own code): a copy of the user's model holds the swap. `errors` gets why
+        the run failed, where it did."""
         run = copy_module(self.model).to(torch.float32)
         dtype = self.cand_dtype
-        for name, _ in list(run.named_children()):
+        for name in own_code.submodules(self.model):
             child = copy_module(self.cand_run.get_submodule(name))
             child.register_forward_pre_hook(
                 lambda m, args, kwargs: (cast_inputs(args, dtype), cast_inputs(kwargs, dtype)), with_kwargs=True
             )
             child.register_forward_hook(lambda m, args, output: cast_inputs(output, torch.float32))
-            setattr(run, name, child)
+            parent, _, leaf = name.rpartition(".")
+            setattr(run.get_submodule(parent), leaf, child)
         return self._root_output(run if self.cand_device is None else run.to(self.cand_device), self.inputs,
-                                 torch.float32)  # fmt: skip
+                                 torch.float32, errors=errors)  # fmt: skip
 
     def _root_output(
-        self, run: nn.Module, inputs: Any, dtype: torch.dtype, device: torch.device | str | None = "candidate"
-    ) -> torch.Tensor | None:
+        self, run: nn.Module, inputs: Any, dtype: torch.dtype, device: torch.device | str | None = "candidate",
+        errors: list[str] | None = None,
+    ) -> torch.Tensor | None:  # fmt: skip
         """`run`'s output (its first floating tensor) on `inputs` cast to `dtype`, as the candidate's pass
         runs it (its RNG, its draws replayed), on the candidate's device unless `device` says where;
         None where it cannot run so (a swap that does not fit: not tried)."""
@@ -3125,7 +3140,9 @@ class _Comparison:
 
         try:
             hooked(run, inputs, dtype, pre=None, post=post, rng=self.rng, device=on, noise=self.noise)
-        except Exception:
+        except Exception as exc:
+            if errors is not None:
+                errors.append(f"{type(exc).__name__}: {exc}")
             return None
         return got[-1] if got else None
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpdoctor.numerics.engine.raising import ByTensor, RaisedLines, RaisedSites
+from fpdoctor.numerics.engine.raising import ByTensor, RaisedLines
 from fpdoctor.precision.candidates import map_tensors
 from fpdoctor.precision.compare.noise import ReplayNoise
 from fpdoctor.precision.compare.passes import error_under, stacked
@@ -192,7 +192,6 @@ def raised_error(
     norm: float, rng: RngState, device: torch.device | None, noise: ReplayNoise | None,
     buffers: dict[str, torch.Tensor] | None = None, keep: list[torch.Tensor] | None = None,
     inputs_as_given: bool = False, each: Callable[[str, int, Any], None] | None = None, scalars_kept: bool = False,
-    states: list[tuple[Any, str]] | None = None,
 ) -> float | None:  # fmt: skip
     """The candidate's end-to-end error against the fp64 `truth` with the ops at `lines` in fp32 and
     `buffers` (name in the model -> the user's own values) held in fp32 as the user made them, read
@@ -201,8 +200,7 @@ def raised_error(
     tensor), for what it decides. `inputs_as_given`: the inputs in fp32, not rounded to `dtype` first
     (the lines that read them compute in fp32 and cast back; an op elsewhere that reads them fails
     the run). `each(name, index, output)` sees every module's output. `scalars_kept`: a single value
-    the lines made is read in fp32 (RaisedLines). `states`: the sites of running states kept in fp64
-    with them (RaisedSites), for lines whose fix needs the state they feed raised too."""
+    the lines made is read in fp32 (RaisedLines)."""
     raised = RaisedLines(set(lines), dtype, wide_inputs=inputs_as_given, scalars_kept=scalars_kept)
     raised.held = {name.rpartition(".")[2] for name in buffers or {}}  # what a line reads them by (self.freqs)
     swapped = []
@@ -220,9 +218,6 @@ def raised_error(
             raised.made.put(kept, True)
     try:
         fed = torch.float32 if inputs_as_given else dtype  # what the inputs are cast to before the forward
-        if states:  # the states' mode outside, the lines' inside it, as _with_their_feeds runs them
-            return error_under(RaisedSites(states, dtype), run, inputs, fed, truth=truth, norm=norm, rng=rng,
-                               device=device, noise=noise, keep=keep, each=each, watch=raised)  # fmt: skip
         return error_under(raised, run, inputs, fed, truth=truth, norm=norm, rng=rng, device=device,
                            noise=noise, keep=keep, each=each)  # fmt: skip
     finally:

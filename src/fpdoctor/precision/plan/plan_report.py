@@ -487,8 +487,12 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
                 else:
                     out.append(dataclasses.replace(f, evidence=evidence, **_checked_or_next(the_plan, search)))
                 continue
-            if f.name != "precision-divergence" or _inputs_rounded(f) is not None or _broken(f):
-                # another finding, or inputs whose values the format rounds: no module set is its fix
+            if (
+                f.name != "precision-divergence" or _inputs_rounded(f) is not None or _broken(f)
+                or f.evidence.get("kind") == "own-code"
+            ):  # fmt: skip
+                # another finding, inputs whose values the format rounds, or the model's own code around its
+                # submodules (its ops, not a module, compare's check in fp32): no module set is its fix
                 out.append(dataclasses.replace(f, evidence=evidence))
                 continue
             module = f.where.get("module")
@@ -520,6 +524,17 @@ def _compare_findings(the_plan: Plan, search: Search) -> list[Finding]:
                 done = f" The plan keeps `{holder}` in fp32{also}: {got}, verified."
             elif fix is not None:
                 done = f" The plan computes {_op_text(fix)} in fp32: {got}, verified."
+            elif f.trial is not None and f.trial.tried:
+                # the plan keeps nothing for it: "apply the plan" would change nothing, so compare's own fix,
+                # checked, stays the fix, beside what the plan's target says
+                out.append(
+                    dataclasses.replace(
+                        f, severity=Severity.WARNING, evidence=evidence,
+                        message=f.message + f" The plan's target {m.bound(target)} is met without a change for it; "
+                        "its own fix below is checked.",
+                    )
+                )  # fmt: skip
+                continue
             else:
                 done = (
                     f" The plan does not need to keep it: the {_noun(m)} stays within the target {m.bound(target)} "
