@@ -1212,7 +1212,7 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
             )
         else:
             tried = (
-                f"the one change measured is not enough: {' and '.join(changes)} leaves the end-to-end error at "
+                f"the change measured did not help enough: {' and '.join(changes)} leaves the end-to-end error at "
                 f"{_fmt(raised)} (from {_fmt(error)}); what they read may be made earlier (a value passed in)"
                 if (lines or buffers) and raised is not None
                 else f"the run with {' and '.join(changes)} failed, so it was not measured"
@@ -1220,9 +1220,31 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
                 else "the lines that make its inputs were not found"
             )
             fix = f"make what {op} reads in fp32 from where it is first computed, and cast {op}'s result back"
+            inputs = found.get("input_floor_rel")
+            if inputs is not None and error is not None and math.isfinite(inputs) and inputs * INPUT_EXPLAINS >= error:
+                # what it reads is made from the model's inputs, which the cast rounded: their floor is the error
+                message += (
+                    f" Rounding the model's inputs to {candidate} alone costs {_fmt(inputs)} of the {_fmt(error)} at "
+                    f"the output (the reference model fed {candidate}-rounded inputs): {op} amplifies the inputs' "
+                    "rounding, which no precision inside the model undoes once the cast has made it."
+                )
+                evidence["input_floor_rel"] = inputs
+                fix = (
+                    f"make the inputs what {candidate} holds finely before the cast: remove their offset and scale in "
+                    f"fp32 first ({candidate} holds a value to about {_unit(candidate):.2g} of it, so an offset large "
+                    "against their spread leaves their differences coarse), or pass them in fp32 and "
+                    "compute what first reads them in fp32 (`fpdoctor compare --inputs-as-given` judges the model fed "
+                    "them so)"
+                )
+                tried += f"; rounding the inputs alone costs {_fmt(inputs)} (the reference fed them rounded)"
             trial = Trial.untried(tried)
         out[module] = {"message": message, "evidence": evidence, "op": op, "fix": fix, "trial": trial}
     return out
+
+
+def _unit(candidate: str) -> float:
+    """The candidate's unit roundoff: half the gap between 1 and the next value."""
+    return float(torch.finfo(compute_dtype(candidate)).eps) / 2
 
 
 def _held(held: list[str], parameters: list[str], candidate: str) -> tuple[str, str]:

@@ -322,7 +322,8 @@ def plain_fp32(names: list[str], parameters: list[str] | tuple[str, ...] = ()) -
     it = "them" if many else "it"
     if any(n in parameters for n in names):
         return (
-            f"keep {it} fp32 parameters: assign {it} again after the model's cast, as nn.Parameter(value.float()) "
+            f"keep {it} {'fp32 parameters' if many else 'an fp32 parameter'}: assign {it} again after the model's "
+            "cast, as nn.Parameter(value.float()) "
             f"from {'their values' if many else 'its value'} saved before it (a clone taken before the cast: "
             f".float() after it gives the rounded value back); for inference only, a plain fp32 tensor attribute "
             f"(`self.{leaf} = value.float()`), which the cast leaves as it is wherever it is cast, fpdoctor "

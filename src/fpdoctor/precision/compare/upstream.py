@@ -20,6 +20,7 @@ fp32. This module finds where they are made and tries it:
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,6 +74,7 @@ class _Producers(EagerDispatchMode):
         # the rounded buffers the module's own ops read anywhere in its call, before and after the op's:
         # what the op's dataflow misses (a centred table `means - centre` beside `z - centre`)
         self.reads: set[str] = set()
+        self.ran: set[tuple[str, int]] = set()  # the user lines whose ops ran in the module's own call
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -85,6 +87,8 @@ class _Producers(EagerDispatchMode):
         user = user_location(sys._getframe())
         line = (user[0], user[1]) if user is not None else None
         made = _Made(str(func), line, module, read)
+        if module == self.module and line is not None and self.found is None:
+            self.ran.add(line)
         for m in read:
             m.readers.append(made)
         if (
@@ -184,7 +188,22 @@ def feeding_lines(
     if walked:
         lines |= {m.line for m in _whole_readers(walked, walked[0]) if m.line is not None}
     read = {m.buffer for m in walked if m.buffer is not None}
-    return sorted(lines), sorted(read), sorted(producers.reads - read)
+    return _filled(sorted(lines), producers.ran), sorted(read), sorted(producers.reads - read)
+
+
+# A line between two of a fix's lines, at most this many lines from both, that ran ops in the same call
+# is computed with them: the fix reads "lines 20-23 in fp32", and the check must have run what a user
+# then writes (a variance by hand on line 21 between its mean on 20 and their cast back on 22: left out,
+# it read the mean cast back to fp16, and the check made NaN of a fix that works).
+GAP_LINES = 2
+
+
+def _filled(lines: list[tuple[str, int]], ran: set[tuple[str, int]]) -> list[tuple[str, int]]:
+    out = set(lines)
+    for (file, a), (other, b) in itertools.pairwise(lines):
+        if file == other and 1 < b - a <= GAP_LINES + 1:
+            out |= {(file, n) for n in range(a + 1, b) if (file, n) in ran}
+    return sorted(out)
 
 
 def raised_error(
