@@ -202,6 +202,7 @@ class Tracer(EagerDispatchMode):
         self._site_calls: Counter[tuple[str, Any]] = Counter()  # (op, user line) -> calls outside modules
         # autograd node sequence number -> (module, call, op, location) of the forward op that made it
         self._by_seq: dict[int, tuple[Any, ...]] = {}
+        self._seq_index: dict[int, int] = {}  # an autograd node's number -> the record of the op that made it
         # gradients of a scaled output watched until an op reads them (scaled_grads.py): each op passes
         # through its `read` while any is watched
         self.scaled_grads: Any = None
@@ -447,11 +448,14 @@ class Tracer(EagerDispatchMode):
         if task != -1:
             phase = "backward"
             self._visit_line = None
+            node = current_autograd_node()
             if task != self._graph_task:
                 if len(self._loss_checked) < len(self.experiments):
                     self._check_on_loss()
                 self._at_backward_end()
-            node = current_autograd_node()
+                made = self._seq_index.get(node._sequence_nr()) if node is not None else None
+                if made is not None:  # the backward's first node is the loss's: a NaN loss is never "masked"
+                    self._sink(made, "the loss (what backward() starts from)")
             if node is not None:
                 node_name = node.name()
                 forward = self._by_seq.get(node._sequence_nr())
@@ -513,6 +517,7 @@ class Tracer(EagerDispatchMode):
         by_seq = self._by_seq
         if seq not in by_seq:  # the first op to see a node number is the one that made it
             by_seq[seq] = (module, call, info.op, location)
+            self._seq_index[seq] = index
         # Outputs that need no reduction: fresh memory (garbage until written), and, when the
         # inputs are known finite, values a value-preserving op moved without narrowing them or
         # a finite value scaled down.
@@ -1272,6 +1277,7 @@ class Tracer(EagerDispatchMode):
         self._compiled = {k: v for k, v in self._compiled.items() if v[0]() is not None}
         if len(self._by_seq) > 1 << 17:  # nodes that old have run their backward (or never will)
             self._by_seq = dict(list(self._by_seq.items())[len(self._by_seq) // 2 :])
+            self._seq_index = {k: v for k, v in self._seq_index.items() if k in self._by_seq}
         self._next_compact = self.records.count + max(COMPACT_EVERY, 2 * self.records.kept)
 
     def _keep_representatives(self, keep: set[int]) -> None:

@@ -1,0 +1,42 @@
+"""A NaN made by the op that computes the loss is never "masked": cross_entropy with class weights
+in fp16, whose total weight over a large batch passes fp16's max (16,384 rows, weights 1..10), makes
+the loss NaN (its sum divided by Inf) while every gradient is a finite 0. trace said OK, NUM005 "later
+ops masked or dropped it before it reached ... the loss", on a run whose loss printed nan at every
+step. The backward's first node is the loss's: its op is a sink."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fpdoctor
+
+
+def test_a_nan_loss_from_a_weighted_cross_entropy_in_fp16_is_named_at_its_line() -> None:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16384, 16, generator=g).half()
+    y = torch.randint(0, 10, (16384,), generator=g)
+    weights = torch.arange(1, 11, dtype=torch.float16)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with fpdoctor.Trace(model) as tr:
+        for _ in range(2):
+            loss = F.cross_entropy(model(x), y, weight=weights)  # the loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert not torch.isfinite(loss)
+    report = tr.report
+    assert report is not None and report.verdict == "error", str(report)
+    first = report.findings[0]
+    source = inspect.getsource(test_a_nan_loss_from_a_weighted_cross_entropy_in_fp16_is_named_at_its_line)
+    line = test_a_nan_loss_from_a_weighted_cross_entropy_in_fp16_is_named_at_its_line.__code__.co_firstlineno + next(
+        i for i, s in enumerate(source.splitlines()) if s.endswith("# the loss")
+    )
+    assert first.name == "nonfinite-produced" and f":{line}" in str(first.evidence.get("location", "")), str(report)
+    assert "the loss (what backward() starts from)" in first.message
+    assert not report.by_name("nonfinite-masked")
