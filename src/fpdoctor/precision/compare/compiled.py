@@ -48,7 +48,7 @@ from fpdoctor.precision.metrics import flat_sample, l2_norm, rel_error, round_to
 from fpdoctor.precision.names import PRECISIONS
 from fpdoctor.precision.profile import DIVERGENCE_RATIO, UNKNOWN_FLOOR, CompareResult, ReferenceFailed
 from fpdoctor.pytrees import tensors_in
-from fpdoctor.report.model import Finding, Report
+from fpdoctor.report.model import Finding, Report, Severity, Trial
 from fpdoctor.torchprivate import (
     compile_fx,
     dynamo_cache_entries,
@@ -410,12 +410,36 @@ def _finding(first: Judged, path: list[Judged], candidate: str, dtype: str) -> F
     )
     if settled and dtype != "float32":
         evidence = {"kind": "compiled-fused-precision", **evidence}
+        message = (
+            f"In {candidate}, {name} compiled departs from its eager run: {numbers}. {_upper(emulated)}, "
+            f"within the floor: Inductor keeps the fused {dtype} intermediates in fp32 where eager rounds each."
+        )
+        if _eager_broken(first):
+            # compiled is right and eager is the broken one: "nothing is wrong" and a setting that makes compiled
+            # round as eager does would ship eager's error (a variance by hand, 166 off fp64 in eager bf16)
+            eager = candidate.removeprefix("compiled-")
+            return catalog.make(
+                "compiled-fused-precision",
+                message=message + f" Eager {dtype} is the one that is wrong: its error against fp64 is "
+                f"{first.eager / max(first.compiled, first.floor, UNKNOWN_FLOOR):.3g}x compiled's, far past the "
+                "floor; compiled is closer to fp64 only because its fusion skips the roundings where eager loses it.",
+                severity=Severity.WARNING,
+                where=where,
+                evidence=evidence | {"eager_broken": True},
+                fix=(
+                    "Do not set torch._inductor.config.emulate_precision_casts: it would make compiled round as eager "
+                    f"does and lose what eager loses. Find why eager {dtype} loses it: `fpdoctor compare MODEL "
+                    f"--candidate {eager}` on the eager model names the lines and checks their fix; code that relies "
+                    "on compiled's fusion to stay accurate breaks where the model runs eagerly (a graph break, "
+                    "debugging, another backend)"
+                ),
+                trial=Trial.untried(
+                    f"compare --candidate {eager} is a compare of its own (this one compared compiled with eager)"
+                ),
+            )
         return catalog.make(
             "compiled-fused-precision",
-            message=(
-                f"In {candidate}, {name} compiled departs from its eager run: {numbers}. {_upper(emulated)}, "
-                f"within the floor: Inductor keeps the fused {dtype} intermediates in fp32 where eager rounds each."
-            ),
+            message=message,
             where=where,
             evidence=evidence,
         )
@@ -440,6 +464,14 @@ def _finding(first: Judged, path: list[Judged], candidate: str, dtype: str) -> F
         ),
         where=where,
         evidence=evidence,
+    )
+
+
+def _eager_broken(first: Judged) -> bool:
+    """Eager is far off fp64 where compiled is not: eager's error DIVERGENCE_RATIO past both its
+    floor and compiled's error."""
+    return math.isfinite(first.eager) and first.eager > DIVERGENCE_RATIO * max(
+        first.compiled, first.floor, UNKNOWN_FLOOR
     )
 
 
