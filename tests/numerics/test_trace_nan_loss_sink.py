@@ -40,3 +40,42 @@ def test_a_nan_loss_from_a_weighted_cross_entropy_in_fp16_is_named_at_its_line()
     assert first.name == "nonfinite-produced" and f":{line}" in str(first.evidence.get("location", "")), str(report)
     assert "the loss (what backward() starts from)" in first.message
     assert not report.by_name("nonfinite-masked")
+
+
+def _weighted(fixed: bool) -> tuple[fpdoctor.Report | None, torch.Tensor]:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16384, 16, generator=g).half()
+    y = torch.randint(0, 10, (16384,), generator=g)
+    w = (1 + 9 * torch.rand(16384, generator=g)).half()
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def step() -> torch.Tensor:
+        per = F.cross_entropy(model(x), y, reduction="none")
+        if fixed:  # as printed: each sum on the line in fp32
+            loss = (w * per).sum(dtype=torch.float32) / w.sum(dtype=torch.float32)
+        else:
+            loss = (w * per).sum() / w.sum()  # the weighted loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    if fixed:
+        return None, step()
+    with fpdoctor.Trace(model) as tr:
+        loss = step()
+    return tr.report, loss
+
+
+def test_a_line_with_two_sums_gets_a_fix_for_both_as_the_check_ran_it() -> None:
+    """`(w * l).sum() / w.sum()` in fp16 over 16,384 rows: both sums pass 65504. The fix named "the"
+    sum with `.sum(dtype=torch.float32)`, checked by the whole line in fp32; applied to the first sum
+    alone, the loss went from NaN to exactly 0 (an fp32 sum over an Inf)."""
+    report, loss = _weighted(fixed=False)
+    assert report is not None and not torch.isfinite(loss)
+    first = report.findings[0]
+    assert first.name == "nonfinite-produced" and "each of the 2 .sum( on that line" in first.fix, first.fix
+    _, fixed = _weighted(fixed=True)
+    assert torch.isfinite(fixed) and 1.0 < float(fixed.detach()) < 4.0  # a cross-entropy over 10 classes near ln 10

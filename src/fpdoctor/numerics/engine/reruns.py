@@ -802,6 +802,12 @@ class Experiment:
             # the operands raised before the op: its result in fp32 of fp16 operands is the same overflow
             wide, method = ("float64", "double") if self.checked_in == "fp64" else ("float32", "float")
             how = f" (a reduction: .sum(dtype=torch.{wide}))" if reduction else f" (its operands .{method}() before it)"
+            again = _times_on_line(origin)
+            if reduction and again > 1:  # the check ran the whole line wide: one of its sums alone is not what ran
+                how = (
+                    f" (a reduction: each of the {again} .{_method(origin.op)}( on that line with dtype=torch.{wide}: "
+                    "the check ran the whole line so)"
+                )
             other = _without_precision(advice)
             note = _matmul_note(origin, method)
             lead = f"Compute {origin.op}{at} in {self.checked_in or 'fp64'}{how}"
@@ -825,6 +831,19 @@ class Experiment:
                 else " In bf16 they are non-finite too (checked): bf16 is not the fix."
             )
         return text, message + why, fix, trial
+
+
+def _method(op: str) -> str:
+    """'aten.sum.default' -> 'sum'."""
+    return op.split(".")[1] if op.count(".") >= 1 else op
+
+
+def _times_on_line(origin: Record) -> int:
+    """How often the op's method is called on its source line as written (`a.sum() / w.sum()`: 2)."""
+    if not origin.location:
+        return 1
+    text = linecache.getline(origin.location[0], origin.location[1])
+    return len(re.findall(rf"\b{re.escape(_method(origin.op))}\(", text)) or 1
 
 
 _DEVICE = (
