@@ -53,10 +53,9 @@ def _weighted(fixed: bool) -> tuple[fpdoctor.Report | None, torch.Tensor]:
 
     def step() -> torch.Tensor:
         per = F.cross_entropy(model(x), y, reduction="none")
-        if fixed:  # as printed: each sum on the line in fp32
-            loss = (w * per).sum(dtype=torch.float32) / w.sum(dtype=torch.float32)
-        else:
-            loss = (w * per).sum() / w.sum()  # the weighted loss
+        # as printed, fixed: each sum on the line in fp32
+        wide = torch.float32 if fixed else None
+        loss = (w * per).sum(dtype=wide) / w.sum(dtype=wide)  # the weighted loss
         opt.zero_grad()
         loss.backward()
         opt.step()
