@@ -6,6 +6,8 @@ model with the module in fp32; applied as printed, the error at the longest inpu
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -65,3 +67,58 @@ def test_a_module_without_parameters_kept_in_fp32_is_checked_and_works_as_printe
     assert not [f for f in fixed.report.findings if f.severity == "error"], fixed.report.findings
     assert "error_grows_with_input_size" not in fixed.report.data
     assert fixed.rows[-1].propagated * 4 <= result.rows[-1].propagated
+
+
+class Memory(nn.Module):
+    """A 2-layer GRU whose update gates open slowly (biases near log(T): units that keep their state for
+    hundreds of steps, as a chrono initialisation sets them): in bf16 the gate's sigmoid rounds to 1
+    and those units never update. `fixed`: the GRU kept in fp32 as compare prints it, its input cast
+    to its parameters' dtype (a fixed .float() broke the model's fp64 run: compare refused the fix)."""
+
+    def __init__(self, fixed: bool = False) -> None:
+        super().__init__()
+        self.fixed = fixed
+        self.inp, self.rnn, self.head = (
+            nn.Linear(3, 32),
+            nn.GRU(32, 64, num_layers=2, batch_first=True),
+            nn.Linear(64, 2),
+        )
+        with torch.no_grad():
+            for name, b in self.rnn.named_parameters():
+                if name.startswith("bias"):
+                    b.zero_()
+                if name.startswith("bias_ih"):
+                    b[64:128] = torch.log(torch.linspace(2.0, 1500.0, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.inp(x))
+        if self.fixed:  # as printed
+            p = next(self.rnn.parameters())
+            h = torch.utils._pytree.tree_map(
+                lambda t: t.to(x.dtype) if torch.is_tensor(t) and t.is_floating_point() else t, self.rnn(x.to(p.dtype))
+            )[0]
+        else:
+            h, _ = self.rnn(x)
+        return self.head(h)
+
+
+def test_a_recurrent_module_kept_in_fp32_as_printed_runs_in_every_precision() -> None:
+    torch.manual_seed(0)
+    model = Memory().eval()
+    x = torch.randn(2, 2048, 3, generator=torch.Generator().manual_seed(1))
+    first = fpdoctor.compare(model, x, candidate="bf16").report.findings[0]
+    assert first.where["module"] == "rnn" and "`model.get_submodule('rnn').float().load_state_dict(saved)`" in first.fix
+    assert "self.rnn(x.to(p.dtype))" in first.fix and first.trial is not None and first.trial.tried
+
+    fixed = Memory(fixed=True).eval()
+    fixed.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        exact = copy.deepcopy(model).double()(x.double())
+        copy.deepcopy(fixed).double()(x.double())  # the fp64 run compare makes of the changed model: it runs
+        kept = copy.deepcopy(fixed)
+        saved = {k: v.clone() for k, v in kept.get_submodule("rnn").state_dict().items()}  # as printed
+        kept.to(torch.bfloat16)
+        kept.get_submodule("rnn").float().load_state_dict(saved)
+        out = kept(x.to(torch.bfloat16))
+    rel = float((out.double() - exact).norm() / exact.norm())
+    assert rel <= 1.05 * float(first.trial.after), (rel, first.trial.after)

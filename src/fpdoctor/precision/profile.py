@@ -1492,18 +1492,25 @@ def _fix(module: str, candidate: str, on: torch.device | None = None, *, single:
     # bf16 has fp32's range: the way out of an fp16 overflow, never advice to a run in bf16 already
     other = "" if candidate == "bf16" else "use bf16 if the cause is range, "
     name = module.rpartition(".")[2] or module
+
     # an output of several tensors (a state returned beside the result) is cast back tensor by tensor
-    back = (
-        f"self.{name}(x.float()).to(x.dtype)"
-        if single
-        else f"torch.utils._pytree.tree_map(lambda t: t.to(x.dtype) if torch.is_tensor(t) and t.is_floating_point() "
-        f"else t, self.{name}(x.float()))"
-    )
+    # the input cast to the module's own parameters' dtype, not a fixed .float(): compare's fp64 run of the
+    # changed model (and any other precision) then still runs it (a GRU fed x.float() beside fp64 weights fails)
+    def back(cast: str) -> str:
+        if single:
+            return f"self.{name}(x.{cast}).to(x.dtype)"
+        return (
+            "torch.utils._pytree.tree_map(lambda t: t.to(x.dtype) if torch.is_tensor(t) and t.is_floating_point() "
+            f"else t, self.{name}(x.{cast}))"
+        )
+
     return (
-        f"keep `{module}` in fp32 (fpdoctor plan finds the smallest such set): its parameters and its arithmetic, "
-        f"called on its inputs .float() with its output cast back (`{back}`; a module "
-        f"that holds no parameters is not changed by .float()), or {other}fp32 accumulation if it is a long "
-        "reduction"
+        f"keep `{module}` in fp32 with its fp32 weights (before the model's cast, `saved = {{k: v.clone() for k, v in "
+        f"model.get_submodule({module!r}).state_dict().items()}}`; after it, `model.get_submodule({module!r}).float()"
+        ".load_state_dict(saved)`: .float() alone gives the rounded weights back; fpdoctor plan finds the smallest "
+        "such set): its parameters and its arithmetic, called on its inputs cast to its "
+        f"parameters' dtype with its output cast back (`{back('to(p.dtype)')}`, p = next(self.{name}.parameters()); "
+        f"a module that holds no parameters: `{back('float()')}`)" + (f", or {other.rstrip(', ')}" if other else "")
     )
 
 
