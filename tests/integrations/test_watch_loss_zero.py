@@ -63,3 +63,17 @@ def test_a_loss_the_script_makes_zero_on_one_process_is_named_never_ok(tmp_path,
     assert first["evidence"]["steps_all_zero"] == [1, 10] and first["evidence"]["last_loss"] == 0.0
     assert "The loss itself is exactly 0" in first["message"] and "after DDP" not in first["message"]
     assert "`fpdoctor trace -- train.py half`" in first["fix"] and first["fix_trial"]["reason"], first
+
+
+def test_a_nan_loss_over_zero_gradients_is_said_as_it_was() -> None:
+    """A weighted loss in pure fp16 whose sum and normaliser both pass 65504: Inf / Inf is a NaN loss,
+    and its backward hands every output 0. TRN031 said "while the loss was finite" beside TRN001's NaN."""
+    from fpdoctor.numerics.observe.zero_grads import ZeroGrads
+    from fpdoctor.numerics.training.findings import zero_grads_finding
+
+    found = ZeroGrads(looked=[1, 10], zero=[1, 10], low_precision=True)
+    message = zero_grads_finding(found, None, float("nan"), "SGD", here={}, distributed=False).message
+    assert "and the loss was nan" in message and "finite" not in message.split(":")[0], message
+    assert "Inf / Inf is NaN forward" in message
+    finite = zero_grads_finding(found, None, 0.0, "SGD", here={}, distributed=False).message
+    assert "while the loss was finite" in finite

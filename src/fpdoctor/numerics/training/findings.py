@@ -1121,11 +1121,21 @@ def zero_grads_finding(
     steps = ", ".join(str(s) for s in found.looked)
     size = f" (the last loss {'this rank saw' if distributed else 'seen'}: {loss:.3g})" if loss is not None else ""
     read = "the gradients after DDP's all-reduce" if distributed else "the gradients the backward left"
+    finite = loss is None or math.isfinite(loss)
     message = (
         f"Every gradient {optimizer} received was exactly 0 at its steps {steps} ({read}, read at those steps), "
-        f"while the loss was finite{size}: "
+        + (
+            f"while the loss was finite{size}: "
+            if finite
+            else f"and the loss was {loss} (the last {'this rank saw' if distributed else 'seen'}): "
+        )
         + ("no step moved a weight." if distributed else "no gradient moved a weight.")
     )
+    if not finite:  # a NaN loss over zero gradients: Inf / Inf forward, x / Inf = 0 backward
+        message += (
+            " A non-finite loss over gradients of exactly 0 is a normaliser that overflowed to Inf dividing it: "
+            "Inf / Inf is NaN forward, and its backward, x / Inf, is 0 for every output."
+        )
     if not distributed:
         # one process, 16-bit compute: the backward itself made zeros, from the model's outputs on (watch's reference
         # step is replayed from the gradients there, so it sees zeros too). A loss switched off on purpose (a term
