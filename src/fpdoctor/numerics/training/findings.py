@@ -598,10 +598,11 @@ def scale_gone_finding(step: int, scale: float, watch: ScaleWatch, *, here: dict
         "amp-scale-collapse",
         message=(
             f"Step {step}: the GradScaler's scale is {scale:g}: halved at every step it skipped, it fell below what "
-            "fp32 can invert (1/scale is Inf). From here scaler.unscale_ "
-            "multiplies every gradient by Inf (0 x Inf is NaN) while its own check, which reads the scaled gradients, "
-            "finds them finite: the scaler steps the optimizer on NaN/Inf gradients, and without the watch the "
-            "weights turn NaN here. The scale never grows back from 0."
+            "fp32 can invert (1/scale is Inf). From here scaler.unscale_ multiplies every gradient by Inf (0 x Inf "
+            "is NaN); where its own check, which reads the scaled gradients, finds them finite, the scaler steps the "
+            "optimizer on NaN/Inf gradients and the weights can turn NaN (the watch keeps such steps from them); "
+            "where it does not, every step is skipped. Either way the scale never grows back from 0: the run trains "
+            "no more."
         ),
         fix=(
             "Fix what made every step overflow before (the run's first finding names the op); a scale this small "
