@@ -78,3 +78,24 @@ def test_a_line_with_two_sums_gets_a_fix_for_both_as_the_check_ran_it() -> None:
     assert first.name == "nonfinite-produced" and "each of the 2 .sum( on that line" in first.fix, first.fix
     _, fixed = _weighted(fixed=True)
     assert torch.isfinite(fixed) and 1.0 < float(fixed.detach()) < 4.0  # a cross-entropy over 10 classes near ln 10
+
+
+def test_the_watchs_own_checks_inside_a_traced_step_are_not_the_programs_ops() -> None:
+    """Under `fpdoctor watch`, the step traced after a bad one is traced until the next forward: the
+    watch's own judging in the optimizer's hook ran inside it, and isfinite's abs of the NaN loss was
+    reported as NUM002 "NaN already in an input ... check the data pipeline", no line."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16384, 16, generator=g).half()
+    y = torch.randint(0, 10, (16384,), generator=g)
+    weights = torch.arange(1, 11, dtype=torch.float16)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with fpdoctor.watch() as w:
+        for _ in range(4):
+            loss = F.cross_entropy(model(x), y, weight=weights)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    names = [f.name for f in w.report.findings]
+    assert "nonfinite-produced" in names and "nonfinite-input" not in names, names

@@ -17,6 +17,8 @@ outside every hook table's iteration: the optimizer step and its hooks run untra
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -88,6 +90,21 @@ class TracedStep:
     @property
     def running(self) -> bool:
         return self._trace is not None
+
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """The watch's own work while the step is traced (its optimizer hook deciding a step: an isfinite of
+        the loss, a replay): the trace records none of it, as the program's ops are all it may judge (an
+        isfinite's abs of a NaN loss was "NaN already in an input: check the data pipeline")."""
+        tracer = getattr(self._trace, "tracer", None)
+        if tracer is None:
+            yield
+            return
+        tracer.aside += 1
+        try:
+            yield
+        finally:
+            tracer.aside -= 1
 
     def start(self, module: nn.Module, step: int) -> None:
         """At a training forward (its module's pre-hook), where armed."""

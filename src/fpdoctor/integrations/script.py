@@ -891,12 +891,14 @@ class ScriptWatch:
         if on_device:
             self._pending.append(pending)
         else:
-            self._decide(pending)
+            with self._traced.aside():
+                self._decide(pending)
 
     def _decide_pending(self) -> None:
         pending, self._pending = self._pending, []
-        for one in pending:
-            self._guarded(functools.partial(self._decide, one))
+        with self._traced.aside():
+            for one in pending:
+                self._guarded(functools.partial(self._decide, one))
 
     def _decide(self, pending: _Pending) -> None:
         """The step's flags, read once, to the judge; then what its verdict asks of the optimizer."""

@@ -203,6 +203,7 @@ class Tracer(EagerDispatchMode):
         # autograd node sequence number -> (module, call, op, location) of the forward op that made it
         self._by_seq: dict[int, tuple[Any, ...]] = {}
         self._seq_index: dict[int, int] = {}  # an autograd node's number -> the record of the op that made it
+        self.aside = 0  # > 0 while an observer's own work runs inside the traced program (TracedStep.aside)
         # gradients of a scaled output watched until an op reads them (scaled_grads.py): each op passes
         # through its `read` while any is watched
         self.scaled_grads: Any = None
@@ -260,6 +261,8 @@ class Tracer(EagerDispatchMode):
 
     # -- recording ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.aside:  # an observer's own work in the program's hooks (the watch judging a step): not the program's
+            return func(*args, **(kwargs or {}))
         watched = self.scaled_grads
         if watched is not None and watched.pending and not self._reading:
             self._reading = True
