@@ -106,6 +106,8 @@ def test_a_samplers_own_code_in_bf16_is_named_with_a_fix_that_works_as_printed()
     assert "`betas`" in first.fix and "a plain fp32 tensor attribute" in first.fix and "`eps`" in first.fix
     assert first.trial is not None and first.trial.tried and first.trial.after * 4 <= first.trial.before
     assert first.severity == "error"  # fp32 own code cures it: the cause, as a line's cure confirms one
+    # why the 33x row is no divergence, in the text too (the table's note is cut at 20 characters)
+    assert "16x a divergence takes" in dict(report.data["summary"])["why `<root>` is no divergence"]
 
     fixed, _ = _sampler(fixed=True)
     fixed.load_state_dict(model.state_dict(), strict=False)  # `betas` is no longer in the state dict

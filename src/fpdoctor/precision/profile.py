@@ -410,6 +410,10 @@ def build_report(
     if ranked:
         worst = ", ".join(f"`{r.module or '<root>'}` " + _ratio_text(r, short=True) for r in ranked[:3])
         summary.append(("largest isolated error / floor", worst))
+        # one past the divergence ratio that is no divergence: why, in the text too (the table's note is cut)
+        past = next((r for r in ranked[:3] if r.exceeds and not r.diverged and r.unconfirmed), None)
+        if past is not None:
+            summary.append((f"why `{past.module or '<root>'}` is no divergence", str(past.unconfirmed)))
     report = Report(
         command="compare",
         findings=findings,
