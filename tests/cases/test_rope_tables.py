@@ -33,6 +33,7 @@ def test_the_first_finding_is_the_bf16_angles(case: tuple[Path, dict]):
     assert ("run.py", 17) in feeding and ("run.py", 18) in feeding, feeding
     assert (op_file, op_line) == ("run.py", 20)
     assert "lines 17-20" in first["fix"] and "fp32" in first["fix"], first["fix"]
+    assert "``" not in first["fix"]  # the root module has no name to quote ("``'s output error" before)
     trial = first["fix_trial"]
     assert trial["status"] == "checked", trial
     assert trial["after"] < 0.01 and trial["before"] > 10 * trial["after"], trial

@@ -1131,9 +1131,10 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
         own = (
             f"`{found['module']}`'s output error goes from {_fmt(found['module_rel'])} to {_fmt(mine)} (its floor "
             f"{_fmt(mine_floor)}: it no longer diverges), and "
-            if settled and found.get("module_rel") is not None
+            if settled and found.get("module_rel") is not None and found.get("module")
+            else "the model no longer diverges, and " if settled and found.get("module_rel") is not None
             else ""
-        )
+        )  # fmt: skip
         given = bool(found.get("inputs_as_given")) and bool(lines)
         modules = found.get("called") or []
         # the modules those lines call, by the attribute the code calls them by: the check ran them in fp32 whole
