@@ -1300,8 +1300,10 @@ _STALE = "probing autocast's cast cache"
 
 
 def _last_loss(judge: StepJudge) -> float | None:
-    """The last finite loss the judge saw (this rank's), for the size the gradients are made from."""
-    return next((h.loss for h in reversed(judge.history) if h.finite and math.isfinite(h.loss)), None)
+    """The last loss the judge saw (this rank's), for the size the gradients are made from: the last
+    finite one, or the last one where none was (a NaN loss over zero gradients is said as it was)."""
+    finite = next((h.loss for h in reversed(judge.history) if h.finite and math.isfinite(h.loss)), None)
+    return finite if finite is not None else next((h.loss for h in reversed(judge.history)), None)
 
 
 def _optimized(module: nn.Module) -> bool:

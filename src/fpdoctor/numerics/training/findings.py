@@ -1134,8 +1134,10 @@ def zero_grads_finding(
     )
     if not finite:  # a NaN loss over zero gradients: Inf / Inf forward, x / Inf = 0 backward
         message += (
-            " A non-finite loss over gradients of exactly 0 is a normaliser that overflowed to Inf dividing it: "
-            "Inf / Inf is NaN forward, and its backward, x / Inf, is 0 for every output."
+            " A non-finite loss over gradients of exactly 0 is often a normaliser that overflowed to Inf dividing "
+            "it: its backward, x / Inf, is 0 for every output"
+            + (", and Inf / Inf is the NaN" if loss is not None and math.isnan(loss) else "")
+            + "."
         )
     if not distributed:
         # one process, 16-bit compute: the backward itself made zeros, from the model's outputs on (watch's reference
