@@ -99,3 +99,25 @@ def test_the_watchs_own_checks_inside_a_traced_step_are_not_the_programs_ops() -
             opt.step()
     names = [f.name for f in w.report.findings]
     assert "nonfinite-produced" in names and "nonfinite-input" not in names, names
+
+
+def test_a_reentrant_checkpoints_inner_backward_is_no_loss() -> None:
+    """`checkpoint(use_reentrant=True)` starts a backward of its own inside the step's, at the segment it
+    recomputes: its first node is no loss. A healthy loop whose NaN (a log of negative values) is masked
+    after the checkpointed block stays OK, as it is without the checkpoint."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    lin, head = nn.Linear(16, 16), nn.Linear(16, 1)
+    opt = torch.optim.SGD([*lin.parameters(), *head.parameters()], lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    with fpdoctor.Trace() as tr:
+        for _ in range(2):
+            x = torch.randn(64, 16, generator=g, requires_grad=True)
+            h = checkpoint(lambda v: torch.log(lin(v)), x, use_reentrant=True)
+            loss = head(torch.where(torch.isnan(h), torch.zeros_like(h), h)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert torch.isfinite(loss)
+    assert tr.report is not None and tr.report.verdict == "ok", str(tr.report)

@@ -457,7 +457,10 @@ class Tracer(EagerDispatchMode):
                     self._check_on_loss()
                 self._at_backward_end()
                 made = self._seq_index.get(node._sequence_nr()) if node is not None else None
-                if made is not None:  # the backward's first node is the loss's: a NaN loss is never "masked"
+                record = self._items.get(made) if made is not None else None
+                # the backward's first node is the loss's, where its op ran in the forward: a NaN loss is never
+                # "masked" (a reentrant checkpoint's inner backward starts at a segment recomputed in the backward)
+                if made is not None and record is not None and record.phase == "forward":
                     self._sink(made, "the loss (what backward() starts from)")
             if node is not None:
                 node_name = node.name()
