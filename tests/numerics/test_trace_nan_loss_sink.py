@@ -75,7 +75,9 @@ def test_a_line_with_two_sums_gets_a_fix_for_both_as_the_check_ran_it() -> None:
     report, loss = _weighted(fixed=False)
     assert report is not None and not torch.isfinite(loss)
     first = report.findings[0]
-    assert first.name == "nonfinite-produced" and "each of the 2 .sum( on that line" in first.fix, first.fix
+    assert first.name == "nonfinite-produced" and "give each of the 2 `.sum()` calls on that line" in first.fix, (
+        first.fix
+    )
     _, fixed = _weighted(fixed=True)
     assert torch.isfinite(fixed) and 1.0 < float(fixed.detach()) < 4.0  # a cross-entropy over 10 classes near ln 10
 
@@ -121,3 +123,23 @@ def test_a_reentrant_checkpoints_inner_backward_is_no_loss() -> None:
             opt.step()
     assert torch.isfinite(loss)
     assert tr.report is not None and tr.report.verdict == "ok", str(tr.report)
+
+
+def test_a_line_of_different_reductions_names_every_op_the_check_ran_wide() -> None:
+    """`torch.dot(w, l) / w.sum()` in fp16: the check ran the whole line in fp32, and the fix named one
+    op; applied to it alone, the loss was 0 (the other sum still Inf). Every other op is named."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16384, 16, generator=g).half()
+    y = torch.randint(0, 10, (16384,), generator=g)
+    w = (1 + 9 * torch.rand(16384, generator=g)).half()
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10)).half()
+    with fpdoctor.Trace(model) as tr:
+        per = F.cross_entropy(model(x), y, reduction="none")
+        loss = torch.dot(w, per) / w.sum()  # the loss
+        loss.backward()
+    assert tr.report is not None and not torch.isfinite(loss)
+    first = tr.report.findings[0]
+    assert first.name == "nonfinite-produced" and "and every other op on that line" in first.fix, first.fix
+    named = {"dot", "sum"} - {first.where["op"].split(".")[1]}
+    assert all(f"({op}" in first.fix or f", {op}" in first.fix for op in named), first.fix

@@ -1230,26 +1230,15 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
                 # what it reads is made from the model's inputs, which the cast rounded: their floor is the error
                 message += (
                     f" Rounding the model's inputs to {candidate} alone costs {_fmt(inputs)} of the {_fmt(error)} at "
-                    f"the output (the reference model fed {candidate}-rounded inputs): {op} amplifies the inputs' "
-                    "rounding, which no precision inside the model undoes once the cast has made it."
+                    f"the output (the reference model fed {candidate}-rounded inputs): what {op} reads starts from "
+                    f"the inputs, so the lines that first read them, fed them in fp32 (`fpdoctor compare "
+                    "--inputs-as-given` judges the model fed them so), are where to look."
                 )
                 evidence["input_floor_rel"] = inputs
-                fix = (
-                    f"make the inputs what {candidate} holds finely before the cast: remove their offset and scale in "
-                    f"fp32 first ({candidate} holds a value to about {_unit(candidate):.2g} of it, so an offset large "
-                    "against their spread leaves their differences coarse), or pass them in fp32 and "
-                    "compute what first reads them in fp32 (`fpdoctor compare --inputs-as-given` judges the model fed "
-                    "them so)"
-                )
                 tried += f"; rounding the inputs alone costs {_fmt(inputs)} (the reference fed them rounded)"
             trial = Trial.untried(tried)
         out[module] = {"message": message, "evidence": evidence, "op": op, "fix": fix, "trial": trial}
     return out
-
-
-def _unit(candidate: str) -> float:
-    """The candidate's unit roundoff: half the gap between 1 and the next value."""
-    return float(torch.finfo(compute_dtype(candidate)).eps) / 2
 
 
 def _held(held: list[str], parameters: list[str], candidate: str) -> tuple[str, str]:

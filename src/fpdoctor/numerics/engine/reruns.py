@@ -801,13 +801,21 @@ class Experiment:
             reduction = op_packet(origin.op) in _REDUCTIONS
             # the operands raised before the op: its result in fp32 of fp16 operands is the same overflow
             wide, method = ("float64", "double") if self.checked_in == "fp64" else ("float32", "float")
-            how = f" (a reduction: .sum(dtype=torch.{wide}))" if reduction else f" (its operands .{method}() before it)"
-            again = _times_on_line(origin)
-            if reduction and again > 1:  # the check ran the whole line wide: one of its sums alone is not what ran
-                how = (
-                    f" (a reduction: each of the {again} .{_method(origin.op)}( on that line with dtype=torch.{wide}: "
-                    "the check ran the whole line so)"
+            name = _method(origin.op)
+            typed = reduction and name in _TYPED  # takes dtype=: sum, mean, prod and their running forms
+            again, others = _calls_on_line(origin)
+            if typed and again > 1:  # the check ran the whole line wide: one of its sums alone is not what ran
+                how = f"a reduction: give each of the {again} `.{name}()` calls on that line dtype=torch.{wide}"
+            else:
+                how = f"a reduction: .{name}(dtype=torch.{wide})" if typed else f"its operands .{method}() before it"
+            if others:  # other ops on the line read or make what it reads: the check ran them wide too
+                how += (
+                    f"; and every other op on that line ({', '.join(others[:4])}), as the check ran the whole line: "
+                    f"each reduction given dtype=torch.{wide}, each other op's operands .{method}()"
                 )
+            elif typed and again > 1:
+                how += ", as the check ran the whole line"
+            how = f" ({how})"
             other = _without_precision(advice)
             note = _matmul_note(origin, method)
             lead = f"Compute {origin.op}{at} in {self.checked_in or 'fp64'}{how}"
@@ -838,12 +846,27 @@ def _method(op: str) -> str:
     return op.split(".")[1] if op.count(".") >= 1 else op
 
 
-def _times_on_line(origin: Record) -> int:
-    """How often the op's method is called on its source line as written (`a.sum() / w.sum()`: 2)."""
+# reductions whose call takes dtype= (the accumulation's type): the others (var, std, norm) take .float() first
+_TYPED = frozenset({"sum", "mean", "prod", "cumsum", "cumprod", "nansum", "nanmean"})
+
+
+# calls on a line that compute nothing new: casts, views and reads
+_PASSIVE = frozenset({"float", "double", "half", "bfloat16", "to", "detach", "item", "clone", "contiguous", "view",
+                      "reshape", "size", "dim", "unsqueeze", "squeeze", "t", "transpose", "permute", "expand",
+                      "flatten", "numel", "tolist", "cpu", "cuda", "type_as", "new_tensor", "tensor"})  # fmt: skip
+
+
+def _calls_on_line(origin: Record) -> tuple[int, list[str]]:
+    """How often the op is called as a method or a torch function on its source line as written, and
+    the other ops called there (`torch.dot(w, l) / w.sum()` at the sum: 1, ['dot']); the comment left
+    out, and Python's builtin sum( is not the op."""
     if not origin.location:
-        return 1
-    text = linecache.getline(origin.location[0], origin.location[1])
-    return len(re.findall(rf"\b{re.escape(_method(origin.op))}\(", text)) or 1
+        return 1, []
+    code = linecache.getline(origin.location[0], origin.location[1]).split("#", 1)[0]
+    calls = re.findall(r"(?:\.|\btorch\.|\bF\.)(\w+)\(", code)
+    name = _method(origin.op)
+    others = list(dict.fromkeys(c for c in calls if c != name and c not in _PASSIVE))
+    return calls.count(name) or 1, others
 
 
 _DEVICE = (

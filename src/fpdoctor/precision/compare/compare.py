@@ -556,6 +556,7 @@ class _Comparison:
         self._keep_fix_outputs = False
         self.made_fix: tuple[Finding, torch.Tensor] | None = None  # NUM020/NUM021 and its checked run's output
         self.selection_fix: tuple[Finding, torch.Tensor] | None = None  # NUM022 and its checked run's output
+        self._input_floor: tuple[float | None] | None = None  # the reference fed the rounded inputs, once measured
         self._kept: tuple[Kept | None] | None = None  # _kept_sets' answer, once the candidate pass ran
         self.root_masked = False  # the fp64 output masks entries with -inf (passes.MASKS)
         # why the input floor is 0 without a forward (rounding the inputs changes nothing), where it is
@@ -1328,7 +1329,9 @@ class _Comparison:
         if kept is not None:  # rounding the inputs costs nothing: no forward measures it
             self.input_floor_note = f"0: {kept}, so rounding them to {self.label} changes nothing (no forward run)"
             return 0.0
-        return self._floor_with()
+        if self._input_floor is None:
+            self._input_floor = (self._floor_with(),)
+        return self._input_floor[0]
 
     def _floor_with(self, rounded: Any = None, keep: list[torch.Tensor] | None = None) -> float | None:
         """The reference's end-to-end error fed the inputs rounded to the candidate's dtype, or as
@@ -1843,7 +1846,9 @@ class _Comparison:
                 # no line's fix cures it: the op may amplify the model's own inputs' rounding (features near 40
                 # held to fp16's 0.031, centred by a norm), which nothing inside the model undoes once the cast
                 # has rounded them: the reference fed the rounded inputs says how much of the error that is
-                cause["input_floor_rel"] = self._floor_with()
+                if self._input_floor is None:  # one reference forward on the rounded inputs, for every module
+                    self._input_floor = (self._floor_with(),)
+                cause["input_floor_rel"] = self._input_floor[0]
         except Exception as exc:  # the search is ours; the finding stands without it
             self.notes["upstream of the worst op"] = f"not searched: {type(exc).__name__}: {exc}"
             return cause | {"raised_rel": None, "error_rel": rows[-1].propagated}
