@@ -43,10 +43,10 @@ class Blocks(nn.Module):
 
 
 def test_fused_intermediates_where_eager_loses_it_say_eager_is_wrong_not_compiled():
-    """Compiled departs from eager because eager rounds each product away and compiled does not: the
-    finding said "Nothing is wrong" and advised emulate_precision_casts, which makes compiled as wrong
-    as eager (a standardisation by hand, 166 off fp64 in eager bf16, 0.018 compiled). It now says eager
-    is the one that loses it, not to emulate its casts, and where to look: a warning, not an error."""
+    """Compiled departs from eager because eager rounds each product away and compiled does not (eager
+    0.058 off fp64, compiled 0.0023): the finding said "Nothing is wrong" and advised
+    emulate_precision_casts, which makes compiled as wrong as eager. It now says eager is the one that
+    loses it, not to emulate its casts, and where to look: a warning, not an error."""
     torch.manual_seed(0)
     model = Blocks()
     result = fpdoctor.compare(model, torch.randn(4, 16), candidate="compiled-bf16")
@@ -113,3 +113,32 @@ def test_a_reference_that_fails_or_is_nan_eagerly_is_a_one_line_error_before_any
     model, x = _HalfScores(dtype_generic).eval(), torch.randn(4, 8, 16) * 4
     with pytest.raises(ReferenceFailed, match="NaN values in its fp64 run" if dtype_generic else "fails in the"):
         fpdoctor.compare(model, x, candidate="compiled")
+
+
+class Scale(nn.Module):
+    """x * 300 * 300 / 90000: past fp16's 65504 in eager, an fp32 intermediate compiled."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 300.0
+        y = y * 300.0
+        return y / 90000.0
+
+
+class Wrap(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.head = Scale(), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x))
+
+
+def test_eager_that_overflows_where_compiled_does_not_is_eager_s_to_fix():
+    """Eager fp16 overflows (Inf), compiled keeps the fused intermediate in fp32: TRN013 said "a
+    decomposition changes it" (an error) and pointed at compiled, whose output is the right one."""
+    torch.manual_seed(0)
+    result = fpdoctor.compare(Wrap(), torch.randn(4, 16), candidate="compiled-fp16")
+    (finding,) = result.report.findings
+    assert finding.name == "compiled-fused-precision" and finding.severity.value == "warning", finding
+    assert finding.evidence["eager_broken"] and "its error against fp64 is non-finite" in finding.message
+    assert finding.fix.startswith("Do not set torch._inductor.config.emulate_precision_casts")

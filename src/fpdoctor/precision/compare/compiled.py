@@ -408,35 +408,46 @@ def _finding(first: Judged, path: list[Judged], candidate: str, dtype: str) -> F
         if first.emulated is None
         else f"compiled with emulate_precision_casts=True, compiled against eager is {_fmt(first.emulated)}"
     )
-    if settled and dtype != "float32":
+    broken = _eager_broken(first)
+    both = not broken and min(first.eager, first.compiled) > DIVERGENCE_RATIO * max(first.floor, UNKNOWN_FLOOR)
+    if (settled or broken) and dtype != "float32":
         evidence = {"kind": "compiled-fused-precision", **evidence}
-        message = (
-            f"In {candidate}, {name} compiled departs from its eager run: {numbers}. {_upper(emulated)}, "
-            f"within the floor: Inductor keeps the fused {dtype} intermediates in fp32 where eager rounds each."
+        message = f"In {candidate}, {name} compiled departs from its eager run: {numbers}. {_upper(emulated)}" + (
+            f", within the floor: Inductor keeps the fused {dtype} intermediates in fp32 where eager rounds each."
+            if settled
+            else "."
         )
-        if _eager_broken(first):
-            # compiled is right and eager is the broken one: "nothing is wrong" and a setting that makes compiled
-            # round as eager does would ship eager's error (a variance by hand, 166 off fp64 in eager bf16)
-            eager = candidate.removeprefix("compiled-")
+        eager = candidate.removeprefix("compiled-")
+        if broken or both:
+            # compiled is right and eager is the broken one (or both are off): "nothing is wrong" and a setting that
+            # makes compiled round as eager does would ship eager's error (a variance by hand, 166 off in eager bf16)
+            said = (
+                f" Eager {dtype} is the one that is wrong: its error against fp64 "
+                + ("is non-finite" if not math.isfinite(first.eager) else f"is {_fmt(first.eager)}")
+                + f", far past the floor {_fmt(first.floor)}, where compiled's is {_fmt(first.compiled)}: compiled "
+                "is closer to fp64 only because its fusion skips the roundings where eager loses it."
+                if broken
+                else f" Both are far off fp64 ({_fmt(first.eager)} eager, {_fmt(first.compiled)} compiled, the floor "
+                f"{_fmt(first.floor)}): whichever runs, the model loses it in {dtype}."
+            )
             return catalog.make(
                 "compiled-fused-precision",
-                message=message + f" Eager {dtype} is the one that is wrong: its error against fp64 is "
-                f"{first.eager / max(first.compiled, first.floor, UNKNOWN_FLOOR):.3g}x compiled's, far past the "
-                "floor; compiled is closer to fp64 only because its fusion skips the roundings where eager loses it.",
+                message=message + said,
                 severity=Severity.WARNING,
                 where=where,
-                evidence=evidence | {"eager_broken": True},
+                evidence=evidence | {"eager_broken": broken, "both_off": both},
                 fix=(
-                    "Do not set torch._inductor.config.emulate_precision_casts: it would make compiled round as eager "
-                    f"does and lose what eager loses. Find why eager {dtype} loses it: `fpdoctor compare MODEL "
-                    f"--candidate {eager}` on the eager model names the lines and checks their fix; code that relies "
-                    "on compiled's fusion to stay accurate breaks where the model runs eagerly (a graph break, "
-                    "debugging, another backend)"
+                    ("Do not set torch._inductor.config.emulate_precision_casts: it would make compiled round as eager "
+                     "does and lose what eager loses. " if broken else "")
+                    + f"Find why eager {dtype} loses it: `fpdoctor compare MODEL --candidate {eager}` on the eager "
+                    "model names the lines and checks their fix"
+                    + ("; code that relies on compiled's fusion to stay accurate breaks where the model runs eagerly "
+                       "(a graph break, debugging, another backend)" if broken else "")
                 ),
                 trial=Trial.untried(
                     f"compare --candidate {eager} is a compare of its own (this one compared compiled with eager)"
                 ),
-            )
+            )  # fmt: skip
         return catalog.make(
             "compiled-fused-precision",
             message=message,
@@ -468,9 +479,11 @@ def _finding(first: Judged, path: list[Judged], candidate: str, dtype: str) -> F
 
 
 def _eager_broken(first: Judged) -> bool:
-    """Eager is far off fp64 where compiled is not: eager's error DIVERGENCE_RATIO past both its
-    floor and compiled's error."""
-    return math.isfinite(first.eager) and first.eager > DIVERGENCE_RATIO * max(
+    """Eager is far off fp64 where compiled is not: eager's error non-finite, or DIVERGENCE_RATIO
+    past both its floor and compiled's error, compiled's finite."""
+    if not math.isfinite(first.compiled):
+        return False
+    return not math.isfinite(first.eager) or first.eager > DIVERGENCE_RATIO * max(
         first.compiled, first.floor, UNKNOWN_FLOOR
     )
 
