@@ -60,6 +60,7 @@ def test_a_module_without_parameters_kept_in_fp32_is_checked_and_works_as_printe
     first = result.report.findings[0]
     assert first.name == "precision-divergence" and first.where["module"] == "envelope", first
     assert "self.envelope(x.float()).to(x.dtype)" in first.fix, first.fix
+    assert "it holds no parameters" in first.fix and "load_state_dict" not in first.fix and "p.dtype" not in first.fix
     trial = first.trial
     assert trial is not None and trial.tried and trial.after * 4 <= trial.before, trial
 

@@ -82,6 +82,7 @@ class ModuleRow:
     values: tuple[int, int, int] | None = None  # the propagated sample: (values, of the output's, every k-th)
     missing: str | None = None  # why a leaf has no isolated figure
     single: bool = True  # its output is one tensor (a printed `.to(x.dtype)` applies), not a tuple or a dict
+    weighted: bool = True  # it holds floating parameters (a printed fix keeps them and casts its input to them)
     # Why a container's own op, above its floor when run alone in the candidate's dtype, is not
     # called a divergence: the candidate's run of the container as its code is written does not
     # show it (code that upcasts the op, or computes it in another form, when the model is fp16).
@@ -930,7 +931,7 @@ def _divergence(
         loses = f" (an error of {_fmt(worst)} run alone on its fp64 inputs)" if worst is not None else ""
         message += f" The op inside it that loses most is {own}{at}{loses}."
     where: dict[str, Any] = {"module": first.module, "op": own, "phase": "forward", "iteration": first.call}
-    fix = _fix(first.module, candidate, on, single=first.single)
+    fix = _fix(first.module, candidate, on, single=first.single, weighted=first.weighted)
     if first.out_of_range and candidate != "bf16":  # cast back to the format, its output is Inf again
         fix = (
             f"keep `{first.module}` in fp32 with its output left in fp32: its fp64 output passes {candidate}'s "
@@ -1462,7 +1463,9 @@ def _note(row: ModuleRow) -> str:
     return text if len(text) <= NOTE_WIDTH else text[: NOTE_WIDTH - 1] + "…"
 
 
-def _fix(module: str, candidate: str, on: torch.device | None = None, *, single: bool = True) -> str:
+def _fix(
+    module: str, candidate: str, on: torch.device | None = None, *, single: bool = True, weighted: bool = True
+) -> str:
     if candidate == "fp32" and (on is None or on.type != "cuda"):
         # no TF32 or reduced-precision reduction here: fp32 arithmetic itself loses more than rounding
         return (
@@ -1486,6 +1489,8 @@ def _fix(module: str, candidate: str, on: torch.device | None = None, *, single:
     # bf16 has fp32's range: the way out of an fp16 overflow, never advice to a run in bf16 already
     other = "" if candidate == "bf16" else "use bf16 if the cause is range, "
     name = module.rpartition(".")[2] or module
+    if name.isdigit() and "." in module:  # a member of a ModuleList or Sequential: self.blocks[1], not self.1
+        name = f"{module.rpartition('.')[0].rpartition('.')[2]}[{name}]"
 
     # an output of several tensors (a state returned beside the result) is cast back tensor by tensor
     # the input cast to the module's own parameters' dtype, not a fixed .float(): compare's fp64 run of the
@@ -1498,13 +1503,18 @@ def _fix(module: str, candidate: str, on: torch.device | None = None, *, single:
             f"else t, self.{name}(x.{cast}))"
         )
 
+    other_text = f", or {other.rstrip(', ')}" if other else ""
+    if not weighted:  # no parameters to keep: its arithmetic alone, on its inputs in fp32
+        return (
+            f"keep `{module}` in fp32 (fpdoctor plan finds the smallest such set): it holds no parameters, so its "
+            f"arithmetic in fp32 is its inputs .float() with its output cast back (`{back('float()')}`){other_text}"
+        )
     return (
         f"keep `{module}` in fp32 with its fp32 weights (before the model's cast, `saved = {{k: v.clone() for k, v in "
         f"model.get_submodule({module!r}).state_dict().items()}}`; after it, `model.get_submodule({module!r}).float()"
         ".load_state_dict(saved)`: .float() alone gives the rounded weights back; fpdoctor plan finds the smallest "
-        "such set): its parameters and its arithmetic, called on its inputs cast to its "
-        f"parameters' dtype with its output cast back (`{back('to(p.dtype)')}`, p = next(self.{name}.parameters()); "
-        f"a module that holds no parameters: `{back('float()')}`)" + (f", or {other.rstrip(', ')}" if other else "")
+        "such set): its parameters and its arithmetic, called on its inputs cast to its parameters' dtype with its "
+        f"output cast back (`{back('to(p.dtype)')}`, p = next(self.{name}.parameters())){other_text}"
     )
 
 

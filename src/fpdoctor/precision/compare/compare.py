@@ -186,6 +186,7 @@ class _Seen:
     isolated_cosine: float | None = None
     cosine: float | None = None
     single: bool = True  # the output is one tensor (not a tuple, a dict): what a printed cast back can call .to on
+    weighted: bool = True  # the module holds floating parameters: a printed fix casts its input to their dtype
     inputs: torch.Tensor | None = None  # float64 sample of the inputs, for the jump test of containers
     isolated_rows: int | None = None  # rows the isolated re-run computed, None for all
     reference: float | None = None  # the reference's isolated error; None: not measured
@@ -723,6 +724,8 @@ class _Comparison:
             t = masked_truth(t) if self.root_masked else t
         entry = _Seen(t, 0.0, 0.0, name in self.leaves, sum(x.numel() for x in tensors_in(output)))
         entry.single = isinstance(output, torch.Tensor)
+        module = self.truth_modules.get(name)
+        entry.weighted = module is not None and any(p.is_floating_point() for p in module.parameters())
         norm = norm_later(t)  # computed and read with the pass's other figures at its end (metrics.Reads)
 
         def read(norm: float, rounded: float, entry: _Seen = entry) -> None:
@@ -3466,6 +3469,7 @@ def _rows(seen: dict[tuple[str, int], _Seen], own_dtype: str) -> list[ModuleRow]
             values=e.values,
             missing=e.isolated_failed,
             single=e.single,
+            weighted=e.weighted,
         )
         if e.leaf and e.own is not None and e.own.worst is not None:
             # a leaf the user wrote: judged whole as every leaf is; its worst op names the line inside it
