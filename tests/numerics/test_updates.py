@@ -132,6 +132,8 @@ def test_the_fix_is_tried_and_the_printed_fix_closes_the_gap():
     assert tried["steps"] == 8 and tried["moved_fp32_master"] > tried["moved_as_is"]
     assert tried["loss_fp32_master"] <= tried["loss_as_is"]
     assert "Tried: with fp32 master weights" in found.message and "(checked" in found.message
+    # which loss the what-if's figures are: under accumulation a micro-batch's share, not the printed total
+    assert "the loss backward() got on that batch, as the script scales it" in found.message
     code = found.fix.split("1. ", 1)[1].split("\n2. ", 1)[0].split(":\n", 1)[1]
     setup, each_step = code.split(
         "# each step, in place of optimizer.step() (after loss.backward() and any clip of the gradients):\n"

@@ -34,7 +34,8 @@ def _tried_text(tried: WhatIf | None, untried: str) -> tuple[str, dict[str, Any]
         return f" The what-if run with fp32 master weights failed ({tried.error}); the fix is untried.", evidence
     loss = (
         f"{tried.loss_is} after {tried.steps} steps on this step's batch was {tried.loss_fixed:.4g} against "
-        f"{tried.loss_as_is:.4g} as it is"
+        f"{tried.loss_as_is:.4g} as it is (the loss backward() got on that batch, as the script scales it: under "
+        "gradient accumulation one micro-batch's share, not the printed total)"
         if tried.loss_known
         else f"over {tried.steps} steps on this step's batch (its loss is not known here: the step was run from "
         "the gradients at the model's outputs, without the loss function)"
