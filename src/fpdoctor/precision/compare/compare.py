@@ -1332,6 +1332,11 @@ class _Comparison:
         if kept is not None:  # rounding the inputs costs nothing: no forward measures it
             self.input_floor_note = f"0: {kept}, so rounding them to {self.label} changes nothing (no forward run)"
             return 0.0
+        return self._rounded_inputs_floor()
+
+    def _rounded_inputs_floor(self) -> float | None:
+        """_floor_with() on the inputs rounded as the candidate gets them: one reference forward a compare,
+        for input_floor and for every forced op's finding."""
         if self._input_floor is None:
             self._input_floor = (self._floor_with(),)
         return self._input_floor[0]
@@ -1849,9 +1854,7 @@ class _Comparison:
                 # no line's fix cures it: the op may amplify the model's own inputs' rounding (features near 40
                 # held to fp16's 0.031, centred by a norm), which nothing inside the model undoes once the cast
                 # has rounded them: the reference fed the rounded inputs says how much of the error that is
-                if self._input_floor is None:  # one reference forward on the rounded inputs, for every module
-                    self._input_floor = (self._floor_with(),)
-                cause["input_floor_rel"] = self._input_floor[0]
+                cause["input_floor_rel"] = self._rounded_inputs_floor()
         except Exception as exc:  # the search is ours; the finding stands without it
             self.notes["upstream of the worst op"] = f"not searched: {type(exc).__name__}: {exc}"
             return cause | {"raised_rel": None, "error_rel": rows[-1].propagated}
