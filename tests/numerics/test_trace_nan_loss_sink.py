@@ -15,14 +15,19 @@ from torch import nn
 import fpdoctor
 
 
-def test_a_nan_loss_from_a_weighted_cross_entropy_in_fp16_is_named_at_its_line() -> None:
+def _classes() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, nn.Module, torch.optim.Optimizer]:
+    """16,384 rows of 10 classes weighted 1..10 in fp16 (their total weight past 65504), a model, SGD."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(16384, 16, generator=g).half()
     y = torch.randint(0, 10, (16384,), generator=g)
     weights = torch.arange(1, 11, dtype=torch.float16)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10)).half()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    return x, y, weights, model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+def test_a_nan_loss_from_a_weighted_cross_entropy_in_fp16_is_named_at_its_line() -> None:
+    x, y, weights, model, opt = _classes()
     with fpdoctor.Trace(model) as tr:
         for _ in range(2):
             loss = F.cross_entropy(model(x), y, weight=weights)  # the loss
@@ -86,13 +91,7 @@ def test_the_watchs_own_checks_inside_a_traced_step_are_not_the_programs_ops() -
     """Under `fpdoctor watch`, the step traced after a bad one is traced until the next forward: the
     watch's own judging in the optimizer's hook ran inside it, and isfinite's abs of the NaN loss was
     reported as NUM002 "NaN already in an input ... check the data pipeline", no line."""
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(16384, 16, generator=g).half()
-    y = torch.randint(0, 10, (16384,), generator=g)
-    weights = torch.arange(1, 11, dtype=torch.float16)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10)).half()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y, weights, model, opt = _classes()
     with fpdoctor.watch() as w:
         for _ in range(4):
             loss = F.cross_entropy(model(x), y, weight=weights)
