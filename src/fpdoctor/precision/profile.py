@@ -1144,7 +1144,43 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
             *([f"compute {where} in fp32"] if lines else []),
             *([f"keep {held} in fp32 ({again})"] if buffers else []),
         ]
-        if given and helped:
+        carried = [tuple(line) for line in found.get("carried") or []]
+        if carried and helped:
+            # the value handed from module to module (a residual stream) kept in fp32 where it is stored between
+            # them, as the check ran it (RaisedLines.carried): what reads it computes from fp32, a layer with
+            # weights reads it cast
+            evidence["carried_lines"] = [f"{f}:{n}" for f, n in carried]
+            rest = [line for line in lines if line not in carried]
+            stream = lines_text(carried)
+            fix = (
+                f"Keep the value these modules are passed in fp32 where it is made and carried (a residual stream): "
+                f"compute {stream} in fp32 and do not cast the result to {dtype} (x = x + f(x) with x in fp32 stays "
+                "fp32 by type promotion: drop a .to() that casts it back)"
+                + (f", {lines_text(rest)} computing from it in fp32" if rest else "")
+                + (f", {held} kept in fp32 ({again})" if buffers else "")
+                + f"; a module of yours that reads it returns {dtype} (.to(p.dtype) on what it returns, p a parameter "
+                f"of the model), and a layer with weights that reads it directly (a Linear) reads it as .to(p.dtype)"
+                + (f"; pass the model's inputs in fp32 (not cast to {dtype} before the forward)" if given else "")
+                + f"; checked: {own}the end-to-end error goes from {_fmt(error)} to {_fmt(raised)}. This is "
+                "residual_in_fp32 in Mamba's and flash-attn's fused add + norm"
+                + (
+                    ". Then `fpdoctor compare --inputs-as-given` checks the changed model fed its inputs as they are"
+                    if given
+                    else ""
+                )
+            )
+            trial = Trial.checked(
+                f"the values made at {stream} kept in fp32 from module to module"
+                + (f", the ops at {lines_text(rest)} in fp32" if rest else "")
+                + (f", {held} held in fp32" if buffers else "")
+                + (", the inputs fed in fp32" if given else "")
+                + f", what else reads them cast to {dtype}",
+                metric="end-to-end relative error against fp64",
+                before=error,
+                after=raised,
+                on="the inputs given",
+            )  # fmt: skip
+        elif given and helped:
             # what the lines read is the model's input, rounded by the cast before the forward
             fix = (
                 f"Do that computation before the cast: pass the model's inputs in fp32 (not cast to {dtype} before "

@@ -177,10 +177,14 @@ class RaisedLines(EagerDispatchMode):
 
     def __init__(
         self, lines: set[tuple[str, int]], dtype: torch.dtype, *, wide_inputs: bool = False, cast_back: bool = True,
-        scalars_kept: bool = False, wide: torch.dtype = torch.float32,
+        scalars_kept: bool = False, wide: torch.dtype = torch.float32, carried: set[tuple[str, int]] | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         self.lines, self.dtype = lines, dtype
+        # lines (among `lines`) whose results pass from module to module in fp32 (a residual stream kept in
+        # fp32): not cast back where a module returns them, nor where a module without weights of its own or
+        # with raised lines takes them in; a layer with weights (a Linear) still takes them in `dtype`
+        self.carried = carried or set()
         # what the lines compute in: fp32, or fp64 for an fp32 candidate (a Cholesky that fails in fp32)
         self.wide = wide
         # True: a single value the lines made (a 0-dim tensor: alphas[t] of a schedule they built) is read in
@@ -261,7 +265,8 @@ class RaisedLines(EagerDispatchMode):
         (the model's output: a value past the format's range overflows there, as in the fixed code)."""
         if not self.cast_back or type(output) is not torch.Tensor:
             return None
-        if not _made_in(self.made.get(output), self._span(type(module))):
+        made = self.made.get(output)
+        if made in self.carried or not _made_in(made, self._span(type(module))):
             return None
         return output.to(self.dtype)
 
@@ -277,6 +282,9 @@ class RaisedLines(EagerDispatchMode):
             for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))
         )
 
+        user = user_location(sys._getframe()) if self.carried else None
+        called = user is not None and (user[0], user[1]) in self.lines
+
         def back(a: torch.Tensor) -> bool:
             # one the module's own lines made (its output of an earlier call) comes back in `dtype`, as the
             # fix says ("what the last line makes", cast back); a value its caller's lines made stays fp32
@@ -286,6 +294,8 @@ class RaisedLines(EagerDispatchMode):
             made = self.made.get(a)
             if not made:
                 return False
+            if made in self.carried:  # a layer called from a raised line computes in fp32: it reads it as it is
+                return weighted and not raises and not called
             return _made_in(made, span) or (weighted and not raises)
 
         if not any(type(a) is torch.Tensor and back(a) for a in args):

@@ -1764,14 +1764,15 @@ class _Comparison:
                         mine.append(rel_error(sample.to(entry.truth.device), entry.truth, entry.norm))
 
             def raised_with(
-                lines: list[tuple[str, int]], buffers: dict[str, torch.Tensor], given: bool = False
-            ) -> float | None:
+                lines: list[tuple[str, int]], buffers: dict[str, torch.Tensor], given: bool = False,
+                carried: list[tuple[str, int]] | None = None,
+            ) -> float | None:  # fmt: skip
                 outputs.clear()
                 mine.clear()
                 return upstream.raised_error(
                     self.cand_run, self.run_inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,
                     rng=self.rng, device=self.cand_device, noise=self.noise, buffers=buffers, keep=outputs,
-                    inputs_as_given=given, each=each,
+                    inputs_as_given=given, each=each, carried=carried,
                 )  # fmt: skip
 
             # a rounded buffer alone first: when holding it in fp32 is the whole fix, the lines are not part of it
@@ -1828,12 +1829,31 @@ class _Comparison:
                     if wide[1] is not None and _cured(final.propagated, wide[1]):
                         found, cause["inputs_as_given"] = wide, True
                 lines, raised = found
+            if lines and (raised is None or not _cured(final.propagated, raised)):
+                # not enough: what the module reads is handed to it from module to module, rounded where it is
+                # stored between them (a residual stream at an offset of 40 in fp16, which every norm centres):
+                # the lines that make what the divergent modules are passed, their results kept in fp32 from
+                # module to module (a layer with weights reads them cast), the inputs fed in fp32 where the cast
+                # rounds them
+                readers = {r.module for r in rows if r.diverged and _forced(r)} | {row.module}
+                stream, _ = upstream.input_lines(
+                    self.cand_run, self.run_inputs, self.cand_dtype, readers, rng=self.rng, device=self.cand_device,
+                    noise=self.noise,
+                )  # fmt: skip
+                passed = sorted({*lines, *stream})
+                # the buffers the lines read held as they were too, where the stream alone is not enough
+                for held in ({}, buffers) if buffers else ({},):
+                    carried = raised_with(passed, held, given=rounds_inputs, carried=stream) if stream else None
+                    if carried is not None and _cured(final.propagated, carried):
+                        lines, raised, buffers, cause["carried"] = passed, carried, held, stream
+                        cause["inputs_as_given"] = rounds_inputs or None
+                        break
             if lines and raised is not None and _cured(final.propagated, raised):
                 # the lines after them, which read what they make (x - mean after a variance by hand): a fix
                 # that cast the mean back before them cured the NaN and left the cancellation
-                given = bool(cause.get("inputs_as_given"))
+                given, carry = bool(cause.get("inputs_as_given")), cause.get("carried")
                 lines, raised = self._lines_after(
-                    lines, raised, outputs, lambda more: raised_with(more, buffers, given=given)
+                    lines, raised, outputs, lambda more: raised_with(more, buffers, given=given, carried=carry)
                 )
                 if rounds_inputs and not given and row.leaf:
                     # a leaf's lines are its whole computation: what is left after them may be its inputs'
@@ -1849,7 +1869,7 @@ class _Comparison:
             if raised is not None and (lines or buffers):
                 # the output of the run the finding prints, for what it decides: tries that were not kept ran
                 # after it, so it is run once more as printed (the same figure: the runs are deterministic)
-                raised_with(lines, buffers, given=bool(cause.get("inputs_as_given")))
+                raised_with(lines, buffers, given=bool(cause.get("inputs_as_given")), carried=cause.get("carried"))
             if rounds_inputs and row.diverged and (raised is None or not _cured(final.propagated, raised)):
                 # no line's fix cures it: the op may amplify the model's own inputs' rounding (features near 40
                 # held to fp16's 0.031, centred by a norm), which nothing inside the model undoes once the cast
@@ -2745,6 +2765,20 @@ class _Comparison:
                     trial=Trial.checked(changed, metric=metric, before=error, after=pair, on=on),
                 )  # fmt: skip
                 return
+            carried = self._carried_checked(rows, error)
+            if carried is not None:
+                self.line_fix = carried.pop("output")
+                findings[k] = dataclasses.replace(
+                    f,
+                    message=f.message + (
+                        f" Kept in fp32 alone, `{module}` leaves the end-to-end error at {alone:.3g}: what it reads "
+                        f"is rounded to {self.label} where it is stored between modules, before `{module}` computes "
+                        "anything."
+                    ),
+                    fix=carried["fix"], evidence={**f.evidence, "carried_lines": carried["lines"]},
+                    trial=Trial.checked(carried["changed"], metric=metric, before=error, after=carried["after"], on=on),
+                )  # fmt: skip
+                return
             tried = f"`{module}` alone in fp32: {error:.3g} -> {alone:.3g}"
             if before_it is not None and pair is not None:
                 tried += f"; with `{before_it}` before it, fp32 between them: {pair:.3g}"
@@ -2757,6 +2791,59 @@ class _Comparison:
                 trial=Trial.untried(f"the module kept in fp32 was run and does not cure it ({tried})"),
             )
             return
+
+    def _carried_checked(self, rows: list[ModuleRow], error: float) -> dict[str, Any] | None:
+        """Where the divergent modules read a value handed from module to module (a residual stream at an
+        offset of 300 that every norm centres, rounded to bf16's spacing of 2 wherever it is stored): the
+        lines that make what they are passed, in fp32 with the modules they call, their results kept in fp32
+        from module to module (a layer with weights called elsewhere reads them cast), the inputs fed in fp32
+        where the cast rounds them. The fix, its figures and its output where that cures the end-to-end
+        `error`; None where it does not, or the run fails."""
+        readers = {r.module for r in rows if r.diverged}
+        root = next((e for (name, _), e in self.seen.items() if name == ""), None)
+        if not readers or root is None:
+            return None
+        given = not self.given and _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is None
+        outputs: list[torch.Tensor] = []
+        try:
+            # and the lines that call them (a torch module's ops run at its caller's line)
+            stream, calls = upstream.input_lines(
+                self.cand_run, self.run_inputs, self.cand_dtype, readers, rng=self.rng, device=self.cand_device,
+                noise=self.noise,
+            )  # fmt: skip
+            lines = sorted({*stream, *calls})
+            after = stream and upstream.raised_error(
+                self.cand_run, self.run_inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,
+                rng=self.rng, device=self.cand_device, noise=self.noise, keep=outputs, inputs_as_given=given,
+                carried=stream,
+            )  # fmt: skip
+        except Exception as exc:  # the check is ours: the finding stands without it
+            self.notes["the value the divergent modules are passed"] = f"not checked: {type(exc).__name__}: {exc}"
+            return None
+        if not after or not _cured(error, after) or not outputs:
+            return None
+        where, dtype = lines_text(lines), self.label
+        called = " and ".join(f"`{m}`" for m in self._called_modules(lines)) or "the modules they call"
+        fix = (
+            f"Keep what the divergent modules read in fp32 where it is made and carried from module to module (a "
+            f"residual stream): compute {where} in fp32 with the modules they call ({called}: in fp32 too, as the "
+            "check ran them: each called on x.float() with its parameters .float(), e.g. F.layer_norm(x.float(), "
+            "m.normalized_shape, m.weight.float(), m.bias.float(), m.eps) for a LayerNorm m, F.linear(x.float(), "
+            "m.weight.float(), None if m.bias is None else m.bias.float()) for a Linear), and do not cast what "
+            f"they make to {dtype} (x = x + f(x) with x in fp32 stays fp32 by type promotion); a layer called "
+            "elsewhere that reads it reads it as .to(p.dtype), p a parameter of the model"
+            + (f"; pass the model's inputs in fp32 (not cast to {dtype} before the forward)" if given else "")
+            + f"; checked: the end-to-end error goes from {error:.3g} to {after:.3g}. This is residual_in_fp32 in "
+            "Mamba's and flash-attn's fused add + norm"
+            + (". Then `fpdoctor compare --inputs-as-given` checks the changed model fed its inputs as they are"
+               if given else "")
+        )  # fmt: skip
+        changed = (
+            f"the ops at {where} in fp32 with the modules they call, their results kept in fp32 from module to module"
+            + (", the inputs fed in fp32" if given else "") + f", what else reads them cast to {dtype}"
+        )  # fmt: skip
+        return {"fix": fix, "changed": changed, "after": after, "lines": [f"{f}:{n}" for f, n in lines],
+                "output": outputs[-1]}  # fmt: skip
 
     def _module_checked(self, row: ModuleRow, error: float) -> dict[str, Any] | None:
         """The module whose op overflows, kept whole in fp32 (its output left in fp32 where its exact

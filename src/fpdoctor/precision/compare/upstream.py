@@ -32,7 +32,7 @@ from torch import nn
 from fpdoctor.numerics.engine.raising import ByTensor, RaisedLines
 from fpdoctor.precision.candidates import map_tensors
 from fpdoctor.precision.compare.noise import ReplayNoise
-from fpdoctor.precision.compare.passes import error_under, stacked
+from fpdoctor.precision.compare.passes import error_under, hooked, stacked
 from fpdoctor.preserve import RngState
 from fpdoctor.torchprivate import EagerDispatchMode
 from fpdoctor.userframes import user_location
@@ -198,6 +198,52 @@ def feeding_lines(
 GAP_LINES = 2
 
 
+class _Lines(EagerDispatchMode):
+    """The user line that made each floating tensor of one forward (a view: the line that took it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made = ByTensor()
+        self.on = False  # inside the model's forward: compare's cast of the inputs makes inputs
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        user = user_location(sys._getframe()) if self.on else None
+        if user is not None:
+            for t in _tensors(out):
+                if t.is_floating_point():
+                    self.made.put(t, (user[0], user[1]))
+        return out
+
+
+def input_lines(
+    run: nn.Module, inputs: Any, dtype: torch.dtype, modules: set[str], *, rng: RngState,
+    device: torch.device | None, noise: ReplayNoise | None,
+) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:  # fmt: skip
+    """The user lines that made the floating tensors the calls of `modules` were passed, in one
+    candidate forward: where a value handed from module to module is made (a residual stream,
+    `x = x + block(x)` at a caller's line, read by every norm after it); and the user lines that
+    call them (where a torch module's ops run)."""
+    mode = _Lines()
+    found: set[tuple[str, int]] = set()
+    calls: set[tuple[str, int]] = set()
+
+    def pre(name: str, index: int, module: nn.Module, args: Any, kwargs: Any) -> None:
+        mode.on = True
+        if name in modules:
+            found.update(line for line in (mode.made.get(t) for t in _tensors((args, kwargs))) if line)
+            user = user_location(sys._getframe())
+            if user is not None:
+                calls.add((user[0], user[1]))
+
+    def post(name: str, index: int, args: Any, output: Any) -> None:
+        mode.on = mode.on and name != ""
+
+    with mode:
+        hooked(run, inputs, dtype, pre=pre, post=post, rng=rng, device=device, noise=noise)
+    return sorted(found), sorted(calls)
+
+
 def _filled(lines: list[tuple[str, int]], ran: set[tuple[str, int]]) -> list[tuple[str, int]]:
     out = set(lines)
     for (file, a), (other, b) in itertools.pairwise(lines):
@@ -211,6 +257,7 @@ def raised_error(
     norm: float, rng: RngState, device: torch.device | None, noise: ReplayNoise | None,
     buffers: dict[str, torch.Tensor] | None = None, keep: list[torch.Tensor] | None = None,
     inputs_as_given: bool = False, each: Callable[[str, int, Any], None] | None = None, scalars_kept: bool = False,
+    carried: list[tuple[str, int]] | None = None,
 ) -> float | None:  # fmt: skip
     """The candidate's end-to-end error against the fp64 `truth` with the ops at `lines` in fp32 and
     `buffers` (name in the model -> the user's own values) held in fp32 as the user made them, read
@@ -219,8 +266,11 @@ def raised_error(
     tensor), for what it decides. `inputs_as_given`: the inputs in fp32, not rounded to `dtype` first
     (the lines that read them compute in fp32 and cast back; an op elsewhere that reads them fails
     the run). `each(name, index, output)` sees every module's output. `scalars_kept`: a single value
-    the lines made is read in fp32 (RaisedLines)."""
-    raised = RaisedLines(set(lines), dtype, wide_inputs=inputs_as_given, scalars_kept=scalars_kept)
+    the lines made is read in fp32 (RaisedLines). `carried`: lines among `lines` whose results pass
+    from module to module in fp32 (RaisedLines)."""
+    raised = RaisedLines(
+        set(lines), dtype, wide_inputs=inputs_as_given, scalars_kept=scalars_kept, carried=set(carried or [])
+    )
     raised.held = {name.rpartition(".")[2] for name in buffers or {}}  # what a line reads them by (self.freqs)
     swapped = []
     for name, value in (buffers or {}).items():
