@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import fpdoctor
 
@@ -100,26 +101,43 @@ def test_the_stream_kept_in_fp32_is_the_checked_fix_and_works_as_printed():
 
 
 class Kelvin(nn.Module):
-    """Temperatures near 300 (spread 2) into a residual stream read by torch's LayerNorms, in bf16."""
+    """Temperatures near 300 (spread 2) into a residual stream read by torch's LayerNorms, in bf16;
+    `carried`: the fix as printed (the norms in fp32 in the forward, what they return cast)."""
 
-    def __init__(self, dim: int = 32, depth: int = 2) -> None:
+    def __init__(self, dim: int = 32, depth: int = 2, carried: bool = False) -> None:
         super().__init__()
         self.pos = nn.Parameter(torch.randn(16, dim) * 0.1)
         self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(depth))
         self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.GELU()) for _ in range(depth))
         self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, 4)
+        self.carried = carried
+
+    def normed(self, m: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+        if not self.carried:
+            return m(x)
+        out = F.layer_norm(x.float(), m.normalized_shape, m.weight.float(), m.bias.float(), m.eps)
+        return out.to(self.head.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.pos
         for norm, mlp in zip(self.norms, self.mlps, strict=True):
-            x = x + mlp(norm(x))
-        return self.head(self.norm(x).mean(1))
+            x = x + mlp(self.normed(norm, x))
+        return self.head(self.normed(self.norm, x).mean(1))
 
 
-def test_torch_norms_reading_the_stream_get_a_checked_fix_where_keeping_them_alone_does_not_help():
+def test_torch_norms_reading_the_stream_kept_in_fp32_with_it_is_the_fix_and_works_as_printed():
     torch.manual_seed(0)
     x = 300.0 + 2.0 * torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(1))
-    finding = _divergence(fpdoctor.compare(Kelvin().eval(), x, candidate="bf16"))
+    model = Kelvin().eval()
+    finding = _divergence(fpdoctor.compare(model, x, candidate="bf16"))
     assert finding.trial is not None and finding.trial.tried, finding.fix
     assert "a residual stream" in finding.fix and "leaves the end-to-end error at" in finding.message
-    assert float(finding.trial.after) * 4 <= float(finding.trial.before)
+    assert finding.evidence["kept_fp32"] == ["norm", "norms.0", "norms.1"]
+    assert "F.layer_norm(x.float(), m.normalized_shape" in finding.fix
+    after = float(finding.trial.after)
+    assert after * 4 <= float(finding.trial.before)
+    fixed = Kelvin(carried=True).eval()
+    fixed.load_state_dict(model.state_dict())
+    again = fpdoctor.compare(fixed, x, candidate="bf16", inputs_as_given=True)
+    assert not any(f.name == "precision-divergence" for f in again.report.findings)
+    assert again.rows[-1].propagated <= 2 * after

@@ -178,6 +178,7 @@ class RaisedLines(EagerDispatchMode):
     def __init__(
         self, lines: set[tuple[str, int]], dtype: torch.dtype, *, wide_inputs: bool = False, cast_back: bool = True,
         scalars_kept: bool = False, wide: torch.dtype = torch.float32, carried: set[tuple[str, int]] | None = None,
+        modules: list[torch.nn.Module] | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         self.lines, self.dtype = lines, dtype
@@ -185,6 +186,13 @@ class RaisedLines(EagerDispatchMode):
         # fp32): not cast back where a module returns them, nor where a module without weights of its own or
         # with raised lines takes them in; a layer with weights (a Linear) still takes them in `dtype`
         self.carried = carried or set()
+        # modules computed in fp32 whatever line calls them (their ops raised, what they return cast back):
+        # the norms that read a stream kept in fp32. With them or `carried`, the module calls in progress are
+        # tracked (`calls`: each with the user line that made it), and a torch module called from a raised line
+        # runs as the candidate does (its ops run at that line, but the fix keeps only the line's own ops)
+        self.modules = {id(m) for m in modules or []}
+        self.calls: list[tuple[torch.nn.Module, tuple[str, int] | None]] = []
+        self.passing = False  # this mode's own casts, run as they are
         # what the lines compute in: fp32, or fp64 for an fp32 candidate (a Cholesky that fails in fp32)
         self.wide = wide
         # True: a single value the lines made (a 0-dim tensor: alphas[t] of a schedule they built) is read in
@@ -208,8 +216,12 @@ class RaisedLines(EagerDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.passing:
+            return func(*args, **kwargs)
         user = user_location(sys._getframe())
-        if user is not None and (user[0], user[1]) in self.lines:
+        at = (user[0], user[1]) if user is not None else None
+        inside = self._inside(at) if self.calls else None
+        if user is not None and ((at in self.lines and inside is not False) or inside):
             self.raised += 1
             # a result the code makes wider than `dtype` as written (x.float().mean()) is read as it is:
             # only what raising widened is cast back where the rest reads it
@@ -238,6 +250,13 @@ class RaisedLines(EagerDispatchMode):
         args, kwargs = _map(args, kwargs, self._read)
         return func(*args, **kwargs)
 
+    def _inside(self, at: tuple[str, int] | None) -> bool | None:
+        """True: the op runs inside a module kept in fp32; False: inside a torch module that a raised
+        line called, which runs as the candidate does; None: neither."""
+        if any(id(m) in self.modules for m, _ in self.calls):
+            return True
+        return False if self.carried and self.calls[-1][1] == at and at is not None else None
+
     def _read(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor as an op off the lines reads it: what the lines made (or an input fed in fp32) cast back
         to `dtype`, unless it is a single value kept in fp32 (`scalars_kept`)."""
@@ -263,6 +282,15 @@ class RaisedLines(EagerDispatchMode):
         """What a module returns that its own raised lines made, cast back as the fix says ("what the
         last line makes", .to(p.dtype)): its output in `dtype`, also where no module reads it after
         (the model's output: a value past the format's range overflows there, as in the fixed code)."""
+        if self.carried or self.modules:
+            if self.calls:
+                self.calls.pop()
+            if id(module) in self.modules and type(output) is torch.Tensor:
+                self.passing = True
+                try:
+                    return output.to(self.dtype)
+                finally:
+                    self.passing = False
         if not self.cast_back or type(output) is not torch.Tensor:
             return None
         made = self.made.get(output)
@@ -271,6 +299,11 @@ class RaisedLines(EagerDispatchMode):
         return output.to(self.dtype)
 
     def _back(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if self.carried or self.modules:
+            user = user_location(sys._getframe())
+            self.calls.append((module, (user[0], user[1]) if user is not None else None))
+            if id(module) in self.modules:  # its ops read what they are passed raised
+                return None
         if not self.cast_back or not any(type(a) is torch.Tensor and self.made.get(a) for a in args):
             return None
         span = self._span(type(module))
@@ -282,9 +315,6 @@ class RaisedLines(EagerDispatchMode):
             for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))
         )
 
-        user = user_location(sys._getframe()) if self.carried else None
-        called = user is not None and (user[0], user[1]) in self.lines
-
         def back(a: torch.Tensor) -> bool:
             # one the module's own lines made (its output of an earlier call) comes back in `dtype`, as the
             # fix says ("what the last line makes", cast back); a value its caller's lines made stays fp32
@@ -294,8 +324,8 @@ class RaisedLines(EagerDispatchMode):
             made = self.made.get(a)
             if not made:
                 return False
-            if made in self.carried:  # a layer called from a raised line computes in fp32: it reads it as it is
-                return weighted and not raises and not called
+            if made in self.carried:
+                return weighted and not raises
             return _made_in(made, span) or (weighted and not raises)
 
         if not any(type(a) is torch.Tensor and back(a) for a in args):

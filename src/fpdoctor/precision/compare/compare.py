@@ -2775,7 +2775,8 @@ class _Comparison:
                         f"is rounded to {self.label} where it is stored between modules, before `{module}` computes "
                         "anything."
                     ),
-                    fix=carried["fix"], evidence={**f.evidence, "carried_lines": carried["lines"]},
+                    fix=carried["fix"],
+                    evidence={**f.evidence, "carried_lines": carried["lines"], "kept_fp32": carried["modules"]},
                     trial=Trial.checked(carried["changed"], metric=metric, before=error, after=carried["after"], on=on),
                 )  # fmt: skip
                 return
@@ -2795,43 +2796,44 @@ class _Comparison:
     def _carried_checked(self, rows: list[ModuleRow], error: float) -> dict[str, Any] | None:
         """Where the divergent modules read a value handed from module to module (a residual stream at an
         offset of 300 that every norm centres, rounded to bf16's spacing of 2 wherever it is stored): the
-        lines that make what they are passed, in fp32 with the modules they call, their results kept in fp32
-        from module to module (a layer with weights called elsewhere reads them cast), the inputs fed in fp32
-        where the cast rounds them. The fix, its figures and its output where that cures the end-to-end
-        `error`; None where it does not, or the run fails."""
-        readers = {r.module for r in rows if r.diverged}
+        lines that make what they are passed in fp32, their results kept in fp32 from module to module (a
+        layer with weights reads them cast), the divergent modules in fp32 reading them as they are and
+        returning the candidate's dtype, the inputs fed in fp32 where the cast rounds them. The fix, its
+        figures and its output where that cures the end-to-end `error`; None where it does not, or the run
+        fails."""
+        readers = sorted({r.module for r in rows if r.diverged and r.module})
         root = next((e for (name, _), e in self.seen.items() if name == ""), None)
         if not readers or root is None:
             return None
         given = not self.given and _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is None
         outputs: list[torch.Tensor] = []
         try:
-            # and the lines that call them (a torch module's ops run at its caller's line)
-            stream, calls = upstream.input_lines(
-                self.cand_run, self.run_inputs, self.cand_dtype, readers, rng=self.rng, device=self.cand_device,
-                noise=self.noise,
+            stream, _ = upstream.input_lines(
+                self.cand_run, self.run_inputs, self.cand_dtype, set(readers), rng=self.rng,
+                device=self.cand_device, noise=self.noise,
             )  # fmt: skip
-            lines = sorted({*stream, *calls})
             after = stream and upstream.raised_error(
-                self.cand_run, self.run_inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,
+                self.cand_run, self.run_inputs, self.cand_dtype, stream, truth=root.truth, norm=root.norm,
                 rng=self.rng, device=self.cand_device, noise=self.noise, keep=outputs, inputs_as_given=given,
-                carried=stream,
+                carried=stream, modules=readers,
             )  # fmt: skip
         except Exception as exc:  # the check is ours: the finding stands without it
             self.notes["the value the divergent modules are passed"] = f"not checked: {type(exc).__name__}: {exc}"
             return None
         if not after or not _cured(error, after) or not outputs:
             return None
-        where, dtype = lines_text(lines), self.label
-        called = " and ".join(f"`{m}`" for m in self._called_modules(lines)) or "the modules they call"
+        where, dtype = lines_text(stream), self.label
+        kept = ", ".join(f"`{m}`" for m in readers)
         fix = (
-            f"Keep what the divergent modules read in fp32 where it is made and carried from module to module (a "
-            f"residual stream): compute {where} in fp32 with the modules they call ({called}: in fp32 too, as the "
-            "check ran them: each called on x.float() with its parameters .float(), e.g. F.layer_norm(x.float(), "
-            "m.normalized_shape, m.weight.float(), m.bias.float(), m.eps) for a LayerNorm m, F.linear(x.float(), "
-            "m.weight.float(), None if m.bias is None else m.bias.float()) for a Linear), and do not cast what "
-            f"they make to {dtype} (x = x + f(x) with x in fp32 stays fp32 by type promotion); a layer called "
-            "elsewhere that reads it reads it as .to(p.dtype), p a parameter of the model"
+            f"Keep what {kept} read in fp32 where it is made and carried from module to module (a residual stream): "
+            f"compute {where} in fp32 and do not cast what they make to {dtype} (x = x + f(x) with x in fp32 "
+            f"stays fp32 by type promotion: drop a .to() that casts it back); compute {kept} in fp32 reading it as "
+            "it is (.float() on each after your cast of the model; where the code that casts is not yours, "
+            "`fpdoctor compare` included, in the forward: each one's functional form on x.float() with its "
+            "parameters .float(), a LayerNorm m as F.layer_norm(x.float(), m.normalized_shape, m.weight.float(), "
+            f"m.bias.float(), m.eps)), and cast what they return to {dtype} where it is read "
+            "(self.mlp(self.norm(x).to(p.dtype)), p a parameter of the model); any other layer that reads the "
+            "stream reads it as .to(p.dtype)"
             + (f"; pass the model's inputs in fp32 (not cast to {dtype} before the forward)" if given else "")
             + f"; checked: the end-to-end error goes from {error:.3g} to {after:.3g}. This is residual_in_fp32 in "
             "Mamba's and flash-attn's fused add + norm"
@@ -2839,11 +2841,12 @@ class _Comparison:
                if given else "")
         )  # fmt: skip
         changed = (
-            f"the ops at {where} in fp32 with the modules they call, their results kept in fp32 from module to module"
-            + (", the inputs fed in fp32" if given else "") + f", what else reads them cast to {dtype}"
+            f"the ops at {where} in fp32, their results kept in fp32 from module to module, {kept} in fp32 reading "
+            f"them as they are" + (", the inputs fed in fp32" if given else "") + f", what else reads them cast to "
+            f"{dtype}"
         )  # fmt: skip
-        return {"fix": fix, "changed": changed, "after": after, "lines": [f"{f}:{n}" for f, n in lines],
-                "output": outputs[-1]}  # fmt: skip
+        return {"fix": fix, "changed": changed, "after": after, "lines": [f"{f}:{n}" for f, n in stream],
+                "modules": readers, "output": outputs[-1]}  # fmt: skip
 
     def _module_checked(self, row: ModuleRow, error: float) -> dict[str, Any] | None:
         """The module whose op overflows, kept whole in fp32 (its output left in fp32 where its exact
