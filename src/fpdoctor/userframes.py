@@ -8,11 +8,13 @@ imports this, the trace, the audit, compare and the crash readers alike.
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
 import os
+from collections.abc import Iterator
 from types import FrameType
 
-__all__ = ["CASEBOOK_DIR", "OWN_DIR", "function_at", "is_user_file", "user_location"]
+__all__ = ["CASEBOOK_DIR", "OWN_DIR", "called_from", "function_at", "is_user_file", "user_location"]
 
 OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # fpdoctor's package directory
 CASEBOOK_DIR = os.path.join(OWN_DIR, "casebook") + os.sep
@@ -45,8 +47,45 @@ def is_user_file(filename: str) -> bool:
 
 
 def user_location(frame: FrameType | None) -> tuple[str, int, str] | None:
-    """The innermost frame outside torch, fpdoctor and the standard library: the user's line."""
-    return frame_location(user_frame(frame))
+    """The innermost frame outside torch, fpdoctor and the standard library: the user's line. Under a
+    frame that calls the user's model again (`called_from`: a replay), the line that first called it."""
+    return user_place(frame)[1]
+
+
+def user_place(frame: FrameType | None) -> tuple[FrameType | None, tuple[str, int, str] | None]:
+    """(the user's innermost frame, its line), as user_location; under `called_from`, (None, the line
+    that first called the model) where no user frame inside the model is found first."""
+    if not _CALLED_FROM:
+        found = user_frame(frame)
+        return found, frame_location(found)
+    while frame is not None:
+        first = _CALLED_FROM.get(id(frame))
+        if first is not None:
+            return None, first
+        if _is_user(frame.f_code.co_filename):
+            return frame, frame_location(frame)
+        frame = frame.f_back
+    return None, None
+
+
+# id of a live frame of fpdoctor's that calls the user's model again -> the user's line that called it first
+_CALLED_FROM: dict[int, tuple[str, int, str]] = {}
+
+
+@contextlib.contextmanager
+def called_from(frame: FrameType, first: tuple[str, int, str] | None) -> Iterator[None]:
+    """While `frame` (fpdoctor's, which calls the user's model again: a replay of a training forward)
+    runs, an op that no user frame inside the model holds (a torch module's, nn.Sequential's layers) is
+    at `first`, the user's line that called the model in the step replayed, not at the line the replay
+    runs under (the optimizer's step, where the replay is decided)."""
+    if first is None:
+        yield
+        return
+    _CALLED_FROM[id(frame)] = first
+    try:
+        yield
+    finally:
+        _CALLED_FROM.pop(id(frame), None)
 
 
 def frame_location(frame: FrameType | None) -> tuple[str, int, str] | None:
@@ -58,16 +97,20 @@ def user_frame(frame: FrameType | None) -> FrameType | None:
     """The innermost frame outside torch, fpdoctor and the standard library: the user's."""
     while frame is not None:
         code = frame.f_code
-        # by file name: code objects compare equal across files when their bodies do
-        user = _USER_FILES.get(code.co_filename)
-        if user is None:
-            if len(_USER_FILES) > 50_000:  # files made up at run time must not grow it forever
-                _USER_FILES.clear()
-            user = _USER_FILES[code.co_filename] = is_user_file(code.co_filename)
-        if user:
+        if _is_user(code.co_filename):
             return frame
         frame = frame.f_back
     return None
+
+
+def _is_user(filename: str) -> bool:
+    # by file name: code objects compare equal across files when their bodies do
+    user = _USER_FILES.get(filename)
+    if user is None:
+        if len(_USER_FILES) > 50_000:  # files made up at run time must not grow it forever
+            _USER_FILES.clear()
+        user = _USER_FILES[filename] = is_user_file(filename)
+    return user
 
 
 def _dataset(owner: object) -> bool:

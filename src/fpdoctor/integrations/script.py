@@ -92,7 +92,7 @@ from fpdoctor.numerics.updates.measure import UpdateProbe, UpdateStats
 from fpdoctor.preserve import RngState, preserved
 from fpdoctor.report.model import Finding, Report, Severity, Trial
 from fpdoctor.torchprivate import pytree, snapshot_optimizer_hooks
-from fpdoctor.userframes import user_frames, user_location
+from fpdoctor.userframes import called_from, user_frames, user_location
 
 _DEVICE_TYPES = ("cpu", "cuda")
 
@@ -114,6 +114,7 @@ class _Call:
     created_at: int = 0  # the watch's step count when the forward ran
     kept: KeptGradients = field(default_factory=KeptGradients)  # the gradients at its outputs
     output_versions: list[int] = field(default_factory=list)  # its outputs' version counters after the forward
+    site: tuple[str, int, str] | None = None  # the user's line that called the model: where a replay's ops ran
 
 
 class _PerThread(threading.local):
@@ -439,6 +440,7 @@ class ScriptWatch:
             self._still_left()
             # its RNG and autocast state before it runs
             call = _Call(module, (), {}, RngState.capture(), _autocast_state(), [], created_at=self._event)
+            call.site = user_location(sys._getframe())
             if call.autocast and not self._stale.done:  # does the cast cache outlive the optimizer's steps?
                 frames = functools.partial(user_frames, sys._getframe())
                 self._guarded(lambda: self._stale.at_forward(self._event, call.autocast, frames), _STALE)
@@ -1116,7 +1118,8 @@ class ScriptWatch:
                 # a control switches it off; no cast cache: inside a block of the script's that spans the
                 # step, its cache holds the casts of the script's forward, which ours must neither read nor add to
                 stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=False))
-            output = call.module(*args, **kwargs)
+            with called_from(sys._getframe(), call.site):
+                output = call.module(*args, **kwargs)
         return backward_from(output, call.kept)
 
     @staticmethod
@@ -1127,7 +1130,8 @@ class ScriptWatch:
         with contextlib.ExitStack() as stack:
             for device, dtype in call.autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=False))  # as `_replay_call`
-            output = call.module(*args, **kwargs)
+            with called_from(sys._getframe(), call.site):
+                output = call.module(*args, **kwargs)
         kept = call.kept
         hooked = [
             (i, t) for i, t in enumerate(pytree.tree_leaves(output)) if isinstance(t, torch.Tensor) and t.requires_grad

@@ -81,7 +81,7 @@ from fpdoctor.torchprivate import (
     queue_callback,
     sequence_nr,
 )
-from fpdoctor.userframes import dataset_item, frame_location, user_frame, user_location
+from fpdoctor.userframes import dataset_item, user_location, user_place
 
 __all__ = ["Leaf", "NonFiniteError", "Output", "Record", "Tracer", "kind_of"]
 
@@ -483,8 +483,7 @@ class Tracer(EagerDispatchMode):
             # Outside modules, and inside one in a method of the user's other than its forward (a
             # LightningModule's training_step, which Lightning runs through the module's call), a
             # line's visits are followed: a narrow state rebound there is judged (_rebound).
-            frame = user_frame(sys._getframe(3))
-            location = frame_location(frame)
+            frame, location = user_place(sys._getframe(3))
             if module is None:
                 # Outside modules the iteration is how often this op ran at this line before.
                 key = (info.op, location)
