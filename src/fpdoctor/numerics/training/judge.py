@@ -1165,16 +1165,18 @@ class StepJudge:
         2, 4, 8, ..., then every 64th: raw readings cast to bf16/fp16 before the model (pressure near 1013 hPa
         that varies by 4, bf16's spacing there 8) lose what they vary by before any op of the model runs;
         named once two checks in a row find it."""
-        found = self._coarse_read(step, inputs, self._inputs)
+        found = self._coarse_read(step, inputs, self._inputs, inputs=True)
         if found is not None:
             self.findings.append(coarse_output.input_finding(found, step, self.here))
 
-    def _coarse_read(self, step: int, tensors: list[torch.Tensor], seen: dict[str, Any]) -> dict[str, Any] | None:
+    def _coarse_read(
+        self, step: int, tensors: list[torch.Tensor], seen: dict[str, Any], *, inputs: bool = False
+    ) -> dict[str, Any] | None:
         """One check of `tensors` at a power-of-two step, then every 64th; `seen`: "named" once said, "last"
         the previous check's figures. What to name, once two checks in a row find it; else None."""
         if seen["named"] or not _coarse_due(step):
             return None
-        found = coarse_output.coarse(tensors)
+        found = coarse_output.coarse(tensors, inputs=inputs)
         named = found is not None and seen["last"] is not None
         seen["named"] = seen["named"] or named
         seen["last"] = found
