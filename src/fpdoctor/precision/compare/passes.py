@@ -251,6 +251,7 @@ class _Chains(TorchFunctionMode):
         self.aten: dict[tuple[int, str], list[Any]] = {}  # (id of function, line) -> the aten ops it ran
         self.stack: list[str] = []
         self.last: dict[tuple[int, str], Any] = {}  # (id of function, line) -> weak reference to its last output
+        self.at: tuple[int, int] | None = None  # (id of the user's frame, its bytecode offset) of that call
         self.line: str | None = None  # the line of the call seen last, and that call's output
         self.out: Any = None
         self.counted = False  # the current visit of `line` was counted as an update
@@ -296,10 +297,11 @@ class _Chains(TorchFunctionMode):
         caller = sys._getframe(1)  # the user's frame where the call is made in their code, as in a loop
         code = caller.f_code
         at = self._at.get((id(code), caller.f_lasti))
+        where: Any = caller  # the user's frame: its bytecode offset tells a new visit of a one-line loop body
         if at is not None and at[0] is code:
             line = at[1]
         else:
-            frame = user_frame(caller)
+            frame = where = user_frame(caller)
             if frame is None:
                 if raising is not None:
                     return raising.call(func, args, kwargs or {}, site=False)
@@ -324,7 +326,8 @@ class _Chains(TorchFunctionMode):
             else:
                 floating = kind is tuple and any(type(t) is torch.Tensor and t.is_floating_point() for t in out)
             if floating:
-                if line != self.line:
+                again = self._again(where)
+                if line != self.line or again:
                     self._visit(line)
                 if settled and not self.counted:
                     self.steps[line] += 1
@@ -353,7 +356,8 @@ class _Chains(TorchFunctionMode):
             out = next((t for t in out if type(t) is torch.Tensor), None) if isinstance(out, tuple) else None
         if out is None or not out.is_floating_point():
             return result
-        if line != self.line:
+        again = self._again(where)
+        if line != self.line or again:
             self._visit(line)
         ref = self.last.get(key)
         held = ref() if ref is not None else None
@@ -414,6 +418,13 @@ class _Chains(TorchFunctionMode):
             self.owner[id(out)] = (self.out, line)
             self.owned[line] = id(out)
         return result
+
+    def _again(self, frame: Any) -> bool:
+        """The same line's frame called again from an offset at or before its last call's: a loop whose
+        body is this one line (h = a[:, t] * h + b[:, t]) started it over, a visit of its own. The frame by
+        id and offset: a reference would keep its tensors alive."""
+        last, self.at = self.at, (id(frame), frame.f_lasti)
+        return last is not None and last[0] == self.at[0] and self.at[1] <= last[1]
 
     def _visit(self, line: str) -> None:
         """A visit of `line` begins, so the visit of the line before ends: what it made last is its
