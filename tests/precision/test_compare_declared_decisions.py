@@ -56,3 +56,23 @@ def test_declared_argmax_scores_are_judged_by_the_candidate_they_choose():
     assert planned.plan.metric == "top1"
     with pytest.raises(ValueError, match="decisions must be 'argmax'"):
         fpdoctor.compare(model, inputs, candidate="bf16", decisions="max")
+
+
+def test_a_regression_head_taken_for_logits_says_how_to_declare_it_and_none_judges_its_error_alone():
+    """Four regression outputs from a Linear head, close to each other: compare's test takes them for class
+    scores, whose argmax bf16 flips. The finding says so and how to say otherwise; declared
+    (`decisions="none"`), the output is judged by its error alone, with no decisions."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4)).eval()
+    with torch.no_grad():  # four forecasts of one quantity: rows of the head nearly equal
+        model[2].weight.copy_(model[2].weight[:1] + 0.002 * torch.randn(4, 32))
+        model[2].bias.fill_(0.1)
+    x = torch.randn(512, 8, generator=torch.Generator().manual_seed(1))
+    guessed = fpdoctor.compare(model, x, candidate="bf16").report
+    (coarse,) = guessed.by_name("output-too-coarse")  # their margins below bf16's spacing
+    assert "is taken for class scores from its last layer" in coarse.message
+    assert "`--decisions none` judges it by its error alone" in coarse.message
+    declared = fpdoctor.compare(model, x, candidate="bf16", decisions="none").report
+    assert not declared.by_name("output-too-coarse") and "decisions" not in declared.data
+    with pytest.raises(ValueError, match="or 'none'"):
+        fpdoctor.compare(model, x, candidate="bf16", decisions="max")

@@ -41,10 +41,11 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--decisions",
-        choices=["argmax"],
+        choices=["argmax", "none"],
         help="argmax: the output's scores decide by their argmax over the last dim (a ranker's scores over "
         "candidates, summed log-probabilities), judged by the decisions they make as logits are, where compare's "
-        "own test for logits does not take them",
+        "own test for logits does not take them; none: the output decides no class (a regression of several values "
+        "from a Linear head, which compare's test takes for logits), judged by its error alone",
     )
     across = p.add_mutually_exclusive_group()
     across.add_argument(

@@ -39,9 +39,10 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--decisions",
-        choices=["argmax"],
+        choices=["argmax", "none"],
         help="argmax: the output's scores decide by their argmax over the last dim, as `fpdoctor compare "
-        "--decisions argmax` judges them: --metric kl and top1 then apply",
+        "--decisions argmax` judges them: --metric kl and top1 then apply; none: the output decides no class (a "
+        "regression from a Linear head), --metric rel",
     )
     p.add_argument(
         "--tolerance",

@@ -262,14 +262,19 @@ def compare(
 
     `decisions="argmax"` declares the output scores whose argmax over their last dim is the decision (a
     ranker's scores over candidates, summed log-probabilities) where compare's own test for logits does not
-    take them: they are judged by the decisions they make, as logits are.
+    take them: they are judged by the decisions they make, as logits are. `decisions="none"` declares an
+    output that decides no class where compare's test would take it for logits (a regression of several
+    values from a Linear head): it is judged by its error alone.
 
     `candidate` may be a function of yours that makes the candidate from the model (it is given an fp32
     copy and returns the model to judge: torch.ao.quantization.quantize_dynamic, a pruning, a swapped
     layer): judged against fp64 by what its output decides, with the modules to leave out of the
     transform checked (transformed.py)."""
-    if decisions not in (None, "argmax"):
-        raise ValueError(f"decisions must be 'argmax' (the argmax over the output's last dim), got {decisions!r}")
+    if decisions not in (None, "argmax", "none"):
+        raise ValueError(
+            "decisions must be 'argmax' (the argmax over the output's last dim) or 'none' (the output decides no "
+            f"class: judged by its error alone), got {decisions!r}"
+        )
     if candidate is not None and not isinstance(candidate, str):
         if not callable(candidate):
             raise ValueError(
@@ -497,7 +502,8 @@ class _Comparison:
         decisions: str | None = None,
     ) -> None:
         self.model, self.inputs, self.rng = model, inputs, rng
-        self.declared = decisions  # "argmax": the output's scores decide by their argmax, as the user says
+        # "argmax": the output's scores decide by their argmax; "none": it decides nothing; as the user says
+        self.declared = decisions
         # what the candidate's and the fp64 runs are fed: the inputs as given (the model casts them: the fp64
         # model reads the same values in float64 where it computes with them), or cast to each run's dtype
         self.given = given
@@ -547,7 +553,8 @@ class _Comparison:
         self.ids = False  # ... or the decisions themselves: ids (integers) a decoding loop made
         self.root_truth: torch.Tensor | None = None
         # the running states named the cause (step 5) and their checked run's output
-        self.state_fix: tuple[list[str], torch.Tensor] | None = None
+        # the states kept, the checked run's output, the lines that make what they read computed in fp32 with them
+        self.state_fix: tuple[list[str], torch.Tensor, list[tuple[str, int]]] | None = None
         # the output of the checked run that computed the lines feeding an ill-conditioned op in fp32 (step 5b)
         self.line_fix: torch.Tensor | None = None
         # modules kept in fp32 with fp32 between them, checked (_kept_checked): the fix, what it changed, the output
@@ -768,6 +775,8 @@ class _Comparison:
             self.root_truth = ids.detach().clone()
             return
         made = next(floating(self._last_output), None)
+        if self.declared == "none":
+            return  # the user says the output decides no class (a regression of several values)
         if first is None or (not self.declared and any(t.shape == first.shape for t in floating(self.inputs))):
             return  # an output in its input's space (a denoiser's noise, a reconstruction) decides no class
         ours = device_sample(first)  # the same strided values, no whole copy
@@ -1474,11 +1483,11 @@ class _Comparison:
             if joint <= falls and len(tryable) == 1:
                 cause = tryable[0]
                 if kept:
-                    self.state_fix = ([cause["location"]], kept[-1])
+                    self.state_fix = ([cause["location"]], kept[-1], [])
             elif joint <= falls:
                 together = {"states": tryable, "raised_rel": joint}
                 if kept:
-                    self.state_fix = ([s["location"] for s in tryable], kept[-1])
+                    self.state_fix = ([s["location"] for s in tryable], kept[-1], [])
         elif len(tryable) > 1:  # the joint run failed: each alone, so that the one whose raise fails is named
             outputs: dict[int, list[torch.Tensor]] = {}
             for s in tryable:
@@ -1488,7 +1497,7 @@ class _Comparison:
             best = min((s for s in tryable if s["tried_alone"]), key=lambda s: s["raised_rel"], default=None)
             if best is not None and best["raised_rel"] <= falls and outputs[id(best)]:
                 cause = best
-                self.state_fix = ([best["location"]], outputs[id(best)][-1])
+                self.state_fix = ([best["location"]], outputs[id(best)][-1], [])
         if cause is None and together is None and tryable and joint is not None:
             # each step's update reads values the candidate makes again every step (a decay exp(dt * A) near
             # 1 that rounds to 1 in bf16): the states with the lines that make what their updates read
@@ -1555,7 +1564,7 @@ class _Comparison:
         else:
             return None
         if kept:
-            self.state_fix = ([s["location"] for s in states], kept[-1])
+            self.state_fix = ([s["location"] for s in states], kept[-1], feeding)
         return {"states": states, "raised_rel": error, "feeding": feeding}
 
     # -- step 5d: the model's own code around its submodules (own_code.py) -----------------------------
@@ -3088,14 +3097,16 @@ class _Comparison:
                 fix = found["fix"][0].upper() + found["fix"][1:]
                 fixes.append(use.CheckedFix(fix, found["changed"], got, "inputs_kept", ""))
         if self.state_fix is not None:
-            lines, output = self.state_fix
+            lines, output, feeding = self.state_fix
             got = use.top1(self.root_truth, self._decided(output.to(self.root_truth.device)))
             where = ", ".join(lines)
             noun = "running states" if len(lines) > 1 else "running state"
+            fed = f" and compute {lines_text(feeding)} in fp32 too" if feeding else ""
             if got is not None:
                 fixes.append(use.CheckedFix(
-                    f"Keep the {noun} updated at {where} in fp32",
-                    f"the {noun} at {where} kept in fp64, the rest in {self.label}",
+                    f"Keep the {noun} updated at {where} in fp32{fed}",
+                    f"the {noun} at {where} kept in fp64"
+                    + (f", {lines_text(feeding)} in fp32" if feeding else "") + f", the rest in {self.label}",
                     got, "running_state_kept", where,
                 ))  # fmt: skip
         if self.made_fix is not None:  # values the format rounds, made in fp32 (made_in_dtype.py)

@@ -102,6 +102,8 @@ def class_table_source(
     return None
 
 
+# A Linear head to this many outputs or fewer may be a regression's: the decisions finding says how to say so
+GUESSED_CLASSES = 16
 GIVEN = ""  # class_table_source's `made`: a table the model was given as an input (a kNN's memory bank)
 
 
@@ -129,7 +131,7 @@ def coarse_finding(
         f"In {label} the output cannot hold the decisions it makes: rounding the exact output ({found.source}) to "
         f"{label} alone changes the top-1 class on {pct(flips)} of its {found.rows} rows (the candidate: "
         f"{pct(1.0 - found.top1)}), as their margins are below {label}'s spacing at those values. {adds}"
-    )
+    ) + _taken(found)
     exact = (
         f"the exact output gives top-1 agreement {pct(found.floor_top1)} rounded to {label}, {pct(fp32_top1)} held in "
         "fp32"
@@ -175,6 +177,17 @@ def coarse_finding(
         where={"module": head if trial.tried else None, "op": None},
         evidence={"kind": "decisions", "decisions": found.to_dict(), "fp32_top1": fp32_top1},
         trial=trial,
+    )
+
+
+def _taken(found: Decisions) -> str:
+    """Where the output is taken for class scores from its last layer's shape alone (a Linear to a few
+    outputs, which a regression head is too), how to say it is not."""
+    if not found.source.startswith("logits of") or found.classes > GUESSED_CLASSES:
+        return ""
+    return (
+        f" The output is taken for class scores from its last layer ({found.source}); where it is not (a "
+        f"regression of {found.classes} values), `--decisions none` judges it by its error alone."
     )
 
 
@@ -259,6 +272,7 @@ def finding(
             f"{against}: the computation changes the decisions, whatever its relative error (KL "
             f"{found.kl:.3g} nats)."
         )
+        message += _taken(found)
     on = inputs_text(describe(inputs))
     fixes = checked_fixes or []
 
