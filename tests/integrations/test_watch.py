@@ -320,6 +320,46 @@ def _torchrun_watch(tmp_path: Path, script: Path, out: Path, *args: str) -> subp
     )  # fmt: skip
 
 
+# fp16 autocast with a GradScaler; rank 1's shard holds a raw column near 4e4: its cast overflows every step
+OVERFLOWING_RANK = """
+import torch, torch.distributed as dist
+from torch import nn
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(1, 5):
+    g = torch.Generator().manual_seed(100 * rank + step)
+    x, y = torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)
+    if rank == 1:
+        x[:, 3] = 40000.0 + 15000.0 * x[:, 3]
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = nn.functional.mse_loss(model(x), y)  # FORWARD
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.jobs  # a 2-rank torchrun job
+def test_under_torchrun_the_replayed_ranks_findings_name_that_rank_and_the_forwards_line(tmp_path):
+    script = _write(tmp_path, "ddp.py", OVERFLOWING_RANK)
+    run = _torchrun_watch(tmp_path, script, tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    forward = next(i for i, line in enumerate(OVERFLOWING_RANK.splitlines(), 1) if line.endswith("# FORWARD"))
+    merged = _report(tmp_path)
+    produced = next(f for f in merged["findings"] if f["name"] == "nonfinite-produced")
+    assert produced["where"]["rank"] == 1 and produced["title"].startswith("rank 1: ")
+    replayed = next(f for f in merged["findings"] if f["name"] == "deterministic-nonfinite")
+    assert replayed["where"]["rank"] == 1 and f"ddp.py:{forward} in" in replayed["evidence"]["location"]
+    # rank 0's own: its steps skipped with rank 1's (the all-reduced gradients were Inf), nothing it made
+    assert {f["name"] for f in merged["findings"] if f["where"].get("rank") == 0} <= {"training-stalled"}
+
+
 @pytest.mark.jobs  # two 2-rank torchrun jobs
 def test_a_gradient_past_the_compression_hooks_dtype_is_told_by_the_hook_not_the_machine(tmp_path):
     """DDP's fp16_compress_hook casts each bucket to fp16 before the all-reduce; the replay runs without

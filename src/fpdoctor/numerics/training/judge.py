@@ -610,9 +610,14 @@ class StepJudge:
         verdicts = [e.get("verdict") for e in everyone if e.get("verdict") is not None]
         # a rank that reproduced the step holds the cause: the others' finite replays say nothing of a machine
         reproduced = "deterministic-nonfinite" in verdicts
-        for entry in everyone:
+        for rank, entry in enumerate(everyone):  # gathered in rank order
             if not (reproduced and entry.get("verdict") == "transient-fault-suspected"):
-                self._add_all(entry.get("findings") or [])
+                # a finding of the rank's replay (its trace's first non-finite op) names that rank: every rank's
+                # report holds it, and the merged report would give it the first file's
+                self._add_all([
+                    f if "rank" in f.where else replace(f, where={**f.where, "rank": rank})
+                    for f in entry.get("findings") or []
+                ])  # fmt: skip
         if reproduced:
             return "deterministic-nonfinite"
         return result.verdict if faulty else str(verdicts[0]) if verdicts else "not-replayed"
