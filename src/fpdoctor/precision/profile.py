@@ -1092,8 +1092,11 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
         buffers = found.get("buffers") or []
         kind, again = _held(buffers, found.get("parameters") or [], candidate)
         error = found.get("error_rel")
+        # the whole model's own worst op, no amplifier (compare.forced: no module to keep): the lines alone speak
         message = (
-            f" {op} is not the cause: run exactly (in fp64) on its inputs rounded to {candidate}, it is as wrong "
+            ""
+            if found.get("unforced")
+            else f" {op} is not the cause: run exactly (in fp64) on its inputs rounded to {candidate}, it is as wrong "
             f"({_fmt(found['conditioned_rel'])}): at these inputs it amplifies the rounding of what it reads, so "
             f"no precision of {op} itself helps."
         )
@@ -1180,7 +1183,7 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
                 after=raised,
                 on="the inputs given",
             )  # fmt: skip
-        elif given and helped:
+        elif given and helped and not found.get("kept_wide"):
             # what the lines read is the model's input, rounded by the cast before the forward
             fix = (
                 f"Do that computation before the cast: pass the model's inputs in fp32 (not cast to {dtype} before "
@@ -1203,6 +1206,23 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
                 after=raised,
                 on="the inputs given",
             )  # fmt: skip
+        elif lines and helped and found.get("kept_wide"):
+            # as the check ran it (RaisedLines, cast_back=False): what the lines make read in fp32 everywhere
+            fix = (
+                f"{' and '.join(changes)}, and keep what they make in fp32 for what reads it (cast back to {dtype}, it "
+                "is rounded again: a count past 256 in bf16, a CDF near 1): on those lines, torch.float32 where "
+                f"they write torch.{dtype} or a dtype read from the model (dtype=x.dtype, a buffer's dtype), .float() "
+                "on each tensor they read from the rest of the model; what reads their results then computes in fp32 "
+                "(type promotion), and where an op needs its operands in one dtype, .float() the other"
+                + (f"{'; the model given its inputs in fp32' if given else ''}")
+                + f"; checked: {own}the end-to-end error goes from {_fmt(error)} to {_fmt(raised)}"
+            )
+            trial = Trial.checked(
+                f"the ops at {where} in fp32, their results kept in fp32"
+                + (f", {held} held in fp32" if buffers else "") + (", the inputs fed in fp32" if given else ""),
+                metric="end-to-end relative error against fp64", before=error, after=raised, on="the inputs given",
+            )  # fmt: skip
+            evidence["kept_wide"] = True
         elif (lines or buffers) and helped:
             # as the check ran it (engine.raising.RaisedLines): every op of those lines in fp32, what
             # they produce cast back where the rest of the model reads it, not in the middle of a line

@@ -1703,8 +1703,15 @@ class _Comparison:
         final = rows[-1] if rows else None
         if row is None and final is not None and final.propagated > RAISED_FALLS * final.floor:
             row = next((r for r in rows if _borderline(r, self.seen[(r.module, r.call)]) and _forced(r)), None)
+        unforced = row is None and final is not None and _own_diverged(rows)
+        if unforced:
+            # the whole model's own ops diverge, no submodule does, and its worst op is no amplifier: no module
+            # to keep in fp32, so the lines that make what it reads are the fix, checked the same way
+            row = final
         if row is None or row.own is None or self.cand_dtype not in (torch.float16, torch.bfloat16):
             return {}
+        if unforced:
+            return {row.module: self._forced_at(rows, row) | {"unforced": True}}
         if not row.diverged:
             found = self._forced_at(rows, row)
             raised = found.get("raised_rel")
@@ -1784,7 +1791,7 @@ class _Comparison:
 
             def raised_with(
                 lines: list[tuple[str, int]], buffers: dict[str, torch.Tensor], given: bool = False,
-                carried: list[tuple[str, int]] | None = None,
+                carried: list[tuple[str, int]] | None = None, wide: bool | None = None,
             ) -> float | None:  # fmt: skip
                 outputs.clear()
                 mine.clear()
@@ -1792,6 +1799,7 @@ class _Comparison:
                     self.cand_run, self.run_inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,
                     rng=self.rng, device=self.cand_device, noise=self.noise, buffers=buffers, keep=outputs,
                     inputs_as_given=given, each=each, carried=carried,
+                    cast_back=not (cause.get("kept_wide") if wide is None else wide),
                 )  # fmt: skip
 
             # a rounded buffer alone first: when holding it in fp32 is the whole fix, the lines are not part of it
@@ -1866,6 +1874,18 @@ class _Comparison:
                     if carried is not None and _cured(final.propagated, carried):
                         lines, raised, buffers, cause["carried"] = passed, carried, held, stream
                         cause["inputs_as_given"] = rounds_inputs or None
+                        break
+            if lines and (raised is None or raised > RAISED_FALLS * final.floor):
+                # not enough, or far from the floor still: what the lines make is rounded again where it is cast
+                # back (a histogram's counts past bf16's 256, a CDF near 1 that bf16 holds to 0.004): kept in fp32
+                # for what reads it, with every rounded buffer the module reads held (a quantile of 0.999 that
+                # bf16 makes 1); the fix where it cures, or takes a cure RAISED_FALLS further
+                held = buffers | rounded(elsewhere)
+                for given in (False, True) if rounds_inputs else (False,):
+                    unrounded = raised_with(lines, held, given=given, wide=True)
+                    if unrounded is not None and _cured(raised if raised is not None else final.propagated, unrounded):
+                        raised, buffers, cause["kept_wide"] = unrounded, held, True
+                        cause["inputs_as_given"] = cause.get("inputs_as_given") or given or None
                         break
             if lines and raised is not None and _cured(final.propagated, raised):
                 # the lines after them, which read what they make (x - mean after a variance by hand): a fix
@@ -3319,6 +3339,15 @@ def _rounded_by(t: torch.Tensor, dtype: torch.dtype) -> bool:
 
 def _torch_made(module: nn.Module) -> bool:
     return type(module).__module__.startswith("torch.")
+
+
+def _own_diverged(rows: list[ModuleRow]) -> bool:
+    """The whole model diverges by its own ops (it has some), and no submodule diverges."""
+    root = rows[-1] if rows else None
+    return (
+        root is not None and root.module == "" and root.diverged and root.own is not None
+        and not any(r.diverged for r in rows[:-1])
+    )  # fmt: skip
 
 
 def _forced(row: ModuleRow) -> bool:

@@ -257,7 +257,7 @@ def raised_error(
     norm: float, rng: RngState, device: torch.device | None, noise: ReplayNoise | None,
     buffers: dict[str, torch.Tensor] | None = None, keep: list[torch.Tensor] | None = None,
     inputs_as_given: bool = False, each: Callable[[str, int, Any], None] | None = None, scalars_kept: bool = False,
-    carried: list[tuple[str, int]] | None = None, modules: list[str] | None = None,
+    carried: list[tuple[str, int]] | None = None, modules: list[str] | None = None, cast_back: bool = True,
 ) -> float | None:  # fmt: skip
     """The candidate's end-to-end error against the fp64 `truth` with the ops at `lines` in fp32 and
     `buffers` (name in the model -> the user's own values) held in fp32 as the user made them, read
@@ -268,9 +268,11 @@ def raised_error(
     the run). `each(name, index, output)` sees every module's output. `scalars_kept`: a single value
     the lines made is read in fp32 (RaisedLines). `carried`: lines among `lines` whose results pass
     from module to module in fp32; `modules`: the model's modules computed in fp32, returning `dtype`
-    (RaisedLines)."""
+    (RaisedLines). `cast_back=False`: what the lines make is read in fp32 everywhere (a count or a CDF the
+    format would round again), the fix "keep it in fp32"."""
     raised = RaisedLines(
         set(lines), dtype, wide_inputs=inputs_as_given, scalars_kept=scalars_kept, carried=set(carried or []),
+        cast_back=cast_back,
         modules=[run.get_submodule(name) for name in modules or []],
     )  # fmt: skip
     raised.held = {name.rpartition(".")[2] for name in buffers or {}}  # what a line reads them by (self.freqs)
