@@ -52,3 +52,30 @@ def test_counts_and_a_cdf_kept_in_fp32_are_the_checked_fix_and_work_as_printed()
     again = fpdoctor.compare(Thresholds(fixed=True).eval(), _scores(), candidate="bf16", inputs_as_given=True)
     assert not any(f.name == "precision-divergence" for f in again.report.findings)
     assert again.rows[-1].propagated <= max(2 * after, 1e-6)
+
+
+class CastBack(nn.Module):
+    """The counts made in fp32 and cast back to the model's dtype (a fix as usually written): its CDF
+    still rounds, and the searchsorted that reads it picks other bins."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("quantiles", torch.tensor([0.5, 0.9, 0.95, 0.99, 0.999]))
+
+    def forward(self, scores: torch.Tensor) -> torch.Tensor:
+        hist = torch.histc(scores.float(), bins=2048, min=0.0, max=1.0).to(scores.dtype)
+        cdf = hist.cumsum(0) / hist.sum()
+        idx = torch.searchsorted(cdf, self.quantiles.to(cdf.dtype))
+        edges = torch.linspace(0.0, 1.0, 2049, dtype=scores.dtype)
+        return edges[(idx + 1).clamp(max=2048)]
+
+
+def test_a_selection_whose_fix_no_run_found_goes_after_the_divergence_whose_fix_was_checked():
+    g = torch.Generator().manual_seed(0)
+    n = 500_000
+    logits = torch.where(torch.rand(n, generator=g) < 0.03, 2.0 + 1.5 * torch.randn(n, generator=g),
+                         -3.0 + 1.2 * torch.randn(n, generator=g))  # fmt: skip
+    findings = fpdoctor.compare(CastBack().eval(), torch.sigmoid(logits), candidate="bf16").report.findings
+    assert [f.name for f in findings] == ["precision-divergence", "selection-changed"]
+    assert findings[0].trial is not None and findings[0].trial.tried
+    assert findings[1].trial is not None and not findings[1].trial.tried

@@ -2049,7 +2049,12 @@ class _Comparison:
                 # the whole numbers made upstream are what the selection then rounds: the origin first
                 findings[:] = [made, selection, *(f for f in rest if f is not made)]
             else:
-                findings[:] = [selection, *rest]
+                # a selection whose fix no run found goes after a divergence whose fix was checked (its lines
+                # make what the selection reads: the counts and the CDF a searchsorted picks from)
+                checked = [] if fixed else [
+                    f for f in rest if f.name == "precision-divergence" and f.trial is not None and f.trial.tried
+                ]  # fmt: skip
+                findings[:] = [*checked, selection, *(f for f in rest if f not in checked)]
             summary = result.report.data["summary"]
             for i, (label, text) in enumerate(summary):
                 if label == "first divergent module" and fixed and (text.startswith("none") or dropped):
