@@ -251,11 +251,12 @@ class RaisedLines(EagerDispatchMode):
         return func(*args, **kwargs)
 
     def _inside(self, at: tuple[str, int] | None) -> bool | None:
-        """True: the op runs inside a module kept in fp32; False: inside a torch module that a raised
-        line called, which runs as the candidate does; None: neither."""
+        """True: the op runs inside a module kept in fp32; False: inside a torch module that a carried line
+        called (x = x + self.mlp(x): the stream kept, not the layers it calls), which runs as the candidate
+        does; None: neither."""
         if any(id(m) in self.modules for m, _ in self.calls):
             return True
-        return False if self.carried and self.calls[-1][1] == at and at is not None else None
+        return False if at is not None and at in self.carried and self.calls[-1][1] == at else None
 
     def _read(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor as an op off the lines reads it: what the lines made (or an input fed in fp32) cast back
