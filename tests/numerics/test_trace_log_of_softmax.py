@@ -14,7 +14,7 @@ from torch import nn
 import fpdoctor
 
 
-def _run(stable: bool, steps: int = 30) -> fpdoctor.numerics.api.Trace:
+def _run(stable: bool, steps: int = 30, eps: bool = False) -> fpdoctor.numerics.api.Trace:
     torch.manual_seed(0)
     policy = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 32))
     with torch.no_grad():
@@ -31,6 +31,9 @@ def _run(stable: bool, steps: int = 30) -> fpdoctor.numerics.api.Trace:
                 logits = policy(obs)
                 if stable:
                     logp = torch.nn.functional.log_softmax(logits, -1).gather(1, actions[:, None]).squeeze(1)
+                elif eps:  # a guard against log(0), on its own line: the backward still divides by the probability
+                    probs = torch.softmax(logits, -1).gather(1, actions[:, None]).squeeze(1)
+                    logp = torch.log(probs + 1e-8)
                 else:
                     logp = torch.log(torch.softmax(logits, -1).gather(1, actions[:, None]).squeeze(1))
                 loss = -(advantages * logp).mean()
@@ -53,3 +56,12 @@ def test_the_backward_of_a_log_of_softmax_is_fixed_by_its_stable_form(stable: bo
     assert "in fp32" not in first.fix.split(".")[0], first.fix
     assert first.trial is not None and first.trial.tried and first.trial.before == "inf", first.trial
     assert isinstance(first.trial.after, float) and first.trial.after < 65504, first.trial
+
+
+def test_a_log_of_softmax_guarded_by_an_eps_on_another_line_gets_the_stable_form_too() -> None:
+    first = _run(False, eps=True).report.findings[0]
+    assert first.name == "grad-scaler-stalled", first.title
+    assert first.fix.startswith("Write F.log_softmax(x, dim) instead of log(softmax(x, dim) + eps) at lines "), (
+        first.fix
+    )
+    assert first.trial is not None and first.trial.tried and first.trial.before == "inf", first.trial

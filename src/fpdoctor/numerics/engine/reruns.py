@@ -898,6 +898,10 @@ def _log_of_probs(target: Step, steps: dict[int, Step]) -> tuple[str, str, list[
     if not isinstance(g, torch.Tensor) or src[0] != "op":
         return None
     made = steps.get(src[1])
+    guard = made if made is not None and op_packet(made.record.op) == "add" and _eps(made.args) else None
+    if guard is not None:  # log(probs + 1e-8): a guard against log(0) between them, which the backward divides by
+        first = guard.record.inputs[0] if guard.record.inputs else None
+        made = steps.get(first[1]) if first is not None and first[0] == "op" else None
     packet = op_packet(made.record.op) if made is not None else ""
     form = stable.form_of(["_softmax" if packet == "softmax" else packet, "log"])
     if made is None or form is None or form.ops[0] not in _SQUASHES:
@@ -905,7 +909,17 @@ def _log_of_probs(target: Step, steps: dict[int, Step]) -> tuple[str, str, list[
     bound = float(g.detach().abs().max()) if g.numel() else 0.0
     if not math.isfinite(bound):
         return None
-    return form.written, form.stable, [made.record, target.record], bound
+    written = form.written if guard is None else f"{form.written.removesuffix(')')} + eps)"
+    records = [made.record, *([guard.record] if guard is not None else []), target.record]
+    return written, form.stable, records, bound
+
+
+def _eps(args: tuple[Any, ...]) -> bool:
+    """aten.add's second operand is a small positive constant (an eps of 1e-8 .. 1e-3)."""
+    other = args[1] if len(args) > 1 else None
+    if isinstance(other, torch.Tensor):
+        other = float(other) if other.numel() == 1 else None
+    return isinstance(other, (int, float)) and 0 < other <= 1e-3
 
 
 def _near(value: float, exact: float) -> bool:
