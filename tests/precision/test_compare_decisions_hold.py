@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import fpdoctor
 
@@ -62,3 +63,29 @@ def test_fewer_rows_than_can_tell_keep_the_inputs_rounding_an_error() -> None:
     found = [f for f in result.report.findings if f.evidence.get("kind") == "input-rounding"]
     assert found and found[0].severity == "error", str(result.report)
     assert result.report.data["decisions"]["top1"] == 1.0
+
+
+class Fp32Head(nn.Module):
+    """A small LM whose head runs in fp32 in its forward (a fix in place): the candidate returns fp32
+    logits, which rounding to bf16 would flip as often as its bf16 body does."""
+
+    def __init__(self, vocab: int = 2000, dim: int = 128) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.body = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids) + 8.0  # features off centre: the bf16 body rounds them, and flips some decisions
+        h = self.norm(h + self.body(h))
+        return F.linear(h.float(), self.head.weight.float())
+
+
+def test_logits_returned_in_fp32_are_judged_against_fp32s_floor_not_the_formats():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 2000, (4, 256), generator=torch.Generator().manual_seed(1))
+    result = fpdoctor.compare(Fp32Head().eval(), ids, candidate="bf16")
+    decisions = result.report.data["decisions"]
+    assert decisions["floor_format"] == "fp32" and decisions["floor_top1"] == 1.0
+    assert decisions["top1"] < 0.98  # the bf16 body flips them (rounding the exact output to bf16: 1%): not OK
+    assert result.report.by_name("decisions-changed")

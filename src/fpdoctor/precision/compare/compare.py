@@ -1411,15 +1411,11 @@ class _Comparison:
         if explained is None and lost and rows and math.isfinite(rows[-1].propagated):
             parts = _explained(rows)  # an op's conditioning included: rounding a timestamp explains its sin
             explained = parts if rows[-1].propagated > LOST_UNEXPLAINED * parts else None
-        # or a module of the model leaves what explains it inside (a loop in its own forward), the output
-        # diluted; short of DIVERGENCE_RATIO there (a scan over 512 steps: 7.5x, 40x its floor), the states
-        # are searched and said only where one is checked to explain it
-        inside = weak = None
-        if explained is None:
-            inside = _unexplained_inside(rows, DIVERGENCE_RATIO)
-            if inside is None:
-                inside = weak = _unexplained_inside(rows, INSIDE_OPENS)
-            explained = inside
+        # or a module of the model leaves what explains it inside (a loop in its own forward: a scan over 512
+        # steps, 7.5x, 40x its floor), the output diluted: the states are searched, and said only where one is
+        # checked to explain it (an MoE's routed experts leave it too, with no state)
+        inside = _unexplained_inside(rows, INSIDE_OPENS) if explained is None else None
+        explained = explained if inside is None else inside
         if explained is None or root is None or any(r.diverged for r in rows):
             return None
         if self.ids:  # ids a decoding loop fed back: one flipped choice changes every later one, no rounding adds up
@@ -1428,7 +1424,7 @@ class _Comparison:
         by_lost = root.propagated <= DIVERGENCE_RATIO * explained and inside is None  # opened by the lost output alone
         if by_lost and not lost:
             return None
-        quiet = by_lost or weak is not None  # said only where a state is checked to explain it
+        quiet = by_lost or inside is not None  # said only where a state is checked to explain it
         truth = next(e for (name, _), e in self.seen.items() if name == root.module)
         # A forward of its own, where it is needed (a search on every candidate pass costs a model of
         # many small calls, a loop over tokens, more than this one forward where it runs), which is
@@ -2982,6 +2978,11 @@ class _Comparison:
         if self.root_truth is None or self.root_cand is None or self.logits is None:
             return
         floor_format = output_format(self.candidate)
+        returned = self.root_cand_dtype
+        if returned == torch.float32 and self.cand_dtype in (torch.float16, torch.bfloat16):
+            # the candidate returns its output in fp32 (its last layer kept in fp32, a fix in place): what
+            # rounding costs is fp32's, not the format's, which would call flips of its own rounding
+            floor_format = "fp32"
         if self.ids:
             self._judge_ids(result, rows)
             return
