@@ -190,6 +190,7 @@ class Experiment:
     # instead (what writing torch.finfo(x.dtype).min does): that value and the symptom op's max |x| then
     saturated_fix: tuple[float, float] | None = None
     autocast_cast: bool = False  # a cast past the format's range that no line writes (autocast's, of an input)
+    autocast_data: bool = False  # ... of data the model is fed (no op made it): features in large units
     # a cast the script writes of data past the format's range (a batch's targets or features in large units,
     # nothing autograd records): their largest |value|, which no precision of the cast alone makes room for
     data_cast: float | None = None
@@ -499,7 +500,7 @@ class Experiment:
         if fix.startswith("Write F.binary_cross_entropy_with_logits") and "F.logsigmoid" in changed:
             # the check replaced the half that broke; the fix names the whole cross-entropy, each half that form
             changed += " (the half that broke here; the other half takes the same form)"
-        if self.data_cast is not None:  # the fix is a rescale; the check measured the cast kept wide, not it
+        if self.data_cast is not None or self.autocast_data:  # a rescale: the check measured the cast kept wide
             if found.after is None or found.gradients_left or found.judged == "gradients":
                 fix += (
                     f" (Checked: with {found.changed}, the step's loss or its gradients through those ops are still "
@@ -617,6 +618,20 @@ class Experiment:
             first = "Make"
             last = f" Training in fp32 is the other way: {checked}." + (
                 " In bf16 they are non-finite too (checked): bf16 is not the fix." if self.bf16 == "non-finite" else ""
+            )
+        if not gradient and self.autocast_data:
+            # the model's input as the batch holds it: the data's units are the cause, on whichever rank holds them
+            bf16 = (
+                f" Autocast to bf16, which has fp32's range, also runs (checked: in bf16 {self._bf16_gives}), but the "
+                "model then still reads values of that size."
+                if self.bf16 == "finite"
+                else last
+            )
+            return (
+                f"The values autocast casts to {self.dtype}{at} are the data the model is fed (no op made them: a "
+                f"module's input as the batch holds it), past its range ({self.cast}): features in large units. "
+                "Bring them into range before the model: standardise them with statistics taken once over the "
+                "training set ((x - mean) / std, per feature), or divide them by a fixed scale." + bf16
             )
         if not gradient:
             return (
@@ -757,7 +772,12 @@ class Experiment:
             trial = self._as_ran(f"the cast{at} holding +-{limit:g} instead of Inf, the ops as they ran", biggest)
             return text, message + why, fix, trial
         if self.cast is not None and (origin.phase == "backward" or self.autocast_cast) and "exceed" in self.cast:
-            if self.bf16 == "finite":
+            if self.autocast_data and origin.phase != "backward":  # the fix is a rescale of the data
+                trial = Trial.untried(
+                    "a rescale changes the units the model learns in, which a re-run of this step cannot judge"
+                    + ("; in bf16 the step is finite (checked)" if self.bf16 == "finite" else "")
+                )
+            elif self.bf16 == "finite":
                 trial = self._largest_trial(lines, "bf16", self.bf16_absmax)
             return text, message + why, self._range_cast_fix(at, checked, gradient=origin.phase == "backward"), trial
         if self.data_cast is not None and self.cast is not None:
@@ -1857,6 +1877,12 @@ def _past_range(step: Step) -> float | None:
     return largest if largest > float(torch.finfo(dtype).max) else None
 
 
+def _fed(step: Step) -> bool:
+    """The cast reads a tensor autograd records nothing of: data the model is fed as the batch holds it."""
+    source = next((t for t in tree_flatten(step.args)[0] if isinstance(t, torch.Tensor)), None)
+    return source is not None and not source.requires_grad and source.grad_fn is None
+
+
 def _data(step: Step) -> bool:
     """A forward cast outside any module of a tensor autograd records nothing of: data (targets or
     features as the batch holds them), not a value the model made."""
@@ -2097,6 +2123,7 @@ def _settle_origin(
         if largest is not None and origin.record.phase != "backward":
             if autocasts(origin.record):  # autocast's cast of a module's input: no value to write
                 experiment.autocast_cast = True
+                experiment.autocast_data = _fed(origin)
             elif _sentinel_like(origin):  # a mask value past the range: its limit is the value to write
                 experiment.saturated_fix = _try_saturated(origin, chain, lookup, symptom)
             elif _data(origin):  # data in large units, cast by the script
