@@ -104,9 +104,13 @@ def test_a_modules_input_past_fp16s_range_is_told_as_autocasts_cast_with_bf16_ch
     # the model's input as the batch holds it: the data's units are the cause, a rescale the fix (no re-run of
     # the step can judge a change of units); bf16 beside it, checked, and run as printed below
     assert fix.startswith("The values autocast casts to float16") and "are the data the model is fed" in fix, fix
-    assert fix.index("standardise them") < fix.index("Autocast to bf16, which has fp32's range, also runs (checked"), fix
+    assert fix.index("standardise them") < fix.index("Autocast to bf16, which has fp32's range, also runs (checked"), (
+        fix
+    )
     assert "mask fill" not in fix and "Write the limit" not in fix, fix
-    assert first["fix_trial"]["status"] == "not-tried" and "bf16 the step is finite" in first["fix_trial"]["reason"], first["fix_trial"]
+    assert first["fix_trial"]["status"] == "not-tried" and "bf16 the step is finite" in first["fix_trial"]["reason"], (
+        first["fix_trial"]
+    )
     runs = [run_python(str(script), *arm, timeout=120) for arm in ([], ["--bf16"])]
     assert [r.stderr.strip() for r in runs] == ["skipped 10", "skipped 0"], [r.stderr for r in runs]
 

@@ -71,8 +71,16 @@ def test_a_regression_head_taken_for_logits_says_how_to_declare_it_and_none_judg
     guessed = fpdoctor.compare(model, x, candidate="bf16").report
     (coarse,) = guessed.by_name("output-too-coarse")  # their margins below bf16's spacing
     assert "is taken for class scores from its last layer" in coarse.message
-    assert "`--decisions none` judges it by its error alone" in coarse.message
+    assert '`--decisions none` (decisions="none" in Python) judges it by its error alone' in coarse.message
     declared = fpdoctor.compare(model, x, candidate="bf16", decisions="none").report
     assert not declared.by_name("output-too-coarse") and "decisions" not in declared.data
     with pytest.raises(ValueError, match="or 'none'"):
         fpdoctor.compare(model, x, candidate="bf16", decisions="max")
+
+
+def test_plan_takes_decisions_none_as_no_logits_and_refuses_their_metrics():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4)).eval()
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="is not logits"):
+        fpdoctor.plan(model, x, candidate="bf16", metric="kl", decisions="none")

@@ -83,3 +83,28 @@ def test_a_one_line_loop_state_is_found_checked_and_its_fix_works_as_printed(len
     fixed = Model(fixed=True).eval()
     fixed.load_state_dict(model.state_dict())
     assert _error(fixed, x) <= 1.5 * after
+
+
+class NoState(nn.Module):
+    """A line that calls an nn.Sequential of many layers, in a loop over time and once: each layer's call
+    reports the line's one offset, and reads the layer before's output; no value is carried."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(*(nn.Linear(8, 8) for _ in range(40)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ys = []
+        for t in range(x.shape[1]):
+            ys.append(self.mlp(x[:, t]))
+        return torch.stack(ys, 1) + self.mlp(x)
+
+
+def test_the_layers_a_line_calls_are_no_running_state():
+    from fpdoctor.precision.compare.passes import carried_states
+    from fpdoctor.preserve import RngState
+
+    x = torch.randn(2, 64, 8, generator=torch.Generator().manual_seed(0))
+    model = NoState().eval().to(torch.bfloat16)
+    states = carried_states(model, (x,), torch.bfloat16, rng=RngState.capture(), device=None, noise=None)
+    assert states == []

@@ -539,9 +539,12 @@ def _root_finding(
         assert input_floor is not None
         return _input_finding(root, label, candidate, reference, input_floor, found=inputs_cause, evidence=evidence)
     if cause is not None and cause.get("fix"):  # its worst op's inputs are the cause: where they are made
+        unforced = bool((cause.get("evidence") or {}).get("unforced"))  # no amplifier: what its lines make
         finding = catalog.make(
             "precision-divergence",
-            title=f"The values the whole model's {own} reads are made in {candidate}",
+            title=f"The whole model's own ops lose precision in {candidate}"
+            if unforced
+            else f"The values the whole model's {own} reads are made in {candidate}",
             message=(
                 f"In {label}, the whole model's own ops (its forward, outside any submodule) lose precision: the "
                 f"worst, {own}{at}, adds an error of {_fmt(root.isolated)} "
@@ -553,7 +556,8 @@ def _root_finding(
             fix=cause["fix"],
             trial=cause["trial"],
         )
-        return finding, f"no submodule: the whole model's own {own}, from the values it reads"
+        said = "what it and the lines around it make" if unforced else "the values it reads"
+        return finding, f"no submodule: the whole model's own {own}, from {said}"
     past = root.out_of_range and candidate not in ("fp32", "tf32")  # the exact output passes the format's max
     if past:
         at_op = f" ({own} at {at.strip(' ()')})" if own and at else f" ({own})" if own else ""
@@ -1104,10 +1108,19 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
         dtype = str(compute_dtype(candidate)).removeprefix("torch.")
         where = lines_text(lines) if lines else ""
         held = ", ".join(f"`{b}`" for b in buffers)
-        if lines or buffers:
+        if (lines or buffers) and found.get("unforced"):
+            # no amplifier: the op and those around it round what they make (a histogram's counts, its CDF)
+            rounded = f", reading the {kind} {held}, which the cast to {dtype} rounded" if buffers else ""
+            message += (
+                f" The lines that feed it and read what it makes are {where or 'its line'}{rounded}: what they make "
+                "is rounded."
+            )
+            evidence["unforced"] = True
+        elif lines or buffers:
             made = f"made at {where}" if lines else ""
             rounded = f"the {kind} {held}, which the cast to {dtype} rounded"
             message += f" What it reads is {' from '.join(x for x in (made, rounded if buffers else '') if x)}."
+        if lines or buffers:
             evidence |= {"feeding_lines": [f"{f}:{n}" for f, n in lines], "raised_rel": raised}
             if found.get("inputs_as_given"):
                 evidence["inputs_as_given"] = True
@@ -1214,8 +1227,13 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
                 f"they write torch.{dtype} or a dtype read from the model (dtype=x.dtype, a buffer's dtype), .float() "
                 "on each tensor they read from the rest of the model; what reads their results then computes in fp32 "
                 "(type promotion), and where an op needs its operands in one dtype, .float() the other"
-                + (f"{'; the model given its inputs in fp32' if given else ''}")
+                + (f"; pass the model's inputs in fp32 (not cast to {dtype} before the forward)" if given else "")
                 + f"; checked: {own}the end-to-end error goes from {_fmt(error)} to {_fmt(raised)}"
+                + (
+                    ". Then `fpdoctor compare --inputs-as-given` checks the changed model fed its inputs as they are"
+                    if given
+                    else ""
+                )
             )
             trial = Trial.checked(
                 f"the ops at {where} in fp32, their results kept in fp32"

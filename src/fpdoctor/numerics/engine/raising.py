@@ -286,7 +286,7 @@ class RaisedLines(EagerDispatchMode):
         if self.carried or self.modules:
             if self.calls:
                 self.calls.pop()
-            if id(module) in self.modules and type(output) is torch.Tensor:
+            if id(module) in self.modules and type(output) is torch.Tensor and output.is_floating_point():
                 self.passing = True
                 try:
                     return output.to(self.dtype)

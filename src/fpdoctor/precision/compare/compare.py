@@ -1859,17 +1859,20 @@ class _Comparison:
                 # module to module (a layer with weights reads them cast), the inputs fed in fp32 where the cast
                 # rounds them
                 readers = {r.module for r in rows if r.diverged and _forced(r)} | {row.module}
-                stream, _ = upstream.input_lines(
+                stream = upstream.input_lines(
                     self.cand_run, self.run_inputs, self.cand_dtype, readers, rng=self.rng, device=self.cand_device,
                     noise=self.noise,
                 )  # fmt: skip
                 passed = sorted({*lines, *stream})
-                # the buffers the lines read held as they were too, where the stream alone is not enough
-                for held in ({}, buffers) if buffers else ({},):
-                    carried = raised_with(passed, held, given=rounds_inputs, carried=stream) if stream else None
+                # the buffers the lines read held as they were too, and the inputs fed in fp32 (where the cast
+                # rounds them), each only where the stream alone is not enough
+                tries = [(held, given) for given in ((False, True) if rounds_inputs else (False,))
+                         for held in (({}, buffers) if buffers else ({},))]  # fmt: skip
+                for held, given in tries if stream else []:
+                    carried = raised_with(passed, held, given=given, carried=stream)
                     if carried is not None and _cured(final.propagated, carried):
                         lines, raised, buffers, cause["carried"] = passed, carried, held, stream
-                        cause["inputs_as_given"] = rounds_inputs or None
+                        cause["inputs_as_given"] = given or None
                         break
             if lines and (raised is None or raised > RAISED_FALLS * final.floor):
                 # not enough, or far from the floor still: what the lines make is rounded again where it is cast
@@ -1878,7 +1881,7 @@ class _Comparison:
                 # bf16 makes 1); the fix where it cures, or takes a cure RAISED_FALLS further
                 held = buffers | rounded(elsewhere)
                 for given in (False, True) if rounds_inputs else (False,):
-                    unrounded = raised_with(lines, held, given=given, wide=True)
+                    unrounded = raised_with(lines, held, given=given, wide=True, carried=cause.get("carried"))
                     if unrounded is not None and _cured(raised if raised is not None else final.propagated, unrounded):
                         raised, buffers, cause["kept_wide"] = unrounded, held, True
                         cause["inputs_as_given"] = cause.get("inputs_as_given") or given or None
@@ -2845,22 +2848,28 @@ class _Comparison:
         root = next((e for (name, _), e in self.seen.items() if name == ""), None)
         if not readers or root is None:
             return None
-        given = not self.given and _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is None
+        rounds = not self.given and _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is None
         outputs: list[torch.Tensor] = []
+        after, given = None, False
         try:
-            stream, _ = upstream.input_lines(
+            stream = upstream.input_lines(
                 self.cand_run, self.run_inputs, self.cand_dtype, set(readers), rng=self.rng,
                 device=self.cand_device, noise=self.noise,
             )  # fmt: skip
-            after = stream and upstream.raised_error(
-                self.cand_run, self.run_inputs, self.cand_dtype, stream, truth=root.truth, norm=root.norm,
-                rng=self.rng, device=self.cand_device, noise=self.noise, keep=outputs, inputs_as_given=given,
-                carried=stream, modules=readers,
-            )  # fmt: skip
+            # the inputs fed in fp32 only where the cast's rounding of them is part of it (readings near 300)
+            for given in ((False, True) if rounds else (False,)) if stream else ():
+                outputs.clear()
+                after = upstream.raised_error(
+                    self.cand_run, self.run_inputs, self.cand_dtype, stream, truth=root.truth, norm=root.norm,
+                    rng=self.rng, device=self.cand_device, noise=self.noise, keep=outputs, inputs_as_given=given,
+                    carried=stream, modules=readers,
+                )  # fmt: skip
+                if after is not None and _cured(error, after):
+                    break
         except Exception as exc:  # the check is ours: the finding stands without it
             self.notes["the value the divergent modules are passed"] = f"not checked: {type(exc).__name__}: {exc}"
             return None
-        if not after or not _cured(error, after) or not outputs:
+        if after is None or not _cured(error, after) or not outputs:
             return None
         where, dtype = lines_text(stream), self.label
         kept = ", ".join(f"`{m}`" for m in readers)

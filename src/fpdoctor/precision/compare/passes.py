@@ -251,6 +251,7 @@ class _Chains(TorchFunctionMode):
         self.aten: dict[tuple[int, str], list[Any]] = {}  # (id of function, line) -> the aten ops it ran
         self.stack: list[str] = []
         self.last: dict[tuple[int, str], Any] = {}  # (id of function, line) -> weak reference to its last output
+        self.last_in: dict[tuple[int, str], str] = {}  # ... and the module call it was made in
         self.at: tuple[int, int] | None = None  # (id of the user's frame, its bytecode offset) of that call
         self.line: str | None = None  # the line of the call seen last, and that call's output
         self.out: Any = None
@@ -361,7 +362,10 @@ class _Chains(TorchFunctionMode):
             self._visit(line)
         ref = self.last.get(key)
         held = ref() if ref is not None else None
-        reads = held is not None and _holds(args, held)
+        # in the same module call: the layers of an nn.Sequential a line calls (each Linear reading the one before's
+        # output, one function at one line) carry nothing; a cell called in a loop is the same module each time
+        module = self.stack[-1] if self.stack else ""
+        reads = held is not None and self.last_in.get(key) == module and _holds(args, held)
         across = reads and self.made_in.get(key) != self.visits  # made by an earlier visit of the line
         if not reads and not self.counted:
             ref = self.previous.get(line)
@@ -408,6 +412,7 @@ class _Chains(TorchFunctionMode):
                 if not any(op._schema.is_mutable for op in ops) and not _exact(ops):
                     self.raised_lines.add(line)
         self.last[key] = self.out = weakref.ref(out)
+        self.last_in[key] = module
         self.made_in[key] = self.visits
         # the line's latest output, by id: what the next line that reads it finds (one entry per line;
         # a view is its base's)
@@ -420,11 +425,12 @@ class _Chains(TorchFunctionMode):
         return result
 
     def _again(self, frame: Any) -> bool:
-        """The same line's frame called again from an offset at or before its last call's: a loop whose
-        body is this one line (h = a[:, t] * h + b[:, t]) started it over, a visit of its own. The frame by
-        id and offset: a reference would keep its tensors alive."""
+        """The same line's frame called again from an offset before its last call's: a loop whose body is
+        this one line (h = a[:, t] * h + b[:, t]) started it over, a visit of its own. The frame by id and
+        offset: a reference would keep its tensors alive."""
         last, self.at = self.at, (id(frame), frame.f_lasti)
-        return last is not None and last[0] == self.at[0] and self.at[1] <= last[1]
+        # strictly before: the layers of an nn.Sequential the line calls all report the line's one offset
+        return last is not None and last[0] == self.at[0] and self.at[1] < last[1]
 
     def _visit(self, line: str) -> None:
         """A visit of `line` begins, so the visit of the line before ends: what it made last is its

@@ -219,29 +219,24 @@ class _Lines(EagerDispatchMode):
 def input_lines(
     run: nn.Module, inputs: Any, dtype: torch.dtype, modules: set[str], *, rng: RngState,
     device: torch.device | None, noise: ReplayNoise | None,
-) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:  # fmt: skip
+) -> list[tuple[str, int]]:  # fmt: skip
     """The user lines that made the floating tensors the calls of `modules` were passed, in one
     candidate forward: where a value handed from module to module is made (a residual stream,
-    `x = x + block(x)` at a caller's line, read by every norm after it); and the user lines that
-    call them (where a torch module's ops run)."""
+    `x = x + block(x)` at a caller's line, read by every norm after it)."""
     mode = _Lines()
     found: set[tuple[str, int]] = set()
-    calls: set[tuple[str, int]] = set()
 
     def pre(name: str, index: int, module: nn.Module, args: Any, kwargs: Any) -> None:
         mode.on = True
         if name in modules:
             found.update(line for line in (mode.made.get(t) for t in _tensors((args, kwargs))) if line)
-            user = user_location(sys._getframe())
-            if user is not None:
-                calls.add((user[0], user[1]))
 
     def post(name: str, index: int, args: Any, output: Any) -> None:
         mode.on = mode.on and name != ""
 
     with mode:
         hooked(run, inputs, dtype, pre=pre, post=post, rng=rng, device=device, noise=noise)
-    return sorted(found), sorted(calls)
+    return sorted(found)
 
 
 def _filled(lines: list[tuple[str, int]], ran: set[tuple[str, int]]) -> list[tuple[str, int]]:

@@ -187,7 +187,8 @@ def _taken(found: Decisions) -> str:
         return ""
     return (
         f" The output is taken for class scores from its last layer ({found.source}); where it is not (a "
-        f"regression of {found.classes} values), `--decisions none` judges it by its error alone."
+        f'regression of {found.classes} values), `--decisions none` (decisions="none" in Python) judges it by '
+        "its error alone."
     )
 
 

@@ -647,7 +647,10 @@ def _judge_set(
     head = ended[-1] if ended else None
     first = next(floating(output), None)
     ids = use.reads_ids(inputs)
-    made_by_head = head is not None and use.logits_source(head, leaves[head], first, ids=ids) is not None
+    # an output declared to decide nothing (decisions="none": a regression from a Linear head) is no logits
+    made_by_head = (
+        decisions != "none" and head is not None and use.logits_source(head, leaves[head], first, ids=ids) is not None
+    )
     is_logits = made_by_head
     # compare's own test of what the output decides, which plan's metrics then judge: scores against a
     # class table (prototypes, a cosine head), logits divided by a temperature (not probabilities)
