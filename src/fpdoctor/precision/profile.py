@@ -1168,22 +1168,15 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
             evidence["carried_lines"] = [f"{f}:{n}" for f, n in carried]
             rest = [line for line in lines if line not in carried]
             stream = lines_text(carried)
-            fix = (
-                f"Keep the value these modules are passed in fp32 where it is made and carried (a residual stream): "
-                f"compute {stream} in fp32 and do not cast the result to {dtype} (x = x + f(x) with x in fp32 stays "
-                "fp32 by type promotion: drop a .to() that casts it back)"
-                + (f", {lines_text(rest)} computing from it in fp32" if rest else "")
+            readers = (
+                (f", {lines_text(rest)} computing from it in fp32" if rest else "")
                 + (f", {held} kept in fp32 ({again})" if buffers else "")
                 + f"; a module of yours that reads it returns {dtype} (.to(p.dtype) on what it returns, p a parameter "
                 f"of the model), and a layer with weights that reads it directly (a Linear) reads it as .to(p.dtype)"
-                + (f"; pass the model's inputs in fp32 (not cast to {dtype} before the forward)" if given else "")
-                + f"; checked: {own}the end-to-end error goes from {_fmt(error)} to {_fmt(raised)}. This is "
-                "residual_in_fp32 in Mamba's and flash-attn's fused add + norm"
-                + (
-                    ". Then `fpdoctor compare --inputs-as-given` checks the changed model fed its inputs as they are"
-                    if given
-                    else ""
-                )
+            )
+            checked = f"{own}the end-to-end error goes from {_fmt(error)} to {_fmt(raised)}"
+            fix = carried_fix(
+                "the value these modules are passed", stream, dtype, readers, given=given, checked=checked
             )
             trial = Trial.checked(
                 f"the values made at {stream} kept in fp32 from module to module"
@@ -1314,6 +1307,21 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
             trial = Trial.untried(tried)
         out[module] = {"message": message, "evidence": evidence, "op": op, "fix": fix, "trial": trial}
     return out
+
+
+def carried_fix(what: str, stream: str, dtype: str, readers: str, *, given: bool, checked: str) -> str:
+    """The fix "keep the residual stream in fp32", as compare's checks ran it (RaisedLines.carried): `what`
+    is kept in fp32 where it is made (`stream`, the lines that make it) and carried; `readers`, how what
+    reads it is changed; `given`: the model's inputs fed in fp32 too; `checked`: the figures."""
+    return (
+        f"Keep {what} in fp32 where it is made and carried from module to module (a residual stream): compute "
+        f"{stream} in fp32 and do not cast what they make to {dtype} (x = x + f(x) with x in fp32 stays fp32 by "
+        f"type promotion: drop a .to() that casts it back){readers}"
+        + (f"; pass the model's inputs in fp32 (not cast to {dtype} before the forward)" if given else "")
+        + f"; checked: {checked}. This is residual_in_fp32 in Mamba's and flash-attn's fused add + norm"
+        + (". Then `fpdoctor compare --inputs-as-given` checks the changed model fed its inputs as they are" if given
+           else "")
+    )  # fmt: skip
 
 
 def _held(held: list[str], parameters: list[str], candidate: str) -> tuple[str, str]:

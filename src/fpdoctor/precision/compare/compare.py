@@ -143,6 +143,7 @@ from fpdoctor.precision.profile import (
     annotate,
     broken_reference,
     build_report,
+    carried_fix,
     causes,
     children,
     forced_causes,
@@ -2873,22 +2874,16 @@ class _Comparison:
             return None
         where, dtype = lines_text(stream), self.label
         kept = ", ".join(f"`{m}`" for m in readers)
-        fix = (
-            f"Keep what {kept} read in fp32 where it is made and carried from module to module (a residual stream): "
-            f"compute {where} in fp32 and do not cast what they make to {dtype} (x = x + f(x) with x in fp32 "
-            f"stays fp32 by type promotion: drop a .to() that casts it back); compute {kept} in fp32 reading it as "
-            "it is (.float() on each after your cast of the model; where the code that casts is not yours, "
-            "`fpdoctor compare` included, in the forward: each one's functional form on x.float() with its "
-            "parameters .float(), a LayerNorm m as F.layer_norm(x.float(), m.normalized_shape, m.weight.float(), "
-            f"m.bias.float(), m.eps)), and cast what they return to {dtype} where it is read "
+        reading = (
+            f"; compute {kept} in fp32 reading it as it is (.float() on each after your cast of the model; where the "
+            "code that casts is not yours, `fpdoctor compare` included, in the forward: each one's functional form on "
+            "x.float() with its parameters .float(), a LayerNorm m as F.layer_norm(x.float(), m.normalized_shape, "
+            f"m.weight.float(), m.bias.float(), m.eps)), and cast what they return to {dtype} where it is read "
             "(self.mlp(self.norm(x).to(p.dtype)), p a parameter of the model); any other layer that reads the "
             "stream reads it as .to(p.dtype)"
-            + (f"; pass the model's inputs in fp32 (not cast to {dtype} before the forward)" if given else "")
-            + f"; checked: the end-to-end error goes from {error:.3g} to {after:.3g}. This is residual_in_fp32 in "
-            "Mamba's and flash-attn's fused add + norm"
-            + (". Then `fpdoctor compare --inputs-as-given` checks the changed model fed its inputs as they are"
-               if given else "")
-        )  # fmt: skip
+        )
+        checked = f"the end-to-end error goes from {error:.3g} to {after:.3g}"
+        fix = carried_fix(f"what {kept} read", where, dtype, reading, given=given, checked=checked)
         changed = (
             f"the ops at {where} in fp32, their results kept in fp32 from module to module, {kept} in fp32 reading "
             f"them as they are" + (", the inputs fed in fp32" if given else "") + f", what else reads them cast to "
