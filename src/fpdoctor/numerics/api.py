@@ -406,7 +406,8 @@ def _judged(ops: int, steps: int, phases: list[str]) -> str:
     return (
         f"the outputs of {ops:,} ops{over} ({', '.join(phases) or 'none ran'}) for NaN/Inf, and fp16/bf16 values "
         "against their format's range; not compared with a reference: how far the run is from fp32 is "
-        "`fpdoctor watch`'s reference step (steps 1, 501, ...) or `fpdoctor compare`'s forward against fp64"
+        "`fpdoctor watch`'s reference step (steps 1, 10, 100, then paced; none where the loss reads gradients, "
+        "create_graph=True) or `fpdoctor compare`'s forward against fp64 (the model alone)"
     )
 
 
