@@ -41,8 +41,10 @@ def _tried_text(tried: WhatIf | None, untried: str) -> tuple[str, dict[str, Any]
         "the gradients at the model's outputs, without the loss function)"
     )
     text = (
-        f"with fp32 master weights, {tried.moved_fixed:.0%} of the master weights moved per step (the "
-        f"low-precision weights as it is: {tried.moved_as_is:.0%}) and {loss}"
+        f"with fp32 master weights, {tried.moved_fixed:.0%} of the master weights moved per step of the what-if, "
+        f"which repeats this step's batch (the low-precision weights as it is: {tried.moved_as_is:.0%} there, where "
+        "an adaptive optimizer's steps on a batch seen again grow: the run's own share is the one above) and "
+        f"{loss}"
     )
     if tried.helped:
         return f" Tried: {text} (checked, {tried.seconds:.2g} s, on copies).", evidence
