@@ -188,8 +188,8 @@ class RaisedLines(EagerDispatchMode):
         self.carried = carried or set()
         # modules computed in fp32 whatever line calls them (their ops raised, what they return cast back):
         # the norms that read a stream kept in fp32. With them or `carried`, the module calls in progress are
-        # tracked (`calls`: each with the user line that made it), and a torch module called from a raised line
-        # runs as the candidate does (its ops run at that line, but the fix keeps only the line's own ops)
+        # tracked (`calls`: each with the user line that made it), and a torch module called from a carried line
+        # runs as the candidate does (its ops run at that line, but the fix keeps only the stream's own adds)
         self.modules = {id(m) for m in modules or []}
         self.calls: list[tuple[torch.nn.Module, tuple[str, int] | None]] = []
         self.passing = False  # this mode's own casts, run as they are
