@@ -16,6 +16,9 @@ fp32. This module finds where they are made and tries it:
                     the candidate's dtype where the rest of the model reads them: the fix as the
                     user writes it ("compute these lines in fp32, cast the result back"), judged
                     end to end against the fp64 output.
+  `input_lines`     one candidate forward that records the lines that made what some modules are
+                    passed: a value handed from module to module (a residual stream), which the check
+                    keeps in fp32 between them (RaisedLines `carried`).
 """
 
 from __future__ import annotations
