@@ -155,7 +155,7 @@ from fpdoctor.precision.profile import (
 from fpdoctor.precision.record.record import CompareRecord
 from fpdoctor.precision.record.recording import Link, Samples, decision_record
 from fpdoctor.precision.scope import find_module, module_inputs
-from fpdoctor.precision.units import InUnits, coarse_finding, given_finding, in_units, lost_finding
+from fpdoctor.precision.units import InUnits, coarse_finding, given_finding, in_units, lost_finding, plain_fp32
 from fpdoctor.preserve import RngState
 from fpdoctor.pytrees import tensors_in
 from fpdoctor.report.model import Finding, Severity, Trial
@@ -1700,15 +1700,20 @@ class _Comparison:
         final = rows[-1] if rows else None
         if row is None and final is not None and final.propagated > RAISED_FALLS * final.floor:
             row = next((r for r in rows if _borderline(r, self.seen[(r.module, r.call)]) and _forced(r)), None)
-        unforced = row is None and final is not None and _own_diverged(rows)
+        # (an output past the format's range has its own finding: its ops' result returned in fp32)
+        unforced = row is None and final is not None and _own_diverged(rows) and not final.out_of_range
         if unforced:
             # the whole model's own ops diverge, no submodule does, and its worst op is no amplifier: no module
             # to keep in fp32, so the lines that make what it reads are the fix, checked the same way
             row = final
         if row is None or row.own is None or self.cand_dtype not in (torch.float16, torch.bfloat16):
             return {}
-        if unforced:
-            return {row.module: self._forced_at(rows, row) | {"unforced": True}}
+        if unforced:  # said only where its check cures: else the finding stands as it was (a stable form, plan)
+            found = self._forced_at(rows, row, unforced=True)
+            raised = found.get("raised_rel")
+            fixed = bool(found.get("lines") or found.get("buffers"))
+            cured = raised is not None and _cured(found["error_rel"], raised)
+            return {row.module: found | {"unforced": True}} if fixed and cured else {}
         if not row.diverged:
             found = self._forced_at(rows, row)
             raised = found.get("raised_rel")
@@ -1751,7 +1756,7 @@ class _Comparison:
                 kept, best = tried, together
         return (kept, best) if kept != lines else (lines, raised)
 
-    def _forced_at(self, rows: list[ModuleRow], row: ModuleRow) -> dict[str, Any]:
+    def _forced_at(self, rows: list[ModuleRow], row: ModuleRow, unforced: bool = False) -> dict[str, Any]:
         """forced() for `row`: the lines that make its worst op's inputs, and the end-to-end error
         with them in fp32 (`raised_rel`, None where not measured)."""
         assert row.own is not None
@@ -1875,11 +1880,17 @@ class _Comparison:
                         lines, raised, buffers, cause["carried"] = passed, carried, held, stream
                         cause["inputs_as_given"] = given or None
                         break
-            if lines and (raised is None or raised > RAISED_FALLS * final.floor):
-                # not enough, or far from the floor still: what the lines make is rounded again where it is cast
-                # back (a histogram's counts past bf16's 256, a CDF near 1 that bf16 holds to 0.004): kept in fp32
-                # for what reads it, with every rounded buffer the module reads held (a quantile of 0.999 that
-                # bf16 makes 1); the fix where it cures, or takes a cure RAISED_FALLS further
+            far = (
+                raised is None
+                or not _cured(final.propagated, raised)
+                or (unforced and raised > RAISED_FALLS * final.floor)
+            )
+            if lines and far:
+                # not enough (for the whole model's own ops: or far from the floor still): what the lines make is
+                # rounded again where it is cast back (a histogram's counts past bf16's 256, a CDF near 1 that
+                # bf16 holds to 0.004): kept in fp32 for what reads it, with every rounded buffer the module reads
+                # held (a quantile of 0.999 that bf16 makes 1); the fix where it cures, or takes a cure
+                # RAISED_FALLS further
                 held = buffers | rounded(elsewhere)
                 for given in (False, True) if rounds_inputs else (False,):
                     unrounded = raised_with(lines, held, given=given, wide=True, carried=cause.get("carried"))
@@ -2018,7 +2029,7 @@ class _Comparison:
             ]  # fmt: skip
         result.report.findings[:0] = origin
         self._kept_checked(result.report.findings, rows)
-        made = self._made_checked(rows, forced or {})
+        made = self._made_checked(rows, forced or {}) or self._buffers_checked(rows, result.report.findings)
         if made is not None:  # checked to take most of the error away: the cause, before what it makes
             # an error "made by accumulation" is what compare concludes when no part explains it: this does;
             # a divergence whose own fix was not found to help is what these values do downstream
@@ -2028,7 +2039,12 @@ class _Comparison:
             for i, (label, text) in enumerate(summary):
                 if label == "first divergent module" and "accumulation" in text:  # what compare found instead
                     line = str(made.evidence.get("location", "")).rpartition(":")[2]
-                    summary[i] = (label, f"none by itself: values line {line} makes in the model's dtype, rounded")
+                    said = (
+                        f"buffers of whole numbers the model's cast rounds, read at line {line}"
+                        if made.evidence.get("buffers")
+                        else f"values line {line} makes in the model's dtype, rounded"
+                    )
+                    summary[i] = (label, f"none by itself: {said}")
         elif self.made:
             result.report.findings[:] = made_in_dtype.told(result.report.findings, self.made, self.cand_dtype)
         if selection is not None:  # the cause of an error nothing else explained: first
@@ -2667,6 +2683,48 @@ class _Comparison:
         self.made_fix = (made, output) if output is not None else None
         self._fix_outputs.clear()
         return made
+
+    def _buffers_checked(self, rows: list[ModuleRow], findings: list[Finding]) -> Finding | None:
+        """NUM020 for a buffer of whole numbers the model's cast rounds (positions held as a float buffer
+        past fp16's 2048), where no finding's fix was checked: the buffer held in fp32 and the lines that
+        read it computed in fp32 from it, their results cast back (a mask the attention reads in its dtype),
+        checked to divide the end-to-end error by RAISED_FALLS."""
+        error = rows[-1].propagated if rows else math.nan
+        if not math.isfinite(error) or self.cand_dtype not in (torch.float16, torch.bfloat16):
+            return None
+        if any(f.trial is not None and f.trial.tried for f in findings):
+            return None
+        root = next((e for (name, _), e in self.seen.items() if name == ""), None)
+        if root is None:
+            return None
+        # by attribute: every block's own `positions` (one module class's code) is one fix
+        groups: dict[str, list[tuple[str, float]]] = {}
+        for name, top in made_in_dtype.whole_buffers(self.model, self.cand_dtype):
+            groups.setdefault(name.rpartition(".")[2], []).append((name, top))
+        try:
+            for held in list(groups.values())[:2]:
+                lines = sorted({
+                    line for name, _ in held for line in upstream.reader_lines(
+                        self.cand_run, self.run_inputs, self.cand_dtype, name, rng=self.rng,
+                        device=self.cand_device, noise=self.noise,
+                    )
+                })  # fmt: skip
+                kept: list[torch.Tensor] = []
+                after = upstream.raised_error(
+                    self.cand_run, self.run_inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,
+                    rng=self.rng, device=self.cand_device, noise=self.noise,
+                    buffers={name: self.model.get_buffer(name) for name, _ in held}, keep=kept,
+                )  # fmt: skip
+                if after is not None and after * RAISED_FALLS <= error and kept:
+                    found = made_in_dtype.buffer_finding(
+                        [name for name, _ in held], max(x for _, x in held), lines, error, after, label=self.label,
+                        dtype=self.cand_dtype, held=plain_fp32([name for name, _ in held]),
+                    )  # fmt: skip
+                    self.made_fix = (found, kept[-1])
+                    return found
+        except Exception as exc:  # the check is ours: the report stands without it
+            self.notes["buffers of whole numbers"] = f"not checked: {type(exc).__name__}: {exc}"
+        return None
 
     def _fix_checked(self, kind: str, line: tuple[str, int], more: int = 0) -> float | None:
         """The end-to-end error with an overflow's fix in place (nonfinite.py, profile.causes): the

@@ -24,7 +24,7 @@ import torch
 from fpdoctor import catalog
 from fpdoctor.precision.compare.container_ops import Made
 from fpdoctor.precision.compare.nonfinite import Check, fp32_lines, line_of, source_text
-from fpdoctor.precision.profile import RAISED_FALLS
+from fpdoctor.precision.profile import RAISED_FALLS, line_spans
 from fpdoctor.report.model import Finding, Trial
 
 # Lines after the site tried in fp32 with it: positions go through a product and a cos/sin before
@@ -123,6 +123,58 @@ def finding(
     )
     where = {"module": None, "op": None, "phase": "forward"}
     return catalog.make(rule, message=message, fix=fix, where=where, evidence=evidence, trial=trial)
+
+
+def whole_buffers(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[str, float]]:
+    """The model's floating buffers of whole numbers past what `dtype` holds exactly (positions up to
+    4095 as a float buffer, which the model's cast to fp16 rounds past 2048): name and largest |value|."""
+    limit = 2.0 / torch.finfo(dtype).eps
+    found = []
+    for name, t in model.named_buffers():
+        if not t.is_floating_point() or torch.finfo(t.dtype).bits <= torch.finfo(dtype).bits or not t.numel():
+            continue
+        with torch.no_grad():
+            largest = float(t.abs().max())
+            if largest > limit and math.isfinite(largest) and bool((t == t.round()).all()):
+                found.append((name, largest))
+    return found
+
+
+def buffer_finding(
+    names: list[str], largest: float, lines: list[tuple[str, int]], before: float, after: float, *, label: str,
+    dtype: torch.dtype, held: str,
+) -> Finding:  # fmt: skip
+    """NUM020 for buffers of whole numbers the model's cast rounds, one attribute of one module class
+    (`held`: how to keep them in fp32), checked with them held in fp32 and the `lines` that read them
+    computed in fp32, their results cast back."""
+    leaf = names[0].rpartition(".")[2]
+    name = f"`{names[0]}`" if len(names) == 1 else f"`{leaf}` of {len(names)} modules (`{names[0]}`, ...)"
+    limit = 2.0 / torch.finfo(dtype).eps
+    dname = str(dtype).removeprefix("torch.")
+    file = lines[0][0] if lines else ""
+    at = f"{line_spans([n for _, n in lines])} of {file}" if lines else "the lines that read it"
+    message = (
+        f"In {label}, the buffer {name} holds whole numbers up to {largest:.0f}, and the model's cast to {dname} "
+        f"rounds those past {limit:.0f}, the largest it holds exactly, before anything reads them (relative figures "
+        "barely move: the large values are nearly right, their small differences are not: the distance of two "
+        f"nearby positions). With {name} kept in fp32 and {at} computed in fp32 from it, their results cast back "
+        f"to {dname}, the end-to-end error goes from {before:.3g} to {after:.3g} (checked)."
+    )
+    fix = (
+        f"Keep {name} in fp32 ({held}), compute {at} in fp32 from it, and cast what they make to {dname} where "
+        f"the rest reads it (.to(x.dtype), x the tensor it meets); checked: the end-to-end error goes from "
+        f"{before:.3g} to {after:.3g}"
+    )
+    trial = Trial.checked(
+        f"{name} held in fp32, the ops at {at} in fp32, their results cast back to {dname}",
+        metric="end-to-end relative error against fp64", before=before, after=after, on="the inputs given",
+    )  # fmt: skip
+    evidence = {
+        "buffers": names, "largest": largest, "exact_up_to": limit, "lines_raised": [n for _, n in lines],
+        "location": f"{file}:{lines[0][1]}" if lines else None, "error_before": before, "error_after": after,
+    }  # fmt: skip
+    where = {"module": names[0].rpartition(".")[0] or None, "op": None, "phase": "forward"}
+    return catalog.make("whole-numbers-rounded", message=message, fix=fix, where=where, evidence=evidence, trial=trial)
 
 
 def told(findings: list[Finding], sites: list[Made], dtype: torch.dtype) -> list[Finding]:

@@ -16,6 +16,7 @@ fp32. This module finds where they are made and tries it:
                     the candidate's dtype where the rest of the model reads them: the fix as the
                     user writes it ("compute these lines in fp32, cast the result back"), judged
                     end to end against the fp64 output.
+  `reader_lines`    one candidate forward that records the lines that read a buffer the cast rounded.
   `input_lines`     one candidate forward that records the lines that made what some modules are
                     passed: a value handed from module to module (a residual stream), which the check
                     keeps in fp32 between them (RaisedLines `carried`).
@@ -240,6 +241,39 @@ def input_lines(
     with mode:
         hooked(run, inputs, dtype, pre=pre, post=post, rng=rng, device=device, noise=noise)
     return sorted(found)
+
+
+class _Readers(EagerDispatchMode):
+    """The user lines of the ops that read a tensor, or a view of it (p = positions[:T], then |p_i - p_j|)."""
+
+    def __init__(self, held: torch.Tensor) -> None:
+        super().__init__()
+        self.marked = ByTensor()
+        self.marked.put(held, True)
+        self.lines: set[tuple[str, int]] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if any(self.marked.get(t) for t in _tensors((args, kwargs))):
+            user = user_location(sys._getframe())
+            if user is not None:
+                self.lines.add((user[0], user[1]))
+            if func.is_view:
+                for t in _tensors(out):
+                    self.marked.put(t, True)
+        return out
+
+
+def reader_lines(
+    run: nn.Module, inputs: Any, dtype: torch.dtype, buffer: str, *, rng: RngState, device: torch.device | None,
+    noise: ReplayNoise | None,
+) -> list[tuple[str, int]]:  # fmt: skip
+    """The user lines of the ops that read the model's `buffer` (or a view of it), in one candidate
+    forward: where what the model's cast rounded is computed with."""
+    mode = _Readers(run.get_buffer(buffer))
+    with mode:
+        hooked(run, inputs, dtype, pre=None, post=lambda *_: None, rng=rng, device=device, noise=noise)
+    return sorted(mode.lines)
 
 
 def _filled(lines: list[tuple[str, int]], ran: set[tuple[str, int]]) -> list[tuple[str, int]]:
