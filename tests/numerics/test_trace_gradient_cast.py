@@ -174,3 +174,38 @@ def test_an_op_on_a_line_with_a_matmul_under_autocast_is_told_how_float_survives
     assert "((a @ b).float())" in first["fix"] and "enabled=False" in first["fix"], first["fix"]
     runs = [run_python(str(script), *arm, timeout=120) for arm in ([], ["--fix"])]
     assert [r.stderr.strip() for r in runs] == ["nan", "finite"], [r.stderr for r in runs]
+
+
+WIDENED = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 784), nn.Sigmoid())
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(24):
+    x, z = torch.rand(256, 784), torch.randn(256, 32)
+    with torch.autocast("cpu", dtype=torch.float16):
+        recon = model(z)
+    loss = F.binary_cross_entropy(recon.float(), x, reduction="sum") * 1e5  # CAST
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+"""
+
+
+def test_the_gradient_cast_back_by_a_widening_cast_is_named_at_the_casts_line_not_the_backwards(tmp_path: Path) -> None:
+    """recon.float() before the loss: its backward casts the gradient back to fp16, past its range; the
+    fix names that line (it named the line of the backward() call)."""
+    script = tmp_path / "vae.py"
+    script.write_text(WIDENED)
+    cast = next(i for i, line in enumerate(WIDENED.splitlines(), 1) if line.endswith("# CAST"))
+    report = tmp_path / "report.json"
+    run_fpdoctor("trace", "-o", str(report), "--", str(script))
+    first = json.loads(report.read_text())["findings"][0]
+    assert first["name"] == "grad-scaler-stalled", first
+    assert first["fix"].startswith("The gradient cast back at ") and f"vae.py:{cast} to float16" in first["fix"], first[
+        "fix"
+    ]

@@ -837,7 +837,11 @@ class Tracer(EagerDispatchMode):
                     if t._base is not None and not self._still_bad(t._base, True):
                         self._alias(t._base, src)  # written through a view: the base holds it too
                     module, call, _ = self.tracker.current
-                    self._by_seq.setdefault(seq, (module, call, info.op, None))
+                    # a widening cast's line (recon.float() before a loss): its backward casts the gradient back
+                    # to the narrow dtype, where it can pass the range; other aliases keep no line (a frame walk
+                    # per view would cost the trace its budget)
+                    at = user_location(sys._getframe(1)) if info.name == "_to_copy" else None
+                    self._by_seq.setdefault(seq, (module, call, info.op, at))
                     return
         inputs = self._inputs(arg_tensors, index, before) if info.reads_inputs else []
         self._commit(
