@@ -241,3 +241,16 @@ def test_a_selection_the_format_does_not_change_is_not_named() -> None:
         model.router.weight.mul_(20.0)
     report = fpdoctor.compare(model, torch.randn(256, 64), candidate="bf16").report
     assert "selection-changed" not in [f.name for f in report.findings]
+
+
+def test_a_selecting_line_several_blocks_share_is_named_with_the_block_that_changed() -> None:
+    """Two top-2 routers of one class, one line of code: the finding names the block whose call changed."""
+    torch.manual_seed(0)
+    blocks = nn.Sequential(TopK(), TopK()).eval()
+    with torch.no_grad():
+        for block in blocks:
+            block.router.weight.mul_(0.05)
+    report = fpdoctor.compare(blocks, torch.randn(512, 64), candidate="bf16").report
+    first = next(f for f in report.findings if f.name == "selection-changed")
+    assert first.where["module"] in ("0", "1")
+    assert f" in `{first.where['module']}` picks" in first.message, first.message

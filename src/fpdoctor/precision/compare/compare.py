@@ -1674,15 +1674,19 @@ class _Comparison:
         fed = self.inputs if run is self.ref_run else self.run_inputs
 
         def pre(name: str, index: int, mod: nn.Module, args: Any, kwargs: Any) -> None:
+            picks.stack.append(name)
             if name == "":
                 picks.start()
             elif upstream:  # the line that calls it: a fix there names the module, and what it is called on
                 first = args[0] if args else None
                 picks.called(name, mod, indices=isinstance(first, torch.Tensor) and not first.is_floating_point())
 
+        def post(name: str, index: int, args: Any, output: Any) -> None:
+            if picks.stack:
+                picks.stack.pop()
+
         with picks:
-            hooked(run, fed, dtype, pre=pre, post=lambda *a: None, rng=self.rng, device=device,
-                   noise=self.noise)  # fmt: skip
+            hooked(run, fed, dtype, pre=pre, post=post, rng=self.rng, device=device, noise=self.noise)
         return picks
 
     # -- step 5b: an op whose inputs' precision forces its error: where they are made, and the check ---

@@ -97,6 +97,7 @@ class Pick:
     rows: torch.Tensor  # int64 [rows, picks]
     upstream: tuple[str, ...]  # the lines that made what it ranks, nearest first
     width: int = 1  # a comparison's: its output's last dim, its values a row each in `rows`
+    module: str = ""  # the module call it ran in (a line several blocks share: the first that changed)
 
 
 class Picks(EagerDispatchMode):
@@ -111,6 +112,7 @@ class Picks(EagerDispatchMode):
         self.on = not upstream  # lines of origin are the model's: from its forward's start (`start`)
         self.modules: dict[str, list[tuple[str, torch.nn.Module]]] = {}  # line -> the modules it calls
         self.on_indices: set[str] = set()  # those called on integers (token ids)
+        self.stack: list[str] = []  # the module calls in progress, innermost last (compare's hooks)
 
     def called(self, name: str, module: torch.nn.Module, *, indices: bool = False) -> None:
         """A module's call starts (a pre hook): which module the calling line runs (`indices`: on integers,
@@ -156,8 +158,9 @@ class Picks(EagerDispatchMode):
             made = self._made.get(source) if self._made is not None else None
             width = out.shape[-1] if spec[1] is None and isinstance(out, torch.Tensor) and out.dim() >= 2 else 1
             self.picks[(key[0], key[1], n)] = Pick(
-                key[1], line, _rows(out, args, kwargs, spec), tuple(made or ()), width
-            )
+                key[1], line, _rows(out, args, kwargs, spec), tuple(made or ()), width,
+                self.stack[-1] if self.stack else "",
+            )  # fmt: skip
         return out
 
     def _lines(self, line: str, args: Any) -> tuple[str, ...]:
@@ -379,7 +382,8 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
     name = str(dtype).removeprefix("torch.")
     code = source_text(pick.location)
     code = code[: code.index("  #")].rstrip() if "  #" in code else code
-    written = f" (`{code}`)" if code else ""
+    # the module call it ran in: a line of a block's code runs in every block, and the first that changed is named
+    written = (f" (`{code}`)" if code else "") + (f" in `{pick.module}`" if pick.module else "")
     picked = f", {found.picks} of its {found.of} picks" if found.picks is not None and found.of > found.rows else ""
     share = (
         f"({found.share:.3g} a row; {reference}: {found.floor:.3g})"
@@ -441,7 +445,7 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
         "upstream_lines": list(pick.upstream),
         "error_before": found.error_before,
     }  # fmt: skip
-    where = {"module": None, "op": f"aten.{pick.op}", "phase": "forward"}
+    where = {"module": pick.module or None, "op": f"aten.{pick.op}", "phase": "forward"}
     if not fixed or found.lines is None or found.changed_after is None or found.error_after is None:
         tried = ", ".join(f"{n} line{'s' if n > 1 else ''}: {'-' if c is None else c}" for n, c in found.tried or [])
         fix = (
