@@ -2707,12 +2707,10 @@ class _Comparison:
             groups.setdefault(name.rpartition(".")[2], []).append((name, top))
         try:
             for held in list(groups.values())[:2]:
-                lines = sorted({
-                    line for name, _ in held for line in upstream.reader_lines(
-                        self.cand_run, self.run_inputs, self.cand_dtype, name, rng=self.rng,
-                        device=self.cand_device, noise=self.noise,
-                    )
-                })  # fmt: skip
+                lines = upstream.reader_lines(
+                    self.cand_run, self.run_inputs, self.cand_dtype, [name for name, _ in held], rng=self.rng,
+                    device=self.cand_device, noise=self.noise,
+                )  # fmt: skip
                 kept: list[torch.Tensor] = []
                 after = upstream.raised_error(
                     self.cand_run, self.run_inputs, self.cand_dtype, lines, truth=root.truth, norm=root.norm,

@@ -244,12 +244,13 @@ def input_lines(
 
 
 class _Readers(EagerDispatchMode):
-    """The user lines of the ops that read a tensor, or a view of it (p = positions[:T], then |p_i - p_j|)."""
+    """The user lines of the ops that read some tensors, or views of them (p = positions[:T], then |p_i - p_j|)."""
 
-    def __init__(self, held: torch.Tensor) -> None:
+    def __init__(self, held: list[torch.Tensor]) -> None:
         super().__init__()
         self.marked = ByTensor()
-        self.marked.put(held, True)
+        for t in held:
+            self.marked.put(t, True)
         self.lines: set[tuple[str, int]] = set()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -265,12 +266,12 @@ class _Readers(EagerDispatchMode):
 
 
 def reader_lines(
-    run: nn.Module, inputs: Any, dtype: torch.dtype, buffer: str, *, rng: RngState, device: torch.device | None,
-    noise: ReplayNoise | None,
+    run: nn.Module, inputs: Any, dtype: torch.dtype, buffers: list[str], *, rng: RngState,
+    device: torch.device | None, noise: ReplayNoise | None,
 ) -> list[tuple[str, int]]:  # fmt: skip
-    """The user lines of the ops that read the model's `buffer` (or a view of it), in one candidate
+    """The user lines of the ops that read the model's `buffers` (or views of them), in one candidate
     forward: where what the model's cast rounded is computed with."""
-    mode = _Readers(run.get_buffer(buffer))
+    mode = _Readers([run.get_buffer(name) for name in buffers])
     with mode:
         hooked(run, inputs, dtype, pre=None, post=lambda *_: None, rng=rng, device=device, noise=noise)
     return sorted(mode.lines)
