@@ -47,13 +47,18 @@ def test_a_nan_loss_from_a_weighted_cross_entropy_in_fp16_is_named_at_its_line()
     assert not report.by_name("nonfinite-masked")
 
 
-def _weighted(fixed: bool) -> tuple[fpdoctor.Report | None, torch.Tensor]:
+def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, nn.Module]:
+    """16384 samples, weights 1-10 and a classifier, all in pure fp16: the weights' total is past 65504."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(16384, 16, generator=g).half()
     y = torch.randint(0, 10, (16384,), generator=g)
     w = (1 + 9 * torch.rand(16384, generator=g)).half()
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10)).half()
+    return x, y, w, nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10)).half()
+
+
+def _weighted(fixed: bool) -> tuple[fpdoctor.Report | None, torch.Tensor]:
+    x, y, w, model = _batch()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
     def step() -> torch.Tensor:
@@ -127,12 +132,7 @@ def test_a_reentrant_checkpoints_inner_backward_is_no_loss() -> None:
 def test_a_line_of_different_reductions_names_every_op_the_check_ran_wide() -> None:
     """`torch.dot(w, l) / w.sum()` in fp16: the check ran the whole line in fp32, and the fix named one
     op; applied to it alone, the loss was 0 (the other sum still Inf). Every other op is named."""
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(16384, 16, generator=g).half()
-    y = torch.randint(0, 10, (16384,), generator=g)
-    w = (1 + 9 * torch.rand(16384, generator=g)).half()
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10)).half()
+    x, y, w, model = _batch()
     with fpdoctor.Trace(model) as tr:
         per = F.cross_entropy(model(x), y, reduction="none")
         loss = torch.dot(w, per) / w.sum()  # the loss
