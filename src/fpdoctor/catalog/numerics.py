@@ -368,6 +368,23 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         fix="Right after torch.autograd.grad: inv_scale = 1.0 / scaler.get_scale(); grads = [g * inv_scale for g "
         "in grads]; then compute the penalty from them.",
     ),
+    RuleInfo(
+        code="NUM024",
+        name="error-builds-up",
+        severity=W,
+        title="No part of the model diverges, and the error it builds up is past what the format's rounding explains",
+        what="Where no module, op, running state, selection or input explains the end-to-end error, `compare` "
+        "judges it against the target `fpdoctor plan` aims for: 16x what rounding the exact output to the "
+        "candidate's format costs, or 2x what rounding the inputs costs where that is more. Past it, compare "
+        "re-runs the candidate with the worst 1, 2, 4, ... modules (by isolated error over floor) kept in fp32, "
+        "up to six runs, and names the first set that reaches the target, or the closest.",
+        why="Each module rounds a little, within a few times its floor, and a deep model compounds it: a "
+        "normalizing flow's couplings, each 2-3x its floor, carry 20x to the log-likelihood. No single change "
+        "takes it away, so no other finding fires; an OK would say nothing is wrong where plan, on the same "
+        "model, finds the output past its target.",
+        fix="Keep the named modules in fp32 (`fpdoctor plan` finds the smallest set and writes the code), or run "
+        "the model in fp32 where this output matters.",
+    ),
 )
 
 TRN_RULES: tuple[RuleInfo, ...] = (

@@ -69,6 +69,7 @@ from fpdoctor.precision.candidates import (
     uncompiled,
 )
 from fpdoctor.precision.compare import (
+    built_up,
     fp8,
     input_cause,
     made_in_dtype,
@@ -2164,7 +2165,32 @@ class _Comparison:
         self._cancellation_checked(result)
         if self._held is not None:  # after the steps that replace findings: their severity is the decisions'
             self._decisions_hold(result, self._held)
+        if not prefix:
+            self._built_up(result)
         return result
+
+    def _built_up(self, result: CompareResult) -> None:
+        """Where nothing else was found and the output's error is past plan's target all the same: the
+        error the format builds up across the model, said with the worst modules kept in fp32 (built_up.py)."""
+        rows = result.rows
+        unit = torch.finfo(self.cand_dtype).eps / 2
+        found = any(f.severity.rank >= Severity.WARNING.rank for f in result.report.findings)
+        if found or not built_up.above_floor(rows, unit):
+            return
+        if self.logits is not None or self.ids or self.fp8_dtype is not None or self.cand_failed is not None:
+            return  # decisions are judged by what they decide; fp8 by its scaling
+        kept = self.given or _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is not None
+        floor = result.input_floor if result.input_floor is not None else None if kept else self._floor_with()
+        aim = built_up.target(rows, floor, unit)
+        if not rows[-1].propagated > aim:
+            return
+        tried = built_up.search(
+            built_up.ranked(rows), lambda names: self._error_with_fp32(names, fp32_outputs=set()), aim
+        )
+        result.report.findings.append(
+            built_up.finding(rows, label=self.label, aim=aim, input_floor=floor, tried=tried,
+                             on=inputs_text(describe(self.inputs)))
+        )  # fmt: skip
 
     def _stable_form(self, result: CompareResult) -> None:
         """A finding whose op has a stable form torch offers by an argument (stable_forms.py), its fix
