@@ -61,6 +61,8 @@ def test_the_difference_of_two_totals_is_named_and_its_lines_in_fp64_work_as_pri
     assert f"compute {lines} of {__file__} in fp64" in first.fix, first.fix
     # the other way, only where few terms differ: two models' log-likelihoods differ a little at every term
     assert "where few terms differ between the two totals" in first.fix, first.fix
+    # cast back to the model's dtype: a hard .float() would turn compare's own fp64 run of the fixed code to fp32
+    assert "`.to(x.dtype)`" in first.fix and "(.float())" not in first.fix, first.fix
     assert first.trial is not None and first.trial.tried and first.trial.after * 100 < first.trial.before
     before, after = _error(PnL(), inputs), _error(PnL(wide=True), inputs)
     assert before > 1e-3 and after * 100 < before, (before, after)

@@ -71,6 +71,20 @@ def test_int8_that_changes_the_decisions_names_the_layer_and_its_qconfig_spec_gi
     assert after > before and after >= 0.99, (before, after, found.trial)
 
 
+def test_leaving_out_every_module_the_transform_changed_is_never_printed_as_its_fix() -> None:
+    """Only the layer that reads the outliers is quantized: putting it back gives the decisions back, and
+    leaves nothing quantized. That is no fix of the transform: the next step is a milder one."""
+    model, x = Intent().eval(), torch.randn(1024, 64, generator=torch.Generator().manual_seed(1))
+
+    def only_fc2(m: nn.Module) -> nn.Module:
+        return quantize_dynamic(m, {"fc2"}, dtype=torch.qint8)
+
+    found = fpdoctor.compare(model, x, candidate=only_fc2).report.findings[0]
+    assert found.name == "decisions-changed" and not found.fix.startswith("Leave"), found.fix
+    assert "leaves nothing transformed" in found.fix and "per-channel scales" in found.fix, found.fix
+    assert found.trial is not None and not found.trial.tried, found.trial
+
+
 class TinyLM(nn.Module):
     """Token ids in, next-token logits out over a vocabulary; its head reads a hidden state with an
     outlier dimension (what LLM activations have), which per-tensor int8 rounds the rest of away."""

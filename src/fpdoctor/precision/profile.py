@@ -1604,7 +1604,13 @@ def _fmt_error(rel: float, cosine: float | None) -> str:
     if math.isinf(rel):
         return "non-finite"
     # Near 1 the digits that matter are in the distance from 1.
-    cos = "" if cosine is None else f", cosine {cosine:.4f}" if cosine < 0.999 else f", cosine 1 - {1 - cosine:.1e}"
+    cos = (
+        ""
+        if cosine is None
+        else f", cosine {cosine:.4f}"
+        if cosine < 0.999
+        else f", cosine 1 - {max(1 - cosine, 0.0):.1e}"
+    )
     return f"{_fmt(rel)} ({sqnr_db(rel):.1f} dB SQNR{cos})"
 
 

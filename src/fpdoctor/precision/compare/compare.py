@@ -2296,7 +2296,8 @@ class _Comparison:
             evidence={"kind": "cancellation", "op": op, "location": at, "forced_rel": forced,
                       "propagated_rel": before, "raised_rel": after, "lines": [f"{f}:{n}" for f, n in lines]},
             fix=f"compute {named} in fp64 (their operands .double(); a sum as .sum(dtype=torch.float64)){modules}, "
-            f"and what they make cast back to fp32 (.float()) where the rest of the model reads it; {otherwise}",
+            f"and what they make cast back to the model's dtype where the rest of the model reads it ({BACK}); "
+            f"{otherwise}",
             trial=Trial.checked(f"{named} in fp64{' with the modules they call' if called else ''}, what they make "
                                 "cast back where the rest reads it", on=inputs_text(describe(self.inputs)),
                                 metric="end-to-end error", before=before, after=after),
@@ -3521,6 +3522,11 @@ def _lines_above(file: str, number: int, up: int) -> list[int]:
     return lines
 
 
+# How a fix computed in fp64 casts back to an fp32 model: to the dtype of what the model reads, never a
+# hard .float(), which would also turn compare's fp64 run of the same code to fp32 (and fail its matmuls)
+BACK = "`.to(x.dtype)`, x an input the line reads in the model's dtype, not `.float()`: that also casts its fp64 run"
+
+
 def _amplifies(op: str) -> tuple[str, str]:
     """What an op whose conditioning forces an error does with what it reads, and the rewrite that
     keeps fp32 (the other fix beside fp64), by its kind."""
@@ -3562,7 +3568,7 @@ def _recurrence_finding(
         numbers = [int(r.rpartition(":")[2]) for r in cycle.readers]
         outside = line_spans(numbers) if len(files) == 1 else _named(cycle.readers)
         reads = "reads" if len(cycle.readers) == 1 else "read"
-        readers = f", and cast what {outside} {reads} of them back to fp32 (.float())"
+        readers = f", and cast what {outside} {reads} of them back to the model's dtype ({BACK})"
     return dataclasses.replace(
         finding,
         fix=f"the error is carried from one run of these lines to the next (a loop's steps, or a function called on "

@@ -289,8 +289,8 @@ def _decisions_finding(run: _Run, judged: Decisions, inputs: Any) -> Finding:
         got = use.top1(run.truth, out) if out is not None else None
         return got if got is not None else 0.0
 
-    kept = _search(run, score, judged.recovered)
     flipped = 1.0 - judged.top1
+    kept, everything = _unless_everything(run, _search(run, score, judged.recovered), lambda v: 1 - v <= flipped / 2)
     message = (
         f"{run.name}'s model picks another class than fp64 on {pct(flipped)} of its {judged.rows} rows, where the "
         f"fp32 model it was made from differs on {pct(1.0 - judged.floor_top1)}: the transform changes the "
@@ -299,17 +299,17 @@ def _decisions_finding(run: _Run, judged: Decisions, inputs: Any) -> Finding:
     on = inputs_text(describe(inputs))
     if kept:
         after = next(v for m, v in run.tried if m == kept)
-        fix = _fix(run, kept) + f"; checked: top-1 {pct(judged.top1)} -> {pct(after)}."
+        fix = _fix(run, kept) + f"; checked: top-1 {pct(judged.top1)} -> {pct(after)}{_partly(everything)}."
         trial = Trial.checked(
             f"{_names(kept)} put back as the fp32 model has them, the rest as {run.name} made them",
             metric="top-1 agreement with fp64", before=pct(judged.top1), after=pct(after), on=on,
         )  # fmt: skip
     else:
-        best = max((v for _, v in run.tried), default=None)
+        best = max((v for m, v in run.tried if m != everything), default=None)
         fix = (
-            f"No module left out of {run.name} gives the decisions back (each tried and up to {MAX_KEPT} together): "
-            f"the transform loses them across the model; a milder one (per-channel scales, a wider dtype, fewer "
-            "layers) is the next step, judged the same way."
+            f"No module left out of {run.name} gives the decisions back (each tried and up to {MAX_KEPT} together"
+            f"{_everything_text(everything)}): the transform loses them across the model; a milder one (per-channel "
+            "scales, a wider dtype, fewer layers) is the next step, judged the same way."
         )
         trial = Trial.untried(
             "the next step, not a fix that was tried: "
@@ -333,7 +333,8 @@ def _error_finding(run: _Run, rel: float, floor: float, norm: float, inputs: Any
     def score(out: torch.Tensor | None) -> float:  # higher is better: the error's negative
         return -_rel(out, run.truth, norm)
 
-    kept = _search(run, score, lambda value: -value < TRANSFORMED_REL)
+    searched = _search(run, score, lambda value: -value < TRANSFORMED_REL)
+    kept, everything = _unless_everything(run, searched, lambda v: -v <= rel / 2)
     message = (
         f"{run.name}'s model is off by {rel:.3g} of its output's norm against fp64 ({sqnr_db(rel):.1f} dB SQNR), where "
         f"the fp32 model it was made from is off by {floor:.3g}: past {TRANSFORMED_REL:g}, what the output is used "
@@ -342,7 +343,10 @@ def _error_finding(run: _Run, rel: float, floor: float, norm: float, inputs: Any
     on = inputs_text(describe(inputs))
     if kept:
         after = -next(v for m, v in run.tried if m == kept)
-        fix = _fix(run, kept) + f"; checked: the end-to-end error goes from {rel:.3g} to {after:.3g}."
+        fix = (
+            _fix(run, kept)
+            + f"; checked: the end-to-end error goes from {rel:.3g} to {after:.3g}{_partly(everything)}."
+        )
         trial = Trial.checked(
             f"{_names(kept)} put back as the fp32 model has them, the rest as {run.name} made them",
             metric="end-to-end error against fp64", before=rel, after=after, on=on,
@@ -350,7 +354,8 @@ def _error_finding(run: _Run, rel: float, floor: float, norm: float, inputs: Any
     else:
         fix = (
             f"No module left out of {run.name} brings the error below {TRANSFORMED_REL:g} (each tried and up to "
-            f"{MAX_KEPT} together): a milder transform is the next step, judged the same way."
+            f"{MAX_KEPT} together{_everything_text(everything)}): a milder transform (per-channel scales, a wider "
+            "dtype) is the next step, judged the same way."
         )
         trial = Trial.untried("the next step, not a fix that was tried")
     return catalog.make(
@@ -368,6 +373,33 @@ def _error_finding(run: _Run, rel: float, floor: float, norm: float, inputs: Any
         },
         trial=trial,
     )
+
+
+def _unless_everything(run: _Run, kept: list[str], halfway: Callable[[float], bool]) -> tuple[list[str], list[str]]:
+    """`kept` and [], unless it is every module the transform changed: leaving them all out is no
+    transform at all, never printed as its fix. Then the fewer modules whose run did best, where it took
+    at least half the way back (`halfway` of its score: a partial fix, said as one), and `kept`."""
+    if not kept or not set(kept) >= set(run.changed):
+        return kept, []
+    fewer = [(m, v) for m, v in run.tried if not set(m) >= set(run.changed)]
+    best = max(fewer, key=lambda t: (t[1], -len(t[0])), default=None)  # the fewest modules of the best runs
+    return (best[0] if best is not None and halfway(best[1]) else []), kept
+
+
+def _partly(everything: list[str]) -> str:
+    """After a partial fix's figures: what the rest takes."""
+    if not everything:
+        return ""
+    return (
+        f", most of the way; only leaving out every module it changed ({_names(everything)}: nothing transformed) "
+        "gives the rest back, so a milder transform of the others (per-channel scales, a wider dtype) is the next step"
+    )
+
+
+def _everything_text(everything: list[str]) -> str:
+    if not everything:
+        return ""
+    return f"; only leaving out every module it changed ({_names(everything)}) does, which leaves nothing transformed"
 
 
 def _fix(run: _Run, kept: list[str]) -> str:
