@@ -213,6 +213,20 @@ class RaisedLines(EagerDispatchMode):
         # makes to a held buffer's dtype (t.to(self.freqs.dtype), t.type_as(self.freqs)) reads fp32 from it,
         # which the code did not write
         self.held: set[str] = set()
+        # True: every module entered reads what the lines made in `dtype`, unless its own forward holds raised
+        # lines: the fix's "cast back where the rest of the model reads it", taken literally. The default lets a
+        # module without weights take an fp32 value as it is (positions read by a positional module's sin); a
+        # run that fails so (a `.to(x.dtype)` of that value in it widens what its Linear reads) runs again so
+        self.entry_cast = False
+
+    def again_casting_at_entry(self) -> bool:
+        """Ready this mode for a second run with `entry_cast`, where the first did not have it: what the
+        first run marked is forgotten. False where it had it already (no other run to make)."""
+        if self.entry_cast or not self.cast_back:
+            return False
+        self.entry_cast, self.raised, self.calls = True, 0, []
+        self.made, self.fed = ByTensor(), ByTensor()
+        return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -325,6 +339,8 @@ class RaisedLines(EagerDispatchMode):
             made = self.made.get(a)
             if not made:
                 return False
+            if self.entry_cast:
+                return not raises
             if made in self.carried:
                 return weighted and not raises
             return _made_in(made, span) or (weighted and not raises)

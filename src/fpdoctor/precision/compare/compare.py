@@ -2165,6 +2165,7 @@ class _Comparison:
         self._cancellation_checked(result)
         if self._held is not None:  # after the steps that replace findings: their severity is the decisions'
             self._decisions_hold(result, self._held)
+        _cure_first(result.report.findings)
         if not prefix:
             self._built_up(result)
         return result
@@ -3399,6 +3400,24 @@ BROKEN = 0.5
 # A running state is named the cause when keeping it alone in fp64 divides the end-to-end error
 # by at least this much (12 dB): the rest of the model still runs in the candidate's dtype.
 ACCUMULATION_FALLS = 4.0
+
+
+def _cure_first(findings: list[Finding]) -> None:
+    """A non-finite output whose first finding's fix was not found to help, where another error's checked
+    fix makes it finite: that one first. The op that made the NaN is where it shows; what it read was made
+    wrong before it (a schedule's buffer the cast rounded to 0, that the op divides by the root of)."""
+    first = findings[0] if findings else None
+    if first is None or first.name != "nonfinite-produced" or (first.trial is not None and first.trial.tried):
+        return
+    for i, f in enumerate(findings[1:], 1):
+        trial = f.trial
+        if f.severity != Severity.ERROR or trial is None or not trial.tried:
+            continue
+        before, after = trial.before, trial.after
+        gone = before in ("inf", "nan", "non-finite") or (isinstance(before, float) and not math.isfinite(before))
+        if gone and isinstance(after, float | int) and math.isfinite(after):
+            findings.insert(0, findings.pop(i))
+            return
 
 
 def _explained_by_made(finding: Finding) -> bool:

@@ -574,11 +574,19 @@ def error_under(
         if name == "":
             root(output)
 
-    try:
-        with raised, watch if watch is not None else contextlib.nullcontext():
-            hooked(run, inputs, dtype, pre=pre, post=post, rng=rng, device=device, noise=noise)
-    except Exception:  # e.g. an in-place update that cannot hold float64: not tried
-        return None
+    kept = len(keep) if keep is not None else 0
+    for _ in range(2):
+        try:
+            with raised, watch if watch is not None else contextlib.nullcontext():
+                hooked(run, inputs, dtype, pre=pre, post=post, rng=rng, device=device, noise=noise)
+            break
+        except Exception:  # e.g. an in-place update that cannot hold float64: not tried
+            # or a module fed an fp32 value it widens its own inputs to: again, cast back wherever a module reads it
+            if not isinstance(raised, RaisedLines) or not raised.again_casting_at_entry():
+                return None
+            got.clear()
+            if keep is not None:
+                del keep[kept:]
     return _root_error(got, truth, norm, raised.raised)
 
 
