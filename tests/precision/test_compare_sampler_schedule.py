@@ -77,3 +77,24 @@ def test_a_schedule_buffer_rounded_to_zero_comes_first_checked_before_the_divisi
     assert bool(torch.isfinite(got).all())
     error = float((got - exact).norm() / exact.norm())
     assert abs(error - float(first.trial.after)) <= 0.1 * error, (error, first.trial)
+
+
+class FixedSampler(Sampler):
+    """The fix as printed: the schedule a plain fp32 attribute, which the model's cast leaves as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        held = self.alphas_cumprod
+        del self.alphas_cumprod
+        self.alphas_cumprod = held.float()
+
+
+def test_after_its_fix_the_samplers_lines_are_checked_in_fp32_with_its_schedule_values_as_torch_reads_them() -> None:
+    """The fixed schedule is read as 0-dim fp32 values (alphas[t]), which do not widen an op on fp16 tensors
+    in torch: the check of the sampler's lines in fp32 runs as the code computes (what they make cast back
+    before the denoiser reads it), so what compare prints is measured, never "the run failed"."""
+    x = torch.randn(64, 2, generator=torch.Generator().manual_seed(1))
+    report = fpdoctor.compare(FixedSampler().eval(), x, candidate="fp16").report
+    first = report.findings[0]
+    assert first.name == "precision-divergence" and first.trial is not None and first.trial.tried, str(report)
+    assert first.trial.after * 100 < first.trial.before, first.trial

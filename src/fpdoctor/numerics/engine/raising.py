@@ -380,11 +380,11 @@ class RaisedLines(EagerDispatchMode):
         if self.wide_inputs:
             return False
         width = torch.finfo(self.dtype).bits
-        for a in values:
-            for t in _tensors(a):
-                if t.is_floating_point() and torch.finfo(t.dtype).bits > width and not self.made.get(t):
-                    return True
-        return False
+        floats = [t for a in values for t in _tensors(a) if t.is_floating_point()]
+        # torch's type promotion: a 0-dim operand (a schedule's alphas[t] kept in fp32) does not widen an op on
+        # tensors of `dtype` (x / a_t.sqrt() stays fp16), so only where every floating operand is 0-dim does one
+        shaped = [t for t in floats if t.dim() > 0] or floats
+        return any(torch.finfo(t.dtype).bits > width and not self.made.get(t) for t in shaped)
 
 
 def below_range(args: Any, dtype: torch.dtype) -> list[float]:
