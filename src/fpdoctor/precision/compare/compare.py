@@ -102,7 +102,7 @@ from fpdoctor.precision.compare.passes import (
 )
 from fpdoctor.precision.compare.recurrence import Recurrence, recurrence
 from fpdoctor.precision.compare.transformed import Transform, compare_transformed
-from fpdoctor.precision.decide import MASKED, MASKED_LOGIT, Kept, id_decisions, ids_agree, rounding_floor
+from fpdoctor.precision.decide import MASKED, MASKED_LOGIT, Decisions, Kept, id_decisions, ids_agree, rounding_floor
 from fpdoctor.precision.decide import kept as kept_sets
 from fpdoctor.precision.fit import candidate_format, misfits
 from fpdoctor.precision.fit import describe as describe_misfit
@@ -553,6 +553,7 @@ class _Comparison:
         self.binary = False  # the logits are a sigmoid's probabilities, as _decided gives them (_binary)
         self.softmaxed = False  # ... or a softmax's over the classes (_softmax_of)
         self.ids = False  # ... or the decisions themselves: ids (integers) a decoding loop made
+        self._picked = False  # ... or a top-k's indices, returned beside its values (_picked)
         self.root_truth: torch.Tensor | None = None
         # the running states named the cause (step 5) and their checked run's output
         # the states kept, the checked run's output, the lines that make what they read computed in fp32 with them
@@ -770,10 +771,12 @@ class _Comparison:
         self.binary = self.softmaxed = self.ids = False
         first = next(floating(output), None)
         name = self._last_leaf or ""
-        ids = _ids_of(output) if first is None else None
-        if ids is not None:  # no floating output: ids the model decided (greedy decoding), judged by agreement
+        ids = _ids_of(output) if first is None else _picked(output, first)
+        self._picked = ids is not None and first is not None
+        if ids is not None:  # ids the model decided (greedy decoding, a retrieval's top-k), judged by agreement
             self.ids = True
-            self.logits = f"ids the model returns ({'x'.join(str(n) for n in ids.shape)} integers)"
+            beside = "" if first is None else f", {use.PICKED}"
+            self.logits = f"ids the model returns ({'x'.join(str(n) for n in ids.shape)} integers{beside})"
             self.root_truth = ids.detach().clone()
             return
         made = next(floating(self._last_output), None)
@@ -1169,7 +1172,7 @@ class _Comparison:
             return
         entry, _, call, c = found
         biggest = largest(self._shown(name, output))  # non-finite when a value is
-        if name == "" and self.root_truth is not None:
+        if name == "" and self.root_truth is not None and not self.ids:  # ids: taken by _cand_sample
             first = next(floating(output), None)
             self.root_cand = self._decided(first.detach().clone()) if first is not None else None
             self.root_cand_dtype = first.dtype if first is not None else None
@@ -1205,7 +1208,7 @@ class _Comparison:
             return
         entry, kept, call, c = found
         finite = all_finite(self._shown(name, output))
-        if name == "" and self.root_truth is not None:
+        if name == "" and self.root_truth is not None and not self.ids:  # ids: taken by _cand_sample
             first = next(floating(output), None)
             self.root_cand = self._decided(first.detach().clone()) if first is not None else None
             self.root_cand_dtype = first.dtype if first is not None else None
@@ -3180,7 +3183,37 @@ class _Comparison:
                 tried.append((modules, got))
             if got is not None and found.recovered(got):
                 break
-        result.report.findings.insert(0, use.finding(found, self.label, tried, head=head, inputs=self.inputs))
+        own = self._picked_by_own_code(found, tried)
+        result.report.findings.insert(
+            0, use.finding(found, self.label, tried, head=head, inputs=self.inputs, checked_fixes=own)
+        )
+
+    def _picked_by_own_code(self, found: Decisions, tried: list[tuple[list[str], float]]) -> list[use.CheckedFix]:
+        """Ids the model's own code picks from scores it computes (a retrieval's q @ index.T, then topk):
+        where no module kept in fp32 gives them back, its own ops in fp32 with its own tensors in fp32 and
+        its submodules as the candidate runs them (one forward, _output_with_own_fp32), judged by the ids."""
+        subs = own_code.submodules(self.model)
+        if not self._picked or any(found.recovered(t) for _, t in tried) or not subs or self.root_truth is None:
+            return []
+        out = self._output_with_own_fp32()
+        got = ids_agree(self.root_truth, out) if out is not None else None
+        if got is None:
+            return []
+        own = [n for n, t in [*self.model.named_parameters(recurse=False), *self.model.named_buffers(recurse=False)]
+               if t is not None and t.is_floating_point()]  # fmt: skip
+        kept = f", from fp32 copies of its own {', '.join(f'`{n}`' for n in own)} ({plain_fp32(own)})" if own else ""
+        listed = " and ".join(f"`{n}`" for n in subs)
+        where = own_code.span(self.model, None)
+        return [
+            use.CheckedFix(
+                fix=f"Compute the scores the model picks from, and the pick, in fp32 in {where}{kept}, with only "
+                f"{listed} in {self.label} (its output taken back .float())",
+                changed=f"the model's own ops in fp32, {listed} in {self.label}",
+                top1=got,
+                kind="own_ops_in_fp32",
+                locations=where,
+            )
+        ]
 
     @staticmethod
     def _decisions_hold(result: CompareResult, found: Any) -> None:
@@ -3816,6 +3849,14 @@ def _proportional(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
     ratio = a[both] / b[both]
     c = float(ratio[0])
     return math.isfinite(c) and c > 0 and bool(torch.allclose(ratio, torch.full_like(ratio, c), rtol=1e-5, atol=0.0))
+
+
+def _picked(output: Any, values: torch.Tensor) -> torch.Tensor | None:
+    """The indices of a (values, indices) pair the model returns as torch's topk, sort, max and kthvalue
+    give them: an integer tensor of the values' shape. What it picks is the decision (a retrieval's
+    top-10 documents), not the scores it picked them by."""
+    found = [t for t in tensors_in(output) if integral(t) and t.dtype != torch.bool and t.shape == values.shape]
+    return found[0] if len(found) == 1 and values.numel() >= 2 else None
 
 
 def _ids_of(output: Any) -> torch.Tensor | None:
