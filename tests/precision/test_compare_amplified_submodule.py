@@ -29,13 +29,23 @@ class Residual(nn.Module):
         return (x - e) * 100.0
 
 
-def test_an_op_amplifying_a_submodules_rounding_is_a_warning_with_the_submodule_as_the_fix() -> None:
+def test_an_op_amplifying_a_submodules_rounding_gets_that_submodule_returning_fp32_checked_and_as_printed() -> None:
     x = torch.randn(256, 16, generator=torch.Generator().manual_seed(1)).half()
     report = fpdoctor.compare(Residual().eval(), x, candidate="fp16").report
     first = report.findings[0]
-    assert report.verdict == "warning" and first.name == "precision-divergence", str(report)
-    assert first.trial is not None and not first.trial.tried and "did not help" in first.trial.reason, first.trial
-    assert first.fix.startswith("Keep the submodules whose outputs") and "own lines is the fix" in first.fix
+    assert report.verdict == "error" and first.name == "precision-divergence", str(report)
+    assert first.fix.startswith("Keep `net` in fp32 with its fp32 weights, returning fp32"), first.fix
+    assert first.trial is not None and first.trial.tried and first.trial.after * 100 < first.trial.before
+    # as printed: the fp32 net assigned again after the cast, returning fp32, the rest as the fp16 model runs it
+    model = Residual().eval()
+    with torch.no_grad():
+        exact = Residual().double()(x.double())
+        net = Residual().net
+        model.half()
+        model.net = net
+        got = ((x - model.net(x.float())) * 100.0).double()
+    error = float((got - exact).norm() / exact.norm())
+    assert abs(error - first.trial.after) <= 0.1 * first.trial.after, (error, first.trial)
 
 
 class Scaled(nn.Module):

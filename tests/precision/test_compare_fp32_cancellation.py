@@ -31,7 +31,7 @@ class PnL(nn.Module):
 
     def forward(self, before: torch.Tensor, after: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
         change = self.value(after, units) - self.value(before, units)
-        return change.float() if self.wide else change
+        return change.to(before.dtype) if self.wide else change
 
 
 def _book() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

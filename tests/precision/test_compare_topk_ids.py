@@ -48,7 +48,7 @@ def test_a_top_k_returned_with_its_ids_is_judged_by_the_ids_and_its_own_code_in_
     first = result.report.findings[0]
     assert first.name == "decisions-changed" and first.evidence["decisions"]["kind"] == "ids", str(result.report)
     assert first.trial is not None and first.trial.tried, first.trial
-    assert first.fix.startswith("Compute the scores the model picks from, and the pick, in fp32"), first.fix
+    assert first.fix.startswith("Compute the scores, and any pick from them, in fp32"), first.fix
     assert "`self.index = value.float()`" in first.fix and "only `encoder` in fp16" in first.fix, first.fix
     # as printed: the index held in fp32, the scores and the pick in fp32, the encoder in fp16
     model = TopK(docs).eval()
@@ -60,3 +60,18 @@ def test_a_top_k_returned_with_its_ids_is_judged_by_the_ids_and_its_own_code_in_
     after = ids_agree(exact, got)
     assert after is not None and f"{100 * after:.1f}%" == first.trial.after, (after, first.trial)
     assert float(first.trial.before.rstrip("%")) < float(first.trial.after.rstrip("%"))
+
+
+class Scores(TopK):
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        return self.encoder(q) @ self.index.T
+
+
+def test_scores_the_models_own_code_makes_past_the_formats_spacing_get_their_own_code_in_fp32_checked() -> None:
+    """The scores returned whole: fp16 alone rounds their top-1 away (output-too-coarse); no layer makes them,
+    so the check is the model's own ops in fp32 around its fp16 encoder, the index kept in fp32."""
+    docs, q = _data()
+    first = fpdoctor.compare(Scores(docs).eval(), q, candidate="fp16").report.findings[0]
+    assert first.name == "output-too-coarse" and first.trial is not None and first.trial.tried, first
+    assert "`self.index = value.float()`" in first.fix and "only `encoder` in fp16" in first.fix, first.fix
+    assert float(first.trial.after.rstrip("%")) > float(first.trial.before.rstrip("%")), first.trial

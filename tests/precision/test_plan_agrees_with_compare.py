@@ -68,7 +68,9 @@ def test_plan_judges_scores_against_a_class_table_by_kl_as_compare_judges_their_
     assert planned.plan.metric == "kl"
     assert "KL" in str(planned.report)
     # scores the model's own ops make past what bf16 holds: no module set fixes it, and "verified" says so
-    if planned.report.by_name("output-too-coarse"):
+    # (where compare checked its own ops in fp32 as the fix, that finding is the fix: no module set either)
+    coarse = planned.report.by_name("output-too-coarse")
+    if coarse and not any(f.trial is not None and f.trial.tried for f in coarse):
         assert "the output's format itself is too coarse" in dict(planned.report.data["summary"])["verified"]
 
 

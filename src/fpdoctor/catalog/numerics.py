@@ -377,7 +377,8 @@ NUM_RULES: tuple[RuleInfo, ...] = (
         "judges it against the target `fpdoctor plan` aims for: 16x what rounding the exact output to the "
         "candidate's format costs, or 2x what rounding the inputs costs where that is more. Past it, compare "
         "re-runs the candidate with the worst 1, 2, 4, ... modules (by isolated error over floor) kept in fp32, "
-        "up to six runs, and names the first set that reaches the target, or the closest.",
+        "up to six runs, and names the first set that reaches the target; a set that holds every module the model "
+        "calls is the model in fp32, said so. fp16 and bf16 candidates only: plan keeps no module in fp32 for fp32.",
         why="Each module rounds a little, within a few times its floor, and a deep model compounds it: a "
         "normalizing flow's couplings, each 2-3x its floor, carry 20x to the log-likelihood. No single change "
         "takes it away, so no other finding fires; an OK would say nothing is wrong where plan, on the same "

@@ -344,29 +344,6 @@ def build_report(
         finding, first_text = _root_finding(
             first, label, candidate, reference, input_floor, cause=(causes or {}).get(""), inputs_cause=inputs_cause
         )
-        root_cause = ((causes or {}).get("") or {}).get("evidence") or {}
-        forced = root_cause.get("conditioned_rel")
-        if (
-            finding.evidence.get("kind") == "divergence"
-            and forced is not None and first.isolated is not None and 2 * forced >= first.isolated
-            and root_cause.get("raised_rel") is not None and finding.trial is not None and not finding.trial.tried
-        ):  # fmt: skip
-            # the op amplifies the rounding of what it reads, and the lines that make that, in fp32, were measured
-            # not to take it away (a sampler dividing its denoiser's fp16 output by sqrt(alpha) near 5e-5): what
-            # is left is what its submodules return in the candidate, which no line of its own code undoes
-            op = finding.where.get("op") or "the op"
-            finding = dataclasses.replace(
-                finding,
-                severity=Severity.WARNING,
-                fix=f"Keep the submodules whose outputs {op} reads in fp32 and returning fp32, where this error "
-                "matters (`fpdoctor plan` finds and checks them); no change to the model's own lines is the fix",
-                message=finding.message + (
-                    f" No line of the model's own code in fp32 takes it away (measured: "
-                    f"{_fmt(root_cause['raised_rel'])} from {_fmt(first.propagated)}): what the op reads "
-                    f"is rounded where the submodules return it in {candidate}, and it amplifies that, so this is what "
-                    f"{candidate} costs here (`fpdoctor plan` says which submodules kept in fp32 change it): a warning."
-                ),
-            )  # fmt: skip
         after = [f"`{r.module}`" for r in diverged if r.module]
         if after:  # leaves fed what its own ops made (_origin): they show the error, not make it
             finding = dataclasses.replace(finding, message=finding.message.replace(
@@ -1285,7 +1262,8 @@ def forced_causes(forced: dict[str, dict[str, Any]], candidate: str) -> dict[str
                 )
                 # the check cast the held values back where anything else read them: so must the code
                 + (
-                    f"; the ops that read {held} then compute in fp32 (type promotion), and where one needs its "
+                    f"; the ops that read {held} whole then compute in fp32 (type promotion; one value of it, "
+                    f"alphas[t], leaves them in {dtype}), and where one needs its "
                     "operands in one dtype (a matmul, a lookup whose rows the rest reads), read "
                     f"{'them' if len(buffers) > 1 else 'it'} there as .to(x.dtype), x the tensor it meets (a fixed "
                     f".to(torch.{dtype}) breaks the model's fp32 and fp64 runs)"

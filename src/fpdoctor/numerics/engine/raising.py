@@ -220,12 +220,12 @@ class RaisedLines(EagerDispatchMode):
         self.entry_cast = False
 
     def again_casting_at_entry(self) -> bool:
-        """Ready this mode for a second run with `entry_cast`, where the first did not have it: what the
-        first run marked is forgotten. False where it had it already (no other run to make)."""
+        """Ready this mode for a second run with `entry_cast`, where the first did not have it. What was
+        marked before the first run stays (buffers held in fp32 by raised_error); what the failed run made
+        dies with its tensors (ByTensor drops them). False where it had it already: no other run to make."""
         if self.entry_cast or not self.cast_back:
             return False
-        self.entry_cast, self.raised, self.calls = True, 0, []
-        self.made, self.fed = ByTensor(), ByTensor()
+        self.entry_cast, self.calls = True, []
         return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -30,12 +30,13 @@ ROUNDING_RMS = 1 / 3
 
 
 def floor(rows: list[ModuleRow], unit: float) -> float:
-    """The highest floor of any part, never below ROUNDING_RMS of the format's unit roundoff `unit` (a few
-    values' own rounding, a 0-d loss's, can be near 0 by chance). A module's floor is raised where the
-    exact module fed its inputs rounded is as wrong (its conditioning), and an own op's forced error is
-    what any computation of it in the format loses: the output can do no better than those."""
+    """The output's floor as plan reads it (rounding the exact output, or the reference model's own error
+    where larger), never below ROUNDING_RMS of the format's unit roundoff `unit` (a few values' own
+    rounding, a 0-d loss's, can be near 0 by chance); an own op's forced error is what any computation of
+    it in the format loses, which the output cannot do better than."""
+    root = rows[-1]
     forced = [r.own["forced_rel"] for r in rows if r.own and r.own.get("forced_rel")]
-    return max(ROUNDING_RMS * unit, *(r.floor for r in rows if math.isfinite(r.floor)), *forced)
+    return max(ROUNDING_RMS * unit, root.floor, root.reference or 0.0, *forced)
 
 
 def target(rows: list[ModuleRow], input_floor: float | None, unit: float) -> float:
@@ -91,6 +92,11 @@ def search(
     return tried
 
 
+def _whole(kept: list[str], children: list[str]) -> bool:
+    """`kept` holds every module the model's own forward calls (own_code.submodules): the model in fp32."""
+    return bool(children) and all(any(c == k or c.startswith(f"{k}.") for k in kept) for c in children)
+
+
 def finding(
     rows: list[ModuleRow],
     *,
@@ -99,6 +105,7 @@ def finding(
     input_floor: float | None,
     tried: list[tuple[list[str], float]],
     on: str,
+    children: list[str],
 ) -> Finding:
     """NUM024: the error, what explains it part by part, and the kept set that reached the target (or
     the closest one, with the model in fp32 as the fix)."""
@@ -112,11 +119,12 @@ def finding(
         if input_floor is not None and input_floor > 0
         else ""
     )
-    reached = next(((kept, after) for kept, after in tried if after <= aim), None)
+    # a set that holds every module the model calls is the model in fp32, no fix of a part
+    reached = next(((kept, after) for kept, after in tried if after <= aim and not _whole(kept, children)), None)
     closest = min(tried, key=lambda t: t[1]) if tried else None
     named = ", ".join(f"`{m}`" for m in (reached or closest or ([], 0.0))[0])
     way = "their inputs cast to fp32 and their outputs cast back"
-    plan = f"`fpdoctor plan MODEL --candidate {label}` finds the smallest such set and writes its code"
+    plan = f"`fpdoctor plan` with `--candidate {label}` finds the smallest such set and writes its code"
     if reached is not None:
         after = reached[1]
         fix = f"Keep {named} in fp32 ({way}); {plan}"
@@ -124,21 +132,26 @@ def finding(
             f"{named} kept in fp32, the rest in {label}", on=on, metric=METRIC, before=error, after=after
         )
         said = f"keeping {named} in fp32 takes it to {after:.3g}, within the target"
-    elif closest is not None:
+    elif (whole := next(((k, a) for k, a in tried if _whole(k, children) and a < error), None)) is not None:
+        # every module the model calls in fp32 (its own ops left in the candidate): a run, and no fix of a part
         fix = (
-            f"Run the model in fp32 where this output matters: {label} is too coarse for it at this depth "
-            f"(keeping {named} in fp32 leaves {closest[1]:.3g}, the target is {aim:.3g}); {plan} where one "
-            "reaches it"
+            f"Keep the model in fp32 where this output matters: {label} is too coarse for it at this depth (every "
+            f"module it calls kept in fp32 takes the error to {whole[1]:.3g}; the target is {aim:.3g}); {plan} "
+            "where fewer reach it"
         )
         trial = Trial.checked(
-            "the whole model in fp32 (compare's own fp32 run)", on=on, metric=METRIC, before=error,
-            after=root.reference if root.reference is not None else root.floor,
+            "every module the model calls kept in fp32, its own ops as they ran", on=on, metric=METRIC,
+            before=error, after=whole[1],
         )  # fmt: skip
-        said = f"keeping the {len(closest[0])} worst module(s) in fp32 still leaves {closest[1]:.3g}"
+        said = f"every module it calls kept in fp32 takes it to {whole[1]:.3g}"
     else:
-        fix = f"{plan}; or run the model in fp32 where this output matters"
-        trial = Trial.untried("no module could be kept in fp32 for a re-run (their copies failed to run)")
-        said = "no module could be re-run in fp32"
+        fix = (
+            f"Run `fpdoctor plan` with `--candidate {label}`, which searches further than this check for the modules "
+            "to keep in fp32; or keep the model in fp32 where this output matters"
+        )
+        best = f"the closest, {named} in fp32, leaves {closest[1]:.3g}" if closest is not None else "none could run"
+        trial = Trial.untried(f"the next step, not a fix that was tried: of the sets tried, {best}")
+        said = f"of the sets of its worst modules kept in fp32, {best}"
     return catalog.make(
         "error-builds-up",
         message=(

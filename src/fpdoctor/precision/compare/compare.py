@@ -129,7 +129,7 @@ from fpdoctor.precision.metrics import (
     sample_step,
     to_host,
 )
-from fpdoctor.precision.names import default_reference
+from fpdoctor.precision.names import PLAN_CANDIDATES, default_reference
 from fpdoctor.precision.profile import (
     BROKEN_REFERENCE,
     DIVERGENCE_RATIO,
@@ -2166,6 +2166,7 @@ class _Comparison:
         self._composed_form(result)
         self._root_line_checked(result)
         self._cancellation_checked(result)
+        self._amplified_submodules(result)
         if self._held is not None:  # after the steps that replace findings: their severity is the decisions'
             self._decisions_hold(result, self._held)
         _cure_first(result.report.findings)
@@ -2183,8 +2184,10 @@ class _Comparison:
             return
         if self.logits is not None or self.ids or self.fp8_dtype is not None or self.cand_failed is not None:
             return  # decisions are judged by what they decide; fp8 by its scaling
+        if self.candidate not in PLAN_CANDIDATES:
+            return  # plan's target, and its fix of modules kept in fp32, are for a narrower candidate than fp32
         kept = self.given or _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is not None
-        floor = result.input_floor if result.input_floor is not None else None if kept else self._floor_with()
+        floor = result.input_floor if result.input_floor is not None else None if kept else self._rounded_inputs_floor()
         aim = built_up.target(rows, floor, unit)
         if not rows[-1].propagated > aim:
             return
@@ -2193,8 +2196,57 @@ class _Comparison:
         )
         result.report.findings.append(
             built_up.finding(rows, label=self.label, aim=aim, input_floor=floor, tried=tried,
-                             on=inputs_text(describe(self.inputs)))
+                             on=inputs_text(describe(self.inputs)), children=own_code.submodules(self.model))
         )  # fmt: skip
+
+    def _amplified_submodules(self, result: CompareResult) -> None:
+        """The whole model's own op amplifies the rounding of what it reads (run exactly on its inputs rounded,
+        it is as wrong), and the lines that make that, in fp32, were measured not to take it away: what it reads
+        is rounded where the model's submodules return it (x - net(x) with net nearly the identity; a sampler's
+        x0 from its denoiser's noise). Those submodules kept in fp32, returning fp32, is one forward: the fix
+        where it cures; where it does not, this is what the candidate's format costs here, a warning."""
+        rows, findings = result.rows, result.report.findings
+        for i, f in enumerate(findings):
+            ev = f.evidence
+            forced, isolated = ev.get("conditioned_rel"), ev.get("isolated_rel")
+            if (
+                f.name != "precision-divergence" or f.where.get("module") != "" or ev.get("kind") != "divergence"
+                or forced is None or isolated is None or 2 * forced < isolated or ev.get("raised_rel") is None
+                or f.trial is None or f.trial.tried or not rows
+            ):  # fmt: skip
+                continue
+            subs = own_code.submodules(self.model)
+            before = rows[-1].propagated
+            after = self._error_with_fp32(subs, fp32_outputs=set(subs)) if subs else None
+            listed = " and ".join(f"`{n}`" for n in subs) or "its submodules"
+            many = len(subs) > 1
+            it, mods = ("their", "modules") if many else ("its", "module")
+            op = f.where.get("op") or "the op"
+            if after is not None and _cured(before, after):
+                findings[i] = dataclasses.replace(
+                    f,
+                    fix=f"Keep {listed} in fp32 with {it} fp32 weights, returning fp32: after the model's cast to "
+                    f"{self.label}, assign {it} fp32 {mods} again (a copy made before the cast: .float() after it "
+                    f"gives the rounded weights back), {it} output not cast back. {op} reads what {listed} "
+                    f"{'return' if many else 'returns'}, and rounded it amplifies it; checked: the end-to-end error "
+                    f"goes from {before:.3g} to {after:.3g}",
+                    trial=Trial.checked(f"{listed} kept in fp32, returning fp32, the rest in {self.label}",
+                                        on=inputs_text(describe(self.inputs)), metric="end-to-end error",
+                                        before=before, after=after),
+                )  # fmt: skip
+                continue
+            tried = f"; {listed} in fp32 returning fp32 leave {after:.3g}" if after is not None else ""
+            findings[i] = dataclasses.replace(
+                f,
+                severity=Severity.WARNING,
+                fix=f"Nothing in the model's own lines or in {listed} alone is the fix: {self.label} costs this here; "
+                "keep the model in fp32 where this error matters (`fpdoctor plan` checks larger sets)",
+                message=f.message + (
+                    f" No line of the model's own code in fp32 takes it away (measured: {ev['raised_rel']:.3g} from "
+                    f"{before:.3g}){tried}: what {op} reads is rounded where the submodules return it, and it "
+                    f"amplifies that, so this is what {self.label} costs here: a warning."
+                ),
+            )  # fmt: skip
 
     def _stable_form(self, result: CompareResult) -> None:
         """A finding whose op has a stable form torch offers by an argument (stable_forms.py), its fix
@@ -2779,9 +2831,14 @@ class _Comparison:
         kept: list[torch.Tensor] = []  # the run's output, for what it decides (_checked_fixes)
         broken: list[str] = []  # modules whose output the fix leaves off by BROKEN of its norm or more
 
+        again = [False]
+
         def each(name: str, index: int, output: Any) -> None:
             # a fix judged end to end alone can pass where a residual dilutes a module it left dead
             # (a variance cast back past fp16's range: a norm's output all 0, 30x diluted, trial80)
+            if isinstance(mode, RaisedLines) and mode.entry_cast and not again[0]:  # the run again (error_under):
+                broken.clear()  # what the failed run saw is not this run's
+                again[0] = True
             seen = self.seen.get((name, index))
             got = device_sample(output) if seen is not None and name else None
             if got is None or got.numel() != seen.truth.numel() or not seen.norm > 0:  # type: ignore[union-attr]
@@ -3119,8 +3176,13 @@ class _Comparison:
                     squash = isinstance(self.truth_modules[last], (nn.Sigmoid, nn.Softmax, nn.LogSoftmax))
                     head = self._leaf_before(last) if squash else last
                 ran = self._top1_with_fp32([head], fp32_output=True) if head else None
+                own = self._own_scores() if head is None else None  # scores the model's own code makes
+                checked = None
+                if own is not None and own[2] is not None:
+                    got = use.top1(self.root_truth, self._decided(own[2].to(self.root_truth.device)))
+                    checked = None if got is None else (own[0], own[1], got)
                 result.report.findings.append(
-                    use.coarse_finding(found, self.label, held[0], inputs=self.inputs, head=head, ran=ran)
+                    use.coarse_finding(found, self.label, held[0], inputs=self.inputs, head=head, ran=ran, own=checked)
                 )
         if not found.changed:
             self._held = found
@@ -3190,30 +3252,33 @@ class _Comparison:
 
     def _picked_by_own_code(self, found: Decisions, tried: list[tuple[list[str], float]]) -> list[use.CheckedFix]:
         """Ids the model's own code picks from scores it computes (a retrieval's q @ index.T, then topk):
-        where no module kept in fp32 gives them back, its own ops in fp32 with its own tensors in fp32 and
-        its submodules as the candidate runs them (one forward, _output_with_own_fp32), judged by the ids."""
+        where no module kept in fp32 gives them back, _own_scores' run, judged by the ids."""
+        if not self._picked or any(found.recovered(t) for _, t in tried) or self.root_truth is None:
+            return []
+        ran = self._own_scores()
+        got = ids_agree(self.root_truth, ran[2]) if ran is not None and ran[2] is not None else None
+        if ran is None or got is None:
+            return []
+        fix, changed, _ = ran
+        where = own_code.span(self.model, None)
+        return [use.CheckedFix(fix=fix, changed=changed, top1=got, kind="own_ops_in_fp32", locations=where)]
+
+    def _own_scores(self) -> tuple[str, str, torch.Tensor | None] | None:
+        """Scores the model's own code makes around its submodules (q @ self.index.T), run with its own ops in
+        fp32, its own tensors in fp32 and only its submodules in the candidate (_output_with_own_fp32, one
+        forward): (the fix as printed, what the run changed, its output). None without submodules."""
         subs = own_code.submodules(self.model)
-        if not self._picked or any(found.recovered(t) for _, t in tried) or not subs or self.root_truth is None:
-            return []
-        out = self._output_with_own_fp32()
-        got = ids_agree(self.root_truth, out) if out is not None else None
-        if got is None:
-            return []
+        if not subs:
+            return None
         own = [n for n, t in [*self.model.named_parameters(recurse=False), *self.model.named_buffers(recurse=False)]
                if t is not None and t.is_floating_point()]  # fmt: skip
         kept = f", from fp32 copies of its own {', '.join(f'`{n}`' for n in own)} ({plain_fp32(own)})" if own else ""
         listed = " and ".join(f"`{n}`" for n in subs)
-        where = own_code.span(self.model, None)
-        return [
-            use.CheckedFix(
-                fix=f"Compute the scores the model picks from, and the pick, in fp32 in {where}{kept}, with only "
-                f"{listed} in {self.label} (its output taken back .float())",
-                changed=f"the model's own ops in fp32, {listed} in {self.label}",
-                top1=got,
-                kind="own_ops_in_fp32",
-                locations=where,
-            )
-        ]
+        fix = (
+            f"Compute the scores, and any pick from them, in fp32 in {own_code.span(self.model, None)}"
+            f"{kept}, with only {listed} in {self.label} (its output taken back .float())"
+        )
+        return fix, f"the model's own ops in fp32, {listed} in {self.label}", self._output_with_own_fp32()
 
     @staticmethod
     def _decisions_hold(result: CompareResult, found: Any) -> None:
@@ -3448,7 +3513,7 @@ def _cure_first(findings: list[Finding]) -> None:
             continue
         before, after = trial.before, trial.after
         gone = before in ("inf", "nan", "non-finite") or (isinstance(before, float) and not math.isfinite(before))
-        if gone and isinstance(after, float | int) and math.isfinite(after):
+        if gone and isinstance(after, float | int) and math.isfinite(after) and after < BROKEN:  # not finite garbage
             findings.insert(0, findings.pop(i))
             return
 
@@ -3576,7 +3641,10 @@ def _lines_above(file: str, number: int, up: int) -> list[int]:
 
 # How a fix computed in fp64 casts back to an fp32 model: to the dtype of what the model reads, never a
 # hard .float(), which would also turn compare's fp64 run of the same code to fp32 (and fail its matmuls)
-BACK = "`.to(x.dtype)`, x an input the line reads in the model's dtype, not `.float()`: that also casts its fp64 run"
+BACK = (
+    "`.to(x.dtype)`, x an input the line reads in the model's dtype; not `.float()`, which would turn the model's "
+    "fp64 run to fp32"
+)
 
 
 def _amplifies(op: str) -> tuple[str, str]:

@@ -582,7 +582,8 @@ def error_under(
             break
         except Exception:  # e.g. an in-place update that cannot hold float64: not tried
             # or a module fed an fp32 value it widens its own inputs to: again, cast back wherever a module reads it
-            if not isinstance(raised, RaisedLines) or not raised.again_casting_at_entry():
+            # (not under a `watch`, whose record of the failed run's ops would count twice)
+            if watch is not None or not isinstance(raised, RaisedLines) or not raised.again_casting_at_entry():
                 return None
             got.clear()
             if keep is not None:

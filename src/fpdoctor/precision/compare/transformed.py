@@ -316,6 +316,9 @@ def _decisions_finding(run: _Run, judged: Decisions, inputs: Any) -> Finding:
             + (
                 f"the best run left top-1 agreement at {pct(best)} against {pct(judged.top1)}"
                 if best is not None
+                else f"leaving out every module it changed ({_names(everything)}) was the only run, and that leaves "
+                "nothing transformed"
+                if everything
                 else "the transform changed no module's class: there is no module to put back"
             )
         )
@@ -391,7 +394,7 @@ def _partly(everything: list[str]) -> str:
     if not everything:
         return ""
     return (
-        f", most of the way; only leaving out every module it changed ({_names(everything)}: nothing transformed) "
+        f", part of the way; only leaving out every module it changed ({_names(everything)}: nothing transformed) "
         "gives the rest back, so a milder transform of the others (per-channel scales, a wider dtype) is the next step"
     )
 

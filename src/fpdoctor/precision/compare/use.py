@@ -113,14 +113,17 @@ def reads_ids(inputs: Any) -> bool:
 
 
 def coarse_finding(
-    found: Decisions, label: str, fp32_top1: float, *, inputs: Any, head: str | None = None, ran: float | None = None
-) -> Finding:
+    found: Decisions, label: str, fp32_top1: float, *, inputs: Any, head: str | None = None, ran: float | None = None,
+    own: tuple[str, str, float] | None = None,
+) -> Finding:  # fmt: skip
     """`output-too-coarse` for logits: rounding the exact output to the candidate's format alone
     changes DECISION_SHARE of the decisions or more (scores near 90 in bf16, spacing 0.5, margins
     below it), where the candidate's computation adds little to it (else decisions-changed speaks).
     The exact output's top-1 held in fp32 (`fp32_top1`) against rounded to `label` says the format is
     the cause; the fix is checked by a run of the candidate with `head` (the layer that makes the
-    output) in fp32 returning fp32 (`ran`: its top-1), where there is such a layer."""
+    output) in fp32 returning fp32 (`ran`: its top-1), where there is such a layer; where the model's own
+    code makes the scores, by the run of its own ops in fp32 around its submodules (`own`: the fix, what it
+    changed, its top-1)."""
     flips = 1.0 - found.floor_top1
     adds = (
         "The computation adds little and every relative figure looks fine: the output's format is the cause."
@@ -153,6 +156,14 @@ def coarse_finding(
             f"`{head}` kept in fp32, returning fp32, the rest in {label}",
             metric="top-1 agreement with fp64", before=pct(found.top1), after=pct(ran), on=on,
         )  # fmt: skip
+    elif own is not None and found.recovered(own[2], fp32_top1):
+        fix = (
+            f"Return the scores in fp32: {own[0][0].lower()}{own[0][1:]}; checked: top-1 agreement "
+            f"{pct(found.top1)} -> {pct(own[2])} ({exact})."
+        )
+        trial = Trial.checked(
+            own[1], metric="top-1 agreement with fp64", before=pct(found.top1), after=pct(own[2]), on=on
+        )
     else:
         # no run put the fix in place (the model's own ops make the scores), or the one that did is not enough: the
         # values those ops read are already rounded, and what amplifies that rounding must be computed in fp32 too
