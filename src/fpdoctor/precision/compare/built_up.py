@@ -107,8 +107,9 @@ def finding(
     on: str,
     children: list[str],
 ) -> Finding:
-    """NUM024: the error, what explains it part by part, and the kept set that reached the target (or
-    the closest one, with the model in fp32 as the fix)."""
+    """NUM024: the error, what explains it part by part, and the fix: the kept set that reached the target,
+    checked; else every module the model calls kept in fp32 (the model in fp32), checked where that run
+    took the error down; else plan, the next step, untried."""
     root = rows[-1]
     error = root.propagated
     worst = ranked(rows)
@@ -136,8 +137,8 @@ def finding(
         # every module the model calls in fp32 (its own ops left in the candidate): a run, and no fix of a part
         fix = (
             f"Keep the model in fp32 where this output matters: {label} is too coarse for it at this depth (every "
-            f"module it calls kept in fp32 takes the error to {whole[1]:.3g}; the target is {aim:.3g}); {plan} "
-            "where fewer reach it"
+            f"module it calls kept in fp32 takes the error to {whole[1]:.3g}; the target is {aim:.3g}); `fpdoctor "
+            f"plan` with `--candidate {label}` checks whether fewer modules do"
         )
         trial = Trial.checked(
             "every module the model calls kept in fp32, its own ops as they ran", on=on, metric=METRIC,
@@ -157,7 +158,7 @@ def finding(
         message=(
             f"In {label}, the output's error is {error:.3g}, {error / root.floor:.0f}x what rounding the exact "
             f"output costs ({root.floor:.3g}) and past {aim:.3g}, the target `fpdoctor plan` holds a candidate to "
-            "(16x the highest floor of its parts, or 2x what rounding the inputs costs), while "
+            "(16x the output's floor, or 2x what rounding the inputs costs), while "
             f"no module or op adds more than a few times its own floor (worst: {parts}){inputs}. Every part "
             f"rounds a little and the model compounds it; {said}."
         ),

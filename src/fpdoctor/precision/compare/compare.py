@@ -2206,6 +2206,8 @@ class _Comparison:
         x0 from its denoiser's noise). Those submodules kept in fp32, returning fp32, is one forward: the fix
         where it cures; where it does not, this is what the candidate's format costs here, a warning."""
         rows, findings = result.rows, result.report.findings
+        if self.cand_dtype not in (torch.float16, torch.bfloat16):  # fp32's own fix is fp64 (_root_line_checked)
+            return
         for i, f in enumerate(findings):
             ev = f.evidence
             forced, isolated = ev.get("conditioned_rel"), ev.get("isolated_rel")
