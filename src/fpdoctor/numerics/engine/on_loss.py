@@ -25,6 +25,7 @@ step's own backward (inside it, no op records a graph).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,7 +159,32 @@ def _named(loss: Step) -> str:
 
 
 def _said(changes: _Changes) -> str:
-    return "; ".join(dict.fromkeys(changes.said))
+    return said_once(changes.said)
+
+
+_LINES_IN_FP32 = re.compile(r"^lines? ([\d, ]+(?: and \d+)?) of (.+) in fp32$")
+
+
+def said_once(said: list[str]) -> str:
+    """The changes of one run, each once; the lines of one file raised to fp32 as one set ("line 48 in fp32;
+    lines 48 and 50 in fp32; line 51 in fp32" is lines 48, 50 and 51 in fp32), where the first of them was."""
+    out: list[str] = []
+    lines: dict[str, set[int]] = {}
+    for text in dict.fromkeys(said):
+        found = _LINES_IN_FP32.match(text)
+        if found is None:
+            out.append(text)
+            continue
+        file = found.group(2)
+        if file not in lines:
+            out.append(f"\0{file}")  # where the file's set goes, spelled at the end
+            lines[file] = set()
+        lines[file].update(int(n) for n in re.findall(r"\d+", found.group(1)))
+    for file, numbers in lines.items():
+        ordered = sorted(numbers)
+        listed = str(ordered[0]) if len(ordered) == 1 else f"{', '.join(map(str, ordered[:-1]))} and {ordered[-1]}"
+        out[out.index(f"\0{file}")] = f"line{'s' if len(ordered) > 1 else ''} {listed} of {file} in fp32"
+    return "; ".join(out)
 
 
 def _gradients(
