@@ -3272,8 +3272,7 @@ class _Comparison:
         subs = own_code.submodules(self.model)
         if not subs:
             return None
-        own = [n for n, t in [*self.model.named_parameters(recurse=False), *self.model.named_buffers(recurse=False)]
-               if t is not None and t.is_floating_point()]  # fmt: skip
+        own = own_code.own_tensors(self.model)
         kept = f", from fp32 copies of its own {', '.join(f'`{n}`' for n in own)} ({plain_fp32(own)})" if own else ""
         listed = " and ".join(f"`{n}`" for n in subs)
         fix = (

@@ -56,6 +56,13 @@ def submodules(model: nn.Module) -> list[str]:
     return out
 
 
+def own_tensors(model: nn.Module) -> list[str]:
+    """The floating parameters and buffers the model holds itself, not in a submodule: what its own code
+    reads, which the own-code checks keep in fp32 and their fixes name."""
+    return [n for n, t in [*model.named_parameters(recurse=False), *model.named_buffers(recurse=False)]
+            if t is not None and t.is_floating_point()]  # fmt: skip
+
+
 def span(model: nn.Module, location: str | None) -> str:
     """Where the model's forward is written ("lines 50-61 of ddim.py (DDIMSampler.forward)"); the
     worst op's own line where that is not inside it (a forward that delegates), or the class's
@@ -89,8 +96,7 @@ def finding(
         if many and len(subs) <= 4
         else ", ".join(named) + (f" and {len(subs) - 4} more" if len(subs) > 4 else "")
     )
-    own = [n for n, t in [*model.named_parameters(recurse=False), *model.named_buffers(recurse=False)]
-           if t is not None and t.is_floating_point()]  # fmt: skip
+    own = own_tensors(model)
     where = f" ({location})" if location else ""
     base = max(came, floor) if math.isfinite(came) else math.inf
     grew = (
