@@ -308,3 +308,60 @@ def test_what_a_recurrence_reads_every_step_is_computed_in_fp64_with_it_as_print
     exact = Resonator().double()(x.double())
     wide = float((Resonator(wide=True)(x).double() - exact).norm() / exact.norm())
     assert wide < 3 * first.trial.after + 1e-7, (wide, first.trial)
+
+
+class FarTracker(nn.Module):
+    """GPS fixes in metres far from the origin (a UTM northing of 5.4e6): the estimate at that offset
+    rounds every step in fp32 (its spacing there 0.5 m, against 1 m of noise) while the worst op is on
+    the covariance's cycle, whose fp64 cures nothing. The fix is the cycle that makes the output: the
+    estimate's two lines in fp64 from the first step. `wide`: that fix as printed."""
+
+    def __init__(self, wide: bool = False) -> None:
+        super().__init__()
+        f = torch.eye(4)
+        f[0, 2] = f[1, 3] = 0.1
+        h = torch.zeros(2, 4)
+        h[0, 0] = h[1, 1] = 1.0
+        self.register_buffer("F", f)
+        self.register_buffer("H", h)
+        self.register_buffer("Q", 1e-8 * torch.eye(4))
+        self.register_buffer("R", torch.eye(2))
+        self.register_buffer("P0", 10.0 * torch.eye(4))
+        self.register_buffer("I", torch.eye(4))
+        self.wide = wide
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        x = torch.zeros(z.shape[0], 4, dtype=torch.float64 if self.wide else z.dtype)
+        x[:, :2] = z[:, 0]
+        p = self.P0.expand(z.shape[0], 4, 4).clone()
+        out = []
+        for t in range(z.shape[1]):
+            x = x @ (self.F.double() if self.wide else self.F).T
+            p = self.F @ p @ self.F.T + self.Q
+            s = self.H @ p @ self.H.T + self.R
+            k = p @ self.H.T @ torch.linalg.inv(s)
+            if self.wide:
+                x = x + (k.double() @ (z[:, t].double() - x @ self.H.double().T).unsqueeze(-1)).squeeze(-1)
+            else:
+                x = x + (k @ (z[:, t] - x @ self.H.T).unsqueeze(-1)).squeeze(-1)
+            p = (self.I - k @ self.H) @ p
+            out.append(x.to(z.dtype))
+        return torch.stack(out, dim=1)
+
+
+def test_a_state_rounded_at_its_offset_is_the_recurrence_that_makes_the_output_kept_in_fp64():
+    g, f64 = torch.Generator().manual_seed(0), torch.float64
+    start = torch.tensor([448_250.0, 5_411_730.0], dtype=f64) + 100 * torch.randn(2, 2, generator=g, dtype=f64)
+    vel, steps = torch.randn(2, 2, generator=g, dtype=f64), 0.1 * torch.arange(500, dtype=f64)
+    z = start[:, None] + vel[:, None] * steps[None, :, None] + torch.randn(2, 500, 2, generator=g, dtype=f64)
+    first = fpdoctor.compare(FarTracker(), z, candidate="fp32", reference="fp64").report.findings[0]
+    assert first.name == "precision-divergence" and first.where["module"] == "", first
+    source, start_line = inspect.getsourcelines(FarTracker.forward)
+    at = {t: start_line + next(i for i, s in enumerate(source) if t in s) for t in ("x = x @", "x = x + (k @", "k = p")}
+    assert first.evidence["own_op_location"] == f"{__file__}:{at['k = p']}", first.evidence  # the covariance's
+    assert first.evidence["recurrence"]["lines"] == [f"{__file__}:{at['x = x @']}", f"{__file__}:{at['x = x + (k @']}"]
+    assert "keep the recurrence through the output in fp64" in first.fix, first.fix
+    assert first.trial is not None and first.trial.tried and first.trial.after * 10 < first.trial.before
+    exact = FarTracker().double()(z)
+    wide = float((FarTracker(wide=True)(z.float()).double() - exact).norm() / exact.norm())
+    assert wide < 3 * first.trial.after + 1e-8, (wide, first.trial)

@@ -2408,11 +2408,15 @@ class _Comparison:
                 widest = tried[-1][1] if tried else after  # the span walked furthest up, the figure it left
                 left = f"{widest:.3g}" if widest is not None else "an error of its own"
                 span = f"line {number}" if len(tried) < 2 else f"lines {tried[-1][0]}-{number}"
-                carried = self._recurrence_checked(f"{file}:{number}", before)
+                # the recurrence through the op's line; else the one that makes the output (a tracker's estimate
+                # at a large offset, rounded every step, while the worst op is its covariance's update)
+                carried, through = self._recurrence_checked(f"{file}:{number}", before), "it"
+                if carried is None:
+                    carried, through = self._recurrence_checked(None, before), "the output"
                 if carried is not None:
                     cycle, fixed = carried
                     result.report.findings[i] = _recurrence_finding(
-                        finding, cycle, span=span, left=left, before=before, after=fixed, on=on
+                        finding, cycle, span=span, left=left, before=before, after=fixed, on=on, through=through
                     )
                     continue
                 result.report.findings[i] = dataclasses.replace(
@@ -2430,10 +2434,10 @@ class _Comparison:
                     ),
                 )
 
-    def _recurrence_checked(self, line: str, before: float) -> tuple[Recurrence, float] | None:
-        """Where no span of lines above the worst op (at `line`) cures an fp32 error: the
-        recurrence through its line (recurrence.py: the lines that carry a value from one step of a
-        loop to the next through it) kept in fp64 from the first step, end to end; where that is not
+    def _recurrence_checked(self, line: str | None, before: float) -> tuple[Recurrence, float] | None:
+        """Where no span of lines above the worst op (at `line`; None: the line that makes the output)
+        cures an fp32 error: the recurrence through its line (recurrence.py: the lines that carry a value
+        from one step of a loop to the next through it) kept in fp64 from the first step, end to end; where that is not
         enough, with the lines that make what it reads in fp64 too, not cast back (a filter's
         coefficients, made once and read every step: rounded to fp32 they move its poles). (The cycle,
         the error then) where that takes the error down RAISED_FALLS times; else None. Two forwards,
@@ -3674,7 +3678,8 @@ def _amplifies(op: str) -> tuple[str, str]:
 
 
 def _recurrence_finding(
-    finding: Finding, cycle: Recurrence, *, span: str, left: str, before: float, after: float, on: str
+    finding: Finding, cycle: Recurrence, *, span: str, left: str, before: float, after: float, on: str,
+    through: str = "it",
 ) -> Finding:  # fmt: skip
     """The root's divergence whose fix is its recurrence kept in fp64 (Comparison._recurrence_checked)."""
     lines = _named(cycle.lines)
@@ -3694,7 +3699,7 @@ def _recurrence_finding(
         finding,
         fix=f"the error is carried from one run of these lines to the next (a loop's steps, or a function called on "
         f"what it made), not made where it shows ({span} in fp64 leave it at {left}): keep the recurrence through "
-        f"it in fp64 from the first run, {lines} (the fp32 operands they read from the rest of the model "
+        f"{through} in fp64 from the first run, {lines} (the fp32 operands they read from the rest of the model "
         f".double(), so that what they carry stays fp64){fed}{readers}; or rewrite the state's update in a form that "
         "keeps its properties in fp32 (a covariance as (I - KH) P (I - KH)^T + K R K^T, the Joseph form, not "
         "(I - KH) P; a sum by compensated summation)",

@@ -27,6 +27,7 @@ from fpdoctor.precision.compare.noise import ReplayNoise
 from fpdoctor.precision.compare.own_calls import GETITEM, basic_index
 from fpdoctor.precision.compare.passes import AtenOps, stacked
 from fpdoctor.preserve import RngState
+from fpdoctor.pytrees import tensors_in
 from fpdoctor.userframes import user_frame
 
 # A cycle of more lines than this is most of a forward, not a state's update: no fix of a few lines.
@@ -202,11 +203,21 @@ def _order(line: str) -> tuple[str, int]:
 
 
 def recurrence(
-    run: nn.Module, inputs: Any, dtype: torch.dtype, line: str, *, rng: RngState, device: torch.device | None,
-    noise: ReplayNoise | None,
+    run: nn.Module, inputs: Any, dtype: torch.dtype, line: str | None, *, rng: RngState,
+    device: torch.device | None, noise: ReplayNoise | None,
 ) -> Recurrence | None:  # fmt: skip
-    """The recurrences `line` (file:line) is on or reads from, in one candidate forward; None where
-    there are none or they hold more than MOST_LINES lines."""
+    """The recurrences `line` (file:line; None: the line that makes the model's output) is on or reads
+    from, in one candidate forward; None where there are none or they hold more than MOST_LINES lines."""
     flow = _Flow()
-    stacked(flow, run, inputs, dtype, rng=rng, device=device, noise=noise)
-    return flow.cycle(line)
+    made: list[str] = []
+
+    def output(value: Any) -> None:  # the user line that made the output's first floating tensor
+        for t in tensors_in(value):
+            maker = flow.maker.get(id(t)) if t.is_floating_point() else None
+            if maker is not None:
+                made.append(maker[1])
+                return
+
+    stacked(flow, run, inputs, dtype, rng=rng, device=device, noise=noise, root=output if line is None else None)
+    line = line if line is not None else (made[0] if made else None)
+    return flow.cycle(line) if line is not None else None
