@@ -13,7 +13,7 @@ with the worst modules kept in fp32, doubled until they reach the target, as the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from fpdoctor import catalog
 from fpdoctor.precision.profile import DIVERGENCE_RATIO, ModuleRow
@@ -57,11 +57,13 @@ def above_floor(rows: list[ModuleRow], unit: float) -> bool:
     )
 
 
-def ranked(rows: list[ModuleRow]) -> list[str]:
-    """The model's modules by isolated error / floor, worst first (plan's order; never the root)."""
+def ranked(rows: Iterable[ModuleRow]) -> list[str]:
+    """The model's modules by their worst isolated error / floor over `rows` (one run's, or several
+    input sets'), worst first (plan's order; never the root; a row whose own error a child's explains
+    does not rank its module)."""
     worst: dict[str, float] = {}
     for r in rows:
-        if r.module and r.ratio is not None and math.isfinite(r.ratio):
+        if r.module and r.ratio is not None and not math.isnan(r.ratio) and not r.inherited:
             worst[r.module] = max(worst.get(r.module, 0.0), r.ratio)
     return sorted(worst, key=lambda m: -worst[m])
 

@@ -42,7 +42,7 @@ from fpdoctor.precision.candidates import (
     split_inputs,
     uncompiled,
 )
-from fpdoctor.precision.compare import use
+from fpdoctor.precision.compare import built_up, use
 from fpdoctor.precision.compare.compare import compare_set
 from fpdoctor.precision.compare.noise import ReplayNoise
 from fpdoctor.precision.inputs import describe, input_sets, named_tensors
@@ -436,7 +436,7 @@ def _plan(
 
     runs.describe(f"plan {candidate}: the candidate as it is")
     baseline = errors([])
-    ranked = _ranked(judged)
+    ranked = built_up.ranked(r for s in judged for r in s.compared.rows)
     units: list[tuple[list[str], set[str]]] = [([module], set()) for module in ranked]
     what_if: list[tuple[list[str], list[float]]] = []
     if m.decisions and not ok(baseline):  # the what-ifs, ranked by the metric, lead the greedy search
@@ -718,16 +718,6 @@ def _op_fixes(judged: list[_Set], keep: list[str]) -> list[OpFix]:
         if found is not None and "index" in found:
             fixes.append(OpFix(name, found["op"], found["index"], found.get("location")))
     return fixes
-
-
-def _ranked(judged: list[_Set]) -> list[str]:
-    """Modules by their worst isolated error / floor over the input sets, worst first (never the root)."""
-    worst: dict[str, float] = {}
-    for s in judged:
-        for r in s.compared.rows:
-            if r.ratio is not None and r.module and not r.inherited:
-                worst[r.module] = max(worst.get(r.module, 0.0), r.ratio)
-    return sorted(worst, key=lambda m: -worst[m])
 
 
 def apply_plan(model: nn.Module, the_plan: Plan) -> nn.Module:
