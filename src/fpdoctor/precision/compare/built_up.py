@@ -35,8 +35,12 @@ def floor(rows: list[ModuleRow], unit: float) -> float:
     rounding, a 0-d loss's, can be near 0 by chance); an own op's forced error is what any computation of
     it in the format loses, which the output cannot do better than."""
     root = rows[-1]
-    forced = [r.own["forced_rel"] for r in rows if r.own and r.own.get("forced_rel")]
-    return max(ROUNDING_RMS * unit, root.floor, root.reference or 0.0, *forced)
+    return max(ROUNDING_RMS * unit, root.floor, root.reference or 0.0, *forced(rows))
+
+
+def forced(rows: Iterable[ModuleRow]) -> list[float]:
+    """The own ops' forced errors: what any computation of each in the format loses (its conditioning)."""
+    return [r.own["forced_rel"] for r in rows if r.own and r.own.get("forced_rel")]
 
 
 def target(rows: list[ModuleRow], input_floor: float | None, unit: float) -> float:

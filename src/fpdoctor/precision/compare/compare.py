@@ -3750,7 +3750,7 @@ def _explained(rows: list[ModuleRow], conditioning: bool = True) -> float:
     """The largest error any part adds by itself (see _unexplained)."""
     alone = [_by_itself(r) for r in rows if r.isolated is not None and math.isfinite(r.isolated)]
     if conditioning:  # fp32's conditioning
-        alone += [r.own["forced_rel"] for r in rows if r.own and r.own.get("forced_rel")]
+        alone += built_up.forced(rows)
     return max([rows[-1].floor, *alone])
 
 
