@@ -6,12 +6,16 @@ its untried fix says what its run found, never that its line is unknown."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
 from torch import nn
 
 import fpdoctor
+from fpdoctor.numerics.engine.raising import RaisedLines
+from fpdoctor.precision.compare.passes import error_under
+from fpdoctor.preserve import RngState
 
 T = 1000
 
@@ -98,3 +102,23 @@ def test_after_its_fix_the_samplers_lines_are_checked_in_fp32_with_its_schedule_
     first = report.findings[0]
     assert first.name == "precision-divergence" and first.trial is not None and first.trial.tried, str(report)
     assert first.trial.after * 100 < first.trial.before, first.trial
+
+
+def test_a_check_run_again_casting_at_entry_tells_its_caller_to_forget_the_failed_run() -> None:
+    # the sampler's last lines in fp32 feed the denoiser a value its `.to(x.dtype)` widens: the first run
+    # fails, the second casts back at every module entry; what `each` saw of the first is the caller's to drop
+    source, start = inspect.getsourcelines(Sampler.forward)
+    at = start + next(i for i, s in enumerate(source) if "x0 = " in s)
+    lines = {(inspect.getsourcefile(Sampler) or "", at + k) for k in range(-3, 2)}
+    x = torch.randn(64, 2, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        truth = Sampler().eval().double()(x.double()).flatten()
+    seen: list[str] = []
+    restarts: list[int] = []
+    mode = RaisedLines(lines, torch.float16)
+    error_under(
+        mode, Sampler().eval().half(), (x,), torch.float16, truth=truth, norm=float(truth.norm()),
+        rng=RngState.capture(), device=None, noise=None, each=lambda name, index, output: seen.append(name),
+        restart=lambda: restarts.append(len(seen)),
+    )  # fmt: skip
+    assert mode.entry_cast and len(restarts) == 1 and 0 < restarts[0] < len(seen), (restarts, len(seen))

@@ -2837,14 +2837,9 @@ class _Comparison:
         kept: list[torch.Tensor] = []  # the run's output, for what it decides (_checked_fixes)
         broken: list[str] = []  # modules whose output the fix leaves off by BROKEN of its norm or more
 
-        again = [False]
-
         def each(name: str, index: int, output: Any) -> None:
             # a fix judged end to end alone can pass where a residual dilutes a module it left dead
             # (a variance cast back past fp16's range: a norm's output all 0, 30x diluted, trial80)
-            if isinstance(mode, RaisedLines) and mode.entry_cast and not again[0]:  # the run again (error_under):
-                broken.clear()  # what the failed run saw is not this run's
-                again[0] = True
             seen = self.seen.get((name, index))
             got = device_sample(output) if seen is not None and name else None
             if got is None or got.numel() != seen.truth.numel() or not seen.norm > 0:  # type: ignore[union-attr]
@@ -2854,7 +2849,8 @@ class _Comparison:
                 broken.append(name)
 
         error = error_under(mode, self.cand_run, self.run_inputs, self.cand_dtype, truth=root.truth, norm=root.norm,
-                            rng=self.rng, device=self.cand_device, noise=self.noise, keep=kept, each=each)  # fmt: skip
+                            rng=self.rng, device=self.cand_device, noise=self.noise, keep=kept, each=each,
+                            restart=broken.clear)  # fmt: skip
         if self._keep_fix_outputs:  # only the runs _made_checked reads: an LM's logits are large
             self._fix_outputs[(kind, line, more)] = kept[0] if kept else None
         return math.inf if broken and error is not None else error

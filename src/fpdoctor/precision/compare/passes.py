@@ -554,11 +554,13 @@ def error_under(
     truth: torch.Tensor,
     norm: float, rng: RngState, device: torch.device | None, noise: ReplayNoise | None,
     keep: list[torch.Tensor] | None = None, watch: Any = None, each: Callable[[str, int, Any], None] | None = None,
+    restart: Callable[[], None] | None = None,
 ) -> float | None:  # fmt: skip
     """The candidate's end-to-end error against the fp64 `truth` with some of its ops raised (an
     engine.raising mode); None when the run fails or the mode raised no op. `keep` gets the run's
     output (its first floating tensor); `watch`, a mode entered inside the raising one, sees the ops
-    as the code calls them (selections.Picks); `each(name, index, output)` sees every module's output."""
+    as the code calls them (selections.Picks); `each(name, index, output)` sees every module's output;
+    `restart()` is called before a failed run is run again, so that what `each` gathered of it goes."""
     got: list[torch.Tensor | None] = []
     root = _root_output(got, keep)
 
@@ -588,6 +590,8 @@ def error_under(
             got.clear()
             if keep is not None:
                 del keep[kept:]
+            if restart is not None:
+                restart()
     return _root_error(got, truth, norm, raised.raised)
 
 
