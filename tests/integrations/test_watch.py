@@ -1501,3 +1501,32 @@ def test_a_grad_scaler_whose_scale_fp32_cannot_invert_never_steps_nan_into_the_w
     names = [f.name for f in w.report.findings]
     assert names[0] == "amp-scale-collapse" and "1/scale is Inf" in w.report.findings[0].message, names
     assert "transient-fault-suspected" not in names and "deterministic-nonfinite" not in names, names
+
+
+# a loss past fp32's range made after the model (a sum of squares of outputs in the thousands, scaled up):
+# the outputs are finite, the loss +Inf every time
+INF_LOSS = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Linear(8, 4)
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+g = torch.Generator().manual_seed(1)
+for step in range(1, 5):
+    out = model(torch.randn(16, 8, generator=g))
+    loss = (out * 1e20).pow(2).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_the_replays_evidence_says_the_kind_of_value_the_step_made_not_its_stand_in(tmp_path):
+    # watch sees no loss function: the replay judges the forward's outputs (finite) and a stand-in for the
+    # loss; its evidence is of the step's loss, +Inf, never the stand-in's NaN
+    script = _write(tmp_path, "inf_loss.py", INF_LOSS)
+    watched = _watch(tmp_path, str(script))
+    assert watched.returncode in (0, 1), watched.stderr
+    report = _report(tmp_path)
+    verdict = next(f for f in report["findings"] if f["name"] == "deterministic-nonfinite")
+    assert verdict["evidence"].get("kind") == "+inf", verdict["evidence"]

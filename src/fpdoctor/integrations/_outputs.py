@@ -88,7 +88,7 @@ def backward_from(output: Any, kept: KeptGradients) -> OutputsOnly | None:
         # far out of line: the step's inputs are checked for such rows too, by the replay
         overflowed = kept.loss is not None and bool(torch.isinf(kept.loss).any())
         out = (rows[0][0], rows[1], rows[0][1], rows[0][2]) if rows is not None and now_finite and overflowed else None
-        return OutputsOnly(now_finite, after_outputs=now_finite, standing_out=out)
+        return OutputsOnly(now_finite, after_outputs=now_finite, standing_out=out, value=kept.loss)
     tensors, grads = [], []
     for index, leaf in enumerate(pytree.tree_leaves(output)):
         grad = kept.grads.get(index)
@@ -99,7 +99,11 @@ def backward_from(output: Any, kept: KeptGradients) -> OutputsOnly | None:
         torch.autograd.backward(tensors, grads)
         return None
     with torch.no_grad():
-        finite = all(bool(torch.isfinite(t).all()) for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor))
+        bad = [
+            t for t in pytree.tree_leaves(output)
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())
+        ]  # fmt: skip
     # outputs finite in the step and now, and a non-finite gradient arriving at them: made after
     # the model, in the loss (outputs that were not finite in the step and are now: a transient fault)
-    return OutputsOnly(finite, after_outputs=finite and not kept.finite and kept.outputs_finite)
+    after = not bad and not kept.finite and kept.outputs_finite
+    return OutputsOnly(not bad, after_outputs=after, value=bad[0] if bad else kept.loss if after else None)

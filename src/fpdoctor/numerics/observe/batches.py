@@ -30,3 +30,6 @@ class OutputsOnly:
     # there, rows of an output far out of line with the others (loader.standing_out): (their places, of
     # how many, their largest |x|, the others' largest): one item of the batch the loss cannot take
     standing_out: tuple[list[int], int, float, float] | None = None
+    # the non-finite value it stands for, where one was seen (the step's loss; else the first output not
+    # finite): what the replay's evidence describes (its kind: NaN or Inf)
+    value: Any = None

@@ -119,7 +119,11 @@ def replay(
                         for f in (report.findings if report else [])
                         if f is not first and f.name != "nonfinite-masked"
                     ]
-                    found = {} if first else _nonfinite_evidence(seen if loss_bad else None, params)
+                    # an unseen loss's stand-in (NaN for outputs judged bad) is no value of the run's: the value
+                    # it stands for says what the step made, else the gradients
+                    stands = loss.value if isinstance(loss, OutputsOnly) else None
+                    value = stands if stands is not None else seen if loss_bad and not unseen else None
+                    found = {} if first else _nonfinite_evidence(value, params)
                     if after and first is None:
                         found["made_after_outputs"] = True
                         inputs = [t for t in tensors_in((micro.args, micro.kwargs)) if t.is_floating_point()]
