@@ -593,9 +593,12 @@ def collapse_finding(
 
 
 def scale_gone_finding(step: int, scale: float, watch: ScaleWatch, *, here: dict[str, Any]) -> Finding:
-    """amp-scale-collapse at a scale whose reciprocal is Inf: past it the scaler lets NaN through."""
+    """amp-scale-collapse at a scale whose reciprocal is Inf: past it the scaler lets NaN through. Its title
+    says the state, not the catalog's "gradients overflow": a scale halved by steps whose loss was NaN (a
+    forward's NaN, every step) fell as far with no gradient overflowing."""
     return catalog.make(
         "amp-scale-collapse",
+        title="The GradScaler's loss scale fell below what fp32 can invert (1/scale is Inf): no step trains from here",
         message=(
             f"Step {step}: the GradScaler's scale is {scale:g}: halved at every step it skipped, it fell below what "
             "fp32 can invert (1/scale is Inf). From here scaler.unscale_ multiplies every gradient by Inf (0 x Inf "
