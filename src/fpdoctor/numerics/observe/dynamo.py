@@ -146,10 +146,21 @@ def quiet_wrapper_warning() -> Callable[[], None]:
     return remove
 
 
+# fpdoctor's modules as last listed, with the count of sys.modules then: a trace entered every step
+# (`with fpdoctor.trace(model):` around each) would walk thousands of modules each time
+_listed: tuple[int, list[types.ModuleType]] = (-1, [])
+
+
 def fpdoctor_modules() -> list[types.ModuleType]:
     """fpdoctor's modules imported so far: what its hooks call (a module imported later runs from
-    frames of these, and a skipped frame's callees are skipped too)."""
-    return [m for name, m in list(sys.modules.items()) if name.split(".")[0] == "fpdoctor" and m is not None]
+    frames of these, and a skipped frame's callees are skipped too). Listed again only where the
+    process imported a module since."""
+    global _listed  # noqa: PLW0603  # the process's one list, as sys.modules is
+    count = len(sys.modules)
+    if count != _listed[0]:
+        found = [m for name, m in list(sys.modules.items()) if name.partition(".")[0] == "fpdoctor" and m is not None]
+        _listed = (count, found)
+    return _listed[1]
 
 
 def is_compiled(model: Any) -> bool:
