@@ -365,3 +365,51 @@ def test_a_state_rounded_at_its_offset_is_the_recurrence_that_makes_the_output_k
     exact = FarTracker().double()(z)
     wide = float((FarTracker(wide=True)(z.float()).double() - exact).norm() / exact.norm())
     assert wide < 3 * first.trial.after + 1e-8, (wide, first.trial)
+
+
+class Pendulums(nn.Module):
+    """Four coupled pendulums driven by a sine, semi-implicit Euler, the clock kept as `t = t + dt`: fp32's
+    clock drifts and the drive's phase with it. The coupling is written into `nb` in place by lines outside
+    the recurrence (`nb[1:] += ...`): kept in fp64, `nb` is written as it is, not a copy cast down.
+    `wide`: the fix as printed (the recurrence's lines in fp64, the lines outside reading its values cast
+    back)."""
+
+    def __init__(self, steps: int = 2000, wide: bool = False) -> None:
+        super().__init__()
+        self.register_buffer("omega0_sq", torch.tensor([39.2, 32.7, 28.0, 24.5]))
+        self.register_buffer("drive_w", torch.tensor(5.65))
+        self.dt, self.steps, self.wide = 1e-3, steps, wide
+
+    def accel(self, th: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        nb = torch.zeros_like(th)
+        low = th.float() if self.wide else th  # what the lines outside read of the recurrence, cast back
+        nb[1:] += low[:-1] - low[1:]
+        nb[:-1] += low[1:] - low[:-1]
+        drive = 1.5 * torch.cos(self.drive_w * (t.float() if self.wide else t))
+        return -self.omega0_sq * torch.sin(th) + 2.0 * nb - 0.3 * w + drive
+
+    def forward(self, th: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        t = torch.zeros((), dtype=th.dtype)
+        if self.wide:
+            th, w, t = th.double(), w.double(), t.double()
+        out = []
+        for step in range(self.steps):
+            w = w + self.dt * self.accel(th, w, t)
+            th = th + self.dt * w
+            t = t + self.dt
+            if (step + 1) % 40 == 0:
+                out.append(th.float() if self.wide else th)
+        return torch.stack(out)
+
+
+def test_a_recurrence_whose_state_lines_outside_write_into_in_place_is_checked_as_printed():
+    th, w = torch.tensor([0.1, 0.0, -0.1, 0.05]), torch.zeros(4)
+    first = fpdoctor.compare(Pendulums(), (th, w), candidate="fp32", reference="fp64").report.findings[0]
+    assert first.name == "precision-divergence" and "recurrence" in first.evidence, first.fix
+    source, start = inspect.getsourcelines(Pendulums)
+    clock = f"{__file__}:{start + next(i for i, s in enumerate(source) if 't = t + self.dt' in s)}"
+    assert clock in first.evidence["recurrence"]["lines"], first.evidence
+    assert first.trial is not None and first.trial.tried and first.trial.after * 100 < first.trial.before
+    exact = Pendulums().double()(th.double(), w.double())
+    wide = float((Pendulums(wide=True)(th, w).double() - exact).norm() / exact.norm())
+    assert wide < 3 * first.trial.after + 1e-9, (wide, first.trial)

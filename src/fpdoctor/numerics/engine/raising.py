@@ -116,6 +116,15 @@ class RaisedSites(TorchFunctionMode):
             return func(*args, **kwargs)
         if not _holds(args, torch.float64) and not (kwargs and _holds(kwargs.values(), torch.float64)):
             return func(*args, **kwargs)
+        if func is GETITEM and not kwargs and basic_index(args[1]):
+            # a view of a float64 value stays one (what reads it casts it): cast here, a write into the view
+            # (`nb[1:] += d`) would go to a copy
+            return func(*args)
+        if args and type(args[0]) is torch.Tensor and args[0].dtype is torch.float64 and writes_into(func):
+            # a write into a float64 value (a state made by a raised line, written by a line outside) goes into
+            # it, what it writes read as the op reads it
+            rest, kwargs = _map(args[1:], kwargs, self._down)
+            return func(args[0], *rest, **kwargs)
         args, kwargs = _map(args, kwargs, self._down)
         return func(*args, **kwargs)
 
@@ -124,6 +133,36 @@ class RaisedSites(TorchFunctionMode):
 
     def _down(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.dtype) if t.dtype is torch.float64 else t
+
+
+GETITEM = torch.Tensor.__getitem__
+# the in-place forms Python's augmented assignment and item assignment call (`nb[1:] += d`, `x[i] = v`)
+_WRITES_INTO = frozenset({
+    "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__", "__imatmul__",
+    "__setitem__",
+})  # fmt: skip
+
+
+def basic_index(index: Any) -> bool:
+    """Whether `x[index]` is basic indexing (ints, slices of ints, None, ...): views alone, whatever
+    the ints (advanced indexing, with a tensor or a bool, runs index ops)."""
+    if type(index) is not tuple:
+        index = (index,)
+    for i in index:
+        t = type(i)
+        if t is slice:
+            for b in (i.start, i.stop, i.step):
+                if b is not None and type(b) is not int:
+                    return False
+        elif t is not int and i is not None and i is not Ellipsis:
+            return False
+    return True
+
+
+def writes_into(func: Any) -> bool:
+    """`func` writes into its first argument (`add_`, `copy_`, `+=`, `x[i] = v`)."""
+    name = getattr(func, "__name__", "")
+    return name in _WRITES_INTO or (name.endswith("_") and not name.endswith("__"))
 
 
 def _keys(sites: list[tuple[Any, str]]) -> set[tuple[int, str, int]]:
@@ -235,15 +274,23 @@ class RaisedLines(EagerDispatchMode):
         user = user_location(sys._getframe())
         at = (user[0], user[1]) if user is not None else None
         inside = self._inside(at) if self.calls else None
-        if user is not None and ((at in self.lines and inside is not False) or inside):
+        # a view on a raised line is of the tensor itself (widened, it would be of a copy, and a write through it,
+        # `nb[1:] += d`, lost); the ops that compute from it widen what they read
+        if user is not None and ((at in self.lines and inside is not False) or inside) and not func.is_view:
             self.raised += 1
             # a result the code makes wider than `dtype` as written (x.float().mean()) is read as it is:
             # only what raising widened is cast back where the rest reads it
             wider = self._wider(args, kwargs, user)
+            target = args[0] if args and type(args[0]) is torch.Tensor else None
             args, kwargs = _map(args, kwargs, self._up)
             args = tuple(self.wide if a is self.dtype else a for a in args)
             kwargs = {k: self.wide if v is self.dtype else v for k, v in kwargs.items()}
             out = func(*args, **kwargs)
+            if target is not None and args[0] is not target and func.overloadpacket.__name__.endswith("_"):
+                # an in-place op (`nb[1:] += d`) wrote into a widened copy: its result goes into the tensor the
+                # code writes, in that tensor's dtype, as the fix's cast back puts it
+                target.copy_(args[0])
+                return target
             if not wider:
                 for t in _tensors(out):
                     if t.dtype == self.wide:
@@ -261,6 +308,11 @@ class RaisedLines(EagerDispatchMode):
             # code off the lines that widens what they made (t.float() in a module the caller passes
             # positions to): it reads the fp32 value as it is, as it would in the fixed code
             return func(*args, **kwargs)
+        if args and type(args[0]) is torch.Tensor and func.overloadpacket.__name__.endswith("_"):
+            # an in-place op off the lines (`nb[1:] += d`, nb made on a raised line) writes into the tensor itself,
+            # not a copy cast back; what it writes is read as every op off the lines reads it
+            rest, kwargs = _map(args[1:], kwargs, self._read)
+            return func(args[0], *rest, **kwargs)
         args, kwargs = _map(args, kwargs, self._read)
         return func(*args, **kwargs)
 

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from fpdoctor.numerics.engine.raising import GETITEM, basic_index
 from fpdoctor.precision.compare.container_ops import Own, OwnOps
 from fpdoctor.precision.metrics import REPEATS
 
-GETITEM = torch.Tensor.__getitem__
 _SCALARS = frozenset({int, float, bool, complex, str, type(None), type(Ellipsis), torch.dtype, torch.device,
                       torch.layout, torch.memory_format})  # fmt: skip
 _COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
@@ -230,19 +230,3 @@ def _describe(value: Any, out: list[Any]) -> bool:
         out.append(t)
         return _describe(value.start, out) and _describe(value.stop, out) and _describe(value.step, out)
     return False
-
-
-def basic_index(index: Any) -> bool:
-    """Whether `x[index]` is basic indexing (ints, slices of ints, None, ...): views alone, whatever
-    the ints (advanced indexing, with a tensor or a bool, runs index ops)."""
-    if type(index) is not tuple:
-        index = (index,)
-    for i in index:
-        t = type(i)
-        if t is slice:
-            for b in (i.start, i.stop, i.step):
-                if b is not None and type(b) is not int:
-                    return False
-        elif t is not int and i is not None and i is not Ellipsis:
-            return False
-    return True

@@ -15,10 +15,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fpdoctor.numerics.engine.raising import ByTensor, RaisedLines, RaisedSites, SaturatedCasts
+from fpdoctor.numerics.engine.raising import GETITEM, ByTensor, RaisedLines, RaisedSites, SaturatedCasts, basic_index
 from fpdoctor.precision.candidates import cast_inputs, map_tensors, split_inputs
 from fpdoctor.precision.compare.noise import RecordNoise, ReplayNoise
-from fpdoctor.precision.compare.own_calls import GETITEM, basic_index
 from fpdoctor.precision.metrics import (
     Later,
     cosine_of,

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from fpdoctor.numerics.engine.raising import GETITEM, basic_index
 from fpdoctor.precision.compare.noise import ReplayNoise
-from fpdoctor.precision.compare.own_calls import GETITEM, basic_index
 from fpdoctor.precision.compare.passes import AtenOps, stacked
 from fpdoctor.preserve import RngState
 from fpdoctor.pytrees import tensors_in
