@@ -143,3 +143,52 @@ def test_a_custom_functions_backward_op_is_never_the_backward_of_a_cast_but_keep
     script.write_text(SQRT)
     first = _trace(tmp_path, script)["findings"][0]
     assert "the backward of aten.sqrt.default" in first["title"] + first["message"], first["title"]
+
+
+GELU = """
+import math, torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+K = math.sqrt(2 / math.pi)
+class TanhGELU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        t = torch.tanh(K * (x + 0.044715 * x.pow(3)))
+        ctx.save_for_backward(x, t)
+        return 0.5 * x * (1 + t)
+    @staticmethod
+    def backward(ctx, grad):
+        x, t = ctx.saved_tensors
+        dinner = K * (1 + 3 * 0.044715 * x.pow(2))
+        return grad * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * dinner)
+class Act(nn.Module):
+    def forward(self, x):
+        return TanhGELU.apply(x)
+model = nn.Sequential(nn.Linear(8, 32), Act(), nn.Linear(32, 1))
+opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+x, y = 255 * torch.rand(64, 8), torch.randn(64, 1)  # raw pixel units: x ** 2 of the hidden values is past 65504
+for step in range(6):
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.mse_loss(model(x).float(), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+"""
+
+
+def test_a_power_in_a_custom_backward_that_overflows_is_told_as_an_overflow_not_a_fractional_power(tmp_path):
+    """A tanh-GELU whose hand-written backward squares its input: on values past 256 the square overflows
+    fp16. Its op is the user's own pow, told by what it is (its line in fp32, checked), never "the backward
+    of" the forward's last op with the advice for x ** p, 0 < p < 1, at 0 (a clamp at eps that changes
+    nothing)."""
+    script = tmp_path / "gelu.py"
+    script.write_text(GELU)
+    line = next(n for n, text in enumerate(GELU.splitlines(), 1) if "x.pow(2)" in text)
+    first = _trace(tmp_path, script)["findings"][0]
+    said = first["title"] + " " + first["message"] + " " + first["fix"]
+    assert f"gelu.py:{line} in backward" in first["message"], first["message"]
+    assert "0 < p < 1" not in said and "clamp_min" not in first["fix"], first["fix"]
+    assert f"gelu.py:{line} in fp32" in first["fix"], first["fix"]

@@ -129,6 +129,8 @@ class NonFiniteError(FloatingPointError):
 _NARROW = (torch.float16, torch.bfloat16)
 # Ops that cast or copy: a custom autograd.Function's backward is no backward of one of these its forward ran
 _CASTS = frozenset({"_to_copy", "to", "copy_", "clone", "contiguous", "detach"})
+# the ops of a hand-written backward that compute a derivative singular where its forward's is (1 / (2 sqrt(x)))
+_DIVISIONS = frozenset({"div", "div_", "reciprocal", "rsqrt"})
 GUARD_EPS = 1e-3  # the largest constant added before a log read as a guard against log(0)
 _COMPLETES = frozenset({"log", "div"})  # ops that may complete a form whose exp overflowed (_completed)
 STATEMENT_OPS = 32  # ops of one statement a copy_ writes back, redone to check it (lost_updates.py)
@@ -469,7 +471,11 @@ class Tracer(EagerDispatchMode):
                     module, call, forward_op, location = forward
                 if isinstance(node, BackwardCFunction):  # a custom autograd.Function: its backward is code of
                     location = user_location(sys._getframe(3)) or location  # the user's, its line the op's own
-                    if forward_op is not None and forward_op.split(".")[1] in _CASTS:
+                    # and its ops are the user's own: a division there is the derivative of its forward's last op
+                    # (g / (2 * sqrt(x)) at 0: sqrt's), any other op is told by what it is (a pow of a large base
+                    # overflows as any pow does, not as a fractional power at 0)
+                    own = info.op.split(".")[1] not in _DIVISIONS
+                    if own or (forward_op is not None and forward_op.split(".")[1] in _CASTS):
                         forward_op = None  # nor is the op the backward of a cast its forward made
         elif this_thread.in_optimizer:
             phase = "optimizer"
