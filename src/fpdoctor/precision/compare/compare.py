@@ -2035,7 +2035,7 @@ class _Comparison:
                 f for f in result.report.findings
                 if f.name != "precision-divergence" or (f.where.get("op"), f.evidence.get("own_op_location")) != named
             ]  # fmt: skip
-        result.report.findings[:0] = origin
+        result.report.findings[:0] = [self._finite_but_far(f, rows) for f in origin]
         self._kept_checked(result.report.findings, rows)
         made = self._made_checked(rows, forced or {}) or self._buffers_checked(rows, result.report.findings)
         if made is not None:  # checked to take most of the error away: the cause, before what it makes
@@ -3041,6 +3041,41 @@ class _Comparison:
         )  # fmt: skip
         return {"fix": fix, "changed": changed, "after": after, "lines": [f"{f}:{n}" for f, n in stream],
                 "modules": readers, "output": outputs[-1]}  # fmt: skip
+
+    def _finite_but_far(self, finding: Finding, rows: list[ModuleRow]) -> Finding:
+        """A non-finite output's checked fix that leaves the output finite but DIVERGENCE_RATIO past its
+        floor (a log's line in fp32 under a power spectrum that underflowed before it): the fix of the NaN,
+        not of the run. The module the op runs in kept in fp32 is checked beside it and leads where it takes
+        the error down RAISED_FALLS further; else the fix says what it leaves."""
+        trial = finding.trial
+        after = trial.after if trial is not None and trial.tried else None
+        floor = rows[-1].floor if rows else 0.0
+        if finding.name != "nonfinite-produced" or not isinstance(after, float) or not math.isfinite(after):
+            return finding
+        if not floor > 0 or after <= DIVERGENCE_RATIO * floor:
+            return finding
+        left = f"{after:.3g}, {after / floor:.0f}x the output's floor ({floor:.2g})"
+        narrower = (trial.changed if trial is not None else "its line in fp32").capitalize()
+        module = finding.where.get("module") or ""
+        whole = self._error_with_fp32([module], fp32_outputs=set()) if module else None
+        if whole is not None and math.isfinite(whole) and whole * RAISED_FALLS <= after:
+            return dataclasses.replace(
+                finding,
+                fix=f"keep `{module}` in fp32 (its inputs cast to fp32, its output cast back to {self.label}): the "
+                f"output is finite and its error {whole:.3g} (checked). {narrower} alone makes the output finite "
+                f"but leaves {left}: `{module}` loses precision before that line too (values it makes that "
+                "underflow or round to 0 before they reach it)",
+                trial=Trial.checked(
+                    f"`{module}` kept in fp32, the rest in {self.label}", on=trial.on if trial else "",
+                    metric=trial.metric if trial else "end-to-end error", before="non-finite", after=whole,
+                ),
+            )  # fmt: skip
+        tried = f"; `{module}` whole in fp32 does not take it further" if whole is not None else ""
+        return dataclasses.replace(
+            finding,
+            fix=f"{finding.fix}. That fixes the NaN/Inf, not all of the error: it leaves {left}{tried}; "
+            "`fpdoctor compare` on the fixed model names what loses the rest",
+        )
 
     def _module_checked(self, row: ModuleRow, error: float) -> dict[str, Any] | None:
         """The module whose op overflows, kept whole in fp32 (its output left in fp32 where its exact
