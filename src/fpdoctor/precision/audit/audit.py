@@ -175,7 +175,9 @@ def _nonfinite(model: nn.Module) -> list[dict[str, Any]]:
         for name, t in items:
             if t is None or not t.is_floating_point() or t.numel() == 0 or t.is_meta:
                 continue
-            tensors.append((kind, name, t))
+            # a sparse tensor (an adjacency in COO or CSR): its stored values
+            stored = t if t.layout is torch.strided else t._values() if t.is_sparse else t.values()
+            tensors.append((kind, name, stored))
     # each tensor's largest magnitude (NaN or Inf when one is there), read together: one kernel per
     # tensor and one wait per device; the counts only for a tensor that holds NaN or Inf
     reads, biggest = Reads(), list[float]()

@@ -322,6 +322,7 @@ def compare(
             f"give --reference fp64 for what {candidate} loses, or --device for what another device changes"
         )
     sets = input_sets(inputs)
+    _refuse_sparse(model, sets)
     given = as_given(uncompiled(model), sets[0])
     samples = [Samples() for _ in sets]
     results = [
@@ -1355,10 +1356,16 @@ class _Comparison:
             self._input_floor = (self._floor_with(),)
         return self._input_floor[0]
 
+    def _root(self) -> _Seen | None:
+        """The model's output as compared (None where it has no floating tensor to measure: ids)."""
+        return next((e for (name, _), e in self.seen.items() if name == ""), None)
+
     def _floor_with(self, rounded: Any = None, keep: list[torch.Tensor] | None = None) -> float | None:
         """The reference's end-to-end error fed the inputs rounded to the candidate's dtype, or as
         `rounded` gives them (some values kept: input_cause.rounded_but); `keep` gets its output."""
-        root = next(e for (name, _), e in self.seen.items() if name == "")
+        root = self._root()
+        if root is None:
+            return None
         return input_rounding_error(
             self.ref_run if self.ref_run is not None else self.truth_run,
             self.inputs,
@@ -1584,7 +1591,9 @@ class _Comparison:
             return None  # an fp32 candidate's own ops are fp32 already; without submodules all is own code
         if not math.isfinite(root.propagated) or root.propagated <= RAISED_FALLS * root.floor:
             return None
-        entry = next(e for (name, _), e in self.seen.items() if name == "")
+        entry = self._root()
+        if entry is None:
+            return None
         errors: list[str] = []
         sample = device_sample(self._output_with_own_fp32(errors))
         after = (
@@ -1611,7 +1620,7 @@ class _Comparison:
         # even where rounding the inputs would explain it (a threshold that flips on them); never where a
         # running state is the cause
         unexplained = accumulation is None or (accumulation["state"] is None and accumulation["together"] is None)
-        root = next((e for (name, _), e in self.seen.items() if name == ""), None)
+        root = self._root()
         if not unexplained or root is None or not rows:
             return None
         # or where nothing diverged and a leaf got other non-floating inputs (an embedding fed other buckets): a
@@ -1704,6 +1713,8 @@ class _Comparison:
         the same check when the end-to-end error is RAISED_FALLS above its floor: a cancellation
         (log(1 - exp(-h)) at small h) makes a 10x error that no growth threshold tells from a deep
         model's, and the check does. Confirmed, the container diverges; else it stays as it was."""
+        if not any(name == "" for name, _ in self.seen):  # no floating output to measure a check's error on (ids)
+            return {}
         row = next((r for r in rows if r.diverged and _forced(r)), None)
         final = rows[-1] if rows else None
         if row is None and final is not None and final.propagated > RAISED_FALLS * final.floor:
@@ -1769,7 +1780,8 @@ class _Comparison:
         with them in fp32 (`raised_rel`, None where not measured)."""
         assert row.own is not None
         own = row.own
-        root = next(e for (name, _), e in self.seen.items() if name == "")
+        root = self._root()
+        assert root is not None  # forced() asks only where the output was measured
         cause: dict[str, Any] = {"op": own["op"], "conditioned_rel": own["conditioned_rel"]}
         try:
             lines, read, elsewhere = upstream.feeding_lines(
@@ -2311,7 +2323,9 @@ class _Comparison:
         # the lines that make it in fp64, is what says the subtraction is where the digits go)
         if any(f.severity == "error" and f.trial is not None and f.trial.tried for f in result.report.findings):
             return  # a checked fix already stands first
-        root = next(e for (name, _), e in self.seen.items() if name == "")
+        root = self._root()
+        if root is None:
+            return
         try:
             lines, _, _ = upstream.feeding_lines(
                 self.cand_run, self.run_inputs, self.cand_dtype, op=op, line=at, module=row.module, rng=self.rng,
@@ -2449,7 +2463,9 @@ class _Comparison:
             )  # fmt: skip
             if cycle is None or not cycle.sites:
                 return None
-            root = next(e for (name, _), e in self.seen.items() if name == "")
+            root = self._root()
+            if root is None:
+                return None
 
             def error_with(kept: Recurrence) -> float | None:
                 fed = RaisedLines(set(kept.fed), self.cand_dtype, cast_back=False, wide=torch.float64)
@@ -2787,7 +2803,7 @@ class _Comparison:
             return None
         if any(f.trial is not None and f.trial.tried for f in findings):
             return None
-        root = next((e for (name, _), e in self.seen.items() if name == ""), None)
+        root = self._root()
         if root is None:
             return None
         # by attribute: every block's own `positions` (one module class's code) is one fix
@@ -2822,7 +2838,9 @@ class _Comparison:
         cast at `line` held at the format's largest finite value ("cast"), or the ops at `line` and
         the `more` lines after it in fp32, their results cast back after them ("op"; "fp64": in fp64,
         for an fp32 candidate)."""
-        root = next(e for (name, _), e in self.seen.items() if name == "")
+        root = self._root()
+        if root is None:
+            return None
         lines = {(line[0], line[1] + k) for k in range(more + 1)}
         mode = (
             SaturatedCasts(lines, self.cand_dtype)
@@ -2873,7 +2891,9 @@ class _Comparison:
         if line is None or self.given:
             return [], None, False, False
         rounded = _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is None
-        root = next(e for (name, _), e in self.seen.items() if name == "")
+        root = self._root()
+        if root is None:
+            return [], None, False, False
 
         def raised(lines: list[tuple[str, int]], given: bool, scalars_kept: bool = False) -> float | None:
             return upstream.raised_error(
@@ -2996,7 +3016,7 @@ class _Comparison:
         figures and its output where that cures the end-to-end `error`; None where it does not, or the run
         fails."""
         readers = sorted({r.module for r in rows if r.diverged and r.module})
-        root = next((e for (name, _), e in self.seen.items() if name == ""), None)
+        root = self._root()
         if not readers or root is None:
             return None
         rounds = not self.given and _inputs_kept(self.inputs, self.cand_dtype, self.ref_dtype) is None
@@ -3096,7 +3116,7 @@ class _Comparison:
 
     def _run_with_fp32(self, modules: list[str], *, fp32_outputs: set[str]) -> tuple[float, torch.Tensor] | None:
         """`_error_with_fp32`'s figure and the output it was read from."""
-        root = next((e for (name, _), e in self.seen.items() if name == ""), None)
+        root = self._root()
         if root is None or not root.norm > 0:
             return None
         try:
@@ -3928,6 +3948,22 @@ def _beside_error(summary: list[tuple[str, str]], row: tuple[str, str]) -> None:
     report shows its first rows only, and this is the one a user's tolerance is written in."""
     at = next((i + 1 for i, (label, _) in enumerate(summary) if label == "end-to-end error"), len(summary))
     summary.insert(at, row)
+
+
+def _refuse_sparse(model: nn.Module, sets: list[Any]) -> None:
+    """A one-line error where the model holds or is given a sparse tensor: its passes sample, cast and
+    compare strided tensors, and a sparse one has no storage to read."""
+    held = [*model.named_parameters(), *model.named_buffers()]
+    given: list[torch.Tensor] = []
+    for one in sets:
+        map_tensors(one, given.append)
+    found = next((f"`{n}` (in the model) is {t.layout}" for n, t in held if t.layout is not torch.strided), None)
+    found = found or next((f"an input is {t.layout}" for t in given if t.layout is not torch.strided), None)
+    if found is not None:
+        raise ValueError(
+            f"compare reads dense tensors only, and {found}: hold it dense for the comparison "
+            "(.to_dense(), where it fits in memory), or compare the modules before and after the sparse product"
+        )
 
 
 def _cured(before: float, after: float) -> bool:
