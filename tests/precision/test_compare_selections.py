@@ -254,3 +254,16 @@ def test_a_selecting_line_several_blocks_share_is_named_with_the_block_that_chan
     first = next(f for f in report.findings if f.name == "selection-changed")
     assert first.where["module"] in ("0", "1")
     assert f" in `{first.where['module']}` picks" in first.message, first.message
+
+
+def test_a_selection_no_upstream_line_set_gives_back_prints_no_line_in_fp32_as_its_fix():
+    """Every set of lines upstream in fp32 was tried and the picks stayed changed (a greedy loop feeding
+    its picks back): the fix says so and where to look, never the tried change as the thing to do."""
+    from fpdoctor.precision.compare.selections import Changed, Pick, finding
+
+    pick = Pick("argmax", f"{__file__}:10", torch.zeros(64, 1, dtype=torch.int64), (f"{__file__}:9",))
+    found = Changed(pick, changed=25, rows=64, floor=0.01, error_before=0.3, tried=[(1, 25), (2, 25), (3, 24)])
+    said = finding(found, label="bf16", dtype=torch.bfloat16, reference="rounding the exact scores")
+    assert said.trial is not None and not said.trial.tried and "1 to 3 lines" in said.trial.reason, said.trial
+    assert said.fix.startswith("no line in fp32 is the fix") and "teacher-forced" in said.fix, said.fix
+    assert "compute what" not in said.fix, said.fix

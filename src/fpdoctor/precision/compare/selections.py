@@ -448,12 +448,23 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
     where = {"module": pick.module or None, "op": f"aten.{pick.op}", "phase": "forward"}
     if not fixed or found.lines is None or found.changed_after is None or found.error_after is None:
         tried = ", ".join(f"{n} line{'s' if n > 1 else ''}: {'-' if c is None else c}" for n, c in found.tried or [])
+        most = max((n for n, _ in found.tried or []), default=0)
         fix = (
-            f"compute what {named(pick.op)} reads in fp32 (its operands .float(), the {scores} in fp32) "
-            f"and cast what it feeds back to {name}; none of the line sets tried gave the picks back (rows changed "
-            f"with {tried or 'no run'}): look further up for where the scores are made"
+            f"no line in fp32 is the fix: the {scores} {named(pick.op)} reads were computed in fp32 from 1 to {most} "
+            f"lines upstream (rows changed with {tried or 'no run'}) and the picks stayed changed. They are "
+            "rounded further up (a norm, the model's inputs), or fed back: a loop that feeds its own picks back "
+            "(greedy decoding) parts at the first near-tie and every pick after it follows, so judge each step "
+            "teacher-forced (a make() that returns the scores over a fixed sequence, one forward); `fpdoctor plan "
+            "--metric top1` searches the modules to keep in fp32"
+            if most
+            else f"compute what {named(pick.op)} reads in fp32 (its operands .float(), the {scores} in fp32, made so "
+            f"where they are first computed) and cast what it feeds back to {name}: no run checked it"
         )
-        trial = Trial.untried(f"no set of up to {UPSTREAM} lines upstream of it, in fp32, gave the picks back")
+        trial = Trial.untried(
+            f"the sets of 1 to {most} lines upstream of it, in fp32, were tried and none gave the picks back"
+            if most
+            else "no set of lines upstream of it could be run in fp32"
+        )
         return catalog.make("selection-changed", message=message, fix=fix, where=where, evidence=evidence, trial=trial)
     lines = _lines_text(found.lines)
     after_share = found.changed_after / max(found.rows, 1)
