@@ -192,3 +192,57 @@ def test_a_power_in_a_custom_backward_that_overflows_is_told_as_an_overflow_not_
     assert f"gelu.py:{line} in backward" in first["message"], first["message"]
     assert "0 < p < 1" not in said and "clamp_min" not in first["fix"], first["fix"]
     assert f"gelu.py:{line} in fp32" in first["fix"], first["fix"]
+
+
+TWO_ORIGINS = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+class FastSwish(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x / (1 + torch.exp(-x))
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        e = torch.exp(-x)
+        sig = 1 / (1 + e)
+        return grad * (sig + x * e / (1 + e) ** 2)
+class Swish(nn.Module):
+    def forward(self, x):
+        return FastSwish.apply(x)
+model = nn.Sequential(nn.Linear(1, 8), Swish(), nn.Linear(8, 1))
+with torch.no_grad():
+    model[0].weight.fill_(-1.0)
+    model[0].bias.zero_()
+opt = torch.optim.SGD(model.parameters(), lr=0.0)
+scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10**6)
+for step in range(24):
+    level = 12.0 if step % 3 == 2 else 10.0  # -10: x * e and (1 + e) ** 2 overflow; -12: exp(12) itself does
+    x = torch.full((4, 1), level)
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(x).float().mean()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+"""
+
+
+def test_skipped_steps_a_second_line_starts_on_are_named_with_that_lines_own_checked_change(tmp_path):
+    """A hand-written swish backward: at -10 its product and square overflow (NaN at the division), at -12
+    its exp already does. The recurring origin's fix (the division's line in fp32) leaves the steps whose
+    first Inf is the exp's: the finding says how many and gives that line's change, checked."""
+    script = tmp_path / "two.py"
+    script.write_text(TWO_ORIGINS)
+    lines = TWO_ORIGINS.splitlines()
+    exp_line = next(n for n, text in enumerate(lines, 1) if "e = torch.exp(-x)" in text)
+    first = _trace(tmp_path, script)["findings"][0]
+    assert first["name"] == "grad-scaler-stalled", first["title"]
+    # its ops are the user's own: a division after the forward's neg is no "backward of aten.neg"
+    assert "starts at aten.div.Tensor" in first["message"] and "the backward of" not in first["message"]
+    assert "On 8 other skipped steps it starts elsewhere" in first["message"], first["message"]
+    assert f"on 8 others the value starts at {script}:{exp_line} in backward" in first["fix"], first["fix"]
+    assert f"line {exp_line} of {script} in fp32, aten.exp.default's output is finite (checked" in first["fix"]

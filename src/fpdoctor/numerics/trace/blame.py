@@ -658,9 +658,28 @@ class Analysis:
         `unscaled`: the scaler's own unscaling that made NaN once its scale fell out of float32's range."""
         skipped = sorted(run.skipped)
         counted = f"{len(skipped)} of {run.total} steps"
-        keyed = (((self.step_of(x) or (0, False))[0], (x.op, x.forward_op, x.location), x.index) for x in absorbed)
+        keyed = [((self.step_of(x) or (0, False))[0], (x.op, x.forward_op, x.location), x.index) for x in absorbed]
         origin = recurring(keyed)
         r = self.records[origin[0]] if origin is not None else None
+        # the skipped steps the origin is not seen on, where they are many: their own recurring origin (an exp two
+        # lines up that overflows only once the weights have grown), which the origin's fix leaves
+        other = None
+        if r is not None:
+            firsts: dict[int, Record] = {}  # each skipped step's first non-finite op
+            for x in absorbed:
+                step = (self.step_of(x) or (0, False))[0]
+                if step in run.skipped and (step not in firsts or x.index < firsts[step].index):
+                    firsts[step] = x
+            line = _line_of(r)
+            rest = recurring((step, _line_of(x), x.index) for step, x in firsts.items() if _line_of(x) != line)
+            # (unless the origin's own checked fix already raises that line: its walk went up to it)
+            experiment = self.tracer.experiments.get(r.index)
+            raised = {_line_of(x) for x in [*(experiment.chain if experiment else []), r]}
+            if rest is not None and _line_of(self.records[rest[0]]) in raised:
+                rest = None
+            if rest is not None and rest[1] >= max(2, OTHER_ORIGIN * len(firsts)):
+                mine = sum(_line_of(x) == line for x in firsts.values())
+                other = (self.records[rest[0]], rest[1], mine)
         evidence: dict[str, Any] = {
             "skipped": len(skipped),
             "steps": run.total,
@@ -755,6 +774,20 @@ class Analysis:
             else:
                 fix += (
                     f"; the scaler cannot fix it: the value is non-finite at every scale it tried ({run.scale_text()})"
+                )
+            if other is not None:
+                o, steps, mine = other
+                message += (
+                    f" On {steps} other skipped steps it starts elsewhere: at {self._op_text(o)} ({o.phase}"
+                    f"{self.when(o)})" + (f", {where_text(o.location)}" if o.location else "") + "."
+                )
+                second, tried = self._tried(o, _advice(o))
+                checked = "checked" if tried.tried else "not tried"
+                fix = (
+                    f"{fix}. That covers the {mine} skipped steps whose first non-finite value is made on its line; "
+                    f"on {steps} others the value "
+                    f"starts at {where_text(o.location) or o.op}, which needs its own change ({checked}): "
+                    f"{second[0].lower()}{second[1:].rstrip('. ')}"
                 )
         else:
             trial = Trial.untried("no op that made the non-finite value was seen, so there was nothing to re-run")
@@ -1377,6 +1410,16 @@ def _guarded(r: Record, experiment: Experiment, advice: str) -> tuple[str, Trial
         on="the dtype the backward ran in",
     )
     return fix, trial
+
+
+# a second origin is said where the skipped steps it starts on are at least this share of those whose first
+# non-finite op was seen (each such step the first origin's fix leaves skipped, and their skips sink the scale)
+OTHER_ORIGIN = 0.1
+
+
+def _line_of(r: Record) -> str:
+    """The record's source line (file:line), or its op where no line is known."""
+    return (where_text(r.location) or r.op).split(" in ", 1)[0]
 
 
 def _unexperimented(fed: list[Any], experiments: Mapping[int, Any]) -> str:

@@ -36,6 +36,7 @@ from fpdoctor.numerics.engine.reruns import (
     PICKS,
     PRODUCER_LINES,
     PRODUCERS,
+    SINGULAR,
     ZEROING,
     Experiment,
     OnLoss,
@@ -127,8 +128,6 @@ class NonFiniteError(FloatingPointError):
 
 
 _NARROW = (torch.float16, torch.bfloat16)
-# Ops that cast or copy: a custom autograd.Function's backward is no backward of one of these its forward ran
-_CASTS = frozenset({"_to_copy", "to", "copy_", "clone", "contiguous", "detach"})
 # the ops of a hand-written backward that compute a derivative singular where its forward's is (1 / (2 sqrt(x)))
 _DIVISIONS = frozenset({"div", "div_", "reciprocal", "rsqrt"})
 GUARD_EPS = 1e-3  # the largest constant added before a log read as a guard against log(0)
@@ -471,12 +470,12 @@ class Tracer(EagerDispatchMode):
                     module, call, forward_op, location = forward
                 if isinstance(node, BackwardCFunction):  # a custom autograd.Function: its backward is code of
                     location = user_location(sys._getframe(3)) or location  # the user's, its line the op's own
-                    # and its ops are the user's own: a division there is the derivative of its forward's last op
-                    # (g / (2 * sqrt(x)) at 0: sqrt's), any other op is told by what it is (a pow of a large base
-                    # overflows as any pow does, not as a fractional power at 0)
-                    own = info.op.split(".")[1] not in _DIVISIONS
-                    if own or (forward_op is not None and forward_op.split(".")[1] in _CASTS):
-                        forward_op = None  # nor is the op the backward of a cast its forward made
+                    # and its ops are the user's own: a division there after a singular forward op is that op's
+                    # derivative (g / (2 * sqrt(x)) at 0: sqrt's), any other op is told by what it is (a pow of a
+                    # large base overflows as any pow does; a division after a neg is no neg's derivative)
+                    singular = forward_op is not None and forward_op.split(".")[1] in SINGULAR
+                    if info.op.split(".")[1] not in _DIVISIONS or not singular:
+                        forward_op = None
         elif this_thread.in_optimizer:
             phase = "optimizer"
             self._visit_line = None
