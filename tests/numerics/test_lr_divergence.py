@@ -166,6 +166,8 @@ def test_trace_names_the_updates_that_grew_the_weights_ahead_of_the_overflow(tmp
     assert first["name"] == "update-blew-up", [f["name"] for f in found]
     ev = first["evidence"]
     assert ev["growth"] > 100 and ev["optimizer_step"] - ev["from_step"] >= 2  # over several updates
+    # the rate lowered by the growth factor at least, said as one figure (never "10x-100x" beside a 174x growth)
+    assert f"the weights grew {ev['growth']:.3g}x: by that factor at least" in first["fix"], first["fix"]
     # every later overflow's fix is the rate's, not a precision change at the op
     later = [f for f in found[1:] if f["name"] in ("nonfinite-produced", "grad-scaler-stalled")]
     assert later and all(f["fix"].startswith("Lower the learning rate") for f in later)

@@ -298,9 +298,14 @@ def blowup_finding(seen: OptimizerSeen, step_of: Callable[[int], int | None] | N
         )
     # the scheduler that raised the rate, where one did: the rate to cap is the schedule's
     schedule = lr_schedule.find(seen.ref() if seen.ref is not None else None, rate)
+    lower = (  # by the growth factor at least, rounded up to a power of ten
+        f"{10 ** math.ceil(math.log10(grown)):g}x lower (the weights grew {grown:.3g}x: by that factor at least)"
+        if math.isfinite(grown) and grown > 1
+        else "10x-100x lower"
+    )
     fix = (
-        "lower the learning rate (by the growth factor at least: start 10x-100x lower, with warmup), and "
-        "clip the gradients (torch.nn.utils.clip_grad_norm_(params, 1.0)) before the step"
+        f"lower the learning rate: start {lower}, with warmup, and clip the gradients "
+        "(torch.nn.utils.clip_grad_norm_(params, 1.0)) before the step"
     )
     if schedule is not None and rate is not None:
         fix = (
@@ -311,7 +316,7 @@ def blowup_finding(seen: OptimizerSeen, step_of: Callable[[int], int | None] | N
         "update-blew-up",
         message=(
             what + (schedule.text() if schedule is not None else "") + " The "
-            "next forward and backward run on those weights: the NaN/Inf reported after this is their "
+            "next forward and backward run on those weights: any NaN/Inf reported after this is their "
             "consequence, not a cause of its own."
         ),
         where={"module": None, "phase": "optimizer"},
