@@ -106,4 +106,7 @@ def backward_from(output: Any, kept: KeptGradients) -> OutputsOnly | None:
     # outputs finite in the step and now, and a non-finite gradient arriving at them: made after
     # the model, in the loss (outputs that were not finite in the step and are now: a transient fault)
     after = not bad and not kept.finite and kept.outputs_finite
-    return OutputsOnly(not bad, after_outputs=after, value=bad[0] if bad else kept.loss if after else None)
+    # made after the model: the non-finite gradient that reached its outputs (a sqrt's backward at 0 under a
+    # finite loss) is the value the step made
+    arrived = next((g for g in kept.grads.values() if not bool(torch.isfinite(g).all())), None) if after else None
+    return OutputsOnly(not bad, after_outputs=after, value=bad[0] if bad else arrived)
