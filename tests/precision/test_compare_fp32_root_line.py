@@ -413,3 +413,59 @@ def test_a_recurrence_whose_state_lines_outside_write_into_in_place_is_checked_a
     exact = Pendulums().double()(th.double(), w.double())
     wide = float((Pendulums(wide=True)(th, w).double() - exact).norm() / exact.norm())
     assert wide < 3 * first.trial.after + 1e-9, (wide, first.trial)
+
+
+class Chain(nn.Module):
+    """Six masses on springs between two walls, integrated with RK4 (a cycle of more lines than a state's
+    update: the forces' lines and the four stages), positions held as absolute coordinates near 3 m whose
+    small motions fp32 rounds every step. The loop's state (x, v, t) held in fp64 is the fix. `wide`: as
+    printed (x, v, t .double() before the loop, the output cast back)."""
+
+    def __init__(self, steps: int = 600, wide: bool = False) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.register_buffer("k", 40.0 + 20.0 * torch.rand(7, generator=g))
+        self.register_buffer("walls", torch.tensor([0.0, 3.5]))
+        self.dt, self.steps, self.wide = 5e-4, steps, wide
+
+    def forces(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        left = torch.cat([self.walls[:1], x])
+        right = torch.cat([x, self.walls[1:]])
+        extension = right - left - 0.5
+        tension = self.k * extension
+        f = tension[1:] - tension[:-1]
+        pulse = 30.0 * torch.exp(-(((t - 0.05) / 0.02) ** 2))
+        drive = torch.cat([pulse.reshape(1), torch.zeros_like(x[1:])])
+        return f + drive
+
+    def forward(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dt, t = self.dt, torch.zeros((), dtype=x.dtype)
+        if self.wide:
+            x, v, t = x.double(), v.double(), t.double()
+        out = []
+        for step in range(self.steps):
+            a1 = self.forces(x, t)
+            x2, v2 = x + 0.5 * dt * v, v + 0.5 * dt * a1
+            a2 = self.forces(x2, t + 0.5 * dt)
+            x3, v3 = x + 0.5 * dt * v2, v + 0.5 * dt * a2
+            a3 = self.forces(x3, t + 0.5 * dt)
+            x4, v4 = x + dt * v3, v + dt * a3
+            a4 = self.forces(x4, t + dt)
+            x = x + dt / 6.0 * (v + 2 * v2 + 2 * v3 + v4)
+            v = v + dt / 6.0 * (a1 + 2 * a2 + 2 * a3 + a4)
+            t = t + dt
+            if (step + 1) % 50 == 0:
+                out.append(torch.stack([x, v]))
+        return torch.stack(out).float() if self.wide else torch.stack(out)
+
+
+def test_a_loop_whose_cycle_is_most_of_the_forward_gets_its_state_held_in_fp64_as_printed():
+    x, v = 0.5 * torch.arange(1, 7, dtype=torch.float32), torch.zeros(6)
+    first = fpdoctor.compare(Chain(), (x, v), candidate="fp32", reference="fp64").report.findings[0]
+    assert first.name == "precision-divergence" and "loop_state" in first.evidence, first.fix
+    assert first.evidence["loop_state"]["names"] == ["x", "v", "t"], first.evidence
+    assert "hold `x`, `v`, `t` in fp64 from the first step" in first.fix, first.fix
+    assert first.trial is not None and first.trial.tried and first.trial.after * 100 < first.trial.before
+    exact = Chain().double()(x.double(), v.double())
+    wide = float((Chain(wide=True)(x, v).double() - exact).norm() / exact.norm())
+    assert wide < 3 * first.trial.after + 1e-9, (wide, first.trial)

@@ -100,7 +100,7 @@ from fpdoctor.precision.compare.passes import (
     rerun_figures,
     unmasked,
 )
-from fpdoctor.precision.compare.recurrence import Recurrence, recurrence
+from fpdoctor.precision.compare.recurrence import MOST_LINES, Recurrence, loop_state_lines, recurrence
 from fpdoctor.precision.compare.transformed import Transform, compare_transformed
 from fpdoctor.precision.decide import MASKED, MASKED_LOGIT, Decisions, Kept, id_decisions, ids_agree, rounding_floor
 from fpdoctor.precision.decide import kept as kept_sets
@@ -2433,6 +2433,13 @@ class _Comparison:
                         finding, cycle, span=span, left=left, before=before, after=fixed, on=on, through=through
                     )
                     continue
+                held = self._states_checked(before)
+                if held is not None:
+                    states, fixed = held
+                    result.report.findings[i] = _states_finding(
+                        finding, states, span=span, left=left, before=before, after=fixed, on=on
+                    )
+                    continue
                 result.report.findings[i] = dataclasses.replace(
                     finding,
                     fix=f"the error is not made where it shows: {span} of {file} in fp64 leave it at {left} (from "
@@ -2447,6 +2454,40 @@ class _Comparison:
                         f"the end-to-end error at {left} (from {before:.3g}) on {on}, so it is not the fix"
                     ),
                 )
+
+    def _states_checked(self, before: float) -> tuple[list[str], float] | None:
+        """Where no recurrence of a few lines is found (a loop's cycle of more than MOST_LINES: an RK4 step):
+        the loop's state updates that make the output (recurrence.loop_state_lines: x = x + dt * v, t = t + dt)
+        computed in fp64 from the first step, what they make read as it is (torch's promotion then computes
+        every line that reads them in fp64, as holding the state in fp64 does in the user's code). (The lines,
+        the end-to-end error then) where that takes the error down RAISED_FALLS times; else None. Two
+        forwards."""
+        root = self._root()
+        if root is None:
+            return None
+        try:
+            states = loop_state_lines(
+                self.cand_run, self.run_inputs, self.cand_dtype, rng=self.rng, device=self.cand_device,
+                noise=self.noise,
+            )  # fmt: skip
+            if not states or len(states) > MOST_LINES:
+                return None
+            lines = {(file, int(n)) for file, _, n in (at.rpartition(":") for at in states)}
+            kept: list[torch.Tensor] = []
+            ran = error_under(
+                RaisedLines(lines, self.cand_dtype, cast_back=False, wide=torch.float64), self.cand_run,
+                self.run_inputs, self.cand_dtype, truth=root.truth, norm=root.norm, rng=self.rng,
+                device=self.cand_device, noise=self.noise, keep=kept,
+            )  # fmt: skip
+            # measured as the fix leaves it: the output cast back to the model's dtype
+            got = device_sample(kept[0].to(self.cand_dtype)) if ran is not None and kept else None
+            if got is None or got.numel() != root.truth.numel():
+                return None
+            after = float((got.to(root.truth.device).double() - root.truth).norm()) / root.norm
+        except Exception as exc:  # the search is ours: the finding stands without it
+            self.notes["loop state"] = f"not searched: {type(exc).__name__}: {exc}"
+            return None
+        return (states, after) if _takes_down(after, before) else None
 
     def _recurrence_checked(self, line: str | None, before: float) -> tuple[Recurrence, float] | None:
         """Where no span of lines above the worst op (at `line`; None: the line that makes the output)
@@ -3726,6 +3767,38 @@ def _amplifies(op: str) -> tuple[str, str]:
             "or rewrite it in a form that keeps its properties in fp32 (a covariance update in the Joseph form)",
         )
     return "it amplifies the rounding of what it reads", "or rewrite it in a stable form"
+
+
+def _states_finding(
+    finding: Finding, states: list[str], *, span: str, left: str, before: float, after: float, on: str
+) -> Finding:  # fmt: skip
+    """The root's divergence whose fix is its loop's state held in fp64 (Comparison._states_checked)."""
+    lines = _named(states)
+    names = [n for at in states if (n := _assigned(at))]
+    held = f"`{'`, `'.join(names)}`" if names else "what they assign"
+    return dataclasses.replace(
+        finding,
+        fix=f"the error is carried by the loop's state from one step to the next, not made where it shows ({span} "
+        f"in fp64 leave it at {left}): hold {held} in fp64 from the first step ({lines} update "
+        f"{'it' if len(names) == 1 else 'them'}: create {'it' if len(names) == 1 else 'them'} with "
+        "dtype=torch.float64, or .double() before the loop), so that every line that reads them computes in fp64 "
+        "by torch's promotion while the model's weights stay in its dtype, and cast what the model returns back "
+        "(`.to(x.dtype)`, x an input in the model's dtype); or carry the state as an offset from a fixed origin "
+        "(its start subtracted) where its values are large beside their changes",
+        evidence={**finding.evidence, "loop_state": {"lines": states, "names": names}},
+        trial=Trial.checked(
+            f"{lines} in fp64 from their first run, what they make read as it is (the lines that read it in fp64)",
+            on=on, metric="end-to-end error", before=before, after=after,
+        ),
+    )  # fmt: skip
+
+
+def _assigned(at: str) -> str | None:
+    """The name a state line assigns (`x = x + dt * v` -> x), where it is one plain name."""
+    file, _, number = at.rpartition(":")
+    code = linecache.getline(file, int(number)) if number.isdigit() else ""
+    target = code.split("=", 1)[0].strip() if "=" in code and "==" not in code.split("=", 1)[0] else ""
+    return target if target.isidentifier() else None
 
 
 def _recurrence_finding(

@@ -168,6 +168,12 @@ class _Flow(TorchFunctionMode):
         calls = [(f, at, self.views[(i, at)]) for at in lines for i, f in self.calls.get(at, {}).items()]
         return Recurrence(groups, calls, frozenset(self.edges))
 
+    def carried(self, line: str) -> list[str]:
+        """The lines among those `line` is reached from (itself too) that read what they made on their
+        previous visit (x = x + dt * v, t = t + dt): a loop's state updates, in source order."""
+        feeds = _reach(line, _adjacency((b, a) for a, b in self.edges)) | {line}
+        return sorted((at for at in feeds if (at, at) in self.edges), key=_order)
+
 
 def _tensors(values: Iterable[Any]) -> Iterable[torch.Tensor]:
     for value in values:
@@ -208,16 +214,36 @@ def recurrence(
 ) -> Recurrence | None:  # fmt: skip
     """The recurrences `line` (file:line; None: the line that makes the model's output) is on or reads
     from, in one candidate forward; None where there are none or they hold more than MOST_LINES lines."""
+    flow, made = _flowed(run, inputs, dtype, rng=rng, device=device, noise=noise)
+    line = line if line is not None else made
+    return flow.cycle(line) if line is not None else None
+
+
+def loop_state_lines(
+    run: nn.Module, inputs: Any, dtype: torch.dtype, *, rng: RngState, device: torch.device | None,
+    noise: ReplayNoise | None,
+) -> list[str]:  # fmt: skip
+    """The state updates (_Flow.carried) that the line making the model's output is reached from, in
+    one candidate forward: where a loop's cycle holds more than MOST_LINES lines (an RK4 step), its
+    state is still those few lines."""
+    flow, made = _flowed(run, inputs, dtype, rng=rng, device=device, noise=noise)
+    return flow.carried(made) if made is not None else []
+
+
+def _flowed(
+    run: nn.Module, inputs: Any, dtype: torch.dtype, *, rng: RngState, device: torch.device | None,
+    noise: ReplayNoise | None,
+) -> tuple[_Flow, str | None]:  # fmt: skip
+    """One candidate forward under _Flow, and the user line that made the output's first floating tensor."""
     flow = _Flow()
     made: list[str] = []
 
-    def output(value: Any) -> None:  # the user line that made the output's first floating tensor
+    def output(value: Any) -> None:
         for t in tensors_in(value):
             maker = flow.maker.get(id(t)) if t.is_floating_point() else None
             if maker is not None:
                 made.append(maker[1])
                 return
 
-    stacked(flow, run, inputs, dtype, rng=rng, device=device, noise=noise, root=output if line is None else None)
-    line = line if line is not None else (made[0] if made else None)
-    return flow.cycle(line) if line is not None else None
+    stacked(flow, run, inputs, dtype, rng=rng, device=device, noise=noise, root=output)
+    return flow, made[0] if made else None
