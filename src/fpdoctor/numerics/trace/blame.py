@@ -661,25 +661,7 @@ class Analysis:
         keyed = [((self.step_of(x) or (0, False))[0], (x.op, x.forward_op, x.location), x.index) for x in absorbed]
         origin = recurring(keyed)
         r = self.records[origin[0]] if origin is not None else None
-        # the skipped steps the origin is not seen on, where they are many: their own recurring origin (an exp two
-        # lines up that overflows only once the weights have grown), which the origin's fix leaves
-        other = None
-        if r is not None:
-            firsts: dict[int, Record] = {}  # each skipped step's first non-finite op
-            for x in absorbed:
-                step = (self.step_of(x) or (0, False))[0]
-                if step in run.skipped and (step not in firsts or x.index < firsts[step].index):
-                    firsts[step] = x
-            line = _line_of(r)
-            rest = recurring((step, _line_of(x), x.index) for step, x in firsts.items() if _line_of(x) != line)
-            # (unless the origin's own checked fix already raises that line: its walk went up to it)
-            experiment = self.tracer.experiments.get(r.index)
-            raised = {_line_of(x) for x in [*(experiment.chain if experiment else []), r]}
-            if rest is not None and _line_of(self.records[rest[0]]) in raised:
-                rest = None
-            if rest is not None and rest[1] >= max(2, OTHER_ORIGIN * len(firsts)):
-                mine = sum(_line_of(x) == line for x in firsts.values())
-                other = (self.records[rest[0]], rest[1], mine)
+        other = self._second_origin(r, absorbed, run) if r is not None else None
         evidence: dict[str, Any] = {
             "skipped": len(skipped),
             "steps": run.total,
@@ -807,6 +789,25 @@ class Analysis:
             fix=fix,
             trial=trial,
         )
+
+    def _second_origin(self, r: Record, absorbed: Sequence[Record], run: ScalerRun) -> tuple[Record, int, int] | None:
+        """The skipped steps whose first non-finite op is on another line than the origin `r`'s, where they
+        are OTHER_ORIGIN of those seen: (their recurring first op, how many steps, how many start on `r`'s
+        line). An exp two lines up that overflows only once the weights have grown: the origin's fix leaves
+        those steps skipped. None where the origin's own checked fix raises that line already (its walk
+        went up to it)."""
+        firsts: dict[int, Record] = {}  # each skipped step's first non-finite op
+        for x in absorbed:
+            step = (self.step_of(x) or (0, False))[0]
+            if step in run.skipped and (step not in firsts or x.index < firsts[step].index):
+                firsts[step] = x
+        line = _line_of(r)
+        rest = recurring((step, _line_of(x), x.index) for step, x in firsts.items() if _line_of(x) != line)
+        experiment = self.tracer.experiments.get(r.index)
+        raised = {_line_of(x) for x in [*(experiment.chain if experiment else []), r]}
+        if rest is None or _line_of(self.records[rest[0]]) in raised or rest[1] < max(2, OTHER_ORIGIN * len(firsts)):
+            return None
+        return self.records[rest[0]], rest[1], sum(_line_of(x) == line for x in firsts.values())
 
     def _same_op_lines(self, r: Record, others: Sequence[Record]) -> list[str]:
         """'file:line' of each other line where the same op made the same symptom in the same step as
