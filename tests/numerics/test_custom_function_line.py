@@ -243,6 +243,8 @@ def test_skipped_steps_a_second_line_starts_on_are_named_with_that_lines_own_che
     assert first["name"] == "grad-scaler-stalled", first["title"]
     # its ops are the user's own: a division after the forward's neg is no "backward of aten.neg"
     assert "starts at aten.div.Tensor" in first["message"] and "the backward of" not in first["message"]
-    assert "On 8 other skipped steps it starts elsewhere" in first["message"], first["message"]
-    assert f"on 8 others the value starts at {script}:{exp_line} in backward" in first["fix"], first["fix"]
+    assert "On 8 of those steps the first non-finite value is made earlier" in first["message"], first["message"]
+    second = first["evidence"]["second_origin"]
+    assert second["steps"] == 8 and second["fix_trial"]["status"] == "checked", second
+    assert f"on 8 others the value is made first at {script}:{exp_line} in backward" in first["fix"], first["fix"]
     assert f"line {exp_line} of {script} in fp32, aten.exp.default's output is finite (checked" in first["fix"]

@@ -360,7 +360,7 @@ def test_a_state_rounded_at_its_offset_is_the_recurrence_that_makes_the_output_k
     at = {t: start_line + next(i for i, s in enumerate(source) if t in s) for t in ("x = x @", "x = x + (k @", "k = p")}
     assert first.evidence["own_op_location"] == f"{__file__}:{at['k = p']}", first.evidence  # the covariance's
     assert first.evidence["recurrence"]["lines"] == [f"{__file__}:{at['x = x @']}", f"{__file__}:{at['x = x + (k @']}"]
-    assert "keep the recurrence through the output in fp64" in first.fix, first.fix
+    assert "keep the recurrence that makes the output in fp64" in first.fix, first.fix
     assert first.trial is not None and first.trial.tried and first.trial.after * 10 < first.trial.before
     exact = FarTracker().double()(z)
     wide = float((FarTracker(wide=True)(z.float()).double() - exact).norm() / exact.norm())

@@ -51,12 +51,13 @@ def test_a_sparse_tensor_the_model_holds_is_refused_in_one_line_naming_it():
         fpdoctor.compare(Graph(), torch.randn(4, 8), candidate="bf16")
 
 
-def test_the_cli_says_so_with_exit_code_2(tmp_path):
+def test_compare_and_plan_say_so_with_exit_code_2(tmp_path):
     factory = tmp_path / "graph.py"
     factory.write_text(
         "import torch\nfrom tests.precision.test_compare_ids_and_sparse import Graph\n"
         "def make():\n    return Graph(), torch.randn(4, 8)\n"
     )
-    done = run_python("-m", "fpdoctor", "compare", f"{factory}:make", "--candidate", "bf16", timeout=120)
-    assert done.returncode == 2, done.stderr
-    assert "is torch.sparse_coo" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    for command in ("compare", "plan"):
+        done = run_python("-m", "fpdoctor", command, f"{factory}:make", "--candidate", "bf16", timeout=120)
+        assert done.returncode == 2, (command, done.stderr)
+        assert "is torch.sparse_coo" in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -267,3 +267,12 @@ def test_a_selection_no_upstream_line_set_gives_back_prints_no_line_in_fp32_as_i
     assert said.trial is not None and not said.trial.tried and "1 to 3 lines" in said.trial.reason, said.trial
     assert said.fix.startswith("no line in fp32 is the fix") and "teacher-forced" in said.fix, said.fix
     assert "compute what" not in said.fix, said.fix
+
+
+def test_a_selection_whose_line_set_runs_all_failed_says_no_run_checked_it():
+    from fpdoctor.precision.compare.selections import Changed, Pick, finding
+
+    pick = Pick("argmax", f"{__file__}:10", torch.zeros(64, 1, dtype=torch.int64), (f"{__file__}:9",))
+    found = Changed(pick, changed=25, rows=64, floor=0.01, error_before=0.3, tried=[(1, None), (2, None)])
+    said = finding(found, label="bf16", dtype=torch.bfloat16, reference="rounding the exact scores")
+    assert "no run checked it" in said.fix and "no line in fp32 is the fix" not in said.fix, said.fix

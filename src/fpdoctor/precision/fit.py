@@ -22,7 +22,7 @@ from fpdoctor.precision.names import PRECISIONS
 # N(0, 0.02) weight has ~1e-6 of its values below fp16's flush threshold by chance).
 FLUSH_SHARE = 0.01
 # flushed values whose norm is below this share of the tensor's (fp16's unit roundoff) change it less than its
-# rounding does
+# rounding does: not what makes a divergence (fit.negligible)
 LOST_NORM = 2.0**-11
 
 
@@ -83,15 +83,10 @@ def _check(t: torch.Tensor, fmt: Format, over: int, flushed: int, count: int) ->
     magnitude = t.abs()
     finite = torch.isfinite(magnitude)
     nonzero = (magnitude > 0) & finite
-    if share >= FLUSH_SHARE:
-        # values flushed beside values ~1e16 larger (a DFT table's near-zeros) change the tensor less than its
-        # rounding does: no misfit of its
+    lost = 0.0
+    if share >= FLUSH_SHARE:  # the flushed values' share of the tensor's norm (negligible: below LOST_NORM)
         whole = float(magnitude[finite].double().norm())
-        lost = float(magnitude[nonzero & (magnitude < fmt.flush_threshold)].double().norm())
-        if whole > 0 and lost < LOST_NORM * whole:
-            share = 0.0
-            if not over:
-                return None
+        lost = float(magnitude[nonzero & (magnitude < fmt.flush_threshold)].double().norm()) / whole if whole else 1.0
     entry: dict[str, Any] = {"numel": t.numel(), "format": fmt.name}
     if over:
         entry |= {"overflow": over, "max": float(magnitude[finite].max()), "limit": fmt.max}
@@ -101,6 +96,7 @@ def _check(t: torch.Tensor, fmt: Format, over: int, flushed: int, count: int) ->
             "flush_share": share,
             "smallest": float(magnitude[nonzero].min()),
             "flush_threshold": fmt.flush_threshold,
+            "flush_norm_share": lost,
         }
     return entry
 
@@ -119,6 +115,13 @@ def describe(entry: dict[str, Any]) -> str:
             f"(down to {entry['smallest']:.2g}; they become 0)"
         )
     return f"{entry['kind']} {entry['tensor']} " + " and ".join(parts)
+
+
+def negligible(entry: dict[str, Any]) -> bool:
+    """A flush alone whose values are a share of the tensor's norm below LOST_NORM (a DFT table's
+    near-zeros beside entries near 1): it changes what a sum or product of the tensor computes less than
+    its rounding does (a log of those entries still sees their 0: the non-finite checks keep it)."""
+    return "overflow" not in entry and entry.get("flush_norm_share", 1.0) < LOST_NORM
 
 
 def within(entries: list[dict[str, Any]], module: str) -> list[dict[str, Any]]:

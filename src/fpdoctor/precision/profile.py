@@ -15,7 +15,7 @@ from fpdoctor.formats import DTYPE_FORMAT, FORMATS
 from fpdoctor.precision.candidates import compute_dtype
 from fpdoctor.precision.decide import pct
 from fpdoctor.precision.fit import describe as describe_misfit
-from fpdoctor.precision.fit import within
+from fpdoctor.precision.fit import negligible, within
 from fpdoctor.precision.inputs import text as inputs_text
 from fpdoctor.precision.metrics import SAMPLE, sqnr_db
 from fpdoctor.precision.units import plain_fp32
@@ -1052,7 +1052,7 @@ def causes(
                     f"compute {op} inside `{row.module}` in fp32{at}: its operands .float(), the result cast back "
                     "after the ops that consume it (e.g. the softmax); or scale its operands down before it"
                 )
-        tensors = within(misfit, row.module)
+        tensors = [e for e in within(misfit, row.module) if not negligible(e)]
         if row.out_of_range and overflow is None:
             # what it returns is past the format's max in fp64 already: no precision of its own ops, and no
             # tensor of its that fits, makes its output fit; what reads the output must stay wide too

@@ -122,7 +122,10 @@ class RaisedSites(TorchFunctionMode):
             return func(*args)
         if args and type(args[0]) is torch.Tensor and args[0].dtype is torch.float64 and writes_into(func):
             # a write into a float64 value (a state made by a raised line, written by a line outside) goes into
-            # it, what it writes read as the op reads it
+            # it, what it writes read as the op reads it; a store (`nb[1:] = v`, copy_) stores what it is given
+            # (Python's `nb[1:] += d` stores the updated float64 view back: cast down, the state would round)
+            if getattr(func, "__name__", "") in _STORES:
+                return func(*args, **kwargs)
             rest, kwargs = _map(args[1:], kwargs, self._down)
             return func(args[0], *rest, **kwargs)
         args, kwargs = _map(args, kwargs, self._down)
@@ -143,6 +146,13 @@ _WRITES_INTO = frozenset({
 })  # fmt: skip
 
 
+# the writes that store a value as it is (no arithmetic of their own)
+_STORES = frozenset({"__setitem__", "copy_"})
+# in-place ops that change only the target's shape or strides: run on it as they are, never widened
+_METADATA = frozenset({"unsqueeze_", "squeeze_", "t_", "transpose_", "resize_", "as_strided_", "swapdims_",
+                       "swapaxes_", "resize_as_"})  # fmt: skip
+
+
 def basic_index(index: Any) -> bool:
     """Whether `x[index]` is basic indexing (ints, slices of ints, None, ...): views alone, whatever
     the ints (advanced indexing, with a tensor or a bool, runs index ops)."""
@@ -160,8 +170,10 @@ def basic_index(index: Any) -> bool:
 
 
 def writes_into(func: Any) -> bool:
-    """`func` writes into its first argument (`add_`, `copy_`, `+=`, `x[i] = v`)."""
-    name = getattr(func, "__name__", "")
+    """`func` writes into its first argument (`add_`, `copy_`, `+=`, `x[i] = v`): a torch function by
+    its name, an aten op by its overload packet's."""
+    packet = getattr(func, "overloadpacket", None)
+    name = getattr(packet if packet is not None else func, "__name__", "")
     return name in _WRITES_INTO or (name.endswith("_") and not name.endswith("__"))
 
 
@@ -276,7 +288,8 @@ class RaisedLines(EagerDispatchMode):
         inside = self._inside(at) if self.calls else None
         # a view on a raised line is of the tensor itself (widened, it would be of a copy, and a write through it,
         # `nb[1:] += d`, lost); the ops that compute from it widen what they read
-        if user is not None and ((at in self.lines and inside is not False) or inside) and not func.is_view:
+        metadata = func.is_view or func.overloadpacket.__name__ in _METADATA
+        if user is not None and ((at in self.lines and inside is not False) or inside) and not metadata:
             self.raised += 1
             # a result the code makes wider than `dtype` as written (x.float().mean()) is read as it is:
             # only what raising widened is cast back where the rest reads it
@@ -286,7 +299,7 @@ class RaisedLines(EagerDispatchMode):
             args = tuple(self.wide if a is self.dtype else a for a in args)
             kwargs = {k: self.wide if v is self.dtype else v for k, v in kwargs.items()}
             out = func(*args, **kwargs)
-            if target is not None and args[0] is not target and func.overloadpacket.__name__.endswith("_"):
+            if target is not None and args[0] is not target and writes_into(func):
                 # an in-place op (`nb[1:] += d`) wrote into a widened copy: its result goes into the tensor the
                 # code writes, in that tensor's dtype, as the fix's cast back puts it
                 target.copy_(args[0])
@@ -308,11 +321,18 @@ class RaisedLines(EagerDispatchMode):
             # code off the lines that widens what they made (t.float() in a module the caller passes
             # positions to): it reads the fp32 value as it is, as it would in the fixed code
             return func(*args, **kwargs)
-        if args and type(args[0]) is torch.Tensor and func.overloadpacket.__name__.endswith("_"):
-            # an in-place op off the lines (`nb[1:] += d`, nb made on a raised line) writes into the tensor itself,
-            # not a copy cast back; what it writes is read as every op off the lines reads it
+        if args and type(args[0]) is torch.Tensor and writes_into(func):
+            # an in-place op off the lines (`acc += x`, acc made on a raised line) writes into the tensor itself,
+            # not a copy cast back (the write would be lost); it computes as the fix has it, on the target read
+            # back in `dtype`, and what it writes is read as every op off the lines reads it
+            target = args[0]
             rest, kwargs = _map(args[1:], kwargs, self._read)
-            return func(args[0], *rest, **kwargs)
+            read = self._read(target)
+            if read is target or func.overloadpacket.__name__ in _METADATA:
+                return func(target, *rest, **kwargs)
+            func(read, *rest, **kwargs)
+            target.copy_(read)
+            return target
         args, kwargs = _map(args, kwargs, self._read)
         return func(*args, **kwargs)
 

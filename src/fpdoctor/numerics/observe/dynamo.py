@@ -148,7 +148,7 @@ def quiet_wrapper_warning() -> Callable[[], None]:
 
 # fpdoctor's modules as last listed, with the count of sys.modules then: a trace entered every step
 # (`with fpdoctor.trace(model):` around each) would walk thousands of modules each time
-_listed: tuple[int, list[types.ModuleType]] = (-1, [])
+_listed: tuple[tuple[int, str | None], list[types.ModuleType]] = ((-1, None), [])
 
 
 def fpdoctor_modules() -> list[types.ModuleType]:
@@ -156,7 +156,7 @@ def fpdoctor_modules() -> list[types.ModuleType]:
     frames of these, and a skipped frame's callees are skipped too). Listed again only where the
     process imported a module since."""
     global _listed  # noqa: PLW0603  # the process's one list, as sys.modules is
-    count = len(sys.modules)
+    count = (len(sys.modules), next(reversed(sys.modules), None))  # one removed and another added: a new last
     if count != _listed[0]:
         found = [m for name, m in list(sys.modules.items()) if name.partition(".")[0] == "fpdoctor" and m is not None]
         _listed = (count, found)

@@ -759,18 +759,25 @@ class Analysis:
                 )
             if other is not None:
                 o, steps, mine = other
+                at = where_text(o.location) or o.op
                 message += (
-                    f" On {steps} other skipped steps it starts elsewhere: at {self._op_text(o)} ({o.phase}"
-                    f"{self.when(o)})" + (f", {where_text(o.location)}" if o.location else "") + "."
+                    f" On {steps} of those steps the first non-finite value is made earlier, at {self._op_text(o)} "
+                    f"({o.phase}{self.when(o)})" + (f", {at}" if o.location else "") + "."
                 )
                 second, tried = self._tried(o, _advice(o))
-                checked = "checked" if tried.tried else "not tried"
-                fix = (
-                    f"{fix}. That covers the {mine} skipped steps whose first non-finite value is made on its line; "
-                    f"on {steps} others the value "
-                    f"starts at {where_text(o.location) or o.op}, which needs its own change ({checked}): "
-                    f"{second[0].lower()}{second[1:].rstrip('. ')}"
+                cured = trial.tried and isinstance(trial.after, (int, float)) and math.isfinite(trial.after)
+                covers = (
+                    f"That is checked on the {mine} skipped steps whose first non-finite value is made on its line"
+                    if cured
+                    else "Its check does not leave the value finite"
                 )
+                fix = (
+                    f"{fix}. {covers}; on {steps} others the value is made first at {at}, which needs its own change "
+                    f"({'checked' if tried.tried else 'not tried'}): {second[0].lower()}{second[1:].rstrip('. ')}"
+                )
+                evidence["second_origin"] = {
+                    "op": o.op, "location": at, "steps": steps, "fix_trial": tried.to_dict(),
+                }  # fmt: skip
         else:
             trial = Trial.untried("no op that made the non-finite value was seen, so there was nothing to re-run")
         if len(absorbed) > 1:
@@ -1420,7 +1427,7 @@ OTHER_ORIGIN = 0.1
 
 def _line_of(r: Record) -> str:
     """The record's source line (file:line), or its op where no line is known."""
-    return (where_text(r.location) or r.op).split(" in ", 1)[0]
+    return f"{r.location[0]}:{r.location[1]}" if r.location else r.op
 
 
 def _unexperimented(fed: list[Any], experiments: Mapping[int, Any]) -> str:

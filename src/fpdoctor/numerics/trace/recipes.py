@@ -299,7 +299,7 @@ def blowup_finding(seen: OptimizerSeen, step_of: Callable[[int], int | None] | N
     # the scheduler that raised the rate, where one did: the rate to cap is the schedule's
     schedule = lr_schedule.find(seen.ref() if seen.ref is not None else None, rate)
     lower = (  # by the growth factor at least, rounded up to a power of ten
-        f"{10 ** math.ceil(math.log10(grown)):g}x lower (the weights grew {grown:.3g}x: by that factor at least)"
+        f"{10 ** math.ceil(math.log10(grown)):,}x lower (the weights grew {grown:.3g}x: by that factor at least)"
         if math.isfinite(grown) and grown > 1
         else "10x-100x lower"
     )

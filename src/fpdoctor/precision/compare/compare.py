@@ -322,7 +322,6 @@ def compare(
             f"give --reference fp64 for what {candidate} loses, or --device for what another device changes"
         )
     sets = input_sets(inputs)
-    _refuse_sparse(model, sets)
     given = as_given(uncompiled(model), sets[0])
     samples = [Samples() for _ in sets]
     results = [
@@ -354,6 +353,7 @@ def compare_set(
 ) -> CompareResult:
     """compare() on one input set, the names already checked. `samples`, when given, gets each
     judged module call's row with its fp64 and candidate samples, for a compare record."""
+    _refuse_sparse(model, [inputs])  # compare and plan alike
     cand_device = check_device(device) if device is not None else None
     compiled, model = model is not uncompiled(model), uncompiled(model)
     if module is not None:
@@ -2424,9 +2424,9 @@ class _Comparison:
                 span = f"line {number}" if len(tried) < 2 else f"lines {tried[-1][0]}-{number}"
                 # the recurrence through the op's line; else the one that makes the output (a tracker's estimate
                 # at a large offset, rounded every step, while the worst op is its covariance's update)
-                carried, through = self._recurrence_checked(f"{file}:{number}", before), "it"
+                carried, through = self._recurrence_checked(f"{file}:{number}", before), "through it"
                 if carried is None:
-                    carried, through = self._recurrence_checked(None, before), "the output"
+                    carried, through = self._recurrence_checked(None, before), "that makes the output"
                 if carried is not None:
                     cycle, fixed = carried
                     result.report.findings[i] = _recurrence_finding(
@@ -3116,15 +3116,15 @@ class _Comparison:
         if not floor > 0 or after <= DIVERGENCE_RATIO * floor:
             return finding
         left = f"{after:.3g}, {after / floor:.0f}x the output's floor ({floor:.2g})"
-        narrower = (trial.changed if trial is not None else "its line in fp32").capitalize()
+        narrower = trial.changed if trial is not None else "its line in fp32"
         module = finding.where.get("module") or ""
         whole = self._error_with_fp32([module], fp32_outputs=set()) if module else None
         if whole is not None and math.isfinite(whole) and whole * RAISED_FALLS <= after:
             return dataclasses.replace(
                 finding,
                 fix=f"keep `{module}` in fp32 (its inputs cast to fp32, its output cast back to {self.label}): the "
-                f"output is finite and its error {whole:.3g} (checked). {narrower} alone makes the output finite "
-                f"but leaves {left}: `{module}` loses precision before that line too (values it makes that "
+                f"output is finite and its error {whole:.3g} (checked). With only {narrower}, the output is finite "
+                f"but its error is {left}: `{module}` loses precision before that line too (values it makes that "
                 "underflow or round to 0 before they reach it)",
                 trial=Trial.checked(
                     f"`{module}` kept in fp32, the rest in {self.label}", on=trial.on if trial else "",
@@ -3803,7 +3803,7 @@ def _assigned(at: str) -> str | None:
 
 def _recurrence_finding(
     finding: Finding, cycle: Recurrence, *, span: str, left: str, before: float, after: float, on: str,
-    through: str = "it",
+    through: str = "through it",
 ) -> Finding:  # fmt: skip
     """The root's divergence whose fix is its recurrence kept in fp64 (Comparison._recurrence_checked)."""
     lines = _named(cycle.lines)
@@ -3822,7 +3822,7 @@ def _recurrence_finding(
     return dataclasses.replace(
         finding,
         fix=f"the error is carried from one run of these lines to the next (a loop's steps, or a function called on "
-        f"what it made), not made where it shows ({span} in fp64 leave it at {left}): keep the recurrence through "
+        f"what it made), not made where it shows ({span} in fp64 leave it at {left}): keep the recurrence "
         f"{through} in fp64 from the first run, {lines} (the fp32 operands they read from the rest of the model "
         f".double(), so that what they carry stays fp64){fed}{readers}; or rewrite the state's update in a form that "
         "keeps its properties in fp32 (a covariance as (I - KH) P (I - KH)^T + K R K^T, the Joseph form, not "

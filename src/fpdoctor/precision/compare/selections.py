@@ -448,7 +448,7 @@ def finding(found: Changed, *, label: str, dtype: torch.dtype, reference: str) -
     where = {"module": pick.module or None, "op": f"aten.{pick.op}", "phase": "forward"}
     if not fixed or found.lines is None or found.changed_after is None or found.error_after is None:
         tried = ", ".join(f"{n} line{'s' if n > 1 else ''}: {'-' if c is None else c}" for n, c in found.tried or [])
-        most = max((n for n, _ in found.tried or []), default=0)
+        most = max((n for n, c in found.tried or [] if c is not None), default=0)  # over the runs that completed
         fix = (
             f"no line in fp32 is the fix: the {scores} {named(pick.op)} reads were computed in fp32 from 1 to {most} "
             f"lines upstream (rows changed with {tried or 'no run'}) and the picks stayed changed. They are "
