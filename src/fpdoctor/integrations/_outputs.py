@@ -40,6 +40,7 @@ class KeptGradients:
     loss: torch.Tensor | None = None  # the loss whose backward reached these outputs (0-d), where seen
     fills: int = 0  # gradients kept so far (a later backward through the outputs keeps its own)
     loss_bad: bool = False
+    bad_grad: torch.Tensor | None = None  # read_finite's: the first kept gradient not finite
 
     def watch(self, output: Any) -> None:
         """Hook every output tensor that requires grad (a lone tensor without pytree's walk: its
@@ -69,7 +70,10 @@ class KeptGradients:
         """Host reads, on a bad step only, outside any trace (a trace would take the NaN it reads
         for an input of the replay)."""
         with torch.no_grad():
-            self.finite = all(bool(torch.isfinite(g).all()) for g in self.grads.values())
+            # the first gradient that is not finite, kept for the replay's evidence (read here: under the replay's
+            # trace a read of it would be an op on a non-finite input)
+            self.bad_grad = next((g for g in self.grads.values() if not bool(torch.isfinite(g).all())), None)
+            self.finite = self.bad_grad is None
             self.outputs_finite = all(bool(torch.isfinite(t).all()) for t in self.originals)
 
 
@@ -108,5 +112,4 @@ def backward_from(output: Any, kept: KeptGradients) -> OutputsOnly | None:
     after = not bad and not kept.finite and kept.outputs_finite
     # made after the model: the non-finite gradient that reached its outputs (a sqrt's backward at 0 under a
     # finite loss) is the value the step made
-    arrived = next((g for g in kept.grads.values() if not bool(torch.isfinite(g).all())), None) if after else None
-    return OutputsOnly(not bad, after_outputs=after, value=bad[0] if bad else arrived)
+    return OutputsOnly(not bad, after_outputs=after, value=bad[0] if bad else kept.bad_grad if after else None)
