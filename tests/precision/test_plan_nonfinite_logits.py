@@ -38,7 +38,8 @@ def test_nan_logits_from_an_output_past_the_range_get_a_kl_plan_that_restores_th
         exact = model.double()(x.double())
     first = fpdoctor.compare(_collapsed()[0], x, candidate="fp16").report.findings[0]
     assert first.name == "precision-divergence" and first.where["module"] == "4", first.title
-    assert "alone breaks it" not in first.message and "what reads its output in fp32" in first.fix, first.fix
+    # its running_var's 1e-8 entries flush beside entries near 1 (negligible): its output's range is the cause
+    assert "alone breaks it" not in first.message and "with its output left in fp32" in first.fix, first.fix
     result = fpdoctor.plan(_collapsed()[0], x, candidate="fp16")
     assert result.plan.verified and "4" in result.plan.keep_fp32, result.plan
     assert dict(result.report.data["summary"])["plan metric"].startswith("KL")

@@ -1069,7 +1069,7 @@ def causes(
             else:
                 message += f" Its {listed}: that alone breaks it in {candidate}."
                 fixes.append(f"keep `{row.module}` in fp32, where its tensors fit (`fpdoctor plan` keeps it)")
-        if message or (row.out_of_range and overflow is None):  # (its output past the range: the fix above)
+        if message:
             if candidate in ("fp16", "fp16-accumulate"):
                 bf16 = "bf16, which has fp32's range"
                 fixes.append(f"also possible, not tried: {bf16}" if trial else f"or use {bf16}")

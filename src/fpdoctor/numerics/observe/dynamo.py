@@ -156,7 +156,10 @@ def fpdoctor_modules() -> list[types.ModuleType]:
     frames of these, and a skipped frame's callees are skipped too). Listed again only where the
     process imported a module since."""
     global _listed  # noqa: PLW0603  # the process's one list, as sys.modules is
-    count = (len(sys.modules), next(reversed(sys.modules), None))  # one removed and another added: a new last
+    try:  # one removed and another added: a new last key
+        count = (len(sys.modules), next(reversed(sys.modules), None))
+    except RuntimeError:  # another thread importing as the key is read: listed again
+        count = (-1, None)
     if count != _listed[0]:
         found = [m for name, m in list(sys.modules.items()) if name.partition(".")[0] == "fpdoctor" and m is not None]
         _listed = (count, found)
