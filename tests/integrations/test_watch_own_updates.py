@@ -109,3 +109,27 @@ def test_a_torch_optim_step_compiled_into_a_graph_is_not_taken_for_an_update_of_
         for i in range(25):
             step(*_data(i, torch.float32))
     assert "updates-outside-optimizer" not in [f.name for f in w.report.findings]
+
+
+class _Lazy:
+    """A live object of another library whose class lookup runs code (a lazy proxy): it raises."""
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        raise RuntimeError("resolved lazily")
+
+
+def test_a_live_object_whose_class_lookup_raises_does_not_break_the_search_for_an_optimizer():
+    lazy = _Lazy()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    with fpdoctor.watch() as w:
+        for step in range(40):
+            x, y = _data(step, torch.float32)
+            grads = torch.autograd.grad(nn.functional.mse_loss(model(x), y), list(model.parameters()))
+            with torch.no_grad():
+                for p, g in zip(model.parameters(), grads, strict=True):
+                    p.sub_(1e-2 * g)
+    assert lazy is not None and [f.name for f in w.report.findings] == ["updates-outside-optimizer"], [
+        (f.name, f.message[:120]) for f in w.report.findings
+    ]

@@ -1313,10 +1313,17 @@ def _last_loss(judge: StepJudge) -> float | None:
 def _optimized(module: nn.Module) -> bool:
     """Whether an optimizer holds a parameter of `module` (every live object looked at: once a run)."""
     params = {id(p) for p in module.parameters()}
-    return any(
-        isinstance(o, torch.optim.Optimizer) and any(id(p) in params for g in o.param_groups for p in g["params"])
-        for o in gc.get_objects()
-    )
+    for o in gc.get_objects():
+        # by its type, never isinstance: a live object of another library (a lazy proxy, a deprecated alias)
+        # can answer isinstance by running code that warns or raises
+        if not issubclass(type(o), torch.optim.Optimizer):
+            continue
+        try:
+            if any(id(p) in params for g in o.param_groups for p in g["params"]):
+                return True
+        except Exception:  # an optimizer of the program's own kind whose groups are not torch's: not ours
+            continue
+    return False
 
 
 WEIGHT_VALUES = 64  # values kept of each of the first weights (TRN033): an update changes nearly all of them
