@@ -1713,7 +1713,7 @@ class _Comparison:
         the same check when the end-to-end error is RAISED_FALLS above its floor: a cancellation
         (log(1 - exp(-h)) at small h) makes a 10x error that no growth threshold tells from a deep
         model's, and the check does. Confirmed, the container diverges; else it stays as it was."""
-        if not any(name == "" for name, _ in self.seen):  # no floating output to measure a check's error on (ids)
+        if self._root() is None:  # no floating output to measure a check's error on (ids)
             return {}
         row = next((r for r in rows if r.diverged and _forced(r)), None)
         final = rows[-1] if rows else None
@@ -2480,10 +2480,9 @@ class _Comparison:
                 device=self.cand_device, noise=self.noise, keep=kept,
             )  # fmt: skip
             # measured as the fix leaves it: the output cast back to the model's dtype
-            got = device_sample(kept[0].to(self.cand_dtype)) if ran is not None and kept else None
-            if got is None or got.numel() != root.truth.numel():
+            after = _error_of(kept[0].to(self.cand_dtype), root) if ran is not None and kept else None
+            if after is None:
                 return None
-            after = float((got.to(root.truth.device).double() - root.truth).norm()) / root.norm
         except Exception as exc:  # the search is ours: the finding stands without it
             self.notes["loop state"] = f"not searched: {type(exc).__name__}: {exc}"
             return None
@@ -3164,10 +3163,10 @@ class _Comparison:
             out = self._output_with_fp32(modules, fp32_output=fp32_outputs)
         except Exception:  # the check is ours: the finding stands without it
             return None
-        got = device_sample(out) if out is not None else None
-        if out is None or got is None or got.numel() != root.truth.numel():
+        if out is None:
             return None
-        return float((got.to(root.truth.device).double() - root.truth).norm()) / root.norm, out
+        error = _error_of(out, root)
+        return None if error is None else (error, out)
 
     def _overflow_checked(self, found: dict[str, Any], error: float, *, broken: bool = False) -> dict[str, Any] | None:
         """An op that overflows inside a divergent module, computed in fp32 with the ops after it that
@@ -4021,6 +4020,15 @@ def _beside_error(summary: list[tuple[str, str]], row: tuple[str, str]) -> None:
     report shows its first rows only, and this is the one a user's tolerance is written in."""
     at = next((i + 1 for i, (label, _) in enumerate(summary) if label == "end-to-end error"), len(summary))
     summary.insert(at, row)
+
+
+def _error_of(out: Any, root: _Seen) -> float | None:
+    """A checked run's end-to-end error from its output, sampled as the fp64 run's was; None where the
+    sample is not the truth's size."""
+    got = device_sample(out)
+    if got is None or got.numel() != root.truth.numel():
+        return None
+    return float((got.to(root.truth.device).double() - root.truth).norm()) / root.norm
 
 
 def _refuse_sparse(model: nn.Module, sets: list[Any]) -> None:
