@@ -52,6 +52,7 @@ ON_OBJECTS = {
     "_orig_mod",
     "_per_optimizer_states",
     "_post_accumulate_grad_hooks",
+    "_saved_other",
     "_scale",
     "_should_skip_dynamo",
     "_step_count",
@@ -232,6 +233,16 @@ def test_autograd_engine_names():
     assert seen["task"] != -1 and seen["node"] is not None
     assert seen["queued"] is True and seen["after"] == seen["task"]  # ran when that backward ended
     assert tp.graph_task_id() == -1
+
+
+def test_constant_operand_of_a_scaled_loss():
+    w = torch.ones(3, requires_grad=True)
+    loss = (w * w).sum()
+    assert tp.constant_operand((loss * 1024).grad_fn) == 1024.0
+    assert tp.constant_operand((loss / 4).grad_fn) == 4.0
+    assert tp.constant_operand((loss * torch.tensor(0.5)).grad_fn) == 0.5
+    assert tp.constant_operand((loss * w.sum()).grad_fn) is None  # the other operand needs a gradient
+    assert tp.constant_operand(loss.grad_fn) is None  # a sum saves no operand
 
 
 def test_kernels():

@@ -136,6 +136,18 @@ current_autograd_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_
 sequence_nr: Callable[[], int] = getattr(getattr(torch._C, "_autograd", None), "_get_sequence_nr", _no_graph_task)
 
 
+def constant_operand(node: Any) -> float | None:
+    """The constant a MulBackward0 or DivBackward0 node's output was multiplied or divided by (its
+    `_saved_other`, a one-element tensor that needs no gradient): a loss scale written by hand,
+    `(loss * 1024).backward()`, is one such node at the backward's root. None where the node is
+    another op, its other operand needs a gradient, or torch saves no such attribute."""
+    other = getattr(node, "_saved_other", None)
+    if not isinstance(other, torch.Tensor) or other.numel() != 1 or other.requires_grad:
+        return None
+    with DisableTorchDispatch():  # a dispatch mode of the trace's, or the user's, sees no read of fpdoctor's
+        return float(other)
+
+
 def queue_callback(callback: Callable[[], None]) -> bool:
     """Run `callback` when the backward pass running now ends (the engine's own queue): the
     gradients of a whole step are judged once, after the last one is written. False where the

@@ -768,6 +768,25 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         fix="Call .backward() on what scaler.scale() returns: `scaler.scale(loss).backward()`.",
     ),
     RuleInfo(
+        code="TRN036",
+        name="loss-scale-not-undone",
+        severity=E,
+        title="The loss was multiplied by a scale of the script's own, and the gradients were never divided by it",
+        what="`fpdoctor watch` reads each backward's root: a loss multiplied by a power of two of at least 128 "
+        "(`(loss * 1024).backward()`, with no GradScaler) is a loss scale written by hand, and the reference step "
+        "divides it out of both runs. Where the gradients the optimizer took are still the scale times the "
+        "backward's, the optimizer's step is run on copies of the weights and its state as taken, with the scale "
+        "divided out, and on the fp32 reference's gradients; the finding is made where the updates as taken "
+        "depart from the reference's and names the parameters the division missed.",
+        why="A hand-written scale keeps small fp16 gradients from flushing to zero in the backward, and the "
+        "optimizer must then take them divided by it (GradScaler's unscale_ does that). Left out, SGD steps the "
+        "scale times too far (1024x the learning rate meant): the weights grow by orders of magnitude in a few "
+        "steps and the run goes NaN, and a rule that judges each step's values alone names the learning rate or "
+        "the op that overflowed. Adam and its kin divide the factor out but for their eps: no finding there.",
+        fix="Divide every gradient by the scale between the backward and the optimizer's step "
+        "(`for p in model.parameters(): p.grad.div_(scale)`), or use torch.amp.GradScaler.",
+    ),
+    RuleInfo(
         code="TRN020",
         name="training-never-stepped",
         severity=E,

@@ -189,12 +189,19 @@ class TracedStep:
         if not self.findings:
             return found
         rate = next((f for f in found if f.name == "training-stalled" and "climbed_at_step" in f.evidence), None)
+        # gradients the loss scale left 1024x too large from the first step on: the weights grew out of range
+        rate = rate or next((f for f in found if f.name == "loss-scale-not-undone"), None)
         if rate is not None:  # the learning rate's, tried: the op where the growing values overflowed follows it
             at = found.index(rate) + 1
+            why = (
+                f"the loss climbed from step {rate.evidence['climbed_at_step']}"
+                if rate.name == "training-stalled"
+                else f"the optimizer took gradients {rate.evidence['scale']:g}x too large from step "
+                f"{rate.evidence['step']} on"
+            )
             said = (
-                f"As training-stalled says (the loss climbed from step {rate.evidence['climbed_at_step']}: the "
-                "weights grew out of range, and a change at this op only moves the step where they overflow): "
-                f"{rate.fix}"
+                f"As {rate.name} says ({why}: the weights grew out of range, and a change at this op only moves the "
+                f"step where they overflow): {rate.fix}"
             )
             followed = [replace(f, fix=said, trial=rate.trial) if rate.fix else f for f in self.findings]
             return [*found[:at], *followed, *found[at:]]

@@ -78,7 +78,7 @@ from fpdoctor.numerics.observe.gradcheck import (
 from fpdoctor.numerics.observe.loader import LoaderBatches
 from fpdoctor.numerics.observe.scaler_order import Mixed, ScalerOrder
 from fpdoctor.numerics.trace.scaled_grads import ScaledGrads
-from fpdoctor.numerics.training import between, distributed, reference
+from fpdoctor.numerics.training import between, distributed, hand_scale, reference
 from fpdoctor.numerics.training.findings import (
     scaler_rebuilt_finding,
     some_zero_grads_finding,
@@ -218,6 +218,7 @@ class _Pending:
     on_device: bool  # given to the optimizer already, its flag as found_inf (or undone: `undo`)
     undo: StepUndo | None = None
     loss_agreed: bool = False  # the flags' first value is the loss's flag (else the losses are judged on the host)
+    hand: tuple[float | None, Where | None] | None = None  # a loss scale of the script's own, and its backward's line
 
 
 def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -282,6 +283,8 @@ class ScriptWatch:
         self._unheld: dict[int, tuple[Any, unheld.Unheld | None]] = {}
         self._calls: list[_Call] = []
         self._losses: list[torch.Tensor] = []
+        # each backward's loss scale written by hand since the last step (hand_scale.py), with the backward's line
+        self._hand: list[tuple[float | None, Where | None]] = []
         self._trainable: dict[int, bool] = {}
         self._local = _PerThread()
         # the thread whose training is judged: the first that steps an optimizer, or the next to do so once that
@@ -377,7 +380,7 @@ class ScriptWatch:
                 self._stack = None
         for run in self.runs.values():  # the compiled-output checks on the script's compiled modules
             run.judge.close()
-        self._calls, self._losses = [], []
+        self._calls, self._losses, self._hand = [], [], []
 
     @staticmethod
     @contextlib.contextmanager
@@ -513,6 +516,9 @@ class ScriptWatch:
                         loss = t.detach()
                         loss = (loss.reshape(()) if loss.dim() else loss).float()  # a view op less for a 0-d loss
                         self._losses.append(loss)
+                        if t.grad_fn is not None:  # `(loss * 1024).backward()`: a loss scale of the script's own
+                            hand = hand_scale.of_root(t)
+                            self._hand.append((hand, user_location(sys._getframe(1)) if hand else None))
                 # every forward this backward reaches (one an autograd.grad went through before included)
                 waiting = [(c, c.kept.fills) for c in self._calls]
             except Exception as exc:
@@ -650,7 +656,7 @@ class ScriptWatch:
         # step(closure): LBFGS, Lightning's loop (args holds the optimizer itself first)
         if (len(args) > 1 or kwargs) and any(callable(a) for a in (*args[1:], *kwargs.values())):
             # the forward and backward run inside step(), after this hook: there is nothing to judge yet
-            self._calls, self._losses = [], []
+            self._calls, self._losses, self._hand = [], [], []
             self.unwatched.setdefault(
                 f"optimizer {type(optimizer).__name__}",
                 "it steps with a closure (forward and backward run inside step()); with Lightning the "
@@ -804,6 +810,7 @@ class ScriptWatch:
         ]
         losses = self._losses
         self._losses = []
+        hands, self._hand = self._hand, []
         if run is None:
             self._calls = current
             self._event += 1
@@ -875,13 +882,15 @@ class ScriptWatch:
                 # lacked, a frozen backbone have no gradient either, and no such line)
                 self._guarded(lambda: judge.cleared_step(judge.steps, _cleared_by_code(run.params)), _CLEARS)
         unscaled, self._unscaled = self._unscaled, None
+        # every backward of the step ran on a loss the script scaled by one factor of its own, no GradScaler in use
+        hand = hands[-1] if hands and scaler is None and all(h[0] and h[0] == hands[0][0] for h in hands) else None
         self._scale_given.clear()
         if unscaled is not None and scaler is not None:  # its step divided gradients the loss never multiplied
             self._guarded(lambda: judge.unscaled_backward(judge.steps, *unscaled, scaler=scaler), _ORDER)
         mixed = self._mixed.pop(id(optimizer), None)
         if mixed is not None:  # the reference step measures what it cost (unscaled_twice.py)
             judge.mixed_step(judge.steps, mixed)
-        pending = _Pending(run, judge.steps, flags, mine, scaler, skipped_by_scaler, on_device)
+        pending = _Pending(run, judge.steps, flags, mine, scaler, skipped_by_scaler, on_device, hand=hand)
         pending.loss_agreed = judge.distributed or on_device
         if on_device:  # the optimizer skips a bad step by itself, or it is undone; the host looks a step later
             self._undo.pop(id(optimizer), lambda: None)()
@@ -986,7 +995,7 @@ class ScriptWatch:
             try:  # the model's backward from the gradients that reached its outputs, against an fp32 one
                 judge.reference(step, optimizer=judge.optimizer, scaler=scaler, step_fn=self._replay_call,
                                 window=facts.window, contexts=facts.contexts, backward_only=True,
-                                scale_carried=True, final_gradients=True)  # fmt: skip
+                                scale_carried=True, final_gradients=True, hand=pending.hand)  # fmt: skip
             except Exception as exc:  # the observer's own failure: a finding, the step goes on
                 judge.error("comparing the step with the reference step", exc, step)
         # a step that unscaled before its last backward and that no reference step measured: said untried

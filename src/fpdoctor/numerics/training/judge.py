@@ -49,6 +49,7 @@ from fpdoctor.numerics.training import (
     corruption,
     distributed,
     findings,
+    hand_scale,
     progress,
     reference,
     reference_update,
@@ -1209,6 +1210,7 @@ class StepJudge:
         backward_only: bool = False,
         scale_carried: bool = False,
         final_gradients: bool = False,
+        hand: tuple[float | None, Where | None] | None = None,
     ) -> None:
         """Compare the step's gradients, before the optimizer takes them, with the reference step's;
         a departure is a finding. Host reads and two extra passes: reference steps only.
@@ -1218,7 +1220,9 @@ class StepJudge:
         take (watch judges at the optimizer's step, after your clipping): the update stages are
         compared on them, the reference update the same optimizer's over fp32 copies of the weights
         and state on those gradients, since the replay of the backward alone has no step_fn to
-        process the reference's gradients as yours were."""
+        process the reference's gradients as yours were. `hand`: every backward of the step ran on a loss the
+        script multiplied by this scale of its own (hand_scale.py), no GradScaler in use, and the line of the last:
+        both runs divide it out, and the gradients the optimizer took are judged for still carrying it."""
         names = {id(p): n for n, p in named_parameters(self.model)}
         live = {names[id(p)]: p.grad.detach().float() for p in self.params if p.grad is not None and id(p) in names}
         scale = float(amp.scale_tensor(scaler, self.device)) if amp.enabled(scaler) else None
@@ -1241,10 +1245,11 @@ class StepJudge:
                 made.append(amp.scale_as(scaler, torch.full_like(amp.scale_tensor(scaler, self.device), scale)))
             return made
 
+        by_hand = hand[0] if hand is not None and scale is None and backward_only and scale_carried else None
         try:
             result = reference.compare_step(
                 step, self.model, optimizer=optimizer, scaler=scaler, step_fn=step_fn, window=window,
-                contexts=at, live=live, scale=scale, unscaled=unscaled, backward_only=backward_only,
+                contexts=at, live=live, scale=by_hand or scale, unscaled=unscaled, backward_only=backward_only,
                 scale_carried=scale_carried,
             )  # fmt: skip
         except Exception as exc:  # step_fn cannot run on copies (it reads tensors it holds itself)
@@ -1258,6 +1263,13 @@ class StepJudge:
             self.mixed_step_said(step, measured=measured, why_not=result.not_compared or "nothing to compare")
             result.backward_grads = result.reference_grads = None
             return
+        if by_hand and final_gradients and result.first_stage() is None and hand is not None:
+            # nothing unscales a hand-written scale for the optimizer: it takes the gradients as the step left them
+            kept = hand_scale.measure(result, optimizer, self.model, live, by_hand)
+            if kept is not None:
+                self.causes.add(hand_scale.finding(kept, step, hand[1], type(optimizer).__name__, here=self.here))
+                result.backward_grads = result.reference_grads = None
+                return
         if backward_only and final_gradients and result.first_stage() is None:
             divide = scale if scale is not None and scale > 0 and not unscaled else 1.0
             # an optimizer with an eps in its defaults divides by the gradients' size (Adam, RMSprop, Adagrad)

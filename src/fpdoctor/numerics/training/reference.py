@@ -318,7 +318,7 @@ def compare_step(
             return out
         if scale_carried:
             ref_backward = {n: g / scale for n, g in ref_backward.items()}
-        out.rows["backward"] = _rows("backward", ours_backward, ref_backward, scale)
+        out.rows["backward"] = gradient_rows("backward", ours_backward, ref_backward, scale)
         out.scale = scale
         out.backward_only = True
         out.reference_grads = ref_backward  # for what the optimizer takes (processed_scaled), then dropped
@@ -335,8 +335,8 @@ def compare_step(
                 "differs): step_fn handles tensors it holds itself, so the reference cannot stand in for them"
             )
             return out
-    out.rows["backward"] = _rows("backward", ours_backward, ref_backward, scale)
-    out.rows["optimizer"] = _rows("optimizer", ours_returned, ref_returned, 1.0 if unscaled else scale)
+    out.rows["backward"] = gradient_rows("backward", ours_backward, ref_backward, scale)
+    out.rows["optimizer"] = gradient_rows("optimizer", ours_returned, ref_returned, 1.0 if unscaled else scale)
     out.scale = scale
     out.reference_grads = ref_returned
     if out.first_stage() == "optimizer" and scale != 1.0:
@@ -344,11 +344,13 @@ def compare_step(
         # before unscale_): the user's recipe once more at scale 1 says whether it is the cause
         with _grads_saved(model):
             _, at_one = run(contexts=contexts(1.0), reference=False)
-        out.at_scale_one = [d for d in _rows("optimizer", at_one, ref_returned, 1.0) if d.departs()]
+        out.at_scale_one = [d for d in gradient_rows("optimizer", at_one, ref_returned, 1.0) if d.departs()]
     return out
 
 
-def _rows(stage: str, ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], divide: float) -> list[Departure]:
+def gradient_rows(
+    stage: str, ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], divide: float
+) -> list[Departure]:
     """Each parameter's gradient against the reference's, worst first; a parameter whose reference
     gradient is negligible beside the model's (NEGLIGIBLE of the rms over every parameter: a bias
     before a normalisation, whose gradient is 0 but for rounding) is judged only when the step's
@@ -369,7 +371,7 @@ def _rows(stage: str, ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor
 def worst_cosine(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float | None:
     """The lowest cosine of a parameter's gradient with the reference's (by `_rows`'s rule of which
     are judged); None where none is."""
-    rows = _rows("optimizer", ours, ref, 1.0)
+    rows = gradient_rows("optimizer", ours, ref, 1.0)
     return min(d.cosine for d in rows) if rows else None
 
 
@@ -450,7 +452,7 @@ def processed_scaled(comparison: Comparison, taken: dict[str, torch.Tensor], *, 
     norms = [(float(taken[n].double().norm()), float(back[n].double().norm())) for n in names]
     factors = [t / b for t, b in norms if b > TINY]
     if factors and all(f == 0 for f in factors):
-        comparison.rows["optimizer"] = _rows("optimizer", {n: taken[n] for n in names}, ref, 1.0)
+        comparison.rows["optimizer"] = gradient_rows("optimizer", {n: taken[n] for n in names}, ref, 1.0)
         comparison.zeroed_between = True
         return
     if len(factors) < 2:
@@ -460,7 +462,7 @@ def processed_scaled(comparison: Comparison, taken: dict[str, torch.Tensor], *, 
     if scale <= 1.0 or (_written(after) and not _written(after * scale)):  # the clip read the gradients unscaled
         uniform = all(abs(f - mid) <= 0.05 * mid for f in factors)
         if uniform and 0 < mid <= CLIP_FACTOR and after <= CLIP_LIMIT and not adaptive:
-            rows = _rows("optimizer", {n: taken[n] for n in names}, ref, 1.0)
+            rows = gradient_rows("optimizer", {n: taken[n] for n in names}, ref, 1.0)
             if any(d.departs() for d in rows):
                 comparison.rows["optimizer"] = rows
                 comparison.clipped = (math.sqrt(sum(b * b for _, b in norms)), after)
@@ -469,7 +471,7 @@ def processed_scaled(comparison: Comparison, taken: dict[str, torch.Tensor], *, 
         return
     if not 0 < mid * scale <= SCALED_SHRINK or any(abs(f - mid) > 0.05 * mid for f in factors):
         return
-    rows = _rows("optimizer", {n: taken[n] for n in names}, ref, 1.0)
+    rows = gradient_rows("optimizer", {n: taken[n] for n in names}, ref, 1.0)
     if not any(d.departs() for d in rows):
         return
     # the clip that made the factor, as unscaling first would have run it: its threshold is what the
@@ -478,7 +480,7 @@ def processed_scaled(comparison: Comparison, taken: dict[str, torch.Tensor], *, 
     limit = math.sqrt(sum(t * t for t, _ in norms)) * scale
     fixed = {n: back[n] * min(1.0, limit / total) for n in names}
     comparison.rows["optimizer"] = rows
-    comparison.at_scale_one = [d for d in _rows("optimizer", fixed, ref, 1.0) if d.departs()]
+    comparison.at_scale_one = [d for d in gradient_rows("optimizer", fixed, ref, 1.0) if d.departs()]
     comparison.scale_one_modelled = True
 
 
@@ -507,13 +509,13 @@ def _value_clip(
         on = sum(int((t.abs() >= bound * (1 - 1e-3)).sum()) for t in taken.values())
         if on < 0.1 * sum(t.numel() for t in taken.values()):
             return False
-        rows = _rows("optimizer", taken, ref, 1.0)
+        rows = gradient_rows("optimizer", taken, ref, 1.0)
         if not any(d.departs() for d in rows):
             return False
         threshold = bound * scale
         fixed = {n: back[n].clamp(-threshold, threshold) for n in taken}
     comparison.rows["optimizer"] = rows
-    comparison.at_scale_one = [d for d in _rows("optimizer", fixed, ref, 1.0) if d.departs()]
+    comparison.at_scale_one = [d for d in gradient_rows("optimizer", fixed, ref, 1.0) if d.departs()]
     comparison.scale_one_modelled, comparison.modelled_clip = True, "value"
     return True
 

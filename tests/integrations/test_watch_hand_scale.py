@@ -1,0 +1,163 @@
+"""`fpdoctor watch` on a loss scale written by hand (`(loss * 1024).backward()`, no GradScaler) that
+the script never divides out of the gradients (TRN036): the reference step divides the scale out of
+both runs, so the backward agrees with fp32 and the gradients the optimizer took are 1024x the
+reference's. The finding is first, its fix applied as printed makes the script train as fp32 does,
+and a scale the script does divide out (or one Adam divides out by itself) is no finding."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fpdoctor.numerics.training import hand_scale
+from tests.conftest import report_of
+
+# pure fp16 classifier, SGD with momentum, the loss multiplied by 1024 before its backward
+SCALED = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+centers = torch.randn(10, 32) * 0.4
+labels = torch.randint(0, 10, (2048,))
+feats = centers[labels] + torch.randn(2048, 32)
+model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 10)).half()
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+LOSS_SCALE = 1024.0
+for step in range(12):
+    idx = torch.randint(0, 2048, (128,))
+    loss = F.cross_entropy(model(feats[idx].half()).float(), labels[idx])
+    opt.zero_grad()
+    (loss * LOSS_SCALE).backward()
+    opt.step()
+print(f"final loss {loss.item():.4f}")
+"""
+
+# bf16 autocast, two micro-batches a step, each `loss / 2 * 65536`; the weights' gradients divided back by a
+# loop that forgets the biases
+MISSED = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(3)
+x = torch.randn(1024, 16)
+y = torch.tanh(x[:, :3].sum(1, keepdim=True))
+net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
+optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+SCALE = 2.0**16
+for step in range(10):
+    for k in range(2):
+        idx = torch.randint(0, 1024, (64,))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.mse_loss(net(x[idx]).float(), y[idx])
+        (loss / 2 * SCALE).backward()
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if name.endswith("weight"):
+                p.grad /= SCALE
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
+def _watch(tmp_path: Path, source: str, name: str = "train") -> tuple[Path, dict]:
+    script = tmp_path / f"{name}.py"
+    script.write_text(textwrap.dedent(source))
+    return script, report_of(tmp_path, "watch", "--", "python", str(script))
+
+
+def _first(report: dict) -> dict:
+    return report["findings"][0]
+
+
+def _final_loss(script: Path) -> float:
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True)
+    return float(re.search(r"final loss (\S+)", out.stdout).group(1))
+
+
+def test_a_hand_scale_never_divided_out_is_first_and_its_printed_fix_trains_as_fp32(tmp_path):
+    script, report = _watch(tmp_path, SCALED)
+    first = _first(report)
+    assert first["name"] == "loss-scale-not-undone" and first["severity"] == "error"
+    assert first["where"]["step"] == 1
+    ev = first["evidence"]
+    assert ev["scale"] == 1024 and ev["still_scaled_count"] == ev["compared"] == 4
+    assert ev["location"].endswith("train.py:16")
+    # the update as taken is ~1024x the reference's; divided, it is the reference's
+    upd = ev["update_to_weight"]
+    assert upd["as_taken"] > 300 * upd["reference"] and upd["divided"] == pytest.approx(upd["reference"], rel=0.05)
+    trial = first["fix_trial"]
+    assert trial["status"] == "checked" and trial["before"] == 4 and trial["after"] == 0
+    fix = first["fix"]
+    assert "after the backward at line 16 of train.py" in fix
+    code = re.search(r"`(for p in model\.parameters\(\): p\.grad\.div_\(1024\))`", fix).group(1)
+    # applied as printed: the line after the backward, at its indentation
+    fixed = SCALED.replace("    (loss * LOSS_SCALE).backward()\n", f"    (loss * LOSS_SCALE).backward()\n    {code}\n")
+    fixed_script, after = _watch(tmp_path, fixed, "fixed")
+    assert not [f for f in after["findings"] if f["name"] == "loss-scale-not-undone"]
+    reference = SCALED.replace("    (loss * LOSS_SCALE).backward()\n", "    loss.backward()\n")
+    ref_script = tmp_path / "fp16_unscaled.py"
+    ref_script.write_text(textwrap.dedent(reference))
+    assert not torch.isfinite(torch.tensor(_final_loss(script)))  # the scaled run blows up
+    assert _final_loss(fixed_script) == pytest.approx(_final_loss(ref_script), rel=1e-3)
+
+
+def test_a_division_that_misses_the_biases_names_them(tmp_path):
+    _, report = _watch(tmp_path, MISSED)
+    first = _first(report)
+    assert first["name"] == "loss-scale-not-undone"
+    ev = first["evidence"]
+    assert ev["scale"] == 65536 and sorted(ev["still_scaled"]) == ["0.bias", "2.bias", "4.bias"]
+    assert ev["compared"] == 6
+    assert "misses `0.bias`, `2.bias`, `4.bias`" in first["fix"] and "in place of its division" in first["fix"]
+    assert first["fix_trial"]["before"] >= 1 and first["fix_trial"]["after"] == 0
+    # the NaN steps the blown-up weights make later follow it, with its fix
+    assert all(f["fix"].startswith("As loss-scale-not-undone says") for f in report["findings"]
+               if f["name"] == "nonfinite-produced")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        # the scale divided out by the script before the step
+        ("    opt.step()\n", "    for p in model.parameters():\n        p.grad.div_(LOSS_SCALE)\n    opt.step()\n"),
+        # fp32 weights under Adam, which divides the factor out by itself: its update agrees with the reference's
+        (
+            ".half()\nopt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)",
+            "\nopt = torch.optim.Adam(model.parameters(), lr=1e-3)",
+        ),
+        # a loss weight is no loss scale
+        ("LOSS_SCALE = 1024.0", "LOSS_SCALE = 10.0"),
+        # fp16 weights under Adam, whose eps is 0 in fp16: its update fails on the reference's gradients too, and
+        # dividing the scale out does not bring it back (fp16-adam-eps is the cause)
+        ("torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)", "torch.optim.Adam(model.parameters(), lr=1e-3)"),
+    ],
+    ids=["divided", "adam", "weight", "adam-fp16"],
+)
+def test_no_finding_where_the_scale_is_divided_out_or_is_no_scale(tmp_path, change):
+    old, new = change
+    assert old in SCALED
+    changed = SCALED.replace(old, new)
+    _, report = _watch(
+        tmp_path, changed if ".half()\n" in changed else changed.replace("feats[idx].half()", "feats[idx]")
+    )
+    assert not [f for f in report["findings"] if f["name"] == "loss-scale-not-undone"]
+
+
+def test_the_scale_is_read_from_the_backwards_root():
+    w = torch.ones(4, requires_grad=True)
+    loss = (w * w).sum()
+    assert hand_scale.of_root(loss * 1024) == 1024.0
+    assert hand_scale.of_root(loss * 1024 / 4) == 1024.0  # an accumulation's division is the script's processing
+    assert hand_scale.of_root(loss / 4 * 2.0**16) == 2.0**16
+    assert hand_scale.of_root(loss * 10) is None  # a loss weight
+    assert hand_scale.of_root(loss * 64) is None  # below 128
+    assert hand_scale.of_root(loss / 4) is None
+    assert hand_scale.of_root(loss) is None
+    assert hand_scale.of_root(loss * w.sum()) is None  # a product with a value that has a gradient
