@@ -787,6 +787,21 @@ TRN_RULES: tuple[RuleInfo, ...] = (
         "(`for p in model.parameters(): p.grad.div_(scale)`), or use torch.amp.GradScaler.",
     ),
     RuleInfo(
+        code="TRN037",
+        name="loss-divided-twice",
+        severity=W,
+        title="The loss was divided by the number of micro-batches twice: the gradients are that many times too small",
+        what="`fpdoctor watch` reads each backward's root: where every backward of a step of k micro-batches ran "
+        "on the loss divided by k * k (a loss function that returns `loss / accum`, divided again by the loop), "
+        "the optimizer's step is run on copies of the weights and its state on the gradients as taken and on k "
+        "times them (the loss divided once); the finding is made where the updates differ by more than 2x.",
+        why="Gradient accumulation divides each micro-batch's loss by k so that the summed gradients are their "
+        "mean. Divided twice, they are 1/k of it: SGD steps k times less (a learning rate k times lower) and the "
+        "loss falls slower, with no NaN and nothing skipped, and a reference step of the same code agrees with it. "
+        "Adam divides the factor out but for its eps: no finding there.",
+        fix="Divide the loss by the number of micro-batches once: drop the second division.",
+    ),
+    RuleInfo(
         code="TRN020",
         name="training-never-stepped",
         severity=E,

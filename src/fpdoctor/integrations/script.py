@@ -78,7 +78,7 @@ from fpdoctor.numerics.observe.gradcheck import (
 from fpdoctor.numerics.observe.loader import LoaderBatches
 from fpdoctor.numerics.observe.scaler_order import Mixed, ScalerOrder
 from fpdoctor.numerics.trace.scaled_grads import ScaledGrads
-from fpdoctor.numerics.training import between, distributed, hand_scale, reference
+from fpdoctor.numerics.training import between, distributed, loss_factors, reference
 from fpdoctor.numerics.training.findings import (
     scaler_rebuilt_finding,
     some_zero_grads_finding,
@@ -218,7 +218,7 @@ class _Pending:
     on_device: bool  # given to the optimizer already, its flag as found_inf (or undone: `undo`)
     undo: StepUndo | None = None
     loss_agreed: bool = False  # the flags' first value is the loss's flag (else the losses are judged on the host)
-    hand: tuple[float | None, Where | None] | None = None  # a loss scale of the script's own, and its backward's line
+    hand: loss_factors.StepFactors | None = None  # constants on the loss the gradients should not carry
 
 
 def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -283,8 +283,8 @@ class ScriptWatch:
         self._unheld: dict[int, tuple[Any, unheld.Unheld | None]] = {}
         self._calls: list[_Call] = []
         self._losses: list[torch.Tensor] = []
-        # each backward's loss scale written by hand since the last step (hand_scale.py), with the backward's line
-        self._hand: list[tuple[float | None, Where | None]] = []
+        # each backward's constant factors on its loss since the last step (loss_factors.py), with the backward's line
+        self._hand: list[tuple[loss_factors.Factors | None, Where | None]] = []
         self._trainable: dict[int, bool] = {}
         self._local = _PerThread()
         # the thread whose training is judged: the first that steps an optimizer, or the next to do so once that
@@ -516,9 +516,9 @@ class ScriptWatch:
                         loss = t.detach()
                         loss = (loss.reshape(()) if loss.dim() else loss).float()  # a view op less for a 0-d loss
                         self._losses.append(loss)
-                        if t.grad_fn is not None:  # `(loss * 1024).backward()`: a loss scale of the script's own
-                            hand = hand_scale.of_root(t)
-                            self._hand.append((hand, user_location(sys._getframe(1)) if hand else None))
+                        if t.grad_fn is not None:  # `(loss * 1024 / accum).backward()`: constants on the loss
+                            factors = loss_factors.of_root(t)
+                            self._hand.append((factors, user_location(sys._getframe(1)) if factors else None))
                 # every forward this backward reaches (one an autograd.grad went through before included)
                 waiting = [(c, c.kept.fills) for c in self._calls]
             except Exception as exc:
@@ -882,8 +882,7 @@ class ScriptWatch:
                 # lacked, a frozen backbone have no gradient either, and no such line)
                 self._guarded(lambda: judge.cleared_step(judge.steps, _cleared_by_code(run.params)), _CLEARS)
         unscaled, self._unscaled = self._unscaled, None
-        # every backward of the step ran on a loss the script scaled by one factor of its own, no GradScaler in use
-        hand = hands[-1] if hands and scaler is None and all(h[0] and h[0] == hands[0][0] for h in hands) else None
+        hand = loss_factors.of_step(hands, scaler=scaler is not None)
         self._scale_given.clear()
         if unscaled is not None and scaler is not None:  # its step divided gradients the loss never multiplied
             self._guarded(lambda: judge.unscaled_backward(judge.steps, *unscaled, scaler=scaler), _ORDER)

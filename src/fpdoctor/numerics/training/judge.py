@@ -49,7 +49,7 @@ from fpdoctor.numerics.training import (
     corruption,
     distributed,
     findings,
-    hand_scale,
+    loss_factors,
     progress,
     reference,
     reference_update,
@@ -1210,7 +1210,7 @@ class StepJudge:
         backward_only: bool = False,
         scale_carried: bool = False,
         final_gradients: bool = False,
-        hand: tuple[float | None, Where | None] | None = None,
+        hand: loss_factors.StepFactors | None = None,
     ) -> None:
         """Compare the step's gradients, before the optimizer takes them, with the reference step's;
         a departure is a finding. Host reads and two extra passes: reference steps only.
@@ -1220,13 +1220,15 @@ class StepJudge:
         take (watch judges at the optimizer's step, after your clipping): the update stages are
         compared on them, the reference update the same optimizer's over fp32 copies of the weights
         and state on those gradients, since the replay of the backward alone has no step_fn to
-        process the reference's gradients as yours were. `hand`: every backward of the step ran on a loss the
-        script multiplied by this scale of its own (hand_scale.py), no GradScaler in use, and the line of the last:
-        both runs divide it out, and the gradients the optimizer took are judged for still carrying it."""
+        process the reference's gradients as yours were. `hand`: constant factors on the step's loss that the
+        gradients the optimizer takes should not carry (loss_factors.py): a loss scale of the script's own, which
+        both runs divide out, and the gradients the optimizer took are judged for still carrying it; or a division
+        by the micro-batch count made twice."""
         names = {id(p): n for n, p in named_parameters(self.model)}
         live = {names[id(p)]: p.grad.detach().float() for p in self.params if p.grad is not None and id(p) in names}
         scale = float(amp.scale_tensor(scaler, self.device)) if amp.enabled(scaler) else None
         unscaled = reference.unscaled_already(scaler, optimizer)
+        divide = scale if scale is not None and scale > 0 and not unscaled else 1.0  # what scaler.step divides out
         why = None
         if self.is_compiled:  # Dynamo would compile graphs anew for the copies: the observer compiles nothing
             why = "a compiled model: running it on copies of its parameters would compile new graphs"
@@ -1245,7 +1247,7 @@ class StepJudge:
                 made.append(amp.scale_as(scaler, torch.full_like(amp.scale_tensor(scaler, self.device), scale)))
             return made
 
-        by_hand = hand[0] if hand is not None and scale is None and backward_only and scale_carried else None
+        by_hand = hand.scale if hand is not None and scale is None and backward_only and scale_carried else None
         try:
             result = reference.compare_step(
                 step, self.model, optimizer=optimizer, scaler=scaler, step_fn=step_fn, window=window,
@@ -1258,20 +1260,25 @@ class StepJudge:
             return
         self.reference_compared.append(result)
         if self._mixed is not None and self._mixed[0] == step:
-            divide = scale if scale is not None and scale > 0 and not unscaled else 1.0
             measured = unscaled_twice.measure(result, {n: g / divide for n, g in live.items()})
             self.mixed_step_said(step, measured=measured, why_not=result.not_compared or "nothing to compare")
             result.backward_grads = result.reference_grads = None
             return
-        if by_hand and final_gradients and result.first_stage() is None and hand is not None:
-            # nothing unscales a hand-written scale for the optimizer: it takes the gradients as the step left them
-            kept = hand_scale.measure(result, optimizer, self.model, live, by_hand)
-            if kept is not None:
-                self.causes.add(hand_scale.finding(kept, step, hand[1], type(optimizer).__name__, here=self.here))
-                result.backward_grads = result.reference_grads = None
-                return
+        made = None
+        if hand is not None and backward_only and final_gradients and result.first_stage() is None:
+            name = type(optimizer).__name__
+            if by_hand:  # nothing unscales a hand-written scale for the optimizer: it takes the gradients as they are
+                kept = loss_factors.measure(result, optimizer, self.model, live, by_hand)
+                made = loss_factors.finding(kept, step, hand.at, name, here=self.here) if kept else None
+            elif hand.twice:
+                taken = {n: g / divide for n, g in live.items()}
+                twice = loss_factors.measure_twice(result, optimizer, self.model, taken, hand.twice)
+                made = loss_factors.twice_finding(twice, step, hand.at, name, here=self.here) if twice else None
+        if made is not None:
+            self.causes.add(made)
+            result.backward_grads = result.reference_grads = None
+            return
         if backward_only and final_gradients and result.first_stage() is None:
-            divide = scale if scale is not None and scale > 0 and not unscaled else 1.0
             # an optimizer with an eps in its defaults divides by the gradients' size (Adam, RMSprop, Adagrad)
             adaptive = "eps" in getattr(optimizer, "defaults", {})
             taken = {n: g / divide for n, g in live.items()}
@@ -1289,7 +1296,6 @@ class StepJudge:
         if made is not None:
             self.causes.add(made)  # a cause seen again at a later reference step adds to its count
         elif result.first_stage() is None and result.not_compared is None and (final_gradients or not backward_only):
-            divide = scale if scale is not None and scale > 0 and not unscaled else 1.0
             own = {n: g / divide if divide != 1.0 else g for n, g in live.items()} if backward_only else None
             self._update_stages(result, optimizer, divide=divide, recipe=recipe, own=own)
         result.reference_grads = None

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fpdoctor.numerics.training import hand_scale
+from fpdoctor.numerics.training import loss_factors
 from tests.conftest import report_of
 
 # pure fp16 classifier, SGD with momentum, the loss multiplied by 1024 before its backward
@@ -65,6 +65,39 @@ for step in range(10):
     optimizer.zero_grad()
 """
 
+# fp16 autocast with a GradScaler, 4 micro-batches a step, the loss divided by 4 in its function and again at the
+# backward; an unscale_ and a clip (that does not bind) between the backward and the step
+TWICE = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(1)
+ACCUM = 4
+x = torch.randn(4096, 32)
+y = (x @ torch.randn(32, 6)).argmax(1)
+model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 6))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+scaler = torch.amp.GradScaler("cpu")
+
+
+def compute_loss(xb, yb):
+    with torch.autocast("cpu", dtype=torch.float16):
+        return F.cross_entropy(model(xb), yb) / ACCUM
+
+
+for step in range(12):
+    for k in range(ACCUM):
+        idx = torch.randint(0, 4096, (32,))
+        loss = compute_loss(x[idx], y[idx])
+        scaler.scale(loss / ACCUM).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+print(f"final loss {loss.item() * ACCUM:.4f}")
+"""
+
 
 def _watch(tmp_path: Path, source: str, name: str = "train") -> tuple[Path, dict]:
     script = tmp_path / f"{name}.py"
@@ -81,7 +114,7 @@ def _final_loss(script: Path) -> float:
     return float(re.search(r"final loss (\S+)", out.stdout).group(1))
 
 
-def test_a_hand_scale_never_divided_out_is_first_and_its_printed_fix_trains_as_fp32(tmp_path):
+def test_a_loss_factors_never_divided_out_is_first_and_its_printed_fix_trains_as_fp32(tmp_path):
     script, report = _watch(tmp_path, SCALED)
     first = _first(report)
     assert first["name"] == "loss-scale-not-undone" and first["severity"] == "error"
@@ -150,14 +183,59 @@ def test_no_finding_where_the_scale_is_divided_out_or_is_no_scale(tmp_path, chan
     assert not [f for f in report["findings"] if f["name"] == "loss-scale-not-undone"]
 
 
-def test_the_scale_is_read_from_the_backwards_root():
+def test_the_factors_are_read_from_the_backwards_root():
     w = torch.ones(4, requires_grad=True)
     loss = (w * w).sum()
-    assert hand_scale.of_root(loss * 1024) == 1024.0
-    assert hand_scale.of_root(loss * 1024 / 4) == 1024.0  # an accumulation's division is the script's processing
-    assert hand_scale.of_root(loss / 4 * 2.0**16) == 2.0**16
-    assert hand_scale.of_root(loss * 10) is None  # a loss weight
-    assert hand_scale.of_root(loss * 64) is None  # below 128
-    assert hand_scale.of_root(loss / 4) is None
-    assert hand_scale.of_root(loss) is None
-    assert hand_scale.of_root(loss * w.sum()) is None  # a product with a value that has a gradient
+    of = loss_factors.of_root
+    assert of(loss * 1024) == loss_factors.Factors(1024.0, 1.0)
+    assert of(loss * 1024 / 4) == loss_factors.Factors(1024.0, 4.0)  # an accumulation's division beside it
+    assert of(loss / 4 * 2.0**16) == loss_factors.Factors(2.0**16, 4.0)
+    assert of(loss / 8 / 8) == loss_factors.Factors(None, 64.0)
+    assert of(loss * 0.25) == loss_factors.Factors(None, 4.0)
+    assert of(loss * 10) is None and of(loss * 64) is None  # a loss weight; below 128
+    assert of(loss) is None
+    assert of(loss * w.sum()) is None  # a product with a value that has a gradient
+
+
+def test_a_step_says_a_scale_where_every_backward_has_it_and_twice_where_each_divides_by_k_squared():
+    at = ("train.py", 9, "loss.backward()")
+    scaled, twice = loss_factors.Factors(1024.0, 1.0), loss_factors.Factors(None, 16.0)
+    assert loss_factors.of_step([(scaled, at)], scaler=False) == loss_factors.StepFactors(1024.0, None, at)
+    assert loss_factors.of_step([(scaled, at)], scaler=True) is None  # a GradScaler's own multiplier
+    assert loss_factors.of_step([(scaled, at), (None, None)], scaler=False) is None
+    assert loss_factors.of_step([(twice, at)] * 4, scaler=False) == loss_factors.StepFactors(None, 4, at)
+    assert loss_factors.of_step([(twice, at)] * 2, scaler=False) is None  # 16 with 2 micro-batches: not k * k
+    assert loss_factors.of_step([(loss_factors.Factors(None, 4.0), at)] * 4, scaler=False) is None  # the mean
+
+
+def test_a_loss_divided_by_the_micro_batch_count_twice_is_named_and_its_fix_as_printed_steps_as_the_mean(tmp_path):
+    _, report = _watch(tmp_path, TWICE)
+    first = _first(report)
+    assert first["name"] == "loss-divided-twice" and first["where"]["step"] == 1
+    ev = first["evidence"]
+    assert ev["micro_batches"] == 4 and ev["divisor"] == 16 and ev["location"].endswith("train.py:23")
+    upd = ev["update_to_weight"]
+    assert upd["divided_once"] == pytest.approx(4 * upd["as_taken"], rel=0.05)  # SGD at its first step
+    assert first["fix_trial"]["status"] == "checked"
+    assert "Divide the loss by 4 once: it reaches the backward at line 23 of train.py divided by 16" in first["fix"]
+    # as printed: one of the two divisions dropped (the loop's); the same loop written with the mean is OK
+    fixed = TWICE.replace("scaler.scale(loss / ACCUM).backward()", "scaler.scale(loss).backward()")
+    _, after = _watch(tmp_path, fixed, "fixed")
+    assert not [f for f in after["findings"] if f["name"] == "loss-divided-twice"]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        # Adam divides the factor out by itself
+        ("torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)", "torch.optim.Adam(model.parameters(), 1e-3)"),
+        # a clip that binds sets the gradients' size whatever the loss's factor
+        ("clip_grad_norm_(model.parameters(), 100.0)", "clip_grad_norm_(model.parameters(), 1e-3)"),
+    ],
+    ids=["adam", "clip-binds"],
+)
+def test_no_divided_twice_finding_where_the_update_does_not_follow_the_factor(tmp_path, change):
+    old, new = change
+    assert old in TWICE
+    _, report = _watch(tmp_path, TWICE.replace(old, new))
+    assert not [f for f in report["findings"] if f["name"] == "loss-divided-twice"]

@@ -1,0 +1,304 @@
+"""Constant factors on the loss a backward starts from, read from its root, that the gradients the
+optimizer takes should not carry.
+
+- A loss scale written by hand and never divided out: `(loss * 1024).backward()` with no GradScaler,
+  then `optimizer.step()` on gradients still 1024 times too large (TRN036). A constant multiplier that
+  is a power of two of at least LEAST is a loss scale (powers of two scale fp16 values exactly, which
+  is why hand-written scales are one; a loss weight of 10 or 0.5 is not taken for one). The reference
+  step divides it out of both runs, as it divides a GradScaler's: the backward stage then agrees, and
+  the gradients the optimizer took are compared with the backward's. A parameter whose gradient is the
+  scale times the backward's was never divided.
+- A loss divided by the step's micro-batch count twice: every backward of a step of k micro-batches
+  ran on the loss divided by k * k (`compute_loss` returns `loss / accum`, and the loop divides it
+  again), so the gradients are k times smaller than the mean over the micro-batches (TRN037). A
+  division by k itself is the mean, by 1 the sum (a learning rate picked for it): neither is taken.
+
+What each costs is measured on copies (reference_update.step_on_copies): the optimizer's step on the
+gradients as taken and as the fix makes them (and, for the scale, on the reference's), from the same
+weights and state. An optimizer that follows the gradients' size (SGD) steps the factor too far or too
+short; one that divides by their running size (Adam) steps as meant but for its eps, and its updates
+agree: no finding there.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fpdoctor import catalog
+from fpdoctor.numerics.observe.grad_clears import Where
+from fpdoctor.numerics.training.reference import RATIO, TINY, Comparison, gradient_rows
+from fpdoctor.numerics.training.reference_update import step_on_copies
+from fpdoctor.report.model import Finding, Trial
+from fpdoctor.torchprivate import constant_operand, named_parameters
+
+LEAST = 128.0  # 2**7: the smallest constant multiplier taken for a loss scale
+CHAIN = 4  # constant multiplications and divisions read down from the root: `loss * 1024 / accum`
+SAME = 0.05  # a gradient within 5% of the scale times the backward's still carries the scale
+SHOWN = 4  # parameters named in the message
+
+
+@dataclass(frozen=True)
+class Factors:
+    """The constant factors in the chain of multiplications and divisions that ends at a backward's root."""
+
+    scale: float | None  # the product of the powers of two of at least LEAST it was multiplied by
+    divisor: float  # the product of the other constants it was divided by (a product with c < 1 divides by 1/c)
+
+
+def of_root(root: torch.Tensor) -> Factors | None:
+    """The factors a backward's root carries (`loss * 1024 / accum`: scale 1024, divisor accum); None
+    where there are none. A few attribute reads per backward."""
+    node: Any = root.grad_fn
+    scale = divisor = 1.0
+    for _ in range(CHAIN):
+        kind = type(node).__name__
+        if kind not in ("MulBackward0", "DivBackward0"):
+            break
+        constant = constant_operand(node)
+        if constant is None or not math.isfinite(constant) or constant <= 0:
+            break
+        if kind == "DivBackward0":
+            divisor *= constant
+        elif constant >= LEAST and math.log2(constant).is_integer():
+            scale *= constant
+        elif constant < 1.0:
+            divisor /= constant
+        operands = [n for n, _ in node.next_functions if n is not None]
+        if len(operands) != 1:
+            break
+        node = operands[0]
+    if scale == 1.0 and divisor == 1.0:
+        return None
+    return Factors(scale if scale > 1.0 else None, divisor)
+
+
+@dataclass(frozen=True)
+class StepFactors:
+    """What the backwards of one optimizer step say together."""
+
+    scale: float | None  # every backward's hand-written loss scale, the same, where no GradScaler ran
+    twice: int | None  # the micro-batch count k, where every backward's loss was divided by k * k (k >= 2)
+    at: Where | None  # the last backward's line
+
+
+def of_step(seen: list[tuple[Factors | None, Where | None]], *, scaler: bool) -> StepFactors | None:
+    """The step's factors from each backward's (`seen`, with their lines); `scaler`: a GradScaler stepped
+    (its scale is the multiplier then). None where the step has none to judge."""
+    if not seen or any(f is None for f, _ in seen):
+        return None
+    factors = [f for f, _ in seen if f is not None]
+    scale = factors[0].scale if not scaler and all(f.scale and f.scale == factors[0].scale for f in factors) else None
+    k = len(factors)
+    twice = k if k >= 2 and all(abs(f.divisor - k * k) <= 1e-6 * k * k for f in factors) else None
+    if scale is None and twice is None:
+        return None
+    return StepFactors(scale, twice, seen[-1][1])
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the reference step measured of a step whose gradients kept a hand-written loss scale."""
+
+    scale: float
+    still: list[str]  # parameters whose gradients the optimizer took still multiplied by the scale
+    compared: int
+    departed: int  # parameters whose update on the gradients as taken departs from the reference's
+    departed_undone: int  # with the scale divided out of `still`
+    worst: str  # the parameter whose update is largest against its weight, as taken
+    to_weight: float  # its update's norm over its weight's, as taken
+    to_weight_undone: float  # with the scale divided out
+    to_weight_reference: float  # on the reference's gradients
+
+
+def _norm(t: torch.Tensor) -> float:
+    return float(t.double().norm())
+
+
+def measure(
+    comparison: Comparison, optimizer: torch.optim.Optimizer, model: nn.Module, taken: dict[str, torch.Tensor],
+    scale: float,
+) -> Measured | None:  # fmt: skip
+    """The gradients the optimizer took (`taken`, as the step left them) against the backward's, the
+    scale divided out (`comparison`'s); where some still carry the scale, the optimizer's step on copies
+    as taken, undone and on the reference's gradients. None where none carries it, or where the update
+    agrees with the reference's all the same (an adaptive optimizer)."""
+    back, ref = comparison.backward_grads or {}, comparison.reference_grads or {}
+    names = [n for n in taken if n in back and n in ref and _norm(back[n]) > TINY]
+    still = [n for n in names if abs(_norm(taken[n]) / _norm(back[n]) - scale) <= SAME * scale]
+    if not still:
+        return None
+    undone = {n: taken[n] / scale if n in still else taken[n] for n in names}
+    as_taken = step_on_copies(optimizer, model, {n: taken[n] for n in names}, fp32=False)
+    fixed = step_on_copies(optimizer, model, undone, fp32=False)
+    meant = step_on_copies(optimizer, model, {n: ref[n] for n in names}, fp32=False)
+    weights = {n: max(_norm(p.detach()), TINY) for n, p in named_parameters(model) if n in as_taken}
+
+    if not all(math.isfinite(_norm(u)) for u in meant.values()):
+        return None  # the optimizer's own step fails on the reference's gradients (fp16 Adam's eps): not the scale
+
+    def departed(updates: dict[str, torch.Tensor]) -> int:
+        out = 0
+        for n, u in updates.items():
+            reference = _norm(meant[n])
+            ratio = _norm(u) / reference if reference > TINY else (math.inf if _norm(u) > TINY else 1.0)
+            out += not 1.0 / RATIO <= ratio <= RATIO  # a NaN ratio (an Inf update) departs too
+        return out
+
+    before = departed(as_taken)
+    if departed(fixed) >= before:
+        return None  # the updates agree (Adam divides the factor out), or dividing does not bring them back
+    comparison.rows["optimizer"] = gradient_rows("optimizer", {n: taken[n] for n in names}, ref, 1.0)
+    worst = max(as_taken, key=lambda n: _norm(as_taken[n]) / weights[n])
+    return Measured(
+        scale, still, len(names), before, departed(fixed), worst, _norm(as_taken[worst]) / weights[worst],
+        _norm(fixed[worst]) / weights[worst], _norm(meant[worst]) / weights[worst],
+    )  # fmt: skip
+
+
+def finding(measured: Measured, step: int, at: Where | None, optimizer: str, *, here: dict[str, Any]) -> Finding:
+    """TRN036: the gradients the optimizer took still carry the loss scale the script multiplied the loss by."""
+    m = measured
+    line = f"line {at[1]} of {os.path.basename(at[0])}" if at else "its backward"
+    every = len(m.still) == m.compared
+    names = ", ".join(f"`{n}`" for n in m.still[:SHOWN]) + (", ..." if len(m.still) > SHOWN else "")
+    which = (
+        f"nothing divided the gradients by it: {optimizer} took every gradient"
+        if every
+        else f"the gradients of {len(m.still)} of {m.compared} parameters ({names}) were not divided by it: "
+        f"{optimizer} took them"
+    )
+    message = (
+        f"Step {step}: the backward at {line} ran on the loss multiplied by {m.scale:g} (a loss scale written by "
+        f"hand; no GradScaler ran), and {which} {m.scale:g}x the reference step's (the same step from the same "
+        "weights and batch in fp32, no loss scaling), while the "
+        f"backward's, the scale divided out, agree with it. The update of `{m.worst}` is {m.to_weight:.3g} of its "
+        f"weight's norm in one step (on the reference's gradients, {m.to_weight_reference:.3g}); {m.departed} of "
+        f"{m.compared} updates depart from the reference's by more than {RATIO:g}x."
+    )
+    where = f"after the backward at {line} and before the optimizer's step" if at else "before the optimizer's step"
+    divide = f"`for p in model.parameters(): p.grad.div_({m.scale:g})`"
+    scaler = (
+        "torch.amp.GradScaler, which divides the scale out and skips the steps that overflow: "
+        "`scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()`"
+    )
+    if every:
+        fix = f"Divide every gradient by {m.scale:g} {where}: {divide} (or use {scaler})"
+    else:
+        fix = (
+            f"Divide every gradient by {m.scale:g} once, {where}: your code divides {m.compared - len(m.still)} of "
+            f"them and misses {names}; put {divide} in place of its division (or use {scaler})"
+        )
+    return catalog.make(
+        "loss-scale-not-undone",
+        message=message,
+        fix=fix,
+        where={"module": None, "op": None, "phase": "optimizer", "step": step, **here},
+        evidence={
+            "step": step,
+            "scale": m.scale,
+            "location": f"{at[0]}:{at[1]}" if at else None,
+            "still_scaled": m.still[:8],
+            "still_scaled_count": len(m.still),
+            "compared": m.compared,
+            "update_to_weight": {
+                "parameter": m.worst,
+                "as_taken": m.to_weight,
+                "divided": m.to_weight_undone,
+                "reference": m.to_weight_reference,
+            },
+        },
+        trial=Trial.checked(
+            f"the optimizer's step on copies of the weights and its state, the gradients divided by {m.scale:g}",
+            metric=f"updates that depart from the reference step's by more than {RATIO:g}x (of {m.compared})",
+            before=m.departed,
+            after=m.departed_undone,
+            on=f"step {step}",
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class Twice:
+    """What the reference step measured of a step whose loss was divided by its micro-batch count twice."""
+
+    k: int
+    compared: int
+    departed: int  # updates on the gradients as taken outside RATIO of those on k times them
+    worst: str  # the parameter whose update, made on k times the gradients, is largest against its weight
+    to_weight: float  # its update's norm over its weight's, as taken
+    to_weight_fixed: float  # on k times the gradients
+
+
+def measure_twice(
+    comparison: Comparison, optimizer: torch.optim.Optimizer, model: nn.Module, taken: dict[str, torch.Tensor], k: int
+) -> Twice | None:
+    """The optimizer's step on copies on the gradients as taken (`taken`, unscaled) and on k times them.
+    None where the code between the backward and the step changed their size (a clip that binds sets it
+    whatever the loss's factor), or where the updates agree (an adaptive optimizer)."""
+    back = comparison.backward_grads or {}
+    names = [n for n in taken if n in back and _norm(back[n]) > TINY]
+    if not names or any(abs(_norm(taken[n]) / _norm(back[n]) - 1.0) > 1e-3 for n in names):
+        return None
+    as_taken = step_on_copies(optimizer, model, {n: taken[n] for n in names}, fp32=False)
+    fixed = step_on_copies(optimizer, model, {n: taken[n] * k for n in names}, fp32=False)
+    if not all(math.isfinite(_norm(u)) for u in (*as_taken.values(), *fixed.values())):
+        return None
+    departed = 0
+    for n, u in as_taken.items():
+        meant = _norm(fixed[n])
+        departed += meant > TINY and not 1.0 / RATIO <= _norm(u) / meant <= RATIO
+    if not departed:
+        return None
+    comparison.rows["optimizer"] = gradient_rows("optimizer", {n: taken[n] for n in names},
+                                                 {n: taken[n] * k for n in names}, 1.0)  # fmt: skip
+    weights = {n: max(_norm(p.detach()), TINY) for n, p in named_parameters(model) if n in fixed}
+    worst = max(fixed, key=lambda n: _norm(fixed[n]) / weights[n])
+    return Twice(k, len(names), departed, worst, _norm(as_taken[worst]) / weights[worst],
+                 _norm(fixed[worst]) / weights[worst])  # fmt: skip
+
+
+def twice_finding(measured: Twice, step: int, at: Where | None, optimizer: str, *, here: dict[str, Any]) -> Finding:
+    """TRN037: every backward of the step ran on the loss divided by its micro-batch count twice."""
+    m = measured
+    line = f"line {at[1]} of {os.path.basename(at[0])}" if at else "its backward"
+    message = (
+        f"Step {step}: each of the step's {m.k} backwards (the last at {line}) ran on the loss divided by "
+        f"{m.k * m.k}, {m.k} x {m.k}: the loss was divided by the number of micro-batches twice, and the gradients "
+        f"{optimizer} took are 1/{m.k} of their mean over the step's micro-batches. The update of `{m.worst}` is "
+        f"{m.to_weight:.3g} of its weight's norm where the mean's would be {m.to_weight_fixed:.3g}; {m.departed} of "
+        f"{m.compared} updates are more than {RATIO:g}x smaller than the mean's."
+    )
+    fix = (
+        f"Divide the loss by {m.k} once: it reaches the backward at {line} divided by {m.k * m.k}. Drop one of the two "
+        f"divisions (a loss function that already returns `loss / {m.k}`, and the loop's own `/ {m.k}` before the "
+        "backward)"
+    )
+    return catalog.make(
+        "loss-divided-twice",
+        message=message,
+        fix=fix,
+        where={"module": None, "op": None, "phase": "backward", "step": step, **here},
+        evidence={
+            "step": step,
+            "micro_batches": m.k,
+            "divisor": m.k * m.k,
+            "location": f"{at[0]}:{at[1]}" if at else None,
+            "compared": m.compared,
+            "departed": m.departed,
+            "update_to_weight": {"parameter": m.worst, "as_taken": m.to_weight, "divided_once": m.to_weight_fixed},
+        },
+        trial=Trial.checked(
+            f"the optimizer's step on copies of the weights and its state, the gradients {m.k} times larger (the "
+            f"loss divided by {m.k} once; the code between the backward and the step left them as they were)",
+            metric=f"the update of `{m.worst}` over its weight's norm",
+            before=m.to_weight,
+            after=m.to_weight_fixed,
+            on=f"step {step}",
+        ),
+    )
