@@ -117,3 +117,58 @@ def test_rows_that_sum_to_one_without_a_filter_are_no_masked_output(kind: str) -
     assert not [f for f in result.report.findings if f.severity == "error"], [
         (f.code, f.title) for f in result.report.findings
     ]
+
+
+def nucleus(logits: torch.Tensor, p: float = 0.95) -> torch.Tensor:
+    """A hand-written top-p filter in the logits' dtype, as generation code writes one."""
+    probs = (logits / 0.7).softmax(-1)
+    ranked, order = probs.sort(-1, descending=True)
+    inside = ranked.cumsum(-1) - ranked < p
+    ranked = ranked * inside
+    return torch.zeros_like(probs).scatter(-1, order, ranked / ranked.sum(-1, keepdim=True))
+
+
+NUCLEUS_SUM = next(
+    n for n, line in enumerate(Path(__file__).read_text().splitlines(), 1) if "inside = ranked.cumsum" in line
+)
+
+
+class Nucleus(nn.Module):
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return nucleus(logits)
+
+
+class EveryPosition(nn.Module):
+    """An LM that returns the logits of every position, the sampler taking the last one after the head
+    (`logits[:, -1]`), or a sampler module of its own called last."""
+
+    def __init__(self, own_module: bool) -> None:
+        super().__init__()
+        self.lm = LM()
+        self.filter = Nucleus() if own_module else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h, _ = self.lm.mix(self.lm.emb(ids))
+        logits = self.lm.head(self.lm.norm(h)) * 3.0
+        return self.filter(logits[:, -1]) if self.filter is not None else nucleus(logits[:, -1])
+
+
+@pytest.mark.parametrize("where", ["after the last position", "a module of its own", "the filter alone"])
+def test_a_filtered_distribution_is_judged_by_its_kept_sets_wherever_the_filter_runs(where: str) -> None:
+    torch.manual_seed(11)
+    ids = torch.randint(0, 2048, (128, 16), generator=torch.Generator().manual_seed(2))
+    model: nn.Module = EveryPosition(own_module=where == "a module of its own").eval()
+    inputs: torch.Tensor = ids
+    if where == "the filter alone":  # given the logits it keeps a nucleus of: its output has their shape
+        with torch.no_grad():
+            inputs = model.lm.head(torch.randn(128, 128, generator=torch.Generator().manual_seed(3))) * 3.0
+        model = Nucleus().eval()
+    result = fpdoctor.compare(model, inputs, candidate="bf16")
+    kept = result.report.data.get("kept")
+    assert kept is not None and kept["flips"] > 0.02 * kept["kept"], str(result.report)
+    assert result.report.verdict == "error", str(result.report)
+    first = result.report.findings[0]
+    assert first.name == "selection-changed" and first.evidence["location"].endswith(f":{NUCLEUS_SUM}"), str(
+        result.report
+    )
+    assert first.trial is not None and first.trial.tried, first.trial

@@ -751,7 +751,9 @@ class _Comparison:
             self._last_output = output
         if name and isinstance(output, torch.Tensor) and output.dim() == 2 and output.is_floating_point():
             self._tables[output.shape[0]] = (name, tuple(output.shape))  # the outermost: its post hook runs last
-        if name == "" and self._last_leaf is not None:
+        # logits a leaf made, or a filtered distribution the model's own ops made (a sampler's filter alone)
+        filtered = name == "" and isinstance(output, torch.Tensor) and output.is_floating_point() and _filtered(output)
+        if name == "" and (self._last_leaf is not None or filtered):
             self._keep_logits(output)
         if name == "":
             self._last_output = None
@@ -783,30 +785,32 @@ class _Comparison:
         made = next(floating(self._last_output), None)
         if self.declared == "none":
             return  # the user says the output decides no class (a regression of several values)
-        if first is None or (not self.declared and any(t.shape == first.shape for t in floating(self.inputs))):
-            return  # an output in its input's space (a denoiser's noise, a reconstruction) decides no class
+        if first is None:
+            return
+        if not self.declared and any(t.shape == first.shape for t in floating(self.inputs)) and not _filtered(first):
+            # an output in its input's space (a denoiser's noise, a reconstruction) decides no class; a filtered
+            # distribution does (a sampler's filter given the logits it keeps a nucleus of)
+            return
         ours = device_sample(first)  # the same strided values, no whole copy
         theirs = device_sample(made) if made is not None and first.shape == made.shape else None
-        if ours is not None and theirs is not None and _proportional(ours, theirs):
+        if _filtered(first) and self._softmax_of(first, name, made) is None:
+            # a distribution made after the logits, not their softmax (a sampler's filtered, renormalised
+            # probabilities, of the last position's logits or of logits it was given; by the model's own ops or a
+            # module of its own, the last leaf): judged as a softmax's are, by their logs
+            rows = first.numel() // first.shape[-1]
+            head = self._head_of(first, name, made)
+            self.logits = (
+                f"probabilities over {first.shape[-1]} classes ({rows} rows, each summing to 1, made by the model's "
+                f"own ops{f' from the {head}' if head else ''})"
+            )
+            self.softmaxed = True
+        elif ours is not None and theirs is not None and _proportional(ours, theirs):
             # as it is, or times a positive constant (a temperature, a learned logit scale): the same argmax
             module = self.truth_modules[name]
             self.logits = use.logits_source(name, module, first, ids=use.reads_ids(self.inputs))
             self.logits = self.logits or use.class_table_source(name, module, first)
             if self.logits is not None and not torch.allclose(ours, theirs, rtol=1e-6, atol=0.0):
                 self.logits += ", scaled by a constant after it"
-        elif (
-            _filtered(first)
-            and self._softmax_of(first, name, made) is None
-            and (head := self._head_of(first, name, made))
-        ):
-            # the model's own ops made a distribution after its last leaf, not its softmax (a sampler's filtered,
-            # renormalised probabilities): judged as a softmax's are, by their logs
-            rows = first.numel() // first.shape[-1]
-            self.logits = (
-                f"probabilities over {first.shape[-1]} classes ({rows} rows, each summing to 1, made by the model's "
-                f"own ops from the {head})"
-            )
-            self.softmaxed = True
         elif _masked_of(first, made) and (head := self._head_of(first, name, made)) is not None:
             # the logits' layer made them, the model's own ops masked some after it (a filter's -inf)
             self.logits = f"{head}, as the model's own ops after it mask them"
@@ -832,7 +836,8 @@ class _Comparison:
         """The logits' layer an output the model's own ops made after it comes from: the last leaf is a
         Linear to the output's classes (use.logits_source) and made an output of its shape (an LM's
         lm_head, before a sampler's filter). None otherwise."""
-        if made is None or made.shape != first.shape or not name:
+        # of the output's shape, or of more positions (an LM's last position taken after it: logits[:, -1])
+        if made is None or made.shape[-1:] != first.shape[-1:] or made.numel() < first.numel() or not name:
             return None
         return use.logits_source(name, self.truth_modules[name], made, ids=use.reads_ids(self.inputs))
 
