@@ -17,7 +17,7 @@ from torch import nn
 from torch.ao.quantization import quantize_dynamic
 
 import fpdoctor
-from fpdoctor.precision.decide import top1
+from fpdoctor.precision.decide import pct, top1
 from tests.conftest import run_fpdoctor
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
@@ -217,3 +217,80 @@ def test_the_error_of_an_output_larger_than_the_sample_is_the_whole_outputs() ->
     whole = float((got - truth).norm() / truth.norm())
     assert 0.5 * whole < rel < 2 * whole, (rel, whole)
     assert "quantized.dynamic" in result.report.data["transformed"]["modules"][0]["to"]
+
+
+class PerTensorFp8(nn.Module):
+    """A Linear whose weight is stored in fp8 e4m3 with one scale for the whole tensor, as written by hand."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach()
+        self.scale = w.abs().max() / 448
+        self.w8 = (w / self.scale).to(torch.float8_e4m3fn)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.w8.to(x.dtype) * self.scale.to(x.dtype), self.bias.to(x.dtype))
+
+
+def fp8_per_tensor(model: nn.Module) -> nn.Module:
+    for name in ("fc1", "fc2", "head"):
+        setattr(model, name, PerTensorFp8(getattr(model, name)))
+    return model
+
+
+def test_a_per_tensor_fp8_scale_set_by_one_outlier_column_is_left_out_with_what_it_keeps_said() -> None:
+    model = Intent(outliers=False)
+    with torch.no_grad():  # one input column of fc2 far larger, what feeds it smaller: the same function in fp32
+        model.head.weight.mul_(4.0)
+        model.fc2.weight[:, 0] *= 3e5
+        model.fc1.weight[0] /= 3e5
+        model.fc1.bias[0] /= 3e5
+    x = torch.randn(2048, 64, generator=torch.Generator().manual_seed(1))
+    result = fpdoctor.compare(model.eval(), x, candidate=fp8_per_tensor)
+    (found,) = result.report.findings
+    assert found.name == "decisions-changed" and found.trial is not None and found.trial.tried, found
+    assert found.fix.startswith("Leave `fc2`"), found.fix  # the layer whose scale the outlier sets comes first
+    total = sum(p.numel() for p in model.parameters())
+    kept = [m for m in ("fc2", "head", "fc1") if f"`{m}`" in found.fix.split(":")[0]]
+    held = sum(p.numel() for m in kept for p in getattr(model, m).parameters())
+    assert f"({held:,} of the model's {total:,} parameters, {held / total:.0%})" in found.fix, found.fix
+    if len(kept) > 1:  # the best of them alone beside it
+        assert "alone: " in found.fix, found.fix
+
+
+class _Tried:
+    def __init__(self, tried: list[tuple[list[str], float]]) -> None:
+        self.changed, self.tried = ["fc1", "fc2", "head"], tried
+
+
+@pytest.mark.parametrize(
+    ("tried", "chosen"),
+    [
+        # the pair takes a sliver more off than fc2 alone (1.7% of the rows still flipped against 1.8%): fc2
+        ([(["fc2"], 0.982), (["fc1"], 0.902), (["head"], 0.903), (["fc2", "head"], 0.983)], ["fc2"]),
+        # the pair leaves far fewer flipped (3.8% against 6%): the pair
+        ([(["fc2"], 0.940), (["fc1"], 0.545), (["head"], 0.550), (["fc2", "head"], 0.962)], ["fc2", "head"]),
+    ],
+)
+def test_a_partial_fix_keeps_the_fewest_modules_that_leave_about_what_the_best_run_leaves(tried, chosen) -> None:
+    from fpdoctor.precision.compare.transformed import _unless_everything
+
+    run = _Tried([*tried, (["fc2", "head", "fc1"], 1.0)])
+    kept, everything = _unless_everything(run, ["fc2", "head", "fc1"], lambda v: True, lambda v: 1 - v)  # type: ignore[arg-type]
+    assert kept == chosen and everything == ["fc2", "head", "fc1"]
+
+
+def test_fp8_whose_fixes_all_fall_short_names_the_one_that_gives_the_most_back() -> None:
+    model = Intent(outliers=False)
+    with torch.no_grad():
+        model.head.weight.mul_(4.0)
+        model.fc2.weight[:, 0] *= 3e5
+        model.fc1.weight[0] /= 3e5
+        model.fc1.bias[0] /= 3e5
+    x = torch.randn(2048, 64, generator=torch.Generator().manual_seed(1))
+    found = fpdoctor.compare(model.eval(), x, candidate="fp8-e4m3").report.by_name("decisions-changed")[0]
+    best = max(found.evidence["kept_in_fp32_tried"], key=lambda t: t["top1"])
+    names = " and ".join(f"`{m}`" for m in best["modules"])
+    assert f"the most, {names} in fp32, takes top-1 from " in found.fix, found.fix
+    assert f"to {pct(best['top1'])}" in found.fix and "fpdoctor plan --metric top1" in found.fix, found.fix

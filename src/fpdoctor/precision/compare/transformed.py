@@ -42,6 +42,7 @@ from fpdoctor.report.model import Finding, Report, Severity, Trial
 
 MAX_TRIED = 16  # modules put back one at a time (a forward each), in the fp32 model's call order
 MAX_KEPT = 4  # modules put back together at most, before the transform is said to lose it everywhere
+NEAR = 1.25  # a partial fix of fewer modules that leaves at most this times what the best partial run leaves is it
 # an output that decides nothing is off by this share of its norm (SQNR below 20 dB): a finding
 TRANSFORMED_REL = 0.1
 
@@ -290,7 +291,9 @@ def _decisions_finding(run: _Run, judged: Decisions, inputs: Any) -> Finding:
         return got if got is not None else 0.0
 
     flipped = 1.0 - judged.top1
-    kept, everything = _unless_everything(run, _search(run, score, judged.recovered), lambda v: 1 - v <= flipped / 2)
+    kept, everything = _unless_everything(
+        run, _search(run, score, judged.recovered), lambda v: 1 - v <= flipped / 2, lambda v: 1 - v
+    )
     message = (
         f"{run.name}'s model picks another class than fp64 on {pct(flipped)} of its {judged.rows} rows, where the "
         f"fp32 model it was made from differs on {pct(1.0 - judged.floor_top1)}: the transform changes the "
@@ -299,7 +302,8 @@ def _decisions_finding(run: _Run, judged: Decisions, inputs: Any) -> Finding:
     on = inputs_text(describe(inputs))
     if kept:
         after = next(v for m, v in run.tried if m == kept)
-        fix = _fix(run, kept) + f"; checked: top-1 {pct(judged.top1)} -> {pct(after)}{_partly(everything)}."
+        alone = _alone(run, kept, pct)
+        fix = _fix(run, kept) + f"; checked: top-1 {pct(judged.top1)} -> {pct(after)}{alone}{_partly(everything)}."
         trial = Trial.checked(
             f"{_names(kept)} put back as the fp32 model has them, the rest as {run.name} made them",
             metric="top-1 agreement with fp64", before=pct(judged.top1), after=pct(after), on=on,
@@ -337,7 +341,7 @@ def _error_finding(run: _Run, rel: float, floor: float, norm: float, inputs: Any
         return -_rel(out, run.truth, norm)
 
     searched = _search(run, score, lambda value: -value < TRANSFORMED_REL)
-    kept, everything = _unless_everything(run, searched, lambda v: -v <= rel / 2)
+    kept, everything = _unless_everything(run, searched, lambda v: -v <= rel / 2, lambda v: -v)
     message = (
         f"{run.name}'s model is off by {rel:.3g} of its output's norm against fp64 ({sqnr_db(rel):.1f} dB SQNR), where "
         f"the fp32 model it was made from is off by {floor:.3g}: past {TRANSFORMED_REL:g}, what the output is used "
@@ -346,9 +350,10 @@ def _error_finding(run: _Run, rel: float, floor: float, norm: float, inputs: Any
     on = inputs_text(describe(inputs))
     if kept:
         after = -next(v for m, v in run.tried if m == kept)
+        alone = _alone(run, kept, lambda v: f"{-v:.3g}")
         fix = (
             _fix(run, kept)
-            + f"; checked: the end-to-end error goes from {rel:.3g} to {after:.3g}{_partly(everything)}."
+            + f"; checked: the end-to-end error goes from {rel:.3g} to {after:.3g}{alone}{_partly(everything)}."
         )
         trial = Trial.checked(
             f"{_names(kept)} put back as the fp32 model has them, the rest as {run.name} made them",
@@ -378,15 +383,39 @@ def _error_finding(run: _Run, rel: float, floor: float, norm: float, inputs: Any
     )
 
 
-def _unless_everything(run: _Run, kept: list[str], halfway: Callable[[float], bool]) -> tuple[list[str], list[str]]:
+def _unless_everything(
+    run: _Run, kept: list[str], halfway: Callable[[float], bool], left: Callable[[float], float]
+) -> tuple[list[str], list[str]]:
     """`kept` and [], unless it is every module the transform changed: leaving them all out is no
-    transform at all, never printed as its fix. Then the fewer modules whose run did best, where it took
-    at least half the way back (`halfway` of its score: a partial fix, said as one), and `kept`."""
+    transform at all, never printed as its fix. Then the fewest modules whose run leaves at most NEAR
+    times what the best run leaves (`left` of a score: the rows still flipped, the error), where it took
+    at least half the way back (`halfway` of its score: a partial fix, said as one), and `kept`. A module
+    that takes a sliver more off is not worth keeping out of the transform (a layer it does not hurt)."""
     if not kept or not set(kept) >= set(run.changed):
         return kept, []
     fewer = [(m, v) for m, v in run.tried if not set(m) >= set(run.changed)]
-    best = max(fewer, key=lambda t: (t[1], -len(t[0])), default=None)  # the fewest modules of the best runs
-    return (best[0] if best is not None and halfway(best[1]) else []), kept
+    if not fewer:
+        return [], kept
+    least = min(left(v) for _, v in fewer)
+    near = [(m, v) for m, v in fewer if left(v) <= NEAR * least]
+    chosen = min(near, key=lambda t: (len(t[0]), -t[1]))
+    return (chosen[0] if halfway(chosen[1]) else []), kept
+
+
+def _alone(run: _Run, kept: list[str], said: Callable[[float], str]) -> str:
+    """Where several modules are the fix, the best of them alone beside it (what the others add, and what
+    keeping them costs, is the user's call); '' for one."""
+    if len(kept) < 2:
+        return ""
+    single = max(((m, v) for m, v in run.tried if len(m) == 1 and m[0] in kept), key=lambda t: t[1], default=None)
+    return f" ({_names(single[0])} alone: {said(single[1])})" if single is not None else ""
+
+
+def _share(run: _Run, kept: list[str]) -> str:
+    """' (N of the model's M parameters, P%)': what leaving `kept` out of the transform keeps as it was."""
+    total = sum(p.numel() for p in run.fp32.parameters())
+    held = sum(p.numel() for name in kept for p in run.fp32.get_submodule(name).parameters())
+    return f" ({held:,} of the model's {total:,} parameters, {held / total:.0%})" if total else ""
 
 
 def _partly(everything: list[str]) -> str:
@@ -412,7 +441,7 @@ def _fix(run: _Run, kept: list[str]) -> str:
     if not quantized:
         return (
             f"Leave {_names(kept)} out of {run.name}: apply it to the other modules only, {_names(kept)} as the fp32 "
-            f"model has {'them' if len(kept) > 1 else 'it'}"
+            f"model has {'them' if len(kept) > 1 else 'it'}{_share(run, kept)}"
         )
     spec = (
         "{" + ", ".join(repr(n) for n in others) + "}"
@@ -422,7 +451,8 @@ def _fix(run: _Run, kept: list[str]) -> str:
         + "}"
     )
     return (
-        f"Leave {_names(kept)} unquantized: quantize the other modules only, their names as quantize_dynamic's "
+        f"Leave {_names(kept)} unquantized{_share(run, kept)}: quantize the other modules only, their names as "
+        "quantize_dynamic's "
         f"qconfig_spec, e.g. torch.ao.quantization.quantize_dynamic(model, {spec}, dtype=torch.qint8) (the dtype you "
         "used)"
     )
