@@ -1475,9 +1475,15 @@ class StepJudge:
                 # an estimate to first order, which can fall past any loss's floor (a cross-entropy below 0):
                 # the fall is what it measures, not where the loss lands
                 (a, b), (c, d) = last["recipe"], last["reference"]
+                past = (
+                    " (past the loss itself: an estimate linear in how far the outputs move, read as a comparison "
+                    "of the two runs, not as where the loss lands)"
+                    if a > 0 and max(a - b, c - d) > a
+                    else ""
+                )
                 text += (
                     f"; {progress.STEPS} steps on its batch, from {a:.4g}: the loss falls by {a - b:.4g} (yours) and "
-                    f"{c - d:.4g} (an fp32 reference), {last['loss_is']}"
+                    f"{c - d:.4g} (an fp32 reference){past}, {last['loss_is']}"
                     + (f"; undecided: {_UNDECIDED}" if not _finite_arms(last) else "")
                 )
             elif "reference" in last:
