@@ -571,6 +571,7 @@ class _Comparison:
         self._input_floor: tuple[float | None] | None = None  # the reference fed the rounded inputs, once measured
         self._kept: tuple[Kept | None] | None = None  # _kept_sets' answer, once the candidate pass ran
         self.root_masked = False  # the fp64 output masks entries with -inf (passes.MASKS)
+        self._root_filtered = False  # the fp64 output is a filtered distribution (_filter_figures)
         # why the input floor is 0 without a forward (rounding the inputs changes nothing), where it is
         self.input_floor_note: str | None = None
         self.input_fix: tuple[dict[str, Any], torch.Tensor] | None = None  # input_cause's fix and its run's output
@@ -729,7 +730,12 @@ class _Comparison:
         if name == "":  # a NaN the exact run makes (0 / 0 in any precision) is no precision's: one read a compare,
             # with the -inf the output masks with (the entries no run is judged on: passes.MASKS)
             counts = [torch.stack([torch.isnan(x).sum(), torch.isneginf(x).sum()]) for x in floating(output)]
-            found = torch.stack(counts).tolist() if counts else []
+            # and whether it is a filtered distribution (a sampler's), read with them: one host read
+            shape = _filter_figures(next(floating(output))) if counts else None
+            parts = [torch.stack(counts).double().reshape(-1), *([shape] if shape is not None else [])]
+            figures = torch.cat(parts).tolist() if counts else []
+            found = [(int(figures[2 * i]), int(figures[2 * i + 1])) for i in range(len(counts))]
+            self._root_filtered = shape is not None and _filtered_by(figures[2 * len(counts) :])
             self._truth_nan = sum(nan for nan, _ in found)
             self.root_masked = bool(found) and found[0][1] > 0 and not self._truth_nan
             t = masked_truth(t) if self.root_masked else t
@@ -752,8 +758,7 @@ class _Comparison:
         if name and isinstance(output, torch.Tensor) and output.dim() == 2 and output.is_floating_point():
             self._tables[output.shape[0]] = (name, tuple(output.shape))  # the outermost: its post hook runs last
         # logits a leaf made, or a filtered distribution the model's own ops made (a sampler's filter alone)
-        filtered = name == "" and isinstance(output, torch.Tensor) and output.is_floating_point() and _filtered(output)
-        if name == "" and (self._last_leaf is not None or filtered):
+        if name == "" and (self._last_leaf is not None or self._root_filtered):
             self._keep_logits(output)
         if name == "":
             self._last_output = None
@@ -787,13 +792,14 @@ class _Comparison:
             return  # the user says the output decides no class (a regression of several values)
         if first is None:
             return
-        if not self.declared and any(t.shape == first.shape for t in floating(self.inputs)) and not _filtered(first):
+        filtered = self._root_filtered  # read with the output's NaN count (_truth_post)
+        if not self.declared and any(t.shape == first.shape for t in floating(self.inputs)) and not filtered:
             # an output in its input's space (a denoiser's noise, a reconstruction) decides no class; a filtered
             # distribution does (a sampler's filter given the logits it keeps a nucleus of)
             return
         ours = device_sample(first)  # the same strided values, no whole copy
         theirs = device_sample(made) if made is not None and first.shape == made.shape else None
-        if _filtered(first) and self._softmax_of(first, name, made) is None:
+        if filtered and self._softmax_of(first, name, made) is None:
             # a distribution made after the logits, not their softmax (a sampler's filtered, renormalised
             # probabilities, of the last position's logits or of logits it was given; by the model's own ops or a
             # module of its own, the last leaf): judged as a softmax's are, by their logs
@@ -3709,14 +3715,27 @@ def _sums_to_one(t: torch.Tensor) -> bool:
     return not bool((t < 0).any()) and torch.allclose(sums, torch.ones_like(sums), atol=1e-3)
 
 
-def _filtered(t: torch.Tensor) -> bool:
-    """Whether an output is a filtered distribution over its last dim (a sampler's top-p or top-k
-    probabilities, renormalised): none below 0, each row summing to 1, exact zeros in most rows and
-    more than one entry kept in most (an argmax's one-hot, attention weights over every key are not)."""
-    if t.dim() < 2 or t.shape[-1] < 2 or t.numel() == 0 or not _sums_to_one(t):
-        return False
-    zeros = (t == 0).reshape(-1, t.shape[-1])
-    return float(zeros.any(-1).double().mean()) >= 0.5 and float(((~zeros).sum(-1) > 1).double().mean()) >= 0.5
+def _filter_figures(t: torch.Tensor) -> torch.Tensor | None:
+    """What says whether an output is a filtered distribution over its last dim (`_filtered_by`), on
+    the device, to be read with other figures: its values below 0, its rows' largest distance from a
+    sum of 1, the share of rows with an exact zero, of rows with more than one entry kept. None for an
+    output of one dim or one class."""
+    if t.dim() < 2 or t.shape[-1] < 2 or t.numel() == 0:
+        return None
+    rows = t.detach().reshape(-1, t.shape[-1])
+    zeros = rows == 0
+    return torch.stack([
+        (rows < 0).sum().double(), (rows.double().sum(-1) - 1.0).abs().max(), zeros.any(-1).double().mean(),
+        ((~zeros).sum(-1) > 1).double().mean(),
+    ])  # fmt: skip
+
+
+def _filtered_by(figures: list[float]) -> bool:
+    """A filtered distribution (a sampler's top-p or top-k probabilities, renormalised): none below 0,
+    each row summing to 1, exact zeros in most rows and more than one entry kept in most (an argmax's
+    one-hot, attention weights over every key are not)."""
+    below, off, zero_rows, kept_rows = figures
+    return below == 0 and off <= 1e-3 + 1e-5 and zero_rows >= 0.5 and kept_rows >= 0.5
 
 
 def _unexplained(rows: list[ModuleRow], conditioning: bool = True) -> float | None:

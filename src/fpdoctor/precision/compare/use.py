@@ -340,13 +340,9 @@ def finding(
             [*(f"{c.changed}: {pct(c.top1)}" for c in fixes), *(f"{names(m)} in fp32: {pct(t)}" for m, t in tried)]
         )
         at_best = max([c.top1 for c in fixes] + [t for _, t in tried])
-        most_back = [
-            *(c.changed for c in fixes if c.top1 == at_best),
-            *(f"{names(m)} in fp32" for m, t in tried if t == at_best),
-        ][0]
         fix = (
-            f"No fix tried gives the decisions back; the most, {most_back}, takes {short} from {pct(found.top1)} to "
-            f"{pct(at_best)}: run `fpdoctor plan --metric top1` for a larger set of modules, checked by {metric}."
+            "No fix tried gives the decisions back: run `fpdoctor plan` for a larger set of modules and check it "
+            f"by {metric}."
         )
         if label == "fp32":  # plan keeps modules in fp32, which this candidate already is
             fix = (
