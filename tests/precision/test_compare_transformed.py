@@ -19,6 +19,7 @@ from torch.ao.quantization import quantize_dynamic
 import fpdoctor
 from fpdoctor.precision.decide import top1
 from tests.conftest import run_fpdoctor
+from tests.precision.factories import loads_strict
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
 
@@ -279,3 +280,20 @@ def test_a_partial_fix_keeps_the_fewest_modules_that_leave_about_what_the_best_r
     run = _Tried([*tried, (["fc2", "head", "fc1"], 1.0)])
     kept, everything = _unless_everything(run, ["fc2", "head", "fc1"], lambda v: True, lambda v: 1 - v)  # type: ignore[arg-type]
     assert kept == chosen and everything == ["fc2", "head", "fc1"]
+
+
+def test_an_fp8_layer_whose_weight_the_scale_flushes_is_said_to_make_its_error_itself() -> None:
+    """Not "amplified from its inputs": re-run alone on the fp64 inputs it makes the same error, and fp8's
+    statistics of its weight say why (the row's note, the summary's "why errors move")."""
+    model = Intent(outliers=False)
+    with torch.no_grad():
+        model.head.weight.mul_(4.0)
+        model.fc2.weight[:, 0] *= 3e5
+        model.fc1.weight[0] /= 3e5
+        model.fc1.bias[0] /= 3e5
+    x = torch.randn(2048, 64, generator=torch.Generator().manual_seed(1))
+    result = fpdoctor.compare(model.eval(), x, candidate="fp8-e4m3")
+    record = next(m for m in loads_strict(result.report.to_json())["data"]["modules"] if m["module"] == "fc2")
+    assert record["note"] == "its weight", record
+    assert record["why"][0].startswith("its own weight: in float8_e4m3fn with one scale for the tensor"), record
+    assert "amplified" not in dict(result.report.data["summary"]).get("why errors move", "")

@@ -87,6 +87,9 @@ class ModuleRow:
     # called a divergence: the candidate's run of the container as its code is written does not
     # show it (code that upcasts the op, or computes it in another form, when the model is fp16).
     unconfirmed: str | None = None
+    # what its own parameters lose in the candidate's format, measured (an fp8 weight whose outliers set its
+    # scale): where its error moves against its inputs', this is why, not their error amplified
+    own_loss: str | None = None
     notes: list[tuple[str, str]] = field(default_factory=list)  # (for the table, in full), from annotate()
     reasons: list[tuple[str, str]] = field(default_factory=list)  # those of the notes that say why a figure moves
 
@@ -251,6 +254,14 @@ def _moves(rows: list[ModuleRow], k: int) -> list[tuple[str, str]]:
     base = max(inputs, top.propagated if top is not None else 0.0)
     if inputs <= 0 or error <= MOVES * max(base, row.floor):
         return []
+    if row.own_loss is not None:
+        return [
+            (
+                "its weight",
+                f"its own weight: {row.own_loss}; output error {_fmt(error)} against input error {_fmt(inputs)}, "
+                f"{_ratio_text(row)} alone on the fp64 inputs",
+            )
+        ]
     gain = error / base
     judged = (
         f"alone on the fp64 inputs {'its worst own op' if not row.leaf else 'it'} stays within {_ratio_text(row)}"

@@ -444,6 +444,7 @@ def _compare(
         step.advance()
         step.describe(f"compare {candidate}: containers")
         rows = run.judge_containers(_rows(run.seen, run.own_dtype))
+        run.weights_lost(rows)
         forced = run.forced(rows)  # may confirm a container by its check: before what reads `diverged`
         step.advance()
         step.describe(f"compare {candidate}: the input rounding floor")
@@ -769,6 +770,15 @@ class _Comparison:
                     fp8.linear_stats(name, call_args[0], self.linears[name].weight, self.fp8_dtype, self.reads)
                 )
         self.seen[key] = entry
+
+    def weights_lost(self, rows: list[ModuleRow]) -> None:
+        """A Linear whose fp8 weight loses its values to the scale (fp8.weight_lost, measured) makes its
+        error itself: its row says so where its error moves against its inputs', not that it amplifies them."""
+        lost = {r["module"]: text for r in self.fp8_rows if (text := fp8.weight_lost(r)) is not None}
+        for row in rows:
+            row.own_loss = lost.get(row.module)
+        if lost:
+            annotate(rows)
 
     def _keep_logits(self, output: Any) -> None:
         """The model's output, whole, when it is logits (use.py): the last leaf call made it, and

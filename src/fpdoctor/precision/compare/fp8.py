@@ -124,6 +124,17 @@ def _unsafe(row: dict[str, Any], recipe: str) -> bool:
     return any(_bad(row, op, recipe) for op in ("input", "weight"))
 
 
+def weight_lost(row: dict[str, Any]) -> str | None:
+    """What a Linear's weight loses to fp8 with tensorwise scaling, where that is past the bounds NUM007
+    holds it to; None where it keeps its values."""
+    if not _bad(row, "weight", "tensorwise"):
+        return None
+    return (
+        f"in {row['format']} with one scale for the tensor it keeps {row['weight_tensorwise_sqnr_db']:.1f} dB SQNR "
+        f"and flushes {row['weight_tensorwise_underflow']:.1%} of its significant values (fp8-saturation)"
+    )
+
+
 def findings(rows: list[dict[str, Any]]) -> list[Finding]:
     found = []
     for row in rows:
