@@ -140,9 +140,11 @@ def constant_operand(node: Any) -> float | None:
     """The constant a MulBackward0 or DivBackward0 node's output was multiplied or divided by (its
     `_saved_other`, a one-element tensor that needs no gradient): a loss scale written by hand,
     `(loss * 1024).backward()`, is one such node at the backward's root. None where the node is
-    another op, its other operand needs a gradient, or torch saves no such attribute."""
+    another op, its other operand needs a gradient or lives on a device (reading it would wait for the
+    device: a GradScaler's scale on a GPU; a Python number is always a CPU tensor here), or torch saves
+    no such attribute."""
     other = getattr(node, "_saved_other", None)
-    if not isinstance(other, torch.Tensor) or other.numel() != 1 or other.requires_grad:
+    if not isinstance(other, torch.Tensor) or other.numel() != 1 or other.requires_grad or other.device.type != "cpu":
         return None
     with DisableTorchDispatch():  # a dispatch mode of the trace's, or the user's, sees no read of fpdoctor's
         return float(other)

@@ -114,7 +114,7 @@ def _final_loss(script: Path) -> float:
     return float(re.search(r"final loss (\S+)", out.stdout).group(1))
 
 
-def test_a_loss_factors_never_divided_out_is_first_and_its_printed_fix_trains_as_fp32(tmp_path):
+def test_a_loss_scale_never_divided_out_is_first_and_its_printed_fix_trains_as_fp16_unscaled(tmp_path):
     script, report = _watch(tmp_path, SCALED)
     first = _first(report)
     assert first["name"] == "loss-scale-not-undone" and first["severity"] == "error"
@@ -129,7 +129,8 @@ def test_a_loss_factors_never_divided_out_is_first_and_its_printed_fix_trains_as
     assert trial["status"] == "checked" and trial["before"] == 4 and trial["after"] == 0
     fix = first["fix"]
     assert "after the backward at line 16 of train.py" in fix
-    code = re.search(r"`(for p in model\.parameters\(\): p\.grad\.div_\(1024\))`", fix).group(1)
+    code = re.search(r"`(for p in \[p for g in opt\.param_groups .*?: p\.grad\.div_\(1024\))`", fix).group(1)
+    assert "GradScaler" not in fix  # fp16 weights: GradScaler's unscale_ refuses their gradients
     # applied as printed: the line after the backward, at its indentation
     fixed = SCALED.replace("    (loss * LOSS_SCALE).backward()\n", f"    (loss * LOSS_SCALE).backward()\n    {code}\n")
     fixed_script, after = _watch(tmp_path, fixed, "fixed")
@@ -150,9 +151,10 @@ def test_a_division_that_misses_the_biases_names_them(tmp_path):
     assert ev["compared"] == 6
     assert "misses `0.bias`, `2.bias`, `4.bias`" in first["fix"] and "in place of its division" in first["fix"]
     assert first["fix_trial"]["before"] >= 1 and first["fix_trial"]["after"] == 0
-    # the NaN steps the blown-up weights make later follow it, with its fix
-    assert all(f["fix"].startswith("As loss-scale-not-undone says") for f in report["findings"]
-               if f["name"] == "nonfinite-produced")  # fmt: skip
+    # the NaN steps the blown-up weights make later follow it, with its fix and its trial
+    followers = [f for f in report["findings"][1:] if f["name"] in ("nonfinite-produced", "deterministic-nonfinite")]
+    assert followers and all(f["fix"].startswith("As loss-scale-not-undone says") for f in followers), followers
+    assert "`for p in [p for g in optimizer.param_groups" in first["fix"]  # the optimizer as the script names it
 
 
 @pytest.mark.parametrize(
@@ -170,28 +172,37 @@ def test_a_division_that_misses_the_biases_names_them(tmp_path):
         # fp16 weights under Adam, whose eps is 0 in fp16: its update fails on the reference's gradients too, and
         # dividing the scale out does not bring it back (fp16-adam-eps is the cause)
         ("torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)", "torch.optim.Adam(model.parameters(), lr=1e-3)"),
+        # a learning rate divided by the scale: the updates are of the size meant
+        ("lr=0.05, momentum=0.9)", "lr=0.05 / 1024, momentum=0.9)"),
+        # a summed loss written as the mean times the batch size (a power of two), with a learning rate for it
+        ("LOSS_SCALE = 1024.0", "LOSS_SCALE = 1024.0\nopt.param_groups[0]['lr'] = 2e-4"),
     ],
-    ids=["divided", "adam", "weight", "adam-fp16"],
+    ids=["divided", "adam", "weight", "adam-fp16", "lr-compensated", "summed"],
 )
 def test_no_finding_where_the_scale_is_divided_out_or_is_no_scale(tmp_path, change):
     old, new = change
     assert old in SCALED
     changed = SCALED.replace(old, new)
+    if "2e-4" in new:
+        changed = changed.replace("    (loss * LOSS_SCALE).backward()", "    (loss * idx.shape[0]).backward()")
     _, report = _watch(
         tmp_path, changed if ".half()\n" in changed else changed.replace("feats[idx].half()", "feats[idx]")
     )
     assert not [f for f in report["findings"] if f["name"] == "loss-scale-not-undone"]
+    assert 1 in report["data"]["reference_step"]["compared_steps"]  # judged, not skipped
 
 
 def test_the_factors_are_read_from_the_backwards_root():
     w = torch.ones(4, requires_grad=True)
     loss = (w * w).sum()
-    of = loss_factors.of_root
-    assert of(loss * 1024) == loss_factors.Factors(1024.0, 1.0)
-    assert of(loss * 1024 / 4) == loss_factors.Factors(1024.0, 4.0)  # an accumulation's division beside it
-    assert of(loss / 4 * 2.0**16) == loss_factors.Factors(2.0**16, 4.0)
-    assert of(loss / 8 / 8) == loss_factors.Factors(None, 64.0)
-    assert of(loss * 0.25) == loss_factors.Factors(None, 4.0)
+    other = (w * 2).sum()
+    of, F = loss_factors.of_root, loss_factors.Factors
+    assert of(loss * 1024) == F(1024.0, ())
+    assert of(loss * 1024 / 4) == F(1024.0, (4.0,))  # an accumulation's division beside it
+    assert of(loss / 4 * 2.0**16) == F(2.0**16, (4.0,))
+    assert of(loss / 8 / 8) == F(None, (8.0, 8.0))
+    assert of(loss * 0.25) == F(None, (4.0,))
+    assert of((loss + other) / 2 / 2) == F(None, (2.0,))  # the mean of two losses is no division of its own
     assert of(loss * 10) is None and of(loss * 64) is None  # a loss weight; below 128
     assert of(loss) is None
     assert of(loss * w.sum()) is None  # a product with a value that has a gradient
@@ -199,13 +210,15 @@ def test_the_factors_are_read_from_the_backwards_root():
 
 def test_a_step_says_a_scale_where_every_backward_has_it_and_twice_where_each_divides_by_k_squared():
     at = ("train.py", 9, "loss.backward()")
-    scaled, twice = loss_factors.Factors(1024.0, 1.0), loss_factors.Factors(None, 16.0)
-    assert loss_factors.of_step([(scaled, at)], scaler=False) == loss_factors.StepFactors(1024.0, None, at)
-    assert loss_factors.of_step([(scaled, at)], scaler=True) is None  # a GradScaler's own multiplier
-    assert loss_factors.of_step([(scaled, at), (None, None)], scaler=False) is None
-    assert loss_factors.of_step([(twice, at)] * 4, scaler=False) == loss_factors.StepFactors(None, 4, at)
-    assert loss_factors.of_step([(twice, at)] * 2, scaler=False) is None  # 16 with 2 micro-batches: not k * k
-    assert loss_factors.of_step([(loss_factors.Factors(None, 4.0), at)] * 4, scaler=False) is None  # the mean
+    F, of = loss_factors.Factors, loss_factors.of_step
+    scaled, twice = F(1024.0, ()), F(None, (4.0, 4.0))
+    assert of([(scaled, at)], scaler=False) == loss_factors.StepFactors(1024.0, None, at)
+    assert of([(scaled, at)], scaler=True) is None  # a GradScaler's own multiplier
+    assert of([(scaled, at), (None, None)], scaler=False) is None
+    assert of([(twice, at)] * 4, scaler=False) == loss_factors.StepFactors(None, 4, at)
+    assert of([(twice, at)] * 2, scaler=False) is None  # two divisions by 4 with 2 micro-batches
+    assert of([(F(None, (16.0,)), at)] * 4, scaler=False) is None  # one division by 16: a sum normalised by hand
+    assert of([(F(None, (4.0,)), at)] * 4, scaler=False) is None  # the mean
 
 
 def test_a_loss_divided_by_the_micro_batch_count_twice_is_named_and_its_fix_as_printed_steps_as_the_mean(tmp_path):

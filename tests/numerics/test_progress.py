@@ -218,3 +218,17 @@ def test_the_sentinel_applies_a_nan_loss_step_whose_gradients_are_finite() -> No
     loss = next(f for f in guard.report.findings if f.name == "nonfinite-loss")
     assert "its gradients were finite, so its update was applied" in loss.message, loss.message
     assert "training-stalled" not in [f.name for f in guard.report.findings]
+
+
+def test_a_first_order_fall_past_the_loss_itself_is_said_to_be_a_comparison() -> None:
+    from fpdoctor.numerics.training.judge import _progress_text
+
+    last = {
+        "window": (201, 400),
+        "recipe": (0.99, -7.0),
+        "reference": (0.99, -7.02),
+        "loss_is": "the loss to first order",
+    }
+    text = _progress_text(last)
+    assert "falls by 7.99 (yours) and 8.01 (an fp32 reference), the loss to first order; a fall past the loss" in text
+    assert "past the loss" not in _progress_text({**last, "recipe": (0.99, 0.5), "reference": (0.99, 0.4)})

@@ -188,9 +188,12 @@ class TracedStep:
         model's replay could not reach)."""
         if not self.findings:
             return found
-        rate = next((f for f in found if f.name == "training-stalled" and "climbed_at_step" in f.evidence), None)
-        # gradients the loss scale left 1024x too large from the first step on: the weights grew out of range
-        rate = rate or next((f for f in found if f.name == "loss-scale-not-undone"), None)
+        # gradients the loss scale left 1024x too large from the first step on: the weights grew out of range; or
+        # the learning rate, which the loss's climb names
+        rate = next((f for f in found if f.name == "loss-scale-not-undone"), None)
+        rate = rate or next(
+            (f for f in found if f.name == "training-stalled" and "climbed_at_step" in f.evidence), None
+        )
         if rate is not None:  # the learning rate's, tried: the op where the growing values overflowed follows it
             at = found.index(rate) + 1
             why = (

@@ -80,6 +80,7 @@ from fpdoctor.numerics.observe.scaler_order import Mixed, ScalerOrder
 from fpdoctor.numerics.trace.scaled_grads import ScaledGrads
 from fpdoctor.numerics.training import between, distributed, loss_factors, reference
 from fpdoctor.numerics.training.findings import (
+    scale_upstream,
     scaler_rebuilt_finding,
     some_zero_grads_finding,
     stale_casts_finding,
@@ -125,6 +126,7 @@ class _PerThread(threading.local):
 
 
 CALLS_KEPT = 256  # training forwards kept for a step's replay where no step takes them (micro-batches of one step)
+HANDS_KEPT = 256  # backwards' loss constants kept until a step takes them (a loop that never steps reads no more)
 NEVER_STEPPED = 20  # training forwards with no backward after any: TRN020
 
 # the summary lines a judge counts for its own optimizer
@@ -516,13 +518,14 @@ class ScriptWatch:
                         loss = t.detach()
                         loss = (loss.reshape(()) if loss.dim() else loss).float()  # a view op less for a 0-d loss
                         self._losses.append(loss)
-                        if t.grad_fn is not None:  # `(loss * 1024 / accum).backward()`: constants on the loss
-                            factors = loss_factors.of_root(t)
-                            self._hand.append((factors, user_location(sys._getframe(1)) if factors else None))
                 # every forward this backward reaches (one an autograd.grad went through before included)
                 waiting = [(c, c.kept.fills) for c in self._calls]
             except Exception as exc:
                 self._error("reading the loss", exc)
+            if loss is not None and isinstance(tensors, torch.Tensor) and len(self._hand) < HANDS_KEPT:
+                # `(loss * 1024 / accum).backward()`: the constants on the loss, read from its autograd root
+                caller = sys._getframe(1)
+                self._guarded(lambda: self._hand_of(tensors, caller), "reading the loss's constants")
             after = self._order_check()
             result = original(tensors, *args, **kwargs)
             self._clears.backward(call_site(sys._getframe(1)))
@@ -541,6 +544,10 @@ class ScriptWatch:
             return result
 
         return backward
+
+    def _hand_of(self, root: torch.Tensor, frame: Any) -> None:
+        factors = loss_factors.of_root(root) if root.grad_fn is not None else None
+        self._hand.append((factors, user_location(frame) if factors else None))
 
     def _scaler_step_of(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
@@ -1247,7 +1254,7 @@ class ScriptWatch:
                 ]
             report = Report(
                 command="watch",
-                findings=[*self.errors, *self._traced.lead(report.findings)],
+                findings=[*self.errors, *scale_upstream(self._traced.lead(report.findings))],
                 data=report.data,
             )
         before: set[int] = getattr(self, "_before", set())

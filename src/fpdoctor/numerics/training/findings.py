@@ -269,6 +269,34 @@ _VERDICTS = ("deterministic-nonfinite", "compiled-only-nonfinite")
 _SYMPTOMS = ("nonfinite-loss", "nonfinite-gradient")
 
 
+# what an update too large makes of the steps after it: the weights grow out of range, and what overflows there
+# (the op a replay names, the loss, the stall) is a consequence whose own fix only moves the step it fails at
+_CONSEQUENCES = (*_VERDICTS, *_SYMPTOMS, "training-stalled", "loss-spike", "update-blew-up", "lr-too-high")
+
+
+def scale_upstream(found: list[Finding]) -> list[Finding]:
+    """Where a loss scale left in the gradients (loss-scale-not-undone) made every update too large from
+    its step on, the findings of later steps that follow from it (_CONSEQUENCES) come after it and say
+    its fix, with its trial: the NaN at step 3 is the weights that step 1 and 2 blew up."""
+    cause = next((f for f in found if f.name == "loss-scale-not-undone"), None)
+    if cause is None:
+        return found
+    start = cause.evidence.get("step") or 0
+    why = (
+        f"As loss-scale-not-undone says (the optimizer took gradients {cause.evidence['scale']:g}x too large from "
+        f"step {start} on: the weights grew out of range, and a change here only moves the step where they fail)"
+    )
+
+    def later(f: Finding) -> bool:
+        step = f.evidence.get("step", f.evidence.get("optimizer_step"))
+        return f.name in _CONSEQUENCES and isinstance(step, int) and step > start
+
+    rest = [dataclasses.replace(f, fix=f"{why}: {cause.fix}", trial=cause.trial) if later(f) else f
+            for f in found if f is not cause]  # fmt: skip
+    at = min(found.index(cause), next((i for i, f in enumerate(found) if later(f)), len(found)))
+    return [*rest[:at], cause, *rest[at:]]
+
+
 def causes_first(found: list[Finding]) -> list[Finding]:
     """`found` with each step's replay verdict ahead of that step's symptoms, the rest in order; a
     stall after a climb of the loss (the learning rate) ahead of every verdict and symptom since."""

@@ -45,6 +45,7 @@ from fpdoctor.numerics.observe.grad_clears import Cleared, Where
 from fpdoctor.numerics.observe.gradcheck import bad_parameters, kind_of, tensor_kind
 from fpdoctor.numerics.observe.scaler_order import Mixed
 from fpdoctor.numerics.training import (
+    between,
     coarse_output,
     corruption,
     distributed,
@@ -1269,7 +1270,9 @@ class StepJudge:
             name = type(optimizer).__name__
             if by_hand:  # nothing unscales a hand-written scale for the optimizer: it takes the gradients as they are
                 kept = loss_factors.measure(result, optimizer, self.model, live, by_hand)
-                made = loss_factors.finding(kept, step, hand.at, name, here=self.here) if kept else None
+                seen = between.read() if kept else None  # the optimizer as the script names it, for the code
+                named = seen.optimizer if seen is not None else None
+                made = loss_factors.finding(kept, step, hand.at, name, named=named, here=self.here) if kept else None
             elif hand.twice:
                 taken = {n: g / divide for n, g in live.items()}
                 twice = loss_factors.measure_twice(result, optimizer, self.model, taken, hand.twice)
@@ -1469,32 +1472,7 @@ class StepJudge:
             summary.append(line_)
         if self.progress_judged:  # each flat window and what the experiment from its last step gave
             out["progress"] = list(self.progress_judged)
-            last = self.progress_judged[-1]
-            text = f"loss flat over steps {last['window'][0]}-{last['window'][1]}"
-            if "reference" in last and "loss_is" in last:
-                # an estimate to first order, which can fall past any loss's floor (a cross-entropy below 0):
-                # the fall is what it measures, not where the loss lands
-                (a, b), (c, d) = last["recipe"], last["reference"]
-                past = (
-                    " (past the loss itself: an estimate linear in how far the outputs move, read as a comparison "
-                    "of the two runs, not as where the loss lands)"
-                    if a > 0 and max(a - b, c - d) > a
-                    else ""
-                )
-                text += (
-                    f"; {progress.STEPS} steps on its batch, from {a:.4g}: the loss falls by {a - b:.4g} (yours) and "
-                    f"{c - d:.4g} (an fp32 reference){past}, {last['loss_is']}"
-                    + (f"; undecided: {_UNDECIDED}" if not _finite_arms(last) else "")
-                )
-            elif "reference" in last:
-                text += (
-                    f"; {progress.STEPS} steps on its batch: yours {last['recipe'][0]:.4g} -> {last['recipe'][1]:.4g}, "
-                    f"fp32 reference {last['reference'][0]:.4g} -> {last['reference'][1]:.4g}"
-                    + (f"; undecided: {_UNDECIDED}" if not _finite_arms(last) else "")
-                )
-            else:
-                text += f"; not put to the reference: {last['not_tried']}"
-            summary.append(("progress", text))
+            summary.append(("progress", _progress_text(self.progress_judged[-1])))
         if self.distributed:  # what the corruption sentinel calibrated, struck and escalated, or why it is off
             line_, out["corruption"] = self.corruption.summary()
             summary.append(line_)
@@ -1594,6 +1572,35 @@ _UNDECIDED = (
     "the what-if's steps went non-finite (they step the optimizer on the backward's gradients, without your code "
     "between the backward and the step, its clipping too)"
 )
+
+
+def _progress_text(last: dict[str, Any]) -> str:
+    """The summary's line for the last flat window and what the experiment from its last step gave."""
+    text = f"loss flat over steps {last['window'][0]}-{last['window'][1]}"
+    if "reference" in last and "loss_is" in last:
+        # an estimate to first order, which can fall past any loss's floor (a cross-entropy below 0):
+        # the fall is what it measures, not where the loss lands
+        (a, b), (c, d) = last["recipe"], last["reference"]
+        past = (
+            "; a fall past the loss itself, as an estimate linear in how far the outputs move makes: a comparison "
+            "of the two runs, not where the loss lands"
+            if a > 0 and max(a - b, c - d) > a
+            else ""
+        )
+        text += (
+            f"; {progress.STEPS} steps on its batch, from {a:.4g}: the loss falls by {a - b:.4g} (yours) and "
+            f"{c - d:.4g} (an fp32 reference), {last['loss_is']}{past}"
+            + (f"; undecided: {_UNDECIDED}" if not _finite_arms(last) else "")
+        )
+    elif "reference" in last:
+        text += (
+            f"; {progress.STEPS} steps on its batch: yours {last['recipe'][0]:.4g} -> {last['recipe'][1]:.4g}, "
+            f"fp32 reference {last['reference'][0]:.4g} -> {last['reference'][1]:.4g}"
+            + (f"; undecided: {_UNDECIDED}" if not _finite_arms(last) else "")
+        )
+    else:
+        text += f"; not put to the reference: {last['not_tried']}"
+    return text
 
 
 def _finite_arms(judged: dict[str, Any]) -> bool:

@@ -39,8 +39,15 @@ from fpdoctor.torchprivate import constant_operand, named_parameters
 
 LEAST = 128.0  # 2**7: the smallest constant multiplier taken for a loss scale
 CHAIN = 4  # constant multiplications and divisions read down from the root: `loss * 1024 / accum`
+TERMS = 16  # the terms of a sum read below a division (a mean of that many losses is no accumulation's)
 SAME = 0.05  # a gradient within 5% of the scale times the backward's still carries the scale
+# an update of a weight matrix past this share of its norm in one step, as taken: the scale left in the
+# gradients is what the run shows, not a constant the learning rate was picked for (a summed loss
+# `loss * batch_size`, a learning rate divided by the scale: updates of 0.5-3.5% there)
+BLOWN = 0.3
+SET = 1e-6  # a weight's norm below this is one initialised at 0: no update is judged against it
 SHOWN = 4  # parameters named in the message
+FOLLOWS = 0.1  # an update within 10% of 1/k of the mean's follows the gradients' size (SGD): k times too small
 
 
 @dataclass(frozen=True)
@@ -48,14 +55,17 @@ class Factors:
     """The constant factors in the chain of multiplications and divisions that ends at a backward's root."""
 
     scale: float | None  # the product of the powers of two of at least LEAST it was multiplied by
-    divisor: float  # the product of the other constants it was divided by (a product with c < 1 divides by 1/c)
+    # each constant it was divided by, one per node (a product with c < 1 divides by 1/c), but a division of
+    # a sum by its number of terms, which is a mean: `(loss_a + loss_b) / 2`
+    divisors: tuple[float, ...] = ()
 
 
 def of_root(root: torch.Tensor) -> Factors | None:
-    """The factors a backward's root carries (`loss * 1024 / accum`: scale 1024, divisor accum); None
-    where there are none. A few attribute reads per backward."""
+    """The factors a backward's root carries (`loss * 1024 / accum`: scale 1024, divisors (accum,)); None
+    where there are none. A few attribute reads per backward, none of a device's memory."""
     node: Any = root.grad_fn
-    scale = divisor = 1.0
+    scale = 1.0
+    divisors: list[float] = []
     for _ in range(CHAIN):
         kind = type(node).__name__
         if kind not in ("MulBackward0", "DivBackward0"):
@@ -63,19 +73,34 @@ def of_root(root: torch.Tensor) -> Factors | None:
         constant = constant_operand(node)
         if constant is None or not math.isfinite(constant) or constant <= 0:
             break
-        if kind == "DivBackward0":
-            divisor *= constant
-        elif constant >= LEAST and math.log2(constant).is_integer():
-            scale *= constant
-        elif constant < 1.0:
-            divisor /= constant
         operands = [n for n, _ in node.next_functions if n is not None]
-        if len(operands) != 1:
+        below = operands[0] if len(operands) == 1 else None
+        divided = constant if kind == "DivBackward0" else 1.0 / constant if constant < 1.0 else None
+        if divided is not None and divided > 1.0 and _terms(below) != divided:
+            divisors.append(divided)
+        elif kind == "MulBackward0" and constant >= LEAST and math.log2(constant).is_integer():
+            scale *= constant
+        if below is None:
             break
-        node = operands[0]
-    if scale == 1.0 and divisor == 1.0:
+        node = below
+    if scale == 1.0 and not divisors:
         return None
-    return Factors(scale if scale > 1.0 else None, divisor)
+    return Factors(scale if scale > 1.0 else None, tuple(divisors))
+
+
+def _terms(node: Any) -> int:
+    """The terms a sum of losses adds (`a + b + c`: 3), read down its AddBackward0 nodes; 1 for any
+    other node."""
+    if type(node).__name__ != "AddBackward0":
+        return 1
+    count, todo = 0, [node]
+    while todo and count <= TERMS:
+        n = todo.pop()
+        if type(n).__name__ == "AddBackward0":
+            todo.extend(m for m, _ in n.next_functions if m is not None)
+        else:
+            count += 1
+    return count
 
 
 @dataclass(frozen=True)
@@ -83,19 +108,21 @@ class StepFactors:
     """What the backwards of one optimizer step say together."""
 
     scale: float | None  # every backward's hand-written loss scale, the same, where no GradScaler ran
-    twice: int | None  # the micro-batch count k, where every backward's loss was divided by k * k (k >= 2)
+    twice: int | None  # the micro-batch count k, where every backward's loss was divided by k twice (k >= 2)
     at: Where | None  # the last backward's line
 
 
 def of_step(seen: list[tuple[Factors | None, Where | None]], *, scaler: bool) -> StepFactors | None:
     """The step's factors from each backward's (`seen`, with their lines); `scaler`: a GradScaler stepped
-    (its scale is the multiplier then). None where the step has none to judge."""
+    (its scale is the multiplier then). None where the step has none to judge. Divided twice: two
+    divisions by the micro-batch count k in each backward's chain, not one by k * k nor a product that
+    happens to equal it (`sum / 16` with 4 micro-batches is a loss summed and normalised by hand)."""
     if not seen or any(f is None for f, _ in seen):
         return None
     factors = [f for f, _ in seen if f is not None]
     scale = factors[0].scale if not scaler and all(f.scale and f.scale == factors[0].scale for f in factors) else None
     k = len(factors)
-    twice = k if k >= 2 and all(abs(f.divisor - k * k) <= 1e-6 * k * k for f in factors) else None
+    twice = k if k >= 2 and all(sum(abs(d - k) <= 1e-9 * k for d in f.divisors) >= 2 for f in factors) else None
     if scale is None and twice is None:
         return None
     return StepFactors(scale, twice, seen[-1][1])
@@ -114,6 +141,7 @@ class Measured:
     to_weight: float  # its update's norm over its weight's, as taken
     to_weight_undone: float  # with the scale divided out
     to_weight_reference: float  # on the reference's gradients
+    low_precision: bool  # some weights are fp16/bf16 themselves (GradScaler's unscale_ refuses fp16 gradients)
 
 
 def _norm(t: torch.Tensor) -> float:
@@ -153,16 +181,25 @@ def measure(
     before = departed(as_taken)
     if departed(fixed) >= before:
         return None  # the updates agree (Adam divides the factor out), or dividing does not bring them back
+    params = dict(named_parameters(model))
+    # the weights that still carry it, but one initialised at 0 (a bias), whose first update is all of it
+    judged = [n for n in still if weights[n] > SET]
+    if not any(_norm(as_taken[n]) / weights[n] >= BLOWN for n in judged):
+        return None  # the updates the run takes are of a size a learning rate is picked for: a constant of the recipe
     comparison.rows["optimizer"] = gradient_rows("optimizer", {n: taken[n] for n in names}, ref, 1.0)
-    worst = max(as_taken, key=lambda n: _norm(as_taken[n]) / weights[n])
+    worst = max(judged, key=lambda n: _norm(as_taken[n]) / weights[n])
+    low = any(p.dtype in (torch.float16, torch.bfloat16) for p in params.values())
     return Measured(
         scale, still, len(names), before, departed(fixed), worst, _norm(as_taken[worst]) / weights[worst],
-        _norm(fixed[worst]) / weights[worst], _norm(meant[worst]) / weights[worst],
+        _norm(fixed[worst]) / weights[worst], _norm(meant[worst]) / weights[worst], low,
     )  # fmt: skip
 
 
-def finding(measured: Measured, step: int, at: Where | None, optimizer: str, *, here: dict[str, Any]) -> Finding:
-    """TRN036: the gradients the optimizer took still carry the loss scale the script multiplied the loss by."""
+def finding(
+    measured: Measured, step: int, at: Where | None, optimizer: str, *, named: str | None, here: dict[str, Any]
+) -> Finding:
+    """TRN036: the gradients the optimizer took still carry the loss scale the script multiplied the loss by.
+    `named`: the optimizer as the script names it at its step (`opt.step()`: "opt"), for the printed code."""
     m = measured
     line = f"line {at[1]} of {os.path.basename(at[0])}" if at else "its backward"
     every = len(m.still) == m.compared
@@ -182,17 +219,24 @@ def finding(measured: Measured, step: int, at: Where | None, optimizer: str, *, 
         f"{m.compared} updates depart from the reference's by more than {RATIO:g}x."
     )
     where = f"after the backward at {line} and before the optimizer's step" if at else "before the optimizer's step"
-    divide = f"`for p in model.parameters(): p.grad.div_({m.scale:g})`"
+    opt = named or "optimizer"
+    divide = (
+        f'`for p in [p for g in {opt}.param_groups for p in g["params"] if p.grad is not None]: '
+        f"p.grad.div_({m.scale:g})`"
+    )
+    # GradScaler's unscale_ refuses fp16 gradients: offered for fp32 weights (the forward under autocast) alone
     scaler = (
-        "torch.amp.GradScaler, which divides the scale out and skips the steps that overflow: "
-        "`scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()`"
+        ""
+        if m.low_precision
+        else " (or use torch.amp.GradScaler, which divides the scale out and skips the steps that overflow: "
+        f"`scaler.scale(loss).backward(); scaler.step({opt}); scaler.update()`)"
     )
     if every:
-        fix = f"Divide every gradient by {m.scale:g} {where}: {divide} (or use {scaler})"
+        fix = f"Divide every gradient by {m.scale:g} {where}: {divide}{scaler}"
     else:
         fix = (
             f"Divide every gradient by {m.scale:g} once, {where}: your code divides {m.compared - len(m.still)} of "
-            f"them and misses {names}; put {divide} in place of its division (or use {scaler})"
+            f"them and misses {names}; put {divide} in place of its division{scaler}"
         )
     return catalog.make(
         "loss-scale-not-undone",
@@ -250,9 +294,9 @@ def measure_twice(
     if not all(math.isfinite(_norm(u)) for u in (*as_taken.values(), *fixed.values())):
         return None
     departed = 0
-    for n, u in as_taken.items():
+    for n, u in as_taken.items():  # an update that follows the gradients' size (SGD) is 1/k of the mean's
         meant = _norm(fixed[n])
-        departed += meant > TINY and not 1.0 / RATIO <= _norm(u) / meant <= RATIO
+        departed += meant > TINY and abs(_norm(u) / meant * k - 1.0) <= FOLLOWS
     if not departed:
         return None
     comparison.rows["optimizer"] = gradient_rows("optimizer", {n: taken[n] for n in names},
@@ -272,7 +316,7 @@ def twice_finding(measured: Twice, step: int, at: Where | None, optimizer: str, 
         f"{m.k * m.k}, {m.k} x {m.k}: the loss was divided by the number of micro-batches twice, and the gradients "
         f"{optimizer} took are 1/{m.k} of their mean over the step's micro-batches. The update of `{m.worst}` is "
         f"{m.to_weight:.3g} of its weight's norm where the mean's would be {m.to_weight_fixed:.3g}; {m.departed} of "
-        f"{m.compared} updates are more than {RATIO:g}x smaller than the mean's."
+        f"{m.compared} updates are {m.k}x smaller than the mean's."
     )
     fix = (
         f"Divide the loss by {m.k} once: it reaches the backward at {line} divided by {m.k * m.k}. Drop one of the two "

@@ -774,7 +774,8 @@ class _Comparison:
     def weights_lost(self, rows: list[ModuleRow]) -> None:
         """A Linear whose fp8 weight loses its values to the scale (fp8.weight_lost, measured) makes its
         error itself: its row says so where its error moves against its inputs', not that it amplifies them."""
-        lost = {r["module"]: text for r in self.fp8_rows if (text := fp8.weight_lost(r)) is not None}
+        recipe = "rowwise" if self.candidate.endswith("-rowwise") else "tensorwise"
+        lost = {r["module"]: text for r in self.fp8_rows if (text := fp8.weight_lost(r, recipe)) is not None}
         for row in rows:
             row.own_loss = lost.get(row.module)
         if lost:
@@ -802,22 +803,31 @@ class _Comparison:
             return  # the user says the output decides no class (a regression of several values)
         if first is None:
             return
-        filtered = self._root_filtered  # read with the output's NaN count (_truth_post)
+        # a filtered distribution (read with the output's NaN count, _truth_post) from the logits' layer, or made
+        # by a model with no weights of its own (the filter alone, given logits): not attention weights
+        # over causal keys, nor an output normalised per row
+        head = self._filter_head(first, name, made) if self._root_filtered else None
+        weightless = not any(p.is_floating_point() for p in self.truth_modules[""].parameters())
+        # over positions, not classes: a map whose last two dims are equal (attention weights, query by key)
+        square = first.dim() >= 2 and first.shape[-1] == first.shape[-2]
+        filtered = (
+            self._root_filtered and not square and self._softmax_of(first, name, made) is None and (head or weightless)
+        )
         if not self.declared and any(t.shape == first.shape for t in floating(self.inputs)) and not filtered:
             # an output in its input's space (a denoiser's noise, a reconstruction) decides no class; a filtered
             # distribution does (a sampler's filter given the logits it keeps a nucleus of)
             return
         ours = device_sample(first)  # the same strided values, no whole copy
         theirs = device_sample(made) if made is not None and first.shape == made.shape else None
-        if filtered and self._softmax_of(first, name, made) is None:
+        if filtered:
             # a distribution made after the logits, not their softmax (a sampler's filtered, renormalised
             # probabilities, of the last position's logits or of logits it was given; by the model's own ops or a
             # module of its own, the last leaf): judged as a softmax's are, by their logs
             rows = first.numel() // first.shape[-1]
-            head = self._head_of(first, name, made)
+            by = f"`{name}`" if name and name not in (head or "") else "the model's own ops"
             self.logits = (
-                f"probabilities over {first.shape[-1]} classes ({rows} rows, each summing to 1, made by the model's "
-                f"own ops{f' from the {head}' if head else ''})"
+                f"probabilities over {first.shape[-1]} classes ({rows} rows, each summing to 1, made by {by}"
+                f"{f' from the {head}' if head else ' from the logits it is given'})"
             )
             self.softmaxed = True
         elif ours is not None and theirs is not None and _proportional(ours, theirs):
@@ -847,6 +857,18 @@ class _Comparison:
             shape = "x".join(str(n) for n in first.shape)
             self.logits = f"scores [{shape}] decided by their argmax over the last dim (declared: decisions='argmax')"
         self.root_truth = self._decided(first.detach().clone()) if self.logits is not None else None
+
+    def _filter_head(self, first: torch.Tensor, name: str, made: torch.Tensor | None) -> str | None:
+        """The logits' layer a filtered distribution comes from: the last leaf (the model's own ops filter its
+        logits), or the leaf before a last leaf without weights of its own (a filter module called last)."""
+        head = self._head_of(first, name, made)
+        module = self.truth_modules.get(name)
+        if head is not None or not name or module is None or any(True for _ in module.parameters()):
+            return head
+        before = self._leaf_before(name)
+        if before is None:
+            return None
+        return use.logits_source(before, self.truth_modules[before], first, ids=use.reads_ids(self.inputs))
 
     def _head_of(self, first: torch.Tensor, name: str, made: torch.Tensor | None) -> str | None:
         """The logits' layer an output the model's own ops made after it comes from: the last leaf is a

@@ -124,14 +124,15 @@ def _unsafe(row: dict[str, Any], recipe: str) -> bool:
     return any(_bad(row, op, recipe) for op in ("input", "weight"))
 
 
-def weight_lost(row: dict[str, Any]) -> str | None:
-    """What a Linear's weight loses to fp8 with tensorwise scaling, where that is past the bounds NUM007
-    holds it to; None where it keeps its values."""
-    if not _bad(row, "weight", "tensorwise"):
+def weight_lost(row: dict[str, Any], recipe: str) -> str | None:
+    """What a Linear's weight loses to fp8 with the candidate's scaling (`recipe`: "tensorwise" or
+    "rowwise"), where that is past the bounds NUM007 holds it to; None where it keeps its values."""
+    if not _bad(row, "weight", recipe):
         return None
+    scales = "one scale for the tensor" if recipe == "tensorwise" else "one scale per row"
     return (
-        f"in {row['format']} with one scale for the tensor it keeps {row['weight_tensorwise_sqnr_db']:.1f} dB SQNR "
-        f"and flushes {row['weight_tensorwise_underflow']:.1%} of its significant values (fp8-saturation)"
+        f"in {row['format']} with {scales} it keeps {row[f'weight_{recipe}_sqnr_db']:.1f} dB SQNR and flushes "
+        f"{row[f'weight_{recipe}_underflow']:.1%} of its significant values"
     )
 
 

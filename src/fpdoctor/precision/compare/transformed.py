@@ -292,7 +292,10 @@ def _decisions_finding(run: _Run, judged: Decisions, inputs: Any) -> Finding:
 
     flipped = 1.0 - judged.top1
     kept, everything = _unless_everything(
-        run, _search(run, score, judged.recovered), lambda v: 1 - v <= flipped / 2, lambda v: 1 - v
+        run,
+        _search(run, score, judged.recovered),
+        lambda v: 1 - v <= flipped / 2,
+        lambda v: max(judged.floor_top1 - v, 0.0),
     )
     message = (
         f"{run.name}'s model picks another class than fp64 on {pct(flipped)} of its {judged.rows} rows, where the "
@@ -341,7 +344,7 @@ def _error_finding(run: _Run, rel: float, floor: float, norm: float, inputs: Any
         return -_rel(out, run.truth, norm)
 
     searched = _search(run, score, lambda value: -value < TRANSFORMED_REL)
-    kept, everything = _unless_everything(run, searched, lambda v: -v <= rel / 2, lambda v: -v)
+    kept, everything = _unless_everything(run, searched, lambda v: -v <= rel / 2, lambda v: max(-v - floor, 0.0))
     message = (
         f"{run.name}'s model is off by {rel:.3g} of its output's norm against fp64 ({sqnr_db(rel):.1f} dB SQNR), where "
         f"the fp32 model it was made from is off by {floor:.3g}: past {TRANSFORMED_REL:g}, what the output is used "
@@ -387,19 +390,19 @@ def _unless_everything(
     run: _Run, kept: list[str], halfway: Callable[[float], bool], left: Callable[[float], float]
 ) -> tuple[list[str], list[str]]:
     """`kept` and [], unless it is every module the transform changed: leaving them all out is no
-    transform at all, never printed as its fix. Then the fewest modules whose run leaves at most NEAR
-    times what the best run leaves (`left` of a score: the rows still flipped, the error), where it took
-    at least half the way back (`halfway` of its score: a partial fix, said as one), and `kept`. A module
-    that takes a sliver more off is not worth keeping out of the transform (a layer it does not hurt)."""
+    transform at all, never printed as its fix. Then, of the runs that took at least half the way back
+    (`halfway` of a score: a partial fix, said as one), the fewest modules whose run leaves at most NEAR
+    times what the best run leaves (`left` of a score: what it adds to the fp32 model's own flips or
+    error), and `kept`. A module that takes a sliver more off is not worth keeping out of the transform (a
+    layer it does not hurt)."""
     if not kept or not set(kept) >= set(run.changed):
         return kept, []
-    fewer = [(m, v) for m, v in run.tried if not set(m) >= set(run.changed)]
+    fewer = [(m, v) for m, v in run.tried if not set(m) >= set(run.changed) and halfway(v)]
     if not fewer:
         return [], kept
     least = min(left(v) for _, v in fewer)
     near = [(m, v) for m, v in fewer if left(v) <= NEAR * least]
-    chosen = min(near, key=lambda t: (len(t[0]), -t[1]))
-    return (chosen[0] if halfway(chosen[1]) else []), kept
+    return min(near, key=lambda t: (len(t[0]), -t[1]))[0], kept
 
 
 def _alone(run: _Run, kept: list[str], said: Callable[[float], str]) -> str:
@@ -412,9 +415,11 @@ def _alone(run: _Run, kept: list[str], said: Callable[[float], str]) -> str:
 
 
 def _share(run: _Run, kept: list[str]) -> str:
-    """' (N of the model's M parameters, P%)': what leaving `kept` out of the transform keeps as it was."""
+    """' (N of the model's M parameters, P%)': what leaving `kept` out of the transform keeps as it was
+    (a parameter tied into two of them counted once)."""
     total = sum(p.numel() for p in run.fp32.parameters())
-    held = sum(p.numel() for name in kept for p in run.fp32.get_submodule(name).parameters())
+    held_by = {id(p): p.numel() for name in kept for p in run.fp32.get_submodule(name).parameters()}
+    held = sum(held_by.values())
     return f" ({held:,} of the model's {total:,} parameters, {held / total:.0%})" if total else ""
 
 
