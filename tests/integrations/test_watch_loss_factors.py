@@ -128,11 +128,11 @@ def test_a_loss_scale_never_divided_out_is_first_and_its_printed_fix_trains_as_f
     trial = first["fix_trial"]
     assert trial["status"] == "checked" and trial["before"] == 4 and trial["after"] == 0
     fix = first["fix"]
-    assert "after the backward at line 16 of train.py" in fix
+    assert "just before the optimizer's step (line 17 of train.py: `opt.step()`)" in fix
     code = re.search(r"`(for p in \[p for g in opt\.param_groups .*?: p\.grad\.div_\(1024\))`", fix).group(1)
     assert "GradScaler" not in fix  # fp16 weights: GradScaler's unscale_ refuses their gradients
-    # applied as printed: the line after the backward, at its indentation
-    fixed = SCALED.replace("    (loss * LOSS_SCALE).backward()\n", f"    (loss * LOSS_SCALE).backward()\n    {code}\n")
+    # applied as printed: the line before the step, at its indentation
+    fixed = SCALED.replace("    opt.step()\n", f"    {code}\n    opt.step()\n")
     fixed_script, after = _watch(tmp_path, fixed, "fixed")
     assert not [f for f in after["findings"] if f["name"] == "loss-scale-not-undone"]
     reference = SCALED.replace("    (loss * LOSS_SCALE).backward()\n", "    loss.backward()\n")
@@ -252,3 +252,42 @@ def test_no_divided_twice_finding_where_the_update_does_not_follow_the_factor(tm
     assert old in TWICE
     _, report = _watch(tmp_path, TWICE.replace(old, new))
     assert not [f for f in report["findings"] if f["name"] == "loss-divided-twice"]
+
+
+# a pure fp16 CNN, SGD with Nesterov momentum and weight decay, two micro-batches a step each divided by 2 and
+# scaled by 4096: the division goes after the last backward, where a division after each one would divide the
+# first micro-batch's gradients twice
+ACCUMULATED = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+x = torch.randn(512, 3, 16, 16)
+y = (x.mean((1, 2, 3)) > 0).long() + 2 * (x[:, 0].mean((1, 2)) > 0).long()
+net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+                    nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 4)).half()
+sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+SCALE = 2 ** 12
+for step in range(10):
+    for k in range(2):
+        idx = torch.randint(0, 512, (32,))
+        loss = F.cross_entropy(net(x[idx].half()).float(), y[idx]) / 2
+        (loss * SCALE).backward()
+    sgd.step()
+    sgd.zero_grad()
+print(f"final loss {loss.item():.6f}")
+"""
+
+
+def test_with_micro_batches_the_printed_division_goes_before_the_step_and_trains_as_unscaled(tmp_path):
+    script, report = _watch(tmp_path, ACCUMULATED)
+    first = _first(report)
+    assert first["name"] == "loss-scale-not-undone" and first["evidence"]["scale"] == 4096
+    code = re.search(r"`(for p in \[p for g in sgd\.param_groups .*?: p\.grad\.div_\(4096\))`", first["fix"]).group(1)
+    assert "just before the optimizer's step (line 17 of train.py: `sgd.step()`)" in first["fix"], first["fix"]
+    fixed = tmp_path / "fixed.py"
+    fixed.write_text(textwrap.dedent(ACCUMULATED.replace("    sgd.step()\n", f"    {code}\n    sgd.step()\n")))
+    unscaled = tmp_path / "unscaled.py"
+    unscaled.write_text(textwrap.dedent(ACCUMULATED.replace("(loss * SCALE).backward()", "loss.backward()")))
+    assert not torch.isfinite(torch.tensor(_final_loss(script)))
+    assert _final_loss(fixed) == pytest.approx(_final_loss(unscaled), rel=1e-3)

@@ -1270,9 +1270,8 @@ class StepJudge:
             name = type(optimizer).__name__
             if by_hand:  # nothing unscales a hand-written scale for the optimizer: it takes the gradients as they are
                 kept = loss_factors.measure(result, optimizer, self.model, live, by_hand)
-                seen = between.read() if kept else None  # the optimizer as the script names it, for the code
-                named = seen.optimizer if seen is not None else None
-                made = loss_factors.finding(kept, step, hand.at, name, named=named, here=self.here) if kept else None
+                seen = between.read() if kept else None  # the optimizer and its step's line, as the script has them
+                made = loss_factors.finding(kept, step, hand.at, name, seen=seen, here=self.here) if kept else None
             elif hand.twice:
                 taken = {n: g / divide for n, g in live.items()}
                 twice = loss_factors.measure_twice(result, optimizer, self.model, taken, hand.twice)

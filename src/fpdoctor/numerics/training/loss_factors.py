@@ -22,6 +22,7 @@ agree: no finding there.
 
 from __future__ import annotations
 
+import linecache
 import math
 import os
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from torch import nn
 
 from fpdoctor import catalog
 from fpdoctor.numerics.observe.grad_clears import Where
+from fpdoctor.numerics.training.between import Between
 from fpdoctor.numerics.training.reference import RATIO, TINY, Comparison, gradient_rows
 from fpdoctor.numerics.training.reference_update import step_on_copies
 from fpdoctor.report.model import Finding, Trial
@@ -196,10 +198,11 @@ def measure(
 
 
 def finding(
-    measured: Measured, step: int, at: Where | None, optimizer: str, *, named: str | None, here: dict[str, Any]
+    measured: Measured, step: int, at: Where | None, optimizer: str, *, seen: Between | None, here: dict[str, Any]
 ) -> Finding:
     """TRN036: the gradients the optimizer took still carry the loss scale the script multiplied the loss by.
-    `named`: the optimizer as the script names it at its step (`opt.step()`: "opt"), for the printed code."""
+    `seen`: the script's lines between its last backward and its optimizer's step (between.py), where the
+    division goes (after every micro-batch's backward) and the optimizer as the script names it."""
     m = measured
     line = f"line {at[1]} of {os.path.basename(at[0])}" if at else "its backward"
     every = len(m.still) == m.compared
@@ -218,8 +221,12 @@ def finding(
         f"weight's norm in one step (on the reference's gradients, {m.to_weight_reference:.3g}); {m.departed} of "
         f"{m.compared} updates depart from the reference's by more than {RATIO:g}x."
     )
-    where = f"after the backward at {line} and before the optimizer's step" if at else "before the optimizer's step"
-    opt = named or "optimizer"
+    # just before the step: after every micro-batch's backward (a division after each one divides the first again)
+    where = "just before the optimizer's step, after the last backward"
+    if seen is not None:
+        text = linecache.getline(seen.path, seen.step).strip()
+        where = f"just before the optimizer's step (line {seen.step} of {os.path.basename(seen.path)}: `{text}`)"
+    opt = (seen.optimizer if seen is not None else None) or "optimizer"
     divide = (
         f'`for p in [p for g in {opt}.param_groups for p in g["params"] if p.grad is not None]: '
         f"p.grad.div_({m.scale:g})`"
