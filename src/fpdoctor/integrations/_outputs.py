@@ -63,8 +63,10 @@ class KeptGradients:
 
     @property
     def complete(self) -> bool:
-        """Every hooked output got its gradient (a backward through autograd.grad gives none)."""
-        return len(self.grads) >= self.outputs
+        """A gradient reached the outputs (a backward through autograd.grad alone gives none). An output the
+        loss does not read (a model's auxiliary logits beside its reconstruction) gets none: its gradient is
+        0, and the replay's backward starts from the others alone (`backward_from`)."""
+        return bool(self.grads) or not self.outputs
 
     def read_finite(self) -> None:
         """Host reads, on a bad step only, outside any trace (a trace would take the NaN it reads
