@@ -580,11 +580,9 @@ class Experiment:
         )
 
     def _past_range_after(self) -> bool:
-        """A backward op's result, computed wider, is still past its own format's range: it is the gradient of
-        a value held in that format (a parameter's, stored as it is; an activation's, which autograd casts to
-        the activation's dtype where it reaches the op that made it), so no op after it, which a wider result
-        could wait for, brings it in range."""
-        return _past(self.absmax_after, self.dtype)
+        """The op's result, computed wider, is still past its own format's range, and is stored as it is (a
+        parameter's gradient: no op after it, which a wider result could wait for, brings it in range)."""
+        return self.stored and _past(self.absmax_after, self.dtype)
 
     def _kept_wide(self) -> str:
         """Where the fixed op's values pass the run's format (1.5e6 in fp16): they stay in the wider
