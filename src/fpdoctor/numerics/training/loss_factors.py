@@ -7,11 +7,13 @@ optimizer takes should not carry.
   is why hand-written scales are one; a loss weight of 10 or 0.5 is not taken for one). The reference
   step divides it out of both runs, as it divides a GradScaler's: the backward stage then agrees, and
   the gradients the optimizer took are compared with the backward's. A parameter whose gradient is the
-  scale times the backward's was never divided.
+  scale times the backward's was never divided; it is a finding where the updates as taken are a
+  blow-up in the making (BLOWN), not where the learning rate was picked for the constant.
 - A loss divided by the step's micro-batch count twice: every backward of a step of k micro-batches
-  ran on the loss divided by k * k (`compute_loss` returns `loss / accum`, and the loop divides it
-  again), so the gradients are k times smaller than the mean over the micro-batches (TRN037). A
-  division by k itself is the mean, by 1 the sum (a learning rate picked for it): neither is taken.
+  ran on the loss divided by k twice, two divisions in its chain (`compute_loss` returns `loss /
+  accum`, and the loop divides it again), so the gradients are k times smaller than the mean over the
+  micro-batches (TRN037). A division by k alone is the mean, a division of a sum of k losses by k is
+  their mean too, and none is the sum (a learning rate picked for it): none of them is taken.
 
 What each costs is measured on copies (reference_update.step_on_copies): the optimizer's step on the
 gradients as taken and as the fix makes them (and, for the scale, on the reference's), from the same
@@ -43,7 +45,7 @@ LEAST = 128.0  # 2**7: the smallest constant multiplier taken for a loss scale
 CHAIN = 4  # constant multiplications and divisions read down from the root: `loss * 1024 / accum`
 TERMS = 16  # the terms of a sum read below a division (a mean of that many losses is no accumulation's)
 SAME = 0.05  # a gradient within 5% of the scale times the backward's still carries the scale
-# an update of a weight matrix past this share of its norm in one step, as taken: the scale left in the
+# an update of a weight past this share of its norm in one step, as taken: the scale left in the
 # gradients is what the run shows, not a constant the learning rate was picked for (a summed loss
 # `loss * batch_size`, a learning rate divided by the scale: updates of 0.5-3.5% there)
 BLOWN = 0.3
