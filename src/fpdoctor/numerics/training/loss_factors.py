@@ -152,6 +152,11 @@ def _norm(t: torch.Tensor) -> float:
     return float(t.double().norm())
 
 
+def _weight_norms(params: dict[str, torch.Tensor], names: Any) -> dict[str, float]:
+    """Each named weight's norm, TINY at least: what an update is read against."""
+    return {n: max(_norm(params[n].detach()), TINY) for n in names}
+
+
 def measure(
     comparison: Comparison, optimizer: torch.optim.Optimizer, model: nn.Module, taken: dict[str, torch.Tensor],
     scale: float,
@@ -169,7 +174,8 @@ def measure(
     as_taken = step_on_copies(optimizer, model, {n: taken[n] for n in names}, fp32=False)
     fixed = step_on_copies(optimizer, model, undone, fp32=False)
     meant = step_on_copies(optimizer, model, {n: ref[n] for n in names}, fp32=False)
-    weights = {n: max(_norm(p.detach()), TINY) for n, p in named_parameters(model) if n in as_taken}
+    params = dict(named_parameters(model))
+    weights = _weight_norms(params, as_taken)
 
     if not all(math.isfinite(_norm(u)) for u in meant.values()):
         return None  # the optimizer's own step fails on the reference's gradients (fp16 Adam's eps): not the scale
@@ -182,10 +188,9 @@ def measure(
             out += not 1.0 / RATIO <= ratio <= RATIO  # a NaN ratio (an Inf update) departs too
         return out
 
-    before = departed(as_taken)
-    if departed(fixed) >= before:
+    before, after = departed(as_taken), departed(fixed)
+    if after >= before:
         return None  # the updates agree (Adam divides the factor out), or dividing does not bring them back
-    params = dict(named_parameters(model))
     # the weights that still carry it, but one initialised at 0 (a bias), whose first update is all of it
     judged = [n for n in still if weights[n] > SET]
     if not any(_norm(as_taken[n]) / weights[n] >= BLOWN for n in judged):
@@ -194,7 +199,7 @@ def measure(
     worst = max(judged, key=lambda n: _norm(as_taken[n]) / weights[n])
     low = any(p.dtype in (torch.float16, torch.bfloat16) for p in params.values())
     return Measured(
-        scale, still, len(names), before, departed(fixed), worst, _norm(as_taken[worst]) / weights[worst],
+        scale, still, len(names), before, after, worst, _norm(as_taken[worst]) / weights[worst],
         _norm(fixed[worst]) / weights[worst], _norm(meant[worst]) / weights[worst], low,
     )  # fmt: skip
 
@@ -310,7 +315,7 @@ def measure_twice(
         return None
     comparison.rows["optimizer"] = gradient_rows("optimizer", {n: taken[n] for n in names},
                                                  {n: taken[n] * k for n in names}, 1.0)  # fmt: skip
-    weights = {n: max(_norm(p.detach()), TINY) for n, p in named_parameters(model) if n in fixed}
+    weights = _weight_norms(dict(named_parameters(model)), fixed)
     worst = max(fixed, key=lambda n: _norm(fixed[n]) / weights[n])
     return Twice(k, len(names), departed, worst, _norm(as_taken[worst]) / weights[worst],
                  _norm(fixed[worst]) / weights[worst])  # fmt: skip
